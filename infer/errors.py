@@ -1,0 +1,45 @@
+"""Every error a user can cause: a message that names the thing, and a hint that says what to do."""
+
+from __future__ import annotations
+
+
+class InferError(Exception):
+    """Base class. `exit_code` is what the CLI exits with when this reaches it."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return f"{self.message} ({self.hint})" if self.hint else self.message
+
+
+class ConfigError(InferError):
+    """A bad flag or option value."""
+
+
+class ModelLoadError(InferError):
+    """A model folder that is missing, incomplete, corrupted or of an unsupported kind."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """An architecture or a quantization setting that infer does not implement."""
+
+
+class RequestError(InferError):
+    """One request (one input line, one HTTP body) is invalid; the others still run."""
+
+    exit_code = 1
+
+
+class LoRAError(InferError):
+    """An adapter that cannot be loaded or does not fit the base model."""
+
+
+class OutOfMemoryError(InferError):
+    """The model, its activations or its KV cache do not fit the memory budget."""
+
+    exit_code = 1

@@ -1,0 +1,143 @@
+"""Torch reference for every kernel: the CPU path and the test oracle.
+
+Each function states its math in a `Semantics:` line. The Triton ops in this package take the same arguments
+and must compute the same function (up to floating-point rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+# ----------------------------------------------------------------------------------------------- small ops
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """Semantics: if residual is given, h = x + residual, else h = x; y = weight * (h / sqrt(mean(h^2) + eps)),
+    the normalisation computed in float32 and cast back to x's dtype before the weight multiply (as HF does).
+    Returns y, or (y, h) when residual is given (h becomes the next residual)."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = weight * y.to(x.dtype)
+    return y if residual is None else (y, residual)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, head_dim: int):
+    """Semantics: rotate q [T, Hq*head_dim] and k [T, Hk*head_dim] by the angles of their token's position,
+    NeoX style (the first and second halves of the rotary dims form the pairs, HF's rotate_half):
+    x1, x2 = halves; out = (x1*cos - x2*sin, x2*cos + x1*sin), with cos, sin = cos_sin_cache[positions].chunk(2).
+    cos_sin_cache is [max_positions, rot_dim] holding cos | sin; dims past rot_dim pass through. Returns (q, k)."""
+    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, rot_dim/2]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.view(shape[0], -1, head_dim)
+        rot = cos.shape[-1] * 2
+        x_rot, x_pass = x[..., :rot], x[..., rot:]
+        x1, x2 = x_rot.float().chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        if x_pass.shape[-1]:
+            out = torch.cat((out, x_pass), dim=-1)
+        return out.reshape(shape)
+
+    return rotate(q), rotate(k)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Semantics: gate, up = x.chunk(2, dim=-1); y = silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# ----------------------------------------------------------------------------------------------- paged KV
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Semantics: for every token t with slot_mapping[t] >= 0, write k[t], v[t] ([Hk, D]) into the flat slot
+    slot_mapping[t] of k_cache / v_cache ([num_blocks, block_size, Hk, D]; slot = block * block_size + offset).
+    Tokens with slot -1 (padding) are skipped."""
+    kc = k_cache.view(-1, *k_cache.shape[2:])
+    vc = v_cache.view(-1, *v_cache.shape[2:])
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    kc.index_copy_(0, slot_mapping, k.to(kc.dtype))
+    vc.index_copy_(0, slot_mapping, v.to(vc.dtype))
+
+
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of one sequence's paged cache, as [length, Hk, D]."""
+    bs = cache.shape[1]
+    nblocks = (length + bs - 1) // bs
+    return cache.index_select(0, block_table[:nblocks].long()).flatten(0, 1)[:length]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    scale: float, max_query_len: int | None = None) -> torch.Tensor:
+    """Semantics: for each sequence b, its queries q[query_start_loc[b]:query_start_loc[b+1]] ([n_b, Hq, D]) are the
+    last n_b tokens of a sequence of seq_lens[b] tokens whose keys/values sit in the paged cache at the blocks
+    block_tables[b] ([num_blocks, block_size, Hk, D]). Query i (position p = seq_lens[b] - n_b + i) attends to the
+    keys at positions 0..p: out = softmax(scale * q K^T) V, head h reading KV head h // (Hq / Hk) (GQA).
+    Returns [T, Hq, D] in q's dtype; the softmax is computed in float32."""
+    num_seqs = seq_lens.shape[0]
+    out = torch.empty_like(q)
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    decode = [b for b in range(num_seqs) if qsl[b + 1] - qsl[b] == 1]
+    if decode:
+        _decode_attention(q, k_cache, v_cache, block_tables, lens, qsl, decode, scale, out)
+    for b in range(num_seqs):
+        n = qsl[b + 1] - qsl[b]
+        if n <= 1:
+            continue
+        k = _gather_kv(k_cache, block_tables[b], lens[b])
+        v = _gather_kv(v_cache, block_tables[b], lens[b])
+        out[qsl[b]:qsl[b + 1]] = _attend(q[qsl[b]:qsl[b + 1]], k, v, scale, lens[b] - n)
+    return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int) -> torch.Tensor:
+    """Causal attention of n queries at positions offset..offset+n-1 over L = offset + n keys."""
+    n, hq, d = q.shape
+    hk = k.shape[1]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if hq != hk:
+        kh = kh.repeat_interleave(hq // hk, dim=0)
+        vh = vh.repeat_interleave(hq // hk, dim=0)
+    if offset == 0:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    else:
+        pos_q = torch.arange(offset, offset + n, device=q.device).unsqueeze(1)
+        mask = torch.arange(k.shape[0], device=q.device).unsqueeze(0) <= pos_q
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return o.transpose(0, 1)
+
+
+def _decode_attention(q, k_cache, v_cache, block_tables, lens, qsl, rows, scale, out) -> None:
+    """One query per sequence: gather every sequence's keys into one padded batch and attend at once."""
+    bs = k_cache.shape[1]
+    idx = torch.tensor(rows, device=q.device)
+    lens_t = torch.tensor([lens[b] for b in rows], device=q.device)
+    max_len = int(lens_t.max())
+    pos = torch.arange(max_len, device=q.device)
+    tables = block_tables.index_select(0, idx).long()
+    blocks = tables.gather(1, (pos // bs).clamp(max=tables.shape[1] - 1).expand(len(rows), -1))
+    slots = blocks * bs + pos % bs  # [R, L]
+    k = k_cache.view(-1, *k_cache.shape[2:])[slots]  # [R, L, Hk, D]
+    v = v_cache.view(-1, *v_cache.shape[2:])[slots]
+    qstart = torch.tensor([qsl[b] for b in rows], device=q.device)
+    qr = q.index_select(0, qstart)  # [R, Hq, D]
+    r, hq, d = qr.shape
+    hk = k.shape[2]
+    g = hq // hk
+    qg = qr.view(r, hk, g, d).float()
+    scores = torch.einsum("rhgd,rlhd->rhgl", qg, k.float()) * scale
+    valid = pos.unsqueeze(0) < lens_t.unsqueeze(1)  # [R, L]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = scores.softmax(-1)
+    o = torch.einsum("rhgl,rlhd->rhgd", probs, v.float()).reshape(r, hq, d)
+    out.index_copy_(0, qstart, o.to(out.dtype))

@@ -1,0 +1,113 @@
+"""Linear layers that several Hugging Face projections share (q,k,v -> qkv_proj; gate,up -> gate_up_proj).
+
+A layer owns its parameters through a *linear method* (vLLM's pattern): `UnquantizedLinearMethod` keeps a float
+`weight` [out, in]; the GPTQ method (infer.quant.gptq_linear) keeps `qweight`/`qzeros`/`scales`/`g_idx`. The
+weight loader calls `layer.load_shard(param_name, shard, tensor)` for each checkpoint tensor, where `shard` is the
+index of the HF projection inside the merged layer (0 for a plain layer). After all tensors are loaded the loader
+calls `layer.finish_loading()`, where a method may repack weights to its kernel's preferred layout.
+
+LoRA: the LoRA manager may set `layer.lora` to an object with `apply(x, y, ctx)` that adds the adapters'
+contribution to `y` in place, for the per-token adapter slots described by the forward context.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from ..errors import ModelLoadError
+
+
+class LinearMethod(Protocol):
+    def create_weights(self, layer: "MergedLinear") -> None: ...
+    def load_shard(self, layer: "MergedLinear", name: str, shard: int, tensor: torch.Tensor) -> None: ...
+    def finish_loading(self, layer: "MergedLinear") -> None: ...
+    def apply(self, layer: "MergedLinear", x: torch.Tensor) -> torch.Tensor: ...
+    def dequantized_weight(self, layer: "MergedLinear") -> torch.Tensor: ...
+
+
+class UnquantizedLinearMethod:
+    """A float weight [sum(out_sizes), in]; shards are stacked along the output dimension."""
+
+    def create_weights(self, layer: "MergedLinear") -> None:
+        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=layer.dtype),
+                                    requires_grad=False)
+
+    def load_shard(self, layer: "MergedLinear", name: str, shard: int, tensor: torch.Tensor) -> None:
+        if name != "weight":
+            raise ModelLoadError(f"unexpected tensor {layer.prefix_of(shard)}.{name} for a float linear layer",
+                                 "the checkpoint looks quantized but config.json has no quantization_config")
+        start, size = layer.shard_offset(shard), layer.out_sizes[shard]
+        expect = (size, layer.in_features)
+        if tuple(tensor.shape) != expect:
+            raise ModelLoadError(f"{layer.prefix_of(shard)}.weight has shape {tuple(tensor.shape)}, "
+                                 f"config.json implies {expect}", "the weights do not match config.json")
+        layer.weight.data[start:start + size].copy_(tensor)
+
+    def finish_loading(self, layer: "MergedLinear") -> None:
+        pass
+
+    def apply(self, layer: "MergedLinear", x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, layer.weight, layer.bias)
+
+    def dequantized_weight(self, layer: "MergedLinear") -> torch.Tensor:
+        return layer.weight.data
+
+
+class MergedLinear(nn.Module):
+    """y = x W^T (+ b) for one or more HF projections that read the same input, in one matmul.
+
+    `names` are the HF module paths of the shards (e.g. model.layers.0.self_attn.q_proj); `out_sizes` their output
+    widths, in the order they are concatenated in y.
+    """
+
+    def __init__(self, in_features: int, out_sizes: list[int], names: list[str], bias: bool,
+                 method: LinearMethod | None, dtype: torch.dtype):
+        super().__init__()
+        self.in_features = in_features
+        self.out_sizes = list(out_sizes)
+        self.out_features = sum(out_sizes)
+        self.names = list(names)
+        self.dtype = dtype
+        self.method = method or UnquantizedLinearMethod()
+        self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.method.create_weights(self)
+        self.lora = None
+        self._loaded: set[tuple[int, str]] = set()
+
+    def shard_offset(self, shard: int) -> int:
+        return sum(self.out_sizes[:shard])
+
+    def prefix_of(self, shard: int) -> str:
+        return self.names[shard]
+
+    def load_shard(self, name: str, shard: int, tensor: torch.Tensor) -> None:
+        if name == "bias":
+            if self.bias is None:
+                raise ModelLoadError(f"unexpected bias {self.prefix_of(shard)}.bias",
+                                     "config.json says this layer has no bias")
+            start, size = self.shard_offset(shard), self.out_sizes[shard]
+            if tuple(tensor.shape) != (size,):
+                raise ModelLoadError(f"{self.prefix_of(shard)}.bias has shape {tuple(tensor.shape)}, expected ({size},)")
+            self.bias.data[start:start + size].copy_(tensor)
+        else:
+            self.method.load_shard(self, name, shard, tensor)
+        self._loaded.add((shard, name))
+
+    def loaded_names(self) -> set[tuple[int, str]]:
+        return self._loaded
+
+    def finish_loading(self) -> None:
+        self.method.finish_loading(self)
+
+    def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
+        y = self.method.apply(self, x)
+        if self.lora is not None and ctx is not None and getattr(ctx, "lora", None) is not None:
+            self.lora.apply(x, y, ctx.lora)
+        return y
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float weight [out, in] this layer computes with (dequantized for GPTQ)."""
+        return self.method.dequantized_weight(self)
