@@ -41,5 +41,6 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
     return reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(q, k_cache, v_cache, meta, scale):
-    return reference.paged_attention(q, k_cache, v_cache, meta, scale)
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len=None):
+    return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                     max_query_len)

@@ -1,0 +1,28 @@
+"""infer: deploy GPTQ int4 language models with batched multi-LoRA, and measure them.
+
+Public API: `LLM`, `SamplingParams`, `EngineConfig` (imported lazily so `import infer` stays light).
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "LLMEngine"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from .engine.llm import LLM
+        return LLM
+    if name == "SamplingParams":
+        from .engine.sampling_params import SamplingParams
+        return SamplingParams
+    if name == "EngineConfig":
+        from .engine.config import EngineConfig
+        return EngineConfig
+    if name == "RequestOutput":
+        from .engine.outputs import RequestOutput
+        return RequestOutput
+    if name == "LLMEngine":
+        from .engine.llm_engine import LLMEngine
+        return LLMEngine
+    raise AttributeError(f"module 'infer' has no attribute {name!r}")

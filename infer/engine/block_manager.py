@@ -1,0 +1,147 @@
+"""Paged KV blocks: a free list, reference counts, and automatic prefix caching.
+
+A full block is identified by a chained hash of its token ids (hash of the previous block's hash and its own ids),
+confirmed by comparing the ids. A block is registered in the cache only once its K/V have been computed. Freed
+blocks keep their hash and sit in an LRU free list, so a later request with the same prefix finds them until
+their space is needed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from .sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None
+
+
+def chain_hash(prev: int | None, token_ids) -> int:
+    return hash((prev if prev is not None else -1, tuple(token_ids)))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU order
+        self.hash_to_block: dict[int, int] = {}
+        self.prefix_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, found
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    # ------------------------------------------------------------------ admission
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached prefix; at least one token is always left to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        found, h = [], None
+        for i in range((len(seq) - 1) // self.block_size):
+            ids = tuple(seq.tokens(i * self.block_size, (i + 1) * self.block_size))
+            h = chain_hash(h, ids)
+            bid = self.hash_to_block.get(h)
+            if bid is None or self.blocks[bid].token_ids != ids:
+                break
+            found.append(bid)
+        return found
+
+    def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:
+        hits = self._cached_prefix(seq)
+        hits_in_use = sum(1 for b in hits if self.blocks[b].ref_count > 0)
+        return self.blocks_needed(len(seq)) - hits_in_use <= len(self.free) - reserve
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give a waiting sequence blocks for all its current tokens, reusing cached prefix blocks."""
+        assert not seq.block_table
+        hits = self._cached_prefix(seq)
+        self.prefix_queries += len(seq)
+        self.prefix_hits += len(hits) * self.block_size
+        for bid in hits:
+            block = self.blocks[bid]
+            if block.ref_count == 0:
+                del self.free[bid]
+            block.ref_count += 1
+            seq.block_table.append(bid)
+        seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_hashed_blocks = len(hits)
+        seq.last_block_hash = self.blocks[hits[-1]].hash if hits else None
+        for _ in range(self.blocks_needed(len(seq)) - len(hits)):
+            seq.block_table.append(self._take_free())
+
+    def _take_free(self) -> int:
+        bid, _ = self.free.popitem(last=False)  # least recently freed first
+        block = self.blocks[bid]
+        if block.hash is not None and self.hash_to_block.get(block.hash) == bid:
+            del self.hash_to_block[block.hash]
+        block.hash, block.token_ids, block.ref_count = None, None, 1
+        return bid
+
+    # ------------------------------------------------------------------ growth
+    def slots_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks the sequence needs to hold `num_tokens` tokens."""
+        return max(0, self.blocks_needed(num_tokens) - len(seq.block_table))
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        for _ in range(self.slots_needed(seq, num_tokens)):
+            seq.block_table.append(self._take_free())
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Put the sequence's newly computed full blocks into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        for i in range(seq.num_hashed_blocks, full):
+            ids = tuple(seq.tokens(i * self.block_size, (i + 1) * self.block_size))
+            h = chain_hash(seq.last_block_hash, ids)
+            block = self.blocks[seq.block_table[i]]
+            block.hash, block.token_ids = h, ids
+            self.hash_to_block.setdefault(h, block.block_id)
+            seq.last_block_hash = h
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
+
+    # ------------------------------------------------------------------ release
+    def free_seq(self, seq: Sequence) -> None:
+        """Drop the sequence's references; blocks nobody uses go to the free list, most recent last."""
+        for bid in reversed(seq.block_table):
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, "block freed twice"
+            if block.ref_count == 0:
+                self.free[bid] = None
+        seq.block_table = []
+        seq.num_computed_tokens = seq.num_cached_tokens = seq.num_hashed_blocks = 0
+        seq.last_block_hash = None
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Share the parent's full blocks with the child (copy-on-write is not needed: only full blocks)."""
+        full = parent.num_computed_tokens // self.block_size
+        for bid in parent.block_table[:full]:
+            self.blocks[bid].ref_count += 1
+            child.block_table.append(bid)
+        child.num_computed_tokens = child.num_cached_tokens = full * self.block_size
+        child.num_hashed_blocks = min(parent.num_hashed_blocks, full)
+        child.last_block_hash = self.blocks[parent.block_table[child.num_hashed_blocks - 1]].hash \
+            if child.num_hashed_blocks else None
+
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0

@@ -1,0 +1,38 @@
+"""Output text for a sequence: decoded as the tokenizer decodes it, stop strings cut, safe deltas for streaming."""
+
+from __future__ import annotations
+
+from .sequence import Sequence
+
+
+class Detokenizer:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def update(self, seq: Sequence, stop_token: bool) -> bool:
+        """Refresh seq.text from its output tokens; True if a stop string was found (text is cut before it).
+        A final stop/EOS token is not part of the text."""
+        ids = seq.output_token_ids[:-1] if stop_token else seq.output_token_ids
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        for stop in seq.params.stop:
+            # only look where the newest tokens could have completed a stop string
+            start = max(0, len(seq.text) - len(stop) - 8)
+            pos = text.find(stop, start)
+            if pos != -1:
+                seq.text = text[:pos]
+                return True
+        seq.text = text
+        return False
+
+    @staticmethod
+    def delta(seq: Sequence) -> str:
+        """The text not yet handed out, holding back what may still become a stop string or a partial character."""
+        end = len(seq.text)
+        if not seq.finished:
+            if seq.text.endswith("\ufffd"):
+                end = seq.text.rstrip("\ufffd").__len__()
+            hold = max((len(s) - 1 for s in seq.params.stop), default=0)
+            end = max(seq.sent_text_len, end - hold)
+        out = seq.text[seq.sent_text_len:end]
+        seq.sent_text_len = end
+        return out

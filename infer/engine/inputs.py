@@ -1,0 +1,106 @@
+"""One input request (a JSONL line, an API call) -> validated prompt token ids, SamplingParams and adapter name.
+
+Prompts are tokenized exactly as transformers does: `tokenizer(prompt)` for text, and
+`tokenizer.apply_chat_template(messages, add_generation_prompt=True)` for chat messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import RequestError
+from .sampling_params import SamplingParams
+
+_PARAM_TYPES: dict[str, tuple] = {
+    "max_new_tokens": (int,), "max_length": (int,), "temperature": (int, float), "top_p": (int, float),
+    "top_k": (int,), "repetition_penalty": (int, float), "presence_penalty": (int, float),
+    "frequency_penalty": (int, float), "stop": (str, list), "stop_token_ids": (list,), "seed": (int,),
+    "ignore_eos": (bool,), "prefix_token_ids": (list,), "logprobs": (int, bool),
+}
+_PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
+_OTHER_KEYS = {"id", "lora"}
+# OpenAI request bodies (batch lines) name some parameters differently
+_OPENAI_ALIASES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
+
+
+@dataclass
+class ParsedRequest:
+    id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    lora: str | None = None
+
+
+def encode_prompt(tokenizer, prompt: Any = None, messages: Any = None) -> list[int]:
+    if messages is not None:
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise RequestError("messages must be a list of {\"role\": ..., \"content\": ...} objects")
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise RequestError("this model's tokenizer has no chat template", "send `prompt` instead of `messages`")
+        try:
+            enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        except Exception as e:
+            raise RequestError(f"the chat template cannot render these messages: {e}") from e
+        return list(enc["input_ids"])
+    if not isinstance(prompt, str):
+        raise RequestError(f"prompt must be a string, got {type(prompt).__name__}")
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def _type_name(types: tuple) -> str:
+    return " or ".join({int: "integer", float: "number", str: "string", list: "list", bool: "boolean"}[t]
+                       for t in types)
+
+
+def params_from(obj: dict, aliases: dict[str, str] | None = None) -> SamplingParams:
+    kwargs = {}
+    for key, value in obj.items():
+        key = (aliases or {}).get(key, key)
+        if key not in _PARAM_TYPES or value is None:
+            continue
+        types = _PARAM_TYPES[key]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise RequestError(f"field {key!r} must be {_type_name(types)}, got {type(value).__name__}")
+        kwargs[key] = value
+    if isinstance(kwargs.get("logprobs"), bool):  # OpenAI chat: logprobs=true + top_logprobs=k
+        kwargs["logprobs"] = int(obj.get("top_logprobs") or 0) if kwargs["logprobs"] else None
+    try:
+        return SamplingParams(**kwargs)
+    except TypeError as e:
+        raise RequestError(str(e)) from e
+
+
+def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = None) -> ParsedRequest:
+    """Validate one request object (our JSONL format, or an OpenAI batch line) and tokenize its prompt."""
+    if not isinstance(obj, dict):
+        raise RequestError(f"expected a JSON object, got {type(obj).__name__}")
+    if "body" in obj and "custom_id" in obj:  # OpenAI batch line, as `vllm run-batch` reads it
+        body = obj["body"]
+        if not isinstance(body, dict):
+            raise RequestError("field 'body' must be an object")
+        fields = {k: v for k, v in body.items() if k in _PARAM_TYPES or k in _OPENAI_ALIASES
+                  or k in ("prompt", "messages", "top_logprobs")}
+        req_id, lora, aliases = str(obj["custom_id"]), body.get("lora"), _OPENAI_ALIASES
+    else:
+        unknown = set(obj) - set(_PARAM_TYPES) - set(_PROMPT_KEYS) - _OTHER_KEYS
+        if unknown:
+            raise RequestError(f"unknown field(s) {sorted(unknown)}",
+                               f"allowed: {', '.join(sorted([*_PROMPT_KEYS, *_OTHER_KEYS, *_PARAM_TYPES]))}")
+        fields, req_id, lora, aliases = obj, str(obj.get("id", default_id)), obj.get("lora"), None
+    if lora is not None and not isinstance(lora, str):
+        raise RequestError(f"field 'lora' must be a string or null, got {type(lora).__name__}")
+    merged = {**(defaults or {}), **fields}
+    params = params_from(merged, aliases)
+    given = [k for k in _PROMPT_KEYS if fields.get(k) is not None]
+    if len(given) != 1:
+        raise RequestError("no prompt: give one of prompt, messages, prompt_token_ids" if not given else
+                           f"give only one of prompt, messages, prompt_token_ids (got {', '.join(given)})")
+    if given[0] == "prompt_token_ids":
+        ids = fields["prompt_token_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise RequestError("prompt_token_ids must be a list of integers")
+        tokens = list(ids)
+    else:
+        tokens = encode_prompt(tokenizer, fields.get("prompt"), fields.get("messages"))
+    return ParsedRequest(req_id, tokens, params, lora)

@@ -1,0 +1,71 @@
+"""LLM: the Python API. `LLM(path).generate(prompts, params)` and `LLM(path).stream(prompts, params)`."""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence as Seq
+
+from .config import EngineConfig
+from .inputs import encode_prompt
+from .llm_engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+Prompt = str | list[int] | list[dict]  # text, token ids, or chat messages
+
+
+class LLM:
+    """Example: `LLM("tiny-llama").generate(["Hello"], SamplingParams(max_new_tokens=16))[0].text`."""
+
+    def __init__(self, model: str, **engine_options):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+        self._counter = 0
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return encode_prompt(self.tokenizer, prompt=prompt)
+        if prompt and isinstance(prompt[0], dict):
+            return encode_prompt(self.tokenizer, messages=prompt)
+        return list(prompt)
+
+    def _submit(self, prompts, params, lora) -> list[str]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
+            prompts = [prompts]
+        n = len(prompts)
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * n
+        loras = lora if isinstance(lora, list) else [lora] * n
+        ids = []
+        for p, sp, lo in zip(prompts, params_list, loras):
+            self._counter += 1
+            rid = f"llm-{self._counter}"
+            self.engine.add_request(rid, self._encode(p), sp, lo)
+            ids.append(rid)
+        return ids
+
+    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+                 lora: str | list[str | None] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion (batched together); outputs in the order of the prompts."""
+        ids = self._submit(prompts, params, lora)
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    def stream(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
+               lora: str | list[str | None] | None = None) -> Iterator[tuple[int, str, RequestOutput]]:
+        """Yield (prompt index, text delta, output) as tokens arrive; the last event of a prompt has finished set."""
+        ids = self._submit(prompts, params, lora)
+        index = {rid: i for i, rid in enumerate(ids)}
+        left = set(ids)
+        try:
+            while left:
+                for out in self.engine.step():
+                    if out.request_id in index:
+                        if out.finished:
+                            left.discard(out.request_id)
+                        yield index[out.request_id], out.delta_text, out
+        finally:
+            for rid in left:  # the caller stopped early: free what is still running
+                self.engine.abort_request(rid)

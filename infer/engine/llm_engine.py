@@ -1,0 +1,155 @@
+"""LLMEngine: add requests, step, get outputs. One step = schedule -> run the model once -> sample -> update."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ..errors import RequestError
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .detokenizer import Detokenizer
+from .model_runner import ModelRunner
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .setup import load_engine_parts
+
+log = logging.getLogger("infer")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        parts = load_engine_parts(config)
+        self.model_path, self.model_config, self.tokenizer = parts.path, parts.model_config, parts.tokenizer
+        self.dtype, self.device, self.max_model_len = parts.dtype, parts.device, parts.max_model_len
+        self.eos_token_ids = parts.eos_token_ids
+        self.memory_plan = parts.memory_plan
+        self.lora_manager = parts.lora_manager
+        self.block_manager = BlockManager(parts.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.lora_manager)
+        self.runner = ModelRunner(parts.model, self.model_config, self.dtype, self.device, config.block_size,
+                                  parts.num_blocks, config.seed, self.lora_manager)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.requests: dict[str, Sequence] = {}
+        self._aborted: list[Sequence] = []
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    lora: str | None = None) -> None:
+        params = params or SamplingParams()
+        request_id = str(request_id)
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already running", "give every request its own id")
+        self.validate(prompt_token_ids, params, lora)
+        cap = min(self.max_model_len, params.max_length or self.max_model_len)
+        seq = Sequence(request_id, list(prompt_token_ids), params, lora, max_total_len=cap)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, lora: str | None = None) -> None:
+        """Raise RequestError if this request can never run."""
+        n = len(prompt_token_ids) + len(params.prefix_token_ids)
+        vocab = self.model_config.vocab_size
+        if not prompt_token_ids:
+            raise RequestError("the prompt is empty", "give a non-empty prompt")
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids + params.prefix_token_ids):
+            raise RequestError(f"a token id is outside the vocabulary (0..{vocab - 1})")
+        cap = min(self.max_model_len, params.max_length or self.max_model_len)
+        if n >= cap:
+            which = "max_length" if params.max_length and params.max_length < self.max_model_len else \
+                "the model's context (--max-model-len)"
+            raise RequestError(f"the prompt has {n} tokens, which leaves no room under {which} of {cap}",
+                               "shorten the prompt or raise max_length")
+        need = self.block_manager.blocks_needed(cap)
+        if need > self.block_manager.num_blocks:
+            raise RequestError(
+                f"a request of {cap} tokens needs {need} KV blocks but the cache holds "
+                f"{self.block_manager.num_blocks}", "lower max_length, or give the engine more memory")
+        if lora is not None and (self.lora_manager is None or not self.lora_manager.has(lora)):
+            known = sorted(self.lora_manager.names()) if self.lora_manager else []
+            raise RequestError(f"unknown LoRA adapter {lora!r}",
+                               f"registered adapters: {', '.join(known) or 'none (pass --lora NAME=PATH)'}")
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.requests.get(str(request_id))
+        if seq is not None and not seq.finished:
+            self.scheduler.finish(seq, "abort")
+            self._aborted.append(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        outputs = [self._output(s, []) for s in self._aborted]
+        for s in self._aborted:
+            self.requests.pop(s.request_id, None)
+        self._aborted = []
+        batch = self.scheduler.schedule()
+        if not batch:
+            return outputs
+        sampled = self.runner.run(batch)
+        now = time.monotonic()
+        self.num_steps += 1
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            seq.num_computed_tokens += n
+            self.block_manager.register_computed(seq)
+            if i not in sampled:
+                continue
+            token, record = sampled[i]
+            outputs.append(self._append_token(seq, token, record, now))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, record: dict | None, now: float) -> RequestOutput:
+        seq.output_token_ids.append(token)
+        seq.token_times.append(now)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if record is not None:
+            seq.logprobs.append(record)
+        p = seq.params
+        is_stop_token = not p.ignore_eos and token in self.eos_token_ids or token in p.stop_token_ids
+        stop_string = self.detokenizer.update(seq, is_stop_token)
+        if is_stop_token or stop_string:
+            self.scheduler.finish(seq, "stop")
+        elif (p.max_new_tokens is not None and len(seq.output_token_ids) >= p.max_new_tokens) \
+                or len(seq) >= seq.max_total_len:
+            self.scheduler.finish(seq, "length")
+        out = self._output(seq, [token])
+        if seq.finished:
+            self.requests.pop(seq.request_id, None)
+        return out
+
+    def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=list(seq.output_token_ids),
+            new_token_ids=new_tokens, text=seq.text, delta_text=Detokenizer.delta(seq), finished=seq.finished,
+            finish_reason=seq.finish_reason, error=seq.error,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None, lora=seq.lora,
+            arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
+            token_times=list(seq.token_times), num_cached_tokens=seq.num_cached_tokens)
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks,
+            "kv_usage": bm.num_used_blocks / bm.num_blocks,
+            "prefix_cache_hit_rate": bm.prefix_cache_hit_rate(), "num_preemptions": self.scheduler.num_preemptions,
+            "lora_swaps": self.lora_manager.swaps if self.lora_manager else 0, "num_steps": self.num_steps,
+        }
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Not a measurement: one tiny request through the whole path so the first real step is not slow."""
+        self.add_request("__warmup__", [0, 1], SamplingParams(max_new_tokens=2, ignore_eos=True))
+        while self.has_unfinished_requests():
+            self.step()

@@ -1,0 +1,76 @@
+"""Run the model once on a flat batch: build token ids, positions, block tables and slot mapping, run, sample."""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.context import ForwardContext
+from .sampler import Sampler
+from .scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, model, cfg, dtype: torch.dtype, device: torch.device, block_size: int, num_blocks: int,
+                 seed: int, lora_manager=None):
+        self.model, self.cfg, self.dtype, self.device = model, cfg, dtype, device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.sampler = Sampler(seed)
+        self.lora_manager = lora_manager
+        self.kv_cache = self._allocate_kv(num_blocks)
+
+    def _allocate_kv(self, num_blocks: int) -> torch.Tensor:
+        layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
+        a = layers[0]
+        cache = torch.zeros(len(layers), 2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
+                            dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(layers):
+            layer.k_cache, layer.v_cache = cache[i, 0], cache[i, 1]
+        return cache
+
+    def prepare(self, batch: ScheduledBatch):
+        ids, pos, slots, qsl, lens, tables, lora_slots = [], [], [], [0], [], [], []
+        bs = self.block_size
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            ids.extend(seq.tokens(start, start + n))
+            pos.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            qsl.append(qsl[-1] + n)
+            lens.append(start + n)
+            tables.append(table)
+            if self.lora_manager is not None:
+                lora_slots.extend([self.lora_manager.slot_of(seq.lora)] * n)
+        width = max(len(t) for t in tables)
+        dev = self.device
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
+        ctx = ForwardContext(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=block_tables,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            max_query_len=max(batch.num_new_tokens),
+        )
+        if self.lora_manager is not None:
+            ctx.lora = self.lora_manager.make_batch(lora_slots)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        return input_ids, positions, ctx
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> dict[int, tuple[int, dict | None]]:
+        """Returns {index in batch: (token, logprob record)} for the sequences whose prompt is now complete."""
+        input_ids, positions, ctx = self.prepare(batch)
+        hidden = self.model(input_ids, positions, ctx)
+        rows, seqs, last = [], [], ctx.query_start_loc[1:].tolist()
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if seq.num_computed_tokens + n == len(seq):
+                rows.append(i)
+                seqs.append(seq)
+        if not rows:
+            return {}
+        idx = torch.tensor([last[i] - 1 for i in rows], device=hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, idx))
+        tokens, records = self.sampler(logits, seqs)
+        return {i: (t, r) for i, t, r in zip(rows, tokens, records)}

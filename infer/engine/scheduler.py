@@ -1,0 +1,101 @@
+"""Who runs this step: running sequences first (decodes, unfinished prefill chunks), then new ones, within
+max_num_seqs and max_num_batched_tokens. When KV blocks run out, the youngest running sequence is preempted and
+recomputed later; no request is ever dropped."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .block_manager import BlockManager
+from .sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # tokens computed for each sequence this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, lora=None):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.lora = lora  # adapter slot manager (or None): admits a request only when its adapter gets a slot
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        batch = ScheduledBatch([], [])
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self._reserve(seq, seq.num_computed_tokens + n):
+                continue  # seq itself was preempted (it was the youngest); the list shrank
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.bm.can_allocate(seq) or (self.lora and not self.lora.can_acquire(seq.lora)):
+                break
+            self.waiting.popleft()
+            self.bm.allocate(seq)
+            if self.lora:
+                self.lora.acquire(seq.lora)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make sure `seq` has blocks for num_tokens, preempting the youngest others; False if seq was preempted."""
+        while self.bm.slots_needed(seq, num_tokens) > self.bm.num_free_blocks:
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        self.bm.grow(seq, num_tokens)
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free_seq(seq)
+        if self.lora:
+            self.lora.release(seq.lora)
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+            self.bm.free_seq(seq)
+            if self.lora:
+                self.lora.release(seq.lora)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

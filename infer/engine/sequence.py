@@ -1,0 +1,76 @@
+"""One request's state as it moves through the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from .sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    lora: str | None = None
+    max_total_len: int = 0  # prompt + output cap (the smaller of the request's max_length and the model's)
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        # Forced first reply tokens are output tokens from the start; they are computed with the prompt.
+        self.output_token_ids: list[int] = list(self.params.prefix_token_ids)
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0  # of those, found in the prefix cache at admission
+        self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
+        self.last_block_hash: int | None = None
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.first_token_time: float | None = None
+        self.token_times: list[float] = []
+        self.logprobs: list[dict] | None = [] if self.params.logprobs is not None else None
+        self.text = ""  # detokenized output, stop strings removed
+        self.sent_text_len = 0  # how much of `text` the caller has seen (streaming)
+        self.num_preemptions = 0
+        self.generator = None  # torch.Generator for seeded sampling, made by the sampler
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self) - self.num_computed_tokens
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens sampled by the model (forced prefix tokens excluded)."""
+        return len(self.output_token_ids) - len(self.params.prefix_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]

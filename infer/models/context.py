@@ -1,0 +1,25 @@
+"""What one forward pass needs besides token ids and positions: where the KV of every sequence lives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class ForwardContext:
+    """A flat batch of `num_seqs` sequences and T tokens (prefill chunks and decodes mixed, no padding).
+
+    query_start_loc[b]:query_start_loc[b+1] are sequence b's new tokens in the flat batch; seq_lens[b] is its length
+    after this step (cached tokens + new ones); block_tables[b] its KV blocks; slot_mapping[t] the cache slot where
+    token t's K/V are written. `lora` is the per-token adapter map (infer.lora) or None when no token uses one.
+    """
+
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    slot_mapping: torch.Tensor  # [T] int64
+    max_query_len: int
+    lora: Any = None

@@ -1,0 +1,131 @@
+"""The Llama family on a flat batch over a paged KV cache: Llama 2/3, Mistral, Qwen2 (= Qwen1.5), Qwen3.
+
+Differences between the members are config switches: qkv bias (Qwen2), q/k RMSNorm per head (Qwen3), rope scaling
+(Llama 3), tied embeddings. Every op goes through infer.kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import kernels
+from .context import ForwardContext
+from .layers import LinearMethod, MergedLinear
+from .rope import build_cos_sin_cache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x, residual=None):
+        return kernels.rms_norm(x, self.weight, self.eps, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, prefix: str, method_for, dtype):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        qkv_bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+        names = [f"{prefix}.{n}" for n in ("q_proj", "k_proj", "v_proj")]
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], names, qkv_bias,
+                                     method_for(names), dtype)
+        o_bias = bool(getattr(cfg, "attention_bias", False)) and cfg.model_type != "qwen2"
+        self.o_proj = MergedLinear(self.q_size, [cfg.hidden_size], [f"{prefix}.o_proj"], o_bias,
+                                   method_for([f"{prefix}.o_proj"]), dtype)
+        self.qk_norm = cfg.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
+        self.k_cache = self.v_cache = None  # set by the model runner: [num_blocks, block_size, Hk, D]
+
+    def forward(self, positions, x, ctx: ForwardContext, cos_sin):
+        qkv = self.qkv_proj(x, ctx)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = x.shape[0]
+        if self.qk_norm:
+            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, self.q_size)
+            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
+        q, k = kernels.rotary_embedding(positions, q, k, cos_sin, self.head_dim)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        kernels.store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        o = kernels.paged_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.seq_lens,
+                                    ctx.query_start_loc, self.scale, ctx.max_query_len)
+        return self.o_proj(o.reshape(t, self.q_size), ctx)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg, prefix: str, method_for, dtype):
+        super().__init__()
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            from ..errors import UnsupportedModelError
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported", "the Llama family uses silu")
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        names = [f"{prefix}.gate_proj", f"{prefix}.up_proj"]
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [inter, inter], names, bias, method_for(names), dtype)
+        self.down_proj = MergedLinear(inter, [cfg.hidden_size], [f"{prefix}.down_proj"], bias,
+                                      method_for([f"{prefix}.down_proj"]), dtype)
+
+    def forward(self, x, ctx):
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x, ctx)), ctx)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, i: int, method_for, dtype):
+        super().__init__()
+        p = f"model.layers.{i}"
+        self.self_attn = Attention(cfg, f"{p}.self_attn", method_for, dtype)
+        self.mlp = MLP(cfg, f"{p}.mlp", method_for, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, positions, x, residual, ctx, cos_sin):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, ctx, cos_sin)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x, ctx), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Parameter names follow the HF checkpoint (model.layers.N...), with q/k/v and gate/up merged."""
+
+    def __init__(self, cfg, dtype: torch.dtype, method_for=None):
+        super().__init__()
+        method_for = method_for or (lambda names: None)
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, method_for, dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+            self.lm_head.weight.requires_grad_(False)
+        self.register_buffer("cos_sin", build_cos_sin_cache(cfg), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, ctx, self.cos_sin)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return nn.functional.linear(hidden, w)

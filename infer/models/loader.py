@@ -1,0 +1,138 @@
+"""Load a Hugging Face model folder (safetensors or .bin, sharded or not, float or GPTQ) into infer's model."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from transformers import AutoConfig
+
+from ..errors import ModelLoadError, UnsupportedModelError
+from .layers import MergedLinear
+from .registry import check_supported, model_class
+
+_MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+           "o_proj": ("o_proj", 0), "down_proj": ("down_proj", 0)}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(\w+)$")
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+def load_config(path: Path):
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json", "pass a Hugging Face model folder")
+    try:
+        cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # an unknown model_type, bad JSON, ...
+        raise UnsupportedModelError(f"cannot read {path / 'config.json'}: {e}") from e
+    check_supported(cfg)
+    return cfg
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The checkpoint's weight files: safetensors preferred, then .bin; sharded through their index."""
+    for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
+                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        index = path / index_name
+        if index.is_file():
+            try:
+                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (ValueError, KeyError) as e:
+                raise ModelLoadError(f"{index} is not a valid weight index: {e}") from e
+            missing = [n for n in names if not (path / n).is_file()]
+            if missing:
+                raise ModelLoadError(f"{path} is missing weight shards {missing}", "copy the whole model folder")
+            return [path / n for n in names]
+        if (path / single).is_file():
+            return [path / single]
+    found = sorted(p.name for p in path.glob("*.safetensors")) or sorted(p.name for p in path.glob("*.bin"))
+    if found:
+        return [path / n for n in found]
+    raise ModelLoadError(f"{path} has no weights (model.safetensors or pytorch_model.bin)",
+                         "pass a complete Hugging Face model folder")
+
+
+def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for f in files:
+        try:
+            if f.suffix == ".safetensors":
+                from safetensors import safe_open
+                with safe_open(str(f), framework="pt") as sf:
+                    for name in sf.keys():
+                        yield name, sf.get_tensor(name)
+            else:
+                state = torch.load(f, map_location="cpu", weights_only=True)
+                yield from state.items()
+        except ModelLoadError:
+            raise
+        except Exception as e:
+            raise ModelLoadError(f"cannot read weight file {f}: {e}", "the file is corrupted or truncated") from e
+
+
+def linear_method_factory(path: Path, cfg):
+    """A function names -> LinearMethod for the checkpoint's quantization (None = float weights)."""
+    qc = getattr(cfg, "quantization_config", None)
+    if not qc and not (path / "quantize_config.json").is_file():
+        return lambda names: None
+    from ..quant.config import GPTQConfig
+    from ..quant.gptq_linear import GPTQLinearMethod
+    gcfg = GPTQConfig.from_model_dir(path)
+    if gcfg is None:
+        raise UnsupportedModelError(f"{path} has a quantization config infer cannot read")
+    return lambda names: GPTQLinearMethod(gcfg)
+
+
+def load_model(path: Path, dtype: torch.dtype, device: torch.device):
+    cfg = load_config(path)
+    files = weight_files(path)
+    with torch.device(device):
+        model = model_class(cfg)(cfg, dtype, linear_method_factory(path, cfg))
+    load_weights(model, iter_tensors(files), dtype)
+    model.eval()
+    return model, cfg
+
+
+def load_weights(model, tensors, dtype: torch.dtype) -> None:
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    merged: dict[str, MergedLinear] = {n: m for n, m in model.named_modules() if isinstance(m, MergedLinear)}
+    for name, t in tensors:
+        if _IGNORED.search(name):
+            continue
+        if t.is_floating_point() and not name.endswith("scales"):
+            t = t.to(dtype)
+        m = _LAYER_RE.match(name)
+        if m and m.group(3) in _MERGED:
+            layer, block, proj, pname = m.groups()
+            target, shard = _MERGED[proj]
+            merged[f"layers.{layer}.{block}.{target}"].load_shard(pname, shard, t)
+            continue
+        key = name[len("model."):] if name.startswith("model.") else name
+        if key == "lm_head.weight" and "lm_head.weight" not in params:
+            continue  # tied embeddings
+        if key not in params:
+            continue  # unexpected extra tensors are ignored, as transformers does
+        if tuple(params[key].shape) != tuple(t.shape):
+            raise ModelLoadError(f"{name} has shape {tuple(t.shape)}, config.json implies {tuple(params[key].shape)}",
+                                 "the weights do not match config.json")
+        params[key].data.copy_(t)
+        loaded.add(key)
+    _check_complete(model, params, loaded, merged)
+
+
+def _check_complete(model, params, loaded, merged) -> None:
+    for mname, layer in merged.items():
+        have = layer.loaded_names()
+        for shard, hf_name in enumerate(layer.names):
+            if not any(s == shard for s, _ in have):
+                raise ModelLoadError(f"the checkpoint has no tensors for {hf_name}", "the model folder is incomplete")
+        layer.finish_loading()
+    merged_params = {f"{m}.{p}" for m, layer in merged.items() for p, _ in layer.named_parameters(recurse=False)}
+    missing = [k for k in params if k not in loaded and k not in merged_params]
+    if missing:
+        raise ModelLoadError(f"the checkpoint has no tensor model.{missing[0]}"
+                             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
+                             "the model folder is incomplete or of another architecture")

@@ -1,0 +1,31 @@
+"""Which Hugging Face architectures infer runs, and the model class for each."""
+
+from __future__ import annotations
+
+from ..errors import UnsupportedModelError
+
+SUPPORTED = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+def check_supported(cfg) -> str:
+    archs = list(getattr(cfg, "architectures", None) or [])
+    model_type = getattr(cfg, "model_type", None)
+    arch = next((a for a in archs if a in SUPPORTED), None)
+    if arch is None and model_type in SUPPORTED.values() and not archs:
+        arch = next(a for a, t in SUPPORTED.items() if t == model_type)
+    if arch is None or model_type not in SUPPORTED.values():
+        raise UnsupportedModelError(
+            f"unsupported architecture {archs or model_type!r} (model_type {model_type!r})",
+            f"infer runs {', '.join(SUPPORTED)}")
+    return arch
+
+
+def model_class(cfg):
+    check_supported(cfg)
+    from .llama import LlamaForCausalLM
+    return LlamaForCausalLM

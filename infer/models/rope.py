@@ -1,0 +1,36 @@
+"""Rotary position tables, computed with transformers' own rope functions so every scaling type matches HF."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import UnsupportedModelError
+
+
+def rope_parameters(cfg) -> dict:
+    params = getattr(cfg, "rope_parameters", None)
+    if params is None:  # transformers < 5 style
+        params = dict(getattr(cfg, "rope_scaling", None) or {})
+        params.setdefault("rope_type", params.get("type", "default"))
+        params.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    return params
+
+
+def build_cos_sin_cache(cfg, max_positions: int | None = None) -> torch.Tensor:
+    """[max_positions, head_dim] float32 table: cos | sin of position * inv_freq, times the rope's attention scale."""
+    params = rope_parameters(cfg)
+    rope_type = params.get("rope_type", "default")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if rope_type == "default":
+        base = params["rope_theta"]
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        scale = 1.0
+    elif rope_type in ("linear", "llama3", "yarn"):
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+    else:
+        raise UnsupportedModelError(f"rope type {rope_type!r} is not supported",
+                                    "supported rope types: default, linear, llama3, yarn")
+    n = max_positions or cfg.max_position_embeddings
+    freqs = torch.outer(torch.arange(n, dtype=torch.float), inv_freq.float())
+    return torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1)
