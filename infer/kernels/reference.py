@@ -118,26 +118,17 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, off
 
 
 def _decode_attention(q, k_cache, v_cache, block_tables, lens, qsl, rows, scale, out) -> None:
-    """One query per sequence: gather every sequence's keys into one padded batch and attend at once."""
-    bs = k_cache.shape[1]
+    """One query per sequence: gather every sequence's blocks into one padded batch and attend at once."""
     idx = torch.tensor(rows, device=q.device)
     lens_t = torch.tensor([lens[b] for b in rows], device=q.device)
     max_len = int(lens_t.max())
-    pos = torch.arange(max_len, device=q.device)
-    tables = block_tables.index_select(0, idx).long()
-    blocks = tables.gather(1, (pos // bs).clamp(max=tables.shape[1] - 1).expand(len(rows), -1))
-    slots = blocks * bs + pos % bs  # [R, L]
-    k = k_cache.view(-1, *k_cache.shape[2:])[slots]  # [R, L, Hk, D]
-    v = v_cache.view(-1, *v_cache.shape[2:])[slots]
+    nblocks = (max_len + k_cache.shape[1] - 1) // k_cache.shape[1]
+    tables = block_tables.index_select(0, idx)[:, :nblocks].long()
+    r, flat = tables.shape[0], tables.flatten()
+    k = k_cache.index_select(0, flat).view(r, -1, *k_cache.shape[2:])[:, :max_len].transpose(1, 2)  # [R,Hk,L,D]
+    v = v_cache.index_select(0, flat).view(r, -1, *v_cache.shape[2:])[:, :max_len].transpose(1, 2)
     qstart = torch.tensor([qsl[b] for b in rows], device=q.device)
-    qr = q.index_select(0, qstart)  # [R, Hq, D]
-    r, hq, d = qr.shape
-    hk = k.shape[2]
-    g = hq // hk
-    qg = qr.view(r, hk, g, d).float()
-    scores = torch.einsum("rhgd,rlhd->rhgl", qg, k.float()) * scale
-    valid = pos.unsqueeze(0) < lens_t.unsqueeze(1)  # [R, L]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = scores.softmax(-1)
-    o = torch.einsum("rhgl,rlhd->rhgd", probs, v.float()).reshape(r, hq, d)
-    out.index_copy_(0, qstart, o.to(out.dtype))
+    qr = q.index_select(0, qstart).unsqueeze(2)  # [R, Hq, 1, D]
+    mask = (torch.arange(max_len, device=q.device)[None] < lens_t[:, None])[:, None, None, :]
+    o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=scale, enable_gqa=qr.shape[1] != k.shape[1])
+    out.index_copy_(0, qstart, o[:, :, 0].to(out.dtype))

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..errors import ModelLoadError
+from ..kernels import cpu_gemm
 
 
 class LinearMethod(Protocol):
@@ -47,10 +48,10 @@ class UnquantizedLinearMethod:
         layer.weight.data[start:start + size].copy_(tensor)
 
     def finish_loading(self, layer: "MergedLinear") -> None:
-        pass
+        layer.packed_weight = cpu_gemm.prepack(layer.weight.data)
 
     def apply(self, layer: "MergedLinear", x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, layer.weight, layer.bias)
+        return cpu_gemm.linear(x, layer.weight, layer.bias, getattr(layer, "packed_weight", None))
 
     def dequantized_weight(self, layer: "MergedLinear") -> torch.Tensor:
         return layer.weight.data

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .. import kernels
+from ..kernels import cpu_gemm
 from .context import ForwardContext
 from .layers import LinearMethod, MergedLinear
 from .rope import build_cos_sin_cache
@@ -116,6 +117,7 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
             self.lm_head.weight.requires_grad_(False)
+        self._packed_head = None
         self.register_buffer("cos_sin", build_cos_sin_cache(cfg), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -128,4 +130,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return nn.functional.linear(hidden, w)
+        if self._packed_head is None or self._packed_head[0] is not w:
+            self._packed_head = (w, cpu_gemm.prepack(w))
+        return cpu_gemm.linear(hidden, w, None, self._packed_head[1]).float()

@@ -1,0 +1,23 @@
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _infer_cache(tmp_path_factory):
+    """Built-in models are generated once per test session into a temporary cache (unless INFER_CACHE is set)."""
+    if not os.environ.get("INFER_CACHE"):
+        os.environ["INFER_CACHE"] = str(tmp_path_factory.mktemp("infer-cache"))
+    yield
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
