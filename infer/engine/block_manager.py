@@ -129,7 +129,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free[bid] = None
         seq.block_table = []
-        seq.num_computed_tokens = seq.num_cached_tokens = seq.num_hashed_blocks = 0
+        seq.num_computed_tokens = seq.num_hashed_blocks = 0
         seq.last_block_hash = None
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

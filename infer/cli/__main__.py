@@ -1,0 +1,3 @@
+from .main import app
+
+app(prog_name="infer")

@@ -1,0 +1,131 @@
+"""Built-in tiny models: generated deterministically from a seed, with a locally trained tokenizer and a chat
+template, cached on disk. Nothing is downloaded.
+
+`resolve_model(name_or_path)` turns a CLI MODEL argument into a model folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from ..errors import ModelLoadError
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+FORMAT_VERSION = 1  # bump when the generated files change, so stale caches are rebuilt
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    arch: str  # transformers model_type
+    seed: int
+    vocab_size: int = 512
+    config: dict = field(default_factory=dict)
+
+
+_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=4096)
+BUILTIN_MODELS: dict[str, TinySpec] = {
+    "tiny-llama": TinySpec("llama", 1, config=dict(_TINY)),
+    "tiny-qwen2": TinySpec("qwen2", 2, config=dict(_TINY)),
+    "tiny-mistral": TinySpec("mistral", 3, config=dict(_TINY, sliding_window=4096)),
+    "tiny-qwen3": TinySpec("qwen3", 4, config=dict(_TINY, head_dim=32)),
+    "tiny-llama3": TinySpec("llama", 5, config=dict(
+        _TINY, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 1024})),
+    "llama-100m": TinySpec("llama", 6, vocab_size=32000, config=dict(
+        hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+        num_key_value_heads=12, max_position_embeddings=4096)),
+}
+
+
+def builtin_names() -> list[str]:
+    return list(BUILTIN_MODELS)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("INFER_CACHE") or Path.home() / ".cache" / "infer") / "models"
+
+
+def resolve_model(name_or_path: str | os.PathLike) -> Path:
+    """A local model folder as it is, or a built-in model name built into the cache."""
+    p = Path(name_or_path).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ModelLoadError(f"{p} has no config.json", "pass a Hugging Face model folder")
+        return p
+    if str(name_or_path) in BUILTIN_MODELS:
+        return ensure_builtin(str(name_or_path))
+    raise ModelLoadError(f"{name_or_path!r} is neither a local model folder nor a built-in model "
+                         f"({', '.join(BUILTIN_MODELS)})",
+                         "pass a folder with config.json and weights; nothing is downloaded")
+
+
+def ensure_builtin(name: str, cache_dir: Path | None = None) -> Path:
+    if name not in BUILTIN_MODELS:
+        raise ModelLoadError(f"unknown built-in model {name!r}", f"built-in models: {', '.join(BUILTIN_MODELS)}")
+    root = Path(cache_dir) if cache_dir else cache_root()
+    target = root / f"{name}-v{FORMAT_VERSION}"
+    if (target / "model.safetensors").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    try:
+        _build(BUILTIN_MODELS[name], tmp)
+        try:
+            tmp.rename(target)  # atomic: a killed build never leaves a half folder
+        except OSError:  # another process finished first
+            if not (target / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+@lru_cache(maxsize=4)
+def _tokenizer_json(vocab_size: int) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = (Path(__file__).parent / "data" / "corpus.txt").read_text().splitlines()
+    tok.train_from_iterator(text, trainer)
+    return tok.to_str()
+
+
+def _save_tokenizer(spec: TinySpec, out: Path) -> None:
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_tokenizer_json(spec.vocab_size)),
+                                  eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(out)
+
+
+def _build(spec: TinySpec, out: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    eos = SPECIAL_TOKENS.index("<|im_end|>")
+    cfg = AutoConfig.for_model(spec.arch, vocab_size=spec.vocab_size, eos_token_id=eos, bos_token_id=None,
+                               pad_token_id=0, initializer_range=0.08, **spec.config)
+    cfg.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                          "qwen3": "Qwen3ForCausalLM"}[spec.arch]]
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(out, safe_serialization=True)
+    _save_tokenizer(spec, out)
+    (out / "infer_builtin.json").write_text(json.dumps({"seed": spec.seed, "format": FORMAT_VERSION}))
