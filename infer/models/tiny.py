@@ -126,6 +126,11 @@ def _build(spec: TinySpec, out: Path) -> None:
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = 0
-    model.save_pretrained(out, safe_serialization=True)
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(out, safe_serialization=True)
+    finally:
+        hf_logging.enable_progress_bar()
     _save_tokenizer(spec, out)
     (out / "infer_builtin.json").write_text(json.dumps({"seed": spec.seed, "format": FORMAT_VERSION}))
