@@ -40,6 +40,4 @@ class LoRAError(InferError):
 
 
 class OutOfMemoryError(InferError):
-    """The model, its activations or its KV cache do not fit the memory budget."""
-
-    exit_code = 1
+    """The model, its activations or its KV cache do not fit the memory budget (the engine cannot start)."""

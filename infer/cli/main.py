@@ -58,3 +58,5 @@ def register(module: str, name: str, command: str | None = None, **kwargs) -> No
 
 
 register("run", "run")
+register("warmup", "warmup")
+register("serve", "serve")

@@ -35,6 +35,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU order
         self.hash_to_block: dict[int, int] = {}
+        self.fresh: list[int] = []  # blocks handed out since the runner last zeroed them
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, found
 
@@ -94,6 +95,7 @@ class BlockManager:
         if block.hash is not None and self.hash_to_block.get(block.hash) == bid:
             del self.hash_to_block[block.hash]
         block.hash, block.token_ids, block.ref_count = None, None, 1
+        self.fresh.append(bid)
         return bid
 
     # ------------------------------------------------------------------ growth

@@ -95,6 +95,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return outputs
+        self.runner.zero_blocks(self.block_manager.fresh)
+        self.block_manager.fresh.clear()
         sampled = self.runner.run(batch)
         now = time.monotonic()
         self.num_steps += 1

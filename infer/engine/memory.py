@@ -1,9 +1,14 @@
-"""How many KV blocks the engine gets: the memory budget minus weights and activations, in whole blocks."""
+"""The memory plan: budget = weights + peak activations + KV cache, and what that means for max_length.
+
+On CUDA the budget is --gpu-memory-utilization of the device's memory; on CPU it is --memory-limit, or by default
+half of the available memory (cgroup limit or free RAM) plus what the weights already use. Activations are
+estimated by `activation_bytes` (a formula over the step's shapes, which `infer warmup` checks against a
+measurement); KV takes every whole block that is left.
+"""
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -11,22 +16,40 @@ from ..errors import OutOfMemoryError
 from .config import EngineConfig
 
 
-@dataclass
-class MemoryPlan:
-    device: str
-    budget_bytes: int
-    weights_bytes: int
-    activation_bytes: int
-    kv_bytes_per_token: int
-    kv_block_bytes: int
-    num_blocks: int
+def _bytes(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits // 8
 
 
 def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * (torch.finfo(dtype).bits // 8)
+    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * _bytes(dtype)
+
+
+def activation_bytes(cfg, dtype: torch.dtype, num_tokens: int, num_seqs: int, max_length: int,
+                     lora_rank: int = 0) -> int:
+    """Peak bytes of one step's temporaries, the larger of a prefill of `num_tokens` tokens and a decode of
+    `num_seqs` sequences at context `max_length`."""
+    b = _bytes(dtype)
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or h // heads
+    q = heads * head_dim
+    kv = kv_bytes_per_token(cfg, dtype) // (2 * cfg.num_hidden_layers * b)  # kv heads * head_dim
+    # prefill: residual + normed input, then the MLP's gate_up, silu(gate) and its product live together
+    per_token = 2 * h + max(q + 2 * kv + 2 * (q + kv) + q, 4 * inter) + 2 * lora_rank
+    prefill = num_tokens * per_token * b
+    # decode: every sequence's K and V gathered for attention, plus float32 scores
+    decode = num_seqs * max_length * (2 * kv * b + heads * 4) + num_seqs * per_token * b
+    logits = min(num_tokens, max(num_seqs, 1)) * cfg.vocab_size * 4 * 3  # logits, log-softmax, a copy
+    return max(prefill, decode) + logits
+
+
+def weights_bytes(model) -> int:
+    """Parameters and buffers (including CPU-prepacked matmul weights)."""
+    tensors = list(model.parameters()) + [t for t in model.buffers() if t is not None]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def available_cpu_memory() -> int:
@@ -37,48 +60,121 @@ def available_cpu_memory() -> int:
                                    ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
                                     "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
         try:
-            limit = open(limit_file).read().strip()
+            with open(limit_file) as f:
+                limit = f.read().strip()
             if limit != "max":
-                avail = min(avail, int(limit) - int(open(usage_file).read()))
+                with open(usage_file) as f:
+                    avail = min(avail, int(limit) - int(f.read()))
             break
         except (OSError, ValueError):
             continue
     return max(0, avail)
 
 
-def activation_estimate(cfg, config: EngineConfig, dtype: torch.dtype) -> int:
-    """Peak activation bytes of one step of max_num_batched_tokens tokens (intermediate MLP + logits dominate)."""
-    t = config.max_num_batched_tokens
-    width = max(2 * cfg.intermediate_size, 3 * cfg.hidden_size)
-    per_token = (width + 4 * cfg.hidden_size) * (torch.finfo(dtype).bits // 8)
-    logits = min(t, config.max_num_seqs) * cfg.vocab_size * 4 * 2
-    return t * per_token + logits
+def device_total(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    import psutil
+    return psutil.virtual_memory().total
 
 
-def weights_bytes(model) -> int:
-    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-
-
-def plan_memory(config: EngineConfig, cfg, model, dtype, device, max_len: int) -> MemoryPlan:
-    per_token = kv_bytes_per_token(cfg, dtype)
-    block = per_token * config.block_size
-    weights = weights_bytes(model)
-    act = activation_estimate(cfg, config, dtype)
+def budget_bytes(config: EngineConfig, device: torch.device, weights: int, loaded: bool = True) -> int:
+    """What the engine may use in all: weights + activations + KV cache."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = int(total * config.gpu_memory_utilization) - (total - free)  # what is left under the limit
-        kv_budget = budget - act
-        budget += weights
-    else:
-        budget = config.memory_limit if config.memory_limit else int(available_cpu_memory() * 0.5) + weights
-        kv_budget = budget - weights - act
-    wanted = config.max_num_seqs * max_len  # more than this is never used at once
+        others = total - free - (torch.cuda.memory_reserved(device) if loaded else 0)  # other processes
+        return int(total * config.gpu_memory_utilization) - max(0, others)
+    if config.memory_limit:
+        return config.memory_limit
+    return int(available_cpu_memory() * 0.5) + (weights if loaded else 0)
+
+
+@dataclass
+class MemoryPlan:
+    device: str
+    total_bytes: int
+    budget_bytes: int
+    weights_bytes: int
+    activation_peak_bytes: int
+    lora_bytes: int
+    kv_bytes_per_token: int
+    kv_block_bytes: int
+    block_size: int
+    kv_blocks: int
+    max_length: int
+    concurrency: int
+    measured: bool = False
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_blocks
+
+    def blocks_for(self, length: int) -> int:
+        return -(-length // self.block_size)
+
+    @property
+    def max_concurrency_at_max_length(self) -> int:
+        return self.kv_blocks // self.blocks_for(self.max_length)
+
+    @property
+    def max_length_at_concurrency(self) -> int:
+        return min(self.max_length_limit, (self.kv_blocks // max(self.concurrency, 1)) * self.block_size)
+
+    max_length_limit: int = 0  # the model's context limit
+
+    @property
+    def fits(self) -> bool:
+        return self.max_concurrency_at_max_length >= self.concurrency
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(fits=self.fits, max_concurrency_at_max_length=self.max_concurrency_at_max_length,
+                 max_length_at_concurrency=self.max_length_at_concurrency, kv_block_bytes=self.kv_block_bytes)
+        return d
+
+    def advice(self) -> str:
+        """What to change when it does not fit (vLLM-style 'estimated maximum model length')."""
+        tips = []
+        if self.max_length_at_concurrency > 0:
+            tips.append(f"lower --max-length to {self.max_length_at_concurrency}")
+        if self.max_concurrency_at_max_length > 0:
+            tips.append(f"lower --concurrency to {self.max_concurrency_at_max_length}")
+        tips.append("raise --gpu-memory-utilization" if self.device == "cuda" else "raise --memory-limit")
+        return ", or ".join(tips)
+
+
+def make_plan(config: EngineConfig, cfg, dtype: torch.dtype, device: torch.device, weights: int, activation: int,
+              max_length: int, concurrency: int, max_length_limit: int, lora: int = 0, measured: bool = False,
+              budget: int | None = None) -> MemoryPlan:
+    per_token = kv_bytes_per_token(cfg, dtype)
+    block = per_token * config.block_size
+    budget = budget_bytes(config, device, weights) if budget is None else budget
+    kv_blocks = max(0, budget - weights - activation - lora) // block
+    return MemoryPlan(device.type, device_total(device), budget, weights, activation, lora, per_token, block,
+                      config.block_size, int(kv_blocks), max_length, concurrency, measured, max_length_limit)
+
+
+def plan_memory(config: EngineConfig, cfg, model, dtype, device, max_len: int, lora_bytes: int = 0) -> MemoryPlan:
+    """The engine's sizing at start: estimated activations, and KV for what can run at once (all of the budget on
+    CUDA; on CPU no more than max_num_seqs sequences of max_len, since CPU pages are only used as blocks fill)."""
+    act = activation_bytes(cfg, dtype, config.max_num_batched_tokens, config.max_num_seqs, max_len,
+                           config.max_lora_rank if config.loras else 0)
+    plan = make_plan(config, cfg, dtype, device, weights_bytes(model), act, max_len, 1, max_len, lora_bytes)
     if config.num_kv_blocks:
-        num_blocks = config.num_kv_blocks
-    else:
-        num_blocks = min(max(0, kv_budget) // block, -(-wanted // config.block_size) + config.max_num_seqs)
-    if num_blocks < 1 or num_blocks * config.block_size < min(max_len, 1):
+        plan.kv_blocks = config.num_kv_blocks
+    elif device.type == "cpu":
+        plan.kv_blocks = min(plan.kv_blocks, config.max_num_seqs * plan.blocks_for(max_len) + config.max_num_seqs)
+    if plan.kv_blocks < plan.blocks_for(max_len):
+        fit = plan.kv_blocks * config.block_size
         raise OutOfMemoryError(
-            f"no room for the KV cache: budget {budget / 2**30:.2f} GiB, weights {weights / 2**30:.2f} GiB, "
-            f"activations {act / 2**30:.2f} GiB", "raise --memory-limit / --gpu-memory-utilization")
-    return MemoryPlan(device.type, budget, weights, act, per_token, block, int(num_blocks))
+            f"a single sequence of {max_len} tokens does not fit: the KV cache gets {plan.kv_blocks} blocks "
+            f"({fit} tokens) after weights {gib(plan.weights_bytes)} and activations "
+            f"{gib(plan.activation_peak_bytes)} within a budget of {gib(plan.budget_bytes)}; "
+            f"estimated maximum model length is {fit}",
+            f"use --max-model-len {fit}" if fit > 0 else
+            ("raise --gpu-memory-utilization" if device.type == "cuda" else "raise --memory-limit"))
+    return plan
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"

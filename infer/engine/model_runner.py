@@ -22,11 +22,17 @@ class ModelRunner:
     def _allocate_kv(self, num_blocks: int) -> torch.Tensor:
         layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
         a = layers[0]
-        cache = torch.zeros(len(layers), 2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
+        # Uninitialised: on CPU, pages become resident only as blocks are used; each block is zeroed when it is
+        # handed to a sequence (zero_blocks), so masked attention never reads garbage.
+        cache = torch.empty(len(layers), 2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
                             dtype=self.dtype, device=self.device)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = cache[i, 0], cache[i, 1]
         return cache
+
+    def zero_blocks(self, block_ids: list[int]) -> None:
+        if block_ids:
+            self.kv_cache[:, :, torch.tensor(block_ids, device=self.device)] = 0
 
     def prepare(self, batch: ScheduledBatch):
         ids, pos, slots, qsl, lens, tables, lora_slots = [], [], [], [0], [], [], []

@@ -48,7 +48,7 @@ class UnquantizedLinearMethod:
         layer.weight.data[start:start + size].copy_(tensor)
 
     def finish_loading(self, layer: "MergedLinear") -> None:
-        layer.packed_weight = cpu_gemm.prepack(layer.weight.data)
+        layer.register_buffer("packed_weight", cpu_gemm.prepack(layer.weight.data), persistent=False)
 
     def apply(self, layer: "MergedLinear", x: torch.Tensor) -> torch.Tensor:
         return cpu_gemm.linear(x, layer.weight, layer.bias, getattr(layer, "packed_weight", None))

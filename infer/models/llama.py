@@ -117,7 +117,7 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
             self.lm_head.weight.requires_grad_(False)
-        self._packed_head = None
+        self.register_buffer("packed_head", None, persistent=False)
         self.register_buffer("cos_sin", build_cos_sin_cache(cfg), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -129,7 +129,11 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        if self._packed_head is None or self._packed_head[0] is not w:
-            self._packed_head = (w, cpu_gemm.prepack(w))
-        return cpu_gemm.linear(hidden, w, None, self._packed_head[1]).float()
+        return cpu_gemm.linear(hidden, self._head_weight(), None, self.packed_head).float()
+
+    def _head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    def finish_loading(self) -> None:
+        """After the weights are in: the CPU matmul layout of the output head (layers pack their own)."""
+        self.packed_head = cpu_gemm.prepack(self._head_weight().data)

@@ -91,6 +91,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device):
     with torch.device(device):
         model = model_class(cfg)(cfg, dtype, linear_method_factory(path, cfg))
     load_weights(model, iter_tensors(files), dtype)
+    model.finish_loading()
     model.eval()
     return model, cfg
 

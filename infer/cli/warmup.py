@@ -1,0 +1,80 @@
+"""`infer warmup MODEL --max-length N --concurrency C`: prove the model fits before it serves."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from ..errors import ConfigError
+from . import options as o
+
+
+def warmup(
+    model: o.Model,
+    max_length: Annotated[int, typer.Option(help="Longest request (prompt + output) to prove.")] = 4096,
+    concurrency: Annotated[int, typer.Option(help="Sequences of max_length that must fit at once.")] = 16,
+    estimate: Annotated[bool, typer.Option(help="No weights loaded: figures from config.json and the checkpoint's "
+                                                "tensor headers, activations from the formula.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout instead of the table.")] = False,
+    dtype: o.Dtype = "auto", device: o.Device = "auto", max_num_batched_tokens: o.MaxBatchedTokens = 4096,
+    block_size: o.BlockSize = 16, seed: o.Seed = 0, memory_limit: o.MemoryLimit = None,
+    gpu_memory_utilization: o.GpuUtil = 0.9, lora: o.Lora = None, max_loras: o.MaxLoras = 4,
+    max_lora_rank: o.MaxLoraRank = 64,
+) -> None:
+    """Load the model, run the worst case (a prefill of the full token budget and a decode of CONCURRENCY
+    sequences at MAX_LENGTH), and report whether it fits: exit 0 fits, 1 does not fit.
+
+    Example: [bold]infer warmup ./Qwen1.5-14B-Chat-GPTQ-Int4 --max-length 4096 --concurrency 16[/bold]
+    """
+    if max_length < 2 or concurrency < 1:
+        raise ConfigError("--max-length must be at least 2 and --concurrency at least 1")
+    cfg = o.engine_config(model, dtype, device, max(concurrency, 1), max_num_batched_tokens, block_size, max_length,
+                          seed, True, memory_limit, gpu_memory_utilization, lora, max_loras, max_lora_rank, None)
+    from ..engine.warmup_plan import estimate_plan, measured_plan
+    plan, extra = (estimate_plan if estimate else measured_plan)(cfg, max_length, concurrency)
+    if as_json:
+        typer.echo(json.dumps({**plan.to_dict(), **extra}))
+    else:
+        print_plan(plan, extra)
+    if not plan.fits:
+        raise typer.Exit(1)
+
+
+def print_plan(plan, extra: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..engine.memory import gib
+    t = Table(title=f"infer warmup: {extra['model']}  ({'estimate' if extra['estimate'] else 'measured'})")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    rows = [
+        ("device / total memory", f"{plan.device} / {gib(plan.total_bytes)}"),
+        ("budget", gib(plan.budget_bytes)),
+        ("weights", gib(plan.weights_bytes)),
+        ("peak activations" + (" (measured)" if plan.measured else " (estimated)"), gib(plan.activation_peak_bytes)),
+    ]
+    if extra.get("activation_estimate_bytes") is not None:
+        rows.append(("peak activations (formula)", gib(extra["activation_estimate_bytes"])))
+    if plan.lora_bytes:
+        rows.append(("LoRA slots", gib(plan.lora_bytes)))
+    rows += [
+        ("KV cache per token / per block", f"{plan.kv_bytes_per_token:,} B / {plan.kv_block_bytes:,} B"),
+        ("KV blocks under the budget", f"{plan.kv_blocks:,} x {plan.block_size} tokens"),
+        (f"sequences of {plan.max_length} tokens at once", f"{plan.max_concurrency_at_max_length:,}"),
+        (f"largest max_length at concurrency {plan.concurrency}", f"{plan.max_length_at_concurrency:,}"),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    console = Console()
+    console.print(t)
+    if plan.fits:
+        console.print(f"[green]fits[/green]: {plan.concurrency} x {plan.max_length} tokens "
+                      f"(room for {plan.max_concurrency_at_max_length} at once)")
+    else:
+        console.print(f"[red]does not fit[/red]: {plan.concurrency} x {plan.max_length} tokens needs "
+                      f"{plan.concurrency * plan.blocks_for(plan.max_length):,} KV blocks, the budget leaves "
+                      f"{plan.kv_blocks:,}; estimated maximum length at this concurrency is "
+                      f"{plan.max_length_at_concurrency}. {plan.advice().capitalize()}.")

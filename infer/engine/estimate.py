@@ -1,0 +1,56 @@
+"""Weights of a checkpoint as the engine will hold them, from the safetensors headers alone (no tensor is read)."""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+
+import torch
+
+from ..errors import ModelLoadError
+from ..kernels import cpu_gemm
+
+_ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+             "F8_E4M3": 1, "F8_E5M2": 1}
+_LINEAR = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
+
+
+def safetensors_header(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            if n > 100_000_000:
+                raise ValueError("header too large")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, struct.error) as e:
+        raise ModelLoadError(f"cannot read the safetensors header of {path}: {e}", "the file is corrupted") from e
+    header.pop("__metadata__", None)
+    return header
+
+
+def checkpoint_weights_bytes(files: list[Path], cfg, dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes of the weights once loaded: float tensors in `dtype`, integer (GPTQ) tensors as stored, plus the
+    CPU matmul copies the engine prepacks (float linear layers and the output head)."""
+    elem = torch.finfo(dtype).bits // 8
+    prepacks = device.type == "cpu" and cpu_gemm.available(torch.empty(0, dtype=dtype))
+    total = 0
+    for f in files:
+        if f.suffix != ".safetensors":
+            total += f.stat().st_size  # .bin: no cheap header; the stored size is the estimate
+            continue
+        for name, info in safetensors_header(f).items():
+            numel = 1
+            for d in info["shape"]:
+                numel *= d
+            is_float = info["dtype"] in ("F64", "F32", "F16", "BF16") and not name.endswith("scales")
+            size = numel * (elem if is_float else _ST_BYTES.get(info["dtype"], 4))
+            if name == "lm_head.weight" and getattr(cfg, "tie_word_embeddings", False):
+                continue
+            total += size
+            if prepacks and is_float and (_LINEAR.search(name) or name == "lm_head.weight"):
+                total += size
+            if prepacks and name == "model.embed_tokens.weight" and getattr(cfg, "tie_word_embeddings", False):
+                total += size
+    return total

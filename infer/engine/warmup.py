@@ -1,0 +1,143 @@
+"""Measure the worst case before serving: a prefill of the largest token budget and a decode of a full batch at
+max_length (with the largest-rank adapter active when adapters are given). Peak activation memory comes from the
+CUDA allocator's statistics, or on CPU from the growth of the process's peak resident memory (VmHWM, reset first)."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import torch
+
+from .config import EngineConfig
+from .memory import MemoryPlan, activation_bytes, make_plan, weights_bytes
+from .model_runner import ModelRunner
+from .sampling_params import SamplingParams
+from .scheduler import ScheduledBatch
+from .sequence import Sequence
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return rss_bytes()
+
+
+def fixed_mmap_threshold(threshold: int = 1 << 20) -> None:
+    """Make glibc serve every large allocation with mmap and return it on free (no dynamic threshold), so that
+    resident-memory growth measures what a step really allocates, whatever the process allocated before."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD (also turns off the dynamic adjustment)
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def resident_bytes(device: torch.device) -> int:
+    """Memory in use now: the CUDA allocator's, or the process's resident set on CPU."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
+    return rss_bytes()
+
+
+class PeakMeter:
+    """Peak bytes above the level at start: CUDA allocator peak, or the process's peak RSS on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __enter__(self):
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        else:
+            reset_peak_rss()
+            self.base = rss_bytes()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self.base
+        else:
+            self.peak = max(0, peak_rss_bytes() - self.base)
+        return False
+
+
+def _fake_seq(i: int, length: int, vocab: int, table: list[int], computed: int) -> Sequence:
+    g = torch.Generator().manual_seed(i)
+    s = Sequence(f"warmup-{i}", torch.randint(0, vocab, (length,), generator=g).tolist(),
+                 SamplingParams(max_new_tokens=1), None)
+    s.block_table, s.num_computed_tokens = table, computed
+    return s
+
+
+def worst_case_batches(cfg, config: EngineConfig, max_length: int, concurrency: int, block_size: int):
+    """(prefill batch, decode batch) over one shared set of blocks: all decode sequences point at the same
+    max_length blocks, so the attention reads as much as a full batch does without the KV memory of one."""
+    vocab = cfg.vocab_size
+    table = list(range(-(-max(max_length, config.max_num_batched_tokens) // block_size)))
+    prefill, left, i = ScheduledBatch([], []), config.max_num_batched_tokens, 0
+    while left > 0 and len(prefill.seqs) < config.max_num_seqs:
+        n = min(left, max_length - 1)
+        prefill.seqs.append(_fake_seq(i, n, vocab, table, 0))
+        prefill.num_new_tokens.append(n)
+        left, i = left - n, i + 1
+    decode = ScheduledBatch([_fake_seq(100 + j, max_length, vocab, table, max_length - 1)
+                             for j in range(concurrency)], [1] * concurrency)
+    return prefill, decode, len(table)
+
+
+def measure(model, cfg, config: EngineConfig, dtype, device, max_length: int, concurrency: int,
+            max_length_limit: int, lora_manager=None, lora_name: str | None = None, budget: int | None = None,
+            weights: int | None = None):
+    """Run the worst case and return (measured plan, estimated activation bytes)."""
+    prefill, decode, nblocks = worst_case_batches(cfg, config, max_length, concurrency, config.block_size)
+    runner = ModelRunner(model, cfg, dtype, device, config.block_size, nblocks, config.seed, lora_manager)
+    runner.zero_blocks(list(range(nblocks)))
+    lora_bytes = 0
+    if lora_manager is not None and lora_name is not None:
+        lora_manager.acquire(lora_name)
+        for s in prefill.seqs + decode.seqs:
+            s.lora = lora_name
+        lora_bytes = lora_manager.device_bytes()
+    runner.run(prefill)  # first run: one-time allocations (kernels, thread pools) are not activations
+    peaks = []
+    with PeakMeter(device) as meter:
+        runner.run(prefill)
+    peaks.append(meter.peak)
+    with PeakMeter(device) as meter:  # every decode batch size once (each has its own matmul setup)
+        for c in range(concurrency, 0, -1):
+            runner.run(ScheduledBatch(decode.seqs[:c], [1] * c))
+    peaks.append(meter.peak)
+    if lora_manager is not None and lora_name is not None:
+        lora_manager.release(lora_name)
+    del runner
+    rank = config.max_lora_rank if lora_manager is not None else 0
+    estimate = activation_bytes(cfg, dtype, config.max_num_batched_tokens, concurrency, max_length, rank)
+    weights = weights_bytes(model) if weights is None else weights
+    plan = make_plan(config, cfg, dtype, device, weights, max(peaks), max_length, concurrency,
+                     max_length_limit, lora_bytes, measured=True, budget=budget)
+    return plan, estimate

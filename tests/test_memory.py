@@ -1,0 +1,94 @@
+"""Memory plan: KV formula vs real tensors, the activation formula vs the warmup measurement, `infer warmup`."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from infer.cli.main import app
+from infer.engine.config import EngineConfig
+from infer.engine.warmup import peak_rss_bytes, reset_peak_rss, rss_bytes
+from infer.engine.warmup_plan import estimate_plan, measured_plan
+
+runner = CliRunner()
+
+
+def test_kv_block_bytes_match_the_allocated_cache():
+    from infer import LLM
+    llm = LLM("tiny-qwen2", block_size=8, max_model_len=256, max_num_seqs=4)
+    eng = llm.engine
+    cache = eng.runner.kv_cache
+    assert cache.numel() * cache.element_size() == eng.memory_plan.kv_block_bytes * eng.block_manager.num_blocks
+    assert eng.memory_plan.kv_block_bytes == 8 * eng.memory_plan.kv_bytes_per_token
+
+
+@pytest.mark.parametrize("model, max_length, concurrency, tokens", [
+    ("tiny-llama", 4096, 16, 4096),
+    ("llama-100m", 1024, 16, 2048),
+])
+def test_activation_formula_within_10_percent_of_measurement(model, max_length, concurrency, tokens):
+    cfg = EngineConfig(model=model, max_num_seqs=concurrency, max_model_len=max_length,
+                       max_num_batched_tokens=tokens)
+    plan, extra = measured_plan(cfg, max_length, concurrency)
+    measured, formula = plan.activation_peak_bytes, extra["activation_estimate_bytes"]
+    assert abs(formula - measured) <= 0.10 * measured, (formula, measured)
+    est, _ = estimate_plan(cfg, max_length, concurrency)
+    assert est.activation_peak_bytes == formula
+    assert abs(est.weights_bytes - plan.weights_bytes) <= 0.10 * plan.weights_bytes + 8 * 2**20
+
+
+def _warmup(*args):
+    res = runner.invoke(app, ["warmup", "tiny-llama", "--json", *args])
+    return res.exit_code, json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_warmup_json_keys_and_fit():
+    code, d = _warmup("--max-length", "1024", "--concurrency", "4")
+    assert code == 0 and d["fits"] is True
+    for key in ("fits", "max_length", "concurrency", "weights_bytes", "activation_peak_bytes", "kv_bytes_per_token",
+                "kv_block_bytes", "kv_blocks", "max_concurrency_at_max_length", "max_length_at_concurrency",
+                "budget_bytes", "device"):
+        assert key in d
+    assert d["max_concurrency_at_max_length"] >= 4
+
+
+def test_too_long_gives_exit_1_and_the_suggestion_fits():
+    code, d = _warmup("--max-length", "4096", "--concurrency", "16", "--memory-limit", "40MB")
+    assert code == 1 and d["fits"] is False
+    suggested = d["max_length_at_concurrency"]
+    assert 0 < suggested < 4096
+    res = runner.invoke(app, ["warmup", "tiny-llama", "--max-length", "4096", "--concurrency", "16",
+                              "--memory-limit", "40MB"])
+    text = " ".join(res.stdout.split()).lower()
+    assert "does not fit" in text and "lower --max-length to" in text and "estimated maximum length" in text
+    # the suggestion is a whole number of blocks under the budget, with some slack for measurement noise
+    code, d = _warmup("--max-length", str(suggested - 64), "--concurrency", "16", "--memory-limit", "40MB")
+    assert code == 0 and d["fits"] is True
+
+
+def test_engine_refuses_to_start_when_one_sequence_cannot_fit(tmp_path):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "hi"}\n')
+    res = runner.invoke(app, ["run", "tiny-llama", str(inp), "--memory-limit", "12MB"])
+    assert res.exit_code == 2 and "estimated maximum model length" in res.output
+
+
+def test_a_run_never_goes_beyond_the_reported_peak():
+    """Once loaded, serving concurrency x max_length allocates no more than the warmup's activations + KV."""
+    import gc
+    from infer import LLM, SamplingParams
+    max_length, conc = 512, 4
+    opts = dict(max_num_seqs=conc, max_model_len=max_length, max_num_batched_tokens=512)
+    plan, _ = measured_plan(EngineConfig(model="llama-100m", **opts), max_length, conc)
+    reported = plan.activation_peak_bytes + conc * plan.blocks_for(max_length) * plan.kv_block_bytes
+    llm = LLM("llama-100m", **opts)
+    gc.collect()
+    reset_peak_rss()
+    base = rss_bytes()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 30000, (200,), generator=g).tolist() for _ in range(conc)]
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=max_length - 201, ignore_eos=True))
+    assert all(len(o.token_ids) == max_length - 201 for o in outs)
+    used = peak_rss_bytes() - base
+    assert used <= reported, (used, reported)
