@@ -44,3 +44,21 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len=None):
     return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                      max_query_len)
+
+
+def lora_groups(token_slots, num_slots):
+    return reference.lora_groups(token_slots, num_slots)
+
+
+def lora_shrink(x, lora_a, token_slots, scale=1.0, groups=None):
+    if use_triton(x):
+        from .lora_ops import lora_shrink as triton_shrink
+        return triton_shrink(x, lora_a, token_slots, scale, groups)
+    return reference.lora_shrink(x, lora_a, token_slots, scale, groups)
+
+
+def lora_expand(h, lora_b, token_slots, scalings, y, offset=0, groups=None):
+    if use_triton(y):
+        from .lora_ops import lora_expand as triton_expand
+        return triton_expand(h, lora_b, token_slots, scalings, y, offset, groups)
+    return reference.lora_expand(h, lora_b, token_slots, scalings, y, offset, groups)

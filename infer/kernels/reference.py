@@ -6,6 +6,8 @@ and must compute the same function (up to floating-point rounding).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -101,20 +103,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int) -> torch.Tensor:
-    """Causal attention of n queries at positions offset..offset+n-1 over L = offset + n keys."""
-    n, hq, d = q.shape
-    hk = k.shape[1]
-    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    if hq != hk:
-        kh = kh.repeat_interleave(hq // hk, dim=0)
-        vh = vh.repeat_interleave(hq // hk, dim=0)
+    """Causal attention of n queries at positions offset..offset+n-1 over L = offset + n keys.
+    (4-D inputs: with 3-D ones torch's CPU SDPA falls back to a path that materialises the n x L scores.)"""
+    n = q.shape[0]
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    gqa = qh.shape[1] != kh.shape[1]
     if offset == 0:
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
         pos_q = torch.arange(offset, offset + n, device=q.device).unsqueeze(1)
         mask = torch.arange(k.shape[0], device=q.device).unsqueeze(0) <= pos_q
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
-    return o.transpose(0, 1)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return o[0].transpose(0, 1)
 
 
 def _decode_attention(q, k_cache, v_cache, block_tables, lens, qsl, rows, scale, out) -> None:
@@ -132,3 +132,86 @@ def _decode_attention(q, k_cache, v_cache, block_tables, lens, qsl, rows, scale,
     mask = (torch.arange(max_len, device=q.device)[None] < lens_t[:, None])[:, None, None, :]
     o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=scale, enable_gqa=qr.shape[1] != k.shape[1])
     out.index_copy_(0, qstart, o[:, :, 0].to(out.dtype))
+
+
+# ----------------------------------------------------------------------------------------------- LoRA
+@dataclass
+class LoRAGroups:
+    """The tokens of one batch grouped by adapter slot; computed once per step and shared by every LoRA op.
+
+    `order` [T] int64 holds the token indices sorted by slot (stable), the tokens without adapter (slot -1) first;
+    the tokens of slot s are order[starts[s + 1]:starts[s + 2]] (`starts` [S + 2] int64, starts[0] = 0).
+    """
+
+    order: torch.Tensor
+    starts: torch.Tensor
+    _segments: list[tuple[int, int, int]] | None = None
+
+    def segments(self) -> list[tuple[int, int, int]]:
+        """(slot, begin, end) for every slot with tokens, as Python ints (a device sync on CUDA, done once)."""
+        if self._segments is None:
+            bounds = self.starts.tolist()
+            self._segments = [(s - 1, bounds[s], bounds[s + 1]) for s in range(1, len(bounds) - 1)
+                              if bounds[s + 1] > bounds[s]]
+        return self._segments
+
+
+def lora_groups(token_slots: torch.Tensor, num_slots: int) -> LoRAGroups:
+    """Semantics: group token indices by token_slots[t] in -1..num_slots-1 (see LoRAGroups); no host sync."""
+    key = token_slots.long() + 1
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=num_slots + 1)
+    starts = torch.zeros(num_slots + 2, dtype=torch.long, device=key.device)
+    torch.cumsum(counts, 0, out=starts[1:])
+    return LoRAGroups(order, starts)
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor, scale: float = 1.0,
+                groups: LoRAGroups | None = None) -> torch.Tensor:
+    """Semantics: out[t] = scale * x[t] @ lora_a[token_slots[t]]^T for tokens with a slot >= 0, out[t] = 0 for
+    slot -1, accumulated and returned in float32 as [T, R]. x is [T, in], lora_a [S, R, in] (for a merged layer the
+    shards' A matrices are stacked along R). `groups` = lora_groups(token_slots, S) may be passed to reuse it."""
+    groups = groups if groups is not None else lora_groups(token_slots, lora_a.shape[0])
+    rank = lora_a.shape[1]
+    segs = groups.segments()
+    if len(segs) == 1 and segs[0][1] == 0 and segs[0][2] == x.shape[0]:  # one adapter for the whole batch
+        return (x.float() @ lora_a[segs[0][0]].float().t()).mul_(scale)
+    out = torch.zeros(x.shape[0], rank, dtype=torch.float32, device=x.device)
+    if not segs:
+        return out
+    first = segs[0][1]
+    idx = groups.order[first:]
+    xs = x.index_select(0, idx).float()
+    res = torch.empty(xs.shape[0], rank, dtype=torch.float32, device=x.device)
+    for slot, begin, end in segs:
+        torch.matmul(xs[begin - first:end - first], lora_a[slot].float().t(), out=res[begin - first:end - first])
+    out.index_copy_(0, idx, res.mul_(scale))
+    return out
+
+
+def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor, scalings: torch.Tensor,
+                y: torch.Tensor, offset: int = 0, groups: LoRAGroups | None = None) -> None:
+    """Semantics: y[t, offset:offset+out] += scalings[s] * h[t] @ lora_b[s]^T (computed in float32, added in y's
+    dtype) for s = token_slots[t] >= 0, in place; rows with slot -1 are untouched. h is [T, R] float32 (any
+    strides: a merged layer passes the column slice of the shrink output that belongs to shard i, with offset =
+    that shard's first output column), lora_b [S, out, R], scalings [S] float32, y [T, out_total]."""
+    groups = groups if groups is not None else lora_groups(token_slots, lora_b.shape[0])
+    segs = groups.segments()
+    if not segs:
+        return
+    out_size = lora_b.shape[1]
+    target = y.narrow(1, offset, out_size)
+    scal = scalings.tolist()
+    if len(segs) == 1 and segs[0][1] == 0 and segs[0][2] == y.shape[0]:
+        slot = segs[0][0]
+        target.add_((h.float() @ lora_b[slot].float().t()).mul_(scal[slot]).to(y.dtype))
+        return
+    first = segs[0][1]
+    idx = groups.order[first:]
+    hs = h.index_select(0, idx).float()
+    res = torch.empty(hs.shape[0], out_size, dtype=torch.float32, device=h.device)
+    for slot, begin, end in segs:
+        part = res[begin - first:end - first]
+        torch.matmul(hs[begin - first:end - first], lora_b[slot].float().t(), out=part)
+        part.mul_(scal[slot])
+    target.index_add_(0, idx, res.to(y.dtype))

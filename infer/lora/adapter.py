@@ -1,0 +1,297 @@
+"""Read a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors or .bin) and check it.
+
+`read_adapter` fails only when the folder cannot be read at all; everything else it finds that infer cannot serve
+(DoRA, LoRA bias, embedding/lm_head targets, modules_to_save, unpaired or mismatched A/B, non-finite weights) is
+recorded as a `Problem`. `LoRAAdapter.validate_against(base_config)` adds what does not fit the base model and
+returns the whole list (what `infer lora-validate` prints); `load_adapter` raises the first one as a LoRAError.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import LoRAError
+
+ATTN, MLP = "self_attn", "mlp"
+PROJECTIONS = {"q_proj": ATTN, "k_proj": ATTN, "v_proj": ATTN, "o_proj": ATTN,
+               "gate_proj": MLP, "up_proj": MLP, "down_proj": MLP}
+EMBEDDINGS = ("embed_tokens", "lm_head")
+CONFIG_FILE = "adapter_config.json"
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+_TENSOR = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<kind>lora_A|lora_B)(?:\.[^.]+)?"
+                     r"\.(?P<param>weight|bias)$")
+_MODULE = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.(?P<parent>[A-Za-z_]+)\.(?P<proj>[A-Za-z0-9_]+)$")
+_HINT_TARGETS = "retrain with target_modules among q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+
+
+@dataclass
+class Problem:
+    message: str
+    hint: str
+
+    def __str__(self) -> str:
+        return f"{self.message} ({self.hint})"
+
+
+@dataclass
+class LoRAModule:
+    """One adapted projection: delta_y = scaling * x @ lora_a^T @ lora_b^T."""
+
+    name: str  # base module path, e.g. model.layers.0.self_attn.q_proj
+    layer: int
+    proj: str
+    lora_a: torch.Tensor  # [r, in]
+    lora_b: torch.Tensor  # [out, r]
+    scaling: float
+
+    @property
+    def rank(self) -> int:
+        return self.lora_a.shape[0]
+
+
+@dataclass
+class LoRAAdapter:
+    name: str
+    path: Path
+    config: dict
+    modules: dict[str, LoRAModule] = field(default_factory=dict)
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def rank(self) -> int:
+        return max((m.rank for m in self.modules.values()), default=0)
+
+    def to(self, dtype: torch.dtype) -> "LoRAAdapter":
+        """Cast the weights (in place) to the dtype the base model computes in; returns self."""
+        for m in self.modules.values():
+            m.lora_a, m.lora_b = m.lora_a.to(dtype).contiguous(), m.lora_b.to(dtype).contiguous()
+        return self
+
+    def validate_against(self, base_config, max_rank: int | None = None) -> list[Problem]:
+        """Everything that keeps this adapter from running on `base_config` (a HF config); [] when it fits."""
+        problems = list(self.problems)
+        shapes = expected_shapes(base_config)
+        num_layers = _cfg(base_config, "num_hidden_layers")
+        for m in self.modules.values():
+            if m.layer >= num_layers:
+                problems.append(Problem(f"{m.name} is in layer {m.layer} but the base model has {num_layers} layers",
+                                        "the adapter was trained for a different (deeper) base model"))
+                continue
+            want_in, want_out = shapes[m.proj]
+            got_in, got_out = m.lora_a.shape[1], m.lora_b.shape[0]
+            if (got_in, got_out) != (want_in, want_out):
+                problems.append(Problem(f"{m.name} maps {got_in} -> {got_out} features but the base model's "
+                                        f"{m.proj} maps {want_in} -> {want_out}",
+                                        "the adapter was trained for a base model with other sizes"))
+        if max_rank is not None and self.rank > max_rank:
+            problems.append(Problem(f"rank {self.rank} is larger than --max-lora-rank {max_rank}",
+                                    f"raise --max-lora-rank to at least {self.rank}"))
+        return problems
+
+
+def _cfg(base_config, key: str, default=None):
+    if isinstance(base_config, dict):
+        return base_config.get(key, default)
+    return getattr(base_config, key, default)
+
+
+def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of every projection of a Llama-family base model."""
+    hidden, inter = _cfg(base_config, "hidden_size"), _cfg(base_config, "intermediate_size")
+    heads = _cfg(base_config, "num_attention_heads")
+    kv_heads = _cfg(base_config, "num_key_value_heads") or heads
+    head_dim = _cfg(base_config, "head_dim") or hidden // heads
+    q, kv = heads * head_dim, kv_heads * head_dim
+    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+
+
+def _fail(name: str, path: Path, message: str, hint: str) -> LoRAError:
+    return LoRAError(f"LoRA adapter {name!r} ({path}): {message}", hint)
+
+
+def read_config(name: str, path: Path) -> dict:
+    if not path.is_dir():
+        raise _fail(name, path, "folder not found", "pass --lora NAME=PATH with the folder save_pretrained wrote")
+    file = path / CONFIG_FILE
+    if not file.is_file():
+        raise _fail(name, path, f"{CONFIG_FILE} is missing", "a PEFT adapter folder holds adapter_config.json")
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _fail(name, path, f"{CONFIG_FILE} is not valid JSON: {e}", "re-save the adapter with peft") from e
+    if not isinstance(config, dict):
+        raise _fail(name, path, f"{CONFIG_FILE} is not a JSON object", "re-save the adapter with peft")
+    peft_type = str(config.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise _fail(name, path, f"peft_type is {peft_type}, not LORA", "only LoRA adapters are supported")
+    for key, kind in (("r", int), ("lora_alpha", (int, float))):
+        if not isinstance(config.get(key), kind) or isinstance(config.get(key), bool) or config[key] <= 0:
+            raise _fail(name, path, f"{CONFIG_FILE} has no valid {key!r} (got {config.get(key)!r})",
+                        "a LoRA config needs a positive rank r and lora_alpha")
+    return config
+
+
+def read_tensors(name: str, path: Path) -> dict[str, torch.Tensor]:
+    file = next((path / f for f in WEIGHT_FILES if (path / f).is_file()), None)
+    if file is None:
+        raise _fail(name, path, f"no weights ({' or '.join(WEIGHT_FILES)})", "copy the adapter's weight file too")
+    try:
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
+            return load_file(str(file))
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # corrupt or truncated file: any loader error means the same thing to the user
+        raise _fail(name, path, f"cannot read {file.name}: {e}", "the file is damaged; copy it again") from e
+
+
+_UNSUPPORTED = {  # adapter_config.json key (when set) -> (what it means, hint)
+    "use_dora": ("uses DoRA", "merge the DoRA adapter into the base model, or train plain LoRA"),
+    "lora_bias": ("trains a LoRA bias", "train the adapter with lora_bias=False"),
+    "modules_to_save": ("has modules_to_save", "fully trained modules cannot be swapped per request; merge them"),
+    "trainable_token_indices": ("trains embedding rows", "merge them into the base model"),
+    "layer_replication": ("replicates layers", "merge the adapter into the base model"),
+    "target_parameters": ("targets parameters, not modules", "train with target_modules instead"),
+    "alora_invocation_tokens": ("is an activated LoRA (aLoRA)", "train a plain LoRA adapter"),
+    "use_qalora": ("is a QA-LoRA adapter", "train a plain LoRA adapter"),
+}
+
+
+def config_problems(config: dict) -> list[Problem]:
+    problems = [Problem(f"{what} ({key}: {json.dumps(config[key])})", hint)
+                for key, (what, hint) in _UNSUPPORTED.items() if config.get(key)]
+    if config.get("bias", "none") not in ("none", None):
+        problems.append(Problem(f"trains the base model's biases (bias: {config['bias']!r})",
+                                "train the adapter with bias='none'"))
+    targets = config.get("target_modules") or []
+    for emb in EMBEDDINGS:
+        if _targets(targets, emb):
+            problems.append(Problem(f"targets {emb}", _HINT_TARGETS))
+    if isinstance(targets, (list, tuple)):
+        unknown = [t for t in targets if str(t).split(".")[-1] not in (*PROJECTIONS, *EMBEDDINGS)]
+        if unknown:
+            problems.append(Problem(f"targets {unknown}, which the base model does not have", _HINT_TARGETS))
+    return problems
+
+
+def _targets(targets, module: str) -> bool:
+    """Whether PEFT's target_modules (a list of name suffixes, or a regex string) selects `module`."""
+    if isinstance(targets, str):
+        try:
+            return any(re.fullmatch(targets, m) for m in (module, f"model.{module}"))
+        except re.error:
+            return False
+    return any(str(t) == module or str(t).endswith("." + module) for t in targets)
+
+
+def pattern_value(patterns: dict, module: str, default):
+    """PEFT's rank_pattern / alpha_pattern lookup: the first key that matches the end of the module path."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def module_scaling(config: dict, module: str) -> tuple[int, float]:
+    """(rank r the config gives this module, scaling alpha/r, or alpha/sqrt(r) with use_rslora)."""
+    r = pattern_value(config.get("rank_pattern"), module, config["r"])
+    alpha = pattern_value(config.get("alpha_pattern"), module, config["lora_alpha"])
+    return r, alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+
+
+def _classify(tensor_name: str) -> tuple[str, str] | Problem:
+    """(module path, 'lora_A' | 'lora_B') for a LoRA weight, or the Problem with this tensor."""
+    if "lora_magnitude_vector" in tensor_name:
+        return Problem(f"has DoRA magnitude tensors ({tensor_name})", "train plain LoRA (use_dora=False)")
+    if "modules_to_save" in tensor_name:
+        return Problem(f"has modules_to_save tensors ({tensor_name})", "merge them into the base model")
+    if "lora_embedding" in tensor_name or any(f".{e}." in tensor_name for e in EMBEDDINGS):
+        return Problem(f"adapts an embedding ({tensor_name})", _HINT_TARGETS)
+    m = _TENSOR.match(tensor_name)
+    if m is None:
+        return Problem(f"has an unexpected tensor {tensor_name}", "only lora_A/lora_B weights are supported")
+    if m["param"] == "bias":
+        return Problem(f"has a LoRA bias ({tensor_name})", "train the adapter with lora_bias=False")
+    return m["module"], m["kind"]
+
+
+def _pair_problem(module: str, a: torch.Tensor | None, b: torch.Tensor | None, r_cfg: int) -> Problem | None:
+    if a is None or b is None:
+        return Problem(f"{module} has lora_{'A' if a is None else 'B'} missing", "the weight file is incomplete")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+        return Problem(f"{module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not share a rank",
+                       "the weight file is damaged or not a LoRA adapter")
+    if a.shape[0] != r_cfg:
+        return Problem(f"{module} has rank {a.shape[0]} but {CONFIG_FILE} gives r={r_cfg}",
+                       "the config and the weights come from different adapters")
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return Problem(f"{module} has non-finite (NaN/inf) weights",
+                       "the adapter's training diverged; use another checkpoint")
+    return None
+
+
+def _module_of(path: str) -> tuple[str, int, str] | None:
+    m = _MODULE.search(path)
+    if m is None or PROJECTIONS.get(m["proj"]) != m["parent"]:
+        return None
+    return f"model.layers.{int(m['layer'])}.{m['parent']}.{m['proj']}", int(m["layer"]), m["proj"]
+
+
+def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, LoRAModule], list[Problem]]:
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    problems: list[Problem] = []
+    for tensor_name, tensor in tensors.items():
+        kind = _classify(tensor_name)
+        if isinstance(kind, Problem):
+            problems.append(kind)
+        else:
+            pairs.setdefault(kind[0], {})[kind[1]] = tensor
+    modules = {}
+    for path, pair in pairs.items():
+        where = _module_of(path)
+        if where is None:
+            problems.append(Problem(f"adapts {path}, which the base model does not have", _HINT_TARGETS))
+            continue
+        r_cfg, scaling = module_scaling(config, where[0])
+        bad = _pair_problem(where[0], pair.get("lora_A"), pair.get("lora_B"), r_cfg)
+        if bad:
+            problems.append(bad)
+            continue
+        modules[where[0]] = LoRAModule(where[0], where[1], where[2], pair["lora_A"], pair["lora_B"], scaling)
+    if not modules and not problems:
+        problems.append(Problem("has no lora_A/lora_B weights", "the weight file is empty or not a LoRA adapter"))
+    return modules, problems
+
+
+def read_adapter(name: str, path: str | Path) -> LoRAAdapter:
+    """Parse the folder; raises LoRAError only when it cannot be read (see the module docstring)."""
+    path = Path(path).expanduser()
+    config = read_config(name, path)
+    modules, problems = build_modules(config, read_tensors(name, path))
+    return LoRAAdapter(name, path, config, modules, config_problems(config) + problems)
+
+
+def adapter_problems(name: str, path: str | Path, base_config, max_rank: int | None = None) -> list[Problem]:
+    """Every problem with the adapter at `path` for `base_config` ([] when it can be served)."""
+    try:
+        adapter = read_adapter(name, path)
+    except LoRAError as e:
+        return [Problem(e.message, e.hint or "")]
+    return adapter.validate_against(base_config, max_rank)
+
+
+def load_adapter(name: str, path: str | Path, base_config, max_rank: int | None = None,
+                 dtype: torch.dtype | None = None) -> LoRAAdapter:
+    """Read and validate; raises LoRAError naming the adapter for the first problem."""
+    adapter = read_adapter(name, path)
+    problems = adapter.validate_against(base_config, max_rank)
+    if problems:
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise _fail(name, adapter.path, problems[0].message + more, problems[0].hint)
+    return adapter.to(dtype) if dtype is not None else adapter

@@ -1,0 +1,98 @@
+"""LoRA on one MergedLinear for a batch whose tokens use different adapters, and the per-step adapter map.
+
+A `LoRALayer` holds, for every device slot, the stacked and zero-padded weights of the layer's shards:
+`lora_a` [max_loras, n_shards * max_rank, in] (shard i's A in rows i*max_rank..) and, per shard,
+`lora_b[i]` [max_loras, out_i, max_rank]; `scalings` [n_shards, max_loras] float32 (per module, since
+rank_pattern / alpha_pattern may differ between modules). `apply` runs one shrink for the shards the batch's
+adapters touch, then one expand per shard into that shard's columns of y.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import kernels
+from ..kernels.reference import LoRAGroups
+from .adapter import LoRAModule
+
+
+@dataclass
+class LoRABatch:
+    """What the model runner puts at `ctx.lora` for one step (see infer.lora): every token's adapter slot.
+
+    token_slots [T] int64 on the model's device (-1 = base model only); active_slots the distinct slots >= 0, on the
+    host, so that layers no active adapter targets cost nothing; groups the tokens sorted by slot, shared by
+    every shrink/expand of the step.
+    """
+
+    token_slots: torch.Tensor
+    active_slots: tuple[int, ...]
+    groups: LoRAGroups
+
+    @classmethod
+    def build(cls, token_slots, num_slots: int, device: torch.device | str | None = None) -> "LoRABatch | None":
+        """From a list (or tensor) of per-token slots; None when no token uses an adapter."""
+        if isinstance(token_slots, torch.Tensor):
+            host = token_slots.tolist()
+            slots = token_slots.to(device=device or token_slots.device, dtype=torch.long)
+        else:
+            host = list(token_slots)
+            slots = torch.tensor(host, dtype=torch.long, device=device)
+        active = tuple(sorted({s for s in host if s >= 0}))
+        if not active:
+            return None
+        assert active[-1] < num_slots and min(host) >= -1, f"token slots must be in -1..{num_slots - 1}"
+        return cls(slots, active, kernels.lora_groups(slots, num_slots))
+
+
+class LoRALayer:
+    """The `layer.lora` hook of one MergedLinear: adds every token's adapter delta to the layer's output."""
+
+    def __init__(self, base, max_loras: int, max_rank: int, device, dtype: torch.dtype):
+        self.names = list(base.names)
+        self.out_sizes = list(base.out_sizes)
+        self.offsets = [base.shard_offset(i) for i in range(len(self.out_sizes))]
+        self.in_features, self.max_rank = base.in_features, max_rank
+        n = len(self.out_sizes)
+        self.lora_a = torch.zeros(max_loras, n * max_rank, base.in_features, dtype=dtype, device=device)
+        self.lora_b = [torch.zeros(max_loras, out, max_rank, dtype=dtype, device=device) for out in self.out_sizes]
+        self.scalings = torch.zeros(n, max_loras, dtype=torch.float32, device=device)
+        self.ranks = [[0] * max_loras for _ in range(n)]  # ranks[shard][slot], 0 = not targeted
+
+    def set_slot(self, slot: int, modules: list[LoRAModule | None]) -> None:
+        """Load one adapter's modules for this layer's shards (None = the adapter does not target that shard)."""
+        mr = self.max_rank
+        for i, m in enumerate(modules):
+            if m is None and self.ranks[i][slot] == 0:
+                continue
+            self.lora_a[slot, i * mr:(i + 1) * mr].zero_()
+            self.lora_b[i][slot].zero_()
+            self.scalings[i, slot] = 0.0 if m is None else m.scaling
+            self.ranks[i][slot] = 0 if m is None else m.rank
+            if m is not None:
+                self.lora_a[slot, i * mr:i * mr + m.rank].copy_(m.lora_a)
+                self.lora_b[i][slot, :, :m.rank].copy_(m.lora_b)
+
+    def clear_slot(self, slot: int) -> None:
+        self.set_slot(slot, [None] * len(self.out_sizes))
+
+    def targets(self, slot: int) -> bool:
+        return any(r[slot] for r in self.ranks)
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> None:
+        """y[t] += sum over shards i of scaling_i * x[t] @ A_i[slot_t]^T @ B_i[slot_t]^T, in place."""
+        shards = [i for i, ranks in enumerate(self.ranks) if any(ranks[s] for s in batch.active_slots)]
+        if not shards:
+            return
+        rank = max(self.ranks[i][s] for i in shards for s in batch.active_slots)
+        mr, slots, groups = self.max_rank, batch.token_slots, batch.groups
+        if len(shards) == len(self.out_sizes) and rank == mr:  # one shrink over the stacked A of every shard
+            h = kernels.lora_shrink(x, self.lora_a, slots, 1.0, groups)
+            parts = [h[:, i * mr:(i + 1) * mr] for i in shards]
+        else:  # only some shards or a smaller rank in use: shrink just those columns
+            parts = [kernels.lora_shrink(x, self.lora_a[:, i * mr:i * mr + rank], slots, 1.0, groups) for i in shards]
+        for i, h_i in zip(shards, parts):
+            b = self.lora_b[i] if rank == mr else self.lora_b[i][:, :, :rank]
+            kernels.lora_expand(h_i, b, slots, self.scalings[i], y, self.offsets[i], groups)

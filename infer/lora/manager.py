@@ -1,0 +1,178 @@
+"""Which adapters are known, which sit in CPU memory, and which occupy the device slots.
+
+Registered adapters (name -> folder) are validated once at `register`. Their weights are kept in a CPU LRU of at
+most `max_cpu_loras` adapters (an evicted one is read from its folder again when needed). `max_loras` device slots
+hold the weights every LoRALayer computes with; `acquire` swaps an adapter into a free slot, else into the least
+recently used slot that no running request pins, and pins it until `release`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from ..errors import LoRAError
+from ..models.layers import MergedLinear
+from .adapter import LoRAAdapter, load_adapter
+from .layer import LoRABatch, LoRALayer
+
+
+class LoRAManager:
+    def __init__(self, model, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        if max_loras < 1 or max_lora_rank < 1 or (max_cpu_loras is not None and max_cpu_loras < 1):
+            raise LoRAError(f"max_loras={max_loras}, max_lora_rank={max_lora_rank}, max_cpu_loras={max_cpu_loras}",
+                            "each must be at least 1")
+        linears = [m for m in model.modules() if isinstance(m, MergedLinear)]
+        self.base_config = model.config
+        self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
+        self.device = torch.device(device) if device is not None else _device_of(linears)
+        self.dtype = dtype or (linears[0].dtype if linears else torch.float32)
+        self._where: dict[str, tuple[LoRALayer, int]] = {}  # HF module path -> (its layer, shard index)
+        self.layers: list[LoRALayer] = []
+        for linear in linears:
+            linear.lora = LoRALayer(linear, max_loras, max_lora_rank, self.device, self.dtype)
+            self.layers.append(linear.lora)
+            for i, name in enumerate(linear.names):
+                self._where[name] = (linear.lora, i)
+        self._paths: dict[str, Path] = {}
+        self._cpu: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recently used first
+        self._resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recently used first
+        self._pins: dict[str, int] = {}
+        self.swaps = 0  # adapters copied into a device slot
+        self.disk_loads = 0  # adapters read from their folder (registration included)
+
+    # ------------------------------------------------------------------------------------------ registry
+    def register(self, name: str, path: str | Path) -> LoRAAdapter:
+        """Read and validate the adapter at `path` under `name`; raises LoRAError if it cannot run on the model."""
+        if not isinstance(name, str) or not name:
+            raise LoRAError(f"invalid LoRA adapter name {name!r}", "use --lora NAME=PATH with a non-empty NAME")
+        path = Path(path).expanduser()
+        if name in self._paths and self._paths[name] != path:
+            raise LoRAError(f"LoRA adapter {name!r} is already registered from {self._paths[name]}",
+                            "give each adapter folder its own name")
+        adapter = self._read(name, path)
+        self._paths[name] = path
+        self._cache(adapter)
+        return adapter
+
+    def unregister(self, name: str) -> None:
+        if self._pins.get(name):
+            raise LoRAError(f"LoRA adapter {name!r} is in use by running requests", "wait until they finish")
+        self._require(name)
+        if name in self._resident:
+            slot = self._resident.pop(name)
+            for layer in self.layers:
+                layer.clear_slot(slot)
+        self._cpu.pop(name, None)
+        self._pins.pop(name, None)
+        del self._paths[name]
+
+    def has(self, name: str) -> bool:
+        return name in self._paths
+
+    def names(self) -> list[str]:
+        return list(self._paths)
+
+    def _require(self, name: str) -> None:
+        if name not in self._paths:
+            raise LoRAError(f"unknown LoRA adapter {name!r}",
+                            f"registered adapters: {', '.join(sorted(self._paths)) or 'none'}")
+
+    def _read(self, name: str, path: Path) -> LoRAAdapter:
+        adapter = load_adapter(name, path, self.base_config, self.max_lora_rank, self.dtype)
+        self.disk_loads += 1
+        missing = [m for m in adapter.modules if m not in self._where]
+        if missing:
+            raise LoRAError(f"LoRA adapter {name!r} ({path}): adapts {missing[0]}, which the loaded model lacks",
+                            "the adapter was trained for another architecture")
+        return adapter
+
+    def _cache(self, adapter: LoRAAdapter) -> None:
+        self._cpu[adapter.name] = adapter
+        self._cpu.move_to_end(adapter.name)
+        while self.max_cpu_loras is not None and len(self._cpu) > self.max_cpu_loras:
+            self._cpu.popitem(last=False)
+
+    def cpu_adapter(self, name: str) -> LoRAAdapter:
+        """The adapter's CPU copy, read from its folder again if the CPU LRU dropped it."""
+        self._require(name)
+        if name not in self._cpu:
+            self._cache(self._read(name, self._paths[name]))
+        self._cpu.move_to_end(name)
+        return self._cpu[name]
+
+    def cpu_resident(self) -> list[str]:
+        return list(self._cpu)
+
+    # ------------------------------------------------------------------------------------------ device slots
+    def slot_of(self, name: str | None) -> int:
+        """The device slot of an acquired adapter, -1 for None (base model)."""
+        if name is None:
+            return -1
+        if name not in self._resident:
+            raise LoRAError(f"LoRA adapter {name!r} is not in a device slot", "acquire() it before running its tokens")
+        return self._resident[name]
+
+    def resident(self) -> dict[str, int]:
+        return dict(self._resident)
+
+    def _victim(self) -> int | None:
+        """A free slot, else the slot of the least recently used adapter no request pins, else None."""
+        used = set(self._resident.values())
+        free = [s for s in range(self.max_loras) if s not in used]
+        if free:
+            return free[0]
+        return next((slot for n, slot in self._resident.items() if not self._pins.get(n)), None)
+
+    def can_acquire(self, name: str | None) -> bool:
+        return name is None or name in self._resident or (self.has(name) and self._victim() is not None)
+
+    def acquire(self, name: str | None) -> int:
+        """Pin `name` in a device slot (swapping it in if needed) and return the slot; -1 for None."""
+        if name is None:
+            return -1
+        self._require(name)
+        if name not in self._resident:
+            slot = self._victim()
+            if slot is None:
+                raise LoRAError(f"no free LoRA slot for adapter {name!r}: all {self.max_loras} hold adapters of "
+                                "running requests", "raise --max-loras or wait for requests to finish")
+            self._swap_in(name, slot)
+        self._resident.move_to_end(name)
+        self._pins[name] = self._pins.get(name, 0) + 1
+        return self._resident[name]
+
+    def release(self, name: str | None) -> None:
+        """Unpin one use of `name`; the adapter stays in its slot until another one needs the slot."""
+        if name is None:
+            return
+        assert self._pins.get(name, 0) > 0, f"release({name!r}) without a matching acquire"
+        self._pins[name] -= 1
+
+    def pins(self, name: str) -> int:
+        return self._pins.get(name, 0)
+
+    def _swap_in(self, name: str, slot: int) -> None:
+        adapter = self.cpu_adapter(name)
+        old = next((n for n, s in self._resident.items() if s == slot), None)
+        if old is not None:
+            del self._resident[old]
+        for layer in self.layers:
+            layer.set_slot(slot, [adapter.modules.get(n) for n in layer.names])
+        self._resident[name] = slot
+        self.swaps += 1
+
+    # ------------------------------------------------------------------------------------------ per step
+    def make_batch(self, token_slots) -> LoRABatch | None:
+        """The per-step `ctx.lora` from every token's slot (list of ints or a tensor); None when all are -1."""
+        return LoRABatch.build(token_slots, self.max_loras, self.device)
+
+
+def _device_of(linears: list[MergedLinear]) -> torch.device:
+    for linear in linears:
+        for t in list(linear.parameters()) + list(linear.buffers()):
+            return t.device
+    return torch.device("cpu")

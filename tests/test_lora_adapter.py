@@ -1,0 +1,166 @@
+"""PEFT adapter loading and validation: what peft writes is read back exactly; what infer cannot serve is refused."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from infer.errors import LoRAError
+from infer.lora import adapter_problems, load_adapter, read_adapter
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def tiny_config(layers: int = 2, hidden: int = 64):
+    from transformers import LlamaConfig
+    return LlamaConfig(vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def tiny_llama(seed: int = 0, **kw):
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(tiny_config(**kw)).eval()
+
+
+def make_adapter(tmp_path, name: str, seed: int = 1, base=None, safe: bool = True, **lora_kw):
+    """Save a peft LoRA adapter with random (non-zero) A and B for a tiny Llama; returns its folder."""
+    from peft import LoraConfig, get_peft_model
+    base = base if base is not None else tiny_llama()
+    lora_kw.setdefault("r", 8)
+    lora_kw.setdefault("lora_alpha", 16)
+    lora_kw.setdefault("target_modules", ["q_proj", "v_proj"])
+    model = get_peft_model(base, LoraConfig(**lora_kw))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "lora_" in pname:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    path = tmp_path / name
+    model.save_pretrained(str(path), safe_serialization=safe)
+    model.unload()  # give the base model its plain Linear layers back
+    return path
+
+
+def test_reads_what_peft_wrote(tmp_path):
+    path = make_adapter(tmp_path, "a", r=8, lora_alpha=16, target_modules=ALL)
+    ad = load_adapter("a", path, tiny_config())
+    assert ad.rank == 8 and len(ad.modules) == 2 * len(ALL)
+    saved = load_file(str(path / "adapter_model.safetensors"))
+    m = ad.modules["model.layers.1.mlp.down_proj"]
+    assert (m.layer, m.proj, m.scaling) == (1, "down_proj", 2.0)
+    assert torch.equal(m.lora_a, saved["base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"])
+    assert torch.equal(m.lora_b, saved["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"])
+    assert m.lora_a.shape == (8, 128) and m.lora_b.shape == (64, 8)
+    assert ad.modules["model.layers.0.self_attn.k_proj"].lora_b.shape == (32, 8)  # GQA: 2 kv heads of 16
+
+
+def test_scaling_rslora_and_patterns(tmp_path):
+    rs = load_adapter("rs", make_adapter(tmp_path, "rs", r=16, lora_alpha=8, use_rslora=True), tiny_config())
+    assert all(math.isclose(m.scaling, 8 / math.sqrt(16)) for m in rs.modules.values())
+    pat = make_adapter(tmp_path, "pat", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                       rank_pattern={"v_proj": 12}, alpha_pattern={"layers.1.mlp.down_proj": 3})
+    ad = load_adapter("pat", pat, tiny_config())
+    assert ad.modules["model.layers.0.self_attn.q_proj"].scaling == 2.0
+    v = ad.modules["model.layers.1.self_attn.v_proj"]
+    assert v.rank == 12 and math.isclose(v.scaling, 8 / 12)
+    assert ad.modules["model.layers.0.mlp.down_proj"].scaling == 2.0
+    assert ad.modules["model.layers.1.mlp.down_proj"].scaling == 3 / 4
+    assert ad.rank == 12
+
+
+def test_bin_format_and_regex_targets(tmp_path):
+    path = make_adapter(tmp_path, "bin", safe=False, target_modules=r".*\.(gate|up)_proj")
+    assert (path / "adapter_model.bin").is_file()
+    ad = load_adapter("bin", path, tiny_config())
+    assert sorted({m.proj for m in ad.modules.values()}) == ["gate_proj", "up_proj"]
+
+
+def _expect_error(path, name="bad", config=None, max_rank=None, match=None):
+    with pytest.raises(LoRAError) as e:
+        load_adapter(name, path, config or tiny_config(), max_rank)
+    assert repr(name) in str(e.value) and e.value.hint
+    if match:
+        assert match in str(e.value), str(e.value)
+    problems = adapter_problems(name, path, config or tiny_config(), max_rank)
+    assert problems and problems[0].message in str(e.value)
+    return e.value
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(use_dora=True), "DoRA"),
+    (dict(lora_bias=True), "LoRA bias"),
+    (dict(target_modules=["q_proj", "embed_tokens"]), "embed_tokens"),
+    (dict(target_modules=["q_proj", "lm_head"]), "lm_head"),
+    (dict(modules_to_save=["lm_head"]), "modules_to_save"),
+    (dict(bias="all"), "biases"),
+])
+def test_unsupported_features(tmp_path, kw, match):
+    _expect_error(make_adapter(tmp_path, "x", **kw), "x", match=match)
+
+
+def test_rank_above_max(tmp_path):
+    err = _expect_error(make_adapter(tmp_path, "big", r=64), "big", max_rank=16, match="rank 64")
+    assert "--max-lora-rank" in err.hint
+
+
+def test_missing_or_bad_files(tmp_path):
+    _expect_error(tmp_path / "nowhere", "gone", match="not found")
+    path = make_adapter(tmp_path, "cfg")
+    (path / "adapter_config.json").unlink()
+    _expect_error(path, "cfg", match="adapter_config.json is missing")
+    path = make_adapter(tmp_path, "json")
+    (path / "adapter_config.json").write_text("{not json")
+    _expect_error(path, "json", match="not valid JSON")
+    path = make_adapter(tmp_path, "nor")
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    del cfg["r"]
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    _expect_error(path, "nor", match="'r'")
+    path = make_adapter(tmp_path, "now")
+    (path / "adapter_model.safetensors").unlink()
+    _expect_error(path, "now", match="no weights")
+    path = make_adapter(tmp_path, "trunc")
+    (path / "adapter_model.safetensors").write_bytes(b"\x00\x01garbage")
+    _expect_error(path, "trunc", match="cannot read")
+
+
+def _rewrite(path, edit):
+    file = path / "adapter_model.safetensors"
+    tensors = load_file(str(file))
+    edit(tensors)
+    save_file(tensors, str(file))
+
+
+def test_bad_tensors(tmp_path):
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
+    path = make_adapter(tmp_path, "rank")
+    _rewrite(path, lambda t: t.__setitem__(key.format("B"), torch.randn(64, 4)))
+    _expect_error(path, "rank", match="do not share a rank")
+    path = make_adapter(tmp_path, "half")
+    _rewrite(path, lambda t: t.pop(key.format("B")))
+    _expect_error(path, "half", match="lora_B missing")
+    path = make_adapter(tmp_path, "nan")
+    _rewrite(path, lambda t: t[key.format("A")].__setitem__((0, 0), float("nan")))
+    _expect_error(path, "nan", match="non-finite")
+    path = make_adapter(tmp_path, "bias")
+    _rewrite(path, lambda t: t.__setitem__(key.format("B").replace("weight", "bias"), torch.ones(64)))
+    _expect_error(path, "bias", match="LoRA bias")
+    path = make_adapter(tmp_path, "odd")
+    _rewrite(path, lambda t: [t.__setitem__(k.replace("q_proj", "qq_proj"), t.pop(k)) for k in list(t) if "q_" in k])
+    _expect_error(path, "odd", match="qq_proj")
+
+
+def test_does_not_fit_base(tmp_path):
+    deep = make_adapter(tmp_path, "deep", base=tiny_llama(layers=3))
+    _expect_error(deep, "deep", match="layer 2")
+    wide = make_adapter(tmp_path, "wide", base=tiny_llama(hidden=32))
+    err = _expect_error(wide, "wide", match="maps 32 -> 32")
+    assert "more problems" in str(err)  # every adapted module is reported
+    ad = read_adapter("wide", wide)
+    assert len(ad.validate_against(tiny_config())) == 4  # q and v in 2 layers
+    assert ad.validate_against(tiny_config(hidden=32)) == []

@@ -1,0 +1,177 @@
+"""Mixed-adapter batches through MergedLinear + LoRALayer against peft (each adapter alone) on the same weights."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from infer.errors import LoRAError
+from infer.lora import LoRAManager
+from infer.models.layers import MergedLinear
+
+from test_lora_adapter import ALL, make_adapter, tiny_llama
+
+ADAPTERS = {  # name -> LoraConfig arguments: ranks 4..64, rslora, patterns, different targets
+    "a": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "b": dict(r=8, lora_alpha=16, target_modules=ALL),
+    "c": dict(r=16, lora_alpha=8, use_rslora=True, target_modules=["k_proj", "o_proj", "down_proj"]),
+    "d": dict(r=64, lora_alpha=32, target_modules=["gate_proj", "up_proj", "v_proj"],
+              rank_pattern={"up_proj": 32}, alpha_pattern={"v_proj": 5}),
+}
+GROUPS = [("self_attn", ["q_proj", "k_proj", "v_proj"]), ("self_attn", ["o_proj"]),
+          ("mlp", ["gate_proj", "up_proj"]), ("mlp", ["down_proj"])]
+
+
+class MergedStack(nn.Module):
+    """Every projection of an HF Llama as infer's MergedLinear layers (qkv and gate_up merged)."""
+
+    def __init__(self, hf):
+        super().__init__()
+        self.config = hf.config
+        self.linears = nn.ModuleList()
+        for i, layer in enumerate(hf.model.layers):
+            for parent, projs in GROUPS:
+                mods = [getattr(getattr(layer, parent), p) for p in projs]
+                names = [f"model.layers.{i}.{parent}.{p}" for p in projs]
+                ml = MergedLinear(mods[0].in_features, [m.out_features for m in mods], names, False, None,
+                                  torch.float32)
+                for shard, m in enumerate(mods):
+                    ml.load_shard("weight", shard, m.weight.detach())
+                ml.finish_loading()
+                self.linears.append(ml)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from peft import PeftModel
+    tmp = tmp_path_factory.mktemp("adapters")
+    paths = {n: make_adapter(tmp, n, seed=i + 1, **kw) for i, (n, kw) in enumerate(ADAPTERS.items())}
+    hf = tiny_llama(seed=0)
+    stack = MergedStack(hf)  # built before peft wraps the Linear layers
+    peft = PeftModel.from_pretrained(hf, str(paths["a"]), adapter_name="a")
+    for n in list(ADAPTERS)[1:]:
+        peft.load_adapter(str(paths[n]), adapter_name=n)
+    return SimpleNamespace(paths=paths, stack=stack, peft=peft.eval())
+
+
+def peft_outputs(peft, ml: MergedLinear, x: torch.Tensor, adapter: str | None) -> torch.Tensor:
+    """peft's output of the shards of `ml` with one adapter active (None: the base layer)."""
+    outs = []
+    with torch.no_grad():
+        for name in ml.names:
+            mod = peft.get_submodule(f"base_model.model.{name}")
+            if adapter is None:
+                with peft.disable_adapter():
+                    outs.append(mod(x))
+            else:
+                peft.set_adapter(adapter)
+                outs.append(mod(x))
+    return torch.cat(outs, dim=-1)
+
+
+def expected(peft, ml, x, token_adapters):
+    y = torch.empty(x.shape[0], ml.out_features)
+    for adapter in set(token_adapters):
+        rows = [t for t, a in enumerate(token_adapters) if a == adapter]
+        y[rows] = peft_outputs(peft, ml, x[rows], adapter)
+    return y
+
+
+def run_batch(mgr, setup, token_adapters, seed=0):
+    """Max |infer - peft| over every layer for a batch whose token t uses token_adapters[t]."""
+    ctx = SimpleNamespace(lora=mgr.make_batch([mgr.slot_of(a) for a in token_adapters]))
+    g = torch.Generator().manual_seed(seed)
+    worst = 0.0
+    for ml in setup.stack.linears:
+        x = torch.randn(len(token_adapters), ml.in_features, generator=g)
+        got = ml(x, ctx)
+        worst = max(worst, (got - expected(setup.peft, ml, x, token_adapters)).abs().max().item())
+    return worst
+
+
+def test_oracle_is_not_trivial(setup):
+    """The adapters change every layer they target (random non-zero B), so equality below means something."""
+    ml = setup.stack.linears[0]
+    x = torch.randn(5, ml.in_features)
+    base = peft_outputs(setup.peft, ml, x, None)
+    assert (peft_outputs(setup.peft, ml, x, "b") - base).abs().max() > 0.1
+
+
+def test_mixed_batch_matches_peft(setup):
+    mgr = LoRAManager(setup.stack, max_loras=4, max_lora_rank=64, device="cpu", dtype=torch.float32)
+    for n, p in setup.paths.items():
+        mgr.register(n, p)
+        mgr.acquire(n)
+    g = torch.Generator().manual_seed(3)
+    names = [None, *ADAPTERS]
+    tokens = [names[i] for i in torch.randint(0, len(names), (41,), generator=g).tolist()]
+    assert run_batch(mgr, setup, tokens) < 1e-4
+    for only in ["a", "c", None]:  # one adapter for every token (the fast path), and a subset of shards
+        assert run_batch(mgr, setup, [only] * 7 + [None]) < 1e-4
+        assert run_batch(mgr, setup, [only] * 5) < 1e-4
+    assert mgr.make_batch([-1, -1]) is None and mgr.make_batch(torch.tensor([-1])) is None
+    batch = mgr.make_batch(torch.tensor([3, -1, 0, 3]))
+    assert batch.active_slots == (0, 3) and batch.token_slots.tolist() == [3, -1, 0, 3]
+
+
+def test_no_lora_context_is_the_base_layer(setup):
+    mgr = LoRAManager(setup.stack, max_loras=1, max_lora_rank=64)
+    mgr.register("b", setup.paths["b"])
+    mgr.acquire("b")
+    ml = setup.stack.linears[2]
+    x = torch.randn(3, ml.in_features)
+    base = peft_outputs(setup.peft, ml, x, None)
+    assert torch.allclose(ml(x, SimpleNamespace(lora=None)), base, atol=1e-5)
+    assert torch.allclose(ml(x, None), base, atol=1e-5)
+
+
+def test_slot_eviction_lru_and_pins(setup, tmp_path):
+    paths = {f"e{i}": make_adapter(tmp_path, f"e{i}", seed=10 + i, r=4 * (1 + i % 3), target_modules=ALL)
+             for i in range(8)}
+    for n, p in paths.items():
+        setup.peft.load_adapter(str(p), adapter_name=n)
+    mgr = LoRAManager(setup.stack, max_loras=2, max_lora_rank=16, max_cpu_loras=3)
+    for n, p in paths.items():
+        mgr.register(n, p)
+    assert mgr.cpu_resident() == ["e5", "e6", "e7"] and mgr.disk_loads == 8
+    assert (mgr.acquire("e0"), mgr.acquire("e1")) == (0, 1) and mgr.disk_loads == 10  # e0, e1 read again
+    assert not mgr.can_acquire("e2")  # both slots pinned by running requests
+    with pytest.raises(LoRAError, match="e2"):
+        mgr.acquire("e2")
+    assert run_batch(mgr, setup, ["e0", "e1", None, "e1", "e0"]) < 1e-4
+    mgr.release("e1")
+    assert mgr.can_acquire("e2") and mgr.acquire("e2") == 1  # the only unpinned slot
+    assert mgr.resident() == {"e0": 0, "e2": 1} and mgr.swaps == 3
+    assert run_batch(mgr, setup, ["e2", "e0", "e2"]) < 1e-4
+    mgr.release("e0"), mgr.release("e2")
+    assert mgr.acquire("e2") == 1 and mgr.swaps == 3  # already resident: no swap, now most recently used
+    mgr.release("e2")
+    assert mgr.acquire("e5") == 0  # e0 is the least recently used
+    assert mgr.acquire("e0") == 1  # and e2 is now
+    assert mgr.resident() == {"e5": 0, "e0": 1} and mgr.swaps == 5 and mgr.pins("e0") == 1
+    assert run_batch(mgr, setup, ["e0", None, "e5", "e0"]) < 1e-4  # identical results after swaps
+    assert mgr.slot_of(None) == -1 and mgr.acquire(None) == -1 and mgr.can_acquire(None)
+    with pytest.raises(LoRAError, match="not in a device slot"):
+        mgr.slot_of("e3")
+    with pytest.raises(LoRAError, match="unknown LoRA adapter 'zz'"):
+        mgr.acquire("zz")
+
+
+def test_register_errors_name_the_adapter(setup, tmp_path):
+    mgr = LoRAManager(setup.stack, max_loras=2, max_lora_rank=8)
+    with pytest.raises(LoRAError, match="'big'.*rank 16"):
+        mgr.register("big", setup.paths["c"])
+    mgr.register("a", setup.paths["a"])
+    with pytest.raises(LoRAError, match="'a' is already registered"):
+        mgr.register("a", setup.paths["b"])
+    assert mgr.names() == ["a"] and mgr.has("a") and not mgr.has("big")
+    mgr.acquire("a")
+    with pytest.raises(LoRAError, match="in use"):
+        mgr.unregister("a")
+    mgr.release("a")
+    mgr.unregister("a")
+    assert mgr.names() == [] and mgr.resident() == {}
+    assert all(not layer.targets(0) for layer in mgr.layers)

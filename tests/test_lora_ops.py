@@ -1,0 +1,139 @@
+"""LoRA shrink/expand: the torch reference against a per-token loop, the Triton kernels against the reference
+(under TRITON_INTERPRET=1 on CPU at small shapes, at real shapes on a GPU)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+from infer import kernels
+from infer.kernels import reference as ref
+
+
+def naive_shrink(x, a, slots, scale):
+    out = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float64)
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            out[t] = scale * (x[t].double() @ a[s].double().t())
+    return out
+
+
+def naive_expand(h, b, slots, scalings, y, offset):
+    y = y.double().clone()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            y[t, offset:offset + b.shape[1]] += scalings[s].double() * (h[t].double() @ b[s].double().t())
+    return y
+
+
+def inputs(t, s, r, k, n, seed, slots=None, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, k, generator=g).to(dtype)
+    a = torch.randn(s, r, k, generator=g).to(dtype)
+    b = torch.randn(s, n, r, generator=g).to(dtype)
+    if slots is None:
+        slots = torch.randint(-1, s, (t,), generator=g)
+    scal = torch.rand(s, generator=g) + 0.5
+    y = (torch.randn(t, 2 * n + 7, generator=g) * 100).to(dtype)  # poisoned: large values the op must keep
+    return x, a, b, slots, scal, y
+
+
+SLOTS = {"mixed": None, "one": lambda t: torch.full((t,), 2), "none": lambda t: torch.full((t,), -1),
+         "one+base": lambda t: torch.tensor([1] * (t - 1) + [-1])}
+
+
+@pytest.mark.parametrize("t", [1, 16, 300])
+@pytest.mark.parametrize("case", list(SLOTS))
+def test_reference_matches_per_token_loop(t, case):
+    slots = None if SLOTS[case] is None else SLOTS[case](t)
+    x, a, b, slots, scal, y = inputs(t, 5, 16, 48, 24, seed=t, slots=slots)
+    h = ref.lora_shrink(x, a, slots, 0.5)
+    assert h.dtype == torch.float32 and h.shape == (t, 16)
+    assert torch.allclose(h.double(), naive_shrink(x, a, slots, 0.5), atol=1e-4)
+    wide = torch.cat([h, torch.randn(t, 16)], dim=1)  # expand reads a column slice, as merged layers do
+    want = naive_expand(wide[:, :16], b, slots, scal, y, offset=7)
+    ref.lora_expand(wide[:, :16], b, slots, scal, y, offset=7)
+    assert torch.allclose(y.double(), want, atol=1e-3)
+
+
+def test_groups_shared_between_calls():
+    x, a, b, slots, scal, y = inputs(50, 4, 8, 32, 16, seed=1)
+    groups = kernels.lora_groups(slots, 4)
+    assert torch.equal(slots[groups.order], slots.sort(stable=True).values)
+    assert groups.starts.tolist()[1:] == torch.bincount(slots + 1, minlength=5).cumsum(0).tolist()
+    assert torch.equal(kernels.lora_shrink(x, a, slots, 1.0, groups), ref.lora_shrink(x, a, slots))
+
+
+def test_low_precision_reference():
+    x, a, b, slots, scal, y = inputs(40, 3, 8, 64, 32, seed=2, dtype=torch.bfloat16)
+    h = ref.lora_shrink(x, a, slots)
+    assert torch.allclose(h.double(), naive_shrink(x, a, slots, 1.0), rtol=1e-3, atol=1e-3)
+    want = naive_expand(h, b, slots, scal, y, 3)
+    ref.lora_expand(h, b, slots, scal, y, 3)
+    assert y.dtype == torch.bfloat16 and torch.allclose(y.double(), want, rtol=1e-2, atol=1.0)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    """infer.kernels.lora_ops with its kernels interpreted on CPU (TRITON_INTERPRET is read when the kernels are
+    decorated and when they are launched, so it stays set while this module's tests run)."""
+    if torch.cuda.is_available():
+        yield importlib.import_module("infer.kernels.lora_ops")
+        return
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield importlib.reload(importlib.import_module("infer.kernels.lora_ops"))
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def _dev():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("case", list(SLOTS))
+@pytest.mark.parametrize("t,r", [(37, 8), (5, 24)])
+def test_triton_matches_reference(ops, case, t, r):
+    slots = None if SLOTS[case] is None else SLOTS[case](t)
+    x, a, b, slots, scal, y = (v.to(_dev()) for v in inputs(t, 4, r, 40, 20, seed=t + r, slots=slots))
+    h = ops.lora_shrink(x, a, slots, 0.25)
+    want_h = ref.lora_shrink(x.cpu(), a.cpu(), slots.cpu(), 0.25)
+    assert torch.allclose(h.cpu(), want_h, atol=1e-4)
+    assert not h[slots < 0].any()
+    wide = torch.cat([torch.randn_like(h), h], dim=1)  # a strided column slice, with an output offset
+    y_ref = y.cpu().clone()
+    ref.lora_expand(wide[:, r:].cpu(), b.cpu(), slots.cpu(), scal.cpu(), y_ref, 9)
+    ops.lora_expand(wide[:, r:], b, slots, scal, y, 9, kernels.lora_groups(slots, 4))
+    assert torch.allclose(y.cpu(), y_ref, atol=1e-3)
+    assert torch.equal(y.cpu()[slots.cpu() < 0], y_ref[slots.cpu() < 0])
+
+
+def test_triton_half_precision(ops):
+    x, a, b, slots, scal, y = (v.to(_dev()) for v in inputs(20, 3, 16, 32, 16, seed=5, dtype=torch.float16))
+    h = ops.lora_shrink(x, a, slots)
+    assert torch.allclose(h.cpu(), ref.lora_shrink(x.cpu(), a.cpu(), slots.cpu()), rtol=1e-3, atol=1e-2)
+    y_ref = y.cpu().clone()
+    ref.lora_expand(h.cpu(), b.cpu(), slots.cpu(), scal.cpu(), y_ref)
+    ops.lora_expand(h, b, slots, scal, y)
+    assert torch.allclose(y.cpu().float(), y_ref.float(), rtol=1e-2, atol=0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [16, 2048])
+def test_triton_real_shapes_gpu(t):
+    from infer.kernels import lora_ops
+    x, a, b, slots, scal, y = (v.cuda() for v in inputs(t, 16, 64, 4096, 4096, seed=t, dtype=torch.bfloat16))
+    h = lora_ops.lora_shrink(x, a, slots)
+    want_h = ref.lora_shrink(x.cpu(), a.cpu(), slots.cpu())
+    assert torch.allclose(h.cpu(), want_h, rtol=2e-2, atol=0.5)
+    y_ref = y.cpu().float()
+    ref.lora_expand(want_h, b.cpu(), slots.cpu(), scal.cpu(), y_ref, 4096)
+    lora_ops.lora_expand(want_h.cuda(), b, slots, scal, y, 4096)
+    assert torch.allclose(y.cpu().float(), y_ref, rtol=2e-2, atol=2.0)
