@@ -59,4 +59,6 @@ def register(module: str, name: str, command: str | None = None, **kwargs) -> No
 
 register("run", "run")
 register("warmup", "warmup")
+register("quantize", "quantize")
+register("convert", "convert")
 register("serve", "serve")

@@ -1,0 +1,47 @@
+"""`infer convert`: rewrite a model folder as safetensors, optionally in another dtype or with a LoRA merged in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from ..errors import ConfigError
+
+
+def convert(
+    model: Annotated[str, typer.Argument(help="A Hugging Face model folder (.bin, sharded or safetensors; float or "
+                                              "GPTQ), or a built-in model name.", show_default=False)],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Folder to write the converted model into.",
+                                         show_default=False)],
+    to: Annotated[str, typer.Option("--to", help="Target format (safetensors is the only one).")] = "safetensors",
+    dtype: Annotated[Optional[str], typer.Option(help="float16 | bfloat16 | float32 (default: keep the "
+                                                      "checkpoint's dtype). Float models only.",
+                                                 show_default=False)] = None,
+    merge_lora: Annotated[Optional[Path], typer.Option(help="A PEFT LoRA adapter folder to fold into the weights "
+                                                            "(merge_and_unload). Float models only.",
+                                                       show_default=False)] = None,
+    max_shard_size: Annotated[str, typer.Option(help="Largest safetensors file; bigger models are sharded.")] = "4GB",
+    overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it already holds a model.")] = False,
+) -> None:
+    """Convert a model folder to (sharded-when-large) safetensors, copying its tokenizer files.
+
+    A float model is loaded with transformers and saved again, optionally cast to --dtype and with a LoRA adapter
+    merged in. A GPTQ checkpoint is copied tensor by tensor unchanged (its int4 weights are repacked for the kernel
+    at load time, never on disk), so --dtype and --merge-lora are refused for it: merge into the float model first,
+    then `infer quantize` it, or serve the adapter on top of the GPTQ model with --lora.
+
+    Example: infer convert ./my-model-bin -o ./my-model --dtype bfloat16 --merge-lora ./adapters/support
+    """
+    from ..models.tiny import resolve_model
+    from ..quant.convert import convert_model
+    if to != "safetensors":
+        raise ConfigError(f"--to {to!r} is not supported", "safetensors is the only target format")
+    src = resolve_model(model)
+    out = convert_model(src, output, dtype=dtype, merge_lora=merge_lora, max_shard_size=max_shard_size,
+                        overwrite=overwrite)
+    files = sorted(p.name for p in Path(out).iterdir())
+    what = ", ".join(x for x in (dtype, merge_lora and f"merged {merge_lora}") if x) or "same dtype"
+    Console().print(f"Wrote {out} ({what}): {', '.join(files)}")

@@ -1,0 +1,114 @@
+"""`infer quantize`: GPTQ-quantize a float model with GPTQModel, with per-layer progress and an error report."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ..quant.calibration import CalibrationSet
+from ..quant.quantize import REPORT_NAME, QuantizeObserver, QuantizeOptions, QuantizeResult, captured_output
+
+GPTQ = "GPTQ settings"
+CALIB = "Calibration"
+
+
+class RichObserver(QuantizeObserver):
+    """Draws one progress bar over the decoder layers, naming the modules being solved."""
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("{task.fields[detail]}"), console=console)
+        self.task = None
+
+    def start(self, num_layers: int, calibration: CalibrationSet) -> None:
+        source = ("the built-in calibration text (pass --calibration FILE for text like your workload)"
+                  if calibration.source == "built-in" else calibration.source)
+        self.console.print(f"Calibrating on {len(calibration.samples)} samples, {calibration.num_tokens} tokens, "
+                           f"from {source}")
+        self.progress.start()
+        self.task = self.progress.add_task("Quantizing layers", total=num_layers or None, detail="loading model")
+
+    def subset(self, layer: int, modules: list[str], stage: str) -> None:
+        if self.task is not None:
+            verb = "solving" if stage.startswith("quant") else "capturing inputs of"
+            self.progress.update(self.task, detail=f"layer {layer}: {verb} {', '.join(modules)}")
+
+    def layer_done(self, layer: int) -> None:
+        if self.task is not None:
+            self.progress.advance(self.task)
+            self.console.log(f"layer {layer} quantized")
+
+    def stop(self) -> None:
+        if self.task is not None:
+            self.progress.update(self.task, detail="saving")
+        self.progress.stop()
+
+
+def report_table(result: QuantizeResult) -> Table:
+    table = Table(title=f"Quantization error per module ({REPORT_NAME})")
+    for col in ("layer", "module", "loss", "samples", "seconds"):
+        table.add_column(col, justify="left" if col == "module" else "right")
+    for row in result.report.itertuples(index=False):
+        table.add_row(str(row.layer), row.module, f"{row.loss:.3e}", str(row.samples), f"{row.seconds:.3f}")
+    return table
+
+
+def quantize(
+    model: Annotated[str, typer.Argument(help="A float Hugging Face model folder, or a built-in model (tiny-llama, "
+                                              "tiny-qwen2, ...).", show_default=False)],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Folder to write the GPTQ checkpoint into.",
+                                         show_default=False)],
+    bits: Annotated[int, typer.Option(help="Bits per weight: 4 or 8.", rich_help_panel=GPTQ)] = 4,
+    group_size: Annotated[int, typer.Option(help="Weights sharing one scale and zero point along the input "
+                                                 "dimension: 32, 64, 128, or -1 for one group per row.",
+                                            rich_help_panel=GPTQ)] = 128,
+    desc_act: Annotated[bool, typer.Option("--desc-act/--no-desc-act", help="Quantize columns in order of "
+                                           "decreasing activation (act-order): better accuracy, a g_idx "
+                                           "permutation at run time.", rich_help_panel=GPTQ)] = False,
+    sym: Annotated[bool, typer.Option("--sym/--no-sym", help="Symmetric quantization (zero point in the "
+                                      "middle); --no-sym fits a zero point per group.", rich_help_panel=GPTQ)] = True,
+    damp: Annotated[float, typer.Option(help="Hessian dampening, as a fraction of its mean diagonal.",
+                                        rich_help_panel=GPTQ)] = 0.05,
+    calibration: Annotated[Optional[Path], typer.Option(
+        help="Calibration text: .txt (one sample per paragraph, or per line) or .jsonl (objects with \"text\", "
+             "\"prompt\" or \"messages\"). Default: a small built-in English/code text set.",
+        rich_help_panel=CALIB, show_default=False)] = None,
+    num_samples: Annotated[int, typer.Option(help="Most calibration windows.", rich_help_panel=CALIB)] = 128,
+    seq_len: Annotated[int, typer.Option(help="Tokens per calibration window.", rich_help_panel=CALIB)] = 512,
+    max_shard_size: Annotated[str, typer.Option(help="Largest safetensors file; bigger models are sharded.")] = "4GB",
+    overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it already holds a model.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show GPTQModel's own console output.")] = False,
+) -> None:
+    """Quantize a float model to GPTQ int4/int8 with GPTQModel and write a standard GPTQ checkpoint.
+
+    The checkpoint (qweight/qzeros/scales/g_idx, format "gptq", quantize_config.json) loads unchanged in
+    transformers (with optimum + gptqmodel), vLLM and `infer run`. OUTPUT also gets quantization_report.csv with
+    each module's quantization error and time. Needs the extra: pip install 'infer[quantize]'.
+
+    Example: infer quantize ./Llama-3.2-1B -o ./Llama-3.2-1B-gptq --bits 4 --group-size 128 --calibration chats.jsonl
+    """
+    from ..quant.quantize import quantize_model
+    options = QuantizeOptions(bits=bits, group_size=group_size, desc_act=desc_act, sym=sym, num_samples=num_samples,
+                              seq_len=seq_len, damp_percent=damp, max_shard_size=max_shard_size)
+    options.validate()
+    with tempfile.TemporaryDirectory(prefix="infer-quantize-log-") as logdir:
+        with captured_output(Path(logdir) / "gptqmodel.log", enabled=not verbose) as terminal:
+            console = Console(file=terminal, log_path=False)
+            observer = RichObserver(console)
+            try:
+                result = quantize_model(model, output, options, calibration, observer, overwrite=overwrite)
+            finally:
+                observer.stop()
+    console = Console()
+    console.print(report_table(result))
+    worst = result.report.loc[result.report["loss"].idxmax()] if len(result.report) else None
+    if worst is not None:
+        console.print(f"Largest error: layer {worst.layer} {worst.module} (loss {worst.loss:.3e})")
+    console.print(f"Wrote {result.out} ({bits}-bit, group size {group_size}) in {result.seconds:.1f} s")

@@ -1,0 +1,123 @@
+"""Calibration data for quantization: read texts from a .txt / .jsonl file (or the built-in set) and cut them
+into token windows of a fixed length.
+
+A .txt file holds one sample per paragraph (blank-line separated); a file without blank lines holds one sample per
+line. A .jsonl file holds one object per line with "text", "prompt" or "messages" (a chat, rendered with the
+tokenizer's chat template when it has one).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..errors import ConfigError
+
+BUILTIN_PATH = Path(__file__).parent / "data" / "calibration.txt"
+MIN_WINDOW = 16  # a trailing window shorter than this is dropped
+
+Messages = list[dict]
+
+
+@dataclass
+class CalibrationSet:
+    source: str  # "built-in" or the file path
+    samples: list[dict]  # {"input_ids": list[int], "attention_mask": list[int]}
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s["input_ids"]) for s in self.samples)
+
+
+def read_texts(path: Path | None, render_chat: Callable[[Messages], str] | None = None) -> list[str]:
+    """The calibration texts of a .txt or .jsonl file, or of the built-in set when `path` is None."""
+    if path is None:
+        return _read_txt(BUILTIN_PATH)
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"calibration file {path} does not exist", "pass a .txt or .jsonl file")
+    if path.suffix == ".jsonl":
+        texts = _read_jsonl(path, render_chat or _plain_chat)
+    elif path.suffix == ".txt":
+        texts = _read_txt(path)
+    else:
+        raise ConfigError(f"calibration file {path} is neither .txt nor .jsonl",
+                          "use .txt (one sample per paragraph) or .jsonl (objects with text/prompt/messages)")
+    if not texts:
+        raise ConfigError(f"calibration file {path} holds no text", "add some representative text")
+    return texts
+
+
+def _read_txt(path: Path) -> list[str]:
+    content = path.read_text(encoding="utf-8")
+    blocks = content.split("\n\n") if "\n\n" in content.strip() else content.splitlines()
+    return [b.strip() for b in blocks if b.strip()]
+
+
+def _read_jsonl(path: Path, render_chat: Callable[[Messages], str]) -> list[str]:
+    texts = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if line.strip():
+                texts.append(_jsonl_text(line, path, lineno, render_chat))
+    return texts
+
+
+def _jsonl_text(line: str, path: Path, lineno: int, render_chat: Callable[[Messages], str]) -> str:
+    where = f"{path}, line {lineno}"
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where} is not valid JSON ({e.msg})", "write one JSON object per line") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{where} is not a JSON object", 'write objects like {"text": "..."}')
+    for key in ("text", "prompt"):
+        if key in obj:
+            if not isinstance(obj[key], str) or not obj[key].strip():
+                raise ConfigError(f"{where}: {key!r} must be a non-empty string")
+            return obj[key]
+    if "messages" in obj:
+        msgs = obj["messages"]
+        ok = isinstance(msgs, list) and msgs and all(
+            isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs)
+        if not ok:
+            raise ConfigError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+        return render_chat(msgs)
+    raise ConfigError(f"{where} has none of the keys 'text', 'prompt', 'messages'",
+                      'write objects like {"text": "..."} or {"messages": [{"role": "user", "content": "..."}]}')
+
+
+def _plain_chat(messages: Messages) -> str:
+    return "\n".join(f"{m.get('role', 'user')}: {m['content']}" for m in messages)
+
+
+def chat_renderer(tokenizer) -> Callable[[Messages], str]:
+    """Render a chat with the tokenizer's chat template, or as 'role: content' lines without one."""
+    if not getattr(tokenizer, "chat_template", None):
+        return _plain_chat
+    return lambda msgs: tokenizer.apply_chat_template(msgs, tokenize=False)
+
+
+def token_windows(texts: list[str], tokenizer, num_samples: int, seq_len: int) -> list[dict]:
+    """Join all texts into one token stream (separated by EOS when the tokenizer has one) and cut it into at most
+    `num_samples` windows of `seq_len` tokens; a short last window is kept if it has at least MIN_WINDOW tokens."""
+    sep = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    stream: list[int] = []
+    for text in texts:
+        stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"] + sep)
+        if len(stream) >= num_samples * seq_len:
+            break
+    windows = [stream[i:i + seq_len] for i in range(0, len(stream), seq_len)][:num_samples]
+    windows = [w for w in windows if len(w) >= min(MIN_WINDOW, seq_len)]
+    if not windows:
+        raise ConfigError(f"the calibration text has only {len(stream)} tokens",
+                          f"give at least {MIN_WINDOW} tokens of text")
+    return [{"input_ids": w, "attention_mask": [1] * len(w)} for w in windows]
+
+
+def load_calibration(path: Path | None, tokenizer, num_samples: int, seq_len: int) -> CalibrationSet:
+    texts = read_texts(path, chat_renderer(tokenizer))
+    return CalibrationSet("built-in" if path is None else str(path),
+                          token_windows(texts, tokenizer, num_samples, seq_len))

@@ -1,0 +1,257 @@
+"""Quantization driver: run GPTQModel (the GPTQ solver, an optional extra) on a float model and write a standard GPTQ
+checkpoint (format "gptq", v1 zero points) with a per-layer report of the quantization error.
+
+infer writes no solver of its own: this file prepares calibration windows, configures GPTQModel, follows its
+per-layer callbacks, keeps its console output and its `logs/` folder out of the user's terminal and working
+directory, and checks what it saved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from ..errors import ConfigError, InferError, ModelLoadError
+from .calibration import CalibrationSet, load_calibration
+from .convert import check_output, copy_tokenizer_files, is_gptq, staged_output
+
+BITS = (4, 8)
+GROUP_SIZES = (-1, 32, 64, 128)
+REPORT_NAME = "quantization_report.csv"
+EXTRA_HINT = "pip install 'infer[quantize]'"
+
+
+@dataclass
+class QuantizeOptions:
+    bits: int = 4
+    group_size: int = 128
+    desc_act: bool = False
+    sym: bool = True
+    num_samples: int = 128
+    seq_len: int = 512
+    damp_percent: float = 0.05
+    max_shard_size: str = "4GB"
+
+    def validate(self) -> None:
+        if self.bits not in BITS:
+            raise ConfigError(f"--bits {self.bits} is not supported", "use 4 or 8")
+        if self.group_size not in GROUP_SIZES:
+            raise ConfigError(f"--group-size {self.group_size} is not supported", "use -1, 32, 64 or 128")
+        if self.num_samples < 1:
+            raise ConfigError(f"--num-samples {self.num_samples} must be at least 1")
+        if self.seq_len < 16:
+            raise ConfigError(f"--seq-len {self.seq_len} is too short", "use at least 16 tokens (512 is typical)")
+        if not 0 < self.damp_percent < 1:
+            raise ConfigError(f"--damp {self.damp_percent} must lie between 0 and 1", "0.01-0.1 is typical")
+
+
+class QuantizeObserver:
+    """Receives progress events; the CLI draws them, the Python API ignores them."""
+
+    def start(self, num_layers: int, calibration: CalibrationSet) -> None: ...
+
+    def subset(self, layer: int, modules: list[str], stage: str) -> None: ...
+
+    def layer_done(self, layer: int) -> None: ...
+
+
+@dataclass
+class QuantizeResult:
+    out: Path
+    report: Any  # pandas.DataFrame: layer, module, loss, samples, damp, seconds
+    calibration: CalibrationSet
+    seconds: float
+
+
+def require_gptqmodel():
+    """Import GPTQModel, or say which extra to install."""
+    if importlib.util.find_spec("gptqmodel") is None:
+        raise InferError("infer quantize needs the quantize extra: pip install 'infer[quantize]'",
+                         "it installs GPTQModel (the GPTQ solver) and optimum")
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(1, min(12, os.cpu_count() or 1))))
+    try:
+        import gptqmodel
+    except Exception as e:  # broken install: name it instead of a traceback
+        raise InferError(f"GPTQModel is installed but cannot be imported: {type(e).__name__}: {e}",
+                         f"reinstall it: {EXTRA_HINT}") from e
+    return gptqmodel
+
+
+@contextlib.contextmanager
+def captured_output(log_path: Path, enabled: bool = True):
+    """Send everything printed while inside (Python streams and file descriptors 1 and 2, which catches
+    native libraries too) to `log_path`. Yields a stream that still reaches the user's terminal."""
+    if not enabled:
+        yield sys.stderr
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    terminal, saved = _terminal_stream(), [os.dup(1), os.dup(2)]
+    with open(log_path, "a", buffering=1) as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+                yield terminal
+        finally:
+            for fd, copy in zip((1, 2), saved):
+                os.dup2(copy, fd)
+                os.close(copy)
+            if terminal is not sys.stderr:
+                terminal.flush()
+
+
+def _terminal_stream() -> TextIO:
+    """A stream to the current stderr that survives redirecting fd 2 (a duplicate of it when it is fd 2)."""
+    try:
+        if sys.stderr.fileno() == 2:
+            return os.fdopen(os.dup(2), "w", buffering=1, closefd=True)
+    except (AttributeError, OSError, ValueError):  # pytest / CliRunner streams have no descriptor
+        pass
+    return sys.stderr
+
+
+@contextlib.contextmanager
+def _log_dir(gptqmodel_mod, workdir: Path):
+    """GPTQModel writes per-processor logs into ./logs; point that at our temporary folder instead."""
+    from gptqmodel.looper import loop_processor
+    if hasattr(loop_processor, "_PROJECT_LOG_DIR"):
+        old = loop_processor._PROJECT_LOG_DIR
+        loop_processor._PROJECT_LOG_DIR = workdir / "logs"
+        try:
+            yield
+        finally:
+            loop_processor._PROJECT_LOG_DIR = old
+    else:  # a GPTQModel that moved the setting: run with the temporary folder as cwd (all our paths are absolute)
+        cwd = os.getcwd()
+        os.chdir(workdir)
+        try:
+            yield
+        finally:
+            os.chdir(cwd)
+
+
+class _Callbacks:
+    """Adapts GPTQModel's layer/subset callbacks (attributes `layer_callback`, `subset_callback` of the model)."""
+
+    def __init__(self, observer: QuantizeObserver):
+        self.observer = observer
+        self.done: set[int] = set()
+
+    def layer_complete(self, layer_idx: int, submodule_finalized: bool) -> None:
+        if layer_idx not in self.done:  # called once before and once after the layer's finalizers
+            self.done.add(layer_idx)
+            self.observer.layer_done(layer_idx)
+
+    def subset_event(self, *, stage, layer_idx, subset_index, subset_total, module_names, processor) -> None:
+        self.observer.subset(layer_idx, list(module_names), stage)
+
+
+def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: QuantizeOptions | None = None,
+                   calibration: str | os.PathLike | None = None, observer: QuantizeObserver | None = None,
+                   overwrite: bool = False) -> QuantizeResult:
+    """Quantize `model` (a folder or a built-in name) with GPTQModel into `out`; see the module docstring."""
+    from ..models.tiny import resolve_model
+    opts = options or QuantizeOptions()
+    opts.validate()
+    src, out = resolve_model(model).resolve(), Path(out).resolve()
+    observer = observer or QuantizeObserver()
+    check_output(out, overwrite)
+    config = _check_source(src, opts.group_size)
+    gptqmodel_mod = require_gptqmodel()
+    tokenizer = _tokenizer(src)
+    calib = load_calibration(Path(calibration) if calibration else None, tokenizer, opts.num_samples, opts.seq_len)
+    observer.start(int(config.get("num_hidden_layers", 0)), calib)
+    start = time.perf_counter()
+    with staged_output(out, overwrite) as tmp, tempfile.TemporaryDirectory(prefix="infer-quantize-") as work:
+        with _log_dir(gptqmodel_mod, Path(work)):
+            log = _run_gptqmodel(src, tmp, opts, calib, Path(work), observer)
+        _check_saved(tmp)
+        copy_tokenizer_files(src, tmp)
+        report = report_frame(log)
+        report.to_csv(tmp / REPORT_NAME, index=False)
+    return QuantizeResult(out, report, calib, time.perf_counter() - start)
+
+
+def _check_source(src: Path, group_size: int) -> dict:
+    if is_gptq(src):
+        raise ConfigError(f"{src} is already a GPTQ checkpoint", "quantize the float model it came from")
+    config = json.loads((src / "config.json").read_text())
+    dims = {k: config[k] for k in ("hidden_size", "intermediate_size") if isinstance(config.get(k), int)}
+    bad = {k: v for k, v in dims.items() if group_size > 0 and v % group_size}
+    if bad:
+        raise ConfigError(f"--group-size {group_size} does not divide the model's {bad}",
+                          "pick a group size that divides every layer's input size (or -1 for one group)")
+    return config
+
+
+def _tokenizer(src: Path):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(src)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{src} has no usable tokenizer ({e})",
+                             "calibration text must be tokenized: add the tokenizer files to the folder") from e
+
+
+def _run_gptqmodel(src: Path, out: Path, opts: QuantizeOptions, calib: CalibrationSet, work: Path,
+                   observer: QuantizeObserver) -> dict:
+    from gptqmodel import GPTQModel, QuantizeConfig
+    from gptqmodel.quantization.config import FORMAT
+    qcfg = QuantizeConfig(bits=opts.bits, group_size=opts.group_size, desc_act=opts.desc_act, sym=opts.sym,
+                          damp_percent=opts.damp_percent, format=FORMAT.GPTQ, offload_to_disk_path=str(work / "off"),
+                          act_group_aware=False if opts.desc_act else None)
+    try:
+        qmodel = GPTQModel.load(str(src), qcfg)
+        callbacks = _Callbacks(observer)
+        qmodel.layer_callback = callbacks
+        qmodel.subset_callback = callbacks
+        log = qmodel.quantize(calib.samples, batch_size=1)
+        qmodel.save(str(out), max_shard_size=opts.max_shard_size)
+    except InferError:
+        raise
+    except Exception as e:
+        raise InferError(f"GPTQModel failed to quantize {src}: {type(e).__name__}: {e}",
+                         "rerun with --verbose to see GPTQModel's output, or --debug for the traceback") from e
+    return log or {}
+
+
+def _check_saved(out: Path) -> None:
+    """GPTQModel must have written the v1 "gptq" format that AutoGPTQ / optimum / vLLM read."""
+    qc = json.loads((out / "config.json").read_text()).get("quantization_config") or {}
+    fmt = qc.get("checkpoint_format", qc.get("format", "gptq"))
+    if qc.get("quant_method") != "gptq" or fmt != "gptq" or not (out / "quantize_config.json").is_file():
+        raise InferError(f"GPTQModel saved an unexpected checkpoint (quant_method={qc.get('quant_method')!r}, "
+                         f"format={fmt!r})", f"install the tested GPTQModel version: {EXTRA_HINT}")
+
+
+def report_frame(log: dict):
+    """GPTQModel's per-module log ({"gptq": [{layer, module, loss, samples, damp, time, ...}]}) as a table."""
+    import pandas as pd
+    rows = [{"layer": int(r["layer"]), "module": str(r["module"]), "loss": _num(r.get("loss")),
+             "samples": _int(r.get("samples")), "damp": _num(r.get("damp")), "seconds": _num(r.get("time"))}
+            for r in log.get("gptq", []) if "layer" in r and "module" in r]
+    frame = pd.DataFrame(rows, columns=["layer", "module", "loss", "samples", "damp", "seconds"])
+    return frame.sort_values("layer", kind="stable").reset_index(drop=True)  # in the order GPTQModel ran them
+
+
+def _num(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def _int(value) -> int:
+    try:
+        return int(float(value))
+    except (TypeError, ValueError):
+        return 0

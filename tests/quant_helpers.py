@@ -1,0 +1,90 @@
+"""Test helpers for GPTQ checkpoints: one written by GPTQModel directly (not through infer), and an independent
+numpy-free dequantizer of the v1 "gptq" format used as an oracle."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("GPTQMODEL_DISABLE_PACK_EXT", "1")  # skip a 30 s C++ build; tiny models pack fast in Python
+os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(min(2, os.cpu_count() or 1)))
+
+
+def has_gptqmodel() -> bool:
+    try:
+        import gptqmodel  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+needs_gptqmodel = pytest.mark.skipif(not has_gptqmodel(), reason="needs the quantize extra (gptqmodel)")
+
+
+def make_gptqmodel_checkpoint(src_dir, out_dir, bits: int = 4, group_size: int = 32, desc_act: bool = False,
+                              sym: bool = True, num_samples: int = 8, seq_len: int = 64, seed: int = 0) -> Path:
+    """Quantize the float model in `src_dir` with GPTQModel's own API into `out_dir` (format "gptq", v1 zero
+    points), calibrating on random token ids. Returns `out_dir`."""
+    from gptqmodel import GPTQModel, QuantizeConfig
+    from gptqmodel.looper import loop_processor
+    from gptqmodel.quantization.config import FORMAT
+    from transformers import AutoConfig
+    vocab = AutoConfig.from_pretrained(src_dir).vocab_size
+    g = torch.Generator().manual_seed(seed)
+    calib = [{"input_ids": torch.randint(3, vocab, (seq_len,), generator=g).tolist(), "attention_mask": [1] * seq_len}
+             for _ in range(num_samples)]
+    qcfg = QuantizeConfig(bits=bits, group_size=group_size, desc_act=desc_act, sym=sym, format=FORMAT.GPTQ,
+                          act_group_aware=False if desc_act else None)
+    with tempfile.TemporaryDirectory() as work:
+        old, loop_processor._PROJECT_LOG_DIR = loop_processor._PROJECT_LOG_DIR, Path(work) / "logs"
+        try:
+            model = GPTQModel.load(str(src_dir), qcfg)
+            model.quantize(calib, batch_size=1)
+            model.save(str(out_dir))
+        finally:
+            loop_processor._PROJECT_LOG_DIR = old
+    return Path(out_dir)
+
+
+def unpack_int32(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Split each int32 into 32/bits values, lowest bits first, along `dim` (0: rows, 1: columns)."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    mask = (1 << bits) - 1
+    if dim == 0:
+        return ((x.unsqueeze(1) >> shifts.view(1, -1, 1)) & mask).reshape(-1, x.shape[1])
+    return ((x.unsqueeze(2) >> shifts.view(1, 1, -1)) & mask).reshape(x.shape[0], -1)
+
+
+def dequantize_v1(tensors: dict, prefix: str, bits: int) -> torch.Tensor:
+    """The float weight [out, in] of a v1 GPTQ linear: W[o, i] = (q[i, o] - (z[g, o] + 1)) * s[g, o], g = g_idx[i]."""
+    q = unpack_int32(tensors[prefix + ".qweight"], bits, 0).float()
+    z = unpack_int32(tensors[prefix + ".qzeros"], bits, 1).float() + 1
+    s = tensors[prefix + ".scales"].float()
+    g = tensors[prefix + ".g_idx"].long()
+    return ((q - z[g]) * s[g]).t().contiguous()
+
+
+def dequantized_float_model(float_dir, gptq_dir):
+    """The float model of `float_dir` with every GPTQ linear of `gptq_dir` replaced by its dequantized weight."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    bits = json.loads((Path(gptq_dir) / "quantize_config.json").read_text())["bits"]
+    tensors = {}
+    for f in sorted(Path(gptq_dir).glob("*.safetensors")):
+        tensors.update(load_file(f))
+    model = AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32)
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, t in tensors.items():
+            if name.endswith(".qweight"):
+                prefix = name[: -len(".qweight")]
+                state[prefix + ".weight"].copy_(dequantize_v1(tensors, prefix, bits))
+            elif name in state:
+                state[name].copy_(t.float())
+    return model.eval()

@@ -1,0 +1,177 @@
+"""`infer convert`: .bin / sharded -> safetensors with identical tensors, --dtype, --merge-lora against peft's own
+merge, GPTQ checkpoints copied unchanged, and the errors a user can cause."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import typer
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from infer.errors import ConfigError, LoRAError, ModelLoadError
+
+runner = CliRunner()
+
+
+def run_cli(*args):
+    from infer.cli.convert import convert
+    app = typer.Typer()
+    app.command()(convert)
+    app.command("noop")(lambda: None)
+    return runner.invoke(app, ["convert", *map(str, args)])
+
+
+def load_all(folder: Path) -> dict:
+    out = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from infer.models.tiny import resolve_model
+    return resolve_model("tiny-qwen2")
+
+
+@pytest.fixture(scope="module")
+def bin_model(tiny, tmp_path_factory):
+    """The tiny model as an old-style pytorch_model.bin folder."""
+    d = tmp_path_factory.mktemp("bin")
+    for f in tiny.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy2(f, d / f.name)
+    torch.save(load_file(tiny / "model.safetensors"), d / "pytorch_model.bin")
+    return d
+
+
+def test_bin_to_safetensors_identical(bin_model, tmp_path):
+    r = run_cli(bin_model, "-o", tmp_path / "out")
+    assert r.exit_code == 0, (r.output, r.exception)
+    ref = torch.load(bin_model / "pytorch_model.bin", weights_only=True)
+    got = load_all(tmp_path / "out")
+    assert set(ref) <= set(got)
+    for k, v in ref.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json"):
+        assert (tmp_path / "out" / name).is_file()
+    assert not list((tmp_path / "out").glob("*.bin"))
+
+
+def test_sharded_roundtrip_and_loads(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+    r = run_cli(tiny, "-o", tmp_path / "sh", "--max-shard-size", "100KB")
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert len(list((tmp_path / "sh").glob("*.safetensors"))) > 1
+    assert (tmp_path / "sh" / "model.safetensors.index.json").is_file()
+    r = run_cli(tmp_path / "sh", "-o", tmp_path / "one")  # sharded -> one file again
+    assert r.exit_code == 0 and (tmp_path / "one" / "model.safetensors").is_file()
+    ref, got = load_file(tiny / "model.safetensors"), load_all(tmp_path / "one")
+    assert all(torch.equal(got[k], v) for k, v in ref.items())
+    a = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    b = AutoModelForCausalLM.from_pretrained(tmp_path / "sh", dtype=torch.float32)
+    ids = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    with torch.no_grad():
+        assert torch.equal(a(ids).logits, b(ids).logits)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_dtype(tiny, tmp_path, dtype):
+    r = run_cli(tiny, "-o", tmp_path / dtype, "--dtype", dtype)
+    assert r.exit_code == 0, (r.output, r.exception)
+    ref, got = load_file(tiny / "model.safetensors"), load_all(tmp_path / dtype)
+    for k, v in ref.items():
+        assert got[k].dtype == getattr(torch, dtype) and torch.equal(got[k], v.to(got[k].dtype)), k
+    assert json.loads((tmp_path / dtype / "config.json").read_text())["dtype"] == dtype
+
+
+def test_merge_lora_equals_peft(tiny, tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    get_peft_model(base, cfg).save_pretrained(tmp_path / "adapter")
+    r = run_cli(tiny, "-o", tmp_path / "merged", "--merge-lora", tmp_path / "adapter")
+    assert r.exit_code == 0, (r.output, r.exception)
+    fresh = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    plain = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    assert not any("lora" in k for k in load_all(tmp_path / "merged"))
+    ids = torch.tensor([[7, 3, 99, 250, 31, 5, 64]])
+    with torch.no_grad():
+        want, got, base_logits = peft_model(ids).logits, merged(ids).logits, plain(ids).logits
+    assert (want - base_logits).abs().max() > 1e-2  # the adapter changes the output
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture
+def fake_gptq(tmp_path):
+    """A GPTQ-shaped folder (.bin): convert only copies its tensors, so they need not be a real quantization."""
+    d = tmp_path / "gptq"
+    d.mkdir()
+    qc = {"bits": 4, "group_size": 32, "desc_act": False, "sym": True, "quant_method": "gptq", "format": "gptq"}
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": qc}))
+    (d / "quantize_config.json").write_text(json.dumps(qc))
+    (d / "tokenizer.json").write_text("{}")
+    g = torch.Generator().manual_seed(0)
+    tensors = {"l.qweight": torch.randint(-2**31, 2**31 - 1, (8, 64), dtype=torch.int32, generator=g),
+               "l.qzeros": torch.full((2, 8), 0x77777777, dtype=torch.int32),
+               "l.scales": torch.rand(2, 64, generator=g).half(), "l.g_idx": torch.arange(64, dtype=torch.int32) // 32,
+               "norm.weight": torch.rand(64, generator=g).half()}
+    torch.save(tensors, d / "pytorch_model.bin")
+    return d, tensors
+
+
+def test_gptq_copied_unchanged(fake_gptq, tmp_path):
+    src, tensors = fake_gptq
+    r = run_cli(src, "-o", tmp_path / "out")
+    assert r.exit_code == 0, (r.output, r.exception)
+    got = load_all(tmp_path / "out")
+    assert set(got) == set(tensors) and all(torch.equal(got[k], v) and got[k].dtype == v.dtype
+                                            for k, v in tensors.items())
+    for name in ("config.json", "quantize_config.json", "tokenizer.json"):
+        assert (tmp_path / "out" / name).read_text() == (src / name).read_text()
+
+
+def test_gptq_refuses_dtype_and_lora(fake_gptq, tmp_path):
+    src, _ = fake_gptq
+    r = run_cli(src, "-o", tmp_path / "a", "--dtype", "float16")
+    assert isinstance(r.exception, ConfigError) and "GPTQ" in str(r.exception)
+    (tmp_path / "ad").mkdir()
+    (tmp_path / "ad" / "adapter_config.json").write_text("{}")
+    r = run_cli(src, "-o", tmp_path / "b", "--merge-lora", tmp_path / "ad")
+    assert isinstance(r.exception, ConfigError) and "merge a LoRA adapter" in str(r.exception)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_bad_inputs(tiny, tmp_path):
+    r = run_cli(tmp_path / "missing", "-o", tmp_path / "o")
+    assert isinstance(r.exception, ModelLoadError)
+    r = run_cli(tiny, "-o", tmp_path / "o", "--to", "gguf")
+    assert isinstance(r.exception, ConfigError) and "--to" in str(r.exception)
+    r = run_cli(tiny, "-o", tmp_path / "o", "--dtype", "int8")
+    assert isinstance(r.exception, ConfigError) and "--dtype" in str(r.exception)
+    r = run_cli(tiny, "-o", tmp_path / "o", "--merge-lora", tmp_path)
+    assert isinstance(r.exception, LoRAError)
+    r = run_cli(tiny, "-o", tiny, "--overwrite")
+    assert isinstance(r.exception, ConfigError) and "input folder" in str(r.exception)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    r = run_cli(tiny, "-o", tmp_path / "full")
+    assert isinstance(r.exception, ConfigError) and "--overwrite" in str(r.exception)
+    assert not list(tmp_path.glob(".o.tmp-*")) and not (tmp_path / "o").exists()
+
+
+def test_overwrite_replaces_model(tiny, tmp_path):
+    assert run_cli(tiny, "-o", tmp_path / "o", "--dtype", "float16").exit_code == 0
+    r = run_cli(tiny, "-o", tmp_path / "o", "--overwrite")
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert load_all(tmp_path / "o")["model.norm.weight"].dtype == torch.float32
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
