@@ -1,0 +1,151 @@
+"""Baseline: Hugging Face transformers `generate` on static, left-padded batches of `batch_size` requests.
+
+    from infer.bench.hf_baseline import load_hf, run_hf_generate
+    hf = load_hf("tiny-llama")                                   # once; a path or a name works too, below
+    base = run_hf_generate(hf, workload.requests, batch_size=16)   # -> RunResult (backend "hf")
+
+Each batch is sent at once (its requests' send time is the batch start) and runs greedy until its longest
+request has `output_len` tokens; the next batch starts when it is done — what a static batch server does.
+A streamer time-stamps every decoding step (it gets the tokens on the CPU, so the GPU has caught up), which gives
+TTFT, ITL, TPOT and E2EL for each request, truncated at its own `output_len` (or at its EOS token when the
+workload does not ignore EOS). When every request of a batch ignores EOS, generation runs with no EOS token
+at all: the same lengths as `min_new_tokens = max_new_tokens`, and the same greedy tokens as the engine.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from typing import Any, NamedTuple
+
+from ..errors import ModelLoadError
+from .datasets import BenchRequest
+from .driver import Progress
+from .metrics import RequestRecord, RunResult
+from .sampler import ResourceSampler
+
+
+class StepClock:
+    """A transformers streamer that records when each generated token (one per step, whole batch) exists."""
+
+    def __init__(self, sampler: ResourceSampler | None = None):
+        self.times: list[float] = []
+        self._seen_prompt = False
+        self._sampler = sampler
+
+    def put(self, value) -> None:
+        if not self._seen_prompt:  # generate() hands the prompt to the streamer first
+            self._seen_prompt = True
+            return
+        self.times.append(time.perf_counter())
+        if self._sampler is not None:
+            self._sampler.sample()
+
+    def end(self) -> None:
+        pass
+
+
+class HFModel(NamedTuple):
+    model: Any  # AutoModelForCausalLM, eval mode, on `device`
+    tokenizer: Any
+    device: Any  # torch.device
+
+
+def load_hf(model_path: str, dtype: str = "auto", device: str = "auto") -> HFModel:
+    """Load a model folder (or a built-in name) with transformers. dtype auto: float32 on CPU, the
+    checkpoint's dtype on a GPU; device auto: cuda if there is one."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from ..models.tiny import resolve_model
+    path = resolve_model(model_path)
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    if dtype == "auto":
+        torch_dtype = torch.float32 if dev.type == "cpu" else "auto"
+    else:
+        torch_dtype = getattr(torch, dtype)
+    hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(dev).eval()
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:
+        raise ModelLoadError(f"transformers cannot load {path} for the baseline: {e}",
+                             "a GPTQ checkpoint needs gptqmodel/optimum installed for the HF baseline") from e
+    return HFModel(model, tok, dev)
+
+
+def _pad_left(prompts: list[list[int]], pad_id: int, device):
+    import torch
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _run_batch(model, tok, device, batch: list[tuple[int, BenchRequest]], sampler) -> list[RequestRecord]:
+    import torch
+    prompts = [r.prompt_token_ids or tok.encode(r.prompt, add_special_tokens=False) for _, r in batch]
+    eos = model.generation_config.eos_token_id
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos if isinstance(eos, int) else 0)
+    ids, mask = _pad_left(prompts, pad_id, device)
+    ignore = all(r.ignore_eos for _, r in batch)
+    gc = copy.deepcopy(model.generation_config)
+    gc.update(max_new_tokens=max(r.output_len for _, r in batch), do_sample=False, num_beams=1,
+              pad_token_id=pad_id, eos_token_id=None if ignore else eos, temperature=None, top_p=None, top_k=None)
+    clock = StepClock(sampler)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc, streamer=clock)
+    gen = out[:, ids.shape[1]:].tolist()
+    eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
+    records = []
+    for row, (i, req), prompt in zip(gen, batch, prompts):
+        toks = row[:req.output_len]
+        if not req.ignore_eos:
+            cut = next((k for k, t in enumerate(toks) if t in eos_ids), None)
+            toks = toks if cut is None else toks[:cut + 1]
+        rec = RequestRecord(i, len(prompt), send_time=start, chunk_times=clock.times[:len(toks)],
+                            output_tokens=len(toks), text=tok.decode(toks, skip_special_tokens=True),
+                            lora=req.lora, finish_reason="stop" if toks and toks[-1] in eos_ids else "length")
+        rec.success = bool(toks) and len(rec.chunk_times) == len(toks)
+        rec.error = None if rec.success else "generate produced fewer steps than tokens"
+        rec.end_time = rec.chunk_times[-1] if rec.chunk_times else time.perf_counter()
+        records.append(rec)
+    return records
+
+
+def run_hf_generate(model: str | HFModel, requests: list[BenchRequest], batch_size: int, dtype: str = "auto",
+                    device: str = "auto", progress: bool = True) -> RunResult:
+    """The transformers baseline at one batch size (reported as concurrency = batch_size); see module doc.
+    `model` is a model folder / built-in name (loaded with `dtype`, `device`) or what load_hf returned.
+    LoRA names in the workload are ignored (the baseline runs the base model). Ctrl-C returns the finished
+    batches with `partial=True`."""
+    if batch_size < 1:
+        raise ModelLoadError(f"the baseline batch size must be at least 1, got {batch_size}")
+    model, tok, dev = load_hf(model, dtype, device) if isinstance(model, str) else model
+    sampler = ResourceSampler(interval_s=0.0)
+    records: list[RequestRecord] = []
+    partial, aborted = False, 0
+    indexed = list(enumerate(requests))
+    with Progress(progress, len(requests), f"hf generate b={batch_size}") as bar:
+        t0 = end = time.perf_counter()
+        sampler.start(t0)
+        for s in range(0, len(indexed), batch_size):
+            batch = indexed[s:s + batch_size]
+            try:
+                records += _run_batch(model, tok, dev, batch, sampler)
+            except KeyboardInterrupt:
+                partial, aborted = True, len(batch)
+                end = time.perf_counter()
+                break
+            end = max(r.end_time for r in records[-len(batch):])
+            bar.advance(len(batch))
+    sampler.sample(0, force=True)
+    return RunResult("hf", batch_size, records, duration_s=end - t0, num_requests=len(requests),
+                     request_rate=math.inf, partial=partial, aborted=aborted, peak_rss_bytes=sampler.peak_rss_bytes,
+                     peak_gpu_bytes=sampler.peak_gpu_bytes, timeline=sampler.timeline, start_time=t0)

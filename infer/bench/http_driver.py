@@ -1,0 +1,165 @@
+"""HTTP benchmark driver: any OpenAI-compatible server (`infer serve`, vLLM, SGLang, llama.cpp ...).
+
+    from infer.bench.http_driver import run_http
+    result = run_http("http://127.0.0.1:8000", "my-model", workload.requests, concurrency=16)
+
+Each request is a streamed POST /v1/completions (`stream: true`, `stream_options: {include_usage: true}`,
+greedy, `max_tokens` = output length, `ignore_eos` when the workload asks for it, as vLLM accepts it); a request
+with a LoRA adapter names the adapter as its model, as vLLM serves adapters. Every SSE `data:` chunk with text is
+time-stamped; output tokens come from the final usage chunk (else from `tokenizer`, else one per chunk).
+Memory figures are those of this client process, not of the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+
+from ..errors import ConfigError, InferError
+from .datasets import BenchRequest
+from .driver import Progress, arrival_offsets
+from .metrics import RequestRecord, RunResult
+from .sampler import ResourceSampler
+
+
+def base_url(url: str) -> str:
+    url = url.rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"--url {url!r} is not an http(s) URL", "e.g. --url http://127.0.0.1:8000")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+def _headers(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def _check_reachable(client, url: str) -> None:
+    import httpx
+    try:
+        await client.get(f"{url}/v1/models", timeout=10.0)
+    except httpx.HTTPError as e:
+        raise ConfigError(f"cannot reach {url}: {e or type(e).__name__}",
+                          "start the server first (infer serve MODEL) or fix --url") from e
+
+
+def _body(model: str, req: BenchRequest, temperature: float) -> dict:
+    body = {"model": req.lora or model, "prompt": req.prompt if req.prompt is not None else req.prompt_token_ids,
+            "max_tokens": req.output_len, "temperature": temperature, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if req.ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+def _apply_chunk(rec: RequestRecord, data: dict, t: float) -> None:
+    choices = data.get("choices") or []
+    text = "".join(c.get("text") or "" for c in choices if isinstance(c, dict))
+    if text:
+        rec.chunk_times.append(t)
+        rec.text += text
+    for c in choices:
+        if isinstance(c, dict) and c.get("finish_reason"):
+            rec.finish_reason = c["finish_reason"]
+    usage = data.get("usage")
+    if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
+        rec.output_tokens = int(usage["completion_tokens"])
+        if usage.get("prompt_tokens") is not None:
+            rec.prompt_tokens = int(usage["prompt_tokens"])
+
+
+async def _stream_one(client, url: str, body: dict, rec: RequestRecord, headers: dict) -> None:
+    async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as resp:
+        if resp.status_code != 200:
+            detail = (await resp.aread()).decode("utf-8", "replace")[:300]
+            rec.error = f"HTTP {resp.status_code}: {detail}"
+            return
+        async for line in resp.aiter_lines():
+            line = line.strip()
+            if not line.startswith("data:"):
+                continue  # blank separators, comments, event: lines
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                break
+            data = json.loads(payload)
+            if isinstance(data, dict) and data.get("error"):
+                rec.error = str(data["error"])
+                return
+            _apply_chunk(rec, data, time.perf_counter())
+
+
+class _HttpRun:
+    def __init__(self, url, model, requests, concurrency, temperature, api_key, tokenizer, bar):
+        self.url, self.model, self.requests, self.temperature = url, model, requests, temperature
+        self.sem = asyncio.Semaphore(concurrency)
+        self.headers, self.tokenizer, self.bar = _headers(api_key), tokenizer, bar
+        self.done: list[RequestRecord] = []
+        self.in_flight = 0
+        self.started = 0
+        self.end = time.perf_counter()
+
+    async def one(self, client, i: int, delay: float, sampler: ResourceSampler) -> None:
+        await asyncio.sleep(delay)
+        req = self.requests[i]
+        async with self.sem:
+            self.in_flight += 1
+            self.started += 1
+            rec = RequestRecord(i, req.prompt_len, send_time=time.perf_counter(), lora=req.lora)
+            try:
+                await _stream_one(client, self.url, _body(self.model, req, self.temperature), rec, self.headers)
+            except Exception as e:  # a dropped connection or a bad chunk fails this request only
+                rec.error = f"{type(e).__name__}: {e}"
+            finally:
+                self.in_flight -= 1
+        self._finish(rec)
+        sampler.sample(self.in_flight)
+
+    def _finish(self, rec: RequestRecord) -> None:
+        rec.end_time = time.perf_counter()
+        if rec.chunk_times and not rec.output_tokens:
+            rec.output_tokens = (len(self.tokenizer.encode(rec.text, add_special_tokens=False))
+                                 if self.tokenizer is not None else len(rec.chunk_times))
+        if rec.error is None and not rec.chunk_times:
+            rec.error = "the stream ended without any text"
+        rec.success = rec.error is None
+        self.done.append(rec)
+        self.end = rec.end_time
+        self.bar.advance()
+
+
+async def _run_all(run: _HttpRun, offsets: list[float], sampler: ResourceSampler, t0_box: list) -> None:
+    import httpx
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(connect=10.0, read=None, write=60.0, pool=None)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+        await _check_reachable(client, run.url)
+        t0_box.append(time.perf_counter())
+        run.end = t0_box[0]
+        sampler.start(t0_box[0])
+        await asyncio.gather(*(run.one(client, i, off, sampler) for i, off in enumerate(offsets)))
+
+
+def run_http(url: str, model: str, requests: list[BenchRequest], concurrency: int, request_rate: float = math.inf,
+             api_key: str | None = None, seed: int = 0, progress: bool = True, tokenizer=None,
+             temperature: float = 0.0) -> RunResult:
+    """Drive the server at `url` with at most `concurrency` streams open; see the module docstring.
+    Raises ConfigError when the server cannot be reached. Ctrl-C returns what finished, `partial=True`."""
+    if concurrency < 1:
+        raise InferError(f"--concurrency must be at least 1, got {concurrency}")
+    url = base_url(url)
+    offsets = arrival_offsets(len(requests), request_rate, seed)
+    sampler, t0_box, partial = ResourceSampler(), [], False
+    with Progress(progress, len(requests), f"http c={concurrency}") as bar:
+        run = _HttpRun(url, model, requests, concurrency, temperature, api_key, tokenizer, bar)
+        try:
+            asyncio.run(_run_all(run, offsets, sampler, t0_box))
+        except KeyboardInterrupt:  # asyncio.run cancelled the open streams
+            partial = True
+            run.end = time.perf_counter()
+    t0 = t0_box[0] if t0_box else run.end
+    sampler.sample(0, force=True)
+    run.done.sort(key=lambda r: r.index)
+    return RunResult("http", concurrency, run.done, duration_s=run.end - t0, num_requests=len(requests),
+                     request_rate=request_rate, partial=partial, aborted=run.started - len(run.done),
+                     peak_rss_bytes=sampler.peak_rss_bytes, timeline=sampler.timeline, start_time=t0)

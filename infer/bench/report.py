@@ -1,0 +1,182 @@
+"""Benchmark reports: a rich table on the terminal and, in an output folder, results.json, results.csv,
+report.md, timelines.json and PNG plots.
+
+    from infer.bench.report import write_report
+    results = write_report("bench-out", runs, baselines=hf_runs, config={"model": ..., "workload": ...})
+
+`runs` are ours, one RunResult per concurrency level; `baselines` (optional) are matched to them by
+concurrency (an HF run's batch size). results.json is a list with one object per run, with vLLM's key names
+(completed, failed, total_input_tokens, ..., mean_ttft_ms, p99_itl_ms, ...) plus chars_per_s,
+peak_memory_bytes, concurrency, partial, config, versions, device and git_commit; a matched baseline sits
+in "baseline" (same keys) and the ours/baseline ratios of the throughput figures in "ratio".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import subprocess
+from pathlib import Path
+
+from .metrics import THROUGHPUT_KEYS, RunResult
+from .plots import plot_latency, plot_throughput, plot_timeline
+
+# (column title, results key, format); the throughput table, then the latency table
+THROUGHPUT_COLUMNS = [
+    ("conc", "concurrency", "{:d}"), ("done", "completed", "{:d}"), ("fail", "failed", "{:d}"),
+    ("req/s", "request_throughput", "{:.2f}"), ("out tok/s", "output_throughput", "{:.1f}"),
+    ("tok/s", "total_token_throughput", "{:.1f}"), ("chars/s", "chars_per_s", "{:.1f}"),
+    ("peak GiB", "peak_memory_gib", "{:.2f}"),
+]
+RATIO_COLUMNS = [("base out tok/s", "base:output_throughput", ""), ("x out tok/s", "ratio:output_throughput", ""),
+                 ("x chars/s", "ratio:chars_per_s", "")]
+LATENCY_COLUMNS = [("conc", "concurrency", "{:d}")] + [
+    (f"{m.upper()} {s} ms", f"{'median' if s == 'p50' else s}_{m}_ms", "{:.2f}")
+    for m in ("ttft", "tpot", "itl", "e2el") for s in ("p50", "p99")]
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
+                             text=True, timeout=5)
+        return (out.stdout.strip() or None) if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment() -> dict:
+    """Versions, device and git commit of this process (what a result was measured with)."""
+    import torch
+    import transformers
+
+    from .. import __version__
+    if torch.cuda.is_available():
+        device = f"cuda: {torch.cuda.get_device_name(0)}"
+    else:
+        device = f"cpu: {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+    return {"versions": {"infer": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+                         "python": platform.python_version()},
+            "device": device, "git_commit": _git_commit()}
+
+
+def run_entry(run: RunResult) -> dict:
+    """vLLM's metrics for one run plus our own figures (no config / environment)."""
+    d = {"backend": run.backend, "concurrency": run.concurrency,
+         "request_rate": None if math.isinf(run.request_rate) else run.request_rate,
+         "num_requests": run.num_requests, "partial": run.partial, "aborted": run.aborted}
+    d.update(run.metrics())
+    peak = run.peak_memory_bytes
+    d.update(peak_memory_bytes=peak, peak_memory_gib=None if peak is None else peak / 2**30,
+             peak_rss_bytes=run.peak_rss_bytes, peak_gpu_bytes=run.peak_gpu_bytes, engine_stats=run.engine_stats)
+    if run.timeline and "kv_usage" in run.timeline[0]:
+        d["max_kv_usage"] = max(s.get("kv_usage", 0.0) for s in run.timeline)
+    return d
+
+
+def build_results(runs: list[RunResult], baselines: list[RunResult] | None = None,
+                  config: dict | None = None, env: dict | None = None) -> list[dict]:
+    env = env if env is not None else environment()
+    by_conc = {b.concurrency: b for b in (baselines or [])}
+    results = []
+    for run in runs:
+        entry = run_entry(run)
+        base = by_conc.get(run.concurrency)
+        if base is not None:
+            entry["baseline"] = run_entry(base)
+            entry["ratio"] = {k: (entry[k] / entry["baseline"][k] if entry["baseline"][k] else None)
+                              for k in THROUGHPUT_KEYS}
+        entry.update(config=config or {}, **env)
+        results.append(entry)
+    return results
+
+
+def _cell(entry: dict, key: str, fmt: str) -> str:
+    if key.startswith("ratio:"):
+        v = (entry.get("ratio") or {}).get(key[6:])
+        return "-" if v is None else f"{v:.2f}x"
+    if key.startswith("base:"):
+        return _cell(entry.get("baseline") or {}, key[5:], "{:.1f}")
+    v = entry.get(key)
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+
+
+def table_rows(results: list[dict], which: str = "throughput") -> tuple[list[str], list[list[str]]]:
+    """Column titles and formatted rows of the "throughput" table (with baseline and ratio columns when there
+    is a baseline, and a partial flag) or of the "latency" table."""
+    if which == "latency":
+        cols = LATENCY_COLUMNS
+    else:
+        cols = THROUGHPUT_COLUMNS + (RATIO_COLUMNS if any("baseline" in r for r in results) else [])
+    rows = [[_cell(r, k, f) for _, k, f in cols] for r in results]
+    if which != "latency":
+        cols = cols + [("partial", "partial", "")]
+        rows = [row + ["yes" if r["partial"] else ""] for row, r in zip(rows, results)]
+    return [t for t, _, _ in cols], rows
+
+
+def print_table(results: list[dict], console=None, title: str = "infer bench") -> None:
+    """The throughput table and the latency table, on the terminal."""
+    from rich.console import Console
+    from rich.table import Table
+    console = console or Console()
+    for which in ("throughput", "latency"):
+        titles, rows = table_rows(results, which)
+        table = Table(title=f"{title}: {which}")
+        for t in titles:
+            table.add_column(t, justify="right")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+
+
+def _markdown(results: list[dict], plots: dict[str, Path], config: dict) -> str:
+    env = results[0] if results else environment()
+    lines = ["# infer bench", "", f"- device: {env['device']}", f"- git commit: {env['git_commit']}",
+             "- versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()), ""]
+    if config:
+        lines += ["## Configuration", "", "```json", json.dumps(config, indent=2, default=str), "```", ""]
+    for which in ("throughput", "latency"):
+        titles, rows = table_rows(results, which)
+        lines += [f"## {which.capitalize()}", "", "| " + " | ".join(titles) + " |", "|" + "---:|" * len(titles)]
+        lines += ["| " + " | ".join(row) + " |" for row in rows] + [""]
+    lines += ["", "Latency figures follow vLLM's benchmark_serving definitions (TTFT, TPOT excluding the first "
+              "token, ITL between consecutive chunks, E2EL); x = ours / baseline.", ""]
+    lines += [f"![{name}]({p.name})" for name, p in plots.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _strict(obj):
+    """NaN / inf (a run with no duration) become null, so results.json is strict JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _strict(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_strict(v) for v in obj]
+    return obj
+
+
+def write_report(out_dir, runs: list[RunResult], baselines: list[RunResult] | None = None,
+                 config: dict | None = None, console=None, show: bool = True) -> list[dict]:
+    """Write every report file into `out_dir` (created), print the table when `show`, return the results list."""
+    import pandas as pd
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results = build_results(runs, baselines, config)
+    (out / "results.json").write_text(json.dumps(_strict(results), indent=2, default=str))
+    flat = []
+    for r in results:
+        for e in [r] + ([r["baseline"]] if "baseline" in r else []):
+            flat.append({k: v for k, v in e.items() if not isinstance(v, (dict, list))})
+    pd.DataFrame(flat).to_csv(out / "results.csv", index=False)
+    timelines = [{"backend": r.backend, "concurrency": r.concurrency, "timeline": r.timeline}
+                 for r in list(runs) + list(baselines or [])]
+    (out / "timelines.json").write_text(json.dumps(timelines))
+    plots = {"throughput": plot_throughput(results, out / "throughput.png"),
+             "latency": plot_latency(results, out / "latency.png"),
+             "memory and KV cache": plot_timeline(list(runs) + list(baselines or []), out / "timeline.png")}
+    (out / "report.md").write_text(_markdown(results, plots, config or {}))
+    if show:
+        print_table(results, console)
+    return results

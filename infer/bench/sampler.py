@@ -1,0 +1,66 @@
+"""ResourceSampler: memory and engine-state samples over a benchmark run (for peaks and timeline plots)."""
+
+from __future__ import annotations
+
+import time
+
+_COUNTERS = ("num_preemptions", "lora_swaps", "num_steps")  # cumulative in the engine: also kept per run
+_STAT_KEYS = ("kv_usage", "kv_blocks_used", "num_running", "num_waiting", "prefix_cache_hit_rate",
+              "num_preemptions", "lora_swaps")
+
+
+def _cuda_in_use() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available() and torch.cuda.is_initialized()
+    except Exception:  # no torch / broken driver: no GPU figures
+        return False
+
+
+class ResourceSampler:
+    """Call `sample(in_flight)` often (each engine step); it records at most one sample per `interval_s`
+    but always tracks the peak RSS it saw. With an `engine`, each sample also holds its stats().
+    GPU figures come from torch.cuda (max_memory_allocated is reset by `start()`). The engine's cumulative
+    counters (num_preemptions, lora_swaps, num_steps) also appear as run_<name>: their change since `start()`."""
+
+    def __init__(self, engine=None, interval_s: float = 0.05):
+        import psutil
+        self.engine = engine
+        self.interval_s = interval_s
+        self._proc = psutil.Process()
+        self.timeline: list[dict] = []
+        self.peak_rss_bytes = 0
+        self.peak_gpu_bytes: int | None = None
+        self.last_stats: dict = {}
+        self._t0 = time.perf_counter()
+        self._last = -float("inf")
+        self._cuda = False
+        self._stats0: dict = {}
+
+    def start(self, t0: float | None = None) -> None:
+        self._t0 = time.perf_counter() if t0 is None else t0
+        self._cuda = _cuda_in_use()
+        self._stats0 = dict(self.engine.stats()) if self.engine is not None else {}
+        if self._cuda:
+            import torch
+            torch.cuda.reset_peak_memory_stats()
+
+    def sample(self, in_flight: int = 0, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not force and now - self._last < self.interval_s:
+            return
+        self._last = now
+        rss = self._proc.memory_info().rss
+        self.peak_rss_bytes = max(self.peak_rss_bytes, rss)
+        row = {"t": now - self._t0, "rss_bytes": rss, "in_flight": in_flight}
+        if self._cuda:
+            import torch
+            row["gpu_bytes"] = torch.cuda.memory_allocated()
+            self.peak_gpu_bytes = torch.cuda.max_memory_allocated()
+        if self.engine is not None:
+            self.last_stats = dict(self.engine.stats())
+            for k in _COUNTERS:
+                if k in self.last_stats:
+                    self.last_stats[f"run_{k}"] = self.last_stats[k] - self._stats0.get(k, 0)
+            row.update({k: self.last_stats[k] for k in _STAT_KEYS if k in self.last_stats})
+        self.timeline.append(row)

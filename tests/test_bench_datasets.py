@@ -1,0 +1,112 @@
+"""Benchmark workloads: random, liteqwen, jsonl, sharegpt, LoRA mix."""
+
+import json
+
+import pytest
+
+from infer.bench.datasets import (LITEQWEN, BenchRequest, assign_loras, liteqwen_output_len, load_workload,
+                                  normal_token_ids)
+from infer.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    from infer.models.tiny import ensure_builtin
+    return AutoTokenizer.from_pretrained(ensure_builtin("tiny-llama"))
+
+
+def test_random_exact_lengths_no_special_tokens_seeded(tok):
+    wl = load_workload("random", tok, num_prompts=20, input_len=37, output_len=9, seed=3)
+    special = set(tok.all_special_ids) | {tok.convert_tokens_to_ids("<|im_start|>")}
+    assert len(wl.requests) == 20
+    for r in wl.requests:
+        assert len(r.prompt_token_ids) == 37 and r.output_len == 9 and r.ignore_eos
+        assert not special & set(r.prompt_token_ids)
+        assert r.prompt == tok.decode(r.prompt_token_ids)
+    again = load_workload("random", tok, num_prompts=20, input_len=37, output_len=9, seed=3)
+    other = load_workload("random", tok, num_prompts=20, input_len=37, output_len=9, seed=4)
+    assert [r.prompt_token_ids for r in again.requests] == [r.prompt_token_ids for r in wl.requests]
+    assert [r.prompt_token_ids for r in other.requests] != [r.prompt_token_ids for r in wl.requests]
+
+
+def test_normal_token_ids_excludes_exactly_the_specials(tok):
+    ids = set(normal_token_ids(tok).tolist())
+    from infer.models.tiny import SPECIAL_TOKENS
+    specials = set(tok.convert_tokens_to_ids(SPECIAL_TOKENS))  # <|im_start|> is special but not in all_special_ids
+    assert ids == set(range(len(tok))) - specials and len(specials) == 3
+
+
+def test_liteqwen(tok):
+    wl = load_workload("liteqwen", tok)
+    assert wl.concurrency == 16 and len(wl.requests) == 80
+    n = liteqwen_output_len(tok)
+    text = open(__import__("infer").__path__[0] + "/models/data/corpus.txt").read()
+    chars_per_token = len(text) / len(tok.encode(text, add_special_tokens=False))
+    assert abs(n * chars_per_token - LITEQWEN["reply_chars"]) <= chars_per_token
+    for r in wl.requests:
+        assert r.prompt_len == 44 and r.output_len == n and r.max_length == 4096 and r.lora is None
+
+
+def test_jsonl(tok, tmp_path):
+    p = tmp_path / "w.jsonl"
+    lines = [{"prompt": "The weather today"}, {"messages": [{"role": "user", "content": "hi"}], "max_new_tokens": 5},
+             {"prompt": "x", "max_tokens": 3, "lora": "a", "ignore_eos": True}]
+    p.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    reqs = load_workload(f"jsonl:{p}", tok, output_len=17).requests
+    assert [r.output_len for r in reqs] == [17, 5, 3]
+    assert reqs[0].prompt_token_ids == tok.encode("The weather today", add_special_tokens=False)
+    assert reqs[1].prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert reqs[2].lora == "a" and reqs[2].ignore_eos and not reqs[0].ignore_eos
+    assert len(load_workload(f"jsonl:{p}", tok, num_prompts=2).requests) == 2
+
+
+@pytest.mark.parametrize("bad", ['{"prompt": "ok"}\nnot json', '{"prompt": "ok"}\n{"nothing": 1}',
+                                 '{"prompt": "ok"}\n{"prompt": "a", "max_new_tokens": 0}', '{"prompt": "ok"}\n[1]'])
+def test_jsonl_bad_line_names_line_number(tok, tmp_path, bad):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(bad)
+    with pytest.raises(ConfigError, match="line 2"):
+        load_workload(f"jsonl:{p}", tok)
+
+
+def test_missing_file_and_unknown_spec(tok, tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_workload(f"jsonl:{tmp_path}/nope.jsonl", tok)
+    with pytest.raises(ConfigError, match="unknown workload"):
+        load_workload("burst", tok)
+
+
+def test_sharegpt(tok, tmp_path):
+    long = "To cook rice, rinse it under cold water until the water runs clear"
+    data = [
+        {"conversations": [{"from": "human", "value": long}, {"from": "gpt", "value": long + " and simmer"}]},
+        {"conversations": [{"from": "system", "value": "sys"}, {"from": "human", "value": long + " twice"},
+                           {"from": "gpt", "value": long}]},
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": long}]},  # too short
+        {"conversations": [{"from": "human", "value": long}]},  # no reply
+        {"id": "no conversations"},
+    ]
+    p = tmp_path / "sg.json"
+    p.write_text(json.dumps(data))
+    reqs = load_workload(f"sharegpt:{p}", tok, num_prompts=10, seed=0).requests
+    assert len(reqs) == 2
+    by_prompt = {r.prompt: r for r in reqs}
+    r = by_prompt[long]
+    assert r.output_len == len(tok.encode(long + " and simmer", add_special_tokens=False))
+    assert r.prompt_token_ids == tok.encode(long, add_special_tokens=False)
+    assert long + " twice" in by_prompt
+    assert len(load_workload(f"sharegpt:{p}", tok, num_prompts=1).requests) == 1
+    p.write_text("{broken")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_workload(f"sharegpt:{p}", tok)
+
+
+def test_ignore_eos_override_and_lora_mix(tok):
+    wl = load_workload("random", tok, num_prompts=5, input_len=4, output_len=2, ignore_eos=False)
+    assert not any(r.ignore_eos for r in wl.requests)
+    reqs = [BenchRequest("p", [1], 1) for _ in range(5)]
+    assert [r.lora for r in assign_loras(reqs, ["a", "b"])] == ["a", "b", "a", "b", "a"]
+    assert [r.lora for r in assign_loras(reqs, ["a", "b"], include_base=True)] == ["a", "b", None, "a", "b"]
+    assert [r.lora for r in assign_loras(reqs, [])] == [None] * 5

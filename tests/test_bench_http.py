@@ -1,0 +1,135 @@
+"""HTTP benchmark driver against a small fake OpenAI SSE server on a free loopback port."""
+
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from infer.bench.datasets import BenchRequest
+from infer.bench.http_driver import base_url, run_http
+from infer.errors import ConfigError
+
+
+class _State:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.active = 0
+        self.max_active = 0
+        self.bodies = []
+
+
+class _Handler(BaseHTTPRequestHandler):
+    state: _State
+
+    def log_message(self, *a):  # keep pytest output clean
+        pass
+
+    def do_GET(self):
+        payload = json.dumps({"object": "list", "data": [{"id": "m"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        st = self.state
+        with st.lock:
+            st.bodies.append((body, self.headers.get("Authorization")))
+            st.active += 1
+            st.max_active = max(st.max_active, st.active)
+        try:
+            if body["model"] == "missing":
+                self.send_response(404)
+                self.end_headers()
+                self.wfile.write(b'{"error": {"message": "model not found"}}')
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for i in range(body["max_tokens"]):
+                time.sleep(0.003)
+                chunk = {"choices": [{"index": 0, "text": f"t{i} ", "finish_reason": None}]}
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.flush()
+            self.wfile.write(b'data: {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}\n\n')
+            if "nousage" not in body["prompt"]:
+                usage = {"prompt_tokens": 3, "completion_tokens": body["max_tokens"], "total_tokens": 0}
+                self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+            self.wfile.write(b": keep-alive comment\n\ndata: [DONE]\n\n")
+        finally:
+            with st.lock:
+                st.active -= 1
+
+
+@pytest.fixture
+def server():
+    state = _State()
+    handler = type("H", (_Handler,), {"state": state})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1/", state
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_streams_are_timed_and_concurrency_bounded(server):
+    url, state = server
+    reqs = [BenchRequest(f"prompt {i}", [1, 2, 3], 3 + i % 4, lora="ad" if i % 2 else None, ignore_eos=True)
+            for i in range(10)]
+    res = run_http(url, "m", reqs, concurrency=3, api_key="sk-x", progress=False)
+    assert state.max_active <= 3 and not res.partial
+    assert [r.index for r in res.records] == list(range(10))
+    for r in res.records:
+        n = reqs[r.index].output_len
+        assert r.success and r.output_tokens == n and len(r.chunk_times) == n and r.finish_reason == "length"
+        assert r.text == "".join(f"t{i} " for i in range(n)) and r.prompt_tokens == 3
+        assert r.send_time < r.chunk_times[0] <= r.chunk_times[-1]
+    body, auth = state.bodies[0]
+    assert auth == "Bearer sk-x" and body["stream"] and body["stream_options"] == {"include_usage": True}
+    assert body["temperature"] == 0.0 and body["ignore_eos"] is True
+    assert sorted(b["model"] for b, _ in state.bodies) == ["ad"] * 5 + ["m"] * 5
+    m = res.metrics()
+    assert m["completed"] == 10 and m["total_output_tokens"] == sum(r.output_len for r in reqs)
+    assert m["mean_itl_ms"] > 0 and m["mean_ttft_ms"] > 0
+
+
+def test_http_errors_fail_one_request_and_usage_fallback(server):
+    url, _ = server
+    reqs = [BenchRequest("a", [1], 2, lora="missing"), BenchRequest("nousage b", [1], 4)]
+    res = run_http(url, "m", reqs, concurrency=2, progress=False)
+    bad, good = res.records
+    assert not bad.success and "404" in bad.error
+    assert good.success and good.output_tokens == 4  # counted from the chunks without a usage chunk
+    assert res.metrics()["failed"] == 1
+
+
+def test_unreachable_url_is_a_config_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ConfigError, match=f"cannot reach http://127.0.0.1:{port}"):
+        run_http(f"http://127.0.0.1:{port}", "m", [BenchRequest("a", [1], 2)], concurrency=1, progress=False)
+    with pytest.raises(ConfigError, match="not an http"):
+        base_url("127.0.0.1:8000")
+
+
+def test_ctrl_c_returns_partial(server):
+    import os
+    import signal
+    url, _ = server
+    reqs = [BenchRequest("a", [1], 2)] * 2 + [BenchRequest("slow", [1], 2000)] * 2
+    timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        res = run_http(url, "m", reqs, concurrency=4, progress=False)
+    finally:
+        timer.cancel()
+    assert res.partial and res.aborted == 2
+    assert sorted(r.index for r in res.records) == [0, 1] and all(r.success for r in res.records)
