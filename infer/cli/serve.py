@@ -1,0 +1,125 @@
+"""`infer serve MODEL`: an OpenAI-compatible HTTP server (completions, chat, models, health, metrics)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import socket
+import threading
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..errors import ConfigError
+from . import options as o
+
+SERVER = "Server options"
+
+
+def base_model_id(model: str) -> str:
+    """The id clients send as `model` for the base: a built-in's name, or the model folder's name."""
+    return Path(model.rstrip("/\\")).name or model
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}",
+                          "pick another --port (0 picks a free one) or stop what uses it") from e
+    sock.listen(2048)
+    return sock
+
+
+def serve(
+    model: o.Model,
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 for every interface).",
+                                      rich_help_panel=SERVER)] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (0: any free port, printed at start).",
+                                      rich_help_panel=SERVER)] = 8000,
+    api_key: Annotated[Optional[str], typer.Option(help="Require 'Authorization: Bearer KEY' on every route but "
+                                                        "/health.", envvar="INFER_API_KEY", rich_help_panel=SERVER,
+                                                   show_default=False)] = None,
+    max_queue: Annotated[Optional[int], typer.Option(help="Requests allowed to wait for the engine; more get 503 "
+                                                          "with Retry-After (default: no limit).",
+                                                     rich_help_panel=SERVER)] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(help="Model id of the base model in the API "
+                                                                  "(default: MODEL's name).", rich_help_panel=SERVER)]
+    = None,
+    shutdown_timeout: Annotated[float, typer.Option(help="On SIGTERM, seconds in-flight requests get to finish "
+                                                         "before they are aborted.", rich_help_panel=SERVER)] = 30.0,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level: critical | error | warning | info | debug.",
+                                           rich_help_panel=SERVER)] = "warning",
+    dtype: o.Dtype = "auto", device: o.Device = "auto", max_num_seqs: o.MaxNumSeqs = 64,
+    max_num_batched_tokens: o.MaxBatchedTokens = 4096, block_size: o.BlockSize = 16,
+    max_model_len: o.MaxModelLen = None, seed: o.Seed = 0, prefix_caching: o.PrefixCaching = True,
+    memory_limit: o.MemoryLimit = None, gpu_memory_utilization: o.GpuUtil = 0.9,
+    lora: o.Lora = None, max_loras: o.MaxLoras = 4, max_lora_rank: o.MaxLoraRank = 64,
+    max_cpu_loras: o.MaxCpuLoras = None,
+) -> None:
+    """Serve MODEL over an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health,
+    /metrics. A request's `model` picks a --lora adapter by its NAME (the base id, or none, runs the base).
+
+    Example: [bold]infer serve tiny-llama --port 8000 --lora support=./adapters/support[/bold]
+    """
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port {port} is not a port number", "use 0..65535")
+    if max_queue is not None and max_queue < 1:
+        raise ConfigError(f"--max-queue must be at least 1, got {max_queue}")
+    if shutdown_timeout < 0:
+        raise ConfigError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout}")
+    cfg = o.engine_config(model, dtype, device, max_num_seqs, max_num_batched_tokens, block_size, max_model_len, seed,
+                          prefix_caching, memory_limit, gpu_memory_utilization, lora, max_loras, max_lora_rank,
+                          max_cpu_loras)
+    sock = _bind(host, port)
+    try:
+        _serve(cfg, sock, host, served_model_name or base_model_id(model), api_key, max_queue, shutdown_timeout,
+               log_level)
+    finally:
+        sock.close()
+
+
+def _serve(cfg, sock: socket.socket, host: str, model_id: str, api_key: str | None, max_queue: int | None,
+           shutdown_timeout: float, log_level: str) -> None:
+    import uvicorn
+
+    from ..engine.llm_engine import LLMEngine
+    from ..serve.app import Server, create_app
+    from ..serve.async_engine import AsyncEngine
+
+    engine = LLMEngine(cfg)
+    engine.warmup()
+    server = Server(AsyncEngine(engine, max_queue), model_id, api_key=api_key, graceful_timeout=shutdown_timeout)
+    app = create_app(server)
+    bound = sock.getsockname()[1]
+    names = ", ".join(server.adapters()) or "none"
+    typer.echo(f"infer: serving {server.model_id} ({engine.device.type}, {engine.dtype}, KV "
+               f"{engine.memory_plan.num_blocks} blocks) on http://{host}:{bound}  adapters: {names}", err=True)
+    logging.getLogger("infer").setLevel(logging.INFO if log_level in ("info", "debug") else logging.WARNING)
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
+                            access_log=log_level in ("info", "debug"))
+    with _quiet_signals():
+        uvicorn.Server(config).run(sockets=[sock])
+    typer.echo("infer: server stopped", err=True)
+
+
+@contextlib.contextmanager
+def _quiet_signals():
+    """uvicorn re-raises SIGTERM/SIGINT to the previous handlers after its graceful shutdown; make those no-ops
+    so that a clean stop exits 0 instead of dying by the signal."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    before = {s: signal.signal(s, lambda *_: None) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)

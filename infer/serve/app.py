@@ -1,0 +1,296 @@
+"""The FastAPI app: OpenAI-compatible routes over an AsyncEngine, SSE streaming, auth, errors, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from contextlib import aclosing, asynccontextmanager, contextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import RequestError
+from . import protocol as p
+from .async_engine import AsyncEngine, QueueFullError, ShuttingDownError
+from .metrics import CONTENT_TYPE, HttpMetricsMiddleware, ServerMetrics
+
+log = logging.getLogger("infer.serve")
+DISCONNECT_POLL_S = 0.25
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class Server:
+    """What the routes need: the engine wrapper, model ids, auth and metrics."""
+
+    def __init__(self, aengine: AsyncEngine, model_id: str, api_key: str | None = None, retry_after: int = 1,
+                 graceful_timeout: float = 30.0):
+        self.aengine, self.model_id, self.api_key = aengine, model_id, api_key
+        self.retry_after, self.graceful_timeout = retry_after, graceful_timeout
+        self.engine = aengine.engine
+        self.tokenizer = self.engine.tokenizer
+        self.metrics = ServerMetrics(self.stats)
+        self.created = p.now()
+
+    def stats(self) -> dict:
+        return {**self.aengine.stats, "num_in_flight": self.aengine.num_in_flight(),
+                "num_step_errors": self.aengine.num_step_errors}
+
+    def adapters(self) -> list[str]:
+        lm = self.engine.lora_manager
+        return sorted(lm.names()) if lm is not None else []
+
+    def lora_for(self, model: str | None) -> str | None:
+        """vLLM's rule: the base id (or no model) runs the base; an adapter's name runs that adapter."""
+        if model is None or model in (self.model_id, self.engine.config.model):
+            return None
+        if model in self.adapters():
+            return model
+        raise p.ApiError(404, f"the model {model!r} does not exist; available: "
+                              f"{', '.join([self.model_id, *self.adapters()])}", param="model",
+                         code="model_not_found")
+
+    def check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise p.ApiError(401, "invalid or missing API key: send the header 'Authorization: Bearer KEY'",
+                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    # ------------------------------------------------------------------------------------ generation
+    def submit(self, req: p.GenerationRequest, lora: str | None, base_id: str) -> tuple[asyncio.Queue, list[str]]:
+        queue: asyncio.Queue = asyncio.Queue()
+        ids = [f"{base_id}-{i}" for i in range(len(req.prompts))]
+        done: list[str] = []
+        try:
+            for rid, prompt in zip(ids, req.prompts):
+                self.aengine.add(rid, prompt, req.params, lora, queue)
+                done.append(rid)
+        except RequestError as e:
+            self._abort(done)
+            raise p.bad_request(e, param="prompt") from e
+        except QueueFullError as e:
+            self._abort(done)
+            raise p.ApiError(503, str(e), type="server_overloaded", code="queue_full",
+                             headers={"Retry-After": str(self.retry_after)}) from e
+        except ShuttingDownError as e:
+            self._abort(done)
+            raise p.ApiError(503, str(e), type="server_unavailable", code="shutting_down",
+                             headers={"Retry-After": str(self.retry_after)}) from e
+        return queue, ids
+
+    def _abort(self, ids) -> None:
+        for rid in ids:
+            self.aengine.abort(rid)
+
+    async def outputs(self, queue: asyncio.Queue, ids: list[str], request: Request | None, arrival: float):
+        """Yield (choice index, RequestOutput) until every request is finished. With `request`, a client that
+        goes away raises _ClientGone (streams rely on Starlette cancelling them instead)."""
+        index = {rid: i for i, rid in enumerate(ids)}
+        left = set(ids)
+        checked = time.monotonic()
+        try:
+            while left:
+                if request is not None and time.monotonic() - checked >= DISCONNECT_POLL_S:
+                    if await request.is_disconnected():
+                        raise _ClientGone()
+                    checked = time.monotonic()
+                try:
+                    out = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S) if request else await queue.get()
+                except asyncio.TimeoutError:
+                    continue
+                if out.finished:
+                    left.discard(out.request_id)
+                    self.metrics.observe_finished(out, arrival, time.monotonic())
+                yield index[out.request_id], out
+        finally:
+            if left:  # client gone, cancelled, or an error: free the engine's KV blocks now
+                for rid in left:
+                    self.metrics.finished.labels("abort").inc()
+                self._abort(left)
+
+
+def _dumps(obj) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def _error(out) -> p.ApiError:
+    return p.ApiError(500, out.error or "the request failed in the engine", type="server_error",
+                      code="engine_error")
+
+
+async def _complete(server: Server, req: p.GenerationRequest, rid: str, model: str, queue, ids, request,
+                    arrival: float) -> JSONResponse:
+    choices, prompt_n, completion_n = {}, 0, 0
+    try:
+        async with aclosing(server.outputs(queue, ids, request, arrival)) as outs:
+            async for i, out in outs:
+                if not out.finished:
+                    continue
+                if out.finish_reason in ("error", "abort"):
+                    raise _error(out)
+                choices[i] = p.choice(req, i, out.text, out.logprobs, server.tokenizer, p.finish_reason(out),
+                                      token_ids=out.token_ids, prompt_token_ids=out.prompt_token_ids)
+                prompt_n += len(out.prompt_token_ids)
+                completion_n += len(out.token_ids)
+    except _ClientGone:
+        return JSONResponse({}, status_code=499)  # nobody reads it
+    body = p.envelope(req, rid, model, p.now(), [choices[i] for i in sorted(choices)],
+                      p.usage(prompt_n, completion_n), chunk=False)
+    return JSONResponse(body)
+
+
+async def _stream(server: Server, req: p.GenerationRequest, rid: str, model: str, queue, ids, arrival: float):
+    created, sent_lp = p.now(), {}
+    prompt_n, completion_n = 0, 0
+
+    def event(choices, usage=None) -> str:
+        return f"data: {_dumps(p.envelope(req, rid, model, created, choices, usage, chunk=True))}\n\n"
+
+    if req.chat:
+        for i in range(len(ids)):
+            yield event([p.choice(req, i, "", None, server.tokenizer, None, delta=True, first=True)])
+    async with aclosing(server.outputs(queue, ids, None, arrival)) as outs:
+        async for i, out in outs:
+            if out.finished and out.finish_reason in ("error", "abort"):
+                yield f"data: {_dumps(_error(out).body())}\n\n"
+                break
+            records = None
+            if out.logprobs is not None:
+                records, sent_lp[i] = out.logprobs[sent_lp.get(i, 0):], len(out.logprobs)
+            reason = p.finish_reason(out) if out.finished else None
+            new_ids = out.new_token_ids if req.return_token_ids else None
+            if out.delta_text or records or reason or new_ids:
+                yield event([p.choice(req, i, out.delta_text, records, server.tokenizer, reason, delta=True,
+                                      token_ids=new_ids)])
+            if out.finished:
+                prompt_n += len(out.prompt_token_ids)
+                completion_n += len(out.token_ids)
+        else:
+            if req.include_usage:
+                yield event([], p.usage(prompt_n, completion_n))
+    yield "data: [DONE]\n\n"
+
+
+def _install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(p.ApiError)
+    async def api_error(request: Request, e: p.ApiError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        return JSONResponse(p.ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError):
+        return JSONResponse(p.ApiError(400, str(e.errors())).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        log.exception("unhandled error in %s", request.url.path)
+        return JSONResponse(p.ApiError(500, f"internal server error: {type(e).__name__}", type="server_error")
+                            .body(), status_code=500)
+
+
+async def _read_json(request: Request):
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise p.ApiError(400, f"the request body is not valid JSON: {e}") from e
+
+
+async def _generate(server: Server, request: Request, chat: bool):
+    server.check_auth(request)
+    arrival = time.monotonic()
+    body = await _read_json(request)
+    parse = p.parse_chat if chat else p.parse_completion
+    req = parse(body, server.tokenizer)
+    lora = server.lora_for(req.model)
+    p.check_context(req, server.engine.max_model_len)
+    model = req.model or server.model_id
+    rid = p.new_id(chat)
+    queue, ids = server.submit(req, lora, rid)
+    if req.stream:
+        return StreamingResponse(_stream(server, req, rid, model, queue, ids, arrival),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return await _complete(server, req, rid, model, queue, ids, request, arrival)
+
+
+def create_app(server: Server) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.aengine.start()
+        try:
+            yield
+        finally:  # uvicorn has already waited for (or cancelled) in-flight requests
+            await asyncio.to_thread(server.aengine.shutdown, server.graceful_timeout)
+
+    app = FastAPI(title="infer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    app.add_middleware(HttpMetricsMiddleware, metrics_fn=lambda: server.metrics)
+    _install_handlers(app)
+    _add_routes(app, server)
+    return app
+
+
+def _add_routes(app: FastAPI, server: Server) -> None:
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(server, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _generate(server, request, chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        server.check_auth(request)
+        card = {"object": "model", "created": server.created, "owned_by": "infer"}
+        data = [{"id": server.model_id, **card, "root": str(server.engine.model_path), "parent": None}]
+        data += [{"id": name, **card, "root": name, "parent": server.model_id} for name in server.adapters()]
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": server.model_id, "engine": server.stats()}
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        server.check_auth(request)
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@contextmanager
+def serve_in_thread(server: Server, host: str = "127.0.0.1", port: int = 0, graceful_timeout: float = 5.0):
+    """Run the app with uvicorn in a background thread (tests, in-process benchmarks); yields the base URL."""
+    import socket
+    import threading
+
+    import uvicorn
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((host, port))
+    config = uvicorn.Config(create_app(server), log_level="warning", timeout_graceful_shutdown=graceful_timeout)
+    uv = uvicorn.Server(config)
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, name="infer-uvicorn", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not uv.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server thread did not start")
+            time.sleep(0.01)
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=graceful_timeout + 15)
+        sock.close()

@@ -1,0 +1,194 @@
+"""AsyncEngine: one background thread owns the LLMEngine; asyncio handlers enqueue requests and await outputs.
+
+Handlers call `add` / `abort` (thread-safe, never block on a step). The engine thread drains those queues, runs
+`engine.step()`, and hands each RequestOutput to the asyncio queue of its request with `call_soon_threadsafe`.
+When nothing is pending it sleeps on a condition. An exception inside a step fails the requests that were running
+(each gets an output with finish_reason "error") and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from ..engine.outputs import RequestOutput
+from ..engine.sampling_params import SamplingParams
+from ..errors import InferError
+
+log = logging.getLogger("infer.serve")
+
+
+class QueueFullError(InferError):
+    """Too many requests wait for the engine (--max-queue); the client should retry later."""
+
+    exit_code = 1
+
+
+class ShuttingDownError(InferError):
+    """The server is shutting down and takes no new requests."""
+
+    exit_code = 1
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    lora: str | None
+    sink: tuple  # (event loop, asyncio.Queue)
+
+
+class AsyncEngine:
+    def __init__(self, engine, max_queue: int | None = None):
+        self.engine = engine
+        self.max_queue = max_queue
+        self._cond = threading.Condition()
+        self._adds: deque[_Pending] = deque()
+        self._aborts: deque[str] = deque()
+        self._sinks: dict[str, tuple] = {}  # request id -> (loop, queue); owned under _cond
+        self._num_waiting = 0  # engine's waiting queue after the last step
+        self._stopping = False
+        self._accepting = True
+        self.stats: dict = dict(engine.stats())  # a snapshot, replaced (never mutated) by the engine thread
+        self.num_step_errors = 0
+        self._thread = threading.Thread(target=self._run, name="infer-engine", daemon=True)
+
+    # ------------------------------------------------------------------ called from the event loop
+    def start(self) -> None:
+        self._thread.start()
+
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora: str | None,
+            queue: asyncio.Queue) -> None:
+        """Enqueue one request; its outputs arrive on `queue`. Raises RequestError, QueueFullError."""
+        self.engine.validate(prompt_token_ids, params, lora)  # read-only checks against fixed engine limits
+        with self._cond:
+            if not self._accepting:
+                raise ShuttingDownError("the server is shutting down", "retry against another replica")
+            if self.max_queue is not None and len(self._adds) + self._num_waiting >= self.max_queue:
+                raise QueueFullError(f"{self.max_queue} requests are already waiting (--max-queue)",
+                                     "retry after a moment")
+            if request_id in self._sinks:
+                raise InferError(f"request id {request_id!r} is already in use")
+            sink = (asyncio.get_running_loop(), queue)
+            self._sinks[request_id] = sink
+            self._adds.append(_Pending(request_id, list(prompt_token_ids), params, lora, sink))
+            self._cond.notify()
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (client gone); its KV blocks are freed by the engine thread's next iteration."""
+        with self._cond:
+            if self._sinks.pop(request_id, None) is None:
+                return
+            before = len(self._adds)
+            self._adds = deque(p for p in self._adds if p.request_id != request_id)
+            if len(self._adds) == before:
+                self._aborts.append(request_id)
+            self._cond.notify()
+
+    def num_in_flight(self) -> int:
+        with self._cond:
+            return len(self._sinks)
+
+    def stop_accepting(self) -> None:
+        with self._cond:
+            self._accepting = False
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop taking requests, let those in flight finish within `timeout`, abort the rest, stop the thread."""
+        self.stop_accepting()
+        deadline = time.monotonic() + timeout
+        while self.num_in_flight() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with self._cond:
+            left = list(self._sinks)
+        for rid in left:
+            self._fail(rid, "abort", "the server shut down before the request finished")
+            self.abort(rid)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ the engine thread
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopping or self._adds or self._aborts or self.engine.has_unfinished_requests()):
+                    self._cond.wait()
+                if self._stopping and not self._aborts:
+                    return
+                adds, self._adds = list(self._adds), deque()
+                aborts, self._aborts = list(self._aborts), deque()
+            try:
+                self._iteration(adds, aborts)
+            except Exception as e:  # never let the loop die: fail what was running, keep serving
+                self.num_step_errors += 1
+                log.exception("engine loop error")
+                self._fail_running(f"internal engine error: {type(e).__name__}: {e}")
+
+    def _iteration(self, adds: list[_Pending], aborts: list[str]) -> None:
+        for rid in aborts:
+            self.engine.abort_request(rid)  # frees its KV blocks now
+        for p in adds:
+            self._admit(p)
+        if adds:
+            with self._cond:  # the new requests wait in the engine now: count them before the step runs
+                self._num_waiting = len(self.engine.scheduler.waiting)
+        self._step()
+
+    def _admit(self, p: _Pending) -> None:
+        try:
+            self.engine.add_request(p.request_id, p.prompt_token_ids, p.params, p.lora)
+        except Exception as e:  # validated already; anything here is unexpected, but only this request fails
+            log.exception("could not add request %s", p.request_id)
+            self._fail(p.request_id, "error", str(e))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        except Exception as e:
+            self.num_step_errors += 1
+            log.exception("engine step failed; failing the running requests")
+            self._fail_running(f"internal engine error: {type(e).__name__}: {e}")
+            outputs = []
+        for out in outputs:
+            self._deliver(out)
+        stats = dict(self.engine.stats())
+        with self._cond:
+            self._num_waiting = stats["num_waiting"]
+        self.stats = stats
+
+    def _fail_running(self, message: str) -> None:
+        """After a failed step the running sequences' state is not trusted: abort them (frees their blocks)."""
+        running = [s.request_id for s in self.engine.scheduler.running]
+        victims = running or list(self.engine.requests)
+        for rid in victims:
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                log.exception("could not abort request %s", rid)
+            self._fail(rid, "error", message)
+
+    def _fail(self, request_id: str, reason: str, message: str) -> None:
+        out = RequestOutput(request_id=request_id, prompt_token_ids=[], token_ids=[], new_token_ids=[], text="",
+                            delta_text="", finished=True, finish_reason=reason, error=message)
+        self._deliver(out)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._cond:
+            sink = self._sinks.get(out.request_id)
+            if sink is not None and out.finished:
+                del self._sinks[out.request_id]
+        if sink is None:
+            return  # aborted by its client, or a request this server did not make
+        loop, queue = sink
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+        except RuntimeError:  # the event loop is closed (shutdown): nobody is listening
+            pass

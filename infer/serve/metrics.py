@@ -1,0 +1,92 @@
+"""Prometheus metrics for the server (names follow vLLM's, with an `infer:` prefix).
+
+Counters and histograms are updated as requests finish; engine gauges (queue depth, running, KV usage) are read
+from the engine thread's latest stats snapshot at scrape time. Each server has its own CollectorRegistry.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+disable_created_metrics()  # no *_created series: they double the output and nobody graphs them
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0)
+
+
+class _EngineCollector:
+    """Gauges read from `stats_fn()` (a dict as LLMEngine.stats() returns it) when Prometheus scrapes."""
+
+    def __init__(self, stats_fn):
+        self.stats_fn = stats_fn
+
+    def collect(self):
+        s = self.stats_fn()
+        gauges = [
+            ("infer:num_requests_waiting", "Requests waiting for the engine (queue depth).", s.get("num_waiting", 0)),
+            ("infer:num_requests_running", "Requests running in the engine.", s.get("num_running", 0)),
+            ("infer:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", s.get("kv_usage", 0.0)),
+            ("infer:kv_cache_blocks_used", "KV cache blocks in use.", s.get("kv_blocks_used", 0)),
+            ("infer:kv_cache_blocks_total", "KV cache blocks in all.", s.get("kv_blocks_total", 0)),
+            ("infer:num_requests_in_flight", "Requests the server has accepted and not yet answered.",
+             s.get("num_in_flight", 0)),
+        ]
+        for name, doc, value in gauges:
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], float(value))
+            yield g
+
+
+class ServerMetrics:
+    def __init__(self, stats_fn):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.http = Counter("infer:http_requests", "HTTP requests by route and status code.",
+                            ["route", "status"], registry=r)
+        self.finished = Counter("infer:request_finished", "Generation requests by how they ended.",
+                                ["finished_reason"], registry=r)
+        self.prompt_tokens = Counter("infer:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("infer:generation_tokens", "Generated tokens of finished requests.",
+                                         registry=r)
+        self.ttft = Histogram("infer:time_to_first_token_seconds", "Time to first token (arrival to first token).",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.e2e = Histogram("infer:e2e_request_latency_seconds", "Request latency (arrival to last token).",
+                             buckets=E2E_BUCKETS, registry=r)
+        r.register(_EngineCollector(stats_fn))
+
+    def observe_finished(self, out, arrival: float, end: float) -> None:
+        """One engine request ended (any reason); `arrival`/`end` are time.monotonic() values."""
+        self.finished.labels(out.finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.generation_tokens.inc(len(out.token_ids))
+        if out.first_token_time is not None:
+            self.ttft.observe(max(0.0, out.first_token_time - arrival))
+        if out.finish_reason in ("stop", "length"):
+            self.e2e.observe(max(0.0, end - arrival))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class HttpMetricsMiddleware:
+    """Pure ASGI middleware (it does not wrap streaming bodies): counts responses by route and status."""
+
+    def __init__(self, app, metrics_fn):
+        self.app = app
+        self.metrics_fn = metrics_fn
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                metrics = self.metrics_fn()
+                if metrics is not None:
+                    route = scope.get("route")
+                    path = getattr(route, "path", None) or "other"
+                    metrics.http.labels(path, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, send=counting_send)

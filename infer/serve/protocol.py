@@ -1,0 +1,248 @@
+"""OpenAI request bodies -> engine inputs, and engine outputs -> OpenAI response objects.
+
+Parsing raises ApiError (an HTTP status plus an OpenAI-style error body); it never lets a TypeError through.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.inputs import encode_prompt, params_from
+from ..engine.outputs import RequestOutput
+from ..errors import RequestError
+
+# OpenAI names for our SamplingParams fields, and the vLLM-style extras we accept as they are
+_ALIASES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
+_PARAM_KEYS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "repetition_penalty",
+               "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "seed", "ignore_eos", "logprobs",
+               "top_logprobs", "max_length"}
+# fields whose only supported value is their default: name -> (is it the default?, what to say)
+_UNSUPPORTED = {
+    "n": (lambda v: v is None or v == 1, "only n=1 is supported"),
+    "best_of": (lambda v: v is None or v == 1, "only best_of=1 is supported"),
+    "echo": (lambda v: v is None or v is False, "echo is not supported"),
+    "suffix": (lambda v: v is None or v == "", "suffix is not supported"),
+    "logit_bias": (lambda v: not v, "logit_bias is not supported"),
+    "tools": (lambda v: not v, "tool calls are not supported"),
+    "functions": (lambda v: not v, "function calls are not supported"),
+    "response_format": (lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+                        "only response_format {\"type\": \"text\"} is supported"),
+}
+_FIELD = re.compile(r"^(?:field ')?([a-z_]+)'?")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(e: RequestError | str, param: str | None = None) -> ApiError:
+    message = str(e)
+    if param is None:
+        m = _FIELD.match(message)
+        name = m.group(1) if m else None
+        param = {"max_new_tokens": "max_tokens"}.get(name, name) if name in _PARAM_KEYS | {"max_new_tokens",
+                                                                                          "prompt", "messages"} \
+            else None
+    return ApiError(400, message, param=param)
+
+
+@dataclass
+class GenerationRequest:
+    prompts: list[list[int]]  # one engine request per prompt (choice index = position)
+    params: Any
+    model: str | None
+    stream: bool = False
+    include_usage: bool = False
+    chat: bool = False
+    return_token_ids: bool = False  # vLLM extension: token ids in each choice (and chunk)
+
+
+def _expect(body: dict, key: str, types: tuple, what: str) -> Any:
+    value = body.get(key)
+    if value is not None and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
+        raise ApiError(400, f"field {key!r} must be {what}, got {type(value).__name__}", param=key)
+    return value
+
+
+def _common(body: Any, chat: bool) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    for key, (ok, why) in _UNSUPPORTED.items():
+        if not ok(body.get(key)):
+            raise ApiError(400, why, param=key)
+    model = _expect(body, "model", (str,), "a string")
+    stream = bool(_expect(body, "stream", (bool,), "a boolean"))
+    options = _expect(body, "stream_options", (dict,), "an object") or {}
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise ApiError(400, "stream_options.include_usage must be a boolean", param="stream_options")
+    fields = {k: v for k, v in body.items() if k in _PARAM_KEYS}
+    if not chat and isinstance(fields.get("logprobs"), bool):
+        raise ApiError(400, "field 'logprobs' must be an integer (0..5) for completions", param="logprobs")
+    if chat and fields.get("logprobs") is not None and not isinstance(fields["logprobs"], bool):
+        raise ApiError(400, "field 'logprobs' must be a boolean for chat (use top_logprobs for the count)",
+                       param="logprobs")
+    top = _expect(body, "top_logprobs", (int,), "an integer")
+    if top is not None and not 0 <= top <= 20:
+        raise ApiError(400, f"top_logprobs must be in 0..20, got {top}", param="top_logprobs")
+    try:
+        params = params_from(fields, _ALIASES)
+    except RequestError as e:
+        raise bad_request(e) from e
+    return_ids = bool(_expect(body, "return_token_ids", (bool,), "a boolean"))
+    return GenerationRequest([], params, model, stream, include_usage and stream, chat, return_ids)
+
+
+def _completion_prompts(prompt: Any, tokenizer) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [encode_prompt(tokenizer, prompt=prompt)]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return [list(prompt)]
+        if all(isinstance(p, str) for p in prompt):
+            return [encode_prompt(tokenizer, prompt=p) for p in prompt]
+        if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+               for p in prompt):
+            return [list(p) for p in prompt]
+    raise ApiError(400, "prompt must be a non-empty string, a list of strings, a list of token ids, or a list of "
+                        "token id lists", param="prompt")
+
+
+def parse_completion(body: Any, tokenizer) -> GenerationRequest:
+    req = _common(body, chat=False)
+    if body.get("prompt") is None:
+        raise ApiError(400, "missing required field 'prompt'", param="prompt")
+    if "max_tokens" not in body and "max_completion_tokens" not in body:
+        req.params.max_new_tokens = 16  # OpenAI's default for /v1/completions
+    if req.params.logprobs is not None and req.params.logprobs > 5:
+        raise ApiError(400, f"logprobs must be in 0..5, got {req.params.logprobs}", param="logprobs")
+    req.prompts = _completion_prompts(body["prompt"], tokenizer)
+    return req
+
+
+def _flatten_content(content: Any, i: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in content):
+            raise ApiError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+        return "".join(p["text"] for p in content)
+    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
+
+
+def parse_chat(body: Any, tokenizer) -> GenerationRequest:
+    req = _common(body, chat=True)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "missing required field 'messages' (a non-empty list)", param="messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", param="messages")
+        clean.append({"role": m["role"], "content": _flatten_content(m.get("content"), i)})
+    if "max_tokens" not in body and "max_completion_tokens" not in body:
+        req.params.max_new_tokens = None  # as OpenAI: up to the context limit
+    try:
+        req.prompts = [encode_prompt(tokenizer, messages=clean)]
+    except RequestError as e:
+        raise bad_request(e, param="messages") from e
+    return req
+
+
+def check_context(req: GenerationRequest, max_model_len: int) -> None:
+    """As OpenAI and vLLM: asking for more tokens than the context holds is a 400, not a silent cut."""
+    want = req.params.max_new_tokens
+    for p in req.prompts:
+        if len(p) >= max_model_len:
+            raise ApiError(400, f"the prompt has {len(p)} tokens, which leaves no room under this model's maximum "
+                                f"context length of {max_model_len} tokens", param="prompt",
+                           code="context_length_exceeded")
+        if want is not None and len(p) + want > max_model_len:
+            raise ApiError(400, f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+                                f"{len(p)} tokens and max_tokens asks for {want} more", param="max_tokens",
+                           code="context_length_exceeded")
+
+
+# ---------------------------------------------------------------------------------------------- responses
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _tok(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def completion_logprobs(records: list[dict], tokenizer, offset: int = 0) -> dict:
+    tokens = [_tok(tokenizer, r["token_id"]) for r in records]
+    text_offset, pos = [], offset
+    for t in tokens:
+        text_offset.append(pos)
+        pos += len(t)
+    tops = [{_tok(tokenizer, x["token_id"]): x["logprob"] for x in r["top_logprobs"]} if "top_logprobs" in r
+            else None for r in records]
+    return {"tokens": tokens, "token_logprobs": [r["logprob"] for r in records], "top_logprobs": tops,
+            "text_offset": text_offset}
+
+
+def chat_logprobs(records: list[dict], tokenizer) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        t = _tok(tokenizer, token_id)
+        return {"token": t, "logprob": logprob, "bytes": list(t.encode("utf-8"))}
+    return {"content": [{**entry(r["token_id"], r["logprob"]),
+                         "top_logprobs": [entry(x["token_id"], x["logprob"]) for x in r.get("top_logprobs", [])]}
+                        for r in records]}
+
+
+def choice(req: GenerationRequest, index: int, text: str, records: list[dict] | None, tokenizer,
+           finish_reason: str | None, delta: bool = False, first: bool = False, token_ids: list[int] | None = None,
+           prompt_token_ids: list[int] | None = None) -> dict:
+    lp = None
+    if records is not None:
+        lp = chat_logprobs(records, tokenizer) if req.chat else completion_logprobs(records, tokenizer)
+    if not req.chat:
+        out = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+    elif delta:
+        body = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        out = {"index": index, "delta": body, "logprobs": lp, "finish_reason": finish_reason}
+    else:
+        out = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+               "finish_reason": finish_reason}
+    if req.return_token_ids and token_ids is not None:
+        out["token_ids"] = list(token_ids)
+        if prompt_token_ids is not None:
+            out["prompt_token_ids"] = list(prompt_token_ids)
+    return out
+
+
+def envelope(req: GenerationRequest, rid: str, model: str, created: int, choices: list[dict],
+             usage_obj: dict | None, chunk: bool) -> dict:
+    kind = ("chat.completion" if req.chat else "text_completion") + (".chunk" if chunk and req.chat else "")
+    out = {"id": rid, "object": kind, "created": created, "model": model, "choices": choices,
+           "system_fingerprint": None}
+    if not chunk or req.include_usage:
+        out["usage"] = usage_obj
+    return out
+
+
+def finish_reason(out: RequestOutput) -> str:
+    return out.finish_reason if out.finish_reason in ("stop", "length") else "stop"
+
+
+def now() -> int:
+    return int(time.time())
