@@ -1,7 +1,12 @@
 import os
+from pathlib import Path
 
-import pytest
-import torch
+# Without a GPU, Triton kernels can only run in the interpreter; it must be chosen before anything imports triton.
+if not Path("/dev/nvidiactl").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

@@ -46,9 +46,8 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option(help="Require 'Authorization: Bearer KEY' on every route but "
                                                         "/health.", envvar="INFER_API_KEY", rich_help_panel=SERVER,
                                                    show_default=False)] = None,
-    max_queue: Annotated[Optional[int], typer.Option(help="Requests allowed to wait for the engine; more get 503 "
-                                                          "with Retry-After (default: no limit).",
-                                                     rich_help_panel=SERVER)] = None,
+    max_queue: Annotated[int, typer.Option(help="Requests allowed to wait for the engine; more get 503 "
+                                                "with Retry-After.", rich_help_panel=SERVER)] = 1024,
     served_model_name: Annotated[Optional[str], typer.Option(help="Model id of the base model in the API "
                                                                   "(default: MODEL's name).", rich_help_panel=SERVER)]
     = None,
@@ -70,7 +69,7 @@ def serve(
     """
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port {port} is not a port number", "use 0..65535")
-    if max_queue is not None and max_queue < 1:
+    if max_queue < 1:
         raise ConfigError(f"--max-queue must be at least 1, got {max_queue}")
     if shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout}")
