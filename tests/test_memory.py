@@ -81,7 +81,8 @@ def test_a_run_never_goes_beyond_the_reported_peak():
     max_length, conc = 512, 4
     opts = dict(max_num_seqs=conc, max_model_len=max_length, max_num_batched_tokens=512)
     plan, _ = measured_plan(EngineConfig(model="llama-100m", **opts), max_length, conc)
-    reported = plan.activation_peak_bytes + conc * plan.blocks_for(max_length) * plan.kv_block_bytes
+    reported = (plan.activation_peak_bytes + plan.reserve_bytes
+                + conc * plan.blocks_for(max_length) * plan.kv_block_bytes)
     llm = LLM("llama-100m", **opts)
     gc.collect()
     reset_peak_rss()

@@ -60,6 +60,7 @@ def print_plan(plan, extra: dict) -> None:
         rows.append(("peak activations (formula)", gib(extra["activation_estimate_bytes"])))
     if plan.lora_bytes:
         rows.append(("LoRA slots", gib(plan.lora_bytes)))
+    rows.append(("runtime reserve (1% of budget)", gib(plan.reserve_bytes)))
     rows += [
         ("KV cache per token / per block", f"{plan.kv_bytes_per_token:,} B / {plan.kv_block_bytes:,} B"),
         ("KV blocks under the budget", f"{plan.kv_blocks:,} x {plan.block_size} tokens"),

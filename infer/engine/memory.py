@@ -97,6 +97,7 @@ class MemoryPlan:
     weights_bytes: int
     activation_peak_bytes: int
     lora_bytes: int
+    reserve_bytes: int  # allocator fragmentation and per-step bookkeeping that no single step shows
     kv_bytes_per_token: int
     kv_block_bytes: int
     block_size: int
@@ -143,14 +144,21 @@ class MemoryPlan:
         return ", or ".join(tips)
 
 
+def runtime_reserve(budget: int) -> int:
+    """1% of the budget (at least 4 MiB) kept free for allocator fragmentation and the engine's own objects, which
+    grow over a long run but never show in one warmup step."""
+    return max(4 << 20, budget // 100)
+
+
 def make_plan(config: EngineConfig, cfg, dtype: torch.dtype, device: torch.device, weights: int, activation: int,
               max_length: int, concurrency: int, max_length_limit: int, lora: int = 0, measured: bool = False,
               budget: int | None = None) -> MemoryPlan:
     per_token = kv_bytes_per_token(cfg, dtype)
     block = per_token * config.block_size
     budget = budget_bytes(config, device, weights) if budget is None else budget
-    kv_blocks = max(0, budget - weights - activation - lora) // block
-    return MemoryPlan(device.type, device_total(device), budget, weights, activation, lora, per_token, block,
+    reserve = runtime_reserve(budget)
+    kv_blocks = max(0, budget - weights - activation - lora - reserve) // block
+    return MemoryPlan(device.type, device_total(device), budget, weights, activation, lora, reserve, per_token, block,
                       config.block_size, int(kv_blocks), max_length, concurrency, measured, max_length_limit)
 
 

@@ -125,13 +125,13 @@ def measure(model, cfg, config: EngineConfig, dtype, device, max_length: int, co
         lora_bytes = lora_manager.device_bytes()
     runner.run(prefill)  # first run: one-time allocations (kernels, thread pools) are not activations
     peaks = []
-    with PeakMeter(device) as meter:
-        runner.run(prefill)
-    peaks.append(meter.peak)
-    with PeakMeter(device) as meter:  # every decode batch size once (each has its own matmul setup)
-        for c in range(concurrency, 0, -1):
-            runner.run(ScheduledBatch(decode.seqs[:c], [1] * c))
-    peaks.append(meter.peak)
+    for batch in (prefill, decode):
+        runs = []
+        for _ in range(2):  # the smaller of two: what the step needs, not what the process left lying around
+            with PeakMeter(device) as meter:
+                runner.run(batch)
+            runs.append(meter.peak)
+        peaks.append(min(runs))
     if lora_manager is not None and lora_name is not None:
         lora_manager.release(lora_name)
     del runner
