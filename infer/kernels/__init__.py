@@ -62,3 +62,7 @@ def lora_expand(h, lora_b, token_slots, scalings, y, offset=0, groups=None):
         from .lora_ops import lora_expand as triton_expand
         return triton_expand(h, lora_b, token_slots, scalings, y, offset, groups)
     return reference.lora_expand(h, lora_b, token_slots, scalings, y, offset, groups)
+
+
+def gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1=True):
+    return reference.gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1)

@@ -55,6 +55,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+# ----------------------------------------------------------------------------------------------- GPTQ
+def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                g_idx: torch.Tensor, bits: int, zeros_v1: bool = True) -> torch.Tensor:
+    """Semantics: y = x @ W^T with W[o, i] = (q[i, o] - z[g_idx[i], o]) * scales[g_idx[i], o], where q and z are the
+    `bits`-wide values packed in qweight [in/pack, out] (along the input) and qzeros [groups, out/pack] (along the
+    output), z stored minus one when zeros_v1, the product rounded to the scales' dtype (fp16) as GPTQ runtimes do;
+    accumulated in float32, returned in x's dtype."""
+    from ..quant.packing import dequantize
+    w = dequantize(qweight, qzeros, scales, g_idx, bits, zeros_v1, torch.float32)
+    return (x.float() @ w.t()).to(x.dtype)
+
+
 # ----------------------------------------------------------------------------------------------- paged KV
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:

@@ -1,0 +1,126 @@
+"""GPTQ checkpoints through the engine: greedy tokens equal transformers' on the same int4 checkpoint, merged
+layers equal F.linear on the dequantized weight, and broken checkpoints give errors that name the tensor."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from infer import LLM, SamplingParams
+from infer.cli.main import app
+from infer.models.layers import MergedLinear
+from infer.models.tiny import ensure_builtin
+from infer.quant import packing
+from infer.quant.config import GPTQConfig
+from infer.quant.gptq_linear import GPTQLinearMethod
+
+from helpers import random_prompts
+from quant_helpers import make_gptqmodel_checkpoint, needs_gptqmodel
+
+N = 12
+
+
+def hf_gptq_greedy(path, prompts, n):
+    """transformers + GPTQModel's exact torch kernel (its default CPU kernel rounds scales to bf16)."""
+    from transformers import AutoModelForCausalLM, GPTQConfig as HFGPTQConfig
+    qc = json.loads((path / "config.json").read_text())["quantization_config"]
+    qc = {k: qc[k] for k in ("bits", "group_size", "desc_act", "sym")}
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device_map="cpu",
+                                             quantization_config=HFGPTQConfig(**qc, backend="torch"))
+    m.generation_config.eos_token_id = None
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            outs.append(m.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False,
+                                   pad_token_id=0)[0, len(p):].tolist())
+    return outs
+
+
+def _check_against_hf(path):
+    llm = LLM(str(path), block_size=4)
+    prompts = random_prompts(llm.engine.model_config.vocab_size, (4, 9, 17, 26, 33), seed=11)
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=N, ignore_eos=True))
+    assert [o.token_ids for o in outs] == hf_gptq_greedy(path, prompts, N)
+
+
+@pytest.fixture(scope="module")
+def infer_quantized(tmp_path_factory):
+    out = tmp_path_factory.mktemp("q") / "tiny-llama-gptq"
+    res = CliRunner().invoke(app, ["quantize", "tiny-llama", "-o", str(out), "--group-size", "32",
+                                   "--num-samples", "16", "--seq-len", "64"])
+    assert res.exit_code == 0, res.output
+    return out
+
+
+@needs_gptqmodel
+def test_infer_quantize_checkpoint_matches_transformers(infer_quantized):
+    _check_against_hf(infer_quantized)
+
+
+@needs_gptqmodel
+def test_gptqmodel_written_checkpoint_desc_act_asym_qwen2(tmp_path):
+    path = make_gptqmodel_checkpoint(ensure_builtin("tiny-qwen2"), tmp_path / "q", bits=4, group_size=32,
+                                     desc_act=True, sym=False)
+    _check_against_hf(path)
+
+
+@pytest.mark.parametrize("bits, group, v2", [(4, 32, False), (8, -1, True), (4, 64, True), (8, 128, False)])
+def test_merged_gptq_layer_equals_linear_on_dequantized_weight(bits, group, v2):
+    g = torch.Generator().manual_seed(bits + group)
+    k, sizes = 128, [64, 32, 32]
+    cfg = GPTQConfig(bits=bits, group_size=group, checkpoint_format="gptq_v2" if v2 else "gptq")
+    layer = MergedLinear(k, sizes, ["q", "k", "v"], True, GPTQLinearMethod(cfg), torch.float32)
+    weights = []
+    for shard, n in enumerate(sizes):
+        w = torch.randn(n, k, generator=g)
+        qw, qz, s, gi = packing.quantize_rtn(w, bits, group, sym=False)
+        if v2:
+            qz = packing.zeros_v1_to_v2(qz, bits)
+        for name, t in (("qweight", qw), ("qzeros", qz), ("scales", s), ("g_idx", gi)):
+            layer.load_shard(name, shard, t)
+        layer.load_shard("bias", shard, torch.randn(n, generator=g))
+        weights.append(packing.dequantize(qw, qz, s, gi, bits, zeros_v1=not v2))
+    layer.finish_loading()
+    x = torch.randn(5, k, generator=g)
+    expect = torch.nn.functional.linear(x, torch.cat(weights), layer.bias)
+    assert torch.allclose(layer(x), expect, atol=1e-4, rtol=1e-4)
+    ref = __import__("infer.kernels.reference", fromlist=["gptq_matmul"])
+    y = ref.gptq_matmul(x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx, bits, not v2) + layer.bias
+    assert torch.allclose(y, expect, atol=1e-4, rtol=1e-4)
+
+
+def _edit_checkpoint(src, dst, change):
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    change(tensors)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@needs_gptqmodel
+@pytest.mark.parametrize("what, message", [
+    ("missing-scales", "model.layers.0.self_attn.k_proj.scales"),
+    ("bad-qweight", "model.layers.1.mlp.down_proj.qweight has shape"),
+    ("corrupt", "cannot read weight file"),
+])
+def test_broken_checkpoints_exit_2_naming_the_tensor(infer_quantized, tmp_path, what, message):
+    dst = tmp_path / what
+    if what == "missing-scales":
+        _edit_checkpoint(infer_quantized, dst, lambda t: t.pop("model.layers.0.self_attn.k_proj.scales"))
+    elif what == "bad-qweight":
+        def shrink(t):
+            name = "model.layers.1.mlp.down_proj.qweight"
+            t[name] = t[name][:, :-8].contiguous()
+        _edit_checkpoint(infer_quantized, dst, shrink)
+    else:
+        shutil.copytree(infer_quantized, dst)
+        data = (dst / "model.safetensors").read_bytes()
+        (dst / "model.safetensors").write_bytes(data[: len(data) // 2])
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "hello"}\n')
+    res = CliRunner().invoke(app, ["run", str(dst), str(inp), "-q"])
+    assert res.exit_code == 2, res.output
+    assert message in res.output and "Traceback" not in res.output

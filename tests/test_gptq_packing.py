@@ -1,0 +1,66 @@
+"""GPTQ tensors: pack/unpack round trips, v1 <-> v2 zero points, dequantization against a plain loop."""
+
+import itertools
+
+import pytest
+import torch
+
+from infer.quant import packing
+from infer.quant.config import GPTQConfig
+from infer.errors import UnsupportedModelError
+
+CASES = list(itertools.product([4, 8], [32, 64, 128, -1], [True, False], [False, True]))
+
+
+@pytest.mark.parametrize("bits, group, sym, desc_act", CASES)
+def test_round_trip_and_dequantize(bits, group, sym, desc_act):
+    g = torch.Generator().manual_seed(bits * 1000 + group + 7 * sym + 3 * desc_act)
+    out_f, in_f = 24, 256
+    w = torch.randn(out_f, in_f, generator=g)
+    perm = torch.randperm(in_f, generator=g) if desc_act else None
+    qweight, qzeros, scales, g_idx = packing.quantize_rtn(w, bits, group, sym, perm)
+    pack = 32 // bits
+    groups = 1 if group == -1 else in_f // group
+    assert qweight.shape == (in_f // pack, out_f) and qweight.dtype == torch.int32
+    assert qzeros.shape == (groups, out_f // pack) and scales.shape == (groups, out_f)
+    assert scales.dtype == torch.float16 and g_idx.shape == (in_f,)
+    q = packing.unpack_rows(qweight, bits)
+    assert torch.equal(packing.pack_rows(q, bits), qweight)
+    z = packing.unpack_cols(qzeros, bits)
+    assert torch.equal(packing.pack_cols(z, bits), qzeros)
+    assert torch.equal(packing.zeros_v2_to_v1(packing.zeros_v1_to_v2(qzeros, bits), bits), qzeros)
+    if sym:
+        assert bool((z == (1 << (bits - 1)) - 1).all())  # v1 stores zero - 1: 7 for 4-bit
+    # dequantize against a plain loop over the packed words
+    deq = packing.dequantize(qweight, qzeros, scales, g_idx, bits)
+    mask = (1 << bits) - 1
+    for o, i in [(0, 0), (out_f - 1, in_f - 1), (5, 77), (11, 130)]:
+        word = int(qweight[i // pack, o]) & 0xFFFFFFFF
+        qv = (word >> (bits * (i % pack))) & mask
+        gi = int(g_idx[i])
+        zword = int(qzeros[gi, o // pack]) & 0xFFFFFFFF
+        zv = ((zword >> (bits * (o % pack))) & mask) + 1
+        expect = float(torch.tensor(qv - zv, dtype=torch.float16) * scales[gi, o])
+        assert deq[o, i].item() == pytest.approx(expect, abs=0, rel=0)
+    v2 = packing.dequantize(qweight, packing.zeros_v1_to_v2(qzeros, bits), scales, g_idx, bits, zeros_v1=False)
+    assert torch.equal(v2, deq)
+    # and the quantization is a faithful approximation of w
+    step = scales.float().max()
+    assert (deq - w).abs().max() <= step
+
+
+def test_config_reads_the_qwen_gptq_layout(tmp_path):
+    import json
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {
+        "bits": 4, "group_size": 128, "damp_percent": 0.01, "desc_act": False, "static_groups": False, "sym": True,
+        "true_sequential": True, "model_name_or_path": None, "model_file_base_name": "model", "quant_method": "gptq",
+        "use_exllama": True, "exllama_config": {"version": 1}, "batch_size": 1, "cache_block_outputs": True}}))
+    cfg = GPTQConfig.from_model_dir(tmp_path)
+    assert (cfg.bits, cfg.group_size, cfg.sym, cfg.zeros_v1) == (4, 128, True, True)
+
+
+@pytest.mark.parametrize("d, message", [({"bits": 3}, "3-bit"), ({"quant_method": "awq"}, "awq"),
+                                        ({"group_size": 0}, "group_size"), ({"lm_head": True}, "lm_head")])
+def test_unsupported_settings(d, message):
+    with pytest.raises(UnsupportedModelError, match=message):
+        GPTQConfig.from_dict({"quant_method": "gptq", **d}, "config.json")
