@@ -39,16 +39,28 @@ def peak_rss_bytes() -> int:
     return rss_bytes()
 
 
-def fixed_mmap_threshold(threshold: int = 1 << 20) -> None:
+def _libc():
+    import ctypes
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def trim_heap() -> None:
+    """Give freed heap memory back to the OS, so that what a step reuses shows again as resident growth."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+def fixed_mmap_threshold(threshold: int = 128 << 10) -> None:
     """Make glibc serve every large allocation with mmap and return it on free (no dynamic threshold), so that
     resident-memory growth measures what a step really allocates, whatever the process allocated before."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6")
+    libc = _libc()
+    if libc is not None and hasattr(libc, "mallopt"):
         libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD (also turns off the dynamic adjustment)
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    trim_heap()
 
 
 def resident_bytes(device: torch.device) -> int:
@@ -73,6 +85,7 @@ class PeakMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.base = torch.cuda.memory_allocated(self.device)
         else:
+            trim_heap()
             reset_peak_rss()
             self.base = rss_bytes()
         return self
@@ -127,11 +140,11 @@ def measure(model, cfg, config: EngineConfig, dtype, device, max_length: int, co
     peaks = []
     for batch in (prefill, decode):
         runs = []
-        for _ in range(2):  # the smaller of two: what the step needs, not what the process left lying around
+        for _ in range(2):  # twice: the first run of a shape also sets up the math libraries' own buffers
             with PeakMeter(device) as meter:
                 runner.run(batch)
             runs.append(meter.peak)
-        peaks.append(min(runs))
+        peaks.append(runs[-1])
     if lora_manager is not None and lora_name is not None:
         lora_manager.release(lora_name)
     del runner
