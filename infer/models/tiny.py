@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -21,7 +22,7 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-FORMAT_VERSION = 1  # bump when the generated files change, so stale caches are rebuilt
+FORMAT_VERSION = 2  # bump when the generated files change, so stale caches are rebuilt
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,8 @@ class TinySpec:
     seed: int
     vocab_size: int = 512
     config: dict = field(default_factory=dict)
+    # large enough that greedy outputs depend on the prompt and rarely repeat one token (at 0.02-0.08 they often do)
+    init_range: float = 0.15
 
 
 _TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -43,35 +46,44 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
         _TINY, tie_word_embeddings=True,
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 1024})),
-    "llama-100m": TinySpec("llama", 6, vocab_size=32000, config=dict(
+    "llama-100m": TinySpec("llama", 6, vocab_size=32000, init_range=0.08, config=dict(  # 134M parameters
         hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=12, max_position_embeddings=4096)),
 }
 
 
 def builtin_names() -> list[str]:
+    """The names `ensure_builtin` and `resolve_model` accept, in a stable order."""
     return list(BUILTIN_MODELS)
 
 
 def cache_root() -> Path:
+    """Where built-in models are kept: $INFER_CACHE/models, or ~/.cache/infer/models."""
     return Path(os.environ.get("INFER_CACHE") or Path.home() / ".cache" / "infer") / "models"
 
 
 def resolve_model(name_or_path: str | os.PathLike) -> Path:
-    """A local model folder as it is, or a built-in model name built into the cache."""
+    """A local model folder as it is (it must hold config.json), or a built-in model name built into the cache."""
     p = Path(name_or_path).expanduser()
     if p.is_dir():
         if not (p / "config.json").is_file():
-            raise ModelLoadError(f"{p} has no config.json", "pass a Hugging Face model folder")
+            raise ModelLoadError(f"model folder {p} has no config.json",
+                                 "pass a Hugging Face model folder (config.json and *.safetensors weights)")
         return p
+    if p.exists():
+        raise ModelLoadError(f"{p} is a file, not a model folder", "pass the folder that holds config.json")
     if str(name_or_path) in BUILTIN_MODELS:
         return ensure_builtin(str(name_or_path))
-    raise ModelLoadError(f"{name_or_path!r} is neither a local model folder nor a built-in model "
+    raise ModelLoadError(f"{str(name_or_path)!r} is neither a local model folder nor a built-in model "
                          f"({', '.join(BUILTIN_MODELS)})",
                          "pass a folder with config.json and weights; nothing is downloaded")
 
 
-def ensure_builtin(name: str, cache_dir: Path | None = None) -> Path:
+def ensure_builtin(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The folder of built-in model `name` under `cache_dir` (default `cache_root()`), generated on first use.
+
+    The build goes to a hidden temporary folder that is renamed into place, so a killed build leaves no
+    half-written model folder; leftovers of killed builds are removed by the next build."""
     if name not in BUILTIN_MODELS:
         raise ModelLoadError(f"unknown built-in model {name!r}", f"built-in models: {', '.join(BUILTIN_MODELS)}")
     root = Path(cache_dir) if cache_dir else cache_root()
@@ -79,6 +91,7 @@ def ensure_builtin(name: str, cache_dir: Path | None = None) -> Path:
     if (target / "model.safetensors").is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_builds(root, name)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     try:
         _build(BUILTIN_MODELS[name], tmp)
@@ -92,8 +105,20 @@ def ensure_builtin(name: str, cache_dir: Path | None = None) -> Path:
     return target
 
 
+def _remove_stale_builds(root: Path, name: str, max_age_s: float = 3600.0) -> None:
+    """Temporary folders of builds that were killed (older than any real build takes)."""
+    now = time.time()
+    for old in root.glob(f".{name}-*"):
+        try:
+            if old.is_dir() and now - old.stat().st_mtime > max_age_s:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:  # removed by another process meanwhile
+            pass
+
+
 @lru_cache(maxsize=4)
 def _tokenizer_json(vocab_size: int) -> str:
+    """A byte-level BPE trained on the built-in corpus; deterministic, shared by models of one vocab size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -119,11 +144,12 @@ def _build(spec: TinySpec, out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
     eos = SPECIAL_TOKENS.index("<|im_end|>")
     cfg = AutoConfig.for_model(spec.arch, vocab_size=spec.vocab_size, eos_token_id=eos, bos_token_id=None,
-                               pad_token_id=0, initializer_range=0.08, **spec.config)
+                               pad_token_id=0, initializer_range=spec.init_range, **spec.config)
     cfg.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
                           "qwen3": "Qwen3ForCausalLM"}[spec.arch]]
-    torch.manual_seed(spec.seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.random.fork_rng(devices=[]):  # the caller's random state is the same whether the cache existed
+        torch.manual_seed(spec.seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = 0
     from transformers.utils import logging as hf_logging
