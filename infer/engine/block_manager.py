@@ -27,6 +27,11 @@ def chain_hash(prev: int | None, token_ids) -> int:
     return hash((prev if prev is not None else -1, tuple(token_ids)))
 
 
+def root_hash(seq: Sequence) -> int | None:
+    """The first link of a sequence's chain: K/V depend on the LoRA adapter, so the adapter is part of the key."""
+    return None if seq.lora is None else hash(("lora", seq.lora))
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
@@ -56,7 +61,7 @@ class BlockManager:
         """Block ids of the longest cached prefix; at least one token is always left to compute."""
         if not self.enable_prefix_caching:
             return []
-        found, h = [], None
+        found, h = [], root_hash(seq)
         for i in range((len(seq) - 1) // self.block_size):
             ids = tuple(seq.tokens(i * self.block_size, (i + 1) * self.block_size))
             h = chain_hash(h, ids)
@@ -114,7 +119,7 @@ class BlockManager:
         full = seq.num_computed_tokens // self.block_size
         for i in range(seq.num_hashed_blocks, full):
             ids = tuple(seq.tokens(i * self.block_size, (i + 1) * self.block_size))
-            h = chain_hash(seq.last_block_hash, ids)
+            h = chain_hash(seq.last_block_hash if i else root_hash(seq), ids)
             block = self.blocks[seq.block_table[i]]
             block.hash, block.token_ids = h, ids
             self.hash_to_block.setdefault(h, block.block_id)

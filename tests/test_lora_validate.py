@@ -1,0 +1,206 @@
+"""`infer lora-validate`: good adapters pass with a table (rank, alpha, scaling, numeric check against peft); every
+kind of broken adapter exits 1 naming its reason; a bad BASE exits 2; a GPTQ base is checked against peft on the
+dequantized int4 weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from infer.cli.main import app
+from infer.lora import adapter as adapter_module
+from infer.models.tiny import ensure_builtin
+
+from quant_helpers import make_gptqmodel_checkpoint, needs_gptqmodel
+
+WEIGHTS = "adapter_model.safetensors"
+Q0_B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+
+
+def save_adapter(model, out, seed: int = 1, **lora_kw):
+    from peft import LoraConfig, get_peft_model
+    peft_model = get_peft_model(model, LoraConfig(**lora_kw))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+    peft_model.save_pretrained(str(out))
+    peft_model.unload()
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    base = ensure_builtin("tiny-llama")
+    root = tmp_path_factory.mktemp("adapters")
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    paths = {
+        "qv": save_adapter(hf, root / "qv", 1, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+        "mlp": save_adapter(hf, root / "mlp", 2, r=16, lora_alpha=8, use_rslora=True,
+                            target_modules=["gate_proj", "up_proj", "down_proj"]),
+    }
+    wide = LlamaForCausalLM(LlamaConfig(**{**hf.config.to_dict(), "hidden_size": 128, "intermediate_size": 256}))
+    paths["wide"] = save_adapter(wide, root / "wide", 3, r=4, lora_alpha=4, target_modules=["q_proj", "o_proj"])
+    return base, paths
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, ["lora-validate", *map(str, args)])
+
+
+def test_good_adapters_pass_with_table(setup):
+    base, paths = setup
+    res = invoke(base, f"support={paths['qv']}", paths["mlp"])
+    assert res.exit_code == 0, res.output
+    for word in ("rank", "alpha", "scaling", "rslora", "max |Δlogit|", "support", "mlp", "q,v", "gate,up,down",
+                 "agree", "float"):
+        assert word in res.output, word
+    assert "FAIL" not in res.output
+
+
+def test_json_report_numbers(setup):
+    base, paths = setup
+    res = invoke(base, paths["qv"], f"m={paths['mlp']}", "--json", "--steps", "4")
+    assert res.exit_code == 0, res.output
+    reports = {r["name"]: r for r in map(json.loads, res.stdout.splitlines())}
+    qv, m = reports["qv"], reports["m"]
+    assert (qv["rank"], qv["alpha"], qv["scaling"], qv["rslora"], qv["shapes"]) == (8, 16, "2", False, "ok")
+    assert (m["rank"], m["scaling"], m["rslora"], m["targets"]) == (16, "2", True, ["gate_proj", "up_proj",
+                                                                                   "down_proj"])
+    for r in (qv, m):
+        n = r["numeric"]
+        assert r["ok"] and n["tokens_agree"] and n["max_abs_diff"] <= n["tolerance"] <= 0.1
+        assert n["adapter_effect"] > 100 * n["max_abs_diff"]  # the check could have seen a wrong adapter
+        assert r["base_quantization"] is None
+
+
+def test_numeric_check_catches_a_wrong_scaling(setup, monkeypatch):
+    """If infer applied an adapter differently from peft (here: rslora ignored), the numeric check fails it."""
+    base, paths = setup
+    real = adapter_module.module_scaling
+
+    def ignores_rslora(config, module):
+        r, _ = real(config, module)
+        return r, config["lora_alpha"] / r
+
+    monkeypatch.setattr(adapter_module, "module_scaling", ignores_rslora)
+    res = invoke(base, paths["qv"], paths["mlp"])
+    assert res.exit_code == 1, res.output
+    assert "adapter 'mlp'" in res.output and "differ from peft" in res.output
+    assert "adapter 'qv'" not in res.output  # plain LoRA scaling is unaffected
+
+
+def _copy(src, dst, edit_tensors=None, edit_config=None):
+    shutil.copytree(src, dst)
+    if edit_tensors:
+        t = load_file(dst / WEIGHTS)
+        edit_tensors(t)
+        save_file(t, dst / WEIGHTS)
+    if edit_config:
+        cfg = json.loads((dst / "adapter_config.json").read_text())
+        edit_config(cfg)
+        (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def _nan(t):
+    t[Q0_B] = t[Q0_B].clone()
+    t[Q0_B][0, 0] = float("nan")
+
+
+def _rank(t):
+    t[Q0_B] = t[Q0_B][:, :-1].contiguous()
+
+
+def _unknown_target(t):
+    t["base_model.model.model.layers.0.self_attn.x_proj.lora_A.weight"] = torch.zeros(8, 64)
+    t["base_model.model.model.layers.0.self_attn.x_proj.lora_B.weight"] = torch.zeros(64, 8)
+
+
+@pytest.mark.parametrize("kind, reason", [
+    ("rank-mismatch", "do not share a rank"),
+    ("unknown-target", "x_proj, which the base model does not have"),
+    ("unknown-target-config", "which the base model does not have"),
+    ("hidden-size", "q_proj maps 128 -> 64 features but the base model's q_proj maps 64 -> 64"),
+    ("missing-config", "adapter_config.json is missing"),
+    ("bad-config", "adapter_config.json is not valid JSON"),
+    ("no-rank", "has no valid 'r'"),
+    ("non-finite", "non-finite"),
+    ("rank-limit", "rank 8 is larger than --max-lora-rank 4"),
+    ("no-folder", "folder not found"),
+])
+def test_each_failure_exits_1_naming_the_reason(setup, tmp_path, kind, reason):
+    base, paths = setup
+    qv, bad = paths["qv"], tmp_path / kind
+    extra = []
+    if kind == "rank-mismatch":
+        _copy(qv, bad, _rank)
+    elif kind == "unknown-target":
+        _copy(qv, bad, _unknown_target)
+    elif kind == "unknown-target-config":
+        _copy(qv, bad, edit_config=lambda c: c.update(target_modules=["q_proj", "v_proj", "foo_proj"]))
+    elif kind == "hidden-size":
+        bad = paths["wide"]
+    elif kind == "missing-config":
+        _copy(qv, bad)
+        (bad / "adapter_config.json").unlink()
+    elif kind == "bad-config":
+        _copy(qv, bad)
+        (bad / "adapter_config.json").write_text("{not json")
+    elif kind == "no-rank":
+        _copy(qv, bad, edit_config=lambda c: c.pop("r"))
+    elif kind == "non-finite":
+        _copy(qv, bad, _nan)
+    elif kind == "rank-limit":
+        bad, extra = qv, ["--max-lora-rank", "4"]
+    res = invoke(base, f"bad={bad}", *extra, "--steps", "0")
+    assert res.exit_code == 1, res.output
+    assert "FAIL" in res.output and "adapter 'bad'" in res.output and reason in res.output
+    assert "Traceback" not in res.output
+
+
+def test_one_bad_adapter_does_not_hide_the_good_ones(setup):
+    base, paths = setup
+    res = invoke(base, paths["qv"], paths["wide"], "--json")
+    assert res.exit_code == 1
+    reports = {r["name"]: r for r in map(json.loads, res.stdout.splitlines())}
+    assert reports["qv"]["ok"] and reports["qv"]["numeric"]["tokens_agree"]
+    assert not reports["wide"]["ok"] and reports["wide"]["numeric"] is None  # static problems: no numeric check
+    assert reports["wide"]["shapes"] in ("q_proj 128->64, base 64->64", "o_proj 64->128, base 64->64")
+
+
+@pytest.mark.parametrize("kind", ["missing", "no-config", "float-with-quantized"])
+def test_bad_base_exits_2(setup, tmp_path, kind):
+    base, paths = setup
+    args = [tmp_path / "nowhere"]
+    if kind == "no-config":
+        (tmp_path / "empty").mkdir()
+        args = [tmp_path / "empty"]
+    elif kind == "float-with-quantized":
+        args = [base, "--quantized"]
+    res = invoke(args[0], paths["qv"], *args[1:])
+    assert res.exit_code == 2, res.output
+    assert {"missing": "neither a local model folder", "no-config": "no config.json",
+            "float-with-quantized": "is a float model"}[kind] in res.output
+
+
+@needs_gptqmodel
+def test_gptq_base_checked_against_dequantized_int4(setup, tmp_path):
+    pytest.importorskip("infer.quant.gptq_linear")
+    base, paths = setup
+    qdir = make_gptqmodel_checkpoint(base, tmp_path / "q", bits=4, group_size=32, num_samples=4, seq_len=32)
+    res = invoke(qdir, paths["qv"], paths["mlp"], "--quantized", "--json", "--steps", "4")
+    assert res.exit_code == 0, res.output
+    for line in res.stdout.splitlines():
+        r = json.loads(line)
+        assert r["ok"] and r["base_quantization"] == "GPTQ 4-bit, group 32"
+        assert r["numeric"]["oracle"] == "peft on the dequantized int4 base" and r["numeric"]["tokens_agree"]
+    table = invoke(qdir, paths["qv"], "--steps", "2")
+    assert table.exit_code == 0 and "GPTQ" in table.output
