@@ -64,3 +64,65 @@ def test_config_reads_the_qwen_gptq_layout(tmp_path):
 def test_unsupported_settings(d, message):
     with pytest.raises(UnsupportedModelError, match=message):
         GPTQConfig.from_dict({"quant_method": "gptq", **d}, "config.json")
+
+
+@pytest.mark.parametrize("bits, desc_act, v2", list(itertools.product([4, 8], [False, True], [False, True])))
+def test_dequantize_every_entry_against_a_loop(bits, desc_act, v2):
+    """Tiny shape, every (o, i): unpack the words by hand with Python ints (no tensor bit ops)."""
+    g = torch.Generator().manual_seed(bits + 2 * desc_act + v2)
+    out_f, in_f, group = 8, 64, 16
+    perm = torch.randperm(in_f, generator=g) if desc_act else None
+    qweight, qzeros, scales, g_idx = packing.quantize_rtn(torch.randn(out_f, in_f, generator=g), bits, group,
+                                                          False, perm)
+    if v2:
+        qzeros = packing.zeros_v1_to_v2(qzeros, bits)
+    pack, mask = 32 // bits, (1 << bits) - 1
+    deq = packing.dequantize(qweight, qzeros, scales, g_idx, bits, zeros_v1=not v2)
+    qw, qz, gi = qweight.tolist(), qzeros.tolist(), g_idx.tolist()
+    for o in range(out_f):
+        for i in range(in_f):
+            qv = ((qw[i // pack][o] % (1 << 32)) >> (bits * (i % pack))) & mask
+            zv = ((qz[gi[i]][o // pack] % (1 << 32)) >> (bits * (o % pack))) & mask
+            zv = (zv + 1) & mask if not v2 else zv
+            expect = torch.tensor(float(qv - zv), dtype=torch.float16) * scales[gi[i], o]
+            assert deq[o, i].item() == expect.item(), (o, i)
+    if desc_act:  # act-order groups follow the permutation: the first `group` rows of perm form group 0
+        assert set(g_idx[perm[:group]].tolist()) == {0}
+
+
+def test_pack_rows_handles_the_sign_bit():
+    q = torch.full((8, 3), 15)
+    packed = packing.pack_rows(q, 4)
+    assert packed.tolist() == [[-1, -1, -1]]
+    q[7] = 8  # top nibble 8: the word is 0x8fffffff
+    assert packing.pack_rows(q, 4)[0, 0].item() == 0x8FFFFFFF - (1 << 32)
+    assert torch.equal(packing.unpack_rows(packing.pack_rows(q, 4), 4), q.int())
+
+
+def _write(path, name, d):
+    import json
+    (path / name).write_text(json.dumps(d))
+
+
+def test_config_sources(tmp_path):
+    assert GPTQConfig.from_model_dir(tmp_path) is None
+    _write(tmp_path, "config.json", {"model_type": "llama"})
+    assert GPTQConfig.from_model_dir(tmp_path) is None
+    _write(tmp_path, "quantize_config.json", {"bits": 8, "group_size": 64, "desc_act": True, "sym": False,
+                                              "checkpoint_format": "gptq_v2", "damp_percent": 0.1})
+    cfg = GPTQConfig.from_model_dir(tmp_path)
+    assert (cfg.bits, cfg.group_size, cfg.desc_act, cfg.sym, cfg.zeros_v1) == (8, 64, True, False, False)
+    _write(tmp_path, "config.json", {"quantization_config": {"bits": 4, "group_size": -1, "quant_method": "gptq"}})
+    cfg = GPTQConfig.from_model_dir(tmp_path)  # config.json wins
+    assert (cfg.bits, cfg.group_size, cfg.num_groups(4096)) == (4, -1, 1)
+    assert GPTQConfig.from_dict(cfg.to_dict(), "x") == cfg
+    assert cfg.to_dict()["quant_method"] == "gptq"
+
+
+@pytest.mark.parametrize("d, message", [({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes"),
+                                        ({"checkpoint_format": "marlin"}, "marlin"),
+                                        ({"bits": 2}, "only 4-bit and 8-bit")])
+def test_unsupported_settings_in_a_folder(tmp_path, d, message):
+    _write(tmp_path, "config.json", {"quantization_config": {"quant_method": "gptq", **d}})
+    with pytest.raises(UnsupportedModelError, match=message):
+        GPTQConfig.from_model_dir(tmp_path)

@@ -19,6 +19,7 @@ class GPTQConfig:
     sym: bool = True
     checkpoint_format: str = "gptq"  # "gptq" = v1 zero points (stored zero - 1), "gptq_v2" = zero as is
     lm_head: bool = False
+    quant_method: str = "gptq"
 
     @property
     def pack(self) -> int:
@@ -39,10 +40,12 @@ class GPTQConfig:
                                         "infer runs GPTQ checkpoints (quant_method 'gptq') and float models")
         bits = int(d.get("bits", 4))
         if bits not in SUPPORTED_BITS:
-            raise UnsupportedModelError(f"{source}: {bits}-bit GPTQ is not supported", "only 4 and 8 bits are")
+            raise UnsupportedModelError(f"{source}: {bits}-bit GPTQ is not supported",
+                                        "only 4-bit and 8-bit GPTQ are supported")
         group = int(d.get("group_size", 128))
         if group != -1 and group < 1:
-            raise UnsupportedModelError(f"{source}: group_size {group} is not valid", "use -1 or a positive size")
+            raise UnsupportedModelError(f"{source}: group_size {group} is not valid",
+                                        "use -1 (one group per column) or a positive size such as 32, 64 or 128")
         fmt = str(d.get("checkpoint_format") or d.get("format") or "gptq").lower()
         if fmt not in ("gptq", "gptq_v2"):
             raise UnsupportedModelError(f"{source}: checkpoint format {fmt!r} is not supported",
@@ -70,4 +73,5 @@ class GPTQConfig:
 
     def to_dict(self) -> dict:
         return {"quant_method": "gptq", "bits": self.bits, "group_size": self.group_size, "desc_act": self.desc_act,
-                "sym": self.sym, "checkpoint_format": self.checkpoint_format, "lm_head": self.lm_head}
+                "sym": self.sym, "checkpoint_format": self.checkpoint_format, "lm_head": self.lm_head,
+                "pack_dtype": "int32"}

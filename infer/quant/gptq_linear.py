@@ -1,9 +1,15 @@
 """The GPTQ linear method for MergedLinear: loads qweight/qzeros/scales/g_idx shards, computes y = x W^T.
 
 Merged shards (q,k,v or gate,up) are stacked along the output dimension, which is the last dimension of every
-GPTQ tensor, so they concatenate as stored; g_idx must be the same for all shards of one layer. On CPU the weight is
-dequantized once at load time (the float path, prepacked for oneDNN); on CUDA every matmul goes through
-`kernels.gptq_matmul`, which dequantizes in registers. Nothing is ever repacked on disk.
+GPTQ tensor, so they concatenate as stored; g_idx must be the same for all shards of one layer.
+
+Two ways to compute, chosen at `finish_loading` (by the weights' device unless `use_kernel` says otherwise):
+- dequantized (CPU): the weight is dequantized once into a float cache, prepacked for oneDNN, and used by a plain
+  float matmul;
+- kernel (CUDA): every matmul goes through `kernels.gptq_matmul`, which dequantizes in registers. The layout is
+  prepared once: if g_idx is the plain i // group_size the kernel is told so (it skips g_idx); with act-order
+  (desc_act) the input rows of qweight are sorted by group, g_idx becomes plain, and x's columns are permuted
+  by the same order at run time (`act_perm`). Nothing is ever repacked on disk.
 """
 
 from __future__ import annotations
@@ -16,11 +22,16 @@ from . import packing
 from .config import GPTQConfig
 
 _REQUIRED = ("qweight", "qzeros", "scales")
+_NAMES = ("qweight", "qzeros", "scales", "g_idx")
 
 
 class GPTQLinearMethod:
-    def __init__(self, config: GPTQConfig):
+    def __init__(self, config: GPTQConfig, use_kernel: bool | None = None):
         self.config = config
+        self.use_kernel = use_kernel  # None: the kernel on CUDA, the dequantized float weight on CPU
+
+    def _group_size(self, in_features: int) -> int:
+        return in_features if self.config.group_size == -1 else self.config.group_size
 
     def create_weights(self, layer) -> None:
         c, k, n = self.config, layer.in_features, layer.out_features
@@ -31,9 +42,12 @@ class GPTQLinearMethod:
         layer.register_buffer("qweight", torch.zeros(k // c.pack, n, dtype=torch.int32))
         layer.register_buffer("qzeros", torch.zeros(groups, n // c.pack, dtype=torch.int32))
         layer.register_buffer("scales", torch.zeros(groups, n, dtype=torch.float16))
-        layer.register_buffer("g_idx", (torch.arange(k) // (k if c.group_size == -1 else c.group_size)).int())
-        layer.register_buffer("weight", None)  # the dequantized float weight, CPU only
+        layer.register_buffer("g_idx", (torch.arange(k) // self._group_size(k)).int())
+        layer.register_buffer("weight", None)  # the dequantized float weight (dequantized mode)
         layer.register_buffer("packed_weight", None)
+        layer.register_buffer("act_perm", None)  # kernel mode with act-order: x's columns in sorted-group order
+        layer.gptq_group_size = None  # kernel mode: the group size promised to the kernel (g_idx is plain)
+        layer.gptq_ready = False
 
     def _expected(self, layer, name: str, shard: int) -> tuple[int, ...]:
         c, k, n = self.config, layer.in_features, layer.out_sizes[shard]
@@ -43,20 +57,18 @@ class GPTQLinearMethod:
 
     def load_shard(self, layer, name: str, shard: int, tensor: torch.Tensor) -> None:
         full = f"{layer.prefix_of(shard)}.{name}"
-        if name not in ("qweight", "qzeros", "scales", "g_idx"):
+        if name not in _NAMES:
             raise ModelLoadError(f"unexpected tensor {full} in a GPTQ layer",
                                  "the checkpoint does not match its quantization_config")
+        if layer.gptq_ready:
+            raise ModelLoadError(f"{full} arrived after the layer was finished", "load every tensor first")
         expect = self._expected(layer, name, shard)
         if tuple(tensor.shape) != expect:
             raise ModelLoadError(f"{full} has shape {tuple(tensor.shape)} but config.json implies {expect}",
                                  "the checkpoint does not match config.json / quantization_config (bits, "
                                  "group_size)")
         if name == "g_idx":
-            if shard > 0 and (shard - 1, "g_idx") in layer.loaded_names() \
-                    and not torch.equal(layer.g_idx, tensor.to(layer.g_idx.dtype)):
-                raise ModelLoadError(f"{full} differs from {layer.prefix_of(0)}.g_idx",
-                                     "shards that infer merges into one matmul must share their act-order")
-            layer.g_idx.copy_(tensor)
+            self._load_g_idx(layer, shard, tensor, full)
             return
         start = layer.shard_offset(shard)
         if name == "qzeros":
@@ -64,29 +76,77 @@ class GPTQLinearMethod:
         buf = getattr(layer, name)
         buf[:, start:start + tensor.shape[1]].copy_(tensor)
 
+    def _load_g_idx(self, layer, shard: int, tensor: torch.Tensor, full: str) -> None:
+        others = sorted(s for s, n in layer.loaded_names() if n == "g_idx" and s != shard)
+        if others and not torch.equal(layer.g_idx, tensor.to(layer.g_idx.device, layer.g_idx.dtype)):
+            raise ModelLoadError(f"{full} differs from {layer.prefix_of(others[0])}.g_idx",
+                                 "shards that infer merges into one matmul must share their act-order")
+        layer.g_idx.copy_(tensor)
+
     def finish_loading(self, layer) -> None:
+        if layer.gptq_ready:
+            return
+        self._check_complete(layer)
+        use_kernel = self.use_kernel if self.use_kernel is not None else layer.qweight.device.type == "cuda"
+        if use_kernel:
+            self._prepare_kernel_layout(layer)
+        else:
+            layer.weight = self.dequantized_weight(layer)
+            layer.packed_weight = cpu_gemm.prepack(layer.weight)
+        layer.gptq_ready = True
+
+    def _check_complete(self, layer) -> None:
         loaded = layer.loaded_names()
         for shard, hf_name in enumerate(layer.names):
             for name in _REQUIRED:
                 if (shard, name) not in loaded:
                     raise ModelLoadError(f"the checkpoint has no tensor {hf_name}.{name}",
                                          "the GPTQ checkpoint is incomplete")
-        if int(layer.g_idx.min()) < 0 or int(layer.g_idx.max()) >= layer.scales.shape[0]:
-            raise ModelLoadError(f"{layer.names[0]}.g_idx points outside its {layer.scales.shape[0]} groups")
-        if layer.qweight.device.type == "cpu":
-            layer.weight = self.dequantized_weight(layer)
-            layer.packed_weight = cpu_gemm.prepack(layer.weight)
+        with_g = [s for s in range(len(layer.names)) if (s, "g_idx") in loaded]
+        if with_g and len(with_g) < len(layer.names):
+            missing = next(s for s in range(len(layer.names)) if s not in with_g)
+            raise ModelLoadError(f"the checkpoint has no tensor {layer.names[missing]}.g_idx but has "
+                                 f"{layer.names[with_g[0]]}.g_idx", "the GPTQ checkpoint is incomplete")
+        groups = layer.scales.shape[0]
+        if int(layer.g_idx.min()) < 0 or int(layer.g_idx.max()) >= groups:
+            raise ModelLoadError(f"{layer.names[0]}.g_idx points outside its {groups} groups",
+                                 "the checkpoint does not match its quantization_config (group_size)")
+
+    def _prepare_kernel_layout(self, layer) -> None:
+        """Make g_idx plain (i // group_size) when it is a permutation of a plain grouping; one sync, at load."""
+        k, gs = layer.in_features, self._group_size(layer.in_features)
+        plain = (torch.arange(k, device=layer.g_idx.device) // gs).to(layer.g_idx.dtype)
+        if torch.equal(layer.g_idx, plain):
+            layer.gptq_group_size = gs
+            return
+        perm = torch.argsort(layer.g_idx, stable=True)
+        if not torch.equal(layer.g_idx[perm], plain):
+            return  # an irregular grouping: the kernel reads g_idx row by row
+        bits = self.config.bits
+        q = packing.unpack_rows(layer.qweight, bits).index_select(0, perm)
+        layer.qweight = packing.pack_rows(q, bits)
+        layer.g_idx = plain
+        layer.act_perm = perm
+        layer.gptq_group_size = gs
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if layer.weight is not None:
             return cpu_gemm.linear(x, layer.weight, layer.bias, layer.packed_weight)
         from .. import kernels
+        if layer.act_perm is not None:
+            x = x.index_select(-1, layer.act_perm)
         y = kernels.gptq_matmul(x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx, self.config.bits,
-                                self.config.zeros_v1)
-        return y if layer.bias is None else y + layer.bias
+                                self.config.zeros_v1, layer.gptq_group_size)
+        return y if layer.bias is None else y.add_(layer.bias)
 
     def dequantized_weight(self, layer) -> torch.Tensor:
+        """The float weight [out, in] in the checkpoint's input order (whatever layout the kernel uses)."""
         if layer.weight is not None:
             return layer.weight
-        return packing.dequantize(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, self.config.bits,
-                                  self.config.zeros_v1, layer.dtype)
+        w = packing.dequantize(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, self.config.bits,
+                               self.config.zeros_v1, layer.dtype)
+        if layer.act_perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, layer.act_perm] = w
+        return out

@@ -22,8 +22,8 @@ def pack_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
     rows, cols = q.shape
     if rows % pack:
         raise ValueError(f"{rows} rows do not pack by {pack}")
-    q = q.to(torch.int64).view(rows // pack, pack, cols)
-    shifts = (torch.arange(pack, dtype=torch.int64) * bits).view(1, pack, 1)
+    q = q.to(torch.int64).reshape(rows // pack, pack, cols)
+    shifts = (torch.arange(pack, dtype=torch.int64, device=q.device) * bits).view(1, pack, 1)
     packed = (q << shifts).sum(dim=1)
     return (packed - ((packed >> 31) << 32)).to(torch.int32)  # wrap to signed int32
 
