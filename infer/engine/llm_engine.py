@@ -22,9 +22,10 @@ log = logging.getLogger("infer")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, parts=None):
+        """`parts` (an engine.setup.EngineParts) serves an in-memory model; by default config.model is loaded."""
         self.config = config
-        parts = load_engine_parts(config)
+        parts = parts if parts is not None else load_engine_parts(config)
         self.model_path, self.model_config, self.tokenizer = parts.path, parts.model_config, parts.tokenizer
         self.dtype, self.device, self.max_model_len = parts.dtype, parts.device, parts.max_model_len
         self.eos_token_ids = parts.eos_token_ids

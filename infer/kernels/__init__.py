@@ -26,22 +26,37 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 def rms_norm(x, weight, eps, residual=None):
+    if use_triton(x):
+        from .fused import rms_norm as triton_rms_norm
+        return triton_rms_norm(x, weight, eps, residual)
     return reference.rms_norm(x, weight, eps, residual)
 
 
 def rotary_embedding(positions, q, k, cos_sin_cache, head_dim):
+    if use_triton(q):
+        from .fused import rotary_embedding as triton_rotary
+        return triton_rotary(positions, q, k, cos_sin_cache, head_dim)
     return reference.rotary_embedding(positions, q, k, cos_sin_cache, head_dim)
 
 
 def silu_and_mul(x):
+    if use_triton(x):
+        from .fused import silu_and_mul as triton_silu_and_mul
+        return triton_silu_and_mul(x)
     return reference.silu_and_mul(x)
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
+    if use_triton(k_cache):
+        from .fused import store_kv as triton_store_kv
+        return triton_store_kv(k, v, k_cache, v_cache, slot_mapping)
     return reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len=None):
+    if use_triton(q):  # the module is `attention`: a submodule named paged_attention would shadow this function
+        from .attention import paged_attention as triton_attention
+        return triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len)
     return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                      max_query_len)
 
@@ -64,5 +79,8 @@ def lora_expand(h, lora_b, token_slots, scalings, y, offset=0, groups=None):
     return reference.lora_expand(h, lora_b, token_slots, scalings, y, offset, groups)
 
 
-def gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1=True):
-    return reference.gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1)
+def gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1=True, group_size=None):
+    if use_triton(x):
+        from .gptq_gemm import gptq_matmul as triton_gptq_matmul
+        return triton_gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1, group_size)
+    return reference.gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1, group_size)

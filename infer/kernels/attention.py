@@ -1,0 +1,226 @@
+"""Triton paged attention over a flat batch that mixes decodes and prefill chunks with cached prefixes.
+
+Same signature and semantics as `reference.paged_attention`. Two paths, both reading K/V through the block table
+one key at a time (so any block size works) and keeping the softmax in float32 (online, base 2):
+
+* decode only (max_query_len == 1), flash-decoding / paged attention v2 style: a program per (sequence, KV head,
+  context partition) computes the attention of all the query heads of that GQA group at once (K/V loaded once
+  for the group); with more than one partition a second kernel merges the partial results by their max/sum.
+* otherwise one "unified" kernel, flash-attention style: a program per (tile of BLOCK_Q query tokens of one
+  sequence, KV head), the tile's rows being every (token, query head of the group) pair; it walks the keys
+  0..last position of the tile, causal. Programs find their sequence by a binary search over query_start_loc, so
+  nothing is synchronised with the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+PARTITION = 512  # keys per decode partition (a multiple of every BLOCK_N used)
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, table_ptr, kv_head, lo, hi,
+                 s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, qk_scale,
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """Online softmax of the rows of q ([M, BLOCK_D], row i at position pos[i]) over keys lo..hi-1 (causal)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    for start in range(lo, hi, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        mask_n = keys < hi
+        block = tl.load(table_ptr + keys // PAGE, mask=mask_n, other=0).to(tl.int64)
+        slot = keys % PAGE
+        k = tl.load(k_ptr + block[None, :] * s_kb + slot[None, :] * s_ks + kv_head * s_kh + offs_d[:, None] * s_kd,
+                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = tl.where(mask_n[None, :] & (keys[None, :] <= pos[:, None]), s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + block[:, None] * s_vb + slot[:, None] * s_vs + kv_head * s_vh + offs_d[None, :] * s_vd,
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _find_seq(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """The sequence b whose tiles hold `tile`: the last b with qsl[b] // BLOCK_Q + b <= tile."""
+    left = 0
+    right = num_seqs
+    while left < right:
+        mid = (left + right) // 2
+        if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= tile:
+            left = mid + 1
+        else:
+            right = mid
+    return left - 1
+
+
+@triton.jit
+def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, qsl_ptr, num_seqs, qk_scale,
+                    s_qt, s_qh, s_qd, s_ot, s_oh, s_od, s_bt,
+                    s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd,
+                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, PAGE: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr):
+    tile, kv_head = tl.program_id(0), tl.program_id(1)
+    b = _find_seq(qsl_ptr, num_seqs, tile, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + b)
+    n = tl.load(qsl_ptr + b + 1) - q_start
+    local = tile - (q_start // BLOCK_Q + b)
+    if local * BLOCK_Q < n:
+        seq_len = tl.load(lens_ptr + b)
+        rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+        q_idx = local * BLOCK_Q + rows // GROUP_PAD
+        head = kv_head * GROUP + rows % GROUP_PAD
+        mask_m = (q_idx < n) & (rows % GROUP_PAD < GROUP)
+        pos = seq_len - n + q_idx
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = mask_m[:, None] & (offs_d[None, :] < HEAD_DIM)
+        tok = (q_start + q_idx).to(tl.int64)
+        q = tl.load(q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :] * s_qd, mask=mask,
+                    other=0.0)
+        m_i = tl.full((BLOCK_Q * GROUP_PAD,), -1.0e30, tl.float32)
+        l_i = tl.zeros((BLOCK_Q * GROUP_PAD,), tl.float32)
+        acc = tl.zeros((BLOCK_Q * GROUP_PAD, BLOCK_D), tl.float32)
+        hi = seq_len - n + tl.minimum(n, (local + 1) * BLOCK_Q)
+        acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, tables_ptr + b.to(tl.int64) * s_bt,
+                                     kv_head, 0, hi, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, qk_scale,
+                                     PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, IEEE)
+        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, lens_ptr, qsl_ptr, qk_scale,
+                   s_qt, s_qh, s_qd, s_ot, s_oh, s_od, s_bt,
+                   s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd,
+                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PART: tl.constexpr, NUM_PARTS: tl.constexpr,
+                   IEEE: tl.constexpr):
+    b, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    seq_len = tl.load(lens_ptr + b)
+    lo = part * PART
+    if (tl.load(qsl_ptr + b + 1) - q_start == 1) & (lo < seq_len):
+        rows = tl.arange(0, GROUP_PAD)
+        head = kv_head * GROUP + rows
+        mask_m = rows < GROUP
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = mask_m[:, None] & (offs_d[None, :] < HEAD_DIM)
+        tok = q_start.to(tl.int64)
+        q = tl.load(q_ptr + tok * s_qt + head[:, None] * s_qh + offs_d[None, :] * s_qd, mask=mask, other=0.0)
+        pos = tl.zeros((GROUP_PAD,), tl.int32) + seq_len - 1
+        m_i = tl.full((GROUP_PAD,), -1.0e30, tl.float32)
+        l_i = tl.zeros((GROUP_PAD,), tl.float32)
+        acc = tl.zeros((GROUP_PAD, BLOCK_D), tl.float32)
+        hi = tl.minimum(seq_len, lo + PART)
+        acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, tables_ptr + b.to(tl.int64) * s_bt,
+                                     kv_head, lo, hi, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, qk_scale,
+                                     PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, IEEE)
+        if NUM_PARTS == 1:
+            acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(out_ptr + tok * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
+                     acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            # partials laid out [B, Hq, NUM_PARTS, BLOCK_D] and [B, Hq, NUM_PARTS, 2] (max, sum)
+            prow = (b * (tl.num_programs(1) * GROUP) + head).to(tl.int64) * NUM_PARTS + part
+            tl.store(part_acc_ptr + prow[:, None] * BLOCK_D + offs_d[None, :], acc, mask=mask_m[:, None])
+            tl.store(part_ml_ptr + prow * 2, m_i, mask=mask_m)
+            tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=mask_m)
+
+
+@triton.jit
+def _reduce_kernel(out_ptr, part_acc_ptr, part_ml_ptr, lens_ptr, qsl_ptr, s_ot, s_oh, s_od,
+                   BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PART: tl.constexpr, NUM_PARTS: tl.constexpr,
+                   PARTS_PAD: tl.constexpr):
+    b, head = tl.program_id(0), tl.program_id(1)
+    q_start = tl.load(qsl_ptr + b)
+    if tl.load(qsl_ptr + b + 1) - q_start == 1:
+        used = tl.cdiv(tl.load(lens_ptr + b), PART)
+        parts = tl.arange(0, PARTS_PAD)
+        valid = parts < used
+        prow = (b * tl.num_programs(1) + head).to(tl.int64) * NUM_PARTS + parts
+        m = tl.load(part_ml_ptr + prow * 2, mask=valid, other=float("-inf"))
+        l_s = tl.load(part_ml_ptr + prow * 2 + 1, mask=valid, other=0.0)
+        w = tl.where(valid, tl.exp2(m - tl.max(m, 0)), 0.0)
+        offs_d = tl.arange(0, BLOCK_D)
+        acc = tl.load(part_acc_ptr + prow[:, None] * BLOCK_D + offs_d[None, :], mask=valid[:, None], other=0.0)
+        o = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
+        tl.store(out_ptr + q_start.to(tl.int64) * s_ot + head * s_oh + offs_d * s_od,
+                 o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def _strides(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.stride())
+
+
+def _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, out, meta) -> None:
+    num_seqs, hk = seq_lens.shape[0], k_cache.shape[2]
+    max_ctx = block_tables.shape[1] * k_cache.shape[1]
+    parts = max(1, triton.cdiv(max_ctx, PARTITION))
+    if parts > 1:
+        hq = q.shape[1]
+        part_acc = torch.empty(num_seqs, hq, parts, meta["BLOCK_D"], dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(num_seqs, hq, parts, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # unused
+    _decode_kernel[(num_seqs, hk, parts)](
+        q, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens, query_start_loc, qk_scale,
+        *_strides(q), *_strides(out), block_tables.stride(0), *_strides(k_cache), *_strides(v_cache),
+        PART=PARTITION, NUM_PARTS=parts, **meta)
+    if parts > 1:
+        _reduce_kernel[(num_seqs, q.shape[1])](
+            out, part_acc, part_ml, seq_lens, query_start_loc, *_strides(out), BLOCK_D=meta["BLOCK_D"],
+            HEAD_DIM=meta["HEAD_DIM"], PART=PARTITION, NUM_PARTS=parts, PARTS_PAD=triton.next_power_of_2(parts))
+
+
+def _unified(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, out, max_query_len,
+             meta) -> None:
+    group_pad = meta["GROUP_PAD"]
+    rows_max = max(64, group_pad)  # rows (token x head pairs) per tile
+    block_q = max(1, min(triton.next_power_of_2(max_query_len), rows_max // group_pad))
+    block_q = max(block_q, 16 // min(group_pad, 16))  # tl.dot needs at least 16 rows
+    num_seqs = seq_lens.shape[0]
+    grid = (q.shape[0] // block_q + num_seqs, k_cache.shape[2])
+    _unified_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, num_seqs, qk_scale,
+        *_strides(q), *_strides(out), block_tables.stride(0), *_strides(k_cache), *_strides(v_cache),
+        BLOCK_Q=block_q, **meta)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                    max_query_len: int | None = None) -> torch.Tensor:
+    """Triton version of reference.paged_attention: q [T, Hq, D], caches [num_blocks, block_size, Hk, D]."""
+    out = torch.empty_like(q)
+    if q.shape[0] == 0 or seq_lens.shape[0] == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    hq, hk, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
+    group = hq // hk
+    meta = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), PAGE=k_cache.shape[1],
+                BLOCK_N=32 if head_dim > 128 else 64, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+                HEAD_DIM=head_dim, IEEE=q.dtype == torch.float32)
+    qk_scale = float(scale) * LOG2E
+    if max_query_len == 1:
+        _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, out, meta)
+    else:
+        meta["GROUP_PAD"] = triton.next_power_of_2(group)
+        _unified(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, out, max_query_len, meta)
+    return out

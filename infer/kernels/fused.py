@@ -1,0 +1,167 @@
+"""Triton versions of the small per-token ops: rms_norm (+ residual add), rotary embedding, silu_and_mul, store_kv.
+
+Same signatures and semantics as their references in `reference.py`: like them, every op returns new tensors
+(inputs are never modified) except store_kv, which writes into the caches. One program per token (row).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x as [rows, width] with unit stride along the last dim (a view when possible)."""
+    x2 = x.reshape(-1, width)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+# ----------------------------------------------------------------------------------------------- rms_norm
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_x, s_r, s_y, s_h,
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        x = x + tl.load(res_ptr + row * s_r + offs, mask=mask, other=0.0)  # in x's dtype, as the reference
+        tl.store(h_ptr + row * s_h + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
+    y = (xf * inv).to(x.dtype)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    y = w.to(y_ptr.dtype.element_ty) * y.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * s_y + offs, y, mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """Triton version of reference.rms_norm: y, or (y, x + residual) when residual is given."""
+    n = x.shape[-1]
+    x2 = _rows(x, n)
+    y = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    y2 = y.view(-1, n)
+    if residual is not None:
+        r2 = _rows(residual, n)
+        h = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+    else:
+        r2, h = x2, y
+    h2 = h.view(-1, n)
+    if x2.shape[0]:
+        _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight.contiguous(), y2, h2, n, float(eps), x2.stride(0),
+                                         r2.stride(0), y2.stride(0), h2.stride(0), HAS_RES=residual is not None,
+                                         BLOCK=triton.next_power_of_2(n),
+                                         num_warps=max(1, min(16, triton.next_power_of_2(n) // 512)))
+    return y if residual is None else (y, h)
+
+
+# ----------------------------------------------------------------------------------------------- rotary
+@triton.jit
+def _rotate_heads(x_ptr, o_ptr, cos, sin, s_x, s_o, tok, heads,
+                  HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+                  PASS: tl.constexpr, BLOCK_P: tl.constexpr):
+    h = tl.arange(0, BLOCK_H)
+    r = tl.arange(0, BLOCK_R)
+    mask = (h[:, None] < heads) & (r[None, :] < HALF)
+    src = x_ptr + tok * s_x + h[:, None] * HEAD_DIM + r[None, :]
+    dst = o_ptr + tok * s_o + h[:, None] * HEAD_DIM + r[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    ty = o_ptr.dtype.element_ty
+    tl.store(dst, (x1 * cos[None, :] - x2 * sin[None, :]).to(ty), mask=mask)
+    tl.store(dst + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(ty), mask=mask)
+    if PASS > 0:  # dims past rot_dim pass through
+        p = tl.arange(0, BLOCK_P)
+        pmask = (h[:, None] < heads) & (p[None, :] < PASS)
+        off = h[:, None] * HEAD_DIM + 2 * HALF + p[None, :]
+        tl.store(o_ptr + tok * s_o + off, tl.load(x_ptr + tok * s_x + off, mask=pmask, other=0.0), mask=pmask)
+
+
+@triton.jit
+def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cache_ptr, s_q, s_k, s_qo, s_ko, s_c, hq, hk,
+                   HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                   BLOCK_R: tl.constexpr, PASS: tl.constexpr, BLOCK_P: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    r = tl.arange(0, BLOCK_R)
+    cos = tl.load(cache_ptr + pos * s_c + r, mask=r < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(cache_ptr + pos * s_c + HALF + r, mask=r < HALF, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr, qo_ptr, cos, sin, s_q, s_qo, tok, hq, HEAD_DIM, HALF, BLOCK_HQ, BLOCK_R, PASS, BLOCK_P)
+    _rotate_heads(k_ptr, ko_ptr, cos, sin, s_k, s_ko, tok, hk, HEAD_DIM, HALF, BLOCK_HK, BLOCK_R, PASS, BLOCK_P)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
+                     head_dim: int):
+    """Triton version of reference.rotary_embedding: returns new (q, k), NeoX-rotated by their positions."""
+    t = q.shape[0]
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if t == 0:
+        return q_out, k_out
+    q2, k2 = _rows(q, q.numel() // t), _rows(k, k.numel() // t)
+    half = cos_sin_cache.shape[-1] // 2
+    hq, hk = q2.shape[1] // head_dim, k2.shape[1] // head_dim
+    cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    passthrough = head_dim - 2 * half
+    _rotary_kernel[(t,)](positions, q2, k2, q_out.view(t, -1), k_out.view(t, -1), cache, q2.stride(0), k2.stride(0),
+                         q_out.view(t, -1).stride(0), k_out.view(t, -1).stride(0), cache.stride(0), hq, hk,
+                         HEAD_DIM=head_dim, HALF=half, BLOCK_HQ=triton.next_power_of_2(hq),
+                         BLOCK_HK=triton.next_power_of_2(hk), BLOCK_R=triton.next_power_of_2(half),
+                         PASS=passthrough, BLOCK_P=triton.next_power_of_2(max(passthrough, 1)))
+    return q_out, k_out
+
+
+# ----------------------------------------------------------------------------------------------- silu_and_mul
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, y_ptr, n, s_x, s_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    gate = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * s_x + n + offs, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # silu in float32, rounded to x's dtype as torch's F.silu
+    tl.store(y_ptr + row * s_y + offs, act * up, mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Triton version of reference.silu_and_mul: silu(x[..., :n]) * x[..., n:]."""
+    n = x.shape[-1] // 2
+    x2 = _rows(x, 2 * n)
+    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    y2 = y.view(-1, n)
+    if x2.shape[0] and n:
+        block = min(1024, triton.next_power_of_2(n))
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, y2, n, x2.stride(0), y2.stride(0),
+                                                                   BLOCK=block)
+    return y
+
+
+# ----------------------------------------------------------------------------------------------- store_kv
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, heads, head_dim, s_kt, s_kh, s_kd, s_vt, s_vh, s_vd,
+                     s_cb, s_cs, s_ch, s_cd, s_db, s_ds, s_dh, s_dd,
+                     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot >= 0:
+        block, off = slot // PAGE, slot % PAGE
+        h = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        mask = (h < heads) & (d < head_dim)
+        k = tl.load(k_ptr + tok * s_kt + h * s_kh + d * s_kd, mask=mask)
+        v = tl.load(v_ptr + tok * s_vt + h * s_vh + d * s_vd, mask=mask)
+        tl.store(kc_ptr + block * s_cb + off * s_cs + h * s_ch + d * s_cd, k.to(kc_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc_ptr + block * s_db + off * s_ds + h * s_dh + d * s_dd, v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Triton version of reference.store_kv: k, v [T, Hk, D] into the flat slots of [num_blocks, bs, Hk, D]."""
+    t, heads, head_dim = k.shape
+    if t == 0:
+        return
+    _store_kv_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, heads, head_dim, *k.stride(), *v.stride(),
+                           *k_cache.stride(), *v_cache.stride(), PAGE=k_cache.shape[1],
+                           BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(head_dim))

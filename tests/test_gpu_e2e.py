@@ -1,0 +1,102 @@
+"""The parts of the GPU end-to-end benchmark that run on a CPU: shapes, model building, adapters, the engine
+over an in-memory model, and the roofline arithmetic (tiny shapes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer.bench import gpu_e2e as e2e
+
+TINY = dict(hidden_size=256, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=4, vocab_size=300, max_position_embeddings=512)
+
+
+def test_exits_2_without_cuda(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert e2e.main(["--out", str(tmp_path)]) == 2
+    assert "CUDA" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name,params", [("llama-2-7b", 6_738_415_616), ("qwen1.5-14b", 14_167_290_880)])
+def test_real_shapes_have_the_published_parameter_counts(name, params):
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(e2e.hf_config(name))
+    assert sum(p.numel() for p in model.parameters()) == params
+
+
+def gptq_bytes(k, n, group=128):
+    return k * n // 2 + (k // group) * n // 2 + (k // group) * n * 2  # qweight, qzeros, fp16 scales
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_random_gptq_model_runs_and_weight_bytes_match_the_shapes(model_type):
+    cfg = e2e.hf_config("llama-2-7b" if model_type == "llama" else "qwen1.5-14b", **TINY)
+    model, label = e2e.build_model(cfg, torch.float32, "cpu", quantized=True)
+    assert label == "gptq-int4-g128"
+    h, i, v, layers = 256, 384, 300, 2
+    per_layer = gptq_bytes(h, 3 * h) + gptq_bytes(h, h) + gptq_bytes(h, 2 * i) + gptq_bytes(i, h)
+    per_layer += 4 * (3 * h + i)  # g_idx (int32) is read on the CPU path, which has no plain-group flag
+    per_layer += 2 * h * 4  # two norms
+    bias = 3 * h * 4 if model_type == "qwen2" else 0
+    want = layers * (per_layer + bias) + h * 4 + v * h * 4 + 16 * h * 4  # final norm, head, 16 embedding rows
+    assert e2e.weight_bytes_per_step(model, 16) == want
+    from infer.models.context import ForwardContext
+    runner_cache = torch.zeros(2, 4, 4, 4, 64)  # k|v, blocks, block size, heads, head dim
+    for layer in model.layers:
+        layer.self_attn.k_cache, layer.self_attn.v_cache = runner_cache[0], runner_cache[1]
+    ctx = ForwardContext(torch.tensor([0, 3], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
+                         torch.tensor([[0]], dtype=torch.int32), torch.tensor([0, 1, 2]), 3)
+    with torch.inference_mode():
+        logits = model.compute_logits(model(torch.tensor([5, 6, 7]), torch.arange(3), ctx))
+    assert logits.shape == (3, v) and torch.isfinite(logits).all() and logits.std() > 0
+
+
+def test_fp16_fallback_label(monkeypatch):
+    monkeypatch.setattr(e2e, "gptq_method_factory", lambda: None)
+    cfg = e2e.hf_config("llama-2-7b", **TINY)
+    model, label = e2e.build_model(cfg, torch.float32, "cpu", quantized=True)
+    assert label == "float32 (GPTQ linear method missing)"
+    assert model.layers[0].mlp.down_proj.weight.shape == (256, 384)
+
+
+def test_engine_runs_the_workload_with_mixed_adapters(tmp_path):
+    cfg = e2e.hf_config("llama-2-7b", **TINY)
+    model, _ = e2e.build_model(cfg, torch.float32, "cpu")
+    adapters = e2e.write_random_adapters(cfg, tmp_path, num=3, rank=4)
+    engine = e2e.build_engine(model, cfg, e2e.make_tokenizer(cfg.vocab_size), "cpu", adapters, 4, concurrency=3,
+                              max_len=32)
+    reqs = e2e.make_requests(cfg.vocab_size, 3, prompt_len=5, output_len=4, adapters=list(adapters))
+    assert [r.lora for r in reqs] == ["lora0", "lora1", "lora2"]
+    metrics = e2e.run_engine(engine, reqs, 3)
+    assert metrics["completed"] == 3 and metrics["total_output_tokens"] == 12
+    per_adapter = e2e.lora_bytes_per_adapter(model)
+    h, i = 256, 384  # A [rank, in] per shard: qkv 3h, o h, gate_up 2h, down i; B [out, rank]: 3h, h, 2i, h
+    assert per_adapter == 2 * 4 * 4 * ((3 * h + h + 2 * h + i) + (3 * h + h + 2 * i + h))  # 2 layers, fp32
+
+
+def test_roofline_arithmetic_and_tables(tmp_path):
+    roof = e2e.decode_roofline(weight_bytes=4_000_000_000, kv_bytes_per_token=500_000, batch=16, mean_context=172,
+                               adapter_bytes=10_000_000, num_adapters=16, bandwidth=2e12)
+    assert roof["step_bytes"] == 4_000_000_000 + 500_000 * 16 * 172 + 160_000_000
+    assert roof["step_s"] == pytest.approx(roof["step_bytes"] / 2e12)
+    assert roof["tok_s"] == pytest.approx(16 / roof["step_s"])
+    metrics = {"output_throughput": 500.0, "mean_tpot_ms": 2 * roof["step_s"] * 1000, "mean_ttft_ms": 40.0}
+    row = e2e.result_row("m", "gptq-int4-g128", "none", "infer", metrics, roof, 2e12)
+    assert row["fraction_of_roofline"] == 0.5
+    md = e2e.write_tables([row], tmp_path, ["a note"])
+    assert (tmp_path / "results.csv").read_text().splitlines()[0] == ",".join(e2e.COLUMNS)
+    assert "| m | gptq-int4-g128 |" in md and "- a note" in md
+
+
+def test_bench_model_rows_on_cpu_with_tiny_shapes():
+    """The whole per-model flow (infer without/with adapters, then transformers) on tiny shapes."""
+    args = e2e.parse_args(["--out", "unused", "--num-prompts", "2", "--concurrency", "2", "--input-len", "5",
+                           "--output-len", "3", "--num-adapters", "2", "--rank", "4"])
+    rows = e2e.bench_model("qwen1.5-14b", args, bandwidth=1e10, device="cpu", dtype=torch.float32, **TINY)
+    assert [(r["weights"], r["lora"], r["engine"]) for r in rows] == [
+        ("gptq-int4-g128", "none", "infer"), ("gptq-int4-g128", "2 mixed r4", "infer"),
+        ("float32", "none", "hf generate")]
+    assert all(r["output_tok_s"] > 0 and r["fraction_of_roofline"] > 0 for r in rows)
+    assert rows[1]["step_MB"] > rows[0]["step_MB"] and rows[2]["step_MB"] > rows[0]["step_MB"]  # adapters; fp32

@@ -1,0 +1,232 @@
+"""Triton paged attention and fused small ops against their torch references: under TRITON_INTERPRET=1 on CPU at
+small sizes, at real sizes on a GPU. Inputs are random (a fresh seed every run, printed on failure); every output
+torch allocates starts as NaN (fill_uninitialized_memory) and unused KV slots hold NaN, so a row the kernel forgets
+to write, or a masked key it reads, fails the comparison."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+from infer import kernels
+from infer.kernels import reference as ref
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3}  # max error relative to the largest reference value
+
+
+@pytest.fixture(scope="module")
+def ops():
+    """(fused, attention) modules, their kernels interpreted on CPU when there is no GPU (TRITON_INTERPRET is read
+    when the kernels are decorated and when they are launched, so it stays set while this module's tests run)."""
+    names = ("infer.kernels.fused", "infer.kernels.attention")
+    if CUDA:
+        yield tuple(importlib.import_module(n) for n in names)
+        return
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield tuple(importlib.reload(importlib.import_module(n)) for n in names)
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs():
+    """torch.empty returns NaN-filled tensors while deterministic mode is on."""
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(old)
+
+
+@pytest.fixture
+def gen():
+    seed = int.from_bytes(os.urandom(4), "little")
+    return torch.Generator().manual_seed(seed)
+
+
+def assert_close(got, want, dtype, g, what=""):
+    got, want = got.detach().cpu().float(), want.detach().cpu().float()
+    assert got.shape == want.shape, what
+    assert torch.isfinite(got).all(), f"{what}: non-finite output (seed {g.initial_seed()})"
+    err = (got - want).abs().max() / want.abs().max().clamp_min(1e-6)
+    assert err <= TOL[dtype], f"{what}: relative error {err:.2e} (seed {g.initial_seed()})"
+
+
+def rand(g, *shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=g).to(dtype).to(DEV)
+
+
+# ----------------------------------------------------------------------------------------------- paged inputs
+def paged_batch(g, ctx_lens, new_lens, block_size, hq, hk, head_dim, dtype=torch.float32, spare_blocks=3):
+    """A batch whose sequence b has ctx_lens[b] tokens, the last new_lens[b] of them queried. Blocks are handed out
+    in random order; unused slots hold NaN in the returned caches and 0 in the clean copies given to the reference."""
+    need = [(n + block_size - 1) // block_size for n in ctx_lens]
+    num_blocks = sum(need) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    width = max(need) + 1
+    tables = torch.zeros(len(ctx_lens), width, dtype=torch.int32)
+    used = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    for b, n in enumerate(need):
+        tables[b, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
+        flat = torch.arange(ctx_lens[b])
+        used[tables[b, flat // block_size].long(), flat % block_size] = True
+    caches = []
+    for _ in range(2):
+        c = torch.randn(num_blocks, block_size, hk, head_dim, generator=g).to(dtype)
+        caches.append(c.masked_fill(~used[:, :, None, None], float("nan")))
+    clean = [c.nan_to_num(0.0) for c in caches]
+    qsl = torch.tensor([0] + new_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), hq, head_dim, generator=g).to(dtype)
+    meta = dict(block_tables=tables, seq_lens=torch.tensor(ctx_lens, dtype=torch.int32), query_start_loc=qsl)
+    return q, caches, clean, meta
+
+
+def check_attention(attn, g, ctx_lens, new_lens, block_size, hq, hk, head_dim, dtype=torch.float32,
+                    pass_max_query_len=True):
+    q, caches, clean, meta = paged_batch(g, ctx_lens, new_lens, block_size, hq, hk, head_dim, dtype)
+    scale = head_dim ** -0.5
+    mql = max(new_lens) if pass_max_query_len else None
+    want = ref.paged_attention(q, *clean, scale=scale, max_query_len=mql, **meta)
+    dev = {k: v.to(DEV) for k, v in meta.items()}
+    got = attn.paged_attention(q.to(DEV), caches[0].to(DEV), caches[1].to(DEV), scale=scale, max_query_len=mql,
+                               **dev)
+    assert got.dtype == dtype
+    assert_close(got, want, dtype, g, f"ctx {ctx_lens} new {new_lens} bs {block_size} heads {hq}/{hk}")
+
+
+def _lens(g, n, lo, hi):
+    return torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("hq,hk", [(8, 2), (4, 4), (6, 2)])
+def test_decode_matches_reference(ops, gen, block_size, hq, hk):
+    ctx = _lens(gen, 5, 1, 90) + [1, block_size, block_size + 1]  # many blocks, a block exactly full, one token
+    check_attention(ops[1], gen, ctx, [1] * len(ctx), block_size, hq, hk, 16)
+
+
+def test_decode_split_over_long_contexts(ops, gen):
+    """Contexts longer than one partition: partial results merged by the reduce kernel."""
+    part = ops[1].PARTITION
+    ctx = [2 * part + 37, part, part + 1, 3] + _lens(gen, 2, 1, 3 * part)
+    check_attention(ops[1], gen, ctx, [1] * len(ctx), 16, 4, 2, 16)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("hq,hk,head_dim", [(8, 2, 16), (2, 2, 24), (4, 1, 32)])
+def test_mixed_decode_and_prefill_with_cached_prefix(ops, gen, block_size, hq, hk, head_dim):
+    new = [1, 23, 1, 7, 40, 1]
+    prefix = [_lens(gen, 1, 1, 60)[0], 0, _lens(gen, 1, 1, 90)[0], 33, 70, block_size - 1]
+    ctx = [p + n for p, n in zip(prefix, new)]
+    check_attention(ops[1], gen, ctx, new, block_size, hq, hk, head_dim)
+
+
+def test_prefill_only_and_max_query_len_unknown(ops, gen):
+    check_attention(ops[1], gen, [17, 5], [17, 5], 4, 4, 2, 16, pass_max_query_len=False)
+    check_attention(ops[1], gen, [12, 9], [1, 1], 4, 4, 2, 16, pass_max_query_len=False)
+
+
+def test_attention_half_precision(ops, gen):
+    new = [1, 9, 1]
+    check_attention(ops[1], gen, [33, 20, 600], new, 16, 8, 2, 32, dtype=torch.float16)
+    check_attention(ops[1], gen, [33, 20, 600], [1, 1, 1], 16, 8, 2, 32, dtype=torch.float16)
+
+
+# ----------------------------------------------------------------------------------------------- fused ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norm(ops, gen, dtype):
+    x, r, w = rand(gen, 7, 48, dtype=dtype), rand(gen, 7, 48, dtype=dtype), rand(gen, 48, dtype=dtype)
+    assert_close(ops[0].rms_norm(x, w, 1e-6), ref.rms_norm(x.cpu(), w.cpu(), 1e-6), dtype, gen, "no residual")
+    y, h = ops[0].rms_norm(x, w, 1e-5, r)
+    y_ref, h_ref = ref.rms_norm(x.cpu(), w.cpu(), 1e-5, r.cpu())
+    assert_close(y, y_ref, dtype, gen, "y")
+    assert torch.equal(h.cpu(), h_ref)
+    heads = rand(gen, 5, 3, 24, dtype=dtype)  # per-head norm (Qwen3 q/k norm) on a 3-D input
+    assert_close(ops[0].rms_norm(heads, w[:24], 1e-6), ref.rms_norm(heads.cpu(), w[:24].cpu(), 1e-6), dtype, gen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim,rot_dim", [(16, 16), (24, 12)])
+def test_rotary_on_qkv_slices(ops, gen, dtype, head_dim, rot_dim):
+    t, hq, hk = 9, 6, 2
+    qkv = rand(gen, t, (hq + 2 * hk) * head_dim, dtype=dtype)
+    q, k, _ = qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)  # strided views, as the model
+    cache = rand(gen, 50, rot_dim)
+    pos = torch.randint(0, 50, (t,), generator=gen).to(DEV)
+    before = qkv.clone()
+    got = ops[0].rotary_embedding(pos, q, k, cache, head_dim)
+    want = ref.rotary_embedding(pos.cpu(), q.cpu(), k.cpu(), cache.cpu(), head_dim)
+    for a, b, name in zip(got, want, "qk"):
+        assert_close(a, b, dtype, gen, name)
+    assert torch.equal(qkv, before), "inputs must not be modified"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_and_mul(ops, gen, dtype):
+    x = rand(gen, 6, 2 * 40, dtype=dtype) * 3
+    assert_close(ops[0].silu_and_mul(x), ref.silu_and_mul(x.cpu()), dtype, gen)
+    x3 = rand(gen, 2, 3, 2 * 1500, dtype=dtype)  # more than one column block, leading dims kept
+    assert_close(ops[0].silu_and_mul(x3), ref.silu_and_mul(x3.cpu()), dtype, gen)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_store_kv_skips_padding_slots(ops, gen, block_size):
+    t, hk, d, num_blocks = 11, 2, 24, 5
+    qkv = rand(gen, t, 3 * hk * d)
+    k, v = (x.reshape(t, hk, d) for x in qkv[:, hk * d:].chunk(2, dim=-1))  # v is a strided view, as the model
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:t]
+    slots[torch.tensor([0, 4, 10])] = -1
+    caches = [torch.full((num_blocks, block_size, hk, d), float("nan"), device=DEV) for _ in range(2)]
+    want = [c.cpu().clone() for c in caches]
+    ops[0].store_kv(k, v, *caches, slots.to(DEV))
+    ref.store_kv(k.cpu(), v.cpu(), *want, slots)
+    for got, exp in zip(caches, want):
+        assert torch.equal(got.cpu().isnan(), exp.isnan())
+        assert torch.equal(got.cpu().nan_to_num(), exp.nan_to_num())
+
+
+def test_cpu_dispatch_stays_reference():
+    x, w = torch.randn(3, 8), torch.randn(8)
+    assert not kernels.use_triton(x)
+    assert torch.equal(kernels.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
+
+
+# ----------------------------------------------------------------------------------------------- real sizes (GPU)
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_attention_real_sizes_gpu(ops, gen, dtype):
+    decode_ctx = _lens(gen, 14, 1, 4096) + [4096, 1]
+    check_attention(ops[1], gen, decode_ctx, [1] * 16, 16, 32, 8, 128, dtype)
+    new = [1] * 12 + [512, 300, 1, 44]
+    ctx = _lens(gen, 12, 1, 4096) + [512 + 1000, 3000, 4096, 44]
+    check_attention(ops[1], gen, ctx, new, 16, 32, 8, 128, dtype)
+
+
+@pytest.mark.gpu
+def test_fused_real_sizes_gpu(ops, gen):
+    dtype, t = torch.float16, 256
+    x, r, w = rand(gen, t, 4096, dtype=dtype), rand(gen, t, 4096, dtype=dtype), rand(gen, 4096, dtype=dtype)
+    y, h = kernels.rms_norm(x, w, 1e-6, r)  # through the dispatch
+    y_ref, h_ref = ref.rms_norm(x.cpu(), w.cpu(), 1e-6, r.cpu())
+    assert_close(y, y_ref, dtype, gen, "rms_norm")
+    assert torch.equal(h.cpu(), h_ref)
+    qkv = rand(gen, t, (32 + 16) * 128, dtype=dtype)
+    q, k, v = qkv.split([4096, 1024, 1024], dim=-1)
+    cache = rand(gen, 4096, 128)
+    pos = torch.randint(0, 4096, (t,), generator=gen).to(DEV)
+    for a, b in zip(kernels.rotary_embedding(pos, q, k, cache, 128),
+                    ref.rotary_embedding(pos.cpu(), q.cpu(), k.cpu(), cache.cpu(), 128)):
+        assert_close(a, b, dtype, gen, "rotary")
+    gu = rand(gen, t, 2 * 11008, dtype=dtype)
+    assert_close(kernels.silu_and_mul(gu), ref.silu_and_mul(gu.cpu()), dtype, gen, "silu_and_mul")
