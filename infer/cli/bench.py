@@ -1,0 +1,202 @@
+"""`infer bench MODEL`: throughput and latency of the engine (in-process) or of any OpenAI-compatible server
+(--url), at one or more concurrency levels, optionally against HF transformers generate (--baseline hf)."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..errors import ConfigError
+from . import options as o
+from .serve import base_model_id
+
+WL = "Workload options"
+TARGET = "Target options"
+BASELINES = ("hf",)
+POLICIES = ("mixed", "split")
+
+
+# ------------------------------------------------------------------------------------------------ parsing
+def parse_concurrency(text: str) -> list[int]:
+    """'16' -> [16]; '1,4,16' -> [1, 4, 16] (each at least 1, no repeats)."""
+    try:
+        levels = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--concurrency {text!r} is not a number or a comma-separated list of numbers",
+                          "e.g. --concurrency 16 or --concurrency 1,4,16,64") from None
+    if any(c < 1 for c in levels):
+        raise ConfigError(f"--concurrency {text!r}: every level must be at least 1")
+    if len(set(levels)) != len(levels):
+        raise ConfigError(f"--concurrency {text!r} repeats a level", "give each level once")
+    return levels
+
+
+def parse_rate(text: str) -> float:
+    try:
+        rate = float(text)
+    except ValueError:
+        raise ConfigError(f"--request-rate {text!r} is not a number", "requests per second, or inf") from None
+    if math.isnan(rate) or rate <= 0:
+        raise ConfigError(f"--request-rate must be > 0, got {text}", "use inf to send every request at once")
+    return rate
+
+
+def check_dataset(spec: str) -> None:
+    """Fail before loading anything on an unknown dataset kind or a missing dataset file."""
+    from ..bench.datasets import WORKLOADS
+    kind, sep, path = spec.partition(":")
+    if not ((spec in ("random", "liteqwen")) or (sep and kind in ("jsonl", "sharegpt"))):
+        raise ConfigError(f"--dataset {spec!r} is not a known dataset", f"use one of {', '.join(WORKLOADS)}")
+    if sep and not Path(path).expanduser().is_file():
+        raise ConfigError(f"--dataset {spec}: {path} is not a file", f"pass an existing file: {kind}:PATH")
+
+
+def lora_names(items: list[str] | None, url: str | None) -> list[str]:
+    """Adapter names from --lora: NAME=PATH in-process (checked by the engine config); NAME or NAME=PATH with
+    --url (the server has the adapters; only the names are used, as the request's model)."""
+    if url is None:
+        return list(o.parse_loras(items))
+    names = [item.partition("=")[0] for item in items or []]
+    if any(not n for n in names):
+        raise ConfigError("--lora needs a NAME", "with --url: --lora NAME (an adapter the server serves)")
+    return names
+
+
+def mix(names: list[str], k: int | None) -> list[str]:
+    """The first K registered adapters (all of them if K is None, none if no adapter is registered)."""
+    if k is None:
+        return names
+    if k < 1:
+        raise ConfigError(f"--lora-mix must be at least 1, got {k}")
+    if k > len(names):
+        raise ConfigError(f"--lora-mix {k} needs {k} adapters but {len(names)} are registered",
+                          "pass more --lora NAME=PATH, or lower --lora-mix")
+    return names[:k]
+
+
+def check_url(url: str, model_id: str, adapters: list[str], api_key: str | None) -> str:
+    """The server's base URL, after checking it answers /v1/models and serves `model_id` and `adapters`."""
+    import httpx
+
+    from ..bench.http_driver import base_url
+    base = base_url(url)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = httpx.get(f"{base}/v1/models", headers=headers, timeout=10.0, trust_env=False)
+    except httpx.HTTPError as e:
+        raise ConfigError(f"cannot reach {base}: {e or type(e).__name__}",
+                          "start the server first (infer serve MODEL) or fix --url") from None
+    if resp.status_code in (401, 403):
+        raise ConfigError(f"{base} refused the API key (HTTP {resp.status_code})", "pass --api-key KEY")
+    try:
+        served = {m["id"] for m in resp.json()["data"]} if resp.status_code == 200 else None
+    except (ValueError, KeyError, TypeError):
+        served = None
+    missing = [m for m in [model_id, *adapters] if served is not None and m not in served]
+    if missing:
+        raise ConfigError(f"{base} does not serve {', '.join(map(repr, missing))}; it serves "
+                          f"{', '.join(sorted(served)) or 'nothing'}",
+                          "pass --served-model-name ID for the base, --lora NAME for adapters")
+    return base
+
+
+def check_options(num_prompts: int | None, dataset: str, baseline: str | None, lora_policy: str, url: str | None,
+                  rate: float) -> None:
+    if num_prompts is not None and num_prompts < 1:
+        raise ConfigError(f"--num-prompts must be at least 1, got {num_prompts}")
+    check_dataset(dataset)
+    if baseline is not None and baseline not in BASELINES:
+        raise ConfigError(f"--baseline {baseline!r} is not supported", f"use one of: {', '.join(BASELINES)}")
+    if lora_policy not in POLICIES:
+        raise ConfigError(f"--lora-policy {lora_policy!r} is not one of {', '.join(POLICIES)}")
+    if url is not None and lora_policy != "mixed":
+        raise ConfigError("--lora-policy split runs the in-process engine", "drop --url, or use --lora-policy mixed")
+    if lora_policy == "split" and not math.isinf(rate):
+        raise ConfigError("--lora-policy split sends every group at once; it takes no --request-rate")
+
+
+# ------------------------------------------------------------------------------------------------ the command
+def bench(
+    model: o.Model,
+    concurrency: Annotated[str, typer.Option("--concurrency", "-c", help="Requests in flight: one level, or a "
+                                             "comma-separated list (one run per level).", rich_help_panel=WL)] = "16",
+    num_prompts: Annotated[Optional[int], typer.Option(help="Requests per run (default: the dataset's; random: "
+                                                       "100, liteqwen: 80).", rich_help_panel=WL)] = None,
+    dataset: Annotated[str, typer.Option(help="random | liteqwen | jsonl:PATH | sharegpt:PATH.",
+                                         rich_help_panel=WL)] = "random",
+    input_len: Annotated[int, typer.Option(help="Prompt tokens (random).", rich_help_panel=WL)] = 44,
+    output_len: Annotated[int, typer.Option(help="Output tokens (random; default for jsonl lines).",
+                                            rich_help_panel=WL)] = 128,
+    request_rate: Annotated[str, typer.Option(help="Poisson arrivals per second, or inf (all at once).",
+                                              rich_help_panel=WL)] = "inf",
+    lora_mix: Annotated[Optional[int], typer.Option(help="Spread the first K --lora adapters over the requests "
+                                                    "round-robin (default: all of them).", rich_help_panel=WL)] = None,
+    lora_policy: Annotated[str, typer.Option(help="mixed: adapters share batches (the engine); split: one adapter "
+                                             "at a time, as servers that split batches do (a baseline).",
+                                             rich_help_panel=WL)] = "mixed",
+    url: Annotated[Optional[str], typer.Option(help="Drive this OpenAI-compatible server (streaming "
+                                               "/v1/completions) instead of an in-process engine.",
+                                               rich_help_panel=TARGET)] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(help="With --url: the base model's id on the server "
+                                                             "(default: MODEL's name).", rich_help_panel=TARGET)]
+    = None,
+    api_key: Annotated[Optional[str], typer.Option(help="With --url: sent as 'Authorization: Bearer KEY'.",
+                                                   envvar="INFER_API_KEY", rich_help_panel=TARGET,
+                                                   show_default=False)] = None,
+    baseline: Annotated[Optional[str], typer.Option(help="hf: also run HF transformers generate on MODEL, static "
+                                                    "batches of size = concurrency, and report ours/baseline (works "
+                                                    "with --url too: MODEL must then be a local folder).",
+                                                    rich_help_panel=TARGET)] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Report folder (default: "
+                                                "./bench-results/<timestamp>).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the workload (prompts, arrivals) and of the engine.")] = 0,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or tables.")] = False,
+    dtype: o.Dtype = "auto", device: o.Device = "auto",
+    max_num_seqs: Annotated[Optional[int], typer.Option(help="Most sequences in one step (default and minimum: "
+                                                        "the largest concurrency).", rich_help_panel=o.ENGINE)] = None,
+    max_num_batched_tokens: o.MaxBatchedTokens = 4096, block_size: o.BlockSize = 16,
+    max_model_len: o.MaxModelLen = None, prefix_caching: o.PrefixCaching = True,
+    memory_limit: o.MemoryLimit = None, gpu_memory_utilization: o.GpuUtil = 0.9,
+    lora: o.Lora = None,
+    max_loras: Annotated[Optional[int], typer.Option(help="Adapters resident at once (default: max(4, adapters "
+                                                     "in the mix)).", rich_help_panel=o.LORA)] = None,
+    max_lora_rank: o.MaxLoraRank = 64, max_cpu_loras: o.MaxCpuLoras = None,
+) -> None:
+    """Benchmark MODEL: vLLM's metrics (throughput, TTFT, TPOT, ITL, E2EL) per concurrency level, written to
+    results.json / results.csv / report.md / plots in --out and shown as a table. Ctrl-C stops and still writes
+    what was measured, marked partial.
+
+    Example: [bold]infer bench llama-100m -c 1,4,16 --num-prompts 64 --input-len 44 --output-len 128
+    --baseline hf[/bold]
+
+    Against a server: [bold]infer bench tiny-llama --url http://127.0.0.1:8000 -c 16[/bold]
+    """
+    levels, rate = parse_concurrency(concurrency), parse_rate(request_rate)
+    check_options(num_prompts, dataset, baseline, lora_policy, url, rate)
+    names = mix(lora_names(lora, url), lora_mix)
+    model_id = served_model_name or base_model_id(model)
+    if url is not None:
+        url = check_url(url, model_id, names, api_key)
+    from ..bench.plan import BenchPlan, run_plan
+    plan = BenchPlan(model=model, levels=levels, rate=rate, num_prompts=num_prompts, dataset=dataset,
+                     input_len=input_len, output_len=output_len, loras=names, lora_policy=lora_policy, url=url,
+                     model_id=model_id, api_key=api_key, baseline=baseline, seed=seed, quiet=quiet,
+                     out=out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S"))
+    if url is None:
+        k = len(names)
+        plan.engine = o.engine_config(model, dtype, device, max(max_num_seqs or 1, max(levels)),
+                                      max_num_batched_tokens, block_size, max_model_len, seed, prefix_caching,
+                                      memory_limit, gpu_memory_utilization, lora, max_loras or max(4, k),
+                                      max_lora_rank, max_cpu_loras)
+    else:
+        plan.dtype, plan.device = dtype, device
+    _, interrupted = run_plan(plan)
+    if not quiet:
+        typer.echo(f"infer bench: report written to {plan.out}", err=True)
+    if interrupted:
+        typer.echo(f"interrupted: the report in {plan.out} holds what was measured (marked partial)", err=True)
+        raise typer.Exit(130)
