@@ -29,7 +29,9 @@ PROMPTS = [
 
 def make_random_adapter(base: Path, out: Path, rank: int, targets: list[str], seed: int, rslora: bool = False):
     """A PEFT LoRA adapter for `base` with random (non-zero) weights, as a fine-tune would leave them."""
+    import logging
     import torch
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # noise from peft's optional imports
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
@@ -90,9 +92,8 @@ def demo(
     _step("run", ["run", str(gptq), str(prompts), "-o", str(outputs), "--quiet",
                   *[a for lo in loras for a in ("--lora", lo)]],
           lambda p: _run_line(outputs))
-    _step("bench", ["bench", str(gptq), "--concurrency", "4", "--num-prompts", "8", "--input-len", "32",
-                    "--output-len", "32", "--baseline", "hf", "--out", str(out / "bench"), "--quiet",
-                    *[a for lo in loras for a in ("--lora", lo)], "--lora-mix", "2"],
+    _step("bench", ["bench", str(gptq), "--concurrency", "8", "--num-prompts", "16", "--input-len", "32",
+                    "--output-len", "64", "--baseline", "hf", "--out", str(out / "bench"), "--quiet"],
           lambda p: _bench_line(out / "bench" / "results.json"))
     typer.echo(f"\nEverything is in {out}: checkpoint, adapters, prompts, outputs, bench report and plots.", err=True)
 
