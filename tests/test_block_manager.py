@@ -120,3 +120,20 @@ def test_eviction_reuses_least_recently_freed_first():
     assert bm.can_allocate(big)
     bm.allocate(big)
     assert bm.hash_to_block == {} and bm.num_free_blocks == 0
+
+
+def test_reset_prefix_cache_forgets_free_blocks_only():
+    bm = BlockManager(16, 4)
+    a, b = _seq("a", range(9)), _seq("b", range(100, 109))
+    for s in (a, b):
+        bm.allocate(s)
+        s.num_computed_tokens = 9
+        bm.register_computed(s)
+    bm.free_seq(a)
+    bm.reset_prefix_cache()
+    assert bm.prefix_cache_hit_rate() == 0.0
+    again_a, again_b = _seq("a2", range(9)), _seq("b2", range(100, 109))
+    bm.allocate(again_a)
+    bm.allocate(again_b)
+    assert again_a.num_cached_tokens == 0  # a's blocks were free: forgotten
+    assert again_b.num_cached_tokens == 8  # b is still running: its blocks stay shareable

@@ -72,6 +72,8 @@ class _Target:
     def run(self, requests: list[BenchRequest], concurrency: int) -> RunResult:
         p = self.plan
         progress = not p.quiet
+        if self.engine is not None:  # each level starts cold: no prefix blocks left by the level before
+            self.engine.block_manager.reset_prefix_cache()
         if p.url is not None:
             from .http_driver import run_http
             return run_http(p.url, p.model_id, requests, concurrency, p.rate, api_key=p.api_key, seed=p.seed,

@@ -150,5 +150,14 @@ class BlockManager:
         child.last_block_hash = self.blocks[parent.block_table[child.num_hashed_blocks - 1]].hash \
             if child.num_hashed_blocks else None
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use keep their contents) and the hit counters: a benchmark run
+        then starts as cold as a fresh engine."""
+        for block in self.blocks:
+            if block.ref_count == 0:
+                block.hash, block.token_ids = None, None
+        self.hash_to_block = {h: b for h, b in self.hash_to_block.items() if self.blocks[b].ref_count > 0}
+        self.prefix_queries = self.prefix_hits = 0
+
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
