@@ -93,3 +93,15 @@ def test_a_run_never_goes_beyond_the_reported_peak():
     assert all(len(o.token_ids) == max_length - 201 for o in outs)
     used = peak_rss_bytes() - base
     assert used <= reported, (used, reported)
+
+
+def test_warmup_with_adapters_runs_the_largest_rank(tmp_path):
+    from infer.cli.demo import make_random_adapter
+    from infer.models.tiny import ensure_builtin
+    base = ensure_builtin("tiny-llama")
+    make_random_adapter(base, tmp_path / "small", 4, ["q_proj", "v_proj"], seed=1)
+    make_random_adapter(base, tmp_path / "big", 16, ["q_proj", "down_proj"], seed=2)
+    code, d = _warmup("--max-length", "512", "--concurrency", "4", "--max-lora-rank", "16",
+                      "--lora", f"small={tmp_path / 'small'}", "--lora", f"big={tmp_path / 'big'}")
+    assert code == 0 and d["fits"] is True
+    assert d["lora_adapter"] == "big" and d["lora_bytes"] > 0

@@ -97,6 +97,7 @@ def load_engine_parts(config: EngineConfig) -> EngineParts:
                                    max_cpu_loras=config.max_cpu_loras, device=device, dtype=dtype)
         for name, adapter in config.loras.items():
             lora_manager.register(name, adapter)
-    plan = plan_memory(config, cfg, model, dtype, device, max_len)
+    plan = plan_memory(config, cfg, model, dtype, device, max_len,
+                       lora_manager.device_bytes() if lora_manager is not None else 0)
     return EngineParts(path, model, cfg, tokenizer, dtype, device, max_len, eos_ids(path, cfg, tokenizer),
                        plan.num_blocks, plan, lora_manager)

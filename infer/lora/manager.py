@@ -104,6 +104,14 @@ class LoRAManager:
         self._cpu.move_to_end(name)
         return self._cpu[name]
 
+    def rank_of(self, name: str) -> int:
+        """The adapter's largest rank over its modules."""
+        return self.cpu_adapter(name).rank
+
+    def device_bytes(self) -> int:
+        """Bytes of the stacked A/B slot tensors of every layer (the LoRA slots' memory)."""
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in [layer.lora_a, *layer.lora_b])
+
     def cpu_resident(self) -> list[str]:
         return list(self._cpu)
 
