@@ -59,6 +59,20 @@ def test_reference_matches_per_token_loop(t, case):
     assert torch.allclose(y.double(), want, atol=1e-3)
 
 
+@pytest.mark.parametrize("slots", [[4, 3, 2, 1, 0], [0, 1, 2, 3, 4, -1, 0, 2], [3, -1, 1, 3, -1, 4]])
+def test_reference_decode_path_matches_per_token_loop(slots):
+    """Many adapters with one or two tokens each (a decode step) take the padded-bmm path; every slot once in
+    order needs no gather of the weights."""
+    slots = torch.tensor(slots)
+    x, a, b, slots, scal, y = inputs(len(slots), 5, 16, 48, 24, seed=len(slots), slots=slots)
+    groups = ref.lora_groups(slots, 5)
+    h = ref.lora_shrink(x, a, slots, 0.5, groups)
+    assert torch.allclose(h.double(), naive_shrink(x, a, slots, 0.5), atol=1e-4)
+    want = naive_expand(h, b, slots, scal, y, offset=7)
+    ref.lora_expand(h, b, slots, scal, y, offset=7, groups=groups)
+    assert torch.allclose(y.double(), want, atol=1e-3)
+
+
 def test_groups_shared_between_calls():
     x, a, b, slots, scal, y = inputs(50, 4, 8, 32, 16, seed=1)
     groups = kernels.lora_groups(slots, 4)

@@ -159,6 +159,7 @@ class LoRAGroups:
     order: torch.Tensor
     starts: torch.Tensor
     _segments: list[tuple[int, int, int]] | None = None
+    _padded: tuple | None = None
 
     def segments(self) -> list[tuple[int, int, int]]:
         """(slot, begin, end) for every slot with tokens, as Python ints (a device sync on CUDA, done once)."""
@@ -167,6 +168,30 @@ class LoRAGroups:
             self._segments = [(s - 1, bounds[s], bounds[s + 1]) for s in range(1, len(bounds) - 1)
                               if bounds[s + 1] > bounds[s]]
         return self._segments
+
+
+_BATCHED_MAX_PER_SLOT = 2  # segments up to this long run as one padded bmm instead of a loop of matmuls
+
+
+def _batched(segs) -> bool:
+    return len(segs) > 2 and max(end - begin for _, begin, end in segs) <= _BATCHED_MAX_PER_SLOT
+
+
+def _padded_tokens(groups: "LoRAGroups", segs, device):
+    """Token indices laid out [slot, pad] (-1 where a slot has fewer tokens), the pad width, the slots used (or
+    None when they are all the slots in order); computed once per step, since every layer shares `groups`."""
+    if groups._padded is None:
+        pad = max(end - begin for _, begin, end in segs)
+        order = groups.order.tolist()
+        tok = [order[b + j] if b + j < e else -1 for _, b, e in segs for j in range(pad)]
+        slots = [slot for slot, _, _ in segs]
+        used = None if slots == list(range(groups.starts.shape[0] - 2)) else torch.tensor(slots, device=device)
+        groups._padded = (torch.tensor(tok, device=device), pad, used)
+    return groups._padded
+
+
+def _slots(w: torch.Tensor, used: torch.Tensor | None) -> torch.Tensor:
+    return w if used is None else w.index_select(0, used)
 
 
 def lora_groups(token_slots: torch.Tensor, num_slots: int) -> LoRAGroups:
@@ -191,6 +216,13 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor
         return (x.float() @ lora_a[segs[0][0]].float().t()).mul_(scale)
     out = torch.zeros(x.shape[0], rank, dtype=torch.float32, device=x.device)
     if not segs:
+        return out
+    if _batched(segs):  # many adapters with a token or two each (decoding): one bmm over the slots
+        tok, pad, used = _padded_tokens(groups, segs, x.device)
+        xs = x.float().index_select(0, tok.clamp(min=0)).view(len(segs), pad, -1)
+        res = torch.bmm(xs, _slots(lora_a, used).float().transpose(1, 2)).view(-1, rank)  # [S*pad, R]
+        keep = tok >= 0
+        out.index_copy_(0, tok[keep], res[keep].mul_(scale))
         return out
     first = segs[0][1]
     idx = groups.order[first:]
@@ -218,6 +250,14 @@ def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor
     if len(segs) == 1 and segs[0][1] == 0 and segs[0][2] == y.shape[0]:
         slot = segs[0][0]
         target.add_((h.float() @ lora_b[slot].float().t()).mul_(scal[slot]).to(y.dtype))
+        return
+    if _batched(segs):  # many adapters with a token or two each (decoding): one bmm over the slots
+        tok, pad, used = _padded_tokens(groups, segs, h.device)
+        keep = tok >= 0
+        hs = h.float().index_select(0, tok.clamp(min=0)).view(len(segs), pad, -1)
+        hs = hs * _slots(scalings.float(), used).view(-1, 1, 1)
+        res = torch.bmm(hs, _slots(lora_b, used).float().transpose(1, 2)).view(-1, out_size)
+        target.index_add_(0, tok[keep], res[keep].to(y.dtype))
         return
     first = segs[0][1]
     idx = groups.order[first:]
