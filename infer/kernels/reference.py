@@ -178,15 +178,19 @@ def _batched(segs) -> bool:
 
 
 def _padded_tokens(groups: "LoRAGroups", segs, device):
-    """Token indices laid out [slot, pad] (-1 where a slot has fewer tokens), the pad width, the slots used (or
-    None when they are all the slots in order); computed once per step, since every layer shares `groups`."""
+    """(token index per [slot, pad] position (0 where a slot has fewer tokens), the pad width, the slots used (None:
+    all, in order), the positions holding a token (None: all), the tokens at those positions); computed once per
+    step, since every layer shares `groups`."""
     if groups._padded is None:
         pad = max(end - begin for _, begin, end in segs)
         order = groups.order.tolist()
         tok = [order[b + j] if b + j < e else -1 for _, b, e in segs for j in range(pad)]
         slots = [slot for slot, _, _ in segs]
         used = None if slots == list(range(groups.starts.shape[0] - 2)) else torch.tensor(slots, device=device)
-        groups._padded = (torch.tensor(tok, device=device), pad, used)
+        rows = [i for i, t in enumerate(tok) if t >= 0]  # the padded positions that hold a token
+        groups._padded = (torch.tensor([max(t, 0) for t in tok], device=device), pad, used,
+                          None if len(rows) == len(tok) else torch.tensor(rows, device=device),
+                          torch.tensor([t for t in tok if t >= 0], device=device))
     return groups._padded
 
 
@@ -218,11 +222,10 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor
     if not segs:
         return out
     if _batched(segs):  # many adapters with a token or two each (decoding): one bmm over the slots
-        tok, pad, used = _padded_tokens(groups, segs, x.device)
-        xs = x.float().index_select(0, tok.clamp(min=0)).view(len(segs), pad, -1)
+        tok, pad, used, rows, dest = _padded_tokens(groups, segs, x.device)
+        xs = x.float().index_select(0, tok).view(len(segs), pad, -1)
         res = torch.bmm(xs, _slots(lora_a, used).float().transpose(1, 2)).view(-1, rank)  # [S*pad, R]
-        keep = tok >= 0
-        out.index_copy_(0, tok[keep], res[keep].mul_(scale))
+        out.index_copy_(0, dest, (res if rows is None else res.index_select(0, rows)).mul_(scale))
         return out
     first = segs[0][1]
     idx = groups.order[first:]
@@ -252,12 +255,11 @@ def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor
         target.add_((h.float() @ lora_b[slot].float().t()).mul_(scal[slot]).to(y.dtype))
         return
     if _batched(segs):  # many adapters with a token or two each (decoding): one bmm over the slots
-        tok, pad, used = _padded_tokens(groups, segs, h.device)
-        keep = tok >= 0
-        hs = h.float().index_select(0, tok.clamp(min=0)).view(len(segs), pad, -1)
+        tok, pad, used, rows, dest = _padded_tokens(groups, segs, h.device)
+        hs = h.float().index_select(0, tok).view(len(segs), pad, -1)
         hs = hs * _slots(scalings.float(), used).view(-1, 1, 1)
         res = torch.bmm(hs, _slots(lora_b, used).float().transpose(1, 2)).view(-1, out_size)
-        target.index_add_(0, tok[keep], res[keep].to(y.dtype))
+        target.index_add_(0, dest, (res if rows is None else res.index_select(0, rows)).to(y.dtype))
         return
     first = segs[0][1]
     idx = groups.order[first:]
