@@ -137,3 +137,27 @@ def test_reset_prefix_cache_forgets_free_blocks_only():
     bm.allocate(again_b)
     assert again_a.num_cached_tokens == 0  # a's blocks were free: forgotten
     assert again_b.num_cached_tokens == 8  # b is still running: its blocks stay shareable
+
+
+def test_uncached_blocks_are_reused_first_cached_ones_last():
+    """A freed block without a prefix hash (caching off, or a partial block) goes to the front of the free list:
+    its memory is warm and its contents worthless; a cached block goes to the back and survives longest."""
+    bm = BlockManager(10, 4, enable_prefix_caching=True)
+    a = _seq(0, range(10))  # blocks: 2 full (cached once computed) + 1 partial
+    bm.allocate(a)
+    a.num_computed_tokens = 10
+    bm.register_computed(a)
+    table = list(a.block_table)
+    bm.free_seq(a)
+    b = _seq(1, [99, 98])  # different tokens: no prefix hit
+    bm.allocate(b)
+    assert b.block_table == [table[2]]  # the partial block, not a never-used one, not a cached one
+    assert list(bm.free)[-2:] == [table[1], table[0]]  # cached blocks at the LRU end
+    nocache = BlockManager(10, 4, enable_prefix_caching=False)
+    c = _seq(2, range(10))
+    nocache.allocate(c)
+    used = list(c.block_table)
+    nocache.free_seq(c)
+    d = _seq(3, range(12))
+    nocache.allocate(d)
+    assert sorted(d.block_table) == sorted(used)

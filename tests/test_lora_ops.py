@@ -73,6 +73,61 @@ def test_reference_decode_path_matches_per_token_loop(slots):
     assert torch.allclose(y.double(), want, atol=1e-3)
 
 
+def naive_apply(x, a, bs, scalings, slots, y, offsets):
+    rank = a.shape[1] // len(bs)
+    for i, (b, off) in enumerate(zip(bs, offsets)):
+        h = naive_shrink(x, a[:, i * rank:(i + 1) * rank], slots, 1.0)
+        y = naive_expand(h, b, slots, scalings[i], y, off)
+    return y
+
+
+IN_ORDER = {  # token slots already sorted by slot, as the model runner lays out a batch
+    "every slot once": [0, 1, 2, 3, 4],
+    "base rows first": [-1, -1, 0, 1, 2, 3, 4],
+    "middle slots": [-1, 1, 2, 3],
+    "two tokens each": [0, 0, 1, 1, 2, 2, 3, 3, 4, 4],
+    "uneven (padded)": [0, 1, 1, 2, 3, 4],
+    "gap (padded)": [0, 1, 3, 4],
+    "prefill (loop)": [-1] * 3 + [0] * 7 + [2] * 5 + [4] * 9,
+}
+
+
+@pytest.mark.parametrize("case", list(IN_ORDER))
+def test_reference_in_order_decode_path(case):
+    """Sorted tokens with the same count per consecutive slot run as bmm over views ("uniform"); the others
+    fall back to the gathered path. Both agree with the per-token loop, for shrink/expand and lora_apply."""
+    host = IN_ORDER[case]
+    slots = torch.tensor(host)
+    x, a, b, slots, scal, y = inputs(len(host), 5, 16, 48, 24, seed=len(host), slots=slots)
+    groups = ref.lora_groups(slots, 5, in_order=True)
+    uniform = not case.endswith(("(padded)", "(loop)"))
+    assert (groups.plan()[0] == "uniform") == uniform
+    h = ref.lora_shrink(x, a, slots, 0.5, groups)
+    assert torch.allclose(h.double(), naive_shrink(x, a, slots, 0.5), atol=1e-4)
+    want = naive_expand(h, b, slots, scal, y, offset=7)
+    y1 = y.clone()
+    ref.lora_expand(h, b, slots, scal, y1, offset=7, groups=groups)
+    assert torch.allclose(y1.double(), want, atol=1e-3)
+    # a merged layer of two shards: stacked A [S, 2R, in], B per shard, scalings [2, S]
+    a2 = torch.cat([a, a.flip(0) * 0.5], dim=1)
+    bs = [b, b[:, :20].flip(0)]
+    scal2 = torch.stack([scal, scal.flip(0)])
+    want = naive_apply(x, a2, bs, scal2, slots, y, [3, 30])
+    ref.lora_apply(x, y, a2, bs, scal2, [3, 30], slots, groups)
+    assert torch.allclose(y.double(), want, atol=1e-3)
+
+
+@pytest.mark.parametrize("case", ["mixed", "one", "none"])
+def test_reference_lora_apply_any_batch(case):
+    t = 30
+    slots = None if SLOTS[case] is None else SLOTS[case](t)
+    x, a, b, slots, scal, y = inputs(t, 5, 16, 48, 24, seed=3, slots=slots)
+    a2, bs, scal2 = torch.cat([a, a * 2], dim=1), [b, b[:, :10]], torch.stack([scal, scal * 3])
+    want = naive_apply(x, a2, bs, scal2, slots, y, [0, 40])
+    ref.lora_apply(x, y, a2, bs, scal2, [0, 40], slots)
+    assert torch.allclose(y.double(), want, atol=1e-3)
+
+
 def test_groups_shared_between_calls():
     x, a, b, slots, scal, y = inputs(50, 4, 8, 32, 16, seed=1)
     groups = kernels.lora_groups(slots, 4)
@@ -151,3 +206,16 @@ def test_triton_real_shapes_gpu(t):
     ref.lora_expand(want_h, b.cpu(), slots.cpu(), scal.cpu(), y_ref, 4096)
     lora_ops.lora_expand(want_h.cuda(), b, slots, scal, y, 4096)
     assert torch.allclose(y.cpu().float(), y_ref, rtol=2e-2, atol=2.0)
+
+
+@pytest.mark.parametrize("host", [[0, 1, 2, 3], [-1, 0, 2, 2, 3, 1]])
+def test_triton_lora_apply_matches_reference(ops, host):
+    slots = torch.tensor(host)
+    x, a, b, slots, scal, y = inputs(len(host), 4, 8, 40, 20, seed=7, slots=slots)
+    a2, bs, scal2 = torch.cat([a, -a], dim=1), [b, b[:, :12]], torch.stack([scal, scal * 2])
+    y_ref = y.clone()
+    ref.lora_apply(x, y_ref, a2, bs, scal2, [1, 25], slots)
+    dev = _dev()
+    y_dev = y.to(dev)
+    ops.lora_apply(x.to(dev), y_dev, a2.to(dev), [t.to(dev) for t in bs], scal2.to(dev), [1, 25], slots.to(dev))
+    assert torch.allclose(y_dev.cpu(), y_ref, atol=1e-3)

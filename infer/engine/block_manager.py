@@ -3,7 +3,7 @@
 A full block is identified by a chained hash of its token ids (hash of the previous block's hash and its own ids),
 confirmed by comparing the ids. A block is registered in the cache only once its K/V have been computed. Freed
 blocks keep their hash and sit in an LRU free list, so a later request with the same prefix finds them until
-their space is needed.
+their space is needed; freed blocks without a hash are reused first.
 """
 
 from __future__ import annotations
@@ -128,13 +128,17 @@ class BlockManager:
 
     # ------------------------------------------------------------------ release
     def free_seq(self, seq: Sequence) -> None:
-        """Drop the sequence's references; blocks nobody uses go to the free list, most recent last."""
+        """Drop the sequence's references; blocks nobody uses go to the free list: cached ones (a prefix hash) last,
+        to be reused as late as possible, the others first, since their contents are worth nothing and their
+        memory is warm (on CPU, a block never used before costs page faults when first touched)."""
         for bid in reversed(seq.block_table):
             block = self.blocks[bid]
             block.ref_count -= 1
             assert block.ref_count >= 0, "block freed twice"
             if block.ref_count == 0:
                 self.free[bid] = None
+                if block.hash is None:
+                    self.free.move_to_end(bid, last=False)
         seq.block_table = []
         seq.num_computed_tokens = seq.num_hashed_blocks = 0
         seq.last_block_hash = None

@@ -34,10 +34,19 @@ class ModelRunner:
         if block_ids:
             self.kv_cache[:, :, torch.tensor(block_ids, device=self.device)] = 0
 
-    def prepare(self, batch: ScheduledBatch):
+    def order(self, batch: ScheduledBatch) -> list[int]:
+        """The order the batch's sequences run in: by adapter slot when adapters are loaded (the base model's first),
+        so that every adapter's tokens are contiguous and the LoRA decode path works on views."""
+        if self.lora_manager is None:
+            return list(range(len(batch.seqs)))
+        slot = self.lora_manager.slot_of
+        return sorted(range(len(batch.seqs)), key=lambda i: slot(batch.seqs[i].lora))
+
+    def prepare(self, batch: ScheduledBatch, order: list[int] | None = None):
         ids, pos, slots, qsl, lens, tables, lora_slots = [], [], [], [0], [], [], []
         bs = self.block_size
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        order = order if order is not None else list(range(len(batch.seqs)))
+        for seq, n in ((batch.seqs[i], batch.num_new_tokens[i]) for i in order):
             start = seq.num_computed_tokens
             ids.extend(seq.tokens(start, start + n))
             pos.extend(range(start, start + n))
@@ -67,16 +76,18 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> dict[int, tuple[int, dict | None]]:
         """Returns {index in batch: (token, logprob record)} for the sequences whose prompt is now complete."""
-        input_ids, positions, ctx = self.prepare(batch)
+        order = self.order(batch)
+        input_ids, positions, ctx = self.prepare(batch, order)
         hidden = self.model(input_ids, positions, ctx)
         rows, seqs, last = [], [], ctx.query_start_loc[1:].tolist()
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        for j, i in enumerate(order):  # j: position in the run, i: index in the batch
+            seq, n = batch.seqs[i], batch.num_new_tokens[i]
             if seq.num_computed_tokens + n == len(seq):
-                rows.append(i)
+                rows.append((i, j))
                 seqs.append(seq)
         if not rows:
             return {}
-        idx = torch.tensor([last[i] - 1 for i in rows], device=hidden.device)
+        idx = torch.tensor([last[j] - 1 for _, j in rows], device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, idx))
         tokens, records = self.sampler(logits, seqs)
-        return {i: (t, r) for i, t, r in zip(rows, tokens, records)}
+        return {i: (t, r) for (i, _), t, r in zip(rows, tokens, records)}

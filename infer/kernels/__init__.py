@@ -61,8 +61,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
                                      max_query_len)
 
 
-def lora_groups(token_slots, num_slots):
-    return reference.lora_groups(token_slots, num_slots)
+def lora_groups(token_slots, num_slots, in_order=False):
+    return reference.lora_groups(token_slots, num_slots, in_order)
 
 
 def lora_shrink(x, lora_a, token_slots, scale=1.0, groups=None):
@@ -77,6 +77,13 @@ def lora_expand(h, lora_b, token_slots, scalings, y, offset=0, groups=None):
         from .lora_ops import lora_expand as triton_expand
         return triton_expand(h, lora_b, token_slots, scalings, y, offset, groups)
     return reference.lora_expand(h, lora_b, token_slots, scalings, y, offset, groups)
+
+
+def lora_apply(x, y, lora_a, lora_bs, scalings, offsets, token_slots, groups=None):
+    if use_triton(y):
+        from .lora_ops import lora_apply as triton_apply
+        return triton_apply(x, y, lora_a, lora_bs, scalings, offsets, token_slots, groups)
+    return reference.lora_apply(x, y, lora_a, lora_bs, scalings, offsets, token_slots, groups)
 
 
 def gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1=True, group_size=None):

@@ -119,3 +119,14 @@ def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor
     _expand_kernel[grid](h, lora_b, y, groups.order, groups.starts, scalings, n, rank, offset,
                          h.stride(0), h.stride(1), *lora_b.stride(), y.stride(0), y.stride(1),
                          BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=y.dtype == torch.float32)
+
+
+def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_bs: list[torch.Tensor],
+               scalings: torch.Tensor, offsets: list[int], token_slots: torch.Tensor,
+               groups: LoRAGroups | None = None) -> None:
+    """Triton version of reference.lora_apply: one shrink over the stacked A, one expand per shard."""
+    groups = groups if groups is not None else lora_groups(token_slots, lora_a.shape[0])
+    rank = lora_a.shape[1] // len(lora_bs)
+    h = lora_shrink(x, lora_a, token_slots, 1.0, groups)
+    for i, b in enumerate(lora_bs):
+        lora_expand(h[:, i * rank:(i + 1) * rank], b, token_slots, scalings[i], y, offsets[i], groups)

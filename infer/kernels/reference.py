@@ -154,12 +154,35 @@ class LoRAGroups:
 
     `order` [T] int64 holds the token indices sorted by slot (stable), the tokens without adapter (slot -1) first;
     the tokens of slot s are order[starts[s + 1]:starts[s + 2]] (`starts` [S + 2] int64, starts[0] = 0).
+    `in_order` says the batch's tokens are already sorted by slot (order is the identity): the model runner orders
+    a batch's sequences by adapter, so that the decode path reads every slot's tokens as a view, without gathers.
     """
 
     order: torch.Tensor
     starts: torch.Tensor
+    in_order: bool = False
     _segments: list[tuple[int, int, int]] | None = None
     _padded: tuple | None = None
+    _plan: tuple | None = None
+
+    def plan(self) -> tuple:
+        """How the CPU reference runs this step's shrinks and expands, decided once per step: ("empty",) no token
+        has an adapter; ("whole", slot) one adapter has every token; ("uniform", first, p, s0, n) tokens in slot
+        order, n consecutive slots from s0 with p <= 2 tokens each, from token `first` on; ("padded",) many slots
+        with a token or two each, gathered into one bmm; ("loop",) a matmul per slot (prefill)."""
+        if self._plan is None:
+            segs = self.segments()
+            total = self.order.shape[0]
+            if not segs:
+                self._plan = ("empty",)
+            elif len(segs) == 1 and segs[0][1] == 0 and segs[0][2] == total:
+                self._plan = ("whole", segs[0][0])
+            elif _batched(segs):
+                uni = _uniform(self, segs)
+                self._plan = ("padded",) if uni is None else ("uniform", *uni, len(segs))
+            else:
+                self._plan = ("loop",)
+        return self._plan
 
     def segments(self) -> list[tuple[int, int, int]]:
         """(slot, begin, end) for every slot with tokens, as Python ints (a device sync on CUDA, done once)."""
@@ -194,18 +217,31 @@ def _padded_tokens(groups: "LoRAGroups", segs, device):
     return groups._padded
 
 
+def _uniform(groups: "LoRAGroups", segs) -> tuple[int, int, int] | None:
+    """(first token, tokens per slot p, first slot s0) when the tokens are in slot order and the used slots are
+    consecutive with p tokens each: tokens first..first+n*p then view as [n, p, :] against weights[s0:s0+n]."""
+    if not groups.in_order or len(segs) < 2:
+        return None
+    first, p, s0 = segs[0][1], segs[0][2] - segs[0][1], segs[0][0]
+    for k, (slot, begin, end) in enumerate(segs):
+        if slot != s0 + k or begin != first + k * p or end - begin != p:
+            return None
+    return first, p, s0
+
+
 def _slots(w: torch.Tensor, used: torch.Tensor | None) -> torch.Tensor:
     return w if used is None else w.index_select(0, used)
 
 
-def lora_groups(token_slots: torch.Tensor, num_slots: int) -> LoRAGroups:
-    """Semantics: group token indices by token_slots[t] in -1..num_slots-1 (see LoRAGroups); no host sync."""
+def lora_groups(token_slots: torch.Tensor, num_slots: int, in_order: bool = False) -> LoRAGroups:
+    """Semantics: group token indices by token_slots[t] in -1..num_slots-1 (see LoRAGroups); no host sync.
+    in_order: the caller knows token_slots is non-decreasing."""
     key = token_slots.long() + 1
     order = torch.argsort(key, stable=True)
     counts = torch.bincount(key, minlength=num_slots + 1)
     starts = torch.zeros(num_slots + 2, dtype=torch.long, device=key.device)
     torch.cumsum(counts, 0, out=starts[1:])
-    return LoRAGroups(order, starts)
+    return LoRAGroups(order, starts, in_order)
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor, scale: float = 1.0,
@@ -215,19 +251,38 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor
     shards' A matrices are stacked along R). `groups` = lora_groups(token_slots, S) may be passed to reuse it."""
     groups = groups if groups is not None else lora_groups(token_slots, lora_a.shape[0])
     rank = lora_a.shape[1]
-    segs = groups.segments()
-    if len(segs) == 1 and segs[0][1] == 0 and segs[0][2] == x.shape[0]:  # one adapter for the whole batch
-        return (x.float() @ lora_a[segs[0][0]].float().t()).mul_(scale)
-    out = torch.zeros(x.shape[0], rank, dtype=torch.float32, device=x.device)
-    if not segs:
+    kind, *arg = groups.plan()
+    if kind == "whole":  # one adapter for the whole batch
+        return (x.float() @ lora_a[arg[0]].float().t()).mul_(scale)
+    if kind == "uniform":  # decoding, tokens in slot order: one bmm over views, no gathers
+        first, p, s0, n = arg
+        xs = x[first:first + n * p].float().reshape(n, p, -1)
+        # A [n, R, in] @ x^T [n, in, p]: the matrix-vector form streams A row by row (1.5x the x @ A^T form)
+        res = torch.bmm(lora_a[s0:s0 + n].float(), xs.transpose(1, 2)).transpose(1, 2).reshape(n * p, rank)
+        if scale != 1.0:
+            res.mul_(scale)
+        if first == 0 and n * p == x.shape[0]:
+            return res
+        out = torch.zeros(x.shape[0], rank, dtype=torch.float32, device=x.device)
+        out[first:first + n * p] = res
         return out
-    if _batched(segs):  # many adapters with a token or two each (decoding): one bmm over the slots
+    out = torch.zeros(x.shape[0], rank, dtype=torch.float32, device=x.device)
+    segs = groups.segments()
+    if kind == "empty":
+        return out
+    if kind == "padded":  # many adapters with a token or two each (decoding): one bmm over the slots
         tok, pad, used, rows, dest = _padded_tokens(groups, segs, x.device)
         xs = x.float().index_select(0, tok).view(len(segs), pad, -1)
         res = torch.bmm(xs, _slots(lora_a, used).float().transpose(1, 2)).view(-1, rank)  # [S*pad, R]
         out.index_copy_(0, dest, (res if rows is None else res.index_select(0, rows)).mul_(scale))
         return out
     first = segs[0][1]
+    if groups.in_order:  # tokens already grouped: every slot's rows are a slice of x and of out
+        for slot, begin, end in segs:
+            torch.matmul(x[begin:end].float(), lora_a[slot].float().t(), out=out[begin:end])
+        if scale != 1.0:
+            out[first:].mul_(scale)
+        return out
     idx = groups.order[first:]
     xs = x.index_select(0, idx).float()
     res = torch.empty(xs.shape[0], rank, dtype=torch.float32, device=x.device)
@@ -244,17 +299,24 @@ def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor
     strides: a merged layer passes the column slice of the shrink output that belongs to shard i, with offset =
     that shard's first output column), lora_b [S, out, R], scalings [S] float32, y [T, out_total]."""
     groups = groups if groups is not None else lora_groups(token_slots, lora_b.shape[0])
-    segs = groups.segments()
-    if not segs:
+    kind, *arg = groups.plan()
+    if kind == "empty":
         return
     out_size = lora_b.shape[1]
     target = y.narrow(1, offset, out_size)
+    if kind == "uniform":  # decoding, tokens in slot order: one bmm over views, added in place, no gathers
+        first, p, s0, n = arg
+        hs = h[first:first + n * p].float().reshape(n, p, -1) * scalings[s0:s0 + n].float().view(-1, 1, 1)
+        dst = target[first:first + n * p].view(n, p, out_size)
+        dst.add_(torch.bmm(hs, lora_b[s0:s0 + n].float().transpose(1, 2)).to(y.dtype))
+        return
     scal = scalings.tolist()
-    if len(segs) == 1 and segs[0][1] == 0 and segs[0][2] == y.shape[0]:
-        slot = segs[0][0]
+    if kind == "whole":
+        slot = arg[0]
         target.add_((h.float() @ lora_b[slot].float().t()).mul_(scal[slot]).to(y.dtype))
         return
-    if _batched(segs):  # many adapters with a token or two each (decoding): one bmm over the slots
+    segs = groups.segments()
+    if kind == "padded":  # many adapters with a token or two each (decoding): one bmm over the slots
         tok, pad, used, rows, dest = _padded_tokens(groups, segs, h.device)
         hs = h.float().index_select(0, tok).view(len(segs), pad, -1)
         hs = hs * _slots(scalings.float(), used).view(-1, 1, 1)
@@ -262,6 +324,11 @@ def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor
         target.index_add_(0, dest, (res if rows is None else res.index_select(0, rows)).to(y.dtype))
         return
     first = segs[0][1]
+    if groups.in_order:  # tokens already grouped: every slot's rows are a slice of h and of y
+        for slot, begin, end in segs:
+            res = torch.matmul(h[begin:end].float(), lora_b[slot].float().t()).mul_(scal[slot])
+            target[begin:end].add_(res.to(y.dtype))
+        return
     idx = groups.order[first:]
     hs = h.index_select(0, idx).float()
     res = torch.empty(hs.shape[0], out_size, dtype=torch.float32, device=h.device)
@@ -270,3 +337,34 @@ def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor
         torch.matmul(hs[begin - first:end - first], lora_b[slot].float().t(), out=part)
         part.mul_(scal[slot])
     target.index_add_(0, idx, res.to(y.dtype))
+
+
+def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_bs: list[torch.Tensor],
+               scalings: torch.Tensor, offsets: list[int], token_slots: torch.Tensor,
+               groups: LoRAGroups | None = None) -> None:
+    """Semantics: the LoRA of every shard of a merged layer, in place: for shard i (rank R = lora_a.shape[1] //
+    len(lora_bs)), y[t, offsets[i]:offsets[i]+out_i] += scalings[i, s] * x[t] @ A_i[s]^T @ lora_bs[i][s]^T with
+    A_i = lora_a[:, i*R:(i+1)*R] and s = token_slots[t] >= 0; rows with slot -1 untouched. Equal to one
+    lora_shrink over lora_a followed by one lora_expand per shard."""
+    groups = groups if groups is not None else lora_groups(token_slots, lora_a.shape[0])
+    rank = lora_a.shape[1] // len(lora_bs)
+    kind, *arg = groups.plan()
+    if kind == "uniform":  # decoding, tokens in slot order: every product a bmm over views, no gathers
+        first, p, s0, n = arg
+        whole = s0 == 0 and n == lora_a.shape[0]  # (the common case, spelled out: every op here costs ~2 us)
+        xs = (x if first == 0 and n * p == x.shape[0] else x[first:first + n * p]).reshape(n, p, -1)
+        a = lora_a if whole else lora_a[s0:s0 + n]
+        if xs.dtype != torch.float32:
+            xs, a = xs.float(), a.float()
+        h = torch.bmm(a, xs.transpose(1, 2))  # [n, shards*R, p]: the matrix-vector form, 1.5x x @ A^T on CPU
+        scal = scalings if whole else scalings[:, s0:s0 + n]
+        rows = y if first == 0 and n * p == y.shape[0] else y[first:first + n * p]
+        for i, b in enumerate(lora_bs):
+            bt = (b if whole else b[s0:s0 + n]).transpose(1, 2)
+            h_i = (h[:, i * rank:(i + 1) * rank] * scal[i].view(n, 1, 1)).transpose(1, 2)  # [n, p, R]
+            res = torch.bmm(h_i, bt if bt.dtype == torch.float32 else bt.float())
+            rows.narrow(1, offsets[i], bt.shape[2]).view(n, p, -1).add_(res)
+        return
+    h = lora_shrink(x, lora_a, token_slots, 1.0, groups)
+    for i, b in enumerate(lora_bs):
+        lora_expand(h[:, i * rank:(i + 1) * rank], b, token_slots, scalings[i], y, offsets[i], groups)

@@ -2,7 +2,8 @@
 
 A `LoRALayer` holds, for every device slot, the stacked and zero-padded weights of the layer's shards:
 `lora_a` [max_loras, n_shards * max_rank, in] (shard i's A in rows i*max_rank..) and, per shard,
-`lora_b[i]` [max_loras, out_i, max_rank]; `scalings` [n_shards, max_loras] float32 (per module, since
+`lora_b[i]` [max_loras, out_i, max_rank] (a transposed view of [max_loras, max_rank, out_i] storage, so that the
+expand reads B row-major along the output: 3x faster on CPU, coalesced on GPU); `scalings` [n_shards, max_loras] float32 (per module, since
 rank_pattern / alpha_pattern may differ between modules). `apply` runs one shrink for the shards the batch's
 adapters touch, then one expand per shard into that shard's columns of y.
 """
@@ -44,7 +45,8 @@ class LoRABatch:
         if not active:
             return None
         assert active[-1] < num_slots and min(host) >= -1, f"token slots must be in -1..{num_slots - 1}"
-        return cls(slots, active, kernels.lora_groups(slots, num_slots))
+        in_order = all(a <= b for a, b in zip(host, host[1:]))
+        return cls(slots, active, kernels.lora_groups(slots, num_slots, in_order))
 
 
 class LoRALayer:
@@ -57,13 +59,16 @@ class LoRALayer:
         self.in_features, self.max_rank = base.in_features, max_rank
         n = len(self.out_sizes)
         self.lora_a = torch.zeros(max_loras, n * max_rank, base.in_features, dtype=dtype, device=device)
-        self.lora_b = [torch.zeros(max_loras, out, max_rank, dtype=dtype, device=device) for out in self.out_sizes]
+        self.lora_b = [torch.zeros(max_loras, max_rank, out, dtype=dtype, device=device).transpose(1, 2)
+                       for out in self.out_sizes]
         self.scalings = torch.zeros(n, max_loras, dtype=torch.float32, device=device)
         self.ranks = [[0] * max_loras for _ in range(n)]  # ranks[shard][slot], 0 = not targeted
+        self._plans: dict[tuple[int, ...], tuple[list[int], int]] = {}  # active slots -> (shards, rank)
 
     def set_slot(self, slot: int, modules: list[LoRAModule | None]) -> None:
         """Load one adapter's modules for this layer's shards (None = the adapter does not target that shard)."""
         mr = self.max_rank
+        self._plans.clear()
         for i, m in enumerate(modules):
             if m is None and self.ranks[i][slot] == 0:
                 continue
@@ -83,16 +88,20 @@ class LoRALayer:
 
     def apply(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> None:
         """y[t] += sum over shards i of scaling_i * x[t] @ A_i[slot_t]^T @ B_i[slot_t]^T, in place."""
-        shards = [i for i, ranks in enumerate(self.ranks) if any(ranks[s] for s in batch.active_slots)]
+        plan = self._plans.get(batch.active_slots)
+        if plan is None:
+            shards = [i for i, ranks in enumerate(self.ranks) if any(ranks[s] for s in batch.active_slots)]
+            rank = max((self.ranks[i][s] for i in shards for s in batch.active_slots), default=0)
+            plan = self._plans[batch.active_slots] = (shards, rank)
+        shards, rank = plan
         if not shards:
             return
-        rank = max(self.ranks[i][s] for i in shards for s in batch.active_slots)
         mr, slots, groups = self.max_rank, batch.token_slots, batch.groups
         if len(shards) == len(self.out_sizes) and rank == mr:  # one shrink over the stacked A of every shard
-            h = kernels.lora_shrink(x, self.lora_a, slots, 1.0, groups)
-            parts = [h[:, i * mr:(i + 1) * mr] for i in shards]
-        else:  # only some shards or a smaller rank in use: shrink just those columns
-            parts = [kernels.lora_shrink(x, self.lora_a[:, i * mr:i * mr + rank], slots, 1.0, groups) for i in shards]
+            kernels.lora_apply(x, y, self.lora_a, self.lora_b, self.scalings, self.offsets, slots, groups)
+            return
+        # only some shards or a smaller rank in use: shrink just those columns
+        parts = [kernels.lora_shrink(x, self.lora_a[:, i * mr:i * mr + rank], slots, 1.0, groups) for i in shards]
         for i, h_i in zip(shards, parts):
             b = self.lora_b[i] if rank == mr else self.lora_b[i][:, :, :rank]
             kernels.lora_expand(h_i, b, slots, self.scalings[i], y, self.offsets[i], groups)
