@@ -117,6 +117,16 @@ def test_reference_in_order_decode_path(case):
     assert torch.allclose(y.double(), want, atol=1e-3)
 
 
+def test_reference_in_order_decode_path_bfloat16():
+    slots = torch.tensor([-1, 0, 1, 2, 3, 4])
+    x, a, b, slots, scal, y = inputs(6, 5, 8, 64, 32, seed=4, slots=slots, dtype=torch.bfloat16)
+    groups = ref.lora_groups(slots, 5, in_order=True)
+    assert groups.plan()[0] == "uniform"
+    want = naive_apply(x, a, [b], scal[None], slots, y, [5])
+    ref.lora_apply(x, y, a, [b], scal[None], [5], slots, groups)
+    assert y.dtype == torch.bfloat16 and torch.allclose(y.double(), want, rtol=1e-2, atol=1.0)
+
+
 @pytest.mark.parametrize("case", ["mixed", "one", "none"])
 def test_reference_lora_apply_any_batch(case):
     t = 30

@@ -358,11 +358,13 @@ def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_bs: 
             xs, a = xs.float(), a.float()
         h = torch.bmm(a, xs.transpose(1, 2))  # [n, shards*R, p]: the matrix-vector form, 1.5x x @ A^T on CPU
         scal = scalings if whole else scalings[:, s0:s0 + n]
+        if len(lora_bs) > 1:
+            scal = scal.t().repeat_interleave(rank, 1)  # [n, shards*R]: every column's scaling
+        h = h.mul_(scal.reshape(n, -1, 1)).transpose(1, 2)  # [n, p, shards*R]
         rows = y if first == 0 and n * p == y.shape[0] else y[first:first + n * p]
         for i, b in enumerate(lora_bs):
             bt = (b if whole else b[s0:s0 + n]).transpose(1, 2)
-            h_i = (h[:, i * rank:(i + 1) * rank] * scal[i].view(n, 1, 1)).transpose(1, 2)  # [n, p, R]
-            res = torch.bmm(h_i, bt if bt.dtype == torch.float32 else bt.float())
+            res = torch.bmm(h[:, :, i * rank:(i + 1) * rank], bt if bt.dtype == torch.float32 else bt.float())
             rows.narrow(1, offsets[i], bt.shape[2]).view(n, p, -1).add_(res)
         return
     h = lora_shrink(x, lora_a, token_slots, 1.0, groups)
