@@ -93,10 +93,10 @@ def test_roofline_arithmetic_and_tables(tmp_path):
 def test_bench_model_rows_on_cpu_with_tiny_shapes():
     """The whole per-model flow (infer without/with adapters, then transformers) on tiny shapes."""
     args = e2e.parse_args(["--out", "unused", "--num-prompts", "2", "--concurrency", "2", "--input-len", "5",
-                           "--output-len", "3", "--num-adapters", "2", "--rank", "4"])
+                           "--output-len", "3", "--num-adapters", "2", "--rank", "4", "--compare-eager"])
     rows = e2e.bench_model("qwen1.5-14b", args, bandwidth=1e10, device="cpu", dtype=torch.float32, **TINY)
     assert [(r["weights"], r["lora"], r["engine"]) for r in rows] == [
-        ("gptq-int4-g128", "none", "infer"), ("gptq-int4-g128", "2 mixed r4", "infer"),
-        ("float32", "none", "hf generate")]
+        ("gptq-int4-g128", "none", "infer"), ("gptq-int4-g128", "none", "infer --eager"),
+        ("gptq-int4-g128", "2 mixed r4", "infer"), ("float32", "none", "hf generate")]
     assert all(r["output_tok_s"] > 0 and r["fraction_of_roofline"] > 0 for r in rows)
-    assert rows[1]["step_MB"] > rows[0]["step_MB"] and rows[2]["step_MB"] > rows[0]["step_MB"]  # adapters; fp32
+    assert rows[2]["step_MB"] > rows[0]["step_MB"] and rows[3]["step_MB"] > rows[0]["step_MB"]  # adapters; fp32

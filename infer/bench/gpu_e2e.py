@@ -141,8 +141,8 @@ def write_random_adapters(cfg, out: Path, num: int, rank: int, seed: int = 0) ->
 
 
 def build_engine(model, cfg, tokenizer, device, adapters: dict[str, str], rank: int, concurrency: int,
-                 max_len: int):
-    """An LLMEngine over an in-memory model."""
+                 max_len: int, eager: bool = False):
+    """An LLMEngine over an in-memory model (decode CUDA graphs unless `eager`)."""
     from ..engine import llm_engine
     from ..engine.config import EngineConfig
     from ..engine.memory import plan_memory
@@ -151,7 +151,7 @@ def build_engine(model, cfg, tokenizer, device, adapters: dict[str, str], rank: 
     blocks = concurrency * -(-max_len // 16) + concurrency
     config = EngineConfig(f"random-{cfg.model_type}", dtype=str(dtype).split(".")[-1], device=str(device),
                           max_num_seqs=concurrency, max_model_len=max_len, num_kv_blocks=blocks, loras=adapters,
-                          max_loras=max(1, len(adapters)), max_lora_rank=rank)
+                          max_loras=max(1, len(adapters)), max_lora_rank=rank, enforce_eager=eager)
     manager = None
     if adapters:
         from ..lora.manager import LoRAManager
@@ -265,18 +265,27 @@ def bench_model(name: str, args, bandwidth: float, device: str = "cuda", dtype: 
     model, label = build_model(cfg, dtype, device, quantized=not args.fp16)
     mean_ctx = args.input_len + args.output_len / 2
     kv_tok = kv_bytes_per_token(cfg, dtype)
-    rows = []
+    rows, max_len = [], args.input_len + args.output_len + 8
+    wbytes = weight_bytes_per_step(model, b)
+    # no adapters: an engine without LoRA (graphs, and eagerly too with --compare-eager); then one with them
+    modes = [("none", {}, args.eager)] + ([("none", {}, True)] if args.compare_eager and not args.eager else [])
     with tempfile.TemporaryDirectory() as tmp:
-        adapters = write_random_adapters(cfg, Path(tmp), args.num_adapters, args.rank)
-        engine = build_engine(model, cfg, tok, device, adapters, args.rank, b, args.input_len + args.output_len + 8)
-    wbytes, abytes = weight_bytes_per_step(model, b), lora_bytes_per_adapter(model)
-    modes = [("none", [])] + ([(f"{len(adapters)} mixed r{args.rank}", list(adapters))] if adapters else [])
-    for lora, names in modes:
-        reqs = make_requests(cfg.vocab_size, args.num_prompts, args.input_len, args.output_len, names)
-        roof = decode_roofline(wbytes, kv_tok, b, mean_ctx, abytes, min(len(names), b), bandwidth)
-        rows.append(result_row(name, label, lora, "infer", run_engine(engine, reqs, b), roof, bandwidth))
-        print(json.dumps(rows[-1]), flush=True)
-    del engine, model
+        if args.num_adapters:
+            adapters = write_random_adapters(cfg, Path(tmp), args.num_adapters, args.rank)
+            modes.append((f"{len(adapters)} mixed r{args.rank}", adapters, args.eager))
+        for lora, adapters, eager in modes:
+            engine = build_engine(model, cfg, tok, device, adapters, args.rank, b, max_len, eager)
+            names = list(adapters)
+            abytes = lora_bytes_per_adapter(model) if names else 0
+            reqs = make_requests(cfg.vocab_size, args.num_prompts, args.input_len, args.output_len, names)
+            roof = decode_roofline(wbytes, kv_tok, b, mean_ctx, abytes, min(len(names), b), bandwidth)
+            label_engine = "infer --eager" if eager else "infer"
+            rows.append(result_row(name, label, lora, label_engine, run_engine(engine, reqs, b), roof, bandwidth))
+            print(json.dumps(rows[-1]), flush=True)
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
+    del model
     gc.collect()
     torch.cuda.empty_cache()
     if not args.skip_hf:
@@ -309,6 +318,8 @@ def parse_args(argv=None):
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--fp16", action="store_true", help="fp16 weights instead of GPTQ int4")
     p.add_argument("--skip-hf", action="store_true", help="no transformers baseline")
+    p.add_argument("--eager", action="store_true", help="infer without decode CUDA graphs")
+    p.add_argument("--compare-eager", action="store_true", help="also run infer --eager without adapters")
     return p.parse_args(argv)
 
 

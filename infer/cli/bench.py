@@ -165,6 +165,7 @@ def bench(
     max_loras: Annotated[Optional[int], typer.Option(help="Adapters resident at once (default: max(4, adapters "
                                                      "in the mix)).", rich_help_panel=o.LORA)] = None,
     max_lora_rank: o.MaxLoraRank = 64, max_cpu_loras: o.MaxCpuLoras = None,
+    eager: o.Eager = False,
 ) -> None:
     """Benchmark MODEL: vLLM's metrics (throughput, TTFT, TPOT, ITL, E2EL) per concurrency level, written to
     results.json / results.csv / report.md / plots in --out and shown as a table. Ctrl-C stops and still writes
@@ -191,7 +192,7 @@ def bench(
         plan.engine = o.engine_config(model, dtype, device, max(max_num_seqs or 1, max(levels)),
                                       max_num_batched_tokens, block_size, max_model_len, seed, prefix_caching,
                                       memory_limit, gpu_memory_utilization, lora, max_loras or max(4, k),
-                                      max_lora_rank, max_cpu_loras)
+                                      max_lora_rank, max_cpu_loras, eager)
     else:
         plan.dtype, plan.device = dtype, device
     _, interrupted = run_plan(plan)

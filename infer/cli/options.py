@@ -38,6 +38,8 @@ Lora = Annotated[Optional[list[str]], typer.Option("--lora", help="An adapter as
 MaxLoras = Annotated[int, typer.Option(help="Adapters resident on the device at once.", rich_help_panel=LORA)]
 MaxLoraRank = Annotated[int, typer.Option(help="Largest adapter rank (slots are padded to it).",
                                           rich_help_panel=LORA)]
+Eager = Annotated[bool, typer.Option("--eager", help="CUDA: run decode steps eagerly instead of replaying CUDA "
+                                                    "graphs (slower; for debugging).", rich_help_panel=ENGINE)]
 MaxCpuLoras = Annotated[Optional[int], typer.Option(help="Adapters kept in CPU memory (default: all registered).",
                                                     rich_help_panel=LORA)]
 
@@ -73,11 +75,11 @@ def engine_config(model: str, dtype: str = "auto", device: str = "auto", max_num
                   max_num_batched_tokens: int = 4096, block_size: int = 16, max_model_len: int | None = None,
                   seed: int = 0, prefix_caching: bool = True, memory_limit: str | None = None,
                   gpu_memory_utilization: float = 0.9, lora: list[str] | None = None, max_loras: int = 4,
-                  max_lora_rank: int = 64, max_cpu_loras: int | None = None):
+                  max_lora_rank: int = 64, max_cpu_loras: int | None = None, eager: bool = False):
     from ..engine.config import EngineConfig
     return EngineConfig(model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                         max_model_len=max_model_len, seed=seed, enable_prefix_caching=prefix_caching,
                         memory_limit=parse_size(memory_limit), gpu_memory_utilization=gpu_memory_utilization,
                         loras=parse_loras(lora), max_loras=max_loras, max_lora_rank=max_lora_rank,
-                        max_cpu_loras=max_cpu_loras)
+                        max_cpu_loras=max_cpu_loras, enforce_eager=eager)

@@ -30,6 +30,7 @@ def run(
     memory_limit: o.MemoryLimit = None, gpu_memory_utilization: o.GpuUtil = 0.9,
     lora: o.Lora = None, max_loras: o.MaxLoras = 4, max_lora_rank: o.MaxLoraRank = 64,
     max_cpu_loras: o.MaxCpuLoras = None,
+    eager: o.Eager = False,
 ) -> None:
     """Generate a reply for every line of INPUT; records are appended to OUTPUT as requests finish.
 
@@ -43,7 +44,7 @@ def run(
         raise ConfigError(f"input file {input} does not exist", "give a JSONL file with one request per line")
     cfg = o.engine_config(model, dtype, device, max_num_seqs, max_num_batched_tokens, block_size, max_model_len, seed,
                           prefix_caching, memory_limit, gpu_memory_utilization, lora, max_loras, max_lora_rank,
-                          max_cpu_loras)
+                          max_cpu_loras, eager)
     from ..engine.llm_engine import LLMEngine
     engine = LLMEngine(cfg)
     if not quiet:

@@ -61,6 +61,7 @@ def serve(
     memory_limit: o.MemoryLimit = None, gpu_memory_utilization: o.GpuUtil = 0.9,
     lora: o.Lora = None, max_loras: o.MaxLoras = 4, max_lora_rank: o.MaxLoraRank = 64,
     max_cpu_loras: o.MaxCpuLoras = None,
+    eager: o.Eager = False,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics. A request's `model` picks a --lora adapter by its NAME (the base id, or none, runs the base).
@@ -75,7 +76,7 @@ def serve(
         raise ConfigError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout}")
     cfg = o.engine_config(model, dtype, device, max_num_seqs, max_num_batched_tokens, block_size, max_model_len, seed,
                           prefix_caching, memory_limit, gpu_memory_utilization, lora, max_loras, max_lora_rank,
-                          max_cpu_loras)
+                          max_cpu_loras, eager)
     sock = _bind(host, port)
     try:
         _serve(cfg, sock, host, served_model_name or base_model_id(model), api_key, max_queue, shutdown_timeout,

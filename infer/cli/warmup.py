@@ -21,7 +21,7 @@ def warmup(
     dtype: o.Dtype = "auto", device: o.Device = "auto", max_num_batched_tokens: o.MaxBatchedTokens = 4096,
     block_size: o.BlockSize = 16, seed: o.Seed = 0, memory_limit: o.MemoryLimit = None,
     gpu_memory_utilization: o.GpuUtil = 0.9, lora: o.Lora = None, max_loras: o.MaxLoras = 4,
-    max_lora_rank: o.MaxLoraRank = 64,
+    max_lora_rank: o.MaxLoraRank = 64, eager: o.Eager = False,
 ) -> None:
     """Load the model, run the worst case (a prefill of the full token budget and a decode of CONCURRENCY
     sequences at MAX_LENGTH), and report whether it fits: exit 0 fits, 1 does not fit.
@@ -31,7 +31,8 @@ def warmup(
     if max_length < 2 or concurrency < 1:
         raise ConfigError("--max-length must be at least 2 and --concurrency at least 1")
     cfg = o.engine_config(model, dtype, device, max(concurrency, 1), max_num_batched_tokens, block_size, max_length,
-                          seed, True, memory_limit, gpu_memory_utilization, lora, max_loras, max_lora_rank, None)
+                          seed, True, memory_limit, gpu_memory_utilization, lora, max_loras, max_lora_rank, None,
+                          eager)
     from ..engine.warmup_plan import estimate_plan, measured_plan
     plan, extra = (estimate_plan if estimate else measured_plan)(cfg, max_length, concurrency)
     if as_json:

@@ -29,6 +29,7 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None
+    enforce_eager: bool = False  # CUDA: no decode graphs (engine.cuda_graphs)
 
     def __post_init__(self) -> None:
         checks = [
@@ -67,3 +68,6 @@ class EngineConfig:
         if checkpoint_dtype in (torch.float16, torch.bfloat16):
             return checkpoint_dtype
         return torch.float16
+
+    def use_cuda_graphs(self) -> bool:
+        return self.torch_device().type == "cuda" and not self.enforce_eager

@@ -36,6 +36,8 @@ class LLMEngine:
                                    self.lora_manager)
         self.runner = ModelRunner(parts.model, self.model_config, self.dtype, self.device, config.block_size,
                                   parts.num_blocks, config.seed, self.lora_manager)
+        if config.use_cuda_graphs():
+            self.runner.capture_graphs(config.max_num_seqs, -(-self.max_model_len // config.block_size))
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
@@ -148,6 +150,7 @@ class LLMEngine:
             "kv_usage": bm.num_used_blocks / bm.num_blocks,
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate(), "num_preemptions": self.scheduler.num_preemptions,
             "lora_swaps": self.lora_manager.swaps if self.lora_manager else 0, "num_steps": self.num_steps,
+            "cuda_graph_replays": sum(self.runner.graphs.replays.values()) if self.runner.graphs else 0,
         }
 
     @torch.inference_mode()

@@ -46,6 +46,19 @@ def activation_bytes(cfg, dtype: torch.dtype, num_tokens: int, num_seqs: int, ma
     return max(prefill, decode) + logits
 
 
+def cuda_graph_bytes(config: EngineConfig, cfg, dtype: torch.dtype) -> int:
+    """The decode CUDA graphs' private memory pool (engine.cuda_graphs): the temporaries of one decode step of the
+    largest bucket, which the graphs keep for themselves, and the attention partials of every sequence."""
+    if not config.use_cuda_graphs():
+        return 0
+    rank = config.max_lora_rank if config.loras else 0
+    step = activation_bytes(cfg, dtype, config.max_num_seqs, 1, 1, rank)
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    parts = -(-(config.max_model_len or cfg.max_position_embeddings) // 512)  # kernels.attention.PARTITION
+    return step + config.max_num_seqs * heads * parts * (head_dim + 2) * 4
+
+
 def weights_bytes(model) -> int:
     """Parameters and buffers (including CPU-prepacked matmul weights)."""
     tensors = list(model.parameters()) + [t for t in model.buffers() if t is not None]
@@ -166,7 +179,7 @@ def plan_memory(config: EngineConfig, cfg, model, dtype, device, max_len: int, l
     """The engine's sizing at start: estimated activations, and KV for what can run at once (all of the budget on
     CUDA; on CPU no more than max_num_seqs sequences of max_len, since CPU pages are only used as blocks fill)."""
     act = activation_bytes(cfg, dtype, config.max_num_batched_tokens, config.max_num_seqs, max_len,
-                           config.max_lora_rank if config.loras else 0)
+                           config.max_lora_rank if config.loras else 0) + cuda_graph_bytes(config, cfg, dtype)
     plan = make_plan(config, cfg, dtype, device, weights_bytes(model), act, max_len, 1, max_len, lora_bytes)
     if config.num_kv_blocks:
         plan.kv_blocks = config.num_kv_blocks

@@ -18,6 +18,14 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.lora_manager = lora_manager
         self.kv_cache = self._allocate_kv(num_blocks)
+        self.graphs = None  # engine.cuda_graphs.DecodeGraphs once captured
+
+    def capture_graphs(self, max_num_seqs: int, max_blocks: int, emulate: bool = False) -> None:
+        """Record the decode steps as CUDA graphs (see engine.cuda_graphs); `emulate` replays by re-running."""
+        from .cuda_graphs import DecodeGraphs
+        graphs = DecodeGraphs(self.model, max_num_seqs, max_blocks, self.device, self.lora_manager, emulate)
+        graphs.capture()
+        self.graphs = graphs
 
     def _allocate_kv(self, num_blocks: int) -> torch.Tensor:
         layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
@@ -78,7 +86,10 @@ class ModelRunner:
         """Returns {index in batch: (token, logprob record)} for the sequences whose prompt is now complete."""
         order = self.order(batch)
         input_ids, positions, ctx = self.prepare(batch, order)
-        hidden = self.model(input_ids, positions, ctx)
+        if self.graphs is not None and self.graphs.fits(batch.num_new_tokens, ctx):
+            hidden = self.graphs.run(input_ids, positions, ctx)
+        else:
+            hidden = self.model(input_ids, positions, ctx)
         rows, seqs, last = [], [], ctx.query_start_loc[1:].tolist()
         for j, i in enumerate(order):  # j: position in the run, i: index in the batch
             seq, n = batch.seqs[i], batch.num_new_tokens[i]

@@ -10,7 +10,7 @@ import os
 import torch
 
 from .config import EngineConfig
-from .memory import MemoryPlan, activation_bytes, make_plan, weights_bytes
+from .memory import MemoryPlan, activation_bytes, cuda_graph_bytes, make_plan, weights_bytes
 from .model_runner import ModelRunner
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch
@@ -149,8 +149,9 @@ def measure(model, cfg, config: EngineConfig, dtype, device, max_length: int, co
         lora_manager.release(lora_name)
     del runner
     rank = config.max_lora_rank if lora_manager is not None else 0
-    estimate = activation_bytes(cfg, dtype, config.max_num_batched_tokens, concurrency, max_length, rank)
+    graphs = cuda_graph_bytes(config, cfg, dtype)  # the engine's decode graphs keep a pool of their own
+    estimate = activation_bytes(cfg, dtype, config.max_num_batched_tokens, concurrency, max_length, rank) + graphs
     weights = weights_bytes(model) if weights is None else weights
-    plan = make_plan(config, cfg, dtype, device, weights, max(peaks), max_length, concurrency,
+    plan = make_plan(config, cfg, dtype, device, weights, max(peaks) + graphs, max_length, concurrency,
                      max_length_limit, lora_bytes, measured=True, budget=budget)
     return plan, estimate

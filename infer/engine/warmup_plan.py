@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .config import EngineConfig
-from .memory import MemoryPlan, activation_bytes, budget_bytes, make_plan
+from .memory import MemoryPlan, activation_bytes, budget_bytes, cuda_graph_bytes, make_plan
 from .setup import checkpoint_dtype, model_max_len
 
 
@@ -40,6 +40,7 @@ def estimate_plan(config: EngineConfig, max_length: int, concurrency: int) -> tu
     weights = checkpoint_weights_bytes(weight_files(path), cfg, dtype, device)
     rank = config.max_lora_rank if config.loras else 0
     act = activation_bytes(cfg, dtype, config.max_num_batched_tokens, concurrency, max_length, rank)
+    act += cuda_graph_bytes(config, cfg, dtype)
     budget = budget_bytes(config, device, weights, loaded=False)
     plan = make_plan(config, cfg, dtype, device, weights, act, max_length, concurrency, limit, budget=budget)
     return plan, {"model": str(path), "dtype": str(dtype).replace("torch.", ""), "estimate": True}

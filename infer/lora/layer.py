@@ -25,12 +25,14 @@ class LoRABatch:
 
     token_slots [T] int64 on the model's device (-1 = base model only); active_slots the distinct slots >= 0, on the
     host, so that layers no active adapter targets cost nothing; groups the tokens sorted by slot, shared by
-    every shrink/expand of the step.
+    every shrink/expand of the step. A static batch (a CUDA graph's) has contents that change between replays,
+    so nothing about it may be decided on the host.
     """
 
     token_slots: torch.Tensor
     active_slots: tuple[int, ...]
     groups: LoRAGroups
+    static: bool = False  # a CUDA graph's batch (engine.cuda_graphs): every layer, every slot, the full rank
 
     @classmethod
     def build(cls, token_slots, num_slots: int, device: torch.device | str | None = None) -> "LoRABatch | None":
@@ -88,6 +90,10 @@ class LoRALayer:
 
     def apply(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> None:
         """y[t] += sum over shards i of scaling_i * x[t] @ A_i[slot_t]^T @ B_i[slot_t]^T, in place."""
+        if batch.static:
+            kernels.lora_apply(x, y, self.lora_a, self.lora_b, self.scalings, self.offsets, batch.token_slots,
+                               batch.groups)
+            return
         plan = self._plans.get(batch.active_slots)
         if plan is None:
             shards = [i for i, ranks in enumerate(self.ranks) if any(ranks[s] for s in batch.active_slots)]
