@@ -46,6 +46,23 @@ def test_run_writes_one_record_per_line(tmp_path):
     assert len(recs["d"]["token_ids"]) <= 4
 
 
+def test_eager_flag_reaches_the_engine(tmp_path, monkeypatch):
+    """--eager turns the decode CUDA graphs off (on CPU there are none either way; the flag must still parse)."""
+    from infer.engine import llm_engine
+    seen = []
+    real = llm_engine.LLMEngine.__init__
+
+    def spy(self, config, parts=None):
+        seen.append((config.enforce_eager, config.use_cuda_graphs()))
+        real(self, config, parts)
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", spy)
+    out = tmp_path / "out.jsonl"
+    res = runner.invoke(app, ["run", "tiny-llama", str(_write(tmp_path / "in.jsonl", GOOD[:1])), "-o", str(out), "-q",
+                              "--eager"])
+    assert res.exit_code == 0, res.output
+    assert seen == [(True, False)] and len(_records(out)) == 1
+
+
 def test_same_prompt_tokens_as_transformers(tmp_path):
     from transformers import AutoTokenizer
     from infer.engine.inputs import parse_request

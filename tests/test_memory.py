@@ -105,3 +105,16 @@ def test_warmup_with_adapters_runs_the_largest_rank(tmp_path):
                       "--lora", f"small={tmp_path / 'small'}", "--lora", f"big={tmp_path / 'big'}")
     assert code == 0 and d["fits"] is True
     assert d["lora_adapter"] == "big" and d["lora_bytes"] > 0
+
+
+def test_cuda_graph_pool_is_budgeted_only_with_graphs(monkeypatch):
+    from transformers import LlamaConfig
+
+    from infer.engine.memory import cuda_graph_bytes
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
+    assert cuda_graph_bytes(EngineConfig("m", max_num_seqs=16), cfg, torch.float16) == 0  # CPU: no graphs
+    monkeypatch.setattr(EngineConfig, "use_cuda_graphs", lambda self: True)
+    small = cuda_graph_bytes(EngineConfig("m", max_num_seqs=16), cfg, torch.float16)
+    big = cuda_graph_bytes(EngineConfig("m", max_num_seqs=64), cfg, torch.float16)
+    assert 0 < small < big < 1 << 30  # one decode step's temporaries at the largest bucket: megabytes, not GiB
