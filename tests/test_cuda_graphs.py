@@ -75,3 +75,43 @@ def test_cuda_graphs_equal_eager_on_gpu(dtype):
     assert out[True] == out[False]
     if dtype == "float32":
         assert out[False] == [hf_greedy(str(path), p, n) for p, n in zip(prompts, lens)]
+
+
+@pytest.fixture
+def triton_everywhere(monkeypatch):
+    """Every op through its Triton kernel, interpreted on CPU (conftest sets TRITON_INTERPRET=1 without a GPU):
+    the whole GPU code path of the engine, graphs emulated, at tiny sizes."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels and graphs (test_cuda_graphs_equal_eager_on_gpu)")
+    from infer import kernels
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_interpreted_triton_engine_with_emulated_graphs_gives_hf_tokens(triton_everywhere, name):
+    path = ensure_builtin(name)
+    llm = LLM(str(path), max_num_seqs=4, block_size=4, num_kv_blocks=64, max_model_len=64)
+    llm.engine.runner.capture_graphs(4, 64 // 4, emulate=True)
+    prompts = random_prompts(llm.engine.model_config.vocab_size, (5, 9, 3), seed=1)
+    lens = [4, 6, 8]
+    got = _generate(llm, prompts, lens)
+    assert set(llm.engine.runner.graphs.replays) == {1, 2, 4}
+    assert got == [hf_greedy(str(path), p, n) for p, n in zip(prompts, lens)]
+
+
+def test_interpreted_triton_lora_under_emulated_graphs_matches_peft(triton_everywhere, tmp_path):
+    """The static adapter map a graph replays (padding rows first in the order, shifted segment starts) read by
+    the Triton shrink/expand kernels, as on a GPU."""
+    from test_lora_engine import SPECS, hf_float, peft_greedy, save_adapter
+    path = ensure_builtin("tiny-llama")
+    hf = hf_float(path)
+    specs = {n: SPECS[n] for n in ("qv4", "all8", "mlp16rs")}
+    adapters = {name: save_adapter(hf, tmp_path / name, seed=i + 1, **kw) for i, (name, kw) in enumerate(specs.items())}
+    llm = LLM(str(path), loras={n: str(p) for n, p in adapters.items()}, max_loras=3, max_lora_rank=16,
+              max_num_seqs=8, block_size=4, num_kv_blocks=64, max_model_len=64)
+    llm.engine.runner.capture_graphs(8, 64 // 4, emulate=True)
+    prompts = random_prompts(llm.engine.model_config.vocab_size, (5, 8, 3, 6, 4), seed=9)
+    names = ["all8", None, "qv4", "mlp16rs", "all8"]
+    got = _generate(llm, prompts, [4] * 5, lora=names)
+    assert llm.engine.runner.graphs.replays[8] >= 3  # 5 rows padded to 8
+    assert got == peft_greedy(hf, adapters, list(zip(names, prompts)), n=4)

@@ -124,3 +124,29 @@ def test_broken_checkpoints_exit_2_naming_the_tensor(infer_quantized, tmp_path, 
     res = CliRunner().invoke(app, ["run", str(dst), str(inp), "-q"])
     assert res.exit_code == 2, res.output
     assert message in res.output and "Traceback" not in res.output
+
+
+@needs_gptqmodel
+def test_int4_kernel_path_interpreted_with_emulated_graphs_equals_cpu_path(infer_quantized, monkeypatch):
+    """The GPU code path of a GPTQ model on CPU: the kernel's packed layout, every op through its Triton kernel
+    (interpreted), decode steps through emulated CUDA graphs; greedy tokens equal the CPU path's (which equal
+    transformers', test above)."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
+    prompts = random_prompts(256, (4, 9, 6), seed=3)
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    cpu = [o.token_ids for o in LLM(str(infer_quantized), block_size=4, max_num_seqs=4).generate(prompts, params)]
+    from infer import kernels
+    real = GPTQLinearMethod.finish_loading
+
+    def kernel_layout(self, layer):
+        self.use_kernel = True
+        real(self, layer)
+    monkeypatch.setattr(GPTQLinearMethod, "finish_loading", kernel_layout)
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    llm = LLM(str(infer_quantized), block_size=4, max_num_seqs=4, max_model_len=64)
+    layer = llm.engine.runner.model.layers[0].self_attn.qkv_proj
+    assert layer.weight is None and layer.qweight is not None  # really the packed int4 path
+    llm.engine.runner.capture_graphs(4, 64 // 4, emulate=True)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == cpu
+    assert sum(llm.engine.runner.graphs.replays.values()) >= 4
