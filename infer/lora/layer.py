@@ -3,9 +3,10 @@
 A `LoRALayer` holds, for every device slot, the stacked and zero-padded weights of the layer's shards:
 `lora_a` [max_loras, n_shards * max_rank, in] (shard i's A in rows i*max_rank..) and, per shard,
 `lora_b[i]` [max_loras, out_i, max_rank] (a transposed view of [max_loras, max_rank, out_i] storage, so that the
-expand reads B row-major along the output: 3x faster on CPU, coalesced on GPU); `scalings` [n_shards, max_loras] float32 (per module, since
-rank_pattern / alpha_pattern may differ between modules). `apply` runs one shrink for the shards the batch's
-adapters touch, then one expand per shard into that shard's columns of y.
+expand streams B row-major along the output: 1.2x faster on CPU at decode sizes, coalesced loads on GPU);
+`scalings` [n_shards, max_loras] float32 (per module, since rank_pattern / alpha_pattern may differ between
+modules). `apply` runs one shrink for the shards the batch's adapters touch, then one expand per shard into that
+shard's columns of y (with every shard in use at the full rank, both in one `kernels.lora_apply`).
 """
 
 from __future__ import annotations
