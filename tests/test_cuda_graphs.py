@@ -32,7 +32,7 @@ def test_emulated_graphs_give_hf_tokens_with_padding_rows():
     replayed with padding rows; tokens equal HF's and the eager engine's."""
     path = ensure_builtin("tiny-llama")
     llm = LLM(str(path), max_num_seqs=8, block_size=4, num_kv_blocks=128, max_model_len=96)
-    llm.engine.runner.capture_graphs(8, 96 // 4, emulate=True)
+    llm.engine.runner.capture_graphs(96, emulate=True)
     prompts = random_prompts(llm.engine.model_config.vocab_size, (5, 9, 3, 12, 7, 4, 10), seed=11)
     lens = [3, 5, 8, 11, 14, 17, 20]
     got = _generate(llm, prompts, lens)
@@ -48,7 +48,7 @@ def test_emulated_graphs_with_mixed_adapters_match_peft(tmp_path):
     adapters = {name: save_adapter(hf, tmp_path / name, seed=i + 1, **kw) for i, (name, kw) in enumerate(SPECS.items())}
     llm = LLM(str(path), loras={n: str(p) for n, p in adapters.items()}, max_loras=4, max_lora_rank=64,
               max_num_seqs=8, block_size=4, num_kv_blocks=128, max_model_len=96)
-    llm.engine.runner.capture_graphs(8, 96 // 4, emulate=True)
+    llm.engine.runner.capture_graphs(96, emulate=True)
     prompts = random_prompts(llm.engine.model_config.vocab_size, (5, 11, 3, 17, 8, 6), seed=5)
     names = [*SPECS, None, "all8"]
     got = _generate(llm, prompts, [6] * 6, lora=names)
@@ -91,7 +91,7 @@ def triton_everywhere(monkeypatch):
 def test_interpreted_triton_engine_with_emulated_graphs_gives_hf_tokens(triton_everywhere, name):
     path = ensure_builtin(name)
     llm = LLM(str(path), max_num_seqs=4, block_size=4, num_kv_blocks=64, max_model_len=64)
-    llm.engine.runner.capture_graphs(4, 64 // 4, emulate=True)
+    llm.engine.runner.capture_graphs(64, emulate=True)
     prompts = random_prompts(llm.engine.model_config.vocab_size, (5, 9, 3), seed=1)
     lens = [4, 6, 8]
     got = _generate(llm, prompts, lens)
@@ -109,7 +109,7 @@ def test_interpreted_triton_lora_under_emulated_graphs_matches_peft(triton_every
     adapters = {name: save_adapter(hf, tmp_path / name, seed=i + 1, **kw) for i, (name, kw) in enumerate(specs.items())}
     llm = LLM(str(path), loras={n: str(p) for n, p in adapters.items()}, max_loras=3, max_lora_rank=16,
               max_num_seqs=8, block_size=4, num_kv_blocks=64, max_model_len=64)
-    llm.engine.runner.capture_graphs(8, 64 // 4, emulate=True)
+    llm.engine.runner.capture_graphs(64, emulate=True)
     prompts = random_prompts(llm.engine.model_config.vocab_size, (5, 8, 3, 6, 4), seed=9)
     names = ["all8", None, "qv4", "mlp16rs", "all8"]
     got = _generate(llm, prompts, [4] * 5, lora=names)

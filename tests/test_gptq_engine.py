@@ -147,6 +147,6 @@ def test_int4_kernel_path_interpreted_with_emulated_graphs_equals_cpu_path(infer
     llm = LLM(str(infer_quantized), block_size=4, max_num_seqs=4, max_model_len=64)
     layer = llm.engine.runner.model.layers[0].self_attn.qkv_proj
     assert layer.weight is None and layer.qweight is not None  # really the packed int4 path
-    llm.engine.runner.capture_graphs(4, 64 // 4, emulate=True)
+    llm.engine.runner.capture_graphs(64, emulate=True)
     assert [o.token_ids for o in llm.generate(prompts, params)] == cpu
     assert sum(llm.engine.runner.graphs.replays.values()) >= 4

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 import time
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from ..engine.config import ENGINE, LORA, EngineConfig, parse_loras
 from ..errors import ConfigError
 from . import options as o
 from .serve import base_model_id
@@ -59,7 +61,7 @@ def lora_names(items: list[str] | None, url: str | None) -> list[str]:
     """Adapter names from --lora: NAME=PATH in-process (checked by the engine config); NAME or NAME=PATH with
     --url (the server has the adapters; only the names are used, as the request's model)."""
     if url is None:
-        return list(o.parse_loras(items))
+        return list(parse_loras(items))
     names = [item.partition("=")[0] for item in items or []]
     if any(not n for n in names):
         raise ConfigError("--lora needs a NAME", "with --url: --lora NAME (an adapter the server serves)")
@@ -120,6 +122,7 @@ def check_options(num_prompts: int | None, dataset: str, baseline: str | None, l
 
 
 # ------------------------------------------------------------------------------------------------ the command
+@o.engine_options(exclude=("max_num_seqs", "seed", "loras", "max_loras"))
 def bench(
     model: o.Model,
     concurrency: Annotated[str, typer.Option("--concurrency", "-c", help="Requests in flight: one level, or a "
@@ -155,17 +158,14 @@ def bench(
                                                 "./bench-results/<timestamp>).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the workload (prompts, arrivals) and of the engine.")] = 0,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or tables.")] = False,
-    dtype: o.Dtype = "auto", device: o.Device = "auto",
     max_num_seqs: Annotated[Optional[int], typer.Option(help="Most sequences in one step (default and minimum: "
-                                                        "the largest concurrency).", rich_help_panel=o.ENGINE)] = None,
-    max_num_batched_tokens: o.MaxBatchedTokens = 4096, block_size: o.BlockSize = 16,
-    max_model_len: o.MaxModelLen = None, prefix_caching: o.PrefixCaching = True,
-    memory_limit: o.MemoryLimit = None, gpu_memory_utilization: o.GpuUtil = 0.9,
-    lora: o.Lora = None,
+                                                        "the largest concurrency).", rich_help_panel=ENGINE)] = None,
+    lora: Annotated[Optional[list[str]], typer.Option("--lora", help="An adapter as NAME=PATH (PEFT folder); "
+                                                      "with --url just NAME. Repeat for more.", rich_help_panel=LORA,
+                                                      show_default=False)] = None,
     max_loras: Annotated[Optional[int], typer.Option(help="Adapters resident at once (default: max(4, adapters "
-                                                     "in the mix)).", rich_help_panel=o.LORA)] = None,
-    max_lora_rank: o.MaxLoraRank = 64, max_cpu_loras: o.MaxCpuLoras = None,
-    eager: o.Eager = False,
+                                                     "in the mix)).", rich_help_panel=LORA)] = None,
+    engine: EngineConfig = None,
 ) -> None:
     """Benchmark MODEL: vLLM's metrics (throughput, TTFT, TPOT, ITL, E2EL) per concurrency level, written to
     results.json / results.csv / report.md / plots in --out and shown as a table. Ctrl-C stops and still writes
@@ -188,13 +188,10 @@ def bench(
                      model_id=model_id, api_key=api_key, baseline=baseline, seed=seed, quiet=quiet,
                      out=out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S"))
     if url is None:
-        k = len(names)
-        plan.engine = o.engine_config(model, dtype, device, max(max_num_seqs or 1, max(levels)),
-                                      max_num_batched_tokens, block_size, max_model_len, seed, prefix_caching,
-                                      memory_limit, gpu_memory_utilization, lora, max_loras or max(4, k),
-                                      max_lora_rank, max_cpu_loras, eager)
+        plan.engine = replace(engine, seed=seed, loras=lora or [], max_num_seqs=max(max_num_seqs or 1, max(levels)),
+                              max_loras=max_loras or max(4, len(names)))
     else:
-        plan.dtype, plan.device = dtype, device
+        plan.dtype, plan.device = engine.dtype, engine.device
     _, interrupted = run_plan(plan)
     if not quiet:
         typer.echo(f"infer bench: report written to {plan.out}", err=True)

@@ -21,10 +21,10 @@ def lora_validate(
     quantized: Annotated[bool, typer.Option("--quantized", help="Require BASE to be a GPTQ int4 checkpoint (exit 2 "
                                                                 "for a float model): check the adapters against "
                                                                 "the int4 base you will serve.")] = False,
-    max_lora_rank: o.MaxLoraRank = 64,
+    max_lora_rank: o.MaxLoraRank = o.default("max_lora_rank"),
     steps: Annotated[int, typer.Option(min=0, max=256, help="Greedy steps per prompt in the numeric check "
                                                             "(0 = static checks only).")] = 8,
-    device: o.Device = "auto",
+    device: o.Device = o.default("device"),
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object per adapter instead of a "
                                                          "table.")] = False,
 ) -> None:

@@ -1,85 +1,88 @@
-"""Options shared by run / serve / bench / warmup, as Annotated aliases, and their conversion to EngineConfig."""
+"""Options shared by the commands: the MODEL argument, and the engine options generated from EngineConfig.
+
+    @engine_options()
+    def run(model: Model, input: ..., engine: EngineConfig) -> None: ...
+
+`engine_options` adds one command-line option per EngineConfig field that has help metadata (its default, help
+text and help panel come from the dataclass, so they are declared once) and hands the command a validated
+`engine: EngineConfig`. A command that gives an option another meaning (bench's --max-num-seqs defaults to the
+largest concurrency) excludes it and declares its own, then `dataclasses.replace`s the config.
+"""
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
+import functools
+import inspect
+import typing
+from dataclasses import MISSING
 from typing import Annotated, Optional
 
 import typer
 
-from ..errors import ConfigError
+from ..engine.config import EngineConfig, cli_fields
 
-ENGINE = "Engine options"
-LORA = "LoRA options"
-
-Model = Annotated[str, typer.Argument(help="A local Hugging Face model folder (float or GPTQ), or a built-in model: "
-                                           "tiny-llama, tiny-qwen2.", show_default=False)]
-Dtype = Annotated[str, typer.Option(help="auto | float32 | float16 | bfloat16 (auto: the checkpoint's dtype on GPU, "
-                                         "float32 on CPU).", rich_help_panel=ENGINE)]
-Device = Annotated[str, typer.Option(help="auto | cpu | cuda.", rich_help_panel=ENGINE)]
-MaxNumSeqs = Annotated[int, typer.Option(help="Most sequences in one step.", rich_help_panel=ENGINE)]
-MaxBatchedTokens = Annotated[int, typer.Option(help="Most tokens (prefill + decode) in one step.",
-                                               rich_help_panel=ENGINE)]
-BlockSize = Annotated[int, typer.Option(help="Tokens per KV cache block.", rich_help_panel=ENGINE)]
-MaxModelLen = Annotated[Optional[int], typer.Option(help="Context limit (default: the model's).",
-                                                    rich_help_panel=ENGINE)]
-Seed = Annotated[int, typer.Option(help="Seed for sampling of requests without their own seed.",
-                                   rich_help_panel=ENGINE)]
-PrefixCaching = Annotated[bool, typer.Option("--prefix-caching/--no-prefix-caching",
-                                             help="Reuse the KV of shared prompt prefixes.", rich_help_panel=ENGINE)]
-MemoryLimit = Annotated[Optional[str], typer.Option(help="CPU memory budget for weights, activations and KV cache, "
-                                                         "e.g. 8GB (default: half the available RAM).",
-                                                    rich_help_panel=ENGINE)]
-GpuUtil = Annotated[float, typer.Option(help="Fraction of the GPU's memory the engine may use.",
-                                        rich_help_panel=ENGINE)]
-Lora = Annotated[Optional[list[str]], typer.Option("--lora", help="An adapter as NAME=PATH (PEFT folder); repeat for "
-                                                                  "more.", rich_help_panel=LORA, show_default=False)]
-MaxLoras = Annotated[int, typer.Option(help="Adapters resident on the device at once.", rich_help_panel=LORA)]
-MaxLoraRank = Annotated[int, typer.Option(help="Largest adapter rank (slots are padded to it).",
-                                          rich_help_panel=LORA)]
-Eager = Annotated[bool, typer.Option("--eager", help="CUDA: run decode steps eagerly instead of replaying CUDA "
-                                                    "graphs (slower; for debugging).", rich_help_panel=ENGINE)]
-MaxCpuLoras = Annotated[Optional[int], typer.Option(help="Adapters kept in CPU memory (default: all registered).",
-                                                    rich_help_panel=LORA)]
-
-_SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]?i?B?)?\s*$", re.I)
+Model = Annotated[str, typer.Argument(help="A local Hugging Face model folder (float or GPTQ), or a built-in model "
+                                           "(see `infer demo --help`).", show_default=False)]
 
 
-def parse_size(text: str | None) -> int | None:
-    """'8GB', '512MiB', '1e9' -> bytes."""
-    if text is None:
-        return None
-    m = _SIZE.match(text)
-    if not m:
-        raise ConfigError(f"cannot read the size {text!r}", "write it like 8GB, 512MB or 2GiB")
-    unit = (m.group(2) or "").upper().replace("I", "").replace("B", "")
-    return int(float(m.group(1)) * 1024 ** " KMGT".index(unit or " "))
+def _cli_annotation(f):
+    """The Annotated type the command line reads for an EngineConfig field."""
+    meta = f.metadata
+    hints = typing.get_type_hints(EngineConfig)
+    base = meta["cli_type"] or hints[f.name]
+    args = [a for a in typing.get_args(base) if a is not type(None)]
+    if type(None) in typing.get_args(base) and len(args) == 1:
+        base = args[0]
+    if meta["cli_type"] is not None or f.default is None:
+        base = Optional[base]
+    decls = [meta["flag"]] if meta["flag"] else []
+    show_default = f.default not in (None, MISSING)
+    return Annotated[base, typer.Option(*decls, help=meta["help"], rich_help_panel=meta["panel"],
+                                        show_default=show_default)]
 
 
-def parse_loras(items: list[str] | None) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in items or []:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            raise ConfigError(f"--lora {item!r} is not NAME=PATH", "e.g. --lora support=./adapters/support")
-        if name in out:
-            raise ConfigError(f"--lora name {name!r} is given twice")
-        if not Path(path).is_dir():
-            raise ConfigError(f"--lora {name}: {path} is not a folder", "pass a PEFT adapter folder")
-        out[name] = path
-    return out
+def _cli_default(f):
+    return None if f.default is MISSING else f.default  # dict/list options: empty (None) on the command line
 
 
-def engine_config(model: str, dtype: str = "auto", device: str = "auto", max_num_seqs: int = 64,
-                  max_num_batched_tokens: int = 4096, block_size: int = 16, max_model_len: int | None = None,
-                  seed: int = 0, prefix_caching: bool = True, memory_limit: str | None = None,
-                  gpu_memory_utilization: float = 0.9, lora: list[str] | None = None, max_loras: int = 4,
-                  max_lora_rank: int = 64, max_cpu_loras: int | None = None, eager: bool = False):
-    from ..engine.config import EngineConfig
-    return EngineConfig(model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                        max_model_len=max_model_len, seed=seed, enable_prefix_caching=prefix_caching,
-                        memory_limit=parse_size(memory_limit), gpu_memory_utilization=gpu_memory_utilization,
-                        loras=parse_loras(lora), max_loras=max_loras, max_lora_rank=max_lora_rank,
-                        max_cpu_loras=max_cpu_loras, enforce_eager=eager)
+def engine_options(exclude: tuple[str, ...] = ()):
+    """Decorate a command whose signature has `model` and `engine: EngineConfig`: the engine options become
+    command-line options, and the command receives `engine=EngineConfig(model=model, **options)`."""
+    chosen = [f for f in cli_fields() if f.name not in exclude]
+
+    def decorate(fn):
+        hints = typing.get_type_hints(fn, include_extras=True)
+        sig = inspect.signature(fn)
+        own = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values()
+               if p.name != "engine"]
+        added = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=_cli_default(f),
+                                   annotation=_cli_annotation(f)) for f in chosen]
+
+        @functools.wraps(fn)
+        def command(*args, **kwargs):
+            values = {f.name: kwargs.pop(f.name) for f in chosen if f.name in kwargs}
+            values = {k: v for k, v in values.items() if v is not None}
+            model = kwargs["model"] if "model" in kwargs else args[0]
+            kwargs["engine"] = EngineConfig(model=model, **values)
+            return fn(*args, **kwargs)
+
+        params = own + added
+        command.__signature__ = sig.replace(parameters=params)
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command
+
+    return decorate
+
+
+def _field(name: str):
+    return next(f for f in cli_fields() if f.name == name)
+
+
+def default(name: str):
+    """The one default of an engine option, for a command that takes it without the whole engine."""
+    return _cli_default(_field(name))
+
+
+# Single engine options for commands that do not run the engine (lora-validate).
+Device = _cli_annotation(_field("device"))
+MaxLoraRank = _cli_annotation(_field("max_lora_rank"))

@@ -9,11 +9,13 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..engine.config import EngineConfig
 from ..errors import ConfigError, RequestError
 from . import options as o
 from .batch_io import RecordWriter, done_ids, error_record, output_record, read_inputs
 
 
+@o.engine_options()
 def run(
     model: o.Model,
     input: Annotated[Path, typer.Argument(help="JSONL file: one request per line (prompt | messages | "
@@ -24,13 +26,7 @@ def run(
     = False,
     max_new_tokens: Annotated[int, typer.Option(help="Default for lines without max_new_tokens.")] = 256,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or summary.")] = False,
-    dtype: o.Dtype = "auto", device: o.Device = "auto", max_num_seqs: o.MaxNumSeqs = 64,
-    max_num_batched_tokens: o.MaxBatchedTokens = 4096, block_size: o.BlockSize = 16,
-    max_model_len: o.MaxModelLen = None, seed: o.Seed = 0, prefix_caching: o.PrefixCaching = True,
-    memory_limit: o.MemoryLimit = None, gpu_memory_utilization: o.GpuUtil = 0.9,
-    lora: o.Lora = None, max_loras: o.MaxLoras = 4, max_lora_rank: o.MaxLoraRank = 64,
-    max_cpu_loras: o.MaxCpuLoras = None,
-    eager: o.Eager = False,
+    engine: EngineConfig = None,
 ) -> None:
     """Generate a reply for every line of INPUT; records are appended to OUTPUT as requests finish.
 
@@ -42,20 +38,32 @@ def run(
         raise ConfigError("--resume needs -o OUTPUT", "resume reads the ids already written to OUTPUT")
     if not input.is_file():
         raise ConfigError(f"input file {input} does not exist", "give a JSONL file with one request per line")
-    cfg = o.engine_config(model, dtype, device, max_num_seqs, max_num_batched_tokens, block_size, max_model_len, seed,
-                          prefix_caching, memory_limit, gpu_memory_utilization, lora, max_loras, max_lora_rank,
-                          max_cpu_loras, eager)
     from ..engine.llm_engine import LLMEngine
-    engine = LLMEngine(cfg)
+    llm = LLMEngine(engine)
     if not quiet:
-        p = engine.memory_plan
-        typer.echo(f"infer: {engine.model_path.name} on {engine.device.type}, {engine.dtype}, KV cache "
-                   f"{p.num_blocks} blocks x {cfg.block_size} tokens, max length {engine.max_model_len}", err=True)
-    lines = read_inputs(input, engine.tokenizer, {"max_new_tokens": max_new_tokens})
-    for item in lines:  # requests that can never run are errors now, not in the middle of the run
+        p = llm.memory_plan
+        typer.echo(f"infer: {llm.model_path.name} on {llm.device.type}, {llm.dtype}, KV cache "
+                   f"{p.num_blocks} blocks x {engine.block_size} tokens, max length {llm.max_model_len}", err=True)
+    lines = _checked_lines(llm, input, max_new_tokens, strict)
+    skip = done_ids(output) if resume and output is not None else set()
+    todo = [item for item in lines if item.id not in skip]
+    writer = RecordWriter(output, append=resume)
+    try:
+        failed = _generate(llm, todo, writer, quiet)
+    finally:
+        writer.close()
+    if failed:
+        raise typer.Exit(1)
+
+
+def _checked_lines(llm, input: Path, max_new_tokens: int, strict: bool) -> list:
+    """Every input line, parsed and checked against the engine: a request that can never run is an error now,
+    not in the middle of the run. With --strict, any bad line stops the run before generating."""
+    lines = read_inputs(input, llm.tokenizer, {"max_new_tokens": max_new_tokens})
+    for item in lines:
         if item.request is not None:
             try:
-                engine.validate(item.request.prompt_token_ids, item.request.params, item.request.lora)
+                llm.validate(item.request.prompt_token_ids, item.request.params, item.request.lora)
             except RequestError as e:
                 item.request, item.error = None, f"line {item.line_no}: {e}"
     bad = [item for item in lines if item.error]
@@ -63,15 +71,7 @@ def run(
         for item in bad:
             typer.echo(f"error: {item.error}", err=True)
         raise ConfigError(f"{len(bad)} of {len(lines)} input lines are invalid (--strict)", "fix them and run again")
-    skip = done_ids(output) if resume and output is not None else set()
-    todo = [item for item in lines if item.id not in skip]
-    writer = RecordWriter(output, append=resume)
-    try:
-        failed = _generate(engine, todo, writer, quiet)
-    finally:
-        writer.close()
-    if failed:
-        raise typer.Exit(1)
+    return lines
 
 
 def _generate(engine, todo, writer: RecordWriter, quiet: bool) -> int:

@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..engine.config import EngineConfig
 from ..errors import ConfigError
 from . import options as o
 
@@ -37,6 +38,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+@o.engine_options()
 def serve(
     model: o.Model,
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 for every interface).",
@@ -55,13 +57,7 @@ def serve(
                                                          "before they are aborted.", rich_help_panel=SERVER)] = 30.0,
     log_level: Annotated[str, typer.Option(help="uvicorn log level: critical | error | warning | info | debug.",
                                            rich_help_panel=SERVER)] = "warning",
-    dtype: o.Dtype = "auto", device: o.Device = "auto", max_num_seqs: o.MaxNumSeqs = 64,
-    max_num_batched_tokens: o.MaxBatchedTokens = 4096, block_size: o.BlockSize = 16,
-    max_model_len: o.MaxModelLen = None, seed: o.Seed = 0, prefix_caching: o.PrefixCaching = True,
-    memory_limit: o.MemoryLimit = None, gpu_memory_utilization: o.GpuUtil = 0.9,
-    lora: o.Lora = None, max_loras: o.MaxLoras = 4, max_lora_rank: o.MaxLoraRank = 64,
-    max_cpu_loras: o.MaxCpuLoras = None,
-    eager: o.Eager = False,
+    engine: EngineConfig = None,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics. A request's `model` picks a --lora adapter by its NAME (the base id, or none, runs the base).
@@ -74,12 +70,9 @@ def serve(
         raise ConfigError(f"--max-queue must be at least 1, got {max_queue}")
     if shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout}")
-    cfg = o.engine_config(model, dtype, device, max_num_seqs, max_num_batched_tokens, block_size, max_model_len, seed,
-                          prefix_caching, memory_limit, gpu_memory_utilization, lora, max_loras, max_lora_rank,
-                          max_cpu_loras, eager)
     sock = _bind(host, port)
     try:
-        _serve(cfg, sock, host, served_model_name or base_model_id(model), api_key, max_queue, shutdown_timeout,
+        _serve(engine, sock, host, served_model_name or base_model_id(model), api_key, max_queue, shutdown_timeout,
                log_level)
     finally:
         sock.close()

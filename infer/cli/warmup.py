@@ -3,36 +3,38 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Annotated
 
 import typer
 
+from ..engine.config import EngineConfig
 from ..errors import ConfigError
 from . import options as o
 
 
+@o.engine_options(exclude=("max_num_seqs", "max_model_len"))
 def warmup(
     model: o.Model,
-    max_length: Annotated[int, typer.Option(help="Longest request (prompt + output) to prove.")] = 4096,
-    concurrency: Annotated[int, typer.Option(help="Sequences of max_length that must fit at once.")] = 16,
+    max_length: Annotated[int, typer.Option(help="Longest request (prompt + output) to prove; the engine's "
+                                                 "--max-model-len.")] = 4096,
+    concurrency: Annotated[int, typer.Option(help="Sequences of max_length that must fit at once; the engine's "
+                                                  "--max-num-seqs.")] = 16,
     estimate: Annotated[bool, typer.Option(help="No weights loaded: figures from config.json and the checkpoint's "
                                                 "tensor headers, activations from the formula.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout instead of the table.")] = False,
-    dtype: o.Dtype = "auto", device: o.Device = "auto", max_num_batched_tokens: o.MaxBatchedTokens = 4096,
-    block_size: o.BlockSize = 16, seed: o.Seed = 0, memory_limit: o.MemoryLimit = None,
-    gpu_memory_utilization: o.GpuUtil = 0.9, lora: o.Lora = None, max_loras: o.MaxLoras = 4,
-    max_lora_rank: o.MaxLoraRank = 64, eager: o.Eager = False,
+    engine: EngineConfig = None,
 ) -> None:
     """Load the model, run the worst case (a prefill of the full token budget and a decode of CONCURRENCY
     sequences at MAX_LENGTH), and report whether it fits: exit 0 fits, 1 does not fit.
 
     Example: [bold]infer warmup ./Qwen1.5-14B-Chat-GPTQ-Int4 --max-length 4096 --concurrency 16[/bold]
     """
-    if max_length < 2 or concurrency < 1:
-        raise ConfigError("--max-length must be at least 2 and --concurrency at least 1")
-    cfg = o.engine_config(model, dtype, device, max(concurrency, 1), max_num_batched_tokens, block_size, max_length,
-                          seed, True, memory_limit, gpu_memory_utilization, lora, max_loras, max_lora_rank, None,
-                          eager)
+    if max_length < 2:
+        raise ConfigError(f"--max-length must be at least 2, got {max_length}")
+    if concurrency < 1:
+        raise ConfigError(f"--concurrency must be at least 1, got {concurrency}")
+    cfg = replace(engine, max_num_seqs=concurrency, max_model_len=max_length)
     from ..engine.warmup_plan import estimate_plan, measured_plan
     plan, extra = (estimate_plan if estimate else measured_plan)(cfg, max_length, concurrency)
     if as_json:

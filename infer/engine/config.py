@@ -1,59 +1,120 @@
-"""EngineConfig: every engine option, validated in one place."""
+"""EngineConfig: every engine option, declared once, validated in one place.
+
+Each field is the one declaration of an option: its default here is the only default, and its `metadata` (help
+text, help panel, flag spelling) is what `infer.cli.options.engine_options` turns into the command-line options
+shared by run / serve / bench / warmup. Fields without `help` metadata are API-only.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import torch
 
 from ..errors import ConfigError
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ENGINE, LORA = "Engine options", "LoRA options"
+
+
+def option(default, help: str, panel: str = ENGINE, flag: str | None = None, cli_type=None, **kw):
+    """A dataclass field that is also a command-line option: `flag` overrides the spelling (--field-name),
+    `cli_type` the type the command line reads (e.g. str for a size given as '8GB')."""
+    meta = {"help": help, "panel": panel, "flag": flag, "cli_type": cli_type}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=type(default), metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([KMGT]?i?B?)?\s*$", re.I)
+
+
+def parse_size(text: str | int | None) -> int | None:
+    """'8GB', '512MiB', '1e9', 2**30 -> bytes (binary units: 1 GB = 2**30 bytes)."""
+    if text is None or isinstance(text, int):
+        return text
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ConfigError(f"cannot read the size {text!r}", "write it like 8GB, 512MB or 2GiB")
+    unit = (m.group(2) or "").upper().replace("I", "").replace("B", "")
+    value = float(m.group(1)) * 1024 ** " KMGT".index(unit or " ")
+    if not math.isfinite(value) or value < 1:
+        raise ConfigError(f"the size {text!r} is not a positive number of bytes", "e.g. 8GB")
+    return int(value)
+
+
+def parse_loras(items: dict[str, str] | list[str] | None) -> dict[str, str]:
+    """['name=path', ...] (the command line's --lora) or {name: path} -> {name: path}, each path a folder."""
+    if isinstance(items, dict):
+        pairs = list(items.items())
+    else:
+        pairs = []
+        for item in items or []:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ConfigError(f"--lora {item!r} is not NAME=PATH", "e.g. --lora support=./adapters/support")
+            pairs.append((name, path))
+    out: dict[str, str] = {}
+    for name, path in pairs:
+        if name in out:
+            raise ConfigError(f"--lora name {name!r} is given twice", "give each adapter its own name")
+        if not Path(path).is_dir():
+            raise ConfigError(f"--lora {name}: {path} is not a folder", "pass a PEFT adapter folder")
+        out[name] = str(path)
+    return out
 
 
 @dataclass
 class EngineConfig:
     model: str
-    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
-    device: str = "auto"  # auto | cpu | cuda
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
-    block_size: int = 16
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    seed: int = 0
-    enable_prefix_caching: bool = True
-    num_kv_blocks: int | None = None  # None: sized from the memory budget
-    memory_limit: int | None = None  # bytes (CPU budget); None: a fraction of available memory
-    gpu_memory_utilization: float = 0.90
-    loras: dict[str, str] = field(default_factory=dict)  # name -> adapter folder
-    max_loras: int = 4
-    max_lora_rank: int = 64
-    max_cpu_loras: int | None = None
-    enforce_eager: bool = False  # CUDA: no decode graphs (engine.cuda_graphs)
+    dtype: str = option("auto", "auto | float32 | float16 | bfloat16 (auto: the checkpoint's dtype on GPU, float32 "
+                                "on CPU).")
+    device: str = option("auto", "auto | cpu | cuda | cuda:N.")
+    max_num_seqs: int = option(64, "Most sequences in one step (1..65536).")
+    max_num_batched_tokens: int = option(4096, "Most tokens (prefill + decode) in one step.")
+    block_size: int = option(16, "Tokens per KV cache block (1..256).")
+    max_model_len: int | None = option(None, "Context limit (default: the model's).")
+    seed: int = option(0, "Seed for sampling of requests without their own seed.")
+    enable_prefix_caching: bool = option(True, "Reuse the KV of shared prompt prefixes.",
+                                         flag="--prefix-caching/--no-prefix-caching")
+    num_kv_blocks: int | None = None  # API only; None: sized from the memory budget
+    memory_limit: int | None = option(None, "CPU memory budget for weights, activations and KV cache, e.g. 8GB "
+                                            "(default: half the available RAM).", cli_type=str)
+    gpu_memory_utilization: float = option(0.90, "Fraction of the GPU's memory the engine may use, in (0, 1].")
+    enforce_eager: bool = option(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs (slower; "
+                                        "for debugging).", flag="--eager")
+    loras: dict[str, str] = option({}, "An adapter as NAME=PATH (PEFT folder); repeat for more.", panel=LORA,
+                                   flag="--lora", cli_type=list[str])
+    max_loras: int = option(4, "Adapters resident on the device at once.", panel=LORA)
+    max_lora_rank: int = option(64, "Largest adapter rank, 1..256 (slots are padded to it).", panel=LORA)
+    max_cpu_loras: int | None = option(None, "Adapters kept in CPU memory (default: all registered).", panel=LORA)
 
     def __post_init__(self) -> None:
-        checks = [
-            (self.dtype in ("auto", *_DTYPES), f"--dtype {self.dtype!r} is not one of auto, float32, float16, bfloat16"),
-            (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
-             f"--device {self.device!r} is not one of auto, cpu, cuda"),
-            (self.max_num_seqs >= 1, f"--max-num-seqs must be at least 1, got {self.max_num_seqs}"),
-            (self.max_num_batched_tokens >= 1,
-             f"--max-num-batched-tokens must be at least 1, got {self.max_num_batched_tokens}"),
-            (self.block_size >= 1 and self.block_size <= 256, f"--block-size must be in 1..256, got {self.block_size}"),
-            (self.max_model_len is None or self.max_model_len >= 1,
-             f"--max-model-len must be at least 1, got {self.max_model_len}"),
-            (0 < self.gpu_memory_utilization <= 1,
-             f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"),
-            (self.num_kv_blocks is None or self.num_kv_blocks >= 1,
-             f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}"),
-            (self.max_loras >= 1, f"--max-loras must be at least 1, got {self.max_loras}"),
-            (1 <= self.max_lora_rank <= 256, f"--max-lora-rank must be in 1..256, got {self.max_lora_rank}"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise ConfigError(msg)
+        self.memory_limit = parse_size(self.memory_limit)
+        self.loras = parse_loras(self.loras)
+        for msg in self._problems():
+            raise ConfigError(msg, "see `infer COMMAND --help` for each option's range")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device cuda was asked but no CUDA GPU is visible", "use --device cpu")
+
+    def _problems(self):
+        ranges = [("max_num_seqs", 1, 65536), ("max_num_batched_tokens", 1, None), ("block_size", 1, 256),
+                  ("max_model_len", 1, None), ("num_kv_blocks", 1, None), ("max_loras", 1, None),
+                  ("max_lora_rank", 1, 256), ("max_cpu_loras", 1, None), ("seed", 0, 2 ** 63 - 1)]
+        for name, lo, hi in ranges:
+            value = getattr(self, name)
+            if value is not None and (value < lo or (hi is not None and value > hi)):
+                bound = f"in {lo}..{hi}" if hi is not None else f"at least {lo}"
+                yield f"{flag_of(name)} must be {bound}, got {value}"
+        if self.dtype not in ("auto", *_DTYPES):
+            yield f"--dtype {self.dtype!r} is not one of auto, float32, float16, bfloat16"
+        if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):
+            yield f"--device {self.device!r} is not one of auto, cpu, cuda, cuda:N"
+        if not 0 < self.gpu_memory_utilization <= 1:
+            yield f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -71,3 +132,16 @@ class EngineConfig:
 
     def use_cuda_graphs(self) -> bool:
         return self.torch_device().type == "cuda" and not self.enforce_eager
+
+
+def cli_fields() -> list:
+    """The EngineConfig fields that are command-line options, in declaration order."""
+    return [f for f in fields(EngineConfig) if f.metadata.get("help")]
+
+
+def flag_of(name: str) -> str:
+    """The command-line spelling of a field: '--max-num-seqs', '--eager', '--prefix-caching'."""
+    for f in fields(EngineConfig):
+        if f.name == name and f.metadata.get("flag"):
+            return f.metadata["flag"].split("/")[0]
+    return "--" + name.replace("_", "-")

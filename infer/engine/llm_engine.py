@@ -32,12 +32,11 @@ class LLMEngine:
         self.memory_plan = parts.memory_plan
         self.lora_manager = parts.lora_manager
         self.block_manager = BlockManager(parts.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.lora_manager)
-        self.runner = ModelRunner(parts.model, self.model_config, self.dtype, self.device, config.block_size,
-                                  parts.num_blocks, config.seed, self.lora_manager)
+        self.scheduler = Scheduler(config, self.block_manager, self.lora_manager)
+        self.runner = ModelRunner(config, parts.model, dtype=self.dtype, device=self.device,
+                                  num_blocks=parts.num_blocks, lora_manager=self.lora_manager)
         if config.use_cuda_graphs():
-            self.runner.capture_graphs(config.max_num_seqs, -(-self.max_model_len // config.block_size))
+            self.runner.capture_graphs(self.max_model_len)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []

@@ -5,25 +5,30 @@ from __future__ import annotations
 import torch
 
 from ..models.context import ForwardContext
+from .config import EngineConfig
 from .sampler import Sampler
 from .scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(self, model, cfg, dtype: torch.dtype, device: torch.device, block_size: int, num_blocks: int,
-                 seed: int, lora_manager=None):
-        self.model, self.cfg, self.dtype, self.device = model, cfg, dtype, device
-        self.block_size = block_size
+    def __init__(self, config: EngineConfig, model, *, dtype: torch.dtype, device: torch.device, num_blocks: int,
+                 lora_manager=None):
+        """`model` is the loaded decoder; `num_blocks` KV blocks of config.block_size tokens are allocated."""
+        self.config = config
+        self.model, self.dtype, self.device = model, dtype, device
+        self.block_size = config.block_size
         self.num_blocks = num_blocks
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(config.seed)
         self.lora_manager = lora_manager
         self.kv_cache = self._allocate_kv(num_blocks)
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once captured
 
-    def capture_graphs(self, max_num_seqs: int, max_blocks: int, emulate: bool = False) -> None:
-        """Record the decode steps as CUDA graphs (see engine.cuda_graphs); `emulate` replays by re-running."""
+    def capture_graphs(self, max_model_len: int, emulate: bool = False) -> None:
+        """Record the decode steps of up to config.max_num_seqs sequences of up to max_model_len tokens as CUDA
+        graphs (see engine.cuda_graphs); `emulate` replays by re-running the model."""
         from .cuda_graphs import DecodeGraphs
-        graphs = DecodeGraphs(self.model, max_num_seqs, max_blocks, self.device, self.lora_manager, emulate)
+        max_blocks = -(-max_model_len // self.block_size)
+        graphs = DecodeGraphs(self.model, self.config.max_num_seqs, max_blocks, self.device, self.lora_manager, emulate)
         graphs.capture()
         self.graphs = graphs
 

@@ -8,6 +8,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from .block_manager import BlockManager
+from .config import EngineConfig
 from .sequence import Sequence, Status
 
 
@@ -25,10 +26,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, lora=None):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, lora=None):
         self.bm = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.lora = lora  # adapter slot manager (or None): admits a request only when its adapter gets a slot
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

@@ -128,7 +128,7 @@ def measure(model, cfg, config: EngineConfig, dtype, device, max_length: int, co
             weights: int | None = None):
     """Run the worst case and return (measured plan, estimated activation bytes)."""
     prefill, decode, nblocks = worst_case_batches(cfg, config, max_length, concurrency, config.block_size)
-    runner = ModelRunner(model, cfg, dtype, device, config.block_size, nblocks, config.seed, lora_manager)
+    runner = ModelRunner(config, model, dtype=dtype, device=device, num_blocks=nblocks, lora_manager=lora_manager)
     runner.zero_blocks(list(range(nblocks)))
     lora_bytes = 0
     if lora_manager is not None and lora_name is not None:
