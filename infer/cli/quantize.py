@@ -106,9 +106,15 @@ def quantize(
                 result = quantize_model(model, output, options, calibration, observer, overwrite=overwrite)
             finally:
                 observer.stop()
+    print_summary(result, options)
+
+
+def print_summary(result: QuantizeResult, options: QuantizeOptions) -> None:
+    """The per-module error table, the worst module, and where the checkpoint went."""
     console = Console()
     console.print(report_table(result))
     worst = result.report.loc[result.report["loss"].idxmax()] if len(result.report) else None
     if worst is not None:
         console.print(f"Largest error: layer {worst.layer} {worst.module} (loss {worst.loss:.3e})")
-    console.print(f"Wrote {result.out} ({bits}-bit, group size {group_size}) in {result.seconds:.1f} s")
+    console.print(f"Wrote {result.out} ({options.bits}-bit, group size {options.group_size}) in "
+                  f"{result.seconds:.1f} s")
