@@ -85,6 +85,11 @@ def test_prefix_token_ids_are_forced_first_reply_tokens():
     llm = LLM(str(path))
     p = random_prompts(llm.engine.model_config.vocab_size, [10], seed=6)[0]
     forced = [11, 12, 13]
-    out = llm.generate([p], SamplingParams(max_new_tokens=10, ignore_eos=True, prefix_token_ids=forced))[0]
+    out = llm.generate([p], SamplingParams(max_new_tokens=7, ignore_eos=True, prefix_token_ids=forced))[0]
     assert out.token_ids[:3] == forced
     assert out.token_ids[3:] == hf_greedy(path, p + forced, 7)
+    assert out.usage["completion_tokens"] == 7  # max_new_tokens and usage count generated tokens only
+    # a prefix as long as (or longer than) max_new_tokens still gets exactly max_new_tokens generated tokens
+    for n in (1, 2, 3):
+        out = llm.generate([p], SamplingParams(max_new_tokens=n, ignore_eos=True, prefix_token_ids=forced))[0]
+        assert out.token_ids == forced + hf_greedy(path, p + forced, n) and out.usage["completion_tokens"] == n

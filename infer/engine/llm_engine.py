@@ -123,7 +123,7 @@ class LLMEngine:
         stop_string = self.detokenizer.update(seq, is_stop_token)
         if is_stop_token or stop_string:
             self.scheduler.finish(seq, "stop")
-        elif (p.max_new_tokens is not None and len(seq.output_token_ids) >= p.max_new_tokens) \
+        elif (p.max_new_tokens is not None and seq.num_generated >= p.max_new_tokens) \
                 or len(seq) >= seq.max_total_len:
             self.scheduler.finish(seq, "length")
         out = self._output(seq, [token])
@@ -138,7 +138,8 @@ class LLMEngine:
             finish_reason=seq.finish_reason, error=seq.error,
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None, lora=seq.lora,
             arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
-            token_times=list(seq.token_times), num_cached_tokens=seq.num_cached_tokens)
+            token_times=list(seq.token_times), num_cached_tokens=seq.num_cached_tokens,
+            num_prefix_tokens=len(seq.params.prefix_token_ids))
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict:

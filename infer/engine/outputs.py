@@ -22,7 +22,13 @@ class RequestOutput:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     num_cached_tokens: int = 0
+    num_prefix_tokens: int = 0  # the request's forced prefix_token_ids at the start of token_ids
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens the model generated: what max_new_tokens limits and completion_tokens counts."""
+        return len(self.token_ids) - self.num_prefix_tokens
 
     @property
     def usage(self) -> dict:
-        return {"prompt_tokens": len(self.prompt_token_ids), "completion_tokens": len(self.token_ids)}
+        return {"prompt_tokens": len(self.prompt_token_ids), "completion_tokens": self.num_generated}

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..errors import RequestError
 
+MAX_TOKENS = 2**31 - 1  # token counts and top_k
+MAX_SEED = 2**63 - 1
+
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int | None = 256
+    max_new_tokens: int | None = 256  # tokens the model generates (forced prefix_token_ids not counted)
     max_length: int | None = None  # prompt + output cap
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
@@ -30,21 +34,28 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.prefix_token_ids = list(self.prefix_token_ids or [])
+        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise RequestError(f"{name} must be a finite number, got {value!r}")
         checks = [
-            (self.max_new_tokens is None or self.max_new_tokens >= 1,
-             f"max_new_tokens must be at least 1, got {self.max_new_tokens}"),
-            (self.max_length is None or self.max_length >= 1, f"max_length must be at least 1, got {self.max_length}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (self.max_new_tokens is None or 1 <= self.max_new_tokens <= MAX_TOKENS,
+             f"max_new_tokens must be in 1..{MAX_TOKENS}, got {self.max_new_tokens}"),
+            (self.max_length is None or 1 <= self.max_length <= MAX_TOKENS,
+             f"max_length must be in 1..{MAX_TOKENS}, got {self.max_length}"),
+            (0 <= self.temperature <= 100, f"temperature must be in [0, 100], got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
-            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (0 <= self.top_k <= MAX_TOKENS, f"top_k must be in 0..{MAX_TOKENS} (0 = off), got {self.top_k}"),
+            (0 < self.repetition_penalty <= 100, f"repetition_penalty must be in (0, 100], got "
+                                                 f"{self.repetition_penalty}"),
             (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            (all(isinstance(t, int) and 0 <= t < 2**31 for t in self.stop_token_ids),
              "stop_token_ids must be a list of token ids"),
-            (all(isinstance(t, int) and t >= 0 for t in self.prefix_token_ids),
+            (all(isinstance(t, int) and 0 <= t < 2**31 for t in self.prefix_token_ids),
              "prefix_token_ids must be a list of token ids"),
+            (self.seed is None or 0 <= self.seed <= MAX_SEED, f"seed must be in 0..{MAX_SEED}, got {self.seed}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in 0..20, got {self.logprobs}"),
         ]
         for ok, msg in checks:

@@ -141,7 +141,7 @@ async def _complete(server: Server, req: p.GenerationRequest, rid: str, model: s
                 choices[i] = p.choice(req, i, out.text, out.logprobs, server.tokenizer, p.finish_reason(out),
                                       token_ids=out.token_ids, prompt_token_ids=out.prompt_token_ids)
                 prompt_n += len(out.prompt_token_ids)
-                completion_n += len(out.token_ids)
+                completion_n += out.num_generated
     except _ClientGone:
         return JSONResponse({}, status_code=499)  # nobody reads it
     body = p.envelope(req, rid, model, p.now(), [choices[i] for i in sorted(choices)],
@@ -174,7 +174,7 @@ async def _stream(server: Server, req: p.GenerationRequest, rid: str, model: str
                                       token_ids=new_ids)])
             if out.finished:
                 prompt_n += len(out.prompt_token_ids)
-                completion_n += len(out.token_ids)
+                completion_n += out.num_generated
         else:
             if req.include_usage:
                 yield event([], p.usage(prompt_n, completion_n))

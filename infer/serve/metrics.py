@@ -59,7 +59,7 @@ class ServerMetrics:
         """One engine request ended (any reason); `arrival`/`end` are time.monotonic() values."""
         self.finished.labels(out.finish_reason or "unknown").inc()
         self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.generation_tokens.inc(len(out.token_ids))
+        self.generation_tokens.inc(out.num_generated)
         if out.first_token_time is not None:
             self.ttft.observe(max(0.0, out.first_token_time - arrival))
         if out.finish_reason in ("stop", "length"):
