@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import stat
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -29,74 +31,114 @@ def _line_id(obj, line_no: int) -> str:
     return str(line_no)
 
 
+def read_lines(path: Path):
+    """(line number, text or None, reason) for every line of a JSONL file. Lines end at "\\n" only (a CRLF's
+    "\\r" is dropped; U+2028, U+0085 or a bare "\\r" inside a line do not split it), so the numbering is the one
+    any editor shows, and outputs are read back by the same rule they are written with."""
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            raw = raw[:-1] if raw.endswith(b"\n") else raw
+            raw = raw[:-1] if raw.endswith(b"\r") else raw
+            try:
+                yield line_no, raw.decode("utf-8"), None
+            except UnicodeDecodeError as e:
+                yield line_no, None, f"not valid UTF-8 (byte {e.start + 1} of the line)"
+
+
+def _loads(text: str):
+    """json.loads, with every way a line can be unreadable turned into a ValueError that names it."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"bad JSON: {e.msg} (column {e.colno})") from None
+    except RecursionError:
+        raise ValueError("bad JSON: nested too deeply") from None
+    except ValueError as e:  # e.g. an integer of more than 4300 digits
+        raise ValueError(f"bad JSON: {e}") from None
+
+
+def _parse_line(line_no: int, text: str, tokenizer, defaults: dict) -> InputLine:
+    try:
+        obj = _loads(text)
+    except ValueError as e:
+        return InputLine(line_no, str(line_no), error=f"line {line_no}: {e}")
+    item = InputLine(line_no, _line_id(obj, line_no))
+    try:
+        item.request = parse_request(obj, tokenizer, item.id, defaults)
+    except RequestError as e:
+        item.error = f"line {line_no}: {e}"
+    except Exception as e:  # never let one line end the run: the reason goes into its error record
+        item.error = f"line {line_no}: cannot read this request ({type(e).__name__}: {e})"
+    return item
+
+
 def read_inputs(path: Path, tokenizer, defaults: dict) -> list[InputLine]:
     """Every non-blank line of the input, parsed, or with the reason it is bad (line numbers start at 1)."""
     if not path.is_file():
-        raise ConfigError(f"input file {path} does not exist", "give a JSONL file with one request per line")
+        raise ConfigError(f"input file {path} does not exist" if not path.exists() else f"input {path} is not a file",
+                          "give a JSONL file with one request per line")
     lines, seen = [], set()
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line_no, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                obj = json.loads(raw)
-            except json.JSONDecodeError as e:
-                lines.append(InputLine(line_no, str(line_no), error=f"line {line_no}: bad JSON: {e.msg}"))
-                continue
-            item = InputLine(line_no, _line_id(obj, line_no))
-            try:
-                item.request = parse_request(obj, tokenizer, item.id, defaults)
-            except RequestError as e:
-                item.error = f"line {line_no}: {e}"
-            if item.id in seen:
-                item.request, item.error = None, f"line {line_no}: duplicate id {item.id!r}"
-                item.id = f"{item.id}#line{line_no}"
-            seen.add(item.id)
-            lines.append(item)
+    for line_no, text, reason in read_lines(path):
+        if reason is not None:
+            lines.append(InputLine(line_no, str(line_no), error=f"line {line_no}: {reason}"))
+            continue
+        if not text.strip():
+            continue
+        item = _parse_line(line_no, text, tokenizer, defaults)
+        if item.id in seen:
+            item.request, item.error = None, f"line {line_no}: duplicate id {item.id!r}"
+            item.id = f"{item.id}#line{line_no}"
+        seen.add(item.id)
+        lines.append(item)
     return lines
 
 
-def done_ids(path: Path) -> set[str]:
-    """Ids already written to an output file; a torn last line (a killed run) is cut off first."""
-    if not path.is_file():
-        return set()
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        cut = data.rfind(b"\n") + 1
-        with open(path, "r+b") as f:
-            f.truncate(cut)
-        data = data[:cut]
-    ids = set()
-    for line in data.decode("utf-8", errors="replace").splitlines():
-        try:
-            ids.add(str(json.loads(line)["id"]))
-        except (ValueError, KeyError, TypeError):
-            continue
-    return ids
+def encode_record(record: dict) -> bytes:
+    """One output line: UTF-8 JSON, "\\n"-terminated. Text that cannot be encoded (a lone surrogate in an id) is
+    written \\u-escaped, which reads back to the same string."""
+    try:
+        return (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+    except UnicodeEncodeError:
+        return (json.dumps(record, ensure_ascii=True) + "\n").encode("ascii")
 
 
 class RecordWriter:
-    """Appends one JSON object per line and flushes it, so an interrupted run loses nothing it finished."""
+    """Appends one JSON object per line and flushes it (and fsyncs a regular file), so an interrupted run loses
+    nothing it finished. Works on pipes, /dev/stdout and /dev/null too."""
 
     def __init__(self, path: Path | None, append: bool):
         self.path = path
         if path is None:
-            import sys
-            self.f: IO[str] = sys.stdout
+            sys.stdout.flush()
+            self.f: IO[bytes] = getattr(sys.stdout, "buffer", None) or _TextAsBytes(sys.stdout)
         else:
             if path.parent and not path.parent.exists():
                 path.parent.mkdir(parents=True, exist_ok=True)
-            self.f = open(path, "a" if append else "w", encoding="utf-8")
+            self.f = open(path, "ab" if append else "wb")
+        self.sync = path is not None and stat.S_ISREG(os.fstat(self.f.fileno()).st_mode)
 
     def write(self, record: dict) -> None:
-        self.f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.f.write(encode_record(record))
         self.f.flush()
-        if self.path is not None:
+        if self.sync:
             os.fsync(self.f.fileno())
 
     def close(self) -> None:
         if self.path is not None:
             self.f.close()
+
+
+class _TextAsBytes:
+    """A text stream without a byte buffer (a test runner's stdout), written to as bytes."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, data: bytes) -> None:
+        self.stream.write(data.decode("utf-8"))
+
+    def flush(self) -> None:
+        self.stream.flush()
 
 
 def error_record(req_id: str, message: str) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -12,7 +13,9 @@ import typer
 from ..engine.config import EngineConfig
 from ..errors import ConfigError, RequestError
 from . import options as o
-from .batch_io import RecordWriter, done_ids, error_record, output_record, read_inputs
+from ..engine.sampling_params import MAX_TOKENS
+from .batch_io import RecordWriter, error_record, output_record, read_inputs
+from .resume import check_resume, done_ids, is_regular_target, write_fingerprint
 
 
 @o.engine_options()
@@ -21,10 +24,14 @@ def run(
     input: Annotated[Path, typer.Argument(help="JSONL file: one request per line (prompt | messages | "
                                                "prompt_token_ids, or an OpenAI batch line).", show_default=False)],
     output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Output JSONL (default: stdout).")] = None,
-    resume: Annotated[bool, typer.Option(help="Skip ids already in OUTPUT and complete the rest.")] = False,
+    resume: Annotated[bool, typer.Option(help="Skip ids already in OUTPUT and complete the rest (OUTPUT must come "
+                                              "from the same input and options).")] = False,
+    force_resume: Annotated[bool, typer.Option(help="Resume even if OUTPUT was written from another input or with "
+                                                    "other options.")] = False,
     strict: Annotated[bool, typer.Option(help="Check every line first; exit 2 before generating if one is bad.")]
     = False,
-    max_new_tokens: Annotated[int, typer.Option(help="Default for lines without max_new_tokens.")] = 256,
+    max_new_tokens: Annotated[int, typer.Option(help="Default for lines without max_new_tokens (generated tokens, "
+                                                     "1..2^31-1).")] = 256,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or summary.")] = False,
     engine: EngineConfig = None,
 ) -> None:
@@ -34,20 +41,29 @@ def run(
 
     Exit status: 0 all lines ok, 1 some lines failed (each has an error record), 2 the run could not start.
     """
-    if resume and output is None:
-        raise ConfigError("--resume needs -o OUTPUT", "resume reads the ids already written to OUTPUT")
-    if not input.is_file():
-        raise ConfigError(f"input file {input} does not exist", "give a JSONL file with one request per line")
+    resume = resume or force_resume
+    _check_paths(input, output, resume, max_new_tokens)
+    options = _output_options(engine, max_new_tokens)
+    resumable = is_regular_target(output)
+    if resume and resumable and not force_resume:
+        check_resume(output, input, options)
+    defaults = {"max_new_tokens": max_new_tokens}
+    if strict:  # every line is read before the model loads: a bad file costs no load time
+        from ..engine.setup import load_tokenizer
+        from ..models.tiny import resolve_model
+        _strict_exit(read_inputs(input, load_tokenizer(resolve_model(engine.model)), defaults))
     from ..engine.llm_engine import LLMEngine
     llm = LLMEngine(engine)
     if not quiet:
         p = llm.memory_plan
         typer.echo(f"infer: {llm.model_path.name} on {llm.device.type}, {llm.dtype}, KV cache "
                    f"{p.num_blocks} blocks x {engine.block_size} tokens, max length {llm.max_model_len}", err=True)
-    lines = _checked_lines(llm, input, max_new_tokens, strict)
-    skip = done_ids(output) if resume and output is not None else set()
+    lines = _checked_lines(llm, input, defaults, strict)
+    skip = done_ids(output) if resume and resumable else set()
     todo = [item for item in lines if item.id not in skip]
     writer = RecordWriter(output, append=resume)
+    if resumable:
+        write_fingerprint(output, input, options)
     try:
         failed = _generate(llm, todo, writer, quiet)
     finally:
@@ -56,21 +72,63 @@ def run(
         raise typer.Exit(1)
 
 
-def _checked_lines(llm, input: Path, max_new_tokens: int, strict: bool) -> list:
+def _check_paths(input: Path, output: Path | None, resume: bool, max_new_tokens: int) -> None:
+    """Everything about the paths and plain options that can be wrong, found before the model loads."""
+    if not 1 <= max_new_tokens <= MAX_TOKENS:
+        raise ConfigError(f"--max-new-tokens must be in 1..{MAX_TOKENS}, got {max_new_tokens}", "e.g. 256")
+    if resume and output is None:
+        raise ConfigError("--resume needs -o OUTPUT", "resume reads the ids already written to OUTPUT")
+    if not input.exists():
+        raise ConfigError(f"input file {input} does not exist", "give a JSONL file with one request per line")
+    if input.is_dir():
+        raise ConfigError(f"input {input} is a directory, not a file", "give a JSONL file with one request per line")
+    if output is None:
+        return
+    if output.is_dir():
+        raise ConfigError(f"-o {output} is a directory", "give a file path, e.g. -o out.jsonl")
+    parent = output.parent if str(output.parent) else Path(".")
+    if parent.exists() and not parent.is_dir():
+        raise ConfigError(f"-o {output}: {parent} is not a directory", "give a path inside a directory")
+    target = output if output.exists() else _first_existing(parent)
+    if not os.access(target, os.W_OK):
+        raise ConfigError(f"-o {output} is not writable ({target} does not allow writing)",
+                          "choose another output path or fix its permissions")
+
+
+def _first_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _output_options(engine: EngineConfig, max_new_tokens: int) -> dict:
+    """The options that change what a run writes: a resumed run must use the same ones."""
+    model = Path(engine.model).expanduser()
+    return {"model": str(model.resolve()) if model.exists() else engine.model, "dtype": engine.dtype,
+            "seed": engine.seed, "max_model_len": engine.max_model_len, "max_new_tokens": max_new_tokens,
+            "loras": {k: str(Path(v).resolve()) for k, v in sorted(engine.loras.items())}}
+
+
+def _strict_exit(lines: list) -> None:
+    bad = [item for item in lines if item.error]
+    if bad:
+        for item in bad:
+            typer.echo(f"error: {item.error}", err=True)
+        raise ConfigError(f"{len(bad)} of {len(lines)} input lines are invalid (--strict)", "fix them and run again")
+
+
+def _checked_lines(llm, input: Path, defaults: dict, strict: bool) -> list:
     """Every input line, parsed and checked against the engine: a request that can never run is an error now,
     not in the middle of the run. With --strict, any bad line stops the run before generating."""
-    lines = read_inputs(input, llm.tokenizer, {"max_new_tokens": max_new_tokens})
+    lines = read_inputs(input, llm.tokenizer, defaults)
     for item in lines:
         if item.request is not None:
             try:
                 llm.validate(item.request.prompt_token_ids, item.request.params, item.request.lora)
             except RequestError as e:
                 item.request, item.error = None, f"line {item.line_no}: {e}"
-    bad = [item for item in lines if item.error]
-    if strict and bad:
-        for item in bad:
-            typer.echo(f"error: {item.error}", err=True)
-        raise ConfigError(f"{len(bad)} of {len(lines)} input lines are invalid (--strict)", "fix them and run again")
+    if strict:
+        _strict_exit(lines)
     return lines
 
 

@@ -36,6 +36,7 @@ def encode_prompt(tokenizer, prompt: Any = None, messages: Any = None) -> list[i
     if messages is not None:
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise RequestError("messages must be a list of {\"role\": ..., \"content\": ...} objects")
+        check_text(messages, "messages")
         if getattr(tokenizer, "chat_template", None) is None:
             raise RequestError("this model's tokenizer has no chat template", "send `prompt` instead of `messages`")
         try:
@@ -45,7 +46,31 @@ def encode_prompt(tokenizer, prompt: Any = None, messages: Any = None) -> list[i
         return list(enc["input_ids"])
     if not isinstance(prompt, str):
         raise RequestError(f"prompt must be a string, got {type(prompt).__name__}")
-    return list(tokenizer(prompt)["input_ids"])
+    check_text(prompt, "prompt")
+    try:
+        return list(tokenizer(prompt)["input_ids"])
+    except Exception as e:  # a tokenizer error is about this prompt, never about the run
+        raise RequestError(f"the tokenizer cannot encode this prompt: {type(e).__name__}: {e}") from e
+
+
+def check_text(value: Any, name: str) -> None:
+    """Every string in `value` (a string, or the lists and objects of a messages array) must be valid Unicode:
+    JSON can carry an escaped lone surrogate (\\ud800) that no tokenizer or UTF-8 writer accepts."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise RequestError(f"{name} contains an unpaired surrogate (U+{ord(item[e.start]):04X}), which is "
+                                   "not valid Unicode", "send valid UTF-8 text (escape pairs like "
+                                   "\\ud83d\\ude00 are fine)") from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def _type_name(types: tuple) -> str:

@@ -1,0 +1,122 @@
+"""`infer run --resume`: which ids an output file already holds, and which input and options it belongs to.
+
+The output is read back by the rule it is written with (records end at "\\n", nothing else splits them), and
+lines that are not a whole record (a run killed mid-write, a file edited by hand) are removed with a note, so
+their requests run again and the file ends with exactly one record per id. A small fingerprint file beside the
+output (OUTPUT.resume.json) records the input it was made from and the options that change outputs; resuming with
+another input or other options is refused unless asked for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from pathlib import Path
+
+import typer
+
+from ..errors import ConfigError
+
+FINGERPRINT_SUFFIX = ".resume.json"
+
+
+def done_ids(path: Path) -> set[str]:
+    """Ids of the whole records in an output file. Any other line is cut out of the file (atomically), with a
+    note on stderr saying how many."""
+    if not path.is_file():
+        return set()
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    tail = lines.pop()  # b"" when the file ends with "\n", else a torn last record
+    ids, keep, dropped = set(), [], 1 if tail else 0
+    for raw in lines:
+        rec_id = _record_id(raw)
+        if rec_id is None or rec_id in ids:
+            dropped += 1
+            continue
+        ids.add(rec_id)
+        keep.append(raw + b"\n")
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(b"".join(keep))
+        os.replace(tmp, path)
+        typer.echo(f"note: removed {dropped} unreadable or repeated line(s) from {path} (a run stopped mid-write?); "
+                   "their requests run again", err=True)
+    return ids
+
+
+def _record_id(raw: bytes) -> str | None:
+    try:
+        rec = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(rec, dict) or not isinstance(rec.get("id"), str):
+        return None
+    return rec["id"]
+
+
+def fingerprint_path(output: Path) -> Path:
+    return output.with_name(output.name + FINGERPRINT_SUFFIX)
+
+
+def is_regular_target(output: Path | None) -> bool:
+    """A file the run can resume into (not stdout, a pipe or /dev/null)."""
+    if output is None:
+        return False
+    try:
+        return stat.S_ISREG(output.stat().st_mode)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+
+
+def input_digest(path: Path, length: int | None = None) -> str:
+    """sha256 of the first `length` bytes of a file (all of it when None)."""
+    h = hashlib.sha256()
+    left = path.stat().st_size if length is None else length
+    with open(path, "rb") as f:
+        while left > 0:
+            chunk = f.read(min(left, 1 << 20))
+            if not chunk:
+                break
+            h.update(chunk)
+            left -= len(chunk)
+    return h.hexdigest()
+
+
+def fingerprint(input: Path, options: dict) -> dict:
+    return {"input": {"path": str(input), "bytes": input.stat().st_size, "sha256": input_digest(input)},
+            "options": options}
+
+
+def write_fingerprint(output: Path, input: Path, options: dict) -> None:
+    path = fingerprint_path(output)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(fingerprint(input, options), indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def check_resume(output: Path, input: Path, options: dict) -> None:
+    """Refuse to resume OUTPUT from another input or with options that change outputs. An input that only grew
+    (lines appended to the same file) is the same input."""
+    path = fingerprint_path(output)
+    if not output.is_file() or not path.is_file():
+        return
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+        old_in, old_opts = old["input"], old["options"]
+        size, digest = int(old_in["bytes"]), str(old_in["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        typer.echo(f"note: {path} is unreadable; resuming without checking the input", err=True)
+        return
+    hint = "resume with the same input and options, write to a new -o OUTPUT, or pass --force-resume"
+    if input.stat().st_size < size or input_digest(input, size) != digest:
+        raise ConfigError(f"{output} was written from another input ({old_in.get('path')}, {size} bytes); "
+                          f"{input} is not that file or was changed", hint)
+    changed = sorted(k for k in set(old_opts) | set(options) if old_opts.get(k) != options.get(k))
+    if changed:
+        what = ", ".join(f"{k} {old_opts.get(k)!r} -> {options.get(k)!r}" for k in changed)
+        raise ConfigError(f"{output} was written with other options: {what}", hint)
