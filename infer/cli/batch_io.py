@@ -80,13 +80,13 @@ def read_inputs(path: Path, tokenizer, defaults: dict) -> list[InputLine]:
     lines, seen = [], set()
     for line_no, text, reason in read_lines(path):
         if reason is not None:
-            lines.append(InputLine(line_no, str(line_no), error=f"line {line_no}: {reason}"))
+            item = InputLine(line_no, str(line_no), error=f"line {line_no}: {reason}")
+        elif not text.strip():
             continue
-        if not text.strip():
-            continue
-        item = _parse_line(line_no, text, tokenizer, defaults)
+        else:
+            item = _parse_line(line_no, text, tokenizer, defaults)
         if item.id in seen:
-            item.request, item.error = None, f"line {line_no}: duplicate id {item.id!r}"
+            item.request, item.error = None, item.error or f"line {line_no}: duplicate id {item.id!r}"
             item.id = f"{item.id}#line{line_no}"
         seen.add(item.id)
         lines.append(item)
