@@ -100,7 +100,7 @@ def test_bench_and_warmup_derive_their_own_options(tmp_path, monkeypatch):
     ("block_size", 512, "--block-size must be in 1..256"),
     ("max_loras", 0, "--max-loras must be at least 1"),
     ("gpu_memory_utilization", float("nan"), "--gpu-memory-utilization"),
-    ("memory_limit", "lots", "cannot read the size"),
+    ("memory_limit", "lots", "--memory-limit 'lots' is not a size"),
     ("memory_limit", "0GB", "not a positive number"),
     ("loras", ["noequals"], "is not NAME=PATH"),
     ("device", "tpu", "--device 'tpu'"),

@@ -109,16 +109,28 @@ def check_url(url: str, model_id: str, adapters: list[str], api_key: str | None)
 def check_options(num_prompts: int | None, dataset: str, baseline: str | None, lora_policy: str, url: str | None,
                   rate: float) -> None:
     if num_prompts is not None and num_prompts < 1:
-        raise ConfigError(f"--num-prompts must be at least 1, got {num_prompts}")
+        raise ConfigError(f"--num-prompts must be at least 1, got {num_prompts}", "e.g. --num-prompts 64")
     check_dataset(dataset)
     if baseline is not None and baseline not in BASELINES:
         raise ConfigError(f"--baseline {baseline!r} is not supported", f"use one of: {', '.join(BASELINES)}")
     if lora_policy not in POLICIES:
-        raise ConfigError(f"--lora-policy {lora_policy!r} is not one of {', '.join(POLICIES)}")
+        raise ConfigError(f"--lora-policy {lora_policy!r} is not one of {', '.join(POLICIES)}",
+                          "mixed (the engine) or split (the baseline)")
     if url is not None and lora_policy != "mixed":
         raise ConfigError("--lora-policy split runs the in-process engine", "drop --url, or use --lora-policy mixed")
     if lora_policy == "split" and not math.isinf(rate):
         raise ConfigError("--lora-policy split sends every group at once; it takes no --request-rate")
+
+
+def check_sizes(levels: list[int], **sizes: int | None) -> None:
+    """Token counts and engine sizes a benchmark cannot run with; --max-num-seqs may not be below a level."""
+    for name, value in sizes.items():
+        if value is not None and value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} must be at least 1, got {value}", f"e.g. {flag} 16")
+    if sizes.get("max_num_seqs") is not None and sizes["max_num_seqs"] < max(levels):
+        raise ConfigError(f"--max-num-seqs {sizes['max_num_seqs']} is below the largest concurrency {max(levels)}",
+                          f"raise it to {max(levels)} or more, or leave it out (it defaults to the largest level)")
 
 
 # ------------------------------------------------------------------------------------------------ the command
@@ -171,13 +183,14 @@ def bench(
     results.json / results.csv / report.md / plots in --out and shown as a table. Ctrl-C stops and still writes
     what was measured, marked partial.
 
-    Example: [bold]infer bench llama-100m -c 1,4,16 --num-prompts 64 --input-len 44 --output-len 128
-    --baseline hf[/bold]
+    Example: infer bench llama-100m -c 1,4,16 --num-prompts 64 --input-len 44 --output-len 128
+    --baseline hf
 
-    Against a server: [bold]infer bench tiny-llama --url http://127.0.0.1:8000 -c 16[/bold]
+    Against a server: infer bench tiny-llama --url http://127.0.0.1:8000 -c 16
     """
     levels, rate = parse_concurrency(concurrency), parse_rate(request_rate)
     check_options(num_prompts, dataset, baseline, lora_policy, url, rate)
+    check_sizes(levels, input_len=input_len, output_len=output_len, max_num_seqs=max_num_seqs, max_loras=max_loras)
     names = mix(lora_names(lora, url), lora_mix)
     model_id = served_model_name or base_model_id(model)
     if url is not None:
@@ -193,8 +206,7 @@ def bench(
     else:
         plan.dtype, plan.device = engine.dtype, engine.device
     _, interrupted = run_plan(plan)
-    if not quiet:
-        typer.echo(f"infer bench: report written to {plan.out}", err=True)
+    typer.echo(f"infer bench: report written to {plan.out}", err=True)
     if interrupted:
         typer.echo(f"interrupted: the report in {plan.out} holds what was measured (marked partial)", err=True)
         raise typer.Exit(130)

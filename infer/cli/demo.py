@@ -64,7 +64,7 @@ def demo(
     """Build a tiny model, quantize it to GPTQ int4, make two LoRA adapters, validate them, prove the memory,
     run a prompts file that mixes both adapters and the base, and benchmark it against transformers.
 
-    Example: [bold]infer demo --out ./infer-demo[/bold]
+    Example: infer demo --out ./infer-demo
     """
     from ..models.tiny import resolve_model
     out.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,7 @@ def lora_validate(
     A GPTQ base is recognised from quantization_config in BASE/config.json; --quantized only makes that a
     requirement, so a float folder passed by mistake is refused rather than silently checked.
 
-    Example: [bold]infer lora-validate ./llama-gptq support=./adapters/support ./adapters/legal[/bold]
+    Example: infer lora-validate ./llama-gptq support=./adapters/support ./adapters/legal
 
     Exit status: 0 every adapter passes, 1 some adapter fails (the reasons are printed), 2 bad BASE or options.
     """

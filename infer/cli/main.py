@@ -9,23 +9,57 @@ import sys
 from typing import Annotated
 
 import typer
+from typer.core import TyperGroup
+
+try:  # typer >= 0.24 carries its own copy of click
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover - older typer uses click itself
+    from click import exceptions as click_errors
 
 from ..errors import InferError
 
+
+class _Commands(TyperGroup):
+    """Command-line mistakes click finds itself (a value that is not a number, an unknown option, a missing
+    argument) print the same two lines as every other error — `error: ...` and `hint: ...` — and exit 2."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, False, **extra)
+        except click_errors.NoArgsIsHelpError as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except click_errors.UsageError as e:
+            where = e.ctx.command_path if e.ctx is not None else "infer"
+            typer.echo(f"error: {e.format_message()}\n  hint: see `{where} --help`", err=True)
+            sys.exit(2)
+        except click_errors.ClickException as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            typer.echo("interrupted", err=True)
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
 app = typer.Typer(
+    cls=_Commands,
     name="infer",
     help="Deploy GPTQ int4 language models with batched multi-LoRA, and measure them.\n\n"
          "Example: infer run tiny-llama prompts.jsonl -o out.jsonl",
     no_args_is_help=True,
-    rich_markup_mode="rich",
+    rich_markup_mode=None,  # click's plain help: never cuts an option name at 80 columns
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 _state = {"debug": False}
 
 
-def handle_errors(fn):
-    """Map InferError to a one-line message and its exit code (traceback only with --debug)."""
+def handle_errors(fn, command: str = "COMMAND"):
+    """Map InferError to a one-line message and its exit code (traceback only with --debug); an error without a
+    hint of its own points at the command's --help."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -34,7 +68,8 @@ def handle_errors(fn):
         except InferError as e:
             if _state["debug"] or os.environ.get("INFER_DEBUG"):
                 raise
-            typer.echo(f"error: {e.message}" + (f"\n  hint: {e.hint}" if e.hint else ""), err=True)
+            hint = e.hint or f"see `infer {command} --help`"
+            typer.echo(f"error: {e.message}\n  hint: {hint}", err=True)
             raise typer.Exit(e.exit_code)
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)
@@ -54,7 +89,8 @@ def main(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks fo
 def register(module: str, name: str, command: str | None = None, **kwargs) -> None:
     import importlib
     fn = getattr(importlib.import_module(f"infer.cli.{module}"), name)
-    app.command(command or name.replace("_", "-"), **kwargs)(handle_errors(fn))
+    command = command or name.replace("_", "-")
+    app.command(command, **kwargs)(handle_errors(fn, command))
 
 
 register("run", "run")

@@ -19,10 +19,13 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..engine.config import EngineConfig, cli_fields
+from ..engine.config import RANGES, EngineConfig, cli_fields, valid_device
+from ..models.tiny import BUILTIN_MODELS
 
-Model = Annotated[str, typer.Argument(help="A local Hugging Face model folder (float or GPTQ), or a built-in model "
-                                           "(see `infer demo --help`).", show_default=False)]
+BUILTIN_HELP = (f"a built-in model with random weights ({', '.join(BUILTIN_MODELS)}; generated on first use, its "
+                "text is gibberish)")
+Model = Annotated[str, typer.Argument(help=f"A local Hugging Face model folder (float or GPTQ), or {BUILTIN_HELP}.",
+                                      show_default=False)]
 
 
 def _cli_annotation(f):
@@ -37,8 +40,10 @@ def _cli_annotation(f):
         base = Optional[base]
     decls = [meta["flag"]] if meta["flag"] else []
     show_default = f.default not in (None, MISSING)
+    lo, hi = RANGES.get(f.name, (None, None))
+    hi = hi if hi is not None and hi < 2 ** 31 else None  # a seed's 2^63 bound is checked, not shown
     return Annotated[base, typer.Option(*decls, help=meta["help"], rich_help_panel=meta["panel"],
-                                        show_default=show_default)]
+                                        show_default=show_default, min=lo, max=hi)]
 
 
 def _cli_default(f):
@@ -83,6 +88,12 @@ def default(name: str):
     return _cli_default(_field(name))
 
 
+def _check_device(value: str) -> str:
+    if not valid_device(value):
+        raise typer.BadParameter(f"{value!r} is not one of auto, cpu, cuda, cuda:N")
+    return value
+
+
 # Single engine options for commands that do not run the engine (lora-validate).
-Device = _cli_annotation(_field("device"))
+Device = Annotated[str, typer.Option(help=_field("device").metadata["help"], callback=_check_device)]
 MaxLoraRank = _cli_annotation(_field("max_lora_rank"))

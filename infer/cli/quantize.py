@@ -13,6 +13,7 @@ from rich.table import Table
 
 from ..quant.calibration import CalibrationSet
 from ..quant.quantize import REPORT_NAME, QuantizeObserver, QuantizeOptions, QuantizeResult, captured_output
+from . import options as o
 
 GPTQ = "GPTQ settings"
 CALIB = "Calibration"
@@ -61,8 +62,8 @@ def report_table(result: QuantizeResult) -> Table:
 
 
 def quantize(
-    model: Annotated[str, typer.Argument(help="A float Hugging Face model folder, or a built-in model (tiny-llama, "
-                                              "tiny-qwen2, ...).", show_default=False)],
+    model: Annotated[str, typer.Argument(help=f"A float Hugging Face model folder, or {o.BUILTIN_HELP}.",
+                                         show_default=False)],
     output: Annotated[Path, typer.Option("-o", "--output", help="Folder to write the GPTQ checkpoint into.",
                                          show_default=False)],
     bits: Annotated[int, typer.Option(help="Bits per weight: 4 or 8.", rich_help_panel=GPTQ)] = 4,
@@ -94,7 +95,9 @@ def quantize(
 
     Example: infer quantize ./Llama-3.2-1B -o ./Llama-3.2-1B-gptq --bits 4 --group-size 128 --calibration chats.jsonl
     """
+    from ..engine.config import parse_size
     from ..quant.quantize import quantize_model
+    parse_size(max_shard_size, "--max-shard-size")  # a bad size fails now, not after the whole quantization
     options = QuantizeOptions(bits=bits, group_size=group_size, desc_act=desc_act, sym=sym, num_samples=num_samples,
                               seq_len=seq_len, damp_percent=damp, max_shard_size=max_shard_size)
     options.validate()

@@ -24,11 +24,11 @@ def run(
     input: Annotated[Path, typer.Argument(help="JSONL file: one request per line (prompt | messages | "
                                                "prompt_token_ids, or an OpenAI batch line).", show_default=False)],
     output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Output JSONL (default: stdout).")] = None,
-    resume: Annotated[bool, typer.Option(help="Skip ids already in OUTPUT and complete the rest (OUTPUT must come "
+    resume: Annotated[bool, typer.Option("--resume", help="Skip ids already in OUTPUT and complete the rest (OUTPUT must come "
                                               "from the same input and options).")] = False,
-    force_resume: Annotated[bool, typer.Option(help="Resume even if OUTPUT was written from another input or with "
+    force_resume: Annotated[bool, typer.Option("--force-resume", help="Resume even if OUTPUT was written from another input or with "
                                                     "other options.")] = False,
-    strict: Annotated[bool, typer.Option(help="Check every line first; exit 2 before generating if one is bad.")]
+    strict: Annotated[bool, typer.Option("--strict", help="Check every line first; exit 2 before generating if one is bad.")]
     = False,
     max_new_tokens: Annotated[int, typer.Option(help="Default for lines without max_new_tokens (generated tokens, "
                                                      "1..2^31-1).")] = 256,
@@ -37,7 +37,7 @@ def run(
 ) -> None:
     """Generate a reply for every line of INPUT; records are appended to OUTPUT as requests finish.
 
-    Example: [bold]infer run tiny-llama prompts.jsonl -o out.jsonl --max-new-tokens 64[/bold]
+    Example: infer run tiny-llama prompts.jsonl -o out.jsonl --max-new-tokens 64
 
     Exit status: 0 all lines ok, 1 some lines failed (each has an error record), 2 the run could not start.
     """
@@ -168,6 +168,6 @@ def _progress(total: int, quiet: bool):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     console = Console(stderr=True)
     disable = quiet or not sys.stderr.isatty()
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("{task.fields[tokens]}"), TimeElapsedColumn(), console=console, disable=disable,
                     transient=False)

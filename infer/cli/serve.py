@@ -38,6 +38,9 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
 @o.engine_options()
 def serve(
     model: o.Model,
@@ -62,14 +65,16 @@ def serve(
     """Serve MODEL over an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics. A request's `model` picks a --lora adapter by its NAME (the base id, or none, runs the base).
 
-    Example: [bold]infer serve tiny-llama --port 8000 --lora support=./adapters/support[/bold]
+    Example: infer serve tiny-llama --port 8000 --lora support=./adapters/support
     """
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port {port} is not a port number", "use 0..65535")
     if max_queue < 1:
-        raise ConfigError(f"--max-queue must be at least 1, got {max_queue}")
+        raise ConfigError(f"--max-queue must be at least 1, got {max_queue}", "e.g. --max-queue 256")
     if shutdown_timeout < 0:
-        raise ConfigError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout}")
+        raise ConfigError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout}", "seconds, e.g. 30")
+    if log_level not in LOG_LEVELS:
+        raise ConfigError(f"--log-level {log_level!r} is not one of {' | '.join(LOG_LEVELS)}", "e.g. --log-level info")
     sock = _bind(host, port)
     try:
         _serve(engine, sock, host, served_model_name or base_model_id(model), api_key, max_queue, shutdown_timeout,

@@ -9,18 +9,19 @@ from typing import Annotated
 import typer
 
 from ..engine.config import EngineConfig
-from ..errors import ConfigError
 from . import options as o
 
 
 @o.engine_options(exclude=("max_num_seqs", "max_model_len"))
 def warmup(
     model: o.Model,
-    max_length: Annotated[int, typer.Option(help="Longest request (prompt + output) to prove; the engine's "
+    max_length: Annotated[int, typer.Option("--max-length", "--max-model-len", min=2,
+                                            help="Longest request (prompt + output) to prove; the engine's "
                                                  "--max-model-len.")] = 4096,
-    concurrency: Annotated[int, typer.Option(help="Sequences of max_length that must fit at once; the engine's "
+    concurrency: Annotated[int, typer.Option("--concurrency", "--max-num-seqs", min=1, max=65536,
+                                             help="Sequences of max_length that must fit at once; the engine's "
                                                   "--max-num-seqs.")] = 16,
-    estimate: Annotated[bool, typer.Option(help="No weights loaded: figures from config.json and the checkpoint's "
+    estimate: Annotated[bool, typer.Option("--estimate", help="No weights loaded: figures from config.json and the checkpoint's "
                                                 "tensor headers, activations from the formula.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout instead of the table.")] = False,
     engine: EngineConfig = None,
@@ -28,12 +29,8 @@ def warmup(
     """Load the model, run the worst case (a prefill of the full token budget and a decode of CONCURRENCY
     sequences at MAX_LENGTH), and report whether it fits: exit 0 fits, 1 does not fit.
 
-    Example: [bold]infer warmup ./Qwen1.5-14B-Chat-GPTQ-Int4 --max-length 4096 --concurrency 16[/bold]
+    Example: infer warmup ./Qwen1.5-14B-Chat-GPTQ-Int4 --max-length 4096 --concurrency 16
     """
-    if max_length < 2:
-        raise ConfigError(f"--max-length must be at least 2, got {max_length}")
-    if concurrency < 1:
-        raise ConfigError(f"--concurrency must be at least 1, got {concurrency}")
     cfg = replace(engine, max_num_seqs=concurrency, max_model_len=max_length)
     from ..engine.warmup_plan import estimate_plan, measured_plan
     plan, extra = (estimate_plan if estimate else measured_plan)(cfg, max_length, concurrency)

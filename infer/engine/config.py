@@ -32,17 +32,17 @@ def option(default, help: str, panel: str = ENGINE, flag: str | None = None, cli
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([KMGT]?i?B?)?\s*$", re.I)
 
 
-def parse_size(text: str | int | None) -> int | None:
-    """'8GB', '512MiB', '1e9', 2**30 -> bytes (binary units: 1 GB = 2**30 bytes)."""
+def parse_size(text: str | int | None, flag: str = "the size") -> int | None:
+    """'8GB', '512MiB', '1e9', 2**30 -> bytes (binary units: 1 GB = 2**30 bytes); `flag` names the option."""
     if text is None or isinstance(text, int):
         return text
     m = _SIZE.match(str(text))
     if not m:
-        raise ConfigError(f"cannot read the size {text!r}", "write it like 8GB, 512MB or 2GiB")
+        raise ConfigError(f"{flag} {text!r} is not a size", "write it like 8GB, 512MB or 2GiB")
     unit = (m.group(2) or "").upper().replace("I", "").replace("B", "")
     value = float(m.group(1)) * 1024 ** " KMGT".index(unit or " ")
     if not math.isfinite(value) or value < 1:
-        raise ConfigError(f"the size {text!r} is not a positive number of bytes", "e.g. 8GB")
+        raise ConfigError(f"{flag} {text!r} is not a positive number of bytes", "e.g. 8GB")
     return int(value)
 
 
@@ -67,15 +67,21 @@ def parse_loras(items: dict[str, str] | list[str] | None) -> dict[str, str]:
     return out
 
 
+# Integer options and their ranges (the command line shows and checks them too).
+RANGES = {"max_num_seqs": (1, 65536), "max_num_batched_tokens": (1, None), "block_size": (1, 256),
+          "max_model_len": (2, None), "num_kv_blocks": (1, None), "max_loras": (1, None), "max_lora_rank": (1, 256),
+          "max_cpu_loras": (1, None), "seed": (0, 2 ** 63 - 1)}
+
+
 @dataclass
 class EngineConfig:
     model: str
     dtype: str = option("auto", "auto | float32 | float16 | bfloat16 (auto: the checkpoint's dtype on GPU, float32 "
                                 "on CPU).")
     device: str = option("auto", "auto | cpu | cuda | cuda:N.")
-    max_num_seqs: int = option(64, "Most sequences in one step (1..65536).")
+    max_num_seqs: int = option(64, "Most sequences in one step.")
     max_num_batched_tokens: int = option(4096, "Most tokens (prefill + decode) in one step.")
-    block_size: int = option(16, "Tokens per KV cache block (1..256).")
+    block_size: int = option(16, "Tokens per KV cache block.")
     max_model_len: int | None = option(None, "Context limit (default: the model's).")
     seed: int = option(0, "Seed for sampling of requests without their own seed.")
     enable_prefix_caching: bool = option(True, "Reuse the KV of shared prompt prefixes.",
@@ -89,11 +95,11 @@ class EngineConfig:
     loras: dict[str, str] = option({}, "An adapter as NAME=PATH (PEFT folder); repeat for more.", panel=LORA,
                                    flag="--lora", cli_type=list[str])
     max_loras: int = option(4, "Adapters resident on the device at once.", panel=LORA)
-    max_lora_rank: int = option(64, "Largest adapter rank, 1..256 (slots are padded to it).", panel=LORA)
+    max_lora_rank: int = option(64, "Largest adapter rank (slots are padded to it).", panel=LORA)
     max_cpu_loras: int | None = option(None, "Adapters kept in CPU memory (default: all registered).", panel=LORA)
 
     def __post_init__(self) -> None:
-        self.memory_limit = parse_size(self.memory_limit)
+        self.memory_limit = parse_size(self.memory_limit, "--memory-limit")
         self.loras = parse_loras(self.loras)
         for msg in self._problems():
             raise ConfigError(msg, "see `infer COMMAND --help` for each option's range")
@@ -101,17 +107,14 @@ class EngineConfig:
             raise ConfigError("--device cuda was asked but no CUDA GPU is visible", "use --device cpu")
 
     def _problems(self):
-        ranges = [("max_num_seqs", 1, 65536), ("max_num_batched_tokens", 1, None), ("block_size", 1, 256),
-                  ("max_model_len", 1, None), ("num_kv_blocks", 1, None), ("max_loras", 1, None),
-                  ("max_lora_rank", 1, 256), ("max_cpu_loras", 1, None), ("seed", 0, 2 ** 63 - 1)]
-        for name, lo, hi in ranges:
+        for name, (lo, hi) in RANGES.items():
             value = getattr(self, name)
             if value is not None and (value < lo or (hi is not None and value > hi)):
                 bound = f"in {lo}..{hi}" if hi is not None else f"at least {lo}"
                 yield f"{flag_of(name)} must be {bound}, got {value}"
         if self.dtype not in ("auto", *_DTYPES):
             yield f"--dtype {self.dtype!r} is not one of auto, float32, float16, bfloat16"
-        if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):
+        if not valid_device(self.device):
             yield f"--device {self.device!r} is not one of auto, cpu, cuda, cuda:N"
         if not 0 < self.gpu_memory_utilization <= 1:
             yield f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -132,6 +135,10 @@ class EngineConfig:
 
     def use_cuda_graphs(self) -> bool:
         return self.torch_device().type == "cuda" and not self.enforce_eager
+
+
+def valid_device(name: str) -> bool:
+    return name in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", name) is not None
 
 
 def cli_fields() -> list:
