@@ -1,6 +1,8 @@
 """Memory plan: KV formula vs real tensors, the activation formula vs the warmup measurement, `infer warmup`."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -9,7 +11,7 @@ from typer.testing import CliRunner
 from infer.cli.main import app
 from infer.engine.config import EngineConfig
 from infer.engine.warmup import peak_rss_bytes, reset_peak_rss, rss_bytes
-from infer.engine.warmup_plan import estimate_plan, measured_plan
+from infer.engine.warmup_plan import estimate_plan
 
 runner = CliRunner()
 
@@ -28,14 +30,21 @@ def test_kv_block_bytes_match_the_allocated_cache():
     ("llama-100m", 1024, 16, 2048),
 ])
 def test_activation_formula_within_10_percent_of_measurement(model, max_length, concurrency, tokens):
+    """Measured in a fresh process: on CPU the measurement is the growth of the process's peak RSS, which memory
+    freed earlier in the same process (kept by the allocator) would hide."""
+    args = [model, "--max-length", str(max_length), "--concurrency", str(concurrency),
+            "--max-num-batched-tokens", str(tokens)]
+    proc = subprocess.run([sys.executable, "-m", "infer.cli", "warmup", "--json", *args], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    measured = json.loads(proc.stdout.strip().splitlines()[-1])
+    peak, formula = measured["activation_peak_bytes"], measured["activation_estimate_bytes"]
+    assert abs(formula - peak) <= 0.10 * peak, (formula, peak)
     cfg = EngineConfig(model=model, max_num_seqs=concurrency, max_model_len=max_length,
                        max_num_batched_tokens=tokens)
-    plan, extra = measured_plan(cfg, max_length, concurrency)
-    measured, formula = plan.activation_peak_bytes, extra["activation_estimate_bytes"]
-    assert abs(formula - measured) <= 0.10 * measured, (formula, measured)
     est, _ = estimate_plan(cfg, max_length, concurrency)
     assert est.activation_peak_bytes == formula
-    assert abs(est.weights_bytes - plan.weights_bytes) <= 0.10 * plan.weights_bytes + 8 * 2**20
+    assert abs(est.weights_bytes - measured["weights_bytes"]) <= 0.10 * measured["weights_bytes"] + 8 * 2**20
 
 
 def _warmup(*args):
