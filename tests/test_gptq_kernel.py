@@ -19,8 +19,13 @@ from infer.quant import packing
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # max error / max |reference|
-DECODE = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=3, GROUP_M=1, num_warps=4, num_stages=2)
-PREFILL = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, SPLIT_K=1, GROUP_M=2, num_warps=4, num_stages=2)
+DECODE = dict(kernel="mma", BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=3, GROUP_M=1, num_warps=4, num_stages=2)
+PREFILL = dict(kernel="mma", BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, SPLIT_K=1, GROUP_M=2, num_warps=4, num_stages=2)
+GEMV = dict(kernel="gemv", BLOCK_N=32, BLOCK_K=64, SPLIT_K=3, num_warps=4, num_stages=2)
+ROWS = dict(kernel="gemv", BLOCK_M=4, BLOCK_N=32, BLOCK_K=32, SPLIT_K=3, num_warps=4, num_stages=2)
+MMAT = dict(kernel="mmat", BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=3, num_warps=4, num_stages=2)
+CONFIGS = {"decode": DECODE, "prefill": PREFILL, "gemv": GEMV, "rows": ROWS, "mmat": MMAT,
+           "dequant": {"kernel": "dequant"}}
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +84,7 @@ LAYOUTS = [(4, 32, False, True), (4, 128, False, True), (4, -1, False, True), (4
            (8, 32, False, True), (8, 64, False, False), (8, -1, True, False), (8, 128, True, False)]
 
 
-@pytest.mark.parametrize("regime", ["decode", "prefill"])
+@pytest.mark.parametrize("regime", list(CONFIGS))
 @pytest.mark.parametrize("bits, group, desc_act, hint", LAYOUTS)
 def test_matches_reference(gemm, gen, regime, bits, group, desc_act, hint):
     g = gen
@@ -89,9 +94,10 @@ def test_matches_reference(gemm, gen, regime, bits, group, desc_act, hint):
     out_f = 8 * int(torch.randint(5, 13, (1,), generator=g))  # not a multiple of BLOCK_N: masked columns
     sym, v2 = bool(torch.randint(0, 2, (1,), generator=g)), bool(torch.randint(0, 2, (1,), generator=g))
     qw, qz, s, gi = make_weights(g, bits, group, in_f, out_f, sym, desc_act, v2)
-    m = int(torch.randint(1, 20, (1,), generator=g)) if regime == "decode" else int(torch.randint(33, 90, (1,),
-                                                                                                    generator=g))
-    cfg = DECODE if regime == "decode" else PREFILL
+    lo, hi = {"decode": (1, 20), "prefill": (33, 90), "gemv": (1, 4), "rows": (1, 11), "mmat": (1, 40),
+              "dequant": (1, 90)}[regime]
+    m = int(torch.randint(lo, hi, (1,), generator=g))
+    cfg = CONFIGS[regime]
     for dtype in (torch.float32, torch.float16):
         x = torch.randn(m, in_f, generator=g).to(dtype).to(DEV)
         y = gemm.gptq_matmul(x, qw, qz, s, gi, bits, not v2, group if hint else None, config=cfg)
@@ -131,13 +137,33 @@ def test_negative_words_and_extreme_values(gemm, gen):
         assert_close(y, x @ w, torch.float32, g, f"{bits}-bit")
 
 
-def test_pick_config_regimes(gemm):
-    dec = gemm.pick_config(1, 4096, 4096, 128, sms=132)
-    assert dec["BLOCK_M"] == 16 and dec["SPLIT_K"] > 1
-    assert gemm.pick_config(64, 11008, 4096, 128, sms=132)["BLOCK_M"] == 64
-    pre = gemm.pick_config(2048, 4096, 4096, 128, sms=132)
-    assert pre["SPLIT_K"] == 1 and pre["BLOCK_M"] >= 64
-    assert gemm.pick_config(2048, 4096, 4096, 32, sms=132)["BLOCK_K"] <= 32  # group 32: a K step stays in a group
+def test_heuristic_regimes():
+    from infer.kernels import gptq_configs as gc
+    one = gc.heuristic(1, 4096, 4096, sms=132)
+    assert one["kernel"] == "gemv" and one["SPLIT_K"] > 1
+    assert gc.heuristic(16, 4096, 4096, sms=132)["kernel"] == "mma"
+    assert gc.heuristic(64, 11008, 4096, sms=132)["BLOCK_M"] == 64
+    assert gc.heuristic(2048, 4096, 4096, sms=132)["kernel"] == "dequant"
+    assert [gc.bucket(m) for m in (1, 2, 3, 16, 17, 5000)] == [1, 2, 4, 16, 32, 4096]
+    assert gc.block_k_limit(32, 4096, 8) == 32 and gc.block_k_limit(-1, 64, 8) == 128
+    assert gc.block_k_limit(None, 64, 8) == 0 and gc.block_k_limit(24, 96, 8) == 0  # g_idx read row by row
+
+
+def test_tuned_table_round_trip(tmp_path, monkeypatch):
+    """A tuned config is saved to the cache, wins over the shipped table, and is found by the next process."""
+    from infer.kernels import gptq_configs as gc
+    monkeypatch.setenv("INFER_CACHE", str(tmp_path))
+    monkeypatch.setattr(gc, "SHIPPED", tmp_path / "shipped")
+    (tmp_path / "shipped").mkdir()
+    shipped = {"48,64": {"16": DECODE, "1": GEMV}}
+    (tmp_path / "shipped" / "GPU_X.json").write_text(__import__("json").dumps(shipped))
+    gc.load.cache_clear()
+    assert gc.load("GPU_X")[(k := "48,64")][16] == DECODE
+    gc.save("GPU_X", {k: {16: PREFILL}})
+    assert gc.load("GPU_X")[k][16] == PREFILL and gc.load("GPU_X")[k][1] == GEMV
+    gc.load.cache_clear()
+    assert gc.load("GPU_X")[k][16] == PREFILL and gc.cache_file("GPU_X").parent == tmp_path / "kernels"
+    gc.load.cache_clear()
 
 
 def test_rejects_a_wrong_input_width(gemm):
@@ -154,7 +180,7 @@ def test_dispatch_uses_the_reference_on_cpu(gen):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 16, 64, 300, 2048])
+@pytest.mark.parametrize("m", [1, 2, 16, 64, 300, 2048])
 @pytest.mark.parametrize("k, n, group, desc_act", [(4096, 4096, 128, False), (4096, 11008, 128, True),
                                                     (5120, 13696, 32, False), (13696, 5120, -1, False)])
 def test_real_sizes_on_gpu(gemm, gen, m, k, n, group, desc_act):
@@ -163,6 +189,31 @@ def test_real_sizes_on_gpu(gemm, gen, m, k, n, group, desc_act):
         x = torch.randn(m, k, generator=gen).to(dtype).to(DEV)
         y = gemm.gptq_matmul(x, qw, qz, s, gi, 4, True, None if desc_act else group)
         assert_close(y, ref.gptq_matmul(x, qw, qz, s, gi, 4), dtype, gen, f"M={m} {k}x{n} {dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [dict(GEMV, BLOCK_N=128, BLOCK_K=128, SPLIT_K=16),
+                                 dict(DECODE, BLOCK_N=64, BLOCK_K=128, SPLIT_K=8),
+                                 dict(MMAT, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8),
+                                 dict(ROWS, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4),
+                                 dict(PREFILL, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, GROUP_M=8)])
+def test_split_k_counters_under_graph_replays(gemm, gen, cfg):
+    """Split-K's arrival counters are reset by the last program of each tile: many replays of a graph that runs
+    the kernel on several layers give the reference's y every time (a race or a stale counter would not)."""
+    m = (8 if "BLOCK_M" in cfg else 1) if cfg["kernel"] == "gemv" else 16
+    layers = [make_weights(gen, 4, 128, 4096, 4096, bool(i % 2), False) for i in range(3)]
+    x = torch.randn(m, 4096, generator=gen).half().to(DEV)
+    want = [ref.gptq_matmul(x, *t, 4) for t in layers]
+    outs = [None] * len(layers)
+    graph = torch.cuda.CUDAGraph()
+    gemm.gptq_matmul(x, *layers[0], 4, True, 128, config=cfg)  # compile outside the capture
+    with torch.cuda.graph(graph):
+        for i, t in enumerate(layers):
+            outs[i] = gemm.gptq_matmul(x, *t, 4, True, 128, config=cfg)
+    for _ in range(20):
+        graph.replay()
+        for got, w in zip(outs, want):
+            assert_close(got, w, torch.float16, gen, str(cfg))
 
 
 @pytest.mark.skipif(CUDA, reason="checks the message shown without a GPU")

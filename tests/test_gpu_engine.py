@@ -3,6 +3,8 @@ and agree with transformers on a Llama-2-7B-shaped model in fp16 for the first 3
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -59,4 +61,14 @@ def test_7b_shaped_fp16_agrees_with_hf_for_32_tokens():
         for i, r in enumerate(reqs):
             ids = torch.tensor([r.prompt_token_ids], device="cuda")
             want = hf.generate(ids, max_new_tokens=32, do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
-            assert got[i] == want, f"request {i}"
+            if got[i] == want:
+                continue
+            # A divergence passes only where transformers itself is at a near-tie: on the shared prefix, the logit
+            # gap between its token and ours is within a few fp16 steps of the logits' magnitude.
+            d = next(j for j, (a, b) in enumerate(zip(got[i], want)) if a != b)
+            prefix = torch.tensor([r.prompt_token_ids + want[:d]], device="cuda")
+            logits = hf(prefix).logits[0, -1].float()
+            gap = float(logits[want[d]] - logits[got[i][d]])
+            ulp = 2.0 ** (math.floor(math.log2(float(logits.abs().max()))) - 10)
+            print(f"request {i}: differs at token {d}; transformers' gap {gap:.3f}, fp16 step {ulp}")
+            assert 0 <= gap <= 4 * ulp, f"request {i} differs at token {d} with a logit gap of {gap} (not a tie)"

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from infer.cli.main import app
 from infer.engine.config import EngineConfig
 from infer.engine.warmup import peak_rss_bytes, reset_peak_rss, rss_bytes
-from infer.engine.warmup_plan import estimate_plan
+from infer.engine.warmup_plan import estimate_plan, measured_plan
 
 runner = CliRunner()
 

@@ -35,7 +35,7 @@ SHAPES = {
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 COLUMNS = ["model", "weights", "lora", "engine", "output_tok_s", "mean_tpot_ms", "mean_ttft_ms", "step_MB",
-           "copy_GB_s", "roofline_tpot_ms", "roofline_tok_s", "fraction_of_roofline"]
+           "copy_GB_s", "roofline_tpot_ms", "roofline_tok_s", "fraction_of_roofline", "start_s"]
 
 
 # ----------------------------------------------------------------------------------------------- models
@@ -179,6 +179,42 @@ def run_engine(engine, requests, concurrency: int) -> dict:
     return run_in_process(engine, requests, concurrency, progress=False).metrics()
 
 
+def profile_steps(engine, requests, steps: int = 20, out: Path | None = None) -> dict:
+    """One prefill step of every request, then `steps` steady decode steps under torch.profiler: the prefill
+    step's time, and per decode step the host (wall) time against the GPU-busy time (sum of kernel times); the
+    top kernels by GPU time go to `out` (a text table)."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..engine.sampling_params import SamplingParams
+    for i, r in enumerate(requests):
+        engine.add_request(f"prof-{i}", r.prompt_token_ids, SamplingParams(max_new_tokens=steps + 8,
+                                                                           ignore_eos=True), r.lora)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    engine.step()
+    torch.cuda.synchronize()
+    prefill_ms = (time.perf_counter() - t0) * 1e3
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        host_ms = (time.perf_counter() - t0) * 1e3 / steps
+    while engine.has_unfinished_requests():
+        engine.step()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_ms = sum(e.device_time for e in events) / 1e3 / steps
+    if out is not None:
+        out.write_text(prof.key_averages().table(sort_by="device_time_total", row_limit=25, max_name_column_width=70))
+    return {"prefill_step_ms": round(prefill_ms, 2), "decode_step_host_ms": round(host_ms, 3),
+            "decode_step_gpu_busy_ms": round(busy_ms, 3), "gpu_busy_fraction": round(busy_ms / host_ms, 3)}
+
+
 # ----------------------------------------------------------------------------------------------- roofline
 def copy_bandwidth(device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write), the best of `repeats` copies."""
@@ -244,11 +280,11 @@ def write_tables(rows: list[dict], out: Path, notes: list[str]) -> str:
     import csv
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "results.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w = csv.DictWriter(f, fieldnames=COLUMNS, restval="", extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in rows]
+    lines += ["| " + " | ".join(str(r.get(c, "")) for c in COLUMNS) + " |" for r in rows]
     md = "\n".join(lines + [""] + [f"- {n}" for n in notes]) + "\n"
     (out / "results.md").write_text(md)
     return md
@@ -275,13 +311,19 @@ def bench_model(name: str, args, bandwidth: float, device: str = "cuda", dtype: 
             modes.append((f"{len(adapters)} mixed r{args.rank}", adapters, args.eager))
         for lora, adapters, eager in modes:
             engine = build_engine(model, cfg, tok, device, adapters, args.rank, b, max_len, eager)
+            engine.warmup()  # compiles every kernel path (prefix-cached prefill too) before anything is timed
             names = list(adapters)
             abytes = lora_bytes_per_adapter(model) if names else 0
             reqs = make_requests(cfg.vocab_size, args.num_prompts, args.input_len, args.output_len, names)
             roof = decode_roofline(wbytes, kv_tok, b, mean_ctx, abytes, min(len(names), b), bandwidth)
             label_engine = "infer --eager" if eager else "infer"
             rows.append(result_row(name, label, lora, label_engine, run_engine(engine, reqs, b), roof, bandwidth))
+            rows[-1]["start_s"] = round(sum(engine.start_times.values()), 2)
             print(json.dumps(rows[-1]), flush=True)
+            if args.profile:
+                tag = f"{name}-{lora.split()[0]}-{'eager' if eager else 'graphs'}-c{b}"
+                prof = profile_steps(engine, reqs[:b], out=args.out / f"profile-{tag}.txt")
+                print(json.dumps({"profile": tag, **prof}), flush=True)
             del engine
             gc.collect()
             torch.cuda.empty_cache()
@@ -320,6 +362,8 @@ def parse_args(argv=None):
     p.add_argument("--skip-hf", action="store_true", help="no transformers baseline")
     p.add_argument("--eager", action="store_true", help="infer without decode CUDA graphs")
     p.add_argument("--compare-eager", action="store_true", help="also run infer --eager without adapters")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one prefill and 20 decode steps of each engine (host vs GPU-busy time)")
     return p.parse_args(argv)
 
 
@@ -328,6 +372,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("gpu_e2e needs a CUDA GPU (torch.cuda.is_available() is False); nothing was run", file=sys.stderr)
         return 2
+    args.out.mkdir(parents=True, exist_ok=True)
     bandwidth = copy_bandwidth("cuda")
     print(f"device {torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
     rows = [row for name in args.models for row in bench_model(name, args, bandwidth)]

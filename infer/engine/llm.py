@@ -21,6 +21,25 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 
+    def close(self) -> None:
+        """Free the engine's device memory (KV cache, CUDA graphs, weights) now rather than at garbage collection;
+        `with LLM(...) as llm:` does it on leaving the block."""
+        engine, self.engine = getattr(self, "engine", None), None
+        if engine is not None:
+            engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: modules may already be gone
+            pass
+
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return encode_prompt(self.tokenizer, prompt=prompt)
@@ -29,6 +48,8 @@ class LLM:
         return list(prompt)
 
     def _submit(self, prompts, params, lora) -> list[str]:
+        if self.engine is None:
+            raise RuntimeError("this LLM was closed (LLM.close()); create a new LLM to generate again")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
         n = len(prompts)

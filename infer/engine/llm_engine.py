@@ -35,12 +35,25 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.lora_manager)
         self.runner = ModelRunner(config, parts.model, dtype=self.dtype, device=self.device,
                                   num_blocks=parts.num_blocks, lora_manager=self.lora_manager)
+        self.start_times: dict[str, float] = {}  # seconds spent getting the GPU ready, reported by warmup / bench
+        if self.device.type == "cuda":
+            from ..kernels.gptq_tune import tune_model
+            t0 = time.perf_counter()
+            tune_model(parts.model, config.max_num_batched_tokens, self.device, log=log.info)
+            self.start_times["kernel_tuning_s"] = time.perf_counter() - t0
         if config.use_cuda_graphs():
+            t0 = time.perf_counter()
             self.runner.capture_graphs(self.max_model_len)
+            self.start_times["cuda_graphs_s"] = time.perf_counter() - t0
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self.num_steps = 0
+        if self.device.type == "cuda":  # every kernel compiled now, never on a user's first request
+            t0 = time.perf_counter()
+            self.warmup()
+            self.num_steps = 0
+            self.start_times["warmup_s"] = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -153,9 +166,36 @@ class LLMEngine:
             "cuda_graph_replays": sum(self.runner.graphs.replays.values()) if self.runner.graphs else 0,
         }
 
+    def close(self) -> None:
+        """Give the device memory back (KV cache, CUDA graphs and their pool, weights); the engine is unusable
+        afterwards. LLM.close(), its context manager and the server's shutdown call it."""
+        runner = getattr(self, "runner", None)
+        if runner is None:
+            return
+        for s in list(self.requests.values()):
+            self.scheduler.finish(s, "abort")
+        self.requests.clear()
+        for m in runner.model.modules():
+            if hasattr(m, "k_cache"):
+                m.k_cache = m.v_cache = None
+        runner.graphs = runner.kv_cache = runner.model = None
+        self.runner = None
+        self.lora_manager = None
+        if self.device.type == "cuda":
+            from ..kernels import gptq_gemm
+            gptq_gemm.release_scratch(self.device)
+            import gc
+            gc.collect()
+            torch.cuda.empty_cache()
+
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Not a measurement: one tiny request through the whole path so the first real step is not slow."""
-        self.add_request("__warmup__", [0, 1], SamplingParams(max_new_tokens=2, ignore_eos=True))
-        while self.has_unfinished_requests():
-            self.step()
+        """Not a measurement: requests through every path a first real step can take (a prefill, decodes, and a
+        prefill whose prompt starts with cached blocks when prefix caching is on) so that no kernel is compiled on
+        a user's first request."""
+        prompt = [i % 100 + 1 for i in range(2 * self.config.block_size + 1)][:max(2, self.max_model_len - 3)]
+        params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+        for i in range(2 if self.config.enable_prefix_caching else 1):
+            self.add_request(f"__warmup__{i}", prompt, params)
+            while self.has_unfinished_requests():
+                self.step()

@@ -59,6 +59,16 @@ def cuda_graph_bytes(config: EngineConfig, cfg, dtype: torch.dtype) -> int:
     return step + config.max_num_seqs * heads * parts * (head_dim + 2) * 4
 
 
+def dequant_scratch_bytes(model, dtype: torch.dtype, num_tokens: int) -> int:
+    """The buffer a large prefill dequantizes the biggest GPTQ layer into before cuBLAS (kernels.gptq_gemm),
+    when steps can be long enough to take that path (more than 256 tokens); 0 on CPU or without GPTQ layers."""
+    if num_tokens <= 256:
+        return 0
+    sizes = [m.qweight.numel() * (32 // m.method.config.bits) for m in model.modules()
+             if hasattr(m, "qweight") and getattr(m, "weight", None) is None and m.qweight.is_cuda]
+    return max(sizes, default=0) * _bytes(dtype)
+
+
 def weights_bytes(model) -> int:
     """Parameters and buffers (including CPU-prepacked matmul weights)."""
     tensors = list(model.parameters()) + [t for t in model.buffers() if t is not None]
@@ -179,12 +189,14 @@ def plan_memory(config: EngineConfig, cfg, model, dtype, device, max_len: int, l
     """The engine's sizing at start: estimated activations, and KV for what can run at once (all of the budget on
     CUDA; on CPU no more than max_num_seqs sequences of max_len, since CPU pages are only used as blocks fill)."""
     act = activation_bytes(cfg, dtype, config.max_num_batched_tokens, config.max_num_seqs, max_len,
-                           config.max_lora_rank if config.loras else 0) + cuda_graph_bytes(config, cfg, dtype)
+                           config.max_lora_rank if config.loras else 0) + cuda_graph_bytes(config, cfg, dtype) \
+        + dequant_scratch_bytes(model, dtype, config.max_num_batched_tokens)
     plan = make_plan(config, cfg, dtype, device, weights_bytes(model), act, max_len, 1, max_len, lora_bytes)
     if config.num_kv_blocks:
         plan.kv_blocks = config.num_kv_blocks
-    elif device.type == "cpu":
-        plan.kv_blocks = min(plan.kv_blocks, config.max_num_seqs * plan.blocks_for(max_len) + config.max_num_seqs)
+    else:  # never more than can be in use at once (CPU), or twice that (CUDA: room for the prefix cache)
+        most = config.max_num_seqs * plan.blocks_for(max_len) + config.max_num_seqs
+        plan.kv_blocks = min(plan.kv_blocks, most if device.type == "cpu" else 2 * most)
     if plan.kv_blocks < plan.blocks_for(max_len):
         fit = plan.kv_blocks * config.block_size
         raise OutOfMemoryError(

@@ -1,157 +1,370 @@
-"""Triton GPTQ matmul (W4A16 / W8A16): y = x @ W^T with W dequantized in registers, never in memory.
+"""Triton GPTQ matmul (W4A16 / W8A16): y = x @ W^T from the GPTQ tensors, three ways chosen by the shape.
 
-Each program owns a BLOCK_M x BLOCK_N tile of y and walks K in BLOCK_K steps: it loads BLOCK_K / pack int32 words
-of qweight per column, splits them into `bits`-wide values with shifts (an arithmetic shift of a negative int32
-word followed by the mask is still the right field), subtracts the zero points, multiplies by the scales in the
-scales' dtype (fp16, as GPTQ runtimes round), and feeds the tile to tl.dot with float32 accumulation.
+- `gemv` (one activation row per program row, CUDA cores): for M = 1. Each program owns BLOCK_N columns and a
+  K range; it loads BLOCK_K / pack int32 words per column (coalesced along N, read once, `evict_first`), splits
+  them into their `pack` fields with shifts, turns each field into a float without a conversion instruction
+  (OR-ing the 4-bit value into the mantissa of 2^23 gives the float 2^23 + q), and accumulates x * (q - z) in
+  a [BLOCK_K / pack, BLOCK_N] float32 tile that is reduced once, at the end; the group's scale multiplies the
+  step's partial sum, not every weight.
+- `mma` (tensor cores, tl.dot): for M >= 2. The same loads; a field becomes the fp16 1024 + q the same way
+  (0x6400 | q), the fp16 difference with 1024 + z is the exact small integer q - z, and the scale multiplies the
+  dot product of the step. The K order inside a step is permuted (fields first, words second) so that
+  unpacking is a reshape of adjacent registers; x is loaded in the same order, which leaves the sum unchanged.
+- `dequant`: the weight is dequantized into a scratch buffer and multiplied by cuBLAS (torch.matmul). For large
+  M (prefill), where cuBLAS at tensor-core speed beats any fused kernel, and for an irregular g_idx.
 
-Groups: when the caller knows that g_idx[i] == i // group_size (no act-order, or act-order rows already sorted
-by the linear method) it passes `group_size`, and every BLOCK_K slice lies inside one group: one row of scales
-and zeros per step (GROUPED). Otherwise g_idx is read per input row and scales / zeros are gathered per element.
+Split-K: when the N tiles alone cannot fill the GPU, SPLIT_K programs share a tile's K range. Each writes its
+float32 partial tile to a workspace and bumps a per-tile counter; the program that arrives last sums the partial
+tiles in a fixed order, writes y in x's dtype and resets the counter to 0. One launch, no memset, no extra
+reduction kernel, deterministic, and safe to replay inside a CUDA graph (the counters are zero between calls;
+kernels of one engine run on one stream, so two matmuls never share a counter at the same time).
 
-Two regimes (`pick_config`): decode (M <= 64) uses the smallest BLOCK_M and splits K across programs (SPLIT_K)
-so that a few N tiles still fill the GPU; the partial sums land in a float32 [SPLIT_K, M, N] buffer summed by
-torch. Prefill uses large square-ish tiles, no split, and a grouped tile order (GROUP_M) for L2 reuse of the
-weight. Same signature and semantics as `reference.gptq_matmul`.
+With float32 activations (the tests' and the CPU oracle's precision) every weight is rounded to fp16 after its
+scale, exactly as the reference and GPTQ runtimes compute it, and the dot product runs in IEEE float32.
+`group_size` promises g_idx[i] == i // group_size (act-order checkpoints are sorted at load by the linear
+method); a K step then lies inside one group and reads one row of scales and zeros. Same signature and semantics
+as `reference.gptq_matmul`; the configuration comes from `gptq_configs` (tuned per GPU, or a heuristic).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from . import gptq_configs
+
 
 @triton.jit
-def _gptq_gemm_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, y_ptr, M, N, K, K_SPLIT, group_size,
-                      sx_m, sx_k, sq_k, sq_n, sz_g, sz_n, ss_g, ss_n, sy_s, sy_m, sy_n,
-                      BITS: tl.constexpr, ZEROS_V1: tl.constexpr, GROUPED: tl.constexpr, F32_DOT: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _zeros_scales(qz_ptr, s_ptr, g, offs_n, mask_n, sz_g, ss_g, BITS: tl.constexpr, ZEROS_V1: tl.constexpr):
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
+    zw = tl.load(qz_ptr + g * sz_g + offs_n // PACK, mask=mask_n, other=0)
+    z = (zw >> ((offs_n % PACK) * BITS)) & MASK
+    if ZEROS_V1:
+        z = (z + 1) & MASK
+    s = tl.load(s_ptr + g * ss_g + offs_n, mask=mask_n, other=0.0)
+    return z, s
+
+
+@triton.jit
+def _fields(words, BITS: tl.constexpr):
+    """int32 words [W, N] -> their fields [PACK, W, N]: row (j, i) is field j of word i (input row i * PACK + j).
+    An arithmetic shift of a negative word followed by the mask is still the right field."""
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    shifts = (tl.arange(0, PACK) * BITS)[:, None, None]
+    return (words[None, :, :] >> shifts) & MASK
+
+
+@triton.jit
+def _epilogue(acc, y_ptr, ws_ptr, lock_ptr, tile, pid_k, offs_m, offs_n, M, N, sy_m, n_split,
+              SPLIT: tl.constexpr):
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * sy_m + offs_n[None, :]
+    if not SPLIT:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(ws + pid_k * M * N, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the counter moves (release below)
+        arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel")
+        if arrived == n_split - 1:
+            total = tl.zeros_like(acc)
+            for s in range(n_split):
+                total += tl.load(ws + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(lock_ptr + tile, 0)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_SPLIT, n_split, group_size,
+                 sx_m, sq_k, sz_g, ss_g, sy_m,
+                 BITS: tl.constexpr, ZEROS_V1: tl.constexpr, F32: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    PACK: tl.constexpr = 32 // BITS
+    BKW: tl.constexpr = BLOCK_K // PACK
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_w = tl.arange(0, BKW)
+    xk = offs_w[None, :] * PACK + tl.arange(0, PACK)[:, None]  # [PACK, BKW]: field j of word i is row i*PACK + j
+    k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    acc = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        wrow = k0 // PACK + offs_w
+        words = tl.load(qw_ptr + wrow[:, None] * sq_k + offs_n[None, :],
+                        mask=(wrow < k_end // PACK)[:, None] & mask_n[None, :], other=0, eviction_policy="evict_first")
+        xv = tl.load(x_ptr + pid_m * sx_m + k0 + xk, mask=(k0 + xk) < k_end, other=0.0).to(tl.float32)
+        z, s = _zeros_scales(qz_ptr, s_ptr, k0 // group_size, offs_n, mask_n, sz_g, ss_g, BITS, ZEROS_V1)
+        q = _fields(words, BITS)
+        if F32:
+            w = ((q - z[None, None, :]).to(tl.float16) * s[None, None, :]).to(tl.float32)
+            acc += tl.sum(xv[:, :, None] * w, axis=0)
+        else:
+            v = (q | 0x4B000000).to(tl.float32, bitcast=True) - (z + 0x800000).to(tl.float32)[None, None, :]
+            acc += tl.sum(xv[:, :, None] * v, axis=0) * s.to(tl.float32)[None, :]
+    out = tl.sum(acc, axis=0)[None, :]
+    offs_m = pid_m + tl.zeros((1,), dtype=tl.int32)
+    _epilogue(out, y_ptr, ws_ptr, lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, offs_m, offs_n, M, N, sy_m,
+              n_split, SPLIT)
+
+
+@triton.jit
+def _gemv_rows_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_SPLIT, n_split, group_size,
+                      sx_m, sq_k, sz_g, ss_g, sy_m,
+                      BITS: tl.constexpr, ZEROS_V1: tl.constexpr, F32: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    """`gemv` for BLOCK_M rows at once: each weight is loaded and unpacked once and used for every row."""
+    PACK: tl.constexpr = 32 // BITS
+    BKW: tl.constexpr = BLOCK_K // PACK
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_n, mask_m = offs_n < N, offs_m < M
+    offs_w = tl.arange(0, BKW)
+    xk = offs_w[None, :] * PACK + tl.arange(0, PACK)[:, None]  # [PACK, BKW]
+    k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    acc = tl.zeros((BLOCK_M, BKW, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        wrow = k0 // PACK + offs_w
+        words = tl.load(qw_ptr + wrow[:, None] * sq_k + offs_n[None, :],
+                        mask=(wrow < k_end // PACK)[:, None] & mask_n[None, :], other=0, eviction_policy="evict_first")
+        xv = tl.load(x_ptr + offs_m[:, None, None] * sx_m + k0 + xk[None, :, :],
+                     mask=mask_m[:, None, None] & ((k0 + xk) < k_end)[None, :, :], other=0.0).to(tl.float32)
+        z, s = _zeros_scales(qz_ptr, s_ptr, k0 // group_size, offs_n, mask_n, sz_g, ss_g, BITS, ZEROS_V1)
+        q = _fields(words, BITS)
+        if F32:
+            w = ((q - z[None, None, :]).to(tl.float16) * s[None, None, :]).to(tl.float32)
+            acc += tl.sum(xv[:, :, :, None] * w[None, :, :, :], axis=1)
+        else:
+            v = (q | 0x4B000000).to(tl.float32, bitcast=True) - (z + 0x800000).to(tl.float32)[None, None, :]
+            acc += tl.sum(xv[:, :, :, None] * v[None, :, :, :], axis=1) * s.to(tl.float32)[None, None, :]
+    out = tl.sum(acc, axis=1)
+    _epilogue(out, y_ptr, ws_ptr, lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, offs_m, offs_n, M, N, sy_m,
+              n_split, SPLIT)
+
+
+@triton.jit
+def _mmat_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_SPLIT, n_split, group_size,
+                 sx_m, sq_k, sz_g, ss_g, sy_m,
+                 BITS: tl.constexpr, ZEROS_V1: tl.constexpr, F32: tl.constexpr, DOT_F32: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                 GROUP_M: tl.constexpr):
+    """`mma` transposed: y^T = W^T x^T, so the dequantized weight is the first (register) operand of the tensor-core
+    instruction and the few activation rows the second (as Machete does); BLOCK_N is the instruction's M side."""
+    PACK: tl.constexpr = 32 // BITS
+    BKW: tl.constexpr = BLOCK_K // PACK
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m, mask_n = offs_m < M, offs_n < N
+    r = tl.arange(0, BLOCK_K)
+    kperm = (r % BKW) * PACK + r // BKW
+    offs_w = tl.arange(0, BKW)
+    shifts = (tl.arange(0, PACK) * BITS)[None, :, None]
+    k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        kk = k0 + kperm
+        xt = tl.load(x_ptr + offs_m[None, :] * sx_m + kk[:, None], mask=mask_m[None, :] & (kk < k_end)[:, None],
+                     other=0.0)
+        wrow = k0 // PACK + offs_w
+        words = tl.load(qw_ptr + wrow[None, :] * sq_k + offs_n[:, None],
+                        mask=(wrow < k_end // PACK)[None, :] & mask_n[:, None], other=0, eviction_policy="evict_first")
+        z, s = _zeros_scales(qz_ptr, s_ptr, k0 // group_size, offs_n, mask_n, sz_g, ss_g, BITS, ZEROS_V1)
+        q = (words[:, None, :] >> shifts) & ((1 << BITS) - 1)  # [BLOCK_N, PACK, BKW]
+        if F32:
+            w = ((q - z[:, None, None]).to(tl.float16) * s[:, None, None]).to(tl.float32)
+            acc += tl.dot(tl.reshape(w, (BLOCK_N, BLOCK_K)), xt.to(tl.float32), input_precision="ieee")
+        else:
+            v = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (z + 1024).to(tl.float16)[:, None, None]
+            w = tl.reshape(v, (BLOCK_N, BLOCK_K))
+            if DOT_F32:
+                part = tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+            else:
+                part = tl.dot(w.to(xt.dtype), xt)
+            acc += part * s.to(tl.float32)[:, None]
+    _epilogue(tl.trans(acc), y_ptr, ws_ptr, lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, offs_m, offs_n,
+              M, N, sy_m, n_split, SPLIT)
+
+
+@triton.jit
+def _mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_SPLIT, n_split, group_size,
+                sx_m, sq_k, sz_g, ss_g, sy_m,
+                BITS: tl.constexpr, ZEROS_V1: tl.constexpr, F32: tl.constexpr, DOT_F32: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                GROUP_M: tl.constexpr):
+    PACK: tl.constexpr = 32 // BITS
+    BKW: tl.constexpr = BLOCK_K // PACK
     pid, pid_k = tl.program_id(0), tl.program_id(1)
-    # grouped tile order: GROUP_M row tiles walk the same column tiles (the weight stays in L2)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * tiles_n
+    width = GROUP_M * tiles_n  # grouped tile order: GROUP_M row tiles walk the same column tiles (L2 reuse)
     first_m = (pid // width) * GROUP_M
     rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
     pid_m = first_m + (pid % width) % rows_in_group
     pid_n = (pid % width) // rows_in_group
-
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m, mask_n = offs_m < M, offs_n < N
-    shifts_k = (tl.arange(0, PACK) * BITS)[None, :, None]  # the field of each of the PACK rows in one word
-    shift_n = (offs_n % PACK) * BITS  # the field of each column in its qzeros word
+    r = tl.arange(0, BLOCK_K)
+    kperm = (r % BKW) * PACK + r // BKW  # row r of the unpacked tile is field r // BKW of word r % BKW
+    offs_w = tl.arange(0, BKW)
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < k_end
-        xt = tl.load(x_ptr + offs_m[:, None] * sx_m + offs_k[None, :] * sx_k,
-                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        offs_w = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
-        words = tl.load(qw_ptr + offs_w[:, None] * sq_k + offs_n[None, :] * sq_n,
-                        mask=(offs_w[:, None] < tl.cdiv(k_end, PACK)) & mask_n[None, :], other=0)
-        q = tl.reshape((words[:, None, :] >> shifts_k) & MASK, (BLOCK_K, BLOCK_N))
-        if GROUPED:
-            g = k0 // group_size
-            zw = tl.load(qz_ptr + g * sz_g + (offs_n // PACK) * sz_n, mask=mask_n, other=0)
-            s = tl.load(s_ptr + g * ss_g + offs_n * ss_n, mask=mask_n, other=0.0)[None, :]
-            z = ((zw >> shift_n) & MASK)[None, :]
+        kk = k0 + kperm
+        xt = tl.load(x_ptr + offs_m[:, None] * sx_m + kk[None, :], mask=mask_m[:, None] & (kk < k_end)[None, :],
+                     other=0.0)
+        wrow = k0 // PACK + offs_w
+        words = tl.load(qw_ptr + wrow[:, None] * sq_k + offs_n[None, :],
+                        mask=(wrow < k_end // PACK)[:, None] & mask_n[None, :], other=0, eviction_policy="evict_first")
+        z, s = _zeros_scales(qz_ptr, s_ptr, k0 // group_size, offs_n, mask_n, sz_g, ss_g, BITS, ZEROS_V1)
+        q = _fields(words, BITS)
+        if F32:
+            w = ((q - z[None, None, :]).to(tl.float16) * s[None, None, :]).to(tl.float32)
+            acc += tl.dot(xt.to(tl.float32), tl.reshape(w, (BLOCK_K, BLOCK_N)), input_precision="ieee")
         else:
-            g = tl.load(g_ptr + offs_k, mask=mask_k, other=0)
-            mask_kn = mask_k[:, None] & mask_n[None, :]
-            zw = tl.load(qz_ptr + g[:, None] * sz_g + (offs_n // PACK)[None, :] * sz_n, mask=mask_kn, other=0)
-            s = tl.load(s_ptr + g[:, None] * ss_g + offs_n[None, :] * ss_n, mask=mask_kn, other=0.0)
-            z = (zw >> shift_n[None, :]) & MASK
-        if ZEROS_V1:
-            z = (z + 1) & MASK
-        w = (q - z).to(s.dtype) * s
-        if F32_DOT:
-            acc += tl.dot(xt.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(xt, w.to(xt.dtype))
-    y_ptrs = y_ptr + pid_k * sy_s + offs_m[:, None] * sy_m + offs_n[None, :] * sy_n
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+            v = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (z + 1024).to(tl.float16)[None, None, :]
+            w = tl.reshape(v, (BLOCK_K, BLOCK_N))
+            if DOT_F32:  # the interpreter's bf16 tl.dot is wrong: multiply the same bf16 values in float32
+                part = tl.dot(xt.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            else:
+                part = tl.dot(xt, w.to(xt.dtype))
+            acc += part * s.to(tl.float32)[None, :]
+    _epilogue(acc, y_ptr, ws_ptr, lock_ptr, pid, pid_k, offs_m, offs_n, M, N, sy_m, n_split, SPLIT)
 
 
-@functools.lru_cache(maxsize=4)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+@triton.jit
+def _dequant_kernel(qw_ptr, qz_ptr, s_ptr, g_ptr, w_ptr, N, K, sq_k, sz_g, ss_g, sw_k,
+                    BITS: tl.constexpr, ZEROS_V1: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """w[k, n] = (q - z) * s rounded to fp16, in w's dtype; groups read from g_idx row by row."""
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    offs_w = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    mask_w = offs_w < K // PACK
+    words = tl.load(qw_ptr + offs_w[:, None] * sq_k + offs_n[None, :], mask=mask_w[:, None] & mask_n[None, :],
+                    other=0)
+    q = _fields(words, BITS)  # [PACK, BLOCK_W, BLOCK_N]
+    rows = offs_w[None, :] * PACK + tl.arange(0, PACK)[:, None]  # [PACK, BLOCK_W]
+    mask = mask_w[None, :, None] & mask_n[None, None, :]
+    g = tl.load(g_ptr + rows, mask=mask_w[None, :], other=0)[:, :, None]
+    zw = tl.load(qz_ptr + g * sz_g + (offs_n // PACK)[None, None, :], mask=mask, other=0)
+    z = (zw >> ((offs_n % PACK) * BITS)[None, None, :]) & MASK
+    if ZEROS_V1:
+        z = (z + 1) & MASK
+    s = tl.load(s_ptr + g * ss_g + offs_n[None, None, :], mask=mask, other=0.0)
+    w = (q - z).to(tl.float16) * s
+    tl.store(w_ptr + rows[:, :, None] * sw_k + offs_n[None, None, :], w.to(w_ptr.dtype.element_ty), mask=mask)
 
 
-def pick_config(m: int, n: int, k: int, step: int, sms: int) -> dict:
-    """Tile sizes for one shape on a GPU with `sms` multiprocessors. `step` is the largest BLOCK_K the grouping
-    allows (a power of two)."""
-    if m <= 64:  # decode: weight-bandwidth bound; split K until the GPU is full
-        block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-        block_n, block_k = (64, 128) if n <= 4096 else (128, 128)
-        block_k = min(block_k, step)
-        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-        split = max(1, min(triton.cdiv(2 * sms, tiles), k // (4 * block_k), 16))
-        return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, GROUP_M=1,
-                    num_warps=4, num_stages=4)
-    if m <= 256:
-        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=min(64, step), SPLIT_K=1, GROUP_M=8, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=min(64, step), SPLIT_K=1, GROUP_M=8, num_warps=8, num_stages=3)
+_LOCKS: dict = {}
+_SCRATCH: dict = {}
 
 
-def _block_k_limit(group_size: int | None, k: int, pack: int) -> tuple[bool, int]:
-    """(GROUPED, the largest power-of-two BLOCK_K that keeps a K step inside one group)."""
-    if group_size is None:
-        return False, 128
-    if group_size == -1 or group_size >= k:
-        return True, 128
-    step = group_size & -group_size  # the largest power of two dividing group_size
-    if step < max(16, pack):
-        return False, 128
-    return True, min(step, 128)
+def _locks(device: torch.device, tiles: int) -> torch.Tensor:
+    """Per-tile arrival counters, zero between calls (the last program of a tile resets its counter)."""
+    have = _LOCKS.get(device)
+    if have is None or have.numel() < tiles:
+        have = torch.zeros(max(tiles, 1 << 14), dtype=torch.int32, device=device)
+        _LOCKS[device] = have
+    return have
 
 
-def _plan(m: int, n: int, k: int, pack: int, group_size: int | None, config: dict | None, device) -> tuple:
-    """(GROUPED, launch config without SPLIT_K, number of K splits, K range per split)."""
-    grouped, step = _block_k_limit(group_size, k, pack)
-    if config is None:
-        config = pick_config(m, n, k, step, _num_sms(device.index or 0) if device.type == "cuda" else 8)
-    cfg = dict(config)
-    split = cfg.pop("SPLIT_K")
-    if grouped and group_size not in (None, -1) and group_size < k and group_size % cfg["BLOCK_K"]:
-        raise ValueError(f"BLOCK_K {cfg['BLOCK_K']} does not divide group_size {group_size}")
+def dequantize_into_scratch(qweight, qzeros, scales, g_idx, bits: int, zeros_v1: bool, dtype) -> torch.Tensor:
+    """The dequantized weight [K, N] in a per-device scratch buffer reused by every layer (valid until the next
+    call): prefill reads it once through cuBLAS."""
+    pack = 32 // bits
+    k, n = qweight.shape[0] * pack, qweight.shape[1]
+    key = (qweight.device, dtype)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < k * n:
+        _SCRATCH.pop(key, None)
+        buf = torch.empty(k * n, dtype=dtype, device=qweight.device)
+        _SCRATCH[key] = buf
+    w = buf[:k * n].view(k, n)
+    block_n, block_w = 128, max(1, 32 // pack)
+    grid = (triton.cdiv(k // pack, block_w), triton.cdiv(n, block_n))
+    _dequant_kernel[grid](qweight, qzeros, scales, g_idx, w, n, k, qweight.stride(0), qzeros.stride(0),
+                          scales.stride(0), w.stride(0), BITS=bits, ZEROS_V1=bool(zeros_v1), BLOCK_N=block_n,
+                          BLOCK_W=block_w, num_warps=4)
+    return w
+
+
+def release_scratch(device: torch.device) -> None:
+    for key in [k for k in _SCRATCH if k[0] == device]:
+        del _SCRATCH[key]
+
+
+def scratch_bytes(k: int, n: int, dtype: torch.dtype) -> int:
+    """What `dequantize_into_scratch` holds for a K x N layer."""
+    return k * n * torch.empty((), dtype=dtype).element_size()
+
+
+def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, gs, m, n, k) -> torch.Tensor:
+    split = cfg["SPLIT_K"]
     k_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-    return grouped, cfg, triton.cdiv(k, k_split), k_split
-
-
-def _f32_dot(dtype: torch.dtype) -> bool:
-    """float32 inputs multiply in IEEE float32; so do bf16 ones in the interpreter, whose bf16 tl.dot is wrong."""
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
+    split = triton.cdiv(k, k_split)
+    y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
+    ws = torch.empty((split, m, n) if split > 1 else (1,), device=x2.device, dtype=torch.float32)
+    f32 = x2.dtype == torch.float32
+    common = dict(BITS=bits, ZEROS_V1=bool(zeros_v1), F32=f32, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                  SPLIT=split > 1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    args = (m, n, k, k_split, split, gs, x2.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), y.stride(0))
+    interp_bf16 = x2.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    if kind == "gemv" and cfg.get("BLOCK_M", 1) == 1:
+        grid = (triton.cdiv(n, cfg["BLOCK_N"]), split, m)
+        _gemv_kernel[grid](x2, qweight, qzeros, scales, y, ws, _locks(x2.device, grid[0] * m), *args, **common)
+    elif kind == "gemv":
+        grid = (triton.cdiv(n, cfg["BLOCK_N"]), split, triton.cdiv(m, cfg["BLOCK_M"]))
+        _gemv_rows_kernel[grid](x2, qweight, qzeros, scales, y, ws, _locks(x2.device, grid[0] * grid[2]), *args,
+                                BLOCK_M=cfg["BLOCK_M"], **common)
+    elif kind == "mmat":
+        grid = (triton.cdiv(n, cfg["BLOCK_N"]), split, triton.cdiv(m, cfg["BLOCK_M"]))
+        _mmat_kernel[grid](x2, qweight, qzeros, scales, y, ws, _locks(x2.device, grid[0] * grid[2]), *args,
+                           BLOCK_M=cfg["BLOCK_M"], GROUP_M=1, DOT_F32=interp_bf16, **common)
+    else:
+        tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+        _mma_kernel[(tiles, split)](x2, qweight, qzeros, scales, y, ws, _locks(x2.device, tiles), *args,
+                                    BLOCK_M=cfg["BLOCK_M"], GROUP_M=cfg.get("GROUP_M", 1), DOT_F32=interp_bf16,
+                                    **common)
+    return y
 
 
 def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                 g_idx: torch.Tensor, bits: int, zeros_v1: bool = True, group_size: int | None = None,
                 config: dict | None = None) -> torch.Tensor:
-    """Same as `reference.gptq_matmul` (see there). `config` overrides `pick_config` (tests, tuning)."""
+    """Same as `reference.gptq_matmul` (see there). `config` overrides the tuned / heuristic choice (tests,
+    tuning): {"kernel": "gemv" | "mma" | "dequant", BLOCK_*, SPLIT_K, GROUP_M, num_warps, num_stages}."""
     pack = 32 // bits
     k, n = qweight.shape[0] * pack, qweight.shape[1]
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} input features, qweight holds {k}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
     m = x2.shape[0]
     if m == 0:
         return x.new_empty(*lead, n)
-    grouped, cfg, split, k_split = _plan(m, n, k, pack, group_size, config, x.device)
-    out = torch.empty((split, m, n), device=x.device, dtype=torch.float32 if split > 1 else x.dtype)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split)
-    gs = k if group_size in (None, -1) else group_size
-    _gptq_gemm_kernel[grid](
-        x2, qweight, qzeros, scales, g_idx, out, m, n, k, k_split, gs,
-        x2.stride(0), x2.stride(1), qweight.stride(0), qweight.stride(1), qzeros.stride(0), qzeros.stride(1),
-        scales.stride(0), scales.stride(1), out.stride(0), out.stride(1), out.stride(2),
-        BITS=bits, ZEROS_V1=bool(zeros_v1), GROUPED=grouped, F32_DOT=_f32_dot(x.dtype), **cfg)
-    y = out[0] if split == 1 else out.sum(0).to(x.dtype)
+    step = gptq_configs.block_k_limit(group_size, k, pack)
+    cfg = config if config is not None else gptq_configs.choose(m, n, k, x.device)
+    kind = cfg.get("kernel", "mma") if step else "dequant"
+    if kind != "dequant":
+        cfg = dict(cfg, BLOCK_K=min(cfg["BLOCK_K"], step))
+    if kind == "gemv" or (kind in ("mma", "mmat") and cfg["BLOCK_K"] >= 16):
+        gs = k if group_size in (None, -1) else group_size
+        y = _launch(kind, cfg, x2, qweight.contiguous(), qzeros.contiguous(), scales.contiguous(), bits, zeros_v1,
+                    gs, m, n, k)
+    else:
+        w = dequantize_into_scratch(qweight, qzeros, scales, g_idx, bits, zeros_v1, x.dtype)
+        y = torch.matmul(x2, w)
     return y.reshape(*lead, n)

@@ -1,0 +1,147 @@
+"""Tune the GPTQ matmul per (M bucket, N, K) on this GPU and remember the winners (gptq_configs' cache file).
+
+Every candidate is timed the way the engine runs it: launched from a CUDA graph, on weights that do not sit in
+the L2 cache (the graph cycles through enough copies of the layer to exceed it), after a check that it computes
+the same y as the dequantize + cuBLAS path. Called when an engine starts on a GPU (`tune_model`), so no user
+request ever waits for tuning, and by `python -m infer.bench.kernels --tune`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import gptq_configs, gptq_gemm
+
+BUCKETS = tuple(1 << i for i in range(13))  # 1 .. 4096
+L2_BUST_BYTES = 160 << 20
+
+
+def candidates(m: int, step: int) -> list[dict]:
+    """The configurations worth timing for M rows (step: the largest BLOCK_K the grouping allows)."""
+    out: list[dict] = []
+    splits = (2, 4, 8, 16)
+    if m == 1:
+        out += [dict(kernel="gemv", BLOCK_N=bn, BLOCK_K=128, SPLIT_K=s, num_warps=4, num_stages=st)
+                for bn in (64, 128) for st in (1, 2) for s in splits]
+    if 2 <= m <= 16:
+        out += [dict(kernel="gemv", BLOCK_M=min(m, 8), BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=4, num_stages=2)
+                for bn in (32, 64) for bk in (32, 64) for s in (2, 4, 8)]
+    if m <= 64:
+        bm = min(max(16, m), 64)
+        out += [dict(kernel="mma", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, GROUP_M=1, num_warps=4,
+                     num_stages=st) for bn in (64, 128) for bk in (64, 128) for st in (2, 3) for s in splits]
+        out += [dict(kernel="mmat", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=w, num_stages=3)
+                for bn, w in ((64, 4), (128, 4), (128, 8)) for bk in (64, 128) for s in (1,) + splits]
+    if m >= 128:
+        out += [dict(kernel="mmat", BLOCK_M=bm, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_warps=8, num_stages=3)
+                for bm in (64, 128)]
+        out += [dict(kernel="mma", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, GROUP_M=8, num_warps=8,
+                     num_stages=3)]
+    out.append(dict(kernel="dequant"))
+    return [c for c in out if c["kernel"] == "dequant" or c["BLOCK_K"] <= step]
+
+
+def time_graph(fns, reps: int = 3) -> float:
+    """Microseconds per call: the callables (one per weight copy) are captured in turn into one CUDA graph, which
+    is replayed `reps` times; the fastest replay counts."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    calls = max(len(fns), 12)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    best = float("inf")
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return best
+
+
+def random_gptq(k: int, n: int, bits: int, group_size: int, device) -> tuple:
+    """Valid GPTQ tensors (v1 zeros) of any content: random packed weights, every stored zero 7 (zero point 8)
+    so the products stay well scaled, small positive scales, a plain g_idx."""
+    pack, groups = 32 // bits, 1 if group_size == -1 else k // group_size
+    qweight = torch.randint(-2 ** 31, 2 ** 31 - 1, (k // pack, n), dtype=torch.int32, device=device)
+    word = sum(7 << (i * bits) for i in range(pack))
+    word -= (word >> 31) << 32  # as a signed int32
+    qzeros = torch.full((groups, n // pack), word, dtype=torch.int32, device=device)
+    scales = (torch.rand(groups, n, device=device) * 0.02 + 0.001).half()
+    g_idx = (torch.arange(k, device=device) // (k if group_size == -1 else group_size)).int()
+    return qweight, qzeros, scales, g_idx
+
+
+def weight_copies(k: int, n: int, bits: int, group_size: int, device, make) -> list[tuple]:
+    """Enough copies of a layer's GPTQ tensors that cycling through them defeats the L2 cache."""
+    one = k * n * bits // 8
+    return [make(k, n, bits, group_size, device) for _ in range(max(2, -(-L2_BUST_BYTES // one)))]
+
+
+def tune_shape(n: int, k: int, buckets, bits: int = 4, group_size: int = 128, device=None, dtype=torch.float16,
+               log=None) -> dict:
+    """{bucket: (best config, microseconds)} for one (N, K), timed on random GPTQ tensors."""
+    device = torch.device(device or "cuda")
+    copies = weight_copies(k, n, bits, group_size, device, random_gptq)
+    step = gptq_configs.block_k_limit(group_size, k, 32 // bits)
+    result = {}
+    for m in buckets:
+        x = torch.randn(m, k, device=device, dtype=dtype)
+        want = gptq_gemm.gptq_matmul(x, *copies[0][:4], bits, True, group_size, config={"kernel": "dequant"})
+        scale = want.float().abs().max().clamp_min(1e-6)
+        best = (None, float("inf"))
+        for cfg in candidates(m, step):
+            try:
+                got = gptq_gemm.gptq_matmul(x, *copies[0][:4], bits, True, group_size, config=cfg)
+                if not bool(((got.float() - want.float()).abs().max() / scale) < 1e-2):
+                    continue
+                fns = [lambda t=t, c=cfg: gptq_gemm.gptq_matmul(x, *t[:4], bits, True, group_size, config=c)
+                       for t in copies]
+                us = time_graph(fns)
+            except Exception as e:  # a config the compiler or the GPU cannot run (shared memory, registers)
+                if log:
+                    log(f"  skip {cfg}: {type(e).__name__}")
+                continue
+            if us < best[1]:
+                best = (cfg, us)
+        result[m] = best
+        if log:
+            log(f"N={n} K={k} M={m}: {best[1]:.1f} us {best[0]}")
+    return result
+
+
+def layer_shapes(model) -> set[tuple[int, int, int, int]]:
+    """(N, K, bits, group_size) of every GPTQ layer that runs through the fused kernels."""
+    shapes = set()
+    for mod in model.modules():
+        if getattr(mod, "gptq_group_size", None) is not None and getattr(mod, "weight", None) is None \
+                and hasattr(mod, "qweight"):
+            k, n = mod.qweight.shape[0] * (32 // mod.method.config.bits), mod.qweight.shape[1]
+            shapes.add((n, k, mod.method.config.bits, mod.gptq_group_size))
+    return shapes
+
+
+def tune_model(model, max_tokens: int, device, log=None) -> tuple[int, float]:
+    """Tune every (M bucket up to max_tokens, N, K) of the model's GPTQ layers that no table holds yet; save the
+    winners to the cache file. Returns (shapes tuned, seconds)."""
+    t0 = time.perf_counter()
+    buckets = [b for b in BUCKETS if b <= gptq_configs.bucket(max_tokens)]
+    todo: dict = {}
+    for n, k, bits, gs in layer_shapes(model):
+        missing = [b for b in buckets if gptq_configs.tuned(b, n, k, device) is None]
+        if missing:
+            todo[(n, k, bits, gs)] = missing
+    found = {}
+    for (n, k, bits, gs), missing in sorted(todo.items()):
+        res = tune_shape(n, k, missing, bits, gs, device, log=log)
+        found[f"{n},{k}"] = {b: cfg for b, (cfg, _) in res.items() if cfg is not None}
+    if found:
+        gptq_configs.save(gptq_configs.gpu_name(device), found)
+    return len(todo), time.perf_counter() - t0
