@@ -24,8 +24,11 @@ PREFILL = dict(kernel="mma", BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, SPLIT_K=1, GROU
 GEMV = dict(kernel="gemv", BLOCK_N=32, BLOCK_K=64, SPLIT_K=3, num_warps=4, num_stages=2)
 ROWS = dict(kernel="gemv", BLOCK_M=4, BLOCK_N=32, BLOCK_K=32, SPLIT_K=3, num_warps=4, num_stages=2)
 MMAT = dict(kernel="mmat", BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=3, num_warps=4, num_stages=2)
-CONFIGS = {"decode": DECODE, "prefill": PREFILL, "gemv": GEMV, "rows": ROWS, "mmat": MMAT,
-           "dequant": {"kernel": "dequant"}}
+FIELDS = dict(kernel="mma", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=2, GROUP_M=1, num_warps=4, num_stages=2,
+              FIELD=True)  # one dot per packed field (needs BLOCK_K / pack >= 16)
+GEMV_FIELDS = dict(GEMV, BLOCK_K=128, FIELD=True)
+CONFIGS = {"decode": DECODE, "prefill": PREFILL, "gemv": GEMV, "rows": ROWS, "mmat": MMAT, "fields": FIELDS,
+           "gemv_fields": GEMV_FIELDS, "dequant": {"kernel": "dequant"}}
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +98,7 @@ def test_matches_reference(gemm, gen, regime, bits, group, desc_act, hint):
     sym, v2 = bool(torch.randint(0, 2, (1,), generator=g)), bool(torch.randint(0, 2, (1,), generator=g))
     qw, qz, s, gi = make_weights(g, bits, group, in_f, out_f, sym, desc_act, v2)
     lo, hi = {"decode": (1, 20), "prefill": (33, 90), "gemv": (1, 4), "rows": (1, 11), "mmat": (1, 40),
-              "dequant": (1, 90)}[regime]
+              "fields": (1, 20), "gemv_fields": (1, 3), "dequant": (1, 90)}[regime]
     m = int(torch.randint(lo, hi, (1,), generator=g))
     cfg = CONFIGS[regime]
     for dtype in (torch.float32, torch.float16):
@@ -195,6 +198,7 @@ def test_real_sizes_on_gpu(gemm, gen, m, k, n, group, desc_act):
 @pytest.mark.parametrize("cfg", [dict(GEMV, BLOCK_N=128, BLOCK_K=128, SPLIT_K=16),
                                  dict(DECODE, BLOCK_N=64, BLOCK_K=128, SPLIT_K=8),
                                  dict(MMAT, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8),
+                                 dict(FIELDS, BLOCK_N=128, SPLIT_K=8), dict(GEMV_FIELDS, BLOCK_N=64, SPLIT_K=8),
                                  dict(ROWS, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4),
                                  dict(PREFILL, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, GROUP_M=8)])
 def test_split_k_counters_under_graph_replays(gemm, gen, cfg):

@@ -83,7 +83,7 @@ def _epilogue(acc, y_ptr, ws_ptr, lock_ptr, tile, pid_k, offs_m, offs_n, M, N, s
 def _gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_SPLIT, n_split, group_size,
                  sx_m, sq_k, sz_g, ss_g, sy_m,
                  BITS: tl.constexpr, ZEROS_V1: tl.constexpr, F32: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, FIELD_LOOP: tl.constexpr = False):
     PACK: tl.constexpr = 32 // BITS
     BKW: tl.constexpr = BLOCK_K // PACK
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -98,15 +98,25 @@ def _gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K,
         wrow = k0 // PACK + offs_w
         words = tl.load(qw_ptr + wrow[:, None] * sq_k + offs_n[None, :],
                         mask=(wrow < k_end // PACK)[:, None] & mask_n[None, :], other=0, eviction_policy="evict_first")
-        xv = tl.load(x_ptr + pid_m * sx_m + k0 + xk, mask=(k0 + xk) < k_end, other=0.0).to(tl.float32)
         z, s = _zeros_scales(qz_ptr, s_ptr, k0 // group_size, offs_n, mask_n, sz_g, ss_g, BITS, ZEROS_V1)
-        q = _fields(words, BITS)
-        if F32:
-            w = ((q - z[None, None, :]).to(tl.float16) * s[None, None, :]).to(tl.float32)
-            acc += tl.sum(xv[:, :, None] * w, axis=0)
+        if FIELD_LOOP:  # field by field: every tile keeps the loaded words' layout, x comes in per field
+            part = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
+            zf = (z + 0x800000).to(tl.float32)[None, :]
+            for j in tl.static_range(PACK):
+                xj = tl.load(x_ptr + pid_m * sx_m + k0 + offs_w * PACK + j,
+                             mask=(k0 + offs_w * PACK + j) < k_end, other=0.0).to(tl.float32)
+                qj = ((words >> (j * BITS)) & ((1 << BITS) - 1)) | 0x4B000000
+                part += xj[:, None] * (qj.to(tl.float32, bitcast=True) - zf)
+            acc += part * s.to(tl.float32)[None, :]
         else:
-            v = (q | 0x4B000000).to(tl.float32, bitcast=True) - (z + 0x800000).to(tl.float32)[None, None, :]
-            acc += tl.sum(xv[:, :, None] * v, axis=0) * s.to(tl.float32)[None, :]
+            xv = tl.load(x_ptr + pid_m * sx_m + k0 + xk, mask=(k0 + xk) < k_end, other=0.0).to(tl.float32)
+            q = _fields(words, BITS)
+            if F32:
+                w = ((q - z[None, None, :]).to(tl.float16) * s[None, None, :]).to(tl.float32)
+                acc += tl.sum(xv[:, :, None] * w, axis=0)
+            else:
+                v = (q | 0x4B000000).to(tl.float32, bitcast=True) - (z + 0x800000).to(tl.float32)[None, None, :]
+                acc += tl.sum(xv[:, :, None] * v, axis=0) * s.to(tl.float32)[None, :]
     out = tl.sum(acc, axis=0)[None, :]
     offs_m = pid_m + tl.zeros((1,), dtype=tl.int32)
     _epilogue(out, y_ptr, ws_ptr, lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, offs_m, offs_n, M, N, sy_m,
@@ -199,7 +209,7 @@ def _mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, 
                 sx_m, sq_k, sz_g, ss_g, sy_m,
                 BITS: tl.constexpr, ZEROS_V1: tl.constexpr, F32: tl.constexpr, DOT_F32: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                GROUP_M: tl.constexpr):
+                GROUP_M: tl.constexpr, FIELD_DOTS: tl.constexpr = False):
     PACK: tl.constexpr = 32 // BITS
     BKW: tl.constexpr = BLOCK_K // PACK
     pid, pid_k = tl.program_id(0), tl.program_id(1)
@@ -226,18 +236,29 @@ def _mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, 
         words = tl.load(qw_ptr + wrow[:, None] * sq_k + offs_n[None, :],
                         mask=(wrow < k_end // PACK)[:, None] & mask_n[None, :], other=0, eviction_policy="evict_first")
         z, s = _zeros_scales(qz_ptr, s_ptr, k0 // group_size, offs_n, mask_n, sz_g, ss_g, BITS, ZEROS_V1)
-        q = _fields(words, BITS)
-        if F32:
-            w = ((q - z[None, None, :]).to(tl.float16) * s[None, None, :]).to(tl.float32)
-            acc += tl.dot(xt.to(tl.float32), tl.reshape(w, (BLOCK_K, BLOCK_N)), input_precision="ieee")
-        else:
-            v = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (z + 1024).to(tl.float16)[None, None, :]
-            w = tl.reshape(v, (BLOCK_K, BLOCK_N))
-            if DOT_F32:  # the interpreter's bf16 tl.dot is wrong: multiply the same bf16 values in float32
-                part = tl.dot(xt.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-            else:
-                part = tl.dot(xt, w.to(xt.dtype))
+        if FIELD_DOTS:  # one dot per field: each field tile keeps the loaded words' layout (no 3-D reshape)
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            zf = (z + 1024).to(tl.float16)[None, :]
+            for j in tl.static_range(PACK):
+                xj = tl.load(x_ptr + offs_m[:, None] * sx_m + (k0 + offs_w * PACK + j)[None, :],
+                             mask=mask_m[:, None] & ((k0 + offs_w * PACK + j) < k_end)[None, :], other=0.0)
+                qj = ((words >> (j * BITS)) & ((1 << BITS) - 1)) | 0x6400
+                wj = qj.to(tl.int16).to(tl.float16, bitcast=True) - zf
+                part += tl.dot(xj, wj.to(xj.dtype))
             acc += part * s.to(tl.float32)[None, :]
+        else:
+            q = _fields(words, BITS)
+            if F32:
+                w = ((q - z[None, None, :]).to(tl.float16) * s[None, None, :]).to(tl.float32)
+                acc += tl.dot(xt.to(tl.float32), tl.reshape(w, (BLOCK_K, BLOCK_N)), input_precision="ieee")
+            else:
+                v = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (z + 1024).to(tl.float16)[None, None, :]
+                w = tl.reshape(v, (BLOCK_K, BLOCK_N))
+                if DOT_F32:  # the interpreter's bf16 tl.dot is wrong: multiply the same bf16 values in float32
+                    part = tl.dot(xt.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+                else:
+                    part = tl.dot(xt, w.to(xt.dtype))
+                acc += part * s.to(tl.float32)[None, :]
     _epilogue(acc, y_ptr, ws_ptr, lock_ptr, pid, pid_k, offs_m, offs_n, M, N, sy_m, n_split, SPLIT)
 
 
@@ -322,7 +343,8 @@ def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, g
     interp_bf16 = x2.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
     if kind == "gemv" and cfg.get("BLOCK_M", 1) == 1:
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), split, m)
-        _gemv_kernel[grid](x2, qweight, qzeros, scales, y, ws, _locks(x2.device, grid[0] * m), *args, **common)
+        _gemv_kernel[grid](x2, qweight, qzeros, scales, y, ws, _locks(x2.device, grid[0] * m), *args,
+                           FIELD_LOOP=bool(cfg.get("FIELD", False)) and not f32, **common)
     elif kind == "gemv":
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), split, triton.cdiv(m, cfg["BLOCK_M"]))
         _gemv_rows_kernel[grid](x2, qweight, qzeros, scales, y, ws, _locks(x2.device, grid[0] * grid[2]), *args,
@@ -335,7 +357,8 @@ def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, g
         tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
         _mma_kernel[(tiles, split)](x2, qweight, qzeros, scales, y, ws, _locks(x2.device, tiles), *args,
                                     BLOCK_M=cfg["BLOCK_M"], GROUP_M=cfg.get("GROUP_M", 1), DOT_F32=interp_bf16,
-                                    **common)
+                                    FIELD_DOTS=bool(cfg.get("FIELD", False)) and not (f32 or interp_bf16)
+                                    and cfg["BLOCK_K"] // (32 // bits) >= 16, **common)
     return y
 
 

@@ -23,8 +23,8 @@ def candidates(m: int, step: int) -> list[dict]:
     out: list[dict] = []
     splits = (2, 4, 8, 16)
     if m == 1:
-        out += [dict(kernel="gemv", BLOCK_N=bn, BLOCK_K=128, SPLIT_K=s, num_warps=4, num_stages=st)
-                for bn in (64, 128) for st in (1, 2) for s in splits]
+        out += [dict(kernel="gemv", BLOCK_N=bn, BLOCK_K=128, SPLIT_K=s, num_warps=4, num_stages=st, FIELD=f)
+                for bn in (64, 128) for st in (1, 2) for s in splits for f in (False, True)]
     if 2 <= m <= 16:
         out += [dict(kernel="gemv", BLOCK_M=min(m, 8), BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=4, num_stages=2)
                 for bn in (32, 64) for bk in (32, 64) for s in (2, 4, 8)]
@@ -32,6 +32,9 @@ def candidates(m: int, step: int) -> list[dict]:
         bm = min(max(16, m), 64)
         out += [dict(kernel="mma", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, GROUP_M=1, num_warps=4,
                      num_stages=st) for bn in (64, 128) for bk in (64, 128) for st in (2, 3) for s in splits]
+        out += [dict(kernel="mma", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, SPLIT_K=s, GROUP_M=1, num_warps=w,
+                     num_stages=st, FIELD=True)
+                for bn, w in ((64, 4), (128, 4), (256, 8)) for st in (2, 3, 4) for s in splits]
         out += [dict(kernel="mmat", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=w, num_stages=3)
                 for bn, w in ((64, 4), (128, 4), (128, 8)) for bk in (64, 128) for s in (1,) + splits]
     if m >= 128:
