@@ -193,9 +193,13 @@ class LLMEngine:
         """Not a measurement: requests through every path a first real step can take (a prefill, decodes, and a
         prefill whose prompt starts with cached blocks when prefix caching is on) so that no kernel is compiled on
         a user's first request."""
-        prompt = [i % 100 + 1 for i in range(2 * self.config.block_size + 1)][:max(2, self.max_model_len - 3)]
+        bs = self.config.block_size
+        long_prompt = [i % 100 + 1 for i in range(2 * bs + 9)][:max(2, self.max_model_len - 3)]
+        prompts = [long_prompt, long_prompt[:9]]  # a long and a short query: both attention tile heights
+        if self.config.enable_prefix_caching:
+            prompts.append(long_prompt)  # its first blocks are cached: a short query over a cached prefix
         params = SamplingParams(max_new_tokens=2, ignore_eos=True)
-        for i in range(2 if self.config.enable_prefix_caching else 1):
+        for i, prompt in enumerate(prompts):
             self.add_request(f"__warmup__{i}", prompt, params)
             while self.has_unfinished_requests():
                 self.step()

@@ -70,7 +70,7 @@ def _find_seq(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return left - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # a batch of 16 sequences must not compile a variant of its own
 def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, qsl_ptr, num_seqs, qk_scale,
                     s_qt, s_qh, s_qd, s_ot, s_oh, s_od, s_bt,
                     s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd,
@@ -193,7 +193,8 @@ def _unified(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_sc
              meta) -> None:
     group_pad = meta["GROUP_PAD"]
     rows_max = max(64, group_pad)  # rows (token x head pairs) per tile
-    block_q = max(1, min(triton.next_power_of_2(max_query_len), rows_max // group_pad))
+    # two tile heights only (short and long queries), so engine warmup compiles every variant a step can need
+    block_q = max(1, min(16 if max_query_len <= 16 else 64, rows_max // group_pad))
     block_q = max(block_q, 16 // min(group_pad, 16))  # tl.dot needs at least 16 rows
     num_seqs = seq_lens.shape[0]
     grid = (q.shape[0] // block_q + num_seqs, k_cache.shape[2])

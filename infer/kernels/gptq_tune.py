@@ -8,6 +8,7 @@ request ever waits for tuning, and by `python -m infer.bench.kernels --tune`.
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -18,8 +19,23 @@ BUCKETS = tuple(1 << i for i in range(13))  # 1 .. 4096
 L2_BUST_BYTES = 160 << 20
 
 
+def quick_candidates(m: int, step: int) -> list[dict]:
+    """The regions that won on an H100 (INFER_TUNE=quick): a few dozen configurations instead of ~150."""
+    out: list[dict] = [dict(kernel="dequant")]
+    if m == 1:
+        out += [dict(kernel="gemv", BLOCK_N=bn, BLOCK_K=128, SPLIT_K=s, num_warps=4, num_stages=st)
+                for bn in (64, 128) for st in (1, 2) for s in (4, 8, 16)]
+    if m <= 64:
+        out += [dict(kernel="mma", BLOCK_M=min(max(16, m), 64), BLOCK_N=bn, BLOCK_K=128, SPLIT_K=s, GROUP_M=1,
+                     num_warps=w, num_stages=st, FIELD=True)
+                for bn, w in ((128, 4), (256, 8)) for st in (2, 3) for s in (2, 4, 8, 16)]
+    return [c for c in out if c["kernel"] == "dequant" or c["BLOCK_K"] <= step]
+
+
 def candidates(m: int, step: int) -> list[dict]:
     """The configurations worth timing for M rows (step: the largest BLOCK_K the grouping allows)."""
+    if os.environ.get("INFER_TUNE") == "quick":
+        return quick_candidates(m, step)
     out: list[dict] = []
     splits = (2, 4, 8, 16)
     if m == 1:
