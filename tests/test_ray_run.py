@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 from infer.cli.main import app
 
 runner = CliRunner()
-LORA_FREE_BAD = ["this is not json", {"id": "noprompt", "max_new_tokens": 3},
-                 {"id": "topp", "prompt": "x", "top_p": 2.0}, {"id": "ctx", "prompt": "word " * 600},
-                 {"id": "lora", "prompt": "x", "lora": "nope"}]
+BAD = ["this is not json", {"id": "noprompt", "max_new_tokens": 3}, {"id": "topp", "prompt": "x", "top_p": 2.0},
+       {"id": "ctx", "prompt": "word " * 600}, {"id": "lora", "prompt": "x", "lora": "nope"}]
+STARTED = len(BAD) + 2  # error records are written first: two more lines mean generation is under way
 
 
 def _lines(n: int, tokens: int = 24) -> list[dict]:
@@ -52,12 +52,15 @@ def _run(inp, out, *extra):
                                "--max-model-len", "512", *extra])
 
 
-def _reference(tmp_path, inp) -> dict:
-    """The single-engine run of the same input: the oracle."""
-    out = tmp_path / "single.jsonl"
-    res = _run(inp, out)
-    assert res.exit_code in (0, 1), res.output
-    return _records(out)
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """One input for every test (good lines of different lengths and bad lines), and its single-engine records:
+    the oracle."""
+    d = tmp_path_factory.mktemp("job")
+    inp = _write(d / "in.jsonl", _lines(24, tokens=40) + BAD)
+    res = _run(inp, d / "single.jsonl")
+    assert res.exit_code == 1, res.output
+    return inp, _records(d / "single.jsonl")
 
 
 def _assert_same(got: dict, want: dict) -> None:
@@ -68,16 +71,17 @@ def _assert_same(got: dict, want: dict) -> None:
             (rec["text"], rec["finish_reason"], rec["error"]), rid
 
 
-def test_same_records_as_one_engine_and_error_records(tmp_path, ray_cluster):
-    inp = _write(tmp_path / "in.jsonl", _lines(12) + LORA_FREE_BAD)
+def test_same_records_as_one_engine_and_error_records(tmp_path, ray_cluster, job):
+    inp, want = job
     out = tmp_path / "dp.jsonl"
     res = _run(inp, out, "--data-parallel", "2")
     assert res.exit_code == 1, res.output  # some lines failed, each has its error record
     got = _records(out)
-    _assert_same(got, _reference(tmp_path, inp))
+    _assert_same(got, want)
     errors = {k for k, v in got.items() if v["finish_reason"] == "error"}
-    assert errors == {"13", "noprompt", "topp", "ctx", "lora"}
+    assert errors == {"25", "noprompt", "topp", "ctx", "lora"}
     assert "max-model-len" in got["ctx"]["error"] or "context" in got["ctx"]["error"]
+    assert "nope" in got["lora"]["error"] and "JSON" in got["25"]["error"]
 
 
 def _kill_replica_when(out, ray, at_least: int, killed: list) -> None:
@@ -92,40 +96,39 @@ def _kill_replica_when(out, ray, at_least: int, killed: list) -> None:
         time.sleep(0.02)
 
 
-def test_killed_replica_loses_nothing(tmp_path, ray_cluster):
+def test_killed_replica_loses_nothing(tmp_path, ray_cluster, job):
     import ray
-    inp = _write(tmp_path / "in.jsonl", _lines(32, tokens=40))
+    inp, want = job
     out, killed = tmp_path / "dp.jsonl", []
-    killer = threading.Thread(target=_kill_replica_when, args=(out, ray, 2, killed), daemon=True)
+    killer = threading.Thread(target=_kill_replica_when, args=(out, ray, STARTED, killed), daemon=True)
     killer.start()
     res = _run(inp, out, "--data-parallel", "2")
     killer.join(timeout=5)
-    assert res.exit_code == 0, res.output
-    assert killed and killed[0] < 32, "the replica should be killed mid-run"
+    assert res.exit_code == 1, res.output
+    assert killed and killed[0] < len(want) - 3, "the replica should be killed mid-run"
     assert "replica 0 stopped" in res.output
-    _assert_same(_records(out), _reference(tmp_path, inp))
+    _assert_same(_records(out), want)
 
 
-def test_resume_after_driver_kill(tmp_path, ray_cluster):
-    n = 24
-    inp, out = _write(tmp_path / "in.jsonl", _lines(n, tokens=40)), tmp_path / "dp.jsonl"
+def test_resume_after_driver_kill(tmp_path, ray_cluster, job):
+    inp, want = job
+    n, out = len(want), tmp_path / "dp.jsonl"
     cmd = [sys.executable, "-m", "infer.cli", "run", "tiny-llama", str(inp), "-o", str(out), "-q",
            "--max-num-seqs", "4", "--max-model-len", "512", "--data-parallel", "2", "--ray-address", ray_cluster]
     proc = subprocess.Popen(cmd, env=dict(os.environ), stderr=subprocess.PIPE)
     deadline = time.monotonic() + 150
     while time.monotonic() < deadline and proc.poll() is None and \
-            (not out.exists() or len(out.read_text().splitlines()) < 3):
+            (not out.exists() or len(out.read_text().splitlines()) < STARTED):
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     first = len(out.read_text().splitlines())
-    assert 0 < first < n, "the kill should land midway"
+    assert STARTED <= first < n, "the kill should land midway"
     with open(out, "a") as f:
         f.write('{"id": "r99", "text": "torn')  # a torn last line, as a kill mid-write leaves
     res = _run(inp, out, "--data-parallel", "2", "--resume")
-    assert res.exit_code == 0, res.output
-    ids = [json.loads(l)["id"] for l in out.read_text().splitlines()]
-    assert sorted(ids) == sorted(f"r{i}" for i in range(n))
+    assert res.exit_code == 0, res.output  # the bad lines' error records were written before the kill
+    _assert_same(_records(out), want)  # one record per id, none lost or doubled, each as one engine writes it
 
 
 def test_without_ray_one_line_error(tmp_path, monkeypatch):
