@@ -17,7 +17,7 @@ import torch
 
 
 def workload(vocab: int, num: int, input_len: int, output_len: int, seed: int = 0) -> list:
-    from ..dist.pool import Work
+    from ..parallel.pool import Work
     from ..engine.sampling_params import SamplingParams
     g = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_new_tokens=output_len, ignore_eos=True)
@@ -26,8 +26,8 @@ def workload(vocab: int, num: int, input_len: int, output_len: int, seed: int = 
 
 
 def measure(ray, config, model_path, replicas: int, work: list, threads: int | None) -> dict:
-    from ..dist.pool import ReplicaPool
-    from ..dist.runtime import start_replicas
+    from ..parallel.pool import ReplicaPool
+    from ..parallel.runtime import start_replicas
     handles, infos = start_replicas(ray, config, model_path, replicas, threads)
     pool = ReplicaPool(ray, handles, capacity=config.max_num_seqs + max(1, config.max_num_seqs // 4))
     try:
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
                     "cores); fixed by default so that only the replica count changes")
     ap.add_argument("--ray-address", default=None, help="join this Ray cluster instead of a local runtime")
     args = ap.parse_args(argv)
-    from ..dist.runtime import local_cpus, ray_runtime
+    from ..parallel.runtime import local_cpus, ray_runtime
     from ..engine.config import EngineConfig
     from ..models.loader import load_config
     from ..models.tiny import resolve_model
