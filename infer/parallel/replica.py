@@ -83,16 +83,17 @@ class Replica:
         return result
 
     def serve_step(self, new: list[Wire], aborts: list[str]) -> tuple[list, list, dict]:
-        """For the server: abort, add, run one engine step. Returns (every output of the step, as streaming needs
-        them; (request id, reason) of rejected requests; the engine's stats)."""
-        for rid in aborts:
-            self.engine.abort_request(rid)
+        """For the server: add, abort (a request may be aborted in the call that adds it), run one engine step.
+        Returns (every output of the step, as streaming needs them; (request id, reason) of rejected requests;
+        the engine's stats)."""
         rejected = []
         for rid, prompt_token_ids, params, lora in new:
             try:
                 self.engine.add_request(rid, prompt_token_ids, params, lora)
             except RequestError as e:
                 rejected.append((rid, str(e)))
+        for rid in aborts:
+            self.engine.abort_request(rid)
         outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
         return outputs, rejected, self.engine.stats()
 
