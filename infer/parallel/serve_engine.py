@@ -11,7 +11,6 @@ already streaming end with an error.
 from __future__ import annotations
 
 import logging
-import threading
 from collections import deque
 from dataclasses import dataclass, field
 
