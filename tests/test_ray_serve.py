@@ -93,3 +93,18 @@ def test_killed_replica_fails_no_request_that_had_not_started(client, url, serve
     health = httpx.get(f"{url}/health").json()["engine"]
     assert [r["alive"] for r in health["replicas"]] == [False, True] and health["num_replicas_alive"] == 1
     assert 'infer:replica_up{replica="0"} 0.0' in httpx.get(f"{url}/metrics").text
+
+
+def test_stream_on_a_replica_that_dies_ends_with_an_error(client, url, server):
+    """Runs after the test above: replica 1 is the last one. A stream it serves ends with an error event when it
+    dies (never hangs), and with no replica left a new request fails at once."""
+    stream = client.completions.create(model="tiny-llama", prompt=PROMPTS[0], max_tokens=200, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    ray.kill(server.aengine.replicas[1].handle, no_restart=True)
+    with pytest.raises(openai.APIError, match="replica 1 stopped"):
+        list(chunks)
+    with pytest.raises(openai.APIError, match="no engine replica is left"):
+        _complete(client, PROMPTS[1])
+    assert httpx.get(f"{url}/health").json()["engine"]["num_replicas_alive"] == 0
