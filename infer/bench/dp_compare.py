@@ -5,7 +5,8 @@
 Starts a local Ray runtime (or joins --ray-address), and for each replica count starts that many replicas (one
 GPU each, or CPU replicas of --threads torch threads each), warms them up, then times the whole workload
 through the same driver `infer run --data-parallel` uses (load-based dispatch). Model loading is not timed.
-Prints output tok/s and requests/s per replica count, each replica's own tok/s, and the ratio to the first count.
+Prints output tok/s and requests/s per replica count, each replica's own tok/s, and the ratio to the first count;
+a last row runs the same workload on one engine in this process without Ray (what the driver costs).
 """
 
 from __future__ import annotations
@@ -47,6 +48,24 @@ def measure(ray, config, model_path, replicas: int, work: list, threads: int | N
         pool.close()
 
 
+def measure_in_process(config, work: list, threads: int | None) -> dict:
+    """The same workload on one engine in this process, without Ray: what the replicas' driver costs."""
+    from ..engine.llm_engine import LLMEngine
+    if threads:
+        torch.set_num_threads(threads)
+    engine = LLMEngine(config)
+    engine.warmup()
+    for w in work:
+        engine.add_request(w.id, w.prompt_token_ids, w.params, w.lora)
+    tokens, start = 0, time.monotonic()
+    while engine.has_unfinished_requests():
+        tokens += sum(len(out.new_token_ids) for out in engine.step())
+    elapsed = time.monotonic() - start
+    return {"replicas": "no Ray", "device": str(engine.device), "seconds": elapsed, "tokens": tokens,
+            "tok_s": tokens / elapsed, "req_s": len(work) / elapsed, "per_replica": [tokens / elapsed],
+            "requests": [len(work)]}
+
+
 def _fail(item, reason: str) -> None:
     raise SystemExit(f"request {item.id} was rejected: {reason}")
 
@@ -63,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per CPU replica (0: an even share of the "
                     "cores); fixed by default so that only the replica count changes")
     ap.add_argument("--ray-address", default=None, help="join this Ray cluster instead of a local runtime")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the one-engine run without Ray")
     args = ap.parse_args(argv)
     from ..parallel.runtime import local_cpus, ray_runtime
     from ..engine.config import EngineConfig
@@ -74,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     work = workload(load_config(path).vocab_size, args.num_prompts, args.input_len, args.output_len)
     with ray_runtime(args.ray_address, local_cpus(max(counts))) as ray:
         rows = [measure(ray, config, path, n, work, args.threads or None) for n in counts]
+    if not args.no_baseline:
+        rows.append(measure_in_process(config, work, args.threads or None))
     print(f"{args.num_prompts} prompts x ({args.input_len} in, {args.output_len} out), max_num_seqs "
           f"{args.max_num_seqs}, model {args.model}, device {rows[0]['device']}")
     print(f"{'replicas':>8} {'seconds':>8} {'tok/s':>9} {'req/s':>7} {'ratio':>6}  per replica tok/s (requests)")

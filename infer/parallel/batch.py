@@ -4,6 +4,7 @@ the requests spread over N replicas by load. The driver reads the input and is t
 from __future__ import annotations
 
 import time
+from collections import Counter
 from pathlib import Path
 
 import typer
@@ -54,10 +55,16 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
 
 def _announce(infos: list[dict], block_size: int) -> None:
     first = infos[0]
-    where = ", ".join(f"{i['host']}:{i['device']}" for i in infos)
+    where = placement(infos)
     typer.echo(f"infer: {len(infos)} replicas of {first['model']} ({where}), {first['dtype']}, KV cache "
                f"{first['num_blocks']} blocks x {block_size} tokens each, max length {first['max_model_len']}",
                err=True)
+
+
+def placement(infos: list[dict]) -> str:
+    """'2 on gpu-node-1 (cuda:0), 1 on gpu-node-2 (cuda:0)': where the replicas run, grouped by host."""
+    groups = Counter((i["host"], i["device"]) for i in infos)
+    return ", ".join(f"{n} on {host} ({device})" for (host, device), n in groups.items())
 
 
 def _check_lines(ray, replica, lines: list, strict: bool) -> None:

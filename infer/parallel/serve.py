@@ -63,10 +63,11 @@ def serve_data_parallel(cfg, sock: socket.socket, host: str, model_id: str, api_
 
     from ..cli.serve import _quiet_signals
     from ..serve.app import create_app
+    from .batch import placement
     with ray_runtime(address, local_cpus(replicas)) as ray:
         server, infos = build_server(ray, cfg, replicas, model_id, api_key, max_queue, shutdown_timeout)
         try:
-            where = ", ".join(f"{i['host']}:{i['device']}" for i in infos)
+            where = placement(infos)
             names = ", ".join(server.adapters()) or "none"
             typer.echo(f"infer: serving {server.model_id} over {replicas} replicas ({where}; KV "
                        f"{infos[0]['num_blocks']} blocks each) on http://{host}:{sock.getsockname()[1]}  "
