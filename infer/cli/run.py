@@ -33,6 +33,10 @@ def run(
     max_new_tokens: Annotated[int, typer.Option(help="Default for lines without max_new_tokens (generated tokens, "
                                                      "1..2^31-1).")] = 256,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or summary.")] = False,
+    data_parallel: Annotated[int, typer.Option("--data-parallel", min=1, help="Engine replicas as Ray actors, one per "
+                                               "GPU (CPU replicas without GPUs); needs infer[ray].")] = 1,
+    ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="Join this Ray cluster (HOST:6379 or "
+                                                       "ray://HOST:10001); default: a local Ray runtime.")] = None,
     engine: EngineConfig = None,
 ) -> None:
     """Generate a reply for every line of INPUT; records are appended to OUTPUT as requests finish.
@@ -48,6 +52,12 @@ def run(
     if resume and resumable and not force_resume:
         check_resume(output, input, options)
     defaults = {"max_new_tokens": max_new_tokens}
+    if data_parallel > 1 or ray_address:
+        from ..parallel.batch import run_data_parallel
+        if run_data_parallel(engine, input, output, replicas=data_parallel, address=ray_address, defaults=defaults,
+                             strict=strict, resume=resume, resumable=resumable, options=options, quiet=quiet):
+            raise typer.Exit(1)
+        return
     if strict:  # every line is read before the model loads: a bad file costs no load time
         from ..engine.setup import load_tokenizer
         from ..models.tiny import resolve_model

@@ -60,6 +60,12 @@ def serve(
                                                          "before they are aborted.", rich_help_panel=SERVER)] = 30.0,
     log_level: Annotated[str, typer.Option(help="uvicorn log level: critical | error | warning | info | debug.",
                                            rich_help_panel=SERVER)] = "warning",
+    data_parallel: Annotated[int, typer.Option("--data-parallel", min=1, help="Engine replicas as Ray actors behind "
+                                               "this endpoint, one per GPU; needs infer[ray].",
+                                               rich_help_panel=SERVER)] = 1,
+    ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="Join this Ray cluster (HOST:6379 or "
+                                                       "ray://HOST:10001); default: a local Ray runtime.",
+                                                       rich_help_panel=SERVER)] = None,
     engine: EngineConfig = None,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health,
@@ -77,6 +83,10 @@ def serve(
         raise ConfigError(f"--log-level {log_level!r} is not one of {' | '.join(LOG_LEVELS)}", "e.g. --log-level info")
     sock = _bind(host, port)
     try:
+        if data_parallel > 1 or ray_address:
+            from ..parallel.serve import serve_data_parallel
+            return serve_data_parallel(engine, sock, host, served_model_name or base_model_id(model), api_key,
+                                       max_queue, shutdown_timeout, log_level, data_parallel, ray_address)
         _serve(engine, sock, host, served_model_name or base_model_id(model), api_key, max_queue, shutdown_timeout,
                log_level)
     finally:

@@ -1,0 +1,116 @@
+"""`infer run --data-parallel N`: the same records, error records, --resume and exit status as one engine, with
+the requests spread over N replicas by load. The driver reads the input and is the only writer."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+
+import typer
+
+from ..cli.batch_io import RecordWriter, error_record, output_record
+from ..cli.resume import done_ids, write_fingerprint
+from .pool import ReplicaPool, Work
+from .progress import ReplicaProgress
+from .runtime import local_cpus, ray_runtime, require_ray, start_replicas
+
+VALIDATE_CHUNK = 4096  # requests per validation call (one message each way)
+
+
+def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int, address: str | None,
+                      defaults: dict, strict: bool, resume: bool, resumable: bool, options: dict,
+                      quiet: bool) -> int:
+    """Run every line of `input` on `replicas` engine replicas; return how many lines failed."""
+    require_ray()  # before anything loads: a missing extra is a one-line error
+    from ..cli.batch_io import read_inputs
+    from ..engine.setup import load_tokenizer
+    from ..models.tiny import resolve_model
+    model_path = resolve_model(engine.model)
+    tokenizer = load_tokenizer(model_path)
+    lines = read_inputs(input, tokenizer, defaults)
+    if strict:  # a line that cannot be read stops the run before any replica loads the model
+        from ..cli.run import _strict_exit
+        _strict_exit(lines)
+    with ray_runtime(address, local_cpus(replicas)) as ray:
+        handles, infos = start_replicas(ray, engine, model_path, replicas)
+        pool = ReplicaPool(ray, handles, capacity=engine.max_num_seqs + max(1, engine.max_num_seqs // 4),
+                           notify=lambda message: typer.echo(message, err=True))
+        try:
+            if not quiet:
+                _announce(infos, engine.block_size)
+            _check_lines(ray, handles[0], lines, strict)
+            skip = done_ids(output) if resume and resumable else set()
+            todo = [item for item in lines if item.id not in skip]
+            writer = RecordWriter(output, append=resume)
+            if resumable:
+                write_fingerprint(output, input, options)
+            try:
+                return _generate(pool, todo, writer, tokenizer, quiet)
+            finally:
+                writer.close()
+        finally:
+            pool.close()
+
+
+def _announce(infos: list[dict], block_size: int) -> None:
+    first = infos[0]
+    where = placement(infos)
+    typer.echo(f"infer: {len(infos)} replicas of {first['model']} ({where}), {first['dtype']}, KV cache "
+               f"{first['num_blocks']} blocks x {block_size} tokens each, max length {first['max_model_len']}",
+               err=True)
+
+
+def placement(infos: list[dict]) -> str:
+    """'2 on gpu-node-1 (cuda:0), 1 on gpu-node-2 (cuda:0)': where the replicas run, grouped by host."""
+    groups = Counter((i["host"], i["device"]) for i in infos)
+    return ", ".join(f"{n} on {host} ({device})" for (host, device), n in groups.items())
+
+
+def _check_lines(ray, replica, lines: list, strict: bool) -> None:
+    """Every parsed line checked against a replica's engine (the same checks and messages as one engine); with
+    --strict, any bad line stops the run before generating."""
+    from ..cli.run import _strict_exit
+    todo = [item for item in lines if item.request is not None]
+    for start in range(0, len(todo), VALIDATE_CHUNK):
+        chunk = todo[start:start + VALIDATE_CHUNK]
+        wires = [(item.id, item.request.prompt_token_ids, item.request.params, item.request.lora) for item in chunk]
+        bad = ray.get(replica.validate.remote(wires))
+        for item in chunk:
+            if item.id in bad:
+                item.request, item.error = None, f"line {item.line_no}: {bad[item.id]}"
+    if strict:
+        _strict_exit(lines)
+
+
+def _generate(pool: ReplicaPool, todo: list, writer: RecordWriter, tokenizer, quiet: bool) -> int:
+    failed, work = 0, []
+    for item in todo:
+        if item.error:
+            writer.write(error_record(item.id, item.error))
+            failed += 1
+        else:
+            r = item.request
+            work.append(Work(item.id, item.line_no, r.prompt_token_ids, r.params, r.lora))
+    progress = ReplicaProgress(pool, total=len(todo), completed=failed, quiet=quiet)
+
+    def on_output(item: Work, out, replica: int) -> None:
+        writer.write(output_record(item.id, out, tokenizer))
+        progress.advance()
+
+    def on_rejected(item: Work, reason: str) -> None:
+        nonlocal failed
+        writer.write(error_record(item.id, f"line {item.line_no}: {reason}"))
+        failed += 1
+        progress.advance()
+
+    start = time.monotonic()
+    with progress:
+        pool.run(work, on_output, on_rejected, progress.refresh)
+    if not quiet:
+        elapsed = time.monotonic() - start
+        tokens = sum(r.tokens for r in pool.replicas)
+        each = ", ".join(f"replica {r.index} {r.done} requests {r.rate():,.1f} tok/s" for r in pool.replicas)
+        typer.echo(f"infer: {len(todo) - failed} ok, {failed} failed, {tokens} tokens in {elapsed:.1f} s "
+                   f"({tokens / max(elapsed, 1e-9):,.1f} tok/s; {each})", err=True)
+    return failed

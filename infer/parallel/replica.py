@@ -1,0 +1,101 @@
+"""One engine replica, run inside a Ray actor: the driver hands it requests and collects what finished.
+
+The class is plain Python (`ray.remote(Replica)` makes it an actor in runtime.py), so it can be read and tested
+without Ray. Every call is short: `step` runs engine steps only until some request finishes or a time budget
+passes, so the driver can refill free slots (load-based dispatch) and show progress.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+
+from ..errors import InferError, RequestError
+
+# (request id, prompt token ids, SamplingParams, lora name or None): what travels to a replica
+Wire = tuple
+
+
+@dataclass
+class StepResult:
+    finished: list = field(default_factory=list)  # RequestOutput of every request that finished in this call
+    rejected: list = field(default_factory=list)  # (request id, reason): requests this replica cannot run
+    tokens: int = 0  # tokens generated during this call
+    running: int = 0  # requests still on this replica
+
+
+class Replica:
+    def __init__(self, config, threads: int | None = None):
+        """Build the engine from `config` (model and adapter paths already absolute). An InferError (a model that
+        does not fit, a bad adapter) is kept and reported by `info()`, so the driver can say it in one line."""
+        self.error: dict | None = None
+        self.engine = None
+        if threads:
+            import torch
+            torch.set_num_threads(threads)
+        from ..engine.llm_engine import LLMEngine
+        try:
+            self.engine = LLMEngine(config)
+        except InferError as e:
+            self.error = {"type": type(e).__name__, "message": e.message, "hint": e.hint}
+
+    def info(self) -> dict:
+        """Where this replica runs and what it holds (the driver prints it and checks requests against it)."""
+        if self.engine is None:
+            return {"error": self.error, "host": socket.gethostname(), "pid": os.getpid()}
+        e = self.engine
+        return {"error": None, "host": socket.gethostname(), "pid": os.getpid(), "device": str(e.device),
+                "dtype": str(e.dtype).removeprefix("torch."), "num_blocks": e.memory_plan.num_blocks,
+                "max_model_len": e.max_model_len, "model": e.model_path.name,
+                "vocab_size": e.model_config.vocab_size,
+                "adapters": sorted(e.lora_manager.names()) if e.lora_manager is not None else []}
+
+    def validate(self, requests: list[Wire]) -> dict[str, str]:
+        """{request id: reason} for the requests this engine could never run (the others are not listed)."""
+        bad = {}
+        for rid, prompt_token_ids, params, lora in requests:
+            try:
+                self.engine.validate(prompt_token_ids, params, lora)
+            except RequestError as e:
+                bad[rid] = str(e)
+        return bad
+
+    def step(self, new: list[Wire], budget_s: float = 0.5) -> StepResult:
+        """Add `new` requests, then run engine steps until at least one request finishes, nothing is left, or
+        `budget_s` seconds pass."""
+        result = StepResult()
+        for rid, prompt_token_ids, params, lora in new:
+            try:
+                self.engine.add_request(rid, prompt_token_ids, params, lora)
+            except RequestError as e:
+                result.rejected.append((rid, str(e)))
+        deadline = time.monotonic() + budget_s
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                result.tokens += len(out.new_token_ids)
+                if out.finished:
+                    result.finished.append(out)
+            if result.finished or time.monotonic() > deadline:
+                break
+        result.running = len(self.engine.requests)
+        return result
+
+    def serve_step(self, new: list[Wire], aborts: list[str]) -> tuple[list, list, dict]:
+        """For the server: add, abort (a request may be aborted in the call that adds it), run one engine step.
+        Returns (every output of the step, as streaming needs them; (request id, reason) of rejected requests;
+        the engine's stats)."""
+        rejected = []
+        for rid, prompt_token_ids, params, lora in new:
+            try:
+                self.engine.add_request(rid, prompt_token_ids, params, lora)
+            except RequestError as e:
+                rejected.append((rid, str(e)))
+        for rid in aborts:
+            self.engine.abort_request(rid)
+        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        return outputs, rejected, self.engine.stats()
+
+    def warmup(self) -> None:
+        self.engine.warmup()

@@ -1,0 +1,131 @@
+"""Ray for the data-parallel paths: import it (or say what to install), start or join a runtime, start replicas."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import uuid
+from pathlib import Path
+
+from .. import errors
+from ..errors import ConfigError, InferError
+
+RAY_HINT = "pip install 'infer[ray]'"
+LOCAL_OBJECT_STORE = 256 * 2 ** 20  # replicas exchange token ids and small records, never tensors
+
+
+class ReplicaError(InferError):
+    """The engine replicas could not start, or every one of them died."""
+
+
+def require_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("--data-parallel and --ray-address need Ray, which is not installed", RAY_HINT) from None
+    return ray
+
+
+@contextlib.contextmanager
+def ray_runtime(address: str | None, num_cpus: int):
+    """Join the cluster at `address`, or start a local runtime of `num_cpus` CPUs; leave it at the end. A runtime
+    the calling program already started (ray.init before us) is used as it is and left running."""
+    ray = require_ray()
+    if ray.is_initialized():
+        yield ray
+        return
+    quiet = {"log_to_driver": False, "logging_level": logging.ERROR}
+    try:
+        if address:
+            ray.init(address=address, **quiet)
+        else:
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                     object_store_memory=LOCAL_OBJECT_STORE, **quiet)
+    except (ConnectionError, ValueError, RuntimeError, TimeoutError) as e:
+        where = f"the Ray cluster at {address}" if address else "a local Ray runtime"
+        raise ConfigError(f"cannot start or join {where}: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+                          "on the head node run `ray start --head`, then pass --ray-address HOST:6379 (or "
+                          "ray://HOST:10001)" if address else "check `ray status`, or pass --ray-address") from None
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def local_cpus(num_replicas: int) -> int:
+    return max(os.cpu_count() or 1, num_replicas)
+
+
+def _alive_nodes(ray) -> list[dict]:
+    return [n for n in ray.nodes() if n.get("Alive")]
+
+
+def replica_device(ray, config, n: int) -> str:
+    """'cuda' (one GPU per replica) or 'cpu', from --device and the GPUs the cluster has."""
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    if config.device == "cpu" or (config.device == "auto" and gpus == 0):
+        return "cpu"
+    if gpus < n:
+        raise ConfigError(f"--data-parallel {n} needs {n} GPUs (one per replica) but the Ray cluster has {gpus}",
+                          f"use --data-parallel {gpus}" if gpus else "use --device cpu for CPU replicas")
+    return "cuda"
+
+
+def cpu_threads(ray, n: int) -> int:
+    """Threads per CPU replica: an even share of the cluster's CPUs that still fits on one node."""
+    nodes = _alive_nodes(ray)
+    per_node = max((int(node["Resources"].get("CPU", 0)) for node in nodes), default=1)
+    total = int(ray.cluster_resources().get("CPU", 1))
+    return max(1, min(per_node, total // n))
+
+
+def replica_config(config, model_path: Path, device: str, n: int, single_node: bool):
+    """The engine config a replica builds from: absolute paths (a worker's directory is not the driver's), the
+    device Ray gives it, and on one machine of CPU replicas, an equal share of the default memory budget."""
+    cfg = copy.copy(config)  # not dataclasses.replace: a driver without a GPU must not check --device cuda itself
+    cfg.model = str(Path(model_path).resolve())
+    cfg.loras = {name: str(Path(p).resolve()) for name, p in config.loras.items()}
+    cfg.device = device
+    if device == "cpu" and single_node and cfg.memory_limit is None:
+        from ..engine.memory import available_cpu_memory
+        cfg.memory_limit = int(available_cpu_memory() * 0.5 / n)
+    return cfg
+
+
+def start_replicas(ray, config, model_path: Path, n: int, threads: int | None = None) -> tuple[list, list[dict]]:
+    """Start `n` replica actors, wait until each has loaded the model, and return (handles, infos). CPU replicas
+    use `threads` torch threads each (default: an even share of the cores)."""
+    from .replica import Replica
+    device = replica_device(ray, config, n)
+    threads = (threads or cpu_threads(ray, n)) if device == "cpu" else None
+    cfg = replica_config(config, model_path, device, n, single_node=len(_alive_nodes(ray)) == 1)
+    options = {"num_cpus": threads, "num_gpus": 0} if device == "cpu" else {"num_cpus": 1, "num_gpus": 1}
+    actor = ray.remote(Replica)
+    tag = uuid.uuid4().hex[:8]
+    handles = [actor.options(name=f"infer-{tag}-replica-{i}", **options).remote(cfg, threads) for i in range(n)]
+    try:
+        infos = ray.get([h.info.remote() for h in handles])
+    except ray.exceptions.RayError as e:
+        stop_replicas(ray, handles)
+        raise ReplicaError(f"an engine replica failed while loading the model: {_last_line(e)}",
+                           "run without --data-parallel to see the error, or pass --debug") from None
+    failed = next((i["error"] for i in infos if i["error"]), None)
+    if failed:
+        stop_replicas(ray, handles)
+        cls = getattr(errors, failed["type"], ReplicaError)
+        raise (cls if isinstance(cls, type) and issubclass(cls, InferError) else ReplicaError)(
+            failed["message"], failed["hint"])
+    return handles, infos
+
+
+def stop_replicas(ray, handles: list) -> None:
+    for h in handles:
+        with contextlib.suppress(Exception):
+            ray.kill(h, no_restart=True)
+
+
+def _last_line(error: Exception) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__

@@ -1,0 +1,201 @@
+"""The server's engine over N replicas, with serve.AsyncEngine's interface (add, abort, stats, shutdown), so the
+HTTP app is the same one. A router over Ray actors rather than Ray Serve: the app, its streaming, auth and metrics
+stay as they are, and one driver thread decides where each request runs.
+
+The driver thread sends a new request to the replica with the fewest in flight and asks every busy replica for one
+engine step at a time (two calls queued, so a replica never waits for the driver); every output goes to its
+request's asyncio queue. A replica that dies: requests that had no output yet run again on the others, those
+already streaming end with an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..engine.block_manager import BlockManager
+from ..engine.llm_engine import LLMEngine
+from ..serve.async_engine import AsyncEngine
+from .runtime import _last_line, stop_replicas
+
+log = logging.getLogger("infer.serve")
+DEPTH = 2  # step calls queued per replica
+POLL_S = 0.02  # how long the driver waits for a replica before it looks for new requests again
+SUMMED = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "num_preemptions", "lora_swaps",
+          "num_steps", "cuda_graph_replays")
+
+
+class _Adapters:
+    def __init__(self, names: list[str]):
+        self._names = list(names)
+
+    def has(self, name: str) -> bool:
+        return name in self._names
+
+    def names(self) -> list[str]:
+        return list(self._names)
+
+
+class _Blocks:
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    blocks_needed = BlockManager.blocks_needed
+
+
+class ReplicaView:
+    """What the server reads from its engine (tokenizer, config, model path, limits, adapter names), and
+    `validate`: LLMEngine's own checks, run in the driver against the limits a replica reported."""
+
+    def __init__(self, config, model_path, tokenizer, info: dict):
+        self.config, self.model_path, self.tokenizer = config, model_path, tokenizer
+        self.max_model_len = info["max_model_len"]
+        self.model_config = type("ModelLimits", (), {"vocab_size": info["vocab_size"]})()
+        self.block_manager = _Blocks(info["num_blocks"], config.block_size)
+        self.lora_manager = _Adapters(info["adapters"]) if info["adapters"] else None
+
+    validate = LLMEngine.validate
+
+    def stats(self) -> dict:
+        return {k: 0 for k in SUMMED} | {"kv_usage": 0.0, "prefix_cache_hit_rate": 0.0}
+
+
+@dataclass
+class _Replica:
+    index: int
+    handle: object
+    info: dict
+    alive: bool = True
+    calls: int = 0
+    new: list = field(default_factory=list)  # assigned, not sent yet
+    inflight: dict = field(default_factory=dict)  # request id -> _Pending, sent or assigned, not finished
+    started: set = field(default_factory=set)  # ids that have had an output delivered
+    aborts: list = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+
+
+class RayAsyncEngine(AsyncEngine):
+    def __init__(self, ray, handles: list, infos: list[dict], view: ReplicaView, max_queue: int | None = None):
+        self.ray = ray
+        self.replicas = [_Replica(i, h, info) for i, h, info in zip(range(len(handles)), handles, infos)]
+        self._calls: dict = {}  # object ref -> _Replica
+        self._owner: dict = {}  # request id -> _Replica (driver thread only)
+        super().__init__(view, max_queue)
+        self._thread.name = "infer-replicas"
+        for r, (_, _, stats) in zip(self.replicas, ray.get([h.serve_step.remote([], []) for h in handles])):
+            r.stats = stats
+        self.stats = self._aggregate()
+
+    # ------------------------------------------------------------------ the driver thread
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopping or self._adds or self._aborts or self._calls or self._busy()):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                adds, self._adds = list(self._adds), deque()
+                aborts, self._aborts = list(self._aborts), deque()
+            try:
+                self._route(adds, aborts)
+                self._send()
+                self._collect()
+            except Exception as e:  # never let the loop die
+                self.num_step_errors += 1
+                log.exception("replica driver error: %s", e)
+
+    def _busy(self) -> bool:
+        return any(r.alive and (r.inflight or r.new or r.aborts) for r in self.replicas)
+
+    def _route(self, adds: list, aborts: list) -> None:
+        for rid in aborts:
+            r = self._owner.get(rid)
+            if r is not None and r.alive:
+                r.aborts.append(rid)
+        live = [r for r in self.replicas if r.alive]
+        for p in adds:
+            if not live:
+                self._fail(p.request_id, "error", "no engine replica is left")
+                continue
+            r = min(live, key=lambda r: len(r.inflight))
+            r.new.append(p)
+            r.inflight[p.request_id] = p
+            self._owner[p.request_id] = r
+
+    def _send(self) -> None:
+        for r in self.replicas:
+            if not r.alive or r.calls >= DEPTH or not (r.new or r.aborts or r.inflight):
+                continue
+            wires = [(p.request_id, p.prompt_token_ids, p.params, p.lora) for p in r.new]
+            self._calls[r.handle.serve_step.remote(wires, r.aborts)] = r
+            r.new, r.aborts = [], []
+            r.calls += 1
+
+    def _collect(self) -> None:
+        if not self._calls:
+            return
+        ready, _ = self.ray.wait(list(self._calls), num_returns=1, timeout=POLL_S)
+        for ref in ready:
+            r = self._calls.pop(ref)
+            r.calls -= 1
+            if not r.alive:
+                continue
+            try:
+                outputs, rejected, r.stats = self.ray.get(ref)
+            except self.ray.exceptions.RayError as e:
+                self._lost(r, e)
+                continue
+            for rid, reason in rejected:
+                self._done(r, rid)
+                self._fail(rid, "error", reason)
+            for out in outputs:
+                if out.request_id in r.inflight:
+                    r.started.add(out.request_id)
+                    if out.finished:
+                        self._done(r, out.request_id)
+                    self._deliver(out)
+        stats = self._aggregate()
+        with self._cond:
+            self._num_waiting = stats["num_waiting"]
+        self.stats = stats
+
+    def _done(self, r: _Replica, rid: str) -> None:
+        r.inflight.pop(rid, None)
+        r.started.discard(rid)
+        self._owner.pop(rid, None)
+
+    def _lost(self, r: _Replica, error: Exception) -> None:
+        """Requests with no output yet go back to the front of the queue; those already streaming fail."""
+        r.alive = False
+        stop_replicas(self.ray, [r.handle])
+        for ref in [ref for ref, owner in self._calls.items() if owner is r]:
+            self._calls.pop(ref)
+        again = [p for rid, p in r.inflight.items() if rid not in r.started]
+        for rid in [rid for rid in r.inflight if rid in r.started]:
+            self._fail(rid, "error", f"engine replica {r.index} stopped while this request ran")
+        for rid in list(r.inflight):
+            self._owner.pop(rid, None)
+        r.inflight, r.new, r.started = {}, [], set()
+        with self._cond:
+            self._adds.extendleft(reversed([p for p in again if p.request_id in self._sinks]))
+        log.warning("engine replica %d stopped (%s); %d request(s) run again on the %d other replica(s)", r.index,
+                    _last_line(error), len(again), sum(x.alive for x in self.replicas))
+
+    # ------------------------------------------------------------------ what /health and /metrics read
+    def _aggregate(self) -> dict:
+        live = [r for r in self.replicas if r.alive]
+        total = {k: sum(r.stats.get(k, 0) for r in live) for k in SUMMED}
+        total["kv_usage"] = total["kv_blocks_used"] / max(total["kv_blocks_total"], 1)
+        rates = [r.stats.get("prefix_cache_hit_rate", 0.0) for r in live]
+        total["prefix_cache_hit_rate"] = sum(rates) / max(len(rates), 1)
+        total["num_replicas_alive"] = len(live)
+        total["replicas"] = [{"replica": r.index, "alive": r.alive, "host": r.info.get("host"),
+                              "device": r.info.get("device"), "num_in_flight": len(r.inflight),
+                              **{k: r.stats.get(k, 0) for k in ("num_running", "num_waiting", "kv_usage",
+                                                               "num_steps")}} for r in self.replicas]
+        return total
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        super().shutdown(timeout)
+        stop_replicas(self.ray, [r.handle for r in self.replicas])

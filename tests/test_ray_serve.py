@@ -1,0 +1,110 @@
+"""`infer serve --data-parallel 2` on a local Ray runtime with CPU replicas: the openai client gets the tokens one
+engine gives, streams, /health and /metrics show each replica, and killing one replica fails no request that had
+not started on it."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'infer[ray]')")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from infer.engine.config import EngineConfig  # noqa: E402
+from infer.engine.sampling_params import SamplingParams  # noqa: E402
+from infer.serve.app import serve_in_thread  # noqa: E402
+
+MAX_LEN = 256
+PROMPTS = [[5, 17, 99, 230, 41, 7], [8, 9, 10], [300, 301, 302, 303, 304, 305, 306, 307], [42] * 5]
+
+
+@pytest.fixture(scope="module")
+def server():
+    from infer.parallel.serve import build_server
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             object_store_memory=256 * 2 ** 20, logging_level="ERROR")
+    try:
+        cfg = EngineConfig("tiny-llama", max_model_len=MAX_LEN, max_num_seqs=4)
+        srv, _ = build_server(ray, cfg, 2, "tiny-llama", api_key=None, max_queue=64, shutdown_timeout=5)
+        yield srv
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def url(server):
+    with serve_in_thread(server) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def want():
+    """One engine's greedy tokens for every prompt: the oracle."""
+    from infer.engine.llm import LLM
+    outs = LLM("tiny-llama", max_model_len=MAX_LEN).generate(PROMPTS, SamplingParams(max_new_tokens=10,
+                                                                                      ignore_eos=True))
+    return [o.token_ids for o in outs]
+
+
+@pytest.fixture
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _complete(client, prompt):
+    r = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=10, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    return r.choices[0].model_extra["token_ids"]
+
+
+def _all(client) -> list:
+    with cf.ThreadPoolExecutor(len(PROMPTS) * 2) as pool:
+        return list(pool.map(lambda p: _complete(client, p), PROMPTS * 2))
+
+
+def test_same_tokens_as_one_engine_on_both_replicas(client, url, want):
+    assert _all(client) == want * 2
+    replicas = httpx.get(f"{url}/health").json()["engine"]["replicas"]
+    assert [r["alive"] for r in replicas] == [True, True]
+    assert all(r["num_steps"] > 0 for r in replicas), "both replicas should have run requests"
+
+
+def test_streaming(client, want):
+    chunks = list(client.completions.create(model="tiny-llama", prompt=PROMPTS[0], max_tokens=10, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    full = client.completions.create(model="tiny-llama", prompt=PROMPTS[0], max_tokens=10, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert len(chunks) > 2 and text == full.choices[0].text
+
+
+def test_metrics_per_replica(url):
+    body = httpx.get(f"{url}/metrics").text
+    assert 'infer:replica_up{replica="0"} 1.0' in body and 'infer:replica_up{replica="1"} 1.0' in body
+    assert "infer:replica_num_requests_running" in body and "infer:num_requests_running" in body
+
+
+def test_killed_replica_fails_no_request_that_had_not_started(client, url, server, want):
+    ray.kill(server.aengine.replicas[0].handle, no_restart=True)
+    assert _all(client) == want * 2  # requests sent to the dead replica ran again on the other
+    health = httpx.get(f"{url}/health").json()["engine"]
+    assert [r["alive"] for r in health["replicas"]] == [False, True] and health["num_replicas_alive"] == 1
+    assert 'infer:replica_up{replica="0"} 0.0' in httpx.get(f"{url}/metrics").text
+
+
+def test_stream_on_a_replica_that_dies_ends_with_an_error(client, url, server):
+    """Runs after the test above: replica 1 is the last one. A stream it serves ends with an error event when it
+    dies (never hangs), and with no replica left a new request fails at once."""
+    stream = client.completions.create(model="tiny-llama", prompt=PROMPTS[0], max_tokens=200, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    ray.kill(server.aengine.replicas[1].handle, no_restart=True)
+    with pytest.raises(openai.APIError, match="replica 1 stopped"):
+        list(chunks)
+    with pytest.raises(openai.APIError, match="no engine replica is left"):
+        _complete(client, PROMPTS[1])
+    assert httpx.get(f"{url}/health").json()["engine"]["num_replicas_alive"] == 0
