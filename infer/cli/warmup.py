@@ -56,6 +56,8 @@ def print_plan(plan, extra: dict) -> None:
         ("weights", gib(plan.weights_bytes)),
         ("peak activations" + (" (measured)" if plan.measured else " (estimated)"), gib(plan.activation_peak_bytes)),
     ]
+    if extra.get("kernel_tuning_s") is not None:
+        rows.append(("int4 kernel tuning at start (s)", f"{extra['kernel_tuning_s']:.1f}"))
     if extra.get("activation_estimate_bytes") is not None:
         rows.append(("peak activations (formula)", gib(extra["activation_estimate_bytes"])))
     if plan.lora_bytes:

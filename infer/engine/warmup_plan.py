@@ -66,12 +66,16 @@ def measured_plan(config: EngineConfig, max_length: int, concurrency: int) -> tu
             lora_manager.register(name, adapter)
         largest = max(config.loras, key=lora_manager.rank_of)
     budget = budget_bytes(config, device, resident)
+    tuning_s = None
+    if device.type == "cuda":  # what an engine start adds on this GPU: tuning the int4 matmul for shapes not in a table
+        from ..kernels.gptq_tune import tune_model
+        tuning_s = tune_model(model, config.max_num_batched_tokens, device)[1]
     with torch.inference_mode():
         plan, estimate = measure(model, cfg, config, dtype, device, max_length, concurrency, limit, lora_manager,
                                  largest, budget)
     extra = {"model": str(path), "dtype": str(dtype).replace("torch.", ""), "estimate": False,
              "activation_estimate_bytes": estimate, "weights_resident_bytes": resident,
-             "lora_adapter": largest}
+             "lora_adapter": largest, "kernel_tuning_s": tuning_s}
     return plan, extra
 
 
