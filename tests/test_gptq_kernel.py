@@ -27,8 +27,9 @@ MMAT = dict(kernel="mmat", BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=3, num_wa
 FIELDS = dict(kernel="mma", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=2, GROUP_M=1, num_warps=4, num_stages=2,
               FIELD=True)  # one dot per packed field (needs BLOCK_K / pack >= 16)
 GEMV_FIELDS = dict(GEMV, BLOCK_K=128, FIELD=True)
+MMAT_FIELDS = dict(MMAT, BLOCK_K=128, FIELD=True)
 CONFIGS = {"decode": DECODE, "prefill": PREFILL, "gemv": GEMV, "rows": ROWS, "mmat": MMAT, "fields": FIELDS,
-           "gemv_fields": GEMV_FIELDS, "dequant": {"kernel": "dequant"}}
+           "gemv_fields": GEMV_FIELDS, "mmat_fields": MMAT_FIELDS, "dequant": {"kernel": "dequant"}}
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +99,7 @@ def test_matches_reference(gemm, gen, regime, bits, group, desc_act, hint):
     sym, v2 = bool(torch.randint(0, 2, (1,), generator=g)), bool(torch.randint(0, 2, (1,), generator=g))
     qw, qz, s, gi = make_weights(g, bits, group, in_f, out_f, sym, desc_act, v2)
     lo, hi = {"decode": (1, 20), "prefill": (33, 90), "gemv": (1, 4), "rows": (1, 11), "mmat": (1, 40),
-              "fields": (1, 20), "gemv_fields": (1, 3), "dequant": (1, 90)}[regime]
+              "fields": (1, 20), "gemv_fields": (1, 3), "mmat_fields": (1, 40), "dequant": (1, 90)}[regime]
     m = int(torch.randint(lo, hi, (1,), generator=g))
     cfg = CONFIGS[regime]
     for dtype in (torch.float32, torch.float16):
@@ -199,6 +200,7 @@ def test_real_sizes_on_gpu(gemm, gen, m, k, n, group, desc_act):
                                  dict(DECODE, BLOCK_N=64, BLOCK_K=128, SPLIT_K=8),
                                  dict(MMAT, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8),
                                  dict(FIELDS, BLOCK_N=128, SPLIT_K=8), dict(GEMV_FIELDS, BLOCK_N=64, SPLIT_K=8),
+                                 dict(MMAT_FIELDS, BLOCK_M=64, BLOCK_N=128, SPLIT_K=2),
                                  dict(ROWS, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4),
                                  dict(PREFILL, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, GROUP_M=8)])
 def test_split_k_counters_under_graph_replays(gemm, gen, cfg):

@@ -164,7 +164,7 @@ def _mmat_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K,
                  sx_m, sq_k, sz_g, ss_g, sy_m,
                  BITS: tl.constexpr, ZEROS_V1: tl.constexpr, F32: tl.constexpr, DOT_F32: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                 GROUP_M: tl.constexpr):
+                 GROUP_M: tl.constexpr, FIELD_DOTS: tl.constexpr = False):
     """`mma` transposed: y^T = W^T x^T, so the dequantized weight is the first (register) operand of the tensor-core
     instruction and the few activation rows the second (as Machete does); BLOCK_N is the instruction's M side."""
     PACK: tl.constexpr = 32 // BITS
@@ -188,18 +188,30 @@ def _mmat_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K,
         words = tl.load(qw_ptr + wrow[None, :] * sq_k + offs_n[:, None],
                         mask=(wrow < k_end // PACK)[None, :] & mask_n[:, None], other=0, eviction_policy="evict_first")
         z, s = _zeros_scales(qz_ptr, s_ptr, k0 // group_size, offs_n, mask_n, sz_g, ss_g, BITS, ZEROS_V1)
-        q = (words[:, None, :] >> shifts) & ((1 << BITS) - 1)  # [BLOCK_N, PACK, BKW]
-        if F32:
-            w = ((q - z[:, None, None]).to(tl.float16) * s[:, None, None]).to(tl.float32)
-            acc += tl.dot(tl.reshape(w, (BLOCK_N, BLOCK_K)), xt.to(tl.float32), input_precision="ieee")
-        else:
-            v = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (z + 1024).to(tl.float16)[:, None, None]
-            w = tl.reshape(v, (BLOCK_N, BLOCK_K))
-            if DOT_F32:
-                part = tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
-            else:
-                part = tl.dot(w.to(xt.dtype), xt)
+        if FIELD_DOTS:  # one dot per field, the field tile straight from the loaded words' registers
+            part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            zf = (z + 1024).to(tl.float16)[:, None]
+            for j in tl.static_range(PACK):
+                kj = k0 + offs_w * PACK + j
+                xj = tl.load(x_ptr + offs_m[None, :] * sx_m + kj[:, None], mask=mask_m[None, :] & (kj < k_end)[:, None],
+                             other=0.0)
+                qj = ((words >> (j * BITS)) & ((1 << BITS) - 1)) | 0x6400
+                wj = qj.to(tl.int16).to(tl.float16, bitcast=True) - zf
+                part += tl.dot(wj.to(xj.dtype), xj)
             acc += part * s.to(tl.float32)[:, None]
+        else:
+            q = (words[:, None, :] >> shifts) & ((1 << BITS) - 1)  # [BLOCK_N, PACK, BKW]
+            if F32:
+                w = ((q - z[:, None, None]).to(tl.float16) * s[:, None, None]).to(tl.float32)
+                acc += tl.dot(tl.reshape(w, (BLOCK_N, BLOCK_K)), xt.to(tl.float32), input_precision="ieee")
+            else:
+                v = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (z + 1024).to(tl.float16)[:, None, None]
+                w = tl.reshape(v, (BLOCK_N, BLOCK_K))
+                if DOT_F32:
+                    part = tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+                else:
+                    part = tl.dot(w.to(xt.dtype), xt)
+                acc += part * s.to(tl.float32)[:, None]
     _epilogue(tl.trans(acc), y_ptr, ws_ptr, lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, offs_m, offs_n,
               M, N, sy_m, n_split, SPLIT)
 
@@ -352,7 +364,9 @@ def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, g
     elif kind == "mmat":
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), split, triton.cdiv(m, cfg["BLOCK_M"]))
         _mmat_kernel[grid](x2, qweight, qzeros, scales, y, ws, _locks(x2.device, grid[0] * grid[2]), *args,
-                           BLOCK_M=cfg["BLOCK_M"], GROUP_M=1, DOT_F32=interp_bf16, **common)
+                           BLOCK_M=cfg["BLOCK_M"], GROUP_M=1, DOT_F32=interp_bf16,
+                           FIELD_DOTS=bool(cfg.get("FIELD", False)) and not (f32 or interp_bf16)
+                           and cfg["BLOCK_K"] // (32 // bits) >= 16, **common)
     else:
         tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
         _mma_kernel[(tiles, split)](x2, qweight, qzeros, scales, y, ws, _locks(x2.device, tiles), *args,

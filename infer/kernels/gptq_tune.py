@@ -29,6 +29,9 @@ def quick_candidates(m: int, step: int) -> list[dict]:
         out += [dict(kernel="mma", BLOCK_M=min(max(16, m), 64), BLOCK_N=bn, BLOCK_K=128, SPLIT_K=s, GROUP_M=1,
                      num_warps=w, num_stages=st, FIELD=True)
                 for bn, w in ((128, 4), (256, 8)) for st in (2, 3) for s in (2, 4, 8, 16)]
+    if 32 <= m <= 256:
+        out += [dict(kernel="mmat", BLOCK_M=min(m, 64), BLOCK_N=bn, BLOCK_K=128, SPLIT_K=s, num_warps=8, num_stages=3,
+                     FIELD=True) for bn in (128, 256) for s in (1, 2, 4)]
     return [c for c in out if c["kernel"] == "dequant" or c["BLOCK_K"] <= step]
 
 
@@ -53,6 +56,9 @@ def candidates(m: int, step: int) -> list[dict]:
                 for bn, w in ((64, 4), (128, 4), (256, 8)) for st in (2, 3, 4) for s in splits]
         out += [dict(kernel="mmat", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=w, num_stages=3)
                 for bn, w in ((64, 4), (128, 4), (128, 8)) for bk in (64, 128) for s in (1,) + splits]
+    if 32 <= m <= 256:  # weights as the register operand of the tensor-core op, one dot per packed field
+        out += [dict(kernel="mmat", BLOCK_M=min(m, 64), BLOCK_N=bn, BLOCK_K=128, SPLIT_K=s, num_warps=w, num_stages=3,
+                     FIELD=True) for bn, w in ((128, 4), (128, 8), (256, 8)) for s in (1, 2, 4, 8)]
     if m >= 128:
         out += [dict(kernel="mmat", BLOCK_M=bm, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_warps=8, num_stages=3)
                 for bm in (64, 128)]
