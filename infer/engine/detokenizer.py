@@ -5,15 +5,31 @@ from __future__ import annotations
 from .sequence import Sequence
 
 
+def _fast_decode(tokenizer):
+    """The Rust tokenizer's own decode when it is exactly what `tokenizer.decode(ids, skip_special_tokens=True)`
+    returns (a transformers fast tokenizer with its stock _decode and no space clean-up), else None. It skips the
+    Python wrapper's conversion of the id list, which costs more than the decoding of a short reply."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (backend is None or not isinstance(tokenizer, TokenizersBackend)
+            or type(tokenizer)._decode is not TokenizersBackend._decode or tokenizer.clean_up_tokenization_spaces):
+        return None
+    return lambda ids: backend.decode(ids, skip_special_tokens=True)
+
+
 class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self._decode = _fast_decode(tokenizer) or (lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
     def update(self, seq: Sequence, stop_token: bool) -> bool:
         """Refresh seq.text from its output tokens; True if a stop string was found (text is cut before it).
         A final stop/EOS token is not part of the text."""
         ids = seq.output_token_ids[:-1] if stop_token else seq.output_token_ids
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        text = self._decode(ids)
         for stop in seq.params.stop:
             # only look where the newest tokens could have completed a stop string
             start = max(0, len(seq.text) - len(stop) - 8)

@@ -1,12 +1,17 @@
-"""Run the model once on a flat batch: build token ids, positions, block tables and slot mapping, run, sample."""
+"""Run the model once on a flat batch: build token ids, positions, block tables and slot mapping, run, sample.
+
+`launch` returns as soon as the work is queued on the device (a StepHandle); `StepHandle.result` waits for the one
+device-to-host copy of the step's sampled tokens. `run` does both."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from ..models.context import ForwardContext
 from .config import EngineConfig
-from .sampler import Sampler
+from .sampler import SampledBatch, Sampler
 from .scheduler import ScheduledBatch
 
 
@@ -55,55 +60,106 @@ class ModelRunner:
         slot = self.lora_manager.slot_of
         return sorted(range(len(batch.seqs)), key=lambda i: slot(batch.seqs[i].lora))
 
-    def prepare(self, batch: ScheduledBatch, order: list[int] | None = None):
-        ids, pos, slots, qsl, lens, tables, lora_slots = [], [], [], [0], [], [], []
-        bs = self.block_size
+    def prepare(self, batch: ScheduledBatch, order: list[int] | None = None, prev: StepHandle | None = None):
+        """(input_ids, positions, ctx, last) of the batch in `order`; `last[j]` is the flat index of the j-th
+        sequence's last token. Token ids still pending on the host (PENDING) are taken from `prev`'s sampled
+        tokens on the device. All integer inputs travel to the device as one tensor."""
         order = order if order is not None else list(range(len(batch.seqs)))
+        bs, ids, pos, slots, tables, lens, last, fill, lora_slots = self.block_size, [], [], [], [], [], [], [], []
         for seq, n in ((batch.seqs[i], batch.num_new_tokens[i]) for i in order):
-            start = seq.num_computed_tokens
+            start, table = seq.num_computed_tokens, seq.block_table
+            if seq.num_pending and start + n > len(seq) - seq.num_pending:
+                assert prev is not None and seq.num_pending == 1, "a pending token without the step that made it"
+                fill.append((len(ids) + n - 1, prev.row_of[seq.request_id]))
             ids.extend(seq.tokens(start, start + n))
-            pos.extend(range(start, start + n))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            qsl.append(qsl[-1] + n)
+            if n == 1:
+                pos.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                pos.extend(range(start, start + n))
+                slots.extend([table[p // bs] * bs + p % bs for p in range(start, start + n)])
             lens.append(start + n)
+            last.append(len(ids) - 1)
             tables.append(table)
             if self.lora_manager is not None:
                 lora_slots.extend([self.lora_manager.slot_of(seq.lora)] * n)
-        width = max(len(t) for t in tables)
-        dev = self.device
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
+        width = max(map(len, tables))
+        flat = ids + pos + slots + [0] + [j + 1 for j in last] + lens
+        for row in tables:
+            flat.extend(row)
+            flat.extend([0] * (width - len(row)))
+        data = torch.tensor(flat, dtype=torch.long).to(self.device, non_blocking=True)
+        t, b = len(ids), len(tables)
+        input_ids, positions = data[:t], data[t:2 * t]
+        if fill:
+            where, rows = torch.tensor(fill, device=self.device).unbind(1)
+            input_ids = input_ids.index_copy(0, where, prev.sampled.tokens.index_select(0, rows))
         ctx = ForwardContext(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            block_tables=block_tables,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            max_query_len=max(batch.num_new_tokens),
-        )
+            query_start_loc=data[3 * t:3 * t + b + 1].int(), seq_lens=data[3 * t + b + 1:3 * t + 2 * b + 1].int(),
+            block_tables=data[3 * t + 2 * b + 1:].view(b, width).int(), slot_mapping=data[2 * t:3 * t],
+            max_query_len=max(batch.num_new_tokens))
         if self.lora_manager is not None:
             ctx.lora = self.lora_manager.make_batch(lora_slots)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        return input_ids, positions, ctx
+        return input_ids, positions, ctx, last
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                num_new_tokens: list[int]) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.fits(num_new_tokens, ctx):
+            return self.graphs.run(input_ids, positions, ctx)
+        return self.model(input_ids, positions, ctx)
 
     @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, prev: StepHandle | None = None) -> StepHandle:
+        """Run the model and sample on the device, start copying the sampled tokens to the host, and return without
+        waiting for the device. `prev`: the step before, whose tokens may still be pending on the host."""
+        order = self.order(batch)
+        input_ids, positions, ctx, last = self.prepare(batch, order, prev)
+        hidden = self.forward(input_ids, positions, ctx, batch.num_new_tokens)
+        rows, flat = [], []
+        for j, i in enumerate(order):  # j: position in the run, i: index in the batch
+            seq = batch.seqs[i]
+            if seq.num_computed_tokens + batch.num_new_tokens[i] == len(seq):
+                rows.append(i)
+                flat.append(last[j])
+        if not rows:
+            return StepHandle([], {}, None, None, None)
+        idx = torch.tensor(flat, device=hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, idx))
+        sampled = self.sampler.sample(logits, [batch.seqs[i] for i in rows])
+        host, event = _copy_to_host(sampled.packed)
+        return StepHandle(rows, {batch.seqs[i].request_id: r for r, i in enumerate(rows)}, sampled, host, event)
+
     def run(self, batch: ScheduledBatch) -> dict[int, tuple[int, dict | None]]:
         """Returns {index in batch: (token, logprob record)} for the sequences whose prompt is now complete."""
-        order = self.order(batch)
-        input_ids, positions, ctx = self.prepare(batch, order)
-        if self.graphs is not None and self.graphs.fits(batch.num_new_tokens, ctx):
-            hidden = self.graphs.run(input_ids, positions, ctx)
-        else:
-            hidden = self.model(input_ids, positions, ctx)
-        rows, seqs, last = [], [], ctx.query_start_loc[1:].tolist()
-        for j, i in enumerate(order):  # j: position in the run, i: index in the batch
-            seq, n = batch.seqs[i], batch.num_new_tokens[i]
-            if seq.num_computed_tokens + n == len(seq):
-                rows.append((i, j))
-                seqs.append(seq)
-        if not rows:
+        return self.launch(batch).result()
+
+
+def _copy_to_host(packed: torch.Tensor):
+    """(host tensor, event): one non-blocking copy into pinned memory; the event marks its end."""
+    if packed.device.type == "cpu":
+        return packed, None
+    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+    host.copy_(packed, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+@dataclass
+class StepHandle:
+    """A launched step: its sampled tokens on the device and their copy to the host, maybe still under way."""
+
+    rows: list[int]  # index in the batch of each sampled row
+    row_of: dict[str, int]  # request id -> row (where the next step finds a pending input token)
+    sampled: SampledBatch | None
+    host: torch.Tensor | None
+    event: object = None
+
+    def result(self) -> dict[int, tuple[int, dict | None]]:
+        """Wait for the copy; {index in batch: (token, logprob record)}."""
+        if not self.rows:
             return {}
-        idx = torch.tensor([last[j] - 1 for _, j in rows], device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, idx))
-        tokens, records = self.sampler(logits, seqs)
-        return {i: (t, r) for (i, _), t, r in zip(rows, tokens, records)}
+        if self.event is not None:
+            self.event.synchronize()
+        tokens, records = self.sampled.decode(self.host)
+        return {i: (t, r) for i, t, r in zip(self.rows, tokens, records)}
