@@ -101,20 +101,23 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledBatch:
         """The whole batch on the device, without a sync."""
         logits = logits.float()
-        params = [s.params for s in seqs]
-        if any(p.needs_penalties for p in params):
-            x = self._penalised(logits, seqs)
-        else:
-            x = logits
+        x = self.penalised(logits, seqs)
         tokens = x.argmax(-1)
-        rows = [i for i, p in enumerate(params) if not p.greedy]
+        rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if rows:
-            idx = torch.tensor(rows, device=logits.device)
-            picked = self._draw(x if len(rows) == len(seqs) else x.index_select(0, idx), [seqs[i] for i in rows])
-            tokens = picked if len(rows) == len(seqs) else tokens.index_copy(0, idx, picked)
-        return self._pack(logits, tokens, [p.logprobs for p in params])
+            every = len(rows) == len(seqs)
+            idx = None if every else torch.tensor(rows, device=logits.device)
+            drawn = [seqs[i] for i in rows]
+            probs = self.probs(x if every else x.index_select(0, idx), drawn)
+            picked = (probs / self._exponentials(drawn, x.shape[-1], x.device)).argmax(-1)
+            tokens = picked if every else tokens.index_copy(0, idx, picked)
+        return self._pack(logits, tokens, [s.params.logprobs for s in seqs])
 
-    def _penalised(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    @staticmethod
+    def penalised(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """logits [n, V] (float) with each row's repetition, presence and frequency penalties applied."""
+        if not any(s.params.needs_penalties for s in seqs):
+            return logits
         vocab, dev = logits.shape[-1], logits.device
         values = torch.tensor([[s.params.repetition_penalty, s.params.presence_penalty, s.params.frequency_penalty]
                                for s in seqs], device=dev)
@@ -125,16 +128,16 @@ class Sampler:
         counts = token_counts(outs, vocab, dev)
         return apply_penalties(logits, seen, counts, values[:, 0], values[:, 1], values[:, 2])
 
-    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """One token per row (all rows non-greedy): temperature, top-k, top-p, exponential race."""
+    @staticmethod
+    def probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The distribution each (non-greedy) row draws from: temperature, top-k, top-p, softmax."""
         vocab, dev = logits.shape[-1], logits.device
         values = torch.tensor([[s.params.temperature, 1.0 - s.params.top_p,
                                 min(s.params.top_k, vocab) if s.params.top_k else vocab] for s in seqs], device=dev)
         x = logits / values[:, 0:1]
         if any(s.params.top_k or s.params.top_p < 1.0 for s in seqs):
             x = filter_top_k_top_p(x, values[:, 2].long(), values[:, 1])
-        probs = x.softmax(-1)
-        return (probs / self._exponentials(seqs, vocab, dev)).argmax(-1)
+        return x.softmax(-1)
 
     def _exponentials(self, seqs: list[Sequence], vocab: int, device: torch.device) -> torch.Tensor:
         """[len(seqs), vocab] Exp(1) draws: a seeded request's row from its own generator."""
