@@ -118,3 +118,55 @@ def test_emulated_cuda_graphs_take_pending_ids_from_the_device(path):
     outs = llm.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lens])
     assert sum(llm.engine.runner.graphs.replays.values()) >= 10
     assert [o.token_ids for o in outs] == [hf_greedy(path, p, n) for p, n in zip(prompts, lens)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eager", [True, False])
+def test_gpu_overlap_gives_the_tokens_of_plain_steps(path, eager):
+    prompts = random_prompts(512, LENGTHS, seed=4)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (3, 9, 17, 30)]
+    params += [SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3, logprobs=1)]
+    got = {}
+    for overlap in (False, True):
+        llm = LLM(path, device="cuda", dtype="float32", max_num_seqs=8, block_size=16, enforce_eager=eager,
+                  overlap=overlap)
+        outs = llm.generate(prompts, [params[i % len(params)] for i in range(len(prompts))])
+        got[overlap] = [(o.token_ids, o.finish_reason) for o in outs]
+        assert llm.engine.block_manager.num_used_blocks == 0
+    assert got[True] == got[False]
+    for i in range(4):
+        assert got[True][i][0] == hf_greedy(path, prompts[i], params[i].max_new_tokens)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_steps_never_wait_for_the_device_before_their_one_copy(path):
+    """A steady decode step with overlap, sampling included, queues its work without a single synchronising
+    call (torch's sync debug mode raises on one); the step's one wait is the event of the previous step's copy."""
+    import torch
+    llm = LLM(path, device="cuda", max_num_seqs=8, block_size=16)
+    assert llm.engine.overlap
+    params = [SamplingParams(max_new_tokens=40, ignore_eos=True),
+              SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=0.7, top_k=20, top_p=0.9, seed=1),
+              SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=1.0, logprobs=3)]
+    for i, p in enumerate(params * 2):
+        llm.engine.add_request(str(i), random_prompts(512, (7 + i,), seed=i)[0], p)
+    for _ in range(4):  # prefills, first graph replays
+        llm.engine.step()
+    eng = llm.engine
+    batch, prev = eng._inflight  # launched, its tokens pending: the next step reads them on the device
+    nxt = eng.scheduler.schedule()
+    eng.runner.zero_blocks(eng.block_manager.fresh)
+    eng.block_manager.fresh.clear()
+    assert all(s.num_pending == 1 for s in nxt.seqs)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        handle = eng.runner.launch(nxt, prev)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    eng._launched(nxt, handle.rows)
+    eng._inflight = (nxt, handle)
+    assert eng._complete(batch, prev.result()) and len(handle.rows) == 6
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    assert sorted(outs) == [str(i) for i in range(6)] and all(o.num_generated == 40 for o in outs.values())

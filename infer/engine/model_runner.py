@@ -13,6 +13,7 @@ from ..models.context import ForwardContext
 from .config import EngineConfig
 from .sampler import SampledBatch, Sampler
 from .scheduler import ScheduledBatch
+from .transfer import to_device
 
 
 class ModelRunner:
@@ -50,7 +51,7 @@ class ModelRunner:
 
     def zero_blocks(self, block_ids: list[int]) -> None:
         if block_ids:
-            self.kv_cache[:, :, torch.tensor(block_ids, device=self.device)] = 0
+            self.kv_cache[:, :, to_device(block_ids, torch.long, self.device)] = 0
 
     def order(self, batch: ScheduledBatch) -> list[int]:
         """The order the batch's sequences run in: by adapter slot when adapters are loaded (the base model's first),
@@ -88,11 +89,11 @@ class ModelRunner:
         for row in tables:
             flat.extend(row)
             flat.extend([0] * (width - len(row)))
-        data = torch.tensor(flat, dtype=torch.long).to(self.device, non_blocking=True)
+        data = to_device(flat, torch.long, self.device)
         t, b = len(ids), len(tables)
         input_ids, positions = data[:t], data[t:2 * t]
         if fill:
-            where, rows = torch.tensor(fill, device=self.device).unbind(1)
+            where, rows = to_device(fill, torch.long, self.device).unbind(1)
             input_ids = input_ids.index_copy(0, where, prev.sampled.tokens.index_select(0, rows))
         ctx = ForwardContext(
             query_start_loc=data[3 * t:3 * t + b + 1].int(), seq_lens=data[3 * t + b + 1:3 * t + 2 * b + 1].int(),
@@ -123,7 +124,7 @@ class ModelRunner:
                 flat.append(last[j])
         if not rows:
             return StepHandle([], {}, None, None, None)
-        idx = torch.tensor(flat, device=hidden.device)
+        idx = to_device(flat, torch.long, hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, idx))
         sampled = self.sampler.sample(logits, [batch.seqs[i] for i in rows])
         host, event = _copy_to_host(sampled.packed)

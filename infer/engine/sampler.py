@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .sequence import Sequence
+from .transfer import to_device
 
 NEG_INF = float("-inf")
 
@@ -58,7 +59,7 @@ def token_counts(rows: list[list[int]], vocab: int, device: torch.device) -> tor
     counts = torch.zeros(len(rows), vocab + 1, device=device)
     width = max(map(len, rows), default=0)
     if width:
-        ids = torch.tensor([r + [vocab] * (width - len(r)) for r in rows], device=device)  # vocab: padding column
+        ids = to_device([r + [vocab] * (width - len(r)) for r in rows], torch.long, device)  # vocab: padding column
         counts.scatter_add_(1, ids, torch.ones(ids.shape, device=device))
     return counts[:, :vocab]
 
@@ -106,7 +107,7 @@ class Sampler:
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if rows:
             every = len(rows) == len(seqs)
-            idx = None if every else torch.tensor(rows, device=logits.device)
+            idx = None if every else to_device(rows, torch.long, logits.device)
             drawn = [seqs[i] for i in rows]
             probs = self.probs(x if every else x.index_select(0, idx), drawn)
             picked = (probs / self._exponentials(drawn, x.shape[-1], x.device)).argmax(-1)
@@ -119,8 +120,8 @@ class Sampler:
         if not any(s.params.needs_penalties for s in seqs):
             return logits
         vocab, dev = logits.shape[-1], logits.device
-        values = torch.tensor([[s.params.repetition_penalty, s.params.presence_penalty, s.params.frequency_penalty]
-                               for s in seqs], device=dev)
+        values = to_device([[s.params.repetition_penalty, s.params.presence_penalty, s.params.frequency_penalty]
+                            for s in seqs], torch.float32, dev)
         rep = [s.params.repetition_penalty != 1.0 for s in seqs]
         seen = token_counts([s.prompt_token_ids + s.output_token_ids if r else [] for s, r in zip(seqs, rep)],
                             vocab, dev) > 0
@@ -132,8 +133,8 @@ class Sampler:
     def probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The distribution each (non-greedy) row draws from: temperature, top-k, top-p, softmax."""
         vocab, dev = logits.shape[-1], logits.device
-        values = torch.tensor([[s.params.temperature, 1.0 - s.params.top_p,
-                                min(s.params.top_k, vocab) if s.params.top_k else vocab] for s in seqs], device=dev)
+        values = to_device([[s.params.temperature, 1.0 - s.params.top_p,
+                             min(s.params.top_k, vocab) if s.params.top_k else vocab] for s in seqs], torch.float32, dev)
         x = logits / values[:, 0:1]
         if any(s.params.top_k or s.params.top_p < 1.0 for s in seqs):
             x = filter_top_k_top_p(x, values[:, 2].long(), values[:, 1])
