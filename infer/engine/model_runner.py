@@ -64,44 +64,26 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch, order: list[int] | None = None, prev: StepHandle | None = None):
         """(input_ids, positions, ctx, last) of the batch in `order`; `last[j]` is the flat index of the j-th
         sequence's last token. Token ids still pending on the host (PENDING) are taken from `prev`'s sampled
-        tokens on the device. All integer inputs travel to the device as one tensor."""
-        order = order if order is not None else list(range(len(batch.seqs)))
-        bs, ids, pos, slots, tables, lens, last, fill, lora_slots = self.block_size, [], [], [], [], [], [], [], []
-        for seq, n in ((batch.seqs[i], batch.num_new_tokens[i]) for i in order):
-            start, table = seq.num_computed_tokens, seq.block_table
-            if seq.num_pending and start + n > len(seq) - seq.num_pending:
-                assert prev is not None and seq.num_pending == 1, "a pending token without the step that made it"
-                fill.append((len(ids) + n - 1, prev.row_of[seq.request_id]))
-            ids.extend(seq.tokens(start, start + n))
-            if n == 1:
-                pos.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                pos.extend(range(start, start + n))
-                slots.extend([table[p // bs] * bs + p % bs for p in range(start, start + n)])
-            lens.append(start + n)
-            last.append(len(ids) - 1)
-            tables.append(table)
+        tokens on the device. All integer inputs travel to the device as one tensor, without a sync."""
+        host = HostInputs(self.block_size)
+        for i in order if order is not None else range(len(batch.seqs)):
+            seq = batch.seqs[i]
+            host.add(seq, batch.num_new_tokens[i], prev)
             if self.lora_manager is not None:
-                lora_slots.extend([self.lora_manager.slot_of(seq.lora)] * n)
-        width = max(map(len, tables))
-        flat = ids + pos + slots + [0] + [j + 1 for j in last] + lens
-        for row in tables:
-            flat.extend(row)
-            flat.extend([0] * (width - len(row)))
-        data = to_device(flat, torch.long, self.device)
-        t, b = len(ids), len(tables)
+                host.lora_slots.extend([self.lora_manager.slot_of(seq.lora)] * batch.num_new_tokens[i])
+        t, b, width = len(host.ids), len(host.tables), max(map(len, host.tables))
+        data = to_device(host.flat(width), torch.long, self.device)
         input_ids, positions = data[:t], data[t:2 * t]
-        if fill:
-            where, rows = to_device(fill, torch.long, self.device).unbind(1)
+        if host.fill:
+            where, rows = to_device(host.fill, torch.long, self.device).unbind(1)
             input_ids = input_ids.index_copy(0, where, prev.sampled.tokens.index_select(0, rows))
         ctx = ForwardContext(
             query_start_loc=data[3 * t:3 * t + b + 1].int(), seq_lens=data[3 * t + b + 1:3 * t + 2 * b + 1].int(),
             block_tables=data[3 * t + 2 * b + 1:].view(b, width).int(), slot_mapping=data[2 * t:3 * t],
             max_query_len=max(batch.num_new_tokens))
         if self.lora_manager is not None:
-            ctx.lora = self.lora_manager.make_batch(lora_slots)
-        return input_ids, positions, ctx, last
+            ctx.lora = self.lora_manager.make_batch(host.lora_slots)
+        return input_ids, positions, ctx, host.last
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
                 num_new_tokens: list[int]) -> torch.Tensor:
@@ -133,6 +115,40 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> dict[int, tuple[int, dict | None]]:
         """Returns {index in batch: (token, logprob record)} for the sequences whose prompt is now complete."""
         return self.launch(batch).result()
+
+
+class HostInputs:
+    """A step's integer inputs, gathered on the host sequence by sequence."""
+
+    def __init__(self, block_size: int):
+        self.bs = block_size
+        self.ids, self.pos, self.slots, self.lens, self.last, self.lora_slots = [], [], [], [], [], []
+        self.tables: list[list[int]] = []
+        self.fill: list[tuple[int, int]] = []  # (flat index, row of the previous step's sampled tokens)
+
+    def add(self, seq, n: int, prev: StepHandle | None) -> None:
+        start, table, bs = seq.num_computed_tokens, seq.block_table, self.bs
+        if seq.num_pending and start + n > len(seq) - seq.num_pending:
+            assert prev is not None and seq.num_pending == 1, "a pending token without the step that made it"
+            self.fill.append((len(self.ids) + n - 1, prev.row_of[seq.request_id]))
+        self.ids.extend(seq.tokens(start, start + n))
+        if n == 1:  # a decode: no per-token loop
+            self.pos.append(start)
+            self.slots.append(table[start // bs] * bs + start % bs)
+        else:
+            self.pos.extend(range(start, start + n))
+            self.slots.extend([table[p // bs] * bs + p % bs for p in range(start, start + n)])
+        self.lens.append(start + n)
+        self.last.append(len(self.ids) - 1)
+        self.tables.append(table)
+
+    def flat(self, width: int) -> list[int]:
+        """ids, positions, slots [T each], query_start_loc [B+1], seq_lens [B], block tables [B * width]."""
+        flat = self.ids + self.pos + self.slots + [0] + [j + 1 for j in self.last] + self.lens
+        for row in self.tables:
+            flat.extend(row)
+            flat.extend([0] * (width - len(row)))
+        return flat
 
 
 def _copy_to_host(packed: torch.Tensor):

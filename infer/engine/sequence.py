@@ -43,6 +43,7 @@ class Sequence:
         self.logprobs: list[dict] | None = [] if self.params.logprobs is not None else None
         self.text = ""  # detokenized output, stop strings removed
         self.sent_text_len = 0  # how much of `text` the caller has seen (streaming)
+        self.decoded_tokens, self.decoded_text = 0, ""  # output tokens whose text is final, and that text
         self.num_preemptions = 0
         self.generator = None  # torch.Generator for seeded sampling, made by the sampler
         # Tokens sampled on the device whose values the host does not know yet (overlapped steps, see
