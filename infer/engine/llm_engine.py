@@ -97,14 +97,10 @@ class LLMEngine:
         device, and this batch's input ids for tokens the host has not seen yet come from the device."""
         outputs = self._take_aborted()
         if self._inflight is not None and not self._may_overlap(self._inflight[0]):
-            batch, handle = self._take_inflight()
-            outputs += self._complete(batch, handle.result())
+            outputs += self._drain()
         batch = self.scheduler.schedule()
         if not batch:
-            if self._inflight is not None:
-                done, handle = self._take_inflight()
-                outputs += self._complete(done, handle.result())
-            return outputs
+            return outputs + self._drain()
         self.runner.zero_blocks(self.block_manager.fresh)
         self.block_manager.fresh.clear()
         self.num_steps += 1
@@ -112,7 +108,7 @@ class LLMEngine:
             sampled = self.runner.run(batch)
             self._launched(batch, sampled)
             return outputs + self._complete(batch, sampled)
-        prev = self._take_inflight()
+        prev = self._inflight  # taken only once the next batch is launched: a failed launch loses nothing
         handle = self.runner.launch(batch, prev[1] if prev else None)
         self._launched(batch, handle.rows)
         self._inflight = (batch, handle)
@@ -125,9 +121,12 @@ class LLMEngine:
         self._aborted = []
         return outputs
 
-    def _take_inflight(self):
-        inflight, self._inflight = self._inflight, None
-        return inflight
+    def _drain(self) -> list[RequestOutput]:
+        """Wait for the launched batch, if any, and complete it."""
+        if self._inflight is None:
+            return []
+        (batch, handle), self._inflight = self._inflight, None
+        return self._complete(batch, handle.result())
 
     def _may_overlap(self, batch: ScheduledBatch) -> bool:
         """Penalties read the previous token on the host: a batch with them is completed before the next one."""
