@@ -129,7 +129,7 @@ def test_gpu_overlap_gives_the_tokens_of_plain_steps(path, eager):
     got = {}
     for overlap in (False, True):
         llm = LLM(path, device="cuda", dtype="float32", max_num_seqs=8, block_size=16, enforce_eager=eager,
-                  overlap=overlap)
+                  overlap=overlap, num_kv_blocks=128, max_model_len=256)  # small: several engines in one process
         outs = llm.generate(prompts, [params[i % len(params)] for i in range(len(prompts))])
         got[overlap] = [(o.token_ids, o.finish_reason) for o in outs]
         assert llm.engine.block_manager.num_used_blocks == 0
@@ -143,7 +143,7 @@ def test_gpu_decode_steps_never_wait_for_the_device_before_their_one_copy(path):
     """A steady decode step with overlap, sampling included, queues its work without a single synchronising
     call (torch's sync debug mode raises on one); the step's one wait is the event of the previous step's copy."""
     import torch
-    llm = LLM(path, device="cuda", max_num_seqs=8, block_size=16)
+    llm = LLM(path, device="cuda", max_num_seqs=8, block_size=16, num_kv_blocks=128, max_model_len=256)
     assert llm.engine.overlap
     params = [SamplingParams(max_new_tokens=40, ignore_eos=True),
               SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=0.7, top_k=20, top_p=0.9, seed=1),

@@ -63,8 +63,9 @@ class Detokenizer:
         if not seq.finished:
             if seq.text.endswith("\ufffd"):
                 end = seq.text.rstrip("\ufffd").__len__()
-            hold = max((len(s) - 1 for s in seq.params.stop), default=0)
-            end = max(seq.sent_text_len, end - hold)
+            if seq.params.stop:
+                end -= max(len(s) for s in seq.params.stop) - 1
+            end = max(seq.sent_text_len, end)
         out = seq.text[seq.sent_text_len:end]
         seq.sent_text_len = end
         return out

@@ -28,12 +28,14 @@ class RequestOutput:
         self._seq, self._len = None, 0
 
     @classmethod
-    def snapshot(cls, seq, **kw) -> RequestOutput:
+    def snapshot(cls, seq, new_token_ids: list[int], delta_text: str) -> RequestOutput:
         """The output of `seq` (an engine.sequence.Sequence) as it is now, its lists read lazily."""
-        out = cls(seq.request_id, seq.prompt_token_ids, lora=seq.lora, arrival_time=seq.arrival_time,
-                  first_token_time=seq.first_token_time, num_cached_tokens=seq.num_cached_tokens,
-                  num_prefix_tokens=len(seq.params.prefix_token_ids), finished=seq.finished,
-                  finish_reason=seq.finish_reason, error=seq.error, text=seq.text, **kw)
+        out = cls.__new__(cls)  # every field set here: this runs for every request at every step
+        out.request_id, out.prompt_token_ids, out.new_token_ids = seq.request_id, seq.prompt_token_ids, new_token_ids
+        out.text, out.delta_text, out.finished = seq.text, delta_text, seq.finished
+        out.finish_reason, out.error, out.lora = seq.finish_reason, seq.error, seq.lora
+        out.arrival_time, out.first_token_time = seq.arrival_time, seq.first_token_time
+        out.num_cached_tokens, out.num_prefix_tokens = seq.num_cached_tokens, len(seq.params.prefix_token_ids)
         out._token_ids = out._token_times = out._logprobs = None
         out._seq, out._len = seq, len(seq.output_token_ids)
         return out
