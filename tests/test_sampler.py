@@ -166,3 +166,21 @@ def test_greedy_rows_take_the_penalised_argmax_and_logprobs_are_packed():
     assert records[2]["top_logprobs"] == [{"token_id": int(i), "logprob": float(v)}
                                           for v, i in zip(top.values, top.indices)]
     assert len(records[4]["top_logprobs"]) == 2
+
+
+@pytest.mark.gpu
+def test_gpu_sampler_filters_like_the_cpu_and_seeds_repeat():
+    logits, seqs = _random_batch(32, 11)
+    for i, s in enumerate(seqs):
+        s.params.seed = i if i % 2 else None
+    cpu = Sampler.probs(Sampler.penalised(logits, seqs), seqs)
+    gpu = Sampler.probs(Sampler.penalised(logits.cuda(), seqs), seqs).cpu()
+    torch.testing.assert_close(gpu, cpu, atol=1e-5, rtol=1e-4)
+    runs = []
+    for _ in range(2):
+        for s in seqs:
+            s.generator = None
+        out = Sampler(0).sample(logits.cuda(), seqs)
+        runs.append(out.decode(out.packed.cpu())[0])
+    assert runs[0] == runs[1]
+    assert all(cpu[i, t] > 0 for i, t in enumerate(runs[0]))  # never a filtered token
