@@ -87,6 +87,9 @@ class EngineConfig:
     enable_prefix_caching: bool = option(True, "Reuse the KV of shared prompt prefixes.",
                                          flag="--prefix-caching/--no-prefix-caching")
     num_kv_blocks: int | None = None  # API only; None: sized from the memory budget
+    # API only: prepare and hand out step n's results while step n+1 runs on the device (None: on for CUDA, off on
+    # CPU, where one processor does both and nothing can overlap)
+    overlap: bool | None = None
     memory_limit: int | None = option(None, "CPU memory budget for weights, activations and KV cache, e.g. 8GB "
                                             "(default: half the available RAM).", cli_type=str)
     gpu_memory_utilization: float = option(0.90, "Fraction of the GPU's memory the engine may use, in (0, 1].")
@@ -132,6 +135,9 @@ class EngineConfig:
         if checkpoint_dtype in (torch.float16, torch.bfloat16):
             return checkpoint_dtype
         return torch.float16
+
+    def use_overlap(self) -> bool:
+        return self.torch_device().type == "cuda" if self.overlap is None else self.overlap
 
     def use_cuda_graphs(self) -> bool:
         return self.torch_device().type == "cuda" and not self.enforce_eager

@@ -14,7 +14,7 @@ from .detokenizer import Detokenizer
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
 from .setup import load_engine_parts
 
@@ -48,6 +48,8 @@ class LLMEngine:
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
+        self.overlap = config.use_overlap()
+        self._inflight = None  # (batch, StepHandle) launched and not yet completed (overlap only)
         self.num_steps = 0
         if self.device.type == "cuda":  # every kernel compiled now, never on a user's first request
             t0 = time.perf_counter()
@@ -99,33 +101,76 @@ class LLMEngine:
             self._aborted.append(seq)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        return self.scheduler.has_unfinished() or bool(self._aborted) or self._inflight is not None
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        """Schedule a batch, run it, sample, hand out outputs. With overlap (config.use_overlap()) the batch is only
+        launched: the outputs returned are the previous batch's, handled on the host while this one runs on the
+        device, and this batch's input ids for tokens the host has not seen yet come from the device."""
+        outputs = self._take_aborted()
+        if self._inflight is not None and not self._may_overlap(self._inflight[0]):
+            outputs += self._drain()
+        batch = self.scheduler.schedule()
+        if not batch:
+            return outputs + self._drain()
+        self.runner.zero_blocks(self.block_manager.fresh)
+        self.block_manager.fresh.clear()
+        self.num_steps += 1
+        if not self.overlap:
+            sampled = self.runner.run(batch)
+            self._launched(batch, sampled)
+            return outputs + self._complete(batch, sampled)
+        prev = self._inflight  # taken only once the next batch is launched: a failed launch loses nothing
+        handle = self.runner.launch(batch, prev[1] if prev else None)
+        self._launched(batch, handle.rows)
+        self._inflight = (batch, handle)
+        return outputs + (self._complete(prev[0], prev[1].result()) if prev else [])
+
+    def _take_aborted(self) -> list[RequestOutput]:
         outputs = [self._output(s, []) for s in self._aborted]
         for s in self._aborted:
             self.requests.pop(s.request_id, None)
         self._aborted = []
-        batch = self.scheduler.schedule()
-        if not batch:
-            return outputs
-        self.runner.zero_blocks(self.block_manager.fresh)
-        self.block_manager.fresh.clear()
-        sampled = self.runner.run(batch)
-        now = time.monotonic()
-        self.num_steps += 1
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        return outputs
+
+    def _drain(self) -> list[RequestOutput]:
+        """Wait for the launched batch, if any, and complete it."""
+        if self._inflight is None:
+            return []
+        (batch, handle), self._inflight = self._inflight, None
+        return self._complete(batch, handle.result())
+
+    def _may_overlap(self, batch: ScheduledBatch) -> bool:
+        """Penalties read the previous token on the host: a batch with them is completed before the next one."""
+        return not any(s.params.needs_penalties for s in batch.seqs)
+
+    @staticmethod
+    def _launched(batch: ScheduledBatch, rows) -> None:
+        """The batch's tokens are computed and its sampled tokens exist (on the device): count them."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-            self.block_manager.register_computed(seq)
-            if i not in sampled:
+        for i in rows:
+            batch.seqs[i].num_pending += 1
+
+    def _complete(self, batch: ScheduledBatch, sampled: dict) -> list[RequestOutput]:
+        """The batch's sampled tokens are known on the host: append them, register full blocks, check stops.
+        A sequence that finished (or was aborted) meanwhile drops its token: it was computed past its end."""
+        outputs, now = [], time.monotonic()
+        for i, seq in enumerate(batch.seqs):
+            token, record = sampled.get(i, (None, None))
+            if token is not None:
+                seq.num_pending -= 1
+            if seq.finished:
                 continue
-            token, record = sampled[i]
-            outputs.append(self._append_token(seq, token, record, now))
+            if token is not None:
+                seq.output_token_ids.append(token)
+            self.block_manager.register_computed(seq)
+            if token is not None:
+                outputs.append(self._append_token(seq, token, record, now))
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, record: dict | None, now: float) -> RequestOutput:
-        seq.output_token_ids.append(token)
         seq.token_times.append(now)
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -137,7 +182,7 @@ class LLMEngine:
         if is_stop_token or stop_string:
             self.scheduler.finish(seq, "stop")
         elif (p.max_new_tokens is not None and seq.num_generated >= p.max_new_tokens) \
-                or len(seq) >= seq.max_total_len:
+                or len(seq) - seq.num_pending >= seq.max_total_len:
             self.scheduler.finish(seq, "length")
         out = self._output(seq, [token])
         if seq.finished:
@@ -145,14 +190,7 @@ class LLMEngine:
         return out
 
     def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
-        return RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids, token_ids=list(seq.output_token_ids),
-            new_token_ids=new_tokens, text=seq.text, delta_text=Detokenizer.delta(seq), finished=seq.finished,
-            finish_reason=seq.finish_reason, error=seq.error,
-            logprobs=list(seq.logprobs) if seq.logprobs is not None else None, lora=seq.lora,
-            arrival_time=seq.arrival_time, first_token_time=seq.first_token_time,
-            token_times=list(seq.token_times), num_cached_tokens=seq.num_cached_tokens,
-            num_prefix_tokens=len(seq.params.prefix_token_ids))
+        return RequestOutput.snapshot(seq, new_token_ids=new_tokens, delta_text=Detokenizer.delta(seq))
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict:

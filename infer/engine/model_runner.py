@@ -1,13 +1,19 @@
-"""Run the model once on a flat batch: build token ids, positions, block tables and slot mapping, run, sample."""
+"""Run the model once on a flat batch: build token ids, positions, block tables and slot mapping, run, sample.
+
+`launch` returns as soon as the work is queued on the device (a StepHandle); `StepHandle.result` waits for the one
+device-to-host copy of the step's sampled tokens. `run` does both."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from ..models.context import ForwardContext
 from .config import EngineConfig
-from .sampler import Sampler
+from .sampler import SampledBatch, Sampler
 from .scheduler import ScheduledBatch
+from .transfer import to_device
 
 
 class ModelRunner:
@@ -45,7 +51,7 @@ class ModelRunner:
 
     def zero_blocks(self, block_ids: list[int]) -> None:
         if block_ids:
-            self.kv_cache[:, :, torch.tensor(block_ids, device=self.device)] = 0
+            self.kv_cache[:, :, to_device(block_ids, torch.long, self.device)] = 0
 
     def order(self, batch: ScheduledBatch) -> list[int]:
         """The order the batch's sequences run in: by adapter slot when adapters are loaded (the base model's first),
@@ -55,55 +61,122 @@ class ModelRunner:
         slot = self.lora_manager.slot_of
         return sorted(range(len(batch.seqs)), key=lambda i: slot(batch.seqs[i].lora))
 
-    def prepare(self, batch: ScheduledBatch, order: list[int] | None = None):
-        ids, pos, slots, qsl, lens, tables, lora_slots = [], [], [], [0], [], [], []
-        bs = self.block_size
-        order = order if order is not None else list(range(len(batch.seqs)))
-        for seq, n in ((batch.seqs[i], batch.num_new_tokens[i]) for i in order):
-            start = seq.num_computed_tokens
-            ids.extend(seq.tokens(start, start + n))
-            pos.extend(range(start, start + n))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            qsl.append(qsl[-1] + n)
-            lens.append(start + n)
-            tables.append(table)
+    def prepare(self, batch: ScheduledBatch, order: list[int] | None = None, prev: StepHandle | None = None):
+        """(input_ids, positions, ctx, last) of the batch in `order`; `last[j]` is the flat index of the j-th
+        sequence's last token. Token ids still pending on the host (PENDING) are taken from `prev`'s sampled
+        tokens on the device. All integer inputs travel to the device as one tensor, without a sync."""
+        host = HostInputs(self.block_size)
+        for i in order if order is not None else range(len(batch.seqs)):
+            seq = batch.seqs[i]
+            host.add(seq, batch.num_new_tokens[i], prev)
             if self.lora_manager is not None:
-                lora_slots.extend([self.lora_manager.slot_of(seq.lora)] * n)
-        width = max(len(t) for t in tables)
-        dev = self.device
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
+                host.lora_slots.extend([self.lora_manager.slot_of(seq.lora)] * batch.num_new_tokens[i])
+        t, b, width = len(host.ids), len(host.tables), max(map(len, host.tables))
+        data = to_device(host.flat(width), torch.long, self.device)
+        input_ids, positions = data[:t], data[t:2 * t]
+        if host.fill:
+            where, rows = to_device(host.fill, torch.long, self.device).unbind(1)
+            input_ids = input_ids.index_copy(0, where, prev.sampled.tokens.index_select(0, rows))
         ctx = ForwardContext(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            block_tables=block_tables,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            max_query_len=max(batch.num_new_tokens),
-        )
+            query_start_loc=data[3 * t:3 * t + b + 1].int(), seq_lens=data[3 * t + b + 1:3 * t + 2 * b + 1].int(),
+            block_tables=data[3 * t + 2 * b + 1:].view(b, width).int(), slot_mapping=data[2 * t:3 * t],
+            max_query_len=max(batch.num_new_tokens))
         if self.lora_manager is not None:
-            ctx.lora = self.lora_manager.make_batch(lora_slots)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        return input_ids, positions, ctx
+            ctx.lora = self.lora_manager.make_batch(host.lora_slots)
+        return input_ids, positions, ctx, host.last
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                num_new_tokens: list[int]) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.fits(num_new_tokens, ctx):
+            return self.graphs.run(input_ids, positions, ctx)
+        return self.model(input_ids, positions, ctx)
 
     @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, prev: StepHandle | None = None) -> StepHandle:
+        """Run the model and sample on the device, start copying the sampled tokens to the host, and return without
+        waiting for the device. `prev`: the step before, whose tokens may still be pending on the host."""
+        order = self.order(batch)
+        input_ids, positions, ctx, last = self.prepare(batch, order, prev)
+        hidden = self.forward(input_ids, positions, ctx, batch.num_new_tokens)
+        rows, flat = [], []
+        for j, i in enumerate(order):  # j: position in the run, i: index in the batch
+            seq = batch.seqs[i]
+            if seq.num_computed_tokens + batch.num_new_tokens[i] == len(seq):
+                rows.append(i)
+                flat.append(last[j])
+        if not rows:
+            return StepHandle([], {}, None, None, None)
+        idx = to_device(flat, torch.long, hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, idx))
+        sampled = self.sampler.sample(logits, [batch.seqs[i] for i in rows])
+        host, event = _copy_to_host(sampled.packed)
+        return StepHandle(rows, {batch.seqs[i].request_id: r for r, i in enumerate(rows)}, sampled, host, event)
+
     def run(self, batch: ScheduledBatch) -> dict[int, tuple[int, dict | None]]:
         """Returns {index in batch: (token, logprob record)} for the sequences whose prompt is now complete."""
-        order = self.order(batch)
-        input_ids, positions, ctx = self.prepare(batch, order)
-        if self.graphs is not None and self.graphs.fits(batch.num_new_tokens, ctx):
-            hidden = self.graphs.run(input_ids, positions, ctx)
+        return self.launch(batch).result()
+
+
+class HostInputs:
+    """A step's integer inputs, gathered on the host sequence by sequence."""
+
+    def __init__(self, block_size: int):
+        self.bs = block_size
+        self.ids, self.pos, self.slots, self.lens, self.last, self.lora_slots = [], [], [], [], [], []
+        self.tables: list[list[int]] = []
+        self.fill: list[tuple[int, int]] = []  # (flat index, row of the previous step's sampled tokens)
+
+    def add(self, seq, n: int, prev: StepHandle | None) -> None:
+        start, table, bs = seq.num_computed_tokens, seq.block_table, self.bs
+        if seq.num_pending and start + n > len(seq) - seq.num_pending:
+            assert prev is not None and seq.num_pending == 1, "a pending token without the step that made it"
+            self.fill.append((len(self.ids) + n - 1, prev.row_of[seq.request_id]))
+        self.ids.extend(seq.tokens(start, start + n))
+        if n == 1:  # a decode: no per-token loop
+            self.pos.append(start)
+            self.slots.append(table[start // bs] * bs + start % bs)
         else:
-            hidden = self.model(input_ids, positions, ctx)
-        rows, seqs, last = [], [], ctx.query_start_loc[1:].tolist()
-        for j, i in enumerate(order):  # j: position in the run, i: index in the batch
-            seq, n = batch.seqs[i], batch.num_new_tokens[i]
-            if seq.num_computed_tokens + n == len(seq):
-                rows.append((i, j))
-                seqs.append(seq)
-        if not rows:
+            self.pos.extend(range(start, start + n))
+            self.slots.extend([table[p // bs] * bs + p % bs for p in range(start, start + n)])
+        self.lens.append(start + n)
+        self.last.append(len(self.ids) - 1)
+        self.tables.append(table)
+
+    def flat(self, width: int) -> list[int]:
+        """ids, positions, slots [T each], query_start_loc [B+1], seq_lens [B], block tables [B * width]."""
+        flat = self.ids + self.pos + self.slots + [0] + [j + 1 for j in self.last] + self.lens
+        for row in self.tables:
+            flat.extend(row)
+            flat.extend([0] * (width - len(row)))
+        return flat
+
+
+def _copy_to_host(packed: torch.Tensor):
+    """(host tensor, event): one non-blocking copy into pinned memory; the event marks its end."""
+    if packed.device.type == "cpu":
+        return packed, None
+    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+    host.copy_(packed, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+@dataclass
+class StepHandle:
+    """A launched step: its sampled tokens on the device and their copy to the host, maybe still under way."""
+
+    rows: list[int]  # index in the batch of each sampled row
+    row_of: dict[str, int]  # request id -> row (where the next step finds a pending input token)
+    sampled: SampledBatch | None
+    host: torch.Tensor | None
+    event: object = None
+
+    def result(self) -> dict[int, tuple[int, dict | None]]:
+        """Wait for the copy; {index in batch: (token, logprob record)}."""
+        if not self.rows:
             return {}
-        idx = torch.tensor([last[j] - 1 for _, j in rows], device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, idx))
-        tokens, records = self.sampler(logits, seqs)
-        return {i: (t, r) for (i, _), t, r in zip(rows, tokens, records)}
+        if self.event is not None:
+            self.event.synchronize()
+        tokens, records = self.sampled.decode(self.host)
+        return {i: (t, r) for i, t, r in zip(self.rows, tokens, records)}

@@ -2,33 +2,80 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 
-
-@dataclass
 class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # every output token so far (forced prefix tokens included)
-    new_token_ids: list[int]
-    text: str  # output text so far, stop strings removed
-    delta_text: str  # text not handed out before (safe to stream)
-    finished: bool
-    finish_reason: str | None = None  # stop | length | abort | error
-    error: str | None = None
-    logprobs: list[dict] | None = None
-    lora: str | None = None
-    arrival_time: float = 0.0
-    first_token_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    num_prefix_tokens: int = 0  # the request's forced prefix_token_ids at the start of token_ids
+    """One request's state after a step. token_ids, logprobs and token_times are the request's lists as they were
+    at that step: the engine hands out a length and copies the (append-only) lists only when they are read, so a
+    step never copies every request's history."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], token_ids: list[int] | None = None,
+                 new_token_ids: list[int] | None = None, text: str = "", delta_text: str = "",
+                 finished: bool = False, finish_reason: str | None = None, error: str | None = None,
+                 logprobs: list[dict] | None = None, lora: str | None = None, arrival_time: float = 0.0,
+                 first_token_time: float | None = None, token_times: list[float] | None = None,
+                 num_cached_tokens: int = 0, num_prefix_tokens: int = 0):
+        self.request_id, self.prompt_token_ids = request_id, prompt_token_ids
+        self._token_ids = list(token_ids or [])
+        self.new_token_ids = list(new_token_ids or [])
+        self.text, self.delta_text = text, delta_text  # output text so far (stop strings removed); new text
+        self.finished = finished
+        self.finish_reason, self.error = finish_reason, error  # stop | length | abort | error
+        self._logprobs = logprobs
+        self.lora, self.arrival_time, self.first_token_time = lora, arrival_time, first_token_time
+        self._token_times = list(token_times or [])
+        self.num_cached_tokens = num_cached_tokens
+        self.num_prefix_tokens = num_prefix_tokens  # the request's forced prefix_token_ids at the start of token_ids
+        self._seq, self._len = None, 0
+
+    @classmethod
+    def snapshot(cls, seq, new_token_ids: list[int], delta_text: str) -> RequestOutput:
+        """The output of `seq` (an engine.sequence.Sequence) as it is now, its lists read lazily."""
+        out = cls.__new__(cls)  # every field set here: this runs for every request at every step
+        out.request_id, out.prompt_token_ids, out.new_token_ids = seq.request_id, seq.prompt_token_ids, new_token_ids
+        out.text, out.delta_text, out.finished = seq.text, delta_text, seq.finished
+        out.finish_reason, out.error, out.lora = seq.finish_reason, seq.error, seq.lora
+        out.arrival_time, out.first_token_time = seq.arrival_time, seq.first_token_time
+        out.num_cached_tokens, out.num_prefix_tokens = seq.num_cached_tokens, len(seq.params.prefix_token_ids)
+        out._token_ids = out._token_times = out._logprobs = None
+        out._seq, out._len = seq, len(seq.output_token_ids)
+        return out
+
+    def _materialize(self) -> None:
+        seq, n, gen = self._seq, self._len, self._len - len(self._seq.params.prefix_token_ids)
+        self._token_ids = seq.output_token_ids[:n]
+        self._token_times = seq.token_times[:gen]
+        self._logprobs = seq.logprobs[:gen] if seq.logprobs is not None else None
+        self._seq = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every output token so far (forced prefix tokens included)."""
+        if self._seq is not None:
+            self._materialize()
+        return self._token_ids
+
+    @property
+    def logprobs(self) -> list[dict] | None:
+        if self._seq is not None:
+            self._materialize()
+        return self._logprobs
+
+    @property
+    def token_times(self) -> list[float]:
+        if self._seq is not None:
+            self._materialize()
+        return self._token_times
 
     @property
     def num_generated(self) -> int:
         """Tokens the model generated: what max_new_tokens limits and completion_tokens counts."""
-        return len(self.token_ids) - self.num_prefix_tokens
+        n = self._len if self._seq is not None else len(self._token_ids)
+        return n - self.num_prefix_tokens
 
     @property
     def usage(self) -> dict:
         return {"prompt_tokens": len(self.prompt_token_ids), "completion_tokens": self.num_generated}
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput(request_id={self.request_id!r}, token_ids={self.token_ids!r}, text={self.text!r}, "
+                f"finished={self.finished}, finish_reason={self.finish_reason!r})")

@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from .sampling_params import SamplingParams
 
 
+PENDING = -1  # token id of a position whose token was sampled on the device and is not yet known on the host
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -40,15 +43,19 @@ class Sequence:
         self.logprobs: list[dict] | None = [] if self.params.logprobs is not None else None
         self.text = ""  # detokenized output, stop strings removed
         self.sent_text_len = 0  # how much of `text` the caller has seen (streaming)
+        self.decoded_tokens, self.decoded_text = 0, ""  # output tokens whose text is final, and that text
         self.num_preemptions = 0
         self.generator = None  # torch.Generator for seeded sampling, made by the sampler
+        # Tokens sampled on the device whose values the host does not know yet (overlapped steps, see
+        # LLMEngine): they count in len() and sit after output_token_ids; tokens() shows them as PENDING.
+        self.num_pending = 0
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
     def __len__(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -68,6 +75,11 @@ class Sequence:
         return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
 
     def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids [start, end); positions of pending tokens read PENDING (the model runner takes their values
+        from the device)."""
+        known = len(self.prompt_token_ids) + len(self.output_token_ids)
+        if end > known:
+            return self.tokens(start, max(start, known)) + [PENDING] * (end - max(start, known))
         n = len(self.prompt_token_ids)
         if end <= n:
             return self.prompt_token_ids[start:end]

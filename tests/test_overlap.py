@@ -1,0 +1,172 @@
+"""Overlapped steps (EngineConfig.overlap): step n+1 is launched before step n's tokens are handled on the host, its
+input ids for those tokens taken on the device. Forced on here on CPU, the engine must give exactly what it gives
+without overlap: same tokens, texts, finish reasons and stream of outputs, with stops, length limits, aborts,
+preemption, seeds, penalties and (emulated) CUDA graphs, and no block left in use."""
+
+from __future__ import annotations
+
+import pytest
+
+from infer import LLM, SamplingParams
+from infer.models.tiny import ensure_builtin
+
+from helpers import hf_greedy, random_prompts
+
+LENGTHS = (5, 9, 3, 14, 7, 11, 4, 20)
+
+
+@pytest.fixture(scope="module")
+def path():
+    return str(ensure_builtin("tiny-llama"))
+
+
+def _drive(llm, requests, abort_after: dict[str, int] | None = None, arrive_every: int = 0):
+    """Feed `requests` [(id, prompt, params)] (one new one every `arrive_every` steps, or all at once), abort
+    request r after its abort_after[r]-th output; returns {id: [(new_token_ids, delta_text, finished, reason)]}."""
+    eng, log, pending = llm.engine, {}, list(requests)
+    abort_after = dict(abort_after or {})
+    while pending or eng.has_unfinished_requests():
+        for _ in range(len(pending) if not arrive_every else 1):
+            if pending:
+                eng.add_request(*pending.pop(0))
+        for _ in range(max(1, arrive_every)):
+            for out in eng.step():
+                log.setdefault(out.request_id, []).append((out.new_token_ids, out.delta_text, out.finished,
+                                                           out.finish_reason, out.token_ids))
+                if abort_after.get(out.request_id) == len(log[out.request_id]):
+                    eng.abort_request(out.request_id)
+    assert eng.block_manager.num_used_blocks == 0
+    return log
+
+
+def _both(path, requests, **kw):
+    engine_opts = kw.pop("engine", {})
+    logs = []
+    for overlap in (False, True):
+        llm = LLM(path, block_size=4, overlap=overlap, **engine_opts)
+        assert llm.engine.overlap is overlap
+        logs.append(_drive(llm, requests, **kw))
+    return logs
+
+
+def _requests(path, params, seed=0):
+    prompts = random_prompts(512, LENGTHS, seed=seed)
+    return [(str(i), p, params[i % len(params)]) for i, p in enumerate(prompts)]
+
+
+def test_greedy_with_stops_and_lengths_is_identical(path):
+    prompts = random_prompts(512, LENGTHS, seed=0)
+    full = LLM(path, block_size=4).generate(prompts[:1], SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
+    lengths = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (1, 2, 7, 16)]
+    requests = [(str(i), p, lengths[i % 4]) for i, p in enumerate(prompts)]
+    requests += [("stop-text", prompts[0], SamplingParams(max_new_tokens=30, stop=[full.text[4:7]])),
+                 ("stop-id", prompts[0], SamplingParams(max_new_tokens=30, stop_token_ids=[full.token_ids[3]])),
+                 ("max-length", prompts[1], SamplingParams(max_new_tokens=12, max_length=len(prompts[1]) + 5))]
+    off, on = _both(path, requests)
+    assert on == off
+    assert [off[r][-1][3] for r in ("stop-text", "stop-id", "max-length")] == ["stop", "stop", "length"]
+    assert len(off["max-length"][-1][4]) == 5 and len(off["stop-id"][-1][4]) <= 4
+    for rid, prompt, p in requests[:len(prompts)]:
+        assert off[rid][-1][4] == hf_greedy(path, prompt, p.max_new_tokens)
+
+
+def test_staggered_arrivals_and_preemption_are_identical(path):
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (18, 25, 9, 30)]
+    requests = _requests(path, params, seed=3)
+    llms = []
+    logs = []
+    for overlap in (False, True):
+        llm = LLM(path, block_size=4, overlap=overlap, num_kv_blocks=24, max_num_seqs=6, max_model_len=64)
+        logs.append(_drive(llm, requests, arrive_every=2))
+        llms.append(llm)
+    assert logs[0] == logs[1]
+    assert all(llm.engine.scheduler.num_preemptions > 0 for llm in llms)
+    for rid, prompt, p in requests:
+        assert logs[1][rid][-1][4] == hf_greedy(path, prompt, p.max_new_tokens)
+
+
+def test_aborts_stop_a_request_with_a_prefix_of_its_tokens(path):
+    requests = _requests(path, [SamplingParams(max_new_tokens=16, ignore_eos=True)])
+    whole = _both(path, requests)[0]
+    off, on = _both(path, requests, abort_after={"1": 3, "4": 1, "6": 9})
+    for log in (off, on):
+        for rid in ("1", "4", "6"):
+            final = log[rid][-1]
+            assert final[2] and final[3] == "abort"
+            assert final[4] == whole[rid][-1][4][:len(final[4])]  # a prefix of the full reply
+        assert {r: v for r, v in log.items() if r not in ("1", "4", "6")} == \
+            {r: v for r, v in whole.items() if r not in ("1", "4", "6")}
+
+
+def test_seeds_logprobs_and_penalties_are_identical(path):
+    params = [SamplingParams(max_new_tokens=10, temperature=0.9, top_p=0.9, top_k=40, seed=7, logprobs=2),
+              SamplingParams(max_new_tokens=12, temperature=1.2, seed=8, ignore_eos=True),
+              SamplingParams(max_new_tokens=9, repetition_penalty=1.4, frequency_penalty=0.5, presence_penalty=0.4),
+              SamplingParams(max_new_tokens=11, logprobs=0, ignore_eos=True)]
+    off, on = _both(path, _requests(path, params, seed=5))
+    assert on == off
+    llm = LLM(path, block_size=4, overlap=True)
+    out = llm.generate(random_prompts(512, (6,), seed=1), params[0])[0]
+    assert len(out.logprobs) == out.num_generated and out.logprobs[0]["token_id"] == out.token_ids[0]
+
+
+def test_emulated_cuda_graphs_take_pending_ids_from_the_device(path):
+    prompts = random_prompts(512, (5, 9, 3, 12, 7), seed=11)
+    lens = [3, 6, 9, 12, 15]
+    llm = LLM(path, max_num_seqs=8, block_size=4, num_kv_blocks=128, max_model_len=96, overlap=True)
+    llm.engine.runner.capture_graphs(96, emulate=True)
+    outs = llm.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lens])
+    assert sum(llm.engine.runner.graphs.replays.values()) >= 10
+    assert [o.token_ids for o in outs] == [hf_greedy(path, p, n) for p, n in zip(prompts, lens)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eager", [True, False])
+def test_gpu_overlap_gives_the_tokens_of_plain_steps(path, eager):
+    prompts = random_prompts(512, LENGTHS, seed=4)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (3, 9, 17, 30)]
+    params += [SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=3, logprobs=1)]
+    got = {}
+    for overlap in (False, True):
+        llm = LLM(path, device="cuda", dtype="float32", max_num_seqs=8, block_size=16, enforce_eager=eager,
+                  overlap=overlap, num_kv_blocks=128, max_model_len=256)  # small: several engines in one process
+        outs = llm.generate(prompts, [params[i % len(params)] for i in range(len(prompts))])
+        got[overlap] = [(o.token_ids, o.finish_reason) for o in outs]
+        assert llm.engine.block_manager.num_used_blocks == 0
+    assert got[True] == got[False]
+    for i in range(4):
+        assert got[True][i][0] == hf_greedy(path, prompts[i], params[i].max_new_tokens)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_steps_never_wait_for_the_device_before_their_one_copy(path):
+    """A steady decode step with overlap, sampling included, queues its work without a single synchronising
+    call (torch's sync debug mode raises on one); the step's one wait is the event of the previous step's copy."""
+    import torch
+    llm = LLM(path, device="cuda", max_num_seqs=8, block_size=16, num_kv_blocks=128, max_model_len=256)
+    assert llm.engine.overlap
+    params = [SamplingParams(max_new_tokens=40, ignore_eos=True),
+              SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=0.7, top_k=20, top_p=0.9, seed=1),
+              SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=1.0, logprobs=3)]
+    for i, p in enumerate(params * 2):
+        llm.engine.add_request(str(i), random_prompts(512, (7 + i,), seed=i)[0], p)
+    for _ in range(4):  # prefills, first graph replays
+        llm.engine.step()
+    eng = llm.engine
+    batch, prev = eng._inflight  # launched, its tokens pending: the next step reads them on the device
+    nxt = eng.scheduler.schedule()
+    eng.runner.zero_blocks(eng.block_manager.fresh)
+    eng.block_manager.fresh.clear()
+    assert all(s.num_pending == 1 for s in nxt.seqs)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        handle = eng.runner.launch(nxt, prev)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    eng._launched(nxt, handle.rows)
+    eng._inflight = (nxt, handle)
+    assert eng._complete(batch, prev.result()) and len(handle.rows) == 6
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    assert sorted(outs) == [str(i) for i in range(6)] and all(o.num_generated == 40 for o in outs.values())

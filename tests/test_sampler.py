@@ -1,0 +1,186 @@
+"""The batched sampler (engine.sampler) against transformers' logits processors on random logits, penalties against
+the OpenAI formula, the exponential race against the distribution it samples, seeds and the packed logprobs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
+
+from infer.engine.sampler import Sampler
+from infer.engine.sampling_params import SamplingParams
+from infer.engine.sequence import Sequence
+
+V = 64
+
+
+def _seq(params: SamplingParams, prompt: list[int], output: list[int]) -> Sequence:
+    seq = Sequence("r", list(prompt), params)
+    seq.output_token_ids = list(output)
+    return seq
+
+
+def _random_batch(n: int, seed: int, **fixed):
+    """n rows of random logits, each with its own random sampling parameters and token history."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, V, generator=g) * rng.choice([1.0, 3.0])
+    seqs = []
+    for _ in range(n):
+        kw = dict(temperature=rng.choice([0.3, 0.7, 1.0, 1.6]), top_k=rng.choice([0, 1, 3, 10, 40, 64, 500]),
+                  top_p=rng.choice([1.0, 0.95, 0.8, 0.5, 0.2, 0.05]),
+                  repetition_penalty=rng.choice([1.0, 1.3, 0.7, 2.0]),
+                  presence_penalty=rng.choice([0.0, 0.5, -1.0, 2.0]),
+                  frequency_penalty=rng.choice([0.0, 0.3, -0.4, 1.5]))
+        kw.update(fixed)
+        prompt = [rng.randrange(V) for _ in range(rng.randrange(1, 12))]
+        output = [rng.randrange(V) for _ in range(rng.randrange(0, 20))]
+        seqs.append(_seq(SamplingParams(**kw), prompt, output))
+    return logits, seqs
+
+
+def _hf_probs(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """transformers' processors in generate()'s order, for one row: repetition penalty, temperature, top-k, top-p."""
+    p, scores = seq.params, row.unsqueeze(0).clone()
+    ids = torch.tensor([seq.prompt_token_ids + seq.output_token_ids])
+    if p.repetition_penalty != 1.0:
+        scores = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids, scores)
+    scores = TemperatureLogitsWarper(p.temperature)(ids, scores)
+    if p.top_k:
+        scores = TopKLogitsWarper(p.top_k)(ids, scores)
+    if p.top_p < 1.0:
+        scores = TopPLogitsWarper(p.top_p)(ids, scores)
+    return scores[0].softmax(-1)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_filtered_distribution_matches_transformers(seed):
+    logits, seqs = _random_batch(48, seed, presence_penalty=0.0, frequency_penalty=0.0)
+    sampler = Sampler(0)
+    mine = sampler.probs(sampler.penalised(logits, seqs), seqs)
+    cuts = 0
+    for i, seq in enumerate(seqs):
+        ref = _hf_probs(logits[i], seq)
+        kept, ref_kept = mine[i] > 0, ref > 0
+        assert torch.equal(kept, ref_kept), f"row {i} ({seq.params}): kept {kept.sum()} tokens, HF {ref_kept.sum()}"
+        torch.testing.assert_close(mine[i], ref, atol=1e-6, rtol=1e-5)
+        cuts += int(ref_kept.sum()) < V
+    assert cuts > 10  # the parameters really filter
+
+
+def test_top_p_boundaries_match_transformers():
+    """Rows built so that the cumulative mass crosses top_p right at a token: keep exactly the tokens HF keeps."""
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1] + [0.0] * (V - 4)) + 1e-9
+    logits = probs.log().expand(5, V).clone()
+    seqs = [_seq(SamplingParams(temperature=1.0, top_p=p), [1], []) for p in (0.35, 0.45, 0.65, 0.75, 0.95)]
+    mine = Sampler(0).probs(logits, seqs)
+    for i, seq in enumerate(seqs):
+        assert torch.equal(mine[i] > 0, _hf_probs(logits[i], seq) > 0)
+    assert [(mine[i] > 0).sum().item() for i in range(5)] == [1, 2, 2, 3, 4]  # the smallest set whose mass reaches top_p
+
+
+def _openai_penalised(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """OpenAI: mu[j] -> mu[j] - c[j] * alpha_frequency - float(c[j] > 0) * alpha_presence, c over output tokens."""
+    out = row.clone()
+    for j in range(V):
+        c = seq.output_token_ids.count(j)
+        out[j] = row[j] - c * seq.params.frequency_penalty - float(c > 0) * seq.params.presence_penalty
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_presence_and_frequency_penalties_follow_openai(seed):
+    logits, seqs = _random_batch(24, seed, repetition_penalty=1.0)
+    mine = Sampler.penalised(logits, seqs)
+    changed = 0
+    for i, seq in enumerate(seqs):
+        ref = _openai_penalised(logits[i], seq)
+        torch.testing.assert_close(mine[i], ref, atol=1e-5, rtol=1e-6)
+        changed += not torch.equal(ref, logits[i])
+    assert changed > 5
+
+
+def test_prompt_tokens_get_the_repetition_penalty_but_not_presence():
+    seq = _seq(SamplingParams(repetition_penalty=2.0, presence_penalty=1.0), [3], [5])
+    logits = torch.full((1, V), 4.0)
+    logits[0, 7] = -4.0
+    seq.output_token_ids.append(7)
+    out = Sampler.penalised(logits, [seq])[0]
+    assert out[3] == 2.0  # prompt token: repetition only
+    assert out[5] == 2.0 - 1.0 and out[7] == -8.0 - 1.0  # output tokens: both (negative logits multiplied)
+    assert out[9] == 4.0
+
+
+def test_draws_follow_the_distribution():
+    """20000 rows of the same filtered distribution: the exponential race picks each token as often as its
+    probability says, and never a filtered one."""
+    n, g = 20000, torch.Generator().manual_seed(3)
+    row = torch.randn(V, generator=g) * 2
+    params = SamplingParams(temperature=0.9, top_k=12, top_p=0.9)
+    seqs = [_seq(params, [1], []) for _ in range(n)]
+    sampler = Sampler(5)
+    target = sampler.probs(row.expand(1, V), seqs[:1])[0]
+    tokens = sampler.sample(row.expand(n, V).clone(), seqs).tokens
+    freq = torch.bincount(tokens, minlength=V).float() / n
+    assert (freq[target == 0] == 0).all()
+    assert (freq - target).abs().sum() / 2 < 0.02  # total variation; ~0.01 expected from 20000 draws
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    logits, seqs = _random_batch(6, 9, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+                                 top_k=0, top_p=1.0, temperature=1.0)
+    for i, s in enumerate(seqs):
+        s.params = SamplingParams(temperature=1.0, seed=100 + i if i % 2 else None)
+
+    def run(order):
+        for s in seqs:
+            s.generator = None
+        sampler = Sampler(0)
+        out = []
+        for _ in range(4):
+            toks = sampler.sample(logits[order], [seqs[i] for i in order]).tokens.tolist()
+            out.append({order[j]: t for j, t in enumerate(toks)})
+        return [[step[i] for step in out] for i in range(len(seqs))]
+
+    a, b = run([0, 1, 2, 3, 4, 5]), run([5, 3, 1, 0, 2, 4])
+    assert [a[i] for i in (1, 3, 5)] == [b[i] for i in (1, 3, 5)]
+    assert len({tuple(a[i]) for i in (1, 3, 5)}) == 3  # different seeds, different draws
+
+
+def test_greedy_rows_take_the_penalised_argmax_and_logprobs_are_packed():
+    logits, _ = _random_batch(5, 4)
+    seqs = [_seq(SamplingParams(logprobs=k, repetition_penalty=rp), [int(logits[i].argmax())], [])
+            for i, (k, rp) in enumerate([(None, 1.0), (0, 1.0), (3, 5.0), (None, 5.0), (2, 1.0)])]
+    sampler = Sampler(0)
+    out = sampler.sample(logits, seqs)
+    tokens, records = out.decode(out.packed.cpu())
+    assert tokens == Sampler.penalised(logits, seqs).argmax(-1).tolist()
+    assert tokens[2] != int(logits[2].argmax())  # the penalty moved it
+    logp = logits.log_softmax(-1)
+    assert records[0] is None and records[3] is None
+    assert records[1] == {"token_id": tokens[1], "logprob": float(logp[1, tokens[1]])}
+    top = logp[2].topk(3)
+    assert records[2]["top_logprobs"] == [{"token_id": int(i), "logprob": float(v)}
+                                          for v, i in zip(top.values, top.indices)]
+    assert len(records[4]["top_logprobs"]) == 2
+
+
+@pytest.mark.gpu
+def test_gpu_sampler_filters_like_the_cpu_and_seeds_repeat():
+    logits, seqs = _random_batch(32, 11)
+    for i, s in enumerate(seqs):
+        s.params.seed = i if i % 2 else None
+    cpu = Sampler.probs(Sampler.penalised(logits, seqs), seqs)
+    gpu = Sampler.probs(Sampler.penalised(logits.cuda(), seqs), seqs).cpu()
+    torch.testing.assert_close(gpu, cpu, atol=1e-5, rtol=1e-4)
+    runs = []
+    for _ in range(2):
+        for s in seqs:
+            s.generator = None
+        out = Sampler(0).sample(logits.cuda(), seqs)
+        runs.append(out.decode(out.packed.cpu())[0])
+    assert runs[0] == runs[1]
+    assert all(cpu[i, t] > 0 for i, t in enumerate(runs[0]))  # never a filtered token
