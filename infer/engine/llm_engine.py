@@ -210,6 +210,7 @@ class LLMEngine:
         runner = getattr(self, "runner", None)
         if runner is None:
             return
+        self._inflight = None  # a step still on the device is dropped with everything else
         for s in list(self.requests.values()):
             self.scheduler.finish(s, "abort")
         self.requests.clear()
