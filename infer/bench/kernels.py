@@ -1,6 +1,7 @@
 """GPTQ matmul micro-benchmark: the Triton kernel against a torch fp16 matmul of the same shape, in the same run.
 
     python -m infer.bench.kernels --out gptq_gemm.csv
+    python -m infer.bench.kernels --lora --out lora_kernels.csv    (multi-LoRA kernels: see infer.bench.lora_kernels)
 
 For every M (tokens in the batch) and every (K, N) projection shape of a 7B and a 14B model it times the Triton
 GPTQ matmul and `F.linear` on the fp16 weight (triton.testing.do_bench, median), and reports the achieved memory
@@ -88,11 +89,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--m", type=int, nargs="+", default=list(MS), help="batch sizes (tokens)")
     p.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--lora", action="store_true", help="time the multi-LoRA shrink/expand kernels instead")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.lora:
+        from .lora_kernels import main as lora_main
+        return lora_main(args.out, args.models)
     if not torch.cuda.is_available():
         print("infer.bench.kernels needs a CUDA GPU (the Triton GPTQ kernel runs only there); none was found",
               file=sys.stderr)

@@ -30,6 +30,7 @@ from .reference import LoRAGroups, lora_groups
 MAX_SHARDS = 4  # shards one expand launch covers (a merged qkv has 3)
 TARGET_PROGRAMS = 256  # shrink programs to aim for: about two per SM of an H100 (132 SMs)
 MAX_SPLIT = 16
+BLOCK_N = 128  # expand: output columns per program
 
 
 @triton.jit
@@ -150,32 +151,47 @@ def plan(t: int, num_slots: int, k: int) -> dict:
 
 def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                scalings: torch.Tensor, bounds: list[int], token_slots: torch.Tensor,
-               groups: LoRAGroups | None = None, ranks: torch.Tensor | None = None, block_n: int = 128) -> None:
+               groups: LoRAGroups | None = None, ranks: torch.Tensor | None = None) -> None:
     """Triton version of reference.lora_apply: one shrink launch for every shard and slot, then one expand launch
     (per MAX_SHARDS shards) that adds every shard's delta into its columns of y in place."""
-    num_slots, nr, k = lora_a.shape
-    n = len(bounds) - 1
-    rank, t = nr // n, x.shape[0]
-    if t == 0:
+    if x.shape[0] == 0:
         return
+    num_slots, n = lora_a.shape[0], len(bounds) - 1
     groups = groups if groups is not None else lora_groups(token_slots, num_slots)
     if ranks is None:
-        ranks = torch.full((n, num_slots), rank, dtype=torch.int32, device=y.device)
+        ranks = torch.full((n, num_slots), lora_a.shape[1] // n, dtype=torch.int32, device=y.device)
+    hp = shrink(x, lora_a, n, groups, ranks)
+    expand(hp, y, lora_b, scalings, bounds, groups, ranks)
+
+
+def shrink(x: torch.Tensor, lora_a: torch.Tensor, n: int, groups: LoRAGroups, ranks: torch.Tensor) -> torch.Tensor:
+    """The partial sums hp [SPLIT_K, T, n*R] float32 of x @ A[slot]^T, at sorted positions (see the module doc)."""
+    num_slots, nr, k = lora_a.shape
+    t = x.shape[0]
     p = plan(t, num_slots, k)
-    s_p2, ieee = _p2(num_slots, 2), y.dtype == torch.float32
-    hp = partials(p["split"], t, nr, y.device)
+    hp = partials(p["split"], t, nr, x.device)
     _shrink_kernel[(p["tiles"], p["split"])](
-        x, lora_a, hp, groups.order, groups.starts, ranks, num_slots, k, nr, rank, p["k_per_split"],
+        x, lora_a, hp, groups.order, groups.starts, ranks, num_slots, k, nr, nr // n, p["k_per_split"],
         x.stride(0), x.stride(1), *lora_a.stride(), hp.stride(0), hp.stride(1), *ranks.stride(),
-        BLOCK_M=p["block_m"], BLOCK_J=_p2(nr, 16), BLOCK_K=p["block_k"], S_P2=s_p2, IEEE=ieee)
-    for first in range(0, n, MAX_SHARDS):
+        BLOCK_M=p["block_m"], BLOCK_J=_p2(nr, 16), BLOCK_K=p["block_k"], S_P2=_p2(num_slots, 2),
+        IEEE=x.dtype == torch.float32)
+    return hp
+
+
+def expand(hp: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, scalings: torch.Tensor, bounds: list[int],
+           groups: LoRAGroups, ranks: torch.Tensor, block_n: int = BLOCK_N) -> None:
+    """y[t, shard i's columns] += scalings[i, s] * (sum of hp's partials) @ lora_b[s], in place."""
+    split, t, nr = hp.shape
+    num_slots, rank = lora_b.shape[0], lora_b.shape[1]
+    p = plan(t, num_slots, 0)
+    for first in range(0, len(bounds) - 1, MAX_SHARDS):
         cols = list(bounds[first:first + MAX_SHARDS + 1])
         tiles = [triton.cdiv(b - a, block_n) for a, b in zip(cols, cols[1:])]
-        cum = [sum(tiles[:i]) for i in range(1, MAX_SHARDS)]
-        cum = [c if i < len(tiles) else 2 ** 30 for i, c in enumerate(cum, start=1)]  # no such shard
+        cum = [sum(tiles[:i]) if i < len(tiles) else 2 ** 30 for i in range(1, MAX_SHARDS)]  # 2**30: no shard
         cols += [cols[-1]] * (MAX_SHARDS + 1 - len(cols))
         b = lora_b[:, :, bounds[first] - bounds[0]:]
         _expand_kernel[(p["tiles"], sum(tiles))](
             hp, b, y, groups.order, groups.starts, ranks, scalings, num_slots, rank, first, *cum, *cols,
             hp.stride(0), hp.stride(1), *b.stride(), y.stride(0), y.stride(1), *ranks.stride(), *scalings.stride(),
-            BLOCK_M=p["block_m"], BLOCK_N=block_n, BLOCK_R=_p2(rank, 16), SPLIT=p["split"], S_P2=s_p2, IEEE=ieee)
+            BLOCK_M=p["block_m"], BLOCK_N=block_n, BLOCK_R=_p2(rank, 16), SPLIT=split, S_P2=_p2(num_slots, 2),
+            IEEE=y.dtype == torch.float32)

@@ -361,15 +361,17 @@ def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: t
         if xs.dtype != torch.float32:
             xs, a = xs.float(), a.float()
         h = torch.bmm(a, xs.transpose(1, 2))  # [m, shards*R, p]: the matrix-vector form, 1.5x x @ A^T on CPU
-        scal = scalings if whole else scalings[:, s0:s0 + m]
-        if n > 1:
-            scal = scal.t().repeat_interleave(rank, 1)  # [m, shards*R]: every column's scaling
-        h = h.mul_(scal.reshape(m, -1, 1)).transpose(1, 2)  # [m, p, shards*R]
+        scal = scalings.t() if whole else scalings[:, s0:s0 + m].t()  # [m, shards]
+        h = h.view(m, n, rank, p).mul_(scal.reshape(m, n, 1, 1)).view(m, n * rank, p).transpose(1, 2)
         rows = y if first == 0 and m * p == y.shape[0] else y[first:first + m * p]
         for i, b in enumerate(shard_b):
             bt = b if whole else b[s0:s0 + m]
-            res = torch.bmm(h[:, :, i * rank:(i + 1) * rank], bt if bt.dtype == torch.float32 else bt.float())
-            rows.narrow(1, bounds[i], bt.shape[2]).view(m, p, -1).add_(res)
+            bt = bt if bt.dtype == torch.float32 else bt.float()
+            dst, hi = rows.narrow(1, bounds[i], bt.shape[2]).view(m, p, -1), h[:, :, i * rank:(i + 1) * rank]
+            if dst.dtype == torch.float32:
+                dst.baddbmm_(hi, bt)  # added straight into y's columns: no temporary, no separate add
+            else:
+                dst.add_(torch.bmm(hi, bt))
         return
     h = lora_shrink(x, lora_a, token_slots, 1.0, groups)
     for i, b in enumerate(shard_b):
