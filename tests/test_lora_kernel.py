@@ -46,21 +46,23 @@ def _dev():
 
 def layer(outs, num_slots, max_rank, k, seed, dtype=torch.float32, ranks=None):
     """Random stacked weights of a merged layer, zero past every (shard, slot)'s rank, as LoRALayer keeps them:
-    (lora_a [S, n*R, K], lora_b [S, R, N], scalings [n, S], ranks [n, S] int32, column bounds)."""
+    (lora_a [S, n*R, K], lora_b flat (every shard's B^T [S, R, out_i], shard after shard), scalings [n, S],
+    ranks [n, S] int32, column bounds)."""
     g = torch.Generator().manual_seed(seed)
     n, bounds = len(outs), [0]
     for o in outs:
         bounds.append(bounds[-1] + o)
     a = torch.randn(num_slots, n * max_rank, k, generator=g) * 0.3
-    b = torch.randn(num_slots, max_rank, bounds[-1], generator=g)
+    bs = [torch.randn(num_slots, max_rank, o, generator=g) for o in outs]
     if ranks is None:
         ranks = torch.randint(4, max_rank + 1, (n, num_slots), generator=g)
     for i in range(n):
         for s in range(num_slots):
             r = int(ranks[i, s])
             a[s, i * max_rank + r:(i + 1) * max_rank] = 0
-            b[s, r:, bounds[i]:bounds[i + 1]] = 0
+            bs[i][s, r:] = 0
     scal = torch.rand(n, num_slots, generator=g) + 0.5
+    b = torch.cat([t.flatten() for t in bs])
     return a.to(dtype), b.to(dtype), scal, ranks.to(torch.int32), bounds
 
 

@@ -79,11 +79,12 @@ def naive_apply(x, a, bs, scalings, slots, y, offsets):
 
 
 def stacked(bs, first):
-    """Per-shard B [S, out_i, R] as lora_apply takes them: lora_b [S, R, sum out_i] and the shards' column bounds."""
+    """Per-shard B [S, out_i, R] as lora_apply takes them: one flat buffer of every shard's B^T [S, R, out_i], shard
+    after shard, and the shards' column bounds."""
     bounds = [first]
     for b in bs:
         bounds.append(bounds[-1] + b.shape[1])
-    return torch.cat([b.transpose(1, 2) for b in bs], dim=2), bounds
+    return torch.cat([b.transpose(1, 2).flatten() for b in bs]), bounds
 
 
 IN_ORDER = {  # token slots already sorted by slot, as the model runner lays out a batch
@@ -129,7 +130,7 @@ def test_reference_in_order_decode_path_bfloat16():
     groups = ref.lora_groups(slots, 5, in_order=True)
     assert groups.plan()[0] == "uniform"
     want = naive_apply(x, a, [b], scal[None], slots, y, [5])
-    ref.lora_apply(x, y, a, b.transpose(1, 2), scal[None], [5, 5 + b.shape[1]], slots, groups)
+    ref.lora_apply(x, y, a, b.transpose(1, 2).flatten(), scal[None], [5, 5 + b.shape[1]], slots, groups)
     assert y.dtype == torch.bfloat16 and torch.allclose(y.double(), want, rtol=1e-2, atol=1.0)
 
 

@@ -48,7 +48,7 @@ def measure(k: int, outs: list[int], t: int, adapters: int, bandwidth: float) ->
     n, dev = len(outs), "cuda"
     bounds = [sum(outs[:i]) for i in range(n + 1)]
     lora_a = torch.randn(SLOTS, n * RANK, k, device=dev, dtype=torch.float16) * 0.01
-    lora_b = torch.randn(SLOTS, RANK, bounds[-1], device=dev, dtype=torch.float16) * 0.01
+    lora_b = torch.randn(SLOTS * RANK * bounds[-1], device=dev, dtype=torch.float16) * 0.01  # flat, shard after shard
     scalings = torch.full((n, SLOTS), 2.0, device=dev)
     ranks = torch.full((n, SLOTS), RANK, dtype=torch.int32, device=dev)
     x = torch.randn(t, k, device=dev, dtype=torch.float16)

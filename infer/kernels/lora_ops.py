@@ -1,7 +1,7 @@
 """Triton multi-LoRA for a batch whose tokens use different adapters: one shrink and one expand launch per layer.
 
 Layout (kept by infer.lora.layer.LoRALayer, semantics in `reference.lora_apply`): lora_a [S, n*R, K] (shard i's A in
-rows i*R..), lora_b [S, R, N] (every shard's B^T side by side along the output columns), scalings [n, S] float32,
+rows i*R..), lora_b flat [S*R*N] (shard after shard, each shard's B^T [S, R, out_i] contiguous), scalings [n, S] float32,
 ranks [n, S] int32 (rows r >= ranks[i, s] of shard i are zero padding: the kernels never read them).
 
 Work is cut into tiles of up to BLOCK_M tokens of one adapter (segmented by slot, as Punica's SGMV): the tokens are
@@ -91,7 +91,7 @@ def _pick(i, v0, v1, v2, v3):
 @triton.jit
 def _expand_kernel(hp_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, rank_ptr, scal_ptr, S, R, shard0,
                    t1, t2, t3, c0, c1, c2, c3, c4,
-                   sh_p, sh_t, sb_s, sb_r, sb_n, sy_t, sy_n, sr_i, sr_s, sc_i, sc_s,
+                   sh_p, sh_t, sy_t, sy_n, sr_i, sr_s, sc_i, sc_s,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
                    S_P2: tl.constexpr, IEEE: tl.constexpr):
     pid, pid_n = tl.program_id(0), tl.program_id(1)
@@ -110,10 +110,12 @@ def _expand_kernel(hp_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, rank_ptr, scal_p
                         + (shard * R + offs_r)[None, None, :],
                         mask=mask_m[None, :, None] & mask_r[None, None, :], other=0.0)
         h = tl.sum(parts, 0)  # [BLOCK_M, BLOCK_R]: the SPLIT_K partial sums of the shrink
-        col0 = _pick(local, c0, c1, c2, c3) + (pid_n - _pick(local, 0, t1, t2, t3)) * BLOCK_N
-        cols = col0 + tl.arange(0, BLOCK_N)
-        mask_n = cols < _pick(local, c1, c2, c3, c4)
-        bb = tl.load(b_ptr + slot.to(tl.int64) * sb_s + offs_r[:, None] * sb_r + (cols - c0)[None, :] * sb_n,
+        lo, hi = _pick(local, c0, c1, c2, c3), _pick(local, c1, c2, c3, c4)  # the shard's columns
+        cols = lo + (pid_n - _pick(local, 0, t1, t2, t3)) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = cols < hi
+        width = hi - lo  # shard's B^T block [S, R, width] starts S*R*(lo - c0) elements in
+        b_base = b_ptr + (lo - c0).to(tl.int64) * S * R + slot.to(tl.int64) * R * width
+        bb = tl.load(b_base + offs_r[:, None] * width + (cols - lo)[None, :],
                      mask=mask_r[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
         if IEEE:
             acc = tl.dot(h, bb, input_precision="ieee")
@@ -180,18 +182,18 @@ def shrink(x: torch.Tensor, lora_a: torch.Tensor, n: int, groups: LoRAGroups, ra
 
 def expand(hp: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, scalings: torch.Tensor, bounds: list[int],
            groups: LoRAGroups, ranks: torch.Tensor, block_n: int = BLOCK_N) -> None:
-    """y[t, shard i's columns] += scalings[i, s] * (sum of hp's partials) @ lora_b[s], in place."""
+    """y[t, shard i's columns] += scalings[i, s] * (sum of hp's partials) @ B_i^T[s], in place (lora_b flat)."""
     split, t, nr = hp.shape
-    num_slots, rank = lora_b.shape[0], lora_b.shape[1]
+    num_slots, rank = ranks.shape[1], nr // (len(bounds) - 1)
     p = plan(t, num_slots, 0)
     for first in range(0, len(bounds) - 1, MAX_SHARDS):
         cols = list(bounds[first:first + MAX_SHARDS + 1])
         tiles = [triton.cdiv(b - a, block_n) for a, b in zip(cols, cols[1:])]
         cum = [sum(tiles[:i]) if i < len(tiles) else 2 ** 30 for i in range(1, MAX_SHARDS)]  # 2**30: no shard
         cols += [cols[-1]] * (MAX_SHARDS + 1 - len(cols))
-        b = lora_b[:, :, bounds[first] - bounds[0]:]
+        b = lora_b[num_slots * rank * (bounds[first] - bounds[0]):]
         _expand_kernel[(p["tiles"], sum(tiles))](
             hp, b, y, groups.order, groups.starts, ranks, scalings, num_slots, rank, first, *cum, *cols,
-            hp.stride(0), hp.stride(1), *b.stride(), y.stride(0), y.stride(1), *ranks.stride(), *scalings.stride(),
+            hp.stride(0), hp.stride(1), y.stride(0), y.stride(1), *ranks.stride(), *scalings.stride(),
             BLOCK_M=p["block_m"], BLOCK_N=block_n, BLOCK_R=_p2(rank, 16), SPLIT=split, S_P2=_p2(num_slots, 2),
             IEEE=y.dtype == torch.float32)

@@ -343,15 +343,17 @@ def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: t
                scalings: torch.Tensor, bounds: list[int], token_slots: torch.Tensor,
                groups: LoRAGroups | None = None, ranks: torch.Tensor | None = None) -> None:
     """Semantics: the LoRA of every shard of a merged layer, in place. Shard i (of n = len(bounds) - 1, rank
-    R = lora_a.shape[1] // n) owns y columns bounds[i]:bounds[i+1]; for such a column c and s = token_slots[t] >= 0,
-    y[t, c] += scalings[i, s] * (x[t] @ A_i[s]^T) @ lora_b[s, :, c - bounds[0]] with A_i = lora_a[:, i*R:(i+1)*R]
-    (lora_b [S, R, bounds[n] - bounds[0]] holds every shard's B^T side by side); rows with slot -1 untouched.
-    ranks [n, S] int32, optional: rows r >= ranks[i, s] of shard i's A and B are zero (the Triton op skips them;
-    the result is the same without it). Equal to one lora_shrink over lora_a and one lora_expand per shard."""
+    R = lora_a.shape[1] // n, width w_i = bounds[i+1] - bounds[i]) owns y columns bounds[i]:bounds[i+1]; its B^T is
+    Bt_i = lora_b[S*R*(bounds[i] - bounds[0]):S*R*(bounds[i+1] - bounds[0])].view(S, R, w_i) (lora_b is one flat
+    buffer, shard after shard). For s = token_slots[t] >= 0, y[t, bounds[i]:bounds[i+1]] += scalings[i, s] *
+    (x[t] @ A_i[s]^T) @ Bt_i[s] with A_i = lora_a[:, i*R:(i+1)*R]; rows with slot -1 untouched. ranks [n, S]
+    int32, optional: rows r >= ranks[i, s] of A_i[s] and Bt_i[s] are zero (the Triton op skips them; the result is
+    the same without it). Equal to one lora_shrink over lora_a and one lora_expand per shard."""
     groups = groups if groups is not None else lora_groups(token_slots, lora_a.shape[0])
     n = len(bounds) - 1
-    rank = lora_a.shape[1] // n
-    shard_b = [lora_b[:, :, bounds[i] - bounds[0]:bounds[i + 1] - bounds[0]] for i in range(n)]  # [S, R, out_i]
+    slots, rank = lora_a.shape[0], lora_a.shape[1] // n
+    shard_b = [lora_b[slots * rank * (bounds[i] - bounds[0]):slots * rank * (bounds[i + 1] - bounds[0])]
+               .view(slots, rank, bounds[i + 1] - bounds[i]) for i in range(n)]  # [S, R, w_i], contiguous
     kind, *arg = groups.plan()
     if kind == "uniform":  # decoding, tokens in slot order: every product a bmm over views, no gathers
         first, p, s0, m = arg
@@ -367,11 +369,8 @@ def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: t
         for i, b in enumerate(shard_b):
             bt = b if whole else b[s0:s0 + m]
             bt = bt if bt.dtype == torch.float32 else bt.float()
-            dst, hi = rows.narrow(1, bounds[i], bt.shape[2]).view(m, p, -1), h[:, :, i * rank:(i + 1) * rank]
-            if dst.dtype == torch.float32:
-                dst.baddbmm_(hi, bt)  # added straight into y's columns: no temporary, no separate add
-            else:
-                dst.add_(torch.bmm(hi, bt))
+            res = torch.bmm(h[:, :, i * rank:(i + 1) * rank], bt)  # (bmm + add_: 1.7x faster than baddbmm_ here)
+            rows.narrow(1, bounds[i], bt.shape[2]).view(m, p, -1).add_(res)
         return
     h = lora_shrink(x, lora_a, token_slots, 1.0, groups)
     for i, b in enumerate(shard_b):

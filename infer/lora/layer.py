@@ -1,10 +1,10 @@
 """LoRA on one MergedLinear for a batch whose tokens use different adapters, and the per-step adapter map.
 
 A `LoRALayer` holds, for every device slot, the stacked and zero-padded weights of the layer's shards:
-`lora_a` [max_loras, n_shards * max_rank, in] (shard i's A in rows i*max_rank..) and `lora_bt`
-[max_loras, max_rank, out_total] (every shard's B^T side by side, in the shard's own output columns, so that one
-expand streams B row-major along the whole output); `lora_b[i]` [max_loras, out_i, max_rank] is shard i's B as a
-view of it. `scalings` [n_shards, max_loras] float32 (per module, since rank_pattern / alpha_pattern may differ
+`lora_a` [max_loras, n_shards * max_rank, in] (shard i's A in rows i*max_rank..) and `lora_bt`, one flat buffer
+holding every shard's B^T [max_loras, max_rank, out_i] shard after shard (so that one expand launch reaches every
+shard from one pointer, and each slot's B^T is a contiguous row-major block); `lora_b[i]` [max_loras, out_i,
+max_rank] is shard i's B as a view of it. `scalings` [n_shards, max_loras] float32 (per module, since rank_pattern / alpha_pattern may differ
 between modules) and `rank_t` [n_shards, max_loras] int32 (0 = not targeted) live on the device, so that the kernels
 skip the zero padding of smaller ranks. On the GPU (and in every CUDA graph) `apply` is one `kernels.lora_apply`:
 one shrink launch for every shard and slot, one expand launch into y. The CPU path skips the shards and rank
@@ -65,8 +65,9 @@ class LoRALayer:
         self.in_features, self.max_rank = base.in_features, max_rank
         n = len(self.out_sizes)
         self.lora_a = torch.zeros(max_loras, n * max_rank, base.in_features, dtype=dtype, device=device)
-        self.lora_bt = torch.zeros(max_loras, max_rank, self.bounds[-1], dtype=dtype, device=device)
-        self.lora_b = [self.lora_bt[:, :, off:off + out].transpose(1, 2)
+        self.lora_bt = torch.zeros(max_loras * max_rank * self.bounds[-1], dtype=dtype, device=device)
+        block = max_loras * max_rank
+        self.lora_b = [self.lora_bt[block * off:block * (off + out)].view(max_loras, max_rank, out).transpose(1, 2)
                        for off, out in zip(self.offsets, self.out_sizes)]
         self.scalings = torch.zeros(n, max_loras, dtype=torch.float32, device=device)
         self.rank_t = torch.zeros(n, max_loras, dtype=torch.int32, device=device)
