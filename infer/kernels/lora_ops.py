@@ -30,7 +30,8 @@ from .reference import LoRAGroups, lora_groups
 MAX_SHARDS = 4  # shards one expand launch covers (a merged qkv has 3)
 TARGET_PROGRAMS = 256  # shrink programs to aim for: about two per SM of an H100 (132 SMs)
 MAX_SPLIT = 16
-BLOCK_N = 128  # expand: output columns per program
+BLOCK_N = 256  # expand: output columns per program (H100, 7B qkv at 16 tokens: 12.4 us at 128, 9.2 us at 256)
+EXPAND_WARPS = 4
 
 
 @triton.jit
@@ -196,4 +197,4 @@ def expand(hp: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, scalings: to
             hp, b, y, groups.order, groups.starts, ranks, scalings, num_slots, rank, first, *cum, *cols,
             hp.stride(0), hp.stride(1), y.stride(0), y.stride(1), *ranks.stride(), *scalings.stride(),
             BLOCK_M=p["block_m"], BLOCK_N=block_n, BLOCK_R=_p2(rank, 16), SPLIT=split, S_P2=_p2(num_slots, 2),
-            IEEE=y.dtype == torch.float32)
+            IEEE=y.dtype == torch.float32, num_warps=EXPAND_WARPS)
