@@ -115,9 +115,10 @@ def test_no_adapter_at_all_leaves_y(poisoned):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_random_ranks_up_to_64_split_k(poisoned, dtype):
-    """Ranks 4-64 in one buffer padded to 64, shards of different widths, K long enough to split over programs."""
-    assert poisoned.plan(7, 6, 256)["split"] > 1
+def test_random_ranks_up_to_64_split_k(poisoned, monkeypatch, dtype):
+    """Ranks 4-64 in one buffer padded to 64, shards of different widths, K split over 4 programs."""
+    monkeypatch.setattr(poisoned, "K_PER_PROGRAM", 64)
+    assert poisoned.plan(7, 6, 256)["split"] == 4
     check(poisoned, [5, -1, 2, 2, 0, 5, 3], outs=(40, 24, 16), num_slots=6, max_rank=64, k=256, dtype=dtype,
           seed=11)
 
@@ -153,9 +154,11 @@ def test_plan_depends_on_shapes_only(ops):
     """The launch grid of a CUDA graph: enough shrink programs at decode sizes, never more tiles than a worst
     case mix needs (T // BLOCK_M full tiles plus one partial tile per slot)."""
     p = ops.plan(16, 16, 4096)
-    assert p["tiles"] == 17 and p["tiles"] * p["split"] >= 132
+    assert p["tiles"] == 17 and p["split"] == 4 and p["k_per_split"] == 1024
+    p = ops.plan(16, 16, 11008)
+    assert p["tiles"] == 17 and p["split"] == 16 and p["k_per_split"] * p["split"] >= 11008
     p = ops.plan(64, 16, 11008)
-    assert p["tiles"] == 20 and p["k_per_split"] * p["split"] >= 11008
+    assert p["tiles"] == 20 and p["split"] == 8 and p["k_per_split"] * p["split"] >= 11008
 
 
 @pytest.mark.gpu

@@ -13,8 +13,8 @@ nothing is decided on the host). A decode step where every token has its own ada
 
 shrink: grid (tiles, SPLIT_K). Program (p, k) multiplies its rows of x by the slot's stacked A (every shard at once)
   over one SPLIT_K-th of K and stores the float32 partial sums at hp[k, sorted position, :]. No atomics and no
-  zeroing: the expand adds the SPLIT_K partials as it reads them. SPLIT_K gives the grid enough programs to keep
-  every SM busy at decode sizes (K is long, the output is a few dozen columns).
+  zeroing: the expand adds the SPLIT_K partials as it reads them. SPLIT_K spreads the long K over more SMs at
+  decode sizes (the output is a few dozen columns), bounded because every expand program reads all the partials.
 expand: grid (tiles, BLOCK_N-wide column tiles of every shard). Program (p, j) sums its rows' partials of its shard,
   multiplies them by the slot's B over its columns, scales, and adds the result into y in place.
 """
@@ -28,9 +28,15 @@ import triton.language as tl
 from .reference import LoRAGroups, lora_groups
 
 MAX_SHARDS = 4  # shards one expand launch covers (a merged qkv has 3)
-TARGET_PROGRAMS = 256  # shrink programs to aim for: about two per SM of an H100 (132 SMs)
+# Launch constants, measured on an H100 at 7B shapes, rank 16, 16 tokens x 16 adapters, under CUDA graphs (us):
+# SPLIT_K 4 / 8 / 16, shrink + best expand: qkv 11.2 / 10.7 / 11.4, gate_up 12.3 / 12.7 / 14.1, down (K = 11008)
+# 11.5 / 9.9 / 9.0: more splits feed more SMs in the shrink but make every expand program read more partials, so a
+# shrink program takes about K_PER_PROGRAM of K. Expand columns per program 256 / 512 / 1024 (4 warps, split 4):
+# qkv 5.8 / 5.5 / 6.0, gate_up 8.0 / 7.8 / 8.7 (128 was 12.4 and 20.3 at split 16).
+TARGET_PROGRAMS = 256  # shrink programs to aim for at most: about two per SM of an H100 (132 SMs)
 MAX_SPLIT = 16
-BLOCK_N = 256  # expand: output columns per program (H100, 7B qkv at 16 tokens: 12.4 us at 128, 9.2 us at 256)
+K_PER_PROGRAM = 1024  # split K no finer than this
+BLOCK_N = 512  # expand: output columns per program
 EXPAND_WARPS = 4
 
 
@@ -145,7 +151,7 @@ def plan(t: int, num_slots: int, k: int) -> dict:
     tiles = t // block_m + min(num_slots, t)
     busy = min(tiles, t)  # tiles that can hold tokens at once
     split = 1
-    while split < MAX_SPLIT and busy * split * 2 <= TARGET_PROGRAMS and split * 2 * 64 <= k:
+    while split < MAX_SPLIT and busy * split * 2 <= TARGET_PROGRAMS and k > split * K_PER_PROGRAM:
         split *= 2
     block_k = min(128, _p2(triton.cdiv(k, split), 16))
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
