@@ -123,6 +123,12 @@ def test_random_ranks_up_to_64_split_k(poisoned, monkeypatch, dtype):
           seed=11)
 
 
+def test_more_shards_than_one_expand_launch_covers(poisoned):
+    """Five shards: the expand runs one launch per MAX_SHARDS shards, each from its own column and shard index."""
+    assert poisoned.MAX_SHARDS < 5
+    check(poisoned, [1, 0, -1, 2, 1, 1], outs=(8, 16, 8, 24, 16), num_slots=3, max_rank=8, k=32, seed=9)
+
+
 def test_untargeted_shard_and_rank_zero_slot(poisoned):
     """A slot whose adapter skips a shard (rank 0 there: its rows are never read) and a slot with no adapter."""
     ranks = torch.tensor([[8, 0, 4], [0, 0, 16]])

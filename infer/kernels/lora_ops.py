@@ -1,8 +1,8 @@
 """Triton multi-LoRA for a batch whose tokens use different adapters: one shrink and one expand launch per layer.
 
-Layout (kept by infer.lora.layer.LoRALayer, semantics in `reference.lora_apply`): lora_a [S, n*R, K] (shard i's A in
-rows i*R..), lora_b flat [S*R*N] (shard after shard, each shard's B^T [S, R, out_i] contiguous), scalings [n, S] float32,
-ranks [n, S] int32 (rows r >= ranks[i, s] of shard i are zero padding: the kernels never read them).
+Layout (kept by infer.lora.layer.LoRALayer, semantics in `reference.lora_apply`): lora_a [S, n*R, K] (shard i's A
+in rows i*R..), lora_b flat [S*R*N] (shard after shard, each shard's B^T [S, R, out_i] contiguous), scalings [n, S]
+float32, ranks [n, S] int32 (rows r >= ranks[i, s] of shard i are zero padding: the kernels never read them).
 
 Work is cut into tiles of up to BLOCK_M tokens of one adapter (segmented by slot, as Punica's SGMV): the tokens are
 sorted by slot (`LoRAGroups.order`) and slot s owns sorted positions starts[s+1]..starts[s+2]. Every program finds
@@ -36,7 +36,8 @@ MAX_SHARDS = 4  # shards one expand launch covers (a merged qkv has 3)
 TARGET_PROGRAMS = 256  # shrink programs to aim for at most: about two per SM of an H100 (132 SMs)
 MAX_SPLIT = 16
 K_PER_PROGRAM = 1024  # split K no finer than this
-BLOCK_N = 512  # expand: output columns per program
+BLOCK_N = 512  # expand: output columns per program, 16-token tiles (decode)
+BLOCK_N_BIG_M = 128  # the same for 64-token tiles (prefill): the accumulator stays at 8K floats
 EXPAND_WARPS = 4
 
 
@@ -155,7 +156,8 @@ def plan(t: int, num_slots: int, k: int) -> dict:
         split *= 2
     block_k = min(128, _p2(triton.cdiv(k, split), 16))
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    return {"block_m": block_m, "tiles": tiles, "split": split, "block_k": block_k, "k_per_split": k_per_split}
+    return {"block_m": block_m, "tiles": tiles, "split": split, "block_k": block_k, "k_per_split": k_per_split,
+            "block_n": BLOCK_N if block_m == 16 else BLOCK_N_BIG_M}
 
 
 def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -188,11 +190,12 @@ def shrink(x: torch.Tensor, lora_a: torch.Tensor, n: int, groups: LoRAGroups, ra
 
 
 def expand(hp: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, scalings: torch.Tensor, bounds: list[int],
-           groups: LoRAGroups, ranks: torch.Tensor, block_n: int = BLOCK_N) -> None:
+           groups: LoRAGroups, ranks: torch.Tensor, block_n: int | None = None) -> None:
     """y[t, shard i's columns] += scalings[i, s] * (sum of hp's partials) @ B_i^T[s], in place (lora_b flat)."""
     split, t, nr = hp.shape
     num_slots, rank = ranks.shape[1], nr // (len(bounds) - 1)
     p = plan(t, num_slots, 0)
+    block_n = block_n or p["block_n"]
     for first in range(0, len(bounds) - 1, MAX_SHARDS):
         cols = list(bounds[first:first + MAX_SHARDS + 1])
         tiles = [triton.cdiv(b - a, block_n) for a, b in zip(cols, cols[1:])]

@@ -4,9 +4,9 @@ A `LoRALayer` holds, for every device slot, the stacked and zero-padded weights 
 `lora_a` [max_loras, n_shards * max_rank, in] (shard i's A in rows i*max_rank..) and `lora_bt`, one flat buffer
 holding every shard's B^T [max_loras, max_rank, out_i] shard after shard (so that one expand launch reaches every
 shard from one pointer, and each slot's B^T is a contiguous row-major block); `lora_b[i]` [max_loras, out_i,
-max_rank] is shard i's B as a view of it. `scalings` [n_shards, max_loras] float32 (per module, since rank_pattern / alpha_pattern may differ
-between modules) and `rank_t` [n_shards, max_loras] int32 (0 = not targeted) live on the device, so that the kernels
-skip the zero padding of smaller ranks. On the GPU (and in every CUDA graph) `apply` is one `kernels.lora_apply`:
+max_rank] is shard i's B as a view of it. `scalings` [n_shards, max_loras] float32 (per module, since rank_pattern /
+alpha_pattern may differ between modules) and `rank_t` [n_shards, max_loras] int32 (0 = not targeted) live on the
+device, so that the kernels skip the zero padding of smaller ranks. On the GPU (and in every CUDA graph) `apply` is one `kernels.lora_apply`:
 one shrink launch for every shard and slot, one expand launch into y. The CPU path skips the shards and rank
 columns no adapter of the batch uses.
 """
