@@ -1,10 +1,7 @@
-"""LoRA shrink/expand: the torch reference against a per-token loop, the Triton kernels against the reference
-(under TRITON_INTERPRET=1 on CPU at small shapes, at real shapes on a GPU)."""
+"""LoRA shrink/expand/apply: the torch reference (the CPU path and the oracle of the Triton kernels, whose tests are
+in test_lora_kernel.py) against a per-token loop."""
 
 from __future__ import annotations
-
-import importlib
-import os
 
 import pytest
 import torch
@@ -81,6 +78,15 @@ def naive_apply(x, a, bs, scalings, slots, y, offsets):
     return y
 
 
+def stacked(bs, first):
+    """Per-shard B [S, out_i, R] as lora_apply takes them: one flat buffer of every shard's B^T [S, R, out_i], shard
+    after shard, and the shards' column bounds."""
+    bounds = [first]
+    for b in bs:
+        bounds.append(bounds[-1] + b.shape[1])
+    return torch.cat([b.transpose(1, 2).flatten() for b in bs]), bounds
+
+
 IN_ORDER = {  # token slots already sorted by slot, as the model runner lays out a batch
     "every slot once": [0, 1, 2, 3, 4],
     "base rows first": [-1, -1, 0, 1, 2, 3, 4],
@@ -112,8 +118,9 @@ def test_reference_in_order_decode_path(case):
     a2 = torch.cat([a, a.flip(0) * 0.5], dim=1)
     bs = [b, b[:, :20].flip(0)]
     scal2 = torch.stack([scal, scal.flip(0)])
-    want = naive_apply(x, a2, bs, scal2, slots, y, [3, 30])
-    ref.lora_apply(x, y, a2, bs, scal2, [3, 30], slots, groups)
+    want = naive_apply(x, a2, bs, scal2, slots, y, [3, 27])
+    lora_b, bounds = stacked(bs, 3)
+    ref.lora_apply(x, y, a2, lora_b, scal2, bounds, slots, groups)
     assert torch.allclose(y.double(), want, atol=1e-3)
 
 
@@ -123,7 +130,7 @@ def test_reference_in_order_decode_path_bfloat16():
     groups = ref.lora_groups(slots, 5, in_order=True)
     assert groups.plan()[0] == "uniform"
     want = naive_apply(x, a, [b], scal[None], slots, y, [5])
-    ref.lora_apply(x, y, a, [b], scal[None], [5], slots, groups)
+    ref.lora_apply(x, y, a, b.transpose(1, 2).flatten(), scal[None], [5, 5 + b.shape[1]], slots, groups)
     assert y.dtype == torch.bfloat16 and torch.allclose(y.double(), want, rtol=1e-2, atol=1.0)
 
 
@@ -133,8 +140,9 @@ def test_reference_lora_apply_any_batch(case):
     slots = None if SLOTS[case] is None else SLOTS[case](t)
     x, a, b, slots, scal, y = inputs(t, 5, 16, 48, 24, seed=3, slots=slots)
     a2, bs, scal2 = torch.cat([a, a * 2], dim=1), [b, b[:, :10]], torch.stack([scal, scal * 3])
-    want = naive_apply(x, a2, bs, scal2, slots, y, [0, 40])
-    ref.lora_apply(x, y, a2, bs, scal2, [0, 40], slots)
+    want = naive_apply(x, a2, bs, scal2, slots, y, [0, 24])
+    lora_b, bounds = stacked(bs, 0)
+    ref.lora_apply(x, y, a2, lora_b, scal2, bounds, slots)
     assert torch.allclose(y.double(), want, atol=1e-3)
 
 
@@ -153,79 +161,3 @@ def test_low_precision_reference():
     want = naive_expand(h, b, slots, scal, y, 3)
     ref.lora_expand(h, b, slots, scal, y, 3)
     assert y.dtype == torch.bfloat16 and torch.allclose(y.double(), want, rtol=1e-2, atol=1.0)
-
-
-@pytest.fixture(scope="module")
-def ops():
-    """infer.kernels.lora_ops with its kernels interpreted on CPU (TRITON_INTERPRET is read when the kernels are
-    decorated and when they are launched, so it stays set while this module's tests run)."""
-    if torch.cuda.is_available():
-        yield importlib.import_module("infer.kernels.lora_ops")
-        return
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield importlib.reload(importlib.import_module("infer.kernels.lora_ops"))
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-
-
-def _dev():
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.mark.parametrize("case", list(SLOTS))
-@pytest.mark.parametrize("t,r", [(37, 8), (5, 24)])
-def test_triton_matches_reference(ops, case, t, r):
-    slots = None if SLOTS[case] is None else SLOTS[case](t)
-    x, a, b, slots, scal, y = (v.to(_dev()) for v in inputs(t, 4, r, 40, 20, seed=t + r, slots=slots))
-    h = ops.lora_shrink(x, a, slots, 0.25)
-    want_h = ref.lora_shrink(x.cpu(), a.cpu(), slots.cpu(), 0.25)
-    assert torch.allclose(h.cpu(), want_h, atol=1e-4)
-    assert not h[slots < 0].any()
-    wide = torch.cat([torch.randn_like(h), h], dim=1)  # a strided column slice, with an output offset
-    y_ref = y.cpu().clone()
-    ref.lora_expand(wide[:, r:].cpu(), b.cpu(), slots.cpu(), scal.cpu(), y_ref, 9)
-    ops.lora_expand(wide[:, r:], b, slots, scal, y, 9, kernels.lora_groups(slots, 4))
-    assert torch.allclose(y.cpu(), y_ref, atol=1e-3)
-    assert torch.equal(y.cpu()[slots.cpu() < 0], y_ref[slots.cpu() < 0])
-
-
-def test_triton_half_precision(ops):
-    x, a, b, slots, scal, y = (v.to(_dev()) for v in inputs(20, 3, 16, 32, 16, seed=5, dtype=torch.float16))
-    h = ops.lora_shrink(x, a, slots)
-    assert torch.allclose(h.cpu(), ref.lora_shrink(x.cpu(), a.cpu(), slots.cpu()), rtol=1e-3, atol=1e-2)
-    y_ref = y.cpu().clone()
-    ref.lora_expand(h.cpu(), b.cpu(), slots.cpu(), scal.cpu(), y_ref)
-    ops.lora_expand(h, b, slots, scal, y)
-    assert torch.allclose(y.cpu().float(), y_ref.float(), rtol=1e-2, atol=0.5)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("t", [16, 2048])
-def test_triton_real_shapes_gpu(t):
-    from infer.kernels import lora_ops
-    x, a, b, slots, scal, y = (v.cuda() for v in inputs(t, 16, 64, 4096, 4096, seed=t, dtype=torch.bfloat16))
-    h = lora_ops.lora_shrink(x, a, slots)
-    want_h = ref.lora_shrink(x.cpu(), a.cpu(), slots.cpu())
-    assert torch.allclose(h.cpu(), want_h, rtol=2e-2, atol=0.5)
-    y_ref = y.cpu().float()
-    ref.lora_expand(want_h, b.cpu(), slots.cpu(), scal.cpu(), y_ref, 4096)
-    lora_ops.lora_expand(want_h.cuda(), b, slots, scal, y, 4096)
-    assert torch.allclose(y.cpu().float(), y_ref, rtol=2e-2, atol=2.0)
-
-
-@pytest.mark.parametrize("host", [[0, 1, 2, 3], [-1, 0, 2, 2, 3, 1]])
-def test_triton_lora_apply_matches_reference(ops, host):
-    slots = torch.tensor(host)
-    x, a, b, slots, scal, y = inputs(len(host), 4, 8, 40, 20, seed=7, slots=slots)
-    a2, bs, scal2 = torch.cat([a, -a], dim=1), [b, b[:, :12]], torch.stack([scal, scal * 2])
-    y_ref = y.clone()
-    ref.lora_apply(x, y_ref, a2, bs, scal2, [1, 25], slots)
-    dev = _dev()
-    y_dev = y.to(dev)
-    ops.lora_apply(x.to(dev), y_dev, a2.to(dev), [t.to(dev) for t in bs], scal2.to(dev), [1, 25], slots.to(dev))
-    assert torch.allclose(y_dev.cpu(), y_ref, atol=1e-3)

@@ -2,6 +2,7 @@
 
     python -m infer.bench.kernels --out kernels.csv                 # the table
     python -m infer.bench.kernels --tune --tuned-out h100.json ...  # tune first (kernels.gptq_tune), then the table
+    python -m infer.bench.kernels --lora --out lora_kernels.csv     # multi-LoRA kernels (infer.bench.lora_kernels)
 
 Shapes are the fused projections of a 7B (Llama-2) and a 14B (Qwen1.5) model: qkv, o, gate_up, down. Every
 kernel is timed from a CUDA graph that cycles through enough copies of its weights to defeat the L2 cache (the
@@ -120,11 +121,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tune", action="store_true", help="tune every shape and M bucket first (minutes)")
     p.add_argument("--tuned-out", help="with --tune: also write the tuned table to this JSON file")
     p.add_argument("--tune-m", type=int, nargs="+", default=list(BUCKETS), help="with --tune: the M buckets")
+    p.add_argument("--lora", action="store_true", help="time the multi-LoRA shrink/expand kernels instead")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.lora:
+        from .lora_kernels import main as lora_main
+        return lora_main(args.out, args.models)
     if not torch.cuda.is_available():
         print("infer.bench.kernels needs a CUDA GPU (the Triton GPTQ kernel runs only there); none was found",
               file=sys.stderr)

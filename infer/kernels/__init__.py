@@ -66,24 +66,21 @@ def lora_groups(token_slots, num_slots, in_order=False):
 
 
 def lora_shrink(x, lora_a, token_slots, scale=1.0, groups=None):
-    if use_triton(x):
-        from .lora_ops import lora_shrink as triton_shrink
-        return triton_shrink(x, lora_a, token_slots, scale, groups)
+    """The torch op on every device: a Triton kernel pair computes whole layers (lora_apply); this single-shard
+    product is the CPU path's tool for layers where the batch's adapters use only some shards or a small rank."""
     return reference.lora_shrink(x, lora_a, token_slots, scale, groups)
 
 
 def lora_expand(h, lora_b, token_slots, scalings, y, offset=0, groups=None):
-    if use_triton(y):
-        from .lora_ops import lora_expand as triton_expand
-        return triton_expand(h, lora_b, token_slots, scalings, y, offset, groups)
+    """The torch op on every device (see lora_shrink)."""
     return reference.lora_expand(h, lora_b, token_slots, scalings, y, offset, groups)
 
 
-def lora_apply(x, y, lora_a, lora_bs, scalings, offsets, token_slots, groups=None):
+def lora_apply(x, y, lora_a, lora_b, scalings, bounds, token_slots, groups=None, ranks=None):
     if use_triton(y):
         from .lora_ops import lora_apply as triton_apply
-        return triton_apply(x, y, lora_a, lora_bs, scalings, offsets, token_slots, groups)
-    return reference.lora_apply(x, y, lora_a, lora_bs, scalings, offsets, token_slots, groups)
+        return triton_apply(x, y, lora_a, lora_b, scalings, bounds, token_slots, groups, ranks)
+    return reference.lora_apply(x, y, lora_a, lora_b, scalings, bounds, token_slots, groups, ranks)
 
 
 def gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1=True, group_size=None):

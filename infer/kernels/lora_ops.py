@@ -1,9 +1,22 @@
-"""Triton LoRA shrink and expand over a batch whose tokens use different adapters (S-LoRA / punica style).
+"""Triton multi-LoRA for a batch whose tokens use different adapters: one shrink and one expand launch per layer.
 
-Tokens are grouped by adapter slot with `reference.lora_groups` (a stable sort by slot plus per-slot segment
-bounds, computed on the device without a host sync). The grid's last axis is the slot: program (m, n, s) handles
-rows m*BLOCK_M.. of slot s's segment and exits when the segment is shorter, so one launch covers every adapter.
-Products accumulate in float32. Same signatures and semantics as `reference.lora_shrink` / `reference.lora_expand`.
+Layout (kept by infer.lora.layer.LoRALayer, semantics in `reference.lora_apply`): lora_a [S, n*R, K] (shard i's A
+in rows i*R..), lora_b flat [S*R*N] (shard after shard, each shard's B^T [S, R, out_i] contiguous), scalings [n, S]
+float32, ranks [n, S] int32 (rows r >= ranks[i, s] of shard i are zero padding: the kernels never read them).
+
+Work is cut into tiles of up to BLOCK_M tokens of one adapter (segmented by slot, as Punica's SGMV): the tokens are
+sorted by slot (`LoRAGroups.order`) and slot s owns sorted positions starts[s+1]..starts[s+2]. Every program finds
+its (slot, rows) from `starts` itself, by a prefix sum over the S slots' tile counts, so the grid has a static size,
+T // BLOCK_M + min(S, T) tiles, whatever the mix of adapters (a CUDA graph replays it with any token->slot map, and
+nothing is decided on the host). A decode step where every token has its own adapter is a grid of one-token tiles
+(BGMV); tokens that share an adapter share one read of its weights.
+
+shrink: grid (tiles, SPLIT_K). Program (p, k) multiplies its rows of x by the slot's stacked A (every shard at once)
+  over one SPLIT_K-th of K and stores the float32 partial sums at hp[k, sorted position, :]. No atomics and no
+  zeroing: the expand adds the SPLIT_K partials as it reads them. SPLIT_K spreads the long K over more SMs at
+  decode sizes (the output is a few dozen columns), bounded because every expand program reads all the partials.
+expand: grid (tiles, BLOCK_N-wide column tiles of every shard). Program (p, j) sums its rows' partials of its shard,
+  multiplies them by the slot's B over its columns, scales, and adds the result into y in place.
 """
 
 from __future__ import annotations
@@ -14,119 +27,183 @@ import triton.language as tl
 
 from .reference import LoRAGroups, lora_groups
 
-BLOCK_M = 16
+MAX_SHARDS = 4  # shards one expand launch covers (a merged qkv has 3)
+# Launch constants, measured on an H100 at 7B shapes, rank 16, 16 tokens x 16 adapters, under CUDA graphs (us):
+# SPLIT_K 4 / 8 / 16, shrink + best expand: qkv 11.2 / 10.7 / 11.4, gate_up 12.3 / 12.7 / 14.1, down (K = 11008)
+# 11.5 / 9.9 / 9.0: more splits feed more SMs in the shrink but make every expand program read more partials, so a
+# shrink program takes about K_PER_PROGRAM of K. Expand columns per program 256 / 512 / 1024 (4 warps, split 4):
+# qkv 5.8 / 5.5 / 6.0, gate_up 8.0 / 7.8 / 8.7 (128 was 12.4 and 20.3 at split 16).
+TARGET_PROGRAMS = 256  # shrink programs to aim for at most: about two per SM of an H100 (132 SMs)
+MAX_SPLIT = 16
+K_PER_PROGRAM = 1024  # split K no finer than this
+BLOCK_N = 512  # expand: output columns per program, 16-token tiles (decode)
+BLOCK_N_BIG_M = 128  # the same for 64-token tiles (prefill): the accumulator stays at 8K floats
+EXPAND_WARPS = 4
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, out_ptr, order_ptr, starts_ptr, N, K,
-                   sx_t, sx_k, sa_s, sa_n, sa_k, so_t, so_n, scale,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    pid_m, pid_n, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    begin = tl.load(starts_ptr + slot + 1)
-    end = tl.load(starts_ptr + slot + 2)
-    row0 = begin + pid_m * BLOCK_M
-    if row0 < end:
+def _tile(starts_ptr, pid, S, BLOCK_M: tl.constexpr, S_P2: tl.constexpr):
+    """(slot, first sorted position, end of the slot's segment) of tile `pid`; past the last tile, an empty range
+    (and slot S - 1, so that addresses computed from it stay inside the tensors)."""
+    offs = tl.arange(0, S_P2)
+    valid = offs < S
+    begin = tl.load(starts_ptr + 1 + offs, mask=valid, other=0)
+    end = tl.load(starts_ptr + 2 + offs, mask=valid, other=0)
+    tiles = (end - begin + BLOCK_M - 1) // BLOCK_M
+    last = tl.cumsum(tiles, 0)  # tiles of slots 0..s
+    slot = tl.sum((last <= pid).to(tl.int32), 0)
+    pick = offs == slot
+    first_tile = tl.sum(tl.where(pick, last - tiles, 0), 0)
+    row0 = tl.sum(tl.where(pick, begin, 0), 0) + (pid - first_tile) * BLOCK_M
+    return tl.minimum(slot, S - 1), row0, tl.sum(tl.where(pick, end, 0), 0)
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, a_ptr, hp_ptr, order_ptr, starts_ptr, rank_ptr, S, K, NR, R, k_per_split,
+                   sx_t, sx_k, sa_s, sa_j, sa_k, sh_p, sh_t, sr_i, sr_s,
+                   BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr, S_P2: tl.constexpr,
+                   IEEE: tl.constexpr):
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
+    slot, row0, seg_end = _tile(starts_ptr, pid, S, BLOCK_M, S_P2)
+    offs_j = tl.arange(0, BLOCK_J)
+    rank = tl.load(rank_ptr + (offs_j // R) * sr_i + slot * sr_s, mask=offs_j < NR, other=0)
+    mask_j = (offs_j % R) < rank  # false past NR too (rank 0 there)
+    if (row0 < seg_end) & (tl.max(rank, 0) > 0):
         rows = row0 + tl.arange(0, BLOCK_M)
-        mask_m = rows < end
+        mask_m = rows < seg_end
         tok = tl.load(order_ptr + rows, mask=mask_m, other=0)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        a_base = a_ptr + slot.to(tl.int64) * sa_s
+        acc = tl.zeros((BLOCK_M, BLOCK_J), dtype=tl.float32)
+        k_lo = pid_k * k_per_split
+        k_hi = tl.minimum(K, k_lo + k_per_split)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
+            mask_k = offs_k < k_hi
             xa = tl.load(x_ptr + tok[:, None] * sx_t + offs_k[None, :] * sx_k,
                          mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            aa = tl.load(a_ptr + slot * sa_s + offs_n[None, :] * sa_n + offs_k[:, None] * sa_k,
-                         mask=mask_n[None, :] & mask_k[:, None], other=0.0)
+            aa = tl.load(a_base + offs_j[None, :] * sa_j + offs_k[:, None] * sa_k,
+                         mask=mask_j[None, :] & mask_k[:, None], other=0.0).to(xa.dtype)
             if IEEE:
                 acc += tl.dot(xa, aa, input_precision="ieee")
             else:
                 acc += tl.dot(xa, aa)
-        acc = acc * scale
-        tl.store(out_ptr + tok[:, None] * so_t + offs_n[None, :] * so_n, acc,
-                 mask=mask_m[:, None] & mask_n[None, :])
+        tl.store(hp_ptr + pid_k * sh_p + rows[:, None] * sh_t + offs_j[None, :], acc,
+                 mask=mask_m[:, None] & (offs_j < NR)[None, :])
 
 
 @triton.jit
-def _expand_kernel(h_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, scal_ptr, N, K, offset,
-                   sh_t, sh_k, sb_s, sb_n, sb_k, sy_t, sy_n,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    pid_m, pid_n, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    begin = tl.load(starts_ptr + slot + 1)
-    end = tl.load(starts_ptr + slot + 2)
-    row0 = begin + pid_m * BLOCK_M
-    if row0 < end:
+def _pick(i, v0, v1, v2, v3):
+    return tl.where(i == 0, v0, tl.where(i == 1, v1, tl.where(i == 2, v2, v3)))
+
+
+@triton.jit
+def _expand_kernel(hp_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, rank_ptr, scal_ptr, S, R, shard0,
+                   t1, t2, t3, c0, c1, c2, c3, c4,
+                   sh_p, sh_t, sy_t, sy_n, sr_i, sr_s, sc_i, sc_s,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
+                   S_P2: tl.constexpr, IEEE: tl.constexpr):
+    pid, pid_n = tl.program_id(0), tl.program_id(1)
+    local = (pid_n >= t1).to(tl.int32) + (pid_n >= t2).to(tl.int32) + (pid_n >= t3).to(tl.int32)
+    shard = shard0 + local
+    slot, row0, seg_end = _tile(starts_ptr, pid, S, BLOCK_M, S_P2)
+    rank = tl.load(rank_ptr + shard * sr_i + slot * sr_s)
+    if (row0 < seg_end) & (rank > 0):
         rows = row0 + tl.arange(0, BLOCK_M)
-        mask_m = rows < end
+        mask_m = rows < seg_end
         tok = tl.load(order_ptr + rows, mask=mask_m, other=0)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            ha = tl.load(h_ptr + tok[:, None] * sh_t + offs_k[None, :] * sh_k,
-                         mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            bb = tl.load(b_ptr + slot * sb_s + offs_n[None, :] * sb_n + offs_k[:, None] * sb_k,
-                         mask=mask_n[None, :] & mask_k[:, None], other=0.0).to(tl.float32)
-            if IEEE:
-                acc += tl.dot(ha, bb, input_precision="ieee")
-            else:
-                acc += tl.dot(ha, bb)
-        acc = acc * tl.load(scal_ptr + slot)
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < rank
+        offs_p = tl.arange(0, SPLIT)
+        parts = tl.load(hp_ptr + offs_p[:, None, None] * sh_p + rows[None, :, None] * sh_t
+                        + (shard * R + offs_r)[None, None, :],
+                        mask=mask_m[None, :, None] & mask_r[None, None, :], other=0.0)
+        h = tl.sum(parts, 0)  # [BLOCK_M, BLOCK_R]: the SPLIT_K partial sums of the shrink
+        lo, hi = _pick(local, c0, c1, c2, c3), _pick(local, c1, c2, c3, c4)  # the shard's columns
+        cols = lo + (pid_n - _pick(local, 0, t1, t2, t3)) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = cols < hi
+        width = hi - lo  # shard's B^T block [S, R, width] starts S*R*(lo - c0) elements in
+        b_base = b_ptr + (lo - c0).to(tl.int64) * S * R + slot.to(tl.int64) * R * width
+        bb = tl.load(b_base + offs_r[:, None] * width + (cols - lo)[None, :],
+                     mask=mask_r[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+        if IEEE:
+            acc = tl.dot(h, bb, input_precision="ieee")
+        else:
+            acc = tl.dot(h, bb)
+        acc = acc * tl.load(scal_ptr + shard * sc_i + slot * sc_s)
         mask = mask_m[:, None] & mask_n[None, :]
-        y_ptrs = y_ptr + tok[:, None] * sy_t + (offset + offs_n[None, :]) * sy_n
+        y_ptrs = y_ptr + tok[:, None] * sy_t + cols[None, :] * sy_n
         y = tl.load(y_ptrs, mask=mask, other=0.0)
         tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
 
 
-def _block(n: int, lo: int, hi: int) -> int:
-    return max(lo, min(hi, triton.next_power_of_2(n)))
+def _p2(n: int, lo: int = 1) -> int:
+    return max(lo, triton.next_power_of_2(max(1, n)))
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor, scale: float = 1.0,
-                groups: LoRAGroups | None = None) -> torch.Tensor:
-    """Triton version of reference.lora_shrink: [T, R] float32 = scale * x @ lora_a[slot]^T (0 for slot -1)."""
-    num_slots, rank, k = lora_a.shape
-    groups = groups if groups is not None else lora_groups(token_slots, num_slots)
-    t = x.shape[0]
-    out = torch.zeros(t, rank, dtype=torch.float32, device=x.device)
-    if t == 0:
-        return out
-    if lora_a.dtype != x.dtype:
-        lora_a = lora_a.to(x.dtype)
-    block_n, block_k = _block(rank, 16, 64), _block(k, 16, 64)
-    grid = (triton.cdiv(t, BLOCK_M), triton.cdiv(rank, block_n), num_slots)
-    _shrink_kernel[grid](x, lora_a, out, groups.order, groups.starts, rank, k,
-                         x.stride(0), x.stride(1), *lora_a.stride(), out.stride(0), out.stride(1), float(scale),
-                         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32)
-    return out
+def partials(split: int, t: int, nr: int, device) -> torch.Tensor:
+    """The shrink's output [SPLIT_K, T, n*R] float32, uninitialized: the expand reads only what the shrink wrote."""
+    return torch.empty(split, t, nr, dtype=torch.float32, device=device)
 
 
-def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor, scalings: torch.Tensor,
-                y: torch.Tensor, offset: int = 0, groups: LoRAGroups | None = None) -> None:
-    """Triton version of reference.lora_expand: y[:, offset:offset+out] += scalings[s] * h @ lora_b[s]^T."""
-    num_slots, n, rank = lora_b.shape
-    groups = groups if groups is not None else lora_groups(token_slots, num_slots)
-    t = y.shape[0]
-    if t == 0:
+def plan(t: int, num_slots: int, k: int) -> dict:
+    """Launch sizes for T tokens, S slots and input width K: a function of the shapes only (never of the adapter
+    mix), so that a CUDA graph's launches stay valid for any token->slot map."""
+    block_m = 16 if t <= 256 else 64
+    tiles = t // block_m + min(num_slots, t)
+    busy = min(tiles, t)  # tiles that can hold tokens at once
+    split = 1
+    while split < MAX_SPLIT and busy * split * 2 <= TARGET_PROGRAMS and k > split * K_PER_PROGRAM:
+        split *= 2
+    block_k = min(128, _p2(triton.cdiv(k, split), 16))
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    return {"block_m": block_m, "tiles": tiles, "split": split, "block_k": block_k, "k_per_split": k_per_split,
+            "block_n": BLOCK_N if block_m == 16 else BLOCK_N_BIG_M}
+
+
+def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+               scalings: torch.Tensor, bounds: list[int], token_slots: torch.Tensor,
+               groups: LoRAGroups | None = None, ranks: torch.Tensor | None = None) -> None:
+    """Triton version of reference.lora_apply: one shrink launch for every shard and slot, then one expand launch
+    (per MAX_SHARDS shards) that adds every shard's delta into its columns of y in place."""
+    if x.shape[0] == 0:
         return
-    h = h.float()
-    scalings = scalings.to(device=y.device, dtype=torch.float32)
-    block_n, block_k = _block(n, 16, 64), _block(rank, 16, 64)
-    grid = (triton.cdiv(t, BLOCK_M), triton.cdiv(n, block_n), num_slots)
-    _expand_kernel[grid](h, lora_b, y, groups.order, groups.starts, scalings, n, rank, offset,
-                         h.stride(0), h.stride(1), *lora_b.stride(), y.stride(0), y.stride(1),
-                         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=y.dtype == torch.float32)
+    num_slots, n = lora_a.shape[0], len(bounds) - 1
+    groups = groups if groups is not None else lora_groups(token_slots, num_slots)
+    if ranks is None:
+        ranks = torch.full((n, num_slots), lora_a.shape[1] // n, dtype=torch.int32, device=y.device)
+    hp = shrink(x, lora_a, n, groups, ranks)
+    expand(hp, y, lora_b, scalings, bounds, groups, ranks)
 
 
-def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_bs: list[torch.Tensor],
-               scalings: torch.Tensor, offsets: list[int], token_slots: torch.Tensor,
-               groups: LoRAGroups | None = None) -> None:
-    """Triton version of reference.lora_apply: one shrink over the stacked A, one expand per shard."""
-    groups = groups if groups is not None else lora_groups(token_slots, lora_a.shape[0])
-    rank = lora_a.shape[1] // len(lora_bs)
-    h = lora_shrink(x, lora_a, token_slots, 1.0, groups)
-    for i, b in enumerate(lora_bs):
-        lora_expand(h[:, i * rank:(i + 1) * rank], b, token_slots, scalings[i], y, offsets[i], groups)
+def shrink(x: torch.Tensor, lora_a: torch.Tensor, n: int, groups: LoRAGroups, ranks: torch.Tensor) -> torch.Tensor:
+    """The partial sums hp [SPLIT_K, T, n*R] float32 of x @ A[slot]^T, at sorted positions (see the module doc)."""
+    num_slots, nr, k = lora_a.shape
+    t = x.shape[0]
+    p = plan(t, num_slots, k)
+    hp = partials(p["split"], t, nr, x.device)
+    _shrink_kernel[(p["tiles"], p["split"])](
+        x, lora_a, hp, groups.order, groups.starts, ranks, num_slots, k, nr, nr // n, p["k_per_split"],
+        x.stride(0), x.stride(1), *lora_a.stride(), hp.stride(0), hp.stride(1), *ranks.stride(),
+        BLOCK_M=p["block_m"], BLOCK_J=_p2(nr, 16), BLOCK_K=p["block_k"], S_P2=_p2(num_slots, 2),
+        IEEE=x.dtype == torch.float32)
+    return hp
+
+
+def expand(hp: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, scalings: torch.Tensor, bounds: list[int],
+           groups: LoRAGroups, ranks: torch.Tensor, block_n: int | None = None) -> None:
+    """y[t, shard i's columns] += scalings[i, s] * (sum of hp's partials) @ B_i^T[s], in place (lora_b flat)."""
+    split, t, nr = hp.shape
+    num_slots, rank = ranks.shape[1], nr // (len(bounds) - 1)
+    p = plan(t, num_slots, 0)
+    block_n = block_n or p["block_n"]
+    for first in range(0, len(bounds) - 1, MAX_SHARDS):
+        cols = list(bounds[first:first + MAX_SHARDS + 1])
+        tiles = [triton.cdiv(b - a, block_n) for a, b in zip(cols, cols[1:])]
+        cum = [sum(tiles[:i]) if i < len(tiles) else 2 ** 30 for i in range(1, MAX_SHARDS)]  # 2**30: no shard
+        cols += [cols[-1]] * (MAX_SHARDS + 1 - len(cols))
+        b = lora_b[num_slots * rank * (bounds[first] - bounds[0]):]
+        _expand_kernel[(p["tiles"], sum(tiles))](
+            hp, b, y, groups.order, groups.starts, ranks, scalings, num_slots, rank, first, *cum, *cols,
+            hp.stride(0), hp.stride(1), y.stride(0), y.stride(1), *ranks.stride(), *scalings.stride(),
+            BLOCK_M=p["block_m"], BLOCK_N=block_n, BLOCK_R=_p2(rank, 16), SPLIT=split, S_P2=_p2(num_slots, 2),
+            IEEE=y.dtype == torch.float32, num_warps=EXPAND_WARPS)

@@ -339,34 +339,39 @@ def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor
     target.index_add_(0, idx, res.to(y.dtype))
 
 
-def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_bs: list[torch.Tensor],
-               scalings: torch.Tensor, offsets: list[int], token_slots: torch.Tensor,
-               groups: LoRAGroups | None = None) -> None:
-    """Semantics: the LoRA of every shard of a merged layer, in place: for shard i (rank R = lora_a.shape[1] //
-    len(lora_bs)), y[t, offsets[i]:offsets[i]+out_i] += scalings[i, s] * x[t] @ A_i[s]^T @ lora_bs[i][s]^T with
-    A_i = lora_a[:, i*R:(i+1)*R] and s = token_slots[t] >= 0; rows with slot -1 untouched. Equal to one
-    lora_shrink over lora_a followed by one lora_expand per shard."""
+def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+               scalings: torch.Tensor, bounds: list[int], token_slots: torch.Tensor,
+               groups: LoRAGroups | None = None, ranks: torch.Tensor | None = None) -> None:
+    """Semantics: the LoRA of every shard of a merged layer, in place. Shard i (of n = len(bounds) - 1, rank
+    R = lora_a.shape[1] // n, width w_i = bounds[i+1] - bounds[i]) owns y columns bounds[i]:bounds[i+1]; its B^T is
+    Bt_i = lora_b[S*R*(bounds[i] - bounds[0]):S*R*(bounds[i+1] - bounds[0])].view(S, R, w_i) (lora_b is one flat
+    buffer, shard after shard). For s = token_slots[t] >= 0, y[t, bounds[i]:bounds[i+1]] += scalings[i, s] *
+    (x[t] @ A_i[s]^T) @ Bt_i[s] with A_i = lora_a[:, i*R:(i+1)*R]; rows with slot -1 untouched. ranks [n, S]
+    int32, optional: rows r >= ranks[i, s] of A_i[s] and Bt_i[s] are zero (the Triton op skips them; the result is
+    the same without it). Equal to one lora_shrink over lora_a and one lora_expand per shard."""
     groups = groups if groups is not None else lora_groups(token_slots, lora_a.shape[0])
-    rank = lora_a.shape[1] // len(lora_bs)
+    n = len(bounds) - 1
+    slots, rank = lora_a.shape[0], lora_a.shape[1] // n
+    shard_b = [lora_b[slots * rank * (bounds[i] - bounds[0]):slots * rank * (bounds[i + 1] - bounds[0])]
+               .view(slots, rank, bounds[i + 1] - bounds[i]) for i in range(n)]  # [S, R, w_i], contiguous
     kind, *arg = groups.plan()
     if kind == "uniform":  # decoding, tokens in slot order: every product a bmm over views, no gathers
-        first, p, s0, n = arg
-        whole = s0 == 0 and n == lora_a.shape[0]  # (the common case, spelled out: every op here costs ~2 us)
-        xs = (x if first == 0 and n * p == x.shape[0] else x[first:first + n * p]).reshape(n, p, -1)
-        a = lora_a if whole else lora_a[s0:s0 + n]
+        first, p, s0, m = arg
+        whole = s0 == 0 and m == lora_a.shape[0]  # (the common case, spelled out: every op here costs ~2 us)
+        xs = (x if first == 0 and m * p == x.shape[0] else x[first:first + m * p]).reshape(m, p, -1)
+        a = lora_a if whole else lora_a[s0:s0 + m]
         if xs.dtype != torch.float32:
             xs, a = xs.float(), a.float()
-        h = torch.bmm(a, xs.transpose(1, 2))  # [n, shards*R, p]: the matrix-vector form, 1.5x x @ A^T on CPU
-        scal = scalings if whole else scalings[:, s0:s0 + n]
-        if len(lora_bs) > 1:
-            scal = scal.t().repeat_interleave(rank, 1)  # [n, shards*R]: every column's scaling
-        h = h.mul_(scal.reshape(n, -1, 1)).transpose(1, 2)  # [n, p, shards*R]
-        rows = y if first == 0 and n * p == y.shape[0] else y[first:first + n * p]
-        for i, b in enumerate(lora_bs):
-            bt = (b if whole else b[s0:s0 + n]).transpose(1, 2)
-            res = torch.bmm(h[:, :, i * rank:(i + 1) * rank], bt if bt.dtype == torch.float32 else bt.float())
-            rows.narrow(1, offsets[i], bt.shape[2]).view(n, p, -1).add_(res)
+        h = torch.bmm(a, xs.transpose(1, 2))  # [m, shards*R, p]: the matrix-vector form, 1.5x x @ A^T on CPU
+        scal = scalings.t() if whole else scalings[:, s0:s0 + m].t()  # [m, shards]
+        h = h.view(m, n, rank, p).mul_(scal.reshape(m, n, 1, 1)).view(m, n * rank, p).transpose(1, 2)
+        rows = y if first == 0 and m * p == y.shape[0] else y[first:first + m * p]
+        for i, b in enumerate(shard_b):
+            bt = b if whole else b[s0:s0 + m]
+            bt = bt if bt.dtype == torch.float32 else bt.float()
+            res = torch.bmm(h[:, :, i * rank:(i + 1) * rank], bt)  # (bmm + add_: 1.7x faster than baddbmm_ here)
+            rows.narrow(1, bounds[i], bt.shape[2]).view(m, p, -1).add_(res)
         return
     h = lora_shrink(x, lora_a, token_slots, 1.0, groups)
-    for i, b in enumerate(lora_bs):
-        lora_expand(h[:, i * rank:(i + 1) * rank], b, token_slots, scalings[i], y, offsets[i], groups)
+    for i, b in enumerate(shard_b):
+        lora_expand(h[:, i * rank:(i + 1) * rank], b.transpose(1, 2), token_slots, scalings[i], y, bounds[i], groups)

@@ -1,8 +1,9 @@
 """Batched multi-LoRA: PEFT adapters on the base model, one batch mixing adapters (S-LoRA / vLLM style).
 
 Every token of a flat batch carries the device slot of its request's adapter (-1 = base model only); each
-MergedLinear's `layer.lora` (a LoRALayer) adds `scaling * x @ A[slot]^T @ B[slot]^T` per token with two kernels,
-`kernels.lora_shrink` and `kernels.lora_expand`, so no batch is split by adapter.
+MergedLinear's `layer.lora` (a LoRALayer) adds `scaling * x @ A[slot]^T @ B[slot]^T` per token with
+`kernels.lora_apply` (on the GPU one shrink and one expand launch for all of the layer's shards and slots), so no
+batch is split by adapter.
 
 What the engine does:
 

@@ -1,12 +1,14 @@
 """LoRA on one MergedLinear for a batch whose tokens use different adapters, and the per-step adapter map.
 
 A `LoRALayer` holds, for every device slot, the stacked and zero-padded weights of the layer's shards:
-`lora_a` [max_loras, n_shards * max_rank, in] (shard i's A in rows i*max_rank..) and, per shard,
-`lora_b[i]` [max_loras, out_i, max_rank] (a transposed view of [max_loras, max_rank, out_i] storage, so that the
-expand streams B row-major along the output: 1.2x faster on CPU at decode sizes, coalesced loads on GPU);
-`scalings` [n_shards, max_loras] float32 (per module, since rank_pattern / alpha_pattern may differ between
-modules). `apply` runs one shrink for the shards the batch's adapters touch, then one expand per shard into that
-shard's columns of y (with every shard in use at the full rank, both in one `kernels.lora_apply`).
+`lora_a` [max_loras, n_shards * max_rank, in] (shard i's A in rows i*max_rank..) and `lora_bt`, one flat buffer
+holding every shard's B^T [max_loras, max_rank, out_i] shard after shard (so that one expand launch reaches every
+shard from one pointer, and each slot's B^T is a contiguous row-major block); `lora_b[i]` [max_loras, out_i,
+max_rank] is shard i's B as a view of it. `scalings` [n_shards, max_loras] float32 (per module, since rank_pattern /
+alpha_pattern may differ between modules) and `rank_t` [n_shards, max_loras] int32 (0 = not targeted) live on the
+device, so that the kernels skip the zero padding of smaller ranks. On the GPU (and in every CUDA graph) `apply` is one `kernels.lora_apply`:
+one shrink launch for every shard and slot, one expand launch into y. The CPU path skips the shards and rank
+columns no adapter of the batch uses.
 """
 
 from __future__ import annotations
@@ -59,13 +61,17 @@ class LoRALayer:
         self.names = list(base.names)
         self.out_sizes = list(base.out_sizes)
         self.offsets = [base.shard_offset(i) for i in range(len(self.out_sizes))]
+        self.bounds = self.offsets + [self.offsets[-1] + self.out_sizes[-1]]
         self.in_features, self.max_rank = base.in_features, max_rank
         n = len(self.out_sizes)
         self.lora_a = torch.zeros(max_loras, n * max_rank, base.in_features, dtype=dtype, device=device)
-        self.lora_b = [torch.zeros(max_loras, max_rank, out, dtype=dtype, device=device).transpose(1, 2)
-                       for out in self.out_sizes]
+        self.lora_bt = torch.zeros(max_loras * max_rank * self.bounds[-1], dtype=dtype, device=device)
+        block = max_loras * max_rank
+        self.lora_b = [self.lora_bt[block * off:block * (off + out)].view(max_loras, max_rank, out).transpose(1, 2)
+                       for off, out in zip(self.offsets, self.out_sizes)]
         self.scalings = torch.zeros(n, max_loras, dtype=torch.float32, device=device)
-        self.ranks = [[0] * max_loras for _ in range(n)]  # ranks[shard][slot], 0 = not targeted
+        self.rank_t = torch.zeros(n, max_loras, dtype=torch.int32, device=device)
+        self.ranks = [[0] * max_loras for _ in range(n)]  # ranks[shard][slot] on the host, 0 = not targeted
         self._plans: dict[tuple[int, ...], tuple[list[int], int]] = {}  # active slots -> (shards, rank)
 
     def set_slot(self, slot: int, modules: list[LoRAModule | None]) -> None:
@@ -79,6 +85,7 @@ class LoRALayer:
             self.lora_b[i][slot].zero_()
             self.scalings[i, slot] = 0.0 if m is None else m.scaling
             self.ranks[i][slot] = 0 if m is None else m.rank
+            self.rank_t[i, slot] = self.ranks[i][slot]
             if m is not None:
                 self.lora_a[slot, i * mr:i * mr + m.rank].copy_(m.lora_a)
                 self.lora_b[i][slot, :, :m.rank].copy_(m.lora_b)
@@ -92,8 +99,7 @@ class LoRALayer:
     def apply(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> None:
         """y[t] += sum over shards i of scaling_i * x[t] @ A_i[slot_t]^T @ B_i[slot_t]^T, in place."""
         if batch.static:
-            kernels.lora_apply(x, y, self.lora_a, self.lora_b, self.scalings, self.offsets, batch.token_slots,
-                               batch.groups)
+            self._apply_all(x, y, batch)
             return
         plan = self._plans.get(batch.active_slots)
         if plan is None:
@@ -103,12 +109,16 @@ class LoRALayer:
         shards, rank = plan
         if not shards:
             return
-        mr, slots, groups = self.max_rank, batch.token_slots, batch.groups
-        if len(shards) == len(self.out_sizes) and rank == mr:  # one shrink over the stacked A of every shard
-            kernels.lora_apply(x, y, self.lora_a, self.lora_b, self.scalings, self.offsets, slots, groups)
+        if kernels.use_triton(y) or (len(shards) == len(self.out_sizes) and rank == self.max_rank):
+            self._apply_all(x, y, batch)  # (the Triton kernels skip unused shards and rank rows by themselves)
             return
-        # only some shards or a smaller rank in use: shrink just those columns
+        # CPU, only some shards or a smaller rank in use: shrink just those columns
+        mr, slots, groups = self.max_rank, batch.token_slots, batch.groups
         parts = [kernels.lora_shrink(x, self.lora_a[:, i * mr:i * mr + rank], slots, 1.0, groups) for i in shards]
         for i, h_i in zip(shards, parts):
             b = self.lora_b[i] if rank == mr else self.lora_b[i][:, :, :rank]
             kernels.lora_expand(h_i, b, slots, self.scalings[i], y, self.offsets[i], groups)
+
+    def _apply_all(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> None:
+        kernels.lora_apply(x, y, self.lora_a, self.lora_bt, self.scalings, self.bounds, batch.token_slots,
+                           batch.groups, self.rank_t)

@@ -110,7 +110,7 @@ class LoRAManager:
 
     def device_bytes(self) -> int:
         """Bytes of the stacked A/B slot tensors of every layer (the LoRA slots' memory)."""
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in [layer.lora_a, *layer.lora_b])
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in [layer.lora_a, layer.lora_bt])
 
     def cpu_resident(self) -> list[str]:
         return list(self._cpu)

@@ -1,0 +1,115 @@
+"""Multi-LoRA kernel micro-benchmark: shrink + expand of every projection of a 7B (or 14B) layer under CUDA graphs,
+beside the floor the adapter bytes set at the copy bandwidth measured in the same run.
+
+    python -m infer.bench.kernels --lora --out lora_kernels.csv
+
+Workloads (rank 16, 16 adapter slots, float16): 16 tokens each with its own adapter, 64 tokens over 16 adapters
+(4 each, in slot order as the model runner lays out a batch), 64 tokens with one adapter, and a 2048-token prefill
+over 4 adapters. Each row times `kernels.lora_ops.lora_apply` (one shrink and one expand launch) on one merged
+projection with `triton.testing.do_bench_cudagraph`, and reports: the adapter bytes the step must read (A and B of
+every adapter in use, rank rows only), the time those bytes take at the measured device copy bandwidth (the floor),
+time / floor, and an fp16 `F.linear` of the base projection's shape at the same token count for scale. GPU only.
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+
+import torch
+
+RANK, SLOTS = 16, 16
+LAYERS = {"7B": {"qkv": (4096, [4096] * 3), "o": (4096, [4096]), "gate_up": (4096, [11008] * 2),
+                 "down": (11008, [4096])},
+          "14B": {"qkv": (5120, [5120] * 3), "o": (5120, [5120]), "gate_up": (5120, [13696] * 2),
+                  "down": (13696, [5120])}}
+WORKLOADS = {"16 tok / 16 adapters": (16, 16), "64 tok / 16 adapters": (64, 16), "64 tok / 1 adapter": (64, 1),
+             "2048 tok / 4 adapters": (2048, 4)}
+
+
+def copy_bandwidth() -> float:
+    """Device memory bandwidth in bytes/s: (read + write) of a 1 GiB copy, median of do_bench."""
+    import triton.testing
+    src = torch.empty(1 << 29, dtype=torch.float16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * src.nbytes / (ms * 1e-3)
+
+
+def workload(t: int, adapters: int, device="cuda") -> torch.Tensor:
+    """Token slots in slot order (as the model runner sorts a batch): adapter i of `adapters` for t/adapters rows."""
+    return (torch.arange(t, device=device) * adapters // t).long()
+
+
+def measure(k: int, outs: list[int], t: int, adapters: int, bandwidth: float) -> dict:
+    import triton.testing
+
+    from ..kernels import lora_ops, reference
+    n, dev = len(outs), "cuda"
+    bounds = [sum(outs[:i]) for i in range(n + 1)]
+    lora_a = torch.randn(SLOTS, n * RANK, k, device=dev, dtype=torch.float16) * 0.01
+    lora_b = torch.randn(SLOTS * RANK * bounds[-1], device=dev, dtype=torch.float16) * 0.01  # flat, shard after shard
+    scalings = torch.full((n, SLOTS), 2.0, device=dev)
+    ranks = torch.full((n, SLOTS), RANK, dtype=torch.int32, device=dev)
+    x = torch.randn(t, k, device=dev, dtype=torch.float16)
+    y = torch.zeros(t, bounds[-1], device=dev, dtype=torch.float16)
+    slots = workload(t, adapters)
+    groups = reference.lora_groups(slots, SLOTS, in_order=True)
+    run = lambda: lora_ops.lora_apply(x, y, lora_a, lora_b, scalings, bounds, slots, groups, ranks)  # noqa: E731
+    hp = lora_ops.shrink(x, lora_a, n, groups, ranks)
+    ms = triton.testing.do_bench_cudagraph(run)
+    shrink_ms = triton.testing.do_bench_cudagraph(lambda: lora_ops.shrink(x, lora_a, n, groups, ranks))
+    expand_ms = triton.testing.do_bench_cudagraph(
+        lambda: lora_ops.expand(hp, y, lora_b, scalings, bounds, groups, ranks))
+    w = torch.randn(bounds[-1], k, device=dev, dtype=torch.float16)
+    linear_ms = triton.testing.do_bench_cudagraph(lambda: torch.nn.functional.linear(x, w))
+    used = min(adapters, t)
+    adapter_bytes = used * RANK * (n * k + bounds[-1]) * 2
+    floor_ms = adapter_bytes / bandwidth * 1e3
+    p = lora_ops.plan(t, SLOTS, k)
+    return {"T": t, "adapters": adapters, "K": k, "N": bounds[-1], "shards": n, "lora_us": ms * 1e3,
+            "shrink_us": shrink_ms * 1e3, "expand_us": expand_ms * 1e3, "adapter_MB": adapter_bytes / 1e6,
+            "floor_us": floor_ms * 1e3, "x_floor": ms / floor_ms, "fp16_linear_us": linear_ms * 1e3,
+            "split_k": p["split"], "tiles": p["tiles"]}
+
+
+def run_all(models: list[str]) -> list[dict]:
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write of a 1 GiB copy)")
+    rows = []
+    for model in models:
+        for wl, (t, adapters) in WORKLOADS.items():
+            per_layer = {"lora_us": 0.0, "floor_us": 0.0}
+            for name, (k, outs) in LAYERS[model].items():
+                row = {"model": model, "workload": wl, "proj": name, **measure(k, outs, t, adapters, bandwidth),
+                       "copy_GBps": bandwidth / 1e9}
+                rows.append(row)
+                print_row(row)
+                per_layer = {key: per_layer[key] + row[key] for key in per_layer}
+            print(f"  {model} {wl}: one decoder layer {per_layer['lora_us']:.1f} us of LoRA, floor "
+                  f"{per_layer['floor_us']:.1f} us ({per_layer['lora_us'] / per_layer['floor_us']:.2f}x); "
+                  f"2 launches per projection", flush=True)
+    return rows
+
+
+def print_row(r: dict) -> None:
+    print(f"{r['model']:4s} {r['workload']:22s} {r['proj']:8s} K={r['K']:5d} N={r['N']:5d}  lora {r['lora_us']:7.1f} us"
+          f" (shrink {r['shrink_us']:6.1f} + expand {r['expand_us']:6.1f})  floor {r['floor_us']:6.1f} us"
+          f" = {r['x_floor']:5.2f}x  [{r['adapter_MB']:.2f} MB]  fp16 linear {r['fp16_linear_us']:7.1f} us"
+          f"  split_k={r['split_k']} tiles={r['tiles']}", flush=True)
+
+
+def main(out: str, models: list[str]) -> int:
+    if not torch.cuda.is_available():
+        print("infer.bench.kernels --lora needs a CUDA GPU (the Triton LoRA kernels run only there); none was found",
+              file=sys.stderr)
+        return 2
+    rows = run_all(models)
+    device = torch.cuda.get_device_name()
+    with open(out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[*rows[0], "device"])
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({**r, "device": device})
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,183 @@
+"""The Triton multi-LoRA kernels (kernels.lora_ops: one shrink and one expand launch per layer) against the torch
+reference: under TRITON_INTERPRET=1 on CPU at tiny shapes, at real shapes on a GPU (-m gpu)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+from infer.kernels import reference as ref
+from infer.kernels.reference import LoRAGroups
+
+
+@pytest.fixture(scope="module")
+def ops():
+    """infer.kernels.lora_ops with its kernels interpreted on CPU (TRITON_INTERPRET is read when the kernels are
+    decorated and when they are launched, so it stays set while this module's tests run)."""
+    if torch.cuda.is_available():
+        yield importlib.import_module("infer.kernels.lora_ops")
+        return
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield importlib.reload(importlib.import_module("infer.kernels.lora_ops"))
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+@pytest.fixture
+def poisoned(ops, monkeypatch):
+    """The shrink's partial-sum buffer filled with NaN: the expand must read only what the shrink wrote."""
+    def nan_partials(split, t, nr, device):
+        return torch.full((split, t, nr), float("nan"), dtype=torch.float32, device=device)
+    monkeypatch.setattr(ops, "partials", nan_partials)
+    return ops
+
+
+def _dev():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def layer(outs, num_slots, max_rank, k, seed, dtype=torch.float32, ranks=None):
+    """Random stacked weights of a merged layer, zero past every (shard, slot)'s rank, as LoRALayer keeps them:
+    (lora_a [S, n*R, K], lora_b flat (every shard's B^T [S, R, out_i], shard after shard), scalings [n, S],
+    ranks [n, S] int32, column bounds)."""
+    g = torch.Generator().manual_seed(seed)
+    n, bounds = len(outs), [0]
+    for o in outs:
+        bounds.append(bounds[-1] + o)
+    a = torch.randn(num_slots, n * max_rank, k, generator=g) * 0.3
+    bs = [torch.randn(num_slots, max_rank, o, generator=g) for o in outs]
+    if ranks is None:
+        ranks = torch.randint(4, max_rank + 1, (n, num_slots), generator=g)
+    for i in range(n):
+        for s in range(num_slots):
+            r = int(ranks[i, s])
+            a[s, i * max_rank + r:(i + 1) * max_rank] = 0
+            bs[i][s, r:] = 0
+    scal = torch.rand(n, num_slots, generator=g) + 0.5
+    b = torch.cat([t.flatten() for t in bs])
+    return a.to(dtype), b.to(dtype), scal, ranks.to(torch.int32), bounds
+
+
+def check(ops, host_slots, outs=(24, 16, 8), num_slots=5, max_rank=16, k=48, dtype=torch.float32, seed=0,
+          ranks=None, groups=None):
+    """Run lora_apply on a y of known base values; rows without adapter must keep them bit for bit."""
+    dev, t = _dev(), len(host_slots)
+    slots = torch.tensor(host_slots, dtype=torch.long)
+    a, b, scal, rk, bounds = layer(list(outs), num_slots, max_rank, k, seed, dtype, ranks)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(t, k, generator=g).to(dtype)
+    y = (torch.randn(t, bounds[-1], generator=g) * 10).to(dtype)
+    want = y.float().clone()
+    ref.lora_apply(x.float(), want, a.float(), b.float(), scal, bounds, slots)
+    got = y.clone().to(dev)
+    if groups is None:
+        groups = ref.lora_groups(slots.to(dev), num_slots)
+    ops.lora_apply(x.to(dev), got, a.to(dev), b.to(dev), scal.to(dev), bounds, slots.to(dev), groups, rk.to(dev))
+    got = got.cpu()
+    base = slots < 0
+    assert torch.equal(got[base], y[base]), "rows without adapter changed"
+    tol = dict(atol=1e-3, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=1e-2)
+    assert torch.allclose(got.float(), want, **tol), (got.float() - want).abs().max()
+    assert (got[~base].float() - y[~base].float()).abs().max() > 1.0  # the adapters did add something
+
+
+CASES = {
+    "every token its own adapter": [0, 1, 2, 3, 4],
+    "uneven and empty segments, base rows": [3, -1, 0, 3, 3, -1, 0, 3, 3, 3, 1],
+    "one adapter for all": [2] * 9,
+    "no adapter but one row": [-1, -1, 4, -1],
+    "segment longer than a tile": [1] * 19 + [3, -1, 1, 0],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_reference(poisoned, case):
+    check(poisoned, CASES[case], seed=len(CASES[case]))
+
+
+def test_no_adapter_at_all_leaves_y(poisoned):
+    dev = _dev()
+    a, b, scal, rk, bounds = layer([8, 8], 3, 16, 32, seed=1)
+    y = torch.randn(6, 16).to(dev)
+    want = y.clone()
+    slots = torch.full((6,), -1, device=dev)
+    poisoned.lora_apply(torch.randn(6, 32).to(dev), y, a.to(dev), b.to(dev), scal.to(dev), bounds, slots,
+                        None, rk.to(dev))
+    assert torch.equal(y, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_random_ranks_up_to_64_split_k(poisoned, monkeypatch, dtype):
+    """Ranks 4-64 in one buffer padded to 64, shards of different widths, K split over 4 programs."""
+    monkeypatch.setattr(poisoned, "K_PER_PROGRAM", 64)
+    assert poisoned.plan(7, 6, 256)["split"] == 4
+    check(poisoned, [5, -1, 2, 2, 0, 5, 3], outs=(40, 24, 16), num_slots=6, max_rank=64, k=256, dtype=dtype,
+          seed=11)
+
+
+def test_more_shards_than_one_expand_launch_covers(poisoned):
+    """Five shards: the expand runs one launch per MAX_SHARDS shards, each from its own column and shard index."""
+    assert poisoned.MAX_SHARDS < 5
+    check(poisoned, [1, 0, -1, 2, 1, 1], outs=(8, 16, 8, 24, 16), num_slots=3, max_rank=8, k=32, seed=9)
+
+
+def test_untargeted_shard_and_rank_zero_slot(poisoned):
+    """A slot whose adapter skips a shard (rank 0 there: its rows are never read) and a slot with no adapter."""
+    ranks = torch.tensor([[8, 0, 4], [0, 0, 16]])
+    check(poisoned, [0, 1, 2, 1, 0, 2], outs=(16, 24), num_slots=3, ranks=ranks, seed=5)
+
+
+def test_graph_style_static_groups(poisoned):
+    """The adapter map of a CUDA graph replay (engine.cuda_graphs): padding rows first in the order, every
+    segment start shifted by them, a larger batch than the real rows."""
+    host = [2, 0, 2, -1, 1]
+    real = ref.lora_groups(torch.tensor(host), 4)
+    pad = 3
+    order = torch.cat([torch.arange(5, 5 + pad), real.order])
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), real.starts[1:] + pad])
+    slots = host + [-1] * pad
+    dev = _dev()
+    check(poisoned, slots, num_slots=4, seed=3, groups=LoRAGroups(order.to(dev), starts.to(dev)))
+
+
+def test_many_tokens_big_tiles(poisoned):
+    """A prefill-sized batch (tiles of 64 rows), slots in random order."""
+    g = torch.Generator().manual_seed(0)
+    host = torch.randint(-1, 3, (300,), generator=g).tolist()
+    assert poisoned.plan(300, 3, 48)["block_m"] == 64
+    check(poisoned, host, outs=(16, 8), num_slots=3, max_rank=8, seed=2)
+
+
+def test_plan_depends_on_shapes_only(ops):
+    """The launch grid of a CUDA graph: enough shrink programs at decode sizes, never more tiles than a worst
+    case mix needs (T // BLOCK_M full tiles plus one partial tile per slot)."""
+    p = ops.plan(16, 16, 4096)
+    assert p["tiles"] == 17 and p["split"] == 4 and p["k_per_split"] == 1024
+    p = ops.plan(16, 16, 11008)
+    assert p["tiles"] == 17 and p["split"] == 16 and p["k_per_split"] * p["split"] >= 11008
+    p = ops.plan(64, 16, 11008)
+    assert p["tiles"] == 20 and p["split"] == 8 and p["k_per_split"] * p["split"] >= 11008
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [16, 64, 2048])
+def test_real_shapes_gpu(t):
+    from infer.kernels import lora_ops
+    g = torch.Generator().manual_seed(t)
+    slots = torch.randint(-1, 16, (t,), generator=g)
+    a, b, scal, rk, bounds = layer([4096, 1024, 1024], 16, 16, 4096, seed=t, dtype=torch.float16)
+    x = torch.randn(t, 4096, generator=g).half()
+    y = torch.randn(t, bounds[-1], generator=g).half()
+    want = y.float().clone()
+    ref.lora_apply(x.float(), want, a.float(), b.float(), scal, bounds, slots)
+    got = y.cuda()
+    lora_ops.lora_apply(x.cuda(), got, a.cuda(), b.cuda(), scal.cuda(), bounds, slots.cuda(), None, rk.cuda())
+    assert torch.allclose(got.cpu().float(), want, rtol=2e-2, atol=0.5)
