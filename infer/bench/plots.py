@@ -58,7 +58,8 @@ def _bars(ax, groups: list[str], series: list[tuple[str, list]]) -> None:
         bars = ax.bar(xs, [v if v is not None else 0 for v in values], width, label=name)
         ax.bar_label(bars, labels=[f"{v:.3g}" if v is not None else "-" for v in values], fontsize=8, padding=2)
     ax.set_xticks(range(len(groups)), groups)
-    ax.set_ylim(0, ax.get_ylim()[1] * 1.12)  # room for the value labels
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.3)  # room for the value labels and the legend above the bars
+    ax.legend(loc="upper center", ncol=len(series))
 
 
 def throughput_figure(results: list[dict]):
@@ -81,7 +82,7 @@ def throughput_figure(results: list[dict]):
             ax.set_ylim(bottom=0)
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
+        if ax.get_legend_handles_labels()[0] and ax.get_legend() is None:
             ax.legend()
     fig.suptitle("Throughput vs concurrency")
     fig.tight_layout()
@@ -113,7 +114,7 @@ def latency_figure(results: list[dict]):
             ax.set_ylim(bottom=0)
         ax.set_title(f"{name.upper()} (ms)")
         ax.grid(True, alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
+        if ax.get_legend_handles_labels()[0] and ax.get_legend() is None:
             ax.legend()
     fig.tight_layout()
     return fig
