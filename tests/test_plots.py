@@ -41,7 +41,8 @@ def test_several_levels_plain_ticks_lines_and_readable_legends():
         assert len(ax.get_lines()) == 2 and ax.get_ylim()[0] == 0
         assert min(legend_sizes(ax)) >= 9
     ours, base = drawn(fig)[0].get_lines()
-    assert list(ours.get_ydata()) == [100.0 * c for c in levels] and list(base.get_ydata()) == [50.0 * c for c in levels]
+    assert list(ours.get_ydata()) == [100.0 * c for c in levels]
+    assert list(base.get_ydata()) == [50.0 * c for c in levels]
     assert [t.get_text() for t in drawn(fig)[0].get_legend().get_texts()] == ["infer", "hf (baseline)"]
     fig = plots.latency_figure([result(c) for c in levels])
     for ax in drawn(fig):
