@@ -4,6 +4,11 @@ Every step (the adapters too) runs in a fresh process with the environment the d
 inherits what an earlier one left behind (threads, environment variables that libraries set on import) and the
 benchmark runs as `infer bench` would run alone. Each step's full output goes to OUT/demo.log; the terminal gets
 one line per step.
+
+Steps run with one CPU thread (OMP_NUM_THREADS=1 unless the caller set it). The tiny model's matrices are too small
+to split between threads, and a step split over every core waits at each of its many small parallel regions for
+whichever thread another process has preempted: on a 2-core machine with anything else running, TPOT went from
+1.3-2.1 ms (one thread) to 11-45 ms (two), for infer and transformers alike, so the verdict depended on the load.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ class _Steps:
     def __init__(self, log: Path):
         self.log = log
         self.env = dict(os.environ)  # as the demo found it: no step sees what another step's libraries set
+        self.env.setdefault("OMP_NUM_THREADS", "1")  # see the module docstring
 
     def run(self, title: str, args: list[str], summary: Callable[[str], str], module: str = "infer.cli") -> None:
         """Run one step; `summary(its stdout)` is the step's line."""
@@ -120,9 +126,10 @@ def demo(
     """
     log = _check_args(out, model)
     started = time.monotonic()
-    typer.echo(f"infer demo: {model} (built-in, random weights: its text is gibberish, as expected) -> {out}\n"
-               f"Other libraries' messages and each step's full output: {log}", err=True)
     steps = _Steps(log)
+    typer.echo(f"infer demo: {model} (built-in, random weights: its text is gibberish, as expected) -> {out}\n"
+               f"Other libraries' messages and each step's full output: {log}\n"
+               f"CPU threads per step: {steps.env['OMP_NUM_THREADS']} (OMP_NUM_THREADS)", err=True)
     gptq, loras = _model_steps(steps, out, model, SIZES[quick])
     _serve_steps(steps, out, gptq, loras, SIZES[quick])
     typer.echo(f"\nDone in {time.monotonic() - started:.0f} s. Everything is in {out}: checkpoint, adapters, "
