@@ -128,7 +128,7 @@ def _unknown_target(t):
     ("rank-mismatch", "do not share a rank"),
     ("unknown-target", "x_proj, which the base model does not have"),
     ("unknown-target-config", "which the base model does not have"),
-    ("hidden-size", "q_proj maps 128 -> 64 features but the base model's q_proj maps 64 -> 64"),
+    ("hidden-size", "r=4 adapter expects hidden 128, base has 64 (4 modules)"),
     ("missing-config", "adapter_config.json is missing"),
     ("bad-config", "adapter_config.json is not valid JSON"),
     ("no-rank", "has no valid 'r'"),
@@ -204,3 +204,53 @@ def test_gptq_base_checked_against_dequantized_int4(setup, tmp_path):
         assert r["numeric"]["oracle"] == "peft on the dequantized int4 base" and r["numeric"]["tokens_agree"]
     table = invoke(qdir, paths["qv"], "--steps", "2")
     assert table.exit_code == 0 and "GPTQ" in table.output
+
+
+def test_size_mismatch_is_one_line_per_adapter_and_verbose_lists_every_module(setup):
+    base, paths = setup
+    short = invoke(base, f"wide={paths['wide']}", "--steps", "0")
+    assert short.exit_code == 1
+    errors = [line for line in short.output.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: adapter 'wide' ({paths['wide']}): r=4 adapter expects hidden 128, base has 64 "
+                      f"(4 modules): it was made for another base model (--verbose lists every module)"]
+    full = invoke(base, f"wide={paths['wide']}", "--steps", "0", "--verbose")
+    assert full.exit_code == 1
+    modules = [line for line in full.output.splitlines() if line.startswith("error:") and " maps " in line]
+    assert len(modules) == 4  # q_proj and o_proj in each of the 2 layers
+    assert any("layers.1.self_attn.o_proj maps 64 -> 128 features" in line for line in modules)
+    js = [json.loads(line) for line in invoke(base, paths["wide"], "--steps", "0", "--json").stdout.splitlines()]
+    assert len(js[0]["problems"]) == 4 and js[0]["size_mismatch"].startswith("r=4 adapter expects hidden 128")
+
+
+def test_deeper_adapter_summarised_with_its_layers(setup, tmp_path):
+    base, paths = setup
+    deep = _copy(paths["qv"], tmp_path / "deep", lambda t: t.update({
+        k.replace("layers.0.", "layers.5."): v.clone() for k, v in list(t.items()) if "layers.0." in k}))
+    res = invoke(base, f"deep={deep}", "--steps", "0")
+    assert res.exit_code == 1
+    assert "adapter expects 6 layers, base has 2 (2 modules)" in res.output
+
+
+@pytest.mark.parametrize("named, warns", [
+    ("meta-llama/Llama-2-7b-hf", True),
+    ("someone/tiny-llama-GPTQ", False),  # the same model under a quantized name
+    (None, False),
+])
+def test_adapter_naming_another_base_warns_but_passes(setup, tmp_path, named, warns):
+    base, paths = setup
+    other = _copy(paths["qv"], tmp_path / "other", edit_config=lambda c: c.update(base_model_name_or_path=named))
+    res = invoke(base, f"other={other}", "--steps", "0")
+    assert res.exit_code == 0, res.output
+    warning = "warning: adapter 'other' was trained on 'meta-llama/Llama-2-7b-hf', not on "
+    assert (warning in res.output) == warns, res.output
+
+
+def test_the_library_check_does_not_import_the_engine(setup):
+    import subprocess
+    import sys
+    base, paths = setup
+    code = ("import sys; from infer.lora.validate import static_reports; "
+            f"info, reports, _ = static_reports({str(base)!r}, [{str(paths['qv'])!r}]); assert reports[0].static_ok; "
+            "print(sorted(m for m in sys.modules if m.startswith('infer.engine')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"

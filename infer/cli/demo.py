@@ -1,8 +1,21 @@
-"""`infer demo`: the whole chain on a built-in model, each step the real `infer` command."""
+"""`infer demo`: the whole chain on a built-in model, each step the real `infer` command in a process of its own.
+
+Every step (the adapters too) runs in a fresh process with the environment the demo started with, so no step
+inherits what an earlier one left behind (threads, environment variables that libraries set on import) and the
+benchmark runs as `infer bench` would run alone. Each step's full output goes to OUT/demo.log; the terminal gets
+one line per step.
+
+Steps run with one CPU thread (OMP_NUM_THREADS=1 unless the caller set it). The tiny model's matrices are too small
+to split between threads, and a step split over every core waits at each of its many small parallel regions for
+whichever thread another process has preempted: on a 2-core machine with anything else running, TPOT went from
+1.3-2.1 ms (one thread) to 11-45 ms (two), for infer and transformers alike, so the verdict depended on the load.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shlex
 import subprocess
 import sys
@@ -12,7 +25,7 @@ from typing import Annotated, Callable
 
 import typer
 
-from ..errors import InferError
+from ..errors import ConfigError, InferError
 
 PROMPTS = [
     {"id": "base-1", "prompt": "The weather today is", "max_new_tokens": 24},
@@ -25,13 +38,16 @@ PROMPTS = [
     {"id": "legal-2", "prompt": "The team will review the numbers", "max_new_tokens": 24, "lora": "legal",
      "temperature": 0.7, "seed": 1},
 ]
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTERS = {"support": (8, ["q_proj", "v_proj"], 1), "legal": (16, ALL_PROJECTIONS, 2)}  # rank, targets, seed
+# (calibration samples, calibration length, lora-validate steps, bench prompts, bench output tokens)
+SIZES = {False: (32, 128, 8, 16, 64), True: (8, 64, 2, 8, 16)}
+VERDICT = re.compile(r"bench: (?P<tps>\d+) output tok/s at concurrency (?P<c>\d+), (?P<ratio>[\d.]+)x transformers")
 
 
 def make_random_adapter(base: Path, out: Path, rank: int, targets: list[str], seed: int, rslora: bool = False):
     """A PEFT LoRA adapter for `base` with random (non-zero) weights, as a fine-tune would leave them."""
-    import logging
     import torch
-    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)  # noise from peft's optional imports
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
@@ -45,57 +61,115 @@ def make_random_adapter(base: Path, out: Path, rank: int, targets: list[str], se
     peft_model.save_pretrained(out)
 
 
-def _step(title: str, args: list[str], summary: Callable[[subprocess.CompletedProcess], str], ok=(0,)) -> None:
-    cmd = ["infer", *args]
-    typer.echo(f"\n$ {shlex.join(cmd)}", err=True)
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "infer.cli", *args], capture_output=True, text=True)
-    if proc.returncode not in ok:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-        raise InferError(f"demo step '{title}' failed with exit code {proc.returncode}",
-                         f"run the command above yourself to see its output")
-    typer.echo(f"  {title}: {summary(proc)}  ({time.monotonic() - start:.1f} s)", err=True)
+class _Steps:
+    """Runs each step as `python -m infer.cli ...` with the demo's starting environment, output to the log."""
+
+    def __init__(self, log: Path):
+        self.log = log
+        self.env = dict(os.environ)  # as the demo found it: no step sees what another step's libraries set
+        self.env.setdefault("OMP_NUM_THREADS", "1")  # see the module docstring
+
+    def run(self, title: str, args: list[str], summary: Callable[[str], str], module: str = "infer.cli") -> None:
+        """Run one step; `summary(its stdout)` is the step's line."""
+        shown = ["infer", *args] if module == "infer.cli" else ["python", "-m", module, *args]
+        typer.echo(f"\n$ {shlex.join(shown)}", err=True)
+        start = time.monotonic()
+        with open(self.log, "a", encoding="utf-8") as log:
+            log.write(f"\n$ {shlex.join(shown)}\n")
+            log.flush()
+            at = log.tell()
+            proc = subprocess.run([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=log,
+                                  stdin=subprocess.DEVNULL, env=self.env, text=True, errors="replace")
+            log.write(proc.stdout)
+        code = proc.returncode
+        if code != 0:
+            tail = self.log.read_text(encoding="utf-8", errors="replace")[at:].splitlines()[-25:]
+            sys.stderr.write("".join(f"  | {line}\n" for line in tail))
+            raise InferError(f"demo step '{title}' failed with exit code {code}",
+                             f"its full output is in {self.log}; run the command above yourself to see it live")
+        typer.echo(f"  {title}: {summary(proc.stdout)}  ({time.monotonic() - start:.1f} s)", err=True)
+
+
+def _check_args(out: Path, model: str) -> Path:
+    """Refuse a bad --model or --out before any work; the log file's path."""
+    from ..models.tiny import BUILTIN_MODELS
+    if model not in BUILTIN_MODELS:
+        raise ConfigError(f"--model {model!r} is not a built-in model",
+                          f"choose one of: {', '.join(BUILTIN_MODELS)}")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder",
+                          "pass a folder for the demo's files (it is created if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        log = out / "demo.log"
+        log.write_text("")
+    except OSError as e:
+        raise ConfigError(f"cannot write into --out {out}: {e.strerror or e}", "pass a folder you can write to") \
+            from e
+    return log
 
 
 def demo(
-    out: Annotated[Path, typer.Option("--out", help="Folder for every artifact.")] = Path("infer-demo"),
+    out: Annotated[Path, typer.Option("--out", help="Folder for every artifact (created if missing; a re-run "
+                                                    "reuses its checkpoint and adapters).")] = Path("infer-demo"),
     model: Annotated[str, typer.Option(help="The built-in model to start from.")] = "tiny-llama",
+    quick: Annotated[bool, typer.Option("--quick", help="Smaller calibration, check and benchmark: a smoke test "
+                                                        "(its numbers are noisier).")] = False,
 ) -> None:
     """Build a tiny model, quantize it to GPTQ int4, make two LoRA adapters, validate them, prove the memory,
     run a prompts file that mixes both adapters and the base, and benchmark it against transformers.
 
+    Built-in models have random weights: the replies are gibberish, which is expected. The last line compares
+    infer with transformers `generate` on the same int4 checkpoint, the same requests and concurrency.
+
     Example: infer demo --out ./infer-demo
     """
-    from ..models.tiny import resolve_model
-    out.mkdir(parents=True, exist_ok=True)
-    base = resolve_model(model)
+    log = _check_args(out, model)
+    started = time.monotonic()
+    steps = _Steps(log)
+    typer.echo(f"infer demo: {model} (built-in, random weights: its text is gibberish, as expected) -> {out}\n"
+               f"Other libraries' messages and each step's full output: {log}\n"
+               f"CPU threads per step: {steps.env['OMP_NUM_THREADS']} (OMP_NUM_THREADS)", err=True)
+    gptq, loras = _model_steps(steps, out, model, SIZES[quick])
+    _serve_steps(steps, out, gptq, loras, SIZES[quick])
+    typer.echo(f"\nDone in {time.monotonic() - started:.0f} s. Everything is in {out}: checkpoint, adapters, "
+               f"prompts, outputs, bench report and plots.", err=True)
+
+
+def _model_steps(steps: _Steps, out: Path, model: str, sizes: tuple) -> tuple[Path, list[str]]:
+    """Quantize and make the adapters (each reused from an earlier run into the same folder)."""
+    samples, seq_len, check_steps = sizes[:3]
     gptq, adapters = out / f"{model}-gptq", out / "adapters"
-    typer.echo(f"infer demo: {model} ({base}) -> {out}", err=True)
-    if not (gptq / "config.json").is_file():
-        _step("quantize", ["quantize", model, "-o", str(gptq), "--bits", "4", "--group-size", "32",
-                           "--num-samples", "32", "--seq-len", "128"],
-              lambda p: f"GPTQ int4 checkpoint in {gptq}, per-layer errors in quantization_report.csv")
-    for name, rank, targets, seed in (("support", 8, ["q_proj", "v_proj"], 1),
-                                      ("legal", 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                     "down_proj"], 2)):
-        if not (adapters / name / "adapter_config.json").is_file():
-            make_random_adapter(base, adapters / name, rank, targets, seed)
-    typer.echo(f"\n  adapters: support (rank 8, q/v) and legal (rank 16, all projections) in {adapters}", err=True)
-    loras = [f"support={adapters / 'support'}", f"legal={adapters / 'legal'}"]
-    _step("lora-validate", ["lora-validate", str(gptq), *loras, "--quantized"],
-          lambda p: "both adapters pass (shapes, finite weights, logits vs peft on the dequantized base)")
-    _step("warmup", ["warmup", str(gptq), "--max-length", "2048", "--concurrency", "8", "--json"],
-          lambda p: _warmup_line(p.stdout))
-    prompts = out / "prompts.jsonl"
+    if (gptq / "config.json").is_file() and any(gptq.glob("*.safetensors")):
+        typer.echo(f"\n  quantize: reusing {gptq} from an earlier run (delete it to quantize again)", err=True)
+    else:
+        steps.run("quantize", ["quantize", model, "-o", str(gptq), "--bits", "4", "--group-size", "32",
+                               "--num-samples", str(samples), "--seq-len", str(seq_len)],
+                  lambda _: f"GPTQ int4 checkpoint in {gptq}, per-layer errors in quantization_report.csv")
+    missing = [n for n in ADAPTERS if not (adapters / n / "adapter_config.json").is_file()]
+    described = f"support (rank 8, q/v) and legal (rank 16, all projections) in {adapters}"
+    if missing:
+        steps.run("adapters", [model, str(adapters), *missing], lambda _: described, module="infer.cli.demo")
+    else:
+        typer.echo(f"\n  adapters: reusing {described} from an earlier run", err=True)
+    loras = [f"{n}={adapters / n}" for n in ADAPTERS]
+    steps.run("lora-validate", ["lora-validate", str(gptq), *loras, "--quantized", "--steps", str(check_steps)],
+              lambda _: "both adapters pass (shapes, finite weights, logits vs peft on the dequantized base)")
+    return gptq, loras
+
+
+def _serve_steps(steps: _Steps, out: Path, gptq: Path, loras: list[str], sizes: tuple) -> None:
+    num_prompts, output_len = sizes[3:]
+    steps.run("warmup", ["warmup", str(gptq), "--max-length", "2048", "--concurrency", "8", "--json"],
+              _warmup_line)
+    prompts, outputs = out / "prompts.jsonl", out / "outputs.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-    outputs = out / "outputs.jsonl"
-    _step("run", ["run", str(gptq), str(prompts), "-o", str(outputs), "--quiet",
-                  *[a for lo in loras for a in ("--lora", lo)]],
-          lambda p: _run_line(outputs))
-    _step("bench", ["bench", str(gptq), "--concurrency", "8", "--num-prompts", "16", "--input-len", "32",
-                    "--output-len", "64", "--baseline", "hf", "--out", str(out / "bench"), "--quiet"],
-          lambda p: _bench_line(out / "bench" / "results.json"))
-    typer.echo(f"\nEverything is in {out}: checkpoint, adapters, prompts, outputs, bench report and plots.", err=True)
+    steps.run("run", ["run", str(gptq), str(prompts), "-o", str(outputs), "--quiet",
+                      *[a for lo in loras for a in ("--lora", lo)]], lambda _: _run_line(outputs))
+    steps.run("bench", ["bench", str(gptq), "--concurrency", "8", "--num-prompts", str(num_prompts),
+                        "--input-len", "32", "--output-len", str(output_len), "--baseline", "hf",
+                        "--out", str(out / "bench"), "--quiet"],
+              lambda _: _bench_line(out / "bench" / "results.json"))
 
 
 def _warmup_line(stdout: str) -> str:
@@ -109,13 +183,29 @@ def _run_line(outputs: Path) -> str:
     recs = [json.loads(line) for line in outputs.read_text().splitlines()]
     bad = [r["id"] for r in recs if r["error"]]
     tokens = sum(r["usage"]["completion_tokens"] for r in recs)
-    return f"{len(recs)} replies ({tokens} tokens), base + 2 adapters in the same batches" + \
-        (f"; errors: {bad}" if bad else f" -> {outputs}")
+    return f"{len(recs)} replies ({tokens} tokens, gibberish: random weights), base + 2 adapters in the same " \
+           f"batches" + (f"; errors: {bad}" if bad else f" -> {outputs}")
 
 
 def _bench_line(results: Path) -> str:
-    runs = json.loads(results.read_text())
-    r = runs[0]
+    """The demo's verdict (VERDICT parses it)."""
+    r = json.loads(results.read_text())[0]
     ratio = (r.get("ratio") or {}).get("output_throughput")
-    return (f"{r['output_throughput']:.0f} output tok/s at concurrency {r['concurrency']}"
-            + (f", {ratio:.2f}x transformers" if ratio else "") + f" -> {results.parent}")
+    base = (r.get("baseline") or {}).get("output_throughput")
+    line = f"{r['output_throughput']:.0f} output tok/s at concurrency {r['concurrency']}"
+    if ratio:
+        line += f", {ratio:.2f}x transformers ({base:.0f} tok/s, same int4 checkpoint and requests)"
+    return f"{line} -> {results.parent}"
+
+
+def _make_adapters(model: str, folder: str, *names: str) -> None:
+    """The demo's adapter step, in a process of its own: python -m infer.cli.demo MODEL FOLDER NAME..."""
+    from ..models.tiny import resolve_model
+    base = resolve_model(model)
+    for name in names:
+        rank, targets, seed = ADAPTERS[name]
+        make_random_adapter(base, Path(folder) / name, rank, targets, seed)
+
+
+if __name__ == "__main__":
+    _make_adapters(*sys.argv[1:])

@@ -27,11 +27,18 @@ def lora_validate(
     device: o.Device = o.default("device"),
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object per adapter instead of a "
                                                          "table.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="List every module whose sizes do not fit BASE "
+                                                                  "(by default one line per adapter).")] = False,
 ) -> None:
     """Check every ADAPTER against BASE: its config and weights, its shapes against the base's projections, and a
     numeric check — infer's logits with the adapter against peft's on the same base, over a few greedy steps of a
     few fixed prompts (for a GPTQ base, peft runs on the dequantized int4 weights). The numeric check runs in
     float32 and only for adapters that pass the static checks.
+
+    An adapter made for a base of other sizes fails with one line (e.g. "r=16 adapter expects hidden 2048, base
+    has 64 (18 modules)"); --verbose lists every module. An adapter whose adapter_config.json names another base
+    model (base_model_name_or_path) gets a warning, not a failure: its sizes may fit by chance. Other libraries'
+    messages are hidden (shown with `infer --debug`).
 
     A GPTQ base is recognised from quantization_config in BASE/config.json; --quantized only makes that a
     requirement, so a float folder passed by mistake is refused rather than silently checked.
@@ -40,8 +47,13 @@ def lora_validate(
 
     Exit status: 0 every adapter passes, 1 some adapter fails (the reasons are printed), 2 bad BASE or options.
     """
-    from ..lora.validate import validate
-    info, reports = validate(base, adapters, quantized, max_lora_rank, steps, device)
+    from .lora_check import run_checks
+    from .quiet import library_output
+    with library_output():
+        info, reports = run_checks(base, adapters, quantized, max_lora_rank, steps, device)
+    for r in reports:
+        for w in r.warnings:
+            typer.echo(f"warning: {w}", err=True)
     if as_json:
         for r in reports:
             typer.echo(json.dumps({**r.to_dict(), "base": str(info.path), "base_quantization": info.gptq}))
@@ -49,7 +61,7 @@ def lora_validate(
         Console(width=max(Console().width, 160)).print(report_table(info, reports))
     failed = [r for r in reports if not r.ok]
     for r in failed:
-        for reason in r.reasons():
+        for reason in r.reasons(verbose):
             typer.echo(f"error: adapter {r.name!r} ({r.path}): {reason}", err=True)
     if failed:
         typer.echo(f"{len(failed)} of {len(reports)} adapters failed", err=True)

@@ -1,27 +1,23 @@
-"""What `infer lora-validate` checks: every adapter's static fit to a base model, then its numbers against peft.
+"""What `infer lora-validate` checks statically: every adapter's fit to a base model, without running either.
 
-Static: `adapter_problems` (config, tensors, shapes, rank limit) plus a summary of rank, alpha, effective scaling,
-rslora, targets and shapes. Numeric (only for adapters without static problems): infer's engine generates a few
-greedy steps for fixed prompts with the adapter, keeping the last-token logits of every step; peft runs the same
-tokens (teacher forcing) on a transformers float model of the base — the checkpoint itself for a float base, the
-engine's own dequantized int4 weights for a GPTQ base — and the report gives max |infer - peft| over those logits
-and whether every greedy token agrees.
+`static_reports` reads the base and every adapter and gives one `AdapterReport` each: rank, alpha, effective
+scaling, rslora, targets, a shape summary, every problem (config, tensors, rank limit), and a warning when the
+adapter names another base model. Shape mismatches (an adapter made for another base) are kept apart and summarised
+in one line per adapter; `reasons(verbose=True)` lists every module. The numeric check (infer's engine against
+peft) runs the engine, so it lives beside the command, in `infer.cli.lora_check`; its result lands in `numeric`.
 """
 
 from __future__ import annotations
 
-import copy
-import math
-from contextlib import contextmanager
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
 from ..errors import ConfigError, LoRAError
-from .adapter import PROJECTIONS, Problem, adapter_problems, expected_shapes, module_scaling, read_adapter
+from .adapter import PROJECTIONS, Problem, expected_shapes, module_scaling, read_adapter
 
-PROMPTS = ("The quick brown fox", "Hello, my name is", "1, 2, 3, 4,")
+_HIDDEN_IN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # projections whose input is the hidden state
+_QUANT_SUFFIX = re.compile(r"[-_.](gptq|awq|int4|int8|4bit|8bit|w4a16|quantized|v\d+)$")
 
 
 @dataclass
@@ -47,15 +43,25 @@ class AdapterReport:
     rslora: bool | None = None
     targets: list[str] = field(default_factory=list)
     shapes: str = "-"
-    problems: list[Problem] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)  # everything but the per-module size mismatches
+    size_problems: list[Problem] = field(default_factory=list)  # one per module whose sizes do not fit the base
+    size_mismatch: str | None = None  # those, in one line
+    warnings: list[str] = field(default_factory=list)
     numeric: NumericCheck | None = None
 
     @property
-    def ok(self) -> bool:
-        return not self.problems and (self.numeric is None or self.numeric.ok)
+    def static_ok(self) -> bool:
+        return not self.problems and not self.size_problems
 
-    def reasons(self) -> list[str]:
+    @property
+    def ok(self) -> bool:
+        return self.static_ok and (self.numeric is None or self.numeric.ok)
+
+    def reasons(self, verbose: bool = False) -> list[str]:
+        """Why it fails, one line each; a size mismatch is one line unless `verbose`."""
         out = [str(p) for p in self.problems]
+        if self.size_problems:
+            out += [str(p) for p in self.size_problems] if verbose else [self.size_mismatch]
         n = self.numeric
         if n is not None and not n.tokens_agree:
             out.append("greedy tokens differ from peft's (the adapter is not applied as peft applies it)")
@@ -65,7 +71,8 @@ class AdapterReport:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["problems"] = [str(p) for p in self.problems]
+        d["problems"] = [str(p) for p in self.problems + self.size_problems]
+        del d["size_problems"]
         d["ok"], d["reasons"] = self.ok, self.reasons()
         return d
 
@@ -85,15 +92,23 @@ def parse_adapter_args(items: list[str]) -> dict[str, Path]:
     return out
 
 
-def static_report(name: str, path: Path, base_config, max_rank: int | None) -> AdapterReport:
-    prefix = f"LoRA adapter {name!r} ({Path(path).expanduser()}): "  # the report names the adapter already
-    problems = [Problem(p.message.removeprefix(prefix), p.hint) for p in adapter_problems(name, path, base_config,
-                                                                                          max_rank)]
-    report = AdapterReport(name, str(path), problems=problems)
+def static_report(name: str, path: Path, base_config, max_rank: int | None, base: "BaseInfo | None" = None,
+                  given: str | None = None) -> AdapterReport:
+    """Everything `lora-validate` can say about one adapter without running it (`base`/`given`: for the warning
+    about an adapter that names another base model)."""
+    report = AdapterReport(name, str(path))
     try:
         adapter = read_adapter(name, path)
-    except LoRAError:
-        return report  # the reason is already among the problems
+    except LoRAError as e:
+        prefix = f"LoRA adapter {name!r} ({Path(path).expanduser()}): "  # the report names the adapter already
+        report.problems = [Problem(e.message.removeprefix(prefix), e.hint or "")]
+        return report
+    misfits = _misfit_modules(adapter, base_config)
+    for p in adapter.validate_against(base_config, max_rank):
+        is_size = any(p.message.startswith(f"{m} ") for m in misfits)
+        (report.size_problems if is_size else report.problems).append(p)
+    if report.size_problems:
+        report.size_mismatch = size_mismatch_line(adapter, base_config, len(report.size_problems))
     cfg = adapter.config
     report.rank, report.alpha, report.rslora = cfg["r"], cfg["lora_alpha"], bool(cfg.get("use_rslora"))
     scalings = sorted({round(m.scaling, 6) for m in adapter.modules.values()}) or [module_scaling(cfg, "")[1]]
@@ -101,12 +116,21 @@ def static_report(name: str, path: Path, base_config, max_rank: int | None) -> A
     found = {m.proj for m in adapter.modules.values()}
     report.targets = [p for p in PROJECTIONS if p in found] or _config_targets(cfg)
     report.shapes = shape_summary(adapter, base_config)
+    if base is not None:
+        report.warnings = [w for w in [base_name_warning(name, cfg, base, given or str(base.path))] if w]
     return report
 
 
 def _config_targets(cfg: dict) -> list[str]:
     t = cfg.get("target_modules") or []
     return [t] if isinstance(t, str) else [str(x) for x in t]
+
+
+def _misfit_modules(adapter, base_config) -> set[str]:
+    want = expected_shapes(base_config)
+    layers = getattr(base_config, "num_hidden_layers", None)
+    return {m.name for m in adapter.modules.values()
+            if (layers is not None and m.layer >= layers) or (m.lora_a.shape[1], m.lora_b.shape[0]) != want[m.proj]}
 
 
 def shape_summary(adapter, base_config) -> str:
@@ -122,135 +146,53 @@ def shape_summary(adapter, base_config) -> str:
     return "ok"
 
 
-# ---------------------------------------------------------------------------------------------- numeric check
-@contextmanager
-def _captured_logits(model):
-    """Record every `compute_logits` result of the engine's model while the block runs."""
-    seen: list[torch.Tensor] = []
-    original = model.compute_logits
+def size_mismatch_line(adapter, base_config, count: int) -> str:
+    """One line for an adapter made for a base of other sizes, e.g. 'r=16 adapter expects hidden 2048, base has 64
+    (18 modules)'."""
+    hidden = inter = None
+    deepest = max((m.layer for m in adapter.modules.values()), default=-1)
+    for m in adapter.modules.values():
+        a_in, b_out = m.lora_a.shape[1], m.lora_b.shape[0]
+        hidden = hidden or (a_in if m.proj in _HIDDEN_IN else b_out)
+        if m.proj in ("gate_proj", "up_proj", "down_proj"):
+            inter = inter or (b_out if m.proj != "down_proj" else a_in)
+    base_hidden = getattr(base_config, "hidden_size", None)
+    base_inter = getattr(base_config, "intermediate_size", None)
+    base_layers = getattr(base_config, "num_hidden_layers", None)
+    parts = [f"hidden {hidden}, base has {base_hidden}"] if hidden != base_hidden else []
+    if inter is not None and inter != base_inter:
+        parts.append(f"intermediate {inter}, base has {base_inter}")
+    if base_layers is not None and deepest >= base_layers:
+        parts.append(f"{deepest + 1} layers, base has {base_layers}")
+    what = "; ".join(parts) or f"other projection sizes ({shape_summary(adapter, base_config)})"
+    return (f"r={adapter.rank} adapter expects {what} ({count} modules): it was made for another base model "
+            f"(--verbose lists every module)")
 
-    def capture(hidden):
-        logits = original(hidden)
-        seen.append(logits.detach().float().cpu())
-        return logits
 
-    model.compute_logits = capture
+def _model_key(name: str) -> str:
+    """'org/Llama-2-7b-GPTQ' and '/models/llama-2-7b' -> 'llama-2-7b': the model's name without folder,
+    quantization or built-in version suffix."""
+    key = name.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1].lower()
+    while _QUANT_SUFFIX.search(key):
+        key = _QUANT_SUFFIX.sub("", key)
+    return key
+
+
+def base_name_warning(name: str, cfg: dict, base: "BaseInfo", given: str) -> str | None:
+    """A warning when the adapter's base_model_name_or_path names another model than BASE (None when it names
+    nothing, the same folder, or the same model under a quantized or versioned name)."""
+    named = cfg.get("base_model_name_or_path")
+    if not isinstance(named, str) or not named.strip():
+        return None
     try:
-        yield seen
-    finally:
-        del model.compute_logits  # back to the class's method
-
-
-def _prompt_ids(tokenizer) -> list[list[int]]:
-    ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    return [p for p in ids if p] or [[1, 2, 3, 4]]
-
-
-def engine_for(base_path: Path, adapters: dict[str, Path], max_rank: int, steps: int, device: str):
-    """infer's LLM with the adapters registered, sized for the check's short prompts (float32)."""
-    from ..engine.llm import LLM
-    need = 64 + steps
-    return LLM(str(base_path), loras={n: str(p) for n, p in adapters.items()}, max_loras=max(1, len(adapters)),
-               max_lora_rank=max_rank, dtype="float32", device=device, max_model_len=need,
-               num_kv_blocks=2 * math.ceil(need / 16) + 2, max_num_seqs=2, enable_prefix_caching=False)
-
-
-def infer_logits(llm, name: str, prompts: list[list[int]], steps: int) -> list[tuple[list[int], torch.Tensor]]:
-    """(greedy tokens, [steps, V] last-token logits) for every prompt, run by infer's engine with adapter `name`."""
-    from ..engine.sampling_params import SamplingParams
-    out = []
-    for p in prompts:
-        with _captured_logits(llm.engine.runner.model) as seen:
-            res = llm.generate([p], SamplingParams(max_new_tokens=steps, ignore_eos=True), lora=name)[0]
-        assert all(t.shape[0] == 1 for t in seen) and len(seen) == steps, "one logits row per step expected"
-        out.append((res.token_ids, torch.cat(seen)))
-    return out
-
-
-def oracle_model(base_path: Path, gptq: bool, engine_model=None):
-    """The transformers float32 model peft runs on: the checkpoint itself, or for a GPTQ base a model built from its
-    config whose weights are the engine's dequantized int4 weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    if not gptq:
-        return AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32, local_files_only=True).eval()
-    cfg = copy.deepcopy(AutoConfig.from_pretrained(base_path, local_files_only=True))
-    if hasattr(cfg, "quantization_config"):
-        del cfg.quantization_config
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    copy_dequantized(engine_model, model)
-    return model
-
-
-def dequantized_state(engine_model) -> dict[str, torch.Tensor]:
-    """The engine model's weights under Hugging Face names, merged layers split and int4 weights dequantized."""
-    from ..models.layers import MergedLinear
-    state: dict[str, torch.Tensor] = {}
-    merged = {n for n, m in engine_model.named_modules() if isinstance(m, MergedLinear)}
-    for mod in engine_model.modules():
-        if isinstance(mod, MergedLinear):
-            w = mod.dequantized_weight().float().cpu()
-            b = mod.bias.float().cpu() if mod.bias is not None else None
-            for i, (name, size) in enumerate(zip(mod.names, mod.out_sizes)):
-                start = mod.shard_offset(i)
-                state[f"{name}.weight"] = w[start:start + size]
-                if b is not None:
-                    state[f"{name}.bias"] = b[start:start + size]
-    for key, p in engine_model.named_parameters():
-        if key.rpartition(".")[0] not in merged:
-            state[key if key.startswith("lm_head.") else f"model.{key}"] = p.float().cpu()
-    return state
-
-
-def copy_dequantized(engine_model, hf_model) -> None:
-    state = dequantized_state(engine_model)
-    params = dict(hf_model.named_parameters())
-    if "lm_head.weight" not in state and "lm_head.weight" in params:  # tied embeddings
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    missing = sorted(set(params) - set(state))
-    if missing:
-        raise LoRAError(f"cannot build the float oracle: no weight for {missing[0]}",
-                        "this architecture's layout is not supported by lora-validate")
-    with torch.no_grad():
-        for k, p in params.items():
-            p.copy_(state[k].view_as(p))
-
-
-def peft_check(oracle, name: str, path: Path, runs, tol_scale: float, label: str) -> NumericCheck:
-    """Teacher-force infer's tokens through peft (adapter on, then off) and compare the logits of every step."""
-    from peft import PeftModel
-    model = PeftModel.from_pretrained(oracle, str(path), adapter_name=name).eval()
-    diff = effect = 0.0
-    agree, scale = True, 1.0
-    try:
-        with torch.no_grad():
-            for (prompt, tokens), ours in runs:
-                ids = torch.tensor([prompt + tokens[:-1]])
-                pos = slice(len(prompt) - 1, len(prompt) - 1 + len(tokens))
-                ref = model(input_ids=ids).logits[0, pos].float()
-                with model.disable_adapter():
-                    base = model(input_ids=ids).logits[0, pos].float()
-                diff = max(diff, (ours - ref).abs().max().item())
-                effect = max(effect, (ref - base).abs().max().item())
-                scale = max(scale, ref.abs().max().item())
-                agree = agree and ref.argmax(-1).tolist() == tokens
-    finally:
-        model.unload()  # the oracle gets its plain layers back for the next adapter
-    return NumericCheck(diff, tol_scale * scale, agree, effect, label)
-
-
-def numeric_checks(base_path: Path, gptq: bool, adapters: dict[str, Path], max_rank: int, steps: int = 8,
-                   device: str = "auto") -> dict[str, NumericCheck]:
-    """infer vs peft for every adapter (all must have passed the static checks)."""
-    if not adapters:
-        return {}
-    llm = engine_for(base_path, adapters, max_rank, steps, device)
-    prompts = _prompt_ids(llm.tokenizer)
-    runs = {name: [((p, toks), logits) for p, (toks, logits) in zip(prompts, infer_logits(llm, name, prompts, steps))]
-            for name in adapters}
-    oracle = oracle_model(base_path, gptq, llm.engine.runner.model)
-    label = "peft on the dequantized int4 base" if gptq else "peft on the float base"
-    tol = 1e-3 if llm.engine.device.type == "cpu" else 1e-2  # GPU kernels may use TF32 products
-    return {name: peft_check(oracle, name, path, runs[name], tol, label) for name, path in adapters.items()}
+        if Path(named).expanduser().resolve() == base.path.resolve():
+            return None
+    except OSError:
+        pass
+    if _model_key(named) in {_model_key(given), _model_key(str(base.path))}:
+        return None
+    return (f"adapter {name!r} was trained on {named!r}, not on {given}: its sizes may fit, but its weights were "
+            f"learned for another model")
 
 
 @dataclass
@@ -275,15 +217,9 @@ def read_base(base: str, quantized: bool = False) -> BaseInfo:
     return BaseInfo(path, cfg, label)
 
 
-def validate(base: str, adapter_args: list[str], quantized: bool = False, max_rank: int = 64, steps: int = 8,
-             device: str = "auto") -> tuple[BaseInfo, list[AdapterReport]]:
-    """Static checks for every adapter, then the numeric check for those without problems (steps=0 skips it)."""
+def static_reports(base: str, adapter_args: list[str], quantized: bool = False, max_rank: int = 64):
+    """(BaseInfo, one static AdapterReport per adapter, {name: path})."""
     info = read_base(base, quantized)
     adapters = parse_adapter_args(adapter_args)
-    reports = [static_report(n, p, info.config, max_rank) for n, p in adapters.items()]
-    clean = {r.name: adapters[r.name] for r in reports if not r.problems}
-    if steps > 0:
-        checks = numeric_checks(info.path, info.gptq is not None, clean, max_rank, steps, device)
-        for r in reports:
-            r.numeric = checks.get(r.name)
-    return info, reports
+    reports = [static_report(n, p, info.config, max_rank, info, base) for n, p in adapters.items()]
+    return info, reports, adapters

@@ -1,0 +1,165 @@
+"""The numeric half of `infer lora-validate`: infer's engine against peft on the same base, adapter by adapter.
+
+infer's engine generates a few greedy steps for fixed prompts with the adapter, keeping the last-token logits of
+every step; peft runs the same tokens (teacher forcing) on a transformers float model of the base — the checkpoint
+itself for a float base, the engine's own dequantized int4 weights for a GPTQ base — and the check gives
+max |infer - peft| over those logits and whether every greedy token agrees. It lives beside its command because it
+runs the engine: the library's `infer.lora.validate` keeps to the static checks.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from ..errors import LoRAError
+from ..lora.validate import NumericCheck
+
+PROMPTS = ("The quick brown fox", "Hello, my name is", "1, 2, 3, 4,")
+
+
+@contextmanager
+def _captured_logits(model):
+    """Record every `compute_logits` result of the engine's model while the block runs."""
+    seen: list[torch.Tensor] = []
+    original = model.compute_logits
+
+    def capture(hidden):
+        logits = original(hidden)
+        seen.append(logits.detach().float().cpu())
+        return logits
+
+    model.compute_logits = capture
+    try:
+        yield seen
+    finally:
+        del model.compute_logits  # back to the class's method
+
+
+def _prompt_ids(tokenizer) -> list[list[int]]:
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    return [p for p in ids if p] or [[1, 2, 3, 4]]
+
+
+def engine_for(base_path: Path, adapters: dict[str, Path], max_rank: int, steps: int, device: str):
+    """infer's LLM with the adapters registered, sized for the check's short prompts (float32)."""
+    from ..engine.llm import LLM
+    need = 64 + steps
+    return LLM(str(base_path), loras={n: str(p) for n, p in adapters.items()}, max_loras=max(1, len(adapters)),
+               max_lora_rank=max_rank, dtype="float32", device=device, max_model_len=need,
+               num_kv_blocks=2 * math.ceil(need / 16) + 2, max_num_seqs=2, enable_prefix_caching=False)
+
+
+def infer_logits(llm, name: str, prompts: list[list[int]], steps: int) -> list[tuple[list[int], torch.Tensor]]:
+    """(greedy tokens, [steps, V] last-token logits) for every prompt, run by infer's engine with adapter `name`."""
+    from ..engine.sampling_params import SamplingParams
+    out = []
+    for p in prompts:
+        with _captured_logits(llm.engine.runner.model) as seen:
+            res = llm.generate([p], SamplingParams(max_new_tokens=steps, ignore_eos=True), lora=name)[0]
+        assert all(t.shape[0] == 1 for t in seen) and len(seen) == steps, "one logits row per step expected"
+        out.append((res.token_ids, torch.cat(seen)))
+    return out
+
+
+def oracle_model(base_path: Path, gptq: bool, engine_model=None):
+    """The transformers float32 model peft runs on: the checkpoint itself, or for a GPTQ base a model built from its
+    config whose weights are the engine's dequantized int4 weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    if not gptq:
+        return AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32, local_files_only=True).eval()
+    cfg = copy.deepcopy(AutoConfig.from_pretrained(base_path, local_files_only=True))
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    copy_dequantized(engine_model, model)
+    return model
+
+
+def dequantized_state(engine_model) -> dict[str, torch.Tensor]:
+    """The engine model's weights under Hugging Face names, merged layers split and int4 weights dequantized."""
+    from ..models.layers import MergedLinear
+    state: dict[str, torch.Tensor] = {}
+    merged = {n for n, m in engine_model.named_modules() if isinstance(m, MergedLinear)}
+    for mod in engine_model.modules():
+        if isinstance(mod, MergedLinear):
+            w = mod.dequantized_weight().float().cpu()
+            b = mod.bias.float().cpu() if mod.bias is not None else None
+            for i, (name, size) in enumerate(zip(mod.names, mod.out_sizes)):
+                start = mod.shard_offset(i)
+                state[f"{name}.weight"] = w[start:start + size]
+                if b is not None:
+                    state[f"{name}.bias"] = b[start:start + size]
+    for key, p in engine_model.named_parameters():
+        if key.rpartition(".")[0] not in merged:
+            state[key if key.startswith("lm_head.") else f"model.{key}"] = p.float().cpu()
+    return state
+
+
+def copy_dequantized(engine_model, hf_model) -> None:
+    state = dequantized_state(engine_model)
+    params = dict(hf_model.named_parameters())
+    if "lm_head.weight" not in state and "lm_head.weight" in params:  # tied embeddings
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    missing = sorted(set(params) - set(state))
+    if missing:
+        raise LoRAError(f"cannot build the float oracle: no weight for {missing[0]}",
+                        "this architecture's layout is not supported by lora-validate")
+    with torch.no_grad():
+        for k, p in params.items():
+            p.copy_(state[k].view_as(p))
+
+
+def peft_check(oracle, name: str, path: Path, runs, tol_scale: float, label: str) -> NumericCheck:
+    """Teacher-force infer's tokens through peft (adapter on, then off) and compare the logits of every step."""
+    from peft import PeftModel
+    model = PeftModel.from_pretrained(oracle, str(path), adapter_name=name).eval()
+    diff = effect = 0.0
+    agree, scale = True, 1.0
+    try:
+        with torch.no_grad():
+            for (prompt, tokens), ours in runs:
+                ids = torch.tensor([prompt + tokens[:-1]])
+                pos = slice(len(prompt) - 1, len(prompt) - 1 + len(tokens))
+                ref = model(input_ids=ids).logits[0, pos].float()
+                with model.disable_adapter():
+                    base = model(input_ids=ids).logits[0, pos].float()
+                diff = max(diff, (ours - ref).abs().max().item())
+                effect = max(effect, (ref - base).abs().max().item())
+                scale = max(scale, ref.abs().max().item())
+                agree = agree and ref.argmax(-1).tolist() == tokens
+    finally:
+        model.unload()  # the oracle gets its plain layers back for the next adapter
+    return NumericCheck(diff, tol_scale * scale, agree, effect, label)
+
+
+def numeric_checks(base_path: Path, gptq: bool, adapters: dict[str, Path], max_rank: int, steps: int = 8,
+                   device: str = "auto") -> dict[str, NumericCheck]:
+    """infer vs peft for every adapter (all must have passed the static checks)."""
+    if not adapters:
+        return {}
+    llm = engine_for(base_path, adapters, max_rank, steps, device)
+    prompts = _prompt_ids(llm.tokenizer)
+    runs = {name: [((p, toks), logits) for p, (toks, logits) in zip(prompts, infer_logits(llm, name, prompts, steps))]
+            for name in adapters}
+    oracle = oracle_model(base_path, gptq, llm.engine.runner.model)
+    label = "peft on the dequantized int4 base" if gptq else "peft on the float base"
+    tol = 1e-3 if llm.engine.device.type == "cpu" else 1e-2  # GPU kernels may use TF32 products
+    return {name: peft_check(oracle, name, path, runs[name], tol, label) for name, path in adapters.items()}
+
+
+def run_checks(base: str, adapter_args: list[str], quantized: bool = False, max_rank: int = 64, steps: int = 8,
+               device: str = "auto"):
+    """Static checks for every adapter, then the numeric check for those without problems (steps=0 skips it)."""
+    from ..lora.validate import static_reports
+    info, reports, paths = static_reports(base, adapter_args, quantized, max_rank)
+    clean = {r.name: paths[r.name] for r in reports if r.static_ok}
+    if steps > 0:
+        checks = numeric_checks(info.path, info.gptq is not None, clean, max_rank, steps, device)
+        for r in reports:
+            r.numeric = checks.get(r.name)
+    return info, reports
