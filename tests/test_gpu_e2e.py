@@ -100,3 +100,16 @@ def test_bench_model_rows_on_cpu_with_tiny_shapes():
         ("gptq-int4-g128", "2 mixed r4", "infer"), ("float32", "none", "hf generate")]
     assert all(r["output_tok_s"] > 0 and r["fraction_of_roofline"] > 0 for r in rows)
     assert rows[2]["step_MB"] > rows[0]["step_MB"] and rows[3]["step_MB"] > rows[0]["step_MB"]  # adapters; fp32
+
+
+def test_adapters_through_fewer_slots_swap_and_costs_are_reported():
+    """--max-loras below the number of adapters adds a row whose engine swaps adapters (counted), and the notes give
+    each adapter row's cost next to the cost its bytes explain."""
+    args = e2e.parse_args(["--out", "unused", "--num-prompts", "4", "--concurrency", "2", "--input-len", "5",
+                           "--output-len", "3", "--num-adapters", "3", "--rank", "4", "--max-loras", "1",
+                           "--skip-hf"])
+    rows = e2e.bench_model("llama-2-7b", args, bandwidth=1e10, device="cpu", dtype=torch.float32, **TINY)
+    assert [r["lora"] for r in rows] == ["none", "3 mixed r4", "3 mixed r4 via 1 slots"]
+    assert rows[0]["lora_swaps"] == 0 and rows[2]["lora_swaps"] > 0
+    notes = e2e.adapter_costs(rows)
+    assert len(notes) == 2 and all("the adapters' bytes alone explain" in n for n in notes)

@@ -35,7 +35,7 @@ SHAPES = {
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 COLUMNS = ["model", "weights", "lora", "engine", "output_tok_s", "mean_tpot_ms", "mean_ttft_ms", "step_MB",
-           "copy_GB_s", "roofline_tpot_ms", "roofline_tok_s", "fraction_of_roofline", "start_s"]
+           "copy_GB_s", "roofline_tpot_ms", "roofline_tok_s", "fraction_of_roofline", "start_s", "lora_swaps"]
 
 
 # ----------------------------------------------------------------------------------------------- models
@@ -141,8 +141,10 @@ def write_random_adapters(cfg, out: Path, num: int, rank: int, seed: int = 0) ->
 
 
 def build_engine(model, cfg, tokenizer, device, adapters: dict[str, str], rank: int, concurrency: int,
-                 max_len: int, eager: bool = False):
-    """An LLMEngine over an in-memory model (decode CUDA graphs unless `eager`)."""
+                 max_len: int, eager: bool = False, slots: int | None = None):
+    """An LLMEngine over an in-memory model (decode CUDA graphs unless `eager`); `slots` GPU adapter slots (default:
+    one per adapter; fewer makes the engine swap adapters, counted in stats()["lora_swaps"])."""
+    slots = max(1, slots or len(adapters))
     from ..engine import llm_engine
     from ..engine.config import EngineConfig
     from ..engine.memory import plan_memory
@@ -151,11 +153,11 @@ def build_engine(model, cfg, tokenizer, device, adapters: dict[str, str], rank: 
     blocks = concurrency * -(-max_len // 16) + concurrency
     config = EngineConfig(f"random-{cfg.model_type}", dtype=str(dtype).split(".")[-1], device=str(device),
                           max_num_seqs=concurrency, max_model_len=max_len, num_kv_blocks=blocks, loras=adapters,
-                          max_loras=max(1, len(adapters)), max_lora_rank=rank, enforce_eager=eager)
+                          max_loras=slots, max_lora_rank=rank, enforce_eager=eager)
     manager = None
     if adapters:
         from ..lora.manager import LoRAManager
-        manager = LoRAManager(model, len(adapters), rank, device=device, dtype=dtype)
+        manager = LoRAManager(model, slots, rank, device=device, dtype=dtype)
         for name, path in adapters.items():
             manager.register(name, path)
     plan = plan_memory(config, cfg, model, dtype, torch.device(device), max_len)
@@ -276,6 +278,22 @@ def result_row(model: str, weights: str, lora: str, engine: str, metrics: dict, 
             "fraction_of_roofline": float(f"{roof['step_s'] / tpot_s:.3g}") if tpot_s > 0 else float("nan")}
 
 
+def adapter_costs(rows: list[dict]) -> list[str]:
+    """For each engine row with adapters: its throughput cost against the same model without adapters, and the cost
+    the adapters' own bytes explain (the same ratio of the two rooflines)."""
+    lines = []
+    for r in rows:
+        base = next((b for b in rows if b["model"] == r["model"] and b["engine"] == r["engine"]
+                     and b["lora"] == "none"), None)
+        if base is None or r["lora"] == "none" or not base["output_tok_s"]:
+            continue
+        cost = 1 - r["output_tok_s"] / base["output_tok_s"]
+        explained = 1 - r["roofline_tok_s"] / base["roofline_tok_s"]
+        lines.append(f"{r['model']} {r['engine']}, {r['lora']}: costs {cost:.0%} of the throughput without adapters; "
+                     f"the adapters' bytes alone explain {explained:.0%}")
+    return lines
+
+
 def write_tables(rows: list[dict], out: Path, notes: list[str]) -> str:
     import csv
     out.mkdir(parents=True, exist_ok=True)
@@ -309,8 +327,11 @@ def bench_model(name: str, args, bandwidth: float, device: str = "cuda", dtype: 
         if args.num_adapters:
             adapters = write_random_adapters(cfg, Path(tmp), args.num_adapters, args.rank)
             modes.append((f"{len(adapters)} mixed r{args.rank}", adapters, args.eager))
+            if args.max_loras and args.max_loras < len(adapters):
+                modes.append((f"{len(adapters)} mixed r{args.rank} via {args.max_loras} slots", adapters, args.eager))
         for lora, adapters, eager in modes:
-            engine = build_engine(model, cfg, tok, device, adapters, args.rank, b, max_len, eager)
+            slots = args.max_loras if "slots" in lora else None
+            engine = build_engine(model, cfg, tok, device, adapters, args.rank, b, max_len, eager, slots)
             engine.warmup()  # compiles every kernel path (prefix-cached prefill too) before anything is timed
             names = list(adapters)
             abytes = lora_bytes_per_adapter(model) if names else 0
@@ -319,6 +340,7 @@ def bench_model(name: str, args, bandwidth: float, device: str = "cuda", dtype: 
             label_engine = "infer --eager" if eager else "infer"
             rows.append(result_row(name, label, lora, label_engine, run_engine(engine, reqs, b), roof, bandwidth))
             rows[-1]["start_s"] = round(sum(engine.start_times.values()), 2)
+            rows[-1]["lora_swaps"] = engine.stats()["lora_swaps"]
             print(json.dumps(rows[-1]), flush=True)
             if args.profile:
                 tag = f"{name}-{lora.split()[0]}-{'eager' if eager else 'graphs'}-c{b}"
@@ -358,6 +380,8 @@ def parse_args(argv=None):
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--num-adapters", type=int, default=16)
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--max-loras", type=int, default=0,
+                   help="also run the adapters through this many GPU slots (swaps), e.g. 8 for 16 adapters")
     p.add_argument("--fp16", action="store_true", help="fp16 weights instead of GPTQ int4")
     p.add_argument("--skip-hf", action="store_true", help="no transformers baseline")
     p.add_argument("--eager", action="store_true", help="infer without decode CUDA graphs")
@@ -380,6 +404,7 @@ def main(argv=None) -> int:
              f"{args.input_len} prompt tokens, {args.output_len} output tokens (EOS ignored), random weights",
              "roofline: (decode-step weight bytes + KV bytes of the batch at the mean context + adapter bytes) / "
              "measured device-to-device copy bandwidth; fraction = roofline TPOT / measured mean TPOT"]
+    notes += adapter_costs(rows)
     print(write_tables(rows, args.out, notes))
     return 0
 
