@@ -358,12 +358,18 @@ def bench_model(name: str, args, bandwidth: float, device: str = "cuda", dtype: 
             hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
         reqs = make_requests(cfg.vocab_size, args.num_prompts, args.input_len, args.output_len, [])
         handle = HFModel(hf, tok, torch.device(device))
-        run_hf_generate(handle, [replace(r, output_len=8) for r in reqs[:b]], b, progress=False)  # warm
-        metrics = run_hf_generate(handle, reqs, b, progress=False).metrics()
         roof = decode_roofline(weight_bytes_per_step(hf, b), kv_tok, b, mean_ctx, 0, 0, bandwidth)
         plain = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype).split(".")[-1])
-        rows.append(result_row(name, plain, "none", "hf generate", metrics, roof, bandwidth))
-        print(json.dumps(rows[-1]), flush=True)
+        # the plain generate, and the strong one (static cache: transformers compiles its step), both warmed
+        for cache, label_hf in ((None, "hf generate"), ("static", "hf generate, static cache")):
+            if cache and device != "cuda":
+                continue
+            # the static cache is sized by the output length: warm it with the measured batch's own lengths
+            warm = reqs[:b] if cache else [replace(r, output_len=8) for r in reqs[:b]]
+            run_hf_generate(handle, warm, b, progress=False, cache_implementation=cache)
+            metrics = run_hf_generate(handle, reqs, b, progress=False, cache_implementation=cache).metrics()
+            rows.append(result_row(name, plain, "none", label_hf, metrics, roof, bandwidth))
+            print(json.dumps(rows[-1]), flush=True)
         del hf, handle
         gc.collect()
         torch.cuda.empty_cache()

@@ -87,7 +87,8 @@ def _pad_left(prompts: list[list[int]], pad_id: int, device):
     return ids.to(device), mask.to(device)
 
 
-def _run_batch(model, tok, device, batch: list[tuple[int, BenchRequest]], sampler) -> list[RequestRecord]:
+def _run_batch(model, tok, device, batch: list[tuple[int, BenchRequest]], sampler,
+               cache_implementation: str | None = None) -> list[RequestRecord]:
     import torch
     prompts = [r.prompt_token_ids or tok.encode(r.prompt, add_special_tokens=False) for _, r in batch]
     eos = model.generation_config.eos_token_id
@@ -97,6 +98,8 @@ def _run_batch(model, tok, device, batch: list[tuple[int, BenchRequest]], sample
     gc = copy.deepcopy(model.generation_config)
     gc.update(max_new_tokens=max(r.output_len for _, r in batch), do_sample=False, num_beams=1,
               pad_token_id=pad_id, eos_token_id=None if ignore else eos, temperature=None, top_p=None, top_k=None)
+    if cache_implementation:  # "static": transformers compiles its decode step (its fastest generate)
+        gc.update(cache_implementation=cache_implementation)
     clock = StepClock(sampler)
     start = time.perf_counter()
     with torch.inference_mode():
@@ -120,7 +123,7 @@ def _run_batch(model, tok, device, batch: list[tuple[int, BenchRequest]], sample
 
 
 def run_hf_generate(model: str | HFModel, requests: list[BenchRequest], batch_size: int, dtype: str = "auto",
-                    device: str = "auto", progress: bool = True) -> RunResult:
+                    device: str = "auto", progress: bool = True, cache_implementation: str | None = None) -> RunResult:
     """The transformers baseline at one batch size (reported as concurrency = batch_size); see module doc.
     `model` is a model folder / built-in name (loaded with `dtype`, `device`) or what load_hf returned.
     LoRA names in the workload are ignored (the baseline runs the base model). Ctrl-C returns the finished
@@ -138,7 +141,7 @@ def run_hf_generate(model: str | HFModel, requests: list[BenchRequest], batch_si
         for s in range(0, len(indexed), batch_size):
             batch = indexed[s:s + batch_size]
             try:
-                records += _run_batch(model, tok, dev, batch, sampler)
+                records += _run_batch(model, tok, dev, batch, sampler, cache_implementation)
             except KeyboardInterrupt:
                 partial, aborted = True, len(batch)
                 end = time.perf_counter()
