@@ -66,7 +66,7 @@ def demo(
 
     Example: infer demo --out ./infer-demo
     """
-    from ..models.tiny import resolve_model
+    from ..models.resolve import resolve_model
     out.mkdir(parents=True, exist_ok=True)
     base = resolve_model(model)
     gptq, adapters = out / f"{model}-gptq", out / "adapters"

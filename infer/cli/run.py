@@ -60,7 +60,7 @@ def run(
         return
     if strict:  # every line is read before the model loads: a bad file costs no load time
         from ..engine.setup import load_tokenizer
-        from ..models.tiny import resolve_model
+        from ..models.resolve import resolve_model
         _strict_exit(read_inputs(input, load_tokenizer(resolve_model(engine.model)), defaults))
     from ..engine.llm_engine import LLMEngine
     llm = LLMEngine(engine)

@@ -25,7 +25,7 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
     require_ray()  # before anything loads: a missing extra is a one-line error
     from ..cli.batch_io import read_inputs
     from ..engine.setup import load_tokenizer
-    from ..models.tiny import resolve_model
+    from ..models.resolve import resolve_model
     model_path = resolve_model(engine.model)
     tokenizer = load_tokenizer(model_path)
     lines = read_inputs(input, tokenizer, defaults)

@@ -38,7 +38,7 @@ def build_server(ray, cfg, replicas: int, model_id: str, api_key: str | None, ma
                  shutdown_timeout: float):
     """Start the replicas, warm them up, and return (Server, replica infos) for the app."""
     from ..engine.setup import load_tokenizer
-    from ..models.tiny import resolve_model
+    from ..models.resolve import resolve_model
     from ..serve.app import Server
     from .serve_engine import RayAsyncEngine, ReplicaView
     model_path = resolve_model(cfg.model)
