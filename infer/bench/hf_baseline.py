@@ -23,7 +23,7 @@ from ..errors import ModelLoadError
 from .datasets import BenchRequest
 from .driver import Progress
 from .metrics import RequestRecord, RunResult
-from .sampler import ResourceSampler
+from .monitor import ResourceSampler
 
 
 class StepClock:
