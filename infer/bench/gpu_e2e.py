@@ -115,9 +115,10 @@ def make_tokenizer(vocab_size: int):
 def write_random_adapters(cfg, out: Path, num: int, rank: int, seed: int = 0) -> dict[str, str]:
     """`num` PEFT LoRA folders (adapter_config.json + adapter_model.safetensors) for `cfg`, random A and B."""
     from safetensors.torch import save_file
-    h, inter = cfg.hidden_size, cfg.intermediate_size
-    hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
-    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+
+    from ..models.shapes import ModelShapes
+    shapes = ModelShapes.from_config(cfg)
+    h, inter, q, kv = cfg.hidden_size, cfg.intermediate_size, shapes.q_size, shapes.kv_size
     io = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, inter),
           "up_proj": (h, inter), "down_proj": (inter, h)}
     paths = {}
