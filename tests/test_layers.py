@@ -32,7 +32,6 @@ LAYERS: list[set[str]] = [
 ALLOWED: dict[tuple[str, str], str] = {
     ("lora", "engine"): "lora/validate.py's numeric check runs LLM (a command's check in a library); it moves beside "
                         "`infer lora` (issue 17, LoRA branch)",
-    ("parallel", "cli"): "the data-parallel run/serve drivers reuse cli's batch I/O, resume and signal helpers",
 }
 
 

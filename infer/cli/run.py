@@ -53,7 +53,7 @@ def run(
         check_resume(output, input, options)
     defaults = {"max_new_tokens": max_new_tokens}
     if data_parallel > 1 or ray_address:
-        from ..parallel.batch import run_data_parallel
+        from .run_parallel import run_data_parallel
         if run_data_parallel(engine, input, output, replicas=data_parallel, address=ray_address, defaults=defaults,
                              strict=strict, resume=resume, resumable=resumable, options=options, quiet=quiet):
             raise typer.Exit(1)

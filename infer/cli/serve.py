@@ -78,7 +78,7 @@ def serve(
     sock = _bind(host, port)
     try:
         if data_parallel > 1 or ray_address:
-            from ..parallel.serve import serve_data_parallel
+            from .serve_parallel import serve_data_parallel
             return serve_data_parallel(engine, sock, host, served_model_name or o.base_model_id(model), api_key,
                                        max_queue, shutdown_timeout, log_level, data_parallel, ray_address)
         _serve(engine, sock, host, served_model_name or o.base_model_id(model), api_key, max_queue, shutdown_timeout,
