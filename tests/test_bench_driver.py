@@ -6,7 +6,7 @@ import pytest
 
 from infer.bench.datasets import BenchRequest
 from infer.bench.driver import arrival_offsets, run_in_process
-from infer.bench.sampler import ResourceSampler
+from infer.bench.monitor import ResourceSampler
 from infer.engine.outputs import RequestOutput
 from infer.errors import RequestError
 

@@ -35,7 +35,7 @@ def load_all(folder: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def tiny():
-    from infer.models.tiny import resolve_model
+    from infer.models.resolve import resolve_model
     return resolve_model("tiny-qwen2")
 
 

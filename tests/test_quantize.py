@@ -36,7 +36,7 @@ def run_cli(*args):
 
 @pytest.fixture(scope="module")
 def tiny_llama():
-    from infer.models.tiny import resolve_model
+    from infer.models.resolve import resolve_model
     return resolve_model("tiny-llama")
 
 
@@ -237,7 +237,7 @@ def test_loads_in_transformers_and_matches_dequantized_oracle(quantized, tiny_ll
 
 @needs_gptqmodel
 def test_desc_act_asym_calibration_file(tmp_path):
-    from infer.models.tiny import resolve_model
+    from infer.models.resolve import resolve_model
     from transformers import AutoModelForCausalLM
     from safetensors.torch import load_file
     src = resolve_model("tiny-qwen2")

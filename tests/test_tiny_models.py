@@ -11,7 +11,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from infer.errors import ModelLoadError
 from infer.models import tiny
-from infer.models.tiny import BUILTIN_MODELS, builtin_names, ensure_builtin, resolve_model
+from infer.models.resolve import resolve_model
+from infer.models.tiny import BUILTIN_MODELS, builtin_names, ensure_builtin
 
 TINY = {"tiny-llama": "LlamaForCausalLM", "tiny-qwen2": "Qwen2ForCausalLM", "tiny-mistral": "MistralForCausalLM",
         "tiny-qwen3": "Qwen3ForCausalLM", "tiny-llama3": "LlamaForCausalLM"}

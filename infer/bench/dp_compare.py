@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     from ..parallel.runtime import local_cpus, ray_runtime
     from ..engine.config import EngineConfig
     from ..models.loader import load_config
-    from ..models.tiny import resolve_model
+    from ..models.resolve import resolve_model
     counts = [int(c) for c in args.replicas.split(",")]
     config = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, device=args.device)
     path = resolve_model(args.model)

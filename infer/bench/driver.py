@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import InferError
 from .datasets import BenchRequest
 from .metrics import RequestRecord, RunResult
-from .sampler import ResourceSampler
+from .monitor import ResourceSampler
 
 log = logging.getLogger("infer")
 

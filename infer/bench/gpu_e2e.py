@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from ..models.shapes import ModelShapes
+
 SHAPES = {
     "llama-2-7b": dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                        num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
@@ -115,9 +117,8 @@ def make_tokenizer(vocab_size: int):
 def write_random_adapters(cfg, out: Path, num: int, rank: int, seed: int = 0) -> dict[str, str]:
     """`num` PEFT LoRA folders (adapter_config.json + adapter_model.safetensors) for `cfg`, random A and B."""
     from safetensors.torch import save_file
-    h, inter = cfg.hidden_size, cfg.intermediate_size
-    hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
-    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    shapes = ModelShapes.from_config(cfg)
+    h, inter, q, kv = cfg.hidden_size, cfg.intermediate_size, shapes.q_size, shapes.kv_size
     io = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, inter),
           "up_proj": (h, inter), "down_proj": (inter, h)}
     paths = {}

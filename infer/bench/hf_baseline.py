@@ -23,7 +23,7 @@ from ..errors import ModelLoadError
 from .datasets import BenchRequest
 from .driver import Progress
 from .metrics import RequestRecord, RunResult
-from .sampler import ResourceSampler
+from .monitor import ResourceSampler
 
 
 class StepClock:
@@ -59,7 +59,7 @@ def load_hf(model_path: str, dtype: str = "auto", device: str = "auto") -> HFMod
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from ..models.tiny import resolve_model
+    from ..models.resolve import resolve_model
     path = resolve_model(model_path)
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     if dtype == "auto":

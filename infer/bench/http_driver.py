@@ -21,7 +21,7 @@ from ..errors import ConfigError, InferError
 from .datasets import BenchRequest
 from .driver import Progress, arrival_offsets
 from .metrics import RequestRecord, RunResult
-from .sampler import ResourceSampler
+from .monitor import ResourceSampler
 
 
 def base_url(url: str) -> str:

@@ -32,7 +32,7 @@ def make_adapters(base: str, out: Path, num: int, rank: int, seed: int = 0) -> d
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from ..models.tiny import resolve_model
+    from ..models.resolve import resolve_model
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(resolve_model(base), dtype=torch.float32),
                            LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS))
     paths = {}

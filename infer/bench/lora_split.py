@@ -19,7 +19,7 @@ from ..errors import ConfigError
 from .datasets import BenchRequest
 from .driver import run_in_process
 from .metrics import RunResult
-from .sampler import ResourceSampler
+from .monitor import ResourceSampler
 
 
 def group_by_adapter(requests: list[BenchRequest]) -> list[list[int]]:

@@ -56,7 +56,7 @@ class _Target:
             self.hf_dtype, self.hf_device = str(self.engine.dtype).split(".")[-1], self.engine.device.type
         else:
             from ..engine.setup import load_tokenizer
-            from ..models.tiny import resolve_model
+            from ..models.resolve import resolve_model
             self.tokenizer = load_tokenizer(resolve_model(plan.model))
             self.hf_dtype, self.hf_device = plan.dtype, plan.device
 

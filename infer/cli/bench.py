@@ -14,7 +14,6 @@ import typer
 from ..engine.config import ENGINE, LORA, EngineConfig, parse_loras
 from ..errors import ConfigError
 from . import options as o
-from .serve import base_model_id
 
 WL = "Workload options"
 TARGET = "Target options"
@@ -192,7 +191,7 @@ def bench(
     check_options(num_prompts, dataset, baseline, lora_policy, url, rate)
     check_sizes(levels, input_len=input_len, output_len=output_len, max_num_seqs=max_num_seqs, max_loras=max_loras)
     names = mix(lora_names(lora, url), lora_mix)
-    model_id = served_model_name or base_model_id(model)
+    model_id = served_model_name or o.base_model_id(model)
     if url is not None:
         url = check_url(url, model_id, names, api_key)
     from ..bench.plan import BenchPlan, run_plan

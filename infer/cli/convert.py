@@ -36,7 +36,7 @@ def convert(
     Example: infer convert ./my-model-bin -o ./my-model --dtype bfloat16 --merge-lora ./adapters/support
     """
     from ..engine.config import parse_size
-    from ..models.tiny import resolve_model
+    from ..models.resolve import resolve_model
     from ..quant.convert import convert_model
     parse_size(max_shard_size, "--max-shard-size")  # a bad size fails now, not after loading the model
     if to != "safetensors":

@@ -200,7 +200,7 @@ def _bench_line(results: Path) -> str:
 
 def _make_adapters(model: str, folder: str, *names: str) -> None:
     """The demo's adapter step, in a process of its own: python -m infer.cli.demo MODEL FOLDER NAME..."""
-    from ..models.tiny import resolve_model
+    from ..models.resolve import resolve_model
     base = resolve_model(model)
     for name in names:
         rank, targets, seed = ADAPTERS[name]

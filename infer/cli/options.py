@@ -15,6 +15,7 @@ import functools
 import inspect
 import typing
 from dataclasses import MISSING
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -26,6 +27,12 @@ BUILTIN_HELP = (f"a built-in model with random weights ({', '.join(BUILTIN_MODEL
                 "text is gibberish)")
 Model = Annotated[str, typer.Argument(help=f"A local Hugging Face model folder (float or GPTQ), or {BUILTIN_HELP}.",
                                       show_default=False)]
+
+
+def base_model_id(model: str) -> str:
+    """The id HTTP clients send as `model` for the base (serve's default, bench's with --url): a built-in's name, or
+    the model folder's name."""
+    return Path(model.rstrip("/\\")).name or model
 
 
 def _cli_annotation(f):

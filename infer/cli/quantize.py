@@ -96,17 +96,19 @@ def quantize(
     Example: infer quantize ./Llama-3.2-1B -o ./Llama-3.2-1B-gptq --bits 4 --group-size 128 --calibration chats.jsonl
     """
     from ..engine.config import parse_size
+    from ..models.resolve import resolve_model
     from ..quant.quantize import quantize_model
     parse_size(max_shard_size, "--max-shard-size")  # a bad size fails now, not after the whole quantization
     options = QuantizeOptions(bits=bits, group_size=group_size, desc_act=desc_act, sym=sym, num_samples=num_samples,
                               seq_len=seq_len, damp_percent=damp, max_shard_size=max_shard_size)
     options.validate()
+    src = resolve_model(model)  # a bad MODEL fails before the quantize extra is looked for
     with tempfile.TemporaryDirectory(prefix="infer-quantize-log-") as logdir:
         with captured_output(Path(logdir) / "gptqmodel.log", enabled=not verbose) as terminal:
             console = Console(file=terminal, log_path=False)
             observer = RichObserver(console)
             try:
-                result = quantize_model(model, output, options, calibration, observer, overwrite=overwrite)
+                result = quantize_model(src, output, options, calibration, observer, overwrite=overwrite)
             finally:
                 observer.stop()
     print_summary(result, options)

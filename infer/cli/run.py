@@ -53,14 +53,14 @@ def run(
         check_resume(output, input, options)
     defaults = {"max_new_tokens": max_new_tokens}
     if data_parallel > 1 or ray_address:
-        from ..parallel.batch import run_data_parallel
+        from .run_parallel import run_data_parallel
         if run_data_parallel(engine, input, output, replicas=data_parallel, address=ray_address, defaults=defaults,
                              strict=strict, resume=resume, resumable=resumable, options=options, quiet=quiet):
             raise typer.Exit(1)
         return
     if strict:  # every line is read before the model loads: a bad file costs no load time
         from ..engine.setup import load_tokenizer
-        from ..models.tiny import resolve_model
+        from ..models.resolve import resolve_model
         _strict_exit(read_inputs(input, load_tokenizer(resolve_model(engine.model)), defaults))
     from ..engine.llm_engine import LLMEngine
     llm = LLMEngine(engine)

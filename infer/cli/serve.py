@@ -7,7 +7,6 @@ import logging
 import signal
 import socket
 import threading
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -17,11 +16,6 @@ from ..errors import ConfigError
 from . import options as o
 
 SERVER = "Server options"
-
-
-def base_model_id(model: str) -> str:
-    """The id clients send as `model` for the base: a built-in's name, or the model folder's name."""
-    return Path(model.rstrip("/\\")).name or model
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -84,10 +78,10 @@ def serve(
     sock = _bind(host, port)
     try:
         if data_parallel > 1 or ray_address:
-            from ..parallel.serve import serve_data_parallel
-            return serve_data_parallel(engine, sock, host, served_model_name or base_model_id(model), api_key,
+            from .serve_parallel import serve_data_parallel
+            return serve_data_parallel(engine, sock, host, served_model_name or o.base_model_id(model), api_key,
                                        max_queue, shutdown_timeout, log_level, data_parallel, ray_address)
-        _serve(engine, sock, host, served_model_name or base_model_id(model), api_key, max_queue, shutdown_timeout,
+        _serve(engine, sock, host, served_model_name or o.base_model_id(model), api_key, max_queue, shutdown_timeout,
                log_level)
     finally:
         sock.close()

@@ -11,7 +11,7 @@ from .setup import checkpoint_dtype, model_max_len
 
 def _model_parts(config: EngineConfig):
     from ..models.loader import load_config
-    from ..models.tiny import resolve_model
+    from ..models.resolve import resolve_model
     path = resolve_model(config.model)
     cfg = load_config(path)
     device = config.torch_device()

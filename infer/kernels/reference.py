@@ -63,7 +63,7 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
     output), z stored minus one when zeros_v1, the product rounded to the scales' dtype (fp16) as GPTQ runtimes do;
     accumulated in float32, returned in x's dtype. x is [..., in], y [..., out]. `group_size` (optional) is a
     promise that g_idx[i] == i // group_size (-1: one group); it lets a kernel skip reading g_idx, never changes y."""
-    from ..quant.packing import dequantize
+    from .packing import dequantize
     w = dequantize(qweight, qzeros, scales, g_idx, bits, zeros_v1, torch.float32)
     return (x.float() @ w.t()).to(x.dtype)
 

@@ -205,7 +205,7 @@ class BaseInfo:
 def read_base(base: str, quantized: bool = False) -> BaseInfo:
     """The base model folder (or built-in name), its config and quantization; ModelLoadError/ConfigError (exit 2)."""
     from ..models.loader import load_config
-    from ..models.tiny import resolve_model
+    from ..models.resolve import resolve_model
     from ..quant.config import GPTQConfig
     path = resolve_model(base)
     cfg = load_config(path)

@@ -14,6 +14,7 @@ from ..kernels import cpu_gemm
 from .context import ForwardContext
 from .layers import LinearMethod, MergedLinear
 from .rope import build_cos_sin_cache
+from .shapes import ModelShapes
 
 
 class RMSNorm(nn.Module):
@@ -29,10 +30,9 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg, prefix: str, method_for, dtype):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        shapes = ModelShapes.from_config(cfg)
+        self.num_heads, self.num_kv_heads, self.head_dim = shapes.num_heads, shapes.num_kv_heads, shapes.head_dim
+        self.q_size, self.kv_size = shapes.q_size, shapes.kv_size
         self.scale = self.head_dim ** -0.5
         qkv_bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
         names = [f"{prefix}.{n}" for n in ("q_proj", "k_proj", "v_proj")]
@@ -104,6 +104,9 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Parameter names follow the HF checkpoint (model.layers.N...), with q/k/v and gate/up merged."""
+
+    # merged module -> the HF projections it stacks, in order (vLLM's name): the loader reads it to route tensors
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
     def __init__(self, cfg, dtype: torch.dtype, method_for=None):
         super().__init__()

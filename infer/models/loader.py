@@ -14,10 +14,6 @@ from ..errors import ModelLoadError, UnsupportedModelError
 from .layers import MergedLinear
 from .registry import check_supported, model_class
 
-_MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-           "o_proj": ("o_proj", 0), "down_proj": ("down_proj", 0)}
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.(\w+)$")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 
@@ -100,18 +96,18 @@ def load_weights(model, tensors, dtype: torch.dtype) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     merged: dict[str, MergedLinear] = {n: m for n, m in model.named_modules() if isinstance(m, MergedLinear)}
+    shards = packed_shards(type(model))
     for name, t in tensors:
         if _IGNORED.search(name):
             continue
         if t.is_floating_point() and not name.endswith("scales"):
             t = t.to(dtype)
-        m = _LAYER_RE.match(name)
-        if m and m.group(3) in _MERGED:
-            layer, block, proj, pname = m.groups()
-            target, shard = _MERGED[proj]
-            merged[f"layers.{layer}.{block}.{target}"].load_shard(pname, shard, t)
-            continue
         key = name[len("model."):] if name.startswith("model.") else name
+        routed = _merged_shard(key, shards, merged)
+        if routed is not None:
+            layer, pname, shard = routed
+            layer.load_shard(pname, shard, t)
+            continue
         if key == "lm_head.weight" and "lm_head.weight" not in params:
             continue  # tied embeddings
         if key not in params:
@@ -122,6 +118,22 @@ def load_weights(model, tensors, dtype: torch.dtype) -> None:
         params[key].data.copy_(t)
         loaded.add(key)
     _check_complete(model, params, loaded, merged)
+
+
+def packed_shards(model_cls) -> dict[str, tuple[str, int]]:
+    """HF projection -> (merged module, shard index), from the model class's `packed_modules_mapping`."""
+    mapping = getattr(model_cls, "packed_modules_mapping", {})
+    return {proj: (packed, i) for packed, projs in mapping.items() for i, proj in enumerate(projs)}
+
+
+def _merged_shard(key: str, shards: dict[str, tuple[str, int]], merged: dict[str, MergedLinear]):
+    """(MergedLinear, parameter name, shard) for a checkpoint tensor that one of the model's merged layers holds
+    (a packed projection such as q_proj, or a plain one such as o_proj as shard 0), else None."""
+    module, _, pname = key.rpartition(".")
+    parent, _, proj = module.rpartition(".")
+    packed, shard = shards.get(proj, (proj, 0))
+    layer = merged.get(f"{parent}.{packed}" if parent else packed)
+    return None if layer is None else (layer, pname, shard)
 
 
 def _check_complete(model, params, loaded, merged) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UnsupportedModelError
+from .shapes import ModelShapes
 
 
 def rope_parameters(cfg) -> dict:
@@ -20,7 +21,7 @@ def build_cos_sin_cache(cfg, max_positions: int | None = None) -> torch.Tensor:
     """[max_positions, head_dim] float32 table: cos | sin of position * inv_freq, times the rope's attention scale."""
     params = rope_parameters(cfg)
     rope_type = params.get("rope_type", "default")
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = ModelShapes.from_config(cfg).head_dim
     if rope_type == "default":
         base = params["rope_theta"]
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))

@@ -1,7 +1,5 @@
 """Built-in tiny models: generated deterministically from a seed, with a locally trained tokenizer and a chat
-template, cached on disk. Nothing is downloaded.
-
-`resolve_model(name_or_path)` turns a CLI MODEL argument into a model folder.
+template, cached on disk. Nothing is downloaded. (models/resolve.py turns a MODEL argument into a folder.)
 """
 
 from __future__ import annotations
@@ -53,30 +51,13 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
 
 
 def builtin_names() -> list[str]:
-    """The names `ensure_builtin` and `resolve_model` accept, in a stable order."""
+    """The names `ensure_builtin` (and `resolve.resolve_model`) accept, in a stable order."""
     return list(BUILTIN_MODELS)
 
 
 def cache_root() -> Path:
     """Where built-in models are kept: $INFER_CACHE/models, or ~/.cache/infer/models."""
     return Path(os.environ.get("INFER_CACHE") or Path.home() / ".cache" / "infer") / "models"
-
-
-def resolve_model(name_or_path: str | os.PathLike) -> Path:
-    """A local model folder as it is (it must hold config.json), or a built-in model name built into the cache."""
-    p = Path(name_or_path).expanduser()
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise ModelLoadError(f"model folder {p} has no config.json",
-                                 "pass a Hugging Face model folder (config.json and *.safetensors weights)")
-        return p
-    if p.exists():
-        raise ModelLoadError(f"{p} is a file, not a model folder", "pass the folder that holds config.json")
-    if str(name_or_path) in BUILTIN_MODELS:
-        return ensure_builtin(str(name_or_path))
-    raise ModelLoadError(f"{str(name_or_path)!r} is neither a local model folder nor a built-in model "
-                         f"({', '.join(BUILTIN_MODELS)})",
-                         "pass a folder with config.json and weights; nothing is downloaded")
 
 
 def ensure_builtin(name: str, cache_dir: str | os.PathLike | None = None) -> Path:

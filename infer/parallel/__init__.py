@@ -8,8 +8,9 @@ that dies has its unfinished requests re-run on the others. `ray` is imported on
     runtime.py       import ray or say what to install; start or join a runtime; place and start the replicas
     replica.py       the actor: one LLMEngine; `validate`, `step` (until something finishes), `serve_step`
     pool.py          `infer run`'s driver loop: keep every replica's slots full, re-run a dead replica's work
-    batch.py         `infer run --data-parallel N`: inputs, resume, writer around the pool
     progress.py      its progress bar: total and per-replica throughput
     serve_engine.py  `infer serve`'s engine over the replicas, with serve.AsyncEngine's interface
-    serve.py         `infer serve --data-parallel N`: the same app, per-replica /health and /metrics
+    serve.py         the same app over that engine, per-replica /health and /metrics
+
+The commands live in cli/: run_parallel.py (inputs, resume, writer around the pool) and serve_parallel.py (uvicorn).
 """

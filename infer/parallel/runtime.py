@@ -7,6 +7,7 @@ import copy
 import logging
 import os
 import uuid
+from collections import Counter
 from pathlib import Path
 
 from .. import errors
@@ -118,6 +119,12 @@ def start_replicas(ray, config, model_path: Path, n: int, threads: int | None = 
         raise (cls if isinstance(cls, type) and issubclass(cls, InferError) else ReplicaError)(
             failed["message"], failed["hint"])
     return handles, infos
+
+
+def placement(infos: list[dict]) -> str:
+    """'2 on gpu-node-1 (cuda:0), 1 on gpu-node-2 (cuda:0)': where the replicas run, grouped by host."""
+    groups = Counter((i["host"], i["device"]) for i in infos)
+    return ", ".join(f"{n} on {host} ({device})" for (host, device), n in groups.items())
 
 
 def stop_replicas(ray, handles: list) -> None:

@@ -1,15 +1,11 @@
-"""`infer serve --data-parallel N`: one OpenAI-compatible endpoint over N engine replicas (Ray actors).
-/health lists every replica, /metrics has per-replica gauges (label `replica`) beside the usual ones."""
+"""One OpenAI-compatible server over N engine replicas (Ray actors), for `infer serve --data-parallel N`
+(cli/serve_parallel.py): /health lists every replica, /metrics has per-replica gauges (label `replica`)."""
 
 from __future__ import annotations
 
-import logging
-import socket
-
-import typer
 from prometheus_client.core import GaugeMetricFamily
 
-from .runtime import local_cpus, ray_runtime, require_ray, start_replicas, stop_replicas
+from .runtime import start_replicas, stop_replicas
 
 
 class ReplicaCollector:
@@ -38,7 +34,7 @@ def build_server(ray, cfg, replicas: int, model_id: str, api_key: str | None, ma
                  shutdown_timeout: float):
     """Start the replicas, warm them up, and return (Server, replica infos) for the app."""
     from ..engine.setup import load_tokenizer
-    from ..models.tiny import resolve_model
+    from ..models.resolve import resolve_model
     from ..serve.app import Server
     from .serve_engine import RayAsyncEngine, ReplicaView
     model_path = resolve_model(cfg.model)
@@ -53,30 +49,3 @@ def build_server(ray, cfg, replicas: int, model_id: str, api_key: str | None, ma
     server = Server(aengine, model_id, api_key=api_key, graceful_timeout=shutdown_timeout)
     server.metrics.registry.register(ReplicaCollector(aengine))
     return server, infos
-
-
-def serve_data_parallel(cfg, sock: socket.socket, host: str, model_id: str, api_key: str | None,
-                        max_queue: int | None, shutdown_timeout: float, log_level: str, replicas: int,
-                        address: str | None) -> None:
-    require_ray()
-    import uvicorn
-
-    from ..cli.serve import _quiet_signals
-    from ..serve.app import create_app
-    from .batch import placement
-    with ray_runtime(address, local_cpus(replicas)) as ray:
-        server, infos = build_server(ray, cfg, replicas, model_id, api_key, max_queue, shutdown_timeout)
-        try:
-            where = placement(infos)
-            names = ", ".join(server.adapters()) or "none"
-            typer.echo(f"infer: serving {server.model_id} over {replicas} replicas ({where}; KV "
-                       f"{infos[0]['num_blocks']} blocks each) on http://{host}:{sock.getsockname()[1]}  "
-                       f"adapters: {names}", err=True)
-            logging.getLogger("infer").setLevel(logging.INFO if log_level in ("info", "debug") else logging.WARNING)
-            config = uvicorn.Config(create_app(server), log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
-                                    access_log=log_level in ("info", "debug"))
-            with _quiet_signals():
-                uvicorn.Server(config).run(sockets=[sock])
-        finally:
-            server.aengine.shutdown(0)
-        typer.echo("infer: server stopped", err=True)

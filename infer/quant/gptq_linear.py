@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ModelLoadError
+from .. import kernels
 from ..kernels import cpu_gemm
 from . import packing
 from .config import GPTQConfig
@@ -132,7 +133,6 @@ class GPTQLinearMethod:
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if layer.weight is not None:
             return cpu_gemm.linear(x, layer.weight, layer.bias, layer.packed_weight)
-        from .. import kernels
         if layer.act_perm is not None:
             x = x.index_select(-1, layer.act_perm)
         y = kernels.gptq_matmul(x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx, self.config.bits,

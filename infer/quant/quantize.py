@@ -158,11 +158,11 @@ class _Callbacks:
 def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: QuantizeOptions | None = None,
                    calibration: str | os.PathLike | None = None, observer: QuantizeObserver | None = None,
                    overwrite: bool = False) -> QuantizeResult:
-    """Quantize `model` (a folder or a built-in name) with GPTQModel into `out`; see the module docstring."""
-    from ..models.tiny import resolve_model
+    """Quantize the float model in folder `model` (the CLI resolves built-in names with models.resolve) with
+    GPTQModel into `out`; see the module docstring."""
     opts = options or QuantizeOptions()
     opts.validate()
-    src, out = resolve_model(model).resolve(), Path(out).resolve()
+    src, out = Path(model).expanduser().resolve(), Path(out).resolve()
     observer = observer or QuantizeObserver()
     check_output(out, overwrite)
     config = _check_source(src, opts.group_size)
@@ -182,6 +182,9 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: Qu
 
 
 def _check_source(src: Path, group_size: int) -> dict:
+    if not (src / "config.json").is_file():
+        raise ModelLoadError(f"{src} is not a model folder (no config.json)",
+                             "pass a Hugging Face model folder (config.json and *.safetensors weights)")
     if is_gptq(src):
         raise ConfigError(f"{src} is already a GPTQ checkpoint", "quantize the float model it came from")
     config = json.loads((src / "config.json").read_text())

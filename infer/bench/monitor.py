@@ -1,4 +1,5 @@
-"""ResourceSampler: memory and engine-state samples over a benchmark run (for peaks and timeline plots)."""
+"""Resource monitor: `ResourceSampler` takes memory and engine-state samples over a benchmark run (for peaks and
+timeline plots)."""
 
 from __future__ import annotations
 

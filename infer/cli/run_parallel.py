@@ -4,16 +4,16 @@ the requests spread over N replicas by load. The driver reads the input and is t
 from __future__ import annotations
 
 import time
-from collections import Counter
 from pathlib import Path
 
 import typer
 
-from ..cli.batch_io import RecordWriter, error_record, output_record
-from ..cli.resume import done_ids, write_fingerprint
-from .pool import ReplicaPool, Work
-from .progress import ReplicaProgress
-from .runtime import local_cpus, ray_runtime, require_ray, start_replicas
+from ..parallel.pool import ReplicaPool, Work
+from ..parallel.progress import ReplicaProgress
+from ..parallel.runtime import local_cpus, placement, ray_runtime, require_ray, start_replicas
+from .batch_io import RecordWriter, error_record, output_record, read_inputs
+from .resume import done_ids, write_fingerprint
+from .run import _strict_exit
 
 VALIDATE_CHUNK = 4096  # requests per validation call (one message each way)
 
@@ -23,14 +23,12 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
                       quiet: bool) -> int:
     """Run every line of `input` on `replicas` engine replicas; return how many lines failed."""
     require_ray()  # before anything loads: a missing extra is a one-line error
-    from ..cli.batch_io import read_inputs
     from ..engine.setup import load_tokenizer
-    from ..models.tiny import resolve_model
+    from ..models.resolve import resolve_model
     model_path = resolve_model(engine.model)
     tokenizer = load_tokenizer(model_path)
     lines = read_inputs(input, tokenizer, defaults)
     if strict:  # a line that cannot be read stops the run before any replica loads the model
-        from ..cli.run import _strict_exit
         _strict_exit(lines)
     with ray_runtime(address, local_cpus(replicas)) as ray:
         handles, infos = start_replicas(ray, engine, model_path, replicas)
@@ -61,16 +59,9 @@ def _announce(infos: list[dict], block_size: int) -> None:
                err=True)
 
 
-def placement(infos: list[dict]) -> str:
-    """'2 on gpu-node-1 (cuda:0), 1 on gpu-node-2 (cuda:0)': where the replicas run, grouped by host."""
-    groups = Counter((i["host"], i["device"]) for i in infos)
-    return ", ".join(f"{n} on {host} ({device})" for (host, device), n in groups.items())
-
-
 def _check_lines(ray, replica, lines: list, strict: bool) -> None:
     """Every parsed line checked against a replica's engine (the same checks and messages as one engine); with
     --strict, any bad line stops the run before generating."""
-    from ..cli.run import _strict_exit
     todo = [item for item in lines if item.request is not None]
     for start in range(0, len(todo), VALIDATE_CHUNK):
         chunk = todo[start:start + VALIDATE_CHUNK]

@@ -1,0 +1,38 @@
+"""`infer serve --data-parallel N`: one OpenAI-compatible endpoint over N engine replicas (Ray actors), built by
+parallel/serve.py; this file starts the Ray runtime and runs uvicorn as `infer serve` does for one engine."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import typer
+
+from ..parallel.runtime import local_cpus, placement, ray_runtime, require_ray
+from ..parallel.serve import build_server
+from .serve import _quiet_signals
+
+
+def serve_data_parallel(cfg, sock: socket.socket, host: str, model_id: str, api_key: str | None,
+                        max_queue: int | None, shutdown_timeout: float, log_level: str, replicas: int,
+                        address: str | None) -> None:
+    require_ray()
+    import uvicorn
+
+    from ..serve.app import create_app
+    with ray_runtime(address, local_cpus(replicas)) as ray:
+        server, infos = build_server(ray, cfg, replicas, model_id, api_key, max_queue, shutdown_timeout)
+        try:
+            where = placement(infos)
+            names = ", ".join(server.adapters()) or "none"
+            typer.echo(f"infer: serving {server.model_id} over {replicas} replicas ({where}; KV "
+                       f"{infos[0]['num_blocks']} blocks each) on http://{host}:{sock.getsockname()[1]}  "
+                       f"adapters: {names}", err=True)
+            logging.getLogger("infer").setLevel(logging.INFO if log_level in ("info", "debug") else logging.WARNING)
+            config = uvicorn.Config(create_app(server), log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
+                                    access_log=log_level in ("info", "debug"))
+            with _quiet_signals():
+                uvicorn.Server(config).run(sockets=[sock])
+        finally:
+            server.aengine.shutdown(0)
+        typer.echo("infer: server stopped", err=True)

@@ -1,0 +1,74 @@
+"""GPTQ int packing as AutoGPTQ / GPTQModel / optimum store it, as small pure functions, and dequantization.
+
+They sit in kernels/ because the torch reference of gptq_matmul dequantizes with them; quant/packing.py re-exports
+them beside the round-to-nearest quantizer.
+
+qweight int32 [in / pack, out]: `pack` = 32 / bits values of consecutive input rows, lowest bits first.
+qzeros  int32 [groups, out / pack]: the same packing along the output dimension.
+scales  fp16  [groups, out];  g_idx int32 [in]: the group of each input row.
+v1 zero points ("gptq" format) store zero - 1; v2 ("gptq_v2") store the zero itself.
+W[o, i] = (q[i, o] - zero[g_idx[i], o]) * scales[g_idx[i], o], the product rounded to the scales' dtype (fp16).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def mask(bits: int) -> int:
+    """The largest `bits`-wide value (all ones)."""
+    return (1 << bits) - 1
+
+
+def pack_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """[rows, cols] ints in 0..2^bits-1 -> int32 [rows / pack, cols], packing along rows."""
+    pack = 32 // bits
+    rows, cols = q.shape
+    if rows % pack:
+        raise ValueError(f"{rows} rows do not pack by {pack}")
+    q = q.to(torch.int64).reshape(rows // pack, pack, cols)
+    shifts = (torch.arange(pack, dtype=torch.int64, device=q.device) * bits).view(1, pack, 1)
+    packed = (q << shifts).sum(dim=1)
+    return (packed - ((packed >> 31) << 32)).to(torch.int32)  # wrap to signed int32
+
+
+def unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [rows / pack, cols] -> int32 [rows, cols] values in 0..2^bits-1."""
+    pack = 32 // bits
+    shifts = (torch.arange(pack, dtype=torch.int32, device=packed.device) * bits).view(1, pack, 1)
+    vals = (packed.unsqueeze(1) >> shifts) & mask(bits)
+    return vals.reshape(-1, packed.shape[1])
+
+
+def pack_cols(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """[rows, cols] -> int32 [rows, cols / pack], packing along columns (qzeros)."""
+    return pack_rows(q.t().contiguous(), bits).t().contiguous()
+
+
+def unpack_cols(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [rows, cols / pack] -> int32 [rows, cols]: the inverse of pack_cols."""
+    return unpack_rows(packed.t().contiguous(), bits).t().contiguous()
+
+
+def zeros_v1_to_v2(qzeros: torch.Tensor, bits: int) -> torch.Tensor:
+    """Packed v1 zero points (zero - 1) -> packed v2 (the zero itself)."""
+    return pack_cols((unpack_cols(qzeros, bits) + 1) & mask(bits), bits)
+
+
+def zeros_v2_to_v1(qzeros: torch.Tensor, bits: int) -> torch.Tensor:
+    """Packed v2 zero points -> packed v1 (zero - 1, wrapped to `bits`)."""
+    return pack_cols((unpack_cols(qzeros, bits) - 1) & mask(bits), bits)
+
+
+def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor, bits: int,
+               zeros_v1: bool = True, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float weight [out, in] a GPTQ layer computes with."""
+    q = unpack_rows(qweight, bits)  # [in, out]
+    z = unpack_cols(qzeros, bits)  # [groups, out]
+    if zeros_v1:
+        z = (z + 1) & mask(bits)
+    g = g_idx.long()
+    # The product is taken in the scales' dtype (fp16), as GPTQ runtimes (GPTQModel's torch kernel, exllama,
+    # Marlin) do; a float32 product would round differently and change near-tied greedy tokens.
+    w = scales[g] * (q - z[g]).to(scales.dtype)
+    return w.t().contiguous().to(dtype)
