@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..engine.config import EngineConfig
+from ..engine.config import EngineConfig, parse_size
 from ..errors import ConfigError
 from . import options as o
 
@@ -60,6 +60,10 @@ def serve(
                                                          "before they are aborted.", rich_help_panel=SERVER)] = 30.0,
     log_level: Annotated[str, typer.Option(help="uvicorn log level: critical | error | warning | info | debug.",
                                            rich_help_panel=SERVER)] = "warning",
+    max_body_size: Annotated[str, typer.Option(help="Largest request body, e.g. 8MB or 512KB; a larger one gets 413 "
+                                                    "before it is read.", rich_help_panel=SERVER)] = "8MB",
+    max_json_depth: Annotated[int, typer.Option(min=1, max=10000, help="How deeply a request body may nest arrays "
+                                                "and objects; deeper gets 400.", rich_help_panel=SERVER)] = 64,
     engine: EngineConfig = None,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health,
@@ -75,16 +79,18 @@ def serve(
         raise ConfigError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout}", "seconds, e.g. 30")
     if log_level not in LOG_LEVELS:
         raise ConfigError(f"--log-level {log_level!r} is not one of {' | '.join(LOG_LEVELS)}", "e.g. --log-level info")
+    from ..serve.body import BodyLimits
+    limits = BodyLimits(parse_size(max_body_size, "--max-body-size"), max_json_depth)
     sock = _bind(host, port)
     try:
         _serve(engine, sock, host, served_model_name or base_model_id(model), api_key, max_queue, shutdown_timeout,
-               log_level)
+               log_level, limits)
     finally:
         sock.close()
 
 
 def _serve(cfg, sock: socket.socket, host: str, model_id: str, api_key: str | None, max_queue: int | None,
-           shutdown_timeout: float, log_level: str) -> None:
+           shutdown_timeout: float, log_level: str, limits) -> None:
     import uvicorn
 
     from ..engine.llm_engine import LLMEngine
@@ -93,7 +99,8 @@ def _serve(cfg, sock: socket.socket, host: str, model_id: str, api_key: str | No
 
     engine = LLMEngine(cfg)
     engine.warmup()
-    server = Server(AsyncEngine(engine, max_queue), model_id, api_key=api_key, graceful_timeout=shutdown_timeout)
+    server = Server(AsyncEngine(engine, max_queue), model_id, api_key=api_key, graceful_timeout=shutdown_timeout,
+                    limits=limits)
     app = create_app(server)
     bound = sock.getsockname()[1]
     names = ", ".join(server.adapters()) or "none"
