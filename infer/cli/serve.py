@@ -93,6 +93,8 @@ def _serve(cfg, sock: socket.socket, host: str, model_id: str, api_key: str | No
            shutdown_timeout: float, log_level: str, limits) -> None:
     import uvicorn
 
+    from ..serve.native import bound_native_caches
+    bound_native_caches()  # before any model code runs: the caches read their capacity once
     from ..engine.llm_engine import LLMEngine
     from ..serve.app import Server, create_app
     from ..serve.async_engine import AsyncEngine
