@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..engine.config import EngineConfig
+from ..engine.config import EngineConfig, parse_size
 from ..errors import ConfigError
 from . import options as o
 
@@ -60,6 +60,10 @@ def serve(
     ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="Join this Ray cluster (HOST:6379 or "
                                                        "ray://HOST:10001); default: a local Ray runtime.",
                                                        rich_help_panel=SERVER)] = None,
+    max_body_size: Annotated[str, typer.Option(help="Largest request body, e.g. 8MB or 512KB; a larger one gets 413 "
+                                                    "before it is read.", rich_help_panel=SERVER)] = "8MB",
+    max_json_depth: Annotated[int, typer.Option(min=1, max=10000, help="How deeply a request body may nest arrays "
+                                                "and objects; deeper gets 400.", rich_help_panel=SERVER)] = 64,
     engine: EngineConfig = None,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health,
@@ -75,29 +79,34 @@ def serve(
         raise ConfigError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout}", "seconds, e.g. 30")
     if log_level not in LOG_LEVELS:
         raise ConfigError(f"--log-level {log_level!r} is not one of {' | '.join(LOG_LEVELS)}", "e.g. --log-level info")
+    from ..serve.body import BodyLimits
+    limits = BodyLimits(parse_size(max_body_size, "--max-body-size"), max_json_depth)
     sock = _bind(host, port)
     try:
         if data_parallel > 1 or ray_address:
             from .serve_parallel import serve_data_parallel
             return serve_data_parallel(engine, sock, host, served_model_name or o.base_model_id(model), api_key,
-                                       max_queue, shutdown_timeout, log_level, data_parallel, ray_address)
+                                       max_queue, shutdown_timeout, log_level, data_parallel, ray_address, limits)
         _serve(engine, sock, host, served_model_name or o.base_model_id(model), api_key, max_queue, shutdown_timeout,
-               log_level)
+               log_level, limits)
     finally:
         sock.close()
 
 
 def _serve(cfg, sock: socket.socket, host: str, model_id: str, api_key: str | None, max_queue: int | None,
-           shutdown_timeout: float, log_level: str) -> None:
+           shutdown_timeout: float, log_level: str, limits) -> None:
     import uvicorn
 
+    from ..serve.native import bound_native_caches
+    bound_native_caches()  # before any model code runs: the caches read their capacity once
     from ..engine.llm_engine import LLMEngine
     from ..serve.app import Server, create_app
     from ..serve.async_engine import AsyncEngine
 
     engine = LLMEngine(cfg)
     engine.warmup()
-    server = Server(AsyncEngine(engine, max_queue), model_id, api_key=api_key, graceful_timeout=shutdown_timeout)
+    server = Server(AsyncEngine(engine, max_queue), model_id, api_key=api_key, graceful_timeout=shutdown_timeout,
+                    limits=limits)
     app = create_app(server)
     bound = sock.getsockname()[1]
     names = ", ".join(server.adapters()) or "none"

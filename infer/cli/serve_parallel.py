@@ -15,13 +15,13 @@ from .serve import _quiet_signals
 
 def serve_data_parallel(cfg, sock: socket.socket, host: str, model_id: str, api_key: str | None,
                         max_queue: int | None, shutdown_timeout: float, log_level: str, replicas: int,
-                        address: str | None) -> None:
+                        address: str | None, limits=None) -> None:
     require_ray()
     import uvicorn
 
     from ..serve.app import create_app
     with ray_runtime(address, local_cpus(replicas)) as ray:
-        server, infos = build_server(ray, cfg, replicas, model_id, api_key, max_queue, shutdown_timeout)
+        server, infos = build_server(ray, cfg, replicas, model_id, api_key, max_queue, shutdown_timeout, limits)
         try:
             where = placement(infos)
             names = ", ".join(server.adapters()) or "none"

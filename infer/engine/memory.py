@@ -185,9 +185,7 @@ def make_plan(config: EngineConfig, cfg, dtype: torch.dtype, device: torch.devic
                       config.block_size, int(kv_blocks), max_length, concurrency, measured, max_length_limit)
 
 
-def plan_memory(config: EngineConfig, cfg, model, dtype, device, max_len: int, lora_bytes: int = 0) -> MemoryPlan:
-    """The engine's sizing at start: estimated activations, and KV for what can run at once (all of the budget on
-    CUDA; on CPU no more than max_num_seqs sequences of max_len, since CPU pages are only used as blocks fill)."""
+def _start_plan(config: EngineConfig, cfg, model, dtype, device, max_len: int, lora_bytes: int) -> MemoryPlan:
     act = activation_bytes(cfg, dtype, config.max_num_batched_tokens, config.max_num_seqs, max_len,
                            config.max_lora_rank if config.loras else 0) + cuda_graph_bytes(config, cfg, dtype) \
         + dequant_scratch_bytes(model, dtype, config.max_num_batched_tokens)
@@ -197,15 +195,36 @@ def plan_memory(config: EngineConfig, cfg, model, dtype, device, max_len: int, l
     else:  # never more than can be in use at once (CPU), or twice that (CUDA: room for the prefix cache)
         most = config.max_num_seqs * plan.blocks_for(max_len) + config.max_num_seqs
         plan.kv_blocks = min(plan.kv_blocks, most if device.type == "cpu" else 2 * most)
+    return plan
+
+
+def largest_fitting_len(config: EngineConfig, cfg, model, dtype, device, max_len: int, lora_bytes: int = 0) -> int:
+    """The largest max_model_len below `max_len` whose own plan holds one sequence (activations shrink with the
+    length, so this is more than the KV left at `max_len`); 0 if none does. A binary search: fitting is monotone."""
+    def fits(n: int) -> bool:
+        plan = _start_plan(config, cfg, model, dtype, device, n, lora_bytes)
+        return plan.kv_blocks >= plan.blocks_for(n)
+    lo, hi = 0, max_len - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def plan_memory(config: EngineConfig, cfg, model, dtype, device, max_len: int, lora_bytes: int = 0) -> MemoryPlan:
+    """The engine's sizing at start: estimated activations, and KV for what can run at once: on CPU no more than
+    max_num_seqs sequences of max_len (CPU pages are only used as blocks fill), on CUDA twice that (room for the
+    prefix cache) within the budget; --num-kv-blocks overrides both."""
+    plan = _start_plan(config, cfg, model, dtype, device, max_len, lora_bytes)
     if plan.kv_blocks < plan.blocks_for(max_len):
-        fit = plan.kv_blocks * config.block_size
+        fit = largest_fitting_len(config, cfg, model, dtype, device, max_len, lora_bytes)
+        more = "raise --gpu-memory-utilization" if device.type == "cuda" else "raise --memory-limit"
         raise OutOfMemoryError(
             f"a single sequence of {max_len} tokens does not fit: the KV cache gets {plan.kv_blocks} blocks "
-            f"({fit} tokens) after weights {gib(plan.weights_bytes)} and activations "
+            f"({plan.kv_blocks * config.block_size} tokens) after weights {gib(plan.weights_bytes)} and activations "
             f"{gib(plan.activation_peak_bytes)} within a budget of {gib(plan.budget_bytes)}; "
             f"estimated maximum model length is {fit}",
-            f"use --max-model-len {fit}" if fit > 0 else
-            ("raise --gpu-memory-utilization" if device.type == "cuda" else "raise --memory-limit"))
+            f"use --max-model-len {fit} or less, or {more}" if fit > 1 else more)
     return plan
 
 

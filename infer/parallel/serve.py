@@ -31,7 +31,7 @@ class ReplicaCollector:
 
 
 def build_server(ray, cfg, replicas: int, model_id: str, api_key: str | None, max_queue: int | None,
-                 shutdown_timeout: float):
+                 shutdown_timeout: float, limits=None):
     """Start the replicas, warm them up, and return (Server, replica infos) for the app."""
     from ..engine.setup import load_tokenizer
     from ..models.resolve import resolve_model
@@ -46,6 +46,6 @@ def build_server(ray, cfg, replicas: int, model_id: str, api_key: str | None, ma
     except BaseException:
         stop_replicas(ray, handles)
         raise
-    server = Server(aengine, model_id, api_key=api_key, graceful_timeout=shutdown_timeout)
+    server = Server(aengine, model_id, api_key=api_key, graceful_timeout=shutdown_timeout, limits=limits)
     server.metrics.registry.register(ReplicaCollector(aengine))
     return server, infos

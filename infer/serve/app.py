@@ -11,13 +11,16 @@ from contextlib import aclosing, asynccontextmanager, contextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import RequestError
 from . import protocol as p
 from .async_engine import AsyncEngine, QueueFullError, ShuttingDownError
+from .body import BodyLimits, ClientGone, SafeJSONResponse, read_body
+from .guard import ErrorGuardMiddleware
 from .metrics import CONTENT_TYPE, HttpMetricsMiddleware, ServerMetrics
+from .parse import ParsePool
 
 log = logging.getLogger("infer.serve")
 DISCONNECT_POLL_S = 0.25
@@ -31,13 +34,15 @@ class Server:
     """What the routes need: the engine wrapper, model ids, auth and metrics."""
 
     def __init__(self, aengine: AsyncEngine, model_id: str, api_key: str | None = None, retry_after: int = 1,
-                 graceful_timeout: float = 30.0):
+                 graceful_timeout: float = 30.0, limits: BodyLimits | None = None):
         self.aengine, self.model_id, self.api_key = aengine, model_id, api_key
+        self.limits = limits or BodyLimits()
         self.retry_after, self.graceful_timeout = retry_after, graceful_timeout
         self.engine = aengine.engine
         self.tokenizer = self.engine.tokenizer
         self.metrics = ServerMetrics(self.stats)
         self.created = p.now()
+        self.parser = ParsePool(self.tokenizer, self.limits)
 
     def stats(self) -> dict:
         return {**self.aengine.stats, "num_in_flight": self.aengine.num_in_flight(),
@@ -129,7 +134,7 @@ def _error(out) -> p.ApiError:
 
 
 async def _complete(server: Server, req: p.GenerationRequest, rid: str, model: str, queue, ids, request,
-                    arrival: float) -> JSONResponse:
+                    arrival: float) -> SafeJSONResponse:
     choices, prompt_n, completion_n = {}, 0, 0
     try:
         async with aclosing(server.outputs(queue, ids, request, arrival)) as outs:
@@ -143,10 +148,10 @@ async def _complete(server: Server, req: p.GenerationRequest, rid: str, model: s
                 prompt_n += len(out.prompt_token_ids)
                 completion_n += out.num_generated
     except _ClientGone:
-        return JSONResponse({}, status_code=499)  # nobody reads it
+        return SafeJSONResponse({}, status_code=499)  # nobody reads it
     body = p.envelope(req, rid, model, p.now(), [choices[i] for i in sorted(choices)],
                       p.usage(prompt_n, completion_n), chunk=False)
-    return JSONResponse(body)
+    return SafeJSONResponse(body)
 
 
 async def _stream(server: Server, req: p.GenerationRequest, rid: str, model: str, queue, ids, arrival: float):
@@ -182,39 +187,29 @@ async def _stream(server: Server, req: p.GenerationRequest, rid: str, model: str
 
 
 def _install_handlers(app: FastAPI) -> None:
+    """Every answer that is not a success is an OpenAI-style error body (ErrorGuardMiddleware makes the 500s)."""
     @app.exception_handler(p.ApiError)
     async def api_error(request: Request, e: p.ApiError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        return SafeJSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
-        return JSONResponse(p.ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+        return SafeJSONResponse(p.ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError):
-        return JSONResponse(p.ApiError(400, str(e.errors())).body(), status_code=400)
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, e: Exception):
-        log.exception("unhandled error in %s", request.url.path)
-        return JSONResponse(p.ApiError(500, f"internal server error: {type(e).__name__}", type="server_error")
-                            .body(), status_code=500)
-
-
-async def _read_json(request: Request):
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise p.ApiError(400, f"the request body is not valid JSON: {e}") from e
+        return SafeJSONResponse(p.ApiError(400, str(e.errors())).body(), status_code=400)
 
 
 async def _generate(server: Server, request: Request, chat: bool):
     server.check_auth(request)
     arrival = time.monotonic()
-    body = await _read_json(request)
-    parse = p.parse_chat if chat else p.parse_completion
-    req = parse(body, server.tokenizer)
+    try:
+        raw = await read_body(request, server.limits.max_body_size)
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads it
+    req = await server.parser.parse(raw, chat)  # JSON, checks and tokenization run off the event loop
+    del raw
     lora = server.lora_for(req.model)
     p.check_context(req, server.engine.max_model_len)
     model = req.model or server.model_id
@@ -234,9 +229,11 @@ def create_app(server: Server) -> FastAPI:
             yield
         finally:  # uvicorn has already waited for (or cancelled) in-flight requests
             await asyncio.to_thread(server.aengine.shutdown, server.graceful_timeout)
+            server.parser.close()
 
     app = FastAPI(title="infer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
+    app.add_middleware(ErrorGuardMiddleware)  # inner: its 500s pass through the metrics middleware
     app.add_middleware(HttpMetricsMiddleware, metrics_fn=lambda: server.metrics)
     _install_handlers(app)
     _add_routes(app, server)

@@ -104,14 +104,21 @@ def _common(body: Any, chat: bool) -> GenerationRequest:
     return GenerationRequest([], params, model, stream, include_usage and stream, chat, return_ids)
 
 
+def _encode(tokenizer, prompt: str) -> list[int]:
+    try:
+        return encode_prompt(tokenizer, prompt=prompt)
+    except RequestError as e:
+        raise bad_request(e, param="prompt") from e
+
+
 def _completion_prompts(prompt: Any, tokenizer) -> list[list[int]]:
     if isinstance(prompt, str):
-        return [encode_prompt(tokenizer, prompt=prompt)]
+        return [_encode(tokenizer, prompt)]
     if isinstance(prompt, list) and prompt:
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return [list(prompt)]
         if all(isinstance(p, str) for p in prompt):
-            return [encode_prompt(tokenizer, prompt=p) for p in prompt]
+            return [_encode(tokenizer, p) for p in prompt]
         if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
                for p in prompt):
             return [list(p) for p in prompt]
