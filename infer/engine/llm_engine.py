@@ -201,7 +201,7 @@ class LLMEngine:
             "kv_usage": bm.num_used_blocks / bm.num_blocks,
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate(), "num_preemptions": self.scheduler.num_preemptions,
             "lora_swaps": self.lora_manager.swaps if self.lora_manager else 0, "num_steps": self.num_steps,
-            "cuda_graph_replays": sum(self.runner.graphs.replays.values()) if self.runner.graphs else 0,
+            "cuda_graph_replays": sum(self.runner.graphs.replays.values()) if self.runner and self.runner.graphs else 0,
         }
 
     def close(self) -> None:
