@@ -77,6 +77,12 @@ class World:
         self.max_num_seqs, self.max_tokens = max_num_seqs, max_tokens
         self.seqs: list[Sequence] = []
         self.written: dict[int, tuple] = {}  # block id -> (adapter, the tokens up to the last one written in it)
+        self.aborted: set[str] = set()
+
+    def abort(self, seq: Sequence) -> None:
+        """What LLMEngine.abort_request does to a request that has not finished."""
+        self.sched.finish(seq, "abort")
+        self.aborted.add(seq.request_id)
 
     def step(self) -> None:
         batch = self.sched.schedule()
@@ -85,6 +91,7 @@ class World:
         assert len(set(map(id, batch.seqs))) == len(batch.seqs)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             assert seq.status == Status.RUNNING and 1 <= n <= seq.num_uncomputed_tokens
+            assert seq.request_id not in self.aborted, f"aborted {seq.request_id} is scheduled again"
             self._write(seq, seq.num_computed_tokens, n)
             seq.num_computed_tokens += n
             self.bm.register_computed(seq)
@@ -162,12 +169,12 @@ def test_random_workloads_keep_invariants_and_finish(lora_model, reqs, block_siz
                 w.seqs.append(seqs[i])
                 w.sched.add(seqs[i])
             if r["abort"] == step and seqs[i] in w.seqs and not seqs[i].finished:
-                w.sched.finish(seqs[i], "abort")
+                w.abort(seqs[i])
         w.step()
         w.check()
         step += 1
     for seq, r in zip(seqs, reqs):
-        assert seq.finished
+        assert seq.finished and (seq.finish_reason == "abort") == (seq.request_id in w.aborted)
         if seq.finish_reason != "abort":
             assert seq.finish_reason == "length" and seq.num_generated == r["max_new"]
     assert w.bm.num_used_blocks == 0 and w.bm.num_free_blocks == w.bm.num_blocks
