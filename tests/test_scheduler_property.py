@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from infer.engine.block_manager import BlockManager
 from infer.engine.config import EngineConfig
@@ -147,14 +147,27 @@ class World:
             assert seq.lora is None or seq.lora in slots, f"{seq.request_id} runs without its adapter in a slot"
 
 
+def _req(lora, tail, max_new, arrival=0, abort=None) -> dict:
+    return dict(arrival=arrival, prefix=0, prefix_len=0, tail=tail, lora=lora, max_new=max_new, abort=abort)
+
+
+# Always tried first: three adapters running at once for two slots; two adapters whose sequences preempt each other.
+THREE_AT_ONCE = dict(reqs=[_req(n, [1, 2], 4) for n in THREE], block_size=4, extra_blocks=8, caching=True,
+                     max_num_seqs=3, max_tokens=32)
+PREEMPT_WITH_ADAPTERS = dict(reqs=[_req("a", [1] * 6, 6), _req("b", [2] * 6, 6), _req("c", [3], 2, arrival=3)],
+                             block_size=2, extra_blocks=0, caching=False, max_num_seqs=4, max_tokens=32)
+
+
 def _sequence(i: int, r: dict) -> Sequence:
     prompt = PREFIXES[r["prefix"]][:r["prefix_len"]] + r["tail"]
     params = SamplingParams(max_new_tokens=r["max_new"], ignore_eos=True)
     return Sequence(f"r{i}", prompt, params, r["lora"], max_total_len=len(prompt) + r["max_new"])
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(reqs=requests, block_size=st.sampled_from([1, 2, 4]), extra_blocks=st.integers(0, 6),
+@example(**THREE_AT_ONCE)
+@example(**PREEMPT_WITH_ADAPTERS)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reqs=requests, block_size=st.sampled_from([1, 2, 4]), extra_blocks=st.integers(0, 24),
        caching=st.booleans(), max_num_seqs=st.integers(1, 6), max_tokens=st.integers(1, 32))
 def test_random_workloads_keep_invariants_and_finish(lora_model, reqs, block_size, extra_blocks, caching,
                                                      max_num_seqs, max_tokens):
