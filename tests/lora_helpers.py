@@ -1,0 +1,69 @@
+"""Shared helpers for tests that need PEFT adapters on a built-in tiny model, and peft as the oracle."""
+
+from __future__ import annotations
+
+import torch
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Three small adapters with different ranks and target sets (name -> LoraConfig arguments).
+THREE = {
+    "a": dict(r=4, lora_alpha=8, target_modules=ALL),
+    "b": dict(r=8, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+    "c": dict(r=6, lora_alpha=12, use_rslora=True, target_modules=["k_proj", "o_proj", "up_proj"]),
+}
+
+
+def hf_float(path):
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    m.generation_config.eos_token_id = None  # never stop: compare with ignore_eos
+    return m
+
+
+def save_adapter(hf, out, seed: int, **lora_kw):
+    """A peft adapter on `hf` with random non-zero A and B (B is zero at init), saved to `out`; hf is restored."""
+    from peft import LoraConfig, get_peft_model
+    model = get_peft_model(hf, LoraConfig(**lora_kw))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+    model.save_pretrained(str(out))
+    model.unload()
+    return out
+
+
+class PeftOracle:
+    """peft's greedy tokens for (adapter or None, prompt, n), one row at a time, remembered across calls."""
+
+    def __init__(self, hf, adapters: dict):
+        from peft import PeftModel
+        self.model = None
+        for name, path in adapters.items():
+            if self.model is None:
+                self.model = PeftModel.from_pretrained(hf, str(path), adapter_name=name)
+            else:
+                self.model.load_adapter(str(path), adapter_name=name)
+        self.memo: dict[tuple, list[int]] = {}
+
+    def greedy(self, name: str | None, prompt: list[int], n: int) -> list[int]:
+        key = (name, tuple(prompt), n)
+        if key not in self.memo:
+            self.memo[key] = self._generate(name, prompt, n)
+        return self.memo[key]
+
+    @torch.no_grad()
+    def _generate(self, name, prompt, n):
+        ids = torch.tensor([prompt])
+        kw = dict(max_new_tokens=n, do_sample=False, pad_token_id=0)
+        if name is None:
+            with self.model.disable_adapter():
+                out = self.model.generate(input_ids=ids, **kw)
+        else:
+            self.model.set_adapter(name)
+            out = self.model.generate(input_ids=ids, **kw)
+        return out[0, len(prompt):].tolist()
+
+    def close(self) -> None:
+        self.model.unload()
