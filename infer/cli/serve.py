@@ -117,6 +117,8 @@ def _serve(cfg, sock: socket.socket, host: str, model_id: str, api_key: str | No
                             access_log=log_level in ("info", "debug"))
     with _quiet_signals():
         uvicorn.Server(config).run(sockets=[sock])
+    server.aengine.shutdown(0)  # already stopped by the app's shutdown unless uvicorn failed to start
+    engine.close()
     typer.echo("infer: server stopped", err=True)
 
 

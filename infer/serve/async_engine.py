@@ -114,8 +114,6 @@ class AsyncEngine:
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
-        if not self._thread.is_alive():  # the engine thread is done with it: give the device memory back
-            self.engine.close()
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
