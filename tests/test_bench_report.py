@@ -76,3 +76,22 @@ def test_without_baseline_and_empty_run(tmp_path):
     write_report(tmp_path, [empty], show=False)
     written = json.loads((tmp_path / "results.json").read_text(), parse_constant=lambda c: pytest.fail(c))
     assert written[0]["aborted"] == 2 and written[0]["output_throughput"] is None
+
+
+def test_report_lists_the_servers_replicas(tmp_path):
+    """A --url run against `infer serve --data-parallel 2` carries the server's /health figures; the report names
+    each replica and whether it was alive at the end."""
+    run = _run("http", 2, 1.0)
+    run.engine_stats = {"num_running": 0, "replicas": [{"replica": 0, "alive": True, "host": "n1", "device": "cuda:0"},
+                                                      {"replica": 1, "alive": False, "host": "n2"}]}
+    write_report(tmp_path, [run])
+    md = (tmp_path / "report.md").read_text()
+    assert "## Replicas" in md and "2 engine replicas (1 alive at the end)" in md
+    assert "- replica 0: alive (n1, cuda:0)" in md and "- replica 1: dead (n2)" in md
+    write_report(tmp_path / "one", [_run("http", 2, 1.0)])
+    assert "## Replicas" not in (tmp_path / "one" / "report.md").read_text()
+
+
+def test_server_stats_are_empty_without_a_health_endpoint():
+    from infer.bench.http_driver import server_stats
+    assert server_stats("http://127.0.0.1:9") == {}  # nothing listens on the discard port

@@ -162,4 +162,17 @@ def run_http(url: str, model: str, requests: list[BenchRequest], concurrency: in
     run.done.sort(key=lambda r: r.index)
     return RunResult("http", concurrency, run.done, duration_s=run.end - t0, num_requests=len(requests),
                      request_rate=request_rate, partial=partial, aborted=run.started - len(run.done),
-                     peak_rss_bytes=sampler.peak_rss_bytes, timeline=sampler.timeline, start_time=t0)
+                     peak_rss_bytes=sampler.peak_rss_bytes, timeline=sampler.timeline, start_time=t0,
+                     engine_stats=server_stats(url, api_key))
+
+
+def server_stats(url: str, api_key: str | None = None) -> dict:
+    """The server's engine figures from its /health (an infer server's; with --data-parallel, one entry per
+    replica under "replicas"); empty for servers that do not report them."""
+    import httpx
+    try:
+        body = httpx.get(f"{url}/health", headers=_headers(api_key), timeout=5.0).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+    engine = body.get("engine") if isinstance(body, dict) else None
+    return engine if isinstance(engine, dict) else {}

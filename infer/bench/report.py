@@ -140,10 +140,26 @@ def _markdown(results: list[dict], plots: dict[str, Path], config: dict) -> str:
         titles, rows = table_rows(results, which)
         lines += [f"## {which.capitalize()}", "", "| " + " | ".join(titles) + " |", "|" + "---:|" * len(titles)]
         lines += ["| " + " | ".join(row) + " |" for row in rows] + [""]
+    lines += _replica_lines(results)
     lines += ["", "Latency figures follow vLLM's benchmark_serving definitions (TTFT, TPOT excluding the first "
               "token, ITL between consecutive chunks, E2EL); x = ours / baseline.", ""]
     lines += [f"![{name}]({p.name})" for name, p in plots.items()]
     return "\n".join(lines) + "\n"
+
+
+def _replica_lines(results: list[dict]) -> list[str]:
+    """A server with data-parallel replicas (infer serve --data-parallel): one line per replica, from /health."""
+    replicas = next((r["engine_stats"]["replicas"] for r in results
+                     if (r.get("engine_stats") or {}).get("replicas")), None)
+    if not replicas:
+        return []
+    lines = ["## Replicas", "", f"The server ran {len(replicas)} engine replicas "
+             f"({sum(bool(x.get('alive')) for x in replicas)} alive at the end):", ""]
+    for x in replicas:
+        where = ", ".join(str(x[k]) for k in ("host", "device") if x.get(k))
+        lines.append(f"- replica {x.get('replica')}: {'alive' if x.get('alive') else 'dead'}" + (f" ({where})"
+                                                                                           if where else ""))
+    return lines + [""]
 
 
 def _strict(obj):
