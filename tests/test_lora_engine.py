@@ -15,10 +15,10 @@ from infer.cli.main import app
 from infer.models.tiny import ensure_builtin
 
 from helpers import random_prompts
+from lora_helpers import ALL, hf_float, save_adapter
 from quant_helpers import dequantized_float_model, make_gptqmodel_checkpoint, needs_gptqmodel
 
 N = 10
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
 # name -> LoraConfig arguments: ranks 4..64, rslora, and different target sets
 SPECS = {
@@ -33,27 +33,6 @@ EXTRA = {  # four more for the eviction test
     "e12": dict(r=12, lora_alpha=24, target_modules=["q_proj", "down_proj"]),
     "e6": dict(r=6, lora_alpha=3, use_rslora=True, target_modules=["v_proj", "gate_proj"]),
 }
-
-
-def hf_float(path):
-    from transformers import AutoModelForCausalLM
-    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    m.generation_config.eos_token_id = None  # never stop: compare with ignore_eos
-    return m
-
-
-def save_adapter(hf, out, seed: int, **lora_kw):
-    """A peft adapter on `hf` with random non-zero A and B (B is zero at init), saved to `out`; hf is restored."""
-    from peft import LoraConfig, get_peft_model
-    model = get_peft_model(hf, LoraConfig(**lora_kw))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
-    model.save_pretrained(str(out))
-    model.unload()
-    return out
 
 
 def peft_greedy(hf, adapters: dict, rows, n: int = N) -> list[list[int]]:
