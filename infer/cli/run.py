@@ -69,11 +69,7 @@ def run(
         typer.echo(f"infer: {llm.model_path.name} on {llm.device.type}, {llm.dtype}, KV cache "
                    f"{p.num_blocks} blocks x {engine.block_size} tokens, max length {llm.max_model_len}", err=True)
     lines = _checked_lines(llm, input, defaults, strict)
-    skip = done_ids(output) if resume and resumable else set()
-    todo = [item for item in lines if item.id not in skip]
-    writer = RecordWriter(output, append=resume)
-    if resumable:
-        write_fingerprint(output, input, options)
+    todo, writer = open_output(lines, output, input, options, resume, resumable)
     try:
         failed = _generate(llm, todo, writer, quiet)
     finally:
@@ -140,6 +136,17 @@ def _checked_lines(llm, input: Path, defaults: dict, strict: bool) -> list:
     if strict:
         _strict_exit(lines)
     return lines
+
+
+def open_output(lines, output, input, options: dict, resume: bool, resumable: bool):
+    """(the lines still to run, the record writer): with --resume, the ids already in the output are skipped; the
+    output's resume fingerprint is (re)written when the output is a regular file."""
+    skip = done_ids(output) if resume and resumable else set()
+    todo = [item for item in lines if item.id not in skip]
+    writer = RecordWriter(output, append=resume)
+    if resumable:
+        write_fingerprint(output, input, options)
+    return todo, writer
 
 
 def _generate(engine, todo, writer: RecordWriter, quiet: bool) -> int:

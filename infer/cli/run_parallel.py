@@ -12,8 +12,7 @@ from ..parallel.pool import ReplicaPool, Work
 from ..parallel.progress import ReplicaProgress
 from ..parallel.runtime import local_cpus, placement, ray_runtime, require_ray, start_replicas
 from .batch_io import RecordWriter, error_record, output_record, read_inputs
-from .resume import done_ids, write_fingerprint
-from .run import _strict_exit
+from .run import _strict_exit, open_output
 
 VALIDATE_CHUNK = 4096  # requests per validation call (one message each way)
 
@@ -38,11 +37,7 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
             if not quiet:
                 _announce(infos, engine.block_size)
             _check_lines(ray, handles[0], lines, strict)
-            skip = done_ids(output) if resume and resumable else set()
-            todo = [item for item in lines if item.id not in skip]
-            writer = RecordWriter(output, append=resume)
-            if resumable:
-                write_fingerprint(output, input, options)
+            todo, writer = open_output(lines, output, input, options, resume, resumable)
             try:
                 return _generate(pool, todo, writer, tokenizer, quiet)
             finally:

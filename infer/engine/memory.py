@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..errors import OutOfMemoryError
+from ..models.shapes import ModelShapes
 from .config import EngineConfig
 
 
@@ -21,10 +22,7 @@ def _bytes(dtype: torch.dtype) -> int:
 
 
 def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * _bytes(dtype)
+    return 2 * cfg.num_hidden_layers * ModelShapes.from_config(cfg).kv_size * _bytes(dtype)
 
 
 def activation_bytes(cfg, dtype: torch.dtype, num_tokens: int, num_seqs: int, max_length: int,
@@ -33,10 +31,8 @@ def activation_bytes(cfg, dtype: torch.dtype, num_tokens: int, num_seqs: int, ma
     `num_seqs` sequences at context `max_length`."""
     b = _bytes(dtype)
     h, inter = cfg.hidden_size, cfg.intermediate_size
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or h // heads
-    q = heads * head_dim
-    kv = kv_bytes_per_token(cfg, dtype) // (2 * cfg.num_hidden_layers * b)  # kv heads * head_dim
+    shapes = ModelShapes.from_config(cfg)
+    heads, q, kv = shapes.num_heads, shapes.q_size, shapes.kv_size
     # prefill: residual + normed input, then the MLP's gate_up, silu(gate) and its product live together
     per_token = 2 * h + max(q + 2 * kv + 2 * (q + kv) + q, 4 * inter) + 2 * lora_rank
     prefill = num_tokens * per_token * b
@@ -53,10 +49,9 @@ def cuda_graph_bytes(config: EngineConfig, cfg, dtype: torch.dtype) -> int:
         return 0
     rank = config.max_lora_rank if config.loras else 0
     step = activation_bytes(cfg, dtype, config.max_num_seqs, 1, 1, rank)
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    shapes = ModelShapes.from_config(cfg)
     parts = -(-(config.max_model_len or cfg.max_position_embeddings) // 512)  # kernels.attention.PARTITION
-    return step + config.max_num_seqs * heads * parts * (head_dim + 2) * 4
+    return step + config.max_num_seqs * shapes.num_heads * parts * (shapes.head_dim + 2) * 4
 
 
 def dequant_scratch_bytes(model, dtype: torch.dtype, num_tokens: int) -> int:
