@@ -8,8 +8,11 @@
   step's partial sum, not every weight.
 - `mma` (tensor cores, tl.dot): for M >= 2. The same loads; a field becomes the fp16 1024 + q the same way
   (0x6400 | q), the fp16 difference with 1024 + z is the exact small integer q - z, and the scale multiplies the
-  dot product of the step. The K order inside a step is permuted (fields first, words second) so that
-  unpacking is a reshape of adjacent registers; x is loaded in the same order, which leaves the sum unchanged.
+  dot product of the step. Two ways to build the operand: the whole [BLOCK_K, BLOCK_N] tile by a reshape of the
+  unpacked fields (x loaded in the same permuted K order, which leaves the sum unchanged), or, with FIELD, one
+  dot per packed field whose tile keeps the loaded words' register layout; the second avoids a round trip of
+  every weight through shared memory (the fastest for M = 2-16 on an H100). `mmat` computes y^T = W^T x^T so the
+  weight is the first (register) operand of Hopper's wgmma, for M = 32-256.
 - `dequant`: the weight is dequantized into a scratch buffer and multiplied by cuBLAS (torch.matmul). For large
   M (prefill), where cuBLAS at tensor-core speed beats any fused kernel, and for an irregular g_idx.
 

@@ -6,7 +6,8 @@ GPTQ tensor, so they concatenate as stored; g_idx must be the same for all shard
 Two ways to compute, chosen at `finish_loading` (by the weights' device unless `use_kernel` says otherwise):
 - dequantized (CPU): the weight is dequantized once into a float cache, prepacked for oneDNN, and used by a plain
   float matmul;
-- kernel (CUDA): every matmul goes through `kernels.gptq_matmul`, which dequantizes in registers. The layout is
+- kernel (CUDA): every matmul goes through `kernels.gptq_matmul`, which dequantizes in registers (or, for a long
+  prefill, into a scratch buffer read by cuBLAS; see kernels.gptq_gemm). The layout is
   prepared once: if g_idx is the plain i // group_size the kernel is told so (it skips g_idx); with act-order
   (desc_act) the input rows of qweight are sorted by group, g_idx becomes plain, and x's columns are permuted
   by the same order at run time (`act_perm`). Nothing is ever repacked on disk.
