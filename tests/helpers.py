@@ -26,3 +26,22 @@ def hf_greedy(path: str, prompt: list[int], n: int, **kw) -> list[int]:
 def random_prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def interpreted_module(name: str):
+    """Yields module `name` with its Triton kernels interpreted on CPU when there is no GPU (TRITON_INTERPRET is read
+    when kernels are decorated and when they are launched, so it stays set until the generator resumes)."""
+    import importlib
+    import os
+    if torch.cuda.is_available():
+        yield importlib.import_module(name)
+        return
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield importlib.reload(importlib.import_module(name))
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = old

@@ -6,7 +6,6 @@ tile order with several M tiles), and the default heuristic is exercised too."""
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -15,6 +14,8 @@ import torch
 from infer import kernels
 from infer.kernels import reference as ref
 from infer.quant import packing
+
+from helpers import interpreted_module
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -34,20 +35,8 @@ CONFIGS = {"decode": DECODE, "prefill": PREFILL, "gemv": GEMV, "rows": ROWS, "mm
 
 @pytest.fixture(scope="module")
 def gemm():
-    """The kernel module, interpreted on CPU when there is no GPU (TRITON_INTERPRET is read when the kernel is
-    decorated and when it is launched, so it stays set while this module's tests run)."""
-    if CUDA:
-        yield importlib.import_module("infer.kernels.gptq_gemm")
-        return
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield importlib.reload(importlib.import_module("infer.kernels.gptq_gemm"))
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+    """infer.kernels.gptq_gemm, interpreted on CPU when there is no GPU."""
+    yield from interpreted_module("infer.kernels.gptq_gemm")
 
 
 @pytest.fixture(autouse=True)

@@ -3,32 +3,19 @@ reference: under TRITON_INTERPRET=1 on CPU at tiny shapes, at real shapes on a G
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
 from infer.kernels import reference as ref
 from infer.kernels.reference import LoRAGroups
 
+from helpers import interpreted_module
+
 
 @pytest.fixture(scope="module")
 def ops():
-    """infer.kernels.lora_ops with its kernels interpreted on CPU (TRITON_INTERPRET is read when the kernels are
-    decorated and when they are launched, so it stays set while this module's tests run)."""
-    if torch.cuda.is_available():
-        yield importlib.import_module("infer.kernels.lora_ops")
-        return
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield importlib.reload(importlib.import_module("infer.kernels.lora_ops"))
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+    """infer.kernels.lora_ops, interpreted on CPU when there is no GPU."""
+    yield from interpreted_module("infer.kernels.lora_ops")
 
 
 @pytest.fixture

@@ -16,23 +16,11 @@ from infer.cli.main import app
 from infer.lora import adapter as adapter_module
 from infer.models.tiny import ensure_builtin
 
+from lora_helpers import save_adapter
 from quant_helpers import make_gptqmodel_checkpoint, needs_gptqmodel
 
 WEIGHTS = "adapter_model.safetensors"
 Q0_B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
-
-
-def save_adapter(model, out, seed: int = 1, **lora_kw):
-    from peft import LoraConfig, get_peft_model
-    peft_model = get_peft_model(model, LoraConfig(**lora_kw))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
-    peft_model.save_pretrained(str(out))
-    peft_model.unload()
-    return out
 
 
 @pytest.fixture(scope="module")
