@@ -37,6 +37,7 @@ def block_k_limit(group_size: int | None, k: int, pack: int) -> int:
     return min(step, 128) if step >= max(16, pack) else 0
 
 
+@functools.lru_cache(maxsize=8)
 def gpu_name(device: torch.device) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", torch.cuda.get_device_name(device)).strip("_")
 
