@@ -169,4 +169,5 @@ def tune_model(model, max_tokens: int, device, log=None) -> tuple[int, float]:
         found[f"{n},{k}"] = {b: cfg for b, (cfg, _) in res.items() if cfg is not None}
     if found:
         gptq_configs.save(gptq_configs.gpu_name(device), found)
+        torch.cuda.empty_cache()  # the tuning copies must not look like the engine's own memory
     return len(todo), time.perf_counter() - t0
