@@ -87,7 +87,7 @@ def test_bench_and_warmup_derive_their_own_options(tmp_path, monkeypatch):
     assert (seen[0].max_num_seqs, seen[0].seed, seen[0].block_size, seen[0].max_loras) == (12, 9, 8, 4)
 
     plans = []
-    monkeypatch.setattr("infer.engine.warmup_plan.estimate_plan",
+    monkeypatch.setattr("infer.cli.warmup_plan.estimate_plan",
                         lambda cfg, n, c: (plans.append(cfg), (_ for _ in ()).throw(ConfigError("stop")))[1])
     result = CliRunner().invoke(app, ["warmup", "tiny-llama", "--estimate", "--max-length", "300",
                                       "--concurrency", "5", "--no-prefix-caching"])

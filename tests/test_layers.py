@@ -20,7 +20,8 @@ LAYERS: list[set[str]] = [
     {"quant"},      # GPTQ config, packing, GPTQLinear, quantize/convert drivers
     {"models"},     # decoders, loader (builds GPTQLinear modules), model resolution, built-in tiny models
     {"lora"},       # adapters, slots, LoRA layers over the models' linears
-    {"engine"},     # scheduler, block manager, runner, sampler, memory plan, LLMEngine
+    {"memory"},     # memory plan: byte formulas, checkpoint estimate, budget and KV blocks, peak meters
+    {"engine"},     # scheduler, block manager, runner, sampler, profile run, LLMEngine
     {"serve"},      # OpenAI-compatible app over an engine
     {"parallel"},   # Ray replicas of the engine; the data-parallel server reuses serve's app
     {"bench"},      # benchmarks drive engines, servers and replica pools

@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 from infer.cli.main import app
 from infer.engine.config import EngineConfig
-from infer.engine.warmup import peak_rss_bytes, reset_peak_rss, rss_bytes
-from infer.engine.warmup_plan import estimate_plan, measured_plan
+from infer.cli.warmup_plan import estimate_plan, measured_plan
+from infer.memory.meter import peak_rss_bytes, reset_peak_rss, rss_bytes
 
 runner = CliRunner()
 
@@ -119,7 +119,7 @@ def test_warmup_with_adapters_runs_the_largest_rank(tmp_path):
 def test_cuda_graph_pool_is_budgeted_only_with_graphs(monkeypatch):
     from transformers import LlamaConfig
 
-    from infer.engine.memory import cuda_graph_bytes
+    from infer.memory.plan import cuda_graph_bytes
     cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
     assert cuda_graph_bytes(EngineConfig("m", max_num_seqs=16), cfg, torch.float16) == 0  # CPU: no graphs

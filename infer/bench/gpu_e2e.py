@@ -148,7 +148,7 @@ def build_engine(model, cfg, tokenizer, device, adapters: dict[str, str], rank: 
     slots = max(1, slots or len(adapters))
     from ..engine import llm_engine
     from ..engine.config import EngineConfig
-    from ..engine.memory import plan_memory
+    from ..memory.plan import plan_memory
     from ..engine.setup import EngineParts
     dtype = model.embed_tokens.weight.dtype
     blocks = concurrency * -(-max_len // 16) + concurrency
@@ -313,7 +313,7 @@ def write_tables(rows: list[dict], out: Path, notes: list[str]) -> str:
 def bench_model(name: str, args, bandwidth: float, device: str = "cuda", dtype: torch.dtype = torch.float16,
                 **shape_overrides) -> list[dict]:
     """infer without and with adapters, then transformers, on one model shape; a result row for each."""
-    from ..engine.memory import kv_bytes_per_token
+    from ..memory.sizes import kv_bytes_per_token
     from .hf_baseline import HFModel, run_hf_generate
     cfg, b = hf_config(name, **shape_overrides), args.concurrency
     tok = make_tokenizer(cfg.vocab_size)

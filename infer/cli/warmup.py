@@ -31,9 +31,9 @@ def warmup(
 
     Example: infer warmup ./Qwen1.5-14B-Chat-GPTQ-Int4 --max-length 4096 --concurrency 16
     """
-    cfg = replace(engine, max_num_seqs=concurrency, max_model_len=max_length)
-    from ..engine.warmup_plan import estimate_plan, measured_plan
-    plan, extra = (estimate_plan if estimate else measured_plan)(cfg, max_length, concurrency)
+    engine_config = replace(engine, max_num_seqs=concurrency, max_model_len=max_length)
+    from .warmup_plan import estimate_plan, measured_plan
+    plan, extra = (estimate_plan if estimate else measured_plan)(engine_config, max_length, concurrency)
     if as_json:
         typer.echo(json.dumps({**plan.to_dict(), **extra}))
     else:
@@ -46,7 +46,7 @@ def print_plan(plan, extra: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from ..engine.memory import gib
+    from ..memory.sizes import gib
     t = Table(title=f"infer warmup: {extra['model']}  ({'estimate' if extra['estimate'] else 'measured'})")
     t.add_column("figure")
     t.add_column("value", justify="right")

@@ -80,7 +80,7 @@ def model_max_len(cfg, config: EngineConfig) -> int:
 def load_engine_parts(config: EngineConfig) -> EngineParts:
     from ..models.loader import load_config, load_model
     from ..models.resolve import resolve_model
-    from .memory import plan_memory
+    from ..memory.plan import plan_memory
 
     path = resolve_model(config.model)
     cfg = load_config(path)

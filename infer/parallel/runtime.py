@@ -90,7 +90,7 @@ def replica_config(config, model_path: Path, device: str, n: int, single_node: b
     cfg.loras = {name: str(Path(p).resolve()) for name, p in config.loras.items()}
     cfg.device = device
     if device == "cpu" and single_node and cfg.memory_limit is None:
-        from ..engine.memory import available_cpu_memory
+        from ..memory.plan import available_cpu_memory
         cfg.memory_limit = int(available_cpu_memory() * 0.5 / n)
     return cfg
 

@@ -1,4 +1,5 @@
-"""Weights of a checkpoint as the engine will hold them, from the safetensors headers alone (no tensor is read)."""
+"""Weights of a checkpoint as the engine will hold them, from the safetensors headers alone (no tensor is read):
+what `infer warmup --estimate` plans with."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def safetensors_header(path: Path) -> dict:
     return header
 
 
-def checkpoint_weights_bytes(files: list[Path], cfg, dtype: torch.dtype, device: torch.device) -> int:
+def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype, device: torch.device) -> int:
     """Bytes of the weights once loaded: float tensors in `dtype`, integer (GPTQ) tensors as stored, plus the
     CPU matmul copies the engine prepacks (float linear layers and the output head)."""
     elem = torch.finfo(dtype).bits // 8
@@ -46,11 +47,11 @@ def checkpoint_weights_bytes(files: list[Path], cfg, dtype: torch.dtype, device:
                 numel *= d
             is_float = info["dtype"] in ("F64", "F32", "F16", "BF16") and not name.endswith("scales")
             size = numel * (elem if is_float else _ST_BYTES.get(info["dtype"], 4))
-            if name == "lm_head.weight" and getattr(cfg, "tie_word_embeddings", False):
+            if name == "lm_head.weight" and getattr(model_config, "tie_word_embeddings", False):
                 continue
             total += size
             if prepacks and is_float and (_LINEAR.search(name) or name == "lm_head.weight"):
                 total += size
-            if prepacks and name == "model.embed_tokens.weight" and getattr(cfg, "tie_word_embeddings", False):
+            if prepacks and name == "model.embed_tokens.weight" and getattr(model_config, "tie_word_embeddings", False):
                 total += size
     return total

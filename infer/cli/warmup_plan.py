@@ -1,0 +1,94 @@
+"""The two ways `infer warmup` gets its figures: measured on the loaded model (the engine's profile run), or
+estimated from files alone (config.json and the checkpoint's tensor headers)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine.config import EngineConfig
+from ..engine.setup import checkpoint_dtype, model_max_len
+from ..errors import ConfigError
+from ..memory.plan import MemoryPlan, budget_bytes, cuda_graph_bytes, make_plan
+from ..memory.sizes import activation_bytes
+
+
+def _model_parts(engine_config: EngineConfig):
+    from ..models.loader import load_config
+    from ..models.resolve import resolve_model
+    path = resolve_model(engine_config.model)
+    model_config = load_config(path)
+    device = engine_config.torch_device()
+    return path, model_config, device, engine_config.torch_dtype(checkpoint_dtype(model_config))
+
+
+def _check_length(model_config, engine_config: EngineConfig, max_length: int) -> int:
+    """The model's context limit, which `max_length` must not pass."""
+    limit = model_max_len(model_config, EngineConfig(model=engine_config.model, device=engine_config.device))
+    if max_length > limit:
+        raise ConfigError(f"--max-length {max_length} is above the model's context of {limit}",
+                          f"use --max-length {limit} or less")
+    return limit
+
+
+def estimate_plan(engine_config: EngineConfig, max_length: int, concurrency: int) -> tuple[MemoryPlan, dict]:
+    from ..memory.checkpoint import checkpoint_weights_bytes
+    from ..models.loader import weight_files
+    path, model_config, device, dtype = _model_parts(engine_config)
+    limit = _check_length(model_config, engine_config, max_length)
+    weights = checkpoint_weights_bytes(weight_files(path), model_config, dtype, device)
+    rank = engine_config.max_lora_rank if engine_config.loras else 0
+    act = activation_bytes(model_config, dtype, engine_config.max_num_batched_tokens, concurrency, max_length, rank)
+    act += cuda_graph_bytes(engine_config, model_config, dtype)
+    budget = budget_bytes(engine_config, device, weights, loaded=False)
+    plan = make_plan(engine_config, model_config, dtype, device, weights, act, max_length, concurrency, limit,
+                     budget=budget)
+    return plan, {"model": str(path), "dtype": str(dtype).replace("torch.", ""), "estimate": True}
+
+
+def _lora_manager(model, engine_config: EngineConfig, device, dtype):
+    """(manager with every adapter registered, name of the largest-rank one), or (None, None) without adapters."""
+    if not engine_config.loras:
+        return None, None
+    from ..lora.manager import LoRAManager
+    manager = LoRAManager(model, max_loras=engine_config.max_loras, max_lora_rank=engine_config.max_lora_rank,
+                          max_cpu_loras=None, device=device, dtype=dtype)
+    for name, adapter in engine_config.loras.items():
+        manager.register(name, adapter)
+    return manager, max(engine_config.loras, key=manager.rank_of)
+
+
+def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int) -> tuple[MemoryPlan, dict]:
+    from ..engine.profile import profile_run
+    from ..memory.meter import fixed_mmap_threshold, resident_bytes
+    from ..models.loader import load_model
+    path, model_config, device, dtype = _model_parts(engine_config)
+    limit = _check_length(model_config, engine_config, max_length)
+    if device.type == "cpu":
+        fixed_mmap_threshold()
+    _warm_libraries(dtype, device)
+    before = resident_bytes(device)
+    model, model_config = load_model(path, dtype, device)
+    resident = resident_bytes(device) - before
+    lora_manager, largest = _lora_manager(model, engine_config, device, dtype)
+    budget = budget_bytes(engine_config, device, resident)
+    tuning_s = None
+    if device.type == "cuda":  # what an engine start adds on this GPU: tuning the int4 matmul for shapes not in a table
+        from ..kernels.gptq_tune import tune_model
+        tuning_s = tune_model(model, engine_config.max_num_batched_tokens, device)[1]
+    with torch.inference_mode():
+        plan, estimate = profile_run(model, model_config, engine_config, dtype, device, max_length, concurrency,
+                                     limit, lora_manager, largest, budget)
+    extra = {"model": str(path), "dtype": str(dtype).replace("torch.", ""), "estimate": False,
+             "activation_estimate_bytes": estimate, "weights_resident_bytes": resident,
+             "lora_adapter": largest, "kernel_tuning_s": tuning_s}
+    return plan, extra
+
+
+def _warm_libraries(dtype: torch.dtype, device: torch.device) -> None:
+    """Load the math libraries' code and thread pools first, so their memory is not counted as weights."""
+    import safetensors.torch  # noqa: F401
+    from ..kernels import cpu_gemm
+    w = torch.randn(64, 64, dtype=dtype, device=device)
+    x = torch.randn(4, 64, dtype=dtype, device=device)
+    cpu_gemm.linear(x, w, None, cpu_gemm.prepack(w))
+    torch.nn.functional.scaled_dot_product_attention(x[None, None], x[None, None], x[None, None], is_causal=True)

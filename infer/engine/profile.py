@@ -1,0 +1,86 @@
+"""The profile run (vLLM's name): measure the worst case before serving, a prefill of the largest token budget and
+a decode of a full batch at max_length (with the largest-rank adapter active when adapters are given), on a
+ModelRunner of its own. The meters are `infer.memory.meter`'s; the plan the peaks go into is `infer.memory.plan`'s.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..memory.meter import PeakMeter
+from ..memory.plan import MemoryPlan, cuda_graph_bytes, make_plan
+from ..memory.sizes import activation_bytes, weights_bytes
+from .config import EngineConfig
+from .model_runner import ModelRunner
+from .sampling_params import SamplingParams
+from .scheduler import ScheduledBatch
+from .sequence import Sequence
+
+
+def _fake_seq(i: int, length: int, vocab: int, table: list[int], computed: int) -> Sequence:
+    g = torch.Generator().manual_seed(i)
+    s = Sequence(f"warmup-{i}", torch.randint(0, vocab, (length,), generator=g).tolist(),
+                 SamplingParams(max_new_tokens=1), None)
+    s.block_table, s.num_computed_tokens = table, computed
+    return s
+
+
+def worst_case_batches(model_config, engine_config: EngineConfig, max_length: int, concurrency: int,
+                       block_size: int):
+    """(prefill batch, decode batch) over one shared set of blocks: all decode sequences point at the same
+    max_length blocks, so the attention reads as much as a full batch does without the KV memory of one."""
+    vocab, tokens = model_config.vocab_size, engine_config.max_num_batched_tokens
+    table = list(range(-(-max(max_length, tokens) // block_size)))
+    prefill, left, i = ScheduledBatch([], []), tokens, 0
+    while left > 0 and len(prefill.seqs) < engine_config.max_num_seqs:
+        n = min(left, max_length - 1)
+        prefill.seqs.append(_fake_seq(i, n, vocab, table, 0))
+        prefill.num_new_tokens.append(n)
+        left, i = left - n, i + 1
+    decode = ScheduledBatch([_fake_seq(100 + j, max_length, vocab, table, max_length - 1)
+                             for j in range(concurrency)], [1] * concurrency)
+    return prefill, decode, len(table)
+
+
+def _peak_activations(runner: ModelRunner, batches, device: torch.device) -> int:
+    """The larger peak of the batches, each run twice: the first run of a shape also sets up the math libraries'
+    own buffers, so the second is the one that counts."""
+    runner.run(batches[0])  # first run: one-time allocations (kernels, thread pools) are not activations
+    peaks = []
+    for batch in batches:
+        runs = []
+        for _ in range(2):
+            with PeakMeter(device) as meter:
+                runner.run(batch)
+            runs.append(meter.peak)
+        peaks.append(runs[-1])
+    return max(peaks)
+
+
+def profile_run(model, model_config, engine_config: EngineConfig, dtype, device, max_length: int,
+                concurrency: int, max_length_limit: int, lora_manager=None, lora_name: str | None = None,
+                budget: int | None = None, weights: int | None = None) -> tuple[MemoryPlan, int]:
+    """Run the worst case and return (measured plan, estimated activation bytes)."""
+    prefill, decode, nblocks = worst_case_batches(model_config, engine_config, max_length, concurrency,
+                                                  engine_config.block_size)
+    runner = ModelRunner(engine_config, model, dtype=dtype, device=device, num_blocks=nblocks,
+                         lora_manager=lora_manager)
+    runner.zero_blocks(list(range(nblocks)))
+    lora_bytes = 0
+    if lora_manager is not None and lora_name is not None:
+        lora_manager.acquire(lora_name)
+        for s in prefill.seqs + decode.seqs:
+            s.lora = lora_name
+        lora_bytes = lora_manager.device_bytes()
+    peak = _peak_activations(runner, (prefill, decode), device)
+    if lora_manager is not None and lora_name is not None:
+        lora_manager.release(lora_name)
+    del runner
+    rank = engine_config.max_lora_rank if lora_manager is not None else 0
+    graphs = cuda_graph_bytes(engine_config, model_config, dtype)  # the decode graphs keep a pool of their own
+    estimate = activation_bytes(model_config, dtype, engine_config.max_num_batched_tokens, concurrency, max_length,
+                                rank) + graphs
+    weights = weights_bytes(model) if weights is None else weights
+    plan = make_plan(engine_config, model_config, dtype, device, weights, peak + graphs, max_length, concurrency,
+                     max_length_limit, lora_bytes, measured=True, budget=budget)
+    return plan, estimate

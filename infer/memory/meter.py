@@ -1,0 +1,92 @@
+"""Measuring a step's memory: peak bytes above a starting level, from the CUDA allocator's statistics, or on CPU
+from the growth of the process's peak resident memory (VmHWM, reset first), with glibc's heap set up so that
+resident growth shows what a step really allocates. `infer.engine.profile` runs the step these meters watch."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import torch
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return rss_bytes()
+
+
+def _libc():
+    import ctypes
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def trim_heap() -> None:
+    """Give freed heap memory back to the OS, so that what a step reuses shows again as resident growth."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+def fixed_mmap_threshold(threshold: int = 128 << 10) -> None:
+    """Make glibc serve every large allocation with mmap and return it on free (no dynamic threshold), so that
+    resident-memory growth measures what a step really allocates, whatever the process allocated before."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD (also turns off the dynamic adjustment)
+    trim_heap()
+
+
+def resident_bytes(device: torch.device) -> int:
+    """Memory in use now: the CUDA allocator's, or the process's resident set on CPU."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
+    return rss_bytes()
+
+
+class PeakMeter:
+    """Peak bytes above the level at start: CUDA allocator peak, or the process's peak RSS on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __enter__(self):
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        else:
+            trim_heap()
+            reset_peak_rss()
+            self.base = rss_bytes()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self.base
+        else:
+            self.peak = max(0, peak_rss_bytes() - self.base)
+        return False

@@ -1,0 +1,53 @@
+"""What each part of a step weighs, from the model's config and the step's shapes: KV per token, peak activations,
+the dequantization scratch of a long prefill, and the weights of a loaded model."""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.shapes import ModelShapes
+
+
+def element_bytes(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits // 8
+
+
+def kv_bytes_per_token(model_config, dtype: torch.dtype) -> int:
+    return 2 * model_config.num_hidden_layers * ModelShapes.from_config(model_config).kv_size * element_bytes(dtype)
+
+
+def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs: int, max_length: int,
+                     lora_rank: int = 0) -> int:
+    """Peak bytes of one step's temporaries, the larger of a prefill of `num_tokens` tokens and a decode of
+    `num_seqs` sequences at context `max_length`."""
+    b = element_bytes(dtype)
+    h, inter = model_config.hidden_size, model_config.intermediate_size
+    shapes = ModelShapes.from_config(model_config)
+    heads, q, kv = shapes.num_heads, shapes.q_size, shapes.kv_size
+    # prefill: residual + normed input, then the MLP's gate_up, silu(gate) and its product live together
+    per_token = 2 * h + max(q + 2 * kv + 2 * (q + kv) + q, 4 * inter) + 2 * lora_rank
+    prefill = num_tokens * per_token * b
+    # decode: every sequence's K and V gathered for attention, plus float32 scores
+    decode = num_seqs * max_length * (2 * kv * b + heads * 4) + num_seqs * per_token * b
+    logits = min(num_tokens, max(num_seqs, 1)) * model_config.vocab_size * 4 * 3  # logits, log-softmax, a copy
+    return max(prefill, decode) + logits
+
+
+def dequant_scratch_bytes(model, dtype: torch.dtype, num_tokens: int) -> int:
+    """The buffer a large prefill dequantizes the biggest GPTQ layer into before cuBLAS (kernels.gptq_gemm),
+    when steps can be long enough to take that path (more than 256 tokens); 0 on CPU or without GPTQ layers."""
+    if num_tokens <= 256:
+        return 0
+    sizes = [m.qweight.numel() * (32 // m.method.config.bits) for m in model.modules()
+             if hasattr(m, "qweight") and getattr(m, "weight", None) is None and m.qweight.is_cuda]
+    return max(sizes, default=0) * element_bytes(dtype)
+
+
+def weights_bytes(model) -> int:
+    """Parameters and buffers (including CPU-prepacked matmul weights)."""
+    tensors = list(model.parameters()) + [t for t in model.buffers() if t is not None]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
