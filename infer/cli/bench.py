@@ -192,18 +192,32 @@ def bench(
     check_sizes(levels, input_len=input_len, output_len=output_len, max_num_seqs=max_num_seqs, max_loras=max_loras)
     names = mix(lora_names(lora, url), lora_mix)
     model_id = served_model_name or o.base_model_id(model)
-    if url is not None:
-        url = check_url(url, model_id, names, api_key)
-    from ..bench.plan import BenchPlan, run_plan
+    from ..bench.plan import BenchPlan
     plan = BenchPlan(model=model, levels=levels, rate=rate, num_prompts=num_prompts, dataset=dataset,
-                     input_len=input_len, output_len=output_len, loras=names, lora_policy=lora_policy, url=url,
-                     model_id=model_id, api_key=api_key, baseline=baseline, seed=seed, quiet=quiet,
+                     input_len=input_len, output_len=output_len, loras=names, lora_policy=lora_policy,
+                     url=None if url is None else check_url(url, model_id, names, api_key), model_id=model_id,
+                     api_key=api_key, baseline=baseline, seed=seed, quiet=quiet,
                      out=out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S"))
-    if url is None:
-        plan.engine = replace(engine, seed=seed, loras=lora or [], max_num_seqs=max(max_num_seqs or 1, max(levels)),
-                              max_loras=max_loras or max(4, len(names)))
+    set_target(plan, engine, lora, max_num_seqs, max_loras)
+    run_and_report(plan)
+
+
+def set_target(plan, engine: EngineConfig, lora: list[str] | None, max_num_seqs: int | None,
+               max_loras: int | None) -> None:
+    """In-process: the engine config, from the command's engine options and its own defaults for the benchmark
+    (max_num_seqs at least the largest level, room for every adapter in the mix). With --url: only the dtype and
+    device a baseline loads MODEL with."""
+    if plan.url is None:
+        plan.engine = replace(engine, seed=plan.seed, loras=lora or [],
+                              max_num_seqs=max(max_num_seqs or 1, max(plan.levels)),
+                              max_loras=max_loras or max(4, len(plan.loras)))
     else:
         plan.dtype, plan.device = engine.dtype, engine.device
+
+
+def run_and_report(plan) -> None:
+    """Run the plan and say where the report is; exit 130 when Ctrl-C cut it short."""
+    from ..bench.plan import run_plan
     _, interrupted = run_plan(plan)
     typer.echo(f"infer bench: report written to {plan.out}", err=True)
     if interrupted:

@@ -51,6 +51,12 @@ def lora_validate(
     from .quiet import library_output
     with library_output():
         info, reports = run_checks(base, adapters, quantized, max_lora_rank, steps, device)
+    print_reports(info, reports, as_json)
+    exit_on_failures(reports, verbose)
+
+
+def print_reports(info, reports, as_json: bool) -> None:
+    """Each adapter's warnings on stderr, then the table (or one JSON object per adapter) on stdout."""
     for r in reports:
         for w in r.warnings:
             typer.echo(f"warning: {w}", err=True)
@@ -59,6 +65,10 @@ def lora_validate(
             typer.echo(json.dumps({**r.to_dict(), "base": str(info.path), "base_quantization": info.gptq}))
     else:
         Console(width=max(Console().width, 160)).print(report_table(info, reports))
+
+
+def exit_on_failures(reports, verbose: bool) -> None:
+    """Every failed adapter's reasons on stderr, and exit 1 if any failed."""
     failed = [r for r in reports if not r.ok]
     for r in failed:
         for reason in r.reasons(verbose):

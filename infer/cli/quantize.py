@@ -97,21 +97,26 @@ def quantize(
     """
     from ..engine.config import parse_size
     from ..models.resolve import resolve_model
-    from ..quant.quantize import quantize_model
     parse_size(max_shard_size, "--max-shard-size")  # a bad size fails now, not after the whole quantization
     options = QuantizeOptions(bits=bits, group_size=group_size, desc_act=desc_act, sym=sym, num_samples=num_samples,
                               seq_len=seq_len, damp_percent=damp, max_shard_size=max_shard_size)
     options.validate()
     src = resolve_model(model)  # a bad MODEL fails before the quantize extra is looked for
+    result = run_quantization(src, output, options, calibration, overwrite=overwrite, verbose=verbose)
+    print_summary(result, options)
+
+
+def run_quantization(src: Path, output: Path, options: QuantizeOptions, calibration: Path | None, *,
+                     overwrite: bool, verbose: bool) -> QuantizeResult:
+    """Quantize with a progress bar; GPTQModel's own console output goes to a log unless `verbose`."""
+    from ..quant.quantize import quantize_model
     with tempfile.TemporaryDirectory(prefix="infer-quantize-log-") as logdir:
         with captured_output(Path(logdir) / "gptqmodel.log", enabled=not verbose) as terminal:
-            console = Console(file=terminal, log_path=False)
-            observer = RichObserver(console)
+            observer = RichObserver(Console(file=terminal, log_path=False))
             try:
-                result = quantize_model(src, output, options, calibration, observer, overwrite=overwrite)
+                return quantize_model(src, output, options, calibration, observer, overwrite=overwrite)
             finally:
                 observer.stop()
-    print_summary(result, options)
 
 
 def print_summary(result: QuantizeResult, options: QuantizeOptions) -> None:

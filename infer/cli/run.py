@@ -54,28 +54,41 @@ def run(
     defaults = {"max_new_tokens": max_new_tokens}
     if data_parallel > 1 or ray_address:
         from .run_parallel import run_data_parallel
-        if run_data_parallel(engine, input, output, replicas=data_parallel, address=ray_address, defaults=defaults,
-                             strict=strict, resume=resume, resumable=resumable, options=options, quiet=quiet):
-            raise typer.Exit(1)
-        return
+        failed = run_data_parallel(engine, input, output, replicas=data_parallel, address=ray_address,
+                                   defaults=defaults, strict=strict, resume=resume, resumable=resumable,
+                                   options=options, quiet=quiet)
+    else:
+        failed = _run_in_process(engine, input, output, defaults, strict=strict, resume=resume,
+                                 resumable=resumable, options=options, quiet=quiet)
+    if failed:
+        raise typer.Exit(1)
+
+
+def _run_in_process(engine: EngineConfig, input: Path, output: Path | None, defaults: dict, *, strict: bool,
+                    resume: bool, resumable: bool, options: dict, quiet: bool) -> int:
+    """Load the engine, check every line against it, and generate what is still to do; the failed lines' count."""
     if strict:  # every line is read before the model loads: a bad file costs no load time
         from ..engine.setup import load_tokenizer
         from ..models.resolve import resolve_model
         _strict_exit(read_inputs(input, load_tokenizer(resolve_model(engine.model)), defaults))
+    llm = _start_engine(engine, quiet)
+    lines = _checked_lines(llm, input, defaults, strict)
+    todo, writer = open_output(lines, output, input, options, resume, resumable)
+    try:
+        return _generate(llm, todo, writer, quiet)
+    finally:
+        writer.close()
+
+
+def _start_engine(engine: EngineConfig, quiet: bool):
+    """The in-process engine, announced on stderr (model, device, dtype, KV cache, max length) unless quiet."""
     from ..engine.llm_engine import LLMEngine
     llm = LLMEngine(engine)
     if not quiet:
         p = llm.memory_plan
         typer.echo(f"infer: {llm.model_path.name} on {llm.device.type}, {llm.dtype}, KV cache "
                    f"{p.num_blocks} blocks x {engine.block_size} tokens, max length {llm.max_model_len}", err=True)
-    lines = _checked_lines(llm, input, defaults, strict)
-    todo, writer = open_output(lines, output, input, options, resume, resumable)
-    try:
-        failed = _generate(llm, todo, writer, quiet)
-    finally:
-        writer.close()
-    if failed:
-        raise typer.Exit(1)
+    return llm
 
 
 def _check_paths(input: Path, output: Path | None, resume: bool, max_new_tokens: int) -> None:

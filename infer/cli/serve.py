@@ -71,6 +71,23 @@ def serve(
 
     Example: infer serve tiny-llama --port 8000 --lora support=./adapters/support
     """
+    _check_server_options(port, max_queue, shutdown_timeout, log_level)
+    from ..serve.body import BodyLimits
+    limits = BodyLimits(parse_size(max_body_size, "--max-body-size"), max_json_depth)
+    model_id = served_model_name or o.base_model_id(model)
+    sock = _bind(host, port)
+    try:
+        if data_parallel > 1 or ray_address:
+            from .serve_parallel import serve_data_parallel
+            return serve_data_parallel(engine, sock, host, model_id, api_key, max_queue, shutdown_timeout, log_level,
+                                       data_parallel, ray_address, limits)
+        _serve(engine, sock, host, model_id, api_key, max_queue, shutdown_timeout, log_level, limits)
+    finally:
+        sock.close()
+
+
+def _check_server_options(port: int, max_queue: int, shutdown_timeout: float, log_level: str) -> None:
+    """The server options the command line cannot range-check itself, checked before anything binds or loads."""
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port {port} is not a port number", "use 0..65535")
     if max_queue < 1:
@@ -79,21 +96,9 @@ def serve(
         raise ConfigError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout}", "seconds, e.g. 30")
     if log_level not in LOG_LEVELS:
         raise ConfigError(f"--log-level {log_level!r} is not one of {' | '.join(LOG_LEVELS)}", "e.g. --log-level info")
-    from ..serve.body import BodyLimits
-    limits = BodyLimits(parse_size(max_body_size, "--max-body-size"), max_json_depth)
-    sock = _bind(host, port)
-    try:
-        if data_parallel > 1 or ray_address:
-            from .serve_parallel import serve_data_parallel
-            return serve_data_parallel(engine, sock, host, served_model_name or o.base_model_id(model), api_key,
-                                       max_queue, shutdown_timeout, log_level, data_parallel, ray_address, limits)
-        _serve(engine, sock, host, served_model_name or o.base_model_id(model), api_key, max_queue, shutdown_timeout,
-               log_level, limits)
-    finally:
-        sock.close()
 
 
-def _serve(cfg, sock: socket.socket, host: str, model_id: str, api_key: str | None, max_queue: int | None,
+def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, model_id: str, api_key: str | None, max_queue: int | None,
            shutdown_timeout: float, log_level: str, limits) -> None:
     import uvicorn
 
@@ -103,7 +108,7 @@ def _serve(cfg, sock: socket.socket, host: str, model_id: str, api_key: str | No
     from ..serve.app import Server, create_app
     from ..serve.async_engine import AsyncEngine
 
-    engine = LLMEngine(cfg)
+    engine = LLMEngine(engine_config)
     engine.warmup()
     server = Server(AsyncEngine(engine, max_queue), model_id, api_key=api_key, graceful_timeout=shutdown_timeout,
                     limits=limits)
@@ -113,10 +118,10 @@ def _serve(cfg, sock: socket.socket, host: str, model_id: str, api_key: str | No
     typer.echo(f"infer: serving {server.model_id} ({engine.device.type}, {engine.dtype}, KV "
                f"{engine.memory_plan.num_blocks} blocks) on http://{host}:{bound}  adapters: {names}", err=True)
     logging.getLogger("infer").setLevel(logging.INFO if log_level in ("info", "debug") else logging.WARNING)
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
-                            access_log=log_level in ("info", "debug"))
+    uvicorn_config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
+                                    access_log=log_level in ("info", "debug"))
     with _quiet_signals():
-        uvicorn.Server(config).run(sockets=[sock])
+        uvicorn.Server(uvicorn_config).run(sockets=[sock])
     server.aengine.shutdown(0)  # already stopped by the app's shutdown unless uvicorn failed to start
     engine.close()
     typer.echo("infer: server stopped", err=True)
