@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from infer.bench import e2e_models, e2e_report, roofline
 from infer.bench import gpu_e2e as e2e
 
 TINY = dict(hidden_size=256, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
@@ -22,7 +23,7 @@ def test_exits_2_without_cuda(monkeypatch, tmp_path, capsys):
 def test_real_shapes_have_the_published_parameter_counts(name, params):
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(e2e.hf_config(name))
+        model = AutoModelForCausalLM.from_config(e2e_models.hf_config(name))
     assert sum(p.numel() for p in model.parameters()) == params
 
 
@@ -32,8 +33,8 @@ def gptq_bytes(k, n, group=128):
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_random_gptq_model_runs_and_weight_bytes_match_the_shapes(model_type):
-    cfg = e2e.hf_config("llama-2-7b" if model_type == "llama" else "qwen1.5-14b", **TINY)
-    model, label = e2e.build_model(cfg, torch.float32, "cpu", quantized=True)
+    cfg = e2e_models.hf_config("llama-2-7b" if model_type == "llama" else "qwen1.5-14b", **TINY)
+    model, label = e2e_models.build_model(cfg, torch.float32, "cpu", quantized=True)
     assert label == "gptq-int4-g128"
     h, i, v, layers = 256, 384, 300, 2
     per_layer = gptq_bytes(h, 3 * h) + gptq_bytes(h, h) + gptq_bytes(h, 2 * i) + gptq_bytes(i, h)
@@ -41,7 +42,7 @@ def test_random_gptq_model_runs_and_weight_bytes_match_the_shapes(model_type):
     per_layer += 2 * h * 4  # two norms
     bias = 3 * h * 4 if model_type == "qwen2" else 0
     want = layers * (per_layer + bias) + h * 4 + v * h * 4 + 16 * h * 4  # final norm, head, 16 embedding rows
-    assert e2e.weight_bytes_per_step(model, 16) == want
+    assert roofline.weight_bytes_per_step(model, 16) == want
     from infer.models.context import ForwardContext
     runner_cache = torch.zeros(2, 4, 4, 4, 64)  # k|v, blocks, block size, heads, head dim
     for layer in model.layers:
@@ -54,39 +55,39 @@ def test_random_gptq_model_runs_and_weight_bytes_match_the_shapes(model_type):
 
 
 def test_fp16_fallback_label(monkeypatch):
-    monkeypatch.setattr(e2e, "gptq_method_factory", lambda: None)
-    cfg = e2e.hf_config("llama-2-7b", **TINY)
-    model, label = e2e.build_model(cfg, torch.float32, "cpu", quantized=True)
+    monkeypatch.setattr(e2e_models, "gptq_method_factory", lambda: None)
+    cfg = e2e_models.hf_config("llama-2-7b", **TINY)
+    model, label = e2e_models.build_model(cfg, torch.float32, "cpu", quantized=True)
     assert label == "float32 (GPTQ linear method missing)"
     assert model.layers[0].mlp.down_proj.weight.shape == (256, 384)
 
 
 def test_engine_runs_the_workload_with_mixed_adapters(tmp_path):
-    cfg = e2e.hf_config("llama-2-7b", **TINY)
-    model, _ = e2e.build_model(cfg, torch.float32, "cpu")
-    adapters = e2e.write_random_adapters(cfg, tmp_path, num=3, rank=4)
-    engine = e2e.build_engine(model, cfg, e2e.make_tokenizer(cfg.vocab_size), "cpu", adapters, 4, concurrency=3,
-                              max_len=32)
+    cfg = e2e_models.hf_config("llama-2-7b", **TINY)
+    model, _ = e2e_models.build_model(cfg, torch.float32, "cpu")
+    adapters = e2e_models.write_random_adapters(cfg, tmp_path, num=3, rank=4)
+    tokenizer = e2e_models.make_tokenizer(cfg.vocab_size)
+    engine = e2e.build_engine(model, cfg, tokenizer, "cpu", adapters, 4, concurrency=3, max_len=32)
     reqs = e2e.make_requests(cfg.vocab_size, 3, prompt_len=5, output_len=4, adapters=list(adapters))
     assert [r.lora for r in reqs] == ["lora0", "lora1", "lora2"]
     metrics = e2e.run_engine(engine, reqs, 3)
     assert metrics["completed"] == 3 and metrics["total_output_tokens"] == 12
-    per_adapter = e2e.lora_bytes_per_adapter(model)
+    per_adapter = roofline.lora_bytes_per_adapter(model)
     h, i = 256, 384  # A [rank, in] per shard: qkv 3h, o h, gate_up 2h, down i; B [out, rank]: 3h, h, 2i, h
     assert per_adapter == 2 * 4 * 4 * ((3 * h + h + 2 * h + i) + (3 * h + h + 2 * i + h))  # 2 layers, fp32
 
 
 def test_roofline_arithmetic_and_tables(tmp_path):
-    roof = e2e.decode_roofline(weight_bytes=4_000_000_000, kv_bytes_per_token=500_000, batch=16, mean_context=172,
-                               adapter_bytes=10_000_000, num_adapters=16, bandwidth=2e12)
+    roof = roofline.decode_roofline(weight_bytes=4_000_000_000, kv_bytes_per_token=500_000, batch=16,
+                                    mean_context=172, adapter_bytes=10_000_000, num_adapters=16, bandwidth=2e12)
     assert roof["step_bytes"] == 4_000_000_000 + 500_000 * 16 * 172 + 160_000_000
     assert roof["step_s"] == pytest.approx(roof["step_bytes"] / 2e12)
     assert roof["tok_s"] == pytest.approx(16 / roof["step_s"])
     metrics = {"output_throughput": 500.0, "mean_tpot_ms": 2 * roof["step_s"] * 1000, "mean_ttft_ms": 40.0}
-    row = e2e.result_row("m", "gptq-int4-g128", "none", "infer", metrics, roof, 2e12)
+    row = e2e_report.result_row("m", "gptq-int4-g128", "none", "infer", metrics, roof, 2e12)
     assert row["fraction_of_roofline"] == 0.5
-    md = e2e.write_tables([row], tmp_path, ["a note"])
-    assert (tmp_path / "results.csv").read_text().splitlines()[0] == ",".join(e2e.COLUMNS)
+    md = e2e_report.write_tables([row], tmp_path, ["a note"])
+    assert (tmp_path / "results.csv").read_text().splitlines()[0] == ",".join(e2e_report.COLUMNS)
     assert "| m | gptq-int4-g128 |" in md and "- a note" in md
 
 
@@ -111,5 +112,5 @@ def test_adapters_through_fewer_slots_swap_and_costs_are_reported():
     rows = e2e.bench_model("llama-2-7b", args, bandwidth=1e10, device="cpu", dtype=torch.float32, **TINY)
     assert [r["lora"] for r in rows] == ["none", "3 mixed r4", "3 mixed r4 via 1 slots"]
     assert rows[0]["lora_swaps"] == 0 and rows[2]["lora_swaps"] > 0
-    notes = e2e.adapter_costs(rows)
+    notes = e2e_report.adapter_costs(rows)
     assert len(notes) == 2 and all("the adapters' bytes alone explain" in n for n in notes)

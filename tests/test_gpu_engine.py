@@ -32,10 +32,11 @@ def test_gpu_tokens_equal_cpu_reference_float32(name):
 def test_7b_shaped_fp16_agrees_with_hf_for_32_tokens():
     from transformers import AutoModelForCausalLM
 
+    from infer.bench import e2e_models
     from infer.bench import gpu_e2e as e2e
     from infer.models.loader import load_weights
     from infer.models.registry import model_class
-    cfg = e2e.hf_config("llama-2-7b")
+    cfg = e2e_models.hf_config("llama-2-7b")
     torch.manual_seed(0)
     with torch.device("cuda"):
         hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float16)
@@ -48,7 +49,7 @@ def test_7b_shaped_fp16_agrees_with_hf_for_32_tokens():
     load_weights(ours, hf.state_dict().items(), torch.float16)
     ours.finish_loading()
     ours.eval()
-    engine = e2e.build_engine(ours, cfg, e2e.make_tokenizer(cfg.vocab_size), "cuda", {}, 16, 4, max_len=128)
+    engine = e2e.build_engine(ours, cfg, e2e_models.make_tokenizer(cfg.vocab_size), "cuda", {}, 16, 4, max_len=128)
     reqs = e2e.make_requests(cfg.vocab_size, 4, prompt_len=44, output_len=32, adapters=[])
     for i, r in enumerate(reqs):
         engine.add_request(str(i), r.prompt_token_ids, SamplingParams(max_new_tokens=32, ignore_eos=True))

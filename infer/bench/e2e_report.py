@@ -1,0 +1,59 @@
+"""The GPU end-to-end benchmark's results: one row per engine run (throughput, TPOT and the roofline), what the
+adapters cost against the same model without them, and the tables (DIR/results.csv, DIR/results.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+COLUMNS = ["model", "weights", "lora", "engine", "output_tok_s", "mean_tpot_ms", "mean_ttft_ms", "step_MB",
+           "copy_GB_s", "roofline_tpot_ms", "roofline_tok_s", "fraction_of_roofline", "start_s", "lora_swaps"]
+
+
+def result_row(model: str, weights: str, lora: str, engine: str, metrics: dict, roof: dict, bw: float) -> dict:
+    tpot_s = metrics["mean_tpot_ms"] / 1000.0
+    return {"model": model, "weights": weights, "lora": lora, "engine": engine,
+            "output_tok_s": round(metrics["output_throughput"], 1), "mean_tpot_ms": round(metrics["mean_tpot_ms"], 2),
+            "mean_ttft_ms": round(metrics["mean_ttft_ms"], 1), "step_MB": round(roof["step_bytes"] / 1e6, 1),
+            "copy_GB_s": round(bw / 1e9, 1), "roofline_tpot_ms": round(roof["step_s"] * 1000, 2),
+            "roofline_tok_s": round(roof["tok_s"], 1),
+            "fraction_of_roofline": float(f"{roof['step_s'] / tpot_s:.3g}") if tpot_s > 0 else float("nan")}
+
+
+def adapter_costs(rows: list[dict]) -> list[str]:
+    """For each engine row with adapters: its throughput cost against the same model without adapters, and the cost
+    the adapters' own bytes explain (the same ratio of the two rooflines)."""
+    lines = []
+    for r in rows:
+        base = next((b for b in rows if b["model"] == r["model"] and b["engine"] == r["engine"]
+                     and b["lora"] == "none"), None)
+        if base is None or r["lora"] == "none" or not base["output_tok_s"]:
+            continue
+        cost = 1 - r["output_tok_s"] / base["output_tok_s"]
+        explained = 1 - r["roofline_tok_s"] / base["roofline_tok_s"]
+        lines.append(f"{r['model']} {r['engine']}, {r['lora']}: costs {cost:.0%} of the throughput without adapters; "
+                     f"the adapters' bytes alone explain {explained:.0%}")
+    return lines
+
+
+def write_tables(rows: list[dict], out: Path, notes: list[str]) -> str:
+    import csv
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS, restval="", extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(str(r.get(c, "")) for c in COLUMNS) + " |" for r in rows]
+    md = "\n".join(lines + [""] + [f"- {n}" for n in notes]) + "\n"
+    (out / "results.md").write_text(md)
+    return md
+
+
+def run_notes(device_name: str, args, rows: list[dict]) -> list[str]:
+    """The lines under the tables: the device and workload, how the roofline is computed, and each adapter row's
+    cost against the same model without adapters."""
+    return [f"{device_name}; {args.num_prompts} requests at concurrency {args.concurrency}, "
+            f"{args.input_len} prompt tokens, {args.output_len} output tokens (EOS ignored), random weights",
+            "roofline: (decode-step weight bytes + KV bytes of the batch at the mean context + adapter bytes) / "
+            "measured device-to-device copy bandwidth; fraction = roofline TPOT / measured mean TPOT",
+            *adapter_costs(rows)]
