@@ -67,7 +67,7 @@ def _random_shards(layer, gen_scale: float = 0.02) -> list[tuple[str, int, torch
     return out
 
 
-def build_model(cfg, dtype: torch.dtype, device, quantized: bool = True, seed: int = 0):
+def build_model(model_config, dtype: torch.dtype, device, quantized: bool = True, seed: int = 0):
     """(infer model with random weights built on `device`, weights label). Layers are filled through
     MergedLinear.load_shard, the loader's own path, so their checks and finish_loading run as for a checkpoint."""
     from ..models.layers import MergedLinear
@@ -75,7 +75,7 @@ def build_model(cfg, dtype: torch.dtype, device, quantized: bool = True, seed: i
     method_for = gptq_method_factory() if quantized else None
     torch.manual_seed(seed)
     with torch.device(device):
-        model = model_class(cfg)(cfg, dtype, method_for)
+        model = model_class(model_config)(model_config, dtype, method_for)
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, MergedLinear):
@@ -100,18 +100,18 @@ def make_tokenizer(vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1")
 
 
-def write_random_adapters(cfg, out: Path, num: int, rank: int, seed: int = 0) -> dict[str, str]:
-    """`num` PEFT LoRA folders (adapter_config.json + adapter_model.safetensors) for `cfg`, random A and B."""
+def write_random_adapters(model_config, out: Path, num: int, rank: int, seed: int = 0) -> dict[str, str]:
+    """`num` PEFT LoRA folders (adapter_config.json + adapter_model.safetensors) for `model_config`, random A and B."""
     from safetensors.torch import save_file
-    shapes = ModelShapes.from_config(cfg)
-    h, inter, q, kv = cfg.hidden_size, cfg.intermediate_size, shapes.q_size, shapes.kv_size
+    shapes = ModelShapes.from_config(model_config)
+    h, inter, q, kv = model_config.hidden_size, model_config.intermediate_size, shapes.q_size, shapes.kv_size
     io = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, inter),
           "up_proj": (h, inter), "down_proj": (inter, h)}
     paths = {}
     for a in range(num):
         g = torch.Generator().manual_seed(seed + a)
         tensors = {}
-        for layer in range(cfg.num_hidden_layers):
+        for layer in range(model_config.num_hidden_layers):
             for proj in TARGETS:
                 parent = "mlp" if proj in ("gate_proj", "up_proj", "down_proj") else "self_attn"
                 base = f"base_model.model.model.layers.{layer}.{parent}.{proj}"
