@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from infer import kernels
+from infer.kernels import gptq_configs
 from infer.kernels import reference as ref
 from infer.quant import packing
 
@@ -29,8 +30,11 @@ FIELDS = dict(kernel="mma", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=2, GROU
               FIELD=True)  # one dot per packed field (needs BLOCK_K / pack >= 16)
 GEMV_FIELDS = dict(GEMV, BLOCK_K=128, FIELD=True)
 MMAT_FIELDS = dict(MMAT, BLOCK_K=128, FIELD=True)
+SCALED = dict(FIELDS, BLOCK_M=32, SPLIT_K=1, SCALE_W=True)  # the group's scale folded into the weights
+MMAT_SCALED = dict(MMAT_FIELDS, SCALE_W=True)
 CONFIGS = {"decode": DECODE, "prefill": PREFILL, "gemv": GEMV, "rows": ROWS, "mmat": MMAT, "fields": FIELDS,
-           "gemv_fields": GEMV_FIELDS, "mmat_fields": MMAT_FIELDS, "dequant": {"kernel": "dequant"}}
+           "gemv_fields": GEMV_FIELDS, "mmat_fields": MMAT_FIELDS, "scaled": SCALED, "mmat_scaled": MMAT_SCALED,
+           "dequant": {"kernel": "dequant"}}
 
 
 @pytest.fixture(scope="module")
@@ -88,15 +92,21 @@ def test_matches_reference(gemm, gen, regime, bits, group, desc_act, hint):
     sym, v2 = bool(torch.randint(0, 2, (1,), generator=g)), bool(torch.randint(0, 2, (1,), generator=g))
     qw, qz, s, gi = make_weights(g, bits, group, in_f, out_f, sym, desc_act, v2)
     lo, hi = {"decode": (1, 20), "prefill": (33, 90), "gemv": (1, 4), "rows": (1, 11), "mmat": (1, 40),
-              "fields": (1, 20), "gemv_fields": (1, 3), "mmat_fields": (1, 40), "dequant": (1, 90)}[regime]
+              "fields": (1, 20), "gemv_fields": (1, 3), "mmat_fields": (1, 40), "scaled": (17, 70),
+              "mmat_scaled": (1, 40), "dequant": (1, 90)}[regime]
     m = int(torch.randint(lo, hi, (1,), generator=g))
     cfg = CONFIGS[regime]
+    # with plain groups, also the rows interleaved as the linear method repacks them on CUDA
+    wp = gptq_configs.interleave_for(group, in_f, 32 // bits) if hint else 1
+    layouts = [(qw, 1)] + ([(packing.interleave_rows(qw, bits, wp), wp)] if wp > 1 else [])
     for dtype in (torch.float32, torch.float16):
         x = torch.randn(m, in_f, generator=g).to(dtype).to(DEV)
-        y = gemm.gptq_matmul(x, qw, qz, s, gi, bits, not v2, group if hint else None, config=cfg)
-        assert y.dtype == dtype
         want = ref.gptq_matmul(x, qw, qz, s, gi, bits, not v2)
-        assert_close(y, want, dtype, g, f"{regime} {bits}-bit g{group} desc_act={desc_act} M={m} {dtype}")
+        for w, il in layouts:
+            y = gemm.gptq_matmul(x, w, qz, s, gi, bits, not v2, group if hint else None, il, config=cfg)
+            assert y.dtype == dtype
+            assert_close(y, want, dtype, g, f"{regime} {bits}-bit g{group} desc_act={desc_act} M={m} {dtype} "
+                                            f"interleave={il}")
 
 
 @pytest.mark.parametrize("m", [1, 7, 80])

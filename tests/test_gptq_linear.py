@@ -70,6 +70,7 @@ def test_merged_layer_equals_linear_on_dequantized_weights(bits, group, sym, fmt
     if use_kernel:
         assert layer.weight is None and layer.gptq_group_size == (IN_F if group == -1 else group)
         assert (layer.act_perm is not None) == (desc_act and group not in (-1, 128))
+        assert layer.gptq_interleave > 1  # the rows were repacked for the kernels, and y above is still right
 
 
 def test_irregular_g_idx_keeps_the_row_by_row_path():
@@ -109,6 +110,7 @@ def test_kernel_mode_through_the_triton_kernel(triton_gemm, bits, group, desc_ac
     cfg = GPTQConfig(bits=bits, group_size=group, desc_act=desc_act, sym=False)
     shards = shard_tensors(g, cfg, torch.randperm(IN_F, generator=g) if desc_act else None)
     layer = build(cfg, shards, use_kernel=True)
+    assert layer.gptq_interleave > 1
     w = torch.cat([deq for _, deq, _ in shards])
     x = torch.randn(5, IN_F, generator=g)
     torch.testing.assert_close(layer(x), F.linear(x, w, layer.bias), atol=1e-4, rtol=1e-4,

@@ -126,3 +126,21 @@ def test_unsupported_settings_in_a_folder(tmp_path, d, message):
     _write(tmp_path, "config.json", {"quantization_config": {"quant_method": "gptq", **d}})
     with pytest.raises(UnsupportedModelError, match=message):
         GPTQConfig.from_model_dir(tmp_path)
+
+
+@pytest.mark.parametrize("bits, interleave", [(4, 16), (4, 4), (8, 32), (8, 2), (4, 1)])
+def test_interleaved_rows_are_a_permutation_with_fields_over_consecutive_rows(bits, interleave):
+    pack, k = 32 // bits, 4 * interleave * (32 // bits)
+    order = packing.field_rows(k, bits, interleave).view(k // pack, pack)  # [word, field] -> input row
+    assert sorted(order.flatten().tolist()) == list(range(k))
+    blocks = order.view(k // pack // interleave, interleave, pack)
+    for b, block in enumerate(blocks):  # field j of the block's words: rows b*W*pack + j*W + 0 .. W-1
+        for j in range(pack):
+            start = b * interleave * pack + j * interleave
+            assert block[:, j].tolist() == list(range(start, start + interleave))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 1 << bits, (k, 24), generator=g)
+    qw = packing.pack_rows(q, bits)
+    stored = packing.interleave_rows(qw, bits, interleave)
+    assert torch.equal(packing.unpack_rows(stored, bits), q[order.flatten()])
+    assert torch.equal(packing.deinterleave_rows(stored, bits, interleave), qw)

@@ -83,8 +83,8 @@ def lora_apply(x, y, lora_a, lora_b, scalings, bounds, token_slots, groups=None,
     return reference.lora_apply(x, y, lora_a, lora_b, scalings, bounds, token_slots, groups, ranks)
 
 
-def gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1=True, group_size=None):
+def gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1=True, group_size=None, interleave=1):
     if use_triton(x):
         from .gptq_gemm import gptq_matmul as triton_gptq_matmul
-        return triton_gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1, group_size)
-    return reference.gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1, group_size)
+        return triton_gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1, group_size, interleave)
+    return reference.gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1, group_size, interleave)

@@ -37,6 +37,14 @@ def block_k_limit(group_size: int | None, k: int, pack: int) -> int:
     return min(step, 128) if step >= max(16, pack) else 0
 
 
+def interleave_for(group_size: int | None, k: int, pack: int) -> int:
+    """Words per interleaved block (`packing.field_rows`) for a layer the fused kernels run: blocks of the largest
+    K step (so a field of a step's words covers consecutive rows); 1 (GPTQ order) when there is none or K is not
+    a whole number of blocks."""
+    step = block_k_limit(group_size, k, pack)
+    return step // pack if step >= 2 * pack and k % step == 0 else 1
+
+
 @functools.lru_cache(maxsize=8)
 def gpu_name(device: torch.device) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", torch.cuda.get_device_name(device)).strip("_")

@@ -72,3 +72,34 @@ def dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     # Marlin) do; a float32 product would round differently and change near-tied greedy tokens.
     w = scales[g] * (q - z[g]).to(scales.dtype)
     return w.t().contiguous().to(dtype)
+
+
+def field_rows(k: int, bits: int, interleave: int, device=None) -> torch.Tensor:
+    """The input row each unpacked position of an interleaved qweight holds (int64 [k]).
+
+    GPTQ packs rows i*pack .. i*pack+pack-1 into word i (`interleave` = 1). Interleaved by W words, each block of
+    W words (W * pack rows) holds in field j of its word i the row j*W + i of the block: field j of the block's words
+    covers W consecutive rows, so a kernel that multiplies field by field reads x contiguously. Same bits, same
+    bytes, a permutation of rows inside each block."""
+    pack = 32 // bits
+    s = torch.arange(k, device=device)
+    word, field = s // pack, s % pack
+    return (word // interleave) * (interleave * pack) + field * interleave + word % interleave
+
+
+def interleave_rows(qweight: torch.Tensor, bits: int, interleave: int) -> torch.Tensor:
+    """GPTQ-order qweight -> the interleaved layout of `field_rows` (identity for interleave 1)."""
+    if interleave == 1:
+        return qweight
+    k = qweight.shape[0] * (32 // bits)
+    return pack_rows(unpack_rows(qweight, bits)[field_rows(k, bits, interleave, qweight.device)], bits)
+
+
+def deinterleave_rows(qweight: torch.Tensor, bits: int, interleave: int) -> torch.Tensor:
+    """The inverse of interleave_rows: back to GPTQ order."""
+    if interleave == 1:
+        return qweight
+    q = unpack_rows(qweight, bits)
+    out = torch.empty_like(q)
+    out[field_rows(q.shape[0], bits, interleave, q.device)] = q
+    return pack_rows(out, bits)

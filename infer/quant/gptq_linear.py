@@ -10,7 +10,9 @@ Two ways to compute, chosen at `finish_loading` (by the weights' device unless `
   prefill, into a scratch buffer read by cuBLAS; see kernels.gptq_gemm). The layout is
   prepared once: if g_idx is the plain i // group_size the kernel is told so (it skips g_idx); with act-order
   (desc_act) the input rows of qweight are sorted by group, g_idx becomes plain, and x's columns are permuted
-  by the same order at run time (`act_perm`). Nothing is ever repacked on disk.
+  by the same order at run time (`act_perm`); with plain groups the rows are then interleaved inside blocks of
+  one K step (`gptq_interleave`, see kernels.packing.field_rows) so that the kernels read x contiguously field
+  by field. Nothing is ever repacked on disk.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 
 from ..errors import ModelLoadError
 from .. import kernels
-from ..kernels import cpu_gemm
+from ..kernels import cpu_gemm, gptq_configs
 from . import packing
 from .config import GPTQConfig
 
@@ -49,6 +51,7 @@ class GPTQLinearMethod:
         layer.register_buffer("packed_weight", None)
         layer.register_buffer("act_perm", None)  # kernel mode with act-order: x's columns in sorted-group order
         layer.gptq_group_size = None  # kernel mode: the group size promised to the kernel (g_idx is plain)
+        layer.gptq_interleave = 1  # kernel mode: words per interleaved block of qweight (1: GPTQ order)
         layer.gptq_ready = False
 
     def _expected(self, layer, name: str, shard: int) -> tuple[int, ...]:
@@ -115,21 +118,21 @@ class GPTQLinearMethod:
                                  "the checkpoint does not match its quantization_config (group_size)")
 
     def _prepare_kernel_layout(self, layer) -> None:
-        """Make g_idx plain (i // group_size) when it is a permutation of a plain grouping; one sync, at load."""
+        """Make g_idx plain (i // group_size) when it is a permutation of a plain grouping, then interleave the
+        rows for the kernels; one sync, at load."""
         k, gs = layer.in_features, self._group_size(layer.in_features)
         plain = (torch.arange(k, device=layer.g_idx.device) // gs).to(layer.g_idx.dtype)
-        if torch.equal(layer.g_idx, plain):
-            layer.gptq_group_size = gs
-            return
-        perm = torch.argsort(layer.g_idx, stable=True)
-        if not torch.equal(layer.g_idx[perm], plain):
-            return  # an irregular grouping: the kernel reads g_idx row by row
-        bits = self.config.bits
-        q = packing.unpack_rows(layer.qweight, bits).index_select(0, perm)
-        layer.qweight = packing.pack_rows(q, bits)
-        layer.g_idx = plain
-        layer.act_perm = perm
+        if not torch.equal(layer.g_idx, plain):
+            perm = torch.argsort(layer.g_idx, stable=True)
+            if not torch.equal(layer.g_idx[perm], plain):
+                return  # an irregular grouping: the kernel reads g_idx row by row
+            q = packing.unpack_rows(layer.qweight, self.config.bits).index_select(0, perm)
+            layer.qweight = packing.pack_rows(q, self.config.bits)
+            layer.g_idx = plain
+            layer.act_perm = perm
         layer.gptq_group_size = gs
+        layer.gptq_interleave = gptq_configs.interleave_for(gs, k, self.config.pack)
+        layer.qweight = packing.interleave_rows(layer.qweight, self.config.bits, layer.gptq_interleave)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if layer.weight is not None:
@@ -137,14 +140,15 @@ class GPTQLinearMethod:
         if layer.act_perm is not None:
             x = x.index_select(-1, layer.act_perm)
         y = kernels.gptq_matmul(x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx, self.config.bits,
-                                self.config.zeros_v1, layer.gptq_group_size)
+                                self.config.zeros_v1, layer.gptq_group_size, layer.gptq_interleave)
         return y if layer.bias is None else y.add_(layer.bias)
 
     def dequantized_weight(self, layer) -> torch.Tensor:
         """The float weight [out, in] in the checkpoint's input order (whatever layout the kernel uses)."""
         if layer.weight is not None:
             return layer.weight
-        w = packing.dequantize(layer.qweight, layer.qzeros, layer.scales, layer.g_idx, self.config.bits,
+        qweight = packing.deinterleave_rows(layer.qweight, self.config.bits, layer.gptq_interleave)
+        w = packing.dequantize(qweight, layer.qzeros, layer.scales, layer.g_idx, self.config.bits,
                                self.config.zeros_v1, layer.dtype)
         if layer.act_perm is None:
             return w

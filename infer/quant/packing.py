@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.packing import (dequantize, mask, pack_cols, pack_rows, unpack_cols, unpack_rows, zeros_v1_to_v2,
-                               zeros_v2_to_v1)
+from ..kernels.packing import (deinterleave_rows, dequantize, field_rows, interleave_rows, mask, pack_cols, pack_rows,
+                               unpack_cols, unpack_rows, zeros_v1_to_v2, zeros_v2_to_v1)
 
-__all__ = ["dequantize", "pack_cols", "pack_rows", "quantize_rtn", "unpack_cols", "unpack_rows", "zeros_v1_to_v2",
-           "zeros_v2_to_v1"]
+__all__ = ["deinterleave_rows", "dequantize", "field_rows", "interleave_rows", "pack_cols", "pack_rows",
+           "quantize_rtn", "unpack_cols", "unpack_rows", "zeros_v1_to_v2", "zeros_v2_to_v1"]
 
 
 def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool = True, perm: torch.Tensor | None = None):

@@ -1,0 +1,302 @@
+"""The fused GPTQ matmul kernels (W4A16 / W8A16) that `gptq_gemm` launches; the module docstring there says when.
+
+Every kernel reads a K step of BLOCK_K input rows as BLOCK_K / pack int32 words per column and splits the words
+into their `pack` fields with shifts. `WP` is the weight's interleave (`packing.field_rows`): 1 for GPTQ order,
+where field j of word i is row i * pack + j, so a field's x values lie `pack` apart; WP words per block after the
+load-time repack, where field j of a block's words covers WP consecutive rows and x is read contiguously (the
+kernels require BLOCK_K <= WP * pack then). The x row of field j of the step's word i is
+`_xrow0(k0, j) + i * XS` either way.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _xrow0(k0, j, WP: tl.constexpr, PACK: tl.constexpr, BKW: tl.constexpr):
+    """Input row of field j of the word that starts the step at input row k0 (any later word i: + i * XS)."""
+    if BKW == WP:  # a step is one interleaved block: the compiler sees the rows' alignment (vector loads)
+        rows = k0 + j * WP
+    else:
+        w0 = k0 // PACK
+        rows = (w0 // WP) * (WP * PACK) + j * WP + w0 % WP
+    return rows
+
+
+@triton.jit
+def _kmask(words, k_end, PACK: tl.constexpr, EVEN_K: tl.constexpr):
+    """Which of these word indices lie before k_end. EVEN_K (every step whole): all of them, as a constant, so the
+    compiler keeps vector loads along K."""
+    if EVEN_K:
+        valid = tl.full(words.shape, 1, tl.int1)
+    else:
+        valid = words < k_end // PACK
+    return valid
+
+
+@triton.jit
+def _zeros_scales(qz_ptr, s_ptr, g, offs_n, mask_n, sz_g, ss_g, BITS: tl.constexpr, ZEROS_V1: tl.constexpr):
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    zw = tl.load(qz_ptr + g * sz_g + offs_n // PACK, mask=mask_n, other=0)
+    z = (zw >> ((offs_n % PACK) * BITS)) & MASK
+    if ZEROS_V1:
+        z = (z + 1) & MASK
+    s = tl.load(s_ptr + g * ss_g + offs_n, mask=mask_n, other=0.0)
+    return z, s
+
+
+@triton.jit
+def _fields(words, BITS: tl.constexpr):
+    """int32 words [W, N] -> their fields [PACK, W, N]: row (j, i) is field j of word i.
+    An arithmetic shift of a negative word followed by the mask is still the right field."""
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    shifts = (tl.arange(0, PACK) * BITS)[:, None, None]
+    return (words[None, :, :] >> shifts) & MASK
+
+
+@triton.jit
+def _field_f16(words, j, zf, BITS: tl.constexpr):
+    """Field j of every word as the exact fp16 q - z: OR-ing q into the mantissa of 1024 gives the fp16 1024 + q
+    without a conversion instruction; zf is 1024 + z in fp16."""
+    qj = ((words >> (j * BITS)) & ((1 << BITS) - 1)) | 0x6400
+    return qj.to(tl.int16).to(tl.float16, bitcast=True) - zf
+
+
+@triton.jit
+def _epilogue(acc, y_ptr, ws_ptr, lock_ptr, tile, pid_k, offs_m, offs_n, M, N, sy_m, n_split,
+              SPLIT: tl.constexpr):
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * sy_m + offs_n[None, :]
+    if not SPLIT:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(ws + pid_k * M * N, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the counter moves (release below)
+        arrived = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel")
+        if arrived == n_split - 1:
+            total = tl.zeros_like(acc)
+            for s in range(n_split):
+                total += tl.load(ws + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(lock_ptr + tile, 0)
+
+
+@triton.jit
+def gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_SPLIT, n_split, group_size,
+                sx_m, sq_k, sz_g, ss_g, sy_m,
+                BITS: tl.constexpr, ZEROS_V1: tl.constexpr, F32: tl.constexpr, WP: tl.constexpr, EVEN_K: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, FIELD_LOOP: tl.constexpr = False):
+    """M = 1 on CUDA cores: fields become floats by OR-ing them into the mantissa of 2^23 (the float 2^23 + q),
+    x * (q - z) accumulates in a [BLOCK_K / pack, BLOCK_N] float32 tile reduced once at the end, and the group's
+    scale multiplies the step's partial sum, not every weight. FIELD_LOOP: field by field, x loaded per field."""
+    PACK: tl.constexpr = 32 // BITS
+    BKW: tl.constexpr = BLOCK_K // PACK
+    XS: tl.constexpr = PACK if WP == 1 else 1
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_w = tl.arange(0, BKW)
+    k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    acc = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        wrow = k0 // PACK + offs_w
+        wv = _kmask(wrow, k_end, PACK, EVEN_K)
+        words = tl.load(qw_ptr + wrow[:, None] * sq_k + offs_n[None, :], mask=wv[:, None] & mask_n[None, :],
+                        other=0, eviction_policy="evict_first")
+        z, s = _zeros_scales(qz_ptr, s_ptr, k0 // group_size, offs_n, mask_n, sz_g, ss_g, BITS, ZEROS_V1)
+        if FIELD_LOOP:
+            part = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
+            zf = (z + 0x800000).to(tl.float32)[None, :]
+            for j in tl.static_range(PACK):
+                xj = tl.load(x_ptr + pid_m * sx_m + _xrow0(k0, j, WP, PACK, BKW) + offs_w * XS, mask=wv,
+                             other=0.0).to(tl.float32)
+                qj = ((words >> (j * BITS)) & ((1 << BITS) - 1)) | 0x4B000000
+                part += xj[:, None] * (qj.to(tl.float32, bitcast=True) - zf)
+            acc += part * s.to(tl.float32)[None, :]
+        else:
+            xk = _xrow0(k0, tl.arange(0, PACK)[:, None], WP, PACK, BKW) + offs_w[None, :] * XS  # [PACK, BKW]
+            xv = tl.load(x_ptr + pid_m * sx_m + xk, mask=wv[None, :], other=0.0).to(tl.float32)
+            q = _fields(words, BITS)
+            if F32:
+                w = ((q - z[None, None, :]).to(tl.float16) * s[None, None, :]).to(tl.float32)
+                acc += tl.sum(xv[:, :, None] * w, axis=0)
+            else:
+                v = (q | 0x4B000000).to(tl.float32, bitcast=True) - (z + 0x800000).to(tl.float32)[None, None, :]
+                acc += tl.sum(xv[:, :, None] * v, axis=0) * s.to(tl.float32)[None, :]
+    out = tl.sum(acc, axis=0)[None, :]
+    offs_m = pid_m + tl.zeros((1,), dtype=tl.int32)
+    _epilogue(out, y_ptr, ws_ptr, lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, offs_m, offs_n, M, N, sy_m,
+              n_split, SPLIT)
+
+
+@triton.jit
+def gemv_rows_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_SPLIT, n_split, group_size,
+                     sx_m, sq_k, sz_g, ss_g, sy_m,
+                     BITS: tl.constexpr, ZEROS_V1: tl.constexpr, F32: tl.constexpr, WP: tl.constexpr, EVEN_K: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    """`gemv` for BLOCK_M rows at once: each weight is loaded and unpacked once and used for every row."""
+    PACK: tl.constexpr = 32 // BITS
+    BKW: tl.constexpr = BLOCK_K // PACK
+    XS: tl.constexpr = PACK if WP == 1 else 1
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_n, mask_m = offs_n < N, offs_m < M
+    offs_w = tl.arange(0, BKW)
+    k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    acc = tl.zeros((BLOCK_M, BKW, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        wrow = k0 // PACK + offs_w
+        wv = _kmask(wrow, k_end, PACK, EVEN_K)
+        words = tl.load(qw_ptr + wrow[:, None] * sq_k + offs_n[None, :], mask=wv[:, None] & mask_n[None, :],
+                        other=0, eviction_policy="evict_first")
+        xk = _xrow0(k0, tl.arange(0, PACK)[:, None], WP, PACK, BKW) + offs_w[None, :] * XS  # [PACK, BKW]
+        xv = tl.load(x_ptr + offs_m[:, None, None] * sx_m + xk[None, :, :],
+                     mask=mask_m[:, None, None] & wv[None, None, :], other=0.0).to(tl.float32)
+        z, s = _zeros_scales(qz_ptr, s_ptr, k0 // group_size, offs_n, mask_n, sz_g, ss_g, BITS, ZEROS_V1)
+        q = _fields(words, BITS)
+        if F32:
+            w = ((q - z[None, None, :]).to(tl.float16) * s[None, None, :]).to(tl.float32)
+            acc += tl.sum(xv[:, :, :, None] * w[None, :, :, :], axis=1)
+        else:
+            v = (q | 0x4B000000).to(tl.float32, bitcast=True) - (z + 0x800000).to(tl.float32)[None, None, :]
+            acc += tl.sum(xv[:, :, :, None] * v[None, :, :, :], axis=1) * s.to(tl.float32)[None, None, :]
+    out = tl.sum(acc, axis=1)
+    _epilogue(out, y_ptr, ws_ptr, lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, offs_m, offs_n, M, N, sy_m,
+              n_split, SPLIT)
+
+
+@triton.jit
+def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_SPLIT, n_split, group_size,
+               sx_m, sq_k, sz_g, ss_g, sy_m,
+               BITS: tl.constexpr, ZEROS_V1: tl.constexpr, F32: tl.constexpr, DOT_F32: tl.constexpr,
+               WP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               SPLIT: tl.constexpr, GROUP_M: tl.constexpr, FIELD_DOTS: tl.constexpr = False,
+               SCALE_W: tl.constexpr = False):
+    """Tensor cores (tl.dot). The whole [BLOCK_K, BLOCK_N] weight tile by a reshape of the unpacked fields (x read
+    in the same permuted K order), or with FIELD_DOTS one dot per packed field whose tile keeps the loaded words'
+    register layout (no round trip of every weight through a transposing shared-memory layout). The group's scale
+    multiplies each step's dot product, or with SCALE_W the weights themselves ((q - z) * s rounded to fp16, as
+    the reference computes): one accumulator instead of two, for tiles of many rows."""
+    PACK: tl.constexpr = 32 // BITS
+    BKW: tl.constexpr = BLOCK_K // PACK
+    XS: tl.constexpr = PACK if WP == 1 else 1
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * tiles_n  # grouped tile order: GROUP_M row tiles walk the same column tiles (L2 reuse)
+    first_m = (pid // width) * GROUP_M
+    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % rows_in_group
+    pid_n = (pid % width) // rows_in_group
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m, mask_n = offs_m < M, offs_n < N
+    r = tl.arange(0, BLOCK_K)  # row r of the unpacked tile is field r // BKW of word r % BKW
+    offs_w = tl.arange(0, BKW)
+    k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        wrow = k0 // PACK + offs_w
+        wv = _kmask(wrow, k_end, PACK, EVEN_K)
+        words = tl.load(qw_ptr + wrow[:, None] * sq_k + offs_n[None, :], mask=wv[:, None] & mask_n[None, :],
+                        other=0, eviction_policy="evict_first")
+        z, s = _zeros_scales(qz_ptr, s_ptr, k0 // group_size, offs_n, mask_n, sz_g, ss_g, BITS, ZEROS_V1)
+        if FIELD_DOTS:
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            zf = (z + 1024).to(tl.float16)[None, :]
+            for j in tl.static_range(PACK):
+                xj = tl.load(x_ptr + offs_m[:, None] * sx_m + (_xrow0(k0, j, WP, PACK, BKW) + offs_w * XS)[None, :],
+                             mask=mask_m[:, None] & wv[None, :], other=0.0)
+                wj = _field_f16(words, j, zf, BITS)
+                if SCALE_W:
+                    acc += tl.dot(xj, (wj * s[None, :]).to(xj.dtype))
+                else:
+                    part += tl.dot(xj, wj.to(xj.dtype))
+            if not SCALE_W:
+                acc += part * s.to(tl.float32)[None, :]
+        else:
+            kk = _xrow0(k0, r // BKW, WP, PACK, BKW) + (r % BKW) * XS
+            xt = tl.load(x_ptr + offs_m[:, None] * sx_m + kk[None, :],
+                         mask=mask_m[:, None] & _kmask(k0 // PACK + r % BKW, k_end, PACK, EVEN_K)[None, :], other=0.0)
+            q = _fields(words, BITS)
+            if F32:
+                w = ((q - z[None, None, :]).to(tl.float16) * s[None, None, :]).to(tl.float32)
+                acc += tl.dot(xt.to(tl.float32), tl.reshape(w, (BLOCK_K, BLOCK_N)), input_precision="ieee")
+            else:
+                v = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (z + 1024).to(tl.float16)[None, None, :]
+                w = tl.reshape(v, (BLOCK_K, BLOCK_N))
+                if DOT_F32:  # the interpreter's bf16 tl.dot is wrong: multiply the same bf16 values in float32
+                    part = tl.dot(xt.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+                else:
+                    part = tl.dot(xt, w.to(xt.dtype))
+                acc += part * s.to(tl.float32)[None, :]
+    _epilogue(acc, y_ptr, ws_ptr, lock_ptr, pid, pid_k, offs_m, offs_n, M, N, sy_m, n_split, SPLIT)
+
+
+@triton.jit
+def mmat_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_SPLIT, n_split, group_size,
+                sx_m, sq_k, sz_g, ss_g, sy_m,
+                BITS: tl.constexpr, ZEROS_V1: tl.constexpr, F32: tl.constexpr, DOT_F32: tl.constexpr,
+                WP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                SPLIT: tl.constexpr, GROUP_M: tl.constexpr, FIELD_DOTS: tl.constexpr = False,
+                SCALE_W: tl.constexpr = False):
+    """`mma` transposed: y^T = W^T x^T, so the dequantized weight is the first (register) operand of the tensor-core
+    instruction and the activation rows the second (as Machete does); BLOCK_N is the instruction's M side."""
+    PACK: tl.constexpr = 32 // BITS
+    BKW: tl.constexpr = BLOCK_K // PACK
+    XS: tl.constexpr = PACK if WP == 1 else 1
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m, mask_n = offs_m < M, offs_n < N
+    r = tl.arange(0, BLOCK_K)
+    offs_w = tl.arange(0, BKW)
+    shifts = (tl.arange(0, PACK) * BITS)[None, :, None]
+    k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        wrow = k0 // PACK + offs_w
+        wv = _kmask(wrow, k_end, PACK, EVEN_K)
+        words = tl.load(qw_ptr + wrow[None, :] * sq_k + offs_n[:, None], mask=wv[None, :] & mask_n[:, None], other=0,
+                        eviction_policy="evict_first")
+        z, s = _zeros_scales(qz_ptr, s_ptr, k0 // group_size, offs_n, mask_n, sz_g, ss_g, BITS, ZEROS_V1)
+        if FIELD_DOTS:
+            part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            zf = (z + 1024).to(tl.float16)[:, None]
+            for j in tl.static_range(PACK):
+                xj = tl.load(x_ptr + offs_m[None, :] * sx_m + (_xrow0(k0, j, WP, PACK, BKW) + offs_w * XS)[:, None],
+                             mask=mask_m[None, :] & wv[:, None], other=0.0)
+                wj = _field_f16(words, j, zf, BITS)
+                if SCALE_W:
+                    acc += tl.dot((wj * s[:, None]).to(xj.dtype), xj)
+                else:
+                    part += tl.dot(wj.to(xj.dtype), xj)
+            if not SCALE_W:
+                acc += part * s.to(tl.float32)[:, None]
+        else:
+            kk = _xrow0(k0, r // BKW, WP, PACK, BKW) + (r % BKW) * XS
+            xt = tl.load(x_ptr + offs_m[None, :] * sx_m + kk[:, None],
+                         mask=mask_m[None, :] & _kmask(k0 // PACK + r % BKW, k_end, PACK, EVEN_K)[:, None], other=0.0)
+            q = (words[:, None, :] >> shifts) & ((1 << BITS) - 1)  # [BLOCK_N, PACK, BKW]
+            if F32:
+                w = ((q - z[:, None, None]).to(tl.float16) * s[:, None, None]).to(tl.float32)
+                acc += tl.dot(tl.reshape(w, (BLOCK_N, BLOCK_K)), xt.to(tl.float32), input_precision="ieee")
+            else:
+                v = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (z + 1024).to(tl.float16)[:, None, None]
+                w = tl.reshape(v, (BLOCK_N, BLOCK_K))
+                if DOT_F32:
+                    part = tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+                else:
+                    part = tl.dot(w.to(xt.dtype), xt)
+                acc += part * s.to(tl.float32)[:, None]
+    _epilogue(tl.trans(acc), y_ptr, ws_ptr, lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, offs_m, offs_n,
+              M, N, sy_m, n_split, SPLIT)
