@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infer.kernels import reference as ref
-from infer.kernels.reference import LoRAGroups
+from infer.kernels import lora_reference as ref
+from infer.lora.batch import LoRAGroups, lora_groups
 
 from helpers import interpreted_module
 
@@ -63,11 +63,11 @@ def check(ops, host_slots, outs=(24, 16, 8), num_slots=5, max_rank=16, k=48, dty
     x = torch.randn(t, k, generator=g).to(dtype)
     y = (torch.randn(t, bounds[-1], generator=g) * 10).to(dtype)
     want = y.float().clone()
-    ref.lora_apply(x.float(), want, a.float(), b.float(), scal, bounds, slots)
+    ref.lora_apply(x.float(), want, a.float(), b.float(), scal, bounds, lora_groups(slots, num_slots))
     got = y.clone().to(dev)
     if groups is None:
-        groups = ref.lora_groups(slots.to(dev), num_slots)
-    ops.lora_apply(x.to(dev), got, a.to(dev), b.to(dev), scal.to(dev), bounds, slots.to(dev), groups, rk.to(dev))
+        groups = lora_groups(slots.to(dev), num_slots)
+    ops.lora_apply(x.to(dev), got, a.to(dev), b.to(dev), scal.to(dev), bounds, groups, rk.to(dev))
     got = got.cpu()
     base = slots < 0
     assert torch.equal(got[base], y[base]), "rows without adapter changed"
@@ -96,8 +96,8 @@ def test_no_adapter_at_all_leaves_y(poisoned):
     y = torch.randn(6, 16).to(dev)
     want = y.clone()
     slots = torch.full((6,), -1, device=dev)
-    poisoned.lora_apply(torch.randn(6, 32).to(dev), y, a.to(dev), b.to(dev), scal.to(dev), bounds, slots,
-                        None, rk.to(dev))
+    poisoned.lora_apply(torch.randn(6, 32).to(dev), y, a.to(dev), b.to(dev), scal.to(dev), bounds,
+                        lora_groups(slots, 3), rk.to(dev))
     assert torch.equal(y, want)
 
 
@@ -126,7 +126,7 @@ def test_graph_style_static_groups(poisoned):
     """The adapter map of a CUDA graph replay (engine.cuda_graphs): padding rows first in the order, every
     segment start shifted by them, a larger batch than the real rows."""
     host = [2, 0, 2, -1, 1]
-    real = ref.lora_groups(torch.tensor(host), 4)
+    real = lora_groups(torch.tensor(host), 4)
     pad = 3
     order = torch.cat([torch.arange(5, 5 + pad), real.order])
     starts = torch.cat([torch.zeros(1, dtype=torch.long), real.starts[1:] + pad])
@@ -164,7 +164,8 @@ def test_real_shapes_gpu(t):
     x = torch.randn(t, 4096, generator=g).half()
     y = torch.randn(t, bounds[-1], generator=g).half()
     want = y.float().clone()
-    ref.lora_apply(x.float(), want, a.float(), b.float(), scal, bounds, slots)
+    ref.lora_apply(x.float(), want, a.float(), b.float(), scal, bounds, lora_groups(slots, 16))
     got = y.cuda()
-    lora_ops.lora_apply(x.cuda(), got, a.cuda(), b.cuda(), scal.cuda(), bounds, slots.cuda(), None, rk.cuda())
+    lora_ops.lora_apply(x.cuda(), got, a.cuda(), b.cuda(), scal.cuda(), bounds, lora_groups(slots.cuda(), 16),
+                        rk.cuda())
     assert torch.allclose(got.cpu().float(), want, rtol=2e-2, atol=0.5)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from infer import kernels
-from infer.kernels import reference as ref
+from infer.kernels import lora_reference as ref
+from infer.lora.batch import lora_groups
 
 
 def naive_shrink(x, a, slots, scale):
@@ -47,12 +48,12 @@ SLOTS = {"mixed": None, "one": lambda t: torch.full((t,), 2), "none": lambda t: 
 def test_reference_matches_per_token_loop(t, case):
     slots = None if SLOTS[case] is None else SLOTS[case](t)
     x, a, b, slots, scal, y = inputs(t, 5, 16, 48, 24, seed=t, slots=slots)
-    h = ref.lora_shrink(x, a, slots, 0.5)
+    h = ref.lora_shrink(x, a, lora_groups(slots, 5), 0.5)
     assert h.dtype == torch.float32 and h.shape == (t, 16)
     assert torch.allclose(h.double(), naive_shrink(x, a, slots, 0.5), atol=1e-4)
     wide = torch.cat([h, torch.randn(t, 16)], dim=1)  # expand reads a column slice, as merged layers do
     want = naive_expand(wide[:, :16], b, slots, scal, y, offset=7)
-    ref.lora_expand(wide[:, :16], b, slots, scal, y, offset=7)
+    ref.lora_expand(wide[:, :16], b, lora_groups(slots, 5), scal, y, offset=7)
     assert torch.allclose(y.double(), want, atol=1e-3)
 
 
@@ -62,11 +63,12 @@ def test_reference_decode_path_matches_per_token_loop(slots):
     order needs no gather of the weights."""
     slots = torch.tensor(slots)
     x, a, b, slots, scal, y = inputs(len(slots), 5, 16, 48, 24, seed=len(slots), slots=slots)
-    groups = ref.lora_groups(slots, 5)
-    h = ref.lora_shrink(x, a, slots, 0.5, groups)
+    groups = lora_groups(slots, 5)
+    assert ref.plan(groups)[0] == "padded"
+    h = ref.lora_shrink(x, a, groups, 0.5)
     assert torch.allclose(h.double(), naive_shrink(x, a, slots, 0.5), atol=1e-4)
     want = naive_expand(h, b, slots, scal, y, offset=7)
-    ref.lora_expand(h, b, slots, scal, y, offset=7, groups=groups)
+    ref.lora_expand(h, b, groups, scal, y, offset=7)
     assert torch.allclose(y.double(), want, atol=1e-3)
 
 
@@ -105,14 +107,14 @@ def test_reference_in_order_decode_path(case):
     host = IN_ORDER[case]
     slots = torch.tensor(host)
     x, a, b, slots, scal, y = inputs(len(host), 5, 16, 48, 24, seed=len(host), slots=slots)
-    groups = ref.lora_groups(slots, 5, in_order=True)
+    groups = lora_groups(slots, 5, in_order=True)
     uniform = not case.endswith(("(padded)", "(loop)"))
-    assert (groups.plan()[0] == "uniform") == uniform
-    h = ref.lora_shrink(x, a, slots, 0.5, groups)
+    assert (ref.plan(groups)[0] == "uniform") == uniform
+    h = ref.lora_shrink(x, a, groups, 0.5)
     assert torch.allclose(h.double(), naive_shrink(x, a, slots, 0.5), atol=1e-4)
     want = naive_expand(h, b, slots, scal, y, offset=7)
     y1 = y.clone()
-    ref.lora_expand(h, b, slots, scal, y1, offset=7, groups=groups)
+    ref.lora_expand(h, b, groups, scal, y1, offset=7)
     assert torch.allclose(y1.double(), want, atol=1e-3)
     # a merged layer of two shards: stacked A [S, 2R, in], B per shard, scalings [2, S]
     a2 = torch.cat([a, a.flip(0) * 0.5], dim=1)
@@ -120,17 +122,17 @@ def test_reference_in_order_decode_path(case):
     scal2 = torch.stack([scal, scal.flip(0)])
     want = naive_apply(x, a2, bs, scal2, slots, y, [3, 27])
     lora_b, bounds = stacked(bs, 3)
-    ref.lora_apply(x, y, a2, lora_b, scal2, bounds, slots, groups)
+    ref.lora_apply(x, y, a2, lora_b, scal2, bounds, groups)
     assert torch.allclose(y.double(), want, atol=1e-3)
 
 
 def test_reference_in_order_decode_path_bfloat16():
     slots = torch.tensor([-1, 0, 1, 2, 3, 4])
     x, a, b, slots, scal, y = inputs(6, 5, 8, 64, 32, seed=4, slots=slots, dtype=torch.bfloat16)
-    groups = ref.lora_groups(slots, 5, in_order=True)
-    assert groups.plan()[0] == "uniform"
+    groups = lora_groups(slots, 5, in_order=True)
+    assert ref.plan(groups)[0] == "uniform"
     want = naive_apply(x, a, [b], scal[None], slots, y, [5])
-    ref.lora_apply(x, y, a, b.transpose(1, 2).flatten(), scal[None], [5, 5 + b.shape[1]], slots, groups)
+    ref.lora_apply(x, y, a, b.transpose(1, 2).flatten(), scal[None], [5, 5 + b.shape[1]], groups)
     assert y.dtype == torch.bfloat16 and torch.allclose(y.double(), want, rtol=1e-2, atol=1.0)
 
 
@@ -142,22 +144,36 @@ def test_reference_lora_apply_any_batch(case):
     a2, bs, scal2 = torch.cat([a, a * 2], dim=1), [b, b[:, :10]], torch.stack([scal, scal * 3])
     want = naive_apply(x, a2, bs, scal2, slots, y, [0, 24])
     lora_b, bounds = stacked(bs, 0)
-    ref.lora_apply(x, y, a2, lora_b, scal2, bounds, slots)
+    ref.lora_apply(x, y, a2, lora_b, scal2, bounds, lora_groups(slots, 5))
     assert torch.allclose(y.double(), want, atol=1e-3)
 
 
 def test_groups_shared_between_calls():
     x, a, b, slots, scal, y = inputs(50, 4, 8, 32, 16, seed=1)
-    groups = kernels.lora_groups(slots, 4)
+    groups = lora_groups(slots, 4)
     assert torch.equal(slots[groups.order], slots.sort(stable=True).values)
-    assert groups.starts.tolist()[1:] == torch.bincount(slots + 1, minlength=5).cumsum(0).tolist()
-    assert torch.equal(kernels.lora_shrink(x, a, slots, 1.0, groups), ref.lora_shrink(x, a, slots))
+    assert torch.equal(groups.order, slots.argsort(stable=True))  # stable: a slot's tokens keep their order
+    assert groups.starts.tolist() == [0] + torch.bincount(slots + 1, minlength=5).cumsum(0).tolist()
+    first = kernels.lora_shrink(x, a, groups)
+    assert set(groups.cache) >= {"segments", "plan"}  # derived once, read by every later op of the step
+    assert torch.equal(kernels.lora_shrink(x, a, groups), first)
+    assert torch.equal(first, ref.lora_shrink(x, a, lora_groups(slots, 4)))
+
+
+def test_any_object_with_the_contract_serves_as_groups():
+    """The kernels never import infer.lora: a plain namespace with order, starts, in_order and cache works."""
+    from types import SimpleNamespace
+    x, a, b, slots, scal, y = inputs(20, 4, 8, 32, 16, seed=6)
+    real = lora_groups(slots, 4)
+    plain = SimpleNamespace(order=real.order, starts=real.starts, in_order=False, cache={})
+    assert torch.allclose(ref.lora_shrink(x, a, plain, 0.5).double(), naive_shrink(x, a, slots, 0.5), atol=1e-4)
 
 
 def test_low_precision_reference():
     x, a, b, slots, scal, y = inputs(40, 3, 8, 64, 32, seed=2, dtype=torch.bfloat16)
-    h = ref.lora_shrink(x, a, slots)
+    groups = lora_groups(slots, 3)
+    h = ref.lora_shrink(x, a, groups)
     assert torch.allclose(h.double(), naive_shrink(x, a, slots, 1.0), rtol=1e-3, atol=1e-3)
     want = naive_expand(h, b, slots, scal, y, 3)
-    ref.lora_expand(h, b, slots, scal, y, 3)
+    ref.lora_expand(h, b, groups, scal, y, 3)
     assert y.dtype == torch.bfloat16 and torch.allclose(y.double(), want, rtol=1e-2, atol=1.0)

@@ -44,7 +44,8 @@ def workload(t: int, adapters: int, device="cuda") -> torch.Tensor:
 def measure(k: int, outs: list[int], t: int, adapters: int, bandwidth: float) -> dict:
     import triton.testing
 
-    from ..kernels import lora_ops, reference
+    from ..kernels import lora_ops
+    from ..lora.batch import lora_groups
     n, dev = len(outs), "cuda"
     bounds = [sum(outs[:i]) for i in range(n + 1)]
     lora_a = torch.randn(SLOTS, n * RANK, k, device=dev, dtype=torch.float16) * 0.01
@@ -54,8 +55,8 @@ def measure(k: int, outs: list[int], t: int, adapters: int, bandwidth: float) ->
     x = torch.randn(t, k, device=dev, dtype=torch.float16)
     y = torch.zeros(t, bounds[-1], device=dev, dtype=torch.float16)
     slots = workload(t, adapters)
-    groups = reference.lora_groups(slots, SLOTS, in_order=True)
-    run = lambda: lora_ops.lora_apply(x, y, lora_a, lora_b, scalings, bounds, slots, groups, ranks)  # noqa: E731
+    groups = lora_groups(slots, SLOTS, in_order=True)
+    run = lambda: lora_ops.lora_apply(x, y, lora_a, lora_b, scalings, bounds, groups, ranks)  # noqa: E731
     hp = lora_ops.shrink(x, lora_a, n, groups, ranks)
     ms = triton.testing.do_bench_cudagraph(run)
     shrink_ms = triton.testing.do_bench_cudagraph(lambda: lora_ops.shrink(x, lora_a, n, groups, ranks))

@@ -6,7 +6,7 @@ and writes fixed addresses, so every input lives in a static buffer that each st
 
     input_ids, positions, slot_mapping [B]     block_tables [B, max_blocks]     seq_lens [B]
     query_start_loc [B + 1] = 0..B (one token per sequence)
-    LoRA: token_slots [B], the token order by slot [B] and segment starts [S + 2] (see kernels.reference.LoRAGroups)
+    LoRA: token_slots [B], the token order by slot [B] and segment starts [S + 2] (see lora.batch.LoRAGroups)
 
 A step of n sequences replays the graph of the smallest bucket b >= n; rows n..b-1 are padding: slot -1 (no KV
 write), length 0 (attention skips them), adapter slot -1 (no LoRA). Only the hidden states come out of the graph;
@@ -71,8 +71,7 @@ class DecodeGraphs:
         ctx = ForwardContext(query_start_loc=self.query_start_loc[:b + 1], seq_lens=self.seq_lens[:b],
                              block_tables=self.block_tables[:b], slot_mapping=self.slot_mapping[:b], max_query_len=1)
         if self.lora_manager is not None:
-            from ..kernels.reference import LoRAGroups
-            from ..lora.layer import LoRABatch
+            from ..lora.batch import LoRABatch, LoRAGroups
             groups = LoRAGroups(self.lora_order[:b], self.lora_starts)
             ctx.lora = self.batches[b] = LoRABatch(self.token_slots[:b], tuple(range(self.num_slots)), groups,
                                                    static=True)
@@ -149,7 +148,7 @@ class DecodeGraphs:
         if self.emulate:
             batch = self.batches.get(b)
             if batch is not None:  # a fresh step for the CPU reference's per-step caches
-                batch.groups._segments = batch.groups._padded = batch.groups._plan = None
+                batch.groups.cache.clear()
             self.outputs[b].copy_(self.model(*self.graphs[b]))
         else:
             self.graphs[b].replay()

@@ -1,15 +1,18 @@
 """Kernel dispatch: the Triton op on CUDA tensors (when triton is importable), the torch reference otherwise.
 
-Every op here has the same signature as its reference in `reference.py`, which states its semantics.
+Every op here has the same signature as its reference in `reference.py` (or `lora_reference.py` for the LoRA ops,
+whose module docstring states what their `groups` argument must hold), which states its semantics. A Triton module
+is imported on its first use, once: a machine without CUDA never imports one.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 
-from . import reference
+from . import lora_reference, reference
 
 
 @functools.lru_cache(maxsize=1)
@@ -25,66 +28,64 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and triton_available()
 
 
+@functools.cache
+def _triton(module: str):
+    """This package's Triton module `module` (fused, attention, lora_ops, gptq_gemm), imported on first use. The
+    module object is kept, not its functions: a test that reloads it under TRITON_INTERPRET is seen by every op."""
+    return importlib.import_module(f".{module}", __name__)
+
+
 def rms_norm(x, weight, eps, residual=None):
     if use_triton(x):
-        from .fused import rms_norm as triton_rms_norm
-        return triton_rms_norm(x, weight, eps, residual)
+        return _triton("fused").rms_norm(x, weight, eps, residual)
     return reference.rms_norm(x, weight, eps, residual)
 
 
 def rotary_embedding(positions, q, k, cos_sin_cache, head_dim):
     if use_triton(q):
-        from .fused import rotary_embedding as triton_rotary
-        return triton_rotary(positions, q, k, cos_sin_cache, head_dim)
+        return _triton("fused").rotary_embedding(positions, q, k, cos_sin_cache, head_dim)
     return reference.rotary_embedding(positions, q, k, cos_sin_cache, head_dim)
 
 
 def silu_and_mul(x):
     if use_triton(x):
-        from .fused import silu_and_mul as triton_silu_and_mul
-        return triton_silu_and_mul(x)
+        return _triton("fused").silu_and_mul(x)
     return reference.silu_and_mul(x)
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
     if use_triton(k_cache):
-        from .fused import store_kv as triton_store_kv
-        return triton_store_kv(k, v, k_cache, v_cache, slot_mapping)
+        return _triton("fused").store_kv(k, v, k_cache, v_cache, slot_mapping)
     return reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len=None):
     if use_triton(q):  # the module is `attention`: a submodule named paged_attention would shadow this function
-        from .attention import paged_attention as triton_attention
-        return triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len)
+        return _triton("attention").paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                                    scale, max_query_len)
     return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                      max_query_len)
 
 
-def lora_groups(token_slots, num_slots, in_order=False):
-    return reference.lora_groups(token_slots, num_slots, in_order)
-
-
-def lora_shrink(x, lora_a, token_slots, scale=1.0, groups=None):
+def lora_shrink(x, lora_a, groups, scale=1.0):
     """The torch op on every device: a Triton kernel pair computes whole layers (lora_apply); this single-shard
     product is the CPU path's tool for layers where the batch's adapters use only some shards or a small rank."""
-    return reference.lora_shrink(x, lora_a, token_slots, scale, groups)
+    return lora_reference.lora_shrink(x, lora_a, groups, scale)
 
 
-def lora_expand(h, lora_b, token_slots, scalings, y, offset=0, groups=None):
+def lora_expand(h, lora_b, groups, scalings, y, offset=0):
     """The torch op on every device (see lora_shrink)."""
-    return reference.lora_expand(h, lora_b, token_slots, scalings, y, offset, groups)
+    return lora_reference.lora_expand(h, lora_b, groups, scalings, y, offset)
 
 
-def lora_apply(x, y, lora_a, lora_b, scalings, bounds, token_slots, groups=None, ranks=None):
+def lora_apply(x, y, lora_a, lora_b, scalings, bounds, groups, ranks=None):
     if use_triton(y):
-        from .lora_ops import lora_apply as triton_apply
-        return triton_apply(x, y, lora_a, lora_b, scalings, bounds, token_slots, groups, ranks)
-    return reference.lora_apply(x, y, lora_a, lora_b, scalings, bounds, token_slots, groups, ranks)
+        return _triton("lora_ops").lora_apply(x, y, lora_a, lora_b, scalings, bounds, groups, ranks)
+    return lora_reference.lora_apply(x, y, lora_a, lora_b, scalings, bounds, groups, ranks)
 
 
 def gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1=True, group_size=None, interleave=1):
     if use_triton(x):
-        from .gptq_gemm import gptq_matmul as triton_gptq_matmul
-        return triton_gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1, group_size, interleave)
+        return _triton("gptq_gemm").gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1, group_size,
+                                                interleave)
     return reference.gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1, group_size, interleave)

@@ -1,14 +1,15 @@
 """Triton multi-LoRA for a batch whose tokens use different adapters: one shrink and one expand launch per layer.
 
-Layout (kept by infer.lora.layer.LoRALayer, semantics in `reference.lora_apply`): lora_a [S, n*R, K] (shard i's A
-in rows i*R..), lora_b flat [S*R*N] (shard after shard, each shard's B^T [S, R, out_i] contiguous), scalings [n, S]
-float32, ranks [n, S] int32 (rows r >= ranks[i, s] of shard i are zero padding: the kernels never read them).
+Layout (kept by infer.lora.layer.LoRALayer, semantics in `lora_reference.lora_apply`): lora_a [S, n*R, K] (shard
+i's A in rows i*R..), lora_b flat [S*R*N] (shard after shard, each shard's B^T [S, R, out_i] contiguous), scalings
+[n, S] float32, ranks [n, S] int32 (rows r >= ranks[i, s] of shard i are zero padding: the kernels never read them).
 
 Work is cut into tiles of up to BLOCK_M tokens of one adapter (segmented by slot, as Punica's SGMV): the tokens are
-sorted by slot (`LoRAGroups.order`) and slot s owns sorted positions starts[s+1]..starts[s+2]. Every program finds
-its (slot, rows) from `starts` itself, by a prefix sum over the S slots' tile counts, so the grid has a static size,
-T // BLOCK_M + min(S, T) tiles, whatever the mix of adapters (a CUDA graph replays it with any token->slot map, and
-nothing is decided on the host). A decode step where every token has its own adapter is a grid of one-token tiles
+sorted by slot (`groups.order`; of the `lora_reference.SlotGroups` contract only order and starts are read here)
+and slot s owns sorted positions starts[s+1]..starts[s+2]. Every program finds its (slot, rows) from `starts`
+itself, by a prefix sum over the S slots' tile counts, so the grid has a static size, T // BLOCK_M + min(S, T)
+tiles, whatever the mix of adapters (a CUDA graph replays it with any token->slot map, and nothing is decided on
+the host). A decode step where every token has its own adapter is a grid of one-token tiles
 (BGMV); tokens that share an adapter share one read of its weights.
 
 shrink: grid (tiles, SPLIT_K). Program (p, k) multiplies its rows of x by the slot's stacked A (every shard at once)
@@ -25,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import LoRAGroups, lora_groups
+from .lora_reference import SlotGroups
 
 MAX_SHARDS = 4  # shards one expand launch covers (a merged qkv has 3)
 # Launch constants, measured on an H100 at 7B shapes, rank 16, 16 tokens x 16 adapters, under CUDA graphs (us):
@@ -161,21 +162,20 @@ def plan(t: int, num_slots: int, k: int) -> dict:
 
 
 def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-               scalings: torch.Tensor, bounds: list[int], token_slots: torch.Tensor,
-               groups: LoRAGroups | None = None, ranks: torch.Tensor | None = None) -> None:
-    """Triton version of reference.lora_apply: one shrink launch for every shard and slot, then one expand launch
+               scalings: torch.Tensor, bounds: list[int], groups: SlotGroups,
+               ranks: torch.Tensor | None = None) -> None:
+    """Triton version of lora_reference.lora_apply: one shrink launch for every shard and slot, then one expand launch
     (per MAX_SHARDS shards) that adds every shard's delta into its columns of y in place."""
     if x.shape[0] == 0:
         return
     num_slots, n = lora_a.shape[0], len(bounds) - 1
-    groups = groups if groups is not None else lora_groups(token_slots, num_slots)
     if ranks is None:
         ranks = torch.full((n, num_slots), lora_a.shape[1] // n, dtype=torch.int32, device=y.device)
     hp = shrink(x, lora_a, n, groups, ranks)
     expand(hp, y, lora_b, scalings, bounds, groups, ranks)
 
 
-def shrink(x: torch.Tensor, lora_a: torch.Tensor, n: int, groups: LoRAGroups, ranks: torch.Tensor) -> torch.Tensor:
+def shrink(x: torch.Tensor, lora_a: torch.Tensor, n: int, groups: SlotGroups, ranks: torch.Tensor) -> torch.Tensor:
     """The partial sums hp [SPLIT_K, T, n*R] float32 of x @ A[slot]^T, at sorted positions (see the module doc)."""
     num_slots, nr, k = lora_a.shape
     t = x.shape[0]
@@ -190,7 +190,7 @@ def shrink(x: torch.Tensor, lora_a: torch.Tensor, n: int, groups: LoRAGroups, ra
 
 
 def expand(hp: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, scalings: torch.Tensor, bounds: list[int],
-           groups: LoRAGroups, ranks: torch.Tensor, block_n: int | None = None) -> None:
+           groups: SlotGroups, ranks: torch.Tensor, block_n: int | None = None) -> None:
     """y[t, shard i's columns] += scalings[i, s] * (sum of hp's partials) @ B_i^T[s], in place (lora_b flat)."""
     split, t, nr = hp.shape
     num_slots, rank = ranks.shape[1], nr // (len(bounds) - 1)

@@ -25,8 +25,9 @@ What the engine does:
 """
 
 from .adapter import LoRAAdapter, LoRAModule, Problem, adapter_problems, load_adapter, read_adapter
-from .layer import LoRABatch, LoRALayer
+from .batch import LoRABatch, LoRAGroups, lora_groups
+from .layer import LoRALayer
 from .manager import LoRAManager
 
 __all__ = ["LoRAAdapter", "LoRAModule", "Problem", "adapter_problems", "load_adapter", "read_adapter",
-           "LoRABatch", "LoRALayer", "LoRAManager"]
+           "LoRABatch", "LoRAGroups", "LoRALayer", "LoRAManager", "lora_groups"]

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..errors import LoRAError
+from ..models.shapes import ModelShapes
 
 ATTN, MLP = "self_attn", "mlp"
 PROJECTIONS = {"q_proj": ATTN, "k_proj": ATTN, "v_proj": ATTN, "o_proj": ATTN,
@@ -77,7 +78,7 @@ class LoRAAdapter:
         """Everything that keeps this adapter from running on `base_config` (a HF config); [] when it fits."""
         problems = list(self.problems)
         shapes = expected_shapes(base_config)
-        num_layers = _cfg(base_config, "num_hidden_layers")
+        num_layers = base_config.num_hidden_layers
         for m in self.modules.values():
             if m.layer >= num_layers:
                 problems.append(Problem(f"{m.name} is in layer {m.layer} but the base model has {num_layers} layers",
@@ -95,19 +96,10 @@ class LoRAAdapter:
         return problems
 
 
-def _cfg(base_config, key: str, default=None):
-    if isinstance(base_config, dict):
-        return base_config.get(key, default)
-    return getattr(base_config, key, default)
-
-
 def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of every projection of a Llama-family base model."""
-    hidden, inter = _cfg(base_config, "hidden_size"), _cfg(base_config, "intermediate_size")
-    heads = _cfg(base_config, "num_attention_heads")
-    kv_heads = _cfg(base_config, "num_key_value_heads") or heads
-    head_dim = _cfg(base_config, "head_dim") or hidden // heads
-    q, kv = heads * head_dim, kv_heads * head_dim
+    """(in_features, out_features) of every projection of a Llama-family base model (a HF config)."""
+    shapes = ModelShapes.from_config(base_config)
+    hidden, inter, q, kv = shapes.hidden_size, base_config.intermediate_size, shapes.q_size, shapes.kv_size
     return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
             "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
 

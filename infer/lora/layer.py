@@ -1,4 +1,4 @@
-"""LoRA on one MergedLinear for a batch whose tokens use different adapters, and the per-step adapter map.
+"""LoRA on one MergedLinear for a batch whose tokens use different adapters (the step's map: lora.batch).
 
 A `LoRALayer` holds, for every device slot, the stacked and zero-padded weights of the layer's shards:
 `lora_a` [max_loras, n_shards * max_rank, in] (shard i's A in rows i*max_rank..) and `lora_bt`, one flat buffer
@@ -6,52 +6,18 @@ holding every shard's B^T [max_loras, max_rank, out_i] shard after shard (so tha
 shard from one pointer, and each slot's B^T is a contiguous row-major block); `lora_b[i]` [max_loras, out_i,
 max_rank] is shard i's B as a view of it. `scalings` [n_shards, max_loras] float32 (per module, since rank_pattern /
 alpha_pattern may differ between modules) and `rank_t` [n_shards, max_loras] int32 (0 = not targeted) live on the
-device, so that the kernels skip the zero padding of smaller ranks. On the GPU (and in every CUDA graph) `apply` is one `kernels.lora_apply`:
-one shrink launch for every shard and slot, one expand launch into y. The CPU path skips the shards and rank
-columns no adapter of the batch uses.
+device, so that the kernels skip the zero padding of smaller ranks. On the GPU (and in every CUDA graph) `apply`
+is one `kernels.lora_apply`: one shrink launch for every shard and slot, one expand launch into y. The CPU path
+skips the shards and rank columns no adapter of the batch uses.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from .. import kernels
-from ..kernels.reference import LoRAGroups
 from .adapter import LoRAModule
-
-
-@dataclass
-class LoRABatch:
-    """What the model runner puts at `ctx.lora` for one step (see infer.lora): every token's adapter slot.
-
-    token_slots [T] int64 on the model's device (-1 = base model only); active_slots the distinct slots >= 0, on the
-    host, so that layers no active adapter targets cost nothing; groups the tokens sorted by slot, shared by
-    every shrink/expand of the step. A static batch (a CUDA graph's) has contents that change between replays,
-    so nothing about it may be decided on the host.
-    """
-
-    token_slots: torch.Tensor
-    active_slots: tuple[int, ...]
-    groups: LoRAGroups
-    static: bool = False  # a CUDA graph's batch (engine.cuda_graphs): every layer, every slot, the full rank
-
-    @classmethod
-    def build(cls, token_slots, num_slots: int, device: torch.device | str | None = None) -> "LoRABatch | None":
-        """From a list (or tensor) of per-token slots; None when no token uses an adapter."""
-        if isinstance(token_slots, torch.Tensor):
-            host = token_slots.tolist()
-            slots = token_slots.to(device=device or token_slots.device, dtype=torch.long)
-        else:
-            host = list(token_slots)
-            slots = torch.tensor(host, dtype=torch.long, device=device)
-        active = tuple(sorted({s for s in host if s >= 0}))
-        if not active:
-            return None
-        assert active[-1] < num_slots and min(host) >= -1, f"token slots must be in -1..{num_slots - 1}"
-        in_order = all(a <= b for a, b in zip(host, host[1:]))
-        return cls(slots, active, kernels.lora_groups(slots, num_slots, in_order))
+from .batch import LoRABatch
 
 
 class LoRALayer:
@@ -113,12 +79,11 @@ class LoRALayer:
             self._apply_all(x, y, batch)  # (the Triton kernels skip unused shards and rank rows by themselves)
             return
         # CPU, only some shards or a smaller rank in use: shrink just those columns
-        mr, slots, groups = self.max_rank, batch.token_slots, batch.groups
-        parts = [kernels.lora_shrink(x, self.lora_a[:, i * mr:i * mr + rank], slots, 1.0, groups) for i in shards]
+        mr, groups = self.max_rank, batch.groups
+        parts = [kernels.lora_shrink(x, self.lora_a[:, i * mr:i * mr + rank], groups) for i in shards]
         for i, h_i in zip(shards, parts):
             b = self.lora_b[i] if rank == mr else self.lora_b[i][:, :, :rank]
-            kernels.lora_expand(h_i, b, slots, self.scalings[i], y, self.offsets[i], groups)
+            kernels.lora_expand(h_i, b, groups, self.scalings[i], y, self.offsets[i])
 
     def _apply_all(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> None:
-        kernels.lora_apply(x, y, self.lora_a, self.lora_bt, self.scalings, self.bounds, batch.token_slots,
-                           batch.groups, self.rank_t)
+        kernels.lora_apply(x, y, self.lora_a, self.lora_bt, self.scalings, self.bounds, batch.groups, self.rank_t)

@@ -16,7 +16,8 @@ import torch
 from ..errors import LoRAError
 from ..models.layers import MergedLinear
 from .adapter import LoRAAdapter, load_adapter
-from .layer import LoRABatch, LoRALayer
+from .batch import LoRABatch
+from .layer import LoRALayer
 
 
 class LoRAManager:
