@@ -150,6 +150,33 @@ def test_heuristic_regimes():
     assert [gc.bucket(m) for m in (1, 2, 3, 16, 17, 5000)] == [1, 2, 4, 16, 32, 4096]
     assert gc.block_k_limit(32, 4096, 8) == 32 and gc.block_k_limit(-1, 64, 8) == 128
     assert gc.block_k_limit(None, 64, 8) == 0 and gc.block_k_limit(24, 96, 8) == 0  # g_idx read row by row
+    mid = gc.heuristic(128, 12288, 4096, sms=132)
+    assert mid["kernel"] == "mma" and mid["FIELD"] and mid["SCALE_W"] and mid["BLOCK_M"] == 128
+    # interleaved blocks of one K step, only where K holds whole blocks and groups allow a K step
+    assert gc.interleave_for(128, 4096, 8) == 16 and gc.interleave_for(32, 4096, 8) == 4
+    assert gc.interleave_for(128, 4096, 4) == 32 and gc.interleave_for(-1, 192, 8) == 1
+    assert gc.interleave_for(None, 4096, 8) == 1 and gc.interleave_for(24, 96, 8) == 1
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_tuning_candidates_launch_and_compute_right(gemm, gen, quick):
+    """Every configuration the tuner may pick, for every M bucket, is a valid launch on an interleaved layer: run
+    here on one small layer (BLOCK sizes are the real ones; all quick ones on a GPU, else a random sample)."""
+    from infer.kernels import gptq_configs as gc, gptq_tune
+    g = gen
+    k, n = 256, 40
+    qw, qz, s, gi = make_weights(g, 4, 128, k, n, False, False)
+    wp = gc.interleave_for(128, k, 8)
+    qi = packing.interleave_rows(qw, 4, wp)
+    for m in gptq_tune.BUCKETS[:9]:
+        cands = gptq_tune.candidates(m, gc.block_k_limit(128, k, 8), quick)
+        assert cands and all(c["kernel"] in ("gemv", "mma", "mmat", "dequant") for c in cands)
+        x = torch.randn(m, k, generator=g).half().to(DEV)
+        want = ref.gptq_matmul(x, qw, qz, s, gi, 4, True)
+        sample = len(cands) if CUDA and quick else (8 if CUDA else 2)  # the full space is large: a random sample
+        for cfg in [cands[i] for i in torch.randperm(len(cands), generator=g)[:sample].tolist()]:
+            assert_close(gemm.gptq_matmul(x, qi, qz, s, gi, 4, True, 128, wp, config=cfg), want, torch.float16, g,
+                         f"M={m} {cfg}")
 
 
 def test_tuned_table_round_trip(tmp_path, monkeypatch):

@@ -57,14 +57,15 @@ def measure_shape(model: str, name: str, k: int, n: int, ms, bandwidth: float) -
     copies = [random_gptq(k, n, 4, 128, "cuda") for _ in range(max(2, -(-L2_BUST_BYTES // (k * n // 2))))]
     w16 = [torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02 for _ in range(2)]
     tiny = _tinygemm(k, n, len(copies))
+    wp = gptq_configs.interleave_for(128, k, 8)  # the layout the linear method gives such a layer on CUDA
     rows = []
     for m in ms:
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         cfg = gptq_configs.choose(m, n, k, x.device)
-        y = gptq_gemm.gptq_matmul(x, *copies[0], 4, True, 128)
-        want = reference.gptq_matmul(x, *copies[0], 4, True)
+        y = gptq_gemm.gptq_matmul(x, *copies[0], 4, True, 128, wp)
+        want = reference.gptq_matmul(x, *copies[0], 4, True, 128, wp)
         err = ((y.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6)).item()
-        ours = time_graph([lambda t=t: gptq_gemm.gptq_matmul(x, *t, 4, True, 128) for t in copies])
+        ours = time_graph([lambda t=t: gptq_gemm.gptq_matmul(x, *t, 4, True, 128, wp) for t in copies])
         fp16 = time_graph([lambda w=w: torch.nn.functional.linear(x, w) for w in w16])
         row = {"model": model, "layer": name, "M": m, "K": k, "N": n, "infer_us": ours, "cublas_fp16_us": fp16,
                "floor_us": k * n / 2 / bandwidth * 1e6, "vs_fp16": fp16 / ours, "kernel": cfg.get("kernel"),
@@ -80,7 +81,7 @@ def measure_shape(model: str, name: str, k: int, n: int, ms, bandwidth: float) -
     return rows
 
 
-def tune(models, out: str | None, buckets=BUCKETS) -> dict:
+def tune(models, out: str | None, buckets=BUCKETS, quick: bool = False) -> dict:
     """Tune every shape of `models`; each shape's winners are saved (cache file, and `out`) as soon as it is done."""
     from ..kernels import gptq_configs
     from ..kernels.gptq_tune import tune_shape
@@ -88,7 +89,7 @@ def tune(models, out: str | None, buckets=BUCKETS) -> dict:
     found: dict = {}
     for model in models:
         for k, n in SHAPES[model].values():
-            res = tune_shape(n, k, buckets, log=lambda s: print(s, flush=True))
+            res = tune_shape(n, k, buckets, log=lambda s: print(s, flush=True), quick=quick)
             found[f"{n},{k}"] = {b: cfg for b, (cfg, _) in res.items() if cfg is not None}
             path = gptq_configs.save(name, {f"{n},{k}": found[f"{n},{k}"]})
             if out:
@@ -121,6 +122,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tune", action="store_true", help="tune every shape and M bucket first (minutes)")
     p.add_argument("--tuned-out", help="with --tune: also write the tuned table to this JSON file")
     p.add_argument("--tune-m", type=int, nargs="+", default=list(BUCKETS), help="with --tune: the M buckets")
+    p.add_argument("--quick", action="store_true", help="with --tune: only the engine start's quick candidates")
     p.add_argument("--lora", action="store_true", help="time the multi-LoRA shrink/expand kernels instead")
     return p.parse_args(argv)
 
@@ -136,7 +138,7 @@ def main(argv=None) -> int:
         return 2
     import pandas as pd
     if args.tune:
-        tune(args.models, args.tuned_out, args.tune_m)
+        tune(args.models, args.tuned_out, args.tune_m, args.quick)
     bandwidth = copy_bandwidth()
     rows = [r for model in args.models for name, (k, n) in SHAPES[model].items()
             for r in measure_shape(model, name, k, n, args.m, bandwidth)]

@@ -4,8 +4,8 @@ Tables map "N,K" -> {M bucket: config}, M bucket being the next power of two (ca
 two places, merged with the user's cache winning: tables shipped with infer for GPUs it was tuned on
 (`kernels/configs/<GPU name>.json`), and `$INFER_CACHE/kernels/<GPU name>.json` (default ~/.cache/infer) written
 by `gptq_tune` when an engine starts on a GPU or shape nobody tuned before, so a restart does not tune again.
-A config is {"kernel": "gemv" | "mma" | "dequant", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "GROUP_M",
-"num_warps", "num_stages"} (see gptq_gemm).
+A config is {"kernel": "gemv" | "mma" | "mmat" | "dequant", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "GROUP_M",
+"num_warps", "num_stages", "FIELD", "SCALE_W"} (see gptq_gemm).
 """
 
 from __future__ import annotations
@@ -101,20 +101,18 @@ def num_sms(device: torch.device) -> int:
 
 
 def heuristic(m: int, n: int, k: int, sms: int) -> dict:
-    """A reasonable configuration without tuning: split K until about two waves of programs fill the GPU."""
+    """A reasonable configuration without tuning: split K until about two waves of programs fill the GPU; for
+    2-256 rows the field-by-field tensor-core kernel (scale folded into the weights from 17 rows on)."""
     if m == 1:
         block_n = 128
         split = max(1, min(-(-2 * sms // -(-n // block_n)), k // 512, 16))
         return dict(kernel="gemv", BLOCK_N=block_n, BLOCK_K=128, SPLIT_K=split, num_warps=4, num_stages=2)
-    if m <= 64:
-        block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-        tiles = -(-m // block_m) * -(-n // 64)
-        split = max(1, min(-(-2 * sms // tiles), k // 512, 16))
-        return dict(kernel="mma", BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split, GROUP_M=1, num_warps=4,
-                    num_stages=3)
     if m <= 256:
-        return dict(kernel="mma", BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, GROUP_M=8, num_warps=4,
-                    num_stages=4)
+        block_m = 16 if m <= 16 else (32 if m <= 32 else (64 if m <= 64 else 128))
+        tiles = -(-m // block_m) * -(-n // 128)
+        split = max(1, min(-(-2 * sms // tiles), k // 512, 16))
+        return dict(kernel="mma", BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, SPLIT_K=split, GROUP_M=1,
+                    num_warps=8 if block_m == 128 else 4, num_stages=3, FIELD=True, SCALE_W=m > 16)
     return dict(kernel="dequant")
 
 

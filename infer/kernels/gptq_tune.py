@@ -19,25 +19,39 @@ BUCKETS = tuple(1 << i for i in range(13))  # 1 .. 4096
 L2_BUST_BYTES = 160 << 20
 
 
+def _field(kernel: str, bm: int, bn: int, w: int, split: int, stages: int = 3, scale_w: bool = True) -> dict:
+    """A field-by-field tensor-core configuration (see gptq_kernels.mma_kernel / mmat_kernel)."""
+    cfg = dict(kernel=kernel, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, SPLIT_K=split, num_warps=w, num_stages=stages,
+               FIELD=True, SCALE_W=scale_w)
+    return dict(cfg, GROUP_M=1) if kernel == "mma" else cfg
+
+
+def _rows_tile(m: int) -> int:
+    """BLOCK_M of the field kernels for 17-256 rows: one tile up to 128 rows (each weight read once)."""
+    return 32 if m <= 32 else (64 if m <= 64 else 128)
+
+
 def quick_candidates(m: int, step: int) -> list[dict]:
-    """The regions that won on an H100 (INFER_TUNE=quick): a few dozen configurations instead of ~150."""
+    """The regions that won on an H100 or that the compiled code favours (engine start; INFER_TUNE=full for all):
+    a dozen or two configurations per M bucket instead of ~70-150."""
     out: list[dict] = [dict(kernel="dequant")]
     if m == 1:
         out += [dict(kernel="gemv", BLOCK_N=bn, BLOCK_K=128, SPLIT_K=s, num_warps=4, num_stages=st)
                 for bn in (64, 128) for st in (1, 2) for s in (4, 8, 16)]
-    if m <= 64:
-        out += [dict(kernel="mma", BLOCK_M=min(max(16, m), 64), BLOCK_N=bn, BLOCK_K=128, SPLIT_K=s, GROUP_M=1,
-                     num_warps=w, num_stages=st, FIELD=True)
-                for bn, w in ((128, 4), (256, 8)) for st in (2, 3) for s in (2, 4, 8, 16)]
-    if 32 <= m <= 256:
-        out += [dict(kernel="mmat", BLOCK_M=min(m, 64), BLOCK_N=bn, BLOCK_K=128, SPLIT_K=s, num_warps=8, num_stages=3,
-                     FIELD=True) for bn in (128, 256) for s in (1, 2, 4)]
+    elif m <= 16:
+        out += [_field("mma", 16, bn, w, s, st, False) for bn, w in ((128, 4), (256, 8)) for st in (2, 3)
+                for s in (2, 4, 8, 16)]
+    elif m <= 256:
+        bm = _rows_tile(m)
+        tiles = ((128, 4), (256, 8)) if bm == 32 else (((128, 4), (128, 8)) if bm == 64 else ((128, 8),))
+        out += [_field("mma", bm, bn, w, s) for bn, w in tiles for s in (1, 2, 4)]
+        out += [_field("mmat", min(m, 64), bn, 8, s) for bn in (128, 256) for s in (1, 2, 4)]
     return [c for c in out if c["kernel"] == "dequant" or c["BLOCK_K"] <= step]
 
 
-def candidates(m: int, step: int) -> list[dict]:
+def candidates(m: int, step: int, quick: bool = False) -> list[dict]:
     """The configurations worth timing for M rows (step: the largest BLOCK_K the grouping allows)."""
-    if os.environ.get("INFER_TUNE") == "quick":
+    if quick:
         return quick_candidates(m, step)
     out: list[dict] = []
     splits = (2, 4, 8, 16)
@@ -47,23 +61,26 @@ def candidates(m: int, step: int) -> list[dict]:
     if 2 <= m <= 16:
         out += [dict(kernel="gemv", BLOCK_M=min(m, 8), BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=4, num_stages=2)
                 for bn in (32, 64) for bk in (32, 64) for s in (2, 4, 8)]
-    if m <= 64:
-        bm = min(max(16, m), 64)
-        out += [dict(kernel="mma", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, GROUP_M=1, num_warps=4,
+        out += [dict(kernel="mma", BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, GROUP_M=1, num_warps=4,
                      num_stages=st) for bn in (64, 128) for bk in (64, 128) for st in (2, 3) for s in splits]
-        out += [dict(kernel="mma", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, SPLIT_K=s, GROUP_M=1, num_warps=w,
-                     num_stages=st, FIELD=True)
-                for bn, w in ((64, 4), (128, 4), (256, 8)) for st in (2, 3, 4) for s in splits]
-        out += [dict(kernel="mmat", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=w, num_stages=3)
+        out += [_field("mma", 16, bn, w, s, st, False) for bn, w in ((64, 4), (128, 4), (256, 8)) for st in (2, 3, 4)
+                for s in splits]
+        out += [dict(kernel="mmat", BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=w, num_stages=3)
                 for bn, w in ((64, 4), (128, 4), (128, 8)) for bk in (64, 128) for s in (1,) + splits]
-    if 32 <= m <= 256:  # weights as the register operand of the tensor-core op, one dot per packed field
-        out += [dict(kernel="mmat", BLOCK_M=min(m, 64), BLOCK_N=bn, BLOCK_K=128, SPLIT_K=s, num_warps=w, num_stages=3,
-                     FIELD=True) for bn, w in ((128, 4), (128, 8), (256, 8)) for s in (1, 2, 4, 8)]
+    if 17 <= m <= 256:  # one dot per packed field; the weight as the B (mma) or the register A (mmat) operand
+        for bm in sorted({_rows_tile(m), min(2 * _rows_tile(m), 128), max(_rows_tile(m) // 2, 32)}):
+            tiles = [(128, 4), (128, 8)] + ([(256, 8)] if bm == 32 else [])
+            out += [_field("mma", bm, bn, w, s, 3, sw) for bn, w in tiles for sw in (False, True)
+                    for s in (1, 2, 4, 8) if not (bm == 128 and w == 4)]
+        out += [_field("mmat", min(m, 64), bn, w, s, 3, sw) for bn, w in ((128, 4), (128, 8), (256, 8))
+                for sw in (False, True) for s in (1, 2, 4, 8)]
     if m >= 128:
         out += [dict(kernel="mmat", BLOCK_M=bm, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_warps=8, num_stages=3)
                 for bm in (64, 128)]
         out += [dict(kernel="mma", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, GROUP_M=8, num_warps=8,
                      num_stages=3)]
+    if m >= 512:
+        out += [dict(_field("mma", 128, bn, 8, 1, st), GROUP_M=8) for bn in (128, 256) for st in (3, 4)]
     out.append(dict(kernel="dequant"))
     return [c for c in out if c["kernel"] == "dequant" or c["BLOCK_K"] <= step]
 
@@ -111,23 +128,25 @@ def weight_copies(k: int, n: int, bits: int, group_size: int, device, make) -> l
 
 
 def tune_shape(n: int, k: int, buckets, bits: int = 4, group_size: int = 128, device=None, dtype=torch.float16,
-               log=None) -> dict:
-    """{bucket: (best config, microseconds)} for one (N, K), timed on random GPTQ tensors."""
+               log=None, quick: bool = False) -> dict:
+    """{bucket: (best config, microseconds)} for one (N, K), timed on random GPTQ tensors in the interleaved
+    layout the linear method gives such a layer (random words: any layout is random words)."""
     device = torch.device(device or "cuda")
     copies = weight_copies(k, n, bits, group_size, device, random_gptq)
     step = gptq_configs.block_k_limit(group_size, k, 32 // bits)
+    wp = gptq_configs.interleave_for(group_size, k, 32 // bits)
     result = {}
     for m in buckets:
         x = torch.randn(m, k, device=device, dtype=dtype)
-        want = gptq_gemm.gptq_matmul(x, *copies[0][:4], bits, True, group_size, config={"kernel": "dequant"})
+        want = gptq_gemm.gptq_matmul(x, *copies[0][:4], bits, True, group_size, wp, config={"kernel": "dequant"})
         scale = want.float().abs().max().clamp_min(1e-6)
         best = (None, float("inf"))
-        for cfg in candidates(m, step):
+        for cfg in candidates(m, step, quick):
             try:
-                got = gptq_gemm.gptq_matmul(x, *copies[0][:4], bits, True, group_size, config=cfg)
+                got = gptq_gemm.gptq_matmul(x, *copies[0][:4], bits, True, group_size, wp, config=cfg)
                 if not bool(((got.float() - want.float()).abs().max() / scale) < 1e-2):
                     continue
-                fns = [lambda t=t, c=cfg: gptq_gemm.gptq_matmul(x, *t[:4], bits, True, group_size, config=c)
+                fns = [lambda t=t, c=cfg: gptq_gemm.gptq_matmul(x, *t[:4], bits, True, group_size, wp, config=c)
                        for t in copies]
                 us = time_graph(fns)
             except Exception as e:  # a config the compiler or the GPU cannot run (shared memory, registers)
@@ -153,9 +172,12 @@ def layer_shapes(model) -> set[tuple[int, int, int, int]]:
     return shapes
 
 
-def tune_model(model, max_tokens: int, device, log=None) -> tuple[int, float]:
+def tune_model(model, max_tokens: int, device, log=None, quick: bool | None = None) -> tuple[int, float]:
     """Tune every (M bucket up to max_tokens, N, K) of the model's GPTQ layers that no table holds yet; save the
-    winners to the cache file. Returns (shapes tuned, seconds)."""
+    winners to the cache file. Returns (shapes tuned, seconds). At engine start the quick candidate set is timed
+    (a dozen or two configurations per M bucket) unless INFER_TUNE=full asks for the whole space."""
+    if quick is None:
+        quick = os.environ.get("INFER_TUNE", "quick") != "full"
     t0 = time.perf_counter()
     buckets = [b for b in BUCKETS if b <= gptq_configs.bucket(max_tokens)]
     todo: dict = {}
@@ -165,7 +187,7 @@ def tune_model(model, max_tokens: int, device, log=None) -> tuple[int, float]:
             todo[(n, k, bits, gs)] = missing
     found = {}
     for (n, k, bits, gs), missing in sorted(todo.items()):
-        res = tune_shape(n, k, missing, bits, gs, device, log=log)
+        res = tune_shape(n, k, missing, bits, gs, device, log=log, quick=quick)
         found[f"{n},{k}"] = {b: cfg for b, (cfg, _) in res.items() if cfg is not None}
     if found:
         gptq_configs.save(gptq_configs.gpu_name(device), found)

@@ -88,18 +88,24 @@ def field_rows(k: int, bits: int, interleave: int, device=None) -> torch.Tensor:
 
 
 def interleave_rows(qweight: torch.Tensor, bits: int, interleave: int) -> torch.Tensor:
-    """GPTQ-order qweight -> the interleaved layout of `field_rows` (identity for interleave 1)."""
+    """GPTQ-order qweight -> the interleaved layout of `field_rows` (identity for interleave 1). Column chunks keep
+    the unpacked temporaries small (a load-time repack must not need several times the weight's memory)."""
     if interleave == 1:
         return qweight
-    k = qweight.shape[0] * (32 // bits)
-    return pack_rows(unpack_rows(qweight, bits)[field_rows(k, bits, interleave, qweight.device)], bits)
+    order = field_rows(qweight.shape[0] * (32 // bits), bits, interleave, qweight.device)
+    return _by_columns(qweight, lambda q: q[order], bits)
 
 
 def deinterleave_rows(qweight: torch.Tensor, bits: int, interleave: int) -> torch.Tensor:
     """The inverse of interleave_rows: back to GPTQ order."""
     if interleave == 1:
         return qweight
-    q = unpack_rows(qweight, bits)
-    out = torch.empty_like(q)
-    out[field_rows(q.shape[0], bits, interleave, q.device)] = q
-    return pack_rows(out, bits)
+    order = field_rows(qweight.shape[0] * (32 // bits), bits, interleave, qweight.device)
+    return _by_columns(qweight, lambda q: torch.empty_like(q).index_copy_(0, order, q), bits)
+
+
+def _by_columns(qweight: torch.Tensor, permute, bits: int, chunk: int = 2048) -> torch.Tensor:
+    out = torch.empty_like(qweight)
+    for c in range(0, qweight.shape[1], chunk):
+        out[:, c:c + chunk] = pack_rows(permute(unpack_rows(qweight[:, c:c + chunk].contiguous(), bits)), bits)
+    return out
