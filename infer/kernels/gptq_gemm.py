@@ -42,7 +42,8 @@ import triton
 
 from . import gptq_configs
 from .gptq_dequant import dequantize_into_scratch, release_scratch, scratch_bytes  # noqa: F401 (the API)
-from .gptq_kernels import gemv_kernel, gemv_rows_kernel, mma_kernel, mmat_kernel
+from .gptq_gemv import gemv_kernel, gemv_rows_kernel
+from .gptq_kernels import mma_kernel, mmat_kernel
 
 
 _LOCKS: dict = {}

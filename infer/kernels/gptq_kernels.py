@@ -1,4 +1,5 @@
-"""The fused GPTQ matmul kernels (W4A16 / W8A16) that `gptq_gemm` launches; the module docstring there says when.
+"""The tensor-core GPTQ matmul kernels (W4A16 / W8A16: `mma`, `mmat`) and the K-step helpers every kernel shares;
+`gptq_gemm` launches them (its docstring says when), the CUDA-core `gemv` kernels are in `gptq_gemv`.
 
 Every kernel reads a K step of BLOCK_K input rows as BLOCK_K / pack int32 words per column and splits the words
 into their `pack` fields with shifts. `WP` is the weight's interleave (`packing.field_rows`): 1 for GPTQ order,
@@ -87,110 +88,105 @@ def _epilogue(acc, y_ptr, ws_ptr, lock_ptr, tile, pid_k, offs_m, offs_n, M, N, s
 
 
 @triton.jit
-def gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_SPLIT, n_split, group_size,
-                sx_m, sq_k, sz_g, ss_g, sy_m,
-                BITS: tl.constexpr, ZEROS_V1: tl.constexpr, F32: tl.constexpr, WP: tl.constexpr, EVEN_K: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, FIELD_LOOP: tl.constexpr = False):
-    """M = 1 on CUDA cores: fields become floats by OR-ing them into the mantissa of 2^23 (the float 2^23 + q),
-    x * (q - z) accumulates in a [BLOCK_K / pack, BLOCK_N] float32 tile reduced once at the end, and the group's
-    scale multiplies the step's partial sum, not every weight. FIELD_LOOP: field by field, x loaded per field."""
+def _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, group_size, offs_w, offs_n, mask_n, sq_k, sz_g, ss_g,
+                BITS: tl.constexpr, ZEROS_V1: tl.constexpr, EVEN_K: tl.constexpr, TRANS: tl.constexpr):
+    """One K step's packed words ([BKW, BLOCK_N], or [BLOCK_N, BKW] with TRANS; coalesced along N, read once),
+    which of them lie in range, and the step's group zeros and scales."""
     PACK: tl.constexpr = 32 // BITS
-    BKW: tl.constexpr = BLOCK_K // PACK
-    XS: tl.constexpr = PACK if WP == 1 else 1
-    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_w = tl.arange(0, BKW)
-    k_begin = pid_k * K_SPLIT
-    k_end = tl.minimum(k_begin + K_SPLIT, K)
-    acc = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        wrow = k0 // PACK + offs_w
-        wv = _kmask(wrow, k_end, PACK, EVEN_K)
-        words = tl.load(qw_ptr + wrow[:, None] * sq_k + offs_n[None, :], mask=wv[:, None] & mask_n[None, :],
-                        other=0, eviction_policy="evict_first")
-        z, s = _zeros_scales(qz_ptr, s_ptr, k0 // group_size, offs_n, mask_n, sz_g, ss_g, BITS, ZEROS_V1)
-        if FIELD_LOOP:
-            part = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
-            zf = (z + 0x800000).to(tl.float32)[None, :]
-            for j in tl.static_range(PACK):
-                xj = tl.load(x_ptr + pid_m * sx_m + _xrow0(k0, j, WP, PACK, BKW) + offs_w * XS, mask=wv,
-                             other=0.0).to(tl.float32)
-                qj = ((words >> (j * BITS)) & ((1 << BITS) - 1)) | 0x4B000000
-                part += xj[:, None] * (qj.to(tl.float32, bitcast=True) - zf)
-            acc += part * s.to(tl.float32)[None, :]
-        else:
-            xk = _xrow0(k0, tl.arange(0, PACK)[:, None], WP, PACK, BKW) + offs_w[None, :] * XS  # [PACK, BKW]
-            xv = tl.load(x_ptr + pid_m * sx_m + xk, mask=wv[None, :], other=0.0).to(tl.float32)
-            q = _fields(words, BITS)
-            if F32:
-                w = ((q - z[None, None, :]).to(tl.float16) * s[None, None, :]).to(tl.float32)
-                acc += tl.sum(xv[:, :, None] * w, axis=0)
-            else:
-                v = (q | 0x4B000000).to(tl.float32, bitcast=True) - (z + 0x800000).to(tl.float32)[None, None, :]
-                acc += tl.sum(xv[:, :, None] * v, axis=0) * s.to(tl.float32)[None, :]
-    out = tl.sum(acc, axis=0)[None, :]
-    offs_m = pid_m + tl.zeros((1,), dtype=tl.int32)
-    _epilogue(out, y_ptr, ws_ptr, lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, offs_m, offs_n, M, N, sy_m,
-              n_split, SPLIT)
+    wrow = k0 // PACK + offs_w
+    wv = _kmask(wrow, k_end, PACK, EVEN_K)
+    if TRANS:
+        words = tl.load(qw_ptr + wrow[None, :] * sq_k + offs_n[:, None], mask=wv[None, :] & mask_n[:, None], other=0,
+                        eviction_policy="evict_first")
+    else:
+        words = tl.load(qw_ptr + wrow[:, None] * sq_k + offs_n[None, :], mask=wv[:, None] & mask_n[None, :], other=0,
+                        eviction_policy="evict_first")
+    z, s = _zeros_scales(qz_ptr, s_ptr, k0 // group_size, offs_n, mask_n, sz_g, ss_g, BITS, ZEROS_V1)
+    return words, wv, z, s
 
 
 @triton.jit
-def gemv_rows_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_SPLIT, n_split, group_size,
-                     sx_m, sq_k, sz_g, ss_g, sy_m,
-                     BITS: tl.constexpr, ZEROS_V1: tl.constexpr, F32: tl.constexpr, WP: tl.constexpr, EVEN_K: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
-    """`gemv` for BLOCK_M rows at once: each weight is loaded and unpacked once and used for every row."""
+def _dot_fields(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, BITS: tl.constexpr, WP: tl.constexpr,
+                BKW: tl.constexpr, SCALE_W: tl.constexpr, TRANS: tl.constexpr):
+    """acc += one K step as one tensor-core dot per packed field, each field tile straight from the loaded words'
+    registers. x_rows: pointers to the rows' first element ([BLOCK_M, 1], or [1, BLOCK_M] with TRANS: acc is then
+    y^T and the weight the first operand). The group's scale multiplies the step's sum, or with SCALE_W the weights
+    themselves ((q - z) * s rounded to fp16, as the reference computes; one accumulator instead of two)."""
     PACK: tl.constexpr = 32 // BITS
-    BKW: tl.constexpr = BLOCK_K // PACK
     XS: tl.constexpr = PACK if WP == 1 else 1
-    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_n, mask_m = offs_n < N, offs_m < M
-    offs_w = tl.arange(0, BKW)
-    k_begin = pid_k * K_SPLIT
-    k_end = tl.minimum(k_begin + K_SPLIT, K)
-    acc = tl.zeros((BLOCK_M, BKW, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        wrow = k0 // PACK + offs_w
-        wv = _kmask(wrow, k_end, PACK, EVEN_K)
-        words = tl.load(qw_ptr + wrow[:, None] * sq_k + offs_n[None, :], mask=wv[:, None] & mask_n[None, :],
-                        other=0, eviction_policy="evict_first")
-        xk = _xrow0(k0, tl.arange(0, PACK)[:, None], WP, PACK, BKW) + offs_w[None, :] * XS  # [PACK, BKW]
-        xv = tl.load(x_ptr + offs_m[:, None, None] * sx_m + xk[None, :, :],
-                     mask=mask_m[:, None, None] & wv[None, None, :], other=0.0).to(tl.float32)
-        z, s = _zeros_scales(qz_ptr, s_ptr, k0 // group_size, offs_n, mask_n, sz_g, ss_g, BITS, ZEROS_V1)
-        q = _fields(words, BITS)
-        if F32:
-            w = ((q - z[None, None, :]).to(tl.float16) * s[None, None, :]).to(tl.float32)
-            acc += tl.sum(xv[:, :, :, None] * w[None, :, :, :], axis=1)
+    part = tl.zeros(acc.shape, dtype=tl.float32)
+    zf = (z + 1024).to(tl.float16)[:, None] if TRANS else (z + 1024).to(tl.float16)[None, :]
+    sw = s[:, None] if TRANS else s[None, :]
+    for j in tl.static_range(PACK):
+        ks = _xrow0(k0, j, WP, PACK, BKW) + offs_w * XS
+        wj = _field_f16(words, j, zf, BITS)
+        if SCALE_W:
+            wj = wj * sw
+        if TRANS:
+            xj = tl.load(x_rows + ks[:, None], mask=mask_m[None, :] & wv[:, None], other=0.0)
+            d = tl.dot(wj.to(xj.dtype), xj)
         else:
-            v = (q | 0x4B000000).to(tl.float32, bitcast=True) - (z + 0x800000).to(tl.float32)[None, None, :]
-            acc += tl.sum(xv[:, :, :, None] * v[None, :, :, :], axis=1) * s.to(tl.float32)[None, None, :]
-    out = tl.sum(acc, axis=1)
-    _epilogue(out, y_ptr, ws_ptr, lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, offs_m, offs_n, M, N, sy_m,
-              n_split, SPLIT)
+            xj = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & wv[None, :], other=0.0)
+            d = tl.dot(xj, wj.to(xj.dtype))
+        if SCALE_W:
+            acc += d
+        else:
+            part += d
+    if not SCALE_W:
+        acc += part * sw.to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _dot_tile(acc, x_rows, mask_m, k0, k_end, words, z, s, BITS: tl.constexpr, WP: tl.constexpr, BKW: tl.constexpr,
+              EVEN_K: tl.constexpr, F32: tl.constexpr, DOT_F32: tl.constexpr, TRANS: tl.constexpr):
+    """acc += one K step as one dot over the whole [BLOCK_K, BLOCK_N] weight tile, built by a reshape of the
+    unpacked fields (row r of the tile is field r // BKW of word r % BKW; x is read in the same order)."""
+    PACK: tl.constexpr = 32 // BITS
+    BLOCK_K: tl.constexpr = BKW * PACK
+    XS: tl.constexpr = PACK if WP == 1 else 1
+    r = tl.arange(0, BLOCK_K)
+    kk = _xrow0(k0, r // BKW, WP, PACK, BKW) + (r % BKW) * XS
+    kv = _kmask(k0 // PACK + r % BKW, k_end, PACK, EVEN_K)
+    if TRANS:  # words [BLOCK_N, BKW] -> the weight^T tile [BLOCK_N, BLOCK_K], column c = field c // BKW of word c % BKW
+        xt = tl.load(x_rows + kk[:, None], mask=mask_m[None, :] & kv[:, None], other=0.0)
+        shifts = (tl.arange(0, PACK) * BITS)[None, :, None]
+        q = tl.reshape((words[:, None, :] >> shifts) & ((1 << BITS) - 1), (words.shape[0], BLOCK_K))
+        zz, ss = z[:, None], s[:, None]
+    else:
+        xt = tl.load(x_rows + kk[None, :], mask=mask_m[:, None] & kv[None, :], other=0.0)
+        q = tl.reshape(_fields(words, BITS), (BLOCK_K, words.shape[1]))
+        zz, ss = z[None, :], s[None, :]
+    if F32:
+        w = ((q - zz).to(tl.float16) * ss).to(tl.float32)
+        part = tl.dot(w, xt.to(tl.float32), input_precision="ieee") if TRANS else \
+            tl.dot(xt.to(tl.float32), w, input_precision="ieee")
+        acc += part
+    else:
+        w = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (zz + 1024).to(tl.float16)
+        if DOT_F32:  # the interpreter's bf16 tl.dot is wrong: multiply the same bf16 values in float32
+            part = tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee") if TRANS else \
+                tl.dot(xt.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            part = tl.dot(w.to(xt.dtype), xt) if TRANS else tl.dot(xt, w.to(xt.dtype))
+        acc += part * ss.to(tl.float32)
+    return acc
 
 
 @triton.jit
 def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_SPLIT, n_split, group_size,
                sx_m, sq_k, sz_g, ss_g, sy_m,
                BITS: tl.constexpr, ZEROS_V1: tl.constexpr, F32: tl.constexpr, DOT_F32: tl.constexpr,
-               WP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               SPLIT: tl.constexpr, GROUP_M: tl.constexpr, FIELD_DOTS: tl.constexpr = False,
+               WP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, GROUP_M: tl.constexpr, FIELD_DOTS: tl.constexpr = False,
                SCALE_W: tl.constexpr = False):
-    """Tensor cores (tl.dot). The whole [BLOCK_K, BLOCK_N] weight tile by a reshape of the unpacked fields (x read
-    in the same permuted K order), or with FIELD_DOTS one dot per packed field whose tile keeps the loaded words'
-    register layout (no round trip of every weight through a transposing shared-memory layout). The group's scale
-    multiplies each step's dot product, or with SCALE_W the weights themselves ((q - z) * s rounded to fp16, as
-    the reference computes): one accumulator instead of two, for tiles of many rows."""
-    PACK: tl.constexpr = 32 // BITS
-    BKW: tl.constexpr = BLOCK_K // PACK
-    XS: tl.constexpr = PACK if WP == 1 else 1
+    """Tensor cores (tl.dot), y tile [BLOCK_M, BLOCK_N]: one dot per packed field (FIELD_DOTS, `_dot_fields`) or
+    one dot over the reshaped tile (`_dot_tile`). Grouped tile order: GROUP_M row tiles walk the same column tiles
+    (L2 reuse)."""
+    BKW: tl.constexpr = BLOCK_K // (32 // BITS)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * tiles_n  # grouped tile order: GROUP_M row tiles walk the same column tiles (L2 reuse)
+    width = GROUP_M * tiles_n
     first_m = (pid // width) * GROUP_M
     rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
     pid_m = first_m + (pid % width) % rows_in_group
@@ -198,46 +194,19 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m, mask_n = offs_m < M, offs_n < N
-    r = tl.arange(0, BLOCK_K)  # row r of the unpacked tile is field r // BKW of word r % BKW
     offs_w = tl.arange(0, BKW)
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        wrow = k0 // PACK + offs_w
-        wv = _kmask(wrow, k_end, PACK, EVEN_K)
-        words = tl.load(qw_ptr + wrow[:, None] * sq_k + offs_n[None, :], mask=wv[:, None] & mask_n[None, :],
-                        other=0, eviction_policy="evict_first")
-        z, s = _zeros_scales(qz_ptr, s_ptr, k0 // group_size, offs_n, mask_n, sz_g, ss_g, BITS, ZEROS_V1)
+        words, wv, z, s = _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, group_size, offs_w, offs_n, mask_n, sq_k,
+                                      sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, False)
         if FIELD_DOTS:
-            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            zf = (z + 1024).to(tl.float16)[None, :]
-            for j in tl.static_range(PACK):
-                xj = tl.load(x_ptr + offs_m[:, None] * sx_m + (_xrow0(k0, j, WP, PACK, BKW) + offs_w * XS)[None, :],
-                             mask=mask_m[:, None] & wv[None, :], other=0.0)
-                wj = _field_f16(words, j, zf, BITS)
-                if SCALE_W:
-                    acc += tl.dot(xj, (wj * s[None, :]).to(xj.dtype))
-                else:
-                    part += tl.dot(xj, wj.to(xj.dtype))
-            if not SCALE_W:
-                acc += part * s.to(tl.float32)[None, :]
+            acc = _dot_fields(acc, x_ptr + offs_m[:, None] * sx_m, mask_m, k0, words, wv, z, s, offs_w, BITS, WP, BKW,
+                              SCALE_W, False)
         else:
-            kk = _xrow0(k0, r // BKW, WP, PACK, BKW) + (r % BKW) * XS
-            xt = tl.load(x_ptr + offs_m[:, None] * sx_m + kk[None, :],
-                         mask=mask_m[:, None] & _kmask(k0 // PACK + r % BKW, k_end, PACK, EVEN_K)[None, :], other=0.0)
-            q = _fields(words, BITS)
-            if F32:
-                w = ((q - z[None, None, :]).to(tl.float16) * s[None, None, :]).to(tl.float32)
-                acc += tl.dot(xt.to(tl.float32), tl.reshape(w, (BLOCK_K, BLOCK_N)), input_precision="ieee")
-            else:
-                v = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (z + 1024).to(tl.float16)[None, None, :]
-                w = tl.reshape(v, (BLOCK_K, BLOCK_N))
-                if DOT_F32:  # the interpreter's bf16 tl.dot is wrong: multiply the same bf16 values in float32
-                    part = tl.dot(xt.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-                else:
-                    part = tl.dot(xt, w.to(xt.dtype))
-                acc += part * s.to(tl.float32)[None, :]
+            acc = _dot_tile(acc, x_ptr + offs_m[:, None] * sx_m, mask_m, k0, k_end, words, z, s, BITS, WP, BKW,
+                            EVEN_K, F32, DOT_F32, False)
     _epilogue(acc, y_ptr, ws_ptr, lock_ptr, pid, pid_k, offs_m, offs_n, M, N, sy_m, n_split, SPLIT)
 
 
@@ -245,58 +214,28 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
 def mmat_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_SPLIT, n_split, group_size,
                 sx_m, sq_k, sz_g, ss_g, sy_m,
                 BITS: tl.constexpr, ZEROS_V1: tl.constexpr, F32: tl.constexpr, DOT_F32: tl.constexpr,
-                WP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SPLIT: tl.constexpr, GROUP_M: tl.constexpr, FIELD_DOTS: tl.constexpr = False,
+                WP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, GROUP_M: tl.constexpr, FIELD_DOTS: tl.constexpr = False,
                 SCALE_W: tl.constexpr = False):
     """`mma` transposed: y^T = W^T x^T, so the dequantized weight is the first (register) operand of the tensor-core
     instruction and the activation rows the second (as Machete does); BLOCK_N is the instruction's M side."""
-    PACK: tl.constexpr = 32 // BITS
-    BKW: tl.constexpr = BLOCK_K // PACK
-    XS: tl.constexpr = PACK if WP == 1 else 1
+    BKW: tl.constexpr = BLOCK_K // (32 // BITS)
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m, mask_n = offs_m < M, offs_n < N
-    r = tl.arange(0, BLOCK_K)
     offs_w = tl.arange(0, BKW)
-    shifts = (tl.arange(0, PACK) * BITS)[None, :, None]
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        wrow = k0 // PACK + offs_w
-        wv = _kmask(wrow, k_end, PACK, EVEN_K)
-        words = tl.load(qw_ptr + wrow[None, :] * sq_k + offs_n[:, None], mask=wv[None, :] & mask_n[:, None], other=0,
-                        eviction_policy="evict_first")
-        z, s = _zeros_scales(qz_ptr, s_ptr, k0 // group_size, offs_n, mask_n, sz_g, ss_g, BITS, ZEROS_V1)
+        words, wv, z, s = _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, group_size, offs_w, offs_n, mask_n, sq_k,
+                                      sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, True)
         if FIELD_DOTS:
-            part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            zf = (z + 1024).to(tl.float16)[:, None]
-            for j in tl.static_range(PACK):
-                xj = tl.load(x_ptr + offs_m[None, :] * sx_m + (_xrow0(k0, j, WP, PACK, BKW) + offs_w * XS)[:, None],
-                             mask=mask_m[None, :] & wv[:, None], other=0.0)
-                wj = _field_f16(words, j, zf, BITS)
-                if SCALE_W:
-                    acc += tl.dot((wj * s[:, None]).to(xj.dtype), xj)
-                else:
-                    part += tl.dot(wj.to(xj.dtype), xj)
-            if not SCALE_W:
-                acc += part * s.to(tl.float32)[:, None]
+            acc = _dot_fields(acc, x_ptr + offs_m[None, :] * sx_m, mask_m, k0, words, wv, z, s, offs_w, BITS, WP, BKW,
+                              SCALE_W, True)
         else:
-            kk = _xrow0(k0, r // BKW, WP, PACK, BKW) + (r % BKW) * XS
-            xt = tl.load(x_ptr + offs_m[None, :] * sx_m + kk[:, None],
-                         mask=mask_m[None, :] & _kmask(k0 // PACK + r % BKW, k_end, PACK, EVEN_K)[:, None], other=0.0)
-            q = (words[:, None, :] >> shifts) & ((1 << BITS) - 1)  # [BLOCK_N, PACK, BKW]
-            if F32:
-                w = ((q - z[:, None, None]).to(tl.float16) * s[:, None, None]).to(tl.float32)
-                acc += tl.dot(tl.reshape(w, (BLOCK_N, BLOCK_K)), xt.to(tl.float32), input_precision="ieee")
-            else:
-                v = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (z + 1024).to(tl.float16)[:, None, None]
-                w = tl.reshape(v, (BLOCK_N, BLOCK_K))
-                if DOT_F32:
-                    part = tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
-                else:
-                    part = tl.dot(w.to(xt.dtype), xt)
-                acc += part * s.to(tl.float32)[:, None]
+            acc = _dot_tile(acc, x_ptr + offs_m[None, :] * sx_m, mask_m, k0, k_end, words, z, s, BITS, WP, BKW,
+                            EVEN_K, F32, DOT_F32, True)
     _epilogue(tl.trans(acc), y_ptr, ws_ptr, lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, offs_m, offs_n,
               M, N, sy_m, n_split, SPLIT)

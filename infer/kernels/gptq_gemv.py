@@ -1,0 +1,97 @@
+"""The CUDA-core GPTQ matmul kernels (`gemv`, for M = 1, and `gemv` over a few rows) that `gptq_gemm` launches;
+the shared K-step helpers and the layout (`WP`) are described in `gptq_kernels`."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .gptq_kernels import _epilogue, _fields, _step_words, _xrow0
+
+
+@triton.jit
+def _gemv_step(acc, x_row, k0, words, wv, z, s, offs_w, BITS: tl.constexpr, WP: tl.constexpr, BKW: tl.constexpr,
+               F32: tl.constexpr, FIELD_LOOP: tl.constexpr):
+    """acc [BKW, BLOCK_N] += one K step of x_row (a pointer to one activation row) times the step's weights."""
+    PACK: tl.constexpr = 32 // BITS
+    XS: tl.constexpr = PACK if WP == 1 else 1
+    if FIELD_LOOP:
+        part = tl.zeros(acc.shape, dtype=tl.float32)
+        zf = (z + 0x800000).to(tl.float32)[None, :]
+        for j in tl.static_range(PACK):
+            xj = tl.load(x_row + _xrow0(k0, j, WP, PACK, BKW) + offs_w * XS, mask=wv, other=0.0).to(tl.float32)
+            qj = ((words >> (j * BITS)) & ((1 << BITS) - 1)) | 0x4B000000
+            part += xj[:, None] * (qj.to(tl.float32, bitcast=True) - zf)
+        acc += part * s.to(tl.float32)[None, :]
+    else:
+        xk = _xrow0(k0, tl.arange(0, PACK)[:, None], WP, PACK, BKW) + offs_w[None, :] * XS  # [PACK, BKW]
+        xv = tl.load(x_row + xk, mask=wv[None, :], other=0.0).to(tl.float32)
+        q = _fields(words, BITS)
+        if F32:
+            w = ((q - z[None, None, :]).to(tl.float16) * s[None, None, :]).to(tl.float32)
+            acc += tl.sum(xv[:, :, None] * w, axis=0)
+        else:
+            v = (q | 0x4B000000).to(tl.float32, bitcast=True) - (z + 0x800000).to(tl.float32)[None, None, :]
+            acc += tl.sum(xv[:, :, None] * v, axis=0) * s.to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
+def gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_SPLIT, n_split, group_size,
+                sx_m, sq_k, sz_g, ss_g, sy_m,
+                BITS: tl.constexpr, ZEROS_V1: tl.constexpr, F32: tl.constexpr, WP: tl.constexpr, EVEN_K: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, FIELD_LOOP: tl.constexpr = False):
+    """M = 1 on CUDA cores: fields become floats by OR-ing them into the mantissa of 2^23 (the float 2^23 + q),
+    x * (q - z) accumulates in a [BLOCK_K / pack, BLOCK_N] float32 tile reduced once at the end, and the group's
+    scale multiplies the step's partial sum, not every weight. FIELD_LOOP: field by field, x loaded per field."""
+    BKW: tl.constexpr = BLOCK_K // (32 // BITS)
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_w = tl.arange(0, BKW)
+    k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    acc = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        words, wv, z, s = _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, group_size, offs_w, offs_n, mask_n, sq_k,
+                                      sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, False)
+        acc = _gemv_step(acc, x_ptr + pid_m * sx_m, k0, words, wv, z, s, offs_w, BITS, WP, BKW, F32, FIELD_LOOP)
+    out = tl.sum(acc, axis=0)[None, :]
+    offs_m = pid_m + tl.zeros((1,), dtype=tl.int32)
+    _epilogue(out, y_ptr, ws_ptr, lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, offs_m, offs_n, M, N, sy_m,
+              n_split, SPLIT)
+
+
+@triton.jit
+def gemv_rows_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_SPLIT, n_split, group_size,
+                     sx_m, sq_k, sz_g, ss_g, sy_m,
+                     BITS: tl.constexpr, ZEROS_V1: tl.constexpr, F32: tl.constexpr, WP: tl.constexpr, EVEN_K: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    """`gemv` for BLOCK_M rows at once: each weight is loaded and unpacked once and used for every row."""
+    PACK: tl.constexpr = 32 // BITS
+    BKW: tl.constexpr = BLOCK_K // PACK
+    XS: tl.constexpr = PACK if WP == 1 else 1
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_n, mask_m = offs_n < N, offs_m < M
+    offs_w = tl.arange(0, BKW)
+    k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    acc = tl.zeros((BLOCK_M, BKW, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        words, wv, z, s = _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, group_size, offs_w, offs_n, mask_n, sq_k,
+                                      sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, False)
+        xk = _xrow0(k0, tl.arange(0, PACK)[:, None], WP, PACK, BKW) + offs_w[None, :] * XS  # [PACK, BKW]
+        xv = tl.load(x_ptr + offs_m[:, None, None] * sx_m + xk[None, :, :],
+                     mask=mask_m[:, None, None] & wv[None, None, :], other=0.0).to(tl.float32)
+        q = _fields(words, BITS)
+        if F32:
+            w = ((q - z[None, None, :]).to(tl.float16) * s[None, None, :]).to(tl.float32)
+            acc += tl.sum(xv[:, :, :, None] * w[None, :, :, :], axis=1)
+        else:
+            v = (q | 0x4B000000).to(tl.float32, bitcast=True) - (z + 0x800000).to(tl.float32)[None, None, :]
+            acc += tl.sum(xv[:, :, :, None] * v[None, :, :, :], axis=1) * s.to(tl.float32)[None, None, :]
+    out = tl.sum(acc, axis=1)
+    _epilogue(out, y_ptr, ws_ptr, lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, offs_m, offs_n, M, N, sy_m,
+              n_split, SPLIT)
