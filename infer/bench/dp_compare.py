@@ -54,7 +54,7 @@ def measure_in_process(config, work: list, threads: int | None) -> dict:
     if threads:
         torch.set_num_threads(threads)
     engine = LLMEngine(config)
-    engine.warmup()
+    engine.warm_kernels()
     for w in work:
         engine.add_request(w.id, w.prompt_token_ids, w.params, w.lora)
     tokens, start = 0, time.monotonic()

@@ -194,7 +194,7 @@ def infer_row(run: ShapeRun, model, label: str, weight_bytes: int, lora: str, ad
     slots = args.max_loras if "slots" in lora else None
     engine = build_engine(model, run.model_config, run.tokenizer, run.device, adapters, args.rank, b, run.max_len,
                           eager, slots)
-    engine.warmup()  # compiles every kernel path (prefix-cached prefill too) before anything is timed
+    engine.warm_kernels()  # compiles every kernel path (prefix-cached prefill too) before anything is timed
     names = list(adapters)
     roof = run.roofline(weight_bytes, lora_bytes_per_adapter(model) if names else 0, min(len(names), b))
     reqs = run.requests(names)

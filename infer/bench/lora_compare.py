@@ -56,7 +56,7 @@ def build_engine(model: str, adapters: dict[str, str], rank: int, concurrency: i
     cfg = EngineConfig(model, dtype=dtype, max_num_seqs=concurrency, loras=adapters, max_loras=len(adapters),
                        max_lora_rank=rank, enable_prefix_caching=False)
     engine = LLMEngine(cfg)
-    engine.warmup()
+    engine.warm_kernels()
     warm = [BenchRequest(None, [1, 2, 3], 2, lora=n, ignore_eos=True) for n in adapters]  # all slots filled
     run_in_process(engine, warm, concurrency=len(warm), progress=False)
     return engine

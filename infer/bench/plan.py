@@ -51,7 +51,7 @@ class _Target:
         if plan.url is None:
             from ..engine.llm_engine import LLMEngine
             self.engine = LLMEngine(plan.engine)
-            self.engine.warmup()
+            self.engine.warm_kernels()
             self.tokenizer = self.engine.tokenizer
             self.hf_dtype, self.hf_device = str(self.engine.dtype).split(".")[-1], self.engine.device.type
         else:

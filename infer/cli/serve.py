@@ -109,7 +109,7 @@ def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, model_id
     from ..serve.async_engine import AsyncEngine
 
     engine = LLMEngine(engine_config)
-    engine.warmup()
+    engine.warm_kernels()
     server = Server(AsyncEngine(engine, max_queue), model_id, api_key=api_key, graceful_timeout=shutdown_timeout,
                     limits=limits)
     app = create_app(server)

@@ -35,7 +35,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.lora_manager)
         self.runner = ModelRunner(config, parts.model, dtype=self.dtype, device=self.device,
                                   num_blocks=parts.num_blocks, lora_manager=self.lora_manager)
-        self.start_times: dict[str, float] = {}  # seconds spent getting the GPU ready, reported by warmup / bench
+        self.start_times: dict[str, float] = {}  # seconds spent getting the GPU ready, summed into start_s by gpu_e2e
         if self.device.type == "cuda":
             from ..kernels.gptq_tune import tune_model
             t0 = time.perf_counter()
@@ -53,9 +53,9 @@ class LLMEngine:
         self.num_steps = 0
         if self.device.type == "cuda":  # every kernel compiled now, never on a user's first request
             t0 = time.perf_counter()
-            self.warmup()
+            self.warm_kernels()
             self.num_steps = 0
-            self.start_times["warmup_s"] = time.perf_counter() - t0
+            self.start_times["warm_kernels_s"] = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -228,7 +228,7 @@ class LLMEngine:
             torch.cuda.empty_cache()
 
     @torch.inference_mode()
-    def warmup(self) -> None:
+    def warm_kernels(self) -> None:
         """Not a measurement: requests through every path a first real step can take (a prefill, decodes, and a
         prefill whose prompt starts with cached blocks when prefix caching is on) so that no kernel is compiled on
         a user's first request."""

@@ -40,10 +40,10 @@ def load_tokenizer(path: Path):
                              "the model folder needs tokenizer files (tokenizer.json or tokenizer.model)") from e
 
 
-def eos_ids(path: Path, cfg, tokenizer) -> set[int]:
+def eos_ids(path: Path, model_config, tokenizer) -> set[int]:
     ids: set[int] = set()
     gen = path / "generation_config.json"
-    sources = [getattr(cfg, "eos_token_id", None), tokenizer.eos_token_id]
+    sources = [getattr(model_config, "eos_token_id", None), tokenizer.eos_token_id]
     if gen.is_file():
         try:
             sources.append(json.loads(gen.read_text()).get("eos_token_id"))
@@ -57,47 +57,48 @@ def eos_ids(path: Path, cfg, tokenizer) -> set[int]:
     return ids
 
 
-def checkpoint_dtype(cfg) -> torch.dtype | None:
-    d = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+def checkpoint_dtype(model_config) -> torch.dtype | None:
+    d = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
     if isinstance(d, str):
         d = getattr(torch, d, None)
     return d if isinstance(d, torch.dtype) else None
 
 
-def model_max_len(cfg, config: EngineConfig) -> int:
-    limit = int(getattr(cfg, "max_position_embeddings", 0) or 2048)
-    window = getattr(cfg, "sliding_window", None)
-    if window and getattr(cfg, "use_sliding_window", True) and cfg.model_type == "mistral":
+def model_max_len(model_config, engine_config: EngineConfig) -> int:
+    limit = int(getattr(model_config, "max_position_embeddings", 0) or 2048)
+    window = getattr(model_config, "sliding_window", None)
+    if window and getattr(model_config, "use_sliding_window", True) and model_config.model_type == "mistral":
         limit = min(limit, int(window))  # attention is full up to the window, where it equals sliding attention
-    if config.max_model_len is not None:
-        if config.max_model_len > limit:
-            raise ConfigError(f"--max-model-len {config.max_model_len} is above the model's limit of {limit}",
+    if engine_config.max_model_len is not None:
+        if engine_config.max_model_len > limit:
+            raise ConfigError(f"--max-model-len {engine_config.max_model_len} is above the model's limit of {limit}",
                               f"use --max-model-len {limit} or less")
-        return config.max_model_len
+        return engine_config.max_model_len
     return limit
 
 
-def load_engine_parts(config: EngineConfig) -> EngineParts:
+def load_engine_parts(engine_config: EngineConfig) -> EngineParts:
     from ..models.loader import load_config, load_model
     from ..models.resolve import resolve_model
     from ..memory.plan import plan_memory
 
-    path = resolve_model(config.model)
-    cfg = load_config(path)
-    device = config.torch_device()
-    dtype = config.torch_dtype(checkpoint_dtype(cfg))
-    torch.manual_seed(config.seed)
+    path = resolve_model(engine_config.model)
+    model_config = load_config(path)
+    device = engine_config.torch_device()
+    dtype = engine_config.torch_dtype(checkpoint_dtype(model_config))
+    torch.manual_seed(engine_config.seed)
     tokenizer = load_tokenizer(path)
-    model, cfg = load_model(path, dtype, device)
-    max_len = model_max_len(cfg, config)
+    model, model_config = load_model(path, dtype, device)
+    max_len = model_max_len(model_config, engine_config)
     lora_manager = None
-    if config.loras:
+    if engine_config.loras:
         from ..lora.manager import LoRAManager
-        lora_manager = LoRAManager(model, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
-                                   max_cpu_loras=config.max_cpu_loras, device=device, dtype=dtype)
-        for name, adapter in config.loras.items():
+        lora_manager = LoRAManager(model, max_loras=engine_config.max_loras,
+                                   max_lora_rank=engine_config.max_lora_rank,
+                                   max_cpu_loras=engine_config.max_cpu_loras, device=device, dtype=dtype)
+        for name, adapter in engine_config.loras.items():
             lora_manager.register(name, adapter)
-    plan = plan_memory(config, cfg, model, dtype, device, max_len,
+    plan = plan_memory(engine_config, model_config, model, dtype, device, max_len,
                        lora_manager.device_bytes() if lora_manager is not None else 0)
-    return EngineParts(path, model, cfg, tokenizer, dtype, device, max_len, eos_ids(path, cfg, tokenizer),
-                       plan.num_blocks, plan, lora_manager)
+    return EngineParts(path, model, model_config, tokenizer, dtype, device, max_len,
+                       eos_ids(path, model_config, tokenizer), plan.num_blocks, plan, lora_manager)

@@ -97,5 +97,5 @@ class Replica:
         outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
         return outputs, rejected, self.engine.stats()
 
-    def warmup(self) -> None:
-        self.engine.warmup()
+    def warm_kernels(self) -> None:
+        self.engine.warm_kernels()

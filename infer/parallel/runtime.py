@@ -63,10 +63,10 @@ def _alive_nodes(ray) -> list[dict]:
     return [n for n in ray.nodes() if n.get("Alive")]
 
 
-def replica_device(ray, config, n: int) -> str:
+def replica_device(ray, engine_config, n: int) -> str:
     """'cuda' (one GPU per replica) or 'cpu', from --device and the GPUs the cluster has."""
     gpus = int(ray.cluster_resources().get("GPU", 0))
-    if config.device == "cpu" or (config.device == "auto" and gpus == 0):
+    if engine_config.device == "cpu" or (engine_config.device == "auto" and gpus == 0):
         return "cpu"
     if gpus < n:
         raise ConfigError(f"--data-parallel {n} needs {n} GPUs (one per replica) but the Ray cluster has {gpus}",
@@ -82,30 +82,34 @@ def cpu_threads(ray, n: int) -> int:
     return max(1, min(per_node, total // n))
 
 
-def replica_config(config, model_path: Path, device: str, n: int, single_node: bool):
+def replica_config(engine_config, model_path: Path, device: str, n: int, single_node: bool):
     """The engine config a replica builds from: absolute paths (a worker's directory is not the driver's), the
     device Ray gives it, and on one machine of CPU replicas, an equal share of the default memory budget."""
-    cfg = copy.copy(config)  # not dataclasses.replace: a driver without a GPU must not check --device cuda itself
-    cfg.model = str(Path(model_path).resolve())
-    cfg.loras = {name: str(Path(p).resolve()) for name, p in config.loras.items()}
-    cfg.device = device
-    if device == "cpu" and single_node and cfg.memory_limit is None:
+    # not dataclasses.replace: a driver without a GPU must not check --device cuda itself
+    replica_engine_config = copy.copy(engine_config)
+    replica_engine_config.model = str(Path(model_path).resolve())
+    replica_engine_config.loras = {name: str(Path(p).resolve()) for name, p in engine_config.loras.items()}
+    replica_engine_config.device = device
+    if device == "cpu" and single_node and replica_engine_config.memory_limit is None:
         from ..memory.plan import available_cpu_memory
-        cfg.memory_limit = int(available_cpu_memory() * 0.5 / n)
-    return cfg
+        replica_engine_config.memory_limit = int(available_cpu_memory() * 0.5 / n)
+    return replica_engine_config
 
 
-def start_replicas(ray, config, model_path: Path, n: int, threads: int | None = None) -> tuple[list, list[dict]]:
+def start_replicas(ray, engine_config, model_path: Path, n: int,
+                   threads: int | None = None) -> tuple[list, list[dict]]:
     """Start `n` replica actors, wait until each has loaded the model, and return (handles, infos). CPU replicas
     use `threads` torch threads each (default: an even share of the cores)."""
     from .replica import Replica
-    device = replica_device(ray, config, n)
+    device = replica_device(ray, engine_config, n)
     threads = (threads or cpu_threads(ray, n)) if device == "cpu" else None
-    cfg = replica_config(config, model_path, device, n, single_node=len(_alive_nodes(ray)) == 1)
+    replica_engine_config = replica_config(engine_config, model_path, device, n,
+                                           single_node=len(_alive_nodes(ray)) == 1)
     options = {"num_cpus": threads, "num_gpus": 0} if device == "cpu" else {"num_cpus": 1, "num_gpus": 1}
     actor = ray.remote(Replica)
     tag = uuid.uuid4().hex[:8]
-    handles = [actor.options(name=f"infer-{tag}-replica-{i}", **options).remote(cfg, threads) for i in range(n)]
+    handles = [actor.options(name=f"infer-{tag}-replica-{i}", **options).remote(replica_engine_config, threads)
+               for i in range(n)]
     try:
         infos = ray.get([h.info.remote() for h in handles])
     except ray.exceptions.RayError as e:

@@ -30,19 +30,20 @@ class ReplicaCollector:
             yield g
 
 
-def build_server(ray, cfg, replicas: int, model_id: str, api_key: str | None, max_queue: int | None,
+def build_server(ray, engine_config, replicas: int, model_id: str, api_key: str | None, max_queue: int | None,
                  shutdown_timeout: float, limits=None):
-    """Start the replicas, warm them up, and return (Server, replica infos) for the app."""
+    """Start the replicas, compile their kernels (`warm_kernels`), and return (Server, replica infos) for the app."""
     from ..engine.setup import load_tokenizer
     from ..models.resolve import resolve_model
     from ..serve.app import Server
     from .serve_engine import RayAsyncEngine, ReplicaView
-    model_path = resolve_model(cfg.model)
+    model_path = resolve_model(engine_config.model)
     tokenizer = load_tokenizer(model_path)
-    handles, infos = start_replicas(ray, cfg, model_path, replicas)
+    handles, infos = start_replicas(ray, engine_config, model_path, replicas)
     try:
-        ray.get([h.warmup.remote() for h in handles])
-        aengine = RayAsyncEngine(ray, handles, infos, ReplicaView(cfg, model_path, tokenizer, infos[0]), max_queue)
+        ray.get([h.warm_kernels.remote() for h in handles])
+        view = ReplicaView(engine_config, model_path, tokenizer, infos[0])
+        aengine = RayAsyncEngine(ray, handles, infos, view, max_queue)
     except BaseException:
         stop_replicas(ray, handles)
         raise
