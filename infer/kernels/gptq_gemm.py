@@ -43,7 +43,7 @@ import triton
 from . import gptq_configs
 from .gptq_dequant import dequantize_into_scratch, release_scratch, scratch_bytes  # noqa: F401 (the API)
 from .gptq_gemv import gemv_kernel, gemv_rows_kernel
-from .gptq_kernels import mma_kernel, mmat_kernel
+from .gptq_kernels import mma_kernel
 
 
 _LOCKS: dict = {}
@@ -80,14 +80,10 @@ def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, g
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), split, triton.cdiv(m, cfg["BLOCK_M"]))
         gemv_rows_kernel[grid](x2, qweight, qzeros, scales, y, ws, _locks(x2.device, grid[0] * grid[2]), *args,
                                BLOCK_M=cfg["BLOCK_M"], **common)
-    elif kind == "mmat":
-        grid = (triton.cdiv(n, cfg["BLOCK_N"]), split, triton.cdiv(m, cfg["BLOCK_M"]))
-        mmat_kernel[grid](x2, qweight, qzeros, scales, y, ws, _locks(x2.device, grid[0] * grid[2]), *args,
-                          GROUP_M=1, **dots, **common)
     else:
         tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
         mma_kernel[(tiles, split)](x2, qweight, qzeros, scales, y, ws, _locks(x2.device, tiles), *args,
-                                   GROUP_M=cfg.get("GROUP_M", 1), **dots, **common)
+                                   GROUP_M=cfg.get("GROUP_M", 1), TRANS=kind == "mmat", **dots, **common)
     return y
 
 

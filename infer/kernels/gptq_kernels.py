@@ -1,4 +1,4 @@
-"""The tensor-core GPTQ matmul kernels (W4A16 / W8A16: `mma`, `mmat`) and the K-step helpers every kernel shares;
+"""The tensor-core GPTQ matmul kernel (W4A16 / W8A16: `mma`, and `mmat` as its TRANS variant) and the K-step helpers every kernel shares;
 `gptq_gemm` launches them (its docstring says when), the CUDA-core `gemv` kernels are in `gptq_gemv`.
 
 Every kernel reads a K step of BLOCK_K input rows as BLOCK_K / pack int32 words per column and splits the words
@@ -179,10 +179,12 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
                BITS: tl.constexpr, ZEROS_V1: tl.constexpr, F32: tl.constexpr, DOT_F32: tl.constexpr,
                WP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, GROUP_M: tl.constexpr, FIELD_DOTS: tl.constexpr = False,
-               SCALE_W: tl.constexpr = False):
+               SCALE_W: tl.constexpr = False, TRANS: tl.constexpr = False):
     """Tensor cores (tl.dot), y tile [BLOCK_M, BLOCK_N]: one dot per packed field (FIELD_DOTS, `_dot_fields`) or
-    one dot over the reshaped tile (`_dot_tile`). Grouped tile order: GROUP_M row tiles walk the same column tiles
-    (L2 reuse)."""
+    one dot over the reshaped tile (`_dot_tile`). TRANS (`mmat`) computes y^T = W^T x^T, so the dequantized weight
+    is the first (register) operand of the tensor-core instruction and the activation rows the second (as Machete
+    does); BLOCK_N is then the instruction's M side. Grouped tile order: GROUP_M row tiles walk the same column
+    tiles (L2 reuse)."""
     BKW: tl.constexpr = BLOCK_K // (32 // BITS)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -197,45 +199,19 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
     offs_w = tl.arange(0, BKW)
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if TRANS:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        x_rows = x_ptr + offs_m[None, :] * sx_m
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        x_rows = x_ptr + offs_m[:, None] * sx_m
     for k0 in range(k_begin, k_end, BLOCK_K):
         words, wv, z, s = _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, group_size, offs_w, offs_n, mask_n, sq_k,
-                                      sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, False)
+                                      sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, TRANS)
         if FIELD_DOTS:
-            acc = _dot_fields(acc, x_ptr + offs_m[:, None] * sx_m, mask_m, k0, words, wv, z, s, offs_w, BITS, WP, BKW,
-                              SCALE_W, False)
+            acc = _dot_fields(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, BITS, WP, BKW, SCALE_W, TRANS)
         else:
-            acc = _dot_tile(acc, x_ptr + offs_m[:, None] * sx_m, mask_m, k0, k_end, words, z, s, BITS, WP, BKW,
-                            EVEN_K, F32, DOT_F32, False)
+            acc = _dot_tile(acc, x_rows, mask_m, k0, k_end, words, z, s, BITS, WP, BKW, EVEN_K, F32, DOT_F32, TRANS)
+    if TRANS:
+        acc = tl.trans(acc)
     _epilogue(acc, y_ptr, ws_ptr, lock_ptr, pid, pid_k, offs_m, offs_n, M, N, sy_m, n_split, SPLIT)
-
-
-@triton.jit
-def mmat_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_SPLIT, n_split, group_size,
-                sx_m, sq_k, sz_g, ss_g, sy_m,
-                BITS: tl.constexpr, ZEROS_V1: tl.constexpr, F32: tl.constexpr, DOT_F32: tl.constexpr,
-                WP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, GROUP_M: tl.constexpr, FIELD_DOTS: tl.constexpr = False,
-                SCALE_W: tl.constexpr = False):
-    """`mma` transposed: y^T = W^T x^T, so the dequantized weight is the first (register) operand of the tensor-core
-    instruction and the activation rows the second (as Machete does); BLOCK_N is the instruction's M side."""
-    BKW: tl.constexpr = BLOCK_K // (32 // BITS)
-    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m, mask_n = offs_m < M, offs_n < N
-    offs_w = tl.arange(0, BKW)
-    k_begin = pid_k * K_SPLIT
-    k_end = tl.minimum(k_begin + K_SPLIT, K)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        words, wv, z, s = _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, group_size, offs_w, offs_n, mask_n, sq_k,
-                                      sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, True)
-        if FIELD_DOTS:
-            acc = _dot_fields(acc, x_ptr + offs_m[None, :] * sx_m, mask_m, k0, words, wv, z, s, offs_w, BITS, WP, BKW,
-                              SCALE_W, True)
-        else:
-            acc = _dot_tile(acc, x_ptr + offs_m[None, :] * sx_m, mask_m, k0, k_end, words, z, s, BITS, WP, BKW,
-                            EVEN_K, F32, DOT_F32, True)
-    _epilogue(tl.trans(acc), y_ptr, ws_ptr, lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, offs_m, offs_n,
-              M, N, sy_m, n_split, SPLIT)

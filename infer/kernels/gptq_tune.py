@@ -35,12 +35,15 @@ def quick_candidates(m: int, step: int) -> list[dict]:
     """The regions that won on an H100 or that the compiled code favours (engine start; INFER_TUNE=full for all):
     a dozen or two configurations per M bucket instead of ~70-150."""
     out: list[dict] = [dict(kernel="dequant")]
-    if m == 1:
+    if m == 1:  # CUDA cores, or tensor cores on a tile padded to 16 rows (fewer instructions per weight)
         out += [dict(kernel="gemv", BLOCK_N=bn, BLOCK_K=128, SPLIT_K=s, num_warps=4, num_stages=st)
                 for bn in (64, 128) for st in (1, 2) for s in (4, 8, 16)]
+        out += [_field("mma", 16, bn, w, s, 3, False) for bn, w in ((128, 4), (256, 8)) for s in (4, 8, 16)]
     elif m <= 16:
         out += [_field("mma", 16, bn, w, s, st, False) for bn, w in ((128, 4), (256, 8)) for st in (2, 3)
                 for s in (2, 4, 8, 16)]
+    if m <= 16:  # the weight as wgmma's register operand: no shared-memory round trip, no barrier per field
+        out += [_field("mmat", 16, 128, 4, s, 3, False) for s in (2, 4, 8, 16)]
     elif m <= 256:
         bm = _rows_tile(m)
         tiles = ((128, 4), (256, 8)) if bm == 32 else (((128, 4), (128, 8)) if bm == 64 else ((128, 8),))
@@ -61,12 +64,15 @@ def candidates(m: int, step: int, quick: bool = False) -> list[dict]:
     if 2 <= m <= 16:
         out += [dict(kernel="gemv", BLOCK_M=min(m, 8), BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=4, num_stages=2)
                 for bn in (32, 64) for bk in (32, 64) for s in (2, 4, 8)]
+    if m <= 16:
         out += [dict(kernel="mma", BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, GROUP_M=1, num_warps=4,
                      num_stages=st) for bn in (64, 128) for bk in (64, 128) for st in (2, 3) for s in splits]
         out += [_field("mma", 16, bn, w, s, st, False) for bn, w in ((64, 4), (128, 4), (256, 8)) for st in (2, 3, 4)
                 for s in splits]
         out += [dict(kernel="mmat", BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=w, num_stages=3)
                 for bn, w in ((64, 4), (128, 4), (128, 8)) for bk in (64, 128) for s in (1,) + splits]
+        out += [_field("mmat", 16, bn, w, s, st, sw) for bn, w in ((128, 4), (256, 8)) for st in (2, 3)
+                for sw in (False, True) for s in splits]
     if 17 <= m <= 256:  # one dot per packed field; the weight as the B (mma) or the register A (mmat) operand
         for bm in sorted({_rows_tile(m), min(2 * _rows_tile(m), 128), max(_rows_tile(m) // 2, 32)}):
             tiles = [(128, 4), (128, 8)] + ([(256, 8)] if bm == 32 else [])
