@@ -13,7 +13,7 @@
   dot per packed field whose tile keeps the loaded words' register layout; the second avoids a round trip of
   every weight through shared memory (the fastest for M = 2-16 on an H100); SCALE_W folds the group's scale
   into the weights instead (one accumulator: tiles of 32-128 rows). `mmat` computes y^T = W^T x^T so the
-  weight is the first (register) operand of Hopper's wgmma, for M = 32-256.
+  weight is the first (register) operand of Hopper's wgmma (few activation rows: a tuning candidate up to 256).
 - `dequant`: the weight is dequantized into a scratch buffer and multiplied by cuBLAS (torch.matmul). For large
   M (prefill), where cuBLAS at tensor-core speed beats any fused kernel, and for an irregular g_idx.
 
@@ -30,7 +30,8 @@ method); a K step then lies inside one group and reads one row of scales and zer
 were repacked at load so that each packed field covers consecutive input rows (`packing.field_rows`; the linear
 method does it on CUDA): the field-by-field kernels then read x with contiguous, vectorizable loads instead of
 gathering every `pack`-th element. Same signature and semantics as `reference.gptq_matmul`; the kernels are in
-`gptq_kernels`, the configuration comes from `gptq_configs` (tuned per GPU, or a heuristic).
+`gptq_kernels` (tensor cores) and `gptq_gemv` (CUDA cores), the configuration comes from `gptq_configs` (tuned per
+GPU, or a heuristic).
 """
 
 from __future__ import annotations
