@@ -2,6 +2,7 @@
 
     python -m infer.bench.kernels --out kernels.csv                 # the table
     python -m infer.bench.kernels --tune --tuned-out h100.json ...  # tune first (kernels.gptq_tune), then the table
+    python -m infer.bench.kernels --tune --quick --tune-m 1 16 64   # only the engine start's candidates, some M
     python -m infer.bench.kernels --lora --out lora_kernels.csv     # multi-LoRA kernels (infer.bench.lora_kernels)
 
 Shapes are the fused projections of a 7B (Llama-2) and a 14B (Qwen1.5) model: qkv, o, gate_up, down. Every
