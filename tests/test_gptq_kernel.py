@@ -29,12 +29,13 @@ MMAT = dict(kernel="mmat", BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=3, num_wa
 FIELDS = dict(kernel="mma", BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=2, GROUP_M=1, num_warps=4, num_stages=2,
               FIELD=True)  # one dot per packed field (needs BLOCK_K / pack >= 16)
 GEMV_FIELDS = dict(GEMV, BLOCK_K=128, FIELD=True)
+GEMV_INPLACE = dict(GEMV, BLOCK_K=128, INPLACE=True)  # fields OR-ed into the mantissa where they lie
 MMAT_FIELDS = dict(MMAT, BLOCK_K=128, FIELD=True)
 SCALED = dict(FIELDS, BLOCK_M=32, SPLIT_K=1, SCALE_W=True)  # the group's scale folded into the weights
 MMAT_SCALED = dict(MMAT_FIELDS, SCALE_W=True)
 CONFIGS = {"decode": DECODE, "prefill": PREFILL, "gemv": GEMV, "rows": ROWS, "mmat": MMAT, "fields": FIELDS,
            "gemv_fields": GEMV_FIELDS, "mmat_fields": MMAT_FIELDS, "scaled": SCALED, "mmat_scaled": MMAT_SCALED,
-           "dequant": {"kernel": "dequant"}}
+           "gemv_inplace": GEMV_INPLACE, "dequant": {"kernel": "dequant"}}
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +94,7 @@ def test_matches_reference(gemm, gen, regime, bits, group, desc_act, hint):
     qw, qz, s, gi = make_weights(g, bits, group, in_f, out_f, sym, desc_act, v2)
     lo, hi = {"decode": (1, 20), "prefill": (33, 90), "gemv": (1, 4), "rows": (1, 11), "mmat": (1, 40),
               "fields": (1, 20), "gemv_fields": (1, 3), "mmat_fields": (1, 40), "scaled": (17, 70),
-              "mmat_scaled": (1, 40), "dequant": (1, 90)}[regime]
+              "mmat_scaled": (1, 40), "gemv_inplace": (1, 3), "dequant": (1, 90)}[regime]
     m = int(torch.randint(lo, hi, (1,), generator=g))
     cfg = CONFIGS[regime]
     # with plain groups, also the rows interleaved as the linear method repacks them on CUDA
@@ -135,9 +136,12 @@ def test_negative_words_and_extreme_values(gemm, gen):
         gi = (torch.arange(in_f) // 32).int()
         x = torch.randn(5, in_f, generator=g)
         args = [t.to(DEV) for t in (qw, qz, s, gi)]
-        y = gemm.gptq_matmul(x.to(DEV), *args, bits, False, 32, config=DECODE)
         w = ((q - z[gi.long()]).half() * s[gi.long()]).float()  # [in, out], built without the packing module
+        y = gemm.gptq_matmul(x.to(DEV), *args, bits, False, 32, config=DECODE)
         assert_close(y, x @ w, torch.float32, g, f"{bits}-bit")
+        xh = x[:1].half()  # the fp16 gemv with its fields in place (the top field is above bit 23 of the word)
+        y = gemm.gptq_matmul(xh.to(DEV), *args, bits, False, 32, config=GEMV_INPLACE)
+        assert_close(y, xh.float() @ w, torch.float16, g, f"{bits}-bit in place")
 
 
 def test_heuristic_regimes():
@@ -226,6 +230,7 @@ def test_real_sizes_on_gpu(gemm, gen, m, k, n, group, desc_act):
                                  dict(DECODE, BLOCK_N=64, BLOCK_K=128, SPLIT_K=8),
                                  dict(MMAT, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8),
                                  dict(FIELDS, BLOCK_N=128, SPLIT_K=8), dict(GEMV_FIELDS, BLOCK_N=64, SPLIT_K=8),
+                                 dict(GEMV_INPLACE, BLOCK_N=128, SPLIT_K=8),
                                  dict(MMAT_FIELDS, BLOCK_M=64, BLOCK_N=128, SPLIT_K=2),
                                  dict(ROWS, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4),
                                  dict(PREFILL, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, GROUP_M=8)])

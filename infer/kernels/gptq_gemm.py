@@ -5,7 +5,8 @@
   them into their `pack` fields with shifts, turns each field into a float without a conversion instruction
   (OR-ing the 4-bit value into the mantissa of 2^23 gives the float 2^23 + q), and accumulates x * (q - z) in
   a [BLOCK_K / pack, BLOCK_N] float32 tile that is reduced once, at the end; the group's scale multiplies the
-  step's partial sum, not every weight.
+  step's partial sum, not every weight. With INPLACE each field is OR-ed into the mantissa where it lies (no
+  shift: one lop3 per weight) and one fused multiply-add makes it q - z: three instructions per weight.
 - `mma` (tensor cores, tl.dot): for M >= 2. The same loads; a field becomes the fp16 1024 + q the same way
   (0x6400 | q), the fp16 difference with 1024 + z is the exact small integer q - z, and the scale multiplies the
   dot product of the step. Two ways to build the operand: the whole [BLOCK_K, BLOCK_N] tile by a reshape of the
@@ -75,8 +76,10 @@ def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, g
                 SCALE_W=field and bool(cfg.get("SCALE_W", False)))
     if kind == "gemv" and cfg.get("BLOCK_M", 1) == 1:
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), split, m)
+        inplace = bool(cfg.get("INPLACE", False)) and not f32
         gemv_kernel[grid](x2, qweight, qzeros, scales, y, ws, _locks(x2.device, grid[0] * m), *args,
-                          FIELD_LOOP=bool(cfg.get("FIELD", False)) and not f32, **common)
+                          FIELD_LOOP=bool(cfg.get("FIELD", False)) and not f32, INPLACE=inplace,
+                          ASM=os.environ.get("TRITON_INTERPRET") != "1", **common)
     elif kind == "gemv":
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), split, triton.cdiv(m, cfg["BLOCK_M"]))
         gemv_rows_kernel[grid](x2, qweight, qzeros, scales, y, ws, _locks(x2.device, grid[0] * grid[2]), *args,
@@ -93,7 +96,7 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
                 interleave: int = 1, config: dict | None = None) -> torch.Tensor:
     """Same as `reference.gptq_matmul` (see there). `config` overrides the tuned / heuristic choice (tests,
     tuning): {"kernel": "gemv" | "mma" | "mmat" | "dequant", BLOCK_*, SPLIT_K, GROUP_M, num_warps, num_stages,
-    FIELD, SCALE_W}."""
+    FIELD, SCALE_W, INPLACE}."""
     pack = 32 // bits
     k, n = qweight.shape[0] * pack, qweight.shape[1]
     if x.shape[-1] != k:

@@ -37,13 +37,53 @@ def _gemv_step(acc, x_row, k0, words, wv, z, s, offs_w, BITS: tl.constexpr, WP: 
 
 
 @triton.jit
+def _mantissa(a, b, ASM: tl.constexpr):
+    """(a & b) | 0x4B000000 (the bits of a under mask b in the mantissa of 2^23), as one lop3 instruction when
+    compiled for a GPU (ptxas emits two when both constants are immediates); plain Triton in the interpreter."""
+    if ASM:
+        out = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, 0x4B000000, 0xEA;", "=r,r,r",
+                                        [a, tl.full(a.shape, b, tl.int32)], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        out = (a & b) | 0x4B000000
+    return out
+
+
+@triton.jit
+def _gemv_step_inplace(acc, x_row, k0, words, wv, z, s, offs_w, BITS: tl.constexpr, WP: tl.constexpr,
+                       BKW: tl.constexpr, ASM: tl.constexpr):
+    """`_gemv_step` with one integer instruction per weight: field j is OR-ed into the mantissa of 2^23 where it
+    lies (bits j * BITS up), giving the float 2^23 + q * 2^(j * BITS); one fused multiply-add by 2^-(j * BITS)
+    minus (2^(23 - j * BITS) + z) turns it into the exact q - z, and the fields above bit 23 are shifted down once
+    per word. Layout of the words' tile throughout (x loaded per field along the words' rows)."""
+    PACK: tl.constexpr = 32 // BITS
+    LOW: tl.constexpr = 23 // BITS  # fields 0 .. LOW-1 lie below the exponent
+    XS: tl.constexpr = PACK if WP == 1 else 1
+    MASK: tl.constexpr = (1 << BITS) - 1
+    part = tl.zeros(acc.shape, dtype=tl.float32)
+    zf = z.to(tl.float32)[None, :]
+    high = words >> (LOW * BITS)
+    for j in tl.static_range(PACK):
+        xj = tl.load(x_row + _xrow0(k0, j, WP, PACK, BKW) + offs_w * XS, mask=wv, other=0.0).to(tl.float32)
+        at = (j % LOW) * BITS if j < LOW else (j - LOW) * BITS
+        src = words if j < LOW else high
+        v = _mantissa(src, MASK << at, ASM).to(tl.float32, bitcast=True)
+        q = v * (1.0 / (1 << at)) - (zf + (1 << (23 - at)))
+        part += xj[:, None] * q
+    acc += part * s.to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
 def gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_SPLIT, n_split, group_size,
                 sx_m, sq_k, sz_g, ss_g, sy_m,
                 BITS: tl.constexpr, ZEROS_V1: tl.constexpr, F32: tl.constexpr, WP: tl.constexpr, EVEN_K: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, FIELD_LOOP: tl.constexpr = False):
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, FIELD_LOOP: tl.constexpr = False,
+                INPLACE: tl.constexpr = False, ASM: tl.constexpr = True):
     """M = 1 on CUDA cores: fields become floats by OR-ing them into the mantissa of 2^23 (the float 2^23 + q),
     x * (q - z) accumulates in a [BLOCK_K / pack, BLOCK_N] float32 tile reduced once at the end, and the group's
-    scale multiplies the step's partial sum, not every weight. FIELD_LOOP: field by field, x loaded per field."""
+    scale multiplies the step's partial sum, not every weight. FIELD_LOOP: field by field, x loaded per field.
+    INPLACE: `_gemv_step_inplace` (fields in place, one lop3 each; ASM: the lop3 as inline PTX, off in the
+    interpreter, which cannot run PTX)."""
     BKW: tl.constexpr = BLOCK_K // (32 // BITS)
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -55,7 +95,10 @@ def gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, 
     for k0 in range(k_begin, k_end, BLOCK_K):
         words, wv, z, s = _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, group_size, offs_w, offs_n, mask_n, sq_k,
                                       sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, False)
-        acc = _gemv_step(acc, x_ptr + pid_m * sx_m, k0, words, wv, z, s, offs_w, BITS, WP, BKW, F32, FIELD_LOOP)
+        if INPLACE:
+            acc = _gemv_step_inplace(acc, x_ptr + pid_m * sx_m, k0, words, wv, z, s, offs_w, BITS, WP, BKW, ASM)
+        else:
+            acc = _gemv_step(acc, x_ptr + pid_m * sx_m, k0, words, wv, z, s, offs_w, BITS, WP, BKW, F32, FIELD_LOOP)
     out = tl.sum(acc, axis=0)[None, :]
     offs_m = pid_m + tl.zeros((1,), dtype=tl.int32)
     _epilogue(out, y_ptr, ws_ptr, lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, offs_m, offs_n, M, N, sy_m,
