@@ -32,10 +32,12 @@ GEMV_FIELDS = dict(GEMV, BLOCK_K=128, FIELD=True)
 GEMV_INPLACE = dict(GEMV, BLOCK_K=128, INPLACE=True)  # fields OR-ed into the mantissa where they lie
 MMAT_FIELDS = dict(MMAT, BLOCK_K=128, FIELD=True)
 SCALED = dict(FIELDS, BLOCK_M=32, SPLIT_K=1, SCALE_W=True)  # the group's scale folded into the weights
+PAIRS = dict(FIELDS, PAIRS=True)  # 4-bit: fields j and j + 4 of each word in one dot
+PAIRS_SCALED = dict(SCALED, PAIRS=True)
 MMAT_SCALED = dict(MMAT_FIELDS, SCALE_W=True)
 CONFIGS = {"decode": DECODE, "prefill": PREFILL, "gemv": GEMV, "rows": ROWS, "mmat": MMAT, "fields": FIELDS,
            "gemv_fields": GEMV_FIELDS, "mmat_fields": MMAT_FIELDS, "scaled": SCALED, "mmat_scaled": MMAT_SCALED,
-           "gemv_inplace": GEMV_INPLACE, "dequant": {"kernel": "dequant"}}
+           "gemv_inplace": GEMV_INPLACE, "pairs": PAIRS, "pairs_scaled": PAIRS_SCALED, "dequant": {"kernel": "dequant"}}
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +96,8 @@ def test_matches_reference(gemm, gen, regime, bits, group, desc_act, hint):
     qw, qz, s, gi = make_weights(g, bits, group, in_f, out_f, sym, desc_act, v2)
     lo, hi = {"decode": (1, 20), "prefill": (33, 90), "gemv": (1, 4), "rows": (1, 11), "mmat": (1, 40),
               "fields": (1, 20), "gemv_fields": (1, 3), "mmat_fields": (1, 40), "scaled": (17, 70),
-              "mmat_scaled": (1, 40), "gemv_inplace": (1, 3), "dequant": (1, 90)}[regime]
+              "mmat_scaled": (1, 40), "gemv_inplace": (1, 3), "pairs": (1, 20), "pairs_scaled": (17, 70),
+              "dequant": (1, 90)}[regime]
     m = int(torch.randint(lo, hi, (1,), generator=g))
     cfg = CONFIGS[regime]
     # with plain groups, also the rows interleaved as the linear method repacks them on CUDA
@@ -122,10 +125,11 @@ def test_default_config_bf16_and_leading_dims(gemm, gen, m):
 
 
 def test_negative_words_and_extreme_values(gemm, gen):
-    """Every packed word has its sign bit set (value 15/255 in the top field) and zeros sit at both ends."""
+    """Every packed word has its sign bit set (value 15/255 in the top field) and zeros sit at both ends, through
+    the kernels that unpack the words in their own ways (shifts; fields in place; two fields per lop3)."""
     g = gen
     for bits in (4, 8):
-        maxq, in_f, out_f = (1 << bits) - 1, 64, 32
+        maxq, in_f, out_f, gs = (1 << bits) - 1, 256, 32, 128
         q = torch.randint(0, maxq + 1, (in_f, out_f), generator=g)
         q.view(in_f // (32 // bits), 32 // bits, out_f)[:, -1] = maxq
         z = torch.randint(0, maxq + 1, (2, out_f), generator=g)
@@ -133,15 +137,16 @@ def test_negative_words_and_extreme_values(gemm, gen):
         qw, qz = packing.pack_rows(q, bits), packing.pack_cols(z, bits)  # v2 zeros
         assert bool((qw < 0).all())
         s = (torch.rand(2, out_f, generator=g) * 0.1).half()
-        gi = (torch.arange(in_f) // 32).int()
+        gi = (torch.arange(in_f) // gs).int()
         x = torch.randn(5, in_f, generator=g)
         args = [t.to(DEV) for t in (qw, qz, s, gi)]
         w = ((q - z[gi.long()]).half() * s[gi.long()]).float()  # [in, out], built without the packing module
-        y = gemm.gptq_matmul(x.to(DEV), *args, bits, False, 32, config=DECODE)
+        y = gemm.gptq_matmul(x.to(DEV), *args, bits, False, gs, config=DECODE)
         assert_close(y, x @ w, torch.float32, g, f"{bits}-bit")
-        xh = x[:1].half()  # the fp16 gemv with its fields in place (the top field is above bit 23 of the word)
-        y = gemm.gptq_matmul(xh.to(DEV), *args, bits, False, 32, config=GEMV_INPLACE)
-        assert_close(y, xh.float() @ w, torch.float16, g, f"{bits}-bit in place")
+        xh = x.half()
+        for cfg, m in ((GEMV_INPLACE, 1), (PAIRS, 5), (PAIRS_SCALED, 5)):
+            y = gemm.gptq_matmul(xh[:m].to(DEV), *args, bits, False, gs, config=cfg)
+            assert_close(y, xh[:m].float() @ w, torch.float16, g, f"{bits}-bit {cfg}")
 
 
 def test_heuristic_regimes():
@@ -230,7 +235,7 @@ def test_real_sizes_on_gpu(gemm, gen, m, k, n, group, desc_act):
                                  dict(DECODE, BLOCK_N=64, BLOCK_K=128, SPLIT_K=8),
                                  dict(MMAT, BLOCK_N=128, BLOCK_K=128, SPLIT_K=8),
                                  dict(FIELDS, BLOCK_N=128, SPLIT_K=8), dict(GEMV_FIELDS, BLOCK_N=64, SPLIT_K=8),
-                                 dict(GEMV_INPLACE, BLOCK_N=128, SPLIT_K=8),
+                                 dict(GEMV_INPLACE, BLOCK_N=128, SPLIT_K=8), dict(PAIRS, BLOCK_N=128, SPLIT_K=8),
                                  dict(MMAT_FIELDS, BLOCK_M=64, BLOCK_N=128, SPLIT_K=2),
                                  dict(ROWS, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4),
                                  dict(PREFILL, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, GROUP_M=8)])

@@ -13,7 +13,8 @@
   unpacked fields (x loaded in the same permuted K order, which leaves the sum unchanged), or, with FIELD, one
   dot per packed field whose tile keeps the loaded words' register layout; the second avoids a round trip of
   every weight through shared memory (the fastest for M = 2-16 on an H100); SCALE_W folds the group's scale
-  into the weights instead (one accumulator: tiles of 32-128 rows). `mmat` computes y^T = W^T x^T so the
+  into the weights instead (one accumulator: tiles of 32-128 rows); PAIRS (4-bit) makes two fields of each word
+  the two K rows of one operand register, one lop3 for both: four dots per step. `mmat` computes y^T = W^T x^T so the
   weight is the first (register) operand of Hopper's wgmma (few activation rows: a tuning candidate up to 256).
 - `dequant`: the weight is dequantized into a scratch buffer and multiplied by cuBLAS (torch.matmul). For large
   M (prefill), where cuBLAS at tensor-core speed beats any fused kernel, and for an irregular g_idx.
@@ -72,14 +73,15 @@ def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, g
     args = (m, n, k, k_split, split, gs, x2.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), y.stride(0))
     interp_bf16 = x2.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
     field = bool(cfg.get("FIELD", False)) and not (f32 or interp_bf16) and cfg["BLOCK_K"] // (32 // bits) >= 16
+    asm = os.environ.get("TRITON_INTERPRET") != "1"  # inline PTX only where it runs: not in the interpreter
     dots = dict(BLOCK_M=cfg.get("BLOCK_M", 1), DOT_F32=interp_bf16, FIELD_DOTS=field,
-                SCALE_W=field and bool(cfg.get("SCALE_W", False)))
+                SCALE_W=field and bool(cfg.get("SCALE_W", False)), ASM=asm,
+                PAIRS=field and bits == 4 and kind == "mma" and bool(cfg.get("PAIRS", False)))
     if kind == "gemv" and cfg.get("BLOCK_M", 1) == 1:
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), split, m)
         inplace = bool(cfg.get("INPLACE", False)) and not f32
         gemv_kernel[grid](x2, qweight, qzeros, scales, y, ws, _locks(x2.device, grid[0] * m), *args,
-                          FIELD_LOOP=bool(cfg.get("FIELD", False)) and not f32, INPLACE=inplace,
-                          ASM=os.environ.get("TRITON_INTERPRET") != "1", **common)
+                          FIELD_LOOP=bool(cfg.get("FIELD", False)) and not f32, INPLACE=inplace, ASM=asm, **common)
     elif kind == "gemv":
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), split, triton.cdiv(m, cfg["BLOCK_M"]))
         gemv_rows_kernel[grid](x2, qweight, qzeros, scales, y, ws, _locks(x2.device, grid[0] * grid[2]), *args,
@@ -96,7 +98,7 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
                 interleave: int = 1, config: dict | None = None) -> torch.Tensor:
     """Same as `reference.gptq_matmul` (see there). `config` overrides the tuned / heuristic choice (tests,
     tuning): {"kernel": "gemv" | "mma" | "mmat" | "dequant", BLOCK_*, SPLIT_K, GROUP_M, num_warps, num_stages,
-    FIELD, SCALE_W, INPLACE}."""
+    FIELD, SCALE_W, INPLACE, PAIRS}."""
     pack = 32 // bits
     k, n = qweight.shape[0] * pack, qweight.shape[1]
     if x.shape[-1] != k:

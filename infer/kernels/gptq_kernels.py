@@ -138,6 +138,79 @@ def _dot_fields(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, BITS: tl.const
 
 
 @triton.jit
+def _pair_fields(words, ASM: tl.constexpr):
+    """4-bit words -> eight fp16 tensors (fields 0, 4, 1, 5, 2, 6, 3, 7): the fields of each 16-bit half OR-ed
+    into the mantissa of 1024 where they lie, both halves by one lop3: fields 0/4 and 2/6 (after one shift of the
+    word by 8) as 1024 + q, fields 1/5 and 3/7 as 1024 + 16 q. Five integer instructions per word, where one
+    field at a time takes three per field (shift, mask, or, and a byte permute to pair two words). ASM: as
+    inline PTX (a GPU); the interpreter, which cannot run PTX, computes the same values with Triton ops."""
+    if ASM:
+        out = tl.inline_asm_elementwise(
+            "{ .reg .b32 t0, t1, t2, t3, s;\n"
+            "lop3.b32 t0, $8, 0x000F000F, 0x64006400, 0xEA;\n"
+            "lop3.b32 t1, $8, 0x00F000F0, 0x64006400, 0xEA;\n"
+            "shr.u32 s, $8, 8;\n"
+            "lop3.b32 t2, s, 0x000F000F, 0x64006400, 0xEA;\n"
+            "lop3.b32 t3, s, 0x00F000F0, 0x64006400, 0xEA;\n"
+            "mov.b32 {$0, $1}, t0;\nmov.b32 {$2, $3}, t1;\nmov.b32 {$4, $5}, t2;\nmov.b32 {$6, $7}, t3; }",
+            "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+    else:
+        out = (_half_field(words, 0, 0x0F), _half_field(words, 16, 0x0F), _half_field(words, 0, 0xF0),
+               _half_field(words, 16, 0xF0), _half_field(words, 8, 0x0F), _half_field(words, 24, 0x0F),
+               _half_field(words, 8, 0xF0), _half_field(words, 24, 0xF0))
+    return out
+
+
+@triton.jit
+def _half_field(words, shift: tl.constexpr, mask: tl.constexpr):
+    return (((words >> shift) & mask) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _pair_tile(a, b):
+    """[W, N] and [W, N] -> [2W, N] with rows a[0], b[0], a[1], b[1], ...: two fields of one word become the two
+    consecutive K rows that one register of the tensor-core operand holds (no byte permute)."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (2 * a.shape[0], a.shape[1]))
+
+
+@triton.jit
+def _dot_pairs(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, WP: tl.constexpr, BKW: tl.constexpr,
+               SCALE_W: tl.constexpr, ASM: tl.constexpr):
+    """`_dot_fields` for 4-bit weights with two fields per dot: dot j pairs field j of every word with field
+    j + 4 of the same word (`_pair_fields`), K = 2 * BKW rows ordered (word, half), and x is read as two rows of
+    BKW values interleaved the same way. Four dots per step instead of eight, about one integer instruction per
+    weight instead of three."""
+    XS: tl.constexpr = 8 if WP == 1 else 1
+    part = tl.zeros(acc.shape, dtype=tl.float32)
+    z0 = (z + 1024).to(tl.float16)[None, :]  # fields stored as 1024 + q
+    z1 = (z + 64).to(tl.float16)[None, :]  # fields stored as 1024 + 16 q, times 1/16
+    sw = s[None, :]
+    f0, f4, f1, f5, f2, f6, f3, f7 = _pair_fields(words, ASM)
+    for j in tl.static_range(4):
+        if j == 0:
+            wj = _pair_tile(f0, f4) - z0
+        elif j == 1:
+            wj = _pair_tile(f1, f5) * 0.0625 - z1
+        elif j == 2:
+            wj = _pair_tile(f2, f6) - z0
+        else:
+            wj = _pair_tile(f3, f7) * 0.0625 - z1
+        if SCALE_W:
+            wj = wj * sw
+        xm = mask_m[:, None] & wv[None, :]
+        xa = tl.load(x_rows + (_xrow0(k0, j, WP, 8, BKW) + offs_w * XS)[None, :], mask=xm, other=0.0)
+        xb = tl.load(x_rows + (_xrow0(k0, j + 4, WP, 8, BKW) + offs_w * XS)[None, :], mask=xm, other=0.0)
+        d = tl.dot(tl.interleave(xa, xb), wj.to(xa.dtype))
+        if SCALE_W:
+            acc += d
+        else:
+            part += d
+    if not SCALE_W:
+        acc += part * sw.to(tl.float32)
+    return acc
+
+
+@triton.jit
 def _dot_tile(acc, x_rows, mask_m, k0, k_end, words, z, s, BITS: tl.constexpr, WP: tl.constexpr, BKW: tl.constexpr,
               EVEN_K: tl.constexpr, F32: tl.constexpr, DOT_F32: tl.constexpr, TRANS: tl.constexpr):
     """acc += one K step as one dot over the whole [BLOCK_K, BLOCK_N] weight tile, built by a reshape of the
@@ -179,12 +252,13 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
                BITS: tl.constexpr, ZEROS_V1: tl.constexpr, F32: tl.constexpr, DOT_F32: tl.constexpr,
                WP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, GROUP_M: tl.constexpr, FIELD_DOTS: tl.constexpr = False,
-               SCALE_W: tl.constexpr = False, TRANS: tl.constexpr = False):
+               SCALE_W: tl.constexpr = False, TRANS: tl.constexpr = False, PAIRS: tl.constexpr = False,
+               ASM: tl.constexpr = True):
     """Tensor cores (tl.dot), y tile [BLOCK_M, BLOCK_N]: one dot per packed field (FIELD_DOTS, `_dot_fields`) or
     one dot over the reshaped tile (`_dot_tile`). TRANS (`mmat`) computes y^T = W^T x^T, so the dequantized weight
     is the first (register) operand of the tensor-core instruction and the activation rows the second (as Machete
-    does); BLOCK_N is then the instruction's M side. Grouped tile order: GROUP_M row tiles walk the same column
-    tiles (L2 reuse)."""
+    does); BLOCK_N is then the instruction's M side. PAIRS (4-bit, with FIELD_DOTS, not TRANS): two fields per dot
+    (`_dot_pairs`). Grouped tile order: GROUP_M row tiles walk the same column tiles (L2 reuse)."""
     BKW: tl.constexpr = BLOCK_K // (32 // BITS)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -208,7 +282,9 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
     for k0 in range(k_begin, k_end, BLOCK_K):
         words, wv, z, s = _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, group_size, offs_w, offs_n, mask_n, sq_k,
                                       sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, TRANS)
-        if FIELD_DOTS:
+        if PAIRS:
+            acc = _dot_pairs(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, WP, BKW, SCALE_W, ASM)
+        elif FIELD_DOTS:
             acc = _dot_fields(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, BITS, WP, BKW, SCALE_W, TRANS)
         else:
             acc = _dot_tile(acc, x_rows, mask_m, k0, k_end, words, z, s, BITS, WP, BKW, EVEN_K, F32, DOT_F32, TRANS)

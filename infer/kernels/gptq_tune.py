@@ -19,11 +19,22 @@ BUCKETS = tuple(1 << i for i in range(13))  # 1 .. 4096
 L2_BUST_BYTES = 160 << 20
 
 
-def _field(kernel: str, bm: int, bn: int, w: int, split: int, stages: int = 3, scale_w: bool = True) -> dict:
-    """A field-by-field tensor-core configuration (see gptq_kernels.mma_kernel / mmat_kernel)."""
+def _field(kernel: str, bm: int, bn: int, w: int, split: int, stages: int = 3, scale_w: bool = True,
+           pairs: bool = False) -> dict:
+    """A field-by-field tensor-core configuration (see gptq_kernels.mma_kernel; pairs: two 4-bit fields per
+    dot, `_dot_pairs`)."""
     cfg = dict(kernel=kernel, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, SPLIT_K=split, num_warps=w, num_stages=stages,
-               FIELD=True, SCALE_W=scale_w)
+               FIELD=True, SCALE_W=scale_w, **({"PAIRS": True} if pairs else {}))
     return dict(cfg, GROUP_M=1) if kernel == "mma" else cfg
+
+
+def _no_spill(cfg: dict) -> bool:
+    """False for the two-fields-per-dot tiles whose compiled loop spills registers for sm_90 (`scripts/kernel-sass`,
+    Triton 3.6): 16 x 256 with 8 warps and 3+ stages, 32 x 128 with 4 warps without the folded scale."""
+    if not cfg.get("PAIRS"):
+        return True
+    bm, bn, w, st = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]
+    return not ((bm == 16 and bn == 256 and st >= 3) or (bm == 32 and w == 4 and not cfg["SCALE_W"]))
 
 
 def _inplace(bn: int, w: int, split: int, stages: int) -> dict:
@@ -45,18 +56,19 @@ def quick_candidates(m: int, step: int) -> list[dict]:
         out += [dict(kernel="gemv", BLOCK_N=bn, BLOCK_K=128, SPLIT_K=s, num_warps=4, num_stages=st)
                 for bn in (64, 128) for st in (1, 2) for s in (4, 8, 16)]
         out += [_inplace(bn, w, s, st) for bn, w in ((64, 4), (128, 4), (128, 8)) for st in (1, 2) for s in (4, 8, 16)]
-        out += [_field("mma", 16, bn, w, s, 3, False) for bn, w in ((128, 4), (256, 8)) for s in (4, 8, 16)]
+        out += [_field("mma", 16, bn, w, s, 3, False, p) for bn, w in ((128, 4), (256, 8)) for s in (4, 8, 16)
+                for p in (False, True)]
     elif m <= 16:
-        out += [_field("mma", 16, bn, w, s, st, False) for bn, w in ((128, 4), (256, 8)) for st in (2, 3)
-                for s in (2, 4, 8, 16)]
+        out += [_field("mma", 16, bn, w, s, st, False, p) for bn, w in ((128, 4), (256, 8)) for st in (2, 3)
+                for s in (2, 4, 8, 16) for p in (False, True)]
     if m <= 16:  # the weight as wgmma's register operand: no shared-memory round trip, no barrier per field
         out += [_field("mmat", 16, 128, 4, s, 3, False) for s in (2, 4, 8, 16)]
     elif m <= 256:
         bm = _rows_tile(m)
         tiles = ((128, 4), (256, 8)) if bm == 32 else (((128, 4), (128, 8)) if bm == 64 else ((128, 8),))
-        out += [_field("mma", bm, bn, w, s) for bn, w in tiles for s in (1, 2, 4)]
+        out += [_field("mma", bm, bn, w, s, 3, True, p) for bn, w in tiles for s in (1, 2, 4) for p in (False, True)]
         out += [_field("mmat", min(m, 64), bn, 8, s) for bn in (128, 256) for s in (1, 2, 4)]
-    return [c for c in out if c["kernel"] == "dequant" or c["BLOCK_K"] <= step]
+    return [c for c in out if c["kernel"] == "dequant" or (c["BLOCK_K"] <= step and _no_spill(c))]
 
 
 def candidates(m: int, step: int, quick: bool = False) -> list[dict]:
@@ -76,8 +88,8 @@ def candidates(m: int, step: int, quick: bool = False) -> list[dict]:
     if m <= 16:
         out += [dict(kernel="mma", BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, GROUP_M=1, num_warps=4,
                      num_stages=st) for bn in (64, 128) for bk in (64, 128) for st in (2, 3) for s in splits]
-        out += [_field("mma", 16, bn, w, s, st, False) for bn, w in ((64, 4), (128, 4), (256, 8)) for st in (2, 3, 4)
-                for s in splits]
+        out += [_field("mma", 16, bn, w, s, st, False, p) for bn, w in ((64, 4), (128, 4), (256, 8))
+                for st in (2, 3, 4) for s in splits for p in (False, True)]
         out += [dict(kernel="mmat", BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=w, num_stages=3)
                 for bn, w in ((64, 4), (128, 4), (128, 8)) for bk in (64, 128) for s in (1,) + splits]
         out += [_field("mmat", 16, bn, w, s, st, sw) for bn, w in ((128, 4), (256, 8)) for st in (2, 3)
@@ -85,8 +97,8 @@ def candidates(m: int, step: int, quick: bool = False) -> list[dict]:
     if 17 <= m <= 256:  # one dot per packed field; the weight as the B (mma) or the register A (mmat) operand
         for bm in sorted({_rows_tile(m), min(2 * _rows_tile(m), 128), max(_rows_tile(m) // 2, 32)}):
             tiles = [(128, 4), (128, 8)] + ([(256, 8)] if bm == 32 else [])
-            out += [_field("mma", bm, bn, w, s, 3, sw) for bn, w in tiles for sw in (False, True)
-                    for s in (1, 2, 4, 8) if not (bm == 128 and w == 4)]
+            out += [_field("mma", bm, bn, w, s, 3, sw, p) for bn, w in tiles for sw in (False, True)
+                    for s in (1, 2, 4, 8) for p in (False, True) if not (bm == 128 and w == 4)]
         out += [_field("mmat", min(m, 64), bn, w, s, 3, sw) for bn, w in ((128, 4), (128, 8), (256, 8))
                 for sw in (False, True) for s in (1, 2, 4, 8)]
     if m >= 128:
@@ -97,7 +109,7 @@ def candidates(m: int, step: int, quick: bool = False) -> list[dict]:
     if m >= 512:
         out += [dict(_field("mma", 128, bn, 8, 1, st), GROUP_M=8) for bn in (128, 256) for st in (3, 4)]
     out.append(dict(kernel="dequant"))
-    return [c for c in out if c["kernel"] == "dequant" or c["BLOCK_K"] <= step]
+    return [c for c in out if c["kernel"] == "dequant" or (c["BLOCK_K"] <= step and _no_spill(c))]
 
 
 def time_graph(fns, reps: int = 3) -> float:
