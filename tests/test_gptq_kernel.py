@@ -265,6 +265,23 @@ def test_benchmark_refuses_to_run_without_a_gpu(tmp_path, capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err and not (tmp_path / "k.csv").exists()
 
 
+def test_benchmark_times_the_other_unpacking_of_the_same_tile(gemm, gen):
+    """The kernel bench labels each config and times the same tile with PAIRS / INPLACE flipped; both compute y."""
+    from infer.bench import kernels as bench
+    assert bench.kernel_label(PAIRS_SCALED) == "mma fields pairs scale-w"
+    assert bench.kernel_label(GEMV_INPLACE) == "gemv in place" and bench.toggled(ROWS) is None
+    assert bench.toggled({"kernel": "dequant"}) is None and bench.toggled(DECODE) is None
+    qw, qz, s, gi = make_weights(gen, 4, 128, 256, 40, False, False)
+    for cfg, m in ((FIELDS, 3), (PAIRS, 3), (GEMV_INPLACE, 1), (GEMV, 1)):
+        other = bench.toggled(cfg)
+        assert bool(other.get("PAIRS", False) or other.get("INPLACE", False)) != bool(cfg.get("PAIRS") or
+                                                                                      cfg.get("INPLACE"))
+        x = torch.randn(m, 256, generator=gen).half().to(DEV)
+        want = ref.gptq_matmul(x, qw, qz, s, gi, 4, True)
+        assert_close(gemm.gptq_matmul(x, qw, qz, s, gi, 4, True, 128, config=other), want, torch.float16, gen,
+                     str(other))
+
+
 def test_benchmark_tensors_are_valid_gptq():
     from infer.bench import kernels as bench
     qw, qz, s, gi = bench.random_gptq(256, 64, 4, 128, "cpu")

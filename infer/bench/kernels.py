@@ -8,7 +8,8 @@
 Shapes are the fused projections of a 7B (Llama-2) and a 14B (Qwen1.5) model: qkv, o, gate_up, down. Every
 kernel is timed from a CUDA graph that cycles through enough copies of its weights to defeat the L2 cache (the
 way a decode step meets them), on random inputs. The floor is the int4 weight bytes over the copy bandwidth
-measured in the same run; `vs_fp16` > 1 means faster than cuBLAS on the fp16 weight. GPU only.
+measured in the same run; `vs_fp16` > 1 means faster than cuBLAS on the fp16 weight; `other_us` is the same tile
+with the other unpacking of the words (PAIRS on or off for the field mma, INPLACE for gemv). GPU only.
 """
 
 from __future__ import annotations
@@ -52,6 +53,22 @@ def _tinygemm(k: int, n: int, copies: int):
         return None
 
 
+def kernel_label(cfg: dict) -> str:
+    """'mma fields pairs', 'gemv in place', ...: the kernel and the options that change its loop."""
+    flags = [("FIELD", "fields"), ("PAIRS", "pairs"), ("SCALE_W", "scale-w"), ("INPLACE", "in place")]
+    return " ".join([cfg.get("kernel", "mma")] + [name for key, name in flags if cfg.get(key)])
+
+
+def toggled(cfg: dict) -> dict | None:
+    """The configuration with the other way of unpacking the words (PAIRS for field mma, INPLACE for gemv), or
+    None where there is none: the bench times both so one run shows what the option is worth."""
+    if cfg.get("kernel") == "mma" and cfg.get("FIELD"):
+        return dict(cfg, PAIRS=not cfg.get("PAIRS", False))
+    if cfg.get("kernel") == "gemv" and "BLOCK_M" not in cfg:
+        return dict(cfg, INPLACE=not cfg.get("INPLACE", False))
+    return None
+
+
 def measure_shape(model: str, name: str, k: int, n: int, ms, bandwidth: float) -> list[dict]:
     from ..kernels import gptq_configs, gptq_gemm, reference
     from ..kernels.gptq_tune import L2_BUST_BYTES, time_graph
@@ -69,8 +86,13 @@ def measure_shape(model: str, name: str, k: int, n: int, ms, bandwidth: float) -
         ours = time_graph([lambda t=t: gptq_gemm.gptq_matmul(x, *t, 4, True, 128, wp) for t in copies])
         fp16 = time_graph([lambda w=w: torch.nn.functional.linear(x, w) for w in w16])
         row = {"model": model, "layer": name, "M": m, "K": k, "N": n, "infer_us": ours, "cublas_fp16_us": fp16,
-               "floor_us": k * n / 2 / bandwidth * 1e6, "vs_fp16": fp16 / ours, "kernel": cfg.get("kernel"),
+               "floor_us": k * n / 2 / bandwidth * 1e6, "vs_fp16": fp16 / ours, "kernel": kernel_label(cfg),
                "config": json.dumps(cfg), "max_rel_err": err}
+        other = toggled(cfg)
+        if other is not None:  # the same tile with the other unpacking, timed in the same run
+            row["other"] = kernel_label(other)
+            row["other_us"] = time_graph([lambda t=t: gptq_gemm.gptq_matmul(x, *t, 4, True, 128, wp, config=other)
+                                          for t in copies])
         if tiny is not None:
             xb = x.to(torch.bfloat16)
             row["tinygemm_us"] = time_graph([lambda p=p: torch.ops.aten._weight_int4pack_mm(xb, p[0], 128, p[1])
@@ -106,9 +128,9 @@ def print_table(rows: list[dict], title: str) -> None:
     from rich.table import Table
     table = Table(title=title)
     cols = ["model", "layer", "M", "infer_us", "tinygemm_us", "cublas_fp16_us", "floor_us", "vs_fp16",
-            "tinygemm_vs_fp16", "kernel", "max_rel_err"]
+            "tinygemm_vs_fp16", "kernel", "other_us", "other", "max_rel_err"]
     for c in cols:
-        table.add_column(c, justify="left" if c in ("model", "layer", "kernel") else "right")
+        table.add_column(c, justify="left" if c in ("model", "layer", "kernel", "other") else "right")
     for r in rows:
         table.add_row(*(("{:.1f}" if c.endswith("_us") else "{:.2f}x" if c.endswith("fp16") else "{:.1e}"
                          if c == "max_rel_err" else "{}").format(r[c]) if c in r else "-" for c in cols))
