@@ -27,3 +27,20 @@ def test_interleaved_rows_drop_the_per_field_barriers_at_sm90():
     loops = [int(re.search(r"loop\s+(\d+)", row).group(1)) for row in rows]
     assert count[0]["HMMA"] == count[1]["HMMA"] > 0 and loops[1] < loops[0]
     assert count[1]["BAR"] < count[0]["BAR"] / 2 and count[1]["LDG"] < count[0]["LDG"] / 4, out.stdout
+
+
+@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this triton ships no cuobjdump")
+def test_pairs_and_in_place_unpacking_spend_fewer_instructions_at_sm90():
+    """docs/perf.md's claim for PAIRS (two 4-bit fields per lop3) and INPLACE (fields in the mantissa where they
+    lie): the same tile's main loop, same tensor-core work, fewer instructions and far fewer shifts."""
+    specs = ["mma 16 128 4 3 16 0", "mmap 16 128 4 3 16 0", "gemv 1 128 4 1 16 0", "gemvi 1 128 4 1 16 0"]
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel-sass"), "--loop", *specs],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if line.split(" ")[0] in ("mma", "mmap", "gemv", "gemvi")]
+    assert len(rows) == 4, out.stdout
+    count = [{k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", row)} for row in rows]
+    loops = [int(re.search(r"loop\s+(\d+)", row).group(1)) for row in rows]
+    assert count[1]["HMMA"] == count[0]["HMMA"] > 0 and loops[1] < 0.9 * loops[0], out.stdout
+    assert count[1]["SHF"] < count[0]["SHF"] / 3 and count[3]["SHF"] < count[2]["SHF"] / 2, out.stdout
+    assert loops[3] < 0.9 * loops[2] and "STACK:0" in rows[1] and "STACK:0" in rows[3], out.stdout
