@@ -14,8 +14,9 @@
   dot per packed field whose tile keeps the loaded words' register layout; the second avoids a round trip of
   every weight through shared memory (the fastest for M = 2-16 on an H100); SCALE_W folds the group's scale
   into the weights instead (one accumulator: tiles of 32-128 rows); PAIRS (4-bit) makes two fields of each word
-  the two K rows of one operand register, one lop3 for both: four dots per step. `mmat` computes y^T = W^T x^T so the
-  weight is the first (register) operand of Hopper's wgmma (few activation rows: a tuning candidate up to 256).
+  the two K rows of one operand register, one lop3 for both: four dots per step. `mmat` computes y^T = W^T x^T
+  so the weight is the first (register) operand of Hopper's wgmma (few activation rows: a tuning candidate up to
+  256).
 - `dequant`: the weight is dequantized into a scratch buffer and multiplied by cuBLAS (torch.matmul). For large
   M (prefill), where cuBLAS at tensor-core speed beats any fused kernel, and for an irregular g_idx.
 

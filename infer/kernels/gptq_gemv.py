@@ -64,7 +64,7 @@ def _gemv_step_inplace(acc, x_row, k0, words, wv, z, s, offs_w, BITS: tl.constex
     high = words >> (LOW * BITS)
     for j in tl.static_range(PACK):
         xj = tl.load(x_row + _xrow0(k0, j, WP, PACK, BKW) + offs_w * XS, mask=wv, other=0.0).to(tl.float32)
-        at = (j % LOW) * BITS if j < LOW else (j - LOW) * BITS
+        at = j * BITS if j < LOW else (j - LOW) * BITS
         src = words if j < LOW else high
         v = _mantissa(src, MASK << at, ASM).to(tl.float32, bitcast=True)
         q = v * (1.0 / (1 << at)) - (zf + (1 << (23 - at)))
