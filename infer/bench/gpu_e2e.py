@@ -201,6 +201,7 @@ def infer_row(run: ShapeRun, model, label: str, weight_bytes: int, lora: str, ad
     row = result_row(run.name, label, lora, "infer --eager" if eager else "infer", run_engine(engine, reqs, b), roof,
                      run.bandwidth)
     row["start_s"] = round(sum(engine.start_times.values()), 2)
+    row.update({k: round(v, 2) for k, v in engine.start_times.items()})  # its parts: tuning, compile, graphs...
     row["lora_swaps"] = engine.stats()["lora_swaps"]
     print(json.dumps(row), flush=True)
     if args.profile:

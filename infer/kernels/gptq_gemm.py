@@ -62,16 +62,22 @@ def _locks(device: torch.device, tiles: int) -> torch.Tensor:
     return have
 
 
-def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, gs, wp, m, n, k) -> torch.Tensor:
+def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, gs, wp, m, n, k,
+            compile_only: bool = False) -> torch.Tensor:
+    """Launch the kernel `cfg` names, or with compile_only only compile it (Triton's `warmup`: same arguments, so
+    the same specialization and cache entry as the launch; inside an AsyncCompileMode the compile is queued)."""
     split = cfg["SPLIT_K"]
     k_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split = triton.cdiv(k, k_split)
-    y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
-    ws = torch.empty((split, m, n) if split > 1 else (1,), device=x2.device, dtype=torch.float32)
+    # compile_only: stand-ins of the same dtypes (the kernel's specialization does not depend on their sizes)
+    y = torch.empty((1,) if compile_only else (m, n), device=x2.device, dtype=x2.dtype)
+    ws = torch.empty((split, m, n) if split > 1 and not compile_only else (1,), device=x2.device, dtype=torch.float32)
     f32 = x2.dtype == torch.float32
-    common = dict(BITS=bits, ZEROS_V1=bool(zeros_v1), F32=f32, WP=wp, EVEN_K=k % cfg["BLOCK_K"] == 0, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                  SPLIT=split > 1, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    args = (m, n, k, k_split, split, gs, x2.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), y.stride(0))
+    common = dict(BITS=bits, ZEROS_V1=bool(zeros_v1), F32=f32, WP=wp, EVEN_K=k % cfg["BLOCK_K"] == 0,
+                  BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT=split > 1, num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])
+    args = (m, n, k, k_split, split, gs, x2.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0),
+            n)  # y's row stride: y is a contiguous [m, n]
     interp_bf16 = x2.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
     field = bool(cfg.get("FIELD", False)) and not (f32 or interp_bf16) and cfg["BLOCK_K"] // (32 // bits) >= 16
     asm = os.environ.get("TRITON_INTERPRET") != "1"  # inline PTX only where it runs: not in the interpreter
@@ -81,25 +87,31 @@ def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, g
     if kind == "gemv" and cfg.get("BLOCK_M", 1) == 1:
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), split, m)
         inplace = bool(cfg.get("INPLACE", False)) and not f32
-        gemv_kernel[grid](x2, qweight, qzeros, scales, y, ws, _locks(x2.device, grid[0] * m), *args,
-                          FIELD_LOOP=bool(cfg.get("FIELD", False)) and not f32, INPLACE=inplace, ASM=asm, **common)
+        run = gemv_kernel.warmup if compile_only else gemv_kernel[grid]
+        run(x2, qweight, qzeros, scales, y, ws, _locks(x2.device, grid[0] * m), *args,
+                          FIELD_LOOP=bool(cfg.get("FIELD", False)) and not f32, INPLACE=inplace, ASM=asm, **common,
+            **({"grid": grid} if compile_only else {}))
     elif kind == "gemv":
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), split, triton.cdiv(m, cfg["BLOCK_M"]))
-        gemv_rows_kernel[grid](x2, qweight, qzeros, scales, y, ws, _locks(x2.device, grid[0] * grid[2]), *args,
-                               BLOCK_M=cfg["BLOCK_M"], **common)
+        run = gemv_rows_kernel.warmup if compile_only else gemv_rows_kernel[grid]
+        run(x2, qweight, qzeros, scales, y, ws, _locks(x2.device, grid[0] * grid[2]), *args, BLOCK_M=cfg["BLOCK_M"],
+            **common, **({"grid": grid} if compile_only else {}))
     else:
         tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
-        mma_kernel[(tiles, split)](x2, qweight, qzeros, scales, y, ws, _locks(x2.device, tiles), *args,
-                                   GROUP_M=cfg.get("GROUP_M", 1), TRANS=kind == "mmat", **dots, **common)
+        grid = (tiles, split)
+        run = mma_kernel.warmup if compile_only else mma_kernel[grid]
+        run(x2, qweight, qzeros, scales, y, ws, _locks(x2.device, tiles), *args, GROUP_M=cfg.get("GROUP_M", 1),
+            TRANS=kind == "mmat", **dots, **common, **({"grid": grid} if compile_only else {}))
     return y
 
 
 def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                 g_idx: torch.Tensor, bits: int, zeros_v1: bool = True, group_size: int | None = None,
-                interleave: int = 1, config: dict | None = None) -> torch.Tensor:
+                interleave: int = 1, config: dict | None = None, compile_only: bool = False) -> torch.Tensor | None:
     """Same as `reference.gptq_matmul` (see there). `config` overrides the tuned / heuristic choice (tests,
     tuning): {"kernel": "gemv" | "mma" | "mmat" | "dequant", BLOCK_*, SPLIT_K, GROUP_M, num_warps, num_stages,
-    FIELD, SCALE_W, INPLACE, PAIRS}."""
+    FIELD, SCALE_W, INPLACE, PAIRS}. compile_only: compile the fused kernel this call would launch and return None
+    (nothing is computed; `gptq_tune.compile_parallel` runs many such calls on a thread pool)."""
     pack = 32 // bits
     k, n = qweight.shape[0] * pack, qweight.shape[1]
     if x.shape[-1] != k:
@@ -114,7 +126,7 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
         x2 = x2.contiguous()
     m = x2.shape[0]
     if m == 0:
-        return x.new_empty(*lead, n)
+        return None if compile_only else x.new_empty(*lead, n)
     step = gptq_configs.block_k_limit(group_size, k, pack)
     if interleave > 1:
         step = min(step, interleave * pack)  # a K step stays inside one interleaved block
@@ -125,7 +137,11 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
     if kind == "gemv" or (kind in ("mma", "mmat") and cfg["BLOCK_K"] >= 16):
         gs = k if group_size in (None, -1) else group_size
         y = _launch(kind, cfg, x2, qweight.contiguous(), qzeros.contiguous(), scales.contiguous(), bits, zeros_v1,
-                    gs, interleave, m, n, k)
+                    gs, interleave, m, n, k, compile_only)
+        if compile_only:
+            return None
+    elif compile_only:  # dequantize + cuBLAS: one small kernel, compiled on first use
+        return None
     else:
         w = dequantize_into_scratch(qweight, qzeros, scales, g_idx, bits, zeros_v1, x.dtype, interleave)
         y = torch.matmul(x2, w)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -112,6 +113,29 @@ def candidates(m: int, step: int, quick: bool = False) -> list[dict]:
     return [c for c in out if c["kernel"] == "dequant" or (c["BLOCK_K"] <= step and _no_spill(c))]
 
 
+def compile_parallel(calls, workers: int | None = None) -> int:
+    """Run `gptq_gemm.gptq_matmul(..., compile_only=True)` calls (no-argument callables) with their compiles
+    queued on a thread pool (Triton's AsyncCompileMode: arguments are bound on this thread, the compiler passes and
+    ptxas run on the pool and release the GIL), so the kernels are in Triton's cache before anything is timed or
+    launched: a tuning pass or an engine start pays for ~100-200 compiles about once per core instead of one after
+    the other. A kernel that does not compile is left to fail where it is launched. Returns the calls queued (0
+    where this Triton has no AsyncCompileMode: each kernel then compiles at its first launch, as before)."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        return 0
+    queued = 0
+    with ThreadPoolExecutor(workers or max(1, min(32, os.cpu_count() or 1))) as pool, \
+            AsyncCompileMode(pool, ignore_errors=True):
+        for call in calls:
+            try:
+                call()
+            except Exception:  # noqa: BLE001 - its launch will raise (and the tuner skips it)
+                continue
+            queued += 1
+    return queued
+
+
 def time_graph(fns, reps: int = 3) -> float:
     """Microseconds per call: the callables (one per weight copy) are captured in turn into one CUDA graph, which
     is replayed `reps` times; the fastest replay counts."""
@@ -162,9 +186,13 @@ def tune_shape(n: int, k: int, buckets, bits: int = 4, group_size: int = 128, de
     copies = weight_copies(k, n, bits, group_size, device, random_gptq)
     step = gptq_configs.block_k_limit(group_size, k, 32 // bits)
     wp = gptq_configs.interleave_for(group_size, k, 32 // bits)
+    xs = {m: torch.randn(m, k, device=device, dtype=dtype) for m in buckets}
+    compile_parallel(lambda m=m, c=c: gptq_gemm.gptq_matmul(xs[m], *copies[0][:4], bits, True, group_size, wp, config=c,
+                                                            compile_only=True)
+                     for m in buckets for c in candidates(m, step, quick))
     result = {}
     for m in buckets:
-        x = torch.randn(m, k, device=device, dtype=dtype)
+        x = xs[m]
         want = gptq_gemm.gptq_matmul(x, *copies[0][:4], bits, True, group_size, wp, config={"kernel": "dequant"})
         scale = want.float().abs().max().clamp_min(1e-6)
         best = (None, float("inf"))
@@ -220,3 +248,43 @@ def tune_model(model, max_tokens: int, device, log=None, quick: bool | None = No
         gptq_configs.save(gptq_configs.gpu_name(device), found)
         torch.cuda.empty_cache()  # the tuning copies must not look like the engine's own memory
     return len(todo), time.perf_counter() - t0
+
+
+def bucket_rows(max_tokens: int) -> list[int]:
+    """Row counts that reach every kernel an engine can launch for up to max_tokens rows: the configuration is
+    chosen per M bucket (b covers b/2 + 1 .. b rows), and Triton compiles M == 1, M divisible by 16 and any other M
+    apart, so each bucket needs one row count of each kind it holds."""
+    rows = set()
+    for b in BUCKETS:
+        lo, hi = b // 2 + 1, min(b, max_tokens)
+        if lo > hi:
+            break
+        rows.update(r for r in (hi, hi - 1, hi // 16 * 16) if lo <= r)
+    return sorted(rows)
+
+
+def compile_model(model, max_tokens: int, dtype: torch.dtype, workers: int | None = None) -> int:
+    """Compile, in parallel (`compile_parallel`), the kernel every GPTQ layer of `model` will launch for each row
+    count up to max_tokens (the tuned or heuristic choice), on the layers' own tensors: an engine start calls this
+    after tuning, so graph capture and the first requests find every int4 matmul kernel compiled. Row counts whose
+    choice is dequantize + cuBLAS need no compile and no activation buffer. Returns the calls queued."""
+    jobs, seen = [], set()
+    rows = bucket_rows(max_tokens)
+    for mod in model.modules():
+        if getattr(mod, "gptq_group_size", None) is None or getattr(mod, "weight", None) is not None \
+                or not hasattr(mod, "qweight"):
+            continue
+        cfg = mod.method.config
+        k, n = mod.qweight.shape[0] * (32 // cfg.bits), mod.qweight.shape[1]
+        key = (n, k, cfg.bits, cfg.zeros_v1, mod.gptq_group_size, mod.gptq_interleave)
+        if key not in seen:
+            seen.add(key)
+            jobs += [(mod, cfg, r, k) for r in rows
+                     if gptq_configs.choose(r, n, k, mod.qweight.device).get("kernel") != "dequant"]
+    if not jobs:
+        return 0
+    device = jobs[0][0].qweight.device
+    buf = torch.empty(max(r * k for _, _, r, k in jobs), device=device, dtype=dtype)  # x of every call, in turn
+    return compile_parallel(lambda mod=mod, cfg=cfg, r=r, k=k: gptq_gemm.gptq_matmul(
+        buf[:r * k].view(r, k), mod.qweight, mod.qzeros, mod.scales, mod.g_idx, cfg.bits, cfg.zeros_v1,
+        mod.gptq_group_size, mod.gptq_interleave, compile_only=True) for mod, cfg, r, k in jobs)
