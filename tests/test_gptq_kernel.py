@@ -37,7 +37,8 @@ PAIRS_SCALED = dict(SCALED, PAIRS=True)
 MMAT_SCALED = dict(MMAT_FIELDS, SCALE_W=True)
 CONFIGS = {"decode": DECODE, "prefill": PREFILL, "gemv": GEMV, "rows": ROWS, "mmat": MMAT, "fields": FIELDS,
            "gemv_fields": GEMV_FIELDS, "mmat_fields": MMAT_FIELDS, "scaled": SCALED, "mmat_scaled": MMAT_SCALED,
-           "gemv_inplace": GEMV_INPLACE, "pairs": PAIRS, "pairs_scaled": PAIRS_SCALED, "dequant": {"kernel": "dequant"}}
+           "gemv_inplace": GEMV_INPLACE, "pairs": PAIRS, "pairs_scaled": PAIRS_SCALED, "dequant": {"kernel": "dequant"},
+           "dequant_chunks": {"kernel": "dequant", "CHUNK_N": 32}}  # columns a block at a time, a ragged last one
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +98,7 @@ def test_matches_reference(gemm, gen, regime, bits, group, desc_act, hint):
     lo, hi = {"decode": (1, 20), "prefill": (33, 90), "gemv": (1, 4), "rows": (1, 11), "mmat": (1, 40),
               "fields": (1, 20), "gemv_fields": (1, 3), "mmat_fields": (1, 40), "scaled": (17, 70),
               "mmat_scaled": (1, 40), "gemv_inplace": (1, 3), "pairs": (1, 20), "pairs_scaled": (17, 70),
-              "dequant": (1, 90)}[regime]
+              "dequant": (1, 90), "dequant_chunks": (1, 90)}[regime]
     m = int(torch.randint(lo, hi, (1,), generator=g))
     cfg = CONFIGS[regime]
     # with plain groups, also the rows interleaved as the linear method repacks them on CUDA
@@ -178,7 +179,7 @@ def test_tuning_candidates_launch_and_compute_right(gemm, gen, quick):
     wp = gc.interleave_for(128, k, 8)
     qi = packing.interleave_rows(qw, 4, wp)
     for m in gptq_tune.BUCKETS[:9]:
-        cands = gptq_tune.candidates(m, gc.block_k_limit(128, k, 8), quick)
+        cands = gptq_tune.candidates(m, gc.block_k_limit(128, k, 8), quick, k)
         assert cands and all(c["kernel"] in ("gemv", "mma", "mmat", "dequant") for c in cands)
         x = torch.randn(m, k, generator=g).half().to(DEV)
         want = ref.gptq_matmul(x, qw, qz, s, gi, 4, True)
@@ -270,6 +271,7 @@ def test_benchmark_times_the_other_unpacking_of_the_same_tile(gemm, gen):
     from infer.bench import kernels as bench
     assert bench.kernel_label(PAIRS_SCALED) == "mma fields pairs scale-w"
     assert bench.kernel_label(GEMV_INPLACE) == "gemv in place" and bench.toggled(ROWS) is None
+    assert bench.kernel_label(CONFIGS["dequant_chunks"]) == "dequant 32-column blocks"
     assert bench.toggled({"kernel": "dequant"}) is None and bench.toggled(DECODE) is None
     qw, qz, s, gi = make_weights(gen, 4, 128, 256, 40, False, False)
     for cfg, m in ((FIELDS, 3), (PAIRS, 3), (GEMV_INPLACE, 1), (GEMV, 1)):

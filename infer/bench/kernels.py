@@ -9,7 +9,8 @@ Shapes are the fused projections of a 7B (Llama-2) and a 14B (Qwen1.5) model: qk
 kernel is timed from a CUDA graph that cycles through enough copies of its weights to defeat the L2 cache (the
 way a decode step meets them), on random inputs. The floor is the int4 weight bytes over the copy bandwidth
 measured in the same run; `vs_fp16` > 1 means faster than cuBLAS on the fp16 weight; `other_us` is the same tile
-with the other unpacking of the words (PAIRS on or off for the field mma, INPLACE for gemv). GPU only.
+with the other unpacking of the words (PAIRS on or off for the field mma, INPLACE for gemv); from 32 rows,
+`dequant_us` / `chunks_us` are dequantize + cuBLAS on the whole matrix / in L2-sized column blocks. GPU only.
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ def _tinygemm(k: int, n: int, copies: int):
 
 
 def kernel_label(cfg: dict) -> str:
-    """'mma fields pairs', 'gemv in place', ...: the kernel and the options that change its loop."""
+    """'mma fields pairs', 'gemv in place', 'dequant 1024-column blocks', ...: the kernel and its options."""
     flags = [("FIELD", "fields"), ("PAIRS", "pairs"), ("SCALE_W", "scale-w"), ("INPLACE", "in place")]
-    return " ".join([cfg.get("kernel", "mma")] + [name for key, name in flags if cfg.get(key)])
+    chunks = [f"{cfg['CHUNK_N']}-column blocks"] if cfg.get("CHUNK_N") else []
+    return " ".join([cfg.get("kernel", "mma")] + [name for key, name in flags if cfg.get(key)] + chunks)
 
 
 def toggled(cfg: dict) -> dict | None:
@@ -71,7 +73,7 @@ def toggled(cfg: dict) -> dict | None:
 
 def measure_shape(model: str, name: str, k: int, n: int, ms, bandwidth: float) -> list[dict]:
     from ..kernels import gptq_configs, gptq_gemm, reference
-    from ..kernels.gptq_tune import L2_BUST_BYTES, time_graph
+    from ..kernels.gptq_tune import L2_BUST_BYTES, chunked, time_graph
     copies = [random_gptq(k, n, 4, 128, "cuda") for _ in range(max(2, -(-L2_BUST_BYTES // (k * n // 2))))]
     w16 = [torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02 for _ in range(2)]
     tiny = _tinygemm(k, n, len(copies))
@@ -93,6 +95,12 @@ def measure_shape(model: str, name: str, k: int, n: int, ms, bandwidth: float) -
             row["other"] = kernel_label(other)
             row["other_us"] = time_graph([lambda t=t: gptq_gemm.gptq_matmul(x, *t, 4, True, 128, wp, config=other)
                                           for t in copies])
+        if m >= 32:  # the dequantize + cuBLAS ways, whole matrix and in L2-sized column blocks (best of them)
+            def timed(c):
+                return time_graph([lambda t=t: gptq_gemm.gptq_matmul(x, *t, 4, True, 128, wp, config=c)
+                                   for t in copies])
+            row["dequant_us"] = timed({"kernel": "dequant"})
+            row["chunks_us"], row["chunks"] = min((timed(c), c["CHUNK_N"]) for c in chunked(k))
         if tiny is not None:
             xb = x.to(torch.bfloat16)
             row["tinygemm_us"] = time_graph([lambda p=p: torch.ops.aten._weight_int4pack_mm(xb, p[0], 128, p[1])
@@ -128,7 +136,7 @@ def print_table(rows: list[dict], title: str) -> None:
     from rich.table import Table
     table = Table(title=title)
     cols = ["model", "layer", "M", "infer_us", "tinygemm_us", "cublas_fp16_us", "floor_us", "vs_fp16",
-            "tinygemm_vs_fp16", "kernel", "other_us", "other", "max_rel_err"]
+            "tinygemm_vs_fp16", "kernel", "other_us", "other", "dequant_us", "chunks_us", "max_rel_err"]
     for c in cols:
         table.add_column(c, justify="left" if c in ("model", "layer", "kernel", "other") else "right")
     for r in rows:

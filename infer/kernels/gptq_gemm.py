@@ -18,7 +18,8 @@
   so the weight is the first (register) operand of Hopper's wgmma (few activation rows: a tuning candidate up to
   256).
 - `dequant`: the weight is dequantized into a scratch buffer and multiplied by cuBLAS (torch.matmul). For large
-  M (prefill), where cuBLAS at tensor-core speed beats any fused kernel, and for an irregular g_idx.
+  M (prefill), where cuBLAS at tensor-core speed beats any fused kernel, and for an irregular g_idx. With CHUNK_N
+  a block of columns at a time, so that each block's fp16 weight can stay in L2 between the two kernels.
 
 Split-K: when the N tiles alone cannot fill the GPU, SPLIT_K programs share a tile's K range. Each writes its
 float32 partial tile to a workspace and bumps a per-tile counter; the program that arrives last sums the partial
@@ -110,7 +111,7 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
                 interleave: int = 1, config: dict | None = None, compile_only: bool = False) -> torch.Tensor | None:
     """Same as `reference.gptq_matmul` (see there). `config` overrides the tuned / heuristic choice (tests,
     tuning): {"kernel": "gemv" | "mma" | "mmat" | "dequant", BLOCK_*, SPLIT_K, GROUP_M, num_warps, num_stages,
-    FIELD, SCALE_W, INPLACE, PAIRS}. compile_only: compile the fused kernel this call would launch and return None
+    FIELD, SCALE_W, INPLACE, PAIRS, CHUNK_N}. compile_only: compile the fused kernel this call would launch and return None
     (nothing is computed; `gptq_tune.compile_parallel` runs many such calls on a thread pool)."""
     pack = 32 // bits
     k, n = qweight.shape[0] * pack, qweight.shape[1]
@@ -142,7 +143,26 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
             return None
     elif compile_only:  # dequantize + cuBLAS: one small kernel, compiled on first use
         return None
+    elif cfg.get("CHUNK_N") and n > cfg["CHUNK_N"]:
+        y = _dequant_chunks(x2, qweight, qzeros, scales, g_idx, bits, zeros_v1, interleave, cfg["CHUNK_N"])
     else:
         w = dequantize_into_scratch(qweight, qzeros, scales, g_idx, bits, zeros_v1, x.dtype, interleave)
         y = torch.matmul(x2, w)
     return y.reshape(*lead, n)
+
+
+def _dequant_chunks(x2, qweight, qzeros, scales, g_idx, bits, zeros_v1, interleave, chunk: int) -> torch.Tensor:
+    """`dequant` a block of columns at a time: each block's fp16 weight (K x chunk) is written to a scratch small
+    enough to stay in the GPU's L2 cache and read from there by cuBLAS, which writes its columns of y in place (a
+    column slice is a matrix with a leading dimension to cuBLAS). Only the int4 words come from memory, where the
+    whole-matrix `dequant` writes and reads back the fp16 weight: four times the int4 bytes, twice."""
+    pack = 32 // bits
+    chunk = max(32, chunk // 32 * 32)  # whole words of zeros per block
+    m, n = x2.shape[0], qweight.shape[1]
+    y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
+    for a in range(0, n, chunk):
+        b = min(n, a + chunk)
+        w = dequantize_into_scratch(qweight[:, a:b], qzeros[:, a // pack:-(-b // pack)], scales[:, a:b], g_idx,
+                                    bits, zeros_v1, x2.dtype, interleave)
+        torch.mm(x2, w, out=y[:, a:b])
+    return y

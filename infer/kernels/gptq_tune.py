@@ -49,10 +49,21 @@ def _rows_tile(m: int) -> int:
     return 32 if m <= 32 else (64 if m <= 64 else 128)
 
 
-def quick_candidates(m: int, step: int) -> list[dict]:
+def chunked(k: int, mbs=(8, 16, 32)) -> list[dict]:
+    """`dequant` a block of columns at a time, each block's fp16 weight (about `mb` MB) small enough to stay in L2
+    between the dequantize kernel and cuBLAS (gptq_gemm._dequant_chunks); for 32 rows and more."""
+    out = []
+    for mb in mbs:
+        cols = max(128, (mb << 20) // (2 * k) // 128 * 128)
+        if not any(c["CHUNK_N"] == cols for c in out):
+            out.append(dict(kernel="dequant", CHUNK_N=cols))
+    return out
+
+
+def quick_candidates(m: int, step: int, k: int | None = None) -> list[dict]:
     """The regions that won on an H100 or that the compiled code favours (engine start; INFER_TUNE=full for all):
     a dozen or two configurations per M bucket instead of ~70-150."""
-    out: list[dict] = [dict(kernel="dequant")]
+    out: list[dict] = [dict(kernel="dequant")] + (chunked(k) if k and m >= 32 else [])
     if m == 1:  # CUDA cores, or tensor cores on a tile padded to 16 rows (fewer instructions per weight)
         out += [dict(kernel="gemv", BLOCK_N=bn, BLOCK_K=128, SPLIT_K=s, num_warps=4, num_stages=st)
                 for bn in (64, 128) for st in (1, 2) for s in (4, 8, 16)]
@@ -72,11 +83,12 @@ def quick_candidates(m: int, step: int) -> list[dict]:
     return [c for c in out if c["kernel"] == "dequant" or (c["BLOCK_K"] <= step and _no_spill(c))]
 
 
-def candidates(m: int, step: int, quick: bool = False) -> list[dict]:
-    """The configurations worth timing for M rows (step: the largest BLOCK_K the grouping allows)."""
+def candidates(m: int, step: int, quick: bool = False, k: int | None = None) -> list[dict]:
+    """The configurations worth timing for M rows (step: the largest BLOCK_K the grouping allows; k: the layer's
+    input width, for the column blocks of the chunked `dequant`)."""
     if quick:
-        return quick_candidates(m, step)
-    out: list[dict] = []
+        return quick_candidates(m, step, k)
+    out: list[dict] = chunked(k, (4, 8, 16, 32)) if k and m >= 32 else []
     splits = (2, 4, 8, 16)
     if m == 1:
         out += [dict(kernel="gemv", BLOCK_N=bn, BLOCK_K=128, SPLIT_K=s, num_warps=4, num_stages=st, FIELD=f)
@@ -189,14 +201,14 @@ def tune_shape(n: int, k: int, buckets, bits: int = 4, group_size: int = 128, de
     xs = {m: torch.randn(m, k, device=device, dtype=dtype) for m in buckets}
     compile_parallel(lambda m=m, c=c: gptq_gemm.gptq_matmul(xs[m], *copies[0][:4], bits, True, group_size, wp, config=c,
                                                             compile_only=True)
-                     for m in buckets for c in candidates(m, step, quick))
+                     for m in buckets for c in candidates(m, step, quick, k))
     result = {}
     for m in buckets:
         x = xs[m]
         want = gptq_gemm.gptq_matmul(x, *copies[0][:4], bits, True, group_size, wp, config={"kernel": "dequant"})
         scale = want.float().abs().max().clamp_min(1e-6)
         best = (None, float("inf"))
-        for cfg in candidates(m, step, quick):
+        for cfg in candidates(m, step, quick, k):
             try:
                 got = gptq_gemm.gptq_matmul(x, *copies[0][:4], bits, True, group_size, wp, config=cfg)
                 if not bool(((got.float() - want.float()).abs().max() / scale) < 1e-2):
