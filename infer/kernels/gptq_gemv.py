@@ -36,13 +36,18 @@ def _gemv_step(acc, x_row, k0, words, wv, z, s, offs_w, BITS: tl.constexpr, WP: 
     return acc
 
 
+# `_mantissa` on a GPU (a module constant: tests/test_ptx_fields.py runs it through a PTX emulator)
+MANTISSA_PTX = tl.constexpr("lop3.b32 $0, $1, $2, 0x4B000000, 0xEA;")
+MANTISSA_CONSTRAINTS = tl.constexpr("=r,r,r")
+
+
 @triton.jit
 def _mantissa(a, b, ASM: tl.constexpr):
     """(a & b) | 0x4B000000 (the bits of a under mask b in the mantissa of 2^23), as one lop3 instruction when
     compiled for a GPU (ptxas emits two when both constants are immediates); plain Triton in the interpreter."""
     if ASM:
-        out = tl.inline_asm_elementwise("lop3.b32 $0, $1, $2, 0x4B000000, 0xEA;", "=r,r,r",
-                                        [a, tl.full(a.shape, b, tl.int32)], dtype=tl.int32, is_pure=True, pack=1)
+        out = tl.inline_asm_elementwise(MANTISSA_PTX, MANTISSA_CONSTRAINTS, [a, tl.full(a.shape, b, tl.int32)],
+                                        dtype=tl.int32, is_pure=True, pack=1)
     else:
         out = (a & b) | 0x4B000000
     return out

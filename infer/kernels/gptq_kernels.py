@@ -137,6 +137,19 @@ def _dot_fields(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, BITS: tl.const
     return acc
 
 
+# `_pair_fields` on a GPU: lop3 with LUT 0xEA is (a & b) | c. Module constants so that a test can run this text
+# through a PTX emulator against the interpreter's Triton-op path (tests/test_ptx_fields.py).
+PAIR_FIELDS_PTX = tl.constexpr(
+    "{ .reg .b32 t0, t1, t2, t3, s;\n"
+    "lop3.b32 t0, $8, 0x000F000F, 0x64006400, 0xEA;\n"
+    "lop3.b32 t1, $8, 0x00F000F0, 0x64006400, 0xEA;\n"
+    "shr.u32 s, $8, 8;\n"
+    "lop3.b32 t2, s, 0x000F000F, 0x64006400, 0xEA;\n"
+    "lop3.b32 t3, s, 0x00F000F0, 0x64006400, 0xEA;\n"
+    "mov.b32 {$0, $1}, t0;\nmov.b32 {$2, $3}, t1;\nmov.b32 {$4, $5}, t2;\nmov.b32 {$6, $7}, t3; }")
+PAIR_FIELDS_CONSTRAINTS = tl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r")
+
+
 @triton.jit
 def _pair_fields(words, ASM: tl.constexpr):
     """4-bit words -> eight fp16 tensors (fields 0, 4, 1, 5, 2, 6, 3, 7): the fields of each 16-bit half OR-ed
@@ -145,15 +158,8 @@ def _pair_fields(words, ASM: tl.constexpr):
     field at a time takes three per field (shift, mask, or, and a byte permute to pair two words). ASM: as
     inline PTX (a GPU); the interpreter, which cannot run PTX, computes the same values with Triton ops."""
     if ASM:
-        out = tl.inline_asm_elementwise(
-            "{ .reg .b32 t0, t1, t2, t3, s;\n"
-            "lop3.b32 t0, $8, 0x000F000F, 0x64006400, 0xEA;\n"
-            "lop3.b32 t1, $8, 0x00F000F0, 0x64006400, 0xEA;\n"
-            "shr.u32 s, $8, 8;\n"
-            "lop3.b32 t2, s, 0x000F000F, 0x64006400, 0xEA;\n"
-            "lop3.b32 t3, s, 0x00F000F0, 0x64006400, 0xEA;\n"
-            "mov.b32 {$0, $1}, t0;\nmov.b32 {$2, $3}, t1;\nmov.b32 {$4, $5}, t2;\nmov.b32 {$6, $7}, t3; }",
-            "=h,=h,=h,=h,=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        out = tl.inline_asm_elementwise(PAIR_FIELDS_PTX, PAIR_FIELDS_CONSTRAINTS, [words], dtype=(tl.float16,) * 8,
+                                        is_pure=True, pack=1)
     else:
         out = (_half_field(words, 0, 0x0F), _half_field(words, 16, 0x0F), _half_field(words, 0, 0xF0),
                _half_field(words, 16, 0xF0), _half_field(words, 8, 0x0F), _half_field(words, 24, 0x0F),
