@@ -90,6 +90,9 @@ def quick_candidates(m: int, step: int, k: int | None = None) -> list[dict]:
         tiles = ((128, 4), (256, 8)) if bm == 32 else (((128, 4), (128, 8)) if bm == 64 else ((128, 8),))
         out += [_field("mma", bm, bn, w, s, 3, True, p) for bn, w in tiles for s in (1, 2, 4) for p in (False, True)]
         out += [_field("mmat", min(m, 64), bn, 8, s) for bn in (128, 256) for s in (1, 2, 4)]
+        if m <= 64:  # the M = 16 winner's tile, 2-4 of them per column block, adjacent (GROUP_M): weights from L2
+            out += [dict(_field("mma", 16, 128, 4, s, 3, False, p), GROUP_M=4) for s in (2, 4, 8)
+                    for p in (False, True)]
     return [c for c in out if c["kernel"] == "dequant" or (c["BLOCK_K"] <= step and _no_spill(c))]
 
 
@@ -117,6 +120,9 @@ def candidates(m: int, step: int, quick: bool = False, k: int | None = None) -> 
                 for bn, w in ((64, 4), (128, 4), (128, 8)) for bk in (64, 128) for s in (1,) + splits]
         out += [_field("mmat", 16, bn, w, s, st, sw) for bn, w in ((128, 4), (256, 8)) for st in (2, 3)
                 for sw in (False, True) for s in splits]
+    if 17 <= m <= 64:  # 16-row tiles, GROUP_M of them walking the same column block (weights read once from DRAM)
+        out += [dict(_field("mma", 16, bn, w, s, st, False, p), GROUP_M=4) for bn, w in ((128, 4), (256, 8))
+                for st in (2, 3) for s in (2, 4, 8) for p in (False, True)]
     if 17 <= m <= 256:  # one dot per packed field; the weight as the B (mma) or the register A (mmat) operand
         for bm in sorted({_rows_tile(m), min(2 * _rows_tile(m), 128), max(_rows_tile(m) // 2, 32)}):
             tiles = [(128, 4), (128, 8)] + ([(256, 8)] if bm == 32 else [])
