@@ -90,7 +90,7 @@ def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, g
         inplace = bool(cfg.get("INPLACE", False)) and not f32
         run = gemv_kernel.warmup if compile_only else gemv_kernel[grid]
         run(x2, qweight, qzeros, scales, y, ws, _locks(x2.device, grid[0] * m), *args,
-                          FIELD_LOOP=bool(cfg.get("FIELD", False)) and not f32, INPLACE=inplace, ASM=asm, **common,
+            FIELD_LOOP=bool(cfg.get("FIELD", False)) and not f32, INPLACE=inplace, ASM=asm, **common,
             **({"grid": grid} if compile_only else {}))
     elif kind == "gemv":
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), split, triton.cdiv(m, cfg["BLOCK_M"]))
@@ -111,8 +111,8 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
                 interleave: int = 1, config: dict | None = None, compile_only: bool = False) -> torch.Tensor | None:
     """Same as `reference.gptq_matmul` (see there). `config` overrides the tuned / heuristic choice (tests,
     tuning): {"kernel": "gemv" | "mma" | "mmat" | "dequant", BLOCK_*, SPLIT_K, GROUP_M, num_warps, num_stages,
-    FIELD, SCALE_W, INPLACE, PAIRS, CHUNK_N}. compile_only: compile the fused kernel this call would launch and return None
-    (nothing is computed; `gptq_tune.compile_parallel` runs many such calls on a thread pool)."""
+    FIELD, SCALE_W, INPLACE, PAIRS, CHUNK_N}. compile_only: compile the fused kernel this call would launch and
+    return None (nothing is computed; `gptq_tune.compile_parallel` runs many such calls on a thread pool)."""
     pack = 32 // bits
     k, n = qweight.shape[0] * pack, qweight.shape[1]
     if x.shape[-1] != k:

@@ -32,7 +32,7 @@ def _field(kernel: str, bm: int, bn: int, w: int, split: int, stages: int = 3, s
 def _no_spill(cfg: dict) -> bool:
     """False for the configurations whose compiled kernel keeps registers in local memory (a stack) for sm_90
     (`scripts/kernel-sass --audit --full`, Triton 3.6: 10 of the 379 kernels of the full set, none of the quick
-    set's 88; the audit now fails only a kernel that touches it in its main loop): two-fields-per-dot
+    set's; the audit now fails only a kernel that touches it in its main loop): two-fields-per-dot
     16 x 256 with 3+ stages and 32 x 128 with 4 warps without the folded scale; the reshaped (not field) mma 16 x
     128 with BLOCK_K 128; the transposed reshaped mma on 128 rows; the gemv of 2 rows with 64 columns and BLOCK_K
     32."""
@@ -215,9 +215,9 @@ def tune_shape(n: int, k: int, buckets, bits: int = 4, group_size: int = 128, de
     step = gptq_configs.block_k_limit(group_size, k, 32 // bits)
     wp = gptq_configs.interleave_for(group_size, k, 32 // bits)
     xs = {m: torch.randn(m, k, device=device, dtype=dtype) for m in buckets}
-    compile_parallel(lambda m=m, c=c: gptq_gemm.gptq_matmul(xs[m], *copies[0][:4], bits, True, group_size, wp, config=c,
-                                                            compile_only=True)
-                     for m in buckets for c in candidates(m, step, quick, k))
+    every = [(m, c) for m in buckets for c in candidates(m, step, quick, k)]
+    compile_parallel(lambda m=m, c=c: gptq_gemm.gptq_matmul(xs[m], *copies[0][:4], bits, True, group_size, wp,
+                                                            config=c, compile_only=True) for m, c in every)
     result = {}
     for m in buckets:
         x = xs[m]
