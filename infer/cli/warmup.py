@@ -58,6 +58,8 @@ def print_plan(plan, extra: dict) -> None:
     ]
     if extra.get("kernel_tuning_s") is not None:
         rows.append(("int4 kernel tuning at start (s)", f"{extra['kernel_tuning_s']:.1f}"))
+    if extra.get("kernel_compile_s") is not None:
+        rows.append(("int4 kernel compiles at start (s)", f"{extra['kernel_compile_s']:.1f}"))
     if extra.get("activation_estimate_bytes") is not None:
         rows.append(("peak activations (formula)", gib(extra["activation_estimate_bytes"])))
     if plan.lora_bytes:

@@ -3,6 +3,8 @@ estimated from files alone (config.json and the checkpoint's tensor headers)."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..engine.config import EngineConfig
@@ -71,16 +73,19 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     resident = resident_bytes(device) - before
     lora_manager, largest = _lora_manager(model, engine_config, device, dtype)
     budget = budget_bytes(engine_config, device, resident)
-    tuning_s = None
-    if device.type == "cuda":  # what an engine start adds on this GPU: tuning the int4 matmul for shapes not in a table
-        from ..kernels.gptq_tune import tune_model
+    tuning_s = compile_s = None
+    if device.type == "cuda":  # what an engine start adds on this GPU: tuning the int4 matmul for shapes not in a
+        from ..kernels.gptq_tune import compile_model, tune_model  # table, then compiling the kernels it will launch
         tuning_s = tune_model(model, engine_config.max_num_batched_tokens, device)[1]
+        t0 = time.perf_counter()
+        compile_model(model, engine_config.max_num_batched_tokens, dtype)
+        compile_s = time.perf_counter() - t0
     with torch.inference_mode():
         plan, estimate = profile_run(model, model_config, engine_config, dtype, device, max_length, concurrency,
                                      limit, lora_manager, largest, budget)
     extra = {"model": str(path), "dtype": str(dtype).replace("torch.", ""), "estimate": False,
              "activation_estimate_bytes": estimate, "weights_resident_bytes": resident,
-             "lora_adapter": largest, "kernel_tuning_s": tuning_s}
+             "lora_adapter": largest, "kernel_tuning_s": tuning_s, "kernel_compile_s": compile_s}
     return plan, extra
 
 
