@@ -5,6 +5,7 @@ kernel. What it shows: every queued call compiles on the thread pool, and the la
 arguments finds its kernel in Triton's cache (it fails only where that driver cannot load it), so neither a tuning
 pass nor an engine's first steps compile again."""
 
+import json
 import os
 import subprocess
 import sys
@@ -140,3 +141,63 @@ def test_parallel_compile_on_a_gpu_leaves_nothing_to_compile_at_launch(monkeypat
         got = gptq_gemm.gptq_matmul(xs[m], qw, qz, s, g, 4, True, 128, wp, config=c)
         assert ((got.float() - want[m]).abs().max() / want[m].abs().max()) < 1e-2, c
     assert len(compiled) == before, f"{len(compiled) - before} kernels compiled at launch after compile_parallel"
+
+
+def test_tuning_pass_on_cpu_interpreted(monkeypatch, tmp_path):
+    """The engine start's tuning code (tune_model -> tune_shape -> compile_parallel, the correctness filter, the
+    cache file) run on CPU with the kernels interpreted and a wall-clock stand-in for the CUDA-graph timer: every
+    bucket gets a winner that computes y, a candidate that raises is skipped, and the winners are saved for the GPU's
+    name."""
+    import time
+
+    import torch
+
+    from infer.kernels import gptq_configs, gptq_gemm, gptq_tune, reference
+    from infer.models.layers import MergedLinear
+    from infer.quant import packing
+    from infer.quant.config import GPTQConfig
+    from infer.quant.gptq_linear import GPTQLinearMethod
+    if torch.cuda.is_available():
+        pytest.skip("a GPU tunes for real (scripts/gpu-check kernels)")
+
+    def wall_clock(fns, reps=3):
+        t0 = time.perf_counter()
+        for f in fns:
+            f()
+        return (time.perf_counter() - t0) * 1e6 / len(fns)
+    monkeypatch.setenv("INFER_CACHE", str(tmp_path))
+    monkeypatch.setattr(gptq_tune, "time_graph", wall_clock)
+    monkeypatch.setattr(gptq_tune, "L2_BUST_BYTES", 1)  # two copies of the layer
+    monkeypatch.setattr(gptq_configs, "gpu_name", lambda device: "CPU_TEST")
+    gptq_configs.load.cache_clear()
+    few = gptq_tune.quick_candidates
+
+    def sample(m, step, k=None):  # a handful per bucket (the interpreter is slow), and one that cannot run
+        cands = few(m, step, k)
+        return cands[:2] + cands[-2:] + [dict(cands[-1], kernel="mma", BLOCK_M=16, BLOCK_N=48, BLOCK_K=128,
+                                              SPLIT_K=1, num_warps=4, num_stages=2)]  # BLOCK_N not a power of 2
+    monkeypatch.setattr(gptq_tune, "quick_candidates", sample)
+    cfg = GPTQConfig(bits=4, group_size=128, desc_act=False, sym=True)
+    layer = MergedLinear(256, [64], ["model.layers.0.p"], False, GPTQLinearMethod(cfg, True), torch.float16)
+    tensors = dict(zip(("qweight", "qzeros", "scales", "g_idx"), packing.quantize_rtn(torch.randn(64, 256), 4, 128)))
+    for name, t in tensors.items():
+        layer.load_shard(name, 0, t)
+    layer.finish_loading()
+    model = torch.nn.ModuleList([layer])
+    assert gptq_tune.layer_shapes(model) == {(64, 256, 4, 128)}
+    logged = []
+    shapes, seconds = gptq_tune.tune_model(model, 40, torch.device("cpu"), log=logged.append, quick=True)
+    assert shapes == 1 and seconds > 0
+    skipped = [line for line in logged if line.startswith("  skip")]
+    assert len(skipped) == 7 and all("'BLOCK_N': 48" in line for line in skipped), logged
+    saved = json.loads(gptq_configs.cache_file("CPU_TEST").read_text())["64,256"]
+    assert sorted(int(b) for b in saved) == [1, 2, 4, 8, 16, 32, 64]
+    for b, chosen in saved.items():
+        assert chosen.get("BLOCK_N") != 48, chosen
+        x = torch.randn(int(b), 256).half()
+        got = gptq_gemm.gptq_matmul(x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx, 4, True, 128,
+                                    layer.gptq_interleave, config=chosen)
+        want = reference.gptq_matmul(x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx, 4, True, 128,
+                                     layer.gptq_interleave)
+        assert ((got.float() - want.float()).abs().max() / want.float().abs().max()) < 1e-2, (b, chosen)
+    gptq_configs.load.cache_clear()
