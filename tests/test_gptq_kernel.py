@@ -289,3 +289,29 @@ def test_benchmark_tensors_are_valid_gptq():
     qw, qz, s, gi = bench.random_gptq(256, 64, 4, 128, "cpu")
     assert (qw.shape, qz.shape, s.shape, gi.shape) == ((32, 64), (2, 8), (2, 64), (256,))
     assert torch.isfinite(ref.gptq_matmul(torch.randn(2, 256), qw, qz, s, gi, 4)).all()
+
+
+@pytest.mark.skipif(CUDA, reason="a GPU runs the bench for real (scripts/gpu-check kernels)")
+def test_benchmark_rows_on_cpu_interpreted(gemm, monkeypatch, capsys):
+    """`infer.bench.kernels`' measuring code on CPU (interpreted kernels, a wall-clock stand-in for the CUDA-graph
+    timer, a tiny layer): one row per M with the chosen kernel's error, the flipped option, and from 32 rows the
+    whole and chunked dequantize; the table prints."""
+    import time
+
+    from infer.bench import kernels as bench
+    from infer.kernels import gptq_tune
+
+    def wall_clock(fns, reps=3):
+        t0 = time.perf_counter()
+        for f in fns:
+            f()
+        return (time.perf_counter() - t0) * 1e6 / len(fns)
+    monkeypatch.setattr(gptq_tune, "time_graph", wall_clock)
+    monkeypatch.setattr(gptq_tune, "L2_BUST_BYTES", 1)
+    rows = bench.measure_shape("7B", "tiny", 256, 128, [1, 3, 32], 1e12, device="cpu")
+    assert [r["M"] for r in rows] == [1, 3, 32]
+    assert all(r["max_rel_err"] < 2e-3 and r["infer_us"] > 0 and r["cublas_fp16_us"] > 0 for r in rows), rows
+    assert "other_us" in rows[0] and "dequant_us" not in rows[1] and rows[2]["dequant_us"] > 0
+    assert rows[2]["chunks_us"] > 0 and rows[2]["chunks"] >= 128
+    bench.print_table(rows, "cpu")
+    assert "tiny" in capsys.readouterr().out

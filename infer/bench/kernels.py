@@ -71,16 +71,17 @@ def toggled(cfg: dict) -> dict | None:
     return None
 
 
-def measure_shape(model: str, name: str, k: int, n: int, ms, bandwidth: float) -> list[dict]:
+def measure_shape(model: str, name: str, k: int, n: int, ms, bandwidth: float, device: str = "cuda") -> list[dict]:
+    """One row per M for a K x N layer (device: "cuda"; the tests run the same code on "cpu", interpreted)."""
     from ..kernels import gptq_configs, gptq_gemm, reference
     from ..kernels.gptq_tune import L2_BUST_BYTES, chunked, time_graph
-    copies = [random_gptq(k, n, 4, 128, "cuda") for _ in range(max(2, -(-L2_BUST_BYTES // (k * n // 2))))]
-    w16 = [torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02 for _ in range(2)]
-    tiny = _tinygemm(k, n, len(copies))
+    copies = [random_gptq(k, n, 4, 128, device) for _ in range(max(2, -(-L2_BUST_BYTES // (k * n // 2))))]
+    w16 = [torch.randn(n, k, device=device, dtype=torch.float16) * 0.02 for _ in range(2)]
+    tiny = _tinygemm(k, n, len(copies)) if device == "cuda" else None
     wp = gptq_configs.interleave_for(128, k, 8)  # the layout the linear method gives such a layer on CUDA
     rows = []
     for m in ms:
-        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        x = torch.randn(m, k, device=device, dtype=torch.float16)
         cfg = gptq_configs.choose(m, n, k, x.device)
         y = gptq_gemm.gptq_matmul(x, *copies[0], 4, True, 128, wp)
         want = reference.gptq_matmul(x, *copies[0], 4, True, 128, wp)
@@ -108,7 +109,8 @@ def measure_shape(model: str, name: str, k: int, n: int, ms, bandwidth: float) -
             row["tinygemm_vs_fp16"] = fp16 / row["tinygemm_us"]
         rows.append(row)
     del copies, w16, tiny
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return rows
 
 
