@@ -201,3 +201,17 @@ def test_tuning_pass_on_cpu_interpreted(monkeypatch, tmp_path):
                                      layer.gptq_interleave)
         assert ((got.float() - want.float()).abs().max() / want.float().abs().max()) < 1e-2, (b, chosen)
     gptq_configs.load.cache_clear()
+
+
+def test_compile_parallel_inside_another_async_compile_leaves_the_compiles_to_the_launch():
+    """Triton allows one AsyncCompileMode at a time: inside someone else's, compile_parallel queues nothing (each
+    kernel compiles at its launch) instead of raising."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from triton.runtime._async_compile import AsyncCompileMode
+
+    from infer.kernels import gptq_tune
+    ran = []
+    with ThreadPoolExecutor(1) as pool, AsyncCompileMode(pool):
+        assert gptq_tune.compile_parallel([lambda: ran.append(1)]) == 0
+    assert ran == [] and gptq_tune.compile_parallel([lambda: ran.append(1)], workers=1) == 1 and ran == [1]

@@ -147,10 +147,13 @@ def compile_parallel(calls, workers: int | None = None) -> int:
     ptxas run on the pool and release the GIL), so the kernels are in Triton's cache before anything is timed or
     launched: a tuning pass or an engine start pays for ~100-200 compiles about once per core instead of one after
     the other. A kernel that does not compile is left to fail where it is launched. Returns the calls queued (0
-    where this Triton has no AsyncCompileMode: each kernel then compiles at its first launch, as before)."""
+    where this Triton has no AsyncCompileMode or one is already active: each kernel then compiles at its first
+    launch, as before)."""
     try:
-        from triton.runtime._async_compile import AsyncCompileMode
+        from triton.runtime._async_compile import AsyncCompileMode, active_mode
     except ImportError:
+        return 0
+    if active_mode.get() is not None:  # inside someone else's async compile (Triton allows one): compile at launch
         return 0
     queued = 0
     with ThreadPoolExecutor(workers or max(1, min(32, os.cpu_count() or 1))) as pool, \
