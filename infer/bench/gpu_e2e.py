@@ -36,9 +36,10 @@ from .roofline import copy_bandwidth, decode_roofline, lora_bytes_per_adapter, w
 
 # ----------------------------------------------------------------------------------------------- engines
 def build_engine(model, model_config, tokenizer, device, adapters: dict[str, str], rank: int, concurrency: int,
-                 max_len: int, eager: bool = False, slots: int | None = None):
+                 max_len: int, eager: bool = False, slots: int | None = None, batched_tokens: int = 4096):
     """An LLMEngine over an in-memory model (decode CUDA graphs unless `eager`); `slots` GPU adapter slots (default:
-    one per adapter; fewer makes the engine swap adapters, counted in stats()["lora_swaps"])."""
+    one per adapter; fewer makes the engine swap adapters, counted in stats()["lora_swaps"]); `batched_tokens` the
+    most tokens in one step (longer prompts are prefilled in chunks)."""
     slots = max(1, slots or len(adapters))
     from ..engine import llm_engine
     from ..engine.config import EngineConfig
@@ -48,7 +49,7 @@ def build_engine(model, model_config, tokenizer, device, adapters: dict[str, str
     engine_config = EngineConfig(f"random-{model_config.model_type}", dtype=str(dtype).split(".")[-1],
                                  device=str(device), max_num_seqs=concurrency, max_model_len=max_len,
                                  num_kv_blocks=blocks, loras=adapters, max_loras=slots, max_lora_rank=rank,
-                                 enforce_eager=eager)
+                                 enforce_eager=eager, max_num_batched_tokens=batched_tokens)
     manager = None
     if adapters:
         from ..lora.manager import LoRAManager
