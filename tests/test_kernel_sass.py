@@ -63,7 +63,8 @@ def test_every_quick_tuning_candidate_compiles_fits_and_does_not_spill_at_sm90()
 def test_every_kernel_an_engine_launches_at_7b_shapes_compiles_for_sm90():
     """The engine's GPU code path run here at Llama-2-7B shapes (one layer, two adapters), each Triton launch
     compiled for sm_90 instead: the start's warm-up, chunked prefills, decodes past one attention partition, mixed
-    adapters. Every kernel function the GPU path has is reached, and each kernel fits and does not spill."""
+    adapters. Every kernel function the GPU path has is reached, each kernel fits and does not spill, and the int4
+    matmuls find their kernels compiled by compile_model (an engine start's parallel compile)."""
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel-sass"), "--engine", "llama-2-7b"],
                          capture_output=True, text=True, timeout=1200, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
@@ -71,4 +72,4 @@ def test_every_kernel_an_engine_launches_at_7b_shapes_compiles_for_sm90():
     assert names == {"_decode_kernel", "_reduce_kernel", "_unified_kernel", "_rms_norm_kernel", "_rotary_kernel",
                      "_silu_and_mul_kernel", "_store_kv_kernel", "_shrink_kernel", "_expand_kernel", "gemv_kernel",
                      "mma_kernel"}, out.stdout[-3000:]
-    assert "0 over the shared-memory limit or spilling in the main loop" in out.stdout
+    assert "0 over the shared-memory limit or spilling in the main loop or compiled late" in out.stdout, out.stdout
