@@ -35,9 +35,12 @@ SCALED = dict(FIELDS, BLOCK_M=32, SPLIT_K=1, SCALE_W=True)  # the group's scale 
 PAIRS = dict(FIELDS, PAIRS=True)  # 4-bit: fields j and j + 4 of each word in one dot
 PAIRS_SCALED = dict(SCALED, PAIRS=True)
 MMAT_SCALED = dict(MMAT_FIELDS, SCALE_W=True)
+MMAT_PAIRS = dict(MMAT_FIELDS, PAIRS=True)  # two fields per dot, the weight as the first operand
+MMAT_PAIRS_SCALED = dict(MMAT_SCALED, PAIRS=True)
 CONFIGS = {"decode": DECODE, "prefill": PREFILL, "gemv": GEMV, "rows": ROWS, "mmat": MMAT, "fields": FIELDS,
            "gemv_fields": GEMV_FIELDS, "mmat_fields": MMAT_FIELDS, "scaled": SCALED, "mmat_scaled": MMAT_SCALED,
-           "gemv_inplace": GEMV_INPLACE, "pairs": PAIRS, "pairs_scaled": PAIRS_SCALED, "dequant": {"kernel": "dequant"},
+           "gemv_inplace": GEMV_INPLACE, "pairs": PAIRS, "pairs_scaled": PAIRS_SCALED, "mmat_pairs": MMAT_PAIRS,
+           "mmat_pairs_scaled": MMAT_PAIRS_SCALED, "dequant": {"kernel": "dequant"},
            "dequant_chunks": {"kernel": "dequant", "CHUNK_N": 32}}  # columns a block at a time, a ragged last one
 
 
@@ -98,7 +101,7 @@ def test_matches_reference(gemm, gen, regime, bits, group, desc_act, hint):
     lo, hi = {"decode": (1, 20), "prefill": (33, 90), "gemv": (1, 4), "rows": (1, 11), "mmat": (1, 40),
               "fields": (1, 20), "gemv_fields": (1, 3), "mmat_fields": (1, 40), "scaled": (17, 70),
               "mmat_scaled": (1, 40), "gemv_inplace": (1, 3), "pairs": (1, 20), "pairs_scaled": (17, 70),
-              "dequant": (1, 90), "dequant_chunks": (1, 90)}[regime]
+              "mmat_pairs": (1, 20), "mmat_pairs_scaled": (17, 40), "dequant": (1, 90), "dequant_chunks": (1, 90)}[regime]
     m = int(torch.randint(lo, hi, (1,), generator=g))
     cfg = CONFIGS[regime]
     # with plain groups, also the rows interleaved as the linear method repacks them on CUDA
@@ -145,7 +148,7 @@ def test_negative_words_and_extreme_values(gemm, gen):
         y = gemm.gptq_matmul(x.to(DEV), *args, bits, False, gs, config=DECODE)
         assert_close(y, x @ w, torch.float32, g, f"{bits}-bit")
         xh = x.half()
-        for cfg, m in ((GEMV_INPLACE, 1), (PAIRS, 5), (PAIRS_SCALED, 5)):
+        for cfg, m in ((GEMV_INPLACE, 1), (PAIRS, 5), (PAIRS_SCALED, 5), (MMAT_PAIRS, 5)):
             y = gemm.gptq_matmul(xh[:m].to(DEV), *args, bits, False, gs, config=cfg)
             assert_close(y, xh[:m].float() @ w, torch.float16, g, f"{bits}-bit {cfg}")
 
@@ -273,8 +276,9 @@ def test_benchmark_times_the_other_unpacking_of_the_same_tile(gemm, gen):
     assert bench.kernel_label(GEMV_INPLACE) == "gemv in place" and bench.toggled(ROWS) is None
     assert bench.kernel_label(CONFIGS["dequant_chunks"]) == "dequant 32-column blocks"
     assert bench.toggled({"kernel": "dequant"}) is None and bench.toggled(DECODE) is None
+    assert bench.kernel_label(MMAT_PAIRS) == "mmat fields pairs" and bench.toggled(MMAT_FIELDS)["PAIRS"]
     qw, qz, s, gi = make_weights(gen, 4, 128, 256, 40, False, False)
-    for cfg, m in ((FIELDS, 3), (PAIRS, 3), (GEMV_INPLACE, 1), (GEMV, 1)):
+    for cfg, m in ((FIELDS, 3), (PAIRS, 3), (MMAT_PAIRS, 2), (GEMV_INPLACE, 1), (GEMV, 1)):
         other = bench.toggled(cfg)
         assert bool(other.get("PAIRS", False) or other.get("INPLACE", False)) != bool(cfg.get("PAIRS") or
                                                                                       cfg.get("INPLACE"))

@@ -9,7 +9,7 @@ Shapes are the fused projections of a 7B (Llama-2) and a 14B (Qwen1.5) model: qk
 kernel is timed from a CUDA graph that cycles through enough copies of its weights to defeat the L2 cache (the
 way a decode step meets them), on random inputs. The floor is the int4 weight bytes over the copy bandwidth
 measured in the same run; `vs_fp16` > 1 means faster than cuBLAS on the fp16 weight; `other_us` is the same tile
-with the other unpacking of the words (PAIRS on or off for the field mma, INPLACE for gemv); from 32 rows,
+with the other unpacking of the words (PAIRS on or off for the field mma / mmat, INPLACE for gemv); from 32 rows,
 `dequant_us` / `chunks_us` are dequantize + cuBLAS on the whole matrix / in L2-sized column blocks. GPU only.
 """
 
@@ -62,9 +62,9 @@ def kernel_label(cfg: dict) -> str:
 
 
 def toggled(cfg: dict) -> dict | None:
-    """The configuration with the other way of unpacking the words (PAIRS for field mma, INPLACE for gemv), or
-    None where there is none: the bench times both so one run shows what the option is worth."""
-    if cfg.get("kernel") == "mma" and cfg.get("FIELD"):
+    """The configuration with the other way of unpacking the words (PAIRS for field mma / mmat, INPLACE for gemv),
+    or None where there is none: the bench times both so one run shows what the option is worth."""
+    if cfg.get("kernel") in ("mma", "mmat") and cfg.get("FIELD"):
         return dict(cfg, PAIRS=not cfg.get("PAIRS", False))
     if cfg.get("kernel") == "gemv" and "BLOCK_M" not in cfg:
         return dict(cfg, INPLACE=not cfg.get("INPLACE", False))

@@ -84,7 +84,7 @@ def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, g
     asm = os.environ.get("TRITON_INTERPRET") != "1"  # inline PTX only where it runs: not in the interpreter
     dots = dict(BLOCK_M=cfg.get("BLOCK_M", 1), DOT_F32=interp_bf16, FIELD_DOTS=field,
                 SCALE_W=field and bool(cfg.get("SCALE_W", False)), ASM=asm,
-                PAIRS=field and bits == 4 and kind == "mma" and bool(cfg.get("PAIRS", False)))
+                PAIRS=field and bits == 4 and bool(cfg.get("PAIRS", False)))
     if kind == "gemv" and cfg.get("BLOCK_M", 1) == 1:
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), split, m)
         inplace = bool(cfg.get("INPLACE", False)) and not f32

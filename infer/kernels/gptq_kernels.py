@@ -180,33 +180,54 @@ def _pair_tile(a, b):
 
 
 @triton.jit
+def _pair(a, b, TRANS: tl.constexpr):
+    """Two fields' tiles as one K-paired operand: rows a[0], b[0], a[1], ... ([2W, N]), or with TRANS (tiles [N, W],
+    the weight as the first operand) columns a[:, 0], b[:, 0], a[:, 1], ... ([N, 2W]). Either way the two values one
+    register of the tensor-core operand holds are the two halves of one unpacked word."""
+    if TRANS:
+        out = tl.interleave(a, b)
+    else:
+        out = _pair_tile(a, b)
+    return out
+
+
+@triton.jit
 def _dot_pairs(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, WP: tl.constexpr, BKW: tl.constexpr,
-               SCALE_W: tl.constexpr, ASM: tl.constexpr):
+               SCALE_W: tl.constexpr, ASM: tl.constexpr, TRANS: tl.constexpr = False):
     """`_dot_fields` for 4-bit weights with two fields per dot: dot j pairs field j of every word with field
     j + 4 of the same word (`_pair_fields`), K = 2 * BKW rows ordered (word, half), and x is read as two rows of
     BKW values interleaved the same way. Four dots per step instead of eight, about one integer instruction per
-    weight instead of three."""
+    weight instead of three. TRANS: the weight is the first operand (`mmat`: wgmma's register operand on sm_90)."""
     XS: tl.constexpr = 8 if WP == 1 else 1
     part = tl.zeros(acc.shape, dtype=tl.float32)
-    z0 = (z + 1024).to(tl.float16)[None, :]  # fields stored as 1024 + q
-    z1 = (z + 64).to(tl.float16)[None, :]  # fields stored as 1024 + 16 q, times 1/16
-    sw = s[None, :]
+    z0, z1 = (z + 1024).to(tl.float16), (z + 64).to(tl.float16)  # fields as 1024 + q, and 1024 + 16 q (x 1/16)
+    if TRANS:  # words [BLOCK_N, BKW]: per-column values along axis 0
+        z0, z1, sw = z0[:, None], z1[:, None], s[:, None]
+    else:
+        z0, z1, sw = z0[None, :], z1[None, :], s[None, :]
     f0, f4, f1, f5, f2, f6, f3, f7 = _pair_fields(words, ASM)
     for j in tl.static_range(4):
         if j == 0:
-            wj = _pair_tile(f0, f4) - z0
+            wj = _pair(f0, f4, TRANS) - z0
         elif j == 1:
-            wj = _pair_tile(f1, f5) * 0.0625 - z1
+            wj = _pair(f1, f5, TRANS) * 0.0625 - z1
         elif j == 2:
-            wj = _pair_tile(f2, f6) - z0
+            wj = _pair(f2, f6, TRANS) - z0
         else:
-            wj = _pair_tile(f3, f7) * 0.0625 - z1
+            wj = _pair(f3, f7, TRANS) * 0.0625 - z1
         if SCALE_W:
             wj = wj * sw
-        xm = mask_m[:, None] & wv[None, :]
-        xa = tl.load(x_rows + (_xrow0(k0, j, WP, 8, BKW) + offs_w * XS)[None, :], mask=xm, other=0.0)
-        xb = tl.load(x_rows + (_xrow0(k0, j + 4, WP, 8, BKW) + offs_w * XS)[None, :], mask=xm, other=0.0)
-        d = tl.dot(tl.interleave(xa, xb), wj.to(xa.dtype))
+        ra, rb = _xrow0(k0, j, WP, 8, BKW) + offs_w * XS, _xrow0(k0, j + 4, WP, 8, BKW) + offs_w * XS
+        if TRANS:
+            xm = mask_m[None, :] & wv[:, None]
+            xa = tl.load(x_rows + ra[:, None], mask=xm, other=0.0)
+            xb = tl.load(x_rows + rb[:, None], mask=xm, other=0.0)
+            d = tl.dot(wj.to(xa.dtype), _pair_tile(xa, xb))
+        else:
+            xm = mask_m[:, None] & wv[None, :]
+            xa = tl.load(x_rows + ra[None, :], mask=xm, other=0.0)
+            xb = tl.load(x_rows + rb[None, :], mask=xm, other=0.0)
+            d = tl.dot(tl.interleave(xa, xb), wj.to(xa.dtype))
         if SCALE_W:
             acc += d
         else:
@@ -263,7 +284,7 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
     """Tensor cores (tl.dot), y tile [BLOCK_M, BLOCK_N]: one dot per packed field (FIELD_DOTS, `_dot_fields`) or
     one dot over the reshaped tile (`_dot_tile`). TRANS (`mmat`) computes y^T = W^T x^T, so the dequantized weight
     is the first (register) operand of the tensor-core instruction and the activation rows the second (as Machete
-    does); BLOCK_N is then the instruction's M side. PAIRS (4-bit, with FIELD_DOTS, not TRANS): two fields per dot
+    does); BLOCK_N is then the instruction's M side. PAIRS (4-bit, with FIELD_DOTS): two fields per dot
     (`_dot_pairs`). Grouped tile order: GROUP_M row tiles walk the same column tiles (L2 reuse)."""
     BKW: tl.constexpr = BLOCK_K // (32 // BITS)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
@@ -289,7 +310,7 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
         words, wv, z, s = _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, group_size, offs_w, offs_n, mask_n, sq_k,
                                       sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, TRANS)
         if PAIRS:
-            acc = _dot_pairs(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, WP, BKW, SCALE_W, ASM)
+            acc = _dot_pairs(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, WP, BKW, SCALE_W, ASM, TRANS)
         elif FIELD_DOTS:
             acc = _dot_fields(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, BITS, WP, BKW, SCALE_W, TRANS)
         else:

@@ -83,13 +83,15 @@ def quick_candidates(m: int, step: int, k: int | None = None) -> list[dict]:
     elif m <= 16:
         out += [_field("mma", 16, bn, w, s, st, False, p) for bn, w in ((128, 4), (256, 8)) for st in (2, 3)
                 for s in (2, 4, 8, 16) for p in (False, True)]
-    if m <= 16:  # the weight as wgmma's register operand: no shared-memory round trip, no barrier per field
-        out += [_field("mmat", 16, 128, 4, s, 3, False) for s in (2, 4, 8, 16)]
+    if m <= 16:  # the weight as wgmma's register operand (no shared-memory round trip), one or two fields per dot
+        out += [_field("mmat", 16, 128, 4, s, 3, False, p) for s in (2, 4, 8, 16) for p in (False, True)]
     elif m <= 256:
         bm = _rows_tile(m)
         tiles = ((128, 4), (256, 8)) if bm == 32 else (((128, 4), (128, 8)) if bm == 64 else ((128, 8),))
         out += [_field("mma", bm, bn, w, s, 3, True, p) for bn, w in tiles for s in (1, 2, 4) for p in (False, True)]
         out += [_field("mmat", min(m, 64), bn, 8, s) for bn in (128, 256) for s in (1, 2, 4)]
+        if m <= 32:  # the transposed tile with two fields per dot: 511 instructions per step, 577 for `mma`'s
+            out += [_field("mmat", 32, 128, 4, s, 3, True, True) for s in (1, 2, 4)]
         if m <= 64:  # the M = 16 winner's tile, 2-4 of them per column block, adjacent (GROUP_M): weights from L2
             out += [dict(_field("mma", 16, 128, 4, s, 3, False, p), GROUP_M=4) for s in (2, 4, 8)
                     for p in (False, True)]
@@ -118,8 +120,8 @@ def candidates(m: int, step: int, quick: bool = False, k: int | None = None) -> 
                 for st in (2, 3, 4) for s in splits for p in (False, True)]
         out += [dict(kernel="mmat", BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=s, num_warps=w, num_stages=3)
                 for bn, w in ((64, 4), (128, 4), (128, 8)) for bk in (64, 128) for s in (1,) + splits]
-        out += [_field("mmat", 16, bn, w, s, st, sw) for bn, w in ((128, 4), (256, 8)) for st in (2, 3)
-                for sw in (False, True) for s in splits]
+        out += [_field("mmat", 16, bn, w, s, st, sw, p) for bn, w in ((128, 4), (256, 8)) for st in (2, 3)
+                for sw in (False, True) for s in splits for p in (False, True)]
     if 17 <= m <= 64:  # 16-row tiles, GROUP_M of them walking the same column block (weights read once from DRAM)
         out += [dict(_field("mma", 16, bn, w, s, st, False, p), GROUP_M=4) for bn, w in ((128, 4), (256, 8))
                 for st in (2, 3) for s in (2, 4, 8) for p in (False, True)]
@@ -128,8 +130,8 @@ def candidates(m: int, step: int, quick: bool = False, k: int | None = None) -> 
             tiles = [(128, 4), (128, 8)] + ([(256, 8)] if bm == 32 else [])
             out += [_field("mma", bm, bn, w, s, 3, sw, p) for bn, w in tiles for sw in (False, True)
                     for s in (1, 2, 4, 8) for p in (False, True) if not (bm == 128 and w == 4)]
-        out += [_field("mmat", min(m, 64), bn, w, s, 3, sw) for bn, w in ((128, 4), (128, 8), (256, 8))
-                for sw in (False, True) for s in (1, 2, 4, 8)]
+        out += [_field("mmat", min(m, 64), bn, w, s, 3, sw, p) for bn, w in ((128, 4), (128, 8), (256, 8))
+                for sw in (False, True) for s in (1, 2, 4, 8) for p in (False, True)]
     if m >= 128:
         out += [dict(kernel="mmat", BLOCK_M=bm, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_warps=8, num_stages=3)
                 for bm in (64, 128)]
