@@ -97,13 +97,17 @@ def test_chat_usage_counts_the_templated_prompt(url, tokenizer):
 
 
 # ---------------------------------------------------------------------------------------------- defaults, limits
-def test_completion_without_max_tokens_generates_openais_default_16(url):
-    r = _post(url, "/v1/completions", {"prompt": [5, 6, 7], "ignore_eos": True})
+@pytest.mark.parametrize("given", [{}, {"max_tokens": None}, {"max_completion_tokens": None}])
+def test_completion_without_max_tokens_generates_openais_default_16(url, given):
+    """Absent or null (what OpenAI's clients send for None): the default, 16 for completions."""
+    r = _post(url, "/v1/completions", {"prompt": [5, 6, 7], "ignore_eos": True, **given})
     assert r["usage"]["completion_tokens"] == 16 and r["choices"][0]["finish_reason"] == "length"
 
 
-def test_chat_without_max_tokens_runs_to_the_context_limit(url):
-    r = _post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "go on"}], "ignore_eos": True})
+@pytest.mark.parametrize("given", [{}, {"max_tokens": None}])
+def test_chat_without_max_tokens_runs_to_the_context_limit(url, given):
+    r = _post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "go on"}], "ignore_eos": True,
+                                            **given})
     assert r["usage"]["total_tokens"] == MAX_LEN and r["choices"][0]["finish_reason"] == "length"
 
 
