@@ -140,3 +140,27 @@ def test_streamed_logprobs_are_the_non_streamed_ones_each_sent_once(url):
     got = sum((e["choices"][0]["logprobs"]["content"] for e in events if e["choices"][0]["logprobs"]), [])
     assert [g["token"] for g in got] == [w["token"] for w in want] and len(got) == 5
     assert [g["logprob"] for g in got] == pytest.approx([w["logprob"] for w in want], abs=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- /metrics
+def _samples(url) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(f"{url}/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_metrics_counters_follow_the_usage(url):
+    """The token counters grow by the usage of the answer; TTFT and latency get one sample each, TTFT the
+    smaller one (a request of 24 tokens has its first token well before its last)."""
+    before = _samples(url)
+    r = _post(url, "/v1/completions", {"prompt": ["one two", "three"], "max_tokens": 24, "ignore_eos": True})
+    after = _samples(url)
+
+    def grew(name, labels=()):
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+    assert grew("infer:prompt_tokens_total") == r["usage"]["prompt_tokens"]
+    assert grew("infer:generation_tokens_total") == r["usage"]["completion_tokens"] == 48
+    assert grew("infer:request_finished_total", (("finished_reason", "length"),)) == 2
+    assert grew("infer:time_to_first_token_seconds_count") == grew("infer:e2e_request_latency_seconds_count") == 2
+    assert 0 <= grew("infer:time_to_first_token_seconds_sum") < grew("infer:e2e_request_latency_seconds_sum")
