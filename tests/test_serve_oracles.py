@@ -121,6 +121,22 @@ def test_prompt_plus_max_tokens_may_fill_the_context_exactly(url):
     assert full.status_code == 400 and full.json()["error"]["param"] == "prompt"
 
 
+def test_stop_string_ends_the_text_before_it_with_finish_reason_stop(url):
+    """OpenAI: the returned text does not contain the stop sequence; finish_reason is "stop"; a stream says the
+    same in its deltas."""
+    body = {"prompt": [11, 12, 13, 14], "max_tokens": 24, "ignore_eos": True}
+    full = _post(url, "/v1/completions", body)["choices"][0]["text"]
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert len(stop) == 3 and stop.strip()
+    want = full[:full.index(stop)]
+    r = _post(url, "/v1/completions", {**body, "stop": [stop]})
+    assert r["choices"][0]["text"] == want and r["choices"][0]["finish_reason"] == "stop"
+    assert r["usage"]["completion_tokens"] < 24
+    _, events = _stream(url, "/v1/completions", {**body, "stop": stop})
+    assert "".join(e["choices"][0]["text"] for e in events) == want
+    assert [e["choices"][0]["finish_reason"] for e in events][-1] == "stop"
+
+
 # ---------------------------------------------------------------------------------------------- logprobs
 def test_streamed_logprobs_are_the_non_streamed_ones_each_sent_once(url):
     body = {"prompt": "abc def", "max_tokens": 6, "logprobs": 2, "ignore_eos": True}
