@@ -132,3 +132,20 @@ def test_int4_checkpoint_weights_count_scales_zeros_and_g_idx(tmp_path):
     for dtype in (torch.float16, torch.float32):
         elem = torch.finfo(dtype).bits // 8
         assert checkpoint_weights_bytes(files, cfg, dtype, NO_PREPACK) == int4 + elem * floats, dtype
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_estimate_counts_the_lora_slots_the_engine_allocates(tmp_path, name):
+    """`infer warmup --estimate --lora ...` takes the adapters' device slots from the budget, as many bytes as the
+    loaded engine's LoRAManager allocates (the measured plan's lora_bytes)."""
+    from infer.cli.demo import make_random_adapter
+    from infer.cli.warmup_plan import estimate_plan, measured_plan
+    from infer.engine.config import EngineConfig
+    make_random_adapter(ensure_builtin(name), tmp_path / "a", 8, ["q_proj", "down_proj"], seed=1)
+    cfg = EngineConfig(model=name, max_num_seqs=2, max_model_len=256, max_lora_rank=16, max_loras=3,
+                       loras={"a": str(tmp_path / "a")})
+    est, _ = estimate_plan(cfg, 256, 2)
+    measured, _ = measured_plan(cfg, 256, 2)
+    assert est.lora_bytes == measured.lora_bytes > 0
+    plain, _ = estimate_plan(EngineConfig(model=name, max_num_seqs=2, max_model_len=256), 256, 2)
+    assert plain.lora_bytes == 0
