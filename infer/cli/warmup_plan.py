@@ -11,7 +11,7 @@ from ..engine.config import EngineConfig
 from ..engine.setup import checkpoint_dtype, model_max_len
 from ..errors import ConfigError
 from ..memory.plan import MemoryPlan, budget_bytes, cuda_graph_bytes, make_plan
-from ..memory.sizes import activation_bytes
+from ..memory.sizes import activation_bytes, lora_slot_bytes
 
 
 def _model_parts(engine_config: EngineConfig):
@@ -42,8 +42,9 @@ def estimate_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     act = activation_bytes(model_config, dtype, engine_config.max_num_batched_tokens, concurrency, max_length, rank)
     act += cuda_graph_bytes(engine_config, model_config, dtype)
     budget = budget_bytes(engine_config, device, weights, loaded=False)
+    lora = lora_slot_bytes(model_config, engine_config.max_loras, rank, dtype) if rank else 0
     plan = make_plan(engine_config, model_config, dtype, device, weights, act, max_length, concurrency, limit,
-                     budget=budget)
+                     lora=lora, budget=budget)
     return plan, {"model": str(path), "dtype": str(dtype).replace("torch.", ""), "estimate": True}
 
 

@@ -16,6 +16,17 @@ def kv_bytes_per_token(model_config, dtype: torch.dtype) -> int:
     return 2 * model_config.num_hidden_layers * ModelShapes.from_config(model_config).kv_size * element_bytes(dtype)
 
 
+def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dtype) -> int:
+    """The device slots of LoRA adapters (lora.layer.LoRALayer on every merged linear layer, targeted or not): per
+    slot, A holds max_rank rows of the input width for each shard and B max_rank columns of every output, for qkv,
+    o_proj, gate_up and down_proj of each layer."""
+    h, inter = model_config.hidden_size, model_config.intermediate_size
+    shapes = ModelShapes.from_config(model_config)
+    q, kv = shapes.q_size, shapes.kv_size
+    per_rank = (3 * h + q + 2 * kv) + (q + h) + (2 * h + 2 * inter) + (inter + h)  # A widths + B heights per layer
+    return model_config.num_hidden_layers * max_loras * max_rank * per_rank * element_bytes(dtype)
+
+
 def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs: int, max_length: int,
                      lora_rank: int = 0) -> int:
     """Peak bytes of one step's temporaries, the larger of a prefill of `num_tokens` tokens and a decode of

@@ -1,0 +1,151 @@
+"""The memory planner's arithmetic against hand formulas: KV bytes per token from the Hugging Face config (and the
+published figures of real models), the fit decision of `infer warmup` at its boundary, where the budget goes, and
+the weights of a float and of an int4 GPTQ checkpoint (qweight, qzeros, fp16 scales, g_idx) counted from config.json
+alone."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoConfig, LlamaConfig, Qwen2Config
+
+from infer.memory.checkpoint import checkpoint_weights_bytes
+from infer.memory.plan import MemoryPlan, make_plan
+from infer.memory.sizes import kv_bytes_per_token
+from infer.models.tiny import ensure_builtin
+
+from quant_helpers import needs_gptqmodel
+
+NO_PREPACK = torch.device("cuda")  # only its type is read: no CPU prepacked copies in the count
+
+
+def _widths(cfg) -> tuple[int, int]:
+    """(query width, key width) = (heads x head_dim, KV heads x head_dim), read from the config."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    return cfg.num_attention_heads * head_dim, kv_heads * head_dim
+
+
+def _by_hand(cfg, elem: int) -> int:
+    """K and V of every layer: 2 x layers x KV heads x head_dim x bytes."""
+    return 2 * cfg.num_hidden_layers * _widths(cfg)[1] * elem
+
+
+@pytest.mark.parametrize("cfg, dtype, published", [
+    # Llama-2-7B: 32 layers x 32 heads x 128, fp16: 512 KiB per token
+    (LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32),
+     torch.float16, 512 * 1024),
+    # Qwen2.5-7B: 28 layers, GQA with 4 KV heads of 128, bf16: 56 KiB per token
+    (Qwen2Config(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4),
+     torch.bfloat16, 56 * 1024),
+    (LlamaConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8),
+     torch.float32, None),
+])
+def test_kv_bytes_per_token_match_the_hand_formula(cfg, dtype, published):
+    elem = torch.finfo(dtype).bits // 8
+    assert kv_bytes_per_token(cfg, dtype) == _by_hand(cfg, elem)
+    if published is not None:
+        assert kv_bytes_per_token(cfg, dtype) == published
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+def test_kv_bytes_of_the_builtin_models(name):
+    cfg = AutoConfig.from_pretrained(ensure_builtin(name))
+    assert kv_bytes_per_token(cfg, torch.float32) == _by_hand(cfg, 4)
+
+
+def _plan(kv_blocks: int, block_size: int = 16, max_length: int = 100, concurrency: int = 3) -> MemoryPlan:
+    return MemoryPlan("cpu", 0, 0, 0, 0, 0, 0, 1, block_size, block_size, kv_blocks, max_length, concurrency,
+                      max_length_limit=4096)
+
+
+def test_fit_decision_at_the_boundary():
+    """100 tokens in blocks of 16 take 7 blocks; 3 sequences take 21: 21 blocks fit, 20 do not."""
+    assert _plan(21).blocks_for(100) == 7 and _plan(21).blocks_for(96) == 6 and _plan(21).blocks_for(97) == 7
+    exact = _plan(21)
+    assert exact.fits and exact.max_concurrency_at_max_length == 3
+    short = _plan(20)
+    assert not short.fits and short.max_concurrency_at_max_length == 2
+    assert short.max_length_at_concurrency == 96  # 20 blocks // 3 sequences = 6 blocks of 16 tokens
+    assert "lower --max-length to 96" in short.advice() and "lower --concurrency to 2" in short.advice()
+
+
+def test_kv_gets_exactly_what_weights_activations_adapters_and_reserve_leave():
+    cfg = AutoConfig.from_pretrained(ensure_builtin("tiny-llama"))
+    opts = SimpleNamespace(block_size=16)
+    budget, weights, act, lora = 64 << 20, 9 << 20, 5 << 20, 3 << 20
+    plan = make_plan(opts, cfg, torch.float32, torch.device("cpu"), weights, act, 256, 2, 2048, lora=lora,
+                     budget=budget)
+    block = 16 * _by_hand(cfg, 4)
+    assert plan.kv_block_bytes == block and plan.reserve_bytes == max(4 << 20, budget // 100)
+    used = weights + act + lora + plan.reserve_bytes + plan.kv_blocks * block
+    assert used <= budget < used + block
+
+
+# ---------------------------------------------------------------------------------------------- weights
+def _float_params(cfg) -> int:
+    """Parameters of a Llama-style model from its config: embeddings, per layer q/k/v/o, gate/up/down and two
+    norms, the final norm, and an untied output head."""
+    h, inter, v, n = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
+    q, kv = _widths(cfg)
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * inter + 2 * h
+    return v * h + n * per_layer + h + (0 if cfg.tie_word_embeddings else v * h)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama3"])
+def test_float_checkpoint_weights_in_the_engine_dtype(name):
+    path = ensure_builtin(name)
+    cfg = AutoConfig.from_pretrained(path)
+    files = sorted(path.glob("*.safetensors"))
+    assert checkpoint_weights_bytes(files, cfg, torch.float16, NO_PREPACK) == 2 * _float_params(cfg)
+
+
+def _gptq_linear_bytes(k: int, n: int, bits: int, group_size: int) -> int:
+    """qweight int32 [k / pack, n], qzeros int32 [groups, n / pack], scales fp16 [groups, n], g_idx int32 [k]."""
+    groups = 1 if group_size == -1 else -(-k // group_size)
+    return k * n * bits // 8 + groups * n * bits // 8 + groups * n * 2 + k * 4
+
+
+@needs_gptqmodel
+def test_int4_checkpoint_weights_count_scales_zeros_and_g_idx(tmp_path):
+    """A GPTQModel export of tiny-llama: int4 linears as stored (scales stay fp16 whatever the engine dtype),
+    embeddings, norms and head in the engine dtype."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    out = tmp_path / "q"
+    res = CliRunner().invoke(app, ["quantize", "tiny-llama", "-o", str(out), "--group-size", "32",
+                                   "--num-samples", "4", "--seq-len", "32"])
+    assert res.exit_code == 0, res.output
+    cfg = AutoConfig.from_pretrained(out)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert (qc["bits"], qc["group_size"]) == (4, 32)
+    h, inter, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    q, kv = _widths(cfg)
+    shapes = [(h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h)]
+    int4 = n * sum(_gptq_linear_bytes(k, m, 4, 32) for k, m in shapes)
+    floats = cfg.vocab_size * h + n * 2 * h + h + (0 if cfg.tie_word_embeddings else cfg.vocab_size * h)
+    files = sorted(out.glob("*.safetensors"))
+    for dtype in (torch.float16, torch.float32):
+        elem = torch.finfo(dtype).bits // 8
+        assert checkpoint_weights_bytes(files, cfg, dtype, NO_PREPACK) == int4 + elem * floats, dtype
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_estimate_counts_the_lora_slots_the_engine_allocates(tmp_path, name):
+    """`infer warmup --estimate --lora ...` takes the adapters' device slots from the budget, as many bytes as the
+    loaded engine's LoRAManager allocates (the measured plan's lora_bytes)."""
+    from infer.cli.demo import make_random_adapter
+    from infer.cli.warmup_plan import estimate_plan, measured_plan
+    from infer.engine.config import EngineConfig
+    make_random_adapter(ensure_builtin(name), tmp_path / "a", 8, ["q_proj", "down_proj"], seed=1)
+    cfg = EngineConfig(model=name, max_num_seqs=2, max_model_len=256, max_lora_rank=16, max_loras=3,
+                       loras={"a": str(tmp_path / "a")})
+    est, _ = estimate_plan(cfg, 256, 2)
+    measured, _ = measured_plan(cfg, 256, 2)
+    assert est.lora_bytes == measured.lora_bytes > 0
+    plain, _ = estimate_plan(EngineConfig(model=name, max_num_seqs=2, max_model_len=256), 256, 2)
+    assert plain.lora_bytes == 0
