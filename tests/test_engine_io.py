@@ -18,7 +18,8 @@ from infer.models.tiny import ensure_builtin
 from helpers import hf_greedy, hf_model, random_prompts
 
 SENTENCES = ["The weather today is mild, with rain after noon.", "To cook rice, rinse it twice; then boil it.",
-             "héllo wörld — ½ 日本語 🙂 done.\nNext line: 42 times!", "A computer keeps its files in folders."]
+             "héllo wörld — ½ 日本語 🙂 done.\nNext line: 42 times!",
+             "A computer keeps its files in folders."]
 
 
 @pytest.fixture(scope="module")
