@@ -186,3 +186,15 @@ def test_openai_ranges_are_accepted(kwargs):
 def test_stop_may_be_one_string_as_in_openai():
     assert SamplingParams(stop="\n\n").stop == ["\n\n"]
     assert SamplingParams(stop=None).stop == [] and SamplingParams(stop=["a", "bc"]).stop == ["a", "bc"]
+
+
+def test_one_setting_per_prompt_or_one_for_all(llm, path):
+    from infer.errors import RequestError
+    prompts = random_prompts(llm.engine.model_config.vocab_size, (4, 7, 5), seed=13)
+    for params, lora in (([SamplingParams(max_new_tokens=2)] * 2, None), (None, [None, None])):
+        with pytest.raises(RequestError, match="3 prompts but a list of 2"):
+            llm.generate(prompts, params, lora=lora)
+    assert not llm.engine.has_unfinished_requests()  # nothing was submitted
+    outs = llm.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (1, 2, 3)],
+                        lora=[None] * 3)
+    assert [len(o.token_ids) for o in outs] == [1, 2, 3]

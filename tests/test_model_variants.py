@@ -1,7 +1,8 @@
 """Config switches the built-in tiny models leave at their defaults, each against transformers' logits on the same
 weights: Llama's attention_bias (q/k/v and o_proj) and mlp_bias, a large rms_norm_eps, a rope_theta other than
-10000 (Qwen2.5 and Llama 3 use 1e6 and 5e5), linear rope scaling, Qwen3 with attention_bias; and a checkpoint with
-a tensor missing is refused, not loaded with the parameter's initial value."""
+10000 (Qwen2.5 and Llama 3 use 1e6 and 5e5), linear and yarn rope scaling, Qwen3 with attention_bias; Mistral's
+sliding window caps the context (where full attention equals sliding attention); and a checkpoint with a tensor
+missing is refused, not loaded with the parameter's initial value."""
 
 from __future__ import annotations
 
@@ -28,8 +29,11 @@ VARIANTS = {
     "llama-linear-rope": ("llama", dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
                                                           "factor": 4.0})),
     "qwen3-bias": ("qwen3", dict(head_dim=32, attention_bias=True, rms_norm_eps=0.25)),
+    "qwen2-yarn": ("qwen2", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                  "original_max_position_embeddings": 64})),
 }
-ARCH = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCH = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+        "mistral": "MistralForCausalLM"}
 
 
 def build(folder, model_type: str, seed: int = 0, **config):
@@ -76,3 +80,14 @@ def test_a_missing_tensor_is_refused(tmp_path, drop):
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="no tensor"):
         LLM(str(tmp_path), block_size=4)
+
+
+def test_mistral_sliding_window_caps_the_context(tmp_path):
+    hf = build(tmp_path, "mistral", sliding_window=16)
+    llm = LLM(str(tmp_path), block_size=4)
+    assert llm.engine.max_model_len == 16
+    prompt = random_prompts(512, (10,), seed=5)[0]
+    out = llm.generate([prompt], SamplingParams(max_new_tokens=20, ignore_eos=True))[0]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert out.token_ids == want[0, 10:].tolist() and out.finish_reason == "length"
