@@ -198,3 +198,25 @@ def test_one_setting_per_prompt_or_one_for_all(llm, path):
     outs = llm.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (1, 2, 3)],
                         lora=[None] * 3)
     assert [len(o.token_ids) for o in outs] == [1, 2, 3]
+
+
+def test_text_prompts_are_encoded_with_the_tokenizers_special_tokens(tmp_path):
+    """A text prompt is `tokenizer(prompt)` as transformers encodes it: with the BOS a Llama-style tokenizer's
+    post-processor adds (the built-in tokenizers add none, so one is added here)."""
+    import shutil
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+    src = ensure_builtin("tiny-llama")
+    for f in src.iterdir():
+        if not f.name.startswith("tokenizer"):
+            shutil.copy(f, tmp_path / f.name)
+    tok = AutoTokenizer.from_pretrained(src)
+    tok._tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A",
+                                                       special_tokens=[("<|endoftext|>", 0)])
+    tok.save_pretrained(tmp_path)
+    want = AutoTokenizer.from_pretrained(tmp_path)("To cook rice, rinse it")["input_ids"]
+    assert want[0] == 0
+    out = LLM(str(tmp_path), block_size=4).generate("To cook rice, rinse it",
+                                                    SamplingParams(max_new_tokens=4, ignore_eos=True))[0]
+    mask = torch.ones(1, len(want), dtype=torch.long)  # the BOS is token 0, transformers' pad id here
+    assert out.prompt_token_ids == want and out.token_ids == hf_greedy(str(src), want, 4, attention_mask=mask)
