@@ -220,3 +220,19 @@ def test_text_prompts_are_encoded_with_the_tokenizers_special_tokens(tmp_path):
                                                     SamplingParams(max_new_tokens=4, ignore_eos=True))[0]
     mask = torch.ones(1, len(want), dtype=torch.long)  # the BOS is token 0, transformers' pad id here
     assert out.prompt_token_ids == want and out.token_ids == hf_greedy(str(src), want, 4, attention_mask=mask)
+
+
+@pytest.mark.parametrize("kind", ["frequency_penalty", "presence_penalty"])
+def test_one_penalty_alone_follows_openai(llm, path, prompt, kind):
+    """OpenAI: logit[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty, c counting the generated
+    tokens; a request with only one of the two set (and nothing else in the batch) is penalized too."""
+    n, m = 10, hf_model(path)
+    out = llm.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True, **{kind: 2.0}))[0]
+    gen = []
+    for _ in range(n):
+        with torch.no_grad():
+            logits = m(torch.tensor([prompt + gen])).logits[0, -1]
+        counts = torch.bincount(torch.tensor(gen, dtype=torch.long), minlength=logits.numel()).float()
+        logits -= 2.0 * (counts if kind == "frequency_penalty" else (counts > 0).float())
+        gen.append(int(logits.argmax()))
+    assert out.token_ids == gen and gen != hf_greedy(path, prompt, n)  # the penalty changed the reply
