@@ -198,3 +198,14 @@ def test_qwen3_o_proj_reads_heads_times_head_dim(tmp_path):
 def test_rank_equal_to_max_is_accepted(tmp_path):
     ad = load_adapter("r16", make_adapter(tmp_path, "r16", r=16), tiny_config(), max_rank=16)
     assert ad.rank == 16
+
+
+def test_weights_of_another_rank_than_the_config_are_refused_as_peft_does(tmp_path):
+    from peft import PeftModel
+    path = make_adapter(tmp_path, "r8", r=8)
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    cfg["r"] = cfg["lora_alpha"] = 4  # same scaling, other rank
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        PeftModel.from_pretrained(tiny_llama(), str(path))
+    _expect_error(path, "r8", match="rank 8 but adapter_config.json gives r=4")
