@@ -245,8 +245,9 @@ def test_adapter_naming_another_base_warns_but_passes(setup, tmp_path, named, wa
     other = _copy(paths["qv"], tmp_path / "other", edit_config=lambda c: c.update(base_model_name_or_path=named))
     res = invoke(base, f"other={other}", "--steps", "0")
     assert res.exit_code == 0, res.output
-    warning = "warning: adapter 'other' was trained on 'meta-llama/Llama-2-7b-hf', not on "
-    assert (warning in res.output) == warns, res.output
+    assert ("warning: adapter 'other' was trained on" in res.output) == warns, res.output
+    if warns:
+        assert f"warning: adapter 'other' was trained on '{named}', not on " in res.output
 
 
 def test_the_library_check_does_not_import_the_engine(setup):
