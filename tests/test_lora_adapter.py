@@ -164,3 +164,48 @@ def test_does_not_fit_base(tmp_path):
     ad = read_adapter("wide", wide)
     assert len(ad.validate_against(tiny_config())) == 4  # q and v in 2 layers
     assert ad.validate_against(tiny_config(hidden=32)) == []
+
+
+def test_pattern_keys_match_as_peft():
+    """rank_pattern / alpha_pattern keys select modules exactly as peft's get_pattern_key does (a key matches a whole
+    trailing part of the module path, as a regex), over a 12-layer model where layers.1 must not match layers.10."""
+    from peft.utils.other import get_pattern_key
+    from infer.lora.adapter import pattern_value
+    modules = [f"model.layers.{i}.{parent}.{proj}" for i in range(12) for proj, parent in
+               (("q_proj", "self_attn"), ("o_proj", "self_attn"), ("down_proj", "mlp"))]
+    keys = ["layers.1.self_attn.q_proj", "layers.1", "self_attn", r"layers\.1\d\.mlp\.down_proj", "proj",
+            "model.layers.0.self_attn.o_proj", "o_proj", r"layers\.[2-4]\.self_attn\.q_proj"]
+    patterns = {k: i + 100 for i, k in enumerate(keys)}
+    for module in modules:
+        want = patterns.get(get_pattern_key(list(patterns), module), 7)
+        assert pattern_value(patterns, module, 7) == want, module
+
+
+def test_qwen3_o_proj_reads_heads_times_head_dim(tmp_path):
+    """Qwen3's o_proj maps num_heads * head_dim (here 128) to hidden (64): an adapter peft trained on it fits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from infer.models.tiny import ensure_builtin
+    cfg = AutoConfig.from_pretrained(ensure_builtin("tiny-qwen3"))
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(cfg).eval()
+    path = make_adapter(tmp_path, "q3", base=base, target_modules=["q_proj", "k_proj", "o_proj"])
+    ad = load_adapter("q3", path, cfg)
+    o = ad.modules["model.layers.1.self_attn.o_proj"]
+    assert o.lora_a.shape == (8, 128) and o.lora_b.shape == (64, 8)
+    assert ad.modules["model.layers.0.self_attn.k_proj"].lora_b.shape == (64, 8)  # 2 kv heads of 32
+
+
+def test_rank_equal_to_max_is_accepted(tmp_path):
+    ad = load_adapter("r16", make_adapter(tmp_path, "r16", r=16), tiny_config(), max_rank=16)
+    assert ad.rank == 16
+
+
+def test_weights_of_another_rank_than_the_config_are_refused_as_peft_does(tmp_path):
+    from peft import PeftModel
+    path = make_adapter(tmp_path, "r8", r=8)
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    cfg["r"] = cfg["lora_alpha"] = 4  # same scaling, other rank
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        PeftModel.from_pretrained(tiny_llama(), str(path))
+    _expect_error(path, "r8", match="rank 8 but adapter_config.json gives r=4")

@@ -46,15 +46,15 @@ class Detokenizer:
                 seq.decoded_text, seq.decoded_tokens = text, len(ids)
         else:
             text = self._decode(ids)
+        found = []  # the text ends before the earliest stop string in it (OpenAI), whatever the list's order
         for stop in seq.params.stop:
             # only look where the newest tokens could have completed a stop string
             start = max(0, len(seq.text) - len(stop) - 8)
             pos = text.find(stop, start)
             if pos != -1:
-                seq.text = text[:pos]
-                return True
-        seq.text = text
-        return False
+                found.append(pos)
+        seq.text = text[:min(found)] if found else text
+        return bool(found)
 
     @staticmethod
     def delta(seq: Sequence) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Iterator, Sequence as Seq
 
+from ..errors import RequestError
 from .config import EngineConfig
 from .inputs import encode_prompt
 from .llm_engine import LLMEngine
@@ -55,6 +56,10 @@ class LLM:
         n = len(prompts)
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * n
         loras = lora if isinstance(lora, list) else [lora] * n
+        for what, given in (("SamplingParams", params_list), ("adapter names", loras)):
+            if len(given) != n:  # zip would drop the extra prompts (or settings) silently
+                raise RequestError(f"{n} prompts but a list of {len(given)} {what}",
+                                   "give one per prompt, or a single value for every prompt")
         ids = []
         for p, sp, lo in zip(prompts, params_list, loras):
             self._counter += 1

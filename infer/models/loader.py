@@ -142,6 +142,9 @@ def _check_complete(model, params, loaded, merged) -> None:
         for shard, hf_name in enumerate(layer.names):
             if not any(s == shard for s, _ in have):
                 raise ModelLoadError(f"the checkpoint has no tensors for {hf_name}", "the model folder is incomplete")
+            if layer.bias is not None and (shard, "bias") not in have:
+                raise ModelLoadError(f"the checkpoint has no tensor {hf_name}.bias",
+                                     "the model folder is incomplete, or config.json wrongly declares biases")
         layer.finish_loading()
     merged_params = {f"{m}.{p}" for m, layer in merged.items() for p, _ in layer.named_parameters(recurse=False)}
     missing = [k for k in params if k not in loaded and k not in merged_params]
