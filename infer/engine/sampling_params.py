@@ -9,6 +9,10 @@ from ..errors import RequestError
 
 MAX_TOKENS = 2**31 - 1  # token counts and top_k
 MAX_SEED = 2**63 - 1
+# every stop string is searched and every stop token id compared after each token, on the engine's one thread:
+# the lists are capped so that one request cannot slow every step of every other request
+MAX_STOP_STRINGS = 256
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -17,7 +21,7 @@ class SamplingParams:
     max_length: int | None = None  # prompt + output cap
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # 0 (or -1, as vLLM and the OpenAI-compatible servers spell it) = off
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -34,6 +38,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.prefix_token_ids = list(self.prefix_token_ids or [])
+        if self.top_k == -1 and not isinstance(self.top_k, bool):
+            self.top_k = 0
         for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -45,12 +51,15 @@ class SamplingParams:
              f"max_length must be in 1..{MAX_TOKENS}, got {self.max_length}"),
             (0 <= self.temperature <= 100, f"temperature must be in [0, 100], got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (0 <= self.top_k <= MAX_TOKENS, f"top_k must be in 0..{MAX_TOKENS} (0 = off), got {self.top_k}"),
+            (0 <= self.top_k <= MAX_TOKENS, f"top_k must be in 0..{MAX_TOKENS} (0 or -1 = off), got {self.top_k}"),
             (0 < self.repetition_penalty <= 100, f"repetition_penalty must be in (0, 100], got "
                                                  f"{self.repetition_penalty}"),
             (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
+            (len(self.stop) <= MAX_STOP_STRINGS, f"stop has {len(self.stop)} strings, more than {MAX_STOP_STRINGS}"),
+            (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+             f"stop_token_ids has {len(self.stop_token_ids)} ids, more than {MAX_STOP_TOKEN_IDS}"),
             (all(isinstance(t, int) and 0 <= t < 2**31 for t in self.stop_token_ids),
              "stop_token_ids must be a list of token ids"),
             (all(isinstance(t, int) and 0 <= t < 2**31 for t in self.prefix_token_ids),

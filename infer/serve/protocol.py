@@ -126,11 +126,16 @@ def _completion_prompts(prompt: Any, tokenizer) -> list[list[int]]:
                         "token id lists", param="prompt")
 
 
+def _no_max_tokens(body: dict) -> bool:
+    """Neither max_tokens nor max_completion_tokens given (OpenAI clients send an explicit null for "not given")."""
+    return body.get("max_tokens") is None and body.get("max_completion_tokens") is None
+
+
 def parse_completion(body: Any, tokenizer) -> GenerationRequest:
     req = _common(body, chat=False)
     if body.get("prompt") is None:
         raise ApiError(400, "missing required field 'prompt'", param="prompt")
-    if "max_tokens" not in body and "max_completion_tokens" not in body:
+    if _no_max_tokens(body):
         req.params.max_new_tokens = 16  # OpenAI's default for /v1/completions
     if req.params.logprobs is not None and req.params.logprobs > 5:
         raise ApiError(400, f"logprobs must be in 0..5, got {req.params.logprobs}", param="logprobs")
@@ -158,7 +163,7 @@ def parse_chat(body: Any, tokenizer) -> GenerationRequest:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", param="messages")
         clean.append({"role": m["role"], "content": _flatten_content(m.get("content"), i)})
-    if "max_tokens" not in body and "max_completion_tokens" not in body:
+    if _no_max_tokens(body):
         req.params.max_new_tokens = None  # as OpenAI: up to the context limit
     try:
         req.prompts = [encode_prompt(tokenizer, messages=clean)]
