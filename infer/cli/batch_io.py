@@ -24,10 +24,9 @@ class InputLine:
 
 def _line_id(obj, line_no: int) -> str:
     if isinstance(obj, dict):
-        if "custom_id" in obj:
-            return str(obj["custom_id"])
-        if obj.get("id") is not None:
-            return str(obj["id"])
+        for key in ("custom_id", "id"):
+            if obj.get(key) is not None:
+                return str(obj[key])
     return str(line_no)
 
 
@@ -37,6 +36,8 @@ def read_lines(path: Path):
     any editor shows, and outputs are read back by the same rule they are written with."""
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, 1):
+            if line_no == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark (Windows editors)
+                raw = raw[3:]
             raw = raw[:-1] if raw.endswith(b"\n") else raw
             raw = raw[:-1] if raw.endswith(b"\r") else raw
             try:
@@ -77,7 +78,7 @@ def read_inputs(path: Path, tokenizer, defaults: dict) -> list[InputLine]:
     if not path.is_file():
         raise ConfigError(f"input file {path} does not exist" if not path.exists() else f"input {path} is not a file",
                           "give a JSONL file with one request per line")
-    lines, seen = [], set()
+    lines, seen = [], {}  # id -> the line that has it
     for line_no, text, reason in read_lines(path):
         if reason is not None:
             item = InputLine(line_no, str(line_no), error=f"line {line_no}: {reason}")
@@ -86,11 +87,17 @@ def read_inputs(path: Path, tokenizer, defaults: dict) -> list[InputLine]:
         else:
             item = _parse_line(line_no, text, tokenizer, defaults)
         if item.id in seen:
-            item.request, item.error = None, item.error or f"line {line_no}: duplicate id {item.id!r}"
+            item.request, item.error = None, item.error or _duplicate(item, seen[item.id])
             item.id = f"{item.id}#line{line_no}"
-        seen.add(item.id)
+        seen[item.id] = line_no
         lines.append(item)
     return lines
+
+
+def _duplicate(item: InputLine, first: int) -> str:
+    why = " (a line without an id has its line number as id)" if item.id == str(first) else ""
+    return (f"line {item.line_no}: duplicate id {item.id!r}: line {first} already has it{why}; give every line its "
+            "own id")
 
 
 def encode_record(record: dict) -> bytes:
@@ -116,9 +123,11 @@ class RecordWriter:
                 path.parent.mkdir(parents=True, exist_ok=True)
             self.f = open(path, "ab" if append else "wb")
         self.sync = path is not None and stat.S_ISREG(os.fstat(self.f.fileno()).st_mode)
+        self.count = 0  # records written
 
     def write(self, record: dict) -> None:
         self.f.write(encode_record(record))
+        self.count += 1
         self.f.flush()
         if self.sync:
             os.fsync(self.f.fileno())

@@ -76,6 +76,11 @@ def _run_in_process(engine: EngineConfig, input: Path, output: Path | None, defa
     todo, writer = open_output(lines, output, input, options, resume, resumable)
     try:
         return _generate(llm, todo, writer, quiet)
+    except KeyboardInterrupt:  # every finished record is on disk already: say how to get the rest
+        where = f"to {output}" if output is not None else "to stdout"
+        more = "; run the same command with --resume to complete the rest" if resumable else ""
+        typer.echo(f"interrupted: {writer.count} of {len(todo)} records written {where}{more}", err=True)
+        raise typer.Exit(130) from None
     finally:
         writer.close()
 

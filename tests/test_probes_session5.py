@@ -1,0 +1,141 @@
+"""Inputs found by probing `infer run` and `infer bench` as a hostile user (session 5): a byte order mark, OpenAI
+batch lines with fields that would be silently dropped, duplicate ids that name the line they clash with, vLLM's
+`top_k: -1`, stop lists long enough to stall the engine, Ctrl-C with a hint to resume, and a benchmark whose report
+folder is a file or whose every request fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from infer.cli.batch_io import read_inputs
+from infer.cli.main import app
+from infer.engine.sampling_params import SamplingParams
+MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS = 256, 1024
+from infer.errors import RequestError
+
+runner = CliRunner()
+
+
+class _Tok:
+    """Enough of a tokenizer for the reader: one id per byte."""
+    chat_template = None
+
+    def __call__(self, text):
+        return {"input_ids": list(text.encode("utf-8"))[:50] or [0]}
+
+
+def _read(tmp_path, data: bytes):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(data)
+    return {item.id: item for item in read_inputs(path, _Tok(), {"max_new_tokens": 4})}
+
+
+def _lines(*objs) -> bytes:
+    return b"".join(json.dumps(o).encode() + b"\n" for o in objs)
+
+
+def test_a_byte_order_mark_does_not_cost_the_first_line(tmp_path):
+    """Windows editors save UTF-8 with a BOM; json.loads refused the first line ('Unexpected UTF-8 BOM')."""
+    items = _read(tmp_path, b"\xef\xbb\xbf" + _lines({"id": "a", "prompt": "hi"}, {"id": "b", "prompt": "yo"}))
+    assert items["a"].error is None and items["a"].request.prompt_token_ids == list(b"hi")
+    assert items["b"].error is None
+    items = _read(tmp_path, _lines({"id": "a", "prompt": "hi"}) + b"\xef\xbb\xbf" + _lines({"id": "b", "prompt": "x"}))
+    assert items["a"].error is None and "line 2" in items["2"].error  # only the file's first bytes are a BOM
+
+
+@pytest.mark.parametrize("field,value", [("n", 3), ("best_of", 2), ("echo", True), ("logit_bias", {"5": 100}),
+                                         ("tools", [{"type": "function"}]),
+                                         ("response_format", {"type": "json_object"})])
+def test_batch_line_fields_that_would_change_the_reply_are_refused_not_dropped(tmp_path, field, value):
+    """`n: 3` used to give one reply and no word about the two others."""
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": "hi", "max_tokens": 2, field: value}}
+    ok = {"custom_id": "d", "body": {"prompt": "hi", "max_tokens": 2, "n": 1, "model": "anything"}}
+    items = _read(tmp_path, _lines(line, ok))
+    assert f"line 1: body.{field}" in items["c"].error and "remove it" in items["c"].error
+    assert items["d"].error is None
+
+
+def test_a_null_custom_id_or_id_falls_back_to_the_line_number(tmp_path):
+    items = _read(tmp_path, _lines({"custom_id": None, "body": {"prompt": "a"}}, {"custom_id": None, "body":
+                                   {"prompt": "b"}}, {"id": None, "prompt": "c"}))
+    assert sorted(items) == ["1", "2", "3"] and all(it.error is None for it in items.values())
+    assert [items[k].request.id for k in "123"] == ["1", "2", "3"]
+
+
+def test_a_duplicate_id_names_the_line_that_has_it(tmp_path):
+    """An id that equals an earlier line's number clashes with that line's default id: say so."""
+    items = _read(tmp_path, _lines({"prompt": "no id"}, {"id": "x", "prompt": "a"}, {"id": 1, "prompt": "b"},
+                                   {"id": "x", "prompt": "c"}))
+    assert items["1"].error is None and items["x"].error is None
+    assert "line 3: duplicate id '1': line 1 already has it (a line without an id has its line number" \
+        in items["1#line3"].error
+    assert "line 4: duplicate id 'x': line 2 already has it; give every line its own id" == items["x#line4"].error
+
+
+def test_top_k_minus_one_is_off_and_other_negatives_are_refused():
+    assert SamplingParams(top_k=-1).top_k == 0
+    with pytest.raises(RequestError, match="top_k"):
+        SamplingParams(top_k=-2)
+
+
+def test_stop_lists_are_capped_with_the_cap_named():
+    SamplingParams(stop=["s"] * MAX_STOP_STRINGS, stop_token_ids=[1] * MAX_STOP_TOKEN_IDS)
+    with pytest.raises(RequestError, match=f"more than {MAX_STOP_STRINGS}"):
+        SamplingParams(stop=["s"] * (MAX_STOP_STRINGS + 1))
+    with pytest.raises(RequestError, match=f"more than {MAX_STOP_TOKEN_IDS}"):
+        SamplingParams(stop_token_ids=[1] * (MAX_STOP_TOKEN_IDS + 1))
+
+
+def test_ctrl_c_says_how_many_records_are_safe_and_how_to_resume(tmp_path):
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(_lines(*({"id": f"r{i}", "prompt": "hello", "max_new_tokens": 400, "ignore_eos": True}
+                             for i in range(40))))
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "infer.cli", "run", "tiny-llama", str(inp), "-o", str(out), "--max-num-seqs", "1"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env={**os.environ},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 240
+    while (not out.exists() or out.read_bytes().count(b"\n") < 2) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1].decode()
+    assert proc.returncode == 130, err[-2000:]
+    written = out.read_bytes().count(b"\n")
+    last = err.strip().splitlines()[-1]
+    assert last == f"interrupted: {written} of 40 records written to {out}; run the same command with --resume " \
+                   "to complete the rest" and "Traceback" not in err
+
+
+def _bench(tmp_path, *args):
+    return runner.invoke(app, ["bench", "tiny-llama", "-c", "1", "--num-prompts", "2", "--input-len", "4",
+                               "--output-len", "2", "-q", *map(str, args)])
+
+
+def test_bench_report_folder_that_is_a_file_fails_before_the_run(tmp_path, monkeypatch):
+    monkeypatch.setattr("infer.bench.plan.run_plan", lambda plan: (_ for _ in ()).throw(AssertionError("ran")))
+    target = tmp_path / "file"
+    target.write_text("x")
+    for out, message in [(target, "is a file, not a folder"), (target / "sub", "is a file, not a folder")]:
+        res = _bench(tmp_path, "--out", out)
+        assert res.exit_code == 2 and message in res.output and "hint:" in res.output, res.output
+    assert target.read_text() == "x"
+
+
+def test_bench_where_requests_fail_says_why_and_exits_1(tmp_path):
+    """Prompts longer than --max-model-len used to give a table of zeros and exit 0."""
+    res = runner.invoke(app, ["bench", "tiny-llama", "-c", "1", "--num-prompts", "2", "--input-len", "40",
+                              "--output-len", "2", "--max-model-len", "32", "-q", "--out", str(tmp_path / "b")])
+    assert res.exit_code == 1, res.output
+    assert "error: 2 of 2 requests failed at concurrency 1: the prompt has" in res.output
+    saved = json.loads((tmp_path / "b" / "results.json").read_text())[0]
+    assert saved["failed"] == 2 and "leaves no room" in saved["errors"][0]
