@@ -139,3 +139,59 @@ def test_bench_where_requests_fail_says_why_and_exits_1(tmp_path):
     assert "error: 2 of 2 requests failed at concurrency 1: the prompt has" in res.output
     saved = json.loads((tmp_path / "b" / "results.json").read_text())[0]
     assert saved["failed"] == 2 and "leaves no room" in saved["errors"][0]
+
+
+def test_output_that_is_the_input_file_is_refused_before_anything_is_written(tmp_path):
+    """`-o` naming the input (or a link to it) used to overwrite the prompts with the records, exit 0."""
+    inp = tmp_path / "in.jsonl"
+    data = _lines({"id": "a", "prompt": "hi", "max_new_tokens": 2})
+    inp.write_bytes(data)
+    (tmp_path / "link.jsonl").symlink_to(inp)
+    for out in (inp, tmp_path / "link.jsonl"):
+        for extra in ([], ["--resume"]):
+            res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q", *extra])
+            assert res.exit_code == 2 and "is the input file" in res.output and "hint:" in res.output, res.output
+    assert inp.read_bytes() == data
+
+
+def test_a_full_disk_is_one_error_line_and_keeps_what_was_written(tmp_path, monkeypatch):
+    """/dev/full (ENOSPC on every write) gave two chained tracebacks; a regular file that fills up keeps its
+    records and is resumable."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(_lines(*({"id": f"r{i}", "prompt": "hi", "max_new_tokens": 2} for i in range(4))))
+    res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", "/dev/full", "-q"])
+    assert res.exit_code == 2 and not isinstance(res.exception, OSError), res.output
+    assert "error: cannot write to /dev/full after 0 records: No space left on device" in res.output
+    from infer.cli import batch_io
+    real, calls = os.fsync, []
+
+    def fsync(fd):  # the third record does not fit
+        calls.append(fd)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        real(fd)
+    monkeypatch.setattr(batch_io.os, "fsync", fsync)
+    out = tmp_path / "out.jsonl"
+    res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q"])
+    assert res.exit_code == 2 and "after 2 records" in res.output and "--resume" in res.output, res.output
+    monkeypatch.setattr(batch_io.os, "fsync", real)
+    res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q", "--resume"])
+    assert res.exit_code == 0, res.output
+    assert sorted(json.loads(l)["id"] for l in out.read_text().splitlines()) == [f"r{i}" for i in range(4)]
+
+
+@pytest.mark.parametrize("command", ["convert", "quantize"])
+def test_convert_and_quantize_never_replace_their_source(tmp_path, command):
+    """`infer quantize ./model -o ./model --overwrite` replaced the float model by its int4 copy; an output folder
+    above the source would have been deleted with it."""
+    import shutil
+
+    from infer.models.tiny import ensure_builtin
+    src = tmp_path / "models" / "m"
+    shutil.copytree(ensure_builtin("tiny-llama"), src)
+    before = sorted(p.name for p in src.iterdir())
+    for out, message in [(src, "is the input folder"), (src.parent, "a folder that holds the input")]:
+        res = runner.invoke(app, [command, str(src), "-o", str(out), "--overwrite", "--group-size", "32"]
+                            if command == "quantize" else [command, str(src), "-o", str(out), "--overwrite"])
+        assert res.exit_code == 2 and message in res.output and "hint:" in res.output, res.output
+    assert sorted(p.name for p in src.iterdir()) == before

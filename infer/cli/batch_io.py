@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import IO
 
 from ..engine.inputs import ParsedRequest, parse_request
-from ..errors import ConfigError, RequestError
+from ..errors import ConfigError, OutputError, RequestError
 
 
 @dataclass
@@ -126,15 +127,30 @@ class RecordWriter:
         self.count = 0  # records written
 
     def write(self, record: dict) -> None:
-        self.f.write(encode_record(record))
+        try:
+            self.f.write(encode_record(record))
+            self.f.flush()
+            if self.sync:
+                os.fsync(self.f.fileno())
+        except OSError as e:
+            raise self._failed(e) from None
         self.count += 1
-        self.f.flush()
-        if self.sync:
-            os.fsync(self.f.fileno())
 
     def close(self) -> None:
         if self.path is not None:
-            self.f.close()
+            try:
+                self.f.close()
+            except OSError:  # the write that failed has raised already; the records before it are on disk
+                pass
+
+    def _failed(self, e: OSError) -> OutputError:
+        where = self.path or "stdout"
+        if e.errno == errno.EPIPE:
+            return OutputError(f"{where} was closed by its reader after {self.count} records",
+                               "pipe the output into a program that reads all of it, or write it with -o FILE")
+        more = ", then run the same command with --resume to complete the rest" if self.sync else ""
+        return OutputError(f"cannot write to {where} after {self.count} records: {e.strerror or e}",
+                           f"make room or choose another output{more}")
 
 
 class _TextAsBytes:

@@ -110,6 +110,9 @@ def _check_paths(input: Path, output: Path | None, resume: bool, max_new_tokens:
         return
     if output.is_dir():
         raise ConfigError(f"-o {output} is a directory", "give a file path, e.g. -o out.jsonl")
+    if output.exists() and os.path.samefile(output, input):
+        raise ConfigError(f"-o {output} is the input file: writing would destroy it",
+                          "write the records to another file, e.g. -o out.jsonl")
     parent = output.parent if str(output.parent) else Path(".")
     if parent.exists() and not parent.is_dir():
         raise ConfigError(f"-o {output}: {parent} is not a directory", "give a path inside a directory")
