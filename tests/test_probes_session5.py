@@ -195,3 +195,33 @@ def test_convert_and_quantize_never_replace_their_source(tmp_path, command):
                             if command == "quantize" else [command, str(src), "-o", str(out), "--overwrite"])
         assert res.exit_code == 2 and message in res.output and "hint:" in res.output, res.output
     assert sorted(p.name for p in src.iterdir()) == before
+
+
+def test_a_plain_rerun_does_not_delete_the_records_of_an_unfinished_run(tmp_path, monkeypatch):
+    """The same command again without --resume truncated the output of a run that had stopped half-way: hours of
+    records gone. Now it is refused with both ways out named; a finished output may still be started over."""
+    from infer.engine.llm_engine import LLMEngine
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(_lines(*({"id": f"r{i}", "prompt": "hi", "max_new_tokens": 2 + i} for i in range(6))))
+    out = tmp_path / "out.jsonl"
+    real, steps = LLMEngine.step, []
+
+    def step(self):
+        steps.append(1)
+        if len(steps) == 4:
+            raise KeyboardInterrupt
+        return real(self)
+    monkeypatch.setattr(LLMEngine, "step", step)
+    cmd = ["run", "tiny-llama", str(inp), "-o", str(out), "-q", "--max-num-seqs", "1"]
+    res = runner.invoke(app, cmd)
+    assert res.exit_code == 130 and "interrupted: " in res.output, res.output
+    monkeypatch.setattr(LLMEngine, "step", real)
+    kept = out.read_bytes()
+    assert kept.count(b"\n") >= 1
+    res = runner.invoke(app, cmd)
+    assert res.exit_code == 2 and "records of a run that did not finish" in res.output and "--resume" in res.output
+    assert out.read_bytes() == kept
+    assert runner.invoke(app, [*cmd, "--resume"]).exit_code == 0
+    assert sorted(json.loads(l)["id"] for l in out.read_text().splitlines()) == [f"r{i}" for i in range(6)]
+    res = runner.invoke(app, cmd)  # finished: a plain run starts it over
+    assert res.exit_code == 0 and out.read_bytes().count(b"\n") == 6, res.output

@@ -15,7 +15,8 @@ from ..errors import ConfigError, RequestError
 from . import options as o
 from ..engine.sampling_params import MAX_TOKENS
 from .batch_io import RecordWriter, error_record, output_record, read_inputs
-from .resume import check_resume, done_ids, is_regular_target, write_fingerprint
+from .resume import (check_not_unfinished, check_resume, done_ids, is_regular_target, mark_complete,
+                     write_fingerprint)
 
 
 @o.engine_options()
@@ -51,6 +52,8 @@ def run(
     resumable = is_regular_target(output)
     if resume and resumable and not force_resume:
         check_resume(output, input, options)
+    if not resume and resumable:
+        check_not_unfinished(output)
     defaults = {"max_new_tokens": max_new_tokens}
     if data_parallel > 1 or ray_address:
         from .run_parallel import run_data_parallel
@@ -60,6 +63,8 @@ def run(
     else:
         failed = _run_in_process(engine, input, output, defaults, strict=strict, resume=resume,
                                  resumable=resumable, options=options, quiet=quiet)
+    if resumable:
+        mark_complete(output)  # every line has its record: a later run may start this output over
     if failed:
         raise typer.Exit(1)
 
