@@ -132,13 +132,26 @@ def test_bench_report_folder_that_is_a_file_fails_before_the_run(tmp_path, monke
 
 
 def test_bench_where_requests_fail_says_why_and_exits_1(tmp_path):
-    """Prompts longer than --max-model-len used to give a table of zeros and exit 0."""
-    res = runner.invoke(app, ["bench", "tiny-llama", "-c", "1", "--num-prompts", "2", "--input-len", "40",
-                              "--output-len", "2", "--max-model-len", "32", "-q", "--out", str(tmp_path / "b")])
+    """A prompt longer than --max-model-len used to give a table of zeros and exit 0."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_bytes(_lines({"prompt": "word " * 40}, {"prompt": "hi"}))
+    res = runner.invoke(app, ["bench", "tiny-llama", "-c", "1", "--dataset", f"jsonl:{data}", "--output-len", "2",
+                              "--max-model-len", "32", "-q", "--out", str(tmp_path / "b")])
     assert res.exit_code == 1, res.output
-    assert "error: 2 of 2 requests failed at concurrency 1: the prompt has" in res.output
+    assert "error: 1 of 2 requests failed at concurrency 1: the prompt has" in res.output
     saved = json.loads((tmp_path / "b" / "results.json").read_text())[0]
-    assert saved["failed"] == 2 and "leaves no room" in saved["errors"][0]
+    assert saved["failed"] == 1 and saved["completed"] == 1 and "leaves no room" in saved["errors"][0]
+
+
+def test_bench_random_prompts_that_cannot_fit_are_refused_before_they_are_made(tmp_path, monkeypatch):
+    """--input-len 100000000 spent minutes building prompts that could never run."""
+    from infer.bench import datasets
+    monkeypatch.setattr(datasets, "random_requests", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+    for extra in (["--input-len", "100000000"], ["--input-len", "30", "--output-len", "3"]):
+        res = runner.invoke(app, ["bench", "tiny-llama", "-c", "1", "--num-prompts", "2", "--max-model-len", "32",
+                                  "-q", "--out", str(tmp_path / "b"), *extra])
+        assert res.exit_code == 2 and "do not fit the engine's max length of 32" in res.output, res.output
+        assert "hint:" in res.output and not (tmp_path / "b").exists()
 
 
 def test_output_that_is_the_input_file_is_refused_before_anything_is_written(tmp_path):

@@ -86,3 +86,17 @@ def test_stop_lists_are_bounded(url):
     assert r.status_code == 200, r.text
     health = httpx.get(f"{url}/health").json()["engine"]
     assert health["num_running"] == 0 and health["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("args,message", [(["--api-key", ""], "--api-key is empty"),
+                                          (["--api-key", "  "], "--api-key is empty"),
+                                          (["--shutdown-timeout", "nan"], "--shutdown-timeout must be >= 0")])
+def test_server_options_that_would_lock_out_clients_or_abort_on_sigterm(monkeypatch, args, message):
+    """An empty key (an unset variable) left a server no client could use; a NaN timeout aborted everything."""
+    from typer.testing import CliRunner
+
+    from infer.cli import serve as serve_cli
+    from infer.cli.main import app
+    monkeypatch.setattr(serve_cli, "_bind", lambda *a: (_ for _ in ()).throw(AssertionError("bound")))
+    res = CliRunner().invoke(app, ["serve", "tiny-llama", "--port", "0", *args])
+    assert res.exit_code == 2 and message in res.output and "hint:" in res.output, res.output
