@@ -238,3 +238,30 @@ def test_a_plain_rerun_does_not_delete_the_records_of_an_unfinished_run(tmp_path
     assert sorted(json.loads(l)["id"] for l in out.read_text().splitlines()) == [f"r{i}" for i in range(6)]
     res = runner.invoke(app, cmd)  # finished: a plain run starts it over
     assert res.exit_code == 0 and out.read_bytes().count(b"\n") == 6, res.output
+
+
+@pytest.mark.parametrize("damage", ["truncated", "list header", "entry without shape"])
+def test_warmup_estimate_reads_a_damaged_checkpoint_as_damaged(tmp_path, damage):
+    """`warmup --estimate` reads only safetensors headers: a copy cut short said "fits" (exit 0), and a header that
+    is a list or lacks a shape ended in a traceback."""
+    import shutil
+    import struct
+
+    from infer.models.tiny import ensure_builtin
+    model = tmp_path / "m"
+    shutil.copytree(ensure_builtin("tiny-llama"), model)
+    weights = model / "model.safetensors"
+    data = weights.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    if damage == "truncated":
+        weights.write_bytes(data[:len(data) // 2])
+    else:
+        name = next(k for k in header if k != "__metadata__")
+        bad = [1, 2] if damage == "list header" else {**header, name: {"dtype": "F32", "data_offsets": [0, 4]}}
+        raw = json.dumps(bad).encode()
+        weights.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+    res = runner.invoke(app, ["warmup", str(model), "--max-length", "64", "--concurrency", "1", "--estimate"])
+    assert res.exit_code == 2 and not (res.exception and not isinstance(res.exception, SystemExit)), res.output
+    assert ("is truncated" if damage == "truncated" else "cannot read the safetensors header") in res.output
+    assert "hint:" in res.output
