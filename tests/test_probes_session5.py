@@ -265,3 +265,48 @@ def test_warmup_estimate_reads_a_damaged_checkpoint_as_damaged(tmp_path, damage)
     assert res.exit_code == 2 and not (res.exception and not isinstance(res.exception, SystemExit)), res.output
     assert ("is truncated" if damage == "truncated" else "cannot read the safetensors header") in res.output
     assert "hint:" in res.output
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from infer.engine.llm import LLM
+    with LLM("tiny-llama", max_model_len=64) as model:
+        yield model
+
+
+def test_llm_a_bad_prompt_in_a_batch_leaves_nothing_behind(llm):
+    """generate(["hi", too_long]) raised after "hi" was queued; the orphan then finished inside the next
+    generate(), which counted it as its own and failed with KeyError (or returned too early)."""
+    sp = SamplingParams(max_new_tokens=3)
+    with pytest.raises(RequestError, match="leaves no room"):
+        llm.generate(["hi", "word " * 100], sp)
+    with pytest.raises(RequestError, match="leaves no room"):
+        next(iter(llm.stream(["hi", "word " * 100], sp)))
+    assert llm.engine.stats()["kv_blocks_used"] == 0 and not llm.engine.scheduler.has_unfinished()
+    outs = llm.generate(["a", "b"], [sp, SamplingParams(max_new_tokens=2)])
+    assert [o.usage["completion_tokens"] for o in outs] == [3, 2]
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda llm: llm.generate(["a", "b"], [SamplingParams(max_new_tokens=2)]), "2 prompts but 1 SamplingParams"),
+    (lambda llm: llm.generate(["a", "b"], SamplingParams(max_new_tokens=2), lora=[None]), "2 prompts but 1 lora"),
+    (lambda llm: llm.generate(None), "prompts"),
+    (lambda llm: llm.generate(["a"], {"max_new_tokens": 2}), "SamplingParams"),
+])
+def test_llm_mismatched_arguments_are_named_not_dropped(llm, call, match):
+    """A short params list silently generated for fewer prompts than given."""
+    with pytest.raises(RequestError, match=match):
+        call(llm)
+    assert not llm.engine.scheduler.has_unfinished()
+
+
+@pytest.mark.parametrize("kwargs,field", [({"max_new_tokens": "5"}, "max_new_tokens"), ({"top_k": 2.5}, "top_k"),
+                                          ({"seed": 1.5}, "seed"), ({"logprobs": 2.5}, "logprobs"),
+                                          ({"max_length": "9"}, "max_length"), ({"ignore_eos": "no"}, "ignore_eos"),
+                                          ({"stop": 5}, "stop"), ({"stop_token_ids": [True]}, "stop_token_ids"),
+                                          ({"max_new_tokens": True}, "max_new_tokens")])
+def test_sampling_params_of_the_wrong_type_are_request_errors(kwargs, field):
+    """From Python, SamplingParams(ignore_eos="no") ignored EOS and top_k=2.5 or seed=1.5 went through; others
+    were a TypeError from a comparison."""
+    with pytest.raises(RequestError, match=field):
+        SamplingParams(**kwargs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from ..errors import RequestError
@@ -33,12 +34,13 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per generated token
 
     def __post_init__(self) -> None:
+        self._check_types()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.prefix_token_ids = list(self.prefix_token_ids or [])
-        if self.top_k == -1 and not isinstance(self.top_k, bool):
+        if self.top_k is None or self.top_k == -1:
             self.top_k = 0
         for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -70,6 +72,22 @@ class SamplingParams:
         for ok, msg in checks:
             if not ok:
                 raise RequestError(msg)
+
+    def _check_types(self) -> None:
+        """From Python nothing checked the types: ignore_eos="no" ignored EOS, top_k=2.5 reached the sampler."""
+        for name in ("max_new_tokens", "max_length", "top_k", "seed", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+                raise RequestError(f"{name} must be an integer, got {type(value).__name__}")
+        if not isinstance(self.ignore_eos, bool):
+            raise RequestError(f"ignore_eos must be true or false, got {type(self.ignore_eos).__name__}")
+        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+            raise RequestError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
+        for name in ("stop_token_ids", "prefix_token_ids"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (list, tuple))
+                                      or any(isinstance(t, bool) for t in value)):
+                raise RequestError(f"{name} must be a list of token ids")
 
     @property
     def greedy(self) -> bool:
