@@ -310,3 +310,15 @@ def test_sampling_params_of_the_wrong_type_are_request_errors(kwargs, field):
     were a TypeError from a comparison."""
     with pytest.raises(RequestError, match=field):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32"])
+def test_a_utf16_input_is_named_before_the_model_loads(tmp_path, monkeypatch, encoding):
+    """PowerShell's `>` writes UTF-16: every line failed with 'not valid UTF-8 (byte 1 of the line)'."""
+    from infer.engine import llm_engine
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+    inp = tmp_path / "in.jsonl"
+    text = '{"prompt": "hi"}\n'
+    inp.write_bytes(("\ufeff" + text).encode(encoding) if encoding == "utf-16-be" else text.encode(encoding))
+    res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", str(tmp_path / "o.jsonl"), "-q"])
+    assert res.exit_code == 2 and "UTF-16 or UTF-32" in res.output and "iconv" in res.output, res.output

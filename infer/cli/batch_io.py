@@ -47,6 +47,18 @@ def read_lines(path: Path):
                 yield line_no, None, f"not valid UTF-8 (byte {e.start + 1} of the line)"
 
 
+def check_input_encoding(path: Path) -> None:
+    """A UTF-16 file (what Windows PowerShell's `>` writes) would fail on every line with "not valid UTF-8": say
+    what it is once, before the model loads."""
+    if not path.is_file():  # a pipe is refused by read_inputs; reading its first bytes here would eat them
+        return
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head[:2] in (b"\xff\xfe", b"\xfe\xff") or head[:4] in (b"\x00\x00\xfe\xff", b"\xff\xfe\x00\x00"):
+        raise ConfigError(f"input {path} is UTF-16 or UTF-32 text (it starts with that byte order mark); infer reads "
+                          "UTF-8", f"save it as UTF-8, e.g. iconv -f UTF-16 -t UTF-8 {path} > prompts-utf8.jsonl")
+
+
 def _loads(text: str):
     """json.loads, with every way a line can be unreadable turned into a ValueError that names it."""
     try:

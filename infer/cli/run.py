@@ -14,7 +14,7 @@ from ..engine.config import EngineConfig
 from ..errors import ConfigError, RequestError
 from . import options as o
 from ..engine.sampling_params import MAX_TOKENS
-from .batch_io import RecordWriter, error_record, output_record, read_inputs
+from .batch_io import RecordWriter, check_input_encoding, error_record, output_record, read_inputs
 from .resume import (check_not_unfinished, check_resume, done_ids, is_regular_target, mark_complete,
                      write_fingerprint)
 
@@ -111,6 +111,7 @@ def _check_paths(input: Path, output: Path | None, resume: bool, max_new_tokens:
         raise ConfigError(f"input file {input} does not exist", "give a JSONL file with one request per line")
     if input.is_dir():
         raise ConfigError(f"input {input} is a directory, not a file", "give a JSONL file with one request per line")
+    check_input_encoding(input)
     if output is None:
         return
     if output.is_dir():
