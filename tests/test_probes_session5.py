@@ -322,3 +322,26 @@ def test_a_utf16_input_is_named_before_the_model_loads(tmp_path, monkeypatch, en
     inp.write_bytes(("\ufeff" + text).encode(encoding) if encoding == "utf-16-be" else text.encode(encoding))
     res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", str(tmp_path / "o.jsonl"), "-q"])
     assert res.exit_code == 2 and "UTF-16 or UTF-32" in res.output and "iconv" in res.output, res.output
+
+
+def test_warmup_that_cannot_fit_says_so_without_running_the_worst_case(monkeypatch):
+    """--concurrency 65536 at 4096 tokens ran the worst case anyway: a 34 GB allocation, a traceback (or the
+    machine's memory). When the KV cache alone cannot fit, the answer is known without running anything."""
+    from infer.engine import profile
+    monkeypatch.setattr(profile, "profile_run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran")))
+    res = runner.invoke(app, ["warmup", "tiny-llama", "--max-length", "4096", "--concurrency", "65536", "--json",
+                              "--memory-limit", "2GB"])
+    assert res.exit_code == 1, res.output
+    out = json.loads(res.output.strip().splitlines()[-1])
+    assert out["fits"] is False and out["worst_case_run"] is False
+
+
+def test_warmup_whose_worst_case_runs_out_of_memory_is_one_line(monkeypatch):
+    from infer.engine import profile
+
+    def oom(*a, **k):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 34359738368 bytes")
+    monkeypatch.setattr(profile, "profile_run", oom)
+    res = runner.invoke(app, ["warmup", "tiny-llama", "--max-length", "64", "--concurrency", "2"])
+    assert res.exit_code == 1 and "ran out of memory while it was measured" in res.output, res.output
+    assert "hint: lower --concurrency" in res.output and not isinstance(res.exception, RuntimeError)
