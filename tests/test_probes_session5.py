@@ -345,3 +345,13 @@ def test_warmup_whose_worst_case_runs_out_of_memory_is_one_line(monkeypatch):
     res = runner.invoke(app, ["warmup", "tiny-llama", "--max-length", "64", "--concurrency", "2"])
     assert res.exit_code == 1 and "ran out of memory while it was measured" in res.output, res.output
     assert "hint: lower --concurrency" in res.output and not isinstance(res.exception, RuntimeError)
+
+
+def test_an_engine_whose_batch_sizes_use_the_memory_names_them(tmp_path):
+    """--max-num-seqs 65536 was refused with 'use --max-model-len 652': the batch sizes are what to lower."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(_lines({"prompt": "hi", "max_new_tokens": 2}))
+    res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", str(tmp_path / "o.jsonl"), "-q",
+                              "--max-num-seqs", "65536", "--memory-limit", "4GB"])
+    assert res.exit_code == 2 and "does not fit" in res.output, res.output
+    assert "lower --max-num-seqs (65536) or --max-num-batched-tokens" in " ".join(res.output.split())
