@@ -100,3 +100,17 @@ def test_server_options_that_would_lock_out_clients_or_abort_on_sigterm(monkeypa
     monkeypatch.setattr(serve_cli, "_bind", lambda *a: (_ for _ in ()).throw(AssertionError("bound")))
     res = CliRunner().invoke(app, ["serve", "tiny-llama", "--port", "0", *args])
     assert res.exit_code == 2 and message in res.output and "hint:" in res.output, res.output
+
+
+@pytest.mark.parametrize("name,extra", [("tiny-llama", []), ("base", ["--served-model-name", "base"])])
+def test_an_adapter_named_like_the_served_model_is_refused(tmp_path, monkeypatch, name, extra):
+    """`--lora tiny-llama=...` served: every request naming tiny-llama ran the base, the adapter never."""
+    from typer.testing import CliRunner
+
+    from infer.cli import serve as serve_cli
+    from infer.cli.main import app
+    monkeypatch.setattr(serve_cli, "_bind", lambda *a: (_ for _ in ()).throw(AssertionError("bound")))
+    adapter = tmp_path / "ad"
+    adapter.mkdir()
+    res = CliRunner().invoke(app, ["serve", "tiny-llama", "--port", "0", "--lora", f"{name}={adapter}", *extra])
+    assert res.exit_code == 2 and f"--lora name {name!r} is the served model's id" in res.output, res.output

@@ -75,6 +75,10 @@ def serve(
     from ..serve.body import BodyLimits
     limits = BodyLimits(parse_size(max_body_size, "--max-body-size"), max_json_depth)
     model_id = served_model_name or o.base_model_id(model)
+    clash = sorted(set(engine.loras) & {model_id, str(model)})
+    if clash:  # a request's `model` picks the base model first: that adapter could never be used
+        raise ConfigError(f"--lora name {clash[0]!r} is the served model's id, so no request could pick the adapter",
+                          "give the adapter another NAME, or serve the base under --served-model-name")
     sock = _bind(host, port)
     try:
         if data_parallel > 1 or ray_address:
