@@ -355,3 +355,25 @@ def test_an_engine_whose_batch_sizes_use_the_memory_names_them(tmp_path):
                               "--max-num-seqs", "65536", "--memory-limit", "4GB"])
     assert res.exit_code == 2 and "does not fit" in res.output, res.output
     assert "lower --max-num-seqs (65536) or --max-num-batched-tokens" in " ".join(res.output.split())
+
+
+def test_a_request_the_engine_fails_on_gets_an_error_record_and_the_run_goes_on(tmp_path, monkeypatch):
+    """An exception inside a step ended `infer run` with a traceback, and --resume ran into it again: the server
+    already failed only the running requests and went on; the CLI now does the same."""
+    from infer.engine.model_runner import ModelRunner
+    real = ModelRunner.run
+
+    def run(self, batch):
+        if any(s.request_id == "poison" for s in batch.seqs):
+            raise RuntimeError("simulated kernel failure")
+        return real(self, batch)
+    monkeypatch.setattr(ModelRunner, "run", run)
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(_lines(*({"id": i, "prompt": "hi", "max_new_tokens": 3} for i in ("a", "poison", "b", "c"))))
+    out = tmp_path / "out.jsonl"
+    res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "--max-num-seqs", "1"])
+    assert res.exit_code == 1 and "3 ok, 1 failed" in res.output, res.output
+    recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(recs) == ["a", "b", "c", "poison"]
+    assert recs["poison"]["finish_reason"] == "error" and "simulated kernel failure" in recs["poison"]["error"]
+    assert all(recs[i]["error"] is None and recs[i]["usage"]["completion_tokens"] == 3 for i in "abc")

@@ -192,11 +192,14 @@ def _generate(engine, todo, writer: RecordWriter, quiet: bool) -> int:
     with progress:
         task = progress.add_task("requests", total=len(todo), completed=failed, tokens="0 tok/s")
         while engine.has_unfinished_requests():
-            for out in engine.step():
+            outs, lost = _step(engine, pending, writer)
+            failed += lost
+            progress.advance(task, lost)
+            for out in outs:
                 tokens += len(out.new_token_ids)
-                if out.finished:
+                if out.finished and pending.pop(out.request_id, None) is not None:
                     writer.write(output_record(out.request_id, out, engine.tokenizer))
-                    pending.pop(out.request_id, None)
+                    failed += out.finish_reason == "error"
                     progress.advance(task)
             rate = tokens / max(time.monotonic() - start, 1e-9)
             progress.update(task, tokens=f"{rate:,.0f} tok/s")
@@ -205,6 +208,25 @@ def _generate(engine, todo, writer: RecordWriter, quiet: bool) -> int:
         typer.echo(f"infer: {len(todo) - failed} ok, {failed} failed, {tokens} tokens in {elapsed:.1f} s "
                    f"({tokens / max(elapsed, 1e-9):,.1f} tok/s)", err=True)
     return failed
+
+
+def _step(engine, pending: dict, writer: RecordWriter) -> tuple[list, int]:
+    """One engine step: (outputs, 0); or, when the step fails, error records for the requests it was running
+    (as the server does) and ([], how many), so that one request the engine cannot run never ends the run."""
+    try:
+        return engine.step(), 0
+    except Exception as e:
+        message = f"internal engine error: {type(e).__name__}: {e}"
+        victims = [s.request_id for s in engine.scheduler.running] or list(engine.requests)
+        lost = 0
+        for rid in victims:
+            engine.abort_request(rid)
+            if pending.pop(rid, None) is not None:
+                writer.write(error_record(rid, message))
+                lost += 1
+        if not lost:  # nothing to blame: the failure is not about a request
+            raise
+        return [], lost
 
 
 def _progress(total: int, quiet: bool):
