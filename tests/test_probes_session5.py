@@ -312,16 +312,33 @@ def test_sampling_params_of_the_wrong_type_are_request_errors(kwargs, field):
         SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32"])
-def test_a_utf16_input_is_named_before_the_model_loads(tmp_path, monkeypatch, encoding):
-    """PowerShell's `>` writes UTF-16: every line failed with 'not valid UTF-8 (byte 1 of the line)'."""
+@pytest.mark.parametrize("encoding,message", [("utf-16", "UTF-16 or UTF-32"), ("utf-16-be", "UTF-16 or UTF-32"),
+                                              ("utf-32", "UTF-16 or UTF-32"), ("utf-16-le", "bytes are NUL"),
+                                              ("binary", "bytes are NUL")])
+def test_a_utf16_or_binary_input_is_named_before_the_model_loads(tmp_path, monkeypatch, encoding, message):
+    """PowerShell's `>` writes UTF-16, and a weights file passed by mistake is binary: every line failed with 'not
+    valid UTF-8' or 'bad JSON', one error record per fragment."""
     from infer.engine import llm_engine
     monkeypatch.setattr(llm_engine.LLMEngine, "__init__", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
     inp = tmp_path / "in.jsonl"
-    text = '{"prompt": "hi"}\n'
-    inp.write_bytes(("\ufeff" + text).encode(encoding) if encoding == "utf-16-be" else text.encode(encoding))
+    text = '{"prompt": "hi there, how are you"}\n' * 3
+    if encoding == "binary":
+        inp.write_bytes(bytes(range(256)) * 4 + b"\x00" * 1024)
+    else:
+        inp.write_bytes(("\ufeff" + text).encode(encoding) if encoding == "utf-16-be" else text.encode(encoding))
     res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", str(tmp_path / "o.jsonl"), "-q"])
-    assert res.exit_code == 2 and "UTF-16 or UTF-32" in res.output and "iconv" in res.output, res.output
+    assert res.exit_code == 2 and message in res.output and "hint:" in res.output, res.output
+
+
+def test_one_line_with_a_nul_byte_still_lets_the_others_run(tmp_path):
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(_lines({"id": "a", "prompt": "hi", "max_new_tokens": 2}) + b'{"id": "b\x00"}\n'
+                    + _lines({"id": "c", "prompt": "yo", "max_new_tokens": 2}))
+    out = tmp_path / "o.jsonl"
+    res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q"])
+    assert res.exit_code == 1, res.output
+    recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert recs["a"]["error"] is None and recs["c"]["error"] is None and "line 2" in recs["2"]["error"]
 
 
 def test_warmup_that_cannot_fit_says_so_without_running_the_worst_case(monkeypatch):

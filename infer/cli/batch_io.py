@@ -53,10 +53,14 @@ def check_input_encoding(path: Path) -> None:
     if not path.is_file():  # a pipe is refused by read_inputs; reading its first bytes here would eat them
         return
     with open(path, "rb") as f:
-        head = f.read(4)
+        head = f.read(1 << 16)
     if head[:2] in (b"\xff\xfe", b"\xfe\xff") or head[:4] in (b"\x00\x00\xfe\xff", b"\xff\xfe\x00\x00"):
         raise ConfigError(f"input {path} is UTF-16 or UTF-32 text (it starts with that byte order mark); infer reads "
                           "UTF-8", f"save it as UTF-8, e.g. iconv -f UTF-16 -t UTF-8 {path} > prompts-utf8.jsonl")
+    if len(head) >= 64 and head.count(0) * 4 > len(head):  # JSON text never holds a raw NUL byte
+        raise ConfigError(f"input {path} is not a JSONL text file: {head.count(0):,} of its first {len(head):,} "
+                          "bytes are NUL (a binary file, or UTF-16 without a byte order mark?)",
+                          "give the JSONL file of prompts, saved as UTF-8")
 
 
 def _loads(text: str):
