@@ -394,3 +394,15 @@ def test_a_request_the_engine_fails_on_gets_an_error_record_and_the_run_goes_on(
     assert sorted(recs) == ["a", "b", "c", "poison"]
     assert recs["poison"]["finish_reason"] == "error" and "simulated kernel failure" in recs["poison"]["error"]
     assert all(recs[i]["error"] is None and recs[i]["usage"]["completion_tokens"] == 3 for i in "abc")
+
+
+@pytest.mark.parametrize("out", ["/proc/infer-probe.jsonl", "/sys/infer-probe.jsonl"])
+def test_an_output_nobody_can_write_fails_before_the_model_loads(tmp_path, monkeypatch, out):
+    """os.access says yes to root everywhere: -o /sys/x.jsonl loaded the model, then died in open() with a
+    traceback."""
+    from infer.engine import llm_engine
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(_lines({"prompt": "hi"}))
+    res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", out, "-q"])
+    assert res.exit_code == 2 and f"-o {out}" in res.output and "hint:" in res.output, res.output

@@ -136,9 +136,12 @@ class RecordWriter:
             sys.stdout.flush()
             self.f: IO[bytes] = getattr(sys.stdout, "buffer", None) or _TextAsBytes(sys.stdout)
         else:
-            if path.parent and not path.parent.exists():
+            try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-            self.f = open(path, "ab" if append else "wb")
+                self.f = open(path, "ab" if append else "wb")
+            except OSError as e:
+                raise OutputError(f"cannot open {path} for writing: {e.strerror or e}",
+                                  "choose another output path or fix its permissions") from None
         self.sync = path is not None and stat.S_ISREG(os.fstat(self.f.fileno()).st_mode)
         self.count = 0  # records written
 

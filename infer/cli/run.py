@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -126,6 +127,21 @@ def _check_paths(input: Path, output: Path | None, resume: bool, max_new_tokens:
     if not os.access(target, os.W_OK):
         raise ConfigError(f"-o {output} is not writable ({target} does not allow writing)",
                           "choose another output path or fix its permissions")
+    _try_writing(output, target)
+
+
+def _try_writing(output: Path, target: Path) -> None:
+    """os.access says yes to root even where nothing can be written (/proc, /sys, a read-only mount): open for real
+    before the model loads, writing nothing (an existing file is opened for appending and closed)."""
+    try:
+        if target == output:
+            if output.is_file():
+                open(output, "ab").close()
+        else:
+            tempfile.TemporaryFile(dir=target).close()
+    except OSError as e:
+        raise ConfigError(f"-o {output} cannot be written: {e.strerror or e}",
+                          "choose another output path or fix its permissions") from None
 
 
 def _first_existing(path: Path) -> Path:
