@@ -125,7 +125,8 @@ def test_bench_report_folder_that_is_a_file_fails_before_the_run(tmp_path, monke
     monkeypatch.setattr("infer.bench.plan.run_plan", lambda plan: (_ for _ in ()).throw(AssertionError("ran")))
     target = tmp_path / "file"
     target.write_text("x")
-    for out, message in [(target, "is a file, not a folder"), (target / "sub", "is a file, not a folder")]:
+    for out, message in [(target, "is a file, not a folder"), (target / "sub", "is a file, not a folder"),
+                         ("/sys/infer-probe", "is not writable")]:
         res = _bench(tmp_path, "--out", out)
         assert res.exit_code == 2 and message in res.output and "hint:" in res.output, res.output
     assert target.read_text() == "x"

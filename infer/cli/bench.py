@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from dataclasses import replace
 import time
 from pathlib import Path
@@ -144,9 +145,13 @@ def check_out(out: Path | None) -> None:
         existing = existing.parent
     if not existing.is_dir():
         raise ConfigError(f"--out {out}: {existing} is a file, not a folder", "give a path inside a folder")
-    if not os.access(existing, os.W_OK):
-        raise ConfigError(f"--out {out} is not writable ({existing} does not allow writing)",
-                          "choose another folder or fix its permissions")
+    try:  # os.access says yes to root even on /sys or a read-only mount: try for real (the file is removed)
+        if not os.access(existing, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as e:
+        raise ConfigError(f"--out {out} is not writable ({existing}: {e.strerror or e})",
+                          "choose another folder or fix its permissions") from None
 
 
 def report_failures(results: list[dict] | None) -> bool:
