@@ -407,3 +407,11 @@ def test_an_output_nobody_can_write_fails_before_the_model_loads(tmp_path, monke
     inp.write_bytes(_lines({"prompt": "hi"}))
     res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", out, "-q"])
     assert res.exit_code == 2 and f"-o {out}" in res.output and "hint:" in res.output, res.output
+
+
+@pytest.mark.parametrize("command", ["convert", "quantize"])
+def test_convert_and_quantize_into_a_folder_nobody_can_write_is_one_line(command):
+    args = [command, "tiny-llama", "-o", "/sys/infer-probe"] + (["--group-size", "32"] if command == "quantize" else [])
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2 and "cannot write into /sys" in res.output and "hint:" in res.output, res.output
+    assert not isinstance(res.exception, OSError)

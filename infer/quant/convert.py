@@ -72,8 +72,12 @@ def staged_output(out: Path, overwrite: bool):
     interrupted run never leaves a half-written model behind."""
     out = Path(out).resolve()
     check_output(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as e:
+        raise ConfigError(f"cannot write into {out.parent}: {e.strerror or e}",
+                          "pass an -o folder you can write to") from None
     try:
         yield tmp
         if out.exists():
