@@ -415,3 +415,15 @@ def test_convert_and_quantize_into_a_folder_nobody_can_write_is_one_line(command
     res = runner.invoke(app, args)
     assert res.exit_code == 2 and "cannot write into /sys" in res.output and "hint:" in res.output, res.output
     assert not isinstance(res.exception, OSError)
+
+
+def test_an_input_that_cannot_be_read_is_one_line(tmp_path, monkeypatch):
+    from infer.cli import batch_io
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(_lines({"prompt": "hi"}))
+
+    def denied(*a, **k):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(batch_io, "open", denied, raising=False)
+    res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", str(tmp_path / "o.jsonl"), "-q"])
+    assert res.exit_code == 2 and "cannot read input" in res.output and "Permission denied" in res.output

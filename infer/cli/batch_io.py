@@ -52,8 +52,11 @@ def check_input_encoding(path: Path) -> None:
     what it is once, before the model loads."""
     if not path.is_file():  # a pipe is refused by read_inputs; reading its first bytes here would eat them
         return
-    with open(path, "rb") as f:
-        head = f.read(1 << 16)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError as e:
+        raise ConfigError(f"cannot read input {path}: {e.strerror or e}", "check the file's permissions") from None
     if head[:2] in (b"\xff\xfe", b"\xfe\xff") or head[:4] in (b"\x00\x00\xfe\xff", b"\xff\xfe\x00\x00"):
         raise ConfigError(f"input {path} is UTF-16 or UTF-32 text (it starts with that byte order mark); infer reads "
                           "UTF-8", f"save it as UTF-8, e.g. iconv -f UTF-16 -t UTF-8 {path} > prompts-utf8.jsonl")
