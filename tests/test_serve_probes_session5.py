@@ -90,9 +90,11 @@ def test_stop_lists_are_bounded(url):
 
 @pytest.mark.parametrize("args,message", [(["--api-key", ""], "--api-key is empty"),
                                           (["--api-key", "  "], "--api-key is empty"),
-                                          (["--shutdown-timeout", "nan"], "--shutdown-timeout must be >= 0")])
+                                          (["--shutdown-timeout", "nan"], "--shutdown-timeout must be >= 0"),
+                                          (["--host", ""], "--host is empty")])
 def test_server_options_that_would_lock_out_clients_or_abort_on_sigterm(monkeypatch, args, message):
-    """An empty key (an unset variable) left a server no client could use; a NaN timeout aborted everything."""
+    """An empty key (an unset variable) left a server no client could use, an empty host listened on every
+    interface, and a NaN timeout aborted everything on SIGTERM."""
     from typer.testing import CliRunner
 
     from infer.cli import serve as serve_cli

@@ -72,6 +72,8 @@ def serve(
     Example: infer serve tiny-llama --port 8000 --lora support=./adapters/support
     """
     _check_server_options(port, max_queue, shutdown_timeout, log_level, api_key)
+    if not host.strip():  # an empty address binds every interface: never do that by accident (`--host "$UNSET"`)
+        raise ConfigError("--host is empty", "give an address: 127.0.0.1 (this machine) or 0.0.0.0 (every interface)")
     from ..serve.body import BodyLimits
     limits = BodyLimits(parse_size(max_body_size, "--max-body-size"), max_json_depth)
     model_id = served_model_name or o.base_model_id(model)
