@@ -29,6 +29,10 @@ class UnsupportedModelError(ModelLoadError):
     """An architecture or a quantization setting that infer does not implement."""
 
 
+class OutputError(InferError):
+    """An output that cannot be written (a full disk, a closed pipe); what was written before stays."""
+
+
 class RequestError(InferError):
     """One request (one input line, one HTTP body) is invalid; the others still run."""
 

@@ -192,7 +192,7 @@ def test_one_setting_per_prompt_or_one_for_all(llm, path):
     from infer.errors import RequestError
     prompts = random_prompts(llm.engine.model_config.vocab_size, (4, 7, 5), seed=13)
     for params, lora in (([SamplingParams(max_new_tokens=2)] * 2, None), (None, [None, None])):
-        with pytest.raises(RequestError, match="3 prompts but a list of 2"):
+        with pytest.raises(RequestError, match="3 prompts but 2 "):
             llm.generate(prompts, params, lora=lora)
     assert not llm.engine.has_unfinished_requests()  # nothing was submitted
     outs = llm.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (1, 2, 3)],

@@ -15,6 +15,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..errors import ConfigError
 from .datasets import BenchRequest, assign_loras, load_workload
 from .metrics import RunResult
 
@@ -111,6 +112,18 @@ def _measure(plan: BenchPlan, target: _Target, requests, hf, runs: list, bases: 
     return False
 
 
+def _check_fits(plan: BenchPlan, target: _Target) -> None:
+    """Random prompts that cannot fit the engine are refused before they are made (a prompt of 10^8 tokens took
+    minutes to build, and every request then failed)."""
+    if target.engine is None or plan.dataset != "random":
+        return
+    cap = target.engine.max_model_len
+    if plan.input_len + plan.output_len > cap:
+        raise ConfigError(f"--input-len {plan.input_len} + --output-len {plan.output_len} tokens do not fit the "
+                          f"engine's max length of {cap}", "lower them, or raise --max-model-len (up to the "
+                                                           "model's limit)")
+
+
 def _console():
     """The terminal's width on a terminal; wide enough for every column when the output is a file or a pipe."""
     import sys
@@ -124,6 +137,7 @@ def run_plan(plan: BenchPlan, console=None) -> tuple[list[dict], bool]:
     KeyboardInterrupt only when Ctrl-C came before anything was measured."""
     from .report import write_report
     target = _Target(plan)
+    _check_fits(plan, target)
     workload = load_workload(plan.dataset, target.tokenizer, num_prompts=plan.num_prompts,
                              input_len=plan.input_len, output_len=plan.output_len, seed=plan.seed)
     requests = assign_loras(workload.requests, plan.loras) if plan.loras else workload.requests

@@ -71,6 +71,7 @@ def run_entry(run: RunResult) -> dict:
              peak_rss_bytes=run.peak_rss_bytes, peak_gpu_bytes=run.peak_gpu_bytes, engine_stats=run.engine_stats)
     if run.timeline and "kv_usage" in run.timeline[0]:
         d["max_kv_usage"] = max(s.get("kv_usage", 0.0) for s in run.timeline)
+    d["errors"] = list(dict.fromkeys(r.error for r in run.records if not r.success and r.error))[:5]  # distinct
     return d
 
 

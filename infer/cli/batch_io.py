@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import IO
 
 from ..engine.inputs import ParsedRequest, parse_request
-from ..errors import ConfigError, RequestError
+from ..errors import ConfigError, OutputError, RequestError
 
 
 @dataclass
@@ -24,10 +25,9 @@ class InputLine:
 
 def _line_id(obj, line_no: int) -> str:
     if isinstance(obj, dict):
-        if "custom_id" in obj:
-            return str(obj["custom_id"])
-        if obj.get("id") is not None:
-            return str(obj["id"])
+        for key in ("custom_id", "id"):
+            if obj.get(key) is not None:
+                return str(obj[key])
     return str(line_no)
 
 
@@ -37,12 +37,33 @@ def read_lines(path: Path):
     any editor shows, and outputs are read back by the same rule they are written with."""
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, 1):
+            if line_no == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark (Windows editors)
+                raw = raw[3:]
             raw = raw[:-1] if raw.endswith(b"\n") else raw
             raw = raw[:-1] if raw.endswith(b"\r") else raw
             try:
                 yield line_no, raw.decode("utf-8"), None
             except UnicodeDecodeError as e:
                 yield line_no, None, f"not valid UTF-8 (byte {e.start + 1} of the line)"
+
+
+def check_input_encoding(path: Path) -> None:
+    """A UTF-16 file (what Windows PowerShell's `>` writes) would fail on every line with "not valid UTF-8": say
+    what it is once, before the model loads."""
+    if not path.is_file():  # a pipe is refused by read_inputs; reading its first bytes here would eat them
+        return
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError as e:
+        raise ConfigError(f"cannot read input {path}: {e.strerror or e}", "check the file's permissions") from None
+    if head[:2] in (b"\xff\xfe", b"\xfe\xff") or head[:4] in (b"\x00\x00\xfe\xff", b"\xff\xfe\x00\x00"):
+        raise ConfigError(f"input {path} is UTF-16 or UTF-32 text (it starts with that byte order mark); infer reads "
+                          "UTF-8", f"save it as UTF-8, e.g. iconv -f UTF-16 -t UTF-8 {path} > prompts-utf8.jsonl")
+    if len(head) >= 64 and head.count(0) * 4 > len(head):  # JSON text never holds a raw NUL byte
+        raise ConfigError(f"input {path} is not a JSONL text file: {head.count(0):,} of its first {len(head):,} "
+                          "bytes are NUL (a binary file, or UTF-16 without a byte order mark?)",
+                          "give the JSONL file of prompts, saved as UTF-8")
 
 
 def _loads(text: str):
@@ -77,7 +98,7 @@ def read_inputs(path: Path, tokenizer, defaults: dict) -> list[InputLine]:
     if not path.is_file():
         raise ConfigError(f"input file {path} does not exist" if not path.exists() else f"input {path} is not a file",
                           "give a JSONL file with one request per line")
-    lines, seen = [], set()
+    lines, seen = [], {}  # id -> the line that has it
     for line_no, text, reason in read_lines(path):
         if reason is not None:
             item = InputLine(line_no, str(line_no), error=f"line {line_no}: {reason}")
@@ -86,11 +107,17 @@ def read_inputs(path: Path, tokenizer, defaults: dict) -> list[InputLine]:
         else:
             item = _parse_line(line_no, text, tokenizer, defaults)
         if item.id in seen:
-            item.request, item.error = None, item.error or f"line {line_no}: duplicate id {item.id!r}"
+            item.request, item.error = None, item.error or _duplicate(item, seen[item.id])
             item.id = f"{item.id}#line{line_no}"
-        seen.add(item.id)
+        seen[item.id] = line_no
         lines.append(item)
     return lines
+
+
+def _duplicate(item: InputLine, first: int) -> str:
+    why = " (a line without an id has its line number as id)" if item.id == str(first) else ""
+    return (f"line {item.line_no}: duplicate id {item.id!r}: line {first} already has it{why}; give every line its "
+            "own id")
 
 
 def encode_record(record: dict) -> bytes:
@@ -112,20 +139,40 @@ class RecordWriter:
             sys.stdout.flush()
             self.f: IO[bytes] = getattr(sys.stdout, "buffer", None) or _TextAsBytes(sys.stdout)
         else:
-            if path.parent and not path.parent.exists():
+            try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-            self.f = open(path, "ab" if append else "wb")
+                self.f = open(path, "ab" if append else "wb")
+            except OSError as e:
+                raise OutputError(f"cannot open {path} for writing: {e.strerror or e}",
+                                  "choose another output path or fix its permissions") from None
         self.sync = path is not None and stat.S_ISREG(os.fstat(self.f.fileno()).st_mode)
+        self.count = 0  # records written
 
     def write(self, record: dict) -> None:
-        self.f.write(encode_record(record))
-        self.f.flush()
-        if self.sync:
-            os.fsync(self.f.fileno())
+        try:
+            self.f.write(encode_record(record))
+            self.f.flush()
+            if self.sync:
+                os.fsync(self.f.fileno())
+        except OSError as e:
+            raise self._failed(e) from None
+        self.count += 1
 
     def close(self) -> None:
         if self.path is not None:
-            self.f.close()
+            try:
+                self.f.close()
+            except OSError:  # the write that failed has raised already; the records before it are on disk
+                pass
+
+    def _failed(self, e: OSError) -> OutputError:
+        where = self.path or "stdout"
+        if e.errno == errno.EPIPE:
+            return OutputError(f"{where} was closed by its reader after {self.count} records",
+                               "pipe the output into a program that reads all of it, or write it with -o FILE")
+        more = ", then run the same command with --resume to complete the rest" if self.sync else ""
+        return OutputError(f"cannot write to {where} after {self.count} records: {e.strerror or e}",
+                           f"make room or choose another output{more}")
 
 
 class _TextAsBytes:

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 from dataclasses import replace
 import time
 from pathlib import Path
@@ -132,6 +134,38 @@ def check_sizes(levels: list[int], **sizes: int | None) -> None:
                           f"raise it to {max(levels)} or more, or leave it out (it defaults to the largest level)")
 
 
+def check_out(out: Path | None) -> None:
+    """The report folder must be creatable and writable: found now, not after the whole benchmark has run."""
+    if out is None:
+        return
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder", "give a folder for the report, e.g. --out ./bench")
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"--out {out}: {existing} is a file, not a folder", "give a path inside a folder")
+    try:  # os.access says yes to root even on /sys or a read-only mount: try for real (the file is removed)
+        if not os.access(existing, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as e:
+        raise ConfigError(f"--out {out} is not writable ({existing}: {e.strerror or e})",
+                          "choose another folder or fix its permissions") from None
+
+
+def report_failures(results: list[dict] | None) -> bool:
+    """One line per level where requests failed, with why; True if any did."""
+    failed = False
+    for r in results or []:
+        if r.get("failed"):
+            failed = True
+            why = "; ".join(r.get("errors") or []) or "no reason recorded"
+            typer.echo(f"error: {r['failed']} of {r['num_requests']} requests failed at concurrency "
+                       f"{r['concurrency']}: {why}", err=True)
+    return failed
+
+
 # ------------------------------------------------------------------------------------------------ the command
 @o.engine_options(exclude=("max_num_seqs", "seed", "loras", "max_loras"))
 def bench(
@@ -189,6 +223,7 @@ def bench(
     """
     levels, rate = parse_concurrency(concurrency), parse_rate(request_rate)
     check_options(num_prompts, dataset, baseline, lora_policy, url, rate)
+    check_out(out)
     check_sizes(levels, input_len=input_len, output_len=output_len, max_num_seqs=max_num_seqs, max_loras=max_loras)
     names = mix(lora_names(lora, url), lora_mix)
     model_id = served_model_name or o.base_model_id(model)
@@ -218,8 +253,10 @@ def set_target(plan, engine: EngineConfig, lora: list[str] | None, max_num_seqs:
 def run_and_report(plan) -> None:
     """Run the plan and say where the report is; exit 130 when Ctrl-C cut it short."""
     from ..bench.plan import run_plan
-    _, interrupted = run_plan(plan)
+    results, interrupted = run_plan(plan)
     typer.echo(f"infer bench: report written to {plan.out}", err=True)
     if interrupted:
         typer.echo(f"interrupted: the report in {plan.out} holds what was measured (marked partial)", err=True)
         raise typer.Exit(130)
+    if report_failures(results):
+        raise typer.Exit(1)

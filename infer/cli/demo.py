@@ -164,6 +164,7 @@ def _serve_steps(steps: _Steps, out: Path, gptq: Path, loras: list[str], sizes: 
               _warmup_line)
     prompts, outputs = out / "prompts.jsonl", out / "outputs.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    outputs.unlink(missing_ok=True)  # the demo's outputs start over, even after an interrupted demo
     steps.run("run", ["run", str(gptq), str(prompts), "-o", str(outputs), "--quiet",
                       *[a for lo in loras for a in ("--lora", lo)]], lambda _: _run_line(outputs))
     steps.run("bench", ["bench", str(gptq), "--concurrency", "8", "--num-prompts", str(num_prompts),

@@ -93,10 +93,40 @@ def fingerprint(input: Path, options: dict) -> dict:
 
 
 def write_fingerprint(output: Path, input: Path, options: dict) -> None:
+    """Written when a run starts, with "complete": false until mark_complete says every line has its record."""
+    _write_json(fingerprint_path(output), {**fingerprint(input, options), "complete": False})
+
+
+def mark_complete(output: Path) -> None:
     path = fingerprint_path(output)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if isinstance(data, dict):
+        _write_json(path, {**data, "complete": True})
+
+
+def _write_json(path: Path, data: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(fingerprint(input, options), indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     os.replace(tmp, path)
+
+
+def check_not_unfinished(output: Path) -> None:
+    """A run without --resume starts OUTPUT over. When OUTPUT holds the records of a run that stopped before its
+    end (killed, Ctrl-C, a full disk), that would throw away work that --resume keeps: refuse, and say so."""
+    path = fingerprint_path(output)
+    try:
+        if output.stat().st_size == 0 or json.loads(path.read_text(encoding="utf-8")).get("complete") is not False:
+            return
+    except (OSError, ValueError, AttributeError):
+        return
+    with open(output, "rb") as f:
+        records = sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+    raise ConfigError(f"-o {output} holds {records} records of a run that did not finish; starting over would "
+                      "delete them", "pass --resume to complete that run, or delete the file (or choose another -o) "
+                                     "to start over")
 
 
 def check_resume(output: Path, input: Path, options: dict) -> None:

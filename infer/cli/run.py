@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -14,8 +15,9 @@ from ..engine.config import EngineConfig
 from ..errors import ConfigError, RequestError
 from . import options as o
 from ..engine.sampling_params import MAX_TOKENS
-from .batch_io import RecordWriter, error_record, output_record, read_inputs
-from .resume import check_resume, done_ids, is_regular_target, write_fingerprint
+from .batch_io import RecordWriter, check_input_encoding, error_record, output_record, read_inputs
+from .resume import (check_not_unfinished, check_resume, done_ids, is_regular_target, mark_complete,
+                     write_fingerprint)
 
 
 @o.engine_options()
@@ -51,6 +53,8 @@ def run(
     resumable = is_regular_target(output)
     if resume and resumable and not force_resume:
         check_resume(output, input, options)
+    if not resume and resumable:
+        check_not_unfinished(output)
     defaults = {"max_new_tokens": max_new_tokens}
     if data_parallel > 1 or ray_address:
         from .run_parallel import run_data_parallel
@@ -60,6 +64,8 @@ def run(
     else:
         failed = _run_in_process(engine, input, output, defaults, strict=strict, resume=resume,
                                  resumable=resumable, options=options, quiet=quiet)
+    if resumable:
+        mark_complete(output)  # every line has its record: a later run may start this output over
     if failed:
         raise typer.Exit(1)
 
@@ -76,6 +82,11 @@ def _run_in_process(engine: EngineConfig, input: Path, output: Path | None, defa
     todo, writer = open_output(lines, output, input, options, resume, resumable)
     try:
         return _generate(llm, todo, writer, quiet)
+    except KeyboardInterrupt:  # every finished record is on disk already: say how to get the rest
+        where = f"to {output}" if output is not None else "to stdout"
+        more = "; run the same command with --resume to complete the rest" if resumable else ""
+        typer.echo(f"interrupted: {writer.count} of {len(todo)} records written {where}{more}", err=True)
+        raise typer.Exit(130) from None
     finally:
         writer.close()
 
@@ -101,10 +112,14 @@ def _check_paths(input: Path, output: Path | None, resume: bool, max_new_tokens:
         raise ConfigError(f"input file {input} does not exist", "give a JSONL file with one request per line")
     if input.is_dir():
         raise ConfigError(f"input {input} is a directory, not a file", "give a JSONL file with one request per line")
+    check_input_encoding(input)
     if output is None:
         return
     if output.is_dir():
         raise ConfigError(f"-o {output} is a directory", "give a file path, e.g. -o out.jsonl")
+    if output.exists() and os.path.samefile(output, input):
+        raise ConfigError(f"-o {output} is the input file: writing would destroy it",
+                          "write the records to another file, e.g. -o out.jsonl")
     parent = output.parent if str(output.parent) else Path(".")
     if parent.exists() and not parent.is_dir():
         raise ConfigError(f"-o {output}: {parent} is not a directory", "give a path inside a directory")
@@ -112,6 +127,21 @@ def _check_paths(input: Path, output: Path | None, resume: bool, max_new_tokens:
     if not os.access(target, os.W_OK):
         raise ConfigError(f"-o {output} is not writable ({target} does not allow writing)",
                           "choose another output path or fix its permissions")
+    _try_writing(output, target)
+
+
+def _try_writing(output: Path, target: Path) -> None:
+    """os.access says yes to root even where nothing can be written (/proc, /sys, a read-only mount): open for real
+    before the model loads, writing nothing (an existing file is opened for appending and closed)."""
+    try:
+        if target == output:
+            if output.is_file():
+                open(output, "ab").close()
+        else:
+            tempfile.TemporaryFile(dir=target).close()
+    except OSError as e:
+        raise ConfigError(f"-o {output} cannot be written: {e.strerror or e}",
+                          "choose another output path or fix its permissions") from None
 
 
 def _first_existing(path: Path) -> Path:
@@ -178,11 +208,14 @@ def _generate(engine, todo, writer: RecordWriter, quiet: bool) -> int:
     with progress:
         task = progress.add_task("requests", total=len(todo), completed=failed, tokens="0 tok/s")
         while engine.has_unfinished_requests():
-            for out in engine.step():
+            outs, lost = _step(engine, pending, writer)
+            failed += lost
+            progress.advance(task, lost)
+            for out in outs:
                 tokens += len(out.new_token_ids)
-                if out.finished:
+                if out.finished and pending.pop(out.request_id, None) is not None:
                     writer.write(output_record(out.request_id, out, engine.tokenizer))
-                    pending.pop(out.request_id, None)
+                    failed += out.finish_reason == "error"
                     progress.advance(task)
             rate = tokens / max(time.monotonic() - start, 1e-9)
             progress.update(task, tokens=f"{rate:,.0f} tok/s")
@@ -191,6 +224,25 @@ def _generate(engine, todo, writer: RecordWriter, quiet: bool) -> int:
         typer.echo(f"infer: {len(todo) - failed} ok, {failed} failed, {tokens} tokens in {elapsed:.1f} s "
                    f"({tokens / max(elapsed, 1e-9):,.1f} tok/s)", err=True)
     return failed
+
+
+def _step(engine, pending: dict, writer: RecordWriter) -> tuple[list, int]:
+    """One engine step: (outputs, 0); or, when the step fails, error records for the requests it was running
+    (as the server does) and ([], how many), so that one request the engine cannot run never ends the run."""
+    try:
+        return engine.step(), 0
+    except Exception as e:
+        message = f"internal engine error: {type(e).__name__}: {e}"
+        victims = [s.request_id for s in engine.scheduler.running] or list(engine.requests)
+        lost = 0
+        for rid in victims:
+            engine.abort_request(rid)
+            if pending.pop(rid, None) is not None:
+                writer.write(error_record(rid, message))
+                lost += 1
+        if not lost:  # nothing to blame: the failure is not about a request
+            raise
+        return [], lost
 
 
 def _progress(total: int, quiet: bool):

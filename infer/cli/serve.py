@@ -71,10 +71,16 @@ def serve(
 
     Example: infer serve tiny-llama --port 8000 --lora support=./adapters/support
     """
-    _check_server_options(port, max_queue, shutdown_timeout, log_level)
+    _check_server_options(port, max_queue, shutdown_timeout, log_level, api_key)
+    if not host.strip():  # an empty address binds every interface: never do that by accident (`--host "$UNSET"`)
+        raise ConfigError("--host is empty", "give an address: 127.0.0.1 (this machine) or 0.0.0.0 (every interface)")
     from ..serve.body import BodyLimits
     limits = BodyLimits(parse_size(max_body_size, "--max-body-size"), max_json_depth)
     model_id = served_model_name or o.base_model_id(model)
+    clash = sorted(set(engine.loras) & {model_id, str(model)})
+    if clash:  # a request's `model` picks the base model first: that adapter could never be used
+        raise ConfigError(f"--lora name {clash[0]!r} is the served model's id, so no request could pick the adapter",
+                          "give the adapter another NAME, or serve the base under --served-model-name")
     sock = _bind(host, port)
     try:
         if data_parallel > 1 or ray_address:
@@ -86,14 +92,18 @@ def serve(
         sock.close()
 
 
-def _check_server_options(port: int, max_queue: int, shutdown_timeout: float, log_level: str) -> None:
+def _check_server_options(port: int, max_queue: int, shutdown_timeout: float, log_level: str,
+                          api_key: str | None = None) -> None:
     """The server options the command line cannot range-check itself, checked before anything binds or loads."""
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port {port} is not a port number", "use 0..65535")
     if max_queue < 1:
         raise ConfigError(f"--max-queue must be at least 1, got {max_queue}", "e.g. --max-queue 256")
-    if shutdown_timeout < 0:
+    if not shutdown_timeout >= 0:  # NaN too: it made SIGTERM abort every request at once
         raise ConfigError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout}", "seconds, e.g. 30")
+    if api_key is not None and not api_key.strip():  # `--api-key "$UNSET"`: no client could authenticate
+        raise ConfigError("--api-key is empty", "give a non-empty key (is INFER_API_KEY or the variable you passed "
+                                                "set?), or leave --api-key out to serve without one")
     if log_level not in LOG_LEVELS:
         raise ConfigError(f"--log-level {log_level!r} is not one of {' | '.join(LOG_LEVELS)}", "e.g. --log-level info")
 

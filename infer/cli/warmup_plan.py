@@ -9,9 +9,9 @@ import torch
 
 from ..engine.config import EngineConfig
 from ..engine.setup import checkpoint_dtype, model_max_len
-from ..errors import ConfigError
+from ..errors import ConfigError, OutOfMemoryError
 from ..memory.plan import MemoryPlan, budget_bytes, cuda_graph_bytes, make_plan
-from ..memory.sizes import activation_bytes, lora_slot_bytes
+from ..memory.sizes import activation_bytes, lora_slot_bytes, weights_bytes
 
 
 def _model_parts(engine_config: EngineConfig):
@@ -61,7 +61,6 @@ def _lora_manager(model, engine_config: EngineConfig, device, dtype):
 
 
 def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int) -> tuple[MemoryPlan, dict]:
-    from ..engine.profile import profile_run
     from ..memory.meter import fixed_mmap_threshold, resident_bytes
     from ..models.loader import load_model
     path, model_config, device, dtype = _model_parts(engine_config)
@@ -81,13 +80,38 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
         t0 = time.perf_counter()
         compile_model(model, engine_config.max_num_batched_tokens, dtype)
         compile_s = time.perf_counter() - t0
-    with torch.inference_mode():
-        plan, estimate = profile_run(model, model_config, engine_config, dtype, device, max_length, concurrency,
-                                     limit, lora_manager, largest, budget)
     extra = {"model": str(path), "dtype": str(dtype).replace("torch.", ""), "estimate": False,
-             "activation_estimate_bytes": estimate, "weights_resident_bytes": resident,
-             "lora_adapter": largest, "kernel_tuning_s": tuning_s, "kernel_compile_s": compile_s}
-    return plan, extra
+             "weights_resident_bytes": resident, "lora_adapter": largest, "kernel_tuning_s": tuning_s,
+             "kernel_compile_s": compile_s}
+    rank = engine_config.max_lora_rank if lora_manager is not None else 0
+    act = activation_bytes(model_config, dtype, engine_config.max_num_batched_tokens, concurrency, max_length, rank)
+    act += cuda_graph_bytes(engine_config, model_config, dtype)
+    weights = weights_bytes(model)
+    kv_only = make_plan(engine_config, model_config, dtype, device, weights, 0, max_length, concurrency, limit,
+                        budget=budget)
+    if not kv_only.fits:  # the KV cache alone cannot fit: running the worst case would only try to allocate it
+        formula = make_plan(engine_config, model_config, dtype, device, weights, act, max_length, concurrency,
+                            limit, budget=budget)
+        return formula, {**extra, "activation_estimate_bytes": act, "worst_case_run": False}
+    with torch.inference_mode():
+        plan, estimate = _profile(model, model_config, engine_config, dtype, device, max_length, concurrency,
+                                  limit, lora_manager, largest, budget)
+    return plan, {**extra, "activation_estimate_bytes": estimate, "worst_case_run": True}
+
+
+def _profile(*args):
+    """The engine's profile run; an allocation that fails inside it means the worst case does not fit."""
+    from ..engine.profile import profile_run
+    try:
+        return profile_run(*args)
+    except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError; so is CPU's ENOMEM
+        if not isinstance(e, MemoryError) and "memory" not in str(e).lower():
+            raise
+        err = OutOfMemoryError(f"the worst case ran out of memory while it was measured ({str(e)[:200]})",
+                               "lower --concurrency or --max-length, or raise --memory-limit only as far as the "
+                               "machine has memory")
+        err.exit_code = 1  # as a plan that does not fit
+        raise err from None
 
 
 def _warm_libraries(dtype: torch.dtype, device: torch.device) -> None:

@@ -22,6 +22,18 @@ _PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 _OTHER_KEYS = {"id", "lora"}
 # OpenAI request bodies (batch lines) name some parameters differently
 _OPENAI_ALIASES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
+# OpenAI request fields whose only supported value is their default: name -> (is it the default?, what to say)
+UNSUPPORTED_OPENAI = {
+    "n": (lambda v: v is None or v == 1, "only n=1 is supported"),
+    "best_of": (lambda v: v is None or v == 1, "only best_of=1 is supported"),
+    "echo": (lambda v: v is None or v is False, "echo is not supported"),
+    "suffix": (lambda v: v is None or v == "", "suffix is not supported"),
+    "logit_bias": (lambda v: not v, "logit_bias is not supported"),
+    "tools": (lambda v: not v, "tool calls are not supported"),
+    "functions": (lambda v: not v, "function calls are not supported"),
+    "response_format": (lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
+                        "only response_format {\"type\": \"text\"} is supported"),
+}
 
 
 @dataclass
@@ -96,23 +108,35 @@ def params_from(obj: dict, aliases: dict[str, str] | None = None) -> SamplingPar
         raise RequestError(str(e)) from e
 
 
+def _batch_line(obj: dict, default_id: str) -> tuple[dict, str, Any, dict]:
+    """(fields, id, adapter, aliases) of an OpenAI batch line; a body field that would change the reply but is
+    not supported (n > 1, tools, ...) is refused rather than dropped."""
+    body = obj["body"]
+    if not isinstance(body, dict):
+        raise RequestError("field 'body' must be an object")
+    for key, (ok, why) in UNSUPPORTED_OPENAI.items():
+        if not ok(body.get(key)):
+            raise RequestError(f"body.{key}: {why}", "remove it from the line's body (for n > 1, write one line "
+                                                     "per reply, each with its own custom_id and seed)")
+    fields = {k: v for k, v in body.items() if k in _PARAM_TYPES or k in _OPENAI_ALIASES
+              or k in ("prompt", "messages", "top_logprobs")}
+    req_id = default_id if obj["custom_id"] is None else str(obj["custom_id"])
+    return fields, req_id, body.get("lora"), _OPENAI_ALIASES
+
+
 def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = None) -> ParsedRequest:
     """Validate one request object (our JSONL format, or an OpenAI batch line) and tokenize its prompt."""
     if not isinstance(obj, dict):
         raise RequestError(f"expected a JSON object, got {type(obj).__name__}")
     if "body" in obj and "custom_id" in obj:  # OpenAI batch line, as `vllm run-batch` reads it
-        body = obj["body"]
-        if not isinstance(body, dict):
-            raise RequestError("field 'body' must be an object")
-        fields = {k: v for k, v in body.items() if k in _PARAM_TYPES or k in _OPENAI_ALIASES
-                  or k in ("prompt", "messages", "top_logprobs")}
-        req_id, lora, aliases = str(obj["custom_id"]), body.get("lora"), _OPENAI_ALIASES
+        fields, req_id, lora, aliases = _batch_line(obj, default_id)
     else:
         unknown = set(obj) - set(_PARAM_TYPES) - set(_PROMPT_KEYS) - _OTHER_KEYS
         if unknown:
             raise RequestError(f"unknown field(s) {sorted(unknown)}",
                                f"allowed: {', '.join(sorted([*_PROMPT_KEYS, *_OTHER_KEYS, *_PARAM_TYPES]))}")
-        fields, req_id, lora, aliases = obj, str(obj.get("id", default_id)), obj.get("lora"), None
+        req_id = default_id if obj.get("id") is None else str(obj["id"])
+        fields, lora, aliases = obj, obj.get("lora"), None
     if lora is not None and not isinstance(lora, str):
         raise RequestError(f"field 'lora' must be a string or null, got {type(lora).__name__}")
     merged = {**(defaults or {}), **fields}

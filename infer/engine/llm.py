@@ -49,34 +49,54 @@ class LLM:
         return list(prompt)
 
     def _submit(self, prompts, params, lora) -> list[str]:
+        """Queue every prompt, or none: a bad one raises with the ones before it taken back out of the engine."""
         if self.engine is None:
             raise RuntimeError("this LLM was closed (LLM.close()); create a new LLM to generate again")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise RequestError(f"prompts must be a string, a list of token ids, chat messages, or a list of those; "
+                               f"got {type(prompts).__name__}")
         n = len(prompts)
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * n
         loras = lora if isinstance(lora, list) else [lora] * n
-        for what, given in (("SamplingParams", params_list), ("adapter names", loras)):
-            if len(given) != n:  # zip would drop the extra prompts (or settings) silently
-                raise RequestError(f"{n} prompts but a list of {len(given)} {what}",
-                                   "give one per prompt, or a single value for every prompt")
-        ids = []
-        for p, sp, lo in zip(prompts, params_list, loras):
-            self._counter += 1
-            rid = f"llm-{self._counter}"
-            self.engine.add_request(rid, self._encode(p), sp, lo)
-            ids.append(rid)
+        for what, items in (("SamplingParams", params_list), ("lora", loras)):
+            if len(items) != n:
+                raise RequestError(f"{n} prompts but {len(items)} {what}", f"give one {what} per prompt, or one "
+                                                                          "for all")
+        if not all(isinstance(sp, SamplingParams) for sp in params_list):
+            raise RequestError("params must be a SamplingParams or a list of them", "e.g. SamplingParams("
+                                                                                     "max_new_tokens=32)")
+        ids: list[str] = []
+        try:
+            for p, sp, lo in zip(prompts, params_list, loras):
+                self._counter += 1
+                rid = f"llm-{self._counter}"
+                self.engine.add_request(rid, self._encode(p), sp, lo)
+                ids.append(rid)
+        except BaseException:
+            self._abort(ids)
+            raise
         return ids
+
+    def _abort(self, ids) -> None:
+        """Stop these requests now (their KV blocks are freed; the next step hands out their abort outputs)."""
+        for rid in ids:
+            self.engine.abort_request(rid)
 
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  lora: str | list[str | None] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion (batched together); outputs in the order of the prompts."""
         ids = self._submit(prompts, params, lora)
-        done: dict[str, RequestOutput] = {}
-        while len(done) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
+        wanted, done = set(ids), {}
+        try:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+        except BaseException:  # Ctrl-C or an engine error: leave no request of this call running
+            self._abort([i for i in ids if i not in done])
+            raise
         return [done[i] for i in ids]
 
     def stream(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | list[SamplingParams] | None = None,

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from ..errors import RequestError
 
 MAX_TOKENS = 2**31 - 1  # token counts and top_k
 MAX_SEED = 2**63 - 1
+# every stop string is searched and every stop token id compared after each token, on the engine's one thread:
+# the lists are capped so that one request cannot slow every step of every other request
+MAX_STOP_STRINGS = 256
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -17,7 +22,7 @@ class SamplingParams:
     max_length: int | None = None  # prompt + output cap
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # 0 (or -1, as vLLM and the OpenAI-compatible servers spell it) = off
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -29,11 +34,14 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per generated token
 
     def __post_init__(self) -> None:
+        self._check_types()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.prefix_token_ids = list(self.prefix_token_ids or [])
+        if self.top_k is None or self.top_k == -1:
+            self.top_k = 0
         for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -45,12 +53,15 @@ class SamplingParams:
              f"max_length must be in 1..{MAX_TOKENS}, got {self.max_length}"),
             (0 <= self.temperature <= 100, f"temperature must be in [0, 100], got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (0 <= self.top_k <= MAX_TOKENS, f"top_k must be in 0..{MAX_TOKENS} (0 = off), got {self.top_k}"),
+            (0 <= self.top_k <= MAX_TOKENS, f"top_k must be in 0..{MAX_TOKENS} (0 or -1 = off), got {self.top_k}"),
             (0 < self.repetition_penalty <= 100, f"repetition_penalty must be in (0, 100], got "
                                                  f"{self.repetition_penalty}"),
             (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
+            (len(self.stop) <= MAX_STOP_STRINGS, f"stop has {len(self.stop)} strings, more than {MAX_STOP_STRINGS}"),
+            (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+             f"stop_token_ids has {len(self.stop_token_ids)} ids, more than {MAX_STOP_TOKEN_IDS}"),
             (all(isinstance(t, int) and 0 <= t < 2**31 for t in self.stop_token_ids),
              "stop_token_ids must be a list of token ids"),
             (all(isinstance(t, int) and 0 <= t < 2**31 for t in self.prefix_token_ids),
@@ -61,6 +72,22 @@ class SamplingParams:
         for ok, msg in checks:
             if not ok:
                 raise RequestError(msg)
+
+    def _check_types(self) -> None:
+        """From Python nothing checked the types: ignore_eos="no" ignored EOS, top_k=2.5 reached the sampler."""
+        for name in ("max_new_tokens", "max_length", "top_k", "seed", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+                raise RequestError(f"{name} must be an integer, got {type(value).__name__}")
+        if not isinstance(self.ignore_eos, bool):
+            raise RequestError(f"ignore_eos must be true or false, got {type(self.ignore_eos).__name__}")
+        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+            raise RequestError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
+        for name in ("stop_token_ids", "prefix_token_ids"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (list, tuple))
+                                      or any(isinstance(t, bool) for t in value)):
+                raise RequestError(f"{name} must be a list of token ids")
 
     @property
     def greedy(self) -> bool:

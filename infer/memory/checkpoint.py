@@ -19,15 +19,26 @@ _LINEAR = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_pro
 
 
 def safetensors_header(path: Path) -> dict:
+    """name -> {"dtype", "shape", "data_offsets"}; a header that is not one, or a file shorter than its header
+    says (a copy cut short), is a ModelLoadError."""
     try:
         with open(path, "rb") as f:
             n = struct.unpack("<Q", f.read(8))[0]
             if n > 100_000_000:
                 raise ValueError("header too large")
             header = json.loads(f.read(n))
-    except (OSError, ValueError, struct.error) as e:
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+        header.pop("__metadata__", None)
+        end = max((int(info["data_offsets"][1]) for info in header.values()), default=0)
+        if any(not isinstance(info["dtype"], str) or not isinstance(info["shape"], list) for info in header.values()):
+            raise ValueError("a tensor entry has no dtype or shape")
+    except (OSError, ValueError, struct.error, KeyError, TypeError, IndexError) as e:
         raise ModelLoadError(f"cannot read the safetensors header of {path}: {e}", "the file is corrupted") from e
-    header.pop("__metadata__", None)
+    size = path.stat().st_size
+    if 8 + n + end > size:
+        raise ModelLoadError(f"{path} is truncated: its header describes {8 + n + end:,} bytes, the file has "
+                             f"{size:,}", "the file is incomplete; copy or download it again")
     return header
 
 

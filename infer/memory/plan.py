@@ -199,6 +199,9 @@ def plan_memory(engine_config: PlanOptions, model_config, model, dtype, device, 
     if plan.kv_blocks < plan.blocks_for(max_len):
         fit = largest_fitting_len(engine_config, model_config, model, dtype, device, max_len, lora_bytes)
         more = "raise --gpu-memory-utilization" if device.type == "cuda" else "raise --memory-limit"
+        if plan.activation_peak_bytes > plan.budget_bytes // 2:  # the batch sizes, not the length, use the memory
+            more = (f"lower --max-num-seqs ({engine_config.max_num_seqs}) or --max-num-batched-tokens "
+                    f"({engine_config.max_num_batched_tokens}), whose activations take most of the budget, or {more}")
         raise OutOfMemoryError(
             f"a single sequence of {max_len} tokens does not fit: the KV cache gets {plan.kv_blocks} blocks "
             f"({plan.kv_blocks * engine_config.block_size} tokens) after weights {gib(plan.weights_bytes)} and "

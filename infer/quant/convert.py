@@ -58,14 +58,26 @@ def check_output(out: Path, overwrite: bool) -> None:
                               "--overwrite only replaces a model folder; pass an empty or new folder with -o")
 
 
+def check_not_source(src: Path, out: Path, what: str) -> None:
+    """Replacing OUTPUT must never delete the model being read: OUTPUT may be neither its folder nor above it."""
+    src, out = Path(src).resolve(), Path(out).resolve()
+    if out == src or out in src.parents:
+        where = "the input folder" if out == src else f"a folder that holds the input {src}"
+        raise ConfigError(f"output {out} is {where}", f"write the {what} model to another folder")
+
+
 @contextmanager
 def staged_output(out: Path, overwrite: bool):
     """Yield a temporary sibling folder of `out`; on success it replaces `out`, on failure it is removed, so an
     interrupted run never leaves a half-written model behind."""
     out = Path(out).resolve()
     check_output(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as e:
+        raise ConfigError(f"cannot write into {out.parent}: {e.strerror or e}",
+                          "pass an -o folder you can write to") from None
     try:
         yield tmp
         if out.exists():
@@ -85,8 +97,7 @@ def convert_model(src: Path, out: Path, dtype: str | None = None, merge_lora: Pa
         raise ConfigError(f"--dtype {dtype!r} is not supported", f"use one of {', '.join(DTYPES)}")
     if merge_lora is not None:
         _check_adapter(Path(merge_lora))
-    if Path(out).resolve() == src.resolve():
-        raise ConfigError(f"output {out} is the input folder", "write the converted model to another folder")
+    check_not_source(src, Path(out), "converted")
     gptq = is_gptq(src)
     if gptq and (dtype or merge_lora):
         what = "change the dtype of" if dtype else "merge a LoRA adapter into"

@@ -21,7 +21,7 @@ from typing import Any, TextIO
 
 from ..errors import ConfigError, InferError, ModelLoadError
 from .calibration import CalibrationSet, load_calibration
-from .convert import check_output, copy_tokenizer_files, is_gptq, staged_output
+from .convert import check_not_source, check_output, copy_tokenizer_files, is_gptq, staged_output
 
 BITS = (4, 8)
 GROUP_SIZES = (-1, 32, 64, 128)
@@ -164,6 +164,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: Qu
     opts.validate()
     src, out = Path(model).expanduser().resolve(), Path(out).resolve()
     observer = observer or QuantizeObserver()
+    check_not_source(src, out, "quantized")
     check_output(out, overwrite)
     config = _check_source(src, opts.group_size)
     gptqmodel_mod = require_gptqmodel()

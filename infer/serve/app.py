@@ -73,6 +73,11 @@ class Server:
 
     # ------------------------------------------------------------------------------------ generation
     def submit(self, req: p.GenerationRequest, lora: str | None, base_id: str) -> tuple[asyncio.Queue, list[str]]:
+        limit = self.aengine.max_queue
+        if limit is not None and len(req.prompts) > limit:  # a 503 would make the client retry for ever
+            raise p.ApiError(400, f"this request has {len(req.prompts)} prompts, more than the {limit} requests "
+                                  "the server lets wait (--max-queue); send them in smaller requests",
+                             param="prompt")
         queue: asyncio.Queue = asyncio.Queue()
         ids = [f"{base_id}-{i}" for i in range(len(req.prompts))]
         done: list[str] = []

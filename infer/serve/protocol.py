@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.inputs import encode_prompt, params_from
+from ..engine.inputs import UNSUPPORTED_OPENAI as _UNSUPPORTED, encode_prompt, params_from
 from ..engine.outputs import RequestOutput
 from ..errors import RequestError
 
@@ -20,18 +20,6 @@ _ALIASES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_to
 _PARAM_KEYS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "repetition_penalty",
                "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "seed", "ignore_eos", "logprobs",
                "top_logprobs", "max_length"}
-# fields whose only supported value is their default: name -> (is it the default?, what to say)
-_UNSUPPORTED = {
-    "n": (lambda v: v is None or v == 1, "only n=1 is supported"),
-    "best_of": (lambda v: v is None or v == 1, "only best_of=1 is supported"),
-    "echo": (lambda v: v is None or v is False, "echo is not supported"),
-    "suffix": (lambda v: v is None or v == "", "suffix is not supported"),
-    "logit_bias": (lambda v: not v, "logit_bias is not supported"),
-    "tools": (lambda v: not v, "tool calls are not supported"),
-    "functions": (lambda v: not v, "function calls are not supported"),
-    "response_format": (lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-                        "only response_format {\"type\": \"text\"} is supported"),
-}
 _FIELD = re.compile(r"^(?:field ')?([a-z_]+)'?")
 
 
