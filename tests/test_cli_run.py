@@ -75,6 +75,20 @@ def test_same_prompt_tokens_as_transformers(tmp_path):
     assert parse_request({"prompt": "the rain"}, tok, "2").prompt_token_ids == tok("the rain")["input_ids"]
 
 
+def test_null_fields_keep_the_runs_defaults():
+    """`"max_new_tokens": null` (or an OpenAI batch line's `"max_tokens": null`) is "not given": the run's
+    --max-new-tokens holds, not the engine's own default."""
+    from transformers import AutoTokenizer
+    from infer.engine.inputs import parse_request
+    from infer.models.tiny import ensure_builtin
+    tok = AutoTokenizer.from_pretrained(ensure_builtin("tiny-qwen2"))
+    defaults = {"max_new_tokens": 7}
+    ours = parse_request({"prompt": "x", "max_new_tokens": None, "temperature": None}, tok, "1", defaults)
+    batch = parse_request({"custom_id": "a", "body": {"prompt": "x", "max_tokens": None}}, tok, "2", defaults)
+    given = parse_request({"custom_id": "b", "body": {"prompt": "x", "max_tokens": 3}}, tok, "3", defaults)
+    assert (ours.params.max_new_tokens, batch.params.max_new_tokens, given.params.max_new_tokens) == (7, 7, 3)
+
+
 BAD = [
     "this is not json",
     {"id": "noprompt", "max_new_tokens": 3},

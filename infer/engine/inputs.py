@@ -139,7 +139,8 @@ def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = 
         fields, lora, aliases = obj, obj.get("lora"), None
     if lora is not None and not isinstance(lora, str):
         raise RequestError(f"field 'lora' must be a string or null, got {type(lora).__name__}")
-    merged = {**(defaults or {}), **fields}
+    # a field given as null is not given (OpenAI clients write None as null): the run's default holds
+    merged = {**(defaults or {}), **{k: v for k, v in fields.items() if v is not None}}
     params = params_from(merged, aliases)
     given = [k for k in _PROMPT_KEYS if fields.get(k) is not None]
     if len(given) != 1:
