@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import signal
 import stat
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -149,14 +152,15 @@ class RecordWriter:
         self.count = 0  # records written
 
     def write(self, record: dict) -> None:
-        try:
-            self.f.write(encode_record(record))
-            self.f.flush()
-            if self.sync:
-                os.fsync(self.f.fileno())
-        except OSError as e:
-            raise self._failed(e) from None
-        self.count += 1
+        with _interrupts_held():
+            try:
+                self.f.write(encode_record(record))
+                self.f.flush()
+                if self.sync:
+                    os.fsync(self.f.fileno())
+            except OSError as e:
+                raise self._failed(e) from None
+            self.count += 1
 
     def close(self) -> None:
         if self.path is not None:
@@ -173,6 +177,26 @@ class RecordWriter:
         more = ", then run the same command with --resume to complete the rest" if self.sync else ""
         return OutputError(f"cannot write to {where} after {self.count} records: {e.strerror or e}",
                            f"make room or choose another output{more}")
+
+
+@contextlib.contextmanager
+def _interrupts_held():
+    """Ctrl-C (SIGINT) held while a record is written and counted, and acted on right after: an interrupt lands
+    between records, so the count it reports is the number of records on disk. (Masking the signal would not do:
+    the kernel may hand it to another thread of the process, torch's, and Python still raises in this one.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught and callable(previous):
+            previous(signal.SIGINT, None)  # Python's own handler: KeyboardInterrupt, here, after the record
+        elif caught and previous == signal.SIG_DFL:
+            os.kill(os.getpid(), signal.SIGINT)
 
 
 class _TextAsBytes:
