@@ -66,3 +66,50 @@ def test_block_table_width_never_compiles_an_attention_variant():
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["warm"] == [["_unified_kernel"], ["_unified_kernel"], ["_decode_kernel"]], out  # two tile heights
     assert out["user"] == {name: [] for name in out["user"]}, out
+
+
+class _Variants:
+    """Stands in for a Triton kernel: records the constexpr arguments (the compiled variant) of every launch."""
+
+    def __init__(self, kernel):
+        self.kernel, self.seen = kernel, set()
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            self.seen.add(tuple(sorted(meta.items())))
+            return self.kernel[grid](*args, **meta)
+        return launch
+
+
+def test_warm_kernels_reach_every_attention_tile_a_request_can_launch(monkeypatch):
+    """LLMEngine.warm_kernels() (run at a GPU engine's start, here on CPU with the kernels interpreted) launches
+    every variant of the unified attention kernel that requests then launch: long prompts, short prompts arriving
+    beside decodes, with prefix caching off (the warm-up's cached-prefix request is not there to reach the short
+    tile)."""
+    import torch
+
+    from infer import LLM, SamplingParams, kernels
+    from infer.kernels import attention
+    from infer.models.tiny import ensure_builtin
+
+    from helpers import random_prompts
+    if torch.cuda.is_available():
+        pytest.skip("a GPU engine warms itself at start")
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    spy = _Variants(attention._unified_kernel)
+    monkeypatch.setattr(attention, "_unified_kernel", spy)
+    llm = LLM(str(ensure_builtin("tiny-llama")), block_size=4, num_kv_blocks=64, max_model_len=64,
+              enable_prefix_caching=False)
+    llm.engine.warm_kernels()
+    warm, spy.seen = spy.seen, set()
+    eng, params = llm.engine, SamplingParams(max_new_tokens=4, ignore_eos=True)
+    prompts = random_prompts(512, (30, 12, 3, 20), seed=3)
+    eng.add_request("a", prompts[0], params)
+    eng.add_request("b", prompts[1], params)
+    eng.step()
+    for i, p in enumerate(prompts[2:]):  # arrive while a and b decode: short and long queries in mixed steps
+        eng.add_request(str(i), p, params)
+        eng.step()
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert len(warm) == 2 and spy.seen and spy.seen <= warm, (warm, spy.seen)
