@@ -147,7 +147,7 @@ def test_tuning_pass_on_cpu_interpreted(monkeypatch, tmp_path):
     """The engine start's tuning code (tune_model -> tune_shape -> compile_parallel, the correctness filter, the
     cache file) run on CPU with the kernels interpreted and a wall-clock stand-in for the CUDA-graph timer: every
     bucket gets a winner that computes y, a candidate that raises is skipped, and the winners are saved for the GPU's
-    name."""
+    name, and a candidate that computes a wrong y never wins however fast it is."""
     import time
 
     import torch
@@ -175,8 +175,16 @@ def test_tuning_pass_on_cpu_interpreted(monkeypatch, tmp_path):
     def sample(m, step, k=None):  # a handful per bucket (the interpreter is slow), and one that cannot run
         cands = few(m, step, k)
         return cands[:2] + cands[-2:] + [dict(cands[-1], kernel="mma", BLOCK_M=16, BLOCK_N=48, BLOCK_K=128,
-                                              SPLIT_K=1, num_warps=4, num_stages=2)]  # BLOCK_N not a power of 2
+                                              SPLIT_K=1, num_warps=4, num_stages=2),  # BLOCK_N not a power of 2
+                                     dict(kernel="dequant", WRONG=True)]  # fails the correctness check
     monkeypatch.setattr(gptq_tune, "quick_candidates", sample)
+    real = gptq_gemm.gptq_matmul
+
+    def with_a_wrong_one(x, *args, config=None, compile_only=False, **kw):  # WRONG: the fastest, a wrong y
+        if config is not None and config.get("WRONG"):
+            return None if compile_only else torch.ones(x.shape[0], args[0].shape[1], dtype=x.dtype)
+        return real(x, *args, config=config, compile_only=compile_only, **kw)
+    monkeypatch.setattr(gptq_gemm, "gptq_matmul", with_a_wrong_one)
     cfg = GPTQConfig(bits=4, group_size=128, desc_act=False, sym=True)
     layer = MergedLinear(256, [64], ["model.layers.0.p"], False, GPTQLinearMethod(cfg, True), torch.float16)
     tensors = dict(zip(("qweight", "qzeros", "scales", "g_idx"), packing.quantize_rtn(torch.randn(64, 256), 4, 128)))
@@ -193,7 +201,7 @@ def test_tuning_pass_on_cpu_interpreted(monkeypatch, tmp_path):
     saved = json.loads(gptq_configs.cache_file("CPU_TEST").read_text())["64,256"]
     assert sorted(int(b) for b in saved) == [1, 2, 4, 8, 16, 32, 64]
     for b, chosen in saved.items():
-        assert chosen.get("BLOCK_N") != 48, chosen
+        assert chosen.get("BLOCK_N") != 48 and not chosen.get("WRONG"), chosen
         x = torch.randn(int(b), 256).half()
         got = gptq_gemm.gptq_matmul(x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx, 4, True, 128,
                                     layer.gptq_interleave, config=chosen)
@@ -215,3 +223,17 @@ def test_compile_parallel_inside_another_async_compile_leaves_the_compiles_to_th
     with ThreadPoolExecutor(1) as pool, AsyncCompileMode(pool):
         assert gptq_tune.compile_parallel([lambda: ran.append(1)]) == 0
     assert ran == [] and gptq_tune.compile_parallel([lambda: ran.append(1)], workers=1) == 1 and ran == [1]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 15, 16, 17, 40, 48, 64, 100, 256, 300, 4096, 5000])
+def test_bucket_rows_reach_every_kernel_variant_a_step_can_launch(max_tokens):
+    """A step of r rows (1 <= r <= max_tokens) launches the configuration of r's M bucket, specialized by Triton
+    on r == 1 and r % 16 == 0: compile_model's row counts cover every such (bucket, specialization), so no row
+    count a user's request brings compiles a kernel, and none lies outside the engine's steps."""
+    from infer.kernels import gptq_configs, gptq_tune
+
+    def variant(r):
+        return gptq_configs.bucket(r), r == 1, r % 16 == 0
+    rows = gptq_tune.bucket_rows(max_tokens)
+    assert all(1 <= r <= max_tokens for r in rows)
+    assert {variant(r) for r in rows} == {variant(r) for r in range(1, max_tokens + 1)}

@@ -206,7 +206,31 @@ def test_tuned_table_round_trip(tmp_path, monkeypatch):
     assert gc.load("GPU_X")[k][16] == PREFILL and gc.load("GPU_X")[k][1] == GEMV
     gc.load.cache_clear()
     assert gc.load("GPU_X")[k][16] == PREFILL and gc.cache_file("GPU_X").parent == tmp_path / "kernels"
+    assert gc.load("GPU_X")[k][1] == GEMV  # the shipped buckets the cache does not hold stay
+    gc.save("GPU_X", {"96,128": {2: ROWS}})  # another model's shape, tuned by a later engine start
     gc.load.cache_clear()
+    assert gc.load("GPU_X")[k][16] == PREFILL and gc.load("GPU_X")["96,128"][2] == ROWS  # both kept
+    gc.load.cache_clear()
+
+
+def test_chunked_dequant_with_a_chunk_width_that_splits_a_word(gemm, gen):
+    """CHUNK_N is rounded to whole words of zeros (a hand-written or older cache may hold any width): asymmetric
+    4-bit weights, whose zeros differ per column, give the reference's y."""
+    qw, qz, s, gi = make_weights(gen, 4, 32, 64, 96, False, False)
+    x = torch.randn(5, 64, generator=gen).to(DEV)
+    y = gemm.gptq_matmul(x, qw, qz, s, gi, 4, True, 32, config={"kernel": "dequant", "CHUNK_N": 44})
+    assert_close(y, ref.gptq_matmul(x, qw, qz, s, gi, 4, True), torch.float32, gen)
+
+
+def test_split_k_counters_grow_with_the_tiles(gemm):
+    """The per-tile arrival counters are one buffer per device, grown when a launch has more tiles than it holds
+    (a smaller one would let two tiles share a counter, or write past it)."""
+    dev = torch.device(DEV)
+    small = gemm._locks(dev, 4)
+    assert small.numel() >= 4 and int(small.count_nonzero()) == 0
+    big = gemm._locks(dev, small.numel() + 1000)
+    assert big.numel() >= small.numel() + 1000 and int(big.count_nonzero()) == 0
+    assert gemm._locks(dev, 4) is big
 
 
 def test_rejects_a_wrong_input_width(gemm):

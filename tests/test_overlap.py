@@ -110,6 +110,30 @@ def test_seeds_logprobs_and_penalties_are_identical(path):
     assert len(out.logprobs) == out.num_generated and out.logprobs[0]["token_id"] == out.token_ids[0]
 
 
+def test_penalised_requests_see_every_token_they_generated(path):
+    """A batch with penalties is completed before the next step is launched (its penalties read the tokens on the
+    host): with overlap on, a strong repetition penalty still gives transformers' tokens, where a step that left
+    out the pending token would repeat it."""
+    prompts = random_prompts(512, (4, 7, 5), seed=2)
+    p = SamplingParams(max_new_tokens=16, repetition_penalty=8.0, ignore_eos=True)
+    llm = LLM(path, block_size=4, overlap=True)
+    outs = llm.generate(prompts, p)
+    assert [o.token_ids for o in outs] == [hf_greedy(path, q, 16, repetition_penalty=8.0) for q in prompts]
+    assert all(len(set(o.token_ids)) == 16 for o in outs)  # the penalty bites: no token twice
+
+
+def test_prefill_chunks_beside_decodes_are_identical(path):
+    """Prompts longer than a step's token budget run in chunks next to other requests' decodes: a chunk that does
+    not finish its prompt samples nothing, so it leaves no token pending; overlapped steps give the same stream."""
+    prompts = random_prompts(512, (3, 23, 5, 30), seed=6)
+    requests = [(str(i), q, SamplingParams(max_new_tokens=n, ignore_eos=True))
+                for i, (q, n) in enumerate(zip(prompts, (12, 6, 9, 5)))]
+    off, on = _both(path, requests, engine={"max_num_batched_tokens": 8}, arrive_every=1)
+    assert on == off
+    for rid, prompt, p in requests:
+        assert on[rid][-1][4] == hf_greedy(path, prompt, p.max_new_tokens)
+
+
 def test_emulated_cuda_graphs_take_pending_ids_from_the_device(path):
     prompts = random_prompts(512, (5, 9, 3, 12, 7), seed=11)
     lens = [3, 6, 9, 12, 15]

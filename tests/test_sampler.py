@@ -116,11 +116,13 @@ def test_prompt_tokens_get_the_repetition_penalty_but_not_presence():
 
 def test_draws_follow_the_distribution():
     """20000 rows of the same filtered distribution: the exponential race picks each token as often as its
-    probability says, and never a filtered one."""
+    probability says, and never a filtered one; one seeded row in the batch leaves the others' draws to the
+    engine's generator."""
     n, g = 20000, torch.Generator().manual_seed(3)
     row = torch.randn(V, generator=g) * 2
     params = SamplingParams(temperature=0.9, top_k=12, top_p=0.9)
     seqs = [_seq(params, [1], []) for _ in range(n)]
+    seqs[0] = _seq(SamplingParams(temperature=0.9, top_k=12, top_p=0.9, seed=1), [1], [])  # its own generator
     sampler = Sampler(5)
     target = sampler.probs(row.expand(1, V), seqs[:1])[0]
     tokens = sampler.sample(row.expand(n, V).clone(), seqs).tokens
@@ -165,7 +167,18 @@ def test_greedy_rows_take_the_penalised_argmax_and_logprobs_are_packed():
     top = logp[2].topk(3)
     assert records[2]["top_logprobs"] == [{"token_id": int(i), "logprob": float(v)}
                                           for v, i in zip(top.values, top.indices)]
-    assert len(records[4]["top_logprobs"]) == 2
+    top = logp[4].topk(2)  # fewer than the batch's widest (3): read from their own columns
+    assert records[4]["top_logprobs"] == [{"token_id": int(i), "logprob": float(v)}
+                                          for v, i in zip(top.values, top.indices)]
+
+
+def test_sampled_rows_among_greedy_rows_draw_from_their_own_logits():
+    """A batch of greedy and sampled rows: each sampled row draws from its own row of logits (top_k=1 makes the
+    draw its argmax), whatever its place in the batch."""
+    logits, _ = _random_batch(7, 12)
+    seqs = [_seq(SamplingParams() if i % 3 == 0 else SamplingParams(temperature=0.8, top_k=1, seed=i), [1], [])
+            for i in range(7)]
+    assert Sampler(0).sample(logits, seqs).tokens.tolist() == logits.argmax(-1).tolist()
 
 
 @pytest.mark.gpu

@@ -70,7 +70,9 @@ def _find_seq(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return left - 1
 
 
-@triton.jit(do_not_specialize=["num_seqs"])  # a batch of 16 sequences must not compile a variant of its own
+# Neither the batch size nor the block tables' width (their row stride s_bt: 1, or a multiple of 16, would each
+# specialize) may compile a variant of its own on a user's request: warm_kernels() cannot reach every width.
+@triton.jit(do_not_specialize=["num_seqs", "s_bt"])
 def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, qsl_ptr, num_seqs, qk_scale,
                     s_qt, s_qh, s_qd, s_ot, s_oh, s_od, s_bt,
                     s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd,
@@ -105,7 +107,7 @@ def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, qsl_ptr,
                  acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_bt"])  # eager decode steps (--eager) of any context
 def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, lens_ptr, qsl_ptr, qk_scale,
                    s_qt, s_qh, s_qd, s_ot, s_oh, s_od, s_bt,
                    s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd,

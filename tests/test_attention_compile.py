@@ -1,0 +1,115 @@
+"""The Triton paged attention compiles for an H100 (sm_90) on this machine without a GPU (the compile side of a
+Triton driver, scripts/kernel-sass's CompileOnlyDriver, as in test_gptq_compile.py): the kernel variants a step
+compiles depend on its tile height only, never on the batch's block-table width, so the steps that
+`LLMEngine.warm_kernels()` runs at start leave nothing to compile on a user's request. Triton specializes an integer
+argument that is 1 or a multiple of 16; the tables' row stride is the width of the batch's longest sequence in
+blocks, so without `do_not_specialize` a prompt of 241-256 tokens (block size 16) compiled a variant of its own."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytest.importorskip("triton")
+
+SCRIPT = textwrap.dedent('''
+    import importlib.machinery, json, sys, torch, triton, types
+    import triton.runtime.jit as jit
+    loader = importlib.machinery.SourceFileLoader("kernel_sass", sys.argv[1])
+    kernel_sass = types.ModuleType("kernel_sass")
+    kernel_sass.__file__ = sys.argv[1]
+    loader.exec_module(kernel_sass)
+    triton.runtime.driver.set_active(kernel_sass.CompileOnlyDriver(90))  # compiles for sm_90, cannot load
+    compiled = []
+    real = jit.JITFunction._do_compile
+    def counted(self, key, *a, **k):
+        compiled.append(self.fn.__name__)
+        return real(self, key, *a, **k)
+    jit.JITFunction._do_compile = counted
+    from infer.kernels import attention
+
+    def step(widths, qlens, bs=16, hq=4, hk=2, d=32):
+        """One step's attention: sequence i of widths[i] blocks with qlens[i] new tokens; the kernels it compiled."""
+        q = torch.randn(sum(qlens), hq, d, dtype=torch.float16)
+        cache = torch.randn(64, bs, hk, d, dtype=torch.float16)
+        tables = torch.zeros(len(widths), max(widths), dtype=torch.int32)
+        lens = torch.tensor([w * bs for w in widths], dtype=torch.int32)
+        qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32)
+        before = len(compiled)
+        try:
+            attention.paged_attention(q, cache, cache, tables, lens, qsl, 0.1, max(qlens))
+        except AttributeError as e:
+            assert "launcher_cls" in str(e), e  # past the cache lookup, at the kernel's load
+        return compiled[before:]
+
+    # warm_kernels (prefix caching off): a long prompt (3 blocks), a short one alone (1 block), decodes
+    warm = [step([3], [41]), step([1], [9]), step([3, 1], [1, 1])]
+    # a user's steps: long and short queries, decodes, over block tables 1, 2, 16 and 32 blocks wide
+    user = {"long w16": step([16], [41]), "long w2": step([2, 1], [20, 9]), "short w2": step([2, 1], [9, 1]),
+            "short w16": step([16, 3], [5, 9]), "decode w16": step([16, 1], [1, 1]),
+            "decode w32": step([32, 2, 5], [1, 1, 1])}
+    print(json.dumps({"warm": warm, "user": user}))
+''')
+
+
+def test_block_table_width_never_compiles_an_attention_variant():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    res = subprocess.run([sys.executable, "-c", SCRIPT, str(ROOT / "scripts" / "kernel-sass")], capture_output=True,
+                         text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["warm"] == [["_unified_kernel"], ["_unified_kernel"], ["_decode_kernel"]], out  # two tile heights
+    assert out["user"] == {name: [] for name in out["user"]}, out
+
+
+class _Variants:
+    """Stands in for a Triton kernel: records the constexpr arguments (the compiled variant) of every launch."""
+
+    def __init__(self, kernel):
+        self.kernel, self.seen = kernel, set()
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            self.seen.add(tuple(sorted(meta.items())))
+            return self.kernel[grid](*args, **meta)
+        return launch
+
+
+def test_warm_kernels_reach_every_attention_tile_a_request_can_launch(monkeypatch):
+    """LLMEngine.warm_kernels() (run at a GPU engine's start, here on CPU with the kernels interpreted) launches
+    every variant of the unified attention kernel that requests then launch: long prompts, short prompts arriving
+    beside decodes, with prefix caching off (the warm-up's cached-prefix request is not there to reach the short
+    tile)."""
+    import torch
+
+    from infer import LLM, SamplingParams, kernels
+    from infer.kernels import attention
+    from infer.models.tiny import ensure_builtin
+
+    from helpers import random_prompts
+    if torch.cuda.is_available():
+        pytest.skip("a GPU engine warms itself at start")
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    spy = _Variants(attention._unified_kernel)
+    monkeypatch.setattr(attention, "_unified_kernel", spy)
+    llm = LLM(str(ensure_builtin("tiny-llama")), block_size=4, num_kv_blocks=64, max_model_len=64,
+              enable_prefix_caching=False)
+    llm.engine.warm_kernels()
+    warm, spy.seen = spy.seen, set()
+    eng, params = llm.engine, SamplingParams(max_new_tokens=4, ignore_eos=True)
+    prompts = random_prompts(512, (30, 12, 3, 20), seed=3)
+    eng.add_request("a", prompts[0], params)
+    eng.add_request("b", prompts[1], params)
+    eng.step()
+    for i, p in enumerate(prompts[2:]):  # arrive while a and b decode: short and long queries in mixed steps
+        eng.add_request(str(i), p, params)
+        eng.step()
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert len(warm) == 2 and spy.seen and spy.seen <= warm, (warm, spy.seen)
