@@ -88,3 +88,89 @@ def test_run_with_an_adapter_folder_deleted_mid_run_writes_an_error_record_for_i
     for rid, prompt, lora in rows:
         if rid != "y":
             assert recs[rid]["token_ids"] == oracle.greedy(lora, prompt, 4), rid
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM("tiny-llama", max_num_seqs=8, max_model_len=64) as llm:
+        yield llm
+
+
+def _hang_guarded(fn):
+    """fn() in a daemon thread: a call that would wait forever fails the test instead of hanging it."""
+    box = []
+    t = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+    t.start()
+    t.join(120)  # a hang guard, not a timing
+    assert box, "the call never returned"
+    return box[0]
+
+
+def _finished_alone(llm, prompts, params):
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+def test_generate_from_two_threads_at_once_completes_both(llm):
+    """Each call stepped the shared engine and dropped the outputs of the other call's requests, so the other
+    thread waited forever for outputs already handed out (and add_request ran during another thread's step)."""
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (3, 9)]
+    prompts = [[[5, 6, 7], [8, 9]], [[10, 11, 12, 13], [3, 4, 5]]]
+    want = [_finished_alone(llm, p, sp) for p, sp in zip(prompts, params)]
+    got: dict[int, list] = {}
+
+    def work(i):
+        for _ in range(3):
+            got.setdefault(i, []).append([o.token_ids for o in llm.generate(prompts[i], params[i])])
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)  # a hang guard, not a timing
+    assert not any(t.is_alive() for t in threads), "a thread never got its outputs"
+    assert got == {0: [want[0]] * 3, 1: [want[1]] * 3}
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_paused_stream_survives_a_generate_in_between(llm):
+    """generate() stepped the engine for the paused stream's requests and threw their outputs away: resuming the
+    stream then waited forever for its last event."""
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    want = _finished_alone(llm, [[5, 6, 7]], params)[0]
+    stream = llm.stream([[5, 6, 7]], params)
+    first = next(stream)
+    assert _finished_alone(llm, [[8, 9]], params) == _finished_alone(llm, [[8, 9]], params)
+    events = [first, *_hang_guarded(lambda: list(stream))]
+    assert events[-1][2].finished and events[-1][2].token_ids == want
+    assert [t for _, _, o in events for t in o.new_token_ids] == want
+
+
+def test_an_abandoned_stream_frees_its_requests_and_generate_still_works(llm):
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    free = llm.engine.block_manager.num_free_blocks
+    stream = llm.stream([[5, 6, 7], [8, 9]], params)
+    next(stream)
+    stream.close()
+    assert len(llm.generate([[10, 11]], params)[0].token_ids) == 20
+    assert llm.engine.block_manager.num_free_blocks == free and not llm.engine.has_unfinished_requests()
+    assert not llm._mail  # no outputs kept for requests nobody reads
+
+
+def test_a_closed_llm_says_so_with_an_infer_error():
+    from infer.errors import InferError
+    llm = LLM("tiny-llama", max_model_len=64)
+    llm.close()
+    llm.close()
+    for call in (lambda: llm.generate("x"), lambda: next(llm.stream("x"))):
+        with pytest.raises(InferError, match="closed") as info:
+            call()
+        assert isinstance(info.value, RuntimeError) and "new LLM" in str(info.value)
+
+
+def test_a_very_large_batch_of_tiny_prompts(llm):
+    prompts = [[3 + i % 50] for i in range(300)]
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=1, ignore_eos=True))
+    assert [o.prompt_token_ids for o in outs] == prompts and all(len(o.token_ids) == 1 for o in outs)
+    by_prompt = {}
+    for o in outs:  # greedy: the same prompt gives the same token wherever it sits in the batch
+        by_prompt.setdefault(o.prompt_token_ids[0], set()).add(o.token_ids[0])
+    assert all(len(v) == 1 for v in by_prompt.values())
