@@ -174,3 +174,12 @@ def test_a_very_large_batch_of_tiny_prompts(llm):
     for o in outs:  # greedy: the same prompt gives the same token wherever it sits in the batch
         by_prompt.setdefault(o.prompt_token_ids[0], set()).add(o.token_ids[0])
     assert all(len(v) == 1 for v in by_prompt.values())
+
+
+def test_lora_validate_on_a_file_says_it_is_a_file(base, tmp_path):
+    """An adapter path that is a file (often adapter_model.safetensors itself) was reported as 'folder not found'."""
+    weights = tmp_path / "adapter_model.safetensors"
+    weights.write_bytes(b"x")
+    res = runner.invoke(app, ["lora-validate", str(base), f"a={weights}", "--steps", "0"])
+    assert res.exit_code == 1 and "is a file, not a folder" in res.output and "adapter_config.json" in res.output
+    assert "Traceback" not in res.output, res.output
