@@ -183,3 +183,17 @@ def test_lora_validate_on_a_file_says_it_is_a_file(base, tmp_path):
     res = runner.invoke(app, ["lora-validate", str(base), f"a={weights}", "--steps", "0"])
     assert res.exit_code == 1 and "is a file, not a folder" in res.output and "adapter_config.json" in res.output
     assert "Traceback" not in res.output, res.output
+
+
+def test_convert_merge_of_an_adapter_for_another_model_is_one_line(tmp_path):
+    """An adapter with other shapes printed torch's whole load_state_dict report, one line per tensor."""
+    other = ensure_builtin("tiny-qwen3")  # head_dim 32: q/k/v/o have other sizes than tiny-llama's
+    adapter = save_adapter(hf_float(other), tmp_path / "qwen3-adapter", seed=1, r=4, lora_alpha=8,
+                           target_modules=ALL)
+    out = tmp_path / "merged"
+    res = runner.invoke(app, ["convert", "tiny-llama", "-o", str(out), "--merge-lora", str(adapter)])
+    assert res.exit_code == 2, res.output
+    error = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "layers.0.self_attn.q_proj.lora_B" in error[0], res.output
+    assert "more tensors" in error[0] and "\tsize mismatch" not in res.output and "Traceback" not in res.output
+    assert not out.exists()
