@@ -197,3 +197,36 @@ def test_convert_merge_of_an_adapter_for_another_model_is_one_line(tmp_path):
     assert len(error) == 1 and "layers.0.self_attn.q_proj.lora_B" in error[0], res.output
     assert "more tensors" in error[0] and "\tsize mismatch" not in res.output and "Traceback" not in res.output
     assert not out.exists()
+
+
+def test_partial_layer_rank_one_and_full_rank_adapters_served_and_merged_match_peft(base, tmp_path):
+    """Probe that already behaved: an adapter on layer 0 only (rank 1), one at rank == --max-lora-rank, the same
+    folder under two names, mixed with base rows in one batch with one slot; and the partial adapter merged by
+    `infer convert` gives peft's merged model's greedy tokens."""
+    hf = hf_float(base)
+    paths = {"part1": save_adapter(hf, tmp_path / "part1", seed=3, r=1, lora_alpha=2, target_modules=ALL,
+                                   layers_to_transform=[0]),
+             "full8": save_adapter(hf, tmp_path / "full8", seed=4, r=8, lora_alpha=16, target_modules=["o_proj"])}
+    oracle = PeftOracle(hf, paths)
+    llm = LLM(str(base), loras={**{n: str(p) for n, p in paths.items()}, "twin": str(paths["full8"])},
+              max_loras=1, max_lora_rank=8, block_size=4, num_kv_blocks=64, max_model_len=64)
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [5, 6, 7], [3, 4]]
+    names = ["part1", None, "full8", "twin", "part1"]
+    outs = llm.generate(prompts, GREEDY, lora=names)
+    want = [oracle.greedy("full8" if n == "twin" else n, p, 4) for n, p in zip(names, prompts)]
+    assert [o.token_ids for o in outs] == want
+    assert want[0] != oracle.greedy(None, prompts[0], 4) or want[4] != oracle.greedy(None, prompts[4], 4)
+    oracle.close()
+    llm.close()
+    merged = tmp_path / "merged"
+    res = runner.invoke(app, ["convert", str(base), "-o", str(merged), "--merge-lora", str(paths["part1"])])
+    assert res.exit_code == 0, res.output
+    from peft import PeftModel
+    peft_merged = PeftModel.from_pretrained(hf_float(base), str(paths["part1"])).merge_and_unload()
+    with LLM(str(merged), max_model_len=64) as m:
+        got = [o.token_ids for o in m.generate(prompts, GREEDY)]
+    import torch
+    with torch.no_grad():
+        ref = [peft_merged.generate(input_ids=torch.tensor([p]), max_new_tokens=4, do_sample=False,
+                                    pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    assert got == ref
