@@ -230,3 +230,20 @@ def test_partial_layer_rank_one_and_full_rank_adapters_served_and_merged_match_p
         ref = [peft_merged.generate(input_ids=torch.tensor([p]), max_new_tokens=4, do_sample=False,
                                     pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     assert got == ref
+
+
+@pytest.mark.parametrize("prompts, where", [([None], "prompt 0 is of type NoneType"), (["ok", 7], "prompt 1 is of type int"),
+                                            ([[1, "a"]], "prompt 0 is a list whose items"),
+                                            ([[True, False]], "prompt 0 is a list whose items")])
+def test_llm_prompts_of_the_wrong_type_are_request_errors(llm, prompts, where):
+    """None gave a bare TypeError; [True, False] ran as token ids 1 and 0; [1, "a"] was 'outside the vocabulary'."""
+    from infer.errors import RequestError
+    with pytest.raises(RequestError, match=where):
+        llm.generate(prompts, GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_llm_accepts_a_generator_of_prompts(llm):
+    """A generator of prompts raised TypeError ('generator' object is not subscriptable)."""
+    prompts = [[5, 6, 7], [8, 9]]
+    assert [o.token_ids for o in llm.generate(p for p in prompts)] == [o.token_ids for o in llm.generate(prompts)]

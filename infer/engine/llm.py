@@ -54,17 +54,25 @@ class LLM:
         except Exception:  # interpreter shutdown: modules may already be gone
             pass
 
-    def _encode(self, prompt: Prompt) -> list[int]:
+    def _encode(self, prompt: Prompt, i: int) -> list[int]:
         if isinstance(prompt, str):
             return encode_prompt(self.tokenizer, prompt=prompt)
-        if prompt and isinstance(prompt[0], dict):
-            return encode_prompt(self.tokenizer, messages=prompt)
-        return list(prompt)
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            return encode_prompt(self.tokenizer, messages=list(prompt))
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        what = ("a list whose items are not all token ids (ints) nor all chat messages (dicts)"
+                if isinstance(prompt, (list, tuple)) else f"of type {type(prompt).__name__}, not text, token ids or chat messages")
+        raise RequestError(f"prompt {i} is {what}",
+                           "give text, a list of token ids, or a list of chat messages (dicts)")
 
     def _submit(self, prompts, params, lora) -> list[str]:
         """Queue every prompt, or none: a bad one raises with the ones before it taken back out of the engine."""
         self._engine()
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
+        if not isinstance(prompts, (str, list, tuple, dict)) and hasattr(prompts, "__iter__"):
+            prompts = list(prompts)  # a generator or another iterable of prompts
+        if isinstance(prompts, str) or (prompts and isinstance(prompts, (list, tuple))
+                                        and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise RequestError(f"prompts must be a string, a list of token ids, chat messages, or a list of those; "
@@ -79,7 +87,7 @@ class LLM:
         if not all(isinstance(sp, SamplingParams) for sp in params_list):
             raise RequestError("params must be a SamplingParams or a list of them", "e.g. SamplingParams("
                                                                                      "max_new_tokens=32)")
-        encoded = [self._encode(p) for p in prompts]
+        encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
         ids: list[str] = []
         with self._lock:
             try:
