@@ -247,3 +247,13 @@ def test_llm_accepts_a_generator_of_prompts(llm):
     """A generator of prompts raised TypeError ('generator' object is not subscriptable)."""
     prompts = [[5, 6, 7], [8, 9]]
     assert [o.token_ids for o in llm.generate(p for p in prompts)] == [o.token_ids for o in llm.generate(prompts)]
+
+
+def test_a_stream_of_an_llm_closed_meanwhile_ends_with_the_closed_error():
+    from infer.errors import ClosedError
+    llm = LLM("tiny-llama", max_model_len=64)
+    stream = llm.stream([[5, 6, 7]], SamplingParams(max_new_tokens=10, ignore_eos=True))
+    next(stream)
+    llm.close()
+    with pytest.raises(ClosedError, match="closed"):
+        next(stream)
