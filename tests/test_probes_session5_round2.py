@@ -257,3 +257,32 @@ def test_a_stream_of_an_llm_closed_meanwhile_ends_with_the_closed_error():
     llm.close()
     with pytest.raises(ClosedError, match="closed"):
         next(stream)
+
+
+def test_a_request_a_data_parallel_replica_fails_on_is_an_error_record_not_a_dead_replica(monkeypatch):
+    """In `run --data-parallel`, an engine step that raised killed the Ray actor call: the pool declared the
+    replica dead and re-ran the request on the next one, which died too, until 'every engine replica has stopped'
+    ended the run (and --resume met the same request again). One engine fails only the running requests."""
+    from infer.engine.config import EngineConfig
+    from infer.engine.model_runner import ModelRunner
+    from infer.parallel.replica import Replica
+    real = ModelRunner.run
+
+    def run(self, batch):
+        if any(s.request_id == "poison" for s in batch.seqs):
+            raise RuntimeError("simulated kernel failure")
+        return real(self, batch)
+    monkeypatch.setattr(ModelRunner, "run", run)
+    replica = Replica(EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=1))
+    new = [(rid, [5, 6, 7], SamplingParams(max_new_tokens=3, ignore_eos=True), None) for rid in ("a", "poison", "b")]
+    finished, rejected = {}, {}
+    for _ in range(50):
+        result = replica.step(new)
+        new = []
+        finished.update({o.request_id: o for o in result.finished})
+        rejected.update(dict(result.rejected))
+        if result.running == 0:
+            break
+    assert sorted(finished) == ["a", "b"] and all(len(o.token_ids) == 3 for o in finished.values())
+    assert list(rejected) == ["poison"] and "simulated kernel failure" in rejected["poison"]
+    assert replica.engine.block_manager.num_used_blocks == 0
