@@ -80,8 +80,7 @@ class Replica:
                 result.rejected += self._fail_running(e)
                 break
             for out in outputs:
-                if out.request_id in self._failed:  # the abort output of a request already named as failed
-                    self._failed.discard(out.request_id)
+                if self._was_failed(out):
                     continue
                 result.tokens += len(out.new_token_ids)
                 if out.finished:
@@ -101,6 +100,13 @@ class Replica:
         self._failed.update(victims)
         return [(rid, message) for rid in victims]
 
+    def _was_failed(self, out) -> bool:
+        """The abort output of a request already named as failed (dropped: it was reported once)."""
+        if out.request_id in self._failed:
+            self._failed.discard(out.request_id)
+            return True
+        return False
+
     def serve_step(self, new: list[Wire], aborts: list[str]) -> tuple[list, list, dict]:
         """For the server: add, abort (a request may be aborted in the call that adds it), run one engine step.
         Returns (every output of the step, as streaming needs them; (request id, reason) of rejected requests;
@@ -113,7 +119,12 @@ class Replica:
                 rejected.append((rid, str(e)))
         for rid in aborts:
             self.engine.abort_request(rid)
-        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        outputs = []
+        if self.engine.has_unfinished_requests():
+            try:
+                outputs = [o for o in self.engine.step() if not self._was_failed(o)]
+            except Exception as e:  # as one engine's server does: fail the running requests, keep the replica
+                rejected += self._fail_running(e)
         return outputs, rejected, self.engine.stats()
 
     def warm_kernels(self) -> None:
