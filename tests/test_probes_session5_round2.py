@@ -43,16 +43,20 @@ def _tight_llm(base, paths):
                max_lora_rank=8, block_size=4, num_kv_blocks=64, max_model_len=64)
 
 
-def test_an_adapter_folder_deleted_after_start_fails_only_its_requests(base, adapters):
-    """The adapter was re-read from its (deleted) folder inside the scheduler: the LoRAError escaped step(), the
-    whole generate() raised, the other requests' outputs were lost and the failed one's KV blocks leaked."""
+@pytest.mark.parametrize("change, message", [("delete", "folder not found"),
+                                             ("rank 16", "rank 16 is larger than --max-lora-rank 8")])
+def test_an_adapter_folder_deleted_or_changed_after_start_fails_only_its_requests(base, adapters, change, message):
+    """The adapter was re-read from its (deleted or replaced) folder inside the scheduler: the LoRAError escaped
+    step(), the whole generate() raised, the other requests' outputs were lost and its KV blocks leaked."""
     paths, oracle = adapters
     llm = _tight_llm(base, paths)
     free = llm.engine.block_manager.num_free_blocks
     shutil.rmtree(paths["a"])
+    if change != "delete":
+        save_adapter(hf_float(base), paths["a"], seed=9, r=16, lora_alpha=8, target_modules=ALL)
     prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
     outs = llm.generate(prompts, GREEDY, lora=["a", None, "b"])
-    assert outs[0].finish_reason == "error" and "folder not found" in outs[0].error and "'a'" in outs[0].error
+    assert outs[0].finish_reason == "error" and message in outs[0].error and "'a'" in outs[0].error
     assert outs[1].token_ids == oracle.greedy(None, prompts[1], 4)
     assert outs[2].token_ids == oracle.greedy("b", prompts[2], 4)
     assert llm.engine.block_manager.num_free_blocks == free
@@ -258,53 +262,3 @@ def test_a_stream_of_an_llm_closed_meanwhile_ends_with_the_closed_error():
     with pytest.raises(ClosedError, match="closed"):
         next(stream)
 
-
-def test_a_request_a_data_parallel_replica_fails_on_is_an_error_record_not_a_dead_replica(monkeypatch):
-    """In `run --data-parallel`, an engine step that raised killed the Ray actor call: the pool declared the
-    replica dead and re-ran the request on the next one, which died too, until 'every engine replica has stopped'
-    ended the run (and --resume met the same request again). One engine fails only the running requests."""
-    from infer.engine.config import EngineConfig
-    from infer.engine.model_runner import ModelRunner
-    from infer.parallel.replica import Replica
-    real = ModelRunner.run
-
-    def run(self, batch):
-        if any(s.request_id == "poison" for s in batch.seqs):
-            raise RuntimeError("simulated kernel failure")
-        return real(self, batch)
-    monkeypatch.setattr(ModelRunner, "run", run)
-    replica = Replica(EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=1))
-    new = [(rid, [5, 6, 7], SamplingParams(max_new_tokens=3, ignore_eos=True), None) for rid in ("a", "poison", "b")]
-    finished, rejected = {}, {}
-    for _ in range(50):
-        result = replica.step(new)
-        new = []
-        finished.update({o.request_id: o for o in result.finished})
-        rejected.update(dict(result.rejected))
-        if result.running == 0:
-            break
-    assert sorted(finished) == ["a", "b"] and all(len(o.token_ids) == 3 for o in finished.values())
-    assert list(rejected) == ["poison"] and "simulated kernel failure" in rejected["poison"]
-    assert replica.engine.block_manager.num_used_blocks == 0
-
-
-def test_a_request_a_data_parallel_serving_replica_fails_on_fails_alone(monkeypatch):
-    """The same for `serve --data-parallel`: serve_step raised and the driver dropped the replica."""
-    from infer.engine.config import EngineConfig
-    from infer.engine.model_runner import ModelRunner
-    from infer.parallel.replica import Replica
-    real = ModelRunner.run
-    monkeypatch.setattr(ModelRunner, "run", lambda self, batch: (_ for _ in ()).throw(RuntimeError("boom"))
-                        if any(s.request_id == "poison" for s in batch.seqs) else real(self, batch))
-    replica = Replica(EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=1))
-    new = [(rid, [5, 6, 7], SamplingParams(max_new_tokens=3, ignore_eos=True), None) for rid in ("poison", "a")]
-    finished, rejected = {}, {}
-    for _ in range(50):
-        outputs, bad, stats = replica.serve_step(new, [])
-        new = []
-        finished.update({o.request_id: o for o in outputs if o.finished})
-        rejected.update(dict(bad))
-        if not replica.engine.has_unfinished_requests():
-            break
-    assert list(rejected) == ["poison"] and "boom" in rejected["poison"]
-    assert list(finished) == ["a"] and len(finished["a"].token_ids) == 3 and stats["kv_blocks_used"] == 0
