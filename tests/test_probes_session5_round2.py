@@ -262,3 +262,23 @@ def test_a_stream_of_an_llm_closed_meanwhile_ends_with_the_closed_error():
     with pytest.raises(ClosedError, match="closed"):
         next(stream)
 
+
+
+def test_a_request_the_engine_fails_on_ends_with_an_error_output_and_the_others_complete(llm, monkeypatch):
+    """LLM.generate raised the step's exception and every other output of the call was lost; `infer run` and the
+    server already failed only the running requests."""
+    from infer.engine.model_runner import ModelRunner
+    real = ModelRunner.run
+    poison = [7, 7, 7, 7]
+    monkeypatch.setattr(ModelRunner, "run", lambda self, batch: (_ for _ in ()).throw(RuntimeError("boom"))
+                        if any(s.prompt_token_ids == poison for s in batch.seqs) else real(self, batch))
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    want = _finished_alone(llm, [[5, 6], [8, 9]], params)
+    llm.engine.scheduler.max_num_seqs = 1  # one request per step: only the poisoned one fails
+    try:
+        outs = llm.generate([[5, 6], poison, [8, 9]], params)
+    finally:
+        llm.engine.scheduler.max_num_seqs = 8
+    assert [o.finish_reason for o in outs] == ["length", "error", "length"] and "boom" in outs[1].error
+    assert [outs[0].token_ids, outs[2].token_ids] == want
+    assert llm.engine.block_manager.num_used_blocks == 0 and not llm.engine.has_unfinished_requests()

@@ -28,6 +28,7 @@ class LLM:
         self._counter = 0
         self._lock = threading.RLock()  # one engine step (or add/abort) at a time
         self._mail: dict[str, list[RequestOutput]] = {}  # request id -> outputs its call has not taken yet
+        self._failed: set[str] = set()  # requests ended by a failed step (their later abort output is dropped)
 
     def close(self) -> None:
         """Free the engine's device memory (KV cache, CUDA graphs, weights) now rather than at garbage collection;
@@ -122,9 +123,29 @@ class LLM:
                 engine = self._engine()
                 if not engine.has_unfinished_requests():
                     raise RuntimeError(f"the engine has no work left but requests {ids} did not finish")
-                for out in engine.step():
+                for out in self._step(engine):
                     if out.request_id in self._mail:  # others are outputs of requests their call gave up
                         self._mail[out.request_id].append(out)
+
+    def _step(self, engine) -> list[RequestOutput]:
+        """One engine step. When it raises, the requests it was running are not trusted: they end with
+        finish_reason "error" and the error named (as in `infer run` and the server); the others go on."""
+        try:
+            outputs = engine.step()
+        except Exception as e:
+            message = f"internal engine error: {type(e).__name__}: {e}"
+            victims = [s.request_id for s in engine.scheduler.running] or list(engine.requests)
+            outputs = []
+            for rid in victims:
+                engine.abort_request(rid)
+                self._failed.add(rid)  # its abort output, handed out by a later step, is dropped
+                outputs.append(RequestOutput(request_id=rid, prompt_token_ids=[], token_ids=[], new_token_ids=[],
+                                             text="", delta_text="", finished=True, finish_reason="error",
+                                             error=message))
+            return outputs
+        dropped = {out.request_id for out in outputs} & self._failed
+        self._failed -= dropped
+        return [out for out in outputs if out.request_id not in dropped]
 
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  lora: str | list[str | None] | None = None) -> list[RequestOutput]:
