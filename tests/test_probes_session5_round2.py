@@ -282,3 +282,17 @@ def test_a_request_the_engine_fails_on_ends_with_an_error_output_and_the_others_
     assert [o.finish_reason for o in outs] == ["length", "error", "length"] and "boom" in outs[1].error
     assert [outs[0].token_ids, outs[2].token_ids] == want
     assert llm.engine.block_manager.num_used_blocks == 0 and not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(loras={"a": None}), "--lora 'a': None is not a folder path"),
+    (dict(loras="/no/such/adapter"), "is not NAME=PATH"),  # a string was read as a list of one-letter items
+    (dict(max_loras="2"), "--max-loras must be an integer, got '2'"),
+    (dict(max_num_seqs=2.5), "--max-num-seqs must be an integer, got 2.5"),
+])
+def test_llm_options_of_the_wrong_type_are_config_errors(options, message):
+    """These raised TypeError from deep inside, or (a string of adapters) named the adapter '/'."""
+    from infer.errors import ConfigError
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as info:
+        LLM("tiny-llama", max_model_len=64, **options)
+    assert "'/'" not in str(info.value)
