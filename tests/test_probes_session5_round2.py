@@ -296,3 +296,15 @@ def test_llm_options_of_the_wrong_type_are_config_errors(options, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as info:
         LLM("tiny-llama", max_model_len=64, **options)
     assert "'/'" not in str(info.value)
+
+
+def test_convert_warns_when_the_merged_adapter_names_another_base(base, tmp_path):
+    """An adapter trained on tiny-llama3 (same sizes as tiny-llama) was merged into tiny-llama without a word;
+    `infer lora-validate` warns about it, and now convert does too. An adapter of this base merges silently."""
+    other = save_adapter(hf_float(ensure_builtin("tiny-llama3")), tmp_path / "l3", seed=1, r=2, lora_alpha=4,
+                         target_modules=["q_proj"])
+    own = save_adapter(hf_float(base), tmp_path / "own", seed=1, r=2, lora_alpha=4, target_modules=["q_proj"])
+    res = runner.invoke(app, ["convert", "tiny-llama", "-o", str(tmp_path / "m1"), "--merge-lora", str(other)])
+    assert res.exit_code == 0 and "warning: adapter 'l3' was trained on" in res.output, res.output
+    res = runner.invoke(app, ["convert", "tiny-llama", "-o", str(tmp_path / "m2"), "--merge-lora", str(own)])
+    assert res.exit_code == 0 and "warning" not in res.output, res.output
