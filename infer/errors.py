@@ -45,3 +45,7 @@ class LoRAError(InferError):
 
 class OutOfMemoryError(InferError):
     """The model, its activations or its KV cache do not fit the memory budget (the engine cannot start)."""
+
+
+class ClosedError(InferError, RuntimeError):
+    """An object used after its close() (an LLM whose engine memory was freed)."""

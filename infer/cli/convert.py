@@ -42,8 +42,27 @@ def convert(
     if to != "safetensors":
         raise ConfigError(f"--to {to!r} is not supported", "safetensors is the only target format")
     src = resolve_model(model)
+    if merge_lora is not None:
+        _warn_other_base(merge_lora, src, model)
     out = convert_model(src, output, dtype=dtype, merge_lora=merge_lora, max_shard_size=max_shard_size,
                         overwrite=overwrite)
     files = sorted(p.name for p in Path(out).iterdir())
     what = ", ".join(x for x in (dtype, merge_lora and f"merged {merge_lora}") if x) or "same dtype"
     Console().print(f"Wrote {out} ({what}): {', '.join(files)}")
+
+
+def _warn_other_base(adapter: Path, src: Path, given: str) -> None:
+    """The warning `infer lora-validate` gives for an adapter whose config names another base model: merging it
+    succeeds when the sizes happen to fit, and writes a model nobody trained."""
+    import json
+    from types import SimpleNamespace
+
+    from ..lora.validate import base_name_warning
+    try:
+        cfg = json.loads((Path(adapter) / "adapter_config.json").read_text())
+    except (OSError, ValueError):
+        return  # convert_model names a missing or unreadable adapter config
+    if isinstance(cfg, dict):
+        warning = base_name_warning(Path(adapter).name, cfg, SimpleNamespace(path=Path(src)), given)
+        if warning:
+            typer.echo(f"warning: {warning}", err=True)

@@ -48,6 +48,8 @@ def parse_size(text: str | int | None, flag: str = "the size") -> int | None:
 
 def parse_loras(items: dict[str, str] | list[str] | None) -> dict[str, str]:
     """['name=path', ...] (the command line's --lora) or {name: path} -> {name: path}, each path a folder."""
+    if isinstance(items, str):  # one adapter given as a plain string (the Python API)
+        items = [items]
     if isinstance(items, dict):
         pairs = list(items.items())
     else:
@@ -61,6 +63,9 @@ def parse_loras(items: dict[str, str] | list[str] | None) -> dict[str, str]:
     for name, path in pairs:
         if name in out:
             raise ConfigError(f"--lora name {name!r} is given twice", "give each adapter its own name")
+        if not isinstance(name, str) or not isinstance(path, (str, Path)):
+            raise ConfigError(f"--lora {name!r}: {path!r} is not a folder path", "map each adapter name (a string) to "
+                                                                                  "its PEFT folder")
         if not Path(path).is_dir():
             raise ConfigError(f"--lora {name}: {path} is not a folder", "pass a PEFT adapter folder")
         out[name] = str(path)
@@ -112,7 +117,9 @@ class EngineConfig:
     def _problems(self):
         for name, (lo, hi) in RANGES.items():
             value = getattr(self, name)
-            if value is not None and (value < lo or (hi is not None and value > hi)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                yield f"{flag_of(name)} must be an integer, got {value!r}"
+            elif value is not None and (value < lo or (hi is not None and value > hi)):
                 bound = f"in {lo}..{hi}" if hi is not None else f"at least {lo}"
                 yield f"{flag_of(name)} must be {bound}, got {value}"
         if self.dtype not in ("auto", *_DTYPES):

@@ -1,10 +1,15 @@
-"""LLM: the Python API. `LLM(path).generate(prompts, params)` and `LLM(path).stream(prompts, params)`."""
+"""LLM: the Python API. `LLM(path).generate(prompts, params)` and `LLM(path).stream(prompts, params)`.
+
+One engine serves every call: calls from several threads, or a generate() while a stream() is paused, share its
+steps (one at a time, under a lock), and each step's outputs go to the mailbox of the call that made the request,
+so no call consumes another's outputs."""
 
 from __future__ import annotations
 
+import threading
 from typing import Iterator, Sequence as Seq
 
-from ..errors import RequestError
+from ..errors import ClosedError, RequestError
 from .config import EngineConfig
 from .inputs import encode_prompt
 from .llm_engine import LLMEngine
@@ -21,13 +26,22 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
+        self._lock = threading.RLock()  # one engine step (or add/abort) at a time
+        self._mail: dict[str, list[RequestOutput]] = {}  # request id -> outputs its call has not taken yet
+        self._failed: set[str] = set()  # requests ended by a failed step (their later abort output is dropped)
 
     def close(self) -> None:
         """Free the engine's device memory (KV cache, CUDA graphs, weights) now rather than at garbage collection;
         `with LLM(...) as llm:` does it on leaving the block."""
-        engine, self.engine = getattr(self, "engine", None), None
+        with getattr(self, "_lock", threading.RLock()):
+            engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
             engine.close()
+
+    def _engine(self):
+        if self.engine is None:
+            raise ClosedError("this LLM was closed (LLM.close())", "create a new LLM to generate again")
+        return self.engine
 
     def __enter__(self) -> "LLM":
         return self
@@ -41,18 +55,25 @@ class LLM:
         except Exception:  # interpreter shutdown: modules may already be gone
             pass
 
-    def _encode(self, prompt: Prompt) -> list[int]:
+    def _encode(self, prompt: Prompt, i: int) -> list[int]:
         if isinstance(prompt, str):
             return encode_prompt(self.tokenizer, prompt=prompt)
-        if prompt and isinstance(prompt[0], dict):
-            return encode_prompt(self.tokenizer, messages=prompt)
-        return list(prompt)
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            return encode_prompt(self.tokenizer, messages=list(prompt))
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        what = ("a list whose items are not all token ids (ints) nor all chat messages (dicts)"
+                if isinstance(prompt, (list, tuple)) else f"of type {type(prompt).__name__}, not text, token ids or chat messages")
+        raise RequestError(f"prompt {i} is {what}",
+                           "give text, a list of token ids, or a list of chat messages (dicts)")
 
     def _submit(self, prompts, params, lora) -> list[str]:
         """Queue every prompt, or none: a bad one raises with the ones before it taken back out of the engine."""
-        if self.engine is None:
-            raise RuntimeError("this LLM was closed (LLM.close()); create a new LLM to generate again")
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
+        self._engine()
+        if not isinstance(prompts, (str, list, tuple, dict)) and hasattr(prompts, "__iter__"):
+            prompts = list(prompts)  # a generator or another iterable of prompts
+        if isinstance(prompts, str) or (prompts and isinstance(prompts, (list, tuple))
+                                        and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise RequestError(f"prompts must be a string, a list of token ids, chat messages, or a list of those; "
@@ -67,36 +88,77 @@ class LLM:
         if not all(isinstance(sp, SamplingParams) for sp in params_list):
             raise RequestError("params must be a SamplingParams or a list of them", "e.g. SamplingParams("
                                                                                      "max_new_tokens=32)")
+        encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
         ids: list[str] = []
-        try:
-            for p, sp, lo in zip(prompts, params_list, loras):
-                self._counter += 1
-                rid = f"llm-{self._counter}"
-                self.engine.add_request(rid, self._encode(p), sp, lo)
-                ids.append(rid)
-        except BaseException:
-            self._abort(ids)
-            raise
+        with self._lock:
+            try:
+                for p, sp, lo in zip(encoded, params_list, loras):
+                    self._counter += 1
+                    rid = f"llm-{self._counter}"
+                    self._engine().add_request(rid, p, sp, lo)
+                    ids.append(rid)
+                    self._mail[rid] = []
+            except BaseException:
+                self._forget(ids)
+                raise
         return ids
 
-    def _abort(self, ids) -> None:
-        """Stop these requests now (their KV blocks are freed; the next step hands out their abort outputs)."""
-        for rid in ids:
-            self.engine.abort_request(rid)
+    def _forget(self, ids) -> None:
+        """Stop these requests if still running (their KV blocks are freed) and drop their mailboxes."""
+        with self._lock:
+            for rid in ids:
+                if self._mail.pop(rid, None) is not None and self.engine is not None:
+                    self.engine.abort_request(rid)
+
+    def _pump(self, ids) -> list[RequestOutput]:
+        """The next outputs of these requests: those another call's steps left in their mailboxes, else one step."""
+        while True:
+            with self._lock:
+                got = [out for rid in ids for out in self._mail.get(rid, [])]
+                if got:
+                    for rid in ids:
+                        if rid in self._mail:
+                            self._mail[rid] = []
+                    return got
+                engine = self._engine()
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError(f"the engine has no work left but requests {ids} did not finish")
+                for out in self._step(engine):
+                    if out.request_id in self._mail:  # others are outputs of requests their call gave up
+                        self._mail[out.request_id].append(out)
+
+    def _step(self, engine) -> list[RequestOutput]:
+        """One engine step. When it raises, the requests it was running are not trusted: they end with
+        finish_reason "error" and the error named (as in `infer run` and the server); the others go on."""
+        try:
+            outputs = engine.step()
+        except Exception as e:
+            message = f"internal engine error: {type(e).__name__}: {e}"
+            victims = [s.request_id for s in engine.scheduler.running] or list(engine.requests)
+            outputs = []
+            for rid in victims:
+                engine.abort_request(rid)
+                self._failed.add(rid)  # its abort output, handed out by a later step, is dropped
+                outputs.append(RequestOutput(request_id=rid, prompt_token_ids=[], token_ids=[], new_token_ids=[],
+                                             text="", delta_text="", finished=True, finish_reason="error",
+                                             error=message))
+            return outputs
+        dropped = {out.request_id for out in outputs} & self._failed
+        self._failed -= dropped
+        return [out for out in outputs if out.request_id not in dropped]
 
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  lora: str | list[str | None] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion (batched together); outputs in the order of the prompts."""
         ids = self._submit(prompts, params, lora)
-        wanted, done = set(ids), {}
+        done = {}
         try:
             while len(done) < len(ids):
-                for out in self.engine.step():
-                    if out.finished and out.request_id in wanted:
+                for out in self._pump([i for i in ids if i not in done]):
+                    if out.finished:
                         done[out.request_id] = out
-        except BaseException:  # Ctrl-C or an engine error: leave no request of this call running
-            self._abort([i for i in ids if i not in done])
-            raise
+        finally:  # Ctrl-C or an engine error: leave no request of this call running
+            self._forget(ids)
         return [done[i] for i in ids]
 
     def stream(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
@@ -104,14 +166,12 @@ class LLM:
         """Yield (prompt index, text delta, output) as tokens arrive; the last event of a prompt has finished set."""
         ids = self._submit(prompts, params, lora)
         index = {rid: i for i, rid in enumerate(ids)}
-        left = set(ids)
+        left = list(ids)
         try:
             while left:
-                for out in self.engine.step():
-                    if out.request_id in index:
-                        if out.finished:
-                            left.discard(out.request_id)
-                        yield index[out.request_id], out.delta_text, out
-        finally:
-            for rid in left:  # the caller stopped early: free what is still running
-                self.engine.abort_request(rid)
+                for out in self._pump(left):
+                    if out.finished:
+                        left.remove(out.request_id)
+                    yield index[out.request_id], out.delta_text, out
+        finally:  # the caller stopped early: free what is still running
+            self._forget(ids)

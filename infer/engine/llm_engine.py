@@ -115,6 +115,7 @@ class LLMEngine:
         if self._inflight is not None and not self._may_overlap(self._inflight[0]):
             outputs += self._drain()
         batch = self.scheduler.schedule()
+        outputs += self._take_failed()
         if not batch:
             return outputs + self._drain()
         self.runner.zero_blocks(self.block_manager.fresh)
@@ -136,6 +137,13 @@ class LLMEngine:
             self.requests.pop(s.request_id, None)
         self._aborted = []
         return outputs
+
+    def _take_failed(self) -> list[RequestOutput]:
+        """Requests the scheduler could not start (an adapter that cannot be read any more): finished, error set."""
+        failed, self.scheduler.failed = self.scheduler.failed, []
+        for s in failed:
+            self.requests.pop(s.request_id, None)
+        return [self._output(s, []) for s in failed]
 
     def _drain(self) -> list[RequestOutput]:
         """Wait for the launched batch, if any, and complete it."""

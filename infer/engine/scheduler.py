@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from ..errors import LoRAError
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .sequence import Sequence, Status
@@ -34,6 +35,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.failed: list[Sequence] = []  # finished with an error while scheduling; the engine hands them out
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -58,10 +60,10 @@ class Scheduler:
             seq = self.waiting[0]
             if not self.bm.can_allocate(seq) or (self.lora and not self.lora.can_acquire(seq.lora)):
                 break
+            if self.lora and not self._acquire(seq):
+                continue
             self.waiting.popleft()
             self.bm.allocate(seq)
-            if self.lora:
-                self.lora.acquire(seq.lora)
             seq.status = Status.RUNNING
             self.running.append(seq)
             n = min(seq.num_uncomputed_tokens, budget)
@@ -69,6 +71,18 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         return batch
+
+    def _acquire(self, seq: Sequence) -> bool:
+        """Pin seq's adapter in a slot; False (seq finished with the error) when its folder can no longer be read:
+        it was deleted or changed since registration and the CPU copy had been evicted."""
+        try:
+            self.lora.acquire(seq.lora)
+        except LoRAError as e:
+            seq.error = str(e)
+            self.finish(seq, "error")
+            self.failed.append(seq)
+            return False
+        return True
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Make sure `seq` has blocks for num_tokens, preempting the youngest others; False if seq was preempted."""

@@ -109,6 +109,9 @@ def _fail(name: str, path: Path, message: str, hint: str) -> LoRAError:
 
 
 def read_config(name: str, path: Path) -> dict:
+    if path.exists() and not path.is_dir():
+        raise _fail(name, path, "is a file, not a folder", "pass the folder save_pretrained wrote (the one that "
+                                                            "holds adapter_config.json), not a file in it")
     if not path.is_dir():
         raise _fail(name, path, "folder not found", "pass --lora NAME=PATH with the folder save_pretrained wrote")
     file = path / CONFIG_FILE

@@ -32,6 +32,7 @@ class Replica:
         does not fit, a bad adapter) is kept and reported by `info()`, so the driver can say it in one line."""
         self.error: dict | None = None
         self.engine = None
+        self._failed: set[str] = set()  # requests reported as failed whose abort output is still to come
         if threads:
             import torch
             torch.set_num_threads(threads)
@@ -73,7 +74,14 @@ class Replica:
                 result.rejected.append((rid, str(e)))
         deadline = time.monotonic() + budget_s
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # as one engine does: fail the requests it was running, never the replica
+                result.rejected += self._fail_running(e)
+                break
+            for out in outputs:
+                if self._was_failed(out):
+                    continue
                 result.tokens += len(out.new_token_ids)
                 if out.finished:
                     result.finished.append(out)
@@ -81,6 +89,23 @@ class Replica:
                 break
         result.running = len(self.engine.requests)
         return result
+
+    def _fail_running(self, error: Exception) -> list[tuple[str, str]]:
+        """After a failed step the running requests' state is not trusted: abort them (frees their KV blocks) and
+        name them with the error; the driver writes their error records and the others go on."""
+        message = f"internal engine error: {type(error).__name__}: {error}"
+        victims = [s.request_id for s in self.engine.scheduler.running] or list(self.engine.requests)
+        for rid in victims:
+            self.engine.abort_request(rid)
+        self._failed.update(victims)
+        return [(rid, message) for rid in victims]
+
+    def _was_failed(self, out) -> bool:
+        """The abort output of a request already named as failed (dropped: it was reported once)."""
+        if out.request_id in self._failed:
+            self._failed.discard(out.request_id)
+            return True
+        return False
 
     def serve_step(self, new: list[Wire], aborts: list[str]) -> tuple[list, list, dict]:
         """For the server: add, abort (a request may be aborted in the call that adds it), run one engine step.
@@ -94,7 +119,12 @@ class Replica:
                 rejected.append((rid, str(e)))
         for rid in aborts:
             self.engine.abort_request(rid)
-        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+        outputs = []
+        if self.engine.has_unfinished_requests():
+            try:
+                outputs = [o for o in self.engine.step() if not self._was_failed(o)]
+            except Exception as e:  # as one engine's server does: fail the running requests, keep the replica
+                rejected += self._fail_running(e)
         return outputs, rejected, self.engine.stats()
 
     def warm_kernels(self) -> None:

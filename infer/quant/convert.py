@@ -138,9 +138,20 @@ def _merge(model, adapter: Path):
     try:
         peft_model = PeftModel.from_pretrained(model, str(adapter))
     except (RuntimeError, ValueError, KeyError) as e:
-        raise LoRAError(f"the adapter {adapter} does not fit the model: {e}",
-                        "pass an adapter trained on this base model") from e
+        raise LoRAError(f"the adapter {adapter} does not fit the model: {_first_line(e)}",
+                        "pass an adapter trained on this base model (`infer lora-validate` lists every mismatch)") \
+            from e
     return peft_model.merge_and_unload()
+
+
+def _first_line(e: Exception) -> str:
+    """torch's load_state_dict error lists every mismatched tensor on its own line: the first and a count."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    mismatches = [line.replace("base_model.model.", "") for line in lines if line.startswith("size mismatch")]
+    if not mismatches:
+        return lines[0] if lines else type(e).__name__
+    more = f" (and {len(mismatches) - 1} more tensors)" if len(mismatches) > 1 else ""
+    return mismatches[0].rstrip(".") + more
 
 
 def _copy_tensors(src: Path, out: Path, max_shard_size: str) -> None:
