@@ -3,8 +3,27 @@
 from __future__ import annotations
 
 import functools
+import textwrap
 
 import torch
+
+# The start of a subprocess script (argv[1]: scripts/kernel-sass) whose Triton compiles for sm_90 with the compile
+# side of a driver (`CompileOnlyDriver`) and cannot load a kernel; `compiled` lists each kernel function compiled.
+COMPILE_ONLY_PREAMBLE = textwrap.dedent('''
+    import importlib.machinery, json, sys, torch, triton, types
+    import triton.runtime.jit as jit
+    loader = importlib.machinery.SourceFileLoader("kernel_sass", sys.argv[1])
+    kernel_sass = types.ModuleType("kernel_sass")
+    kernel_sass.__file__ = sys.argv[1]
+    loader.exec_module(kernel_sass)
+    triton.runtime.driver.set_active(kernel_sass.CompileOnlyDriver(90))  # compiles for sm_90, cannot load
+    compiled = []
+    real = jit.JITFunction._do_compile
+    def counted(self, key, *a, **k):
+        compiled.append(self.fn.__name__)
+        return real(self, key, *a, **k)
+    jit.JITFunction._do_compile = counted
+''')
 
 
 @functools.lru_cache(maxsize=8)
@@ -45,3 +64,32 @@ def interpreted_module(name: str):
             os.environ.pop("TRITON_INTERPRET")
         else:
             os.environ["TRITON_INTERPRET"] = old
+
+
+def fail_steps_of(monkeypatch, request_id: str) -> None:
+    """Every engine step (ModelRunner.run) whose batch holds `request_id` raises, as a kernel failure would."""
+    from infer.engine.model_runner import ModelRunner
+    real = ModelRunner.run
+
+    def run(self, batch):
+        if any(s.request_id == request_id for s in batch.seqs):
+            raise RuntimeError("simulated kernel failure")
+        return real(self, batch)
+    monkeypatch.setattr(ModelRunner, "run", run)
+
+
+def run_compile_only(script: str, timeout: int) -> dict:
+    """Run a COMPILE_ONLY_PREAMBLE script (compiled kernels, not the interpreter) and read the JSON object it
+    prints last."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root)
+    res = subprocess.run([sys.executable, "-c", script, str(root / "scripts" / "kernel-sass")], capture_output=True,
+                         text=True, timeout=timeout, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])

@@ -5,32 +5,15 @@ compiles depend on its tile height only, never on the batch's block-table width,
 argument that is 1 or a multiple of 16; the tables' row stride is the width of the batch's longest sequence in
 blocks, so without `do_not_specialize` a prompt of 241-256 tokens (block size 16) compiled a variant of its own."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import COMPILE_ONLY_PREAMBLE, run_compile_only
+
 pytest.importorskip("triton")
 
-SCRIPT = textwrap.dedent('''
-    import importlib.machinery, json, sys, torch, triton, types
-    import triton.runtime.jit as jit
-    loader = importlib.machinery.SourceFileLoader("kernel_sass", sys.argv[1])
-    kernel_sass = types.ModuleType("kernel_sass")
-    kernel_sass.__file__ = sys.argv[1]
-    loader.exec_module(kernel_sass)
-    triton.runtime.driver.set_active(kernel_sass.CompileOnlyDriver(90))  # compiles for sm_90, cannot load
-    compiled = []
-    real = jit.JITFunction._do_compile
-    def counted(self, key, *a, **k):
-        compiled.append(self.fn.__name__)
-        return real(self, key, *a, **k)
-    jit.JITFunction._do_compile = counted
+SCRIPT = COMPILE_ONLY_PREAMBLE + textwrap.dedent('''
     from infer.kernels import attention
 
     def step(widths, qlens, bs=16, hq=4, hk=2, d=32):
@@ -58,12 +41,7 @@ SCRIPT = textwrap.dedent('''
 
 
 def test_block_table_width_never_compiles_an_attention_variant():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
-    res = subprocess.run([sys.executable, "-c", SCRIPT, str(ROOT / "scripts" / "kernel-sass")], capture_output=True,
-                         text=True, timeout=600, env=env)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out = run_compile_only(SCRIPT, 600)
     assert out["warm"] == [["_unified_kernel"], ["_unified_kernel"], ["_decode_kernel"]], out  # two tile heights
     assert out["user"] == {name: [] for name in out["user"]}, out
 

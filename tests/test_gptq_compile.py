@@ -6,32 +6,16 @@ arguments finds its kernel in Triton's cache (it fails only where that driver ca
 pass nor an engine's first steps compile again."""
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import COMPILE_ONLY_PREAMBLE, run_compile_only
+
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.runtime._async_compile")
 
-SCRIPT = textwrap.dedent('''
-    import importlib.machinery, json, sys, torch, triton, types
-    import triton.runtime.jit as jit
-    loader = importlib.machinery.SourceFileLoader("kernel_sass", sys.argv[1])
-    kernel_sass = types.ModuleType("kernel_sass")
-    kernel_sass.__file__ = sys.argv[1]
-    loader.exec_module(kernel_sass)
-    triton.runtime.driver.set_active(kernel_sass.CompileOnlyDriver(90))  # compiles for sm_90, cannot load
-    compiled = []
-    real = jit.JITFunction._do_compile
-    def counted(self, key, *a, **k):
-        compiled.append(self.fn.__name__)
-        return real(self, key, *a, **k)
-    jit.JITFunction._do_compile = counted
+SCRIPT = COMPILE_ONLY_PREAMBLE + textwrap.dedent('''
 
     from infer.kernels import gptq_configs, gptq_gemm, gptq_tune
     from infer.models.layers import MergedLinear
@@ -100,13 +84,7 @@ SCRIPT = textwrap.dedent('''
 
 
 def test_parallel_compile_fills_the_cache_the_launch_reads():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
-    res = subprocess.run([sys.executable, "-c", SCRIPT, str(ROOT / "scripts" / "kernel-sass")], capture_output=True,
-                         text=True, timeout=900, env=env)
-    assert res.returncode == 0, res.stderr[-3000:]
-    import json
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out = run_compile_only(SCRIPT, 900)
     assert out["queued"] == out["compiled"] == 6, out
     assert out["recompiled"] == 0, out
     # two layer shapes (the merged 384-column one, the 128-column act-order one) x the kernels their row counts

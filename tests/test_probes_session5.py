@@ -13,6 +13,8 @@ import sys
 import time
 
 import pytest
+
+from helpers import fail_steps_of
 from typer.testing import CliRunner
 
 from infer.cli.batch_io import read_inputs
@@ -200,14 +202,7 @@ def test_one_line_with_a_nul_byte_still_lets_the_others_run(tmp_path):
 def test_a_request_the_engine_fails_on_gets_an_error_record_and_the_run_goes_on(tmp_path, monkeypatch):
     """An exception inside a step ended `infer run` with a traceback, and --resume ran into it again: the server
     already failed only the running requests and went on; the CLI now does the same."""
-    from infer.engine.model_runner import ModelRunner
-    real = ModelRunner.run
-
-    def run(self, batch):
-        if any(s.request_id == "poison" for s in batch.seqs):
-            raise RuntimeError("simulated kernel failure")
-        return real(self, batch)
-    monkeypatch.setattr(ModelRunner, "run", run)
+    fail_steps_of(monkeypatch, "poison")
     inp = tmp_path / "in.jsonl"
     inp.write_bytes(_lines(*({"id": i, "prompt": "hi", "max_new_tokens": 3} for i in ("a", "poison", "b", "c"))))
     out = tmp_path / "out.jsonl"

@@ -4,6 +4,7 @@ taking the replica, and then every other replica, down. The Replica class is pla
 
 from __future__ import annotations
 
+from helpers import fail_steps_of
 from infer import SamplingParams
 
 
@@ -12,15 +13,8 @@ def test_a_request_a_data_parallel_replica_fails_on_is_an_error_record_not_a_dea
     replica dead and re-ran the request on the next one, which died too, until 'every engine replica has stopped'
     ended the run (and --resume met the same request again). One engine fails only the running requests."""
     from infer.engine.config import EngineConfig
-    from infer.engine.model_runner import ModelRunner
     from infer.parallel.replica import Replica
-    real = ModelRunner.run
-
-    def run(self, batch):
-        if any(s.request_id == "poison" for s in batch.seqs):
-            raise RuntimeError("simulated kernel failure")
-        return real(self, batch)
-    monkeypatch.setattr(ModelRunner, "run", run)
+    fail_steps_of(monkeypatch, "poison")
     replica = Replica(EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=1))
     new = [(rid, [5, 6, 7], SamplingParams(max_new_tokens=3, ignore_eos=True), None) for rid in ("a", "poison", "b")]
     finished, rejected = {}, {}
