@@ -101,7 +101,8 @@ def test_matches_reference(gemm, gen, regime, bits, group, desc_act, hint):
     lo, hi = {"decode": (1, 20), "prefill": (33, 90), "gemv": (1, 4), "rows": (1, 11), "mmat": (1, 40),
               "fields": (1, 20), "gemv_fields": (1, 3), "mmat_fields": (1, 40), "scaled": (17, 70),
               "mmat_scaled": (1, 40), "gemv_inplace": (1, 3), "pairs": (1, 20), "pairs_scaled": (17, 70),
-              "mmat_pairs": (1, 20), "mmat_pairs_scaled": (17, 40), "dequant": (1, 90), "dequant_chunks": (1, 90)}[regime]
+              "mmat_pairs": (1, 20), "mmat_pairs_scaled": (17, 40), "dequant": (1, 90),
+              "dequant_chunks": (1, 90)}[regime]
     m = int(torch.randint(lo, hi, (1,), generator=g))
     cfg = CONFIGS[regime]
     # with plain groups, also the rows interleaved as the linear method repacks them on CUDA

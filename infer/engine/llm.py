@@ -63,7 +63,8 @@ class LLM:
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)
         what = ("a list whose items are not all token ids (ints) nor all chat messages (dicts)"
-                if isinstance(prompt, (list, tuple)) else f"of type {type(prompt).__name__}, not text, token ids or chat messages")
+                if isinstance(prompt, (list, tuple))
+                else f"of type {type(prompt).__name__}, not text, token ids or chat messages")
         raise RequestError(f"prompt {i} is {what}",
                            "give text, a list of token ids, or a list of chat messages (dicts)")
 
