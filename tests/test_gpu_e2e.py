@@ -103,14 +103,25 @@ def test_bench_model_rows_on_cpu_with_tiny_shapes():
     assert rows[2]["step_MB"] > rows[0]["step_MB"] and rows[3]["step_MB"] > rows[0]["step_MB"]  # adapters; fp32
 
 
-def test_adapters_through_fewer_slots_swap_and_costs_are_reported():
-    """--max-loras below the number of adapters adds a row whose engine swaps adapters (counted), and the notes give
-    each adapter row's cost next to the cost its bytes explain."""
+def test_adapters_through_fewer_slots_swap_and_costs_are_reported(monkeypatch):
+    """--max-loras below the number of adapters adds a row whose engine swaps adapters (counted);
+    --compare-lora-epilogue a row whose engine launches every expand on its own; the notes give each adapter row's
+    cost next to the cost its bytes explain."""
+    built = []
+    real = e2e.build_engine
+
+    def recorded(*args, **kwargs):
+        engine = real(*args, **kwargs)
+        built.append(engine.config.lora_epilogue)
+        return engine
+    monkeypatch.setattr(e2e, "build_engine", recorded)
     args = e2e.parse_args(["--out", "unused", "--num-prompts", "4", "--concurrency", "2", "--input-len", "5",
                            "--output-len", "3", "--num-adapters", "3", "--rank", "4", "--max-loras", "1",
-                           "--skip-hf"])
+                           "--skip-hf", "--compare-lora-epilogue"])
     rows = e2e.bench_model("llama-2-7b", args, bandwidth=1e10, device="cpu", dtype=torch.float32, **TINY)
-    assert [r["lora"] for r in rows] == ["none", "3 mixed r4", "3 mixed r4 via 1 slots"]
+    assert [r["lora"] for r in rows] == ["none", "3 mixed r4", "3 mixed r4 via 1 slots",
+                                         "3 mixed r4, expand launched"]
+    assert built == [True, True, True, False]
     assert rows[0]["lora_swaps"] == 0 and rows[2]["lora_swaps"] > 0
     notes = e2e_report.adapter_costs(rows)
-    assert len(notes) == 2 and all("the adapters' bytes alone explain" in n for n in notes)
+    assert len(notes) == 3 and all("the adapters' bytes alone explain" in n for n in notes)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import sys
 import tempfile
 from dataclasses import dataclass, replace
@@ -33,13 +34,17 @@ from .e2e_models import SHAPES, build_model, dtype_label, hf_config, make_tokeni
 from .e2e_report import result_row, run_notes, write_tables
 from .roofline import copy_bandwidth, decode_roofline, lora_bytes_per_adapter, weight_bytes_per_step
 
+LAUNCHED = "expand launched"  # the mode label of --compare-lora-epilogue
+
 
 # ----------------------------------------------------------------------------------------------- engines
 def build_engine(model, model_config, tokenizer, device, adapters: dict[str, str], rank: int, concurrency: int,
-                 max_len: int, eager: bool = False, slots: int | None = None, batched_tokens: int = 4096):
+                 max_len: int, eager: bool = False, slots: int | None = None, batched_tokens: int = 4096,
+                 lora_epilogue: bool = True):
     """An LLMEngine over an in-memory model (decode CUDA graphs unless `eager`); `slots` GPU adapter slots (default:
     one per adapter; fewer makes the engine swap adapters, counted in stats()["lora_swaps"]); `batched_tokens` the
-    most tokens in one step (longer prompts are prefilled in chunks)."""
+    most tokens in one step (longer prompts are prefilled in chunks); `lora_epilogue` False launches every LoRA
+    expand on its own instead of adding it in the int4 matmul's epilogue (EngineConfig.lora_epilogue)."""
     slots = max(1, slots or len(adapters))
     from ..engine import llm_engine
     from ..engine.config import EngineConfig
@@ -49,7 +54,8 @@ def build_engine(model, model_config, tokenizer, device, adapters: dict[str, str
     engine_config = EngineConfig(f"random-{model_config.model_type}", dtype=str(dtype).split(".")[-1],
                                  device=str(device), max_num_seqs=concurrency, max_model_len=max_len,
                                  num_kv_blocks=blocks, loras=adapters, max_loras=slots, max_lora_rank=rank,
-                                 enforce_eager=eager, max_num_batched_tokens=batched_tokens)
+                                 enforce_eager=eager, max_num_batched_tokens=batched_tokens,
+                                 lora_epilogue=lora_epilogue)
     manager = None
     if adapters:
         from ..lora.manager import LoRAManager
@@ -165,7 +171,8 @@ def bench_model(name: str, args, bandwidth: float, device: str = "cuda", dtype: 
 
 def engine_modes(run: ShapeRun, tmp: Path) -> list[tuple[str, dict[str, str], bool]]:
     """(lora label, adapters, eager) of each engine to run: without adapters (graphs, and eagerly too with
-    --compare-eager), then with the random adapters written to `tmp` (and through fewer slots with --max-loras)."""
+    --compare-eager), then with the random adapters written to `tmp` (and through fewer slots with --max-loras, and
+    with every expand launched on its own with --compare-lora-epilogue)."""
     args = run.args
     modes = [("none", {}, args.eager)] + ([("none", {}, True)] if args.compare_eager and not args.eager else [])
     if args.num_adapters:
@@ -173,6 +180,8 @@ def engine_modes(run: ShapeRun, tmp: Path) -> list[tuple[str, dict[str, str], bo
         modes.append((f"{len(adapters)} mixed r{args.rank}", adapters, args.eager))
         if args.max_loras and args.max_loras < len(adapters):
             modes.append((f"{len(adapters)} mixed r{args.rank} via {args.max_loras} slots", adapters, args.eager))
+        if args.compare_lora_epilogue and not args.fp16:
+            modes.append((f"{len(adapters)} mixed r{args.rank}, {LAUNCHED}", adapters, args.eager))
     return modes
 
 
@@ -194,7 +203,7 @@ def infer_row(run: ShapeRun, model, label: str, weight_bytes: int, lora: str, ad
     args, b = run.args, run.batch
     slots = args.max_loras if "slots" in lora else None
     engine = build_engine(model, run.model_config, run.tokenizer, run.device, adapters, args.rank, b, run.max_len,
-                          eager, slots)
+                          eager, slots, lora_epilogue=LAUNCHED not in lora)
     engine.warm_kernels()  # compiles every kernel path (prefix-cached prefill too) before anything is timed
     names = list(adapters)
     roof = run.roofline(weight_bytes, lora_bytes_per_adapter(model) if names else 0, min(len(names), b))
@@ -206,7 +215,8 @@ def infer_row(run: ShapeRun, model, label: str, weight_bytes: int, lora: str, ad
     row["lora_swaps"] = engine.stats()["lora_swaps"]
     print(json.dumps(row), flush=True)
     if args.profile:
-        tag = f"{run.name}-{lora.split()[0]}-{'eager' if eager else 'graphs'}-c{b}"
+        mode = re.sub(r"[^a-z0-9]+", "-", lora).strip("-")  # every mode its own file ("16-mixed-r16-via-8-slots")
+        tag = f"{run.name}-{mode}-{'eager' if eager else 'graphs'}-c{b}"
         prof = profile_steps(engine, reqs[:b], out=args.out / f"profile-{tag}.txt")
         print(json.dumps({"profile": tag, **prof}), flush=True)
     del engine
@@ -257,6 +267,9 @@ def parse_args(argv=None):
     p.add_argument("--skip-hf", action="store_true", help="no transformers baseline")
     p.add_argument("--eager", action="store_true", help="infer without decode CUDA graphs")
     p.add_argument("--compare-eager", action="store_true", help="also run infer --eager without adapters")
+    p.add_argument("--compare-lora-epilogue", action="store_true",
+                   help="also run the mixed adapters with every LoRA expand launched on its own, not in the int4 "
+                        "matmul's epilogue")
     p.add_argument("--profile", action="store_true",
                    help="also profile one prefill and 20 decode steps of each engine (host vs GPU-busy time)")
     return p.parse_args(argv)

@@ -31,6 +31,9 @@ class LLMEngine:
         self.eos_token_ids = parts.eos_token_ids
         self.memory_plan = parts.memory_plan
         self.lora_manager = parts.lora_manager
+        if self.lora_manager is not None:  # the expand in the int4 matmul's epilogue, or launched on its own
+            for layer in self.lora_manager.layers:
+                layer.epilogue = config.lora_epilogue
         self.block_manager = BlockManager(parts.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.lora_manager)
         self.runner = ModelRunner(config, parts.model, dtype=self.dtype, device=self.device,

@@ -84,8 +84,17 @@ def lora_apply(x, y, lora_a, lora_b, scalings, bounds, groups, ranks=None):
     return lora_reference.lora_apply(x, y, lora_a, lora_b, scalings, bounds, groups, ranks)
 
 
-def gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1=True, group_size=None, interleave=1):
+def lora_delta(x, lora_a, lora_b, scalings, bounds, groups, ranks, token_slots):
+    """The shrink half of lora_apply, kept for the int4 matmul to expand in its epilogue (gptq_matmul's lora)."""
+    if use_triton(x):
+        return _triton("lora_ops").delta(x, lora_a, lora_b, scalings, bounds, groups, ranks, token_slots)
+    return lora_reference.lora_delta(x, lora_a, lora_b, scalings, bounds, groups, ranks, token_slots)
+
+
+def gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1=True, group_size=None, interleave=1, bias=None,
+                lora=None):
     if use_triton(x):
         return _triton("gptq_gemm").gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1, group_size,
-                                                interleave)
-    return reference.gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1, group_size, interleave)
+                                                interleave, bias=bias, lora=lora)
+    return reference.gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1, group_size, interleave, bias,
+                                 lora)

@@ -45,7 +45,7 @@ import os
 import torch
 import triton
 
-from . import gptq_configs
+from . import gptq_configs, lora_ops
 from .gptq_dequant import dequantize_into_scratch, release_scratch, scratch_bytes  # noqa: F401 (the API)
 from .gptq_gemv import gemv_kernel, gemv_rows_kernel
 from .gptq_kernels import mma_kernel
@@ -63,10 +63,45 @@ def _locks(device: torch.device, tiles: int) -> torch.Tensor:
     return have
 
 
+MAX_LORA_SHARDS = 3  # shards whose LoRA expand the epilogue adds (a merged qkv has 3); more: a separate launch
+MAX_LORA_ROWS = 32  # the tallest mma tile whose epilogue adds the expand
+
+
+def fuses_lora(kind: str, cfg: dict, lora) -> bool:
+    """Whether the kernel `cfg` adds this LoRADelta in its epilogue; else an expand launch adds it after the matmul.
+    Where the compiled code says the epilogue is free (Triton 3.6, sm_90, `scripts/kernel-sass --loop "SPEC lora"`):
+    `gemv` and `mma` tiles of up to 32 rows keep their main loop and registers (mma PAIRS 16 x 128: 464 -> 464
+    instructions per K step, 127 -> 128 registers; 32 x 128: 577 -> 575, 168 -> 168). Not `mmat` (its main loop
+    grows 466 -> 535) nor taller tiles (their epilogue would need 255 registers and a stack)."""
+    if lora is None or len(lora.bounds) - 1 > MAX_LORA_SHARDS:
+        return False
+    return kind == "gemv" or (kind == "mma" and cfg.get("BLOCK_M", 16) <= MAX_LORA_ROWS)
+
+
+def _epilogue_args(y, bias, lora, m: int, n: int, block_m: int, block_n: int) -> tuple[tuple, dict]:
+    """The epilogue's pointer and integer arguments and constexprs (see gptq_kernels._finish): y stands in for
+    what is absent, so that the kernel's signature never changes."""
+    if lora is None:
+        return (y if bias is None else bias, y, y, y, y, y, 0, 0, 0, 0, 0), dict(HAS_BIAS=bias is not None)
+    nsh = len(lora.bounds) - 1
+    ends = (list(lora.bounds[1:nsh]) + [n] * 3)[:3]  # end of shards 0, 1, 2 (N past the last)
+    hp = lora.hp
+    if hp.shape[1] != m or not hp.is_contiguous():
+        raise ValueError(f"a LoRADelta of {hp.shape[1]} tokens for {m} rows of x (partials must be contiguous)")
+    rank, slots = lora.rank, lora.scalings.shape[1]
+    pm = triton.next_power_of_2(block_m)
+    jb = 16 if block_m >= 16 else max(1, min(16, 2048 // (pm * block_n)))  # (B's pointer tile stays small)
+    args = (y if bias is None else bias, hp, lora.lora_b, lora.token_slots, lora.ranks, lora.scalings,
+            hp.shape[2], hp.shape[0], *ends)
+    return args, dict(HAS_BIAS=bias is not None, LORA_S=slots, LORA_R=rank, LORA_RP=triton.next_power_of_2(rank),
+                      LORA_NSH=nsh, LORA_JB=jb)
+
+
 def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, gs, wp, m, n, k,
-            compile_only: bool = False) -> torch.Tensor:
+            compile_only: bool = False, bias=None, lora=None) -> torch.Tensor:
     """Launch the kernel `cfg` names, or with compile_only only compile it (Triton's `warmup`: same arguments, so
-    the same specialization and cache entry as the launch; inside an AsyncCompileMode the compile is queued)."""
+    the same specialization and cache entry as the launch; inside an AsyncCompileMode the compile is queued).
+    bias / lora: added in the kernel's epilogue (`fuses_lora` must hold for lora)."""
     split = cfg["SPLIT_K"]
     k_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split = triton.cdiv(k, k_split)
@@ -77,8 +112,11 @@ def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, g
     common = dict(BITS=bits, ZEROS_V1=bool(zeros_v1), F32=f32, WP=wp, EVEN_K=k % cfg["BLOCK_K"] == 0,
                   BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT=split > 1, num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"])
+    rows = cfg.get("BLOCK_M", 1) if kind != "gemv" or cfg.get("BLOCK_M", 1) > 1 else 1
+    epi, epi_c = _epilogue_args(y, bias, lora, m, n, rows, cfg["BLOCK_N"])
+    common.update(epi_c)
     args = (m, n, k, k_split, split, gs, x2.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0),
-            n)  # y's row stride: y is a contiguous [m, n]
+            n, *epi)  # y's row stride: y is a contiguous [m, n]
     interp_bf16 = x2.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
     field = bool(cfg.get("FIELD", False)) and not (f32 or interp_bf16) and cfg["BLOCK_K"] // (32 // bits) >= 16
     asm = os.environ.get("TRITON_INTERPRET") != "1"  # inline PTX only where it runs: not in the interpreter
@@ -108,11 +146,14 @@ def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, g
 
 def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                 g_idx: torch.Tensor, bits: int, zeros_v1: bool = True, group_size: int | None = None,
-                interleave: int = 1, config: dict | None = None, compile_only: bool = False) -> torch.Tensor | None:
+                interleave: int = 1, config: dict | None = None, compile_only: bool = False,
+                bias: torch.Tensor | None = None, lora=None) -> torch.Tensor | None:
     """Same as `reference.gptq_matmul` (see there). `config` overrides the tuned / heuristic choice (tests,
     tuning): {"kernel": "gemv" | "mma" | "mmat" | "dequant", BLOCK_*, SPLIT_K, GROUP_M, num_warps, num_stages,
     FIELD, SCALE_W, INPLACE, PAIRS, CHUNK_N}. compile_only: compile the fused kernel this call would launch and
-    return None (nothing is computed; `gptq_tune.compile_parallel` runs many such calls on a thread pool)."""
+    return None (nothing is computed; `gptq_tune.compile_parallel` runs many such calls on a thread pool).
+    bias and lora (a `lora_reference.LoRADelta`) are added in the fused kernels' epilogue, so that neither costs a
+    launch (the expand where `fuses_lora` says so); after dequantize + cuBLAS, by a bias add and an expand launch."""
     pack = 32 // bits
     k, n = qweight.shape[0] * pack, qweight.shape[1]
     if x.shape[-1] != k:
@@ -135,10 +176,12 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
     kind = cfg.get("kernel", "mma") if step else "dequant"
     if kind != "dequant":
         cfg = dict(cfg, BLOCK_K=min(cfg["BLOCK_K"], step))
-    if kind == "gemv" or (kind in ("mma", "mmat") and cfg["BLOCK_K"] >= 16):
+    fused = kind == "gemv" or (kind in ("mma", "mmat") and cfg["BLOCK_K"] >= 16)
+    epi_lora = lora if fused and fuses_lora(kind, cfg, lora) else None
+    if fused:
         gs = k if group_size in (None, -1) else group_size
         y = _launch(kind, cfg, x2, qweight.contiguous(), qzeros.contiguous(), scales.contiguous(), bits, zeros_v1,
-                    gs, interleave, m, n, k, compile_only)
+                    gs, interleave, m, n, k, compile_only, bias, epi_lora)
         if compile_only:
             return None
     elif compile_only:  # dequantize + cuBLAS: one small kernel, compiled on first use
@@ -148,6 +191,10 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
     else:
         w = dequantize_into_scratch(qweight, qzeros, scales, g_idx, bits, zeros_v1, x.dtype, interleave)
         y = torch.matmul(x2, w)
+    if bias is not None and not fused:
+        y.add_(bias)
+    if lora is not None and epi_lora is None:
+        lora_ops.add_delta(lora, y)
     return y.reshape(*lead, n)
 
 

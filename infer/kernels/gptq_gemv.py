@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gptq_kernels import _epilogue, _fields, _step_words, _xrow0
+from .gptq_kernels import LORA_INTS, _epilogue, _fields, _step_words, _xrow0
 
 
 @triton.jit
@@ -78,12 +78,15 @@ def _gemv_step_inplace(acc, x_row, k0, words, wv, z, s, offs_w, BITS: tl.constex
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=LORA_INTS)
 def gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_SPLIT, n_split, group_size,
                 sx_m, sq_k, sz_g, ss_g, sy_m,
+                bias_ptr, hp_ptr, lb_ptr, slot_ptr, rank_ptr, scal_ptr, NR, n_lsplit, c1, c2, c3,
                 BITS: tl.constexpr, ZEROS_V1: tl.constexpr, F32: tl.constexpr, WP: tl.constexpr, EVEN_K: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, FIELD_LOOP: tl.constexpr = False,
-                INPLACE: tl.constexpr = False, ASM: tl.constexpr = True):
+                INPLACE: tl.constexpr = False, ASM: tl.constexpr = True, HAS_BIAS: tl.constexpr = False,
+                LORA_S: tl.constexpr = 0, LORA_R: tl.constexpr = 0, LORA_RP: tl.constexpr = 1,
+                LORA_NSH: tl.constexpr = 1, LORA_JB: tl.constexpr = 16):
     """M = 1 on CUDA cores: fields become floats by OR-ing them into the mantissa of 2^23 (the float 2^23 + q),
     x * (q - z) accumulates in a [BLOCK_K / pack, BLOCK_N] float32 tile reduced once at the end, and the group's
     scale multiplies the step's partial sum, not every weight. FIELD_LOOP: field by field, x loaded per field.
@@ -107,14 +110,18 @@ def gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, 
     out = tl.sum(acc, axis=0)[None, :]
     offs_m = pid_m + tl.zeros((1,), dtype=tl.int32)
     _epilogue(out, y_ptr, ws_ptr, lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, offs_m, offs_n, M, N, sy_m,
-              n_split, SPLIT)
+              n_split, bias_ptr, hp_ptr, lb_ptr, slot_ptr, rank_ptr, scal_ptr, NR, n_lsplit, c1, c2, c3, SPLIT,
+              HAS_BIAS, LORA_S, LORA_R, LORA_RP, LORA_NSH, LORA_JB, 1, BLOCK_N, F32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=LORA_INTS)
 def gemv_rows_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_SPLIT, n_split, group_size,
                      sx_m, sq_k, sz_g, ss_g, sy_m,
+                     bias_ptr, hp_ptr, lb_ptr, slot_ptr, rank_ptr, scal_ptr, NR, n_lsplit, c1, c2, c3,
                      BITS: tl.constexpr, ZEROS_V1: tl.constexpr, F32: tl.constexpr, WP: tl.constexpr, EVEN_K: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                     HAS_BIAS: tl.constexpr = False, LORA_S: tl.constexpr = 0, LORA_R: tl.constexpr = 0,
+                     LORA_RP: tl.constexpr = 1, LORA_NSH: tl.constexpr = 1, LORA_JB: tl.constexpr = 16):
     """`gemv` for BLOCK_M rows at once: each weight is loaded and unpacked once and used for every row."""
     PACK: tl.constexpr = 32 // BITS
     BKW: tl.constexpr = BLOCK_K // PACK
@@ -142,4 +149,5 @@ def gemv_rows_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N
             acc += tl.sum(xv[:, :, :, None] * v[None, :, :, :], axis=1) * s.to(tl.float32)[None, None, :]
     out = tl.sum(acc, axis=1)
     _epilogue(out, y_ptr, ws_ptr, lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, offs_m, offs_n, M, N, sy_m,
-              n_split, SPLIT)
+              n_split, bias_ptr, hp_ptr, lb_ptr, slot_ptr, rank_ptr, scal_ptr, NR, n_lsplit, c1, c2, c3, SPLIT,
+              HAS_BIAS, LORA_S, LORA_R, LORA_RP, LORA_NSH, LORA_JB, BLOCK_M, BLOCK_N, F32)

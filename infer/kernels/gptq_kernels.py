@@ -14,6 +14,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# a LoRADelta's number of partials follows the batch size, so it must not pick a variant (the shard bounds are
+# fixed per layer: specialized, they tell the compiler that B's rows are aligned, so its loads are vectorized)
+LORA_INTS = ["n_lsplit"]
+
 
 @triton.jit
 def _xrow0(k0, j, WP: tl.constexpr, PACK: tl.constexpr, BKW: tl.constexpr):
@@ -67,13 +71,95 @@ def _field_f16(words, j, zf, BITS: tl.constexpr):
     return qj.to(tl.int16).to(tl.float16, bitcast=True) - zf
 
 
+@triton.jit(noinline=True)
+def _lora_add(y_ptr, m0, n0, M, N, sy_m, hp_ptr, lb_ptr, slot_ptr, rank_ptr, scal_ptr, NR, n_lsplit, c1, c2, c3,
+              S: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, NSH: tl.constexpr, JB: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """y[tile] += every row's adapter delta over the tile's columns (rows m0.., columns n0..; the tile is already
+    stored in y): the expand of a LoRADelta (lora_reference.add_delta): for row m of slot s >= 0 and column n of
+    shard i, sum over r of scal[i, s] * h[m, i*R + r] * Bt_i[s, r, n], h the sum of the n_lsplit partials
+    hp [n_lsplit, M, NR] (by token), added in float32 to y's value and rounded once, as the expand launch does.
+
+    The tile's rows may hold several adapters (a decode step where every request has its own): the slots the
+    tile uses are walked in chunks of JB (slot, rank) rows of the padded [S * RP] space; a row's h is read only
+    in its own slot's rows (zero elsewhere), so one dot per chunk gives every row its own adapter's product.
+    Only the B rows of slots that some row of the tile uses, within their rank, are read: each B element once
+    per column tile, which is the unfused expand's traffic without its launch. A call, not inlined: the main
+    loop's code and registers stay those of the kernel without adapters (it only takes scalars)."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    slot = tl.load(slot_ptr + offs_m, mask=mask_m, other=-1).to(tl.int32)
+    s_lo = tl.min(tl.where(slot >= 0, slot, S), 0)
+    s_hi = tl.max(slot, 0) + 1  # 0 when no row of the tile has an adapter: no chunk at all
+    if s_hi > 0:
+        j = tl.arange(0, JB)
+        delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for i in tl.static_range(NSH):
+            lo = n0 * 0 if i == 0 else (c1 if i == 1 else (c2 if i == 2 else c3))
+            hi = c1 if i == 0 else (c2 if i == 1 else (c3 if i == 2 else N))  # (the host passes N past the last)
+            if (lo < n0 + BLOCK_N) & (hi > n0):
+                w = hi - lo
+                in_cols = (offs_n >= lo) & (offs_n < hi)
+                scal = tl.load(scal_ptr + i * S + slot, mask=slot >= 0, other=0.0)  # each row's, this shard's
+                for g0 in range(s_lo * RP, s_hi * RP, JB):
+                    g = g0 + j
+                    s, r = g // RP, g % RP
+                    rank = tl.load(rank_ptr + i * S + s, mask=s < s_hi, other=0)
+                    mine = (slot[:, None] == s[None, :]) & (r < rank)[None, :]
+                    used = tl.max(mine.to(tl.int32), 0) > 0
+                    h = tl.zeros((BLOCK_M, JB), dtype=tl.float32)
+                    for p in range(n_lsplit):
+                        h += tl.load(hp_ptr + p * M * NR + offs_m[:, None] * NR + (i * R + r)[None, :], mask=mine,
+                                     other=0.0)
+                    h = h * scal[:, None]  # (scaled before the product: one accumulator for every shard)
+                    b = tl.load(lb_ptr + lo.to(tl.int64) * S * R + s[:, None].to(tl.int64) * R * w + r[:, None] * w
+                                + (offs_n - lo)[None, :], mask=used[:, None] & in_cols[None, :], other=0.0)
+                    if BLOCK_M >= 16:
+                        if IEEE:
+                            delta = tl.dot(h, b.to(tl.float32), delta, input_precision="ieee")
+                        else:
+                            delta = tl.dot(h.to(b.dtype), b, delta)
+                    else:
+                        delta += tl.sum(h[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+        mask = mask_m[:, None] & (offs_n < N)[None, :]
+        y_ptrs = y_ptr + offs_m[:, None] * sy_m + offs_n[None, :]
+        y = tl.load(y_ptrs, mask=mask, other=0.0)
+        tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
+
+
+@triton.jit
+def _finish(total, y_ptr, y_ptrs, mask, offs_m, offs_n, M, N, sy_m, bias_ptr, hp_ptr, lb_ptr, slot_ptr, rank_ptr,
+            scal_ptr, NR, n_lsplit, c1, c2, c3, HAS_BIAS: tl.constexpr, LORA_S: tl.constexpr, LORA_R: tl.constexpr,
+            LORA_RP: tl.constexpr, LORA_NSH: tl.constexpr, LORA_JB: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """Store the tile in y's dtype, after what the layer adds to the product, in the reference's order and
+    roundings: the bias (in y's dtype), then the adapters' delta (`_lora_add`: added in float32, rounded once)."""
+    out = total.to(y_ptr.dtype.element_ty)
+    if HAS_BIAS:
+        out = out + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(out.dtype)[None, :]
+    tl.store(y_ptrs, out, mask=mask)
+    if LORA_S > 0:
+        tl.debug_barrier()  # the tile's stores, by every thread, before any thread reads them back
+        _lora_add(y_ptr, tl.min(offs_m, 0), tl.min(offs_n, 0), M, N, sy_m, hp_ptr, lb_ptr, slot_ptr, rank_ptr,
+                  scal_ptr, NR, n_lsplit, c1, c2, c3, LORA_S, LORA_R, LORA_RP, LORA_NSH, LORA_JB, BLOCK_M, BLOCK_N,
+                  IEEE)
+
+
 @triton.jit
 def _epilogue(acc, y_ptr, ws_ptr, lock_ptr, tile, pid_k, offs_m, offs_n, M, N, sy_m, n_split,
-              SPLIT: tl.constexpr):
+              bias_ptr, hp_ptr, lb_ptr, slot_ptr, rank_ptr, scal_ptr, NR, n_lsplit, c1, c2, c3,
+              SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, LORA_S: tl.constexpr, LORA_R: tl.constexpr,
+              LORA_RP: tl.constexpr, LORA_NSH: tl.constexpr, LORA_JB: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """The tile's result into y: directly, or with split-K by the program that arrives last at the tile, which
+    sums the partial tiles in a fixed order; either way `_finish` adds the bias and the adapters' delta first."""
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * sy_m + offs_n[None, :]
     if not SPLIT:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        _finish(acc, y_ptr, y_ptrs, mask, offs_m, offs_n, M, N, sy_m, bias_ptr, hp_ptr, lb_ptr, slot_ptr, rank_ptr,
+                scal_ptr, NR, n_lsplit, c1, c2, c3, HAS_BIAS, LORA_S, LORA_R, LORA_RP, LORA_NSH, LORA_JB, BLOCK_M,
+                BLOCK_N, IEEE)
     else:
         ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
         tl.store(ws + pid_k * M * N, acc, mask=mask)
@@ -83,7 +169,9 @@ def _epilogue(acc, y_ptr, ws_ptr, lock_ptr, tile, pid_k, offs_m, offs_n, M, N, s
             total = tl.zeros_like(acc)
             for s in range(n_split):
                 total += tl.load(ws + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
+            _finish(total, y_ptr, y_ptrs, mask, offs_m, offs_n, M, N, sy_m, bias_ptr, hp_ptr, lb_ptr, slot_ptr,
+                    rank_ptr, scal_ptr, NR, n_lsplit, c1, c2, c3, HAS_BIAS, LORA_S, LORA_R, LORA_RP, LORA_NSH, LORA_JB,
+                    BLOCK_M, BLOCK_N, IEEE)
             tl.atomic_xchg(lock_ptr + tile, 0)
 
 
@@ -273,14 +361,17 @@ def _dot_tile(acc, x_rows, mask_m, k0, k_end, words, z, s, BITS: tl.constexpr, W
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=LORA_INTS)
 def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K_SPLIT, n_split, group_size,
                sx_m, sq_k, sz_g, ss_g, sy_m,
+               bias_ptr, hp_ptr, lb_ptr, slot_ptr, rank_ptr, scal_ptr, NR, n_lsplit, c1, c2, c3,
                BITS: tl.constexpr, ZEROS_V1: tl.constexpr, F32: tl.constexpr, DOT_F32: tl.constexpr,
                WP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, GROUP_M: tl.constexpr, FIELD_DOTS: tl.constexpr = False,
                SCALE_W: tl.constexpr = False, TRANS: tl.constexpr = False, PAIRS: tl.constexpr = False,
-               ASM: tl.constexpr = True):
+               ASM: tl.constexpr = True, HAS_BIAS: tl.constexpr = False, LORA_S: tl.constexpr = 0,
+               LORA_R: tl.constexpr = 0, LORA_RP: tl.constexpr = 1, LORA_NSH: tl.constexpr = 1,
+               LORA_JB: tl.constexpr = 16):
     """Tensor cores (tl.dot), y tile [BLOCK_M, BLOCK_N]: one dot per packed field (FIELD_DOTS, `_dot_fields`) or
     one dot over the reshaped tile (`_dot_tile`). TRANS (`mmat`) computes y^T = W^T x^T, so the dequantized weight
     is the first (register) operand of the tensor-core instruction and the activation rows the second (as Machete
@@ -317,4 +408,6 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
             acc = _dot_tile(acc, x_rows, mask_m, k0, k_end, words, z, s, BITS, WP, BKW, EVEN_K, F32, DOT_F32, TRANS)
     if TRANS:
         acc = tl.trans(acc)
-    _epilogue(acc, y_ptr, ws_ptr, lock_ptr, pid, pid_k, offs_m, offs_n, M, N, sy_m, n_split, SPLIT)
+    _epilogue(acc, y_ptr, ws_ptr, lock_ptr, pid, pid_k, offs_m, offs_n, M, N, sy_m, n_split,
+              bias_ptr, hp_ptr, lb_ptr, slot_ptr, rank_ptr, scal_ptr, NR, n_lsplit, c1, c2, c3, SPLIT, HAS_BIAS,
+              LORA_S, LORA_R, LORA_RP, LORA_NSH, LORA_JB, BLOCK_M, BLOCK_N, F32)

@@ -299,8 +299,11 @@ def bucket_rows(max_tokens: int) -> list[int]:
 def compile_model(model, max_tokens: int, dtype: torch.dtype, workers: int | None = None) -> int:
     """Compile, in parallel (`compile_parallel`), the kernel every GPTQ layer of `model` will launch for each row
     count up to max_tokens (the tuned or heuristic choice), on the layers' own tensors: an engine start calls this
-    after tuning, so graph capture and the first requests find every int4 matmul kernel compiled. Row counts whose
-    choice is dequantize + cuBLAS need no compile and no activation buffer. Returns the calls queued."""
+    after tuning, so graph capture and the first requests find every int4 matmul kernel compiled. A layer with a
+    bias compiles its bias epilogue; a layer with a LoRA hook that adds its expand in the epilogue (`lora.epilogue`)
+    compiles that variant too, besides the plain one (a step where no adapter targets the layer). Row counts
+    whose choice is dequantize + cuBLAS need no compile and no activation buffer. Returns the calls queued."""
+    from .lora_reference import LoRADelta
     jobs, seen = [], set()
     rows = bucket_rows(max_tokens)
     for mod in model.modules():
@@ -309,15 +312,31 @@ def compile_model(model, max_tokens: int, dtype: torch.dtype, workers: int | Non
             continue
         cfg = mod.method.config
         k, n = mod.qweight.shape[0] * (32 // cfg.bits), mod.qweight.shape[1]
-        key = (n, k, cfg.bits, cfg.zeros_v1, mod.gptq_group_size, mod.gptq_interleave)
-        if key not in seen:
-            seen.add(key)
-            jobs += [(mod, cfg, r, k) for r in rows
-                     if gptq_configs.choose(r, n, k, mod.qweight.device).get("kernel") != "dequant"]
+        hook = getattr(mod, "lora", None)
+        loras = [None] + ([hook] if hook is not None and hook.epilogue else [])
+        for lora in loras:
+            lkey = None if lora is None else (lora.lora_a.shape[0], lora.max_rank, len(lora.bounds))
+            key = (n, k, cfg.bits, cfg.zeros_v1, mod.gptq_group_size, mod.gptq_interleave, mod.bias is not None, lkey)
+            if key not in seen:
+                seen.add(key)
+                jobs += [(mod, cfg, r, k, lora) for r in rows
+                         if gptq_configs.choose(r, n, k, mod.qweight.device).get("kernel") != "dequant"]
     if not jobs:
         return 0
     device = jobs[0][0].qweight.device
-    buf = torch.empty(max(r * k for _, _, r, k in jobs), device=device, dtype=dtype)  # x of every call, in turn
-    return compile_parallel(lambda mod=mod, cfg=cfg, r=r, k=k: gptq_gemm.gptq_matmul(
+    buf = torch.empty(max(r * k for _, _, r, k, _ in jobs), device=device, dtype=dtype)  # x of every call, in turn
+    top = max(r for *_, r, _, _ in jobs)
+    widest = max((lora.lora_a.shape[1] for *_, lora in jobs if lora is not None), default=0)
+    hp = torch.empty(1, top, widest, device=device, dtype=torch.float32)  # a LoRADelta's partials, by token
+    slots = torch.full((top,), -1, device=device, dtype=torch.long)
+
+    def delta(lora, r: int):  # stand-in tensors of the launch's dtypes (the specialization ignores their sizes)
+        if lora is None:
+            return None
+        part = hp[:, :r, :lora.lora_a.shape[1]].contiguous() if widest != lora.lora_a.shape[1] else hp[:, :r]
+        return LoRADelta(part, lora.lora_bt, slots[:r], lora.scalings, lora.rank_t, lora.bounds, None)
+
+    return compile_parallel(lambda mod=mod, cfg=cfg, r=r, k=k, lora=lora: gptq_gemm.gptq_matmul(
         buf[:r * k].view(r, k), mod.qweight, mod.qzeros, mod.scales, mod.g_idx, cfg.bits, cfg.zeros_v1,
-        mod.gptq_group_size, mod.gptq_interleave, compile_only=True) for mod, cfg, r, k in jobs)
+        mod.gptq_group_size, mod.gptq_interleave, compile_only=True, bias=mod.bias, lora=delta(lora, r))
+        for mod, cfg, r, k, lora in jobs)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .lora_reference import SlotGroups
+from .lora_reference import LoRADelta, SlotGroups
 
 MAX_SHARDS = 4  # shards one expand launch covers (a merged qkv has 3)
 # Launch constants, measured on an H100 at 7B shapes, rank 16, 16 tokens x 16 adapters, under CUDA graphs (us):
@@ -63,7 +63,7 @@ def _tile(starts_ptr, pid, S, BLOCK_M: tl.constexpr, S_P2: tl.constexpr):
 def _shrink_kernel(x_ptr, a_ptr, hp_ptr, order_ptr, starts_ptr, rank_ptr, S, K, NR, R, k_per_split,
                    sx_t, sx_k, sa_s, sa_j, sa_k, sh_p, sh_t, sr_i, sr_s,
                    BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr, S_P2: tl.constexpr,
-                   IEEE: tl.constexpr):
+                   IEEE: tl.constexpr, BY_TOKEN: tl.constexpr = False):
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     slot, row0, seg_end = _tile(starts_ptr, pid, S, BLOCK_M, S_P2)
     offs_j = tl.arange(0, BLOCK_J)
@@ -88,7 +88,8 @@ def _shrink_kernel(x_ptr, a_ptr, hp_ptr, order_ptr, starts_ptr, rank_ptr, S, K, 
                 acc += tl.dot(xa, aa, input_precision="ieee")
             else:
                 acc += tl.dot(xa, aa)
-        tl.store(hp_ptr + pid_k * sh_p + rows[:, None] * sh_t + offs_j[None, :], acc,
+        at = tok if BY_TOKEN else rows  # by token: for the int4 matmul's epilogue (LoRADelta)
+        tl.store(hp_ptr + pid_k * sh_p + at[:, None] * sh_t + offs_j[None, :], acc,
                  mask=mask_m[:, None] & (offs_j < NR)[None, :])
 
 
@@ -102,7 +103,7 @@ def _expand_kernel(hp_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, rank_ptr, scal_p
                    t1, t2, t3, c0, c1, c2, c3, c4,
                    sh_p, sh_t, sy_t, sy_n, sr_i, sr_s, sc_i, sc_s,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
-                   S_P2: tl.constexpr, IEEE: tl.constexpr):
+                   S_P2: tl.constexpr, IEEE: tl.constexpr, BY_TOKEN: tl.constexpr = False):
     pid, pid_n = tl.program_id(0), tl.program_id(1)
     local = (pid_n >= t1).to(tl.int32) + (pid_n >= t2).to(tl.int32) + (pid_n >= t3).to(tl.int32)
     shard = shard0 + local
@@ -115,7 +116,8 @@ def _expand_kernel(hp_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, rank_ptr, scal_p
         offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < rank
         offs_p = tl.arange(0, SPLIT)
-        parts = tl.load(hp_ptr + offs_p[:, None, None] * sh_p + rows[None, :, None] * sh_t
+        at = tok if BY_TOKEN else rows
+        parts = tl.load(hp_ptr + offs_p[:, None, None] * sh_p + at[None, :, None] * sh_t
                         + (shard * R + offs_r)[None, None, :],
                         mask=mask_m[None, :, None] & mask_r[None, None, :], other=0.0)
         h = tl.sum(parts, 0)  # [BLOCK_M, BLOCK_R]: the SPLIT_K partial sums of the shrink
@@ -175,8 +177,18 @@ def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: t
     expand(hp, y, lora_b, scalings, bounds, groups, ranks)
 
 
-def shrink(x: torch.Tensor, lora_a: torch.Tensor, n: int, groups: SlotGroups, ranks: torch.Tensor) -> torch.Tensor:
-    """The partial sums hp [SPLIT_K, T, n*R] float32 of x @ A[slot]^T, at sorted positions (see the module doc)."""
+def delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scalings: torch.Tensor, bounds: list[int],
+          groups: SlotGroups, ranks: torch.Tensor, token_slots: torch.Tensor) -> LoRADelta:
+    """Triton version of lora_reference.lora_delta: the shrink launch alone, its partials stored by token, for the
+    int4 matmul to expand in its epilogue (`gptq_matmul(..., lora=)`: the layer's expand costs no launch)."""
+    hp = shrink(x, lora_a, len(bounds) - 1, groups, ranks, by_token=True)
+    return LoRADelta(hp, lora_b, token_slots, scalings, ranks, list(bounds), groups)
+
+
+def shrink(x: torch.Tensor, lora_a: torch.Tensor, n: int, groups: SlotGroups, ranks: torch.Tensor,
+           by_token: bool = False) -> torch.Tensor:
+    """The partial sums hp [SPLIT_K, T, n*R] float32 of x @ A[slot]^T, at sorted positions (see the module doc), or
+    at the tokens' own rows with by_token."""
     num_slots, nr, k = lora_a.shape
     t = x.shape[0]
     p = plan(t, num_slots, k)
@@ -185,13 +197,14 @@ def shrink(x: torch.Tensor, lora_a: torch.Tensor, n: int, groups: SlotGroups, ra
         x, lora_a, hp, groups.order, groups.starts, ranks, num_slots, k, nr, nr // n, p["k_per_split"],
         x.stride(0), x.stride(1), *lora_a.stride(), hp.stride(0), hp.stride(1), *ranks.stride(),
         BLOCK_M=p["block_m"], BLOCK_J=_p2(nr, 16), BLOCK_K=p["block_k"], S_P2=_p2(num_slots, 2),
-        IEEE=x.dtype == torch.float32)
+        IEEE=x.dtype == torch.float32, BY_TOKEN=by_token)
     return hp
 
 
 def expand(hp: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, scalings: torch.Tensor, bounds: list[int],
-           groups: SlotGroups, ranks: torch.Tensor, block_n: int | None = None) -> None:
-    """y[t, shard i's columns] += scalings[i, s] * (sum of hp's partials) @ B_i^T[s], in place (lora_b flat)."""
+           groups: SlotGroups, ranks: torch.Tensor, block_n: int | None = None, by_token: bool = False) -> None:
+    """y[t, shard i's columns] += scalings[i, s] * (sum of hp's partials) @ B_i^T[s], in place (lora_b flat); hp at
+    sorted positions, or by token (a LoRADelta's) with by_token."""
     split, t, nr = hp.shape
     num_slots, rank = ranks.shape[1], nr // (len(bounds) - 1)
     p = plan(t, num_slots, 0)
@@ -206,4 +219,10 @@ def expand(hp: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, scalings: to
             hp, b, y, groups.order, groups.starts, ranks, scalings, num_slots, rank, first, *cum, *cols,
             hp.stride(0), hp.stride(1), y.stride(0), y.stride(1), *ranks.stride(), *scalings.stride(),
             BLOCK_M=p["block_m"], BLOCK_N=block_n, BLOCK_R=_p2(rank, 16), SPLIT=split, S_P2=_p2(num_slots, 2),
-            IEEE=y.dtype == torch.float32, num_warps=EXPAND_WARPS)
+            IEEE=y.dtype == torch.float32, BY_TOKEN=by_token, num_warps=EXPAND_WARPS)
+
+
+def add_delta(d: LoRADelta, y: torch.Tensor) -> None:
+    """Triton version of lora_reference.add_delta: the expand launched on its own (the int4 matmul's dequantize +
+    cuBLAS path, which has no epilogue of ours)."""
+    expand(d.hp, y, d.lora_b, d.scalings, d.bounds, d.groups, d.ranks, by_token=True)

@@ -19,6 +19,7 @@ replay them with new contents.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -246,3 +247,52 @@ def _apply_uniform(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, shard
         bt = bt if bt.dtype == torch.float32 else bt.float()
         res = torch.bmm(h[:, :, i * rank:(i + 1) * rank], bt)  # (bmm + add_: 1.7x faster than baddbmm_ here)
         rows.narrow(1, bounds[i], bt.shape[2]).view(m, p, -1).add_(res)
+
+
+# ----------------------------------------------------------------------------------------------- fused expand
+@dataclass
+class LoRADelta:
+    """A merged layer's adapter products for one batch, ready to be expanded into the layer's output: what an int4
+    matmul adds in its epilogue (`gptq_matmul(..., lora=)`), so that the expand needs no launch of its own.
+
+    hp [P, T, n*R] float32: P partial sums (over slices of the input) of x[t] @ A[s]^T for every token t with slot
+    s = token_slots[t] >= 0, indexed by token (rows of slot -1 and rank padding are never read); lora_b, scalings,
+    ranks and bounds as in `lora_apply` (bounds[0] == 0); groups the batch's `SlotGroups` (for an expand launched
+    on its own when the matmul cannot add it, see `lora_ops.expand`)."""
+
+    hp: torch.Tensor
+    lora_b: torch.Tensor
+    token_slots: torch.Tensor
+    scalings: torch.Tensor
+    ranks: torch.Tensor
+    bounds: list[int]
+    groups: SlotGroups
+
+    @property
+    def rank(self) -> int:
+        return self.hp.shape[2] // (len(self.bounds) - 1)
+
+
+def lora_delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scalings: torch.Tensor,
+               bounds: list[int], groups: SlotGroups, ranks: torch.Tensor, token_slots: torch.Tensor) -> LoRADelta:
+    """Semantics: the shrink half of `lora_apply` (x [T, in] against every shard's A), kept for an expand that the
+    int4 matmul adds in its epilogue (`add_delta`); one partial sum (P = 1)."""
+    return LoRADelta(lora_shrink(x, lora_a, groups).unsqueeze(0), lora_b, token_slots, scalings, ranks,
+                     list(bounds), groups)
+
+
+def add_delta(delta: LoRADelta, y: torch.Tensor) -> None:
+    """Semantics: the expand half of `lora_apply` from a `LoRADelta`, in place: for every token t with slot
+    s >= 0 and shard i, y[t, bounds[i]:bounds[i+1]] += scalings[i, s] * h[t, i*R:(i+1)*R] @ Bt_i[s], with h the sum
+    of the P partials, computed in float32 and added in y's dtype."""
+    n, slots = len(delta.bounds) - 1, delta.scalings.shape[1]
+    rank, h = delta.rank, delta.hp.sum(0)
+    for i in range(n):
+        lo, hi = delta.bounds[i], delta.bounds[i + 1]
+        bt = delta.lora_b[slots * rank * lo:slots * rank * hi].view(slots, rank, hi - lo)
+        for s in delta.token_slots.unique().tolist():
+            if s < 0:
+                continue
+            rows = (delta.token_slots == s).nonzero().flatten()
+            part = h.index_select(0, rows)[:, i * rank:(i + 1) * rank] @ bt[s].float()
+            y[rows, lo:hi] = (y[rows, lo:hi].float() + part * delta.scalings[i, s]).to(y.dtype)

@@ -57,17 +57,25 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------- GPTQ
 def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                 g_idx: torch.Tensor, bits: int, zeros_v1: bool = True, group_size: int | None = None,
-                interleave: int = 1) -> torch.Tensor:
+                interleave: int = 1, bias: torch.Tensor | None = None, lora=None) -> torch.Tensor:
     """Semantics: y = x @ W^T with W[o, i] = (q[i, o] - z[g_idx[i], o]) * scales[g_idx[i], o], where q and z are the
     `bits`-wide values packed in qweight [in/pack, out] (along the input) and qzeros [groups, out/pack] (along the
     output), z stored minus one when zeros_v1, the product rounded to the scales' dtype (fp16) as GPTQ runtimes do;
     accumulated in float32, returned in x's dtype. x is [..., in], y [..., out]. `group_size` (optional) is a
     promise that g_idx[i] == i // group_size (-1: one group); it lets a kernel skip reading g_idx, never changes y.
-    `interleave` > 1: qweight's rows are in the interleaved layout of `packing.field_rows`."""
+    `interleave` > 1: qweight's rows are in the interleaved layout of `packing.field_rows`. Then, in x's dtype,
+    y += bias ([out]) when given, and y += the adapters' delta when `lora` (a `lora_reference.LoRADelta` of this
+    batch; x [T, in]) is given (`lora_reference.add_delta`): a kernel adds both in its epilogue."""
+    from .lora_reference import add_delta
     from .packing import deinterleave_rows, dequantize
     qweight = deinterleave_rows(qweight, bits, interleave)
     w = dequantize(qweight, qzeros, scales, g_idx, bits, zeros_v1, torch.float32)
-    return (x.float() @ w.t()).to(x.dtype)
+    y = (x.float() @ w.t()).to(x.dtype)
+    if bias is not None:
+        y.add_(bias)
+    if lora is not None:
+        add_delta(lora, y.view(-1, y.shape[-1]))
+    return y
 
 
 # ----------------------------------------------------------------------------------------------- paged KV

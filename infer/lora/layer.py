@@ -39,6 +39,9 @@ class LoRALayer:
         self.rank_t = torch.zeros(n, max_loras, dtype=torch.int32, device=device)
         self.ranks = [[0] * max_loras for _ in range(n)]  # ranks[shard][slot] on the host, 0 = not targeted
         self._plans: dict[tuple[int, ...], tuple[list[int], int]] = {}  # active slots -> (shards, rank)
+        # on the int4 kernel path the expand is added in the matmul's epilogue (`delta`), unless turned off
+        # (EngineConfig.lora_epilogue: the benchmark's comparison)
+        self.epilogue = True
 
     def set_slot(self, slot: int, modules: list[LoRAModule | None]) -> None:
         """Load one adapter's modules for this layer's shards (None = the adapter does not target that shard)."""
@@ -62,17 +65,29 @@ class LoRALayer:
     def targets(self, slot: int) -> bool:
         return any(r[slot] for r in self.ranks)
 
-    def apply(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> None:
-        """y[t] += sum over shards i of scaling_i * x[t] @ A_i[slot_t]^T @ B_i[slot_t]^T, in place."""
-        if batch.static:
-            self._apply_all(x, y, batch)
-            return
+    def delta(self, x: torch.Tensor, batch: LoRABatch):
+        """The shrink of every shard and slot (one launch), kept for the layer's int4 matmul to expand in its
+        epilogue (a kernels.lora_reference.LoRADelta); None when no active adapter targets this layer."""
+        if not batch.static and not self._plan(batch)[0]:
+            return None
+        return kernels.lora_delta(x, self.lora_a, self.lora_bt, self.scalings, self.bounds, batch.groups,
+                                  self.rank_t, batch.token_slots)
+
+    def _plan(self, batch: LoRABatch) -> tuple[list[int], int]:
+        """(the shards some active adapter targets, the largest rank among them), cached per set of slots."""
         plan = self._plans.get(batch.active_slots)
         if plan is None:
             shards = [i for i, ranks in enumerate(self.ranks) if any(ranks[s] for s in batch.active_slots)]
             rank = max((self.ranks[i][s] for i in shards for s in batch.active_slots), default=0)
             plan = self._plans[batch.active_slots] = (shards, rank)
-        shards, rank = plan
+        return plan
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> None:
+        """y[t] += sum over shards i of scaling_i * x[t] @ A_i[slot_t]^T @ B_i[slot_t]^T, in place."""
+        if batch.static:
+            self._apply_all(x, y, batch)
+            return
+        shards, rank = self._plan(batch)
         if not shards:
             return
         if kernels.use_triton(y) or (len(shards) == len(self.out_sizes) and rank == self.max_rank):

@@ -7,7 +7,9 @@ index of the HF projection inside the merged layer (0 for a plain layer). After 
 calls `layer.finish_loading()`, where a method may repack weights to its kernel's preferred layout.
 
 LoRA: the LoRA manager may set `layer.lora` to an object with `apply(x, y, ctx)` that adds the adapters'
-contribution to `y` in place, for the per-token adapter slots described by the forward context.
+contribution to `y` in place, for the per-token adapter slots described by the forward context. When the linear
+method can add it in its own kernel (`method.fuses_lora(layer)`: the int4 kernels' epilogue) and the hook allows
+it (`lora.epilogue`), the hook's `delta(x, ctx)` (the shrink) goes to `method.apply(layer, x, lora=delta)` instead.
 """
 
 from __future__ import annotations
@@ -104,9 +106,13 @@ class MergedLinear(nn.Module):
         self.method.finish_loading(self)
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
+        batch = getattr(ctx, "lora", None) if self.lora is not None else None
+        if batch is None:
+            return self.method.apply(self, x)
+        if self.lora.epilogue and getattr(self.method, "fuses_lora", None) and self.method.fuses_lora(self):
+            return self.method.apply(self, x, lora=self.lora.delta(x, batch))
         y = self.method.apply(self, x)
-        if self.lora is not None and ctx is not None and getattr(ctx, "lora", None) is not None:
-            self.lora.apply(x, y, ctx.lora)
+        self.lora.apply(x, y, batch)
         return y
 
     def dequantized_weight(self) -> torch.Tensor:

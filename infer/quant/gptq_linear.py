@@ -134,14 +134,21 @@ class GPTQLinearMethod:
         layer.gptq_interleave = gptq_configs.interleave_for(gs, k, self.config.pack)
         layer.qweight = packing.interleave_rows(layer.qweight, self.config.bits, layer.gptq_interleave)
 
-    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+    def fuses_lora(self, layer) -> bool:
+        """The int4 kernels add a LoRADelta in their epilogue (`apply(..., lora=)`); the dequantized CPU path does
+        not."""
+        return layer.weight is None
+
+    def apply(self, layer, x: torch.Tensor, lora=None) -> torch.Tensor:
+        """y = x W^T + b; with `lora` (a kernels.lora_reference.LoRADelta of x, kernel path only) plus the
+        adapters' delta, which the int4 kernel adds in its epilogue with the bias."""
         if layer.weight is not None:
             return cpu_gemm.linear(x, layer.weight, layer.bias, layer.packed_weight)
         if layer.act_perm is not None:
             x = x.index_select(-1, layer.act_perm)
-        y = kernels.gptq_matmul(x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx, self.config.bits,
-                                self.config.zeros_v1, layer.gptq_group_size, layer.gptq_interleave)
-        return y if layer.bias is None else y.add_(layer.bias)
+        return kernels.gptq_matmul(x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx, self.config.bits,
+                                   self.config.zeros_v1, layer.gptq_group_size, layer.gptq_interleave,
+                                   bias=layer.bias, lora=lora)
 
     def dequantized_weight(self, layer) -> torch.Tensor:
         """The float weight [out, in] in the checkpoint's input order (whatever layout the kernel uses)."""
