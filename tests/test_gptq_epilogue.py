@@ -59,16 +59,18 @@ def _case(g, outs, m, dtype, num_slots=5, max_rank=16):
 
 @pytest.mark.parametrize("regime", list(REGIMES))
 @pytest.mark.parametrize("outs", SHARDS, ids=lambda o: "x".join(map(str, o)))
-def test_bias_and_lora_delta_in_the_epilogue(gemm, ops, gen, regime, outs):
+def test_bias_and_lora_delta_in_the_epilogue(gemm, ops, gen, regime, outs, monkeypatch):
     g = gen
     lo, hi = REGIMES[regime]
     m = int(torch.randint(lo, hi, (1,), generator=g))
-    for dtype in (torch.float32, torch.float16):
+    for dtype, k_per_program in ((torch.float32, ops.K_PER_PROGRAM), (torch.float16, 32)):
+        monkeypatch.setattr(ops, "K_PER_PROGRAM", k_per_program)  # fp16: the shrink in several partial sums
         x, (qw, qz, s, gi), qwi, wp, a, b, scal, ranks, bounds, slots, bias = _case(g, outs, m, dtype)
         groups = lora_groups(slots, scal.shape[1])
         want = ref.gptq_matmul(x, qw, qz, s, gi, 4, True).add_(bias)
         lref.lora_apply(x, want, a, b, scal, bounds, groups, ranks)
         delta = ops.delta(x, a, b, scal, bounds, groups, ranks, slots)
+        assert (delta.hp.shape[0] > 1) == (dtype == torch.float16)
         cfg = CONFIGS[regime]
         base = gemm.gptq_matmul(x, qwi, qz, s, gi, 4, True, 32, wp, config=cfg, bias=bias)
         got = gemm.gptq_matmul(x, qwi, qz, s, gi, 4, True, 32, wp, config=cfg, bias=bias, lora=delta)
@@ -81,6 +83,26 @@ def test_bias_and_lora_delta_in_the_epilogue(gemm, ops, gen, regime, outs):
         cpu = ref.gptq_matmul(x, qw, qz, s, gi, 4, True, bias=bias, lora=lref.lora_delta(
             x, a, b, scal, bounds, groups, ranks, slots))
         assert_close(cpu, want, dtype, g, what + " (reference)")
+
+
+def test_which_kernels_add_the_expand_in_their_epilogue(gemm):
+    """True: every kernel that compiles it well (gemv, mma up to 32 rows); None (the default): only where the
+    epilogue's walk over the tile's adapters is short (one row, or at most two chunks of 16 slot-rank rows)."""
+    def delta(fuse, slots, rank, shards=3):
+        return lref.LoRADelta(torch.zeros(1, 1, shards * rank), None, None, torch.zeros(shards, slots), None,
+                              list(range(shards + 1)), None, fuse)
+    gemv, rows4, mma16 = dict(BLOCK_M=1), dict(BLOCK_M=4), dict(BLOCK_M=16)
+    mma32, mma64 = dict(BLOCK_M=32), dict(BLOCK_M=64)
+    cases = [("gemv", gemv, True, 16, 16, True), ("mma", mma16, True, 16, 16, True),
+             ("mma", mma32, True, 16, 16, True), ("mma", mma64, True, 16, 16, False),
+             ("mmat", mma16, True, 1, 16, False), ("gemv", gemv, None, 16, 64, True),
+             ("gemv", rows4, None, 16, 16, False), ("mma", mma16, None, 16, 16, False),
+             ("mma", mma16, None, 1, 32, True), ("mma", mma16, None, 2, 16, True), ("mma", mma16, None, 1, 48, False),
+             ("mma", mma16, True, 1, 16, True)]
+    for kind, cfg, fuse, slots, rank, want in cases:
+        assert gemm.fuses_lora(kind, cfg, delta(fuse, slots, rank)) is want, (kind, cfg, fuse, slots, rank)
+    assert not gemm.fuses_lora("mma", mma16, delta(True, 1, 16, shards=4))  # more shards than the epilogue takes
+    assert not gemm.fuses_lora("gemv", gemv, None)
 
 
 def test_a_delta_for_other_rows_is_refused(gemm, ops, gen):

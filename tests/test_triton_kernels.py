@@ -173,6 +173,31 @@ def test_rotary_on_qkv_slices(ops, gen, dtype, head_dim, rot_dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim,rot_dim,block_size", [(16, 16, 4), (24, 12, 16)])
+def test_rotary_store_kv_writes_the_rotated_k_and_v_into_their_slots(ops, gen, dtype, head_dim, rot_dim, block_size):
+    """One launch: q rotated (returned), k rotated and v written into the cache slots (padding slots -1 untouched,
+    the cache NaN elsewhere); bit for bit the reference's rotary_embedding then store_kv."""
+    t, hq, hk, num_blocks = 11, 6, 2, 5
+    qkv = rand(gen, t, (hq + 2 * hk) * head_dim, dtype=dtype)
+    q, k, v = qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)  # strided views, as the model
+    cache = rand(gen, 50, rot_dim)
+    pos = torch.randint(0, 50, (t,), generator=gen).to(DEV)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:t]
+    slots[torch.tensor([0, 4, 10])] = -1
+    caches = [torch.full((num_blocks, block_size, hk, head_dim), float("nan"), dtype=dtype, device=DEV)
+              for _ in range(2)]
+    want = [c.cpu().clone() for c in caches]
+    before = qkv.clone()
+    got_q = ops[0].rotary_store_kv(pos, q, k, v, cache, head_dim, *caches, slots.to(DEV))
+    want_q = ref.rotary_store_kv(pos.cpu(), q.cpu(), k.cpu(), v.cpu(), cache.cpu(), head_dim, *want, slots)
+    assert_close(got_q, want_q, dtype, gen, "q")
+    for got, exp, name in zip(caches, want, "kv"):
+        assert torch.equal(got.cpu().isnan(), exp.isnan()), name
+        assert_close(got.cpu().nan_to_num(), exp.nan_to_num(), dtype, gen, name)
+    assert torch.equal(qkv, before), "inputs must not be modified"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_silu_and_mul(ops, gen, dtype):
     x = rand(gen, 6, 2 * 40, dtype=dtype) * 3
     assert_close(ops[0].silu_and_mul(x), ref.silu_and_mul(x.cpu()), dtype, gen)

@@ -34,17 +34,17 @@ from .e2e_models import SHAPES, build_model, dtype_label, hf_config, make_tokeni
 from .e2e_report import result_row, run_notes, write_tables
 from .roofline import copy_bandwidth, decode_roofline, lora_bytes_per_adapter, weight_bytes_per_step
 
-LAUNCHED = "expand launched"  # the mode label of --compare-lora-epilogue
+EPILOGUE = "expand in epilogue"  # the mode label of --compare-lora-epilogue
 
 
 # ----------------------------------------------------------------------------------------------- engines
 def build_engine(model, model_config, tokenizer, device, adapters: dict[str, str], rank: int, concurrency: int,
                  max_len: int, eager: bool = False, slots: int | None = None, batched_tokens: int = 4096,
-                 lora_epilogue: bool = True):
+                 lora_epilogue: bool | None = None):
     """An LLMEngine over an in-memory model (decode CUDA graphs unless `eager`); `slots` GPU adapter slots (default:
     one per adapter; fewer makes the engine swap adapters, counted in stats()["lora_swaps"]); `batched_tokens` the
-    most tokens in one step (longer prompts are prefilled in chunks); `lora_epilogue` False launches every LoRA
-    expand on its own instead of adding it in the int4 matmul's epilogue (EngineConfig.lora_epilogue)."""
+    most tokens in one step (longer prompts are prefilled in chunks); `lora_epilogue` True adds every LoRA expand
+    in the int4 matmul's epilogue wherever the kernel can (EngineConfig.lora_epilogue; None: where it is cheap)."""
     slots = max(1, slots or len(adapters))
     from ..engine import llm_engine
     from ..engine.config import EngineConfig
@@ -172,7 +172,7 @@ def bench_model(name: str, args, bandwidth: float, device: str = "cuda", dtype: 
 def engine_modes(run: ShapeRun, tmp: Path) -> list[tuple[str, dict[str, str], bool]]:
     """(lora label, adapters, eager) of each engine to run: without adapters (graphs, and eagerly too with
     --compare-eager), then with the random adapters written to `tmp` (and through fewer slots with --max-loras, and
-    with every expand launched on its own with --compare-lora-epilogue)."""
+    with every expand in the int4 matmul's epilogue with --compare-lora-epilogue)."""
     args = run.args
     modes = [("none", {}, args.eager)] + ([("none", {}, True)] if args.compare_eager and not args.eager else [])
     if args.num_adapters:
@@ -181,7 +181,7 @@ def engine_modes(run: ShapeRun, tmp: Path) -> list[tuple[str, dict[str, str], bo
         if args.max_loras and args.max_loras < len(adapters):
             modes.append((f"{len(adapters)} mixed r{args.rank} via {args.max_loras} slots", adapters, args.eager))
         if args.compare_lora_epilogue and not args.fp16:
-            modes.append((f"{len(adapters)} mixed r{args.rank}, {LAUNCHED}", adapters, args.eager))
+            modes.append((f"{len(adapters)} mixed r{args.rank}, {EPILOGUE}", adapters, args.eager))
     return modes
 
 
@@ -203,7 +203,7 @@ def infer_row(run: ShapeRun, model, label: str, weight_bytes: int, lora: str, ad
     args, b = run.args, run.batch
     slots = args.max_loras if "slots" in lora else None
     engine = build_engine(model, run.model_config, run.tokenizer, run.device, adapters, args.rank, b, run.max_len,
-                          eager, slots, lora_epilogue=LAUNCHED not in lora)
+                          eager, slots, lora_epilogue=True if EPILOGUE in lora else None)
     engine.warm_kernels()  # compiles every kernel path (prefix-cached prefill too) before anything is timed
     names = list(adapters)
     roof = run.roofline(weight_bytes, lora_bytes_per_adapter(model) if names else 0, min(len(names), b))
@@ -268,8 +268,8 @@ def parse_args(argv=None):
     p.add_argument("--eager", action="store_true", help="infer without decode CUDA graphs")
     p.add_argument("--compare-eager", action="store_true", help="also run infer --eager without adapters")
     p.add_argument("--compare-lora-epilogue", action="store_true",
-                   help="also run the mixed adapters with every LoRA expand launched on its own, not in the int4 "
-                        "matmul's epilogue")
+                   help="also run the mixed adapters with every LoRA expand added in the int4 matmul's epilogue "
+                        "wherever the kernel can (by default only where that is cheap: one row or few slots)")
     p.add_argument("--profile", action="store_true",
                    help="also profile one prefill and 20 decode steps of each engine (host vs GPU-busy time)")
     return p.parse_args(argv)

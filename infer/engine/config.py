@@ -95,9 +95,10 @@ class EngineConfig:
     # API only: prepare and hand out step n's results while step n+1 runs on the device (None: on for CUDA, off on
     # CPU, where one processor does both and nothing can overlap)
     overlap: bool | None = None
-    # API only: on the int4 kernel path, add every adapter's expand in the matmul's epilogue (no launch of its own);
-    # False launches it separately after the matmul (the benchmark's comparison, gpu_e2e --compare-lora-epilogue)
-    lora_epilogue: bool = True
+    # API only: on the int4 kernel path, whether the LoRA expand is added in the int4 matmul's epilogue (no launch
+    # of its own): None where that is cheap (one row, or few slots: kernels.gptq_gemm.fuses_lora), True wherever the
+    # kernel can, False never (gpu_e2e --compare-lora-epilogue runs the mixed adapters with True)
+    lora_epilogue: bool | None = None
     memory_limit: int | None = option(None, "CPU memory budget for weights, activations and KV cache, e.g. 8GB "
                                             "(default: half the available RAM).", cli_type=str)
     gpu_memory_utilization: float = option(0.90, "Fraction of the GPU's memory the engine may use, in (0, 1].")

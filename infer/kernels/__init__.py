@@ -53,6 +53,13 @@ def silu_and_mul(x):
     return reference.silu_and_mul(x)
 
 
+def rotary_store_kv(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache, slot_mapping):
+    if use_triton(q):
+        return _triton("fused").rotary_store_kv(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache,
+                                                slot_mapping)
+    return reference.rotary_store_kv(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache, slot_mapping)
+
+
 def store_kv(k, v, k_cache, v_cache, slot_mapping):
     if use_triton(k_cache):
         return _triton("fused").store_kv(k, v, k_cache, v_cache, slot_mapping)
@@ -84,11 +91,11 @@ def lora_apply(x, y, lora_a, lora_b, scalings, bounds, groups, ranks=None):
     return lora_reference.lora_apply(x, y, lora_a, lora_b, scalings, bounds, groups, ranks)
 
 
-def lora_delta(x, lora_a, lora_b, scalings, bounds, groups, ranks, token_slots):
+def lora_delta(x, lora_a, lora_b, scalings, bounds, groups, ranks, token_slots, fuse=True):
     """The shrink half of lora_apply, kept for the int4 matmul to expand in its epilogue (gptq_matmul's lora)."""
     if use_triton(x):
-        return _triton("lora_ops").delta(x, lora_a, lora_b, scalings, bounds, groups, ranks, token_slots)
-    return lora_reference.lora_delta(x, lora_a, lora_b, scalings, bounds, groups, ranks, token_slots)
+        return _triton("lora_ops").delta(x, lora_a, lora_b, scalings, bounds, groups, ranks, token_slots, fuse)
+    return lora_reference.lora_delta(x, lora_a, lora_b, scalings, bounds, groups, ranks, token_slots, fuse)
 
 
 def gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1=True, group_size=None, interleave=1, bias=None,

@@ -1,7 +1,9 @@
-"""Triton versions of the small per-token ops: rms_norm (+ residual add), rotary embedding, silu_and_mul, store_kv.
+"""Triton versions of the small per-token ops: rms_norm (+ residual add), rotary embedding (alone, or with k and v
+written straight into the KV cache: rotary_store_kv), silu_and_mul, store_kv.
 
 Same signatures and semantics as their references in `reference.py`: like them, every op returns new tensors
-(inputs are never modified) except store_kv, which writes into the caches. One program per token (row).
+(inputs are never modified) except store_kv and rotary_store_kv, which write into the caches. One program per token
+(row).
 """
 
 from __future__ import annotations
@@ -58,37 +60,66 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 # ----------------------------------------------------------------------------------------------- rotary
 @triton.jit
-def _rotate_heads(x_ptr, o_ptr, cos, sin, s_x, s_o, tok, heads,
-                  HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
-                  PASS: tl.constexpr, BLOCK_P: tl.constexpr):
+def _rotate_heads(src, dst, cos, sin, heads, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_R: tl.constexpr, PASS: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Rotate the `heads` heads of one row (src: its first element) into dst, rounded to src's dtype first (as the
+    reference returns them), then stored in dst's (the KV cache's, when dst is a cache slot)."""
     h = tl.arange(0, BLOCK_H)
     r = tl.arange(0, BLOCK_R)
     mask = (h[:, None] < heads) & (r[None, :] < HALF)
-    src = x_ptr + tok * s_x + h[:, None] * HEAD_DIM + r[None, :]
-    dst = o_ptr + tok * s_o + h[:, None] * HEAD_DIM + r[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    ty = o_ptr.dtype.element_ty
-    tl.store(dst, (x1 * cos[None, :] - x2 * sin[None, :]).to(ty), mask=mask)
-    tl.store(dst + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(ty), mask=mask)
+    x_at = src + h[:, None] * HEAD_DIM + r[None, :]
+    o_at = dst + h[:, None] * HEAD_DIM + r[None, :]
+    x1 = tl.load(x_at, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_at + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(o_at, (x1 * cos[None, :] - x2 * sin[None, :]).to(src.dtype.element_ty).to(dst.dtype.element_ty),
+             mask=mask)
+    tl.store(o_at + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(src.dtype.element_ty).to(dst.dtype.element_ty),
+             mask=mask)
     if PASS > 0:  # dims past rot_dim pass through
         p = tl.arange(0, BLOCK_P)
         pmask = (h[:, None] < heads) & (p[None, :] < PASS)
         off = h[:, None] * HEAD_DIM + 2 * HALF + p[None, :]
-        tl.store(o_ptr + tok * s_o + off, tl.load(x_ptr + tok * s_x + off, mask=pmask, other=0.0), mask=pmask)
+        tl.store(dst + off, tl.load(src + off, mask=pmask, other=0.0).to(dst.dtype.element_ty), mask=pmask)
 
 
 @triton.jit
 def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cache_ptr, s_q, s_k, s_qo, s_ko, s_c, hq, hk,
+                   v_ptr, vc_ptr, slot_ptr, s_v, s_row, kv_width,
                    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                   BLOCK_R: tl.constexpr, PASS: tl.constexpr, BLOCK_P: tl.constexpr):
+                   BLOCK_R: tl.constexpr, PASS: tl.constexpr, BLOCK_P: tl.constexpr, KV: tl.constexpr = False,
+                   BLOCK_KV: tl.constexpr = 16):
+    """One token: q rotated into qo; k rotated into ko, or with KV into the token's KV-cache slot (ko_ptr / vc_ptr:
+    the caches as rows of kv_width = Hk * D elements, s_row apart), with v copied beside it (slot -1: no write)."""
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     r = tl.arange(0, BLOCK_R)
     cos = tl.load(cache_ptr + pos * s_c + r, mask=r < HALF, other=0.0).to(tl.float32)
     sin = tl.load(cache_ptr + pos * s_c + HALF + r, mask=r < HALF, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr, qo_ptr, cos, sin, s_q, s_qo, tok, hq, HEAD_DIM, HALF, BLOCK_HQ, BLOCK_R, PASS, BLOCK_P)
-    _rotate_heads(k_ptr, ko_ptr, cos, sin, s_k, s_ko, tok, hk, HEAD_DIM, HALF, BLOCK_HK, BLOCK_R, PASS, BLOCK_P)
+    _rotate_heads(q_ptr + tok * s_q, qo_ptr + tok * s_qo, cos, sin, hq, HEAD_DIM, HALF, BLOCK_HQ, BLOCK_R, PASS,
+                  BLOCK_P)
+    if KV:
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
+        if slot >= 0:
+            _rotate_heads(k_ptr + tok * s_k, ko_ptr + slot * s_row, cos, sin, hk, HEAD_DIM, HALF, BLOCK_HK, BLOCK_R,
+                          PASS, BLOCK_P)
+            c = tl.arange(0, BLOCK_KV)
+            val = tl.load(v_ptr + tok * s_v + c, mask=c < kv_width)
+            tl.store(vc_ptr + slot * s_row + c, val.to(vc_ptr.dtype.element_ty), mask=c < kv_width)
+    else:
+        _rotate_heads(k_ptr + tok * s_k, ko_ptr + tok * s_ko, cos, sin, hk, HEAD_DIM, HALF, BLOCK_HK, BLOCK_R, PASS,
+                      BLOCK_P)
+
+
+def _rotary_args(q, k, cos_sin_cache, head_dim, t):
+    q2, k2 = _rows(q, q.numel() // t), _rows(k, k.numel() // t)
+    half = cos_sin_cache.shape[-1] // 2
+    hq, hk = q2.shape[1] // head_dim, k2.shape[1] // head_dim
+    cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    passthrough = head_dim - 2 * half
+    consts = dict(HEAD_DIM=head_dim, HALF=half, BLOCK_HQ=triton.next_power_of_2(hq),
+                  BLOCK_HK=triton.next_power_of_2(hk), BLOCK_R=triton.next_power_of_2(half), PASS=passthrough,
+                  BLOCK_P=triton.next_power_of_2(max(passthrough, 1)))
+    return q2, k2, hq, hk, cache, consts
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -99,17 +130,35 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if t == 0:
         return q_out, k_out
-    q2, k2 = _rows(q, q.numel() // t), _rows(k, k.numel() // t)
-    half = cos_sin_cache.shape[-1] // 2
-    hq, hk = q2.shape[1] // head_dim, k2.shape[1] // head_dim
-    cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
-    passthrough = head_dim - 2 * half
-    _rotary_kernel[(t,)](positions, q2, k2, q_out.view(t, -1), k_out.view(t, -1), cache, q2.stride(0), k2.stride(0),
-                         q_out.view(t, -1).stride(0), k_out.view(t, -1).stride(0), cache.stride(0), hq, hk,
-                         HEAD_DIM=head_dim, HALF=half, BLOCK_HQ=triton.next_power_of_2(hq),
-                         BLOCK_HK=triton.next_power_of_2(hk), BLOCK_R=triton.next_power_of_2(half),
-                         PASS=passthrough, BLOCK_P=triton.next_power_of_2(max(passthrough, 1)))
+    q2, k2, hq, hk, cache, consts = _rotary_args(q, k, cos_sin_cache, head_dim, t)
+    qo, ko = q_out.view(t, -1), k_out.view(t, -1)
+    _rotary_kernel[(t,)](positions, q2, k2, qo, ko, cache, q2.stride(0), k2.stride(0), qo.stride(0), ko.stride(0),
+                         cache.stride(0), hq, hk, q2, qo, positions, 0, 0, 0, **consts)
     return q_out, k_out
+
+
+def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    cos_sin_cache: torch.Tensor, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Triton version of reference.rotary_store_kv: one launch rotates q (returned) and writes the rotated k and v
+    straight into their KV-cache slots (two launches and a k round trip through memory fewer than rotary_embedding
+    then store_kv). The caches must be contiguous [num_blocks, block_size, Hk, D]."""
+    t = q.shape[0]
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if t == 0:
+        return q_out
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("rotary_store_kv needs contiguous KV caches")
+    q2, k2, hq, hk, cache, consts = _rotary_args(q, k, cos_sin_cache, head_dim, t)
+    v2 = _rows(v, v.numel() // t)
+    width = hk * head_dim
+    if k_cache.shape[-2] * k_cache.shape[-1] != width or v2.shape[1] != width:
+        raise ValueError(f"k/v of {hk} heads x {head_dim} do not match the cache's {tuple(k_cache.shape[-2:])}")
+    qo = q_out.view(t, -1)
+    _rotary_kernel[(t,)](positions, q2, k2, qo, k_cache, cache, q2.stride(0), k2.stride(0), qo.stride(0), 0,
+                         cache.stride(0), hq, hk, v2, v_cache, slot_mapping, v2.stride(0), width, width, KV=True,
+                         BLOCK_KV=triton.next_power_of_2(width), **consts)
+    return q_out
 
 
 # ----------------------------------------------------------------------------------------------- silu_and_mul

@@ -65,17 +65,30 @@ def _locks(device: torch.device, tiles: int) -> torch.Tensor:
 
 MAX_LORA_SHARDS = 3  # shards whose LoRA expand the epilogue adds (a merged qkv has 3); more: a separate launch
 MAX_LORA_ROWS = 32  # the tallest mma tile whose epilogue adds the expand
+SHORT_WALK = 2  # chunks of 16 (slot, rank) rows a tile may walk per shard for the automatic choice (fuse None)
 
 
 def fuses_lora(kind: str, cfg: dict, lora) -> bool:
     """Whether the kernel `cfg` adds this LoRADelta in its epilogue; else an expand launch adds it after the matmul.
-    Where the compiled code says the epilogue is free (Triton 3.6, sm_90, `scripts/kernel-sass --loop "SPEC lora"`):
-    `gemv` and `mma` tiles of up to 32 rows keep their main loop and registers (mma PAIRS 16 x 128: 464 -> 464
-    instructions per K step, 127 -> 128 registers; 32 x 128: 577 -> 575, 168 -> 168). Not `mmat` (its main loop
-    grows 466 -> 535) nor taller tiles (their epilogue would need 255 registers and a stack)."""
-    if lora is None or len(lora.bounds) - 1 > MAX_LORA_SHARDS:
+
+    Where the compiled code says the epilogue costs the main loop nothing (Triton 3.6, sm_90, `scripts/kernel-sass
+    --loop "SPEC lora"`): `gemv` and `mma` tiles of up to 32 rows keep their main loop and registers (mma PAIRS 16 x
+    128: 464 -> 464 instructions per K step, 127 -> 128 registers; 32 x 128: 577 -> 575, 168 -> 168). Not `mmat` (its
+    main loop grows 466 -> 535) nor taller tiles (their epilogue would need 255 registers and a stack).
+
+    The epilogue walks the tile's slots one chunk of 16 (slot, rank) rows after the other, each chunk's B load
+    waiting for the one before: about one memory latency per chunk, against the expand launch's many programs
+    that each read one slot at once. So by default (`lora.fuse` None) it is used only where the walk is short: a
+    one-row gemv (one adapter per tile), or at most SHORT_WALK chunks over all the slots (one adapter of rank up to
+    32, two up to 16); `fuse` True uses it wherever it compiles well (the benchmark's comparison)."""
+    if lora is None or len(lora.bounds) - 1 > MAX_LORA_SHARDS or lora.fuse is False:
         return False
-    return kind == "gemv" or (kind == "mma" and cfg.get("BLOCK_M", 16) <= MAX_LORA_ROWS)
+    one_row = kind == "gemv" and cfg.get("BLOCK_M", 1) == 1
+    can = kind == "gemv" or (kind == "mma" and cfg.get("BLOCK_M", 16) <= MAX_LORA_ROWS)
+    if lora.fuse is None:
+        walk = lora.scalings.shape[1] * -(-lora.rank // 16)
+        return one_row or (can and walk <= SHORT_WALK)
+    return can
 
 
 def _epilogue_args(y, bias, lora, m: int, n: int, block_m: int, block_n: int) -> tuple[tuple, dict]:

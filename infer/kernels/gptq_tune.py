@@ -313,7 +313,7 @@ def compile_model(model, max_tokens: int, dtype: torch.dtype, workers: int | Non
         cfg = mod.method.config
         k, n = mod.qweight.shape[0] * (32 // cfg.bits), mod.qweight.shape[1]
         hook = getattr(mod, "lora", None)
-        loras = [None] + ([hook] if hook is not None and hook.epilogue else [])
+        loras = [None] + ([hook] if hook is not None and hook.epilogue is not False else [])
         for lora in loras:
             lkey = None if lora is None else (lora.lora_a.shape[0], lora.max_rank, len(lora.bounds))
             key = (n, k, cfg.bits, cfg.zeros_v1, mod.gptq_group_size, mod.gptq_interleave, mod.bias is not None, lkey)
@@ -334,7 +334,7 @@ def compile_model(model, max_tokens: int, dtype: torch.dtype, workers: int | Non
         if lora is None:
             return None
         part = hp[:, :r, :lora.lora_a.shape[1]].contiguous() if widest != lora.lora_a.shape[1] else hp[:, :r]
-        return LoRADelta(part, lora.lora_bt, slots[:r], lora.scalings, lora.rank_t, lora.bounds, None)
+        return LoRADelta(part, lora.lora_bt, slots[:r], lora.scalings, lora.rank_t, lora.bounds, None, lora.epilogue)
 
     return compile_parallel(lambda mod=mod, cfg=cfg, r=r, k=k, lora=lora: gptq_gemm.gptq_matmul(
         buf[:r * k].view(r, k), mod.qweight, mod.qzeros, mod.scales, mod.g_idx, cfg.bits, cfg.zeros_v1,

@@ -178,11 +178,11 @@ def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: t
 
 
 def delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scalings: torch.Tensor, bounds: list[int],
-          groups: SlotGroups, ranks: torch.Tensor, token_slots: torch.Tensor) -> LoRADelta:
+          groups: SlotGroups, ranks: torch.Tensor, token_slots: torch.Tensor, fuse: bool | None = True) -> LoRADelta:
     """Triton version of lora_reference.lora_delta: the shrink launch alone, its partials stored by token, for the
     int4 matmul to expand in its epilogue (`gptq_matmul(..., lora=)`: the layer's expand costs no launch)."""
     hp = shrink(x, lora_a, len(bounds) - 1, groups, ranks, by_token=True)
-    return LoRADelta(hp, lora_b, token_slots, scalings, ranks, list(bounds), groups)
+    return LoRADelta(hp, lora_b, token_slots, scalings, ranks, list(bounds), groups, fuse)
 
 
 def shrink(x: torch.Tensor, lora_a: torch.Tensor, n: int, groups: SlotGroups, ranks: torch.Tensor,

@@ -258,7 +258,9 @@ class LoRADelta:
     hp [P, T, n*R] float32: P partial sums (over slices of the input) of x[t] @ A[s]^T for every token t with slot
     s = token_slots[t] >= 0, indexed by token (rows of slot -1 and rank padding are never read); lora_b, scalings,
     ranks and bounds as in `lora_apply` (bounds[0] == 0); groups the batch's `SlotGroups` (for an expand launched
-    on its own when the matmul cannot add it, see `lora_ops.expand`)."""
+    on its own when the matmul cannot add it, see `lora_ops.expand`). `fuse`: True adds it in the epilogue of every
+    kernel that can (`gptq_gemm.fuses_lora`), None only where the epilogue's walk over the tile's adapters is short
+    (one row, or few slots): never changes the result, only which kernel adds it."""
 
     hp: torch.Tensor
     lora_b: torch.Tensor
@@ -267,6 +269,7 @@ class LoRADelta:
     ranks: torch.Tensor
     bounds: list[int]
     groups: SlotGroups
+    fuse: bool | None = True
 
     @property
     def rank(self) -> int:
@@ -274,11 +277,12 @@ class LoRADelta:
 
 
 def lora_delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scalings: torch.Tensor,
-               bounds: list[int], groups: SlotGroups, ranks: torch.Tensor, token_slots: torch.Tensor) -> LoRADelta:
+               bounds: list[int], groups: SlotGroups, ranks: torch.Tensor, token_slots: torch.Tensor,
+               fuse: bool | None = True) -> LoRADelta:
     """Semantics: the shrink half of `lora_apply` (x [T, in] against every shard's A), kept for an expand that the
     int4 matmul adds in its epilogue (`add_delta`); one partial sum (P = 1)."""
     return LoRADelta(lora_shrink(x, lora_a, groups).unsqueeze(0), lora_b, token_slots, scalings, ranks,
-                     list(bounds), groups)
+                     list(bounds), groups, fuse)
 
 
 def add_delta(delta: LoRADelta, y: torch.Tensor) -> None:

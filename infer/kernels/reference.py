@@ -78,6 +78,17 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
     return y
 
 
+def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    cos_sin_cache: torch.Tensor, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Semantics: rotary_embedding of q and k, then store_kv of the rotated k and v ([T, Hk, D] views of k and v);
+    returns the rotated q (the attention reads k and v from the cache)."""
+    q, k = rotary_embedding(positions, q, k, cos_sin_cache, head_dim)
+    t = q.shape[0]
+    store_kv(k.reshape(t, -1, head_dim), v.reshape(t, -1, head_dim), k_cache, v_cache, slot_mapping)
+    return q
+
+
 # ----------------------------------------------------------------------------------------------- paged KV
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:

@@ -39,9 +39,9 @@ class LoRALayer:
         self.rank_t = torch.zeros(n, max_loras, dtype=torch.int32, device=device)
         self.ranks = [[0] * max_loras for _ in range(n)]  # ranks[shard][slot] on the host, 0 = not targeted
         self._plans: dict[tuple[int, ...], tuple[list[int], int]] = {}  # active slots -> (shards, rank)
-        # on the int4 kernel path the expand is added in the matmul's epilogue (`delta`), unless turned off
-        # (EngineConfig.lora_epilogue: the benchmark's comparison)
-        self.epilogue = True
+        # on the int4 kernel path the expand may be added in the matmul's epilogue (`delta`): None where the kernel
+        # finds it cheap (gptq_gemm.fuses_lora), True wherever it can, False never (EngineConfig.lora_epilogue)
+        self.epilogue: bool | None = None
 
     def set_slot(self, slot: int, modules: list[LoRAModule | None]) -> None:
         """Load one adapter's modules for this layer's shards (None = the adapter does not target that shard)."""
@@ -71,7 +71,7 @@ class LoRALayer:
         if not batch.static and not self._plan(batch)[0]:
             return None
         return kernels.lora_delta(x, self.lora_a, self.lora_bt, self.scalings, self.bounds, batch.groups,
-                                  self.rank_t, batch.token_slots)
+                                  self.rank_t, batch.token_slots, self.epilogue)
 
     def _plan(self, batch: LoRABatch) -> tuple[list[int], int]:
         """(the shards some active adapter targets, the largest rank among them), cached per set of slots."""

@@ -54,11 +54,9 @@ class Attention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, self.q_size)
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
-        q, k = kernels.rotary_embedding(positions, q, k, cos_sin, self.head_dim)
+        q = kernels.rotary_store_kv(positions, q, k, v, cos_sin, self.head_dim, self.k_cache, self.v_cache,
+                                    ctx.slot_mapping)  # one launch on the GPU: q rotated, k rotated and v cached
         q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        kernels.store_kv(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         o = kernels.paged_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.seq_lens,
                                     ctx.query_start_loc, self.scale, ctx.max_query_len)
         return self.o_proj(o.reshape(t, self.q_size), ctx)
