@@ -88,3 +88,17 @@ def dequantized_float_model(float_dir, gptq_dir):
             elif name in state:
                 state[name].copy_(t.float())
     return model.eval()
+
+
+def int4_kernel_path(monkeypatch) -> None:
+    """Every LLM built after this call runs its GPU code path on CPU: GPTQ layers in the kernel layout (packed int4,
+    interleaved rows) and every op through its Triton kernel (interpreted without a GPU)."""
+    from infer import kernels
+    from infer.quant.gptq_linear import GPTQLinearMethod
+    real = GPTQLinearMethod.finish_loading
+
+    def kernel_layout(self, layer):
+        self.use_kernel = True
+        real(self, layer)
+    monkeypatch.setattr(GPTQLinearMethod, "finish_loading", kernel_layout)
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)

@@ -17,7 +17,7 @@ from infer.quant.config import GPTQConfig
 from infer.quant.gptq_linear import GPTQLinearMethod
 
 from helpers import random_prompts
-from quant_helpers import make_gptqmodel_checkpoint, needs_gptqmodel
+from quant_helpers import int4_kernel_path, make_gptqmodel_checkpoint, needs_gptqmodel
 
 N = 12
 
@@ -136,14 +136,7 @@ def test_int4_kernel_path_interpreted_with_emulated_graphs_equals_cpu_path(infer
     prompts = random_prompts(256, (4, 9, 6), seed=3)
     params = SamplingParams(max_new_tokens=5, ignore_eos=True)
     cpu = [o.token_ids for o in LLM(str(infer_quantized), block_size=4, max_num_seqs=4).generate(prompts, params)]
-    from infer import kernels
-    real = GPTQLinearMethod.finish_loading
-
-    def kernel_layout(self, layer):
-        self.use_kernel = True
-        real(self, layer)
-    monkeypatch.setattr(GPTQLinearMethod, "finish_loading", kernel_layout)
-    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    int4_kernel_path(monkeypatch)
     llm = LLM(str(infer_quantized), block_size=4, max_num_seqs=4, max_model_len=64)
     layer = llm.engine.runner.model.layers[0].self_attn.qkv_proj
     assert layer.weight is None and layer.qweight is not None  # really the packed int4 path

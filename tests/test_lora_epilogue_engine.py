@@ -11,10 +11,9 @@ import torch
 
 from infer import LLM, SamplingParams, kernels
 from infer.models.tiny import ensure_builtin
-from infer.quant.gptq_linear import GPTQLinearMethod
 
 from helpers import random_prompts
-from quant_helpers import make_gptqmodel_checkpoint, needs_gptqmodel
+from quant_helpers import int4_kernel_path, make_gptqmodel_checkpoint, needs_gptqmodel
 from test_lora_engine import SPECS, hf_float, save_adapter
 
 OPTS = dict(block_size=4, num_kv_blocks=96, max_model_len=64, max_num_seqs=8, max_loras=3, max_lora_rank=16)
@@ -55,13 +54,7 @@ def test_int4_kernel_path_with_adapters_equals_cpu_path(qwen_int4, monkeypatch, 
     cpu = [o.token_ids for o in cpu_llm.generate(prompts, params, lora=names)]
     cpu_llm.close()
 
-    real = GPTQLinearMethod.finish_loading
-
-    def kernel_layout(self, layer):
-        self.use_kernel = True
-        real(self, layer)
-    monkeypatch.setattr(GPTQLinearMethod, "finish_loading", kernel_layout)
-    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    int4_kernel_path(monkeypatch)
     deltas, applies = _counting(monkeypatch, "lora_delta"), _counting(monkeypatch, "lora_apply")
     llm = LLM(str(qdir), loras=adapters, lora_epilogue=epilogue, **OPTS)
     qkv = llm.engine.runner.model.layers[0].self_attn.qkv_proj
