@@ -15,6 +15,11 @@ pytest.importorskip("triton")
 
 SCRIPT = COMPILE_ONLY_PREAMBLE + textwrap.dedent('''
     from infer.kernels import attention
+    launch = jit.JITFunction.run
+
+    def compile_instead(self, *args, grid, warmup, **kwargs):  # every launch only compiles (nothing can load)
+        return launch(self, *args, grid=grid, warmup=True, **kwargs)
+    jit.JITFunction.run = compile_instead
 
     def step(widths, qlens, bs=16, hq=4, hk=2, d=32):
         """One step's attention: sequence i of widths[i] blocks with qlens[i] new tokens; the kernels it compiled."""
@@ -24,25 +29,27 @@ SCRIPT = COMPILE_ONLY_PREAMBLE + textwrap.dedent('''
         lens = torch.tensor([w * bs for w in widths], dtype=torch.int32)
         qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32)
         before = len(compiled)
-        try:
-            attention.paged_attention(q, cache, cache, tables, lens, qsl, 0.1, max(qlens))
-        except AttributeError as e:
-            assert "launcher_cls" in str(e), e  # past the cache lookup, at the kernel's load
+        attention.paged_attention(q, cache, cache, tables, lens, qsl, 0.1, max(qlens))
         return compiled[before:]
 
-    # warm_kernels (prefix caching off): a long prompt (3 blocks), a short one alone (1 block), decodes
-    warm = [step([3], [41]), step([1], [9]), step([3, 1], [1, 1])]
-    # a user's steps: long and short queries, decodes, over block tables 1, 2, 16 and 32 blocks wide
+    # warm_kernels (prefix caching off, no CUDA graphs): a long prompt (3 blocks), a short one alone (1 block),
+    # decodes, and decodes over a context of two 512-key partitions (33 blocks)
+    warm = [step([3], [41]), step([1], [9]), step([3, 1], [1, 1]), step([33], [1])]
+    # a user's steps: long and short queries, decodes, over block tables 1, 2, 16 and 32 blocks wide; eager decodes
+    # over 4, 10, 19 and 32 partitions (the reduce merges 16 at a time; Triton would specialize a count of 32)
     user = {"long w16": step([16], [41]), "long w2": step([2, 1], [20, 9]), "short w2": step([2, 1], [9, 1]),
             "short w16": step([16, 3], [5, 9]), "decode w16": step([16, 1], [1, 1]),
-            "decode w32": step([32, 2, 5], [1, 1, 1])}
+            "decode w32": step([32, 2, 5], [1, 1, 1]), "decode 4 parts": step([100, 2], [1, 1]),
+            "decode 10 parts": step([300], [1]), "decode 19 parts": step([600, 3], [1, 1]),
+            "decode 32 parts": step([1024], [1])}
     print(json.dumps({"warm": warm, "user": user}))
 ''')
 
 
 def test_block_table_width_never_compiles_an_attention_variant():
     out = run_compile_only(SCRIPT, 600)
-    assert out["warm"] == [["_unified_kernel"], ["_unified_kernel"], ["_decode_kernel"]], out  # two tile heights
+    assert out["warm"] == [["_unified_kernel"], ["_unified_kernel"], ["_decode_kernel"],  # two tile heights
+                           ["_decode_kernel", "_reduce_kernel"]], out  # one partition, then several
     assert out["user"] == {name: [] for name in out["user"]}, out
 
 

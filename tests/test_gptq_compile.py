@@ -55,7 +55,8 @@ SCRIPT = COMPILE_ONLY_PREAMBLE + textwrap.dedent('''
                                                                            config=c) for m, c in cfgs])
 
     # 2. an engine start: compile_model on kernel-mode GPTQ layers (one act-order), then every row count the
-    # engine can launch up to max_tokens goes through the layers' own call
+    # engine can launch up to max_tokens goes through the layers' own call (past 256 rows: dequantize + cuBLAS,
+    # whose dequantize kernel compile_model compiles too)
     cfg = GPTQConfig(bits=4, group_size=128, desc_act=False, sym=True)
     layers = torch.nn.ModuleList()
     for i, (sizes, perm) in enumerate((([256, 128], None), ([128], torch.randperm(256)))):
@@ -70,15 +71,16 @@ SCRIPT = COMPILE_ONLY_PREAMBLE + textwrap.dedent('''
         layers.append(layer)
     assert layers[1].act_perm is not None and layers[0].gptq_interleave > 1
     before = len(compiled)
-    out["model_queued"] = gptq_tune.compile_model(layers, 40, torch.float16, workers=2)
+    out["model_queued"] = gptq_tune.compile_model(layers, 300, torch.float16, workers=2)
     out["model_compiled"] = len(compiled) - before
-    rows = gptq_tune.bucket_rows(40)
+    rows = gptq_tune.bucket_rows(300)
+    cpu = torch.device("cpu")
+    out["dequant_rows"] = [r for r in rows if gptq_gemm._choice(r, 384, 256, 4, 128, 1, None, cpu)[0] == "dequant"]
     out["model_recompiled"] = launch_all([
         lambda l=l, r=r: gptq_gemm.gptq_matmul(
             torch.randn(r, 256, dtype=torch.float16).index_select(-1, l.act_perm) if l.act_perm is not None
             else torch.randn(r, 256, dtype=torch.float16), l.qweight, l.qzeros, l.scales, l.g_idx, 4, True,
-            l.gptq_group_size, l.gptq_interleave) for l in layers for r in rows
-        if gptq_configs.choose(r, l.qweight.shape[1], 256, torch.device("cpu")).get("kernel") != "dequant"])
+            l.gptq_group_size, l.gptq_interleave) for l in layers for r in rows])
     print(json.dumps(out))
 ''')
 
@@ -89,7 +91,7 @@ def test_parallel_compile_fills_the_cache_the_launch_reads():
     assert out["recompiled"] == 0, out
     # two layer shapes (the merged 384-column one, the 128-column act-order one) x the kernels their row counts
     # choose: several compiles, none left for the launches
-    assert out["model_queued"] > 0 and out["model_compiled"] >= 4, out
+    assert out["model_queued"] > 0 and out["model_compiled"] >= 4 and out["dequant_rows"], out
     assert out["model_recompiled"] == 0, out
 
 

@@ -116,8 +116,11 @@ def test_decode_matches_reference(ops, gen, block_size, hq, hk):
     check_attention(ops[1], gen, ctx, [1] * len(ctx), block_size, hq, hk, 16)
 
 
-def test_decode_split_over_long_contexts(ops, gen):
-    """Contexts longer than one partition: partial results merged by the reduce kernel."""
+@pytest.mark.parametrize("chunk", [16, 2])
+def test_decode_split_over_long_contexts(ops, gen, monkeypatch, chunk):
+    """Contexts longer than one partition: partial results merged by the reduce kernel, CHUNK partitions at a time
+    (2: the running max and sum carried across chunks, a sequence whose last chunk is partial or unused)."""
+    monkeypatch.setattr(ops[1], "REDUCE_CHUNK", chunk)
     part = ops[1].PARTITION
     ctx = [2 * part + 37, part, part + 1, 3] + _lens(gen, 2, 1, 3 * part)
     check_attention(ops[1], gen, ctx, [1] * len(ctx), 16, 4, 2, 16)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 COLUMNS = ["model", "weights", "lora", "engine", "output_tok_s", "mean_tpot_ms", "mean_ttft_ms", "step_MB",
-           "copy_GB_s", "roofline_tpot_ms", "roofline_tok_s", "fraction_of_roofline", "start_s", "lora_swaps"]
+           "copy_GB_s", "roofline_tpot_ms", "roofline_tok_s", "fraction_of_roofline", "start_s", "lora_swaps",
+           "compiles_on_requests"]
 
 
 def result_row(model: str, weights: str, lora: str, engine: str, metrics: dict, roof: dict, bw: float) -> dict:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ..kernels.compiles import watch_compiles
 from ..memory.plan import plan_memory
 from ..memory.sizes import kv_bytes_per_token
 from .e2e_models import SHAPES, build_model, dtype_label, hf_config, make_tokenizer, write_random_adapters
@@ -208,8 +209,12 @@ def infer_row(run: ShapeRun, model, label: str, weight_bytes: int, lora: str, ad
     names = list(adapters)
     roof = run.roofline(weight_bytes, lora_bytes_per_adapter(model) if names else 0, min(len(names), b))
     reqs = run.requests(names)
-    row = result_row(run.name, label, lora, "infer --eager" if eager else "infer", run_engine(engine, reqs, b), roof,
-                     run.bandwidth)
+    with watch_compiles() as compiled:  # the engine's start should have left nothing to compile on requests
+        metrics = run_engine(engine, reqs, b)
+    row = result_row(run.name, label, lora, "infer --eager" if eager else "infer", metrics, roof, run.bandwidth)
+    row["compiles_on_requests"] = len(compiled)
+    if compiled:
+        row["compiled_on_requests"] = sorted(set(compiled))
     row["start_s"] = round(sum(engine.start_times.values()), 2)
     row.update({k: round(v, 2) for k, v in engine.start_times.items()})  # its parts: tuning, compile, graphs...
     row["lora_swaps"] = engine.stats()["lora_swaps"]

@@ -40,12 +40,12 @@ class LLMEngine:
                                   num_blocks=parts.num_blocks, lora_manager=self.lora_manager)
         self.start_times: dict[str, float] = {}  # seconds spent getting the GPU ready, summed into start_s by gpu_e2e
         if self.device.type == "cuda":
-            from ..kernels.gptq_tune import compile_model, tune_model
+            from ..kernels.gptq_tune import tune_model
             t0 = time.perf_counter()
             tune_model(parts.model, config.max_num_batched_tokens, self.device, log=log.info)
             self.start_times["kernel_tuning_s"] = time.perf_counter() - t0
-            t0 = time.perf_counter()  # every int4 kernel the engine will launch, compiled in parallel
-            compile_model(parts.model, config.max_num_batched_tokens, self.dtype)
+            t0 = time.perf_counter()  # every int4 and LoRA kernel the engine will launch, compiled in parallel
+            self.compile_kernels()
             self.start_times["kernel_compile_s"] = time.perf_counter() - t0
         if config.use_cuda_graphs():
             t0 = time.perf_counter()
@@ -241,16 +241,30 @@ class LLMEngine:
             gc.collect()
             torch.cuda.empty_cache()
 
+    def compile_kernels(self) -> int:
+        """Every int4 matmul and LoRA kernel variant the engine can launch for steps of up to max_num_batched_tokens
+        tokens, compiled in parallel (a GPU engine's start, after tuning and before graph capture); returns the
+        compile calls queued. `warm_kernels` then reaches the rest (attention, norms, rotary) with requests."""
+        from ..kernels.gptq_tune import compile_model
+        most = self.config.max_num_batched_tokens
+        lora = [] if self.lora_manager is None else self.lora_manager.compile_calls(most)
+        return compile_model(self.runner.model, most, self.dtype, extra=lora)
+
     @torch.inference_mode()
     def warm_kernels(self) -> None:
         """Not a measurement: requests through every path a first real step can take (a prefill, decodes, and a
         prefill whose prompt starts with cached blocks when prefix caching is on) so that no kernel is compiled on
-        a user's first request."""
+        a user's first request. Without CUDA graphs, also decodes over a context longer than one attention partition
+        (the split decode and its reduce), where the model and the KV cache allow one."""
+        from ..kernels.attention import PARTITION
         bs = self.config.block_size
         long_prompt = [i % 100 + 1 for i in range(2 * bs + 9)][:max(2, self.max_model_len - 3)]
         prompts = [long_prompt, long_prompt[:9]]  # a long and a short query: both attention tile heights
         if self.config.enable_prefix_caching:
             prompts.append(long_prompt)  # its first blocks are cached: a short query over a cached prefix
+        if self.runner.graphs is None and self.max_model_len >= PARTITION + 3 \
+                and self.block_manager.num_blocks * bs >= PARTITION + 3 * bs:
+            prompts.append([i % 100 + 1 for i in range(PARTITION)])  # its decodes span two partitions
         params = SamplingParams(max_new_tokens=2, ignore_eos=True)
         for i, prompt in enumerate(prompts):
             self.add_request(f"__warmup__{i}", prompt, params)

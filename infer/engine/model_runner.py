@@ -73,13 +73,14 @@ class ModelRunner:
                 host.lora_slots.extend([self.lora_manager.slot_of(seq.lora)] * batch.num_new_tokens[i])
         t, b, width = len(host.ids), len(host.tables), max(map(len, host.tables))
         data = to_device(host.flat(width), torch.long, self.device)
-        input_ids, positions = data[:t], data[t:2 * t]
+        tp = t + t % 2  # every piece starts 16-byte aligned (see HostInputs.flat)
+        input_ids, positions = data[:t], data[tp:tp + t]
         if host.fill:
             where, rows = to_device(host.fill, torch.long, self.device).unbind(1)
             input_ids = input_ids.index_copy(0, where, prev.sampled.tokens.index_select(0, rows))
         ctx = ForwardContext(
-            query_start_loc=data[3 * t:3 * t + b + 1].int(), seq_lens=data[3 * t + b + 1:3 * t + 2 * b + 1].int(),
-            block_tables=data[3 * t + 2 * b + 1:].view(b, width).int(), slot_mapping=data[2 * t:3 * t],
+            query_start_loc=data[3 * tp:3 * tp + b + 1].int(), seq_lens=data[3 * tp + b + 1:3 * tp + 2 * b + 1].int(),
+            block_tables=data[3 * tp + 2 * b + 1:].view(b, width).int(), slot_mapping=data[2 * tp:2 * tp + t],
             max_query_len=max(batch.num_new_tokens))
         if self.lora_manager is not None:
             ctx.lora = self.lora_manager.make_batch(host.lora_slots)
@@ -143,8 +144,12 @@ class HostInputs:
         self.tables.append(table)
 
     def flat(self, width: int) -> list[int]:
-        """ids, positions, slots [T each], query_start_loc [B+1], seq_lens [B], block tables [B * width]."""
-        flat = self.ids + self.pos + self.slots + [0] + [j + 1 for j in self.last] + self.lens
+        """ids, positions, slots [T each, each padded to an even length], query_start_loc [B+1], seq_lens [B],
+        block tables [B * width]. The padding keeps every int64 piece 16-byte aligned whatever T is: Triton
+        specializes a kernel on whether a pointer is, so an odd T would give the rotary kernel (which reads the
+        positions) a variant of its own, compiled on a user's first prompt of the other parity."""
+        pad = [0] * (len(self.ids) % 2)
+        flat = self.ids + pad + self.pos + pad + self.slots + pad + [0] + [j + 1 for j in self.last] + self.lens
         for row in self.tables:
             flat.extend(row)
             flat.extend([0] * (width - len(row)))

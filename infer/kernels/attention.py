@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 PARTITION = 512  # keys per decode partition (a multiple of every BLOCK_N used)
+REDUCE_CHUNK = 16  # partitions the reduce merges per step (8K keys)
 LOG2E = 1.4426950408889634
 
 
@@ -107,12 +108,14 @@ def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, qsl_ptr,
                  acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["s_bt"])  # eager decode steps (--eager) of any context
+# eager decode steps (--eager) of any context compile two variants only (one partition, or several): the block
+# table's width and the partition count are runtime integers, never specialized
+@triton.jit(do_not_specialize=["s_bt", "num_parts"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, lens_ptr, qsl_ptr, qk_scale,
                    s_qt, s_qh, s_qd, s_ot, s_oh, s_od, s_bt,
-                   s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd,
+                   s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, num_parts,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PART: tl.constexpr, NUM_PARTS: tl.constexpr,
+                   BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PART: tl.constexpr, SPLIT: tl.constexpr,
                    IEEE: tl.constexpr):
     b, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(qsl_ptr + b)
@@ -134,35 +137,46 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tabl
         acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, tables_ptr + b.to(tl.int64) * s_bt,
                                      kv_head, lo, hi, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, qk_scale,
                                      PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, IEEE)
-        if NUM_PARTS == 1:
+        if not SPLIT:
             acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + tok * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
                      acc.to(out_ptr.dtype.element_ty), mask=mask)
         else:
-            # partials laid out [B, Hq, NUM_PARTS, BLOCK_D] and [B, Hq, NUM_PARTS, 2] (max, sum)
-            prow = (b * (tl.num_programs(1) * GROUP) + head).to(tl.int64) * NUM_PARTS + part
+            # partials laid out [B, Hq, num_parts, BLOCK_D] and [B, Hq, num_parts, 2] (max, sum)
+            prow = (b * (tl.num_programs(1) * GROUP) + head).to(tl.int64) * num_parts + part
             tl.store(part_acc_ptr + prow[:, None] * BLOCK_D + offs_d[None, :], acc, mask=mask_m[:, None])
             tl.store(part_ml_ptr + prow * 2, m_i, mask=mask_m)
             tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=mask_m)
 
 
-@triton.jit
-def _reduce_kernel(out_ptr, part_acc_ptr, part_ml_ptr, lens_ptr, qsl_ptr, s_ot, s_oh, s_od,
-                   BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PART: tl.constexpr, NUM_PARTS: tl.constexpr,
-                   PARTS_PAD: tl.constexpr):
+@triton.jit(do_not_specialize=["num_parts"])
+def _reduce_kernel(out_ptr, part_acc_ptr, part_ml_ptr, lens_ptr, qsl_ptr, s_ot, s_oh, s_od, num_parts,
+                   BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PART: tl.constexpr, CHUNK: tl.constexpr):
+    """Merges a sequence's used partitions CHUNK at a time (a running max and sum, as the attention itself does), so
+    one compiled variant serves every context length."""
     b, head = tl.program_id(0), tl.program_id(1)
     q_start = tl.load(qsl_ptr + b)
     if tl.load(qsl_ptr + b + 1) - q_start == 1:
-        used = tl.cdiv(tl.load(lens_ptr + b), PART)
-        parts = tl.arange(0, PARTS_PAD)
-        valid = parts < used
-        prow = (b * tl.num_programs(1) + head).to(tl.int64) * NUM_PARTS + parts
-        m = tl.load(part_ml_ptr + prow * 2, mask=valid, other=float("-inf"))
-        l_s = tl.load(part_ml_ptr + prow * 2 + 1, mask=valid, other=0.0)
-        w = tl.where(valid, tl.exp2(m - tl.max(m, 0)), 0.0)
+        used = tl.cdiv(tl.load(lens_ptr + b), PART)  # >= 1: partition 0 holds the query's own key
         offs_d = tl.arange(0, BLOCK_D)
-        acc = tl.load(part_acc_ptr + prow[:, None] * BLOCK_D + offs_d[None, :], mask=valid[:, None], other=0.0)
-        o = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0)
+        row0 = (b * tl.num_programs(1) + head).to(tl.int64) * num_parts
+        m_run = tl.full((1,), float("-inf"), tl.float32)
+        l_run = tl.zeros((1,), tl.float32)
+        acc = tl.zeros((BLOCK_D,), tl.float32)
+        for c in range(0, used, CHUNK):
+            parts = c + tl.arange(0, CHUNK)
+            valid = parts < used
+            prow = row0 + parts
+            m = tl.load(part_ml_ptr + prow * 2, mask=valid, other=float("-inf"))
+            l_s = tl.load(part_ml_ptr + prow * 2 + 1, mask=valid, other=0.0)
+            m_new = tl.maximum(m_run, tl.max(m, 0))
+            alpha = tl.exp2(m_run - m_new)  # 0 on the first chunk (m_run is -inf there)
+            w = tl.where(valid, tl.exp2(m - m_new), 0.0)
+            a = tl.load(part_acc_ptr + prow[:, None] * BLOCK_D + offs_d[None, :], mask=valid[:, None], other=0.0)
+            acc = acc * alpha + tl.sum(a * w[:, None], 0)
+            l_run = l_run * alpha + tl.sum(l_s * w, 0)
+            m_run = m_new
+        o = acc / l_run
         tl.store(out_ptr + q_start.to(tl.int64) * s_ot + head * s_oh + offs_d * s_od,
                  o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
@@ -183,12 +197,12 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_sca
         part_acc = part_ml = out  # unused
     _decode_kernel[(num_seqs, hk, parts)](
         q, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens, query_start_loc, qk_scale,
-        *_strides(q), *_strides(out), block_tables.stride(0), *_strides(k_cache), *_strides(v_cache),
-        PART=PARTITION, NUM_PARTS=parts, **meta)
+        *_strides(q), *_strides(out), block_tables.stride(0), *_strides(k_cache), *_strides(v_cache), parts,
+        PART=PARTITION, SPLIT=parts > 1, **meta)
     if parts > 1:
         _reduce_kernel[(num_seqs, q.shape[1])](
-            out, part_acc, part_ml, seq_lens, query_start_loc, *_strides(out), BLOCK_D=meta["BLOCK_D"],
-            HEAD_DIM=meta["HEAD_DIM"], PART=PARTITION, NUM_PARTS=parts, PARTS_PAD=triton.next_power_of_2(parts))
+            out, part_acc, part_ml, seq_lens, query_start_loc, *_strides(out), parts, BLOCK_D=meta["BLOCK_D"],
+            HEAD_DIM=meta["HEAD_DIM"], PART=PARTITION, CHUNK=REDUCE_CHUNK)
 
 
 def _unified(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, out, max_query_len,

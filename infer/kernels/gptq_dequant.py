@@ -41,9 +41,10 @@ _SCRATCH: dict = {}
 
 
 def dequantize_into_scratch(qweight, qzeros, scales, g_idx, bits: int, zeros_v1: bool, dtype,
-                            interleave: int = 1) -> torch.Tensor:
+                            interleave: int = 1, compile_only: bool = False) -> torch.Tensor:
     """The dequantized weight [K, N] in a per-device scratch buffer reused by every layer (valid until the next
-    call): prefill reads it once through cuBLAS."""
+    call): prefill reads it once through cuBLAS. compile_only: compile the kernel (Triton's `warmup`), write
+    nothing."""
     pack = 32 // bits
     k, n = qweight.shape[0] * pack, qweight.shape[1]
     key = (qweight.device, dtype)
@@ -55,9 +56,10 @@ def dequantize_into_scratch(qweight, qzeros, scales, g_idx, bits: int, zeros_v1:
     w = buf[:k * n].view(k, n)
     block_n, block_w = 128, max(1, 32 // pack)
     grid = (triton.cdiv(k // pack, block_w), triton.cdiv(n, block_n))
-    _dequant_kernel[grid](qweight, qzeros, scales, g_idx, w, n, k, qweight.stride(0), qzeros.stride(0),
-                          scales.stride(0), w.stride(0), BITS=bits, ZEROS_V1=bool(zeros_v1), WP=interleave,
-                          BLOCK_N=block_n, BLOCK_W=block_w, num_warps=4)
+    run = _dequant_kernel.warmup if compile_only else _dequant_kernel[grid]
+    run(qweight, qzeros, scales, g_idx, w, n, k, qweight.stride(0), qzeros.stride(0), scales.stride(0), w.stride(0),
+        BITS=bits, ZEROS_V1=bool(zeros_v1), WP=interleave, BLOCK_N=block_n, BLOCK_W=block_w, num_warps=4,
+        **({"grid": grid} if compile_only else {}))
     return w
 
 

@@ -157,6 +157,29 @@ def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, g
     return y
 
 
+def _choice(m: int, n: int, k: int, bits: int, group_size: int | None, interleave: int, config: dict | None,
+            device) -> tuple[str, dict, bool]:
+    """(kernel kind, its config, whether it is one of our fused kernels) for m rows: `config`, else the tuned or
+    heuristic choice, capped to the K step the group layout allows (no step: dequantize + cuBLAS)."""
+    pack = 32 // bits
+    step = gptq_configs.block_k_limit(group_size, k, pack)
+    if interleave > 1:
+        step = min(step, interleave * pack)  # a K step stays inside one interleaved block
+    cfg = config if config is not None else gptq_configs.choose(m, n, k, device)
+    kind = cfg.get("kernel", "mma") if step else "dequant"
+    if kind != "dequant":
+        cfg = dict(cfg, BLOCK_K=min(cfg["BLOCK_K"], step))
+    return kind, cfg, kind == "gemv" or (kind in ("mma", "mmat") and cfg["BLOCK_K"] >= 16)
+
+
+def lora_in_epilogue(m: int, n: int, k: int, bits: int, group_size: int | None, interleave: int, lora,
+                     device) -> bool:
+    """Whether `gptq_matmul` of m rows adds the LoRADelta `lora` in its kernel's epilogue (else it launches the
+    expand after the matmul): what an engine start needs to know to compile that expand beforehand."""
+    kind, cfg, fused = _choice(m, n, k, bits, group_size, interleave, None, device)
+    return fused and fuses_lora(kind, cfg, lora)
+
+
 def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                 g_idx: torch.Tensor, bits: int, zeros_v1: bool = True, group_size: int | None = None,
                 interleave: int = 1, config: dict | None = None, compile_only: bool = False,
@@ -182,14 +205,7 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
     m = x2.shape[0]
     if m == 0:
         return None if compile_only else x.new_empty(*lead, n)
-    step = gptq_configs.block_k_limit(group_size, k, pack)
-    if interleave > 1:
-        step = min(step, interleave * pack)  # a K step stays inside one interleaved block
-    cfg = config if config is not None else gptq_configs.choose(m, n, k, x.device)
-    kind = cfg.get("kernel", "mma") if step else "dequant"
-    if kind != "dequant":
-        cfg = dict(cfg, BLOCK_K=min(cfg["BLOCK_K"], step))
-    fused = kind == "gemv" or (kind in ("mma", "mmat") and cfg["BLOCK_K"] >= 16)
+    kind, cfg, fused = _choice(m, n, k, bits, group_size, interleave, config, x.device)
     epi_lora = lora if fused and fuses_lora(kind, cfg, lora) else None
     if fused:
         gs = k if group_size in (None, -1) else group_size
@@ -197,7 +213,11 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
                     gs, interleave, m, n, k, compile_only, bias, epi_lora)
         if compile_only:
             return None
-    elif compile_only:  # dequantize + cuBLAS: one small kernel, compiled on first use
+    elif compile_only:  # dequantize + cuBLAS: the dequantize kernel(s) it launches
+        if cfg.get("CHUNK_N") and n > cfg["CHUNK_N"]:
+            _dequant_chunks(x2, qweight, qzeros, scales, g_idx, bits, zeros_v1, interleave, cfg["CHUNK_N"], True)
+        else:
+            dequantize_into_scratch(qweight, qzeros, scales, g_idx, bits, zeros_v1, x.dtype, interleave, True)
         return None
     elif cfg.get("CHUNK_N") and n > cfg["CHUNK_N"]:
         y = _dequant_chunks(x2, qweight, qzeros, scales, g_idx, bits, zeros_v1, interleave, cfg["CHUNK_N"])
@@ -211,18 +231,21 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
     return y.reshape(*lead, n)
 
 
-def _dequant_chunks(x2, qweight, qzeros, scales, g_idx, bits, zeros_v1, interleave, chunk: int) -> torch.Tensor:
+def _dequant_chunks(x2, qweight, qzeros, scales, g_idx, bits, zeros_v1, interleave, chunk: int,
+                    compile_only: bool = False) -> torch.Tensor | None:
     """`dequant` a block of columns at a time: each block's fp16 weight (K x chunk) is written to a scratch small
     enough to stay in the GPU's L2 cache and read from there by cuBLAS, which writes its columns of y in place (a
     column slice is a matrix with a leading dimension to cuBLAS). Only the int4 words come from memory, where the
-    whole-matrix `dequant` writes and reads back the fp16 weight: four times the int4 bytes, twice."""
+    whole-matrix `dequant` writes and reads back the fp16 weight: four times the int4 bytes, twice. compile_only:
+    compile the dequantize kernels (a full block and a ragged last one), compute nothing."""
     pack = 32 // bits
     chunk = max(32, chunk // 32 * 32)  # whole words of zeros per block
     m, n = x2.shape[0], qweight.shape[1]
-    y = torch.empty((m, n), device=x2.device, dtype=x2.dtype)
+    y = None if compile_only else torch.empty((m, n), device=x2.device, dtype=x2.dtype)
     for a in range(0, n, chunk):
         b = min(n, a + chunk)
         w = dequantize_into_scratch(qweight[:, a:b], qzeros[:, a // pack:-(-b // pack)], scales[:, a:b], g_idx,
-                                    bits, zeros_v1, x2.dtype, interleave)
-        torch.mm(x2, w, out=y[:, a:b])
+                                    bits, zeros_v1, x2.dtype, interleave, compile_only)
+        if not compile_only:
+            torch.mm(x2, w, out=y[:, a:b])
     return y

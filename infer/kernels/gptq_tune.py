@@ -296,15 +296,17 @@ def bucket_rows(max_tokens: int) -> list[int]:
     return sorted(rows)
 
 
-def compile_model(model, max_tokens: int, dtype: torch.dtype, workers: int | None = None) -> int:
+def compile_model(model, max_tokens: int, dtype: torch.dtype, workers: int | None = None, extra=()) -> int:
     """Compile, in parallel (`compile_parallel`), the kernel every GPTQ layer of `model` will launch for each row
     count up to max_tokens (the tuned or heuristic choice), on the layers' own tensors: an engine start calls this
     after tuning, so graph capture and the first requests find every int4 matmul kernel compiled. A layer with a
     bias compiles its bias epilogue; a layer with a LoRA hook that adds its expand in the epilogue (`lora.epilogue`)
-    compiles that variant too, besides the plain one (a step where no adapter targets the layer). Row counts
-    whose choice is dequantize + cuBLAS need no compile and no activation buffer. Returns the calls queued."""
+    compiles that variant too, besides the plain one (a step where no adapter targets the layer). Where some row
+    count's choice is dequantize + cuBLAS, the dequantize kernels are compiled once for the layer shape (they do
+    not depend on the rows). `extra`: more compile-only callables to run in the same pool (the LoRA kernels,
+    `LoRAManager.compile_calls`). Returns the calls queued."""
     from .lora_reference import LoRADelta
-    jobs, seen = [], set()
+    jobs, deq, seen = [], [], set()
     rows = bucket_rows(max_tokens)
     for mod in model.modules():
         if getattr(mod, "gptq_group_size", None) is None or getattr(mod, "weight", None) is not None \
@@ -319,13 +321,17 @@ def compile_model(model, max_tokens: int, dtype: torch.dtype, workers: int | Non
             key = (n, k, cfg.bits, cfg.zeros_v1, mod.gptq_group_size, mod.gptq_interleave, mod.bias is not None, lkey)
             if key not in seen:
                 seen.add(key)
-                jobs += [(mod, cfg, r, k, lora) for r in rows
-                         if gptq_configs.choose(r, n, k, mod.qweight.device).get("kernel") != "dequant"]
-    if not jobs:
-        return 0
-    device = jobs[0][0].qweight.device
-    buf = torch.empty(max(r * k for _, _, r, k, _ in jobs), device=device, dtype=dtype)  # x of every call, in turn
-    top = max(r for *_, r, _, _ in jobs)
+                fused = [r for r in rows if gptq_gemm._choice(r, n, k, cfg.bits, mod.gptq_group_size,
+                                                              mod.gptq_interleave, None, mod.qweight.device)[2]]
+                jobs += [(mod, cfg, r, k, lora) for r in fused]
+                dequant = [r for r in rows if r not in fused]
+                if dequant and lora is None:  # the dequantize kernels, at the fewest rows that take them
+                    deq.append((mod, cfg, dequant[0], k))
+    if not jobs and not deq:
+        return compile_parallel(list(extra), workers) if extra else 0
+    device = (jobs or deq)[0][0].qweight.device
+    buf = torch.empty(max((r * k for _, _, r, k, _ in jobs), default=1), device=device, dtype=dtype)  # x, in turn
+    top = max((r for *_, r, _, _ in jobs), default=1)
     widest = max((lora.lora_a.shape[1] for *_, lora in jobs if lora is not None), default=0)
     hp = torch.empty(1, top, widest, device=device, dtype=torch.float32)  # a LoRADelta's partials, by token
     slots = torch.full((top,), -1, device=device, dtype=torch.long)
@@ -336,7 +342,11 @@ def compile_model(model, max_tokens: int, dtype: torch.dtype, workers: int | Non
         part = hp[:, :r, :lora.lora_a.shape[1]].contiguous() if widest != lora.lora_a.shape[1] else hp[:, :r]
         return LoRADelta(part, lora.lora_bt, slots[:r], lora.scalings, lora.rank_t, lora.bounds, None, lora.epilogue)
 
-    return compile_parallel(lambda mod=mod, cfg=cfg, r=r, k=k, lora=lora: gptq_gemm.gptq_matmul(
+    calls = [lambda mod=mod, cfg=cfg, r=r, k=k, lora=lora: gptq_gemm.gptq_matmul(
         buf[:r * k].view(r, k), mod.qweight, mod.qzeros, mod.scales, mod.g_idx, cfg.bits, cfg.zeros_v1,
         mod.gptq_group_size, mod.gptq_interleave, compile_only=True, bias=mod.bias, lora=delta(lora, r))
-        for mod, cfg, r, k, lora in jobs)
+        for mod, cfg, r, k, lora in jobs]
+    calls += [lambda mod=mod, cfg=cfg, r=r, k=k: gptq_gemm.gptq_matmul(
+        torch.empty(r, k, device=device, dtype=dtype), mod.qweight, mod.qzeros, mod.scales, mod.g_idx, cfg.bits,
+        cfg.zeros_v1, mod.gptq_group_size, mod.gptq_interleave, compile_only=True) for mod, cfg, r, k in deq]
+    return compile_parallel(calls + list(extra), workers)

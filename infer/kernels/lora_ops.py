@@ -59,7 +59,7 @@ def _tile(starts_ptr, pid, S, BLOCK_M: tl.constexpr, S_P2: tl.constexpr):
     return tl.minimum(slot, S - 1), row0, tl.sum(tl.where(pick, end, 0), 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sh_p"])  # (T * n*R: its divisibility by 16 follows T's parity at small ranks)
 def _shrink_kernel(x_ptr, a_ptr, hp_ptr, order_ptr, starts_ptr, rank_ptr, S, K, NR, R, k_per_split,
                    sx_t, sx_k, sa_s, sa_j, sa_k, sh_p, sh_t, sr_i, sr_s,
                    BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr, S_P2: tl.constexpr,
@@ -98,7 +98,7 @@ def _pick(i, v0, v1, v2, v3):
     return tl.where(i == 0, v0, tl.where(i == 1, v1, tl.where(i == 2, v2, v3)))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sh_p"])
 def _expand_kernel(hp_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, rank_ptr, scal_ptr, S, R, shard0,
                    t1, t2, t3, c0, c1, c2, c3, c4,
                    sh_p, sh_t, sy_t, sy_n, sr_i, sr_s, sc_i, sc_s,
@@ -163,6 +163,23 @@ def plan(t: int, num_slots: int, k: int) -> dict:
             "block_n": BLOCK_N if block_m == 16 else BLOCK_N_BIG_M}
 
 
+def plan_key(t: int, num_slots: int, k: int) -> tuple:
+    """What of `plan(t, ...)` the compiled kernels depend on: T tokens and T' tokens with the same key launch the
+    same shrink and expand variants (the grid and the integers the kernels do not specialize on may differ)."""
+    p = plan(t, num_slots, k)
+    return p["block_m"], p["split"], p["block_k"], p["block_n"]
+
+
+def plan_tokens(max_tokens: int, num_slots: int, k: int, want=lambda t: True) -> list[int]:
+    """The fewest token counts in 1..max_tokens (among those `want` accepts) whose launches compile every kernel
+    variant the others launch: one per distinct `plan_key`, its smallest member (an engine start compiles these)."""
+    first: dict[tuple, int] = {}
+    for t in range(1, max_tokens + 1):
+        if want(t):
+            first.setdefault(plan_key(t, num_slots, k), t)
+    return sorted(first.values())
+
+
 def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                scalings: torch.Tensor, bounds: list[int], groups: SlotGroups,
                ranks: torch.Tensor | None = None) -> None:
@@ -186,25 +203,28 @@ def delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scalings:
 
 
 def shrink(x: torch.Tensor, lora_a: torch.Tensor, n: int, groups: SlotGroups, ranks: torch.Tensor,
-           by_token: bool = False) -> torch.Tensor:
+           by_token: bool = False, compile_only: bool = False) -> torch.Tensor:
     """The partial sums hp [SPLIT_K, T, n*R] float32 of x @ A[slot]^T, at sorted positions (see the module doc), or
-    at the tokens' own rows with by_token."""
+    at the tokens' own rows with by_token. compile_only: compile the kernel this call would launch (Triton's
+    `warmup`, see `plan_tokens`), launch nothing; hp is then left unwritten."""
     num_slots, nr, k = lora_a.shape
     t = x.shape[0]
     p = plan(t, num_slots, k)
     hp = partials(p["split"], t, nr, x.device)
-    _shrink_kernel[(p["tiles"], p["split"])](
-        x, lora_a, hp, groups.order, groups.starts, ranks, num_slots, k, nr, nr // n, p["k_per_split"],
+    grid = (p["tiles"], p["split"])
+    run = _shrink_kernel.warmup if compile_only else _shrink_kernel[grid]
+    run(x, lora_a, hp, groups.order, groups.starts, ranks, num_slots, k, nr, nr // n, p["k_per_split"],
         x.stride(0), x.stride(1), *lora_a.stride(), hp.stride(0), hp.stride(1), *ranks.stride(),
         BLOCK_M=p["block_m"], BLOCK_J=_p2(nr, 16), BLOCK_K=p["block_k"], S_P2=_p2(num_slots, 2),
-        IEEE=x.dtype == torch.float32, BY_TOKEN=by_token)
+        IEEE=x.dtype == torch.float32, BY_TOKEN=by_token, **({"grid": grid} if compile_only else {}))
     return hp
 
 
 def expand(hp: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, scalings: torch.Tensor, bounds: list[int],
-           groups: SlotGroups, ranks: torch.Tensor, block_n: int | None = None, by_token: bool = False) -> None:
+           groups: SlotGroups, ranks: torch.Tensor, block_n: int | None = None, by_token: bool = False,
+           compile_only: bool = False) -> None:
     """y[t, shard i's columns] += scalings[i, s] * (sum of hp's partials) @ B_i^T[s], in place (lora_b flat); hp at
-    sorted positions, or by token (a LoRADelta's) with by_token."""
+    sorted positions, or by token (a LoRADelta's) with by_token. compile_only: compile, launch nothing."""
     split, t, nr = hp.shape
     num_slots, rank = ranks.shape[1], nr // (len(bounds) - 1)
     p = plan(t, num_slots, 0)
@@ -215,11 +235,13 @@ def expand(hp: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, scalings: to
         cum = [sum(tiles[:i]) if i < len(tiles) else 2 ** 30 for i in range(1, MAX_SHARDS)]  # 2**30: no shard
         cols += [cols[-1]] * (MAX_SHARDS + 1 - len(cols))
         b = lora_b[num_slots * rank * (bounds[first] - bounds[0]):]
-        _expand_kernel[(p["tiles"], sum(tiles))](
-            hp, b, y, groups.order, groups.starts, ranks, scalings, num_slots, rank, first, *cum, *cols,
+        grid = (p["tiles"], sum(tiles))
+        run = _expand_kernel.warmup if compile_only else _expand_kernel[grid]
+        run(hp, b, y, groups.order, groups.starts, ranks, scalings, num_slots, rank, first, *cum, *cols,
             hp.stride(0), hp.stride(1), y.stride(0), y.stride(1), *ranks.stride(), *scalings.stride(),
             BLOCK_M=p["block_m"], BLOCK_N=block_n, BLOCK_R=_p2(rank, 16), SPLIT=split, S_P2=_p2(num_slots, 2),
-            IEEE=y.dtype == torch.float32, BY_TOKEN=by_token, num_warps=EXPAND_WARPS)
+            IEEE=y.dtype == torch.float32, BY_TOKEN=by_token, num_warps=EXPAND_WARPS,
+            **({"grid": grid} if compile_only else {}))
 
 
 def add_delta(d: LoRADelta, y: torch.Tensor) -> None:

@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
+from ..kernels.lora_reference import LoRADelta
 from .adapter import LoRAModule
-from .batch import LoRABatch
+from .batch import LoRABatch, lora_groups
 
 
 class LoRALayer:
@@ -102,3 +103,49 @@ class LoRALayer:
 
     def _apply_all(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> None:
         kernels.lora_apply(x, y, self.lora_a, self.lora_bt, self.scalings, self.bounds, batch.groups, self.rank_t)
+
+    # ------------------------------------------------------------------------------------------ engine start
+    def takes_delta(self, base) -> bool:
+        """Whether `base` (this hook's MergedLinear) hands the shrink to its linear method's kernel (`delta`, the
+        expand in the int4 matmul's epilogue or launched by it) rather than calling `apply`: as its forward
+        decides."""
+        return self.epilogue is not False and bool(getattr(base.method, "fuses_lora", None)) \
+            and base.method.fuses_lora(base)
+
+    def compile_key(self, base) -> tuple:
+        """Layers with equal keys launch the same shrink and expand variants (`compile_calls` of one serves all)."""
+        by_token = self.takes_delta(base)
+        shape = base.method.kernel_key(base) if by_token else None
+        return tuple(self.lora_a.shape), self.lora_a.dtype, tuple(self.bounds), by_token, self.epilogue, shape
+
+    def compile_calls(self, base, max_tokens: int) -> list:
+        """Callables that each compile (Triton's `warmup`: nothing is launched) shrink and expand variants this
+        layer can launch for a step of 1..max_tokens tokens, so that none compiles on a user's request: an engine
+        start runs them in parallel (`gptq_tune.compile_parallel`). The variants depend on the token count only
+        through `lora_ops.plan_key`; the expand is compiled where it is a launch of its own, i.e. everywhere on the
+        `apply` path, and on the `delta` path only for the token counts whose int4 kernel does not add it in its
+        epilogue (`method.lora_in_epilogue`)."""
+        from ..kernels import lora_ops
+        num_slots, nr, k = self.lora_a.shape
+        by_token = self.takes_delta(base)
+        if by_token:
+            probe = LoRADelta(torch.empty(1, 1, nr, device=self.lora_a.device), self.lora_bt, None, self.scalings,
+                              self.rank_t, list(self.bounds), None, self.epilogue)
+            expands = lambda t: not base.method.lora_in_epilogue(base, t, probe)  # noqa: E731
+        else:
+            expands = lambda t: True  # noqa: E731
+        shrinks = lora_ops.plan_tokens(max_tokens, num_slots, k)
+        with_expand = set(lora_ops.plan_tokens(max_tokens, num_slots, k, expands))
+        return [lambda t=t: self._compile(t, by_token, t in with_expand)
+                for t in sorted(set(shrinks) | with_expand)]
+
+    def _compile(self, t: int, by_token: bool, expand: bool) -> None:
+        from ..kernels import lora_ops
+        dev, dtype = self.lora_a.device, self.lora_a.dtype
+        x = torch.empty(t, self.in_features, dtype=dtype, device=dev)  # stand-ins with a step's strides
+        groups = lora_groups(torch.zeros(t, dtype=torch.long, device=dev), self.lora_a.shape[0], in_order=True)
+        hp = lora_ops.shrink(x, self.lora_a, len(self.out_sizes), groups, self.rank_t, by_token, compile_only=True)
+        if expand:
+            y = torch.empty(t, self.bounds[-1], dtype=dtype, device=dev)
+            lora_ops.expand(hp, y, self.lora_bt, self.scalings, self.bounds, groups, self.rank_t, by_token=by_token,
+                            compile_only=True)

@@ -33,6 +33,7 @@ class LoRAManager:
         self.dtype = dtype or (linears[0].dtype if linears else torch.float32)
         self._where: dict[str, tuple[LoRALayer, int]] = {}  # HF module path -> (its layer, shard index)
         self.layers: list[LoRALayer] = []
+        self.linears = linears  # self.layers[i] is linears[i].lora
         for linear in linears:
             linear.lora = LoRALayer(linear, max_loras, max_lora_rank, self.device, self.dtype)
             self.layers.append(linear.lora)
@@ -175,6 +176,17 @@ class LoRAManager:
         self.swaps += 1
 
     # ------------------------------------------------------------------------------------------ per step
+    def compile_calls(self, max_tokens: int) -> list:
+        """Callables that compile every LoRA kernel variant the layers can launch for steps of up to max_tokens
+        tokens (`LoRALayer.compile_calls`, once per distinct layer shape), for an engine start to run in parallel."""
+        calls, seen = [], set()
+        for linear, layer in zip(self.linears, self.layers):
+            key = layer.compile_key(linear)
+            if key not in seen:
+                seen.add(key)
+                calls += layer.compile_calls(linear, max_tokens)
+        return calls
+
     def make_batch(self, token_slots) -> LoRABatch | None:
         """The per-step `ctx.lora` from every token's slot (list of ints or a tensor); None when all are -1."""
         return LoRABatch.build(token_slots, self.max_loras, self.device)

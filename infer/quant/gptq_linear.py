@@ -139,6 +139,18 @@ class GPTQLinearMethod:
         not."""
         return layer.weight is None
 
+    def kernel_key(self, layer) -> tuple:
+        """What the int4 kernel choice for a row count depends on: layers with equal keys choose alike."""
+        return tuple(layer.qweight.shape), self.config.bits, layer.gptq_group_size, layer.gptq_interleave
+
+    def lora_in_epilogue(self, layer, m: int, lora) -> bool:
+        """Whether `apply(layer, x of m rows, lora=lora)` adds the LoRADelta in its int4 kernel's epilogue (else it
+        launches the expand itself)."""
+        from ..kernels import gptq_gemm
+        k, n = layer.qweight.shape[0] * (32 // self.config.bits), layer.qweight.shape[1]
+        return gptq_gemm.lora_in_epilogue(m, n, k, self.config.bits, layer.gptq_group_size, layer.gptq_interleave,
+                                          lora, layer.qweight.device)
+
     def apply(self, layer, x: torch.Tensor, lora=None) -> torch.Tensor:
         """y = x W^T + b; with `lora` (a kernels.lora_reference.LoRADelta of x, kernel path only) plus the
         adapters' delta, which the int4 kernel adds in its epilogue with the bias."""

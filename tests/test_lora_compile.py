@@ -1,0 +1,100 @@
+"""An engine start compiles every LoRA kernel variant a step can launch (`LoRALayer.compile_calls`, run by
+`LLMEngine.compile_kernels`), so no shrink or expand compiles on a user's request. The kernels are compiled for an
+H100 (sm_90) on this machine without a GPU (scripts/kernel-sass's CompileOnlyDriver, as in test_gptq_compile.py),
+every launch turned into a compile. Two layers: a merged qkv on the `apply` path (shrink + expand launches, as on a
+float base), and a one-shard layer on the `delta` path whose stand-in int4 kernel adds the expand in its epilogue
+for steps of up to 16 rows: its expand must be compiled for every longer step, and not for the plan of 1-16
+tokens, which never launches it. Rank 8 makes the partials' row stride (T x 24 or T x 8 elements) divisible by 16
+only for even T, and 32 slots make the shrink's split of K depend on the token count: both vary between steps of
+one plan."""
+
+import textwrap
+
+import pytest
+
+from helpers import COMPILE_ONLY_PREAMBLE, run_compile_only
+
+pytest.importorskip("triton")
+pytest.importorskip("triton.runtime._async_compile")
+
+SCRIPT = COMPILE_ONLY_PREAMBLE + textwrap.dedent('''
+    from types import SimpleNamespace
+
+    from infer.kernels import gptq_tune, lora_ops
+    from infer.kernels.compiles import watch_compiles
+    from infer.lora.batch import lora_groups
+    from infer.lora.layer import LoRALayer
+
+    launch = jit.JITFunction.run
+
+    def compile_instead(self, *args, grid, warmup, **kwargs):  # every launch only compiles (nothing can load)
+        return launch(self, *args, grid=grid, warmup=True, **kwargs)
+    jit.JITFunction.run = compile_instead
+
+    class Int4Method:  # the int4 kernels: the expand in the epilogue of steps of up to 16 rows only
+        def fuses_lora(self, layer):
+            return True
+
+        def kernel_key(self, layer):
+            return ("int4",)
+
+        def lora_in_epilogue(self, layer, m, lora):
+            return m <= 16
+
+    class FloatMethod:
+        pass
+
+    def base(outs, method):
+        offsets = [sum(outs[:i]) for i in range(len(outs))]
+        return SimpleNamespace(names=[f"p{i}" for i in range(len(outs))], out_sizes=outs, in_features=K,
+                               shard_offset=lambda i: offsets[i], method=method)
+
+    K, SLOTS, RANK, MAX_TOKENS = 11008, 32, 8, 300  # (splits of K 16, 8 and 4 at 1-16, 17-32, 33+ tokens)
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for name, outs, method in (("apply", [64, 32, 32], FloatMethod()), ("delta", [64], Int4Method())):
+        b = base(outs, method)
+        layer = LoRALayer(b, SLOTS, RANK, "cpu", torch.float16)
+        layer.rank_t.fill_(RANK)
+        calls = layer.compile_calls(b, MAX_TOKENS)
+        before = len(compiled)
+        with watch_compiles() as watched:
+            queued = gptq_tune.compile_parallel(calls, workers=2)
+        start = compiled[before:]
+        late, steps = [], 0
+        with watch_compiles() as watched_late:
+            for t in list(range(1, 41)) + [63, 64, 255, 256, 257, 300]:
+                slots = torch.randint(-1, SLOTS, (t,), generator=g).sort().values
+                groups = lora_groups(slots, SLOTS, in_order=True)
+                x = torch.randn(t, K, generator=g).half()
+                y = torch.zeros(t, sum(outs), dtype=torch.float16)
+                n0 = len(compiled)
+                if name == "apply":
+                    lora_ops.lora_apply(x, y, layer.lora_a, layer.lora_bt, layer.scalings, layer.bounds, groups,
+                                        layer.rank_t)
+                else:  # the shrink by token; the expand launched where the int4 kernel does not add it
+                    hp = lora_ops.shrink(x, layer.lora_a, 1, groups, layer.rank_t, by_token=True)
+                    if t > 16:
+                        lora_ops.expand(hp, y, layer.lora_bt, layer.scalings, layer.bounds, groups, layer.rank_t,
+                                        by_token=True)
+                late += [(t, c) for c in compiled[n0:]]
+                steps += 1
+        out[name] = dict(calls=len(calls), queued=queued, start=start, late=late, steps=steps, watched=watched,
+                         watched_late=watched_late)
+    print(json.dumps(out))
+''')
+
+
+def test_engine_start_compiles_every_lora_kernel_a_step_launches():
+    out = run_compile_only(SCRIPT, 900)
+    for name in ("apply", "delta"):
+        got = out[name]
+        assert got["queued"] == got["calls"] > 0 and got["steps"] == 46, (name, got)
+        assert got["late"] == [], (name, got)  # a step compiled what the start missed
+        # kernels.compiles.watch_compiles (what gpu_e2e reports) saw the start's compiles and nothing after
+        assert got["watched"] == got["start"] and got["watched_late"] == [], (name, got)
+    # 1-300 tokens make plans of two tile heights (shrink variants) and four splits of K (expand variants)
+    assert out["apply"]["start"].count("_shrink_kernel") >= 2, out["apply"]
+    assert out["apply"]["start"].count("_expand_kernel") >= 4, out["apply"]
+    # the delta path's expand is compiled for every plan but the one whose steps all add it in the epilogue
+    assert out["delta"]["start"].count("_expand_kernel") == out["apply"]["start"].count("_expand_kernel") - 1, out
