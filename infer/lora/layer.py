@@ -104,13 +104,13 @@ class LoRALayer:
     def _apply_all(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> None:
         kernels.lora_apply(x, y, self.lora_a, self.lora_bt, self.scalings, self.bounds, batch.groups, self.rank_t)
 
-    # ------------------------------------------------------------------------------------------ engine start
     def takes_delta(self, base) -> bool:
-        """Whether `base` (this hook's MergedLinear) hands the shrink to its linear method's kernel (`delta`, the
-        expand in the int4 matmul's epilogue or launched by it) rather than calling `apply`: as its forward
-        decides."""
+        """Whether `base` (this hook's MergedLinear, whose forward asks) hands the shrink to its linear method's
+        kernel (`delta`: the expand in the int4 matmul's epilogue, or launched by it) instead of calling `apply`."""
         return self.epilogue is not False and bool(getattr(base.method, "fuses_lora", None)) \
             and base.method.fuses_lora(base)
+
+    # ------------------------------------------------------------------------------------------ engine start
 
     def compile_key(self, base) -> tuple:
         """Layers with equal keys launch the same shrink and expand variants (`compile_calls` of one serves all)."""

@@ -9,8 +9,9 @@ calls `layer.finish_loading()`, where a method may repack weights to its kernel'
 LoRA: the LoRA manager may set `layer.lora` to an object with `apply(x, y, ctx)` that adds the adapters'
 contribution to `y` in place, for the per-token adapter slots described by the forward context. When the linear
 method can add it in its own kernel (`method.fuses_lora(layer)`: the int4 kernels' epilogue) and the hook allows
-it (`lora.epilogue` not False), the hook's `delta(x, ctx)` (the shrink) goes to `method.apply(layer, x,
-lora=delta)` instead, and the method's kernel adds the expand, in its epilogue or by a launch of its own.
+it (`lora.takes_delta(layer)`: `lora.epilogue` not False), the hook's `delta(x, ctx)` (the shrink) goes to
+`method.apply(layer, x, lora=delta)` instead, and the method's kernel adds the expand, in its epilogue or by a
+launch of its own.
 """
 
 from __future__ import annotations
@@ -110,8 +111,7 @@ class MergedLinear(nn.Module):
         batch = getattr(ctx, "lora", None) if self.lora is not None else None
         if batch is None:
             return self.method.apply(self, x)
-        if self.lora.epilogue is not False and getattr(self.method, "fuses_lora", None) \
-                and self.method.fuses_lora(self):
+        if self.lora.takes_delta(self):
             return self.method.apply(self, x, lora=self.lora.delta(x, batch))
         y = self.method.apply(self, x)
         self.lora.apply(x, y, batch)
