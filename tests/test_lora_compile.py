@@ -12,24 +12,18 @@ import textwrap
 
 import pytest
 
-from helpers import COMPILE_ONLY_PREAMBLE, run_compile_only
+from helpers import COMPILE_ONLY_LAUNCHES, run_compile_only
 
 pytest.importorskip("triton")
 pytest.importorskip("triton.runtime._async_compile")
 
-SCRIPT = COMPILE_ONLY_PREAMBLE + textwrap.dedent('''
+SCRIPT = COMPILE_ONLY_LAUNCHES + textwrap.dedent('''
     from types import SimpleNamespace
 
     from infer.kernels import gptq_tune, lora_ops
     from infer.kernels.compiles import watch_compiles
     from infer.lora.batch import lora_groups
     from infer.lora.layer import LoRALayer
-
-    launch = jit.JITFunction.run
-
-    def compile_instead(self, *args, grid, warmup, **kwargs):  # every launch only compiles (nothing can load)
-        return launch(self, *args, grid=grid, warmup=True, **kwargs)
-    jit.JITFunction.run = compile_instead
 
     class Int4Method:  # the int4 kernels: the expand in the epilogue of steps of up to 16 rows only
         def fuses_lora(self, layer):
