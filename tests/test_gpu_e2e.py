@@ -19,7 +19,8 @@ def test_exits_2_without_cuda(monkeypatch, tmp_path, capsys):
     assert "CUDA" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name,params", [("llama-2-7b", 6_738_415_616), ("qwen1.5-14b", 14_167_290_880)])
+@pytest.mark.parametrize("name,params", [("llama-2-7b", 6_738_415_616), ("qwen1.5-14b", 14_167_290_880),
+                                                ("llama-3-8b", 8_030_261_248)])
 def test_real_shapes_have_the_published_parameter_counts(name, params):
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):

@@ -19,6 +19,10 @@ SHAPES = {
                         num_attention_heads=40, num_key_value_heads=40, vocab_size=152064,
                         max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
                         tie_word_embeddings=False),
+    # grouped-query attention (8 KV heads for 32 query heads), the shape of most current 7-8B models
+    "llama-3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                       max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0),
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 def hf_config(name: str, **overrides):

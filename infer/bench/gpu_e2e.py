@@ -259,7 +259,7 @@ def hf_rows(run: ShapeRun) -> list[dict]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m infer.bench.gpu_e2e", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="folder for results.csv and results.md")
-    p.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--models", nargs="+", default=["llama-2-7b", "qwen1.5-14b"], choices=list(SHAPES))
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--input-len", type=int, default=44)

@@ -25,7 +25,9 @@ from ..kernels.gptq_tune import BUCKETS, random_gptq  # noqa: F401  (random_gptq
 
 MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 2048)
 SHAPES = {"7B": {"qkv": (4096, 12288), "o": (4096, 4096), "gate_up": (4096, 22016), "down": (11008, 4096)},
-          "14B": {"qkv": (5120, 15360), "o": (5120, 5120), "gate_up": (5120, 27392), "down": (13696, 5120)}}
+          "14B": {"qkv": (5120, 15360), "o": (5120, 5120), "gate_up": (5120, 27392), "down": (13696, 5120)},
+          # Llama-3-8B: grouped-query attention (8 KV heads), so a narrower qkv and a wider MLP
+          "8B": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}}
 
 
 def copy_bandwidth() -> float:
@@ -151,7 +153,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m infer.bench.kernels", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="CSV file to write (one row per M x shape)")
     p.add_argument("--m", type=int, nargs="+", default=list(MS), help="batch sizes (tokens)")
-    p.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--models", nargs="+", default=["7B", "14B"], choices=list(SHAPES))
     p.add_argument("--tune", action="store_true", help="tune every shape and M bucket first (minutes)")
     p.add_argument("--tuned-out", help="with --tune: also write the tuned table to this JSON file")
     p.add_argument("--tune-m", type=int, nargs="+", default=list(BUCKETS), help="with --tune: the M buckets")
