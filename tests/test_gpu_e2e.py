@@ -99,9 +99,13 @@ def test_bench_model_rows_on_cpu_with_tiny_shapes():
     rows = e2e.bench_model("qwen1.5-14b", args, bandwidth=1e10, device="cpu", dtype=torch.float32, **TINY)
     assert [(r["weights"], r["lora"], r["engine"]) for r in rows] == [
         ("gptq-int4-g128", "none", "infer"), ("gptq-int4-g128", "none", "infer --eager"),
-        ("gptq-int4-g128", "2 mixed r4", "infer"), ("float32", "none", "hf generate")]
+        ("gptq-int4-g128", "2 mixed r4", "infer"), ("gptq-int4-g128", "2 mixed r4", "infer --eager"),
+        ("float32", "none", "hf generate")]
     assert all(r["output_tok_s"] > 0 and r["fraction_of_roofline"] > 0 for r in rows)
-    assert rows[2]["step_MB"] > rows[0]["step_MB"] and rows[3]["step_MB"] > rows[0]["step_MB"]  # adapters; fp32
+    assert rows[2]["step_MB"] > rows[0]["step_MB"] and rows[4]["step_MB"] > rows[0]["step_MB"]  # adapters; fp32
+    # each adapter row's cost is taken against the same engine without adapters (graphs with graphs, eager with eager)
+    assert [n.split(":")[0] for n in e2e_report.adapter_costs(rows)] == [
+        "qwen1.5-14b infer, 2 mixed r4", "qwen1.5-14b infer --eager, 2 mixed r4"]
 
 
 def test_adapters_through_fewer_slots_swap_and_costs_are_reported(monkeypatch):

@@ -172,13 +172,15 @@ def bench_model(name: str, args, bandwidth: float, device: str = "cuda", dtype: 
 
 def engine_modes(run: ShapeRun, tmp: Path) -> list[tuple[str, dict[str, str], bool]]:
     """(lora label, adapters, eager) of each engine to run: without adapters (graphs, and eagerly too with
-    --compare-eager), then with the random adapters written to `tmp` (and through fewer slots with --max-loras, and
-    with every expand in the int4 matmul's epilogue with --compare-lora-epilogue)."""
+    --compare-eager), then with the random adapters written to `tmp` (eagerly too with --compare-eager, through
+    fewer slots with --max-loras, and with every expand in the int4 matmul's epilogue with --compare-lora-epilogue)."""
     args = run.args
-    modes = [("none", {}, args.eager)] + ([("none", {}, True)] if args.compare_eager and not args.eager else [])
+    both = args.compare_eager and not args.eager  # each of the two plain modes with graphs and without
+    modes = [("none", {}, args.eager)] + ([("none", {}, True)] if both else [])
     if args.num_adapters:
         adapters = write_random_adapters(run.model_config, tmp, args.num_adapters, args.rank)
-        modes.append((f"{len(adapters)} mixed r{args.rank}", adapters, args.eager))
+        mixed = f"{len(adapters)} mixed r{args.rank}"
+        modes += [(mixed, adapters, args.eager)] + ([(mixed, adapters, True)] if both else [])
         if args.max_loras and args.max_loras < len(adapters):
             modes.append((f"{len(adapters)} mixed r{args.rank} via {args.max_loras} slots", adapters, args.eager))
         if args.compare_lora_epilogue and not args.fp16:
@@ -271,7 +273,8 @@ def parse_args(argv=None):
     p.add_argument("--fp16", action="store_true", help="fp16 weights instead of GPTQ int4")
     p.add_argument("--skip-hf", action="store_true", help="no transformers baseline")
     p.add_argument("--eager", action="store_true", help="infer without decode CUDA graphs")
-    p.add_argument("--compare-eager", action="store_true", help="also run infer --eager without adapters")
+    p.add_argument("--compare-eager", action="store_true",
+                   help="also run infer --eager, without adapters and with the mixed adapters")
     p.add_argument("--compare-lora-epilogue", action="store_true",
                    help="also run the mixed adapters with every LoRA expand added in the int4 matmul's epilogue "
                         "wherever the kernel can (by default only where that is cheap: one row or few slots)")
