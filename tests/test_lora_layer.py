@@ -175,3 +175,36 @@ def test_register_errors_name_the_adapter(setup, tmp_path):
     mgr.unregister("a")
     assert mgr.names() == [] and mgr.resident() == {}
     assert all(not layer.targets(0) for layer in mgr.layers)
+
+
+@pytest.mark.gpu
+def test_gpu_swaps_queue_their_copies_without_waiting_for_the_device(setup):
+    """Swapping adapters into device slots (a new one, a second, one into a slot whose previous adapter targeted
+    other shards, a clear) makes no synchronising call, so it never drains a step in flight; once the copies have
+    run, every slot tensor equals the same swaps done on the CPU."""
+    import copy
+    gpu_stack = copy.deepcopy(setup.stack).to("cuda")
+    cpu_stack = copy.deepcopy(setup.stack)
+    managers = [LoRAManager(s, max_loras=2, max_lora_rank=64) for s in (gpu_stack, cpu_stack)]
+    for mgr in managers:
+        for name, path in setup.paths.items():
+            mgr.register(name, path)
+    torch.cuda.synchronize()
+
+    def swaps(mgr):
+        mgr.acquire("b"), mgr.acquire("d")
+        mgr.release("b")
+        mgr.acquire("c")  # into b's slot: c targets k, o and down only, so b's other shards are cleared
+        mgr.release("c")
+        mgr.unregister("c")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        swaps(managers[0])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    swaps(managers[1])
+    torch.cuda.synchronize()
+    assert managers[0].resident() == managers[1].resident() == {"d": 1}
+    for g, c in zip(*(m.layers for m in managers)):
+        for name in ("lora_a", "lora_bt", "scalings", "rank_t"):
+            assert torch.equal(getattr(g, name).cpu(), getattr(c, name)), name

@@ -39,26 +39,41 @@ class LoRALayer:
         self.scalings = torch.zeros(n, max_loras, dtype=torch.float32, device=device)
         self.rank_t = torch.zeros(n, max_loras, dtype=torch.int32, device=device)
         self.ranks = [[0] * max_loras for _ in range(n)]  # ranks[shard][slot] on the host, 0 = not targeted
+        self.host_scalings = [[0.0] * max_loras for _ in range(n)]  # scalings[shard][slot] on the host
         self._plans: dict[tuple[int, ...], tuple[list[int], int]] = {}  # active slots -> (shards, rank)
         # on the int4 kernel path the expand may be added in the matmul's epilogue (`delta`): None where the kernel
         # finds it cheap (gptq_gemm.fuses_lora), True wherever it can, False never (EngineConfig.lora_epilogue)
         self.epilogue: bool | None = None
 
     def set_slot(self, slot: int, modules: list[LoRAModule | None]) -> None:
-        """Load one adapter's modules for this layer's shards (None = the adapter does not target that shard)."""
-        mr = self.max_rank
+        """Load one adapter's modules for this layer's shards (None = the adapter does not target that shard).
+
+        Each piece is assembled zero-padded on the host and copied whole: on a GPU from pinned memory without
+        waiting (a copy from pageable memory would synchronise the stream, draining the step in flight whenever an
+        adapter is swapped in). The copies are queued behind that step, which never reads this slot: only slots of
+        adapters no request pins are overwritten."""
+        mr, dev = self.max_rank, self.lora_a.device
+        changed = [i for i, m in enumerate(modules) if m is not None or self.ranks[i][slot]]
+        if not changed:
+            return
         self._plans.clear()
+        pin = dev.type == "cuda"
+        a = torch.zeros(len(modules) * mr, self.in_features, dtype=self.lora_a.dtype, pin_memory=pin)
         for i, m in enumerate(modules):
-            if m is None and self.ranks[i][slot] == 0:
-                continue
-            self.lora_a[slot, i * mr:(i + 1) * mr].zero_()
-            self.lora_b[i][slot].zero_()
-            self.scalings[i, slot] = 0.0 if m is None else m.scaling
-            self.ranks[i][slot] = 0 if m is None else m.rank
-            self.rank_t[i, slot] = self.ranks[i][slot]
             if m is not None:
-                self.lora_a[slot, i * mr:i * mr + m.rank].copy_(m.lora_a)
-                self.lora_b[i][slot, :, :m.rank].copy_(m.lora_b)
+                a[i * mr:i * mr + m.rank].copy_(m.lora_a)
+        self.lora_a[slot].copy_(a, non_blocking=pin)
+        for i in changed:
+            m = modules[i]
+            bt = torch.zeros(mr, self.out_sizes[i], dtype=self.lora_bt.dtype, pin_memory=pin)
+            if m is not None:
+                bt[:m.rank].copy_(m.lora_b.t())
+            self.lora_b[i][slot].t().copy_(bt, non_blocking=pin)  # slot's B^T of shard i: a contiguous block
+            self.ranks[i][slot] = 0 if m is None else m.rank
+            self.host_scalings[i][slot] = 0.0 if m is None else m.scaling
+        # the small per-(shard, slot) tables are copied whole from their host copies (contiguous destinations)
+        self.scalings.copy_(torch.tensor(self.host_scalings, dtype=torch.float32, pin_memory=pin), non_blocking=pin)
+        self.rank_t.copy_(torch.tensor(self.ranks, dtype=torch.int32, pin_memory=pin), non_blocking=pin)
 
     def clear_slot(self, slot: int) -> None:
         self.set_slot(slot, [None] * len(self.out_sizes))
