@@ -194,3 +194,50 @@ def test_gpu_decode_steps_never_wait_for_the_device_before_their_one_copy(path):
     while eng.has_unfinished_requests():
         outs.update({o.request_id: o for o in eng.step() if o.finished})
     assert sorted(outs) == [str(i) for i in range(6)] and all(o.num_generated == 40 for o in outs.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eager", [True, False])
+def test_gpu_steps_with_mixed_adapters_and_swaps_never_wait_for_the_device(path, tmp_path, monkeypatch, eager):
+    """The same with three adapters through two device slots: whole engine steps (scheduling, which swaps an
+    adapter in; a prefill beside decodes; decode steps, graph replays or eager, with mixed adapters; output
+    handling) make no synchronising call but the one wait for the previous step's copy (`StepHandle.result`, let
+    through here); the adapter map travels with the step's other integer inputs. Tokens equal plain steps'."""
+    import torch
+
+    from infer.engine.model_runner import StepHandle
+    from lora_helpers import THREE, hf_float, save_adapter
+    wait = StepHandle.result
+
+    def allowed_wait(self):
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return wait(self)
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+    monkeypatch.setattr(StepHandle, "result", allowed_wait)
+    hf = hf_float(path)
+    loras = {n: str(save_adapter(hf, tmp_path / n, seed=i + 1, **kw)) for i, (n, kw) in enumerate(THREE.items())}
+    prompts = random_prompts(512, (7, 12, 5, 9, 16, 6), seed=8)
+    names = ["a", "b", None, "a", "c", "b"]
+    got = {}
+    for overlap in (False, True):
+        llm = LLM(path, device="cuda", dtype="float32", max_num_seqs=8, block_size=16, num_kv_blocks=128,
+                  max_model_len=256, enforce_eager=eager, overlap=overlap, loras=loras, max_loras=2, max_lora_rank=8)
+        eng, steps = llm.engine, 0
+        for i, (p, n) in enumerate(zip(prompts, names)):
+            eng.add_request(str(i), p, SamplingParams(max_new_tokens=24, ignore_eos=True), lora=n)
+        outs = {}
+        while eng.has_unfinished_requests():
+            steps += 1
+            if overlap and steps > 2:  # past the engine's first steps: every later step is checked
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                done = [o for o in eng.step() if o.finished]
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            outs.update({o.request_id: o.token_ids for o in done})
+        got[overlap] = outs
+        assert eng.stats()["lora_swaps"] > 2 and eng.block_manager.num_used_blocks == 0
+    assert got[True] == got[False] and len(got[True]) == 6

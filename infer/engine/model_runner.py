@@ -78,12 +78,13 @@ class ModelRunner:
         if host.fill:
             where, rows = to_device(host.fill, torch.long, self.device).unbind(1)
             input_ids = input_ids.index_copy(0, where, prev.sampled.tokens.index_select(0, rows))
+        o = (4 if host.lora_slots else 3) * tp  # where query_start_loc starts
         ctx = ForwardContext(
-            query_start_loc=data[3 * tp:3 * tp + b + 1].int(), seq_lens=data[3 * tp + b + 1:3 * tp + 2 * b + 1].int(),
-            block_tables=data[3 * tp + 2 * b + 1:].view(b, width).int(), slot_mapping=data[2 * tp:2 * tp + t],
+            query_start_loc=data[o:o + b + 1].int(), seq_lens=data[o + b + 1:o + 2 * b + 1].int(),
+            block_tables=data[o + 2 * b + 1:].view(b, width).int(), slot_mapping=data[2 * tp:2 * tp + t],
             max_query_len=max(batch.num_new_tokens))
-        if self.lora_manager is not None:
-            ctx.lora = self.lora_manager.make_batch(host.lora_slots)
+        if self.lora_manager is not None:  # the slots on the host decide the plan; their copy came with the rest
+            ctx.lora = self.lora_manager.make_batch(host.lora_slots, data[3 * tp:3 * tp + t])
         return input_ids, positions, ctx, host.last
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
@@ -144,12 +145,16 @@ class HostInputs:
         self.tables.append(table)
 
     def flat(self, width: int) -> list[int]:
-        """ids, positions, slots [T each, each padded to an even length], query_start_loc [B+1], seq_lens [B],
-        block tables [B * width]. The padding keeps every int64 piece 16-byte aligned whatever T is: Triton
-        specializes a kernel on whether a pointer is, so an odd T would give the rotary kernel (which reads the
-        positions) a variant of its own, compiled on a user's first prompt of the other parity."""
+        """ids, positions, slots [T each, each padded to an even length], the tokens' adapter slots [T, padded; only
+        with adapters], query_start_loc [B+1], seq_lens [B], block tables [B * width]. The padding keeps every int64
+        piece 16-byte aligned whatever T is: Triton specializes a kernel on whether a pointer is, so an odd T would
+        give the rotary kernel (which reads the positions) a variant of its own, compiled on a user's first prompt
+        of the other parity."""
         pad = [0] * (len(self.ids) % 2)
-        flat = self.ids + pad + self.pos + pad + self.slots + pad + [0] + [j + 1 for j in self.last] + self.lens
+        flat = self.ids + pad + self.pos + pad + self.slots + pad
+        if self.lora_slots:
+            flat += self.lora_slots + pad
+        flat += [0] + [j + 1 for j in self.last] + self.lens
         for row in self.tables:
             flat.extend(row)
             flat.extend([0] * (width - len(row)))

@@ -33,7 +33,8 @@ def lora_groups(token_slots: torch.Tensor, num_slots: int, in_order: bool = Fals
     host sync. in_order: the caller knows token_slots is non-decreasing."""
     key = token_slots.long() + 1
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=num_slots + 1)
+    # not torch.bincount: on CUDA it reads the largest key back to the host to size its output (a sync per step)
+    counts = torch.zeros(num_slots + 1, dtype=torch.long, device=key.device).scatter_add_(0, key, torch.ones_like(key))
     starts = torch.zeros(num_slots + 2, dtype=torch.long, device=key.device)
     torch.cumsum(counts, 0, out=starts[1:])
     return LoRAGroups(order, starts, in_order)
@@ -55,14 +56,17 @@ class LoRABatch:
     static: bool = False  # a CUDA graph's batch (engine.cuda_graphs): every layer, every slot, the full rank
 
     @classmethod
-    def build(cls, token_slots, num_slots: int, device: torch.device | str | None = None) -> "LoRABatch | None":
-        """From a list (or tensor) of per-token slots; None when no token uses an adapter."""
+    def build(cls, token_slots, num_slots: int, device: torch.device | str | None = None,
+              on_device: torch.Tensor | None = None) -> "LoRABatch | None":
+        """From a list (or tensor) of per-token slots; None when no token uses an adapter. `on_device`: the same
+        slots already on the device as int64 (the engine's step copies them with its other inputs), so that
+        building the batch neither copies nor waits for the device."""
         if isinstance(token_slots, torch.Tensor):
             host = token_slots.tolist()
             slots = token_slots.to(device=device or token_slots.device, dtype=torch.long)
         else:
             host = list(token_slots)
-            slots = torch.tensor(host, dtype=torch.long, device=device)
+            slots = on_device if on_device is not None else torch.tensor(host, dtype=torch.long, device=device)
         active = tuple(sorted({s for s in host if s >= 0}))
         if not active:
             return None

@@ -187,9 +187,10 @@ class LoRAManager:
                 calls += layer.compile_calls(linear, max_tokens)
         return calls
 
-    def make_batch(self, token_slots) -> LoRABatch | None:
-        """The per-step `ctx.lora` from every token's slot (list of ints or a tensor); None when all are -1."""
-        return LoRABatch.build(token_slots, self.max_loras, self.device)
+    def make_batch(self, token_slots, on_device: torch.Tensor | None = None) -> LoRABatch | None:
+        """The per-step `ctx.lora` from every token's slot (list of ints or a tensor); None when all are -1.
+        `on_device`: the same slots already on the device (int64), so nothing is copied."""
+        return LoRABatch.build(token_slots, self.max_loras, self.device, on_device)
 
 
 def _device_of(linears: list[MergedLinear]) -> torch.device:
