@@ -1,6 +1,6 @@
 """The engine's GPU code path never makes the host wait for the GPU inside a step (issue: "the GPU never waits for
 Python between decode steps"), checked on CPU: whole engine steps run through the Triton kernels (interpreted) and
-emulated CUDA graphs under `sync_audit.SyncAudit`, which records every call that would synchronise on CUDA. The one
+emulated CUDA graphs under `infer.bench.sync_audit.SyncAudit`, which records every call that would synchronise on CUDA. The one
 wait a step may make is for the previous step's sampled tokens (`StepHandle.result`). On a GPU, the `-m gpu` tests of
 test_overlap.py check the same with torch's sync debug mode."""
 
@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from infer import LLM, SamplingParams, kernels
+from infer.bench.sync_audit import SyncAudit
 from infer.lora.batch import LoRABatch
 from infer.lora.manager import LoRAManager
 from infer.models.tiny import ensure_builtin
 
 from helpers import random_prompts
 from lora_helpers import THREE, hf_float, save_adapter
-from sync_audit import SyncAudit
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU checks this with sync debug mode")
 OPTS = dict(block_size=4, num_kv_blocks=160, max_model_len=64, max_num_seqs=8, overlap=True, max_loras=2,

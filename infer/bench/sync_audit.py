@@ -13,13 +13,13 @@ Triton interpreter, CUDA graphs emulated), each with the line of `infer` that ma
   which PyTorch finishes with a stream synchronisation, and device-to-host reads (`.tolist()`, `.cpu()`, `.numpy()`).
 
 Inside a Triton launch nothing is recorded (the interpreter's own work is not the engine's), nor inside the one wait
-a step is allowed (`StepHandle.result`, the copy of the previous step's sampled tokens).
+a step is allowed (`StepHandle.result`, the copy of the previous step's sampled tokens). Used by
+tests/test_sync_audit.py (tiny models) and `scripts/kernel-sass --engine` (real shapes).
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 import traceback
 from pathlib import Path
 
@@ -27,9 +27,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import infer
-
-ROOT = Path(infer.__file__).parent
+ROOT = Path(__file__).resolve().parent.parent  # the infer package
 aten = torch.ops.aten
 READS_BACK = {  # operator -> why it waits for the GPU on CUDA
     aten._local_scalar_dense.default: "reads a tensor's value on the host (.item(), int(), float(), bool())",
@@ -48,9 +46,9 @@ MAKERS = {torch.tensor, torch.as_tensor, torch.asarray}
 
 def _site() -> str | None:
     """file:line function of the innermost frame in infer (None outside infer's code)."""
-    for frame in reversed(traceback.extract_stack()[:-3]):
+    for frame in reversed(traceback.extract_stack()):
         path = Path(frame.filename)
-        if ROOT in path.parents:
+        if ROOT in path.parents and path.name != "sync_audit.py":
             return f"{path.relative_to(ROOT.parent)}:{frame.lineno} {frame.name}"
     return None
 
@@ -107,10 +105,11 @@ class SyncAudit:
 
     def __enter__(self):
         from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
 
-        from infer.engine.model_runner import StepHandle
+        from ..engine.model_runner import StepHandle
         self._stack = contextlib.ExitStack()
-        for cls, name in ((InterpretedFunction, "run"), (StepHandle, "result")):
+        for cls, name in ((InterpretedFunction, "run"), (JITFunction, "run"), (StepHandle, "result")):
             self._stack.enter_context(_paused_method(self, cls, name))
         for mode in self._modes:
             self._stack.enter_context(mode)
@@ -139,7 +138,3 @@ def _paused_method(audit: SyncAudit, cls, name: str):
     finally:
         setattr(cls, name, real)
 
-
-__all__ = ["SyncAudit"]
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit("import SyncAudit from tests/sync_audit.py")
