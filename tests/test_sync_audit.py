@@ -1,8 +1,8 @@
 """The engine's GPU code path never makes the host wait for the GPU inside a step (issue: "the GPU never waits for
 Python between decode steps"), checked on CPU: whole engine steps run through the Triton kernels (interpreted) and
-emulated CUDA graphs under `infer.bench.sync_audit.SyncAudit`, which records every call that would synchronise on CUDA. The one
-wait a step may make is for the previous step's sampled tokens (`StepHandle.result`). On a GPU, the `-m gpu` tests of
-test_overlap.py check the same with torch's sync debug mode."""
+emulated CUDA graphs under `infer.bench.sync_audit.SyncAudit`, which records every call that would synchronise on
+CUDA. The one wait a step may make is for the previous step's sampled tokens (`StepHandle.result`). On a GPU, the
+`-m gpu` tests of test_overlap.py check the same with torch's sync debug mode."""
 
 from __future__ import annotations
 
