@@ -64,7 +64,8 @@ def test_prefix_cache_hit_rate_counts_cached_prompt_tokens(engine):
     assert second.num_cached_tokens == 32
     assert engine.stats()["prefix_cache_hit_rate"] == pytest.approx(32 / 80)
     assert second.token_ids == first.token_ids  # the cached K/V give the same greedy reply
-    engine.add_request("p3", prompt[:20] + [(t + 1) % engine.model_config.vocab_size for t in prompt[20:]], params)  # only the first block matches
+    changed = [(t + 1) % engine.model_config.vocab_size for t in prompt[20:]]
+    engine.add_request("p3", prompt[:20] + changed, params)  # only the first block matches
     third = _run(engine)["p3"]
     assert third.num_cached_tokens == 16
     assert engine.stats()["prefix_cache_hit_rate"] == pytest.approx((32 + 16) / 120)
