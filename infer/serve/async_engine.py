@@ -84,11 +84,15 @@ class AsyncEngine:
         with self._cond:
             if self._sinks.pop(request_id, None) is None:
                 return
-            before = len(self._adds)
-            self._adds = deque(p for p in self._adds if p.request_id != request_id)
-            if len(self._adds) == before:
-                self._aborts.append(request_id)
-            self._cond.notify()
+            self._cancel(request_id)
+
+    def _cancel(self, request_id: str) -> None:
+        """Under _cond: drop the request from the adds not yet taken, else have the engine thread abort it."""
+        before = len(self._adds)
+        self._adds = deque(p for p in self._adds if p.request_id != request_id)
+        if len(self._adds) == before:
+            self._aborts.append(request_id)
+        self._cond.notify()
 
     def num_in_flight(self) -> int:
         with self._cond:
@@ -107,8 +111,10 @@ class AsyncEngine:
         with self._cond:
             left = list(self._sinks)
         for rid in left:
+            # the client hears why (this drops its sink, so abort() would do nothing); the engine frees its blocks
             self._fail(rid, "abort", "the server shut down before the request finished")
-            self.abort(rid)
+            with self._cond:
+                self._cancel(rid)
         with self._cond:
             self._stopping = True
             self._cond.notify()
