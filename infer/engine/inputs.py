@@ -46,8 +46,7 @@ class ParsedRequest:
 
 def encode_prompt(tokenizer, prompt: Any = None, messages: Any = None) -> list[int]:
     if messages is not None:
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise RequestError("messages must be a list of {\"role\": ..., \"content\": ...} objects")
+        messages = chat_messages(messages)
         check_text(messages, "messages")
         if getattr(tokenizer, "chat_template", None) is None:
             raise RequestError("this model's tokenizer has no chat template", "send `prompt` instead of `messages`")
@@ -63,6 +62,35 @@ def encode_prompt(tokenizer, prompt: Any = None, messages: Any = None) -> list[i
         return list(tokenizer(prompt)["input_ids"])
     except Exception as e:  # a tokenizer error is about this prompt, never about the run
         raise RequestError(f"the tokenizer cannot encode this prompt: {type(e).__name__}: {e}") from e
+
+
+def chat_messages(messages: Any) -> list[dict]:
+    """The messages as a chat template reads them: a string role each, and every content a string. OpenAI's list of
+    text parts is joined (as vLLM does); a template would otherwise render the list's Python repr into the prompt.
+    Other parts (images, audio) are refused rather than dropped; null content is empty (an assistant's tool call)."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise RequestError("messages must be a list of {\"role\": ..., \"content\": ...} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m["role"], str):
+            raise RequestError(f"messages[{i}].role must be a string, got {type(m['role']).__name__}")
+        out.append({**m, "content": _content_text(m.get("content"), i)})
+    return out
+
+
+def _content_text(content: Any, i: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        kinds = sorted({str(p.get("type")) for p in content if p.get("type") != "text"})
+        if kinds:
+            raise RequestError(f"messages[{i}].content has {', '.join(kinds)} parts; only text parts are supported",
+                               "send text only: this is a text model")
+        if not all(isinstance(p.get("text"), str) for p in content):
+            raise RequestError(f"messages[{i}].content: every text part needs a string 'text'")
+        return "".join(p["text"] for p in content)
+    raise RequestError(f"messages[{i}].content must be a string or a list of text parts, got "
+                       f"{type(content).__name__}")
 
 
 def check_text(value: Any, name: str) -> None:
