@@ -8,8 +8,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from infer.cli.batch_io import read_inputs
+from infer.cli.batch_io import model_names, read_inputs
 from infer.cli.main import app
+from infer.engine.inputs import ModelNames
 from infer.engine.setup import load_tokenizer
 from infer.models.resolve import resolve_model
 
@@ -63,3 +64,52 @@ def test_llm_chat_parts_are_joined(tokenizer):
     from infer.engine.inputs import encode_prompt
     parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]
     assert encode_prompt(tokenizer, messages=parts) == _chat(tokenizer, "hello")
+
+
+def _batch(custom_id: str, url: str = "/v1/chat/completions", **body) -> dict:
+    body.setdefault("messages" if url.endswith("chat/completions") else "prompt",
+                    [{"role": "user", "content": "hi"}] if url.endswith("chat/completions") else "hi")
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": {"max_tokens": 2, **body}}
+
+
+def test_a_batch_lines_model_picks_the_adapter_it_names_as_in_vllm(tmp_path, tokenizer):
+    """`vllm run-batch` runs the adapter a line's body.model names; infer ignored body.model, so every line of a
+    batch file written for adapters silently ran the base model."""
+    names = ModelNames(frozenset({"tiny-llama"}), frozenset({"support", "legal"}))
+    path = tmp_path / "in.jsonl"
+    lines = [_batch("a", model="support"), _batch("b", model="tiny-llama"), _batch("c"),
+             _batch("d", model="legal", lora="support"), _batch("typo", model="suport"), _batch("int", model=5)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    items = {item.id: item for item in read_inputs(path, tokenizer, {"max_new_tokens": 4}, names)}
+    assert [items[k].request.lora for k in "abcd"] == ["support", None, None, "support"]  # `lora` wins
+    assert "body.model 'suport' is neither the base model nor a registered adapter" in items["typo"].error
+    assert "tiny-llama, legal, support" in items["typo"].error
+    assert "body.model must be a string" in items["int"].error
+    items = {item.id: item for item in read_inputs(path, tokenizer, {"max_new_tokens": 4})}  # no adapters
+    assert all(items[k].request.lora is None for k in ("a", "b", "c", "typo"))  # OpenAI's model names run the base
+
+
+def test_model_names_of_a_run_are_its_model_as_given_and_its_adapters(tmp_path):
+    from infer.engine.config import EngineConfig
+    names = model_names(EngineConfig("tiny-llama", loras={"support": str(tmp_path)}))
+    assert "tiny-llama" in names.base and names.adapters == {"support"}
+
+
+def test_batch_lines_the_run_cannot_answer_say_so(tmp_path, tokenizer):
+    """An embeddings line said 'no prompt', top_logprobs "abc" gave a bare ValueError, and a completions prompt
+    of token ids (which OpenAI and vLLM accept) was refused as 'prompt must be a string'."""
+    items = _read(tmp_path, tokenizer,
+                  _batch("emb", "/v1/embeddings", input="hi"),
+                  _batch("top", logprobs=True, top_logprobs="abc"),
+                  _batch("ids", "/v1/completions", prompt=[5, 6, 7]),
+                  _batch("one", "/v1/completions", prompt=["hello"]),
+                  _batch("one_ids", "/v1/completions", prompt=[[5, 6]]),
+                  _batch("two", "/v1/completions", prompt=["a", "b"]),
+                  _batch("none", "/v1/completions", prompt=[]))
+    assert "url '/v1/embeddings' is not supported" in items["emb"].error
+    assert "body.top_logprobs must be an integer in 0..20, got 'abc'" in items["top"].error
+    assert items["ids"].request.prompt_token_ids == [5, 6, 7]
+    assert items["one"].request.prompt_token_ids == list(tokenizer("hello")["input_ids"])
+    assert items["one_ids"].request.prompt_token_ids == [5, 6]
+    assert "body.prompt holds 2 prompts; a batch line answers one" in items["two"].error
+    assert "body.prompt is an empty list" in items["none"].error

@@ -136,28 +136,81 @@ def params_from(obj: dict, aliases: dict[str, str] | None = None) -> SamplingPar
         raise RequestError(str(e)) from e
 
 
-def _batch_line(obj: dict, default_id: str) -> tuple[dict, str, Any, dict]:
+BATCH_URLS = ("/v1/completions", "/v1/chat/completions")
+
+
+@dataclass(frozen=True)
+class ModelNames:
+    """What a batch line's body.model may name: the base model (any of its names) or a registered adapter."""
+    base: frozenset[str] = frozenset()
+    adapters: frozenset[str] = frozenset()
+
+    def lora_for(self, model: Any) -> str | None:
+        """vLLM's rule, as the server's: an adapter's name runs that adapter. Any other name runs the base when no
+        adapter is registered (batch files written for OpenAI name their model); with adapters registered, a name
+        that is neither the base nor one of them is a typo that would silently run the base."""
+        if model is None or model in self.base:
+            return None
+        if not isinstance(model, str):
+            raise RequestError(f"body.model must be a string, got {type(model).__name__}")
+        if model in self.adapters:
+            return model
+        if self.adapters:
+            raise RequestError(f"body.model {model!r} is neither the base model nor a registered adapter",
+                               f"name one of: {', '.join(sorted(self.base)[:1] + sorted(self.adapters))}")
+        return None
+
+
+def _batch_prompt(body: dict) -> dict:
+    """OpenAI's completions prompt may be token ids or a list of prompts: a line answers one prompt."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list):
+        return {}
+    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return {"prompt": None, "prompt_token_ids": prompt}
+    if not prompt:
+        raise RequestError("body.prompt is an empty list", "give the prompt as a string or a list of token ids")
+    if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        return _batch_prompt({"prompt": prompt[0]}) or {"prompt": prompt[0]}
+    raise RequestError(f"body.prompt holds {len(prompt)} prompts; a batch line answers one",
+                       "write one line per prompt, each with its own custom_id")
+
+
+def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, str, Any, dict]:
     """(fields, id, adapter, aliases) of an OpenAI batch line; a body field that would change the reply but is
     not supported (n > 1, tools, ...) is refused rather than dropped."""
     body = obj["body"]
     if not isinstance(body, dict):
         raise RequestError("field 'body' must be an object")
+    url = obj.get("url")
+    if url is not None and url not in BATCH_URLS:
+        raise RequestError(f"url {url!r} is not supported: infer run answers {' and '.join(BATCH_URLS)}",
+                           "remove the line, or run it with a server that has that endpoint")
     for key, (ok, why) in UNSUPPORTED_OPENAI.items():
         if not ok(body.get(key)):
             raise RequestError(f"body.{key}: {why}", "remove it from the line's body (for n > 1, write one line "
                                                      "per reply, each with its own custom_id and seed)")
+    top = body.get("top_logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
+        raise RequestError(f"body.top_logprobs must be an integer in 0..20, got {top!r}")
     fields = {k: v for k, v in body.items() if k in _PARAM_TYPES or k in _OPENAI_ALIASES
               or k in ("prompt", "messages", "top_logprobs")}
+    fields.update(_batch_prompt(body))
+    lora = body.get("lora")
+    if lora is None:
+        lora = names.lora_for(body.get("model"))
     req_id = default_id if obj["custom_id"] is None else str(obj["custom_id"])
-    return fields, req_id, body.get("lora"), _OPENAI_ALIASES
+    return fields, req_id, lora, _OPENAI_ALIASES
 
 
-def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = None) -> ParsedRequest:
-    """Validate one request object (our JSONL format, or an OpenAI batch line) and tokenize its prompt."""
+def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = None,
+                  names: ModelNames = ModelNames()) -> ParsedRequest:
+    """Validate one request object (our JSONL format, or an OpenAI batch line) and tokenize its prompt; `names`
+    says which body.model of a batch line picks which adapter."""
     if not isinstance(obj, dict):
         raise RequestError(f"expected a JSON object, got {type(obj).__name__}")
     if "body" in obj and "custom_id" in obj:  # OpenAI batch line, as `vllm run-batch` reads it
-        fields, req_id, lora, aliases = _batch_line(obj, default_id)
+        fields, req_id, lora, aliases = _batch_line(obj, default_id, names)
     else:
         unknown = set(obj) - set(_PARAM_TYPES) - set(_PROMPT_KEYS) - _OTHER_KEYS
         if unknown:
