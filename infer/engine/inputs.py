@@ -33,6 +33,26 @@ UNSUPPORTED_OPENAI = {
     "functions": (lambda v: not v, "function calls are not supported"),
     "response_format": (lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
                         "only response_format {\"type\": \"text\"} is supported"),
+    "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calls are not supported"),
+    "function_call": (lambda v: v in (None, "none", "auto"), "function calls are not supported"),
+    "modalities": (lambda v: v is None or v == ["text"], "only text output is supported"),
+    "audio": (lambda v: v is None, "audio output is not supported"),
+    # vLLM's extensions that change the reply: silently dropped, the client would get another reply than it asked
+    "min_tokens": (lambda v: v is None or v == 0, "min_tokens is not supported"),
+    "min_p": (lambda v: v is None or v == 0, "min_p is not supported"),
+    "use_beam_search": (lambda v: v is None or v is False, "beam search is not supported"),
+    "include_stop_str_in_output": (lambda v: v is None or v is False, "include_stop_str_in_output is not supported"),
+    "skip_special_tokens": (lambda v: v is None or v is True, "special tokens are always skipped in the text"),
+    "prompt_logprobs": (lambda v: v is None, "prompt_logprobs is not supported"),
+    "truncate_prompt_tokens": (lambda v: v is None, "truncate_prompt_tokens is not supported"),
+    "bad_words": (lambda v: not v, "bad_words is not supported"),
+    "allowed_token_ids": (lambda v: v is None, "allowed_token_ids is not supported"),
+    **{k: (lambda v: v is None, "guided decoding is not supported")
+       for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")},
+    "add_generation_prompt": (lambda v: v is None or v is True, "add_generation_prompt=false is not supported"),
+    "continue_final_message": (lambda v: v is None or v is False, "continue_final_message is not supported"),
+    "chat_template": (lambda v: v is None, "a chat_template per request is not supported (the model's is used)"),
+    "chat_template_kwargs": (lambda v: not v, "chat_template_kwargs is not supported"),
 }
 
 
@@ -193,6 +213,9 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
     top = body.get("top_logprobs")
     if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
         raise RequestError(f"body.top_logprobs must be an integer in 0..20, got {top!r}")
+    if top is not None and "messages" in body and body.get("logprobs") is not True:
+        raise RequestError("body.top_logprobs is given but body.logprobs is not true: no logprobs would be written",
+                           "set \"logprobs\": true, or remove top_logprobs")
     fields = {k: v for k, v in body.items() if k in _PARAM_TYPES or k in _OPENAI_ALIASES
               or k in ("prompt", "messages", "top_logprobs")}
     fields.update(_batch_prompt(body))

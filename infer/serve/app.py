@@ -52,6 +52,12 @@ class Server:
         lm = self.engine.lora_manager
         return sorted(lm.names()) if lm is not None else []
 
+    def model_cards(self) -> list[dict]:
+        """/v1/models' entries: the base, then every adapter (its parent is the base)."""
+        card = {"object": "model", "created": self.created, "owned_by": "infer"}
+        data = [{"id": self.model_id, **card, "root": str(self.engine.model_path), "parent": None}]
+        return data + [{"id": name, **card, "root": name, "parent": self.model_id} for name in self.adapters()]
+
     def lora_for(self, model: str | None) -> str | None:
         """vLLM's rule: the base id (or no model) runs the base; an adapter's name runs that adapter."""
         if model is None or model in (self.model_id, self.engine.config.model):
@@ -254,15 +260,22 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     async def chat_completions(request: Request):
         return await _generate(server, request, chat=True)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(request: Request):
         server.check_auth(request)
-        card = {"object": "model", "created": server.created, "owned_by": "infer"}
-        data = [{"id": server.model_id, **card, "root": str(server.engine.model_path), "parent": None}]
-        data += [{"id": name, **card, "root": name, "parent": server.model_id} for name in server.adapters()]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": server.model_cards()}
 
-    @app.get("/health")
+    @app.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"])
+    async def model(request: Request, model: str):
+        """OpenAI's retrieve (`client.models.retrieve(id)`): one card, or 404 naming the models there are."""
+        server.check_auth(request)
+        for card in server.model_cards():
+            if card["id"] == model:
+                return card
+        server.lora_for(model)  # raises the 404 that names the served models
+        return server.model_cards()[0]  # the model as given on the command line (a path): the base
+
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers and probes often send HEAD
     async def health():
         return {"status": "ok", "model": server.model_id, "engine": server.stats()}
 

@@ -84,6 +84,8 @@ def _common(body: Any, chat: bool) -> GenerationRequest:
     top = _expect(body, "top_logprobs", (int,), "an integer")
     if top is not None and not 0 <= top <= 20:
         raise ApiError(400, f"top_logprobs must be in 0..20, got {top}", param="top_logprobs")
+    if chat and top is not None and fields.get("logprobs") is not True:  # as vLLM: else silently no logprobs
+        raise ApiError(400, "when using top_logprobs, logprobs must be set to true", param="top_logprobs")
     try:
         params = params_from(fields, _ALIASES)
     except RequestError as e:
