@@ -82,3 +82,64 @@ def test_head_probes_of_health_and_models(url):
     for path in ("/health", "/v1/models"):
         r = httpx.head(f"{url}{path}")
         assert r.status_code == 200 and r.content == b"", path
+
+
+def _in_thread(fn):
+    import threading
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", fn()), daemon=True)
+    t.start()
+    return t, box
+
+
+def test_requests_still_running_at_the_shutdown_timeout_are_answered_not_cut():
+    """At --shutdown-timeout uvicorn cancelled the handlers: a plain-text "500 Internal Server Error", a stream cut
+    without an error event or [DONE], and a traceback per request in the log."""
+    import json
+    import time
+    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=4096, max_num_seqs=4))
+    server = Server(AsyncEngine(engine), "tiny-llama")
+    body = {"prompt": "hi", "max_tokens": 4000, "ignore_eos": True}
+    with serve_in_thread(server, graceful_timeout=0.5) as base:
+        plain, plain_box = _in_thread(lambda: httpx.post(f"{base}/v1/completions", json=body, timeout=120))
+
+        def stream():
+            with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+                return [line for line in r.iter_lines() if line]
+        streamed, stream_box = _in_thread(stream)
+        deadline = time.monotonic() + 60
+        while server.aengine.num_in_flight() < 2 or engine.stats()["num_running"] < 2:
+            assert time.monotonic() < deadline, "the two requests never ran"
+            time.sleep(0.05)
+    plain.join(30), streamed.join(30)
+    r = plain_box["r"]
+    message = _error(r, 503, None, "server_shutting_down")
+    assert "the server shut down before this request finished (--shutdown-timeout 0.5 s passed)" in message
+    assert r.headers["retry-after"] == "1"
+    lines = stream_box["r"]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][len("data: "):])["error"]["code"] == "server_shutting_down"
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_a_second_ctrl_c_ends_the_running_requests_and_a_third_quits():
+    """A second Ctrl-C made uvicorn drop every handler at once (tracebacks, bare 500s)."""
+    import asyncio
+    import signal
+    from types import SimpleNamespace
+
+    from infer.serve.lifecycle import uvicorn_server
+    cut = []
+    fake = SimpleNamespace(aengine=SimpleNamespace(cut_off=lambda message: cut.append(message) or 3))
+    uv = uvicorn_server(fake, None, 30.0)
+    uv.loop = asyncio.new_event_loop()
+    try:
+        uv.handle_exit(signal.SIGINT, None)  # the first: a graceful shutdown, nothing ended
+        assert uv.should_exit and not uv.force_exit
+        uv.handle_exit(signal.SIGINT, None)
+        uv.loop.run_until_complete(asyncio.sleep(0))
+        assert cut == ["the server shut down before this request finished (a second Ctrl-C)"] and not uv.force_exit
+        uv.handle_exit(signal.SIGINT, None)
+        assert uv.force_exit
+    finally:
+        uv.loop.close()

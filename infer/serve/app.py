@@ -19,6 +19,7 @@ from . import protocol as p
 from .async_engine import AsyncEngine, QueueFullError, ShuttingDownError
 from .body import BodyLimits, ClientGone, SafeJSONResponse, read_body
 from .guard import ErrorGuardMiddleware
+from .lifecycle import uvicorn_server
 from .metrics import CONTENT_TYPE, HttpMetricsMiddleware, ServerMetrics
 from .parse import ParsePool
 
@@ -140,6 +141,9 @@ def _dumps(obj) -> str:
 
 
 def _error(out) -> p.ApiError:
+    if out.finish_reason == "abort":  # ended by the server's shutdown (lifecycle.py): another replica may answer
+        return p.ApiError(503, out.error or "the server shut down before the request finished", type="server_error",
+                          code="server_shutting_down", headers={"Retry-After": "1"})
     return p.ApiError(500, out.error or "the request failed in the engine", type="server_error",
                       code="engine_error")
 
@@ -291,11 +295,9 @@ def serve_in_thread(server: Server, host: str = "127.0.0.1", port: int = 0, grac
     import socket
     import threading
 
-    import uvicorn
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind((host, port))
-    config = uvicorn.Config(create_app(server), log_level="warning", timeout_graceful_shutdown=graceful_timeout)
-    uv = uvicorn.Server(config)
+    uv = uvicorn_server(server, create_app(server), graceful_timeout, log_level="warning")
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, name="infer-uvicorn", daemon=True)
     thread.start()
     try:
