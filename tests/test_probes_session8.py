@@ -123,3 +123,33 @@ def test_batch_lines_asking_for_what_infer_does_not_do_get_error_records(tmp_pat
     assert "guided decoding is not supported" in items["guided"].error
     assert "body.logprobs is not true" in items["top"].error
     assert items["ok"].error is None and items["ok"].request.params.logprobs == 2
+
+
+def test_a_prompt_far_longer_than_the_context_is_refused_before_it_is_tokenized(tmp_path, tokenizer, monkeypatch):
+    """A 24 MB line took 29 s and 4 GB of memory to tokenize, only to be refused as too long (and every such line
+    of a file was held, tokenized, until all were read)."""
+    from infer.engine.prompt_size import PromptTooLongError, longest_token_bytes
+    longest = longest_token_bytes(tokenizer)
+    assert longest >= max(len(t.encode()) for t in tokenizer.get_vocab())
+    calls = []
+    real = type(tokenizer).__call__
+    monkeypatch.setattr(type(tokenizer), "__call__", lambda self, text, **k: calls.append(len(text)) or
+                        real(self, text, **k))
+    huge = "hello world " * 100_000
+    items = _read_capped(tmp_path, tokenizer, 512, {"id": "huge", "prompt": huge},
+                         {"id": "chat", "messages": [{"role": "user", "content": huge}]},
+                         {"id": "edge", "prompt": "a" * (512 * longest * 2 - 1)}, {"id": "ok", "prompt": "hi"})
+    assert "the prompt is 1,200,000 bytes long, at least" in items["huge"].error
+    assert "which leaves no room under the context of 512 tokens" in items["huge"].error
+    assert "no room under the context of 512 tokens" in items["chat"].error
+    assert items["edge"].error is None and items["ok"].error is None  # below the bound: tokenized as before
+    assert len(huge) not in calls
+    with pytest.raises(PromptTooLongError):
+        from infer.engine.inputs import encode_prompt
+        encode_prompt(tokenizer, prompt=huge, max_tokens=512)
+
+
+def _read_capped(tmp_path, tokenizer, max_tokens, *objs) -> dict:
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"".join(json.dumps(o).encode() + b"\n" for o in objs))
+    return {item.id: item for item in read_inputs(path, tokenizer, {"max_new_tokens": 4}, max_tokens=max_tokens)}

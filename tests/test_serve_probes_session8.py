@@ -143,3 +143,13 @@ def test_a_second_ctrl_c_ends_the_running_requests_and_a_third_quits():
         assert uv.force_exit
     finally:
         uv.loop.close()
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "hello world " * 40_000}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello world " * 40_000}]}, "messages")])
+def test_a_prompt_far_longer_than_the_context_is_400_without_tokenizing(url, path, body, param):
+    """A body under the 8 MB limit kept a parse thread 6 s and 1.4 GB busy before its 400 (the message is the
+    size check's, made before tokenizing)."""
+    r = httpx.post(f"{url}{path}", json={**body, "max_tokens": 2}, timeout=60)
+    assert "leaves no room under the context of 128 tokens" in _error(r, 400, param, "context_length_exceeded")

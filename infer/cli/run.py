@@ -77,7 +77,8 @@ def _run_in_process(engine: EngineConfig, input: Path, output: Path | None, defa
     if strict:  # every line is read before the model loads: a bad file costs no load time
         from ..engine.setup import load_tokenizer
         from ..models.resolve import resolve_model
-        _strict_exit(read_inputs(input, load_tokenizer(resolve_model(engine.model)), defaults, model_names(engine)))
+        _strict_exit(read_inputs(input, load_tokenizer(resolve_model(engine.model)), defaults, model_names(engine),
+                                 engine.max_model_len))
     llm = _start_engine(engine, quiet)
     lines = _checked_lines(llm, input, defaults, strict, model_names(engine))
     todo, writer = open_output(lines, output, input, options, resume, resumable)
@@ -170,7 +171,7 @@ def _strict_exit(lines: list) -> None:
 def _checked_lines(llm, input: Path, defaults: dict, strict: bool, names) -> list:
     """Every input line, parsed and checked against the engine: a request that can never run is an error now,
     not in the middle of the run. With --strict, any bad line stops the run before generating."""
-    lines = read_inputs(input, llm.tokenizer, defaults, names)
+    lines = read_inputs(input, llm.tokenizer, defaults, names, llm.max_model_len)
     for item in lines:
         if item.request is not None:
             try:

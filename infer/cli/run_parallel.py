@@ -26,7 +26,7 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
     from ..models.resolve import resolve_model
     model_path = resolve_model(engine.model)
     tokenizer = load_tokenizer(model_path)
-    lines = read_inputs(input, tokenizer, defaults, model_names(engine))
+    lines = read_inputs(input, tokenizer, defaults, model_names(engine), engine.max_model_len)
     if strict:  # a line that cannot be read stops the run before any replica loads the model
         _strict_exit(lines)
     with ray_runtime(address, local_cpus(replicas)) as ray:

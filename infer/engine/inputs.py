@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import RequestError
+from .prompt_size import check_prompt_size
 from .sampling_params import SamplingParams
 
 _PARAM_TYPES: dict[str, tuple] = {
@@ -64,10 +65,12 @@ class ParsedRequest:
     lora: str | None = None
 
 
-def encode_prompt(tokenizer, prompt: Any = None, messages: Any = None) -> list[int]:
+def encode_prompt(tokenizer, prompt: Any = None, messages: Any = None, max_tokens: int | None = None) -> list[int]:
+    """The prompt's token ids; with `max_tokens` (the context), a text certainly longer is refused untokenized."""
     if messages is not None:
         messages = chat_messages(messages)
         check_text(messages, "messages")
+        check_prompt_size(tokenizer, sum(len(m["content"].encode("utf-8")) for m in messages), max_tokens)
         if getattr(tokenizer, "chat_template", None) is None:
             raise RequestError("this model's tokenizer has no chat template", "send `prompt` instead of `messages`")
         try:
@@ -78,6 +81,7 @@ def encode_prompt(tokenizer, prompt: Any = None, messages: Any = None) -> list[i
     if not isinstance(prompt, str):
         raise RequestError(f"prompt must be a string, got {type(prompt).__name__}")
     check_text(prompt, "prompt")
+    check_prompt_size(tokenizer, len(prompt.encode("utf-8")), max_tokens)
     try:
         return list(tokenizer(prompt)["input_ids"])
     except Exception as e:  # a tokenizer error is about this prompt, never about the run
@@ -227,9 +231,9 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
 
 
 def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = None,
-                  names: ModelNames = ModelNames()) -> ParsedRequest:
+                  names: ModelNames = ModelNames(), max_tokens: int | None = None) -> ParsedRequest:
     """Validate one request object (our JSONL format, or an OpenAI batch line) and tokenize its prompt; `names`
-    says which body.model of a batch line picks which adapter."""
+    says which body.model of a batch line picks which adapter, `max_tokens` is the context (when known)."""
     if not isinstance(obj, dict):
         raise RequestError(f"expected a JSON object, got {type(obj).__name__}")
     if "body" in obj and "custom_id" in obj:  # OpenAI batch line, as `vllm run-batch` reads it
@@ -256,5 +260,5 @@ def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = 
             raise RequestError("prompt_token_ids must be a list of integers")
         tokens = list(ids)
     else:
-        tokens = encode_prompt(tokenizer, fields.get("prompt"), fields.get("messages"))
+        tokens = encode_prompt(tokenizer, fields.get("prompt"), fields.get("messages"), max_tokens)
     return ParsedRequest(req_id, tokens, params, lora)

@@ -43,7 +43,7 @@ class Server:
         self.tokenizer = self.engine.tokenizer
         self.metrics = ServerMetrics(self.stats)
         self.created = p.now()
-        self.parser = ParsePool(self.tokenizer, self.limits)
+        self.parser = ParsePool(self.tokenizer, self.limits, max_tokens=self.engine.max_model_len)
 
     def stats(self) -> dict:
         return {**self.aengine.stats, "num_in_flight": self.aengine.num_in_flight(),
