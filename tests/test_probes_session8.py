@@ -1,20 +1,18 @@
 """`infer run` and the Python API against inputs found by probing as a hostile user (session 8): chat content as
-OpenAI's list of parts, ... The server's probes are in test_serve_probes_session8.py."""
+OpenAI's list of parts or images, OpenAI batch lines whose body.model names an adapter, whose url or prompt list
+infer cannot answer or that ask for vLLM features infer does not do, and prompts so long that tokenizing them
+cost seconds and gigabytes before they were refused. The server's probes are in test_serve_probes_session8.py."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from typer.testing import CliRunner
 
 from infer.cli.batch_io import model_names, read_inputs
-from infer.cli.main import app
 from infer.engine.inputs import ModelNames
 from infer.engine.setup import load_tokenizer
 from infer.models.resolve import resolve_model
-
-runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
