@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from ..engine.inputs import ParsedRequest, parse_request
+from ..engine.inputs import ModelNames, ParsedRequest, parse_request
 from ..errors import ConfigError, OutputError, RequestError
 
 
@@ -81,14 +81,15 @@ def _loads(text: str):
         raise ValueError(f"bad JSON: {e}") from None
 
 
-def _parse_line(line_no: int, text: str, tokenizer, defaults: dict) -> InputLine:
+def _parse_line(line_no: int, text: str, tokenizer, defaults: dict, names: ModelNames,
+                max_tokens: int | None) -> InputLine:
     try:
         obj = _loads(text)
     except ValueError as e:
         return InputLine(line_no, str(line_no), error=f"line {line_no}: {e}")
     item = InputLine(line_no, _line_id(obj, line_no))
     try:
-        item.request = parse_request(obj, tokenizer, item.id, defaults)
+        item.request = parse_request(obj, tokenizer, item.id, defaults, names, max_tokens)
     except RequestError as e:
         item.error = f"line {line_no}: {e}"
     except Exception as e:  # never let one line end the run: the reason goes into its error record
@@ -96,8 +97,10 @@ def _parse_line(line_no: int, text: str, tokenizer, defaults: dict) -> InputLine
     return item
 
 
-def read_inputs(path: Path, tokenizer, defaults: dict) -> list[InputLine]:
-    """Every non-blank line of the input, parsed, or with the reason it is bad (line numbers start at 1)."""
+def read_inputs(path: Path, tokenizer, defaults: dict, names: ModelNames = ModelNames(),
+                max_tokens: int | None = None) -> list[InputLine]:
+    """Every non-blank line of the input, parsed, or with the reason it is bad (line numbers start at 1); `names`
+    maps a batch line's body.model to an adapter; a prompt certainly longer than `max_tokens` is not tokenized."""
     if not path.is_file():
         raise ConfigError(f"input file {path} does not exist" if not path.exists() else f"input {path} is not a file",
                           "give a JSONL file with one request per line")
@@ -108,13 +111,21 @@ def read_inputs(path: Path, tokenizer, defaults: dict) -> list[InputLine]:
         elif not text.strip():
             continue
         else:
-            item = _parse_line(line_no, text, tokenizer, defaults)
+            item = _parse_line(line_no, text, tokenizer, defaults, names, max_tokens)
         if item.id in seen:
             item.request, item.error = None, item.error or _duplicate(item, seen[item.id])
             item.id = f"{item.id}#line{line_no}"
         seen[item.id] = line_no
         lines.append(item)
     return lines
+
+
+def model_names(engine) -> ModelNames:
+    """The names a batch line's body.model may give for the base (as on the command line, its folder's name) and
+    the registered adapters of an EngineConfig."""
+    given = Path(str(engine.model)).expanduser()
+    base = {str(engine.model), given.name, given.resolve().name if given.exists() else given.name}
+    return ModelNames(frozenset(base), frozenset(engine.loras))
 
 
 def _duplicate(item: InputLine, first: int) -> str:

@@ -15,7 +15,8 @@ from ..engine.config import EngineConfig
 from ..errors import ConfigError, RequestError
 from . import options as o
 from ..engine.sampling_params import MAX_TOKENS
-from .batch_io import RecordWriter, check_input_encoding, error_record, output_record, read_inputs
+from .batch_io import (RecordWriter, check_input_encoding, error_record, model_names, output_record,
+                       read_inputs)
 from .resume import (check_not_unfinished, check_resume, done_ids, is_regular_target, mark_complete,
                      write_fingerprint)
 
@@ -76,9 +77,10 @@ def _run_in_process(engine: EngineConfig, input: Path, output: Path | None, defa
     if strict:  # every line is read before the model loads: a bad file costs no load time
         from ..engine.setup import load_tokenizer
         from ..models.resolve import resolve_model
-        _strict_exit(read_inputs(input, load_tokenizer(resolve_model(engine.model)), defaults))
+        _strict_exit(read_inputs(input, load_tokenizer(resolve_model(engine.model)), defaults, model_names(engine),
+                                 engine.max_model_len))
     llm = _start_engine(engine, quiet)
-    lines = _checked_lines(llm, input, defaults, strict)
+    lines = _checked_lines(llm, input, defaults, strict, model_names(engine))
     todo, writer = open_output(lines, output, input, options, resume, resumable)
     try:
         return _generate(llm, todo, writer, quiet)
@@ -166,10 +168,10 @@ def _strict_exit(lines: list) -> None:
         raise ConfigError(f"{len(bad)} of {len(lines)} input lines are invalid (--strict)", "fix them and run again")
 
 
-def _checked_lines(llm, input: Path, defaults: dict, strict: bool) -> list:
+def _checked_lines(llm, input: Path, defaults: dict, strict: bool, names) -> list:
     """Every input line, parsed and checked against the engine: a request that can never run is an error now,
     not in the middle of the run. With --strict, any bad line stops the run before generating."""
-    lines = read_inputs(input, llm.tokenizer, defaults)
+    lines = read_inputs(input, llm.tokenizer, defaults, names, llm.max_model_len)
     for item in lines:
         if item.request is not None:
             try:

@@ -11,7 +11,7 @@ import typer
 from ..parallel.pool import ReplicaPool, Work
 from ..parallel.progress import ReplicaProgress
 from ..parallel.runtime import local_cpus, placement, ray_runtime, require_ray, start_replicas
-from .batch_io import RecordWriter, error_record, output_record, read_inputs
+from .batch_io import RecordWriter, error_record, model_names, output_record, read_inputs
 from .run import _strict_exit, open_output
 
 VALIDATE_CHUNK = 4096  # requests per validation call (one message each way)
@@ -26,7 +26,7 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
     from ..models.resolve import resolve_model
     model_path = resolve_model(engine.model)
     tokenizer = load_tokenizer(model_path)
-    lines = read_inputs(input, tokenizer, defaults)
+    lines = read_inputs(input, tokenizer, defaults, model_names(engine), engine.max_model_len)
     if strict:  # a line that cannot be read stops the run before any replica loads the model
         _strict_exit(lines)
     with ray_runtime(address, local_cpus(replicas)) as ray:

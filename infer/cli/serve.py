@@ -110,12 +110,11 @@ def _check_server_options(port: int, max_queue: int, shutdown_timeout: float, lo
 
 def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, model_id: str, api_key: str | None, max_queue: int | None,
            shutdown_timeout: float, log_level: str, limits) -> None:
-    import uvicorn
-
     from ..serve.native import bound_native_caches
     bound_native_caches()  # before any model code runs: the caches read their capacity once
     from ..engine.llm_engine import LLMEngine
     from ..serve.app import Server, create_app
+    from ..serve.lifecycle import uvicorn_server
     from ..serve.async_engine import AsyncEngine
 
     engine = LLMEngine(engine_config)
@@ -128,10 +127,9 @@ def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, model_id
     typer.echo(f"infer: serving {server.model_id} ({engine.device.type}, {engine.dtype}, KV "
                f"{engine.memory_plan.num_blocks} blocks) on http://{host}:{bound}  adapters: {names}", err=True)
     logging.getLogger("infer").setLevel(logging.INFO if log_level in ("info", "debug") else logging.WARNING)
-    uvicorn_config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
-                                    access_log=log_level in ("info", "debug"))
+    uv = uvicorn_server(server, app, shutdown_timeout, log_level=log_level, access_log=log_level in ("info", "debug"))
     with _quiet_signals():
-        uvicorn.Server(uvicorn_config).run(sockets=[sock])
+        uv.run(sockets=[sock])
     server.aengine.shutdown(0)  # already stopped by the app's shutdown unless uvicorn failed to start
     engine.close()
     typer.echo("infer: server stopped", err=True)

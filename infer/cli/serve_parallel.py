@@ -17,9 +17,8 @@ def serve_data_parallel(cfg, sock: socket.socket, host: str, model_id: str, api_
                         max_queue: int | None, shutdown_timeout: float, log_level: str, replicas: int,
                         address: str | None, limits=None) -> None:
     require_ray()
-    import uvicorn
-
     from ..serve.app import create_app
+    from ..serve.lifecycle import uvicorn_server
     with ray_runtime(address, local_cpus(replicas)) as ray:
         server, infos = build_server(ray, cfg, replicas, model_id, api_key, max_queue, shutdown_timeout, limits)
         try:
@@ -29,10 +28,10 @@ def serve_data_parallel(cfg, sock: socket.socket, host: str, model_id: str, api_
                        f"{infos[0]['num_blocks']} blocks each) on http://{host}:{sock.getsockname()[1]}  "
                        f"adapters: {names}", err=True)
             logging.getLogger("infer").setLevel(logging.INFO if log_level in ("info", "debug") else logging.WARNING)
-            config = uvicorn.Config(create_app(server), log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
-                                    access_log=log_level in ("info", "debug"))
+            uv = uvicorn_server(server, create_app(server), shutdown_timeout, log_level=log_level,
+                                access_log=log_level in ("info", "debug"))
             with _quiet_signals():
-                uvicorn.Server(config).run(sockets=[sock])
+                uv.run(sockets=[sock])
         finally:
             server.aengine.shutdown(0)
         typer.echo("infer: server stopped", err=True)

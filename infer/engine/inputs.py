@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import RequestError
+from .prompt_size import check_prompt_size
 from .sampling_params import SamplingParams
 
 _PARAM_TYPES: dict[str, tuple] = {
@@ -33,6 +34,26 @@ UNSUPPORTED_OPENAI = {
     "functions": (lambda v: not v, "function calls are not supported"),
     "response_format": (lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
                         "only response_format {\"type\": \"text\"} is supported"),
+    "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calls are not supported"),
+    "function_call": (lambda v: v in (None, "none", "auto"), "function calls are not supported"),
+    "modalities": (lambda v: v is None or v == ["text"], "only text output is supported"),
+    "audio": (lambda v: v is None, "audio output is not supported"),
+    # vLLM's extensions that change the reply: silently dropped, the client would get another reply than it asked
+    "min_tokens": (lambda v: v is None or v == 0, "min_tokens is not supported"),
+    "min_p": (lambda v: v is None or v == 0, "min_p is not supported"),
+    "use_beam_search": (lambda v: v is None or v is False, "beam search is not supported"),
+    "include_stop_str_in_output": (lambda v: v is None or v is False, "include_stop_str_in_output is not supported"),
+    "skip_special_tokens": (lambda v: v is None or v is True, "special tokens are always skipped in the text"),
+    "prompt_logprobs": (lambda v: v is None, "prompt_logprobs is not supported"),
+    "truncate_prompt_tokens": (lambda v: v is None, "truncate_prompt_tokens is not supported"),
+    "bad_words": (lambda v: not v, "bad_words is not supported"),
+    "allowed_token_ids": (lambda v: v is None, "allowed_token_ids is not supported"),
+    **{k: (lambda v: v is None, "guided decoding is not supported")
+       for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")},
+    "add_generation_prompt": (lambda v: v is None or v is True, "add_generation_prompt=false is not supported"),
+    "continue_final_message": (lambda v: v is None or v is False, "continue_final_message is not supported"),
+    "chat_template": (lambda v: v is None, "a chat_template per request is not supported (the model's is used)"),
+    "chat_template_kwargs": (lambda v: not v, "chat_template_kwargs is not supported"),
 }
 
 
@@ -44,11 +65,12 @@ class ParsedRequest:
     lora: str | None = None
 
 
-def encode_prompt(tokenizer, prompt: Any = None, messages: Any = None) -> list[int]:
+def encode_prompt(tokenizer, prompt: Any = None, messages: Any = None, max_tokens: int | None = None) -> list[int]:
+    """The prompt's token ids; with `max_tokens` (the context), a text certainly longer is refused untokenized."""
     if messages is not None:
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise RequestError("messages must be a list of {\"role\": ..., \"content\": ...} objects")
+        messages = chat_messages(messages)
         check_text(messages, "messages")
+        check_prompt_size(tokenizer, sum(len(m["content"].encode("utf-8")) for m in messages), max_tokens)
         if getattr(tokenizer, "chat_template", None) is None:
             raise RequestError("this model's tokenizer has no chat template", "send `prompt` instead of `messages`")
         try:
@@ -59,10 +81,40 @@ def encode_prompt(tokenizer, prompt: Any = None, messages: Any = None) -> list[i
     if not isinstance(prompt, str):
         raise RequestError(f"prompt must be a string, got {type(prompt).__name__}")
     check_text(prompt, "prompt")
+    check_prompt_size(tokenizer, len(prompt.encode("utf-8")), max_tokens)
     try:
         return list(tokenizer(prompt)["input_ids"])
     except Exception as e:  # a tokenizer error is about this prompt, never about the run
         raise RequestError(f"the tokenizer cannot encode this prompt: {type(e).__name__}: {e}") from e
+
+
+def chat_messages(messages: Any) -> list[dict]:
+    """The messages as a chat template reads them: a string role each, and every content a string. OpenAI's list of
+    text parts is joined (as vLLM does); a template would otherwise render the list's Python repr into the prompt.
+    Other parts (images, audio) are refused rather than dropped; null content is empty (an assistant's tool call)."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise RequestError("messages must be a list of {\"role\": ..., \"content\": ...} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m["role"], str):
+            raise RequestError(f"messages[{i}].role must be a string, got {type(m['role']).__name__}")
+        out.append({**m, "content": _content_text(m.get("content"), i)})
+    return out
+
+
+def _content_text(content: Any, i: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        kinds = sorted({str(p.get("type")) for p in content if p.get("type") != "text"})
+        if kinds:
+            raise RequestError(f"messages[{i}].content has {', '.join(kinds)} parts; only text parts are supported",
+                               "send text only: this is a text model")
+        if not all(isinstance(p.get("text"), str) for p in content):
+            raise RequestError(f"messages[{i}].content: every text part needs a string 'text'")
+        return "".join(p["text"] for p in content)
+    raise RequestError(f"messages[{i}].content must be a string or a list of text parts, got "
+                       f"{type(content).__name__}")
 
 
 def check_text(value: Any, name: str) -> None:
@@ -108,28 +160,84 @@ def params_from(obj: dict, aliases: dict[str, str] | None = None) -> SamplingPar
         raise RequestError(str(e)) from e
 
 
-def _batch_line(obj: dict, default_id: str) -> tuple[dict, str, Any, dict]:
+BATCH_URLS = ("/v1/completions", "/v1/chat/completions")
+
+
+@dataclass(frozen=True)
+class ModelNames:
+    """What a batch line's body.model may name: the base model (any of its names) or a registered adapter."""
+    base: frozenset[str] = frozenset()
+    adapters: frozenset[str] = frozenset()
+
+    def lora_for(self, model: Any) -> str | None:
+        """vLLM's rule, as the server's: an adapter's name runs that adapter. Any other name runs the base when no
+        adapter is registered (batch files written for OpenAI name their model); with adapters registered, a name
+        that is neither the base nor one of them is a typo that would silently run the base."""
+        if model is None or model in self.base:
+            return None
+        if not isinstance(model, str):
+            raise RequestError(f"body.model must be a string, got {type(model).__name__}")
+        if model in self.adapters:
+            return model
+        if self.adapters:
+            raise RequestError(f"body.model {model!r} is neither the base model nor a registered adapter",
+                               f"name one of: {', '.join(sorted(self.base)[:1] + sorted(self.adapters))}")
+        return None
+
+
+def _batch_prompt(body: dict) -> dict:
+    """OpenAI's completions prompt may be token ids or a list of prompts: a line answers one prompt."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list):
+        return {}
+    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return {"prompt": None, "prompt_token_ids": prompt}
+    if not prompt:
+        raise RequestError("body.prompt is an empty list", "give the prompt as a string or a list of token ids")
+    if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        return _batch_prompt({"prompt": prompt[0]}) or {"prompt": prompt[0]}
+    raise RequestError(f"body.prompt holds {len(prompt)} prompts; a batch line answers one",
+                       "write one line per prompt, each with its own custom_id")
+
+
+def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, str, Any, dict]:
     """(fields, id, adapter, aliases) of an OpenAI batch line; a body field that would change the reply but is
     not supported (n > 1, tools, ...) is refused rather than dropped."""
     body = obj["body"]
     if not isinstance(body, dict):
         raise RequestError("field 'body' must be an object")
+    url = obj.get("url")
+    if url is not None and url not in BATCH_URLS:
+        raise RequestError(f"url {url!r} is not supported: infer run answers {' and '.join(BATCH_URLS)}",
+                           "remove the line, or run it with a server that has that endpoint")
     for key, (ok, why) in UNSUPPORTED_OPENAI.items():
         if not ok(body.get(key)):
             raise RequestError(f"body.{key}: {why}", "remove it from the line's body (for n > 1, write one line "
                                                      "per reply, each with its own custom_id and seed)")
+    top = body.get("top_logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
+        raise RequestError(f"body.top_logprobs must be an integer in 0..20, got {top!r}")
+    if top is not None and "messages" in body and body.get("logprobs") is not True:
+        raise RequestError("body.top_logprobs is given but body.logprobs is not true: no logprobs would be written",
+                           "set \"logprobs\": true, or remove top_logprobs")
     fields = {k: v for k, v in body.items() if k in _PARAM_TYPES or k in _OPENAI_ALIASES
               or k in ("prompt", "messages", "top_logprobs")}
+    fields.update(_batch_prompt(body))
+    lora = body.get("lora")
+    if lora is None:
+        lora = names.lora_for(body.get("model"))
     req_id = default_id if obj["custom_id"] is None else str(obj["custom_id"])
-    return fields, req_id, body.get("lora"), _OPENAI_ALIASES
+    return fields, req_id, lora, _OPENAI_ALIASES
 
 
-def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = None) -> ParsedRequest:
-    """Validate one request object (our JSONL format, or an OpenAI batch line) and tokenize its prompt."""
+def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = None,
+                  names: ModelNames = ModelNames(), max_tokens: int | None = None) -> ParsedRequest:
+    """Validate one request object (our JSONL format, or an OpenAI batch line) and tokenize its prompt; `names`
+    says which body.model of a batch line picks which adapter, `max_tokens` is the context (when known)."""
     if not isinstance(obj, dict):
         raise RequestError(f"expected a JSON object, got {type(obj).__name__}")
     if "body" in obj and "custom_id" in obj:  # OpenAI batch line, as `vllm run-batch` reads it
-        fields, req_id, lora, aliases = _batch_line(obj, default_id)
+        fields, req_id, lora, aliases = _batch_line(obj, default_id, names)
     else:
         unknown = set(obj) - set(_PARAM_TYPES) - set(_PROMPT_KEYS) - _OTHER_KEYS
         if unknown:
@@ -152,5 +260,5 @@ def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = 
             raise RequestError("prompt_token_ids must be a list of integers")
         tokens = list(ids)
     else:
-        tokens = encode_prompt(tokenizer, fields.get("prompt"), fields.get("messages"))
+        tokens = encode_prompt(tokenizer, fields.get("prompt"), fields.get("messages"), max_tokens)
     return ParsedRequest(req_id, tokens, params, lora)

@@ -56,10 +56,11 @@ class LLM:
             pass
 
     def _encode(self, prompt: Prompt, i: int) -> list[int]:
+        most = self._engine().max_model_len  # a text certainly longer than the context is refused untokenized
         if isinstance(prompt, str):
-            return encode_prompt(self.tokenizer, prompt=prompt)
+            return encode_prompt(self.tokenizer, prompt=prompt, max_tokens=most)
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            return encode_prompt(self.tokenizer, messages=list(prompt))
+            return encode_prompt(self.tokenizer, messages=list(prompt), max_tokens=most)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)
         what = ("a list whose items are not all token ids (ints) nor all chat messages (dicts)"

@@ -19,6 +19,7 @@ from . import protocol as p
 from .async_engine import AsyncEngine, QueueFullError, ShuttingDownError
 from .body import BodyLimits, ClientGone, SafeJSONResponse, read_body
 from .guard import ErrorGuardMiddleware
+from .lifecycle import uvicorn_server
 from .metrics import CONTENT_TYPE, HttpMetricsMiddleware, ServerMetrics
 from .parse import ParsePool
 
@@ -42,7 +43,7 @@ class Server:
         self.tokenizer = self.engine.tokenizer
         self.metrics = ServerMetrics(self.stats)
         self.created = p.now()
-        self.parser = ParsePool(self.tokenizer, self.limits)
+        self.parser = ParsePool(self.tokenizer, self.limits, max_tokens=self.engine.max_model_len)
 
     def stats(self) -> dict:
         return {**self.aengine.stats, "num_in_flight": self.aengine.num_in_flight(),
@@ -51,6 +52,12 @@ class Server:
     def adapters(self) -> list[str]:
         lm = self.engine.lora_manager
         return sorted(lm.names()) if lm is not None else []
+
+    def model_cards(self) -> list[dict]:
+        """/v1/models' entries: the base, then every adapter (its parent is the base)."""
+        card = {"object": "model", "created": self.created, "owned_by": "infer"}
+        data = [{"id": self.model_id, **card, "root": str(self.engine.model_path), "parent": None}]
+        return data + [{"id": name, **card, "root": name, "parent": self.model_id} for name in self.adapters()]
 
     def lora_for(self, model: str | None) -> str | None:
         """vLLM's rule: the base id (or no model) runs the base; an adapter's name runs that adapter."""
@@ -134,6 +141,9 @@ def _dumps(obj) -> str:
 
 
 def _error(out) -> p.ApiError:
+    if out.finish_reason == "abort":  # ended by the server's shutdown (lifecycle.py): another replica may answer
+        return p.ApiError(503, out.error or "the server shut down before the request finished", type="server_error",
+                          code="server_shutting_down", headers={"Retry-After": "1"})
     return p.ApiError(500, out.error or "the request failed in the engine", type="server_error",
                       code="engine_error")
 
@@ -254,15 +264,22 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     async def chat_completions(request: Request):
         return await _generate(server, request, chat=True)
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models(request: Request):
         server.check_auth(request)
-        card = {"object": "model", "created": server.created, "owned_by": "infer"}
-        data = [{"id": server.model_id, **card, "root": str(server.engine.model_path), "parent": None}]
-        data += [{"id": name, **card, "root": name, "parent": server.model_id} for name in server.adapters()]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": server.model_cards()}
 
-    @app.get("/health")
+    @app.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"])
+    async def model(request: Request, model: str):
+        """OpenAI's retrieve (`client.models.retrieve(id)`): one card, or 404 naming the models there are."""
+        server.check_auth(request)
+        for card in server.model_cards():
+            if card["id"] == model:
+                return card
+        server.lora_for(model)  # raises the 404 that names the served models
+        return server.model_cards()[0]  # the model as given on the command line (a path): the base
+
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers and probes often send HEAD
     async def health():
         return {"status": "ok", "model": server.model_id, "engine": server.stats()}
 
@@ -278,11 +295,9 @@ def serve_in_thread(server: Server, host: str = "127.0.0.1", port: int = 0, grac
     import socket
     import threading
 
-    import uvicorn
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind((host, port))
-    config = uvicorn.Config(create_app(server), log_level="warning", timeout_graceful_shutdown=graceful_timeout)
-    uv = uvicorn.Server(config)
+    uv = uvicorn_server(server, create_app(server), graceful_timeout, log_level="warning")
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, name="infer-uvicorn", daemon=True)
     thread.start()
     try:

@@ -84,10 +84,10 @@ class AsyncEngine:
         with self._cond:
             if self._sinks.pop(request_id, None) is None:
                 return
-            self._cancel(request_id)
+            self._drop(request_id)
 
-    def _cancel(self, request_id: str) -> None:
-        """Under _cond: drop the request from the adds not yet taken, else have the engine thread abort it."""
+    def _drop(self, request_id: str) -> None:
+        """Under _cond: take the request out of the adds not yet admitted, or have the engine abort it."""
         before = len(self._adds)
         self._adds = deque(p for p in self._adds if p.request_id != request_id)
         if len(self._adds) == before:
@@ -102,19 +102,25 @@ class AsyncEngine:
         with self._cond:
             self._accepting = False
 
+    def cut_off(self, message: str = "the server shut down before the request finished") -> int:
+        """Stop taking requests and end every one in flight now: each gets a last output (finish_reason "abort",
+        `message` as its error) and its KV blocks are freed. Returns how many there were."""
+        self.stop_accepting()
+        with self._cond:
+            left = list(self._sinks)
+        for rid in left:
+            self._fail(rid, "abort", message)  # its last output, which also forgets its sink
+            with self._cond:
+                self._drop(rid)  # (abort() would do nothing now that the sink is gone)
+        return len(left)
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop taking requests, let those in flight finish within `timeout`, abort the rest, stop the thread."""
         self.stop_accepting()
         deadline = time.monotonic() + timeout
         while self.num_in_flight() and time.monotonic() < deadline:
             time.sleep(0.02)
-        with self._cond:
-            left = list(self._sinks)
-        for rid in left:
-            # the client hears why (this drops its sink, so abort() would do nothing); the engine frees its blocks
-            self._fail(rid, "abort", "the server shut down before the request finished")
-            with self._cond:
-                self._cancel(rid)
+        self.cut_off()
         with self._cond:
             self._stopping = True
             self._cond.notify()

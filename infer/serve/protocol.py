@@ -13,6 +13,7 @@ from typing import Any
 
 from ..engine.inputs import UNSUPPORTED_OPENAI as _UNSUPPORTED, encode_prompt, params_from
 from ..engine.outputs import RequestOutput
+from ..engine.prompt_size import PromptTooLongError
 from ..errors import RequestError
 
 # OpenAI names for our SamplingParams fields, and the vLLM-style extras we accept as they are
@@ -84,6 +85,8 @@ def _common(body: Any, chat: bool) -> GenerationRequest:
     top = _expect(body, "top_logprobs", (int,), "an integer")
     if top is not None and not 0 <= top <= 20:
         raise ApiError(400, f"top_logprobs must be in 0..20, got {top}", param="top_logprobs")
+    if chat and top is not None and fields.get("logprobs") is not True:  # as vLLM: else silently no logprobs
+        raise ApiError(400, "when using top_logprobs, logprobs must be set to true", param="top_logprobs")
     try:
         params = params_from(fields, _ALIASES)
     except RequestError as e:
@@ -92,21 +95,23 @@ def _common(body: Any, chat: bool) -> GenerationRequest:
     return GenerationRequest([], params, model, stream, include_usage and stream, chat, return_ids)
 
 
-def _encode(tokenizer, prompt: str) -> list[int]:
+def _encode(tokenizer, prompt: str, max_tokens: int | None = None) -> list[int]:
     try:
-        return encode_prompt(tokenizer, prompt=prompt)
+        return encode_prompt(tokenizer, prompt=prompt, max_tokens=max_tokens)
+    except PromptTooLongError as e:
+        raise ApiError(400, str(e), param="prompt", code="context_length_exceeded") from e
     except RequestError as e:
         raise bad_request(e, param="prompt") from e
 
 
-def _completion_prompts(prompt: Any, tokenizer) -> list[list[int]]:
+def _completion_prompts(prompt: Any, tokenizer, max_tokens: int | None = None) -> list[list[int]]:
     if isinstance(prompt, str):
-        return [_encode(tokenizer, prompt)]
+        return [_encode(tokenizer, prompt, max_tokens)]
     if isinstance(prompt, list) and prompt:
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return [list(prompt)]
         if all(isinstance(p, str) for p in prompt):
-            return [_encode(tokenizer, p) for p in prompt]
+            return [_encode(tokenizer, p, max_tokens) for p in prompt]
         if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
                for p in prompt):
             return [list(p) for p in prompt]
@@ -119,7 +124,7 @@ def _no_max_tokens(body: dict) -> bool:
     return body.get("max_tokens") is None and body.get("max_completion_tokens") is None
 
 
-def parse_completion(body: Any, tokenizer) -> GenerationRequest:
+def parse_completion(body: Any, tokenizer, max_tokens: int | None = None) -> GenerationRequest:
     req = _common(body, chat=False)
     if body.get("prompt") is None:
         raise ApiError(400, "missing required field 'prompt'", param="prompt")
@@ -127,7 +132,7 @@ def parse_completion(body: Any, tokenizer) -> GenerationRequest:
         req.params.max_new_tokens = 16  # OpenAI's default for /v1/completions
     if req.params.logprobs is not None and req.params.logprobs > 5:
         raise ApiError(400, f"logprobs must be in 0..5, got {req.params.logprobs}", param="logprobs")
-    req.prompts = _completion_prompts(body["prompt"], tokenizer)
+    req.prompts = _completion_prompts(body["prompt"], tokenizer, max_tokens)
     return req
 
 
@@ -141,7 +146,7 @@ def _flatten_content(content: Any, i: int) -> str:
     raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
 
 
-def parse_chat(body: Any, tokenizer) -> GenerationRequest:
+def parse_chat(body: Any, tokenizer, max_tokens: int | None = None) -> GenerationRequest:
     req = _common(body, chat=True)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -154,7 +159,9 @@ def parse_chat(body: Any, tokenizer) -> GenerationRequest:
     if _no_max_tokens(body):
         req.params.max_new_tokens = None  # as OpenAI: up to the context limit
     try:
-        req.prompts = [encode_prompt(tokenizer, messages=clean)]
+        req.prompts = [encode_prompt(tokenizer, messages=clean, max_tokens=max_tokens)]
+    except PromptTooLongError as e:
+        raise ApiError(400, str(e), param="messages", code="context_length_exceeded") from e
     except RequestError as e:
         raise bad_request(e, param="messages") from e
     return req

@@ -1,0 +1,56 @@
+"""uvicorn, run so that a shutdown answers every request it ends.
+
+uvicorn's own graceful shutdown waits up to its timeout and then cancels the request handlers: a non-streaming
+client got a bare text "500 Internal Server Error", a stream was cut without an error event or `data: [DONE]`, and
+the log filled with a traceback per request; a second Ctrl-C did the same at once. Here the shutdown timeout is
+ours: when it expires (or on a second Ctrl-C) every request still in flight is ended through the engine, so each
+gets a 503 with an OpenAI-style body (clients retry a 503) or, on a stream, an error event and `data: [DONE]`.
+uvicorn's own timeout stays behind it as a backstop, and a third Ctrl-C still quits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+log = logging.getLogger("infer.serve")
+BACKSTOP_S = 5.0  # how long uvicorn waits past our cut-off for the ended requests to be answered
+
+
+def uvicorn_server(server, app, cut_off_after: float, **config):
+    """A uvicorn.Server for `app` (serving `server`, an app.Server) that ends what is still running
+    `cut_off_after` seconds into a shutdown."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        loop: asyncio.AbstractEventLoop | None = None
+        cut = False
+
+        async def startup(self, sockets=None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().startup(sockets=sockets)
+
+        async def shutdown(self, sockets=None) -> None:
+            timer = self.loop.call_later(cut_off_after, self.cut_off, f"--shutdown-timeout {cut_off_after:g} s "
+                                                                      "passed") if self.loop else None
+            try:
+                await super().shutdown(sockets=sockets)
+            finally:
+                if timer is not None:
+                    timer.cancel()
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.should_exit and sig == signal.SIGINT and not self.cut and self.loop is not None:
+                self.cut = True  # the second Ctrl-C: answer what runs now; a third one quits at once
+                self.loop.call_soon_threadsafe(self.cut_off, "a second Ctrl-C")
+                return
+            super().handle_exit(sig, frame)
+
+        def cut_off(self, why: str) -> None:
+            self.cut = True
+            n = server.aengine.cut_off(f"the server shut down before this request finished ({why})")
+            if n:
+                log.warning("%s: ended %d request(s) still running, each answered with a 503", why, n)
+
+    return _Server(uvicorn.Config(app, timeout_graceful_shutdown=cut_off_after + BACKSTOP_S, **config))
