@@ -27,8 +27,9 @@ def server():
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              object_store_memory=256 * 2 ** 20, logging_level="ERROR")
     try:
-        cfg = EngineConfig("tiny-llama", max_model_len=MAX_LEN, max_num_seqs=4)
-        srv, _ = build_server(ray, cfg, 2, "tiny-llama", api_key=None, max_queue=64, shutdown_timeout=5)
+        cfg = EngineConfig("tiny-llama", max_model_len=MAX_LEN, max_num_seqs=4, enable_lora=True, max_lora_rank=8)
+        srv, _ = build_server(ray, cfg, 2, "tiny-llama", api_key=None, max_queue=64, shutdown_timeout=5,
+                              runtime_lora=True)
         yield srv
     finally:
         ray.shutdown()
@@ -54,8 +55,28 @@ def client(url):
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def _complete(client, prompt):
-    r = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=10, temperature=0,
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    from pathlib import Path
+
+    from infer.models.tiny import ensure_builtin
+    from lora_helpers import THREE, hf_float, save_adapter
+    hf = hf_float(Path(ensure_builtin("tiny-llama")))
+    return save_adapter(hf, tmp_path_factory.mktemp("ray-lora") / "r", seed=5, **THREE["a"])
+
+
+@pytest.fixture(scope="module")
+def want_lora(adapter):
+    """One engine's greedy tokens with the adapter (test_lora_engine checks those against peft)."""
+    from infer.engine.llm import LLM
+    llm = LLM("tiny-llama", max_model_len=MAX_LEN, loras={"r": str(adapter)}, max_lora_rank=8)
+    outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=10, ignore_eos=True), lora="r")
+    long = llm.generate(PROMPTS[:1], SamplingParams(max_new_tokens=150, ignore_eos=True), lora="r")
+    return [o.token_ids for o in outs], long[0].token_ids
+
+
+def _complete(client, prompt, model="tiny-llama"):
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0,
                                   extra_body={"ignore_eos": True, "return_token_ids": True})
     return r.choices[0].model_extra["token_ids"]
 
@@ -85,6 +106,43 @@ def test_metrics_per_replica(url):
     body = httpx.get(f"{url}/metrics").text
     assert 'infer:replica_up{replica="0"} 1.0' in body and 'infer:replica_up{replica="1"} 1.0' in body
     assert "infer:replica_num_requests_running" in body and "infer:num_requests_running" in body
+
+
+def test_adapters_load_and_unload_on_every_replica(client, url, server, adapter, want_lora):
+    short, long = want_lora
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "r", "lora_path": str(adapter)})
+    assert r.status_code == 200, r.text
+    steps = [r["num_steps"] for r in httpx.get(f"{url}/health").json()["engine"]["replicas"]]
+    with cf.ThreadPoolExecutor(len(PROMPTS) * 2) as pool:
+        assert list(pool.map(lambda p: _complete(client, p, "r"), PROMPTS * 2)) == short * 2
+    after = [r["num_steps"] for r in httpx.get(f"{url}/health").json()["engine"]["replicas"]]
+    assert all(b > a for a, b in zip(steps, after)), "both replicas should have run the adapter's requests"
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/nowhere/at/all"})
+    assert r.status_code == 400 and "replica 0" in r.json()["error"]["message"]
+    assert {m.id for m in client.models.list().data} == {"tiny-llama", "r"}
+
+    got, first = {}, cf.Future()
+
+    def stream():  # runs on while the adapter is unloaded
+        ids = []
+        for chunk in client.completions.create(model="r", prompt=PROMPTS[0], max_tokens=150, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True,
+                                                                        "return_token_ids": True}):
+            if chunk.choices:
+                ids += chunk.choices[0].model_extra.get("token_ids") or []
+                if not first.done():
+                    first.set_result(True)
+        got["ids"] = ids
+
+    with cf.ThreadPoolExecutor(1) as pool:
+        job = pool.submit(stream)
+        first.result(timeout=60)
+        r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "r"})
+        job.result(timeout=120)
+    assert r.status_code == 200 and got["ids"] == long
+    with pytest.raises(openai.NotFoundError):
+        _complete(client, PROMPTS[0], "r")
+    assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "r"}).status_code == 404
 
 
 def test_killed_replica_fails_no_request_that_had_not_started(client, url, server, want):

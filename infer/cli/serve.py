@@ -64,6 +64,11 @@ def serve(
                                                     "before it is read.", rich_help_panel=SERVER)] = "8MB",
     max_json_depth: Annotated[int, typer.Option(min=1, max=10000, help="How deeply a request body may nest arrays "
                                                 "and objects; deeper gets 400.", rich_help_panel=SERVER)] = 64,
+    allow_runtime_lora: Annotated[bool, typer.Option("--allow-runtime-lora", envvar="INFER_ALLOW_RUNTIME_LORA",
+                                                     help="Turn on POST /v1/load_lora_adapter and "
+                                                          "/v1/unload_lora_adapter (adapters added and removed while "
+                                                          "serving; implies --enable-lora).",
+                                                     rich_help_panel=SERVER)] = False,
     engine: EngineConfig = None,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health,
@@ -71,6 +76,8 @@ def serve(
 
     Example: infer serve tiny-llama --port 8000 --lora support=./adapters/support
     """
+    if allow_runtime_lora:
+        engine.enable_lora = True  # the adapter slots exist from the start, as vLLM's --enable-lora
     _check_server_options(port, max_queue, shutdown_timeout, log_level, api_key)
     if not host.strip():  # an empty address binds every interface: never do that by accident (`--host "$UNSET"`)
         raise ConfigError("--host is empty", "give an address: 127.0.0.1 (this machine) or 0.0.0.0 (every interface)")
@@ -86,8 +93,9 @@ def serve(
         if data_parallel > 1 or ray_address:
             from .serve_parallel import serve_data_parallel
             return serve_data_parallel(engine, sock, host, model_id, api_key, max_queue, shutdown_timeout, log_level,
-                                       data_parallel, ray_address, limits)
-        _serve(engine, sock, host, model_id, api_key, max_queue, shutdown_timeout, log_level, limits)
+                                       data_parallel, ray_address, limits, allow_runtime_lora)
+        _serve(engine, sock, host, model_id, api_key, max_queue, shutdown_timeout, log_level, limits,
+               allow_runtime_lora)
     finally:
         sock.close()
 
@@ -108,8 +116,8 @@ def _check_server_options(port: int, max_queue: int, shutdown_timeout: float, lo
         raise ConfigError(f"--log-level {log_level!r} is not one of {' | '.join(LOG_LEVELS)}", "e.g. --log-level info")
 
 
-def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, model_id: str, api_key: str | None, max_queue: int | None,
-           shutdown_timeout: float, log_level: str, limits) -> None:
+def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, model_id: str, api_key: str | None,
+           max_queue: int | None, shutdown_timeout: float, log_level: str, limits, runtime_lora: bool = False) -> None:
     from ..serve.native import bound_native_caches
     bound_native_caches()  # before any model code runs: the caches read their capacity once
     from ..engine.llm_engine import LLMEngine
@@ -120,10 +128,10 @@ def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, model_id
     engine = LLMEngine(engine_config)
     engine.warm_kernels()
     server = Server(AsyncEngine(engine, max_queue), model_id, api_key=api_key, graceful_timeout=shutdown_timeout,
-                    limits=limits)
+                    limits=limits, runtime_lora=runtime_lora)
     app = create_app(server)
     bound = sock.getsockname()[1]
-    names = ", ".join(server.adapters()) or "none"
+    names = (", ".join(server.adapters()) or "none") + (" (more can be loaded)" if runtime_lora else "")
     typer.echo(f"infer: serving {server.model_id} ({engine.device.type}, {engine.dtype}, KV "
                f"{engine.memory_plan.num_blocks} blocks) on http://{host}:{bound}  adapters: {names}", err=True)
     logging.getLogger("infer").setLevel(logging.INFO if log_level in ("info", "debug") else logging.WARNING)

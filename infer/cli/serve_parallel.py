@@ -15,15 +15,16 @@ from .serve import _quiet_signals
 
 def serve_data_parallel(cfg, sock: socket.socket, host: str, model_id: str, api_key: str | None,
                         max_queue: int | None, shutdown_timeout: float, log_level: str, replicas: int,
-                        address: str | None, limits=None) -> None:
+                        address: str | None, limits=None, runtime_lora: bool = False) -> None:
     require_ray()
     from ..serve.app import create_app
     from ..serve.lifecycle import uvicorn_server
     with ray_runtime(address, local_cpus(replicas)) as ray:
-        server, infos = build_server(ray, cfg, replicas, model_id, api_key, max_queue, shutdown_timeout, limits)
+        server, infos = build_server(ray, cfg, replicas, model_id, api_key, max_queue, shutdown_timeout, limits,
+                                     runtime_lora)
         try:
             where = placement(infos)
-            names = ", ".join(server.adapters()) or "none"
+            names = (", ".join(server.adapters()) or "none") + (" (more can be loaded)" if runtime_lora else "")
             typer.echo(f"infer: serving {server.model_id} over {replicas} replicas ({where}; KV "
                        f"{infos[0]['num_blocks']} blocks each) on http://{host}:{sock.getsockname()[1]}  "
                        f"adapters: {names}", err=True)

@@ -38,7 +38,7 @@ def estimate_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     path, model_config, device, dtype = _model_parts(engine_config)
     limit = _check_length(model_config, engine_config, max_length)
     weights = checkpoint_weights_bytes(weight_files(path), model_config, dtype, device)
-    rank = engine_config.max_lora_rank if engine_config.loras else 0
+    rank = engine_config.max_lora_rank if engine_config.loras or engine_config.enable_lora else 0
     act = activation_bytes(model_config, dtype, engine_config.max_num_batched_tokens, concurrency, max_length, rank)
     act += cuda_graph_bytes(engine_config, model_config, dtype)
     budget = budget_bytes(engine_config, device, weights, loaded=False)
@@ -49,15 +49,16 @@ def estimate_plan(engine_config: EngineConfig, max_length: int, concurrency: int
 
 
 def _lora_manager(model, engine_config: EngineConfig, device, dtype):
-    """(manager with every adapter registered, name of the largest-rank one), or (None, None) without adapters."""
-    if not engine_config.loras:
+    """(manager with every adapter registered, name of the largest-rank one or None), or (None, None) without
+    adapter slots (no --lora, no --enable-lora)."""
+    if not engine_config.loras and not engine_config.enable_lora:
         return None, None
     from ..lora.manager import LoRAManager
     manager = LoRAManager(model, max_loras=engine_config.max_loras, max_lora_rank=engine_config.max_lora_rank,
                           max_cpu_loras=None, device=device, dtype=dtype)
     for name, adapter in engine_config.loras.items():
         manager.register(name, adapter)
-    return manager, max(engine_config.loras, key=manager.rank_of)
+    return manager, max(engine_config.loras, key=manager.rank_of, default=None)
 
 
 def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int) -> tuple[MemoryPlan, dict]:

@@ -106,6 +106,9 @@ class EngineConfig:
                                         "for debugging).", flag="--eager")
     loras: dict[str, str] = option({}, "An adapter as NAME=PATH (PEFT folder); repeat for more.", panel=LORA,
                                    flag="--lora", cli_type=list[str])
+    enable_lora: bool = option(False, "Reserve the adapter slots even with no --lora, so that adapters can be added "
+                                      "while the engine runs (LLM.add_lora; infer serve --allow-runtime-lora).",
+                               panel=LORA, flag="--enable-lora")
     max_loras: int = option(4, "Adapters resident on the device at once.", panel=LORA)
     max_lora_rank: int = option(64, "Largest adapter rank (slots are padded to it).", panel=LORA)
     max_cpu_loras: int | None = option(None, "Adapters kept in CPU memory (default: all registered).", panel=LORA)

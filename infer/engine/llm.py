@@ -55,6 +55,26 @@ class LLM:
         except Exception:  # interpreter shutdown: modules may already be gone
             pass
 
+    # ------------------------------------------------------------------ adapters while running
+    def add_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter folder `path` under `name` (validated against the base first); later calls may
+        pass `lora=name`. Needs an LLM made with `enable_lora=True` or with `loras=`. The folder is read without
+        holding up other threads' steps."""
+        adapter = self._engine().lora_slots().load(name, path)
+        with self._lock:
+            self._engine().add_lora(name, path, loaded=adapter)
+
+    def remove_lora(self, name: str) -> int:
+        """Refuse `name` from now on; requests already running with it finish with it, and its memory is freed
+        after them. Returns how many requests still use it."""
+        with self._lock:
+            return self._engine().remove_lora(name)
+
+    def list_loras(self) -> list[str]:
+        """The adapters requests may name, in the order they were added."""
+        manager = self._engine().lora_manager
+        return manager.names() if manager is not None else []
+
     def _encode(self, prompt: Prompt, i: int) -> list[int]:
         most = self._engine().max_model_len  # a text certainly longer than the context is refused untokenized
         if isinstance(prompt, str):

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from ..errors import RequestError
+from ..errors import LoRAError, RequestError
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import Detokenizer
@@ -109,12 +109,55 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted) or self._inflight is not None
 
+    # ------------------------------------------------------------------ adapters at run time
+    def lora_slots(self):
+        """The LoRAManager; LoRAError when the engine was started without adapter slots."""
+        if self.lora_manager is None:
+            raise LoRAError("this engine has no LoRA adapter slots, so adapters cannot be added while it runs",
+                            "start it with --enable-lora (LLM(..., enable_lora=True)) or with a --lora")
+        return self.lora_manager
+
+    def add_lora(self, name: str, path, loaded=None) -> None:
+        """Register the PEFT adapter folder `path` under `name`; requests may name it from the next step on.
+        `loaded`: what `lora_slots().load(name, path)` already read (a server reads it off the engine thread)."""
+        manager = self.lora_slots()
+        self._reap_loras()
+        if manager.has(name):
+            raise LoRAError(f"a LoRA adapter named {name!r} is already loaded",
+                            "remove it first, or give this one another name")
+        manager.add(loaded if loaded is not None else manager.load(name, path))
+
+    def remove_lora(self, name: str) -> int:
+        """New requests may no longer name `name`; those that already do finish with it, and its memory is freed
+        after the last of them. Returns how many requests still use it."""
+        manager = self.lora_slots()
+        if not manager.has(name):
+            raise LoRAError(f"unknown LoRA adapter {name!r}",
+                            f"loaded adapters: {', '.join(sorted(manager.names())) or 'none'}")
+        manager.retire(name)
+        return self._reap_loras().get(name, 0)
+
+    def _reap_loras(self) -> dict[str, int]:
+        """Free every removed adapter no request uses any more; {name: requests still using it} of the others."""
+        manager = self.lora_manager
+        if manager is None or not manager.retired():
+            return {}
+        users: dict[str, int] = {}
+        for seq in self.requests.values():
+            if seq.lora is not None and not seq.finished:
+                users[seq.lora] = users.get(seq.lora, 0) + 1
+        for name in manager.retired():
+            if not users.get(name) and not manager.pins(name):
+                manager.unregister(name)
+        return {name: users.get(name, 0) for name in manager.retired()}
+
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """Schedule a batch, run it, sample, hand out outputs. With overlap (config.use_overlap()) the batch is only
         launched: the outputs returned are the previous batch's, handled on the host while this one runs on the
         device, and this batch's input ids for tokens the host has not seen yet come from the device."""
         outputs = self._take_aborted()
+        self._reap_loras()  # adapters removed while requests still used them, now that those may have finished
         if self._inflight is not None and not self._may_overlap(self._inflight[0]):
             outputs += self._drain()
         batch = self.scheduler.schedule()

@@ -66,17 +66,20 @@ def profile_run(model, model_config, engine_config: EngineConfig, dtype, device,
     runner = ModelRunner(engine_config, model, dtype=dtype, device=device, num_blocks=nblocks,
                          lora_manager=lora_manager)
     runner.zero_blocks(list(range(nblocks)))
-    lora_bytes = 0
+    lora_bytes = lora_manager.device_bytes() if lora_manager is not None else 0  # the slots, used or not
     if lora_manager is not None and lora_name is not None:
         lora_manager.acquire(lora_name)
         for s in prefill.seqs + decode.seqs:
             s.lora = lora_name
-        lora_bytes = lora_manager.device_bytes()
     peak = _peak_activations(runner, (prefill, decode), device)
     if lora_manager is not None and lora_name is not None:
         lora_manager.release(lora_name)
     del runner
     rank = engine_config.max_lora_rank if lora_manager is not None else 0
+    if rank and lora_name is None:  # slots for adapters added later (--enable-lora): their path by the formula
+        peak += activation_bytes(model_config, dtype, engine_config.max_num_batched_tokens, concurrency, max_length,
+                                 rank) - activation_bytes(model_config, dtype, engine_config.max_num_batched_tokens,
+                                                          concurrency, max_length, 0)
     graphs = cuda_graph_bytes(engine_config, model_config, dtype)  # the decode graphs keep a pool of their own
     estimate = activation_bytes(model_config, dtype, engine_config.max_num_batched_tokens, concurrency, max_length,
                                 rank) + graphs

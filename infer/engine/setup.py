@@ -91,7 +91,7 @@ def load_engine_parts(engine_config: EngineConfig) -> EngineParts:
     model, model_config = load_model(path, dtype, device)
     max_len = model_max_len(model_config, engine_config)
     lora_manager = None
-    if engine_config.loras:
+    if engine_config.loras or engine_config.enable_lora:
         from ..lora.manager import LoRAManager
         lora_manager = LoRAManager(model, max_loras=engine_config.max_loras,
                                    max_lora_rank=engine_config.max_lora_rank,

@@ -4,6 +4,11 @@ Registered adapters (name -> folder) are validated once at `register`. Their wei
 most `max_cpu_loras` adapters (an evicted one is read from its folder again when needed). `max_loras` device slots
 hold the weights every LoRALayer computes with; `acquire` swaps an adapter into a free slot, else into the least
 recently used slot that no running request pins, and pins it until `release`.
+
+Adapters can come and go while the engine runs (`LLMEngine.add_lora` / `remove_lora`): `load` reads and validates
+a folder without touching the registry (a server does it off the engine thread), `add` registers what it read.
+`retire` takes a name away from new requests at once; the requests already holding it run on with it, and
+`unregister` frees its slot and memory once none is left (the engine decides when).
 """
 
 from __future__ import annotations
@@ -43,22 +48,44 @@ class LoRAManager:
         self._cpu: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recently used first
         self._resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recently used first
         self._pins: dict[str, int] = {}
+        self._retired: dict[str, LoRAAdapter] = {}  # name -> its weights, kept until its last request ends
         self.swaps = 0  # adapters copied into a device slot
         self.disk_loads = 0  # adapters read from their folder (registration included)
 
     # ------------------------------------------------------------------------------------------ registry
     def register(self, name: str, path: str | Path) -> LoRAAdapter:
         """Read and validate the adapter at `path` under `name`; raises LoRAError if it cannot run on the model."""
+        adapter = self.load(name, path)
+        self.add(adapter)
+        return adapter
+
+    def load(self, name: str, path: str | Path) -> LoRAAdapter:
+        """Read and validate the adapter at `path` (LoRAError if it cannot run on the model) without registering
+        it: safe to call from another thread than the engine's."""
         if not isinstance(name, str) or not name:
             raise LoRAError(f"invalid LoRA adapter name {name!r}", "use --lora NAME=PATH with a non-empty NAME")
-        path = Path(path).expanduser()
+        return self._read(name, Path(path).expanduser())
+
+    def add(self, adapter: LoRAAdapter) -> None:
+        """Register an adapter `load` returned; LoRAError if its name is taken by another folder."""
+        name, path = adapter.name, adapter.path
+        if name in self._retired:
+            raise LoRAError(f"LoRA adapter {name!r} is being removed: {self.pins(name)} running request(s) still "
+                            "use it", "add it again once they finish, or under another name")
         if name in self._paths and self._paths[name] != path:
             raise LoRAError(f"LoRA adapter {name!r} is already registered from {self._paths[name]}",
                             "give each adapter folder its own name")
-        adapter = self._read(name, path)
         self._paths[name] = path
         self._cache(adapter)
-        return adapter
+
+    def retire(self, name: str) -> None:
+        """Take `name` away from new requests (`has` is False from now on); requests that already hold it keep
+        running with it until `unregister`. Its weights stay in memory (never read from its folder again)."""
+        self._require(name)
+        self._retired[name] = self.cpu_adapter(name)
+
+    def retired(self) -> list[str]:
+        return list(self._retired)
 
     def unregister(self, name: str) -> None:
         if self._pins.get(name):
@@ -70,13 +97,15 @@ class LoRAManager:
                 layer.clear_slot(slot)
         self._cpu.pop(name, None)
         self._pins.pop(name, None)
+        self._retired.pop(name, None)
         del self._paths[name]
 
     def has(self, name: str) -> bool:
-        return name in self._paths
+        """Whether new requests may use `name` (registered and not retired)."""
+        return name in self._paths and name not in self._retired
 
     def names(self) -> list[str]:
-        return list(self._paths)
+        return [n for n in self._paths if n not in self._retired]
 
     def _require(self, name: str) -> None:
         if name not in self._paths:
@@ -101,6 +130,8 @@ class LoRAManager:
     def cpu_adapter(self, name: str) -> LoRAAdapter:
         """The adapter's CPU copy, read from its folder again if the CPU LRU dropped it."""
         self._require(name)
+        if name in self._retired:
+            return self._retired[name]
         if name not in self._cpu:
             self._cache(self._read(name, self._paths[name]))
         self._cpu.move_to_end(name)
@@ -138,7 +169,7 @@ class LoRAManager:
         return next((slot for n, slot in self._resident.items() if not self._pins.get(n)), None)
 
     def can_acquire(self, name: str | None) -> bool:
-        return name is None or name in self._resident or (self.has(name) and self._victim() is not None)
+        return name is None or name in self._resident or (name in self._paths and self._victim() is not None)
 
     def acquire(self, name: str | None) -> int:
         """Pin `name` in a device slot (swapping it in if needed) and return the slot; -1 for None."""

@@ -51,7 +51,23 @@ class Replica:
                 "dtype": str(e.dtype).removeprefix("torch."), "num_blocks": e.memory_plan.num_blocks,
                 "max_model_len": e.max_model_len, "model": e.model_path.name,
                 "vocab_size": e.model_config.vocab_size,
-                "adapters": sorted(e.lora_manager.names()) if e.lora_manager is not None else []}
+                "adapters": sorted(e.lora_manager.names()) if e.lora_manager is not None else [],
+                "lora_enabled": e.lora_manager is not None}
+
+    def add_lora(self, name: str, path: str) -> dict | None:
+        """Register an adapter while serving: None, or the error ({"message", "hint"}) the driver reports."""
+        try:
+            self.engine.add_lora(name, path)
+        except InferError as e:
+            return {"message": e.message, "hint": e.hint}
+        return None
+
+    def remove_lora(self, name: str) -> int | dict:
+        """Retire an adapter: how many of this replica's requests still use it, or the error."""
+        try:
+            return self.engine.remove_lora(name)
+        except InferError as e:
+            return {"message": e.message, "hint": e.hint}
 
     def validate(self, requests: list[Wire]) -> dict[str, str]:
         """{request id: reason} for the requests this engine could never run (the others are not listed)."""

@@ -10,12 +10,15 @@ already streaming end with an error.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..engine.block_manager import BlockManager
 from ..engine.llm_engine import LLMEngine
+from ..errors import LoRAError
 from ..serve.async_engine import AsyncEngine
 from .runtime import _last_line, stop_replicas
 
@@ -27,6 +30,8 @@ SUMMED = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "nu
 
 
 class _Adapters:
+    """The adapter names requests may use on every replica (the driver checks requests against it)."""
+
     def __init__(self, names: list[str]):
         self._names = list(names)
 
@@ -35,6 +40,14 @@ class _Adapters:
 
     def names(self) -> list[str]:
         return list(self._names)
+
+    def add(self, name: str) -> None:
+        if name not in self._names:
+            self._names.append(name)
+
+    def discard(self, name: str) -> None:
+        if name in self._names:
+            self._names.remove(name)
 
 
 class _Blocks:
@@ -53,9 +66,10 @@ class ReplicaView:
         self.max_model_len = info["max_model_len"]
         self.model_config = type("ModelLimits", (), {"vocab_size": info["vocab_size"]})()
         self.block_manager = _Blocks(info["num_blocks"], config.block_size)
-        self.lora_manager = _Adapters(info["adapters"]) if info["adapters"] else None
+        self.lora_manager = _Adapters(info["adapters"]) if info["adapters"] or info.get("lora_enabled") else None
 
     validate = LLMEngine.validate
+    lora_slots = LLMEngine.lora_slots
 
     def stats(self) -> dict:
         return {k: 0 for k in SUMMED} | {"kv_usage": 0.0, "prefix_cache_hit_rate": 0.0}
@@ -81,6 +95,7 @@ class RayAsyncEngine(AsyncEngine):
         self.replicas = [_Replica(i, h, info) for i, h, info in zip(range(len(handles)), handles, infos)]
         self._calls: dict = {}  # object ref -> _Replica
         self._owner: dict = {}  # request id -> _Replica (driver thread only)
+        self._lora_changes: asyncio.Lock | None = None
         super().__init__(view, max_queue)
         self._thread.name = "infer-replicas"
         for r, (_, _, stats) in zip(self.replicas, ray.get([h.serve_step.remote([], []) for h in handles])):
@@ -91,19 +106,23 @@ class RayAsyncEngine(AsyncEngine):
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._stopping or self._adds or self._aborts or self._calls or self._busy()):
+                while not (self._stopping or self._adds or self._aborts or self._controls or self._calls
+                           or self._busy()):
                     self._cond.wait()
                 if self._stopping:
-                    return
+                    break
                 adds, self._adds = list(self._adds), deque()
                 aborts, self._aborts = list(self._aborts), deque()
+                controls, self._controls = list(self._controls), deque()
             try:
                 self._route(adds, aborts)
                 self._send()
+                self._run_controls(controls, self)
                 self._collect()
             except Exception as e:  # never let the loop die
                 self.num_step_errors += 1
                 log.exception("replica driver error: %s", e)
+        self._fail_controls()
 
     def _busy(self) -> bool:
         return any(r.alive and (r.inflight or r.new or r.aborts) for r in self.replicas)
@@ -123,9 +142,12 @@ class RayAsyncEngine(AsyncEngine):
             r.inflight[p.request_id] = p
             self._owner[p.request_id] = r
 
-    def _send(self) -> None:
+    def _send(self, flush: bool = False) -> None:
+        """A step call to every replica with work and fewer than DEPTH calls queued; `flush`: also to those with
+        DEPTH queued that have requests not sent yet."""
         for r in self.replicas:
-            if not r.alive or r.calls >= DEPTH or not (r.new or r.aborts or r.inflight):
+            full = r.calls >= DEPTH and not (flush and r.new)
+            if not r.alive or full or not (r.new or r.aborts or r.inflight):
                 continue
             wires = [(p.request_id, p.prompt_token_ids, p.params, p.lora) for p in r.new]
             self._calls[r.handle.serve_step.remote(wires, r.aborts)] = r
@@ -181,6 +203,59 @@ class RayAsyncEngine(AsyncEngine):
             self._adds.extendleft(reversed([p for p in again if p.request_id in self._sinks]))
         log.warning("engine replica %d stopped (%s); %d request(s) run again on the %d other replica(s)", r.index,
                     _last_line(error), len(again), sum(x.alive for x in self.replicas))
+
+    # ------------------------------------------------------------------ adapters while serving
+    async def add_lora(self, name: str, path: str) -> None:
+        """Load the adapter on every live replica (each reads `path` on its own host); the name is offered to
+        requests only once all have it. If one cannot, the others drop it again and its error is raised."""
+        adapters = self.engine.lora_slots()
+        async with self._lora_lock():
+            if adapters.has(name):
+                raise LoRAError(f"a LoRA adapter named {name!r} is already loaded",
+                                "remove it first, or give this one another name")
+            path = str(Path(path).expanduser().absolute())  # the replicas may run in another directory
+            live = [r for r in self.replicas if r.alive]
+            errors = await self._on_replicas([r.handle.add_lora.remote(name, path) for r in live])
+            failed = [(r, e) for r, e in zip(live, errors) if e is not None]
+            if failed:
+                loaded = [r for r, e in zip(live, errors) if e is None]
+                await self._on_replicas([r.handle.remove_lora.remote(name) for r in loaded])
+                r, e = failed[0]
+                raise LoRAError(f"replica {r.index} ({r.info.get('host')}): {e['message']}", e.get("hint"))
+            adapters.add(name)
+
+    async def remove_lora(self, name: str) -> int:
+        """Refuse `name` to new requests, then retire it on every replica behind the requests already sent there
+        (the driver thread sends those first, so each replica admits them before the removal)."""
+        adapters = self.engine.lora_slots()
+        async with self._lora_lock():
+            if not adapters.has(name):
+                raise LoRAError(f"unknown LoRA adapter {name!r}",
+                                f"loaded adapters: {', '.join(sorted(adapters.names())) or 'none'}")
+            adapters.discard(name)
+            refs = await self._call(lambda engine: engine._retire_on_replicas(name))
+            results = await self._on_replicas(refs)
+        return sum(n for n in results if isinstance(n, int))
+
+    def _retire_on_replicas(self, name: str) -> list:
+        """Driver thread: send every routed request, then the removal, to every live replica (in this order)."""
+        self._send(flush=True)
+        return [r.handle.remove_lora.remote(name) for r in self.replicas if r.alive]
+
+    async def _on_replicas(self, refs: list) -> list:
+        """Each call's result, or {"message": ...} for a replica that died meanwhile."""
+        def get(ref):
+            try:
+                return self.ray.get(ref)
+            except self.ray.exceptions.RayError as e:
+                return {"message": f"the replica stopped: {_last_line(e)}"}
+        return await asyncio.to_thread(lambda: [get(ref) for ref in refs])
+
+    def _lora_lock(self) -> asyncio.Lock:
+        """One adapter change at a time (made in the server's event loop, on first use)."""
+        if self._lora_changes is None:
+            self._lora_changes = asyncio.Lock()
+        return self._lora_changes
 
     # ------------------------------------------------------------------ what /health and /metrics read
     def _aggregate(self) -> dict:

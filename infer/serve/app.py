@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import RequestError
 from . import protocol as p
+from .adapters import add_adapter_routes
 from .async_engine import AsyncEngine, QueueFullError, ShuttingDownError
 from .body import BodyLimits, ClientGone, SafeJSONResponse, read_body
 from .guard import ErrorGuardMiddleware
@@ -35,8 +36,10 @@ class Server:
     """What the routes need: the engine wrapper, model ids, auth and metrics."""
 
     def __init__(self, aengine: AsyncEngine, model_id: str, api_key: str | None = None, retry_after: int = 1,
-                 graceful_timeout: float = 30.0, limits: BodyLimits | None = None):
+                 graceful_timeout: float = 30.0, limits: BodyLimits | None = None, runtime_lora: bool = False):
+        """`runtime_lora`: the routes that load and unload adapters while serving are on (serve/adapters.py)."""
         self.aengine, self.model_id, self.api_key = aengine, model_id, api_key
+        self.runtime_lora = runtime_lora
         self.limits = limits or BodyLimits()
         self.retry_after, self.graceful_timeout = retry_after, graceful_timeout
         self.engine = aengine.engine
@@ -278,6 +281,8 @@ def _add_routes(app: FastAPI, server: Server) -> None:
                 return card
         server.lora_for(model)  # raises the 404 that names the served models
         return server.model_cards()[0]  # the model as given on the command line (a path): the base
+
+    add_adapter_routes(app, server)
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers and probes often send HEAD
     async def health():

@@ -2,6 +2,8 @@
 
 Handlers call `add` / `abort` (thread-safe, never block on a step). The engine thread drains those queues, runs
 `engine.step()`, and hands each RequestOutput to the asyncio queue of its request with `call_soon_threadsafe`.
+`add_lora` / `remove_lora` (adapters while serving) read the adapter folder on a worker thread and change the
+registry on the engine thread between two steps, after the requests queued before them were admitted.
 When nothing is pending it sleeps on a condition. An exception inside a step fails the requests that were running
 (each gets an output with finish_reason "error") and the loop goes on.
 """
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import SamplingParams
-from ..errors import InferError
+from ..errors import InferError, LoRAError
 
 log = logging.getLogger("infer.serve")
 
@@ -50,6 +52,7 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._adds: deque[_Pending] = deque()
         self._aborts: deque[str] = deque()
+        self._controls: deque[tuple] = deque()  # (fn(engine), loop, future): run on the engine thread
         self._sinks: dict[str, tuple] = {}  # request id -> (loop, queue); owned under _cond
         self._num_waiting = 0  # engine's waiting queue after the last step
         self._stopping = False
@@ -94,6 +97,47 @@ class AsyncEngine:
             self._aborts.append(request_id)
         self._cond.notify()
 
+    # ------------------------------------------------------------------ adapters while serving
+    async def add_lora(self, name: str, path: str) -> None:
+        """Read and validate the adapter on a worker thread (steps go on meanwhile), then register it on the engine
+        thread; requests may name it once this returns. LoRAError when it cannot be served."""
+        manager = self.engine.lora_slots()
+        if manager.has(name):  # checked again on the engine thread: another call may add the name meanwhile
+            raise LoRAError(f"a LoRA adapter named {name!r} is already loaded",
+                            "remove it first, or give this one another name")
+        adapter = await asyncio.to_thread(manager.load, name, path)
+        await self._call(lambda engine: engine.add_lora(name, path, loaded=adapter))
+
+    async def remove_lora(self, name: str) -> int:
+        """Refuse `name` to new requests; those admitted before finish with it. Returns how many still use it."""
+        self.engine.lora_slots()
+        return await self._call(lambda engine: engine.remove_lora(name))
+
+    async def _call(self, fn):
+        """fn(engine) on the engine thread, between two steps and after every request queued before this call."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._cond:
+            if self._stopping or not self._accepting:
+                raise ShuttingDownError("the server is shutting down", "retry against another replica")
+            self._controls.append((fn, loop, future))
+            self._cond.notify()
+        return await future
+
+    def _run_controls(self, controls: list, target) -> None:
+        for fn, loop, future in controls:
+            try:
+                result, error = fn(target), None
+            except Exception as e:  # the caller's error (a bad adapter): it goes back to the caller
+                result, error = None, e
+            _settle(loop, future, result, error)
+
+    def _fail_controls(self) -> None:
+        with self._cond:
+            controls, self._controls = list(self._controls), deque()
+        for _, loop, future in controls:
+            _settle(loop, future, None, ShuttingDownError("the server is shutting down", "retry later"))
+
     def num_in_flight(self) -> int:
         with self._cond:
             return len(self._sinks)
@@ -131,24 +175,28 @@ class AsyncEngine:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._stopping or self._adds or self._aborts or self.engine.has_unfinished_requests()):
+                while not (self._stopping or self._adds or self._aborts or self._controls
+                           or self.engine.has_unfinished_requests()):
                     self._cond.wait()
                 if self._stopping and not self._aborts:
-                    return
+                    break
                 adds, self._adds = list(self._adds), deque()
                 aborts, self._aborts = list(self._aborts), deque()
+                controls, self._controls = list(self._controls), deque()
             try:
-                self._iteration(adds, aborts)
+                self._iteration(adds, aborts, controls)
             except Exception as e:  # never let the loop die: fail what was running, keep serving
                 self.num_step_errors += 1
                 log.exception("engine loop error")
                 self._fail_running(f"internal engine error: {type(e).__name__}: {e}")
+        self._fail_controls()
 
-    def _iteration(self, adds: list[_Pending], aborts: list[str]) -> None:
+    def _iteration(self, adds: list[_Pending], aborts: list[str], controls: list = ()) -> None:
         for rid in aborts:
             self.engine.abort_request(rid)  # frees its KV blocks now
         for p in adds:
             self._admit(p)
+        self._run_controls(controls, self.engine)  # after the adds: a request accepted before a removal runs
         if adds:
             with self._cond:  # the new requests wait in the engine now: count them before the step runs
                 self._num_waiting = len(self.engine.scheduler.waiting)
@@ -204,3 +252,14 @@ class AsyncEngine:
             loop.call_soon_threadsafe(queue.put_nowait, out)
         except RuntimeError:  # the event loop is closed (shutdown): nobody is listening
             pass
+
+
+def _settle(loop, future, result, error) -> None:
+    """Complete an asyncio future from another thread (nothing happens if its caller gave up)."""
+    def done():
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+    try:
+        loop.call_soon_threadsafe(done)
+    except RuntimeError:  # the event loop is closed
+        pass

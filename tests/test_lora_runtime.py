@@ -1,0 +1,130 @@
+"""Adapters added and removed while the engine runs (`LLM.add_lora` / `remove_lora`, `--enable-lora`), with peft as
+the oracle: added adapters give peft's greedy tokens in a mixed batch (more adapters than slots); a removed adapter
+is refused to new requests at once while the requests that hold it (running or still waiting) finish with peft's
+tokens, and its memory is freed after them; a name added again serves the new folder's weights, not the old slot's;
+every mistake is a LoRAError that leaves the engine serving."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from infer import LLM, SamplingParams
+from infer.errors import LoRAError, RequestError
+from infer.models.tiny import ensure_builtin
+
+from lora_helpers import THREE, PeftOracle, hf_float, save_adapter
+
+N = 8
+PARAMS = SamplingParams(max_new_tokens=N, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13], [40, 41, 42, 43, 44]]
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return hf_float(Path(ensure_builtin("tiny-llama")))
+
+
+@pytest.fixture(scope="module")
+def paths(hf, tmp_path_factory):
+    root = tmp_path_factory.mktemp("runtime-lora")
+    out = {name: save_adapter(hf, root / name, seed=10 + i, **kw) for i, (name, kw) in enumerate(THREE.items())}
+    # made before the oracle wraps `hf` in peft (saving one unloads every adapter of the model)
+    return {**out, "r16": save_adapter(hf, root / "r16", seed=3, r=16, lora_alpha=16, target_modules=["q_proj"])}
+
+
+@pytest.fixture(scope="module")
+def oracle(hf, paths):
+    return PeftOracle(hf, {name: paths[name] for name in THREE})
+
+
+def make_llm(**kw) -> LLM:
+    return LLM("tiny-llama", enable_lora=True, max_loras=2, max_lora_rank=8, max_model_len=256, **kw)
+
+
+def test_adapters_added_while_running_give_peft_tokens_through_fewer_slots(paths, oracle):
+    with make_llm() as llm:
+        assert llm.list_loras() == []
+        base = llm.generate(PROMPTS[:1], PARAMS)[0].token_ids  # the engine ran before any adapter existed
+        for name in ("a", "b", "c"):
+            llm.add_lora(name, str(paths[name]))
+        assert llm.list_loras() == ["a", "b", "c"]
+        rows = [("a", PROMPTS[0]), ("b", PROMPTS[1]), ("c", PROMPTS[2]), (None, PROMPTS[3])]
+        outs = llm.generate([p for _, p in rows], PARAMS, lora=[n for n, _ in rows])
+        assert [o.token_ids for o in outs] == [oracle.greedy(n, p, N) for n, p in rows]
+        assert base == oracle.greedy(None, PROMPTS[0], N)
+        assert llm.engine.stats()["lora_swaps"] >= 3  # three adapters went through two slots
+
+
+def test_removed_adapter_finishes_the_requests_that_hold_it_then_frees_its_slot(paths, oracle):
+    """max_num_seqs=1: the second request with the adapter is still waiting when the adapter is removed."""
+    with make_llm(max_num_seqs=1) as llm:
+        llm.add_lora("a", str(paths["a"]))
+        llm.add_lora("b", str(paths["b"]))
+        stream = llm.stream(PROMPTS[:2], PARAMS, lora=["a", "a"])
+        next(stream)  # the first request runs, the second waits
+        manager = llm.engine.lora_manager
+        assert manager.pins("a") == 1
+        assert llm.remove_lora("a") == 2
+        assert llm.list_loras() == ["b"]
+        with pytest.raises(RequestError, match="unknown LoRA adapter 'a'"):
+            llm.generate(PROMPTS[2:3], PARAMS, lora="a")
+        outs = {}
+        for i, _, out in stream:
+            if out.finished:
+                outs[i] = out.token_ids
+        assert outs == {0: oracle.greedy("a", PROMPTS[0], N), 1: oracle.greedy("a", PROMPTS[1], N)}
+        llm.generate(PROMPTS[3:], PARAMS, lora="b")  # a step after the last user: the adapter is gone
+        assert "a" not in manager.resident() and not manager.retired() and not manager.has("a")
+        assert "a" not in manager.cpu_resident()
+        with pytest.raises(LoRAError, match="unknown LoRA adapter 'a'"):
+            llm.remove_lora("a")
+
+
+def test_removed_adapter_nobody_uses_is_freed_at_once_and_its_name_serves_new_weights(paths, oracle):
+    """The name comes back with another folder's weights: a stale device slot or CPU copy would give a's tokens."""
+    with make_llm() as llm:
+        llm.add_lora("x", str(paths["a"]))
+        assert llm.generate(PROMPTS[:1], PARAMS, lora="x")[0].token_ids == oracle.greedy("a", PROMPTS[0], N)
+        assert llm.remove_lora("x") == 0
+        assert not llm.engine.lora_manager.retired()
+        llm.add_lora("x", str(paths["b"]))
+        assert llm.generate(PROMPTS[:1], PARAMS, lora="x")[0].token_ids == oracle.greedy("b", PROMPTS[0], N)
+
+
+def test_every_mistake_is_a_lora_error_and_the_engine_keeps_serving(paths, oracle, tmp_path):
+    with LLM("tiny-llama", max_model_len=256) as plain:
+        with pytest.raises(LoRAError, match="--enable-lora"):
+            plain.add_lora("a", str(paths["a"]))
+        with pytest.raises(LoRAError, match="--enable-lora"):
+            plain.remove_lora("a")
+        assert plain.list_loras() == []
+    with make_llm(max_num_seqs=1) as llm:
+        llm.add_lora("a", str(paths["a"]))
+        with pytest.raises(LoRAError, match="already loaded"):
+            llm.add_lora("a", str(paths["b"]))
+        with pytest.raises(LoRAError, match="nowhere"):
+            llm.add_lora("n", str(tmp_path / "nowhere"))
+        with pytest.raises(LoRAError, match="rank 16"):
+            llm.add_lora("big", str(paths["r16"]))
+        with pytest.raises(LoRAError, match="invalid LoRA adapter name"):
+            llm.add_lora("", str(paths["b"]))
+        with pytest.raises(LoRAError, match="unknown LoRA adapter 'zz'"):
+            llm.remove_lora("zz")
+        stream = llm.stream(PROMPTS[:1], PARAMS, lora="a")
+        next(stream)
+        llm.remove_lora("a")
+        with pytest.raises(LoRAError, match="being removed: 1 running request"):
+            llm.add_lora("a", str(paths["a"]))  # its running request still uses the old weights under that name
+        assert [out.token_ids for _, _, out in stream if out.finished] == [oracle.greedy("a", PROMPTS[0], N)]
+        llm.add_lora("a", str(paths["c"]))  # the last user finished: the name is free again
+        assert llm.list_loras() == ["a"]
+        out = llm.generate(PROMPTS[:1], PARAMS, lora="a")[0]
+        assert out.token_ids == oracle.greedy("c", PROMPTS[0], N)
+
+
+def test_enable_lora_reserves_the_slots_in_the_memory_plan():
+    with LLM("tiny-llama", max_model_len=256) as plain, make_llm() as slots:
+        assert plain.engine.memory_plan.lora_bytes == 0
+        assert slots.engine.memory_plan.lora_bytes == slots.engine.lora_manager.device_bytes() > 0
