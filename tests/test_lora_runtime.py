@@ -128,3 +128,24 @@ def test_enable_lora_reserves_the_slots_in_the_memory_plan():
     with LLM("tiny-llama", max_model_len=256) as plain, make_llm() as slots:
         assert plain.engine.memory_plan.lora_bytes == 0
         assert slots.engine.memory_plan.lora_bytes == slots.engine.lora_manager.device_bytes() > 0
+
+
+def test_a_waiting_request_whose_adapter_left_the_registry_fails_instead_of_waiting_for_ever(paths):
+    """The engine never unregisters an adapter a request still names, but if one goes (a bug, a caller of the
+    manager), that request must end with an error naming the adapter, not wait for a slot for ever."""
+    with make_llm(max_num_seqs=1) as llm:
+        llm.add_lora("a", str(paths["a"]))
+        engine = llm.engine
+        engine.add_request("r1", PROMPTS[0], PARAMS)
+        engine.add_request("r2", PROMPTS[1], PARAMS, "a")  # waits: one sequence at a time
+        engine.step()
+        engine.lora_manager.unregister("a")  # allowed: nothing pins it
+        done = {}
+        for _ in range(100):
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+            if not engine.has_unfinished_requests():
+                break
+        assert done["r1"].finish_reason == "length"
+        assert done["r2"].finish_reason == "error" and "unknown LoRA adapter 'a'" in done["r2"].error

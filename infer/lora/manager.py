@@ -169,7 +169,9 @@ class LoRAManager:
         return next((slot for n, slot in self._resident.items() if not self._pins.get(n)), None)
 
     def can_acquire(self, name: str | None) -> bool:
-        return name is None or name in self._resident or (name in self._paths and self._victim() is not None)
+        """Whether `acquire` would not have to wait for a slot. True for a name not registered (any more): its
+        acquire raises, which fails the request, where waiting for a slot would keep it waiting for ever."""
+        return name is None or name in self._resident or name not in self._paths or self._victim() is not None
 
     def acquire(self, name: str | None) -> int:
         """Pin `name` in a device slot (swapping it in if needed) and return the slot; -1 for None."""
