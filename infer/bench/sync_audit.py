@@ -15,11 +15,17 @@ Triton interpreter, CUDA graphs emulated), each with the line of `infer` that ma
 Inside a Triton launch nothing is recorded (the interpreter's own work is not the engine's), nor inside the one wait
 a step is allowed (`StepHandle.result`, the copy of the previous step's sampled tokens). Used by
 tests/test_sync_audit.py (tiny models) and `scripts/kernel-sass --engine` (real shapes).
+
+It also counts the host-to-device copies that do not wait (`copies`: each call of `engine.transfer.to_device`, by
+the line of `infer` that asked for it): on CUDA each one costs a pinned allocation and a copy launch, tens of
+microseconds of host time, so a step's inputs travel together (`engine.transfer.Pack`); tests/test_sync_audit.py
+checks how many a step makes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import traceback
 from pathlib import Path
 
@@ -53,11 +59,29 @@ def _site() -> str | None:
     return None
 
 
+def _copy_site() -> str | None:
+    """When the torch call being made is the copy of `engine.transfer.to_device`: file:line function of the code
+    that asked for it (outside transfer.py); else None."""
+    from ..engine.transfer import to_device
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not to_device.__code__:
+        frame = frame.f_back
+    if frame is None:
+        return None
+    while frame.f_back is not None and Path(frame.f_code.co_filename).name == "transfer.py":
+        frame = frame.f_back
+    path = Path(frame.f_code.co_filename)
+    where = path.relative_to(ROOT.parent) if ROOT in path.parents else path
+    return f"{where}:{frame.f_lineno} {frame.f_code.co_name}"
+
+
 class SyncAudit:
-    """with SyncAudit() as audit: ...; audit.found -> [(site, what)], each call that would wait on CUDA."""
+    """with SyncAudit() as audit: ...; audit.found -> [(site, what)], each call that would wait on CUDA;
+    audit.copies -> [site], each host-to-device copy made without waiting (`to_device`)."""
 
     def __init__(self):
         self.found: list[tuple[str, str]] = []
+        self.copies: list[str] = []
         self._off = 0
         audit = self
 
@@ -78,6 +102,10 @@ class SyncAudit:
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
                 name = getattr(func, "__name__", "")
+                if func is torch.tensor:
+                    site = _copy_site()
+                    if site is not None:
+                        audit.copies.append(site)
                 if func in MAKERS and kwargs.get("device") is not None:
                     audit._record(f"torch.{name}(..., device=...): a host-to-device copy from pageable memory, "
                                   "finished by a stream synchronisation")
