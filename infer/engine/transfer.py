@@ -17,3 +17,38 @@ def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return torch.tensor(data, dtype=dtype)
     return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+class Pack:
+    """Integer pieces gathered on the host for one int64 host-to-device copy: a step's inputs travel together, so
+    a step queues one copy (each copy costs a pinned allocation and a launch, tens of microseconds of host time).
+
+    Every piece starts at an even index, so it is 16-byte aligned whatever the lengths before it: Triton specializes
+    a kernel on whether a pointer is, so an odd piece before the positions would give the rotary kernel (which reads
+    them) a variant of its own, compiled on a user's first prompt of the other parity."""
+
+    def __init__(self):
+        self.values: list[int] = []
+
+    def _start(self) -> int:
+        if len(self.values) % 2:
+            self.values.append(0)
+        return len(self.values)
+
+    def add(self, piece) -> slice:
+        """Append `piece` (ints); returns its place in the copied tensor."""
+        start = self._start()
+        self.values.extend(piece)
+        return slice(start, len(self.values))
+
+    def add_rows(self, rows, width: int, pad: int = 0) -> slice:
+        """Append `rows` (lists of ints) each padded to `width` with `pad`: a [len(rows), width] piece, row-major."""
+        start, values = self._start(), self.values
+        for row in rows:
+            values.extend(row)
+            values.extend([pad] * (width - len(row)))
+        return slice(start, len(values))
+
+    def to(self, device: torch.device) -> torch.Tensor:
+        """The pieces on `device`, in one copy that does not wait (`to_device`)."""
+        return to_device(self.values, torch.long, device)
