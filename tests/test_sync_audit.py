@@ -5,7 +5,7 @@ CUDA. The one wait a step may make is for the previous step's sampled tokens (`S
 `-m gpu` tests of test_overlap.py check the same with torch's sync debug mode.
 
 The same runs count the host-to-device copies a step queues (`SyncAudit.copies`): one for a greedy step (every
-integer input in one packed copy)."""
+integer input in one packed copy), at most two with sampled rows (the sampling parameters' floats apart)."""
 
 from __future__ import annotations
 
@@ -82,6 +82,9 @@ def test_engine_steps_on_the_gpu_code_path_never_wait_for_the_device(tiny, monke
     assert not audit.found, "calls that wait for the GPU inside engine steps:\n" + audit.report()
     if graphs:
         assert sum(llm.engine.runner.graphs.replays.values()) >= 5
+    launched = [copies for ran, copies, _ in log if ran]
+    assert max(launched) <= 2 and 2 in launched, f"copies per step {launched}: {audit.copies}"
+    assert all(copies == 0 for ran, copies, _ in log if not ran)
 
 
 @pytest.mark.parametrize("graphs", [True, False])

@@ -11,7 +11,7 @@ import torch
 
 from ..models.context import ForwardContext
 from .config import EngineConfig
-from .sampler import SampledBatch, Sampler
+from .sampler import SampledBatch, Sampler, SamplingInputs
 from .scheduler import ScheduledBatch
 from .transfer import Pack, to_device
 
@@ -25,6 +25,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = num_blocks
         self.sampler = Sampler(config.seed)
+        self.vocab_size = model.config.vocab_size  # the logits' width
         self.lora_manager = lora_manager
         self.kv_cache = self._allocate_kv(num_blocks)
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once captured
@@ -62,11 +63,12 @@ class ModelRunner:
         return sorted(range(len(batch.seqs)), key=lambda i: slot(batch.seqs[i].lora))
 
     def prepare(self, batch: ScheduledBatch, order: list[int] | None = None, prev: StepHandle | None = None):
-        """(input_ids, positions, ctx, rows, idx) of the batch in `order`: `rows` are the indices in the batch of the
-        sequences that sample this step (their prompt is complete), in run order, and `idx` the flat indices of
-        their last tokens. Token ids still pending on the host (PENDING) are taken from `prev`'s sampled tokens on
-        the device; the KV blocks `batch.zero` are zeroed first. Every integer input travels to the device in one
-        copy (a Pack), without a sync."""
+        """(input_ids, positions, ctx, rows, idx, sampling) of the batch in `order`: `rows` are the indices in the
+        batch of the sequences that sample this step (their prompt is complete), in run order, `idx` the flat indices
+        of their last tokens and `sampling` their SamplingInputs (None without rows). Token ids still pending on the
+        host (PENDING) are taken from `prev`'s sampled tokens on the device; the KV blocks `batch.zero` are zeroed
+        first. Every integer input travels to the device in one copy (a Pack), without a sync; the sampling
+        parameters' floats, when a row draws or has penalties, in a second."""
         host = HostInputs(self.block_size)
         rows = []
         for i in order if order is not None else range(len(batch.seqs)):
@@ -83,6 +85,7 @@ class ModelRunner:
         starts, lens = pack.add([0] + [j + 1 for j in host.last]), pack.add(host.lens)
         tables = pack.add_rows(host.tables, width)
         last, fill, zero = pack.add(host.sample), pack.add(host.fill), pack.add(batch.zero)
+        sampling = SamplingInputs([batch.seqs[i] for i in rows], self.vocab_size, pack) if rows else None
         data = pack.to(self.device)
         if batch.zero:  # as zero_blocks does, without a copy of its own
             self.kv_cache[:, :, data[zero]] = 0
@@ -95,7 +98,9 @@ class ModelRunner:
                              max_query_len=max(batch.num_new_tokens))
         if self.lora_manager is not None:  # the slots on the host decide the plan; their copy came with the rest
             ctx.lora = self.lora_manager.make_batch(host.lora_slots, data[lora])
-        return input_ids, data[pos], ctx, rows, data[last]
+        if sampling is not None:
+            sampling.load(data, self.device)
+        return input_ids, data[pos], ctx, rows, data[last], sampling
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
                 num_new_tokens: list[int]) -> torch.Tensor:
@@ -107,12 +112,12 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch, prev: StepHandle | None = None) -> StepHandle:
         """Run the model and sample on the device, start copying the sampled tokens to the host, and return without
         waiting for the device. `prev`: the step before, whose tokens may still be pending on the host."""
-        input_ids, positions, ctx, rows, idx = self.prepare(batch, self.order(batch), prev)
+        input_ids, positions, ctx, rows, idx, sampling = self.prepare(batch, self.order(batch), prev)
         hidden = self.forward(input_ids, positions, ctx, batch.num_new_tokens)
         if not rows:
             return StepHandle([], {}, None, None, None)
         logits = self.model.compute_logits(hidden.index_select(0, idx))
-        sampled = self.sampler.sample(logits, [batch.seqs[i] for i in rows])
+        sampled = self.sampler.sample(logits, [batch.seqs[i] for i in rows], sampling)
         host, event = _copy_to_host(sampled.packed)
         return StepHandle(rows, {batch.seqs[i].request_id: r for r, i in enumerate(rows)}, sampled, host, event)
 
