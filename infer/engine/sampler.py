@@ -170,7 +170,7 @@ class Sampler:
     @staticmethod
     def penalised(logits: torch.Tensor, seqs: list[Sequence], inputs: SamplingInputs | None = None) -> torch.Tensor:
         """logits [n, V] (float) with each row's repetition, presence and frequency penalties applied."""
-        if not any(s.params.needs_penalties for s in seqs):
+        if not (inputs.penalties if inputs is not None else any(s.params.needs_penalties for s in seqs)):
             return logits
         vocab = logits.shape[-1]
         if inputs is None:
