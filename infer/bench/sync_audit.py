@@ -16,16 +16,15 @@ Inside a Triton launch nothing is recorded (the interpreter's own work is not th
 a step is allowed (`StepHandle.result`, the copy of the previous step's sampled tokens). Used by
 tests/test_sync_audit.py (tiny models) and `scripts/kernel-sass --engine` (real shapes).
 
-It also counts the host-to-device copies that do not wait (`copies`: each call of `engine.transfer.to_device`, by
-the line of `infer` that asked for it): on CUDA each one costs a pinned allocation and a copy launch, tens of
-microseconds of host time, so a step's inputs travel together (`engine.transfer.Pack`); tests/test_sync_audit.py
-checks how many a step makes.
+It also counts the host-to-device copies that do not wait (`copies`: each call of `engine.transfer.copy_to`, where
+`to_device` and `Pack.to` queue theirs, by the line of `infer` that asked for it): on CUDA each one costs a pinned
+allocation and a copy launch, tens of microseconds of host time, so a step's inputs travel together
+(`engine.transfer.Pack`); tests/test_sync_audit.py checks how many a step makes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 import traceback
 from pathlib import Path
 
@@ -50,34 +49,18 @@ HOST_READS = {"tolist", "cpu", "numpy"}  # Tensor methods that bring device data
 MAKERS = {torch.tensor, torch.as_tensor, torch.asarray}
 
 
-def _site() -> str | None:
-    """file:line function of the innermost frame in infer (None outside infer's code)."""
+def _site(skip: tuple[str, ...] = ("sync_audit.py",)) -> str | None:
+    """file:line function of the innermost frame in infer, files named in `skip` left out (None outside infer)."""
     for frame in reversed(traceback.extract_stack()):
         path = Path(frame.filename)
-        if ROOT in path.parents and path.name != "sync_audit.py":
+        if ROOT in path.parents and path.name not in skip:
             return f"{path.relative_to(ROOT.parent)}:{frame.lineno} {frame.name}"
     return None
 
 
-def _copy_site() -> str | None:
-    """When the torch call being made is the copy of `engine.transfer.to_device`: file:line function of the code
-    that asked for it (outside transfer.py); else None."""
-    from ..engine.transfer import to_device
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code is not to_device.__code__:
-        frame = frame.f_back
-    if frame is None:
-        return None
-    while frame.f_back is not None and Path(frame.f_code.co_filename).name == "transfer.py":
-        frame = frame.f_back
-    path = Path(frame.f_code.co_filename)
-    where = path.relative_to(ROOT.parent) if ROOT in path.parents else path
-    return f"{where}:{frame.f_lineno} {frame.f_code.co_name}"
-
-
 class SyncAudit:
     """with SyncAudit() as audit: ...; audit.found -> [(site, what)], each call that would wait on CUDA;
-    audit.copies -> [site], each host-to-device copy made without waiting (`to_device`)."""
+    audit.copies -> [site], each host-to-device copy made without waiting (`engine.transfer.copy_to`)."""
 
     def __init__(self):
         self.found: list[tuple[str, str]] = []
@@ -102,10 +85,6 @@ class SyncAudit:
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
                 name = getattr(func, "__name__", "")
-                if func is torch.tensor:
-                    site = _copy_site()
-                    if site is not None:
-                        audit.copies.append(site)
                 if func in MAKERS and kwargs.get("device") is not None:
                     audit._record(f"torch.{name}(..., device=...): a host-to-device copy from pageable memory, "
                                   "finished by a stream synchronisation")
@@ -135,10 +114,12 @@ class SyncAudit:
         from triton.runtime.interpreter import InterpretedFunction
         from triton.runtime.jit import JITFunction
 
+        from ..engine import transfer
         from ..engine.model_runner import StepHandle
         self._stack = contextlib.ExitStack()
         for cls, name in ((InterpretedFunction, "run"), (JITFunction, "run"), (StepHandle, "result")):
             self._stack.enter_context(_paused_method(self, cls, name))
+        self._stack.enter_context(_counted_copies(self, transfer))
         for mode in self._modes:
             self._stack.enter_context(mode)
         return self
@@ -166,3 +147,17 @@ def _paused_method(audit: SyncAudit, cls, name: str):
     finally:
         setattr(cls, name, real)
 
+
+@contextlib.contextmanager
+def _counted_copies(audit: SyncAudit, transfer):
+    """transfer.copy_to records the site of each call (to_device and Pack.to look it up in their module)."""
+    real = transfer.copy_to
+
+    def counted(*args, **kwargs):
+        audit.copies.append(_site(("sync_audit.py", "transfer.py")))
+        return real(*args, **kwargs)
+    transfer.copy_to = counted
+    try:
+        yield
+    finally:
+        transfer.copy_to = real
