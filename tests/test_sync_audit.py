@@ -2,7 +2,10 @@
 Python between decode steps"), checked on CPU: whole engine steps run through the Triton kernels (interpreted) and
 emulated CUDA graphs under `infer.bench.sync_audit.SyncAudit`, which records every call that would synchronise on
 CUDA. The one wait a step may make is for the previous step's sampled tokens (`StepHandle.result`). On a GPU, the
-`-m gpu` tests of test_overlap.py check the same with torch's sync debug mode."""
+`-m gpu` tests of test_overlap.py check the same with torch's sync debug mode.
+
+The same runs count the host-to-device copies a step queues (`SyncAudit.copies`): one for a greedy step (every
+integer input in one packed copy), at most two with sampled rows (the sampling parameters' floats apart)."""
 
 from __future__ import annotations
 
@@ -31,10 +34,20 @@ def tiny(tmp_path_factory):
     return str(path), {n: str(save_adapter(hf, tmp / n, seed=i + 1, **kw)) for i, (n, kw) in enumerate(THREE.items())}
 
 
-def _serve_a_mix(llm) -> dict:
+def _step(eng, audit: SyncAudit | None, log: list) -> list:
+    """eng.step(); appends (whether it launched a batch, the copies it made, whether a scheduled sequence had a
+    token pending on the device) to `log`."""
+    steps, copies = eng.num_steps, len(audit.copies) if audit else 0
+    pending = any(s.num_pending for s in eng.scheduler.running)
+    outs = eng.step()
+    log.append((eng.num_steps > steps, (len(audit.copies) if audit else 0) - copies, pending))
+    return outs
+
+
+def _serve_a_mix(llm, audit: SyncAudit | None = None, log: list | None = None) -> dict:
     """Requests as a server meets them, all through engine steps: three adapters through two slots (swaps) beside
     the base model, greedy and sampled rows (top-k/top-p, seeds, penalties, logprobs), prompts longer than a step's
-    token budget (chunked prefill), a prompt whose prefix is cached, a request aborted mid-run."""
+    token budget (chunked prefill), a prompt whose prefix is cached, a request aborted mid-run. `log`: see _step."""
     eng = llm.engine
     prompts = random_prompts(eng.model_config.vocab_size, (7, 30, 5, 9, 16, 6), seed=8)
     prompts.append(prompts[1][:20] + [3, 4])
@@ -46,7 +59,8 @@ def _serve_a_mix(llm) -> dict:
         eng.add_request(str(i), p, params[i % 2], lora=n)
     done, steps = {}, 0
     while eng.has_unfinished_requests():
-        done.update({o.request_id: o.finish_reason for o in eng.step() if o.finished})
+        done.update({o.request_id: o.finish_reason for o in _step(eng, audit, log if log is not None else [])
+                     if o.finished})
         steps += 1
         if steps == 3:
             eng.abort_request("3")
@@ -61,12 +75,47 @@ def test_engine_steps_on_the_gpu_code_path_never_wait_for_the_device(tiny, monke
     llm = LLM(path, loras=loras, **OPTS)
     if graphs:
         llm.engine.runner.capture_graphs(64, emulate=True)
+    log = []
     with SyncAudit() as audit:
-        done = _serve_a_mix(llm)
+        done = _serve_a_mix(llm, audit, log)
     assert len(done) == 7 and done["3"] == "abort"
     assert not audit.found, "calls that wait for the GPU inside engine steps:\n" + audit.report()
     if graphs:
         assert sum(llm.engine.runner.graphs.replays.values()) >= 5
+    launched = [copies for ran, copies, _ in log if ran]
+    assert max(launched) <= 2 and 2 in launched, f"copies per step {launched}: {audit.copies}"
+    assert all(copies == 0 for ran, copies, _ in log if not ran)
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("adapters", [True, False])
+def test_a_greedy_step_makes_one_host_to_device_copy(tiny, monkeypatch, graphs, adapters):
+    """Greedy steps (prefills, chunks, decodes, fresh KV blocks to zero, overlapped so that the previous step's
+    tokens are taken on the device) queue exactly one copy each: token ids, positions, slots, adapter slots, block
+    tables, the rows to sample, the pending tokens' places and the blocks to zero travel together."""
+    path, loras = tiny
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    llm = LLM(path, loras=loras if adapters else None, **OPTS)
+    eng = llm.engine
+    if graphs:
+        eng.runner.capture_graphs(64, emulate=True)
+    prompts = random_prompts(eng.model_config.vocab_size, (7, 30, 5, 12, 3), seed=4)
+    names = ["a", None, "b", "c", "a"] if adapters else [None] * 5
+    for i, (p, n) in enumerate(zip(prompts, names)):
+        eng.add_request(str(i), p, SamplingParams(max_new_tokens=6 + i, ignore_eos=True), lora=n)
+    log = []
+    with SyncAudit() as audit:
+        while eng.has_unfinished_requests():
+            _step(eng, audit, log)
+    assert not audit.found, audit.report()
+    copies = [c for ran, c, _ in log if ran]
+    assert copies == [1] * len(copies), f"copies per step {copies}: {audit.copies}"
+    assert all(c == 0 for ran, c, _ in log if not ran)
+    assert sum(1 for ran, _, pending in log if ran and pending) >= 5  # overlapped: pending tokens filled in
+    if graphs:
+        assert sum(eng.runner.graphs.replays.values()) >= 5
+    if adapters:
+        assert eng.stats()["lora_swaps"] >= 1
 
 
 def test_the_audit_sees_calls_that_wait(tiny, monkeypatch):

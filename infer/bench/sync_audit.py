@@ -15,6 +15,11 @@ Triton interpreter, CUDA graphs emulated), each with the line of `infer` that ma
 Inside a Triton launch nothing is recorded (the interpreter's own work is not the engine's), nor inside the one wait
 a step is allowed (`StepHandle.result`, the copy of the previous step's sampled tokens). Used by
 tests/test_sync_audit.py (tiny models) and `scripts/kernel-sass --engine` (real shapes).
+
+It also counts the host-to-device copies that do not wait (`copies`: each call of `engine.transfer.copy_to`, where
+`to_device` and `Pack.to` queue theirs, by the line of `infer` that asked for it): on CUDA each one costs a pinned
+allocation and a copy launch, tens of microseconds of host time, so a step's inputs travel together
+(`engine.transfer.Pack`); tests/test_sync_audit.py checks how many a step makes.
 """
 
 from __future__ import annotations
@@ -44,20 +49,22 @@ HOST_READS = {"tolist", "cpu", "numpy"}  # Tensor methods that bring device data
 MAKERS = {torch.tensor, torch.as_tensor, torch.asarray}
 
 
-def _site() -> str | None:
-    """file:line function of the innermost frame in infer (None outside infer's code)."""
+def _site(skip: tuple[str, ...] = ("sync_audit.py",)) -> str | None:
+    """file:line function of the innermost frame in infer, files named in `skip` left out (None outside infer)."""
     for frame in reversed(traceback.extract_stack()):
         path = Path(frame.filename)
-        if ROOT in path.parents and path.name != "sync_audit.py":
+        if ROOT in path.parents and path.name not in skip:
             return f"{path.relative_to(ROOT.parent)}:{frame.lineno} {frame.name}"
     return None
 
 
 class SyncAudit:
-    """with SyncAudit() as audit: ...; audit.found -> [(site, what)], each call that would wait on CUDA."""
+    """with SyncAudit() as audit: ...; audit.found -> [(site, what)], each call that would wait on CUDA;
+    audit.copies -> [site], each host-to-device copy made without waiting (`engine.transfer.copy_to`)."""
 
     def __init__(self):
         self.found: list[tuple[str, str]] = []
+        self.copies: list[str] = []
         self._off = 0
         audit = self
 
@@ -107,10 +114,12 @@ class SyncAudit:
         from triton.runtime.interpreter import InterpretedFunction
         from triton.runtime.jit import JITFunction
 
+        from ..engine import transfer
         from ..engine.model_runner import StepHandle
         self._stack = contextlib.ExitStack()
         for cls, name in ((InterpretedFunction, "run"), (JITFunction, "run"), (StepHandle, "result")):
             self._stack.enter_context(_paused_method(self, cls, name))
+        self._stack.enter_context(_counted_copies(self, transfer))
         for mode in self._modes:
             self._stack.enter_context(mode)
         return self
@@ -138,3 +147,17 @@ def _paused_method(audit: SyncAudit, cls, name: str):
     finally:
         setattr(cls, name, real)
 
+
+@contextlib.contextmanager
+def _counted_copies(audit: SyncAudit, transfer):
+    """transfer.copy_to records the site of each call (to_device and Pack.to look it up in their module)."""
+    real = transfer.copy_to
+
+    def counted(*args, **kwargs):
+        audit.copies.append(_site(("sync_audit.py", "transfer.py")))
+        return real(*args, **kwargs)
+    transfer.copy_to = counted
+    try:
+        yield
+    finally:
+        transfer.copy_to = real

@@ -164,8 +164,7 @@ class LLMEngine:
         outputs += self._take_failed()
         if not batch:
             return outputs + self._drain()
-        self.runner.zero_blocks(self.block_manager.fresh)
-        self.block_manager.fresh.clear()
+        batch.zero, self.block_manager.fresh = self.block_manager.fresh, []  # zeroed by the step (ModelRunner.prepare)
         self.num_steps += 1
         if not self.overlap:
             sampled = self.runner.run(batch)

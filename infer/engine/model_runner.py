@@ -11,9 +11,9 @@ import torch
 
 from ..models.context import ForwardContext
 from .config import EngineConfig
-from .sampler import SampledBatch, Sampler
+from .sampler import SampledBatch, Sampler, SamplingInputs
 from .scheduler import ScheduledBatch
-from .transfer import to_device
+from .transfer import Pack, to_device
 
 
 class ModelRunner:
@@ -25,6 +25,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = num_blocks
         self.sampler = Sampler(config.seed)
+        self.vocab_size = model.config.vocab_size  # the logits' width
         self.lora_manager = lora_manager
         self.kv_cache = self._allocate_kv(num_blocks)
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once captured
@@ -62,30 +63,44 @@ class ModelRunner:
         return sorted(range(len(batch.seqs)), key=lambda i: slot(batch.seqs[i].lora))
 
     def prepare(self, batch: ScheduledBatch, order: list[int] | None = None, prev: StepHandle | None = None):
-        """(input_ids, positions, ctx, last) of the batch in `order`; `last[j]` is the flat index of the j-th
-        sequence's last token. Token ids still pending on the host (PENDING) are taken from `prev`'s sampled
-        tokens on the device. All integer inputs travel to the device as one tensor, without a sync."""
+        """(input_ids, positions, ctx, rows, idx, sampling) of the batch in `order`: `rows` are the indices in the
+        batch of the sequences that sample this step (their prompt is complete), in run order, `idx` the flat indices
+        of their last tokens and `sampling` their SamplingInputs (None without rows). Token ids still pending on the
+        host (PENDING) are taken from `prev`'s sampled tokens on the device; the KV blocks `batch.zero` are zeroed
+        first. Every integer input travels to the device in one copy (a Pack), without a sync; the sampling
+        parameters' floats, when a row draws or has penalties, in a second."""
         host = HostInputs(self.block_size)
+        rows = []
         for i in order if order is not None else range(len(batch.seqs)):
-            seq = batch.seqs[i]
-            host.add(seq, batch.num_new_tokens[i], prev)
+            seq, n = batch.seqs[i], batch.num_new_tokens[i]
+            host.add(seq, n, prev)
+            if seq.num_computed_tokens + n == len(seq):
+                rows.append(i)
+                host.sample.append(len(host.ids) - 1)
             if self.lora_manager is not None:
-                host.lora_slots.extend([self.lora_manager.slot_of(seq.lora)] * batch.num_new_tokens[i])
-        t, b, width = len(host.ids), len(host.tables), max(map(len, host.tables))
-        data = to_device(host.flat(width), torch.long, self.device)
-        tp = t + t % 2  # every piece starts 16-byte aligned (see HostInputs.flat)
-        input_ids, positions = data[:t], data[tp:tp + t]
+                host.lora_slots.extend([self.lora_manager.slot_of(seq.lora)] * n)
+        b, width = len(host.tables), max(map(len, host.tables))
+        pack = Pack()
+        ids, pos, slots, lora = pack.add(host.ids), pack.add(host.pos), pack.add(host.slots), pack.add(host.lora_slots)
+        starts, lens = pack.add([0] + [j + 1 for j in host.last]), pack.add(host.lens)
+        tables = pack.add_rows(host.tables, width)
+        last, fill, zero = pack.add(host.sample), pack.add(host.fill), pack.add(batch.zero)
+        sampling = SamplingInputs([batch.seqs[i] for i in rows], self.vocab_size, pack) if rows else None
+        data = pack.to(self.device)
+        if batch.zero:  # as zero_blocks does, without a copy of its own
+            self.kv_cache[:, :, data[zero]] = 0
+        input_ids = data[ids]
         if host.fill:
-            where, rows = to_device(host.fill, torch.long, self.device).unbind(1)
-            input_ids = input_ids.index_copy(0, where, prev.sampled.tokens.index_select(0, rows))
-        o = (4 if host.lora_slots else 3) * tp  # where query_start_loc starts
-        ctx = ForwardContext(
-            query_start_loc=data[o:o + b + 1].int(), seq_lens=data[o + b + 1:o + 2 * b + 1].int(),
-            block_tables=data[o + 2 * b + 1:].view(b, width).int(), slot_mapping=data[2 * tp:2 * tp + t],
-            max_query_len=max(batch.num_new_tokens))
+            where, src = data[fill].view(-1, 2).unbind(1)
+            input_ids = input_ids.index_copy(0, where, prev.sampled.tokens.index_select(0, src))
+        ctx = ForwardContext(query_start_loc=data[starts].int(), seq_lens=data[lens].int(),
+                             block_tables=data[tables].view(b, width).int(), slot_mapping=data[slots],
+                             max_query_len=max(batch.num_new_tokens))
         if self.lora_manager is not None:  # the slots on the host decide the plan; their copy came with the rest
-            ctx.lora = self.lora_manager.make_batch(host.lora_slots, data[3 * tp:3 * tp + t])
-        return input_ids, positions, ctx, host.last
+            ctx.lora = self.lora_manager.make_batch(host.lora_slots, data[lora])
+        if sampling is not None:
+            sampling.load(data, self.device)
+        return input_ids, data[pos], ctx, rows, data[last], sampling
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
                 num_new_tokens: list[int]) -> torch.Tensor:
@@ -97,20 +112,12 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch, prev: StepHandle | None = None) -> StepHandle:
         """Run the model and sample on the device, start copying the sampled tokens to the host, and return without
         waiting for the device. `prev`: the step before, whose tokens may still be pending on the host."""
-        order = self.order(batch)
-        input_ids, positions, ctx, last = self.prepare(batch, order, prev)
+        input_ids, positions, ctx, rows, idx, sampling = self.prepare(batch, self.order(batch), prev)
         hidden = self.forward(input_ids, positions, ctx, batch.num_new_tokens)
-        rows, flat = [], []
-        for j, i in enumerate(order):  # j: position in the run, i: index in the batch
-            seq = batch.seqs[i]
-            if seq.num_computed_tokens + batch.num_new_tokens[i] == len(seq):
-                rows.append(i)
-                flat.append(last[j])
         if not rows:
             return StepHandle([], {}, None, None, None)
-        idx = to_device(flat, torch.long, hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, idx))
-        sampled = self.sampler.sample(logits, [batch.seqs[i] for i in rows])
+        sampled = self.sampler.sample(logits, [batch.seqs[i] for i in rows], sampling)
         host, event = _copy_to_host(sampled.packed)
         return StepHandle(rows, {batch.seqs[i].request_id: r for r, i in enumerate(rows)}, sampled, host, event)
 
@@ -126,13 +133,14 @@ class HostInputs:
         self.bs = block_size
         self.ids, self.pos, self.slots, self.lens, self.last, self.lora_slots = [], [], [], [], [], []
         self.tables: list[list[int]] = []
-        self.fill: list[tuple[int, int]] = []  # (flat index, row of the previous step's sampled tokens)
+        self.sample: list[int] = []  # flat index of the last token of each sequence that samples
+        self.fill: list[int] = []  # pairs: flat index, row of the previous step's sampled tokens
 
     def add(self, seq, n: int, prev: StepHandle | None) -> None:
         start, table, bs = seq.num_computed_tokens, seq.block_table, self.bs
         if seq.num_pending and start + n > len(seq) - seq.num_pending:
             assert prev is not None and seq.num_pending == 1, "a pending token without the step that made it"
-            self.fill.append((len(self.ids) + n - 1, prev.row_of[seq.request_id]))
+            self.fill += (len(self.ids) + n - 1, prev.row_of[seq.request_id])
         self.ids.extend(seq.tokens(start, start + n))
         if n == 1:  # a decode: no per-token loop
             self.pos.append(start)
@@ -143,22 +151,6 @@ class HostInputs:
         self.lens.append(start + n)
         self.last.append(len(self.ids) - 1)
         self.tables.append(table)
-
-    def flat(self, width: int) -> list[int]:
-        """ids, positions, slots [T each, each padded to an even length], the tokens' adapter slots [T, padded; only
-        with adapters], query_start_loc [B+1], seq_lens [B], block tables [B * width]. The padding keeps every int64
-        piece 16-byte aligned whatever T is: Triton specializes a kernel on whether a pointer is, so an odd T would
-        give the rotary kernel (which reads the positions) a variant of its own, compiled on a user's first prompt
-        of the other parity."""
-        pad = [0] * (len(self.ids) % 2)
-        flat = self.ids + pad + self.pos + pad + self.slots + pad
-        if self.lora_slots:
-            flat += self.lora_slots + pad
-        flat += [0] + [j + 1 for j in self.last] + self.lens
-        for row in self.tables:
-            flat.extend(row)
-            flat.extend([0] * (width - len(row)))
-        return flat
 
 
 def _copy_to_host(packed: torch.Tensor):

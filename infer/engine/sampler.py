@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .sequence import Sequence
-from .transfer import to_device
+from .transfer import Pack, to_device
 
 NEG_INF = float("-inf")
 
@@ -54,14 +54,65 @@ def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tens
     return logits - counts * frequency.unsqueeze(1) - (counts > 0).to(logits.dtype) * presence.unsqueeze(1)
 
 
-def token_counts(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(rows), vocab] float: how often each token id occurs in each row's list (one scatter for the batch)."""
-    counts = torch.zeros(len(rows), vocab + 1, device=device)
-    width = max(map(len, rows), default=0)
-    if width:
-        ids = to_device([r + [vocab] * (width - len(r)) for r in rows], torch.long, device)  # vocab: padding column
-        counts.scatter_add_(1, ids, torch.ones(ids.shape, device=device))
+def token_counts(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[n, vocab] float: how often each token id occurs in each row of ids [n, width] (the id `vocab` pads a row),
+    one scatter for the batch."""
+    counts = torch.zeros(ids.shape[0], vocab + 1, device=ids.device)
+    if ids.shape[1]:
+        counts.scatter_add_(1, ids, torch.ones(ids.shape, device=ids.device))
     return counts[:, :vocab]
+
+
+def _draw_values(seqs: list[Sequence], vocab: int) -> list[list[float]]:
+    """Each row's temperature, 1 - top_p and top_k (vocab: off)."""
+    return [[s.params.temperature, 1.0 - s.params.top_p, min(s.params.top_k, vocab) if s.params.top_k else vocab]
+            for s in seqs]
+
+
+class SamplingInputs:
+    """What sampling a step's rows (`seqs`) needs from the host, gathered before the step's inputs are copied. The
+    integers join the step's Pack (the model runner's one int64 copy): the indices of the drawn (non-greedy) rows
+    when greedy rows are among them, and the token ids the penalties count, each row padded with the id `vocab`.
+    The floats (each row's penalties, each drawn row's temperature, top-p, top-k) make one copy of their own, and
+    none in a step of greedy rows without penalties. `load` makes the device side: idx, seen_ids, counted_ids,
+    penalty_values [n, 3], draw_values [len(drawn), 3]."""
+
+    def __init__(self, seqs: list[Sequence], vocab: int, pack: Pack):
+        self.n = len(seqs)
+        self.drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        self.penalties = any(s.params.needs_penalties for s in seqs)
+        self._idx = pack.add(self.drawn) if 0 < len(self.drawn) < self.n else None
+        floats = []
+        if self.penalties:
+            seen = [s.prompt_token_ids + s.output_token_ids if s.params.repetition_penalty != 1.0 else [] for s in seqs]
+            outs = [s.output_token_ids if s.params.presence_penalty or s.params.frequency_penalty else [] for s in seqs]
+            self._ids = []  # (place in the pack, width) of the seen and of the counted token ids
+            for rows in (seen, outs):
+                width = max(map(len, rows))
+                self._ids.append((pack.add_rows(rows, width, vocab), width))  # vocab: the padding column
+            floats += [[s.params.repetition_penalty, s.params.presence_penalty, s.params.frequency_penalty]
+                       for s in seqs]
+        self.floats = floats + _draw_values([seqs[i] for i in self.drawn], vocab)
+        self.idx = self.seen_ids = self.counted_ids = self.penalty_values = self.draw_values = None
+
+    def load(self, data: torch.Tensor, device: torch.device) -> SamplingInputs:
+        """The device side, from `data` (the step's Pack on the device) and one copy of the floats."""
+        if self._idx is not None:
+            self.idx = data[self._idx]
+        values = to_device(self.floats, torch.float32, device) if self.floats else None
+        if self.penalties:
+            self.seen_ids, self.counted_ids = (data[at].view(self.n, width) for at, width in self._ids)
+            self.penalty_values, values = values[:self.n], values[self.n:]
+        self.draw_values = values
+        return self
+
+    @classmethod
+    def build(cls, seqs: list[Sequence], vocab: int, device: torch.device) -> SamplingInputs:
+        """Loaded with copies of their own (a sampler used outside the model runner)."""
+        pack = Pack()
+        inputs = cls(seqs, vocab, pack)
+        data = pack.to(device) if pack.values else torch.empty(0, dtype=torch.long, device=device)
+        return inputs.load(data, device)
 
 
 @dataclass
@@ -99,42 +150,42 @@ class Sampler:
         out = self.sample(logits, seqs)
         return out.decode(out.packed.cpu())
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledBatch:
-        """The whole batch on the device, without a sync."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], inputs: SamplingInputs | None = None) -> SampledBatch:
+        """The whole batch on the device, without a sync. `inputs`: the rows' SamplingInputs, loaded (the model
+        runner builds them with the step's other inputs); None: built here."""
         logits = logits.float()
-        x = self.penalised(logits, seqs)
+        if inputs is None:
+            inputs = SamplingInputs.build(seqs, logits.shape[-1], logits.device)
+        x = self.penalised(logits, seqs, inputs)
         tokens = x.argmax(-1)
-        rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if rows:
-            every = len(rows) == len(seqs)
-            idx = None if every else to_device(rows, torch.long, logits.device)
-            drawn = [seqs[i] for i in rows]
-            probs = self.probs(x if every else x.index_select(0, idx), drawn)
+        if inputs.drawn:
+            idx = inputs.idx
+            every = idx is None
+            drawn = [seqs[i] for i in inputs.drawn]
+            probs = self.probs(x if every else x.index_select(0, idx), drawn, inputs.draw_values)
             picked = (probs / self._exponentials(drawn, x.shape[-1], x.device)).argmax(-1)
             tokens = picked if every else tokens.index_copy(0, idx, picked)
         return self._pack(logits, tokens, [s.params.logprobs for s in seqs])
 
     @staticmethod
-    def penalised(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def penalised(logits: torch.Tensor, seqs: list[Sequence], inputs: SamplingInputs | None = None) -> torch.Tensor:
         """logits [n, V] (float) with each row's repetition, presence and frequency penalties applied."""
-        if not any(s.params.needs_penalties for s in seqs):
+        if not (inputs.penalties if inputs is not None else any(s.params.needs_penalties for s in seqs)):
             return logits
-        vocab, dev = logits.shape[-1], logits.device
-        values = to_device([[s.params.repetition_penalty, s.params.presence_penalty, s.params.frequency_penalty]
-                            for s in seqs], torch.float32, dev)
-        rep = [s.params.repetition_penalty != 1.0 for s in seqs]
-        seen = token_counts([s.prompt_token_ids + s.output_token_ids if r else [] for s, r in zip(seqs, rep)],
-                            vocab, dev) > 0
-        outs = [s.output_token_ids if s.params.presence_penalty or s.params.frequency_penalty else [] for s in seqs]
-        counts = token_counts(outs, vocab, dev)
+        vocab = logits.shape[-1]
+        if inputs is None:
+            inputs = SamplingInputs.build(seqs, vocab, logits.device)
+        seen = token_counts(inputs.seen_ids, vocab) > 0
+        counts = token_counts(inputs.counted_ids, vocab)
+        values = inputs.penalty_values
         return apply_penalties(logits, seen, counts, values[:, 0], values[:, 1], values[:, 2])
 
     @staticmethod
-    def probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """The distribution each (non-greedy) row draws from: temperature, top-k, top-p, softmax."""
-        vocab, dev = logits.shape[-1], logits.device
-        values = to_device([[s.params.temperature, 1.0 - s.params.top_p,
-                             min(s.params.top_k, vocab) if s.params.top_k else vocab] for s in seqs], torch.float32, dev)
+    def probs(logits: torch.Tensor, seqs: list[Sequence], values: torch.Tensor | None = None) -> torch.Tensor:
+        """The distribution each (non-greedy) row draws from: temperature, top-k, top-p, softmax. `values`: the rows'
+        temperature, 1 - top_p, top_k on the device [n, 3] (SamplingInputs.draw_values); None: copied here."""
+        if values is None:
+            values = to_device(_draw_values(seqs, logits.shape[-1]), torch.float32, logits.device)
         x = logits / values[:, 0:1]
         if any(s.params.top_k or s.params.top_p < 1.0 for s in seqs):
             x = filter_top_k_top_p(x, values[:, 2].long(), values[:, 1])

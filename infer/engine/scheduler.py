@@ -5,7 +5,7 @@ recomputed later; no request is ever dropped."""
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import LoRAError
 from .block_manager import BlockManager
@@ -17,6 +17,7 @@ from .sequence import Sequence, Status
 class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # tokens computed for each sequence this step
+    zero: list[int] = field(default_factory=list)  # KV blocks handed out since the last step: the step zeroes them
 
     @property
     def num_tokens(self) -> int:
