@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import textwrap
 
@@ -102,3 +103,28 @@ def run_compile_only(script: str, timeout: int) -> dict:
                          text=True, timeout=timeout, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@contextlib.contextmanager
+def serve_process(*args: str, env: dict | None = None):
+    """`infer serve tiny-llama --port 0 ARGS` as a subprocess: yields (process, base URL, the start line's adapters
+    text) once it listens; killed on leaving if it still runs."""
+    import os
+    import re
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "infer.cli", "serve", "tiny-llama", "--port", "0", *args],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    try:
+        started = None
+        for line in proc.stderr:  # bounded: the process exits (and the loop ends) if it fails to start
+            started = re.search(r"on (http://127\.0\.0\.1:\d+)  adapters: (.*)$", line)
+            if started:
+                break
+        assert started, "the server did not start"
+        yield proc, started.group(1), started.group(2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()

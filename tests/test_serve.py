@@ -4,11 +4,8 @@ id, --max-queue, client disconnects, engine faults, and SIGTERM on a subprocess 
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,7 +17,7 @@ httpx = pytest.importorskip("httpx")  # the serve extra (the GPU machine has no 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from helpers import hf_greedy
+from helpers import hf_greedy, serve_process
 
 from infer.engine.llm_engine import LLMEngine
 from infer.engine.config import EngineConfig
@@ -355,21 +352,10 @@ def test_engine_error_fails_the_request_and_the_loop_lives(url, engine, client):
 
 # ---------------------------------------------------------------------------------------------- the CLI process
 def test_sigterm_lets_in_flight_finish_and_exits_0(tmp_path):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "infer.cli", "serve", "tiny-llama", "--port", "0",
-                             "--max-model-len", str(MAX_LEN), "--api-key", "k"],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True)
-    try:
-        port = None
-        for line in proc.stderr:  # bounded: the process exits (and the loop ends) if it fails to start
-            m = re.search(r"on http://127\.0\.0\.1:(\d+)", line)
-            if m:
-                port = int(m.group(1))
-                break
-        assert port, "the server did not start"
+    with serve_process("--max-model-len", str(MAX_LEN), "--api-key", "k") as (proc, base, _):
         body = {"prompt": "x", "max_tokens": 150, "ignore_eos": True, "stream": True}
         lines = []
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60,
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60,
                           headers={"Authorization": "Bearer k"}) as r:
             for line in r.iter_lines():
                 if line and not lines:
@@ -379,10 +365,6 @@ def test_sigterm_lets_in_flight_finish_and_exits_0(tmp_path):
         assert [x for x in lines if x][-1] == "data: [DONE]"
         last = json.loads([x for x in lines if x][-2][6:])
         assert last["choices"][0]["finish_reason"] == "length"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.stderr.close()
 
 
 def test_cli_refuses_a_busy_port():

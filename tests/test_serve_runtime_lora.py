@@ -20,6 +20,7 @@ from infer.models.tiny import ensure_builtin  # noqa: E402
 from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 
+from helpers import serve_process  # noqa: E402
 from lora_helpers import THREE, PeftOracle, hf_float, save_adapter  # noqa: E402
 
 PROMPT = [5, 17, 99, 230, 41, 7]
@@ -167,31 +168,13 @@ def test_a_server_without_adapter_slots_says_how_to_get_them(paths):
 
 def test_cli_flag_from_the_environment(paths, oracle):
     """`infer serve` with INFER_ALLOW_RUNTIME_LORA=1 (the flag's variable): slots without any --lora, routes on."""
-    import os
-    import re
     import signal
-    import subprocess
-    import sys
     _, adapters = paths
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "INFER_ALLOW_RUNTIME_LORA": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "infer.cli", "serve", "tiny-llama", "--port", "0",
-                             "--max-model-len", "256", "--max-lora-rank", "8"],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True)
-    try:
-        started = None
-        for line in proc.stderr:  # bounded: the process exits (and the loop ends) if it fails to start
-            started = re.search(r"on (http://127\.0\.0\.1:\d+)  adapters: (.*)$", line)
-            if started:
-                break
-        assert started, "the server did not start"
-        base = started.group(1)
-        assert started.group(2) == "none (more can be loaded)"
+    with serve_process("--max-model-len", "256", "--max-lora-rank", "8", env={"INFER_ALLOW_RUNTIME_LORA": "1"}) \
+            as (proc, base, names):
+        assert names == "none (more can be loaded)"
         assert _load(base, "a", adapters["a"]).status_code == 200
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
         assert _tokens(client, "a") == oracle.greedy("a", PROMPT, N)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.stderr.close()
