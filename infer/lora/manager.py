@@ -70,7 +70,7 @@ class LoRAManager:
         """Register an adapter `load` returned; LoRAError if its name is taken by another folder."""
         name, path = adapter.name, adapter.path
         if name in self._retired:
-            raise LoRAError(f"LoRA adapter {name!r} is being removed: {self.pins(name)} running request(s) still "
+            raise LoRAError(f"LoRA adapter {name!r} is being removed: requests accepted before its removal still "
                             "use it", "add it again once they finish, or under another name")
         if name in self._paths and self._paths[name] != path:
             raise LoRAError(f"LoRA adapter {name!r} is already registered from {self._paths[name]}",
