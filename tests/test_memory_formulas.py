@@ -154,21 +154,24 @@ def test_estimate_counts_the_lora_slots_the_engine_allocates(tmp_path, name):
 def test_enable_lora_without_adapters_budgets_the_slots_and_their_activations(monkeypatch):
     """`--enable-lora` (adapters added while running) reserves the same slots as a --lora would, in the estimate and
     in the measured plan; the measured worst case adds the LoRA path's activations by formula, since no adapter
-    exists yet to run it with (the measured peak is pinned here: on CPU it varies from run to run)."""
+    exists yet to run it with (the measured peak is pinned here: on CPU it varies from run to run). Both add the
+    sampler's penalty table, which the measured worst case (no penalties) does not use."""
     from infer.cli.warmup_plan import estimate_plan, measured_plan
     from infer.engine import profile
     from infer.engine.config import EngineConfig
-    from infer.memory.sizes import activation_bytes
+    from infer.memory.sizes import activation_bytes, penalty_table_bytes
     from infer.models.loader import load_config
     monkeypatch.setattr(profile, "_peak_activations", lambda *a, **k: 1_000_000)
+    mc = load_config(ensure_builtin("tiny-llama"))
+    table = penalty_table_bytes(mc, 2)
+    assert table == 3 * mc.vocab_size * 4
     kw = dict(model="tiny-llama", max_num_seqs=2, max_model_len=256, max_lora_rank=16, max_loras=3)
     cfg = EngineConfig(enable_lora=True, **kw)
     est, _ = estimate_plan(cfg, 256, 2)
     measured, extra = measured_plan(cfg, 256, 2)
     assert est.lora_bytes == measured.lora_bytes > 0 and extra["lora_adapter"] is None
     plain, _ = measured_plan(EngineConfig(**kw), 256, 2)
-    assert plain.lora_bytes == 0 and plain.activation_peak_bytes == 1_000_000
-    mc = load_config(ensure_builtin("tiny-llama"))
+    assert plain.lora_bytes == 0 and plain.activation_peak_bytes == 1_000_000 + table
     path = activation_bytes(mc, torch.float32, cfg.max_num_batched_tokens, 2, 256, 16) - \
         activation_bytes(mc, torch.float32, cfg.max_num_batched_tokens, 2, 256, 0)
-    assert path > 0 and measured.activation_peak_bytes == 1_000_000 + path
+    assert path > 0 and measured.activation_peak_bytes == 1_000_000 + table + path

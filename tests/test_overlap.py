@@ -36,6 +36,7 @@ def _drive(llm, requests, abort_after: dict[str, int] | None = None, arrive_ever
                 if abort_after.get(out.request_id) == len(log[out.request_id]):
                     eng.abort_request(out.request_id)
     assert eng.block_manager.num_used_blocks == 0
+    assert not eng.runner.penalties.rows  # every request's penalty-table row went back with it
     return log
 
 
@@ -111,15 +112,48 @@ def test_seeds_logprobs_and_penalties_are_identical(path):
 
 
 def test_penalised_requests_see_every_token_they_generated(path):
-    """A batch with penalties is completed before the next step is launched (its penalties read the tokens on the
-    host): with overlap on, a strong repetition penalty still gives transformers' tokens, where a step that left
-    out the pending token would repeat it."""
+    """Penalised batches overlap too: the token still on the device when the next step is prepared is counted in
+    the penalty table on the device. With a strong repetition penalty a step that left it out would repeat it; the
+    tokens are transformers'."""
     prompts = random_prompts(512, (4, 7, 5), seed=2)
     p = SamplingParams(max_new_tokens=16, repetition_penalty=8.0, ignore_eos=True)
     llm = LLM(path, block_size=4, overlap=True)
+    runner, pending = llm.engine.runner, []
+    prepare = runner.prepare
+
+    def watched(batch, order=None, prev=None):
+        pending.append(sum(s.num_pending for s in batch.seqs))
+        return prepare(batch, order, prev)
+
+    runner.prepare = watched
     outs = llm.generate(prompts, p)
     assert [o.token_ids for o in outs] == [hf_greedy(path, q, 16, repetition_penalty=8.0) for q in prompts]
     assert all(len(set(o.token_ids)) == 16 for o in outs)  # the penalty bites: no token twice
+    assert sum(n == len(prompts) for n in pending) >= 10  # the steps overlapped: every row's last token pending
+    assert not runner.penalties.rows
+
+
+def test_penalties_through_preemption_aborts_and_reused_rows(path):
+    """Penalised requests arriving over time through a small cache (preempted and recomputed), one aborted: a
+    request's row in the penalty table is filled once, then takes only the tokens sampled since, and goes to a later
+    request when it ends. Overlapped steps give the stream of steps that wait; the repetition penalty gives
+    transformers' tokens."""
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True, repetition_penalty=rp)
+              for n, rp in ((18, 1.5), (25, 3.0), (9, 1.2), (30, 2.0))]
+    params.append(SamplingParams(max_new_tokens=14, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5))
+    requests = _requests(path, params, seed=4)
+    llms, logs = [], []
+    for overlap in (False, True):
+        llm = LLM(path, block_size=4, overlap=overlap, num_kv_blocks=24, max_num_seqs=6, max_model_len=64)
+        logs.append(_drive(llm, requests, abort_after={"2": 4}, arrive_every=2))
+        llms.append(llm)
+    assert logs[0] == logs[1]
+    assert all(llm.engine.scheduler.num_preemptions > 0 for llm in llms)
+    for rid, prompt, p in requests:
+        if p.repetition_penalty != 1.0 and rid != "2":
+            assert logs[1][rid][-1][4] == hf_greedy(path, prompt, p.max_new_tokens,
+                                                   repetition_penalty=p.repetition_penalty)
+    assert all(llm.engine.runner.penalties.used - 1 < len(requests) for llm in llms)  # rows were handed on
 
 
 def test_prefill_chunks_beside_decodes_are_identical(path):

@@ -10,9 +10,10 @@ import torch
 from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
-from infer.engine.sampler import Sampler
+from infer.engine.sampler import PenaltyTable, Sampler, SamplingInputs
 from infer.engine.sampling_params import SamplingParams
 from infer.engine.sequence import Sequence
+from infer.engine.transfer import Pack
 
 V = 64
 
@@ -197,3 +198,52 @@ def test_gpu_sampler_filters_like_the_cpu_and_seeds_repeat():
         runs.append(out.decode(out.packed.cpu())[0])
     assert runs[0] == runs[1]
     assert all(cpu[i, t] > 0 for i, t in enumerate(runs[0]))  # never a filtered token
+
+
+def _table_step(table: PenaltyTable, logits: torch.Tensor, seqs: list[Sequence], keys: list, prev=None):
+    """One step's penalties from `table`, as the model runner computes them (updates in the step's Pack)."""
+    pack = Pack()
+    inputs = SamplingInputs(seqs, V, pack, table, keys=keys, prev=prev)
+    return Sampler.penalised(logits, seqs, inputs.load(pack.to(torch.device("cpu")), torch.device("cpu")))
+
+
+def test_penalty_table_kept_step_by_step_equals_the_whole_history():
+    """Requests come and go over 12 steps, in a different batch order each step, some without penalties, some
+    sampling only every other step (several new tokens to count at once), a token sometimes still pending on the
+    device: the penalties from the table updated step by step equal those computed from each row's whole history,
+    rows of ended requests are reused (zeroed first), and the table grows past its first size."""
+    rng = random.Random(0)
+    table = PenaltyTable(V, torch.device("cpu"), max_rows=3)
+    live, next_id = {}, 0
+    for step in range(12):
+        while len(live) < 5:
+            logits, (seq,) = _random_batch(1, 100 + next_id)
+            if next_id % 4 == 3:
+                seq.params = SamplingParams()  # no penalties: reads the zero row
+            live[f"r{next_id}"], next_id = seq, next_id + 1
+        keys = [k for k in live if step % 2 or int(k[1:]) % 3]  # every third request sits out the even steps
+        rng.shuffle(keys)
+        seqs = [live[k] for k in keys]
+        prev_tokens, row_of = [], {}
+        for k, s in zip(keys, seqs):
+            s.request_id, s.num_pending = k, 0
+            if rng.random() < 0.5:  # its last token is still on the device, in the previous step's sampled tokens
+                row_of[k] = len(prev_tokens)
+                prev_tokens += [rng.randrange(V)] * (rng.randrange(2) + 1)
+                s.num_pending = 1
+        prev = type("Prev", (), {"row_of": row_of, "sampled": type("S", (), {"tokens": torch.tensor(prev_tokens)})})
+        logits = torch.randn(len(seqs), V, generator=torch.Generator().manual_seed(step)) * 3
+        mine = _table_step(table, logits, seqs, keys, prev)
+        for k, s in zip(keys, seqs):  # the pending token arrives on the host; each request gets another token
+            if s.num_pending:
+                s.output_token_ids.append(prev_tokens[row_of[k]])
+            s.num_pending = 0
+        whole = Sampler.penalised(logits, seqs)  # from the histories, pending tokens now among them
+        assert torch.equal(mine, whole), f"step {step}"
+        for k in keys:
+            live[k].output_token_ids.append(rng.randrange(V))
+        for k in rng.sample(sorted(live), 2):  # two requests end
+            table.release(k)
+            del live[k]
+    assert table.used <= 8 < next_id and table.table.shape[0] > 4  # rows handed on, and grown past max_rows + 1
+    assert set(table.rows) <= set(live)

@@ -2,8 +2,10 @@
 
     python -m infer.bench.step_overhead --concurrency 16 64 --steps 300                 # CPU, tiny-llama
     python -m infer.bench.step_overhead --device cuda --overlap off|on --gpu-busy         # GPU
+    python -m infer.bench.step_overhead --penalties --prompt-len 2000                     # repetition + frequency
 
-It starts `concurrency` requests (random 32-token prompts, ignore_eos, long enough that none finishes), runs until
+It starts `concurrency` requests (random prompts of --prompt-len tokens, 32 by default, ignore_eos, long enough that
+none finishes; with --penalties each has a repetition and a frequency penalty), runs until
 every one decodes, then times `steps` decode steps twice. First untouched: `wall_step_ms_uninstrumented`, the
 real step time (with overlap, the steady rate of steps). Then with the engine's parts wrapped in timers, split into:
 schedule (Scheduler.schedule), prepare (ModelRunner.prepare: token ids, positions, block tables, slot mapping),
@@ -56,21 +58,22 @@ class PhaseTimer:
         setattr(obj, attr, timed)
 
 
-def build_engine(model: str, concurrency: int, device: str, overlap: bool | None):
+def build_engine(model: str, concurrency: int, device: str, overlap: bool | None, max_model_len: int = 1024):
     from ..engine.config import EngineConfig
     from ..engine.llm_engine import LLMEngine
-    opts = dict(model=model, device=device, max_num_seqs=max(concurrency, 1), max_model_len=1024,
-                num_kv_blocks=concurrency * 1024 // 16 + 8, block_size=16)
+    opts = dict(model=model, device=device, max_num_seqs=max(concurrency, 1), max_model_len=max_model_len,
+                num_kv_blocks=concurrency * -(-max_model_len // 16) + 8, block_size=16)
     if overlap is not None:
         opts["overlap"] = overlap
     return LLMEngine(EngineConfig(**opts))
 
 
-def start_requests(engine, concurrency: int, prompt_len: int, seed: int = 0) -> None:
+def start_requests(engine, concurrency: int, prompt_len: int, seed: int = 0, penalties: bool = False) -> None:
     from ..engine.sampling_params import SamplingParams
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_new_tokens=900, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=engine.max_model_len - prompt_len, ignore_eos=True,
+                            **(dict(repetition_penalty=1.1, frequency_penalty=0.2) if penalties else {}))
     for i in range(concurrency):
         engine.add_request(f"r{i}", [rng.randrange(3, vocab) for _ in range(prompt_len)], params)
     while len(engine.scheduler.waiting) or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
@@ -166,16 +169,18 @@ def gpu_busy(engine, steps: int) -> float:
 
 
 def run_one(model: str, concurrency: int, steps: int, device: str, profile: bool, overlap: bool | None,
-            clock_name: str, busy: bool = False) -> dict:
+            clock_name: str, busy: bool = False, prompt_len: int = 32, penalties: bool = False) -> dict:
     clock = CLOCKS[clock_name]
-    engine = build_engine(model, concurrency, device, overlap)
-    start_requests(engine, concurrency, prompt_len=32)
+    # room for the prompt, the steps before timing, both timed runs and the GPU-busy run
+    engine = build_engine(model, concurrency, device, overlap, max(1024, prompt_len + 3 * steps + 128))
+    start_requests(engine, concurrency, prompt_len, penalties=penalties)
     plain = measure(engine, steps, None, False, time.perf_counter)  # un-instrumented wall time of a step
     extra = {"gpu_busy": round(gpu_busy(engine, min(steps, 50)), 4)} if busy else {}
     timer = instrument(engine, clock)
     phases = measure(engine, steps, timer, profile, clock)
     return {"model": model, "device": str(engine.device), "concurrency": concurrency, "steps": steps,
-            "overlap": getattr(engine, "overlap", False), "clock": clock_name,
+            "overlap": getattr(engine, "overlap", False), "clock": clock_name, "prompt_len": prompt_len,
+            "penalties": penalties,
             "wall_step_ms_uninstrumented": plain["step_ms"], **extra, **phases}
 
 
@@ -192,13 +197,16 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", action="store_true", help="print cProfile hot spots of the timed steps")
     ap.add_argument("--overlap", choices=["on", "off", "default"], default="default",
                     help="EngineConfig.overlap (overlap the host work of step n+1 with step n)")
+    ap.add_argument("--prompt-len", type=int, default=32, help="tokens of each random prompt")
+    ap.add_argument("--penalties", action="store_true",
+                    help="every request with repetition_penalty=1.1 and frequency_penalty=0.2")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     overlap = None if args.overlap == "default" else args.overlap == "on"
     clock = args.clock or ("cpu" if args.device == "cpu" else "wall")
     for c in args.concurrency:
         print(json.dumps(run_one(args.model, c, args.steps, args.device, args.profile, overlap, clock,
-                                 args.gpu_busy)), flush=True)
+                                 args.gpu_busy, args.prompt_len, args.penalties)), flush=True)
 
 
 if __name__ == "__main__":

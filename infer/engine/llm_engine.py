@@ -158,8 +158,6 @@ class LLMEngine:
         device, and this batch's input ids for tokens the host has not seen yet come from the device."""
         outputs = self._take_aborted()
         self._reap_loras()  # adapters removed while requests still used them, now that those may have finished
-        if self._inflight is not None and not self._may_overlap(self._inflight[0]):
-            outputs += self._drain()
         batch = self.scheduler.schedule()
         outputs += self._take_failed()
         if not batch:
@@ -179,7 +177,7 @@ class LLMEngine:
     def _take_aborted(self) -> list[RequestOutput]:
         outputs = [self._output(s, []) for s in self._aborted]
         for s in self._aborted:
-            self.requests.pop(s.request_id, None)
+            self._forget(s)
         self._aborted = []
         return outputs
 
@@ -187,7 +185,7 @@ class LLMEngine:
         """Requests the scheduler could not start (an adapter that cannot be read any more): finished, error set."""
         failed, self.scheduler.failed = self.scheduler.failed, []
         for s in failed:
-            self.requests.pop(s.request_id, None)
+            self._forget(s)
         return [self._output(s, []) for s in failed]
 
     def _drain(self) -> list[RequestOutput]:
@@ -197,9 +195,11 @@ class LLMEngine:
         (batch, handle), self._inflight = self._inflight, None
         return self._complete(batch, handle.result())
 
-    def _may_overlap(self, batch: ScheduledBatch) -> bool:
-        """Penalties read the previous token on the host: a batch with them is completed before the next one."""
-        return not any(s.params.needs_penalties for s in batch.seqs)
+    def _forget(self, seq: Sequence) -> None:
+        """The request is over: drop it, and its row in the sampler's penalty table. A step already launched may
+        still read the row; whoever gets it next resets it in a later step, after that one on the device."""
+        self.requests.pop(seq.request_id, None)
+        self.runner.penalties.release(seq.request_id)
 
     @staticmethod
     def _launched(batch: ScheduledBatch, rows) -> None:
@@ -242,7 +242,7 @@ class LLMEngine:
             self.scheduler.finish(seq, "length")
         out = self._output(seq, [token])
         if seq.finished:
-            self.requests.pop(seq.request_id, None)
+            self._forget(seq)
         return out
 
     def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:

@@ -11,7 +11,7 @@ import torch
 
 from ..models.context import ForwardContext
 from .config import EngineConfig
-from .sampler import SampledBatch, Sampler, SamplingInputs
+from .sampler import PenaltyTable, SampledBatch, Sampler, SamplingInputs
 from .scheduler import ScheduledBatch
 from .transfer import Pack, to_device
 
@@ -26,6 +26,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.sampler = Sampler(config.seed)
         self.vocab_size = model.config.vocab_size  # the logits' width
+        self.penalties = PenaltyTable(self.vocab_size, device, config.max_num_seqs)  # rows: LLMEngine releases them
         self.lora_manager = lora_manager
         self.kv_cache = self._allocate_kv(num_blocks)
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once captured
@@ -85,7 +86,8 @@ class ModelRunner:
         starts, lens = pack.add([0] + [j + 1 for j in host.last]), pack.add(host.lens)
         tables = pack.add_rows(host.tables, width)
         last, fill, zero = pack.add(host.sample), pack.add(host.fill), pack.add(batch.zero)
-        sampling = SamplingInputs([batch.seqs[i] for i in rows], self.vocab_size, pack) if rows else None
+        sampling = SamplingInputs([batch.seqs[i] for i in rows], self.vocab_size, pack, self.penalties,
+                                  prev=prev) if rows else None
         data = pack.to(self.device)
         if batch.zero:  # as zero_blocks does, without a copy of its own
             self.kv_cache[:, :, data[zero]] = 0

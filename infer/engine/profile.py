@@ -9,7 +9,7 @@ import torch
 
 from ..memory.meter import PeakMeter
 from ..memory.plan import MemoryPlan, cuda_graph_bytes, make_plan
-from ..memory.sizes import activation_bytes, weights_bytes
+from ..memory.sizes import activation_bytes, penalty_table_bytes, weights_bytes
 from .config import EngineConfig
 from .model_runner import ModelRunner
 from .sampling_params import SamplingParams
@@ -80,6 +80,7 @@ def profile_run(model, model_config, engine_config: EngineConfig, dtype, device,
         peak += activation_bytes(model_config, dtype, engine_config.max_num_batched_tokens, concurrency, max_length,
                                  rank) - activation_bytes(model_config, dtype, engine_config.max_num_batched_tokens,
                                                           concurrency, max_length, 0)
+    peak += penalty_table_bytes(model_config, concurrency)  # the worst case samples without penalties: add them
     graphs = cuda_graph_bytes(engine_config, model_config, dtype)  # the decode graphs keep a pool of their own
     estimate = activation_bytes(model_config, dtype, engine_config.max_num_batched_tokens, concurrency, max_length,
                                 rank) + graphs

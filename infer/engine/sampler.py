@@ -54,13 +54,60 @@ def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tens
     return logits - counts * frequency.unsqueeze(1) - (counts > 0).to(logits.dtype) * presence.unsqueeze(1)
 
 
-def token_counts(ids: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[n, vocab] float: how often each token id occurs in each row of ids [n, width] (the id `vocab` pads a row),
-    one scatter for the batch."""
-    counts = torch.zeros(ids.shape[0], vocab + 1, device=ids.device)
-    if ids.shape[1]:
-        counts.scatter_add_(1, ids, torch.ones(ids.shape, device=ids.device))
-    return counts[:, :vocab]
+PROMPT = 1 << 30  # a penalty-table entry: the token's count in the output, plus PROMPT when the prompt holds it
+
+
+class PenaltyTable:
+    """The token counts the penalties read, kept on the device per request (as vLLM's GPU model runner keeps its bin
+    counts): entry [row, t] is how often token t occurs in the request's output tokens, plus PROMPT when its prompt
+    holds t. A request gets a row the first time it samples with penalties, filled from its whole history once,
+    and keeps it until `release`; each later step adds only the tokens sampled since (the one still on the device
+    with overlapped steps included), so a step's host work does not grow with the context. Row 0 stays zero: the
+    rows of a penalised batch that have no penalties read it. The table grows by doubling up to max_rows + 1 rows
+    (max_num_seqs: what can sample at once; only requests preempted with a row grow it further)."""
+
+    def __init__(self, vocab: int, device: torch.device, max_rows: int | None = None):
+        self.vocab, self.device, self.max_rows = vocab, device, max_rows
+        self.table: torch.Tensor | None = None  # [capacity, vocab] int32
+        self.rows: dict = {}  # key (a request id) -> row
+        self.counted: dict = {}  # key -> output tokens already in its row (a pending one included)
+        self.free: list[int] = []
+        self.used = 1  # rows handed out so far, row 0 included
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def release(self, key) -> None:
+        """The request is gone: its row goes back to the free rows (its next user zeroes it first)."""
+        row = self.rows.pop(key, None)
+        if row is not None:
+            self.free.append(row)
+            del self.counted[key]
+
+    def row(self, key) -> tuple[int, bool]:
+        """(key's row, whether it is new)."""
+        row = self.rows.get(key)
+        if row is not None:
+            return row, False
+        if self.free:
+            row = self.free.pop()
+        else:
+            row, self.used = self.used, self.used + 1
+            self._fit(self.used)
+        self.rows[key], self.counted[key] = row, 0
+        return row, True
+
+    def _fit(self, rows: int) -> None:
+        have = 0 if self.table is None else self.table.shape[0]
+        if rows <= have:
+            return
+        size = max(rows, 2 * have, 8)
+        if self.max_rows:
+            size = max(rows, min(size, self.max_rows + 1))
+        table = torch.zeros(size, self.vocab, dtype=torch.int32, device=self.device)
+        if have:
+            table[:have] = self.table
+        self.table = table
 
 
 def _draw_values(seqs: list[Sequence], vocab: int) -> list[list[float]]:
@@ -72,45 +119,85 @@ def _draw_values(seqs: list[Sequence], vocab: int) -> list[list[float]]:
 class SamplingInputs:
     """What sampling a step's rows (`seqs`) needs from the host, gathered before the step's inputs are copied. The
     integers join the step's Pack (the model runner's one int64 copy): the indices of the drawn (non-greedy) rows
-    when greedy rows are among them, and the token ids the penalties count, each row padded with the id `vocab`.
-    The floats (each row's penalties, each drawn row's temperature, top-p, top-k) make one copy of their own, and
-    none in a step of greedy rows without penalties. `load` makes the device side: idx, seen_ids, counted_ids,
-    penalty_values [n, 3], draw_values [len(drawn), 3]."""
+    when greedy rows are among them, and the penalty table's updates (`PenaltyTable`): each penalised row's table
+    row, the rows new to the table, their prompt tokens, the output tokens not yet counted, and for a token still on
+    the device its place among the previous step's sampled tokens. The floats (each row's penalties, each drawn
+    row's temperature, top-p, top-k) make one copy of their own, and none in a step of greedy rows without
+    penalties. `load` makes the device side: idx, penalty_counts [n, V] (the rows' table entries), penalty_values
+    [n, 3], draw_values [len(drawn), 3]. `keys`: each row's key in `table` (default: its request id); `prev`: the
+    step before (a model_runner.StepHandle), whose sampled tokens the host may not have yet."""
 
-    def __init__(self, seqs: list[Sequence], vocab: int, pack: Pack):
+    def __init__(self, seqs: list[Sequence], vocab: int, pack: Pack, table: PenaltyTable, keys: list | None = None,
+                 prev=None):
         self.n = len(seqs)
         self.drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
         self.penalties = any(s.params.needs_penalties for s in seqs)
         self._idx = pack.add(self.drawn) if 0 < len(self.drawn) < self.n else None
         floats = []
         if self.penalties:
-            seen = [s.prompt_token_ids + s.output_token_ids if s.params.repetition_penalty != 1.0 else [] for s in seqs]
-            outs = [s.output_token_ids if s.params.presence_penalty or s.params.frequency_penalty else [] for s in seqs]
-            self._ids = []  # (place in the pack, width) of the seen and of the counted token ids
-            for rows in (seen, outs):
-                width = max(map(len, rows))
-                self._ids.append((pack.add_rows(rows, width, vocab), width))  # vocab: the padding column
+            self.table = table
+            self._updates = self._count(seqs, keys or [s.request_id for s in seqs], vocab, pack, prev)
             floats += [[s.params.repetition_penalty, s.params.presence_penalty, s.params.frequency_penalty]
                        for s in seqs]
         self.floats = floats + _draw_values([seqs[i] for i in self.drawn], vocab)
-        self.idx = self.seen_ids = self.counted_ids = self.penalty_values = self.draw_values = None
+        self.idx = self.penalty_counts = self.penalty_values = self.draw_values = None
+
+    def _count(self, seqs: list[Sequence], keys: list, vocab: int, pack: Pack, prev):
+        """The table's updates for this step's penalised rows, on the host, as flat indices row * vocab + token."""
+        table = self.table
+        rows, fresh, marks, counts, pending = [], [], [], [], []
+        for s, key in zip(seqs, keys):
+            if not s.params.needs_penalties:
+                rows.append(0)
+                continue
+            row, new = table.row(key)
+            rows.append(row)
+            base = row * vocab
+            if new:
+                fresh.append(row)
+                marks.extend([base + t for t in s.prompt_token_ids])
+            done, known = table.counted[key], len(s.output_token_ids)
+            if done < known:
+                counts.extend([base + t for t in s.output_token_ids[done:known]])
+            if s.num_pending and done < known + s.num_pending:  # sampled by `prev`, not on the host yet
+                pending += (row, prev.row_of[s.request_id])
+            table.counted[key] = known + s.num_pending
+        self._prev_tokens = prev.sampled.tokens if pending else None
+        return [pack.add(rows)] + [pack.add(piece) if piece else None for piece in (fresh, marks, counts, pending)]
 
     def load(self, data: torch.Tensor, device: torch.device) -> SamplingInputs:
-        """The device side, from `data` (the step's Pack on the device) and one copy of the floats."""
+        """The device side, from `data` (the step's Pack on the device) and one copy of the floats: the penalty
+        table updated first (fresh rows zeroed, their prompt tokens marked, the new output tokens counted)."""
         if self._idx is not None:
             self.idx = data[self._idx]
         values = to_device(self.floats, torch.float32, device) if self.floats else None
         if self.penalties:
-            self.seen_ids, self.counted_ids = (data[at].view(self.n, width) for at, width in self._ids)
+            rows, fresh, marks, counts, pending = self._updates
+            table = self.table.table
+            flat = table.view(-1)
+            if fresh is not None:
+                table.index_fill_(0, data[fresh], 0)
+            if marks is not None:
+                flat.index_fill_(0, data[marks], PROMPT)
+            adds = [data[counts]] if counts is not None else []
+            if pending is not None:
+                row, src = data[pending].view(-1, 2).unbind(1)
+                adds.append(row * self.table.vocab + self._prev_tokens.index_select(0, src))
+            if adds:
+                where = adds[0] if len(adds) == 1 else torch.cat(adds)
+                flat.index_add_(0, where, torch.ones(where.shape, dtype=torch.int32, device=device))
+            self.penalty_counts = table.index_select(0, data[rows])
             self.penalty_values, values = values[:self.n], values[self.n:]
         self.draw_values = values
         return self
 
     @classmethod
     def build(cls, seqs: list[Sequence], vocab: int, device: torch.device) -> SamplingInputs:
-        """Loaded with copies of their own (a sampler used outside the model runner)."""
+        """Loaded with copies of their own and a penalty table of their own, filled from each row's whole history
+        (a sampler used outside the model runner)."""
         pack = Pack()
-        inputs = cls(seqs, vocab, pack)
+        table = PenaltyTable(vocab, device)
+        inputs = cls(seqs, vocab, pack, table, keys=list(range(len(seqs))))
         data = pack.to(device) if pack.values else torch.empty(0, dtype=torch.long, device=device)
         return inputs.load(data, device)
 
@@ -172,11 +259,11 @@ class Sampler:
         """logits [n, V] (float) with each row's repetition, presence and frequency penalties applied."""
         if not (inputs.penalties if inputs is not None else any(s.params.needs_penalties for s in seqs)):
             return logits
-        vocab = logits.shape[-1]
         if inputs is None:
-            inputs = SamplingInputs.build(seqs, vocab, logits.device)
-        seen = token_counts(inputs.seen_ids, vocab) > 0
-        counts = token_counts(inputs.counted_ids, vocab)
+            inputs = SamplingInputs.build(seqs, logits.shape[-1], logits.device)
+        entries = inputs.penalty_counts
+        seen = entries != 0
+        counts = (entries & (PROMPT - 1)).to(logits.dtype)
         values = inputs.penalty_values
         return apply_penalties(logits, seen, counts, values[:, 0], values[:, 1], values[:, 2])
 

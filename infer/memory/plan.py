@@ -80,7 +80,7 @@ def cuda_graph_bytes(engine_config: PlanOptions, model_config, dtype: torch.dtyp
     if not engine_config.use_cuda_graphs():
         return 0
     rank = engine_config.max_lora_rank if engine_config.loras else 0
-    step = activation_bytes(model_config, dtype, engine_config.max_num_seqs, 1, 1, rank)
+    step = activation_bytes(model_config, dtype, engine_config.max_num_seqs, 1, 1, rank, penalties=False)
     shapes = ModelShapes.from_config(model_config)
     context = engine_config.max_model_len or model_config.max_position_embeddings
     parts = -(-context // 512)  # kernels.attention.PARTITION

@@ -27,10 +27,17 @@ def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dt
     return model_config.num_hidden_layers * max_loras * max_rank * per_rank * element_bytes(dtype)
 
 
+def penalty_table_bytes(model_config, num_seqs: int) -> int:
+    """The sampler's penalty table at its usual largest (engine.sampler.PenaltyTable): an int32 row of the vocabulary
+    per request that samples with penalties, num_seqs of them, and the zero row."""
+    return (num_seqs + 1) * model_config.vocab_size * 4
+
+
 def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs: int, max_length: int,
-                     lora_rank: int = 0) -> int:
+                     lora_rank: int = 0, penalties: bool = True) -> int:
     """Peak bytes of one step's temporaries, the larger of a prefill of `num_tokens` tokens and a decode of
-    `num_seqs` sequences at context `max_length`."""
+    `num_seqs` sequences at context `max_length`, plus (`penalties`) the sampler's penalty table for `num_seqs`
+    requests."""
     b = element_bytes(dtype)
     h, inter = model_config.hidden_size, model_config.intermediate_size
     shapes = ModelShapes.from_config(model_config)
@@ -41,7 +48,7 @@ def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs
     # decode: every sequence's K and V gathered for attention, plus float32 scores
     decode = num_seqs * max_length * (2 * kv * b + heads * 4) + num_seqs * per_token * b
     logits = min(num_tokens, max(num_seqs, 1)) * model_config.vocab_size * 4 * 3  # logits, log-softmax, a copy
-    return max(prefill, decode) + logits
+    return max(prefill, decode) + logits + (penalty_table_bytes(model_config, num_seqs) if penalties else 0)
 
 
 def dequant_scratch_bytes(model, dtype: torch.dtype, num_tokens: int) -> int:
