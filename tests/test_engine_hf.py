@@ -29,6 +29,17 @@ def test_batch_of_prompts_equals_hf(name):
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("per_sequence", [True, False])
+def test_both_ways_of_cpu_decode_attention_equal_hf(monkeypatch, per_sequence):
+    """The CPU decode attention runs each sequence on its own for long contexts and large batches and one padded
+    batch otherwise (kernels.reference._per_sequence); the tiny models' batches are small, so each way is forced."""
+    from infer.kernels import reference
+    monkeypatch.setattr(reference, "_per_sequence", lambda *shape: per_sequence)
+    path = ensure_builtin("tiny-qwen3")
+    llm = LLM(str(path), block_size=4)
+    _check(llm, path, random_prompts(llm.engine.model_config.vocab_size, LENGTHS, seed=3))
+
+
 def test_staggered_arrivals_while_others_decode():
     path = ensure_builtin("tiny-llama")
     llm = LLM(str(path), block_size=4)

@@ -116,6 +116,20 @@ def test_warmup_with_adapters_runs_the_largest_rank(tmp_path):
     assert d["lora_adapter"] == "big" and d["lora_bytes"] > 0
 
 
+def test_estimate_checks_the_adapters_as_an_engine_start_does(tmp_path):
+    """--estimate loads no weights but reads the adapters: an adapter above --max-lora-rank, or a broken one,
+    cannot say "fits" when the engine would refuse to start."""
+    from infer.cli.demo import make_random_adapter
+    from infer.models.tiny import ensure_builtin
+    make_random_adapter(ensure_builtin("tiny-llama"), tmp_path / "big", 16, ["q_proj"], seed=2)
+    args = ["warmup", "tiny-llama", "--max-length", "64", "--concurrency", "1", "--estimate"]
+    res = runner.invoke(app, [*args, "--lora", f"big={tmp_path / 'big'}", "--max-lora-rank", "8"])
+    assert res.exit_code == 2 and "rank 16 is larger than --max-lora-rank 8" in " ".join(res.output.split())
+    (tmp_path / "big" / "adapter_model.safetensors").unlink()
+    res = runner.invoke(app, [*args, "--lora", f"big={tmp_path / 'big'}", "--max-lora-rank", "16"])
+    assert res.exit_code == 2 and "no weights" in res.output
+
+
 def test_cuda_graph_pool_is_budgeted_only_with_graphs(monkeypatch):
     from transformers import LlamaConfig
 

@@ -175,3 +175,37 @@ def test_enable_lora_without_adapters_budgets_the_slots_and_their_activations(mo
     path = activation_bytes(mc, torch.float32, cfg.max_num_batched_tokens, 2, 256, 16) - \
         activation_bytes(mc, torch.float32, cfg.max_num_batched_tokens, 2, 256, 0)
     assert path > 0 and measured.activation_peak_bytes == 1_000_000 + table + path
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 12])
+@pytest.mark.parametrize("num_seqs", [1, 3, 16, 40])
+@pytest.mark.parametrize("max_len", [60, 127, 300, 600])
+def test_decode_gather_bound_is_the_largest_batch_the_cpu_attention_pads(kv_heads, num_seqs, max_len):
+    """The plan's decode term counts the K and V the CPU decode attention gathers at once (one sequence, or a batch
+    padded to its longest when kernels.reference._per_sequence says so): over every batch shape up to the bound,
+    the most it gathers, within one token per sequence (the rounding of the longest batched length)."""
+    from infer.kernels.reference import _per_sequence, decode_gather_tokens, longest_batched_decode
+    most = max_len
+    for n in range(1, num_seqs + 1):
+        for length in range(1, max_len + 1):
+            if n * length > most and not all(_per_sequence(n, length, kv_heads, eq) for eq in (True, False)):
+                most = n * length
+    bound = decode_gather_tokens(num_seqs, max_len, kv_heads)
+    assert most - num_seqs < bound <= most
+    assert not _per_sequence(num_seqs, longest_batched_decode(num_seqs, max_len, kv_heads), kv_heads, True)
+
+
+def test_profile_run_measures_the_largest_padded_decode_batch():
+    """The warmup's worst case holds a decode of the full batch at max_length and, where the CPU attention would
+    gather more at once as a padded batch of shorter sequences, that batch too."""
+    from infer.engine.config import EngineConfig
+    from infer.engine.profile import worst_case_batches
+    from infer.kernels.reference import _per_sequence, decode_gather_tokens
+    cfg = AutoConfig.from_pretrained(ensure_builtin("llama-100m"))
+    kv_heads = cfg.num_key_value_heads
+    eng = EngineConfig(model="llama-100m", max_num_seqs=32, max_model_len=2048, max_num_batched_tokens=512)
+    _, decodes, _ = worst_case_batches(cfg, eng, 2048, 32, eng.block_size)
+    shapes = [(len(d.seqs), len(d.seqs[0])) for d in decodes]
+    assert shapes[0] == (32, 2048) and _per_sequence(32, 2048, kv_heads, True)
+    assert len(shapes) == 2 and not _per_sequence(*shapes[1], kv_heads, True)
+    assert shapes[1][0] * shapes[1][1] == decode_gather_tokens(32, 2048, kv_heads) > 2048

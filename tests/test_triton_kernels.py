@@ -146,6 +146,45 @@ def test_attention_half_precision(ops, gen):
     check_attention(ops[1], gen, [33, 20, 600], [1, 1, 1], 16, 8, 2, 32, dtype=torch.float16)
 
 
+def _attention_by_definition(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
+    """paged_attention's Semantics line, token by token in float64."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    hq, hk = q.shape[1], k_cache.shape[2]
+    bs = k_cache.shape[1]
+    for b in range(len(seq_lens)):
+        lo, hi, n = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(seq_lens[b])
+        pos = torch.arange(n)
+        slots = block_tables[b, pos // bs].long(), pos % bs
+        k, v = k_cache[slots].double(), v_cache[slots].double()  # [n, Hk, D]
+        for i in range(lo, hi):
+            p = n - (hi - i)  # the query's position: it sees keys 0..p
+            for h in range(hq):
+                kv = h // (hq // hk)
+                w = (scale * k[:p + 1, kv] @ q[i, h].double()).softmax(0)
+                out[i, h] = w @ v[:p + 1, kv]
+    return out
+
+
+@pytest.mark.parametrize("hq,hk", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("per_sequence", [True, False])
+@pytest.mark.parametrize("equal", [False, True])
+def test_reference_decode_both_ways_follow_the_definition(gen, monkeypatch, hq, hk, per_sequence, equal):
+    """The CPU decode attention runs each sequence on its own (no padding, no mask) for long contexts and large
+    batches and one batch otherwise, padded and masked when the decodes' lengths differ (reference._per_sequence;
+    each way forced here), with prefill rows beside the decodes: each gives the formula's values, over each
+    sequence's own keys only."""
+    monkeypatch.setattr(ref, "_per_sequence", lambda *shape: per_sequence)
+    new = [1, 1, 9, 1, 1, 4, 1]
+    ctx = [1, 4, 20] + _lens(gen, 4, 2, 70)
+    if equal:  # every decode row as long as the first
+        ctx = [37 if n == 1 else c for c, n in zip(ctx, new)]
+    q, _, clean, meta = paged_batch(gen, ctx, new, 4, hq, hk, 16)
+    got = ref.paged_attention(q, *clean, scale=0.25, **meta)
+    want = _attention_by_definition(q, *clean, meta["block_tables"], meta["seq_lens"], meta["query_start_loc"], 0.25)
+    err = (got.double() - want).abs().max() / want.abs().max()
+    assert err <= 1e-5, f"relative error {err:.2e} (seed {gen.initial_seed()})"
+
+
 # ----------------------------------------------------------------------------------------------- fused ops
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_rms_norm(ops, gen, dtype):

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.reference import longest_batched_decode
 from ..memory.meter import PeakMeter
 from ..memory.plan import MemoryPlan, cuda_graph_bytes, make_plan
 from ..memory.sizes import activation_bytes, penalty_table_bytes, weights_bytes
+from ..models.shapes import ModelShapes
 from .config import EngineConfig
 from .model_runner import ModelRunner
 from .sampling_params import SamplingParams
@@ -27,8 +29,10 @@ def _fake_seq(i: int, length: int, vocab: int, table: list[int], computed: int) 
 
 def worst_case_batches(model_config, engine_config: EngineConfig, max_length: int, concurrency: int,
                        block_size: int):
-    """(prefill batch, decode batch) over one shared set of blocks: all decode sequences point at the same
-    max_length blocks, so the attention reads as much as a full batch does without the KV memory of one."""
+    """(prefill batch, decode batches, blocks) over one shared set of blocks: all decode sequences point at the same
+    max_length blocks, so the attention reads as much as a full batch does without the KV memory of one. Two decode
+    batches: `concurrency` sequences at max_length, and, when it is shorter, at the longest length the CPU attention
+    still gathers as one padded batch (kernels.reference.longest_batched_decode), which can hold more at once."""
     vocab, tokens = model_config.vocab_size, engine_config.max_num_batched_tokens
     table = list(range(-(-max(max_length, tokens) // block_size)))
     prefill, left, i = ScheduledBatch([], []), tokens, 0
@@ -37,9 +41,13 @@ def worst_case_batches(model_config, engine_config: EngineConfig, max_length: in
         prefill.seqs.append(_fake_seq(i, n, vocab, table, 0))
         prefill.num_new_tokens.append(n)
         left, i = left - n, i + 1
-    decode = ScheduledBatch([_fake_seq(100 + j, max_length, vocab, table, max_length - 1)
-                             for j in range(concurrency)], [1] * concurrency)
-    return prefill, decode, len(table)
+    lengths = [max_length]
+    batched = longest_batched_decode(concurrency, max_length, ModelShapes.from_config(model_config).num_kv_heads)
+    if batched < max_length:
+        lengths.append(batched)
+    decodes = [ScheduledBatch([_fake_seq(100 + j, n, vocab, table, n - 1) for j in range(concurrency)],
+                              [1] * concurrency) for n in lengths]
+    return prefill, decodes, len(table)
 
 
 def _peak_activations(runner: ModelRunner, batches, device: torch.device) -> int:
@@ -61,7 +69,7 @@ def profile_run(model, model_config, engine_config: EngineConfig, dtype, device,
                 concurrency: int, max_length_limit: int, lora_manager=None, lora_name: str | None = None,
                 budget: int | None = None, weights: int | None = None) -> tuple[MemoryPlan, int]:
     """Run the worst case and return (measured plan, estimated activation bytes)."""
-    prefill, decode, nblocks = worst_case_batches(model_config, engine_config, max_length, concurrency,
+    prefill, decodes, nblocks = worst_case_batches(model_config, engine_config, max_length, concurrency,
                                                   engine_config.block_size)
     runner = ModelRunner(engine_config, model, dtype=dtype, device=device, num_blocks=nblocks,
                          lora_manager=lora_manager)
@@ -69,9 +77,9 @@ def profile_run(model, model_config, engine_config: EngineConfig, dtype, device,
     lora_bytes = lora_manager.device_bytes() if lora_manager is not None else 0  # the slots, used or not
     if lora_manager is not None and lora_name is not None:
         lora_manager.acquire(lora_name)
-        for s in prefill.seqs + decode.seqs:
+        for s in prefill.seqs + [s for d in decodes for s in d.seqs]:
             s.lora = lora_name
-    peak = _peak_activations(runner, (prefill, decode), device)
+    peak = _peak_activations(runner, (prefill, *decodes), device)
     if lora_manager is not None and lora_name is not None:
         lora_manager.release(lora_name)
     del runner

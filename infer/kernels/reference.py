@@ -142,8 +142,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, off
     n = q.shape[0]
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     gqa = qh.shape[1] != kh.shape[1]
-    if offset == 0:
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+    if offset == 0 or n == 1:  # one query at the last position sees every key: no mask
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=offset == 0, scale=scale, enable_gqa=gqa)
     else:
         pos_q = torch.arange(offset, offset + n, device=q.device).unsqueeze(1)
         mask = torch.arange(k.shape[0], device=q.device).unsqueeze(0) <= pos_q
@@ -151,11 +151,57 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, off
     return o[0].transpose(0, 1)
 
 
+# Decode attention on CPU, two ways: one unmasked SDPA per sequence, or one SDPA over the batch, its sequences
+# padded to the longest and masked (unmasked when all have the same length). The batch's call has no per-sequence
+# overhead (tens of microseconds of Python per sequence and layer), but it computes the padding, torch's CPU SDPA
+# is several times slower per position with a mask, and its cost per position climbs steeply once the gathered keys
+# outgrow the caches (64 sequences of 600 tokens: 3-9x the per-sequence way). `_per_sequence` picks the first way
+# for long contexts and large batches; the thresholds are measured on the 2-core CI machine over 4-64 sequences of
+# 40-600 tokens, 4 and 12 KV heads, equal and uneven lengths (docs/perf.md, tenth session).
+PER_SEQUENCE_LEN = 512  # uneven lengths: at least this long
+PER_SEQUENCE_MIN_LEN = 128  # otherwise at least this long, and at least this many (sequence x length x KV head):
+PER_SEQUENCE_POSITIONS = 24000  # uneven lengths
+PER_SEQUENCE_POSITIONS_EQUAL = 48000  # equal lengths (no padding, no mask)
+
+
+def _per_sequence(num_seqs: int, max_len: int, kv_heads: int, equal: bool) -> bool:
+    positions = num_seqs * max_len * kv_heads
+    if equal:
+        return max_len >= PER_SEQUENCE_MIN_LEN and positions >= PER_SEQUENCE_POSITIONS_EQUAL
+    return max_len >= PER_SEQUENCE_LEN or (max_len >= PER_SEQUENCE_MIN_LEN and positions >= PER_SEQUENCE_POSITIONS)
+
+
+def longest_batched_decode(num_seqs: int, max_len: int, kv_heads: int) -> int:
+    """The longest length (at most `max_len`) at which `num_seqs` sequences of equal length still decode as one
+    batch: the batch whose gathered K and V are the largest `_decode_attention` holds at once (uneven and smaller
+    batches gather no more, up to the rounding: one token per sequence). The profile run measures it
+    (engine.profile.worst_case_batches)."""
+    fits = max(PER_SEQUENCE_MIN_LEN - 1, (PER_SEQUENCE_POSITIONS_EQUAL - 1) // (kv_heads * max(num_seqs, 1)))
+    return min(max_len, fits)
+
+
+def decode_gather_tokens(num_seqs: int, max_len: int, kv_heads: int) -> int:
+    """The most (sequence x token) positions `_decode_attention` gathers at once for any batch of up to `num_seqs`
+    sequences of up to `max_len` tokens: one sequence when it goes one at a time, else the padded batch (the memory
+    plan's decode term, memory.sizes.activation_bytes)."""
+    return max(max_len, num_seqs * longest_batched_decode(num_seqs, max_len, kv_heads))
+
+
 def _decode_attention(q, k_cache, v_cache, block_tables, lens, qsl, rows, scale, out) -> None:
-    """One query per sequence: gather every sequence's blocks into one padded batch and attend at once."""
+    """One query per sequence: each sequence on its own (no padding, no mask) when `_per_sequence` says so, else
+    every sequence's blocks gathered into one batch and attended at once (masked past each one's length when the
+    lengths differ)."""
+    row_lens = [lens[b] for b in rows]
+    max_len = max(row_lens)
+    equal = min(row_lens) == max_len
+    if _per_sequence(len(rows), max_len, k_cache.shape[2], equal):
+        tables = block_tables.long()
+        for b in rows:
+            k = _gather_kv(k_cache, tables[b], lens[b])
+            v = _gather_kv(v_cache, tables[b], lens[b])
+            out[qsl[b]:qsl[b] + 1] = _attend(q[qsl[b]:qsl[b] + 1], k, v, scale, lens[b] - 1)
+        return
     idx = torch.tensor(rows, device=q.device)
-    lens_t = torch.tensor([lens[b] for b in rows], device=q.device)
-    max_len = int(lens_t.max())
     nblocks = (max_len + k_cache.shape[1] - 1) // k_cache.shape[1]
     tables = block_tables.index_select(0, idx)[:, :nblocks].long()
     r, flat = tables.shape[0], tables.flatten()
@@ -163,6 +209,9 @@ def _decode_attention(q, k_cache, v_cache, block_tables, lens, qsl, rows, scale,
     v = v_cache.index_select(0, flat).view(r, -1, *v_cache.shape[2:])[:, :max_len].transpose(1, 2)
     qstart = torch.tensor([qsl[b] for b in rows], device=q.device)
     qr = q.index_select(0, qstart).unsqueeze(2)  # [R, Hq, 1, D]
-    mask = (torch.arange(max_len, device=q.device)[None] < lens_t[:, None])[:, None, None, :]
+    mask = None
+    if not equal:
+        lens_t = torch.tensor(row_lens, device=q.device)
+        mask = (torch.arange(max_len, device=q.device)[None] < lens_t[:, None])[:, None, None, :]
     o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=scale, enable_gqa=qr.shape[1] != k.shape[1])
     out.index_copy_(0, qstart, o[:, :, 0].to(out.dtype))

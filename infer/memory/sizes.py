@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.reference import decode_gather_tokens
 from ..models.shapes import ModelShapes
 
 
@@ -45,8 +46,10 @@ def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs
     # prefill: residual + normed input, then the MLP's gate_up, silu(gate) and its product live together
     per_token = 2 * h + max(q + 2 * kv + 2 * (q + kv) + q, 4 * inter) + 2 * lora_rank
     prefill = num_tokens * per_token * b
-    # decode: every sequence's K and V gathered for attention, plus float32 scores
-    decode = num_seqs * max_length * (2 * kv * b + heads * 4) + num_seqs * per_token * b
+    # decode: the K and V the CPU attention gathers at once (one sequence, or a small batch padded to its longest;
+    # the GPU kernel reads the cache in place), plus float32 scores
+    gathered = decode_gather_tokens(num_seqs, max_length, shapes.num_kv_heads)
+    decode = gathered * (2 * kv * b + heads * 4) + num_seqs * per_token * b
     logits = min(num_tokens, max(num_seqs, 1)) * model_config.vocab_size * 4 * 3  # logits, log-softmax, a copy
     return max(prefill, decode) + logits + (penalty_table_bytes(model_config, num_seqs) if penalties else 0)
 

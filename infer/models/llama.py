@@ -88,16 +88,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, f"{p}.mlp", method_for, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-
-    def forward(self, positions, x, residual, ctx, cos_sin):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, ctx, cos_sin)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x, ctx), residual
+        # No forward: the model's loop runs the four parts itself. A call layer(x, residual) would keep the
+        # caller's x and residual alive until it returns, two hidden-sized tensors per token on top of the MLP's.
 
 
 class LlamaForCausalLM(nn.Module):
@@ -124,8 +116,14 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, ctx, self.cos_sin)
+        for layer in self.layers:  # each name rebound as soon as its next value exists, so the old one is freed
+            if residual is None:
+                x, residual = layer.input_layernorm(x), x
+            else:
+                x, residual = layer.input_layernorm(x, residual)
+            x = layer.self_attn(positions, x, ctx, self.cos_sin)
+            x, residual = layer.post_attention_layernorm(x, residual)
+            x = layer.mlp(x, ctx)
         x, _ = self.norm(x, residual)
         return x
 
