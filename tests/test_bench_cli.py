@@ -185,11 +185,51 @@ def test_ctrl_c_writes_a_partial_report(tmp_path, monkeypatch):
     (["--lora-policy", "fair"], "--lora-policy 'fair' is not one of mixed, split"),
     (["--lora-mix", "1"], "--lora-mix 1 needs 1 adapters but 0 are registered"),
     (["--lora-policy", "split", "--url", "http://127.0.0.1:9"], "split runs the in-process engine"),
+    (["--random-range-ratio", "1"], "--random-range-ratio must be in [0, 1), got 1.0"),
+    (["--random-range-ratio", "-0.5"], "--random-range-ratio must be in [0, 1), got -0.5"),
+    (["--random-range-ratio", "nan"], "--random-range-ratio must be in [0, 1), got nan"),
+    (["--random-range-ratio", "0.5", "--dataset", "liteqwen"], "--random-range-ratio applies to --dataset random"),
+    (["--input-len", "200", "--output-len", "50", "--random-range-ratio", "0.5", "--max-model-len", "256"],
+     "(the longest drawn with --random-range-ratio 0.5: 375) do not fit the engine's max length of 256"),
 ])
 def test_bad_input_exits_2(tmp_path, args, message):
     res, _ = _bench(tmp_path, *args)
     assert res.exit_code == 2, res.output
     assert message in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "sharegpt"])
+def test_dataset_not_utf8_exits_2_before_loading(tmp_path, kind, monkeypatch):
+    import infer.bench.plan as plan
+    monkeypatch.setattr(plan, "_Target", None)  # the check comes before any model is loaded
+    bad = tmp_path / "latin1.json"
+    bad.write_bytes(b'{"prompt": "caf\xe9"}\n')
+    res, _ = _bench(tmp_path, "--dataset", f"{kind}:{bad}", "-q")
+    assert res.exit_code == 2, res.output
+    assert "is not UTF-8 text (byte 15" in " ".join(res.output.split()) and "Traceback" not in res.output
+    res, _ = _bench(tmp_path, "--dataset", f"{kind}:", "-q")
+    assert res.exit_code == 2 and f"--dataset {kind}: names no file" in res.output
+
+
+def test_prompt_with_a_unicode_line_separator_is_one_line(tmp_path):
+    """jsonl lines end at \\n only (as `infer run` reads them): U+2028 inside a prompt string is text."""
+    ds = tmp_path / "p.jsonl"
+    ds.write_text(json.dumps({"prompt": "one\u2028two", "max_new_tokens": 3}, ensure_ascii=False) + "\n",
+                  encoding="utf-8")
+    res, out = _bench(tmp_path, "-c", "1", "--dataset", f"jsonl:{ds}", "-q")
+    assert res.exit_code == 0, res.output
+    assert _results(out)[0]["completed"] == 1
+
+
+def test_out_with_a_tilde_is_one_folder(tmp_path, monkeypatch):
+    """A literal ~ (quoted, or --out=~/x) means the home folder for every report file, not ./~ for some."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    res = runner.invoke(app, ["bench", "tiny-llama", "--out", "~/rep", "-c", "2", *SMALL])
+    assert res.exit_code == 0, res.output
+    rep = tmp_path / "home" / "rep"
+    assert (rep / "results.json").is_file() and (rep / "results.csv").is_file()
+    assert not (tmp_path / "~").exists()
 
 
 def test_malformed_dataset_line_exits_2(tmp_path):
@@ -198,3 +238,21 @@ def test_malformed_dataset_line_exits_2(tmp_path):
     res, _ = _bench(tmp_path, "--dataset", f"jsonl:{bad}", "-q")
     assert res.exit_code == 2, res.output
     assert "line 2 is not valid JSON" in res.output and "Traceback" not in res.output
+
+
+def test_random_range_ratio_runs_uneven_requests(tmp_path):
+    """The drawn lengths are the ones run: the report's input and output token totals are the sums of the
+    workload's (EOS ignored), and the report's config names the ratio."""
+    from transformers import AutoTokenizer
+
+    from infer.bench.datasets import load_workload
+    from infer.models.tiny import ensure_builtin
+    res, out = _bench(tmp_path, "-c", "4", "--num-prompts", "8", "--input-len", "12", "--output-len", "8",
+                      "--random-range-ratio", "0.5", "-q")
+    assert res.exit_code == 0, res.output
+    [r] = _results(out)
+    wl = load_workload("random", AutoTokenizer.from_pretrained(ensure_builtin("tiny-llama")), num_prompts=8,
+                       input_len=12, output_len=8, range_ratio=0.5)
+    assert len({len(q.prompt_token_ids) for q in wl.requests}) > 1
+    assert r["total_input_tokens"] == sum(len(q.prompt_token_ids) for q in wl.requests)
+    assert r["total_output_tokens"] == sum(q.output_len for q in wl.requests)

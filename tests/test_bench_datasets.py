@@ -31,6 +31,38 @@ def test_random_exact_lengths_no_special_tokens_seeded(tok):
     assert [r.prompt_token_ids for r in other.requests] != [r.prompt_token_ids for r in wl.requests]
 
 
+def test_random_range_ratio_draws_uneven_lengths_in_range_seeded(tok):
+    """vLLM's --random-range-ratio: each request's lengths uniform in [len x (1 - r), len x (1 + r)]; ratio 0 keeps
+    the exact lengths and the very same prompts."""
+    wl = load_workload("random", tok, num_prompts=200, input_len=40, output_len=10, seed=3, range_ratio=0.5)
+    ins = [len(r.prompt_token_ids) for r in wl.requests]
+    outs = [r.output_len for r in wl.requests]
+    assert min(ins) == 20 and max(ins) == 60 and len(set(ins)) > 30  # both ends reached, spread between
+    assert min(outs) == 5 and max(outs) == 15 and len(set(outs)) == 11
+    assert "20-60 tokens" in wl.description and "5-15 output tokens" in wl.description
+    again = load_workload("random", tok, num_prompts=200, input_len=40, output_len=10, seed=3, range_ratio=0.5)
+    assert [r.prompt_token_ids for r in again.requests] == [r.prompt_token_ids for r in wl.requests]
+    assert [r.output_len for r in again.requests] == outs
+    exact = load_workload("random", tok, num_prompts=5, input_len=37, output_len=9, seed=3)
+    zero = load_workload("random", tok, num_prompts=5, input_len=37, output_len=9, seed=3, range_ratio=0.0)
+    assert [r.prompt_token_ids for r in zero.requests] == [r.prompt_token_ids for r in exact.requests]
+    short = load_workload("random", tok, num_prompts=50, input_len=1, output_len=2, seed=0, range_ratio=0.9)
+    assert all(len(r.prompt_token_ids) == 1 and 1 <= r.output_len <= 3 for r in short.requests)
+
+
+@pytest.mark.parametrize("ratio", [1.0, -0.1, 2.0])
+def test_random_range_ratio_out_of_range(tok, ratio):
+    with pytest.raises(ConfigError, match=r"range ratio must be in \[0, 1\)"):
+        load_workload("random", tok, num_prompts=2, input_len=8, output_len=8, range_ratio=ratio)
+
+
+def test_range_ratio_only_for_random(tok, tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "hello"}\n')
+    with pytest.raises(ConfigError, match="applies to the random dataset"):
+        load_workload(f"jsonl:{path}", tok, range_ratio=0.5)
+
+
 def test_normal_token_ids_excludes_exactly_the_specials(tok):
     ids = set(normal_token_ids(tok).tolist())
     from infer.models.tiny import SPECIAL_TOKENS

@@ -1,7 +1,9 @@
 """Benchmark workloads: a list of `BenchRequest`s, from a spec string.
 
     random          `num_prompts` prompts of exactly `input_len` random token ids (special tokens excluded,
-                    seeded), each asking for exactly `output_len` tokens (EOS ignored)
+                    seeded), each asking for exactly `output_len` tokens (EOS ignored); with a `range_ratio` r > 0
+                    (vLLM's --random-range-ratio) each request's lengths are drawn uniformly from
+                    [len x (1 - r), len x (1 + r)] instead, so the batch holds uneven contexts as a server's does
     liteqwen        the liteqwen README comparison (Qwen1.5-14B-Chat GPTQ int4 on one V100 against vLLM):
                     16 concurrent clients, 44-token prompts, replies of about 230 characters on average,
                     max_length 4096 per request, no LoRA; figure of merit: reply characters per second.
@@ -19,13 +21,14 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, read_utf8
 
 LITEQWEN = dict(concurrency=16, input_len=44, reply_chars=230, max_length=4096, rounds=5)
 WORKLOADS = ("random", "liteqwen", "jsonl:PATH", "sharegpt:PATH")
@@ -54,12 +57,21 @@ class Workload:
 
 
 def load_workload(spec: str, tokenizer, *, num_prompts: int | None = None, input_len: int = 128,
-                  output_len: int = 128, seed: int = 0, ignore_eos: bool | None = None) -> Workload:
+                  output_len: int = 128, seed: int = 0, ignore_eos: bool | None = None,
+                  range_ratio: float = 0.0) -> Workload:
     """Build the workload named by `spec` (see the module docstring). `ignore_eos=None` keeps the workload's
-    default (random, liteqwen: True; jsonl, sharegpt: False)."""
+    default (random, liteqwen: True; jsonl, sharegpt: False). `range_ratio` applies to random only."""
+    if range_ratio and spec != "random":
+        raise ConfigError(f"a range ratio of {range_ratio} applies to the random dataset, not {spec!r}",
+                          "drop --random-range-ratio, or use --dataset random")
     if spec == "random":
-        reqs = random_requests(tokenizer, num_prompts or 100, input_len, output_len, seed)
-        desc = f"random: {len(reqs)} prompts of {input_len} tokens, {output_len} output tokens"
+        reqs = random_requests(tokenizer, num_prompts or 100, input_len, output_len, seed, range_ratio=range_ratio)
+        if range_ratio:
+            (ilo, ihi), (olo, ohi) = length_range(input_len, range_ratio), length_range(output_len, range_ratio)
+            desc = (f"random: {len(reqs)} prompts of {ilo}-{ihi} tokens, {olo}-{ohi} output tokens (uniform, "
+                    f"range ratio {range_ratio:g})")
+        else:
+            desc = f"random: {len(reqs)} prompts of {input_len} tokens, {output_len} output tokens"
         wl = Workload("random", reqs, desc)
     elif spec == "liteqwen":
         wl = liteqwen_workload(tokenizer, num_prompts, seed)
@@ -93,17 +105,32 @@ def normal_token_ids(tokenizer) -> np.ndarray:
     return np.array([i for i in range(len(tokenizer)) if i not in special], dtype=np.int64)
 
 
+def length_range(length: int, ratio: float) -> tuple[int, int]:
+    """The lengths a range ratio draws from: [length x (1 - ratio), length x (1 + ratio)], rounded inward, at
+    least 1 (vLLM's random dataset)."""
+    if not 0 <= ratio < 1:
+        raise ConfigError(f"the range ratio must be in [0, 1), got {ratio}",
+                          "e.g. --random-range-ratio 0.5 draws lengths from half to one and a half times "
+                          "--input-len and --output-len")
+    return max(1, math.ceil(length * (1 - ratio))), max(1, math.floor(length * (1 + ratio)))
+
+
 def random_requests(tokenizer, num_prompts: int, input_len: int, output_len: int, seed: int = 0,
-                    max_length: int | None = None) -> list[BenchRequest]:
+                    max_length: int | None = None, range_ratio: float = 0.0) -> list[BenchRequest]:
     if num_prompts < 1 or input_len < 1 or output_len < 1:
         raise ConfigError(f"random workload needs num_prompts, input_len and output_len >= 1 "
                           f"(got {num_prompts}, {input_len}, {output_len})")
+    ilo, ihi = length_range(input_len, range_ratio)
+    olo, ohi = length_range(output_len, range_ratio)
     vocab = normal_token_ids(tokenizer)
     rng = np.random.default_rng(seed)
+    lengths = np.random.default_rng([seed, 1])  # its own stream: range ratio 0 keeps the same prompts as before
     reqs = []
     for _ in range(num_prompts):
-        ids = rng.choice(vocab, size=input_len).tolist()
-        reqs.append(BenchRequest(tokenizer.decode(ids), ids, output_len, ignore_eos=True, max_length=max_length))
+        n = int(lengths.integers(ilo, ihi + 1)) if range_ratio else input_len
+        out = int(lengths.integers(olo, ohi + 1)) if range_ratio else output_len
+        ids = rng.choice(vocab, size=n).tolist()
+        reqs.append(BenchRequest(tokenizer.decode(ids), ids, out, ignore_eos=True, max_length=max_length))
     return reqs
 
 
@@ -130,7 +157,7 @@ def _read(path: str) -> str:
     p = Path(path).expanduser()
     if not p.is_file():
         raise ConfigError(f"workload file {p} does not exist", "pass an existing file: jsonl:PATH or sharegpt:PATH")
-    return p.read_text(encoding="utf-8")
+    return read_utf8(p, "workload file")
 
 
 def _render(tokenizer, obj: dict, where: str) -> tuple[str, list[int]]:
@@ -150,7 +177,7 @@ def _render(tokenizer, obj: dict, where: str) -> tuple[str, list[int]]:
 
 def jsonl_requests(path: str, tokenizer, default_output_len: int) -> list[BenchRequest]:
     reqs = []
-    for lineno, line in enumerate(_read(path).splitlines(), 1):
+    for lineno, line in enumerate(_read(path).split("\n"), 1):  # not splitlines: U+2028 may sit inside a string
         if not line.strip():
             continue
         where = f"{path} line {lineno}"

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
-from .datasets import BenchRequest, assign_loras, load_workload
+from .datasets import BenchRequest, assign_loras, length_range, load_workload
 from .metrics import RunResult
 
 
@@ -30,6 +30,7 @@ class BenchPlan:
     dataset: str = "random"
     input_len: int = 44
     output_len: int = 128
+    range_ratio: float = 0.0  # random: lengths drawn from [len x (1 - r), len x (1 + r)]
     loras: list[str] = field(default_factory=list)  # adapter names spread round-robin over the requests
     lora_policy: str = "mixed"  # mixed | split (in-process only)
     url: str | None = None
@@ -118,10 +119,13 @@ def _check_fits(plan: BenchPlan, target: _Target) -> None:
     if target.engine is None or plan.dataset != "random":
         return
     cap = target.engine.max_model_len
-    if plan.input_len + plan.output_len > cap:
-        raise ConfigError(f"--input-len {plan.input_len} + --output-len {plan.output_len} tokens do not fit the "
-                          f"engine's max length of {cap}", "lower them, or raise --max-model-len (up to the "
-                                                           "model's limit)")
+    longest = length_range(plan.input_len, plan.range_ratio)[1] + length_range(plan.output_len, plan.range_ratio)[1]
+    if longest > cap:
+        drawn = f" (the longest drawn with --random-range-ratio {plan.range_ratio:g}: {longest})" \
+            if plan.range_ratio else ""
+        raise ConfigError(f"--input-len {plan.input_len} + --output-len {plan.output_len} tokens{drawn} do not fit "
+                          f"the engine's max length of {cap}", "lower them, or raise --max-model-len (up to the "
+                                                               "model's limit)")
 
 
 def _console():
@@ -139,7 +143,8 @@ def run_plan(plan: BenchPlan, console=None) -> tuple[list[dict], bool]:
     target = _Target(plan)
     _check_fits(plan, target)
     workload = load_workload(plan.dataset, target.tokenizer, num_prompts=plan.num_prompts,
-                             input_len=plan.input_len, output_len=plan.output_len, seed=plan.seed)
+                             input_len=plan.input_len, output_len=plan.output_len, seed=plan.seed,
+                             range_ratio=plan.range_ratio)
     requests = assign_loras(workload.requests, plan.loras) if plan.loras else workload.requests
     hf = None
     if plan.baseline == "hf":

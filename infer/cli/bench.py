@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..engine.config import ENGINE, LORA, EngineConfig, parse_loras
-from ..errors import ConfigError
+from ..errors import ConfigError, read_utf8
 from . import options as o
 
 WL = "Workload options"
@@ -54,8 +54,12 @@ def check_dataset(spec: str) -> None:
     kind, sep, path = spec.partition(":")
     if not ((spec in ("random", "liteqwen")) or (sep and kind in ("jsonl", "sharegpt"))):
         raise ConfigError(f"--dataset {spec!r} is not a known dataset", f"use one of {', '.join(WORKLOADS)}")
+    if sep and not path:
+        raise ConfigError(f"--dataset {spec} names no file", f"pass {kind}:PATH")
     if sep and not Path(path).expanduser().is_file():
         raise ConfigError(f"--dataset {spec}: {path} is not a file", f"pass an existing file: {kind}:PATH")
+    if sep:  # a file that is not UTF-8 is refused now, not after the model has loaded
+        read_utf8(Path(path).expanduser(), f"--dataset {kind}: file")
 
 
 def lora_names(items: list[str] | None, url: str | None) -> list[str]:
@@ -123,6 +127,17 @@ def check_options(num_prompts: int | None, dataset: str, baseline: str | None, l
         raise ConfigError("--lora-policy split sends every group at once; it takes no --request-rate")
 
 
+def check_range_ratio(ratio: float, dataset: str) -> None:
+    """--random-range-ratio: in [0, 1), and only for the random dataset (the others carry their own lengths)."""
+    if math.isnan(ratio) or not 0 <= ratio < 1:
+        raise ConfigError(f"--random-range-ratio must be in [0, 1), got {ratio}",
+                          "e.g. --random-range-ratio 0.5 draws lengths from half to one and a half times "
+                          "--input-len and --output-len")
+    if ratio and dataset != "random":
+        raise ConfigError(f"--random-range-ratio applies to --dataset random, not {dataset}",
+                          "drop --random-range-ratio; the dataset's requests carry their own lengths")
+
+
 def check_sizes(levels: list[int], **sizes: int | None) -> None:
     """Token counts and engine sizes a benchmark cannot run with; --max-num-seqs may not be below a level."""
     for name, value in sizes.items():
@@ -179,6 +194,9 @@ def bench(
     input_len: Annotated[int, typer.Option(help="Prompt tokens (random).", rich_help_panel=WL)] = 44,
     output_len: Annotated[int, typer.Option(help="Output tokens (random; default for jsonl lines).",
                                             rich_help_panel=WL)] = 128,
+    random_range_ratio: Annotated[float, typer.Option(help="Random: draw each request's prompt and output "
+                                                      "lengths uniformly from [len x (1 - R), len x (1 + R)], "
+                                                      "0 <= R < 1 (vLLM's option).", rich_help_panel=WL)] = 0.0,
     request_rate: Annotated[str, typer.Option(help="Poisson arrivals per second, or inf (all at once).",
                                               rich_help_panel=WL)] = "inf",
     lora_mix: Annotated[Optional[int], typer.Option(help="Spread the first K --lora adapters over the requests "
@@ -219,17 +237,22 @@ def bench(
     Example: infer bench llama-100m -c 1,4,16 --num-prompts 64 --input-len 44 --output-len 128
     --baseline hf
 
+    Uneven lengths: infer bench llama-100m -c 16 --input-len 256 --output-len 128 --random-range-ratio 0.75
+
     Against a server: infer bench tiny-llama --url http://127.0.0.1:8000 -c 16
     """
     levels, rate = parse_concurrency(concurrency), parse_rate(request_rate)
     check_options(num_prompts, dataset, baseline, lora_policy, url, rate)
+    check_range_ratio(random_range_ratio, dataset)
+    out = out.expanduser() if out is not None else None  # one folder for every file (pandas expands ~ itself)
     check_out(out)
     check_sizes(levels, input_len=input_len, output_len=output_len, max_num_seqs=max_num_seqs, max_loras=max_loras)
     names = mix(lora_names(lora, url), lora_mix)
     model_id = served_model_name or o.base_model_id(model)
     from ..bench.plan import BenchPlan
     plan = BenchPlan(model=model, levels=levels, rate=rate, num_prompts=num_prompts, dataset=dataset,
-                     input_len=input_len, output_len=output_len, loras=names, lora_policy=lora_policy,
+                     input_len=input_len, output_len=output_len, range_ratio=random_range_ratio, loras=names,
+                     lora_policy=lora_policy,
                      url=None if url is None else check_url(url, model_id, names, api_key), model_id=model_id,
                      api_key=api_key, baseline=baseline, seed=seed, quiet=quiet,
                      out=out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S"))
