@@ -49,3 +49,14 @@ class OutOfMemoryError(InferError):
 
 class ClosedError(InferError, RuntimeError):
     """An object used after its close() (an LLM whose engine memory was freed)."""
+
+
+def read_utf8(path, what: str) -> str:
+    """A text file's content, or a ConfigError naming `what` and where the first byte that is not UTF-8 sits."""
+    from pathlib import Path
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} {path} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1]!r})",
+                          "save it as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None

@@ -89,6 +89,21 @@ def test_null_fields_keep_the_runs_defaults():
     assert (ours.params.max_new_tokens, batch.params.max_new_tokens, given.params.max_new_tokens) == (7, 7, 3)
 
 
+def test_ids_are_strings_or_integers():
+    """A list or object id used to become its Python repr ("{'x': 1}"); it is refused, naming the field."""
+    from transformers import AutoTokenizer
+    from infer.engine.inputs import parse_request
+    from infer.errors import RequestError
+    from infer.models.tiny import ensure_builtin
+    tok = AutoTokenizer.from_pretrained(ensure_builtin("tiny-qwen2"))
+    assert parse_request({"id": 5, "prompt": "x"}, tok, "1").id == "5"
+    for bad in ({"x": 1}, [1], True):
+        with pytest.raises(RequestError, match="field 'id' must be a string or an integer"):
+            parse_request({"id": bad, "prompt": "x"}, tok, "1")
+        with pytest.raises(RequestError, match="field 'custom_id' must be a string or an integer"):
+            parse_request({"custom_id": bad, "body": {"prompt": "x"}}, tok, "1")
+
+
 BAD = [
     "this is not json",
     {"id": "noprompt", "max_new_tokens": 3},

@@ -169,6 +169,46 @@ def test_bad_inputs(tiny, tmp_path):
     assert not list(tmp_path.glob(".o.tmp-*")) and not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("damage, words", [
+    ("no-weights", "no weights"),
+    ("truncated", "cannot read adapter_model.safetensors"),
+    ("nan", "non-finite"),
+    ("alpha-nan", "no valid 'lora_alpha'"),
+    ("other-layers", "layer"),
+])
+def test_merge_refuses_adapters_that_cannot_run_on_the_base(tiny, tmp_path, damage, words):
+    """The checks --lora makes, before peft sees the folder: peft takes a folder without weights for a Hub id and
+    tries to download it, and merges NaN weights or another model's layers silently (writing a broken model)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    ad = tmp_path / "ad"
+    get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False)) \
+        .save_pretrained(ad)
+    weights = ad / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    if damage == "no-weights":
+        weights.unlink()
+    elif damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage == "nan":
+        key = next(k for k in tensors if "lora_B" in k)
+        tensors[key][0, 0] = float("nan")
+        from safetensors.torch import save_file
+        save_file(tensors, weights)
+    elif damage == "alpha-nan":
+        cfg = json.loads((ad / "adapter_config.json").read_text())
+        (ad / "adapter_config.json").write_text(json.dumps(cfg).replace('"lora_alpha": 8', '"lora_alpha": NaN'))
+    else:
+        from safetensors.torch import save_file
+        save_file({k.replace("layers.0.", "layers.7."): v for k, v in tensors.items()}, weights)
+    r = run_cli(tiny, "-o", tmp_path / "merged", "--merge-lora", ad)
+    assert isinstance(r.exception, LoRAError), (r.output, r.exception)
+    assert words in str(r.exception), str(r.exception)
+    assert not (tmp_path / "merged").exists()
+
+
 def test_overwrite_replaces_model(tiny, tmp_path):
     assert run_cli(tiny, "-o", tmp_path / "o", "--dtype", "float16").exit_code == 0
     r = run_cli(tiny, "-o", tmp_path / "o", "--overwrite")

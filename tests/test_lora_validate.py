@@ -120,6 +120,10 @@ def _unknown_target(t):
     ("missing-config", "adapter_config.json is missing"),
     ("bad-config", "adapter_config.json is not valid JSON"),
     ("no-rank", "has no valid 'r'"),
+    ("alpha-nan", "has no valid 'lora_alpha' (got nan)"),
+    ("alpha-inf", "has no valid 'lora_alpha' (got inf)"),
+    ("alpha-huge", "has no valid 'lora_alpha' (got 1e+300)"),
+    ("alpha-pattern-nan", "has invalid alpha_pattern values {'q_proj': nan}"),
     ("non-finite", "non-finite"),
     ("rank-limit", "rank 8 is larger than --max-lora-rank 4"),
     ("no-folder", "folder not found"),
@@ -144,6 +148,11 @@ def test_each_failure_exits_1_naming_the_reason(setup, tmp_path, kind, reason):
         (bad / "adapter_config.json").write_text("{not json")
     elif kind == "no-rank":
         _copy(qv, bad, edit_config=lambda c: c.pop("r"))
+    elif kind in ("alpha-nan", "alpha-inf", "alpha-huge"):  # a NaN or overflowing scaling turns outputs into NaN
+        alpha = {"alpha-nan": float("nan"), "alpha-inf": float("inf"), "alpha-huge": 1e300}[kind]
+        _copy(qv, bad, edit_config=lambda c: c.update(lora_alpha=alpha))
+    elif kind == "alpha-pattern-nan":
+        _copy(qv, bad, edit_config=lambda c: c.update(alpha_pattern={"q_proj": float("nan")}))
     elif kind == "non-finite":
         _copy(qv, bad, _nan)
     elif kind == "rank-limit":

@@ -236,3 +236,32 @@ def test_an_input_that_cannot_be_read_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(batch_io, "open", denied, raising=False)
     res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", str(tmp_path / "o.jsonl"), "-q"])
     assert res.exit_code == 2 and "cannot read input" in res.output and "Permission denied" in res.output
+
+
+def _maps_torch(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return "libtorch" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/PID/maps (Linux)")
+def test_ctrl_c_while_the_commands_are_imported_says_interrupted(tmp_path):
+    """torch and transformers take a second or more to import: Ctrl-C then is the same one line and exit 130 as
+    during a run, not a traceback from inside an import."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(_lines({"id": "a", "prompt": "hello"}))
+    cmd = [sys.executable, "-m", "infer.cli", "run", "tiny-llama", str(inp), "-o", str(tmp_path / "out.jsonl")]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env={**os.environ},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # Wait until torch's library is mapped: the handler is installed before the commands' imports start, and the
+    # interpreter's own start (before any code of ours runs) is over. A fixed sleep raced a slow machine's start.
+    deadline = time.monotonic() + 120
+    while not _maps_torch(proc.pid):
+        assert proc.poll() is None and time.monotonic() < deadline, "the command ended before it imported torch"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1].decode()
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted" in err and "Traceback" not in err

@@ -198,8 +198,11 @@ def test_convert_merge_of_an_adapter_for_another_model_is_one_line(tmp_path):
     res = runner.invoke(app, ["convert", "tiny-llama", "-o", str(out), "--merge-lora", str(adapter)])
     assert res.exit_code == 2, res.output
     error = [line for line in res.output.splitlines() if line.startswith("error:")]
-    assert len(error) == 1 and "layers.0.self_attn.q_proj.lora_B" in error[0], res.output
-    assert "more tensors" in error[0] and "\tsize mismatch" not in res.output and "Traceback" not in res.output
+    # the check `--lora` makes: the first layer whose sizes differ, with the count of the rest, and a hint
+    assert len(error) == 1 and "model.layers.0.self_attn." in error[0] and "base model's" in error[0], res.output
+    assert "more problems" in error[0] and "hint:" in res.output, res.output
+    assert "\tsize mismatch" not in res.output and "Traceback" not in res.output
+    assert "warning:" not in res.output, res.output  # "its sizes may fit" beside an error saying they don't
     assert not out.exists()
 
 

@@ -86,6 +86,10 @@ def test_calibration_file_errors(tmp_path):
     (tmp_path / "empty.txt").write_text("\n\n")
     with pytest.raises(ConfigError, match="holds no text"):
         calib_mod.read_texts(tmp_path / "empty.txt")
+    for name in ("latin1.txt", "latin1.jsonl"):
+        (tmp_path / name).write_bytes(b'{"text": "caf\xe9 au lait"}\n')
+        with pytest.raises(ConfigError, match=r"is not UTF-8 text \(byte 13"):
+            calib_mod.read_texts(tmp_path / name)
 
 
 def test_token_windows_pack_the_stream(tokenizer):
@@ -260,6 +264,17 @@ def test_desc_act_asym_calibration_file(tmp_path):
     assert (q - o).abs().max() < 0.1 * (o - f).abs().max()
     with pytest.raises(ConfigError, match="already a GPTQ checkpoint"):
         quantize_model(tmp_path / "q", tmp_path / "q2")
+
+
+@needs_gptqmodel
+def test_one_group_per_row_without_desc_act(tmp_path, tiny_llama):
+    """--group-size -1 (what the help offers) works on its own: GPTQModel's act-group-aware default needs groups."""
+    from safetensors.torch import load_file
+    quantize_model(tiny_llama, tmp_path / "q", QuantizeOptions(group_size=-1, num_samples=4, seq_len=32))
+    qc = json.loads((tmp_path / "q" / "quantize_config.json").read_text())
+    assert (qc["group_size"], qc["desc_act"]) == (-1, False)
+    tensors = load_file(tmp_path / "q" / "model.safetensors")
+    assert tensors["model.layers.0.mlp.down_proj.scales"].shape[0] == 1  # one group: one row of scales
 
 
 @needs_gptqmodel

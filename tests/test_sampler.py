@@ -247,3 +247,19 @@ def test_penalty_table_kept_step_by_step_equals_the_whole_history():
             del live[k]
     assert table.used <= 8 < next_id and table.table.shape[0] > 4  # rows handed on, and grown past max_rows + 1
     assert set(table.rows) <= set(live)
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    """logits / 1e-40 overflow to inf and the softmax to NaN (token 0 every step); below vLLM's 1e-5 cut-off a
+    request decodes greedily, the limit such a temperature tends to."""
+    from infer import LLM
+    llm = LLM("tiny-llama", max_num_seqs=4)
+    try:
+        prompts = [[5, 17, 29, 41], [7, 8, 9]]
+        want = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))]
+        for t in (1e-40, 5e-324, 9e-6):
+            got = llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=t, seed=1))
+            assert [o.token_ids for o in got] == want, t
+        assert SamplingParams(temperature=1e-5).greedy is False
+    finally:
+        llm.close()

@@ -54,6 +54,19 @@ def test_explicit_null_max_tokens_means_not_given(url):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16, r.text
 
 
+def test_max_completion_tokens_supersedes_max_tokens_in_either_order(url):
+    """OpenAI deprecated max_tokens for max_completion_tokens: given both, the latter counts, wherever it sits in
+    the body; a bad value is reported under the name the client sent."""
+    for body in (_chat("hi", max_completion_tokens=2, max_tokens=5, ignore_eos=True),
+                 _chat("hi", max_tokens=5, max_completion_tokens=2, ignore_eos=True)):
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    for key in ("max_tokens", "max_completion_tokens"):
+        r = httpx.post(f"{url}/v1/chat/completions", json=_chat("hi", **{key: 0}), timeout=60)
+        message = _error(r, 400, key)
+        assert message.startswith(f"{key} must be in 1..") and "max_new_tokens" not in message
+
+
 def test_more_prompts_than_the_queue_holds_is_400_not_a_retry(url):
     """A 503 with Retry-After tells the client to retry, which can never succeed for this body."""
     r = httpx.post(f"{url}/v1/completions", json={"prompt": ["a"] * (MAX_QUEUE + 1), "max_tokens": 2})

@@ -1,3 +1,3 @@
-from .main import app
+from .entry import main
 
-app(prog_name="infer")
+main()

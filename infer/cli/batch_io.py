@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from ..engine.inputs import ModelNames, ParsedRequest, parse_request
+from ..engine.inputs import ModelNames, ParsedRequest, is_request_id, parse_request
 from ..errors import ConfigError, OutputError, RequestError
 
 
@@ -29,7 +29,7 @@ class InputLine:
 def _line_id(obj, line_no: int) -> str:
     if isinstance(obj, dict):
         for key in ("custom_id", "id"):
-            if obj.get(key) is not None:
+            if is_request_id(obj.get(key)):
                 return str(obj[key])
     return str(line_no)
 

@@ -43,12 +43,26 @@ def convert(
         raise ConfigError(f"--to {to!r} is not supported", "safetensors is the only target format")
     src = resolve_model(model)
     if merge_lora is not None:
+        _check_adapter(merge_lora, src)  # first: "its sizes may fit" would be wrong beside an error that they don't
         _warn_other_base(merge_lora, src, model)
     out = convert_model(src, output, dtype=dtype, merge_lora=merge_lora, max_shard_size=max_shard_size,
                         overwrite=overwrite)
     files = sorted(p.name for p in Path(out).iterdir())
     what = ", ".join(x for x in (dtype, merge_lora and f"merged {merge_lora}") if x) or "same dtype"
     Console().print(f"Wrote {out} ({what}): {', '.join(files)}")
+
+
+def _check_adapter(adapter: Path, src: Path) -> None:
+    """The checks `--lora` and `infer lora-validate` make (files present and readable, finite weights and scaling,
+    every tensor's shape and layer against the base), before peft sees the folder: peft takes a folder without
+    weights for a Hub id and would try to download it, and merges NaN weights or another model's layers silently.
+    A GPTQ base is left to convert_model, which refuses any merge into it."""
+    from ..lora.adapter import load_adapter
+    from ..models.loader import load_config
+    from ..quant.convert import is_gptq
+    if not (Path(src) / "config.json").is_file() or is_gptq(src):
+        return
+    load_adapter("--merge-lora", adapter, load_config(src))
 
 
 def _warn_other_base(adapter: Path, src: Path, given: str) -> None:

@@ -74,8 +74,30 @@ def handle_errors(fn, command: str = "COMMAND"):
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)
             raise typer.Exit(130)
+        except (typer.Exit, typer.Abort, click_errors.ClickException):  # the command's own exit, as it chose
+            raise
+        except Exception as e:
+            if not _from_ctrl_c(e):
+                raise
+            typer.echo("interrupted", err=True)  # e.g. transformers' lazy imports turn it into an import error
+            raise typer.Exit(130) from None
 
     return wrapper
+
+
+def _from_ctrl_c(e: BaseException) -> bool:
+    """Whether `e` comes from a Ctrl-C: one reached the process (cli.entry), or a KeyboardInterrupt is in the
+    error's cause or context chain."""
+    from .entry import interrupted
+    if interrupted():
+        return True
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 @app.callback()

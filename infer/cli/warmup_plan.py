@@ -4,6 +4,7 @@ estimated from files alone (config.json and the checkpoint's tensor headers)."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -38,6 +39,9 @@ def estimate_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     path, model_config, device, dtype = _model_parts(engine_config)
     limit = _check_length(model_config, engine_config, max_length)
     weights = checkpoint_weights_bytes(weight_files(path), model_config, dtype, device)
+    from ..lora.adapter import load_adapter
+    for name, adapter in engine_config.loras.items():  # the checks an engine start makes (files, rank, shapes)
+        load_adapter(name, Path(adapter).expanduser(), model_config, engine_config.max_lora_rank)
     rank = engine_config.max_lora_rank if engine_config.loras or engine_config.enable_lora else 0
     act = activation_bytes(model_config, dtype, engine_config.max_num_batched_tokens, concurrency, max_length, rank)
     act += cuda_graph_bytes(engine_config, model_config, dtype)

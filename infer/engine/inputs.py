@@ -226,8 +226,20 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
     lora = body.get("lora")
     if lora is None:
         lora = names.lora_for(body.get("model"))
-    req_id = default_id if obj["custom_id"] is None else str(obj["custom_id"])
+    req_id = default_id if obj["custom_id"] is None else request_id(obj["custom_id"], "custom_id")
     return fields, req_id, lora, _OPENAI_ALIASES
+
+
+def is_request_id(value: Any) -> bool:
+    """An id a record can carry as given: a string or an integer (not a list, an object or a boolean)."""
+    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def request_id(value: Any, field: str) -> str:
+    if not is_request_id(value):
+        raise RequestError(f"field {field!r} must be a string or an integer, got {type(value).__name__}",
+                           'e.g. "id": "q1" (every record carries its request\'s id)')
+    return str(value)
 
 
 def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = None,
@@ -243,7 +255,7 @@ def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = 
         if unknown:
             raise RequestError(f"unknown field(s) {sorted(unknown)}",
                                f"allowed: {', '.join(sorted([*_PROMPT_KEYS, *_OTHER_KEYS, *_PARAM_TYPES]))}")
-        req_id = default_id if obj.get("id") is None else str(obj["id"])
+        req_id = default_id if obj.get("id") is None else request_id(obj["id"], "id")
         fields, lora, aliases = obj, obj.get("lora"), None
     if lora is not None and not isinstance(lora, str):
         raise RequestError(f"field 'lora' must be a string or null, got {type(lora).__name__}")

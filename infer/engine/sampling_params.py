@@ -14,13 +14,14 @@ MAX_SEED = 2**63 - 1
 # the lists are capped so that one request cannot slow every step of every other request
 MAX_STOP_STRINGS = 256
 MAX_STOP_TOKEN_IDS = 1024
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 
 
 @dataclass
 class SamplingParams:
     max_new_tokens: int | None = 256  # tokens the model generates (forced prefix_token_ids not counted)
     max_length: int | None = None  # prompt + output cap
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (or below GREEDY_BELOW) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1, as vLLM and the OpenAI-compatible servers spell it) = off
     repetition_penalty: float = 1.0
@@ -91,7 +92,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or so small that dividing the logits by it overflows (vLLM's cut-off): the argmax, which
+        is what such a temperature tends to."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def needs_penalties(self) -> bool:

@@ -127,10 +127,22 @@ def read_config(name: str, path: Path) -> dict:
     if peft_type != "LORA":
         raise _fail(name, path, f"peft_type is {peft_type}, not LORA", "only LoRA adapters are supported")
     for key, kind in (("r", int), ("lora_alpha", (int, float))):
-        if not isinstance(config.get(key), kind) or isinstance(config.get(key), bool) or config[key] <= 0:
+        if not _positive(config.get(key), kind):
             raise _fail(name, path, f"{CONFIG_FILE} has no valid {key!r} (got {config.get(key)!r})",
-                        "a LoRA config needs a positive rank r and lora_alpha")
+                        "a LoRA config needs a positive rank r and a positive, finite lora_alpha")
+    for key, kind in (("rank_pattern", int), ("alpha_pattern", (int, float))):
+        patterns = config.get(key) or {}
+        bad = {k: v for k, v in patterns.items() if not _positive(v, kind)} if isinstance(patterns, dict) else patterns
+        if bad:
+            raise _fail(name, path, f"{CONFIG_FILE} has invalid {key} values {bad!r}",
+                        f"every {key} value must be a positive{' integer' if kind is int else ', finite number'}")
     return config
+
+
+def _positive(value, kind) -> bool:
+    """A positive number of `kind` that float32 holds (a scaling of 1e300 or NaN turns every output into NaN)."""
+    return (isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value)
+            and 0 < value < torch.finfo(torch.float32).max)
 
 
 def read_tensors(name: str, path: Path) -> dict[str, torch.Tensor]:

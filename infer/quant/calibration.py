@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..errors import ConfigError
+from ..errors import ConfigError, read_utf8
 
 BUILTIN_PATH = Path(__file__).parent / "data" / "calibration.txt"
 MIN_WINDOW = 16  # a trailing window shorter than this is dropped
@@ -51,17 +51,16 @@ def read_texts(path: Path | None, render_chat: Callable[[Messages], str] | None 
 
 
 def _read_txt(path: Path) -> list[str]:
-    content = path.read_text(encoding="utf-8")
+    content = read_utf8(path, "calibration file")
     blocks = content.split("\n\n") if "\n\n" in content.strip() else content.splitlines()
     return [b.strip() for b in blocks if b.strip()]
 
 
 def _read_jsonl(path: Path, render_chat: Callable[[Messages], str]) -> list[str]:
     texts = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if line.strip():
-                texts.append(_jsonl_text(line, path, lineno, render_chat))
+    for lineno, line in enumerate(read_utf8(path, "calibration file").split("\n"), start=1):
+        if line.strip():
+            texts.append(_jsonl_text(line, path, lineno, render_chat))
     return texts
 
 

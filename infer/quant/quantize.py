@@ -212,7 +212,7 @@ def _run_gptqmodel(src: Path, out: Path, opts: QuantizeOptions, calib: Calibrati
     from gptqmodel.quantization.config import FORMAT
     qcfg = QuantizeConfig(bits=opts.bits, group_size=opts.group_size, desc_act=opts.desc_act, sym=opts.sym,
                           damp_percent=opts.damp_percent, format=FORMAT.GPTQ, offload_to_disk_path=str(work / "off"),
-                          act_group_aware=False if opts.desc_act else None)
+                          act_group_aware=False if opts.desc_act or opts.group_size == -1 else None)  # -1: no groups
     try:
         qmodel = GPTQModel.load(str(src), qcfg)
         callbacks = _Callbacks(observer)

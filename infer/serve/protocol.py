@@ -87,9 +87,14 @@ def _common(body: Any, chat: bool) -> GenerationRequest:
         raise ApiError(400, f"top_logprobs must be in 0..20, got {top}", param="top_logprobs")
     if chat and top is not None and fields.get("logprobs") is not True:  # as vLLM: else silently no logprobs
         raise ApiError(400, "when using top_logprobs, logprobs must be set to true", param="top_logprobs")
+    length = "max_completion_tokens" if fields.get("max_completion_tokens") is not None else "max_tokens"
+    if length == "max_completion_tokens":  # it supersedes max_tokens, whichever comes first (OpenAI, vLLM)
+        fields.pop("max_tokens", None)
     try:
         params = params_from(fields, _ALIASES)
     except RequestError as e:
+        if "max_new_tokens" in str(e):  # name the field the client sent, not the engine's
+            raise ApiError(400, str(e).replace("max_new_tokens", length), param=length) from e
         raise bad_request(e) from e
     return_ids = bool(_expect(body, "return_token_ids", (bool,), "a boolean"))
     return GenerationRequest([], params, model, stream, include_usage and stream, chat, return_ids)
