@@ -46,6 +46,19 @@ def test_run_writes_one_record_per_line(tmp_path):
     assert len(recs["d"]["token_ids"]) <= 4
 
 
+def test_dash_output_is_stdout(tmp_path, monkeypatch):
+    """`-o -` wrote a file named "-" in the current directory; it is stdout, as without -o."""
+    monkeypatch.chdir(tmp_path)
+    inp = _write(tmp_path / "in.jsonl", GOOD)
+    res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", "-", "-q"])
+    assert res.exit_code == 0, res.output
+    assert not (tmp_path / "-").exists()
+    recs = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["id"] for r in recs) == ["a", "b", "c", "d"]
+    res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", "-", "--resume"])
+    assert res.exit_code == 2 and "--resume needs -o OUTPUT" in res.output, res.output
+
+
 def test_eager_flag_reaches_the_engine(tmp_path, monkeypatch):
     """--eager turns the decode CUDA graphs off (on CPU there are none either way; the flag must still parse)."""
     from infer.engine import llm_engine

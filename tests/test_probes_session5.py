@@ -63,6 +63,15 @@ def test_batch_line_fields_that_would_change_the_reply_are_refused_not_dropped(t
     assert items["d"].error is None
 
 
+def test_a_batch_line_without_its_body_says_so(tmp_path):
+    """A batch line missing `body` was read as our own format: "unknown field(s) ['custom_id', 'method', 'url']"."""
+    items = _read(tmp_path, _lines({"custom_id": "x", "method": "POST", "url": "/v1/chat/completions"},
+                                   {"custom_id": "y", "body": "hi"}, {"body": {"prompt": "hi"}}))
+    assert "needs a 'body' object" in items["x"].error and "unknown field" not in items["x"].error
+    assert "'body' must be an object, got str" in items["y"].error
+    assert items["3"].error is None and items["3"].request.prompt_token_ids == list(b"hi")  # no custom_id: line number
+
+
 def test_a_null_custom_id_or_id_falls_back_to_the_line_number(tmp_path):
     items = _read(tmp_path, _lines({"custom_id": None, "body": {"prompt": "a"}}, {"custom_id": None, "body":
                                    {"prompt": "b"}}, {"id": None, "prompt": "c"}))

@@ -26,7 +26,7 @@ def run(
     model: o.Model,
     input: Annotated[Path, typer.Argument(help="JSONL file: one request per line (prompt | messages | "
                                                "prompt_token_ids, or an OpenAI batch line).", show_default=False)],
-    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Output JSONL (default: stdout).")] = None,
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Output JSONL (default, or -o -: stdout).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Skip ids already in OUTPUT and complete the rest (OUTPUT must come "
                                               "from the same input and options).")] = False,
     force_resume: Annotated[bool, typer.Option("--force-resume", help="Resume even if OUTPUT was written from another input or with "
@@ -49,6 +49,8 @@ def run(
     Exit status: 0 all lines ok, 1 some lines failed (each has an error record), 2 the run could not start.
     """
     resume = resume or force_resume
+    if output is not None and str(output) == "-":  # the usual spelling of stdout (a file named "-" is -o ./-)
+        output = None
     _check_paths(input, output, resume, max_new_tokens)
     options = _output_options(engine, max_new_tokens)
     resumable = is_regular_target(output)

@@ -203,9 +203,14 @@ def _batch_prompt(body: dict) -> dict:
 def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, str, Any, dict]:
     """(fields, id, adapter, aliases) of an OpenAI batch line; a body field that would change the reply but is
     not supported (n > 1, tools, ...) is refused rather than dropped."""
+    if "body" not in obj:
+        raise RequestError("an OpenAI batch line (it has custom_id) needs a 'body' object with the request",
+                           'e.g. {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", '
+                           '"body": {"messages": [{"role": "user", "content": "Hi"}]}}')
     body = obj["body"]
     if not isinstance(body, dict):
-        raise RequestError("field 'body' must be an object")
+        raise RequestError(f"field 'body' must be an object, got {type(body).__name__}",
+                           'e.g. "body": {"prompt": "Hi", "max_tokens": 16}')
     url = obj.get("url")
     if url is not None and url not in BATCH_URLS:
         raise RequestError(f"url {url!r} is not supported: infer run answers {' and '.join(BATCH_URLS)}",
@@ -226,7 +231,7 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
     lora = body.get("lora")
     if lora is None:
         lora = names.lora_for(body.get("model"))
-    req_id = default_id if obj["custom_id"] is None else request_id(obj["custom_id"], "custom_id")
+    req_id = default_id if obj.get("custom_id") is None else request_id(obj["custom_id"], "custom_id")
     return fields, req_id, lora, _OPENAI_ALIASES
 
 
@@ -248,7 +253,7 @@ def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = 
     says which body.model of a batch line picks which adapter, `max_tokens` is the context (when known)."""
     if not isinstance(obj, dict):
         raise RequestError(f"expected a JSON object, got {type(obj).__name__}")
-    if "body" in obj and "custom_id" in obj:  # OpenAI batch line, as `vllm run-batch` reads it
+    if "body" in obj or "custom_id" in obj:  # OpenAI batch line, as `vllm run-batch` reads it
         fields, req_id, lora, aliases = _batch_line(obj, default_id, names)
     else:
         unknown = set(obj) - set(_PARAM_TYPES) - set(_PROMPT_KEYS) - _OTHER_KEYS
