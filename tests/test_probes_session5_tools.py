@@ -6,6 +6,7 @@ arguments."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from typer.testing import CliRunner
@@ -123,6 +124,23 @@ def llm():
     from infer.engine.llm import LLM
     with LLM("tiny-llama", max_model_len=64) as model:
         yield model
+
+
+def test_a_prompt_that_fills_its_cap_is_told_what_can_make_room(llm):
+    """The hint said "raise max_length" even when the cap was the engine's context, which max_length cannot pass."""
+    tokens = list(range(1, 71))
+    with pytest.raises(RequestError) as e:
+        llm.engine.validate(tokens, SamplingParams(max_new_tokens=2))
+    assert "under the model's context (--max-model-len) of 64" in str(e.value)
+    assert "--max-model-len up to 4096, the model's limit" in str(e.value) and "raise max_length" not in str(e.value)
+    with pytest.raises(RequestError, match=r"under max_length of 16 .*raise max_length \(up to 64\)"):
+        llm.engine.validate(tokens[:20], SamplingParams(max_new_tokens=2, max_length=16))
+    full = replace(llm.engine.config, max_model_len=None)  # an engine at the model's own limit: only shorter prompts
+    llm.engine.config, llm.engine.max_model_len, saved = full, 4096, (llm.engine.config, llm.engine.max_model_len)
+    try:
+        assert llm.engine._longer_hint(False) == "shorten the prompt: 4096 tokens is the model's limit"
+    finally:
+        llm.engine.config, llm.engine.max_model_len = saved
 
 
 def test_llm_a_bad_prompt_in_a_batch_leaves_nothing_behind(llm):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
@@ -16,7 +17,7 @@ from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
-from .setup import load_engine_parts
+from .setup import load_engine_parts, model_max_len
 
 log = logging.getLogger("infer")
 
@@ -76,6 +77,16 @@ class LLMEngine:
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
+    def _longer_hint(self, by_request: bool) -> str:
+        """What can make room for a prompt that fills its cap: the request's max_length up to the engine's context,
+        the engine's --max-model-len up to the model's limit, or only a shorter prompt."""
+        if by_request:
+            return f"shorten the prompt, or raise max_length (up to {self.max_model_len})"
+        limit = model_max_len(self.model_config, replace(self.config, max_model_len=None))
+        if self.max_model_len < limit:
+            return f"shorten the prompt, or start the engine with --max-model-len up to {limit}, the model's limit"
+        return f"shorten the prompt: {limit} tokens is the model's limit"
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, lora: str | None = None) -> None:
         """Raise RequestError if this request can never run."""
         n = len(prompt_token_ids) + len(params.prefix_token_ids)
@@ -86,10 +97,10 @@ class LLMEngine:
             raise RequestError(f"a token id is outside the vocabulary (0..{vocab - 1})")
         cap = min(self.max_model_len, params.max_length or self.max_model_len)
         if n >= cap:
-            which = "max_length" if params.max_length and params.max_length < self.max_model_len else \
-                "the model's context (--max-model-len)"
+            by_request = bool(params.max_length and params.max_length < self.max_model_len)
+            which = "max_length" if by_request else "the model's context (--max-model-len)"
             raise RequestError(f"the prompt has {n} tokens, which leaves no room under {which} of {cap}",
-                               "shorten the prompt or raise max_length")
+                               self._longer_hint(by_request))
         need = self.block_manager.blocks_needed(cap)
         if need > self.block_manager.num_blocks:
             raise RequestError(
