@@ -143,6 +143,28 @@ def test_a_prompt_that_fills_its_cap_is_told_what_can_make_room(llm):
         llm.engine.config, llm.engine.max_model_len = saved
 
 
+def test_sampling_params_changed_after_construction_are_checked_and_do_not_reach_a_running_request(llm):
+    """`sp.temperature = -1` after construction reached the sampler; a request also shared the caller's object, so
+    changing it later changed the running request."""
+    sp = SamplingParams(max_new_tokens=3)
+    sp.temperature = -1.0
+    with pytest.raises(RequestError, match=r"temperature must be in \[0, 100\], got -1.0"):
+        llm.generate(["hi", "yo"], sp)
+    assert not llm.engine.scheduler.has_unfinished()
+    with pytest.raises(RequestError, match="temperature must be in"):  # the check servers make before queueing
+        llm.engine.validate([5, 6], sp)
+    sp.temperature, sp.top_k = 0.0, 2.5
+    with pytest.raises(RequestError, match="top_k must be an integer"):
+        llm.engine.add_request("x", [5, 6], sp)
+    sp.top_k = 0
+    llm.engine.add_request("x", [5, 6], sp)
+    sp.max_new_tokens = 1  # the running request keeps what it was added with
+    outs = []
+    while llm.engine.scheduler.has_unfinished():
+        outs += [o for o in llm.engine.step() if o.finished]
+    assert [o.usage["completion_tokens"] for o in outs] == [3]
+
+
 def test_llm_a_bad_prompt_in_a_batch_leaves_nothing_behind(llm):
     """generate(["hi", too_long]) raised after "hi" was queued; the orphan then finished inside the next
     generate(), which counted it as its own and failed with KeyError (or returned too early)."""

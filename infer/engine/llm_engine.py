@@ -71,6 +71,7 @@ class LLMEngine:
         request_id = str(request_id)
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running", "give every request its own id")
+        params = params.checked()  # the request's own copy, checked again: the caller may have changed its object
         self.validate(prompt_token_ids, params, lora)
         cap = min(self.max_model_len, params.max_length or self.max_model_len)
         seq = Sequence(request_id, list(prompt_token_ids), params, lora, max_total_len=cap)
@@ -89,6 +90,7 @@ class LLMEngine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, lora: str | None = None) -> None:
         """Raise RequestError if this request can never run."""
+        params = params.checked()  # fields set after construction are checked too
         n = len(prompt_token_ids) + len(params.prefix_token_ids)
         vocab = self.model_config.vocab_size
         if not prompt_token_ids:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import RequestError
 
@@ -89,6 +89,12 @@ class SamplingParams:
             if value is not None and (not isinstance(value, (list, tuple))
                                       or any(isinstance(t, bool) for t in value)):
                 raise RequestError(f"{name} must be a list of token ids")
+
+    def checked(self) -> SamplingParams:
+        """A validated copy, with its own lists: what the engine keeps for a request. The fields were checked on
+        construction only, so `params.temperature = -1` afterwards reached the sampler; and a request shared the
+        caller's object, which could change under it while it ran."""
+        return replace(self)
 
     @property
     def greedy(self) -> bool:
