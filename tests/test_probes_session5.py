@@ -108,6 +108,19 @@ def test_ctrl_c_says_how_many_records_are_safe_and_how_to_resume(tmp_path):
     last = err.strip().splitlines()[-1]
     assert last == f"interrupted: {written} of 40 records written to {out}; run the same command with --resume " \
                    "to complete the rest" and "Traceback" not in err
+    # interrupted again while resuming: the count is this run's and the whole file's (it said "1 of 37" only)
+    proc = subprocess.Popen(cmd + ["--resume"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env={**os.environ},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    while out.read_bytes().count(b"\n") < written + 1 and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1].decode()
+    assert proc.returncode == 130, err[-2000:]
+    total = out.read_bytes().count(b"\n")
+    assert err.strip().splitlines()[-1] == (
+        f"interrupted: {total - written} of the {40 - written} records still to do ({total} of 40 in all) written "
+        f"to {out}; run the same command with --resume to complete the rest")
 
 
 def test_output_that_is_the_input_file_is_refused_before_anything_is_written(tmp_path):

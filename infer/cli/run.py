@@ -89,7 +89,10 @@ def _run_in_process(engine: EngineConfig, input: Path, output: Path | None, defa
     except KeyboardInterrupt:  # every finished record is on disk already: say how to get the rest
         where = f"to {output}" if output is not None else "to stdout"
         more = "; run the same command with --resume to complete the rest" if resumable else ""
-        typer.echo(f"interrupted: {writer.count} of {len(todo)} records written {where}{more}", err=True)
+        before = len(lines) - len(todo)  # written by the runs this one resumes
+        count = f"{writer.count} of {len(todo)} records" if not before else \
+            f"{writer.count} of the {len(todo)} records still to do ({before + writer.count} of {len(lines)} in all)"
+        typer.echo(f"interrupted: {count} written {where}{more}", err=True)
         raise typer.Exit(130) from None
     finally:
         writer.close()
