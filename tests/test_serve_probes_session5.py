@@ -67,6 +67,27 @@ def test_max_completion_tokens_supersedes_max_tokens_in_either_order(url):
         assert message.startswith(f"{key} must be in 1..") and "max_new_tokens" not in message
 
 
+@pytest.mark.parametrize("messages,says", [({"role": "user", "content": "hi"}, "got a dict"), ([], "got an empty list"),
+                                            ("hi", "got a str")])
+def test_messages_that_are_not_a_list_are_named_as_such(url, messages, says):
+    """`"messages": {...}` (one message, not a list) was told "missing required field 'messages'"."""
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages}, timeout=60)
+    msg = _error(r, 400, "messages")
+    assert "must be a non-empty list of message objects" in msg and says in msg and "missing" not in msg
+    assert "missing required field 'messages'" in _error(httpx.post(f"{url}/v1/chat/completions", json={}), 400,
+                                                         "messages")
+
+
+@pytest.mark.parametrize("logprobs", [6, 21, 100, -1])
+def test_completion_logprobs_out_of_range_says_one_range(url, logprobs):
+    """logprobs 6..20 said "0..5" but 21 and up said "0..20" (the engine's own range, chat's top_logprobs)."""
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": logprobs}, timeout=60)
+    assert _error(r, 400, "logprobs") == f"logprobs must be in 0..5, got {logprobs}"
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": 5}, timeout=60)
+    assert r.status_code == 200, r.text  # (top tokens that decode to the same text share one key of OpenAI's dict)
+    assert 1 <= len(r.json()["choices"][0]["logprobs"]["top_logprobs"][0]) <= 5, r.text
+
+
 def test_more_prompts_than_the_queue_holds_is_400_not_a_retry(url):
     """A 503 with Retry-After tells the client to retry, which can never succeed for this body."""
     r = httpx.post(f"{url}/v1/completions", json={"prompt": ["a"] * (MAX_QUEUE + 1), "max_tokens": 2})

@@ -79,6 +79,9 @@ def _common(body: Any, chat: bool) -> GenerationRequest:
     fields = {k: v for k, v in body.items() if k in _PARAM_KEYS}
     if not chat and isinstance(fields.get("logprobs"), bool):
         raise ApiError(400, "field 'logprobs' must be an integer (0..5) for completions", param="logprobs")
+    if not chat and isinstance(fields.get("logprobs"), int) and not 0 <= fields["logprobs"] <= 5:
+        # here, not after SamplingParams, whose own range (0..20, chat's top_logprobs) said otherwise above 20
+        raise ApiError(400, f"logprobs must be in 0..5, got {fields['logprobs']}", param="logprobs")
     if chat and fields.get("logprobs") is not None and not isinstance(fields["logprobs"], bool):
         raise ApiError(400, "field 'logprobs' must be a boolean for chat (use top_logprobs for the count)",
                        param="logprobs")
@@ -135,8 +138,6 @@ def parse_completion(body: Any, tokenizer, max_tokens: int | None = None) -> Gen
         raise ApiError(400, "missing required field 'prompt'", param="prompt")
     if _no_max_tokens(body):
         req.params.max_new_tokens = 16  # OpenAI's default for /v1/completions
-    if req.params.logprobs is not None and req.params.logprobs > 5:
-        raise ApiError(400, f"logprobs must be in 0..5, got {req.params.logprobs}", param="logprobs")
     req.prompts = _completion_prompts(body["prompt"], tokenizer, max_tokens)
     return req
 
@@ -154,8 +155,12 @@ def _flatten_content(content: Any, i: int) -> str:
 def parse_chat(body: Any, tokenizer, max_tokens: int | None = None) -> GenerationRequest:
     req = _common(body, chat=True)
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
+    if messages is None:
         raise ApiError(400, "missing required field 'messages' (a non-empty list)", param="messages")
+    if not isinstance(messages, list) or not messages:
+        got = "an empty list" if isinstance(messages, list) else f"a {type(messages).__name__}"
+        raise ApiError(400, f"field 'messages' must be a non-empty list of message objects, got {got}",
+                       param="messages")
     clean = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
