@@ -89,35 +89,37 @@ def test_a_duplicate_id_names_the_line_that_has_it(tmp_path):
     assert "line 4: duplicate id 'x': line 2 already has it; give every line its own id" == items["x#line4"].error
 
 
+def _ctrl_c_when(cmd: list[str], ready, timeout: float = 240) -> str:
+    """Start `cmd`, send it SIGINT once `ready(proc)` holds, and return its stderr; it must exit 130."""
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env={**os.environ},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + timeout
+    while not ready(proc):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1].decode()
+    assert proc.returncode == 130, err[-2000:]
+    return err
+
+
 def test_ctrl_c_says_how_many_records_are_safe_and_how_to_resume(tmp_path):
     inp = tmp_path / "in.jsonl"
     inp.write_bytes(_lines(*({"id": f"r{i}", "prompt": "hello", "max_new_tokens": 400, "ignore_eos": True}
                              for i in range(40))))
     out = tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "infer.cli", "run", "tiny-llama", str(inp), "-o", str(out), "--max-num-seqs", "1"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env={**os.environ},
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.monotonic() + 240
-    while (not out.exists() or out.read_bytes().count(b"\n") < 2) and time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
-    err = proc.communicate(timeout=120)[1].decode()
-    assert proc.returncode == 130, err[-2000:]
-    written = out.read_bytes().count(b"\n")
-    last = err.strip().splitlines()[-1]
-    assert last == f"interrupted: {written} of 40 records written to {out}; run the same command with --resume " \
-                   "to complete the rest" and "Traceback" not in err
+
+    def records() -> int:
+        return out.read_bytes().count(b"\n") if out.exists() else 0
+
+    err = _ctrl_c_when(cmd, lambda _: records() >= 2)
+    written = records()
+    assert err.strip().splitlines()[-1] == f"interrupted: {written} of 40 records written to {out}; run the same " \
+        "command with --resume to complete the rest" and "Traceback" not in err
     # interrupted again while resuming: the count is this run's and the whole file's (it said "1 of 37" only)
-    proc = subprocess.Popen(cmd + ["--resume"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env={**os.environ},
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    while out.read_bytes().count(b"\n") < written + 1 and time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
-    err = proc.communicate(timeout=120)[1].decode()
-    assert proc.returncode == 130, err[-2000:]
-    total = out.read_bytes().count(b"\n")
+    err = _ctrl_c_when(cmd + ["--resume"], lambda _: records() >= written + 1)
+    total = records()
     assert err.strip().splitlines()[-1] == (
         f"interrupted: {total - written} of the {40 - written} records still to do ({total} of 40 in all) written "
         f"to {out}; run the same command with --resume to complete the rest")
@@ -275,15 +277,7 @@ def test_ctrl_c_while_the_commands_are_imported_says_interrupted(tmp_path):
     inp = tmp_path / "in.jsonl"
     inp.write_bytes(_lines({"id": "a", "prompt": "hello"}))
     cmd = [sys.executable, "-m", "infer.cli", "run", "tiny-llama", str(inp), "-o", str(tmp_path / "out.jsonl")]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env={**os.environ},
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    # Wait until torch's library is mapped: the handler is installed before the commands' imports start, and the
+    # Sent once torch's library is mapped: the handler is installed before the commands' imports start, and the
     # interpreter's own start (before any code of ours runs) is over. A fixed sleep raced a slow machine's start.
-    deadline = time.monotonic() + 120
-    while not _maps_torch(proc.pid):
-        assert proc.poll() is None and time.monotonic() < deadline, "the command ended before it imported torch"
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGINT)
-    err = proc.communicate(timeout=120)[1].decode()
-    assert proc.returncode == 130, err[-2000:]
+    err = _ctrl_c_when(cmd, lambda proc: _maps_torch(proc.pid), timeout=120)
     assert "interrupted" in err and "Traceback" not in err
