@@ -38,6 +38,7 @@ def convert(
     from ..engine.config import parse_size
     from ..models.resolve import resolve_model
     from ..quant.convert import convert_model
+    from .quiet import library_output
     parse_size(max_shard_size, "--max-shard-size")  # a bad size fails now, not after loading the model
     if to != "safetensors":
         raise ConfigError(f"--to {to!r} is not supported", "safetensors is the only target format")
@@ -45,8 +46,9 @@ def convert(
     if merge_lora is not None:
         _check_adapter(merge_lora, src)  # first: "its sizes may fit" would be wrong beside an error that they don't
         _warn_other_base(merge_lora, src, model)
-    out = convert_model(src, output, dtype=dtype, merge_lora=merge_lora, max_shard_size=max_shard_size,
-                        overwrite=overwrite)
+    with library_output():  # transformers' and peft's loading and writing bars; errors still reach handle_errors
+        out = convert_model(src, output, dtype=dtype, merge_lora=merge_lora, max_shard_size=max_shard_size,
+                            overwrite=overwrite)
     files = sorted(p.name for p in Path(out).iterdir())
     what = ", ".join(x for x in (dtype, merge_lora and f"merged {merge_lora}") if x) or "same dtype"
     Console().print(f"Wrote {out} ({what}): {', '.join(files)}")

@@ -25,6 +25,8 @@ def _on_sigint(signum, frame):
 def main() -> None:
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _on_sigint)
+    from .quiet import quiet_import_banners
+    quiet_import_banners(sys.argv[1:])
     try:
         from .main import app
     except KeyboardInterrupt:

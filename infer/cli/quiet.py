@@ -21,6 +21,21 @@ QUIET_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": 
              "TOKENIZERS_PARALLELISM": "false"}
 
 
+# Loggers that speak at import time about optional parts the machine lacks, with nothing for the user to do:
+# torchao (GPTQModel needs it; transformers imports it with any model class) cannot load its CUDA extensions on a
+# CPU machine, and the deprecation it then triggers in torch's pytree. Their errors still show.
+IMPORT_BANNERS = ("torchao", "torch.utils._pytree")
+
+
+def quiet_import_banners(argv: list[str]) -> None:
+    """Raise IMPORT_BANNERS' loggers to ERROR for this process, unless --debug or INFER_DEBUG asks for everything.
+    Called by the console script before anything is imported (`cli.entry`)."""
+    if "--debug" in argv or os.environ.get("INFER_DEBUG"):
+        return
+    for name in IMPORT_BANNERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def debugging() -> bool:
     from .main import _state
     return bool(_state["debug"] or os.environ.get("INFER_DEBUG"))
