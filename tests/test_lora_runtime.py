@@ -93,6 +93,25 @@ def test_removed_adapter_nobody_uses_is_freed_at_once_and_its_name_serves_new_we
         assert llm.generate(PROMPTS[:1], PARAMS, lora="x")[0].token_ids == oracle.greedy("b", PROMPTS[0], N)
 
 
+def test_a_name_added_again_never_finds_the_prefix_cache_blocks_of_its_old_weights(paths, oracle):
+    """A prompt of more than two full KV blocks: its blocks go into the prefix cache keyed on the adapter. The same
+    name added again with other weights must compute its own K/V, not reuse the old adapter's."""
+    prompt = [(7 * i + 3) % 200 + 5 for i in range(40)]
+    with make_llm() as llm:
+        bm = llm.engine.block_manager
+        assert bm.enable_prefix_caching and len(prompt) > 2 * bm.block_size
+        llm.add_lora("x", str(paths["a"]))
+        assert llm.generate([prompt], PARAMS, lora="x")[0].token_ids == oracle.greedy("a", prompt, N)
+        hits = bm.prefix_hits
+        assert llm.generate([prompt], PARAMS, lora="x")[0].token_ids == oracle.greedy("a", prompt, N)
+        assert bm.prefix_hits > hits  # the same registration does reuse its blocks
+        llm.remove_lora("x")
+        llm.add_lora("x", str(paths["b"]))
+        hits = bm.prefix_hits
+        assert llm.generate([prompt], PARAMS, lora="x")[0].token_ids == oracle.greedy("b", prompt, N)
+        assert bm.prefix_hits == hits
+
+
 def test_every_mistake_is_a_lora_error_and_the_engine_keeps_serving(paths, oracle, tmp_path):
     with LLM("tiny-llama", max_model_len=256) as plain:
         with pytest.raises(LoRAError, match="--enable-lora"):

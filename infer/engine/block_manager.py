@@ -28,8 +28,11 @@ def chain_hash(prev: int | None, token_ids) -> int:
 
 
 def root_hash(seq: Sequence) -> int | None:
-    """The first link of a sequence's chain: K/V depend on the LoRA adapter, so the adapter is part of the key."""
-    return None if seq.lora is None else hash(("lora", seq.lora))
+    """The first link of a sequence's chain: K/V depend on the LoRA adapter, so the adapter (its name and which
+    registration of that name, `Sequence.lora_key`) is part of the key."""
+    if seq.lora is None:
+        return None
+    return hash(("lora", seq.lora if seq.lora_key is None else seq.lora_key))
 
 
 class BlockManager:

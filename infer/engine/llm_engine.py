@@ -74,7 +74,8 @@ class LLMEngine:
         params = params.checked()  # the request's own copy, checked again: the caller may have changed its object
         self.validate(prompt_token_ids, params, lora)
         cap = min(self.max_model_len, params.max_length or self.max_model_len)
-        seq = Sequence(request_id, list(prompt_token_ids), params, lora, max_total_len=cap)
+        key = self.lora_manager.cache_key(lora) if self.lora_manager is not None else None
+        seq = Sequence(request_id, list(prompt_token_ids), params, lora, max_total_len=cap, lora_key=key)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 

@@ -25,6 +25,7 @@ class Sequence:
     params: SamplingParams
     lora: str | None = None
     max_total_len: int = 0  # prompt + output cap (the smaller of the request's max_length and the model's)
+    lora_key: object = None  # the adapter's prefix-cache key (LoRAManager.cache_key); the name when not set
     arrival_time: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:

@@ -49,6 +49,8 @@ class LoRAManager:
         self._resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recently used first
         self._pins: dict[str, int] = {}
         self._retired: dict[str, LoRAAdapter] = {}  # name -> its weights, kept until its last request ends
+        self._registration: dict[str, int] = {}  # name -> which registration it is (a name may be reused)
+        self._registrations = 0
         self.swaps = 0  # adapters copied into a device slot
         self.disk_loads = 0  # adapters read from their folder (registration included)
 
@@ -76,7 +78,15 @@ class LoRAManager:
             raise LoRAError(f"LoRA adapter {name!r} is already registered from {self._paths[name]}",
                             "give each adapter folder its own name")
         self._paths[name] = path
+        self._registrations += 1
+        self._registration[name] = self._registrations
         self._cache(adapter)
+
+    def cache_key(self, name: str | None) -> tuple[str, int] | None:
+        """What the prefix cache keys a request's K/V on: the name and which registration of it, so an adapter
+        added again under a name used before (other weights, or the same folder rewritten) never finds the K/V
+        the earlier one computed."""
+        return None if name is None else (name, self._registration.get(name, 0))
 
     def retire(self, name: str) -> None:
         """Take `name` away from new requests (`has` is False from now on); requests that already hold it keep
@@ -98,6 +108,7 @@ class LoRAManager:
         self._cpu.pop(name, None)
         self._pins.pop(name, None)
         self._retired.pop(name, None)
+        self._registration.pop(name, None)
         del self._paths[name]
 
     def has(self, name: str) -> bool:
