@@ -112,6 +112,50 @@ def test_a_name_added_again_never_finds_the_prefix_cache_blocks_of_its_old_weigh
         assert bm.prefix_hits == hits
 
 
+def test_an_adapter_whose_folder_was_deleted_can_still_be_removed(paths, oracle, tmp_path):
+    """max_cpu_loras=1: the CPU copy of 'x' is dropped once 'y' is added, so removing 'x' cannot read it again.
+    A request that holds its slot still finishes with its weights; the removal frees it afterwards."""
+    import shutil
+
+    folder = shutil.copytree(paths["a"], tmp_path / "x")
+    with make_llm(max_cpu_loras=1, max_num_seqs=1) as llm:
+        llm.add_lora("x", str(folder))
+        stream = llm.stream(PROMPTS[:2], PARAMS, lora=["x", None])
+        next(stream)  # 'x' is in a device slot, pinned by the running request
+        llm.add_lora("y", str(paths["b"]))
+        assert "x" not in llm.engine.lora_manager.cpu_resident()
+        shutil.rmtree(folder)
+        assert llm.remove_lora("x") == 1
+        assert llm.list_loras() == ["y"]
+        outs = {i: out.token_ids for i, _, out in stream if out.finished}
+        assert outs == {0: oracle.greedy("a", PROMPTS[0], N), 1: oracle.greedy(None, PROMPTS[1], N)}
+        assert llm.generate(PROMPTS[2:3], PARAMS, lora="y")[0].token_ids == oracle.greedy("b", PROMPTS[2], N)
+        assert not llm.engine.lora_manager.retired()
+
+
+def test_a_removed_adapter_that_must_come_back_from_a_deleted_folder_fails_only_its_request(paths, oracle, tmp_path):
+    """One slot, one CPU copy: the third request needs 'x' swapped back in after 'y' took its slot, and its folder is
+    gone. That request fails with a message naming the folder; the others finish with peft's tokens."""
+    import shutil
+
+    folder = shutil.copytree(paths["a"], tmp_path / "x")
+    with LLM("tiny-llama", enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8, max_model_len=256,
+             max_num_seqs=1) as llm:
+        llm.add_lora("x", str(folder))
+        llm.add_lora("y", str(paths["b"]))
+        stream = llm.stream(PROMPTS[:3], PARAMS, lora=["x", "y", "x"])
+        next(stream)  # 'x' runs in the only slot
+        llm.add_lora("w", str(paths["c"]))  # the CPU copy of 'x' is dropped
+        shutil.rmtree(folder)
+        assert llm.remove_lora("x") == 2
+        outs = {i: out for i, _, out in stream if out.finished}
+        assert outs[0].token_ids == oracle.greedy("a", PROMPTS[0], N)
+        assert outs[1].token_ids == oracle.greedy("b", PROMPTS[1], N)
+        assert outs[2].finish_reason == "error" and "can no longer be read" in outs[2].error
+        llm.generate(PROMPTS[3:], PARAMS, lora="y")  # a step after the last user: the adapter is gone
+        assert not llm.engine.lora_manager.retired() and llm.list_loras() == ["y", "w"]
+
+
 def test_every_mistake_is_a_lora_error_and_the_engine_keeps_serving(paths, oracle, tmp_path):
     with LLM("tiny-llama", max_model_len=256) as plain:
         with pytest.raises(LoRAError, match="--enable-lora"):

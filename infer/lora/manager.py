@@ -48,7 +48,8 @@ class LoRAManager:
         self._cpu: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recently used first
         self._resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recently used first
         self._pins: dict[str, int] = {}
-        self._retired: dict[str, LoRAAdapter] = {}  # name -> its weights, kept until its last request ends
+        # name -> its weights, kept until its last request ends (None: its folder could not be read any more)
+        self._retired: dict[str, LoRAAdapter | None] = {}
         self._registration: dict[str, int] = {}  # name -> which registration it is (a name may be reused)
         self._registrations = 0
         self.swaps = 0  # adapters copied into a device slot
@@ -92,7 +93,10 @@ class LoRAManager:
         """Take `name` away from new requests (`has` is False from now on); requests that already hold it keep
         running with it until `unregister`. Its weights stay in memory (never read from its folder again)."""
         self._require(name)
-        self._retired[name] = self.cpu_adapter(name)
+        try:
+            self._retired[name] = self.cpu_adapter(name)
+        except LoRAError:  # its folder is gone or changed and the CPU LRU had dropped it: removing must still work
+            self._retired[name] = None  # requests holding its slot finish; one that needs it swapped in fails
 
     def retired(self) -> list[str]:
         return list(self._retired)
@@ -142,6 +146,9 @@ class LoRAManager:
         """The adapter's CPU copy, read from its folder again if the CPU LRU dropped it."""
         self._require(name)
         if name in self._retired:
+            if self._retired[name] is None:
+                raise LoRAError(f"LoRA adapter {name!r} was removed and its folder {self._paths[name]} can no longer "
+                                "be read, so it cannot be swapped back in", "resend the request with another adapter")
             return self._retired[name]
         if name not in self._cpu:
             self._cache(self._read(name, self._paths[name]))
