@@ -148,6 +148,10 @@ def test_streamed_logprobs_are_the_non_streamed_ones_each_sent_once(url):
     assert sum((p["token_logprobs"] for p in parts), []) == pytest.approx(want["token_logprobs"], abs=1e-4)
     tops = sum((p["top_logprobs"] for p in parts), [])
     assert [list(t) for t in tops] == [list(t) for t in want["top_logprobs"]]
+    # text_offset counts characters from the start of the choice's text, chunk after chunk
+    starts = [sum(len(t) for t in want["tokens"][:k]) for k in range(6)]
+    assert want["text_offset"] == starts
+    assert sum((p["text_offset"] for p in parts), []) == starts and len(parts) > 1
 
     chat = {"messages": [{"role": "user", "content": "x y"}], "max_tokens": 5, "logprobs": True, "top_logprobs": 2,
             "ignore_eos": True}

@@ -173,7 +173,7 @@ async def _complete(server: Server, req: p.GenerationRequest, rid: str, model: s
 
 
 async def _stream(server: Server, req: p.GenerationRequest, rid: str, model: str, queue, ids, arrival: float):
-    created, sent_lp = p.now(), {}
+    created, sent_lp, offsets = p.now(), {}, {}  # offsets: where choice i's next logprobs text_offset starts
     prompt_n, completion_n = 0, 0
 
     def event(choices, usage=None) -> str:
@@ -193,8 +193,12 @@ async def _stream(server: Server, req: p.GenerationRequest, rid: str, model: str
             reason = p.finish_reason(out) if out.finished else None
             new_ids = out.new_token_ids if req.return_token_ids else None
             if out.delta_text or records or reason or new_ids:
-                yield event([p.choice(req, i, out.delta_text, records, server.tokenizer, reason, delta=True,
-                                      token_ids=new_ids)])
+                c = p.choice(req, i, out.delta_text, records, server.tokenizer, reason, delta=True, token_ids=new_ids,
+                             text_offset=offsets.get(i, 0))
+                lp = c.get("logprobs") if not req.chat else None
+                if lp and lp["tokens"]:
+                    offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                yield event([c])
             if out.finished:
                 prompt_n += len(out.prompt_token_ids)
                 completion_n += out.num_generated

@@ -206,6 +206,7 @@ def _tok(tokenizer, token_id: int) -> str:
 
 
 def completion_logprobs(records: list[dict], tokenizer, offset: int = 0) -> dict:
+    """The legacy completions logprobs object; text_offset counts characters of the tokens' strings from `offset`."""
     tokens = [_tok(tokenizer, r["token_id"]) for r in records]
     text_offset, pos = [], offset
     for t in tokens:
@@ -228,10 +229,12 @@ def chat_logprobs(records: list[dict], tokenizer) -> dict:
 
 def choice(req: GenerationRequest, index: int, text: str, records: list[dict] | None, tokenizer,
            finish_reason: str | None, delta: bool = False, first: bool = False, token_ids: list[int] | None = None,
-           prompt_token_ids: list[int] | None = None) -> dict:
+           prompt_token_ids: list[int] | None = None, text_offset: int = 0) -> dict:
+    """One choice of a response or of a streamed chunk; `text_offset`: where this chunk's text starts in the
+    choice's whole text (a completion's logprobs.text_offset counts from the start of the choice, chunk after chunk)."""
     lp = None
     if records is not None:
-        lp = chat_logprobs(records, tokenizer) if req.chat else completion_logprobs(records, tokenizer)
+        lp = chat_logprobs(records, tokenizer) if req.chat else completion_logprobs(records, tokenizer, text_offset)
     if not req.chat:
         out = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
     elif delta:
