@@ -114,12 +114,28 @@ def test_requests_still_running_at_the_shutdown_timeout_are_answered_not_cut():
     plain.join(30), streamed.join(30)
     r = plain_box["r"]
     message = _error(r, 503, None, "server_shutting_down")
+    assert r.json()["error"]["type"] == "server_unavailable"
     assert "the server shut down before this request finished (--shutdown-timeout 0.5 s passed)" in message
     assert r.headers["retry-after"] == "1"
     lines = stream_box["r"]
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][len("data: "):])["error"]["code"] == "server_shutting_down"
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_every_refusal_during_a_shutdown_is_the_same_503():
+    """A request refused once the shutdown began said `shutting_down`, an adapter load `shutting_down`, a request
+    ended by it `server_shutting_down`: a client retrying on one code missed the others."""
+    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=256, enable_lora=True, max_lora_rank=8))
+    server = Server(AsyncEngine(engine), "tiny-llama", runtime_lora=True)
+    with serve_in_thread(server) as base:
+        server.aengine.stop_accepting()
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+        assert "shutting down" in _error(r, 503, None, "server_shutting_down") and r.headers["retry-after"]
+        assert r.json()["error"]["type"] == "server_unavailable"
+        r = httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "x"}, timeout=60)
+        assert "shutting down" in _error(r, 503, None, "server_shutting_down") and r.headers["retry-after"]
+        assert r.json()["error"]["type"] == "server_unavailable"
 
 
 def test_a_second_ctrl_c_ends_the_running_requests_and_a_third_quits():

@@ -81,4 +81,4 @@ def _string(body: dict, key: str) -> str:
 
 
 def _unavailable(e: ShuttingDownError) -> p.ApiError:
-    return p.ApiError(503, str(e), type="server_unavailable", code="shutting_down", headers={"Retry-After": "1"})
+    return p.shutting_down(str(e))

@@ -104,8 +104,7 @@ class Server:
                              headers={"Retry-After": str(self.retry_after)}) from e
         except ShuttingDownError as e:
             self._abort(done)
-            raise p.ApiError(503, str(e), type="server_unavailable", code="shutting_down",
-                             headers={"Retry-After": str(self.retry_after)}) from e
+            raise p.shutting_down(str(e), self.retry_after) from e
         return queue, ids
 
     def _abort(self, ids) -> None:
@@ -145,8 +144,7 @@ def _dumps(obj) -> str:
 
 def _error(out) -> p.ApiError:
     if out.finish_reason == "abort":  # ended by the server's shutdown (lifecycle.py): another replica may answer
-        return p.ApiError(503, out.error or "the server shut down before the request finished", type="server_error",
-                          code="server_shutting_down", headers={"Retry-After": "1"})
+        return p.shutting_down(out.error or "the server shut down before the request finished")
     return p.ApiError(500, out.error or "the request failed in the engine", type="server_error",
                       code="engine_error")
 

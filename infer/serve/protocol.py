@@ -35,6 +35,13 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def shutting_down(message: str, retry_after: int | str = 1) -> ApiError:
+    """The one 503 a server that is shutting down gives, whether it refuses a new request, a LoRA load or unload,
+    or ends a running request: a client or load balancer checks one code and retries another replica."""
+    return ApiError(503, message, type="server_unavailable", code="server_shutting_down",
+                    headers={"Retry-After": str(retry_after)})
+
+
 def bad_request(e: RequestError | str, param: str | None = None) -> ApiError:
     message = str(e)
     if param is None:
