@@ -34,7 +34,13 @@ _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([KMGT]?i?B?)?\s*$", re
 
 def parse_size(text: str | int | None, flag: str = "the size") -> int | None:
     """'8GB', '512MiB', '1e9', 2**30 -> bytes (binary units: 1 GB = 2**30 bytes); `flag` names the option."""
-    if text is None or isinstance(text, int):
+    if isinstance(text, bool):
+        raise ConfigError(f"{flag} {text!r} is not a size", "write it like 8GB, 512MB or 2GiB")
+    if isinstance(text, int):
+        if text < 1:
+            raise ConfigError(f"{flag} {text} is not a positive number of bytes", "e.g. 8GB, or leave it unset")
+        return text
+    if text is None:
         return text
     m = _SIZE.match(str(text))
     if not m:
@@ -76,6 +82,8 @@ def parse_loras(items: dict[str, str] | list[str] | None) -> dict[str, str]:
 RANGES = {"max_num_seqs": (1, 65536), "max_num_batched_tokens": (1, None), "block_size": (1, 256),
           "max_model_len": (2, None), "num_kv_blocks": (1, None), "max_loras": (1, None), "max_lora_rank": (1, 256),
           "max_cpu_loras": (1, None), "seed": (0, 2 ** 63 - 1)}
+OPTIONAL = {"max_model_len", "num_kv_blocks", "max_cpu_loras", "overlap", "lora_epilogue"}  # None: chosen for you
+BOOLS = ("enable_prefix_caching", "enforce_eager", "enable_lora", "overlap", "lora_epilogue")
 
 
 @dataclass
@@ -122,19 +130,31 @@ class EngineConfig:
             raise ConfigError("--device cuda was asked but no CUDA GPU is visible", "use --device cpu")
 
     def _problems(self):
+        if not isinstance(self.model, (str, Path)) or not str(self.model).strip():
+            yield f"the model must be a built-in name, a folder or a Hugging Face id, got {self.model!r}"
         for name, (lo, hi) in RANGES.items():
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            if value is None and name not in OPTIONAL:
+                yield f"{flag_of(name)} must be an integer, got None"
+            elif value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 yield f"{flag_of(name)} must be an integer, got {value!r}"
             elif value is not None and (value < lo or (hi is not None and value > hi)):
                 bound = f"in {lo}..{hi}" if hi is not None else f"at least {lo}"
                 yield f"{flag_of(name)} must be {bound}, got {value}"
-        if self.dtype not in ("auto", *_DTYPES):
+        for name in BOOLS:
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (value is None and name in OPTIONAL):
+                what = "True, False or None" if name in OPTIONAL else "True or False"
+                yield f"{name} must be {what}, got {value!r}"
+        if not isinstance(self.dtype, str) or self.dtype not in ("auto", *_DTYPES):
             yield f"--dtype {self.dtype!r} is not one of auto, float32, float16, bfloat16"
-        if not valid_device(self.device):
+        if not isinstance(self.device, str) or not valid_device(self.device):
             yield f"--device {self.device!r} is not one of auto, cpu, cuda, cuda:N"
-        if not 0 < self.gpu_memory_utilization <= 1:
-            yield f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+        util = self.gpu_memory_utilization
+        if isinstance(util, bool) or not isinstance(util, (int, float)):
+            yield f"--gpu-memory-utilization must be a number in (0, 1], got {util!r}"
+        elif not 0 < util <= 1:
+            yield f"--gpu-memory-utilization must be in (0, 1], got {util}"
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -86,7 +86,6 @@ def load_engine_parts(engine_config: EngineConfig) -> EngineParts:
     model_config = load_config(path)
     device = engine_config.torch_device()
     dtype = engine_config.torch_dtype(checkpoint_dtype(model_config))
-    torch.manual_seed(engine_config.seed)
     tokenizer = load_tokenizer(path)
     model, model_config = load_model(path, dtype, device)
     max_len = model_max_len(model_config, engine_config)

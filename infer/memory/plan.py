@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from ..errors import OutOfMemoryError
+from ..errors import ConfigError, OutOfMemoryError
 from ..models.shapes import ModelShapes
 from .sizes import activation_bytes, dequant_scratch_bytes, gib, kv_bytes_per_token, weights_bytes
 
@@ -169,6 +169,14 @@ def _start_plan(engine_config: PlanOptions, model_config, model, dtype, device, 
     plan = make_plan(engine_config, model_config, dtype, device, weights_bytes(model), act, max_len, 1, max_len,
                      lora_bytes)
     if engine_config.num_kv_blocks:
+        if engine_config.num_kv_blocks > plan.kv_blocks:  # the cache is allocated at start: refuse it before that
+            more = "raise --gpu-memory-utilization" if device.type == "cuda" else "raise --memory-limit"
+            raise OutOfMemoryError(
+                f"num_kv_blocks={engine_config.num_kv_blocks:,} needs "
+                f"{gib(engine_config.num_kv_blocks * plan.kv_block_bytes)} of KV cache, but after weights "
+                f"{gib(plan.weights_bytes)} and activations {gib(plan.activation_peak_bytes)} the budget of "
+                f"{gib(plan.budget_bytes)} leaves room for {plan.kv_blocks:,} blocks",
+                f"use num_kv_blocks={plan.kv_blocks:,} or less, leave it unset (sized from the budget), or {more}")
         plan.kv_blocks = engine_config.num_kv_blocks
     else:  # never more than can be in use at once (CPU), or twice that (CUDA: room for the prefix cache)
         most = seqs * plan.blocks_for(max_len) + seqs
@@ -196,6 +204,12 @@ def plan_memory(engine_config: PlanOptions, model_config, model, dtype, device, 
     max_num_seqs sequences of max_len (CPU pages are only used as blocks fill), on CUDA twice that (room for the
     prefix cache) within the budget; --num-kv-blocks overrides both."""
     plan = _start_plan(engine_config, model_config, model, dtype, device, max_len, lora_bytes)
+    if plan.kv_blocks < plan.blocks_for(max_len) and engine_config.num_kv_blocks:
+        raise ConfigError(
+            f"num_kv_blocks={engine_config.num_kv_blocks} holds {engine_config.num_kv_blocks * plan.block_size} "
+            f"tokens, less than one sequence of {max_len} tokens (the context, --max-model-len)",
+            f"use num_kv_blocks={plan.blocks_for(max_len)} or more, or lower --max-model-len to "
+            f"{engine_config.num_kv_blocks * plan.block_size} or less")
     if plan.kv_blocks < plan.blocks_for(max_len):
         fit = largest_fitting_len(engine_config, model_config, model, dtype, device, max_len, lora_bytes)
         more = "raise --gpu-memory-utilization" if device.type == "cuda" else "raise --memory-limit"

@@ -92,6 +92,12 @@ class DecoderLayer(nn.Module):
         # caller's x and residual alive until it returns, two hidden-sized tensors per token on top of the MLP's.
 
 
+def _uninitialized(cls, *args, **kw) -> nn.Module:
+    """A torch module on the current default device with its weights left unset (the checkpoint fills them): no
+    time spent drawing random initial values, and the caller's random state left as it was."""
+    return cls(*args, device="meta", **kw).to_empty(device=torch.get_default_device())
+
+
 class LlamaForCausalLM(nn.Module):
     """Parameter names follow the HF checkpoint (model.layers.N...), with q/k/v and gate/up merged."""
 
@@ -102,13 +108,13 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         method_for = method_for or (lambda names: None)
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens = _uninitialized(nn.Embedding, cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, method_for, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = _uninitialized(nn.Linear, cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
             self.lm_head.weight.requires_grad_(False)
         self.register_buffer("packed_head", None, persistent=False)
         self.register_buffer("cos_sin", build_cos_sin_cache(cfg), persistent=False)
