@@ -7,6 +7,7 @@ so no call consumes another's outputs."""
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Iterator, Sequence as Seq
 
 from ..errors import ClosedError, RequestError
@@ -81,6 +82,8 @@ class LLM:
             return encode_prompt(self.tokenizer, prompt=prompt, max_tokens=most)
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
             return encode_prompt(self.tokenizer, messages=list(prompt), max_tokens=most)
+        if _is_array(prompt):  # a numpy array or torch tensor of token ids
+            prompt = prompt.tolist()
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)
         what = ("a list whose items are not all token ids (ints) nor all chat messages (dicts)"
@@ -92,7 +95,9 @@ class LLM:
     def _submit(self, prompts, params, lora) -> list[str]:
         """Queue every prompt, or none: a bad one raises with the ones before it taken back out of the engine."""
         self._engine()
-        if not isinstance(prompts, (str, list, tuple, dict)) and hasattr(prompts, "__iter__"):
+        if _is_array(prompts):  # token ids as a numpy array or torch tensor: 1-D is one prompt, 2-D a batch
+            prompts = prompts.tolist()
+        elif not isinstance(prompts, (str, list, tuple, dict)) and hasattr(prompts, "__iter__"):
             prompts = list(prompts)  # a generator or another iterable of prompts
         if isinstance(prompts, str) or (prompts and isinstance(prompts, (list, tuple))
                                         and isinstance(prompts[0], (int, dict))):
@@ -110,14 +115,23 @@ class LLM:
         if not all(isinstance(sp, SamplingParams) for sp in params_list):
             raise RequestError("params must be a SamplingParams or a list of them", "e.g. SamplingParams("
                                                                                      "max_new_tokens=32)")
+        for i, lo in enumerate(loras):
+            if lo is not None and not isinstance(lo, str):
+                raise RequestError(f"lora{_of(i, n) if isinstance(lora, list) else ''} must be an adapter name (a string) or None, got {lo!r}",
+                                   "give one name for all prompts, or a list with one name (or None) per prompt")
         encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
         ids: list[str] = []
         with self._lock:
             try:
-                for p, sp, lo in zip(encoded, params_list, loras):
+                for i, (p, sp, lo) in enumerate(zip(encoded, params_list, loras)):
                     self._counter += 1
                     rid = f"llm-{self._counter}"
-                    self._engine().add_request(rid, p, sp, lo)
+                    try:
+                        self._engine().add_request(rid, p, sp, lo)
+                    except RequestError as e:
+                        if n > 1:  # which of the prompts it is
+                            raise RequestError(f"prompt {i}: {e.message}", e.hint) from None
+                        raise
                     ids.append(rid)
                     self._mail[rid] = []
             except BaseException:
@@ -159,11 +173,15 @@ class LLM:
             victims = [s.request_id for s in engine.scheduler.running] or list(engine.requests)
             outputs = []
             for rid in victims:
+                seq = engine.requests.get(rid)
                 engine.abort_request(rid)
                 self._failed.add(rid)  # its abort output, handed out by a later step, is dropped
-                outputs.append(RequestOutput(request_id=rid, prompt_token_ids=[], token_ids=[], new_token_ids=[],
-                                             text="", delta_text="", finished=True, finish_reason="error",
-                                             error=message))
+                # the prompt and the tokens the request had before the failed step stay in its output
+                out = RequestOutput(request_id=rid, prompt_token_ids=list(seq.prompt_token_ids) if seq else [],
+                                    token_ids=list(seq.output_token_ids) if seq else [], text=seq.text if seq else "",
+                                    finished=True, finish_reason="error", error=message,
+                                    lora=seq.lora if seq else None)
+                outputs.append(out)
             return outputs
         dropped = {out.request_id for out in outputs} & self._failed
         self._failed -= dropped
@@ -185,8 +203,14 @@ class LLM:
 
     def stream(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                lora: str | list[str | None] | None = None) -> Iterator[tuple[int, str, RequestOutput]]:
-        """Yield (prompt index, text delta, output) as tokens arrive; the last event of a prompt has finished set."""
+        """Yield (prompt index, text delta, output) as tokens arrive; the last event of a prompt has finished set.
+        The prompts are checked and queued at this call (a bad one raises here, not at the first next())."""
         ids = self._submit(prompts, params, lora)
+        events = self._events(ids)
+        weakref.finalize(events, self._forget, ids)  # dropped without being read to the end: free its requests
+        return events
+
+    def _events(self, ids: list[str]) -> Iterator[tuple[int, str, RequestOutput]]:
         index = {rid: i for i, rid in enumerate(ids)}
         left = list(ids)
         try:
@@ -197,3 +221,12 @@ class LLM:
                     yield index[out.request_id], out.delta_text, out
         finally:  # the caller stopped early: free what is still running
             self._forget(ids)
+
+
+def _is_array(x) -> bool:
+    """A numpy array or torch tensor (anything with tolist() and a shape), not a list."""
+    return not isinstance(x, (list, tuple, str, dict)) and hasattr(x, "tolist") and hasattr(x, "shape")
+
+
+def _of(i: int, n: int) -> str:
+    return f" of prompt {i}" if n > 1 else ""

@@ -109,10 +109,13 @@ class LLMEngine:
             raise RequestError(
                 f"a request of {cap} tokens needs {need} KV blocks but the cache holds "
                 f"{self.block_manager.num_blocks}", "lower max_length, or give the engine more memory")
+        if lora is not None and not isinstance(lora, str):
+            raise RequestError(f"lora must be an adapter name (a string) or None, got {lora!r}")
         if lora is not None and (self.lora_manager is None or not self.lora_manager.has(lora)):
             known = sorted(self.lora_manager.names()) if self.lora_manager else []
-            raise RequestError(f"unknown LoRA adapter {lora!r}",
-                               f"registered adapters: {', '.join(known) or 'none (pass --lora NAME=PATH)'}")
+            none = ("none: start the engine with an adapter (--lora NAME=PATH, LLM(..., loras={NAME: PATH})), or with "
+                    "--enable-lora to add them while it runs (LLM.add_lora)") if self.lora_manager is None else "none"
+            raise RequestError(f"unknown LoRA adapter {lora!r}", f"registered adapters: {', '.join(known) or none}")
 
     def abort_request(self, request_id: str) -> None:
         seq = self.requests.get(str(request_id))

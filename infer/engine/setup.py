@@ -94,7 +94,8 @@ def load_engine_parts(engine_config: EngineConfig) -> EngineParts:
         from ..lora.manager import LoRAManager
         lora_manager = LoRAManager(model, max_loras=engine_config.max_loras,
                                    max_lora_rank=engine_config.max_lora_rank,
-                                   max_cpu_loras=engine_config.max_cpu_loras, device=device, dtype=dtype)
+                                   max_cpu_loras=engine_config.max_cpu_loras, device=device, dtype=dtype,
+                                   base_path=path, base_name=str(engine_config.model))
         for name, adapter in engine_config.loras.items():
             lora_manager.register(name, adapter)
     plan = plan_memory(engine_config, model_config, model, dtype, device, max_len,

@@ -13,8 +13,10 @@ a folder without touching the registry (a server does it off the engine thread),
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -24,15 +26,22 @@ from .adapter import LoRAAdapter, load_adapter
 from .batch import LoRABatch
 from .layer import LoRALayer
 
+log = logging.getLogger("infer")
+
 
 class LoRAManager:
     def __init__(self, model, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 base_path: Path | None = None, base_name: str | None = None):
+        """`base_path` / `base_name`: the base model's folder and the name it was given by; with them, an adapter
+        whose adapter_config.json names another base model is logged as a warning when added (as lora-validate
+        warns), since its sizes may fit by chance."""
         if max_loras < 1 or max_lora_rank < 1 or (max_cpu_loras is not None and max_cpu_loras < 1):
             raise LoRAError(f"max_loras={max_loras}, max_lora_rank={max_lora_rank}, max_cpu_loras={max_cpu_loras}",
                             "each must be at least 1")
         linears = [m for m in model.modules() if isinstance(m, MergedLinear)]
         self.base_config = model.config
+        self.base_path, self.base_name = base_path, base_name
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.device = torch.device(device) if device is not None else _device_of(linears)
         self.dtype = dtype or (linears[0].dtype if linears else torch.float32)
@@ -66,7 +75,8 @@ class LoRAManager:
         """Read and validate the adapter at `path` (LoRAError if it cannot run on the model) without registering
         it: safe to call from another thread than the engine's."""
         if not isinstance(name, str) or not name:
-            raise LoRAError(f"invalid LoRA adapter name {name!r}", "use --lora NAME=PATH with a non-empty NAME")
+            raise LoRAError(f"invalid LoRA adapter name {name!r}: it must be a non-empty string",
+                            "e.g. --lora support=./adapters/support, or LLM.add_lora('support', './adapters/support')")
         return self._read(name, Path(path).expanduser())
 
     def add(self, adapter: LoRAAdapter) -> None:
@@ -78,6 +88,12 @@ class LoRAManager:
         if name in self._paths and self._paths[name] != path:
             raise LoRAError(f"LoRA adapter {name!r} is already registered from {self._paths[name]}",
                             "give each adapter folder its own name")
+        if self.base_path is not None:
+            from .validate import base_name_warning
+            warning = base_name_warning(name, adapter.config, SimpleNamespace(path=Path(self.base_path)),
+                                        self.base_name or str(self.base_path))
+            if warning:
+                log.warning("%s (infer lora-validate checks it)", warning)
         self._paths[name] = path
         self._registrations += 1
         self._registration[name] = self._registrations
