@@ -43,6 +43,11 @@ class LoRAError(InferError):
     """An adapter that cannot be loaded or does not fit the base model."""
 
 
+class LoRANameError(LoRAError):
+    """The adapter's name is the problem (not a string, taken, or its earlier adapter still finishing), not its
+    folder: a server answers it naming lora_name."""
+
+
 class OutOfMemoryError(InferError):
     """The model, its activations or its KV cache do not fit the memory budget (the engine cannot start)."""
 

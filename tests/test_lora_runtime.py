@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from infer import LLM, SamplingParams
-from infer.errors import LoRAError, RequestError
+from infer.errors import LoRAError, LoRANameError, RequestError
 from infer.models.tiny import ensure_builtin
 
 from lora_helpers import THREE, PeftOracle, hf_float, save_adapter
@@ -165,20 +165,20 @@ def test_every_mistake_is_a_lora_error_and_the_engine_keeps_serving(paths, oracl
         assert plain.list_loras() == []
     with make_llm(max_num_seqs=1) as llm:
         llm.add_lora("a", str(paths["a"]))
-        with pytest.raises(LoRAError, match="already loaded"):
+        with pytest.raises(LoRANameError, match="already loaded"):  # the name is the problem: a server says lora_name
             llm.add_lora("a", str(paths["b"]))
         with pytest.raises(LoRAError, match="nowhere"):
             llm.add_lora("n", str(tmp_path / "nowhere"))
         with pytest.raises(LoRAError, match="rank 16"):
             llm.add_lora("big", str(paths["r16"]))
-        with pytest.raises(LoRAError, match="invalid LoRA adapter name"):
+        with pytest.raises(LoRANameError, match="invalid LoRA adapter name"):
             llm.add_lora("", str(paths["b"]))
         with pytest.raises(LoRAError, match="unknown LoRA adapter 'zz'"):
             llm.remove_lora("zz")
         stream = llm.stream(PROMPTS[:1], PARAMS, lora="a")
         next(stream)
         llm.remove_lora("a")
-        with pytest.raises(LoRAError, match="being removed: requests accepted before its removal"):
+        with pytest.raises(LoRANameError, match="being removed: requests accepted before its removal"):
             llm.add_lora("a", str(paths["a"]))  # its running request still uses the old weights under that name
         assert [out.token_ids for _, _, out in stream if out.finished] == [oracle.greedy("a", PROMPTS[0], N)]
         llm.add_lora("a", str(paths["c"]))  # the last user finished: the name is free again

@@ -119,6 +119,9 @@ def test_adapters_load_and_unload_on_every_replica(client, url, server, adapter,
     assert all(b > a for a, b in zip(steps, after)), "both replicas should have run the adapter's requests"
     r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/nowhere/at/all"})
     assert r.status_code == 400 and "replica 0" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "lora_path"  # the folder is the problem
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "r", "lora_path": str(adapter)})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text  # the name is taken
     assert {m.id for m in client.models.list().data} == {"tiny-llama", "r"}
 
     got, first = {}, cf.Future()

@@ -116,7 +116,7 @@ def test_unload_while_a_stream_runs_with_it(url, client, paths, oracle):
     assert first.wait(30)
     r = _unload(url, "s")
     t.join(60)
-    assert r.status_code == 200 and "1 request(s) already running with it finish first" in r.text
+    assert r.status_code == 200 and "1 request(s) accepted before (running or queued) finish with it first" in r.text
     assert got["ids"] == oracle.greedy("b", PROMPT, n)
     with pytest.raises(openai.NotFoundError):
         _tokens(client, "s")
@@ -131,6 +131,7 @@ def test_bad_bodies_and_folders_get_4xx(url, paths, tmp_path):
         (httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": 3, "lora_path": "p"}), 400,
          "lora_name must be a non-empty string, got 3"),
         (_load(url, "tiny-llama", adapters["a"]), 400, "is the base model's id"),
+        (_load(url, str(ensure_builtin("tiny-llama")), adapters["a"]), 400, "is the base model's id"),
         (_load(url, "gone", tmp_path / "nowhere"), 400, "nowhere"),
         (httpx.post(f"{url}/v1/unload_lora_adapter", json={}), 400, "lora_name must be a non-empty string"),
         (_unload(url, "never"), 404, "unknown LoRA adapter 'never'"),

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import torch
 
-from ..errors import LoRAError, RequestError
+from ..errors import LoRAError, LoRANameError, RequestError
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import Detokenizer
@@ -140,8 +140,8 @@ class LLMEngine:
         manager = self.lora_slots()
         self._reap_loras()
         if manager.has(name):
-            raise LoRAError(f"a LoRA adapter named {name!r} is already loaded",
-                            "remove it first, or give this one another name")
+            raise LoRANameError(f"a LoRA adapter named {name!r} is already loaded",
+                                "remove it first, or give this one another name")
         manager.add(loaded if loaded is not None else manager.load(name, path))
 
     def remove_lora(self, name: str) -> int:

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..errors import LoRAError
+from ..errors import LoRAError, LoRANameError
 from ..models.layers import MergedLinear
 from .adapter import LoRAAdapter, load_adapter
 from .batch import LoRABatch
@@ -75,19 +75,20 @@ class LoRAManager:
         """Read and validate the adapter at `path` (LoRAError if it cannot run on the model) without registering
         it: safe to call from another thread than the engine's."""
         if not isinstance(name, str) or not name:
-            raise LoRAError(f"invalid LoRA adapter name {name!r}: it must be a non-empty string",
-                            "e.g. --lora support=./adapters/support, or LLM.add_lora('support', './adapters/support')")
+            raise LoRANameError(
+                f"invalid LoRA adapter name {name!r}: it must be a non-empty string",
+                "e.g. --lora support=./adapters/support, or LLM.add_lora('support', './adapters/support')")
         return self._read(name, Path(path).expanduser())
 
     def add(self, adapter: LoRAAdapter) -> None:
         """Register an adapter `load` returned; LoRAError if its name is taken by another folder."""
         name, path = adapter.name, adapter.path
         if name in self._retired:
-            raise LoRAError(f"LoRA adapter {name!r} is being removed: requests accepted before its removal still "
-                            "use it", "add it again once they finish, or under another name")
+            raise LoRANameError(f"LoRA adapter {name!r} is being removed: requests accepted before its removal still "
+                                "use it", "add it again once they finish, or under another name")
         if name in self._paths and self._paths[name] != path:
-            raise LoRAError(f"LoRA adapter {name!r} is already registered from {self._paths[name]}",
-                            "give each adapter folder its own name")
+            raise LoRANameError(f"LoRA adapter {name!r} is already registered from {self._paths[name]}",
+                                "give each adapter folder its own name")
         if self.base_path is not None:
             from .validate import base_name_warning
             warning = base_name_warning(name, adapter.config, SimpleNamespace(path=Path(self.base_path)),

@@ -12,7 +12,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 
-from ..errors import InferError, RequestError
+from ..errors import InferError, LoRANameError, RequestError
 
 # (request id, prompt token ids, SamplingParams, lora name or None): what travels to a replica
 Wire = tuple
@@ -59,7 +59,7 @@ class Replica:
         try:
             self.engine.add_lora(name, path)
         except InferError as e:
-            return {"message": e.message, "hint": e.hint}
+            return {"message": e.message, "hint": e.hint, "name": isinstance(e, LoRANameError)}
         return None
 
     def remove_lora(self, name: str) -> int | dict:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..engine.block_manager import BlockManager
 from ..engine.llm_engine import LLMEngine
-from ..errors import LoRAError
+from ..errors import LoRAError, LoRANameError
 from ..serve.async_engine import AsyncEngine
 from .runtime import _last_line, stop_replicas
 
@@ -211,8 +211,8 @@ class RayAsyncEngine(AsyncEngine):
         adapters = self.engine.lora_slots()
         async with self._lora_lock():
             if adapters.has(name):
-                raise LoRAError(f"a LoRA adapter named {name!r} is already loaded",
-                                "remove it first, or give this one another name")
+                raise LoRANameError(f"a LoRA adapter named {name!r} is already loaded",
+                                    "remove it first, or give this one another name")
             path = str(Path(path).expanduser().absolute())  # the replicas may run in another directory
             live = [r for r in self.replicas if r.alive]
             errors = await self._on_replicas([r.handle.add_lora.remote(name, path) for r in live])
@@ -221,7 +221,8 @@ class RayAsyncEngine(AsyncEngine):
                 loaded = [r for r, e in zip(live, errors) if e is None]
                 await self._on_replicas([r.handle.remove_lora.remote(name) for r in loaded])
                 r, e = failed[0]
-                raise LoRAError(f"replica {r.index} ({r.info.get('host')}): {e['message']}", e.get("hint"))
+                kind = LoRANameError if e.get("name") else LoRAError  # the name, or the folder, is the problem
+                raise kind(f"replica {r.index} ({r.info.get('host')}): {e['message']}", e.get("hint"))
             adapters.add(name)
 
     async def remove_lora(self, name: str) -> int:

@@ -18,7 +18,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 
-from ..errors import LoRAError
+from ..errors import LoRAError, LoRANameError
 from . import protocol as p
 from .async_engine import ShuttingDownError
 from .body import check_values, load_json, read_body
@@ -32,13 +32,14 @@ def add_adapter_routes(app: FastAPI, server) -> None:
     async def load_lora_adapter(request: Request):
         body = await _body(server, request)
         name, path = _string(body, "lora_name"), _string(body, "lora_path")
-        if name in (server.model_id, server.engine.config.model):
+        base = getattr(server.engine, "model_path", None)
+        if name in (server.model_id, server.engine.config.model, *([str(base)] if base is not None else [])):
             raise p.ApiError(400, f"lora_name {name!r} is the base model's id, so no request could pick the adapter",
                              param="lora_name")
         try:
             await server.aengine.add_lora(name, path)
         except LoRAError as e:
-            raise p.ApiError(400, str(e), param="lora_path" if "already" not in e.message else "lora_name",
+            raise p.ApiError(400, str(e), param="lora_name" if isinstance(e, LoRANameError) else "lora_path",
                              code="invalid_lora_adapter") from None
         except ShuttingDownError as e:
             raise _unavailable(e) from None
@@ -56,7 +57,8 @@ def add_adapter_routes(app: FastAPI, server) -> None:
         except ShuttingDownError as e:
             raise _unavailable(e) from None
         log.info("LoRA adapter %r unloaded (%d request(s) still finishing with it)", name, running)
-        tail = f" {running} request(s) already running with it finish first." if running else ""
+        tail = (f" {running} request(s) accepted before (running or queued) finish with it first; its memory is freed "
+                "after them.") if running else ""
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.{tail}")
 
 

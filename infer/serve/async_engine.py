@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import SamplingParams
-from ..errors import InferError, LoRAError
+from ..errors import InferError, LoRAError, LoRANameError
 
 log = logging.getLogger("infer.serve")
 
@@ -103,8 +103,8 @@ class AsyncEngine:
         thread; requests may name it once this returns. LoRAError when it cannot be served."""
         manager = self.engine.lora_slots()
         if manager.has(name):  # checked again on the engine thread: another call may add the name meanwhile
-            raise LoRAError(f"a LoRA adapter named {name!r} is already loaded",
-                            "remove it first, or give this one another name")
+            raise LoRANameError(f"a LoRA adapter named {name!r} is already loaded",
+                                "remove it first, or give this one another name")
         adapter = await asyncio.to_thread(manager.load, name, path)
         await self._call(lambda engine: engine.add_lora(name, path, loaded=adapter))
 
