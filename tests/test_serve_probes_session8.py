@@ -84,6 +84,27 @@ def test_head_probes_of_health_and_models(url):
         assert r.status_code == 200 and r.content == b"", path
 
 
+def test_http_details_a_client_or_proxy_relies_on(url):
+    """A 405 had no Allow header, HEAD /metrics was 405, a gzip body got 400 'not valid JSON', and stream_options
+    without stream was accepted silently (vLLM refuses it)."""
+    r = httpx.put(f"{url}/v1/models")
+    assert r.status_code == 405 and set(r.headers["allow"].replace(" ", "").split(",")) == {"GET", "HEAD"}
+    r = httpx.head(f"{url}/metrics")
+    assert r.status_code == 200 and r.content == b""
+    import gzip
+    import json
+    raw = gzip.compress(json.dumps({"prompt": "hi", "max_tokens": 2}).encode())
+    r = httpx.post(f"{url}/v1/completions", content=raw,
+                   headers={"content-type": "application/json", "content-encoding": "gzip"})
+    message = _error(r, 415, None, "unsupported_content_encoding")
+    assert "Content-Encoding 'gzip' is not supported: send the body uncompressed" in message
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2,
+                                                   "stream_options": {"include_usage": True}}, timeout=60)
+    assert "stream_options can only be given with stream: true" in _error(r, 400, "stream_options")
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream_options": None}, timeout=60)
+    assert r.status_code == 200
+
+
 def _in_thread(fn):
     import threading
     box = {}

@@ -214,7 +214,8 @@ def _install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
-        return SafeJSONResponse(p.ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+        return SafeJSONResponse(p.ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code,
+                                headers=getattr(e, "headers", None))  # a 405's Allow among them
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError):
@@ -290,7 +291,7 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     async def health():
         return {"status": "ok", "model": server.model_id, "engine": server.stats()}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics(request: Request):
         server.check_auth(request)
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)

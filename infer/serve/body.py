@@ -58,6 +58,10 @@ def too_large(limit: int) -> ApiError:
 async def read_body(request: Request, limit: int) -> bytes:
     """The whole body, or ApiError 413 as soon as it is known to pass `limit` bytes: from Content-Length before
     a byte is read, and by counting what arrives for a chunked body (nothing past the limit is kept)."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):  # it would fail as JSON with a message about the bytes, not the encoding
+        raise ApiError(415, f"Content-Encoding {encoding!r} is not supported: send the body uncompressed",
+                       code="unsupported_content_encoding", headers={"Accept-Encoding": "identity"})
     declared = request.headers.get("content-length")
     if declared is not None and declared.strip().isdigit() and int(declared) > limit:
         raise too_large(limit)

@@ -80,6 +80,8 @@ def _common(body: Any, chat: bool) -> GenerationRequest:
     model = _expect(body, "model", (str,), "a string")
     stream = bool(_expect(body, "stream", (bool,), "a boolean"))
     options = _expect(body, "stream_options", (dict,), "an object") or {}
+    if options and not stream:  # as vLLM and OpenAI: the options of a stream that is not one are a mistake
+        raise ApiError(400, "stream_options can only be given with stream: true", param="stream_options")
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise ApiError(400, "stream_options.include_usage must be a boolean", param="stream_options")
