@@ -117,7 +117,8 @@ class LLM:
                                                                                      "max_new_tokens=32)")
         for i, lo in enumerate(loras):
             if lo is not None and not isinstance(lo, str):
-                raise RequestError(f"lora{_of(i, n) if isinstance(lora, list) else ''} must be an adapter name (a string) or None, got {lo!r}",
+                which = _of(i, n) if isinstance(lora, list) else ""
+                raise RequestError(f"lora{which} must be an adapter name (a string) or None, got {lo!r}",
                                    "give one name for all prompts, or a list with one name (or None) per prompt")
         encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
         ids: list[str] = []
