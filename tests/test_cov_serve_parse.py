@@ -73,7 +73,10 @@ def test_logprobs_types_per_endpoint(tok):
 def test_stream_options_include_usage(tok):
     req = parse_completion({"prompt": "hi", "stream": True, "stream_options": {"include_usage": True}}, tok)
     assert req.include_usage
-    req = parse_completion({"prompt": "hi", "stream": False, "stream_options": {"include_usage": True}}, tok)
+    with pytest.raises(ApiError) as e:  # as vLLM: the options of a stream that is not one are a mistake
+        parse_completion({"prompt": "hi", "stream": False, "stream_options": {"include_usage": True}}, tok)
+    assert e.value.status == 400 and e.value.param == "stream_options"
+    req = parse_completion({"prompt": "hi", "stream": False, "stream_options": None}, tok)
     assert not req.include_usage  # usage rides in the response itself when not streaming
     with pytest.raises(ApiError) as e:
         parse_completion({"prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}}, tok)

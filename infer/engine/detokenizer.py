@@ -47,9 +47,12 @@ class Detokenizer:
         else:
             text = self._decode(ids)
         found = []  # the text ends before the earliest stop string in it (OpenAI), whatever the list's order
+        if seq.params.stop and seq.stop_search_from is None:  # forced prefix tokens are not generated: not searched
+            prefix = seq.params.prefix_token_ids
+            seq.stop_search_from = len(self._decode(prefix).rstrip("\ufffd")) if prefix else 0
         for stop in seq.params.stop:
             # only look where the newest tokens could have completed a stop string
-            start = max(0, len(seq.text) - len(stop) - 8)
+            start = max(seq.stop_search_from, len(seq.text) - len(stop) - 8)
             pos = text.find(stop, start)
             if pos != -1:
                 found.append(pos)

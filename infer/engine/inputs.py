@@ -6,6 +6,7 @@ Prompts are tokenized exactly as transformers does: `tokenizer(prompt)` for text
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,7 +100,23 @@ def chat_messages(messages: Any) -> list[dict]:
         if not isinstance(m["role"], str):
             raise RequestError(f"messages[{i}].role must be a string, got {type(m['role']).__name__}")
         out.append({**m, "content": _content_text(m.get("content"), i)})
+        if isinstance(m.get("tool_calls"), list):
+            out[-1]["tool_calls"] = [_tool_call(c) for c in m["tool_calls"]]
     return out
+
+
+def _tool_call(call: Any) -> Any:
+    """An OpenAI tool call as chat templates read it: `function.arguments` sent as a JSON string (OpenAI's form)
+    becomes the object it encodes, as vLLM does (a template that writes `arguments | tojson` would otherwise quote
+    the string again). The caller's message is left as it was."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
 
 
 def _content_text(content: Any, i: int) -> str:

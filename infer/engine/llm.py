@@ -6,6 +6,7 @@ so no call consumes another's outputs."""
 
 from __future__ import annotations
 
+import numbers
 import threading
 import weakref
 from typing import Iterator, Sequence as Seq
@@ -84,8 +85,10 @@ class LLM:
             return encode_prompt(self.tokenizer, messages=list(prompt), max_tokens=most)
         if _is_array(prompt):  # a numpy array or torch tensor of token ids
             prompt = prompt.tolist()
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
+        if isinstance(prompt, (list, tuple)):
+            ids = [_token_id(t) for t in prompt]  # numpy ints and 0-d tensors (list(array)) are token ids too
+            if all(t is not None for t in ids):
+                return ids
         what = ("a list whose items are not all token ids (ints) nor all chat messages (dicts)"
                 if isinstance(prompt, (list, tuple))
                 else f"of type {type(prompt).__name__}, not text, token ids or chat messages")
@@ -100,7 +103,7 @@ class LLM:
         elif not isinstance(prompts, (str, list, tuple, dict)) and hasattr(prompts, "__iter__"):
             prompts = list(prompts)  # a generator or another iterable of prompts
         if isinstance(prompts, str) or (prompts and isinstance(prompts, (list, tuple))
-                                        and isinstance(prompts[0], (int, dict))):
+                                        and (isinstance(prompts[0], dict) or _token_id(prompts[0]) is not None)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise RequestError(f"prompts must be a string, a list of token ids, chat messages, or a list of those; "
@@ -227,6 +230,15 @@ class LLM:
 def _is_array(x) -> bool:
     """A numpy array or torch tensor (anything with tolist() and a shape), not a list."""
     return not isinstance(x, (list, tuple, str, dict)) and hasattr(x, "tolist") and hasattr(x, "shape")
+
+
+def _token_id(x) -> int | None:
+    """x as a token id (an int, a numpy integer, or a 0-d integer array or tensor), or None if it is not one."""
+    if _is_array(x) and tuple(x.shape) == ():
+        x = x.tolist()
+    if isinstance(x, numbers.Integral) and not isinstance(x, bool):
+        return int(x)
+    return None
 
 
 def _of(i: int, n: int) -> str:

@@ -329,3 +329,8 @@ class LLMEngine:
             self.add_request(f"__warmup__{i}", prompt, params)
             while self.has_unfinished_requests():
                 self.step()
+        # a fresh engine to its users: no steps, no cached prefixes of made-up prompts, no hits, no replays
+        self.num_steps = self.scheduler.num_preemptions = 0
+        self.block_manager.reset_prefix_cache()
+        if self.runner.graphs is not None:
+            self.runner.graphs.replays.clear()

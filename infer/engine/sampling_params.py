@@ -39,14 +39,15 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        self.prefix_token_ids = list(self.prefix_token_ids or [])
+        self.stop_token_ids = _ids(self.stop_token_ids)
+        self.prefix_token_ids = _ids(self.prefix_token_ids)
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0
         for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
                 raise RequestError(f"{name} must be a finite number, got {value!r}")
+            setattr(self, name, float(value))  # a numpy float too, as a plain float from here on
         checks = [
             (self.max_new_tokens is None or 1 <= self.max_new_tokens <= MAX_TOKENS,
              f"max_new_tokens must be in 1..{MAX_TOKENS}, got {self.max_new_tokens}"),
@@ -80,6 +81,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
                 raise RequestError(f"{name} must be an integer, got {type(value).__name__}")
+            if value is not None:
+                setattr(self, name, int(value))  # a numpy integer too, as a plain int from here on
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"ignore_eos must be true or false, got {type(self.ignore_eos).__name__}")
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
@@ -105,3 +108,8 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _ids(values) -> list:
+    """A list of token ids, numpy integers turned into ints (anything else is left for the checks to refuse)."""
+    return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in values or []]

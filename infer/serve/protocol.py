@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.inputs import UNSUPPORTED_OPENAI as _UNSUPPORTED, encode_prompt, params_from
+from ..engine.inputs import UNSUPPORTED_OPENAI as _UNSUPPORTED, chat_messages, encode_prompt, params_from
 from ..engine.outputs import RequestOutput
 from ..engine.prompt_size import PromptTooLongError
 from ..errors import RequestError
@@ -151,16 +151,6 @@ def parse_completion(body: Any, tokenizer, max_tokens: int | None = None) -> Gen
     return req
 
 
-def _flatten_content(content: Any, i: int) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in content):
-            raise ApiError(400, f"messages[{i}].content: only text parts are supported", param="messages")
-        return "".join(p["text"] for p in content)
-    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
-
-
 def parse_chat(body: Any, tokenizer, max_tokens: int | None = None) -> GenerationRequest:
     req = _common(body, chat=True)
     messages = body.get("messages")
@@ -170,11 +160,13 @@ def parse_chat(body: Any, tokenizer, max_tokens: int | None = None) -> Generatio
         got = "an empty list" if isinstance(messages, list) else f"a {type(messages).__name__}"
         raise ApiError(400, f"field 'messages' must be a non-empty list of message objects, got {got}",
                        param="messages")
-    clean = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", param="messages")
-        clean.append({"role": m["role"], "content": _flatten_content(m.get("content"), i)})
+    try:  # the messages as LLM.chat and infer run give them to the template: name, tool_calls... kept
+        clean = chat_messages(messages)
+    except RequestError as e:
+        raise bad_request(e, param="messages") from e
     if _no_max_tokens(body):
         req.params.max_new_tokens = None  # as OpenAI: up to the context limit
     try:
@@ -221,8 +213,14 @@ def completion_logprobs(records: list[dict], tokenizer, offset: int = 0) -> dict
     for t in tokens:
         text_offset.append(pos)
         pos += len(t)
-    tops = [{_tok(tokenizer, x["token_id"]): x["logprob"] for x in r["top_logprobs"]} if "top_logprobs" in r
-            else None for r in records]
+    # as OpenAI and vLLM: the sampled token is always among its position's top_logprobs (first), so an entry holds
+    # up to logprobs + 1 tokens, and logprobs: 0 still gives the sampled one
+    tops = []
+    for tok, r in zip(tokens, records):
+        top = {tok: r["logprob"]}
+        for x in r.get("top_logprobs", []):
+            top.setdefault(_tok(tokenizer, x["token_id"]), x["logprob"])
+        tops.append(top)
     return {"tokens": tokens, "token_logprobs": [r["logprob"] for r in records], "top_logprobs": tops,
             "text_offset": text_offset}
 

@@ -1,0 +1,122 @@
+"""Found by the fourteenth session's probes: completions top_logprobs without the sampled token, chat messages losing
+their name and tool calls on the server (not through LLM.chat), numpy numbers refused or misread by the Python API,
+a stop string matched inside a request's forced prefix, and a server's statistics counting its own warm-up."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from infer import LLM, SamplingParams
+from infer.engine.inputs import encode_prompt
+from infer.errors import RequestError
+from infer.models.tiny import ensure_builtin
+from infer.serve import protocol as p
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM("tiny-qwen2", max_num_seqs=4, max_model_len=256) as llm:
+        yield llm
+
+
+class _Tok:
+    def convert_ids_to_tokens(self, i):
+        return f"t{i}"
+
+    def decode(self, ids, **kw):
+        return "".join(f"t{i}" for i in ids)
+
+
+def test_completions_top_logprobs_always_hold_the_sampled_token():
+    """A sampled token outside the top-k was missing from its position's dict, and logprobs: 0 gave null entries;
+    OpenAI and vLLM put the sampled token in every entry (up to logprobs + 1 tokens)."""
+    records = [{"token_id": 7, "logprob": -6.5, "top_logprobs": [{"token_id": 3, "logprob": -0.2}]},
+               {"token_id": 3, "logprob": -0.1, "top_logprobs": [{"token_id": 3, "logprob": -0.1},
+                                                                  {"token_id": 9, "logprob": -2.0}]},
+               {"token_id": 5, "logprob": -1.0}]  # logprobs: 0
+    lp = p.completion_logprobs(records, _Tok())
+    assert lp["top_logprobs"] == [{"t7": -6.5, "t3": -0.2}, {"t3": -0.1, "t9": -2.0}, {"t5": -1.0}]
+    assert list(lp["top_logprobs"][0]) == ["t7", "t3"]  # the sampled token first, as vLLM
+    assert lp["tokens"] == ["t7", "t3", "t5"] and lp["token_logprobs"] == [-6.5, -0.1, -1.0]
+
+
+TEMPLATE = ("{% for m in messages %}<|{{ m.role }}{% if m.name %} ({{ m.name }}){% endif %}|>{{ m.content }}"
+            "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }}{{ c.function.arguments | tojson }}</call>"
+            "{% endfor %}{% if m.tool_call_id %}[{{ m.tool_call_id }}]{% endif %}\n{% endfor %}<|assistant|>")
+
+MESSAGES = [{"role": "user", "content": "weather?", "name": "alice"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+
+
+def test_the_server_gives_the_template_every_field_of_a_message_as_llm_chat_does():
+    """parse_chat rebuilt each message as {role, content}: a user's name and the earlier tool calls vanished from
+    the prompt (200, no error), while LLM.chat and infer run kept them. Tool-call arguments sent as a JSON string
+    (OpenAI's form) reach the template as the object, as in vLLM, not quoted twice."""
+    tok = AutoTokenizer.from_pretrained(ensure_builtin("tiny-qwen2"))
+    tok.chat_template = TEMPLATE
+    original = repr(MESSAGES)
+    req = p.parse_chat({"messages": MESSAGES}, tok)
+    assert req.prompts == [encode_prompt(tok, messages=MESSAGES)]
+    text = tok.decode(req.prompts[0])
+    assert "<|user (alice)|>weather?" in text and "[c1]" in text
+    assert '<call>get_weather{"city": "Paris"}</call>' in text, text
+    assert repr(MESSAGES) == original  # the caller's messages are not changed
+    with pytest.raises(p.ApiError, match="only text parts are supported") as e:
+        p.parse_chat({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, tok)
+    assert e.value.status == 400 and e.value.param == "messages"
+
+
+def test_numpy_numbers_are_numbers_and_token_ids(llm):
+    params = SamplingParams(temperature=np.float32(0.5), top_p=np.float64(0.9), max_new_tokens=np.int64(3),
+                            seed=np.int32(1), stop_token_ids=[np.int64(5)], prefix_token_ids=[np.int16(7)])
+    assert type(params.temperature) is float and type(params.max_new_tokens) is int
+    assert params.stop_token_ids == [5] and type(params.prefix_token_ids[0]) is int
+    with pytest.raises(RequestError, match="temperature must be a finite number"):
+        SamplingParams(temperature=np.float32("nan"))
+    greedy = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    want = llm.generate([[1, 2, 3]], greedy)[0].token_ids
+    # a list of numpy ints (list(array)) or of 0-d tensors is one prompt of token ids, not three prompts
+    for prompt in ([np.int64(1), np.int64(2), np.int64(3)], list(torch.tensor([1, 2, 3]))):
+        out = llm.generate(prompt, greedy)
+        assert len(out) == 1 and out[0].prompt_token_ids == [1, 2, 3] and out[0].token_ids == want
+    with pytest.raises(RequestError, match="prompt 0 is a list whose items are not all token ids"):
+        llm.generate([[1, 2.5]], greedy)
+
+
+def test_a_stop_string_is_not_searched_in_the_forced_prefix(llm):
+    """stop=["ell"] with prefix_token_ids "Hello world" ended the request after one token with text 'H'."""
+    prefix = llm.tokenizer("Hello world")["input_ids"]
+    free = llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=6, ignore_eos=True, prefix_token_ids=prefix))[0]
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=6, ignore_eos=True, prefix_token_ids=prefix,
+                                                   stop=["ell"]))[0]
+    assert free.text.startswith("Hello world")
+    generated = free.text[len("Hello world"):]
+    if "ell" in generated:  # the model itself wrote it: cut there, after the prefix
+        assert out.text == "Hello world" + generated[:generated.index("ell")] and out.finish_reason == "stop"
+    else:
+        assert out.text == free.text and out.finish_reason == "length"
+
+
+def test_a_warmed_up_engine_reports_no_steps_and_caches_no_warm_up_prompts():
+    """A fresh server's /health said num_steps 6 and prefix_cache_hit_rate 0.35 before any request: the warm-up's
+    made-up prompts were counted and stayed in the prefix cache."""
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    engine = LLMEngine(EngineConfig("tiny-llama", max_num_seqs=4, max_model_len=256, block_size=4))
+    try:
+        engine.warm_kernels()
+        stats = engine.stats()
+        assert stats["num_steps"] == 0 and stats["prefix_cache_hit_rate"] == 0.0 and stats["kv_blocks_used"] == 0
+        assert engine.block_manager.hash_to_block == {}
+        engine.add_request("a", list(range(1, 40)), SamplingParams(max_new_tokens=2, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.stats()["num_steps"] > 0
+    finally:
+        engine.close()
