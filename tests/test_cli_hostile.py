@@ -64,13 +64,13 @@ def test_every_hostile_line_gets_one_record_and_the_run_completes(tmp_path):
     by_id = {r["id"]: r for r in recs}
     assert by_id["ok"]["error"] is None and by_id["x\udc80"]["error"] is None  # a bad id is still a valid request
     assert by_id["ls\u2028\u2029\u0085"]["error"] is None
-    assert "line 10: bad JSON: Invalid control character" in by_id["10"]["error"]  # one line, one record
+    assert "line 10: bad JSON: Invalid control character" in by_id["line10"]["error"]  # one line, one record
     assert "surrogate" in by_id["sur"]["error"] and "line 1" in by_id["sur"]["error"]
-    assert "nested too deeply" in by_id["3"]["error"] and "nested too deeply" in by_id["4"]["error"]
+    assert "nested too deeply" in by_id["line3"]["error"] and "nested too deeply" in by_id["line4"]["error"]
     assert "temperature" in by_id["inf"]["error"] and "repetition_penalty" in by_id["rp"]["error"]
     assert "top_p" in by_id["nan"]["error"] and "max_new_tokens" in by_id["big"]["error"]
-    assert "seed" in by_id["seed"]["error"] and "UTF-8" in by_id["12"]["error"]
-    assert "line 13" in by_id["13"]["error"] and "line 14" in by_id["14"]["error"]  # numbering never shifts
+    assert "seed" in by_id["seed"]["error"] and "UTF-8" in by_id["line12"]["error"]
+    assert "line 13" in by_id["line13"]["error"] and "line 14" in by_id["line14"]["error"]  # numbering never shifts
 
 
 def test_strict_exits_2_listing_every_bad_line_before_the_model_loads(tmp_path, monkeypatch):

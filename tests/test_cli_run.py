@@ -139,7 +139,7 @@ def test_bad_lines_get_error_records_and_others_run(tmp_path):
     assert recs["a"]["error"] is None and recs["c"]["error"] is None
     errors = {k: v["error"] for k, v in recs.items() if v["finish_reason"] == "error"}
     assert len(errors) == len(BAD)
-    assert "line 2" in errors["2"] and "JSON" in errors["2"]
+    assert "line 2" in errors["line2"] and "JSON" in errors["line2"]
     assert "no prompt" in errors["noprompt"]
     assert "top_p" in errors["topp"]
     assert "max_new_tokens" in errors["type"]

@@ -120,3 +120,87 @@ def test_a_warmed_up_engine_reports_no_steps_and_caches_no_warm_up_prompts():
         assert engine.stats()["num_steps"] > 0
     finally:
         engine.close()
+
+
+# ------------------------------------------------------------------------------------------------- infer run
+def _cli(*args):
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    return CliRunner().invoke(app, ["run", "tiny-llama", *map(str, args), "-q"])
+
+
+def _records(path):
+    import json
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_broken_line_never_takes_the_id_of_a_later_line(tmp_path):
+    """Broken line 2 took the id "2" (its line number), so the valid line with "id": 2 after it was refused as a
+    duplicate, and the bad-JSON error was filed under the id 2."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": 0, "prompt": "a", "max_new_tokens": 2}\n{"id": 1, "prompt": "b", "max_new_tokens": 2,}\n'
+                   '{"id": 2, "prompt": "c", "max_new_tokens": 2}\n\xff\n')
+    out = tmp_path / "out.jsonl"
+    res = _cli(inp, "-o", out)
+    assert res.exit_code == 1, res.output
+    by_id = {r["id"]: r for r in _records(out)}
+    assert set(by_id) == {"0", "line2", "2", "line4"}
+    assert by_id["2"]["error"] is None and by_id["0"]["error"] is None
+    assert by_id["line2"]["error"].startswith("line 2: bad JSON")
+    assert "line 4" in by_id["line4"]["error"]
+
+
+def test_resume_refuses_lines_appended_to_a_last_line_without_a_newline(tmp_path):
+    """The appended request joined the old last line (already answered): resume ran nothing and exited 0."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text('{"prompt": "a", "max_new_tokens": 2}\n{"prompt": "b", "max_new_tokens": 2}')
+    assert _cli(inp, "-o", out).exit_code == 0
+    with open(inp, "a") as f:
+        f.write('{"prompt": "c", "max_new_tokens": 2}\n')
+    res = _cli(inp, "-o", out, "--resume")
+    assert res.exit_code == 2 and "its old last line did not end with a newline" in res.output, res.output
+    assert len(_records(out)) == 2
+    inp.write_text('{"prompt": "a", "max_new_tokens": 2}\n{"prompt": "b", "max_new_tokens": 2}\n')
+    out2 = tmp_path / "out2.jsonl"
+    assert _cli(inp, "-o", out2).exit_code == 0
+    with open(inp, "a") as f:  # lines of their own: the same input, grown
+        f.write('{"prompt": "c", "max_new_tokens": 2}\n')
+    res = _cli(inp, "-o", out2, "--resume")
+    assert res.exit_code == 0, res.output
+    assert [r["id"] for r in _records(out2)] == ["1", "2", "3"]
+
+
+def test_max_completion_tokens_wins_over_max_tokens_wherever_each_comes(tmp_path):
+    from infer.engine.inputs import params_from
+    aliases = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
+    for body in ({"max_completion_tokens": 4, "max_tokens": 8}, {"max_tokens": 8, "max_completion_tokens": 4}):
+        assert params_from(body, aliases).max_new_tokens == 4
+    assert params_from({"max_tokens": 8, "max_completion_tokens": None}, aliases).max_new_tokens == 8
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text('{"custom_id": "b", "body": {"prompt": "hi", "max_completion_tokens": 3, "max_tokens": 8, '
+                   '"ignore_eos": true}}\n')
+    assert _cli(inp, "-o", out).exit_code == 0
+    assert _records(out)[0]["usage"]["completion_tokens"] == 3
+
+
+def test_an_input_without_requests_says_so_without_loading_a_model(tmp_path, monkeypatch):
+    import infer.cli.run as run
+    monkeypatch.setattr(run, "_run_in_process", lambda *a, **k: pytest.fail("a model was loaded for no request"))
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    for content in (b"", b"\xef\xbb\xbf\n", b"\n  \r\n\t\n"):
+        inp.write_bytes(content)
+        out.write_text("stale\n")
+        res = _cli(inp, "-o", out)
+        assert res.exit_code == 0 and "holds no requests" in res.output, res.output
+        assert out.read_bytes() == b""
+
+
+def test_an_option_out_of_range_points_at_the_commands_own_help():
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    for command in ("warmup", "bench"):
+        res = CliRunner().invoke(app, [command, "tiny-llama", "--dtype", "float8"])
+        assert res.exit_code == 2 and "is not one of auto, float32" in res.output, res.output
+        assert f"see `infer {command} --help`" in res.output and "COMMAND" not in res.output, res.output

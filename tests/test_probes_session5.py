@@ -47,7 +47,7 @@ def test_a_byte_order_mark_does_not_cost_the_first_line(tmp_path):
     assert items["a"].error is None and items["a"].request.prompt_token_ids == list(b"hi")
     assert items["b"].error is None
     items = _read(tmp_path, _lines({"id": "a", "prompt": "hi"}) + b"\xef\xbb\xbf" + _lines({"id": "b", "prompt": "x"}))
-    assert items["a"].error is None and "line 2" in items["2"].error  # only the file's first bytes are a BOM
+    assert items["a"].error is None and "line 2" in items["line2"].error  # only the file's first bytes are a BOM
 
 
 @pytest.mark.parametrize("field,value", [("n", 3), ("best_of", 2), ("echo", True), ("logit_bias", {"5": 100}),
@@ -220,7 +220,7 @@ def test_one_line_with_a_nul_byte_still_lets_the_others_run(tmp_path):
     res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q"])
     assert res.exit_code == 1, res.output
     recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert recs["a"]["error"] is None and recs["c"]["error"] is None and "line 2" in recs["2"]["error"]
+    assert recs["a"]["error"] is None and recs["c"]["error"] is None and "line 2" in recs["line2"]["error"]
 
 
 def test_a_request_the_engine_fails_on_gets_an_error_record_and_the_run_goes_on(tmp_path, monkeypatch):

@@ -34,6 +34,12 @@ def _line_id(obj, line_no: int) -> str:
     return str(line_no)
 
 
+def unreadable_id(line_no: int) -> str:
+    """The id of a line that cannot be read (bad JSON or UTF-8): whatever id it meant to have is unknown, and its
+    line number would take the id of a later line that names that number ("id": 2 after a broken line 2)."""
+    return f"line{line_no}"
+
+
 def read_lines(path: Path):
     """(line number, text or None, reason) for every line of a JSONL file. Lines end at "\\n" only (a CRLF's
     "\\r" is dropped; U+2028, U+0085 or a bare "\\r" inside a line do not split it), so the numbering is the one
@@ -86,7 +92,7 @@ def _parse_line(line_no: int, text: str, tokenizer, defaults: dict, names: Model
     try:
         obj = _loads(text)
     except ValueError as e:
-        return InputLine(line_no, str(line_no), error=f"line {line_no}: {e}")
+        return InputLine(line_no, unreadable_id(line_no), error=f"line {line_no}: {e}")
     item = InputLine(line_no, _line_id(obj, line_no))
     try:
         item.request = parse_request(obj, tokenizer, item.id, defaults, names, max_tokens)
@@ -107,7 +113,7 @@ def read_inputs(path: Path, tokenizer, defaults: dict, names: ModelNames = Model
     lines, seen = [], {}  # id -> the line that has it
     for line_no, text, reason in read_lines(path):
         if reason is not None:
-            item = InputLine(line_no, str(line_no), error=f"line {line_no}: {reason}")
+            item = InputLine(line_no, unreadable_id(line_no), error=f"line {line_no}: {reason}")
         elif not text.strip():
             continue
         else:

@@ -87,6 +87,13 @@ def input_digest(path: Path, length: int | None = None) -> str:
     return h.hexdigest()
 
 
+def _ends_a_line(path: Path, size: int) -> bool:
+    """Whether the file's first `size` bytes end with a newline."""
+    with open(path, "rb") as f:
+        f.seek(size - 1)
+        return f.read(1) == b"\n"
+
+
 def fingerprint(input: Path, options: dict) -> dict:
     return {"input": {"path": str(input), "bytes": input.stat().st_size, "sha256": input_digest(input)},
             "options": options}
@@ -146,6 +153,12 @@ def check_resume(output: Path, input: Path, options: dict) -> None:
     if input.stat().st_size < size or input_digest(input, size) != digest:
         raise ConfigError(f"{output} was written from another input ({old_in.get('path')}, {size} bytes); "
                           f"{input} is not that file or was changed", hint)
+    if input.stat().st_size > size and size and not _ends_a_line(input, size):
+        # the old input ended without "\n": what was appended joined its last line, a line already answered
+        raise ConfigError(f"{input} grew since {output} was written, but its old last line did not end with a "
+                          f"newline, so the text appended to it changed that line (byte {size:,} on)",
+                          "end the old last line with a newline and put the new requests on lines of their own, or "
+                          "write to a new -o OUTPUT")
     changed = sorted(k for k in set(old_opts) | set(options) if old_opts.get(k) != options.get(k))
     if changed:
         what = ", ".join(f"{k} {old_opts.get(k)!r} -> {options.get(k)!r}" for k in changed)

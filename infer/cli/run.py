@@ -58,6 +58,12 @@ def run(
         check_resume(output, input, options)
     if not resume and resumable:
         check_not_unfinished(output)
+    if _holds_no_request(input):  # nothing to generate: say so, without loading a model for it
+        typer.echo(f"note: {input} holds no requests (it is empty or has only blank lines); nothing to generate",
+                   err=True)
+        if output is not None and not resume:
+            open(output, "wb").close()  # the (empty) output a next step expects
+        return
     defaults = {"max_new_tokens": max_new_tokens}
     if data_parallel > 1 or ray_address:
         from .run_parallel import run_data_parallel
@@ -135,6 +141,18 @@ def _check_paths(input: Path, output: Path | None, resume: bool, max_new_tokens:
         raise ConfigError(f"-o {output} is not writable ({target} does not allow writing)",
                           "choose another output path or fix its permissions")
     _try_writing(output, target)
+
+
+def _holds_no_request(input: Path) -> bool:
+    """Whether a regular input file has nothing but whitespace (and a byte order mark); a pipe is not read here."""
+    if not input.is_file():
+        return False
+    with open(input, "rb") as f:
+        head = f.read(3)
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            if chunk.strip():
+                return False
+    return not head.removeprefix(b"\xef\xbb\xbf").strip()
 
 
 def _try_writing(output: Path, target: Path) -> None:

@@ -125,7 +125,7 @@ class EngineConfig:
         self.memory_limit = parse_size(self.memory_limit, "--memory-limit")
         self.loras = parse_loras(self.loras)
         for msg in self._problems():
-            raise ConfigError(msg, "see `infer COMMAND --help` for each option's range")
+            raise ConfigError(msg)  # the CLI adds "see `infer <the command> --help`" to an error without a hint
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device cuda was asked but no CUDA GPU is visible", "use --device cpu")
 

@@ -162,6 +162,8 @@ def _type_name(types: tuple) -> str:
 def params_from(obj: dict, aliases: dict[str, str] | None = None) -> SamplingParams:
     kwargs = {}
     for key, value in obj.items():
+        if aliases and key == "max_tokens" and obj.get("max_completion_tokens") is not None:
+            continue  # max_completion_tokens supersedes max_tokens wherever each comes (OpenAI, vLLM, the server)
         key = (aliases or {}).get(key, key)
         if key not in _PARAM_TYPES or value is None:
             continue
