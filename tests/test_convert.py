@@ -215,3 +215,129 @@ def test_overwrite_replaces_model(tiny, tmp_path):
     assert r.exit_code == 0, (r.output, r.exception)
     assert load_all(tmp_path / "o")["model.norm.weight"].dtype == torch.float32
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
+
+
+def run_infer(*args):
+    """The real `infer` app: errors go through handle_errors (one `error:` line and the InferError's exit code)."""
+    from infer.cli.main import app
+    return runner.invoke(app, [*map(str, args)])
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    from infer.models.resolve import resolve_model
+    return resolve_model("tiny-llama")
+
+
+def _clean_error(r, exit_code: int, *words):
+    assert r.exit_code == exit_code, (r.output, r.exception)
+    assert isinstance(r.exception, SystemExit), r.exception  # no other exception (a traceback) reached the CLI
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, r.output
+    for word in words:
+        assert word in r.output, (word, r.output)
+
+
+@pytest.mark.parametrize("content", ['{"model_type": "llama",', "[1, 2]", "\xff\xfe"])
+@pytest.mark.parametrize("merge", [False, True])
+def test_broken_config_json_is_one_error_exit_2(tiny_llama, tmp_path, content, merge):
+    """A truncated config.json is refused as `infer run` refuses it: one `error:` line naming the file, exit 2,
+    whether convert_model or the --merge-lora check reads it first."""
+    src = tmp_path / "brk"
+    shutil.copytree(tiny_llama, src)
+    (src / "config.json").write_bytes(content.encode("latin-1"))
+    extra = ["--merge-lora", tmp_path / "ad"] if merge else []
+    if merge:
+        (tmp_path / "ad").mkdir()
+    r = run_infer("convert", src, "-o", tmp_path / "out", *extra)
+    _clean_error(r, 2, f"cannot read {src / 'config.json'}", "not")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+def _truncate(f: Path, size: int | None = None) -> None:
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2 if size is None else size])
+
+
+@pytest.mark.parametrize("kind", ["safetensors-header", "safetensors-half", "bin-half"])
+def test_truncated_float_weight_file_is_one_error_exit_2(tiny_llama, tmp_path, kind):
+    """A cut-short weight file (transformers raises safetensors' SafetensorError or torch's zip reader error, neither
+    an OSError) is named with the words `infer run` uses, exit 2, and no half-written output is left."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny_llama, src)
+    weights = src / "model.safetensors"
+    if kind.startswith("bin"):
+        torch.save(load_file(weights), src / "pytorch_model.bin")
+        weights.unlink()
+        weights = src / "pytorch_model.bin"
+    _truncate(weights, 100 if kind == "safetensors-header" else None)
+    r = run_infer("convert", src, "-o", tmp_path / "out", "--dtype", "bfloat16")
+    _clean_error(r, 2, f"cannot read weight file {weights}", "the file is corrupted or truncated")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+@pytest.mark.parametrize("fmt", ["bin", "safetensors"])
+def test_truncated_gptq_weight_file_is_one_error_exit_2(fake_gptq, tmp_path, fmt):
+    src, tensors = fake_gptq
+    weights = src / "pytorch_model.bin"
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+        weights.unlink()
+        weights = src / "model.safetensors"
+        save_file(tensors, weights)
+    _truncate(weights)
+    r = run_infer("convert", src, "-o", tmp_path / "out")
+    _clean_error(r, 2, f"cannot read weight file {weights}", "the file is corrupted or truncated")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+@pytest.fixture
+def umask():
+    """Set the process umask for one test, restored after."""
+    import os
+    old = os.umask(0o022)
+    yield os.umask
+    os.umask(old)
+
+
+def _modes(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder.parent)): p.stat().st_mode & 0o777 for p in [folder, *folder.rglob("*")]}
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027])
+@pytest.mark.parametrize("gptq", [False, True])
+def test_output_modes_follow_the_umask(tiny_llama, fake_gptq, tmp_path, umask, mask, gptq):
+    """The staging folder comes from mkdtemp (0700) and safetensors writes 0600 files: the finished model must have
+    the modes a plain mkdir/open gives (0755/0644 under umask 022), so another account can serve it."""
+    umask(mask)
+    src = fake_gptq[0] if gptq else tiny_llama
+    r = run_cli(src, "-o", tmp_path / "out")
+    assert r.exit_code == 0, (r.output, r.exception)
+    modes = _modes(tmp_path / "out")
+    assert modes.pop("out") == 0o777 & ~mask
+    assert "out/model.safetensors" in modes and "out/config.json" in modes
+    assert modes == {name: 0o666 & ~mask for name in modes}
+
+
+def test_staged_output_modes_follow_the_umask(tmp_path, umask):
+    """`infer quantize` stages through the same staged_output: subfolders and files written 0600 are fixed too."""
+    import os
+    from infer.quant.convert import staged_output
+    umask(0o022)
+    with staged_output(tmp_path / "q", overwrite=False) as tmp:
+        (tmp / "config.json").write_text("{}")
+        (tmp / "sub").mkdir(mode=0o700)
+        fd = os.open(tmp / "sub" / "model.safetensors", os.O_CREAT | os.O_WRONLY, 0o600)
+        os.close(fd)
+        os.symlink("config.json", tmp / "link.json")
+    modes = _modes(tmp_path / "q")
+    assert modes == {"q": 0o755, "q/sub": 0o755, "q/config.json": 0o644, "q/link.json": 0o644,
+                     "q/sub/model.safetensors": 0o644}
+    assert (tmp_path / "q" / "link.json").is_symlink()
+
+
+def test_merge_lora_missing_folder_names_the_merge_lora_flag(tiny_llama, tmp_path):
+    """load_adapter words its errors for `--lora NAME=PATH` (run, serve): convert has --merge-lora PATH instead."""
+    r = run_infer("convert", tiny_llama, "-o", tmp_path / "out", "--merge-lora", tmp_path / "nowhere")
+    _clean_error(r, 2, f"--merge-lora {tmp_path / 'nowhere'}: folder not found", "hint: pass --merge-lora PATH")
+    assert "--lora NAME=PATH" not in r.output and "LoRA adapter '--merge-lora'" not in r.output

@@ -268,3 +268,48 @@ def test_the_library_check_does_not_import_the_engine(setup):
             "print(sorted(m for m in sys.modules if m.startswith('infer.engine')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_adapter_peft_cannot_load_fails_its_row_and_the_others_are_checked(setup, tmp_path):
+    """A target_modules string is a regex to peft, matched against full module names: "q_proj|v_proj" matches none,
+    so peft refuses the adapter though infer's static checks pass it. Its row FAILs with peft's reason (no numbers),
+    the adapters after it are still checked, exit 1."""
+    base, paths = setup
+    regex = _copy(paths["qv"], tmp_path / "regex", edit_config=lambda c: c.update(target_modules="q_proj|v_proj"))
+    res = invoke(base, f"re={regex}", paths["qv"], paths["mlp"], "--json", "--steps", "2")
+    assert res.exit_code == 1, res.output
+    assert isinstance(res.exception, SystemExit), res.exception
+    reports = {r["name"]: r for r in map(json.loads, res.stdout.splitlines())}
+    assert set(reports) == {"re", "qv", "mlp"}
+    bad = reports["re"]
+    assert not bad["ok"] and bad["numeric"] is None
+    assert bad["reasons"][0].startswith("peft cannot load it: Target modules q_proj|v_proj not found")
+    for name in ("qv", "mlp"):
+        assert reports[name]["ok"] and reports[name]["numeric"]["tokens_agree"], reports[name]
+    table = invoke(base, f"re={regex}", paths["qv"], "--steps", "2")
+    assert table.exit_code == 1 and isinstance(table.exception, SystemExit), table.output
+    assert "FAIL" in table.output and "1 of 2 adapters failed" in table.output
+    assert f"error: adapter 're' ({regex}): peft cannot load it: Target modules q_proj|v_proj" in table.output
+
+
+def test_peft_failure_after_injection_leaves_the_oracle_plain(setup, monkeypatch):
+    """peft can fail after wrapping the oracle's layers (reading the weights): the wrappers are removed, so the next
+    adapter's check runs on the plain base."""
+    import peft.peft_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from transformers import AutoModelForCausalLM
+
+    from infer.cli.lora_check import peft_check
+    from infer.errors import LoRAError
+    base, paths = setup
+    oracle = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+
+    def unreadable(*args, **kwargs):
+        raise RuntimeError("weights unreadable\nsecond line")
+
+    monkeypatch.setattr(peft.peft_model, "load_peft_weights", unreadable)
+    with pytest.raises(LoRAError) as err:
+        peft_check(oracle, "qv", paths["qv"], [], 1e-3, "peft on the float base")
+    assert err.value.message == "peft cannot load it: weights unreadable"
+    assert not any(isinstance(m, BaseTunerLayer) for m in oracle.modules())
+    assert not hasattr(oracle, "peft_config")

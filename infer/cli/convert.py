@@ -59,12 +59,19 @@ def _check_adapter(adapter: Path, src: Path) -> None:
     every tensor's shape and layer against the base), before peft sees the folder: peft takes a folder without
     weights for a Hub id and would try to download it, and merges NaN weights or another model's layers silently.
     A GPTQ base is left to convert_model, which refuses any merge into it."""
+    from ..errors import LoRAError
     from ..lora.adapter import load_adapter
     from ..models.loader import load_config
     from ..quant.convert import is_gptq
     if not (Path(src) / "config.json").is_file() or is_gptq(src):
         return
-    load_adapter("--merge-lora", adapter, load_config(src))
+    base_config = load_config(src)
+    try:
+        load_adapter("--merge-lora", adapter, base_config)
+    except LoRAError as e:  # worded for --lora NAME=PATH (serve, run): speak of the flag this command has
+        prefix = f"LoRA adapter '--merge-lora' ({Path(adapter).expanduser()}): "
+        hint = (e.hint or "").replace("--lora NAME=PATH", "--merge-lora PATH") or None
+        raise LoRAError(f"--merge-lora {adapter}: {e.message.removeprefix(prefix)}", hint) from e
 
 
 def _warn_other_base(adapter: Path, src: Path, given: str) -> None:

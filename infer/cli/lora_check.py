@@ -115,9 +115,17 @@ def copy_dequantized(engine_model, hf_model) -> None:
 
 
 def peft_check(oracle, name: str, path: Path, runs, tol_scale: float, label: str) -> NumericCheck:
-    """Teacher-force infer's tokens through peft (adapter on, then off) and compare the logits of every step."""
+    """Teacher-force infer's tokens through peft (adapter on, then off) and compare the logits of every step.
+    A LoRAError when peft cannot load the adapter at all (e.g. a target_modules regex that matches no module)."""
     from peft import PeftModel
-    model = PeftModel.from_pretrained(oracle, str(path), adapter_name=name).eval()
+    try:
+        model = PeftModel.from_pretrained(oracle, str(path), adapter_name=name).eval()
+    except Exception as e:  # peft's own verdict on the folder (NoMatchingPeftModuleError, a state-dict error, ...)
+        _strip_peft(oracle)  # a failure after injecting its layers must not leak them into the next adapter's check
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        raise LoRAError(f"peft cannot load it: {lines[0] if lines else type(e).__name__}",
+                        "peft and the tools built on it refuse the adapter as saved; fix its adapter_config.json "
+                        "or save it again with peft") from e
     diff = effect = 0.0
     agree, scale = True, 1.0
     try:
@@ -137,9 +145,23 @@ def peft_check(oracle, name: str, path: Path, runs, tol_scale: float, label: str
     return NumericCheck(diff, tol_scale * scale, agree, effect, label)
 
 
+def _strip_peft(model) -> None:
+    """Put back the plain layers in place of any peft layer a failed PeftModel.from_pretrained left in `model`."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    tuned = [n for n, m in model.named_modules() if isinstance(m, BaseTunerLayer)]
+    outer = [n for n in tuned if not any(n.startswith(f"{t}.") for t in tuned)]
+    for name in outer:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, getattr(parent, child).get_base_layer())
+    if hasattr(model, "peft_config"):
+        del model.peft_config
+
+
 def numeric_checks(base_path: Path, gptq: bool, adapters: dict[str, Path], max_rank: int, steps: int = 8,
-                   device: str = "auto") -> dict[str, NumericCheck]:
-    """infer vs peft for every adapter (all must have passed the static checks)."""
+                   device: str = "auto") -> dict[str, NumericCheck | LoRAError]:
+    """infer vs peft for every adapter (all must have passed the static checks); a LoRAError for an adapter peft
+    cannot load, so one such adapter fails its own row and the others are still checked."""
     if not adapters:
         return {}
     llm = engine_for(base_path, adapters, max_rank, steps, device)
@@ -149,17 +171,28 @@ def numeric_checks(base_path: Path, gptq: bool, adapters: dict[str, Path], max_r
     oracle = oracle_model(base_path, gptq, llm.engine.runner.model)
     label = "peft on the dequantized int4 base" if gptq else "peft on the float base"
     tol = 1e-3 if llm.engine.device.type == "cpu" else 1e-2  # GPU kernels may use TF32 products
-    return {name: peft_check(oracle, name, path, runs[name], tol, label) for name, path in adapters.items()}
+    out: dict[str, NumericCheck | LoRAError] = {}
+    for name, path in adapters.items():
+        try:
+            out[name] = peft_check(oracle, name, path, runs[name], tol, label)
+        except LoRAError as e:
+            out[name] = e
+    return out
 
 
 def run_checks(base: str, adapter_args: list[str], quantized: bool = False, max_rank: int = 64, steps: int = 8,
                device: str = "auto"):
     """Static checks for every adapter, then the numeric check for those without problems (steps=0 skips it)."""
+    from ..lora.adapter import Problem
     from ..lora.validate import static_reports
     info, reports, paths = static_reports(base, adapter_args, quantized, max_rank)
     clean = {r.name: paths[r.name] for r in reports if r.static_ok}
     if steps > 0:
         checks = numeric_checks(info.path, info.gptq is not None, clean, max_rank, steps, device)
         for r in reports:
-            r.numeric = checks.get(r.name)
+            check = checks.get(r.name)
+            if isinstance(check, LoRAError):  # no numbers to show: the row FAILs with peft's reason
+                r.problems.append(Problem(check.message, check.hint or ""))
+            else:
+                r.numeric = check
     return info, reports

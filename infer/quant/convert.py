@@ -8,6 +8,7 @@ and no adapter can be merged into int4 weights (repacking for a kernel happens a
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -23,9 +24,48 @@ EXTRA_FILES = ("generation_config.json", "quantize_config.json")
 
 
 def is_gptq(model_dir: Path) -> bool:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = read_config_json(model_dir)
     qc = cfg.get("quantization_config") or {}
-    return qc.get("quant_method") == "gptq" or (Path(model_dir) / "quantize_config.json").is_file()
+    return (isinstance(qc, dict) and qc.get("quant_method") == "gptq") or \
+        (Path(model_dir) / "quantize_config.json").is_file()
+
+
+def read_config_json(model_dir: Path) -> dict:
+    """The model's config.json as a dict; a ModelLoadError (exit 2) naming the file when it cannot be read or is not
+    a JSON object (a truncated copy), as `infer run` refuses the same folder."""
+    path = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ModelLoadError(f"cannot read {path}: {e.strerror or e}", "check the file's permissions") from None
+    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError
+        raise ModelLoadError(f"cannot read {path}: it is not valid JSON ({e})",
+                             "the file is corrupted or truncated; copy the model folder again") from None
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"cannot read {path}: it is not a JSON object",
+                             "the file is corrupted; copy the model folder again")
+    return cfg
+
+
+def load_weight_file(f: Path) -> dict:
+    """Every tensor of one .safetensors or .bin file; a corrupted or truncated file is a ModelLoadError naming it,
+    worded as `infer run` words it (models/loader.py)."""
+    import torch
+    from safetensors.torch import load_file
+    try:
+        if f.suffix == ".safetensors":
+            return load_file(f)
+        return torch.load(f, map_location="cpu", weights_only=True)
+    except MemoryError:
+        raise
+    except Exception as e:  # any loader error (SafetensorError, torch's zip reader, unpickling) means the same
+        raise ModelLoadError(f"cannot read weight file {f}: {e}", "the file is corrupted or truncated") from e
+
+
+def check_weight_files(model_dir: Path) -> None:
+    """Read every weight file of `model_dir`: a ModelLoadError names the first that cannot be read."""
+    for f in weight_files(model_dir):
+        load_weight_file(f)
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -80,11 +120,39 @@ def staged_output(out: Path, overwrite: bool):
                           "pass an -o folder you can write to") from None
     try:
         yield tmp
+        apply_umask(tmp)  # before the old model goes: a failure here leaves it in place
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux shows it (os.umask can only swap it, which races
+    with other threads creating files)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(folder: Path) -> None:
+    """Give `folder` and everything in it the modes a plain mkdir/open would (0755/0644 under umask 022): mkdtemp
+    makes the staging folder 0700 and safetensors writes 0600 files, so the finished model could otherwise be served
+    only by the account that wrote it. Bottom-up, so a restrictive umask never locks the walk out of a folder."""
+    mask = current_umask()
+    for root, dirs, files in os.walk(folder, topdown=False):
+        for name, mode in [(d, 0o777) for d in dirs] + [(f, 0o666) for f in files]:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, mode & ~mask)
+    os.chmod(folder, 0o777 & ~mask)
 
 
 def convert_model(src: Path, out: Path, dtype: str | None = None, merge_lora: Path | None = None,
@@ -125,8 +193,11 @@ def _save_float(src: Path, out: Path, dtype: str | None, merge_lora: Path | None
     torch_dtype = getattr(torch, dtype) if dtype else "auto"
     try:
         model = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, device_map="cpu")
-    except (OSError, ValueError, KeyError) as e:
-        raise ModelLoadError(f"transformers cannot load {src}: {e}", "check that the folder is complete") from e
+    except Exception as e:
+        check_weight_files(src)  # a corrupted or truncated weight file (SafetensorError, ...): named, exit 2
+        if isinstance(e, (OSError, ValueError, KeyError)):
+            raise ModelLoadError(f"transformers cannot load {src}: {e}", "check that the folder is complete") from e
+        raise
     if merge_lora is not None:
         model = _merge(model, Path(merge_lora))
     model.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
@@ -156,12 +227,11 @@ def _first_line(e: Exception) -> str:
 
 def _copy_tensors(src: Path, out: Path, max_shard_size: str) -> None:
     """Copy the tensors of a GPTQ checkpoint unchanged into safetensors shards, with its config files."""
-    import torch
     from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
     state: dict = {}
     for f in weight_files(src):
-        part = load_file(f) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu", weights_only=True)
+        part = load_weight_file(f)
         state.update({k: v.contiguous() for k, v in part.items()})
     split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
