@@ -142,3 +142,35 @@ def test_ignore_eos_override_and_lora_mix(tok):
     assert [r.lora for r in assign_loras(reqs, ["a", "b"])] == ["a", "b", "a", "b", "a"]
     assert [r.lora for r in assign_loras(reqs, ["a", "b"], include_base=True)] == ["a", "b", None, "a", "b"]
     assert [r.lora for r in assign_loras(reqs, [])] == [None] * 5
+
+
+def test_files_with_a_byte_order_mark_load(tok, tmp_path):
+    """A UTF-8 BOM (what Windows editors write) is not part of the JSON, as `infer run` reads its input."""
+    p = tmp_path / "bom.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "The weather today"}).encode() + b"\n")
+    [r] = load_workload(f"jsonl:{p}", tok).requests
+    assert r.prompt == "The weather today"
+    long = "To cook rice, rinse it under cold water until the water runs clear"
+    p = tmp_path / "bom.json"
+    p.write_bytes(b"\xef\xbb\xbf" + json.dumps([{"conversations": [{"from": "human", "value": long},
+                                                                   {"from": "gpt", "value": long}]}]).encode())
+    [r] = load_workload(f"sharegpt:{p}", tok).requests
+    assert r.prompt == long
+
+
+def test_jsonl_messages_with_openai_text_parts(tok, tmp_path):
+    """A content given as OpenAI text parts is joined, as `infer run` (and vLLM) read it, not rendered as the
+    list's Python repr; other parts are refused, naming the line."""
+    p = tmp_path / "parts.jsonl"
+    parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": " world"}]
+    p.write_text(json.dumps({"messages": [{"role": "user", "content": parts}]}) + "\n")
+    [r] = load_workload(f"jsonl:{p}", tok).requests
+    assert r.prompt == "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n"
+    assert r.prompt_token_ids == tok.encode(r.prompt, add_special_tokens=False)
+    p.write_text('{"prompt": "ok"}\n' + json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "x.png"}}]}]}) + "\n")
+    with pytest.raises(ConfigError, match=r"line 2: messages\[0\].content has image_url parts; only text parts"):
+        load_workload(f"jsonl:{p}", tok)
+    p.write_text(json.dumps({"messages": [{"role": "user", "content": [{"type": "text"}]}]}) + "\n")
+    with pytest.raises(ConfigError, match="line 1: messages\\[0\\].content: every text part needs a string 'text'"):
+        load_workload(f"jsonl:{p}", tok)

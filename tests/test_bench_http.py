@@ -92,6 +92,7 @@ def test_streams_are_timed_and_concurrency_bounded(server):
         assert r.text == "".join(f"t{i} " for i in range(n)) and r.prompt_tokens == 3
         assert r.send_time < r.chunk_times[0] <= r.chunk_times[-1]
     body, auth = state.bodies[0]
+    assert body["prompt"] == [1, 2, 3]  # the token ids, not the text: the server runs the very prompt
     assert auth == "Bearer sk-x" and body["stream"] and body["stream_options"] == {"include_usage": True}
     assert body["temperature"] == 0.0 and body["ignore_eos"] is True
     assert sorted(b["model"] for b, _ in state.bodies) == ["ad"] * 5 + ["m"] * 5
@@ -101,13 +102,30 @@ def test_streams_are_timed_and_concurrency_bounded(server):
 
 
 def test_http_errors_fail_one_request_and_usage_fallback(server):
-    url, _ = server
-    reqs = [BenchRequest("a", [1], 2, lora="missing"), BenchRequest("nousage b", [1], 4)]
+    url, state = server
+    reqs = [BenchRequest("a", [1], 2, lora="missing"), BenchRequest("nousage b", None, 4)]  # text only: sent as text
     res = run_http(url, "m", reqs, concurrency=2, progress=False)
     bad, good = res.records
     assert not bad.success and "404" in bad.error
     assert good.success and good.output_tokens == 4  # counted from the chunks without a usage chunk
     assert res.metrics()["failed"] == 1
+    assert sorted(map(str, (b["prompt"] for b, _ in state.bodies))) == ["[1]", "nousage b"]
+
+
+def test_server_sees_exactly_the_prompt_tokens():
+    """Random prompts of --input-len tokens reach `infer serve` as those very tokens: the text of random ids,
+    tokenized again, was another length (4 prompts of 8 tokens came back as 38 prompt tokens, not 32)."""
+    from infer.bench.datasets import load_workload
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=128))
+    reqs = load_workload("random", engine.tokenizer, num_prompts=4, input_len=8, output_len=3).requests
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny-llama")) as url:
+        res = run_http(url, "tiny-llama", reqs, concurrency=2, progress=False)
+    assert [r.prompt_tokens for r in res.records] == [8] * 4  # the server's usage.prompt_tokens
+    assert res.metrics()["total_input_tokens"] == 32 and res.metrics()["total_output_tokens"] == 12
 
 
 def test_unreachable_url_is_a_config_error():

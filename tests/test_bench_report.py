@@ -95,3 +95,29 @@ def test_report_lists_the_servers_replicas(tmp_path):
 def test_server_stats_are_empty_without_a_health_endpoint():
     from infer.bench.http_driver import server_stats
     assert server_stats("http://127.0.0.1:9") == {}  # nothing listens on the discard port
+
+
+def test_a_labelled_baseline_is_named_everywhere(tmp_path):
+    """A baseline that ran the base model while ours ran adapters carries its label into results.json, results.csv,
+    report.md, the printed table and the plots' legend; an unlabelled one is named by its backend."""
+    import pandas as pd
+    from rich.console import Console
+
+    from infer.bench.plots import _names
+    base = _run("hf", 2, 2.0)
+    base.label = "hf (base, no adapters)"
+    buf = io.StringIO()
+    results = write_report(tmp_path, [_run("infer", 2, 1.0)], [base], console=Console(file=buf, width=250))
+    [r] = json.loads((tmp_path / "results.json").read_text())
+    assert r["label"] == "infer" and r["baseline"]["label"] == "hf (base, no adapters)"
+    assert r["baseline"]["backend"] == "hf"
+    assert list(pd.read_csv(tmp_path / "results.csv")["label"]) == ["infer", "hf (base, no adapters)"]
+    md = (tmp_path / "report.md").read_text()
+    assert "Baseline = hf (base, no adapters): transformers generate on the base model, without the adapters" in md
+    printed = " ".join(buf.getvalue().split())
+    assert "infer bench: throughput, baseline hf (base, no adapters)" in printed
+    assert "baseline = hf (base, no adapters)" in printed
+    assert _names(results) == ("infer", "hf (base, no adapters)")
+    plain = build_results([_run("infer", 2, 1.0)], [_run("hf", 2, 2.0)], env={"versions": {}, "device": "cpu",
+                                                                                "git_commit": None})
+    assert plain[0]["baseline"]["label"] == "hf" and _names(plain) == ("infer", "hf (baseline)")

@@ -10,11 +10,13 @@
                     Here: 44 random prompt tokens, `liteqwen_output_len(tokenizer)` tokens of reply (230 characters
                     at this tokenizer's characters-per-token on plain English text), EOS ignored,
                     max_length 4096, 5 rounds of 16 requests (80), run at concurrency 16
-    jsonl:PATH      one JSON object a line: "prompt" (text) or "messages" (chat, rendered with the chat template),
-                    optional "max_new_tokens" (or "max_tokens"), "lora", "ignore_eos"
+    jsonl:PATH      one JSON object a line: "prompt" (text) or "messages" (chat, rendered with the chat template;
+                    a content may be OpenAI's list of text parts, joined, as `infer run` reads it), optional
+                    "max_new_tokens" (or "max_tokens"), "lora", "ignore_eos"
     sharegpt:PATH   a ShareGPT json file: the first human turn of each conversation is the prompt, the length in
                     tokens of the gpt turn that answers it is the output length (as vLLM's benchmark_serving)
 
+Files are UTF-8, with or without a byte order mark (as `infer run` reads its input).
 `assign_loras` spreads adapter names over the requests round-robin (`--lora-mix`).
 """
 
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ConfigError, read_utf8
+from ..errors import ConfigError, RequestError, read_utf8
 
 LITEQWEN = dict(concurrency=16, input_len=44, reply_chars=230, max_length=4096, rounds=5)
 WORKLOADS = ("random", "liteqwen", "jsonl:PATH", "sharegpt:PATH")
@@ -157,19 +159,29 @@ def _read(path: str) -> str:
     p = Path(path).expanduser()
     if not p.is_file():
         raise ConfigError(f"workload file {p} does not exist", "pass an existing file: jsonl:PATH or sharegpt:PATH")
-    return read_utf8(p, "workload file")
+    text = read_utf8(p, "workload file")
+    return text[1:] if text.startswith("\ufeff") else text  # a byte order mark (Windows editors), as infer run
 
 
 def _render(tokenizer, obj: dict, where: str) -> tuple[str, list[int]]:
+    from ..engine.inputs import chat_messages, check_text
     if isinstance(obj.get("prompt"), str) and obj["prompt"]:
         text = obj["prompt"]
         return text, tokenizer.encode(text, add_special_tokens=False)
     msgs = obj.get("messages")
-    if isinstance(msgs, list) and msgs and all(isinstance(m, dict) and "content" in m for m in msgs):
+    if isinstance(msgs, list) and msgs:
+        try:  # as `infer run` reads them: text parts joined, other parts (images, audio) refused
+            msgs = chat_messages(msgs)
+            check_text(msgs, "messages")
+        except RequestError as e:
+            raise ConfigError(f"{where}: {e.message}", e.hint) from None
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError(f"{where}: has 'messages' but the tokenizer has no chat template",
                               "give a 'prompt' string instead, or use a chat model")
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        try:
+            text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # the template's own checks (roles that must alternate, ...)
+            raise ConfigError(f"{where}: the chat template cannot render these messages: {e}") from None
         return text, tokenizer.encode(text, add_special_tokens=False)
     raise ConfigError(f"{where}: needs a non-empty 'prompt' string or a 'messages' list",
                       'e.g. {"prompt": "Hello"} or {"messages": [{"role": "user", "content": "Hello"}]}')

@@ -46,15 +46,18 @@ def sampling_params_for(req: BenchRequest, temperature: float = 0.0, seed: int |
 
 
 class Progress:
-    """A rich progress bar counting finished requests (a no-op when disabled)."""
+    """A rich progress bar counting finished requests (a no-op when disabled), on `console` if given."""
 
-    def __init__(self, enabled: bool, total: int, label: str):
+    def __init__(self, enabled: bool, total: int, label: str, console=None):
         self._bar = None
         self._stack = contextlib.ExitStack()
         if enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TimeElapsedColumn
+            # on a console of its own (the terminal, while other libraries' output is hidden), the bar does not
+            # take over sys.stdout and sys.stderr: what a library prints there stays hidden
+            own = {} if console is None else dict(console=console, redirect_stdout=False, redirect_stderr=False)
             self._bar = RichProgress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-                                     TimeElapsedColumn(), transient=True)
+                                     TimeElapsedColumn(), transient=True, **own)
             self._task = self._bar.add_task(label, total=total)
 
     def __enter__(self):

@@ -123,11 +123,12 @@ def _run_batch(model, tok, device, batch: list[tuple[int, BenchRequest]], sample
 
 
 def run_hf_generate(model: str | HFModel, requests: list[BenchRequest], batch_size: int, dtype: str = "auto",
-                    device: str = "auto", progress: bool = True, cache_implementation: str | None = None) -> RunResult:
+                    device: str = "auto", progress: bool = True, cache_implementation: str | None = None,
+                    console=None) -> RunResult:
     """The transformers baseline at one batch size (reported as concurrency = batch_size); see module doc.
     `model` is a model folder / built-in name (loaded with `dtype`, `device`) or what load_hf returned.
     LoRA names in the workload are ignored (the baseline runs the base model). Ctrl-C returns the finished
-    batches with `partial=True`."""
+    batches with `partial=True`. The progress bar goes to `console` when given (a rich Console)."""
     if batch_size < 1:
         raise ModelLoadError(f"the baseline batch size must be at least 1, got {batch_size}")
     model, tok, dev = load_hf(model, dtype, device) if isinstance(model, str) else model
@@ -135,7 +136,7 @@ def run_hf_generate(model: str | HFModel, requests: list[BenchRequest], batch_si
     records: list[RequestRecord] = []
     partial, aborted = False, 0
     indexed = list(enumerate(requests))
-    with Progress(progress, len(requests), f"hf generate b={batch_size}") as bar:
+    with Progress(progress, len(requests), f"hf generate b={batch_size}", console) as bar:
         t0 = end = time.perf_counter()
         sampler.start(t0)
         for s in range(0, len(indexed), batch_size):

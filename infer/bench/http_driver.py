@@ -5,8 +5,11 @@
 
 Each request is a streamed POST /v1/completions (`stream: true`, `stream_options: {include_usage: true}`,
 greedy, `max_tokens` = output length, `ignore_eos` when the workload asks for it, as vLLM accepts it); a request
-with a LoRA adapter names the adapter as its model, as vLLM serves adapters. Every SSE `data:` chunk with text is
-time-stamped; output tokens come from the final usage chunk (else from `tokenizer`, else one per chunk).
+with a LoRA adapter names the adapter as its model, as vLLM serves adapters. The prompt is sent as its token ids
+when the request has them (OpenAI's and vLLM's completions accept a list of ids), so the server runs the very
+prompt the in-process engine runs: sent as text it would be tokenized again (another length, a BOS added).
+Every SSE `data:` chunk with text is time-stamped; output tokens come from the final usage chunk (else from
+`tokenizer`, else one per chunk).
 Memory figures are those of this client process, not of the server.
 """
 
@@ -45,7 +48,8 @@ async def _check_reachable(client, url: str) -> None:
 
 
 def _body(model: str, req: BenchRequest, temperature: float) -> dict:
-    body = {"model": req.lora or model, "prompt": req.prompt if req.prompt is not None else req.prompt_token_ids,
+    prompt = list(req.prompt_token_ids) if req.prompt_token_ids else req.prompt
+    body = {"model": req.lora or model, "prompt": prompt,
             "max_tokens": req.output_len, "temperature": temperature, "stream": True,
             "stream_options": {"include_usage": True}}
     if req.ignore_eos:

@@ -94,6 +94,7 @@ class RunResult:
     timeline: list[dict] = field(default_factory=list)
     engine_stats: dict = field(default_factory=dict)
     start_time: float = 0.0  # perf_counter() when the run started (records' times are on the same clock)
+    label: str | None = None  # how the report names this run, when more than its backend says (default: backend)
 
     @property
     def peak_memory_bytes(self) -> int | None:

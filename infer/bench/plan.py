@@ -4,14 +4,20 @@
     results, interrupted = run_plan(plan)
 
 The target is an in-process LLMEngine (`plan.engine` set; warmed up first, adapters made resident) or the
-server at `plan.url`. Every level runs the same requests; with `baseline="hf"` each level is followed by HF
-transformers generate at batch size = concurrency. Ctrl-C ends the plan: what was measured is still written,
-marked partial, and `interrupted` is True.
+server at `plan.url`. The workload is read and checked first, with the model's tokenizer only: a bad dataset is
+refused before any model loads. Every level runs the same requests; with `baseline="hf"` each level is followed
+by HF transformers generate at batch size = concurrency, with transformers' (and GPTQModel's) own output kept off
+the terminal unless --debug. That baseline runs the base model: with adapters in the workload it is labelled
+"hf (base, no adapters)" in the table and the report, and a note says so. Ctrl-C ends the plan: what was
+measured is still written, marked partial, and `interrupted` is True.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -44,22 +50,29 @@ class BenchPlan:
     device: str = "auto"
 
 
+BASE_NO_ADAPTERS = "hf (base, no adapters)"  # the HF baseline's label when the workload uses adapters
+
+
+def load_plan_tokenizer(plan: BenchPlan):
+    """The tokenizer of the model benchmarked (the engine's, or MODEL's with --url), without loading the model."""
+    from ..engine.setup import load_tokenizer
+    from ..models.resolve import resolve_model
+    return load_tokenizer(resolve_model(plan.engine.model if plan.engine is not None else plan.model))
+
+
 class _Target:
     """Runs one level against the in-process engine or the server; knows the tokenizer and the baseline dtype."""
 
-    def __init__(self, plan: BenchPlan):
+    def __init__(self, plan: BenchPlan, tokenizer):
         self.plan = plan
         self.engine = None
+        self.tokenizer = tokenizer
         if plan.url is None:
             from ..engine.llm_engine import LLMEngine
             self.engine = LLMEngine(plan.engine)
             self.engine.warm_kernels()
-            self.tokenizer = self.engine.tokenizer
             self.hf_dtype, self.hf_device = str(self.engine.dtype).split(".")[-1], self.engine.device.type
         else:
-            from ..engine.setup import load_tokenizer
-            from ..models.resolve import resolve_model
-            self.tokenizer = load_tokenizer(resolve_model(plan.model))
             self.hf_dtype, self.hf_device = plan.dtype, plan.device
 
     def warm_adapters(self, names: list[str]) -> None:
@@ -97,28 +110,72 @@ def report_config(plan: BenchPlan, description: str) -> dict:
     return cfg
 
 
+@contextlib.contextmanager
+def quiet_libraries():
+    """Other libraries' output (transformers' warnings, GPTQModel's banner and INFO lines) off the terminal while
+    the HF baseline loads and generates, as `infer convert` does (`cli.quiet.library_output`; --debug shows it).
+    Yields a rich Console on the terminal for our own progress bar, or None (not a terminal, or --debug: the
+    default console works)."""
+    from ..cli.quiet import debugging
+    from ..cli.quiet import library_output as hide
+    term = None
+    if not debugging():
+        try:
+            fd = sys.stdout.fileno()
+            if os.isatty(fd):  # a copy of the terminal, which the redirection below leaves alone
+                term = os.fdopen(os.dup(fd), "w", encoding="utf-8", errors="replace")
+        except (AttributeError, OSError, ValueError):
+            term = None  # a captured stream (tests)
+    try:
+        with hide():
+            if term is None:
+                yield None
+            else:
+                from rich.console import Console
+                yield Console(file=term)
+    finally:
+        if term is not None:
+            term.close()
+
+
 def _measure(plan: BenchPlan, target: _Target, requests, hf, runs: list, bases: list) -> bool:
     """Fill `runs` (and `bases`) level by level; True when Ctrl-C cut the plan short."""
     from .hf_baseline import run_hf_generate
+    label = BASE_NO_ADAPTERS if any(r.lora for r in requests) else None
     for c in plan.levels:
         run = target.run(requests, c)
         runs.append(run)
         if run.partial:
             return True
         if hf is not None:
-            base = run_hf_generate(hf, requests, batch_size=c, progress=not plan.quiet)
+            with quiet_libraries() as term:
+                base = run_hf_generate(hf, requests, batch_size=c, progress=not plan.quiet, console=term)
+            base.label = label
             bases.append(base)
             if base.partial:
                 return True
     return False
 
 
-def _check_fits(plan: BenchPlan, target: _Target) -> None:
+def _max_model_len(plan: BenchPlan) -> int | None:
+    """The in-process engine's max length, from the model's config and the engine options (as the engine will
+    compute it), without loading the model; None with --url."""
+    if plan.url is not None or plan.engine is None:
+        return None
+    from ..engine.setup import model_max_len
+    from ..models.loader import load_config
+    from ..models.resolve import resolve_model
+    return model_max_len(load_config(resolve_model(plan.engine.model)), plan.engine)
+
+
+def _check_fits(plan: BenchPlan) -> None:
     """Random prompts that cannot fit the engine are refused before they are made (a prompt of 10^8 tokens took
-    minutes to build, and every request then failed)."""
-    if target.engine is None or plan.dataset != "random":
+    minutes to build, and every request then failed), and before the model loads."""
+    if plan.dataset != "random":
         return
-    cap = target.engine.max_model_len
+    cap = _max_model_len(plan)
+    if cap is None:
+        return
     longest = length_range(plan.input_len, plan.range_ratio)[1] + length_range(plan.output_len, plan.range_ratio)[1]
     if longest > cap:
         drawn = f" (the longest drawn with --random-range-ratio {plan.range_ratio:g}: {longest})" \
@@ -136,20 +193,33 @@ def _console():
     return Console() if sys.stdout.isatty() else Console(width=200)
 
 
+def _note_base_baseline(plan: BenchPlan, requests: list[BenchRequest]) -> None:
+    """With adapters in the workload, say once that the HF baseline runs the base model without them."""
+    names = sorted({r.lora for r in requests if r.lora})
+    if names:
+        print(f"note: --baseline hf runs {plan.model} without adapters, labelled {BASE_NO_ADAPTERS!r}; the requests "
+              f"measured use {', '.join(names)}, so the x columns compare serving adapters with the plain base model",
+              file=sys.stderr, flush=True)
+
+
 def run_plan(plan: BenchPlan, console=None) -> tuple[list[dict], bool]:
     """Measure `plan` and write its report into `plan.out`; returns (results, interrupted). Raises
     KeyboardInterrupt only when Ctrl-C came before anything was measured."""
     from .report import write_report
-    target = _Target(plan)
-    _check_fits(plan, target)
-    workload = load_workload(plan.dataset, target.tokenizer, num_prompts=plan.num_prompts,
+    tokenizer = load_plan_tokenizer(plan)  # the workload is read and checked before any model loads
+    _check_fits(plan)
+    workload = load_workload(plan.dataset, tokenizer, num_prompts=plan.num_prompts,
                              input_len=plan.input_len, output_len=plan.output_len, seed=plan.seed,
                              range_ratio=plan.range_ratio)
     requests = assign_loras(workload.requests, plan.loras) if plan.loras else workload.requests
+    if plan.baseline == "hf":
+        _note_base_baseline(plan, requests)
+    target = _Target(plan, tokenizer)
     hf = None
     if plan.baseline == "hf":
         from .hf_baseline import load_hf
-        hf = load_hf(plan.model, target.hf_dtype, target.hf_device)
+        with quiet_libraries():
+            hf = load_hf(plan.model, target.hf_dtype, target.hf_device)
     target.warm_adapters(plan.loras)
     runs: list[RunResult] = []
     bases: list[RunResult] = []

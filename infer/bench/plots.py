@@ -33,9 +33,15 @@ def _levels(results: list[dict]) -> list[int]:
     return sorted({r["concurrency"] for r in results})
 
 
+def _base_name(base: dict) -> str:
+    """The baseline's legend: "hf (baseline)", or its own label when it says more ("hf (base, no adapters)")."""
+    label = base.get("label")
+    return label if label and label != base["backend"] else f"{base['backend']} (baseline)"
+
+
 def _names(results: list[dict]) -> tuple[str, str]:
     ours = results[0]["backend"] if results else "infer"
-    base = next((f"{r['baseline']['backend']} (baseline)" for r in results if r.get("baseline")), "baseline")
+    base = next((_base_name(r["baseline"]) for r in results if r.get("baseline")), "baseline")
     return ours, base
 
 
@@ -129,7 +135,7 @@ def timeline_figure(runs):
         tl = run.timeline
         if not tl:
             continue
-        label = f"{run.backend} c={run.concurrency}"
+        label = f"{getattr(run, 'label', None) or run.backend} c={run.concurrency}"
         key = "gpu_bytes" if any("gpu_bytes" in s for s in tl) else "rss_bytes"
         pts = [(s["t"], s[key] / 2**30) for s in tl if key in s]
         mem_ax.plot([t for t, _ in pts], [v for _, v in pts], label=f"{label} ({key[:-6].upper()})")

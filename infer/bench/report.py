@@ -8,7 +8,9 @@ report.md, timelines.json and PNG plots.
 concurrency (an HF run's batch size). results.json is a list with one object per run, with vLLM's key names
 (completed, failed, total_input_tokens, ..., mean_ttft_ms, p99_itl_ms, ...) plus chars_per_s,
 peak_memory_bytes, concurrency, partial, config, versions, device and git_commit; a matched baseline sits
-in "baseline" (same keys) and the ours/baseline ratios of the throughput figures in "ratio".
+in "baseline" (same keys) and the ours/baseline ratios of the throughput figures in "ratio". Every entry has a
+"label" (its backend, or what the run says it is: "hf (base, no adapters)" for a baseline that ran the base
+model while ours ran adapters), which the table titles, report.md, results.csv and the plots show.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def environment() -> dict:
 
 def run_entry(run: RunResult) -> dict:
     """vLLM's metrics for one run plus our own figures (no config / environment)."""
-    d = {"backend": run.backend, "concurrency": run.concurrency,
+    d = {"backend": run.backend, "label": run.label or run.backend, "concurrency": run.concurrency,
          "request_rate": None if math.isinf(run.request_rate) else run.request_rate,
          "num_requests": run.num_requests, "partial": run.partial, "aborted": run.aborted}
     d.update(run.metrics())
@@ -116,6 +118,29 @@ def table_rows(results: list[dict], which: str = "throughput") -> tuple[list[str
     return [t for t, _, _ in cols], rows
 
 
+def baseline_label(results: list[dict]) -> str | None:
+    """The baseline's label when it says more than its backend ("hf (base, no adapters)"), else None."""
+    for r in results:
+        base = r.get("baseline")
+        if base and base.get("label") and base["label"] != base.get("backend"):
+            return base["label"]
+    return None
+
+
+def baseline_note(results: list[dict]) -> str | None:
+    """One line on what a labelled baseline ran, for the table and report.md."""
+    label = baseline_label(results)
+    if label is None:
+        return None
+    return (f"baseline = {label}: transformers generate on the base model, without the adapters ours ran; "
+            "x = ours (with adapters) / baseline")
+
+
+def _title(title: str, which: str, results: list[dict]) -> str:
+    label = baseline_label(results) if which == "throughput" else None
+    return f"{title}: {which}" + (f", baseline {label}" if label else "")
+
+
 def print_table(results: list[dict], console=None, title: str = "infer bench") -> None:
     """The throughput table and the latency table, on the terminal."""
     from rich.console import Console
@@ -123,12 +148,15 @@ def print_table(results: list[dict], console=None, title: str = "infer bench") -
     console = console or Console()
     for which in ("throughput", "latency"):
         titles, rows = table_rows(results, which)
-        table = Table(title=f"{title}: {which}")
+        table = Table(title=_title(title, which, results))
         for t in titles:
             table.add_column(t, justify="right")
         for row in rows:
             table.add_row(*row)
         console.print(table)
+    note = baseline_note(results)
+    if note:
+        console.print(note, highlight=False, markup=False)
 
 
 def _markdown(results: list[dict], plots: dict[str, Path], config: dict) -> str:
@@ -137,9 +165,13 @@ def _markdown(results: list[dict], plots: dict[str, Path], config: dict) -> str:
              "- versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()), ""]
     if config:
         lines += ["## Configuration", "", "```json", json.dumps(config, indent=2, default=str), "```", ""]
+    note = baseline_note(results)
     for which in ("throughput", "latency"):
         titles, rows = table_rows(results, which)
-        lines += [f"## {which.capitalize()}", "", "| " + " | ".join(titles) + " |", "|" + "---:|" * len(titles)]
+        lines += [f"## {which.capitalize()}", ""]
+        if which == "throughput" and note:
+            lines += [note[0].upper() + note[1:] + ".", ""]
+        lines += ["| " + " | ".join(titles) + " |", "|" + "---:|" * len(titles)]
         lines += ["| " + " | ".join(row) + " |" for row in rows] + [""]
     lines += _replica_lines(results)
     lines += ["", "Latency figures follow vLLM's benchmark_serving definitions (TTFT, TPOT excluding the first "
