@@ -204,3 +204,55 @@ def test_an_option_out_of_range_points_at_the_commands_own_help():
         res = CliRunner().invoke(app, [command, "tiny-llama", "--dtype", "float8"])
         assert res.exit_code == 2 and "is not one of auto, float32" in res.output, res.output
         assert f"see `infer {command} --help`" in res.output and "COMMAND" not in res.output, res.output
+
+
+# ------------------------------------------------------------------------------------------------- infer serve
+class _Handle:
+    def __init__(self, calls):
+        self.serve_step = type("M", (), {"remote": lambda _, *a: calls.append(a) or object()})()
+
+
+def _ray_engine(replicas, max_num_seqs):
+    from collections import deque
+    from types import SimpleNamespace
+
+    from infer.parallel.serve_engine import RayAsyncEngine
+    eng = object.__new__(RayAsyncEngine)  # the driver's bookkeeping alone, without Ray
+    eng.replicas, eng._adds, eng._calls = replicas, deque(), {}
+    eng.engine = SimpleNamespace(config=SimpleNamespace(max_num_seqs=max_num_seqs))
+    return eng
+
+
+def test_data_parallel_queue_counts_only_requests_no_replica_can_start_and_idle_replicas_are_checked():
+    """6 requests to 2 replicas of 2 slots with --max-queue 4 gave a 503 (2 would wait); a replica killed while idle
+    stayed 'alive' until a request happened to reach it."""
+    from infer.parallel.serve_engine import _Replica
+    calls = []
+    a, b, dead = (_Replica(i, _Handle(calls), {}) for i in range(3))
+    dead.alive = False
+    a.inflight = {f"a{i}": None for i in range(3)}
+    b.inflight = {"b0": None}
+    eng = _ray_engine([a, b, dead], max_num_seqs=2)
+    eng._adds.extend([None, None])
+    assert eng._would_wait() == 2  # 6 outstanding, 4 running slots on the live replicas
+    b.calls = 1  # a step call of its own is on the way: no ping needed
+    eng._ping()
+    assert len(calls) == 1 and list(eng._calls.values()) == [a] and a.calls == 1 and calls[0] == ([], [])
+
+
+def test_a_single_engines_queue_counts_only_requests_beyond_its_free_slots():
+    from collections import deque
+    from types import SimpleNamespace
+
+    from infer.serve.async_engine import AsyncEngine
+    eng = object.__new__(AsyncEngine)
+    eng.engine = SimpleNamespace(config=SimpleNamespace(max_num_seqs=4))
+    eng._adds, eng._num_waiting, eng._num_running = deque([None] * 3), 2, 1
+    assert eng._would_wait() == 2  # 5 to start, 3 free slots
+    eng._num_running = 4
+    assert eng._would_wait() == 5
+
+
+def test_the_start_line_writes_an_ipv6_host_in_brackets():
+    from infer.cli.serve import url_host
+    assert url_host("::1") == "[::1]" and url_host("127.0.0.1") == "127.0.0.1" and url_host("[::1]") == "[::1]"

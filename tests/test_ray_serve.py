@@ -168,4 +168,8 @@ def test_stream_on_a_replica_that_dies_ends_with_an_error(client, url, server):
         list(chunks)
     with pytest.raises(openai.APIError, match="no engine replica is left"):
         _complete(client, PROMPTS[1])
-    assert httpx.get(f"{url}/health").json()["engine"]["num_replicas_alive"] == 0
+    r = httpx.post(f"{url}/v1/completions", json={"model": "tiny-llama", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_engine_replica" and "retry-after" in r.headers
+    health = httpx.get(f"{url}/health")  # a load balancer's probe sees the server cannot answer (it said ok)
+    assert health.status_code == 503 and health.json()["engine"]["num_replicas_alive"] == 0
+    assert all(r["num_running"] == 0 for r in health.json()["engine"]["replicas"])  # dead: frozen figures dropped

@@ -283,25 +283,47 @@ class _Gate:
         del self.engine.step
 
 
-def test_max_queue_gives_503_with_retry_after(engine):
+def _send_held(base, gate, n: int) -> tuple[list, list]:
+    """n requests sent while the engine's step is held; (threads, responses) once all are in flight."""
+    body = {"prompt": "wait", "max_tokens": 3}
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(httpx.post(f"{base}/v1/completions", json=body,
+                                                                         timeout=30)))
+               for _ in range(n)]
+    for t in threads:
+        t.start()
+    assert _wait(lambda: httpx.get(f"{base}/health").json()["engine"]["num_in_flight"] == n)
+    return threads, results
+
+
+def test_max_queue_gives_503_with_retry_after():
+    """One request runs (--max-num-seqs 1), two may wait (--max-queue 2): the fourth is a 503."""
+    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=MAX_LEN, max_num_seqs=1))
+    body = {"prompt": "wait", "max_tokens": 3}
     with serve_in_thread(Server(AsyncEngine(engine, max_queue=2), "tiny-llama")) as base, _Gate(engine) as gate:
         gate.open.clear()
-        body = {"prompt": "wait", "max_tokens": 3}
-        results = []
-        threads = [threading.Thread(target=lambda: results.append(httpx.post(f"{base}/v1/completions", json=body,
-                                                                             timeout=30)))
-                   for _ in range(2)]
-        for t in threads:
-            t.start()
-        assert _wait(lambda: httpx.get(f"{base}/health").json()["engine"]["num_in_flight"] == 2)
+        threads, results = _send_held(base, gate, 3)
         r = httpx.post(f"{base}/v1/completions", json=body)
         assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
         assert r.json()["error"]["code"] == "queue_full"
         gate.open.set()
         for t in threads:
             t.join(30)
-        assert [x.status_code for x in results] == [200, 200]
+        assert [x.status_code for x in results] == [200, 200, 200]
         assert httpx.post(f"{base}/v1/completions", json=body).status_code == 200
+    engine.close()
+
+
+def test_a_burst_the_engine_can_start_at_once_is_not_a_queue(engine):
+    """--max-queue 2 refused the third of three requests sent at once to an idle engine with 64 free slots: every
+    request not yet admitted by the engine thread counted as waiting."""
+    with serve_in_thread(Server(AsyncEngine(engine, max_queue=2), "tiny-llama")) as base, _Gate(engine) as gate:
+        gate.open.clear()
+        threads, results = _send_held(base, gate, 6)
+        gate.open.set()
+        for t in threads:
+            t.join(30)
+        assert [x.status_code for x in results] == [200] * 6, [x.text for x in results]
 
 
 def test_disconnect_aborts_and_frees_blocks(url, engine):

@@ -85,7 +85,7 @@ def test_completion_logprobs_out_of_range_says_one_range(url, logprobs):
     assert _error(r, 400, "logprobs") == f"logprobs must be in 0..5, got {logprobs}"
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": 5}, timeout=60)
     assert r.status_code == 200, r.text  # (top tokens that decode to the same text share one key of OpenAI's dict)
-    assert 1 <= len(r.json()["choices"][0]["logprobs"]["top_logprobs"][0]) <= 5, r.text
+    assert 1 <= len(r.json()["choices"][0]["logprobs"]["top_logprobs"][0]) <= 6, r.text  # the sampled one too
 
 
 def test_more_prompts_than_the_queue_holds_is_400_not_a_retry(url):

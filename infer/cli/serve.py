@@ -18,6 +18,11 @@ from . import options as o
 SERVER = "Server options"
 
 
+def url_host(host: str) -> str:
+    """The host as a URL writes it: an IPv6 address in brackets (http://[::1]:8000)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -133,7 +138,8 @@ def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, model_id
     bound = sock.getsockname()[1]
     names = (", ".join(server.adapters()) or "none") + (" (more can be loaded)" if runtime_lora else "")
     typer.echo(f"infer: serving {server.model_id} ({engine.device.type}, {engine.dtype}, KV "
-               f"{engine.memory_plan.num_blocks} blocks) on http://{host}:{bound}  adapters: {names}", err=True)
+               f"{engine.memory_plan.num_blocks} blocks) on http://{url_host(host)}:{bound}  adapters: {names}",
+               err=True)
     logging.getLogger("infer").setLevel(logging.INFO if log_level in ("info", "debug") else logging.WARNING)
     uv = uvicorn_server(server, app, shutdown_timeout, log_level=log_level, access_log=log_level in ("info", "debug"))
     with _quiet_signals():

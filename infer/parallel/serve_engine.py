@@ -19,12 +19,13 @@ from pathlib import Path
 from ..engine.block_manager import BlockManager
 from ..engine.llm_engine import LLMEngine
 from ..errors import LoRAError, LoRANameError
-from ..serve.async_engine import AsyncEngine
+from ..serve.async_engine import AsyncEngine, NoEngineError
 from .runtime import _last_line, stop_replicas
 
 log = logging.getLogger("infer.serve")
 DEPTH = 2  # step calls queued per replica
 POLL_S = 0.02  # how long the driver waits for a replica before it looks for new requests again
+PING_S = 5.0  # an idle driver checks its replicas this often: one that died between requests is noticed
 SUMMED = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "num_preemptions", "lora_swaps",
           "num_steps", "cuda_graph_replays")
 
@@ -103,18 +104,28 @@ class RayAsyncEngine(AsyncEngine):
         self.stats = self._aggregate()
 
     # ------------------------------------------------------------------ the driver thread
+    def add(self, request_id: str, prompt_token_ids: list[int], params, lora, queue) -> None:
+        if not any(r.alive for r in self.replicas):
+            raise NoEngineError("no engine replica is left", "restart the server")
+        super().add(request_id, prompt_token_ids, params, lora, queue)
+
     def _run(self) -> None:
         while True:
+            idle = False
             with self._cond:
                 while not (self._stopping or self._adds or self._aborts or self._controls or self._calls
                            or self._busy()):
-                    self._cond.wait()
+                    if not self._cond.wait(timeout=PING_S):
+                        idle = True
+                        break
                 if self._stopping:
                     break
                 adds, self._adds = list(self._adds), deque()
                 aborts, self._aborts = list(self._aborts), deque()
                 controls, self._controls = list(self._controls), deque()
             try:
+                if idle:
+                    self._ping()
                 self._route(adds, aborts)
                 self._send()
                 self._run_controls(controls, self)
@@ -123,6 +134,21 @@ class RayAsyncEngine(AsyncEngine):
                 self.num_step_errors += 1
                 log.exception("replica driver error: %s", e)
         self._fail_controls()
+
+    def _would_wait(self) -> int:
+        """Under _cond: the requests accepted that no live replica can start at once (for --max-queue): all those
+        not finished, less the running slots of the live replicas."""
+        live = [r for r in self.replicas if r.alive]
+        outstanding = len(self._adds) + sum(len(r.inflight) for r in live)
+        return outstanding - len(live) * self.engine.config.max_num_seqs
+
+    def _ping(self) -> None:
+        """An empty step call to every live replica with none queued: its answer refreshes the replica's figures,
+        and a replica that died while idle fails the call (`_collect` marks it dead) instead of looking alive."""
+        for r in self.replicas:
+            if r.alive and r.calls == 0:
+                self._calls[r.handle.serve_step.remote([], [])] = r
+                r.calls += 1
 
     def _busy(self) -> bool:
         return any(r.alive and (r.inflight or r.new or r.aborts) for r in self.replicas)
@@ -268,8 +294,9 @@ class RayAsyncEngine(AsyncEngine):
         total["num_replicas_alive"] = len(live)
         total["replicas"] = [{"replica": r.index, "alive": r.alive, "host": r.info.get("host"),
                               "device": r.info.get("device"), "num_in_flight": len(r.inflight),
-                              **{k: r.stats.get(k, 0) for k in ("num_running", "num_waiting", "kv_usage",
-                                                               "num_steps")}} for r in self.replicas]
+                              **{k: r.stats.get(k, 0) if r.alive else 0  # a dead replica runs nothing
+                                 for k in ("num_running", "num_waiting", "kv_usage", "num_steps")}}
+                             for r in self.replicas]
         return total
 
     def shutdown(self, timeout: float = 30.0) -> None:

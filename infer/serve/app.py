@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import RequestError
 from . import protocol as p
 from .adapters import add_adapter_routes
-from .async_engine import AsyncEngine, QueueFullError, ShuttingDownError
+from .async_engine import AsyncEngine, NoEngineError, QueueFullError, ShuttingDownError
 from .body import BodyLimits, ClientGone, SafeJSONResponse, read_body
 from .guard import ErrorGuardMiddleware
 from .lifecycle import uvicorn_server
@@ -105,6 +105,10 @@ class Server:
         except ShuttingDownError as e:
             self._abort(done)
             raise p.shutting_down(str(e), self.retry_after) from e
+        except NoEngineError as e:  # a load balancer retries it elsewhere, as /health already says 503
+            self._abort(done)
+            raise p.ApiError(503, str(e), type="server_unavailable", code="no_engine_replica",
+                             headers={"Retry-After": str(self.retry_after)}) from e
         return queue, ids
 
     def _abort(self, ids) -> None:
@@ -289,7 +293,11 @@ def _add_routes(app: FastAPI, server: Server) -> None:
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers and probes often send HEAD
     async def health():
-        return {"status": "ok", "model": server.model_id, "engine": server.stats()}
+        stats = server.stats()
+        if stats.get("num_replicas_alive", 1) == 0:  # every data-parallel replica died: probes must see it
+            return SafeJSONResponse({"status": "unavailable", "model": server.model_id, "engine": stats,
+                                     "error": "no engine replica is left; restart the server"}, status_code=503)
+        return {"status": "ok", "model": server.model_id, "engine": stats}
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics(request: Request):

@@ -36,6 +36,12 @@ class ShuttingDownError(InferError):
     exit_code = 1
 
 
+class NoEngineError(InferError):
+    """No engine is left to run a request (every data-parallel replica has died)."""
+
+    exit_code = 1
+
+
 @dataclass
 class _Pending:
     request_id: str
@@ -55,6 +61,7 @@ class AsyncEngine:
         self._controls: deque[tuple] = deque()  # (fn(engine), loop, future): run on the engine thread
         self._sinks: dict[str, tuple] = {}  # request id -> (loop, queue); owned under _cond
         self._num_waiting = 0  # engine's waiting queue after the last step
+        self._num_running = 0  # and its running sequences
         self._stopping = False
         self._accepting = True
         self.stats: dict = dict(engine.stats())  # a snapshot, replaced (never mutated) by the engine thread
@@ -72,7 +79,7 @@ class AsyncEngine:
         with self._cond:
             if not self._accepting:
                 raise ShuttingDownError("the server is shutting down", "retry against another replica")
-            if self.max_queue is not None and len(self._adds) + self._num_waiting >= self.max_queue:
+            if self.max_queue is not None and self._would_wait() >= self.max_queue:
                 raise QueueFullError(f"{self.max_queue} requests are already waiting (--max-queue)",
                                      "retry after a moment")
             if request_id in self._sinks:
@@ -81,6 +88,13 @@ class AsyncEngine:
             self._sinks[request_id] = sink
             self._adds.append(_Pending(request_id, list(prompt_token_ids), params, lora, sink))
             self._cond.notify()
+
+    def _would_wait(self) -> int:
+        """Under _cond: how many of the requests accepted so far cannot start at once (--max-queue counts these).
+        Requests not yet admitted and those in the engine's waiting queue take the free running slots first: a
+        burst of requests at an idle engine is not a queue (it was counted as one, and refused with 503)."""
+        free = max(0, self.engine.config.max_num_seqs - self._num_running)
+        return len(self._adds) + self._num_waiting - free
 
     def abort(self, request_id: str) -> None:
         """Stop a request (client gone); its KV blocks are freed by the engine thread's next iteration."""
@@ -200,6 +214,7 @@ class AsyncEngine:
         if adds:
             with self._cond:  # the new requests wait in the engine now: count them before the step runs
                 self._num_waiting = len(self.engine.scheduler.waiting)
+                self._num_running = len(self.engine.scheduler.running)
         self._step()
 
     def _admit(self, p: _Pending) -> None:
@@ -221,7 +236,7 @@ class AsyncEngine:
             self._deliver(out)
         stats = dict(self.engine.stats())
         with self._cond:
-            self._num_waiting = stats["num_waiting"]
+            self._num_waiting, self._num_running = stats["num_waiting"], stats["num_running"]
         self.stats = stats
 
     def _fail_running(self, message: str) -> None:
