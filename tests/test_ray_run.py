@@ -79,9 +79,9 @@ def test_same_records_as_one_engine_and_error_records(tmp_path, ray_cluster, job
     got = _records(out)
     _assert_same(got, want)
     errors = {k for k, v in got.items() if v["finish_reason"] == "error"}
-    assert errors == {"25", "noprompt", "topp", "ctx", "lora"}
+    assert errors == {"line25", "noprompt", "topp", "ctx", "lora"}
     assert "max-model-len" in got["ctx"]["error"] or "context" in got["ctx"]["error"]
-    assert "nope" in got["lora"]["error"] and "JSON" in got["25"]["error"]
+    assert "nope" in got["lora"]["error"] and "JSON" in got["line25"]["error"]
 
 
 def _kill_replica_when(out, ray, at_least: int, killed: list) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -110,35 +109,12 @@ def report_config(plan: BenchPlan, description: str) -> dict:
     return cfg
 
 
-@contextlib.contextmanager
-def quiet_libraries():
-    """Other libraries' output (transformers' warnings, GPTQModel's banner and INFO lines) off the terminal while
-    the HF baseline loads and generates, as `infer convert` does (`cli.quiet.library_output`; --debug shows it).
-    Yields a rich Console on the terminal for our own progress bar, or None (not a terminal, or --debug: the
-    default console works)."""
-    from ..cli.quiet import debugging
-    from ..cli.quiet import library_output as hide
-    term = None
-    if not debugging():
-        try:
-            fd = sys.stdout.fileno()
-            if os.isatty(fd):  # a copy of the terminal, which the redirection below leaves alone
-                term = os.fdopen(os.dup(fd), "w", encoding="utf-8", errors="replace")
-        except (AttributeError, OSError, ValueError):
-            term = None  # a captured stream (tests)
-    try:
-        with hide():
-            if term is None:
-                yield None
-            else:
-                from rich.console import Console
-                yield Console(file=term)
-    finally:
-        if term is not None:
-            term.close()
+def _shown():
+    """No hiding: what run_plan uses for the HF baseline when the caller gives no `hide_libraries`."""
+    return contextlib.nullcontext(None)
 
 
-def _measure(plan: BenchPlan, target: _Target, requests, hf, runs: list, bases: list) -> bool:
+def _measure(plan: BenchPlan, target: _Target, requests, hf, runs: list, bases: list, hide=_shown) -> bool:
     """Fill `runs` (and `bases`) level by level; True when Ctrl-C cut the plan short."""
     from .hf_baseline import run_hf_generate
     label = BASE_NO_ADAPTERS if any(r.lora for r in requests) else None
@@ -148,7 +124,7 @@ def _measure(plan: BenchPlan, target: _Target, requests, hf, runs: list, bases: 
         if run.partial:
             return True
         if hf is not None:
-            with quiet_libraries() as term:
+            with hide() as term:
                 base = run_hf_generate(hf, requests, batch_size=c, progress=not plan.quiet, console=term)
             base.label = label
             bases.append(base)
@@ -202,9 +178,12 @@ def _note_base_baseline(plan: BenchPlan, requests: list[BenchRequest]) -> None:
               file=sys.stderr, flush=True)
 
 
-def run_plan(plan: BenchPlan, console=None) -> tuple[list[dict], bool]:
+def run_plan(plan: BenchPlan, console=None, hide_libraries=None) -> tuple[list[dict], bool]:
     """Measure `plan` and write its report into `plan.out`; returns (results, interrupted). Raises
-    KeyboardInterrupt only when Ctrl-C came before anything was measured."""
+    KeyboardInterrupt only when Ctrl-C came before anything was measured. `hide_libraries`: a context manager
+    factory that keeps other libraries' output off the terminal while the HF baseline loads and runs, yielding a
+    rich Console for the baseline's progress bar or None (the CLI passes `cli.quiet.library_output_to_bar`)."""
+    hide = hide_libraries or _shown
     from .report import write_report
     tokenizer = load_plan_tokenizer(plan)  # the workload is read and checked before any model loads
     _check_fits(plan)
@@ -218,13 +197,13 @@ def run_plan(plan: BenchPlan, console=None) -> tuple[list[dict], bool]:
     hf = None
     if plan.baseline == "hf":
         from .hf_baseline import load_hf
-        with quiet_libraries():
+        with hide():
             hf = load_hf(plan.model, target.hf_dtype, target.hf_device)
     target.warm_adapters(plan.loras)
     runs: list[RunResult] = []
     bases: list[RunResult] = []
     try:
-        interrupted = _measure(plan, target, requests, hf, runs, bases)
+        interrupted = _measure(plan, target, requests, hf, runs, bases, hide)
     except KeyboardInterrupt:  # between runs (a run itself returns partial)
         interrupted = True
     if not runs:

@@ -276,7 +276,8 @@ def set_target(plan, engine: EngineConfig, lora: list[str] | None, max_num_seqs:
 def run_and_report(plan) -> None:
     """Run the plan and say where the report is; exit 130 when Ctrl-C cut it short."""
     from ..bench.plan import run_plan
-    results, interrupted = run_plan(plan)
+    from .quiet import library_output_to_bar
+    results, interrupted = run_plan(plan, hide_libraries=library_output_to_bar)
     typer.echo(f"infer bench: report written to {plan.out}", err=True)
     if interrupted:
         typer.echo(f"interrupted: the report in {plan.out} holds what was measured (marked partial)", err=True)

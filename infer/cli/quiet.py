@@ -131,3 +131,29 @@ def _point_log_handlers(sink) -> list:
                 except AttributeError:  # logging's last-resort handler: its stream is always sys.stderr
                     pass
     return out
+
+
+@contextlib.contextmanager
+def library_output_to_bar():
+    """Other libraries' output (transformers' warnings, GPTQModel's banner and INFO lines) off the terminal while
+    the HF baseline loads and generates, as `infer convert` does (`library_output`; --debug shows it).
+    Yields a rich Console on the terminal for our own progress bar, or None (not a terminal, or --debug: the
+    default console works)."""
+    term = None
+    if not debugging():
+        try:
+            fd = sys.stdout.fileno()
+            if os.isatty(fd):  # a copy of the terminal, which the redirection below leaves alone
+                term = os.fdopen(os.dup(fd), "w", encoding="utf-8", errors="replace")
+        except (AttributeError, OSError, ValueError):
+            term = None  # a captured stream (tests)
+    try:
+        with library_output():
+            if term is None:
+                yield None
+            else:
+                from rich.console import Console
+                yield Console(file=term)
+    finally:
+        if term is not None:
+            term.close()
