@@ -256,3 +256,16 @@ def test_a_single_engines_queue_counts_only_requests_beyond_its_free_slots():
 def test_the_start_line_writes_an_ipv6_host_in_brackets():
     from infer.cli.serve import url_host
     assert url_host("::1") == "[::1]" and url_host("127.0.0.1") == "127.0.0.1" and url_host("[::1]") == "[::1]"
+
+
+def test_building_a_builtin_model_under_hf_hub_disable_progress_bars_prints_nothing(tmp_path):
+    """The first `infer run` of a built-in model re-enabled transformers' progress bars after saving it, which under
+    HF_HUB_DISABLE_PROGRESS_BARS=1 (a common setting, and what infer itself sets while hiding other libraries)
+    printed huggingface_hub's 'Cannot enable progress bars' warning."""
+    import os
+    import subprocess
+    import sys
+    code = "from infer.models.tiny import ensure_builtin; ensure_builtin('tiny-llama')"
+    env = {**os.environ, "INFER_CACHE": str(tmp_path), "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "progress bars" not in res.stderr, res.stderr

@@ -134,10 +134,12 @@ def _build(spec: TinySpec, out: Path) -> None:
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = 0
     from transformers.utils import logging as hf_logging
+    shown = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
         model.save_pretrained(out, safe_serialization=True)
     finally:
-        hf_logging.enable_progress_bar()
+        if shown:  # as it was: enabling it under HF_HUB_DISABLE_PROGRESS_BARS=1 prints a warning
+            hf_logging.enable_progress_bar()
     _save_tokenizer(spec, out)
     (out / "infer_builtin.json").write_text(json.dumps({"seed": spec.seed, "format": FORMAT_VERSION}))
