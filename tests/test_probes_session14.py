@@ -269,3 +269,68 @@ def test_building_a_builtin_model_under_hf_hub_disable_progress_bars_prints_noth
     env = {**os.environ, "INFER_CACHE": str(tmp_path), "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "progress bars" not in res.stderr, res.stderr
+
+
+# ------------------------------------------------------------------------------------ model preparation (probe 3)
+def _invoke(*args):
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    return CliRunner().invoke(app, list(map(str, args)))
+
+
+def test_a_numbered_cuda_device_without_a_gpu_is_one_error():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    res = _invoke("warmup", "tiny-llama", "--max-length", "64", "--concurrency", "2", "--device", "cuda:1")
+    assert res.exit_code == 2 and "--device cuda:1 was asked but no CUDA GPU is visible" in res.output, res.output
+
+
+def test_a_cache_folder_that_cannot_be_written_is_one_error(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("INFER_CACHE", str(blocker))
+    res = _invoke("warmup", "tiny-qwen3", "--estimate", "--max-length", "64", "--concurrency", "1")
+    assert res.exit_code == 2 and "cannot write the built-in model 'tiny-qwen3'" in res.output, res.output
+    assert "set INFER_CACHE to a folder you can write to" in res.output
+
+
+def _float_copy(tmp_path, name="src"):
+    import shutil
+    src = tmp_path / name
+    shutil.copytree(ensure_builtin("tiny-llama"), src)
+    return src
+
+
+def test_quantize_refuses_what_it_cannot_quantize_before_calibrating(tmp_path):
+    """A truncated weight file and an AWQ checkpoint failed inside GPTQModel after calibration (with another
+    error's words), and an AWQ folder with quantize_config.json was called 'already a GPTQ checkpoint'."""
+    import json
+    src = _float_copy(tmp_path)
+    weights = src / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) // 2])
+    res = _invoke("quantize", src, "-o", tmp_path / "out", "--group-size", "32")
+    assert res.exit_code == 2 and f"cannot read weight file {weights}" in res.output, res.output
+    assert "the file is corrupted or truncated" in res.output and not (tmp_path / "out").exists()
+    weights.write_bytes(data)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "awq", "bits": 4}}))
+    (src / "quantize_config.json").write_text("{}")
+    res = _invoke("quantize", src, "-o", tmp_path / "out", "--group-size", "32")
+    assert res.exit_code == 2 and "is already quantized (quant_method 'awq')" in res.output, res.output
+    (src / "config.json").write_text(json.dumps({**cfg, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    (src / "quantize_config.json").unlink()
+    res = _invoke("quantize", src, "-o", tmp_path / "out", "--group-size", "32")
+    assert res.exit_code == 2 and "unsupported architecture" in res.output, res.output
+
+
+def test_calibration_chats_may_hold_openai_text_parts(tmp_path):
+    from infer.quant.calibration import _jsonl_text
+    line = '{"messages": [{"role": "user", "content": [{"type": "text", "text": "hello "}, ' \
+           '{"type": "text", "text": "there"}]}]}'
+    assert _jsonl_text(line, tmp_path / "c.jsonl", 1, lambda msgs: msgs[0]["content"]) == "hello there"
+    from infer.errors import ConfigError
+    with pytest.raises(ConfigError, match="a content is a string or a list of text parts"):
+        _jsonl_text('{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', tmp_path / "c.jsonl", 1,
+                    lambda msgs: "")

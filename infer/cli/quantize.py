@@ -102,6 +102,10 @@ def quantize(
                               seq_len=seq_len, damp_percent=damp, max_shard_size=max_shard_size)
     options.validate()
     src = resolve_model(model)  # a bad MODEL fails before the quantize extra is looked for
+    if (src / "config.json").is_file():  # a model infer cannot run is refused before calibration, not after
+        from ..models.loader import load_config
+        from ..models.registry import check_supported
+        check_supported(load_config(src))
     result = run_quantization(src, output, options, calibration, overwrite=overwrite, verbose=verbose)
     print_summary(result, options)
 

@@ -126,8 +126,11 @@ class EngineConfig:
         self.loras = parse_loras(self.loras)
         for msg in self._problems():
             raise ConfigError(msg)  # the CLI adds "see `infer <the command> --help`" to an error without a hint
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("--device cuda was asked but no CUDA GPU is visible", "use --device cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"--device {self.device} was asked but no CUDA GPU is visible", "use --device cpu")
+        if self.device.startswith("cuda:") and int(self.device[5:]) >= torch.cuda.device_count():
+            raise ConfigError(f"--device {self.device}: this machine has {torch.cuda.device_count()} CUDA GPU(s), "
+                              f"numbered from 0", "use --device cuda:0 (or cuda for the first)")
 
     def _problems(self):
         if not isinstance(self.model, (str, Path)) or not str(self.model).strip():

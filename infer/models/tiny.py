@@ -71,9 +71,14 @@ def ensure_builtin(name: str, cache_dir: str | os.PathLike | None = None) -> Pat
     target = root / f"{name}-v{FORMAT_VERSION}"
     if (target / "model.safetensors").is_file():
         return target
-    root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_builds(root, name)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_stale_builds(root, name)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    except OSError as e:
+        raise ModelLoadError(f"cannot write the built-in model {name!r} into {root}: {e.strerror or e}",
+                             "set INFER_CACHE to a folder you can write to (built-in models are generated there)") \
+            from None
     try:
         _build(BUILTIN_MODELS[name], tmp)
         try:

@@ -115,7 +115,7 @@ def start_replicas(ray, engine_config, model_path: Path, n: int,
     except ray.exceptions.RayError as e:
         stop_replicas(ray, handles)
         raise ReplicaError(f"an engine replica failed while loading the model: {_last_line(e)}",
-                           "run without --data-parallel to see the error, or pass --debug") from None
+                           "run without --data-parallel to see the error, or run `infer --debug ...` for the traceback") from None
     failed = next((i["error"] for i in infos if i["error"]), None)
     if failed:
         stop_replicas(ray, handles)

@@ -64,6 +64,12 @@ def _read_jsonl(path: Path, render_chat: Callable[[Messages], str]) -> list[str]
     return texts
 
 
+def _text_parts(content) -> bool:
+    """Whether `content` is OpenAI's list of text parts ([{"type": "text", "text": "..."}, ...])."""
+    return isinstance(content, list) and bool(content) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)
+
+
 def _jsonl_text(line: str, path: Path, lineno: int, render_chat: Callable[[Messages], str]) -> str:
     where = f"{path}, line {lineno}"
     try:
@@ -79,10 +85,14 @@ def _jsonl_text(line: str, path: Path, lineno: int, render_chat: Callable[[Messa
             return obj[key]
     if "messages" in obj:
         msgs = obj["messages"]
+        if isinstance(msgs, list):  # OpenAI's list of text parts is joined, as `infer run` reads a conversation
+            msgs = [{**m, "content": "".join(p["text"] for p in m["content"])}
+                    if isinstance(m, dict) and _text_parts(m.get("content")) else m for m in msgs]
         ok = isinstance(msgs, list) and msgs and all(
             isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs)
         if not ok:
-            raise ConfigError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+            raise ConfigError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects (a "
+                              "content is a string or a list of text parts)")
         return render_chat(msgs)
     raise ConfigError(f"{where} has none of the keys 'text', 'prompt', 'messages'",
                       'write objects like {"text": "..."} or {"messages": [{"role": "user", "content": "..."}]}')

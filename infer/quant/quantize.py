@@ -21,7 +21,8 @@ from typing import Any, TextIO
 
 from ..errors import ConfigError, InferError, ModelLoadError
 from .calibration import CalibrationSet, load_calibration
-from .convert import check_not_source, check_output, copy_tokenizer_files, is_gptq, staged_output
+from .convert import (check_not_source, check_output, copy_tokenizer_files, is_gptq, read_config_json,
+                      staged_output, weight_files)
 
 BITS = (4, 8)
 GROUP_SIZES = (-1, 32, 64, 128)
@@ -186,15 +187,48 @@ def _check_source(src: Path, group_size: int) -> dict:
     if not (src / "config.json").is_file():
         raise ModelLoadError(f"{src} is not a model folder (no config.json)",
                              "pass a Hugging Face model folder (config.json and *.safetensors weights)")
+    config = read_config_json(src)
+    qc = config.get("quantization_config")
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method not in (None, "gptq"):
+        raise ConfigError(f"{src} is already quantized (quant_method {method!r})",
+                          "quantize the float model it came from")
     if is_gptq(src):
         raise ConfigError(f"{src} is already a GPTQ checkpoint", "quantize the float model it came from")
-    config = json.loads((src / "config.json").read_text())
     dims = {k: config[k] for k in ("hidden_size", "intermediate_size") if isinstance(config.get(k), int)}
     bad = {k: v for k, v in dims.items() if group_size > 0 and v % group_size}
     if bad:
         raise ConfigError(f"--group-size {group_size} does not divide the model's {bad}",
                           "pick a group size that divides every layer's input size (or -1 for one group)")
+    _check_weights(src)
     return config
+
+
+def _check_weights(src: Path) -> None:
+    """Weight files present and readable before calibration starts (GPTQModel fails late, and on something else):
+    each safetensors file's header and size are checked without reading its tensors."""
+    for f in weight_files(src):  # none at all: a ModelLoadError naming the folder
+        if f.suffix != ".safetensors":
+            continue
+        try:
+            end = _safetensors_end(f)
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+            end = None
+        if end is None or f.stat().st_size < end:
+            why = "its header cannot be read" if end is None else \
+                f"it has {f.stat().st_size:,} bytes, its header describes {end:,}"
+            raise ModelLoadError(f"cannot read weight file {f}: {why}", "the file is corrupted or truncated")
+
+
+def _safetensors_end(f: Path) -> int:
+    """Where a safetensors file's data ends according to its header (8-byte length, JSON header, then data)."""
+    with open(f, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        if n > 100 << 20:  # safetensors' own limit: a larger length is a corrupted file
+            raise ValueError(f"a header length of {n:,} bytes")
+        header = json.loads(fh.read(n))
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    return 8 + n + max(ends, default=0)
 
 
 def _tokenizer(src: Path):
@@ -224,7 +258,8 @@ def _run_gptqmodel(src: Path, out: Path, opts: QuantizeOptions, calib: Calibrati
         raise
     except Exception as e:
         raise InferError(f"GPTQModel failed to quantize {src}: {type(e).__name__}: {e}",
-                         "rerun with --verbose to see GPTQModel's output, or --debug for the traceback") from e
+                         "rerun with --verbose to see GPTQModel's output, or `infer --debug quantize ...` for the "
+                         "traceback") from e
     return log or {}
 
 
