@@ -87,3 +87,25 @@ def test_rerun_reuses_checkpoint_and_adapters(tmp_path, capsys):
     assert Steps.ran == ["lora-validate"]
     assert f"quantize: reusing {out / 'tiny-llama-gptq'} from an earlier run" in err
     assert "adapters: reusing support (rank 8, q/v) and legal" in err
+
+
+def test_another_model_into_the_same_folder_makes_adapters_of_its_own(tmp_path, capsys):
+    """A second demo with --model tiny-qwen3 into the same --out reused tiny-llama's adapters, and lora-validate
+    failed them (made for another base)."""
+    out = tmp_path / "demo"
+    for name in demo_module.ADAPTERS:
+        (out / "adapters" / name).mkdir(parents=True)
+        (out / "adapters" / name / "adapter_config.json").write_text("{}")
+
+    class Steps:
+        ran = []
+
+        def run(self, title, args, summary, module="infer.cli"):
+            self.ran.append((title, args))
+
+    _, loras = demo_module._model_steps(Steps(), out, "tiny-qwen3", demo_module.SIZES[True])
+    titles = [t for t, _ in Steps.ran]
+    assert titles == ["quantize", "adapters", "lora-validate"]
+    made = dict(Steps.ran)["adapters"]
+    assert made[:2] == ["tiny-qwen3", str(out / "tiny-qwen3-adapters")]
+    assert all(str(out / "tiny-qwen3-adapters") in lo for lo in loras)

@@ -139,7 +139,8 @@ def demo(
 def _model_steps(steps: _Steps, out: Path, model: str, sizes: tuple) -> tuple[Path, list[str]]:
     """Quantize and make the adapters (each reused from an earlier run into the same folder)."""
     samples, seq_len, check_steps = sizes[:3]
-    gptq, adapters = out / f"{model}-gptq", out / "adapters"
+    # adapters fit one base: another --model into the same --out makes its own (reusing them failed the demo)
+    gptq, adapters = out / f"{model}-gptq", out / ("adapters" if model == "tiny-llama" else f"{model}-adapters")
     if (gptq / "config.json").is_file() and any(gptq.glob("*.safetensors")):
         typer.echo(f"\n  quantize: reusing {gptq} from an earlier run (delete it to quantize again)", err=True)
     else:
