@@ -44,9 +44,12 @@ def safetensors_header(path: Path) -> dict:
 
 def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype, device: torch.device) -> int:
     """Bytes of the weights once loaded: float tensors in `dtype`, integer (GPTQ) tensors as stored, plus the
-    CPU matmul copies the engine prepacks (float linear layers and the output head)."""
+    CPU matmul copies the engine prepacks (float linear layers and the output head); on a CPU a GPTQ layer also
+    holds its dequantized float weight (and its prepacked copy)."""
     elem = torch.finfo(dtype).bits // 8
     prepacks = device.type == "cpu" and cpu_gemm.available(torch.empty(0, dtype=dtype))
+    qc = getattr(model_config, "quantization_config", None)
+    bits = int((qc if isinstance(qc, dict) else vars(qc) if qc is not None else {}).get("bits", 4) or 4)
     total = 0
     for f in files:
         if f.suffix != ".safetensors":
@@ -61,6 +64,8 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
             if name == "lm_head.weight" and getattr(model_config, "tie_word_embeddings", False):
                 continue
             total += size
+            if device.type == "cpu" and name.endswith(".qweight"):  # the CPU path dequantizes each GPTQ layer
+                total += numel * (32 // bits) * elem * (2 if prepacks else 1)  # once at load (and prepacks it)
             if prepacks and is_float and (_LINEAR.search(name) or name == "lm_head.weight"):
                 total += size
             if prepacks and name == "model.embed_tokens.weight" and getattr(model_config, "tie_word_embeddings", False):
