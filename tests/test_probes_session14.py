@@ -334,3 +334,21 @@ def test_calibration_chats_may_hold_openai_text_parts(tmp_path):
     with pytest.raises(ConfigError, match="a content is a string or a list of text parts"):
         _jsonl_text('{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', tmp_path / "c.jsonl", 1,
                     lambda msgs: "")
+
+
+def test_warmup_estimate_refuses_a_quantization_the_engine_refuses(tmp_path):
+    """--estimate said "fits" for an AWQ or 3-bit checkpoint that run and the measured warmup refuse."""
+    import json
+    src = _float_copy(tmp_path)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "awq", "bits": 4}}))
+    res = _invoke("warmup", src, "--estimate", "--max-length", "64", "--concurrency", "1")
+    assert res.exit_code == 2 and "quant_method 'awq' is not supported" in res.output, res.output
+
+
+def test_a_memory_limit_beyond_the_machine_is_refused():
+    """--memory-limit 1TB on a 24 GiB machine planned 16,384 x 4,096 tokens and said "fits"."""
+    import psutil
+    res = _invoke("warmup", "tiny-llama", "--max-length", "4096", "--concurrency", "16384", "--estimate",
+                  "--memory-limit", f"{psutil.virtual_memory().total * 2}")
+    assert res.exit_code == 2 and "is more than this machine's memory" in res.output, res.output

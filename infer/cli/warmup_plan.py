@@ -38,6 +38,8 @@ def estimate_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     from ..models.loader import weight_files
     path, model_config, device, dtype = _model_parts(engine_config)
     limit = _check_length(model_config, engine_config, max_length)
+    from ..quant.config import GPTQConfig
+    GPTQConfig.from_model_dir(path)  # as the loader: another quant_method, or 3-bit GPTQ, is refused, not "fits"
     weights = checkpoint_weights_bytes(weight_files(path), model_config, dtype, device)
     from ..lora.adapter import load_adapter
     for name, adapter in engine_config.loras.items():  # the checks an engine start makes (files, rank, shapes)

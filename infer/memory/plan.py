@@ -70,6 +70,10 @@ def budget_bytes(engine_config: PlanOptions, device: torch.device, weights: int,
         others = total - free - (torch.cuda.memory_reserved(device) if loaded else 0)  # other processes
         return int(total * engine_config.gpu_memory_utilization) - max(0, others)
     if engine_config.memory_limit:
+        total = device_total(device)
+        if engine_config.memory_limit > total:  # a plan inside it would prove nothing: this machine cannot hold it
+            raise ConfigError(f"--memory-limit {gib(engine_config.memory_limit)} is more than this machine's memory "
+                              f"({gib(total)})", f"give at most {gib(total)}, or leave it unset (half the free RAM)")
         return engine_config.memory_limit
     return int(available_cpu_memory() * 0.5) + (weights if loaded else 0)
 
