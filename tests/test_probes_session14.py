@@ -352,3 +352,27 @@ def test_a_memory_limit_beyond_the_machine_is_refused():
     res = _invoke("warmup", "tiny-llama", "--max-length", "4096", "--concurrency", "16384", "--estimate",
                   "--memory-limit", f"{psutil.virtual_memory().total * 2}")
     assert res.exit_code == 2 and "is more than this machine's memory" in res.output, res.output
+
+
+def test_sigterm_during_quantize_cleans_up_as_ctrl_c_does(tmp_path):
+    """SIGTERM left the hidden staging folder beside -o and GPTQModel's offload copy in /tmp (exit 143)."""
+    import subprocess
+    import sys
+    import textwrap
+    script = textwrap.dedent(f"""
+        import os, signal, sys, time
+        from pathlib import Path
+        import infer.quant.quantize as q
+        from infer.quant.convert import staged_output
+        def fake(src, out, options, calibration, observer, overwrite=False):
+            with staged_output(out, overwrite) as tmp:
+                (tmp / "part.safetensors").write_bytes(b"x")
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(30)
+        q.quantize_model = fake
+        from infer.cli.main import app
+        app(["quantize", "tiny-llama", "-o", {str(tmp_path / "out")!r}], standalone_mode=True)
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 130 and "interrupted" in res.stderr, (res.returncode, res.stderr[-2000:])
+    assert list(tmp_path.iterdir()) == []  # no output, no hidden staging folder

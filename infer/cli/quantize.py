@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import tempfile
 from pathlib import Path
 from typing import Annotated, Optional
@@ -106,8 +108,27 @@ def quantize(
         from ..models.loader import load_config
         from ..models.registry import check_supported
         check_supported(load_config(src))
-    result = run_quantization(src, output, options, calibration, overwrite=overwrite, verbose=verbose)
+    with _terminate_as_interrupt():
+        result = run_quantization(src, output, options, calibration, overwrite=overwrite, verbose=verbose)
     print_summary(result, options)
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM (timeout, docker stop, a batch scheduler) ends the quantization as Ctrl-C does: the staging folder
+    beside -o and the temporary folders (GPTQModel's offload copy of the model, gigabytes) are removed. Killed by
+    the signal itself they stayed, and no later run removed them."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave the signal alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run_quantization(src: Path, output: Path, options: QuantizeOptions, calibration: Path | None, *,
