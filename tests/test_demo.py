@@ -67,45 +67,45 @@ def test_demo_refuses_bad_arguments_before_any_work(tmp_path, args, message):
     assert not (tmp_path / "d").exists()
 
 
+class _Steps:
+    """The demo's step runner, recording (title, args) instead of running anything."""
+
+    def __init__(self):
+        self.ran = []
+
+    def run(self, title, args, summary, module="infer.cli"):
+        self.ran.append((title, args))
+
+
+def _earlier_adapters(out):
+    """The adapter folders an earlier tiny-llama demo left in `out`."""
+    for name in demo_module.ADAPTERS:
+        (out / "adapters" / name).mkdir(parents=True)
+        (out / "adapters" / name / "adapter_config.json").write_text("{}")
+
+
 def test_rerun_reuses_checkpoint_and_adapters(tmp_path, capsys):
     out = tmp_path / "demo"
     (out / "tiny-llama-gptq").mkdir(parents=True)
     (out / "tiny-llama-gptq" / "config.json").write_text("{}")
     (out / "tiny-llama-gptq" / "model.safetensors").write_bytes(b"")
-    for name in demo_module.ADAPTERS:
-        (out / "adapters" / name).mkdir(parents=True)
-        (out / "adapters" / name / "adapter_config.json").write_text("{}")
-
-    class Steps:
-        ran = []
-
-        def run(self, title, args, summary, module="infer.cli"):
-            self.ran.append(title)
-
-    demo_module._model_steps(Steps(), out, "tiny-llama", demo_module.SIZES[True])
+    _earlier_adapters(out)
+    steps = _Steps()
+    demo_module._model_steps(steps, out, "tiny-llama", demo_module.SIZES[True])
     err = capsys.readouterr().err
-    assert Steps.ran == ["lora-validate"]
+    assert [t for t, _ in steps.ran] == ["lora-validate"]
     assert f"quantize: reusing {out / 'tiny-llama-gptq'} from an earlier run" in err
     assert "adapters: reusing support (rank 8, q/v) and legal" in err
 
 
-def test_another_model_into_the_same_folder_makes_adapters_of_its_own(tmp_path, capsys):
+def test_another_model_into_the_same_folder_makes_adapters_of_its_own(tmp_path):
     """A second demo with --model tiny-qwen3 into the same --out reused tiny-llama's adapters, and lora-validate
     failed them (made for another base)."""
     out = tmp_path / "demo"
-    for name in demo_module.ADAPTERS:
-        (out / "adapters" / name).mkdir(parents=True)
-        (out / "adapters" / name / "adapter_config.json").write_text("{}")
-
-    class Steps:
-        ran = []
-
-        def run(self, title, args, summary, module="infer.cli"):
-            self.ran.append((title, args))
-
-    _, loras = demo_module._model_steps(Steps(), out, "tiny-qwen3", demo_module.SIZES[True])
-    titles = [t for t, _ in Steps.ran]
-    assert titles == ["quantize", "adapters", "lora-validate"]
-    made = dict(Steps.ran)["adapters"]
+    _earlier_adapters(out)
+    steps = _Steps()
+    _, loras = demo_module._model_steps(steps, out, "tiny-qwen3", demo_module.SIZES[True])
+    assert [t for t, _ in steps.ran] == ["quantize", "adapters", "lora-validate"]
+    made = dict(steps.ran)["adapters"]
     assert made[:2] == ["tiny-qwen3", str(out / "tiny-qwen3-adapters")]
     assert all(str(out / "tiny-qwen3-adapters") in lo for lo in loras)
