@@ -80,7 +80,7 @@ def test_run_passes_every_option_by_name(tmp_path, monkeypatch):
 
 def test_bench_and_warmup_derive_their_own_options(tmp_path, monkeypatch):
     seen = []
-    monkeypatch.setattr("infer.bench.plan.run_plan", lambda plan: (seen.append(plan.engine), (None, False))[1])
+    monkeypatch.setattr("infer.bench.plan.run_plan", lambda plan, **kw: (seen.append(plan.engine), (None, False))[1])
     result = CliRunner().invoke(app, ["bench", "tiny-llama", "-c", "3,12", "--seed", "9", "--block-size", "8",
                                       "--quiet", "--out", str(tmp_path / "b")])
     assert result.exit_code == 0, result.output

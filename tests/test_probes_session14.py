@@ -376,3 +376,17 @@ def test_sigterm_during_quantize_cleans_up_as_ctrl_c_does(tmp_path):
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert res.returncode == 130 and "interrupted" in res.stderr, (res.returncode, res.stderr[-2000:])
     assert list(tmp_path.iterdir()) == []  # no output, no hidden staging folder
+
+
+def test_hiding_other_libraries_leaves_the_environment_as_it_was(monkeypatch):
+    """library_output set HF_HUB_DISABLE_PROGRESS_BARS and friends for good: after an in-process `infer bench` or
+    `infer convert`, a later `infer --debug convert` in a child process lost transformers' loading bars."""
+    import os
+
+    from infer.cli.quiet import QUIET_ENV, library_output
+    for k in QUIET_ENV:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("TQDM_DISABLE", "0")  # the user's own setting stays as it is
+    with library_output():
+        assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1" and os.environ["TQDM_DISABLE"] == "0"
+    assert "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ and os.environ["TQDM_DISABLE"] == "0"

@@ -83,8 +83,9 @@ def library_output(log: Path | None = None):
     if debugging():
         yield
         return
-    for k, v in QUIET_ENV.items():
-        os.environ.setdefault(k, v)
+    added = [k for k in QUIET_ENV if k not in os.environ]  # set while open, then taken back: a process that
+    for k in added:                                          # goes on (a test, a Python caller) keeps its own
+        os.environ[k] = QUIET_ENV[k]
     sink = _Sink(log)
     target = os.open(log if log else os.devnull, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     saved = []
@@ -115,6 +116,8 @@ def library_output(log: Path | None = None):
     finally:
         os.close(target)
         sink.close()
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def _point_log_handlers(sink) -> list:
