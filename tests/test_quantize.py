@@ -214,6 +214,17 @@ def test_quant_config_round_trips(quantized):
 
 
 @needs_gptqmodel
+def test_configs_name_no_temporary_folder(quantized):
+    """GPTQModel's meta names the folder it offloaded modules to while quantizing, deleted when quantize returns: the
+    checkpoint keeps the rest of meta (the quantizer's version) but not that local path."""
+    out = quantized[0]
+    for name in ("quantize_config.json", "config.json"):
+        text = (out / name).read_text()
+        assert "offload_to_disk_path" not in text and "gptqmodel_" not in text and "infer-quantize-" not in text, name
+        assert "gptqmodel:" in text, name  # the meta block itself is kept
+
+
+@needs_gptqmodel
 def test_report_csv(quantized):
     import pandas as pd
     report = pd.read_csv(quantized[0] / "quantization_report.csv")
@@ -284,3 +295,36 @@ def test_make_gptqmodel_checkpoint_helper(tmp_path, tiny_llama, monkeypatch):
     qc = json.loads((out / "quantize_config.json").read_text())
     assert (qc["bits"], qc["group_size"], qc.get("checkpoint_format", qc.get("format"))) == (4, 64, "gptq")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["h"]
+
+
+def test_interop_notes_only_for_one_group_per_row_asymmetric_4bit():
+    flagged = [(b, g, s) for b in (4, 8) for g in (-1, 32, 64, 128) for s in (True, False)
+               if QuantizeOptions(bits=b, group_size=g, sym=s).interop_notes()]
+    assert flagged == [(4, -1, False)]
+
+
+@needs_gptqmodel
+def test_one_group_asymmetric_checkpoint_notes_transformers_cpu_kernel(tiny_llama, tmp_path, monkeypatch):
+    """The note is true: transformers' default CPU load of this checkpoint (GPTQModel's torch_fused kernel) is far
+    from infer and from GPTQModel's exact torch kernel, which agree with each other. If a GPTQModel release fixes the
+    kernel, this test says the note can go."""
+    from transformers import AutoModelForCausalLM, GPTQConfig as HFGPTQConfig
+    from infer import LLM, SamplingParams
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "q"
+    r = run_cli(tiny_llama, "-o", out, "--group-size", "-1", "--no-sym", "--num-samples", "8", "--seq-len", "64")
+    assert r.exit_code == 0, r.output
+    assert "drops the zero points" in " ".join(r.output.split()) and 'backend="torch"' in r.output
+    prompt = [5, 17, 33, 9, 100, 7, 250, 3]
+    ours = LLM(str(out)).generate([prompt], SamplingParams(max_new_tokens=1, logprobs=20))[0].logprobs[0]
+    ids = [t["token_id"] for t in ours["top_logprobs"]]
+    mine = torch.tensor([t["logprob"] for t in ours["top_logprobs"]])
+
+    def hf_logprobs(**kw):
+        m = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, device_map="cpu", **kw).eval()
+        with torch.no_grad():
+            return m(torch.tensor([prompt])).logits[0, -1].log_softmax(-1)[ids]
+    exact = hf_logprobs(quantization_config=HFGPTQConfig(bits=4, group_size=-1, sym=False, backend="torch"))
+    default = hf_logprobs()
+    assert (exact - mine).abs().max() < 1e-3
+    assert (default - mine).abs().max() > 0.5

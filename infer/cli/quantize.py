@@ -153,3 +153,5 @@ def print_summary(result: QuantizeResult, options: QuantizeOptions) -> None:
         console.print(f"Largest error: layer {worst.layer} {worst.module} (loss {worst.loss:.3e})")
     console.print(f"Wrote {result.out} ({options.bits}-bit, group size {options.group_size}) in "
                   f"{result.seconds:.1f} s")
+    for note in options.interop_notes():
+        console.print(f"[yellow]Note:[/yellow] {note}", highlight=False)

@@ -53,6 +53,18 @@ class QuantizeOptions:
         if not 0 < self.damp_percent < 1:
             raise ConfigError(f"--damp {self.damp_percent} must lie between 0 and 1", "0.01-0.1 is typical")
 
+    def interop_notes(self) -> list[str]:
+        """Known problems other tools have with the checkpoint these options write (infer itself runs them all)."""
+        notes = []
+        if self.bits == 4 and self.group_size == -1 and not self.sym:
+            # transformers picks GPTQModel's torch_fused kernel on CPU for one group per row; its CPU path replaces
+            # the zero points with zeros (GPTQModel 7.6.0), which only a symmetric checkpoint survives
+            notes.append("transformers on CPU runs a 4-bit --group-size -1 --no-sym checkpoint through GPTQModel's "
+                         "torch_fused kernel, which drops the zero points: its outputs there are wrong. Load it in "
+                         "transformers with GPTQConfig(bits=4, group_size=-1, sym=False, backend=\"torch\"), or "
+                         "quantize with --sym or a group size")
+        return notes
+
 
 class QuantizeObserver:
     """Receives progress events; the CLI draws them, the Python API ignores them."""
@@ -177,6 +189,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: Qu
         with _log_dir(gptqmodel_mod, Path(work)):
             log = _run_gptqmodel(src, tmp, opts, calib, Path(work), observer)
         _check_saved(tmp)
+        _drop_work_paths(tmp)
         copy_tokenizer_files(src, tmp)
         report = report_frame(log)
         report.to_csv(tmp / REPORT_NAME, index=False)
@@ -270,6 +283,24 @@ def _check_saved(out: Path) -> None:
     if qc.get("quant_method") != "gptq" or fmt != "gptq" or not (out / "quantize_config.json").is_file():
         raise InferError(f"GPTQModel saved an unexpected checkpoint (quant_method={qc.get('quant_method')!r}, "
                          f"format={fmt!r})", f"install the tested GPTQModel version: {EXTRA_HINT}")
+
+
+# GPTQModel records where it offloaded modules while quantizing: a temporary folder gone once quantize returns, and a
+# local path that does not belong in a checkpoint others load.
+WORK_PATH_KEYS = ("offload_to_disk_path",)
+
+
+def _drop_work_paths(out: Path) -> None:
+    """Remove the quantize run's temporary paths from the `meta` block of both quantization configs."""
+    for name, key in (("quantize_config.json", None), ("config.json", "quantization_config")):
+        path = out / name
+        data = json.loads(path.read_text())
+        qc = data.get(key) if key else data
+        meta = qc.get("meta") if isinstance(qc, dict) else None
+        if isinstance(meta, dict) and any(k in meta for k in WORK_PATH_KEYS):
+            for k in WORK_PATH_KEYS:
+                meta.pop(k, None)
+            path.write_text(json.dumps(data, indent=2, sort_keys=key is not None) + "\n")
 
 
 def report_frame(log: dict):
