@@ -91,3 +91,26 @@ def test_mistral_sliding_window_caps_the_context(tmp_path):
     with torch.no_grad():
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert out.token_ids == want[0, 10:].tolist() and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("model_type, config, window", [
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1), 16),  # layer 1 slides
+    ("qwen3", dict(use_sliding_window=True, sliding_window=16, max_window_layers=0, head_dim=32), 16),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=2), None),  # no layer slides
+    ("qwen2", dict(use_sliding_window=False, sliding_window=16), None),
+])
+def test_qwen_sliding_layers_cap_the_context(tmp_path, model_type, config, window):
+    """A Qwen2/Qwen3 layer at or past max_window_layers attends to the last sliding_window tokens only: the context is
+    capped at the window (full attention equals it there), as for Mistral; with no sliding layer it is not, and a
+    long prompt still equals transformers."""
+    hf = build(tmp_path, model_type, **config)
+    llm = LLM(str(tmp_path), block_size=4)
+    assert llm.engine.max_model_len == (window or 256)
+    n = 10 if window else 40
+    prompt = random_prompts(512, (n,), seed=5)[0]
+    out = llm.generate([prompt], SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=(window or 10**6) - n if window else 30,
+                           do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert out.token_ids == want[0, n:].tolist()
+    assert out.finish_reason == "length"

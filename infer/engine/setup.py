@@ -64,11 +64,24 @@ def checkpoint_dtype(model_config) -> torch.dtype | None:
     return d if isinstance(d, torch.dtype) else None
 
 
+def sliding_window(model_config) -> int | None:
+    """The attention window of the layers that slide, if any does: infer's attention is full, which equals sliding
+    attention up to the window, so the context is capped there. Mistral slides on every layer; Qwen2 and Qwen3 on
+    the layers from max_window_layers on when use_sliding_window is set (transformers lists them in layer_types)."""
+    window = getattr(model_config, "sliding_window", None)
+    if not window:
+        return None
+    types = getattr(model_config, "layer_types", None)
+    if types is not None:
+        return int(window) if "sliding_attention" in types else None
+    return int(window) if getattr(model_config, "use_sliding_window", True) else None
+
+
 def model_max_len(model_config, engine_config: EngineConfig) -> int:
     limit = int(getattr(model_config, "max_position_embeddings", 0) or 2048)
-    window = getattr(model_config, "sliding_window", None)
-    if window and getattr(model_config, "use_sliding_window", True) and model_config.model_type == "mistral":
-        limit = min(limit, int(window))  # attention is full up to the window, where it equals sliding attention
+    window = sliding_window(model_config)
+    if window:
+        limit = min(limit, window)  # attention is full up to the window, where it equals sliding attention
     if engine_config.max_model_len is not None:
         if engine_config.max_model_len > limit:
             raise ConfigError(f"--max-model-len {engine_config.max_model_len} is above the model's limit of {limit}",
