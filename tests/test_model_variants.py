@@ -29,6 +29,9 @@ VARIANTS = {
     "llama-linear-rope": ("llama", dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
                                                           "factor": 4.0})),
     "qwen3-bias": ("qwen3", dict(head_dim=32, attention_bias=True, rms_norm_eps=0.25)),
+    # fields a family's transformers class ignores (Mistral has no biases, only Llama's MLP has them); swish = silu
+    "mistral-undeclared-biases": ("mistral", dict(attention_bias=True, mlp_bias=True, hidden_act="swish")),
+    "qwen2-mlp-bias-ignored": ("qwen2", dict(mlp_bias=True, attention_bias=True)),
     "qwen2-yarn": ("qwen2", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                   "original_max_position_embeddings": 64})),
 }
@@ -114,3 +117,25 @@ def test_qwen_sliding_layers_cap_the_context(tmp_path, model_type, config, windo
                            do_sample=False, pad_token_id=0, eos_token_id=None)
     assert out.token_ids == want[0, n:].tolist()
     assert out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("same", [False, True])
+def test_tied_config_with_a_stored_head(tmp_path, same, caplog):
+    """tie_word_embeddings with an lm_head.weight in the checkpoint: transformers uses the stored head when it differs
+    from the embeddings (and says so), so does infer; an identical stored head changes nothing."""
+    build(tmp_path, "qwen2", tie_word_embeddings=True)
+    weights = load_file(tmp_path / "model.safetensors")
+    emb = weights["model.embed_tokens.weight"]
+    weights["lm_head.weight"] = emb.clone() if same else torch.randn_like(emb) * 0.15
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    llm = LLM(str(tmp_path), block_size=4)
+    assert llm.engine.runner.model.tie_word_embeddings is same
+    assert ("different lm_head" in caplog.text) is not same
+    prompts = random_prompts(512, (5, 13), seed=3)
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=1))
+    for p, out in zip(prompts, outs):
+        with torch.no_grad():
+            logits = hf(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1:-1].log_softmax(-1)
+        assert out.token_ids == logits.argmax(-1).tolist()
+        assert abs(out.logprobs[0]["logprob"] - float(logits[0, out.token_ids[0]])) < 1e-4

@@ -41,14 +41,20 @@ def load_tokenizer(path: Path):
 
 
 def eos_ids(path: Path, model_config, tokenizer) -> set[int]:
+    """The tokenizer's EOS and the generation config's (a list allowed), as vLLM stops: the generation config is
+    generation_config.json when the folder has one (transformers' generate stops there too, not at a different
+    eos_token_id in config.json), else config.json's."""
     ids: set[int] = set()
     gen = path / "generation_config.json"
-    sources = [getattr(model_config, "eos_token_id", None), tokenizer.eos_token_id]
+    generation = getattr(model_config, "eos_token_id", None)
     if gen.is_file():
         try:
-            sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+            data = json.loads(gen.read_text())
+            if isinstance(data, dict) and data.get("eos_token_id") is not None:
+                generation = data["eos_token_id"]
         except ValueError:
             pass
+    sources = [generation, tokenizer.eos_token_id]
     for s in sources:
         if isinstance(s, int):
             ids.add(s)

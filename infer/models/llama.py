@@ -34,11 +34,14 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = shapes.num_heads, shapes.num_kv_heads, shapes.head_dim
         self.q_size, self.kv_size = shapes.q_size, shapes.kv_size
         self.scale = self.head_dim ** -0.5
-        qkv_bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+        # as transformers builds each family: Qwen2 has q/k/v biases and no o bias, Llama and Qwen3 follow
+        # attention_bias, Mistral has none whatever its config says
+        declared = bool(getattr(cfg, "attention_bias", False)) and cfg.model_type in ("llama", "qwen3")
+        qkv_bias = cfg.model_type == "qwen2" or declared
         names = [f"{prefix}.{n}" for n in ("q_proj", "k_proj", "v_proj")]
         self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], names, qkv_bias,
                                      method_for(names), dtype)
-        o_bias = bool(getattr(cfg, "attention_bias", False)) and cfg.model_type != "qwen2"
+        o_bias = declared
         self.o_proj = MergedLinear(self.q_size, [cfg.hidden_size], [f"{prefix}.o_proj"], o_bias,
                                    method_for([f"{prefix}.o_proj"]), dtype)
         self.qk_norm = cfg.model_type == "qwen3"
@@ -66,10 +69,10 @@ class MLP(nn.Module):
     def __init__(self, cfg, prefix: str, method_for, dtype):
         super().__init__()
         act = getattr(cfg, "hidden_act", "silu")
-        if act != "silu":
+        if act not in ("silu", "swish"):  # transformers' ACT2FN maps both to SiLU
             from ..errors import UnsupportedModelError
             raise UnsupportedModelError(f"hidden_act {act!r} is not supported", "the Llama family uses silu")
-        bias = bool(getattr(cfg, "mlp_bias", False))
+        bias = bool(getattr(cfg, "mlp_bias", False)) and cfg.model_type == "llama"  # only Llama's MLP has biases
         names = [f"{prefix}.gate_proj", f"{prefix}.up_proj"]
         inter = cfg.intermediate_size
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [inter, inter], names, bias, method_for(names), dtype)
@@ -138,6 +141,16 @@ class LlamaForCausalLM(nn.Module):
 
     def _head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    def untie_head(self, weight: torch.Tensor) -> None:
+        """A config that ties the output head to the embeddings, in a checkpoint that stores a different lm_head:
+        transformers (5) then leaves them untied and uses the stored head, and so does infer."""
+        emb = self.embed_tokens.weight
+        self.lm_head = nn.Linear(emb.shape[1], emb.shape[0], bias=False, device="meta", dtype=emb.dtype) \
+            .to_empty(device=emb.device)
+        self.lm_head.weight.requires_grad_(False)
+        self.lm_head.weight.copy_(weight)
+        self.tie_word_embeddings = False
 
     def finish_loading(self) -> None:
         """After the weights are in: the CPU matmul layout of the output head (layers pack their own)."""

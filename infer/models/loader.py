@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Iterator
@@ -13,6 +14,8 @@ from transformers import AutoConfig
 from ..errors import ModelLoadError, UnsupportedModelError
 from .layers import MergedLinear
 from .registry import check_supported, model_class
+
+log = logging.getLogger("infer")
 
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
@@ -95,6 +98,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device):
 def load_weights(model, tensors, dtype: torch.dtype) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    stored_head = None
     merged: dict[str, MergedLinear] = {n: m for n, m in model.named_modules() if isinstance(m, MergedLinear)}
     shards = packed_shards(type(model))
     for name, t in tensors:
@@ -109,7 +113,8 @@ def load_weights(model, tensors, dtype: torch.dtype) -> None:
             layer.load_shard(pname, shard, t)
             continue
         if key == "lm_head.weight" and "lm_head.weight" not in params:
-            continue  # tied embeddings
+            stored_head = t  # tied embeddings: kept only if it differs from them (checked once both are in)
+            continue
         if key not in params:
             continue  # unexpected extra tensors are ignored, as transformers does
         if tuple(params[key].shape) != tuple(t.shape):
@@ -118,6 +123,15 @@ def load_weights(model, tensors, dtype: torch.dtype) -> None:
         params[key].data.copy_(t)
         loaded.add(key)
     _check_complete(model, params, loaded, merged)
+    if stored_head is not None and "embed_tokens.weight" in loaded:
+        emb = params["embed_tokens.weight"]
+        if tuple(stored_head.shape) != tuple(emb.shape):
+            raise ModelLoadError(f"lm_head.weight has shape {tuple(stored_head.shape)}, config.json implies "
+                                 f"{tuple(emb.shape)}", "the weights do not match config.json")
+        if not torch.equal(stored_head.to(emb.device), emb):
+            log.warning("config.json ties lm_head to embed_tokens but the checkpoint stores a different "
+                        "lm_head.weight: using the stored head, as transformers does")
+            model.untie_head(stored_head)
 
 
 def packed_shards(model_cls) -> dict[str, tuple[str, int]]:
