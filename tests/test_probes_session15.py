@@ -22,3 +22,92 @@ def test_eos_ids_follow_the_generation_config(tmp_path, config_eos, generation, 
         (tmp_path / "generation_config.json").write_text(json.dumps(generation))
     got = eos_ids(tmp_path, SimpleNamespace(eos_token_id=config_eos), SimpleNamespace(eos_token_id=2))
     assert got == want
+
+
+# ---- OpenAI requests that leave sampling out get vLLM's defaults, not greedy ----
+
+from infer.engine.inputs import ModelNames, openai_sampling_defaults, parse_request  # noqa: E402
+from infer.errors import RequestError  # noqa: E402
+from infer.serve.protocol import ApiError, parse_chat, parse_completion  # noqa: E402
+
+
+class _Tok:
+    """Enough of a tokenizer for the parsers: one id per character, a template that joins the contents."""
+    chat_template = "x"
+
+    def __call__(self, text):
+        return {"input_ids": [ord(c) % 500 for c in text]}
+
+    def apply_chat_template(self, messages, **kw):
+        return {"input_ids": [ord(c) % 500 for m in messages for c in m["content"]]}
+
+
+def test_openai_defaults_come_from_the_generation_config(tmp_path, caplog):
+    assert openai_sampling_defaults(tmp_path) == {"temperature": 1.0}  # no file: OpenAI's temperature
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05, "do_sample": True}))
+    assert openai_sampling_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                                  "repetition_penalty": 1.05}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 0, "top_k": "x", "temperature": 0.0}))
+    assert openai_sampling_defaults(tmp_path) == {"temperature": 0.0}  # invalid values are left out, said
+    assert "top_p=0" in caplog.text and "top_k='x'" in caplog.text
+
+
+@pytest.mark.parametrize("parse, body", [(parse_completion, {"prompt": "hi"}),
+                                         (parse_chat, {"messages": [{"role": "user", "content": "hi"}]})])
+def test_server_fills_the_sampling_a_request_leaves_out(parse, body):
+    defaults = {"temperature": 1.0, "top_k": 20}
+    assert parse(body, _Tok(), defaults=defaults).params.temperature == 1.0
+    assert parse({**body, "temperature": None}, _Tok(), defaults=defaults).params.temperature == 1.0
+    got = parse({**body, "temperature": 0, "top_k": 5}, _Tok(), defaults=defaults).params
+    assert (got.temperature, got.top_k) == (0, 5)  # what the request says wins
+    assert parse(body, _Tok(), defaults=defaults).params.top_k == 20
+
+
+def test_batch_lines_take_the_defaults_plain_lines_stay_greedy():
+    names = ModelNames(sampling=(("temperature", 1.0), ("top_p", 0.9)))
+    batch = {"custom_id": "a", "body": {"prompt": "hi"}}
+    p = parse_request(batch, _Tok(), "1", {"max_new_tokens": 8}, names).params
+    assert (p.temperature, p.top_p, p.max_new_tokens) == (1.0, 0.9, 8)
+    p = parse_request({"custom_id": "a", "body": {"prompt": "hi", "temperature": 0}}, _Tok(), "1", {}, names).params
+    assert p.temperature == 0
+    assert parse_request({"prompt": "hi"}, _Tok(), "1", {}, names).params.temperature == 0  # infer's own format
+
+
+@pytest.mark.parametrize("chat, value", [(False, False), (True, True)])
+def test_add_special_tokens_other_than_infer_does_is_refused(chat, value):
+    body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    with pytest.raises(ApiError) as e:
+        (parse_chat if chat else parse_completion)({**body, "add_special_tokens": value}, _Tok())
+    assert e.value.param == "add_special_tokens" and "not supported" in e.value.message
+    (parse_chat if chat else parse_completion)({**body, "add_special_tokens": not value}, _Tok())  # infer's own
+    with pytest.raises(RequestError, match="body.add_special_tokens"):
+        parse_request({"custom_id": "a", "body": {**body, "add_special_tokens": value}}, _Tok(), "1")
+    with pytest.raises(ApiError, match="return_tokens_as_token_ids"):
+        (parse_chat if chat else parse_completion)({**body, "return_tokens_as_token_ids": True}, _Tok())
+
+
+def test_a_running_requests_text_is_what_its_deltas_handed_out():
+    """LLM.stream: each step's out.text is the concatenation of the deltas so far, so it only grows and is a prefix
+    of the final text; before, it was the raw decode, with a partial stop string that later vanished."""
+    from infer import LLM, SamplingParams
+    llm = LLM("tiny-llama")
+    prompts = ["中文 test 日本語", "é à ü ö", "Hello"] * 3
+    params = [SamplingParams(max_new_tokens=40, temperature=1.5, seed=900 + i, ignore_eos=True, stop=["the", "ing"])
+              for i in range(len(prompts))]
+    sent, finals, held = {}, {}, 0
+    for i, delta, out in llm.stream(prompts, params):
+        sent[i] = sent.get(i, "") + delta
+        assert out.text == sent[i]
+        if out.finished:
+            finals[i] = out.text
+        else:
+            held += len(out._seq.text) > len(out.text)
+    assert len(finals) == len(prompts) and held  # some step held text back, so the check above was not idle
+    assert any(o.finish_reason == "stop" for o in llm.generate(prompts, params))
+
+
+def test_run_takes_the_batch_defaults_from_the_model():
+    from infer.cli.batch_io import model_names
+    from infer.engine.config import EngineConfig
+    assert model_names(EngineConfig(model="tiny-llama")).sampling == (("temperature", 1.0),)

@@ -115,7 +115,7 @@ def test_completion_tokens_equal_transformers_and_llm(client, llm, model_path):
 def test_chat_matches_llm_generate(client, llm):
     from infer.engine.sampling_params import SamplingParams
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the rain in spain"}]
-    r = client.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=10,
+    r = client.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=10, temperature=0,
                                        extra_body={"return_token_ids": True})
     msg = r.choices[0].message
     assert msg.role == "assistant" and r.object == "chat.completion"
@@ -124,8 +124,21 @@ def test_chat_matches_llm_generate(client, llm):
     assert r.usage.prompt_tokens == len(want.prompt_token_ids)
 
 
+def test_sampling_left_out_is_openai_temperature_one(client, llm):
+    """As OpenAI and vLLM: a request without temperature samples at 1 (tiny-llama's generation_config.json sets no
+    sampling), it is not greedy: with a seed it equals LLM.generate at temperature 1 with that seed."""
+    from infer.engine.sampling_params import SamplingParams
+    prompt = [5, 17, 99, 230, 41, 7]
+    r = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=16, seed=3,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    sampled = llm.generate([prompt], SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=1.0, seed=3))[0]
+    greedy = llm.generate([prompt], SamplingParams(max_new_tokens=16, ignore_eos=True))[0]
+    assert r.choices[0].model_extra["token_ids"] == sampled.token_ids != greedy.token_ids
+
+
 def test_streaming_deltas_concatenate_to_the_full_text(client):
-    kw = dict(model="tiny-llama", prompt="hello world, how", max_tokens=20, extra_body={"ignore_eos": True})
+    kw = dict(model="tiny-llama", prompt="hello world, how", max_tokens=20, temperature=0,
+              extra_body={"ignore_eos": True})
     full = client.completions.create(**kw).choices[0].text
     chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full
@@ -134,8 +147,9 @@ def test_streaming_deltas_concatenate_to_the_full_text(client):
     assert all(c.usage is None for c in chunks[:-1])
 
     msgs = [{"role": "user", "content": "tell me"}]
-    full = client.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=15).choices[0].message
-    events = list(client.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=15, stream=True))
+    kw = dict(model="tiny-llama", messages=msgs, max_tokens=15, temperature=0)
+    full = client.chat.completions.create(**kw).choices[0].message
+    events = list(client.chat.completions.create(stream=True, **kw))
     assert events[0].choices[0].delta.role == "assistant"
     assert "".join(e.choices[0].delta.content or "" for e in events) == full.content
     assert events[-1].choices[0].finish_reason in ("stop", "length")
@@ -166,9 +180,10 @@ def test_adapter_by_model_id(client, model_path, adapter):
         want = peft_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0)
     want = want[0, len(prompt):].tolist()
     extra = {"ignore_eos": True, "return_token_ids": True}
-    got = client.completions.create(model="pirate", prompt=prompt, max_tokens=8, extra_body=extra)
+    got = client.completions.create(model="pirate", prompt=prompt, max_tokens=8, temperature=0, extra_body=extra)
     assert got.choices[0].model_extra["token_ids"] == want and got.model == "pirate"
-    base_ids = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=8, extra_body=extra)
+    base_ids = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=8, temperature=0,
+                                         extra_body=extra)
     assert base_ids.choices[0].model_extra["token_ids"] == hf_greedy(str(model_path), prompt, 8) != want
 
 
@@ -224,13 +239,13 @@ def test_bad_requests_get_openai_errors(url, path, body, status, param):
 
 
 def test_logprobs(client):
-    r = client.completions.create(model="tiny-llama", prompt="abc", max_tokens=4, logprobs=2,
+    r = client.completions.create(model="tiny-llama", prompt="abc", max_tokens=4, logprobs=2, temperature=0,
                                   extra_body={"ignore_eos": True})
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert all(len(t) <= 2 and max(t.values()) >= l - 1e-5 for t, l in zip(lp.top_logprobs, lp.token_logprobs))
     c = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "x"}], max_tokens=3,
-                                       logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+                                       logprobs=True, top_logprobs=3, temperature=0, extra_body={"ignore_eos": True})
     content = c.choices[0].logprobs.content
     assert len(content) == 3 and all(len(e.top_logprobs) == 3 and e.logprob <= 0 for e in content)
 

@@ -64,7 +64,7 @@ PROMPTS = ["the rain in spain", "a much longer prompt about the weather in the m
 def test_usage_of_several_prompts_counts_every_prompt_and_every_token(url, tokenizer, model_path):
     """prompt_tokens from the tokenizer, completion_tokens = every choice's tokens, total = their sum; each choice
     holds transformers' greedy tokens for its own prompt, at its own index."""
-    body = {"prompt": PROMPTS, "max_tokens": 5, "ignore_eos": True, "return_token_ids": True}
+    body = {"prompt": PROMPTS, "max_tokens": 5, "ignore_eos": True, "return_token_ids": True, "temperature": 0}
     r = _post(url, "/v1/completions", body)
     ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
     assert [c["index"] for c in r["choices"]] == [0, 1, 2]
@@ -124,7 +124,7 @@ def test_prompt_plus_max_tokens_may_fill_the_context_exactly(url):
 def test_stop_string_ends_the_text_before_it_with_finish_reason_stop(url):
     """OpenAI: the returned text does not contain the stop sequence; finish_reason is "stop"; a stream says the
     same in its deltas."""
-    body = {"prompt": [11, 12, 13, 14], "max_tokens": 24, "ignore_eos": True}
+    body = {"prompt": [11, 12, 13, 14], "max_tokens": 24, "ignore_eos": True, "temperature": 0}
     full = _post(url, "/v1/completions", body)["choices"][0]["text"]
     stop = full[len(full) // 2:len(full) // 2 + 3]
     assert len(stop) == 3 and stop.strip()
@@ -139,7 +139,7 @@ def test_stop_string_ends_the_text_before_it_with_finish_reason_stop(url):
 
 # ---------------------------------------------------------------------------------------------- logprobs
 def test_streamed_logprobs_are_the_non_streamed_ones_each_sent_once(url):
-    body = {"prompt": "abc def", "max_tokens": 6, "logprobs": 2, "ignore_eos": True}
+    body = {"prompt": "abc def", "max_tokens": 6, "logprobs": 2, "ignore_eos": True, "temperature": 0}
     want = _post(url, "/v1/completions", body)["choices"][0]["logprobs"]
     _, events = _stream(url, "/v1/completions", body)
     parts = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]]
@@ -154,7 +154,7 @@ def test_streamed_logprobs_are_the_non_streamed_ones_each_sent_once(url):
     assert sum((p["text_offset"] for p in parts), []) == starts and len(parts) > 1
 
     chat = {"messages": [{"role": "user", "content": "x y"}], "max_tokens": 5, "logprobs": True, "top_logprobs": 2,
-            "ignore_eos": True}
+            "ignore_eos": True, "temperature": 0}
     want = _post(url, "/v1/chat/completions", chat)["choices"][0]["logprobs"]["content"]
     _, events = _stream(url, "/v1/chat/completions", chat)
     got = sum((e["choices"][0]["logprobs"]["content"] for e in events if e["choices"][0]["logprobs"]), [])

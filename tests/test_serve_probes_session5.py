@@ -98,10 +98,13 @@ def test_more_prompts_than_the_queue_holds_is_400_not_a_retry(url):
 
 
 def test_top_k_minus_one_is_off_as_in_vllm(url):
-    r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 3, "top_k": -1})
-    greedy = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+    # sampled with one seed: top_k -1 gives what no top_k gives (and a top_k of 1, greedy, would differ)
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 8, "top_k": -1, "seed": 5})
+    plain = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 8, "seed": 5})
+    one = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 8, "seed": 5, "top_k": 1})
+    assert one.json()["choices"][0]["text"] != plain.json()["choices"][0]["text"]
     assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+    assert r.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
     assert "top_k" in _error(httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "top_k": -2}), 400, "top_k")
 
 

@@ -128,10 +128,13 @@ def read_inputs(path: Path, tokenizer, defaults: dict, names: ModelNames = Model
 
 def model_names(engine) -> ModelNames:
     """The names a batch line's body.model may give for the base (as on the command line, its folder's name) and
-    the registered adapters of an EngineConfig."""
+    the registered adapters of an EngineConfig, and the sampling defaults of the model's generation config."""
+    from ..engine.inputs import openai_sampling_defaults
+    from ..models.resolve import resolve_model
     given = Path(str(engine.model)).expanduser()
     base = {str(engine.model), given.name, given.resolve().name if given.exists() else given.name}
-    return ModelNames(frozenset(base), frozenset(engine.loras))
+    sampling = tuple(openai_sampling_defaults(resolve_model(engine.model)).items())
+    return ModelNames(frozenset(base), frozenset(engine.loras), sampling)
 
 
 def _duplicate(item: InputLine, first: int) -> str:

@@ -55,7 +55,52 @@ UNSUPPORTED_OPENAI = {
     "continue_final_message": (lambda v: v is None or v is False, "continue_final_message is not supported"),
     "chat_template": (lambda v: v is None, "a chat_template per request is not supported (the model's is used)"),
     "chat_template_kwargs": (lambda v: not v, "chat_template_kwargs is not supported"),
+    "return_tokens_as_token_ids": (lambda v: v is None or v is False, "return_tokens_as_token_ids is not supported"),
 }
+
+# OpenAI's sampling fields a request may leave out, and what it then gets (vLLM's rule): the model's
+# generation_config.json value, else OpenAI's default (temperature 1; the others' defaults switch them off)
+OPENAI_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+OPENAI_TEMPERATURE = 1.0
+
+
+def openai_sampling_defaults(model_path) -> dict:
+    """The sampling an OpenAI request (the server, a batch line of `infer run`) gets for the fields it leaves out.
+    A value in generation_config.json that SamplingParams refuses is left out, with a warning."""
+    import logging
+    import math
+    from pathlib import Path
+    out: dict = {"temperature": OPENAI_TEMPERATURE}
+    gen = Path(model_path) / "generation_config.json"
+    try:
+        data = json.loads(gen.read_text()) if gen.is_file() else {}
+    except (OSError, ValueError):
+        data = {}
+    for key in OPENAI_SAMPLING_KEYS if isinstance(data, dict) else ():
+        value = data.get(key)
+        if value is None:
+            continue
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        try:
+            SamplingParams(**{key: int(value) if key == "top_k" and ok else value})
+        except (RequestError, ValueError, TypeError):
+            ok = False
+        if ok:
+            out[key] = int(value) if key == "top_k" else value
+        else:
+            logging.getLogger("infer").warning("ignoring %s=%r in %s: not a valid sampling value", key, value, gen)
+    return out
+
+
+def check_add_special_tokens(value: Any, chat: bool, where: str = "add_special_tokens") -> None:
+    """vLLM's add_special_tokens: a prompt's text gets them (true), a chat's template adds its own (false); infer
+    tokenizes each that way only, so the other value is refused rather than dropped."""
+    default = not chat
+    if value is not None and value is not default:
+        what, how = ("chat messages", "chat messages with the template alone") if chat else \
+            ("a text prompt", "a text prompt with its special tokens")
+        raise RequestError(f"{where}={json.dumps(value)} is not supported for {what}",
+                           f"leave it out: infer tokenizes {how}")
 
 
 @dataclass
@@ -184,9 +229,12 @@ BATCH_URLS = ("/v1/completions", "/v1/chat/completions")
 
 @dataclass(frozen=True)
 class ModelNames:
-    """What a batch line's body.model may name: the base model (any of its names) or a registered adapter."""
+    """What a batch line takes from the model it runs on: what its body.model may name (the base model, by any of
+    its names, or a registered adapter), and the sampling it gets for the OpenAI fields it leaves out
+    (openai_sampling_defaults; empty: SamplingParams' own defaults)."""
     base: frozenset[str] = frozenset()
     adapters: frozenset[str] = frozenset()
+    sampling: tuple = ()  # ((field, value), ...)
 
     def lora_for(self, model: Any) -> str | None:
         """vLLM's rule, as the server's: an adapter's name runs that adapter. Any other name runs the base when no
@@ -238,6 +286,7 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
         if not ok(body.get(key)):
             raise RequestError(f"body.{key}: {why}", "remove it from the line's body (for n > 1, write one line "
                                                      "per reply, each with its own custom_id and seed)")
+    check_add_special_tokens(body.get("add_special_tokens"), "messages" in body, "body.add_special_tokens")
     top = body.get("top_logprobs")
     if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
         raise RequestError(f"body.top_logprobs must be an integer in 0..20, got {top!r}")
@@ -274,6 +323,7 @@ def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = 
         raise RequestError(f"expected a JSON object, got {type(obj).__name__}")
     if "body" in obj or "custom_id" in obj:  # OpenAI batch line, as `vllm run-batch` reads it
         fields, req_id, lora, aliases = _batch_line(obj, default_id, names)
+        defaults = {**(defaults or {}), **dict(names.sampling)}  # what the fields it leaves out get, as vLLM
     else:
         unknown = set(obj) - set(_PARAM_TYPES) - set(_PROMPT_KEYS) - _OTHER_KEYS
         if unknown:

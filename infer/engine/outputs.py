@@ -32,7 +32,10 @@ class RequestOutput:
         """The output of `seq` (an engine.sequence.Sequence) as it is now, its lists read lazily."""
         out = cls.__new__(cls)  # every field set here: this runs for every request at every step
         out.request_id, out.prompt_token_ids, out.new_token_ids = seq.request_id, seq.prompt_token_ids, new_token_ids
-        out.text, out.delta_text, out.finished = seq.text, delta_text, seq.finished
+        # a running request's text is what its deltas handed out so far (a possible stop string or partial character
+        # held back, as in vLLM), so each step's text extends the last and the final text
+        out.text = seq.text if seq.finished else seq.text[:seq.sent_text_len]
+        out.delta_text, out.finished = delta_text, seq.finished
         out.finish_reason, out.error, out.lora = seq.finish_reason, seq.error, seq.lora
         out.arrival_time, out.first_token_time = seq.arrival_time, seq.first_token_time
         out.num_cached_tokens, out.num_prefix_tokens = seq.num_cached_tokens, len(seq.params.prefix_token_ids)

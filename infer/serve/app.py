@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..engine.inputs import openai_sampling_defaults
 from ..errors import RequestError
 from . import protocol as p
 from .adapters import add_adapter_routes
@@ -46,7 +47,11 @@ class Server:
         self.tokenizer = self.engine.tokenizer
         self.metrics = ServerMetrics(self.stats)
         self.created = p.now()
-        self.parser = ParsePool(self.tokenizer, self.limits, max_tokens=self.engine.max_model_len)
+        # what a request gets for the sampling fields it leaves out: the model's generation_config.json, else
+        # OpenAI's temperature 1 (vLLM's rule); LLM and plain `infer run` lines stay greedy by default
+        self.sampling_defaults = openai_sampling_defaults(self.engine.model_path)
+        self.parser = ParsePool(self.tokenizer, self.limits, max_tokens=self.engine.max_model_len,
+                                defaults=self.sampling_defaults)
 
     def stats(self) -> dict:
         return {**self.aengine.stats, "num_in_flight": self.aengine.num_in_flight(),

@@ -12,24 +12,26 @@ from .body import BodyLimits, check_values, load_json
 PARSE_THREADS = 2  # a big body does not hold up small ones; few enough that bodies in flight stay bounded
 
 
-def parse_body(raw: bytes, chat: bool, tokenizer, limits: BodyLimits, max_tokens: int | None = None) \
-        -> p.GenerationRequest:
+def parse_body(raw: bytes, chat: bool, tokenizer, limits: BodyLimits, max_tokens: int | None = None,
+               defaults: dict | None = None) -> p.GenerationRequest:
     """The whole pipeline for one body (raises ApiError with a 4xx for anything a client can send); a prompt
-    certainly longer than `max_tokens` (the context) is refused before it is tokenized."""
+    certainly longer than `max_tokens` (the context) is refused before it is tokenized; `defaults` fill the sampling
+    fields it leaves out."""
     body = load_json(raw, limits.max_json_depth)
     check_values(body)
-    return (p.parse_chat if chat else p.parse_completion)(body, tokenizer, max_tokens)
+    return (p.parse_chat if chat else p.parse_completion)(body, tokenizer, max_tokens, defaults)
 
 
 class ParsePool:
-    def __init__(self, tokenizer, limits: BodyLimits, threads: int = PARSE_THREADS, max_tokens: int | None = None):
-        self.tokenizer, self.limits, self.max_tokens = tokenizer, limits, max_tokens
+    def __init__(self, tokenizer, limits: BodyLimits, threads: int = PARSE_THREADS, max_tokens: int | None = None,
+                 defaults: dict | None = None):
+        self.tokenizer, self.limits, self.max_tokens, self.defaults = tokenizer, limits, max_tokens, defaults
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="infer-parse")
 
     async def parse(self, raw: bytes, chat: bool) -> p.GenerationRequest:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, parse_body, raw, chat, self.tokenizer, self.limits,
-                                          self.max_tokens)
+                                          self.max_tokens, self.defaults)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -11,7 +11,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.inputs import UNSUPPORTED_OPENAI as _UNSUPPORTED, chat_messages, encode_prompt, params_from
+from ..engine.inputs import UNSUPPORTED_OPENAI as _UNSUPPORTED, check_add_special_tokens, chat_messages, \
+    encode_prompt, params_from
 from ..engine.outputs import RequestOutput
 from ..engine.prompt_size import PromptTooLongError
 from ..errors import RequestError
@@ -71,12 +72,18 @@ def _expect(body: dict, key: str, types: tuple, what: str) -> Any:
     return value
 
 
-def _common(body: Any, chat: bool) -> GenerationRequest:
+def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRequest:
+    """The fields both endpoints share; `defaults` (engine.inputs.openai_sampling_defaults) fill the sampling fields
+    the body leaves out or sends as null."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     for key, (ok, why) in _UNSUPPORTED.items():
         if not ok(body.get(key)):
             raise ApiError(400, why, param=key)
+    try:
+        check_add_special_tokens(body.get("add_special_tokens"), chat)
+    except RequestError as e:
+        raise ApiError(400, str(e), param="add_special_tokens") from e
     model = _expect(body, "model", (str,), "a string")
     stream = bool(_expect(body, "stream", (bool,), "a boolean"))
     options = _expect(body, "stream_options", (dict,), "an object") or {}
@@ -85,7 +92,7 @@ def _common(body: Any, chat: bool) -> GenerationRequest:
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise ApiError(400, "stream_options.include_usage must be a boolean", param="stream_options")
-    fields = {k: v for k, v in body.items() if k in _PARAM_KEYS}
+    fields = {**(defaults or {}), **{k: v for k, v in body.items() if k in _PARAM_KEYS and v is not None}}
     if not chat and isinstance(fields.get("logprobs"), bool):
         raise ApiError(400, "field 'logprobs' must be an integer (0..5) for completions", param="logprobs")
     if not chat and isinstance(fields.get("logprobs"), int) and not 0 <= fields["logprobs"] <= 5:
@@ -141,8 +148,9 @@ def _no_max_tokens(body: dict) -> bool:
     return body.get("max_tokens") is None and body.get("max_completion_tokens") is None
 
 
-def parse_completion(body: Any, tokenizer, max_tokens: int | None = None) -> GenerationRequest:
-    req = _common(body, chat=False)
+def parse_completion(body: Any, tokenizer, max_tokens: int | None = None,
+                     defaults: dict | None = None) -> GenerationRequest:
+    req = _common(body, chat=False, defaults=defaults)
     if body.get("prompt") is None:
         raise ApiError(400, "missing required field 'prompt'", param="prompt")
     if _no_max_tokens(body):
@@ -151,8 +159,9 @@ def parse_completion(body: Any, tokenizer, max_tokens: int | None = None) -> Gen
     return req
 
 
-def parse_chat(body: Any, tokenizer, max_tokens: int | None = None) -> GenerationRequest:
-    req = _common(body, chat=True)
+def parse_chat(body: Any, tokenizer, max_tokens: int | None = None,
+               defaults: dict | None = None) -> GenerationRequest:
+    req = _common(body, chat=True, defaults=defaults)
     messages = body.get("messages")
     if messages is None:
         raise ApiError(400, "missing required field 'messages' (a non-empty list)", param="messages")
