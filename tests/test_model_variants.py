@@ -6,6 +6,7 @@ missing is refused, not loaded with the parameter's initial value."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -139,3 +140,17 @@ def test_tied_config_with_a_stored_head(tmp_path, same, caplog):
             logits = hf(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1:-1].log_softmax(-1)
         assert out.token_ids == logits.argmax(-1).tolist()
         assert abs(out.logprobs[0]["logprob"] - float(logits[0, out.token_ids[0]])) < 1e-4
+
+
+def test_partial_rotary_is_refused_where_it_would_rotate_part_of_a_head(tmp_path):
+    """partial_rotary_factor with a scaled rope: transformers' Llama fails on it and infer rotated part of each head;
+    now it says so. (With the default rope transformers ignores the factor, and so does infer.)"""
+    from infer.errors import UnsupportedModelError
+    build(tmp_path, "llama", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                              "partial_rotary_factor": 0.5})
+    LLM(str(tmp_path), block_size=4)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0, "partial_rotary_factor": 0.5}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor 0.5"):
+        LLM(str(tmp_path), block_size=4)

@@ -32,6 +32,11 @@ def build_cos_sin_cache(cfg, max_positions: int | None = None) -> torch.Tensor:
     else:
         raise UnsupportedModelError(f"rope type {rope_type!r} is not supported",
                                     "supported rope types: default, linear, llama3, yarn")
+    if 2 * inv_freq.numel() != head_dim:  # transformers' Llama-family attention rotates whole heads (it fails here)
+        raise UnsupportedModelError(f"a {rope_type} rope over {2 * inv_freq.numel()} of {head_dim} head dimensions "
+                                    f"(partial_rotary_factor {params.get('partial_rotary_factor')}) is not supported",
+                                    "remove partial_rotary_factor from the rope parameters: Llama, Mistral and Qwen "
+                                    "rotate the whole head")
     n = max_positions or cfg.max_position_embeddings
     freqs = torch.outer(torch.arange(n, dtype=torch.float), inv_freq.float())
     return torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1)
