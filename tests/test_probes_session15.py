@@ -111,3 +111,24 @@ def test_run_takes_the_batch_defaults_from_the_model():
     from infer.cli.batch_io import model_names
     from infer.engine.config import EngineConfig
     assert model_names(EngineConfig(model="tiny-llama")).sampling == (("temperature", 1.0),)
+
+
+def test_a_half_decoded_character_is_no_stop_string():
+    """A reply whose bytes end inside a character decodes with a trailing U+FFFD until the next token completes it:
+    a stop string holding U+FFFD must not match there (it ended the reply at a character that was on its way)."""
+    from infer import LLM, SamplingParams
+    llm = LLM("tiny-llama")
+    dec = lambda ids: llm.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    prompt = llm.tokenizer("Hello")["input_ids"]
+    for seed in (41, *range(41)):  # 41: the split the probe found (the built-in model is deterministic)
+        params = dict(max_new_tokens=40, temperature=1.5, seed=seed, ignore_eos=True)
+        ids = llm.generate([prompt], SamplingParams(**params))[0].token_ids
+        split = [k for k in range(1, len(ids)) if dec(ids[:k]).endswith("\ufffd") and "\ufffd" not in dec(ids[:k + 1])]
+        if split:
+            break
+    else:
+        pytest.fail("no reply with a character split over two tokens")
+    out = llm.generate([prompt], SamplingParams(**params, stop=["\ufffd"]))[0]
+    k = split[0]  # the reply goes on past the split character (a later, real U+FFFD may end it)
+    assert len(out.token_ids) > k + 1 and out.token_ids == ids[:len(out.token_ids)]
+    assert out.text.startswith(dec(ids[:k + 1])) and "\ufffd" not in out.text

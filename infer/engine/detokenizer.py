@@ -53,7 +53,8 @@ class Detokenizer:
         for stop in seq.params.stop:
             # only look where the newest tokens could have completed a stop string
             start = max(seq.stop_search_from, len(seq.text) - len(stop) - 8)
-            pos = text.find(stop, start)
+            # a U+FFFD at the end may be a character whose last bytes have not come: not text yet (as vLLM)
+            pos = text.find(stop, start, len(text.rstrip("\ufffd"))) if "\ufffd" in stop else text.find(stop, start)
             if pos != -1:
                 found.append(pos)
         seq.text = text[:min(found)] if found else text
