@@ -143,3 +143,22 @@ def test_int4_kernel_path_interpreted_with_emulated_graphs_equals_cpu_path(infer
     llm.engine.runner.capture_graphs(64, emulate=True)
     assert [o.token_ids for o in llm.generate(prompts, params)] == cpu
     assert sum(llm.engine.runner.graphs.replays.values()) >= 4
+
+
+@needs_gptqmodel
+def test_asymmetric_zero_points_of_zero_match_transformers(tmp_path):
+    """Groups whose weights are all positive get a zero point of 0; GPTQModel's v1 words then borrow from the next
+    field. infer read those zeros field by field and gave the neighbouring output columns other weights than
+    transformers (and tokens differed)."""
+    from safetensors.torch import load_file, save_file
+    src = tmp_path / "posrows"
+    shutil.copytree(ensure_builtin("tiny-llama"), src)
+    weights = load_file(src / "model.safetensors")
+    for k in weights:
+        if k.endswith(("mlp.down_proj.weight", "self_attn.o_proj.weight")):
+            weights[k][::3] = weights[k][::3].abs() + 0.01  # every third output row all positive
+    save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
+    path = make_gptqmodel_checkpoint(src, tmp_path / "q", bits=4, group_size=32, desc_act=False, sym=False)
+    stored = load_file(path / "model.safetensors")["model.layers.0.mlp.down_proj.qzeros"]
+    assert (packing.unpack_cols(stored, 4) == 15).any()  # a borrow is there: the check below is not idle
+    _check_against_hf(path)

@@ -144,3 +144,26 @@ def test_interleaved_rows_are_a_permutation_with_fields_over_consecutive_rows(bi
     stored = packing.interleave_rows(qw, bits, interleave)
     assert torch.equal(packing.unpack_rows(stored, bits), q[order.flatten()])
     assert torch.equal(packing.deinterleave_rows(stored, bits, interleave), qw)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_v1_words_with_zero_points_of_zero_borrow_as_gptqmodel_writes_them(bits):
+    """GPTQModel writes v1 zeros as one int32 subtraction of a 1 per field from the packed zeros (transformers reads
+    them by adding it back): a zero of 0 borrows from the next field. The loader's reading gives every zero back."""
+    g = torch.Generator().manual_seed(bits)
+    z = torch.randint(1, 1 << bits, (6, 64), generator=g)
+    z[:, ::3] = 0  # a zero point of 0 in every word
+    ones = sum(1 << (bits * j) for j in range(32 // bits))
+    words = packing.pack_cols(z, bits) - ones  # GPTQModel's convert_gptq_v2_to_v1_format, int32 wrapping
+    assert torch.equal(packing.v1_words(packing.pack_cols(z, bits), bits), words)
+    field_by_field = (packing.unpack_cols(words, bits) + 1) & packing.mask(bits)
+    assert not torch.equal(field_by_field, z)  # the neighbours of the zeros of 0 come out one too low
+    fields = packing.v1_words_to_fields(words, bits)
+    assert torch.equal((packing.unpack_cols(fields, bits) + 1) & packing.mask(bits), z)
+    no_borrow = packing.pack_cols(z.clamp(min=1), bits) - ones
+    assert torch.equal(packing.v1_words_to_fields(no_borrow, bits), no_borrow)  # the usual words are left as they are
+    qweight = packing.pack_rows(torch.randint(0, 1 << bits, (64, 64), generator=g), bits)
+    scales = torch.rand(6, 64, generator=g).half()
+    g_idx = torch.arange(64, dtype=torch.int32) * 6 // 64
+    assert torch.equal(packing.dequantize(qweight, fields, scales, g_idx, bits),
+                       packing.dequantize(qweight, packing.pack_cols(z, bits), scales, g_idx, bits, zeros_v1=False))

@@ -6,7 +6,10 @@ them beside the round-to-nearest quantizer.
 qweight int32 [in / pack, out]: `pack` = 32 / bits values of consecutive input rows, lowest bits first.
 qzeros  int32 [groups, out / pack]: the same packing along the output dimension.
 scales  fp16  [groups, out];  g_idx int32 [in]: the group of each input row.
-v1 zero points ("gptq" format) store zero - 1; v2 ("gptq_v2") store the zero itself.
+v1 zero points ("gptq" format) store zero - 1; v2 ("gptq_v2") store the zero itself. In a v1 file the words are
+the v2 words minus a 1 in every field, taken as one int32 subtraction (GPTQModel writes them so, transformers reads
+them so): a zero of 0 borrows from the next field. The loader turns them into fields that each hold zero - 1 mod
+2^bits (`v1_words_to_fields`), the form `dequantize` and the kernels read.
 W[o, i] = (q[i, o] - zero[g_idx[i], o]) * scales[g_idx[i], o], the product rounded to the scales' dtype (fp16).
 """
 
@@ -50,8 +53,31 @@ def unpack_cols(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return unpack_rows(packed.t().contiguous(), bits).t().contiguous()
 
 
+def _ones(bits: int) -> int:
+    """A word with 1 in every `bits`-wide field."""
+    return sum(1 << (bits * j) for j in range(32 // bits))
+
+
+def _wrap32(x: torch.Tensor) -> torch.Tensor:
+    """int64 -> int32 modulo 2^32 (signed)."""
+    x = x & 0xFFFFFFFF
+    return (x - ((x >> 31) << 32)).to(torch.int32)
+
+
+def v1_words_to_fields(qzeros: torch.Tensor, bits: int) -> torch.Tensor:
+    """v1 zero points as a checkpoint stores them -> every field its own zero - 1 (mod 2^bits). The file's words are
+    the packed zeros minus a 1 in every field as one subtraction, so a zero of 0 borrowed from the next field, which
+    a field-by-field decode then reads one too low; words without a borrow come back unchanged."""
+    return zeros_v2_to_v1(_wrap32(qzeros.to(torch.int64) + _ones(bits)), bits)
+
+
+def v1_words(zeros_v2: torch.Tensor, bits: int) -> torch.Tensor:
+    """Packed zeros (v2) -> v1 words as a checkpoint stores them (the inverse of v1_words_to_fields' reading)."""
+    return _wrap32(zeros_v2.to(torch.int64) - _ones(bits))
+
+
 def zeros_v1_to_v2(qzeros: torch.Tensor, bits: int) -> torch.Tensor:
-    """Packed v1 zero points (zero - 1) -> packed v2 (the zero itself)."""
+    """Packed v1 zero points, field by field (zero - 1) -> packed v2 (the zero itself)."""
     return pack_cols((unpack_cols(qzeros, bits) + 1) & mask(bits), bits)
 
 

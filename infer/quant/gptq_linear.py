@@ -78,6 +78,8 @@ class GPTQLinearMethod:
         start = layer.shard_offset(shard)
         if name == "qzeros":
             start //= self.config.pack
+            if self.config.zeros_v1:  # a zero of 0 borrowed from its neighbour in the file's word
+                tensor = packing.v1_words_to_fields(tensor, self.config.bits)
         buf = getattr(layer, name)
         buf[:, start:start + tensor.shape[1]].copy_(tensor)
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 import torch
 
 from ..kernels.packing import (deinterleave_rows, dequantize, field_rows, interleave_rows, mask, pack_cols, pack_rows,
-                               unpack_cols, unpack_rows, zeros_v1_to_v2, zeros_v2_to_v1)
+                               unpack_cols, unpack_rows, v1_words, v1_words_to_fields, zeros_v1_to_v2,
+                               zeros_v2_to_v1)
 
 __all__ = ["deinterleave_rows", "dequantize", "field_rows", "interleave_rows", "pack_cols", "pack_rows",
-           "quantize_rtn", "unpack_cols", "unpack_rows", "zeros_v1_to_v2", "zeros_v2_to_v1"]
+           "quantize_rtn", "unpack_cols", "unpack_rows", "v1_words", "v1_words_to_fields", "zeros_v1_to_v2",
+           "zeros_v2_to_v1"]
 
 
 def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool = True, perm: torch.Tensor | None = None):
@@ -42,5 +44,5 @@ def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool = True, 
         scales[g], zeros[g] = s, z
     s16 = scales.half()
     q = torch.clamp(torch.round(wt / s16.float()[g_idx.long()]) + zeros[g_idx.long()], 0, maxq).to(torch.int64)
-    qzeros = pack_cols((zeros - 1) & maxq, bits)
+    qzeros = v1_words(pack_cols(zeros, bits), bits)  # as GPTQModel writes v1 (a zero of 0 borrows)
     return pack_rows(q, bits), qzeros, s16, g_idx
