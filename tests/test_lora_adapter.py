@@ -209,3 +209,42 @@ def test_weights_of_another_rank_than_the_config_are_refused_as_peft_does(tmp_pa
     with pytest.raises(RuntimeError, match="size mismatch"):
         PeftModel.from_pretrained(tiny_llama(), str(path))
     _expect_error(path, "r8", match="rank 8 but adapter_config.json gives r=4")
+
+
+@pytest.mark.parametrize("edit, why", [
+    ({"target_modules": ["q_proj"]}, "target_modules"),
+    ({"layers_to_transform": [1]}, "layers_to_transform"),
+    ({"exclude_modules": ["v_proj"]}, "exclude_modules"),
+    ({"target_modules": r".*\.q_proj"}, "target_modules"),
+])
+def test_weights_the_config_does_not_adapt_are_refused(tmp_path, edit, why):
+    """peft builds only the layers its config selects and leaves other weights out; infer applied every weight in
+    the file, so a config edited after saving gave other tokens than peft. Now such a folder is refused."""
+    path = make_adapter(tmp_path, "qv", target_modules=["q_proj", "v_proj"])
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**cfg, **edit}))
+    err = _expect_error(path, "qv", match=why)
+    assert "peft would leave them out" in str(err)
+
+
+@pytest.mark.parametrize("edit", [{"target_modules": "all-linear"}, {"layers_to_transform": [0, 1]},
+                                  {"exclude_modules": ["o_proj"]}, {"target_modules": r".*\.(q|v)_proj"},
+                                  {"layers_to_transform": 1, "target_modules": ["q_proj", "v_proj"]}])
+def test_weights_the_config_adapts_are_served(tmp_path, edit):
+    path = make_adapter(tmp_path, "qv", target_modules=["q_proj", "v_proj"],
+                        **({"layers_to_transform": 1} if edit.get("layers_to_transform") == 1 else {}))
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**cfg, **edit}))
+    ad = load_adapter("qv", path, tiny_config())
+    assert len(ad.modules) == (2 if edit.get("layers_to_transform") == 1 else 4)
+
+
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_4", "olora", "corda", "loftq"])
+def test_inits_that_change_the_base_are_refused(tmp_path, init):
+    """A PiSSA/OLoRA/... adapter saved without peft's conversion needs the residual base peft rebuilds at load;
+    served on the plain base it gave other tokens."""
+    path = make_adapter(tmp_path, "p")
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**cfg, "init_lora_weights": init}))
+    err = _expect_error(path, "p", match=init)
+    assert "path_initial_model_for_weight_conversion" in err.hint

@@ -132,3 +132,30 @@ def test_a_half_decoded_character_is_no_stop_string():
     k = split[0]  # the reply goes on past the split character (a later, real U+FFFD may end it)
     assert len(out.token_ids) > k + 1 and out.token_ids == ids[:len(out.token_ids)]
     assert out.text.startswith(dec(ids[:k + 1])) and "\ufffd" not in out.text
+
+
+def test_an_adapter_folder_rewritten_while_registered_fails_its_requests(tmp_path):
+    """Evicted from its slot and from the CPU copies, an adapter is read from its folder again. A folder rewritten
+    with other weights was read silently while the prefix cache still held K/V of the old ones under its name: the
+    reply matched neither adapter. Now such a request fails naming the folder; the other adapter still runs."""
+    import shutil
+    from infer import LLM, SamplingParams
+    from infer.models.tiny import ensure_builtin
+    from lora_helpers import hf_float, save_adapter
+    base = ensure_builtin("tiny-llama")
+    hf = hf_float(base)
+    kw = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    old, new, other = (save_adapter(hf, tmp_path / n, seed=s, **kw) for n, s in (("old", 1), ("new", 2), ("b", 3)))
+    live = tmp_path / "live"
+    shutil.copytree(old, live)
+    sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    llm = LLM(str(base), loras={"a": str(live), "b": str(other)}, max_loras=1, max_cpu_loras=1, max_lora_rank=8,
+              block_size=4, max_model_len=64)
+    prompt = list(range(5, 22))
+    assert llm.generate([prompt], sp, lora="a")[0].error is None
+    llm.generate([[7, 8, 9]], sp, lora="b")  # a leaves its slot and the CPU copies
+    shutil.rmtree(live)
+    shutil.copytree(new, live)
+    out = llm.generate([prompt], sp, lora="a")[0]
+    assert out.finish_reason == "error" and "changed since it was added" in out.error and str(live) in out.error
+    assert llm.generate([[7, 8, 9]], sp, lora="b")[0].error is None

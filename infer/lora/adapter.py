@@ -63,6 +63,7 @@ class LoRAAdapter:
     config: dict
     modules: dict[str, LoRAModule] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
+    stamp: tuple = ()  # folder_stamp(path) when it was read
 
     @property
     def rank(self) -> int:
@@ -170,9 +171,19 @@ _UNSUPPORTED = {  # adapter_config.json key (when set) -> (what it means, hint)
 }
 
 
+# init_lora_weights that subtract the initial adapter from the base weight (peft redoes it when it loads the adapter)
+BASE_CHANGING_INITS = ("olora", "corda", "loftq", "lora_ga")
+
+
 def config_problems(config: dict) -> list[Problem]:
     problems = [Problem(f"{what} ({key}: {json.dumps(config[key])})", hint)
                 for key, (what, hint) in _UNSUPPORTED.items() if config.get(key)]
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and (init.startswith("pissa") or init.lower() in BASE_CHANGING_INITS):
+        problems.append(Problem(f"was initialised with {init} (init_lora_weights: {init!r}), which changes the base "
+                                "weights too: peft rebuilds that residual base at load, infer serves the plain base",
+                                "save it with peft's path_initial_model_for_weight_conversion, which turns it into "
+                                "a plain LoRA adapter of the original base"))
     if config.get("bias", "none") not in ("none", None):
         problems.append(Problem(f"trains the base model's biases (bias: {config['bias']!r})",
                                 "train the adapter with bias='none'"))
@@ -195,6 +206,32 @@ def _targets(targets, module: str) -> bool:
         except re.error:
             return False
     return any(str(t) == module or str(t).endswith("." + module) for t in targets)
+
+
+def _matches(names, module: str, bad_regex: bool) -> bool:
+    """PEFT's module matching: a regex string matches the whole module path, a list entry the path or its end.
+    A regex Python cannot compile gives `bad_regex` (peft fails on it; lora-validate says so)."""
+    if isinstance(names, str):
+        try:
+            return any(re.fullmatch(names, m) for m in (module, module.removeprefix("model.")))
+        except re.error:
+            return bad_regex
+    return any(module == str(t) or module.endswith("." + str(t)) for t in names)
+
+
+def _unselected(config: dict, module: str, layer: int) -> str | None:
+    """Why PEFT's config does not put a LoRA layer on `module` (model.layers.N...), or None when it does: peft builds
+    only the layers target_modules, exclude_modules and layers_to_transform select, and ignores other weights."""
+    targets = config.get("target_modules")
+    if targets is not None and targets != "all-linear" and not _matches(targets, module, True):
+        return f"target_modules {json.dumps(targets)}"
+    exclude = config.get("exclude_modules")
+    if exclude and _matches(exclude, module, False):
+        return f"exclude_modules {json.dumps(exclude)}"
+    layers = config.get("layers_to_transform")
+    if layers is not None and layer not in ([layers] if isinstance(layers, int) else list(layers)):
+        return f"layers_to_transform {json.dumps(layers)}"
+    return None
 
 
 def pattern_value(patterns: dict, module: str, default):
@@ -265,6 +302,12 @@ def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[
         if where is None:
             problems.append(Problem(f"adapts {path}, which the base model does not have", _HINT_TARGETS))
             continue
+        why = _unselected(config, where[0], where[1])
+        if why:
+            problems.append(Problem(f"has weights for {where[0]}, which its {CONFIG_FILE} does not adapt ({why}): "
+                                    "peft would leave them out", "the config and the weights come from different "
+                                    "adapters: save the adapter again with peft"))
+            continue
         r_cfg, scaling = module_scaling(config, where[0])
         bad = _pair_problem(where[0], pair.get("lora_A"), pair.get("lora_B"), r_cfg)
         if bad:
@@ -276,12 +319,25 @@ def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[
     return modules, problems
 
 
+def folder_stamp(path: Path) -> tuple:
+    """(file, size, modification time) of the adapter's config and weight files: whether the folder changed."""
+    out = []
+    for f in (CONFIG_FILE, *WEIGHT_FILES):
+        try:
+            st = (path / f).stat()
+        except OSError:
+            continue
+        out.append((f, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
 def read_adapter(name: str, path: str | Path) -> LoRAAdapter:
     """Parse the folder; raises LoRAError only when it cannot be read (see the module docstring)."""
     path = Path(path).expanduser()
+    stamp = folder_stamp(path)  # before reading: a change while it is read shows as a change later
     config = read_config(name, path)
     modules, problems = build_modules(config, read_tensors(name, path))
-    return LoRAAdapter(name, path, config, modules, config_problems(config) + problems)
+    return LoRAAdapter(name, path, config, modules, config_problems(config) + problems, stamp)
 
 
 def adapter_problems(name: str, path: str | Path, base_config, max_rank: int | None = None) -> list[Problem]:

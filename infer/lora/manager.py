@@ -60,6 +60,7 @@ class LoRAManager:
         # name -> its weights, kept until its last request ends (None: its folder could not be read any more)
         self._retired: dict[str, LoRAAdapter | None] = {}
         self._registration: dict[str, int] = {}  # name -> which registration it is (a name may be reused)
+        self._stamps: dict[str, tuple] = {}  # name -> its folder's stamp when it was added (adapter.folder_stamp)
         self._registrations = 0
         self.swaps = 0  # adapters copied into a device slot
         self.disk_loads = 0  # adapters read from their folder (registration included)
@@ -98,6 +99,7 @@ class LoRAManager:
         self._paths[name] = path
         self._registrations += 1
         self._registration[name] = self._registrations
+        self._stamps[name] = adapter.stamp
         self._cache(adapter)
 
     def cache_key(self, name: str | None) -> tuple[str, int] | None:
@@ -130,6 +132,7 @@ class LoRAManager:
         self._pins.pop(name, None)
         self._retired.pop(name, None)
         self._registration.pop(name, None)
+        self._stamps.pop(name, None)
         del self._paths[name]
 
     def has(self, name: str) -> bool:
@@ -168,7 +171,13 @@ class LoRAManager:
                                 "be read, so it cannot be swapped back in", "resend the request with another adapter")
             return self._retired[name]
         if name not in self._cpu:
-            self._cache(self._read(name, self._paths[name]))
+            adapter = self._read(name, self._paths[name])
+            if adapter.stamp != self._stamps.get(name, adapter.stamp):  # other weights: the prefix cache, running
+                raise LoRAError(                                        # requests and the name mean the old ones
+                    f"LoRA adapter {name!r}: its folder {self._paths[name]} changed since it was added, and its "
+                    "earlier weights are no longer in memory", "add the new weights under a new name (or remove "
+                    "and add it again); keep adapter folders unchanged while infer serves them")
+            self._cache(adapter)
         self._cpu.move_to_end(name)
         return self._cpu[name]
 
