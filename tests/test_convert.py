@@ -140,6 +140,23 @@ def test_gptq_copied_unchanged(fake_gptq, tmp_path):
         assert (tmp_path / "out" / name).read_text() == (src / name).read_text()
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_gptq_bin_with_shared_tensors_converts(fake_gptq, tmp_path, tied):
+    """torch.save of a tied model's state dict puts lm_head.weight on the embeddings' storage; safetensors refused
+    it with a traceback. A tied head is left out (as transformers saves it); other shared tensors get a copy."""
+    src, tensors = fake_gptq
+    emb = torch.rand(16, 64).half()
+    tensors = {**tensors, "model.embed_tokens.weight": emb, "lm_head.weight": emb}
+    torch.save(tensors, src / "pytorch_model.bin")
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": tied}))
+    r = run_cli(src, "-o", tmp_path / "out")
+    assert r.exit_code == 0, (r.output, r.exception)
+    got = load_all(tmp_path / "out")
+    assert set(got) == set(tensors) - ({"lm_head.weight"} if tied else set())
+    assert all(torch.equal(got[k], tensors[k]) for k in got)
+
+
 def test_gptq_refuses_dtype_and_lora(fake_gptq, tmp_path):
     src, _ = fake_gptq
     r = run_cli(src, "-o", tmp_path / "a", "--dtype", "float16")

@@ -219,3 +219,24 @@ def test_profile_run_measures_the_largest_padded_decode_batch():
     assert shapes[0] == (32, 2048) and _per_sequence(32, 2048, kv_heads, True)
     assert len(shapes) == 2 and not _per_sequence(*shapes[1], kv_heads, True)
     assert shapes[1][0] * shapes[1][1] == decode_gather_tokens(32, 2048, kv_heads) > 2048
+
+
+def test_estimate_reads_bin_shapes_and_the_loaders_bits(tmp_path):
+    """A .bin was estimated at its file size (no dequantized or prepacked weights: a 7B int4 model tens of GB short);
+    its shapes are now read without its tensors. An 8-bit checkpoint whose bits are only in quantize_config.json
+    was counted as 4-bit (twice the dequantized weights); the estimate takes the loader's bits."""
+    from types import SimpleNamespace
+    from safetensors.torch import save_file
+    from infer.memory.checkpoint import checkpoint_weights_bytes
+    t = {"model.layers.0.mlp.down_proj.qweight": torch.zeros(16, 64, dtype=torch.int32),
+         "model.layers.0.mlp.down_proj.scales": torch.zeros(2, 64, dtype=torch.float16),
+         "model.layers.0.mlp.up_proj.weight": torch.zeros(64, 32), "model.norm.weight": torch.zeros(64)}
+    save_file(t, tmp_path / "model.safetensors")
+    torch.save(t, tmp_path / "pytorch_model.bin")
+    cfg, f32, cpu = SimpleNamespace(tie_word_embeddings=False), torch.float32, torch.device("cpu")
+    st = checkpoint_weights_bytes([tmp_path / "model.safetensors"], cfg, f32, cpu)
+    assert checkpoint_weights_bytes([tmp_path / "pytorch_model.bin"], cfg, f32, cpu) == st
+    assert st > (tmp_path / "pytorch_model.bin").stat().st_size
+    dequantized = 16 * 8 * 64 * 4  # the 4-bit reading: 8 values per int32 word, float32
+    eight = checkpoint_weights_bytes([tmp_path / "model.safetensors"], cfg, f32, cpu, bits=8)
+    assert st - eight in (dequantized // 2, dequantized)  # half the values (and half the prepacked copy, if any)

@@ -39,8 +39,8 @@ def estimate_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     path, model_config, device, dtype = _model_parts(engine_config)
     limit = _check_length(model_config, engine_config, max_length)
     from ..quant.config import GPTQConfig
-    GPTQConfig.from_model_dir(path)  # as the loader: another quant_method, or 3-bit GPTQ, is refused, not "fits"
-    weights = checkpoint_weights_bytes(weight_files(path), model_config, dtype, device)
+    gptq = GPTQConfig.from_model_dir(path)  # as the loader: another quant_method, or 3-bit GPTQ, is refused
+    weights = checkpoint_weights_bytes(weight_files(path), model_config, dtype, device, gptq.bits if gptq else None)
     from ..lora.adapter import load_adapter
     for name, adapter in engine_config.loras.items():  # the checks an engine start makes (files, rank, shapes)
         load_adapter(name, Path(adapter).expanduser(), model_config, engine_config.max_lora_rank)

@@ -42,20 +42,40 @@ def safetensors_header(path: Path) -> dict:
     return header
 
 
-def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype, device: torch.device) -> int:
+_TORCH_ST = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+             torch.bool: "BOOL"}
+
+
+def _bin_header(path: Path) -> dict | None:
+    """A .bin's {name: {dtype, shape}} without reading its tensors (torch.load memory-maps the zip format); None for
+    the legacy format, whose size alone is then the estimate."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # the legacy (non-zip) format cannot be memory-mapped; a damaged file fails at load anyway
+        return None
+    return {k: {"dtype": _TORCH_ST.get(v.dtype, "F32"), "shape": list(v.shape)} for k, v in state.items()
+            if isinstance(v, torch.Tensor)}
+
+
+def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype, device: torch.device,
+                             bits: int | None = None) -> int:
     """Bytes of the weights once loaded: float tensors in `dtype`, integer (GPTQ) tensors as stored, plus the
     CPU matmul copies the engine prepacks (float linear layers and the output head); on a CPU a GPTQ layer also
-    holds its dequantized float weight (and its prepacked copy)."""
+    holds its dequantized float weight (and its prepacked copy). `bits`: the GPTQ config's (as the loader reads
+    it, quantize_config.json too); else config.json's, else 4."""
     elem = torch.finfo(dtype).bits // 8
     prepacks = device.type == "cpu" and cpu_gemm.available(torch.empty(0, dtype=dtype))
-    qc = getattr(model_config, "quantization_config", None)
-    bits = int((qc if isinstance(qc, dict) else vars(qc) if qc is not None else {}).get("bits", 4) or 4)
+    if bits is None:
+        qc = getattr(model_config, "quantization_config", None)
+        bits = int((qc if isinstance(qc, dict) else vars(qc) if qc is not None else {}).get("bits", 4) or 4)
     total = 0
     for f in files:
-        if f.suffix != ".safetensors":
-            total += f.stat().st_size  # .bin: no cheap header; the stored size is the estimate
+        header = safetensors_header(f) if f.suffix == ".safetensors" else _bin_header(f)
+        if header is None:
+            total += f.stat().st_size  # a legacy .bin: the stored size is the estimate
             continue
-        for name, info in safetensors_header(f).items():
+        for name, info in header.items():
             numel = 1
             for d in info["shape"]:
                 numel *= d

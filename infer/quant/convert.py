@@ -225,6 +225,22 @@ def _first_line(e: Exception) -> str:
     return mismatches[0].rstrip(".") + more
 
 
+def _unshared(state: dict, tied: bool) -> dict:
+    """safetensors stores no two tensors on one storage; a .bin of a tied model (torch.save of its state dict) has
+    lm_head.weight on the embeddings' storage: the tied head is left out, as transformers saves it, and any other
+    shared tensor gets its own copy."""
+    out, seen = {}, set()
+    for name, t in state.items():
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen and t.numel():
+            if tied and name.endswith("lm_head.weight"):
+                continue
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return out
+
+
 def _copy_tensors(src: Path, out: Path, max_shard_size: str) -> None:
     """Copy the tensors of a GPTQ checkpoint unchanged into safetensors shards, with its config files."""
     from huggingface_hub import split_torch_state_dict_into_shards
@@ -233,6 +249,7 @@ def _copy_tensors(src: Path, out: Path, max_shard_size: str) -> None:
     for f in weight_files(src):
         part = load_weight_file(f)
         state.update({k: v.contiguous() for k, v in part.items()})
+    state = _unshared(state, bool(read_config_json(src).get("tie_word_embeddings", False)))
     split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
         save_file({n: state[n] for n in names}, out / filename, metadata={"format": "pt"})
