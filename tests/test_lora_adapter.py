@@ -97,10 +97,21 @@ def _expect_error(path, name="bad", config=None, max_rank=None, match=None):
     (dict(target_modules=["q_proj", "embed_tokens"]), "embed_tokens"),
     (dict(target_modules=["q_proj", "lm_head"]), "lm_head"),
     (dict(modules_to_save=["lm_head"]), "modules_to_save"),
-    (dict(bias="all"), "biases"),
 ])
 def test_unsupported_features(tmp_path, kw, match):
     _expect_error(make_adapter(tmp_path, "x", **kw), "x", match=match)
+
+
+@pytest.mark.parametrize("bias", ["all", "lora_only"])
+def test_trained_base_biases_are_refused_only_where_the_base_has_them(tmp_path, bias):
+    """peft's bias="all" saves the base's biases it trained: refused. On a base without biases (Llama) nothing but
+    LoRA is saved and peft serves it as plain LoRA: so does infer (it refused the config's word)."""
+    from transformers import LlamaForCausalLM
+    plain = load_adapter("p", make_adapter(tmp_path, "p", bias=bias), tiny_config())
+    assert len(plain.modules) == 4
+    torch.manual_seed(0)
+    biased = LlamaForCausalLM(tiny_config().__class__(**{**tiny_config().to_dict(), "attention_bias": True})).eval()
+    _expect_error(make_adapter(tmp_path, "b", base=biased, bias=bias), "b", match="trains the base model's biases")
 
 
 def test_rank_above_max(tmp_path):

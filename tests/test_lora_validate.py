@@ -318,3 +318,18 @@ def test_peft_failure_after_injection_leaves_the_oracle_plain(setup, monkeypatch
     assert err.value.message == "peft cannot load it: weights unreadable"
     assert not any(isinstance(m, BaseTunerLayer) for m in oracle.modules())
     assert not hasattr(oracle, "peft_config")
+
+
+def test_rank_column_is_the_rank_the_limit_checks(setup, tmp_path):
+    """rank_pattern can raise a module's rank above r: the rank shown is the largest, the one --max-lora-rank must
+    hold (the table said r=4 while failing "rank 17 is larger than --max-lora-rank 16")."""
+    from transformers import AutoModelForCausalLM
+    base, _ = setup
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    path = save_adapter(hf, tmp_path / "kv", 4, r=4, lora_alpha=8, target_modules=["k_proj", "v_proj"],
+                        rank_pattern={"v_proj": 17})
+    res = invoke(base, f"kv={path}", "--json", "--steps", "0", "--max-lora-rank", "16")
+    report = json.loads(res.stdout.splitlines()[0])
+    assert res.exit_code == 1 and report["rank"] == 17 and "rank 17" in " ".join(report["reasons"])
+    res = invoke(base, f"kv={path}", "--json", "--steps", "0", "--max-lora-rank", "32")
+    assert res.exit_code == 0 and json.loads(res.stdout.splitlines()[0])["rank"] == 17

@@ -184,9 +184,6 @@ def config_problems(config: dict) -> list[Problem]:
                                 "weights too: peft rebuilds that residual base at load, infer serves the plain base",
                                 "save it with peft's path_initial_model_for_weight_conversion, which turns it into "
                                 "a plain LoRA adapter of the original base"))
-    if config.get("bias", "none") not in ("none", None):
-        problems.append(Problem(f"trains the base model's biases (bias: {config['bias']!r})",
-                                "train the adapter with bias='none'"))
     targets = config.get("target_modules") or []
     for emb in EMBEDDINGS:
         if _targets(targets, emb):
@@ -257,6 +254,8 @@ def _classify(tensor_name: str) -> tuple[str, str] | Problem:
         return Problem(f"has modules_to_save tensors ({tensor_name})", "merge them into the base model")
     if "lora_embedding" in tensor_name or any(f".{e}." in tensor_name for e in EMBEDDINGS):
         return Problem(f"adapts an embedding ({tensor_name})", _HINT_TARGETS)
+    if tensor_name.endswith(".bias") and "lora_" not in tensor_name:  # bias="all" / "lora_only" on a base with biases
+        return Problem(f"trains the base model's biases ({tensor_name})", "train the adapter with bias='none'")
     m = _TENSOR.match(tensor_name)
     if m is None:
         return Problem(f"has an unexpected tensor {tensor_name}", "only lora_A/lora_B weights are supported")

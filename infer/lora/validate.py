@@ -110,7 +110,8 @@ def static_report(name: str, path: Path, base_config, max_rank: int | None, base
     if report.size_problems:
         report.size_mismatch = size_mismatch_line(adapter, base_config, len(report.size_problems))
     cfg = adapter.config
-    report.rank, report.alpha, report.rslora = cfg["r"], cfg["lora_alpha"], bool(cfg.get("use_rslora"))
+    # the largest rank over its modules (rank_pattern may raise it above r): what --max-lora-rank must hold
+    report.rank, report.alpha, report.rslora = adapter.rank or cfg["r"], cfg["lora_alpha"], bool(cfg.get("use_rslora"))
     scalings = sorted({round(m.scaling, 6) for m in adapter.modules.values()}) or [module_scaling(cfg, "")[1]]
     report.scaling = f"{scalings[0]:g}" if len(scalings) == 1 else f"{scalings[0]:g}..{scalings[-1]:g}"
     found = {m.proj for m in adapter.modules.values()}
