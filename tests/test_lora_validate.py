@@ -333,3 +333,17 @@ def test_rank_column_is_the_rank_the_limit_checks(setup, tmp_path):
     assert res.exit_code == 1 and report["rank"] == 17 and "rank 17" in " ".join(report["reasons"])
     res = invoke(base, f"kv={path}", "--json", "--steps", "0", "--max-lora-rank", "32")
     assert res.exit_code == 0 and json.loads(res.stdout.splitlines()[0])["rank"] == 17
+
+
+def test_weights_peft_does_not_read_are_named_as_the_reason(setup, tmp_path):
+    """Tensors named without peft's prefix: infer applies them, peft reads none of them (its logits stay the base's).
+    The verdict says that peft loaded no weights, not only that infer differs from peft."""
+    from safetensors.torch import load_file, save_file
+    base, paths = setup
+    path = _copy(paths["qv"], tmp_path / "renamed")
+    weights = load_file(path / "adapter_model.safetensors")
+    save_file({k.removeprefix("base_model.model."): v for k, v in weights.items()}, path / "adapter_model.safetensors")
+    res = invoke(base, f"renamed={path}", "--json", "--steps", "2")
+    report = json.loads(res.stdout.splitlines()[0])
+    assert res.exit_code == 1 and report["numeric"]["adapter_effect"] == 0.0
+    assert report["reasons"][0].startswith("peft loaded none of its weights")

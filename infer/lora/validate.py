@@ -63,6 +63,10 @@ class AdapterReport:
         if self.size_problems:
             out += [str(p) for p in self.size_problems] if verbose else [self.size_mismatch]
         n = self.numeric
+        if n is not None and not n.ok and n.adapter_effect == 0.0:  # peft's adapter changed nothing: it read no weights
+            out.append("peft loaded none of its weights (with the adapter on, peft's logits equal the base's): "
+                       "tensor names peft does not expect (e.g. lora_A.default.weight, or no base_model.model. "
+                       "prefix); save the adapter again with peft")
         if n is not None and not n.tokens_agree:
             out.append("greedy tokens differ from peft's (the adapter is not applied as peft applies it)")
         if n is not None and n.max_abs_diff > n.tolerance:
