@@ -53,6 +53,10 @@ class GPTQConfig:
         if d.get("lm_head"):
             raise UnsupportedModelError(f"{source}: a quantized lm_head is not supported",
                                         "quantize with lm_head=False")
+        if d.get("dynamic"):  # GPTQModel's per-module overrides: other bits or group sizes, or modules left in float
+            raise UnsupportedModelError(f"{source}: per-module quantization settings (dynamic: "
+                                        f"{json.dumps(d['dynamic'])[:120]}) are not supported",
+                                        "quantize every module with the same settings (no dynamic in QuantizeConfig)")
         return cls(bits, group, bool(d.get("desc_act", False)), bool(d.get("sym", True)), fmt)
 
     @classmethod
