@@ -146,10 +146,11 @@ def test_partial_rotary_is_refused_where_it_would_rotate_part_of_a_head(tmp_path
     """partial_rotary_factor with a scaled rope: transformers' Llama fails on it and infer rotated part of each head;
     now it says so. (With the default rope transformers ignores the factor, and so does infer.)"""
     from infer.errors import UnsupportedModelError
-    build(tmp_path, "llama", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                              "partial_rotary_factor": 0.5})
+    build(tmp_path, "llama")  # the factor is written into config.json afterwards: transformers' own init of such a
+    cfg = json.loads((tmp_path / "config.json").read_text())  # model fails or not depending on what ran before
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
     LLM(str(tmp_path), block_size=4)
-    cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["rope_parameters"] = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0, "partial_rotary_factor": 0.5}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match="partial_rotary_factor 0.5"):
