@@ -183,8 +183,15 @@ def test_gpu_swaps_queue_their_copies_without_waiting_for_the_device(setup):
     other shards, a clear) makes no synchronising call, so it never drains a step in flight; once the copies have
     run, every slot tensor equals the same swaps done on the CPU."""
     import copy
-    gpu_stack = copy.deepcopy(setup.stack).to("cuda")
-    cpu_stack = copy.deepcopy(setup.stack)
+    packs = {ml: ml.packed_weight for ml in setup.stack.linears}  # oneDNN's packed CPU weights: no deepcopy, no .to
+    for ml in packs:
+        ml.packed_weight = None
+    try:
+        gpu_stack = copy.deepcopy(setup.stack).to("cuda")
+        cpu_stack = copy.deepcopy(setup.stack)
+    finally:
+        for ml, packed in packs.items():
+            ml.packed_weight = packed
     managers = [LoRAManager(s, max_loras=2, max_lora_rank=64) for s in (gpu_stack, cpu_stack)]
     for mgr in managers:
         for name, path in setup.paths.items():
@@ -208,3 +215,30 @@ def test_gpu_swaps_queue_their_copies_without_waiting_for_the_device(setup):
     for g, c in zip(*(m.layers for m in managers)):
         for name in ("lora_a", "lora_bt", "scalings", "rank_t"):
             assert torch.equal(getattr(g, name).cpu(), getattr(c, name)), name
+
+
+def test_the_shrink_goes_beside_the_matmul_only_while_a_cuda_graph_is_captured(setup, monkeypatch):
+    """LoRALayer.beside: the second-stream path is taken for a CUDA input while a graph is captured, unless
+    EngineConfig.lora_streams switched it off; never for a CPU input or outside a capture (eager steps and prefills
+    keep one stream: a fork and join there would cost host time for nothing). The path itself runs on a GPU
+    (test_overlap.py::test_gpu_lora_shrink_beside_the_matmul_gives_the_tokens_of_one_stream)."""
+    mgr = LoRAManager(setup.stack, max_loras=2, max_lora_rank=8)
+    base = setup.stack.linears[0]
+    layer = mgr.layers[0]
+
+    class CudaInput:  # what beside() reads of x, on a machine without a GPU
+        is_cuda = True
+        shape = (16, base.in_features)
+
+        def reshape(self, *shape):
+            return torch.empty(16, base.in_features)
+    x_gpu, x_cpu = CudaInput(), torch.randn(16, base.in_features)
+    capturing = {"now": False}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["now"])
+    assert not layer.beside(base, x_gpu) and not layer.beside(base, x_cpu)
+    capturing["now"] = True
+    assert layer.beside(base, x_gpu) and not layer.beside(base, x_cpu)
+    layer.streams = False
+    assert not layer.beside(base, x_gpu)
+    layer.streams = True
+    assert layer.beside(base, x_gpu)

@@ -59,7 +59,7 @@ class DecodeGraphs:
             self.token_slots = torch.full((b,), -1, dtype=torch.long, device=dev)
             self.lora_order = torch.arange(b, dtype=torch.long, device=dev)
             self.lora_starts = torch.full((s + 2,), b, dtype=torch.long, device=dev)
-            self.lora_starts[0] = 0
+            self.lora_starts[:1].zero_()  # not `[0] = 0`: a 0-dim copy from the host syncs
         self.graphs: dict[int, object] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.batches: dict[int, object] = {}
@@ -130,7 +130,7 @@ class DecodeGraphs:
         self.token_slots[:b].fill_(-1)
         self.lora_order[:b].copy_(torch.arange(b, device=self.device))
         self.lora_starts.fill_(b)
-        self.lora_starts[0] = 0
+        self.lora_starts[:1].zero_()  # not `[0] = 0`: a 0-dim copy from the host syncs
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The hidden states [n, hidden] of a decode step of n sequences (ctx as the model runner built it)."""
@@ -163,5 +163,5 @@ class DecodeGraphs:
         self.token_slots[:n].copy_(lora.token_slots)
         self.lora_order[:b - n].copy_(torch.arange(n, b, device=self.device))
         self.lora_order[b - n:b].copy_(lora.groups.order)
-        self.lora_starts[0] = 0
+        self.lora_starts[:1].zero_()  # not `[0] = 0`: a 0-dim copy from the host syncs
         self.lora_starts[1:].copy_(lora.groups.starts[1:] + (b - n))

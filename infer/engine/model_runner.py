@@ -53,7 +53,7 @@ class ModelRunner:
 
     def zero_blocks(self, block_ids: list[int]) -> None:
         if block_ids:
-            self.kv_cache[:, :, to_device(block_ids, torch.long, self.device)] = 0
+            self.kv_cache.index_fill_(2, to_device(block_ids, torch.long, self.device), 0)
 
     def order(self, batch: ScheduledBatch) -> list[int]:
         """The order the batch's sequences run in: by adapter slot when adapters are loaded (the base model's first),
@@ -89,8 +89,8 @@ class ModelRunner:
         sampling = SamplingInputs([batch.seqs[i] for i in rows], self.vocab_size, pack, self.penalties,
                                   prev=prev) if rows else None
         data = pack.to(self.device)
-        if batch.zero:  # as zero_blocks does, without a copy of its own
-            self.kv_cache[:, :, data[zero]] = 0
+        if batch.zero:  # as zero_blocks does, without a copy of its own (index_fill_ takes the 0 as a scalar;
+            self.kv_cache.index_fill_(2, data[zero], 0)  # `[:, :, ids] = 0` copies a 0-dim tensor over: a sync)
         input_ids = data[ids]
         if host.fill:
             where, src = data[fill].view(-1, 2).unbind(1)
