@@ -19,6 +19,7 @@ from infer.errors import ConfigError, OutOfMemoryError
     (dict(enforce_eager=None), "enforce_eager must be True or False, got None"),
     (dict(overlap=1), "overlap must be True, False or None, got 1"),
     (dict(lora_epilogue="x"), "lora_epilogue must be True, False or None, got 'x'"),
+    (dict(lora_streams=0), "lora_streams must be True, False or None, got 0"),
     (dict(gpu_memory_utilization="0.5"), "--gpu-memory-utilization must be a number in (0, 1], got '0.5'"),
     (dict(gpu_memory_utilization=1.5), "--gpu-memory-utilization must be in (0, 1], got 1.5"),
     (dict(memory_limit=0), "--memory-limit 0 is not a positive number of bytes"),
@@ -37,7 +38,8 @@ def test_a_wrong_option_is_a_config_error_naming_it(kw, message):
 
 
 def test_options_that_may_be_none_accept_it_and_sizes_accept_their_spellings():
-    cfg = EngineConfig("tiny-llama", overlap=None, lora_epilogue=None, max_model_len=None, num_kv_blocks=None,
+    cfg = EngineConfig("tiny-llama", overlap=None, lora_epilogue=None, lora_streams=None, max_model_len=None,
+                       num_kv_blocks=None,
                        max_cpu_loras=None, memory_limit="512MB", gpu_memory_utilization=1)
     assert cfg.memory_limit == 512 << 20
     assert EngineConfig("tiny-llama", memory_limit=1 << 30).memory_limit == 1 << 30

@@ -117,16 +117,18 @@ def test_adapters_through_fewer_slots_swap_and_costs_are_reported(monkeypatch):
 
     def recorded(*args, **kwargs):
         engine = real(*args, **kwargs)
-        built.append(engine.config.lora_epilogue)
+        built.append((engine.config.lora_epilogue, engine.config.lora_streams,
+                      {layer.streams for layer in engine.lora_manager.layers} if engine.lora_manager else None))
         return engine
     monkeypatch.setattr(e2e, "build_engine", recorded)
     args = e2e.parse_args(["--out", "unused", "--num-prompts", "4", "--concurrency", "2", "--input-len", "5",
                            "--output-len", "3", "--num-adapters", "3", "--rank", "4", "--max-loras", "1",
-                           "--skip-hf", "--compare-lora-epilogue"])
+                           "--skip-hf", "--compare-lora-epilogue", "--compare-lora-streams"])
     rows = e2e.bench_model("llama-2-7b", args, bandwidth=1e10, device="cpu", dtype=torch.float32, **TINY)
     assert [r["lora"] for r in rows] == ["none", "3 mixed r4", "3 mixed r4 via 1 slots",
-                                         "3 mixed r4, expand in epilogue"]
-    assert built == [None, None, None, True]
+                                         "3 mixed r4, expand in epilogue", "3 mixed r4, shrink on the main stream"]
+    assert built == [(None, None, None), (None, None, {None}), (None, None, {None}), (True, None, {None}),
+                     (None, False, {False})]
     assert rows[0]["lora_swaps"] == 0 and rows[2]["lora_swaps"] > 0
     notes = e2e_report.adapter_costs(rows)
-    assert len(notes) == 3 and all("the adapters' bytes alone explain" in n for n in notes)
+    assert len(notes) == 4 and all("the adapters' bytes alone explain" in n for n in notes)

@@ -275,3 +275,39 @@ def test_gpu_steps_with_mixed_adapters_and_swaps_never_wait_for_the_device(path,
         got[overlap] = outs
         assert eng.stats()["lora_swaps"] > 2 and eng.block_manager.num_used_blocks == 0
     assert got[True] == got[False] and len(got[True]) == 6
+
+
+@pytest.mark.gpu
+def test_gpu_lora_shrink_beside_the_matmul_gives_the_tokens_of_one_stream(path, tmp_path, monkeypatch):
+    """EngineConfig.lora_streams: in the decode graphs every LoRA layer's shrink runs on a second stream beside the
+    base matmul (two branches per layer in the captured graph). Greedy tokens of mixed adapters in float32 equal
+    those with every shrink on the main stream and those of eager steps, and the graphs did take that path."""
+    from infer.lora.layer import LoRALayer
+    from lora_helpers import THREE, hf_float, save_adapter
+    calls = []
+    real = LoRALayer.apply_beside
+
+    def counted(self, base, x, batch):
+        calls.append(x.shape[0])
+        return real(self, base, x, batch)
+    monkeypatch.setattr(LoRALayer, "apply_beside", counted)
+    hf = hf_float(path)
+    loras = {n: str(save_adapter(hf, tmp_path / n, seed=i + 1, **kw)) for i, (n, kw) in enumerate(THREE.items())}
+    prompts = random_prompts(512, (7, 12, 5, 9, 16, 6), seed=9)
+    names = ["a", "b", None, "a", "c", "b"]
+    got = {}
+    for eager, streams in ((False, None), (False, False), (True, None)):
+        calls.clear()
+        llm = LLM(path, device="cuda", dtype="float32", max_num_seqs=8, block_size=16, num_kv_blocks=128,
+                  max_model_len=256, enforce_eager=eager, loras=loras, max_loras=3, max_lora_rank=8,
+                  lora_streams=streams)
+        eng = llm.engine
+        for i, (p, n) in enumerate(zip(prompts, names)):
+            eng.add_request(str(i), p, SamplingParams(max_new_tokens=24, ignore_eos=True), lora=n)
+        outs = {}
+        while eng.has_unfinished_requests():
+            outs.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+        got[eager, streams] = outs
+        assert bool(calls) == (not eager and streams is None)  # captured once per graph size and layer, not replayed
+        llm.close()
+    assert got[False, None] == got[False, False] == got[True, None] and len(got[True, None]) == 6

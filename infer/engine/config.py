@@ -82,8 +82,9 @@ def parse_loras(items: dict[str, str] | list[str] | None) -> dict[str, str]:
 RANGES = {"max_num_seqs": (1, 65536), "max_num_batched_tokens": (1, None), "block_size": (1, 256),
           "max_model_len": (2, None), "num_kv_blocks": (1, None), "max_loras": (1, None), "max_lora_rank": (1, 256),
           "max_cpu_loras": (1, None), "seed": (0, 2 ** 63 - 1)}
-OPTIONAL = {"max_model_len", "num_kv_blocks", "max_cpu_loras", "overlap", "lora_epilogue"}  # None: chosen for you
-BOOLS = ("enable_prefix_caching", "enforce_eager", "enable_lora", "overlap", "lora_epilogue")
+OPTIONAL = {"max_model_len", "num_kv_blocks", "max_cpu_loras", "overlap", "lora_epilogue",  # None: chosen for you
+            "lora_streams"}
+BOOLS = ("enable_prefix_caching", "enforce_eager", "enable_lora", "overlap", "lora_epilogue", "lora_streams")
 
 
 @dataclass
@@ -107,6 +108,9 @@ class EngineConfig:
     # of its own): None where that is cheap (one row, or few slots: kernels.gptq_gemm.fuses_lora), True wherever the
     # kernel can, False never (gpu_e2e --compare-lora-epilogue runs the mixed adapters with True)
     lora_epilogue: bool | None = None
+    # API only: in CUDA graphs, launch each layer's LoRA shrink on a second stream beside the base matmul, so that
+    # the GPU runs the two at once (None: on; gpu_e2e --compare-lora-streams runs the mixed adapters without)
+    lora_streams: bool | None = None
     memory_limit: int | None = option(None, "CPU memory budget for weights, activations and KV cache, e.g. 8GB "
                                             "(default: half the available RAM).", cli_type=str)
     gpu_memory_utilization: float = option(0.90, "Fraction of the GPU's memory the engine may use, in (0, 1].")

@@ -35,6 +35,7 @@ class LLMEngine:
         if self.lora_manager is not None:  # the expand in the int4 matmul's epilogue, or launched on its own
             for layer in self.lora_manager.layers:
                 layer.epilogue = config.lora_epilogue
+                layer.streams = config.lora_streams
         self.block_manager = BlockManager(parts.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.lora_manager)
         self.runner = ModelRunner(config, parts.model, dtype=self.dtype, device=self.device,

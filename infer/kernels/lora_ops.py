@@ -202,15 +202,23 @@ def delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scalings:
     return LoRADelta(hp, lora_b, token_slots, scalings, ranks, list(bounds), groups, fuse)
 
 
+def partials_for(x: torch.Tensor, lora_a: torch.Tensor) -> torch.Tensor:
+    """The (uninitialized) hp that `shrink(x, lora_a, ...)` writes, for a caller that allocates it beforehand."""
+    num_slots, nr, k = lora_a.shape
+    return partials(plan(x.shape[0], num_slots, k)["split"], x.shape[0], nr, x.device)
+
+
 def shrink(x: torch.Tensor, lora_a: torch.Tensor, n: int, groups: SlotGroups, ranks: torch.Tensor,
-           by_token: bool = False, compile_only: bool = False) -> torch.Tensor:
+           by_token: bool = False, compile_only: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """The partial sums hp [SPLIT_K, T, n*R] float32 of x @ A[slot]^T, at sorted positions (see the module doc), or
-    at the tokens' own rows with by_token. compile_only: compile the kernel this call would launch (Triton's
-    `warmup`, see `plan_tokens`), launch nothing; hp is then left unwritten."""
+    at the tokens' own rows with by_token; into `out` (from `partials_for`) when given. compile_only: compile the
+    kernel this call would launch (Triton's `warmup`, see `plan_tokens`), launch nothing; hp is then unwritten."""
     num_slots, nr, k = lora_a.shape
     t = x.shape[0]
     p = plan(t, num_slots, k)
-    hp = partials(p["split"], t, nr, x.device)
+    hp = partials(p["split"], t, nr, x.device) if out is None else out
+    if tuple(hp.shape) != (p["split"], t, nr):
+        raise ValueError(f"shrink: out has shape {tuple(hp.shape)}, the plan writes {(p['split'], t, nr)}")
     grid = (p["tiles"], p["split"])
     run = _shrink_kernel.warmup if compile_only else _shrink_kernel[grid]
     run(x, lora_a, hp, groups.order, groups.starts, ranks, num_slots, k, nr, nr // n, p["k_per_split"],

@@ -7,8 +7,11 @@ shard from one pointer, and each slot's B^T is a contiguous row-major block); `l
 max_rank] is shard i's B as a view of it. `scalings` [n_shards, max_loras] float32 (per module, since rank_pattern /
 alpha_pattern may differ between modules) and `rank_t` [n_shards, max_loras] int32 (0 = not targeted) live on the
 device, so that the kernels skip the zero padding of smaller ranks. On the GPU (and in every CUDA graph) `apply`
-is one `kernels.lora_apply`: one shrink launch for every shard and slot, one expand launch into y. The CPU path
-skips the shards and rank columns no adapter of the batch uses.
+is one `kernels.lora_apply`: one shrink launch for every shard and slot, one expand launch into y. While a CUDA
+graph is captured (decode steps), `apply_beside` puts the shrink on a second stream beside the base matmul: the
+graph gets two branches that the GPU runs at once, so the shrink's few latency-bound programs take SMs the matmul
+leaves waiting on memory instead of a slot of their own between two matmuls (`EngineConfig.lora_streams`). The
+CPU path skips the shards and rank columns no adapter of the batch uses.
 """
 
 from __future__ import annotations
@@ -19,6 +22,17 @@ from .. import kernels
 from ..kernels.lora_reference import LoRADelta
 from .adapter import LoRAModule
 from .batch import LoRABatch, lora_groups
+
+
+_SIDE: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The second stream of `device` that every layer's shrink shares (created before any capture: see __init__)."""
+    device = torch.device(device)
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device)
+    return _SIDE[device]
 
 
 class LoRALayer:
@@ -44,6 +58,11 @@ class LoRALayer:
         # on the int4 kernel path the expand may be added in the matmul's epilogue (`delta`): None where the kernel
         # finds it cheap (gptq_gemm.fuses_lora), True wherever it can, False never (EngineConfig.lora_epilogue)
         self.epilogue: bool | None = None
+        # in CUDA graphs, the shrink on a second stream beside the base matmul (`apply_beside`); None: on, False off
+        self.streams: bool | None = None
+        self._probe_hp = torch.empty(1, 1, n * max_rank, device=device)  # a LoRADelta's shape, for `beside`
+        if torch.device(device).type == "cuda":
+            side_stream(device)
 
     def set_slot(self, slot: int, modules: list[LoRAModule | None]) -> None:
         """Load one adapter's modules for this layer's shards (None = the adapter does not target that shard).
@@ -118,6 +137,33 @@ class LoRALayer:
 
     def _apply_all(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> None:
         kernels.lora_apply(x, y, self.lora_a, self.lora_bt, self.scalings, self.bounds, batch.groups, self.rank_t)
+
+    def beside(self, base, x: torch.Tensor) -> bool:
+        """Whether `base`'s forward of x runs `apply_beside`: on the GPU while a CUDA graph is captured, unless
+        switched off or the int4 kernel adds the expand in its epilogue (it then needs the shrink first)."""
+        if self.streams is False or not x.is_cuda or not torch.cuda.is_current_stream_capturing():
+            return False
+        if not self.takes_delta(base):
+            return True
+        probe = LoRADelta(self._probe_hp, self.lora_bt, None, self.scalings, self.rank_t, list(self.bounds), None,
+                          self.epilogue)
+        return not base.method.lora_in_epilogue(base, x.reshape(-1, x.shape[-1]).shape[0], probe)
+
+    def apply_beside(self, base, x: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+        """base's y = x W^T (+ b) plus every token's adapter delta, with the shrink on the side stream beside the
+        base matmul (two branches of the graph being captured), joined before the expand adds the delta into y.
+        hp is allocated on the main stream, which frees it only after the join, so no block is reused early."""
+        from ..kernels import lora_ops
+        main = torch.cuda.current_stream(x.device)
+        side = side_stream(x.device)
+        hp = lora_ops.partials_for(x, self.lora_a)
+        side.wait_stream(main)  # fork: x and this step's adapter map are ready
+        with torch.cuda.stream(side):
+            lora_ops.shrink(x, self.lora_a, len(self.out_sizes), batch.groups, self.rank_t, out=hp)
+        y = base.method.apply(base, x)
+        main.wait_stream(side)  # join
+        lora_ops.expand(hp, y, self.lora_bt, self.scalings, self.bounds, batch.groups, self.rank_t)
+        return y
 
     def takes_delta(self, base) -> bool:
         """Whether `base` (this hook's MergedLinear, whose forward asks) hands the shrink to its linear method's

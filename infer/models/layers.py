@@ -11,7 +11,8 @@ contribution to `y` in place, for the per-token adapter slots described by the f
 method can add it in its own kernel (`method.fuses_lora(layer)`: the int4 kernels' epilogue) and the hook allows
 it (`lora.takes_delta(layer)`: `lora.epilogue` not False), the hook's `delta(x, ctx)` (the shrink) goes to
 `method.apply(layer, x, lora=delta)` instead, and the method's kernel adds the expand, in its epilogue or by a
-launch of its own.
+launch of its own. While a CUDA graph is captured, the hook may instead run the whole layer (`lora.beside(layer,
+x)`, then `lora.apply_beside(layer, x, ctx)`: the shrink on a second stream beside the base matmul).
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ class MergedLinear(nn.Module):
         batch = getattr(ctx, "lora", None) if self.lora is not None else None
         if batch is None:
             return self.method.apply(self, x)
+        if self.lora.beside(self, x):  # CUDA graph capture: the shrink on a second stream beside the matmul
+            return self.lora.apply_beside(self, x, batch)
         if self.lora.takes_delta(self):
             return self.method.apply(self, x, lora=self.lora.delta(x, batch))
         y = self.method.apply(self, x)
