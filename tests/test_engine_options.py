@@ -20,6 +20,7 @@ from infer.errors import ConfigError, OutOfMemoryError
     (dict(overlap=1), "overlap must be True, False or None, got 1"),
     (dict(lora_epilogue="x"), "lora_epilogue must be True, False or None, got 'x'"),
     (dict(lora_streams=0), "lora_streams must be True, False or None, got 0"),
+    (dict(lora_expand_beside=None), "lora_expand_beside must be True or False, got None"),
     (dict(gpu_memory_utilization="0.5"), "--gpu-memory-utilization must be a number in (0, 1], got '0.5'"),
     (dict(gpu_memory_utilization=1.5), "--gpu-memory-utilization must be in (0, 1], got 1.5"),
     (dict(memory_limit=0), "--memory-limit 0 is not a positive number of bytes"),

@@ -117,8 +117,9 @@ def test_adapters_through_fewer_slots_swap_and_costs_are_reported(monkeypatch):
 
     def recorded(*args, **kwargs):
         engine = real(*args, **kwargs)
+        layers = engine.lora_manager.layers if engine.lora_manager else []
         built.append((engine.config.lora_epilogue, engine.config.lora_streams,
-                      {layer.streams for layer in engine.lora_manager.layers} if engine.lora_manager else None))
+                      {(layer.streams, layer.expand_beside) for layer in layers} or None))
         return engine
     monkeypatch.setattr(e2e, "build_engine", recorded)
     args = e2e.parse_args(["--out", "unused", "--num-prompts", "4", "--concurrency", "2", "--input-len", "5",
@@ -126,9 +127,10 @@ def test_adapters_through_fewer_slots_swap_and_costs_are_reported(monkeypatch):
                            "--skip-hf", "--compare-lora-epilogue", "--compare-lora-streams"])
     rows = e2e.bench_model("llama-2-7b", args, bandwidth=1e10, device="cpu", dtype=torch.float32, **TINY)
     assert [r["lora"] for r in rows] == ["none", "3 mixed r4", "3 mixed r4 via 1 slots",
-                                         "3 mixed r4, expand in epilogue", "3 mixed r4, shrink on the main stream"]
-    assert built == [(None, None, None), (None, None, {None}), (None, None, {None}), (True, None, {None}),
-                     (None, False, {False})]
+                                         "3 mixed r4, expand in epilogue", "3 mixed r4, shrink on the main stream",
+                                         "3 mixed r4, expand beside too"]
+    assert built == [(None, None, None), (None, None, {(None, False)}), (None, None, {(None, False)}),
+                     (True, None, {(None, False)}), (None, False, {(False, False)}), (None, None, {(None, True)})]
     assert rows[0]["lora_swaps"] == 0 and rows[2]["lora_swaps"] > 0
     notes = e2e_report.adapter_costs(rows)
-    assert len(notes) == 4 and all("the adapters' bytes alone explain" in n for n in notes)
+    assert len(notes) == 5 and all("the adapters' bytes alone explain" in n for n in notes)

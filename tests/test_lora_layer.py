@@ -242,3 +242,45 @@ def test_the_shrink_goes_beside_the_matmul_only_while_a_cuda_graph_is_captured(s
     assert not layer.beside(base, x_gpu)
     layer.streams = True
     assert layer.beside(base, x_gpu)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_apply_beside_gives_the_one_stream_result_bit_for_bit(setup, monkeypatch, dtype):
+    """LoRALayer.apply_beside, the decode graphs' path, with the Triton kernels interpreted and the two streams
+    stood in for (the concurrency itself needs a GPU: test_overlap.py's -m gpu test): the shrink into a
+    preallocated hp, the expand after the join, or (lora_expand_beside) the expand into a float32 delta added after
+    the join, each give exactly what the one-stream path gives (the float32 sum rounded once), on every merged
+    projection, for mixed adapters of ranks 4-64 with a base-model token among them."""
+    import contextlib
+
+    from infer import kernels
+    from infer.lora import layer as layer_mod
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real streams (test_overlap.py)")
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+    monkeypatch.setattr(layer_mod, "_streams", lambda device: (Stream(), Stream()))
+    monkeypatch.setattr(layer_mod, "_on", lambda stream: contextlib.nullcontext())
+    stack = MergedStack(tiny_llama(seed=0))
+    for ml in stack.linears:
+        ml.weight.data, ml.dtype, ml.packed_weight = ml.weight.data.to(dtype), dtype, None
+    mgr = LoRAManager(stack, max_loras=4, max_lora_rank=64, device="cpu", dtype=dtype)
+    for name, path in setup.paths.items():
+        mgr.register(name, path)
+    slot = {name: mgr.acquire(name) for name in "abcd"}
+    tokens = ["a", "b", None, "d", "c", "b", "d"]
+    batch = mgr.make_batch([slot[n] if n else -1 for n in tokens])
+    torch.manual_seed(3)
+    for ml in stack.linears[:4]:
+        x = torch.randn(len(tokens), ml.in_features).to(dtype)
+        want = ml.method.apply(ml, x)
+        base = want.clone()
+        ml.lora.apply(x, want, batch)
+        assert not torch.equal(want, base)
+        for expand_beside in (False, True):
+            ml.lora.expand_beside = expand_beside
+            got = ml.lora.apply_beside(ml, x, batch)
+            assert torch.equal(got, want), (ml.names, expand_beside)

@@ -230,6 +230,14 @@ def test_gpu_decode_steps_never_wait_for_the_device_before_their_one_copy(path):
     assert sorted(outs) == [str(i) for i in range(6)] and all(o.num_generated == 40 for o in outs.values())
 
 
+def _three_adapters(path, tmp_path, seed: int):
+    """Three saved adapters of the tiny model, six prompts and the adapter of each (None: the base model)."""
+    from lora_helpers import THREE, hf_float, save_adapter
+    hf = hf_float(path)
+    loras = {n: str(save_adapter(hf, tmp_path / n, seed=i + 1, **kw)) for i, (n, kw) in enumerate(THREE.items())}
+    return loras, random_prompts(512, (7, 12, 5, 9, 16, 6), seed=seed), ["a", "b", None, "a", "c", "b"]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("eager", [True, False])
 def test_gpu_steps_with_mixed_adapters_and_swaps_never_wait_for_the_device(path, tmp_path, monkeypatch, eager):
@@ -240,7 +248,6 @@ def test_gpu_steps_with_mixed_adapters_and_swaps_never_wait_for_the_device(path,
     import torch
 
     from infer.engine.model_runner import StepHandle
-    from lora_helpers import THREE, hf_float, save_adapter
     wait = StepHandle.result
 
     def allowed_wait(self):
@@ -251,10 +258,7 @@ def test_gpu_steps_with_mixed_adapters_and_swaps_never_wait_for_the_device(path,
         finally:
             torch.cuda.set_sync_debug_mode(mode)
     monkeypatch.setattr(StepHandle, "result", allowed_wait)
-    hf = hf_float(path)
-    loras = {n: str(save_adapter(hf, tmp_path / n, seed=i + 1, **kw)) for i, (n, kw) in enumerate(THREE.items())}
-    prompts = random_prompts(512, (7, 12, 5, 9, 16, 6), seed=8)
-    names = ["a", "b", None, "a", "c", "b"]
+    loras, prompts, names = _three_adapters(path, tmp_path, seed=8)
     got = {}
     for overlap in (False, True):
         llm = LLM(path, device="cuda", dtype="float32", max_num_seqs=8, block_size=16, num_kv_blocks=128,
@@ -280,10 +284,10 @@ def test_gpu_steps_with_mixed_adapters_and_swaps_never_wait_for_the_device(path,
 @pytest.mark.gpu
 def test_gpu_lora_shrink_beside_the_matmul_gives_the_tokens_of_one_stream(path, tmp_path, monkeypatch):
     """EngineConfig.lora_streams: in the decode graphs every LoRA layer's shrink runs on a second stream beside the
-    base matmul (two branches per layer in the captured graph). Greedy tokens of mixed adapters in float32 equal
-    those with every shrink on the main stream and those of eager steps, and the graphs did take that path."""
+    base matmul (two branches per layer in the captured graph), and with lora_expand_beside the expand too. Greedy
+    tokens of mixed adapters in float32 equal those with every shrink on the main stream and those of eager steps,
+    and the graphs did take that path."""
     from infer.lora.layer import LoRALayer
-    from lora_helpers import THREE, hf_float, save_adapter
     calls = []
     real = LoRALayer.apply_beside
 
@@ -291,23 +295,22 @@ def test_gpu_lora_shrink_beside_the_matmul_gives_the_tokens_of_one_stream(path, 
         calls.append(x.shape[0])
         return real(self, base, x, batch)
     monkeypatch.setattr(LoRALayer, "apply_beside", counted)
-    hf = hf_float(path)
-    loras = {n: str(save_adapter(hf, tmp_path / n, seed=i + 1, **kw)) for i, (n, kw) in enumerate(THREE.items())}
-    prompts = random_prompts(512, (7, 12, 5, 9, 16, 6), seed=9)
-    names = ["a", "b", None, "a", "c", "b"]
+    loras, prompts, names = _three_adapters(path, tmp_path, seed=9)
     got = {}
-    for eager, streams in ((False, None), (False, False), (True, None)):
+    for eager, streams, expand_beside in ((False, None, False), (False, None, True), (False, False, False),
+                                          (True, None, False)):
         calls.clear()
         llm = LLM(path, device="cuda", dtype="float32", max_num_seqs=8, block_size=16, num_kv_blocks=128,
                   max_model_len=256, enforce_eager=eager, loras=loras, max_loras=3, max_lora_rank=8,
-                  lora_streams=streams)
+                  lora_streams=streams, lora_expand_beside=expand_beside)
         eng = llm.engine
         for i, (p, n) in enumerate(zip(prompts, names)):
             eng.add_request(str(i), p, SamplingParams(max_new_tokens=24, ignore_eos=True), lora=n)
         outs = {}
         while eng.has_unfinished_requests():
             outs.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
-        got[eager, streams] = outs
+        got[eager, streams, expand_beside] = outs
         assert bool(calls) == (not eager and streams is None)  # captured once per graph size and layer, not replayed
         llm.close()
-    assert got[False, None] == got[False, False] == got[True, None] and len(got[True, None]) == 6
+    first = got[False, None, False]
+    assert all(outs == first for outs in got.values()) and len(first) == 6

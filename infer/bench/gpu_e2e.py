@@ -36,18 +36,20 @@ from .e2e_report import result_row, run_notes, write_tables
 from .roofline import copy_bandwidth, decode_roofline, lora_bytes_per_adapter, weight_bytes_per_step
 
 EPILOGUE = "expand in epilogue"  # the mode label of --compare-lora-epilogue
-ONE_STREAM = "shrink on the main stream"  # the mode label of --compare-lora-streams
+ONE_STREAM = "shrink on the main stream"  # the mode labels of --compare-lora-streams
+EXPAND_BESIDE = "expand beside too"
 
 
 # ----------------------------------------------------------------------------------------------- engines
 def build_engine(model, model_config, tokenizer, device, adapters: dict[str, str], rank: int, concurrency: int,
                  max_len: int, eager: bool = False, slots: int | None = None, batched_tokens: int = 4096,
-                 lora_epilogue: bool | None = None, lora_streams: bool | None = None):
+                 lora_epilogue: bool | None = None, lora_streams: bool | None = None, expand_beside: bool = False):
     """An LLMEngine over an in-memory model (decode CUDA graphs unless `eager`); `slots` GPU adapter slots (default:
     one per adapter; fewer makes the engine swap adapters, counted in stats()["lora_swaps"]); `batched_tokens` the
     most tokens in one step (longer prompts are prefilled in chunks); `lora_epilogue` True adds every LoRA expand
     in the int4 matmul's epilogue wherever the kernel can (EngineConfig.lora_epilogue; None: where it is cheap);
-    `lora_streams` False keeps every LoRA shrink on the main stream in the decode graphs (EngineConfig.lora_streams)."""
+    `lora_streams` False keeps every LoRA shrink on the main stream in the decode graphs (EngineConfig.lora_streams),
+    `expand_beside` puts the expand beside the matmul too (EngineConfig.lora_expand_beside)."""
     slots = max(1, slots or len(adapters))
     from ..engine import llm_engine
     from ..engine.config import EngineConfig
@@ -58,7 +60,8 @@ def build_engine(model, model_config, tokenizer, device, adapters: dict[str, str
                                  device=str(device), max_num_seqs=concurrency, max_model_len=max_len,
                                  num_kv_blocks=blocks, loras=adapters, max_loras=slots, max_lora_rank=rank,
                                  enforce_eager=eager, max_num_batched_tokens=batched_tokens,
-                                 lora_epilogue=lora_epilogue, lora_streams=lora_streams)
+                                 lora_epilogue=lora_epilogue, lora_streams=lora_streams,
+                                 lora_expand_beside=expand_beside)
     manager = None
     if adapters:
         from ..lora.manager import LoRAManager
@@ -176,7 +179,7 @@ def engine_modes(run: ShapeRun, tmp: Path) -> list[tuple[str, dict[str, str], bo
     """(lora label, adapters, eager) of each engine to run: without adapters (graphs, and eagerly too with
     --compare-eager), then with the random adapters written to `tmp` (eagerly too with --compare-eager, through
     fewer slots with --max-loras, with every expand in the int4 matmul's epilogue with --compare-lora-epilogue, and
-    with every shrink on the main stream with --compare-lora-streams)."""
+    with every shrink on the main stream, and with the expand beside the matmul too, with --compare-lora-streams)."""
     args = run.args
     both = args.compare_eager and not args.eager  # each of the two plain modes with graphs and without
     modes = [("none", {}, args.eager)] + ([("none", {}, True)] if both else [])
@@ -190,6 +193,7 @@ def engine_modes(run: ShapeRun, tmp: Path) -> list[tuple[str, dict[str, str], bo
             modes.append((f"{len(adapters)} mixed r{args.rank}, {EPILOGUE}", adapters, args.eager))
         if args.compare_lora_streams and not args.eager:
             modes.append((f"{len(adapters)} mixed r{args.rank}, {ONE_STREAM}", adapters, False))
+            modes.append((f"{len(adapters)} mixed r{args.rank}, {EXPAND_BESIDE}", adapters, False))
     return modes
 
 
@@ -212,7 +216,7 @@ def infer_row(run: ShapeRun, model, label: str, weight_bytes: int, lora: str, ad
     slots = args.max_loras if "slots" in lora else None
     engine = build_engine(model, run.model_config, run.tokenizer, run.device, adapters, args.rank, b, run.max_len,
                           eager, slots, lora_epilogue=True if EPILOGUE in lora else None,
-                          lora_streams=False if ONE_STREAM in lora else None)
+                          lora_streams=False if ONE_STREAM in lora else None, expand_beside=EXPAND_BESIDE in lora)
     engine.warm_kernels()  # compiles every kernel path (prefix-cached prefill too) before anything is timed
     names = list(adapters)
     roof = run.roofline(weight_bytes, lora_bytes_per_adapter(model) if names else 0, min(len(names), b))
@@ -286,7 +290,8 @@ def parse_args(argv=None):
                         "wherever the kernel can (by default only where that is cheap: one row or few slots)")
     p.add_argument("--compare-lora-streams", action="store_true",
                    help="also run the mixed adapters with every LoRA shrink on the main stream (by default, in the "
-                        "decode graphs, each runs on a second stream beside the base matmul)")
+                        "decode graphs, each runs on a second stream beside the base matmul), and with the expand "
+                        "beside the matmul too")
     p.add_argument("--profile", action="store_true",
                    help="also profile one prefill and 20 decode steps of each engine (host vs GPU-busy time)")
     return p.parse_args(argv)

@@ -84,7 +84,8 @@ RANGES = {"max_num_seqs": (1, 65536), "max_num_batched_tokens": (1, None), "bloc
           "max_cpu_loras": (1, None), "seed": (0, 2 ** 63 - 1)}
 OPTIONAL = {"max_model_len", "num_kv_blocks", "max_cpu_loras", "overlap", "lora_epilogue",  # None: chosen for you
             "lora_streams"}
-BOOLS = ("enable_prefix_caching", "enforce_eager", "enable_lora", "overlap", "lora_epilogue", "lora_streams")
+BOOLS = ("enable_prefix_caching", "enforce_eager", "enable_lora", "overlap", "lora_epilogue", "lora_streams",
+         "lora_expand_beside")
 
 
 @dataclass
@@ -111,6 +112,10 @@ class EngineConfig:
     # API only: in CUDA graphs, launch each layer's LoRA shrink on a second stream beside the base matmul, so that
     # the GPU runs the two at once (None: on; gpu_e2e --compare-lora-streams runs the mixed adapters without)
     lora_streams: bool | None = None
+    # API only: with lora_streams, the expand on the second stream too, into a float32 delta that the main stream
+    # adds to the matmul's output (an add instead of the expand after the matmul); off until timed on a GPU
+    # (gpu_e2e --compare-lora-streams runs it)
+    lora_expand_beside: bool = False
     memory_limit: int | None = option(None, "CPU memory budget for weights, activations and KV cache, e.g. 8GB "
                                             "(default: half the available RAM).", cli_type=str)
     gpu_memory_utilization: float = option(0.90, "Fraction of the GPU's memory the engine may use, in (0, 1].")

@@ -232,7 +232,9 @@ def expand(hp: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, scalings: to
            groups: SlotGroups, ranks: torch.Tensor, block_n: int | None = None, by_token: bool = False,
            compile_only: bool = False) -> None:
     """y[t, shard i's columns] += scalings[i, s] * (sum of hp's partials) @ B_i^T[s], in place (lora_b flat); hp at
-    sorted positions, or by token (a LoRADelta's) with by_token. compile_only: compile, launch nothing."""
+    sorted positions, or by token (a LoRADelta's) with by_token. compile_only: compile, launch nothing. y may be a
+    float32 buffer for a float16/bfloat16 model (`LoRALayer.apply_beside`): the products are the same (the dot's
+    precision follows the adapter weights' dtype), only the sum is kept in float32."""
     split, t, nr = hp.shape
     num_slots, rank = ranks.shape[1], nr // (len(bounds) - 1)
     p = plan(t, num_slots, 0)
@@ -248,7 +250,7 @@ def expand(hp: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, scalings: to
         run(hp, b, y, groups.order, groups.starts, ranks, scalings, num_slots, rank, first, *cum, *cols,
             hp.stride(0), hp.stride(1), y.stride(0), y.stride(1), *ranks.stride(), *scalings.stride(),
             BLOCK_M=p["block_m"], BLOCK_N=block_n, BLOCK_R=_p2(rank, 16), SPLIT=split, S_P2=_p2(num_slots, 2),
-            IEEE=y.dtype == torch.float32, BY_TOKEN=by_token, num_warps=EXPAND_WARPS,
+            IEEE=lora_b.dtype == torch.float32, BY_TOKEN=by_token, num_warps=EXPAND_WARPS,
             **({"grid": grid} if compile_only else {}))
 
 

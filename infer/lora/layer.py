@@ -27,6 +27,16 @@ from .batch import LoRABatch, lora_groups
 _SIDE: dict[torch.device, "torch.cuda.Stream"] = {}
 
 
+def _streams(device: torch.device):
+    """(the current stream, the side stream) of `device` (a test on CPU stands in for both)."""
+    return torch.cuda.current_stream(device), side_stream(device)
+
+
+def _on(stream):
+    """The context that makes `stream` current (a test on CPU stands in for it)."""
+    return torch.cuda.stream(stream)
+
+
 def side_stream(device: torch.device) -> "torch.cuda.Stream":
     """The second stream of `device` that every layer's shrink shares (created before any capture: see __init__)."""
     device = torch.device(device)
@@ -60,6 +70,9 @@ class LoRALayer:
         self.epilogue: bool | None = None
         # in CUDA graphs, the shrink on a second stream beside the base matmul (`apply_beside`); None: on, False off
         self.streams: bool | None = None
+        # with streams: the expand on the second stream too, into a float32 delta that y takes after the matmul
+        # (EngineConfig.lora_expand_beside)
+        self.expand_beside = False
         self._probe_hp = torch.empty(1, 1, n * max_rank, device=device)  # a LoRADelta's shape, for `beside`
         if torch.device(device).type == "cuda":
             side_stream(device)
@@ -152,17 +165,27 @@ class LoRALayer:
     def apply_beside(self, base, x: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
         """base's y = x W^T (+ b) plus every token's adapter delta, with the shrink on the side stream beside the
         base matmul (two branches of the graph being captured), joined before the expand adds the delta into y.
-        hp is allocated on the main stream, which frees it only after the join, so no block is reused early."""
+        With `expand_beside` the side stream also runs the expand, into a zeroed float32 delta [T, N], and the main
+        stream adds it to y after the join (one elementwise add instead of the expand on the main stream; the same
+        result bit for bit: y + the float32 sum, rounded once). hp and delta are allocated on the main stream, which
+        frees them only after the join, so no block is reused early."""
         from ..kernels import lora_ops
-        main = torch.cuda.current_stream(x.device)
-        side = side_stream(x.device)
+        main, side = _streams(x.device)
         hp = lora_ops.partials_for(x, self.lora_a)
+        delta = torch.empty(x.shape[0], self.bounds[-1], dtype=torch.float32, device=x.device) \
+            if self.expand_beside else None
         side.wait_stream(main)  # fork: x and this step's adapter map are ready
-        with torch.cuda.stream(side):
+        with _on(side):
             lora_ops.shrink(x, self.lora_a, len(self.out_sizes), batch.groups, self.rank_t, out=hp)
+            if delta is not None:
+                delta.zero_()
+                lora_ops.expand(hp, delta, self.lora_bt, self.scalings, self.bounds, batch.groups, self.rank_t)
         y = base.method.apply(base, x)
         main.wait_stream(side)  # join
-        lora_ops.expand(hp, y, self.lora_bt, self.scalings, self.bounds, batch.groups, self.rank_t)
+        if delta is None:
+            lora_ops.expand(hp, y, self.lora_bt, self.scalings, self.bounds, batch.groups, self.rank_t)
+        else:
+            y.add_(delta)
         return y
 
     def takes_delta(self, base) -> bool:
@@ -177,7 +200,8 @@ class LoRALayer:
         """Layers with equal keys launch the same shrink and expand variants (`compile_calls` of one serves all)."""
         by_token = self.takes_delta(base)
         shape = base.method.kernel_key(base) if by_token else None
-        return tuple(self.lora_a.shape), self.lora_a.dtype, tuple(self.bounds), by_token, self.epilogue, shape
+        return (tuple(self.lora_a.shape), self.lora_a.dtype, tuple(self.bounds), by_token, self.epilogue, shape,
+                self.streams is not False, self.expand_beside)
 
     def compile_calls(self, base, max_tokens: int) -> list:
         """Callables that each compile (Triton's `warmup`: nothing is launched) shrink and expand variants this
@@ -210,3 +234,9 @@ class LoRALayer:
             y = torch.empty(t, self.bounds[-1], dtype=dtype, device=dev)
             lora_ops.expand(hp, y, self.lora_bt, self.scalings, self.bounds, groups, self.rank_t, by_token=by_token,
                             compile_only=True)
+        if self.streams is not False and (by_token or self.expand_beside):
+            # apply_beside's variants (by sorted position; the expand into y, or into a float32 delta), first
+            # launched while a decode graph is captured: compiled here with the rest
+            hs = lora_ops.shrink(x, self.lora_a, len(self.out_sizes), groups, self.rank_t, compile_only=True)
+            d = torch.empty(t, self.bounds[-1], dtype=torch.float32 if self.expand_beside else dtype, device=dev)
+            lora_ops.expand(hs, d, self.lora_bt, self.scalings, self.bounds, groups, self.rank_t, compile_only=True)
