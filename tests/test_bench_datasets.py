@@ -159,13 +159,13 @@ def test_files_with_a_byte_order_mark_load(tok, tmp_path):
 
 
 def test_jsonl_messages_with_openai_text_parts(tok, tmp_path):
-    """A content given as OpenAI text parts is joined, as `infer run` (and vLLM) read it, not rendered as the
-    list's Python repr; other parts are refused, naming the line."""
+    """A content given as OpenAI text parts is joined by newlines, as `infer run` (and vLLM) read it, not rendered as
+    the list's Python repr; other parts are refused, naming the line."""
     p = tmp_path / "parts.jsonl"
     parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": " world"}]
     p.write_text(json.dumps({"messages": [{"role": "user", "content": parts}]}) + "\n")
     [r] = load_workload(f"jsonl:{p}", tok).requests
-    assert r.prompt == "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n"
+    assert r.prompt == "<|im_start|>user\nhello\n world<|im_end|>\n<|im_start|>assistant\n"
     assert r.prompt_token_ids == tok.encode(r.prompt, add_special_tokens=False)
     p.write_text('{"prompt": "ok"}\n' + json.dumps({"messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "x.png"}}]}]}) + "\n")

@@ -43,7 +43,7 @@ def _hostile_lines() -> list[bytes]:
         b'{"id": "rp", "prompt": "hi", "repetition_penalty": Infinity}',
         b'{"id": "nan", "prompt": "hi", "top_p": NaN}',
         b'{"id": "big", "prompt": "hi", "max_new_tokens": 99999999999999999999}',
-        b'{"id": "seed", "prompt": "hi", "seed": -1}',
+        b'{"id": "seed", "prompt": "hi", "seed": -2}',  # (-1 is vLLM's "no seed")
         b'{"id": "cr", "prompt": "a\rb", "max_new_tokens": 2}',                 # a bare \r inside a line (raw)
         '{"id": "ls\u2028\u2029\u0085", "prompt": "x\u2028y", "max_new_tokens": 2}'.encode(),
         b'{"id": "bad-utf8", "prompt": "\xff\xfe"}',

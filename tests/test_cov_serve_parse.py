@@ -33,11 +33,12 @@ def test_a_malformed_prompt_batch_is_a_400(tok, prompt):
 
 
 def test_chat_text_parts_are_joined_in_order(tok):
+    """By newlines, as vLLM joins them for a template that prints content as a string."""
     parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": " there,"}, {"type": "text", "text": " cat"}]
-    joined = parse_chat({"messages": [{"role": "user", "content": "Hello there, cat"}]}, tok).prompts
+    joined = parse_chat({"messages": [{"role": "user", "content": "Hello\n there,\n cat"}]}, tok).prompts
     by_parts = parse_chat({"messages": [{"role": "user", "content": parts}]}, tok).prompts
     assert by_parts == joined
-    want = tok.apply_chat_template([{"role": "user", "content": "Hello there, cat"}], add_generation_prompt=True,
+    want = tok.apply_chat_template([{"role": "user", "content": "Hello\n there,\n cat"}], add_generation_prompt=True,
                                    tokenize=True, return_dict=True)["input_ids"]
     assert by_parts == [list(want)]
 

@@ -40,8 +40,8 @@ def test_chat_content_as_a_list_of_text_parts_is_the_text_not_its_python_repr(tm
              "body": {"model": "x", "messages": [{"role": "user", "content": parts}], "max_tokens": 2}}
     items = _read(tmp_path, tokenizer, {"id": "a", "messages": [{"role": "user", "content": parts}]}, batch,
                   {"id": "none", "messages": [{"role": "user", "content": None}]})
-    assert items["a"].request.prompt_token_ids == _chat(tokenizer, "hello")
-    assert items["b"].request.prompt_token_ids == _chat(tokenizer, "hello")
+    assert items["a"].request.prompt_token_ids == _chat(tokenizer, "hel\nlo")  # joined by newlines, as vLLM does
+    assert items["b"].request.prompt_token_ids == _chat(tokenizer, "hel\nlo")
     assert items["none"].request.prompt_token_ids == _chat(tokenizer, "")
 
 

@@ -127,7 +127,9 @@ def test_resume_after_driver_kill(tmp_path, ray_cluster, job):
     with open(out, "a") as f:
         f.write('{"id": "r99", "text": "torn')  # a torn last line, as a kill mid-write leaves
     res = _run(inp, out, "--data-parallel", "2", "--resume")
-    assert res.exit_code == 0, res.output  # the bad lines' error records were written before the kill
+    # the bad lines' error records were written before the kill: the resumed run has failed lines too (exit 1, as
+    # the run in one go), and says the records are from before
+    assert res.exit_code == 1 and "error record(s) from before this resume" in res.output, res.output
     _assert_same(_records(out), want)  # one record per id, none lost or doubled, each as one engine writes it
 
 

@@ -164,14 +164,14 @@ def _read(path: str) -> str:
 
 
 def _render(tokenizer, obj: dict, where: str) -> tuple[str, list[int]]:
-    from ..engine.inputs import chat_messages, check_text
+    from ..engine.inputs import chat_messages, check_text, reads_content_parts
     if isinstance(obj.get("prompt"), str) and obj["prompt"]:
-        text = obj["prompt"]
-        return text, tokenizer.encode(text, add_special_tokens=False)
+        text = obj["prompt"]  # tokenized as infer run and the server tokenize a prompt: with its special tokens
+        return text, tokenizer.encode(text)
     msgs = obj.get("messages")
     if isinstance(msgs, list) and msgs:
         try:  # as `infer run` reads them: text parts joined, other parts (images, audio) refused
-            msgs = chat_messages(msgs)
+            msgs = chat_messages(msgs, reads_content_parts(tokenizer))
             check_text(msgs, "messages")
         except RequestError as e:
             raise ConfigError(f"{where}: {e.message}", e.hint) from None
@@ -242,7 +242,7 @@ def sharegpt_requests(path: str, tokenizer, num_prompts: int, seed: int = 0, max
     for prompt, reply in pairs:
         if len(reqs) >= num_prompts:
             break
-        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        ids = tokenizer.encode(prompt)  # as the prompt is sent (a completions request: with special tokens)
         out_len = len(tokenizer.encode(reply, add_special_tokens=False))
         if len(ids) < 4 or out_len < 4 or len(ids) > max_prompt_len or len(ids) + out_len > max_total_len:
             continue

@@ -24,6 +24,7 @@ class InputLine:
     id: str
     request: ParsedRequest | None = None
     error: str | None = None
+    made_id: bool = False  # the id is infer's (the line cannot be read): it gives way to every line's own id
 
 
 def _line_id(obj, line_no: int) -> str:
@@ -92,7 +93,7 @@ def _parse_line(line_no: int, text: str, tokenizer, defaults: dict, names: Model
     try:
         obj = _loads(text)
     except ValueError as e:
-        return InputLine(line_no, unreadable_id(line_no), error=f"line {line_no}: {e}")
+        return InputLine(line_no, unreadable_id(line_no), error=f"line {line_no}: {e}", made_id=True)
     item = InputLine(line_no, _line_id(obj, line_no))
     try:
         item.request = parse_request(obj, tokenizer, item.id, defaults, names, max_tokens)
@@ -110,20 +111,37 @@ def read_inputs(path: Path, tokenizer, defaults: dict, names: ModelNames = Model
     if not path.is_file():
         raise ConfigError(f"input file {path} does not exist" if not path.exists() else f"input {path} is not a file",
                           "give a JSONL file with one request per line")
-    lines, seen = [], {}  # id -> the line that has it
+    lines = []
     for line_no, text, reason in read_lines(path):
         if reason is not None:
-            item = InputLine(line_no, unreadable_id(line_no), error=f"line {line_no}: {reason}")
+            item = InputLine(line_no, unreadable_id(line_no), error=f"line {line_no}: {reason}", made_id=True)
         elif not text.strip():
             continue
         else:
             item = _parse_line(line_no, text, tokenizer, defaults, names, max_tokens)
-        if item.id in seen:
-            item.request, item.error = None, item.error or _duplicate(item, seen[item.id])
-            item.id = f"{item.id}#line{line_no}"
-        seen[item.id] = line_no
         lines.append(item)
+    # a made-up id (an unreadable line's, a repeated id's) must be no other line's id, even a later one: two records
+    # with one id would make --resume drop one of them for good
+    taken = {item.id for item in lines if not item.made_id}
+    seen: dict[str, int] = {}  # id -> the line that has it
+    for item in lines:
+        if item.made_id:
+            item.id = _fresh(item.id, taken)
+        elif item.id in seen:
+            item.request, item.error = None, item.error or _duplicate(item, seen[item.id])
+            item.id = _fresh(f"{item.id}#line{item.line_no}", taken)
+        seen[item.id] = item.line_no
     return lines
+
+
+def _fresh(want: str, taken: set[str]) -> str:
+    """`want`, or want~2, want~3... : the first that no line has; taken then holds it."""
+    got, k = want, 1
+    while got in taken:
+        k += 1
+        got = f"{want}~{k}"
+    taken.add(got)
+    return got
 
 
 def model_names(engine) -> ModelNames:

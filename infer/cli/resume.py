@@ -47,6 +47,27 @@ def done_ids(path: Path) -> set[str]:
     return ids
 
 
+def error_ids(path: Path) -> set[str]:
+    """Ids of the error records in an output file (after `done_ids` has cleaned it): a resumed run that leaves them
+    there has failed lines, whichever session wrote them."""
+    out = set()
+    if path.is_file():
+        for raw in path.read_bytes().split(b"\n"):
+            try:
+                rec = json.loads(raw.decode("utf-8")) if raw.strip() else None
+            except (ValueError, RecursionError):
+                continue
+            if isinstance(rec, dict) and rec.get("finish_reason") == "error" and isinstance(rec.get("id"), str):
+                out.add(rec["id"])
+    return out
+
+
+def side_files(output: Path) -> list[Path]:
+    """The files a run keeps beside OUTPUT (its resume record, and the temporary copies it renames into place)."""
+    fp = fingerprint_path(output)
+    return [fp, output.with_name(output.name + ".tmp"), fp.with_name(fp.name + ".tmp")]
+
+
 def _record_id(raw: bytes) -> str | None:
     try:
         rec = json.loads(raw.decode("utf-8"))
@@ -140,7 +161,11 @@ def check_resume(output: Path, input: Path, options: dict) -> None:
     """Refuse to resume OUTPUT from another input or with options that change outputs. An input that only grew
     (lines appended to the same file) is the same input."""
     path = fingerprint_path(output)
-    if not output.is_file() or not path.is_file():
+    if not output.is_file():
+        return
+    if not path.is_file():  # nothing says which input wrote it: its records are kept as they are, said so
+        typer.echo(f"note: {path} is missing, so infer cannot check that {output} was written from {input} with "
+                   "these options; records whose ids are in both are kept as they are", err=True)
         return
     try:
         old = json.loads(path.read_text(encoding="utf-8"))

@@ -17,7 +17,8 @@ from . import options as o
 from ..engine.sampling_params import MAX_TOKENS
 from .batch_io import (RecordWriter, check_input_encoding, error_record, model_names, output_record,
                        read_inputs)
-from .resume import (check_not_unfinished, check_resume, done_ids, is_regular_target, mark_complete,
+from .resume import (check_not_unfinished, check_resume, done_ids, error_ids, is_regular_target, mark_complete,
+                     side_files,
                      write_fingerprint)
 
 
@@ -26,7 +27,7 @@ def run(
     model: o.Model,
     input: Annotated[Path, typer.Argument(help="JSONL file: one request per line (prompt | messages | "
                                                "prompt_token_ids, or an OpenAI batch line).", show_default=False)],
-    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Output JSONL (default, or -o -: stdout).")] = None,
+    output: Annotated[Optional[str], typer.Option("-o", "--output", help="Output JSONL (default, or -o -: stdout).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Skip ids already in OUTPUT and complete the rest (OUTPUT must come "
                                               "from the same input and options).")] = False,
     force_resume: Annotated[bool, typer.Option("--force-resume", help="Resume even if OUTPUT was written from another input or with "
@@ -49,8 +50,11 @@ def run(
     Exit status: 0 all lines ok, 1 some lines failed (each has an error record), 2 the run could not start.
     """
     resume = resume or force_resume
-    if output is not None and str(output) == "-":  # the usual spelling of stdout (a file named "-" is -o ./-)
-        output = None
+    if output is not None and output.endswith(("/", os.sep)):  # (a Path would drop the slash: a file of that name)
+        raise ConfigError(f"-o {output} names a directory (it ends with a slash)",
+                          "give a file path, e.g. -o out/records.jsonl")
+    # "-" is the usual spelling of stdout (a file named "-" is -o ./-)
+    output = None if output is None or output == "-" else Path(output)
     _check_paths(input, output, resume, max_new_tokens)
     options = _output_options(engine, max_new_tokens)
     resumable = is_regular_target(output)
@@ -75,6 +79,11 @@ def run(
                                  resumable=resumable, options=options, quiet=quiet)
     if resumable:
         mark_complete(output)  # every line has its record: a later run may start this output over
+    if not failed and resume and resumable:  # error records an earlier session wrote fail the run as well
+        earlier = error_ids(output)
+        if earlier:
+            typer.echo(f"note: {output} holds {len(earlier)} error record(s) from before this resume", err=True)
+            failed = len(earlier)
     if failed:
         raise typer.Exit(1)
 
@@ -125,6 +134,10 @@ def _check_paths(input: Path, output: Path | None, resume: bool, max_new_tokens:
         raise ConfigError(f"input file {input} does not exist", "give a JSONL file with one request per line")
     if input.is_dir():
         raise ConfigError(f"input {input} is a directory, not a file", "give a JSONL file with one request per line")
+    if not input.is_file():
+        raise ConfigError(f"input {input} is not a regular file (a pipe or a device?)",
+                          "save the requests to a JSONL file first and give its path (a run is read twice: once "
+                          "to check every line, once to resume)")
     check_input_encoding(input)
     if output is None:
         return
@@ -133,6 +146,10 @@ def _check_paths(input: Path, output: Path | None, resume: bool, max_new_tokens:
     if output.exists() and os.path.samefile(output, input):
         raise ConfigError(f"-o {output} is the input file: writing would destroy it",
                           "write the records to another file, e.g. -o out.jsonl")
+    for side in side_files(output):
+        if side.exists() and os.path.samefile(side, input):
+            raise ConfigError(f"the input {input} is {side.name}, a file infer run keeps beside -o {output}: the "
+                              "run would overwrite it", "rename the input, or write to another -o OUTPUT")
     parent = output.parent if str(output.parent) else Path(".")
     if parent.exists() and not parent.is_dir():
         raise ConfigError(f"-o {output}: {parent} is not a directory", "give a path inside a directory")

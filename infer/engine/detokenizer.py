@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from .sequence import Sequence
 
 
@@ -28,12 +30,26 @@ def _concatenative(tokenizer) -> bool:
     return _fast_decode(tokenizer) is not None and type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
 
 
+def _byte_tokens(tokenizer) -> frozenset[int]:
+    """Ids of SentencePiece's byte-fallback tokens (<0x00>..<0xFF>: Llama 2, Mistral). Their decoder turns a run of
+    them into UTF-8 as a whole, and every byte of a run that is not valid UTF-8 into U+FFFD, so the text of the run's
+    first bytes can change when more arrive ("\n" then a lone 0xF0: "\n" becomes U+FFFD)."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # a tokenizer without a vocabulary to read: nothing to hold back
+        return frozenset()
+    return frozenset(i for t, i in vocab.items() if len(t) == 6 and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", t))
+
+
 class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._decode = _fast_decode(tokenizer) or (lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
         # incremental: only the tokens after the last whole character are decoded each step (else all of them)
         self.incremental = _concatenative(tokenizer)
+        # decoded whole each step: text from a trailing run of byte tokens is not streamed until the run ends
+        self.byte_ids = frozenset() if self.incremental else _byte_tokens(tokenizer)
+        self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
 
     def update(self, seq: Sequence, stop_token: bool) -> bool:
         """Refresh seq.text from its output tokens; True if a stop string was found (text is cut before it).
@@ -46,6 +62,13 @@ class Detokenizer:
                 seq.decoded_text, seq.decoded_tokens = text, len(ids)
         else:
             text = self._decode(ids)
+        seq.final_text_len = None
+        if self.byte_ids:  # the trailing run of byte tokens (special tokens decode to nothing: they do not end it)
+            run = len(ids)
+            while run > 0 and (ids[run - 1] in self.byte_ids or ids[run - 1] in self.special_ids):
+                run -= 1
+            if any(i in self.byte_ids for i in ids[run:]):
+                seq.final_text_len = len(self._decode(ids[:run]))
         found = []  # the text ends before the earliest stop string in it (OpenAI), whatever the list's order
         if seq.params.stop and seq.stop_search_from is None:  # forced prefix tokens are not generated: not searched
             prefix = seq.params.prefix_token_ids
@@ -56,17 +79,24 @@ class Detokenizer:
             # a U+FFFD at the end may be a character whose last bytes have not come: not text yet (as vLLM)
             pos = text.find(stop, start, len(text.rstrip("\ufffd"))) if "\ufffd" in stop else text.find(stop, start)
             if pos != -1:
-                found.append(pos)
-        seq.text = text[:min(found)] if found else text
+                found.append((pos, stop))
+        if found:
+            pos, seq.stop_reason = min(found, key=lambda f: f[0])
+            seq.text = text[:pos]
+        else:
+            seq.text = text
         return bool(found)
 
     @staticmethod
     def delta(seq: Sequence) -> str:
-        """The text not yet handed out, holding back what may still become a stop string or a partial character."""
+        """The text not yet handed out, holding back what may still become a stop string, a partial character or
+        the text of an open run of byte tokens."""
         end = len(seq.text)
         if not seq.finished:
             if seq.text.endswith("\ufffd"):
                 end = seq.text.rstrip("\ufffd").__len__()
+            if seq.final_text_len is not None:  # an open run of byte tokens: its text may still change
+                end = min(end, seq.final_text_len)
             if seq.params.stop:
                 end -= max(len(s) for s in seq.params.stop) - 1
             end = max(seq.sent_text_len, end)

@@ -114,9 +114,9 @@ class ParsedRequest:
 def encode_prompt(tokenizer, prompt: Any = None, messages: Any = None, max_tokens: int | None = None) -> list[int]:
     """The prompt's token ids; with `max_tokens` (the context), a text certainly longer is refused untokenized."""
     if messages is not None:
-        messages = chat_messages(messages)
+        messages = chat_messages(messages, reads_content_parts(tokenizer))
         check_text(messages, "messages")
-        check_prompt_size(tokenizer, sum(len(m["content"].encode("utf-8")) for m in messages), max_tokens)
+        check_prompt_size(tokenizer, sum(len(_text_of(m["content"]).encode("utf-8")) for m in messages), max_tokens)
         if getattr(tokenizer, "chat_template", None) is None:
             raise RequestError("this model's tokenizer has no chat template", "send `prompt` instead of `messages`")
         try:
@@ -134,17 +134,22 @@ def encode_prompt(tokenizer, prompt: Any = None, messages: Any = None, max_token
         raise RequestError(f"the tokenizer cannot encode this prompt: {type(e).__name__}: {e}") from e
 
 
-def chat_messages(messages: Any) -> list[dict]:
+def _text_of(content: str | list[dict]) -> str:
+    return content if isinstance(content, str) else "".join(p["text"] for p in content)
+
+
+def chat_messages(messages: Any, parts: bool = False) -> list[dict]:
     """The messages as a chat template reads them: a string role each, and every content a string. OpenAI's list of
-    text parts is joined (as vLLM does); a template would otherwise render the list's Python repr into the prompt.
-    Other parts (images, audio) are refused rather than dropped; null content is empty (an assistant's tool call)."""
+    text parts is joined by newlines (as vLLM does); a template would otherwise render the list's Python repr into
+    the prompt. With `parts` (the template loops over content: `reads_content_parts`) a list stays a list. Other
+    parts (images, audio) are refused rather than dropped; null content is empty (an assistant's tool call)."""
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise RequestError("messages must be a list of {\"role\": ..., \"content\": ...} objects")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m["role"], str):
             raise RequestError(f"messages[{i}].role must be a string, got {type(m['role']).__name__}")
-        out.append({**m, "content": _content_text(m.get("content"), i)})
+        out.append({**m, "content": _content_text(m.get("content"), i, parts)})
         if isinstance(m.get("tool_calls"), list):
             out[-1]["tool_calls"] = [_tool_call(c) for c in m["tool_calls"]]
     return out
@@ -164,19 +169,62 @@ def _tool_call(call: Any) -> Any:
     return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
 
 
-def _content_text(content: Any, i: int) -> str:
+TEXT_PARTS = ("text", "refusal")  # OpenAI's text-bearing content parts (an assistant's refusal is its text)
+
+
+def _content_text(content: Any, i: int, parts: bool = False) -> str | list[dict]:
+    """A message's content as a template reads it: a string, its text parts joined by newlines (as vLLM does for
+    templates that render content as a string), or with `parts` (a template that loops over the parts) a list of
+    them as given, every part a text part."""
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        kinds = sorted({str(p.get("type")) for p in content if p.get("type") != "text"})
+        kinds = sorted({str(p.get("type")) for p in content if p.get("type") not in TEXT_PARTS})
         if kinds:
             raise RequestError(f"messages[{i}].content has {', '.join(kinds)} parts; only text parts are supported",
                                "send text only: this is a text model")
-        if not all(isinstance(p.get("text"), str) for p in content):
+        if not all(isinstance(p.get(p["type"]), str) for p in content):
             raise RequestError(f"messages[{i}].content: every text part needs a string 'text'")
-        return "".join(p["text"] for p in content)
+        if parts:
+            return [dict(p) if p["type"] == "text" else {"type": "text", "text": p["refusal"]} for p in content]
+        return "\n".join(p[p["type"]] for p in content)
     raise RequestError(f"messages[{i}].content must be a string or a list of text parts, got "
                        f"{type(content).__name__}")
+
+
+_PART_TEMPLATES: dict[str, bool] = {}
+
+
+def reads_content_parts(tokenizer) -> bool:
+    """Whether the tokenizer's chat template loops over a message's content (OpenAI's list of parts, as vision and
+    newer chat templates do) rather than printing it as a string: vLLM's "openai" content format, found as vLLM
+    finds it, by a `for` over `<message>['content']` (or `.content`, or a variable set from it) in the template's
+    syntax tree. Such a template gets list content as the list, not the joined text."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default")
+    if not isinstance(template, str):
+        return False
+    if template not in _PART_TEMPLATES:
+        _PART_TEMPLATES[template] = _loops_over_content(template)
+    return _PART_TEMPLATES[template]
+
+
+def _loops_over_content(template: str) -> bool:
+    import jinja2
+    from jinja2 import nodes
+    try:
+        tree = jinja2.Environment().parse(template)
+    except jinja2.TemplateError:
+        return False
+
+    def is_content(node) -> bool:
+        return (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content"
+                or isinstance(node, nodes.Getattr) and node.attr == "content")
+    names = {a.target.name for a in tree.find_all(nodes.Assign)
+             if isinstance(a.target, nodes.Name) and is_content(a.node)}
+    return any(is_content(f.iter) or isinstance(f.iter, nodes.Name) and f.iter.name in names
+               for f in tree.find_all(nodes.For))
 
 
 def check_text(value: Any, name: str) -> None:

@@ -123,7 +123,14 @@ class LLM:
                 which = _of(i, n) if isinstance(lora, list) else ""
                 raise RequestError(f"lora{which} must be an adapter name (a string) or None, got {lo!r}",
                                    "give one name for all prompts, or a list with one name (or None) per prompt")
-        encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
+        encoded = []
+        for i, p in enumerate(prompts):
+            try:
+                encoded.append(self._encode(p, i))
+            except RequestError as e:
+                if n > 1 and not e.message.startswith(f"prompt {i} "):  # which of the prompts it is
+                    raise type(e)(f"prompt {i}: {e.message}", e.hint) from None
+                raise
         ids: list[str] = []
         with self._lock:
             try:

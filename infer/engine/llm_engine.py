@@ -252,8 +252,11 @@ class LLMEngine:
         if record is not None:
             seq.logprobs.append(record)
         p = seq.params
-        is_stop_token = not p.ignore_eos and token in self.eos_token_ids or token in p.stop_token_ids
+        eos = not p.ignore_eos and token in self.eos_token_ids
+        is_stop_token = eos or token in p.stop_token_ids
         stop_string = self.detokenizer.update(seq, is_stop_token)
+        if is_stop_token:  # as vLLM's stop_reason: None for EOS, else the stop token's id (or the stop string)
+            seq.stop_reason = None if eos else token
         if is_stop_token or stop_string:
             self.scheduler.finish(seq, "stop")
         elif (p.max_new_tokens is not None and seq.num_generated >= p.max_new_tokens) \

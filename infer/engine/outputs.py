@@ -13,13 +13,14 @@ class RequestOutput:
                  finished: bool = False, finish_reason: str | None = None, error: str | None = None,
                  logprobs: list[dict] | None = None, lora: str | None = None, arrival_time: float = 0.0,
                  first_token_time: float | None = None, token_times: list[float] | None = None,
-                 num_cached_tokens: int = 0, num_prefix_tokens: int = 0):
+                 num_cached_tokens: int = 0, num_prefix_tokens: int = 0, stop_reason: int | str | None = None):
         self.request_id, self.prompt_token_ids = request_id, prompt_token_ids
         self._token_ids = list(token_ids or [])
         self.new_token_ids = list(new_token_ids or [])
         self.text, self.delta_text = text, delta_text  # output text so far (stop strings removed); new text
         self.finished = finished
         self.finish_reason, self.error = finish_reason, error  # stop | length | abort | error
+        self.stop_reason = stop_reason  # with finish_reason stop: the stop token id or string (None: EOS), as vLLM
         self._logprobs = logprobs
         self.lora, self.arrival_time, self.first_token_time = lora, arrival_time, first_token_time
         self._token_times = list(token_times or [])
@@ -37,6 +38,7 @@ class RequestOutput:
         out.text = seq.text if seq.finished else seq.text[:seq.sent_text_len]
         out.delta_text, out.finished = delta_text, seq.finished
         out.finish_reason, out.error, out.lora = seq.finish_reason, seq.error, seq.lora
+        out.stop_reason = seq.stop_reason if seq.finish_reason == "stop" else None
         out.arrival_time, out.first_token_time = seq.arrival_time, seq.first_token_time
         out.num_cached_tokens, out.num_prefix_tokens = seq.num_cached_tokens, len(seq.params.prefix_token_ids)
         out._token_ids = out._token_times = out._logprobs = None

@@ -83,6 +83,8 @@ class SamplingParams:
                 raise RequestError(f"{name} must be an integer, got {type(value).__name__}")
             if value is not None:
                 setattr(self, name, int(value))  # a numpy integer too, as a plain int from here on
+        if self.seed == -1:  # vLLM's (and many clients') "no seed": a random draw, not an error
+            self.seed = None
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"ignore_eos must be true or false, got {type(self.ignore_eos).__name__}")
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):

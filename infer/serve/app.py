@@ -64,6 +64,7 @@ class Server:
     def model_cards(self) -> list[dict]:
         """/v1/models' entries: the base, then every adapter (its parent is the base)."""
         card = {"object": "model", "created": self.created, "owned_by": "infer"}
+        card["max_model_len"] = self.engine.max_model_len  # as vLLM's cards: clients size prompts from it
         data = [{"id": self.model_id, **card, "root": str(self.engine.model_path), "parent": None}]
         return data + [{"id": name, **card, "root": name, "parent": self.model_id} for name in self.adapters()]
 
@@ -169,7 +170,8 @@ async def _complete(server: Server, req: p.GenerationRequest, rid: str, model: s
                 if out.finish_reason in ("error", "abort"):
                     raise _error(out)
                 choices[i] = p.choice(req, i, out.text, out.logprobs, server.tokenizer, p.finish_reason(out),
-                                      token_ids=out.token_ids, prompt_token_ids=out.prompt_token_ids)
+                                      token_ids=out.token_ids, prompt_token_ids=out.prompt_token_ids,
+                                      stop_reason=out.stop_reason)
                 prompt_n += len(out.prompt_token_ids)
                 completion_n += out.num_generated
     except _ClientGone:
@@ -188,7 +190,8 @@ async def _stream(server: Server, req: p.GenerationRequest, rid: str, model: str
 
     if req.chat:
         for i in range(len(ids)):
-            yield event([p.choice(req, i, "", None, server.tokenizer, None, delta=True, first=True)])
+            usage = p.usage(len(req.prompts[i]), 0) if req.continuous_usage else None
+            yield event([p.choice(req, i, "", None, server.tokenizer, None, delta=True, first=True)], usage)
     async with aclosing(server.outputs(queue, ids, None, arrival)) as outs:
         async for i, out in outs:
             if out.finished and out.finish_reason in ("error", "abort"):
@@ -201,11 +204,13 @@ async def _stream(server: Server, req: p.GenerationRequest, rid: str, model: str
             new_ids = out.new_token_ids if req.return_token_ids else None
             if out.delta_text or records or reason or new_ids:
                 c = p.choice(req, i, out.delta_text, records, server.tokenizer, reason, delta=True, token_ids=new_ids,
-                             text_offset=offsets.get(i, 0))
+                             text_offset=offsets.get(i, 0), stop_reason=out.stop_reason if out.finished else None)
                 lp = c.get("logprobs") if not req.chat else None
                 if lp and lp["tokens"]:
                     offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-                yield event([c])
+                # stream_options.continuous_usage_stats: this choice's tokens so far in every chunk (as vLLM)
+                yield event([c], p.usage(len(out.prompt_token_ids), out.num_generated) if req.continuous_usage
+                            else None)
             if out.finished:
                 prompt_n += len(out.prompt_token_ids)
                 completion_n += out.num_generated

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.inputs import UNSUPPORTED_OPENAI as _UNSUPPORTED, check_add_special_tokens, chat_messages, \
+    reads_content_parts, \
     encode_prompt, params_from
 from ..engine.outputs import RequestOutput
 from ..engine.prompt_size import PromptTooLongError
@@ -63,6 +64,7 @@ class GenerationRequest:
     include_usage: bool = False
     chat: bool = False
     return_token_ids: bool = False  # vLLM extension: token ids in each choice (and chunk)
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk (vLLM)
 
 
 def _expect(body: dict, key: str, types: tuple, what: str) -> Any:
@@ -90,8 +92,14 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
     if options and not stream:  # as vLLM and OpenAI: the options of a stream that is not one are a mistake
         raise ApiError(400, "stream_options can only be given with stream: true", param="stream_options")
     include_usage = options.get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise ApiError(400, "stream_options.include_usage must be a boolean", param="stream_options")
+    continuous = options.get("continuous_usage_stats", False)
+    for key, value in (("include_usage", include_usage), ("continuous_usage_stats", continuous)):
+        if not isinstance(value, bool):
+            raise ApiError(400, f"stream_options.{key} must be a boolean", param="stream_options")
+    unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
+    if unknown:
+        raise ApiError(400, f"stream_options has unknown fields {unknown}; infer reads include_usage and "
+                            "continuous_usage_stats", param="stream_options")
     fields = {**(defaults or {}), **{k: v for k, v in body.items() if k in _PARAM_KEYS and v is not None}}
     if not chat and isinstance(fields.get("logprobs"), bool):
         raise ApiError(400, "field 'logprobs' must be an integer (0..5) for completions", param="logprobs")
@@ -116,7 +124,8 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
             raise ApiError(400, str(e).replace("max_new_tokens", length), param=length) from e
         raise bad_request(e) from e
     return_ids = bool(_expect(body, "return_token_ids", (bool,), "a boolean"))
-    return GenerationRequest([], params, model, stream, include_usage and stream, chat, return_ids)
+    return GenerationRequest([], params, model, stream, include_usage and stream, chat, return_ids,
+                             include_usage and continuous and stream)
 
 
 def _encode(tokenizer, prompt: str, max_tokens: int | None = None) -> list[int]:
@@ -173,7 +182,7 @@ def parse_chat(body: Any, tokenizer, max_tokens: int | None = None,
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", param="messages")
     try:  # the messages as LLM.chat and infer run give them to the template: name, tool_calls... kept
-        clean = chat_messages(messages)
+        clean = chat_messages(messages, reads_content_parts(tokenizer))
     except RequestError as e:
         raise bad_request(e, param="messages") from e
     if _no_max_tokens(body):
@@ -245,9 +254,12 @@ def chat_logprobs(records: list[dict], tokenizer) -> dict:
 
 def choice(req: GenerationRequest, index: int, text: str, records: list[dict] | None, tokenizer,
            finish_reason: str | None, delta: bool = False, first: bool = False, token_ids: list[int] | None = None,
-           prompt_token_ids: list[int] | None = None, text_offset: int = 0) -> dict:
+           prompt_token_ids: list[int] | None = None, text_offset: int = 0,
+           stop_reason: int | str | None = None) -> dict:
     """One choice of a response or of a streamed chunk; `text_offset`: where this chunk's text starts in the
-    choice's whole text (a completion's logprobs.text_offset counts from the start of the choice, chunk after chunk)."""
+    choice's whole text (a completion's logprobs.text_offset counts from the start of the choice, chunk after chunk).
+    `stop_reason` (vLLM's field): the stop token id or stop string that ended the choice, None for EOS or a length
+    limit."""
     lp = None
     if records is not None:
         lp = chat_logprobs(records, tokenizer) if req.chat else completion_logprobs(records, tokenizer, text_offset)
@@ -259,6 +271,7 @@ def choice(req: GenerationRequest, index: int, text: str, records: list[dict] | 
     else:
         out = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                "finish_reason": finish_reason}
+    out["stop_reason"] = stop_reason if finish_reason == "stop" else None
     if req.return_token_ids and token_ids is not None:
         out["token_ids"] = list(token_ids)
         if prompt_token_ids is not None:
