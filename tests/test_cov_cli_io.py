@@ -29,8 +29,8 @@ def test_logprob_records_name_every_token(tok):
     records = [{"token_id": 40, "logprob": -0.5, "top_logprobs": [{"token_id": 41, "logprob": -0.2},
                                                                   {"token_id": 40, "logprob": -0.5}]},
                {"token_id": 50, "logprob": -1.5, "top_logprobs": []}]
-    out = SimpleNamespace(text="x", token_ids=[40, 50], finish_reason="length", usage={"prompt_tokens": 3,
-                          "completion_tokens": 2}, error=None, logprobs=records)
+    out = SimpleNamespace(text="x", token_ids=[40, 50], finish_reason="length", stop_reason=None,
+                          usage={"prompt_tokens": 3, "completion_tokens": 2}, error=None, logprobs=records)
     rec = output_record("r", out, tok)
     name = tok.convert_ids_to_tokens
     assert rec["logprobs"] == [

@@ -217,24 +217,51 @@ class RecordWriter:
                            f"make room or choose another output{more}")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a job scheduler's stop, `kill`), raised where Ctrl-C raises KeyboardInterrupt while
+    `terminate_as_interrupt` is in force: a terminated run stops as an interrupted one does, between records, and
+    says how many it wrote (exit 143, 128 + SIGTERM)."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt():
+    """SIGTERM raises `Terminated` inside the block (main thread only), instead of ending the process on the spot
+    without a word."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @contextlib.contextmanager
 def _interrupts_held():
-    """Ctrl-C (SIGINT) held while a record is written and counted, and acted on right after: an interrupt lands
-    between records, so the count it reports is the number of records on disk. (Masking the signal would not do:
-    the kernel may hand it to another thread of the process, torch's, and Python still raises in this one.)"""
+    """Ctrl-C (SIGINT) and SIGTERM held while a record is written and counted, and acted on right after: an interrupt
+    lands between records, so the count it reports is the number of records on disk. (Masking the signal would not
+    do: the kernel may hand it to another thread of the process, torch's, and Python still raises in this one.)"""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     caught: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    held = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in held}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-        if caught and callable(previous):
-            previous(signal.SIGINT, None)  # Python's own handler: KeyboardInterrupt, here, after the record
-        elif caught and previous == signal.SIG_DFL:
-            os.kill(os.getpid(), signal.SIGINT)
+        for sig in held:
+            signal.signal(sig, previous[sig])
+        for sig in dict.fromkeys(caught):  # each signal acted on once, in the order they came
+            if callable(previous[sig]):
+                previous[sig](sig, None)  # e.g. Python's handler: KeyboardInterrupt, here, after the record
+            elif previous[sig] == signal.SIG_DFL:
+                os.kill(os.getpid(), sig)
 
 
 class _TextAsBytes:
@@ -251,13 +278,13 @@ class _TextAsBytes:
 
 
 def error_record(req_id: str, message: str) -> dict:
-    return {"id": req_id, "text": "", "token_ids": [], "finish_reason": "error",
+    return {"id": req_id, "text": "", "token_ids": [], "finish_reason": "error", "stop_reason": None,
             "usage": {"prompt_tokens": 0, "completion_tokens": 0}, "error": message}
 
 
 def output_record(req_id: str, out, tokenizer) -> dict:
     rec = {"id": req_id, "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-           "usage": out.usage, "error": out.error}
+           "stop_reason": out.stop_reason, "usage": out.usage, "error": out.error}
     if out.logprobs is not None:
         rec["logprobs"] = [_named(r, tokenizer) for r in out.logprobs]
     return rec

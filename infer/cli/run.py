@@ -15,8 +15,8 @@ from ..engine.config import EngineConfig
 from ..errors import ConfigError, RequestError
 from . import options as o
 from ..engine.sampling_params import MAX_TOKENS
-from .batch_io import (RecordWriter, check_input_encoding, error_record, model_names, output_record,
-                       read_inputs)
+from .batch_io import (RecordWriter, Terminated, check_input_encoding, error_record, model_names, output_record,
+                       read_inputs, terminate_as_interrupt)
 from .resume import (check_not_unfinished, check_resume, done_ids, error_ids, is_regular_target, mark_complete,
                      side_files,
                      write_fingerprint)
@@ -100,15 +100,17 @@ def _run_in_process(engine: EngineConfig, input: Path, output: Path | None, defa
     lines = _checked_lines(llm, input, defaults, strict, model_names(engine))
     todo, writer = open_output(lines, output, input, options, resume, resumable)
     try:
-        return _generate(llm, todo, writer, quiet)
-    except KeyboardInterrupt:  # every finished record is on disk already: say how to get the rest
+        with terminate_as_interrupt():
+            return _generate(llm, todo, writer, quiet)
+    except KeyboardInterrupt as e:  # every finished record is on disk already: say how to get the rest
         where = f"to {output}" if output is not None else "to stdout"
         more = "; run the same command with --resume to complete the rest" if resumable else ""
         before = len(lines) - len(todo)  # written by the runs this one resumes
         count = f"{writer.count} of {len(todo)} records" if not before else \
             f"{writer.count} of the {len(todo)} records still to do ({before + writer.count} of {len(lines)} in all)"
-        typer.echo(f"interrupted: {count} written {where}{more}", err=True)
-        raise typer.Exit(130) from None
+        terminated = isinstance(e, Terminated)
+        typer.echo(f"{'terminated' if terminated else 'interrupted'}: {count} written {where}{more}", err=True)
+        raise typer.Exit(143 if terminated else 130) from None
     finally:
         writer.close()
 
