@@ -33,8 +33,9 @@ class OutputError(InferError):
     """An output that cannot be written (a full disk, a closed pipe); what was written before stays."""
 
 
-class RequestError(InferError):
-    """One request (one input line, one HTTP body) is invalid; the others still run."""
+class RequestError(InferError, ValueError):
+    """One request (one input line, one HTTP body) is invalid; the others still run. A ValueError too, as vLLM's
+    invalid sampling parameters and prompts are (`except ValueError` catches it)."""
 
     exit_code = 1
 

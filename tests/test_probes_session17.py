@@ -9,9 +9,14 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+import pytest
 from typer.testing import CliRunner
 
+from infer import LLM, SamplingParams
 from infer.cli.main import app
+from infer.errors import RequestError
+from infer.models.tiny import ensure_builtin
 
 
 def _lines(*objs) -> bytes:
@@ -69,3 +74,49 @@ def test_sigterm_stops_between_records_says_the_count_and_resume_completes(tmp_p
     assert res.returncode == 0, res.stderr[-2000:]
     ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
     assert sorted(ids) == sorted(f"r{i}" for i in range(30))
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(str(ensure_builtin("tiny-llama")), device="cpu", max_model_len=32) as llm:
+        yield llm
+
+
+@pytest.mark.parametrize("prompt", [b"hello", bytearray(b"hi"), memoryview(b"hi"), [memoryview(b"hi")]])
+def test_a_bytes_prompt_is_refused_not_read_as_token_ids(llm, prompt):
+    """generate(b"hello") ran the token ids [104, 101, 108, 108, 111] (bytes iterate as ints, and a memoryview has
+    tolist() and a shape like an array), while [b"hello"] was refused: both are refused now, nothing queued."""
+    with pytest.raises(RequestError, match="bytes|memoryview"):
+        llm.generate(prompt, SamplingParams(max_new_tokens=2))
+    with pytest.raises(RequestError):
+        llm.stream(prompt, SamplingParams(max_new_tokens=2))
+    assert not llm.engine.has_unfinished_requests()
+    # token ids as an array, a range or a generator of prompts still work
+    assert llm.generate(np.array([5, 6, 7]), SamplingParams(max_new_tokens=1))[0].prompt_token_ids == [5, 6, 7]
+    assert llm.generate(range(5, 8), SamplingParams(max_new_tokens=1))[0].prompt_token_ids == [5, 6, 7]
+    assert llm.generate((p for p in [[5, 6]]), SamplingParams(max_new_tokens=1))[0].prompt_token_ids == [5, 6]
+
+
+@pytest.mark.parametrize("kwargs, hint", [({"n": 2}, "does not support"), ({"min_tokens": 2}, "does not support"),
+                                          ({"max_completion_tokens": 3}, "spells it max_new_tokens"),
+                                          ({"tempature": 0.5}, "temperature")])
+def test_an_unknown_sampling_field_is_a_request_error_naming_it(kwargs, hint):
+    """SamplingParams(n=2) or a typo was a bare TypeError from the dataclass __init__, with no word on what to write
+    instead; it is a RequestError (a ValueError, as vLLM's) naming the field and what to do, as other bad fields."""
+    (name,) = kwargs
+    with pytest.raises(RequestError, match=f"no field '{name}'.*{hint}"):
+        SamplingParams(**kwargs)
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+    assert SamplingParams(7, temperature=0.5).checked().max_new_tokens == 7  # positional and replace() still work
+
+
+def test_vllm_max_tokens_is_max_new_tokens(llm):
+    """vLLM's SamplingParams(max_tokens=4) was a TypeError: it is the same field as max_new_tokens now."""
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    assert params.max_new_tokens == 4 and params.max_tokens == 4
+    assert len(llm.generate("hello", params)[0].token_ids) == 4
+    with pytest.raises(RequestError, match="both max_tokens and max_new_tokens"):
+        SamplingParams(max_tokens=4, max_new_tokens=5)
+    with pytest.raises(RequestError, match="max_new_tokens must be in"):
+        SamplingParams(max_tokens=0)

@@ -100,14 +100,15 @@ class LLM:
         self._engine()
         if _is_array(prompts):  # token ids as a numpy array or torch tensor: 1-D is one prompt, 2-D a batch
             prompts = prompts.tolist()
-        elif not isinstance(prompts, (str, list, tuple, dict)) and hasattr(prompts, "__iter__"):
-            prompts = list(prompts)  # a generator or another iterable of prompts
+        elif not isinstance(prompts, (str, list, tuple, dict, *_BYTES)) and hasattr(prompts, "__iter__"):
+            prompts = list(prompts)  # a generator or another iterable of prompts (bytes iterate as ints: refused)
         if isinstance(prompts, str) or (prompts and isinstance(prompts, (list, tuple))
                                         and (isinstance(prompts[0], dict) or _token_id(prompts[0]) is not None)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise RequestError(f"prompts must be a string, a list of token ids, chat messages, or a list of those; "
-                               f"got {type(prompts).__name__}")
+                               f"got {type(prompts).__name__}",
+                               "decode bytes to text first" if isinstance(prompts, _BYTES) else None)
         n = len(prompts)
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * n
         loras = lora if isinstance(lora, list) else [lora] * n
@@ -234,9 +235,13 @@ class LLM:
             self._forget(ids)
 
 
+_BYTES = (bytes, bytearray, memoryview)  # iterate (and tolist()) as ints, but are encoded text, not token ids
+
+
 def _is_array(x) -> bool:
-    """A numpy array or torch tensor (anything with tolist() and a shape), not a list."""
-    return not isinstance(x, (list, tuple, str, dict)) and hasattr(x, "tolist") and hasattr(x, "shape")
+    """A numpy array or torch tensor (anything with tolist() and a shape), not a list (nor bytes: a memoryview
+    has tolist() and a shape too)."""
+    return not isinstance(x, (list, tuple, str, dict, *_BYTES)) and hasattr(x, "tolist") and hasattr(x, "shape")
 
 
 def _token_id(x) -> int | None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from ..errors import RequestError
 
@@ -110,6 +111,46 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+# names other APIs use (vLLM's SamplingParams, OpenAI, transformers' GenerationConfig) -> what to write here instead
+_OTHER_NAMES = {"max_completion_tokens": "max_new_tokens", "top_logprobs": "logprobs",
+                "do_sample": "temperature > 0 (0, the default, is greedy)"}
+_UNSUPPORTED = ("n", "best_of", "min_tokens", "min_new_tokens", "min_p", "logit_bias", "allowed_token_ids", "bad_words",
+                "prompt_logprobs", "include_stop_str_in_output", "skip_special_tokens",
+                "spaces_between_special_tokens", "truncate_prompt_tokens", "use_beam_search", "num_beams")
+
+
+def _refuse_unknown_names(init):
+    """vLLM's spelling `max_tokens` is taken for max_new_tokens (both given: refused). Any other misspelled or
+    foreign keyword was Python's bare TypeError from the dataclass __init__; it is a RequestError naming the field
+    and what to write instead, as every other bad field is."""
+    names = {f.name for f in fields(SamplingParams)}
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        if "max_tokens" in kwargs:
+            if "max_new_tokens" in kwargs or len(args) >= 1:
+                raise RequestError("SamplingParams got both max_tokens and max_new_tokens",
+                                   "they are the same field (max_tokens is vLLM's name for it): give one")
+            kwargs["max_new_tokens"] = kwargs.pop("max_tokens")
+        for key in kwargs:
+            if key in names:
+                continue
+            if key in _OTHER_NAMES:
+                hint = f"infer spells it {_OTHER_NAMES[key]}"
+            elif key in _UNSUPPORTED:
+                hint = "infer does not support it"
+            else:
+                hint = f"the fields are {', '.join(sorted(names))}"
+            raise RequestError(f"SamplingParams has no field {key!r}", hint)
+        init(self, *args, **kwargs)
+    return __init__
+
+
+SamplingParams.__init__ = _refuse_unknown_names(SamplingParams.__init__)
+SamplingParams.max_tokens = property(lambda self: self.max_new_tokens,
+                                     doc="vLLM's name for max_new_tokens (read-only; set max_new_tokens)")
 
 
 def _ids(values) -> list:
