@@ -217,30 +217,6 @@ class RecordWriter:
                            f"make room or choose another output{more}")
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (a job scheduler's stop, `kill`), raised where Ctrl-C raises KeyboardInterrupt while
-    `terminate_as_interrupt` is in force: a terminated run stops as an interrupted one does, between records, and
-    says how many it wrote (exit 143, 128 + SIGTERM)."""
-
-
-def _raise_terminated(signum, frame):
-    raise Terminated
-
-
-@contextlib.contextmanager
-def terminate_as_interrupt():
-    """SIGTERM raises `Terminated` inside the block (main thread only), instead of ending the process on the spot
-    without a word."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 @contextlib.contextmanager
 def _interrupts_held():
     """Ctrl-C (SIGINT) and SIGTERM held while a record is written and counted, and acted on right after: an interrupt

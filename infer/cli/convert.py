@@ -38,6 +38,7 @@ def convert(
     from ..engine.config import parse_size
     from ..models.resolve import resolve_model
     from ..quant.convert import convert_model
+    from .entry import terminate_as_interrupt
     from .quiet import library_output
     parse_size(max_shard_size, "--max-shard-size")  # a bad size fails now, not after loading the model
     if to != "safetensors":
@@ -46,7 +47,8 @@ def convert(
     if merge_lora is not None:
         _check_adapter(merge_lora, src)  # first: "its sizes may fit" would be wrong beside an error that they don't
         _warn_other_base(merge_lora, src, model)
-    with library_output():  # transformers' and peft's loading and writing bars; errors still reach handle_errors
+    # SIGTERM stops it as Ctrl-C does: the staging folder beside OUTPUT (a whole model) is removed, not left behind
+    with terminate_as_interrupt(), library_output():  # transformers' and peft's bars; errors reach handle_errors
         out = convert_model(src, output, dtype=dtype, merge_lora=merge_lora, max_shard_size=max_shard_size,
                             overwrite=overwrite)
     files = sorted(p.name for p in Path(out).iterdir())

@@ -6,10 +6,37 @@ error handler then reports as the interruption it is (`cli.main.handle_errors`).
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
+import threading
 
 _ctrl_c = [False]
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a timeout, docker stop, a job scheduler), raised where Ctrl-C raises KeyboardInterrupt while
+    `terminate_as_interrupt` is in force: a terminated command stops as an interrupted one does (`infer run` between
+    records, saying how many it wrote; quantize and convert removing their staging folders), says "terminated" and
+    exits 143 (128 + SIGTERM; `cli.main.handle_errors`)."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt():
+    """SIGTERM raises `Terminated` inside the block (main thread only), instead of ending the process on the spot
+    without a word and leaving what it was writing behind."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def interrupted() -> bool:

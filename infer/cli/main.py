@@ -17,6 +17,7 @@ except ImportError:  # pragma: no cover - older typer uses click itself
     from click import exceptions as click_errors
 
 from ..errors import InferError
+from .entry import Terminated
 
 
 class _Commands(TyperGroup):
@@ -71,9 +72,10 @@ def handle_errors(fn, command: str = "COMMAND"):
             hint = e.hint or f"see `infer {command} --help`"
             typer.echo(f"error: {e.message}\n  hint: {hint}", err=True)
             raise typer.Exit(e.exit_code)
-        except KeyboardInterrupt:
-            typer.echo("interrupted", err=True)
-            raise typer.Exit(130)
+        except KeyboardInterrupt as e:
+            terminated = isinstance(e, Terminated)  # SIGTERM inside `terminate_as_interrupt`
+            typer.echo("terminated" if terminated else "interrupted", err=True)
+            raise typer.Exit(143 if terminated else 130)
         except (typer.Exit, typer.Abort, click_errors.ClickException):  # the command's own exit, as it chose
             raise
         except Exception as e:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import tempfile
 from pathlib import Path
 from typing import Annotated, Optional
@@ -16,6 +14,7 @@ from rich.table import Table
 from ..quant.calibration import CalibrationSet
 from ..quant.quantize import REPORT_NAME, QuantizeObserver, QuantizeOptions, QuantizeResult, captured_output
 from . import options as o
+from .entry import terminate_as_interrupt
 
 GPTQ = "GPTQ settings"
 CALIB = "Calibration"
@@ -108,27 +107,9 @@ def quantize(
         from ..models.loader import load_config
         from ..models.registry import check_supported
         check_supported(load_config(src))
-    with _terminate_as_interrupt():
+    with terminate_as_interrupt():
         result = run_quantization(src, output, options, calibration, overwrite=overwrite, verbose=verbose)
     print_summary(result, options)
-
-
-@contextlib.contextmanager
-def _terminate_as_interrupt():
-    """SIGTERM (timeout, docker stop, a batch scheduler) ends the quantization as Ctrl-C does: the staging folder
-    beside -o and the temporary folders (GPTQModel's offload copy of the model, gigabytes) are removed. Killed by
-    the signal itself they stayed, and no later run removed them."""
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-    try:
-        previous = signal.signal(signal.SIGTERM, interrupt)
-    except ValueError:  # not the main thread: leave the signal alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def run_quantization(src: Path, output: Path, options: QuantizeOptions, calibration: Path | None, *,

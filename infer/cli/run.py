@@ -15,8 +15,9 @@ from ..engine.config import EngineConfig
 from ..errors import ConfigError, RequestError
 from . import options as o
 from ..engine.sampling_params import MAX_TOKENS
-from .batch_io import (RecordWriter, Terminated, check_input_encoding, error_record, model_names, output_record,
-                       read_inputs, terminate_as_interrupt)
+from .batch_io import (RecordWriter, check_input_encoding, error_record, model_names, output_record,
+                       read_inputs)
+from .entry import Terminated, terminate_as_interrupt
 from .resume import (check_not_unfinished, check_resume, done_ids, error_ids, is_regular_target, mark_complete,
                      side_files,
                      write_fingerprint)

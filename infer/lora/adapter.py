@@ -184,6 +184,12 @@ def config_problems(config: dict) -> list[Problem]:
                                 "weights too: peft rebuilds that residual base at load, infer serves the plain base",
                                 "save it with peft's path_initial_model_for_weight_conversion, which turns it into "
                                 "a plain LoRA adapter of the original base"))
+    for key in ("target_modules", "exclude_modules"):
+        error = _regex_error(config.get(key))
+        if error:  # peft refuses the adapter (re.error when it matches modules); infer matched nothing or everything
+            problems.append(Problem(f"{key} {json.dumps(config[key])} is not a valid regular expression ({error})",
+                                    f"peft cannot load this adapter: give {key} as a list of module names, or a "
+                                    "regex that compiles"))
     targets = config.get("target_modules") or []
     for emb in EMBEDDINGS:
         if _targets(targets, emb):
@@ -193,6 +199,17 @@ def config_problems(config: dict) -> list[Problem]:
         if unknown:
             problems.append(Problem(f"targets {unknown}, which the base model does not have", _HINT_TARGETS))
     return problems
+
+
+def _regex_error(value) -> str | None:
+    """Why a target_modules / exclude_modules string (a regex to peft) does not compile; None when it does."""
+    if not isinstance(value, str) or value == "all-linear":
+        return None
+    try:
+        re.compile(value)
+    except re.error as e:
+        return str(e)
+    return None
 
 
 def _targets(targets, module: str) -> bool:
@@ -208,9 +225,9 @@ def _targets(targets, module: str) -> bool:
 def _matches(names, module: str, bad_regex: bool) -> bool:
     """PEFT's module matching: a regex string matches the whole module path, a list entry the path or its end.
     A regex Python cannot compile gives `bad_regex` (peft fails on it; lora-validate says so)."""
-    if isinstance(names, str):
+    if isinstance(names, str):  # peft: re.fullmatch(names, key), key the full path (model.layers.N...)
         try:
-            return any(re.fullmatch(names, m) for m in (module, module.removeprefix("model.")))
+            return re.fullmatch(names, module) is not None
         except re.error:
             return bad_regex
     return any(module == str(t) or module.endswith("." + str(t)) for t in names)

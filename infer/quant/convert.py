@@ -112,20 +112,22 @@ def staged_output(out: Path, overwrite: bool):
     interrupted run never leaves a half-written model behind."""
     out = Path(out).resolve()
     check_output(out, overwrite)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    except OSError as e:
-        raise ConfigError(f"cannot write into {out.parent}: {e.strerror or e}",
-                          "pass an -o folder you can write to") from None
-    try:
+    tmp = None
+    try:  # one try from the folder's creation on: an interrupt right after mkdtemp removes it too
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        except OSError as e:
+            raise ConfigError(f"cannot write into {out.parent}: {e.strerror or e}",
+                              "pass an -o folder you can write to") from None
         yield tmp
         apply_umask(tmp)  # before the old model goes: a failure here leaves it in place
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def current_umask() -> int:

@@ -260,8 +260,11 @@ def _run_gptqmodel(src: Path, out: Path, opts: QuantizeOptions, calib: Calibrati
     qcfg = QuantizeConfig(bits=opts.bits, group_size=opts.group_size, desc_act=opts.desc_act, sym=opts.sym,
                           damp_percent=opts.damp_percent, format=FORMAT.GPTQ, offload_to_disk_path=str(work / "off"),
                           act_group_aware=False if opts.desc_act or opts.group_size == -1 else None)  # -1: no groups
+    dtype = source_half_dtype(src)
     try:
-        qmodel = GPTQModel.load(str(src), qcfg)
+        # GPTQModel's automatic dtype is bfloat16 on a CPU (and for a float32 source): a float16 model's embeddings,
+        # norms and head would be rounded to bfloat16 and config.json would say bfloat16
+        qmodel = GPTQModel.load(str(src), qcfg, **({"dtype": dtype} if dtype is not None else {}))
         callbacks = _Callbacks(observer)
         qmodel.layer_callback = callbacks
         qmodel.subset_callback = callbacks
@@ -274,6 +277,17 @@ def _run_gptqmodel(src: Path, out: Path, opts: QuantizeOptions, calib: Calibrati
                          "rerun with --verbose to see GPTQModel's output, or `infer --debug quantize ...` for the "
                          "traceback") from e
     return log or {}
+
+
+def source_half_dtype(src: Path):
+    """The source's dtype when it is float16 or bfloat16 (config.json's `dtype`/`torch_dtype`), which the
+    checkpoint keeps for the tensors GPTQ leaves in float; None otherwise (float32: GPTQModel's bfloat16)."""
+    import torch
+    config = read_config_json(src)
+    name = config.get("dtype") or config.get("torch_dtype")
+    if isinstance(name, str):
+        name = name.removeprefix("torch.")
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(name)
 
 
 def _check_saved(out: Path) -> None:
