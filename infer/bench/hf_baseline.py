@@ -8,8 +8,12 @@ Each batch is sent at once (its requests' send time is the batch start) and runs
 request has `output_len` tokens; the next batch starts when it is done — what a static batch server does.
 A streamer time-stamps every decoding step (it gets the tokens on the CPU, so the GPU has caught up), which gives
 TTFT, ITL, TPOT and E2EL for each request, truncated at its own `output_len` (or at its EOS token when the
-workload does not ignore EOS). When every request of a batch ignores EOS, generation runs with no EOS token
-at all: the same lengths as `min_new_tokens = max_new_tokens`, and the same greedy tokens as the engine.
+workload does not ignore EOS). Generation runs with no EOS token at all (transformers 5 fills an eos_token_id of
+None back from the checkpoint, so an empty list switches it off): a request that ignores EOS gets the same greedy
+tokens as the engine, past any EOS, even beside requests that stop at theirs in the same batch (a stopping criterion
+ends those rows at their EOS). The baseline is plain greedy as the engine's requests are: the sampling and logits
+processors a checkpoint's generation_config.json asks for (repetition_penalty, no_repeat_ngram_size, ...) are dropped
+when the model is loaded.
 """
 
 from __future__ import annotations
@@ -46,6 +50,28 @@ class StepClock:
         pass
 
 
+class RowsAtEos:
+    """A transformers stopping criterion: the rows in `stops` are done once they generate one of `eos_ids` (the
+    other rows ignore EOS and run to max_new_tokens)."""
+
+    def __init__(self, stops: list[bool], eos_ids: set[int]):
+        self.stops, self.eos_ids = stops, sorted(eos_ids)
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+        eos = torch.tensor(self.eos_ids, dtype=input_ids.dtype, device=input_ids.device)
+        stops = torch.tensor(self.stops, dtype=torch.bool, device=input_ids.device)
+        return torch.isin(input_ids[:, -1], eos) & stops
+
+
+def plain_generation_config(source):
+    """A GenerationConfig with only `source`'s special tokens: none of the checkpoint's sampling or logits
+    processors (transformers fills every setting a generate call leaves unset from the model's config)."""
+    from transformers import GenerationConfig
+    return GenerationConfig(bos_token_id=source.bos_token_id, eos_token_id=source.eos_token_id,
+                            pad_token_id=source.pad_token_id)
+
+
 class HFModel(NamedTuple):
     model: Any  # AutoModelForCausalLM, eval mode, on `device`
     tokenizer: Any
@@ -69,6 +95,7 @@ def load_hf(model_path: str, dtype: str = "auto", device: str = "auto") -> HFMod
     hf_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(dev).eval()
+        model.generation_config = plain_generation_config(model.generation_config)  # greedy, as the engine
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:
         raise ModelLoadError(f"transformers cannot load {path} for the baseline: {e}",
@@ -94,18 +121,25 @@ def _run_batch(model, tok, device, batch: list[tuple[int, BenchRequest]], sample
     eos = model.generation_config.eos_token_id
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos if isinstance(eos, int) else 0)
     ids, mask = _pad_left(prompts, pad_id, device)
-    ignore = all(r.ignore_eos for _, r in batch)
+    eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
+    stops = [not r.ignore_eos for _, r in batch]
     gc = copy.deepcopy(model.generation_config)
+    # eos_token_id=[]: no EOS for generate itself (None would be filled back from the model's config); the rows
+    # that do not ignore EOS stop at theirs through RowsAtEos
     gc.update(max_new_tokens=max(r.output_len for _, r in batch), do_sample=False, num_beams=1,
-              pad_token_id=pad_id, eos_token_id=None if ignore else eos, temperature=None, top_p=None, top_k=None)
+              pad_token_id=pad_id, eos_token_id=[], temperature=None, top_p=None, top_k=None)
+    criteria = None
+    if any(stops) and eos_ids:
+        from transformers import StoppingCriteriaList
+        criteria = StoppingCriteriaList([RowsAtEos(stops, eos_ids)])
     if cache_implementation:  # "static": transformers compiles its decode step (its fastest generate)
         gc.update(cache_implementation=cache_implementation)
     clock = StepClock(sampler)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc, streamer=clock)
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc, streamer=clock,
+                             stopping_criteria=criteria)
     gen = out[:, ids.shape[1]:].tolist()
-    eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
     records = []
     for row, (i, req), prompt in zip(gen, batch, prompts):
         toks = row[:req.output_len]

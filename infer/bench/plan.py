@@ -36,7 +36,8 @@ class BenchPlan:
     input_len: int = 44
     output_len: int = 128
     range_ratio: float = 0.0  # random: lengths drawn from [len x (1 - r), len x (1 + r)]
-    loras: list[str] = field(default_factory=list)  # adapter names spread round-robin over the requests
+    loras: list[str] = field(default_factory=list)  # adapter names spread round-robin over the requests (unless
+    # the workload names its own: jsonl lines with "lora")
     lora_policy: str = "mixed"  # mixed | split (in-process only)
     url: str | None = None
     model_id: str | None = None  # the base model's id on the server (--url)
@@ -190,7 +191,8 @@ def run_plan(plan: BenchPlan, console=None, hide_libraries=None) -> tuple[list[d
     workload = load_workload(plan.dataset, tokenizer, num_prompts=plan.num_prompts,
                              input_len=plan.input_len, output_len=plan.output_len, seed=plan.seed,
                              range_ratio=plan.range_ratio)
-    requests = assign_loras(workload.requests, plan.loras) if plan.loras else workload.requests
+    own = any(r.lora for r in workload.requests)  # a jsonl line's "lora" is its own: --lora only registers it
+    requests = assign_loras(workload.requests, plan.loras) if plan.loras and not own else workload.requests
     if plan.baseline == "hf":
         _note_base_baseline(plan, requests)
     target = _Target(plan, tokenizer)

@@ -125,6 +125,9 @@ def check_options(num_prompts: int | None, dataset: str, baseline: str | None, l
         raise ConfigError("--lora-policy split runs the in-process engine", "drop --url, or use --lora-policy mixed")
     if lora_policy == "split" and not math.isinf(rate):
         raise ConfigError("--lora-policy split sends every group at once; it takes no --request-rate")
+    if baseline is not None and not math.isinf(rate):  # ours would be paced by the arrivals, the baseline not
+        raise ConfigError(f"--baseline {baseline} sends each static batch at once; it takes no --request-rate",
+                          "drop --request-rate to compare throughput with the baseline, or drop --baseline")
 
 
 def check_range_ratio(ratio: float, dataset: str) -> None:
@@ -200,7 +203,8 @@ def bench(
     request_rate: Annotated[str, typer.Option(help="Poisson arrivals per second, or inf (all at once).",
                                               rich_help_panel=WL)] = "inf",
     lora_mix: Annotated[Optional[int], typer.Option(help="Spread the first K --lora adapters over the requests "
-                                                    "round-robin (default: all of them).", rich_help_panel=WL)] = None,
+                                                    "round-robin (default: all of them); jsonl lines that "
+                                                    "name a \"lora\" keep it.", rich_help_panel=WL)] = None,
     lora_policy: Annotated[str, typer.Option(help="mixed: adapters share batches (the engine); split: one adapter "
                                              "at a time, as servers that split batches do (a baseline).",
                                              rich_help_panel=WL)] = "mixed",
