@@ -113,3 +113,37 @@ def test_baseline_with_a_request_rate_is_refused(tmp_path, monkeypatch):
                                    "--out", str(tmp_path / "out")])
     assert res.exit_code == 2 and "--baseline hf sends each static batch at once" in res.output
     assert "Traceback" not in res.output
+
+
+def test_a_baseline_cut_short_leaves_our_complete_run_unmarked(tmp_path, monkeypatch):
+    """Ctrl-C during the HF baseline marked the engine's run, which had finished, partial as well."""
+    import infer.bench.hf_baseline as H
+    import infer.bench.plan as P
+    from infer.bench.metrics import RunResult
+    from infer.engine.config import EngineConfig
+
+    class FakeTarget:
+        hf_dtype, hf_device = "float32", "cpu"
+
+        def __init__(self, plan, tokenizer):
+            pass
+
+        def warm_adapters(self, names):
+            pass
+
+        def run(self, requests, c):
+            return RunResult("infer", c, [], 1.0, len(requests))
+
+    def cut_short(hf, requests, batch_size, **kwargs):
+        run = RunResult("hf", batch_size, [], 1.0, len(requests))
+        run.partial = True
+        return run
+    monkeypatch.setattr(P, "_Target", FakeTarget)
+    monkeypatch.setattr(H, "load_hf", lambda *a, **k: object())
+    monkeypatch.setattr(H, "run_hf_generate", cut_short)
+    plan = P.BenchPlan(model="tiny-llama", levels=[2, 4], out=tmp_path / "out", baseline="hf", quiet=True,
+                       engine=EngineConfig("tiny-llama"))
+    _, interrupted = P.run_plan(plan)
+    assert interrupted
+    [r] = json.loads((tmp_path / "out" / "results.json").read_text())  # the second level never ran
+    assert r["partial"] is False and r["baseline"]["partial"] is True  # ours was marked partial too

@@ -205,13 +205,13 @@ def run_plan(plan: BenchPlan, console=None, hide_libraries=None) -> tuple[list[d
     runs: list[RunResult] = []
     bases: list[RunResult] = []
     try:
-        interrupted = _measure(plan, target, requests, hf, runs, bases, hide)
-    except KeyboardInterrupt:  # between runs (a run itself returns partial)
+        interrupted = _measure(plan, target, requests, hf, runs, bases, hide)  # the run cut short is marked partial
+    except KeyboardInterrupt:  # between runs, or inside one that does not return partial: the last one is suspect
         interrupted = True
+        if runs:
+            runs[-1].partial = True
     if not runs:
         raise KeyboardInterrupt
-    if interrupted:
-        runs[-1].partial = True
     results = write_report(plan.out, runs, bases, config=report_config(plan, workload.description),
                            console=console or _console(), show=not plan.quiet)
     return results, interrupted
