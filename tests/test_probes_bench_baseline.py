@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from infer.bench.datasets import BenchRequest
 from infer.bench.hf_baseline import load_hf, run_hf_generate
+from infer.bench.metrics import RunResult
 from infer.models.tiny import ensure_builtin
 
 N = 30
@@ -72,29 +73,32 @@ def test_hf_baseline_is_plain_greedy_whatever_generation_config_says(tmp_path):
     assert [(r.output_tokens, r.text) for r in base.records] == _engine_texts(path, reqs)
 
 
+class _FakeTarget:
+    """The engine's side of a bench plan without an engine: each run's adapters go to `seen`, no request runs."""
+    hf_dtype, hf_device = "float32", "cpu"
+    seen: list = []
+
+    def __init__(self, plan, tokenizer):
+        pass
+
+    def warm_adapters(self, names):
+        pass
+
+    def run(self, requests, c):
+        self.seen.append([r.lora for r in requests])
+        return RunResult("infer", c, [], 1.0, len(requests))
+
+
 def test_jsonl_lines_keep_their_own_adapter(tmp_path, monkeypatch):
     """--lora registers the adapters a jsonl workload names; it must not spread them over the lines round-robin."""
     import infer.bench.plan as P
-    from infer.bench.metrics import RunResult
     from infer.engine.config import EngineConfig
     lines = [{"prompt": "hello there", "lora": "a1"}, {"prompt": "the base model"}, {"prompt": "again", "lora": "a1"}]
     f = tmp_path / "w.jsonl"
     f.write_text("".join(json.dumps(x) + "\n" for x in lines))
     seen = []
-
-    class FakeTarget:
-        hf_dtype, hf_device = "float32", "cpu"
-
-        def __init__(self, plan, tokenizer):
-            pass
-
-        def warm_adapters(self, names):
-            pass
-
-        def run(self, requests, c):
-            seen.append([r.lora for r in requests])
-            return RunResult("infer", c, [], 1.0, len(requests))
-    monkeypatch.setattr(P, "_Target", FakeTarget)
+    monkeypatch.setattr(_FakeTarget, "seen", seen)
+    monkeypatch.setattr(P, "_Target", _FakeTarget)
     plan = P.BenchPlan(model="tiny-llama", levels=[2], out=tmp_path / "out", dataset=f"jsonl:{f}", loras=["a0", "a1"],
                        quiet=True, engine=EngineConfig("tiny-llama"))
     P.run_plan(plan)
@@ -119,26 +123,13 @@ def test_a_baseline_cut_short_leaves_our_complete_run_unmarked(tmp_path, monkeyp
     """Ctrl-C during the HF baseline marked the engine's run, which had finished, partial as well."""
     import infer.bench.hf_baseline as H
     import infer.bench.plan as P
-    from infer.bench.metrics import RunResult
     from infer.engine.config import EngineConfig
-
-    class FakeTarget:
-        hf_dtype, hf_device = "float32", "cpu"
-
-        def __init__(self, plan, tokenizer):
-            pass
-
-        def warm_adapters(self, names):
-            pass
-
-        def run(self, requests, c):
-            return RunResult("infer", c, [], 1.0, len(requests))
 
     def cut_short(hf, requests, batch_size, **kwargs):
         run = RunResult("hf", batch_size, [], 1.0, len(requests))
         run.partial = True
         return run
-    monkeypatch.setattr(P, "_Target", FakeTarget)
+    monkeypatch.setattr(P, "_Target", _FakeTarget)
     monkeypatch.setattr(H, "load_hf", lambda *a, **k: object())
     monkeypatch.setattr(H, "run_hf_generate", cut_short)
     plan = P.BenchPlan(model="tiny-llama", levels=[2, 4], out=tmp_path / "out", baseline="hf", quiet=True,
