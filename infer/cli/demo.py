@@ -119,8 +119,9 @@ def demo(
     """Build a tiny model, quantize it to GPTQ int4, make two LoRA adapters, validate them, prove the memory,
     run a prompts file that mixes both adapters and the base, and benchmark it against transformers.
 
-    Built-in models have random weights: the replies are gibberish, which is expected. The last line compares
-    infer with transformers `generate` on the same int4 checkpoint, the same requests and concurrency.
+    Built-in models have random weights: the replies are gibberish, which is expected. The bench step's line (the
+    last before "Done") compares infer with transformers `generate` on the same int4 checkpoint, the same
+    requests and concurrency.
 
     Example: infer demo --out ./infer-demo
     """
