@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -21,6 +19,7 @@ from infer.errors import RequestError
 from infer.models.tiny import ensure_builtin
 from quant_helpers import needs_gptqmodel
 from test_lora_adapter import make_adapter, tiny_config, tiny_llama
+from test_probes_session5 import _ctrl_c_when
 
 
 def _lines(*objs) -> bytes:
@@ -61,15 +60,7 @@ def test_sigterm_stops_between_records_says_the_count_and_resume_completes(tmp_p
     def records() -> int:
         return out.read_bytes().count(b"\n") if out.exists() else 0
 
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env={**os.environ},
-                            preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
-    deadline = time.monotonic() + 240
-    while records() < 2:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGTERM)
-    err = proc.communicate(timeout=120)[1].decode()
-    assert proc.returncode == 143, err[-2000:]
+    err = _ctrl_c_when(cmd, lambda _: records() >= 2, sig=signal.SIGTERM, code=143)
     written = records()
     assert written < 12 and "Traceback" not in err
     assert err.strip().splitlines()[-1] == f"terminated: {written} of 12 records written to {out}; run the same " \

@@ -89,17 +89,18 @@ def test_a_duplicate_id_names_the_line_that_has_it(tmp_path):
     assert "line 4: duplicate id 'x': line 2 already has it; give every line its own id" == items["x#line4"].error
 
 
-def _ctrl_c_when(cmd: list[str], ready, timeout: float = 240) -> str:
-    """Start `cmd`, send it SIGINT once `ready(proc)` holds, and return its stderr; it must exit 130."""
+def _ctrl_c_when(cmd: list[str], ready, timeout: float = 240, sig: int = signal.SIGINT, code: int = 130) -> str:
+    """Start `cmd`, send it SIGINT (or `sig`) once `ready(proc)` holds, and return its stderr; it must exit 130
+    (or `code`)."""
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env={**os.environ},
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL))
     deadline = time.monotonic() + timeout
     while not ready(proc):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]
         time.sleep(0.02)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     err = proc.communicate(timeout=120)[1].decode()
-    assert proc.returncode == 130, err[-2000:]
+    assert proc.returncode == code, err[-2000:]
     return err
 
 
