@@ -71,6 +71,7 @@ def rand(g, *shape, dtype=torch.float32):
 def paged_batch(g, ctx_lens, new_lens, block_size, hq, hk, head_dim, dtype=torch.float32, spare_blocks=3):
     """A batch whose sequence b has ctx_lens[b] tokens, the last new_lens[b] of them queried. Blocks are handed out
     in random order; unused slots hold NaN in the returned caches and 0 in the clean copies given to the reference."""
+    assert all(c >= n for c, n in zip(ctx_lens, new_lens)), f"a row queries more tokens than it holds: {ctx_lens} {new_lens}"
     need = [(n + block_size - 1) // block_size for n in ctx_lens]
     num_blocks = sum(need) + spare_blocks
     perm = torch.randperm(num_blocks, generator=g).tolist()
@@ -175,7 +176,7 @@ def test_reference_decode_both_ways_follow_the_definition(gen, monkeypatch, hq, 
     sequence's own keys only."""
     monkeypatch.setattr(ref, "_per_sequence", lambda *shape: per_sequence)
     new = [1, 1, 9, 1, 1, 4, 1]
-    ctx = [1, 4, 20] + _lens(gen, 4, 2, 70)
+    ctx = [1, 4, 20] + _lens(gen, 4, 4, 70)  # at least as many tokens as the row queries (4 for the prefill)
     if equal:  # every decode row as long as the first
         ctx = [37 if n == 1 else c for c, n in zip(ctx, new)]
     q, _, clean, meta = paged_batch(gen, ctx, new, 4, hq, hk, 16)
