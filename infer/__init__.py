@@ -1,12 +1,15 @@
 """infer: deploy GPTQ int4 language models with batched multi-LoRA, and measure them.
 
-Public API: `LLM`, `SamplingParams`, `EngineConfig` (imported lazily so `import infer` stays light).
+Public API: `LLM`, `SamplingParams`, `EngineConfig` (imported lazily so `import infer` stays light), and the errors
+a user can cause (`InferError` and its subclasses, from `infer.errors`).
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "LLMEngine"]
+_ERRORS = ("InferError", "ConfigError", "ModelLoadError", "UnsupportedModelError", "OutputError", "RequestError",
+           "LoRAError", "LoRANameError", "OutOfMemoryError", "ClosedError")
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "LLMEngine", *_ERRORS]
 
 
 def __getattr__(name: str):
@@ -25,4 +28,7 @@ def __getattr__(name: str):
     if name == "LLMEngine":
         from .engine.llm_engine import LLMEngine
         return LLMEngine
+    if name in _ERRORS:
+        from . import errors
+        return getattr(errors, name)
     raise AttributeError(f"module 'infer' has no attribute {name!r}")
