@@ -126,8 +126,12 @@ def test_the_audit_sees_calls_that_wait(tiny, monkeypatch):
     monkeypatch.setattr(LoRAManager, "make_batch",
                         lambda self, slots, on_device=None: LoRABatch.build(slots, self.max_loras, self.device))
     llm = LLM(path, loras=loras, **OPTS)
-    with SyncAudit() as audit:
-        _serve_a_mix(llm)
+    eng = llm.engine
+    for i, (p, n) in enumerate(zip(random_prompts(eng.model_config.vocab_size, (5, 3), seed=2), ["a", None])):
+        eng.add_request(str(i), p, SamplingParams(max_new_tokens=2, ignore_eos=True), lora=n)
+    with SyncAudit() as audit:  # a prefill and a decode with an adapter beside the base model
+        while eng.has_unfinished_requests():
+            eng.step()
     assert any(site.startswith("infer/lora/batch.py") and "torch.tensor" in why for site, why in audit.found)
     from infer.kernels import attention
     q = torch.randn(3, 2, 16)
