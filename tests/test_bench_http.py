@@ -129,11 +129,11 @@ def test_server_sees_exactly_the_prompt_tokens():
 
 
 def test_unreachable_url_is_a_config_error():
-    with socket.socket() as s:
+    with socket.socket() as s:  # bound, never listening: refused, and no other process can take the port meanwhile
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with pytest.raises(ConfigError, match=f"cannot reach http://127.0.0.1:{port}"):
-        run_http(f"http://127.0.0.1:{port}", "m", [BenchRequest("a", [1], 2)], concurrency=1, progress=False)
+        with pytest.raises(ConfigError, match=f"cannot reach http://127.0.0.1:{port}"):
+            run_http(f"http://127.0.0.1:{port}", "m", [BenchRequest("a", [1], 2)], concurrency=1, progress=False)
     with pytest.raises(ConfigError, match="not an http"):
         base_url("127.0.0.1:8000")
 

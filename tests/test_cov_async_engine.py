@@ -53,7 +53,8 @@ def test_shutdown_aborts_a_running_request_in_the_engine_too(engine, monkeypatch
         queue = asyncio.Queue()
         ae.add("r1", PROMPT, SamplingParams(max_new_tokens=200, ignore_eos=True), None, queue)
         first = await asyncio.wait_for(queue.get(), 60)
-        assert not first.finished and engine.block_manager.num_used_blocks == 3
+        # 3 blocks at the first token; a 4th from token 14 on (0.26 s later), if this thread woke up late
+        assert not first.finished and engine.block_manager.num_used_blocks >= 3
         await asyncio.get_running_loop().run_in_executor(None, ae.shutdown, 0.0)
         return first, await _until_finished(queue)
 

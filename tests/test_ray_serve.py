@@ -110,17 +110,17 @@ def test_metrics_per_replica(url):
 
 def test_adapters_load_and_unload_on_every_replica(client, url, server, adapter, want_lora):
     short, long = want_lora
-    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "r", "lora_path": str(adapter)})
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "r", "lora_path": str(adapter)}, timeout=60)
     assert r.status_code == 200, r.text
     steps = [r["num_steps"] for r in httpx.get(f"{url}/health").json()["engine"]["replicas"]]
     with cf.ThreadPoolExecutor(len(PROMPTS) * 2) as pool:
         assert list(pool.map(lambda p: _complete(client, p, "r"), PROMPTS * 2)) == short * 2
     after = [r["num_steps"] for r in httpx.get(f"{url}/health").json()["engine"]["replicas"]]
     assert all(b > a for a, b in zip(steps, after)), "both replicas should have run the adapter's requests"
-    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/nowhere/at/all"})
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/nowhere/at/all"}, timeout=60)
     assert r.status_code == 400 and "replica 0" in r.json()["error"]["message"]
     assert r.json()["error"]["param"] == "lora_path"  # the folder is the problem
-    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "r", "lora_path": str(adapter)})
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "r", "lora_path": str(adapter)}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text  # the name is taken
     assert {m.id for m in client.models.list().data} == {"tiny-llama", "r"}
 
@@ -140,7 +140,7 @@ def test_adapters_load_and_unload_on_every_replica(client, url, server, adapter,
     with cf.ThreadPoolExecutor(1) as pool:
         job = pool.submit(stream)
         first.result(timeout=60)
-        r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "r"})
+        r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "r"}, timeout=60)
         job.result(timeout=120)
     assert r.status_code == 200 and got["ids"] == long
     with pytest.raises(openai.NotFoundError):

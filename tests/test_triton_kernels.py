@@ -71,7 +71,7 @@ def rand(g, *shape, dtype=torch.float32):
 def paged_batch(g, ctx_lens, new_lens, block_size, hq, hk, head_dim, dtype=torch.float32, spare_blocks=3):
     """A batch whose sequence b has ctx_lens[b] tokens, the last new_lens[b] of them queried. Blocks are handed out
     in random order; unused slots hold NaN in the returned caches and 0 in the clean copies given to the reference."""
-    assert all(c >= n for c, n in zip(ctx_lens, new_lens)), f"a row queries more tokens than it holds: {ctx_lens} {new_lens}"
+    assert all(c >= n for c, n in zip(ctx_lens, new_lens)), f"a row queries more than it holds: {ctx_lens} {new_lens}"
     need = [(n + block_size - 1) // block_size for n in ctx_lens]
     num_blocks = sum(need) + spare_blocks
     perm = torch.randperm(num_blocks, generator=g).tolist()
