@@ -188,6 +188,7 @@ class RecordWriter:
                                   "choose another output path or fix its permissions") from None
         self.sync = path is not None and stat.S_ISREG(os.fstat(self.f.fileno()).st_mode)
         self.count = 0  # records written
+        self.first_error: tuple[str, str] | None = None  # (id, error) of the first error record written
 
     def write(self, record: dict) -> None:
         with _interrupts_held():
@@ -199,6 +200,17 @@ class RecordWriter:
             except OSError as e:
                 raise self._failed(e) from None
             self.count += 1
+            if self.first_error is None and record.get("error") is not None:
+                self.first_error = (str(record["id"]), str(record["error"]))
+
+    def error_note(self) -> str | None:
+        """The line a run's summary adds when it wrote error records: the first one's id and error, and where the
+        others are (a user who sees "1 failed" sees why without opening the output)."""
+        if self.first_error is None:
+            return None
+        where = "stdout" if self.path is None else str(self.path)
+        return f"infer: first error (id {self.first_error[0]}): {self.first_error[1]} [every failed line has an " \
+               f"error record in {where}]"
 
     def close(self) -> None:
         if self.path is not None:

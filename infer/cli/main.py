@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import sys
@@ -110,11 +111,29 @@ def main(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks fo
                         format="%(levelname)s %(name)s: %(message)s")
 
 
+def _debug_after_the_command(fn):
+    """`fn` taking `--debug` too, so that `infer run M in.jsonl --debug` means `infer --debug run M in.jsonl`
+    (hidden from the command's --help: the option belongs to `infer`)."""
+    sig = inspect.signature(fn, eval_str=True)
+
+    @functools.wraps(fn)
+    def wrapper(*args, debug: bool = False, **kwargs):
+        if debug:
+            _state["debug"] = True
+            logging.getLogger().setLevel(logging.DEBUG)
+        return fn(*args, **kwargs)
+
+    opt = inspect.Parameter("debug", inspect.Parameter.KEYWORD_ONLY, default=False,
+                            annotation=Annotated[bool, typer.Option("--debug", hidden=True)])
+    wrapper.__signature__ = sig.replace(parameters=[*sig.parameters.values(), opt])
+    return wrapper
+
+
 def register(module: str, name: str, command: str | None = None, **kwargs) -> None:
     import importlib
     fn = getattr(importlib.import_module(f"infer.cli.{module}"), name)
     command = command or name.replace("_", "-")
-    app.command(command, **kwargs)(handle_errors(fn, command))
+    app.command(command, **kwargs)(handle_errors(_debug_after_the_command(fn), command))
 
 
 register("run", "run")

@@ -268,6 +268,8 @@ def _generate(engine, todo, writer: RecordWriter, quiet: bool) -> int:
         elapsed = time.monotonic() - start
         typer.echo(f"infer: {len(todo) - failed} ok, {failed} failed, {tokens} tokens in {elapsed:.1f} s "
                    f"({tokens / max(elapsed, 1e-9):,.1f} tok/s)", err=True)
+        if writer.error_note():
+            typer.echo(writer.error_note(), err=True)
     return failed
 
 

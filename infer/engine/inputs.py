@@ -375,8 +375,12 @@ def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = 
     else:
         unknown = set(obj) - set(_PARAM_TYPES) - set(_PROMPT_KEYS) - _OTHER_KEYS
         if unknown:
-            raise RequestError(f"unknown field(s) {sorted(unknown)}",
-                               f"allowed: {', '.join(sorted([*_PROMPT_KEYS, *_OTHER_KEYS, *_PARAM_TYPES]))}")
+            openai = sorted(unknown & set(_OPENAI_ALIASES))
+            hint = f"allowed: {', '.join(sorted([*_PROMPT_KEYS, *_OTHER_KEYS, *_PARAM_TYPES]))}"
+            if openai:  # OpenAI's names for a field this format spells otherwise
+                hint = (f"this format calls {' and '.join(openai)} 'max_new_tokens' (OpenAI's names are read inside "
+                        f"an OpenAI batch line's body); {hint}")
+            raise RequestError(f"unknown field(s) {sorted(unknown)}", hint)
         req_id = default_id if obj.get("id") is None else request_id(obj["id"], "id")
         fields, lora, aliases = obj, obj.get("lora"), None
     if lora is not None and not isinstance(lora, str):
