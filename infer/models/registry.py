@@ -18,6 +18,11 @@ def check_supported(cfg) -> str:
     arch = next((a for a in archs if a in SUPPORTED), None)
     if arch is None and model_type in SUPPORTED.values() and not archs:
         arch = next(a for a, t in SUPPORTED.items() if t == model_type)
+    if model_type == "ministral" and "MistralForCausalLM" in archs:
+        raise UnsupportedModelError(
+            "config.json of a MistralForCausalLM has layer_types, which makes transformers run it as Ministral "
+            "(sliding attention on some layers only), an architecture infer does not run",
+            "if every layer slides over sliding_window (Mistral), remove layer_types from config.json")
     if arch is None or model_type not in SUPPORTED.values():
         raise UnsupportedModelError(
             f"unsupported architecture {archs or model_type!r} (model_type {model_type!r})",

@@ -14,6 +14,11 @@ def rope_parameters(cfg) -> dict:
         params = dict(getattr(cfg, "rope_scaling", None) or {})
         params.setdefault("rope_type", params.get("type", "default"))
         params.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    nested = sorted(k for k, v in params.items() if isinstance(v, dict))
+    if nested:  # transformers' Llama, Mistral and Qwen rotary embeddings read one dict (they fail with a KeyError)
+        raise UnsupportedModelError(f"rope_parameters given per layer type ({', '.join(nested)}) is not supported",
+                                    "Llama, Mistral and Qwen use one rope for every layer: write rope_parameters as "
+                                    "one dict (rope_type, rope_theta, ...)")
     return params
 
 
@@ -26,12 +31,14 @@ def build_cos_sin_cache(cfg, max_positions: int | None = None) -> torch.Tensor:
         base = params["rope_theta"]
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         scale = 1.0
-    elif rope_type in ("linear", "llama3", "yarn"):
+    elif rope_type in ("linear", "llama3", "yarn", "dynamic"):
+        # dynamic (NTK): transformers rescales only once a sequence passes max_position_embeddings, which infer's
+        # context never does (engine/setup.model_max_len caps it there): below it, its table is this one
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
         inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
     else:
         raise UnsupportedModelError(f"rope type {rope_type!r} is not supported",
-                                    "supported rope types: default, linear, llama3, yarn")
+                                    "supported rope types: default, linear, llama3, yarn, dynamic")
     if 2 * inv_freq.numel() != head_dim:  # transformers' Llama-family attention rotates whole heads (it fails here)
         raise UnsupportedModelError(f"a {rope_type} rope over {2 * inv_freq.numel()} of {head_dim} head dimensions "
                                     f"(partial_rotary_factor {params.get('partial_rotary_factor')}) is not supported",
