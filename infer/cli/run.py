@@ -104,16 +104,23 @@ def _run_in_process(engine: EngineConfig, input: Path, output: Path | None, defa
         with terminate_as_interrupt():
             return _generate(llm, todo, writer, quiet)
     except KeyboardInterrupt as e:  # every finished record is on disk already: say how to get the rest
-        where = f"to {output}" if output is not None else "to stdout"
-        more = "; run the same command with --resume to complete the rest" if resumable else ""
-        before = len(lines) - len(todo)  # written by the runs this one resumes
-        count = f"{writer.count} of {len(todo)} records" if not before else \
-            f"{writer.count} of the {len(todo)} records still to do ({before + writer.count} of {len(lines)} in all)"
-        terminated = isinstance(e, Terminated)
-        typer.echo(f"{'terminated' if terminated else 'interrupted'}: {count} written {where}{more}", err=True)
-        raise typer.Exit(143 if terminated else 130) from None
+        exit_interrupted(e, output, resumable, len(lines), len(todo), writer.count)
     finally:
         writer.close()
+
+
+def exit_interrupted(e: KeyboardInterrupt, output: Path | None, resumable: bool, lines: int, todo: int,
+                     written: int):
+    """Ctrl-C or SIGTERM while generating: say how many records are on disk and how to get the rest, and exit 130
+    (143 for SIGTERM). `lines`: the input's requests, `todo`: those this run had to do, `written`: this run's."""
+    where = f"to {output}" if output is not None else "to stdout"
+    more = "; run the same command with --resume to complete the rest" if resumable else ""
+    before = lines - todo  # written by the runs this one resumes
+    count = f"{written} of {todo} records" if not before else \
+        f"{written} of the {todo} records still to do ({before + written} of {lines} in all)"
+    terminated = isinstance(e, Terminated)
+    typer.echo(f"{'terminated' if terminated else 'interrupted'}: {count} written {where}{more}", err=True)
+    raise typer.Exit(143 if terminated else 130) from None
 
 
 def _start_engine(engine: EngineConfig, quiet: bool):

@@ -10,9 +10,11 @@ import typer
 
 from ..parallel.pool import ReplicaPool, Work
 from ..parallel.progress import ReplicaProgress
+from ..parallel.replica import ENGINE_FAILURE
 from ..parallel.runtime import local_cpus, placement, ray_runtime, require_ray, start_replicas
 from .batch_io import RecordWriter, error_record, model_names, output_record, read_inputs
-from .run import _strict_exit, open_output
+from .entry import terminate_as_interrupt
+from .run import _strict_exit, exit_interrupted, open_output
 
 VALIDATE_CHUNK = 4096  # requests per validation call (one message each way)
 
@@ -29,7 +31,9 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
     lines = read_inputs(input, tokenizer, defaults, model_names(engine), engine.max_model_len)
     if strict:  # a line that cannot be read stops the run before any replica loads the model
         _strict_exit(lines)
-    with ray_runtime(address, local_cpus(replicas)) as ray:
+    # ray.init installs its own SIGTERM handler (sys.exit(15)): ours goes in after it, so SIGTERM stops the run
+    # as it stops one engine's (exit 143, saying how many records are on disk)
+    with ray_runtime(address, local_cpus(replicas)) as ray, terminate_as_interrupt():
         handles, infos = start_replicas(ray, engine, model_path, replicas)
         pool = ReplicaPool(ray, handles, capacity=engine.max_num_seqs + max(1, engine.max_num_seqs // 4),
                            notify=lambda message: typer.echo(message, err=True))
@@ -40,6 +44,8 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
             todo, writer = open_output(lines, output, input, options, resume, resumable)
             try:
                 return _generate(pool, todo, writer, tokenizer, quiet)
+            except KeyboardInterrupt as e:  # as one engine: every finished record is on disk, say so
+                exit_interrupted(e, output, resumable, len(lines), len(todo), writer.count)
             finally:
                 writer.close()
         finally:
@@ -86,7 +92,10 @@ def _generate(pool: ReplicaPool, todo: list, writer: RecordWriter, tokenizer, qu
 
     def on_rejected(item: Work, reason: str) -> None:
         nonlocal failed
-        writer.write(error_record(item.id, f"line {item.line_no}: {reason}"))
+        # a request the replica could not add is a bad line ("line N: ..."); one its engine failed on inside a step
+        # gets one engine's record for that, the error as it is (run._step)
+        engine_failure = reason.startswith(ENGINE_FAILURE)
+        writer.write(error_record(item.id, reason if engine_failure else f"line {item.line_no}: {reason}"))
         failed += 1
         progress.advance()
 
@@ -99,4 +108,6 @@ def _generate(pool: ReplicaPool, todo: list, writer: RecordWriter, tokenizer, qu
         each = ", ".join(f"replica {r.index} {r.done} requests {r.rate():,.1f} tok/s" for r in pool.replicas)
         typer.echo(f"infer: {len(todo) - failed} ok, {failed} failed, {tokens} tokens in {elapsed:.1f} s "
                    f"({tokens / max(elapsed, 1e-9):,.1f} tok/s; {each})", err=True)
+        if writer.error_note():
+            typer.echo(writer.error_note(), err=True)
     return failed

@@ -16,6 +16,7 @@ from ..errors import InferError, LoRANameError, RequestError
 
 # (request id, prompt token ids, SamplingParams, lora name or None): what travels to a replica
 Wire = tuple
+ENGINE_FAILURE = "internal engine error"  # how the reason of a request failed inside an engine step begins
 
 
 @dataclass
@@ -109,7 +110,7 @@ class Replica:
     def _fail_running(self, error: Exception) -> list[tuple[str, str]]:
         """After a failed step the running requests' state is not trusted: abort them (frees their KV blocks) and
         name them with the error; the driver writes their error records and the others go on."""
-        message = f"internal engine error: {type(error).__name__}: {error}"
+        message = f"{ENGINE_FAILURE}: {type(error).__name__}: {error}"
         victims = [s.request_id for s in self.engine.scheduler.running] or list(self.engine.requests)
         for rid in victims:
             self.engine.abort_request(rid)

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import logging
 import os
+import socket
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -38,6 +39,8 @@ def ray_runtime(address: str | None, num_cpus: int):
         yield ray
         return
     quiet = {"log_to_driver": False, "logging_level": logging.ERROR}
+    if address:
+        check_reachable(address)
     try:
         if address:
             ray.init(address=address, **quiet)
@@ -53,6 +56,22 @@ def ray_runtime(address: str | None, num_cpus: int):
         yield ray
     finally:
         ray.shutdown()
+
+
+def check_reachable(address: str, timeout: float = 5.0) -> None:
+    """Fail at once when nothing listens at HOST:PORT (or ray://HOST:PORT): ray.init retries a silent address
+    for many minutes (20 tries of about 35 s) before it gives up. Other forms ("auto") are left to Ray."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return
+    host = host.strip("[]")  # [IPv6]:port
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise ConfigError(f"cannot join the Ray cluster at {address}: nothing answers there "
+                          f"({e.strerror or type(e).__name__})",
+                          "on the head node run `ray start --head --port 6379`, then pass --ray-address HOST:6379 "
+                          "(or ray://HOST:10001 for Ray Client)") from None
 
 
 def local_cpus(num_replicas: int) -> int:
@@ -82,6 +101,17 @@ def cpu_threads(ray, n: int) -> int:
     return max(1, min(per_node, total // n))
 
 
+def check_cpu_room(ray, n: int, threads: int) -> None:
+    """Each CPU replica holds `threads` CPUs of one node: when the cluster's nodes cannot hold `n` of them, the
+    ones left over would wait for CPUs for ever (Ray keeps such actors pending), and the run would hang."""
+    room = sum(int(node["Resources"].get("CPU", 0)) // threads for node in _alive_nodes(ray))
+    if room < n:
+        total = int(ray.cluster_resources().get("CPU", 0))
+        raise ConfigError(f"--data-parallel {n} needs {n} CPU replicas of {threads} CPU(s) each, but the Ray cluster "
+                          f"({total} CPUs) has room for {room}",
+                          f"use --data-parallel {room}" if room else "add CPUs to the cluster")
+
+
 def replica_config(engine_config, model_path: Path, device: str, n: int, single_node: bool):
     """The engine config a replica builds from: absolute paths (a worker's directory is not the driver's), the
     device Ray gives it, and on one machine of CPU replicas, an equal share of the default memory budget."""
@@ -105,6 +135,8 @@ def start_replicas(ray, engine_config, model_path: Path, n: int,
     threads = (threads or cpu_threads(ray, n)) if device == "cpu" else None
     replica_engine_config = replica_config(engine_config, model_path, device, n,
                                            single_node=len(_alive_nodes(ray)) == 1)
+    if device == "cpu":
+        check_cpu_room(ray, n, threads)
     options = {"num_cpus": threads, "num_gpus": 0} if device == "cpu" else {"num_cpus": 1, "num_gpus": 1}
     actor = ray.remote(Replica)
     tag = uuid.uuid4().hex[:8]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 from ..engine.block_manager import BlockManager
 from ..engine.llm_engine import LLMEngine
 from ..errors import LoRAError, LoRANameError
-from ..serve.async_engine import AsyncEngine, NoEngineError
+from ..serve.async_engine import NO_ENGINE, AsyncEngine, NoEngineError
 from .runtime import _last_line, stop_replicas
 
 log = logging.getLogger("infer.serve")
@@ -110,13 +111,13 @@ class RayAsyncEngine(AsyncEngine):
         super().add(request_id, prompt_token_ids, params, lora, queue)
 
     def _run(self) -> None:
+        pinged = time.monotonic()
         while True:
-            idle = False
             with self._cond:
                 while not (self._stopping or self._adds or self._aborts or self._controls or self._calls
                            or self._busy()):
-                    if not self._cond.wait(timeout=PING_S):
-                        idle = True
+                    left = pinged + PING_S - time.monotonic()
+                    if left <= 0 or not self._cond.wait(timeout=left):
                         break
                 if self._stopping:
                     break
@@ -124,7 +125,10 @@ class RayAsyncEngine(AsyncEngine):
                 aborts, self._aborts = list(self._aborts), deque()
                 controls, self._controls = list(self._controls), deque()
             try:
-                if idle:
+                # every PING_S, also while other replicas are busy: a steady trickle of requests all goes to the
+                # least loaded replica, and the idle one is checked only here
+                if time.monotonic() - pinged >= PING_S:
+                    pinged = time.monotonic()
                     self._ping()
                 self._route(adds, aborts)
                 self._send()
@@ -161,7 +165,7 @@ class RayAsyncEngine(AsyncEngine):
         live = [r for r in self.replicas if r.alive]
         for p in adds:
             if not live:
-                self._fail(p.request_id, "error", "no engine replica is left")
+                self._fail(p.request_id, "error", NO_ENGINE)
                 continue
             r = min(live, key=lambda r: len(r.inflight))
             r.new.append(p)

@@ -18,7 +18,7 @@ from ..engine.inputs import openai_sampling_defaults
 from ..errors import RequestError
 from . import protocol as p
 from .adapters import add_adapter_routes
-from .async_engine import AsyncEngine, NoEngineError, QueueFullError, ShuttingDownError
+from .async_engine import NO_ENGINE, AsyncEngine, NoEngineError, QueueFullError, ShuttingDownError
 from .body import BodyLimits, ClientGone, SafeJSONResponse, read_body
 from .guard import ErrorGuardMiddleware
 from .lifecycle import uvicorn_server
@@ -155,6 +155,9 @@ def _dumps(obj) -> str:
 def _error(out) -> p.ApiError:
     if out.finish_reason == "abort":  # ended by the server's shutdown (lifecycle.py): another replica may answer
         return p.shutting_down(out.error or "the server shut down before the request finished")
+    if out.error == NO_ENGINE:  # accepted, then its replica and every other died: as a request refused for it
+        return p.ApiError(503, out.error, type="server_unavailable", code="no_engine_replica",
+                          headers={"Retry-After": "1"})
     return p.ApiError(500, out.error or "the request failed in the engine", type="server_error",
                       code="engine_error")
 

@@ -42,6 +42,11 @@ class NoEngineError(InferError):
     exit_code = 1
 
 
+# the error of an accepted request that no engine is left to run (its replica died, and so did every other one):
+# answered as NoEngineError is, a 503 no_engine_replica, not an engine failure
+NO_ENGINE = "no engine replica is left (restart the server)"
+
+
 @dataclass
 class _Pending:
     request_id: str
