@@ -29,6 +29,11 @@ _TENSOR = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<kind>lora_A|
                      r"\.(?P<param>weight|bias)$")
 _MODULE = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.(?P<parent>[A-Za-z_]+)\.(?P<proj>[A-Za-z0-9_]+)$")
 _HINT_TARGETS = "retrain with target_modules among q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+# what peft adapts when adapter_config.json gives no target_modules: its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_
+# MAPPING entry, the same for every architecture infer serves (llama, mistral, qwen2, qwen3)
+PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")
+# tensors of LoRA variants that only training reads: peft's eval forward is plain LoRA (config key -> tensor marker)
+_TRAINING_ONLY = {"velora_config": ".lora_velora_", "monteclora_config": ".lora_monteclora_"}
 
 
 @dataclass
@@ -77,7 +82,7 @@ class LoRAAdapter:
 
     def validate_against(self, base_config, max_rank: int | None = None) -> list[Problem]:
         """Everything that keeps this adapter from running on `base_config` (a HF config); [] when it fits."""
-        problems = list(self.problems)
+        problems = list(self.problems) + _non_linear_targets(self.config, base_config)
         shapes = expected_shapes(base_config)
         num_layers = base_config.num_hidden_layers
         for m in self.modules.values():
@@ -95,6 +100,27 @@ class LoRAAdapter:
             problems.append(Problem(f"rank {self.rank} is larger than --max-lora-rank {max_rank}",
                                     f"raise --max-lora-rank to at least {self.rank}"))
         return problems
+
+
+def _non_linear_targets(config: dict, base_config) -> list[Problem]:
+    """A target_modules regex that selects a module of the base that is not a Linear layer (Qwen3's q_norm, a whole
+    mlp): peft refuses the adapter ("Target module ... is not supported"). Lists are checked in config_problems."""
+    targets = config.get("target_modules")
+    if not isinstance(targets, str) or targets == "all-linear" or _regex_error(targets):
+        return []
+    layers = getattr(base_config, "num_hidden_layers", 0) or 0
+    names = ["model", "model.layers", "model.norm", "model.rotary_emb"]
+    per_layer = ["", ".self_attn", ".mlp", ".mlp.act_fn", ".input_layernorm", ".post_attention_layernorm"]
+    if getattr(base_config, "model_type", "") == "qwen3":
+        per_layer += [".self_attn.q_norm", ".self_attn.k_norm"]
+    names += [f"model.layers.{i}{s}" for i in range(layers) for s in per_layer] + [""]
+    exclude = config.get("exclude_modules")
+    hit = next((n for n in names if re.fullmatch(targets, n)
+                and not (exclude and _matches(exclude, n, False))), None)
+    if hit is None:
+        return []
+    return [Problem(f"target_modules {json.dumps(targets)} selects {hit or 'the whole model'}, which is not a "
+                    "Linear layer: peft cannot load this adapter", _HINT_TARGETS)]
 
 
 def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
@@ -168,6 +194,9 @@ _UNSUPPORTED = {  # adapter_config.json key (when set) -> (what it means, hint)
     "target_parameters": ("targets parameters, not modules", "train with target_modules instead"),
     "alora_invocation_tokens": ("is an activated LoRA (aLoRA)", "train a plain LoRA adapter"),
     "use_qalora": ("is a QA-LoRA adapter", "train a plain LoRA adapter"),
+    "kasa_config": ("is a KaSA adapter (peft truncates the base weights by SVD and scales by lora_diag)",
+                    "train a plain LoRA adapter"),
+    "arrow_config": ("routes among adapters (Arrow)", "load the task adapters as plain LoRA adapters"),
 }
 
 
@@ -175,9 +204,16 @@ _UNSUPPORTED = {  # adapter_config.json key (when set) -> (what it means, hint)
 BASE_CHANGING_INITS = ("olora", "corda", "loftq", "lora_ga")
 
 
+def _is_set(config: dict, key: str) -> bool:
+    """Whether peft turns the feature on: a true flag or a non-empty list, and for a sub-config (kasa_config,
+    arrow_config) any value but null: peft builds the variant from {} with its defaults."""
+    value = config.get(key)
+    return bool(value) or (key.endswith("_config") and isinstance(value, dict))
+
+
 def config_problems(config: dict) -> list[Problem]:
     problems = [Problem(f"{what} ({key}: {json.dumps(config[key])})", hint)
-                for key, (what, hint) in _UNSUPPORTED.items() if config.get(key)]
+                for key, (what, hint) in _UNSUPPORTED.items() if _is_set(config, key)]
     init = config.get("init_lora_weights")
     if isinstance(init, str) and (init.startswith("pissa") or init.lower() in BASE_CHANGING_INITS):
         problems.append(Problem(f"was initialised with {init} (init_lora_weights: {init!r}), which changes the base "
@@ -190,7 +226,17 @@ def config_problems(config: dict) -> list[Problem]:
             problems.append(Problem(f"{key} {json.dumps(config[key])} is not a valid regular expression ({error})",
                                     f"peft cannot load this adapter: give {key} as a list of module names, or a "
                                     "regex that compiles"))
-    targets = config.get("target_modules") or []
+    targets = config.get("target_modules")
+    if isinstance(targets, str):  # "all-linear" too: peft's LoraConfig refuses these beside a target string
+        for key in ("layers_to_transform", "layers_pattern"):
+            if config.get(key) is not None:
+                problems.append(Problem(f"gives {key} ({json.dumps(config[key])}) with target_modules "
+                                        f"{json.dumps(targets)}, a string: peft cannot load it",
+                                        f"give target_modules as a list of module names to use {key}"))
+    if config.get("layers_pattern") and config.get("layers_to_transform") is None:
+        problems.append(Problem(f"gives layers_pattern ({json.dumps(config['layers_pattern'])}) without "
+                                "layers_to_transform: peft cannot load it", "set layers_to_transform too, or neither"))
+    targets = targets or []
     for emb in EMBEDDINGS:
         if _targets(targets, emb):
             problems.append(Problem(f"targets {emb}", _HINT_TARGETS))
@@ -235,17 +281,47 @@ def _matches(names, module: str, bad_regex: bool) -> bool:
 
 def _unselected(config: dict, module: str, layer: int) -> str | None:
     """Why PEFT's config does not put a LoRA layer on `module` (model.layers.N...), or None when it does: peft builds
-    only the layers target_modules, exclude_modules and layers_to_transform select, and ignores other weights."""
+    only the layers target_modules, exclude_modules and layers_to_transform select, and ignores other weights
+    (peft's check_target_module_exists)."""
     targets = config.get("target_modules")
-    if targets is not None and targets != "all-linear" and not _matches(targets, module, True):
+    if targets is None:  # peft adapts its per-architecture default, not every module with weights
+        if not _matches(list(PEFT_DEFAULT_TARGETS), module, True):
+            return f"no target_modules, so peft adapts only its default {', '.join(PEFT_DEFAULT_TARGETS)}"
+        targets = list(PEFT_DEFAULT_TARGETS)
+    if targets != "all-linear" and not _matches(targets, module, True):
         return f"target_modules {json.dumps(targets)}"
     exclude = config.get("exclude_modules")
     if exclude and _matches(exclude, module, False):
         return f"exclude_modules {json.dumps(exclude)}"
     layers = config.get("layers_to_transform")
-    if layers is not None and layer not in ([layers] if isinstance(layers, int) else list(layers)):
+    # peft filters layers only for a list of targets matched by suffix (a full path in the list is taken as is),
+    # and an empty list filters nothing
+    if (layers is None or layers == [] or isinstance(targets, str)
+            or (not isinstance(targets, str) and module in [str(t) for t in targets])):
+        return None
+    index = _peft_layer_index(module, config.get("layers_pattern"))
+    if index is None:
+        return f"layers_pattern {json.dumps(config.get('layers_pattern'))}"
+    if index not in ([layers] if isinstance(layers, int) else list(layers)):
         return f"layers_to_transform {json.dumps(layers)}"
     return None
+
+
+def _peft_layer_index(module: str, layers_pattern) -> int | None:
+    """The layer index peft reads from a module path for layers_to_transform (None: its layers_pattern does not
+    match, and peft adapts nothing there)."""
+    if not layers_pattern:
+        m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
+    else:
+        m = None
+        for pattern in [layers_pattern] if isinstance(layers_pattern, str) else layers_pattern:
+            try:
+                m = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module)
+            except re.error:
+                m = None
+            if m is not None:
+                break
+    return None if m is None else int(m["idx"])
 
 
 def pattern_value(patterns: dict, module: str, default):
@@ -307,6 +383,8 @@ def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     problems: list[Problem] = []
     for tensor_name, tensor in tensors.items():
+        if any(config.get(key) is not None and mark in tensor_name for key, mark in _TRAINING_ONLY.items()):
+            continue  # VeLoRA's activation embedding, MonteCLoRA's sampler: unused by peft's eval forward
         kind = _classify(tensor_name)
         if isinstance(kind, Problem):
             problems.append(kind)
@@ -325,7 +403,8 @@ def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[
                                     "adapters: save the adapter again with peft"))
             continue
         r_cfg, scaling = module_scaling(config, where[0])
-        bad = _pair_problem(where[0], pair.get("lora_A"), pair.get("lora_B"), r_cfg)
+        bad = _block_diagonal(config, where[0], pair) or _pair_problem(where[0], pair.get("lora_A"),
+                                                                       pair.get("lora_B"), r_cfg)
         if bad:
             problems.append(bad)
             continue
@@ -333,6 +412,33 @@ def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[
     if not modules and not problems:
         problems.append(Problem("has no lora_A/lora_B weights", "the weight file is empty or not a LoRA adapter"))
     return modules, problems
+
+
+def _block_diagonal(config: dict, module: str, pair: dict) -> Problem | None:
+    """BD-LoRA (use_bdlora): peft keeps a block-diagonal lora_A or lora_B as its nblocks diagonal blocks stacked
+    ([out, in / nblocks]); expand it in place to the dense matrix peft multiplies by (torch.block_diag)."""
+    bd = config.get("use_bdlora")
+    if bd is None:
+        return None
+    if not isinstance(bd, dict) or not isinstance(bd.get("nblocks", 1), int) or bd.get("nblocks", 1) < 1:
+        return Problem(f"has a use_bdlora infer cannot read ({json.dumps(bd)})", "train a plain LoRA adapter")
+    nblocks = bd.get("nblocks", 1)
+    in_a = any(p in module for p in bd.get("target_modules_bd_a") or [])
+    in_b = any(p in module for p in bd.get("target_modules_bd_b") or [])
+    if in_a and in_b:
+        return Problem(f"use_bdlora makes both lora_A and lora_B of {module} block-diagonal: peft cannot load it",
+                       "give each module in only one of target_modules_bd_a / target_modules_bd_b")
+    if not (in_a or in_b) and bd.get("match_strict", True):
+        return Problem(f"use_bdlora (match_strict) makes neither lora_A nor lora_B of {module} block-diagonal: peft "
+                       "cannot load it", "list the module in target_modules_bd_a or target_modules_bd_b")
+    kind = "lora_A" if in_a else "lora_B" if in_b else None
+    w = pair.get(kind) if kind else None
+    if nblocks > 1 and w is not None:
+        if w.dim() != 2 or w.shape[0] % nblocks:
+            return Problem(f"{module}: block-diagonal {kind} {list(w.shape)} does not split into use_bdlora's "
+                           f"{nblocks} blocks", "the config and the weights come from different adapters")
+        pair[kind] = torch.block_diag(*torch.chunk(w, nblocks, dim=0))
+    return None
 
 
 def folder_stamp(path: Path) -> tuple:
