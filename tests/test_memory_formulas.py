@@ -139,8 +139,9 @@ def test_int4_checkpoint_weights_count_scales_zeros_and_g_idx(tmp_path):
     est, _ = estimate_plan(engine, 128, 2)
     measured, _ = measured_plan(engine, 128, 2)
     from infer.models.rope import build_cos_sin_cache
-    rope = build_cos_sin_cache(cfg).nbytes  # the rotary table: loaded with the weights, not in the checkpoint
-    assert abs(est.weights_bytes + rope - measured.weights_bytes) <= 0.02 * measured.weights_bytes, \
+    rope = build_cos_sin_cache(cfg, 128).nbytes  # the rotary table of a 128-token context: loaded with the weights
+    assert rope == 128 * cfg.head_dim * 4
+    assert abs(est.weights_bytes - measured.weights_bytes) <= 0.02 * measured.weights_bytes, \
         (est.weights_bytes, rope, measured.weights_bytes)
 
 

@@ -78,3 +78,38 @@ def test_dynamic_ntk_rope_equals_transformers_up_to_max_position_embeddings(tmp_
             logits = hf(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1:-1].log_softmax(-1)
         assert out.token_ids == want[0, len(p):].tolist()
         assert max(abs(r["logprob"] - float(logits[i, r["token_id"]])) for i, r in enumerate(out.logprobs)) < 1e-4
+
+
+def test_the_rope_table_holds_the_engines_context_not_max_position_embeddings(tmp_path):
+    """The cos/sin table had max_position_embeddings rows whatever --max-model-len said: 512 MB of float32 on the
+    device for a 1M-context model served at 4K. It holds the engine's context now, and the tokens are transformers'."""
+    hf = build(tmp_path, "llama")
+    _patch(tmp_path, max_position_embeddings=100_000)
+    llm = LLM(str(tmp_path), block_size=4, max_model_len=48)
+    assert llm.engine.runner.model.cos_sin.shape[0] == 48
+    prompt = random_prompts(512, (30,), seed=3)[0]
+    out = llm.generate([prompt], SamplingParams(max_new_tokens=18, ignore_eos=True))[0]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=18, do_sample=False, pad_token_id=0,
+                           eos_token_id=None)
+    assert out.token_ids == want[0, 30:].tolist()
+
+
+@pytest.mark.parametrize("max_model_len", [None, 48])
+def test_warmup_counts_the_rope_table_the_engine_builds(tmp_path, max_model_len):
+    """warmup's measured plan loads the table an engine of the same options holds, and --estimate (no weights
+    loaded) counts it: for a long-context model the table outweighs a small model's weights."""
+    from infer.cli.warmup_plan import estimate_plan, measured_plan
+    from infer.engine.config import EngineConfig
+    from infer.models.rope import rope_table_bytes
+    build(tmp_path, "llama")
+    _patch(tmp_path, max_position_embeddings=100_000)
+    engine = EngineConfig(model=str(tmp_path), device="cpu", max_num_seqs=2, max_model_len=max_model_len)
+    est, _ = estimate_plan(engine, 32, 2)
+    measured, _ = measured_plan(engine, 32, 2)
+    llm = LLM(str(tmp_path), device="cpu", max_num_seqs=2, max_model_len=max_model_len)
+    table = llm.engine.runner.model.cos_sin
+    assert table.shape[0] == (max_model_len or 100_000)
+    assert table.nbytes == rope_table_bytes(llm.engine.model_config, table.shape[0])
+    assert abs(est.weights_bytes - measured.weights_bytes) <= 0.02 * measured.weights_bytes, \
+        (est.weights_bytes, measured.weights_bytes, table.nbytes)

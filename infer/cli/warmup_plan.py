@@ -41,6 +41,8 @@ def estimate_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     from ..quant.config import GPTQConfig
     gptq = GPTQConfig.from_model_dir(path)  # as the loader: another quant_method, or 3-bit GPTQ, is refused
     weights = checkpoint_weights_bytes(weight_files(path), model_config, dtype, device, gptq.bits if gptq else None)
+    from ..models.rope import rope_table_bytes  # the rotary table an engine of this config builds at load
+    weights += rope_table_bytes(model_config, model_max_len(model_config, engine_config))
     from ..lora.adapter import load_adapter
     for name, adapter in engine_config.loras.items():  # the checks an engine start makes (files, rank, shapes)
         load_adapter(name, Path(adapter).expanduser(), model_config, engine_config.max_lora_rank)
@@ -76,7 +78,8 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
         fixed_mmap_threshold()
     _warm_libraries(dtype, device)
     before = resident_bytes(device)
-    model, model_config = load_model(path, dtype, device)
+    # the rope table an engine of this config holds (engine.setup.load_engine_parts)
+    model, model_config = load_model(path, dtype, device, max_positions=model_max_len(model_config, engine_config))
     resident = resident_bytes(device) - before
     lora_manager, largest = _lora_manager(model, engine_config, device, dtype)
     budget = budget_bytes(engine_config, device, resident)

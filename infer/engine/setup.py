@@ -111,8 +111,8 @@ def load_engine_parts(engine_config: EngineConfig) -> EngineParts:
     device = engine_config.torch_device()
     dtype = engine_config.torch_dtype(checkpoint_dtype(model_config))
     tokenizer = load_tokenizer(path)
-    model, model_config = load_model(path, dtype, device)
     max_len = model_max_len(model_config, engine_config)
+    model, model_config = load_model(path, dtype, device, max_positions=max_len)  # the rope table: max_len rows
     lora_manager = None
     if engine_config.loras or engine_config.enable_lora:
         from ..lora.manager import LoRAManager

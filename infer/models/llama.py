@@ -107,7 +107,9 @@ class LlamaForCausalLM(nn.Module):
     # merged module -> the HF projections it stacks, in order (vLLM's name): the loader reads it to route tensors
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
-    def __init__(self, cfg, dtype: torch.dtype, method_for=None):
+    def __init__(self, cfg, dtype: torch.dtype, method_for=None, max_positions: int | None = None):
+        """max_positions: the rope table's rows (the engine's context, --max-model-len; default
+        max_position_embeddings, which for a long-context model is a table of hundreds of MB)."""
         super().__init__()
         method_for = method_for or (lambda names: None)
         self.config = cfg
@@ -120,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = _uninitialized(nn.Linear, cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
             self.lm_head.weight.requires_grad_(False)
         self.register_buffer("packed_head", None, persistent=False)
-        self.register_buffer("cos_sin", build_cos_sin_cache(cfg), persistent=False)
+        self.register_buffer("cos_sin", build_cos_sin_cache(cfg, max_positions), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

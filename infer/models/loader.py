@@ -84,11 +84,12 @@ def linear_method_factory(path: Path, cfg):
     return lambda names: GPTQLinearMethod(gcfg)
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device):
+def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_positions: int | None = None):
+    """(the model, its HF config); `max_positions`: the positions it will see (the rope table's rows)."""
     cfg = load_config(path)
     files = weight_files(path)
     with torch.device(device):
-        model = model_class(cfg)(cfg, dtype, linear_method_factory(path, cfg))
+        model = model_class(cfg)(cfg, dtype, linear_method_factory(path, cfg), max_positions)
     load_weights(model, iter_tensors(files), dtype)
     model.finish_loading()
     model.eval()

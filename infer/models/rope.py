@@ -22,6 +22,11 @@ def rope_parameters(cfg) -> dict:
     return params
 
 
+def rope_table_bytes(cfg, max_positions: int) -> int:
+    """The bytes of build_cos_sin_cache(cfg, max_positions): loaded with the weights, not in the checkpoint."""
+    return max_positions * ModelShapes.from_config(cfg).head_dim * torch.finfo(torch.float32).bits // 8
+
+
 def build_cos_sin_cache(cfg, max_positions: int | None = None) -> torch.Tensor:
     """[max_positions, head_dim] float32 table: cos | sin of position * inv_freq, times the rope's attention scale."""
     params = rope_parameters(cfg)
