@@ -92,7 +92,7 @@ def test_a_bytes_prompt_is_refused_not_read_as_token_ids(llm, prompt):
     assert llm.generate((p for p in [[5, 6]]), SamplingParams(max_new_tokens=1))[0].prompt_token_ids == [5, 6]
 
 
-@pytest.mark.parametrize("kwargs, hint", [({"n": 2}, "does not support"), ({"min_tokens": 2}, "does not support"),
+@pytest.mark.parametrize("kwargs, hint", [({"n": 2}, "infer serve answers n > 1"), ({"best_of": 2}, "does not support"),
                                           ({"max_completion_tokens": 3}, "spells it max_new_tokens"),
                                           ({"tempature": 0.5}, "temperature")])
 def test_an_unknown_sampling_field_is_a_request_error_naming_it(kwargs, hint):

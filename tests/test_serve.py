@@ -209,7 +209,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {"prompt": "x", "model": 3}, 400, "model"),
     ("/v1/completions", {"prompt": "x", "logprobs": 9}, 400, "logprobs"),

@@ -34,14 +34,11 @@ def _chat(**extra) -> dict:
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("min_tokens", 5, "min_tokens is not supported"),
-    ("min_p", 0.1, "min_p is not supported"),
+    ("prompt_logprobs", 1, "prompt_logprobs is not supported"),
+    ("bad_words", ["x"], "bad_words is not supported"),
     ("use_beam_search", True, "beam search"),
-    ("include_stop_str_in_output", True, "include_stop_str_in_output"),
-    ("skip_special_tokens", False, "special tokens are always skipped"),
     ("guided_json", {"type": "object"}, "guided decoding"),
     ("guided_choice", ["yes", "no"], "guided decoding"),
-    ("allowed_token_ids", [1, 2], "allowed_token_ids"),
     ("tool_choice", "required", "tool calls"),
     ("chat_template_kwargs", {"enable_thinking": False}, "chat_template_kwargs"),
     ("continue_final_message", True, "continue_final_message"),

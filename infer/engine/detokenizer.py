@@ -7,8 +7,8 @@ import re
 from .sequence import Sequence
 
 
-def _fast_decode(tokenizer):
-    """The Rust tokenizer's own decode when it is exactly what `tokenizer.decode(ids, skip_special_tokens=True)`
+def _fast_decode(tokenizer, skip_special_tokens: bool = True):
+    """The Rust tokenizer's own decode when it is exactly what `tokenizer.decode(ids, skip_special_tokens=...)`
     returns (a transformers fast tokenizer with its stock _decode and no space clean-up), else None. It skips the
     Python wrapper's conversion of the id list, which costs more than the decoding of a short reply."""
     try:
@@ -19,7 +19,7 @@ def _fast_decode(tokenizer):
     if (backend is None or not isinstance(tokenizer, TokenizersBackend)
             or type(tokenizer)._decode is not TokenizersBackend._decode or tokenizer.clean_up_tokenization_spaces):
         return None
-    return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def _concatenative(tokenizer) -> bool:
@@ -45,6 +45,9 @@ class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._decode = _fast_decode(tokenizer) or (lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        # skip_special_tokens=False (vLLM's field): the special tokens' text stays
+        self._decode_all = _fast_decode(tokenizer, False) or (
+            lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
         # incremental: only the tokens after the last whole character are decoded each step (else all of them)
         self.incremental = _concatenative(tokenizer)
         # decoded whole each step: text from a trailing run of byte tokens is not streamed until the run ends
@@ -52,37 +55,51 @@ class Detokenizer:
         self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
 
     def update(self, seq: Sequence, stop_token: bool) -> bool:
-        """Refresh seq.text from its output tokens; True if a stop string was found (text is cut before it).
-        A final stop/EOS token is not part of the text."""
-        ids = seq.output_token_ids[:-1] if stop_token else seq.output_token_ids
+        """Refresh seq.text from its output tokens; True if a stop string was found (text is cut before it, or
+        after it with include_stop_str_in_output). A final stop/EOS token is not part of the text unless
+        include_stop_str_in_output. With min_tokens, no stop string is searched for until the reply is longer, and
+        then only one that ends after the text of the first min_tokens tokens (as vLLM)."""
+        p = seq.params
+        ids = seq.output_token_ids[:-1] if stop_token and not p.include_stop_str_in_output else seq.output_token_ids
+        skip = p.skip_special_tokens
+        decode = self._decode if skip else self._decode_all
         if self.incremental and seq.decoded_tokens <= len(ids):
-            tail = self._decode(ids[seq.decoded_tokens:])
+            tail = decode(ids[seq.decoded_tokens:])
             text = seq.decoded_text + tail
             if tail and not tail.endswith("\ufffd"):  # the bytes so far end on a character: final text
                 seq.decoded_text, seq.decoded_tokens = text, len(ids)
         else:
-            text = self._decode(ids)
+            text = decode(ids)
         seq.final_text_len = None
-        if self.byte_ids:  # the trailing run of byte tokens (special tokens decode to nothing: they do not end it)
-            run = len(ids)
-            while run > 0 and (ids[run - 1] in self.byte_ids or ids[run - 1] in self.special_ids):
+        if self.byte_ids:  # the trailing run of byte tokens (skipped special tokens decode to nothing: they do not
+            run = len(ids)  # end it)
+            while run > 0 and (ids[run - 1] in self.byte_ids or (skip and ids[run - 1] in self.special_ids)):
                 run -= 1
             if any(i in self.byte_ids for i in ids[run:]):
-                seq.final_text_len = len(self._decode(ids[:run]))
+                seq.final_text_len = len(decode(ids[:run]))
         found = []  # the text ends before the earliest stop string in it (OpenAI), whatever the list's order
-        if seq.params.stop and seq.stop_search_from is None:  # forced prefix tokens are not generated: not searched
-            prefix = seq.params.prefix_token_ids
-            seq.stop_search_from = len(self._decode(prefix).rstrip("\ufffd")) if prefix else 0
-        for stop in seq.params.stop:
+        stops = p.stop
+        if p.min_tokens and stops:
+            if seq.num_generated < p.min_tokens:
+                stops = ()
+            elif seq.min_text_len is None:  # the first min_tokens tokens' text: no stop string ends in it
+                seq.min_text_len = len(text)
+                stops = ()
+        if stops and seq.stop_search_from is None:  # forced prefix tokens are not generated: not searched
+            prefix = p.prefix_token_ids
+            seq.stop_search_from = len(decode(prefix).rstrip("\ufffd")) if prefix else 0
+        for stop in stops:
             # only look where the newest tokens could have completed a stop string
             start = max(seq.stop_search_from, len(seq.text) - len(stop) - 8)
+            if seq.min_text_len is not None:
+                start = max(start, seq.min_text_len - len(stop) + 1)
             # a U+FFFD at the end may be a character whose last bytes have not come: not text yet (as vLLM)
             pos = text.find(stop, start, len(text.rstrip("\ufffd"))) if "\ufffd" in stop else text.find(stop, start)
             if pos != -1:
                 found.append((pos, stop))
         if found:
             pos, seq.stop_reason = min(found, key=lambda f: f[0])
-            seq.text = text[:pos]
+            seq.text = text[:pos + len(seq.stop_reason)] if p.include_stop_str_in_output else text[:pos]
         else:
             seq.text = text
         return bool(found)

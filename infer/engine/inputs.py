@@ -19,6 +19,8 @@ _PARAM_TYPES: dict[str, tuple] = {
     "top_k": (int,), "repetition_penalty": (int, float), "presence_penalty": (int, float),
     "frequency_penalty": (int, float), "stop": (str, list), "stop_token_ids": (list,), "seed": (int,),
     "ignore_eos": (bool,), "prefix_token_ids": (list,), "logprobs": (int, bool),
+    "min_p": (int, float), "min_tokens": (int,), "logit_bias": (dict,), "allowed_token_ids": (list,),
+    "include_stop_str_in_output": (bool,), "skip_special_tokens": (bool,), "truncate_prompt_tokens": (int,),
 }
 _PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 _OTHER_KEYS = {"id", "lora"}
@@ -30,7 +32,6 @@ UNSUPPORTED_OPENAI = {
     "best_of": (lambda v: v is None or v == 1, "only best_of=1 is supported"),
     "echo": (lambda v: v is None or v is False, "echo is not supported"),
     "suffix": (lambda v: v is None or v == "", "suffix is not supported"),
-    "logit_bias": (lambda v: not v, "logit_bias is not supported"),
     "tools": (lambda v: not v, "tool calls are not supported"),
     "functions": (lambda v: not v, "function calls are not supported"),
     "response_format": (lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
@@ -40,15 +41,9 @@ UNSUPPORTED_OPENAI = {
     "modalities": (lambda v: v is None or v == ["text"], "only text output is supported"),
     "audio": (lambda v: v is None, "audio output is not supported"),
     # vLLM's extensions that change the reply: silently dropped, the client would get another reply than it asked
-    "min_tokens": (lambda v: v is None or v == 0, "min_tokens is not supported"),
-    "min_p": (lambda v: v is None or v == 0, "min_p is not supported"),
     "use_beam_search": (lambda v: v is None or v is False, "beam search is not supported"),
-    "include_stop_str_in_output": (lambda v: v is None or v is False, "include_stop_str_in_output is not supported"),
-    "skip_special_tokens": (lambda v: v is None or v is True, "special tokens are always skipped in the text"),
     "prompt_logprobs": (lambda v: v is None, "prompt_logprobs is not supported"),
-    "truncate_prompt_tokens": (lambda v: v is None, "truncate_prompt_tokens is not supported"),
     "bad_words": (lambda v: not v, "bad_words is not supported"),
-    "allowed_token_ids": (lambda v: v is None, "allowed_token_ids is not supported"),
     **{k: (lambda v: v is None, "guided decoding is not supported")
        for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")},
     "add_generation_prompt": (lambda v: v is None or v is True, "add_generation_prompt=false is not supported"),
@@ -248,7 +243,8 @@ def check_text(value: Any, name: str) -> None:
 
 
 def _type_name(types: tuple) -> str:
-    return " or ".join({int: "integer", float: "number", str: "string", list: "list", bool: "boolean"}[t]
+    return " or ".join({int: "integer", float: "number", str: "string", list: "list", bool: "boolean",
+                        dict: "object"}[t]
                        for t in types)
 
 
@@ -398,5 +394,7 @@ def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = 
             raise RequestError("prompt_token_ids must be a list of integers")
         tokens = list(ids)
     else:
-        tokens = encode_prompt(tokenizer, fields.get("prompt"), fields.get("messages"), max_tokens)
+        keep = params.truncate_prompt_tokens  # the prompt's end only: its whole length is no reason to refuse it
+        tokens = encode_prompt(tokenizer, fields.get("prompt"), fields.get("messages"),
+                               max_tokens if keep is None else None)
     return ParsedRequest(req_id, tokens, params, lora)

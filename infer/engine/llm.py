@@ -77,8 +77,9 @@ class LLM:
         manager = self._engine().lora_manager
         return manager.names() if manager is not None else []
 
-    def _encode(self, prompt: Prompt, i: int) -> list[int]:
-        most = self._engine().max_model_len  # a text certainly longer than the context is refused untokenized
+    def _encode(self, prompt: Prompt, i: int, truncated: bool = False) -> list[int]:
+        # a text certainly longer than the context is refused untokenized, unless the request keeps only its end
+        most = None if truncated else self._engine().max_model_len
         if isinstance(prompt, str):
             return encode_prompt(self.tokenizer, prompt=prompt, max_tokens=most)
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
@@ -127,7 +128,7 @@ class LLM:
         encoded = []
         for i, p in enumerate(prompts):
             try:
-                encoded.append(self._encode(p, i))
+                encoded.append(self._encode(p, i, params_list[i].truncate_prompt_tokens is not None))
             except RequestError as e:
                 if n > 1 and not e.message.startswith(f"prompt {i} "):  # which of the prompts it is
                     raise type(e)(f"prompt {i}: {e.message}", e.hint) from None

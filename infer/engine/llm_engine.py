@@ -74,12 +74,21 @@ class LLMEngine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running", "give every request its own id")
         params = params.checked()  # the request's own copy, checked again: the caller may have changed its object
+        if params.truncate_prompt_tokens is not None and isinstance(prompt_token_ids, (list, tuple)):
+            prompt_token_ids = list(prompt_token_ids)[-params.truncate_prompt_tokens:]  # the last k, as vLLM
         self.validate(prompt_token_ids, params, lora)
         cap = min(self.max_model_len, params.max_length or self.max_model_len)
         key = self.lora_manager.cache_key(lora) if self.lora_manager is not None else None
         seq = Sequence(request_id, list(prompt_token_ids), params, lora, max_total_len=cap, lora_key=key)
+        if params.min_tokens:
+            seq.min_tokens_ban = self._min_tokens_ban(params)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def _min_tokens_ban(self, params: SamplingParams) -> list[int]:
+        """What min_tokens keeps from being sampled early: EOS (unless ignored) and the stop token ids (vLLM)."""
+        eos = set() if params.ignore_eos else set(self.eos_token_ids)
+        return sorted(eos | set(params.stop_token_ids))
 
     def _longer_hint(self, by_request: bool) -> str:
         """What can make room for a prompt that fills its cap: the request's max_length up to the engine's context,
@@ -100,6 +109,14 @@ class LLMEngine:
             raise RequestError("the prompt is empty", "give a non-empty prompt")
         if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids + params.prefix_token_ids):
             raise RequestError(f"a token id is outside the vocabulary (0..{vocab - 1})")
+        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or ())):
+            if any(t >= vocab for t in ids):
+                raise RequestError(f"{name} names a token id outside the vocabulary (0..{vocab - 1}): "
+                                   f"{max(ids)}")
+        if params.allowed_token_ids and params.min_tokens and set(params.allowed_token_ids) <= set(
+                self._min_tokens_ban(params)):
+            raise RequestError("every token in allowed_token_ids is an EOS or stop token, which min_tokens "
+                               "forbids: nothing could be sampled", "allow another token, or drop min_tokens")
         cap = min(self.max_model_len, params.max_length or self.max_model_len)
         if n >= cap:
             by_request = bool(params.max_length and params.max_length < self.max_model_len)
@@ -252,6 +269,8 @@ class LLMEngine:
         if record is not None:
             seq.logprobs.append(record)
         p = seq.params
+        if seq.min_tokens_ban and seq.num_generated >= p.min_tokens:
+            seq.min_tokens_ban = []  # long enough: the sampler masks nothing more for it
         eos = not p.ignore_eos and token in self.eos_token_ids
         is_stop_token = eos or token in p.stop_token_ids
         stop_string = self.detokenizer.update(seq, is_stop_token)

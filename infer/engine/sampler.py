@@ -4,13 +4,16 @@ The whole batch is sampled by a handful of tensor ops (as nano-vllm and gpt-fast
 as tensors, and nothing is copied back to the host here: `Sampler.sample` returns device tensors and the caller
 copies them once per step (`SampledBatch.packed`: the tokens and, when asked for, the logprob values together).
 
-Per row, in vLLM's and transformers' order: penalties on the raw logits (repetition over prompt + output tokens, as
-transformers' RepetitionPenaltyLogitsProcessor; presence and frequency over output tokens, as OpenAI defines them),
-then temperature, top-k, top-p (as transformers' warpers), then one draw. Greedy rows take the argmax of the
-penalised logits. A draw is an exponential race: argmax(p / q) with q ~ Exp(1) i.i.d. is distributed as p. q is
-drawn for each row from that request's own generator when it has a seed (so it gets the same tokens in any batch
-and any batch order), and from the engine's generator for the other rows. Logprob records describe the model's
-raw distribution (before penalties and temperature), as OpenAI reports them.
+Per row, in vLLM's and transformers' order: on the raw logits, allowed_token_ids (every other token masked),
+min_tokens (EOS and the stop token ids masked while the reply is shorter) and logit_bias (added), as vLLM's logits
+processors; then the penalties (repetition over prompt + output tokens, as transformers'
+RepetitionPenaltyLogitsProcessor; presence and frequency over output tokens, as OpenAI defines them); then
+temperature, top-k, top-p and min-p (as transformers' warpers, in that order; vLLM applies min-p before top-k and
+top-p), then one draw. Greedy rows take the argmax of the logits after the masks, bias and penalties. A draw is an
+exponential race: argmax(p / q) with q ~ Exp(1) i.i.d. is distributed as p. q is drawn for each row from that
+request's own generator when it has a seed (so it gets the same tokens in any batch and any batch order), and from
+the engine's generator for the other rows. Logprob records describe the model's raw distribution (before the
+processors, penalties and temperature), as OpenAI and vLLM report them.
 """
 
 from __future__ import annotations
@@ -111,9 +114,47 @@ class PenaltyTable:
 
 
 def _draw_values(seqs: list[Sequence], vocab: int) -> list[list[float]]:
-    """Each row's temperature, 1 - top_p and top_k (vocab: off)."""
-    return [[s.params.temperature, 1.0 - s.params.top_p, min(s.params.top_k, vocab) if s.params.top_k else vocab]
-            for s in seqs]
+    """Each row's temperature, 1 - top_p, top_k (vocab: off) and min_p."""
+    return [[s.params.temperature, 1.0 - s.params.top_p, min(s.params.top_k, vocab) if s.params.top_k else vocab,
+             s.params.min_p] for s in seqs]
+
+
+def _masks(seqs: list[Sequence], vocab: int) -> tuple[list[int], list[int], list[int], list[int], list[float]]:
+    """The rows' logits processors as flat indices row * vocab + token: (allowed tokens, rows without an allowed
+    list, tokens min_tokens masks, tokens with a bias, the biases). Empty lists: nothing to apply."""
+    allowed, free, banned, biased, biases = [], [], [], [], []
+    for i, s in enumerate(seqs):
+        p, base = s.params, i * vocab
+        if p.allowed_token_ids:
+            allowed.extend([base + t for t in p.allowed_token_ids])
+        else:
+            free.append(i)
+        # the token sampled now is the reply's (num_generated + num_pending)-th, counting from 0
+        if s.min_tokens_ban and s.num_generated + s.num_pending < p.min_tokens:
+            banned.extend([base + t for t in s.min_tokens_ban])
+        for t, b in p.logit_bias.items():
+            biased.append(base + t)
+            biases.append(b)
+    return allowed, free if allowed else [], banned, biased, biases
+
+
+def apply_masks(logits: torch.Tensor, allowed: torch.Tensor | None, free: torch.Tensor | None,
+                banned: torch.Tensor | None, biased: torch.Tensor | None, biases: torch.Tensor | None) -> torch.Tensor:
+    """logits [n, V] (not changed) -> a copy with allowed_token_ids, min_tokens and logit_bias applied (the flat
+    indices of `_masks`, on the device; None: that one is not applied)."""
+    n, vocab = logits.shape
+    x = logits
+    if allowed is not None:
+        keep = torch.zeros(n * vocab, dtype=torch.bool, device=logits.device).index_fill_(0, allowed, True)
+        keep = keep.view(n, vocab)
+        if free is not None:
+            keep.index_fill_(0, free, True)
+        x = x.masked_fill(~keep, NEG_INF)
+    if banned is not None:
+        x = x.reshape(-1).index_fill(0, banned, NEG_INF).view(n, vocab)
+    if biased is not None:
+        x = x.reshape(-1).index_add(0, biased, biases).view(n, vocab)
+    return x
 
 
 class SamplingInputs:
@@ -139,8 +180,12 @@ class SamplingInputs:
             self._updates = self._count(seqs, keys or [s.request_id for s in seqs], vocab, pack, prev)
             floats += [[s.params.repetition_penalty, s.params.presence_penalty, s.params.frequency_penalty]
                        for s in seqs]
+        allowed, free, banned, biased, self._biases = _masks(seqs, vocab) if any(
+            s.params.allowed_token_ids or s.min_tokens_ban or s.params.logit_bias for s in seqs) else ([],) * 5
+        self._masks = [pack.add(piece) if piece else None for piece in (allowed, free, banned, biased)]
+        self.masked = any(piece is not None for piece in self._masks)
         self.floats = floats + _draw_values([seqs[i] for i in self.drawn], vocab)
-        self.idx = self.penalty_counts = self.penalty_values = self.draw_values = None
+        self.idx = self.penalty_counts = self.penalty_values = self.draw_values = self.masks = None
 
     def _count(self, seqs: list[Sequence], keys: list, vocab: int, pack: Pack, prev):
         """The table's updates for this step's penalised rows, on the host, as flat indices row * vocab + token."""
@@ -170,7 +215,14 @@ class SamplingInputs:
         table updated first (fresh rows zeroed, their prompt tokens marked, the new output tokens counted)."""
         if self._idx is not None:
             self.idx = data[self._idx]
-        values = to_device(self.floats, torch.float32, device) if self.floats else None
+        # one copy of the floats: the rows' penalties [n, 3], the drawn rows' draw values [d, 4], the biases
+        flat = [v for row in self.floats for v in row] + self._biases
+        values = to_device(flat, torch.float32, device) if flat else None
+        if self._biases:
+            values, biases = values[:-len(self._biases)], values[-len(self._biases):]
+        if self.masked:
+            self.masks = [data[piece] if piece is not None else None for piece in self._masks]
+            self.masks.append(biases if self._biases else None)
         if self.penalties:
             rows, fresh, marks, counts, pending = self._updates
             table = self.table.table
@@ -187,8 +239,8 @@ class SamplingInputs:
                 where = adds[0] if len(adds) == 1 else torch.cat(adds)
                 flat.index_add_(0, where, torch.ones(where.shape, dtype=torch.int32, device=device))
             self.penalty_counts = table.index_select(0, data[rows])
-            self.penalty_values, values = values[:self.n], values[self.n:]
-        self.draw_values = values
+            self.penalty_values, values = values[:3 * self.n].view(self.n, 3), values[3 * self.n:]
+        self.draw_values = values.view(-1, 4) if values is not None and values.numel() else None
         return self
 
     @classmethod
@@ -243,7 +295,8 @@ class Sampler:
         logits = logits.float()
         if inputs is None:
             inputs = SamplingInputs.build(seqs, logits.shape[-1], logits.device)
-        x = self.penalised(logits, seqs, inputs)
+        x = apply_masks(logits, *inputs.masks) if inputs.masked else logits
+        x = self.penalised(x, seqs, inputs)
         tokens = x.argmax(-1)
         if inputs.drawn:
             idx = inputs.idx
@@ -269,14 +322,19 @@ class Sampler:
 
     @staticmethod
     def probs(logits: torch.Tensor, seqs: list[Sequence], values: torch.Tensor | None = None) -> torch.Tensor:
-        """The distribution each (non-greedy) row draws from: temperature, top-k, top-p, softmax. `values`: the rows'
-        temperature, 1 - top_p, top_k on the device [n, 3] (SamplingInputs.draw_values); None: copied here."""
+        """The distribution each (non-greedy) row draws from: temperature, top-k, top-p, softmax, min-p (the entries
+        min-p drops are 0; the rest is not renormalised, which a draw does not need). `values`: the rows'
+        temperature, 1 - top_p, top_k, min_p on the device [n, 4] (SamplingInputs.draw_values); None: copied
+        here."""
         if values is None:
             values = to_device(_draw_values(seqs, logits.shape[-1]), torch.float32, logits.device)
         x = logits / values[:, 0:1]
         if any(s.params.top_k or s.params.top_p < 1.0 for s in seqs):
             x = filter_top_k_top_p(x, values[:, 2].long(), values[:, 1])
-        return x.softmax(-1)
+        p = x.softmax(-1)
+        if any(s.params.min_p > 0 for s in seqs):  # transformers' MinPLogitsWarper: p < min_p * max(p) dropped
+            p = p.masked_fill(p < values[:, 3:4] * p.amax(-1, keepdim=True), 0.0)
+        return p
 
     def _exponentials(self, seqs: list[Sequence], vocab: int, device: torch.device) -> torch.Tensor:
         """[len(seqs), vocab] Exp(1) draws: a seeded request's row from its own generator."""

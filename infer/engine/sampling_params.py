@@ -15,6 +15,9 @@ MAX_SEED = 2**63 - 1
 # the lists are capped so that one request cannot slow every step of every other request
 MAX_STOP_STRINGS = 256
 MAX_STOP_TOKEN_IDS = 1024
+# logit_bias and allowed_token_ids travel to the device with every step of the request: capped for the same reason
+MAX_LOGIT_BIAS = 1024
+MAX_ALLOWED_TOKEN_IDS = 16384
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 
 
@@ -34,6 +37,14 @@ class SamplingParams:
     ignore_eos: bool = False
     prefix_token_ids: list[int] = field(default_factory=list)  # forced first reply tokens
     logprobs: int | None = None  # top-k logprobs per generated token
+    # vLLM's extensions (semantics and order of vLLM's and transformers' logits processors; see engine/sampler.py)
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one (after top-k and top-p)
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the reply, nor stop strings, before this many tokens
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (-100..100)
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    include_stop_str_in_output: bool = False  # the stop string (or stop token's text) stays at the end of the text
+    skip_special_tokens: bool = True  # special tokens' text left out of the output text
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -42,9 +53,12 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = _ids(self.stop_token_ids)
         self.prefix_token_ids = _ids(self.prefix_token_ids)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _ids(self.allowed_token_ids)
+        self.logit_bias = _bias(self.logit_bias)
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0
-        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
                 raise RequestError(f"{name} must be a finite number, got {value!r}")
@@ -71,6 +85,21 @@ class SamplingParams:
              "prefix_token_ids must be a list of token ids"),
             (self.seed is None or 0 <= self.seed <= MAX_SEED, f"seed must be in 0..{MAX_SEED}, got {self.seed}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in 0..20, got {self.logprobs}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (0 <= self.min_tokens <= MAX_TOKENS, f"min_tokens must be in 0..{MAX_TOKENS}, got {self.min_tokens}"),
+            (self.max_new_tokens is None or self.min_tokens <= self.max_new_tokens,
+             f"min_tokens ({self.min_tokens}) must be at most max_new_tokens ({self.max_new_tokens})"),
+            (len(self.logit_bias) <= MAX_LOGIT_BIAS,
+             f"logit_bias has {len(self.logit_bias)} tokens, more than {MAX_LOGIT_BIAS}"),
+            (all(isinstance(t, int) and 0 <= t < 2**31 for t in self.logit_bias),
+             "logit_bias keys must be token ids"),
+            (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
+            (self.allowed_token_ids is None or 0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS,
+             f"allowed_token_ids must hold 1..{MAX_ALLOWED_TOKEN_IDS} token ids"),
+            (all(isinstance(t, int) and 0 <= t < 2**31 for t in self.allowed_token_ids or ()),
+             "allowed_token_ids must be a list of token ids"),
+            (self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
+             f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens}"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -78,7 +107,8 @@ class SamplingParams:
 
     def _check_types(self) -> None:
         """From Python nothing checked the types: ignore_eos="no" ignored EOS, top_k=2.5 reached the sampler."""
-        for name in ("max_new_tokens", "max_length", "top_k", "seed", "logprobs"):
+        for name in ("max_new_tokens", "max_length", "top_k", "seed", "logprobs", "min_tokens",
+                     "truncate_prompt_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
                 raise RequestError(f"{name} must be an integer, got {type(value).__name__}")
@@ -86,11 +116,17 @@ class SamplingParams:
                 setattr(self, name, int(value))  # a numpy integer too, as a plain int from here on
         if self.seed == -1:  # vLLM's (and many clients') "no seed": a random draw, not an error
             self.seed = None
-        if not isinstance(self.ignore_eos, bool):
-            raise RequestError(f"ignore_eos must be true or false, got {type(self.ignore_eos).__name__}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"{name} must be true or false, got {type(getattr(self, name)).__name__}")
+        if self.min_tokens is None:
+            self.min_tokens = 0
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise RequestError("logit_bias must be an object of token id -> bias, got "
+                               f"{type(self.logit_bias).__name__}")
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
             raise RequestError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
-        for name in ("stop_token_ids", "prefix_token_ids"):
+        for name in ("stop_token_ids", "prefix_token_ids", "allowed_token_ids"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (list, tuple))
                                       or any(isinstance(t, bool) for t in value)):
@@ -114,11 +150,10 @@ class SamplingParams:
 
 
 # names other APIs use (vLLM's SamplingParams, OpenAI, transformers' GenerationConfig) -> what to write here instead
-_OTHER_NAMES = {"max_completion_tokens": "max_new_tokens", "top_logprobs": "logprobs",
+_OTHER_NAMES = {"max_completion_tokens": "max_new_tokens", "top_logprobs": "logprobs", "min_new_tokens": "min_tokens",
                 "do_sample": "temperature > 0 (0, the default, is greedy)"}
-_UNSUPPORTED = ("n", "best_of", "min_tokens", "min_new_tokens", "min_p", "logit_bias", "allowed_token_ids", "bad_words",
-                "prompt_logprobs", "include_stop_str_in_output", "skip_special_tokens",
-                "spaces_between_special_tokens", "truncate_prompt_tokens", "use_beam_search", "num_beams")
+_UNSUPPORTED = ("best_of", "bad_words", "prompt_logprobs", "spaces_between_special_tokens", "use_beam_search",
+                "num_beams")
 
 
 def _refuse_unknown_names(init):
@@ -141,6 +176,9 @@ def _refuse_unknown_names(init):
                 hint = f"infer spells it {_OTHER_NAMES[key]}"
             elif key in _UNSUPPORTED:
                 hint = "infer does not support it"
+            elif key == "n":
+                hint = ("infer serve answers n > 1 (one choice per sample); in Python, give the prompt n times (with "
+                        "seeds seed, seed + 1, ... to draw as the server does)")
             else:
                 hint = f"the fields are {', '.join(sorted(names))}"
             raise RequestError(f"SamplingParams has no field {key!r}", hint)
@@ -156,3 +194,20 @@ SamplingParams.max_tokens = property(lambda self: self.max_new_tokens,
 def _ids(values) -> list:
     """A list of token ids, numpy integers turned into ints (anything else is left for the checks to refuse)."""
     return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in values or []]
+
+
+def _bias(value) -> dict:
+    """logit_bias as {int token id: float}: JSON's string keys ("50256") and numpy numbers read as numbers; anything
+    else is left for the checks to refuse."""
+    if not isinstance(value, dict):
+        return {} if value is None else value
+    out = {}
+    for key, bias in value.items():
+        if isinstance(key, str) and key.strip().isdigit():
+            key = int(key)
+        elif isinstance(key, numbers.Integral) and not isinstance(key, bool):
+            key = int(key)
+        if isinstance(bias, bool) or not isinstance(bias, numbers.Real) or not math.isfinite(bias):
+            raise RequestError(f"logit_bias[{key!r}] must be a finite number, got {bias!r}")
+        out[key] = float(bias)
+    return out

@@ -50,6 +50,10 @@ class Sequence:
         self.stop_search_from: int | None = None  # where stop strings may start in `text`: after the forced prefix
         self.num_preemptions = 0
         self.generator = None  # torch.Generator for seeded sampling, made by the sampler
+        # the tokens min_tokens masks (EOS unless ignore_eos, and stop_token_ids) while the reply is shorter; set by
+        # LLMEngine.add_request, emptied once the reply is long enough
+        self.min_tokens_ban: list[int] = []
+        self.min_text_len: int | None = None  # with min_tokens: len(text) after that many tokens (stops end past it)
         # Tokens sampled on the device whose values the host does not know yet (overlapped steps, see
         # LLMEngine): they count in len() and sit after output_token_ids; tokens() shows them as PENDING.
         self.num_pending = 0

@@ -91,15 +91,15 @@ class Server:
     def submit(self, req: p.GenerationRequest, lora: str | None, base_id: str) -> tuple[asyncio.Queue, list[str]]:
         limit = self.aengine.max_queue
         if limit is not None and len(req.prompts) > limit:  # a 503 would make the client retry for ever
-            raise p.ApiError(400, f"this request has {len(req.prompts)} prompts, more than the {limit} requests "
-                                  "the server lets wait (--max-queue); send them in smaller requests",
-                             param="prompt")
+            what = f"{len(req.prompts)} prompts" if req.n == 1 else f"{len(req.prompts)} choices (prompts x n)"
+            raise p.ApiError(400, f"this request has {what}, more than the {limit} requests the server lets wait "
+                                  "(--max-queue); send them in smaller requests", param="n" if req.n > 1 else "prompt")
         queue: asyncio.Queue = asyncio.Queue()
         ids = [f"{base_id}-{i}" for i in range(len(req.prompts))]
         done: list[str] = []
         try:
-            for rid, prompt in zip(ids, req.prompts):
-                self.aengine.add(rid, prompt, req.params, lora, queue)
+            for i, (rid, prompt) in enumerate(zip(ids, req.prompts)):
+                self.aengine.add(rid, prompt, req.params_for(i), lora, queue)
                 done.append(rid)
         except RequestError as e:
             self._abort(done)
@@ -175,7 +175,7 @@ async def _complete(server: Server, req: p.GenerationRequest, rid: str, model: s
                 choices[i] = p.choice(req, i, out.text, out.logprobs, server.tokenizer, p.finish_reason(out),
                                       token_ids=out.token_ids, prompt_token_ids=out.prompt_token_ids,
                                       stop_reason=out.stop_reason)
-                prompt_n += len(out.prompt_token_ids)
+                prompt_n += len(out.prompt_token_ids) if req.counts_prompt(i) else 0
                 completion_n += out.num_generated
     except _ClientGone:
         return SafeJSONResponse({}, status_code=499)  # nobody reads it
@@ -215,7 +215,7 @@ async def _stream(server: Server, req: p.GenerationRequest, rid: str, model: str
                 yield event([c], p.usage(len(out.prompt_token_ids), out.num_generated) if req.continuous_usage
                             else None)
             if out.finished:
-                prompt_n += len(out.prompt_token_ids)
+                prompt_n += len(out.prompt_token_ids) if req.counts_prompt(i) else 0
                 completion_n += out.num_generated
         else:
             if req.include_usage:

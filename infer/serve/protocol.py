@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..engine.inputs import UNSUPPORTED_OPENAI as _UNSUPPORTED, check_add_special_tokens, chat_messages, \
@@ -16,14 +16,17 @@ from ..engine.inputs import UNSUPPORTED_OPENAI as _UNSUPPORTED, check_add_specia
     encode_prompt, params_from
 from ..engine.outputs import RequestOutput
 from ..engine.prompt_size import PromptTooLongError
+from ..engine.sampling_params import MAX_SEED
 from ..errors import RequestError
 
 # OpenAI names for our SamplingParams fields, and the vLLM-style extras we accept as they are
 _ALIASES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
 _PARAM_KEYS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "repetition_penalty",
                "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "seed", "ignore_eos", "logprobs",
-               "top_logprobs", "max_length"}
+               "top_logprobs", "max_length", "min_p", "min_tokens", "logit_bias", "allowed_token_ids",
+               "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens"}
 _FIELD = re.compile(r"^(?:field ')?([a-z_]+)'?")
+MAX_N = 128  # choices per request (each one is an engine request)
 
 
 class ApiError(Exception):
@@ -65,6 +68,19 @@ class GenerationRequest:
     chat: bool = False
     return_token_ids: bool = False  # vLLM extension: token ids in each choice (and chunk)
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk (vLLM)
+    n: int = 1  # choices per prompt: prompts[i] is prompt i // n's sample i % n
+
+    def params_for(self, index: int):
+        """Choice `index`'s sampling: with n > 1 and a seed, sample j draws with seed + j (as vLLM's parallel
+        sampling), so the n choices differ and each is reproducible."""
+        j = index % self.n
+        if j == 0 or self.params.seed is None:
+            return self.params
+        return replace(self.params, seed=(self.params.seed + j) % (MAX_SEED + 1))
+
+    def counts_prompt(self, index: int) -> bool:
+        """Whether choice `index` is its prompt's first: usage counts each prompt once, however many choices."""
+        return index % self.n == 0
 
 
 def _expect(body: dict, key: str, types: tuple, what: str) -> Any:
@@ -80,8 +96,11 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     for key, (ok, why) in _UNSUPPORTED.items():
-        if not ok(body.get(key)):
+        if key != "n" and not ok(body.get(key)):  # n: one engine request per choice (below)
             raise ApiError(400, why, param=key)
+    n = _expect(body, "n", (int,), "an integer")
+    if n is not None and not 1 <= n <= MAX_N:
+        raise ApiError(400, f"n must be in 1..{MAX_N}, got {n}", param="n")
     try:
         check_add_special_tokens(body.get("add_special_tokens"), chat)
     except RequestError as e:
@@ -120,12 +139,18 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
     try:
         params = params_from(fields, _ALIASES)
     except RequestError as e:
-        if "max_new_tokens" in str(e):  # name the field the client sent, not the engine's
+        if str(e).startswith("max_new_tokens"):  # name the field the client sent, not the engine's
             raise ApiError(400, str(e).replace("max_new_tokens", length), param=length) from e
-        raise bad_request(e) from e
+        raise bad_request(str(e).replace("max_new_tokens", length)) from e
     return_ids = bool(_expect(body, "return_token_ids", (bool,), "a boolean"))
     return GenerationRequest([], params, model, stream, include_usage and stream, chat, return_ids,
-                             include_usage and continuous and stream)
+                             include_usage and continuous and stream, n or 1)
+
+
+def _choices(req: GenerationRequest, prompts: list[list[int]]) -> list[list[int]]:
+    """One engine request per choice: each prompt's last truncate_prompt_tokens tokens (vLLM), n times."""
+    keep = req.params.truncate_prompt_tokens
+    return [q[-keep:] if keep else q for q in prompts for _ in range(req.n)]
 
 
 def _encode(tokenizer, prompt: str, max_tokens: int | None = None) -> list[int]:
@@ -164,7 +189,9 @@ def parse_completion(body: Any, tokenizer, max_tokens: int | None = None,
         raise ApiError(400, "missing required field 'prompt'", param="prompt")
     if _no_max_tokens(body):
         req.params.max_new_tokens = 16  # OpenAI's default for /v1/completions
-    req.prompts = _completion_prompts(body["prompt"], tokenizer, max_tokens)
+    if req.params.truncate_prompt_tokens is not None:  # only its end is kept: its length is no reason to refuse it
+        max_tokens = None
+    req.prompts = _choices(req, _completion_prompts(body["prompt"], tokenizer, max_tokens))
     return req
 
 
@@ -187,8 +214,10 @@ def parse_chat(body: Any, tokenizer, max_tokens: int | None = None,
         raise bad_request(e, param="messages") from e
     if _no_max_tokens(body):
         req.params.max_new_tokens = None  # as OpenAI: up to the context limit
+    if req.params.truncate_prompt_tokens is not None:
+        max_tokens = None
     try:
-        req.prompts = [encode_prompt(tokenizer, messages=clean, max_tokens=max_tokens)]
+        req.prompts = _choices(req, [encode_prompt(tokenizer, messages=clean, max_tokens=max_tokens)])
     except PromptTooLongError as e:
         raise ApiError(400, str(e), param="messages", code="context_length_exceeded") from e
     except RequestError as e:
