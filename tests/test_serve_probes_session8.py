@@ -40,8 +40,8 @@ def _chat(**extra) -> dict:
     ("guided_json", {"type": "object"}, "guided decoding"),
     ("guided_choice", ["yes", "no"], "guided decoding"),
     ("tool_choice", "required", "tool calls"),
-    ("chat_template_kwargs", {"enable_thinking": False}, "chat_template_kwargs"),
-    ("continue_final_message", True, "continue_final_message"),
+    ("chat_template_kwargs", {"tokenize": False}, "chat_template_kwargs cannot set tokenize"),
+    ("continue_final_message", True, "needs add_generation_prompt=false"),
     ("modalities", ["text", "audio"], "only text output"),
 ])
 def test_parameters_that_change_the_reply_are_400_not_dropped(url, field, value, message):

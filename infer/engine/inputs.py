@@ -46,12 +46,69 @@ UNSUPPORTED_OPENAI = {
     "bad_words": (lambda v: not v, "bad_words is not supported"),
     **{k: (lambda v: v is None, "guided decoding is not supported")
        for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")},
-    "add_generation_prompt": (lambda v: v is None or v is True, "add_generation_prompt=false is not supported"),
-    "continue_final_message": (lambda v: v is None or v is False, "continue_final_message is not supported"),
     "chat_template": (lambda v: v is None, "a chat_template per request is not supported (the model's is used)"),
-    "chat_template_kwargs": (lambda v: not v, "chat_template_kwargs is not supported"),
     "return_tokens_as_token_ids": (lambda v: v is None or v is False, "return_tokens_as_token_ids is not supported"),
 }
+
+# vLLM's chat fields that reach the chat template (chat_template_options), and the value that leaves it as it is: a
+# request with a prompt instead of messages has no template, and is refused another value rather than ignoring it
+CHAT_TEMPLATE_FIELDS = {"add_generation_prompt": True, "continue_final_message": False, "chat_template_kwargs": None,
+                        "documents": None}
+# apply_chat_template's own arguments: in chat_template_kwargs they would change how the text is tokenized (or say
+# what a field of the request says), not what the template renders
+_TEMPLATE_ARGS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                  "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
+                  "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+
+
+def _field_error(field: str, message: str, hint: str | None = None) -> RequestError:
+    e = RequestError(message, hint)
+    e.field = field  # the request field it is about (the server's error `param`)
+    return e
+
+
+def chat_template_options(body: dict, where: str = "") -> dict:
+    """apply_chat_template's keyword arguments for vLLM's chat fields of `body`: add_generation_prompt (default
+    true), continue_final_message, documents and chat_template_kwargs (variables the template reads, such as
+    Qwen3's enable_thinking). `where` prefixes the field names in errors ("body." for a batch line)."""
+    for key in ("add_generation_prompt", "continue_final_message"):
+        if body.get(key) is not None and not isinstance(body[key], bool):
+            raise _field_error(key, f"{where}{key} must be a boolean, got {type(body[key]).__name__}")
+    add, cont = body.get("add_generation_prompt"), body.get("continue_final_message") is True
+    if cont and add is not False:  # as vLLM (add_generation_prompt defaults to true there too)
+        raise _field_error("continue_final_message", f"{where}continue_final_message=true needs "
+                           f"add_generation_prompt=false ({'it is true' if add else 'it defaults to true'})",
+                           f"send {where}add_generation_prompt: false with it: the final message is continued, no "
+                           "new assistant turn is opened")
+    options = {"add_generation_prompt": add is not False, "continue_final_message": cont}
+    docs = body.get("documents")
+    if docs is not None:
+        if not isinstance(docs, list) or not all(isinstance(d, dict) for d in docs):
+            raise _field_error("documents", f"{where}documents must be a list of objects",
+                               'e.g. [{"title": "...", "text": "..."}]')
+        options["documents"] = docs
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict):
+            raise _field_error("chat_template_kwargs", f"{where}chat_template_kwargs must be an object, got "
+                               f"{type(kwargs).__name__}", 'e.g. {"enable_thinking": false}')
+        reserved = sorted(set(kwargs) & _TEMPLATE_ARGS)
+        if reserved:
+            fields = [k for k in reserved if k in CHAT_TEMPLATE_FIELDS]
+            raise _field_error("chat_template_kwargs", f"{where}chat_template_kwargs cannot set {', '.join(reserved)}",
+                               f"send {' and '.join(where + k for k in fields)} as a field of the request itself"
+                               if fields else "they are arguments of the tokenization, not variables of the template")
+        options.update(kwargs)
+    return options
+
+
+def check_no_chat_template_fields(body: dict, where: str = "") -> None:
+    """A prompt that is not chat messages has no template: its vLLM chat fields are refused, not ignored."""
+    for key, default in CHAT_TEMPLATE_FIELDS.items():
+        if body.get(key) not in (None, default, {}, []):
+            raise _field_error(key, f"{where}{key} applies to chat messages only",
+                               "send messages (a chat completion), or remove it")
+
 
 # OpenAI's sampling fields a request may leave out, and what it then gets (vLLM's rule): the model's
 # generation_config.json value, else OpenAI's default (temperature 1; the others' defaults switch them off)
@@ -106,16 +163,21 @@ class ParsedRequest:
     lora: str | None = None
 
 
-def encode_prompt(tokenizer, prompt: Any = None, messages: Any = None, max_tokens: int | None = None) -> list[int]:
-    """The prompt's token ids; with `max_tokens` (the context), a text certainly longer is refused untokenized."""
+def encode_prompt(tokenizer, prompt: Any = None, messages: Any = None, max_tokens: int | None = None,
+                  template: dict | None = None) -> list[int]:
+    """The prompt's token ids; with `max_tokens` (the context), a text certainly longer is refused untokenized.
+    `template`: apply_chat_template's keyword arguments for `messages` (chat_template_options; default: a
+    generation prompt)."""
     if messages is not None:
         messages = chat_messages(messages, reads_content_parts(tokenizer))
         check_text(messages, "messages")
+        template = {"add_generation_prompt": True, **(template or {})}
+        check_text(template, "the chat template's arguments")
         check_prompt_size(tokenizer, sum(len(_text_of(m["content"]).encode("utf-8")) for m in messages), max_tokens)
         if getattr(tokenizer, "chat_template", None) is None:
             raise RequestError("this model's tokenizer has no chat template", "send `prompt` instead of `messages`")
         try:
-            enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+            enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **template)
         except Exception as e:
             raise RequestError(f"the chat template cannot render these messages: {e}") from e
         return list(enc["input_ids"])
@@ -145,8 +207,13 @@ def chat_messages(messages: Any, parts: bool = False) -> list[dict]:
         if not isinstance(m["role"], str):
             raise RequestError(f"messages[{i}].role must be a string, got {type(m['role']).__name__}")
         out.append({**m, "content": _content_text(m.get("content"), i, parts)})
-        if isinstance(m.get("tool_calls"), list):
-            out[-1]["tool_calls"] = [_tool_call(c) for c in m["tool_calls"]]
+        calls = m.get("tool_calls")
+        if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+            raise RequestError(f"messages[{i}].tool_calls must be a list of tool call objects, got "
+                               f"{type(calls).__name__}", 'e.g. [{"id": "call_1", "type": "function", "function": '
+                                                          '{"name": "f", "arguments": "{}"}}]')
+        if calls is not None:
+            out[-1]["tool_calls"] = [_tool_call(c) for c in calls]
     return out
 
 
@@ -311,6 +378,9 @@ def _batch_prompt(body: dict) -> dict:
                        "write one line per prompt, each with its own custom_id")
 
 
+_TEMPLATE_KEY = "\0template"  # a batch line's chat_template_options among its fields (a line's own is refused)
+
+
 def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, str, Any, dict]:
     """(fields, id, adapter, aliases) of an OpenAI batch line; a body field that would change the reply but is
     not supported (n > 1, tools, ...) is refused rather than dropped."""
@@ -331,6 +401,11 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
             raise RequestError(f"body.{key}: {why}", "remove it from the line's body (for n > 1, write one line "
                                                      "per reply, each with its own custom_id and seed)")
     check_add_special_tokens(body.get("add_special_tokens"), "messages" in body, "body.add_special_tokens")
+    if "messages" in body:
+        template = chat_template_options(body, "body.")
+    else:
+        check_no_chat_template_fields(body, "body.")
+        template = None
     top = body.get("top_logprobs")
     if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
         raise RequestError(f"body.top_logprobs must be an integer in 0..20, got {top!r}")
@@ -340,6 +415,7 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
     fields = {k: v for k, v in body.items() if k in _PARAM_TYPES or k in _OPENAI_ALIASES
               or k in ("prompt", "messages", "top_logprobs")}
     fields.update(_batch_prompt(body))
+    fields[_TEMPLATE_KEY] = template
     lora = body.get("lora")
     if lora is None:
         lora = names.lora_for(body.get("model"))
@@ -396,5 +472,5 @@ def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = 
     else:
         keep = params.truncate_prompt_tokens  # the prompt's end only: its whole length is no reason to refuse it
         tokens = encode_prompt(tokenizer, fields.get("prompt"), fields.get("messages"),
-                               max_tokens if keep is None else None)
+                               max_tokens if keep is None else None, fields.get(_TEMPLATE_KEY))
     return ParsedRequest(req_id, tokens, params, lora)

@@ -11,9 +11,8 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..engine.inputs import UNSUPPORTED_OPENAI as _UNSUPPORTED, check_add_special_tokens, chat_messages, \
-    reads_content_parts, \
-    encode_prompt, params_from
+from ..engine.inputs import UNSUPPORTED_OPENAI as _UNSUPPORTED, chat_template_options, check_add_special_tokens, \
+    chat_messages, check_no_chat_template_fields, reads_content_parts, encode_prompt, params_from
 from ..engine.outputs import RequestOutput
 from ..engine.prompt_size import PromptTooLongError
 from ..engine.sampling_params import MAX_SEED
@@ -105,6 +104,11 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
         check_add_special_tokens(body.get("add_special_tokens"), chat)
     except RequestError as e:
         raise ApiError(400, str(e), param="add_special_tokens") from e
+    if not chat:
+        try:
+            check_no_chat_template_fields(body)
+        except RequestError as e:
+            raise ApiError(400, str(e), param=e.field) from e
     model = _expect(body, "model", (str,), "a string")
     stream = bool(_expect(body, "stream", (bool,), "a boolean"))
     options = _expect(body, "stream_options", (dict,), "an object") or {}
@@ -212,12 +216,17 @@ def parse_chat(body: Any, tokenizer, max_tokens: int | None = None,
         clean = chat_messages(messages, reads_content_parts(tokenizer))
     except RequestError as e:
         raise bad_request(e, param="messages") from e
+    try:
+        template = chat_template_options(body)
+    except RequestError as e:
+        raise ApiError(400, str(e), param=e.field) from e
     if _no_max_tokens(body):
         req.params.max_new_tokens = None  # as OpenAI: up to the context limit
     if req.params.truncate_prompt_tokens is not None:
         max_tokens = None
     try:
-        req.prompts = _choices(req, [encode_prompt(tokenizer, messages=clean, max_tokens=max_tokens)])
+        req.prompts = _choices(req, [encode_prompt(tokenizer, messages=clean, max_tokens=max_tokens,
+                                                   template=template)])
     except PromptTooLongError as e:
         raise ApiError(400, str(e), param="messages", code="context_length_exceeded") from e
     except RequestError as e:
