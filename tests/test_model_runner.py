@@ -72,7 +72,7 @@ def test_prepared_inputs_are_what_the_host_knows(tiny, monkeypatch, overlap):
     assert any(len(before) > 1 and sum(b[2] for b in before) % 2 for _, before, *_ in seen)  # an odd token count
     assert (sum(pending) >= 10) == overlap and sum(1 for *_, out, _ in seen if out[2].lora is not None) >= 5
     bs = 4
-    for order, before, zero, (input_ids, positions, ctx, rows, idx, sampling), zeroed in seen:
+    for order, before, zero, (input_ids, positions, ctx, rows, idx, sampling, prompt), zeroed in seen:
         ids, pos, slots, adapters, starts, sample_rows, last = [], [], [], [], [0], [], []
         for i, (seq, start, n, length, slot, table) in zip(order, before):
             ids += seq.all_token_ids[start:start + n]  # at the end every input token is known on the host

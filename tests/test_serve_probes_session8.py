@@ -34,7 +34,7 @@ def _chat(**extra) -> dict:
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("prompt_logprobs", 1, "prompt_logprobs is not supported"),
+    ("best_of", 2, "only best_of=1 is supported"),
     ("bad_words", ["x"], "bad_words is not supported"),
     ("use_beam_search", True, "beam search"),
     ("guided_json", {"type": "object"}, "guided decoding"),

@@ -47,13 +47,14 @@ def _step(eng, audit: SyncAudit | None, log: list) -> list:
 def _serve_a_mix(llm, audit: SyncAudit | None = None, log: list | None = None) -> dict:
     """Requests as a server meets them, all through engine steps: three adapters through two slots (swaps) beside
     the base model, greedy and sampled rows (top-k/top-p/min-p, seeds, penalties, logprobs, allowed_token_ids,
-    min_tokens, logit_bias), prompts longer than a step's token budget (chunked prefill), a prompt whose prefix is
-    cached, a request aborted mid-run. `log`: see _step."""
+    min_tokens, logit_bias, prompt_logprobs), prompts longer than a step's token budget (chunked prefill), a prompt
+    whose prefix is cached, a request aborted mid-run. `log`: see _step."""
     eng = llm.engine
     prompts = random_prompts(eng.model_config.vocab_size, (7, 30, 5, 9, 16, 6), seed=8)
     prompts.append(prompts[1][:20] + [3, 4])
     names = ["a", "b", None, "a", "c", "b", "b"]
-    params = [SamplingParams(max_new_tokens=8, ignore_eos=True, allowed_token_ids=list(range(3, 300))),
+    params = [SamplingParams(max_new_tokens=8, ignore_eos=True, allowed_token_ids=list(range(3, 300)),
+                             prompt_logprobs=2),
               SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.8, top_p=0.9, top_k=5, seed=1,
                              logprobs=2, repetition_penalty=1.1, presence_penalty=0.5, min_p=0.05, min_tokens=3,
                              stop_token_ids=[7], logit_bias={5: 1.0, 9: -2.0})]

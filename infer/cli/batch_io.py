@@ -275,6 +275,8 @@ def output_record(req_id: str, out, tokenizer) -> dict:
            "stop_reason": out.stop_reason, "usage": out.usage, "error": out.error}
     if out.logprobs is not None:
         rec["logprobs"] = [_named(r, tokenizer) for r in out.logprobs]
+    if out.prompt_logprobs is not None:  # null for the first prompt token, which nothing predicts
+        rec["prompt_logprobs"] = [r and _named(r, tokenizer) for r in out.prompt_logprobs]
     return rec
 
 

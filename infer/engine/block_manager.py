@@ -61,8 +61,9 @@ class BlockManager:
 
     # ------------------------------------------------------------------ admission
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids of the longest cached prefix; at least one token is always left to compute."""
-        if not self.enable_prefix_caching:
+        """Block ids of the longest cached prefix; at least one token is always left to compute. A request that
+        wants its prompt's logprobs computes every prompt token (as vLLM: cached ones have no logits)."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         found, h = [], root_hash(seq)
         for i in range((len(seq) - 1) // self.block_size):

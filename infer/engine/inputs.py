@@ -21,6 +21,7 @@ _PARAM_TYPES: dict[str, tuple] = {
     "ignore_eos": (bool,), "prefix_token_ids": (list,), "logprobs": (int, bool),
     "min_p": (int, float), "min_tokens": (int,), "logit_bias": (dict,), "allowed_token_ids": (list,),
     "include_stop_str_in_output": (bool,), "skip_special_tokens": (bool,), "truncate_prompt_tokens": (int,),
+    "prompt_logprobs": (int,),
 }
 _PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 _OTHER_KEYS = {"id", "lora"}
@@ -42,7 +43,6 @@ UNSUPPORTED_OPENAI = {
     "audio": (lambda v: v is None, "audio output is not supported"),
     # vLLM's extensions that change the reply: silently dropped, the client would get another reply than it asked
     "use_beam_search": (lambda v: v is None or v is False, "beam search is not supported"),
-    "prompt_logprobs": (lambda v: v is None, "prompt_logprobs is not supported"),
     "bad_words": (lambda v: not v, "bad_words is not supported"),
     **{k: (lambda v: v is None, "guided decoding is not supported")
        for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")},

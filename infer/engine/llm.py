@@ -31,6 +31,8 @@ class LLM:
         self._lock = threading.RLock()  # one engine step (or add/abort) at a time
         self._mail: dict[str, list[RequestOutput]] = {}  # request id -> outputs its call has not taken yet
         self._failed: set[str] = set()  # requests ended by a failed step (their later abort output is dropped)
+        self._stepping = False  # inside an engine step (this thread holds the lock): _forget waits for its end
+        self._deferred: list[str] = []  # requests to forget once the step is over
 
     def close(self) -> None:
         """Free the engine's device memory (KV cache, CUDA graphs, weights) now rather than at garbage collection;
@@ -155,6 +157,9 @@ class LLM:
     def _forget(self, ids) -> None:
         """Stop these requests if still running (their KV blocks are freed) and drop their mailboxes."""
         with self._lock:
+            if self._stepping:  # a stream collected by the GC in the middle of a step (the lock is reentrant):
+                self._deferred.extend(ids)  # aborting now would change the batch the step is running
+                return
             for rid in ids:
                 if self._mail.pop(rid, None) is not None and self.engine is not None:
                     self.engine.abort_request(rid)
@@ -180,6 +185,7 @@ class LLM:
         """One engine step. When it raises, the requests it was running are not trusted: they end with
         finish_reason "error" and the error named (as in `infer run` and the server); the others go on."""
         try:
+            self._stepping = True
             outputs = engine.step()
         except Exception as e:
             message = f"internal engine error: {type(e).__name__}: {e}"
@@ -196,6 +202,10 @@ class LLM:
                                     lora=seq.lora if seq else None)
                 outputs.append(out)
             return outputs
+        finally:
+            self._stepping = False
+            deferred, self._deferred = self._deferred, []
+            self._forget(deferred)
         dropped = {out.request_id for out in outputs} & self._failed
         self._failed -= dropped
         return [out for out in outputs if out.request_id not in dropped]

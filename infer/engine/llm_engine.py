@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import torch
 
-from ..errors import LoRAError, LoRANameError, RequestError
+from ..errors import ClosedError, LoRAError, LoRANameError, RequestError
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import Detokenizer
@@ -69,9 +69,11 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     lora: str | None = None) -> None:
+        self._check_open()
         params = params or SamplingParams()
         request_id = str(request_id)
-        if request_id in self.requests:
+        old = self.requests.get(request_id)
+        if old is not None and not old.finished:
             raise RequestError(f"request id {request_id!r} is already running", "give every request its own id")
         params = params.checked()  # the request's own copy, checked again: the caller may have changed its object
         if params.truncate_prompt_tokens is not None and isinstance(prompt_token_ids, (list, tuple)):
@@ -82,6 +84,9 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_token_ids), params, lora, max_total_len=cap, lora_key=key)
         if params.min_tokens:
             seq.min_tokens_ban = self._min_tokens_ban(params)
+        if old is not None:  # aborted, its abort output not handed out yet: the id is free again, as in vLLM; that
+            self._aborted = [s for s in self._aborted if s is not old]  # output is dropped, or the new request's
+            self._forget(old)  # consumer would read it as its own end (and its penalty row would be the old one's)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -192,6 +197,7 @@ class LLMEngine:
         """Schedule a batch, run it, sample, hand out outputs. With overlap (config.use_overlap()) the batch is only
         launched: the outputs returned are the previous batch's, handled on the host while this one runs on the
         device, and this batch's input ids for tokens the host has not seen yet come from the device."""
+        self._check_open()
         outputs = self._take_aborted()
         self._reap_loras()  # adapters removed while requests still used them, now that those may have finished
         batch = self.scheduler.schedule()
@@ -209,6 +215,10 @@ class LLMEngine:
         self._launched(batch, handle.rows)
         self._inflight = (batch, handle)
         return outputs + (self._complete(prev[0], prev[1].result()) if prev else [])
+
+    def _check_open(self) -> None:
+        if getattr(self, "runner", None) is None:  # close() freed the model and the KV cache
+            raise ClosedError("this engine was closed (LLMEngine.close())", "create a new engine to run requests")
 
     def _take_aborted(self) -> list[RequestOutput]:
         outputs = [self._output(s, []) for s in self._aborted]
@@ -339,6 +349,7 @@ class LLMEngine:
         prefill whose prompt starts with cached blocks when prefix caching is on) so that no kernel is compiled on
         a user's first request. Without CUDA graphs, also decodes over a context longer than one attention partition
         (the split decode and its reduce), where the model and the KV cache allow one."""
+        self._check_open()
         from ..kernels.attention import PARTITION
         bs = self.config.block_size
         long_prompt = [i % 100 + 1 for i in range(2 * bs + 9)][:max(2, self.max_model_len - 3)]

@@ -64,9 +64,10 @@ class ModelRunner:
         return sorted(range(len(batch.seqs)), key=lambda i: slot(batch.seqs[i].lora))
 
     def prepare(self, batch: ScheduledBatch, order: list[int] | None = None, prev: StepHandle | None = None):
-        """(input_ids, positions, ctx, rows, idx, sampling) of the batch in `order`: `rows` are the indices in the
-        batch of the sequences that sample this step (their prompt is complete), in run order, `idx` the flat indices
-        of their last tokens and `sampling` their SamplingInputs (None without rows). Token ids still pending on the
+        """(input_ids, positions, ctx, rows, idx, sampling, prompt) of the batch in `order`: `rows` are the indices in
+        the batch of the sequences that sample this step (their prompt is complete), in run order, `idx` the flat
+        indices of their last tokens, `sampling` their SamplingInputs (None without rows) and `prompt` what the
+        prompt_logprobs of the step's prefill chunks need (None without). Token ids still pending on the
         host (PENDING) are taken from `prev`'s sampled tokens on the device; the KV blocks `batch.zero` are zeroed
         first. Every integer input travels to the device in one copy (a Pack), without a sync; the sampling
         parameters' floats, when a row draws or has penalties, in a second."""
@@ -74,6 +75,8 @@ class ModelRunner:
         rows = []
         for i in order if order is not None else range(len(batch.seqs)):
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
+            if seq.prompt_logprobs is not None:
+                host.add_prompt_logprobs(seq, n)
             host.add(seq, n, prev)
             if seq.num_computed_tokens + n == len(seq):
                 rows.append(i)
@@ -86,6 +89,7 @@ class ModelRunner:
         starts, lens = pack.add([0] + [j + 1 for j in host.last]), pack.add(host.lens)
         tables = pack.add_rows(host.tables, width)
         last, fill, zero = pack.add(host.sample), pack.add(host.fill), pack.add(batch.zero)
+        prompt = (pack.add(host.plp_rows), pack.add(host.plp_tokens)) if host.plp_rows else None
         sampling = SamplingInputs([batch.seqs[i] for i in rows], self.vocab_size, pack, self.penalties,
                                   prev=prev) if rows else None
         data = pack.to(self.device)
@@ -102,7 +106,9 @@ class ModelRunner:
             ctx.lora = self.lora_manager.make_batch(host.lora_slots, data[lora])
         if sampling is not None:
             sampling.load(data, self.device)
-        return input_ids, data[pos], ctx, rows, data[last], sampling
+        if prompt is not None:  # (flat indices of the hidden rows, the prompt tokens they predict, whose they are)
+            prompt = (data[prompt[0]], data[prompt[1]], host.plp_segments)
+        return input_ids, data[pos], ctx, rows, data[last], sampling, prompt
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
                 num_new_tokens: list[int]) -> torch.Tensor:
@@ -114,14 +120,40 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch, prev: StepHandle | None = None) -> StepHandle:
         """Run the model and sample on the device, start copying the sampled tokens to the host, and return without
         waiting for the device. `prev`: the step before, whose tokens may still be pending on the host."""
-        input_ids, positions, ctx, rows, idx, sampling = self.prepare(batch, self.order(batch), prev)
+        input_ids, positions, ctx, rows, idx, sampling, prompt = self.prepare(batch, self.order(batch), prev)
         hidden = self.forward(input_ids, positions, ctx, batch.num_new_tokens)
-        if not rows:
+        prompt_lp = self._prompt_logprobs(hidden, prompt) if prompt is not None else None
+        if not rows and prompt_lp is None:
             return StepHandle([], {}, None, None, None)
-        logits = self.model.compute_logits(hidden.index_select(0, idx))
-        sampled = self.sampler.sample(logits, [batch.seqs[i] for i in rows], sampling)
-        host, event = _copy_to_host(sampled.packed)
-        return StepHandle(rows, {batch.seqs[i].request_id: r for r, i in enumerate(rows)}, sampled, host, event)
+        sampled = None
+        if rows:
+            logits = self.model.compute_logits(hidden.index_select(0, idx))
+            sampled = self.sampler.sample(logits, [batch.seqs[i] for i in rows], sampling)
+        (host, host_lp), event = _copy_to_host(sampled.packed if sampled else None, prompt_lp)
+        return StepHandle(rows, {batch.seqs[i].request_id: r for r, i in enumerate(rows)}, sampled, host, event,
+                          (prompt[2], host_lp) if prompt is not None else None)
+
+    PROMPT_LOGPROB_ROWS = 256  # prompt positions whose full-vocabulary logits exist at once
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, prompt) -> torch.Tensor:
+        """[m, 3 + 2k] float64 for the m prompt positions of `prompt` (from prepare): the token, its logprob under
+        the model's raw distribution, its rank (1 = the most likely), then the k most likely ids and their
+        logprobs (k: the largest prompt_logprobs among the rows). A few hundred positions at a time, so that a
+        long prefill never holds [m, vocab] floats at once."""
+        where, targets, segments = prompt
+        k = max(seq.params.prompt_logprobs for seq, _ in segments)
+        out = []
+        for s in range(0, where.shape[0], self.PROMPT_LOGPROB_ROWS):
+            logp = self.model.compute_logits(hidden.index_select(0, where[s:s + self.PROMPT_LOGPROB_ROWS]))
+            logp = logp.float().log_softmax(-1)
+            t = targets[s:s + self.PROMPT_LOGPROB_ROWS].unsqueeze(1)
+            lp = logp.gather(1, t)
+            cols = [t.double(), lp.double(), ((logp > lp).sum(-1, keepdim=True) + 1).double()]
+            if k:
+                vals, ids = logp.topk(k, -1)
+                cols += [ids.double(), vals.double()]
+            out.append(torch.cat(cols, 1))
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     def run(self, batch: ScheduledBatch) -> dict[int, tuple[int, dict | None]]:
         """Returns {index in batch: (token, logprob record)} for the sequences whose prompt is now complete."""
@@ -137,6 +169,24 @@ class HostInputs:
         self.tables: list[list[int]] = []
         self.sample: list[int] = []  # flat index of the last token of each sequence that samples
         self.fill: list[int] = []  # pairs: flat index, row of the previous step's sampled tokens
+        # prompt_logprobs: the flat index of each hidden row that predicts a prompt token, that token, and per
+        # sequence (seq, how many of them)
+        self.plp_rows: list[int] = []
+        self.plp_tokens: list[int] = []
+        self.plp_segments: list[tuple] = []
+
+    def add_prompt_logprobs(self, seq, n: int) -> None:
+        """The prompt positions t whose logprob the chunk [start, start + n) of `seq` (added next) gives: the hidden
+        row of position t - 1 predicts token t, for the prompt's tokens 1..P-1 not asked for before."""
+        start, prompt = seq.num_computed_tokens, seq.prompt_token_ids
+        lo, hi = max(start + 1, seq.prompt_lp_next), min(start + n, len(prompt) - 1) + 1
+        if lo >= hi:
+            return
+        base = len(self.ids) - start - 1
+        self.plp_rows.extend(range(base + lo, base + hi))
+        self.plp_tokens.extend(prompt[lo:hi])
+        self.plp_segments.append((seq, hi - lo))
+        seq.prompt_lp_next = hi
 
     def add(self, seq, n: int, prev: StepHandle | None) -> None:
         start, table, bs = seq.num_computed_tokens, seq.block_table, self.bs
@@ -155,15 +205,23 @@ class HostInputs:
         self.tables.append(table)
 
 
-def _copy_to_host(packed: torch.Tensor):
-    """(host tensor, event): one non-blocking copy into pinned memory; the event marks its end."""
-    if packed.device.type == "cpu":
-        return packed, None
-    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-    host.copy_(packed, non_blocking=True)
+def _copy_to_host(*tensors):
+    """((host tensors), event): a non-blocking copy of each (None: none) into pinned memory; the event marks the
+    end of the last."""
+    present = [t for t in tensors if t is not None]
+    if not present or present[0].device.type == "cpu":
+        return tensors, None
+    hosts = []
+    for t in tensors:
+        if t is None:
+            hosts.append(None)
+            continue
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        hosts.append(host)
     event = torch.cuda.Event()
     event.record()
-    return host, event
+    return tuple(hosts), event
 
 
 @dataclass
@@ -175,12 +233,34 @@ class StepHandle:
     sampled: SampledBatch | None
     host: torch.Tensor | None
     event: object = None
+    prompt: tuple | None = None  # ([(seq, positions)], host [m, 3 + 2k]): the step's prompt logprobs
 
     def result(self) -> dict[int, tuple[int, dict | None]]:
-        """Wait for the copy; {index in batch: (token, logprob record)}."""
-        if not self.rows:
+        """Wait for the copy; {index in batch: (token, logprob record)}. The step's prompt logprobs are appended
+        to their sequences' records (once)."""
+        if not self.rows and self.prompt is None:
             return {}
         if self.event is not None:
             self.event.synchronize()
+        if self.prompt is not None:
+            (segments, host), self.prompt = self.prompt, None
+            _append_prompt_logprobs(segments, host.tolist())
+        if not self.rows:
+            return {}
         tokens, records = self.sampled.decode(self.host)
         return {i: (t, r) for i, t, r in zip(self.rows, tokens, records)}
+
+
+def _append_prompt_logprobs(segments: list[tuple], rows: list[list[float]]) -> None:
+    """Each sequence's share of the step's prompt logprob rows (see ModelRunner._prompt_logprobs), as records like
+    the generated tokens' (with the rank vLLM gives)."""
+    k_all = (len(rows[0]) - 3) // 2 if rows else 0
+    at = 0
+    for seq, count in segments:
+        k = seq.params.prompt_logprobs
+        for row in rows[at:at + count]:
+            rec = {"token_id": int(row[0]), "logprob": row[1], "rank": int(row[2])}
+            if k:
+                rec["top_logprobs"] = [{"token_id": int(row[3 + j]), "logprob": row[3 + k_all + j]} for j in range(k)]
+            seq.prompt_logprobs.append(rec)
+        at += count

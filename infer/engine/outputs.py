@@ -13,7 +13,8 @@ class RequestOutput:
                  finished: bool = False, finish_reason: str | None = None, error: str | None = None,
                  logprobs: list[dict] | None = None, lora: str | None = None, arrival_time: float = 0.0,
                  first_token_time: float | None = None, token_times: list[float] | None = None,
-                 num_cached_tokens: int = 0, num_prefix_tokens: int = 0, stop_reason: int | str | None = None):
+                 num_cached_tokens: int = 0, num_prefix_tokens: int = 0, stop_reason: int | str | None = None,
+                 prompt_logprobs: list | None = None):
         self.request_id, self.prompt_token_ids = request_id, prompt_token_ids
         self._token_ids = list(token_ids or [])
         self.new_token_ids = list(new_token_ids or [])
@@ -26,6 +27,9 @@ class RequestOutput:
         self._token_times = list(token_times or [])
         self.num_cached_tokens = num_cached_tokens
         self.num_prefix_tokens = num_prefix_tokens  # the request's forced prefix_token_ids at the start of token_ids
+        # with prompt_logprobs: None, then a record per prompt token from the second ({token_id, logprob, rank,
+        # top_logprobs}), the model's raw distribution given the tokens before it (complete from the first token on)
+        self.prompt_logprobs = prompt_logprobs
         self._seq, self._len = None, 0
 
     @classmethod
@@ -41,6 +45,7 @@ class RequestOutput:
         out.stop_reason = seq.stop_reason if seq.finish_reason == "stop" else None
         out.arrival_time, out.first_token_time = seq.arrival_time, seq.first_token_time
         out.num_cached_tokens, out.num_prefix_tokens = seq.num_cached_tokens, len(seq.params.prefix_token_ids)
+        out.prompt_logprobs = seq.prompt_logprobs  # complete (and no longer growing) once a token is sampled
         out._token_ids = out._token_times = out._logprobs = None
         out._seq, out._len = seq, len(seq.output_token_ids)
         return out

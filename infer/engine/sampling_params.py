@@ -45,6 +45,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # the stop string (or stop token's text) stays at the end of the text
     skip_special_tokens: bool = True  # special tokens' text left out of the output text
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
+    prompt_logprobs: int | None = None  # each prompt token's logprob (and top-k) given the tokens before it
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -98,6 +99,8 @@ class SamplingParams:
              f"allowed_token_ids must hold 1..{MAX_ALLOWED_TOKEN_IDS} token ids"),
             (all(isinstance(t, int) and 0 <= t < 2**31 for t in self.allowed_token_ids or ()),
              "allowed_token_ids must be a list of token ids"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             f"prompt_logprobs must be in 0..20, got {self.prompt_logprobs}"),
             (self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
              f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens}"),
         ]
@@ -108,7 +111,7 @@ class SamplingParams:
     def _check_types(self) -> None:
         """From Python nothing checked the types: ignore_eos="no" ignored EOS, top_k=2.5 reached the sampler."""
         for name in ("max_new_tokens", "max_length", "top_k", "seed", "logprobs", "min_tokens",
-                     "truncate_prompt_tokens"):
+                     "truncate_prompt_tokens", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
                 raise RequestError(f"{name} must be an integer, got {type(value).__name__}")
@@ -152,8 +155,7 @@ class SamplingParams:
 # names other APIs use (vLLM's SamplingParams, OpenAI, transformers' GenerationConfig) -> what to write here instead
 _OTHER_NAMES = {"max_completion_tokens": "max_new_tokens", "top_logprobs": "logprobs", "min_new_tokens": "min_tokens",
                 "do_sample": "temperature > 0 (0, the default, is greedy)"}
-_UNSUPPORTED = ("best_of", "bad_words", "prompt_logprobs", "spaces_between_special_tokens", "use_beam_search",
-                "num_beams")
+_UNSUPPORTED = ("best_of", "bad_words", "spaces_between_special_tokens", "use_beam_search", "num_beams")
 
 
 def _refuse_unknown_names(init):

@@ -54,6 +54,11 @@ class Sequence:
         # LLMEngine.add_request, emptied once the reply is long enough
         self.min_tokens_ban: list[int] = []
         self.min_text_len: int | None = None  # with min_tokens: len(text) after that many tokens (stops end past it)
+        # prompt_logprobs: a record per prompt token (None for the first, which nothing predicts), filled as the
+        # prefill's steps complete; prompt_lp_next: the next prompt position a step was asked for (a preempted
+        # request's recomputation does not ask again)
+        self.prompt_logprobs: list | None = [None] if self.params.prompt_logprobs is not None else None
+        self.prompt_lp_next = 1
         # Tokens sampled on the device whose values the host does not know yet (overlapped steps, see
         # LLMEngine): they count in len() and sit after output_token_ids; tokens() shows them as PENDING.
         self.num_pending = 0

@@ -164,7 +164,7 @@ def _error(out) -> p.ApiError:
 
 async def _complete(server: Server, req: p.GenerationRequest, rid: str, model: str, queue, ids, request,
                     arrival: float) -> SafeJSONResponse:
-    choices, prompt_n, completion_n = {}, 0, 0
+    choices, prompt_n, completion_n, prompt_lp = {}, 0, 0, {}
     try:
         async with aclosing(server.outputs(queue, ids, request, arrival)) as outs:
             async for i, out in outs:
@@ -175,12 +175,18 @@ async def _complete(server: Server, req: p.GenerationRequest, rid: str, model: s
                 choices[i] = p.choice(req, i, out.text, out.logprobs, server.tokenizer, p.finish_reason(out),
                                       token_ids=out.token_ids, prompt_token_ids=out.prompt_token_ids,
                                       stop_reason=out.stop_reason)
+                if out.prompt_logprobs is not None:  # vLLM's field: a completion choice's, a chat response's
+                    prompt_lp[i] = p.prompt_logprobs(out.prompt_logprobs, server.tokenizer)
+                    if not req.chat:
+                        choices[i]["prompt_logprobs"] = prompt_lp[i]
                 prompt_n += len(out.prompt_token_ids) if req.counts_prompt(i) else 0
                 completion_n += out.num_generated
     except _ClientGone:
         return SafeJSONResponse({}, status_code=499)  # nobody reads it
     body = p.envelope(req, rid, model, p.now(), [choices[i] for i in sorted(choices)],
                       p.usage(prompt_n, completion_n), chunk=False)
+    if req.chat and prompt_lp:
+        body["prompt_logprobs"] = prompt_lp[min(prompt_lp)]
     return SafeJSONResponse(body)
 
 

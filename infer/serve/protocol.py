@@ -23,7 +23,7 @@ _ALIASES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_to
 _PARAM_KEYS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "repetition_penalty",
                "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "seed", "ignore_eos", "logprobs",
                "top_logprobs", "max_length", "min_p", "min_tokens", "logit_bias", "allowed_token_ids",
-               "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens"}
+               "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs"}
 _FIELD = re.compile(r"^(?:field ')?([a-z_]+)'?")
 MAX_N = 128  # choices per request (each one is an engine request)
 
@@ -135,6 +135,9 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
     top = _expect(body, "top_logprobs", (int,), "an integer")
     if top is not None and not 0 <= top <= 20:
         raise ApiError(400, f"top_logprobs must be in 0..20, got {top}", param="top_logprobs")
+    if stream and body.get("prompt_logprobs") is not None:
+        raise ApiError(400, "prompt_logprobs is only returned by a response that is not streamed",
+                       param="prompt_logprobs")
     if chat and top is not None and fields.get("logprobs") is not True:  # as vLLM: else silently no logprobs
         raise ApiError(400, "when using top_logprobs, logprobs must be set to true", param="top_logprobs")
     length = "max_completion_tokens" if fields.get("max_completion_tokens") is not None else "max_tokens"
@@ -279,6 +282,23 @@ def completion_logprobs(records: list[dict], tokenizer, offset: int = 0) -> dict
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": [r["logprob"] for r in records], "top_logprobs": tops,
             "text_offset": text_offset}
+
+
+def prompt_logprobs(records: list[dict | None], tokenizer) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token (null for the first), {token id: {logprob, rank, decoded_token}}
+    for the prompt's own token and the top-k."""
+    def entry(token_id: int, logprob: float, rank: int) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": _tok(tokenizer, token_id)}
+    out = []
+    for r in records:
+        if r is None:
+            out.append(None)
+            continue
+        e = {str(r["token_id"]): entry(r["token_id"], r["logprob"], r["rank"])}
+        for j, x in enumerate(r.get("top_logprobs", [])):
+            e.setdefault(str(x["token_id"]), entry(x["token_id"], x["logprob"], j + 1))
+        out.append(e)
+    return out
 
 
 def chat_logprobs(records: list[dict], tokenizer) -> dict:
