@@ -81,7 +81,19 @@ def linear_method_factory(path: Path, cfg):
     gcfg = GPTQConfig.from_model_dir(path)
     if gcfg is None:
         raise UnsupportedModelError(f"{path} has a quantization config infer cannot read")
-    return lambda names: GPTQLinearMethod(gcfg)
+
+    def method_for(names):
+        quantized = [n for n in names if gcfg.quantizes(n)]
+        if len(quantized) == len(names):
+            return GPTQLinearMethod(gcfg)
+        if not quantized:
+            return None  # left in float by modules_in_block_to_quantize
+        floats = [n for n in names if n not in quantized]
+        raise UnsupportedModelError(f"{path}: modules_in_block_to_quantize quantizes {', '.join(quantized)} but not "
+                                    f"{', '.join(floats)}",
+                                    "infer runs these projections as one matmul: they must all be quantized or "
+                                    "all be left in float")
+    return method_for
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_positions: int | None = None):

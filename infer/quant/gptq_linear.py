@@ -64,14 +64,14 @@ class GPTQLinearMethod:
         full = f"{layer.prefix_of(shard)}.{name}"
         if name not in _NAMES:
             raise ModelLoadError(f"unexpected tensor {full} in a GPTQ layer",
-                                 "the checkpoint does not match its quantization_config")
+                                 f"the checkpoint does not match its quantization config ({self.config.source})")
         if layer.gptq_ready:
             raise ModelLoadError(f"{full} arrived after the layer was finished", "load every tensor first")
         expect = self._expected(layer, name, shard)
         if tuple(tensor.shape) != expect:
-            raise ModelLoadError(f"{full} has shape {tuple(tensor.shape)} but config.json implies {expect}",
-                                 "the checkpoint does not match config.json / quantization_config (bits, "
-                                 "group_size)")
+            raise ModelLoadError(f"{full} has shape {tuple(tensor.shape)} but {self.config.source} implies {expect}",
+                                 f"the checkpoint does not match its quantization config ({self.config.source}: "
+                                 f"bits {self.config.bits}, group_size {self.config.group_size})")
         if name == "g_idx":
             self._load_g_idx(layer, shard, tensor, full)
             return
