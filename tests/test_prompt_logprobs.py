@@ -131,3 +131,43 @@ def test_infer_run_writes_prompt_logprobs(path, tmp_path):
     assert lp[0] is None and [r["token_id"] for r in lp[1:]] == prompt[1:] and "token" in lp[1]
     want = _hf_prompt_logprobs(path, prompt)
     assert lp[3]["logprob"] == pytest.approx(want[2][prompt[3]].item(), abs=1e-4)
+
+
+def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(path):
+    """OpenAI's legacy `echo` on /v1/completions, as lm-evaluation-harness scores a continuation (`echo: true,
+    logprobs: 1`, `max_tokens` 0 or 1): the text starts with the prompt, and logprobs.token_logprobs has one entry
+    per prompt token (null first) equal to transformers', then the reply's."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    engine = LLMEngine(EngineConfig(path, max_model_len=64, block_size=4))
+    text = "hello world, this is"
+    ids = engine.tokenizer(text)["input_ids"]
+    want = _hf_prompt_logprobs(path, ids)
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny-llama")) as base:
+        def post(**body):
+            return httpx.post(f"{base}/v1/completions", json={"prompt": text, "temperature": 0, **body}, timeout=60)
+        zero, one = post(echo=True, logprobs=1, max_tokens=0), post(echo=True, logprobs=1, max_tokens=1)
+        plain, ids_echo = post(max_tokens=1), post(echo=True, max_tokens=2, prompt=ids)
+        refused = [post(echo=True, max_tokens=1, stream=True), post(max_tokens=0)]
+        chat = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                               "echo": True}, timeout=60)
+    for r in (zero, one, plain, ids_echo):
+        assert r.status_code == 200, r.text
+    z, o = zero.json()["choices"][0], one.json()["choices"][0]
+    reply = plain.json()["choices"][0]["text"]
+    assert z["text"] == text and o["text"] == text + reply and z["finish_reason"] == "length"
+    assert zero.json()["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    lp = o["logprobs"]
+    assert len(lp["token_logprobs"]) == len(ids) + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for t in range(1, len(ids)):
+        assert lp["token_logprobs"][t] == pytest.approx(want[t - 1][ids[t]].item(), abs=1e-4)
+        assert len(lp["top_logprobs"][t]) <= 2  # the prompt's token and the most likely one
+    assert z["logprobs"]["token_logprobs"] == lp["token_logprobs"][:len(ids)] and "prompt_logprobs" not in o
+    assert ids_echo.json()["choices"][0]["text"].startswith(engine.tokenizer.decode(ids))
+    assert [r.status_code for r in refused] == [400, 400] and refused[0].json()["error"]["param"] == "echo"
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "echo"

@@ -172,15 +172,17 @@ async def _complete(server: Server, req: p.GenerationRequest, rid: str, model: s
                     continue
                 if out.finish_reason in ("error", "abort"):
                     raise _error(out)
-                choices[i] = p.choice(req, i, out.text, out.logprobs, server.tokenizer, p.finish_reason(out),
-                                      token_ids=out.token_ids, prompt_token_ids=out.prompt_token_ids,
-                                      stop_reason=out.stop_reason)
-                if out.prompt_logprobs is not None:  # vLLM's field: a completion choice's, a chat response's
+                text, records = p.echoed(req, i, out, server.tokenizer) if req.echo else (out.text, out.logprobs)
+                reason = "length" if req.prompt_only else p.finish_reason(out)
+                choices[i] = p.choice(req, i, text, records, server.tokenizer, reason, token_ids=out.token_ids,
+                                      prompt_token_ids=out.prompt_token_ids, stop_reason=out.stop_reason)
+                if out.prompt_logprobs is not None and req.asked_prompt_logprobs:
+                    # vLLM's field: a completion choice's, a chat response's
                     prompt_lp[i] = p.prompt_logprobs(out.prompt_logprobs, server.tokenizer)
                     if not req.chat:
                         choices[i]["prompt_logprobs"] = prompt_lp[i]
                 prompt_n += len(out.prompt_token_ids) if req.counts_prompt(i) else 0
-                completion_n += out.num_generated
+                completion_n += 0 if req.prompt_only else out.num_generated
     except _ClientGone:
         return SafeJSONResponse({}, status_code=499)  # nobody reads it
     body = p.envelope(req, rid, model, p.now(), [choices[i] for i in sorted(choices)],

@@ -68,6 +68,10 @@ class GenerationRequest:
     return_token_ids: bool = False  # vLLM extension: token ids in each choice (and chunk)
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk (vLLM)
     n: int = 1  # choices per prompt: prompts[i] is prompt i // n's sample i % n
+    echo: bool = False  # completions: the prompt's text (and logprobs) before the reply's
+    prompt_only: bool = False  # echo with max_tokens 0: the prompt alone (one token is generated and left out)
+    prompt_texts: list | None = None  # with echo: each prompt's text as sent (None: token ids, decoded)
+    asked_prompt_logprobs: bool = False  # the body's own prompt_logprobs (echo with logprobs asks the engine too)
 
     def params_for(self, index: int):
         """Choice `index`'s sampling: with n > 1 and a seed, sample j draws with seed + j (as vLLM's parallel
@@ -95,8 +99,13 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     for key, (ok, why) in _UNSUPPORTED.items():
-        if key != "n" and not ok(body.get(key)):  # n: one engine request per choice (below)
+        if key not in ("n", "echo") and not ok(body.get(key)):  # n: one engine request per choice; echo: below
             raise ApiError(400, why, param=key)
+    echo = bool(_expect(body, "echo", (bool,), "a boolean"))
+    if echo and chat:
+        raise ApiError(400, "echo is supported by /v1/completions only", param="echo")
+    if echo and body.get("stream"):
+        raise ApiError(400, "echo is only supported in a response that is not streamed", param="echo")
     n = _expect(body, "n", (int,), "an integer")
     if n is not None and not 1 <= n <= MAX_N:
         raise ApiError(400, f"n must be in 1..{MAX_N}, got {n}", param="n")
@@ -143,15 +152,21 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
     length = "max_completion_tokens" if fields.get("max_completion_tokens") is not None else "max_tokens"
     if length == "max_completion_tokens":  # it supersedes max_tokens, whichever comes first (OpenAI, vLLM)
         fields.pop("max_tokens", None)
+    prompt_only = echo and fields.get(length) == 0  # OpenAI's legacy echo of the prompt alone (lm-eval scores so)
+    if prompt_only:
+        fields[length] = 1
     try:
         params = params_from(fields, _ALIASES)
     except RequestError as e:
         if str(e).startswith("max_new_tokens"):  # name the field the client sent, not the engine's
             raise ApiError(400, str(e).replace("max_new_tokens", length), param=length) from e
         raise bad_request(str(e).replace("max_new_tokens", length)) from e
+    if echo and params.logprobs is not None:  # the prompt's logprobs, with as many alternatives as the reply's
+        params.prompt_logprobs = max(params.prompt_logprobs or 0, params.logprobs)
     return_ids = bool(_expect(body, "return_token_ids", (bool,), "a boolean"))
     return GenerationRequest([], params, model, stream, include_usage and stream, chat, return_ids,
-                             include_usage and continuous and stream, n or 1)
+                             include_usage and continuous and stream, n or 1, echo, prompt_only,
+                             asked_prompt_logprobs=body.get("prompt_logprobs") is not None)
 
 
 def _choices(req: GenerationRequest, prompts: list[list[int]]) -> list[list[int]]:
@@ -199,7 +214,27 @@ def parse_completion(body: Any, tokenizer, max_tokens: int | None = None,
     if req.params.truncate_prompt_tokens is not None:  # only its end is kept: its length is no reason to refuse it
         max_tokens = None
     req.prompts = _choices(req, _completion_prompts(body["prompt"], tokenizer, max_tokens))
+    if req.echo:
+        sent = body["prompt"]
+        texts = [sent] if isinstance(sent, str) else [q if isinstance(q, str) else None for q in sent]
+        req.prompt_texts = texts if len(texts) * req.n == len(req.prompts) else None  # token ids: [None]
     return req
+
+
+def echoed(req: GenerationRequest, index: int, out: RequestOutput, tokenizer) -> tuple[str, list[dict] | None]:
+    """(text, logprob records) of an echo choice: the prompt as sent (its tokens decoded when sent as ids or
+    truncated), then the reply (nothing with max_tokens 0); the first prompt token's logprob is null."""
+    text = req.prompt_texts[index // req.n] if req.prompt_texts else None
+    if text is None or req.params.truncate_prompt_tokens is not None:
+        text = tokenizer.decode(out.prompt_token_ids)
+    records = None
+    if out.logprobs is not None:
+        k = req.params.logprobs
+        records = [{"token_id": out.prompt_token_ids[0], "logprob": None}] + [
+            {"token_id": r["token_id"], "logprob": r["logprob"], "top_logprobs": r.get("top_logprobs", [])[:k]}
+            for r in out.prompt_logprobs[1:]]
+        records += [] if req.prompt_only else out.logprobs
+    return text + ("" if req.prompt_only else out.text), records
 
 
 def parse_chat(body: Any, tokenizer, max_tokens: int | None = None,
@@ -276,6 +311,9 @@ def completion_logprobs(records: list[dict], tokenizer, offset: int = 0) -> dict
     # up to logprobs + 1 tokens, and logprobs: 0 still gives the sampled one
     tops = []
     for tok, r in zip(tokens, records):
+        if r["logprob"] is None:  # an echoed prompt's first token: nothing predicts it (null, as OpenAI)
+            tops.append(None)
+            continue
         top = {tok: r["logprob"]}
         for x in r.get("top_logprobs", []):
             top.setdefault(_tok(tokenizer, x["token_id"]), x["logprob"])
