@@ -140,3 +140,32 @@ def test_tool_calls_that_are_not_a_list_of_objects_are_a_400_naming_them(tok, mo
     assert "messages[1].tool_calls must be a list of tool call objects" in msg
     ok = [*MSGS, {"role": "assistant", "content": "Sure", "tool_calls": None}, {"role": "user", "content": "and?"}]
     assert parse_chat({"messages": ok}, tok).prompts[0] == _want(tok, ok)  # null: no tool calls, as in vLLM
+
+
+def test_llm_chat_takes_vllms_template_options():
+    """vLLM's LLM.chat(messages, params, chat_template_kwargs=..., add_generation_prompt=...,
+    continue_final_message=...): the same token ids as transformers' apply_chat_template with those options."""
+    from infer import LLM, SamplingParams
+    from infer.errors import RequestError
+    with LLM("tiny-qwen3", block_size=4) as llm:
+        tok = llm.tokenizer
+        tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                             "{% if not (loop.last and continue_final_message) %}<|im_end|>\n{% endif %}{% endfor %}"
+                             "{% if add_generation_prompt %}<|im_start|>assistant\n"
+                             "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+                             "{% endif %}{% endif %}")
+        msgs = [{"role": "user", "content": "hi"}]
+        p = SamplingParams(max_new_tokens=2)
+        plain = llm.chat(msgs, p)[0]
+        quiet = llm.chat([msgs, msgs], p, chat_template_kwargs={"enable_thinking": False})
+        more = llm.chat(msgs + [{"role": "assistant", "content": "Sure, "}], p, add_generation_prompt=False,
+                        continue_final_message=True)[0]
+        assert plain.prompt_token_ids == tok.apply_chat_template(msgs, add_generation_prompt=True)["input_ids"]
+        assert quiet[0].prompt_token_ids == quiet[1].prompt_token_ids == tok.apply_chat_template(
+            msgs, add_generation_prompt=True, enable_thinking=False)["input_ids"] != plain.prompt_token_ids
+        assert more.prompt_token_ids == tok.apply_chat_template(
+            msgs + [{"role": "assistant", "content": "Sure, "}], continue_final_message=True)["input_ids"]
+        with pytest.raises(RequestError, match="needs add_generation_prompt=false"):
+            llm.chat(msgs, p, continue_final_message=True)
+        with pytest.raises(RequestError, match="takes a conversation"):
+            llm.chat("hi", p)

@@ -13,7 +13,7 @@ from typing import Iterator, Sequence as Seq
 
 from ..errors import ClosedError, RequestError
 from .config import EngineConfig
-from .inputs import encode_prompt
+from .inputs import chat_template_options, encode_prompt
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -79,13 +79,13 @@ class LLM:
         manager = self._engine().lora_manager
         return manager.names() if manager is not None else []
 
-    def _encode(self, prompt: Prompt, i: int, truncated: bool = False) -> list[int]:
+    def _encode(self, prompt: Prompt, i: int, truncated: bool = False, template: dict | None = None) -> list[int]:
         # a text certainly longer than the context is refused untokenized, unless the request keeps only its end
         most = None if truncated else self._engine().max_model_len
         if isinstance(prompt, str):
             return encode_prompt(self.tokenizer, prompt=prompt, max_tokens=most)
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            return encode_prompt(self.tokenizer, messages=list(prompt), max_tokens=most)
+            return encode_prompt(self.tokenizer, messages=list(prompt), max_tokens=most, template=template)
         if _is_array(prompt):  # a numpy array or torch tensor of token ids
             prompt = prompt.tolist()
         if isinstance(prompt, (list, tuple)):
@@ -98,8 +98,9 @@ class LLM:
         raise RequestError(f"prompt {i} is {what}",
                            "give text, a list of token ids, or a list of chat messages (dicts)")
 
-    def _submit(self, prompts, params, lora) -> list[str]:
-        """Queue every prompt, or none: a bad one raises with the ones before it taken back out of the engine."""
+    def _submit(self, prompts, params, lora, template: dict | None = None) -> list[str]:
+        """Queue every prompt, or none: a bad one raises with the ones before it taken back out of the engine.
+        `template`: apply_chat_template's options for the chat prompts (LLM.chat)."""
         self._engine()
         if _is_array(prompts):  # token ids as a numpy array or torch tensor: 1-D is one prompt, 2-D a batch
             prompts = prompts.tolist()
@@ -130,7 +131,7 @@ class LLM:
         encoded = []
         for i, p in enumerate(prompts):
             try:
-                encoded.append(self._encode(p, i, params_list[i].truncate_prompt_tokens is not None))
+                encoded.append(self._encode(p, i, params_list[i].truncate_prompt_tokens is not None, template))
             except RequestError as e:
                 if n > 1 and not e.message.startswith(f"prompt {i} "):  # which of the prompts it is
                     raise type(e)(f"prompt {i}: {e.message}", e.hint) from None
@@ -213,7 +214,9 @@ class LLM:
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  lora: str | list[str | None] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion (batched together); outputs in the order of the prompts."""
-        ids = self._submit(prompts, params, lora)
+        return self._run(self._submit(prompts, params, lora))
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
         done = {}
         try:
             while len(done) < len(ids):
@@ -223,6 +226,24 @@ class LLM:
         finally:  # Ctrl-C or an engine error: leave no request of this call running
             self._forget(ids)
         return [done[i] for i in ids]
+
+    def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None,
+             lora: str | list[str | None] | None = None, *, chat_template_kwargs: dict | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             documents: list[dict] | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or a list of them, rendered by
+        the model's chat template with these options (chat_template_kwargs: the template's own variables, e.g.
+        Qwen3's enable_thinking), then run as generate() runs prompts."""
+        convs = [messages] if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict) \
+            else messages
+        if not isinstance(convs, (list, tuple)) or not convs or not all(
+                isinstance(c, (list, tuple)) and c and all(isinstance(m, dict) for m in c) for c in convs):
+            raise RequestError("chat() takes a conversation (a list of message dicts) or a list of conversations",
+                               'e.g. llm.chat([{"role": "user", "content": "Hi"}])')
+        template = chat_template_options(dict(chat_template_kwargs=chat_template_kwargs, documents=documents,
+                                              add_generation_prompt=add_generation_prompt,
+                                              continue_final_message=continue_final_message))
+        return self._run(self._submit(list(convs), params, lora, template))
 
     def stream(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                lora: str | list[str | None] | None = None) -> Iterator[tuple[int, str, RequestOutput]]:
