@@ -134,7 +134,7 @@ def test_a_truncated_prompt_longer_than_the_context_is_served(served):
 
 @pytest.mark.parametrize("body, param", [
     ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"5": 300}}, "logit_bias"),
-    ({"logit_bias": {"100000": 1}}, "prompt"), ({"min_tokens": 9, "max_tokens": 2}, "min_tokens"),
+    ({"logit_bias": {"100000": 1}}, "logit_bias"), ({"min_tokens": 9, "max_tokens": 2}, "min_tokens"),
     ({"allowed_token_ids": "5"}, "allowed_token_ids"), ({"min_p": 2}, "min_p"),
 ])
 def test_bad_extension_values_are_400s(served, body, param):

@@ -91,9 +91,12 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def _min_tokens_ban(self, params: SamplingParams) -> list[int]:
-        """What min_tokens keeps from being sampled early: EOS (unless ignored) and the stop token ids (vLLM)."""
+        """What min_tokens keeps from being sampled early: EOS (unless ignored) and the stop token ids (vLLM). A stop
+        token id outside the vocabulary is never sampled: masking it would reach another row's logits, or past the
+        batch's (the sampler masks flat indices row * vocab + token)."""
         eos = set() if params.ignore_eos else set(self.eos_token_ids)
-        return sorted(eos | set(params.stop_token_ids))
+        vocab = self.model_config.vocab_size
+        return sorted(t for t in eos | set(params.stop_token_ids) if t < vocab)
 
     def _longer_hint(self, by_request: bool) -> str:
         """What can make room for a prompt that fills its cap: the request's max_length up to the engine's context,

@@ -205,7 +205,7 @@ def _bias(value) -> dict:
         return {} if value is None else value
     out = {}
     for key, bias in value.items():
-        if isinstance(key, str) and key.strip().isdigit():
+        if isinstance(key, str) and key.strip().isascii() and key.strip().isdigit():  # "²" is a digit int() refuses
             key = int(key)
         elif isinstance(key, numbers.Integral) and not isinstance(key, bool):
             key = int(key)

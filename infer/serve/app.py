@@ -103,7 +103,8 @@ class Server:
                 done.append(rid)
         except RequestError as e:
             self._abort(done)
-            raise p.bad_request(e, param="prompt") from e
+            named = p.bad_request(e)  # a field the engine refused (logit_bias, allowed_token_ids...) is named
+            raise (named if named.param else p.bad_request(e, param="prompt")) from e
         except QueueFullError as e:
             self._abort(done)
             raise p.ApiError(503, str(e), type="server_overloaded", code="queue_full",
@@ -174,11 +175,12 @@ async def _complete(server: Server, req: p.GenerationRequest, rid: str, model: s
                     raise _error(out)
                 text, records = p.echoed(req, i, out, server.tokenizer) if req.echo else (out.text, out.logprobs)
                 reason = "length" if req.prompt_only else p.finish_reason(out)
-                choices[i] = p.choice(req, i, text, records, server.tokenizer, reason, token_ids=out.token_ids,
+                ids_out = [] if req.prompt_only else out.token_ids  # not the one token generated and left out
+                choices[i] = p.choice(req, i, text, records, server.tokenizer, reason, token_ids=ids_out,
                                       prompt_token_ids=out.prompt_token_ids, stop_reason=out.stop_reason)
-                if out.prompt_logprobs is not None and req.asked_prompt_logprobs:
+                if out.prompt_logprobs is not None and req.asked_prompt_logprobs is not None:
                     # vLLM's field: a completion choice's, a chat response's
-                    prompt_lp[i] = p.prompt_logprobs(out.prompt_logprobs, server.tokenizer)
+                    prompt_lp[i] = p.prompt_logprobs(out.prompt_logprobs, server.tokenizer, req.asked_prompt_logprobs)
                     if not req.chat:
                         choices[i]["prompt_logprobs"] = prompt_lp[i]
                 prompt_n += len(out.prompt_token_ids) if req.counts_prompt(i) else 0

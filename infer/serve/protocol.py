@@ -71,7 +71,8 @@ class GenerationRequest:
     echo: bool = False  # completions: the prompt's text (and logprobs) before the reply's
     prompt_only: bool = False  # echo with max_tokens 0: the prompt alone (one token is generated and left out)
     prompt_texts: list | None = None  # with echo: each prompt's text as sent (None: token ids, decoded)
-    asked_prompt_logprobs: bool = False  # the body's own prompt_logprobs (echo with logprobs asks the engine too)
+    # the body's own prompt_logprobs (echo with logprobs asks the engine too, for as many alternatives as logprobs)
+    asked_prompt_logprobs: int | None = None
 
     def params_for(self, index: int):
         """Choice `index`'s sampling: with n > 1 and a seed, sample j draws with seed + j (as vLLM's parallel
@@ -154,6 +155,9 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
         fields.pop("max_tokens", None)
     prompt_only = echo and fields.get(length) == 0  # OpenAI's legacy echo of the prompt alone (lm-eval scores so)
     if prompt_only:
+        least = fields.get("min_tokens")
+        if isinstance(least, int) and not isinstance(least, bool) and least > 0:  # not "at most max_tokens (1)"
+            raise ApiError(400, f"min_tokens ({least}) must be at most {length} (0)", param="min_tokens")
         fields[length] = 1
     try:
         params = params_from(fields, _ALIASES)
@@ -161,12 +165,13 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
         if str(e).startswith("max_new_tokens"):  # name the field the client sent, not the engine's
             raise ApiError(400, str(e).replace("max_new_tokens", length), param=length) from e
         raise bad_request(str(e).replace("max_new_tokens", length)) from e
+    asked = params.prompt_logprobs
     if echo and params.logprobs is not None:  # the prompt's logprobs, with as many alternatives as the reply's
         params.prompt_logprobs = max(params.prompt_logprobs or 0, params.logprobs)
     return_ids = bool(_expect(body, "return_token_ids", (bool,), "a boolean"))
     return GenerationRequest([], params, model, stream, include_usage and stream, chat, return_ids,
                              include_usage and continuous and stream, n or 1, echo, prompt_only,
-                             asked_prompt_logprobs=body.get("prompt_logprobs") is not None)
+                             asked_prompt_logprobs=asked)
 
 
 def _choices(req: GenerationRequest, prompts: list[list[int]]) -> list[list[int]]:
@@ -322,9 +327,10 @@ def completion_logprobs(records: list[dict], tokenizer, offset: int = 0) -> dict
             "text_offset": text_offset}
 
 
-def prompt_logprobs(records: list[dict | None], tokenizer) -> list[dict | None]:
+def prompt_logprobs(records: list[dict | None], tokenizer, k: int | None = None) -> list[dict | None]:
     """vLLM's prompt_logprobs: per prompt token (null for the first), {token id: {logprob, rank, decoded_token}}
-    for the prompt's own token and the top-k."""
+    for the prompt's own token and the top-k (`k`: the body's prompt_logprobs, when the engine computed more for
+    echo's logprobs)."""
     def entry(token_id: int, logprob: float, rank: int) -> dict:
         return {"logprob": logprob, "rank": rank, "decoded_token": _tok(tokenizer, token_id)}
     out = []
@@ -333,7 +339,7 @@ def prompt_logprobs(records: list[dict | None], tokenizer) -> list[dict | None]:
             out.append(None)
             continue
         e = {str(r["token_id"]): entry(r["token_id"], r["logprob"], r["rank"])}
-        for j, x in enumerate(r.get("top_logprobs", [])):
+        for j, x in enumerate(r.get("top_logprobs", [])[:k]):
             e.setdefault(str(x["token_id"]), entry(x["token_id"], x["logprob"], j + 1))
         out.append(e)
     return out
