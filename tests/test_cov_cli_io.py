@@ -30,7 +30,8 @@ def test_logprob_records_name_every_token(tok):
                                                                   {"token_id": 40, "logprob": -0.5}]},
                {"token_id": 50, "logprob": -1.5, "top_logprobs": []}]
     out = SimpleNamespace(text="x", token_ids=[40, 50], finish_reason="length", stop_reason=None,
-                          usage={"prompt_tokens": 3, "completion_tokens": 2}, error=None, logprobs=records)
+                          usage={"prompt_tokens": 3, "completion_tokens": 2}, error=None, logprobs=records,
+                          prompt_logprobs=None)
     rec = output_record("r", out, tok)
     name = tok.convert_ids_to_tokens
     assert rec["logprobs"] == [

@@ -284,6 +284,7 @@ class LLMEngine:
         p = seq.params
         if seq.min_tokens_ban and seq.num_generated >= p.min_tokens:
             seq.min_tokens_ban = []  # long enough: the sampler masks nothing more for it
+            seq.logit_masks = bool(p.allowed_token_ids or p.logit_bias)
         eos = not p.ignore_eos and token in self.eos_token_ids
         is_stop_token = eos or token in p.stop_token_ids
         stop_string = self.detokenizer.update(seq, is_stop_token)

@@ -174,17 +174,21 @@ class SamplingInputs:
         self.drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
         self.penalties = any(s.params.needs_penalties for s in seqs)
         self._idx = pack.add(self.drawn) if 0 < len(self.drawn) < self.n else None
-        floats = []
+        floats: list[float] = []  # flat: the rows' penalties [n, 3], the drawn rows' draw values [d, 4], the biases
         if self.penalties:
             self.table = table
             self._updates = self._count(seqs, keys or [s.request_id for s in seqs], vocab, pack, prev)
-            floats += [[s.params.repetition_penalty, s.params.presence_penalty, s.params.frequency_penalty]
-                       for s in seqs]
-        allowed, free, banned, biased, self._biases = _masks(seqs, vocab) if any(
-            s.params.allowed_token_ids or s.min_tokens_ban or s.params.logit_bias for s in seqs) else ([],) * 5
+            for s in seqs:
+                p = s.params
+                floats += (p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
+        for row in _draw_values([seqs[i] for i in self.drawn], vocab):
+            floats += row
+        allowed, free, banned, biased, biases = _masks(seqs, vocab) if any(s.logit_masks for s in seqs) \
+            else ([],) * 5
         self._masks = [pack.add(piece) if piece else None for piece in (allowed, free, banned, biased)]
         self.masked = any(piece is not None for piece in self._masks)
-        self.floats = floats + _draw_values([seqs[i] for i in self.drawn], vocab)
+        self._biases = len(biases)
+        self.floats = floats + biases
         self.idx = self.penalty_counts = self.penalty_values = self.draw_values = self.masks = None
 
     def _count(self, seqs: list[Sequence], keys: list, vocab: int, pack: Pack, prev):
@@ -215,11 +219,9 @@ class SamplingInputs:
         table updated first (fresh rows zeroed, their prompt tokens marked, the new output tokens counted)."""
         if self._idx is not None:
             self.idx = data[self._idx]
-        # one copy of the floats: the rows' penalties [n, 3], the drawn rows' draw values [d, 4], the biases
-        flat = [v for row in self.floats for v in row] + self._biases
-        values = to_device(flat, torch.float32, device) if flat else None
+        values = to_device(self.floats, torch.float32, device) if self.floats else None  # one copy of the floats
         if self._biases:
-            values, biases = values[:-len(self._biases)], values[-len(self._biases):]
+            values, biases = values[:-self._biases], values[-self._biases:]
         if self.masked:
             self.masks = [data[piece] if piece is not None else None for piece in self._masks]
             self.masks.append(biases if self._biases else None)

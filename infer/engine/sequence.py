@@ -53,6 +53,9 @@ class Sequence:
         # the tokens min_tokens masks (EOS unless ignore_eos, and stop_token_ids) while the reply is shorter; set by
         # LLMEngine.add_request, emptied once the reply is long enough
         self.min_tokens_ban: list[int] = []
+        # whether the sampler applies a logits processor of the request (allowed_token_ids, logit_bias, min_tokens):
+        # one attribute read per row and step for the requests without
+        self.logit_masks = bool(self.params.allowed_token_ids or self.params.logit_bias or self.params.min_tokens)
         self.min_text_len: int | None = None  # with min_tokens: len(text) after that many tokens (stops end past it)
         # prompt_logprobs: a record per prompt token (None for the first, which nothing predicts), filled as the
         # prefill's steps complete; prompt_lp_next: the next prompt position a step was asked for (a preempted
