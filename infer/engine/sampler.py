@@ -19,6 +19,7 @@ processors, penalties and temperature), as OpenAI and vLLM report them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -171,24 +172,30 @@ class SamplingInputs:
     def __init__(self, seqs: list[Sequence], vocab: int, pack: Pack, table: PenaltyTable, keys: list | None = None,
                  prev=None):
         self.n = len(seqs)
-        self.drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        self.penalties = any(s.params.needs_penalties for s in seqs)
+        self.drawn, self.penalties, masks = [], False, False
+        for i, s in enumerate(seqs):  # one pass over the rows (this runs at every step)
+            p = s.params
+            if not p.greedy:
+                self.drawn.append(i)
+            if not self.penalties and p.needs_penalties:
+                self.penalties = True
+            if s.logit_masks:
+                masks = True
         self._idx = pack.add(self.drawn) if 0 < len(self.drawn) < self.n else None
         floats: list[float] = []  # flat: the rows' penalties [n, 3], the drawn rows' draw values [d, 4], the biases
         if self.penalties:
             self.table = table
             self._updates = self._count(seqs, keys or [s.request_id for s in seqs], vocab, pack, prev)
-            for s in seqs:
-                p = s.params
-                floats += (p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
-        for row in _draw_values([seqs[i] for i in self.drawn], vocab):
-            floats += row
-        allowed, free, banned, biased, biases = _masks(seqs, vocab) if any(s.logit_masks for s in seqs) \
-            else ([],) * 5
-        self._masks = [pack.add(piece) if piece else None for piece in (allowed, free, banned, biased)]
-        self.masked = any(piece is not None for piece in self._masks)
-        self._biases = len(biases)
-        self.floats = floats + biases
+            floats.extend(chain.from_iterable((s.params.repetition_penalty, s.params.presence_penalty,
+                                               s.params.frequency_penalty) for s in seqs))
+        floats.extend(chain.from_iterable(_draw_values([seqs[i] for i in self.drawn], vocab)))
+        self.masked, self._biases = False, 0
+        if masks:
+            allowed, free, banned, biased, biases = _masks(seqs, vocab)
+            self._masks = [pack.add(piece) if piece else None for piece in (allowed, free, banned, biased)]
+            self.masked, self._biases = any(piece is not None for piece in self._masks), len(biases)
+            floats += biases
+        self.floats = floats
         self.idx = self.penalty_counts = self.penalty_values = self.draw_values = self.masks = None
 
     def _count(self, seqs: list[Sequence], keys: list, vocab: int, pack: Pack, prev):
