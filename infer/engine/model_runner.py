@@ -133,20 +133,22 @@ class ModelRunner:
         return StepHandle(rows, {batch.seqs[i].request_id: r for r, i in enumerate(rows)}, sampled, host, event,
                           (prompt[2], host_lp) if prompt is not None else None)
 
-    PROMPT_LOGPROB_ROWS = 256  # prompt positions whose full-vocabulary logits exist at once
+    PROMPT_LOGPROB_ROWS = 256  # at most this many prompt positions' full-vocabulary logits exist at once
 
     def _prompt_logprobs(self, hidden: torch.Tensor, prompt) -> torch.Tensor:
         """[m, 3 + 2k] float64 for the m prompt positions of `prompt` (from prepare): the token, its logprob under
         the model's raw distribution, its rank (1 = the most likely), then the k most likely ids and their
-        logprobs (k: the largest prompt_logprobs among the rows). A few hundred positions at a time, so that a
-        long prefill never holds [m, vocab] floats at once."""
+        logprobs (k: the largest prompt_logprobs among the rows). max_num_seqs positions at a time (at most 256):
+        the sampler's logits of max_num_seqs rows are what the memory plan holds room for, so a long prefill never
+        needs more."""
         where, targets, segments = prompt
         k = max(seq.params.prompt_logprobs for seq, _ in segments)
+        step = max(1, min(self.PROMPT_LOGPROB_ROWS, self.config.max_num_seqs))
         out = []
-        for s in range(0, where.shape[0], self.PROMPT_LOGPROB_ROWS):
-            logp = self.model.compute_logits(hidden.index_select(0, where[s:s + self.PROMPT_LOGPROB_ROWS]))
+        for s in range(0, where.shape[0], step):
+            logp = self.model.compute_logits(hidden.index_select(0, where[s:s + step]))
             logp = logp.float().log_softmax(-1)
-            t = targets[s:s + self.PROMPT_LOGPROB_ROWS].unsqueeze(1)
+            t = targets[s:s + step].unsqueeze(1)
             lp = logp.gather(1, t)
             cols = [t.double(), lp.double(), ((logp > lp).sum(-1, keepdim=True) + 1).double()]
             if k:
