@@ -1,7 +1,7 @@
 """infer: deploy GPTQ int4 language models with batched multi-LoRA, and measure them.
 
-Public API: `LLM`, `SamplingParams`, `EngineConfig` (imported lazily so `import infer` stays light), and the errors
-a user can cause (`InferError` and its subclasses, from `infer.errors`).
+Public API: `LLM`, `SamplingParams` (and its `StructuredOutputsParams`), `EngineConfig` (imported lazily so
+`import infer` stays light), and the errors a user can cause (`InferError` and its subclasses, from `infer.errors`).
 """
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 _ERRORS = ("InferError", "ConfigError", "ModelLoadError", "UnsupportedModelError", "OutputError", "RequestError",
            "LoRAError", "LoRANameError", "OutOfMemoryError", "ClosedError")
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "LLMEngine", *_ERRORS]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "RequestOutput", "LLMEngine",
+           *_ERRORS]
 
 
 def __getattr__(name: str):
@@ -19,6 +20,9 @@ def __getattr__(name: str):
     if name == "SamplingParams":
         from .engine.sampling_params import SamplingParams
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from .engine.structured import StructuredOutputsParams
+        return StructuredOutputsParams
     if name == "EngineConfig":
         from .engine.config import EngineConfig
         return EngineConfig

@@ -52,7 +52,7 @@ def test_a_byte_order_mark_does_not_cost_the_first_line(tmp_path):
 
 @pytest.mark.parametrize("field,value", [("n", 3), ("best_of", 2), ("echo", True), ("bad_words", ["x"]),
                                          ("tools", [{"type": "function"}]),
-                                         ("response_format", {"type": "json_object"})])
+                                         ("suffix", "the end")])
 def test_batch_line_fields_that_would_change_the_reply_are_refused_not_dropped(tmp_path, field, value):
     """`n: 3` used to give one reply and no word about the two others."""
     line = {"custom_id": "c", "method": "POST", "url": "/v1/completions",

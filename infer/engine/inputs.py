@@ -13,6 +13,7 @@ from typing import Any
 from ..errors import RequestError
 from .prompt_size import check_prompt_size
 from .sampling_params import SamplingParams
+from .structured import from_openai
 
 _PARAM_TYPES: dict[str, tuple] = {
     "max_new_tokens": (int,), "max_length": (int,), "temperature": (int, float), "top_p": (int, float),
@@ -21,7 +22,7 @@ _PARAM_TYPES: dict[str, tuple] = {
     "ignore_eos": (bool,), "prefix_token_ids": (list,), "logprobs": (int, bool),
     "min_p": (int, float), "min_tokens": (int,), "logit_bias": (dict,), "allowed_token_ids": (list,),
     "include_stop_str_in_output": (bool,), "skip_special_tokens": (bool,), "truncate_prompt_tokens": (int,),
-    "prompt_logprobs": (int,),
+    "prompt_logprobs": (int,), "structured_outputs": (dict,),
 }
 _PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 _OTHER_KEYS = {"id", "lora"}
@@ -35,8 +36,6 @@ UNSUPPORTED_OPENAI = {
     "suffix": (lambda v: v is None or v == "", "suffix is not supported"),
     "tools": (lambda v: not v, "tool calls are not supported"),
     "functions": (lambda v: not v, "function calls are not supported"),
-    "response_format": (lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-                        "only response_format {\"type\": \"text\"} is supported"),
     "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calls are not supported"),
     "function_call": (lambda v: v in (None, "none", "auto"), "function calls are not supported"),
     "modalities": (lambda v: v is None or v == ["text"], "only text output is supported"),
@@ -44,8 +43,6 @@ UNSUPPORTED_OPENAI = {
     # vLLM's extensions that change the reply: silently dropped, the client would get another reply than it asked
     "use_beam_search": (lambda v: v is None or v is False, "beam search is not supported"),
     "bad_words": (lambda v: not v, "bad_words is not supported"),
-    **{k: (lambda v: v is None, "guided decoding is not supported")
-       for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")},
     "chat_template": (lambda v: v is None, "a chat_template per request is not supported (the model's is used)"),
     "return_tokens_as_token_ids": (lambda v: v is None or v is False, "return_tokens_as_token_ids is not supported"),
 }
@@ -414,6 +411,7 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
                            "set \"logprobs\": true, or remove top_logprobs")
     fields = {k: v for k, v in body.items() if k in _PARAM_TYPES or k in _OPENAI_ALIASES
               or k in ("prompt", "messages", "top_logprobs")}
+    fields["structured_outputs"] = from_openai(body, "body.")[0]  # response_format, guided_json...: one of them
     fields.update(_batch_prompt(body))
     fields[_TEMPLATE_KEY] = template
     lora = body.get("lora")

@@ -18,6 +18,7 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
 from .setup import load_engine_parts, model_max_len
+from .structured import GrammarBackend
 
 log = logging.getLogger("infer")
 
@@ -55,6 +56,8 @@ class LLMEngine:
             self.runner.capture_graphs(self.max_model_len)
             self.start_times["cuda_graphs_s"] = time.perf_counter() - t0
         self.detokenizer = Detokenizer(self.tokenizer)
+        # structured outputs: xgrammar's compiler over the vocabulary the logits cover, made on first use
+        self.grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self.overlap = config.use_overlap()
@@ -84,6 +87,9 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_token_ids), params, lora, max_total_len=cap, lora_key=key)
         if params.min_tokens:
             seq.min_tokens_ban = self._min_tokens_ban(params)
+        if params.structured_outputs is not None:  # compiled already by validate (xgrammar caches it)
+            seq.grammar = self.grammars.matcher(params.structured_outputs, params.prefix_token_ids)
+            seq.logit_masks = True
         if old is not None:  # aborted, its abort output not handed out yet: the id is free again, as in vLLM; that
             self._aborted = [s for s in self._aborted if s is not old]  # output is dropped, or the new request's
             self._forget(old)  # consumer would read it as its own end (and its penalty row would be the old one's)
@@ -125,6 +131,8 @@ class LLMEngine:
                 self._min_tokens_ban(params)):
             raise RequestError("every token in allowed_token_ids is an EOS or stop token, which min_tokens "
                                "forbids: nothing could be sampled", "allow another token, or drop min_tokens")
+        if params.structured_outputs is not None:  # compiles it (a server validates on its own thread)
+            self.grammars.matcher(params.structured_outputs, params.prefix_token_ids)
         cap = min(self.max_model_len, params.max_length or self.max_model_len)
         if n >= cap:
             by_request = bool(params.max_length and params.max_length < self.max_model_len)
@@ -203,6 +211,8 @@ class LLMEngine:
         self._check_open()
         outputs = self._take_aborted()
         self._reap_loras()  # adapters removed while requests still used them, now that those may have finished
+        if self._inflight is not None and any(s.grammar is not None for s in self._inflight[0].seqs):
+            outputs += self._drain()  # its tokens decide what a structured request may sample next
         batch = self.scheduler.schedule()
         outputs += self._take_failed()
         if not batch:
@@ -249,6 +259,7 @@ class LLMEngine:
         still read the row; whoever gets it next resets it in a later step, after that one on the device."""
         self.requests.pop(seq.request_id, None)
         self.runner.penalties.release(seq.request_id)
+        seq.grammar = None
 
     @staticmethod
     def _launched(batch: ScheduledBatch, rows) -> None:
@@ -284,7 +295,14 @@ class LLMEngine:
         p = seq.params
         if seq.min_tokens_ban and seq.num_generated >= p.min_tokens:
             seq.min_tokens_ban = []  # long enough: the sampler masks nothing more for it
-            seq.logit_masks = bool(p.allowed_token_ids or p.logit_bias)
+            seq.logit_masks = bool(p.allowed_token_ids or p.logit_bias or seq.grammar is not None)
+        if seq.grammar is not None and not seq.grammar.accept_token(token):  # the mask allowed only what it accepts
+            seq.error = (f"token {token} does not follow the request's structured_outputs."
+                         f"{p.structured_outputs.kind}")
+            self.scheduler.finish(seq, "error")
+            out = self._output(seq, [token])
+            self._forget(seq)
+            return out
         eos = not p.ignore_eos and token in self.eos_token_ids
         is_stop_token = eos or token in p.stop_token_ids
         stop_string = self.detokenizer.update(seq, is_stop_token)

@@ -4,7 +4,8 @@ The whole batch is sampled by a handful of tensor ops (as nano-vllm and gpt-fast
 as tensors, and nothing is copied back to the host here: `Sampler.sample` returns device tensors and the caller
 copies them once per step (`SampledBatch.packed`: the tokens and, when asked for, the logprob values together).
 
-Per row, in vLLM's and transformers' order: on the raw logits, allowed_token_ids (every other token masked),
+Per row, in vLLM's and transformers' order: on the raw logits, a structured output's grammar (every token its
+matcher does not allow next masked, engine/structured.py), allowed_token_ids (every other token masked),
 min_tokens (EOS and the stop token ids masked while the reply is shorter) and logit_bias (added), as vLLM's logits
 processors; then the penalties (repetition over prompt + output tokens, as transformers'
 RepetitionPenaltyLogitsProcessor; presence and frequency over output tokens, as OpenAI defines them); then
@@ -24,7 +25,8 @@ from itertools import chain
 import torch
 
 from .sequence import Sequence
-from .transfer import Pack, to_device
+from .structured import apply_bitmask, fill_bitmask
+from .transfer import Pack, copy_to, to_device
 
 NEG_INF = float("-inf")
 
@@ -140,11 +142,13 @@ def _masks(seqs: list[Sequence], vocab: int) -> tuple[list[int], list[int], list
 
 
 def apply_masks(logits: torch.Tensor, allowed: torch.Tensor | None, free: torch.Tensor | None,
-                banned: torch.Tensor | None, biased: torch.Tensor | None, biases: torch.Tensor | None) -> torch.Tensor:
-    """logits [n, V] (not changed) -> a copy with allowed_token_ids, min_tokens and logit_bias applied (the flat
-    indices of `_masks`, on the device; None: that one is not applied)."""
+                banned: torch.Tensor | None, biased: torch.Tensor | None, biases: torch.Tensor | None,
+                grammar: tuple | None = None) -> torch.Tensor:
+    """logits [n, V] (not changed) -> a copy with the grammars, allowed_token_ids, min_tokens and logit_bias applied
+    (the flat indices of `_masks`, on the device; None: that one is not applied). grammar: (rows or None for every
+    row, their bitmask) of `structured.apply_bitmask`."""
     n, vocab = logits.shape
-    x = logits
+    x = logits if grammar is None else apply_bitmask(logits, *grammar)
     if allowed is not None:
         keep = torch.zeros(n * vocab, dtype=torch.bool, device=logits.device).index_fill_(0, allowed, True)
         keep = keep.view(n, vocab)
@@ -189,14 +193,19 @@ class SamplingInputs:
             floats.extend(chain.from_iterable((s.params.repetition_penalty, s.params.presence_penalty,
                                                s.params.frequency_penalty) for s in seqs))
         floats.extend(chain.from_iterable(_draw_values([seqs[i] for i in self.drawn], vocab)))
-        self.masked, self._biases = False, 0
+        self.masked, self._biases, self._bitmask = False, 0, None
         if masks:
             allowed, free, banned, biased, biases = _masks(seqs, vocab)
             self._masks = [pack.add(piece) if piece else None for piece in (allowed, free, banned, biased)]
             self.masked, self._biases = any(piece is not None for piece in self._masks), len(biases)
             floats += biases
+            ruled = [i for i, s in enumerate(seqs) if s.grammar is not None]
+            if ruled:  # each matcher's next tokens, now (the step before has completed: LLMEngine.step)
+                self._bitmask = fill_bitmask([seqs[i].grammar for i in ruled], vocab)
+                self._ruled = pack.add(ruled) if len(ruled) < self.n else None
+                self.masked = True
         self.floats = floats
-        self.idx = self.penalty_counts = self.penalty_values = self.draw_values = self.masks = None
+        self.idx = self.penalty_counts = self.penalty_values = self.draw_values = self.masks = self.grammar = None
 
     def _count(self, seqs: list[Sequence], keys: list, vocab: int, pack: Pack, prev):
         """The table's updates for this step's penalised rows, on the host, as flat indices row * vocab + token."""
@@ -232,6 +241,12 @@ class SamplingInputs:
         if self.masked:
             self.masks = [data[piece] if piece is not None else None for piece in self._masks]
             self.masks.append(biases if self._biases else None)
+            self.grammar = None
+            if self._bitmask is not None:
+                host = self._bitmask
+                if device.type != "cpu":
+                    host = torch.empty(host.shape, dtype=host.dtype, pin_memory=True).copy_(host)
+                self.grammar = (data[self._ruled] if self._ruled is not None else None, copy_to(host, device))
         if self.penalties:
             rows, fresh, marks, counts, pending = self._updates
             table = self.table.table
@@ -304,7 +319,7 @@ class Sampler:
         logits = logits.float()
         if inputs is None:
             inputs = SamplingInputs.build(seqs, logits.shape[-1], logits.device)
-        x = apply_masks(logits, *inputs.masks) if inputs.masked else logits
+        x = apply_masks(logits, *inputs.masks, grammar=inputs.grammar) if inputs.masked else logits
         x = self.penalised(x, seqs, inputs)
         tokens = x.argmax(-1)
         if inputs.drawn:

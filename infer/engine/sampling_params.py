@@ -8,6 +8,7 @@ import numbers
 from dataclasses import dataclass, field, fields, replace
 
 from ..errors import RequestError
+from .structured import StructuredOutputsParams
 
 MAX_TOKENS = 2**31 - 1  # token counts and top_k
 MAX_SEED = 2**63 - 1
@@ -46,6 +47,8 @@ class SamplingParams:
     skip_special_tokens: bool = True  # special tokens' text left out of the output text
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
     prompt_logprobs: int | None = None  # each prompt token's logprob (and top-k) given the tokens before it
+    # the reply follows a JSON schema, a regex, a choice or a grammar (engine/structured.py); a dict of its fields too
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -107,6 +110,21 @@ class SamplingParams:
         for ok, msg in checks:
             if not ok:
                 raise RequestError(msg)
+        self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
+        if self.structured_outputs is not None:
+            self._check_structured()
+
+    def _check_structured(self) -> None:
+        """What a constraint cannot be combined with: each could leave a step with no token to sample (its end
+        allows only EOS), or take it past its end."""
+        for name, on, why in (
+                ("ignore_eos", self.ignore_eos, "the constraint's end allows only EOS"),
+                ("min_tokens", self.min_tokens, "a reply the constraint completes sooner could only continue with "
+                                                "EOS, which min_tokens forbids"),
+                ("allowed_token_ids", self.allowed_token_ids, "the constraint chooses the tokens")):
+            if on:
+                raise RequestError(f"structured_outputs cannot be combined with {name}: {why}",
+                                   f"remove {name}, or the constraint")
 
     def _check_types(self) -> None:
         """From Python nothing checked the types: ignore_eos="no" ignored EOS, top_k=2.5 reached the sampler."""
@@ -154,6 +172,7 @@ class SamplingParams:
 
 # names other APIs use (vLLM's SamplingParams, OpenAI, transformers' GenerationConfig) -> what to write here instead
 _OTHER_NAMES = {"max_completion_tokens": "max_new_tokens", "top_logprobs": "logprobs", "min_new_tokens": "min_tokens",
+                "guided_decoding": "structured_outputs (vLLM's newer name; its fields are the same)",
                 "do_sample": "temperature > 0 (0, the default, is greedy)"}
 _UNSUPPORTED = ("best_of", "bad_words", "spaces_between_special_tokens", "use_beam_search", "num_beams")
 

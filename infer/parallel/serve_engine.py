@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..engine.block_manager import BlockManager
 from ..engine.llm_engine import LLMEngine
+from ..engine.structured import GrammarBackend
 from ..errors import LoRAError, LoRANameError
 from ..serve.async_engine import NO_ENGINE, AsyncEngine, NoEngineError
 from .runtime import _last_line, stop_replicas
@@ -69,6 +70,9 @@ class ReplicaView:
         self.model_config = type("ModelLimits", (), {"vocab_size": info["vocab_size"]})()
         self.block_manager = _Blocks(info["num_blocks"], config.block_size)
         self.lora_manager = _Adapters(info["adapters"]) if info["adapters"] or info.get("lora_enabled") else None
+        # structured outputs compiled in the driver too (checked before a request travels; the stop ids matter only
+        # to a replica's matchers)
+        self.grammars = GrammarBackend(tokenizer, info["vocab_size"], [])
 
     validate = LLMEngine.validate
     lora_slots = LLMEngine.lora_slots

@@ -51,7 +51,7 @@ class Server:
         # OpenAI's temperature 1 (vLLM's rule); LLM and plain `infer run` lines stay greedy by default
         self.sampling_defaults = openai_sampling_defaults(self.engine.model_path)
         self.parser = ParsePool(self.tokenizer, self.limits, max_tokens=self.engine.max_model_len,
-                                defaults=self.sampling_defaults)
+                                defaults=self.sampling_defaults, grammars=self.engine.grammars)
 
     def stats(self) -> dict:
         return {**self.aengine.stats, "num_in_flight": self.aengine.num_in_flight(),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
+from ..errors import RequestError
 from . import protocol as p
 from .body import BodyLimits, check_values, load_json
 
@@ -13,25 +14,34 @@ PARSE_THREADS = 2  # a big body does not hold up small ones; few enough that bod
 
 
 def parse_body(raw: bytes, chat: bool, tokenizer, limits: BodyLimits, max_tokens: int | None = None,
-               defaults: dict | None = None) -> p.GenerationRequest:
+               defaults: dict | None = None, grammars=None) -> p.GenerationRequest:
     """The whole pipeline for one body (raises ApiError with a 4xx for anything a client can send); a prompt
     certainly longer than `max_tokens` (the context) is refused before it is tokenized; `defaults` fill the sampling
-    fields it leaves out."""
+    fields it leaves out. A structured output is compiled here by `grammars` (the engine's GrammarBackend, which
+    caches it), not on the engine's thread."""
     body = load_json(raw, limits.max_json_depth)
     check_values(body)
-    return (p.parse_chat if chat else p.parse_completion)(body, tokenizer, max_tokens, defaults)
+    req = (p.parse_chat if chat else p.parse_completion)(body, tokenizer, max_tokens, defaults)
+    spec = req.params.structured_outputs
+    if spec is not None and grammars is not None:
+        try:
+            grammars.matcher(spec, req.params.prefix_token_ids)
+        except RequestError as e:
+            raise p.ApiError(400, str(e), param=req.structured_field) from e
+    return req
 
 
 class ParsePool:
     def __init__(self, tokenizer, limits: BodyLimits, threads: int = PARSE_THREADS, max_tokens: int | None = None,
-                 defaults: dict | None = None):
+                 defaults: dict | None = None, grammars=None):
         self.tokenizer, self.limits, self.max_tokens, self.defaults = tokenizer, limits, max_tokens, defaults
+        self.grammars = grammars
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="infer-parse")
 
     async def parse(self, raw: bytes, chat: bool) -> p.GenerationRequest:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, parse_body, raw, chat, self.tokenizer, self.limits,
-                                          self.max_tokens, self.defaults)
+                                          self.max_tokens, self.defaults, self.grammars)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -16,6 +16,7 @@ from ..engine.inputs import UNSUPPORTED_OPENAI as _UNSUPPORTED, chat_template_op
 from ..engine.outputs import RequestOutput
 from ..engine.prompt_size import PromptTooLongError
 from ..engine.sampling_params import MAX_SEED
+from ..engine.structured import from_openai
 from ..errors import RequestError
 
 # OpenAI names for our SamplingParams fields, and the vLLM-style extras we accept as they are
@@ -73,6 +74,7 @@ class GenerationRequest:
     prompt_texts: list | None = None  # with echo: each prompt's text as sent (None: token ids, decoded)
     # the body's own prompt_logprobs (echo with logprobs asks the engine too, for as many alternatives as logprobs)
     asked_prompt_logprobs: int | None = None
+    structured_field: str | None = None  # the field that asked for a structured output (response_format...)
 
     def params_for(self, index: int):
         """Choice `index`'s sampling: with n > 1 and a seed, sample j draws with seed + j (as vLLM's parallel
@@ -134,6 +136,12 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
         raise ApiError(400, f"stream_options has unknown fields {unknown}; infer reads include_usage and "
                             "continuous_usage_stats", param="stream_options")
     fields = {**(defaults or {}), **{k: v for k, v in body.items() if k in _PARAM_KEYS and v is not None}}
+    try:
+        structured, source = from_openai(body)
+    except RequestError as e:
+        raise ApiError(400, str(e), param=e.field) from e
+    if structured is not None:
+        fields["structured_outputs"] = structured
     if not chat and isinstance(fields.get("logprobs"), bool):
         raise ApiError(400, "field 'logprobs' must be an integer (0..5) for completions", param="logprobs")
     if not chat and isinstance(fields.get("logprobs"), int) and not 0 <= fields["logprobs"] <= 5:
@@ -164,6 +172,8 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
     except RequestError as e:
         if str(e).startswith("max_new_tokens"):  # name the field the client sent, not the engine's
             raise ApiError(400, str(e).replace("max_new_tokens", length), param=length) from e
+        if str(e).startswith("structured_outputs"):
+            raise ApiError(400, str(e), param=source) from e
         raise bad_request(str(e).replace("max_new_tokens", length)) from e
     asked = params.prompt_logprobs
     if echo and params.logprobs is not None:  # the prompt's logprobs, with as many alternatives as the reply's
@@ -171,7 +181,7 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
     return_ids = bool(_expect(body, "return_token_ids", (bool,), "a boolean"))
     return GenerationRequest([], params, model, stream, include_usage and stream, chat, return_ids,
                              include_usage and continuous and stream, n or 1, echo, prompt_only,
-                             asked_prompt_logprobs=asked)
+                             asked_prompt_logprobs=asked, structured_field=source)
 
 
 def _choices(req: GenerationRequest, prompts: list[list[int]]) -> list[list[int]]:

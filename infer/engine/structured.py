@@ -1,0 +1,262 @@
+"""Structured outputs (vLLM's guided decoding): a reply constrained to a JSON schema, any JSON object, a regular
+expression, one of a list of strings, or an EBNF grammar.
+
+xgrammar (vLLM's default backend) compiles a constraint against the tokenizer's vocabulary (cached per constraint,
+so a schema sent again is not compiled again) and keeps one matcher per request. At each step the sampler masks
+every token the request's matcher does not allow next (a bitmask of the vocabulary per row, filled on the host and
+copied with the step), and each token the request samples advances its matcher. The end of the grammar allows only
+the model's EOS tokens, so a complete reply ends with finish_reason "stop". As in vLLM, max_tokens or a stop string
+can still cut a reply short of the grammar's end.
+
+What a matcher allows next depends on the last token sampled, so a step that samples for such a request is
+prepared after the step before it has completed (LLMEngine.step): overlapped steps stop while one runs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from ..errors import RequestError
+
+MAX_SPEC_CHARS = 200_000  # a schema, regex or grammar (compiling one runs on the server's threads)
+MAX_CHOICES = 4096
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (?:Check failed: \(.*?\) is false: )?")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One of: json (a JSON schema, as an object or its JSON text), regex, choice (the reply is one of these
+    strings), grammar (EBNF, in xgrammar's dialect of GBNF) or json_object=True (any JSON object).
+    disable_any_whitespace: JSON without whitespace between its tokens (vLLM's option of the same name)."""
+
+    json: str | dict | bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    _text: str = field(default="", init=False, repr=False, compare=False)  # the schema's JSON text
+
+    def __post_init__(self) -> None:
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise RequestError("structured_outputs needs exactly one of json, regex, choice, grammar, json_object"
+                               + (f" (got {', '.join(given)})" if given else ""),
+                               'e.g. {"json": {"type": "object"}}, {"regex": "[0-9]+"} or {"choice": ["yes", "no"]}')
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise RequestError("structured_outputs.disable_any_whitespace must be true or false")
+        kind = given[0]
+        value = text = getattr(self, kind)
+        if kind == "json":
+            text = value
+            if isinstance(value, str):
+                try:
+                    parsed = json.loads(value)
+                except ValueError as e:
+                    raise RequestError(f"structured_outputs.json is not valid JSON: {e}",
+                                       "give the JSON schema as an object, or as its JSON text") from None
+            else:
+                parsed = value
+                try:
+                    text = json.dumps(value)
+                except (TypeError, ValueError) as e:
+                    raise RequestError(f"structured_outputs.json cannot be written as JSON: {e}") from None
+            if not isinstance(parsed, (dict, bool)):
+                raise RequestError(f"structured_outputs.json must be a JSON schema (an object), got "
+                                   f"{type(parsed).__name__}", 'e.g. {"type": "object", "properties": {...}}')
+            object.__setattr__(self, "_text", text)
+        elif kind == "json_object":
+            if value is not True:
+                raise RequestError("structured_outputs.json_object must be true")
+            text = ""
+        elif kind == "choice":
+            if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) and c for c in value):
+                raise RequestError("structured_outputs.choice must be a non-empty list of non-empty strings")
+            if len(value) > MAX_CHOICES:
+                raise RequestError(f"structured_outputs.choice has {len(value)} strings, more than {MAX_CHOICES}")
+            object.__setattr__(self, "choice", list(value))
+            text = "".join(value)
+        else:
+            if not isinstance(value, str) or not value.strip():
+                raise RequestError(f"structured_outputs.{kind} must be a non-empty string")
+            text = value
+        if isinstance(text, str) and len(text) > MAX_SPEC_CHARS:
+            raise RequestError(f"structured_outputs.{kind} has {len(text)} characters, more than {MAX_SPEC_CHARS}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+    @classmethod
+    def of(cls, value, name: str = "structured_outputs") -> StructuredOutputsParams | None:
+        """An instance from itself, a dict of its fields (JSON), or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise RequestError(f"{name} must be an object, got {type(value).__name__}",
+                               'e.g. {"json": {"type": "object"}} or {"choice": ["yes", "no"]}')
+        known = {f.name for f in fields(cls) if f.init}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise RequestError(f"{name} has unknown fields {unknown}", f"its fields are {', '.join(sorted(known))}")
+        return cls(**{k: v for k, v in value.items() if v is not None})
+
+
+_WHAT = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice",
+         "grammar": "grammar"}
+# vLLM's older request fields, one per kind (they still work there)
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _field_error(name: str, message: str, hint: str | None = None) -> RequestError:
+    e = RequestError(message, hint)
+    e.field = name  # the request field it is about (the server's error `param`)
+    return e
+
+
+def from_openai(body: dict, where: str = "") -> tuple[dict | None, str | None]:
+    """(structured_outputs fields, the request field they came from) of an OpenAI request body: response_format
+    json_object or json_schema (OpenAI), structured_outputs (vLLM) or vLLM's older guided_json, guided_regex,
+    guided_choice and guided_grammar; (None, None) when it asks for none. `where` prefixes field names in errors
+    ("body." for a batch line)."""
+    found: list[tuple[str, dict]] = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+            raise _field_error("response_format", f"{where}response_format must be an object with a type",
+                               'e.g. {"type": "json_object"}')
+        kind = fmt["type"]
+        if kind == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+                raise _field_error("response_format", f"{where}response_format.json_schema needs a schema object",
+                                   'e.g. {"type": "json_schema", "json_schema": {"name": "answer", "schema": '
+                                   '{"type": "object"}}}')
+            found.append(("response_format", {"json": spec["schema"]}))
+        elif kind != "text":
+            raise _field_error("response_format", f"{where}response_format type {kind!r} is not supported",
+                               "use text, json_object or json_schema (or structured_outputs for a regex, a choice "
+                               "or a grammar)")
+    if body.get("structured_outputs") is not None:
+        value = body["structured_outputs"]
+        if not isinstance(value, dict):
+            raise _field_error("structured_outputs", f"{where}structured_outputs must be an object",
+                               'e.g. {"regex": "[0-9]+"}')
+        found.append(("structured_outputs", value))
+    for key, kind in _GUIDED.items():
+        if body.get(key) is not None:
+            found.append((key, {kind: body[key]}))
+    pattern = body.get("guided_whitespace_pattern")
+    if pattern is not None:
+        raise _field_error("guided_whitespace_pattern", f"{where}guided_whitespace_pattern is not supported",
+                           "structured_outputs.disable_any_whitespace: true writes JSON without whitespace")
+    backend = body.get("guided_decoding_backend")
+    if backend not in (None, "auto", "xgrammar"):
+        raise _field_error("guided_decoding_backend", f"{where}guided_decoding_backend {backend!r} is not "
+                           "available", "infer uses xgrammar (send \"xgrammar\", or leave it out)")
+    if not found:
+        return None, None
+    if len(found) > 1:
+        names = ", ".join(where + k for k, _ in found)
+        raise _field_error(found[1][0], f"a request may ask for one structured output, got {names}",
+                           "keep one of them")
+    name, spec = found[0]
+    return spec, name
+
+
+def _ebnf_literal(text: str) -> str:
+    """`text` as an EBNF string literal: JSON's escapes, which xgrammar's parser reads."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    return "root ::= " + " | ".join(_ebnf_literal(c) for c in choices)
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise RequestError(f"structured outputs need the xgrammar package, which is not installed ({e})",
+                           "pip install xgrammar (or install infer with the [structured] extra)") from None
+    return xgrammar
+
+
+def _reason(e: Exception) -> str:
+    """xgrammar's error without its C++ source location."""
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    return _XGRAMMAR_PREFIX.sub("", lines[0] if lines else type(e).__name__).strip()
+
+
+class GrammarBackend:
+    """The engine's xgrammar compiler, made on the first request that needs it (it reads the whole vocabulary)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, list(stop_token_ids)
+        self._compiler = None
+        self._lock = threading.Lock()
+
+    def compiler(self):
+        with self._lock:
+            if self._compiler is None:
+                xgr = _xgrammar()
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids or None)
+                self._compiler = xgr.GrammarCompiler(info)
+            return self._compiler
+
+    def compile(self, spec: StructuredOutputsParams):
+        """The compiled constraint (cached by xgrammar); RequestError naming the field when it does not compile."""
+        compiler, kind = self.compiler(), spec.kind
+        try:
+            if kind == "json":
+                return compiler.compile_json_schema(spec._text, any_whitespace=not spec.disable_any_whitespace)
+            if kind == "json_object":
+                if spec.disable_any_whitespace:
+                    return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                return compiler.compile_json_schema('{"type": "object"}')
+            if kind == "regex":
+                return compiler.compile_regex(spec.regex)
+            if kind == "choice":
+                return compiler.compile_grammar(choice_grammar(spec.choice))
+            return compiler.compile_grammar(spec.grammar)
+        except RuntimeError as e:
+            raise RequestError(f"the structured output's {_WHAT[kind]} does not compile: {_reason(e)}",
+                               "fix it, or send the request without it") from None
+
+    def matcher(self, spec: StructuredOutputsParams, forced: list[int] = ()):
+        """A new request's matcher, past its forced first reply tokens (RequestError if the grammar refuses them)."""
+        matcher = _xgrammar().GrammarMatcher(self.compile(spec))
+        for i, token in enumerate(forced):
+            if not matcher.accept_token(token):
+                raise RequestError(f"prefix_token_ids[{i}] ({token}) does not follow structured_outputs."
+                                   f"{spec.kind}", "force a prefix the constraint allows, or none")
+        return matcher
+
+
+def fill_bitmask(matchers: list, vocab: int) -> torch.Tensor:
+    """[len(matchers), ceil(vocab / 32)] int32 on the host: bit t of row i set when matchers[i] allows token t."""
+    words = -(-vocab // 32)
+    bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32)
+    for i, m in enumerate(matchers):
+        m.fill_next_token_bitmask(bitmask, i)
+    return bitmask
+
+
+def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor | None, bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of logits [n, V] whose rows `rows` (None: all) are -inf wherever `bitmask` (on the device) has a
+    0 bit (and past its end)."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, :vocab].bool()
+    if rows is None:
+        return logits.masked_fill(~allowed, float("-inf"))
+    return logits.index_copy(0, rows, logits.index_select(0, rows).masked_fill(~allowed, float("-inf")))
