@@ -403,3 +403,49 @@ def test_structured_steps_on_the_gpu_code_path_never_wait_and_never_guess(path, 
         else:
             assert outs[str(i)].token_ids == hf_greedy(path, tok(prompt)["input_ids"], 10)
     assert overlapped >= 1  # once the constrained requests ended, the plain one overlapped its steps again
+
+
+def test_a_data_parallel_servers_driver_checks_the_constraint_before_it_travels(path):
+    """`infer serve --data-parallel N` validates a request in the driver (ReplicaView, LLMEngine.validate) before a
+    replica gets it: a constraint that does not compile is refused there, and a good one passes."""
+    from transformers import AutoTokenizer
+    from infer.engine.config import EngineConfig
+    from infer.parallel.serve_engine import ReplicaView
+    view = ReplicaView(EngineConfig(path, block_size=4), path, AutoTokenizer.from_pretrained(path),
+                       {"max_model_len": 64, "vocab_size": 512, "num_blocks": 64, "adapters": []})
+    view.validate([5, 6, 7], SamplingParams(max_new_tokens=4, structured_outputs=S(choice=["yes", "no"])))
+    with pytest.raises(RequestError, match="the structured output's regex does not compile"):
+        view.validate([5, 6, 7], SamplingParams(max_new_tokens=4, structured_outputs=S(regex="(ab")))
+
+
+def test_a_tokenizer_xgrammar_cannot_read_is_a_request_error():
+    from infer.engine.structured import GrammarBackend
+    with pytest.raises(RequestError, match="structured outputs cannot read this model's tokenizer"):
+        GrammarBackend(object(), 64, [EOS]).compile(S(regex="a"))
+
+
+def test_the_benchmark_runs_both_sides(tmp_path):
+    """`python -m infer.bench.structured` (its figures are in docs/perf.md): both sides make the same tokens."""
+    from infer.bench import structured
+    out = tmp_path / "rows.json"
+    structured.main(["--concurrency", "3", "--tokens", "4", "--repeats", "1", "--vocab", "700", "--json", str(out)])
+    rows = json.loads(out.read_text())
+    engine, mask = rows
+    assert engine["part"] == "engine" and engine["unconstrained_tok_s"] > 0 and engine["constrained_tok_s"] > 0
+    assert mask["vocab"] == 700 and mask["fill_us_per_row"] > 0 and mask["fill_one_by_one_us_per_row"] > 0
+
+
+def test_rows_filled_together_equal_rows_filled_one_by_one(compiler):
+    """From BATCH_FILL_ROWS rows on the engine fills bitmasks on xgrammar's threads: the same bits as one by one."""
+    from infer.engine.structured import BATCH_FILL_ROWS, fill_bitmask
+    comp, tok = compiler
+    matchers = []
+    for i, text in enumerate(['{"a": "x', '{"a": "yy", "b": tr', '{', '{"a": "x", "b": false', '{"a"', '{"a": ']):
+        m = xgr.GrammarMatcher(comp.compile_json_schema(json.dumps(SCHEMA)))
+        assert m.accept_string(text)
+        matchers.append(m)
+    assert len(matchers) >= BATCH_FILL_ROWS
+    together = fill_bitmask(matchers, 512)
+    for i, m in enumerate(matchers):
+        assert torch.equal(together[i:i + 1], fill_bitmask([m], 512))
+    assert len({tuple(row.tolist()) for row in together}) >= 4  # the states differ: the rows are not all alike

@@ -25,6 +25,8 @@ from ..errors import RequestError
 
 MAX_SPEC_CHARS = 200_000  # a schema, regex or grammar (compiling one runs on the server's threads)
 MAX_CHOICES = 4096
+CACHE_BYTES = 512 << 20  # compiled constraints kept (xgrammar's cache; vLLM's default size): a server that meets many
+# different schemas does not grow without bound
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (?:Check failed: \(.*?\) is false: )?")
 
@@ -208,9 +210,13 @@ class GrammarBackend:
         with self._lock:
             if self._compiler is None:
                 xgr = _xgrammar()
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.stop_token_ids or None)
-                self._compiler = xgr.GrammarCompiler(info)
+                try:
+                    info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                              stop_token_ids=self.stop_token_ids or None)
+                except Exception as e:  # noqa: BLE001 - xgrammar's reasons come as several exception types
+                    raise RequestError(f"structured outputs cannot read this model's tokenizer: {_reason(e)}",
+                                       "send the request without a constraint") from None
+                self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=CACHE_BYTES)
             return self._compiler
 
     def compile(self, spec: StructuredOutputsParams):
@@ -242,10 +248,20 @@ class GrammarBackend:
         return matcher
 
 
+BATCH_FILL_ROWS = 4  # from this many rows on, xgrammar fills them on its threads (outside the GIL)
+_fillers = threading.local()  # one BatchGrammarMatcher (a thread pool) per thread that steps an engine
+
+
 def fill_bitmask(matchers: list, vocab: int) -> torch.Tensor:
     """[len(matchers), ceil(vocab / 32)] int32 on the host: bit t of row i set when matchers[i] allows token t."""
     words = -(-vocab // 32)
     bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32)
+    if len(matchers) >= BATCH_FILL_ROWS:
+        filler = getattr(_fillers, "batch", None)
+        if filler is None:
+            filler = _fillers.batch = _xgrammar().BatchGrammarMatcher()
+        filler.batch_fill_next_token_bitmask(matchers, bitmask)
+        return bitmask
     for i, m in enumerate(matchers):
         m.fill_next_token_bitmask(bitmask, i)
     return bitmask
@@ -255,8 +271,11 @@ def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor | None, bitmask: torc
     """A copy of logits [n, V] whose rows `rows` (None: all) are -inf wherever `bitmask` (on the device) has a
     0 bit (and past its end)."""
     vocab = logits.shape[-1]
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, :vocab].bool()
+    # read as bytes (little-endian, as x86 and CUDA are: token 32w + 8b + k is bit k of byte 4w + b): eight times
+    # less to shift and compare than the int32 words against 32 shifts
+    one = torch.ones(8, dtype=torch.uint8, device=bitmask.device)
+    bits = one << torch.arange(8, dtype=torch.uint8, device=bitmask.device)  # made on the device: no copy
+    allowed = ((bitmask.view(torch.uint8).unsqueeze(-1) & bits) != 0).view(bitmask.shape[0], -1)[:, :vocab]
     if rows is None:
-        return logits.masked_fill(~allowed, float("-inf"))
-    return logits.index_copy(0, rows, logits.index_select(0, rows).masked_fill(~allowed, float("-inf")))
+        return torch.where(allowed, logits, float("-inf"))
+    return logits.index_copy(0, rows, torch.where(allowed, logits.index_select(0, rows), float("-inf")))
