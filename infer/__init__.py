@@ -9,8 +9,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 _ERRORS = ("InferError", "ConfigError", "ModelLoadError", "UnsupportedModelError", "OutputError", "RequestError",
            "LoRAError", "LoRANameError", "OutOfMemoryError", "ClosedError")
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "RequestOutput", "LLMEngine",
-           *_ERRORS]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "RequestOutput", "CompletionOutput",
+           "LLMEngine", *_ERRORS]
 
 
 def __getattr__(name: str):
@@ -29,6 +29,9 @@ def __getattr__(name: str):
     if name == "RequestOutput":
         from .engine.outputs import RequestOutput
         return RequestOutput
+    if name == "CompletionOutput":
+        from .engine.outputs import CompletionOutput
+        return CompletionOutput
     if name == "LLMEngine":
         from .engine.llm_engine import LLMEngine
         return LLMEngine

@@ -92,11 +92,12 @@ def test_a_bytes_prompt_is_refused_not_read_as_token_ids(llm, prompt):
     assert llm.generate((p for p in [[5, 6]]), SamplingParams(max_new_tokens=1))[0].prompt_token_ids == [5, 6]
 
 
-@pytest.mark.parametrize("kwargs, hint", [({"n": 2}, "infer serve answers n > 1"), ({"best_of": 2}, "does not support"),
+@pytest.mark.parametrize("kwargs, hint", [({"use_beam_search": True}, "does not support"),
+                                          ({"best_of": 2}, "does not support"),
                                           ({"max_completion_tokens": 3}, "spells it max_new_tokens"),
                                           ({"tempature": 0.5}, "temperature")])
 def test_an_unknown_sampling_field_is_a_request_error_naming_it(kwargs, hint):
-    """SamplingParams(n=2) or a typo was a bare TypeError from the dataclass __init__, with no word on what to write
+    """SamplingParams(best_of=2) or a typo was a bare TypeError from the dataclass __init__, with no word on what to write
     instead; it is a RequestError (a ValueError, as vLLM's) naming the field and what to do, as other bad fields."""
     (name,) = kwargs
     with pytest.raises(RequestError, match=f"no field '{name}'.*{hint}"):

@@ -98,9 +98,11 @@ class LLM:
         raise RequestError(f"prompt {i} is {what}",
                            "give text, a list of token ids, or a list of chat messages (dicts)")
 
-    def _submit(self, prompts, params, lora, template: dict | None = None) -> list[str]:
+    def _submit(self, prompts, params, lora, template: dict | None = None, fan_out: bool = False) -> list[str]:
         """Queue every prompt, or none: a bad one raises with the ones before it taken back out of the engine.
-        `template`: apply_chat_template's options for the chat prompts (LLM.chat)."""
+        `template`: apply_chat_template's options for the chat prompts (LLM.chat). fan_out: a prompt whose params
+        have n > 1 becomes n requests, one after another in the ids returned (SamplingParams.sample(j)); without,
+        n > 1 is refused (stream() yields one reply per prompt)."""
         self._engine()
         if _is_array(prompts):  # token ids as a numpy array or torch tensor: 1-D is one prompt, 2-D a batch
             prompts = prompts.tolist()
@@ -136,10 +138,16 @@ class LLM:
                 if n > 1 and not e.message.startswith(f"prompt {i} "):  # which of the prompts it is
                     raise type(e)(f"prompt {i}: {e.message}", e.hint) from None
                 raise
+        if any(sp.n > 1 for sp in params_list) and not fan_out:
+            raise RequestError("stream() yields one reply per prompt, so n must be 1",
+                               "use generate() or chat() for n samples (RequestOutput.outputs), or give the prompt "
+                               "n times with params.sample(j)")
+        requests = [(i, p, sp.sample(j) if sp.n > 1 else sp, lo)
+                    for i, (p, sp, lo) in enumerate(zip(encoded, params_list, loras)) for j in range(sp.n)]
         ids: list[str] = []
         with self._lock:
             try:
-                for i, (p, sp, lo) in enumerate(zip(encoded, params_list, loras)):
+                for i, p, sp, lo in requests:
                     self._counter += 1
                     rid = f"llm-{self._counter}"
                     try:
@@ -213,8 +221,24 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  lora: str | list[str | None] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion (batched together); outputs in the order of the prompts."""
-        return self._run(self._submit(prompts, params, lora))
+        """Run every prompt to completion (batched together); outputs in the order of the prompts. With
+        SamplingParams.n > 1 a prompt's output holds its n samples in `outputs` (as vLLM's)."""
+        return self._samples(self._run(self._submit(prompts, params, lora, fan_out=True)), params)
+
+    @staticmethod
+    def _samples(outs: list[RequestOutput], params) -> list[RequestOutput]:
+        """The fanned-out requests' outputs (_submit) back as one output per prompt."""
+        sizes = [sp.n for sp in params] if isinstance(params, list) else None
+        if sizes is None:
+            k = params.n if params is not None else 1
+            sizes = [k] * (len(outs) // k)
+        if all(k == 1 for k in sizes):
+            return outs
+        merged, at = [], 0
+        for k in sizes:
+            merged.append(outs[at] if k == 1 else RequestOutput.merged(outs[at:at + k]))
+            at += k
+        return merged
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:
         done = {}
@@ -243,7 +267,7 @@ class LLM:
         template = chat_template_options(dict(chat_template_kwargs=chat_template_kwargs, documents=documents,
                                               add_generation_prompt=add_generation_prompt,
                                               continue_final_message=continue_final_message))
-        return self._run(self._submit(list(convs), params, lora, template))
+        return self._samples(self._run(self._submit(list(convs), params, lora, template, fan_out=True)), params)
 
     def stream(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                lora: str | list[str | None] | None = None) -> Iterator[tuple[int, str, RequestOutput]]:

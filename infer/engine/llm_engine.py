@@ -117,6 +117,10 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, lora: str | None = None) -> None:
         """Raise RequestError if this request can never run."""
         params = params.checked()  # fields set after construction are checked too
+        if params.n > 1:
+            raise RequestError(f"n={params.n}: an engine request is one sample",
+                               "LLM.generate, LLM.chat and the server fan n out; with LLMEngine, add one request "
+                               "per sample, each with params.sample(j)")
         n = len(prompt_token_ids) + len(params.prefix_token_ids)
         vocab = self.model_config.vocab_size
         if not prompt_token_ids:

@@ -3,6 +3,37 @@
 from __future__ import annotations
 
 
+class CompletionOutput:
+    """One sample of a request, as vLLM's CompletionOutput: `RequestOutput.outputs[j]` (j < SamplingParams.n).
+    logprobs are infer's records ({token_id, logprob, top_logprobs}); cumulative_logprob is their sum (None when the
+    request did not ask for logprobs)."""
+
+    __slots__ = ("index", "text", "token_ids", "logprobs", "finish_reason", "stop_reason", "num_generated", "error")
+
+    def __init__(self, index: int, text: str, token_ids: list[int], logprobs: list[dict] | None,
+                 finish_reason: str | None, stop_reason: int | str | None = None, num_generated: int = 0,
+                 error: str | None = None):
+        self.index, self.text, self.token_ids, self.logprobs = index, text, token_ids, logprobs
+        self.finish_reason, self.stop_reason, self.error = finish_reason, stop_reason, error
+        self.num_generated = num_generated
+
+    @classmethod
+    def of(cls, out: RequestOutput, index: int = 0) -> CompletionOutput:
+        return cls(index, out.text, out.token_ids, out.logprobs, out.finish_reason, out.stop_reason,
+                   out.num_generated, out.error)
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return None if self.logprobs is None else sum(r["logprob"] for r in self.logprobs)
+
+    def finished(self) -> bool:  # vLLM's CompletionOutput.finished()
+        return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids!r}, "
+                f"finish_reason={self.finish_reason!r})")
+
+
 class RequestOutput:
     """One request's state after a step. token_ids, logprobs and token_times are the request's lists as they were
     at that step: the engine hands out a length and copies the (append-only) lists only when they are read, so a
@@ -31,6 +62,7 @@ class RequestOutput:
         # top_logprobs}), the model's raw distribution given the tokens before it (complete from the first token on)
         self.prompt_logprobs = prompt_logprobs
         self._seq, self._len = None, 0
+        self._samples: list[CompletionOutput] | None = None  # with n > 1 (LLM.generate): every sample
 
     @classmethod
     def snapshot(cls, seq, new_token_ids: list[int], delta_text: str) -> RequestOutput:
@@ -48,7 +80,29 @@ class RequestOutput:
         out.prompt_logprobs = seq.prompt_logprobs  # complete (and no longer growing) once a token is sampled
         out._token_ids = out._token_times = out._logprobs = None
         out._seq, out._len = seq, len(seq.output_token_ids)
+        out._samples = None
         return out
+
+    @classmethod
+    def merged(cls, samples: list[RequestOutput]) -> RequestOutput:
+        """The n samples of one prompt (LLM.generate with SamplingParams.n > 1) as one output, as vLLM returns
+        them: `outputs[j]` is sample j; the fields of the output itself are sample 0's, its usage counts the prompt
+        once and every sample's tokens."""
+        first = samples[0]
+        out = cls(first.request_id, first.prompt_token_ids, first.token_ids, text=first.text,
+                  finished=all(s.finished for s in samples), finish_reason=first.finish_reason, error=first.error,
+                  logprobs=first.logprobs, lora=first.lora, arrival_time=first.arrival_time,
+                  first_token_time=first.first_token_time, token_times=first.token_times,
+                  num_cached_tokens=first.num_cached_tokens, num_prefix_tokens=first.num_prefix_tokens,
+                  stop_reason=first.stop_reason, prompt_logprobs=first.prompt_logprobs)
+        out._samples = [CompletionOutput.of(s, j) for j, s in enumerate(samples)]
+        return out
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's list of samples: one (this output's own) unless SamplingParams.n > 1 asked for more."""
+        samples = getattr(self, "_samples", None)
+        return samples if samples is not None else [CompletionOutput.of(self)]
 
     def _materialize(self) -> None:
         seq, n, gen = self._seq, self._len, self._len - len(self._seq.params.prefix_token_ids)
@@ -84,7 +138,9 @@ class RequestOutput:
 
     @property
     def usage(self) -> dict:
-        return {"prompt_tokens": len(self.prompt_token_ids), "completion_tokens": self.num_generated}
+        samples = getattr(self, "_samples", None)
+        made = self.num_generated if samples is None else sum(s.num_generated for s in samples)
+        return {"prompt_tokens": len(self.prompt_token_ids), "completion_tokens": made}
 
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id!r}, token_ids={self.token_ids!r}, text={self.text!r}, "

@@ -12,6 +12,7 @@ from .structured import StructuredOutputsParams
 
 MAX_TOKENS = 2**31 - 1  # token counts and top_k
 MAX_SEED = 2**63 - 1
+MAX_N = 1024  # samples per prompt in one call (each is an engine request)
 # every stop string is searched and every stop token id compared after each token, on the engine's one thread:
 # the lists are capped so that one request cannot slow every step of every other request
 MAX_STOP_STRINGS = 256
@@ -49,6 +50,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # each prompt token's logprob (and top-k) given the tokens before it
     # the reply follows a JSON schema, a regex, a choice or a grammar (engine/structured.py); a dict of its fields too
     structured_outputs: StructuredOutputsParams | None = None
+    n: int = 1  # samples of the prompt (LLM.generate / LLM.chat: RequestOutput.outputs; sample j draws with seed + j)
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -104,6 +106,7 @@ class SamplingParams:
              "allowed_token_ids must be a list of token ids"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
              f"prompt_logprobs must be in 0..20, got {self.prompt_logprobs}"),
+            (self.n is not None and 1 <= self.n <= MAX_N, f"n must be in 1..{MAX_N}, got {self.n}"),
             (self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
              f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens}"),
         ]
@@ -129,7 +132,7 @@ class SamplingParams:
     def _check_types(self) -> None:
         """From Python nothing checked the types: ignore_eos="no" ignored EOS, top_k=2.5 reached the sampler."""
         for name in ("max_new_tokens", "max_length", "top_k", "seed", "logprobs", "min_tokens",
-                     "truncate_prompt_tokens", "prompt_logprobs"):
+                     "truncate_prompt_tokens", "prompt_logprobs", "n"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
                 raise RequestError(f"{name} must be an integer, got {type(value).__name__}")
@@ -165,6 +168,12 @@ class SamplingParams:
         is what such a temperature tends to."""
         return self.temperature < GREEDY_BELOW
 
+    def sample(self, j: int) -> SamplingParams:
+        """Sample j of n's own params (n = 1): a seeded request's sample j draws with seed + j, as vLLM's parallel
+        sampling does, so the samples differ and each is reproducible."""
+        seed = self.seed if self.seed is None or j == 0 else (self.seed + j) % (MAX_SEED + 1)
+        return replace(self, n=1, seed=seed)
+
     @property
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
@@ -197,9 +206,6 @@ def _refuse_unknown_names(init):
                 hint = f"infer spells it {_OTHER_NAMES[key]}"
             elif key in _UNSUPPORTED:
                 hint = "infer does not support it"
-            elif key == "n":
-                hint = ("infer serve answers n > 1 (one choice per sample); in Python, give the prompt n times (with "
-                        "seeds seed, seed + 1, ... to draw as the server does)")
             else:
                 hint = f"the fields are {', '.join(sorted(names))}"
             raise RequestError(f"SamplingParams has no field {key!r}", hint)

@@ -8,14 +8,13 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from ..engine.inputs import UNSUPPORTED_OPENAI as _UNSUPPORTED, chat_template_options, check_add_special_tokens, \
     chat_messages, check_no_chat_template_fields, reads_content_parts, encode_prompt, params_from
 from ..engine.outputs import RequestOutput
 from ..engine.prompt_size import PromptTooLongError
-from ..engine.sampling_params import MAX_SEED
 from ..engine.structured import from_openai
 from ..errors import RequestError
 
@@ -80,9 +79,7 @@ class GenerationRequest:
         """Choice `index`'s sampling: with n > 1 and a seed, sample j draws with seed + j (as vLLM's parallel
         sampling), so the n choices differ and each is reproducible."""
         j = index % self.n
-        if j == 0 or self.params.seed is None:
-            return self.params
-        return replace(self.params, seed=(self.params.seed + j) % (MAX_SEED + 1))
+        return self.params if j == 0 or self.params.seed is None else self.params.sample(j)
 
     def counts_prompt(self, index: int) -> bool:
         """Whether choice `index` is its prompt's first: usage counts each prompt once, however many choices."""
