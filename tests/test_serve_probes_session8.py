@@ -35,7 +35,7 @@ def _chat(**extra) -> dict:
 
 @pytest.mark.parametrize("field,value,message", [
     ("best_of", 2, "only best_of=1 is supported"),
-    ("bad_words", ["x"], "bad_words is not supported"),
+    ("suffix", "x", "suffix is not supported"),
     ("use_beam_search", True, "beam search"),
     ("guided_whitespace_pattern", "\\s*", "guided_whitespace_pattern is not supported"),
     ("response_format", {"type": "structural_tag"}, "type 'structural_tag' is not supported"),

@@ -22,7 +22,7 @@ _PARAM_TYPES: dict[str, tuple] = {
     "ignore_eos": (bool,), "prefix_token_ids": (list,), "logprobs": (int, bool),
     "min_p": (int, float), "min_tokens": (int,), "logit_bias": (dict,), "allowed_token_ids": (list,),
     "include_stop_str_in_output": (bool,), "skip_special_tokens": (bool,), "truncate_prompt_tokens": (int,),
-    "prompt_logprobs": (int,), "structured_outputs": (dict,),
+    "prompt_logprobs": (int,), "structured_outputs": (dict,), "bad_words": (list,),
 }
 _PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 _OTHER_KEYS = {"id", "lora"}
@@ -42,7 +42,6 @@ UNSUPPORTED_OPENAI = {
     "audio": (lambda v: v is None, "audio output is not supported"),
     # vLLM's extensions that change the reply: silently dropped, the client would get another reply than it asked
     "use_beam_search": (lambda v: v is None or v is False, "beam search is not supported"),
-    "bad_words": (lambda v: not v, "bad_words is not supported"),
     "chat_template": (lambda v: v is None, "a chat_template per request is not supported (the model's is used)"),
     "return_tokens_as_token_ids": (lambda v: v is None or v is False, "return_tokens_as_token_ids is not supported"),
 }

@@ -89,12 +89,32 @@ class LLMEngine:
             seq.min_tokens_ban = self._min_tokens_ban(params)
         if params.structured_outputs is not None:  # compiled already by validate (xgrammar caches it)
             seq.grammar = self.grammars.matcher(params.structured_outputs, params.prefix_token_ids)
-            seq.logit_masks = True
+            seq.logit_masks = seq.reads_last_token = True
+        if params.bad_words:
+            seq.bad_words = self.bad_word_ids(params.bad_words)
+            seq.reads_last_token = seq.reads_last_token or any(len(ids) > 1 for ids in seq.bad_words)
         if old is not None:  # aborted, its abort output not handed out yet: the id is free again, as in vLLM; that
             self._aborted = [s for s in self._aborted if s is not old]  # output is dropped, or the new request's
             self._forget(old)  # consumer would read it as its own end (and its penalty row would be the old one's)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def bad_word_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's reading of bad_words: each word's tokens as it is written alone, and also after a space when that
+        gives as many tokens starting with another one (the word in the middle of a sentence), so both are
+        banned. RequestError for a word whose tokens the model cannot produce."""
+        out: list[list[int]] = []
+        vocab = self.model_config.vocab_size
+        for word in words:
+            alone = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            out.append(alone)
+            if spaced and alone and spaced[0] != alone[0] and len(spaced) == len(alone):
+                out.append(spaced)
+            if any(t >= vocab for t in alone + spaced):
+                raise RequestError(f"bad_words: {word!r} has a token outside the model's vocabulary (0..{vocab - 1})",
+                                   "remove it: the model cannot generate it anyway")
+        return [ids for ids in out if ids]
 
     def _min_tokens_ban(self, params: SamplingParams) -> list[int]:
         """What min_tokens keeps from being sampled early: EOS (unless ignored) and the stop token ids (vLLM). A stop
@@ -135,6 +155,8 @@ class LLMEngine:
                 self._min_tokens_ban(params)):
             raise RequestError("every token in allowed_token_ids is an EOS or stop token, which min_tokens "
                                "forbids: nothing could be sampled", "allow another token, or drop min_tokens")
+        if params.bad_words:
+            self.bad_word_ids(params.bad_words)
         if params.structured_outputs is not None:  # compiles it (a server validates on its own thread)
             self.grammars.matcher(params.structured_outputs, params.prefix_token_ids)
         cap = min(self.max_model_len, params.max_length or self.max_model_len)
@@ -215,8 +237,8 @@ class LLMEngine:
         self._check_open()
         outputs = self._take_aborted()
         self._reap_loras()  # adapters removed while requests still used them, now that those may have finished
-        if self._inflight is not None and any(s.grammar is not None for s in self._inflight[0].seqs):
-            outputs += self._drain()  # its tokens decide what a structured request may sample next
+        if self._inflight is not None and any(s.reads_last_token for s in self._inflight[0].seqs):
+            outputs += self._drain()  # its tokens decide what a grammar or a bad word lets a request sample next
         batch = self.scheduler.schedule()
         outputs += self._take_failed()
         if not batch:
@@ -299,7 +321,7 @@ class LLMEngine:
         p = seq.params
         if seq.min_tokens_ban and seq.num_generated >= p.min_tokens:
             seq.min_tokens_ban = []  # long enough: the sampler masks nothing more for it
-            seq.logit_masks = bool(p.allowed_token_ids or p.logit_bias or seq.grammar is not None)
+            seq.logit_masks = bool(p.allowed_token_ids or p.logit_bias or seq.grammar is not None or seq.bad_words)
         if seq.grammar is not None and not seq.grammar.accept_token(token):  # the mask allowed only what it accepts
             seq.error = (f"token {token} does not follow the request's structured_outputs."
                          f"{p.structured_outputs.kind}")

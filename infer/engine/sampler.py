@@ -124,7 +124,7 @@ def _draw_values(seqs: list[Sequence], vocab: int) -> list[list[float]]:
 
 def _masks(seqs: list[Sequence], vocab: int) -> tuple[list[int], list[int], list[int], list[int], list[float]]:
     """The rows' logits processors as flat indices row * vocab + token: (allowed tokens, rows without an allowed
-    list, tokens min_tokens masks, tokens with a bias, the biases). Empty lists: nothing to apply."""
+    list, tokens min_tokens or bad_words mask, tokens with a bias, the biases). Empty lists: nothing to apply."""
     allowed, free, banned, biased, biases = [], [], [], [], []
     for i, s in enumerate(seqs):
         p, base = s.params, i * vocab
@@ -135,6 +135,9 @@ def _masks(seqs: list[Sequence], vocab: int) -> tuple[list[int], list[int], list
         # the token sampled now is the reply's (num_generated + num_pending)-th, counting from 0
         if s.min_tokens_ban and s.num_generated + s.num_pending < p.min_tokens:
             banned.extend([base + t for t in s.min_tokens_ban])
+        for ids in s.bad_words:  # vLLM's bad_words: a word's last token, once the reply ends with the rest of it
+            if len(ids) == 1 or s.output_token_ids[1 - len(ids):] == ids[:-1]:
+                banned.append(base + ids[-1])
         for t, b in p.logit_bias.items():
             biased.append(base + t)
             biases.append(b)

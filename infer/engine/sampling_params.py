@@ -20,6 +20,7 @@ MAX_STOP_TOKEN_IDS = 1024
 # logit_bias and allowed_token_ids travel to the device with every step of the request: capped for the same reason
 MAX_LOGIT_BIAS = 1024
 MAX_ALLOWED_TOKEN_IDS = 16384
+MAX_BAD_WORDS = 256  # each is matched against the reply's end at every step of the request
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 
 
@@ -50,6 +51,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # each prompt token's logprob (and top-k) given the tokens before it
     # the reply follows a JSON schema, a regex, a choice or a grammar (engine/structured.py); a dict of its fields too
     structured_outputs: StructuredOutputsParams | None = None
+    bad_words: list[str] | None = None  # words never generated (vLLM's: their last token is masked after the rest)
     n: int = 1  # samples of the prompt (LLM.generate / LLM.chat: RequestOutput.outputs; sample j draws with seed + j)
 
     def __post_init__(self) -> None:
@@ -61,6 +63,9 @@ class SamplingParams:
         self.prefix_token_ids = _ids(self.prefix_token_ids)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _ids(self.allowed_token_ids)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self.bad_words = list(self.bad_words) if self.bad_words else None
         self.logit_bias = _bias(self.logit_bias)
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0
@@ -106,6 +111,10 @@ class SamplingParams:
              "allowed_token_ids must be a list of token ids"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
              f"prompt_logprobs must be in 0..20, got {self.prompt_logprobs}"),
+            (all(isinstance(w, str) and w.strip() for w in self.bad_words or ()),
+             "bad_words must be a list of non-empty strings"),
+            (len(self.bad_words or ()) <= MAX_BAD_WORDS,
+             f"bad_words has {len(self.bad_words or ())} words, more than {MAX_BAD_WORDS}"),
             (self.n is not None and 1 <= self.n <= MAX_N, f"n must be in 1..{MAX_N}, got {self.n}"),
             (self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
              f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens}"),
@@ -148,6 +157,8 @@ class SamplingParams:
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise RequestError("logit_bias must be an object of token id -> bias, got "
                                f"{type(self.logit_bias).__name__}")
+        if self.bad_words is not None and not isinstance(self.bad_words, (str, list, tuple)):
+            raise RequestError(f"bad_words must be a list of strings, got {type(self.bad_words).__name__}")
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
             raise RequestError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
         for name in ("stop_token_ids", "prefix_token_ids", "allowed_token_ids"):
@@ -183,7 +194,7 @@ class SamplingParams:
 _OTHER_NAMES = {"max_completion_tokens": "max_new_tokens", "top_logprobs": "logprobs", "min_new_tokens": "min_tokens",
                 "guided_decoding": "structured_outputs (vLLM's newer name; its fields are the same)",
                 "do_sample": "temperature > 0 (0, the default, is greedy)"}
-_UNSUPPORTED = ("best_of", "bad_words", "spaces_between_special_tokens", "use_beam_search", "num_beams")
+_UNSUPPORTED = ("best_of", "spaces_between_special_tokens", "use_beam_search", "num_beams")
 
 
 def _refuse_unknown_names(init):

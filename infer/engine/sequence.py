@@ -55,8 +55,13 @@ class Sequence:
         self.min_tokens_ban: list[int] = []
         # whether the sampler applies a logits processor of the request (allowed_token_ids, logit_bias, min_tokens):
         # one attribute read per row and step for the requests without
-        self.logit_masks = bool(self.params.allowed_token_ids or self.params.logit_bias or self.params.min_tokens)
+        self.logit_masks = bool(self.params.allowed_token_ids or self.params.logit_bias or self.params.min_tokens
+                                or self.params.bad_words)
         self.grammar = None  # structured outputs: the request's xgrammar matcher (LLMEngine.add_request)
+        self.bad_words: list[list[int]] = []  # bad_words as token ids (LLMEngine.add_request)
+        # what the sampler masks depends on the last token sampled (a grammar, a bad word of several tokens): a step
+        # that samples the request is prepared only once the step before has completed (LLMEngine.step)
+        self.reads_last_token = False
         self.min_text_len: int | None = None  # with min_tokens: len(text) after that many tokens (stops end past it)
         # prompt_logprobs: a record per prompt token (None for the first, which nothing predicts), filled as the
         # prefill's steps complete; prompt_lp_next: the next prompt position a step was asked for (a preempted
