@@ -227,9 +227,8 @@ def test_allowed_tokens_all_banned_by_min_tokens_is_refused(llm):
                      )
 
 
-def test_n_is_refused_in_python_with_what_to_do():
-    with pytest.raises(RequestError, match="infer serve answers n > 1"):
-        SamplingParams(n=2)
+def test_other_names_are_refused_in_python_with_what_to_do():
+    """(n was refused here until the Python API took it: tests/test_n_samples.py.)"""
     with pytest.raises(RequestError, match="infer spells it min_tokens"):
         SamplingParams(min_new_tokens=2)
 

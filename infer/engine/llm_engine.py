@@ -18,7 +18,7 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
 from .setup import load_engine_parts, model_max_len
-from .structured import GrammarBackend
+from .structured import DEAD_HINT, GrammarBackend, allows_any
 
 log = logging.getLogger("infer")
 
@@ -323,8 +323,11 @@ class LLMEngine:
             seq.min_tokens_ban = []  # long enough: the sampler masks nothing more for it
             seq.logit_masks = bool(p.allowed_token_ids or p.logit_bias or seq.grammar is not None or seq.bad_words)
         if seq.grammar is not None and not seq.grammar.accept_token(token):  # the mask allowed only what it accepts
-            seq.error = (f"token {token} does not follow the request's structured_outputs."
-                         f"{p.structured_outputs.kind}")
+            kind = p.structured_outputs.kind  # unless it allowed nothing: a rule that never ends, reached mid-reply
+            seq.error = (f"token {token} does not follow the request's structured_outputs.{kind}"
+                         if allows_any(seq.grammar, self.grammars.vocab_size) else
+                         f"structured_outputs.{kind} allows no token after the reply so far: nothing can complete "
+                         f"it ({DEAD_HINT})")
             self.scheduler.finish(seq, "error")
             out = self._output(seq, [token])
             self._forget(seq)

@@ -29,6 +29,14 @@ CACHE_BYTES = 512 << 20  # compiled constraints kept (xgrammar's cache; vLLM's d
 # different schemas does not grow without bound
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (?:Check failed: \(.*?\) is false: )?")
+# what a grammar no text can match (or complete) usually is: xgrammar compiles it, its matcher allows nothing
+DEAD_HINT = "e.g. a rule that never ends (root ::= a, a ::= a \"x\") or a set of no characters: fix it"
+
+
+def _asked(kind: str, value) -> bool:
+    """Whether a field asks for its kind: given (json_object: not false). Not `value not in (None, False)`: 0 equals
+    False, and json=0 or regex=0 was told that no kind was given instead of what is wrong with it."""
+    return value is not None and not (kind == "json_object" and value is False)
 
 
 @dataclass(frozen=True)
@@ -46,7 +54,7 @@ class StructuredOutputsParams:
     _text: str = field(default="", init=False, repr=False, compare=False)  # the schema's JSON text
 
     def __post_init__(self) -> None:
-        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        given = [k for k in _KINDS if _asked(k, getattr(self, k))]
         if len(given) != 1:
             raise RequestError("structured_outputs needs exactly one of json, regex, choice, grammar, json_object"
                                + (f" (got {', '.join(given)})" if given else ""),
@@ -93,7 +101,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+        return next(k for k in _KINDS if _asked(k, getattr(self, k)))
 
     @classmethod
     def of(cls, value, name: str = "structured_outputs") -> StructuredOutputsParams | None:
@@ -171,6 +179,11 @@ def from_openai(body: dict, where: str = "") -> tuple[dict | None, str | None]:
         raise _field_error(found[1][0], f"a request may ask for one structured output, got {names}",
                            "keep one of them")
     name, spec = found[0]
+    if name != "structured_outputs":  # its own errors name structured_outputs' fields: first the one this came as
+        try:
+            StructuredOutputsParams.of(spec)
+        except RequestError as e:
+            raise _field_error(name, f"{where}{name}: {e.message}", e.hint) from None
     return spec, name
 
 
@@ -245,6 +258,14 @@ class GrammarBackend:
             if not matcher.accept_token(token):
                 raise RequestError(f"prefix_token_ids[{i}] ({token}) does not follow structured_outputs."
                                    f"{spec.kind}", "force a prefix the constraint allows, or none")
+            if matcher.is_terminated():  # an EOS the constraint accepted: its matcher has no next token to allow,
+                # and filling its row would fail the whole step (every request in it) in xgrammar
+                raise RequestError(f"prefix_token_ids[{i}] ({token}) ends structured_outputs.{spec.kind} (an EOS "
+                                   "token): nothing could be sampled after it", "leave EOS out of the prefix")
+        if not allows_any(matcher, self.vocab_size):  # refused here, not as 'token 0 does not follow' a step later
+            raise RequestError(f"structured_outputs.{spec.kind} allows no token"
+                               + (" after prefix_token_ids" if forced else "") + ": nothing can match it",
+                               DEAD_HINT)
         return matcher
 
 
@@ -265,6 +286,13 @@ def fill_bitmask(matchers: list, vocab: int) -> torch.Tensor:
     for i, m in enumerate(matchers):
         m.fill_next_token_bitmask(bitmask, i)
     return bitmask
+
+
+def allows_any(matcher, vocab: int) -> bool:
+    """Whether `matcher` allows some token of the vocabulary next. xgrammar compiles a grammar no text can match
+    (or can complete from here): its matcher then allows nothing, and a step samples a token it refuses."""
+    row = fill_bitmask([matcher], vocab)
+    return bool(apply_bitmask(torch.zeros(1, vocab), None, row).isfinite().any())
 
 
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor | None, bitmask: torch.Tensor) -> torch.Tensor:
