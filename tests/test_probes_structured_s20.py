@@ -79,6 +79,7 @@ def test_a_dead_end_reached_mid_reply_says_so(llm):
     out = llm.generate("hi", SamplingParams(max_new_tokens=4, structured_outputs=S(grammar='root ::= "a" b\n'
                                                                                            'b ::= b "x"')))[0]
     assert out.finish_reason == "error" and out.text == "a"
+    assert len(out.token_ids) == 1 and not out.token_times[1:]  # the token sampled from nothing is left out
     assert "structured_outputs.grammar allows no token after the reply so far" in out.error, out.error
 
 

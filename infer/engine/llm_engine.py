@@ -313,6 +313,8 @@ class LLMEngine:
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, record: dict | None, now: float) -> RequestOutput:
+        if seq.grammar is not None and not seq.grammar.accept_token(token):  # the mask allowed only what it accepts
+            return self._off_grammar(seq, token)
         seq.token_times.append(now)
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -322,16 +324,6 @@ class LLMEngine:
         if seq.min_tokens_ban and seq.num_generated >= p.min_tokens:
             seq.min_tokens_ban = []  # long enough: the sampler masks nothing more for it
             seq.logit_masks = bool(p.allowed_token_ids or p.logit_bias or seq.grammar is not None or seq.bad_words)
-        if seq.grammar is not None and not seq.grammar.accept_token(token):  # the mask allowed only what it accepts
-            kind = p.structured_outputs.kind  # unless it allowed nothing: a rule that never ends, reached mid-reply
-            seq.error = (f"token {token} does not follow the request's structured_outputs.{kind}"
-                         if allows_any(seq.grammar, self.grammars.vocab_size) else
-                         f"structured_outputs.{kind} allows no token after the reply so far: nothing can complete "
-                         f"it ({DEAD_HINT})")
-            self.scheduler.finish(seq, "error")
-            out = self._output(seq, [token])
-            self._forget(seq)
-            return out
         eos = not p.ignore_eos and token in self.eos_token_ids
         is_stop_token = eos or token in p.stop_token_ids
         stop_string = self.detokenizer.update(seq, is_stop_token)
@@ -345,6 +337,21 @@ class LLMEngine:
         out = self._output(seq, [token])
         if seq.finished:
             self._forget(seq)
+        return out
+
+    def _off_grammar(self, seq: Sequence, token: int) -> RequestOutput:
+        """A token the request's matcher refuses: the step sampled from a row that allowed nothing (a rule that
+        never ends, reached mid-reply; every logit was -inf). The request ends with the error, the token left out
+        of its reply."""
+        seq.output_token_ids.pop()
+        kind = seq.params.structured_outputs.kind
+        seq.error = (f"token {token} does not follow the request's structured_outputs.{kind}"
+                     if allows_any(seq.grammar, self.grammars.vocab_size) else
+                     f"structured_outputs.{kind} allows no token after the reply so far: nothing can complete it "
+                     f"({DEAD_HINT})")
+        self.scheduler.finish(seq, "error")
+        out = self._output(seq, [])
+        self._forget(seq)
         return out
 
     def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
