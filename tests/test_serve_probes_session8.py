@@ -39,7 +39,7 @@ def _chat(**extra) -> dict:
     ("use_beam_search", True, "beam search"),
     ("guided_whitespace_pattern", "\\s*", "guided_whitespace_pattern is not supported"),
     ("response_format", {"type": "structural_tag"}, "type 'structural_tag' is not supported"),
-    ("tool_choice", "required", "tool calls"),
+    ("tool_choice", "required", "the request has no tools"),
     ("chat_template_kwargs", {"tokenize": False}, "chat_template_kwargs cannot set tokenize"),
     ("continue_final_message", True, "needs add_generation_prompt=false"),
     ("modalities", ["text", "audio"], "only text output"),

@@ -24,6 +24,7 @@ from .guard import ErrorGuardMiddleware
 from .lifecycle import uvicorn_server
 from .metrics import CONTENT_TYPE, HttpMetricsMiddleware, ServerMetrics
 from .parse import ParsePool
+from .tools import tool_calls
 
 log = logging.getLogger("infer.serve")
 DISCONNECT_POLL_S = 0.25
@@ -177,7 +178,8 @@ async def _complete(server: Server, req: p.GenerationRequest, rid: str, model: s
                 reason = "length" if req.prompt_only else p.finish_reason(out)
                 ids_out = [] if req.prompt_only else out.token_ids  # not the one token generated and left out
                 choices[i] = p.choice(req, i, text, records, server.tokenizer, reason, token_ids=ids_out,
-                                      prompt_token_ids=out.prompt_token_ids, stop_reason=out.stop_reason)
+                                      prompt_token_ids=out.prompt_token_ids, stop_reason=out.stop_reason,
+                                      tool_calls=tool_calls(req.tools, out.text))
                 if out.prompt_logprobs is not None and req.asked_prompt_logprobs is not None:
                     # vLLM's field: a completion choice's, a chat response's
                     prompt_lp[i] = p.prompt_logprobs(out.prompt_logprobs, server.tokenizer, req.asked_prompt_logprobs)
@@ -215,9 +217,14 @@ async def _stream(server: Server, req: p.GenerationRequest, rid: str, model: str
                 records, sent_lp[i] = out.logprobs[sent_lp.get(i, 0):], len(out.logprobs)
             reason = p.finish_reason(out) if out.finished else None
             new_ids = out.new_token_ids if req.return_token_ids else None
-            if out.delta_text or records or reason or new_ids:
-                c = p.choice(req, i, out.delta_text, records, server.tokenizer, reason, delta=True, token_ids=new_ids,
-                             text_offset=offsets.get(i, 0), stop_reason=out.stop_reason if out.finished else None)
+            calls = tool_calls(req.tools, out.text) if out.finished else None
+            delta = out.delta_text
+            if req.tools is not None and req.tools.schema is not None:  # a call goes whole in the choice's last
+                delta = out.text if out.finished and calls is None else ""  # chunk; cut short of one, as text
+            if delta or records or reason or new_ids:
+                c = p.choice(req, i, delta, records, server.tokenizer, reason, delta=True, token_ids=new_ids,
+                             text_offset=offsets.get(i, 0), stop_reason=out.stop_reason if out.finished else None,
+                             tool_calls=calls)
                 lp = c.get("logprobs") if not req.chat else None
                 if lp and lp["tokens"]:
                     offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..engine.inputs import UNSUPPORTED_OPENAI as _UNSUPPORTED, chat_template_options, check_add_special_tokens, \
@@ -17,6 +17,7 @@ from ..engine.outputs import RequestOutput
 from ..engine.prompt_size import PromptTooLongError
 from ..engine.structured import from_openai
 from ..errors import RequestError
+from .tools import ToolRequest, parse_tools
 
 # OpenAI names for our SamplingParams fields, and the vLLM-style extras we accept as they are
 _ALIASES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
@@ -75,6 +76,7 @@ class GenerationRequest:
     # the body's own prompt_logprobs (echo with logprobs asks the engine too, for as many alternatives as logprobs)
     asked_prompt_logprobs: int | None = None
     structured_field: str | None = None  # the field that asked for a structured output (response_format...)
+    tools: ToolRequest | None = None  # chat: the tools and the tool_choice (serve/tools.py)
 
     def params_for(self, index: int):
         """Choice `index`'s sampling: with n > 1 and a seed, sample j draws with seed + j (as vLLM's parallel
@@ -100,6 +102,8 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     for key, (ok, why) in _UNSUPPORTED.items():
+        if key in ("tools", "tool_choice") and chat:  # serve/tools.py (parse_chat)
+            continue
         if key not in ("n", "echo") and not ok(body.get(key)):  # n: one engine request per choice; echo: below
             raise ApiError(400, why, param=key)
     echo = bool(_expect(body, "echo", (bool,), "a boolean"))
@@ -269,8 +273,22 @@ def parse_chat(body: Any, tokenizer, max_tokens: int | None = None,
         raise bad_request(e, param="messages") from e
     try:
         template = chat_template_options(body)
+        req.tools = parse_tools(body)
     except RequestError as e:
         raise ApiError(400, str(e), param=e.field) from e
+    if req.tools is not None:
+        template["tools"] = req.tools.tools  # apply_chat_template renders them (a template that reads `tools`)
+    if req.tools is not None and req.tools.schema is not None:  # the reply is a call: a JSON schema constrains it
+        if req.params.structured_outputs is not None:
+            raise ApiError(400, f"tool_choice {req.tools.mode!r} constrains the reply already; "
+                                f"{req.structured_field} cannot be combined with it", param=req.structured_field)
+        try:
+            # no free whitespace in a call's JSON: a model cannot stall in it, and a program reads the arguments
+            req.params = replace(req.params, structured_outputs={"json": req.tools.schema,
+                                                                 "disable_any_whitespace": True})
+        except RequestError as e:
+            raise ApiError(400, f"tool_choice: {e}", param="tool_choice") from e
+        req.structured_field = "tools"  # a parameters schema xgrammar cannot compile is the tools' fault
     if _no_max_tokens(body):
         req.params.max_new_tokens = None  # as OpenAI: up to the context limit
     if req.params.truncate_prompt_tokens is not None:
@@ -365,7 +383,7 @@ def chat_logprobs(records: list[dict], tokenizer) -> dict:
 def choice(req: GenerationRequest, index: int, text: str, records: list[dict] | None, tokenizer,
            finish_reason: str | None, delta: bool = False, first: bool = False, token_ids: list[int] | None = None,
            prompt_token_ids: list[int] | None = None, text_offset: int = 0,
-           stop_reason: int | str | None = None) -> dict:
+           stop_reason: int | str | None = None, tool_calls: list[dict] | None = None) -> dict:
     """One choice of a response or of a streamed chunk; `text_offset`: where this chunk's text starts in the
     choice's whole text (a completion's logprobs.text_offset counts from the start of the choice, chunk after chunk).
     `stop_reason` (vLLM's field): the stop token id or stop string that ended the choice, None for EOS or a length
@@ -381,6 +399,12 @@ def choice(req: GenerationRequest, index: int, text: str, records: list[dict] | 
     else:
         out = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                "finish_reason": finish_reason}
+    if tool_calls:  # the reply is the calls (OpenAI: content null, finish_reason tool_calls)
+        message = out["delta" if delta else "message"]
+        message["content"], message["tool_calls"] = None, tool_calls
+        if delta:
+            message["tool_calls"] = [{"index": k, **call} for k, call in enumerate(tool_calls)]
+        out["finish_reason"] = "tool_calls" if finish_reason == "stop" else finish_reason
     out["stop_reason"] = stop_reason if finish_reason == "stop" else None
     if req.return_token_ids and token_ids is not None:
         out["token_ids"] = list(token_ids)

@@ -1,0 +1,174 @@
+"""Tool calls on `infer serve`'s chat endpoint, as vLLM answers them without a model-specific parser: the tools reach
+the chat template exactly as transformers' `apply_chat_template(tools=...)` renders them; a named tool_choice and
+"required" constrain the reply to a call (the same tokens as the Python API with that JSON schema as structured
+outputs on the same prompt ids), which comes back as OpenAI's tool_calls, whole or streamed, through the openai
+client too; "auto" (the default with tools) is refused with what to send instead, and every malformed field is a
+400 naming it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("xgrammar")
+
+from transformers import AutoTokenizer  # noqa: E402
+
+from infer import LLM, SamplingParams, StructuredOutputsParams as S  # noqa: E402
+from infer.engine.config import EngineConfig  # noqa: E402
+from infer.engine.llm_engine import LLMEngine  # noqa: E402
+from infer.models.tiny import ensure_builtin  # noqa: E402
+from infer.serve.app import Server, serve_in_thread  # noqa: E402
+from infer.serve.async_engine import AsyncEngine  # noqa: E402
+from infer.serve.tools import parse_tools  # noqa: E402
+
+# a Qwen-style template that renders the tools in a system turn (the built-in model's template ignores them)
+TEMPLATE = ("{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n"
+            "{% endif %}{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+            "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+# small enums: a random model would write digits up to max_tokens in a free integer
+ADD = {"type": "object", "properties": {"a": {"enum": [1, 2, 3]}, "b": {"enum": [10, 20]}}, "required": ["a", "b"],
+       "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather now", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "parameters": ADD}}]
+MESSAGES = [{"role": "user", "content": "what is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tools") / "tiny-tools"
+    shutil.copytree(ensure_builtin("tiny-llama"), path)
+    (path / "chat_template.jinja").write_text(TEMPLATE)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def served(model):
+    engine = LLMEngine(EngineConfig(model, block_size=4, max_num_seqs=8))
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny-tools")) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def direct(model):
+    with LLM(model, block_size=4, max_num_seqs=8) as llm:
+        yield llm
+
+
+def _chat(base, **extra):
+    body = {"messages": MESSAGES, "max_tokens": 48, "temperature": 0, "tools": TOOLS, "return_token_ids": True,
+            **extra}
+    return httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+
+
+def _prompt(model) -> list[int]:
+    tok = AutoTokenizer.from_pretrained(model)
+    return list(tok.apply_chat_template(MESSAGES, tools=TOOLS, add_generation_prompt=True, tokenize=True,
+                                        return_dict=True)["input_ids"])
+
+
+def test_the_tools_reach_the_template_as_transformers_renders_them(served, model):
+    r = _chat(served, tool_choice="none")
+    assert r.status_code == 200, r.text
+    ids = _prompt(model)
+    assert r.json()["choices"][0]["prompt_token_ids"] == ids
+    plain = httpx.post(f"{served}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2}, timeout=60)
+    assert plain.json()["usage"]["prompt_tokens"] < len(ids)  # the tools' system turn is in it
+    assert "tool_calls" not in r.json()["choices"][0]["message"]
+
+
+# "required" with parallel calls allowed: a random model never closes the list (each call is followed by another)
+@pytest.mark.parametrize("choice,extra", [(NAMED, {}), ("required", {"parallel_tool_calls": False})])
+def test_a_forced_call_is_the_constrained_reply_as_tool_calls(served, direct, model, choice, extra):
+    r = _chat(served, tool_choice=choice, **extra)
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    tool = parse_tools({"tools": TOOLS, "tool_choice": choice, **extra})
+    want = direct.generate(_prompt(model), SamplingParams(max_new_tokens=48, structured_outputs=S(
+        json=tool.schema, disable_any_whitespace=True)))[0]
+    assert c["token_ids"] == want.token_ids and want.finish_reason == "stop"
+    assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None
+    calls = c["message"]["tool_calls"]
+    if choice == NAMED:
+        assert [x["function"]["name"] for x in calls] == ["get_weather"]
+        assert calls[0]["function"]["arguments"] == want.text
+    else:
+        assert [{"name": x["function"]["name"], "parameters": json.loads(x["function"]["arguments"])}
+                for x in calls] == json.loads(want.text)
+    for x in calls:
+        args = json.loads(x["function"]["arguments"])
+        assert x["type"] == "function" and x["id"].startswith("chatcmpl-tool-")
+        if x["function"]["name"] == "get_weather":
+            assert args["city"] in ("Paris", "Rome", "Oslo") and args["unit"] in ("c", "f") and len(args) == 2
+        else:
+            assert args["a"] in (1, 2, 3) and args["b"] in (10, 20)
+
+
+def test_streamed_calls_come_whole_in_the_last_chunk(served):
+    whole = _chat(served, tool_choice=NAMED).json()["choices"][0]
+    with httpx.stream("POST", f"{served}/v1/chat/completions",
+                      json={"messages": MESSAGES, "max_tokens": 48, "temperature": 0, "tools": TOOLS,
+                            "tool_choice": NAMED, "stream": True}, timeout=120) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    deltas = [c["choices"][0] for c in chunks if c["choices"]]
+    assert not "".join(d["delta"].get("content") or "" for d in deltas)  # no JSON text before the call
+    last = deltas[-1]
+    assert last["finish_reason"] == "tool_calls"
+    (call,) = last["delta"]["tool_calls"]
+    assert call["index"] == 0 and call["function"] == whole["message"]["tool_calls"][0]["function"]
+
+
+def test_a_call_cut_short_by_max_tokens_stays_text(served):
+    c = _chat(served, tool_choice=NAMED, max_tokens=3).json()["choices"][0]
+    assert c["finish_reason"] == "length" and "tool_calls" not in c["message"]
+    assert c["message"]["content"].startswith("{")
+
+
+def test_parallel_tool_calls_false_gives_one_call_and_the_openai_client_reads_them(served):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key="x")
+    for choice, parallel in ((NAMED, None), ("required", False)):
+        extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+        reply = client.chat.completions.create(model="tiny-tools", messages=MESSAGES, tools=TOOLS, tool_choice=choice,
+                                               max_tokens=64, temperature=0, **extra)
+        calls = reply.choices[0].message.tool_calls
+        assert reply.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+        assert calls[0].function.name in ("get_weather", "add") and json.loads(calls[0].function.arguments)
+    assert parse_tools({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}).schema["maxItems"] == 1
+    assert "maxItems" not in parse_tools({"tools": TOOLS, "tool_choice": "required"}).schema
+
+
+@pytest.mark.parametrize("extra,param,message", [
+    ({"tool_choice": "auto"}, "tool_choice", "needs a parser of the model's own tool-call syntax"),
+    ({}, "tool_choice", "tool_choice 'auto' (the default with tools)"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "names 'nope', which is not among the tools"),
+    ({"tool_choice": "sometimes"}, "tool_choice", "tool_choice must be"),
+    ({"tools": [{"type": "function", "function": {"parameters": {}}}], "tool_choice": "required"}, "tools",
+     "tools[0].function.name must be a non-empty string"),
+    ({"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "required"}, "tools", "a second function named 'get_weather'"),
+    ({"tools": [{"type": "retrieval"}], "tool_choice": "required"}, "tools", "tools[0] must be"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}],
+      "tool_choice": "required"}, "tools", "does not compile"),
+    ({"tool_choice": NAMED, "response_format": {"type": "json_object"}}, "response_format", "constrains the reply"),
+    ({"tool_choice": NAMED, "parallel_tool_calls": "no"}, "parallel_tool_calls", "true or false"),
+    ({"tools": None, "tool_choice": "required"}, "tool_choice", "the request has no tools"),
+])
+def test_bad_tool_fields_are_400_naming_them(served, extra, param, message):
+    r = _chat(served, **extra)
+    assert r.status_code == 400, r.text
+    assert message in r.json()["error"]["message"] and r.json()["error"]["param"] == param
+
+
+def test_completions_still_refuse_tools(served):
+    """(OpenAI batch lines in `infer run` refuse them too: tests/test_probes_session5.py.)"""
+    r = httpx.post(f"{served}/v1/completions", json={"prompt": "hi", "tools": TOOLS, "tool_choice": "required"},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
