@@ -156,7 +156,13 @@ class LLMEngine:
             raise RequestError("every token in allowed_token_ids is an EOS or stop token, which min_tokens "
                                "forbids: nothing could be sampled", "allow another token, or drop min_tokens")
         if params.bad_words:
-            self.bad_word_ids(params.bad_words)
+            single = {ids[0] for ids in self.bad_word_ids(params.bad_words) if len(ids) == 1}
+            first = single | set(self._min_tokens_ban(params) if params.min_tokens else ())
+            if params.allowed_token_ids and set(params.allowed_token_ids) <= first:
+                # the first token's row would be all -inf: the sampler would pick a token outside the allowed list
+                raise RequestError("bad_words (with min_tokens' EOS and stop tokens) ban every token in "
+                                   "allowed_token_ids: nothing could be sampled",
+                                   "allow another token, or drop the words that ban the allowed ones")
         if params.structured_outputs is not None:  # compiles it (a server validates on its own thread)
             self.grammars.matcher(params.structured_outputs, params.prefix_token_ids)
         cap = min(self.max_model_len, params.max_length or self.max_model_len)
@@ -313,6 +319,8 @@ class LLMEngine:
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, record: dict | None, now: float) -> RequestOutput:
+        if seq.bad_words and self._banned(seq, token):  # the row allowed nothing: every logit was -inf
+            return self._no_token_left(seq, token)
         if seq.grammar is not None and not seq.grammar.accept_token(token):  # the mask allowed only what it accepts
             return self._off_grammar(seq, token)
         seq.token_times.append(now)
@@ -339,13 +347,37 @@ class LLMEngine:
             self._forget(seq)
         return out
 
+    @staticmethod
+    def _banned(seq: Sequence, token: int) -> bool:
+        """Whether the request's masks forbade `token` (already appended): it ends a bad word (the sampler's rule),
+        or is not in allowed_token_ids. Sampled anyway, it came from a row the masks left empty, which happens when
+        bad_words ban, after the reply so far, every allowed token (allowed_token_ids=[t], bad_words=["tt"])."""
+        before = seq.output_token_ids[:-1]
+        if seq.params.allowed_token_ids and token not in seq.params.allowed_token_ids:
+            return True
+        return any(ids[-1] == token and (len(ids) == 1 or before[1 - len(ids):] == ids[:-1])
+                   for ids in seq.bad_words)
+
+    def _no_token_left(self, seq: Sequence, token: int) -> RequestOutput:
+        """A token sampled from a row bad_words left empty: the request ends with the error, the token (another
+        than the request allows, or the rest of a bad word) left out of its reply."""
+        seq.output_token_ids.pop()
+        seq.error = (f"bad_words leave no token to sample after the reply so far (token {token} was drawn from a "
+                     "row whose every token is banned or not allowed)")
+        self.scheduler.finish(seq, "error")
+        out = self._output(seq, [])
+        self._forget(seq)
+        return out
+
     def _off_grammar(self, seq: Sequence, token: int) -> RequestOutput:
         """A token the request's matcher refuses: the step sampled from a row that allowed nothing (a rule that
         never ends, reached mid-reply; every logit was -inf). The request ends with the error, the token left out
         of its reply."""
         seq.output_token_ids.pop()
         kind = seq.params.structured_outputs.kind
-        seq.error = (f"token {token} does not follow the request's structured_outputs.{kind}"
+        seq.error = ((f"bad_words ban every token structured_outputs.{kind} allows after the reply so far "
+                      f"(token {token} was drawn from a row left empty)" if seq.bad_words else
+                      f"token {token} does not follow the request's structured_outputs.{kind}")
                      if allows_any(seq.grammar, self.grammars.vocab_size) else
                      f"structured_outputs.{kind} allows no token after the reply so far: nothing can complete it "
                      f"({DEAD_HINT})")
