@@ -172,3 +172,13 @@ def test_completions_still_refuse_tools(served):
     r = httpx.post(f"{served}/v1/completions", json={"prompt": "hi", "tools": TOOLS, "tool_choice": "required"},
                    timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
+def test_llm_chat_renders_the_tools_as_the_server_does(served, direct, model):
+    """vLLM's LLM.chat(tools=...): the same prompt as the server's and transformers' apply_chat_template(tools=)."""
+    out = direct.chat(MESSAGES, SamplingParams(max_new_tokens=2), tools=TOOLS)[0]
+    assert out.prompt_token_ids == _prompt(model)
+    assert direct.chat(MESSAGES, SamplingParams(max_new_tokens=2))[0].prompt_token_ids != _prompt(model)
+    from infer.errors import RequestError
+    with pytest.raises(RequestError, match="tools must be a list of function definitions"):
+        direct.chat(MESSAGES, tools="get_weather")

@@ -254,10 +254,11 @@ class LLM:
     def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None,
              lora: str | list[str | None] | None = None, *, chat_template_kwargs: dict | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             documents: list[dict] | None = None) -> list[RequestOutput]:
+             documents: list[dict] | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or a list of them, rendered by
         the model's chat template with these options (chat_template_kwargs: the template's own variables, e.g.
-        Qwen3's enable_thinking), then run as generate() runs prompts."""
+        Qwen3's enable_thinking; tools: OpenAI's function definitions, for a template that renders them), then run
+        as generate() runs prompts."""
         convs = [messages] if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict) \
             else messages
         if not isinstance(convs, (list, tuple)) or not convs or not all(
@@ -267,6 +268,11 @@ class LLM:
         template = chat_template_options(dict(chat_template_kwargs=chat_template_kwargs, documents=documents,
                                               add_generation_prompt=add_generation_prompt,
                                               continue_final_message=continue_final_message))
+        if tools is not None:
+            if not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools):
+                raise RequestError("tools must be a list of function definitions (dicts)",
+                                   'e.g. [{"type": "function", "function": {"name": "f", "parameters": {...}}}]')
+            template["tools"] = list(tools)
         return self._samples(self._run(self._submit(list(convs), params, lora, template, fan_out=True)), params)
 
     def stream(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
