@@ -352,11 +352,11 @@ class LLMEngine:
         """Whether the request's masks forbade `token` (already appended): it ends a bad word (the sampler's rule),
         or is not in allowed_token_ids. Sampled anyway, it came from a row the masks left empty, which happens when
         bad_words ban, after the reply so far, every allowed token (allowed_token_ids=[t], bad_words=["tt"])."""
-        before = seq.output_token_ids[:-1]
+        out, n = seq.output_token_ids, len(seq.output_token_ids) - 1  # n: the tokens before this one
         if seq.params.allowed_token_ids and token not in seq.params.allowed_token_ids:
             return True
-        return any(ids[-1] == token and (len(ids) == 1 or before[1 - len(ids):] == ids[:-1])
-                   for ids in seq.bad_words)
+        return any(ids[-1] == token and (len(ids) == 1 or (n >= len(ids) - 1 and out[n + 1 - len(ids):n] == ids[:-1]))
+                   for ids in seq.bad_words)  # slices of a word's length: no copy of the reply per token
 
     def _no_token_left(self, seq: Sequence, token: int) -> RequestOutput:
         """A token sampled from a row bad_words left empty: the request ends with the error, the token (another

@@ -5,16 +5,16 @@ as tensors, and nothing is copied back to the host here: `Sampler.sample` return
 copies them once per step (`SampledBatch.packed`: the tokens and, when asked for, the logprob values together).
 
 Per row, in vLLM's and transformers' order: on the raw logits, a structured output's grammar (every token its
-matcher does not allow next masked, engine/structured.py), allowed_token_ids (every other token masked),
-min_tokens (EOS and the stop token ids masked while the reply is shorter) and logit_bias (added), as vLLM's logits
-processors; then the penalties (repetition over prompt + output tokens, as transformers'
-RepetitionPenaltyLogitsProcessor; presence and frequency over output tokens, as OpenAI defines them); then
-temperature, top-k, top-p and min-p (as transformers' warpers, in that order; vLLM applies min-p before top-k and
-top-p), then one draw. Greedy rows take the argmax of the logits after the masks, bias and penalties. A draw is an
-exponential race: argmax(p / q) with q ~ Exp(1) i.i.d. is distributed as p. q is drawn for each row from that
-request's own generator when it has a seed (so it gets the same tokens in any batch and any batch order), and from
-the engine's generator for the other rows. Logprob records describe the model's raw distribution (before the
-processors, penalties and temperature), as OpenAI and vLLM report them.
+matcher does not allow next masked, engine/structured.py), allowed_token_ids (every other token masked), min_tokens
+(EOS and the stop token ids masked while the reply is shorter), bad_words (a word's last token masked once the reply
+ends with the rest of it) and logit_bias (added), as vLLM's logits processors; then the penalties (repetition over
+prompt + output tokens, as transformers' RepetitionPenaltyLogitsProcessor; presence and frequency over output
+tokens, as OpenAI defines them); then temperature, top-k, top-p and min-p (as transformers' warpers, in that order;
+vLLM applies min-p before top-k and top-p), then one draw. Greedy rows take the argmax of the logits after the
+masks, bias and penalties. A draw is an exponential race: argmax(p / q) with q ~ Exp(1) i.i.d. is distributed as p.
+q is drawn for each row from that request's own generator when it has a seed (so it gets the same tokens in any
+batch and any batch order), and from the engine's generator for the other rows. Logprob records describe the model's
+raw distribution (before the processors, penalties and temperature), as OpenAI and vLLM report them.
 """
 
 from __future__ import annotations

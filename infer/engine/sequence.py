@@ -53,8 +53,8 @@ class Sequence:
         # the tokens min_tokens masks (EOS unless ignore_eos, and stop_token_ids) while the reply is shorter; set by
         # LLMEngine.add_request, emptied once the reply is long enough
         self.min_tokens_ban: list[int] = []
-        # whether the sampler applies a logits processor of the request (allowed_token_ids, logit_bias, min_tokens):
-        # one attribute read per row and step for the requests without
+        # whether the sampler applies a logits processor of the request (allowed_token_ids, logit_bias, min_tokens,
+        # bad_words, a grammar): one attribute read per row and step for the requests without
         self.logit_masks = bool(self.params.allowed_token_ids or self.params.logit_bias or self.params.min_tokens
                                 or self.params.bad_words)
         self.grammar = None  # structured outputs: the request's xgrammar matcher (LLMEngine.add_request)
