@@ -247,7 +247,7 @@ class GrammarBackend:
             if kind == "choice":
                 return compiler.compile_grammar(choice_grammar(spec.choice))
             return compiler.compile_grammar(spec.grammar)
-        except RuntimeError as e:
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors are RuntimeErrors; its FFI's may not be
             raise RequestError(f"the structured output's {_WHAT[kind]} does not compile: {_reason(e)}",
                                "fix it, or send the request without it") from None
 
