@@ -2,12 +2,14 @@
 the chat template exactly as transformers' `apply_chat_template(tools=...)` renders them; a named tool_choice and
 "required" constrain the reply to a call (the same tokens as the Python API with that JSON schema as structured
 outputs on the same prompt ids), which comes back as OpenAI's tool_calls, whole or streamed, through the openai
-client too; "auto" (the default with tools) is refused with what to send instead, and every malformed field is a
-400 naming it."""
+client too; "auto" (the default with tools) reads the calls a model writes in the hermes syntax with
+--tool-call-parser hermes (vLLM's parser's rules), and is refused with what to send instead without a parser; every
+malformed field is a 400 naming it."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -182,3 +184,87 @@ def test_llm_chat_renders_the_tools_as_the_server_does(served, direct, model):
     from infer.errors import RequestError
     with pytest.raises(RequestError, match="tools must be a list of function definitions"):
         direct.chat(MESSAGES, tools="get_weather")
+
+
+# ------------------------------------------------------------------ tool_choice "auto" with --tool-call-parser hermes
+from infer.serve.tools import hermes_calls, visible  # noqa: E402
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+
+
+def test_the_hermes_parser_reads_what_vllms_reads():
+    """vLLM's hermes parser: every <tool_call>...</tool_call> (the last may be unterminated), arguments re-written as
+    JSON text, the content before the first call (None if blank); any call that is not JSON with a name leaves the
+    whole reply as text."""
+    content, calls = hermes_calls("Let me look.\n" + CALL + "\n" + CALL.replace("Paris", "Rome"))
+    assert content == "Let me look.\n"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "c"}), ("get_weather", {"city": "Rome", "unit": "c"})]
+    assert len({c["id"] for c in calls}) == 2
+    content, calls = hermes_calls('<tool_call>{"name": "add", "arguments": {"a": 1}}')  # cut before its end tag
+    assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"a": 1}
+    assert hermes_calls('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>')[1][0]["function"][
+        "arguments"] == '{"a": 1}'  # arguments given as text stay that text
+    for text in ("no call here", "<tool_call>{not json}</tool_call>", '<tool_call>{"arguments": {}}</tool_call>',
+                 "<tool_call>[1, 2]</tool_call>"):
+        assert hermes_calls(text) is None
+
+
+def test_a_stream_holds_back_what_may_start_a_call():
+    req = parse_tools({"tools": TOOLS}, "hermes")
+    assert req.mode == "auto"
+    assert visible(req, "Sure, <tool_c") == "Sure, " and visible(req, "Sure, <tool_call>{") == "Sure, "
+    assert visible(req, "Sure <") == "Sure " and visible(req, "a < b") == "a < b"
+    assert visible(None, "Sure, <tool_c") == "Sure, <tool_c"
+
+
+@pytest.fixture(scope="module")
+def served_auto(model):
+    engine = LLMEngine(EngineConfig(model, block_size=4, max_num_seqs=8))
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny-tools", tool_parser="hermes")) as base:
+        yield base
+
+
+# the reply forced with a regex, as if the model had written a call in its own syntax
+FORCED = r'Sure\.' + re.escape(CALL).replace("Paris", "(Paris|Rome)")
+
+
+def test_auto_reads_the_calls_the_model_writes(served_auto):
+    r = _chat(served_auto, guided_regex=FORCED, max_tokens=120)
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    assert c["finish_reason"] == "tool_calls" and c["message"]["content"] == "Sure."
+    (call,) = c["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) in ({"city": "Paris", "unit": "c"}, {"city": "Rome", "unit": "c"})
+    with httpx.stream("POST", f"{served_auto}/v1/chat/completions",
+                      json={"messages": MESSAGES, "max_tokens": 120, "temperature": 0, "tools": TOOLS,
+                            "guided_regex": FORCED, "stream": True}, timeout=120) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    deltas = [ch["choices"][0] for ch in chunks if ch["choices"]]
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == "Sure."  # no tag text streamed as content
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+    assert deltas[-1]["delta"]["tool_calls"][0]["function"] == call["function"]
+
+
+def test_auto_without_a_call_is_text_and_none_renders_only(served_auto):
+    r = _chat(served_auto, max_tokens=8)  # tool_choice left out: auto
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    assert c["finish_reason"] == "length" and "tool_calls" not in c["message"] and c["message"]["content"]
+    r = _chat(served_auto, tool_choice="none", guided_regex=FORCED, max_tokens=120)
+    assert "tool_calls" not in r.json()["choices"][0]["message"]  # "none": the text is the reply
+
+
+def test_the_parser_options_only_work_together():
+    from typer.testing import CliRunner
+    from infer.cli.main import app
+    from infer.cli.serve import _tool_parser
+    from infer.errors import ConfigError
+    assert _tool_parser(True, "hermes") == "hermes" and _tool_parser(False, None) is None
+    for enable, parser, message in ((True, None, "needs --tool-call-parser"), (True, "mistral", "not available"),
+                                    (False, "hermes", "needs --enable-auto-tool-choice")):
+        with pytest.raises(ConfigError, match=message):
+            _tool_parser(enable, parser)
+    res = CliRunner().invoke(app, ["serve", "tiny-llama", "--enable-auto-tool-choice"])
+    assert res.exit_code != 0 and "needs --tool-call-parser" in res.output

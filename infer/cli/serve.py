@@ -74,6 +74,16 @@ def serve(
                                                           "/v1/unload_lora_adapter (adapters added and removed while "
                                                           "serving; implies --enable-lora).",
                                                      rich_help_panel=SERVER)] = False,
+    enable_auto_tool_choice: Annotated[bool, typer.Option("--enable-auto-tool-choice",
+                                                          help="Let chat requests with tools use tool_choice auto "
+                                                               "(the default): the model's calls are read out of "
+                                                               "its text by --tool-call-parser.",
+                                                          rich_help_panel=SERVER)] = False,
+    tool_call_parser: Annotated[Optional[str], typer.Option("--tool-call-parser",
+                                                            help="The model family's tool-call syntax, with "
+                                                                 "--enable-auto-tool-choice: hermes (Hermes 2 Pro "
+                                                                 "and later, Qwen2.5, QwQ).",
+                                                            rich_help_panel=SERVER)] = None,
     engine: EngineConfig = None,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health,
@@ -84,6 +94,7 @@ def serve(
     if allow_runtime_lora:
         engine.enable_lora = True  # the adapter slots exist from the start, as vLLM's --enable-lora
     _check_server_options(port, max_queue, shutdown_timeout, log_level, api_key)
+    parser = _tool_parser(enable_auto_tool_choice, tool_call_parser)
     if not host.strip():  # an empty address binds every interface: never do that by accident (`--host "$UNSET"`)
         raise ConfigError("--host is empty", "give an address: 127.0.0.1 (this machine) or 0.0.0.0 (every interface)")
     from ..serve.body import BodyLimits
@@ -98,11 +109,25 @@ def serve(
         if data_parallel > 1 or ray_address:
             from .serve_parallel import serve_data_parallel
             return serve_data_parallel(engine, sock, host, model_id, api_key, max_queue, shutdown_timeout, log_level,
-                                       data_parallel, ray_address, limits, allow_runtime_lora)
+                                       data_parallel, ray_address, limits, allow_runtime_lora, parser)
         _serve(engine, sock, host, model_id, api_key, max_queue, shutdown_timeout, log_level, limits,
-               allow_runtime_lora)
+               allow_runtime_lora, parser)
     finally:
         sock.close()
+
+
+def _tool_parser(enable: bool, parser: str | None) -> str | None:
+    """--enable-auto-tool-choice and --tool-call-parser, which only work together (as in vLLM)."""
+    from ..serve.tools import PARSERS
+    if enable and parser is None:
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser",
+                          f"name the model family's tool-call syntax: {' | '.join(PARSERS)}")
+    if parser is not None and parser not in PARSERS:
+        raise ConfigError(f"--tool-call-parser {parser!r} is not available", f"infer reads: {' | '.join(PARSERS)}")
+    if parser is not None and not enable:
+        raise ConfigError("--tool-call-parser is used by tool_choice auto only, which needs --enable-auto-tool-choice",
+                          "add --enable-auto-tool-choice")
+    return parser
 
 
 def _check_server_options(port: int, max_queue: int, shutdown_timeout: float, log_level: str,
@@ -122,7 +147,8 @@ def _check_server_options(port: int, max_queue: int, shutdown_timeout: float, lo
 
 
 def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, model_id: str, api_key: str | None,
-           max_queue: int | None, shutdown_timeout: float, log_level: str, limits, runtime_lora: bool = False) -> None:
+           max_queue: int | None, shutdown_timeout: float, log_level: str, limits, runtime_lora: bool = False,
+           tool_parser: str | None = None) -> None:
     from ..serve.native import bound_native_caches
     bound_native_caches()  # before any model code runs: the caches read their capacity once
     from ..engine.llm_engine import LLMEngine
@@ -133,7 +159,7 @@ def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, model_id
     engine = LLMEngine(engine_config)
     engine.warm_kernels()
     server = Server(AsyncEngine(engine, max_queue), model_id, api_key=api_key, graceful_timeout=shutdown_timeout,
-                    limits=limits, runtime_lora=runtime_lora)
+                    limits=limits, runtime_lora=runtime_lora, tool_parser=tool_parser)
     app = create_app(server)
     bound = sock.getsockname()[1]
     names = (", ".join(server.adapters()) or "none") + (" (more can be loaded)" if runtime_lora else "")

@@ -24,7 +24,7 @@ from .guard import ErrorGuardMiddleware
 from .lifecycle import uvicorn_server
 from .metrics import CONTENT_TYPE, HttpMetricsMiddleware, ServerMetrics
 from .parse import ParsePool
-from .tools import tool_calls
+from .tools import split, visible
 
 log = logging.getLogger("infer.serve")
 DISCONNECT_POLL_S = 0.25
@@ -38,8 +38,10 @@ class Server:
     """What the routes need: the engine wrapper, model ids, auth and metrics."""
 
     def __init__(self, aengine: AsyncEngine, model_id: str, api_key: str | None = None, retry_after: int = 1,
-                 graceful_timeout: float = 30.0, limits: BodyLimits | None = None, runtime_lora: bool = False):
-        """`runtime_lora`: the routes that load and unload adapters while serving are on (serve/adapters.py)."""
+                 graceful_timeout: float = 30.0, limits: BodyLimits | None = None, runtime_lora: bool = False,
+                 tool_parser: str | None = None):
+        """`runtime_lora`: the routes that load and unload adapters while serving are on (serve/adapters.py).
+        `tool_parser`: --tool-call-parser, which reads the calls of tool_choice "auto" (serve/tools.py)."""
         self.aengine, self.model_id, self.api_key = aengine, model_id, api_key
         self.runtime_lora = runtime_lora
         self.limits = limits or BodyLimits()
@@ -52,7 +54,8 @@ class Server:
         # OpenAI's temperature 1 (vLLM's rule); LLM and plain `infer run` lines stay greedy by default
         self.sampling_defaults = openai_sampling_defaults(self.engine.model_path)
         self.parser = ParsePool(self.tokenizer, self.limits, max_tokens=self.engine.max_model_len,
-                                defaults=self.sampling_defaults, grammars=self.engine.grammars)
+                                defaults=self.sampling_defaults, grammars=self.engine.grammars,
+                                tool_parser=tool_parser)
 
     def stats(self) -> dict:
         return {**self.aengine.stats, "num_in_flight": self.aengine.num_in_flight(),
@@ -177,9 +180,10 @@ async def _complete(server: Server, req: p.GenerationRequest, rid: str, model: s
                 text, records = p.echoed(req, i, out, server.tokenizer) if req.echo else (out.text, out.logprobs)
                 reason = "length" if req.prompt_only else p.finish_reason(out)
                 ids_out = [] if req.prompt_only else out.token_ids  # not the one token generated and left out
+                text, calls = split(req.tools, text) if req.tools is not None else (text, None)
                 choices[i] = p.choice(req, i, text, records, server.tokenizer, reason, token_ids=ids_out,
                                       prompt_token_ids=out.prompt_token_ids, stop_reason=out.stop_reason,
-                                      tool_calls=tool_calls(req.tools, out.text))
+                                      tool_calls=calls)
                 if out.prompt_logprobs is not None and req.asked_prompt_logprobs is not None:
                     # vLLM's field: a completion choice's, a chat response's
                     prompt_lp[i] = p.prompt_logprobs(out.prompt_logprobs, server.tokenizer, req.asked_prompt_logprobs)
@@ -198,6 +202,7 @@ async def _complete(server: Server, req: p.GenerationRequest, rid: str, model: s
 
 async def _stream(server: Server, req: p.GenerationRequest, rid: str, model: str, queue, ids, arrival: float):
     created, sent_lp, offsets = p.now(), {}, {}  # offsets: where choice i's next logprobs text_offset starts
+    sent = {}  # with tools: how much of choice i's text went out as content
     prompt_n, completion_n = 0, 0
 
     def event(choices, usage=None) -> str:
@@ -217,10 +222,13 @@ async def _stream(server: Server, req: p.GenerationRequest, rid: str, model: str
                 records, sent_lp[i] = out.logprobs[sent_lp.get(i, 0):], len(out.logprobs)
             reason = p.finish_reason(out) if out.finished else None
             new_ids = out.new_token_ids if req.return_token_ids else None
-            calls = tool_calls(req.tools, out.text) if out.finished else None
-            delta = out.delta_text
-            if req.tools is not None and req.tools.schema is not None:  # a call goes whole in the choice's last
-                delta = out.text if out.finished and calls is None else ""  # chunk; cut short of one, as text
+            delta, calls = out.delta_text, None
+            if req.tools is not None and req.tools.mode != "none":  # calls go whole in the choice's last chunk;
+                if out.finished:  # before them, the text that is content (none for a constrained call)
+                    content, calls = split(req.tools, out.text)
+                else:
+                    content = visible(req.tools, out.text) if req.tools.mode == "auto" else ""
+                delta, sent[i] = content[sent.get(i, 0):], len(content)
             if delta or records or reason or new_ids:
                 c = p.choice(req, i, delta, records, server.tokenizer, reason, delta=True, token_ids=new_ids,
                              text_offset=offsets.get(i, 0), stop_reason=out.stop_reason if out.finished else None,

@@ -14,14 +14,15 @@ PARSE_THREADS = 2  # a big body does not hold up small ones; few enough that bod
 
 
 def parse_body(raw: bytes, chat: bool, tokenizer, limits: BodyLimits, max_tokens: int | None = None,
-               defaults: dict | None = None, grammars=None) -> p.GenerationRequest:
+               defaults: dict | None = None, grammars=None, tool_parser: str | None = None) -> p.GenerationRequest:
     """The whole pipeline for one body (raises ApiError with a 4xx for anything a client can send); a prompt
     certainly longer than `max_tokens` (the context) is refused before it is tokenized; `defaults` fill the sampling
     fields it leaves out. A structured output is compiled here by `grammars` (the engine's GrammarBackend, which
-    caches it), not on the engine's thread."""
+    caches it), not on the engine's thread. `tool_parser`: the server's --tool-call-parser (serve/tools.py)."""
     body = load_json(raw, limits.max_json_depth)
     check_values(body)
-    req = (p.parse_chat if chat else p.parse_completion)(body, tokenizer, max_tokens, defaults)
+    req = (p.parse_chat(body, tokenizer, max_tokens, defaults, tool_parser) if chat
+           else p.parse_completion(body, tokenizer, max_tokens, defaults))
     spec = req.params.structured_outputs
     if spec is not None and grammars is not None:
         try:
@@ -33,15 +34,15 @@ def parse_body(raw: bytes, chat: bool, tokenizer, limits: BodyLimits, max_tokens
 
 class ParsePool:
     def __init__(self, tokenizer, limits: BodyLimits, threads: int = PARSE_THREADS, max_tokens: int | None = None,
-                 defaults: dict | None = None, grammars=None):
+                 defaults: dict | None = None, grammars=None, tool_parser: str | None = None):
         self.tokenizer, self.limits, self.max_tokens, self.defaults = tokenizer, limits, max_tokens, defaults
-        self.grammars = grammars
+        self.grammars, self.tool_parser = grammars, tool_parser
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="infer-parse")
 
     async def parse(self, raw: bytes, chat: bool) -> p.GenerationRequest:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, parse_body, raw, chat, self.tokenizer, self.limits,
-                                          self.max_tokens, self.defaults, self.grammars)
+                                          self.max_tokens, self.defaults, self.grammars, self.tool_parser)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -254,8 +254,9 @@ def echoed(req: GenerationRequest, index: int, out: RequestOutput, tokenizer) ->
     return text + ("" if req.prompt_only else out.text), records
 
 
-def parse_chat(body: Any, tokenizer, max_tokens: int | None = None,
-               defaults: dict | None = None) -> GenerationRequest:
+def parse_chat(body: Any, tokenizer, max_tokens: int | None = None, defaults: dict | None = None,
+               tool_parser: str | None = None) -> GenerationRequest:
+    """`tool_parser`: the server's --tool-call-parser, which lets tool_choice "auto" through (serve/tools.py)."""
     req = _common(body, chat=True, defaults=defaults)
     messages = body.get("messages")
     if messages is None:
@@ -273,7 +274,7 @@ def parse_chat(body: Any, tokenizer, max_tokens: int | None = None,
         raise bad_request(e, param="messages") from e
     try:
         template = chat_template_options(body)
-        req.tools = parse_tools(body)
+        req.tools = parse_tools(body, tool_parser)
     except RequestError as e:
         raise ApiError(400, str(e), param=e.field) from e
     if req.tools is not None:
@@ -289,6 +290,8 @@ def parse_chat(body: Any, tokenizer, max_tokens: int | None = None,
         except RequestError as e:
             raise ApiError(400, f"tool_choice: {e}", param="tool_choice") from e
         req.structured_field = "tools"  # a parameters schema xgrammar cannot compile is the tools' fault
+    if req.tools is not None and req.tools.mode == "auto":  # as vLLM's hermes parser: its tags stay in the text
+        req.params = replace(req.params, skip_special_tokens=False)
     if _no_max_tokens(body):
         req.params.max_new_tokens = None  # as OpenAI: up to the context limit
     if req.params.truncate_prompt_tokens is not None:
@@ -399,9 +402,9 @@ def choice(req: GenerationRequest, index: int, text: str, records: list[dict] | 
     else:
         out = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                "finish_reason": finish_reason}
-    if tool_calls:  # the reply is the calls (OpenAI: content null, finish_reason tool_calls)
+    if tool_calls:  # the reply is the calls, after `text` if any (OpenAI: else content null; finish_reason tool_calls)
         message = out["delta" if delta else "message"]
-        message["content"], message["tool_calls"] = None, tool_calls
+        message["content"], message["tool_calls"] = text or None, tool_calls
         if delta:
             message["tool_calls"] = [{"index": k, **call} for k, call in enumerate(tool_calls)]
         out["finish_reason"] = "tool_calls" if finish_reason == "stop" else finish_reason

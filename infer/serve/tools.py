@@ -5,14 +5,17 @@ template (transformers' `apply_chat_template(tools=...)`), and a `tool_choice` t
 - "required": the reply is a JSON list of one or more {"name", "parameters"} objects, each one of the tools (one
   only with parallel_tool_calls: false).
 The message then carries OpenAI's `tool_calls` (content null) and finish_reason "tool_calls". "none" renders the
-tools and lets the model write text. "auto" (the default when tools are given) would need a parser of each model
-family's own tool-call syntax, which infer does not have: it is refused with what to send instead, rather than
-answered with text the client would take for "no call".
+tools and lets the model write text. "auto" (the default when tools are given) lets the model choose, and reads its
+calls out of the text with the parser of its family's syntax, named at the server's start as vLLM names it
+(`--enable-auto-tool-choice --tool-call-parser hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+the syntax of Hermes 2 Pro and later, Qwen2.5, QwQ). Without a parser "auto" is refused with what to send instead,
+rather than answered with text the client would take for "no call".
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +32,7 @@ def _error(name: str, message: str, hint: str | None = None) -> RequestError:
 @dataclass(frozen=True)
 class ToolRequest:
     tools: list[dict]  # as sent: what the chat template renders
-    mode: str  # "none", "named" or "required"
+    mode: str  # "none", "named", "required" or "auto"
     name: str | None = None  # the named function
     schema: dict | None = None  # the reply's JSON schema (named, required)
 
@@ -58,9 +61,14 @@ def _functions(tools: Any) -> dict[str, dict]:
     return out
 
 
-def parse_tools(body: dict) -> ToolRequest | None:
+PARSERS = ("hermes",)  # --tool-call-parser: the syntaxes "auto" can read
+HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+
+
+def parse_tools(body: dict, parser: str | None = None) -> ToolRequest | None:
     """The chat body's tools and tool_choice (and parallel_tool_calls); None when it has no tools (tool_choice may
-    then only be absent, "none" or "auto")."""
+    then only be absent, "none" or "auto"). `parser`: the server's --tool-call-parser (None: "auto" is refused)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
@@ -73,11 +81,14 @@ def parse_tools(body: dict) -> ToolRequest | None:
     functions = _functions(tools)
     if choice == "none":
         return ToolRequest(list(tools), "none")
+    if (choice is None or choice == "auto") and parser is not None:
+        return ToolRequest(list(tools), "auto", name=parser)
     if choice is None or choice == "auto":
         raise _error("tool_choice", f"tool_choice {choice or 'auto'!r} (the default with tools) needs a parser of the "
-                     "model's own tool-call syntax, which infer does not have",
-                     'send "tool_choice": "required" or a named function (the reply is then constrained to a call), '
-                     'or "none" (the model writes text)')
+                     "model's own tool-call syntax: this server was started without one",
+                     'start it with --enable-auto-tool-choice --tool-call-parser hermes (Hermes, Qwen2.5), or send '
+                     '"tool_choice": "required" or a named function (the reply is then constrained to a call), or '
+                     '"none" (the model writes text)')
     if choice == "required":
         items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
                   "required": ["name", "parameters"], "additionalProperties": False}
@@ -102,11 +113,57 @@ def _call(name: str, arguments: str) -> dict:
             "function": {"name": name, "arguments": arguments}}
 
 
+def hermes_calls(text: str) -> tuple[str | None, list[dict]] | None:
+    """(content before the first call, the calls) of a reply in the hermes syntax; None when it has no call, or
+    when a call is not JSON with a name (as vLLM's parser: the reply then stays text)."""
+    if HERMES_START not in text:
+        return None
+    calls = []
+    for whole, last in _HERMES.findall(text):
+        try:
+            call = json.loads(whole or last)
+        except ValueError:
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        args = call.get("arguments", {})
+        calls.append(_call(call["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
+    content = text[:text.index(HERMES_START)]
+    return (content if content.strip() else None), calls
+
+
+def visible(req: ToolRequest | None, text: str) -> str:
+    """What of a streamed reply can go out as content now: with "auto", the text before a call starts, less an end
+    that may be the start of one ("<tool_c"), held back as stop strings are."""
+    if req is None or req.mode != "auto":
+        return text
+    at = text.find(HERMES_START)
+    if at >= 0:
+        return text[:at]
+    for k in range(min(len(HERMES_START) - 1, len(text)), 0, -1):
+        if HERMES_START.startswith(text[-k:]):
+            return text[:-k]
+    return text
+
+
+def split(req: ToolRequest | None, text: str) -> tuple[str, list[dict] | None]:
+    """(content, tool_calls) of a finished reply: the calls with what came before them (nothing for a constrained
+    call), or the whole text and None."""
+    calls = tool_calls(req, text)
+    if calls is None:
+        return text, None
+    return ((hermes_calls(text)[0] or "") if req.mode == "auto" else ""), calls
+
+
 def tool_calls(req: ToolRequest | None, text: str) -> list[dict] | None:
     """The reply `text` as OpenAI's tool_calls; None when it asks for none, or when the reply did not complete
-    (cut by max_tokens or a stop string: not JSON), which then stays text."""
+    (cut by max_tokens or a stop string: not JSON), which then stays text. With "auto": the calls the parser reads
+    (the content before them: `hermes_calls`)."""
     if req is None or req.mode == "none":
         return None
+    if req.mode == "auto":
+        parsed = hermes_calls(text)
+        return parsed[1] if parsed is not None else None
     try:
         value = json.loads(text)
     except ValueError:
