@@ -34,8 +34,9 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 
 
 def engine_rows(model: str, device: str, concurrencies: list[int], tokens: int, repeats: int) -> list[dict]:
-    from infer import LLM, SamplingParams
-    from infer.engine.structured import StructuredOutputsParams
+    from ..engine.llm import LLM
+    from ..engine.sampling_params import SamplingParams
+    from ..engine.structured import StructuredOutputsParams
     rows = []
     with LLM(model, device=device, max_num_seqs=max(concurrencies)) as llm:
         vocab = llm.engine.model_config.vocab_size
@@ -82,7 +83,7 @@ def _vocab(size: int, seed: int = 0) -> list[bytes]:
 
 def mask_rows(vocabs: list[int], concurrency: int, repeats: int) -> list[dict]:
     import xgrammar as xgr
-    from infer.engine.structured import apply_bitmask, fill_bitmask
+    from ..engine.structured import apply_bitmask, fill_bitmask
     rows = []
     for size in vocabs:
         vocab = _vocab(size)
