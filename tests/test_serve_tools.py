@@ -268,3 +268,36 @@ def test_the_parser_options_only_work_together():
             _tool_parser(enable, parser)
     res = CliRunner().invoke(app, ["serve", "tiny-llama", "--enable-auto-tool-choice"])
     assert res.exit_code != 0 and "needs --tool-call-parser" in res.output
+
+
+def test_the_llama3_json_parser_reads_what_vllms_reads():
+    """vLLM's llama3_json parser: a reply that starts with <|python_tag|> or "{" is JSON objects with a name and
+    parameters (or arguments) separated by ";", all of it calls (no content); anything else is text."""
+    from infer.serve.tools import llama3_calls
+    one = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}'
+    content, calls = llama3_calls(one)
+    assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "c"})]
+    content, calls = llama3_calls('<|python_tag|>' + one + '; {"name": "add", "arguments": {"a": 1, "b": 10}}')
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "add"]
+    assert json.loads(calls[1]["function"]["arguments"]) == {"a": 1, "b": 10}
+    for text in ("Paris is sunny. " + one, '{"name": "add"}', "{not json}", one + " and then some text", "[1]", ""):
+        assert llama3_calls(text) is None, text
+    req = parse_tools({"tools": TOOLS}, "llama3_json")
+    assert visible(req, '{"na') == "" and visible(req, "<|pyth") == "" and visible(req, "Paris is") == "Paris is"
+
+
+def test_a_llama3_json_server_reads_a_forced_call(model):
+    forced = re.escape('{"name": "add", "parameters": {"a": 2, "b": 10}}')
+    engine = LLMEngine(EngineConfig(model, block_size=4, max_num_seqs=4))
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny-tools", tool_parser="llama3_json")) as base:
+        c = _chat(base, guided_regex=forced, max_tokens=120).json()["choices"][0]
+        assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None
+        assert [(x["function"]["name"], json.loads(x["function"]["arguments"])) for x in c["message"]["tool_calls"]] \
+            == [("add", {"a": 2, "b": 10})]
+        with httpx.stream("POST", f"{base}/v1/chat/completions",
+                          json={"messages": MESSAGES, "max_tokens": 120, "temperature": 0, "tools": TOOLS,
+                                "guided_regex": forced, "stream": True}, timeout=120) as s:
+            deltas = [json.loads(line[6:])["choices"][0] for line in s.iter_lines() if line.startswith("data: {")]
+        assert not "".join(d["delta"].get("content") or "" for d in deltas)
+        assert deltas[-1]["delta"]["tool_calls"][0]["function"]["name"] == "add"

@@ -82,7 +82,8 @@ def serve(
     tool_call_parser: Annotated[Optional[str], typer.Option("--tool-call-parser",
                                                             help="The model family's tool-call syntax, with "
                                                                  "--enable-auto-tool-choice: hermes (Hermes 2 Pro "
-                                                                 "and later, Qwen2.5, QwQ).",
+                                                                 "and later, Qwen2.5, QwQ) or llama3_json (Llama "
+                                                                 "3.1-3.3 JSON tool calling).",
                                                             rich_help_panel=SERVER)] = None,
     engine: EngineConfig = None,
 ) -> None:

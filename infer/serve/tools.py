@@ -7,9 +7,10 @@ template (transformers' `apply_chat_template(tools=...)`), and a `tool_choice` t
 The message then carries OpenAI's `tool_calls` (content null) and finish_reason "tool_calls". "none" renders the
 tools and lets the model write text. "auto" (the default when tools are given) lets the model choose, and reads its
 calls out of the text with the parser of its family's syntax, named at the server's start as vLLM names it
-(`--enable-auto-tool-choice --tool-call-parser hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-the syntax of Hermes 2 Pro and later, Qwen2.5, QwQ). Without a parser "auto" is refused with what to send instead,
-rather than answered with text the client would take for "no call".
+(`--enable-auto-tool-choice --tool-call-parser P`): hermes, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+(Hermes 2 Pro and later, Qwen2.5, QwQ), or llama3_json, a reply that is `{"name": ..., "parameters": {...}}` objects
+separated by "; ", after an optional `<|python_tag|>` (Llama 3.1-3.3 JSON tool calling). Without a parser "auto" is
+refused with what to send instead, rather than answered with text the client would take for "no call".
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ def _functions(tools: Any) -> dict[str, dict]:
     return out
 
 
-PARSERS = ("hermes",)  # --tool-call-parser: the syntaxes "auto" can read
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+LLAMA_START = "<|python_tag|>"
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 
 
@@ -132,11 +133,45 @@ def hermes_calls(text: str) -> tuple[str | None, list[dict]] | None:
     return (content if content.strip() else None), calls
 
 
+def llama3_calls(text: str) -> tuple[str | None, list[dict]] | None:
+    """(None, the calls) of a reply in Llama 3's JSON syntax, as vLLM's llama3_json parser reads it: the reply starts
+    with <|python_tag|> or "{", then JSON objects with a name and parameters (or arguments), separated by ";";
+    None when it is not that (the reply then stays text)."""
+    if not (text.startswith(LLAMA_START) or text.startswith("{")):
+        return None
+    body, at, calls = text[len(LLAMA_START):] if text.startswith(LLAMA_START) else text, 0, []
+    decoder = json.JSONDecoder()
+    while True:
+        at = len(body) - len(body[at:].lstrip())
+        if at >= len(body):
+            break
+        try:
+            call, at = decoder.raw_decode(body, at)
+        except ValueError:
+            return None
+        args = call.get("parameters", call.get("arguments")) if isinstance(call, dict) else None
+        if not isinstance(call.get("name") if isinstance(call, dict) else None, str) or args is None:
+            return None
+        calls.append(_call(call["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
+        rest = body[at:].lstrip()
+        if rest and not rest.startswith(";"):
+            return None
+        at = len(body) - len(rest) + (1 if rest else 0)
+    return (None, calls) if calls else None
+
+
+# --tool-call-parser: the syntaxes "auto" reads
+PARSERS = {"hermes": hermes_calls, "llama3_json": llama3_calls}
+
+
 def visible(req: ToolRequest | None, text: str) -> str:
     """What of a streamed reply can go out as content now: with "auto", the text before a call starts, less an end
-    that may be the start of one ("<tool_c"), held back as stop strings are."""
+    that may be the start of one ("<tool_c"), held back as stop strings are (llama3_json: nothing of a reply that
+    starts as a call may)."""
     if req is None or req.mode != "auto":
         return text
+    if req.name == "llama3_json":
+        return "" if text.startswith("{") or text.startswith(LLAMA_START) or LLAMA_START.startswith(text) else text
     at = text.find(HERMES_START)
     if at >= 0:
         return text[:at]
@@ -152,17 +187,17 @@ def split(req: ToolRequest | None, text: str) -> tuple[str, list[dict] | None]:
     calls = tool_calls(req, text)
     if calls is None:
         return text, None
-    return ((hermes_calls(text)[0] or "") if req.mode == "auto" else ""), calls
+    return ((PARSERS[req.name](text)[0] or "") if req.mode == "auto" else ""), calls
 
 
 def tool_calls(req: ToolRequest | None, text: str) -> list[dict] | None:
     """The reply `text` as OpenAI's tool_calls; None when it asks for none, or when the reply did not complete
     (cut by max_tokens or a stop string: not JSON), which then stays text. With "auto": the calls the parser reads
-    (the content before them: `hermes_calls`)."""
+    (the content before them: PARSERS)."""
     if req is None or req.mode == "none":
         return None
     if req.mode == "auto":
-        parsed = hermes_calls(text)
+        parsed = PARSERS[req.name](text)
         return parsed[1] if parsed is not None else None
     try:
         value = json.loads(text)
