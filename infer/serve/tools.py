@@ -36,6 +36,9 @@ class ToolRequest:
     mode: str  # "none", "named", "required" or "auto"
     name: str | None = None  # the named function
     schema: dict | None = None  # the reply's JSON schema (named, required)
+    # parallel_tool_calls: false: "auto" keeps only the first call the model writes (vLLM's
+    # maybe_filter_parallel_tool_calls, OpenAI's "at most one"); "required" has it in its schema (maxItems 1)
+    parallel: bool = True
 
 
 NAMED_HINT = 'e.g. "tool_choice": {"type": "function", "function": {"name": "get_weather"}}'
@@ -58,13 +61,35 @@ def _functions(tools: Any) -> dict[str, dict]:
             raise _error("tools", f"tools[{i}]: a second function named {name!r}", "give each function its own name")
         if not isinstance(params, dict):
             raise _error("tools", f"tools[{i}].function.parameters must be a JSON schema object")
-        out[name] = params
+        # a call's arguments are a JSON object (OpenAI's); a schema that says no type ({} among them: "any
+        # parameters") would let a constrained reply be a number or `true`, which no client can call with
+        out[name] = params if "type" in params else {**params, "type": "object"}
     return out
 
 
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 LLAMA_START = "<|python_tag|>"
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+
+
+def _lift_defs(functions: dict[str, dict]) -> tuple[dict[str, dict], dict[str, dict]]:
+    """(functions, {"$defs": ...}) for "required", whose schema nests each parameters schema under
+    items.properties.parameters: a `$ref` such as "#/$defs/Unit" (what pydantic writes for an enum or a nested model,
+    openai.pydantic_function_tool's tools among them) points at the root of the whole schema, so each function's
+    $defs (or draft-4 definitions) move there, as vLLM does. The tools the template renders are left as sent."""
+    out, defs = {}, {}
+    for name, params in functions.items():
+        params = dict(params)
+        for key in ("$defs", "definitions"):
+            if not isinstance(params.get(key), dict):
+                continue
+            for def_name, value in params.pop(key).items():
+                if defs.setdefault(key, {}).setdefault(def_name, value) != value:
+                    raise _error("tools", f"two functions define {key}/{def_name} differently: tool_choice "
+                                 "\"required\" puts their definitions in one schema",
+                                 "give the definitions distinct names")
+        out[name] = params
+    return out, defs
 
 
 def parse_tools(body: dict, parser: str | None = None) -> ToolRequest | None:
@@ -74,6 +99,8 @@ def parse_tools(body: dict, parser: str | None = None) -> ToolRequest | None:
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise _error("parallel_tool_calls", "parallel_tool_calls must be true or false")
+    if tools is not None and not isinstance(tools, list):  # {}, 0, false: a malformed field, not "no tools"
+        _functions(tools)
     if not tools:
         if choice not in (None, "none", "auto"):
             raise _error("tool_choice", "tool_choice names a call but the request has no tools",
@@ -83,7 +110,7 @@ def parse_tools(body: dict, parser: str | None = None) -> ToolRequest | None:
     if choice == "none":
         return ToolRequest(list(tools), "none")
     if (choice is None or choice == "auto") and parser is not None:
-        return ToolRequest(list(tools), "auto", name=parser)
+        return ToolRequest(list(tools), "auto", name=parser, parallel=parallel is not False)
     if choice is None or choice == "auto":
         raise _error("tool_choice", f"tool_choice {choice or 'auto'!r} (the default with tools) needs a parser of the "
                      "model's own tool-call syntax: this server was started without one",
@@ -91,10 +118,11 @@ def parse_tools(body: dict, parser: str | None = None) -> ToolRequest | None:
                      '"tool_choice": "required" or a named function (the reply is then constrained to a call), or '
                      '"none" (the model writes text)')
     if choice == "required":
+        functions, defs = _lift_defs(functions)
         items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for name, params in functions.items()]
-        schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
+        schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}, **defs}
         if parallel is False:
             schema["maxItems"] = 1
         return ToolRequest(list(tools), "required", schema=schema)
@@ -193,12 +221,12 @@ def split(req: ToolRequest | None, text: str) -> tuple[str, list[dict] | None]:
 def tool_calls(req: ToolRequest | None, text: str) -> list[dict] | None:
     """The reply `text` as OpenAI's tool_calls; None when it asks for none, or when the reply did not complete
     (cut by max_tokens or a stop string: not JSON), which then stays text. With "auto": the calls the parser reads
-    (the content before them: PARSERS)."""
+    (the content before them: PARSERS), only the first with parallel_tool_calls false."""
     if req is None or req.mode == "none":
         return None
     if req.mode == "auto":
         parsed = PARSERS[req.name](text)
-        return parsed[1] if parsed is not None else None
+        return (parsed[1] if req.parallel else parsed[1][:1]) if parsed is not None else None
     try:
         value = json.loads(text)
     except ValueError:
