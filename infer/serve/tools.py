@@ -34,7 +34,7 @@ def _error(name: str, message: str, hint: str | None = None) -> RequestError:
 class ToolRequest:
     tools: list[dict]  # as sent: what the chat template renders
     mode: str  # "none", "named", "required" or "auto"
-    name: str | None = None  # the named function
+    name: str | None = None  # the named function; with "auto", the parser (a key of PARSERS)
     schema: dict | None = None  # the reply's JSON schema (named, required)
     # parallel_tool_calls: false: "auto" keeps only the first call the model writes (vLLM's
     # maybe_filter_parallel_tool_calls, OpenAI's "at most one"); "required" has it in its schema (maxItems 1)
@@ -114,7 +114,7 @@ def parse_tools(body: dict, parser: str | None = None) -> ToolRequest | None:
     if choice is None or choice == "auto":
         raise _error("tool_choice", f"tool_choice {choice or 'auto'!r} (the default with tools) needs a parser of the "
                      "model's own tool-call syntax: this server was started without one",
-                     'start it with --enable-auto-tool-choice --tool-call-parser hermes (Hermes, Qwen2.5), or send '
+                     'start it with --enable-auto-tool-choice --tool-call-parser hermes | llama3_json, or send '
                      '"tool_choice": "required" or a named function (the reply is then constrained to a call), or '
                      '"none" (the model writes text)')
     if choice == "required":
