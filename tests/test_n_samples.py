@@ -79,9 +79,27 @@ def test_bad_n_is_refused(value, message):
         SamplingParams(n=value)
 
 
-def test_stream_and_the_engine_say_where_n_is_answered(llm):
-    with pytest.raises(RequestError, match="stream\\(\\) yields one reply per prompt"):
-        llm.stream("hi", SamplingParams(n=2))
+def test_stream_gives_each_sample_its_own_events_with_its_index(llm):
+    """stream() with n > 1 (it refused n > 1): each sample's deltas add up to generate()'s sample of that index,
+    `outputs[0].index` names the sample, and each sample's last event is finished."""
+    params = [SamplingParams(max_new_tokens=6, temperature=1.0, seed=3, n=3), SamplingParams(max_new_tokens=5)]
+    want = llm.generate(["hello", "the cat"], params)
+    texts, ends = {}, {}
+    for i, delta, out in llm.stream(["hello", "the cat"], params):
+        (c,) = out.outputs
+        assert not ends.get((i, c.index)), "an event after the sample finished"
+        texts[(i, c.index)] = texts.get((i, c.index), "") + delta
+        ends[(i, c.index)] = out.finished
+        if i == 0:
+            assert c.text == out.text and c.token_ids == out.token_ids
+    assert set(texts) == {(0, 0), (0, 1), (0, 2), (1, 0)} and all(ends.values())
+    for j in range(3):
+        assert texts[(0, j)] == want[0].outputs[j].text
+    assert texts[(1, 0)] == want[1].text
+    assert len({texts[(0, j)] for j in range(3)}) > 1  # seeds 3, 4, 5: not one sample thrice
+
+
+def test_the_engine_says_where_n_is_answered(llm):
     engine: LLMEngine = llm.engine
     with pytest.raises(RequestError, match="an engine request is one sample.*params.sample\\(j\\)"):
         engine.add_request("x", [5, 6], SamplingParams(n=2))

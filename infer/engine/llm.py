@@ -15,7 +15,7 @@ from ..errors import ClosedError, RequestError
 from .config import EngineConfig
 from .inputs import chat_template_options, encode_prompt
 from .llm_engine import LLMEngine
-from .outputs import RequestOutput
+from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 
 Prompt = str | list[int] | list[dict]  # text, token ids, or chat messages
@@ -98,11 +98,10 @@ class LLM:
         raise RequestError(f"prompt {i} is {what}",
                            "give text, a list of token ids, or a list of chat messages (dicts)")
 
-    def _submit(self, prompts, params, lora, template: dict | None = None, fan_out: bool = False) -> list[str]:
+    def _submit(self, prompts, params, lora, template: dict | None = None) -> list[str]:
         """Queue every prompt, or none: a bad one raises with the ones before it taken back out of the engine.
-        `template`: apply_chat_template's options for the chat prompts (LLM.chat). fan_out: a prompt whose params
-        have n > 1 becomes n requests, one after another in the ids returned (SamplingParams.sample(j)); without,
-        n > 1 is refused (stream() yields one reply per prompt)."""
+        `template`: apply_chat_template's options for the chat prompts (LLM.chat). A prompt whose params have n > 1
+        becomes n requests, one after another in the ids returned (SamplingParams.sample(j))."""
         self._engine()
         if _is_array(prompts):  # token ids as a numpy array or torch tensor: 1-D is one prompt, 2-D a batch
             prompts = prompts.tolist()
@@ -138,10 +137,6 @@ class LLM:
                 if n > 1 and not e.message.startswith(f"prompt {i} "):  # which of the prompts it is
                     raise type(e)(f"prompt {i}: {e.message}", e.hint) from None
                 raise
-        if any(sp.n > 1 for sp in params_list) and not fan_out:
-            raise RequestError("stream() yields one reply per prompt, so n must be 1",
-                               "use generate() or chat() for n samples (RequestOutput.outputs), or give the prompt "
-                               "n times with params.sample(j)")
         requests = [(i, p, sp.sample(j) if sp.n > 1 else sp, lo)
                     for i, (p, sp, lo) in enumerate(zip(encoded, params_list, loras)) for j in range(sp.n)]
         ids: list[str] = []
@@ -223,15 +218,20 @@ class LLM:
                  lora: str | list[str | None] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion (batched together); outputs in the order of the prompts. With
         SamplingParams.n > 1 a prompt's output holds its n samples in `outputs` (as vLLM's)."""
-        return self._samples(self._run(self._submit(prompts, params, lora, fan_out=True)), params)
+        return self._samples(self._run(self._submit(prompts, params, lora)), params)
 
     @staticmethod
-    def _samples(outs: list[RequestOutput], params) -> list[RequestOutput]:
+    def _sizes(params, count: int) -> list[int]:
+        """How many of `count` fanned-out requests (_submit) each prompt has: its params' n."""
+        if isinstance(params, list):
+            return [sp.n for sp in params]
+        k = params.n if params is not None else 1
+        return [k] * (count // k)
+
+    @classmethod
+    def _samples(cls, outs: list[RequestOutput], params) -> list[RequestOutput]:
         """The fanned-out requests' outputs (_submit) back as one output per prompt."""
-        sizes = [sp.n for sp in params] if isinstance(params, list) else None
-        if sizes is None:
-            k = params.n if params is not None else 1
-            sizes = [k] * (len(outs) // k)
+        sizes = cls._sizes(params, len(outs))
         if all(k == 1 for k in sizes):
             return outs
         merged, at = [], 0
@@ -273,26 +273,33 @@ class LLM:
                 raise RequestError("tools must be a list of function definitions (dicts)",
                                    'e.g. [{"type": "function", "function": {"name": "f", "parameters": {...}}}]')
             template["tools"] = list(tools)
-        return self._samples(self._run(self._submit(list(convs), params, lora, template, fan_out=True)), params)
+        return self._samples(self._run(self._submit(list(convs), params, lora, template)), params)
 
     def stream(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                lora: str | list[str | None] | None = None) -> Iterator[tuple[int, str, RequestOutput]]:
         """Yield (prompt index, text delta, output) as tokens arrive; the last event of a prompt has finished set.
-        The prompts are checked and queued at this call (a bad one raises here, not at the first next())."""
+        The prompts are checked and queued at this call (a bad one raises here, not at the first next()).
+        With SamplingParams.n > 1 each of a prompt's n samples streams on its own, as vLLM's streamed outputs
+        carry the sample that changed: `output.outputs[0].index` says which (j < n), and each sample's last event
+        has finished set."""
         ids = self._submit(prompts, params, lora)
-        events = self._events(ids)
+        events = self._events(ids, self._sizes(params, len(ids)))
         weakref.finalize(events, self._forget, ids)  # dropped without being read to the end: free its requests
         return events
 
-    def _events(self, ids: list[str]) -> Iterator[tuple[int, str, RequestOutput]]:
-        index = {rid: i for i, rid in enumerate(ids)}
+    def _events(self, ids: list[str], sizes: list[int]) -> Iterator[tuple[int, str, RequestOutput]]:
+        which = [(i, j, k) for i, k in enumerate(sizes) for j in range(k)]  # request -> (prompt, sample, n)
+        index = dict(zip(ids, which))
         left = list(ids)
         try:
             while left:
                 for out in self._pump(left):
                     if out.finished:
                         left.remove(out.request_id)
-                    yield index[out.request_id], out.delta_text, out
+                    i, j, k = index[out.request_id]
+                    if k > 1:
+                        out._samples = [CompletionOutput.of(out, j)]
+                    yield i, out.delta_text, out
         finally:  # the caller stopped early: free what is still running
             self._forget(ids)
 

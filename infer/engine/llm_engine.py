@@ -364,6 +364,7 @@ class LLMEngine:
         seq.output_token_ids.pop()
         seq.error = (f"bad_words leave no token to sample after the reply so far (token {token} was drawn from a "
                      "row whose every token is banned or not allowed)")
+        seq.bad_request = True
         self.scheduler.finish(seq, "error")
         out = self._output(seq, [])
         self._forget(seq)
@@ -374,11 +375,12 @@ class LLMEngine:
         never ends, reached mid-reply; every logit was -inf). The request ends with the error, the token left out
         of its reply."""
         seq.output_token_ids.pop()
-        kind = seq.params.structured_outputs.kind
+        kind, dead = seq.params.structured_outputs.kind, not allows_any(seq.grammar, self.grammars.vocab_size)
+        seq.bad_request = dead or bool(seq.bad_words)  # else a token the mask allowed: infer's fault, a 500
         seq.error = ((f"bad_words ban every token structured_outputs.{kind} allows after the reply so far "
                       f"(token {token} was drawn from a row left empty)" if seq.bad_words else
                       f"token {token} does not follow the request's structured_outputs.{kind}")
-                     if allows_any(seq.grammar, self.grammars.vocab_size) else
+                     if not dead else
                      f"structured_outputs.{kind} allows no token after the reply so far: nothing can complete it "
                      f"({DEAD_HINT})")
         self.scheduler.finish(seq, "error")

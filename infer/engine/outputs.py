@@ -45,13 +45,15 @@ class RequestOutput:
                  logprobs: list[dict] | None = None, lora: str | None = None, arrival_time: float = 0.0,
                  first_token_time: float | None = None, token_times: list[float] | None = None,
                  num_cached_tokens: int = 0, num_prefix_tokens: int = 0, stop_reason: int | str | None = None,
-                 prompt_logprobs: list | None = None):
+                 prompt_logprobs: list | None = None, bad_request: bool = False):
         self.request_id, self.prompt_token_ids = request_id, prompt_token_ids
         self._token_ids = list(token_ids or [])
         self.new_token_ids = list(new_token_ids or [])
         self.text, self.delta_text = text, delta_text  # output text so far (stop strings removed); new text
         self.finished = finished
         self.finish_reason, self.error = finish_reason, error  # stop | length | abort | error
+        # with finish_reason error: the request's own constraints left no token to sample (a dead end it reached)
+        self.bad_request = bad_request
         self.stop_reason = stop_reason  # with finish_reason stop: the stop token id or string (None: EOS), as vLLM
         self._logprobs = logprobs
         self.lora, self.arrival_time, self.first_token_time = lora, arrival_time, first_token_time
@@ -74,6 +76,7 @@ class RequestOutput:
         out.text = seq.text if seq.finished else seq.text[:seq.sent_text_len]
         out.delta_text, out.finished = delta_text, seq.finished
         out.finish_reason, out.error, out.lora = seq.finish_reason, seq.error, seq.lora
+        out.bad_request = seq.bad_request
         out.stop_reason = seq.stop_reason if seq.finish_reason == "stop" else None
         out.arrival_time, out.first_token_time = seq.arrival_time, seq.first_token_time
         out.num_cached_tokens, out.num_prefix_tokens = seq.num_cached_tokens, len(seq.params.prefix_token_ids)
@@ -94,7 +97,8 @@ class RequestOutput:
                   logprobs=first.logprobs, lora=first.lora, arrival_time=first.arrival_time,
                   first_token_time=first.first_token_time, token_times=first.token_times,
                   num_cached_tokens=first.num_cached_tokens, num_prefix_tokens=first.num_prefix_tokens,
-                  stop_reason=first.stop_reason, prompt_logprobs=first.prompt_logprobs)
+                  stop_reason=first.stop_reason, prompt_logprobs=first.prompt_logprobs,
+                  bad_request=first.bad_request)
         out._samples = [CompletionOutput.of(s, j) for j, s in enumerate(samples)]
         return out
 

@@ -39,6 +39,7 @@ class Sequence:
         self.last_block_hash: int | None = None
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.bad_request = False  # the error is the request's own (constraints that leave no token): the server's 400
         self.first_token_time: float | None = None
         self.token_times: list[float] = []
         self.logprobs: list[dict] | None = [] if self.params.logprobs is not None else None

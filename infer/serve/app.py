@@ -163,6 +163,8 @@ def _error(out) -> p.ApiError:
     if out.error == NO_ENGINE:  # accepted, then its replica and every other died: as a request refused for it
         return p.ApiError(503, out.error, type="server_unavailable", code="no_engine_replica",
                           headers={"Retry-After": "1"})
+    if getattr(out, "bad_request", False):  # its own constraints reached a dead end: the client's to change
+        return p.ApiError(400, out.error, code="no_token_left")
     return p.ApiError(500, out.error or "the request failed in the engine", type="server_error",
                       code="engine_error")
 
