@@ -60,3 +60,80 @@ def test_an_engine_failure_stays_a_500():
     assert (_error(out).status, _error(out).code) == (500, "engine_error")
     out = RequestOutput("r", [1], finished=True, finish_reason="error", error="dead", bad_request=True)
     assert (_error(out).status, _error(out).code) == (400, "no_token_left")
+
+
+def test_the_late_bitmask_bans_what_the_samplers_masks_ban():
+    """SamplingInputs.settle's bitmask (a step prepared while a constrained row's last token was on the device) bans
+    what `_masks` bans for bad words at prepare time, on random words and replies, with and without a grammar
+    (then also what the matcher refuses)."""
+    import random
+
+    import torch
+
+    from infer.engine.sampler import _masks, apply_masks, late_bitmask
+    from infer.engine.structured import apply_bitmask, fill_bitmask
+    from infer.engine.sequence import Sequence
+    from infer.engine.sampling_params import SamplingParams
+    rng, vocab = random.Random(0), 77
+    for _ in range(40):
+        seqs = []
+        for k in range(rng.randint(1, 5)):
+            s = Sequence(f"r{k}", [1, 2], SamplingParams())
+            s.output_token_ids = [rng.randrange(4) for _ in range(rng.randint(0, 4))]
+            s.bad_words = [[rng.randrange(4) for _ in range(rng.randint(1, 3))] + [rng.randrange(vocab)]
+                           for _ in range(rng.randint(0, 4))]
+            seqs.append(s)
+        logits = torch.randn(len(seqs), vocab)
+        banned = _masks(seqs, vocab)[2]
+        want = apply_masks(logits, None, None, torch.tensor(banned) if banned else None, None, None)
+        got = apply_bitmask(logits, None, late_bitmask(seqs, vocab))
+        assert torch.equal(got, want)
+        assert banned == [] or not torch.equal(got, logits)
+    xgr = pytest.importorskip("xgrammar")
+    from infer.engine.structured import GrammarBackend, StructuredOutputsParams as S  # noqa: F401
+    from transformers import AutoTokenizer
+    from infer.models.tiny import ensure_builtin
+    tok = AutoTokenizer.from_pretrained(str(ensure_builtin("tiny-llama")))
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
+    compiled = xgr.GrammarCompiler(info).compile_regex("[ab]+")
+    s = Sequence("g", [1, 2], SamplingParams())
+    s.grammar, s.bad_words = xgr.GrammarMatcher(compiled), [[tok.convert_tokens_to_ids("a")]]
+    vocab = len(tok)
+    logits = torch.zeros(1, vocab)
+    want = apply_bitmask(logits, None, fill_bitmask([s.grammar], vocab))
+    want[0, s.bad_words[0][0]] = float("-inf")
+    assert torch.equal(apply_bitmask(logits, None, late_bitmask([s], vocab)), want)
+    assert want.isfinite().any()
+
+
+def test_a_late_step_that_fails_after_completing_the_step_before_loses_no_output(monkeypatch):
+    """The late path completes the step before inside the launch (settle): when the launch then fails (here the
+    sampler), the outputs that completion made are handed out by the next step, not dropped, so every token of
+    the reply reaches the caller once."""
+    from infer import SamplingParams, StructuredOutputsParams as S
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    eng = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, block_size=4, overlap=True))
+    eng.add_request("c", [5, 6, 7], SamplingParams(max_new_tokens=8, structured_outputs=S(regex="[ab]{1,12}")))
+    eng.add_request("p", [5, 6, 8], SamplingParams(max_new_tokens=8))
+    seen, final, failed = {"c": [], "p": []}, {}, 0
+    real = eng.runner.sampler.sample
+
+    def sample(logits, seqs, inputs=None):
+        nonlocal failed
+        if inputs is not None and inputs.late and not failed:
+            failed += 1
+            raise RuntimeError("boom")
+        return real(logits, seqs, inputs)
+    monkeypatch.setattr(eng.runner.sampler, "sample", sample)
+    while eng.has_unfinished_requests():
+        try:
+            outs = eng.step()
+        except RuntimeError:
+            continue
+        for o in outs:
+            seen[o.request_id] += o.new_token_ids
+            if o.finished:
+                final[o.request_id] = o.token_ids
+    assert failed == 1
+    assert seen == final and len(final["c"]) >= 2, (seen, final)

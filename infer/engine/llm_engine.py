@@ -60,6 +60,7 @@ class LLMEngine:
         self.grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
         self.requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
+        self._carried: list[RequestOutput] = []  # outputs of a step completed inside a launch that then failed
         self.overlap = config.use_overlap()
         self._inflight = None  # (batch, StepHandle) launched and not yet completed (overlap only)
         self.num_steps = 0
@@ -241,10 +242,8 @@ class LLMEngine:
         launched: the outputs returned are the previous batch's, handled on the host while this one runs on the
         device, and this batch's input ids for tokens the host has not seen yet come from the device."""
         self._check_open()
-        outputs = self._take_aborted()
+        outputs, self._carried = self._carried + self._take_aborted(), []
         self._reap_loras()  # adapters removed while requests still used them, now that those may have finished
-        if self._inflight is not None and any(s.reads_last_token for s in self._inflight[0].seqs):
-            outputs += self._drain()  # its tokens decide what a grammar or a bad word lets a request sample next
         batch = self.scheduler.schedule()
         outputs += self._take_failed()
         if not batch:
@@ -256,9 +255,20 @@ class LLMEngine:
             self._launched(batch, sampled)
             return outputs + self._complete(batch, sampled)
         prev = self._inflight  # taken only once the next batch is launched: a failed launch loses nothing
-        handle = self.runner.launch(batch, prev[1] if prev else None)
+        settled: list = []
+
+        def settle() -> None:  # a row's grammar or bad word reads prev's tokens: the runner completes it mid-launch
+            self._inflight = None  # completed here: a launch that fails after this does not complete it again
+            settled.append(self._complete(prev[0], prev[1].result()))
+        try:
+            handle = self.runner.launch(batch, prev[1] if prev else None, settle if prev else None)
+        except BaseException:
+            self._carried = outputs + (settled[0] if settled else [])  # handed out by the next step: not lost
+            raise
         self._launched(batch, handle.rows)
         self._inflight = (batch, handle)
+        if settled:
+            return outputs + settled[0]
         return outputs + (self._complete(prev[0], prev[1].result()) if prev else [])
 
     def _check_open(self) -> None:

@@ -117,9 +117,12 @@ class ModelRunner:
         return self.model(input_ids, positions, ctx)
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, prev: StepHandle | None = None) -> StepHandle:
+    def launch(self, batch: ScheduledBatch, prev: StepHandle | None = None, settle=None) -> StepHandle:
         """Run the model and sample on the device, start copying the sampled tokens to the host, and return without
-        waiting for the device. `prev`: the step before, whose tokens may still be pending on the host."""
+        waiting for the device. `prev`: the step before, whose tokens may still be pending on the host. `settle`:
+        completes `prev` on the host (LLMEngine.step); called, once the forward is queued, when a row's mask reads
+        the token `prev` sampled (a grammar, a bad word of several tokens), so that the host waits for `prev` and
+        fills that mask while the device runs this step's forward."""
         input_ids, positions, ctx, rows, idx, sampling, prompt = self.prepare(batch, self.order(batch), prev)
         hidden = self.forward(input_ids, positions, ctx, batch.num_new_tokens)
         prompt_lp = self._prompt_logprobs(hidden, prompt) if prompt is not None else None
@@ -128,6 +131,9 @@ class ModelRunner:
         sampled = None
         if rows:
             logits = self.model.compute_logits(hidden.index_select(0, idx))
+            if sampling.late:
+                settle()
+                sampling.settle(self.vocab_size, self.device)
             sampled = self.sampler.sample(logits, [batch.seqs[i] for i in rows], sampling)
         (host, host_lp), event = _copy_to_host(sampled.packed if sampled else None, prompt_lp)
         return StepHandle(rows, {batch.seqs[i].request_id: r for r, i in enumerate(rows)}, sampled, host, event,

@@ -122,9 +122,11 @@ def _draw_values(seqs: list[Sequence], vocab: int) -> list[list[float]]:
              s.params.min_p] for s in seqs]
 
 
-def _masks(seqs: list[Sequence], vocab: int) -> tuple[list[int], list[int], list[int], list[int], list[float]]:
+def _masks(seqs: list[Sequence], vocab: int, words: bool = True) -> tuple[list[int], list[int], list[int], list[int],
+                                                                        list[float]]:
     """The rows' logits processors as flat indices row * vocab + token: (allowed tokens, rows without an allowed
-    list, tokens min_tokens or bad_words mask, tokens with a bias, the biases). Empty lists: nothing to apply."""
+    list, tokens min_tokens or bad_words mask, tokens with a bias, the biases). Empty lists: nothing to apply.
+    words=False: bad_words left out (SamplingInputs.settle puts them in the rows' bitmask)."""
     allowed, free, banned, biased, biases = [], [], [], [], []
     for i, s in enumerate(seqs):
         p, base = s.params, i * vocab
@@ -135,13 +137,36 @@ def _masks(seqs: list[Sequence], vocab: int) -> tuple[list[int], list[int], list
         # the token sampled now is the reply's (num_generated + num_pending)-th, counting from 0
         if s.min_tokens_ban and s.num_generated + s.num_pending < p.min_tokens:
             banned.extend([base + t for t in s.min_tokens_ban])
-        for ids in s.bad_words:  # vLLM's bad_words: a word's last token, once the reply ends with the rest of it
-            if len(ids) == 1 or s.output_token_ids[1 - len(ids):] == ids[:-1]:
+        for ids in s.bad_words if words else ():  # vLLM's bad_words: a word's last token, once the reply ends with
+            if len(ids) == 1 or s.output_token_ids[1 - len(ids):] == ids[:-1]:  # the rest of it
                 banned.append(base + ids[-1])
         for t, b in p.logit_bias.items():
             biased.append(base + t)
             biases.append(b)
     return allowed, free if allowed else [], banned, biased, biases
+
+
+def late_bitmask(seqs: list[Sequence], vocab: int) -> torch.Tensor:
+    """[len(seqs), ceil(vocab / 32)] int32 on the host, filled once the step before has completed: each row's
+    matcher's next tokens (every token for a request without one, or that finished meanwhile: its token is
+    dropped), less the last token of each bad word the reply now ends the rest of (as `_masks` bans it)."""
+    bitmask = torch.full((len(seqs), -(-vocab // 32)), -1, dtype=torch.int32)
+    live = [k for k, s in enumerate(seqs) if s.grammar is not None]
+    if live:
+        bitmask[live] = fill_bitmask([seqs[k].grammar for k in live], vocab)
+    rows, tokens = [], []
+    for k, s in enumerate(seqs):
+        for ids in s.bad_words:
+            if len(ids) == 1 or s.output_token_ids[1 - len(ids):] == ids[:-1]:
+                rows.append(k)
+                tokens.append(ids[-1])
+    if rows:  # cleared byte by byte (little-endian, as apply_bitmask reads them)
+        banned = torch.zeros(len(seqs), bitmask.shape[1] * 32, dtype=torch.bool)
+        banned[rows, tokens] = True
+        bits = (banned.view(len(seqs), -1, 8).to(torch.uint8) << torch.arange(8, dtype=torch.uint8)).sum(
+            -1, dtype=torch.uint8)
+        bitmask.view(torch.uint8).bitwise_and_(~bits)
+    return bitmask
 
 
 def apply_masks(logits: torch.Tensor, allowed: torch.Tensor | None, free: torch.Tensor | None,
@@ -179,7 +204,7 @@ class SamplingInputs:
     def __init__(self, seqs: list[Sequence], vocab: int, pack: Pack, table: PenaltyTable, keys: list | None = None,
                  prev=None):
         self.n = len(seqs)
-        self.drawn, self.penalties, masks = [], False, False
+        self.drawn, self.penalties, masks, self.late = [], False, False, False
         for i, s in enumerate(seqs):  # one pass over the rows (this runs at every step)
             p = s.params
             if not p.greedy:
@@ -188,6 +213,8 @@ class SamplingInputs:
                 self.penalties = True
             if s.logit_masks:
                 masks = True
+                if s.num_pending and s.reads_last_token:  # its mask needs the token `prev` sampled: see settle
+                    self.late = True
         self._idx = pack.add(self.drawn) if 0 < len(self.drawn) < self.n else None
         floats: list[float] = []  # flat: the rows' penalties [n, 3], the drawn rows' draw values [d, 4], the biases
         if self.penalties:
@@ -197,14 +224,18 @@ class SamplingInputs:
                                                s.params.frequency_penalty) for s in seqs))
         floats.extend(chain.from_iterable(_draw_values([seqs[i] for i in self.drawn], vocab)))
         self.masked, self._biases, self._bitmask = False, 0, None
+        self._ruled, self._late_rows = None, None
         if masks:
-            allowed, free, banned, biased, biases = _masks(seqs, vocab)
+            allowed, free, banned, biased, biases = _masks(seqs, vocab, words=not self.late)
             self._masks = [pack.add(piece) if piece else None for piece in (allowed, free, banned, biased)]
             self.masked, self._biases = any(piece is not None for piece in self._masks), len(biases)
             floats += biases
-            ruled = [i for i, s in enumerate(seqs) if s.grammar is not None]
-            if ruled:  # each matcher's next tokens, now (the step before has completed: LLMEngine.step)
-                self._bitmask = fill_bitmask([seqs[i].grammar for i in ruled], vocab)
+            ruled = [i for i, s in enumerate(seqs) if s.grammar is not None or (self.late and s.bad_words)]
+            if ruled:
+                if self.late:  # their bitmask is filled by settle(), once the step before has completed
+                    self._late_rows = [seqs[i] for i in ruled]
+                else:  # each matcher's next tokens, now (the step before has completed)
+                    self._bitmask = fill_bitmask([seqs[i].grammar for i in ruled], vocab)
                 self._ruled = pack.add(ruled) if len(ruled) < self.n else None
                 self.masked = True
         self.floats = floats
@@ -244,12 +275,9 @@ class SamplingInputs:
         if self.masked:
             self.masks = [data[piece] if piece is not None else None for piece in self._masks]
             self.masks.append(biases if self._biases else None)
-            self.grammar = None
+            self.grammar, self._ruled_rows = None, data[self._ruled] if self._ruled is not None else None
             if self._bitmask is not None:
-                host = self._bitmask
-                if device.type != "cpu":
-                    host = torch.empty(host.shape, dtype=host.dtype, pin_memory=True).copy_(host)
-                self.grammar = (data[self._ruled] if self._ruled is not None else None, copy_to(host, device))
+                self.grammar = (self._ruled_rows, _bitmask_to(self._bitmask, device))
         if self.penalties:
             rows, fresh, marks, counts, pending = self._updates
             table = self.table.table
@@ -270,6 +298,15 @@ class SamplingInputs:
         self.draw_values = values.view(-1, 4) if values is not None and values.numel() else None
         return self
 
+    def settle(self, vocab: int, device: torch.device) -> None:
+        """With `late` (a row whose grammar or bad word reads the token the step before sampled, still on the
+        device when the step was prepared): fill those rows' bitmask now that the step before has completed (its
+        tokens appended and accepted by the matchers: LLMEngine.step), while this step's forward runs, and queue
+        its copy. The model runner calls it between the forward and the sampler."""
+        if self._late_rows is not None:
+            self.grammar = (self._ruled_rows, _bitmask_to(late_bitmask(self._late_rows, vocab), device))
+            self._late_rows = None
+
     @classmethod
     def build(cls, seqs: list[Sequence], vocab: int, device: torch.device) -> SamplingInputs:
         """Loaded with copies of their own and a penalty table of their own, filled from each row's whole history
@@ -279,6 +316,13 @@ class SamplingInputs:
         inputs = cls(seqs, vocab, pack, table, keys=list(range(len(seqs))))
         data = pack.to(device) if pack.values else torch.empty(0, dtype=torch.long, device=device)
         return inputs.load(data, device)
+
+
+def _bitmask_to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A bitmask's copy to `device`, from pinned memory (a copy that does not wait)."""
+    if device.type != "cpu":
+        host = torch.empty(host.shape, dtype=host.dtype, pin_memory=True).copy_(host)
+    return copy_to(host, device)
 
 
 @dataclass

@@ -60,8 +60,9 @@ class Sequence:
                                 or self.params.bad_words)
         self.grammar = None  # structured outputs: the request's xgrammar matcher (LLMEngine.add_request)
         self.bad_words: list[list[int]] = []  # bad_words as token ids (LLMEngine.add_request)
-        # what the sampler masks depends on the last token sampled (a grammar, a bad word of several tokens): a step
-        # that samples the request is prepared only once the step before has completed (LLMEngine.step)
+        # what the sampler masks depends on the last token sampled (a grammar, a bad word of several tokens): with
+        # that token still on the device, the step's mask is filled after its forward is queued, once the step
+        # before has completed on the host (SamplingInputs.settle, ModelRunner.launch)
         self.reads_last_token = False
         self.min_text_len: int | None = None  # with min_tokens: len(text) after that many tokens (stops end past it)
         # prompt_logprobs: a record per prompt token (None for the first, which nothing predicts), filled as the
