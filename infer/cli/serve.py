@@ -82,8 +82,10 @@ def serve(
     tool_call_parser: Annotated[Optional[str], typer.Option("--tool-call-parser",
                                                             help="The model family's tool-call syntax, with "
                                                                  "--enable-auto-tool-choice: hermes (Hermes 2 Pro "
-                                                                 "and later, Qwen2.5, QwQ) or llama3_json (Llama "
-                                                                 "3.1-3.3 JSON tool calling).",
+                                                                 "and later, Qwen2.5, QwQ), llama3_json (Llama "
+                                                                 "3.1-3.3 JSON tool calling), pythonic (Llama 3.2, "
+                                                                 "Llama 4: a Python list of calls) or mistral "
+                                                                 "([TOOL_CALLS]: Mistral 7B v0.3, Nemo, Small).",
                                                             rich_help_panel=SERVER)] = None,
     engine: EngineConfig = None,
 ) -> None:

@@ -9,12 +9,17 @@ tools and lets the model write text. "auto" (the default when tools are given) l
 calls out of the text with the parser of its family's syntax, named at the server's start as vLLM names it
 (`--enable-auto-tool-choice --tool-call-parser P`): hermes, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
 (Hermes 2 Pro and later, Qwen2.5, QwQ), or llama3_json, a reply that is `{"name": ..., "parameters": {...}}` objects
-separated by "; ", after an optional `<|python_tag|>` (Llama 3.1-3.3 JSON tool calling). Without a parser "auto" is
-refused with what to send instead, rather than answered with text the client would take for "no call".
+separated by "; ", after an optional `<|python_tag|>` (Llama 3.1-3.3 JSON tool calling), pythonic, a reply that is a
+Python list of calls with literal keyword arguments, `[get_weather(city="Paris"), add(a=1, b=2)]`, possibly between
+`<|python_start|>` and `<|python_end|>` (Llama 3.2, Llama 4, ToolACE), or mistral, text then `[TOOL_CALLS]` and a JSON
+list of {"name", "arguments"} objects (Mistral 7B v0.3, Mistral Nemo), or `[TOOL_CALLS]name[ARGS]{...}` per call
+(newer Mistral tokenizers; `name{...}` too). Without a parser "auto" is refused with what to send instead, rather than
+answered with text the client would take for "no call".
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -69,6 +74,8 @@ def _functions(tools: Any) -> dict[str, dict]:
 
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 LLAMA_START = "<|python_tag|>"
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
+MISTRAL_START, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 
 
@@ -114,7 +121,7 @@ def parse_tools(body: dict, parser: str | None = None) -> ToolRequest | None:
     if choice is None or choice == "auto":
         raise _error("tool_choice", f"tool_choice {choice or 'auto'!r} (the default with tools) needs a parser of the "
                      "model's own tool-call syntax: this server was started without one",
-                     'start it with --enable-auto-tool-choice --tool-call-parser hermes | llama3_json, or send '
+                     f'start it with --enable-auto-tool-choice --tool-call-parser {" | ".join(PARSERS)}, or send '
                      '"tool_choice": "required" or a named function (the reply is then constrained to a call), or '
                      '"none" (the model writes text)')
     if choice == "required":
@@ -188,23 +195,154 @@ def llama3_calls(text: str) -> tuple[str | None, list[dict]] | None:
     return (None, calls) if calls else None
 
 
+# pythonic: the shape vLLM's parser asks of a reply before it reads it as Python (its TOOL_CALL_REGEX, checked here
+# step by step, which cannot backtrack for long on a call cut short): "[", then calls `name(` (a name that starts with
+# an ASCII letter) that are empty, `name()`, followed by ", " or blanks and the next call, or "]"; the first keyword
+# argument, `key=` (key alike), lets anything follow up to a later ")" and "]" with only blanks between them
+_PY_CALL = re.compile(r"[a-zA-Z]\w*\(")
+_PY_KEY = re.compile(r"[a-zA-Z]\w*=")
+_PY_END = re.compile(r"\)\s*\]")
+_BLANKS = re.compile(r"\s*")
+
+
+def _pythonic_shape(text: str) -> bool:
+    """Whether `text` has the shape of a pythonic list of calls (see above); the Python parser checks the rest."""
+    if not text.startswith("["):
+        return False
+    at, commas = 1, True  # "name()," only before the first call followed by blanks alone
+    while True:
+        call = _PY_CALL.match(text, at)
+        if call is None:
+            return False
+        key = _PY_KEY.match(text, call.end())
+        if key is not None:
+            return _PY_END.search(text, key.end()) is not None
+        if not text.startswith(")", call.end()):
+            return False
+        at = call.end() + 1
+        if commas and text.startswith(",", at):
+            at = _BLANKS.match(text, at + 1).end()
+            continue
+        at = _BLANKS.match(text, at).end()
+        if text.startswith("]", at):
+            return True
+        commas = False
+
+
+def _literal(node: ast.expr) -> Any:
+    """A Python literal argument as its JSON value: constants, lists, and dicts whose keys are constants."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.List):
+        return [_literal(x) for x in node.elts]
+    if isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) for k in node.keys):
+        return {k.value: _literal(v) for k, v in zip(node.keys, node.values)}
+    raise ValueError("not a literal")
+
+
+def pythonic_calls(text: str) -> tuple[str | None, list[dict]] | None:
+    """(None, the calls) of a reply that is a Python list of calls, as vLLM's pythonic parser reads it (and its
+    llama4_pythonic one, which first drops a leading <|python_start|> and every <|python_end|>): keyword arguments
+    only (positional ones are left out), each a literal (a string, number, True/False/None, or a list or dict of
+    them), written as JSON; None when the reply is not that (the reply then stays text)."""
+    if text.startswith(PYTHON_START):
+        text = text[len(PYTHON_START):].replace(PYTHON_END, "")
+    if not _pythonic_shape(text):
+        return None
+    try:
+        tree = ast.parse(text)
+        value = getattr(tree.body[0], "value", None)
+        if not isinstance(value, ast.List) or not all(isinstance(e, ast.Call) for e in value.elts):
+            return None
+        calls = []
+        for e in value.elts:
+            if not isinstance(e.func, ast.Name):
+                return None
+            args = {kw.arg: _literal(kw.value) for kw in e.keywords}
+            calls.append(_call(e.func.id, json.dumps(args, ensure_ascii=False)))
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+        return None
+    return None, calls
+
+
+_MISTRAL_NAME = re.compile(r"[a-zA-Z0-9_-]+")
+
+
+def _mistral_named(raw: str) -> tuple[str, str] | None:
+    """(name, arguments) of one call in the newer syntax, `name[ARGS]{...}` (`name[CALL_ID]id[ARGS]{...}`, or
+    `name{...}`): None when the arguments are not one whole JSON object."""
+    if MISTRAL_ARGS in raw:
+        name, args = raw.split(MISTRAL_ARGS, 1)
+        name = name.split(MISTRAL_CALL_ID, 1)[0]
+    elif "{" in raw:
+        name, args = raw[:raw.index("{")], raw[raw.index("{"):]
+    else:
+        return None
+    name, args = name.strip(), args.strip()
+    if _MISTRAL_NAME.fullmatch(name) is None:
+        return None
+    try:
+        value = json.loads(args)
+    except ValueError:
+        return None
+    return (name, json.dumps(value, ensure_ascii=False)) if isinstance(value, dict) else None
+
+
+def mistral_calls(text: str) -> tuple[str | None, list[dict]] | None:
+    """(content before [TOOL_CALLS], the calls) of a reply in Mistral's syntax, as vLLM's mistral parser reads it:
+    after one [TOOL_CALLS], a JSON list of {"name", "arguments"} objects (or, as its fallback, the first `[{...}]` in
+    that text), each call's arguments written as JSON; or, in the newer syntax, `name[ARGS]{...}` after each
+    [TOOL_CALLS]. None when it has no [TOOL_CALLS] or a call does not read (the reply then stays text)."""
+    if MISTRAL_START not in text:
+        return None
+    content, *raws = text.split(MISTRAL_START)
+    content = content if content else None
+    if raws[0].lstrip().startswith("["):  # the JSON list: one [TOOL_CALLS] only
+        if len(raws) != 1:
+            return None
+        body = raws[0].strip()
+        try:
+            items = json.loads(body)
+        except ValueError:
+            found = re.search(r"\[{.*}\]", body, re.DOTALL)
+            try:
+                items = json.loads(found.group(0)) if found else None
+            except ValueError:
+                return None
+        if not isinstance(items, list) or not items or not all(
+                isinstance(x, dict) and isinstance(x.get("name"), str) and "arguments" in x for x in items):
+            return None
+        return content, [_call(x["name"], json.dumps(x["arguments"], ensure_ascii=False)) for x in items]
+    calls = []
+    for raw in raws:
+        if not raw.strip():
+            continue
+        named = _mistral_named(raw)
+        if named is None:
+            return None
+        calls.append(_call(*named))
+    return (content, calls) if calls else None
+
+
 # --tool-call-parser: the syntaxes "auto" reads
-PARSERS = {"hermes": hermes_calls, "llama3_json": llama3_calls}
+PARSERS = {"hermes": hermes_calls, "llama3_json": llama3_calls, "pythonic": pythonic_calls, "mistral": mistral_calls}
 
 
 def visible(req: ToolRequest | None, text: str) -> str:
     """What of a streamed reply can go out as content now: with "auto", the text before a call starts, less an end
-    that may be the start of one ("<tool_c"), held back as stop strings are (llama3_json: nothing of a reply that
-    starts as a call may)."""
+    that may be the start of one ("<tool_c", "[TOOL_"), held back as stop strings are (llama3_json and pythonic:
+    nothing of a reply that starts as a call may, "{" or "[", or their tag)."""
     if req is None or req.mode != "auto":
         return text
-    if req.name == "llama3_json":
-        return "" if text.startswith("{") or text.startswith(LLAMA_START) or LLAMA_START.startswith(text) else text
-    at = text.find(HERMES_START)
+    if req.name in ("llama3_json", "pythonic"):
+        first, tag = ("{", LLAMA_START) if req.name == "llama3_json" else ("[", PYTHON_START)
+        return "" if text.startswith(first) or text.startswith(tag) or tag.startswith(text) else text
+    start = MISTRAL_START if req.name == "mistral" else HERMES_START
+    at = text.find(start)
     if at >= 0:
         return text[:at]
-    for k in range(min(len(HERMES_START) - 1, len(text)), 0, -1):
-        if HERMES_START.startswith(text[-k:]):
+    for k in range(min(len(start) - 1, len(text)), 0, -1):
+        if start.startswith(text[-k:]):
             return text[:-k]
     return text
 
