@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import __version__
 from ..engine.inputs import openai_sampling_defaults
 from ..errors import RequestError
 from . import protocol as p
@@ -286,6 +287,22 @@ async def _generate(server: Server, request: Request, chat: bool):
     return await _complete(server, req, rid, model, queue, ids, request, arrival)
 
 
+async def _tokenization(server: Server, request: Request, detokenize: bool):
+    """vLLM's /tokenize and /detokenize: the body is read, checked and (de)tokenized on a parse thread; the model
+    may be the base or an adapter (they share the tokenizer), else the 404 of the other routes."""
+    server.check_auth(request)
+    try:
+        raw = await read_body(request, server.limits.max_body_size)
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads it
+    if detokenize:
+        model, out = await server.parser.detokenize(raw)
+    else:
+        model, out = await server.parser.tokenize(raw, server.engine.max_model_len)
+    server.lora_for(model)
+    return SafeJSONResponse(out)
+
+
 def create_app(server: Server) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -338,6 +355,20 @@ def _add_routes(app: FastAPI, server: Server) -> None:
             return SafeJSONResponse({"status": "unavailable", "model": server.model_id, "engine": stats,
                                      "error": "no engine replica is left; restart the server"}, status_code=503)
         return {"status": "ok", "model": server.model_id, "engine": stats}
+
+    # vLLM's utility routes, outside /v1 as in vLLM; --api-key guards them as every route but /health
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await _tokenization(server, request, detokenize=False)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await _tokenization(server, request, detokenize=True)
+
+    @app.get("/version")
+    async def version(request: Request):
+        server.check_auth(request)
+        return {"version": __version__}
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics(request: Request):

@@ -32,17 +32,47 @@ def parse_body(raw: bytes, chat: bool, tokenizer, limits: BodyLimits, max_tokens
     return req
 
 
+def tokenize_body(raw: bytes, tokenizer, limits: BodyLimits, max_model_len: int) -> tuple[str | None, dict]:
+    """POST /tokenize's body -> (model, response), on a parse thread as the chat rendering it shares."""
+    body = load_json(raw, limits.max_json_depth)
+    check_values(body)
+    return p.tokenize(body, tokenizer, max_model_len)
+
+
+def max_token_id(tokenizer) -> int:
+    """The largest id the tokenizer knows (added tokens included): vLLM's bound for the ids it decodes."""
+    vocab = tokenizer.get_vocab()
+    return max(vocab.values()) if vocab else len(tokenizer) - 1
+
+
+def detokenize_body(raw: bytes, tokenizer, limits: BodyLimits, pool: "ParsePool") -> tuple[str | None, dict]:
+    body = load_json(raw, limits.max_json_depth)
+    check_values(body)
+    if pool.max_token_id is None:  # once: get_vocab builds the whole vocabulary
+        pool.max_token_id = max_token_id(tokenizer)
+    return p.detokenize(body, tokenizer, pool.max_token_id)
+
+
 class ParsePool:
     def __init__(self, tokenizer, limits: BodyLimits, threads: int = PARSE_THREADS, max_tokens: int | None = None,
                  defaults: dict | None = None, grammars=None, tool_parser: str | None = None):
         self.tokenizer, self.limits, self.max_tokens, self.defaults = tokenizer, limits, max_tokens, defaults
         self.grammars, self.tool_parser = grammars, tool_parser
+        self.max_token_id: int | None = None
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="infer-parse")
 
     async def parse(self, raw: bytes, chat: bool) -> p.GenerationRequest:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, parse_body, raw, chat, self.tokenizer, self.limits,
                                           self.max_tokens, self.defaults, self.grammars, self.tool_parser)
+
+    async def tokenize(self, raw: bytes, max_model_len: int) -> tuple[str | None, dict]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, tokenize_body, raw, self.tokenizer, self.limits, max_model_len)
+
+    async def detokenize(self, raw: bytes) -> tuple[str | None, dict]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, detokenize_body, raw, self.tokenizer, self.limits, self)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -258,20 +258,7 @@ def parse_chat(body: Any, tokenizer, max_tokens: int | None = None, defaults: di
                tool_parser: str | None = None) -> GenerationRequest:
     """`tool_parser`: the server's --tool-call-parser, which lets tool_choice "auto" through (serve/tools.py)."""
     req = _common(body, chat=True, defaults=defaults)
-    messages = body.get("messages")
-    if messages is None:
-        raise ApiError(400, "missing required field 'messages' (a non-empty list)", param="messages")
-    if not isinstance(messages, list) or not messages:
-        got = "an empty list" if isinstance(messages, list) else f"a {type(messages).__name__}"
-        raise ApiError(400, f"field 'messages' must be a non-empty list of message objects, got {got}",
-                       param="messages")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", param="messages")
-    try:  # the messages as LLM.chat and infer run give them to the template: name, tool_calls... kept
-        clean = chat_messages(messages, reads_content_parts(tokenizer))
-    except RequestError as e:
-        raise bad_request(e, param="messages") from e
+    clean = _messages(body, tokenizer)
     try:
         template = chat_template_options(body)
         req.tools = parse_tools(body, tool_parser)
@@ -296,14 +283,117 @@ def parse_chat(body: Any, tokenizer, max_tokens: int | None = None, defaults: di
         req.params.max_new_tokens = None  # as OpenAI: up to the context limit
     if req.params.truncate_prompt_tokens is not None:
         max_tokens = None
+    req.prompts = _choices(req, [_render_chat(tokenizer, clean, template, max_tokens)])
+    return req
+
+
+def _messages(body: dict, tokenizer) -> list[dict]:
+    """The body's messages, checked, as LLM.chat and infer run give them to the template: name, tool_calls... kept."""
+    messages = body.get("messages")
+    if messages is None:
+        raise ApiError(400, "missing required field 'messages' (a non-empty list)", param="messages")
+    if not isinstance(messages, list) or not messages:
+        got = "an empty list" if isinstance(messages, list) else f"a {type(messages).__name__}"
+        raise ApiError(400, f"field 'messages' must be a non-empty list of message objects, got {got}",
+                       param="messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", param="messages")
     try:
-        req.prompts = _choices(req, [encode_prompt(tokenizer, messages=clean, max_tokens=max_tokens,
-                                                   template=template)])
+        return chat_messages(messages, reads_content_parts(tokenizer))
+    except RequestError as e:
+        raise bad_request(e, param="messages") from e
+
+
+def _render_chat(tokenizer, messages: list[dict], template: dict, max_tokens: int | None) -> list[int]:
+    """The prompt ids the chat template gives `messages`: the one rendering of /v1/chat/completions and /tokenize."""
+    try:
+        return encode_prompt(tokenizer, messages=messages, max_tokens=max_tokens, template=template)
     except PromptTooLongError as e:
         raise ApiError(400, str(e), param="messages", code="context_length_exceeded") from e
     except RequestError as e:
         raise bad_request(e, param="messages") from e
-    return req
+
+
+# ---------------------------------------------------------------------------------- vLLM's /tokenize, /detokenize
+def _flag(body: dict, key: str, default: bool) -> bool:
+    value = _expect(body, key, (bool,), "a boolean")
+    return default if value is None else value
+
+
+def tokenize(body: Any, tokenizer, max_model_len: int) -> tuple[str | None, dict]:
+    """(model, response) of vLLM's POST /tokenize. With `messages` (the chat form), the very ids
+    /v1/chat/completions feeds the engine for them (the same checks and rendering: add_generation_prompt,
+    continue_final_message, chat_template_kwargs, documents, tools); else `prompt` as
+    `tokenizer(prompt, add_special_tokens=...)` gives it. As vLLM, the context does not limit it: `count` against
+    `max_model_len` tells the client whether it fits."""
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    model = _expect(body, "model", (str,), "a string")
+    strs = _flag(body, "return_token_strs", False)
+    if body.get("messages") is not None:
+        if body.get("prompt") is not None:
+            raise ApiError(400, "send either prompt or messages, not both", param="prompt")
+        ok, why = _UNSUPPORTED["chat_template"]
+        if not ok(body.get("chat_template")):
+            raise ApiError(400, why, param="chat_template")
+        try:
+            check_add_special_tokens(body.get("add_special_tokens"), chat=True)
+        except RequestError as e:
+            raise ApiError(400, str(e), param="add_special_tokens") from e
+        clean = _messages(body, tokenizer)
+        try:
+            template = chat_template_options(body)
+            # the chat endpoint renders the tools whatever its tool_choice (which vLLM's /tokenize does not take)
+            tools = parse_tools({"tools": body.get("tools"), "tool_choice": "none"})
+        except RequestError as e:
+            raise ApiError(400, str(e), param=e.field) from e
+        if tools is not None:
+            template["tools"] = tools.tools
+        ids = _render_chat(tokenizer, clean, template, None)
+    else:
+        prompt = body.get("prompt")
+        if prompt is None:
+            raise ApiError(400, "missing required field 'prompt' (a string), or 'messages' for a chat",
+                           param="prompt")
+        if not isinstance(prompt, str):
+            raise ApiError(400, f"field 'prompt' must be a string, got {type(prompt).__name__}", param="prompt")
+        try:
+            check_no_chat_template_fields(body)
+        except RequestError as e:
+            raise ApiError(400, str(e), param=e.field) from e
+        special = _flag(body, "add_special_tokens", True)
+        try:
+            ids = list(tokenizer(prompt, add_special_tokens=special)["input_ids"])
+        except Exception as e:  # a tokenizer error is about this prompt
+            raise ApiError(400, f"the tokenizer cannot encode this prompt: {type(e).__name__}: {e}",
+                           param="prompt") from e
+    return model, {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
+                   "token_strs": tokenizer.convert_ids_to_tokens(ids) if strs else None}
+
+
+def detokenize(body: Any, tokenizer, max_token_id: int) -> tuple[str | None, dict]:
+    """(model, response) of vLLM's POST /detokenize: `tokenizer.decode(tokens)`, special tokens kept; an id outside
+    the tokenizer's vocabulary (0..max_token_id, vLLM's bound) is a 400 naming `tokens`."""
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    model = _expect(body, "model", (str,), "a string")
+    tokens = body.get("tokens")
+    if tokens is None:
+        raise ApiError(400, "missing required field 'tokens' (a list of token ids)", param="tokens")
+    if not isinstance(tokens, list):
+        raise ApiError(400, f"field 'tokens' must be a list of token ids, got {type(tokens).__name__}",
+                       param="tokens")
+    for i, t in enumerate(tokens):
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise ApiError(400, f"tokens[{i}] must be an integer token id, got {type(t).__name__}", param="tokens")
+        if not 0 <= t <= max_token_id:
+            raise ApiError(400, f"tokens[{i}] = {t} is outside the vocabulary (0..{max_token_id})", param="tokens")
+    try:
+        return model, {"prompt": tokenizer.decode(tokens)}
+    except Exception as e:
+        raise ApiError(400, f"the tokenizer cannot decode these tokens: {type(e).__name__}: {e}",
+                       param="tokens") from e
 
 
 def check_context(req: GenerationRequest, max_model_len: int) -> None:
