@@ -87,6 +87,14 @@ def serve(
                                                                  "Llama 4: a Python list of calls) or mistral "
                                                                  "([TOOL_CALLS]: Mistral 7B v0.3, Nemo, Small).",
                                                             rich_help_panel=SERVER)] = None,
+    reasoning_parser: Annotated[Optional[str], typer.Option("--reasoning-parser",
+                                                            help="Split a chat reply's <think>...</think> "
+                                                                 "reasoning from its answer, into the message's "
+                                                                 "`reasoning` field (as vLLM's option): deepseek_r1 "
+                                                                 "(DeepSeek R1 and its distills) or qwen3 (Qwen3, "
+                                                                 "QwQ; reads chat_template_kwargs enable_thinking). "
+                                                                 "Tool calls are read from the answer only.",
+                                                            rich_help_panel=SERVER)] = None,
     engine: EngineConfig = None,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health,
@@ -98,6 +106,7 @@ def serve(
         engine.enable_lora = True  # the adapter slots exist from the start, as vLLM's --enable-lora
     _check_server_options(port, max_queue, shutdown_timeout, log_level, api_key)
     parser = _tool_parser(enable_auto_tool_choice, tool_call_parser)
+    thinking = _reasoning_parser(reasoning_parser)
     if not host.strip():  # an empty address binds every interface: never do that by accident (`--host "$UNSET"`)
         raise ConfigError("--host is empty", "give an address: 127.0.0.1 (this machine) or 0.0.0.0 (every interface)")
     from ..serve.body import BodyLimits
@@ -112,9 +121,9 @@ def serve(
         if data_parallel > 1 or ray_address:
             from .serve_parallel import serve_data_parallel
             return serve_data_parallel(engine, sock, host, model_id, api_key, max_queue, shutdown_timeout, log_level,
-                                       data_parallel, ray_address, limits, allow_runtime_lora, parser)
+                                       data_parallel, ray_address, limits, allow_runtime_lora, parser, thinking)
         _serve(engine, sock, host, model_id, api_key, max_queue, shutdown_timeout, log_level, limits,
-               allow_runtime_lora, parser)
+               allow_runtime_lora, parser, thinking)
     finally:
         sock.close()
 
@@ -130,6 +139,14 @@ def _tool_parser(enable: bool, parser: str | None) -> str | None:
     if parser is not None and not enable:
         raise ConfigError("--tool-call-parser is used by tool_choice auto only, which needs --enable-auto-tool-choice",
                           "add --enable-auto-tool-choice")
+    return parser
+
+
+def _reasoning_parser(parser: str | None) -> str | None:
+    """--reasoning-parser: one of the parsers serve/reasoning.py has, by vLLM's names."""
+    from ..serve.reasoning import PARSERS
+    if parser is not None and parser not in PARSERS:
+        raise ConfigError(f"--reasoning-parser {parser!r} is not available", f"infer reads: {' | '.join(PARSERS)}")
     return parser
 
 
@@ -151,7 +168,7 @@ def _check_server_options(port: int, max_queue: int, shutdown_timeout: float, lo
 
 def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, model_id: str, api_key: str | None,
            max_queue: int | None, shutdown_timeout: float, log_level: str, limits, runtime_lora: bool = False,
-           tool_parser: str | None = None) -> None:
+           tool_parser: str | None = None, reasoning_parser: str | None = None) -> None:
     from ..serve.native import bound_native_caches
     bound_native_caches()  # before any model code runs: the caches read their capacity once
     from ..engine.llm_engine import LLMEngine
@@ -162,7 +179,8 @@ def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, model_id
     engine = LLMEngine(engine_config)
     engine.warm_kernels()
     server = Server(AsyncEngine(engine, max_queue), model_id, api_key=api_key, graceful_timeout=shutdown_timeout,
-                    limits=limits, runtime_lora=runtime_lora, tool_parser=tool_parser)
+                    limits=limits, runtime_lora=runtime_lora, tool_parser=tool_parser,
+                    reasoning_parser=reasoning_parser)
     app = create_app(server)
     bound = sock.getsockname()[1]
     names = (", ".join(server.adapters()) or "none") + (" (more can be loaded)" if runtime_lora else "")

@@ -25,6 +25,7 @@ from .guard import ErrorGuardMiddleware
 from .lifecycle import uvicorn_server
 from .metrics import CONTENT_TYPE, HttpMetricsMiddleware, ServerMetrics
 from .parse import ParsePool
+from .reasoning import parts as reasoning_parts, split as reasoning_split
 from .tools import split, visible
 
 log = logging.getLogger("infer.serve")
@@ -40,9 +41,11 @@ class Server:
 
     def __init__(self, aengine: AsyncEngine, model_id: str, api_key: str | None = None, retry_after: int = 1,
                  graceful_timeout: float = 30.0, limits: BodyLimits | None = None, runtime_lora: bool = False,
-                 tool_parser: str | None = None):
+                 tool_parser: str | None = None, reasoning_parser: str | None = None):
         """`runtime_lora`: the routes that load and unload adapters while serving are on (serve/adapters.py).
-        `tool_parser`: --tool-call-parser, which reads the calls of tool_choice "auto" (serve/tools.py)."""
+        `tool_parser`: --tool-call-parser, which reads the calls of tool_choice "auto" (serve/tools.py).
+        `reasoning_parser`: --reasoning-parser, which splits a chat reply's reasoning from its content
+        (serve/reasoning.py)."""
         self.aengine, self.model_id, self.api_key = aengine, model_id, api_key
         self.runtime_lora = runtime_lora
         self.limits = limits or BodyLimits()
@@ -56,7 +59,7 @@ class Server:
         self.sampling_defaults = openai_sampling_defaults(self.engine.model_path)
         self.parser = ParsePool(self.tokenizer, self.limits, max_tokens=self.engine.max_model_len,
                                 defaults=self.sampling_defaults, grammars=self.engine.grammars,
-                                tool_parser=tool_parser)
+                                tool_parser=tool_parser, reasoning_parser=reasoning_parser)
 
     def stats(self) -> dict:
         return {**self.aengine.stats, "num_in_flight": self.aengine.num_in_flight(),
@@ -183,10 +186,16 @@ async def _complete(server: Server, req: p.GenerationRequest, rid: str, model: s
                 text, records = p.echoed(req, i, out, server.tokenizer) if req.echo else (out.text, out.logprobs)
                 reason = "length" if req.prompt_only else p.finish_reason(out)
                 ids_out = [] if req.prompt_only else out.token_ids  # not the one token generated and left out
-                text, calls = split(req.tools, text) if req.tools is not None else (text, None)
+                thought = None
+                if req.reasoning is not None:  # the reasoning first: the tool-call parser reads the content only
+                    thought, text = reasoning_split(req.reasoning, text)
+                if req.tools is not None and text is not None:
+                    text, calls = split(req.tools, text)
+                else:
+                    calls = None
                 choices[i] = p.choice(req, i, text, records, server.tokenizer, reason, token_ids=ids_out,
                                       prompt_token_ids=out.prompt_token_ids, stop_reason=out.stop_reason,
-                                      tool_calls=calls)
+                                      tool_calls=calls, reasoning=thought)
                 if out.prompt_logprobs is not None and req.asked_prompt_logprobs is not None:
                     # vLLM's field: a completion choice's, a chat response's
                     prompt_lp[i] = p.prompt_logprobs(out.prompt_logprobs, server.tokenizer, req.asked_prompt_logprobs)
@@ -205,7 +214,8 @@ async def _complete(server: Server, req: p.GenerationRequest, rid: str, model: s
 
 async def _stream(server: Server, req: p.GenerationRequest, rid: str, model: str, queue, ids, arrival: float):
     created, sent_lp, offsets = p.now(), {}, {}  # offsets: where choice i's next logprobs text_offset starts
-    sent = {}  # with tools: how much of choice i's text went out as content
+    sent = {}  # with tools or reasoning: how much of choice i's content went out
+    thought = {}  # with reasoning: how much of choice i's reasoning went out
     prompt_n, completion_n = 0, 0
 
     def event(choices, usage=None) -> str:
@@ -225,17 +235,22 @@ async def _stream(server: Server, req: p.GenerationRequest, rid: str, model: str
                 records, sent_lp[i] = out.logprobs[sent_lp.get(i, 0):], len(out.logprobs)
             reason = p.finish_reason(out) if out.finished else None
             new_ids = out.new_token_ids if req.return_token_ids else None
-            delta, calls = out.delta_text, None
+            delta, calls, text, reasoning = out.delta_text, None, out.text, ""
+            if req.reasoning is not None:  # the reasoning first: what follows it is the text tools are read from
+                whole, text = reasoning_parts(req.reasoning, out.text, out.finished)
+                reasoning, thought[i] = whole[thought.get(i, 0):], len(whole)
+                delta = text[sent.get(i, 0):]
             if req.tools is not None and req.tools.mode != "none":  # calls go whole in the choice's last chunk;
                 if out.finished:  # before them, the text that is content (none for a constrained call)
-                    content, calls = split(req.tools, out.text)
+                    content, calls = split(req.tools, text)
                 else:
-                    content = visible(req.tools, out.text) if req.tools.mode == "auto" else ""
-                delta, sent[i] = content[sent.get(i, 0):], len(content)
-            if delta or records or reason or new_ids:
+                    content = visible(req.tools, text) if req.tools.mode == "auto" else ""
+                delta = content[sent.get(i, 0):]
+            sent[i] = sent.get(i, 0) + len(delta)
+            if delta or reasoning or records or reason or new_ids:
                 c = p.choice(req, i, delta, records, server.tokenizer, reason, delta=True, token_ids=new_ids,
                              text_offset=offsets.get(i, 0), stop_reason=out.stop_reason if out.finished else None,
-                             tool_calls=calls)
+                             tool_calls=calls, reasoning=reasoning)
                 lp = c.get("logprobs") if not req.chat else None
                 if lp and lp["tokens"]:
                     offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])

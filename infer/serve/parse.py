@@ -14,14 +14,16 @@ PARSE_THREADS = 2  # a big body does not hold up small ones; few enough that bod
 
 
 def parse_body(raw: bytes, chat: bool, tokenizer, limits: BodyLimits, max_tokens: int | None = None,
-               defaults: dict | None = None, grammars=None, tool_parser: str | None = None) -> p.GenerationRequest:
+               defaults: dict | None = None, grammars=None, tool_parser: str | None = None,
+               reasoning_parser: str | None = None) -> p.GenerationRequest:
     """The whole pipeline for one body (raises ApiError with a 4xx for anything a client can send); a prompt
     certainly longer than `max_tokens` (the context) is refused before it is tokenized; `defaults` fill the sampling
     fields it leaves out. A structured output is compiled here by `grammars` (the engine's GrammarBackend, which
-    caches it), not on the engine's thread. `tool_parser`: the server's --tool-call-parser (serve/tools.py)."""
+    caches it), not on the engine's thread. `tool_parser`: the server's --tool-call-parser (serve/tools.py);
+    `reasoning_parser`: its --reasoning-parser (serve/reasoning.py)."""
     body = load_json(raw, limits.max_json_depth)
     check_values(body)
-    req = (p.parse_chat(body, tokenizer, max_tokens, defaults, tool_parser) if chat
+    req = (p.parse_chat(body, tokenizer, max_tokens, defaults, tool_parser, reasoning_parser) if chat
            else p.parse_completion(body, tokenizer, max_tokens, defaults))
     spec = req.params.structured_outputs
     if spec is not None and grammars is not None:
@@ -55,16 +57,18 @@ def detokenize_body(raw: bytes, tokenizer, limits: BodyLimits, pool: "ParsePool"
 
 class ParsePool:
     def __init__(self, tokenizer, limits: BodyLimits, threads: int = PARSE_THREADS, max_tokens: int | None = None,
-                 defaults: dict | None = None, grammars=None, tool_parser: str | None = None):
+                 defaults: dict | None = None, grammars=None, tool_parser: str | None = None,
+                 reasoning_parser: str | None = None):
         self.tokenizer, self.limits, self.max_tokens, self.defaults = tokenizer, limits, max_tokens, defaults
-        self.grammars, self.tool_parser = grammars, tool_parser
+        self.grammars, self.tool_parser, self.reasoning_parser = grammars, tool_parser, reasoning_parser
         self.max_token_id: int | None = None
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="infer-parse")
 
     async def parse(self, raw: bytes, chat: bool) -> p.GenerationRequest:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, parse_body, raw, chat, self.tokenizer, self.limits,
-                                          self.max_tokens, self.defaults, self.grammars, self.tool_parser)
+                                          self.max_tokens, self.defaults, self.grammars, self.tool_parser,
+                                          self.reasoning_parser)
 
     async def tokenize(self, raw: bytes, max_model_len: int) -> tuple[str | None, dict]:
         loop = asyncio.get_running_loop()

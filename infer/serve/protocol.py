@@ -17,6 +17,7 @@ from ..engine.outputs import RequestOutput
 from ..engine.prompt_size import PromptTooLongError
 from ..engine.structured import from_openai
 from ..errors import RequestError
+from .reasoning import ReasoningRequest, reasoning_request
 from .tools import ToolRequest, parse_tools
 
 # OpenAI names for our SamplingParams fields, and the vLLM-style extras we accept as they are
@@ -77,6 +78,7 @@ class GenerationRequest:
     asked_prompt_logprobs: int | None = None
     structured_field: str | None = None  # the field that asked for a structured output (response_format...)
     tools: ToolRequest | None = None  # chat: the tools and the tool_choice (serve/tools.py)
+    reasoning: ReasoningRequest | None = None  # chat with --reasoning-parser: the reply's split (serve/reasoning.py)
 
     def params_for(self, index: int):
         """Choice `index`'s sampling: with n > 1 and a seed, sample j draws with seed + j (as vLLM's parallel
@@ -255,8 +257,10 @@ def echoed(req: GenerationRequest, index: int, out: RequestOutput, tokenizer) ->
 
 
 def parse_chat(body: Any, tokenizer, max_tokens: int | None = None, defaults: dict | None = None,
-               tool_parser: str | None = None) -> GenerationRequest:
-    """`tool_parser`: the server's --tool-call-parser, which lets tool_choice "auto" through (serve/tools.py)."""
+               tool_parser: str | None = None, reasoning_parser: str | None = None) -> GenerationRequest:
+    """`tool_parser`: the server's --tool-call-parser, which lets tool_choice "auto" through (serve/tools.py);
+    `reasoning_parser`: its --reasoning-parser, which splits the reply's reasoning from its content
+    (serve/reasoning.py)."""
     req = _common(body, chat=True, defaults=defaults)
     clean = _messages(body, tokenizer)
     try:
@@ -283,7 +287,9 @@ def parse_chat(body: Any, tokenizer, max_tokens: int | None = None, defaults: di
         req.params.max_new_tokens = None  # as OpenAI: up to the context limit
     if req.params.truncate_prompt_tokens is not None:
         max_tokens = None
-    req.prompts = _choices(req, [_render_chat(tokenizer, clean, template, max_tokens)])
+    prompt = _render_chat(tokenizer, clean, template, max_tokens)
+    req.reasoning = reasoning_request(reasoning_parser, body, prompt, tokenizer, req.params.structured_outputs)
+    req.prompts = _choices(req, [prompt])
     return req
 
 
@@ -476,11 +482,13 @@ def chat_logprobs(records: list[dict], tokenizer) -> dict:
 def choice(req: GenerationRequest, index: int, text: str, records: list[dict] | None, tokenizer,
            finish_reason: str | None, delta: bool = False, first: bool = False, token_ids: list[int] | None = None,
            prompt_token_ids: list[int] | None = None, text_offset: int = 0,
-           stop_reason: int | str | None = None, tool_calls: list[dict] | None = None) -> dict:
+           stop_reason: int | str | None = None, tool_calls: list[dict] | None = None,
+           reasoning: str | None = None) -> dict:
     """One choice of a response or of a streamed chunk; `text_offset`: where this chunk's text starts in the
     choice's whole text (a completion's logprobs.text_offset counts from the start of the choice, chunk after chunk).
     `stop_reason` (vLLM's field): the stop token id or stop string that ended the choice, None for EOS or a length
-    limit."""
+    limit. With --reasoning-parser (serve/reasoning.py), a chat message carries vLLM's `reasoning` (null when there
+    is none, and `text` None is a null content), a delta carries it when it has some."""
     lp = None
     if records is not None:
         lp = chat_logprobs(records, tokenizer) if req.chat else completion_logprobs(records, tokenizer, text_offset)
@@ -498,6 +506,8 @@ def choice(req: GenerationRequest, index: int, text: str, records: list[dict] | 
         if delta:
             message["tool_calls"] = [{"index": k, **call} for k, call in enumerate(tool_calls)]
         out["finish_reason"] = "tool_calls" if finish_reason == "stop" else finish_reason
+    if req.chat and req.reasoning is not None and (reasoning or not delta):
+        out["delta" if delta else "message"]["reasoning"] = reasoning
     out["stop_reason"] = stop_reason if finish_reason == "stop" else None
     if req.return_token_ids and token_ids is not None:
         out["token_ids"] = list(token_ids)

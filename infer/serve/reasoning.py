@@ -1,0 +1,86 @@
+"""Reasoning on the chat endpoint, split from the answer as vLLM's `--reasoning-parser` splits it: the text a
+thinking model writes between <think> and </think> goes to the message's `reasoning` field (the name current vLLM
+writes, in a whole message and in a streamed delta; older vLLM wrote `reasoning_content`), what follows the tags to
+`content`, which alone the tool-call parser then reads (serve/tools.py). /v1/completions is left as it is.
+- deepseek_r1: the chat template opens the block (it ends the prompt with <think>), so a reply that does not start
+  with the tag is reasoning from its first character; a reply without </think> (cut short) is all reasoning.
+- qwen3: the same rules (Qwen3.5 and the thinking releases open the block in the prompt too), except that with
+  `chat_template_kwargs: {"enable_thinking": false}` the reply is all content (the template closed the block).
+A prompt that already ends its think block (its last tag is </think>, as Qwen3's with thinking off) leaves the
+reply all content too, with either parser (vLLM's prompt_is_reasoning_end), and so does a reply constrained to
+JSON or a choice (response_format, structured_outputs, a named or "required" tool_choice): the constraint holds from
+its first token (vLLM's waits for the end of the reasoning), so it is all answer; a regex or a grammar may write the
+think block itself and is split as any reply. The opening tag is read at the start of
+the reply only, so that the streamed deltas add up to the whole reply's fields (vLLM's whole-reply parsers also drop
+whatever came before a <think> found further on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..engine.structured import StructuredOutputsParams
+
+THINK_START, THINK_END = "<think>", "</think>"
+PROMPT_TAIL_TOKENS = 16  # how much of the prompt's end is read for a think block it opens or closes
+
+
+@dataclass(frozen=True)
+class ReasoningRequest:
+    parser: str  # a key of PARSERS
+    ended: bool = False  # the reply is all content: thinking off (qwen3), or the prompt closed the block
+
+
+# --reasoning-parser: the parsers vLLM names so, and whether chat_template_kwargs.enable_thinking false turns
+# thinking off (vLLM's qwen3 reads it; deepseek_r1 does not)
+PARSERS = {"deepseek_r1": {"reads_enable_thinking": False}, "qwen3": {"reads_enable_thinking": True}}
+
+
+def prompt_ends_reasoning(prompt_ids: list[int], tokenizer) -> bool:
+    """Whether the prompt's last think tag closes the block (Qwen3's template with thinking off writes
+    "<think>\\n\\n</think>\\n\\n" where the reply starts): the model then writes no reasoning."""
+    tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+    return tail.rfind(THINK_END) > tail.rfind(THINK_START)
+
+
+def reasoning_request(parser: str | None, body: dict, prompt_ids: list[int], tokenizer,
+                      structured=None) -> ReasoningRequest | None:
+    """The request's reasoning split (None without --reasoning-parser). `body`: the chat body, its
+    chat_template_kwargs already checked to be an object (or absent); `structured`: the reply's constraint
+    (StructuredOutputsParams or its dict), if any."""
+    if parser is None:
+        return None
+    kwargs = body.get("chat_template_kwargs") or {}
+    off = PARSERS[parser]["reads_enable_thinking"] and not kwargs.get("enable_thinking", True)
+    kind = StructuredOutputsParams.of(structured).kind if structured is not None else None
+    off = off or kind in ("json", "json_object", "choice")
+    return ReasoningRequest(parser, ended=off or prompt_ends_reasoning(prompt_ids, tokenizer))
+
+
+def parts(req: ReasoningRequest, text: str, finished: bool = True) -> tuple[str, str]:
+    """(reasoning, content) of the reply `text`. Not `finished` (a stream): only what can go out now, less a start
+    that may still become the opening tag ("<thi") and an end of the reasoning that may be the start of the
+    closing one ("</th"), held back as stop strings are; each part only grows as the text does."""
+    if req.ended:
+        return "", text
+    if text.startswith(THINK_START):
+        text = text[len(THINK_START):]
+    elif not finished and THINK_START.startswith(text):
+        return "", ""
+    at = text.find(THINK_END)
+    if at >= 0:
+        return text[:at], text[at + len(THINK_END):]
+    if not finished:
+        for k in range(min(len(THINK_END) - 1, len(text)), 0, -1):
+            if THINK_END.startswith(text[-k:]):
+                return text[:-k], ""
+    return text, ""  # no closing tag (yet, or the reply was cut short): all reasoning
+
+
+def split(req: ReasoningRequest, text: str) -> tuple[str | None, str | None]:
+    """(reasoning, content) of a finished reply as vLLM's message has them: reasoning null when there is none;
+    content null when the reply stops at (or before) the closing tag."""
+    if req.ended:
+        return None, text
+    reasoning, content = parts(req, text)
+    return reasoning, content or None
