@@ -12,7 +12,7 @@ from infer.cli.main import app
 from infer.engine.config import EngineConfig, cli_fields, flag_of
 from infer.errors import ConfigError
 
-ENGINE_COMMANDS = {"run": (), "serve": (), "warmup": ("max_num_seqs", "max_model_len"),
+ENGINE_COMMANDS = {"run": (), "serve": (), "warmup": ("max_num_seqs", "max_model_len", "chat_template"),
                    "bench": ("max_num_seqs", "seed", "loras", "max_loras")}
 
 
@@ -28,7 +28,9 @@ def test_every_engine_option_is_on_every_engine_command_with_the_dataclass_defau
     for f in cli_fields():
         if f.name in ENGINE_COMMANDS[command]:
             # the command declares its own meaning, or derives it from its own options (documented in its help)
-            assert f.name in ("max_num_seqs", "max_model_len") or flag_of(f.name) in by_flag, (command, f.name)
+            # (warmup renders no chat: --chat-template would do nothing there)
+            assert f.name in ("max_num_seqs", "max_model_len", "chat_template") or flag_of(f.name) in by_flag, \
+                (command, f.name)
             continue
         assert f.name in params and flag_of(f.name) in params[f.name].opts, f"{command} lacks {flag_of(f.name)}"
         default = None if f.default is dataclasses.MISSING else f.default
@@ -42,7 +44,8 @@ def _distinct_values(tmp_path):
     values = {"dtype": "bfloat16", "device": "cpu", "max_num_seqs": 7, "max_num_batched_tokens": 333,
               "block_size": 8, "max_model_len": 99, "seed": 5, "enable_prefix_caching": False,
               "memory_limit": ("3MB", 3 * 2**20), "gpu_memory_utilization": 0.5, "enforce_eager": True,
-              "loras": (f"a={lora}", {"a": str(lora)}), "enable_lora": True, "max_loras": 2, "max_lora_rank": 16, "max_cpu_loras": 3}
+              "loras": (f"a={lora}", {"a": str(lora)}), "enable_lora": True, "max_loras": 2, "max_lora_rank": 16, "max_cpu_loras": 3,
+              "chat_template": "{{ messages[0]['content'] }}"}
     assert set(values) == {f.name for f in cli_fields()}, "a new option needs a value in this test"
     argv, expected = [], {}
     for name, v in values.items():

@@ -177,7 +177,7 @@ def _render(tokenizer, obj: dict, where: str) -> tuple[str, list[int]]:
             raise ConfigError(f"{where}: {e.message}", e.hint) from None
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError(f"{where}: has 'messages' but the tokenizer has no chat template",
-                              "give a 'prompt' string instead, or use a chat model")
+                              "give it one with --chat-template, or a 'prompt' string instead")
         try:
             text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # the template's own checks (roles that must alternate, ...)

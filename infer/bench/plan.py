@@ -48,6 +48,8 @@ class BenchPlan:
     engine: object | None = None  # EngineConfig for an in-process run
     dtype: str = "auto"  # the HF baseline's, with --url (in-process: the engine's)
     device: str = "auto"
+    chat_template: str | None = None  # with --url: what the workload's messages are rendered with (in-process:
+    # the engine's)
 
 
 BASE_NO_ADAPTERS = "hf (base, no adapters)"  # the HF baseline's label when the workload uses adapters
@@ -57,7 +59,9 @@ def load_plan_tokenizer(plan: BenchPlan):
     """The tokenizer of the model benchmarked (the engine's, or MODEL's with --url), without loading the model."""
     from ..engine.setup import load_tokenizer
     from ..models.resolve import resolve_model
-    return load_tokenizer(resolve_model(plan.engine.model if plan.engine is not None else plan.model))
+    if plan.engine is not None:
+        return load_tokenizer(resolve_model(plan.engine.model), plan.engine.chat_template)
+    return load_tokenizer(resolve_model(plan.model), plan.chat_template)
 
 
 class _Target:

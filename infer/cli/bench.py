@@ -268,13 +268,13 @@ def set_target(plan, engine: EngineConfig, lora: list[str] | None, max_num_seqs:
                max_loras: int | None) -> None:
     """In-process: the engine config, from the command's engine options and its own defaults for the benchmark
     (max_num_seqs at least the largest level, room for every adapter in the mix). With --url: only the dtype and
-    device a baseline loads MODEL with."""
+    device a baseline loads MODEL with, and the --chat-template the workload's messages are rendered with."""
     if plan.url is None:
         plan.engine = replace(engine, seed=plan.seed, loras=lora or [],
                               max_num_seqs=max(max_num_seqs or 1, max(plan.levels)),
                               max_loras=max_loras or max(4, len(plan.loras)))
     else:
-        plan.dtype, plan.device = engine.dtype, engine.device
+        plan.dtype, plan.device, plan.chat_template = engine.dtype, engine.device, engine.chat_template
 
 
 def run_and_report(plan) -> None:

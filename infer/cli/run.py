@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import tempfile
@@ -95,8 +96,8 @@ def _run_in_process(engine: EngineConfig, input: Path, output: Path | None, defa
     if strict:  # every line is read before the model loads: a bad file costs no load time
         from ..engine.setup import load_tokenizer
         from ..models.resolve import resolve_model
-        _strict_exit(read_inputs(input, load_tokenizer(resolve_model(engine.model)), defaults, model_names(engine),
-                                 engine.max_model_len))
+        tokenizer = load_tokenizer(resolve_model(engine.model), engine.chat_template)
+        _strict_exit(read_inputs(input, tokenizer, defaults, model_names(engine), engine.max_model_len))
     llm = _start_engine(engine, quiet)
     lines = _checked_lines(llm, input, defaults, strict, model_names(engine))
     todo, writer = open_output(lines, output, input, options, resume, resumable)
@@ -207,7 +208,10 @@ def _output_options(engine: EngineConfig, max_new_tokens: int) -> dict:
     model = Path(engine.model).expanduser()
     return {"model": str(model.resolve()) if model.exists() else engine.model, "dtype": engine.dtype,
             "seed": engine.seed, "max_model_len": engine.max_model_len, "max_new_tokens": max_new_tokens,
-            "loras": {k: str(Path(v).resolve()) for k, v in sorted(engine.loras.items())}}
+            "loras": {k: str(Path(v).resolve()) for k, v in sorted(engine.loras.items())},
+            # only when given: outputs written before the option existed resume as they did
+            **({"chat_template": "sha256:" + hashlib.sha256(engine.chat_template.encode()).hexdigest()[:16]}
+               if engine.chat_template is not None else {})}
 
 
 def _strict_exit(lines: list) -> None:

@@ -27,7 +27,7 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
     from ..engine.setup import load_tokenizer
     from ..models.resolve import resolve_model
     model_path = resolve_model(engine.model)
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = load_tokenizer(model_path, engine.chat_template)
     lines = read_inputs(input, tokenizer, defaults, model_names(engine), engine.max_model_len)
     if strict:  # a line that cannot be read stops the run before any replica loads the model
         _strict_exit(lines)

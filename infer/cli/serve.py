@@ -95,6 +95,11 @@ def serve(
                                                                  "QwQ; reads chat_template_kwargs enable_thinking). "
                                                                  "Tool calls are read from the answer only.",
                                                             rich_help_panel=SERVER)] = None,
+    trust_request_chat_template: Annotated[bool, typer.Option("--trust-request-chat-template",
+                                                              help="Let a chat request's own chat_template field "
+                                                                   "render its messages (the template runs on the "
+                                                                   "server: only for clients you trust).",
+                                                              rich_help_panel=SERVER)] = False,
     engine: EngineConfig = None,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health,
@@ -121,9 +126,10 @@ def serve(
         if data_parallel > 1 or ray_address:
             from .serve_parallel import serve_data_parallel
             return serve_data_parallel(engine, sock, host, model_id, api_key, max_queue, shutdown_timeout, log_level,
-                                       data_parallel, ray_address, limits, allow_runtime_lora, parser, thinking)
+                                       data_parallel, ray_address, limits, allow_runtime_lora, parser, thinking,
+                                       trust_request_chat_template=trust_request_chat_template)
         _serve(engine, sock, host, model_id, api_key, max_queue, shutdown_timeout, log_level, limits,
-               allow_runtime_lora, parser, thinking)
+               allow_runtime_lora, parser, thinking, trust_request_chat_template=trust_request_chat_template)
     finally:
         sock.close()
 
@@ -168,7 +174,8 @@ def _check_server_options(port: int, max_queue: int, shutdown_timeout: float, lo
 
 def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, model_id: str, api_key: str | None,
            max_queue: int | None, shutdown_timeout: float, log_level: str, limits, runtime_lora: bool = False,
-           tool_parser: str | None = None, reasoning_parser: str | None = None) -> None:
+           tool_parser: str | None = None, reasoning_parser: str | None = None,
+           trust_request_chat_template: bool = False) -> None:
     from ..serve.native import bound_native_caches
     bound_native_caches()  # before any model code runs: the caches read their capacity once
     from ..engine.llm_engine import LLMEngine
@@ -180,7 +187,7 @@ def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, model_id
     engine.warm_kernels()
     server = Server(AsyncEngine(engine, max_queue), model_id, api_key=api_key, graceful_timeout=shutdown_timeout,
                     limits=limits, runtime_lora=runtime_lora, tool_parser=tool_parser,
-                    reasoning_parser=reasoning_parser)
+                    reasoning_parser=reasoning_parser, trust_request_chat_template=trust_request_chat_template)
     app = create_app(server)
     bound = sock.getsockname()[1]
     names = (", ".join(server.adapters()) or "none") + (" (more can be loaded)" if runtime_lora else "")

@@ -12,7 +12,7 @@ from ..engine.config import EngineConfig
 from . import options as o
 
 
-@o.engine_options(exclude=("max_num_seqs", "max_model_len"))
+@o.engine_options(exclude=("max_num_seqs", "max_model_len", "chat_template"))
 def warmup(
     model: o.Model,
     max_length: Annotated[int, typer.Option("--max-length", "--max-model-len", min=2,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, read_utf8
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ENGINE, LORA = "Engine options", "LoRA options"
@@ -78,6 +78,49 @@ def parse_loras(items: dict[str, str] | list[str] | None) -> dict[str, str]:
     return out
 
 
+def load_chat_template(value: str | Path | None, name: str = "--chat-template",
+                       error: type = ConfigError) -> str | None:
+    """vLLM's rule for --chat-template: a path to a file that exists is read; else text that looks like a template
+    (it holds `{{` or `{%`) is the template itself; else an error naming the problem (`name`, raised as `error`).
+    The template must parse as the Jinja transformers renders. Its text is returned, so a config carries the
+    template itself (to Ray replicas on other machines too) and reading it again returns it unchanged."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, Path)):
+        raise error(f"{name} must be a file path or the template text, got {type(value).__name__}")
+    path = Path(value).expanduser()
+    try:
+        is_file, is_dir = path.is_file(), path.is_dir()
+    except (OSError, ValueError):  # template text too long for a path, or with a NUL
+        is_file = is_dir = False
+    if is_dir:
+        raise error(f"{name} {value} is a folder", "give the template's file, e.g. its chat_template.jinja")
+    try:
+        text = read_utf8(path, f"{name} file") if is_file else str(value)
+    except OSError as e:
+        raise error(f"cannot read {name} file {value}: {e.strerror or e}") from None
+    where = f"{name} file {value}" if is_file else name
+    if "{{" not in text and "{%" not in text:
+        if not is_file:
+            raise error(f"{name} {value!r} is neither an existing file nor a template",
+                        "give the path of a Jinja file, or the template text itself (it holds {{ ... }} or "
+                        "{% ... %})")
+        raise error(f"{where} holds no Jinja ({{{{ ... }}}} or {{% ... %}}), so it would ignore the messages",
+                    "give the chat template's file (e.g. a .jinja file)")
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # another transformers: its apply_chat_template reports the problem per request
+        return text
+    import jinja2
+    try:
+        _compile_jinja_template(text)
+    except jinja2.TemplateError as e:
+        line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+        raise error(f"{where} is not a valid Jinja template{line}: {e.message or e}",
+                    "fix its syntax; transformers renders it with Jinja2") from None
+    return text
+
+
 # Integer options and their ranges (the command line shows and checks them too).
 RANGES = {"max_num_seqs": (1, 65536), "max_num_batched_tokens": (1, None), "block_size": (1, 256),
           "max_model_len": (2, None), "num_kv_blocks": (1, None), "max_loras": (1, None), "max_lora_rank": (1, 256),
@@ -121,6 +164,9 @@ class EngineConfig:
     gpu_memory_utilization: float = option(0.90, "Fraction of the GPU's memory the engine may use, in (0, 1].")
     enforce_eager: bool = option(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs (slower; "
                                         "for debugging).", flag="--eager")
+    chat_template: str | None = option(None, "The chat template for chat messages instead of the tokenizer's: a "
+                                             "Jinja file, or the template text itself (for a model without one, "
+                                             "or with a wrong one).", flag="--chat-template")
     loras: dict[str, str] = option({}, "An adapter as NAME=PATH (PEFT folder); repeat for more.", panel=LORA,
                                    flag="--lora", cli_type=list[str])
     enable_lora: bool = option(False, "Reserve the adapter slots even with no --lora, so that adapters can be added "
@@ -133,6 +179,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.memory_limit = parse_size(self.memory_limit, "--memory-limit")
         self.loras = parse_loras(self.loras)
+        self.chat_template = load_chat_template(self.chat_template)
         for msg in self._problems():
             raise ConfigError(msg)  # the CLI adds "see `infer <the command> --help`" to an error without a hint
         if self.device.startswith("cuda") and not torch.cuda.is_available():

@@ -1,7 +1,9 @@
 """One input request (a JSONL line, an API call) -> validated prompt token ids, SamplingParams and adapter name.
 
 Prompts are tokenized exactly as transformers does: `tokenizer(prompt)` for text, and
-`tokenizer.apply_chat_template(messages, add_generation_prompt=True)` for chat messages.
+`tokenizer.apply_chat_template(messages, add_generation_prompt=True)` for chat messages (the tokenizer's template is
+--chat-template's where one was given: engine.setup.load_tokenizer; a call's own comes as `chat_template` among the
+template's arguments).
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ UNSUPPORTED_OPENAI = {
     "audio": (lambda v: v is None, "audio output is not supported"),
     # vLLM's extensions that change the reply: silently dropped, the client would get another reply than it asked
     "use_beam_search": (lambda v: v is None or v is False, "beam search is not supported"),
-    "chat_template": (lambda v: v is None, "a chat_template per request is not supported (the model's is used)"),
     "return_tokens_as_token_ids": (lambda v: v is None or v is False, "return_tokens_as_token_ids is not supported"),
 }
 
@@ -55,6 +56,12 @@ CHAT_TEMPLATE_FIELDS = {"add_generation_prompt": True, "continue_final_message":
 _TEMPLATE_ARGS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
                   "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
                   "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+
+
+# what a chat to a model without a template is told
+NO_TEMPLATE_HINT = ("give it one with --chat-template FILE (infer run / serve / bench; LLM(model, "
+                    "chat_template=...)), or send `prompt` instead of `messages`")
+REQUEST_TEMPLATE_FIELD = "chat_template"  # vLLM's per-request template (the server's --trust-request-chat-template)
 
 
 def _field_error(field: str, message: str, hint: str | None = None) -> RequestError:
@@ -163,15 +170,17 @@ def encode_prompt(tokenizer, prompt: Any = None, messages: Any = None, max_token
                   template: dict | None = None) -> list[int]:
     """The prompt's token ids; with `max_tokens` (the context), a text certainly longer is refused untokenized.
     `template`: apply_chat_template's keyword arguments for `messages` (chat_template_options; default: a
-    generation prompt)."""
+    generation prompt; its `chat_template`, when set, is the template itself, used instead of the tokenizer's)."""
     if messages is not None:
-        messages = chat_messages(messages, reads_content_parts(tokenizer))
-        check_text(messages, "messages")
         template = {"add_generation_prompt": True, **(template or {})}
+        if template.get("chat_template") is None:
+            template.pop("chat_template", None)
+        messages = chat_messages(messages, reads_content_parts(tokenizer, template.get("chat_template")))
+        check_text(messages, "messages")
         check_text(template, "the chat template's arguments")
         check_prompt_size(tokenizer, sum(len(_text_of(m["content"]).encode("utf-8")) for m in messages), max_tokens)
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise RequestError("this model's tokenizer has no chat template", "send `prompt` instead of `messages`")
+        if template.get("chat_template") is None and getattr(tokenizer, "chat_template", None) is None:
+            raise RequestError("this model's tokenizer has no chat template", NO_TEMPLATE_HINT)
         try:
             enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **template)
         except Exception as e:
@@ -251,19 +260,24 @@ def _content_text(content: Any, i: int, parts: bool = False) -> str | list[dict]
 
 
 _PART_TEMPLATES: dict[str, bool] = {}
+_PART_TEMPLATES_MAX = 256
 
 
-def reads_content_parts(tokenizer) -> bool:
+def reads_content_parts(tokenizer, template: str | None = None) -> bool:
     """Whether the tokenizer's chat template loops over a message's content (OpenAI's list of parts, as vision and
     newer chat templates do) rather than printing it as a string: vLLM's "openai" content format, found as vLLM
     finds it, by a `for` over `<message>['content']` (or `.content`, or a variable set from it) in the template's
-    syntax tree. Such a template gets list content as the list, not the joined text."""
-    template = getattr(tokenizer, "chat_template", None)
+    syntax tree. Such a template gets list content as the list, not the joined text. `template`: a call's own
+    template, read instead of the tokenizer's."""
+    if template is None:
+        template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):
         template = template.get("default")
     if not isinstance(template, str):
         return False
     if template not in _PART_TEMPLATES:
+        if len(_PART_TEMPLATES) >= _PART_TEMPLATES_MAX:  # requests' own templates (--trust-request-chat-template)
+            _PART_TEMPLATES.clear()
         _PART_TEMPLATES[template] = _loops_over_content(template)
     return _PART_TEMPLATES[template]
 
@@ -396,6 +410,9 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
         if not ok(body.get(key)):
             raise RequestError(f"body.{key}: {why}", "remove it from the line's body (for n > 1, write one line "
                                                      "per reply, each with its own custom_id and seed)")
+    if body.get(REQUEST_TEMPLATE_FIELD) is not None:
+        raise RequestError("body.chat_template: a chat template per line is not supported",
+                           "remove it from the line's body; `infer run --chat-template FILE` gives the whole run one")
     check_add_special_tokens(body.get("add_special_tokens"), "messages" in body, "body.add_special_tokens")
     if "messages" in body:
         template = chat_template_options(body, "body.")

@@ -12,7 +12,7 @@ import weakref
 from typing import Iterator, Sequence as Seq
 
 from ..errors import ClosedError, RequestError
-from .config import EngineConfig
+from .config import EngineConfig, load_chat_template
 from .inputs import chat_template_options, encode_prompt
 from .llm_engine import LLMEngine
 from .outputs import CompletionOutput, RequestOutput
@@ -254,11 +254,13 @@ class LLM:
     def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None,
              lora: str | list[str | None] | None = None, *, chat_template_kwargs: dict | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             documents: list[dict] | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+             documents: list[dict] | None = None, tools: list[dict] | None = None,
+             chat_template: str | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or a list of them, rendered by
         the model's chat template with these options (chat_template_kwargs: the template's own variables, e.g.
         Qwen3's enable_thinking; tools: OpenAI's function definitions, for a template that renders them), then run
-        as generate() runs prompts."""
+        as generate() runs prompts. `chat_template`: this call's template instead of the model's (the one of
+        `LLM(model, chat_template=...)`, else the tokenizer's): a Jinja file, or the template text itself."""
         convs = [messages] if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict) \
             else messages
         if not isinstance(convs, (list, tuple)) or not convs or not all(
@@ -268,6 +270,8 @@ class LLM:
         template = chat_template_options(dict(chat_template_kwargs=chat_template_kwargs, documents=documents,
                                               add_generation_prompt=add_generation_prompt,
                                               continue_final_message=continue_final_message))
+        if chat_template is not None:
+            template["chat_template"] = load_chat_template(chat_template, "chat_template", RequestError)
         if tools is not None:
             if not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools):
                 raise RequestError("tools must be a list of function definitions (dicts)",

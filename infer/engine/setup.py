@@ -31,13 +31,17 @@ class EngineParts:
     lora_manager: Any
 
 
-def load_tokenizer(path: Path):
+def load_tokenizer(path: Path, chat_template: str | None = None):
+    """The model's tokenizer; `chat_template` (EngineConfig.chat_template, --chat-template) replaces its own."""
     from transformers import AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:
         raise ModelLoadError(f"cannot load the tokenizer of {path}: {e}",
                              "the model folder needs tokenizer files (tokenizer.json or tokenizer.model)") from e
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def eos_ids(path: Path, model_config, tokenizer) -> set[int]:
@@ -110,7 +114,7 @@ def load_engine_parts(engine_config: EngineConfig) -> EngineParts:
     model_config = load_config(path)
     device = engine_config.torch_device()
     dtype = engine_config.torch_dtype(checkpoint_dtype(model_config))
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(path, engine_config.chat_template)
     max_len = model_max_len(model_config, engine_config)
     model, model_config = load_model(path, dtype, device, max_positions=max_len)  # the rope table: max_len rows
     lora_manager = None

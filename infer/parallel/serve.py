@@ -32,14 +32,14 @@ class ReplicaCollector:
 
 def build_server(ray, engine_config, replicas: int, model_id: str, api_key: str | None, max_queue: int | None,
                  shutdown_timeout: float, limits=None, runtime_lora: bool = False, tool_parser: str | None = None,
-                 reasoning_parser: str | None = None):
+                 reasoning_parser: str | None = None, trust_request_chat_template: bool = False):
     """Start the replicas, compile their kernels (`warm_kernels`), and return (Server, replica infos) for the app."""
     from ..engine.setup import load_tokenizer
     from ..models.resolve import resolve_model
     from ..serve.app import Server
     from .serve_engine import RayAsyncEngine, ReplicaView
     model_path = resolve_model(engine_config.model)
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = load_tokenizer(model_path, engine_config.chat_template)
     handles, infos = start_replicas(ray, engine_config, model_path, replicas)
     try:
         ray.get([h.warm_kernels.remote() for h in handles])
@@ -49,6 +49,7 @@ def build_server(ray, engine_config, replicas: int, model_id: str, api_key: str 
         stop_replicas(ray, handles)
         raise
     server = Server(aengine, model_id, api_key=api_key, graceful_timeout=shutdown_timeout, limits=limits,
-                    runtime_lora=runtime_lora, tool_parser=tool_parser, reasoning_parser=reasoning_parser)
+                    runtime_lora=runtime_lora, tool_parser=tool_parser, reasoning_parser=reasoning_parser,
+                    trust_request_chat_template=trust_request_chat_template)
     server.metrics.registry.register(ReplicaCollector(aengine))
     return server, infos

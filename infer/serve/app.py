@@ -41,11 +41,13 @@ class Server:
 
     def __init__(self, aengine: AsyncEngine, model_id: str, api_key: str | None = None, retry_after: int = 1,
                  graceful_timeout: float = 30.0, limits: BodyLimits | None = None, runtime_lora: bool = False,
-                 tool_parser: str | None = None, reasoning_parser: str | None = None):
+                 tool_parser: str | None = None, reasoning_parser: str | None = None,
+                 trust_request_chat_template: bool = False):
         """`runtime_lora`: the routes that load and unload adapters while serving are on (serve/adapters.py).
         `tool_parser`: --tool-call-parser, which reads the calls of tool_choice "auto" (serve/tools.py).
         `reasoning_parser`: --reasoning-parser, which splits a chat reply's reasoning from its content
-        (serve/reasoning.py)."""
+        (serve/reasoning.py). `trust_request_chat_template`: a chat request's own chat_template renders it (else it
+        is a 400)."""
         self.aengine, self.model_id, self.api_key = aengine, model_id, api_key
         self.runtime_lora = runtime_lora
         self.limits = limits or BodyLimits()
@@ -59,7 +61,8 @@ class Server:
         self.sampling_defaults = openai_sampling_defaults(self.engine.model_path)
         self.parser = ParsePool(self.tokenizer, self.limits, max_tokens=self.engine.max_model_len,
                                 defaults=self.sampling_defaults, grammars=self.engine.grammars,
-                                tool_parser=tool_parser, reasoning_parser=reasoning_parser)
+                                tool_parser=tool_parser, reasoning_parser=reasoning_parser,
+                                trust_template=trust_request_chat_template)
 
     def stats(self) -> dict:
         return {**self.aengine.stats, "num_in_flight": self.aengine.num_in_flight(),

@@ -15,15 +15,16 @@ PARSE_THREADS = 2  # a big body does not hold up small ones; few enough that bod
 
 def parse_body(raw: bytes, chat: bool, tokenizer, limits: BodyLimits, max_tokens: int | None = None,
                defaults: dict | None = None, grammars=None, tool_parser: str | None = None,
-               reasoning_parser: str | None = None) -> p.GenerationRequest:
+               reasoning_parser: str | None = None, trust_template: bool = False) -> p.GenerationRequest:
     """The whole pipeline for one body (raises ApiError with a 4xx for anything a client can send); a prompt
     certainly longer than `max_tokens` (the context) is refused before it is tokenized; `defaults` fill the sampling
     fields it leaves out. A structured output is compiled here by `grammars` (the engine's GrammarBackend, which
     caches it), not on the engine's thread. `tool_parser`: the server's --tool-call-parser (serve/tools.py);
-    `reasoning_parser`: its --reasoning-parser (serve/reasoning.py)."""
+    `reasoning_parser`: its --reasoning-parser (serve/reasoning.py); `trust_template`: --trust-request-chat-template
+    (a chat body's own chat_template is used)."""
     body = load_json(raw, limits.max_json_depth)
     check_values(body)
-    req = (p.parse_chat(body, tokenizer, max_tokens, defaults, tool_parser, reasoning_parser) if chat
+    req = (p.parse_chat(body, tokenizer, max_tokens, defaults, tool_parser, reasoning_parser, trust_template) if chat
            else p.parse_completion(body, tokenizer, max_tokens, defaults))
     spec = req.params.structured_outputs
     if spec is not None and grammars is not None:
@@ -34,11 +35,12 @@ def parse_body(raw: bytes, chat: bool, tokenizer, limits: BodyLimits, max_tokens
     return req
 
 
-def tokenize_body(raw: bytes, tokenizer, limits: BodyLimits, max_model_len: int) -> tuple[str | None, dict]:
+def tokenize_body(raw: bytes, tokenizer, limits: BodyLimits, max_model_len: int,
+                  trust_template: bool = False) -> tuple[str | None, dict]:
     """POST /tokenize's body -> (model, response), on a parse thread as the chat rendering it shares."""
     body = load_json(raw, limits.max_json_depth)
     check_values(body)
-    return p.tokenize(body, tokenizer, max_model_len)
+    return p.tokenize(body, tokenizer, max_model_len, trust_template)
 
 
 def max_token_id(tokenizer) -> int:
@@ -58,9 +60,10 @@ def detokenize_body(raw: bytes, tokenizer, limits: BodyLimits, pool: "ParsePool"
 class ParsePool:
     def __init__(self, tokenizer, limits: BodyLimits, threads: int = PARSE_THREADS, max_tokens: int | None = None,
                  defaults: dict | None = None, grammars=None, tool_parser: str | None = None,
-                 reasoning_parser: str | None = None):
+                 reasoning_parser: str | None = None, trust_template: bool = False):
         self.tokenizer, self.limits, self.max_tokens, self.defaults = tokenizer, limits, max_tokens, defaults
         self.grammars, self.tool_parser, self.reasoning_parser = grammars, tool_parser, reasoning_parser
+        self.trust_template = trust_template
         self.max_token_id: int | None = None
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="infer-parse")
 
@@ -68,11 +71,12 @@ class ParsePool:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, parse_body, raw, chat, self.tokenizer, self.limits,
                                           self.max_tokens, self.defaults, self.grammars, self.tool_parser,
-                                          self.reasoning_parser)
+                                          self.reasoning_parser, self.trust_template)
 
     async def tokenize(self, raw: bytes, max_model_len: int) -> tuple[str | None, dict]:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, tokenize_body, raw, self.tokenizer, self.limits, max_model_len)
+        return await loop.run_in_executor(self._pool, tokenize_body, raw, self.tokenizer, self.limits, max_model_len,
+                                          self.trust_template)
 
     async def detokenize(self, raw: bytes) -> tuple[str | None, dict]:
         loop = asyncio.get_running_loop()

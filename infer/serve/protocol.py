@@ -11,8 +11,9 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..engine.inputs import UNSUPPORTED_OPENAI as _UNSUPPORTED, chat_template_options, check_add_special_tokens, \
-    chat_messages, check_no_chat_template_fields, reads_content_parts, encode_prompt, params_from
+from ..engine.inputs import UNSUPPORTED_OPENAI as _UNSUPPORTED, REQUEST_TEMPLATE_FIELD, chat_template_options, \
+    check_add_special_tokens, chat_messages, check_no_chat_template_fields, reads_content_parts, encode_prompt, \
+    params_from
 from ..engine.outputs import RequestOutput
 from ..engine.prompt_size import PromptTooLongError
 from ..engine.structured import from_openai
@@ -108,6 +109,9 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
             continue
         if key not in ("n", "echo") and not ok(body.get(key)):  # n: one engine request per choice; echo: below
             raise ApiError(400, why, param=key)
+    if not chat and body.get(REQUEST_TEMPLATE_FIELD) is not None:
+        raise ApiError(400, "chat_template applies to chat messages only (send messages to /v1/chat/completions, "
+                            "or remove it)", param=REQUEST_TEMPLATE_FIELD)
     echo = bool(_expect(body, "echo", (bool,), "a boolean"))
     if echo and chat:
         raise ApiError(400, "echo is supported by /v1/completions only", param="echo")
@@ -257,14 +261,17 @@ def echoed(req: GenerationRequest, index: int, out: RequestOutput, tokenizer) ->
 
 
 def parse_chat(body: Any, tokenizer, max_tokens: int | None = None, defaults: dict | None = None,
-               tool_parser: str | None = None, reasoning_parser: str | None = None) -> GenerationRequest:
+               tool_parser: str | None = None, reasoning_parser: str | None = None,
+               trust_template: bool = False) -> GenerationRequest:
     """`tool_parser`: the server's --tool-call-parser, which lets tool_choice "auto" through (serve/tools.py);
     `reasoning_parser`: its --reasoning-parser, which splits the reply's reasoning from its content
-    (serve/reasoning.py)."""
+    (serve/reasoning.py); `trust_template`: --trust-request-chat-template, which lets a request's own chat_template
+    render it."""
     req = _common(body, chat=True, defaults=defaults)
-    clean = _messages(body, tokenizer)
+    own = request_template(body, trust_template)
+    clean = _messages(body, tokenizer, own)
     try:
-        template = chat_template_options(body)
+        template = {**chat_template_options(body), "chat_template": own}
         req.tools = parse_tools(body, tool_parser)
     except RequestError as e:
         raise ApiError(400, str(e), param=e.field) from e
@@ -293,7 +300,23 @@ def parse_chat(body: Any, tokenizer, max_tokens: int | None = None, defaults: di
     return req
 
 
-def _messages(body: dict, tokenizer) -> list[dict]:
+def request_template(body: dict, trusted: bool) -> str | None:
+    """A chat request's own `chat_template` (vLLM's field; None: the model's). It runs on the server, so it is
+    refused unless the server trusts its clients with that (--trust-request-chat-template), as vLLM does."""
+    value = body.get(REQUEST_TEMPLATE_FIELD)
+    if value is None:
+        return None
+    if not trusted:
+        raise ApiError(400, "this server does not accept a chat_template per request (the model's is used; start "
+                            "it with --trust-request-chat-template to allow one)", param=REQUEST_TEMPLATE_FIELD)
+    if not isinstance(value, str) or not value.strip():
+        got = "an empty string" if isinstance(value, str) else f"a {type(value).__name__}"
+        raise ApiError(400, f"field 'chat_template' must be the template's text (a Jinja string), got {got}",
+                       param=REQUEST_TEMPLATE_FIELD)
+    return value
+
+
+def _messages(body: dict, tokenizer, template: str | None = None) -> list[dict]:
     """The body's messages, checked, as LLM.chat and infer run give them to the template: name, tool_calls... kept."""
     messages = body.get("messages")
     if messages is None:
@@ -306,7 +329,7 @@ def _messages(body: dict, tokenizer) -> list[dict]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", param="messages")
     try:
-        return chat_messages(messages, reads_content_parts(tokenizer))
+        return chat_messages(messages, reads_content_parts(tokenizer, template))
     except RequestError as e:
         raise bad_request(e, param="messages") from e
 
@@ -327,12 +350,12 @@ def _flag(body: dict, key: str, default: bool) -> bool:
     return default if value is None else value
 
 
-def tokenize(body: Any, tokenizer, max_model_len: int) -> tuple[str | None, dict]:
+def tokenize(body: Any, tokenizer, max_model_len: int, trust_template: bool = False) -> tuple[str | None, dict]:
     """(model, response) of vLLM's POST /tokenize. With `messages` (the chat form), the very ids
     /v1/chat/completions feeds the engine for them (the same checks and rendering: add_generation_prompt,
     continue_final_message, chat_template_kwargs, documents, tools); else `prompt` as
     `tokenizer(prompt, add_special_tokens=...)` gives it. As vLLM, the context does not limit it: `count` against
-    `max_model_len` tells the client whether it fits."""
+    `max_model_len` tells the client whether it fits. `trust_template`: as parse_chat's."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     model = _expect(body, "model", (str,), "a string")
@@ -340,16 +363,14 @@ def tokenize(body: Any, tokenizer, max_model_len: int) -> tuple[str | None, dict
     if body.get("messages") is not None:
         if body.get("prompt") is not None:
             raise ApiError(400, "send either prompt or messages, not both", param="prompt")
-        ok, why = _UNSUPPORTED["chat_template"]
-        if not ok(body.get("chat_template")):
-            raise ApiError(400, why, param="chat_template")
+        own = request_template(body, trust_template)
         try:
             check_add_special_tokens(body.get("add_special_tokens"), chat=True)
         except RequestError as e:
             raise ApiError(400, str(e), param="add_special_tokens") from e
-        clean = _messages(body, tokenizer)
+        clean = _messages(body, tokenizer, own)
         try:
-            template = chat_template_options(body)
+            template = {**chat_template_options(body), "chat_template": own}
             # the chat endpoint renders the tools whatever its tool_choice (which vLLM's /tokenize does not take)
             tools = parse_tools({"tools": body.get("tools"), "tool_choice": "none"})
         except RequestError as e:
