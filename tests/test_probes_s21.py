@@ -137,3 +137,34 @@ def test_a_late_step_that_fails_after_completing_the_step_before_loses_no_output
                 final[o.request_id] = o.token_ids
     assert failed == 1
     assert seen == final and len(final["c"]) >= 2, (seen, final)
+
+
+def test_truncate_prompt_tokens_minus_one_is_the_context_length():
+    """vLLM's truncate_prompt_tokens=-1: keep the context's worth of the prompt's end (SamplingParams refused it).
+    A prompt shorter than the context is unchanged; a longer one is cut to the context, which then leaves no room,
+    as in vLLM; anything below -1 or 0 is refused naming the value."""
+    from infer import LLM, SamplingParams
+    from infer.errors import RequestError
+    from infer.models.tiny import ensure_builtin
+    with pytest.raises(RequestError, match=r"truncate_prompt_tokens must be at least 1 \(or -1: the context length\), "
+                                           r"got -2"):
+        SamplingParams(truncate_prompt_tokens=-2)
+    with LLM(str(ensure_builtin("tiny-llama")), block_size=4, max_model_len=32) as llm:
+        ids = list(range(5, 25))
+        a = llm.generate([ids], SamplingParams(max_new_tokens=4, truncate_prompt_tokens=-1))[0]
+        b = llm.generate([ids], SamplingParams(max_new_tokens=4))[0]
+        assert a.prompt_token_ids == ids and a.token_ids == b.token_ids
+        with pytest.raises(RequestError, match="the prompt has 32 tokens, which leaves no room"):
+            llm.generate([list(range(5, 55))], SamplingParams(max_new_tokens=4, truncate_prompt_tokens=-1))
+
+
+def test_the_server_reads_truncate_minus_one_as_its_context(served):
+    body = {"model": "tiny-llama", "prompt": "hi there", "max_tokens": 3, "temperature": 0}
+    plain = httpx.post(f"{served}/v1/completions", json=body, timeout=120).json()
+    cut = httpx.post(f"{served}/v1/completions", json={**body, "truncate_prompt_tokens": -1}, timeout=120)
+    assert cut.status_code == 200, cut.text
+    assert cut.json()["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert cut.json()["usage"] == plain["usage"]
+    long = httpx.post(f"{served}/v1/completions", json={**body, "prompt": "hi " * 200, "truncate_prompt_tokens": -1},
+                      timeout=120)
+    assert long.status_code == 400 and "leaves no room" in long.json()["error"]["message"], long.text

@@ -81,7 +81,8 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already running", "give every request its own id")
         params = params.checked()  # the request's own copy, checked again: the caller may have changed its object
         if params.truncate_prompt_tokens is not None and isinstance(prompt_token_ids, (list, tuple)):
-            prompt_token_ids = list(prompt_token_ids)[-params.truncate_prompt_tokens:]  # the last k, as vLLM
+            keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            prompt_token_ids = list(prompt_token_ids)[-keep:]  # the last k (-1: the context's worth), as vLLM
         self.validate(prompt_token_ids, params, lora)
         cap = min(self.max_model_len, params.max_length or self.max_model_len)
         key = self.lora_manager.cache_key(lora) if self.lora_manager is not None else None

@@ -47,7 +47,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
     include_stop_str_in_output: bool = False  # the stop string (or stop token's text) stays at the end of the text
     skip_special_tokens: bool = True  # special tokens' text left out of the output text
-    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: the context length's)
     prompt_logprobs: int | None = None  # each prompt token's logprob (and top-k) given the tokens before it
     # the reply follows a JSON schema, a regex, a choice or a grammar (engine/structured.py); a dict of its fields too
     structured_outputs: StructuredOutputsParams | None = None
@@ -116,8 +116,9 @@ class SamplingParams:
             (len(self.bad_words or ()) <= MAX_BAD_WORDS,
              f"bad_words has {len(self.bad_words or ())} words, more than {MAX_BAD_WORDS}"),
             (self.n is not None and 1 <= self.n <= MAX_N, f"n must be in 1..{MAX_N}, got {self.n}"),
-            (self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
-             f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens}"),
+            (self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1,
+             f"truncate_prompt_tokens must be at least 1 (or -1: the context length), got "
+             f"{self.truncate_prompt_tokens}"),
         ]
         for ok, msg in checks:
             if not ok:

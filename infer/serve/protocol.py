@@ -192,10 +192,20 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
                              asked_prompt_logprobs=asked, structured_field=source)
 
 
+def _truncation(req: GenerationRequest, max_tokens: int | None) -> int | None:
+    """The prompt size limit to check before tokenizing: none with truncate_prompt_tokens (only the prompt's end is
+    kept: its length is no reason to refuse it), whose -1 (vLLM's: the context length) becomes the context here."""
+    if req.params.truncate_prompt_tokens is None:
+        return max_tokens
+    if req.params.truncate_prompt_tokens == -1 and max_tokens is not None:
+        req.params.truncate_prompt_tokens = max_tokens
+    return None
+
+
 def _choices(req: GenerationRequest, prompts: list[list[int]]) -> list[list[int]]:
     """One engine request per choice: each prompt's last truncate_prompt_tokens tokens (vLLM), n times."""
-    keep = req.params.truncate_prompt_tokens
-    return [q[-keep:] if keep else q for q in prompts for _ in range(req.n)]
+    keep = req.params.truncate_prompt_tokens  # -1 (the context length) is resolved by the engine
+    return [q[-keep:] if keep and keep > 0 else q for q in prompts for _ in range(req.n)]
 
 
 def _encode(tokenizer, prompt: str, max_tokens: int | None = None) -> list[int]:
@@ -234,8 +244,7 @@ def parse_completion(body: Any, tokenizer, max_tokens: int | None = None,
         raise ApiError(400, "missing required field 'prompt'", param="prompt")
     if _no_max_tokens(body):
         req.params.max_new_tokens = 16  # OpenAI's default for /v1/completions
-    if req.params.truncate_prompt_tokens is not None:  # only its end is kept: its length is no reason to refuse it
-        max_tokens = None
+    max_tokens = _truncation(req, max_tokens)
     req.prompts = _choices(req, _completion_prompts(body["prompt"], tokenizer, max_tokens))
     if req.echo:
         sent = body["prompt"]
@@ -292,8 +301,7 @@ def parse_chat(body: Any, tokenizer, max_tokens: int | None = None, defaults: di
         req.params = replace(req.params, skip_special_tokens=False)
     if _no_max_tokens(body):
         req.params.max_new_tokens = None  # as OpenAI: up to the context limit
-    if req.params.truncate_prompt_tokens is not None:
-        max_tokens = None
+    max_tokens = _truncation(req, max_tokens)
     prompt = _render_chat(tokenizer, clean, template, max_tokens)
     req.reasoning = reasoning_request(reasoning_parser, body, prompt, tokenizer, req.params.structured_outputs)
     req.prompts = _choices(req, [prompt])
