@@ -98,6 +98,8 @@ class LLMEngine:
         if old is not None:  # aborted, its abort output not handed out yet: the id is free again, as in vLLM; that
             self._aborted = [s for s in self._aborted if s is not old]  # output is dropped, or the new request's
             self._forget(old)  # consumer would read it as its own end (and its penalty row would be the old one's)
+        if self._carried:  # likewise the outputs of an earlier request of this id that a failed launch carried (its
+            self._carried = [o for o in self._carried if o.request_id != request_id]  # end among them): dropped
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -193,7 +195,11 @@ class LLMEngine:
             self._aborted.append(seq)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted) or self._inflight is not None
+        # _carried: outputs of a step completed inside a launch that then failed (the last of a request that
+        # finished there among them): the next step hands them out, so a caller stepping while this is true, or a
+        # server's loop waiting on it, gets them without another request arriving
+        return self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._carried) \
+            or self._inflight is not None
 
     # ------------------------------------------------------------------ adapters at run time
     def lora_slots(self):
