@@ -23,7 +23,7 @@ from infer.errors import RequestError  # noqa: E402
 from infer.models.tiny import ensure_builtin  # noqa: E402
 from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
-from infer.serve.tools import parse_tools, split, tool_calls, visible  # noqa: E402
+from infer.serve.tools import parse_tools, split, visible  # noqa: E402
 
 TEMPLATE = ("{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n"
             "{% endif %}{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
@@ -108,7 +108,7 @@ def test_a_pythonic_stream_holds_back_a_reply_that_may_be_calls():
     for text in ("The weather", "Sure [add(a=1)]", "a[0]"):
         assert visible(req, text) == text
     one = parse_tools({"tools": TOOLS, "parallel_tool_calls": False}, "pythonic")
-    assert [c["function"]["name"] for c in tool_calls(one, "[now(), later()]")] == ["now"]
+    assert [c["function"]["name"] for c in split(one, "[now(), later()]")[1]] == ["now"]
 
 
 # -------------------------------------------------------------------------------------------------------- mistral

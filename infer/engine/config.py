@@ -118,6 +118,9 @@ def load_chat_template(value: str | Path | None, name: str = "--chat-template",
         line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
         raise error(f"{where} is not a valid Jinja template{line}: {e.message or e}",
                     "fix its syntax; transformers renders it with Jinja2") from None
+    except RecursionError:  # expressions nested deeper than Jinja's recursive parser reads
+        raise error(f"{where} is not a valid Jinja template: it nests deeper than Jinja can parse",
+                    "fix its syntax; transformers renders it with Jinja2") from None
     return text
 
 

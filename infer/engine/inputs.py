@@ -287,7 +287,7 @@ def _loops_over_content(template: str) -> bool:
     from jinja2 import nodes
     try:
         tree = jinja2.Environment().parse(template)
-    except jinja2.TemplateError:
+    except (jinja2.TemplateError, RecursionError):  # nested deeper than Jinja's parser recurses: rendering says so
         return False
 
     def is_content(node) -> bool:

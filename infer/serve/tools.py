@@ -164,8 +164,8 @@ def hermes_calls(text: str) -> tuple[str | None, list[dict]] | None:
             return None
         args = call.get("arguments", {})
         calls.append(_call(call["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
-    content = text[:text.index(HERMES_START)]
-    return (content if content.strip() else None), calls
+    content = text[:text.index(HERMES_START)]  # as vLLM's, blanks included: a stream has sent them already
+    return (content or None), calls
 
 
 def llama3_calls(text: str) -> tuple[str | None, list[dict]] | None:
@@ -328,6 +328,16 @@ def mistral_calls(text: str) -> tuple[str | None, list[dict]] | None:
 PARSERS = {"hermes": hermes_calls, "llama3_json": llama3_calls, "pythonic": pythonic_calls, "mistral": mistral_calls}
 
 
+def _parsed(name: str, text: str) -> tuple[str | None, list[dict]] | None:
+    """PARSERS[name](text), or None (the reply stays text) when the reply is too deeply nested for Python's JSON or
+    AST readers (a model that repeats "[" until max_tokens: RecursionError), as vLLM's parsers, which catch any
+    error of a reply they cannot read."""
+    try:
+        return PARSERS[name](text)
+    except RecursionError:
+        return None
+
+
 def visible(req: ToolRequest | None, text: str) -> str:
     """What of a streamed reply can go out as content now: with "auto", the text before a call starts, less an end
     that may be the start of one ("<tool_c", "[TOOL_"), held back as stop strings are (llama3_json and pythonic:
@@ -349,28 +359,31 @@ def visible(req: ToolRequest | None, text: str) -> str:
 
 def split(req: ToolRequest | None, text: str) -> tuple[str, list[dict] | None]:
     """(content, tool_calls) of a finished reply: the calls with what came before them (nothing for a constrained
-    call), or the whole text and None."""
+    call), or the whole text and None. With "auto", the calls the parser reads (the content before them: PARSERS),
+    only the first with parallel_tool_calls false."""
+    if req is not None and req.mode == "auto":
+        parsed = _parsed(req.name, text)
+        if parsed is None:
+            return text, None
+        return parsed[0] or "", (parsed[1] if req.parallel else parsed[1][:1])
     calls = tool_calls(req, text)
     if calls is None:
         return text, None
-    return ((PARSERS[req.name](text)[0] or "") if req.mode == "auto" else ""), calls
+    return "", calls
 
 
 def tool_calls(req: ToolRequest | None, text: str) -> list[dict] | None:
-    """The reply `text` as OpenAI's tool_calls; None when it asks for none, or when the reply did not complete
-    (cut by max_tokens or a stop string: not JSON), which then stays text. With "auto": the calls the parser reads
-    (the content before them: PARSERS), only the first with parallel_tool_calls false."""
-    if req is None or req.mode == "none":
+    """A constrained reply `text` (a named tool_choice or "required") as OpenAI's tool_calls; None when the request
+    asks for none, or when the reply did not complete (cut by max_tokens or a stop string: not JSON), which then
+    stays text. ("auto" is read by split, with the parser's PARSERS.)"""
+    if req is None or req.mode in ("none", "auto"):
         return None
-    if req.mode == "auto":
-        parsed = PARSERS[req.name](text)
-        return (parsed[1] if req.parallel else parsed[1][:1]) if parsed is not None else None
     try:
         value = json.loads(text)
-    except ValueError:
+        if req.mode == "named":
+            return [_call(req.name, text)]
+        if not isinstance(value, list):
+            return None
+        return [_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in value]
+    except (ValueError, RecursionError):  # cut short, or nested deeper than Python's JSON reads: text
         return None
-    if req.mode == "named":
-        return [_call(req.name, text)]
-    if not isinstance(value, list):
-        return None
-    return [_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in value]
