@@ -131,11 +131,9 @@ def test_late_masks_with_n_samples_prefix_caching_and_logprobs(path, late_steps)
     assert late_steps[0] >= 3
 
 
-def test_a_request_finished_inside_a_failed_late_launch_keeps_the_engine_unfinished(monkeypatch):
-    """The late path completes the step before inside the launch; when that completion finishes a request (its
-    last token) and the launch then fails, its final output waits in LLMEngine._carried for the next step. The
-    engine must still report unfinished work until it is handed out: a caller stepping while
-    has_unfinished_requests() (or the server's loop, which sleeps until then) would otherwise never get it."""
+def _engine_whose_sampler_fails_once_asked(monkeypatch):
+    """An overlapped engine running one constrained request "c" (3 tokens), and a flag: set it, and the next
+    sampling raises (once)."""
     from infer.engine.config import EngineConfig
     from infer.engine.llm_engine import LLMEngine
     eng = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, block_size=4, overlap=True))
@@ -149,6 +147,15 @@ def test_a_request_finished_inside_a_failed_late_launch_keeps_the_engine_unfinis
             raise RuntimeError("boom")
         return real(logits, seqs, inputs)
     monkeypatch.setattr(eng.runner.sampler, "sample", sample)
+    return eng, fail
+
+
+def test_a_request_finished_inside_a_failed_late_launch_keeps_the_engine_unfinished(monkeypatch):
+    """The late path completes the step before inside the launch; when that completion finishes a request (its
+    last token) and the launch then fails, its final output waits in LLMEngine._carried for the next step. The
+    engine must still report unfinished work until it is handed out: a caller stepping while
+    has_unfinished_requests() (or the server's loop, which sleeps until then) would otherwise never get it."""
+    eng, fail = _engine_whose_sampler_fails_once_asked(monkeypatch)
     tokens, final, raised = [], None, 0
     while eng.has_unfinished_requests():
         seq = eng.requests.get("c")
@@ -173,19 +180,7 @@ def test_an_id_reused_after_a_failed_late_launch_does_not_get_the_old_requests_e
     """The final output of a request that finished inside a failed late launch waits in LLMEngine._carried. A new
     request of the same id added before the next step (the id is free: the old request finished) must not be
     handed that output as its own end, as add_request already drops an aborted request's pending abort output."""
-    from infer.engine.config import EngineConfig
-    from infer.engine.llm_engine import LLMEngine
-    eng = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, block_size=4, overlap=True))
-    eng.add_request("c", [5, 6, 7], SamplingParams(max_new_tokens=3, structured_outputs=S(regex="[ab]{1,12}")))
-    real = eng.runner.sampler.sample
-    fail = [False]
-
-    def sample(logits, seqs, inputs=None):
-        if fail[0]:
-            fail[0] = False
-            raise RuntimeError("boom")
-        return real(logits, seqs, inputs)
-    monkeypatch.setattr(eng.runner.sampler, "sample", sample)
+    eng, fail = _engine_whose_sampler_fails_once_asked(monkeypatch)
     raised = 0
     while not raised:
         seq = eng.requests["c"]
