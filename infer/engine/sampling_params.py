@@ -116,7 +116,8 @@ class SamplingParams:
             (len(self.bad_words or ()) <= MAX_BAD_WORDS,
              f"bad_words has {len(self.bad_words or ())} words, more than {MAX_BAD_WORDS}"),
             (self.n is not None and 1 <= self.n <= MAX_N, f"n must be in 1..{MAX_N}, got {self.n}"),
-            (self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1,
+            (self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1
+             or self.truncate_prompt_tokens == -1,
              f"truncate_prompt_tokens must be at least 1 (or -1: the context length), got "
              f"{self.truncate_prompt_tokens}"),
         ]
