@@ -49,8 +49,13 @@ SCRIPT = COMPILE_ONLY_PREAMBLE + textwrap.dedent('''
     xs = {m: torch.randn(m, k, dtype=torch.float16) for m, _ in cfgs}
     calls = [lambda m=m, c=c: gptq_gemm.gptq_matmul(xs[m], qw, qz, s, g, 4, True, 128, wp, config=c,
                                                     compile_only=True) for m, c in cfgs]
+    tried = []  # what compile_parallel hands to _load: every kernel it compiled (loading fails on this driver)
+    real_load = gptq_tune._load
+    gptq_tune._load = lambda kernels: real_load([tried.append(k) or k for k in kernels])
     out["queued"] = gptq_tune.compile_parallel(calls, workers=2)
+    gptq_tune._load = real_load
     out["compiled"] = len(compiled)
+    out["load_tried"] = sum(k is not None and hasattr(k, "_init_handles") for k in tried)
     out["recompiled"] = launch_all([lambda m=m, c=c: gptq_gemm.gptq_matmul(xs[m], qw, qz, s, g, 4, True, 128, wp,
                                                                            config=c) for m, c in cfgs])
 
@@ -87,7 +92,7 @@ SCRIPT = COMPILE_ONLY_PREAMBLE + textwrap.dedent('''
 
 def test_parallel_compile_fills_the_cache_the_launch_reads():
     out = run_compile_only(SCRIPT, 900)
-    assert out["queued"] == out["compiled"] == 6, out
+    assert out["queued"] == out["compiled"] == out["load_tried"] == 6, out
     assert out["recompiled"] == 0, out
     # two layer shapes (the merged 384-column one, the 128-column act-order one) x the kernels their row counts
     # choose: several compiles, none left for the launches
@@ -116,11 +121,17 @@ def test_parallel_compile_on_a_gpu_leaves_nothing_to_compile_at_launch(monkeypat
         xs[m], qw, qz, s, g, 4, True, 128, wp, config=c, compile_only=True) for m, c in jobs]) == len(jobs)
     want = {m: gptq_gemm.gptq_matmul(x, qw, qz, s, g, 4, True, 128, wp, config={"kernel": "dequant"}).float()
             for m, x in xs.items()}
+    from triton.compiler.compiler import CompiledKernel
+    loaded_at_launch = []  # a kernel's first launch loads it and builds its launcher (gcc): compile_parallel did
+    real_init = CompiledKernel._init_handles
+    monkeypatch.setattr(CompiledKernel, "_init_handles",
+                        lambda self: (self.module is None and loaded_at_launch.append(self)) or real_init(self))
     before = len(compiled)
     for m, c in jobs:
         got = gptq_gemm.gptq_matmul(xs[m], qw, qz, s, g, 4, True, 128, wp, config=c)
         assert ((got.float() - want[m]).abs().max() / want[m].abs().max()) < 1e-2, c
     assert len(compiled) == before, f"{len(compiled) - before} kernels compiled at launch after compile_parallel"
+    assert not loaded_at_launch, f"{len(loaded_at_launch)} kernels loaded at their first launch"
 
 
 def test_tuning_pass_on_cpu_interpreted(monkeypatch, tmp_path):
@@ -217,3 +228,23 @@ def test_bucket_rows_reach_every_kernel_variant_a_step_can_launch(max_tokens):
     rows = gptq_tune.bucket_rows(max_tokens)
     assert all(1 <= r <= max_tokens for r in rows)
     assert {variant(r) for r in rows} == {variant(r) for r in range(1, max_tokens + 1)}
+
+
+def test_load_does_what_a_first_launch_does_and_skips_what_cannot_load():
+    """gptq_tune._load calls each compiled kernel's `_init_handles` (its binary onto the GPU, its launcher built),
+    so that a user's first request does not; a failed compile (None) or a kernel that cannot load is skipped and
+    left to fail at its launch."""
+    from infer.kernels import gptq_tune
+
+    class Kernel:
+        def __init__(self, fails=False):
+            self.calls, self.fails = 0, fails
+
+        def _init_handles(self):
+            self.calls += 1
+            if self.fails:
+                raise RuntimeError("no launcher")
+
+    good, bad = Kernel(), Kernel(fails=True)
+    assert gptq_tune._load([good, None, bad, good]) == 2
+    assert good.calls == 2 and bad.calls == 1
