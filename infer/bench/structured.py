@@ -8,12 +8,13 @@ Two parts, each printing our figure beside its baseline:
 - engine: `concurrency` requests of --tokens tokens each, once constrained by a regex that no reply of that length
   can complete (so every reply is exactly --tokens tokens, as the baseline's with ignore_eos), once without; output
   tokens per second of both and the ratio. It includes the host's mask fill per row and step, the bitmask's copy
-  and the masking on the device, and the steps that no longer overlap while a constrained request runs (on a GPU;
-  a CPU engine does not overlap by default).
+  and the masking on the device (on a GPU the constrained rows' masks are filled while the step's forward pass
+  runs; a CPU engine does not overlap steps by default).
 - mask: the host work per constrained row and step at real vocabulary sizes (a synthetic vocabulary of --vocab
   tokens through xgrammar, a JSON schema's matcher midway through a string value): the rows' bitmasks filled as the
-  engine fills them (on xgrammar's threads from 4 rows on) beside one row after another on this thread, and our
-  masking of a [concurrency, V] logits tensor beside the plain `argmax` it precedes.
+  engine fills them (from 4 rows on, on xgrammar's threads or row by row, whichever it measured faster here) and
+  copied to the device, beside each of the two ways, and our masking of a [concurrency, V] logits tensor on the
+  device beside the plain `argmax` it precedes.
 
 Nothing here is asserted anywhere.
 """
@@ -81,9 +82,9 @@ def _vocab(size: int, seed: int = 0) -> list[bytes]:
     return out[:size]
 
 
-def mask_rows(vocabs: list[int], concurrency: int, repeats: int) -> list[dict]:
+def mask_rows(vocabs: list[int], concurrency: int, repeats: int, device: str = "cpu") -> list[dict]:
     import xgrammar as xgr
-    from ..engine.structured import apply_bitmask, fill_bitmask
+    from ..engine.structured import PROBES, apply_bitmask, fill_bitmask
     rows = []
     for size in vocabs:
         vocab = _vocab(size)
@@ -97,30 +98,46 @@ def mask_rows(vocabs: list[int], concurrency: int, repeats: int) -> list[dict]:
             m = xgr.GrammarMatcher(compiled)
             assert m.accept_string('{"name": "ab')
             matchers.append(m)
-        fills, singles, masks, argmaxes = [], [], [], []
-        logits = torch.randn(concurrency, size)
+        fills, threaded, singles, masks, argmaxes = [], [], [], [], []
+        logits = torch.randn(concurrency, size, device=device)
         one = torch.empty(concurrency, (size + 31) // 32, dtype=torch.int32)
+        for _ in range(2 * PROBES):  # the engine's choice between the two ways, measured as the engine does
+            fill_bitmask(matchers, size)
+        sync = torch.cuda.synchronize if logits.is_cuda else (lambda: None)
         for _ in range(repeats):
             t0 = time.perf_counter()
             for i, m in enumerate(matchers):  # the baseline: row by row on this thread
                 m.fill_next_token_bitmask(one, i)
             singles.append((time.perf_counter() - t0) / concurrency * 1e6)
             t0 = time.perf_counter()
-            bitmask = fill_bitmask(matchers, size)
+            fill_bitmask(matchers, size, threads=True)
+            threaded.append((time.perf_counter() - t0) / concurrency * 1e6)
+            sync()
+            t0 = time.perf_counter()
+            bitmask = fill_bitmask(matchers, size).to(logits.device)
+            sync()
             t1 = time.perf_counter()
             masked = apply_bitmask(logits, None, bitmask)
+            sync()
             t2 = time.perf_counter()
             masked.argmax(-1)
+            sync()
             t3 = time.perf_counter()
             fills.append((t1 - t0) / concurrency * 1e6)
             masks.append((t2 - t1) * 1e6)
             argmaxes.append((t3 - t2) * 1e6)
-        rows.append({"part": "mask", "vocab": size, "rows": concurrency, "compile_ms": round(compile_ms, 1),
+        rows.append({"part": "mask", "device": str(logits.device), "vocab": size, "rows": concurrency,
+                     "compile_ms": round(compile_ms, 1),
                      "fill_us_per_row": round(statistics.median(fills), 1),
+                     "fill_threads_us_per_row": round(statistics.median(threaded), 1),
                      "fill_one_by_one_us_per_row": round(statistics.median(singles), 1),
                      "mask_us_per_step": round(statistics.median(masks), 1),
                      "argmax_us_per_step": round(statistics.median(argmaxes), 1)})
     return rows
+
+
+def _device(name: str) -> str:
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
 
 
 def main(argv=None) -> None:
@@ -137,7 +154,7 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     rows = engine_rows(args.model, args.device, args.concurrency, args.tokens, args.repeats)
     if args.vocab:
-        rows += mask_rows(args.vocab, max(args.concurrency), max(20, args.repeats * 10))
+        rows += mask_rows(args.vocab, max(args.concurrency), max(20, args.repeats * 10), _device(args.device))
     for row in rows:
         print("  ".join(f"{k}={v}" for k, v in row.items()))
     if args.json:
