@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .intmath import cdiv, next_power_of_2
+
 PARTITION = 512  # keys per decode partition (a multiple of every BLOCK_N used)
 REDUCE_CHUNK = 16  # partitions the reduce merges per step (8K keys)
 LOG2E = 1.4426950408889634
@@ -188,7 +190,7 @@ def _strides(t: torch.Tensor) -> tuple[int, ...]:
 def _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, out, meta) -> None:
     num_seqs, hk = seq_lens.shape[0], k_cache.shape[2]
     max_ctx = block_tables.shape[1] * k_cache.shape[1]
-    parts = max(1, triton.cdiv(max_ctx, PARTITION))
+    parts = max(1, cdiv(max_ctx, PARTITION))
     if parts > 1:
         hq = q.shape[1]
         part_acc = torch.empty(num_seqs, hq, parts, meta["BLOCK_D"], dtype=torch.float32, device=q.device)
@@ -231,13 +233,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     hq, hk, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
     group = hq // hk
-    meta = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), PAGE=k_cache.shape[1],
-                BLOCK_N=32 if head_dim > 128 else 64, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+    meta = dict(GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), PAGE=k_cache.shape[1],
+                BLOCK_N=32 if head_dim > 128 else 64, BLOCK_D=max(16, next_power_of_2(head_dim)),
                 HEAD_DIM=head_dim, IEEE=q.dtype == torch.float32)
     qk_scale = float(scale) * LOG2E
     if max_query_len == 1:
         _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, out, meta)
     else:
-        meta["GROUP_PAD"] = triton.next_power_of_2(group)
+        meta["GROUP_PAD"] = next_power_of_2(group)
         _unified(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, out, max_query_len, meta)
     return out

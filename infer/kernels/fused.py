@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .intmath import cdiv, next_power_of_2
+
 
 def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
     """x as [rows, width] with unit stride along the last dim (a view when possible)."""
@@ -53,8 +55,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight.contiguous(), y2, h2, n, float(eps), x2.stride(0),
                                          r2.stride(0), y2.stride(0), h2.stride(0), HAS_RES=residual is not None,
-                                         BLOCK=triton.next_power_of_2(n),
-                                         num_warps=max(1, min(16, triton.next_power_of_2(n) // 512)))
+                                         BLOCK=next_power_of_2(n),
+                                         num_warps=max(1, min(16, next_power_of_2(n) // 512)))
     return y if residual is None else (y, h)
 
 
@@ -116,9 +118,9 @@ def _rotary_args(q, k, cos_sin_cache, head_dim, t):
     hq, hk = q2.shape[1] // head_dim, k2.shape[1] // head_dim
     cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     passthrough = head_dim - 2 * half
-    consts = dict(HEAD_DIM=head_dim, HALF=half, BLOCK_HQ=triton.next_power_of_2(hq),
-                  BLOCK_HK=triton.next_power_of_2(hk), BLOCK_R=triton.next_power_of_2(half), PASS=passthrough,
-                  BLOCK_P=triton.next_power_of_2(max(passthrough, 1)))
+    consts = dict(HEAD_DIM=head_dim, HALF=half, BLOCK_HQ=next_power_of_2(hq),
+                  BLOCK_HK=next_power_of_2(hk), BLOCK_R=next_power_of_2(half), PASS=passthrough,
+                  BLOCK_P=next_power_of_2(max(passthrough, 1)))
     return q2, k2, hq, hk, cache, consts
 
 
@@ -157,7 +159,7 @@ def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     qo = q_out.view(t, -1)
     _rotary_kernel[(t,)](positions, q2, k2, qo, k_cache, cache, q2.stride(0), k2.stride(0), qo.stride(0), 0,
                          cache.stride(0), hq, hk, v2, v_cache, slot_mapping, v2.stride(0), width, width, KV=True,
-                         BLOCK_KV=triton.next_power_of_2(width), **consts)
+                         BLOCK_KV=next_power_of_2(width), **consts)
     return q_out
 
 
@@ -181,8 +183,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     y2 = y.view(-1, n)
     if x2.shape[0] and n:
-        block = min(1024, triton.next_power_of_2(n))
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, y2, n, x2.stride(0), y2.stride(0),
+        block = min(1024, next_power_of_2(n))
+        _silu_and_mul_kernel[(x2.shape[0], cdiv(n, block))](x2, y2, n, x2.stride(0), y2.stride(0),
                                                                    BLOCK=block)
     return y
 
@@ -213,4 +215,4 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         return
     _store_kv_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, heads, head_dim, *k.stride(), *v.stride(),
                            *k_cache.stride(), *v_cache.stride(), PAGE=k_cache.shape[1],
-                           BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(head_dim))
+                           BLOCK_H=next_power_of_2(heads), BLOCK_D=next_power_of_2(head_dim))

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from .gptq_kernels import _fields
+from .intmath import cdiv
 
 
 @triton.jit
@@ -55,7 +56,7 @@ def dequantize_into_scratch(qweight, qzeros, scales, g_idx, bits: int, zeros_v1:
         _SCRATCH[key] = buf
     w = buf[:k * n].view(k, n)
     block_n, block_w = 128, max(1, 32 // pack)
-    grid = (triton.cdiv(k // pack, block_w), triton.cdiv(n, block_n))
+    grid = (cdiv(k // pack, block_w), cdiv(n, block_n))
     run = _dequant_kernel.warmup if compile_only else _dequant_kernel[grid]
     run(qweight, qzeros, scales, g_idx, w, n, k, qweight.stride(0), qzeros.stride(0), scales.stride(0), w.stride(0),
         BITS=bits, ZEROS_V1=bool(zeros_v1), WP=interleave, BLOCK_N=block_n, BLOCK_W=block_w, num_warps=4,

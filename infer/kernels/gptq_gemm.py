@@ -43,15 +43,25 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
 
 from . import gptq_configs, lora_ops
 from .gptq_dequant import dequantize_into_scratch, release_scratch, scratch_bytes  # noqa: F401 (the API)
 from .gptq_gemv import gemv_kernel, gemv_rows_kernel
 from .gptq_kernels import mma_kernel
+from .intmath import cdiv, next_power_of_2
 
 
 _LOCKS: dict = {}
+_NO_WS: dict = {}
+
+
+def _no_workspace(device: torch.device) -> torch.Tensor:
+    """The split-K workspace argument of a launch without split-K (never read or written; float32 like a real
+    one, so that both compile to the same kernel): one per device, not a fresh allocation per launch."""
+    have = _NO_WS.get(device)
+    if have is None:
+        have = _NO_WS[device] = torch.empty((1,), device=device, dtype=torch.float32)
+    return have
 
 
 def _locks(device: torch.device, tiles: int) -> torch.Tensor:
@@ -102,11 +112,11 @@ def _epilogue_args(y, bias, lora, m: int, n: int, block_m: int, block_n: int) ->
     if hp.shape[1] != m or not hp.is_contiguous():
         raise ValueError(f"a LoRADelta of {hp.shape[1]} tokens for {m} rows of x (partials must be contiguous)")
     rank, slots = lora.rank, lora.scalings.shape[1]
-    pm = triton.next_power_of_2(block_m)
+    pm = next_power_of_2(block_m)
     jb = 16 if block_m >= 16 else max(1, min(16, 2048 // (pm * block_n)))  # (B's pointer tile stays small)
     args = (y if bias is None else bias, hp, lora.lora_b, lora.token_slots, lora.ranks, lora.scalings,
             hp.shape[2], hp.shape[0], *ends)
-    return args, dict(HAS_BIAS=bias is not None, LORA_S=slots, LORA_R=rank, LORA_RP=triton.next_power_of_2(rank),
+    return args, dict(HAS_BIAS=bias is not None, LORA_S=slots, LORA_R=rank, LORA_RP=next_power_of_2(rank),
                       LORA_NSH=nsh, LORA_JB=jb)
 
 
@@ -116,11 +126,12 @@ def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, g
     the same specialization and cache entry as the launch; inside an AsyncCompileMode the compile is queued).
     bias / lora: added in the kernel's epilogue (`fuses_lora` must hold for lora)."""
     split = cfg["SPLIT_K"]
-    k_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-    split = triton.cdiv(k, k_split)
+    k_split = cdiv(cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+    split = cdiv(k, k_split)
     # compile_only: stand-ins of the same dtypes (the kernel's specialization does not depend on their sizes)
     y = torch.empty((1,) if compile_only else (m, n), device=x2.device, dtype=x2.dtype)
-    ws = torch.empty((split, m, n) if split > 1 and not compile_only else (1,), device=x2.device, dtype=torch.float32)
+    ws = torch.empty((split, m, n), device=x2.device, dtype=torch.float32) if split > 1 and not compile_only \
+        else _no_workspace(x2.device)
     f32 = x2.dtype == torch.float32
     common = dict(BITS=bits, ZEROS_V1=bool(zeros_v1), F32=f32, WP=wp, EVEN_K=k % cfg["BLOCK_K"] == 0,
                   BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT=split > 1, num_warps=cfg["num_warps"],
@@ -130,26 +141,27 @@ def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, g
     common.update(epi_c)
     args = (m, n, k, k_split, split, gs, x2.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0),
             n, *epi)  # y's row stride: y is a contiguous [m, n]
-    interp_bf16 = x2.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    interp_bf16 = x2.dtype == torch.bfloat16 and interpreted
     field = bool(cfg.get("FIELD", False)) and not (f32 or interp_bf16) and cfg["BLOCK_K"] // (32 // bits) >= 16
-    asm = os.environ.get("TRITON_INTERPRET") != "1"  # inline PTX only where it runs: not in the interpreter
+    asm = not interpreted  # inline PTX only where it runs: not in the interpreter
     dots = dict(BLOCK_M=cfg.get("BLOCK_M", 1), DOT_F32=interp_bf16, FIELD_DOTS=field,
                 SCALE_W=field and bool(cfg.get("SCALE_W", False)), ASM=asm,
                 PAIRS=field and bits == 4 and bool(cfg.get("PAIRS", False)))
     if kind == "gemv" and cfg.get("BLOCK_M", 1) == 1:
-        grid = (triton.cdiv(n, cfg["BLOCK_N"]), split, m)
+        grid = (cdiv(n, cfg["BLOCK_N"]), split, m)
         inplace = bool(cfg.get("INPLACE", False)) and not f32
         run = gemv_kernel.warmup if compile_only else gemv_kernel[grid]
         run(x2, qweight, qzeros, scales, y, ws, _locks(x2.device, grid[0] * m), *args,
             FIELD_LOOP=bool(cfg.get("FIELD", False)) and not f32, INPLACE=inplace, ASM=asm, **common,
             **({"grid": grid} if compile_only else {}))
     elif kind == "gemv":
-        grid = (triton.cdiv(n, cfg["BLOCK_N"]), split, triton.cdiv(m, cfg["BLOCK_M"]))
+        grid = (cdiv(n, cfg["BLOCK_N"]), split, cdiv(m, cfg["BLOCK_M"]))
         run = gemv_rows_kernel.warmup if compile_only else gemv_rows_kernel[grid]
         run(x2, qweight, qzeros, scales, y, ws, _locks(x2.device, grid[0] * grid[2]), *args, BLOCK_M=cfg["BLOCK_M"],
             **common, **({"grid": grid} if compile_only else {}))
     else:
-        tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+        tiles = cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])
         grid = (tiles, split)
         run = mma_kernel.warmup if compile_only else mma_kernel[grid]
         run(x2, qweight, qzeros, scales, y, ws, _locks(x2.device, tiles), *args, GROUP_M=cfg.get("GROUP_M", 1),

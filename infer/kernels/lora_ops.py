@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .intmath import cdiv, next_power_of_2
 from .lora_reference import LoRADelta, SlotGroups
 
 MAX_SHARDS = 4  # shards one expand launch covers (a merged qkv has 3)
@@ -140,7 +141,7 @@ def _expand_kernel(hp_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, rank_ptr, scal_p
 
 
 def _p2(n: int, lo: int = 1) -> int:
-    return max(lo, triton.next_power_of_2(max(1, n)))
+    return max(lo, next_power_of_2(max(1, n)))
 
 
 def partials(split: int, t: int, nr: int, device) -> torch.Tensor:
@@ -157,8 +158,8 @@ def plan(t: int, num_slots: int, k: int) -> dict:
     split = 1
     while split < MAX_SPLIT and busy * split * 2 <= TARGET_PROGRAMS and k > split * K_PER_PROGRAM:
         split *= 2
-    block_k = min(128, _p2(triton.cdiv(k, split), 16))
-    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    block_k = min(128, _p2(cdiv(k, split), 16))
+    k_per_split = cdiv(cdiv(k, split), block_k) * block_k
     return {"block_m": block_m, "tiles": tiles, "split": split, "block_k": block_k, "k_per_split": k_per_split,
             "block_n": BLOCK_N if block_m == 16 else BLOCK_N_BIG_M}
 
@@ -241,7 +242,7 @@ def expand(hp: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, scalings: to
     block_n = block_n or p["block_n"]
     for first in range(0, len(bounds) - 1, MAX_SHARDS):
         cols = list(bounds[first:first + MAX_SHARDS + 1])
-        tiles = [triton.cdiv(b - a, block_n) for a, b in zip(cols, cols[1:])]
+        tiles = [cdiv(b - a, block_n) for a, b in zip(cols, cols[1:])]
         cum = [sum(tiles[:i]) if i < len(tiles) else 2 ** 30 for i in range(1, MAX_SHARDS)]  # 2**30: no shard
         cols += [cols[-1]] * (MAX_SHARDS + 1 - len(cols))
         b = lora_b[num_slots * rank * (bounds[first] - bounds[0]):]
