@@ -483,3 +483,25 @@ def test_fill_choice_keeps_the_way_this_host_fills_faster(monkeypatch):
         way = choice.threads()
         choice.record(way, cost[way] * 64, 64)
     assert choice.threads() is True
+
+
+def test_fill_bitmask_takes_the_way_its_choice_names_and_times_it(compiler, monkeypatch):
+    """fill_bitmask without `threads` asks this thread's _FillChoice for the vocabulary, fills that way, and records
+    the time under that way; a forced way is neither asked nor recorded."""
+    from infer.engine import structured as st
+    comp, _ = compiler
+    matchers = [xgr.GrammarMatcher(comp.compile_json_schema(json.dumps(SCHEMA))) for _ in range(st.BATCH_FILL_ROWS)]
+    used = []
+    real_one = xgr.GrammarMatcher.fill_next_token_bitmask
+    monkeypatch.setattr(xgr.GrammarMatcher, "fill_next_token_bitmask",
+                        lambda self, *a, **k: used.append("one") or real_one(self, *a, **k))
+    st._fillers.__dict__.pop("choices", None)
+    for way in (True, False):
+        used.clear()
+        monkeypatch.setattr(st._FillChoice, "threads", lambda self, w=way: w)
+        st.fill_bitmask(matchers, 512)
+        assert used == ([] if way else ["one"] * len(matchers))
+        assert len(st._fillers.choices[512].times[way]) == 1
+    st.fill_bitmask(matchers, 512, threads=True)
+    st.fill_bitmask(matchers[:2], 512)  # fewer rows than BATCH_FILL_ROWS: one by one, not timed
+    assert [len(st._fillers.choices[512].times[w]) for w in (True, False)] == [1, 1]
