@@ -167,8 +167,8 @@ def compile_parallel(calls, workers: int | None = None) -> int:
             except Exception:  # noqa: BLE001 - its launch will raise (and the tuner skips it)
                 continue
             queued += 1
-        pending = list(mode.future_kernels.values())  # (the mode forgets them when it has waited for them)
-    _load(f.kernel for f in pending)
+        pending = list(getattr(mode, "future_kernels", {}).values())  # (the mode forgets them once it waited)
+    _load(getattr(f, "kernel", None) for f in pending)
     return queued
 
 
