@@ -222,3 +222,24 @@ def test_tool_calls_are_read_from_the_content_only(engine):
                                                              "tools": TOOLS, "tool_choice": named}, timeout=120)
         c = r.json()["choices"][0]
         assert c["message"]["reasoning"] is None and c["message"]["tool_calls"][0]["function"]["name"] == "add"
+
+
+def test_include_reasoning_false_leaves_the_reasoning_out(engine):
+    """vLLM's include_reasoning: false still splits the reply (the content has no reasoning in it), but the message's
+    reasoning is null and no streamed delta carries any; it must be a boolean; without a parser it changes nothing."""
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny-think", reasoning_parser="deepseek_r1")) as base:
+        for reply, content in [("<think>abc</think>xyz", "xyz"), ("abc</think>", None)]:
+            body = _body(reply, include_reasoning=False)
+            message = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]["message"]
+            assert (message["reasoning"], message["content"]) == (None, content), reply
+            deltas = _streamed(base, body)
+            assert _joined(deltas, "content") == (content or "") and not any("reasoning" in d["delta"] for d in deltas)
+        shown = httpx.post(f"{base}/v1/chat/completions", json=_body("<think>abc</think>xyz", include_reasoning=True),
+                           timeout=120).json()["choices"][0]["message"]
+        assert (shown["reasoning"], shown["content"]) == ("abc", "xyz")
+        r = httpx.post(f"{base}/v1/chat/completions", json=_body("abc", include_reasoning="no"), timeout=120)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "include_reasoning", r.text
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny-think")) as base:
+        r = httpx.post(f"{base}/v1/chat/completions", json=_body("<think>abc</think>xyz", include_reasoning=False),
+                       timeout=120)
+        assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": "<think>abc</think>xyz"}

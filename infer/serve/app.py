@@ -241,7 +241,7 @@ async def _stream(server: Server, req: p.GenerationRequest, rid: str, model: str
             delta, calls, text, reasoning = out.delta_text, None, out.text, ""
             if req.reasoning is not None:  # the reasoning first: what follows it is the text tools are read from
                 whole, text = reasoning_parts(req.reasoning, out.text, out.finished)
-                reasoning, thought[i] = whole[thought.get(i, 0):], len(whole)
+                reasoning, thought[i] = whole[thought.get(i, 0):] if req.reasoning.include else "", len(whole)
                 delta = text[sent.get(i, 0):]
             if req.tools is not None and req.tools.mode != "none":  # calls go whole in the choice's last chunk;
                 if out.finished:  # before them, the text that is content (none for a constrained call)

@@ -303,6 +303,7 @@ def parse_chat(body: Any, tokenizer, max_tokens: int | None = None, defaults: di
         req.params.max_new_tokens = None  # as OpenAI: up to the context limit
     max_tokens = _truncation(req, max_tokens)
     prompt = _render_chat(tokenizer, clean, template, max_tokens)
+    _expect(body, "include_reasoning", (bool,), "a boolean")
     req.reasoning = reasoning_request(reasoning_parser, body, prompt, tokenizer, req.params.structured_outputs)
     req.prompts = _choices(req, [prompt])
     return req
@@ -517,7 +518,8 @@ def choice(req: GenerationRequest, index: int, text: str, records: list[dict] | 
     choice's whole text (a completion's logprobs.text_offset counts from the start of the choice, chunk after chunk).
     `stop_reason` (vLLM's field): the stop token id or stop string that ended the choice, None for EOS or a length
     limit. With --reasoning-parser (serve/reasoning.py), a chat message carries vLLM's `reasoning` (null when there
-    is none, and `text` None is a null content), a delta carries it when it has some."""
+    is none, and `text` None is a null content), a delta carries it when it has some; with include_reasoning false
+    a message's is null and no delta carries it (vLLM's rule)."""
     lp = None
     if records is not None:
         lp = chat_logprobs(records, tokenizer) if req.chat else completion_logprobs(records, tokenizer, text_offset)
@@ -536,7 +538,7 @@ def choice(req: GenerationRequest, index: int, text: str, records: list[dict] | 
             message["tool_calls"] = [{"index": k, **call} for k, call in enumerate(tool_calls)]
         out["finish_reason"] = "tool_calls" if finish_reason == "stop" else finish_reason
     if req.chat and req.reasoning is not None and (reasoning or not delta):
-        out["delta" if delta else "message"]["reasoning"] = reasoning
+        out["delta" if delta else "message"]["reasoning"] = reasoning if req.reasoning.include else None
     out["stop_reason"] = stop_reason if finish_reason == "stop" else None
     if req.return_token_ids and token_ids is not None:
         out["token_ids"] = list(token_ids)

@@ -29,6 +29,7 @@ PROMPT_TAIL_TOKENS = 16  # how much of the prompt's end is read for a think bloc
 class ReasoningRequest:
     parser: str  # a key of PARSERS
     ended: bool = False  # the reply is all content: thinking off (qwen3), or the prompt closed the block
+    include: bool = True  # vLLM's include_reasoning: false leaves the reasoning out (the content is split from it)
 
 
 # --reasoning-parser: the parsers vLLM names so, and whether chat_template_kwargs.enable_thinking false turns
@@ -45,16 +46,18 @@ def prompt_ends_reasoning(prompt_ids: list[int], tokenizer) -> bool:
 
 def reasoning_request(parser: str | None, body: dict, prompt_ids: list[int], tokenizer,
                       structured=None) -> ReasoningRequest | None:
-    """The request's reasoning split (None without --reasoning-parser). `body`: the chat body, its
-    chat_template_kwargs already checked to be an object (or absent); `structured`: the reply's constraint
-    (StructuredOutputsParams or its dict), if any."""
+    """The request's reasoning split (None without --reasoning-parser, where include_reasoning changes nothing, as
+    in vLLM). `body`: the chat body, its chat_template_kwargs already checked to be an object (or absent), its
+    include_reasoning a boolean (or absent); `structured`: the reply's constraint (StructuredOutputsParams or its
+    dict), if any."""
     if parser is None:
         return None
+    include = body.get("include_reasoning") is not False
     kwargs = body.get("chat_template_kwargs") or {}
     off = PARSERS[parser]["reads_enable_thinking"] and not kwargs.get("enable_thinking", True)
     kind = StructuredOutputsParams.of(structured).kind if structured is not None else None
     off = off or kind in ("json", "json_object", "choice")
-    return ReasoningRequest(parser, ended=off or prompt_ends_reasoning(prompt_ids, tokenizer))
+    return ReasoningRequest(parser, ended=off or prompt_ends_reasoning(prompt_ids, tokenizer), include=include)
 
 
 def parts(req: ReasoningRequest, text: str, finished: bool = True) -> tuple[str, str]:
