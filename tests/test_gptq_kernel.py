@@ -232,6 +232,26 @@ def test_split_k_counters_grow_with_the_tiles(gemm):
     big = gemm._locks(dev, small.numel() + 1000)
     assert big.numel() >= small.numel() + 1000 and int(big.count_nonzero()) == 0
     assert gemm._locks(dev, 4) is big
+    # the smaller buffer stays allocated: a CUDA graph recorded before the growth still counts in it
+    assert any(t is small for t in gemm._RETIRED_LOCKS[dev])
+
+
+def test_reserved_dequant_scratch_keeps_its_address(gemm, gen):
+    """kernels.gptq_dequant.reserve_scratch sizes the scratch once (the engine does it before recording graphs):
+    a layer within the reservation dequantizes into the same buffer, so a recorded address stays valid."""
+    from infer.kernels import gptq_dequant
+    dev = torch.device(DEV)
+    gptq_dequant.release_scratch(dev)
+    gptq_dequant.reserve_scratch(dev, torch.float32, 64 * 96)
+    buf = gptq_dequant._SCRATCH[(dev, torch.float32)]
+    qw, qz, s, gi = make_weights(gen, 4, 32, 64, 96, True, False)
+    w = gptq_dequant.dequantize_into_scratch(qw, qz, s, gi, 4, True, torch.float32)
+    assert w.data_ptr() == buf.data_ptr() and gptq_dequant._SCRATCH[(dev, torch.float32)] is buf
+    x = torch.randn(3, 64, generator=gen).to(DEV)
+    assert_close(x @ w, ref.gptq_matmul(x, qw, qz, s, gi, 4, True), torch.float32, gen)
+    gptq_dequant.reserve_scratch(dev, torch.float32, 10)  # a smaller reservation changes nothing
+    assert gptq_dequant._SCRATCH[(dev, torch.float32)] is buf
+    gptq_dequant.release_scratch(dev)
 
 
 def test_rejects_a_wrong_input_width(gemm):

@@ -64,6 +64,17 @@ def dequantize_into_scratch(qweight, qzeros, scales, g_idx, bits: int, zeros_v1:
     return w
 
 
+def reserve_scratch(device: torch.device, dtype, numel: int) -> None:
+    """Make the scratch of (device, dtype) hold at least `numel` elements now. A CUDA graph that dequantizes
+    records the scratch's address: were it reallocated larger afterwards (a longer eager step reaching a bigger
+    layer), the graph would write into freed memory. So the engine reserves the largest layer's size before it
+    records any graph."""
+    buf = _SCRATCH.get((device, dtype))
+    if buf is None or buf.numel() < numel:
+        _SCRATCH.pop((device, dtype), None)
+        _SCRATCH[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
+
+
 def release_scratch(device: torch.device) -> None:
     for key in [k for k in _SCRATCH if k[0] == device]:
         del _SCRATCH[key]

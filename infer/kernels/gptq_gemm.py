@@ -52,6 +52,7 @@ from .intmath import cdiv, next_power_of_2
 
 
 _LOCKS: dict = {}
+_RETIRED_LOCKS: dict = {}  # device -> counters a larger buffer replaced (graphs may hold their addresses)
 _NO_WS: dict = {}
 
 
@@ -65,9 +66,13 @@ def _no_workspace(device: torch.device) -> torch.Tensor:
 
 
 def _locks(device: torch.device, tiles: int) -> torch.Tensor:
-    """Per-tile arrival counters, zero between calls (the last program of a tile resets its counter)."""
+    """Per-tile arrival counters, zero between calls (the last program of a tile resets its counter). When a launch
+    needs more, a larger buffer takes over and the old one is kept (`_RETIRED_LOCKS`): a CUDA graph recorded its
+    address and still uses it (freed, it could be handed to another tensor that the graph would then write)."""
     have = _LOCKS.get(device)
     if have is None or have.numel() < tiles:
+        if have is not None:
+            _RETIRED_LOCKS.setdefault(device, []).append(have)
         have = torch.zeros(max(tiles, 1 << 14), dtype=torch.int32, device=device)
         _LOCKS[device] = have
     return have
