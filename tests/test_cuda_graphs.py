@@ -90,7 +90,7 @@ def triton_everywhere(monkeypatch):
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
 def test_interpreted_triton_engine_with_emulated_graphs_gives_hf_tokens(triton_everywhere, name):
     path = ensure_builtin(name)
-    llm = LLM(str(path), max_num_seqs=4, block_size=4, num_kv_blocks=64, max_model_len=64)
+    llm = LLM(str(path), max_num_seqs=4, block_size=4, num_kv_blocks=64, max_model_len=64, cuda_graph_max_tokens=16)
     llm.engine.runner.capture_graphs(64, emulate=True)
     prompts = random_prompts(llm.engine.model_config.vocab_size, (5, 9, 3), seed=1)
     lens = [4, 6, 8]
@@ -108,7 +108,7 @@ def test_interpreted_triton_lora_under_emulated_graphs_matches_peft(triton_every
     specs = {n: SPECS[n] for n in ("qv4", "all8", "mlp16rs")}
     adapters = {name: save_adapter(hf, tmp_path / name, seed=i + 1, **kw) for i, (name, kw) in enumerate(specs.items())}
     llm = LLM(str(path), loras={n: str(p) for n, p in adapters.items()}, max_loras=3, max_lora_rank=16,
-              max_num_seqs=8, block_size=4, num_kv_blocks=64, max_model_len=64)
+              max_num_seqs=8, block_size=4, num_kv_blocks=64, max_model_len=64, cuda_graph_max_tokens=16)
     llm.engine.runner.capture_graphs(64, emulate=True)
     prompts = random_prompts(llm.engine.model_config.vocab_size, (5, 8, 3, 6, 4), seed=9)
     names = ["all8", None, "qv4", "mlp16rs", "all8"]

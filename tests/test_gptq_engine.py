@@ -137,12 +137,31 @@ def test_int4_kernel_path_interpreted_with_emulated_graphs_equals_cpu_path(infer
     params = SamplingParams(max_new_tokens=5, ignore_eos=True)
     cpu = [o.token_ids for o in LLM(str(infer_quantized), block_size=4, max_num_seqs=4).generate(prompts, params)]
     int4_kernel_path(monkeypatch)
-    llm = LLM(str(infer_quantized), block_size=4, max_num_seqs=4, max_model_len=64)
+    llm = LLM(str(infer_quantized), block_size=4, max_num_seqs=4, max_model_len=64, cuda_graph_max_tokens=32)
     layer = llm.engine.runner.model.layers[0].self_attn.qkv_proj
     assert layer.weight is None and layer.qweight is not None  # really the packed int4 path
     llm.engine.runner.capture_graphs(64, emulate=True)
     assert [o.token_ids for o in llm.generate(prompts, params)] == cpu
     assert sum(llm.engine.runner.graphs.replays.values()) >= 4
+    assert llm.engine.stats()["piecewise_graph_steps"] >= 1  # the 19-token prefill, padded to 32
+
+
+@needs_gptqmodel
+def test_graph_capture_first_reserves_the_dequant_scratch_for_the_largest_layer(infer_quantized, monkeypatch):
+    """Before any graph records the int4 dequantize scratch's address, the runner sizes it for the largest GPTQ
+    layer (what memory.sizes.dequant_scratch_bytes budgets; 0 on CPU, so it is stood in for here)."""
+    from infer.kernels import gptq_dequant
+    from infer.memory import sizes
+    llm = LLM(str(infer_quantized), block_size=4, max_num_seqs=4, max_model_len=64)
+    runner = llm.engine.runner
+    largest = max(m.qweight.numel() * 8 for m in runner.model.modules() if getattr(m, "qweight", None) is not None)
+    seen = []
+    monkeypatch.setattr(sizes, "dequant_scratch_bytes", lambda model, dtype, tokens: (seen.append(tokens),
+                                                                                       largest * 4)[1])
+    gptq_dequant.release_scratch(torch.device("cpu"))
+    runner._reserve_dequant_scratch()
+    assert seen == [4096] and gptq_dequant._SCRATCH[(torch.device("cpu"), torch.float32)].numel() == largest
+    gptq_dequant.release_scratch(torch.device("cpu"))
 
 
 @needs_gptqmodel

@@ -134,3 +134,39 @@ def test_adapters_through_fewer_slots_swap_and_costs_are_reported(monkeypatch):
     assert rows[0]["lora_swaps"] == 0 and rows[2]["lora_swaps"] > 0
     notes = e2e_report.adapter_costs(rows)
     assert len(notes) == 5 and all("the adapters' bytes alone explain" in n for n in notes)
+
+
+def test_staggered_requests_and_the_piecewise_comparison(monkeypatch):
+    """--stagger spreads the output lengths over output-len / 2 .. output-len (seeded); --compare-piecewise adds a
+    row per plain mode whose engine runs prefills and mixed steps eagerly (cuda_graph_max_tokens 0), each paired
+    with its own kind in the adapter costs and compared with the default in a note of its own."""
+    reqs = e2e.make_requests(100, 64, prompt_len=3, output_len=20, adapters=[], stagger=True)
+    lens = [r.output_len for r in reqs]
+    assert min(lens) >= 10 and max(lens) <= 20 and len(set(lens)) > 5
+    assert lens == [r.output_len for r in e2e.make_requests(100, 64, 3, 20, [], stagger=True)]
+    assert {r.output_len for r in e2e.make_requests(100, 8, 3, 20, [])} == {20}
+    built = []
+    real = e2e.build_engine
+
+    def recorded(*args, **kwargs):
+        engine = real(*args, **kwargs)
+        built.append(engine.config.cuda_graph_max_tokens)
+        return engine
+    monkeypatch.setattr(e2e, "build_engine", recorded)
+    args = e2e.parse_args(["--out", "unused", "--num-prompts", "4", "--concurrency", "2", "--input-len", "5",
+                           "--output-len", "4", "--num-adapters", "2", "--rank", "4", "--skip-hf", "--stagger",
+                           "--compare-piecewise"])
+    rows = e2e.bench_model("llama-2-7b", args, bandwidth=1e10, device="cpu", dtype=torch.float32, **TINY)
+    assert [r["lora"] for r in rows] == ["none", "none, mixed steps eager", "2 mixed r4",
+                                         "2 mixed r4, mixed steps eager"]
+    assert built == [512, 0, 512, 0]
+    assert all(r["piecewise_steps"] == 0 and r["steps"] > 0 for r in rows)  # CPU: no graphs of any kind
+    costs = e2e_report.adapter_costs(rows)
+    assert [c.split(":")[0] for c in costs] == ["llama-2-7b infer, 2 mixed r4",
+                                                "llama-2-7b infer, 2 mixed r4, mixed steps eager"]
+    gains = e2e_report.piecewise_gains(rows)
+    assert [g.split(":")[0] for g in gains] == ["llama-2-7b infer, none", "llama-2-7b infer, 2 mixed r4"]
+    ratio = rows[0]["output_tok_s"] / rows[1]["output_tok_s"]
+    assert f"give {ratio:.2f}x the throughput" in gains[0] and "0 of " in gains[0]
+    notes = e2e_report.run_notes("cpu", args, rows)
+    assert "2-4 output tokens" in notes[0] and gains[1] in notes

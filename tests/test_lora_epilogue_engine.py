@@ -16,7 +16,8 @@ from helpers import random_prompts
 from quant_helpers import int4_kernel_path, make_gptqmodel_checkpoint, needs_gptqmodel
 from test_lora_engine import SPECS, hf_float, save_adapter
 
-OPTS = dict(block_size=4, num_kv_blocks=96, max_model_len=64, max_num_seqs=8, max_loras=3, max_lora_rank=16)
+OPTS = dict(block_size=4, num_kv_blocks=96, max_model_len=64, max_num_seqs=8, max_loras=3, max_lora_rank=16,
+            cuda_graph_max_tokens=48)  # the 34-token prefill through the piecewise graphs (bucket 48)
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +64,7 @@ def test_int4_kernel_path_with_adapters_equals_cpu_path(qwen_int4, monkeypatch, 
     got = [o.token_ids for o in llm.generate(prompts, params, lora=names)]
     assert got == cpu
     assert sum(llm.engine.runner.graphs.replays.values()) >= 3
+    assert llm.engine.stats()["piecewise_graph_steps"] == 1
     # the expand really went where it was asked to: through a delta for the int4 kernel, or lora_apply's launches
     assert (len(deltas) > 0, len(applies) > 0) == (epilogue is not False, epilogue is False)
     llm.close()

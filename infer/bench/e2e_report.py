@@ -7,7 +7,8 @@ from pathlib import Path
 
 COLUMNS = ["model", "weights", "lora", "engine", "output_tok_s", "mean_tpot_ms", "mean_ttft_ms", "step_MB",
            "copy_GB_s", "roofline_tpot_ms", "roofline_tok_s", "fraction_of_roofline", "start_s", "lora_swaps",
-           "compiles_on_requests"]
+           "compiles_on_requests", "piecewise_steps", "steps"]
+NO_PIECES = "mixed steps eager"  # gpu_e2e --compare-piecewise: steps that are not all decodes run without graphs
 
 
 def result_row(model: str, weights: str, lora: str, engine: str, metrics: dict, roof: dict, bw: float) -> dict:
@@ -25,14 +26,35 @@ def adapter_costs(rows: list[dict]) -> list[str]:
     the adapters' own bytes explain (the same ratio of the two rooflines)."""
     lines = []
     for r in rows:
+        plain = f"none, {NO_PIECES}" if r["lora"].endswith(NO_PIECES) else "none"  # like against like
         base = next((b for b in rows if b["model"] == r["model"] and b["engine"] == r["engine"]
-                     and b["lora"] == "none"), None)
-        if base is None or r["lora"] == "none" or not base["output_tok_s"]:
+                     and b["lora"] == plain), None)
+        if base is None or r["lora"] == plain or not base["output_tok_s"]:
             continue
         cost = 1 - r["output_tok_s"] / base["output_tok_s"]
         explained = 1 - r["roofline_tok_s"] / base["roofline_tok_s"]
         lines.append(f"{r['model']} {r['engine']}, {r['lora']}: costs {cost:.0%} of the throughput without adapters; "
                      f"the adapters' bytes alone explain {explained:.0%}")
+    return lines
+
+
+def piecewise_gains(rows: list[dict]) -> list[str]:
+    """For each row run with mixed steps eager (--compare-piecewise): the throughput and TTFT of the same engine
+    with the piecewise graphs, as ratios."""
+    lines = []
+    for r in rows:
+        if not r["lora"].endswith(NO_PIECES):
+            continue
+        lora = r["lora"][:-len(NO_PIECES)].rstrip(", ")
+        on = next((b for b in rows if b["model"] == r["model"] and b["engine"] == r["engine"]
+                   and b["lora"] == lora), None)
+        if on is None or not r["output_tok_s"] or not on["mean_ttft_ms"]:
+            continue
+        lines.append(f"{r['model']} {r['engine']}, {lora}: piecewise graphs for prefills and mixed steps give "
+                     f"{on['output_tok_s'] / r['output_tok_s']:.2f}x the throughput of running them eagerly "
+                     f"({on['output_tok_s']:,.0f} vs {r['output_tok_s']:,.0f} tok/s; TTFT {on['mean_ttft_ms']:.1f} vs "
+                     f"{r['mean_ttft_ms']:.1f} ms; {on.get('piecewise_steps', '?')} of {on.get('steps', '?')} steps "
+                     f"through them)")
     return lines
 
 
@@ -53,8 +75,9 @@ def write_tables(rows: list[dict], out: Path, notes: list[str]) -> str:
 def run_notes(device_name: str, args, rows: list[dict]) -> list[str]:
     """The lines under the tables: the device and workload, how the roofline is computed, and each adapter row's
     cost against the same model without adapters."""
+    outputs = f"{args.output_len // 2}-{args.output_len}" if getattr(args, "stagger", False) else args.output_len
     return [f"{device_name}; {args.num_prompts} requests at concurrency {args.concurrency}, "
-            f"{args.input_len} prompt tokens, {args.output_len} output tokens (EOS ignored), random weights",
+            f"{args.input_len} prompt tokens, {outputs} output tokens (EOS ignored), random weights",
             "roofline: (decode-step weight bytes + KV bytes of the batch at the mean context + adapter bytes) / "
             "measured device-to-device copy bandwidth; fraction = roofline TPOT / measured mean TPOT",
-            *adapter_costs(rows)]
+            *adapter_costs(rows), *piecewise_gains(rows)]

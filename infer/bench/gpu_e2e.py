@@ -32,7 +32,7 @@ from ..kernels.compiles import watch_compiles
 from ..memory.plan import plan_memory
 from ..memory.sizes import kv_bytes_per_token
 from .e2e_models import SHAPES, build_model, dtype_label, hf_config, make_tokenizer, write_random_adapters
-from .e2e_report import result_row, run_notes, write_tables
+from .e2e_report import NO_PIECES, result_row, run_notes, write_tables
 from .roofline import copy_bandwidth, decode_roofline, lora_bytes_per_adapter, weight_bytes_per_step
 
 EPILOGUE = "expand in epilogue"  # the mode label of --compare-lora-epilogue
@@ -43,13 +43,15 @@ EXPAND_BESIDE = "expand beside too"
 # ----------------------------------------------------------------------------------------------- engines
 def build_engine(model, model_config, tokenizer, device, adapters: dict[str, str], rank: int, concurrency: int,
                  max_len: int, eager: bool = False, slots: int | None = None, batched_tokens: int = 4096,
-                 lora_epilogue: bool | None = None, lora_streams: bool | None = None, expand_beside: bool = False):
+                 lora_epilogue: bool | None = None, lora_streams: bool | None = None, expand_beside: bool = False,
+                 piecewise_tokens: int = 512):
     """An LLMEngine over an in-memory model (decode CUDA graphs unless `eager`); `slots` GPU adapter slots (default:
     one per adapter; fewer makes the engine swap adapters, counted in stats()["lora_swaps"]); `batched_tokens` the
     most tokens in one step (longer prompts are prefilled in chunks); `lora_epilogue` True adds every LoRA expand
     in the int4 matmul's epilogue wherever the kernel can (EngineConfig.lora_epilogue; None: where it is cheap);
     `lora_streams` False keeps every LoRA shrink on the main stream in the decode graphs (EngineConfig.lora_streams),
-    `expand_beside` puts the expand beside the matmul too (EngineConfig.lora_expand_beside)."""
+    `expand_beside` puts the expand beside the matmul too (EngineConfig.lora_expand_beside); `piecewise_tokens`
+    the longest step (not all decodes) the piecewise graphs take (EngineConfig.cuda_graph_max_tokens; 0: none)."""
     slots = max(1, slots or len(adapters))
     from ..engine import llm_engine
     from ..engine.config import EngineConfig
@@ -61,7 +63,7 @@ def build_engine(model, model_config, tokenizer, device, adapters: dict[str, str
                                  num_kv_blocks=blocks, loras=adapters, max_loras=slots, max_lora_rank=rank,
                                  enforce_eager=eager, max_num_batched_tokens=batched_tokens,
                                  lora_epilogue=lora_epilogue, lora_streams=lora_streams,
-                                 lora_expand_beside=expand_beside)
+                                 lora_expand_beside=expand_beside, cuda_graph_max_tokens=piecewise_tokens)
     manager = None
     if adapters:
         from ..lora.manager import LoRAManager
@@ -74,11 +76,17 @@ def build_engine(model, model_config, tokenizer, device, adapters: dict[str, str
     return llm_engine.LLMEngine(engine_config, parts)
 
 
-def make_requests(vocab: int, num: int, prompt_len: int, output_len: int, adapters: list[str], seed: int = 0):
+def make_requests(vocab: int, num: int, prompt_len: int, output_len: int, adapters: list[str], seed: int = 0,
+                  stagger: bool = False):
+    """`num` random prompts of prompt_len tokens, each generating output_len tokens; `stagger`: output lengths
+    spread over output_len / 2 .. output_len instead, so that requests finish at different steps and the next
+    prompts are prefilled beside running decodes (mixed steps), as a server's steps are."""
     from .datasets import BenchRequest
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(2, vocab, (num, prompt_len), generator=g).tolist()
-    return [BenchRequest(None, ids[i], output_len, lora=adapters[i % len(adapters)] if adapters else None,
+    lens = torch.randint(max(1, output_len // 2), output_len + 1, (num,), generator=g).tolist() if stagger \
+        else [output_len] * num
+    return [BenchRequest(None, ids[i], lens[i], lora=adapters[i % len(adapters)] if adapters else None,
                          ignore_eos=True) for i in range(num)]
 
 
@@ -156,7 +164,7 @@ class ShapeRun:
 
     def requests(self, adapters: list[str]):
         return make_requests(self.model_config.vocab_size, self.args.num_prompts, self.args.input_len,
-                             self.args.output_len, adapters)
+                             self.args.output_len, adapters, stagger=self.args.stagger)
 
 
 def _free_device_memory() -> None:
@@ -179,14 +187,18 @@ def engine_modes(run: ShapeRun, tmp: Path) -> list[tuple[str, dict[str, str], bo
     """(lora label, adapters, eager) of each engine to run: without adapters (graphs, and eagerly too with
     --compare-eager), then with the random adapters written to `tmp` (eagerly too with --compare-eager, through
     fewer slots with --max-loras, with every expand in the int4 matmul's epilogue with --compare-lora-epilogue, and
-    with every shrink on the main stream, and with the expand beside the matmul too, with --compare-lora-streams)."""
+    with every shrink on the main stream, and with the expand beside the matmul too, with --compare-lora-streams).
+    --compare-piecewise adds each of the two plain modes with graphs for decode steps only."""
     args = run.args
     both = args.compare_eager and not args.eager  # each of the two plain modes with graphs and without
-    modes = [("none", {}, args.eager)] + ([("none", {}, True)] if both else [])
+    pieces = args.compare_piecewise and not args.eager
+    modes = [("none", {}, args.eager)] + ([("none", {}, True)] if both else []) \
+        + ([(f"none, {NO_PIECES}", {}, False)] if pieces else [])
     if args.num_adapters:
         adapters = write_random_adapters(run.model_config, tmp, args.num_adapters, args.rank)
         mixed = f"{len(adapters)} mixed r{args.rank}"
-        modes += [(mixed, adapters, args.eager)] + ([(mixed, adapters, True)] if both else [])
+        modes += [(mixed, adapters, args.eager)] + ([(mixed, adapters, True)] if both else []) \
+            + ([(f"{mixed}, {NO_PIECES}", adapters, False)] if pieces else [])
         if args.max_loras and args.max_loras < len(adapters):
             modes.append((f"{len(adapters)} mixed r{args.rank} via {args.max_loras} slots", adapters, args.eager))
         if args.compare_lora_epilogue and not args.fp16:
@@ -216,7 +228,8 @@ def infer_row(run: ShapeRun, model, label: str, weight_bytes: int, lora: str, ad
     slots = args.max_loras if "slots" in lora else None
     engine = build_engine(model, run.model_config, run.tokenizer, run.device, adapters, args.rank, b, run.max_len,
                           eager, slots, lora_epilogue=True if EPILOGUE in lora else None,
-                          lora_streams=False if ONE_STREAM in lora else None, expand_beside=EXPAND_BESIDE in lora)
+                          lora_streams=False if ONE_STREAM in lora else None, expand_beside=EXPAND_BESIDE in lora,
+                          piecewise_tokens=0 if NO_PIECES in lora else 512)
     engine.warm_kernels()  # compiles every kernel path (prefix-cached prefill too) before anything is timed
     names = list(adapters)
     roof = run.roofline(weight_bytes, lora_bytes_per_adapter(model) if names else 0, min(len(names), b))
@@ -229,7 +242,9 @@ def infer_row(run: ShapeRun, model, label: str, weight_bytes: int, lora: str, ad
         row["compiled_on_requests"] = sorted(set(compiled))
     row["start_s"] = round(sum(engine.start_times.values()), 2)
     row.update({k: round(v, 2) for k, v in engine.start_times.items()})  # its parts: tuning, compile, graphs...
-    row["lora_swaps"] = engine.stats()["lora_swaps"]
+    stats = engine.stats()
+    row["lora_swaps"] = stats["lora_swaps"]
+    row["piecewise_steps"], row["steps"] = stats["piecewise_graph_steps"], stats["num_steps"]
     print(json.dumps(row), flush=True)
     if args.profile:
         mode = re.sub(r"[^a-z0-9]+", "-", lora).strip("-")  # every mode its own file ("16-mixed-r16-via-8-slots")
@@ -292,6 +307,12 @@ def parse_args(argv=None):
                    help="also run the mixed adapters with every LoRA shrink on the main stream (by default, in the "
                         "decode graphs, each runs on a second stream beside the base matmul), and with the expand "
                         "beside the matmul too")
+    p.add_argument("--stagger", action="store_true",
+                   help="output lengths spread over output-len / 2 .. output-len: requests finish at different "
+                        "steps, and with --num-prompts above --concurrency the next prompts join running decodes")
+    p.add_argument("--compare-piecewise", action="store_true",
+                   help="also run infer with CUDA graphs for decode steps only (prefills and mixed steps eager, "
+                        "--cuda-graph-max-tokens 0), without adapters and with the mixed adapters")
     p.add_argument("--profile", action="store_true",
                    help="also profile one prefill and 20 decode steps of each engine (host vs GPU-busy time)")
     return p.parse_args(argv)

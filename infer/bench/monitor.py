@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 
-_COUNTERS = ("num_preemptions", "lora_swaps", "num_steps", "cuda_graph_replays")  # cumulative: also per run
+_COUNTERS = ("num_preemptions", "lora_swaps", "num_steps", "cuda_graph_replays",  # cumulative: also per run
+             "piecewise_graph_steps")
 _STAT_KEYS = ("kv_usage", "kv_blocks_used", "num_running", "num_waiting", "prefix_cache_hit_rate",
               "num_preemptions", "lora_swaps")
 
@@ -22,8 +23,8 @@ class ResourceSampler:
     """Call `sample(in_flight)` often (each engine step); it records at most one sample per `interval_s`
     but always tracks the peak RSS it saw. With an `engine`, each sample also holds its stats().
     GPU figures come from torch.cuda (max_memory_allocated is reset by `start()`). The engine's cumulative
-    counters (num_preemptions, lora_swaps, num_steps, cuda_graph_replays) also appear as run_<name>: their change
-    since `start()`."""
+    counters (num_preemptions, lora_swaps, num_steps, cuda_graph_replays, piecewise_graph_steps) also appear as
+    run_<name>: their change since `start()`."""
 
     def __init__(self, engine=None, interval_s: float = 0.05):
         import psutil

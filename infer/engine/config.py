@@ -127,7 +127,8 @@ def load_chat_template(value: str | Path | None, name: str = "--chat-template",
 # Integer options and their ranges (the command line shows and checks them too).
 RANGES = {"max_num_seqs": (1, 65536), "max_num_batched_tokens": (1, None), "block_size": (1, 256),
           "max_model_len": (2, None), "num_kv_blocks": (1, None), "max_loras": (1, None), "max_lora_rank": (1, 256),
-          "max_cpu_loras": (1, None), "seed": (0, 2 ** 63 - 1)}
+          "max_cpu_loras": (1, None), "seed": (0, 2 ** 63 - 1),
+          "cuda_graph_max_tokens": (0, 8192)}
 OPTIONAL = {"max_model_len", "num_kv_blocks", "max_cpu_loras", "overlap", "lora_epilogue",  # None: chosen for you
             "lora_streams"}
 BOOLS = ("enable_prefix_caching", "enforce_eager", "enable_lora", "overlap", "lora_epilogue", "lora_streams",
@@ -167,6 +168,9 @@ class EngineConfig:
     gpu_memory_utilization: float = option(0.90, "Fraction of the GPU's memory the engine may use, in (0, 1].")
     enforce_eager: bool = option(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs (slower; "
                                         "for debugging).", flag="--eager")
+    cuda_graph_max_tokens: int = option(512, "CUDA: steps that are not all decodes (prefills, prefill chunks beside "
+                                             "decodes) of up to this many tokens replay per-layer CUDA graphs around "
+                                             "an eager attention; 0: they run eagerly.")
     chat_template: str | None = option(None, "The chat template for chat messages instead of the tokenizer's: a "
                                              "Jinja file, or the template text itself (for a model without one, "
                                              "or with a wrong one).", flag="--chat-template")
@@ -237,6 +241,11 @@ class EngineConfig:
 
     def use_cuda_graphs(self) -> bool:
         return self.torch_device().type == "cuda" and not self.enforce_eager
+
+    def piecewise_tokens(self) -> int:
+        """The most tokens of a step the piecewise graphs take (0: none): --cuda-graph-max-tokens, at most a step's
+        token budget."""
+        return min(self.cuda_graph_max_tokens, self.max_num_batched_tokens)
 
 
 def valid_device(name: str) -> bool:

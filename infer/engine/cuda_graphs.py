@@ -10,11 +10,18 @@ and writes fixed addresses, so every input lives in a static buffer that each st
 
 A step of n sequences replays the graph of the smallest bucket b >= n; rows n..b-1 are padding: slot -1 (no KV
 write), length 0 (attention skips them), adapter slot -1 (no LoRA). Only the hidden states come out of the graph;
-logits and sampling run eagerly on the first n rows. Prefill and mixed steps always run eagerly.
+logits and sampling run eagerly on the first n rows. Prefill and mixed steps take the piecewise graphs below.
 
 LoRA under a graph: the adapter weights are stacked tensors that swaps overwrite in place, so a captured graph sees
 every adapter loaded later; every LoRA layer runs its shrink/expand over all slots at the full rank (a step cannot
 change which kernels a graph launches).
+
+Steps that are not all decodes (a prefill, or prefill chunks beside decodes) of up to --cuda-graph-max-tokens
+tokens replay per-layer graphs instead (`PiecewiseGraphs`, vLLM's piecewise graphs): the attention, whose launch
+depends on every sequence's query and context length, runs eagerly between graphs that record the rest of the
+forward (piece i: layer i-1 after its attention, then layer i up to its query; LlamaForCausalLM.piece). A 7B step
+is then 33 graph replays and 32 attentions (a launch and a copy of its output each) instead of about 450
+launches. Buckets count tokens (token_buckets); padding rows as above. Longer steps run eagerly.
 
 `emulate=True` runs the same buffers, padding and replays on any device by calling the model again instead of
 replaying a recorded graph: the tests use it on CPU to check everything except the recording itself.
@@ -39,19 +46,26 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
-class DecodeGraphs:
-    def __init__(self, model, max_num_seqs: int, max_blocks: int, device: torch.device, lora_manager=None,
-                 emulate: bool = False):
+def token_buckets(max_tokens: int) -> list[int]:
+    """The piecewise graphs' step sizes in tokens: multiples of 16 to 128, of 32 to 256, of 64 to 512, then of
+    128, up to and including max_tokens (a step pads at most 12.5% beyond 128 tokens, 25% beyond 32)."""
+    sizes = list(range(16, 129, 16)) + list(range(160, 257, 32)) + list(range(320, 513, 64)) \
+        + list(range(640, max_tokens, 128))
+    return [b for b in sizes if b < max_tokens] + [max_tokens]
+
+
+class _StaticTokens:
+    """The per-token inputs a recorded graph reads at fixed addresses, for steps of up to buckets[-1] tokens:
+    input_ids, positions, slot_mapping and the LoRA map (token_slots, the token order by slot, segment starts)."""
+
+    def __init__(self, model, buckets: list[int], device: torch.device, lora_manager=None, emulate: bool = False):
         self.model, self.device, self.emulate = model, device, emulate
-        self.buckets = batch_buckets(max_num_seqs)
-        self.max_batch, self.max_blocks = self.buckets[-1], max_blocks
-        b, dev = self.max_batch, device
+        self.buckets = buckets
+        self.max_batch = b = buckets[-1]
+        dev = device
         self.input_ids = torch.zeros(b, dtype=torch.long, device=dev)
         self.positions = torch.zeros(b, dtype=torch.long, device=dev)
         self.slot_mapping = torch.full((b,), -1, dtype=torch.long, device=dev)
-        self.seq_lens = torch.zeros(b, dtype=torch.int32, device=dev)
-        self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=dev)
         self.lora_manager = lora_manager
         if lora_manager is not None:
             s = lora_manager.max_loras
@@ -60,21 +74,88 @@ class DecodeGraphs:
             self.lora_order = torch.arange(b, dtype=torch.long, device=dev)
             self.lora_starts = torch.full((s + 2,), b, dtype=torch.long, device=dev)
             self.lora_starts[:1].zero_()  # not `[0] = 0`: a 0-dim copy from the host syncs
-        self.graphs: dict[int, object] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
         self.batches: dict[int, object] = {}
         self.pool = None
         self.replays: Counter[int] = Counter()  # bucket -> replays
+
+    def _lora_batch(self, b: int):
+        """The static adapter map of bucket b (None without adapters), kept for the emulation's cache resets."""
+        if self.lora_manager is None:
+            return None
+        from ..lora.batch import LoRABatch, LoRAGroups
+        groups = LoRAGroups(self.lora_order[:b], self.lora_starts)
+        self.batches[b] = LoRABatch(self.token_slots[:b], tuple(range(self.num_slots)), groups, static=True)
+        return self.batches[b]
+
+    def bucket_for(self, num_seqs: int) -> int | None:
+        for b in self.buckets:
+            if b >= num_seqs:
+                return b
+        return None
+
+    def _load(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> tuple[int, int]:
+        """Copy a step's per-token inputs in, pad to its bucket; (n tokens, bucket b)."""
+        n = input_ids.shape[0]
+        b = self.bucket_for(n)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(ctx.slot_mapping)
+        self._pad(n, b)
+        if self.lora_manager is not None:
+            self._set_lora(ctx.lora, n, b)
+        self.replays[b] += 1
+        if self.emulate:
+            batch = self.batches.get(b)
+            if batch is not None:  # a fresh step for the CPU reference's per-step caches
+                batch.groups.cache.clear()
+        return n, b
+
+    def _pad(self, n: int, b: int) -> None:
+        """Rows n..b-1 become padding: no KV write, no adapter."""
+        if b > n:
+            self.slot_mapping[n:b].fill_(-1)
+            self.input_ids[n:b].fill_(0)
+            self.positions[n:b].fill_(0)
+            if self.lora_manager is not None:
+                self.token_slots[n:b].fill_(-1)
+
+    def _no_adapter(self, b: int) -> None:
+        """A step where no row uses an adapter: every token in the base group, every slot segment empty."""
+        self.token_slots[:b].fill_(-1)
+        self.lora_order[:b].copy_(torch.arange(b, device=self.device))
+        self.lora_starts.fill_(b)
+        self.lora_starts[:1].zero_()  # not `[0] = 0`: a 0-dim copy from the host syncs
+
+    def _set_lora(self, lora, n: int, b: int) -> None:
+        """The padded step's adapter map: padding rows are slot -1, so they join the (never computed) base group at
+        the front of the order, and every segment start after it moves by the b - n padding rows."""
+        if lora is None:
+            self._no_adapter(b)
+            return
+        self.token_slots[:n].copy_(lora.token_slots)
+        self.lora_order[:b - n].copy_(torch.arange(n, b, device=self.device))
+        self.lora_order[b - n:b].copy_(lora.groups.order)
+        self.lora_starts[:1].zero_()  # not `[0] = 0`: a 0-dim copy from the host syncs
+        self.lora_starts[1:].copy_(lora.groups.starts[1:] + (b - n))
+
+
+class DecodeGraphs(_StaticTokens):
+    def __init__(self, model, max_num_seqs: int, max_blocks: int, device: torch.device, lora_manager=None,
+                 emulate: bool = False):
+        super().__init__(model, batch_buckets(max_num_seqs), device, lora_manager, emulate)
+        b, dev = self.max_batch, device
+        self.max_blocks = max_blocks
+        self.seq_lens = torch.zeros(b, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, object] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ capture
     def _context(self, b: int) -> ForwardContext:
         ctx = ForwardContext(query_start_loc=self.query_start_loc[:b + 1], seq_lens=self.seq_lens[:b],
                              block_tables=self.block_tables[:b], slot_mapping=self.slot_mapping[:b], max_query_len=1)
-        if self.lora_manager is not None:
-            from ..lora.batch import LoRABatch, LoRAGroups
-            groups = LoRAGroups(self.lora_order[:b], self.lora_starts)
-            ctx.lora = self.batches[b] = LoRABatch(self.token_slots[:b], tuple(range(self.num_slots)), groups,
-                                                   static=True)
+        ctx.lora = self._lora_batch(b)
         return ctx
 
     @torch.inference_mode()
@@ -104,64 +185,114 @@ class DecodeGraphs:
                  ",".join(map(str, self.buckets)), time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ replay
-    def bucket_for(self, num_seqs: int) -> int | None:
-        for b in self.buckets:
-            if b >= num_seqs:
-                return b
-        return None
-
     def fits(self, num_new_tokens: list[int], ctx: ForwardContext) -> bool:
         """Whether this step can replay a graph: decodes only, at most max_num_seqs, block tables within width."""
         return (ctx.max_query_len == 1 and len(num_new_tokens) <= self.max_batch
                 and ctx.block_tables.shape[1] <= self.max_blocks and bool(self.graphs))
 
     def _pad(self, n: int, b: int) -> None:
-        """Rows n..b-1 become padding: no KV write, no attention, no adapter."""
+        """Rows n..b-1 become padding: no KV write, no attention (length 0), no adapter."""
+        super()._pad(n, b)
         if b > n:
-            self.slot_mapping[n:b].fill_(-1)
             self.seq_lens[n:b].fill_(0)
-            self.input_ids[n:b].fill_(0)
-            self.positions[n:b].fill_(0)
-            if self.lora_manager is not None:
-                self.token_slots[n:b].fill_(-1)
-
-    def _no_adapter(self, b: int) -> None:
-        """A step where no row uses an adapter: every token in the base group, every slot segment empty."""
-        self.token_slots[:b].fill_(-1)
-        self.lora_order[:b].copy_(torch.arange(b, device=self.device))
-        self.lora_starts.fill_(b)
-        self.lora_starts[:1].zero_()  # not `[0] = 0`: a 0-dim copy from the host syncs
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The hidden states [n, hidden] of a decode step of n sequences (ctx as the model runner built it)."""
-        n = input_ids.shape[0]
-        b = self.bucket_for(n)
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(ctx.slot_mapping)
-        self.seq_lens[:n].copy_(ctx.seq_lens)
-        self.block_tables[:n, :ctx.block_tables.shape[1]].copy_(ctx.block_tables)
-        self._pad(n, b)
-        if self.lora_manager is not None:
-            self._set_lora(ctx.lora, n, b)
-        self.replays[b] += 1
+        self.seq_lens[:input_ids.shape[0]].copy_(ctx.seq_lens)
+        self.block_tables[:input_ids.shape[0], :ctx.block_tables.shape[1]].copy_(ctx.block_tables)
+        n, b = self._load(input_ids, positions, ctx)
         if self.emulate:
-            batch = self.batches.get(b)
-            if batch is not None:  # a fresh step for the CPU reference's per-step caches
-                batch.groups.cache.clear()
             self.outputs[b].copy_(self.model(*self.graphs[b]))
         else:
             self.graphs[b].replay()
         return self.outputs[b][:n]
 
-    def _set_lora(self, lora, n: int, b: int) -> None:
-        """The padded step's adapter map: padding rows are slot -1, so they join the (never computed) base group at
-        the front of the order, and every segment start after it moves by the b - n padding rows."""
-        if lora is None:
-            self._no_adapter(b)
-            return
-        self.token_slots[:n].copy_(lora.token_slots)
-        self.lora_order[:b - n].copy_(torch.arange(n, b, device=self.device))
-        self.lora_order[b - n:b].copy_(lora.groups.order)
-        self.lora_starts[:1].zero_()  # not `[0] = 0`: a 0-dim copy from the host syncs
-        self.lora_starts[1:].copy_(lora.groups.starts[1:] + (b - n))
+
+class PiecewiseGraphs(_StaticTokens):
+    """Steps of up to max_tokens tokens that DecodeGraphs does not take (prefills, prefill chunks beside decodes):
+    per bucket of tokens, one graph per piece of the forward between two attentions (LlamaForCausalLM.piece), and
+    the attentions run eagerly between them on the step's real sequences. The pieces pass their results through
+    static buffers: the query [T, q_size] to the attention, its output back, the residual to the next piece, the
+    hidden states out of the last. Padding rows (slot -1: no KV write, no adapter) never reach an attention: it
+    reads the step's query_start_loc, so it computes the n real rows only."""
+
+    def __init__(self, model, max_tokens: int, device: torch.device, lora_manager=None, emulate: bool = False,
+                 pool=None):
+        super().__init__(model, token_buckets(max_tokens), device, lora_manager, emulate)
+        t, attn = self.max_batch, model.layers[0].self_attn
+        dtype, hidden = model.embed_tokens.weight.dtype, model.config.hidden_size
+        self.query = torch.zeros(t, attn.q_size, dtype=dtype, device=device)  # piece i -> attention i
+        self.attn_out = torch.zeros(t, attn.q_size, dtype=dtype, device=device)  # attention i -> piece i + 1
+        self.residual = torch.zeros(t, hidden, dtype=dtype, device=device)  # piece i -> piece i + 1
+        self.hidden = torch.zeros(t, hidden, dtype=dtype, device=device)  # the last piece -> the logits
+        self.num_pieces = len(model.layers) + 1
+        self.graphs: dict[int, list] = {}  # bucket -> one graph per piece (emulated: the static context)
+        self.contexts: dict[int, ForwardContext] = {}
+        self.pool = pool  # the decode graphs' pool: the two kinds never run at once
+
+    def _context(self, b: int) -> ForwardContext:
+        """What the pieces read besides the token buffers: the KV slots and the adapter map (the attention's fields
+        stay None: a piece that read them would fail here rather than record a stale step)."""
+        ctx = ForwardContext(query_start_loc=None, seq_lens=None, block_tables=None,
+                             slot_mapping=self.slot_mapping[:b], max_query_len=0)
+        ctx.lora = self._lora_batch(b)
+        return ctx
+
+    def _piece(self, i: int, b: int) -> None:
+        """Piece i of bucket b, from the static buffers into them."""
+        out, residual = self.model.piece(i, self.input_ids[:b], self.positions[:b], self.attn_out[:b],
+                                         self.residual[:b], self.contexts[b])
+        if residual is None:
+            self.hidden[:b].copy_(out)
+        else:
+            self.query[:b].copy_(out)
+            self.residual[:b].copy_(residual)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Every piece of every bucket, largest bucket first. Each bucket's pieces run eagerly before any of them is
+        recorded: Triton compiles and tunes, and the int4 dequant scratch reaches its final size, outside the
+        recordings (a scratch reallocated after a recording would leave the graph writing into freed memory)."""
+        t0 = time.perf_counter()
+        for b in reversed(self.buckets):
+            self._pad(0, b)
+            if self.lora_manager is not None:
+                self._no_adapter(b)
+            self.contexts[b] = self._context(b)
+            for i in range(self.num_pieces):
+                self._piece(i, b)
+            if self.emulate:
+                self.graphs[b] = []
+                continue
+            torch.cuda.synchronize(self.device)
+            graphs = []
+            for i in range(self.num_pieces):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self._piece(i, b)
+                self.pool = graph.pool()
+                graphs.append(graph)
+            self.graphs[b] = graphs
+        if not self.emulate:
+            torch.cuda.synchronize(self.device)
+        log.info("captured %d piecewise CUDA graphs (%d pieces x steps of %s tokens) in %.1f s",
+                 self.num_pieces * len(self.buckets), self.num_pieces, ",".join(map(str, self.buckets)),
+                 time.perf_counter() - t0)
+
+    def fits(self, num_tokens: int) -> bool:
+        return num_tokens <= self.max_batch and bool(self.graphs)
+
+    def _replay(self, i: int, b: int) -> None:
+        if self.emulate:
+            self._piece(i, b)
+        else:
+            self.graphs[b][i].replay()
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The hidden states [n, hidden] of a step of n tokens (ctx as the model runner built it)."""
+        n, b = self._load(input_ids, positions, ctx)
+        for i, layer in enumerate(self.model.layers):
+            self._replay(i, b)
+            self.attn_out[:n].copy_(layer.self_attn.attend(self.query[:n], ctx))
+        self._replay(self.num_pieces - 1, b)
+        return self.hidden[:n]

@@ -418,6 +418,8 @@ class LLMEngine:
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate(), "num_preemptions": self.scheduler.num_preemptions,
             "lora_swaps": self.lora_manager.swaps if self.lora_manager else 0, "num_steps": self.num_steps,
             "cuda_graph_replays": sum(self.runner.graphs.replays.values()) if self.runner and self.runner.graphs else 0,
+            "piecewise_graph_steps": sum(self.runner.pieces.replays.values()) if self.runner and self.runner.pieces
+            else 0,
         }
 
     def close(self) -> None:
@@ -433,7 +435,7 @@ class LLMEngine:
         for m in runner.model.modules():
             if hasattr(m, "k_cache"):
                 m.k_cache = m.v_cache = None
-        runner.graphs = runner.kv_cache = runner.model = None
+        runner.graphs = runner.pieces = runner.kv_cache = runner.model = None
         self.runner = None
         self.lora_manager = None
         if self.device.type == "cuda":
@@ -457,7 +459,8 @@ class LLMEngine:
         """Not a measurement: requests through every path a first real step can take (a prefill, decodes, and a
         prefill whose prompt starts with cached blocks when prefix caching is on) so that no kernel is compiled on
         a user's first request. Without CUDA graphs, also decodes over a context longer than one attention partition
-        (the split decode and its reduce), where the model and the KV cache allow one."""
+        (the split decode and its reduce), where the model and the KV cache allow one. With piecewise graphs the
+        prompts run eagerly first (the path of steps longer than the graphs take), then one through the graphs."""
         self._check_open()
         from ..kernels.attention import PARTITION
         bs = self.config.block_size
@@ -469,10 +472,19 @@ class LLMEngine:
                 and self.block_manager.num_blocks * bs >= PARTITION + 3 * bs:
             prompts.append([i % 100 + 1 for i in range(PARTITION)])  # its decodes span two partitions
         params = SamplingParams(max_new_tokens=2, ignore_eos=True)
-        for i, prompt in enumerate(prompts):
-            self.add_request(f"__warmup__{i}", prompt, params)
+        pieces, self.runner.pieces = self.runner.pieces, None  # eagerly first: the path of longer steps
+        try:
+            for i, prompt in enumerate(prompts):
+                self.add_request(f"__warmup__{i}", prompt, params)
+                while self.has_unfinished_requests():
+                    self.step()
+        finally:
+            self.runner.pieces = pieces
+        if pieces is not None:  # then a prefill through the piecewise graphs (no cached prefix: a whole prefill)
+            self.add_request("__warmup__pieces", [(i + 7) % 100 + 1 for i in range(len(prompts[1]))], params)
             while self.has_unfinished_requests():
                 self.step()
+            pieces.replays.clear()
         # a fresh engine to its users: no steps, no cached prefixes of made-up prompts, no hits, no replays
         self.num_steps = self.scheduler.num_preemptions = 0
         self.block_manager.reset_prefix_cache()

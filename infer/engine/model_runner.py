@@ -30,15 +30,35 @@ class ModelRunner:
         self.lora_manager = lora_manager
         self.kv_cache = self._allocate_kv(num_blocks)
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once captured
+        self.pieces = None  # engine.cuda_graphs.PiecewiseGraphs once captured
 
     def capture_graphs(self, max_model_len: int, emulate: bool = False) -> None:
         """Record the decode steps of up to config.max_num_seqs sequences of up to max_model_len tokens as CUDA
-        graphs (see engine.cuda_graphs); `emulate` replays by re-running the model."""
-        from .cuda_graphs import DecodeGraphs
+        graphs, and the other steps of up to config.piecewise_tokens() tokens as piecewise graphs (see
+        engine.cuda_graphs); `emulate` replays by re-running the model."""
+        from .cuda_graphs import DecodeGraphs, PiecewiseGraphs
+        if not emulate:
+            self._reserve_dequant_scratch()
         max_blocks = -(-max_model_len // self.block_size)
         graphs = DecodeGraphs(self.model, self.config.max_num_seqs, max_blocks, self.device, self.lora_manager, emulate)
         graphs.capture()
         self.graphs = graphs
+        tokens = self.config.piecewise_tokens()
+        if tokens:
+            pieces = PiecewiseGraphs(self.model, tokens, self.device, self.lora_manager, emulate, pool=graphs.pool)
+            pieces.capture()
+            self.pieces = pieces
+
+    def _reserve_dequant_scratch(self) -> None:
+        """The int4 dequantize scratch at its final size (the largest GPTQ layer's K x N, which the memory plan
+        counts when steps can be long enough to use it) before a graph records its address (see
+        kernels.gptq_dequant.reserve_scratch)."""
+        from ..memory.sizes import dequant_scratch_bytes
+        size = dequant_scratch_bytes(self.model, self.dtype, self.config.max_num_batched_tokens)
+        if size:
+            from ..kernels.gptq_dequant import reserve_scratch
+            device = next(m.qweight.device for m in self.model.modules() if getattr(m, "qweight", None) is not None)
+            reserve_scratch(device, self.dtype, size // torch.empty((), dtype=self.dtype).element_size())
 
     def _allocate_kv(self, num_blocks: int) -> torch.Tensor:
         layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
@@ -114,6 +134,8 @@ class ModelRunner:
                 num_new_tokens: list[int]) -> torch.Tensor:
         if self.graphs is not None and self.graphs.fits(num_new_tokens, ctx):
             return self.graphs.run(input_ids, positions, ctx)
+        if self.pieces is not None and self.pieces.fits(input_ids.shape[0]):
+            return self.pieces.run(input_ids, positions, ctx)
         return self.model(input_ids, positions, ctx)
 
     @torch.inference_mode()

@@ -89,7 +89,7 @@ def profile_run(model, model_config, engine_config: EngineConfig, dtype, device,
                                  rank) - activation_bytes(model_config, dtype, engine_config.max_num_batched_tokens,
                                                           concurrency, max_length, 0)
     peak += penalty_table_bytes(model_config, concurrency)  # the worst case samples without penalties: add them
-    graphs = cuda_graph_bytes(engine_config, model_config, dtype)  # the decode graphs keep a pool of their own
+    graphs = cuda_graph_bytes(engine_config, model_config, dtype)  # the CUDA graphs keep a pool of their own
     estimate = activation_bytes(model_config, dtype, engine_config.max_num_batched_tokens, concurrency, max_length,
                                 rank) + graphs
     weights = weights_bytes(model) if weights is None else weights

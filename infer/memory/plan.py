@@ -18,7 +18,7 @@ import torch
 
 from ..errors import ConfigError, OutOfMemoryError
 from ..models.shapes import ModelShapes
-from .sizes import activation_bytes, dequant_scratch_bytes, gib, kv_bytes_per_token, weights_bytes
+from .sizes import activation_bytes, dequant_scratch_bytes, element_bytes, gib, kv_bytes_per_token, weights_bytes
 
 
 class PlanOptions(Protocol):
@@ -35,6 +35,8 @@ class PlanOptions(Protocol):
     max_lora_rank: int
 
     def use_cuda_graphs(self) -> bool: ...
+
+    def piecewise_tokens(self) -> int: ...
 
 
 def available_cpu_memory() -> int:
@@ -79,8 +81,10 @@ def budget_bytes(engine_config: PlanOptions, device: torch.device, weights: int,
 
 
 def cuda_graph_bytes(engine_config: PlanOptions, model_config, dtype: torch.dtype) -> int:
-    """The decode CUDA graphs' private memory pool (engine.cuda_graphs): the temporaries of one decode step of the
-    largest bucket, which the graphs keep for themselves, and the attention partials of every sequence."""
+    """The CUDA graphs' private memory pool (engine.cuda_graphs): the temporaries of one decode step of the
+    largest bucket, which the graphs keep for themselves, and the attention partials of every sequence; then the
+    piecewise graphs' temporaries of a step of their most tokens (the same pool: counted on top, as an upper
+    bound) and their static buffers (query, attention output, residual, hidden states)."""
     if not engine_config.use_cuda_graphs():
         return 0
     rank = engine_config.max_lora_rank if engine_config.loras else 0
@@ -88,7 +92,13 @@ def cuda_graph_bytes(engine_config: PlanOptions, model_config, dtype: torch.dtyp
     shapes = ModelShapes.from_config(model_config)
     context = engine_config.max_model_len or model_config.max_position_embeddings
     parts = -(-context // 512)  # kernels.attention.PARTITION
-    return step + engine_config.max_num_seqs * shapes.num_heads * parts * (shapes.head_dim + 2) * 4
+    decode = step + engine_config.max_num_seqs * shapes.num_heads * parts * (shapes.head_dim + 2) * 4
+    tokens = engine_config.piecewise_tokens()
+    if not tokens:
+        return decode
+    pieces = activation_bytes(model_config, dtype, tokens, 1, 1, rank, penalties=False)
+    buffers = tokens * (2 * shapes.q_size + 2 * model_config.hidden_size) * element_bytes(dtype)
+    return decode + pieces + buffers
 
 
 @dataclass

@@ -51,6 +51,11 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = None  # set by the model runner: [num_blocks, block_size, Hk, D]
 
     def forward(self, positions, x, ctx: ForwardContext, cos_sin):
+        return self.o_proj(self.attend(self.query(positions, x, ctx, cos_sin), ctx), ctx)
+
+    def query(self, positions, x, ctx: ForwardContext, cos_sin):
+        """The rotated query [t, q_size]; this step's K and V are in the cache (the part of the layer before the
+        attention that a piecewise CUDA graph records: engine.cuda_graphs.PiecewiseGraphs)."""
         qkv = self.qkv_proj(x, ctx)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = x.shape[0]
@@ -59,10 +64,15 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
         q = kernels.rotary_store_kv(positions, q, k, v, cos_sin, self.head_dim, self.k_cache, self.v_cache,
                                     ctx.slot_mapping)  # one launch on the GPU: q rotated, k rotated and v cached
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        o = kernels.paged_attention(q, self.k_cache, self.v_cache, ctx.block_tables, ctx.seq_lens,
-                                    ctx.query_start_loc, self.scale, ctx.max_query_len)
-        return self.o_proj(o.reshape(t, self.q_size), ctx)
+        return q.reshape(t, self.q_size)
+
+    def attend(self, q, ctx: ForwardContext):
+        """The attention's output [t, q_size] for the rotated query q [t, q_size] over the paged cache."""
+        t = q.shape[0]
+        o = kernels.paged_attention(q.reshape(t, self.num_heads, self.head_dim), self.k_cache, self.v_cache,
+                                    ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, self.scale,
+                                    ctx.max_query_len)
+        return o.reshape(t, self.q_size)
 
 
 class MLP(nn.Module):
@@ -137,6 +147,26 @@ class LlamaForCausalLM(nn.Module):
             x = layer.mlp(x, ctx)
         x, _ = self.norm(x, residual)
         return x
+
+    def piece(self, i: int, input_ids, positions, o, residual, ctx: ForwardContext):
+        """Piece i of the forward as a piecewise CUDA graph records it (engine.cuda_graphs.PiecewiseGraphs): the
+        work between two attentions. Piece 0 embeds input_ids and runs layer 0 up to its query; piece i in
+        1..L-1 finishes layer i-1 from its attention's output o (o_proj, norm, MLP) and runs layer i up to its
+        query; piece L finishes the last layer and applies the final norm. Returns (the query [T, q_size], the
+        residual), and from piece L (the hidden states, None). `forward` is the same computation."""
+        if i == 0:
+            x = self.embed_tokens(input_ids)
+            x, residual = self.layers[0].input_layernorm(x), x
+        else:
+            done = self.layers[i - 1]
+            x = done.self_attn.o_proj(o, ctx)
+            x, residual = done.post_attention_layernorm(x, residual)
+            x = done.mlp(x, ctx)
+            if i == len(self.layers):
+                x, _ = self.norm(x, residual)
+                return x, None
+            x, residual = self.layers[i].input_layernorm(x, residual)
+        return self.layers[i].self_attn.query(positions, x, ctx, self.cos_sin), residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return cpu_gemm.linear(hidden, self._head_weight(), None, self.packed_head).float()
