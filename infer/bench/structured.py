@@ -14,7 +14,8 @@ Two parts, each printing our figure beside its baseline:
   tokens through xgrammar, a JSON schema's matcher midway through a string value): the rows' bitmasks filled as the
   engine fills them (from 4 rows on, on xgrammar's threads or row by row, whichever it measured faster here) and
   copied to the device, beside each of the two ways, and our masking of a [concurrency, V] logits tensor on the
-  device beside the plain `argmax` it precedes.
+  device (one Triton kernel on CUDA; mask_torch_us_per_step: the torch ops it replaced) beside the plain `argmax`
+  it precedes.
 
 Nothing here is asserted anywhere.
 """
@@ -84,7 +85,8 @@ def _vocab(size: int, seed: int = 0) -> list[bytes]:
 
 def mask_rows(vocabs: list[int], concurrency: int, repeats: int, device: str = "cpu") -> list[dict]:
     import xgrammar as xgr
-    from ..engine.structured import PROBES, apply_bitmask, fill_bitmask
+    from ..engine.structured import PROBES, fill_bitmask
+    from ..kernels import apply_bitmask, reference
     rows = []
     for size in vocabs:
         vocab = _vocab(size)
@@ -98,7 +100,7 @@ def mask_rows(vocabs: list[int], concurrency: int, repeats: int, device: str = "
             m = xgr.GrammarMatcher(compiled)
             assert m.accept_string('{"name": "ab')
             matchers.append(m)
-        fills, threaded, singles, masks, argmaxes = [], [], [], [], []
+        fills, threaded, singles, masks, torch_masks, argmaxes = [], [], [], [], [], []
         logits = torch.randn(concurrency, size, device=device)
         one = torch.empty(concurrency, (size + 31) // 32, dtype=torch.int32)
         for _ in range(2 * PROBES):  # the engine's choice between the two ways, measured as the engine does
@@ -123,6 +125,9 @@ def mask_rows(vocabs: list[int], concurrency: int, repeats: int, device: str = "
             masked.argmax(-1)
             sync()
             t3 = time.perf_counter()
+            reference.apply_bitmask(logits, None, bitmask)  # the torch ops the kernel replaces (on CUDA)
+            sync()
+            torch_masks.append((time.perf_counter() - t3) * 1e6)
             fills.append((t1 - t0) / concurrency * 1e6)
             masks.append((t2 - t1) * 1e6)
             argmaxes.append((t3 - t2) * 1e6)
@@ -132,6 +137,7 @@ def mask_rows(vocabs: list[int], concurrency: int, repeats: int, device: str = "
                      "fill_threads_us_per_row": round(statistics.median(threaded), 1),
                      "fill_one_by_one_us_per_row": round(statistics.median(singles), 1),
                      "mask_us_per_step": round(statistics.median(masks), 1),
+                     "mask_torch_us_per_step": round(statistics.median(torch_masks), 1),
                      "argmax_us_per_step": round(statistics.median(argmaxes), 1)})
     return rows
 

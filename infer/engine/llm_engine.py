@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import torch
 
+from .. import kernels
 from ..errors import ClosedError, LoRAError, LoRANameError, RequestError
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -69,6 +70,15 @@ class LLMEngine:
             self.warm_kernels()
             self.num_steps = 0
             self.start_times["warm_kernels_s"] = time.perf_counter() - t0
+
+    def _warm_grammar_mask(self) -> None:
+        """The grammar mask's kernel (constrained rows: kernels.apply_bitmask) in both its variants, on the float32
+        logits the sampler masks, so that a first constrained request compiles nothing."""
+        vocab, device = self.model_config.vocab_size, self.device
+        logits = torch.zeros(2, vocab, device=device)
+        every = torch.full((2, -(-vocab // 32)), -1, dtype=torch.int32, device=device)
+        kernels.apply_bitmask(logits, None, every)
+        kernels.apply_bitmask(logits, torch.arange(2, device=device), every)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -485,6 +495,7 @@ class LLMEngine:
             while self.has_unfinished_requests():
                 self.step()
             pieces.replays.clear()
+        self._warm_grammar_mask()
         # a fresh engine to its users: no steps, no cached prefixes of made-up prompts, no hits, no replays
         self.num_steps = self.scheduler.num_preemptions = 0
         self.block_manager.reset_prefix_cache()

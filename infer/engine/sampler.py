@@ -24,8 +24,9 @@ from itertools import chain
 
 import torch
 
+from ..kernels import apply_bitmask
 from .sequence import Sequence
-from .structured import apply_bitmask, fill_bitmask
+from .structured import fill_bitmask
 from .transfer import Pack, copy_to, to_device
 
 NEG_INF = float("-inf")

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from ..errors import RequestError
+from ..kernels import apply_bitmask
 
 MAX_SPEC_CHARS = 200_000  # a schema, regex or grammar (compiling one runs on the server's threads)
 MAX_CHOICES = 4096
@@ -331,17 +332,3 @@ def allows_any(matcher, vocab: int) -> bool:
     (or can complete from here): its matcher then allows nothing, and a step samples a token it refuses."""
     row = fill_bitmask([matcher], vocab)
     return bool(apply_bitmask(torch.zeros(1, vocab), None, row).isfinite().any())
-
-
-def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor | None, bitmask: torch.Tensor) -> torch.Tensor:
-    """A copy of logits [n, V] whose rows `rows` (None: all) are -inf wherever `bitmask` (on the device) has a
-    0 bit (and past its end)."""
-    vocab = logits.shape[-1]
-    # read as bytes (little-endian, as x86 and CUDA are: token 32w + 8b + k is bit k of byte 4w + b): eight times
-    # less to shift and compare than the int32 words against 32 shifts
-    one = torch.ones(8, dtype=torch.uint8, device=bitmask.device)
-    bits = one << torch.arange(8, dtype=torch.uint8, device=bitmask.device)  # made on the device: no copy
-    allowed = ((bitmask.view(torch.uint8).unsqueeze(-1) & bits) != 0).view(bitmask.shape[0], -1)[:, :vocab]
-    if rows is None:
-        return torch.where(allowed, logits, float("-inf"))
-    return logits.index_copy(0, rows, torch.where(allowed, logits.index_select(0, rows), float("-inf")))

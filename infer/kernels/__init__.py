@@ -41,6 +41,12 @@ def rms_norm(x, weight, eps, residual=None):
     return reference.rms_norm(x, weight, eps, residual)
 
 
+def apply_bitmask(logits, rows, bitmask):
+    if use_triton(logits):
+        return _triton("bitmask").apply_bitmask(logits, rows, bitmask)
+    return reference.apply_bitmask(logits, rows, bitmask)
+
+
 def rotary_embedding(positions, q, k, cos_sin_cache, head_dim):
     if use_triton(q):
         return _triton("fused").rotary_embedding(positions, q, k, cos_sin_cache, head_dim)

@@ -54,6 +54,24 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+# ----------------------------------------------------------------------------------------------- sampling
+def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor | None, bitmask: torch.Tensor) -> torch.Tensor:
+    """Semantics: a copy of logits [n, V] whose rows `rows` (int64 [R], None: all n) are -inf wherever
+    `bitmask` (int32 [R or n, W], on logits' device; bit k of word w is token 32w + k, xgrammar's layout) has a
+    0 bit, and at the tokens past its W * 32 bits."""
+    vocab = logits.shape[-1]
+    # read as bytes (little-endian, as x86 and CUDA are: token 32w + 8b + k is bit k of byte 4w + b): eight times
+    # less to shift and compare than the int32 words against 32 shifts
+    one = torch.ones(8, dtype=torch.uint8, device=bitmask.device)
+    bits = one << torch.arange(8, dtype=torch.uint8, device=bitmask.device)  # made on the device: no copy
+    allowed = ((bitmask.view(torch.uint8).unsqueeze(-1) & bits) != 0).view(bitmask.shape[0], -1)[:, :vocab]
+    if allowed.shape[1] < vocab:  # a bitmask narrower than the logits (never the engine's: it covers them all)
+        allowed = torch.cat([allowed, allowed.new_zeros(allowed.shape[0], vocab - allowed.shape[1])], 1)
+    if rows is None:
+        return torch.where(allowed, logits, float("-inf"))
+    return logits.index_copy(0, rows, torch.where(allowed, logits.index_select(0, rows), float("-inf")))
+
+
 # ----------------------------------------------------------------------------------------------- GPTQ
 def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                 g_idx: torch.Tensor, bits: int, zeros_v1: bool = True, group_size: int | None = None,
