@@ -192,3 +192,40 @@ def test_warm_kernels_runs_eagerly_first_then_through_the_pieces_and_keeps_them(
     prompts = random_prompts(llm.engine.model_config.vocab_size, (6,), seed=4)
     assert _generate(llm, prompts, [3]) == [hf_greedy(str(path), prompts[0], 3)]
     assert seen[-3][1] == "pieces" and llm.engine.stats()["piecewise_graph_steps"] == 1
+
+
+def test_warmup_reports_the_graph_capture(capsys):
+    """`infer warmup` on a GPU times the engine start's graph capture and measures the memory it keeps beside the
+    plan's formula (`warmup_plan.graph_capture`); here the capture is emulated, so only the count and the time."""
+    from infer.cli.warmup import print_plan
+    from infer.cli.warmup_plan import estimate_plan, graph_capture
+    from infer.engine.cuda_graphs import batch_buckets
+    path = ensure_builtin("tiny-llama")
+    llm = LLM(str(path), max_num_seqs=4, block_size=4, num_kv_blocks=64, max_model_len=64)
+    model = llm.engine.runner.model
+    config = EngineConfig(str(path), max_num_seqs=4, block_size=4, cuda_graph_max_tokens=32)
+    got = graph_capture(model, config, torch.float32, torch.device("cpu"), 64, emulate=True)
+    layers = len(model.layers)
+    assert got["cuda_graphs"] == len(batch_buckets(4)) + 2 * (layers + 1)  # buckets 16 and 32 of the pieces
+    assert got["cuda_graphs_s"] > 0 and got["cuda_graph_bytes_measured"] is None
+    assert all(m.k_cache is None for m in model.modules() if hasattr(m, "k_cache"))  # the runner's cache let go
+    plan, extra = estimate_plan(EngineConfig(str(path)), 64, 2)
+    print_plan(plan, {**extra, **got, "cuda_graph_bytes_measured": 3 * 2**20, "cuda_graph_bytes_formula": 2**22})
+    out = capsys.readouterr().out
+    assert f"CUDA graph capture at start ({got['cuda_graphs']} graphs, s)" in out
+    assert "CUDA graph memory (measured / formula)" in out and "3.0 MiB / 4.0 MiB" in out
+
+
+def test_measured_warmup_captures_the_graphs_an_engine_would(monkeypatch):
+    """measured_plan asks for the capture's figures whenever the engine would record graphs (a GPU without
+    --eager), after the worst case ran; stood in for on CPU."""
+    from infer.cli import warmup_plan
+    seen = []
+    monkeypatch.setattr(EngineConfig, "use_cuda_graphs", lambda self: not self.enforce_eager)
+    monkeypatch.setattr(warmup_plan, "graph_capture", lambda model, config, dtype, device, max_length, lora:
+                        (seen.append((config.cuda_graph_max_tokens, max_length)), {"cuda_graphs_s": 1.5})[1])
+    path = str(ensure_builtin("tiny-llama"))
+    _, extra = warmup_plan.measured_plan(EngineConfig(path, cuda_graph_max_tokens=64), 48, 2)
+    assert seen == [(64, 48)] and extra["cuda_graphs_s"] == 1.5 and extra["worst_case_run"]
+    _, extra = warmup_plan.measured_plan(EngineConfig(path, enforce_eager=True), 48, 2)
+    assert seen == [(64, 48)] and "cuda_graphs_s" not in extra

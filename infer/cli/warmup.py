@@ -60,6 +60,12 @@ def print_plan(plan, extra: dict) -> None:
         rows.append(("int4 kernel tuning at start (s)", f"{extra['kernel_tuning_s']:.1f}"))
     if extra.get("kernel_compile_s") is not None:
         rows.append(("int4 kernel compiles at start (s)", f"{extra['kernel_compile_s']:.1f}"))
+    if extra.get("cuda_graphs_s") is not None:
+        rows.append((f"CUDA graph capture at start ({extra['cuda_graphs']:,} graphs, s)",
+                     f"{extra['cuda_graphs_s']:.1f}"))
+    if extra.get("cuda_graph_bytes_measured") is not None:
+        rows.append(("CUDA graph memory (measured / formula)",
+                     f"{gib(extra['cuda_graph_bytes_measured'])} / {gib(extra['cuda_graph_bytes_formula'])}"))
     if extra.get("activation_estimate_bytes") is not None:
         rows.append(("peak activations (formula)", gib(extra["activation_estimate_bytes"])))
     if plan.lora_bytes:

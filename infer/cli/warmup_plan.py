@@ -106,7 +106,40 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     with torch.inference_mode():
         plan, estimate = _profile(model, model_config, engine_config, dtype, device, max_length, concurrency,
                                   limit, lora_manager, largest, budget)
+    if engine_config.use_cuda_graphs():
+        extra.update(graph_capture(model, engine_config, dtype, device, max_length, lora_manager))
     return plan, {**extra, "activation_estimate_bytes": estimate, "worst_case_run": True}
+
+
+def graph_capture(model, engine_config: EngineConfig, dtype, device, max_length: int, lora_manager=None,
+                  emulate: bool = False) -> dict:
+    """What an engine start's CUDA graph capture costs here (after its kernels are compiled, as in an engine): the
+    seconds, the graphs recorded (decode buckets, and piece x bucket), and on CUDA the device memory it kept (the
+    allocator's reserved bytes: the graphs' pool and static buffers), beside the plan's formula for it.
+    `emulate`: the same capture replayed by calls (the tests' CPU stand-in; no memory figure)."""
+    from ..engine.model_runner import ModelRunner
+    blocks = -(-max_length // engine_config.block_size)
+    runner = ModelRunner(engine_config, model, dtype=dtype, device=device, num_blocks=blocks,
+                         lora_manager=lora_manager)
+    cuda = device.type == "cuda" and not emulate
+    if cuda:
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_reserved(device)
+    t0 = time.perf_counter()
+    runner.capture_graphs(max_length, emulate=emulate)
+    seconds = time.perf_counter() - t0
+    kept = torch.cuda.memory_reserved(device) - before if cuda else None
+    pieces = runner.pieces
+    recorded = len(runner.graphs.buckets) + (len(pieces.buckets) * pieces.num_pieces if pieces else 0)
+    for m in model.modules():  # the runner's KV cache and graphs go with it
+        if hasattr(m, "k_cache"):
+            m.k_cache = m.v_cache = None
+    runner.graphs = runner.pieces = runner.kv_cache = None
+    del runner, pieces
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"cuda_graphs_s": seconds, "cuda_graphs": recorded, "cuda_graph_bytes_measured": kept,
+            "cuda_graph_bytes_formula": cuda_graph_bytes(engine_config, model.config, dtype)}
 
 
 def _profile(*args):

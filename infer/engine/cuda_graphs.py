@@ -226,7 +226,7 @@ class PiecewiseGraphs(_StaticTokens):
         self.residual = torch.zeros(t, hidden, dtype=dtype, device=device)  # piece i -> piece i + 1
         self.hidden = torch.zeros(t, hidden, dtype=dtype, device=device)  # the last piece -> the logits
         self.num_pieces = len(model.layers) + 1
-        self.graphs: dict[int, list] = {}  # bucket -> one graph per piece (emulated: the static context)
+        self.graphs: dict[int, list] = {}  # bucket -> one graph per piece (emulated: an empty list)
         self.contexts: dict[int, ForwardContext] = {}
         self.pool = pool  # the decode graphs' pool: the two kinds never run at once
 
