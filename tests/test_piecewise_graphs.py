@@ -155,8 +155,9 @@ def test_interpreted_triton_pieces_with_adapters_match_peft(triton_everywhere, t
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_piecewise_graphs_equal_eager_on_gpu(dtype):
-    """Real recordings: with mixed steps routed through the pieces, the tokens equal the eager engine's (and HF's
-    in float32)."""
+    """Real recordings: with prefills and mixed steps routed through the pieces, the tokens equal the eager engine's
+    (and HF's in float32). In float16 a padded bucket may round a row differently from the eager step's size, so a
+    divergence passes only at a near-tie of the eager run: both tokens its top two, within 0.01 in logprob."""
     path = ensure_builtin("tiny-llama")
     prompts = random_prompts(256, (5, 9, 3, 40, 7, 12), seed=2)
     lens = [4, 9, 13, 6, 16, 5]
@@ -165,14 +166,21 @@ def test_piecewise_graphs_equal_eager_on_gpu(dtype):
         llm = LLM(str(path), device="cuda", dtype=dtype, max_num_seqs=3, block_size=16, enforce_eager=eager,
                   cuda_graph_max_tokens=32)
         seen = _route(llm) if not eager else None
-        out[eager] = _generate(llm, prompts, lens)
+        params = [SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=2) for n in lens]
+        out[eager] = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
         if not eager:
             assert any(p == "pieces" and min(t) == 1 for t, p in seen)
             assert [p for _, p in seen] == [_expected_path(t, 32) for t, _ in seen]
         llm.close()
-    assert out[True] == out[False]
+    for (want, records), (got, _) in zip(out[True], out[False]):
+        if dtype == "float32" or want == got:
+            assert got == want
+            continue
+        d = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b)
+        top = {t["token_id"]: t["logprob"] for t in records[d]["top_logprobs"]}
+        assert set(top) >= {got[d], want[d]} and abs(top[got[d]] - top[want[d]]) <= 0.01, (d, records[d])
     if dtype == "float32":
-        assert out[False] == [hf_greedy(str(path), p, n) for p, n in zip(prompts, lens)]
+        assert [t for t, _ in out[False]] == [hf_greedy(str(path), p, n) for p, n in zip(prompts, lens)]
 
 
 def test_warm_kernels_runs_eagerly_first_then_through_the_pieces_and_keeps_them():
