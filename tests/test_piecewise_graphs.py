@@ -104,6 +104,39 @@ def test_emulated_pieces_take_prefills_and_mixed_steps_and_give_hf_tokens():
     assert got == [hf_greedy(str(path), p, n) for p, n in zip(prompts, lens)]
 
 
+def test_the_start_checks_the_pieces_against_the_whole_forward(caplog):
+    """After capturing, the runner compares a test prefill through the pieces with the whole forward; pieces that
+    disagree (here: the last piece's hidden states scaled) are not used, with a warning, and every step runs as
+    before, eagerly."""
+    path = ensure_builtin("tiny-llama")
+    llm = LLM(str(path), max_num_seqs=3, cuda_graph_max_tokens=32, block_size=4, num_kv_blocks=64, max_model_len=64)
+    runner = llm.engine.runner
+    runner.capture_graphs(64, emulate=True)
+    assert runner.pieces is not None and 0 <= runner.pieces_check < 1e-5
+    model = runner.model
+    real = model.piece
+
+    def skewed(i, *args):
+        out, residual = real(i, *args)
+        return (out * 1.5 if residual is None else out), residual
+    model.piece = skewed
+    with caplog.at_level("WARNING", logger="infer"):
+        runner.capture_graphs(64, emulate=True)
+    assert runner.pieces is None and runner.pieces_check == pytest.approx(0.5, rel=1e-4)
+    assert "prefills and mixed steps run eagerly instead" in caplog.text
+    scale = [float("nan")]  # hidden states that are not numbers fail the check too
+
+    def poisoned(i, *args):
+        out, residual = real(i, *args)
+        return (out * scale[0] if residual is None else out), residual
+    model.piece = poisoned
+    runner.capture_graphs(64, emulate=True)
+    assert runner.pieces is None and runner.pieces_check != runner.pieces_check  # NaN
+    prompts = random_prompts(llm.engine.model_config.vocab_size, (6, 9), seed=6)
+    assert _generate(llm, prompts, [3, 3]) == [hf_greedy(str(path), p, 3) for p in prompts]
+    assert llm.engine.stats()["piecewise_graph_steps"] == 0
+
+
 def test_emulated_pieces_with_mixed_adapters_match_peft(tmp_path):
     """Prefills of different adapters beside decodes of others: the static adapter map of the pieces (padding
     rows first in the order, segment starts shifted by them) gives peft's tokens."""

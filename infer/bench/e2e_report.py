@@ -7,7 +7,7 @@ from pathlib import Path
 
 COLUMNS = ["model", "weights", "lora", "engine", "output_tok_s", "mean_tpot_ms", "mean_ttft_ms", "step_MB",
            "copy_GB_s", "roofline_tpot_ms", "roofline_tok_s", "fraction_of_roofline", "start_s", "lora_swaps",
-           "compiles_on_requests", "piecewise_steps", "steps"]
+           "compiles_on_requests", "piecewise_steps", "steps", "piecewise_check"]
 NO_PIECES = "mixed steps eager"  # gpu_e2e --compare-piecewise: steps that are not all decodes run without graphs
 
 

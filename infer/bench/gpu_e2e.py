@@ -245,6 +245,8 @@ def infer_row(run: ShapeRun, model, label: str, weight_bytes: int, lora: str, ad
     stats = engine.stats()
     row["lora_swaps"] = stats["lora_swaps"]
     row["piecewise_steps"], row["steps"] = stats["piecewise_graph_steps"], stats["num_steps"]
+    check = engine.runner.pieces_check  # the start's check of the pieces against the whole forward (None: none)
+    row["piecewise_check"] = None if check is None else float(f"{check:.3g}")
     print(json.dumps(row), flush=True)
     if args.profile:
         mode = re.sub(r"[^a-z0-9]+", "-", lora).strip("-")  # every mode its own file ("16-mixed-r16-via-8-slots")

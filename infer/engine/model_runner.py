@@ -5,6 +5,7 @@ device-to-host copy of the step's sampled tokens. `run` does both."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,9 @@ from .config import EngineConfig
 from .sampler import PenaltyTable, SampledBatch, Sampler, SamplingInputs
 from .scheduler import ScheduledBatch
 from .transfer import Pack, to_device
+
+log = logging.getLogger("infer")
+PIECES_TOLERANCE = 0.05  # the pieces' hidden states may differ from the whole forward's by rounding, not more
 
 
 class ModelRunner:
@@ -30,12 +34,14 @@ class ModelRunner:
         self.lora_manager = lora_manager
         self.kv_cache = self._allocate_kv(num_blocks)
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once captured
-        self.pieces = None  # engine.cuda_graphs.PiecewiseGraphs once captured
+        self.pieces = None  # engine.cuda_graphs.PiecewiseGraphs once captured (and checked)
+        self.pieces_check: float | None = None  # the check's relative difference (check_pieces)
 
     def capture_graphs(self, max_model_len: int, emulate: bool = False) -> None:
         """Record the decode steps of up to config.max_num_seqs sequences of up to max_model_len tokens as CUDA
         graphs, and the other steps of up to config.piecewise_tokens() tokens as piecewise graphs (see
-        engine.cuda_graphs); `emulate` replays by re-running the model."""
+        engine.cuda_graphs); `emulate` replays by re-running the model. Called at the engine's start, before any
+        request: the pieces' check (check_pieces) writes the KV of the first blocks."""
         from .cuda_graphs import DecodeGraphs, PiecewiseGraphs
         if not emulate:
             self._reserve_dequant_scratch()
@@ -47,7 +53,33 @@ class ModelRunner:
         if tokens:
             pieces = PiecewiseGraphs(self.model, tokens, self.device, self.lora_manager, emulate, pool=graphs.pool)
             pieces.capture()
-            self.pieces = pieces
+            self.pieces_check = self.check_pieces(pieces)
+            ok = self.pieces_check <= PIECES_TOLERANCE  # (a NaN fails too)
+            self.pieces = pieces if ok else None
+            if not ok:
+                log.warning("the piecewise CUDA graphs' hidden states differ from the whole forward's by %.3g of "
+                            "their largest value on a test prefill: prefills and mixed steps run eagerly instead "
+                            "(please report this; --cuda-graph-max-tokens 0 skips the capture)", self.pieces_check)
+
+    @torch.inference_mode()
+    def check_pieces(self, pieces, n: int = 9) -> float:
+        """The largest difference between the hidden states of an n-token prefill through `pieces` and through the
+        whole forward, relative to the largest value (NaN if either is not finite). It writes the KV of the first
+        blocks, which no sequence holds at start (a block is zeroed when a sequence gets it)."""
+        n = max(1, min(n, pieces.max_batch, self.num_blocks * self.block_size))
+        dev, blocks = self.device, -(-n // self.block_size)
+        ids = torch.randint(1, self.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).to(dev)
+        pos = torch.arange(n, device=dev)
+        ctx = ForwardContext(query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+                             seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+                             block_tables=torch.arange(blocks, dtype=torch.int32, device=dev).view(1, blocks),
+                             slot_mapping=torch.arange(n, device=dev), max_query_len=n)
+        want = self.model(ids, pos, ctx).float()
+        got = pieces.run(ids, pos, ctx).float()
+        pieces.replays.clear()
+        if not (bool(want.isfinite().all()) and bool(got.isfinite().all())):
+            return float("nan")
+        return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
 
     def _reserve_dequant_scratch(self) -> None:
         """The int4 dequantize scratch at its final size (the largest GPTQ layer's K x N, which the memory plan
