@@ -124,11 +124,16 @@ def graph_capture(model, engine_config: EngineConfig, dtype, device, max_length:
     cuda = device.type == "cuda" and not emulate
     if cuda:
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(device)
     t0 = time.perf_counter()
     runner.capture_graphs(max_length, emulate=emulate)
     seconds = time.perf_counter() - t0
-    kept = torch.cuda.memory_reserved(device) - before if cuda else None
+    kept = None
+    if cuda:  # what the graphs hold: the eager runs before each recording leave cached blocks, given back first
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        kept = torch.cuda.memory_reserved(device) - before
     pieces = runner.pieces
     recorded = len(runner.graphs.buckets) + (len(pieces.buckets) * pieces.num_pieces if pieces else 0)
     for m in model.modules():  # the runner's KV cache and graphs go with it
