@@ -77,3 +77,7 @@ def test_every_kernel_an_engine_launches_at_7b_shapes_compiles_for_sm90():
                      "mma_kernel", "_dequant_kernel", "_bitmask_kernel"}, out.stdout[-3000:]
     assert "0 over the shared-memory limit or spilling in the main loop or compiled late or waiting for the GPU in " \
         "a request's step (0 waits;" in out.stdout, out.stdout
+    # as an engine on sm_90 launches them: with programmatic dependent launch, every launch with the constexpr and
+    # the attribute both set, every such kernel waiting before it touches the step's data (kernels.pdl)
+    pdl = re.search(r"PDL on: (\d+) launches, 0 not set so", out.stdout)
+    assert pdl and int(pdl.group(1)) > 500, out.stdout[-1000:]

@@ -7,8 +7,20 @@ from pathlib import Path
 
 COLUMNS = ["model", "weights", "lora", "engine", "output_tok_s", "mean_tpot_ms", "mean_ttft_ms", "step_MB",
            "copy_GB_s", "roofline_tpot_ms", "roofline_tok_s", "fraction_of_roofline", "start_s", "lora_swaps",
-           "compiles_on_requests", "piecewise_steps", "steps", "piecewise_check"]
+           "compiles_on_requests", "piecewise_steps", "steps", "piecewise_check", "pdl"]
 NO_PIECES = "mixed steps eager"  # gpu_e2e --compare-piecewise: steps that are not all decodes run without graphs
+NO_PDL = "no PDL"  # gpu_e2e --compare-pdl: kernels launched without programmatic dependent launch
+VARIANTS = (NO_PIECES, NO_PDL)  # a mode label's suffix that names a variant of the engine
+
+
+def variant_of(lora: str) -> str | None:
+    """The variant suffix a mode label ends with (None: the default engine)."""
+    return next((v for v in VARIANTS if lora.endswith(v)), None)
+
+
+def without_variant(lora: str) -> str:
+    v = variant_of(lora)
+    return lora if v is None else lora[:-len(v)].rstrip(", ")
 
 
 def result_row(model: str, weights: str, lora: str, engine: str, metrics: dict, roof: dict, bw: float) -> dict:
@@ -26,7 +38,8 @@ def adapter_costs(rows: list[dict]) -> list[str]:
     the adapters' own bytes explain (the same ratio of the two rooflines)."""
     lines = []
     for r in rows:
-        plain = f"none, {NO_PIECES}" if r["lora"].endswith(NO_PIECES) else "none"  # like against like
+        v = variant_of(r["lora"])
+        plain = f"none, {v}" if v else "none"  # like against like
         base = next((b for b in rows if b["model"] == r["model"] and b["engine"] == r["engine"]
                      and b["lora"] == plain), None)
         if base is None or r["lora"] == plain or not base["output_tok_s"]:
@@ -45,7 +58,7 @@ def piecewise_gains(rows: list[dict]) -> list[str]:
     for r in rows:
         if not r["lora"].endswith(NO_PIECES):
             continue
-        lora = r["lora"][:-len(NO_PIECES)].rstrip(", ")
+        lora = without_variant(r["lora"])
         on = next((b for b in rows if b["model"] == r["model"] and b["engine"] == r["engine"]
                    and b["lora"] == lora), None)
         if on is None or not r["output_tok_s"] or not on["mean_ttft_ms"]:
@@ -55,6 +68,25 @@ def piecewise_gains(rows: list[dict]) -> list[str]:
                      f"({on['output_tok_s']:,.0f} vs {r['output_tok_s']:,.0f} tok/s; TTFT {on['mean_ttft_ms']:.1f} vs "
                      f"{r['mean_ttft_ms']:.1f} ms; {on.get('piecewise_steps', '?')} of {on.get('steps', '?')} steps "
                      f"through them)")
+    return lines
+
+
+def pdl_gains(rows: list[dict]) -> list[str]:
+    """For each row run without programmatic dependent launch (--compare-pdl): the same engine's throughput and
+    TPOT with it, as ratios (what PDL gives)."""
+    lines = []
+    for r in rows:
+        if not r["lora"].endswith(NO_PDL):
+            continue
+        lora = without_variant(r["lora"])
+        on = next((b for b in rows if b["model"] == r["model"] and b["engine"] == r["engine"]
+                   and b["lora"] == lora), None)
+        if on is None or not r["output_tok_s"] or not on["mean_tpot_ms"]:
+            continue
+        lines.append(f"{r['model']} {r['engine']}, {lora}: programmatic dependent launch gives "
+                     f"{on['output_tok_s'] / r['output_tok_s']:.3f}x the throughput and "
+                     f"{r['mean_tpot_ms'] / on['mean_tpot_ms']:.3f}x the decode speed (TPOT {on['mean_tpot_ms']} vs "
+                     f"{r['mean_tpot_ms']} ms; PDL used: {on.get('pdl')})")
     return lines
 
 
@@ -80,4 +112,4 @@ def run_notes(device_name: str, args, rows: list[dict]) -> list[str]:
             f"{args.input_len} prompt tokens, {outputs} output tokens (EOS ignored), random weights",
             "roofline: (decode-step weight bytes + KV bytes of the batch at the mean context + adapter bytes) / "
             "measured device-to-device copy bandwidth; fraction = roofline TPOT / measured mean TPOT",
-            *adapter_costs(rows), *piecewise_gains(rows)]
+            *adapter_costs(rows), *piecewise_gains(rows), *pdl_gains(rows)]

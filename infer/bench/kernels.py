@@ -4,13 +4,17 @@
     python -m infer.bench.kernels --tune --tuned-out h100.json ...  # tune first (kernels.gptq_tune), then the table
     python -m infer.bench.kernels --tune --quick --tune-m 1 16 64   # only the engine start's candidates, some M
     python -m infer.bench.kernels --lora --out lora_kernels.csv     # multi-LoRA kernels (infer.bench.lora_kernels)
+    python -m infer.bench.kernels --pdl --m 1 16 --models 7B ...    # also with programmatic dependent launch
 
 Shapes are the fused projections of a 7B (Llama-2) and a 14B (Qwen1.5) model: qkv, o, gate_up, down. Every
 kernel is timed from a CUDA graph that cycles through enough copies of its weights to defeat the L2 cache (the
 way a decode step meets them), on random inputs. The floor is the int4 weight bytes over the copy bandwidth
 measured in the same run; `vs_fp16` > 1 means faster than cuBLAS on the fp16 weight; `other_us` is the same tile
 with the other unpacking of the words (PAIRS on or off for the field mma / mmat, INPLACE for gemv); from 32 rows,
-`dequant_us` / `chunks_us` are dequantize + cuBLAS on the whole matrix / in L2-sized column blocks. GPU only.
+`dequant_us` / `chunks_us` are dequantize + cuBLAS on the whole matrix / in L2-sized column blocks; with --pdl,
+`pdl_us` is the same kernel launched with programmatic dependent launch (each launch of the graph starts, and
+prefetches its first weights, while the one before finishes: kernels.pdl) and `pdl_gain` infer_us / pdl_us. GPU
+only.
 """
 
 from __future__ import annotations
@@ -73,9 +77,11 @@ def toggled(cfg: dict) -> dict | None:
     return None
 
 
-def measure_shape(model: str, name: str, k: int, n: int, ms, bandwidth: float, device: str = "cuda") -> list[dict]:
-    """One row per M for a K x N layer (device: "cuda"; the tests run the same code on "cpu", interpreted)."""
-    from ..kernels import gptq_configs, gptq_gemm, reference
+def measure_shape(model: str, name: str, k: int, n: int, ms, bandwidth: float, device: str = "cuda",
+                  with_pdl: bool = False) -> list[dict]:
+    """One row per M for a K x N layer (device: "cuda"; the tests run the same code on "cpu", interpreted);
+    with_pdl: also timed with programmatic dependent launch (`pdl_us`)."""
+    from ..kernels import gptq_configs, gptq_gemm, pdl, reference
     from ..kernels.gptq_tune import L2_BUST_BYTES, chunked, time_graph
     copies = [random_gptq(k, n, 4, 128, device) for _ in range(max(2, -(-L2_BUST_BYTES // (k * n // 2))))]
     w16 = [torch.randn(n, k, device=device, dtype=torch.float16) * 0.02 for _ in range(2)]
@@ -88,11 +94,16 @@ def measure_shape(model: str, name: str, k: int, n: int, ms, bandwidth: float, d
         y = gptq_gemm.gptq_matmul(x, *copies[0], 4, True, 128, wp)
         want = reference.gptq_matmul(x, *copies[0], 4, True, 128, wp)
         err = ((y.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6)).item()
-        ours = time_graph([lambda t=t: gptq_gemm.gptq_matmul(x, *t, 4, True, 128, wp) for t in copies])
+        with pdl.forced(False):  # whatever an engine in this process chose
+            ours = time_graph([lambda t=t: gptq_gemm.gptq_matmul(x, *t, 4, True, 128, wp) for t in copies])
         fp16 = time_graph([lambda w=w: torch.nn.functional.linear(x, w) for w in w16])
         row = {"model": model, "layer": name, "M": m, "K": k, "N": n, "infer_us": ours, "cublas_fp16_us": fp16,
                "floor_us": k * n / 2 / bandwidth * 1e6, "vs_fp16": fp16 / ours, "kernel": kernel_label(cfg),
                "config": json.dumps(cfg), "max_rel_err": err}
+        if with_pdl:
+            with pdl.forced(True):
+                row["pdl_us"] = time_graph([lambda t=t: gptq_gemm.gptq_matmul(x, *t, 4, True, 128, wp) for t in copies])
+            row["pdl_gain"] = ours / row["pdl_us"]
         other = toggled(cfg)
         if other is not None:  # the same tile with the other unpacking, timed in the same run
             row["other"] = kernel_label(other)
@@ -140,11 +151,12 @@ def print_table(rows: list[dict], title: str) -> None:
     from rich.table import Table
     table = Table(title=title)
     cols = ["model", "layer", "M", "infer_us", "tinygemm_us", "cublas_fp16_us", "floor_us", "vs_fp16",
-            "tinygemm_vs_fp16", "kernel", "other_us", "other", "dequant_us", "chunks_us", "max_rel_err"]
+            "tinygemm_vs_fp16", "kernel", "other_us", "other", "dequant_us", "chunks_us", "pdl_us", "pdl_gain",
+            "max_rel_err"]
     for c in cols:
         table.add_column(c, justify="left" if c in ("model", "layer", "kernel", "other") else "right")
     for r in rows:
-        table.add_row(*(("{:.1f}" if c.endswith("_us") else "{:.2f}x" if c.endswith("fp16") else "{:.1e}"
+        table.add_row(*(("{:.1f}" if c.endswith("_us") else "{:.2f}x" if c.endswith(("fp16", "gain")) else "{:.1e}"
                          if c == "max_rel_err" else "{}").format(r[c]) if c in r else "-" for c in cols))
     Console(width=160).print(table)
 
@@ -159,6 +171,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tune-m", type=int, nargs="+", default=list(BUCKETS), help="with --tune: the M buckets")
     p.add_argument("--quick", action="store_true", help="with --tune: only the engine start's quick candidates")
     p.add_argument("--lora", action="store_true", help="time the multi-LoRA shrink/expand kernels instead")
+    p.add_argument("--pdl", action="store_true",
+                   help="also time each kernel launched with programmatic dependent launch (Hopper and newer)")
     return p.parse_args(argv)
 
 
@@ -175,8 +189,17 @@ def main(argv=None) -> int:
     if args.tune:
         tune(args.models, args.tuned_out, args.tune_m, args.quick)
     bandwidth = copy_bandwidth()
+    with_pdl = False
+    if args.pdl:
+        from ..kernels import pdl
+        problem = None if pdl.supported(torch.cuda.get_device_capability()) else "needs compute capability 9.0+"
+        problem = problem or pdl.probe(torch.device("cuda", torch.cuda.current_device()))
+        if problem:
+            print(f"--pdl: programmatic dependent launch cannot be used here ({problem}); timed without it",
+                  file=sys.stderr)
+        with_pdl = problem is None
     rows = [r for model in args.models for name, (k, n) in SHAPES[model].items()
-            for r in measure_shape(model, name, k, n, args.m, bandwidth)]
+            for r in measure_shape(model, name, k, n, args.m, bandwidth, with_pdl=with_pdl)]
     device = torch.cuda.get_device_name()
     for r in rows:
         r.update(device=device, copy_GBps=bandwidth / 1e9)

@@ -130,9 +130,9 @@ RANGES = {"max_num_seqs": (1, 65536), "max_num_batched_tokens": (1, None), "bloc
           "max_cpu_loras": (1, None), "seed": (0, 2 ** 63 - 1),
           "cuda_graph_max_tokens": (0, 8192)}
 OPTIONAL = {"max_model_len", "num_kv_blocks", "max_cpu_loras", "overlap", "lora_epilogue",  # None: chosen for you
-            "lora_streams"}
+            "lora_streams", "pdl"}
 BOOLS = ("enable_prefix_caching", "enforce_eager", "enable_lora", "overlap", "lora_epilogue", "lora_streams",
-         "lora_expand_beside")
+         "lora_expand_beside", "pdl")
 
 
 @dataclass
@@ -163,6 +163,11 @@ class EngineConfig:
     # adds to the matmul's output (an add instead of the expand after the matmul); off until timed on a GPU
     # (gpu_e2e --compare-lora-streams runs it)
     lora_expand_beside: bool = False
+    # API only: CUDA, launch the step's Triton kernels with programmatic dependent launch, so that each kernel's
+    # programs start (and the int4 matmuls prefetch their first weights into L2) while the kernel before finishes
+    # (kernels.pdl; None: on for compute capability 9.0+ when a probe graph replays correctly; gpu_e2e --compare-pdl
+    # runs engines with False beside)
+    pdl: bool | None = None
     memory_limit: int | None = option(None, "CPU memory budget for weights, activations and KV cache, e.g. 8GB "
                                             "(default: half the available RAM).", cli_type=str)
     gpu_memory_utilization: float = option(0.90, "Fraction of the GPU's memory the engine may use, in (0, 1].")

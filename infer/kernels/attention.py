@@ -10,6 +10,8 @@ one key at a time (so any block size works) and keeping the softmax in float32 (
   sequence, KV head), the tile's rows being every (token, query head of the group) pair; it walks the keys
   0..last position of the tile, causal. Programs find their sequence by a binary search over query_start_loc, so
   nothing is synchronised with the host.
+
+Each kernel's PDL constexpr: launched with programmatic dependent launch (`pdl`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .intmath import cdiv, next_power_of_2
 
 PARTITION = 512  # keys per decode partition (a multiple of every BLOCK_N used)
@@ -80,7 +83,9 @@ def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, qsl_ptr,
                     s_qt, s_qh, s_qd, s_ot, s_oh, s_od, s_bt,
                     s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    pdl.start(PDL)
     tile, kv_head = tl.program_id(0), tl.program_id(1)
     b = _find_seq(qsl_ptr, num_seqs, tile, BLOCK_Q)
     q_start = tl.load(qsl_ptr + b)
@@ -118,7 +123,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tabl
                    s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, num_parts,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PART: tl.constexpr, SPLIT: tl.constexpr,
-                   IEEE: tl.constexpr):
+                   IEEE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.start(PDL)
     b, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(qsl_ptr + b)
     seq_len = tl.load(lens_ptr + b)
@@ -153,9 +159,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tabl
 
 @triton.jit(do_not_specialize=["num_parts"])
 def _reduce_kernel(out_ptr, part_acc_ptr, part_ml_ptr, lens_ptr, qsl_ptr, s_ot, s_oh, s_od, num_parts,
-                   BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PART: tl.constexpr, CHUNK: tl.constexpr):
+                   BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PART: tl.constexpr, CHUNK: tl.constexpr,
+                   PDL: tl.constexpr = False):
     """Merges a sequence's used partitions CHUNK at a time (a running max and sum, as the attention itself does), so
     one compiled variant serves every context length."""
+    pdl.start(PDL)
     b, head = tl.program_id(0), tl.program_id(1)
     q_start = tl.load(qsl_ptr + b)
     if tl.load(qsl_ptr + b + 1) - q_start == 1:
@@ -204,7 +212,8 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_sca
     if parts > 1:
         _reduce_kernel[(num_seqs, q.shape[1])](
             out, part_acc, part_ml, seq_lens, query_start_loc, *_strides(out), parts, BLOCK_D=meta["BLOCK_D"],
-            HEAD_DIM=meta["HEAD_DIM"], PART=PARTITION, CHUNK=REDUCE_CHUNK)
+            HEAD_DIM=meta["HEAD_DIM"], PART=PARTITION, CHUNK=REDUCE_CHUNK, PDL=meta["PDL"],
+            **pdl.launch(q.device))
 
 
 def _unified(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, out, max_query_len,
@@ -235,7 +244,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     group = hq // hk
     meta = dict(GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), PAGE=k_cache.shape[1],
                 BLOCK_N=32 if head_dim > 128 else 64, BLOCK_D=max(16, next_power_of_2(head_dim)),
-                HEAD_DIM=head_dim, IEEE=q.dtype == torch.float32)
+                HEAD_DIM=head_dim, IEEE=q.dtype == torch.float32, PDL=pdl.on(q.device), **pdl.launch(q.device))
     qk_scale = float(scale) * LOG2E
     if max_query_len == 1:
         _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, out, meta)

@@ -1,5 +1,6 @@
 """Triton versions of the small per-token ops: rms_norm (+ residual add), rotary embedding (alone, or with k and v
-written straight into the KV cache: rotary_store_kv), silu_and_mul, store_kv.
+written straight into the KV cache: rotary_store_kv), silu_and_mul, store_kv. Each kernel's PDL constexpr: launched
+with programmatic dependent launch (`pdl`).
 
 Same signatures and semantics as their references in `reference.py`: like them, every op returns new tensors
 (inputs are never modified) except store_kv and rotary_store_kv, which write into the caches. One program per token
@@ -12,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .intmath import cdiv, next_power_of_2
 
 
@@ -24,7 +26,8 @@ def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------- rms_norm
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_x, s_r, s_y, s_h,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -56,7 +59,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight.contiguous(), y2, h2, n, float(eps), x2.stride(0),
                                          r2.stride(0), y2.stride(0), h2.stride(0), HAS_RES=residual is not None,
                                          BLOCK=next_power_of_2(n),
-                                         num_warps=max(1, min(16, next_power_of_2(n) // 512)))
+                                         num_warps=max(1, min(16, next_power_of_2(n) // 512)),
+                                         PDL=pdl.on(x.device), **pdl.launch(x.device))
     return y if residual is None else (y, h)
 
 
@@ -89,9 +93,10 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cache_ptr, s_q, s_k, s
                    v_ptr, vc_ptr, slot_ptr, s_v, s_row, kv_width,
                    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
                    BLOCK_R: tl.constexpr, PASS: tl.constexpr, BLOCK_P: tl.constexpr, KV: tl.constexpr = False,
-                   BLOCK_KV: tl.constexpr = 16):
+                   BLOCK_KV: tl.constexpr = 16, PDL: tl.constexpr = False):
     """One token: q rotated into qo; k rotated into ko, or with KV into the token's KV-cache slot (ko_ptr / vc_ptr:
     the caches as rows of kv_width = Hk * D elements, s_row apart), with v copied beside it (slot -1: no write)."""
+    pdl.start(PDL)
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     r = tl.arange(0, BLOCK_R)
@@ -120,7 +125,7 @@ def _rotary_args(q, k, cos_sin_cache, head_dim, t):
     passthrough = head_dim - 2 * half
     consts = dict(HEAD_DIM=head_dim, HALF=half, BLOCK_HQ=next_power_of_2(hq),
                   BLOCK_HK=next_power_of_2(hk), BLOCK_R=next_power_of_2(half), PASS=passthrough,
-                  BLOCK_P=next_power_of_2(max(passthrough, 1)))
+                  BLOCK_P=next_power_of_2(max(passthrough, 1)), PDL=pdl.on(q.device), **pdl.launch(q.device))
     return q2, k2, hq, hk, cache, consts
 
 
@@ -165,7 +170,8 @@ def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 
 # ----------------------------------------------------------------------------------------------- silu_and_mul
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, y_ptr, n, s_x, s_y, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, y_ptr, n, s_x, s_y, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -185,7 +191,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] and n:
         block = min(1024, next_power_of_2(n))
         _silu_and_mul_kernel[(x2.shape[0], cdiv(n, block))](x2, y2, n, x2.stride(0), y2.stride(0),
-                                                                   BLOCK=block)
+                                                                   BLOCK=block, PDL=pdl.on(x.device),
+                                                                   **pdl.launch(x.device))
     return y
 
 
@@ -193,7 +200,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, heads, head_dim, s_kt, s_kh, s_kd, s_vt, s_vh, s_vd,
                      s_cb, s_cs, s_ch, s_cd, s_db, s_ds, s_dh, s_dd,
-                     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.start(PDL)
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
     if slot >= 0:
@@ -215,4 +223,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         return
     _store_kv_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, heads, head_dim, *k.stride(), *v.stride(),
                            *k_cache.stride(), *v_cache.stride(), PAGE=k_cache.shape[1],
-                           BLOCK_H=next_power_of_2(heads), BLOCK_D=next_power_of_2(head_dim))
+                           BLOCK_H=next_power_of_2(heads), BLOCK_D=next_power_of_2(head_dim), PDL=pdl.on(k.device),
+                           **pdl.launch(k.device))

@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .gptq_kernels import _fields
 from .intmath import cdiv
 
@@ -13,9 +14,11 @@ from .intmath import cdiv
 @triton.jit
 def _dequant_kernel(qw_ptr, qz_ptr, s_ptr, g_ptr, w_ptr, N, K, sq_k, sz_g, ss_g, sw_k,
                     BITS: tl.constexpr, ZEROS_V1: tl.constexpr, WP: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_W: tl.constexpr):
+                    BLOCK_W: tl.constexpr, PDL: tl.constexpr = False):
     """w[k, n] = (q - z) * s rounded to fp16, in w's dtype, k in input (not storage) order; groups read from g_idx
-    row by row."""
+    row by row. PDL: launched with programmatic dependent launch (`pdl.start`: the scratch it writes may still be
+    read by the cuBLAS matmul of the layer before until the wait returns)."""
+    pdl.start(PDL)
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     offs_w = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -60,7 +63,7 @@ def dequantize_into_scratch(qweight, qzeros, scales, g_idx, bits: int, zeros_v1:
     run = _dequant_kernel.warmup if compile_only else _dequant_kernel[grid]
     run(qweight, qzeros, scales, g_idx, w, n, k, qweight.stride(0), qzeros.stride(0), scales.stride(0), w.stride(0),
         BITS=bits, ZEROS_V1=bool(zeros_v1), WP=interleave, BLOCK_N=block_n, BLOCK_W=block_w, num_warps=4,
-        **({"grid": grid} if compile_only else {}))
+        PDL=pdl.on(qweight.device), **pdl.launch(qweight.device), **({"grid": grid} if compile_only else {}))
     return w
 
 

@@ -44,7 +44,7 @@ import os
 
 import torch
 
-from . import gptq_configs, lora_ops
+from . import gptq_configs, lora_ops, pdl
 from .gptq_dequant import dequantize_into_scratch, release_scratch, scratch_bytes  # noqa: F401 (the API)
 from .gptq_gemv import gemv_kernel, gemv_rows_kernel
 from .gptq_kernels import mma_kernel
@@ -140,7 +140,7 @@ def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, g
     f32 = x2.dtype == torch.float32
     common = dict(BITS=bits, ZEROS_V1=bool(zeros_v1), F32=f32, WP=wp, EVEN_K=k % cfg["BLOCK_K"] == 0,
                   BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT=split > 1, num_warps=cfg["num_warps"],
-                  num_stages=cfg["num_stages"])
+                  num_stages=cfg["num_stages"], PDL=pdl.on(x2.device), **pdl.launch(x2.device))
     rows = cfg.get("BLOCK_M", 1) if kind != "gemv" or cfg.get("BLOCK_M", 1) > 1 else 1
     epi, epi_c = _epilogue_args(y, bias, lora, m, n, rows, cfg["BLOCK_N"])
     common.update(epi_c)

@@ -18,6 +18,7 @@ shrink: grid (tiles, SPLIT_K). Program (p, k) multiplies its rows of x by the sl
   decode sizes (the output is a few dozen columns), bounded because every expand program reads all the partials.
 expand: grid (tiles, BLOCK_N-wide column tiles of every shard). Program (p, j) sums its rows' partials of its shard,
   multiplies them by the slot's B over its columns, scales, and adds the result into y in place.
+Both kernels' PDL constexpr: launched with programmatic dependent launch (`pdl`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .intmath import cdiv, next_power_of_2
 from .lora_reference import LoRADelta, SlotGroups
 
@@ -64,7 +66,8 @@ def _tile(starts_ptr, pid, S, BLOCK_M: tl.constexpr, S_P2: tl.constexpr):
 def _shrink_kernel(x_ptr, a_ptr, hp_ptr, order_ptr, starts_ptr, rank_ptr, S, K, NR, R, k_per_split,
                    sx_t, sx_k, sa_s, sa_j, sa_k, sh_p, sh_t, sr_i, sr_s,
                    BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr, S_P2: tl.constexpr,
-                   IEEE: tl.constexpr, BY_TOKEN: tl.constexpr = False):
+                   IEEE: tl.constexpr, BY_TOKEN: tl.constexpr = False, PDL: tl.constexpr = False):
+    pdl.start(PDL)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     slot, row0, seg_end = _tile(starts_ptr, pid, S, BLOCK_M, S_P2)
     offs_j = tl.arange(0, BLOCK_J)
@@ -104,7 +107,8 @@ def _expand_kernel(hp_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, rank_ptr, scal_p
                    t1, t2, t3, c0, c1, c2, c3, c4,
                    sh_p, sh_t, sy_t, sy_n, sr_i, sr_s, sc_i, sc_s,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
-                   S_P2: tl.constexpr, IEEE: tl.constexpr, BY_TOKEN: tl.constexpr = False):
+                   S_P2: tl.constexpr, IEEE: tl.constexpr, BY_TOKEN: tl.constexpr = False, PDL: tl.constexpr = False):
+    pdl.start(PDL)
     pid, pid_n = tl.program_id(0), tl.program_id(1)
     local = (pid_n >= t1).to(tl.int32) + (pid_n >= t2).to(tl.int32) + (pid_n >= t3).to(tl.int32)
     shard = shard0 + local
@@ -225,7 +229,8 @@ def shrink(x: torch.Tensor, lora_a: torch.Tensor, n: int, groups: SlotGroups, ra
     run(x, lora_a, hp, groups.order, groups.starts, ranks, num_slots, k, nr, nr // n, p["k_per_split"],
         x.stride(0), x.stride(1), *lora_a.stride(), hp.stride(0), hp.stride(1), *ranks.stride(),
         BLOCK_M=p["block_m"], BLOCK_J=_p2(nr, 16), BLOCK_K=p["block_k"], S_P2=_p2(num_slots, 2),
-        IEEE=x.dtype == torch.float32, BY_TOKEN=by_token, **({"grid": grid} if compile_only else {}))
+        IEEE=x.dtype == torch.float32, BY_TOKEN=by_token, PDL=pdl.on(x.device), **pdl.launch(x.device),
+        **({"grid": grid} if compile_only else {}))
     return hp
 
 
@@ -251,8 +256,8 @@ def expand(hp: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, scalings: to
         run(hp, b, y, groups.order, groups.starts, ranks, scalings, num_slots, rank, first, *cum, *cols,
             hp.stride(0), hp.stride(1), y.stride(0), y.stride(1), *ranks.stride(), *scalings.stride(),
             BLOCK_M=p["block_m"], BLOCK_N=block_n, BLOCK_R=_p2(rank, 16), SPLIT=split, S_P2=_p2(num_slots, 2),
-            IEEE=lora_b.dtype == torch.float32, BY_TOKEN=by_token, num_warps=EXPAND_WARPS,
-            **({"grid": grid} if compile_only else {}))
+            IEEE=lora_b.dtype == torch.float32, BY_TOKEN=by_token, num_warps=EXPAND_WARPS, PDL=pdl.on(y.device),
+            **pdl.launch(y.device), **({"grid": grid} if compile_only else {}))
 
 
 def add_delta(d: LoRADelta, y: torch.Tensor) -> None:
