@@ -46,6 +46,23 @@ def test_configure_leaves_a_cpu_off_whatever_is_asked():
         assert not pdl.on(torch.device("cpu"))
 
 
+def test_prefetch_steps_from_the_environment(monkeypatch):
+    from infer.errors import ConfigError
+    monkeypatch.setattr(pdl, "prefetch_steps", None)
+    monkeypatch.delenv("INFER_PDL_PREFETCH", raising=False)
+    assert pdl.prefetch() == 2
+    for value, want in (("0", 0), (" 8", 8), ("16", 16)):
+        monkeypatch.setattr(pdl, "prefetch_steps", None)
+        monkeypatch.setenv("INFER_PDL_PREFETCH", value)
+        assert pdl.prefetch() == want
+    for bad in ("3", "-1", "two", "32"):
+        monkeypatch.setattr(pdl, "prefetch_steps", None)
+        monkeypatch.setenv("INFER_PDL_PREFETCH", bad)
+        with pytest.raises(ConfigError, match="INFER_PDL_PREFETCH") as e:
+            pdl.prefetch()
+        assert "0, 1, 2, 4, 8, 16" in e.value.hint
+
+
 def test_engine_config_checks_pdl():
     from infer.engine.config import ConfigError, EngineConfig
     assert EngineConfig("tiny-llama").pdl is None
@@ -93,6 +110,7 @@ for on in (False, True):
     out[f"rms {on}"] = compile_(fused._rms_norm_kernel, rms, dict(HAS_RES=True, BLOCK=1024, PDL=on))
     out[f"mmat {on}"] = compile_(gptq_kernels.mma_kernel, kernel_sass.ARGS, dict(mma, PDL=on), 4, 3)
     out[f"gemv {on}"] = compile_(gptq_gemv.gemv_kernel, kernel_sass.ARGS, dict(gemv, PDL=on), 4, 1)
+out["mmat nothing"] = compile_(gptq_kernels.mma_kernel, kernel_sass.ARGS, dict(mma, PDL=True, PREFETCH=0), 4, 3)
 out["order"] = {k: kernel_sass.pdl_order(v) for k, v in out.items()}
 print(json.dumps(out))
 '''
@@ -118,6 +136,8 @@ def test_pdl_kernels_wait_before_touching_step_data_at_sm90(ptx):
         entry = ptx[f"{name} True"]
         assert -1 < entry.find("prefetch.global.L2") < entry.find("griddepcontrol.wait"), name
     assert "prefetch.global.L2" not in ptx["rms True"]
+    # INFER_PDL_PREFETCH=0: the same start without the prefetch
+    assert ptx["order"]["mmat nothing"] is None and "prefetch.global" not in ptx["mmat nothing"]
 
 
 def test_kernels_without_pdl_compile_as_before(ptx):
@@ -125,6 +145,43 @@ def test_kernels_without_pdl_compile_as_before(ptx):
         code = ptx[f"{name} False"]
         assert "griddepcontrol" not in code and "prefetch.global" not in code, name
         assert ptx["order"][f"{name} False"] == "no griddepcontrol.wait / launch_dependents in its entry"
+
+
+LAUNCH_SCRIPT = r'''
+launch = jit.JITFunction.run
+launched = []
+def record(self, *args, grid, warmup, **kwargs):
+    launched.append({"fn": self.fn.__name__, **{k: kwargs.get(k) for k in ("PDL", "PREFETCH", "launch_pdl")}})
+    return launch(self, *args, grid=grid, warmup=True, **kwargs)
+jit.JITFunction.run = record
+from infer.kernels import fused, gptq_configs, gptq_gemm, gptq_tune, pdl
+k, n = 256, 256
+qw, qz, s, g = gptq_tune.random_gptq(k, n, 4, 128, "cpu")
+wp = gptq_configs.interleave_for(128, k, 8)
+for on, steps in ((True, 8), (True, 0), (False, 8)):
+    pdl.prefetch_steps = steps
+    with pdl.forced(on):
+        for m in (1, 16):
+            gptq_gemm.gptq_matmul(torch.zeros(m, k, dtype=torch.float16), qw, qz, s, g, 4, True, 128, wp,
+                                  compile_only=True)
+        fused.rms_norm(torch.zeros(2, 64, dtype=torch.float16), torch.ones(64, dtype=torch.float16), 1e-6)
+print(json.dumps(launched))
+'''
+
+
+def test_launchers_pass_pdl_and_the_prefetch_together():
+    """Through the real launchers (compiled for sm_90, nothing run): with PDL, every launch sets the constexpr and
+    the attribute, and the int4 matmuls take INFER_PDL_PREFETCH's steps; without it, neither is set."""
+    from helpers import COMPILE_ONLY_PREAMBLE, run_compile_only
+    launched = run_compile_only(COMPILE_ONLY_PREAMBLE + LAUNCH_SCRIPT, 600)
+    assert len(launched) == 9, launched
+    for i, (on, steps) in enumerate(((True, 8), (True, 0), (False, 8))):
+        mm1, mm16, norm = launched[3 * i:3 * i + 3]
+        assert {mm1["fn"], mm16["fn"]} <= {"gemv_kernel", "mma_kernel"} and norm["fn"] == "_rms_norm_kernel"
+        for rec in (mm1, mm16, norm):
+            assert bool(rec["PDL"]) is on and bool(rec["launch_pdl"]) is on, rec
+        for rec in (mm1, mm16):
+            assert rec["PREFETCH"] == (steps if on else None), rec
 
 
 def test_pdl_order_finds_early_loads_and_branches():

@@ -127,6 +127,26 @@ def test_decode_split_over_long_contexts(ops, gen, monkeypatch, chunk):
     check_attention(ops[1], gen, ctx, [1] * len(ctx), 16, 4, 2, 16)
 
 
+def test_decode_reduce_rescales_to_a_later_larger_max(ops, gen, monkeypatch):
+    """The merge of partitions two at a time, where the keys of the last partitions score far above the earlier
+    ones (aligned with the query): the sums carried from the first chunk must be rescaled to the new running max.
+    Random keys leave the max in the first chunk about half the time, so this does not depend on the seed."""
+    monkeypatch.setattr(ops[1], "REDUCE_CHUNK", 2)
+    part, bs, hq, hk, d = ops[1].PARTITION, 16, 4, 2, 16
+    ctx = [3 * part + 5]
+    q, caches, clean, meta = paged_batch(gen, ctx, [1], bs, hq, hk, d)
+    for pos in range(2 * part, ctx[0]):  # partitions 2 and 3: the second chunk
+        block, off = int(meta["block_tables"][0, pos // bs]), pos % bs
+        for h in range(hk):
+            key = q[0, h * (hq // hk)] * 0.75
+            caches[0][block, off, h] = clean[0][block, off, h] = key
+    want = ref.paged_attention(q, *clean, scale=d ** -0.5, max_query_len=1, **meta)
+    dev = {k: v.to(DEV) for k, v in meta.items()}
+    got = ops[1].paged_attention(q.to(DEV), caches[0].to(DEV), caches[1].to(DEV), scale=d ** -0.5, max_query_len=1,
+                                 **dev)
+    assert_close(got, want, torch.float32, gen, "keys of the last partitions aligned with the query")
+
+
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("hq,hk,head_dim", [(8, 2, 16), (2, 2, 24), (4, 1, 32)])
 def test_mixed_decode_and_prefill_with_cached_prefix(ops, gen, block_size, hq, hk, head_dim):

@@ -5,6 +5,7 @@
     python -m infer.bench.kernels --tune --quick --tune-m 1 16 64   # only the engine start's candidates, some M
     python -m infer.bench.kernels --lora --out lora_kernels.csv     # multi-LoRA kernels (infer.bench.lora_kernels)
     python -m infer.bench.kernels --pdl --m 1 16 --models 7B ...    # also with programmatic dependent launch
+    python -m infer.bench.kernels --pdl --pdl-prefetch 0 2 8 ...    # ... prefetching 0, 2, 8 K steps of weights
 
 Shapes are the fused projections of a 7B (Llama-2) and a 14B (Qwen1.5) model: qkv, o, gate_up, down. Every
 kernel is timed from a CUDA graph that cycles through enough copies of its weights to defeat the L2 cache (the
@@ -13,8 +14,8 @@ measured in the same run; `vs_fp16` > 1 means faster than cuBLAS on the fp16 wei
 with the other unpacking of the words (PAIRS on or off for the field mma / mmat, INPLACE for gemv); from 32 rows,
 `dequant_us` / `chunks_us` are dequantize + cuBLAS on the whole matrix / in L2-sized column blocks; with --pdl,
 `pdl_us` is the same kernel launched with programmatic dependent launch (each launch of the graph starts, and
-prefetches its first weights, while the one before finishes: kernels.pdl) and `pdl_gain` infer_us / pdl_us. GPU
-only.
+prefetches its first weights, while the one before finishes: kernels.pdl) and `pdl_gain` infer_us / pdl_us; with
+--pdl-prefetch, `pdl_us_prefetchP` the same prefetching P K steps before the wait. GPU only.
 """
 
 from __future__ import annotations
@@ -78,9 +79,10 @@ def toggled(cfg: dict) -> dict | None:
 
 
 def measure_shape(model: str, name: str, k: int, n: int, ms, bandwidth: float, device: str = "cuda",
-                  with_pdl: bool = False) -> list[dict]:
+                  with_pdl: bool = False, pdl_prefetch=()) -> list[dict]:
     """One row per M for a K x N layer (device: "cuda"; the tests run the same code on "cpu", interpreted);
-    with_pdl: also timed with programmatic dependent launch (`pdl_us`)."""
+    with_pdl: also timed with programmatic dependent launch (`pdl_us`), and prefetching each of `pdl_prefetch` K
+    steps of weights before the wait."""
     from ..kernels import gptq_configs, gptq_gemm, pdl, reference
     from ..kernels.gptq_tune import L2_BUST_BYTES, chunked, time_graph
     copies = [random_gptq(k, n, 4, 128, device) for _ in range(max(2, -(-L2_BUST_BYTES // (k * n // 2))))]
@@ -103,7 +105,15 @@ def measure_shape(model: str, name: str, k: int, n: int, ms, bandwidth: float, d
         if with_pdl:
             with pdl.forced(True):
                 row["pdl_us"] = time_graph([lambda t=t: gptq_gemm.gptq_matmul(x, *t, 4, True, 128, wp) for t in copies])
-            row["pdl_gain"] = ours / row["pdl_us"]
+                row["pdl_gain"] = ours / row["pdl_us"]
+                default = pdl.prefetch()
+                try:
+                    for steps in pdl_prefetch:
+                        pdl.prefetch_steps = steps
+                        row[f"pdl_us_prefetch{steps}"] = time_graph(
+                            [lambda t=t: gptq_gemm.gptq_matmul(x, *t, 4, True, 128, wp) for t in copies])
+                finally:
+                    pdl.prefetch_steps = default
         other = toggled(cfg)
         if other is not None:  # the same tile with the other unpacking, timed in the same run
             row["other"] = kernel_label(other)
@@ -173,6 +183,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lora", action="store_true", help="time the multi-LoRA shrink/expand kernels instead")
     p.add_argument("--pdl", action="store_true",
                    help="also time each kernel launched with programmatic dependent launch (Hopper and newer)")
+    p.add_argument("--pdl-prefetch", type=int, nargs="+", default=[], choices=(0, 1, 2, 4, 8, 16),
+                   help="with --pdl: also time these numbers of K steps of weights prefetched before the wait")
     return p.parse_args(argv)
 
 
@@ -199,7 +211,8 @@ def main(argv=None) -> int:
                   file=sys.stderr)
         with_pdl = problem is None
     rows = [r for model in args.models for name, (k, n) in SHAPES[model].items()
-            for r in measure_shape(model, name, k, n, args.m, bandwidth, with_pdl=with_pdl)]
+            for r in measure_shape(model, name, k, n, args.m, bandwidth, with_pdl=with_pdl,
+                                   pdl_prefetch=args.pdl_prefetch if with_pdl else ())]
     device = torch.cuda.get_device_name()
     for r in rows:
         r.update(device=device, copy_GBps=bandwidth / 1e9)

@@ -60,6 +60,8 @@ def print_plan(plan, extra: dict) -> None:
         rows.append(("int4 kernel tuning at start (s)", f"{extra['kernel_tuning_s']:.1f}"))
     if extra.get("kernel_compile_s") is not None:
         rows.append(("int4 kernel compiles at start (s)", f"{extra['kernel_compile_s']:.1f}"))
+    if extra.get("pdl") is not None:
+        rows.append(("kernels launched with programmatic dependent launch", "yes" if extra["pdl"] else "no"))
     if extra.get("cuda_graphs_s") is not None:
         rows.append((f"CUDA graph capture at start ({extra['cuda_graphs']:,} graphs, s)",
                      f"{extra['cuda_graphs_s']:.1f}"))

@@ -141,6 +141,8 @@ def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, g
     common = dict(BITS=bits, ZEROS_V1=bool(zeros_v1), F32=f32, WP=wp, EVEN_K=k % cfg["BLOCK_K"] == 0,
                   BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT=split > 1, num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"], PDL=pdl.on(x2.device), **pdl.launch(x2.device))
+    if common["PDL"]:
+        common["PREFETCH"] = pdl.prefetch()
     rows = cfg.get("BLOCK_M", 1) if kind != "gemv" or cfg.get("BLOCK_M", 1) > 1 else 1
     epi, epi_c = _epilogue_args(y, bias, lora, m, n, rows, cfg["BLOCK_N"])
     common.update(epi_c)

@@ -86,7 +86,8 @@ def gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, 
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, FIELD_LOOP: tl.constexpr = False,
                 INPLACE: tl.constexpr = False, ASM: tl.constexpr = True, HAS_BIAS: tl.constexpr = False,
                 LORA_S: tl.constexpr = 0, LORA_R: tl.constexpr = 0, LORA_RP: tl.constexpr = 1,
-                LORA_NSH: tl.constexpr = 1, LORA_JB: tl.constexpr = 16, PDL: tl.constexpr = False):
+                LORA_NSH: tl.constexpr = 1, LORA_JB: tl.constexpr = 16, PDL: tl.constexpr = False,
+                PREFETCH: tl.constexpr = 2):
     """M = 1 on CUDA cores: fields become floats by OR-ing them into the mantissa of 2^23 (the float 2^23 + q),
     x * (q - z) accumulates in a [BLOCK_K / pack, BLOCK_N] float32 tile reduced once at the end, and the group's
     scale multiplies the step's partial sum, not every weight. FIELD_LOOP: field by field, x loaded per field.
@@ -99,7 +100,7 @@ def gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, 
     offs_w = tl.arange(0, BKW)
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
-    _pdl_start(qw_ptr, k_begin, k_end, pid_n * BLOCK_N, N, sq_k, BITS, BKW, BLOCK_N, PDL)
+    _pdl_start(qw_ptr, k_begin, k_end, pid_n * BLOCK_N, N, sq_k, BITS, BKW, BLOCK_N, PDL, PREFETCH)
     acc = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         words, wv, z, s = _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, group_size, offs_w, offs_n, mask_n, sq_k,
@@ -123,7 +124,7 @@ def gemv_rows_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                      HAS_BIAS: tl.constexpr = False, LORA_S: tl.constexpr = 0, LORA_R: tl.constexpr = 0,
                      LORA_RP: tl.constexpr = 1, LORA_NSH: tl.constexpr = 1, LORA_JB: tl.constexpr = 16,
-                     PDL: tl.constexpr = False):
+                     PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 2):
     """`gemv` for BLOCK_M rows at once: each weight is loaded and unpacked once and used for every row."""
     PACK: tl.constexpr = 32 // BITS
     BKW: tl.constexpr = BLOCK_K // PACK
@@ -135,7 +136,7 @@ def gemv_rows_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N
     offs_w = tl.arange(0, BKW)
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
-    _pdl_start(qw_ptr, k_begin, k_end, pid_n * BLOCK_N, N, sq_k, BITS, BKW, BLOCK_N, PDL)
+    _pdl_start(qw_ptr, k_begin, k_end, pid_n * BLOCK_N, N, sq_k, BITS, BKW, BLOCK_N, PDL, PREFETCH)
     acc = tl.zeros((BLOCK_M, BKW, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         words, wv, z, s = _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, group_size, offs_w, offs_n, mask_n, sq_k,

@@ -179,12 +179,13 @@ def _epilogue(acc, y_ptr, ws_ptr, lock_ptr, tile, pid_k, offs_m, offs_n, M, N, s
 
 @triton.jit
 def _pdl_start(qw_ptr, k_begin, k_end, n0, N, sq_k, BITS: tl.constexpr, BKW: tl.constexpr, BLOCK_N: tl.constexpr,
-               PDL: tl.constexpr):
-    """With PDL (`pdl`): the program's first two K steps of packed words asked into L2 (constants: no need to
+               PDL: tl.constexpr, PREFETCH: tl.constexpr):
+    """With PDL (`pdl`): the program's first PREFETCH K steps of packed words asked into L2 (constants: no need to
     wait for the kernel before), then `pdl.start` (let the next kernel launch, wait for the previous one)."""
-    if PDL:
+    if PDL and PREFETCH > 0:
         PACK: tl.constexpr = 32 // BITS
-        pdl.prefetch_rows(qw_ptr, k_begin // PACK, (k_end + PACK - 1) // PACK, sq_k, n0, N, 2 * BKW, BLOCK_N, 32)
+        pdl.prefetch_rows(qw_ptr, k_begin // PACK, (k_end + PACK - 1) // PACK, sq_k, n0, N, PREFETCH * BKW, BLOCK_N,
+                          32)
     pdl.start(PDL)
 
 
@@ -384,13 +385,13 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
                SCALE_W: tl.constexpr = False, TRANS: tl.constexpr = False, PAIRS: tl.constexpr = False,
                ASM: tl.constexpr = True, HAS_BIAS: tl.constexpr = False, LORA_S: tl.constexpr = 0,
                LORA_R: tl.constexpr = 0, LORA_RP: tl.constexpr = 1, LORA_NSH: tl.constexpr = 1,
-               LORA_JB: tl.constexpr = 16, PDL: tl.constexpr = False):
+               LORA_JB: tl.constexpr = 16, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 2):
     """Tensor cores (tl.dot), y tile [BLOCK_M, BLOCK_N]: one dot per packed field (FIELD_DOTS, `_dot_fields`) or
     one dot over the reshaped tile (`_dot_tile`). TRANS (`mmat`) computes y^T = W^T x^T, so the dequantized weight
     is the first (register) operand of the tensor-core instruction and the activation rows the second (as Machete
     does); BLOCK_N is then the instruction's M side. PAIRS (4-bit, with FIELD_DOTS): two fields per dot
     (`_dot_pairs`). Grouped tile order: GROUP_M row tiles walk the same column tiles (L2 reuse). PDL: launched
-    with programmatic dependent launch (`_pdl_start`)."""
+    with programmatic dependent launch (`_pdl_start`: PREFETCH K steps of weights into L2 before the wait)."""
     BKW: tl.constexpr = BLOCK_K // (32 // BITS)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -405,7 +406,7 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
     offs_w = tl.arange(0, BKW)
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
-    _pdl_start(qw_ptr, k_begin, k_end, pid_n * BLOCK_N, N, sq_k, BITS, BKW, BLOCK_N, PDL)
+    _pdl_start(qw_ptr, k_begin, k_end, pid_n * BLOCK_N, N, sq_k, BITS, BKW, BLOCK_N, PDL, PREFETCH)
     if TRANS:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         x_rows = x_ptr + offs_m[None, :] * sx_m

@@ -73,10 +73,10 @@ def _shrink_kernel(x_ptr, a_ptr, hp_ptr, order_ptr, starts_ptr, rank_ptr, S, K, 
     offs_j = tl.arange(0, BLOCK_J)
     rank = tl.load(rank_ptr + (offs_j // R) * sr_i + slot * sr_s, mask=offs_j < NR, other=0)
     mask_j = (offs_j % R) < rank  # false past NR too (rank 0 there)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    mask_m = rows < seg_end
+    tok = tl.load(order_ptr + rows, mask=mask_m, other=0)  # beside the ranks' load, not after it (one round trip)
     if (row0 < seg_end) & (tl.max(rank, 0) > 0):
-        rows = row0 + tl.arange(0, BLOCK_M)
-        mask_m = rows < seg_end
-        tok = tl.load(order_ptr + rows, mask=mask_m, other=0)
         a_base = a_ptr + slot.to(tl.int64) * sa_s
         acc = tl.zeros((BLOCK_M, BLOCK_J), dtype=tl.float32)
         k_lo = pid_k * k_per_split
@@ -114,10 +114,10 @@ def _expand_kernel(hp_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, rank_ptr, scal_p
     shard = shard0 + local
     slot, row0, seg_end = _tile(starts_ptr, pid, S, BLOCK_M, S_P2)
     rank = tl.load(rank_ptr + shard * sr_i + slot * sr_s)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    mask_m = rows < seg_end
+    tok = tl.load(order_ptr + rows, mask=mask_m, other=0)  # beside the rank's load, not after it (one round trip)
     if (row0 < seg_end) & (rank > 0):
-        rows = row0 + tl.arange(0, BLOCK_M)
-        mask_m = rows < seg_end
-        tok = tl.load(order_ptr + rows, mask=mask_m, other=0)
         offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < rank
         offs_p = tl.arange(0, SPLIT)

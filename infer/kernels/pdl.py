@@ -44,6 +44,25 @@ except ImportError:  # pragma: no cover - older Triton: PDL stays off (the kerne
 log = logging.getLogger("infer")
 
 _ON: dict = {}  # torch.device (with its index) -> whether the kernels on it launch with PDL
+PREFETCH_CHOICES = (0, 1, 2, 4, 8, 16)
+# K steps (of BLOCK_K input rows) of its packed weights an int4 matmul asks into L2 before its wait (0: none); None:
+# INFER_PDL_PREFETCH, default 2 (`python -m infer.bench.kernels --pdl --pdl-prefetch 0 2 8` times the choices)
+prefetch_steps: int | None = None
+
+
+def prefetch() -> int:
+    """The K steps of weights the int4 matmuls prefetch before their wait (`prefetch_steps`, else the environment's
+    INFER_PDL_PREFETCH, else 2); ConfigError for a value that is not one of PREFETCH_CHOICES."""
+    global prefetch_steps
+    if prefetch_steps is None:
+        value = os.environ.get("INFER_PDL_PREFETCH", "2").strip()
+        if not value.isdigit() or int(value) not in PREFETCH_CHOICES:
+            from ..errors import ConfigError
+            raise ConfigError(f"INFER_PDL_PREFETCH={value!r} is not a number of K steps the int4 matmuls can "
+                              f"prefetch", f"use one of {', '.join(map(str, PREFETCH_CHOICES))} (default 2), or "
+                              "unset it")
+        prefetch_steps = int(value)
+    return prefetch_steps
 _FORCED: list = []  # a stack of forced answers (kernel-sass compiles the PDL variants for sm_90 on a CPU)
 
 
@@ -156,6 +175,7 @@ def configure(device, want: bool | None) -> bool:
     device = _key(device)
     use = False
     if device.type == "cuda" and want is not False:
+        prefetch()  # a bad INFER_PDL_PREFETCH fails the start, not a step
         cap = torch.cuda.get_device_capability(device)
         if not supported(cap):
             if want:
