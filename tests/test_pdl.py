@@ -112,6 +112,7 @@ for on in (False, True):
     out[f"gemv {on}"] = compile_(gptq_gemv.gemv_kernel, kernel_sass.ARGS, dict(gemv, PDL=on), 4, 1)
 out["mmat nothing"] = compile_(gptq_kernels.mma_kernel, kernel_sass.ARGS, dict(mma, PDL=True, PREFETCH=0), 4, 3)
 out["order"] = {k: kernel_sass.pdl_order(v) for k, v in out.items()}
+out["prefetches"] = {k: v.count("prefetch.global.L2") for k, v in out.items() if isinstance(v, str)}
 print(json.dumps(out))
 '''
 
@@ -135,6 +136,8 @@ def test_pdl_kernels_wait_before_touching_step_data_at_sm90(ptx):
     for name in ("mmat", "gemv"):
         entry = ptx[f"{name} True"]
         assert -1 < entry.find("prefetch.global.L2") < entry.find("griddepcontrol.wait"), name
+        # the packed words, the scales and the zeros of the first K steps: each a prefetch of its own
+        assert ptx["prefetches"][f"{name} True"] >= 3, (name, ptx["prefetches"])
     assert "prefetch.global.L2" not in ptx["rms True"]
     # INFER_PDL_PREFETCH=0: the same start without the prefetch
     assert ptx["order"]["mmat nothing"] is None and "prefetch.global" not in ptx["mmat nothing"]

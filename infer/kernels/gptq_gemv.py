@@ -100,7 +100,8 @@ def gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, 
     offs_w = tl.arange(0, BKW)
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
-    _pdl_start(qw_ptr, k_begin, k_end, pid_n * BLOCK_N, N, sq_k, BITS, BKW, BLOCK_N, PDL, PREFETCH)
+    _pdl_start(qw_ptr, qz_ptr, s_ptr, k_begin, k_end, group_size, pid_n * BLOCK_N, N, sq_k, sz_g, ss_g, BITS, BKW,
+               BLOCK_N, PDL, PREFETCH)
     acc = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         words, wv, z, s = _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, group_size, offs_w, offs_n, mask_n, sq_k,
@@ -136,7 +137,8 @@ def gemv_rows_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N
     offs_w = tl.arange(0, BKW)
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
-    _pdl_start(qw_ptr, k_begin, k_end, pid_n * BLOCK_N, N, sq_k, BITS, BKW, BLOCK_N, PDL, PREFETCH)
+    _pdl_start(qw_ptr, qz_ptr, s_ptr, k_begin, k_end, group_size, pid_n * BLOCK_N, N, sq_k, sz_g, ss_g, BITS, BKW,
+               BLOCK_N, PDL, PREFETCH)
     acc = tl.zeros((BLOCK_M, BKW, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         words, wv, z, s = _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, group_size, offs_w, offs_n, mask_n, sq_k,

@@ -178,14 +178,19 @@ def _epilogue(acc, y_ptr, ws_ptr, lock_ptr, tile, pid_k, offs_m, offs_n, M, N, s
 
 
 @triton.jit
-def _pdl_start(qw_ptr, k_begin, k_end, n0, N, sq_k, BITS: tl.constexpr, BKW: tl.constexpr, BLOCK_N: tl.constexpr,
-               PDL: tl.constexpr, PREFETCH: tl.constexpr):
-    """With PDL (`pdl`): the program's first PREFETCH K steps of packed words asked into L2 (constants: no need to
-    wait for the kernel before), then `pdl.start` (let the next kernel launch, wait for the previous one)."""
+def _pdl_start(qw_ptr, qz_ptr, s_ptr, k_begin, k_end, group_size, n0, N, sq_k, sz_g, ss_g, BITS: tl.constexpr,
+               BKW: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+    """With PDL (`pdl`): the program's first PREFETCH K steps of packed words, and their groups' zeros and scales
+    (a step lies inside one group), asked into L2 (constants: no need to wait for the kernel before; without the
+    zeros and scales the first step would still wait for memory), then `pdl.start` (let the next kernel launch,
+    wait for the previous one)."""
     if PDL and PREFETCH > 0:
         PACK: tl.constexpr = 32 // BITS
         pdl.prefetch_rows(qw_ptr, k_begin // PACK, (k_end + PACK - 1) // PACK, sq_k, n0, N, PREFETCH * BKW, BLOCK_N,
                           32)
+        g0, g_end = k_begin // group_size, (k_end + group_size - 1) // group_size
+        pdl.prefetch_rows(s_ptr, g0, g_end, ss_g, n0, N, PREFETCH, BLOCK_N, 32)
+        pdl.prefetch_rows(qz_ptr, g0, g_end, sz_g, n0 // PACK, (N + PACK - 1) // PACK, PREFETCH, BLOCK_N // PACK, 32)
     pdl.start(PDL)
 
 
@@ -406,7 +411,8 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
     offs_w = tl.arange(0, BKW)
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
-    _pdl_start(qw_ptr, k_begin, k_end, pid_n * BLOCK_N, N, sq_k, BITS, BKW, BLOCK_N, PDL, PREFETCH)
+    _pdl_start(qw_ptr, qz_ptr, s_ptr, k_begin, k_end, group_size, pid_n * BLOCK_N, N, sq_k, sz_g, ss_g, BITS, BKW,
+               BLOCK_N, PDL, PREFETCH)
     if TRANS:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         x_rows = x_ptr + offs_m[None, :] * sx_m
