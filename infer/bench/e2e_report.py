@@ -51,43 +51,40 @@ def adapter_costs(rows: list[dict]) -> list[str]:
     return lines
 
 
-def piecewise_gains(rows: list[dict]) -> list[str]:
-    """For each row run with mixed steps eager (--compare-piecewise): the throughput and TTFT of the same engine
-    with the piecewise graphs, as ratios."""
-    lines = []
+def variant_pairs(rows: list[dict], variant: str, need: str) -> list[tuple[str, dict, dict]]:
+    """(mode label without the variant, the default engine's row, the variant's row) for each row run as
+    `variant`, where the default engine's row of the same model, engine and mode is there and both `need`
+    figures are non-zero."""
+    pairs = []
     for r in rows:
-        if not r["lora"].endswith(NO_PIECES):
+        if not r["lora"].endswith(variant):
             continue
         lora = without_variant(r["lora"])
         on = next((b for b in rows if b["model"] == r["model"] and b["engine"] == r["engine"]
                    and b["lora"] == lora), None)
-        if on is None or not r["output_tok_s"] or not on["mean_ttft_ms"]:
-            continue
-        lines.append(f"{r['model']} {r['engine']}, {lora}: piecewise graphs for prefills and mixed steps give "
-                     f"{on['output_tok_s'] / r['output_tok_s']:.2f}x the throughput of running them eagerly "
-                     f"({on['output_tok_s']:,.0f} vs {r['output_tok_s']:,.0f} tok/s; TTFT {on['mean_ttft_ms']:.1f} vs "
-                     f"{r['mean_ttft_ms']:.1f} ms; {on.get('piecewise_steps', '?')} of {on.get('steps', '?')} steps "
-                     f"through them)")
-    return lines
+        if on is not None and r["output_tok_s"] and on[need]:
+            pairs.append((lora, on, r))
+    return pairs
+
+
+def piecewise_gains(rows: list[dict]) -> list[str]:
+    """For each row run with mixed steps eager (--compare-piecewise): the throughput and TTFT of the same engine
+    with the piecewise graphs, as ratios."""
+    return [f"{r['model']} {r['engine']}, {lora}: piecewise graphs for prefills and mixed steps give "
+            f"{on['output_tok_s'] / r['output_tok_s']:.2f}x the throughput of running them eagerly "
+            f"({on['output_tok_s']:,.0f} vs {r['output_tok_s']:,.0f} tok/s; TTFT {on['mean_ttft_ms']:.1f} vs "
+            f"{r['mean_ttft_ms']:.1f} ms; {on.get('piecewise_steps', '?')} of {on.get('steps', '?')} steps "
+            f"through them)" for lora, on, r in variant_pairs(rows, NO_PIECES, "mean_ttft_ms")]
 
 
 def pdl_gains(rows: list[dict]) -> list[str]:
     """For each row run without programmatic dependent launch (--compare-pdl): the same engine's throughput and
     TPOT with it, as ratios (what PDL gives)."""
-    lines = []
-    for r in rows:
-        if not r["lora"].endswith(NO_PDL):
-            continue
-        lora = without_variant(r["lora"])
-        on = next((b for b in rows if b["model"] == r["model"] and b["engine"] == r["engine"]
-                   and b["lora"] == lora), None)
-        if on is None or not r["output_tok_s"] or not on["mean_tpot_ms"]:
-            continue
-        lines.append(f"{r['model']} {r['engine']}, {lora}: programmatic dependent launch gives "
-                     f"{on['output_tok_s'] / r['output_tok_s']:.3f}x the throughput and "
-                     f"{r['mean_tpot_ms'] / on['mean_tpot_ms']:.3f}x the decode speed (TPOT {on['mean_tpot_ms']} vs "
-                     f"{r['mean_tpot_ms']} ms; PDL used: {on.get('pdl')})")
-    return lines
+    return [f"{r['model']} {r['engine']}, {lora}: programmatic dependent launch gives "
+            f"{on['output_tok_s'] / r['output_tok_s']:.3f}x the throughput and "
+            f"{r['mean_tpot_ms'] / on['mean_tpot_ms']:.3f}x the decode speed (TPOT {on['mean_tpot_ms']} vs "
+            f"{r['mean_tpot_ms']} ms; PDL used: {on.get('pdl')})"
+            for lora, on, r in variant_pairs(rows, NO_PDL, "mean_tpot_ms")]
 
 
 def write_tables(rows: list[dict], out: Path, notes: list[str]) -> str:
