@@ -37,8 +37,14 @@ import triton.language as tl
 try:  # Triton 3.4 and newer
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     HAVE_GDC = True
-except ImportError:  # pragma: no cover - older Triton: PDL stays off (the kernels never reach these names)
-    gdc_launch_dependents = gdc_wait = None
+except ImportError:  # pragma: no cover - older Triton: PDL stays off, and these stand-ins are never reached
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+    @triton.jit
+    def gdc_wait():
+        pass
     HAVE_GDC = False
 
 log = logging.getLogger("infer")
