@@ -50,6 +50,7 @@ except ImportError:  # pragma: no cover - older Triton: PDL stays off, and these
 log = logging.getLogger("infer")
 
 _ON: dict = {}  # torch.device (with its index) -> whether the kernels on it launch with PDL
+_FORCED: list = []  # a stack of forced answers (kernel-sass compiles the PDL variants for sm_90 on a CPU)
 PREFETCH_CHOICES = (0, 1, 2, 4, 8, 16)
 # K steps (of BLOCK_K input rows) of its packed weights an int4 matmul asks into L2 before its wait (0: none); None:
 # INFER_PDL_PREFETCH, default 2 (`python -m infer.bench.kernels --pdl --pdl-prefetch 0 2 8` times the choices)
@@ -69,7 +70,6 @@ def prefetch() -> int:
                               "unset it")
         prefetch_steps = int(value)
     return prefetch_steps
-_FORCED: list = []  # a stack of forced answers (kernel-sass compiles the PDL variants for sm_90 on a CPU)
 
 
 @triton.jit
