@@ -15,6 +15,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from infer.bench import e2e_report  # noqa: E402
+from infer.engine.sampling_params import SamplingParams  # noqa: E402
 from infer.kernels import pdl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -247,7 +248,7 @@ def test_pdl_changes_no_token_on_the_gpu():
     """The same fp16 model's greedy tokens and logprobs with the kernels launched with and without PDL, CUDA graphs
     on (decode graphs and the pieces: more prompts than sequences, so prompts join running decodes): identical, bit
     for bit (PDL only moves when a kernel's programs start; every kernel is deterministic)."""
-    from infer import LLM, SamplingParams
+    from infer import LLM
     from infer.models.tiny import ensure_builtin
     cap = torch.cuda.get_device_capability()
     if not pdl.supported(cap):
@@ -265,3 +266,39 @@ def test_pdl_changes_no_token_on_the_gpu():
         finally:
             llm.close()
     assert outs[True] == outs[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_pdl_with_int4_and_mixed_adapters_changes_no_token_on_the_gpu(tmp_path):
+    """Where PDL meets everything else: a random int4 model (Llama-2-7B layer shapes, 2 layers) with 4 mixed rank-16
+    adapters, the LoRA shrink on the second stream beside the int4 matmul (its edges cross streams in the recorded
+    graphs), decode graphs and the pieces (more prompts than sequences, staggered lengths). The tokens with PDL
+    equal those without it, request by request."""
+    from infer.bench import e2e_models
+    from infer.bench import gpu_e2e as e2e
+    cap = torch.cuda.get_device_capability()
+    if not pdl.supported(cap):
+        pytest.skip(f"compute capability {cap[0]}.{cap[1]}: no PDL")
+    cfg = e2e_models.hf_config("llama-2-7b", num_hidden_layers=2)
+    model, _ = e2e_models.build_model(cfg, torch.float16, "cuda", quantized=True)
+    adapters = e2e_models.write_random_adapters(cfg, tmp_path, 4, 16)
+    reqs = e2e.make_requests(cfg.vocab_size, 12, prompt_len=20, output_len=24, adapters=list(adapters) + [None],
+                             stagger=True)
+    got = {}
+    for want in (True, False):
+        engine = e2e.build_engine(model, cfg, e2e_models.make_tokenizer(cfg.vocab_size), "cuda", adapters, 16, 4,
+                                  max_len=128, pdl=want)
+        try:
+            assert engine.pdl is want
+            for i, r in enumerate(reqs):
+                engine.add_request(str(i), r.prompt_token_ids, SamplingParams(max_new_tokens=r.output_len,
+                                                                              ignore_eos=True), lora=r.lora)
+            out = {}
+            while engine.has_unfinished_requests():
+                out.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+            got[want] = out
+            assert engine.stats()["piecewise_graph_steps"] > 0
+        finally:
+            engine.close()
+    assert len(got[True]) == len(reqs) and got[True] == got[False]
