@@ -50,14 +50,15 @@ def test_pairs_and_in_place_unpacking_spend_fewer_instructions_at_sm90():
 def test_every_quick_tuning_candidate_compiles_fits_and_does_not_spill_at_sm90():
     """What an engine start tunes over on an H100 (gptq_tune's quick set, M = 1-4096) and what it launches
     untuned (every fused entry of the shipped tables, at its own layer shape), compiled through the launcher in
-    parallel: every call's kernel is compiled by compile_parallel, none exceeds sm_90's shared memory, none spills
-    registers in its main loop."""
+    parallel, launched with programmatic dependent launch as on an H100: every call's kernel is compiled by
+    compile_parallel, none exceeds sm_90's shared memory, none spills registers in its main loop."""
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel-sass"), "--audit"], capture_output=True,
                          text=True, timeout=1200, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     summary = re.search(r"(\d+) shipped table entries: (\d+) calls, (\d+) kernels, 0 over the shared-memory limit "
                         r"or spilling in the main loop, 0 not compiled", out.stdout)
     assert summary and int(summary.group(1)) >= 40 and int(summary.group(3)) >= 50, out.stdout[-2000:]
+    assert "(launched with programmatic dependent launch)" in out.stdout  # as an H100 engine's start compiles them
 
 
 @pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this triton ships no cuobjdump")
