@@ -6,6 +6,8 @@ tile order with several M tiles), and the default heuristic is exercised too."""
 
 from __future__ import annotations
 
+import json
+
 import os
 
 import pytest
@@ -37,10 +39,13 @@ PAIRS_SCALED = dict(SCALED, PAIRS=True)
 MMAT_SCALED = dict(MMAT_FIELDS, SCALE_W=True)
 MMAT_PAIRS = dict(MMAT_FIELDS, PAIRS=True)  # two fields per dot, the weight as the first operand
 MMAT_PAIRS_SCALED = dict(MMAT_SCALED, PAIRS=True)
+SHIFTS = dict(FIELDS, BYTES=False)  # 4-bit fields shifted out one at a time (the field tiles take them by byte)
+MMAT_SHIFTS_SCALED = dict(MMAT_SCALED, BYTES=False)
 CONFIGS = {"decode": DECODE, "prefill": PREFILL, "gemv": GEMV, "rows": ROWS, "mmat": MMAT, "fields": FIELDS,
            "gemv_fields": GEMV_FIELDS, "mmat_fields": MMAT_FIELDS, "scaled": SCALED, "mmat_scaled": MMAT_SCALED,
            "gemv_inplace": GEMV_INPLACE, "pairs": PAIRS, "pairs_scaled": PAIRS_SCALED, "mmat_pairs": MMAT_PAIRS,
-           "mmat_pairs_scaled": MMAT_PAIRS_SCALED, "dequant": {"kernel": "dequant"},
+           "mmat_pairs_scaled": MMAT_PAIRS_SCALED, "shifts": SHIFTS, "mmat_shifts_scaled": MMAT_SHIFTS_SCALED,
+           "dequant": {"kernel": "dequant"},
            "dequant_chunks": {"kernel": "dequant", "CHUNK_N": 32}}  # columns a block at a time, a ragged last one
 
 
@@ -101,7 +106,8 @@ def test_matches_reference(gemm, gen, regime, bits, group, desc_act, hint):
     lo, hi = {"decode": (1, 20), "prefill": (33, 90), "gemv": (1, 4), "rows": (1, 11), "mmat": (1, 40),
               "fields": (1, 20), "gemv_fields": (1, 3), "mmat_fields": (1, 40), "scaled": (17, 70),
               "mmat_scaled": (1, 40), "gemv_inplace": (1, 3), "pairs": (1, 20), "pairs_scaled": (17, 70),
-              "mmat_pairs": (1, 20), "mmat_pairs_scaled": (17, 40), "dequant": (1, 90),
+              "mmat_pairs": (1, 20), "mmat_pairs_scaled": (17, 40), "shifts": (1, 20), "mmat_shifts_scaled": (1, 40),
+              "dequant": (1, 90),
               "dequant_chunks": (1, 90)}[regime]
     m = int(torch.randint(lo, hi, (1,), generator=g))
     cfg = CONFIGS[regime]
@@ -131,7 +137,8 @@ def test_default_config_bf16_and_leading_dims(gemm, gen, m):
 
 def test_negative_words_and_extreme_values(gemm, gen):
     """Every packed word has its sign bit set (value 15/255 in the top field) and zeros sit at both ends, through
-    the kernels that unpack the words in their own ways (shifts; fields in place; two fields per lop3)."""
+    the kernels that unpack the words in their own ways (shifts; by byte permute; fields in place; two fields per
+    lop3)."""
     g = gen
     for bits in (4, 8):
         maxq, in_f, out_f, gs = (1 << bits) - 1, 256, 32, 128
@@ -149,9 +156,84 @@ def test_negative_words_and_extreme_values(gemm, gen):
         y = gemm.gptq_matmul(x.to(DEV), *args, bits, False, gs, config=DECODE)
         assert_close(y, x @ w, torch.float32, g, f"{bits}-bit")
         xh = x.half()
-        for cfg, m in ((GEMV_INPLACE, 1), (PAIRS, 5), (PAIRS_SCALED, 5), (MMAT_PAIRS, 5)):
+        for cfg, m in ((GEMV_INPLACE, 1), (PAIRS, 5), (PAIRS_SCALED, 5), (MMAT_PAIRS, 5), (FIELDS, 5),
+                       (MMAT_SCALED, 5), (SHIFTS, 5)):
             y = gemm.gptq_matmul(xh[:m].to(DEV), *args, bits, False, gs, config=cfg)
             assert_close(y, xh[:m].float() @ w, torch.float16, g, f"{bits}-bit {cfg}")
+
+
+def test_launcher_takes_4bit_fields_by_byte_permute(gemm, gen, monkeypatch):
+    """The field tiles take 4-bit fields by byte permute (gptq_kernels._byte_fields) unless the config says
+    BYTES=False; two fields per dot (PAIRS) and 8-bit fields keep their own unpacking."""
+    calls = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: calls.append(kw)
+    monkeypatch.setattr(gemm, "mma_kernel", Recorder())
+    g = gen
+    for bits, cfg in ((4, FIELDS), (4, MMAT_SCALED), (4, SHIFTS), (4, PAIRS), (8, FIELDS), (4, DECODE)):
+        qw, qz, s, gi = make_weights(g, bits, 128, 256, 32, False, False)
+        gemm.gptq_matmul(torch.randn(5, 256, generator=g).half().to(DEV), qw.to(DEV), qz.to(DEV), s.to(DEV),
+                         gi.to(DEV), bits, True, 128, config=cfg)
+    assert [c["BYTES"] for c in calls] == [True, True, False, False, False, False]
+    assert [c["FIELD_DOTS"] for c in calls] == [True] * 5 + [False]
+
+
+def test_byte_fields_probe_and_its_fallback(gemm, monkeypatch, caplog):
+    """The engine start's probe (gptq_gemm.configure_byte_fields): both ways of taking the fields give the same
+    outputs bit for bit (here interpreted); a difference is reported, warned about at the start, and the field
+    tiles on that device then shift their fields out one at a time."""
+    assert gemm.probe_byte_fields("cpu") is None
+    real = gemm.gptq_matmul
+
+    def broken(*args, config=None, **kw):  # a GPU whose byte permute computes something else
+        y = real(*args, config=config, **kw)
+        return y + 1 if config and config.get("BYTES") else y
+    monkeypatch.setattr(gemm, "gptq_matmul", broken)
+    assert "other outputs than the shifted ones" in gemm.probe_byte_fields("cpu")
+    monkeypatch.setattr(gemm, "gptq_matmul", real)
+    monkeypatch.setattr(gemm, "_BYTES", {})
+    monkeypatch.setattr(gemm, "probe_byte_fields", lambda device: "the byte-permuted fields give other outputs")
+    with caplog.at_level("WARNING", logger="infer"):
+        assert gemm.configure_byte_fields(torch.device("cuda", 0)) is False
+    assert "keep shifting their fields out one at a time: the byte-permuted fields give" in caplog.text
+    assert gemm.configure_byte_fields("cpu") is True  # no probe off a GPU
+    calls = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: calls.append(kw)
+    monkeypatch.setattr(gemm, "mma_kernel", Recorder())
+    monkeypatch.setitem(gemm._BYTES, torch.device("cpu"), False)  # as a failed probe leaves a GPU
+    g = torch.Generator().manual_seed(0)
+    qw, qz, s, gi = make_weights(g, 4, 128, 256, 32, False, False)
+    gemm.gptq_matmul(torch.randn(5, 256, generator=g).half(), qw, qz, s, gi, 4, True, 128, config=FIELDS)
+    gemm.gptq_matmul(torch.randn(5, 256, generator=g).half(), qw, qz, s, gi, 4, True, 128,
+                     config=dict(FIELDS, BYTES=True))
+    assert [c["BYTES"] for c in calls] == [False, True]
+
+
+def test_wide_row_tiles_compute_right(gemm, gen):
+    """The transposed field tiles of 128 and 256 rows (`gptq_tune._wide_rows`: 65-256 rows, and with GROUP_M for
+    prefills), with masked rows and columns, on an interleaved layer, against the reference."""
+    from infer.kernels import gptq_tune
+    g = gen
+    k, n = 256, 200
+    qw, qz, s, gi = make_weights(g, 4, 128, k, n, True, False)
+    wp = gptq_configs.interleave_for(128, k, 8)
+    qi = packing.interleave_rows(qw, 4, wp)
+    for m, quick in ((128, True), (256, True), (256, False), (2048, True), (2048, False)):  # tuned over
+        tiles = {(c["BLOCK_M"], c["num_warps"]) for c in gptq_tune.candidates(m, 128, quick, k) if c["kernel"] == "mmat"}
+        assert (128, 4) in tiles and ((256, 8) in tiles) == (m > 128), (m, quick, tiles)
+    for m, cfgs in ((100, gptq_tune._wide_rows(100, (2,))), (300, gptq_tune.candidates(600, 128, True, k))):
+        x = torch.randn(m, k, generator=g).half().to(DEV)
+        want = ref.gptq_matmul(x, qw, qz, s, gi, 4, True)
+        wide = [c for c in cfgs if c["kernel"] == "mmat" and c["BLOCK_M"] >= 128]
+        assert wide and all(c["SCALE_W"] and c["FIELD"] for c in wide)
+        for cfg in wide:
+            assert_close(gemm.gptq_matmul(x, qi, qz, s, gi, 4, True, 128, wp, config=cfg), want, torch.float16, g,
+                         f"M={m} {cfg}")
 
 
 def test_heuristic_regimes():
@@ -322,6 +404,8 @@ def test_benchmark_times_the_other_unpacking_of_the_same_tile(gemm, gen):
     assert bench.kernel_label(CONFIGS["dequant_chunks"]) == "dequant 32-column blocks"
     assert bench.toggled({"kernel": "dequant"}) is None and bench.toggled(DECODE) is None
     assert bench.kernel_label(MMAT_PAIRS) == "mmat fields pairs" and bench.toggled(MMAT_FIELDS)["PAIRS"]
+    assert bench.shifted(MMAT_SCALED) == dict(MMAT_SCALED, BYTES=False) and bench.shifted(FIELDS)["BYTES"] is False
+    assert bench.shifted(PAIRS) is None and bench.shifted(GEMV_INPLACE) is None and bench.shifted(SHIFTS) is None
     qw, qz, s, gi = make_weights(gen, 4, 128, 256, 40, False, False)
     for cfg, m in ((FIELDS, 3), (PAIRS, 3), (MMAT_PAIRS, 2), (GEMV_INPLACE, 1), (GEMV, 1)):
         other = bench.toggled(cfg)
@@ -362,5 +446,8 @@ def test_benchmark_rows_on_cpu_interpreted(gemm, monkeypatch, capsys):
     assert all(r["max_rel_err"] < 2e-3 and r["infer_us"] > 0 and r["cublas_fp16_us"] > 0 for r in rows), rows
     assert "other_us" in rows[0] and "dequant_us" not in rows[1] and rows[2]["dequant_us"] > 0
     assert rows[2]["chunks_us"] > 0 and rows[2]["chunks"] >= 128
+    # the field tiles (the heuristic's choice from 2 rows) also timed with their fields shifted out one at a time
+    assert all(("shift_us" in r) == (bench.shifted(json.loads(r["config"])) is not None) for r in rows), rows
+    assert rows[1]["shift_us"] > 0 and rows[1]["byte_gain"] == rows[1]["shift_us"] / rows[1]["infer_us"]
     bench.print_table(rows, "cpu")
     assert "tiny" in capsys.readouterr().out

@@ -47,6 +47,28 @@ def test_pairs_and_in_place_unpacking_spend_fewer_instructions_at_sm90():
 
 
 @pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this triton ships no cuobjdump")
+def test_fields_by_byte_permute_spend_fewer_instructions_at_sm90():
+    """docs/perf.md's claim for the field tiles' byte permute (gptq_kernels._byte_fields, the default for 4-bit
+    fields): the same tile's main loop, the same tensor-core work and barriers, at least a fifth fewer
+    instructions, about one permute per four weights and almost no shifts."""
+    specs = ["mmat 16 128 4 3 16 0", "mmatb 16 128 4 3 16 0", "mma 16 128 4 3 16 0", "mmab 16 128 4 3 16 0",
+             "mmat 128 128 4 2 16 1", "mmatb 128 128 4 2 16 1"]
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel-sass"), "--loop", *specs],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if line.split(" ")[0].startswith("mma")]
+    assert len(rows) == 6, out.stdout
+    count = [{k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", row)} for row in rows]
+    loops = [int(re.search(r"loop\s+(\d+)", row).group(1)) for row in rows]
+    for shift, byte in ((0, 1), (2, 3), (4, 5)):
+        mma = "HGMMA" if count[shift]["HGMMA"] else "HMMA"
+        assert count[byte][mma] == count[shift][mma] > 0 and count[byte]["BAR"] <= count[shift]["BAR"], out.stdout
+        assert loops[byte] < 0.8 * loops[shift] and count[byte]["SHF"] < 10 < count[shift]["SHF"], out.stdout
+        # each thread unpacks 128 weights per K step: a 128 x 128 weight tile over 4 warps
+        assert count[byte]["PRMT"] <= 128 // 4 + 2 and count[byte]["LDL"] == count[byte]["STL"] == 0, out.stdout
+
+
+@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this triton ships no cuobjdump")
 def test_every_quick_tuning_candidate_compiles_fits_and_does_not_spill_at_sm90():
     """What an engine start tunes over on an H100 (gptq_tune's quick set, M = 1-4096) and what it launches
     untuned (every fused entry of the shipped tables, at its own layer shape), compiled through the launcher in
@@ -82,3 +104,5 @@ def test_every_kernel_an_engine_launches_at_7b_shapes_compiles_for_sm90():
     # the attribute both set, every such kernel waiting before it touches the step's data (kernels.pdl)
     pdl = re.search(r"PDL on: (\d+) launches, 0 not set so", out.stdout)
     assert pdl and int(pdl.group(1)) > 500, out.stdout[-1000:]
+    fields = re.search(r"field tiles by byte permute: (\d+) of (\d+) launches", out.stdout)
+    assert fields and fields.group(1) == fields.group(2) and int(fields.group(1)) > 50, out.stdout[-1000:]

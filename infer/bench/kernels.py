@@ -11,7 +11,9 @@ Shapes are the fused projections of a 7B (Llama-2) and a 14B (Qwen1.5) model: qk
 kernel is timed from a CUDA graph that cycles through enough copies of its weights to defeat the L2 cache (the
 way a decode step meets them), on random inputs. The floor is the int4 weight bytes over the copy bandwidth
 measured in the same run; `vs_fp16` > 1 means faster than cuBLAS on the fp16 weight; `other_us` is the same tile
-with the other unpacking of the words (PAIRS on or off for the field mma / mmat, INPLACE for gemv); from 32 rows,
+with the other unpacking of the words (PAIRS on or off for the field mma / mmat, INPLACE for gemv); `shift_us` is a
+field tile with its 4-bit fields shifted out one at a time instead of taken by byte permute (the default), and
+`byte_gain` shift_us / infer_us; from 32 rows,
 `dequant_us` / `chunks_us` are dequantize + cuBLAS on the whole matrix / in L2-sized column blocks; with --pdl,
 `pdl_us` is the same kernel launched with programmatic dependent launch (each launch of the graph starts, and
 prefetches its first weights, while the one before finishes: kernels.pdl) and `pdl_gain` infer_us / pdl_us; with
@@ -78,6 +80,14 @@ def toggled(cfg: dict) -> dict | None:
     return None
 
 
+def shifted(cfg: dict) -> dict | None:
+    """A field tile that takes its 4-bit fields by byte permute (the default: gptq_kernels._byte_fields) with them
+    shifted out one at a time instead, or None for the other kernels: the bench times both (`byte_gain`)."""
+    if cfg.get("kernel") in ("mma", "mmat") and cfg.get("FIELD") and not cfg.get("PAIRS") and cfg.get("BYTES", True):
+        return dict(cfg, BYTES=False)
+    return None
+
+
 def measure_shape(model: str, name: str, k: int, n: int, ms, bandwidth: float, device: str = "cuda",
                   with_pdl: bool = False, pdl_prefetch=()) -> list[dict]:
     """One row per M for a K x N layer (device: "cuda"; the tests run the same code on "cpu", interpreted);
@@ -114,6 +124,10 @@ def measure_shape(model: str, name: str, k: int, n: int, ms, bandwidth: float, d
                             [lambda t=t: gptq_gemm.gptq_matmul(x, *t, 4, True, 128, wp) for t in copies])
                 finally:
                     pdl.prefetch_steps = default
+        if shifted(cfg) is not None:  # the same tile with its fields shifted out one at a time (no byte permute)
+            row["shift_us"] = time_graph([lambda t=t: gptq_gemm.gptq_matmul(x, *t, 4, True, 128, wp,
+                                                                             config=shifted(cfg)) for t in copies])
+            row["byte_gain"] = row["shift_us"] / ours
         other = toggled(cfg)
         if other is not None:  # the same tile with the other unpacking, timed in the same run
             row["other"] = kernel_label(other)
@@ -161,8 +175,8 @@ def print_table(rows: list[dict], title: str) -> None:
     from rich.table import Table
     table = Table(title=title)
     cols = ["model", "layer", "M", "infer_us", "tinygemm_us", "cublas_fp16_us", "floor_us", "vs_fp16",
-            "tinygemm_vs_fp16", "kernel", "other_us", "other", "dequant_us", "chunks_us", "pdl_us", "pdl_gain",
-            "max_rel_err"]
+            "tinygemm_vs_fp16", "kernel", "other_us", "other", "shift_us", "byte_gain", "dequant_us", "chunks_us",
+            "pdl_us", "pdl_gain", "max_rel_err"]
     for c in cols:
         table.add_column(c, justify="left" if c in ("model", "layer", "kernel", "other") else "right")
     for r in rows:

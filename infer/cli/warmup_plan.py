@@ -85,9 +85,10 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     budget = budget_bytes(engine_config, device, resident)
     tuning_s = compile_s = use_pdl = None
     if device.type == "cuda":  # what an engine start adds on this GPU: tuning the int4 matmul for shapes not in a
-        from ..kernels import pdl  # table, then compiling the kernels it will launch (with PDL where it will use it)
-        from ..kernels.gptq_tune import compile_model, tune_model
+        from ..kernels import gptq_gemm, pdl  # table, then compiling the kernels it will launch (with PDL where
+        from ..kernels.gptq_tune import compile_model, tune_model  # it will use it)
         use_pdl = pdl.configure(device, engine_config.pdl)
+        gptq_gemm.configure_byte_fields(device)
         tuning_s = tune_model(model, engine_config.max_num_batched_tokens, device)[1]
         t0 = time.perf_counter()
         compile_model(model, engine_config.max_num_batched_tokens, dtype)

@@ -46,9 +46,10 @@ class LLMEngine:
         self.start_times: dict[str, float] = {}  # seconds spent getting the GPU ready, summed into start_s by gpu_e2e
         self.pdl = False  # whether the step's kernels launch with programmatic dependent launch (kernels.pdl)
         if self.device.type == "cuda":
-            from ..kernels import pdl
+            from ..kernels import gptq_gemm, pdl
             from ..kernels.gptq_tune import tune_model
             self.pdl = pdl.configure(self.device, config.pdl)  # before any compile: the variants depend on it
+            gptq_gemm.configure_byte_fields(self.device)  # (the same)
             t0 = time.perf_counter()
             tune_model(parts.model, config.max_num_batched_tokens, self.device, log=log.info)
             self.start_times["kernel_tuning_s"] = time.perf_counter() - t0

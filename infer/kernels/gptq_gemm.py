@@ -40,6 +40,7 @@ GPU, or a heuristic).
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -51,6 +52,9 @@ from .gptq_kernels import mma_kernel
 from .intmath import cdiv, next_power_of_2
 
 
+log = logging.getLogger("infer")
+
+_BYTES: dict = {}  # device -> whether the field tiles take 4-bit fields by byte permute (configure_byte_fields)
 _LOCKS: dict = {}
 _RETIRED_LOCKS: dict = {}  # device -> counters a larger buffer replaced (graphs may hold their addresses)
 _NO_WS: dict = {}
@@ -125,6 +129,53 @@ def _epilogue_args(y, bias, lora, m: int, n: int, block_m: int, block_n: int) ->
                       LORA_NSH=nsh, LORA_JB=jb)
 
 
+def _device_key(device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def probe_byte_fields(device) -> str | None:
+    """None when an int4 field tile computes the same on `device` with its 4-bit fields taken by byte permute
+    (`gptq_kernels._byte_fields`: inline PTX on a GPU, two words per instance) as with the fields shifted out one
+    at a time, bit for bit; else what went wrong. The two ways dequantize to the same fp16 values, so a difference
+    means the PTX or its operands' packing is wrong there. The tile is the shipped 2-16-row one (`mmat` 16 x 128,
+    split-K 4 on interleaved rows), whose byte-permute variant an engine compiles anyway: one extra compile."""
+    from .gptq_tune import random_gptq
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        k, n = 512, 128
+        qw, qz, s, gi = random_gptq(k, n, 4, 128, device)  # (random words: any row layout is random words)
+        x = torch.randn(16, k, generator=g).to(device=device, dtype=torch.float16)
+        cfg = dict(kernel="mmat", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=3,
+                   FIELD=True, SCALE_W=False)
+        wp = gptq_configs.interleave_for(128, k, 8)
+        got = gptq_matmul(x, qw, qz, s, gi, 4, True, 128, wp, config=dict(cfg, BYTES=True))
+        want = gptq_matmul(x, qw, qz, s, gi, 4, True, 128, wp, config=dict(cfg, BYTES=False))
+        if not torch.equal(got, want):
+            return "the byte-permuted fields give other outputs than the shifted ones"
+    except Exception as e:  # noqa: BLE001 - any failure means: keep the fields shifted out one at a time
+        return f"{type(e).__name__}: {str(e)[:200]}"
+    return None
+
+
+def configure_byte_fields(device) -> bool:
+    """At an engine start (before anything compiles: the variants depend on it), decide whether the field tiles
+    on a GPU take 4-bit fields by byte permute: yes unless `probe_byte_fields` finds a difference, which logs a
+    warning and keeps the fields shifted out one at a time. Elsewhere (CPUs): yes, no probe."""
+    device = _device_key(device)
+    use = True
+    if device.type == "cuda":
+        _BYTES.pop(device, None)
+        problem = probe_byte_fields(device)
+        if problem is not None:
+            log.warning("int4 field tiles keep shifting their fields out one at a time: %s", problem)
+        use = problem is None
+    _BYTES[device] = use
+    return use
+
+
 def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, gs, wp, m, n, k,
             compile_only: bool = False, bias=None, lora=None) -> torch.Tensor:
     """Launch the kernel `cfg` names, or with compile_only only compile it (Triton's `warmup`: same arguments, so
@@ -155,6 +206,10 @@ def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, g
     dots = dict(BLOCK_M=cfg.get("BLOCK_M", 1), DOT_F32=interp_bf16, FIELD_DOTS=field,
                 SCALE_W=field and bool(cfg.get("SCALE_W", False)), ASM=asm,
                 PAIRS=field and bits == 4 and bool(cfg.get("PAIRS", False)))
+    # 4-bit fields one at a time: by byte permute (gptq_kernels._byte_fields) unless the config says BYTES=False,
+    # or the engine start's probe found it wrong on this GPU (configure_byte_fields)
+    dots["BYTES"] = field and bits == 4 and not dots["PAIRS"] and bool(cfg.get("BYTES", _BYTES.get(
+        x2.device, True)))  # (a tensor's CUDA device has its index)
     if kind == "gemv" and cfg.get("BLOCK_M", 1) == 1:
         grid = (cdiv(n, cfg["BLOCK_N"]), split, m)
         inplace = bool(cfg.get("INPLACE", False)) and not f32

@@ -2,7 +2,8 @@
 `gptq_gemm` launches them (its docstring says when), the CUDA-core `gemv` kernels are in `gptq_gemv`.
 
 Every kernel reads a K step of BLOCK_K input rows as BLOCK_K / pack int32 words per column and splits the words
-into their `pack` fields with shifts. `WP` is the weight's interleave (`packing.field_rows`): 1 for GPTQ order,
+into their `pack` fields: with shifts, or (4-bit field tiles) a byte permute of two words and one lop3 per nibble
+(`_byte_fields`). `WP` is the weight's interleave (`packing.field_rows`): 1 for GPTQ order,
 where field j of word i is row i * pack + j, so a field's x values lie `pack` apart; WP words per block after the
 load-time repack, where field j of a block's words covers WP consecutive rows and x is read contiguously (the
 kernels require BLOCK_K <= WP * pack then). The x row of field j of the step's word i is
@@ -71,6 +72,37 @@ def _field_f16(words, j, zf, BITS: tl.constexpr):
     without a conversion instruction; zf is 1024 + z in fp16."""
     qj = ((words >> (j * BITS)) & ((1 << BITS) - 1)) | 0x6400
     return qj.to(tl.int16).to(tl.float16, bitcast=True) - zf
+
+
+# `_byte_fields` on a GPU, for byte b of two words of one column on consecutive K rows (the two values one 32-bit
+# register of a tensor-core operand holds; $2, $3) and their zeros as 1024 + z and 64 + z in both halves ($4, $5):
+# one byte permute puts byte b of both words in the register's two 16-bit halves; one lop3 per nibble ORs both
+# halves' fields into fp16 mantissas where they lie, the low nibble (field 2b) into 1024's (1024 + q), the high one
+# (field 2b + 1, bits 4-7 of the half) into 64's, whose mantissa ulp is 1/16 (64 + q); one packed subtract per
+# field gives q - z exactly. Five instructions for 4 weights, each pair already where the operand wants it.
+BYTE_FIELDS_PTX = tl.constexpr(tuple(
+    "{ .reg .b32 t, h;\n"
+    f"prmt.b32 t, $2, $3, 0x{4 + b}{4 + b}{b}{b};\n"
+    "lop3.b32 h, t, 0x000F000F, 0x64006400, 0xEA;\n"
+    "sub.f16x2 $0, h, $4;\n"
+    "lop3.b32 h, t, 0x00F000F0, 0x54005400, 0xEA;\n"
+    "sub.f16x2 $1, h, $5; }" for b in range(4)))
+BYTE_FIELDS_CONSTRAINTS = tl.constexpr("=r,=r,r,r,r,r")
+
+
+@triton.jit
+def _byte_fields(words, zf, zo, b: tl.constexpr, ASM: tl.constexpr):
+    """4-bit words and their columns' zeros as fp16 1024 + z and 64 + z (broadcast to the words' shape) -> fields
+    2b and 2b + 1 (byte b) as q - z, fp16 tensors of the words' shape, exact. ASM: inline PTX, two words at a time
+    (a GPU: BYTE_FIELDS_PTX, 1.25 instructions per weight with the subtraction, where `_field_f16` takes about 2.5);
+    the interpreter, which cannot run PTX, computes the same values with Triton ops."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(BYTE_FIELDS_PTX[b], BYTE_FIELDS_CONSTRAINTS, [words, zf, zo],
+                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+    else:
+        lo = (((words >> (8 * b)) & 0xF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - zf
+        hi = (((words >> (8 * b)) & 0xF0) | 0x5400).to(tl.int16).to(tl.float16, bitcast=True) - zo
+    return lo, hi
 
 
 @triton.jit(noinline=True)
@@ -214,19 +246,32 @@ def _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, group_size, offs_w, offs_n, ma
 
 @triton.jit
 def _dot_fields(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, BITS: tl.constexpr, WP: tl.constexpr,
-                BKW: tl.constexpr, SCALE_W: tl.constexpr, TRANS: tl.constexpr):
+                BKW: tl.constexpr, SCALE_W: tl.constexpr, TRANS: tl.constexpr, BYTES: tl.constexpr = False,
+                ASM: tl.constexpr = True):
     """acc += one K step as one tensor-core dot per packed field, each field tile straight from the loaded words'
     registers. x_rows: pointers to the rows' first element ([BLOCK_M, 1], or [1, BLOCK_M] with TRANS: acc is then
     y^T and the weight the first operand). The group's scale multiplies the step's sum, or with SCALE_W the weights
-    themselves ((q - z) * s rounded to fp16, as the reference computes; one accumulator instead of two)."""
+    themselves ((q - z) * s rounded to fp16, as the reference computes; one accumulator instead of two). BYTES
+    (4-bit): a byte's two fields' q - z at a time by byte permute (`_byte_fields`, just before their two dots),
+    else each field shifted out of the words (`_field_f16`); the same fp16 values either way."""
     PACK: tl.constexpr = 32 // BITS
     XS: tl.constexpr = PACK if WP == 1 else 1
     part = tl.zeros(acc.shape, dtype=tl.float32)
     zf = (z + 1024).to(tl.float16)[:, None] if TRANS else (z + 1024).to(tl.float16)[None, :]
     sw = s[:, None] if TRANS else s[None, :]
+    if BYTES:
+        zfb = tl.broadcast_to(zf, words.shape)
+        zob = zfb - 960.0  # 64 + z, exact
     for j in tl.static_range(PACK):
         ks = _xrow0(k0, j, WP, PACK, BKW) + offs_w * XS
-        wj = _field_f16(words, j, zf, BITS)
+        if BYTES:
+            if j % 2 == 0:
+                lo, hi = _byte_fields(words, zfb, zob, j // 2, ASM)
+                wj = lo
+            else:
+                wj = hi
+        else:
+            wj = _field_f16(words, j, zf, BITS)
         if SCALE_W:
             wj = wj * sw
         if TRANS:
@@ -390,12 +435,14 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
                SCALE_W: tl.constexpr = False, TRANS: tl.constexpr = False, PAIRS: tl.constexpr = False,
                ASM: tl.constexpr = True, HAS_BIAS: tl.constexpr = False, LORA_S: tl.constexpr = 0,
                LORA_R: tl.constexpr = 0, LORA_RP: tl.constexpr = 1, LORA_NSH: tl.constexpr = 1,
-               LORA_JB: tl.constexpr = 16, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 2):
+               LORA_JB: tl.constexpr = 16, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 2,
+               BYTES: tl.constexpr = False):
     """Tensor cores (tl.dot), y tile [BLOCK_M, BLOCK_N]: one dot per packed field (FIELD_DOTS, `_dot_fields`) or
     one dot over the reshaped tile (`_dot_tile`). TRANS (`mmat`) computes y^T = W^T x^T, so the dequantized weight
     is the first (register) operand of the tensor-core instruction and the activation rows the second (as Machete
     does); BLOCK_N is then the instruction's M side. PAIRS (4-bit, with FIELD_DOTS): two fields per dot
-    (`_dot_pairs`). Grouped tile order: GROUP_M row tiles walk the same column tiles (L2 reuse). PDL: launched
+    (`_dot_pairs`); BYTES (4-bit, with FIELD_DOTS): the fields by byte permute (`_byte_fields`). Grouped tile
+    order: GROUP_M row tiles walk the same column tiles (L2 reuse). PDL: launched
     with programmatic dependent launch (`_pdl_start`: PREFETCH K steps of weights into L2 before the wait)."""
     BKW: tl.constexpr = BLOCK_K // (32 // BITS)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
@@ -425,7 +472,8 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
         if PAIRS:
             acc = _dot_pairs(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, WP, BKW, SCALE_W, ASM, TRANS)
         elif FIELD_DOTS:
-            acc = _dot_fields(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, BITS, WP, BKW, SCALE_W, TRANS)
+            acc = _dot_fields(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, BITS, WP, BKW, SCALE_W, TRANS, BYTES,
+                              ASM)
         else:
             acc = _dot_tile(acc, x_rows, mask_m, k0, k_end, words, z, s, BITS, WP, BKW, EVEN_K, F32, DOT_F32, TRANS)
     if TRANS:

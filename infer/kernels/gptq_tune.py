@@ -59,6 +59,17 @@ def _rows_tile(m: int) -> int:
     return 32 if m <= 32 else (64 if m <= 64 else 128)
 
 
+def _wide_rows(m: int, splits) -> list[dict]:
+    """Transposed field tiles of 128 weight columns and 128 rows (4 warps: the weight stays wgmma's register
+    operand) or, from 129 rows, 256 rows (8 warps), the group scale folded into the weights. Each dequantized
+    weight then serves 128-256 rows, so the tensor cores, not the unpacking, bound the K step on sm_90 (500 and 416
+    instructions per warp and K step against 1024 and 2048 tensor-core cycles, `scripts/kernel-sass`)."""
+    out = [_field("mmat", 128, 128, 4, s, st) for s in splits for st in (2, 3)]
+    if m > 128:
+        out += [_field("mmat", 256, 128, 8, s, 2) for s in splits]
+    return out
+
+
 def chunked(k: int, mbs=(8, 16, 32)) -> list[dict]:
     """`dequant` a block of columns at a time, each block's fp16 weight (about `mb` MB) small enough to stay in L2
     between the dequantize kernel and cuBLAS (gptq_gemm._dequant_chunks); for 32 rows and more."""
@@ -95,6 +106,10 @@ def quick_candidates(m: int, step: int, k: int | None = None) -> list[dict]:
         if m <= 64:  # the M = 16 winner's tile, 2-4 of them per column block, adjacent (GROUP_M): weights from L2
             out += [dict(_field("mma", 16, 128, 4, s, 3, False, p), GROUP_M=4) for s in (2, 4, 8)
                     for p in (False, True)]
+        else:  # the H100's 65-256-row winner (full set), and the tiles with more rows per dequantized weight
+            out += [_field("mmat", 64, 128, 4, s) for s in (1, 2, 4)] + _wide_rows(m, (1, 2))
+    if m > 256:  # prefill: fused tiles with the most rows per weight, beside dequantize + cuBLAS
+        out += [dict(c, GROUP_M=8) for c in _wide_rows(m, (1,))]
     return [c for c in out if c["kernel"] == "dequant" or (c["BLOCK_K"] <= step and _no_spill(c))]
 
 
@@ -132,6 +147,10 @@ def candidates(m: int, step: int, quick: bool = False, k: int | None = None) -> 
                     for s in (1, 2, 4, 8) for p in (False, True) if not (bm == 128 and w == 4)]
         out += [_field("mmat", min(m, 64), bn, w, s, 3, sw, p) for bn, w in ((128, 4), (128, 8), (256, 8))
                 for sw in (False, True) for s in (1, 2, 4, 8) for p in (False, True)]
+    if 65 <= m <= 256:
+        out += _wide_rows(m, (1, 2, 4))
+    if m > 256:
+        out += [dict(c, GROUP_M=8) for c in _wide_rows(m, (1,))]
     if m >= 128:
         out += [dict(kernel="mmat", BLOCK_M=bm, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_warps=8, num_stages=3)
                 for bm in (64, 128)]
