@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import os
+import re
 
 import pytest
 import torch
@@ -212,6 +213,23 @@ def test_byte_fields_probe_and_its_fallback(gemm, monkeypatch, caplog):
     gemm.gptq_matmul(torch.randn(5, 256, generator=g).half(), qw, qz, s, gi, 4, True, 128,
                      config=dict(FIELDS, BYTES=True))
     assert [c["BYTES"] for c in calls] == [False, True]
+
+
+def test_warmup_reports_the_int4_unpacking(capsys):
+    """`infer warmup` on a GPU says whether the start-up probe let the field tiles take their fields by byte
+    permute (and whether the kernels use PDL); off a GPU neither row is printed."""
+    from infer.cli.warmup import print_plan
+    from infer.cli.warmup_plan import estimate_plan
+    from infer.engine.config import EngineConfig
+    from infer.models.tiny import ensure_builtin
+    plan, extra = estimate_plan(EngineConfig(str(ensure_builtin("tiny-llama"))), 64, 2)
+    print_plan(plan, extra)
+    assert "byte permute" not in capsys.readouterr().out
+    for on, word in ((True, "yes"), (False, "no")):
+        print_plan(plan, dict(extra, pdl=True, int4_byte_fields=on))
+        out = capsys.readouterr().out
+        assert re.search(rf"int4 fields unpacked by byte permute.*{word}", out.replace("\n", " "), re.S), out
+        assert "programmatic dependent launch" in out
 
 
 def test_wide_row_tiles_compute_right(gemm, gen):

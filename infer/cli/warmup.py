@@ -62,6 +62,9 @@ def print_plan(plan, extra: dict) -> None:
         rows.append(("int4 kernel compiles at start (s)", f"{extra['kernel_compile_s']:.1f}"))
     if extra.get("pdl") is not None:
         rows.append(("kernels launched with programmatic dependent launch", "yes" if extra["pdl"] else "no"))
+    if extra.get("int4_byte_fields") is not None:
+        rows.append(("int4 fields unpacked by byte permute (else shifted: the start-up check failed)",
+                     "yes" if extra["int4_byte_fields"] else "no"))
     if extra.get("cuda_graphs_s") is not None:
         rows.append((f"CUDA graph capture at start ({extra['cuda_graphs']:,} graphs, s)",
                      f"{extra['cuda_graphs_s']:.1f}"))
