@@ -129,13 +129,6 @@ def _epilogue_args(y, bias, lora, m: int, n: int, block_m: int, block_n: int) ->
                       LORA_NSH=nsh, LORA_JB=jb)
 
 
-def _device_key(device) -> torch.device:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 def probe_byte_fields(device) -> str | None:
     """None when an int4 field tile computes the same on `device` with its 4-bit fields taken by byte permute
     (`gptq_kernels._byte_fields`: inline PTX on a GPU, two words per instance) as with the fields shifted out one
@@ -164,7 +157,7 @@ def configure_byte_fields(device) -> bool:
     """At an engine start (before anything compiles: the variants depend on it), decide whether the field tiles
     on a GPU take 4-bit fields by byte permute: yes unless `probe_byte_fields` finds a difference, which logs a
     warning and keeps the fields shifted out one at a time. Elsewhere (CPUs): yes, no probe."""
-    device = _device_key(device)
+    device = pdl.device_key(device)
     use = True
     if device.type == "cuda":
         _BYTES.pop(device, None)

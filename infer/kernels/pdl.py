@@ -102,7 +102,9 @@ def supported(capability: tuple[int, int]) -> bool:
     return HAVE_GDC and tuple(capability) >= (9, 0) and os.environ.get("TRITON_INTERPRET") != "1"
 
 
-def _key(device) -> torch.device:
+def device_key(device) -> torch.device:
+    """`device` as a torch.device with its index (the current one for a bare "cuda"), as tensors carry it: the key of
+    the per-device answers made at an engine start (here, and `gptq_gemm.configure_byte_fields`)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -178,7 +180,7 @@ def probe(device: torch.device) -> str | None:
 def configure(device, want: bool | None) -> bool:
     """Decide at an engine start whether the kernels on `device` launch with PDL (want None: where supported and
     the probe passes; True: the same, with a warning where it cannot be had; False: never). Returns the answer."""
-    device = _key(device)
+    device = device_key(device)
     use = False
     if device.type == "cuda" and want is not False:
         prefetch()  # a bad INFER_PDL_PREFETCH fails the start, not a step
