@@ -247,13 +247,15 @@ def _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, group_size, offs_w, offs_n, ma
 @triton.jit
 def _dot_fields(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, BITS: tl.constexpr, WP: tl.constexpr,
                 BKW: tl.constexpr, SCALE_W: tl.constexpr, TRANS: tl.constexpr, BYTES: tl.constexpr = False,
-                ASM: tl.constexpr = True):
+                ASM: tl.constexpr = True, k_end=0, EVEN_K: tl.constexpr = True, BYTE_DOTS: tl.constexpr = False):
     """acc += one K step as one tensor-core dot per packed field, each field tile straight from the loaded words'
     registers. x_rows: pointers to the rows' first element ([BLOCK_M, 1], or [1, BLOCK_M] with TRANS: acc is then
     y^T and the weight the first operand). The group's scale multiplies the step's sum, or with SCALE_W the weights
     themselves ((q - z) * s rounded to fp16, as the reference computes; one accumulator instead of two). BYTES
-    (4-bit): a byte's two fields' q - z at a time by byte permute (`_byte_fields`, just before their two dots),
-    else each field shifted out of the words (`_field_f16`); the same fp16 values either way."""
+    (4-bit): a byte's two fields' q - z at a time by byte permute (`_byte_fields`, just before their dots), else
+    each field shifted out of the words (`_field_f16`); the same fp16 values either way. BYTE_DOTS (with BYTES,
+    where a K step is one interleaved block: the two fields' rows are consecutive): one dot over both fields
+    (K = 2 * BKW, the two tiles joined in registers), half the dots and their waits for the tensor cores."""
     PACK: tl.constexpr = 32 // BITS
     XS: tl.constexpr = PACK if WP == 1 else 1
     part = tl.zeros(acc.shape, dtype=tl.float32)
@@ -262,28 +264,49 @@ def _dot_fields(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, BITS: tl.const
     if BYTES:
         zfb = tl.broadcast_to(zf, words.shape)
         zob = zfb - 960.0  # 64 + z, exact
-    for j in tl.static_range(PACK):
-        ks = _xrow0(k0, j, WP, PACK, BKW) + offs_w * XS
-        if BYTES:
-            if j % 2 == 0:
-                lo, hi = _byte_fields(words, zfb, zob, j // 2, ASM)
-                wj = lo
+    if BYTES and BYTE_DOTS and WP == BKW:  # a byte's two fields cover 2 * BKW consecutive input rows: one dot
+        r2 = tl.arange(0, 2 * BKW)
+        wv2 = _kmask(k0 // PACK + r2 % BKW, k_end, PACK, EVEN_K)  # row r: word r % BKW
+        for b in tl.static_range(PACK // 2):
+            lo, hi = _byte_fields(words, zfb, zob, b, ASM)
+            if SCALE_W:
+                lo, hi = lo * sw, hi * sw
+            ks = _xrow0(k0, 2 * b, WP, PACK, BKW) + r2
+            if TRANS:  # [N, BKW] x 2 -> [N, 2 * BKW]: columns of lo, then of hi (in registers, no permute)
+                w2 = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (lo.shape[0], 2 * BKW))
+                xj = tl.load(x_rows + ks[:, None], mask=mask_m[None, :] & wv2[:, None], other=0.0)
+                d = tl.dot(w2.to(xj.dtype), xj)
+            else:  # [BKW, N] x 2 -> [2 * BKW, N]: rows of lo, then of hi
+                w2 = tl.reshape(tl.permute(tl.join(lo, hi), (2, 0, 1)), (2 * BKW, lo.shape[1]))
+                xj = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & wv2[None, :], other=0.0)
+                d = tl.dot(xj, w2.to(xj.dtype))
+            if SCALE_W:
+                acc += d
             else:
-                wj = hi
-        else:
-            wj = _field_f16(words, j, zf, BITS)
-        if SCALE_W:
-            wj = wj * sw
-        if TRANS:
-            xj = tl.load(x_rows + ks[:, None], mask=mask_m[None, :] & wv[:, None], other=0.0)
-            d = tl.dot(wj.to(xj.dtype), xj)
-        else:
-            xj = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & wv[None, :], other=0.0)
-            d = tl.dot(xj, wj.to(xj.dtype))
-        if SCALE_W:
-            acc += d
-        else:
-            part += d
+                part += d
+    else:
+        for j in tl.static_range(PACK):
+            ks = _xrow0(k0, j, WP, PACK, BKW) + offs_w * XS
+            if BYTES:
+                if j % 2 == 0:
+                    lo, hi = _byte_fields(words, zfb, zob, j // 2, ASM)
+                    wj = lo
+                else:
+                    wj = hi
+            else:
+                wj = _field_f16(words, j, zf, BITS)
+            if SCALE_W:
+                wj = wj * sw
+            if TRANS:
+                xj = tl.load(x_rows + ks[:, None], mask=mask_m[None, :] & wv[:, None], other=0.0)
+                d = tl.dot(wj.to(xj.dtype), xj)
+            else:
+                xj = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & wv[None, :], other=0.0)
+                d = tl.dot(xj, wj.to(xj.dtype))
+            if SCALE_W:
+                acc += d
+            else:
+                part += d
     if not SCALE_W:
         acc += part * sw.to(tl.float32)
     return acc
@@ -436,12 +459,13 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
                ASM: tl.constexpr = True, HAS_BIAS: tl.constexpr = False, LORA_S: tl.constexpr = 0,
                LORA_R: tl.constexpr = 0, LORA_RP: tl.constexpr = 1, LORA_NSH: tl.constexpr = 1,
                LORA_JB: tl.constexpr = 16, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 2,
-               BYTES: tl.constexpr = False):
+               BYTES: tl.constexpr = False, BYTE_DOTS: tl.constexpr = False):
     """Tensor cores (tl.dot), y tile [BLOCK_M, BLOCK_N]: one dot per packed field (FIELD_DOTS, `_dot_fields`) or
     one dot over the reshaped tile (`_dot_tile`). TRANS (`mmat`) computes y^T = W^T x^T, so the dequantized weight
     is the first (register) operand of the tensor-core instruction and the activation rows the second (as Machete
     does); BLOCK_N is then the instruction's M side. PAIRS (4-bit, with FIELD_DOTS): two fields per dot
-    (`_dot_pairs`); BYTES (4-bit, with FIELD_DOTS): the fields by byte permute (`_byte_fields`). Grouped tile
+    (`_dot_pairs`); BYTES (4-bit, with FIELD_DOTS): the fields by byte permute (`_byte_fields`), and with BYTE_DOTS
+    one dot per byte's two fields where they cover consecutive input rows (interleaved). Grouped tile
     order: GROUP_M row tiles walk the same column tiles (L2 reuse). PDL: launched
     with programmatic dependent launch (`_pdl_start`: PREFETCH K steps of weights into L2 before the wait)."""
     BKW: tl.constexpr = BLOCK_K // (32 // BITS)
@@ -473,7 +497,7 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
             acc = _dot_pairs(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, WP, BKW, SCALE_W, ASM, TRANS)
         elif FIELD_DOTS:
             acc = _dot_fields(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, BITS, WP, BKW, SCALE_W, TRANS, BYTES,
-                              ASM)
+                              ASM, k_end, EVEN_K, BYTE_DOTS)
         else:
             acc = _dot_tile(acc, x_rows, mask_m, k0, k_end, words, z, s, BITS, WP, BKW, EVEN_K, F32, DOT_F32, TRANS)
     if TRANS:
