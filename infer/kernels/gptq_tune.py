@@ -62,7 +62,7 @@ def _rows_tile(m: int) -> int:
 def _wide_rows(m: int, splits) -> list[dict]:
     """Transposed field tiles of 128 weight columns and 128 rows (4 warps: the weight stays wgmma's register
     operand) or, from 129 rows, 256 rows (8 warps), the group scale folded into the weights. Each dequantized
-    weight then serves 128-256 rows, so the tensor cores, not the unpacking, bound the K step on sm_90 (491 and 402
+    weight then serves 128-256 rows, so the tensor cores, not the unpacking, bound the K step on sm_90 (502 and 402
     instructions per warp and K step against 1024 and 2048 tensor-core cycles, `scripts/kernel-sass`)."""
     out = [_field("mmat", 128, 128, 4, s, st) for s in splits for st in (2, 3)]
     if m > 128:
