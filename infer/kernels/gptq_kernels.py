@@ -253,8 +253,8 @@ def _dot_fields(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, BITS: tl.const
     y^T and the weight the first operand). The group's scale multiplies the step's sum, or with SCALE_W the weights
     themselves ((q - z) * s rounded to fp16, as the reference computes; one accumulator instead of two). BYTES
     (4-bit): a byte's two fields' q - z at a time by byte permute (`_byte_fields`, just before their dots), else
-    each field shifted out of the words (`_field_f16`); the same fp16 values either way. BYTE_DOTS (with BYTES,
-    where a K step is one interleaved block: the two fields' rows are consecutive): one dot over both fields
+    each field shifted out of the words (`_field_f16`); the same fp16 values either way. BYTE_DOTS (with BYTES and
+    TRANS, where a K step is one interleaved block: the two fields' rows are consecutive): one dot over both fields
     (K = 2 * BKW, the two tiles joined in registers), half the dots and their waits for the tensor cores."""
     PACK: tl.constexpr = 32 // BITS
     XS: tl.constexpr = PACK if WP == 1 else 1
@@ -264,7 +264,7 @@ def _dot_fields(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, BITS: tl.const
     if BYTES:
         zfb = tl.broadcast_to(zf, words.shape)
         zob = zfb - 960.0  # 64 + z, exact
-    if BYTES and BYTE_DOTS and WP == BKW:  # a byte's two fields cover 2 * BKW consecutive input rows: one dot
+    if BYTES and BYTE_DOTS and TRANS and WP == BKW:  # a byte's two fields cover 2 * BKW consecutive rows: one dot
         r2 = tl.arange(0, 2 * BKW)
         wv2 = _kmask(k0 // PACK + r2 % BKW, k_end, PACK, EVEN_K)  # row r: word r % BKW
         for b in tl.static_range(PACK // 2):
@@ -272,14 +272,10 @@ def _dot_fields(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, BITS: tl.const
             if SCALE_W:
                 lo, hi = lo * sw, hi * sw
             ks = _xrow0(k0, 2 * b, WP, PACK, BKW) + r2
-            if TRANS:  # [N, BKW] x 2 -> [N, 2 * BKW]: columns of lo, then of hi (in registers, no permute)
-                w2 = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (lo.shape[0], 2 * BKW))
-                xj = tl.load(x_rows + ks[:, None], mask=mask_m[None, :] & wv2[:, None], other=0.0)
-                d = tl.dot(w2.to(xj.dtype), xj)
-            else:  # [BKW, N] x 2 -> [2 * BKW, N]: rows of lo, then of hi
-                w2 = tl.reshape(tl.permute(tl.join(lo, hi), (2, 0, 1)), (2 * BKW, lo.shape[1]))
-                xj = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & wv2[None, :], other=0.0)
-                d = tl.dot(xj, w2.to(xj.dtype))
+            # [N, BKW] x 2 -> [N, 2 * BKW]: the columns of lo, then of hi (on 4 warps a renaming of registers)
+            w2 = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (lo.shape[0], 2 * BKW))
+            xj = tl.load(x_rows + ks[:, None], mask=mask_m[None, :] & wv2[:, None], other=0.0)
+            d = tl.dot(w2.to(xj.dtype), xj)
             if SCALE_W:
                 acc += d
             else:
