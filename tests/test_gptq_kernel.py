@@ -42,12 +42,12 @@ MMAT_PAIRS = dict(MMAT_FIELDS, PAIRS=True)  # two fields per dot, the weight as 
 MMAT_PAIRS_SCALED = dict(MMAT_SCALED, PAIRS=True)
 SHIFTS = dict(FIELDS, BYTES=False)  # 4-bit fields shifted out one at a time (the field tiles take them by byte)
 MMAT_SHIFTS_SCALED = dict(MMAT_SCALED, BYTES=False)
-MMAT_BYTE_FIELDS = dict(MMAT_FIELDS, BYTE_DOTS=False)  # by byte, but one dot per field (as 8-warp tiles)
+MMAT_JOINED = dict(MMAT_SCALED, BYTE_DOTS=True)  # by byte, one dot per byte's two fields (where a config asks)
 CONFIGS = {"decode": DECODE, "prefill": PREFILL, "gemv": GEMV, "rows": ROWS, "mmat": MMAT, "fields": FIELDS,
            "gemv_fields": GEMV_FIELDS, "mmat_fields": MMAT_FIELDS, "scaled": SCALED, "mmat_scaled": MMAT_SCALED,
            "gemv_inplace": GEMV_INPLACE, "pairs": PAIRS, "pairs_scaled": PAIRS_SCALED, "mmat_pairs": MMAT_PAIRS,
            "mmat_pairs_scaled": MMAT_PAIRS_SCALED, "shifts": SHIFTS, "mmat_shifts_scaled": MMAT_SHIFTS_SCALED,
-           "mmat_byte_fields": MMAT_BYTE_FIELDS,
+           "mmat_joined": MMAT_JOINED,
            "dequant": {"kernel": "dequant"},
            "dequant_chunks": {"kernel": "dequant", "CHUNK_N": 32}}  # columns a block at a time, a ragged last one
 
@@ -110,7 +110,7 @@ def test_matches_reference(gemm, gen, regime, bits, group, desc_act, hint):
               "fields": (1, 20), "gemv_fields": (1, 3), "mmat_fields": (1, 40), "scaled": (17, 70),
               "mmat_scaled": (1, 40), "gemv_inplace": (1, 3), "pairs": (1, 20), "pairs_scaled": (17, 70),
               "mmat_pairs": (1, 20), "mmat_pairs_scaled": (17, 40), "shifts": (1, 20), "mmat_shifts_scaled": (1, 40),
-              "mmat_byte_fields": (1, 40),
+              "mmat_joined": (1, 40),
               "dequant": (1, 90),
               "dequant_chunks": (1, 90)}[regime]
     m = int(torch.randint(lo, hi, (1,), generator=g))
@@ -182,12 +182,14 @@ def test_launcher_takes_4bit_fields_by_byte_permute(gemm, gen, monkeypatch):
                          gi.to(DEV), bits, True, 128, config=cfg)
     assert [c["BYTES"] for c in calls] == [True, True, False, False, False, False]
     assert [c["FIELD_DOTS"] for c in calls] == [True] * 5 + [False]
-    assert [c["BYTE_DOTS"] for c in calls] == [False, True, False, False, False, False]  # transposed, 4 warps
-    calls.clear()
-    for cfg in (dict(MMAT_SCALED, BYTE_DOTS=False), dict(MMAT_SCALED, num_warps=8), MMAT_BYTE_FIELDS):
+    assert [c["BYTE_DOTS"] for c in calls] == [False] * 6  # one dot per field unless the config asks
+    calls.clear()  # where it asks: transposed 4-warp field tiles taken by byte permute only
+    for cfg in (MMAT_JOINED, dict(MMAT_JOINED, num_warps=8), dict(FIELDS, BYTE_DOTS=True),
+                dict(MMAT_JOINED, BYTES=False), dict(MMAT_SCALED, BYTE_DOTS=False)):
         gemm.gptq_matmul(torch.randn(5, 256, generator=g).half().to(DEV), qw.to(DEV), qz.to(DEV), s.to(DEV),
                          gi.to(DEV), 4, True, 128, config=cfg)
-    assert [(c["BYTES"], c["BYTE_DOTS"]) for c in calls] == [(True, False)] * 3
+    assert [(c["BYTES"], c["BYTE_DOTS"]) for c in calls] == [(True, True), (True, False), (True, False),
+                                                             (False, False), (True, False)]
 
 
 def test_byte_fields_probe_and_its_fallback(gemm, monkeypatch, caplog):
@@ -254,6 +256,11 @@ def test_wide_row_tiles_compute_right(gemm, gen):
         cands = gptq_tune.candidates(m, 128, quick, k)
         tiles = {(c["BLOCK_M"], c["num_warps"]) for c in cands if c["kernel"] == "mmat"}
         assert (128, 4) in tiles and ((256, 8) in tiles) == (m > 128), (m, quick, tiles)
+    for m in (20, 32, 40, 64):  # the H100's 33-64-row winner: one transposed 4-warp tile of all the rows
+        tiles = {(c["BLOCK_M"], c["num_warps"], c["SPLIT_K"]) for c in gptq_tune.candidates(m, 128, True, 4096)
+                 if c["kernel"] == "mmat" and not c.get("PAIRS")}
+        bm = 32 if m <= 32 else 64
+        assert {(bm, 4, s) for s in (1, 2, 4, 8)} <= tiles, (m, tiles)
     for m, cfgs in ((100, gptq_tune._wide_rows(100, (2,))), (300, gptq_tune.candidates(600, 128, True, k))):
         x = torch.randn(m, k, generator=g).half().to(DEV)
         want = ref.gptq_matmul(x, qw, qz, s, gi, 4, True)
@@ -434,9 +441,9 @@ def test_benchmark_times_the_other_unpacking_of_the_same_tile(gemm, gen):
     assert bench.kernel_label(MMAT_PAIRS) == "mmat fields pairs" and bench.toggled(MMAT_FIELDS)["PAIRS"]
     assert bench.shifted(MMAT_SCALED) == dict(MMAT_SCALED, BYTES=False) and bench.shifted(FIELDS)["BYTES"] is False
     assert bench.shifted(PAIRS) is None and bench.shifted(GEMV_INPLACE) is None and bench.shifted(SHIFTS) is None
-    assert bench.per_field(MMAT_SCALED) == dict(MMAT_SCALED, BYTE_DOTS=False) and bench.per_field(FIELDS) is None
-    assert bench.per_field(dict(MMAT_SCALED, num_warps=8)) is None and bench.per_field(MMAT_BYTE_FIELDS) is None
-    assert bench.per_field(MMAT_SHIFTS_SCALED) is None
+    assert bench.joined(MMAT_SCALED) == MMAT_JOINED and bench.joined(FIELDS) is None
+    assert bench.joined(dict(MMAT_SCALED, num_warps=8)) is None and bench.joined(MMAT_JOINED) is None
+    assert bench.joined(MMAT_SHIFTS_SCALED) is None
     qw, qz, s, gi = make_weights(gen, 4, 128, 256, 40, False, False)
     for cfg, m in ((FIELDS, 3), (PAIRS, 3), (MMAT_PAIRS, 2), (GEMV_INPLACE, 1), (GEMV, 1)):
         other = bench.toggled(cfg)
@@ -480,6 +487,6 @@ def test_benchmark_rows_on_cpu_interpreted(gemm, monkeypatch, capsys):
     # the field tiles (the heuristic's choice from 2 rows) also timed with their fields shifted out one at a time
     assert all(("shift_us" in r) == (bench.shifted(json.loads(r["config"])) is not None) for r in rows), rows
     assert rows[1]["shift_us"] > 0 and rows[1]["byte_gain"] == rows[1]["shift_us"] / rows[1]["infer_us"]
-    assert all(("per_field_us" in r) == (bench.per_field(json.loads(r["config"])) is not None) for r in rows), rows
+    assert all(("joined_us" in r) == (bench.joined(json.loads(r["config"])) is not None) for r in rows), rows
     bench.print_table(rows, "cpu")
     assert "tiny" in capsys.readouterr().out

@@ -32,7 +32,7 @@ from ..kernels.compiles import watch_compiles
 from ..memory.plan import plan_memory
 from ..memory.sizes import kv_bytes_per_token
 from .e2e_models import SHAPES, build_model, dtype_label, hf_config, make_tokenizer, write_random_adapters
-from .e2e_report import NO_PDL, NO_PIECES, result_row, run_notes, write_tables
+from .e2e_report import NO_PIECES, WITH_PDL, result_row, run_notes, write_tables
 from .roofline import copy_bandwidth, decode_roofline, lora_bytes_per_adapter, weight_bytes_per_step
 
 EPILOGUE = "expand in epilogue"  # the mode label of --compare-lora-epilogue
@@ -52,7 +52,7 @@ def build_engine(model, model_config, tokenizer, device, adapters: dict[str, str
     `lora_streams` False keeps every LoRA shrink on the main stream in the decode graphs (EngineConfig.lora_streams),
     `expand_beside` puts the expand beside the matmul too (EngineConfig.lora_expand_beside); `piecewise_tokens`
     the longest step (not all decodes) the piecewise graphs take (EngineConfig.cuda_graph_max_tokens; 0: none);
-    `pdl` False launches the kernels without programmatic dependent launch (EngineConfig.pdl; None: where it works)."""
+    `pdl` True launches the kernels with programmatic dependent launch where it works (EngineConfig.pdl; None: off)."""
     slots = max(1, slots or len(adapters))
     from ..engine import llm_engine
     from ..engine.config import EngineConfig
@@ -190,19 +190,19 @@ def engine_modes(run: ShapeRun, tmp: Path) -> list[tuple[str, dict[str, str], bo
     fewer slots with --max-loras, with every expand in the int4 matmul's epilogue with --compare-lora-epilogue, and
     with every shrink on the main stream, and with the expand beside the matmul too, with --compare-lora-streams).
     --compare-piecewise adds each of the two plain modes with graphs for decode steps only, --compare-pdl each of them
-    without programmatic dependent launch."""
+    with programmatic dependent launch."""
     args = run.args
     both = args.compare_eager and not args.eager  # each of the two plain modes with graphs and without
     pieces = args.compare_piecewise and not args.eager
     modes = [("none", {}, args.eager)] + ([("none", {}, True)] if both else []) \
         + ([(f"none, {NO_PIECES}", {}, False)] if pieces else []) \
-        + ([(f"none, {NO_PDL}", {}, args.eager)] if args.compare_pdl else [])
+        + ([(f"none, {WITH_PDL}", {}, args.eager)] if args.compare_pdl else [])
     if args.num_adapters:
         adapters = write_random_adapters(run.model_config, tmp, args.num_adapters, args.rank)
         mixed = f"{len(adapters)} mixed r{args.rank}"
         modes += [(mixed, adapters, args.eager)] + ([(mixed, adapters, True)] if both else []) \
             + ([(f"{mixed}, {NO_PIECES}", adapters, False)] if pieces else []) \
-            + ([(f"{mixed}, {NO_PDL}", adapters, args.eager)] if args.compare_pdl else [])
+            + ([(f"{mixed}, {WITH_PDL}", adapters, args.eager)] if args.compare_pdl else [])
         if args.max_loras and args.max_loras < len(adapters):
             modes.append((f"{len(adapters)} mixed r{args.rank} via {args.max_loras} slots", adapters, args.eager))
         if args.compare_lora_epilogue and not args.fp16:
@@ -233,7 +233,7 @@ def infer_row(run: ShapeRun, model, label: str, weight_bytes: int, lora: str, ad
     engine = build_engine(model, run.model_config, run.tokenizer, run.device, adapters, args.rank, b, run.max_len,
                           eager, slots, lora_epilogue=True if EPILOGUE in lora else None,
                           lora_streams=False if ONE_STREAM in lora else None, expand_beside=EXPAND_BESIDE in lora,
-                          piecewise_tokens=0 if NO_PIECES in lora else 512, pdl=False if NO_PDL in lora else None)
+                          piecewise_tokens=0 if NO_PIECES in lora else 512, pdl=True if WITH_PDL in lora else None)
     engine.warm_kernels()  # compiles every kernel path (prefix-cached prefill too) before anything is timed
     names = list(adapters)
     roof = run.roofline(weight_bytes, lora_bytes_per_adapter(model) if names else 0, min(len(names), b))
@@ -321,8 +321,8 @@ def parse_args(argv=None):
                    help="also run infer with CUDA graphs for decode steps only (prefills and mixed steps eager, "
                         "--cuda-graph-max-tokens 0), without adapters and with the mixed adapters")
     p.add_argument("--compare-pdl", action="store_true",
-                   help="also run infer with its kernels launched without programmatic dependent launch (on by "
-                        "default on Hopper and newer), without adapters and with the mixed adapters")
+                   help="also run infer with its kernels launched with programmatic dependent launch (off by "
+                        "default: slower on an H100), without adapters and with the mixed adapters")
     p.add_argument("--profile", action="store_true",
                    help="also profile one prefill and 20 decode steps of each engine (host vs GPU-busy time)")
     return p.parse_args(argv)

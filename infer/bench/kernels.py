@@ -13,8 +13,8 @@ way a decode step meets them), on random inputs. The floor is the int4 weight by
 measured in the same run; `vs_fp16` > 1 means faster than cuBLAS on the fp16 weight; `other_us` is the same tile
 with the other unpacking of the words (PAIRS on or off for the field mma / mmat, INPLACE for gemv); `shift_us` is a
 field tile with its 4-bit fields shifted out one at a time instead of taken by byte permute (the default), and
-`byte_gain` shift_us / infer_us; `per_field_us` a transposed 4-warp tile with one dot per field instead of one
-per byte's two fields (the default), and `byte_dots_gain` per_field_us / infer_us; from 32 rows,
+`byte_gain` shift_us / infer_us; `joined_us` a transposed 4-warp tile with one dot per byte's two fields instead
+of one per field (the default), and `byte_dots_gain` infer_us / joined_us (what BYTE_DOTS would give); from 32 rows,
 `dequant_us` / `chunks_us` are dequantize + cuBLAS on the whole matrix / in L2-sized column blocks; with --pdl,
 `pdl_us` is the same kernel launched with programmatic dependent launch (each launch of the graph starts, and
 prefetches its first weights, while the one before finishes: kernels.pdl) and `pdl_gain` infer_us / pdl_us; with
@@ -89,12 +89,11 @@ def shifted(cfg: dict) -> dict | None:
     return None
 
 
-def per_field(cfg: dict) -> dict | None:
-    """A transposed 4-warp field tile that makes one dot per byte's two fields (the default: gptq_gemm's
-    BYTE_DOTS) with one dot per field instead, or None for the other kernels: the bench times both
-    (`byte_dots_gain`)."""
-    if shifted(cfg) is not None and cfg["kernel"] == "mmat" and cfg["num_warps"] == 4 and cfg.get("BYTE_DOTS", True):
-        return dict(cfg, BYTE_DOTS=False)
+def joined(cfg: dict) -> dict | None:
+    """A transposed 4-warp field tile that makes one dot per field (the default) with one dot per byte's two fields
+    instead (gptq_gemm's BYTE_DOTS), or None for the other kernels: the bench times both (`byte_dots_gain`)."""
+    if shifted(cfg) is not None and cfg["kernel"] == "mmat" and cfg["num_warps"] == 4 and not cfg.get("BYTE_DOTS"):
+        return dict(cfg, BYTE_DOTS=True)
     return None
 
 
@@ -138,11 +137,11 @@ def measure_shape(model: str, name: str, k: int, n: int, ms, bandwidth: float, d
             row["shift_us"] = time_graph([lambda t=t: gptq_gemm.gptq_matmul(x, *t, 4, True, 128, wp,
                                                                              config=shifted(cfg)) for t in copies])
             row["byte_gain"] = row["shift_us"] / ours
-        if per_field(cfg) is not None:  # and with one dot per field (the byte permute kept)
-            fields_cfg = per_field(cfg)
-            row["per_field_us"] = time_graph([lambda t=t: gptq_gemm.gptq_matmul(x, *t, 4, True, 128, wp,
-                                                                                 config=fields_cfg) for t in copies])
-            row["byte_dots_gain"] = row["per_field_us"] / ours
+        if joined(cfg) is not None:  # and with one dot per byte's two fields (the byte permute kept)
+            joined_cfg = joined(cfg)
+            row["joined_us"] = time_graph([lambda t=t: gptq_gemm.gptq_matmul(x, *t, 4, True, 128, wp,
+                                                                              config=joined_cfg) for t in copies])
+            row["byte_dots_gain"] = ours / row["joined_us"]
         other = toggled(cfg)
         if other is not None:  # the same tile with the other unpacking, timed in the same run
             row["other"] = kernel_label(other)
@@ -190,7 +189,7 @@ def print_table(rows: list[dict], title: str) -> None:
     from rich.table import Table
     table = Table(title=title)
     cols = ["model", "layer", "M", "infer_us", "tinygemm_us", "cublas_fp16_us", "floor_us", "vs_fp16",
-            "tinygemm_vs_fp16", "kernel", "other_us", "other", "shift_us", "byte_gain", "per_field_us",
+            "tinygemm_vs_fp16", "kernel", "other_us", "other", "shift_us", "byte_gain", "joined_us",
             "byte_dots_gain", "dequant_us", "chunks_us", "pdl_us", "pdl_gain", "max_rel_err"]
     for c in cols:
         table.add_column(c, justify="left" if c in ("model", "layer", "kernel", "other") else "right")

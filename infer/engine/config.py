@@ -165,8 +165,8 @@ class EngineConfig:
     lora_expand_beside: bool = False
     # API only: CUDA, launch the step's Triton kernels with programmatic dependent launch, so that each kernel's
     # programs start (and the int4 matmuls prefetch their first weights into L2) while the kernel before finishes
-    # (kernels.pdl; None: on for compute capability 9.0+ when a probe graph replays correctly; gpu_e2e --compare-pdl
-    # runs engines with False beside)
+    # (kernels.pdl; True: on for compute capability 9.0+ when a probe graph replays correctly; None: off, as it
+    # measured 7-11% slower per decode step on an H100; gpu_e2e --compare-pdl runs engines with True beside)
     pdl: bool | None = None
     memory_limit: int | None = option(None, "CPU memory budget for weights, activations and KV cache, e.g. 8GB "
                                             "(default: half the available RAM).", cli_type=str)

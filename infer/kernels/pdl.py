@@ -18,8 +18,12 @@ The rules every kernel here keeps when its PDL constexpr is set (`start` at its 
 - `gdc_launch_dependents` right at the top: the next kernel's programs are placed only once every program of this
   one has started, so they never take an SM that this kernel still needs.
 
-The host side: `configure(device, want)` at the engine start decides per device (None: on for compute capability
-9.0 and newer when this Triton has the GDC ops, after a probe graph with two PDL launches replays correctly);
+The host side: `configure(device, want)` at the engine start decides per device (True: on for compute capability
+9.0 and newer when this Triton has the GDC ops, after a probe graph with two PDL launches replays correctly; None
+and False: off). It is off by default because it cost time where it was measured: on an H100 (2026-11-27, 7B int4,
+CUDA graphs) a decode step took 4.14 ms with PDL and 3.69 ms without at 16 concurrent, 8.52 and 7.96 ms at 64: the
+early-placed programs of the next kernel hold SM slots that the running split-K matmul could use
+(`gpu_e2e --compare-pdl` measures it again).
 `on(device)` is what every launcher asks, and `launch(device)` gives the launch's extra keyword. Both the constexpr
 and the launch attribute come from the same answer: a kernel launched with PDL but compiled without the wait would
 read its inputs before they are written.
@@ -178,11 +182,12 @@ def probe(device: torch.device) -> str | None:
 
 
 def configure(device, want: bool | None) -> bool:
-    """Decide at an engine start whether the kernels on `device` launch with PDL (want None: where supported and
-    the probe passes; True: the same, with a warning where it cannot be had; False: never). Returns the answer."""
+    """Decide at an engine start whether the kernels on `device` launch with PDL (want True: where supported and
+    the probe passes, with a warning where it cannot be had; None, the default, and False: never, as measured
+    slower: see the module's note). Returns the answer."""
     device = device_key(device)
     use = False
-    if device.type == "cuda" and want is not False:
+    if device.type == "cuda" and want:
         prefetch()  # a bad INFER_PDL_PREFETCH fails the start, not a step
         cap = torch.cuda.get_device_capability(device)
         if not supported(cap):
