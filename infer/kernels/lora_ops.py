@@ -114,9 +114,16 @@ def _expand_kernel(hp_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, rank_ptr, scal_p
     shard = shard0 + local
     slot, row0, seg_end = _tile(starts_ptr, pid, S, BLOCK_M, S_P2)
     rank = tl.load(rank_ptr + shard * sr_i + slot * sr_s)
+    scale = tl.load(scal_ptr + shard * sc_i + slot * sc_s)  # beside the rank's
     rows = row0 + tl.arange(0, BLOCK_M)
     mask_m = rows < seg_end
     tok = tl.load(order_ptr + rows, mask=mask_m, other=0)  # beside the rank's load, not after it (one round trip)
+    lo, hi = _pick(local, c0, c1, c2, c3), _pick(local, c1, c2, c3, c4)  # the shard's columns
+    cols = lo + (pid_n - _pick(local, 0, t1, t2, t3)) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = cols < hi
+    mask = mask_m[:, None] & mask_n[None, :]
+    y_ptrs = y_ptr + tok[:, None] * sy_t + cols[None, :] * sy_n
+    y = tl.load(y_ptrs, mask=mask, other=0.0)  # y's tile needs only the tokens: read beside the partials and B
     if (row0 < seg_end) & (rank > 0):
         offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < rank
@@ -125,22 +132,19 @@ def _expand_kernel(hp_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, rank_ptr, scal_p
         parts = tl.load(hp_ptr + offs_p[:, None, None] * sh_p + at[None, :, None] * sh_t
                         + (shard * R + offs_r)[None, None, :],
                         mask=mask_m[None, :, None] & mask_r[None, None, :], other=0.0)
-        h = tl.sum(parts, 0)  # [BLOCK_M, BLOCK_R]: the SPLIT_K partial sums of the shrink
-        lo, hi = _pick(local, c0, c1, c2, c3), _pick(local, c1, c2, c3, c4)  # the shard's columns
-        cols = lo + (pid_n - _pick(local, 0, t1, t2, t3)) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = cols < hi
         width = hi - lo  # shard's B^T block [S, R, width] starts S*R*(lo - c0) elements in
         b_base = b_ptr + (lo - c0).to(tl.int64) * S * R + slot.to(tl.int64) * R * width
         bb = tl.load(b_base + offs_r[:, None] * width + (cols - lo)[None, :],
-                     mask=mask_r[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+                     mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+        # every load above is in flight before the first use: the partials' sum and B's layout change go through
+        # shared memory, and a load written after either would wait for its data (one more round trip to memory)
+        h = tl.sum(parts, 0)  # [BLOCK_M, BLOCK_R]: the SPLIT_K partial sums of the shrink
+        bb = bb.to(tl.float32)
         if IEEE:
             acc = tl.dot(h, bb, input_precision="ieee")
         else:
             acc = tl.dot(h, bb)
-        acc = acc * tl.load(scal_ptr + shard * sc_i + slot * sc_s)
-        mask = mask_m[:, None] & mask_n[None, :]
-        y_ptrs = y_ptr + tok[:, None] * sy_t + cols[None, :] * sy_n
-        y = tl.load(y_ptrs, mask=mask, other=0.0)
+        acc = acc * scale
         tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
 
 
