@@ -248,3 +248,49 @@ def test_load_does_what_a_first_launch_does_and_skips_what_cannot_load():
     good, bad = Kernel(), Kernel(fails=True)
     assert gptq_tune._load([good, None, bad, good]) == 2
     assert good.calls == 2 and bad.calls == 1
+
+
+def test_wave_splits_fill_whole_waves_of_programs():
+    """gptq_tune.wave_splits at a 7B's shapes on an H100 (132 SMs): the split-K counts (as the launcher runs them)
+    whose programs fill 1-4 whole waves, each program keeping two K steps; nothing for a kernel without split-K."""
+    from infer.kernels import gptq_tune
+    mma = dict(kernel="mma", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=3, FIELD=True)
+    # gate_up at 16 rows: 172 column tiles; 3 x 172 = 516 programs, 4 per SM less 12 (2 x 172 is the winner's own)
+    assert [c["SPLIT_K"] for c in gptq_tune.wave_splits(mma, 16, 22016, 4096, 132)] == [3]
+    # o: 32 tiles; 4 and 8 fill one and two waves, 12 rounds to 11 (3 K steps a program), 16 to 16
+    o = gptq_tune.wave_splits(dict(mma, SPLIT_K=8), 16, 4096, 4096, 132)
+    assert [c["SPLIT_K"] for c in o] == [4, 11, 16] and all(c["BLOCK_N"] == 128 for c in o)
+    # a gemv of one row: its tiles are its column blocks times the rows
+    gemv = dict(kernel="gemv", BLOCK_N=64, BLOCK_K=128, SPLIT_K=8, num_warps=4, num_stages=1)
+    assert [c["SPLIT_K"] for c in gptq_tune.wave_splits(gemv, 1, 4096, 4096, 132)] == [2, 4, 6]
+    for cfg in (dict(mma, SPLIT_K=1), {"kernel": "dequant"}):
+        assert gptq_tune.wave_splits(cfg, 16, 4096, 4096, 132) == []
+    assert gptq_tune.wave_splits(mma, 16, 64, 256, 132) == []  # two K steps: no split leaves each program two
+
+
+def test_tuning_times_the_winner_with_whole_wave_splits(monkeypatch):
+    """tune_shape: after the candidate lists, the bucket's winner with its whole-wave splits is timed too, and a
+    faster one wins (here, a stand-in timer that makes split 3 the fastest)."""
+    import torch
+
+    from infer.kernels import gptq_configs, gptq_gemm, gptq_tune
+    mma = dict(kernel="mma", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=3, FIELD=True)
+    timed = []
+    monkeypatch.setattr(gptq_tune, "candidates", lambda m, step, quick, k: [dict(mma), dict(mma, SPLIT_K=4)])
+    monkeypatch.setattr(gptq_tune, "compile_parallel", lambda calls: 0)
+    monkeypatch.setattr(gptq_tune, "L2_BUST_BYTES", 1)
+    monkeypatch.setattr(gptq_configs, "num_sms", lambda device: 132)
+    seen = []  # the config of each call: the correctness check comes just before the timing
+
+    def recording(x, *a, config=None, **kw):
+        seen.append(config)
+        return torch.ones(x.shape[0], 22016)
+
+    def fake_time(fns):
+        timed.append(seen[-1]["SPLIT_K"])
+        return {2: 10.0, 4: 12.0, 3: 8.0}.get(seen[-1]["SPLIT_K"], 20.0)
+    monkeypatch.setattr(gptq_gemm, "gptq_matmul", recording)
+    monkeypatch.setattr(gptq_tune, "time_graph", fake_time)
+    monkeypatch.setattr(gptq_tune, "weight_copies", lambda *a: [(None,) * 4, (None,) * 4])
+    res = gptq_tune.tune_shape(22016, 4096, [16], device="cpu")
+    assert timed == [2, 4, 3] and res[16] == (dict(mma, SPLIT_K=3), 8.0)

@@ -2,7 +2,8 @@
 
 Every candidate is timed the way the engine runs it: launched from a CUDA graph, on weights that do not sit in
 the L2 cache (the graph cycles through enough copies of the layer to exceed it), after a check that it computes
-the same y as the dequantize + cuBLAS path. Called when an engine starts on a GPU (`tune_model`), so no user
+the same y as the dequantize + cuBLAS path; each bucket's winner is then timed again with the split-K counts that
+fill whole waves of programs (`wave_splits`). Called when an engine starts on a GPU (`tune_model`), so no user
 request ever waits for tuning, and by `python -m infer.bench.kernels --tune`.
 """
 
@@ -15,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from . import gptq_configs, gptq_gemm
+from .intmath import cdiv
 
 BUCKETS = tuple(1 << i for i in range(13))  # 1 .. 4096
 L2_BUST_BYTES = 160 << 20
@@ -114,6 +116,29 @@ def quick_candidates(m: int, step: int, k: int | None = None) -> list[dict]:
     if m > 256:  # prefill: fused tiles with the most rows per weight, beside dequantize + cuBLAS
         out += [dict(c, GROUP_M=8) for c in _wide_rows(m, (1,))]
     return [c for c in out if c["kernel"] == "dequant" or (c["BLOCK_K"] <= step and _no_spill(c))]
+
+
+def wave_splits(cfg: dict, m: int, n: int, k: int, sms: int) -> list[dict]:
+    """The winner of a bucket with other split-K counts, any integer rather than the candidate lists' powers of
+    two: for 1-4 programs per SM, the largest split whose programs (row tiles x column tiles x split) fill that
+    many whole waves of `sms` without a part-empty last one, each program keeping at least two K steps. The
+    split is given as the launcher will run it (its K range rounded up to whole K steps)."""
+    split = cfg.get("SPLIT_K", 1)
+    if cfg.get("kernel") not in ("gemv", "mma", "mmat") or split < 2:
+        return []
+    bk = cfg["BLOCK_K"]
+
+    def effective(s: int) -> int:
+        return cdiv(k, cdiv(cdiv(k, s), bk) * bk)
+    one_row = cfg["kernel"] == "gemv" and cfg.get("BLOCK_M", 1) == 1
+    tiles = (m if one_row else cdiv(m, cfg.get("BLOCK_M", 1))) * cdiv(n, cfg["BLOCK_N"])
+    seen, out = {effective(split)}, []
+    for waves in (1, 2, 3, 4):
+        s = effective(max(1, min(waves * sms // tiles, cdiv(k, bk) // 2)))
+        if s >= 2 and s not in seen:
+            seen.add(s)
+            out.append(dict(cfg, SPLIT_K=s))
+    return out
 
 
 def candidates(m: int, step: int, quick: bool = False, k: int | None = None) -> list[dict]:
@@ -273,21 +298,30 @@ def tune_shape(n: int, k: int, buckets, bits: int = 4, group_size: int = 128, de
         x = xs[m]
         want = gptq_gemm.gptq_matmul(x, *copies[0][:4], bits, True, group_size, wp, config={"kernel": "dequant"})
         scale = want.float().abs().max().clamp_min(1e-6)
-        best = (None, float("inf"))
-        for cfg in candidates(m, step, quick, k):
+
+        def timed(cfg: dict, x=x, want=want, scale=scale) -> float | None:
+            """Microseconds of `cfg` on x, or None when it computes a wrong y or cannot run."""
             try:
                 got = gptq_gemm.gptq_matmul(x, *copies[0][:4], bits, True, group_size, wp, config=cfg)
                 if not bool(((got.float() - want.float()).abs().max() / scale) < 1e-2):
-                    continue
-                fns = [lambda t=t, c=cfg: gptq_gemm.gptq_matmul(x, *t[:4], bits, True, group_size, wp, config=c)
+                    return None
+                fns = [lambda t=t: gptq_gemm.gptq_matmul(x, *t[:4], bits, True, group_size, wp, config=cfg)
                        for t in copies]
-                us = time_graph(fns)
+                return time_graph(fns)
             except Exception as e:  # a config the compiler or the GPU cannot run (shared memory, registers)
                 if log:
                     log(f"  skip {cfg}: {type(e).__name__}")
-                continue
-            if us < best[1]:
+                return None
+        best = (None, float("inf"))
+        for cfg in candidates(m, step, quick, k):
+            us = timed(cfg)
+            if us is not None and us < best[1]:
                 best = (cfg, us)
+        if best[0] is not None:  # then the winner with the splits that fill whole waves of programs
+            for cfg in wave_splits(best[0], m, n, k, gptq_configs.num_sms(device)):
+                us = timed(cfg)
+                if us is not None and us < best[1]:
+                    best = (cfg, us)
         result[m] = best
         if log:
             log(f"N={n} K={k} M={m}: {best[1]:.1f} us {best[0]}")
