@@ -167,6 +167,61 @@ def test_attention_half_precision(ops, gen):
     check_attention(ops[1], gen, [33, 20, 600], [1, 1, 1], 16, 8, 2, 32, dtype=torch.float16)
 
 
+def check_decode_attention(ops, g, ctx_lens, block_size, hq, hk, head_dim, rot_dim, dtype=torch.float32,
+                           padding=2):
+    """decode_attention (rotary, KV write and attention in one launch) against the reference's rotary_store_kv then
+    paged_attention: the real rows' output and both caches after the step. The new token's slot held NaN before
+    (read before it is written: a NaN output), unused slots NaN throughout; `padding` rows of a CUDA graph's
+    bucket (length 0, slot -1) beside the real ones."""
+    n = len(ctx_lens)
+    _, caches, clean, meta = paged_batch(g, ctx_lens, [1] * n, block_size, hq, hk, head_dim, dtype)
+    tables = meta["block_tables"]
+    slots = torch.tensor([int(tables[b, (c - 1) // block_size]) * block_size + (c - 1) % block_size
+                          for b, c in enumerate(ctx_lens)])
+    for c in caches:
+        c.view(-1, hk, head_dim)[slots] = float("nan")
+    qkv = rand(g, n + padding, (hq + 2 * hk) * head_dim, dtype=dtype)
+    q, k, v = qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)  # strided views, as the model
+    cos_sin = rand(g, max(ctx_lens) + 3, rot_dim)
+    pos = torch.tensor([c - 1 for c in ctx_lens] + [0] * padding).to(DEV)
+    want_caches = [c.clone() for c in clean]
+    want = ref.decode_attention(pos[:n].cpu(), q[:n].cpu(), k[:n].cpu(), v[:n].cpu(), cos_sin.cpu(), head_dim,
+                                *want_caches, slots, scale=head_dim ** -0.5, **meta)
+    pad = dict(block_tables=torch.cat([tables, torch.zeros(padding, tables.shape[1], dtype=torch.int32)]),
+               seq_lens=torch.cat([meta["seq_lens"], torch.zeros(padding, dtype=torch.int32)]),
+               query_start_loc=torch.arange(n + padding + 1, dtype=torch.int32))
+    got_caches = [c.to(DEV) for c in caches]
+    before = qkv.clone()
+    got = ops[1].decode_attention(pos, q, k, v, cos_sin, head_dim, *got_caches,
+                                  torch.cat([slots, torch.full((padding,), -1)]).to(DEV), scale=head_dim ** -0.5,
+                                  **{key: t.to(DEV) for key, t in pad.items()})
+    what = f"ctx {ctx_lens} bs {block_size} heads {hq}/{hk} d {head_dim} rot {rot_dim}"
+    assert got.shape == (n + padding, hq, head_dim)
+    assert_close(got[:n], want, dtype, g, what)
+    used = ~caches[0].isnan()
+    used.view(-1, hk, head_dim)[slots] = True
+    for got_c, want_c, name in zip(got_caches, want_caches, "kv"):
+        got_c = got_c.cpu()
+        assert torch.equal(got_c.isnan(), ~used), f"{what}: {name} cache written outside the step's slots"
+        assert torch.equal(got_c[used], want_c[used]), f"{what}: {name} cache (seed {g.initial_seed()})"
+    assert torch.equal(qkv, before), "inputs must not be modified"
+
+
+@pytest.mark.parametrize("block_size,hq,hk,head_dim,rot_dim,dtype", [
+    (4, 8, 2, 16, 16, torch.float32), (16, 4, 4, 16, 16, torch.float32), (16, 6, 2, 24, 12, torch.float16)])
+def test_decode_attention_rotates_writes_and_attends_in_one_launch(ops, gen, block_size, hq, hk, head_dim, rot_dim,
+                                                                   dtype):
+    ctx = _lens(gen, 4, 2, 90) + [1, block_size, block_size + 1]  # many blocks, a full block, the first token
+    check_decode_attention(ops, gen, ctx, block_size, hq, hk, head_dim, rot_dim, dtype)
+
+
+def test_decode_attention_over_partitions(ops, gen):
+    """The new key in the last partition of a long context, alone in its partition (part + 1), the last key of a
+    full one (part): only the partition holding it writes it and attends to it."""
+    part = ops[1].PARTITION
+    check_decode_attention(ops, gen, [2 * part + 37, part, part + 1, 3], 16, 4, 2, 16, 16, padding=1)
+
+
 def _attention_by_definition(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
     """paged_attention's Semantics line, token by token in float64."""
     out = torch.empty(q.shape, dtype=torch.float64)

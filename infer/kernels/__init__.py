@@ -80,6 +80,15 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
                                      max_query_len)
 
 
+def decode_attention(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache, slot_mapping, block_tables,
+                     seq_lens, query_start_loc, scale):
+    if use_triton(q):
+        return _triton("attention").decode_attention(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache,
+                                                     slot_mapping, block_tables, seq_lens, query_start_loc, scale)
+    return reference.decode_attention(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache, slot_mapping,
+                                      block_tables, seq_lens, query_start_loc, scale)
+
+
 def lora_shrink(x, lora_a, groups, scale=1.0):
     """The torch op on every device: a Triton kernel pair computes whole layers (lora_apply); this single-shard
     product is the CPU path's tool for layers where the batch's adapters use only some shards or a small rank."""

@@ -117,13 +117,30 @@ def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, qsl_ptr,
 
 # eager decode steps (--eager) of any context compile two variants only (one partition, or several): the block
 # table's width and the partition count are runtime integers, never specialized
+@triton.jit
+def _rotated(x_ptrs, partner_ptrs, mask, cos, sin):
+    """x rotated NeoX style, given its rotary partner (d +- HALF) and per-dimension cos and signed sin (1 and 0 past
+    the rotary dims): x*cos - x2*sin in the first half, x2*cos + x1*sin in the second, in float32, rounded to x's
+    dtype as the reference returns it."""
+    x = tl.load(x_ptrs, mask=mask, other=0.0)
+    xp = tl.load(partner_ptrs, mask=mask, other=0.0)
+    return (x.to(tl.float32) * cos + xp.to(tl.float32) * sin).to(x.dtype)
+
+
 @triton.jit(do_not_specialize=["s_bt", "num_parts"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, lens_ptr, qsl_ptr, qk_scale,
                    s_qt, s_qh, s_qd, s_ot, s_oh, s_od, s_bt,
                    s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, num_parts,
+                   pos_ptr, kn_ptr, vn_ptr, cs_ptr, slot_ptr, s_kn, s_vn, s_cs,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PART: tl.constexpr, SPLIT: tl.constexpr,
-                   IEEE: tl.constexpr, PDL: tl.constexpr = False):
+                   IEEE: tl.constexpr, ROPE: tl.constexpr = False, HALF: tl.constexpr = 1,
+                   PDL: tl.constexpr = False):
+    """With ROPE (`decode_attention`): q is the unrotated query, and the step's own key and value (token rows
+    kn/vn, s_kn/s_vn apart; head h at h * HEAD_DIM) are rotated here by the token's position (cos | sin rows of
+    cs_ptr, s_cs apart; HALF = rotary dims / 2) and written into the cache slot slot_ptr[token] (-1: none) by the
+    program whose partition holds the query's position; that program attends to the new key from its registers
+    and to the cache's keys before it, so nothing reads the slot this launch writes."""
     pdl.start(PDL)
     b, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(qsl_ptr + b)
@@ -136,15 +153,50 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tabl
         offs_d = tl.arange(0, BLOCK_D)
         mask = mask_m[:, None] & (offs_d[None, :] < HEAD_DIM)
         tok = q_start.to(tl.int64)
-        q = tl.load(q_ptr + tok * s_qt + head[:, None] * s_qh + offs_d[None, :] * s_qd, mask=mask, other=0.0)
+        q_at = q_ptr + tok * s_qt + head[:, None] * s_qh
+        hi = tl.minimum(seq_len, lo + PART)
+        if ROPE:
+            mask_d = offs_d < HEAD_DIM
+            rot = offs_d < 2 * HALF
+            first = offs_d < HALF
+            partner = tl.where(first, offs_d + HALF, tl.where(rot, offs_d - HALF, offs_d))
+            j = tl.where(first, offs_d, offs_d - HALF)
+            at = tl.load(pos_ptr + tok).to(tl.int64) * s_cs
+            cos = tl.load(cs_ptr + at + j, mask=rot & mask_d, other=1.0).to(tl.float32)
+            sin = tl.load(cs_ptr + at + HALF + j, mask=rot & mask_d, other=0.0).to(tl.float32)
+            sin = tl.where(first, -sin, sin)
+            q = _rotated(q_at + offs_d[None, :] * s_qd, q_at + partner[None, :] * s_qd, mask, cos[None, :],
+                         sin[None, :])
+            k_at = kn_ptr + tok * s_kn + kv_head * HEAD_DIM
+            k_new = _rotated(k_at + offs_d, k_at + partner, mask_d, cos, sin).to(k_ptr.dtype.element_ty)
+            v_new = tl.load(vn_ptr + tok * s_vn + kv_head * HEAD_DIM + offs_d, mask=mask_d,
+                            other=0.0).to(v_ptr.dtype.element_ty)
+            own = hi == seq_len  # this partition holds the query's position, seq_len - 1: the new key
+            if own:
+                slot = tl.load(slot_ptr + tok)
+                if slot >= 0:
+                    blk, off = slot // PAGE, slot % PAGE
+                    tl.store(k_ptr + blk * s_kb + off * s_ks + kv_head * s_kh + offs_d * s_kd, k_new, mask=mask_d)
+                    tl.store(v_ptr + blk * s_vb + off * s_vs + kv_head * s_vh + offs_d * s_vd, v_new, mask=mask_d)
+                hi = seq_len - 1  # the cache's keys before it
+        else:
+            q = tl.load(q_at + offs_d[None, :] * s_qd, mask=mask, other=0.0)
         pos = tl.zeros((GROUP_PAD,), tl.int32) + seq_len - 1
         m_i = tl.full((GROUP_PAD,), -1.0e30, tl.float32)
         l_i = tl.zeros((GROUP_PAD,), tl.float32)
         acc = tl.zeros((GROUP_PAD, BLOCK_D), tl.float32)
-        hi = tl.minimum(seq_len, lo + PART)
         acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, tables_ptr + b.to(tl.int64) * s_bt,
                                      kv_head, lo, hi, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, qk_scale,
                                      PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, IEEE)
+        if ROPE:
+            if own:  # the new key, as _attend_keys takes one: p rounded to v's dtype for the product, not the sum
+                s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
+                m_new = tl.maximum(m_i, s)
+                p = tl.exp2(s - m_new)
+                alpha = tl.exp2(m_i - m_new)
+                l_i = l_i * alpha + p
+                acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
+                m_i = m_new
         if not SPLIT:
             acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + tok * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
@@ -195,7 +247,8 @@ def _strides(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.stride())
 
 
-def _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, out, meta) -> None:
+def _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, out, meta, rope=None) -> None:
+    """rope: (positions, k rows [T, Hk*D], v rows, cos_sin [P, rot_dim], slot_mapping) for `decode_attention`."""
     num_seqs, hk = seq_lens.shape[0], k_cache.shape[2]
     max_ctx = block_tables.shape[1] * k_cache.shape[1]
     parts = max(1, cdiv(max_ctx, PARTITION))
@@ -205,12 +258,18 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_sca
         part_ml = torch.empty(num_seqs, hq, parts, 2, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # unused
+    if rope is None:
+        extra = (seq_lens, q, q, seq_lens, seq_lens, 0, 0, 0)  # unused
+    else:
+        positions, k, v, cos_sin, slots = rope
+        extra = (positions, k, v, cos_sin, slots, k.stride(0), v.stride(0), cos_sin.stride(0))
+        meta = dict(meta, ROPE=True, HALF=cos_sin.shape[-1] // 2)
     _decode_kernel[(num_seqs, hk, parts)](
         q, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens, query_start_loc, qk_scale,
         *_strides(q), *_strides(out), block_tables.stride(0), *_strides(k_cache), *_strides(v_cache), parts,
-        PART=PARTITION, SPLIT=parts > 1, **meta)
+        *extra, PART=PARTITION, SPLIT=parts > 1, **meta)
     if parts > 1:
-        _reduce_kernel[(num_seqs, q.shape[1])](
+        _reduce_kernel[(num_seqs, out.shape[1])](
             out, part_acc, part_ml, seq_lens, query_start_loc, *_strides(out), parts, BLOCK_D=meta["BLOCK_D"],
             HEAD_DIM=meta["HEAD_DIM"], PART=PARTITION, CHUNK=REDUCE_CHUNK, PDL=meta["PDL"],
             **pdl.launch(q.device))
@@ -240,15 +299,42 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    hq, hk, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
-    group = hq // hk
-    meta = dict(GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), PAGE=k_cache.shape[1],
-                BLOCK_N=32 if head_dim > 128 else 64, BLOCK_D=max(16, next_power_of_2(head_dim)),
-                HEAD_DIM=head_dim, IEEE=q.dtype == torch.float32, PDL=pdl.on(q.device), **pdl.launch(q.device))
+    meta = _meta(q, k_cache)
     qk_scale = float(scale) * LOG2E
     if max_query_len == 1:
         _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, out, meta)
     else:
-        meta["GROUP_PAD"] = next_power_of_2(group)
+        meta["GROUP_PAD"] = next_power_of_2(meta["GROUP"])
         _unified(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, out, max_query_len, meta)
+    return out
+
+
+def _meta(q: torch.Tensor, k_cache: torch.Tensor) -> dict:
+    hq, hk, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
+    group = hq // hk
+    return dict(GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), PAGE=k_cache.shape[1],
+                BLOCK_N=32 if head_dim > 128 else 64, BLOCK_D=max(16, next_power_of_2(head_dim)),
+                HEAD_DIM=head_dim, IEEE=q.dtype == torch.float32, PDL=pdl.on(q.device), **pdl.launch(q.device))
+
+
+def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+    """Triton version of reference.decode_attention, in one launch (two past one partition of context): the
+    rotary embedding, the KV-cache write and the decode attention of `rotary_store_kv` then `paged_attention`,
+    without the rotated q's and k's round trip through memory. q [T, Hq*D], k and v [T, Hk*D] (rows of the qkv
+    output: any row stride); returns [T, Hq, D]."""
+    t = q.shape[0]
+    q3 = q.view(t, -1, head_dim)
+    out = torch.empty(q3.shape, dtype=q.dtype, device=q.device)
+    if t == 0 or seq_lens.shape[0] == 0:
+        return out
+    k2, v2 = (x if x.stride(-1) == 1 else x.contiguous() for x in (k.view(t, -1), v.view(t, -1)))
+    if k2.shape[1] != k_cache.shape[2] * head_dim or v2.shape[1] != v_cache.shape[2] * head_dim:
+        raise ValueError(f"k/v of width {k2.shape[1]}/{v2.shape[1]} do not match the cache's "
+                         f"{tuple(k_cache.shape[-2:])}")
+    cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    _decode(q3, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale) * LOG2E, out,
+            _meta(q3, k_cache), rope=(positions, k2, v2, cache, slot_mapping))
     return out

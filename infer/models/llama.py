@@ -51,20 +51,32 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = None  # set by the model runner: [num_blocks, block_size, Hk, D]
 
     def forward(self, positions, x, ctx: ForwardContext, cos_sin):
+        if ctx.max_query_len == 1:  # decodes only: rotary, KV write and attention in one launch on the GPU
+            q, k, v = self._qkv(x, ctx)
+            o = kernels.decode_attention(positions, q, k, v, cos_sin, self.head_dim, self.k_cache, self.v_cache,
+                                         ctx.slot_mapping, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
+                                         self.scale)
+            return self.o_proj(o.reshape(x.shape[0], self.q_size), ctx)
         return self.o_proj(self.attend(self.query(positions, x, ctx, cos_sin), ctx), ctx)
 
-    def query(self, positions, x, ctx: ForwardContext, cos_sin):
-        """The rotated query [t, q_size]; this step's K and V are in the cache (the part of the layer before the
-        attention that a piecewise CUDA graph records: engine.cuda_graphs.PiecewiseGraphs)."""
+    def _qkv(self, x, ctx: ForwardContext):
+        """q [t, q_size], k and v [t, kv_size] (views of the qkv projection's output), q and k normed per head
+        where the family does (Qwen3)."""
         qkv = self.qkv_proj(x, ctx)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = x.shape[0]
         if self.qk_norm:
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, self.q_size)
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
+        return q, k, v
+
+    def query(self, positions, x, ctx: ForwardContext, cos_sin):
+        """The rotated query [t, q_size]; this step's K and V are in the cache (the part of the layer before the
+        attention that a piecewise CUDA graph records: engine.cuda_graphs.PiecewiseGraphs)."""
+        q, k, v = self._qkv(x, ctx)
         q = kernels.rotary_store_kv(positions, q, k, v, cos_sin, self.head_dim, self.k_cache, self.v_cache,
                                     ctx.slot_mapping)  # one launch on the GPU: q rotated, k rotated and v cached
-        return q.reshape(t, self.q_size)
+        return q.reshape(x.shape[0], self.q_size)
 
     def attend(self, q, ctx: ForwardContext):
         """The attention's output [t, q_size] for the rotated query q [t, q_size] over the paged cache."""
