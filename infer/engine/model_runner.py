@@ -118,7 +118,7 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch, order: list[int] | None = None, prev: StepHandle | None = None):
         """(input_ids, positions, ctx, rows, idx, sampling, prompt) of the batch in `order`: `rows` are the indices in
         the batch of the sequences that sample this step (their prompt is complete), in run order, `idx` the flat
-        indices of their last tokens, `sampling` their SamplingInputs (None without rows) and `prompt` what the
+        indices of their last tokens (None when they are every token in order, as in a decode step), `sampling` their SamplingInputs (None without rows) and `prompt` what the
         prompt_logprobs of the step's prefill chunks need (None without). Token ids still pending on the
         host (PENDING) are taken from `prev`'s sampled tokens on the device; the KV blocks `batch.zero` are zeroed
         first. Every integer input travels to the device in one copy (a Pack), without a sync; the sampling
@@ -160,7 +160,8 @@ class ModelRunner:
             sampling.load(data, self.device)
         if prompt is not None:  # (flat indices of the hidden rows, the prompt tokens they predict, whose they are)
             prompt = (data[prompt[0]], data[prompt[1]], host.plp_segments)
-        return input_ids, data[pos], ctx, rows, data[last], sampling, prompt
+        every = host.sample == list(range(len(host.ids)))  # a decode step samples its rows as they are: no gather
+        return input_ids, data[pos], ctx, rows, None if every else data[last], sampling, prompt
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
                 num_new_tokens: list[int]) -> torch.Tensor:
@@ -184,7 +185,7 @@ class ModelRunner:
             return StepHandle([], {}, None, None, None)
         sampled = None
         if rows:
-            logits = self.model.compute_logits(hidden.index_select(0, idx))
+            logits = self.model.compute_logits(hidden if idx is None else hidden.index_select(0, idx))
             if sampling.late:
                 settle()
                 sampling.settle(self.vocab_size, self.device)
