@@ -88,8 +88,27 @@ def test_prepared_inputs_are_what_the_host_knows(tiny, monkeypatch, overlap):
         assert ctx.seq_lens.tolist() == [start + n for _, start, n, *_ in before]
         width = ctx.block_tables.shape[1]
         assert ctx.block_tables.tolist() == [table + [0] * (width - len(table)) for *_, table in before]
-        assert rows == sample_rows and idx.tolist() == last and (sampling is None) == (not rows)
+        assert rows == sample_rows and (sampling is None) == (not rows)
+        # every token samples, in order (a decode step): the hidden states are taken as they are, no gather
+        assert (idx is None) == (last == list(range(len(ids)))) and (idx is None or idx.tolist() == last)
         if ctx.lora is not None:
             assert ctx.lora.token_slots.tolist() == adapters and _aligned(ctx.lora.token_slots)
         assert zeroed == 0.0  # the step's fresh blocks were zeroed before its forward
-        assert all(map(_aligned, (input_ids, positions, ctx.slot_mapping, idx)))
+        assert all(_aligned(t) for t in (input_ids, positions, ctx.slot_mapping, idx) if t is not None)
+
+
+def test_decode_steps_attend_in_one_op_and_other_steps_rotate_first(monkeypatch):
+    """A decode step's attention is kernels.decode_attention (on a GPU one launch: rotary, KV write, attention)
+    once per layer; a step with a prompt rotates and writes its K/V first (rotary_store_kv), then attends."""
+    from infer import kernels
+    calls = []
+    for name in ("decode_attention", "rotary_store_kv", "paged_attention"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name,
+                            lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    llm = LLM(str(ensure_builtin("tiny-llama")), block_size=4, num_kv_blocks=64, max_model_len=64)
+    layers = llm.engine.model_config.num_hidden_layers
+    prompts = random_prompts(llm.engine.model_config.vocab_size, (6, 3), seed=2)
+    llm.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert calls[:2 * layers] == ["rotary_store_kv", "paged_attention"] * layers  # the prefill step
+    assert calls[2 * layers:] == ["decode_attention"] * (3 * layers)  # three decode steps

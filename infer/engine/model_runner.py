@@ -118,8 +118,9 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch, order: list[int] | None = None, prev: StepHandle | None = None):
         """(input_ids, positions, ctx, rows, idx, sampling, prompt) of the batch in `order`: `rows` are the indices in
         the batch of the sequences that sample this step (their prompt is complete), in run order, `idx` the flat
-        indices of their last tokens (None when they are every token in order, as in a decode step), `sampling` their SamplingInputs (None without rows) and `prompt` what the
-        prompt_logprobs of the step's prefill chunks need (None without). Token ids still pending on the
+        indices of their last tokens (None when that is every token in order, as in a decode step), `sampling`
+        their SamplingInputs (None without rows) and `prompt` what the prompt_logprobs of the step's prefill
+        chunks need (None without). Token ids still pending on the
         host (PENDING) are taken from `prev`'s sampled tokens on the device; the KV blocks `batch.zero` are zeroed
         first. Every integer input travels to the device in one copy (a Pack), without a sync; the sampling
         parameters' floats, when a row draws or has penalties, in a second."""
