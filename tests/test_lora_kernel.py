@@ -154,6 +154,49 @@ def test_plan_depends_on_shapes_only(ops):
     assert p["tiles"] == 20 and p["split"] == 8 and p["k_per_split"] * p["split"] >= 11008
 
 
+@pytest.fixture(scope="module")
+def fused_ops():
+    """infer.kernels.fused (silu_and_mul), interpreted on CPU when there is no GPU."""
+    yield from interpreted_module("infer.kernels.fused")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("host_slots", [[0, 1, 2, 3, 4], [3, -1, 0, 3, -1, 1, 1]])
+def test_silu_and_mul_adds_the_gate_up_delta(poisoned, fused_ops, monkeypatch, dtype, host_slots):
+    """The gate_up layer's expand folded into silu_and_mul (LoRALayer.deferred): the Triton shrink's partials by
+    token, K split over programs (NaN wherever the shrink wrote nothing), then silu_and_mul(gate_up, lora) against
+    the reference's add_delta then silu_and_mul; rows without adapter are exactly the plain silu_and_mul."""
+    from infer.kernels import reference as kref
+    monkeypatch.setattr(poisoned, "K_PER_PROGRAM", 32)
+    dev, t, n, k, num_slots, max_rank = _dev(), len(host_slots), 300, 128, 5, 16
+    a, b, scal, rk, bounds = layer([n, n], num_slots, max_rank, k, seed=t, dtype=dtype)
+    g = torch.Generator().manual_seed(t + 1)
+    x = torch.randn(t, k, generator=g).to(dtype)
+    gate_up = torch.randn(t, 2 * n, generator=g).to(dtype)
+    slots = torch.tensor(host_slots)
+    d = poisoned.delta(x.to(dev), a.to(dev), b.to(dev), scal.to(dev), bounds, lora_groups(slots.to(dev), num_slots),
+                       rk.to(dev), slots.to(dev))
+    assert d.hp.shape[0] > 1  # the shrink's partial sums over slices of K
+    got = fused_ops.silu_and_mul(gate_up.to(dev), lora=d).cpu()
+    want = kref.silu_and_mul(gate_up, lora=ref.lora_delta(x.float(), a.float(), b.float(), scal, bounds,
+                                                          lora_groups(slots, num_slots), rk, slots))
+    plain = fused_ops.silu_and_mul(gate_up.to(dev)).cpu()
+    base = slots < 0
+    assert torch.equal(got[base], plain[base]), "rows without adapter changed"
+    err = (got.float() - want.float()).abs().max() / want.float().abs().max()
+    assert err <= (1e-5 if dtype == torch.float32 else 2e-3), err
+    assert (got[~base].float() - plain[~base].float()).abs().max() > 0.5  # the adapters did add something
+
+
+def test_silu_and_mul_refuses_a_delta_of_other_shards(fused_ops):
+    from infer.kernels.lora_reference import LoRADelta
+    x = torch.randn(2, 16).to(_dev())
+    d = LoRADelta(torch.zeros(1, 2, 8).to(_dev()), torch.zeros(64).to(_dev()), torch.zeros(2, dtype=torch.long),
+                  torch.ones(2, 1), torch.ones(2, 1, dtype=torch.int32), [0, 4, 16], None)
+    with pytest.raises(ValueError, match=r"gate\|up layer of widths 8\|8"):
+        fused_ops.silu_and_mul(x, lora=d)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [16, 64, 2048])
 def test_real_shapes_gpu(t):

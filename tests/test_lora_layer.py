@@ -284,3 +284,53 @@ def test_apply_beside_gives_the_one_stream_result_bit_for_bit(setup, monkeypatch
             ml.lora.expand_beside = expand_beside
             got = ml.lora.apply_beside(ml, x, batch)
             assert torch.equal(got, want), (ml.names, expand_beside)
+
+
+@pytest.mark.parametrize("capturing", [False, True])
+def test_gate_up_expand_left_to_silu_and_mul_gives_the_apply_result(setup, monkeypatch, capturing):
+    """MergedLinear.forward_deferred on the MLP's gate_up (consumer_adds_lora), the Triton kernels interpreted: the
+    layer's y without the adapters plus their delta by token, which silu_and_mul adds, equals silu_and_mul of the
+    layer's forward (shrink and expand); while a graph is captured, with the shrink on the side stream (the streams
+    stood in for). Other layers, a CPU step, a step of more than DEFER_MAX_TOKENS tokens and lora_expand_fused off
+    leave the expand in the layer."""
+    import contextlib
+
+    from infer import kernels
+    from infer.lora import layer as layer_mod
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (test_overlap.py, test_cuda_graphs.py)")
+    mgr = LoRAManager(setup.stack, max_loras=4, max_lora_rank=64)
+    for name, path in setup.paths.items():
+        mgr.register(name, path)
+    slot = {name: mgr.acquire(name) for name in "abcd"}
+    tokens = ["d", "b", None, "d", "c", "b", "a"]
+    ctx = SimpleNamespace(lora=mgr.make_batch([slot[n] if n else -1 for n in tokens]))
+    gate_up, qkv = setup.stack.linears[2], setup.stack.linears[0]
+    x = torch.randn(len(tokens), gate_up.in_features, generator=torch.Generator().manual_seed(4))
+    gate_up.consumer_adds_lora = True
+    try:
+        assert not gate_up.lora.defers(gate_up, x)  # a CPU step: the torch path
+        monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+        assert gate_up.lora.defers(gate_up, x) and not qkv.lora.defers(qkv, x)
+        assert not gate_up.lora.defers(gate_up, torch.zeros(layer_mod.DEFER_MAX_TOKENS + 1, x.shape[1]))
+        gate_up.lora.fused = False
+        assert not gate_up.lora.defers(gate_up, x)
+        assert gate_up.forward_deferred(x, ctx)[1] is None
+        gate_up.lora.fused = True
+
+        class Stream:
+            def wait_stream(self, other):
+                pass
+        monkeypatch.setattr(layer_mod, "_streams", lambda device: (Stream(), Stream()))
+        monkeypatch.setattr(layer_mod, "_on", lambda stream: contextlib.nullcontext())
+        monkeypatch.setattr(layer_mod, "_capturing", lambda t: capturing)
+        want = kernels.silu_and_mul(gate_up(x, ctx))
+        y, delta = gate_up.forward_deferred(x, ctx)
+        assert delta is not None and torch.equal(y, gate_up.method.apply(gate_up, x))
+        got = kernels.silu_and_mul(y, delta)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+        assert (got - kernels.silu_and_mul(y)).abs().max() > 1e-3  # the adapters do change it
+        none = SimpleNamespace(lora=mgr.make_batch([-1] * len(tokens)))
+        assert gate_up.forward_deferred(x, none)[1] is None
+    finally:
+        gate_up.consumer_adds_lora = False

@@ -38,13 +38,14 @@ from .roofline import copy_bandwidth, decode_roofline, lora_bytes_per_adapter, w
 EPILOGUE = "expand in epilogue"  # the mode label of --compare-lora-epilogue
 ONE_STREAM = "shrink on the main stream"  # the mode labels of --compare-lora-streams
 EXPAND_BESIDE = "expand beside too"
+EXPAND_ALONE = "gate_up expand launched alone"  # the mode label of --compare-lora-fused
 
 
 # ----------------------------------------------------------------------------------------------- engines
 def build_engine(model, model_config, tokenizer, device, adapters: dict[str, str], rank: int, concurrency: int,
                  max_len: int, eager: bool = False, slots: int | None = None, batched_tokens: int = 4096,
                  lora_epilogue: bool | None = None, lora_streams: bool | None = None, expand_beside: bool = False,
-                 piecewise_tokens: int = 512, pdl: bool | None = None):
+                 piecewise_tokens: int = 512, pdl: bool | None = None, expand_fused: bool = True):
     """An LLMEngine over an in-memory model (decode CUDA graphs unless `eager`); `slots` GPU adapter slots (default:
     one per adapter; fewer makes the engine swap adapters, counted in stats()["lora_swaps"]); `batched_tokens` the
     most tokens in one step (longer prompts are prefilled in chunks); `lora_epilogue` True adds every LoRA expand
@@ -52,7 +53,9 @@ def build_engine(model, model_config, tokenizer, device, adapters: dict[str, str
     `lora_streams` False keeps every LoRA shrink on the main stream in the decode graphs (EngineConfig.lora_streams),
     `expand_beside` puts the expand beside the matmul too (EngineConfig.lora_expand_beside); `piecewise_tokens`
     the longest step (not all decodes) the piecewise graphs take (EngineConfig.cuda_graph_max_tokens; 0: none);
-    `pdl` True launches the kernels with programmatic dependent launch where it works (EngineConfig.pdl; None: off)."""
+    `pdl` True launches the kernels with programmatic dependent launch where it works (EngineConfig.pdl; None: off);
+    `expand_fused` False launches the gate_up LoRA expand on its own instead of in silu_and_mul
+    (EngineConfig.lora_expand_fused)."""
     slots = max(1, slots or len(adapters))
     from ..engine import llm_engine
     from ..engine.config import EngineConfig
@@ -64,7 +67,8 @@ def build_engine(model, model_config, tokenizer, device, adapters: dict[str, str
                                  num_kv_blocks=blocks, loras=adapters, max_loras=slots, max_lora_rank=rank,
                                  enforce_eager=eager, max_num_batched_tokens=batched_tokens,
                                  lora_epilogue=lora_epilogue, lora_streams=lora_streams,
-                                 lora_expand_beside=expand_beside, cuda_graph_max_tokens=piecewise_tokens, pdl=pdl)
+                                 lora_expand_beside=expand_beside, cuda_graph_max_tokens=piecewise_tokens, pdl=pdl,
+                                 lora_expand_fused=expand_fused)
     manager = None
     if adapters:
         from ..lora.manager import LoRAManager
@@ -188,7 +192,8 @@ def engine_modes(run: ShapeRun, tmp: Path) -> list[tuple[str, dict[str, str], bo
     """(lora label, adapters, eager) of each engine to run: without adapters (graphs, and eagerly too with
     --compare-eager), then with the random adapters written to `tmp` (eagerly too with --compare-eager, through
     fewer slots with --max-loras, with every expand in the int4 matmul's epilogue with --compare-lora-epilogue, and
-    with every shrink on the main stream, and with the expand beside the matmul too, with --compare-lora-streams).
+    with every shrink on the main stream, and with the expand beside the matmul too, with --compare-lora-streams,
+    and with the gate_up expand launched on its own, with --compare-lora-fused).
     --compare-piecewise adds each of the two plain modes with graphs for decode steps only, --compare-pdl each of them
     with programmatic dependent launch."""
     args = run.args
@@ -210,6 +215,8 @@ def engine_modes(run: ShapeRun, tmp: Path) -> list[tuple[str, dict[str, str], bo
         if args.compare_lora_streams and not args.eager:
             modes.append((f"{len(adapters)} mixed r{args.rank}, {ONE_STREAM}", adapters, False))
             modes.append((f"{len(adapters)} mixed r{args.rank}, {EXPAND_BESIDE}", adapters, False))
+        if args.compare_lora_fused:
+            modes.append((f"{len(adapters)} mixed r{args.rank}, {EXPAND_ALONE}", adapters, args.eager))
     return modes
 
 
@@ -233,7 +240,8 @@ def infer_row(run: ShapeRun, model, label: str, weight_bytes: int, lora: str, ad
     engine = build_engine(model, run.model_config, run.tokenizer, run.device, adapters, args.rank, b, run.max_len,
                           eager, slots, lora_epilogue=True if EPILOGUE in lora else None,
                           lora_streams=False if ONE_STREAM in lora else None, expand_beside=EXPAND_BESIDE in lora,
-                          piecewise_tokens=0 if NO_PIECES in lora else 512, pdl=True if WITH_PDL in lora else None)
+                          piecewise_tokens=0 if NO_PIECES in lora else 512, pdl=True if WITH_PDL in lora else None,
+                          expand_fused=EXPAND_ALONE not in lora)
     engine.warm_kernels()  # compiles every kernel path (prefix-cached prefill too) before anything is timed
     names = list(adapters)
     roof = run.roofline(weight_bytes, lora_bytes_per_adapter(model) if names else 0, min(len(names), b))
@@ -314,6 +322,9 @@ def parse_args(argv=None):
                    help="also run the mixed adapters with every LoRA shrink on the main stream (by default, in the "
                         "decode graphs, each runs on a second stream beside the base matmul), and with the expand "
                         "beside the matmul too")
+    p.add_argument("--compare-lora-fused", action="store_true",
+                   help="also run the mixed adapters with the MLP's gate_up LoRA expand launched on its own (by "
+                        "default, in steps of up to 64 tokens, silu_and_mul adds it)")
     p.add_argument("--stagger", action="store_true",
                    help="output lengths spread over output-len / 2 .. output-len: requests finish at different "
                         "steps, and with --num-prompts above --concurrency the next prompts join running decodes")

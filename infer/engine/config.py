@@ -132,7 +132,7 @@ RANGES = {"max_num_seqs": (1, 65536), "max_num_batched_tokens": (1, None), "bloc
 OPTIONAL = {"max_model_len", "num_kv_blocks", "max_cpu_loras", "overlap", "lora_epilogue",  # None: chosen for you
             "lora_streams", "pdl"}
 BOOLS = ("enable_prefix_caching", "enforce_eager", "enable_lora", "overlap", "lora_epilogue", "lora_streams",
-         "lora_expand_beside", "pdl")
+         "lora_expand_beside", "lora_expand_fused", "pdl")
 
 
 @dataclass
@@ -163,6 +163,10 @@ class EngineConfig:
     # adds to the matmul's output (an add instead of the expand after the matmul); off until timed on a GPU
     # (gpu_e2e --compare-lora-streams runs it)
     lora_expand_beside: bool = False
+    # API only: on the GPU, in steps of up to 64 tokens, the MLP's gate_up LoRA expand is added by the silu_and_mul
+    # kernel that reads the gate_up output (LoRALayer.deferred: one launch and one pass over the output fewer per
+    # layer); False: the expand launched after the matmul (gpu_e2e --compare-lora-fused runs the mixed adapters so)
+    lora_expand_fused: bool = True
     # API only: CUDA, launch the step's Triton kernels with programmatic dependent launch, so that each kernel's
     # programs start (and the int4 matmuls prefetch their first weights into L2) while the kernel before finishes
     # (kernels.pdl; True: on for compute capability 9.0+ when a probe graph replays correctly; None: off, as it

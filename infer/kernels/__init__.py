@@ -53,10 +53,10 @@ def rotary_embedding(positions, q, k, cos_sin_cache, head_dim):
     return reference.rotary_embedding(positions, q, k, cos_sin_cache, head_dim)
 
 
-def silu_and_mul(x):
+def silu_and_mul(x, lora=None):
     if use_triton(x):
-        return _triton("fused").silu_and_mul(x)
-    return reference.silu_and_mul(x)
+        return _triton("fused").silu_and_mul(x, lora)
+    return reference.silu_and_mul(x, lora)
 
 
 def rotary_store_kv(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache, slot_mapping):

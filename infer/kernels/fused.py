@@ -1,6 +1,6 @@
 """Triton versions of the small per-token ops: rms_norm (+ residual add), rotary embedding (alone, or with k and v
-written straight into the KV cache: rotary_store_kv), silu_and_mul, store_kv. Each kernel's PDL constexpr: launched
-with programmatic dependent launch (`pdl`).
+written straight into the KV cache: rotary_store_kv), silu_and_mul (+ the gate_up layer's LoRA delta), store_kv.
+Each kernel's PDL constexpr: launched with programmatic dependent launch (`pdl`).
 
 Same signatures and semantics as their references in `reference.py`: like them, every op returns new tensors
 (inputs are never modified) except store_kv and rotary_store_kv, which write into the caches. One program per token
@@ -169,30 +169,89 @@ def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 
 
 # ----------------------------------------------------------------------------------------------- silu_and_mul
+LORA_BLOCK = 256  # silu_and_mul with a LoRA delta: columns per program (B's tiles of both shards in registers)
+
+
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, y_ptr, n, s_x, s_y, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _plus_delta(v, h, b_ptr, rank, scale, offs, mask, n, BLOCK_R: tl.constexpr):
+    """v + scale * h @ B^T[:, offs] (h: the row's products with A, [BLOCK_R]; b_ptr: the slot's B^T [R, n] of this
+    shard, rows past `rank` never read), in float32, rounded to v's dtype as the expand adds it."""
+    r = tl.arange(0, BLOCK_R)
+    bb = tl.load(b_ptr + r[:, None] * n + offs[None, :], mask=(r[:, None] < rank) & mask[None, :], other=0.0)
+    d = tl.sum(tl.where(r < rank, h, 0.0)[:, None] * bb.to(tl.float32), 0) * scale
+    return (v.to(tl.float32) + d).to(v.dtype)
+
+
+@triton.jit(do_not_specialize=["sh_p"])  # (T * 2R: its divisibility by 16 follows T's parity at small ranks)
+def _silu_and_mul_kernel(x_ptr, y_ptr, n, s_x, s_y, hp_ptr, lb_ptr, slot_ptr, rank_ptr, scal_ptr, S, R, sh_p, sh_t,
+                         sr_i, sr_s, sc_i, sc_s, BLOCK: tl.constexpr, LORA: tl.constexpr = False,
+                         SPLIT: tl.constexpr = 1, BLOCK_R: tl.constexpr = 16, S_P2: tl.constexpr = 2,
+                         PDL: tl.constexpr = False):
+    """With LORA: the gate_up layer's adapter delta (a LoRADelta by token: hp [SPLIT, T, 2R], B^T shard after shard)
+    is added to the row's gate and up first, so that the layer's expand needs no launch of its own."""
     pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     gate = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * s_x + n + offs, mask=mask, other=0.0)
+    if LORA:
+        # the row's slot, and both shards' ranks and scalings of every slot (picked by the slot after), requested
+        # beside gate and up: B's tiles then wait for one round trip only
+        slot = tl.load(slot_ptr + row).to(tl.int32)
+        s = tl.arange(0, S_P2)
+        rank_g = tl.load(rank_ptr + s * sr_s, mask=s < S, other=0)
+        rank_u = tl.load(rank_ptr + sr_i + s * sr_s, mask=s < S, other=0)
+        scal_g = tl.load(scal_ptr + s * sc_s, mask=s < S, other=0.0)
+        scal_u = tl.load(scal_ptr + sc_i + s * sc_s, mask=s < S, other=0.0)
+        if slot >= 0:
+            pick = s == slot
+            p = tl.arange(0, SPLIT)[:, None]
+            r = tl.arange(0, BLOCK_R)[None, :]
+            at = hp_ptr + p * sh_p + row * sh_t + r
+            hg = tl.sum(tl.load(at, mask=r < R, other=0.0), 0)
+            hu = tl.sum(tl.load(at + R, mask=r < R, other=0.0), 0)
+            b_g = lb_ptr + slot.to(tl.int64) * R * n
+            gate = _plus_delta(gate, hg, b_g, tl.sum(tl.where(pick, rank_g, 0), 0),
+                               tl.sum(tl.where(pick, scal_g, 0.0), 0), offs, mask, n, BLOCK_R)
+            up = _plus_delta(up, hu, b_g + S.to(tl.int64) * R * n, tl.sum(tl.where(pick, rank_u, 0), 0),
+                             tl.sum(tl.where(pick, scal_u, 0.0), 0), offs, mask, n, BLOCK_R)
     g = gate.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # silu in float32, rounded to x's dtype as torch's F.silu
     tl.store(y_ptr + row * s_y + offs, act * up, mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """Triton version of reference.silu_and_mul: silu(x[..., :n]) * x[..., n:]."""
+def silu_and_mul(x: torch.Tensor, lora=None, compile_only: bool = False) -> torch.Tensor:
+    """Triton version of reference.silu_and_mul: silu(x[..., :n]) * x[..., n:], after adding `lora` (a gate_up
+    layer's `lora_reference.LoRADelta`, by token) to x. compile_only: compile the kernel this call would launch
+    (with `lora`), launch nothing (y is then unwritten)."""
     n = x.shape[-1] // 2
     x2 = _rows(x, 2 * n)
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     y2 = y.view(-1, n)
-    if x2.shape[0] and n:
+    if not (x2.shape[0] and n):
+        return y
+    if lora is None:
         block = min(1024, next_power_of_2(n))
         _silu_and_mul_kernel[(x2.shape[0], cdiv(n, block))](x2, y2, n, x2.stride(0), y2.stride(0),
+                                                                   x2, x2, x2, x2, x2, 0, 0, 0, 0, 0, 0, 0, 0,
                                                                    BLOCK=block, PDL=pdl.on(x.device),
                                                                    **pdl.launch(x.device))
+        return y
+    if list(lora.bounds) != [0, n, 2 * n]:
+        raise ValueError(f"silu_and_mul adds the delta of a gate|up layer of widths {n}|{n}, not of bounds "
+                         f"{list(lora.bounds)}")
+    split, t, nr = lora.hp.shape
+    if t != x2.shape[0]:
+        raise ValueError(f"silu_and_mul: the LoRA delta has {t} rows, x has {x2.shape[0]}")
+    rank, num_slots = nr // 2, lora.scalings.shape[1]
+    block = min(LORA_BLOCK, next_power_of_2(n))
+    grid = (x2.shape[0], cdiv(n, block))
+    run = _silu_and_mul_kernel.warmup if compile_only else _silu_and_mul_kernel[grid]
+    run(x2, y2, n, x2.stride(0), y2.stride(0), lora.hp, lora.lora_b, lora.token_slots, lora.ranks, lora.scalings,
+        num_slots, rank, lora.hp.stride(0), lora.hp.stride(1), *lora.ranks.stride(), *lora.scalings.stride(),
+        BLOCK=block, LORA=True, SPLIT=split, BLOCK_R=next_power_of_2(rank), S_P2=max(2, next_power_of_2(num_slots)),
+        PDL=pdl.on(x.device), **pdl.launch(x.device), **({"grid": grid} if compile_only else {}))
     return y
 
 

@@ -48,8 +48,14 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return rotate(q), rotate(k)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """Semantics: gate, up = x.chunk(2, dim=-1); y = silu(gate) * up."""
+def silu_and_mul(x: torch.Tensor, lora=None) -> torch.Tensor:
+    """Semantics: gate, up = x.chunk(2, dim=-1); y = silu(gate) * up. With `lora` (the gate_up layer's
+    lora_reference.LoRADelta of this batch, by token; x [T, 2n]), x is first a copy with the delta added
+    (`add_delta`): the layer's output as its `apply` would have left it."""
+    if lora is not None:
+        from .lora_reference import add_delta
+        x = x.clone()
+        add_delta(lora, x.view(-1, x.shape[-1]))
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 

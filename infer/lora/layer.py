@@ -25,6 +25,7 @@ from .batch import LoRABatch, lora_groups
 
 
 _SIDE: dict[torch.device, "torch.cuda.Stream"] = {}
+DEFER_MAX_TOKENS = 64  # `defers`: the most tokens of a step whose expand the layer's consumer adds
 
 
 def _streams(device: torch.device):
@@ -35,6 +36,11 @@ def _streams(device: torch.device):
 def _on(stream):
     """The context that makes `stream` current (a test on CPU stands in for it)."""
     return torch.cuda.stream(stream)
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    """Whether x's step is being recorded into a CUDA graph (a test on CPU stands in for it)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def side_stream(device: torch.device) -> "torch.cuda.Stream":
@@ -73,6 +79,10 @@ class LoRALayer:
         # with streams: the expand on the second stream too, into a float32 delta that y takes after the matmul
         # (EngineConfig.lora_expand_beside)
         self.expand_beside = False
+        # where the base layer's consumer can add the delta (MergedLinear.consumer_adds_lora: the MLP's gate_up and
+        # its silu_and_mul), leave the expand to it on the GPU in steps of up to DEFER_MAX_TOKENS tokens (`deferred`;
+        # EngineConfig.lora_expand_fused)
+        self.fused = True
         self._probe_hp = torch.empty(1, 1, n * max_rank, device=device)  # a LoRADelta's shape, for `beside`
         if torch.device(device).type == "cuda":
             side_stream(device)
@@ -154,7 +164,7 @@ class LoRALayer:
     def beside(self, base, x: torch.Tensor) -> bool:
         """Whether `base`'s forward of x runs `apply_beside`: on the GPU while a CUDA graph is captured, unless
         switched off or the int4 kernel adds the expand in its epilogue (it then needs the shrink first)."""
-        if self.streams is False or not x.is_cuda or not torch.cuda.is_current_stream_capturing():
+        if self.streams is False or not _capturing(x):
             return False
         if not self.takes_delta(base):
             return True
@@ -188,6 +198,36 @@ class LoRALayer:
             y.add_(delta)
         return y
 
+    def defers(self, base, x: torch.Tensor) -> bool:
+        """Whether base's `forward_deferred` of x leaves the expand to y's consumer (`deferred`): on the Triton path,
+        for a step of at most DEFER_MAX_TOKENS tokens. The consumer reads B once per row, where the expand reads it
+        once per tile of a slot's rows: for longer steps (prefills, whose rows share adapters) the expand stays."""
+        return self.fused and base.consumer_adds_lora and kernels.use_triton(x) \
+            and x.reshape(-1, x.shape[-1]).shape[0] <= DEFER_MAX_TOKENS
+
+    def deferred(self, base, x: torch.Tensor, batch: LoRABatch):
+        """(base's y = x W^T (+ b) without the adapters, their delta as a LoRADelta by token) for y's consumer to add
+        (silu_and_mul): the layer's shrink, and no expand launch. While a CUDA graph is captured (streams on), the
+        shrink runs on the side stream beside the base matmul, joined before y is returned. (base's y, None) when no
+        active adapter targets the layer."""
+        from ..kernels import lora_ops
+        if not batch.static and not self._plan(batch)[0]:
+            return base.method.apply(base, x), None
+        n = len(self.out_sizes)
+        if self.streams is not False and _capturing(x):
+            main, side = _streams(x.device)
+            hp = lora_ops.partials_for(x, self.lora_a)  # allocated on the main stream, which reads it last
+            side.wait_stream(main)  # fork: x and this step's adapter map are ready
+            with _on(side):
+                lora_ops.shrink(x, self.lora_a, n, batch.groups, self.rank_t, by_token=True, out=hp)
+            y = base.method.apply(base, x)
+            main.wait_stream(side)  # join
+        else:
+            hp = lora_ops.shrink(x, self.lora_a, n, batch.groups, self.rank_t, by_token=True)
+            y = base.method.apply(base, x)
+        return y, LoRADelta(hp, self.lora_bt, batch.token_slots, self.scalings, self.rank_t, list(self.bounds),
+                            batch.groups, False)
+
     def takes_delta(self, base) -> bool:
         """Whether `base` (this hook's MergedLinear, whose forward asks) hands the shrink to its linear method's
         kernel (`delta`: the expand in the int4 matmul's epilogue, or launched by it) instead of calling `apply`."""
@@ -201,7 +241,10 @@ class LoRALayer:
         by_token = self.takes_delta(base)
         shape = base.method.kernel_key(base) if by_token else None
         return (tuple(self.lora_a.shape), self.lora_a.dtype, tuple(self.bounds), by_token, self.epilogue, shape,
-                self.streams is not False, self.expand_beside)
+                self.streams is not False, self.expand_beside, self._defers_some(base))
+
+    def _defers_some(self, base) -> bool:
+        return self.fused and base.consumer_adds_lora
 
     def compile_calls(self, base, max_tokens: int) -> list:
         """Callables that each compile (Triton's `warmup`: nothing is launched) shrink and expand variants this
@@ -219,10 +262,25 @@ class LoRALayer:
             expands = lambda t: not base.method.lora_in_epilogue(base, t, probe)  # noqa: E731
         else:
             expands = lambda t: True  # noqa: E731
-        shrinks = lora_ops.plan_tokens(max_tokens, num_slots, k)
-        with_expand = set(lora_ops.plan_tokens(max_tokens, num_slots, k, expands))
-        return [lambda t=t: self._compile(t, by_token, t in with_expand)
-                for t in sorted(set(shrinks) | with_expand)]
+        longer = (lambda t: t > DEFER_MAX_TOKENS) if self._defers_some(base) else (lambda t: True)
+        shrinks = lora_ops.plan_tokens(max_tokens, num_slots, k, longer)
+        with_expand = set(lora_ops.plan_tokens(max_tokens, num_slots, k, lambda t: longer(t) and expands(t)))
+        calls = [lambda t=t: self._compile(t, by_token, t in with_expand) for t in sorted(set(shrinks) | with_expand)]
+        if self._defers_some(base):  # steps of up to DEFER_MAX_TOKENS: the shrink by token, silu_and_mul's variant
+            calls += [lambda t=t: self._compile_deferred(t)
+                      for t in lora_ops.plan_tokens(min(max_tokens, DEFER_MAX_TOKENS), num_slots, k)]
+        return calls
+
+    def _compile_deferred(self, t: int) -> None:
+        from ..kernels import fused, lora_ops
+        dev, dtype = self.lora_a.device, self.lora_a.dtype
+        x = torch.empty(t, self.in_features, dtype=dtype, device=dev)
+        slots = torch.zeros(t, dtype=torch.long, device=dev)
+        groups = lora_groups(slots, self.lora_a.shape[0], in_order=True)
+        hp = lora_ops.shrink(x, self.lora_a, len(self.out_sizes), groups, self.rank_t, by_token=True,
+                             compile_only=True)
+        delta = LoRADelta(hp, self.lora_bt, slots, self.scalings, self.rank_t, list(self.bounds), groups, False)
+        fused.silu_and_mul(torch.empty(t, self.bounds[-1], dtype=dtype, device=dev), delta, compile_only=True)
 
     def _compile(self, t: int, by_token: bool, expand: bool) -> None:
         from ..kernels import lora_ops

@@ -100,9 +100,11 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [inter, inter], names, bias, method_for(names), dtype)
         self.down_proj = MergedLinear(inter, [cfg.hidden_size], [f"{prefix}.down_proj"], bias,
                                       method_for([f"{prefix}.down_proj"]), dtype)
+        self.gate_up_proj.consumer_adds_lora = True
 
     def forward(self, x, ctx):
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x, ctx)), ctx)
+        gate_up, delta = self.gate_up_proj.forward_deferred(x, ctx)  # delta: the adapters', for silu_and_mul to add
+        return self.down_proj(kernels.silu_and_mul(gate_up, delta), ctx)
 
 
 class DecoderLayer(nn.Module):
