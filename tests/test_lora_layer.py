@@ -288,7 +288,7 @@ def test_apply_beside_gives_the_one_stream_result_bit_for_bit(setup, monkeypatch
 
 @pytest.mark.parametrize("capturing", [False, True])
 def test_gate_up_expand_left_to_silu_and_mul_gives_the_apply_result(setup, monkeypatch, capturing):
-    """MergedLinear.forward_deferred on the MLP's gate_up (consumer_adds_lora), the Triton kernels interpreted: the
+    """MergedLinear.forward_deferred on the MLP's gate_up (lora_consumer), the Triton kernels interpreted: the
     layer's y without the adapters plus their delta by token, which silu_and_mul adds, equals silu_and_mul of the
     layer's forward (shrink and expand); while a graph is captured, with the shrink on the side stream (the streams
     stood in for). Other layers, a CPU step, a step of more than DEFER_MAX_TOKENS tokens and lora_expand_fused off
@@ -307,7 +307,7 @@ def test_gate_up_expand_left_to_silu_and_mul_gives_the_apply_result(setup, monke
     ctx = SimpleNamespace(lora=mgr.make_batch([slot[n] if n else -1 for n in tokens]))
     gate_up, qkv = setup.stack.linears[2], setup.stack.linears[0]
     x = torch.randn(len(tokens), gate_up.in_features, generator=torch.Generator().manual_seed(4))
-    gate_up.consumer_adds_lora = True
+    gate_up.lora_consumer = lambda delta: None
     try:
         assert not gate_up.lora.defers(gate_up, x)  # a CPU step: the torch path
         monkeypatch.setattr(kernels, "use_triton", lambda t: True)
@@ -333,4 +333,4 @@ def test_gate_up_expand_left_to_silu_and_mul_gives_the_apply_result(setup, monke
         none = SimpleNamespace(lora=mgr.make_batch([-1] * len(tokens)))
         assert gate_up.forward_deferred(x, none)[1] is None
     finally:
-        gate_up.consumer_adds_lora = False
+        gate_up.lora_consumer = None

@@ -167,12 +167,42 @@ def test_attention_half_precision(ops, gen):
     check_attention(ops[1], gen, [33, 20, 600], [1, 1, 1], 16, 8, 2, 32, dtype=torch.float16)
 
 
+def qkv_delta(g, slots, widths, num_slots=3, rank=8, split=2):
+    """A qkv layer's random LoRADelta by token (lora_reference's layout): ranks 1..rank per (shard, slot), one
+    shard untargeted by one slot, B zero past each rank (as LoRALayer keeps it), the partial sums NaN on the rows
+    of slot -1 (the shrink never writes them)."""
+    from infer.kernels.lora_reference import LoRADelta
+    ranks = torch.randint(1, rank + 1, (3, num_slots), generator=g, dtype=torch.int32)
+    ranks[1, num_slots - 1] = 0
+    bs = []
+    for i, w in enumerate(widths):
+        b = torch.randn(num_slots, rank, w, generator=g)
+        for s in range(num_slots):
+            b[s, int(ranks[i, s]):] = 0
+        bs.append(b.flatten())
+    slots = torch.tensor(slots)
+    hp = torch.randn(split, len(slots), 3 * rank, generator=g)
+    hp[:, slots < 0] = float("nan")
+    bounds = [0, widths[0], widths[0] + widths[1], sum(widths)]
+    return LoRADelta(hp, torch.cat(bs), slots, torch.rand(3, num_slots, generator=g) + 0.5, ranks, bounds, None,
+                     False)
+
+
+def _on(delta, dev, rows=None, dtype=torch.float32):
+    from dataclasses import replace
+    pick = slice(None) if rows is None else slice(0, rows)
+    return replace(delta, hp=delta.hp[:, pick].to(dev), lora_b=delta.lora_b.to(dtype).to(dev),
+                   token_slots=delta.token_slots[pick].to(dev), scalings=delta.scalings.to(dev),
+                   ranks=delta.ranks.to(dev))
+
+
 def check_decode_attention(ops, g, ctx_lens, block_size, hq, hk, head_dim, rot_dim, dtype=torch.float32,
-                           padding=2):
+                           padding=2, lora_slots=None):
     """decode_attention (rotary, KV write and attention in one launch) against the reference's rotary_store_kv then
     paged_attention: the real rows' output and both caches after the step. The new token's slot held NaN before
     (read before it is written: a NaN output), unused slots NaN throughout; `padding` rows of a CUDA graph's
-    bucket (length 0, slot -1) beside the real ones."""
+    bucket (length 0, slot -1) beside the real ones. lora_slots: each real row's adapter slot, the qkv layer's
+    delta (`qkv_delta`) added to q, k and v first."""
     n = len(ctx_lens)
     _, caches, clean, meta = paged_batch(g, ctx_lens, [1] * n, block_size, hq, hk, head_dim, dtype)
     tables = meta["block_tables"]
@@ -184,9 +214,12 @@ def check_decode_attention(ops, g, ctx_lens, block_size, hq, hk, head_dim, rot_d
     q, k, v = qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)  # strided views, as the model
     cos_sin = rand(g, max(ctx_lens) + 3, rot_dim)
     pos = torch.tensor([c - 1 for c in ctx_lens] + [0] * padding).to(DEV)
+    delta = None if lora_slots is None else \
+        qkv_delta(g, list(lora_slots) + [-1] * padding, [hq * head_dim, hk * head_dim, hk * head_dim])
     want_caches = [c.clone() for c in clean]
     want = ref.decode_attention(pos[:n].cpu(), q[:n].cpu(), k[:n].cpu(), v[:n].cpu(), cos_sin.cpu(), head_dim,
-                                *want_caches, slots, scale=head_dim ** -0.5, **meta)
+                                *want_caches, slots, scale=head_dim ** -0.5, **meta,
+                                lora=None if delta is None else _on(delta, "cpu", n, dtype))
     pad = dict(block_tables=torch.cat([tables, torch.zeros(padding, tables.shape[1], dtype=torch.int32)]),
                seq_lens=torch.cat([meta["seq_lens"], torch.zeros(padding, dtype=torch.int32)]),
                query_start_loc=torch.arange(n + padding + 1, dtype=torch.int32))
@@ -194,7 +227,8 @@ def check_decode_attention(ops, g, ctx_lens, block_size, hq, hk, head_dim, rot_d
     before = qkv.clone()
     got = ops[1].decode_attention(pos, q, k, v, cos_sin, head_dim, *got_caches,
                                   torch.cat([slots, torch.full((padding,), -1)]).to(DEV), scale=head_dim ** -0.5,
-                                  **{key: t.to(DEV) for key, t in pad.items()})
+                                  **{key: t.to(DEV) for key, t in pad.items()},
+                                  lora=None if delta is None else _on(delta, DEV, dtype=dtype))
     what = f"ctx {ctx_lens} bs {block_size} heads {hq}/{hk} d {head_dim} rot {rot_dim}"
     assert got.shape == (n + padding, hq, head_dim)
     assert_close(got[:n], want, dtype, g, what)
@@ -213,6 +247,15 @@ def test_decode_attention_rotates_writes_and_attends_in_one_launch(ops, gen, blo
                                                                    dtype):
     ctx = _lens(gen, 4, 2, 90) + [1, block_size, block_size + 1]  # many blocks, a full block, the first token
     check_decode_attention(ops, gen, ctx, block_size, hq, hk, head_dim, rot_dim, dtype)
+
+
+@pytest.mark.parametrize("hq,hk,head_dim,rot_dim,dtype", [(8, 2, 16, 16, torch.float32), (4, 4, 24, 12, torch.float16)])
+def test_decode_attention_adds_the_qkv_lora_delta_first(ops, gen, hq, hk, head_dim, rot_dim, dtype):
+    """The qkv layer's adapter delta (a LoRADelta by token: split-K partials, ranks 1-8 per shard and slot, an
+    untargeted shard, rows without adapter) added to q (every head of a GQA group), k and v before the rotation,
+    the KV write and the attention: against the reference's add_delta, then the same."""
+    ctx = _lens(gen, 5, 2, 60) + [1]
+    check_decode_attention(ops, gen, ctx, 4, hq, hk, head_dim, rot_dim, dtype, lora_slots=[2, -1, 0, 1, 2, 0])
 
 
 def test_decode_attention_over_partitions(ops, gen):

@@ -81,12 +81,13 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
 
 
 def decode_attention(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache, slot_mapping, block_tables,
-                     seq_lens, query_start_loc, scale):
+                     seq_lens, query_start_loc, scale, lora=None):
     if use_triton(q):
         return _triton("attention").decode_attention(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache,
-                                                     slot_mapping, block_tables, seq_lens, query_start_loc, scale)
+                                                     slot_mapping, block_tables, seq_lens, query_start_loc, scale,
+                                                     lora)
     return reference.decode_attention(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache, slot_mapping,
-                                      block_tables, seq_lens, query_start_loc, scale)
+                                      block_tables, seq_lens, query_start_loc, scale, lora)
 
 
 def lora_shrink(x, lora_a, groups, scale=1.0):

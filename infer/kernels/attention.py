@@ -118,29 +118,81 @@ def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, qsl_ptr,
 # eager decode steps (--eager) of any context compile two variants only (one partition, or several): the block
 # table's width and the partition count are runtime integers, never specialized
 @triton.jit
-def _rotated(x_ptrs, partner_ptrs, mask, cos, sin):
-    """x rotated NeoX style, given its rotary partner (d +- HALF) and per-dimension cos and signed sin (1 and 0 past
-    the rotary dims): x*cos - x2*sin in the first half, x2*cos + x1*sin in the second, in float32, rounded to x's
-    dtype as the reference returns it."""
-    x = tl.load(x_ptrs, mask=mask, other=0.0)
-    xp = tl.load(partner_ptrs, mask=mask, other=0.0)
+def _rotate(x, xp, cos, sin):
+    """x rotated NeoX style, given its rotary partner xp (dimension d +- HALF) and per-dimension cos and signed sin
+    (1 and 0 past the rotary dims): x*cos - x2*sin in the first half, x2*cos + x1*sin in the second, in float32,
+    rounded to x's dtype as the reference returns it."""
     return (x.to(tl.float32) * cos + xp.to(tl.float32) * sin).to(x.dtype)
 
 
-@triton.jit(do_not_specialize=["s_bt", "num_parts"])
+@triton.jit
+def _cols_delta(h, b_ptr, width, cols, mask, rank, BLOCK_R: tl.constexpr):
+    """h @ B^T[:, cols] for one token (h [BLOCK_R] float32, its products with A, zero past `rank`; b_ptr the slot's
+    B^T [R, width] of one shard, rows past `rank` never read), float32, cols' shape ([BLOCK_D])."""
+    r = tl.arange(0, BLOCK_R)
+    bb = tl.load(b_ptr + r[:, None] * width + cols[None, :], mask=(r[:, None] < rank) & mask[None, :], other=0.0)
+    return tl.sum(h[:, None] * bb.to(tl.float32), 0)
+
+
+@triton.jit
+def _pick(values, s, slot):
+    return tl.sum(tl.where(s == slot, values, 0), 0)
+
+
+@triton.jit
+def _plus(x, d):
+    return (x.to(tl.float32) + d).to(x.dtype)
+
+
+@triton.jit
+def _qkv_lora(q, qp, k, kp, v, slot, tok, kv_head, offs_d, partner, mask_d, rows, hp_ptr, lb_ptr,
+              rank_q, rank_k, rank_v, scal_q, scal_k, scal_v, S, R, sh_p, sh_t, q_width, kv_width,
+              GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+              SPLIT: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The qkv layer's adapter delta of token `tok` (slot >= 0; a LoRADelta by token: hp [SPLIT, T, 3R], B^T of
+    q, k and v shard after shard) added to its query heads of this KV head's group (q, and qp at the rotary partner
+    dimensions, [GROUP_PAD, BLOCK_D]) and to its key (k, kp) and value, each rounded to its dtype as the layer's
+    expand leaves them."""
+    r = tl.arange(0, BLOCK_R)
+    at = hp_ptr + tl.arange(0, SPLIT)[:, None] * sh_p + tok * sh_t + r[None, :]
+    hq = tl.sum(tl.load(at, mask=r[None, :] < rank_q, other=0.0), 0)
+    hk = tl.sum(tl.load(at + R, mask=r[None, :] < rank_k, other=0.0), 0)
+    hv = tl.sum(tl.load(at + 2 * R, mask=r[None, :] < rank_v, other=0.0), 0)
+    b_q = lb_ptr + slot.to(tl.int64) * R * q_width
+    b_k = lb_ptr + S.to(tl.int64) * R * q_width + slot.to(tl.int64) * R * kv_width
+    b_v = b_k + S.to(tl.int64) * R * kv_width
+    c = kv_head * HEAD_DIM
+    k = _plus(k, _cols_delta(hk, b_k, kv_width, c + offs_d, mask_d, rank_k, BLOCK_R) * scal_k)
+    kp = _plus(kp, _cols_delta(hk, b_k, kv_width, c + partner, mask_d, rank_k, BLOCK_R) * scal_k)
+    v = _plus(v, _cols_delta(hv, b_v, kv_width, c + offs_d, mask_d, rank_v, BLOCK_R) * scal_v)
+    dq = tl.zeros((GROUP_PAD, BLOCK_D), tl.float32)
+    dqp = tl.zeros((GROUP_PAD, BLOCK_D), tl.float32)
+    for gi in tl.static_range(GROUP):  # one query head of the group at a time: B^T's tile [BLOCK_R, BLOCK_D]
+        cq = (kv_head * GROUP + gi) * HEAD_DIM
+        one = rows[:, None] == gi
+        dq = tl.where(one, _cols_delta(hq, b_q, q_width, cq + offs_d, mask_d, rank_q, BLOCK_R)[None, :], dq)
+        dqp = tl.where(one, _cols_delta(hq, b_q, q_width, cq + partner, mask_d, rank_q, BLOCK_R)[None, :], dqp)
+    return _plus(q, dq * scal_q), _plus(qp, dqp * scal_q), k, kp, v
+
+
+@triton.jit(do_not_specialize=["s_bt", "num_parts", "sh_p"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, lens_ptr, qsl_ptr, qk_scale,
                    s_qt, s_qh, s_qd, s_ot, s_oh, s_od, s_bt,
                    s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, num_parts,
                    pos_ptr, kn_ptr, vn_ptr, cs_ptr, slot_ptr, s_kn, s_vn, s_cs,
+                   hp_ptr, lb_ptr, ls_ptr, lr_ptr, lc_ptr, S, R, sh_p, sh_t, sr_i, sr_s, sc_i, sc_s, q_width, kv_width,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PART: tl.constexpr, SPLIT: tl.constexpr,
                    IEEE: tl.constexpr, ROPE: tl.constexpr = False, HALF: tl.constexpr = 1,
-                   PDL: tl.constexpr = False):
+                   LORA: tl.constexpr = False, LSPLIT: tl.constexpr = 1, BLOCK_R: tl.constexpr = 16,
+                   S_P2: tl.constexpr = 2, PDL: tl.constexpr = False):
     """With ROPE (`decode_attention`): q is the unrotated query, and the step's own key and value (token rows
     kn/vn, s_kn/s_vn apart; head h at h * HEAD_DIM) are rotated here by the token's position (cos | sin rows of
     cs_ptr, s_cs apart; HALF = rotary dims / 2) and written into the cache slot slot_ptr[token] (-1: none) by the
     program whose partition holds the query's position; that program attends to the new key from its registers
-    and to the cache's keys before it, so nothing reads the slot this launch writes."""
+    and to the cache's keys before it, so nothing reads the slot this launch writes. With LORA too, the qkv
+    layer's adapter delta (a LoRADelta by token: partials hp, B^T lb, token slots ls, ranks lr and scalings lc
+    [3, S]; q_width and kv_width the shards' columns) is added to q, k and v first (`_qkv_lora`)."""
     pdl.start(PDL)
     b, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(qsl_ptr + b)
@@ -165,17 +217,38 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tabl
             cos = tl.load(cs_ptr + at + j, mask=rot & mask_d, other=1.0).to(tl.float32)
             sin = tl.load(cs_ptr + at + HALF + j, mask=rot & mask_d, other=0.0).to(tl.float32)
             sin = tl.where(first, -sin, sin)
-            q = _rotated(q_at + offs_d[None, :] * s_qd, q_at + partner[None, :] * s_qd, mask, cos[None, :],
-                         sin[None, :])
+            q = tl.load(q_at + offs_d[None, :] * s_qd, mask=mask, other=0.0)
+            qp = tl.load(q_at + partner[None, :] * s_qd, mask=mask, other=0.0)
             k_at = kn_ptr + tok * s_kn + kv_head * HEAD_DIM
-            k_new = _rotated(k_at + offs_d, k_at + partner, mask_d, cos, sin).to(k_ptr.dtype.element_ty)
-            v_new = tl.load(vn_ptr + tok * s_vn + kv_head * HEAD_DIM + offs_d, mask=mask_d,
-                            other=0.0).to(v_ptr.dtype.element_ty)
+            k_new = tl.load(k_at + offs_d, mask=mask_d, other=0.0)
+            kp = tl.load(k_at + partner, mask=mask_d, other=0.0)
+            v_new = tl.load(vn_ptr + tok * s_vn + kv_head * HEAD_DIM + offs_d, mask=mask_d, other=0.0)
+            if LORA:
+                # the token's slot, and every slot's ranks and scalings of the three shards (picked by the slot
+                # after), requested beside q, k and v: the partials and B's tiles then wait for one round trip
+                slot = tl.load(ls_ptr + tok).to(tl.int32)
+                sl = tl.arange(0, S_P2)
+                live = sl < S
+                r_q = tl.load(lr_ptr + sl * sr_s, mask=live, other=0)
+                r_k = tl.load(lr_ptr + sr_i + sl * sr_s, mask=live, other=0)
+                r_v = tl.load(lr_ptr + 2 * sr_i + sl * sr_s, mask=live, other=0)
+                c_q = tl.load(lc_ptr + sl * sc_s, mask=live, other=0.0)
+                c_k = tl.load(lc_ptr + sc_i + sl * sc_s, mask=live, other=0.0)
+                c_v = tl.load(lc_ptr + 2 * sc_i + sl * sc_s, mask=live, other=0.0)
+                if slot >= 0:
+                    q, qp, k_new, kp, v_new = _qkv_lora(
+                        q, qp, k_new, kp, v_new, slot, tok, kv_head, offs_d, partner, mask_d, rows, hp_ptr, lb_ptr,
+                        _pick(r_q, sl, slot), _pick(r_k, sl, slot), _pick(r_v, sl, slot),
+                        _pick(c_q, sl, slot), _pick(c_k, sl, slot), _pick(c_v, sl, slot),
+                        S, R, sh_p, sh_t, q_width, kv_width, GROUP, GROUP_PAD, BLOCK_D, HEAD_DIM, LSPLIT, BLOCK_R)
+            q = _rotate(q, qp, cos[None, :], sin[None, :])
+            k_new = _rotate(k_new, kp, cos, sin).to(k_ptr.dtype.element_ty)
+            v_new = v_new.to(v_ptr.dtype.element_ty)
             own = hi == seq_len  # this partition holds the query's position, seq_len - 1: the new key
             if own:
-                slot = tl.load(slot_ptr + tok)
-                if slot >= 0:
-                    blk, off = slot // PAGE, slot % PAGE
+                slot_kv = tl.load(slot_ptr + tok)
+                if slot_kv >= 0:
+                    blk, off = slot_kv // PAGE, slot_kv % PAGE
                     tl.store(k_ptr + blk * s_kb + off * s_ks + kv_head * s_kh + offs_d * s_kd, k_new, mask=mask_d)
                     tl.store(v_ptr + blk * s_vb + off * s_vs + kv_head * s_vh + offs_d * s_vd, v_new, mask=mask_d)
                 hi = seq_len - 1  # the cache's keys before it
@@ -247,8 +320,10 @@ def _strides(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.stride())
 
 
-def _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, out, meta, rope=None) -> None:
-    """rope: (positions, k rows [T, Hk*D], v rows, cos_sin [P, rot_dim], slot_mapping) for `decode_attention`."""
+def _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, out, meta, rope=None, lora=None,
+            compile_only: bool = False) -> None:
+    """rope: (positions, k rows [T, Hk*D], v rows, cos_sin [P, rot_dim], slot_mapping) for `decode_attention`;
+    lora: the qkv layer's LoRADelta there. compile_only: compile the decode kernel, launch nothing."""
     num_seqs, hk = seq_lens.shape[0], k_cache.shape[2]
     max_ctx = block_tables.shape[1] * k_cache.shape[1]
     parts = max(1, cdiv(max_ctx, PARTITION))
@@ -264,11 +339,22 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_sca
         positions, k, v, cos_sin, slots = rope
         extra = (positions, k, v, cos_sin, slots, k.stride(0), v.stride(0), cos_sin.stride(0))
         meta = dict(meta, ROPE=True, HALF=cos_sin.shape[-1] // 2)
-    _decode_kernel[(num_seqs, hk, parts)](
-        q, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens, query_start_loc, qk_scale,
+    if lora is None:
+        extra += (seq_lens,) * 5 + (0,) * 10  # unused
+    else:
+        split, _, nr = lora.hp.shape
+        num_slots = lora.scalings.shape[1]
+        extra += (lora.hp, lora.lora_b, lora.token_slots, lora.ranks, lora.scalings, num_slots, nr // 3,
+                  lora.hp.stride(0), lora.hp.stride(1), *lora.ranks.stride(), *lora.scalings.stride(),
+                  lora.bounds[1], lora.bounds[2] - lora.bounds[1])
+        meta = dict(meta, LORA=True, LSPLIT=split, BLOCK_R=max(16, next_power_of_2(nr // 3)),
+                    S_P2=max(2, next_power_of_2(num_slots)))
+    grid = (num_seqs, hk, parts)
+    run = _decode_kernel.warmup if compile_only else _decode_kernel[grid]
+    run(q, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens, query_start_loc, qk_scale,
         *_strides(q), *_strides(out), block_tables.stride(0), *_strides(k_cache), *_strides(v_cache), parts,
-        *extra, PART=PARTITION, SPLIT=parts > 1, **meta)
-    if parts > 1:
+        *extra, PART=PARTITION, SPLIT=parts > 1, **meta, **({"grid": grid} if compile_only else {}))
+    if parts > 1 and not compile_only:
         _reduce_kernel[(num_seqs, out.shape[1])](
             out, part_acc, part_ml, seq_lens, query_start_loc, *_strides(out), parts, BLOCK_D=meta["BLOCK_D"],
             HEAD_DIM=meta["HEAD_DIM"], PART=PARTITION, CHUNK=REDUCE_CHUNK, PDL=meta["PDL"],
@@ -320,11 +406,14 @@ def _meta(q: torch.Tensor, k_cache: torch.Tensor) -> dict:
 def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cos_sin_cache: torch.Tensor, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                     query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+                     query_start_loc: torch.Tensor, scale: float, lora=None,
+                     compile_only: bool = False) -> torch.Tensor:
     """Triton version of reference.decode_attention, in one launch (two past one partition of context): the
     rotary embedding, the KV-cache write and the decode attention of `rotary_store_kv` then `paged_attention`,
-    without the rotated q's and k's round trip through memory. q [T, Hq*D], k and v [T, Hk*D] (rows of the qkv
-    output: any row stride); returns [T, Hq, D]."""
+    without the rotated q's and k's round trip through memory; with `lora` (the qkv layer's LoRADelta, by token),
+    its delta added to q, k and v first (the layer's expand needs no launch of its own). q [T, Hq*D], k and v
+    [T, Hk*D] (rows of the qkv output: any row stride); returns [T, Hq, D]. compile_only: compile the kernel this
+    call would launch, launch nothing (the output is then unwritten)."""
     t = q.shape[0]
     q3 = q.view(t, -1, head_dim)
     out = torch.empty(q3.shape, dtype=q.dtype, device=q.device)
@@ -334,7 +423,13 @@ def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     if k2.shape[1] != k_cache.shape[2] * head_dim or v2.shape[1] != v_cache.shape[2] * head_dim:
         raise ValueError(f"k/v of width {k2.shape[1]}/{v2.shape[1]} do not match the cache's "
                          f"{tuple(k_cache.shape[-2:])}")
+    if lora is not None:
+        width_q, width_kv = q3.shape[1] * head_dim, k2.shape[1]
+        want = [0, width_q, width_q + width_kv, width_q + 2 * width_kv]
+        if list(lora.bounds) != want or lora.hp.shape[1] != t:
+            raise ValueError(f"decode_attention adds the delta of a q|k|v layer of bounds {want} for {t} tokens, "
+                             f"not of bounds {list(lora.bounds)} for {lora.hp.shape[1]}")
     cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     _decode(q3, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale) * LOG2E, out,
-            _meta(q3, k_cache), rope=(positions, k2, v2, cache, slot_mapping))
+            _meta(q3, k_cache), rope=(positions, k2, v2, cache, slot_mapping), lora=lora, compile_only=compile_only)
     return out

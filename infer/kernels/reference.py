@@ -116,11 +116,18 @@ def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cos_sin_cache: torch.Tensor, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                     query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+                     query_start_loc: torch.Tensor, scale: float, lora=None) -> torch.Tensor:
     """Semantics: a decode step's attention from its unrotated q [T, Hq*D], k, v [T, Hk*D], every sequence
     querying one token, its last (position seq_lens[b] - 1, written at slot_mapping[t]):
-    paged_attention(rotary_store_kv(...) as [T, Hq, D], ..., max_query_len=1), returned as [T, Hq, D]."""
+    paged_attention(rotary_store_kv(...) as [T, Hq, D], ..., max_query_len=1), returned as [T, Hq, D]. With `lora`
+    (the qkv layer's lora_reference.LoRADelta of this batch, by token), q|k|v are first a copy with the delta added
+    (`add_delta`): the layer's output as its `apply` would have left it."""
     t = q.shape[0]
+    if lora is not None:
+        from .lora_reference import add_delta
+        qkv = torch.cat([q, k, v], dim=-1)
+        add_delta(lora, qkv)
+        q, k, v = qkv.split([q.shape[-1], k.shape[-1], v.shape[-1]], dim=-1)
     q = rotary_store_kv(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache, slot_mapping)
     return paged_attention(q.reshape(t, -1, head_dim), k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                            scale, max_query_len=1)

@@ -79,9 +79,9 @@ class LoRALayer:
         # with streams: the expand on the second stream too, into a float32 delta that y takes after the matmul
         # (EngineConfig.lora_expand_beside)
         self.expand_beside = False
-        # where the base layer's consumer can add the delta (MergedLinear.consumer_adds_lora: the MLP's gate_up and
-        # its silu_and_mul), leave the expand to it on the GPU in steps of up to DEFER_MAX_TOKENS tokens (`deferred`;
-        # EngineConfig.lora_expand_fused)
+        # where the base layer's consumer can add the delta (MergedLinear.lora_consumer: the MLP's gate_up and its
+        # silu_and_mul, a decode step's qkv and its decode_attention), leave the expand to it on the GPU in steps of
+        # up to DEFER_MAX_TOKENS tokens (`deferred`; EngineConfig.lora_expand_fused)
         self.fused = True
         self._probe_hp = torch.empty(1, 1, n * max_rank, device=device)  # a LoRADelta's shape, for `beside`
         if torch.device(device).type == "cuda":
@@ -202,7 +202,7 @@ class LoRALayer:
         """Whether base's `forward_deferred` of x leaves the expand to y's consumer (`deferred`): on the Triton path,
         for a step of at most DEFER_MAX_TOKENS tokens. The consumer reads B once per row, where the expand reads it
         once per tile of a slot's rows: for longer steps (prefills, whose rows share adapters) the expand stays."""
-        return self.fused and base.consumer_adds_lora and kernels.use_triton(x) \
+        return self.fused and base.lora_consumer is not None and kernels.use_triton(x) \
             and x.reshape(-1, x.shape[-1]).shape[0] <= DEFER_MAX_TOKENS
 
     def deferred(self, base, x: torch.Tensor, batch: LoRABatch):
@@ -244,7 +244,7 @@ class LoRALayer:
                 self.streams is not False, self.expand_beside, self._defers_some(base))
 
     def _defers_some(self, base) -> bool:
-        return self.fused and base.consumer_adds_lora
+        return self.fused and base.lora_consumer is not None
 
     def compile_calls(self, base, max_tokens: int) -> list:
         """Callables that each compile (Triton's `warmup`: nothing is launched) shrink and expand variants this
@@ -267,20 +267,20 @@ class LoRALayer:
         with_expand = set(lora_ops.plan_tokens(max_tokens, num_slots, k, lambda t: longer(t) and expands(t)))
         calls = [lambda t=t: self._compile(t, by_token, t in with_expand) for t in sorted(set(shrinks) | with_expand)]
         if self._defers_some(base):  # steps of up to DEFER_MAX_TOKENS: the shrink by token, silu_and_mul's variant
-            calls += [lambda t=t: self._compile_deferred(t)
+            calls += [lambda t=t: self._compile_deferred(base, t)
                       for t in lora_ops.plan_tokens(min(max_tokens, DEFER_MAX_TOKENS), num_slots, k)]
         return calls
 
-    def _compile_deferred(self, t: int) -> None:
-        from ..kernels import fused, lora_ops
+    def _compile_deferred(self, base, t: int) -> None:
+        from ..kernels import lora_ops
         dev, dtype = self.lora_a.device, self.lora_a.dtype
         x = torch.empty(t, self.in_features, dtype=dtype, device=dev)
         slots = torch.zeros(t, dtype=torch.long, device=dev)
         groups = lora_groups(slots, self.lora_a.shape[0], in_order=True)
         hp = lora_ops.shrink(x, self.lora_a, len(self.out_sizes), groups, self.rank_t, by_token=True,
                              compile_only=True)
-        delta = LoRADelta(hp, self.lora_bt, slots, self.scalings, self.rank_t, list(self.bounds), groups, False)
-        fused.silu_and_mul(torch.empty(t, self.bounds[-1], dtype=dtype, device=dev), delta, compile_only=True)
+        base.lora_consumer(LoRADelta(hp, self.lora_bt, slots, self.scalings, self.rank_t, list(self.bounds), groups,
+                                     False))
 
     def _compile(self, t: int, by_token: bool, expand: bool) -> None:
         from ..kernels import lora_ops

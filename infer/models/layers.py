@@ -13,8 +13,9 @@ it (`lora.takes_delta(layer)`: `lora.epilogue` not False), the hook's `delta(x, 
 `method.apply(layer, x, lora=delta)` instead, and the method's kernel adds the expand, in its epilogue or by a
 launch of its own. While a CUDA graph is captured, the hook may instead run the whole layer (`lora.beside(layer,
 x)`, then `lora.apply_beside(layer, x, ctx)`: the shrink on a second stream beside the base matmul). A layer whose
-next op can add the delta itself (`consumer_adds_lora`: the MLP's gate_up, whose silu_and_mul does) is called through
-`forward_deferred`, and the hook may leave the expand to that op (`lora.deferred`).
+next op can add the delta itself (`lora_consumer`: the MLP's gate_up, whose silu_and_mul does, and the qkv of a decode
+step, whose decode_attention does) is called through `forward_deferred`, and the hook may leave the expand to that
+op (`lora.deferred`).
 """
 
 from __future__ import annotations
@@ -83,7 +84,9 @@ class MergedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False) if bias else None
         self.method.create_weights(self)
         self.lora = None
-        self.consumer_adds_lora = False  # the model calls forward_deferred and hands the delta to the next op
+        # set by a model that calls forward_deferred and hands the delta to the next op: lora_consumer(delta) compiles
+        # (launches nothing) that op's variant for a step of delta's tokens (an engine start runs it)
+        self.lora_consumer = None
         self._loaded: set[tuple[int, str]] = set()
 
     def shard_offset(self, shard: int) -> int:
@@ -127,7 +130,7 @@ class MergedLinear(nn.Module):
         """(y, delta): y = forward(x, ctx) less the adapters' delta where the LoRA hook leaves that to y's consumer
         (`lora.defers`: on the GPU, for the MLP's gate_up, whose silu_and_mul adds it), and that delta (a
         kernels.lora_reference.LoRADelta of the batch); otherwise (forward(x, ctx), None). Only a caller whose
-        next op adds a LoRADelta may call this (`consumer_adds_lora` says the model's code does)."""
+        next op adds a LoRADelta may call this (`lora_consumer` says the model's code does)."""
         batch = getattr(ctx, "lora", None) if self.lora is not None else None
         if batch is None or not self.lora.defers(self, x):
             return self.forward(x, ctx), None

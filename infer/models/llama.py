@@ -6,6 +6,9 @@ Differences between the members are config switches: qkv bias (Qwen2), q/k RMSNo
 
 from __future__ import annotations
 
+import functools
+import weakref
+
 import torch
 from torch import nn
 
@@ -49,26 +52,46 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
         self.k_cache = self.v_cache = None  # set by the model runner: [num_blocks, block_size, Hk, D]
+        self.rot_dim = self.head_dim  # the rope table's width (set by the model)
+        if not self.qk_norm:  # a decode step's qkv LoRA expand may be left to decode_attention (forward)
+            self.qkv_proj.lora_consumer = _DecodeConsumer(self)
 
     def forward(self, positions, x, ctx: ForwardContext, cos_sin):
-        if ctx.max_query_len == 1:  # decodes only: rotary, KV write and attention in one launch on the GPU
-            q, k, v = self._qkv(x, ctx)
+        if ctx.max_query_len == 1:  # decodes only: rotary, KV write and attention in one launch on the GPU (with
+            q, k, v, delta = self._qkv(x, ctx, deferred=True)  # the adapters' qkv delta, where the layer left it)
             o = kernels.decode_attention(positions, q, k, v, cos_sin, self.head_dim, self.k_cache, self.v_cache,
                                          ctx.slot_mapping, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
-                                         self.scale)
+                                         self.scale, delta)
             return self.o_proj(o.reshape(x.shape[0], self.q_size), ctx)
         return self.o_proj(self.attend(self.query(positions, x, ctx, cos_sin), ctx), ctx)
 
-    def _qkv(self, x, ctx: ForwardContext):
+    def _qkv(self, x, ctx: ForwardContext, deferred: bool = False):
         """q [t, q_size], k and v [t, kv_size] (views of the qkv projection's output), q and k normed per head
-        where the family does (Qwen3)."""
-        qkv = self.qkv_proj(x, ctx)
+        where the family does (Qwen3); with `deferred`, and the adapters' delta that the layer left to the caller
+        (MergedLinear.forward_deferred; None: none left)."""
+        qkv, delta = self.qkv_proj.forward_deferred(x, ctx) if deferred else (self.qkv_proj(x, ctx), None)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = x.shape[0]
         if self.qk_norm:
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).reshape(t, self.q_size)
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
-        return q, k, v
+        return (q, k, v, delta) if deferred else (q, k, v)
+
+    def compile_decode(self, delta) -> None:
+        """Compile (launch nothing) the decode_attention variants that add `delta` (the qkv layer's LoRADelta of a
+        step of its tokens): within one attention partition and across several, where the cache holds that."""
+        from ..kernels import attention
+        t, dev, bs = delta.hp.shape[1], self.k_cache.device, self.k_cache.shape[1]
+        qkv = torch.empty(t, self.q_size + 2 * self.kv_size, dtype=self.qkv_proj.dtype, device=dev)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        ints = [torch.zeros(t, dtype=torch.int64, device=dev) for _ in range(2)]  # positions, slot mapping
+        for width in sorted({1, min(self.k_cache.shape[0], attention.PARTITION // bs + 1)}):
+            tables = torch.zeros(t, width, dtype=torch.int32, device=dev)
+            lens = torch.ones(t, dtype=torch.int32, device=dev)
+            starts = torch.arange(t + 1, dtype=torch.int32, device=dev)
+            attention.decode_attention(ints[0], q, k, v, torch.empty(1, self.rot_dim, device=dev), self.head_dim,
+                                       self.k_cache, self.v_cache, ints[1], tables, lens, starts, self.scale, delta,
+                                       compile_only=True)
 
     def query(self, positions, x, ctx: ForwardContext, cos_sin):
         """The rotated query [t, q_size]; this step's K and V are in the cache (the part of the layer before the
@@ -100,7 +123,8 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [inter, inter], names, bias, method_for(names), dtype)
         self.down_proj = MergedLinear(inter, [cfg.hidden_size], [f"{prefix}.down_proj"], bias,
                                       method_for([f"{prefix}.down_proj"]), dtype)
-        self.gate_up_proj.consumer_adds_lora = True
+        # the expand may be left to silu_and_mul (forward)
+        self.gate_up_proj.lora_consumer = functools.partial(_compile_silu_and_mul, dtype)
 
     def forward(self, x, ctx):
         gate_up, delta = self.gate_up_proj.forward_deferred(x, ctx)  # delta: the adapters', for silu_and_mul to add
@@ -117,6 +141,24 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # No forward: the model's loop runs the four parts itself. A call layer(x, residual) would keep the
         # caller's x and residual alive until it returns, two hidden-sized tensors per token on top of the MLP's.
+
+
+def _compile_silu_and_mul(dtype: torch.dtype, delta) -> None:
+    """MergedLinear.lora_consumer of the MLP's gate_up: compiles silu_and_mul's variant that adds `delta`."""
+    from ..kernels import fused
+    t, width = delta.hp.shape[1], delta.bounds[-1]
+    fused.silu_and_mul(torch.empty(t, width, dtype=dtype, device=delta.hp.device), delta, compile_only=True)
+
+
+class _DecodeConsumer:
+    """MergedLinear.lora_consumer of a decode step's qkv: Attention.compile_decode, through a weak reference (the
+    layer belongs to the attention: no reference cycle keeps the model alive)."""
+
+    def __init__(self, attention: "Attention"):
+        self.attention = weakref.ref(attention)
+
+    def __call__(self, delta) -> None:
+        self.attention().compile_decode(delta)
 
 
 def _uninitialized(cls, *args, **kw) -> nn.Module:
@@ -147,6 +189,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight.requires_grad_(False)
         self.register_buffer("packed_head", None, persistent=False)
         self.register_buffer("cos_sin", build_cos_sin_cache(cfg, max_positions), persistent=False)
+        for layer in self.layers:
+            layer.self_attn.rot_dim = self.cos_sin.shape[-1]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
