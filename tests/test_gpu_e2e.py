@@ -111,7 +111,7 @@ def test_bench_model_rows_on_cpu_with_tiny_shapes():
 def test_adapters_through_fewer_slots_swap_and_costs_are_reported(monkeypatch):
     """--max-loras below the number of adapters adds a row whose engine swaps adapters (counted);
     --compare-lora-epilogue a row whose engine adds every expand in the int4 epilogue; --compare-lora-fused a row
-    whose gate_up expands are launched alone; the notes give each adapter row's cost next to the cost its bytes
+    whose gate_up and qkv expands are launched alone; the notes give each adapter row's cost next to the cost its bytes
     explain."""
     built = []
     real = e2e.build_engine
@@ -129,7 +129,8 @@ def test_adapters_through_fewer_slots_swap_and_costs_are_reported(monkeypatch):
     rows = e2e.bench_model("llama-2-7b", args, bandwidth=1e10, device="cpu", dtype=torch.float32, **TINY)
     assert [r["lora"] for r in rows] == ["none", "3 mixed r4", "3 mixed r4 via 1 slots",
                                          "3 mixed r4, expand in epilogue", "3 mixed r4, shrink on the main stream",
-                                         "3 mixed r4, expand beside too", "3 mixed r4, gate_up expand launched alone"]
+                                         "3 mixed r4, expand beside too",
+                                         "3 mixed r4, qkv/gate_up expands launched alone"]
     assert built == [(None, None, None), (None, None, {(None, False, True)}), (None, None, {(None, False, True)}),
                      (True, None, {(None, False, True)}), (None, False, {(False, False, True)}),
                      (None, None, {(None, True, True)}), (None, None, {(None, False, False)})]

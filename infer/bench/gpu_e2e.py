@@ -38,7 +38,7 @@ from .roofline import copy_bandwidth, decode_roofline, lora_bytes_per_adapter, w
 EPILOGUE = "expand in epilogue"  # the mode label of --compare-lora-epilogue
 ONE_STREAM = "shrink on the main stream"  # the mode labels of --compare-lora-streams
 EXPAND_BESIDE = "expand beside too"
-EXPAND_ALONE = "gate_up expand launched alone"  # the mode label of --compare-lora-fused
+EXPAND_ALONE = "qkv/gate_up expands launched alone"  # the mode label of --compare-lora-fused
 
 
 # ----------------------------------------------------------------------------------------------- engines
@@ -54,8 +54,8 @@ def build_engine(model, model_config, tokenizer, device, adapters: dict[str, str
     `expand_beside` puts the expand beside the matmul too (EngineConfig.lora_expand_beside); `piecewise_tokens`
     the longest step (not all decodes) the piecewise graphs take (EngineConfig.cuda_graph_max_tokens; 0: none);
     `pdl` True launches the kernels with programmatic dependent launch where it works (EngineConfig.pdl; None: off);
-    `expand_fused` False launches the gate_up LoRA expand on its own instead of in silu_and_mul
-    (EngineConfig.lora_expand_fused)."""
+    `expand_fused` False launches the gate_up and qkv LoRA expands on their own instead of in silu_and_mul and
+    decode_attention (EngineConfig.lora_expand_fused)."""
     slots = max(1, slots or len(adapters))
     from ..engine import llm_engine
     from ..engine.config import EngineConfig
@@ -193,7 +193,7 @@ def engine_modes(run: ShapeRun, tmp: Path) -> list[tuple[str, dict[str, str], bo
     --compare-eager), then with the random adapters written to `tmp` (eagerly too with --compare-eager, through
     fewer slots with --max-loras, with every expand in the int4 matmul's epilogue with --compare-lora-epilogue, and
     with every shrink on the main stream, and with the expand beside the matmul too, with --compare-lora-streams,
-    and with the gate_up expand launched on its own, with --compare-lora-fused).
+    and with the gate_up and qkv expands launched on their own, with --compare-lora-fused).
     --compare-piecewise adds each of the two plain modes with graphs for decode steps only, --compare-pdl each of them
     with programmatic dependent launch."""
     args = run.args
@@ -323,8 +323,9 @@ def parse_args(argv=None):
                         "decode graphs, each runs on a second stream beside the base matmul), and with the expand "
                         "beside the matmul too")
     p.add_argument("--compare-lora-fused", action="store_true",
-                   help="also run the mixed adapters with the MLP's gate_up LoRA expand launched on its own (by "
-                        "default, in steps of up to 64 tokens, silu_and_mul adds it)")
+                   help="also run the mixed adapters with the gate_up and qkv LoRA expands launched on their own (by "
+                        "default, in steps of up to 64 tokens, silu_and_mul adds gate_up's, and in decode steps "
+                        "decode_attention adds qkv's)")
     p.add_argument("--stagger", action="store_true",
                    help="output lengths spread over output-len / 2 .. output-len: requests finish at different "
                         "steps, and with --num-prompts above --concurrency the next prompts join running decodes")

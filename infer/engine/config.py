@@ -164,8 +164,9 @@ class EngineConfig:
     # (gpu_e2e --compare-lora-streams runs it)
     lora_expand_beside: bool = False
     # API only: on the GPU, in steps of up to 64 tokens, the MLP's gate_up LoRA expand is added by the silu_and_mul
-    # kernel that reads the gate_up output (LoRALayer.deferred: one launch and one pass over the output fewer per
-    # layer); False: the expand launched after the matmul (gpu_e2e --compare-lora-fused runs the mixed adapters so)
+    # kernel that reads the gate_up output, and in decode steps the qkv expand by decode_attention (LoRALayer.deferred:
+    # two launches fewer per layer); False: each expand launched after its matmul (gpu_e2e --compare-lora-fused runs
+    # the mixed adapters so)
     lora_expand_fused: bool = True
     # API only: CUDA, launch the step's Triton kernels with programmatic dependent launch, so that each kernel's
     # programs start (and the int4 matmuls prefetch their first weights into L2) while the kernel before finishes

@@ -202,7 +202,7 @@ class LoRALayer:
         """Whether base's `forward_deferred` of x leaves the expand to y's consumer (`deferred`): on the Triton path,
         for a step of at most DEFER_MAX_TOKENS tokens. The consumer reads B once per row, where the expand reads it
         once per tile of a slot's rows: for longer steps (prefills, whose rows share adapters) the expand stays."""
-        return self.fused and base.lora_consumer is not None and kernels.use_triton(x) \
+        return self._defers_some(base) and kernels.use_triton(x) \
             and x.reshape(-1, x.shape[-1]).shape[0] <= DEFER_MAX_TOKENS
 
     def deferred(self, base, x: torch.Tensor, batch: LoRABatch):
@@ -244,7 +244,9 @@ class LoRALayer:
                 self.streams is not False, self.expand_beside, self._defers_some(base))
 
     def _defers_some(self, base) -> bool:
-        return self.fused and base.lora_consumer is not None
+        """Whether some steps leave base's expand to its consumer: where the model has one (lora_consumer), unless
+        switched off (EngineConfig.lora_expand_fused) or every expand goes to the int4 epilogue (lora_epilogue)."""
+        return self.fused and base.lora_consumer is not None and not (self.epilogue is True and self.takes_delta(base))
 
     def compile_calls(self, base, max_tokens: int) -> list:
         """Callables that each compile (Triton's `warmup`: nothing is launched) shrink and expand variants this
