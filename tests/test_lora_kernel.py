@@ -166,12 +166,26 @@ def test_silu_and_mul_adds_the_gate_up_delta(poisoned, fused_ops, monkeypatch, d
     """The gate_up layer's expand folded into silu_and_mul (LoRALayer.deferred): the Triton shrink's partials by
     token, K split over programs (NaN wherever the shrink wrote nothing), then silu_and_mul(gate_up, lora) against
     the reference's add_delta then silu_and_mul; rows without adapter are exactly the plain silu_and_mul."""
-    from infer.kernels import reference as kref
     monkeypatch.setattr(poisoned, "K_PER_PROGRAM", 32)
-    dev, t, n, k, num_slots, max_rank = _dev(), len(host_slots), 300, 128, 5, 16
+    check_silu_delta(poisoned, fused_ops, dtype, host_slots, n=300, k=128, num_slots=5)
+
+
+@pytest.mark.gpu
+def test_silu_and_mul_adds_the_gate_up_delta_real_shapes_gpu(poisoned, fused_ops):
+    """The same at Llama-2-7B's gate_up (11008 | 11008 columns, K = 4096), 16 tokens of 16 adapters and 64 tokens."""
+    g = torch.Generator().manual_seed(0)
+    check_silu_delta(poisoned, fused_ops, torch.float16, list(range(16)), n=11008, k=4096, num_slots=16)
+    check_silu_delta(poisoned, fused_ops, torch.float16, torch.randint(-1, 16, (64,), generator=g).tolist(),
+                     n=11008, k=4096, num_slots=16)
+
+
+def check_silu_delta(ops, fused_ops, dtype, host_slots, n, k, num_slots, max_rank=16):
+    from infer.kernels import reference as kref
+    poisoned = ops
+    dev, t = _dev(), len(host_slots)
     a, b, scal, rk, bounds = layer([n, n], num_slots, max_rank, k, seed=t, dtype=dtype)
     g = torch.Generator().manual_seed(t + 1)
-    x = torch.randn(t, k, generator=g).to(dtype)
+    x = (torch.randn(t, k, generator=g) * (8 / k) ** 0.5).to(dtype)  # deltas of a few units at any K
     gate_up = torch.randn(t, 2 * n, generator=g).to(dtype)
     slots = torch.tensor(host_slots)
     d = poisoned.delta(x.to(dev), a.to(dev), b.to(dev), scal.to(dev), bounds, lora_groups(slots.to(dev), num_slots),
