@@ -207,9 +207,9 @@ class LoRALayer:
 
     def deferred(self, base, x: torch.Tensor, batch: LoRABatch):
         """(base's y = x W^T (+ b) without the adapters, their delta as a LoRADelta by token) for y's consumer to add
-        (silu_and_mul): the layer's shrink, and no expand launch. While a CUDA graph is captured (streams on), the
-        shrink runs on the side stream beside the base matmul, joined before y is returned. (base's y, None) when no
-        active adapter targets the layer."""
+        (silu_and_mul, decode_attention): the layer's shrink, and no expand launch. While a CUDA graph is captured
+        (streams on), the shrink runs on the side stream beside the base matmul, joined before y is returned.
+        (base's y, None) when no active adapter targets the layer."""
         from ..kernels import lora_ops
         if not batch.static and not self._plan(batch)[0]:
             return base.method.apply(base, x), None
@@ -246,7 +246,8 @@ class LoRALayer:
     def _defers_some(self, base) -> bool:
         """Whether some steps leave base's expand to its consumer: where the model has one (lora_consumer), unless
         switched off (EngineConfig.lora_expand_fused) or every expand goes to the int4 epilogue (lora_epilogue)."""
-        return self.fused and base.lora_consumer is not None and not (self.epilogue is True and self.takes_delta(base))
+        every_epilogue = self.epilogue is True and self.takes_delta(base)
+        return self.fused and base.lora_consumer is not None and not every_epilogue
 
     def compile_calls(self, base, max_tokens: int) -> list:
         """Callables that each compile (Triton's `warmup`: nothing is launched) shrink and expand variants this

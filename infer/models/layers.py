@@ -128,9 +128,10 @@ class MergedLinear(nn.Module):
 
     def forward_deferred(self, x: torch.Tensor, ctx=None):
         """(y, delta): y = forward(x, ctx) less the adapters' delta where the LoRA hook leaves that to y's consumer
-        (`lora.defers`: on the GPU, for the MLP's gate_up, whose silu_and_mul adds it), and that delta (a
-        kernels.lora_reference.LoRADelta of the batch); otherwise (forward(x, ctx), None). Only a caller whose
-        next op adds a LoRADelta may call this (`lora_consumer` says the model's code does)."""
+        (`lora.defers`: on the GPU, the MLP's gate_up, whose silu_and_mul adds it, and a decode step's qkv, whose
+        decode_attention does), and that delta (a kernels.lora_reference.LoRADelta of the batch); otherwise
+        (forward(x, ctx), None). Only a caller whose next op adds a LoRADelta may call this (`lora_consumer` says
+        the model's code does)."""
         batch = getattr(ctx, "lora", None) if self.lora is not None else None
         if batch is None or not self.lora.defers(self, x):
             return self.forward(x, ctx), None
