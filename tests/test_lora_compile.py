@@ -2,9 +2,10 @@
 `LLMEngine.compile_kernels`), so no shrink or expand compiles on a user's request. The kernels are compiled for an
 H100 (sm_90) on this machine without a GPU (scripts/kernel-sass's CompileOnlyDriver, as in test_gptq_compile.py),
 every launch turned into a compile. Two layers: a merged qkv on the `apply` path (shrink + expand launches, as on a
-float base), and a one-shard layer on the `delta` path whose stand-in int4 kernel adds the expand in its epilogue
+float base), a one-shard layer on the `delta` path whose stand-in int4 kernel adds the expand in its epilogue
 for steps of up to 16 rows: its expand must be compiled for every longer step, and not for the plan of 1-16
-tokens, which never launches it. Rank 8 makes the partials' row stride (T x 24 or T x 8 elements) divisible by 16
+tokens, which never launches it; and a gate|up layer whose consumer adds its delta (`MergedLinear.lora_consumer`:
+silu_and_mul) in steps of up to 64 tokens, the expand launched in longer ones. Rank 8 makes the partials' row stride (T x 24 or T x 8 elements) divisible by 16
 only for even T, and 32 slots make the shrink's split of K depend on the token count: both vary between steps of
 one plan."""
 
@@ -20,8 +21,12 @@ pytest.importorskip("triton.runtime._async_compile")
 SCRIPT = COMPILE_ONLY_LAUNCHES + textwrap.dedent('''
     from types import SimpleNamespace
 
-    from infer.kernels import gptq_tune, lora_ops
+    import functools
+
+    from infer.kernels import fused, gptq_tune, lora_ops
     from infer.kernels.compiles import watch_compiles
+    from infer.kernels.lora_reference import LoRADelta
+    from infer.models import llama
     from infer.lora.batch import lora_groups
     from infer.lora.layer import LoRALayer
 
@@ -38,16 +43,19 @@ SCRIPT = COMPILE_ONLY_LAUNCHES + textwrap.dedent('''
     class FloatMethod:
         pass
 
-    def base(outs, method):
+    def base(outs, method, consumer=None):
         offsets = [sum(outs[:i]) for i in range(len(outs))]
         return SimpleNamespace(names=[f"p{i}" for i in range(len(outs))], out_sizes=outs, in_features=K,
-                               shard_offset=lambda i: offsets[i], method=method)
+                               shard_offset=lambda i: offsets[i], method=method, lora_consumer=consumer)
 
     K, SLOTS, RANK, MAX_TOKENS = 11008, 32, 8, 300  # (splits of K 16, 8 and 4 at 1-16, 17-32, 33+ tokens)
     g = torch.Generator().manual_seed(0)
     out = {}
-    for name, outs, method in (("apply", [64, 32, 32], FloatMethod()), ("delta", [64], Int4Method())):
-        b = base(outs, method)
+    silu = functools.partial(llama._compile_silu_and_mul, torch.float16)  # the MLP's gate_up consumer
+    for name, outs, method, consumer in (("apply", [64, 32, 32], FloatMethod(), None),
+                                         ("delta", [64], Int4Method(), None),
+                                         ("deferred", [48, 48], FloatMethod(), silu)):
+        b = base(outs, method, consumer)
         layer = LoRALayer(b, SLOTS, RANK, "cpu", torch.float16)
         layer.rank_t.fill_(RANK)
         calls = layer.compile_calls(b, MAX_TOKENS)
@@ -63,7 +71,11 @@ SCRIPT = COMPILE_ONLY_LAUNCHES + textwrap.dedent('''
                 x = torch.randn(t, K, generator=g).half()
                 y = torch.zeros(t, sum(outs), dtype=torch.float16)
                 n0 = len(compiled)
-                if name == "apply":
+                if name == "deferred" and t <= 64:  # the shrink by token, silu_and_mul adding the delta
+                    hp = lora_ops.shrink(x, layer.lora_a, 2, groups, layer.rank_t, by_token=True)
+                    fused.silu_and_mul(y, LoRADelta(hp, layer.lora_bt, slots, layer.scalings, layer.rank_t,
+                                                    layer.bounds, groups, False))
+                elif name in ("apply", "deferred"):
                     lora_ops.lora_apply(x, y, layer.lora_a, layer.lora_bt, layer.scalings, layer.bounds, groups,
                                         layer.rank_t)
                 else:  # the shrink by token; the expand launched where the int4 kernel does not add it
@@ -81,7 +93,7 @@ SCRIPT = COMPILE_ONLY_LAUNCHES + textwrap.dedent('''
 
 def test_engine_start_compiles_every_lora_kernel_a_step_launches():
     out = run_compile_only(SCRIPT, 900)
-    for name in ("apply", "delta"):
+    for name in ("apply", "delta", "deferred"):
         got = out[name]
         assert got["queued"] == got["calls"] > 0 and got["steps"] == 46, (name, got)
         assert got["late"] == [], (name, got)  # a step compiled what the start missed
@@ -95,3 +107,7 @@ def test_engine_start_compiles_every_lora_kernel_a_step_launches():
     # variants by sorted position too
     expands = out["apply"]["start"].count("_expand_kernel")
     assert out["delta"]["start"].count("_expand_kernel") == (expands - 1) + expands, out
+    # a layer whose consumer adds its delta (the MLP's gate_up): silu_and_mul's variants for the steps of up to
+    # DEFER_MAX_TOKENS tokens (one per split of K there), the expand only for the longer ones
+    assert out["deferred"]["start"].count("_silu_and_mul_kernel") >= 3, out["deferred"]
+    assert 0 < out["deferred"]["start"].count("_expand_kernel") < expands, out["deferred"]
