@@ -108,6 +108,10 @@ def test_every_kernel_an_engine_launches_at_7b_shapes_compiles_for_sm90():
     # the attribute both set, every such kernel waiting before it touches the step's data (kernels.pdl)
     pdl = re.search(r"PDL on: (\d+) launches, 0 not set so", out.stdout)
     assert pdl and int(pdl.group(1)) > 500, out.stdout[-1000:]
+    # the decode attention (with the rotary, the KV write and the qkv LoRA delta) keeps four programs per SM: at
+    # most 128 registers a thread (the LoRA variant capped there: attention.LORA_MAX_REGS)
+    regs = [int(r) for r in re.findall(r"_decode_kernel\s+warps 4 shared\s+\d+ REG:(\d+)", out.stdout)]
+    assert len(regs) >= 4 and max(regs) <= 128, out.stdout[-3000:]
     fields = re.search(r"field tiles by byte permute: (\d+) of (\d+) launches", out.stdout)
     assert fields and fields.group(1) == fields.group(2) and int(fields.group(1)) > 50, out.stdout[-1000:]
 

@@ -26,6 +26,9 @@ from .intmath import cdiv, next_power_of_2
 PARTITION = 512  # keys per decode partition (a multiple of every BLOCK_N used)
 REDUCE_CHUNK = 16  # partitions the reduce merges per step (8K keys)
 LOG2E = 1.4426950408889634
+# the decode kernel's LoRA variant: at most this many registers a thread (ptxas would take about 145 at 7B shapes,
+# three programs per SM where the variant without adapters fits four; the excess spills outside the key loop)
+LORA_MAX_REGS = 128
 
 
 @triton.jit
@@ -147,8 +150,7 @@ def _plus(x, d):
 @triton.jit
 def _qkv_lora(q, qp, k, kp, v, slot, tok, kv_head, offs_d, partner, mask_d, rows, hp_ptr, lb_ptr,
               rank_q, rank_k, rank_v, scal_q, scal_k, scal_v, S, R, sh_p, sh_t, q_width, kv_width,
-              GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-              SPLIT: tl.constexpr, BLOCK_R: tl.constexpr):
+              GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, BLOCK_R: tl.constexpr):
     """The qkv layer's adapter delta of token `tok` (slot >= 0; a LoRADelta by token: hp [SPLIT, T, 3R], B^T of
     q, k and v shard after shard) added to its query heads of this KV head's group (q, and qp at the rotary partner
     dimensions, [GROUP_PAD, BLOCK_D]) and to its key (k, kp) and value, each rounded to its dtype as the layer's
@@ -165,14 +167,14 @@ def _qkv_lora(q, qp, k, kp, v, slot, tok, kv_head, offs_d, partner, mask_d, rows
     k = _plus(k, _cols_delta(hk, b_k, kv_width, c + offs_d, mask_d, rank_k, BLOCK_R) * scal_k)
     kp = _plus(kp, _cols_delta(hk, b_k, kv_width, c + partner, mask_d, rank_k, BLOCK_R) * scal_k)
     v = _plus(v, _cols_delta(hv, b_v, kv_width, c + offs_d, mask_d, rank_v, BLOCK_R) * scal_v)
-    dq = tl.zeros((GROUP_PAD, BLOCK_D), tl.float32)
-    dqp = tl.zeros((GROUP_PAD, BLOCK_D), tl.float32)
     for gi in tl.static_range(GROUP):  # one query head of the group at a time: B^T's tile [BLOCK_R, BLOCK_D]
         cq = (kv_head * GROUP + gi) * HEAD_DIM
-        one = rows[:, None] == gi
-        dq = tl.where(one, _cols_delta(hq, b_q, q_width, cq + offs_d, mask_d, rank_q, BLOCK_R)[None, :], dq)
-        dqp = tl.where(one, _cols_delta(hq, b_q, q_width, cq + partner, mask_d, rank_q, BLOCK_R)[None, :], dqp)
-    return _plus(q, dq * scal_q), _plus(qp, dqp * scal_q), k, kp, v
+        one = rows[:, None] == gi  # (no float32 tile of the group's deltas: fewer registers, more programs per SM)
+        q = tl.where(one, _plus(q, _cols_delta(hq, b_q, q_width, cq + offs_d, mask_d, rank_q, BLOCK_R)[None, :]
+                                * scal_q), q)
+        qp = tl.where(one, _plus(qp, _cols_delta(hq, b_q, q_width, cq + partner, mask_d, rank_q, BLOCK_R)[None, :]
+                                 * scal_q), qp)
+    return q, qp, k, kp, v
 
 
 @triton.jit(do_not_specialize=["s_bt", "num_parts", "sh_p"])
@@ -240,7 +242,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tabl
                         q, qp, k_new, kp, v_new, slot, tok, kv_head, offs_d, partner, mask_d, rows, hp_ptr, lb_ptr,
                         _pick(r_q, sl, slot), _pick(r_k, sl, slot), _pick(r_v, sl, slot),
                         _pick(c_q, sl, slot), _pick(c_k, sl, slot), _pick(c_v, sl, slot),
-                        S, R, sh_p, sh_t, q_width, kv_width, GROUP, GROUP_PAD, BLOCK_D, HEAD_DIM, LSPLIT, BLOCK_R)
+                        S, R, sh_p, sh_t, q_width, kv_width, GROUP, HEAD_DIM, LSPLIT, BLOCK_R)
             q = _rotate(q, qp, cos[None, :], sin[None, :])
             k_new = _rotate(k_new, kp, cos, sin).to(k_ptr.dtype.element_ty)
             v_new = v_new.to(v_ptr.dtype.element_ty)
@@ -258,18 +260,15 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tabl
         m_i = tl.full((GROUP_PAD,), -1.0e30, tl.float32)
         l_i = tl.zeros((GROUP_PAD,), tl.float32)
         acc = tl.zeros((GROUP_PAD, BLOCK_D), tl.float32)
+        if ROPE:
+            if own:  # the new key first (the online softmax takes keys in any order): its score is the running max,
+                # its weight 1, and k_new, v_new are dead before the key loop (fewer registers held through it)
+                m_i = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
+                l_i = tl.full((GROUP_PAD,), 1.0, tl.float32)
+                acc = acc + v_new.to(tl.float32)[None, :]
         acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, tables_ptr + b.to(tl.int64) * s_bt,
                                      kv_head, lo, hi, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, qk_scale,
                                      PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, IEEE)
-        if ROPE:
-            if own:  # the new key, as _attend_keys takes one: p rounded to v's dtype for the product, not the sum
-                s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
-                m_new = tl.maximum(m_i, s)
-                p = tl.exp2(s - m_new)
-                alpha = tl.exp2(m_i - m_new)
-                l_i = l_i * alpha + p
-                acc = acc * alpha[:, None] + p.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
-                m_i = m_new
         if not SPLIT:
             acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + tok * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
@@ -348,7 +347,7 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_sca
                   lora.hp.stride(0), lora.hp.stride(1), *lora.ranks.stride(), *lora.scalings.stride(),
                   lora.bounds[1], lora.bounds[2] - lora.bounds[1])
         meta = dict(meta, LORA=True, LSPLIT=split, BLOCK_R=max(16, next_power_of_2(nr // 3)),
-                    S_P2=max(2, next_power_of_2(num_slots)))
+                    S_P2=max(2, next_power_of_2(num_slots)), maxnreg=LORA_MAX_REGS)
     grid = (num_seqs, hk, parts)
     run = _decode_kernel.warmup if compile_only else _decode_kernel[grid]
     run(q, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens, query_start_loc, qk_scale,
