@@ -5,15 +5,15 @@ every launch turned into a compile. Two layers: a merged qkv on the `apply` path
 float base), a one-shard layer on the `delta` path whose stand-in int4 kernel adds the expand in its epilogue
 for steps of up to 16 rows: its expand must be compiled for every longer step, and not for the plan of 1-16
 tokens, which never launches it; and a gate|up layer whose consumer adds its delta (`MergedLinear.lora_consumer`:
-silu_and_mul) in steps of up to 64 tokens, the expand launched in longer ones. Rank 8 makes the partials' row stride (T x 24 or T x 8 elements) divisible by 16
-only for even T, and 32 slots make the shrink's split of K depend on the token count: both vary between steps of
-one plan."""
+silu_and_mul) in steps of up to 64 tokens, the expand launched in longer ones. Rank 8 makes the partials' row
+stride (T x 24 or T x 8 elements) divisible by 16 only for even T, and 32 slots make the shrink's split of K depend
+on the token count: both vary between steps of one plan."""
 
 import textwrap
 
 import pytest
 
-from helpers import COMPILE_ONLY_LAUNCHES, run_compile_only
+from helpers import COMPILE_ONLY_LAUNCHES, COMPILE_ONLY_PREAMBLE, run_compile_only
 
 pytest.importorskip("triton")
 pytest.importorskip("triton.runtime._async_compile")
@@ -111,3 +111,31 @@ def test_engine_start_compiles_every_lora_kernel_a_step_launches():
     # DEFER_MAX_TOKENS tokens (one per split of K there), the expand only for the longer ones
     assert out["deferred"]["start"].count("_silu_and_mul_kernel") >= 3, out["deferred"]
     assert 0 < out["deferred"]["start"].count("_expand_kernel") < expands, out["deferred"]
+
+
+ONE_SLOT = COMPILE_ONLY_PREAMBLE + textwrap.dedent('''
+    from infer.kernels import attention, fused
+    from infer.kernels.lora_reference import LoRADelta
+    t, h, d, r, dt = 16, 8, 128, 16, torch.float16
+    ints = torch.zeros(t, dtype=torch.int64)
+    q, k, v = torch.empty(t, 3 * h * d, dtype=dt).split([h * d] * 3, -1)
+    kc = torch.empty(64, 16, h, d, dtype=dt)
+    for slots in (1, 2):  # one slot: the slot count is 1, which Triton compiles as a constant
+        def delta(widths):
+            n = len(widths)
+            bounds = [sum(widths[:i]) for i in range(n + 1)]
+            return LoRADelta(torch.empty(4, t, n * r), torch.empty(slots * r * bounds[-1], dtype=dt), ints,
+                             torch.empty(n, slots), torch.empty(n, slots, dtype=torch.int32), bounds, None, False)
+        attention.decode_attention(ints, q, k, v, torch.empty(1, d), d, kc, torch.empty_like(kc), ints,
+                                   torch.zeros(t, 1, dtype=torch.int32), torch.ones(t, dtype=torch.int32),
+                                   torch.arange(t + 1, dtype=torch.int32), 0.1, delta([h * d] * 3), compile_only=True)
+        fused.silu_and_mul(torch.empty(t, 512, dtype=dt), delta([256, 256]), compile_only=True)
+    print(json.dumps({"compiled": compiled}))
+''')
+
+
+def test_lora_consumers_compile_with_one_adapter_slot():
+    """--max-loras 1 makes the slot count 1, which Triton compiles as a constant (an int, without tensor methods):
+    the decode attention's and silu_and_mul's LoRA variants still compile for sm_90, as with two slots."""
+    out = run_compile_only(ONE_SLOT, 600)
+    assert out["compiled"].count("_decode_kernel") == 2 and out["compiled"].count("_silu_and_mul_kernel") == 2, out

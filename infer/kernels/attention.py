@@ -118,8 +118,6 @@ def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, qsl_ptr,
                  acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# eager decode steps (--eager) of any context compile two variants only (one partition, or several): the block
-# table's width and the partition count are runtime integers, never specialized
 @triton.jit
 def _rotate(x, xp, cos, sin):
     """x rotated NeoX style, given its rotary partner xp (dimension d +- HALF) and per-dimension cos and signed sin
@@ -161,8 +159,8 @@ def _qkv_lora(q, qp, k, kp, v, slot, tok, kv_head, offs_d, partner, mask_d, rows
     hk = tl.sum(tl.load(at + R, mask=r[None, :] < rank_k, other=0.0), 0)
     hv = tl.sum(tl.load(at + 2 * R, mask=r[None, :] < rank_v, other=0.0), 0)
     b_q = lb_ptr + slot.to(tl.int64) * R * q_width
-    b_k = lb_ptr + S.to(tl.int64) * R * q_width + slot.to(tl.int64) * R * kv_width
-    b_v = b_k + S.to(tl.int64) * R * kv_width
+    b_k = lb_ptr + tl.cast(S, tl.int64) * R * q_width + slot.to(tl.int64) * R * kv_width
+    b_v = b_k + tl.cast(S, tl.int64) * R * kv_width
     c = kv_head * HEAD_DIM
     k = _plus(k, _cols_delta(hk, b_k, kv_width, c + offs_d, mask_d, rank_k, BLOCK_R) * scal_k)
     kp = _plus(kp, _cols_delta(hk, b_k, kv_width, c + partner, mask_d, rank_k, BLOCK_R) * scal_k)
@@ -177,6 +175,9 @@ def _qkv_lora(q, qp, k, kp, v, slot, tok, kv_head, offs_d, partner, mask_d, rows
     return q, qp, k, kp, v
 
 
+# eager decode steps (--eager) of any context compile two variants only (one partition, or several): the block
+# table's width and the partition count are runtime integers, never specialized (nor the partials' stride sh_p,
+# T x 3R: its divisibility by 16 follows T's parity at small ranks)
 @triton.jit(do_not_specialize=["s_bt", "num_parts", "sh_p"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, lens_ptr, qsl_ptr, qk_scale,
                    s_qt, s_qh, s_qd, s_ot, s_oh, s_od, s_bt,

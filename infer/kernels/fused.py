@@ -214,7 +214,7 @@ def _silu_and_mul_kernel(x_ptr, y_ptr, n, s_x, s_y, hp_ptr, lb_ptr, slot_ptr, ra
             b_g = lb_ptr + slot.to(tl.int64) * R * n
             gate = _plus_delta(gate, hg, b_g, tl.sum(tl.where(pick, rank_g, 0), 0),
                                tl.sum(tl.where(pick, scal_g, 0.0), 0), offs, mask, n, BLOCK_R)
-            up = _plus_delta(up, hu, b_g + S.to(tl.int64) * R * n, tl.sum(tl.where(pick, rank_u, 0), 0),
+            up = _plus_delta(up, hu, b_g + tl.cast(S, tl.int64) * R * n, tl.sum(tl.where(pick, rank_u, 0), 0),
                              tl.sum(tl.where(pick, scal_u, 0.0), 0), offs, mask, n, BLOCK_R)
     g = gate.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # silu in float32, rounded to x's dtype as torch's F.silu
