@@ -116,6 +116,13 @@ def test_engine_start_compiles_every_lora_kernel_a_step_launches():
 ONE_SLOT = COMPILE_ONLY_PREAMBLE + textwrap.dedent('''
     from infer.kernels import attention, fused
     from infer.kernels.lora_reference import LoRADelta
+    caps = []
+    warm = attention._decode_kernel.warmup
+    def kept(*a, **k):  # each decode variant's register cap (ptxas's maxnreg; None: none)
+        kernel = warm(*a, **k)
+        caps.append(kernel.metadata.maxnreg)
+        return kernel
+    attention._decode_kernel.warmup = kept
     t, h, d, r, dt = 16, 8, 128, 16, torch.float16
     ints = torch.zeros(t, dtype=torch.int64)
     q, k, v = torch.empty(t, 3 * h * d, dtype=dt).split([h * d] * 3, -1)
@@ -130,12 +137,17 @@ ONE_SLOT = COMPILE_ONLY_PREAMBLE + textwrap.dedent('''
                                    torch.zeros(t, 1, dtype=torch.int32), torch.ones(t, dtype=torch.int32),
                                    torch.arange(t + 1, dtype=torch.int32), 0.1, delta([h * d] * 3), compile_only=True)
         fused.silu_and_mul(torch.empty(t, 512, dtype=dt), delta([256, 256]), compile_only=True)
-    print(json.dumps({"compiled": compiled}))
+    print(json.dumps({"compiled": compiled, "caps": caps}))
 ''')
 
 
 def test_lora_consumers_compile_with_one_adapter_slot():
     """--max-loras 1 makes the slot count 1, which Triton compiles as a constant (an int, without tensor methods):
-    the decode attention's and silu_and_mul's LoRA variants still compile for sm_90, as with two slots."""
+    the decode attention's and silu_and_mul's LoRA variants still compile for sm_90, as with two slots, the decode
+    one with its register cap."""
     out = run_compile_only(ONE_SLOT, 600)
     assert out["compiled"].count("_decode_kernel") == 2 and out["compiled"].count("_silu_and_mul_kernel") == 2, out
+    # the LoRA variant capped at 128 registers a thread: four programs per SM, as the variant without adapters (on
+    # Triton 3.6 ptxas would take about 145; tests/test_kernel_sass.py checks the registers it takes)
+    from infer.kernels import attention
+    assert out["caps"] == [attention.LORA_MAX_REGS] * 2 == [128] * 2, out
