@@ -314,3 +314,37 @@ def test_gpu_lora_shrink_beside_the_matmul_gives_the_tokens_of_one_stream(path, 
         llm.close()
     first = got[False, None, False]
     assert all(outs == first for outs in got.values()) and len(first) == 6
+
+
+@pytest.mark.gpu
+def test_gpu_lora_expands_in_their_consumers_give_the_tokens_of_the_expand_launches(path, tmp_path, monkeypatch):
+    """EngineConfig.lora_expand_fused: the gate_up expand added by silu_and_mul and a decode step's qkv expand by
+    the decode attention (LoRALayer.deferred), in the decode graphs (the shrink beside the matmul) and eagerly.
+    Greedy tokens of mixed adapters in float32 equal those with every expand launched after its matmul, and the
+    deferred path was taken where it is on."""
+    from infer.lora.layer import LoRALayer
+    calls = []
+    real = LoRALayer.deferred
+
+    def counted(self, base, x, batch):
+        calls.append(x.shape[0])
+        return real(self, base, x, batch)
+    monkeypatch.setattr(LoRALayer, "deferred", counted)
+    loras, prompts, names = _three_adapters(path, tmp_path, seed=5)
+    got = {}
+    for eager, fused in ((False, True), (False, False), (True, True), (True, False)):
+        calls.clear()
+        llm = LLM(path, device="cuda", dtype="float32", max_num_seqs=8, block_size=16, num_kv_blocks=128,
+                  max_model_len=256, enforce_eager=eager, loras=loras, max_loras=3, max_lora_rank=8,
+                  lora_expand_fused=fused)
+        eng = llm.engine
+        for i, (p, n) in enumerate(zip(prompts, names)):
+            eng.add_request(str(i), p, SamplingParams(max_new_tokens=24, ignore_eos=True), lora=n)
+        outs = {}
+        while eng.has_unfinished_requests():
+            outs.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+        got[eager, fused] = outs
+        assert bool(calls) == fused
+        llm.close()
+    first = got[False, False]
+    assert all(outs == first for outs in got.values()) and len(first) == 6
