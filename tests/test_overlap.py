@@ -281,37 +281,50 @@ def test_gpu_steps_with_mixed_adapters_and_swaps_never_wait_for_the_device(path,
     assert got[True] == got[False] and len(got[True]) == 6
 
 
+def _lora_calls(monkeypatch, method: str) -> list[int]:
+    """The token counts of every call of LoRALayer.`method` from now on (a spy that calls through)."""
+    from infer.lora.layer import LoRALayer
+    calls, real = [], getattr(LoRALayer, method)
+
+    def counted(self, base, x, batch):
+        calls.append(x.shape[0])
+        return real(self, base, x, batch)
+    monkeypatch.setattr(LoRALayer, method, counted)
+    return calls
+
+
+def _mixed_adapter_tokens(path, adapters, **config) -> dict:
+    """{request id: greedy tokens} of `_three_adapters`' six requests (24 tokens each) on the GPU in float32, with
+    the engine options `config`."""
+    loras, prompts, names = adapters
+    llm = LLM(path, device="cuda", dtype="float32", max_num_seqs=8, block_size=16, num_kv_blocks=128,
+              max_model_len=256, loras=loras, max_loras=3, max_lora_rank=8, **config)
+    eng = llm.engine
+    for i, (p, n) in enumerate(zip(prompts, names)):
+        eng.add_request(str(i), p, SamplingParams(max_new_tokens=24, ignore_eos=True), lora=n)
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    llm.close()
+    return outs
+
+
 @pytest.mark.gpu
 def test_gpu_lora_shrink_beside_the_matmul_gives_the_tokens_of_one_stream(path, tmp_path, monkeypatch):
     """EngineConfig.lora_streams: in the decode graphs every LoRA layer's shrink runs on a second stream beside the
     base matmul (two branches per layer in the captured graph), and with lora_expand_beside the expand too. Greedy
     tokens of mixed adapters in float32 equal those with every shrink on the main stream and those of eager steps,
     and the graphs did take that path."""
-    from infer.lora.layer import LoRALayer
-    calls = []
-    real = LoRALayer.apply_beside
-
-    def counted(self, base, x, batch):
-        calls.append(x.shape[0])
-        return real(self, base, x, batch)
-    monkeypatch.setattr(LoRALayer, "apply_beside", counted)
-    loras, prompts, names = _three_adapters(path, tmp_path, seed=9)
+    calls = _lora_calls(monkeypatch, "apply_beside")
+    adapters = _three_adapters(path, tmp_path, seed=9)
     got = {}
     for eager, streams, expand_beside in ((False, None, False), (False, None, True), (False, False, False),
                                           (True, None, False)):
         calls.clear()
-        llm = LLM(path, device="cuda", dtype="float32", max_num_seqs=8, block_size=16, num_kv_blocks=128,
-                  max_model_len=256, enforce_eager=eager, loras=loras, max_loras=3, max_lora_rank=8,
-                  lora_streams=streams, lora_expand_beside=expand_beside)
-        eng = llm.engine
-        for i, (p, n) in enumerate(zip(prompts, names)):
-            eng.add_request(str(i), p, SamplingParams(max_new_tokens=24, ignore_eos=True), lora=n)
-        outs = {}
-        while eng.has_unfinished_requests():
-            outs.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
-        got[eager, streams, expand_beside] = outs
+        got[eager, streams, expand_beside] = _mixed_adapter_tokens(path, adapters, enforce_eager=eager,
+                                                                   lora_streams=streams,
+                                                                   lora_expand_beside=expand_beside)
         assert bool(calls) == (not eager and streams is None)  # captured once per graph size and layer, not replayed
-        llm.close()
     first = got[False, None, False]
     assert all(outs == first for outs in got.values()) and len(first) == 6
 
@@ -322,29 +335,12 @@ def test_gpu_lora_expands_in_their_consumers_give_the_tokens_of_the_expand_launc
     the decode attention (LoRALayer.deferred), in the decode graphs (the shrink beside the matmul) and eagerly.
     Greedy tokens of mixed adapters in float32 equal those with every expand launched after its matmul, and the
     deferred path was taken where it is on."""
-    from infer.lora.layer import LoRALayer
-    calls = []
-    real = LoRALayer.deferred
-
-    def counted(self, base, x, batch):
-        calls.append(x.shape[0])
-        return real(self, base, x, batch)
-    monkeypatch.setattr(LoRALayer, "deferred", counted)
-    loras, prompts, names = _three_adapters(path, tmp_path, seed=5)
+    calls = _lora_calls(monkeypatch, "deferred")
+    adapters = _three_adapters(path, tmp_path, seed=5)
     got = {}
     for eager, fused in ((False, True), (False, False), (True, True), (True, False)):
         calls.clear()
-        llm = LLM(path, device="cuda", dtype="float32", max_num_seqs=8, block_size=16, num_kv_blocks=128,
-                  max_model_len=256, enforce_eager=eager, loras=loras, max_loras=3, max_lora_rank=8,
-                  lora_expand_fused=fused)
-        eng = llm.engine
-        for i, (p, n) in enumerate(zip(prompts, names)):
-            eng.add_request(str(i), p, SamplingParams(max_new_tokens=24, ignore_eos=True), lora=n)
-        outs = {}
-        while eng.has_unfinished_requests():
-            outs.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
-        got[eager, fused] = outs
+        got[eager, fused] = _mixed_adapter_tokens(path, adapters, enforce_eager=eager, lora_expand_fused=fused)
         assert bool(calls) == fused
-        llm.close()
     first = got[False, False]
     assert all(outs == first for outs in got.values()) and len(first) == 6
