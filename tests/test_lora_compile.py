@@ -5,7 +5,8 @@ every launch turned into a compile. Two layers: a merged qkv on the `apply` path
 float base), a one-shard layer on the `delta` path whose stand-in int4 kernel adds the expand in its epilogue
 for steps of up to 16 rows: its expand must be compiled for every longer step, and not for the plan of 1-16
 tokens, which never launches it; and a gate|up layer whose consumer adds its delta (`MergedLinear.lora_consumer`:
-silu_and_mul) in steps of up to 64 tokens, the expand launched in longer ones. Rank 8 makes the partials' row
+silu_and_mul), and a one-shard layer whose consumer is the rms_norm after it (o_proj, down_proj), in steps of up to
+64 tokens, the expand launched in longer ones. Rank 8 makes the partials' row
 stride (T x 24 or T x 8 elements) divisible by 16 only for even T, and 32 slots make the shrink's split of K depend
 on the token count: both vary between steps of one plan."""
 
@@ -54,7 +55,8 @@ SCRIPT = COMPILE_ONLY_LAUNCHES + textwrap.dedent('''
     silu = functools.partial(llama._compile_silu_and_mul, torch.float16)  # the MLP's gate_up consumer
     for name, outs, method, consumer in (("apply", [64, 32, 32], FloatMethod(), None),
                                          ("delta", [64], Int4Method(), None),
-                                         ("deferred", [48, 48], FloatMethod(), silu)):
+                                         ("deferred", [48, 48], FloatMethod(), silu),
+                                         ("norm", [64], FloatMethod(), llama._NormConsumer(torch.float16))):
         b = base(outs, method, consumer)
         layer = LoRALayer(b, SLOTS, RANK, "cpu", torch.float16)
         layer.rank_t.fill_(RANK)
@@ -75,7 +77,12 @@ SCRIPT = COMPILE_ONLY_LAUNCHES + textwrap.dedent('''
                     hp = lora_ops.shrink(x, layer.lora_a, 2, groups, layer.rank_t, by_token=True)
                     fused.silu_and_mul(y, LoRADelta(hp, layer.lora_bt, slots, layer.scalings, layer.rank_t,
                                                     layer.bounds, groups, False))
-                elif name in ("apply", "deferred"):
+                elif name == "norm" and t <= 64:  # the shrink by token, the rms_norm (with the residual) adding it
+                    hp = lora_ops.shrink(x, layer.lora_a, 1, groups, layer.rank_t, by_token=True)
+                    fused.rms_norm(y, torch.ones(64, dtype=torch.float16), 1e-5, y,
+                                   LoRADelta(hp, layer.lora_bt, slots, layer.scalings, layer.rank_t, layer.bounds,
+                                             groups, False))
+                elif name in ("apply", "deferred", "norm"):
                     lora_ops.lora_apply(x, y, layer.lora_a, layer.lora_bt, layer.scalings, layer.bounds, groups,
                                         layer.rank_t)
                 else:  # the shrink by token; the expand launched where the int4 kernel does not add it
@@ -93,7 +100,7 @@ SCRIPT = COMPILE_ONLY_LAUNCHES + textwrap.dedent('''
 
 def test_engine_start_compiles_every_lora_kernel_a_step_launches():
     out = run_compile_only(SCRIPT, 900)
-    for name in ("apply", "delta", "deferred"):
+    for name in ("apply", "delta", "deferred", "norm"):
         got = out[name]
         assert got["queued"] == got["calls"] > 0 and got["steps"] == 46, (name, got)
         assert got["late"] == [], (name, got)  # a step compiled what the start missed
@@ -111,6 +118,10 @@ def test_engine_start_compiles_every_lora_kernel_a_step_launches():
     # DEFER_MAX_TOKENS tokens (one per split of K there), the expand only for the longer ones
     assert out["deferred"]["start"].count("_silu_and_mul_kernel") >= 3, out["deferred"]
     assert 0 < out["deferred"]["start"].count("_expand_kernel") < expands, out["deferred"]
+    # o_proj's and down_proj's consumer (the rms_norm after them): its variants for the same steps (its shrink and
+    # the longer steps' expand are the one-shard delta layer's variants, compiled before: the late steps' check
+    # above says nothing was missing)
+    assert out["norm"]["start"].count("_rms_norm_kernel") >= 3, out["norm"]
 
 
 ONE_SLOT = COMPILE_ONLY_PREAMBLE + textwrap.dedent('''
@@ -137,16 +148,19 @@ ONE_SLOT = COMPILE_ONLY_PREAMBLE + textwrap.dedent('''
                                    torch.zeros(t, 1, dtype=torch.int32), torch.ones(t, dtype=torch.int32),
                                    torch.arange(t + 1, dtype=torch.int32), 0.1, delta([h * d] * 3), compile_only=True)
         fused.silu_and_mul(torch.empty(t, 512, dtype=dt), delta([256, 256]), compile_only=True)
+        x = torch.empty(t, 256, dtype=dt)
+        fused.rms_norm(x, torch.empty(256, dtype=dt), 1e-5, x, delta([256]), compile_only=True)
     print(json.dumps({"compiled": compiled, "caps": caps}))
 ''')
 
 
 def test_lora_consumers_compile_with_one_adapter_slot():
     """--max-loras 1 makes the slot count 1, which Triton compiles as a constant (an int, without tensor methods):
-    the decode attention's and silu_and_mul's LoRA variants still compile for sm_90, as with two slots, the decode
-    one with its register cap."""
+    the decode attention's, silu_and_mul's and rms_norm's LoRA variants still compile for sm_90, as with two slots,
+    the decode one with its register cap."""
     out = run_compile_only(ONE_SLOT, 600)
     assert out["compiled"].count("_decode_kernel") == 2 and out["compiled"].count("_silu_and_mul_kernel") == 2, out
+    assert out["compiled"].count("_rms_norm_kernel") == 2, out
     # the LoRA variant capped at 128 registers a thread: four programs per SM, as the variant without adapters (on
     # Triton 3.6 ptxas would take about 145; tests/test_kernel_sass.py checks the registers it takes)
     from infer.kernels import attention

@@ -211,6 +211,67 @@ def test_silu_and_mul_refuses_a_delta_of_other_shards(fused_ops):
         fused_ops.silu_and_mul(x, lora=d)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("host_slots,max_rank", [([0, 1, 2, 3, 4], 16), ([3, -1, 0, 3, -1, 1, 1], 8),
+                                                 ([2, 0, -1, 1], 24)])
+def test_rms_norm_adds_the_delta_of_the_layer_before(poisoned, fused_ops, monkeypatch, dtype, host_slots, max_rank):
+    """The o/down layer's expand folded into the rms_norm after it (LoRALayer.deferred): the Triton shrink's
+    partials by token (NaN wherever the shrink wrote nothing), then rms_norm(x, w, eps, residual, lora) against the
+    reference's add_delta then rms_norm, both outputs (y and the next residual); B^T read in several chunks of rank
+    rows (a small row tile) at rank 24; rows without adapter are exactly the plain rms_norm."""
+    monkeypatch.setattr(poisoned, "K_PER_PROGRAM", 32)
+    monkeypatch.setattr(fused_ops, "LORA_ROW_TILE", 8 * 512)
+    check_norm_delta(poisoned, fused_ops, dtype, host_slots, n=300, k=128, num_slots=5, max_rank=max_rank)
+
+
+@pytest.mark.gpu
+def test_rms_norm_adds_the_delta_real_shapes_gpu(poisoned, fused_ops):
+    """The same at Llama-2-7B's o and down (4096 columns, K = 4096 and 11008) and Qwen1.5-14B's down (5120 columns,
+    K = 13696), 16 tokens of 16 adapters and 64 tokens."""
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((4096, 4096), (4096, 11008), (5120, 13696)):
+        check_norm_delta(poisoned, fused_ops, torch.float16, list(range(16)), n=n, k=k, num_slots=16)
+        check_norm_delta(poisoned, fused_ops, torch.float16, torch.randint(-1, 16, (64,), generator=g).tolist(),
+                         n=n, k=k, num_slots=16, max_rank=64)
+
+
+def check_norm_delta(ops, fused_ops, dtype, host_slots, n, k, num_slots, max_rank=16):
+    from infer.kernels import reference as kref
+    dev, t = _dev(), len(host_slots)
+    a, b, scal, rk, bounds = layer([n], num_slots, max_rank, k, seed=t, dtype=dtype)
+    g = torch.Generator().manual_seed(t + 2)
+    x = (torch.randn(t, k, generator=g) * (8 / k) ** 0.5).to(dtype)  # deltas of a few units at any K
+    y = torch.randn(t, n, generator=g).to(dtype)  # the layer's output without the adapters
+    res = torch.randn(t, n, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype)
+    slots = torch.tensor(host_slots)
+    d = ops.delta(x.to(dev), a.to(dev), b.to(dev), scal.to(dev), bounds, lora_groups(slots.to(dev), num_slots),
+                  rk.to(dev), slots.to(dev))
+    assert d.hp.shape[0] > 1  # the shrink's partial sums over slices of K
+    got, got_h = (v.cpu() for v in fused_ops.rms_norm(y.to(dev), w.to(dev), 1e-5, res.to(dev), lora=d))
+    want, want_h = kref.rms_norm(y, w, 1e-5, res, lora=ref.lora_delta(x.float(), a.float(), b.float(), scal, bounds,
+                                                                      lora_groups(slots, num_slots), rk, slots))
+    plain, plain_h = (v.cpu() for v in fused_ops.rms_norm(y.to(dev), w.to(dev), 1e-5, res.to(dev)))
+    base = slots < 0
+    assert torch.equal(got[base], plain[base]) and torch.equal(got_h[base], plain_h[base]), "rows without adapter"
+    for g_, w_ in ((got, want), (got_h, want_h)):
+        err = (g_.float() - w_.float()).abs().max() / w_.float().abs().max()
+        assert err <= (1e-5 if dtype == torch.float32 else 4e-3), err
+    assert (got_h[~base].float() - plain_h[~base].float()).abs().max() > 0.5  # the adapters did add something
+
+
+def test_rms_norm_refuses_a_delta_of_other_shards(fused_ops):
+    from infer.kernels.lora_reference import LoRADelta
+    x = torch.randn(2, 16).to(_dev())
+    d = LoRADelta(torch.zeros(1, 2, 8).to(_dev()), torch.zeros(64).to(_dev()), torch.zeros(2, dtype=torch.long),
+                  torch.ones(2, 1), torch.ones(2, 1, dtype=torch.int32), [0, 4, 16], None)
+    with pytest.raises(ValueError, match=r"one-shard layer of width 16, not of bounds \[0, 4, 16\]"):
+        fused_ops.rms_norm(x, torch.ones(16).to(_dev()), 1e-5, x, lora=d)
+    d.bounds = [0, 16]
+    with pytest.raises(ValueError, match="the LoRA delta has 2 rows, x has 3"):
+        fused_ops.rms_norm(torch.randn(3, 16).to(_dev()), torch.ones(16).to(_dev()), 1e-5, lora=d)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [16, 64, 2048])
 def test_real_shapes_gpu(t):

@@ -334,3 +334,62 @@ def test_gate_up_expand_left_to_silu_and_mul_gives_the_apply_result(setup, monke
         assert gate_up.forward_deferred(x, none)[1] is None
     finally:
         gate_up.lora_consumer = None
+
+
+@pytest.mark.parametrize("capturing", [False, True])
+def test_o_and_down_expands_left_to_the_rms_norm_after_them(setup, monkeypatch, capturing):
+    """forward_deferred on o_proj and down_proj, whose consumer is the rms_norm after them (an `into_norm`
+    lora_consumer), the Triton kernels interpreted: the layer's y without the adapters plus their delta, which
+    rms_norm adds before the residual, gives the norm's output and the next residual of the layer's forward (shrink
+    and expand), with the shrink on the side stream while a graph is captured. lora_expand_in_norm off
+    (LoRALayer.fused_norm) leaves these expands in their layers and not the gate_up's."""
+    import contextlib
+
+    from infer import kernels
+    from infer.lora import layer as layer_mod
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (test_overlap.py, test_cuda_graphs.py)")
+    mgr = LoRAManager(setup.stack, max_loras=4, max_lora_rank=64)
+    for name, path in setup.paths.items():
+        mgr.register(name, path)
+    slot = {name: mgr.acquire(name) for name in "abcd"}
+    tokens = ["c", "b", None, "c", "a", "b", "d"]
+    ctx = SimpleNamespace(lora=mgr.make_batch([slot[n] if n else -1 for n in tokens]))
+    o, gate_up, down = setup.stack.linears[1], setup.stack.linears[2], setup.stack.linears[3]
+
+    def norm_consumer(delta):
+        pass
+    norm_consumer.into_norm = True
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+    g = torch.Generator().manual_seed(5)
+    o.lora_consumer = down.lora_consumer = norm_consumer
+    gate_up.lora_consumer = lambda delta: None
+    try:
+        monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+        x = torch.randn(len(tokens), o.in_features, generator=g)
+        assert o.lora.defers(o, x) and gate_up.lora.defers(gate_up, torch.randn(len(tokens), gate_up.in_features))
+        for ml in (o, down, gate_up):
+            ml.lora.fused_norm = False
+        assert not o.lora.defers(o, x) and o.forward_deferred(x, ctx)[1] is None
+        assert gate_up.lora.defers(gate_up, torch.randn(len(tokens), gate_up.in_features))
+        for ml in (o, down, gate_up):
+            ml.lora.fused_norm = True
+        monkeypatch.setattr(layer_mod, "_streams", lambda device: (Stream(), Stream()))
+        monkeypatch.setattr(layer_mod, "_on", lambda stream: contextlib.nullcontext())
+        monkeypatch.setattr(layer_mod, "_capturing", lambda t: capturing)
+        for ml in (o, down):
+            x = torch.randn(len(tokens), ml.in_features, generator=g)
+            res = torch.randn(len(tokens), ml.out_features, generator=g)
+            w = 1 + 0.1 * torch.randn(ml.out_features, generator=g)
+            want, want_h = kernels.rms_norm(ml(x, ctx), w, 1e-5, res)
+            y, delta = ml.forward_deferred(x, ctx)
+            assert delta is not None and torch.equal(y, ml.method.apply(ml, x))
+            got, got_h = kernels.rms_norm(y, w, 1e-5, res, delta)
+            assert (got_h - want_h).abs().max() <= 1e-5 * want_h.abs().max(), ml.names
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), ml.names
+            assert (got_h - kernels.rms_norm(y, w, 1e-5, res)[1]).abs().max() > 1e-3  # the adapters do change it
+    finally:
+        o.lora_consumer = down.lora_consumer = gate_up.lora_consumer = None

@@ -132,7 +132,7 @@ RANGES = {"max_num_seqs": (1, 65536), "max_num_batched_tokens": (1, None), "bloc
 OPTIONAL = {"max_model_len", "num_kv_blocks", "max_cpu_loras", "overlap", "lora_epilogue",  # None: chosen for you
             "lora_streams", "pdl"}
 BOOLS = ("enable_prefix_caching", "enforce_eager", "enable_lora", "overlap", "lora_epilogue", "lora_streams",
-         "lora_expand_beside", "lora_expand_fused", "pdl")
+         "lora_expand_beside", "lora_expand_fused", "lora_expand_in_norm", "pdl")
 
 
 @dataclass
@@ -168,6 +168,10 @@ class EngineConfig:
     # two launches fewer per layer); False: each expand launched after its matmul (gpu_e2e --compare-lora-fused runs
     # the mixed adapters so)
     lora_expand_fused: bool = True
+    # API only: with lora_expand_fused, the o_proj and down_proj expands too, each added by the rms_norm after its
+    # layer (two launches fewer per layer); False: those two launched after their matmuls (gpu_e2e
+    # --compare-lora-fused runs the mixed adapters so)
+    lora_expand_in_norm: bool = True
     # API only: CUDA, launch the step's Triton kernels with programmatic dependent launch, so that each kernel's
     # programs start (and the int4 matmuls prefetch their first weights into L2) while the kernel before finishes
     # (kernels.pdl; True: on for compute capability 9.0+ when a probe graph replays correctly; None: off, as it

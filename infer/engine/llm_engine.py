@@ -40,6 +40,7 @@ class LLMEngine:
                 layer.streams = config.lora_streams
                 layer.expand_beside = config.lora_expand_beside
                 layer.fused = config.lora_expand_fused
+                layer.fused_norm = config.lora_expand_in_norm
         self.block_manager = BlockManager(parts.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.lora_manager)
         self.runner = ModelRunner(config, parts.model, dtype=self.dtype, device=self.device,

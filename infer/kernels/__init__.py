@@ -35,10 +35,10 @@ def _triton(module: str):
     return importlib.import_module(f".{module}", __name__)
 
 
-def rms_norm(x, weight, eps, residual=None):
+def rms_norm(x, weight, eps, residual=None, lora=None):
     if use_triton(x):
-        return _triton("fused").rms_norm(x, weight, eps, residual)
-    return reference.rms_norm(x, weight, eps, residual)
+        return _triton("fused").rms_norm(x, weight, eps, residual, lora)
+    return reference.rms_norm(x, weight, eps, residual, lora)
 
 
 def apply_bitmask(logits, rows, bitmask):

@@ -12,10 +12,16 @@ import torch.nn.functional as F
 
 
 # ----------------------------------------------------------------------------------------------- small ops
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, lora=None):
     """Semantics: if residual is given, h = x + residual, else h = x; y = weight * (h / sqrt(mean(h^2) + eps)),
     the normalisation computed in float32 and cast back to x's dtype before the weight multiply (as HF does).
-    Returns y, or (y, h) when residual is given (h becomes the next residual)."""
+    Returns y, or (y, h) when residual is given (h becomes the next residual). With `lora` (the LoRADelta by token
+    of the one-shard layer whose output x is: o_proj, down_proj), x is first a copy with the delta added
+    (`add_delta`): the layer's output as its `apply` would have left it."""
+    if lora is not None:
+        from .lora_reference import add_delta
+        x = x.clone()
+        add_delta(lora, x.view(-1, x.shape[-1]))
     if residual is not None:
         x = x + residual
         residual = x

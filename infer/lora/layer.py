@@ -80,9 +80,11 @@ class LoRALayer:
         # (EngineConfig.lora_expand_beside)
         self.expand_beside = False
         # where the base layer's consumer can add the delta (MergedLinear.lora_consumer: the MLP's gate_up and its
-        # silu_and_mul, a decode step's qkv and its decode_attention), leave the expand to it on the GPU in steps of
-        # up to DEFER_MAX_TOKENS tokens (`deferred`; EngineConfig.lora_expand_fused)
+        # silu_and_mul, a decode step's qkv and its decode_attention, o_proj and down_proj and the rms_norm after
+        # them), leave the expand to it on the GPU in steps of up to DEFER_MAX_TOKENS tokens (`deferred`;
+        # EngineConfig.lora_expand_fused); with fused_norm False, not to an rms_norm (EngineConfig.lora_expand_in_norm)
         self.fused = True
+        self.fused_norm = True
         self._probe_hp = torch.empty(1, 1, n * max_rank, device=device)  # a LoRADelta's shape, for `beside`
         if torch.device(device).type == "cuda":
             side_stream(device)
@@ -207,9 +209,9 @@ class LoRALayer:
 
     def deferred(self, base, x: torch.Tensor, batch: LoRABatch):
         """(base's y = x W^T (+ b) without the adapters, their delta as a LoRADelta by token) for y's consumer to add
-        (silu_and_mul, decode_attention): the layer's shrink, and no expand launch. While a CUDA graph is captured
-        (streams on), the shrink runs on the side stream beside the base matmul, joined before y is returned.
-        (base's y, None) when no active adapter targets the layer."""
+        (silu_and_mul, decode_attention, rms_norm): the layer's shrink, and no expand launch. While a CUDA graph is
+        captured (streams on), the shrink runs on the side stream beside the base matmul, joined before y is
+        returned. (base's y, None) when no active adapter targets the layer."""
         from ..kernels import lora_ops
         if not batch.static and not self._plan(batch)[0]:
             return base.method.apply(base, x), None
@@ -245,9 +247,12 @@ class LoRALayer:
 
     def _defers_some(self, base) -> bool:
         """Whether some steps leave base's expand to its consumer: where the model has one (lora_consumer), unless
-        switched off (EngineConfig.lora_expand_fused) or every expand goes to the int4 epilogue (lora_epilogue)."""
+        switched off (EngineConfig.lora_expand_fused; lora_expand_in_norm for an rms_norm consumer) or every expand
+        goes to the int4 epilogue (lora_epilogue)."""
         every_epilogue = self.epilogue is True and self.takes_delta(base)
-        return self.fused and base.lora_consumer is not None and not every_epilogue
+        consumer = base.lora_consumer
+        return self.fused and consumer is not None and not every_epilogue \
+            and (self.fused_norm or not getattr(consumer, "into_norm", False))
 
     def compile_calls(self, base, max_tokens: int) -> list:
         """Callables that each compile (Triton's `warmup`: nothing is launched) shrink and expand variants this

@@ -13,9 +13,9 @@ it (`lora.takes_delta(layer)`: `lora.epilogue` not False), the hook's `delta(x, 
 `method.apply(layer, x, lora=delta)` instead, and the method's kernel adds the expand, in its epilogue or by a
 launch of its own. While a CUDA graph is captured, the hook may instead run the whole layer (`lora.beside(layer,
 x)`, then `lora.apply_beside(layer, x, ctx)`: the shrink on a second stream beside the base matmul). A layer whose
-next op can add the delta itself (`lora_consumer`: the MLP's gate_up, whose silu_and_mul does, and the qkv of a decode
-step, whose decode_attention does) is called through `forward_deferred`, and the hook may leave the expand to that
-op (`lora.deferred`).
+next op can add the delta itself (`lora_consumer`: the MLP's gate_up, whose silu_and_mul does, the qkv of a decode
+step, whose decode_attention does, and o_proj and down_proj, whose following rms_norm does) is called through
+`forward_deferred`, and the hook may leave the expand to that op (`lora.deferred`).
 """
 
 from __future__ import annotations
@@ -128,10 +128,10 @@ class MergedLinear(nn.Module):
 
     def forward_deferred(self, x: torch.Tensor, ctx=None):
         """(y, delta): y = forward(x, ctx) less the adapters' delta where the LoRA hook leaves that to y's consumer
-        (`lora.defers`: on the GPU, the MLP's gate_up, whose silu_and_mul adds it, and a decode step's qkv, whose
-        decode_attention does), and that delta (a kernels.lora_reference.LoRADelta of the batch); otherwise
-        (forward(x, ctx), None). Only a caller whose next op adds a LoRADelta may call this (`lora_consumer` says
-        the model's code does)."""
+        (`lora.defers`: on the GPU, the MLP's gate_up, whose silu_and_mul adds it, a decode step's qkv, whose
+        decode_attention does, o_proj and down_proj, whose following rms_norm does), and that delta (a
+        kernels.lora_reference.LoRADelta of the batch); otherwise (forward(x, ctx), None). Only a caller whose
+        next op adds a LoRADelta may call this (`lora_consumer` says the model's code does)."""
         batch = getattr(ctx, "lora", None) if self.lora is not None else None
         if batch is None or not self.lora.defers(self, x):
             return self.forward(x, ctx), None

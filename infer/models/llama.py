@@ -26,8 +26,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x, residual=None):
-        return kernels.rms_norm(x, self.weight, self.eps, residual)
+    def forward(self, x, residual=None, lora=None):
+        """lora: the LoRADelta that the layer whose output x is left to this norm (MergedLinear.forward_deferred)."""
+        return kernels.rms_norm(x, self.weight, self.eps, residual, lora)
 
 
 class Attention(nn.Module):
@@ -55,15 +56,17 @@ class Attention(nn.Module):
         self.rot_dim = self.head_dim  # the rope table's width (set by the model)
         if not self.qk_norm:  # a decode step's qkv LoRA expand may be left to decode_attention (forward)
             self.qkv_proj.lora_consumer = _DecodeConsumer(self)
+        self.o_proj.lora_consumer = _NormConsumer(dtype)  # o's, to the post-attention rms_norm (forward)
 
     def forward(self, positions, x, ctx: ForwardContext, cos_sin):
+        """(the attention's output, the o projection's LoRA delta that the post-attention norm adds, or None)."""
         if ctx.max_query_len == 1:  # decodes only: rotary, KV write and attention in one launch on the GPU (with
             q, k, v, delta = self._qkv(x, ctx, deferred=True)  # the adapters' qkv delta, where the layer left it)
             o = kernels.decode_attention(positions, q, k, v, cos_sin, self.head_dim, self.k_cache, self.v_cache,
                                          ctx.slot_mapping, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
                                          self.scale, delta)
-            return self.o_proj(o.reshape(x.shape[0], self.q_size), ctx)
-        return self.o_proj(self.attend(self.query(positions, x, ctx, cos_sin), ctx), ctx)
+            return self.o_proj.forward_deferred(o.reshape(x.shape[0], self.q_size), ctx)
+        return self.o_proj.forward_deferred(self.attend(self.query(positions, x, ctx, cos_sin), ctx), ctx)
 
     def _qkv(self, x, ctx: ForwardContext, deferred: bool = False):
         """q [t, q_size], k and v [t, kv_size] (views of the qkv projection's output), q and k normed per head
@@ -123,12 +126,14 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [inter, inter], names, bias, method_for(names), dtype)
         self.down_proj = MergedLinear(inter, [cfg.hidden_size], [f"{prefix}.down_proj"], bias,
                                       method_for([f"{prefix}.down_proj"]), dtype)
-        # the expand may be left to silu_and_mul (forward)
+        # the expands may be left to silu_and_mul (gate_up's) and to the rms_norm after the MLP (down's: forward)
         self.gate_up_proj.lora_consumer = functools.partial(_compile_silu_and_mul, dtype)
+        self.down_proj.lora_consumer = _NormConsumer(dtype)
 
     def forward(self, x, ctx):
+        """(the MLP's output, the down projection's LoRA delta that the next rms_norm adds, or None)."""
         gate_up, delta = self.gate_up_proj.forward_deferred(x, ctx)  # delta: the adapters', for silu_and_mul to add
-        return self.down_proj(kernels.silu_and_mul(gate_up, delta), ctx)
+        return self.down_proj.forward_deferred(kernels.silu_and_mul(gate_up, delta), ctx)
 
 
 class DecoderLayer(nn.Module):
@@ -148,6 +153,22 @@ def _compile_silu_and_mul(dtype: torch.dtype, delta) -> None:
     from ..kernels import fused
     t, width = delta.hp.shape[1], delta.bounds[-1]
     fused.silu_and_mul(torch.empty(t, width, dtype=dtype, device=delta.hp.device), delta, compile_only=True)
+
+
+class _NormConsumer:
+    """MergedLinear.lora_consumer of o_proj and down_proj: the rms_norm after the layer, with the residual (the
+    post-attention norm; the next layer's input norm, or the final norm), adds the delta. Compiles that variant."""
+
+    into_norm = True  # (LoRALayer.fused_norm can keep these expands apart: EngineConfig.lora_expand_in_norm)
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def __call__(self, delta) -> None:
+        from ..kernels import fused
+        t, width, dev = delta.hp.shape[1], delta.bounds[-1], delta.hp.device
+        x = torch.empty(t, width, dtype=self.dtype, device=dev)
+        fused.rms_norm(x, torch.empty(width, dtype=self.dtype, device=dev), 1e-6, x, delta, compile_only=True)
 
 
 class _DecodeConsumer:
@@ -194,16 +215,16 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        residual = None
+        residual = delta = None  # delta: the LoRA delta the last o/down projection left to the norm after it
         for layer in self.layers:  # each name rebound as soon as its next value exists, so the old one is freed
             if residual is None:
                 x, residual = layer.input_layernorm(x), x
             else:
-                x, residual = layer.input_layernorm(x, residual)
-            x = layer.self_attn(positions, x, ctx, self.cos_sin)
-            x, residual = layer.post_attention_layernorm(x, residual)
-            x = layer.mlp(x, ctx)
-        x, _ = self.norm(x, residual)
+                x, residual = layer.input_layernorm(x, residual, delta)
+            x, delta = layer.self_attn(positions, x, ctx, self.cos_sin)
+            x, residual = layer.post_attention_layernorm(x, residual, delta)
+            x, delta = layer.mlp(x, ctx)
+        x, _ = self.norm(x, residual, delta)
         return x
 
     def piece(self, i: int, input_ids, positions, o, residual, ctx: ForwardContext):
@@ -217,13 +238,13 @@ class LlamaForCausalLM(nn.Module):
             x, residual = self.layers[0].input_layernorm(x), x
         else:
             done = self.layers[i - 1]
-            x = done.self_attn.o_proj(o, ctx)
-            x, residual = done.post_attention_layernorm(x, residual)
-            x = done.mlp(x, ctx)
+            x, delta = done.self_attn.o_proj.forward_deferred(o, ctx)
+            x, residual = done.post_attention_layernorm(x, residual, delta)
+            x, delta = done.mlp(x, ctx)
             if i == len(self.layers):
-                x, _ = self.norm(x, residual)
+                x, _ = self.norm(x, residual, delta)
                 return x, None
-            x, residual = self.layers[i].input_layernorm(x, residual)
+            x, residual = self.layers[i].input_layernorm(x, residual, delta)
         return self.layers[i].self_attn.query(positions, x, ctx, self.cos_sin), residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
