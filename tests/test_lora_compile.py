@@ -121,7 +121,7 @@ def test_engine_start_compiles_every_lora_kernel_a_step_launches():
     # o_proj's and down_proj's consumer (the rms_norm after them): its variants for the same steps (its shrink and
     # the longer steps' expand are the one-shard delta layer's variants, compiled before: the late steps' check
     # above says nothing was missing)
-    assert out["norm"]["start"].count("_rms_norm_kernel") >= 3, out["norm"]
+    assert out["norm"]["start"].count("_rms_norm_lora_kernel") >= 3, out["norm"]
 
 
 ONE_SLOT = COMPILE_ONLY_PREAMBLE + textwrap.dedent('''
@@ -160,7 +160,7 @@ def test_lora_consumers_compile_with_one_adapter_slot():
     the decode one with its register cap."""
     out = run_compile_only(ONE_SLOT, 600)
     assert out["compiled"].count("_decode_kernel") == 2 and out["compiled"].count("_silu_and_mul_kernel") == 2, out
-    assert out["compiled"].count("_rms_norm_kernel") == 2, out
+    assert out["compiled"].count("_rms_norm_lora_kernel") == 2, out
     # the LoRA variant capped at 128 registers a thread: four programs per SM, as the variant without adapters (on
     # Triton 3.6 ptxas would take about 145; tests/test_kernel_sass.py checks the registers it takes)
     from infer.kernels import attention

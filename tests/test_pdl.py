@@ -118,17 +118,14 @@ def compile_(fn, sig, const, warps=4, stages=1):
 
 out = {}
 rms = {"x_ptr": "*fp16", "res_ptr": "*fp16", "w_ptr": "*fp16", "y_ptr": "*fp16", "h_ptr": "*fp16", "n": "i32",
-       "eps": "fp32", "s_x": "i32", "s_r": "i32", "s_y": "i32", "s_h": "i32", "hp_ptr": "*fp32", "lb_ptr": "*fp16",
-       "slot_ptr": "*i64", "rank_ptr": "*i32", "scal_ptr": "*fp32", "S": "i32", "R": "i32", "sh_p": "i32",
-       "sh_t": "i32", "sr_s": "i32", "sc_s": "i32"}
+       "eps": "fp32", "s_x": "i32", "s_r": "i32", "s_y": "i32", "s_h": "i32"}
 mma = dict(BITS=4, ZEROS_V1=True, F32=False, WP=16, EVEN_K=True, BLOCK_N=128, BLOCK_K=128, SPLIT=True,
            DOT_F32=False, BLOCK_M=16, GROUP_M=1, FIELD_DOTS=True, SCALE_W=False, TRANS=True, PAIRS=False, ASM=True,
            BYTES=True, BYTE_DOTS=True, **kernel_sass.NO_LORA)
 gemv = dict(BITS=4, ZEROS_V1=True, F32=False, WP=16, EVEN_K=True, BLOCK_N=64, BLOCK_K=128, SPLIT=True,
             FIELD_LOOP=False, INPLACE=True, ASM=True, **kernel_sass.NO_LORA)
 for on in (False, True):
-    out[f"rms {on}"] = compile_(fused._rms_norm_kernel, rms, dict(HAS_RES=True, BLOCK=1024, LORA=False, SPLIT=1,
-                                                                  CHUNK_R=16, S_P2=2, PDL=on))
+    out[f"rms {on}"] = compile_(fused._rms_norm_kernel, rms, dict(HAS_RES=True, BLOCK=1024, PDL=on))
     out[f"mmat {on}"] = compile_(gptq_kernels.mma_kernel, kernel_sass.ARGS, dict(mma, PDL=on), 4, 3)
     out[f"gemv {on}"] = compile_(gptq_gemv.gemv_kernel, kernel_sass.ARGS, dict(gemv, PDL=on), 4, 1)
 out["mmat nothing"] = compile_(gptq_kernels.mma_kernel, kernel_sass.ARGS, dict(mma, PDL=True, PREFETCH=0), 4, 3)

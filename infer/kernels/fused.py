@@ -28,42 +28,9 @@ def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
 LORA_ROW_TILE = 65536  # rms_norm with a LoRA delta: B^T elements per tile [rank rows, the row's columns]
 
 
-@triton.jit(do_not_specialize=["sh_p"])  # (T * R: its divisibility by 16 follows T's parity at small ranks)
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_x, s_r, s_y, s_h,
-                     hp_ptr, lb_ptr, slot_ptr, rank_ptr, scal_ptr, S, R, sh_p, sh_t, sr_s, sc_s,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, LORA: tl.constexpr = False,
-                     SPLIT: tl.constexpr = 1, CHUNK_R: tl.constexpr = 16, S_P2: tl.constexpr = 2,
-                     PDL: tl.constexpr = False):
-    """With LORA: the one-shard layer's adapter delta (a LoRADelta by token of the layer whose output x is: hp
-    [SPLIT, T, R], B^T [S, R, n]) is added to the row first, rounded to x's dtype as the layer's expand leaves it,
-    so that the expand needs no launch of its own. B^T's rows of the row's slot are read CHUNK_R at a time, as
-    many as its adapter's rank (a [CHUNK_R, BLOCK] tile: the whole row's columns, as the norm needs them all;
-    unrolled over the slots' padded rank, the tiles of every chunk would be requested at once and spill)."""
-    pdl.start(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0)
-    if LORA:
-        # the row's slot, and every slot's rank and scaling (picked by the slot after), requested beside x: B's
-        # tiles then wait for one round trip only
-        slot = tl.load(slot_ptr + row).to(tl.int32)
-        s = tl.arange(0, S_P2)
-        ranks = tl.load(rank_ptr + s * sr_s, mask=s < S, other=0)
-        scals = tl.load(scal_ptr + s * sc_s, mask=s < S, other=0.0)
-        if slot >= 0:
-            pick = s == slot
-            rank = tl.sum(tl.where(pick, ranks, 0), 0)
-            b = lb_ptr + slot.to(tl.int64) * R * n
-            p = tl.arange(0, SPLIT)[:, None]
-            d = tl.zeros([BLOCK], dtype=tl.float32)
-            for c in range(0, rank, CHUNK_R):
-                r = c + tl.arange(0, CHUNK_R)
-                h = tl.sum(tl.load(hp_ptr + p * sh_p + row * sh_t + r[None, :], mask=r[None, :] < rank, other=0.0),
-                           0)
-                bb = tl.load(b + r[:, None] * n + offs[None, :], mask=(r[:, None] < rank) & mask[None, :], other=0.0)
-                d += tl.sum(h[:, None] * bb.to(tl.float32), 0)
-            x = (x.to(tl.float32) + d * tl.sum(tl.where(pick, scals, 0.0), 0)).to(x.dtype)
+@triton.jit
+def _norm_row(x, row, offs, mask, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_r, s_y, s_h, HAS_RES: tl.constexpr):
+    """The row x (+ the residual, stored as the next residual) normalized and weighted into y."""
     if HAS_RES:
         x = x + tl.load(res_ptr + row * s_r + offs, mask=mask, other=0.0)  # in x's dtype, as the reference
         tl.store(h_ptr + row * s_h + offs, x, mask=mask)
@@ -73,6 +40,53 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_x, s_r, s_y,
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     y = w.to(y_ptr.dtype.element_ty) * y.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * s_y + offs, y, mask=mask)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_x, s_r, s_y, s_h,
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.start(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0)
+    _norm_row(x, row, offs, mask, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_r, s_y, s_h, HAS_RES)
+
+
+@triton.jit(do_not_specialize=["sh_p"])  # (T * R: its divisibility by 16 follows T's parity at small ranks)
+def _rms_norm_lora_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_x, s_r, s_y, s_h,
+                          hp_ptr, lb_ptr, slot_ptr, rank_ptr, scal_ptr, S, R, sh_p, sh_t, sr_s, sc_s,
+                          HAS_RES: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr, CHUNK_R: tl.constexpr,
+                          S_P2: tl.constexpr, PDL: tl.constexpr = False):
+    """_rms_norm_kernel after adding the one-shard layer's adapter delta (a LoRADelta by token of the layer whose
+    output x is: hp [SPLIT, T, R], B^T [S, R, n]) to the row, rounded to x's dtype as the layer's expand leaves it,
+    so that the expand needs no launch of its own. B^T's rows of the row's slot are read CHUNK_R at a time, as many
+    as its adapter's rank (a [CHUNK_R, BLOCK] tile: the whole row's columns, as the norm needs them all; unrolled
+    over the slots' padded rank, the tiles of every chunk would be requested at once and spill)."""
+    pdl.start(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0)
+    # the row's slot, and every slot's rank and scaling (picked by the slot after), requested beside x: B's tiles
+    # then wait for one round trip only
+    slot = tl.load(slot_ptr + row).to(tl.int32)
+    s = tl.arange(0, S_P2)
+    ranks = tl.load(rank_ptr + s * sr_s, mask=s < S, other=0)
+    scals = tl.load(scal_ptr + s * sc_s, mask=s < S, other=0.0)
+    if slot >= 0:
+        pick = s == slot
+        rank = tl.sum(tl.where(pick, ranks, 0), 0)
+        b = lb_ptr + slot.to(tl.int64) * R * n
+        p = tl.arange(0, SPLIT)[:, None]
+        d = tl.zeros([BLOCK], dtype=tl.float32)
+        for c in range(0, rank, CHUNK_R):
+            r = c + tl.arange(0, CHUNK_R)
+            h = tl.sum(tl.load(hp_ptr + p * sh_p + row * sh_t + r[None, :], mask=r[None, :] < rank, other=0.0), 0)
+            bb = tl.load(b + r[:, None] * n + offs[None, :], mask=(r[:, None] < rank) & mask[None, :], other=0.0)
+            d += tl.sum(h[:, None] * bb.to(tl.float32), 0)
+        x = (x.to(tl.float32) + d * tl.sum(tl.where(pick, scals, 0.0), 0)).to(x.dtype)
+    _norm_row(x, row, offs, mask, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_r, s_y, s_h, HAS_RES)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, lora=None,
@@ -98,8 +112,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             h2.stride(0)]
     consts = dict(HAS_RES=residual is not None, BLOCK=block, PDL=pdl.on(x.device), **pdl.launch(x.device))
     if lora is None:
-        _rms_norm_kernel[(rows,)](*args, x2, x2, x2, x2, x2, 0, 0, 0, 0, 0, 0,
-                                  num_warps=max(1, min(16, block // 512)), **consts)
+        _rms_norm_kernel[(rows,)](*args, num_warps=max(1, min(16, block // 512)), **consts)
         return out
     if list(lora.bounds) != [0, n]:
         raise ValueError(f"rms_norm adds the delta of a one-shard layer of width {n}, not of bounds "
@@ -108,9 +121,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if t != rows:
         raise ValueError(f"rms_norm: the LoRA delta has {t} rows, x has {rows}")
     num_slots = lora.scalings.shape[1]
-    run = _rms_norm_kernel.warmup if compile_only else _rms_norm_kernel[(rows,)]
+    run = _rms_norm_lora_kernel.warmup if compile_only else _rms_norm_lora_kernel[(rows,)]
     run(*args, lora.hp, lora.lora_b, lora.token_slots, lora.ranks, lora.scalings, num_slots, rank,
-        lora.hp.stride(0), lora.hp.stride(1), lora.ranks.stride(1), lora.scalings.stride(1), LORA=True, SPLIT=split,
+        lora.hp.stride(0), lora.hp.stride(1), lora.ranks.stride(1), lora.scalings.stride(1), SPLIT=split,
         CHUNK_R=max(1, min(next_power_of_2(rank), LORA_ROW_TILE // block)),
         S_P2=max(2, next_power_of_2(num_slots)), num_warps=16, **consts,
         **({"grid": (rows,)} if compile_only else {}))
