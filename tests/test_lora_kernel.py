@@ -202,11 +202,15 @@ def check_silu_delta(ops, fused_ops, dtype, host_slots, n, k, num_slots, max_ran
     assert (got[~base].float() - plain[~base].float()).abs().max() > 0.5  # the adapters did add something
 
 
-def test_silu_and_mul_refuses_a_delta_of_other_shards(fused_ops):
+def _two_shard_delta():
+    """A LoRADelta of two rows of a layer of two shards (4 | 12 columns), rank 4."""
     from infer.kernels.lora_reference import LoRADelta
-    x = torch.randn(2, 16).to(_dev())
-    d = LoRADelta(torch.zeros(1, 2, 8).to(_dev()), torch.zeros(64).to(_dev()), torch.zeros(2, dtype=torch.long),
-                  torch.ones(2, 1), torch.ones(2, 1, dtype=torch.int32), [0, 4, 16], None)
+    return LoRADelta(torch.zeros(1, 2, 8).to(_dev()), torch.zeros(64).to(_dev()), torch.zeros(2, dtype=torch.long),
+                     torch.ones(2, 1), torch.ones(2, 1, dtype=torch.int32), [0, 4, 16], None)
+
+
+def test_silu_and_mul_refuses_a_delta_of_other_shards(fused_ops):
+    x, d = torch.randn(2, 16).to(_dev()), _two_shard_delta()
     with pytest.raises(ValueError, match=r"gate\|up layer of widths 8\|8"):
         fused_ops.silu_and_mul(x, lora=d)
 
@@ -261,10 +265,7 @@ def check_norm_delta(ops, fused_ops, dtype, host_slots, n, k, num_slots, max_ran
 
 
 def test_rms_norm_refuses_a_delta_of_other_shards(fused_ops):
-    from infer.kernels.lora_reference import LoRADelta
-    x = torch.randn(2, 16).to(_dev())
-    d = LoRADelta(torch.zeros(1, 2, 8).to(_dev()), torch.zeros(64).to(_dev()), torch.zeros(2, dtype=torch.long),
-                  torch.ones(2, 1), torch.ones(2, 1, dtype=torch.int32), [0, 4, 16], None)
+    x, d = torch.randn(2, 16).to(_dev()), _two_shard_delta()
     with pytest.raises(ValueError, match=r"one-shard layer of width 16, not of bounds \[0, 4, 16\]"):
         fused_ops.rms_norm(x, torch.ones(16).to(_dev()), 1e-5, x, lora=d)
     d.bounds = [0, 16]

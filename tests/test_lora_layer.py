@@ -251,19 +251,11 @@ def test_apply_beside_gives_the_one_stream_result_bit_for_bit(setup, monkeypatch
     preallocated hp, the expand after the join, or (lora_expand_beside) the expand into a float32 delta added after
     the join, each give exactly what the one-stream path gives (the float32 sum rounded once), on every merged
     projection, for mixed adapters of ranks 4-64 with a base-model token among them."""
-    import contextlib
-
     from infer import kernels
-    from infer.lora import layer as layer_mod
     if torch.cuda.is_available():
         pytest.skip("a GPU runs the real streams (test_overlap.py)")
     monkeypatch.setattr(kernels, "use_triton", lambda t: True)
-
-    class Stream:
-        def wait_stream(self, other):
-            pass
-    monkeypatch.setattr(layer_mod, "_streams", lambda device: (Stream(), Stream()))
-    monkeypatch.setattr(layer_mod, "_on", lambda stream: contextlib.nullcontext())
+    _stand_in_streams(monkeypatch)
     stack = MergedStack(tiny_llama(seed=0))
     for ml in stack.linears:
         ml.weight.data, ml.dtype, ml.packed_weight = ml.weight.data.to(dtype), dtype, None
@@ -286,6 +278,34 @@ def test_apply_beside_gives_the_one_stream_result_bit_for_bit(setup, monkeypatch
             assert torch.equal(got, want), (ml.names, expand_beside)
 
 
+def _deferral_batch(setup, tokens):
+    """(a manager holding adapters a-d on the CPU, a step context whose token t uses adapter tokens[t]) for the
+    deferral tests, which interpret the Triton kernels (skipped on a GPU)."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (test_overlap.py, test_cuda_graphs.py)")
+    mgr = LoRAManager(setup.stack, max_loras=4, max_lora_rank=64)
+    for name, path in setup.paths.items():
+        mgr.register(name, path)
+    slot = {name: mgr.acquire(name) for name in "abcd"}
+    return mgr, SimpleNamespace(lora=mgr.make_batch([slot[n] if n else -1 for n in tokens]))
+
+
+def _stand_in_streams(monkeypatch, capturing: bool | None = None) -> None:
+    """CUDA's two streams stood in for on the CPU, and graph capture (`capturing`: as if a graph were recorded or
+    not; None: left as it is)."""
+    import contextlib
+
+    from infer.lora import layer as layer_mod
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+    monkeypatch.setattr(layer_mod, "_streams", lambda device: (Stream(), Stream()))
+    monkeypatch.setattr(layer_mod, "_on", lambda stream: contextlib.nullcontext())
+    if capturing is not None:
+        monkeypatch.setattr(layer_mod, "_capturing", lambda t: capturing)
+
+
 @pytest.mark.parametrize("capturing", [False, True])
 def test_gate_up_expand_left_to_silu_and_mul_gives_the_apply_result(setup, monkeypatch, capturing):
     """MergedLinear.forward_deferred on the MLP's gate_up (lora_consumer), the Triton kernels interpreted: the
@@ -293,18 +313,10 @@ def test_gate_up_expand_left_to_silu_and_mul_gives_the_apply_result(setup, monke
     layer's forward (shrink and expand); while a graph is captured, with the shrink on the side stream (the streams
     stood in for). Other layers, a CPU step, a step of more than DEFER_MAX_TOKENS tokens and lora_expand_fused off
     leave the expand in the layer."""
-    import contextlib
-
     from infer import kernels
     from infer.lora import layer as layer_mod
-    if torch.cuda.is_available():
-        pytest.skip("a GPU runs the real kernels (test_overlap.py, test_cuda_graphs.py)")
-    mgr = LoRAManager(setup.stack, max_loras=4, max_lora_rank=64)
-    for name, path in setup.paths.items():
-        mgr.register(name, path)
-    slot = {name: mgr.acquire(name) for name in "abcd"}
     tokens = ["d", "b", None, "d", "c", "b", "a"]
-    ctx = SimpleNamespace(lora=mgr.make_batch([slot[n] if n else -1 for n in tokens]))
+    mgr, ctx = _deferral_batch(setup, tokens)
     gate_up, qkv = setup.stack.linears[2], setup.stack.linears[0]
     x = torch.randn(len(tokens), gate_up.in_features, generator=torch.Generator().manual_seed(4))
     gate_up.lora_consumer = lambda delta: None
@@ -317,13 +329,7 @@ def test_gate_up_expand_left_to_silu_and_mul_gives_the_apply_result(setup, monke
         assert not gate_up.lora.defers(gate_up, x)
         assert gate_up.forward_deferred(x, ctx)[1] is None
         gate_up.lora.fused = True
-
-        class Stream:
-            def wait_stream(self, other):
-                pass
-        monkeypatch.setattr(layer_mod, "_streams", lambda device: (Stream(), Stream()))
-        monkeypatch.setattr(layer_mod, "_on", lambda stream: contextlib.nullcontext())
-        monkeypatch.setattr(layer_mod, "_capturing", lambda t: capturing)
+        _stand_in_streams(monkeypatch, capturing)
         want = kernels.silu_and_mul(gate_up(x, ctx))
         y, delta = gate_up.forward_deferred(x, ctx)
         assert delta is not None and torch.equal(y, gate_up.method.apply(gate_up, x))
@@ -343,27 +349,14 @@ def test_o_and_down_expands_left_to_the_rms_norm_after_them(setup, monkeypatch, 
     rms_norm adds before the residual, gives the norm's output and the next residual of the layer's forward (shrink
     and expand), with the shrink on the side stream while a graph is captured. lora_expand_in_norm off
     (LoRALayer.fused_norm) leaves these expands in their layers and not the gate_up's."""
-    import contextlib
-
     from infer import kernels
-    from infer.lora import layer as layer_mod
-    if torch.cuda.is_available():
-        pytest.skip("a GPU runs the real kernels (test_overlap.py, test_cuda_graphs.py)")
-    mgr = LoRAManager(setup.stack, max_loras=4, max_lora_rank=64)
-    for name, path in setup.paths.items():
-        mgr.register(name, path)
-    slot = {name: mgr.acquire(name) for name in "abcd"}
     tokens = ["c", "b", None, "c", "a", "b", "d"]
-    ctx = SimpleNamespace(lora=mgr.make_batch([slot[n] if n else -1 for n in tokens]))
+    mgr, ctx = _deferral_batch(setup, tokens)
     o, gate_up, down = setup.stack.linears[1], setup.stack.linears[2], setup.stack.linears[3]
 
     def norm_consumer(delta):
         pass
     norm_consumer.into_norm = True
-
-    class Stream:
-        def wait_stream(self, other):
-            pass
     g = torch.Generator().manual_seed(5)
     o.lora_consumer = down.lora_consumer = norm_consumer
     gate_up.lora_consumer = lambda delta: None
@@ -377,9 +370,7 @@ def test_o_and_down_expands_left_to_the_rms_norm_after_them(setup, monkeypatch, 
         assert gate_up.lora.defers(gate_up, torch.randn(len(tokens), gate_up.in_features))
         for ml in (o, down, gate_up):
             ml.lora.fused_norm = True
-        monkeypatch.setattr(layer_mod, "_streams", lambda device: (Stream(), Stream()))
-        monkeypatch.setattr(layer_mod, "_on", lambda stream: contextlib.nullcontext())
-        monkeypatch.setattr(layer_mod, "_capturing", lambda t: capturing)
+        _stand_in_streams(monkeypatch, capturing)
         for ml in (o, down):
             x = torch.randn(len(tokens), ml.in_features, generator=g)
             res = torch.randn(len(tokens), ml.out_features, generator=g)
