@@ -318,6 +318,22 @@ def test_rms_norm(ops, gen, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
+def test_embed_rms_norm_gathers_the_rows_and_norms_them(ops, gen, dtype, ids_dtype):
+    """The embedding gather and the first layer's input norm in one kernel: the rows bit for bit the table's (the
+    first residual), the norm as rms_norm's of those rows, for repeated ids and a width that is not a power of 2."""
+    table, w = rand(gen, 30, 40, dtype=dtype), rand(gen, 40, dtype=dtype)
+    ids = torch.tensor([3, 0, 29, 3, 17, 8, 3], dtype=ids_dtype)
+    y, h = ops[0].embed_rms_norm(ids.to(DEV), table, w, 1e-6)
+    y_ref, h_ref = ref.embed_rms_norm(ids, table.cpu(), w.cpu(), 1e-6)
+    assert torch.equal(h.cpu(), h_ref) and torch.equal(h_ref, table.cpu()[ids])
+    assert_close(y, y_ref, dtype, gen, "y")
+    assert torch.equal(y.cpu(), ops[0].rms_norm(h, w, 1e-6).cpu()), "the norm of the gathered rows, as rms_norm's"
+    empty = ops[0].embed_rms_norm(ids[:0].to(DEV), table, w, 1e-6)
+    assert [tuple(t.shape) for t in empty] == [(0, 40), (0, 40)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("head_dim,rot_dim", [(16, 16), (24, 12)])
 def test_rotary_on_qkv_slices(ops, gen, dtype, head_dim, rot_dim):
     t, hq, hk = 9, 6, 2

@@ -41,6 +41,12 @@ def rms_norm(x, weight, eps, residual=None, lora=None):
     return reference.rms_norm(x, weight, eps, residual, lora)
 
 
+def embed_rms_norm(ids, table, weight, eps):
+    if use_triton(table):
+        return _triton("fused").embed_rms_norm(ids, table, weight, eps)
+    return reference.embed_rms_norm(ids, table, weight, eps)
+
+
 def apply_bitmask(logits, rows, bitmask):
     if use_triton(logits):
         return _triton("bitmask").apply_bitmask(logits, rows, bitmask)

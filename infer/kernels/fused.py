@@ -1,7 +1,7 @@
 """Triton versions of the small per-token ops: rms_norm (+ residual add, + the LoRA delta of the o or down
-projection before it), rotary embedding (alone, or with k and v written straight into the KV cache:
-rotary_store_kv), silu_and_mul (+ the gate_up layer's LoRA delta), store_kv. Each kernel's PDL constexpr: launched
-with programmatic dependent launch (`pdl`).
+projection before it; or of the tokens' embedding rows, gathered: embed_rms_norm), rotary embedding (alone, or with
+k and v written straight into the KV cache: rotary_store_kv), silu_and_mul (+ the gate_up layer's LoRA delta),
+store_kv. Each kernel's PDL constexpr: launched with programmatic dependent launch (`pdl`).
 
 Same signatures and semantics as their references in `reference.py`: like them, every op returns new tensors
 (inputs are never modified) except store_kv and rotary_store_kv, which write into the caches. One program per token
@@ -51,6 +51,20 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_x, s_r, s_y,
     mask = offs < n
     x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0)
     _norm_row(x, row, offs, mask, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_r, s_y, s_h, HAS_RES)
+
+
+@triton.jit
+def _embed_rms_norm_kernel(ids_ptr, t_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_t, s_y, s_h, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    """The token's embedding row (table row ids[row]) stored as h, and normed into y."""
+    pdl.start(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    tok = tl.load(ids_ptr + row).to(tl.int64)
+    x = tl.load(t_ptr + tok * s_t + offs, mask=mask, other=0.0)
+    tl.store(h_ptr + row * s_h + offs, x, mask=mask)
+    _norm_row(x, row, offs, mask, h_ptr, w_ptr, y_ptr, h_ptr, n, eps, 0, s_y, s_h, False)
 
 
 @triton.jit(do_not_specialize=["sh_p"])  # (T * R: its divisibility by 16 follows T's parity at small ranks)
@@ -128,6 +142,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         S_P2=max(2, next_power_of_2(num_slots)), num_warps=16, **consts,
         **({"grid": (rows,)} if compile_only else {}))
     return out
+
+
+def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float):
+    """Triton version of reference.embed_rms_norm: (the norm of the tokens' embedding rows, those rows), in one
+    launch instead of a gather and a norm (ids [T] int32/int64, table [V, hidden] with unit stride along hidden)."""
+    n = table.shape[-1]
+    t = ids.shape[0]
+    h = torch.empty(t, n, dtype=table.dtype, device=table.device)
+    y = torch.empty(t, n, dtype=torch.promote_types(weight.dtype, table.dtype), device=table.device)
+    if t:
+        block = next_power_of_2(n)
+        _embed_rms_norm_kernel[(t,)](ids, table, weight.contiguous(), y, h, n, float(eps), table.stride(0),
+                                     y.stride(0), h.stride(0), BLOCK=block, num_warps=max(1, min(16, block // 512)),
+                                     PDL=pdl.on(table.device), **pdl.launch(table.device))
+    return y, h
 
 
 # ----------------------------------------------------------------------------------------------- rotary

@@ -31,6 +31,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return y if residual is None else (y, residual)
 
 
+def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float):
+    """Semantics: h = table[ids] (the tokens' embedding rows, [T, hidden]); returns (rms_norm(h, weight, eps), h):
+    the first decoder layer's input norm and the first residual."""
+    h = F.embedding(ids, table)
+    return rms_norm(h, weight, eps), h
+
+
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_sin_cache: torch.Tensor, head_dim: int):
     """Semantics: rotate q [T, Hq*head_dim] and k [T, Hk*head_dim] by the angles of their token's position,
