@@ -99,16 +99,22 @@ def test_interpreted_triton_engine_with_emulated_graphs_gives_hf_tokens(triton_e
     assert got == [hf_greedy(str(path), p, n) for p, n in zip(prompts, lens)]
 
 
-def test_interpreted_triton_lora_under_emulated_graphs_matches_peft(triton_everywhere, tmp_path):
+@pytest.mark.parametrize("in_consumers", [False, True])
+def test_interpreted_triton_lora_under_emulated_graphs_matches_peft(triton_everywhere, tmp_path, in_consumers):
     """The static adapter map a graph replays (padding rows first in the order, shifted segment starts) read by
-    the Triton shrink/expand kernels, as on a GPU."""
+    the Triton shrink/expand kernels, as on a GPU; the o/down expands added by the rms_norm after them, the qkv and
+    gate_up expands launched after their matmuls or (in_consumers: EngineConfig.lora_expand_fused) added by
+    decode_attention and silu_and_mul."""
     from test_lora_engine import SPECS, hf_float, peft_greedy, save_adapter
     path = ensure_builtin("tiny-llama")
     hf = hf_float(path)
     specs = {n: SPECS[n] for n in ("qv4", "all8", "mlp16rs")}
     adapters = {name: save_adapter(hf, tmp_path / name, seed=i + 1, **kw) for i, (name, kw) in enumerate(specs.items())}
     llm = LLM(str(path), loras={n: str(p) for n, p in adapters.items()}, max_loras=3, max_lora_rank=16,
-              max_num_seqs=8, block_size=4, num_kv_blocks=64, max_model_len=64, cuda_graph_max_tokens=16)
+              max_num_seqs=8, block_size=4, num_kv_blocks=64, max_model_len=64, cuda_graph_max_tokens=16,
+              **({"lora_expand_fused": True} if in_consumers else {}))
+    # by default the o/down expands only go to their consumer (the rms_norm after them)
+    assert {(layer.fused, layer.fused_norm) for layer in llm.engine.lora_manager.layers} == {(in_consumers, True)}
     llm.engine.runner.capture_graphs(64, emulate=True)
     prompts = random_prompts(llm.engine.model_config.vocab_size, (5, 8, 3, 6, 4), seed=9)
     names = ["all8", None, "qv4", "mlp16rs", "all8"]

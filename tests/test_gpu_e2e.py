@@ -111,7 +111,7 @@ def test_bench_model_rows_on_cpu_with_tiny_shapes():
 def test_adapters_through_fewer_slots_swap_and_costs_are_reported(monkeypatch):
     """--max-loras below the number of adapters adds a row whose engine swaps adapters (counted);
     --compare-lora-epilogue a row whose engine adds every expand in the int4 epilogue; --compare-lora-fused a row
-    whose o and down expands are launched alone and one whose every expand is; the notes give each adapter row's
+    whose qkv and gate_up expands are added by their consumers and one whose every expand is launched alone; the notes give each adapter row's
     cost next to the cost its bytes explain."""
     built = []
     real = e2e.build_engine
@@ -131,12 +131,12 @@ def test_adapters_through_fewer_slots_swap_and_costs_are_reported(monkeypatch):
     assert [r["lora"] for r in rows] == ["none", "3 mixed r4", "3 mixed r4 via 1 slots",
                                          "3 mixed r4, expand in epilogue", "3 mixed r4, shrink on the main stream",
                                          "3 mixed r4, expand beside too",
-                                         "3 mixed r4, o/down expands launched alone",
+                                         "3 mixed r4, qkv/gate_up expands in their consumers",
                                          "3 mixed r4, every expand launched alone"]
-    on = (None, False, True, True)
+    on = (None, False, False, True)
     assert built == [(None, None, None), (None, None, {on}), (None, None, {on}), (True, None, {on}),
-                     (None, False, {(False, False, True, True)}), (None, None, {(None, True, True, True)}),
-                     (None, None, {(None, False, True, False)}), (None, None, {(None, False, False, True)})]
+                     (None, False, {(False, False, False, True)}), (None, None, {(None, True, False, True)}),
+                     (None, None, {(None, False, True, True)}), (None, None, {(None, False, False, False)})]
     assert rows[0]["lora_swaps"] == 0 and rows[2]["lora_swaps"] > 0
     notes = e2e_report.adapter_costs(rows)
     assert len(notes) == 7 and all("the adapters' bytes alone explain" in n for n in notes)

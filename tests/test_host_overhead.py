@@ -18,8 +18,9 @@ def test_rows_count_the_launches_and_the_piecewise_alternative():
         ("decode", "none", 4), ("decode", "2 mixed", 4), ("mixed", "none", 9), ("mixed", "2 mixed", 9)]
     plain, mixed = rows[0]["launches"], rows[1]["launches"]
     assert plain > 0 and mixed > plain  # the adapters' shrink and expand launches come on top
-    # a decode step's adapters: one shrink per projection (qkv, o, gate_up, down) and layer, and no expand launch:
-    # each is added by the op after its layer (decode_attention, rms_norm, silu_and_mul, rms_norm)
+    # a decode step's two adapters: one shrink per projection (qkv, o, gate_up, down) and layer, and no expand
+    # launch: the rms_norm after o and after down adds theirs, the int4 kernels of qkv and gate_up theirs in the
+    # epilogue (two adapters' chunks are a short walk: gptq_gemm.fuses_lora)
     assert mixed - plain == 4 * 2
     assert all(r["host_ms"] > 0 and r["us_per_launch"] > 0 for r in rows)
     # 3 replays, the 2 attentions' launches (one each here), 2 copies, the input copies

@@ -88,13 +88,16 @@ def test_every_quick_tuning_candidate_compiles_fits_and_does_not_spill_at_sm90()
 
 
 @pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this triton ships no cuobjdump")
-def test_every_kernel_an_engine_launches_at_7b_shapes_compiles_for_sm90():
+@pytest.mark.parametrize("expand_fused", [False, True])
+def test_every_kernel_an_engine_launches_at_7b_shapes_compiles_for_sm90(expand_fused):
     """The engine's GPU code path run here at Llama-2-7B shapes (one layer, two adapters), each Triton launch
     compiled for sm_90 instead: the start (compile_kernels, warm_kernels), prompts of many lengths, a 300-token
     prefill through dequantize + cuBLAS, decodes past one attention partition, mixed adapters. Every kernel function
     the GPU path has is reached, each kernel fits and does not spill, nothing compiles on a request after the
-    start, and nothing in the requests' steps waits for the GPU."""
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel-sass"), "--engine", "llama-2-7b"],
+    start, and nothing in the requests' steps waits for the GPU; by default and with EngineConfig.lora_expand_fused
+    (the decode attention's and silu_and_mul's LoRA variants)."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel-sass"), "--engine", "llama-2-7b"]
+                         + (["--expand-fused"] if expand_fused else []),
                          capture_output=True, text=True, timeout=1200, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     names = {line.split()[1] for line in out.stdout.splitlines() if line.startswith("ok ")}
@@ -108,10 +111,10 @@ def test_every_kernel_an_engine_launches_at_7b_shapes_compiles_for_sm90():
     # the attribute both set, every such kernel waiting before it touches the step's data (kernels.pdl)
     pdl = re.search(r"PDL on: (\d+) launches, 0 not set so", out.stdout)
     assert pdl and int(pdl.group(1)) > 500, out.stdout[-1000:]
-    # the decode attention (with the rotary, the KV write and the qkv LoRA delta) keeps four programs per SM: at
-    # most 128 registers a thread (the LoRA variant capped there: attention.LORA_MAX_REGS)
+    # the decode attention (with the rotary, the KV write and, with expand_fused, the qkv LoRA delta) keeps four
+    # programs per SM: at most 128 registers a thread (the LoRA variant capped there: attention.LORA_MAX_REGS)
     regs = [int(r) for r in re.findall(r"_decode_kernel\s+warps 4 shared\s+\d+ REG:(\d+)", out.stdout)]
-    assert len(regs) >= 4 and max(regs) <= 128, out.stdout[-3000:]
+    assert len(regs) >= (4 if expand_fused else 2) and max(regs) <= 128, out.stdout[-3000:]
     fields = re.search(r"field tiles by byte permute: (\d+) of (\d+) launches", out.stdout)
     assert fields and fields.group(1) == fields.group(2) and int(fields.group(1)) > 50, out.stdout[-1000:]
 

@@ -60,6 +60,7 @@ SCRIPT = COMPILE_ONLY_LAUNCHES + textwrap.dedent('''
         b = base(outs, method, consumer)
         layer = LoRALayer(b, SLOTS, RANK, "cpu", torch.float16)
         layer.rank_t.fill_(RANK)
+        layer.fused = name == "deferred"  # EngineConfig.lora_expand_fused (off by default; the norm's is on)
         calls = layer.compile_calls(b, MAX_TOKENS)
         before = len(compiled)
         with watch_compiles() as watched:

@@ -312,7 +312,7 @@ def test_gate_up_expand_left_to_silu_and_mul_gives_the_apply_result(setup, monke
     layer's y without the adapters plus their delta by token, which silu_and_mul adds, equals silu_and_mul of the
     layer's forward (shrink and expand); while a graph is captured, with the shrink on the side stream (the streams
     stood in for). Other layers, a CPU step, a step of more than DEFER_MAX_TOKENS tokens and lora_expand_fused off
-    leave the expand in the layer."""
+    (the default) leave the expand in the layer."""
     from infer import kernels
     from infer.lora import layer as layer_mod
     tokens = ["d", "b", None, "d", "c", "b", "a"]
@@ -321,6 +321,7 @@ def test_gate_up_expand_left_to_silu_and_mul_gives_the_apply_result(setup, monke
     x = torch.randn(len(tokens), gate_up.in_features, generator=torch.Generator().manual_seed(4))
     gate_up.lora_consumer = lambda delta: None
     try:
+        gate_up.lora.fused = True
         assert not gate_up.lora.defers(gate_up, x)  # a CPU step: the torch path
         monkeypatch.setattr(kernels, "use_triton", lambda t: True)
         assert gate_up.lora.defers(gate_up, x) and not qkv.lora.defers(qkv, x)
@@ -347,8 +348,9 @@ def test_o_and_down_expands_left_to_the_rms_norm_after_them(setup, monkeypatch, 
     """forward_deferred on o_proj and down_proj, whose consumer is the rms_norm after them (an `into_norm`
     lora_consumer), the Triton kernels interpreted: the layer's y without the adapters plus their delta, which
     rms_norm adds before the residual, gives the norm's output and the next residual of the layer's forward (shrink
-    and expand), with the shrink on the side stream while a graph is captured. lora_expand_in_norm off
-    (LoRALayer.fused_norm) leaves these expands in their layers and not the gate_up's."""
+    and expand), with the shrink on the side stream while a graph is captured. The switches are apart: by default
+    these expands go to the norm and gate_up's stays in its layer; lora_expand_in_norm off (LoRALayer.fused_norm)
+    leaves these in their layers, also with gate_up's left to silu_and_mul (lora_expand_fused)."""
     from infer import kernels
     tokens = ["c", "b", None, "c", "a", "b", "d"]
     mgr, ctx = _deferral_batch(setup, tokens)
@@ -363,13 +365,15 @@ def test_o_and_down_expands_left_to_the_rms_norm_after_them(setup, monkeypatch, 
     try:
         monkeypatch.setattr(kernels, "use_triton", lambda t: True)
         x = torch.randn(len(tokens), o.in_features, generator=g)
-        assert o.lora.defers(o, x) and gate_up.lora.defers(gate_up, torch.randn(len(tokens), gate_up.in_features))
+        xg = torch.randn(len(tokens), gate_up.in_features, generator=g)
+        assert o.lora.defers(o, x) and down.lora.defers(down, torch.randn(len(tokens), down.in_features))
+        assert not gate_up.lora.defers(gate_up, xg)
         for ml in (o, down, gate_up):
-            ml.lora.fused_norm = False
+            ml.lora.fused_norm, ml.lora.fused = False, True
         assert not o.lora.defers(o, x) and o.forward_deferred(x, ctx)[1] is None
-        assert gate_up.lora.defers(gate_up, torch.randn(len(tokens), gate_up.in_features))
+        assert gate_up.lora.defers(gate_up, xg)
         for ml in (o, down, gate_up):
-            ml.lora.fused_norm = True
+            ml.lora.fused_norm, ml.lora.fused = True, False
         _stand_in_streams(monkeypatch, capturing)
         for ml in (o, down):
             x = torch.randn(len(tokens), ml.in_features, generator=g)

@@ -331,19 +331,19 @@ def test_gpu_lora_shrink_beside_the_matmul_gives_the_tokens_of_one_stream(path, 
 
 @pytest.mark.gpu
 def test_gpu_lora_expands_in_their_consumers_give_the_tokens_of_the_expand_launches(path, tmp_path, monkeypatch):
-    """EngineConfig.lora_expand_fused: the gate_up expand added by silu_and_mul, a decode step's qkv expand by the
-    decode attention, the o and down expands by the rms_norm after them (LoRALayer.deferred; without these with
-    lora_expand_in_norm False), in the decode graphs (the shrink beside the matmul) and eagerly. Greedy tokens of
-    mixed adapters in float32 equal those with every expand launched after its matmul, and the deferred path was
-    taken where it is on."""
+    """EngineConfig.lora_expand_in_norm (on by default): the o and down expands added by the rms_norm after them;
+    lora_expand_fused: the gate_up expand added by silu_and_mul, a decode step's qkv expand by the decode attention
+    (LoRALayer.deferred), each switch alone and both, in the decode graphs (the shrink beside the matmul) and
+    eagerly. Greedy tokens of mixed adapters in float32 equal those with every expand launched after its matmul,
+    and the deferred path was taken where one is on."""
     calls = _lora_calls(monkeypatch, "deferred")
     adapters = _three_adapters(path, tmp_path, seed=5)
     got = {}
-    for eager, fused, in_norm in ((False, True, True), (False, False, True), (True, True, True),
-                                  (True, False, True), (False, True, False)):
+    for eager, fused, in_norm in ((False, False, False), (False, False, True), (False, True, True),
+                                  (False, True, False), (True, False, True), (True, True, True)):
         calls.clear()
         got[eager, fused, in_norm] = _mixed_adapter_tokens(path, adapters, enforce_eager=eager,
                                                            lora_expand_fused=fused, lora_expand_in_norm=in_norm)
-        assert bool(calls) == fused
-    first = got[False, False, True]
+        assert bool(calls) == (fused or in_norm)
+    first = got[False, False, False]
     assert all(outs == first for outs in got.values()) and len(first) == 6

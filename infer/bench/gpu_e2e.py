@@ -39,14 +39,14 @@ EPILOGUE = "expand in epilogue"  # the mode label of --compare-lora-epilogue
 ONE_STREAM = "shrink on the main stream"  # the mode labels of --compare-lora-streams
 EXPAND_BESIDE = "expand beside too"
 EXPAND_ALONE = "every expand launched alone"  # the mode labels of --compare-lora-fused
-NORM_EXPANDS_ALONE = "o/down expands launched alone"
+IN_CONSUMERS = "qkv/gate_up expands in their consumers"
 
 
 # ----------------------------------------------------------------------------------------------- engines
 def build_engine(model, model_config, tokenizer, device, adapters: dict[str, str], rank: int, concurrency: int,
                  max_len: int, eager: bool = False, slots: int | None = None, batched_tokens: int = 4096,
                  lora_epilogue: bool | None = None, lora_streams: bool | None = None, expand_beside: bool = False,
-                 piecewise_tokens: int = 512, pdl: bool | None = None, expand_fused: bool = True,
+                 piecewise_tokens: int = 512, pdl: bool | None = None, expand_fused: bool = False,
                  expand_in_norm: bool = True):
     """An LLMEngine over an in-memory model (decode CUDA graphs unless `eager`); `slots` GPU adapter slots (default:
     one per adapter; fewer makes the engine swap adapters, counted in stats()["lora_swaps"]); `batched_tokens` the
@@ -56,9 +56,9 @@ def build_engine(model, model_config, tokenizer, device, adapters: dict[str, str
     `expand_beside` puts the expand beside the matmul too (EngineConfig.lora_expand_beside); `piecewise_tokens`
     the longest step (not all decodes) the piecewise graphs take (EngineConfig.cuda_graph_max_tokens; 0: none);
     `pdl` True launches the kernels with programmatic dependent launch where it works (EngineConfig.pdl; None: off);
-    `expand_fused` False launches every LoRA expand on its own instead of in the op after its layer (silu_and_mul,
-    decode_attention, rms_norm: EngineConfig.lora_expand_fused), `expand_in_norm` False the o and down expands
-    only (EngineConfig.lora_expand_in_norm)."""
+    `expand_fused` True leaves the gate_up and qkv LoRA expands to silu_and_mul and decode_attention
+    (EngineConfig.lora_expand_fused), `expand_in_norm` False launches the o and down expands on their own instead of
+    in the rms_norm after them (EngineConfig.lora_expand_in_norm)."""
     slots = max(1, slots or len(adapters))
     from ..engine import llm_engine
     from ..engine.config import EngineConfig
@@ -196,7 +196,8 @@ def engine_modes(run: ShapeRun, tmp: Path) -> list[tuple[str, dict[str, str], bo
     --compare-eager), then with the random adapters written to `tmp` (eagerly too with --compare-eager, through
     fewer slots with --max-loras, with every expand in the int4 matmul's epilogue with --compare-lora-epilogue, and
     with every shrink on the main stream, and with the expand beside the matmul too, with --compare-lora-streams,
-    and with the o and down expands, then every expand, launched on their own, with --compare-lora-fused).
+    and with the qkv and gate_up expands added by decode_attention and silu_and_mul, then with every expand
+    launched on its own, with --compare-lora-fused).
     --compare-piecewise adds each of the two plain modes with graphs for decode steps only, --compare-pdl each of them
     with programmatic dependent launch."""
     args = run.args
@@ -219,7 +220,7 @@ def engine_modes(run: ShapeRun, tmp: Path) -> list[tuple[str, dict[str, str], bo
             modes.append((f"{len(adapters)} mixed r{args.rank}, {ONE_STREAM}", adapters, False))
             modes.append((f"{len(adapters)} mixed r{args.rank}, {EXPAND_BESIDE}", adapters, False))
         if args.compare_lora_fused:
-            modes.append((f"{len(adapters)} mixed r{args.rank}, {NORM_EXPANDS_ALONE}", adapters, args.eager))
+            modes.append((f"{len(adapters)} mixed r{args.rank}, {IN_CONSUMERS}", adapters, args.eager))
             modes.append((f"{len(adapters)} mixed r{args.rank}, {EXPAND_ALONE}", adapters, args.eager))
     return modes
 
@@ -245,7 +246,7 @@ def infer_row(run: ShapeRun, model, label: str, weight_bytes: int, lora: str, ad
                           eager, slots, lora_epilogue=True if EPILOGUE in lora else None,
                           lora_streams=False if ONE_STREAM in lora else None, expand_beside=EXPAND_BESIDE in lora,
                           piecewise_tokens=0 if NO_PIECES in lora else 512, pdl=True if WITH_PDL in lora else None,
-                          expand_fused=EXPAND_ALONE not in lora, expand_in_norm=NORM_EXPANDS_ALONE not in lora)
+                          expand_fused=IN_CONSUMERS in lora, expand_in_norm=EXPAND_ALONE not in lora)
     engine.warm_kernels()  # compiles every kernel path (prefix-cached prefill too) before anything is timed
     names = list(adapters)
     roof = run.roofline(weight_bytes, lora_bytes_per_adapter(model) if names else 0, min(len(names), b))
@@ -327,10 +328,10 @@ def parse_args(argv=None):
                         "decode graphs, each runs on a second stream beside the base matmul), and with the expand "
                         "beside the matmul too")
     p.add_argument("--compare-lora-fused", action="store_true",
-                   help="also run the mixed adapters with the o and down LoRA expands launched on their own, and "
-                        "with every expand launched on its own (by default, in steps of up to 64 tokens, "
-                        "silu_and_mul adds gate_up's, the rms_norm after o and down theirs, and in decode steps "
-                        "decode_attention adds qkv's)")
+                   help="also run the mixed adapters with the gate_up LoRA expand added by silu_and_mul and, in "
+                        "decode steps, qkv's by decode_attention, and with every expand launched on its own (by "
+                        "default, in steps of up to 64 tokens, the rms_norm after o and down adds their expands, "
+                        "and the others are launched after their matmuls)")
     p.add_argument("--stagger", action="store_true",
                    help="output lengths spread over output-len / 2 .. output-len: requests finish at different "
                         "steps, and with --num-prompts above --concurrency the next prompts join running decodes")

@@ -163,14 +163,15 @@ class EngineConfig:
     # adds to the matmul's output (an add instead of the expand after the matmul); off until timed on a GPU
     # (gpu_e2e --compare-lora-streams runs it)
     lora_expand_beside: bool = False
-    # API only: on the GPU, in steps of up to 64 tokens, the MLP's gate_up LoRA expand is added by the silu_and_mul
+    # API only: on the GPU, in steps of up to 64 tokens, the MLP's gate_up LoRA expand added by the silu_and_mul
     # kernel that reads the gate_up output, and in decode steps the qkv expand by decode_attention (LoRALayer.deferred:
-    # two launches fewer per layer); False: each expand launched after its matmul (gpu_e2e --compare-lora-fused runs
-    # the mixed adapters so)
-    lora_expand_fused: bool = True
-    # API only: with lora_expand_fused, the o_proj and down_proj expands too, each added by the rms_norm after its
-    # layer (two launches fewer per layer); False: those two launched after their matmuls (gpu_e2e
-    # --compare-lora-fused runs the mixed adapters so)
+    # two launches fewer per layer). Off: on the H100 (2026-11-27) those two kernels took longer with the delta than
+    # the expands they replace (7B, 16 mixed adapters: 5.25 vs 5.10 ms a step at 16 concurrent, 11.0 vs 8.4 ms at
+    # 64; gpu_e2e --compare-lora-fused runs the mixed adapters so)
+    lora_expand_fused: bool = False
+    # API only: on the GPU, in steps of up to 64 tokens, the o_proj and down_proj expands each added by the rms_norm
+    # after its layer (two launches fewer per layer); False: those two launched after their matmuls (gpu_e2e
+    # --compare-lora-fused runs the mixed adapters with every expand so)
     lora_expand_in_norm: bool = True
     # API only: CUDA, launch the step's Triton kernels with programmatic dependent launch, so that each kernel's
     # programs start (and the int4 matmuls prefetch their first weights into L2) while the kernel before finishes

@@ -81,9 +81,10 @@ class LoRALayer:
         self.expand_beside = False
         # where the base layer's consumer can add the delta (MergedLinear.lora_consumer: the MLP's gate_up and its
         # silu_and_mul, a decode step's qkv and its decode_attention, o_proj and down_proj and the rms_norm after
-        # them), leave the expand to it on the GPU in steps of up to DEFER_MAX_TOKENS tokens (`deferred`;
-        # EngineConfig.lora_expand_fused); with fused_norm False, not to an rms_norm (EngineConfig.lora_expand_in_norm)
-        self.fused = True
+        # them), leave the expand to it on the GPU in steps of up to DEFER_MAX_TOKENS tokens (`deferred`): to an
+        # rms_norm with fused_norm (EngineConfig.lora_expand_in_norm), to the others with fused
+        # (EngineConfig.lora_expand_fused)
+        self.fused = False
         self.fused_norm = True
         self._probe_hp = torch.empty(1, 1, n * max_rank, device=device)  # a LoRADelta's shape, for `beside`
         if torch.device(device).type == "cuda":
@@ -246,13 +247,13 @@ class LoRALayer:
                 self.streams is not False, self.expand_beside, self._defers_some(base))
 
     def _defers_some(self, base) -> bool:
-        """Whether some steps leave base's expand to its consumer: where the model has one (lora_consumer), unless
-        switched off (EngineConfig.lora_expand_fused; lora_expand_in_norm for an rms_norm consumer) or every expand
-        goes to the int4 epilogue (lora_epilogue)."""
+        """Whether some steps leave base's expand to its consumer: where the model has one (lora_consumer) and it is
+        switched on (fused_norm for an rms_norm consumer, fused for the others), unless every expand goes to the int4
+        epilogue (lora_epilogue)."""
         every_epilogue = self.epilogue is True and self.takes_delta(base)
         consumer = base.lora_consumer
-        return self.fused and consumer is not None and not every_epilogue \
-            and (self.fused_norm or not getattr(consumer, "into_norm", False))
+        return consumer is not None and not every_epilogue \
+            and (self.fused_norm if getattr(consumer, "into_norm", False) else self.fused)
 
     def compile_calls(self, base, max_tokens: int) -> list:
         """Callables that each compile (Triton's `warmup`: nothing is launched) shrink and expand variants this
