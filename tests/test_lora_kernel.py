@@ -135,6 +135,66 @@ def test_graph_style_static_groups(poisoned):
     check(poisoned, slots, num_slots=4, seed=3, groups=LoRAGroups(order.to(dev), starts.to(dev)))
 
 
+@pytest.mark.parametrize("by_token", [False, True])
+def test_late_loads_give_the_early_ones_result(poisoned, monkeypatch, by_token):
+    """The expand's two load orders (lora_ops.early_loads; INFER_LORA_EXPAND_LOADS) compute the same sums: the late
+    one matches the reference (rows without adapter kept, an untargeted shard, ranks below the padding) and equals
+    the early one bit for bit, at sorted positions and by token (an int4 layer's decode delta)."""
+    monkeypatch.setattr(poisoned, "expand_loads", "late")
+    ranks = torch.tensor([[8, 0, 4], [3, 16, 16]])
+    check(poisoned, [0, 1, 2, -1, 0, 2, 2], outs=(16, 24), num_slots=3, ranks=ranks, seed=6)
+    dev = _dev()
+    a, b, scal, rk, bounds = layer([16, 24], 3, 16, 48, seed=7, ranks=ranks)
+    slots = torch.tensor([2, -1, 0, 2, 1, 0], device=dev)
+    groups = lora_groups(slots, 3)
+    x = torch.randn(6, 48, generator=torch.Generator().manual_seed(8)).to(dev)
+    hp = poisoned.shrink(x, a.to(dev), 2, groups, rk.to(dev), by_token=by_token)
+    y0 = torch.randn(6, 40, generator=torch.Generator().manual_seed(9)).to(dev)
+    got = {}
+    for early in (True, False):
+        got[early] = y0.clone()
+        poisoned.expand(hp, got[early], b.to(dev), scal.to(dev), bounds, groups, rk.to(dev), by_token=by_token,
+                        early=early)
+    assert torch.equal(got[True], got[False]) and not torch.equal(got[True], y0)
+
+
+def test_expand_load_order_from_the_environment(ops, monkeypatch):
+    from infer.errors import ConfigError
+    monkeypatch.delenv("INFER_LORA_EXPAND_LOADS", raising=False)
+    for value, want in ((None, True), ("late", False), (" early", True)):
+        monkeypatch.setattr(ops, "expand_loads", None)
+        if value is not None:
+            monkeypatch.setenv("INFER_LORA_EXPAND_LOADS", value)
+        assert ops.early_loads() is want
+    monkeypatch.setattr(ops, "expand_loads", None)
+    monkeypatch.setenv("INFER_LORA_EXPAND_LOADS", "first")
+    with pytest.raises(ConfigError, match="INFER_LORA_EXPAND_LOADS") as e:
+        ops.early_loads()
+    assert "early" in e.value.hint and "late" in e.value.hint
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the bench for real (scripts/gpu-check lora-kernels)")
+def test_lora_bench_rows_on_cpu_interpreted(ops, monkeypatch):
+    """`infer.bench.kernels --lora`'s measuring code on CPU (interpreted kernels, one call of each timed function
+    standing in for the CUDA-graph timer, a tiny layer): the row has every timing, the by-token expand in both load
+    orders, and the floor."""
+    import time
+
+    import triton.testing
+
+    from infer.bench import lora_kernels
+
+    def once(fn):
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", once)
+    row = lora_kernels.measure(64, [32, 16], 4, 2, 1e10, device="cpu")
+    assert all(row[key] > 0 for key in ("lora_us", "shrink_us", "expand_us", "expand_by_token_us", "expand_late_us",
+                                        "late_gain", "floor_us", "fp16_linear_us")), row
+    assert row["adapter_MB"] == 2 * lora_kernels.RANK * (2 * 64 + 48) * 2 / 1e6
+
+
 def test_many_tokens_big_tiles(poisoned):
     """A prefill-sized batch (tiles of 64 rows), slots in random order."""
     g = torch.Generator().manual_seed(0)

@@ -8,7 +8,9 @@ Workloads (rank 16, 16 adapter slots, float16): 16 tokens each with its own adap
 over 4 adapters. Each row times `kernels.lora_ops.lora_apply` (one shrink and one expand launch) on one merged
 projection with `triton.testing.do_bench_cudagraph`, and reports: the adapter bytes the step must read (A and B of
 every adapter in use, rank rows only), the time those bytes take at the measured device copy bandwidth (the floor),
-time / floor, and an fp16 `F.linear` of the base projection's shape at the same token count for scale. GPU only.
+time / floor, and an fp16 `F.linear` of the base projection's shape at the same token count for scale; and the
+expand by token (as an int4 layer's decode step launches it) with the default load order and the late one
+(`lora_ops.early_loads`; `late_gain` > 1: the late order is faster). GPU only.
 """
 
 from __future__ import annotations
@@ -41,12 +43,12 @@ def workload(t: int, adapters: int, device="cuda") -> torch.Tensor:
     return (torch.arange(t, device=device) * adapters // t).long()
 
 
-def measure(k: int, outs: list[int], t: int, adapters: int, bandwidth: float) -> dict:
+def measure(k: int, outs: list[int], t: int, adapters: int, bandwidth: float, device: str = "cuda") -> dict:
     import triton.testing
 
     from ..kernels import lora_ops
     from ..lora.batch import lora_groups
-    n, dev = len(outs), "cuda"
+    n, dev = len(outs), device
     bounds = [sum(outs[:i]) for i in range(n + 1)]
     lora_a = torch.randn(SLOTS, n * RANK, k, device=dev, dtype=torch.float16) * 0.01
     lora_b = torch.randn(SLOTS * RANK * bounds[-1], device=dev, dtype=torch.float16) * 0.01  # flat, shard after shard
@@ -54,7 +56,7 @@ def measure(k: int, outs: list[int], t: int, adapters: int, bandwidth: float) ->
     ranks = torch.full((n, SLOTS), RANK, dtype=torch.int32, device=dev)
     x = torch.randn(t, k, device=dev, dtype=torch.float16)
     y = torch.zeros(t, bounds[-1], device=dev, dtype=torch.float16)
-    slots = workload(t, adapters)
+    slots = workload(t, adapters, dev)
     groups = lora_groups(slots, SLOTS, in_order=True)
     run = lambda: lora_ops.lora_apply(x, y, lora_a, lora_b, scalings, bounds, groups, ranks)  # noqa: E731
     hp = lora_ops.shrink(x, lora_a, n, groups, ranks)
@@ -62,6 +64,11 @@ def measure(k: int, outs: list[int], t: int, adapters: int, bandwidth: float) ->
     shrink_ms = triton.testing.do_bench_cudagraph(lambda: lora_ops.shrink(x, lora_a, n, groups, ranks))
     expand_ms = triton.testing.do_bench_cudagraph(
         lambda: lora_ops.expand(hp, y, lora_b, scalings, bounds, groups, ranks))
+    # as an int4 layer's decode step launches it (`LoRALayer.delta`): the partials by token; both load orders
+    hp_t = lora_ops.shrink(x, lora_a, n, groups, ranks, by_token=True)
+    by_token = {early: triton.testing.do_bench_cudagraph(
+        lambda e=early: lora_ops.expand(hp_t, y, lora_b, scalings, bounds, groups, ranks, by_token=True, early=e))
+        for early in (True, False)}
     w = torch.randn(bounds[-1], k, device=dev, dtype=torch.float16)
     linear_ms = triton.testing.do_bench_cudagraph(lambda: torch.nn.functional.linear(x, w))
     used = min(adapters, t)
@@ -69,7 +76,9 @@ def measure(k: int, outs: list[int], t: int, adapters: int, bandwidth: float) ->
     floor_ms = adapter_bytes / bandwidth * 1e3
     p = lora_ops.plan(t, SLOTS, k)
     return {"T": t, "adapters": adapters, "K": k, "N": bounds[-1], "shards": n, "lora_us": ms * 1e3,
-            "shrink_us": shrink_ms * 1e3, "expand_us": expand_ms * 1e3, "adapter_MB": adapter_bytes / 1e6,
+            "shrink_us": shrink_ms * 1e3, "expand_us": expand_ms * 1e3, "expand_by_token_us": by_token[True] * 1e3,
+            "expand_late_us": by_token[False] * 1e3, "late_gain": by_token[True] / by_token[False],
+            "adapter_MB": adapter_bytes / 1e6,
             "floor_us": floor_ms * 1e3, "x_floor": ms / floor_ms, "fp16_linear_us": linear_ms * 1e3,
             "split_k": p["split"], "tiles": p["tiles"]}
 
@@ -97,7 +106,8 @@ def print_row(r: dict) -> None:
     print(f"{r['model']:4s} {r['workload']:22s} {r['proj']:8s} K={r['K']:5d} N={r['N']:5d}  lora {r['lora_us']:7.1f} us"
           f" (shrink {r['shrink_us']:6.1f} + expand {r['expand_us']:6.1f})  floor {r['floor_us']:6.1f} us"
           f" = {r['x_floor']:5.2f}x  [{r['adapter_MB']:.2f} MB]  fp16 linear {r['fp16_linear_us']:7.1f} us"
-          f"  split_k={r['split_k']} tiles={r['tiles']}", flush=True)
+          f"  split_k={r['split_k']} tiles={r['tiles']}  by token: expand {r['expand_by_token_us']:6.1f} us, with "
+          f"the late loads {r['expand_late_us']:6.1f} ({r['late_gain']:.2f}x)", flush=True)
 
 
 def main(out: str, models: list[str]) -> int:

@@ -23,6 +23,8 @@ Both kernels' PDL constexpr: launched with programmatic dependent launch (`pdl`)
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -43,6 +45,24 @@ K_PER_PROGRAM = 1024  # split K no finer than this
 BLOCK_N = 512  # expand: output columns per program, 16-token tiles (decode)
 BLOCK_N_BIG_M = 128  # the same for 64-token tiles (prefill): the accumulator stays at 8K floats
 EXPAND_WARPS = 4
+# The expand's load order (`_expand_kernel`'s EARLY): None: INFER_LORA_EXPAND_LOADS, "early" (the default) or "late"
+# (`python -m infer.bench.kernels --lora` times both; in the 7B step on the H100 the qkv and gate_up expands took 12
+# us where, alone and in the order before, they had taken 5.5 and 7.8)
+expand_loads: str | None = None
+
+
+def early_loads() -> bool:
+    """Whether the expand requests y's tile, the scale and B's tile before shared memory (`expand_loads`, else the
+    environment's INFER_LORA_EXPAND_LOADS, else "early"); ConfigError for another value."""
+    global expand_loads
+    if expand_loads is None:
+        value = os.environ.get("INFER_LORA_EXPAND_LOADS", "early").strip()
+        if value not in ("early", "late"):
+            from ..errors import ConfigError
+            raise ConfigError(f"INFER_LORA_EXPAND_LOADS={value!r} is not an order of the LoRA expand's loads",
+                              "use early (the default) or late, or unset it")
+        expand_loads = value
+    return expand_loads == "early"
 
 
 @triton.jit
@@ -107,14 +127,19 @@ def _expand_kernel(hp_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, rank_ptr, scal_p
                    t1, t2, t3, c0, c1, c2, c3, c4,
                    sh_p, sh_t, sy_t, sy_n, sr_i, sr_s, sc_i, sc_s,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
-                   S_P2: tl.constexpr, IEEE: tl.constexpr, BY_TOKEN: tl.constexpr = False, PDL: tl.constexpr = False):
+                   S_P2: tl.constexpr, IEEE: tl.constexpr, BY_TOKEN: tl.constexpr = False, PDL: tl.constexpr = False,
+                   EARLY: tl.constexpr = True):
+    """EARLY (the default; `early_loads`): y's tile, the scale and B's tile are requested beside the partials, before
+    anything goes through shared memory (three waits for memory); False: the order before 2026-11-27 (the partials'
+    sum before B is requested, the scale and y's tile after the dot: five waits, fewer values held at once)."""
     pdl.start(PDL)
     pid, pid_n = tl.program_id(0), tl.program_id(1)
     local = (pid_n >= t1).to(tl.int32) + (pid_n >= t2).to(tl.int32) + (pid_n >= t3).to(tl.int32)
     shard = shard0 + local
     slot, row0, seg_end = _tile(starts_ptr, pid, S, BLOCK_M, S_P2)
     rank = tl.load(rank_ptr + shard * sr_i + slot * sr_s)
-    scale = tl.load(scal_ptr + shard * sc_i + slot * sc_s)  # beside the rank's
+    if EARLY:
+        scale = tl.load(scal_ptr + shard * sc_i + slot * sc_s)  # beside the rank's
     rows = row0 + tl.arange(0, BLOCK_M)
     mask_m = rows < seg_end
     tok = tl.load(order_ptr + rows, mask=mask_m, other=0)  # beside the rank's load, not after it (one round trip)
@@ -123,7 +148,8 @@ def _expand_kernel(hp_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, rank_ptr, scal_p
     mask_n = cols < hi
     mask = mask_m[:, None] & mask_n[None, :]
     y_ptrs = y_ptr + tok[:, None] * sy_t + cols[None, :] * sy_n
-    y = tl.load(y_ptrs, mask=mask, other=0.0)  # y's tile needs only the tokens: read beside the partials and B
+    if EARLY:
+        y = tl.load(y_ptrs, mask=mask, other=0.0)  # y's tile needs only the tokens: read beside the partials and B
     if (row0 < seg_end) & (rank > 0):
         offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < rank
@@ -132,18 +158,24 @@ def _expand_kernel(hp_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, rank_ptr, scal_p
         parts = tl.load(hp_ptr + offs_p[:, None, None] * sh_p + at[None, :, None] * sh_t
                         + (shard * R + offs_r)[None, None, :],
                         mask=mask_m[None, :, None] & mask_r[None, None, :], other=0.0)
+        if not EARLY:
+            h = tl.sum(parts, 0)
         width = hi - lo  # shard's B^T block [S, R, width] starts S*R*(lo - c0) elements in
         b_base = b_ptr + (lo - c0).to(tl.int64) * S * R + slot.to(tl.int64) * R * width
         bb = tl.load(b_base + offs_r[:, None] * width + (cols - lo)[None, :],
                      mask=mask_r[:, None] & mask_n[None, :], other=0.0)
-        # every load above is in flight before the first use: the partials' sum and B's layout change go through
-        # shared memory, and a load written after either would wait for its data (one more round trip to memory)
-        h = tl.sum(parts, 0)  # [BLOCK_M, BLOCK_R]: the SPLIT_K partial sums of the shrink
+        # EARLY: every load above is in flight before the first use: the partials' sum and B's layout change go
+        # through shared memory, and a load written after either would wait for its data (one more round trip)
+        if EARLY:
+            h = tl.sum(parts, 0)  # [BLOCK_M, BLOCK_R]: the SPLIT_K partial sums of the shrink
         bb = bb.to(tl.float32)
         if IEEE:
             acc = tl.dot(h, bb, input_precision="ieee")
         else:
             acc = tl.dot(h, bb)
+        if not EARLY:
+            scale = tl.load(scal_ptr + shard * sc_i + slot * sc_s)
+            y = tl.load(y_ptrs, mask=mask, other=0.0)
         acc = acc * scale
         tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
 
@@ -240,11 +272,12 @@ def shrink(x: torch.Tensor, lora_a: torch.Tensor, n: int, groups: SlotGroups, ra
 
 def expand(hp: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, scalings: torch.Tensor, bounds: list[int],
            groups: SlotGroups, ranks: torch.Tensor, block_n: int | None = None, by_token: bool = False,
-           compile_only: bool = False) -> None:
+           compile_only: bool = False, early: bool | None = None) -> None:
     """y[t, shard i's columns] += scalings[i, s] * (sum of hp's partials) @ B_i^T[s], in place (lora_b flat); hp at
     sorted positions, or by token (a LoRADelta's) with by_token. compile_only: compile, launch nothing. y may be a
     float32 buffer for a float16/bfloat16 model (`LoRALayer.apply_beside`): the products are the same (the dot's
-    precision follows the adapter weights' dtype), only the sum is kept in float32."""
+    precision follows the adapter weights' dtype), only the sum is kept in float32. early: the kernel's load order
+    (None: `early_loads()`)."""
     split, t, nr = hp.shape
     num_slots, rank = ranks.shape[1], nr // (len(bounds) - 1)
     p = plan(t, num_slots, 0)
@@ -261,7 +294,8 @@ def expand(hp: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, scalings: to
             hp.stride(0), hp.stride(1), y.stride(0), y.stride(1), *ranks.stride(), *scalings.stride(),
             BLOCK_M=p["block_m"], BLOCK_N=block_n, BLOCK_R=_p2(rank, 16), SPLIT=split, S_P2=_p2(num_slots, 2),
             IEEE=lora_b.dtype == torch.float32, BY_TOKEN=by_token, num_warps=EXPAND_WARPS, PDL=pdl.on(y.device),
-            **pdl.launch(y.device), **({"grid": grid} if compile_only else {}))
+            EARLY=early_loads() if early is None else early, **pdl.launch(y.device),
+            **({"grid": grid} if compile_only else {}))
 
 
 def add_delta(d: LoRADelta, y: torch.Tensor) -> None:
