@@ -177,22 +177,43 @@ def test_expand_load_order_from_the_environment(ops, monkeypatch):
 def test_lora_bench_rows_on_cpu_interpreted(ops, monkeypatch):
     """`infer.bench.kernels --lora`'s measuring code on CPU (interpreted kernels, one call of each timed function
     standing in for the CUDA-graph timer, a tiny layer): the row has every timing, the by-token expand in both load
-    orders, and the floor."""
+    orders, and the floor; every kernel but the L2-hot expand is timed over distinct copies of the adapters'
+    weights, enough of them to hold the bytes asked for (the L2 cache), as the int4 matmuls are timed."""
+    import sys
     import time
 
-    import triton.testing
-
     from infer.bench import lora_kernels
+    mod = sys.modules["infer.kernels.lora_ops"]
+    seen: list[int] = []
+    shrink, expand = mod.shrink, mod.expand
 
-    def once(fn):
+    def rec_shrink(x, lora_a, *a, **kw):
+        seen.append(lora_a.data_ptr())
+        return shrink(x, lora_a, *a, **kw)
+
+    def rec_expand(hp, y, lora_b, *a, **kw):
+        seen.append(lora_b.data_ptr())
+        return expand(hp, y, lora_b, *a, **kw)
+    timed = []
+
+    def once(fns):
+        seen.clear()
         t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", once)
-    row = lora_kernels.measure(64, [32, 16], 4, 2, 1e10, device="cpu")
-    assert all(row[key] > 0 for key in ("lora_us", "shrink_us", "expand_us", "expand_by_token_us", "expand_late_us",
-                                        "late_gain", "floor_us", "fp16_linear_us")), row
+        for fn in fns:
+            fn()
+        timed.append((len(fns), len(set(seen))))
+        return (time.perf_counter() - t0) * 1e6
+    monkeypatch.setattr(mod, "shrink", rec_shrink)
+    monkeypatch.setattr(mod, "expand", rec_expand)
+    monkeypatch.setattr(lora_kernels, "time_us", once)
+    k, outs, one_set = 64, [32, 16], lora_kernels.SLOTS * lora_kernels.RANK * (2 * 64 + 48) * 2
+    row = lora_kernels.measure(k, outs, 4, 2, 1e10, device="cpu", l2_bytes=2 * one_set + 1)
+    assert row["weight_sets"] == 3
+    assert all(row[key] > 0 for key in ("lora_us", "shrink_us", "expand_us", "expand_hot_us", "expand_by_token_us",
+                                        "expand_late_us", "late_gain", "floor_us", "fp16_linear_us")), row
     assert row["adapter_MB"] == 2 * lora_kernels.RANK * (2 * 64 + 48) * 2 / 1e6
+    # lora_apply (a shrink and an expand per set), shrink, expand, the hot expand, the two orders, the fp16 linear
+    assert timed == [(3, 6), (3, 3), (3, 3), (1, 1), (3, 3), (3, 3), (1, 0)], timed
 
 
 def test_many_tokens_big_tiles(poisoned):

@@ -6,11 +6,15 @@ beside the floor the adapter bytes set at the copy bandwidth measured in the sam
 Workloads (rank 16, 16 adapter slots, float16): 16 tokens each with its own adapter, 64 tokens over 16 adapters
 (4 each, in slot order as the model runner lays out a batch), 64 tokens with one adapter, and a 2048-token prefill
 over 4 adapters. Each row times `kernels.lora_ops.lora_apply` (one shrink and one expand launch) on one merged
-projection with `triton.testing.do_bench_cudagraph`, and reports: the adapter bytes the step must read (A and B of
-every adapter in use, rank rows only), the time those bytes take at the measured device copy bandwidth (the floor),
-time / floor, and an fp16 `F.linear` of the base projection's shape at the same token count for scale; and the
-expand by token (as an int4 layer's decode step launches it) with the default load order and the late one
-(`lora_ops.early_loads`; `late_gain` > 1: the late order is faster). GPU only.
+projection from a CUDA graph that cycles through copies of the adapters' weights larger than the L2 cache together
+(`gptq_tune.time_graph`, as the int4 matmuls are timed: in a decode step they come from device memory), and reports:
+the adapter bytes the step must read (A and B of every adapter in use, rank rows only), the time those bytes take at
+the measured device copy bandwidth (the floor), time / floor, and an fp16 `F.linear` of the base projection's shape
+at the same token count for scale; the shrink and the expand alone; the expand by token (as an int4 layer's decode
+step launches it) with the default load order and the late one (`lora_ops.early_loads`; `late_gain` > 1: the late
+order is faster); and the expand with one set of weights, which then stays in L2 (`expand_hot_us`: how this bench
+timed every kernel before 2026-11-27, and how `lora_ops`' launch constants were chosen; the 7B qkv and gate_up
+expands at 16 tokens took 5.5 and 7.8 us that way, 12 us each in a step's profile). GPU only.
 """
 
 from __future__ import annotations
@@ -43,44 +47,64 @@ def workload(t: int, adapters: int, device="cuda") -> torch.Tensor:
     return (torch.arange(t, device=device) * adapters // t).long()
 
 
-def measure(k: int, outs: list[int], t: int, adapters: int, bandwidth: float, device: str = "cuda") -> dict:
-    import triton.testing
+def weight_sets(k: int, outs: list[int], device, min_bytes: int) -> list[tuple]:
+    """Enough (lora_a, lora_b) sets of SLOTS random rank-RANK adapters that cycling through them reads at least
+    `min_bytes`: in a decode step every layer's adapters come from device memory, not from the L2 cache."""
+    n, width = len(outs), sum(outs)
+    one = SLOTS * RANK * (n * k + width) * 2
+    return [(torch.randn(SLOTS, n * RANK, k, device=device, dtype=torch.float16) * 0.01,
+             torch.randn(SLOTS * RANK * width, device=device, dtype=torch.float16) * 0.01)  # flat, shard after shard
+            for _ in range(max(1, -(-min_bytes // one)))]
 
+
+def time_us(fns) -> float:
+    """Microseconds per call of the callables, captured in turn into one CUDA graph (`gptq_tune.time_graph`)."""
+    from ..kernels.gptq_tune import time_graph
+    return time_graph(fns)
+
+
+def measure(k: int, outs: list[int], t: int, adapters: int, bandwidth: float, device: str = "cuda",
+            l2_bytes: int | None = None) -> dict:
+    """One projection's row. Every kernel time cycles through copies of the adapters' weights that together
+    exceed the L2 cache (`l2_bytes`, default gptq_tune.L2_BUST_BYTES), as the int4 matmuls' are timed: the
+    partials and y stay one buffer each (in a step the kernel before just wrote them). `expand_hot_us` is the
+    expand on one set of weights, which then sit in L2 (how this bench timed every kernel before 2026-11-27)."""
     from ..kernels import lora_ops
+    from ..kernels.gptq_tune import L2_BUST_BYTES
     from ..lora.batch import lora_groups
     n, dev = len(outs), device
     bounds = [sum(outs[:i]) for i in range(n + 1)]
-    lora_a = torch.randn(SLOTS, n * RANK, k, device=dev, dtype=torch.float16) * 0.01
-    lora_b = torch.randn(SLOTS * RANK * bounds[-1], device=dev, dtype=torch.float16) * 0.01  # flat, shard after shard
+    sets = weight_sets(k, outs, dev, L2_BUST_BYTES if l2_bytes is None else l2_bytes)
     scalings = torch.full((n, SLOTS), 2.0, device=dev)
     ranks = torch.full((n, SLOTS), RANK, dtype=torch.int32, device=dev)
     x = torch.randn(t, k, device=dev, dtype=torch.float16)
     y = torch.zeros(t, bounds[-1], device=dev, dtype=torch.float16)
     slots = workload(t, adapters, dev)
     groups = lora_groups(slots, SLOTS, in_order=True)
-    run = lambda: lora_ops.lora_apply(x, y, lora_a, lora_b, scalings, bounds, groups, ranks)  # noqa: E731
-    hp = lora_ops.shrink(x, lora_a, n, groups, ranks)
-    ms = triton.testing.do_bench_cudagraph(run)
-    shrink_ms = triton.testing.do_bench_cudagraph(lambda: lora_ops.shrink(x, lora_a, n, groups, ranks))
-    expand_ms = triton.testing.do_bench_cudagraph(
-        lambda: lora_ops.expand(hp, y, lora_b, scalings, bounds, groups, ranks))
-    # as an int4 layer's decode step launches it (`LoRALayer.delta`): the partials by token; both load orders
-    hp_t = lora_ops.shrink(x, lora_a, n, groups, ranks, by_token=True)
-    by_token = {early: triton.testing.do_bench_cudagraph(
-        lambda e=early: lora_ops.expand(hp_t, y, lora_b, scalings, bounds, groups, ranks, by_token=True, early=e))
-        for early in (True, False)}
+    hp = lora_ops.shrink(x, sets[0][0], n, groups, ranks)
+    hp_t = lora_ops.shrink(x, sets[0][0], n, groups, ranks, by_token=True)  # as an int4 layer's decode launches it
+
+    def each(op):
+        return [lambda a=a, b=b: op(a, b) for a, b in sets]
+    us = {
+        "lora_us": time_us(each(lambda a, b: lora_ops.lora_apply(x, y, a, b, scalings, bounds, groups, ranks))),
+        "shrink_us": time_us(each(lambda a, b: lora_ops.shrink(x, a, n, groups, ranks))),
+        "expand_us": time_us(each(lambda a, b: lora_ops.expand(hp, y, b, scalings, bounds, groups, ranks))),
+        "expand_hot_us": time_us([lambda: lora_ops.expand(hp, y, sets[0][1], scalings, bounds, groups, ranks)]),
+    }
+    for name, early in (("expand_by_token_us", True), ("expand_late_us", False)):  # both load orders
+        us[name] = time_us(each(lambda a, b, e=early: lora_ops.expand(hp_t, y, b, scalings, bounds, groups, ranks,
+                                                                     by_token=True, early=e)))
     w = torch.randn(bounds[-1], k, device=dev, dtype=torch.float16)
-    linear_ms = triton.testing.do_bench_cudagraph(lambda: torch.nn.functional.linear(x, w))
+    linear_us = time_us([lambda: torch.nn.functional.linear(x, w)])
     used = min(adapters, t)
     adapter_bytes = used * RANK * (n * k + bounds[-1]) * 2
-    floor_ms = adapter_bytes / bandwidth * 1e3
+    floor_us = adapter_bytes / bandwidth * 1e6
     p = lora_ops.plan(t, SLOTS, k)
-    return {"T": t, "adapters": adapters, "K": k, "N": bounds[-1], "shards": n, "lora_us": ms * 1e3,
-            "shrink_us": shrink_ms * 1e3, "expand_us": expand_ms * 1e3, "expand_by_token_us": by_token[True] * 1e3,
-            "expand_late_us": by_token[False] * 1e3, "late_gain": by_token[True] / by_token[False],
-            "adapter_MB": adapter_bytes / 1e6,
-            "floor_us": floor_ms * 1e3, "x_floor": ms / floor_ms, "fp16_linear_us": linear_ms * 1e3,
-            "split_k": p["split"], "tiles": p["tiles"]}
+    return {"T": t, "adapters": adapters, "K": k, "N": bounds[-1], "shards": n, **us,
+            "late_gain": us["expand_by_token_us"] / us["expand_late_us"], "adapter_MB": adapter_bytes / 1e6,
+            "floor_us": floor_us, "x_floor": us["lora_us"] / floor_us, "fp16_linear_us": linear_us,
+            "split_k": p["split"], "tiles": p["tiles"], "weight_sets": len(sets)}
 
 
 def run_all(models: list[str]) -> list[dict]:
@@ -107,7 +131,8 @@ def print_row(r: dict) -> None:
           f" (shrink {r['shrink_us']:6.1f} + expand {r['expand_us']:6.1f})  floor {r['floor_us']:6.1f} us"
           f" = {r['x_floor']:5.2f}x  [{r['adapter_MB']:.2f} MB]  fp16 linear {r['fp16_linear_us']:7.1f} us"
           f"  split_k={r['split_k']} tiles={r['tiles']}  by token: expand {r['expand_by_token_us']:6.1f} us, with "
-          f"the late loads {r['expand_late_us']:6.1f} ({r['late_gain']:.2f}x)", flush=True)
+          f"the late loads {r['expand_late_us']:6.1f} ({r['late_gain']:.2f}x); expand from L2 {r['expand_hot_us']:6.1f}"
+          f" us", flush=True)
 
 
 def main(out: str, models: list[str]) -> int:
