@@ -101,6 +101,28 @@ def test_no_adapter_at_all_leaves_y(poisoned):
     assert torch.equal(y, want)
 
 
+@pytest.mark.parametrize("split", [1, 2, 8, 16])
+def test_shrink_split_given_by_the_caller(poisoned, monkeypatch, split):
+    """The kernel bench's sweep: a shrink told its SPLIT_K (some splits empty past K at 16), the expand summing
+    however many partials hp has; the same result as the reference, by token too."""
+    dev = _dev()
+    host = [3, -1, 0, 3, 1, 1, 4]
+    a, b, scal, rk, bounds = layer([24, 8], 5, 16, 96, seed=3)
+    x = torch.randn(len(host), 96, generator=torch.Generator().manual_seed(4))
+    slots = torch.tensor(host)
+    want = torch.zeros(len(host), bounds[-1])
+    ref.lora_apply(x, want, a, b, scal, bounds, lora_groups(slots, 5))
+    for by_token in (False, True):
+        groups = lora_groups(slots.to(dev), 5)
+        hp = poisoned.shrink(x.to(dev), a.to(dev), 2, groups, rk.to(dev), by_token=by_token, split=split)
+        assert hp.shape[0] == split
+        got = torch.zeros(len(host), bounds[-1], device=dev)
+        poisoned.expand(hp, got, b.to(dev), scal.to(dev), bounds, groups, rk.to(dev), by_token=by_token)
+        assert torch.allclose(got.cpu(), want, atol=1e-3, rtol=1e-4), (split, by_token)
+    with pytest.raises(ValueError, match="power of two"):
+        poisoned.plan(7, 5, 96, split=3)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_random_ranks_up_to_64_split_k(poisoned, monkeypatch, dtype):
     """Ranks 4-64 in one buffer padded to 64, shards of different widths, K split over 4 programs."""
@@ -212,8 +234,12 @@ def test_lora_bench_rows_on_cpu_interpreted(ops, monkeypatch):
     assert all(row[key] > 0 for key in ("lora_us", "shrink_us", "expand_us", "expand_hot_us", "expand_by_token_us",
                                         "expand_late_us", "late_gain", "floor_us", "fp16_linear_us")), row
     assert row["adapter_MB"] == 2 * lora_kernels.RANK * (2 * 64 + 48) * 2 / 1e6
-    # lora_apply (a shrink and an expand per set), shrink, expand, the hot expand, the two orders, the fp16 linear
-    assert timed == [(3, 6), (3, 3), (3, 3), (1, 1), (3, 3), (3, 3), (1, 0)], timed
+    # lora_apply (a shrink and an expand per set), shrink, expand, the hot expand, the two orders, the sweep of the
+    # shrink's splits and the expand's columns (a decode-sized row), the fp16 linear
+    sweep = len(lora_kernels.SWEEP_SPLITS) + len(lora_kernels.SWEEP_BLOCK_N)
+    assert timed == [(3, 6), (3, 3), (3, 3), (1, 1), (3, 3), (3, 3), *[(3, 3)] * sweep, (1, 0)], timed
+    assert {f"shrink_split{s}_us" for s in lora_kernels.SWEEP_SPLITS} <= set(row), row
+    assert {f"expand_n{n}_us" for n in lora_kernels.SWEEP_BLOCK_N} <= set(row), row
 
 
 def test_many_tokens_big_tiles(poisoned):

@@ -14,7 +14,9 @@ at the same token count for scale; the shrink and the expand alone; the expand b
 step launches it) with the default load order and the late one (`lora_ops.early_loads`; `late_gain` > 1: the late
 order is faster); and the expand with one set of weights, which then stays in L2 (`expand_hot_us`: how this bench
 timed every kernel before 2026-11-27, and how `lora_ops`' launch constants were chosen; the 7B qkv and gate_up
-expands at 16 tokens took 5.5 and 7.8 us that way, 12 us each in a step's profile). GPU only.
+expands at 16 tokens took 5.5 and 7.8 us that way, 12 us each in a step's profile). At 16 and 64 tokens each row
+also sweeps the shrink's SPLIT_K (`shrink_split{2,4,8,16}_us`) and the by-token expand's columns per program
+(`expand_n{256,512,1024}_us`), the constants `lora_ops.plan` fixes. GPU only.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ LAYERS = {"7B": {"qkv": (4096, [4096] * 3), "o": (4096, [4096]), "gate_up": (409
                  "down": (11008, [4096])},
           "14B": {"qkv": (5120, [5120] * 3), "o": (5120, [5120]), "gate_up": (5120, [13696] * 2),
                   "down": (13696, [5120])}}
+# decode-sized workloads also sweep the shrink's SPLIT_K and the expand's columns per program (lora_ops' constants)
+SWEEP_MAX_TOKENS, SWEEP_SPLITS, SWEEP_BLOCK_N = 64, (2, 4, 8, 16), (256, 512, 1024)
 WORKLOADS = {"16 tok / 16 adapters": (16, 16), "64 tok / 16 adapters": (64, 16), "64 tok / 1 adapter": (64, 1),
              "2048 tok / 4 adapters": (2048, 4)}
 
@@ -95,6 +99,13 @@ def measure(k: int, outs: list[int], t: int, adapters: int, bandwidth: float, de
     for name, early in (("expand_by_token_us", True), ("expand_late_us", False)):  # both load orders
         us[name] = time_us(each(lambda a, b, e=early: lora_ops.expand(hp_t, y, b, scalings, bounds, groups, ranks,
                                                                      by_token=True, early=e)))
+    if t <= SWEEP_MAX_TOKENS:  # the launch constants (lora_ops.plan) against the weights from device memory
+        for split in SWEEP_SPLITS:
+            us[f"shrink_split{split}_us"] = time_us(each(lambda a, b, s=split: lora_ops.shrink(x, a, n, groups, ranks,
+                                                                                              split=s)))
+        for block_n in SWEEP_BLOCK_N:
+            us[f"expand_n{block_n}_us"] = time_us(each(lambda a, b, bn=block_n: lora_ops.expand(
+                hp_t, y, b, scalings, bounds, groups, ranks, block_n=bn, by_token=True)))
     w = torch.randn(bounds[-1], k, device=dev, dtype=torch.float16)
     linear_us = time_us([lambda: torch.nn.functional.linear(x, w)])
     used = min(adapters, t)
@@ -133,6 +144,9 @@ def print_row(r: dict) -> None:
           f"  split_k={r['split_k']} tiles={r['tiles']}  by token: expand {r['expand_by_token_us']:6.1f} us, with "
           f"the late loads {r['expand_late_us']:6.1f} ({r['late_gain']:.2f}x); expand from L2 {r['expand_hot_us']:6.1f}"
           f" us", flush=True)
+    sweep = [f"{key[:-3]} {value:.1f}" for key, value in r.items() if key.startswith(("shrink_split", "expand_n"))]
+    if sweep:
+        print(f"      sweep (us): {', '.join(sweep)}", flush=True)
 
 
 def main(out: str, models: list[str]) -> int:
@@ -143,7 +157,8 @@ def main(out: str, models: list[str]) -> int:
     rows = run_all(models)
     device = torch.cuda.get_device_name()
     with open(out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*rows[0], "device"])
+        fields = list(dict.fromkeys(key for r in rows for key in r))  # the sweep's columns only in decode rows
+        writer = csv.DictWriter(f, fieldnames=[*fields, "device"])
         writer.writeheader()
         for r in rows:
             writer.writerow({**r, "device": device})

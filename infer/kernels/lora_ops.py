@@ -189,15 +189,19 @@ def partials(split: int, t: int, nr: int, device) -> torch.Tensor:
     return torch.empty(split, t, nr, dtype=torch.float32, device=device)
 
 
-def plan(t: int, num_slots: int, k: int) -> dict:
+def plan(t: int, num_slots: int, k: int, split: int | None = None) -> dict:
     """Launch sizes for T tokens, S slots and input width K: a function of the shapes only (never of the adapter
-    mix), so that a CUDA graph's launches stay valid for any token->slot map."""
+    mix), so that a CUDA graph's launches stay valid for any token->slot map. `split`: the shrink's SPLIT_K instead
+    of the one chosen here (the kernel bench's sweep)."""
     block_m = 16 if t <= 256 else 64
     tiles = t // block_m + min(num_slots, t)
     busy = min(tiles, t)  # tiles that can hold tokens at once
-    split = 1
-    while split < MAX_SPLIT and busy * split * 2 <= TARGET_PROGRAMS and k > split * K_PER_PROGRAM:
-        split *= 2
+    if split is None:
+        split = 1
+        while split < MAX_SPLIT and busy * split * 2 <= TARGET_PROGRAMS and k > split * K_PER_PROGRAM:
+            split *= 2
+    elif split < 1 or split & (split - 1):
+        raise ValueError(f"split must be a power of two (the expand sums the partials with one arange), not {split}")
     block_k = min(128, _p2(cdiv(k, split), 16))
     k_per_split = cdiv(cdiv(k, split), block_k) * block_k
     return {"block_m": block_m, "tiles": tiles, "split": split, "block_k": block_k, "k_per_split": k_per_split,
@@ -250,13 +254,15 @@ def partials_for(x: torch.Tensor, lora_a: torch.Tensor) -> torch.Tensor:
 
 
 def shrink(x: torch.Tensor, lora_a: torch.Tensor, n: int, groups: SlotGroups, ranks: torch.Tensor,
-           by_token: bool = False, compile_only: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+           by_token: bool = False, compile_only: bool = False, out: torch.Tensor | None = None,
+           split: int | None = None) -> torch.Tensor:
     """The partial sums hp [SPLIT_K, T, n*R] float32 of x @ A[slot]^T, at sorted positions (see the module doc), or
     at the tokens' own rows with by_token; into `out` (from `partials_for`) when given. compile_only: compile the
-    kernel this call would launch (Triton's `warmup`, see `plan_tokens`), launch nothing; hp is then unwritten."""
+    kernel this call would launch (Triton's `warmup`, see `plan_tokens`), launch nothing; hp is then unwritten.
+    split: SPLIT_K other than `plan`'s (the expand follows hp's)."""
     num_slots, nr, k = lora_a.shape
     t = x.shape[0]
-    p = plan(t, num_slots, k)
+    p = plan(t, num_slots, k, split)
     hp = partials(p["split"], t, nr, x.device) if out is None else out
     if tuple(hp.shape) != (p["split"], t, nr):
         raise ValueError(f"shrink: out has shape {tuple(hp.shape)}, the plan writes {(p['split'], t, nr)}")
