@@ -75,6 +75,17 @@ SCRIPT = COMPILE_ONLY_PREAMBLE + textwrap.dedent('''
         layer.finish_loading()
         layers.append(layer)
     assert layers[1].act_perm is not None and layers[0].gptq_interleave > 1
+    # an MLP's gate|up layer whose kernel applies silu_and_mul in its epilogue (EngineConfig.silu_in_gate_up)
+    gate_up = MergedLinear(256, [128, 128], ["model.layers.2.mlp.gate_proj", "model.layers.2.mlp.up_proj"], False,
+                           GPTQLinearMethod(cfg, True), torch.float16)
+    for j in range(2):
+        for name, t in zip(("qweight", "qzeros", "scales", "g_idx"),
+                           packing.quantize_rtn(torch.randn(128, 256), 4, 128, True)):
+            gate_up.load_shard(name, j, t)
+    gate_up.finish_loading()
+    mlp = torch.nn.Module()
+    mlp.gate_up_proj, mlp.act_in_gate_up = gate_up, True
+    layers.append(mlp)
     before = len(compiled)
     out["model_queued"] = gptq_tune.compile_model(layers, 300, torch.float16, workers=2)
     out["model_compiled"] = len(compiled) - before
@@ -85,7 +96,14 @@ SCRIPT = COMPILE_ONLY_PREAMBLE + textwrap.dedent('''
         lambda l=l, r=r: gptq_gemm.gptq_matmul(
             torch.randn(r, 256, dtype=torch.float16).index_select(-1, l.act_perm) if l.act_perm is not None
             else torch.randn(r, 256, dtype=torch.float16), l.qweight, l.qzeros, l.scales, l.g_idx, 4, True,
-            l.gptq_group_size, l.gptq_interleave) for l in layers for r in rows])
+            l.gptq_group_size, l.gptq_interleave) for l in layers[:2] for r in rows])
+    fused = [r for r in rows if gptq_gemm._choice(r, 256, 256, 4, 128, 1, None, cpu)[2]]
+    out["gated_rows"] = [r for r in fused if gptq_gemm.gated_fits(*gptq_gemm._choice(r, 256, 256, 4, 128, 1, None,
+                                                                                      cpu)[:2], 256)]
+    out["gated_recompiled"] = launch_all([  # its fused rows, with silu_and_mul in the epilogue where it fits
+        lambda r=r: gptq_gemm.gptq_matmul(torch.randn(r, 256, dtype=torch.float16), gate_up.qweight, gate_up.qzeros,
+                                          gate_up.scales, gate_up.g_idx, 4, True, gate_up.gptq_group_size,
+                                          gate_up.gptq_interleave, gated=True) for r in out["gated_rows"]])
     print(json.dumps(out))
 ''')
 
@@ -98,6 +116,8 @@ def test_parallel_compile_fills_the_cache_the_launch_reads():
     # choose: several compiles, none left for the launches
     assert out["model_queued"] > 0 and out["model_compiled"] >= 4 and out["dequant_rows"], out
     assert out["model_recompiled"] == 0, out
+    # the gate|up layer's gated variants (sm_90 code of the epilogue's split into gate and up) compiled at start
+    assert out["gated_rows"] and out["gated_recompiled"] == 0, out
 
 
 @pytest.mark.gpu

@@ -8,7 +8,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from infer import LLM, SamplingParams
+from infer import LLM, SamplingParams, kernels
 from infer.cli.main import app
 from infer.models.layers import MergedLinear
 from infer.models.tiny import ensure_builtin
@@ -140,8 +140,13 @@ def test_int4_kernel_path_interpreted_with_emulated_graphs_equals_cpu_path(infer
     llm = LLM(str(infer_quantized), block_size=4, max_num_seqs=4, max_model_len=64, cuda_graph_max_tokens=32)
     layer = llm.engine.runner.model.layers[0].self_attn.qkv_proj
     assert layer.weight is None and layer.qweight is not None  # really the packed int4 path
+    assert llm.engine.runner.model.layers[0].mlp.act_in_gate_up  # silu_and_mul in gate_up's epilogue (the default)
     llm.engine.runner.capture_graphs(64, emulate=True)
+    gemm = kernels._triton("gptq_gemm")
+    launch, gated = gemm._launch, []
+    monkeypatch.setattr(gemm, "_launch", lambda *a, **kw: (gated.append(len(a) > 16 and a[16]), launch(*a, **kw))[1])
     assert [o.token_ids for o in llm.generate(prompts, params)] == cpu
+    assert any(gated), "no gate_up kernel applied silu_and_mul in its epilogue"
     assert sum(llm.engine.runner.graphs.replays.values()) >= 4
     assert llm.engine.stats()["piecewise_graph_steps"] >= 1  # the 19-token prefill, padded to 32
 

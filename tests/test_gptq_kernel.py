@@ -128,6 +128,54 @@ def test_matches_reference(gemm, gen, regime, bits, group, desc_act, hint):
                                             f"interleave={il}")
 
 
+GATED_REGIMES = ["decode", "prefill", "gemv", "rows", "mmat", "fields", "mmat_scaled", "gemv_inplace", "pairs",
+                 "mmat_joined", "mmat_64", "dequant"]
+
+
+@pytest.mark.parametrize("regime", GATED_REGIMES)
+def test_gated_epilogue_applies_silu_and_mul(gemm, gen, monkeypatch, regime):
+    """A gate|up layer with `gated`: the fused kernels apply silu(gate) * up in their epilogue (each tile takes its
+    gate columns and the up columns of the same outputs; with split-K, after the partials are summed), the same
+    values as the plain matmul followed by silu_and_mul; where the tiles cannot hold aligned halves (or dequantize
+    + cuBLAS runs) the launcher applies silu_and_mul after the matmul instead."""
+    g = gen
+    cfg = dict(MMAT_SCALED, BLOCK_M=64) if regime == "mmat_64" else CONFIGS[regime]
+    launches = []
+    launch = gemm._launch
+    monkeypatch.setattr(gemm, "_launch", lambda *a, **kw: (launches.append(a[-1] if len(a) > 16 else
+                                                                          kw.get("gated")), launch(*a, **kw))[1])
+    fused = regime != "dequant"
+    for half, fits in ((64, regime not in ("dequant", "mmat_64")), (40, False)):  # 40: not a multiple of 16 columns
+        qw, qz, s, gi = make_weights(g, 4, 32, 128, 2 * half, True, False)
+        m = int(torch.randint(1, 4 if regime.startswith("gemv") else 70 if regime == "prefill" else 20, (1,),
+                              generator=g))
+        for dtype in (torch.float32, torch.float16):
+            x = torch.randn(m, 128, generator=g).to(dtype).to(DEV)
+            bias = (torch.randn(2 * half, generator=g) * 0.1).to(dtype).to(DEV)
+            plain = gemm.gptq_matmul(x, qw, qz, s, gi, 4, True, 32, config=cfg, bias=bias)
+            want = ref.silu_and_mul(ref.gptq_matmul(x.cpu(), qw.cpu(), qz.cpu(), s.cpu(), gi.cpu(), 4, True, 32,
+                                                    bias=bias.cpu()))
+            launches.clear()
+            y = gemm.gptq_matmul(x, qw, qz, s, gi, 4, True, 32, config=cfg, bias=bias, gated=True)
+            assert y.shape == (m, half) and y.dtype == dtype
+            assert launches == ([True] if fits else [False] if fused else []), (regime, half, launches)
+            assert_close(y, want, dtype, g, f"{regime} gated half={half} M={m} {dtype}")
+            assert_close(y, ref.silu_and_mul(plain.cpu()), dtype, g, f"{regime} gated vs plain + silu_and_mul")
+            assert ref.gptq_matmul(x.cpu(), qw.cpu(), qz.cpu(), s.cpu(), gi.cpu(), 4, True, 32, bias=bias.cpu(),
+                                   gated=True).shape == (m, half)
+
+
+def test_gated_fits_needs_aligned_halves(gemm):
+    assert gemm.gated_fits("mma", {"BLOCK_N": 128}, 2 * 11008)  # 11008 = 172 x 64
+    assert not gemm.gated_fits("mma", {"BLOCK_N": 128}, 2 * 11000)  # halves not a whole number of 64-column tiles
+    assert not gemm.gated_fits("mmat", {"BLOCK_N": 16}, 2 * 64)  # 8-column halves: below the 16-column alignment
+    assert gemm.gated_fits("gemv", {"BLOCK_N": 32}, 2 * 48)
+    assert not gemm.gated_fits("dequant", {}, 2 * 64)
+    assert not gemm.gated_fits("mma", {"BLOCK_N": 64}, 2 * 48 + 1)
+    assert gemm.gated_fits("mmat", {"BLOCK_M": 32, "BLOCK_N": 128}, 2 * 11008)
+    assert not gemm.gated_fits("mmat", {"BLOCK_M": 64, "BLOCK_N": 128}, 2 * 11008)  # its registers: see gated_fits
+
+
 @pytest.mark.parametrize("m", [1, 7, 80])
 def test_default_config_bf16_and_leading_dims(gemm, gen, m):
     """pick_config's choice, bf16 activations, a 3-D non-contiguous x."""
@@ -382,6 +430,24 @@ def test_dispatch_uses_the_reference_on_cpu(gen):
     x = torch.randn(3, 64, generator=gen).to(DEV)
     y = kernels.gptq_matmul(x, qw, qz, s, gi, 8, True, 32)
     assert_close(y, ref.gptq_matmul(x, qw, qz, s, gi, 8), torch.float32, gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 7, 16, 32, 64, 300])
+@pytest.mark.parametrize("k, half", [(4096, 11008), (5120, 13696)])
+def test_gated_real_sizes_on_gpu(gemm, gen, m, k, half):
+    """A 7B's and a 14B's gate|up with silu_and_mul in the epilogue (the tuned or heuristic tile, split-K as it
+    picks, the engine's interleaved rows): the same as the plain matmul followed by silu_and_mul."""
+    from infer.kernels import fused
+    qw, qz, s, gi = make_weights(gen, 4, 128, k, 2 * half, True, False)
+    wp = gptq_configs.interleave_for(128, k, 8)
+    qw = packing.interleave_rows(qw, 4, wp)
+    for dtype in (torch.float16, torch.bfloat16):
+        x = torch.randn(m, k, generator=gen).to(dtype).to(DEV)
+        plain = fused.silu_and_mul(gemm.gptq_matmul(x, qw, qz, s, gi, 4, True, 128, wp))
+        y = gemm.gptq_matmul(x, qw, qz, s, gi, 4, True, 128, wp, gated=True)
+        assert y.shape == (m, half)
+        assert_close(y, plain, dtype, gen, f"gated M={m} {k}x{2 * half} {dtype}")
 
 
 @pytest.mark.gpu

@@ -176,3 +176,24 @@ def test_staggered_requests_and_the_piecewise_comparison(monkeypatch):
     assert f"give {ratio:.2f}x the throughput" in gains[0] and "0 of " in gains[0]
     notes = e2e_report.run_notes("cpu", args, rows)
     assert "2-4 output tokens" in notes[0] and gains[1] in notes
+
+
+def test_compare_silu_runs_an_engine_with_silu_and_mul_apart(monkeypatch):
+    """--compare-silu: a row whose engine launches silu_and_mul after the int4 gate_up matmul
+    (EngineConfig.silu_in_gate_up False) beside the default one, and a note setting the two side by side."""
+    built = []
+    real = e2e.build_engine
+
+    def recorded(*args, **kwargs):
+        engine = real(*args, **kwargs)
+        built.append(engine.config.silu_in_gate_up)
+        return engine
+    monkeypatch.setattr(e2e, "build_engine", recorded)
+    args = e2e.parse_args(["--out", "unused", "--num-prompts", "2", "--concurrency", "2", "--input-len", "5",
+                           "--output-len", "3", "--num-adapters", "0", "--skip-hf", "--compare-silu"])
+    rows = e2e.bench_model("llama-2-7b", args, bandwidth=1e10, device="cpu", dtype=torch.float32, **TINY)
+    assert [r["lora"] for r in rows] == ["none", f"none, {e2e_report.SILU_APART}"]
+    assert built == [True, False]
+    [note] = e2e_report.silu_gains(rows)
+    assert note.startswith("llama-2-7b infer, none: silu_and_mul in the int4 gate_up kernel's epilogue gives ")
+    assert note in e2e_report.run_notes("cpu", args, rows)

@@ -18,10 +18,14 @@ def test_rows_count_the_launches_and_the_piecewise_alternative():
         ("decode", "none", 4), ("decode", "2 mixed", 4), ("mixed", "none", 9), ("mixed", "2 mixed", 9)]
     plain, mixed = rows[0]["launches"], rows[1]["launches"]
     assert plain > 0 and mixed > plain  # the adapters' shrink and expand launches come on top
-    # a decode step's two adapters: one shrink per projection (qkv, o, gate_up, down) and layer, and no expand
-    # launch: the rms_norm after o and after down adds theirs, the int4 kernels of qkv and gate_up theirs in the
-    # epilogue (two adapters' chunks are a short walk: gptq_gemm.fuses_lora)
-    assert mixed - plain == 4 * 2
+    # a decode step without adapters, per layer: the norm (the first with the embedding), qkv, the attention, o, the
+    # norm, gate_up applying silu_and_mul in its epilogue (EngineConfig.silu_in_gate_up), down; the final norm
+    assert plain == 7 * 2 + 1
+    # with two adapters: one shrink per projection (qkv, o, gate_up, down) and layer, and no expand launch: the
+    # rms_norm after o and after down adds theirs, the int4 kernels of qkv and gate_up theirs in the epilogue (two
+    # adapters' chunks are a short walk: gptq_gemm.fuses_lora); gate_up's delta comes before the activation, so
+    # silu_and_mul is launched after it
+    assert mixed - plain == 4 * 2 + 2
     assert all(r["host_ms"] > 0 and r["us_per_launch"] > 0 for r in rows)
     # 3 replays, the 2 attentions' launches (one each here), 2 copies, the input copies
     assert rows[2]["launches_piecewise"] == 3 + 2 + 2 + host_overhead.INPUT_COPIES

@@ -68,3 +68,35 @@ def test_int4_kernel_path_with_adapters_equals_cpu_path(qwen_int4, monkeypatch, 
     # the expand really went where it was asked to: through a delta for the int4 kernel, or lora_apply's launches
     assert (len(deltas) > 0, len(applies) > 0) == (epilogue is not False, epilogue is False)
     llm.close()
+
+
+@needs_gptqmodel
+def test_silu_in_gate_up_in_steps_without_adapters_only(qwen_int4, monkeypatch):
+    """An engine with adapter slots: a step whose batch has no adapter lets the int4 gate_up kernel apply
+    silu_and_mul in its epilogue (EngineConfig.silu_in_gate_up); a step with adapters adds gate_up's delta first,
+    so it takes the plain kernel and silu_and_mul after. Greedy tokens equal the CPU path's both ways; with the
+    option off no MLP is set to it."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
+    qdir, adapters = qwen_int4
+    cpu_llm = LLM(str(qdir), loras=adapters, **OPTS)
+    prompts = random_prompts(cpu_llm.engine.model_config.vocab_size, (5, 9, 3), seed=6)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    runs = {"none": [None] * 3, "mixed": ["all8", None, "mlp16rs"]}
+    want = {k: [o.token_ids for o in cpu_llm.generate(prompts, params, lora=v)] for k, v in runs.items()}
+    cpu_llm.close()
+
+    int4_kernel_path(monkeypatch)
+    llm = LLM(str(qdir), loras=adapters, **OPTS)
+    assert all(layer.mlp.act_in_gate_up for layer in llm.engine.runner.model.layers)
+    gemm = kernels._triton("gptq_gemm")
+    launch, gated = gemm._launch, []
+    monkeypatch.setattr(gemm, "_launch", lambda *a, **kw: (gated.append(len(a) > 16 and a[16]), launch(*a, **kw))[1])
+    for kind, names in runs.items():
+        gated.clear()
+        assert [o.token_ids for o in llm.generate(prompts, params, lora=names)] == want[kind], kind
+        assert any(gated) == (kind == "none"), (kind, gated)
+    llm.close()
+    off = LLM(str(qdir), loras=adapters, silu_in_gate_up=False, **OPTS)
+    assert not any(layer.mlp.act_in_gate_up for layer in off.engine.runner.model.layers)
+    off.close()

@@ -258,6 +258,24 @@ def test_gpu_e2e_compare_pdl_adds_the_modes(tmp_path):
     assert "pdl" in e2e_report.COLUMNS
 
 
+def test_gpu_e2e_compare_silu_adds_the_mode_and_its_note(tmp_path):
+    """--compare-silu: the engine without adapters with silu_and_mul launched apart, and the note that sets the
+    default engine (its gate_up kernel applies it) against it."""
+    from types import SimpleNamespace
+
+    from infer.bench import gpu_e2e
+    args = gpu_e2e.parse_args(["--out", str(tmp_path), "--compare-silu", "--num-adapters", "0"])
+    assert [m[0] for m in gpu_e2e.engine_modes(SimpleNamespace(args=args), tmp_path)] == [
+        "none", f"none, {e2e_report.SILU_APART}"]
+    fp16 = gpu_e2e.parse_args(["--out", str(tmp_path), "--compare-silu", "--num-adapters", "0", "--fp16"])
+    assert [m[0] for m in gpu_e2e.engine_modes(SimpleNamespace(args=fp16), tmp_path)] == ["none"]  # no int4 kernel
+    row = dict(model="7b", engine="infer", output_tok_s=4400.0, mean_tpot_ms=3.5, mean_ttft_ms=14.0)
+    rows = [dict(row, lora="none"), dict(row, lora=f"none, {e2e_report.SILU_APART}", output_tok_s=4300.0,
+                                         mean_tpot_ms=3.6)]
+    [note] = e2e_report.silu_gains(rows)
+    assert "1.023x the throughput" in note and "1.029x the decode speed" in note, note
+
+
 # ----------------------------------------------------------------------------------------------- on a GPU
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -10,7 +10,8 @@ COLUMNS = ["model", "weights", "lora", "engine", "output_tok_s", "mean_tpot_ms",
            "compiles_on_requests", "piecewise_steps", "steps", "piecewise_check", "pdl"]
 NO_PIECES = "mixed steps eager"  # gpu_e2e --compare-piecewise: steps that are not all decodes run without graphs
 WITH_PDL = "with PDL"  # gpu_e2e --compare-pdl: kernels launched with programmatic dependent launch (off by default)
-VARIANTS = (NO_PIECES, WITH_PDL)  # a mode label's suffix that names a variant of the engine
+SILU_APART = "silu_and_mul launched apart"  # gpu_e2e --compare-silu: EngineConfig.silu_in_gate_up off
+VARIANTS = (NO_PIECES, WITH_PDL, SILU_APART)  # a mode label's suffix that names a variant of the engine
 
 
 def variant_of(lora: str) -> str | None:
@@ -87,6 +88,16 @@ def pdl_gains(rows: list[dict]) -> list[str]:
             for lora, plain, r in variant_pairs(rows, WITH_PDL, "mean_tpot_ms")]
 
 
+def silu_gains(rows: list[dict]) -> list[str]:
+    """For each row run with silu_and_mul launched after the int4 gate_up matmul (--compare-silu): what the default
+    engine, whose gate_up kernel applies it in its epilogue, gives against it, as ratios."""
+    return [f"{r['model']} {r['engine']}, {lora}: silu_and_mul in the int4 gate_up kernel's epilogue gives "
+            f"{on['output_tok_s'] / r['output_tok_s']:.3f}x the throughput and "
+            f"{r['mean_tpot_ms'] / on['mean_tpot_ms']:.3f}x the decode speed of launching it apart (TPOT "
+            f"{on['mean_tpot_ms']} vs {r['mean_tpot_ms']} ms)"
+            for lora, on, r in variant_pairs(rows, SILU_APART, "mean_tpot_ms")]
+
+
 def write_tables(rows: list[dict], out: Path, notes: list[str]) -> str:
     import csv
     out.mkdir(parents=True, exist_ok=True)
@@ -109,4 +120,4 @@ def run_notes(device_name: str, args, rows: list[dict]) -> list[str]:
             f"{args.input_len} prompt tokens, {outputs} output tokens (EOS ignored), random weights",
             "roofline: (decode-step weight bytes + KV bytes of the batch at the mean context + adapter bytes) / "
             "measured device-to-device copy bandwidth; fraction = roofline TPOT / measured mean TPOT",
-            *adapter_costs(rows), *piecewise_gains(rows), *pdl_gains(rows)]
+            *adapter_costs(rows), *piecewise_gains(rows), *pdl_gains(rows), *silu_gains(rows)]

@@ -32,7 +32,7 @@ from ..kernels.compiles import watch_compiles
 from ..memory.plan import plan_memory
 from ..memory.sizes import kv_bytes_per_token
 from .e2e_models import SHAPES, build_model, dtype_label, hf_config, make_tokenizer, write_random_adapters
-from .e2e_report import NO_PIECES, WITH_PDL, result_row, run_notes, write_tables
+from .e2e_report import NO_PIECES, SILU_APART, WITH_PDL, result_row, run_notes, write_tables
 from .roofline import copy_bandwidth, decode_roofline, lora_bytes_per_adapter, weight_bytes_per_step
 
 EPILOGUE = "expand in epilogue"  # the mode label of --compare-lora-epilogue
@@ -47,7 +47,7 @@ def build_engine(model, model_config, tokenizer, device, adapters: dict[str, str
                  max_len: int, eager: bool = False, slots: int | None = None, batched_tokens: int = 4096,
                  lora_epilogue: bool | None = None, lora_streams: bool | None = None, expand_beside: bool = False,
                  piecewise_tokens: int = 512, pdl: bool | None = None, expand_fused: bool = False,
-                 expand_in_norm: bool = True):
+                 expand_in_norm: bool = True, silu_in_gate_up: bool = True):
     """An LLMEngine over an in-memory model (decode CUDA graphs unless `eager`); `slots` GPU adapter slots (default:
     one per adapter; fewer makes the engine swap adapters, counted in stats()["lora_swaps"]); `batched_tokens` the
     most tokens in one step (longer prompts are prefilled in chunks); `lora_epilogue` True adds every LoRA expand
@@ -58,7 +58,8 @@ def build_engine(model, model_config, tokenizer, device, adapters: dict[str, str
     `pdl` True launches the kernels with programmatic dependent launch where it works (EngineConfig.pdl; None: off);
     `expand_fused` True leaves the gate_up and qkv LoRA expands to silu_and_mul and decode_attention
     (EngineConfig.lora_expand_fused), `expand_in_norm` False launches the o and down expands on their own instead of
-    in the rms_norm after them (EngineConfig.lora_expand_in_norm)."""
+    in the rms_norm after them (EngineConfig.lora_expand_in_norm); `silu_in_gate_up` False launches silu_and_mul
+    after the int4 gate_up matmul instead of in its epilogue (EngineConfig.silu_in_gate_up)."""
     slots = max(1, slots or len(adapters))
     from ..engine import llm_engine
     from ..engine.config import EngineConfig
@@ -71,7 +72,8 @@ def build_engine(model, model_config, tokenizer, device, adapters: dict[str, str
                                  enforce_eager=eager, max_num_batched_tokens=batched_tokens,
                                  lora_epilogue=lora_epilogue, lora_streams=lora_streams,
                                  lora_expand_beside=expand_beside, cuda_graph_max_tokens=piecewise_tokens, pdl=pdl,
-                                 lora_expand_fused=expand_fused, lora_expand_in_norm=expand_in_norm)
+                                 lora_expand_fused=expand_fused, lora_expand_in_norm=expand_in_norm,
+                                 silu_in_gate_up=silu_in_gate_up)
     manager = None
     if adapters:
         from ..lora.manager import LoRAManager
@@ -199,13 +201,15 @@ def engine_modes(run: ShapeRun, tmp: Path) -> list[tuple[str, dict[str, str], bo
     and with the qkv and gate_up expands added by decode_attention and silu_and_mul, then with every expand
     launched on its own, with --compare-lora-fused).
     --compare-piecewise adds each of the two plain modes with graphs for decode steps only, --compare-pdl each of them
-    with programmatic dependent launch."""
+    with programmatic dependent launch, --compare-silu the one without adapters with silu_and_mul launched after the
+    int4 gate_up matmul (not in its epilogue)."""
     args = run.args
     both = args.compare_eager and not args.eager  # each of the two plain modes with graphs and without
     pieces = args.compare_piecewise and not args.eager
     modes = [("none", {}, args.eager)] + ([("none", {}, True)] if both else []) \
         + ([(f"none, {NO_PIECES}", {}, False)] if pieces else []) \
-        + ([(f"none, {WITH_PDL}", {}, args.eager)] if args.compare_pdl else [])
+        + ([(f"none, {WITH_PDL}", {}, args.eager)] if args.compare_pdl else []) \
+        + ([(f"none, {SILU_APART}", {}, args.eager)] if args.compare_silu and not args.fp16 else [])
     if args.num_adapters:
         adapters = write_random_adapters(run.model_config, tmp, args.num_adapters, args.rank)
         mixed = f"{len(adapters)} mixed r{args.rank}"
@@ -246,7 +250,8 @@ def infer_row(run: ShapeRun, model, label: str, weight_bytes: int, lora: str, ad
                           eager, slots, lora_epilogue=True if EPILOGUE in lora else None,
                           lora_streams=False if ONE_STREAM in lora else None, expand_beside=EXPAND_BESIDE in lora,
                           piecewise_tokens=0 if NO_PIECES in lora else 512, pdl=True if WITH_PDL in lora else None,
-                          expand_fused=IN_CONSUMERS in lora, expand_in_norm=EXPAND_ALONE not in lora)
+                          expand_fused=IN_CONSUMERS in lora, expand_in_norm=EXPAND_ALONE not in lora,
+                          silu_in_gate_up=SILU_APART not in lora)
     engine.warm_kernels()  # compiles every kernel path (prefix-cached prefill too) before anything is timed
     names = list(adapters)
     roof = run.roofline(weight_bytes, lora_bytes_per_adapter(model) if names else 0, min(len(names), b))
@@ -341,6 +346,9 @@ def parse_args(argv=None):
     p.add_argument("--compare-pdl", action="store_true",
                    help="also run infer with its kernels launched with programmatic dependent launch (off by "
                         "default: slower on an H100), without adapters and with the mixed adapters")
+    p.add_argument("--compare-silu", action="store_true",
+                   help="also run infer without adapters with silu_and_mul launched after the int4 gate_up matmul "
+                        "(by default its epilogue applies it: one launch fewer per layer)")
     p.add_argument("--profile", action="store_true",
                    help="also profile one prefill and 20 decode steps of each engine (host vs GPU-busy time)")
     return p.parse_args(argv)

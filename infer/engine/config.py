@@ -132,7 +132,7 @@ RANGES = {"max_num_seqs": (1, 65536), "max_num_batched_tokens": (1, None), "bloc
 OPTIONAL = {"max_model_len", "num_kv_blocks", "max_cpu_loras", "overlap", "lora_epilogue",  # None: chosen for you
             "lora_streams", "pdl"}
 BOOLS = ("enable_prefix_caching", "enforce_eager", "enable_lora", "overlap", "lora_epilogue", "lora_streams",
-         "lora_expand_beside", "lora_expand_fused", "lora_expand_in_norm", "pdl")
+         "lora_expand_beside", "lora_expand_fused", "lora_expand_in_norm", "silu_in_gate_up", "pdl")
 
 
 @dataclass
@@ -173,6 +173,10 @@ class EngineConfig:
     # after its layer (two launches fewer per layer); False: those two launched after their matmuls (gpu_e2e
     # --compare-lora-fused runs the mixed adapters with every expand so)
     lora_expand_in_norm: bool = True
+    # API only: on the int4 kernel path (GPU), the MLP's SiLU-and-multiply applied by the gate_up matmul's epilogue
+    # where the layer has no LoRA hook (an engine without adapter slots): one launch fewer per layer, half the
+    # gate_up output written; False: silu_and_mul launched after the matmul (gpu_e2e --compare-silu runs both)
+    silu_in_gate_up: bool = True
     # API only: CUDA, launch the step's Triton kernels with programmatic dependent launch, so that each kernel's
     # programs start (and the int4 matmuls prefetch their first weights into L2) while the kernel before finishes
     # (kernels.pdl; True: on for compute capability 9.0+ when a probe graph replays correctly; None: off, as it

@@ -41,6 +41,9 @@ class LLMEngine:
                 layer.expand_beside = config.lora_expand_beside
                 layer.fused = config.lora_expand_fused
                 layer.fused_norm = config.lora_expand_in_norm
+        for mod in parts.model.modules():  # silu_and_mul in the int4 gate_up kernel's epilogue
+            if hasattr(mod, "act_in_gate_up"):
+                mod.act_in_gate_up = config.silu_in_gate_up and mod.fuses_act()
         self.block_manager = BlockManager(parts.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.lora_manager)
         self.runner = ModelRunner(config, parts.model, dtype=self.dtype, device=self.device,

@@ -121,9 +121,9 @@ def lora_delta(x, lora_a, lora_b, scalings, bounds, groups, ranks, token_slots, 
 
 
 def gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1=True, group_size=None, interleave=1, bias=None,
-                lora=None):
+                lora=None, gated=False):
     if use_triton(x):
         return _triton("gptq_gemm").gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1, group_size,
-                                                interleave, bias=bias, lora=lora)
+                                                interleave, bias=bias, lora=lora, gated=gated)
     return reference.gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1, group_size, interleave, bias,
-                                 lora)
+                                 lora, gated)

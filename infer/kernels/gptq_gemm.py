@@ -110,6 +110,22 @@ def fuses_lora(kind: str, cfg: dict, lora) -> bool:
     return can
 
 
+GATED_MAX_ROWS = 32  # the tallest tile that applies silu_and_mul in its epilogue
+
+
+def gated_fits(kind: str, cfg: dict, n: int) -> bool:
+    """Whether the fused kernel `cfg` applies SiLU-and-multiply in its epilogue for a gate|up layer of n columns
+    (`gptq_kernels.gated_cols`): every tile holds BLOCK_N / 2 gate and as many up columns, both halves aligned to
+    16 columns (the loads' vector width the kernel promises the compiler), in tiles of up to GATED_MAX_ROWS rows.
+    The sm_90 code (Triton 3.6, `scripts/kernel-sass --loop "SPEC gated"`): the 16- and 32-row tiles keep their
+    registers' occupancy (mma 16 x 128: 119 -> 122 registers, 427 -> 438 instructions per K step; mmat 16 x 128:
+    115 -> 125, 470 -> 459; 32 rows: 160 -> 160, 167 -> 163), the gemv its 80; the 64-row transposed tile would
+    go from 164 to 208 registers (three programs per SM to two), so taller tiles launch silu_and_mul after."""
+    half, h = n // 2, cfg.get("BLOCK_N", 0) // 2
+    return (kind in ("gemv", "mma", "mmat") and cfg.get("BLOCK_M", 1) <= GATED_MAX_ROWS and n % 2 == 0 and h >= 16
+            and h % 16 == 0 and half % h == 0)
+
+
 def _epilogue_args(y, bias, lora, m: int, n: int, block_m: int, block_n: int) -> tuple[tuple, dict]:
     """The epilogue's pointer and integer arguments and constexprs (see gptq_kernels._finish): y stands in for
     what is absent, so that the kernel's signature never changes."""
@@ -170,28 +186,30 @@ def configure_byte_fields(device) -> bool:
 
 
 def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, gs, wp, m, n, k,
-            compile_only: bool = False, bias=None, lora=None) -> torch.Tensor:
+            compile_only: bool = False, bias=None, lora=None, gated: bool = False) -> torch.Tensor:
     """Launch the kernel `cfg` names, or with compile_only only compile it (Triton's `warmup`: same arguments, so
     the same specialization and cache entry as the launch; inside an AsyncCompileMode the compile is queued).
-    bias / lora: added in the kernel's epilogue (`fuses_lora` must hold for lora)."""
+    bias / lora: added in the kernel's epilogue (`fuses_lora` must hold for lora). gated: y [m, n / 2] =
+    silu(gate) * up (`gated_fits` must hold; no lora)."""
     split = cfg["SPLIT_K"]
     k_split = cdiv(cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
     split = cdiv(k, k_split)
+    width = n // 2 if gated else n
     # compile_only: stand-ins of the same dtypes (the kernel's specialization does not depend on their sizes)
-    y = torch.empty((1,) if compile_only else (m, n), device=x2.device, dtype=x2.dtype)
+    y = torch.empty((1,) if compile_only else (m, width), device=x2.device, dtype=x2.dtype)
     ws = torch.empty((split, m, n), device=x2.device, dtype=torch.float32) if split > 1 and not compile_only \
         else _no_workspace(x2.device)
     f32 = x2.dtype == torch.float32
     common = dict(BITS=bits, ZEROS_V1=bool(zeros_v1), F32=f32, WP=wp, EVEN_K=k % cfg["BLOCK_K"] == 0,
                   BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT=split > 1, num_warps=cfg["num_warps"],
-                  num_stages=cfg["num_stages"], PDL=pdl.on(x2.device), **pdl.launch(x2.device))
+                  num_stages=cfg["num_stages"], PDL=pdl.on(x2.device), GATED=gated, **pdl.launch(x2.device))
     if common["PDL"]:
         common["PREFETCH"] = pdl.prefetch()
     rows = cfg.get("BLOCK_M", 1) if kind != "gemv" or cfg.get("BLOCK_M", 1) > 1 else 1
     epi, epi_c = _epilogue_args(y, bias, lora, m, n, rows, cfg["BLOCK_N"])
     common.update(epi_c)
     args = (m, n, k, k_split, split, gs, x2.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0),
-            n, *epi)  # y's row stride: y is a contiguous [m, n]
+            width, *epi)  # y's row stride: y is a contiguous [m, width]
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     interp_bf16 = x2.dtype == torch.bfloat16 and interpreted
     field = bool(cfg.get("FIELD", False)) and not (f32 or interp_bf16) and cfg["BLOCK_K"] // (32 // bits) >= 16
@@ -255,13 +273,16 @@ def lora_in_epilogue(m: int, n: int, k: int, bits: int, group_size: int | None, 
 def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                 g_idx: torch.Tensor, bits: int, zeros_v1: bool = True, group_size: int | None = None,
                 interleave: int = 1, config: dict | None = None, compile_only: bool = False,
-                bias: torch.Tensor | None = None, lora=None) -> torch.Tensor | None:
+                bias: torch.Tensor | None = None, lora=None, gated: bool = False) -> torch.Tensor | None:
     """Same as `reference.gptq_matmul` (see there). `config` overrides the tuned / heuristic choice (tests,
     tuning): {"kernel": "gemv" | "mma" | "mmat" | "dequant", BLOCK_*, SPLIT_K, GROUP_M, num_warps, num_stages,
     FIELD, SCALE_W, INPLACE, PAIRS, CHUNK_N}. compile_only: compile the fused kernel this call would launch and
     return None (nothing is computed; `gptq_tune.compile_parallel` runs many such calls on a thread pool).
     bias and lora (a `lora_reference.LoRADelta`) are added in the fused kernels' epilogue, so that neither costs a
-    launch (the expand where `fuses_lora` says so); after dequantize + cuBLAS, by a bias add and an expand launch."""
+    launch (the expand where `fuses_lora` says so); after dequantize + cuBLAS, by a bias add and an expand launch.
+    gated (a merged gate|up layer): silu(gate) * up, [..., n / 2], applied by the fused kernels' epilogue where
+    `gated_fits` holds and no lora is given (the MLP's silu_and_mul launch and half the output saved); otherwise
+    by `fused.silu_and_mul` after the matmul."""
     pack = 32 // bits
     k, n = qweight.shape[0] * pack, qweight.shape[1]
     if x.shape[-1] != k:
@@ -276,15 +297,18 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
         x2 = x2.contiguous()
     m = x2.shape[0]
     if m == 0:
-        return None if compile_only else x.new_empty(*lead, n)
+        return None if compile_only else x.new_empty(*lead, n // 2 if gated else n)
     kind, cfg, fused = _choice(m, n, k, bits, group_size, interleave, config, x.device)
     epi_lora = lora if fused and fuses_lora(kind, cfg, lora) else None
+    epi_gated = gated and fused and lora is None and gated_fits(kind, cfg, n)
     if fused:
         gs = k if group_size in (None, -1) else group_size
         y = _launch(kind, cfg, x2, qweight.contiguous(), qzeros.contiguous(), scales.contiguous(), bits, zeros_v1,
-                    gs, interleave, m, n, k, compile_only, bias, epi_lora)
+                    gs, interleave, m, n, k, compile_only, bias, epi_lora, epi_gated)
         if compile_only:
             return None
+        if epi_gated:
+            return y.reshape(*lead, n // 2)
     elif compile_only:  # dequantize + cuBLAS: the dequantize kernel(s) it launches
         if cfg.get("CHUNK_N") and n > cfg["CHUNK_N"]:
             _dequant_chunks(x2, qweight, qzeros, scales, g_idx, bits, zeros_v1, interleave, cfg["CHUNK_N"], True)
@@ -300,6 +324,9 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
         y.add_(bias)
     if lora is not None and epi_lora is None:
         lora_ops.add_delta(lora, y)
+    if gated:
+        from .fused import silu_and_mul
+        return silu_and_mul(y).reshape(*lead, n // 2)
     return y.reshape(*lead, n)
 
 

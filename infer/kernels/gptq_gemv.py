@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gptq_kernels import LORA_INTS, _epilogue, _fields, _pdl_start, _step_words, _xrow0
+from .gptq_kernels import LORA_INTS, _epilogue, _fields, _pdl_start, _step_words, _xrow0, gated_cols
 
 
 @triton.jit
@@ -87,7 +87,7 @@ def gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, 
                 INPLACE: tl.constexpr = False, ASM: tl.constexpr = True, HAS_BIAS: tl.constexpr = False,
                 LORA_S: tl.constexpr = 0, LORA_R: tl.constexpr = 0, LORA_RP: tl.constexpr = 1,
                 LORA_NSH: tl.constexpr = 1, LORA_JB: tl.constexpr = 16, PDL: tl.constexpr = False,
-                PREFETCH: tl.constexpr = 2):
+                PREFETCH: tl.constexpr = 2, GATED: tl.constexpr = False):
     """M = 1 on CUDA cores: fields become floats by OR-ing them into the mantissa of 2^23 (the float 2^23 + q),
     x * (q - z) accumulates in a [BLOCK_K / pack, BLOCK_N] float32 tile reduced once at the end, and the group's
     scale multiplies the step's partial sum, not every weight. FIELD_LOOP: field by field, x loaded per field.
@@ -95,12 +95,11 @@ def gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, 
     interpreter, which cannot run PTX)."""
     BKW: tl.constexpr = BLOCK_K // (32 // BITS)
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
+    offs_n, mask_n = gated_cols(pid_n, N, BLOCK_N, GATED)
     offs_w = tl.arange(0, BKW)
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
-    _pdl_start(qw_ptr, qz_ptr, s_ptr, k_begin, k_end, group_size, pid_n * BLOCK_N, N, sq_k, sz_g, ss_g, BITS, BKW,
+    _pdl_start(qw_ptr, qz_ptr, s_ptr, k_begin, k_end, group_size, tl.min(offs_n, 0), N, sq_k, sz_g, ss_g, BITS, BKW,
                BLOCK_N, PDL, PREFETCH)
     acc = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
@@ -114,7 +113,7 @@ def gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, 
     offs_m = pid_m + tl.zeros((1,), dtype=tl.int32)
     _epilogue(out, y_ptr, ws_ptr, lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, offs_m, offs_n, M, N, sy_m,
               n_split, bias_ptr, hp_ptr, lb_ptr, slot_ptr, rank_ptr, scal_ptr, NR, n_lsplit, c1, c2, c3, SPLIT,
-              HAS_BIAS, LORA_S, LORA_R, LORA_RP, LORA_NSH, LORA_JB, 1, BLOCK_N, F32)
+              HAS_BIAS, LORA_S, LORA_R, LORA_RP, LORA_NSH, LORA_JB, 1, BLOCK_N, F32, GATED)
 
 
 @triton.jit(do_not_specialize=LORA_INTS)
@@ -125,19 +124,19 @@ def gemv_rows_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                      HAS_BIAS: tl.constexpr = False, LORA_S: tl.constexpr = 0, LORA_R: tl.constexpr = 0,
                      LORA_RP: tl.constexpr = 1, LORA_NSH: tl.constexpr = 1, LORA_JB: tl.constexpr = 16,
-                     PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 2):
+                     PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 2, GATED: tl.constexpr = False):
     """`gemv` for BLOCK_M rows at once: each weight is loaded and unpacked once and used for every row."""
     PACK: tl.constexpr = 32 // BITS
     BKW: tl.constexpr = BLOCK_K // PACK
     XS: tl.constexpr = PACK if WP == 1 else 1
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n, mask_n = gated_cols(pid_n, N, BLOCK_N, GATED)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_n, mask_m = offs_n < N, offs_m < M
+    mask_m = offs_m < M
     offs_w = tl.arange(0, BKW)
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
-    _pdl_start(qw_ptr, qz_ptr, s_ptr, k_begin, k_end, group_size, pid_n * BLOCK_N, N, sq_k, sz_g, ss_g, BITS, BKW,
+    _pdl_start(qw_ptr, qz_ptr, s_ptr, k_begin, k_end, group_size, tl.min(offs_n, 0), N, sq_k, sz_g, ss_g, BITS, BKW,
                BLOCK_N, PDL, PREFETCH)
     acc = tl.zeros((BLOCK_M, BKW, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
@@ -156,4 +155,4 @@ def gemv_rows_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N
     out = tl.sum(acc, axis=1)
     _epilogue(out, y_ptr, ws_ptr, lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, offs_m, offs_n, M, N, sy_m,
               n_split, bias_ptr, hp_ptr, lb_ptr, slot_ptr, rank_ptr, scal_ptr, NR, n_lsplit, c1, c2, c3, SPLIT,
-              HAS_BIAS, LORA_S, LORA_R, LORA_RP, LORA_NSH, LORA_JB, BLOCK_M, BLOCK_N, F32)
+              HAS_BIAS, LORA_S, LORA_R, LORA_RP, LORA_NSH, LORA_JB, BLOCK_M, BLOCK_N, F32, GATED)

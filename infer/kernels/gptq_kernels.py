@@ -163,16 +163,43 @@ def _lora_add(y_ptr, m0, n0, M, N, sy_m, hp_ptr, lb_ptr, slot_ptr, rank_ptr, sca
 
 
 @triton.jit
+def gated_cols(pid_n, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
+    """(offs_n, mask_n): the weight columns of column tile pid_n. GATED (a merged gate|up layer of N = 2 x half
+    columns, whose epilogue applies SiLU-and-multiply): the tile's first BLOCK_N / 2 columns are gate columns
+    pid_n * BLOCK_N / 2.., the others the up columns of the same outputs, half further (the launcher makes sure
+    half is a multiple of BLOCK_N / 2 and of 16, so each half is aligned and every tile full)."""
+    if GATED:
+        H: tl.constexpr = BLOCK_N // 2
+        c = tl.arange(0, BLOCK_N)
+        offs = pid_n * H + (c % H) + (c // H) * (N // 2)
+        offs = tl.max_contiguous(tl.multiple_of(offs, 16), H)
+        return offs, offs < N
+    offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs, offs < N
+
+
+@triton.jit
 def _finish(total, y_ptr, y_ptrs, mask, offs_m, offs_n, M, N, sy_m, bias_ptr, hp_ptr, lb_ptr, slot_ptr, rank_ptr,
             scal_ptr, NR, n_lsplit, c1, c2, c3, HAS_BIAS: tl.constexpr, LORA_S: tl.constexpr, LORA_R: tl.constexpr,
             LORA_RP: tl.constexpr, LORA_NSH: tl.constexpr, LORA_JB: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+            BLOCK_N: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr):
     """Store the tile in y's dtype, after what the layer adds to the product, in the reference's order and
-    roundings: the bias (in y's dtype), then the adapters' delta (`_lora_add`: added in float32, rounded once)."""
+    roundings: the bias (in y's dtype), then the adapters' delta (`_lora_add`: added in float32, rounded once).
+    GATED (`gated_cols`; never with adapters): y [M, N / 2] = silu(gate) * up of the rounded tile, as
+    `fused.silu_and_mul` computes it from a stored gate|up output."""
     out = total.to(y_ptr.dtype.element_ty)
     if HAS_BIAS:
         out = out + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(out.dtype)[None, :]
-    tl.store(y_ptrs, out, mask=mask)
+    if GATED:
+        H: tl.constexpr = BLOCK_N // 2
+        gate, up = tl.split(tl.permute(tl.reshape(out, (BLOCK_M, 2, H)), (0, 2, 1)))
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # silu in float32, rounded to y's dtype as torch's F.silu
+        cols = tl.min(offs_n, 0) + tl.arange(0, H)
+        tl.store(y_ptr + offs_m[:, None] * sy_m + cols[None, :], act * up,
+                 mask=(offs_m < M)[:, None] & (cols < N // 2)[None, :])
+    else:
+        tl.store(y_ptrs, out, mask=mask)
     if LORA_S > 0:
         tl.debug_barrier()  # the tile's stores, by every thread, before any thread reads them back
         _lora_add(y_ptr, tl.min(offs_m, 0), tl.min(offs_n, 0), M, N, sy_m, hp_ptr, lb_ptr, slot_ptr, rank_ptr,
@@ -185,15 +212,16 @@ def _epilogue(acc, y_ptr, ws_ptr, lock_ptr, tile, pid_k, offs_m, offs_n, M, N, s
               bias_ptr, hp_ptr, lb_ptr, slot_ptr, rank_ptr, scal_ptr, NR, n_lsplit, c1, c2, c3,
               SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, LORA_S: tl.constexpr, LORA_R: tl.constexpr,
               LORA_RP: tl.constexpr, LORA_NSH: tl.constexpr, LORA_JB: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+              BLOCK_N: tl.constexpr, IEEE: tl.constexpr, GATED: tl.constexpr):
     """The tile's result into y: directly, or with split-K by the program that arrives last at the tile, which
-    sums the partial tiles in a fixed order; either way `_finish` adds the bias and the adapters' delta first."""
+    sums the partial tiles in a fixed order; either way `_finish` adds the bias and the adapters' delta first. The
+    partial tiles keep the weight's N columns (`offs_n`), GATED too."""
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * sy_m + offs_n[None, :]
     if not SPLIT:
         _finish(acc, y_ptr, y_ptrs, mask, offs_m, offs_n, M, N, sy_m, bias_ptr, hp_ptr, lb_ptr, slot_ptr, rank_ptr,
                 scal_ptr, NR, n_lsplit, c1, c2, c3, HAS_BIAS, LORA_S, LORA_R, LORA_RP, LORA_NSH, LORA_JB, BLOCK_M,
-                BLOCK_N, IEEE)
+                BLOCK_N, IEEE, GATED)
     else:
         ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
         tl.store(ws + pid_k * M * N, acc, mask=mask)
@@ -205,7 +233,7 @@ def _epilogue(acc, y_ptr, ws_ptr, lock_ptr, tile, pid_k, offs_m, offs_n, M, N, s
                 total += tl.load(ws + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
             _finish(total, y_ptr, y_ptrs, mask, offs_m, offs_n, M, N, sy_m, bias_ptr, hp_ptr, lb_ptr, slot_ptr,
                     rank_ptr, scal_ptr, NR, n_lsplit, c1, c2, c3, HAS_BIAS, LORA_S, LORA_R, LORA_RP, LORA_NSH, LORA_JB,
-                    BLOCK_M, BLOCK_N, IEEE)
+                    BLOCK_M, BLOCK_N, IEEE, GATED)
             tl.atomic_xchg(lock_ptr + tile, 0)
 
 
@@ -455,7 +483,7 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
                ASM: tl.constexpr = True, HAS_BIAS: tl.constexpr = False, LORA_S: tl.constexpr = 0,
                LORA_R: tl.constexpr = 0, LORA_RP: tl.constexpr = 1, LORA_NSH: tl.constexpr = 1,
                LORA_JB: tl.constexpr = 16, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 2,
-               BYTES: tl.constexpr = False, BYTE_DOTS: tl.constexpr = False):
+               BYTES: tl.constexpr = False, BYTE_DOTS: tl.constexpr = False, GATED: tl.constexpr = False):
     """Tensor cores (tl.dot), y tile [BLOCK_M, BLOCK_N]: one dot per packed field (FIELD_DOTS, `_dot_fields`) or
     one dot over the reshaped tile (`_dot_tile`). TRANS (`mmat`) computes y^T = W^T x^T, so the dequantized weight
     is the first (register) operand of the tensor-core instruction and the activation rows the second (as Machete
@@ -463,7 +491,8 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
     (`_dot_pairs`); BYTES (4-bit, with FIELD_DOTS): the fields by byte permute (`_byte_fields`), and with BYTE_DOTS
     one dot per byte's two fields where they cover consecutive input rows (interleaved). Grouped tile
     order: GROUP_M row tiles walk the same column tiles (L2 reuse). PDL: launched
-    with programmatic dependent launch (`_pdl_start`: PREFETCH K steps of weights into L2 before the wait)."""
+    with programmatic dependent launch (`_pdl_start`: PREFETCH K steps of weights into L2 before the wait).
+    GATED: a gate|up layer's tile with SiLU-and-multiply in the epilogue (`gated_cols`)."""
     BKW: tl.constexpr = BLOCK_K // (32 // BITS)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -473,12 +502,12 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
     pid_m = first_m + (pid % width) % rows_in_group
     pid_n = (pid % width) // rows_in_group
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m, mask_n = offs_m < M, offs_n < N
+    offs_n, mask_n = gated_cols(pid_n, N, BLOCK_N, GATED)
+    mask_m = offs_m < M
     offs_w = tl.arange(0, BKW)
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
-    _pdl_start(qw_ptr, qz_ptr, s_ptr, k_begin, k_end, group_size, pid_n * BLOCK_N, N, sq_k, sz_g, ss_g, BITS, BKW,
+    _pdl_start(qw_ptr, qz_ptr, s_ptr, k_begin, k_end, group_size, tl.min(offs_n, 0), N, sq_k, sz_g, ss_g, BITS, BKW,
                BLOCK_N, PDL, PREFETCH)
     if TRANS:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -500,4 +529,4 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
         acc = tl.trans(acc)
     _epilogue(acc, y_ptr, ws_ptr, lock_ptr, pid, pid_k, offs_m, offs_n, M, N, sy_m, n_split,
               bias_ptr, hp_ptr, lb_ptr, slot_ptr, rank_ptr, scal_ptr, NR, n_lsplit, c1, c2, c3, SPLIT, HAS_BIAS,
-              LORA_S, LORA_R, LORA_RP, LORA_NSH, LORA_JB, BLOCK_M, BLOCK_N, F32)
+              LORA_S, LORA_R, LORA_RP, LORA_NSH, LORA_JB, BLOCK_M, BLOCK_N, F32, GATED)

@@ -379,7 +379,8 @@ def compile_model(model, max_tokens: int, dtype: torch.dtype, workers: int | Non
     """Compile, in parallel (`compile_parallel`), the kernel every GPTQ layer of `model` will launch for each row
     count up to max_tokens (the tuned or heuristic choice), on the layers' own tensors: an engine start calls this
     after tuning, so graph capture and the first requests find every int4 matmul kernel compiled. A layer with a
-    bias compiles its bias epilogue; a layer with a LoRA hook that adds its expand in the epilogue (`lora.epilogue`)
+    bias compiles its bias epilogue, an MLP's gate_up whose kernel applies silu_and_mul (`act_in_gate_up`) its gated
+    one; a layer with a LoRA hook that adds its expand in the epilogue (`lora.epilogue`)
     compiles that variant too, besides the plain one (a step where no adapter targets the layer). Where some row
     count's choice is dequantize + cuBLAS, the dequantize kernels are compiled once for the layer shape (they do
     not depend on the rows). `extra`: more compile-only callables to run in the same pool (the LoRA kernels,
@@ -387,6 +388,8 @@ def compile_model(model, max_tokens: int, dtype: torch.dtype, workers: int | Non
     from .lora_reference import LoRADelta
     jobs, deq, seen = [], [], set()
     rows = bucket_rows(max_tokens)
+    # gate|up layers whose kernel applies silu_and_mul (the MLP's act_in_gate_up): their gated variants
+    gated = {id(m.gate_up_proj) for m in model.modules() if getattr(m, "act_in_gate_up", False)}
     for mod in model.modules():
         if getattr(mod, "gptq_group_size", None) is None or getattr(mod, "weight", None) is not None \
                 or not hasattr(mod, "qweight"):
@@ -394,24 +397,31 @@ def compile_model(model, max_tokens: int, dtype: torch.dtype, workers: int | Non
         cfg = mod.method.config
         k, n = mod.qweight.shape[0] * (32 // cfg.bits), mod.qweight.shape[1]
         hook = getattr(mod, "lora", None)
-        loras = [None] + ([hook] if hook is not None and hook.epilogue is not False else [])
-        for lora in loras:
+        # (lora, gated): the plain variant, the gated one of an MLP's gate_up (only that without a LoRA hook: with
+        # one, steps with adapters take the plain or the LoRA variant), the LoRA epilogue's
+        variants = ([(None, True)] if id(mod) in gated else []) + ([(None, False)] if id(mod) not in gated
+                                                                   or hook is not None else [])
+        variants += [(hook, False)] if hook is not None and hook.epilogue is not False else []
+        for lora, act in variants:
             lkey = None if lora is None else (lora.lora_a.shape[0], lora.max_rank, len(lora.bounds))
-            key = (n, k, cfg.bits, cfg.zeros_v1, mod.gptq_group_size, mod.gptq_interleave, mod.bias is not None, lkey)
+            key = (n, k, cfg.bits, cfg.zeros_v1, mod.gptq_group_size, mod.gptq_interleave, mod.bias is not None, lkey,
+                   act)
             if key not in seen:
                 seen.add(key)
                 fused = [r for r in rows if gptq_gemm._choice(r, n, k, cfg.bits, mod.gptq_group_size,
                                                               mod.gptq_interleave, None, mod.qweight.device)[2]]
-                jobs += [(mod, cfg, r, k, lora) for r in fused]
+                jobs += [(mod, cfg, r, k, lora, act) for r in fused]
                 dequant = [r for r in rows if r not in fused]
-                if dequant and lora is None:  # the dequantize kernels, at the fewest rows that take them
+                # the dequantize kernels (a gated layer's too: silu_and_mul runs after), at the fewest rows that take
+                # them, once per layer shape
+                if dequant and lora is None and not (act and (None, False) in variants):
                     deq.append((mod, cfg, dequant[0], k))
     if not jobs and not deq:
         return compile_parallel(list(extra), workers) if extra else 0
     device = (jobs or deq)[0][0].qweight.device
-    buf = torch.empty(max((r * k for _, _, r, k, _ in jobs), default=1), device=device, dtype=dtype)  # x, in turn
-    top = max((r for *_, r, _, _ in jobs), default=1)
-    widest = max((lora.lora_a.shape[1] for *_, lora in jobs if lora is not None), default=0)
+    buf = torch.empty(max((r * k for _, _, r, k, _, _ in jobs), default=1), device=device, dtype=dtype)  # x, in turn
+    top = max((r for *_, r, _, _, _ in jobs), default=1)
+    widest = max((lora.lora_a.shape[1] for *_, lora, _ in jobs if lora is not None), default=0)
     hp = torch.empty(1, top, widest, device=device, dtype=torch.float32)  # a LoRADelta's partials, by token
     slots = torch.full((top,), -1, device=device, dtype=torch.long)
 
@@ -421,10 +431,10 @@ def compile_model(model, max_tokens: int, dtype: torch.dtype, workers: int | Non
         part = hp[:, :r, :lora.lora_a.shape[1]].contiguous() if widest != lora.lora_a.shape[1] else hp[:, :r]
         return LoRADelta(part, lora.lora_bt, slots[:r], lora.scalings, lora.rank_t, lora.bounds, None, lora.epilogue)
 
-    calls = [lambda mod=mod, cfg=cfg, r=r, k=k, lora=lora: gptq_gemm.gptq_matmul(
+    calls = [lambda mod=mod, cfg=cfg, r=r, k=k, lora=lora, act=act: gptq_gemm.gptq_matmul(
         buf[:r * k].view(r, k), mod.qweight, mod.qzeros, mod.scales, mod.g_idx, cfg.bits, cfg.zeros_v1,
-        mod.gptq_group_size, mod.gptq_interleave, compile_only=True, bias=mod.bias, lora=delta(lora, r))
-        for mod, cfg, r, k, lora in jobs]
+        mod.gptq_group_size, mod.gptq_interleave, compile_only=True, bias=mod.bias, lora=delta(lora, r), gated=act)
+        for mod, cfg, r, k, lora, act in jobs]
     calls += [lambda mod=mod, cfg=cfg, r=r, k=k: gptq_gemm.gptq_matmul(
         torch.empty(r, k, device=device, dtype=dtype), mod.qweight, mod.qzeros, mod.scales, mod.g_idx, cfg.bits,
         cfg.zeros_v1, mod.gptq_group_size, mod.gptq_interleave, compile_only=True) for mod, cfg, r, k in deq]

@@ -129,9 +129,21 @@ class MLP(nn.Module):
         # the expands may be left to silu_and_mul (gate_up's) and to the rms_norm after the MLP (down's: forward)
         self.gate_up_proj.lora_consumer = functools.partial(_compile_silu_and_mul, dtype)
         self.down_proj.lora_consumer = _NormConsumer(dtype)
+        # set by an engine (EngineConfig.silu_in_gate_up) where gate_up is an int4 kernel layer (`fuses_act`): in a
+        # step without adapters (or where the layer has no LoRA hook) its kernel applies silu_and_mul in its epilogue
+        self.act_in_gate_up = False
+
+    def fuses_act(self) -> bool:
+        """Whether gate_up's matmul can apply silu_and_mul itself: an int4 kernel layer."""
+        layer = self.gate_up_proj
+        return getattr(layer.method, "fuses_act", lambda _: False)(layer)
 
     def forward(self, x, ctx):
         """(the MLP's output, the down projection's LoRA delta that the next rms_norm adds, or None)."""
+        if self.act_in_gate_up and (self.gate_up_proj.lora is None or getattr(ctx, "lora", None) is None):
+            # one launch: the int4 gate_up kernel's epilogue does silu_and_mul (no adapter delta to add before it)
+            return self.down_proj.forward_deferred(self.gate_up_proj.method.apply(self.gate_up_proj, x, gated=True),
+                                                   ctx)
         gate_up, delta = self.gate_up_proj.forward_deferred(x, ctx)  # delta: the adapters', for silu_and_mul to add
         return self.down_proj.forward_deferred(kernels.silu_and_mul(gate_up, delta), ctx)
 

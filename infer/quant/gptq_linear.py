@@ -141,6 +141,11 @@ class GPTQLinearMethod:
         not."""
         return layer.weight is None
 
+    def fuses_act(self, layer) -> bool:
+        """`apply(..., gated=True)` can leave the SiLU-and-multiply of a gate|up layer to the int4 kernel's
+        epilogue (the kernel path); the dequantized CPU path applies it after its matmul."""
+        return layer.weight is None
+
     def kernel_key(self, layer) -> tuple:
         """What the int4 kernel choice for a row count depends on: layers with equal keys choose alike."""
         return tuple(layer.qweight.shape), self.config.bits, layer.gptq_group_size, layer.gptq_interleave
@@ -153,16 +158,18 @@ class GPTQLinearMethod:
         return gptq_gemm.lora_in_epilogue(m, n, k, self.config.bits, layer.gptq_group_size, layer.gptq_interleave,
                                           lora, layer.qweight.device)
 
-    def apply(self, layer, x: torch.Tensor, lora=None) -> torch.Tensor:
+    def apply(self, layer, x: torch.Tensor, lora=None, gated: bool = False) -> torch.Tensor:
         """y = x W^T + b; with `lora` (a kernels.lora_reference.LoRADelta of x, kernel path only) plus the
-        adapters' delta, which the int4 kernel adds in its epilogue with the bias."""
+        adapters' delta, which the int4 kernel adds in its epilogue with the bias. gated (a gate|up layer):
+        silu_and_mul(y), which the int4 kernel applies in its epilogue where it can (`gptq_gemm.gated_fits`)."""
         if layer.weight is not None:
-            return cpu_gemm.linear(x, layer.weight, layer.bias, layer.packed_weight)
+            y = cpu_gemm.linear(x, layer.weight, layer.bias, layer.packed_weight)
+            return kernels.silu_and_mul(y) if gated else y
         if layer.act_perm is not None:
             x = x.index_select(-1, layer.act_perm)
         return kernels.gptq_matmul(x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx, self.config.bits,
                                    self.config.zeros_v1, layer.gptq_group_size, layer.gptq_interleave,
-                                   bias=layer.bias, lora=lora)
+                                   bias=layer.bias, lora=lora, gated=gated)
 
     def dequantized_weight(self, layer) -> torch.Tensor:
         """The float weight [out, in] in the checkpoint's input order (whatever layout the kernel uses)."""
