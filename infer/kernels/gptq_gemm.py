@@ -115,8 +115,9 @@ GATED_MAX_ROWS = 32  # the tallest tile that applies silu_and_mul in its epilogu
 
 def gated_fits(kind: str, cfg: dict, n: int) -> bool:
     """Whether the fused kernel `cfg` applies SiLU-and-multiply in its epilogue for a gate|up layer of n columns
-    (`gptq_kernels.gated_cols`): every tile holds BLOCK_N / 2 gate and as many up columns, both halves aligned to
-    16 columns (the loads' vector width the kernel promises the compiler), in tiles of up to GATED_MAX_ROWS rows.
+    (`gptq_kernels.gated_cols`): every tile holds BLOCK_N / 2 gate and as many up columns (whole tiles: the split-K
+    partials of a tile stay its own), both halves aligned to 16 columns (loads as wide as the plain tile's), in tiles
+    of up to GATED_MAX_ROWS rows.
     The sm_90 code (Triton 3.6, `scripts/kernel-sass --loop "SPEC gated"`): the 16- and 32-row tiles keep their
     registers' occupancy (mma 16 x 128: 119 -> 122 registers, 427 -> 438 instructions per K step; mmat 16 x 128:
     115 -> 125, 470 -> 459; 32 rows: 160 -> 160, 167 -> 163), the gemv its 80; the 64-row transposed tile would
