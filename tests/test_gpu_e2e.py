@@ -108,22 +108,29 @@ def test_bench_model_rows_on_cpu_with_tiny_shapes():
         "qwen1.5-14b infer, 2 mixed r4", "qwen1.5-14b infer --eager, 2 mixed r4"]
 
 
-def test_adapters_through_fewer_slots_swap_and_costs_are_reported(monkeypatch):
-    """--max-loras below the number of adapters adds a row whose engine swaps adapters (counted);
-    --compare-lora-epilogue a row whose engine adds every expand in the int4 epilogue; --compare-lora-fused a row
-    whose qkv and gate_up expands are added by their consumers and one whose every expand is launched alone; the notes give each adapter row's
-    cost next to the cost its bytes explain."""
+def record_engines(monkeypatch, what) -> list:
+    """What `what(engine)` says of every engine gpu_e2e builds from here on, in order."""
     built = []
     real = e2e.build_engine
 
     def recorded(*args, **kwargs):
         engine = real(*args, **kwargs)
-        layers = engine.lora_manager.layers if engine.lora_manager else []
-        built.append((engine.config.lora_epilogue, engine.config.lora_streams,
-                      {(layer.streams, layer.expand_beside, layer.fused, layer.fused_norm) for layer in layers}
-                      or None))
+        built.append(what(engine))
         return engine
     monkeypatch.setattr(e2e, "build_engine", recorded)
+    return built
+
+
+def test_adapters_through_fewer_slots_swap_and_costs_are_reported(monkeypatch):
+    """--max-loras below the number of adapters adds a row whose engine swaps adapters (counted);
+    --compare-lora-epilogue a row whose engine adds every expand in the int4 epilogue; --compare-lora-fused a row
+    whose qkv and gate_up expands are added by their consumers and one whose every expand is launched alone; the notes give each adapter row's
+    cost next to the cost its bytes explain."""
+    def modes(engine):
+        layers = engine.lora_manager.layers if engine.lora_manager else []
+        return (engine.config.lora_epilogue, engine.config.lora_streams,
+                {(layer.streams, layer.expand_beside, layer.fused, layer.fused_norm) for layer in layers} or None)
+    built = record_engines(monkeypatch, modes)
     args = e2e.parse_args(["--out", "unused", "--num-prompts", "4", "--concurrency", "2", "--input-len", "5",
                            "--output-len", "3", "--num-adapters", "3", "--rank", "4", "--max-loras", "1",
                            "--skip-hf", "--compare-lora-epilogue", "--compare-lora-streams", "--compare-lora-fused"])
@@ -151,14 +158,7 @@ def test_staggered_requests_and_the_piecewise_comparison(monkeypatch):
     assert min(lens) >= 10 and max(lens) <= 20 and len(set(lens)) > 5
     assert lens == [r.output_len for r in e2e.make_requests(100, 64, 3, 20, [], stagger=True)]
     assert {r.output_len for r in e2e.make_requests(100, 8, 3, 20, [])} == {20}
-    built = []
-    real = e2e.build_engine
-
-    def recorded(*args, **kwargs):
-        engine = real(*args, **kwargs)
-        built.append(engine.config.cuda_graph_max_tokens)
-        return engine
-    monkeypatch.setattr(e2e, "build_engine", recorded)
+    built = record_engines(monkeypatch, lambda engine: engine.config.cuda_graph_max_tokens)
     args = e2e.parse_args(["--out", "unused", "--num-prompts", "4", "--concurrency", "2", "--input-len", "5",
                            "--output-len", "4", "--num-adapters", "2", "--rank", "4", "--skip-hf", "--stagger",
                            "--compare-piecewise"])
@@ -181,14 +181,7 @@ def test_staggered_requests_and_the_piecewise_comparison(monkeypatch):
 def test_compare_silu_runs_an_engine_with_silu_and_mul_apart(monkeypatch):
     """--compare-silu: a row whose engine launches silu_and_mul after the int4 gate_up matmul
     (EngineConfig.silu_in_gate_up False) beside the default one, and a note setting the two side by side."""
-    built = []
-    real = e2e.build_engine
-
-    def recorded(*args, **kwargs):
-        engine = real(*args, **kwargs)
-        built.append(engine.config.silu_in_gate_up)
-        return engine
-    monkeypatch.setattr(e2e, "build_engine", recorded)
+    built = record_engines(monkeypatch, lambda engine: engine.config.silu_in_gate_up)
     args = e2e.parse_args(["--out", "unused", "--num-prompts", "2", "--concurrency", "2", "--input-len", "5",
                            "--output-len", "3", "--num-adapters", "0", "--skip-hf", "--compare-silu"])
     rows = e2e.bench_model("llama-2-7b", args, bandwidth=1e10, device="cpu", dtype=torch.float32, **TINY)
