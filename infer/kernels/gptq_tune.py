@@ -397,8 +397,8 @@ def compile_model(model, max_tokens: int, dtype: torch.dtype, workers: int | Non
         cfg = mod.method.config
         k, n = mod.qweight.shape[0] * (32 // cfg.bits), mod.qweight.shape[1]
         hook = getattr(mod, "lora", None)
-        # (lora, gated): the plain variant, the gated one of an MLP's gate_up (only that without a LoRA hook: with
-        # one, steps with adapters take the plain or the LoRA variant), the LoRA epilogue's
+        # (lora, gated): an MLP's gate_up its gated variant, and the plain one unless it is gated and has no LoRA
+        # hook (with a hook, steps with adapters take the plain or the LoRA variant); the LoRA epilogue's
         variants = ([(None, True)] if id(mod) in gated else []) + ([(None, False)] if id(mod) not in gated
                                                                    or hook is not None else [])
         variants += [(hook, False)] if hook is not None and hook.epilogue is not False else []
