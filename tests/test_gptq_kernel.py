@@ -43,11 +43,13 @@ MMAT_PAIRS_SCALED = dict(MMAT_SCALED, PAIRS=True)
 SHIFTS = dict(FIELDS, BYTES=False)  # 4-bit fields shifted out one at a time (the field tiles take them by byte)
 MMAT_SHIFTS_SCALED = dict(MMAT_SCALED, BYTES=False)
 MMAT_JOINED = dict(MMAT_SCALED, BYTE_DOTS=True)  # by byte, one dot per byte's two fields (where a config asks)
+LATE_SCALES = dict(DECODE, PRE_S=False)  # each K step's scales loaded in that step, not one step ahead
+MMAT_LATE_SCALES = dict(MMAT_SCALED, PRE_S=False)
 CONFIGS = {"decode": DECODE, "prefill": PREFILL, "gemv": GEMV, "rows": ROWS, "mmat": MMAT, "fields": FIELDS,
            "gemv_fields": GEMV_FIELDS, "mmat_fields": MMAT_FIELDS, "scaled": SCALED, "mmat_scaled": MMAT_SCALED,
            "gemv_inplace": GEMV_INPLACE, "pairs": PAIRS, "pairs_scaled": PAIRS_SCALED, "mmat_pairs": MMAT_PAIRS,
            "mmat_pairs_scaled": MMAT_PAIRS_SCALED, "shifts": SHIFTS, "mmat_shifts_scaled": MMAT_SHIFTS_SCALED,
-           "mmat_joined": MMAT_JOINED,
+           "mmat_joined": MMAT_JOINED, "late_scales": LATE_SCALES, "mmat_late_scales": MMAT_LATE_SCALES,
            "dequant": {"kernel": "dequant"},
            "dequant_chunks": {"kernel": "dequant", "CHUNK_N": 32}}  # columns a block at a time, a ragged last one
 
@@ -110,7 +112,7 @@ def test_matches_reference(gemm, gen, regime, bits, group, desc_act, hint):
               "fields": (1, 20), "gemv_fields": (1, 3), "mmat_fields": (1, 40), "scaled": (17, 70),
               "mmat_scaled": (1, 40), "gemv_inplace": (1, 3), "pairs": (1, 20), "pairs_scaled": (17, 70),
               "mmat_pairs": (1, 20), "mmat_pairs_scaled": (17, 40), "shifts": (1, 20), "mmat_shifts_scaled": (1, 40),
-              "mmat_joined": (1, 40),
+              "mmat_joined": (1, 40), "late_scales": (1, 20), "mmat_late_scales": (1, 40),
               "dequant": (1, 90),
               "dequant_chunks": (1, 90)}[regime]
     m = int(torch.randint(lo, hi, (1,), generator=g))
@@ -238,6 +240,33 @@ def test_launcher_takes_4bit_fields_by_byte_permute(gemm, gen, monkeypatch):
                          gi.to(DEV), 4, True, 128, config=cfg)
     assert [(c["BYTES"], c["BYTE_DOTS"]) for c in calls] == [(True, True), (True, False), (True, False),
                                                              (False, False), (True, False)]
+
+
+def test_scales_one_step_ahead_give_the_same_bits(gemm, gen, monkeypatch):
+    """The tensor-core tiles load each K step's scales one step ahead (PRE_S, the default: the load's latency
+    hides behind a whole step) unless the config says PRE_S=False (loaded in their own step): the same outputs bit
+    for bit, with splits whose steps cross groups, a ragged last step, and grouped tile order."""
+    g = gen
+    for cfg, group, k, m in ((DECODE, 32, 224, 9), (MMAT_SCALED, 128, 384, 20), (FIELDS, 128, 640, 5),
+                             (PREFILL, 64, 256, 70), (MMAT_FIELDS, -1, 320, 3), (dict(MMAT_SCALED, BLOCK_M=64), 128,
+                                                                                   512, 40)):
+        qw, qz, s, gi = make_weights(g, 4, group, k, 72, False, False)
+        gs = k if group == -1 else group
+        x = torch.randn(m, k, generator=g).half().to(DEV)
+        ahead = gemm.gptq_matmul(x, qw, qz, s, gi, 4, True, gs, config=cfg)
+        late = gemm.gptq_matmul(x, qw, qz, s, gi, 4, True, gs, config=dict(cfg, PRE_S=False))
+        assert torch.equal(ahead, late), (cfg, group, k)
+        assert_close(ahead, ref.gptq_matmul(x, qw, qz, s, gi, 4, True), torch.float16, g, f"{cfg} g{group}")
+    calls = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: calls.append(kw)
+    monkeypatch.setattr(gemm, "mma_kernel", Recorder())
+    qw, qz, s, gi = make_weights(g, 4, 128, 256, 32, False, False)
+    for cfg in (FIELDS, MMAT_LATE_SCALES, DECODE, dict(FIELDS, PRE_S=True)):
+        gemm.gptq_matmul(torch.randn(5, 256, generator=g).half().to(DEV), qw, qz, s, gi, 4, True, 128, config=cfg)
+    assert [c["PRE_S"] for c in calls] == [True, False, True, True]
 
 
 def test_byte_fields_probe_and_its_fallback(gemm, monkeypatch, caplog):
@@ -554,5 +583,10 @@ def test_benchmark_rows_on_cpu_interpreted(gemm, monkeypatch, capsys):
     assert all(("shift_us" in r) == (bench.shifted(json.loads(r["config"])) is not None) for r in rows), rows
     assert rows[1]["shift_us"] > 0 and rows[1]["byte_gain"] == rows[1]["shift_us"] / rows[1]["infer_us"]
     assert all(("joined_us" in r) == (bench.joined(json.loads(r["config"])) is not None) for r in rows), rows
+    # the tensor-core tiles also timed with each K step's scales loaded in that step (PRE_S=False)
+    assert [("late_s_us" in r) for r in rows] == [json.loads(r["config"])["kernel"] in ("mma", "mmat") for r in rows]
+    assert rows[1]["late_s_us"] > 0 and rows[1]["pre_s_gain"] == rows[1]["late_s_us"] / rows[1]["infer_us"]
+    assert bench.late_scales({"kernel": "gemv"}) is None and bench.late_scales({"kernel": "mmat", "PRE_S": False}) \
+        is None and bench.late_scales({"kernel": "mma"}) == {"kernel": "mma", "PRE_S": False}
     bench.print_table(rows, "cpu")
     assert "tiny" in capsys.readouterr().out

@@ -227,6 +227,8 @@ def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, g
     # waits, but on an H100 (2026-11-27) the same tiles ran 5-15% faster with one dot per field at 128-256 rows
     dots["BYTE_DOTS"] = dots["BYTES"] and kind == "mmat" and cfg["num_warps"] == 4 and bool(cfg.get("BYTE_DOTS",
                                                                                                    False))
+    # the tensor-core tiles load each K step's scales one step ahead unless the config says PRE_S=False
+    dots["PRE_S"] = bool(cfg.get("PRE_S", True))
     if kind == "gemv" and cfg.get("BLOCK_M", 1) == 1:
         grid = (cdiv(n, cfg["BLOCK_N"]), split, m)
         inplace = bool(cfg.get("INPLACE", False)) and not f32

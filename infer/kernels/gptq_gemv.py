@@ -103,8 +103,8 @@ def gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, 
                BLOCK_N, PDL, PREFETCH)
     acc = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        words, wv, z, s = _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, group_size, offs_w, offs_n, mask_n, sq_k,
-                                      sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, False)
+        words, wv, z, s = _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, k0 // group_size, offs_w, offs_n, mask_n,
+                                      sq_k, sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, False)
         if INPLACE:
             acc = _gemv_step_inplace(acc, x_ptr + pid_m * sx_m, k0, words, wv, z, s, offs_w, BITS, WP, BKW, ASM)
         else:
@@ -140,8 +140,8 @@ def gemv_rows_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N
                BLOCK_N, PDL, PREFETCH)
     acc = tl.zeros((BLOCK_M, BKW, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        words, wv, z, s = _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, group_size, offs_w, offs_n, mask_n, sq_k,
-                                      sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, False)
+        words, wv, z, s = _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, k0 // group_size, offs_w, offs_n, mask_n,
+                                      sq_k, sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, False)
         xk = _xrow0(k0, tl.arange(0, PACK)[:, None], WP, PACK, BKW) + offs_w[None, :] * XS  # [PACK, BKW]
         xv = tl.load(x_ptr + offs_m[:, None, None] * sx_m + xk[None, :, :],
                      mask=mask_m[:, None, None] & wv[None, None, :], other=0.0).to(tl.float32)

@@ -45,14 +45,23 @@ def _kmask(words, k_end, PACK: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _zeros_scales(qz_ptr, s_ptr, g, offs_n, mask_n, sz_g, ss_g, BITS: tl.constexpr, ZEROS_V1: tl.constexpr):
+def _scales(s_ptr, g, offs_n, mask_n, ss_g):
+    return tl.load(s_ptr + g * ss_g + offs_n, mask=mask_n, other=0.0)
+
+
+@triton.jit
+def _zeros_scales(qz_ptr, s_ptr, g, offs_n, mask_n, sz_g, ss_g, BITS: tl.constexpr, ZEROS_V1: tl.constexpr,
+                  LOAD_S: tl.constexpr = True):
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     zw = tl.load(qz_ptr + g * sz_g + offs_n // PACK, mask=mask_n, other=0)
     z = (zw >> ((offs_n % PACK) * BITS)) & MASK
     if ZEROS_V1:
         z = (z + 1) & MASK
-    s = tl.load(s_ptr + g * ss_g + offs_n, mask=mask_n, other=0.0)
+    if LOAD_S:
+        s = _scales(s_ptr, g, offs_n, mask_n, ss_g)
+    else:  # the caller has them (loaded a step ahead)
+        s = z
     return z, s
 
 
@@ -255,8 +264,9 @@ def _pdl_start(qw_ptr, qz_ptr, s_ptr, k_begin, k_end, group_size, n0, N, sq_k, s
 
 
 @triton.jit
-def _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, group_size, offs_w, offs_n, mask_n, sq_k, sz_g, ss_g,
-                BITS: tl.constexpr, ZEROS_V1: tl.constexpr, EVEN_K: tl.constexpr, TRANS: tl.constexpr):
+def _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, g, offs_w, offs_n, mask_n, sq_k, sz_g, ss_g,
+                BITS: tl.constexpr, ZEROS_V1: tl.constexpr, EVEN_K: tl.constexpr, TRANS: tl.constexpr,
+                PRE_S: tl.constexpr = False):
     """One K step's packed words ([BKW, BLOCK_N], or [BLOCK_N, BKW] with TRANS; coalesced along N, read once),
     which of them lie in range, and the step's group zeros and scales."""
     PACK: tl.constexpr = 32 // BITS
@@ -268,7 +278,7 @@ def _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, group_size, offs_w, offs_n, ma
     else:
         words = tl.load(qw_ptr + wrow[:, None] * sq_k + offs_n[None, :], mask=wv[:, None] & mask_n[None, :], other=0,
                         eviction_policy="evict_first")
-    z, s = _zeros_scales(qz_ptr, s_ptr, k0 // group_size, offs_n, mask_n, sz_g, ss_g, BITS, ZEROS_V1)
+    z, s = _zeros_scales(qz_ptr, s_ptr, g, offs_n, mask_n, sz_g, ss_g, BITS, ZEROS_V1, not PRE_S)
     return words, wv, z, s
 
 
@@ -483,7 +493,8 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
                ASM: tl.constexpr = True, HAS_BIAS: tl.constexpr = False, LORA_S: tl.constexpr = 0,
                LORA_R: tl.constexpr = 0, LORA_RP: tl.constexpr = 1, LORA_NSH: tl.constexpr = 1,
                LORA_JB: tl.constexpr = 16, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 2,
-               BYTES: tl.constexpr = False, BYTE_DOTS: tl.constexpr = False, GATED: tl.constexpr = False):
+               BYTES: tl.constexpr = False, BYTE_DOTS: tl.constexpr = False, GATED: tl.constexpr = False,
+               PRE_S: tl.constexpr = False):
     """Tensor cores (tl.dot), y tile [BLOCK_M, BLOCK_N]: one dot per packed field (FIELD_DOTS, `_dot_fields`) or
     one dot over the reshaped tile (`_dot_tile`). TRANS (`mmat`) computes y^T = W^T x^T, so the dequantized weight
     is the first (register) operand of the tensor-core instruction and the activation rows the second (as Machete
@@ -515,9 +526,20 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         x_rows = x_ptr + offs_m[:, None] * sx_m
+    if PRE_S:  # the scales one K step ahead (loaded into registers while the step before runs)
+        g_next = k_begin // group_size
+        s_next = _scales(s_ptr, g_next, offs_n, mask_n, ss_g)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        words, wv, z, s = _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, group_size, offs_w, offs_n, mask_n, sq_k,
-                                      sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, TRANS)
+        if PRE_S:
+            g, s = g_next, s_next
+            g_next = tl.minimum(k0 + BLOCK_K, k_end - 1) // group_size
+            s_next = _scales(s_ptr, g_next, offs_n, mask_n, ss_g)
+        else:
+            g = k0 // group_size
+        words, wv, z, s_step = _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, g, offs_w, offs_n, mask_n, sq_k,
+                                           sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, TRANS, PRE_S)
+        if not PRE_S:
+            s = s_step
         if PAIRS:
             acc = _dot_pairs(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, WP, BKW, SCALE_W, ASM, TRANS)
         elif FIELD_DOTS:
