@@ -267,6 +267,26 @@ def test_scales_one_step_ahead_give_the_same_bits(gemm, gen, monkeypatch):
     for cfg in (FIELDS, MMAT_LATE_SCALES, DECODE, dict(FIELDS, PRE_S=True)):
         gemm.gptq_matmul(torch.randn(5, 256, generator=g).half().to(DEV), qw, qz, s, gi, 4, True, 128, config=cfg)
     assert [c["PRE_S"] for c in calls] == [True, False, True, True]
+    calls.clear()  # INFER_INT4_SCALES=late: in their own step where the config does not say
+    monkeypatch.setattr(gemm, "int4_scales", "late")
+    for cfg in (FIELDS, dict(FIELDS, PRE_S=True)):
+        gemm.gptq_matmul(torch.randn(5, 256, generator=g).half().to(DEV), qw, qz, s, gi, 4, True, 128, config=cfg)
+    assert [c["PRE_S"] for c in calls] == [False, True]
+
+
+def test_int4_scales_from_the_environment(gemm, monkeypatch):
+    from infer.errors import ConfigError
+    monkeypatch.delenv("INFER_INT4_SCALES", raising=False)
+    for value, want in ((None, True), ("late", False), (" ahead", True)):
+        monkeypatch.setattr(gemm, "int4_scales", None)
+        if value is not None:
+            monkeypatch.setenv("INFER_INT4_SCALES", value)
+        assert gemm.scales_ahead() is want
+    monkeypatch.setattr(gemm, "int4_scales", None)
+    monkeypatch.setenv("INFER_INT4_SCALES", "early")
+    with pytest.raises(ConfigError, match="INFER_INT4_SCALES") as e:
+        gemm.scales_ahead()
+    assert "ahead" in e.value.hint and "late" in e.value.hint
 
 
 def test_byte_fields_probe_and_its_fallback(gemm, monkeypatch, caplog):
@@ -477,6 +497,25 @@ def test_gated_real_sizes_on_gpu(gemm, gen, m, k, half):
         y = gemm.gptq_matmul(x, qw, qz, s, gi, 4, True, 128, wp, gated=True)
         assert y.shape == (m, half)
         assert_close(y, plain, dtype, gen, f"gated M={m} {k}x{2 * half} {dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [2, 16, 32, 64])
+@pytest.mark.parametrize("k, n", [(4096, 4096), (4096, 12288), (11008, 4096)])
+def test_scales_ahead_real_sizes_on_gpu(gemm, gen, monkeypatch, m, k, n):
+    """A 7B's o, qkv and down at the engine's row counts (the tuned tile, the engine's interleaved rows): the int4
+    scales loaded one K step ahead (the default) give the same outputs bit for bit as loaded in their step, and the
+    reference's."""
+    qw, qz, s, gi = make_weights(gen, 4, 128, k, n, False, False)
+    wp = gptq_configs.interleave_for(128, k, 8)
+    qi = packing.interleave_rows(qw, 4, wp)
+    x = torch.randn(m, k, generator=gen).half().to(DEV)
+    got = {}
+    for mode in ("ahead", "late"):
+        monkeypatch.setattr(gemm, "int4_scales", mode)
+        got[mode] = gemm.gptq_matmul(x, qi, qz, s, gi, 4, True, 128, wp)
+    assert torch.equal(got["ahead"], got["late"]), (m, k, n)
+    assert_close(got["ahead"], ref.gptq_matmul(x, qw, qz, s, gi, 4), torch.float16, gen, f"M={m} {k}x{n}")
 
 
 @pytest.mark.gpu

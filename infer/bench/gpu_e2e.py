@@ -18,6 +18,7 @@ The parts live beside it in bench/: `e2e_models` (random models of real shapes, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import re
@@ -32,7 +33,7 @@ from ..kernels.compiles import watch_compiles
 from ..memory.plan import plan_memory
 from ..memory.sizes import kv_bytes_per_token
 from .e2e_models import SHAPES, build_model, dtype_label, hf_config, make_tokenizer, write_random_adapters
-from .e2e_report import NO_PIECES, SILU_APART, WITH_PDL, result_row, run_notes, write_tables
+from .e2e_report import NO_PIECES, SCALES_LATE, SILU_APART, WITH_PDL, result_row, run_notes, write_tables
 from .roofline import copy_bandwidth, decode_roofline, lora_bytes_per_adapter, weight_bytes_per_step
 
 EPILOGUE = "expand in epilogue"  # the mode label of --compare-lora-epilogue
@@ -202,14 +203,16 @@ def engine_modes(run: ShapeRun, tmp: Path) -> list[tuple[str, dict[str, str], bo
     launched on its own, with --compare-lora-fused).
     --compare-piecewise adds each of the two plain modes with graphs for decode steps only, --compare-pdl each of them
     with programmatic dependent launch, --compare-silu the one without adapters with silu_and_mul launched after the
-    int4 gate_up matmul (not in its epilogue)."""
+    int4 gate_up matmul (not in its epilogue), --compare-scales the one without adapters with the int4 kernels
+    loading each K step's scales in that step (not one step ahead)."""
     args = run.args
     both = args.compare_eager and not args.eager  # each of the two plain modes with graphs and without
     pieces = args.compare_piecewise and not args.eager
     modes = [("none", {}, args.eager)] + ([("none", {}, True)] if both else []) \
         + ([(f"none, {NO_PIECES}", {}, False)] if pieces else []) \
         + ([(f"none, {WITH_PDL}", {}, args.eager)] if args.compare_pdl else []) \
-        + ([(f"none, {SILU_APART}", {}, args.eager)] if args.compare_silu and not args.fp16 else [])
+        + ([(f"none, {SILU_APART}", {}, args.eager)] if args.compare_silu and not args.fp16 else []) \
+        + ([(f"none, {SCALES_LATE}", {}, args.eager)] if args.compare_scales and not args.fp16 else [])
     if args.num_adapters:
         adapters = write_random_adapters(run.model_config, tmp, args.num_adapters, args.rank)
         mixed = f"{len(adapters)} mixed r{args.rank}"
@@ -229,13 +232,29 @@ def engine_modes(run: ShapeRun, tmp: Path) -> list[tuple[str, dict[str, str], bo
     return modes
 
 
+@contextlib.contextmanager
+def int4_scales(mode: str | None):
+    """While an engine is built and run: when the int4 tensor-core tiles load their scales (gptq_gemm.int4_scales,
+    "ahead" or "late"; None: as set)."""
+    from ..kernels import gptq_gemm
+    old = gptq_gemm.int4_scales
+    if mode is not None:
+        gptq_gemm.int4_scales = mode
+    try:
+        yield
+    finally:
+        gptq_gemm.int4_scales = old
+
+
 def infer_rows(run: ShapeRun) -> list[dict]:
     """infer's rows: one model with random weights on the device, one engine over it per mode."""
     model, label = build_model(run.model_config, run.dtype, run.device, quantized=not run.args.fp16)
     weight_bytes = weight_bytes_per_step(model, run.batch)
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [infer_row(run, model, label, weight_bytes, lora, adapters, eager)
-                for lora, adapters, eager in engine_modes(run, Path(tmp))]
+        rows = []
+        for lora, adapters, eager in engine_modes(run, Path(tmp)):
+            with int4_scales("late" if SCALES_LATE in lora else None):
+                rows.append(infer_row(run, model, label, weight_bytes, lora, adapters, eager))
     del model
     _free_device_memory()
     return rows
@@ -349,6 +368,9 @@ def parse_args(argv=None):
     p.add_argument("--compare-silu", action="store_true",
                    help="also run infer without adapters with silu_and_mul launched after the int4 gate_up matmul "
                         "(by default its epilogue applies it: one launch fewer per layer)")
+    p.add_argument("--compare-scales", action="store_true",
+                   help="also run infer without adapters with the int4 kernels loading each K step's scales in that "
+                        "step instead of one step ahead (INFER_INT4_SCALES=late)")
     p.add_argument("--profile", action="store_true",
                    help="also profile one prefill and 20 decode steps of each engine (host vs GPU-busy time)")
     return p.parse_args(argv)

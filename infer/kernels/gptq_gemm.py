@@ -55,9 +55,28 @@ from .intmath import cdiv, next_power_of_2
 log = logging.getLogger("infer")
 
 _BYTES: dict = {}  # device -> whether the field tiles take 4-bit fields by byte permute (configure_byte_fields)
+# When the tensor-core tiles load a K step's scales (`mma_kernel`'s PRE_S, where a config does not say): None:
+# INFER_INT4_SCALES, "ahead" (the default: one step ahead, so that the load's latency hides behind a whole step) or
+# "late" (in their own step; the scales' 2-byte loads are the one global load Triton's pipeliner leaves synchronous,
+# so each step then waits a memory round trip for them). `python -m infer.bench.kernels` times both.
+int4_scales: str | None = None
 _LOCKS: dict = {}
 _RETIRED_LOCKS: dict = {}  # device -> counters a larger buffer replaced (graphs may hold their addresses)
 _NO_WS: dict = {}
+
+
+def scales_ahead() -> bool:
+    """Whether the tensor-core tiles load each K step's scales one step ahead (`int4_scales`, else the environment's
+    INFER_INT4_SCALES, else "ahead"); ConfigError for another value."""
+    global int4_scales
+    if int4_scales is None:
+        value = os.environ.get("INFER_INT4_SCALES", "ahead").strip()
+        if value not in ("ahead", "late"):
+            from ..errors import ConfigError
+            raise ConfigError(f"INFER_INT4_SCALES={value!r} is not when the int4 kernels load their scales",
+                              "use ahead (the default) or late, or unset it")
+        int4_scales = value
+    return int4_scales == "ahead"
 
 
 def _no_workspace(device: torch.device) -> torch.Tensor:
@@ -227,8 +246,8 @@ def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, g
     # waits, but on an H100 (2026-11-27) the same tiles ran 5-15% faster with one dot per field at 128-256 rows
     dots["BYTE_DOTS"] = dots["BYTES"] and kind == "mmat" and cfg["num_warps"] == 4 and bool(cfg.get("BYTE_DOTS",
                                                                                                    False))
-    # the tensor-core tiles load each K step's scales one step ahead unless the config says PRE_S=False
-    dots["PRE_S"] = bool(cfg.get("PRE_S", True))
+    # the tensor-core tiles load each K step's scales one step ahead unless the config or INFER_INT4_SCALES says
+    dots["PRE_S"] = bool(cfg.get("PRE_S", scales_ahead()))
     if kind == "gemv" and cfg.get("BLOCK_M", 1) == 1:
         grid = (cdiv(n, cfg["BLOCK_N"]), split, m)
         inplace = bool(cfg.get("INPLACE", False)) and not f32

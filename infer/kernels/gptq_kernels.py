@@ -76,6 +76,13 @@ def _fields(words, BITS: tl.constexpr):
 
 
 @triton.jit
+def _f16_1024(z):
+    """int32 zeros 0 <= z < 1024 -> the fp16 1024 + z, by OR-ing z into the mantissa of 1024 (one logic op where a
+    conversion takes the slower integer-to-float unit)."""
+    return (z | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def _field_f16(words, j, zf, BITS: tl.constexpr):
     """Field j of every word as the exact fp16 q - z: OR-ing q into the mantissa of 1024 gives the fp16 1024 + q
     without a conversion instruction; zf is 1024 + z in fp16."""
@@ -297,7 +304,7 @@ def _dot_fields(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, BITS: tl.const
     PACK: tl.constexpr = 32 // BITS
     XS: tl.constexpr = PACK if WP == 1 else 1
     part = tl.zeros(acc.shape, dtype=tl.float32)
-    zf = (z + 1024).to(tl.float16)[:, None] if TRANS else (z + 1024).to(tl.float16)[None, :]
+    zf = _f16_1024(z)[:, None] if TRANS else _f16_1024(z)[None, :]
     sw = s[:, None] if TRANS else s[None, :]
     if BYTES:
         zfb = tl.broadcast_to(zf, words.shape)
@@ -409,7 +416,8 @@ def _dot_pairs(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, WP: tl.constexp
     weight instead of three. TRANS: the weight is the first operand (`mmat`: wgmma's register operand on sm_90)."""
     XS: tl.constexpr = 8 if WP == 1 else 1
     part = tl.zeros(acc.shape, dtype=tl.float32)
-    z0, z1 = (z + 1024).to(tl.float16), (z + 64).to(tl.float16)  # fields as 1024 + q, and 1024 + 16 q (x 1/16)
+    # fields as 1024 + q, and 1024 + 16 q (x 1/16); 64 + z with z in 64's mantissa (its ulp is 1/16)
+    z0, z1 = _f16_1024(z), ((z << 4) | 0x5400).to(tl.int16).to(tl.float16, bitcast=True)
     if TRANS:  # words [BLOCK_N, BKW]: per-column values along axis 0
         z0, z1, sw = z0[:, None], z1[:, None], s[:, None]
     else:
