@@ -43,13 +43,15 @@ MMAT_PAIRS_SCALED = dict(MMAT_SCALED, PAIRS=True)
 SHIFTS = dict(FIELDS, BYTES=False)  # 4-bit fields shifted out one at a time (the field tiles take them by byte)
 MMAT_SHIFTS_SCALED = dict(MMAT_SCALED, BYTES=False)
 MMAT_JOINED = dict(MMAT_SCALED, BYTE_DOTS=True)  # by byte, one dot per byte's two fields (where a config asks)
-LATE_SCALES = dict(DECODE, PRE_S=False)  # each K step's scales loaded in that step, not one step ahead
-MMAT_LATE_SCALES = dict(MMAT_SCALED, PRE_S=False)
+LATE_SCALES = dict(DECODE, AHEAD=False)  # each K step's scales loaded in that step, not during the step before
+MMAT_LATE_SCALES = dict(MMAT_SCALED, AHEAD=False)
+GEMV_LATE = dict(GEMV_INPLACE, AHEAD=False)  # the one-row gemv: each step's words, zeros and scales in that step
 CONFIGS = {"decode": DECODE, "prefill": PREFILL, "gemv": GEMV, "rows": ROWS, "mmat": MMAT, "fields": FIELDS,
            "gemv_fields": GEMV_FIELDS, "mmat_fields": MMAT_FIELDS, "scaled": SCALED, "mmat_scaled": MMAT_SCALED,
            "gemv_inplace": GEMV_INPLACE, "pairs": PAIRS, "pairs_scaled": PAIRS_SCALED, "mmat_pairs": MMAT_PAIRS,
            "mmat_pairs_scaled": MMAT_PAIRS_SCALED, "shifts": SHIFTS, "mmat_shifts_scaled": MMAT_SHIFTS_SCALED,
            "mmat_joined": MMAT_JOINED, "late_scales": LATE_SCALES, "mmat_late_scales": MMAT_LATE_SCALES,
+           "gemv_late": GEMV_LATE,
            "dequant": {"kernel": "dequant"},
            "dequant_chunks": {"kernel": "dequant", "CHUNK_N": 32}}  # columns a block at a time, a ragged last one
 
@@ -112,7 +114,7 @@ def test_matches_reference(gemm, gen, regime, bits, group, desc_act, hint):
               "fields": (1, 20), "gemv_fields": (1, 3), "mmat_fields": (1, 40), "scaled": (17, 70),
               "mmat_scaled": (1, 40), "gemv_inplace": (1, 3), "pairs": (1, 20), "pairs_scaled": (17, 70),
               "mmat_pairs": (1, 20), "mmat_pairs_scaled": (17, 40), "shifts": (1, 20), "mmat_shifts_scaled": (1, 40),
-              "mmat_joined": (1, 40), "late_scales": (1, 20), "mmat_late_scales": (1, 40),
+              "mmat_joined": (1, 40), "late_scales": (1, 20), "mmat_late_scales": (1, 40), "gemv_late": (1, 3),
               "dequant": (1, 90),
               "dequant_chunks": (1, 90)}[regime]
     m = int(torch.randint(lo, hi, (1,), generator=g))
@@ -242,50 +244,66 @@ def test_launcher_takes_4bit_fields_by_byte_permute(gemm, gen, monkeypatch):
                                                              (False, False), (True, False)]
 
 
-def test_scales_one_step_ahead_give_the_same_bits(gemm, gen, monkeypatch):
-    """The tensor-core tiles load each K step's scales one step ahead (PRE_S, the default: the load's latency
-    hides behind a whole step) unless the config says PRE_S=False (loaded in their own step): the same outputs bit
-    for bit, with splits whose steps cross groups, a ragged last step, and grouped tile order."""
+def test_loads_one_step_ahead_give_the_same_bits(gemm, gen, monkeypatch):
+    """The tensor-core tiles load each K step's scales during the step before, and the one-row gemv each step's
+    words, zeros and scales (AHEAD, the default: the loads' latency hides behind a whole step), unless the config
+    says AHEAD=False (loaded in their own step): the same outputs bit for bit, with splits whose steps cross groups,
+    ragged last steps, grouped tiles, and one-step splits."""
     g = gen
     for cfg, group, k, m in ((DECODE, 32, 224, 9), (MMAT_SCALED, 128, 384, 20), (FIELDS, 128, 640, 5),
                              (PREFILL, 64, 256, 70), (MMAT_FIELDS, -1, 320, 3), (dict(MMAT_SCALED, BLOCK_M=64), 128,
-                                                                                   512, 40)):
+                                                                                   512, 40),
+                             (GEMV_INPLACE, 128, 640, 1), (GEMV, 32, 224, 2), (dict(GEMV_INPLACE, SPLIT_K=5), 128,
+                                                                                640, 1), (GEMV_FIELDS, -1, 320, 1)):
         qw, qz, s, gi = make_weights(g, 4, group, k, 72, False, False)
         gs = k if group == -1 else group
         x = torch.randn(m, k, generator=g).half().to(DEV)
         ahead = gemm.gptq_matmul(x, qw, qz, s, gi, 4, True, gs, config=cfg)
-        late = gemm.gptq_matmul(x, qw, qz, s, gi, 4, True, gs, config=dict(cfg, PRE_S=False))
+        late = gemm.gptq_matmul(x, qw, qz, s, gi, 4, True, gs, config=dict(cfg, AHEAD=False))
         assert torch.equal(ahead, late), (cfg, group, k)
         assert_close(ahead, ref.gptq_matmul(x, qw, qz, s, gi, 4, True), torch.float16, g, f"{cfg} g{group}")
     calls = []
 
     class Recorder:
+        def __init__(self, flag):
+            self.flag = flag
+
         def __getitem__(self, grid):
-            return lambda *args, **kw: calls.append(kw)
-    monkeypatch.setattr(gemm, "mma_kernel", Recorder())
+            return lambda *args, **kw: calls.append(kw[self.flag])
+    monkeypatch.setattr(gemm, "mma_kernel", Recorder("PRE_S"))
+    monkeypatch.setattr(gemm, "gemv_kernel", Recorder("AHEAD"))
     qw, qz, s, gi = make_weights(g, 4, 128, 256, 32, False, False)
-    for cfg in (FIELDS, MMAT_LATE_SCALES, DECODE, dict(FIELDS, PRE_S=True)):
-        gemm.gptq_matmul(torch.randn(5, 256, generator=g).half().to(DEV), qw, qz, s, gi, 4, True, 128, config=cfg)
-    assert [c["PRE_S"] for c in calls] == [True, False, True, True]
-    calls.clear()  # INFER_INT4_SCALES=late: in their own step where the config does not say
-    monkeypatch.setattr(gemm, "int4_scales", "late")
-    for cfg in (FIELDS, dict(FIELDS, PRE_S=True)):
-        gemm.gptq_matmul(torch.randn(5, 256, generator=g).half().to(DEV), qw, qz, s, gi, 4, True, 128, config=cfg)
-    assert [c["PRE_S"] for c in calls] == [False, True]
+    # the one-row gemv ahead where a step is at most 8 words a thread (GEMV_INPLACE: 32 columns x 16 words over 4
+    # warps; 128 columns: 16 words, not unless the config asks; 128 columns on 8 warps: 8)
+    wide = dict(GEMV_INPLACE, BLOCK_N=128)
+    cfgs = (FIELDS, MMAT_LATE_SCALES, DECODE, dict(FIELDS, AHEAD=True), GEMV_INPLACE, GEMV_LATE, wide,
+            dict(wide, AHEAD=True), dict(wide, num_warps=8))
+    for cfg in cfgs:
+        gemm.gptq_matmul(torch.randn(1 if cfg["kernel"] == "gemv" else 5, 256, generator=g).half().to(DEV), qw, qz, s,
+                         gi, 4, True, 128, config=cfg)
+    assert calls == [True, False, True, True, True, False, False, True, True]
+    calls.clear()  # INFER_INT4_LOADS=late: in their own step where the config does not say
+    monkeypatch.setattr(gemm, "int4_loads", "late")
+    for cfg in cfgs:
+        gemm.gptq_matmul(torch.randn(1 if cfg["kernel"] == "gemv" else 5, 256, generator=g).half().to(DEV), qw, qz, s,
+                         gi, 4, True, 128, config=cfg)
+    assert calls == [False, False, False, True, False, False, False, True, False]
+    # the rows gemv and dequantize + cuBLAS have no K-step loads to move
+    assert not gemm.loads_ahead_for("gemv", ROWS, 4) and not gemm.loads_ahead_for("dequant", {}, 4)
 
 
-def test_int4_scales_from_the_environment(gemm, monkeypatch):
+def test_int4_loads_from_the_environment(gemm, monkeypatch):
     from infer.errors import ConfigError
-    monkeypatch.delenv("INFER_INT4_SCALES", raising=False)
+    monkeypatch.delenv("INFER_INT4_LOADS", raising=False)
     for value, want in ((None, True), ("late", False), (" ahead", True)):
-        monkeypatch.setattr(gemm, "int4_scales", None)
+        monkeypatch.setattr(gemm, "int4_loads", None)
         if value is not None:
-            monkeypatch.setenv("INFER_INT4_SCALES", value)
-        assert gemm.scales_ahead() is want
-    monkeypatch.setattr(gemm, "int4_scales", None)
-    monkeypatch.setenv("INFER_INT4_SCALES", "early")
-    with pytest.raises(ConfigError, match="INFER_INT4_SCALES") as e:
-        gemm.scales_ahead()
+            monkeypatch.setenv("INFER_INT4_LOADS", value)
+        assert gemm.loads_ahead() is want
+    monkeypatch.setattr(gemm, "int4_loads", None)
+    monkeypatch.setenv("INFER_INT4_LOADS", "early")
+    with pytest.raises(ConfigError, match="INFER_INT4_LOADS") as e:
+        gemm.loads_ahead()
     assert "ahead" in e.value.hint and "late" in e.value.hint
 
 
@@ -500,19 +518,19 @@ def test_gated_real_sizes_on_gpu(gemm, gen, m, k, half):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [2, 16, 32, 64])
+@pytest.mark.parametrize("m", [1, 2, 16, 32, 64])
 @pytest.mark.parametrize("k, n", [(4096, 4096), (4096, 12288), (11008, 4096)])
-def test_scales_ahead_real_sizes_on_gpu(gemm, gen, monkeypatch, m, k, n):
-    """A 7B's o, qkv and down at the engine's row counts (the tuned tile, the engine's interleaved rows): the int4
-    scales loaded one K step ahead (the default) give the same outputs bit for bit as loaded in their step, and the
-    reference's."""
+def test_loads_ahead_real_sizes_on_gpu(gemm, gen, monkeypatch, m, k, n):
+    """A 7B's o, qkv and down at the engine's row counts (the tuned kernel: at one row the gemv for o, tensor-core
+    tiles otherwise; the engine's interleaved rows): a K step's loads issued during the step before (the default)
+    give the same outputs bit for bit as issued in their step, and the reference's."""
     qw, qz, s, gi = make_weights(gen, 4, 128, k, n, False, False)
     wp = gptq_configs.interleave_for(128, k, 8)
     qi = packing.interleave_rows(qw, 4, wp)
     x = torch.randn(m, k, generator=gen).half().to(DEV)
     got = {}
     for mode in ("ahead", "late"):
-        monkeypatch.setattr(gemm, "int4_scales", mode)
+        monkeypatch.setattr(gemm, "int4_loads", mode)
         got[mode] = gemm.gptq_matmul(x, qi, qz, s, gi, 4, True, 128, wp)
     assert torch.equal(got["ahead"], got["late"]), (m, k, n)
     assert_close(got["ahead"], ref.gptq_matmul(x, qw, qz, s, gi, 4), torch.float16, gen, f"M={m} {k}x{n}")
@@ -622,10 +640,15 @@ def test_benchmark_rows_on_cpu_interpreted(gemm, monkeypatch, capsys):
     assert all(("shift_us" in r) == (bench.shifted(json.loads(r["config"])) is not None) for r in rows), rows
     assert rows[1]["shift_us"] > 0 and rows[1]["byte_gain"] == rows[1]["shift_us"] / rows[1]["infer_us"]
     assert all(("joined_us" in r) == (bench.joined(json.loads(r["config"])) is not None) for r in rows), rows
-    # the tensor-core tiles also timed with each K step's scales loaded in that step (PRE_S=False)
-    assert [("late_s_us" in r) for r in rows] == [json.loads(r["config"])["kernel"] in ("mma", "mmat") for r in rows]
-    assert rows[1]["late_s_us"] > 0 and rows[1]["pre_s_gain"] == rows[1]["late_s_us"] / rows[1]["infer_us"]
-    assert bench.late_scales({"kernel": "gemv"}) is None and bench.late_scales({"kernel": "mmat", "PRE_S": False}) \
-        is None and bench.late_scales({"kernel": "mma"}) == {"kernel": "mma", "PRE_S": False}
+    # the tensor-core tiles and the one-row gemv also timed with each K step's loads issued in that step
+    assert [("late_us" in r) for r in rows] == [bench.late_loads(json.loads(r["config"])) is not None for r in rows]
+    assert "late_us" in rows[1], rows  # the field tile of 3 rows
+    assert all(r["late_us"] > 0 and r["ahead_gain"] == r["late_us"] / r["infer_us"] for r in rows if "late_us" in r)
+    gemv = dict(kernel="gemv", BLOCK_N=64, BLOCK_K=128, num_warps=4)
+    assert bench.late_loads(dict(gemv, BLOCK_M=4)) is None and bench.late_loads(
+        {"kernel": "mmat", "AHEAD": False}) is None and bench.late_loads({"kernel": "dequant"}) is None
+    assert bench.late_loads(dict(gemv, BLOCK_N=128)) is None  # 16 words a thread: not ahead by default
+    assert bench.late_loads({"kernel": "mma"}) == {"kernel": "mma", "AHEAD": False}
+    assert bench.late_loads(gemv) == dict(gemv, AHEAD=False)
     bench.print_table(rows, "cpu")
     assert "tiny" in capsys.readouterr().out

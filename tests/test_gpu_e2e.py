@@ -192,18 +192,18 @@ def test_compare_silu_runs_an_engine_with_silu_and_mul_apart(monkeypatch):
     assert note in e2e_report.run_notes("cpu", args, rows)
 
 
-def test_compare_scales_runs_an_engine_with_the_scales_loaded_late(monkeypatch):
-    """--compare-scales: a row whose engine is built and run with the int4 kernels loading each K step's scales in
-    that step (gptq_gemm.int4_scales "late") beside the default one, the setting given back after it, and a note
+def test_compare_loads_runs_an_engine_with_the_loads_late(monkeypatch):
+    """--compare-loads: a row whose engine is built and run with the int4 kernels issuing each K step's loads in
+    that step (gptq_gemm.int4_loads "late") beside the default one, the setting given back after it, and a note
     setting the two side by side."""
     from infer.kernels import gptq_gemm
-    monkeypatch.setattr(gptq_gemm, "int4_scales", None)
-    built = record_engines(monkeypatch, lambda engine: gptq_gemm.int4_scales)
+    monkeypatch.setattr(gptq_gemm, "int4_loads", None)
+    built = record_engines(monkeypatch, lambda engine: gptq_gemm.int4_loads)
     args = e2e.parse_args(["--out", "unused", "--num-prompts", "2", "--concurrency", "2", "--input-len", "5",
-                           "--output-len", "3", "--num-adapters", "0", "--skip-hf", "--compare-scales"])
+                           "--output-len", "3", "--num-adapters", "0", "--skip-hf", "--compare-loads"])
     rows = e2e.bench_model("llama-2-7b", args, bandwidth=1e10, device="cpu", dtype=torch.float32, **TINY)
-    assert [r["lora"] for r in rows] == ["none", f"none, {e2e_report.SCALES_LATE}"]
-    assert built == [None, "late"] and gptq_gemm.int4_scales is None
-    [note] = e2e_report.scales_gains(rows)
-    assert note.startswith("llama-2-7b infer, none: the int4 scales loaded one K step ahead give ")
+    assert [r["lora"] for r in rows] == ["none", f"none, {e2e_report.LOADS_LATE}"]
+    assert built == [None, "late"] and gptq_gemm.int4_loads is None
+    [note] = e2e_report.loads_gains(rows)
+    assert note.startswith("llama-2-7b infer, none: the int4 kernels' loads one K step ahead give ")
     assert note in e2e_report.run_notes("cpu", args, rows)

@@ -11,8 +11,8 @@ COLUMNS = ["model", "weights", "lora", "engine", "output_tok_s", "mean_tpot_ms",
 NO_PIECES = "mixed steps eager"  # gpu_e2e --compare-piecewise: steps that are not all decodes run without graphs
 WITH_PDL = "with PDL"  # gpu_e2e --compare-pdl: kernels launched with programmatic dependent launch (off by default)
 SILU_APART = "silu_and_mul launched apart"  # gpu_e2e --compare-silu: EngineConfig.silu_in_gate_up off
-SCALES_LATE = "int4 scales loaded in their step"  # gpu_e2e --compare-scales: INFER_INT4_SCALES=late
-VARIANTS = (NO_PIECES, WITH_PDL, SILU_APART, SCALES_LATE)  # a mode label's suffix that names a variant of the engine
+LOADS_LATE = "int4 loads in their step"  # gpu_e2e --compare-loads: INFER_INT4_LOADS=late
+VARIANTS = (NO_PIECES, WITH_PDL, SILU_APART, LOADS_LATE)  # a mode label's suffix that names a variant of the engine
 
 
 def variant_of(lora: str) -> str | None:
@@ -99,14 +99,14 @@ def silu_gains(rows: list[dict]) -> list[str]:
             for lora, on, r in variant_pairs(rows, SILU_APART, "mean_tpot_ms")]
 
 
-def scales_gains(rows: list[dict]) -> list[str]:
-    """For each row whose int4 kernels loaded each K step's scales in that step (--compare-scales): what the default,
-    one step ahead (gptq_gemm.scales_ahead), gives against it, as ratios."""
-    return [f"{r['model']} {r['engine']}, {lora}: the int4 scales loaded one K step ahead give "
+def loads_gains(rows: list[dict]) -> list[str]:
+    """For each row whose int4 kernels issued each K step's loads in that step (--compare-loads): what the default,
+    during the step before (gptq_gemm.loads_ahead), gives against it, as ratios."""
+    return [f"{r['model']} {r['engine']}, {lora}: the int4 kernels' loads one K step ahead give "
             f"{on['output_tok_s'] / r['output_tok_s']:.3f}x the throughput and "
-            f"{r['mean_tpot_ms'] / on['mean_tpot_ms']:.3f}x the decode speed of loading them in their step (TPOT "
+            f"{r['mean_tpot_ms'] / on['mean_tpot_ms']:.3f}x the decode speed of issuing them in their step (TPOT "
             f"{on['mean_tpot_ms']} vs {r['mean_tpot_ms']} ms)"
-            for lora, on, r in variant_pairs(rows, SCALES_LATE, "mean_tpot_ms")]
+            for lora, on, r in variant_pairs(rows, LOADS_LATE, "mean_tpot_ms")]
 
 
 def write_tables(rows: list[dict], out: Path, notes: list[str]) -> str:
@@ -132,4 +132,4 @@ def run_notes(device_name: str, args, rows: list[dict]) -> list[str]:
             "roofline: (decode-step weight bytes + KV bytes of the batch at the mean context + adapter bytes) / "
             "measured device-to-device copy bandwidth; fraction = roofline TPOT / measured mean TPOT",
             *adapter_costs(rows), *piecewise_gains(rows), *pdl_gains(rows), *silu_gains(rows),
-            *scales_gains(rows)]
+            *loads_gains(rows)]

@@ -33,7 +33,7 @@ from ..kernels.compiles import watch_compiles
 from ..memory.plan import plan_memory
 from ..memory.sizes import kv_bytes_per_token
 from .e2e_models import SHAPES, build_model, dtype_label, hf_config, make_tokenizer, write_random_adapters
-from .e2e_report import NO_PIECES, SCALES_LATE, SILU_APART, WITH_PDL, result_row, run_notes, write_tables
+from .e2e_report import NO_PIECES, LOADS_LATE, SILU_APART, WITH_PDL, result_row, run_notes, write_tables
 from .roofline import copy_bandwidth, decode_roofline, lora_bytes_per_adapter, weight_bytes_per_step
 
 EPILOGUE = "expand in epilogue"  # the mode label of --compare-lora-epilogue
@@ -203,8 +203,8 @@ def engine_modes(run: ShapeRun, tmp: Path) -> list[tuple[str, dict[str, str], bo
     launched on its own, with --compare-lora-fused).
     --compare-piecewise adds each of the two plain modes with graphs for decode steps only, --compare-pdl each of them
     with programmatic dependent launch, --compare-silu the one without adapters with silu_and_mul launched after the
-    int4 gate_up matmul (not in its epilogue), --compare-scales the one without adapters with the int4 kernels
-    loading each K step's scales in that step (not one step ahead)."""
+    int4 gate_up matmul (not in its epilogue), --compare-loads the one without adapters with the int4 kernels
+    issuing each K step's loads in that step (not during the step before: gptq_gemm.loads_ahead)."""
     args = run.args
     both = args.compare_eager and not args.eager  # each of the two plain modes with graphs and without
     pieces = args.compare_piecewise and not args.eager
@@ -212,7 +212,7 @@ def engine_modes(run: ShapeRun, tmp: Path) -> list[tuple[str, dict[str, str], bo
         + ([(f"none, {NO_PIECES}", {}, False)] if pieces else []) \
         + ([(f"none, {WITH_PDL}", {}, args.eager)] if args.compare_pdl else []) \
         + ([(f"none, {SILU_APART}", {}, args.eager)] if args.compare_silu and not args.fp16 else []) \
-        + ([(f"none, {SCALES_LATE}", {}, args.eager)] if args.compare_scales and not args.fp16 else [])
+        + ([(f"none, {LOADS_LATE}", {}, args.eager)] if args.compare_loads and not args.fp16 else [])
     if args.num_adapters:
         adapters = write_random_adapters(run.model_config, tmp, args.num_adapters, args.rank)
         mixed = f"{len(adapters)} mixed r{args.rank}"
@@ -233,17 +233,17 @@ def engine_modes(run: ShapeRun, tmp: Path) -> list[tuple[str, dict[str, str], bo
 
 
 @contextlib.contextmanager
-def int4_scales(mode: str | None):
-    """While an engine is built and run: when the int4 tensor-core tiles load their scales (gptq_gemm.int4_scales,
+def int4_loads(mode: str | None):
+    """While an engine is built and run: when the int4 kernels issue a K step's loads (gptq_gemm.int4_loads,
     "ahead" or "late"; None: as set)."""
     from ..kernels import gptq_gemm
-    old = gptq_gemm.int4_scales
+    old = gptq_gemm.int4_loads
     if mode is not None:
-        gptq_gemm.int4_scales = mode
+        gptq_gemm.int4_loads = mode
     try:
         yield
     finally:
-        gptq_gemm.int4_scales = old
+        gptq_gemm.int4_loads = old
 
 
 def infer_rows(run: ShapeRun) -> list[dict]:
@@ -253,7 +253,7 @@ def infer_rows(run: ShapeRun) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         rows = []
         for lora, adapters, eager in engine_modes(run, Path(tmp)):
-            with int4_scales("late" if SCALES_LATE in lora else None):
+            with int4_loads("late" if LOADS_LATE in lora else None):
                 rows.append(infer_row(run, model, label, weight_bytes, lora, adapters, eager))
     del model
     _free_device_memory()
@@ -368,9 +368,9 @@ def parse_args(argv=None):
     p.add_argument("--compare-silu", action="store_true",
                    help="also run infer without adapters with silu_and_mul launched after the int4 gate_up matmul "
                         "(by default its epilogue applies it: one launch fewer per layer)")
-    p.add_argument("--compare-scales", action="store_true",
-                   help="also run infer without adapters with the int4 kernels loading each K step's scales in that "
-                        "step instead of one step ahead (INFER_INT4_SCALES=late)")
+    p.add_argument("--compare-loads", action="store_true",
+                   help="also run infer without adapters with the int4 kernels issuing each K step's loads in that "
+                        "step instead of during the step before (INFER_INT4_LOADS=late)")
     p.add_argument("--profile", action="store_true",
                    help="also profile one prefill and 20 decode steps of each engine (host vs GPU-busy time)")
     return p.parse_args(argv)

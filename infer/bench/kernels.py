@@ -14,9 +14,9 @@ measured in the same run; `vs_fp16` > 1 means faster than cuBLAS on the fp16 wei
 with the other unpacking of the words (PAIRS on or off for the field mma / mmat, INPLACE for gemv); `shift_us` is a
 field tile with its 4-bit fields shifted out one at a time instead of taken by byte permute (the default), and
 `byte_gain` shift_us / infer_us; `joined_us` a transposed 4-warp tile with one dot per byte's two fields instead
-of one per field (the default), and `byte_dots_gain` infer_us / joined_us (what BYTE_DOTS would give); `late_s_us` a
-tensor-core tile that loads each K step's scales in that step instead of one step ahead (the default, PRE_S), and
-`pre_s_gain` late_s_us / infer_us; from 32 rows,
+of one per field (the default), and `byte_dots_gain` infer_us / joined_us (what BYTE_DOTS would give); `late_us` a
+tensor-core tile that loads each K step's scales in that step, or a one-row gemv its whole step, instead of during
+the step before (the default, AHEAD), and `ahead_gain` late_us / infer_us; from 32 rows,
 `dequant_us` / `chunks_us` are dequantize + cuBLAS on the whole matrix / in L2-sized column blocks; with --pdl,
 `pdl_us` is the same kernel launched with programmatic dependent launch (each launch of the graph starts, and
 prefetches its first weights, while the one before finishes: kernels.pdl) and `pdl_gain` infer_us / pdl_us; with
@@ -99,11 +99,14 @@ def joined(cfg: dict) -> dict | None:
     return None
 
 
-def late_scales(cfg: dict) -> dict | None:
-    """A tensor-core tile (which loads each K step's scales one step ahead: PRE_S, the default) with the scales
-    loaded in their own step instead, or None for the other kernels: the bench times both (`pre_s_gain`)."""
-    if cfg.get("kernel") in ("mma", "mmat") and cfg.get("PRE_S", True):
-        return dict(cfg, PRE_S=False)
+def late_loads(cfg: dict) -> dict | None:
+    """A kernel that issues a K step's loads during the step before (`gptq_gemm.loads_ahead_for`: the tensor-core
+    tiles their scales, the narrow one-row gemv its whole step) with them issued in their own step instead, or None
+    for the others (wider gemv, the gemv over a few rows, dequantize + cuBLAS): the bench times both
+    (`ahead_gain`)."""
+    from ..kernels.gptq_gemm import loads_ahead_for
+    if cfg.get("kernel") in ("mma", "mmat", "gemv") and loads_ahead_for(cfg["kernel"], cfg, 4):
+        return dict(cfg, AHEAD=False)
     return None
 
 
@@ -152,11 +155,11 @@ def measure_shape(model: str, name: str, k: int, n: int, ms, bandwidth: float, d
             row["joined_us"] = time_graph([lambda t=t: gptq_gemm.gptq_matmul(x, *t, 4, True, 128, wp,
                                                                               config=joined_cfg) for t in copies])
             row["byte_dots_gain"] = ours / row["joined_us"]
-        if late_scales(cfg) is not None:  # the same tile with each step's scales loaded in that step
-            late_cfg = late_scales(cfg)
-            row["late_s_us"] = time_graph([lambda t=t: gptq_gemm.gptq_matmul(x, *t, 4, True, 128, wp,
+        if late_loads(cfg) is not None:  # the same kernel with each step's loads issued in that step
+            late_cfg = late_loads(cfg)
+            row["late_us"] = time_graph([lambda t=t: gptq_gemm.gptq_matmul(x, *t, 4, True, 128, wp,
                                                                               config=late_cfg) for t in copies])
-            row["pre_s_gain"] = row["late_s_us"] / ours
+            row["ahead_gain"] = row["late_us"] / ours
         other = toggled(cfg)
         if other is not None:  # the same tile with the other unpacking, timed in the same run
             row["other"] = kernel_label(other)
@@ -205,7 +208,7 @@ def print_table(rows: list[dict], title: str) -> None:
     table = Table(title=title)
     cols = ["model", "layer", "M", "infer_us", "tinygemm_us", "cublas_fp16_us", "floor_us", "vs_fp16",
             "tinygemm_vs_fp16", "kernel", "other_us", "other", "shift_us", "byte_gain", "joined_us",
-            "byte_dots_gain", "late_s_us", "pre_s_gain", "dequant_us", "chunks_us", "pdl_us", "pdl_gain", "max_rel_err"]
+            "byte_dots_gain", "late_us", "ahead_gain", "dequant_us", "chunks_us", "pdl_us", "pdl_gain", "max_rel_err"]
     for c in cols:
         table.add_column(c, justify="left" if c in ("model", "layer", "kernel", "other") else "right")
     for r in rows:

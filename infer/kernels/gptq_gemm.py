@@ -55,28 +55,48 @@ from .intmath import cdiv, next_power_of_2
 log = logging.getLogger("infer")
 
 _BYTES: dict = {}  # device -> whether the field tiles take 4-bit fields by byte permute (configure_byte_fields)
-# When the tensor-core tiles load a K step's scales (`mma_kernel`'s PRE_S, where a config does not say): None:
-# INFER_INT4_SCALES, "ahead" (the default: one step ahead, so that the load's latency hides behind a whole step) or
-# "late" (in their own step; the scales' 2-byte loads are the one global load Triton's pipeliner leaves synchronous,
-# so each step then waits a memory round trip for them). `python -m infer.bench.kernels` times both.
-int4_scales: str | None = None
+# When the int4 kernels load a K step's data (where a config does not say: its "AHEAD"): None: INFER_INT4_LOADS,
+# "ahead" (the default) or "late". Ahead, the tensor-core tiles (`mma_kernel`'s PRE_S) load each step's scales during
+# the step before (their 2-byte loads are the one global load Triton's pipeliner leaves synchronous: late, each step
+# waits a memory round trip for them), and the one-row gemv (`gemv_kernel`'s AHEAD), which has no pipeline stages,
+# loads each step's words, zeros and scales during the step before. `python -m infer.bench.kernels` times both.
+int4_loads: str | None = None
 _LOCKS: dict = {}
 _RETIRED_LOCKS: dict = {}  # device -> counters a larger buffer replaced (graphs may hold their addresses)
 _NO_WS: dict = {}
 
 
-def scales_ahead() -> bool:
-    """Whether the tensor-core tiles load each K step's scales one step ahead (`int4_scales`, else the environment's
-    INFER_INT4_SCALES, else "ahead"); ConfigError for another value."""
-    global int4_scales
-    if int4_scales is None:
-        value = os.environ.get("INFER_INT4_SCALES", "ahead").strip()
+def loads_ahead() -> bool:
+    """Whether the int4 kernels load a K step's scales (tensor-core tiles) or whole step (one-row gemv) during the
+    step before (`int4_loads`, else the environment's INFER_INT4_LOADS, else "ahead"); ConfigError for another
+    value."""
+    global int4_loads
+    if int4_loads is None:
+        value = os.environ.get("INFER_INT4_LOADS", "ahead").strip()
         if value not in ("ahead", "late"):
             from ..errors import ConfigError
-            raise ConfigError(f"INFER_INT4_SCALES={value!r} is not when the int4 kernels load their scales",
+            raise ConfigError(f"INFER_INT4_LOADS={value!r} is not when the int4 kernels load a step's weights",
                               "use ahead (the default) or late, or unset it")
-        int4_scales = value
-    return int4_scales == "ahead"
+        int4_loads = value
+    return int4_loads == "ahead"
+
+
+GEMV_AHEAD_WORDS = 8  # the most words of a K step per thread with which the one-row gemv loads a step ahead
+
+
+def loads_ahead_for(kind: str, cfg: dict, bits: int) -> bool:
+    """Whether kernel `cfg` issues a K step's loads during the step before: the config's "AHEAD", else
+    `loads_ahead()` for the tensor-core tiles, and for the one-row gemv where a step holds at most GEMV_AHEAD_WORDS
+    packed words per thread (sm_90, Triton 3.6: 64 columns on 4 warps go from 80 to 96 registers, 128 columns on 4
+    warps from 128 to 160, and Triton 3.9 spills the latter); False for the other kernels (no K-step loads to move)."""
+    if "AHEAD" in cfg:
+        return bool(cfg["AHEAD"])
+    if kind in ("mma", "mmat"):
+        return loads_ahead()
+    if kind == "gemv" and cfg.get("BLOCK_M", 1) == 1:
+        words = cfg["BLOCK_N"] * (cfg["BLOCK_K"] // (32 // bits)) // (32 * cfg["num_warps"])
+        return words <= GEMV_AHEAD_WORDS and loads_ahead()
+    return False
 
 
 def _no_workspace(device: torch.device) -> torch.Tensor:
@@ -246,14 +266,13 @@ def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, g
     # waits, but on an H100 (2026-11-27) the same tiles ran 5-15% faster with one dot per field at 128-256 rows
     dots["BYTE_DOTS"] = dots["BYTES"] and kind == "mmat" and cfg["num_warps"] == 4 and bool(cfg.get("BYTE_DOTS",
                                                                                                    False))
-    # the tensor-core tiles load each K step's scales one step ahead unless the config or INFER_INT4_SCALES says
-    dots["PRE_S"] = bool(cfg.get("PRE_S", scales_ahead()))
+    ahead = loads_ahead_for(kind, cfg, bits)  # a K step's scales (tiles) or whole step (gemv) during the one before
     if kind == "gemv" and cfg.get("BLOCK_M", 1) == 1:
         grid = (cdiv(n, cfg["BLOCK_N"]), split, m)
         inplace = bool(cfg.get("INPLACE", False)) and not f32
         run = gemv_kernel.warmup if compile_only else gemv_kernel[grid]
         run(x2, qweight, qzeros, scales, y, ws, _locks(x2.device, grid[0] * m), *args,
-            FIELD_LOOP=bool(cfg.get("FIELD", False)) and not f32, INPLACE=inplace, ASM=asm, **common,
+            FIELD_LOOP=bool(cfg.get("FIELD", False)) and not f32, INPLACE=inplace, ASM=asm, AHEAD=ahead, **common,
             **({"grid": grid} if compile_only else {}))
     elif kind == "gemv":
         grid = (cdiv(n, cfg["BLOCK_N"]), split, cdiv(m, cfg["BLOCK_M"]))
@@ -265,7 +284,7 @@ def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, g
         grid = (tiles, split)
         run = mma_kernel.warmup if compile_only else mma_kernel[grid]
         run(x2, qweight, qzeros, scales, y, ws, _locks(x2.device, tiles), *args, GROUP_M=cfg.get("GROUP_M", 1),
-            TRANS=kind == "mmat", **dots, **common, **({"grid": grid} if compile_only else {}))
+            TRANS=kind == "mmat", PRE_S=ahead, **dots, **common, **({"grid": grid} if compile_only else {}))
     return y
 
 
@@ -298,7 +317,7 @@ def gptq_matmul(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sc
                 bias: torch.Tensor | None = None, lora=None, gated: bool = False) -> torch.Tensor | None:
     """Same as `reference.gptq_matmul` (see there). `config` overrides the tuned / heuristic choice (tests,
     tuning): {"kernel": "gemv" | "mma" | "mmat" | "dequant", BLOCK_*, SPLIT_K, GROUP_M, num_warps, num_stages,
-    FIELD, SCALE_W, INPLACE, PAIRS, CHUNK_N}. compile_only: compile the fused kernel this call would launch and
+    FIELD, SCALE_W, INPLACE, PAIRS, AHEAD, CHUNK_N}. compile_only: compile the fused kernel this call would launch and
     return None (nothing is computed; `gptq_tune.compile_parallel` runs many such calls on a thread pool).
     bias and lora (a `lora_reference.LoRADelta`) are added in the fused kernels' epilogue, so that neither costs a
     launch (the expand where `fuses_lora` says so); after dequantize + cuBLAS, by a bias add and an expand launch.

@@ -87,12 +87,14 @@ def gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, 
                 INPLACE: tl.constexpr = False, ASM: tl.constexpr = True, HAS_BIAS: tl.constexpr = False,
                 LORA_S: tl.constexpr = 0, LORA_R: tl.constexpr = 0, LORA_RP: tl.constexpr = 1,
                 LORA_NSH: tl.constexpr = 1, LORA_JB: tl.constexpr = 16, PDL: tl.constexpr = False,
-                PREFETCH: tl.constexpr = 2, GATED: tl.constexpr = False):
+                PREFETCH: tl.constexpr = 2, GATED: tl.constexpr = False, AHEAD: tl.constexpr = False):
     """M = 1 on CUDA cores: fields become floats by OR-ing them into the mantissa of 2^23 (the float 2^23 + q),
     x * (q - z) accumulates in a [BLOCK_K / pack, BLOCK_N] float32 tile reduced once at the end, and the group's
     scale multiplies the step's partial sum, not every weight. FIELD_LOOP: field by field, x loaded per field.
     INPLACE: `_gemv_step_inplace` (fields in place, one lop3 each; ASM: the lop3 as inline PTX, off in the
-    interpreter, which cannot run PTX)."""
+    interpreter, which cannot run PTX). AHEAD: each step's words, zeros and scales are loaded into registers during
+    the step before (the last step loads its own again, unused), so that a program has two steps' weights in
+    flight where it would wait for each step's (without pipeline stages nothing else overlaps them)."""
     BKW: tl.constexpr = BLOCK_K // (32 // BITS)
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_n, mask_n = gated_cols(pid_n, N, BLOCK_N, GATED)
@@ -102,9 +104,18 @@ def gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, 
     _pdl_start(qw_ptr, qz_ptr, s_ptr, k_begin, k_end, group_size, tl.min(offs_n, 0), N, sq_k, sz_g, ss_g, BITS, BKW,
                BLOCK_N, PDL, PREFETCH)
     acc = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
+    if AHEAD:
+        words_n, wv_n, z_n, s_n = _step_words(qw_ptr, qz_ptr, s_ptr, k_begin, k_end, k_begin // group_size, offs_w,
+                                              offs_n, mask_n, sq_k, sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, False)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        words, wv, z, s = _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, k0 // group_size, offs_w, offs_n, mask_n,
-                                      sq_k, sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, False)
+        if AHEAD:
+            words, wv, z, s = words_n, wv_n, z_n, s_n
+            k1 = tl.where(k0 + BLOCK_K < k_end, k0 + BLOCK_K, k0)
+            words_n, wv_n, z_n, s_n = _step_words(qw_ptr, qz_ptr, s_ptr, k1, k_end, k1 // group_size, offs_w,
+                                                  offs_n, mask_n, sq_k, sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, False)
+        else:
+            words, wv, z, s = _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, k0 // group_size, offs_w, offs_n, mask_n,
+                                          sq_k, sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, False)
         if INPLACE:
             acc = _gemv_step_inplace(acc, x_ptr + pid_m * sx_m, k0, words, wv, z, s, offs_w, BITS, WP, BKW, ASM)
         else:

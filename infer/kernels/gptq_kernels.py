@@ -46,6 +46,8 @@ def _kmask(words, k_end, PACK: tl.constexpr, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _scales(s_ptr, g, offs_n, mask_n, ss_g):
+    """Group g's scales of the tile's columns (fp16: 2 bytes a column, too small for an asynchronous copy, so the
+    pipeliner leaves the load where it is written)."""
     return tl.load(s_ptr + g * ss_g + offs_n, mask=mask_n, other=0.0)
 
 
@@ -275,7 +277,8 @@ def _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, g, offs_w, offs_n, mask_n, sq_
                 BITS: tl.constexpr, ZEROS_V1: tl.constexpr, EVEN_K: tl.constexpr, TRANS: tl.constexpr,
                 PRE_S: tl.constexpr = False):
     """One K step's packed words ([BKW, BLOCK_N], or [BLOCK_N, BKW] with TRANS; coalesced along N, read once),
-    which of them lie in range, and the step's group zeros and scales."""
+    which of them lie in range, and group g's zeros and scales (with PRE_S the caller loaded the scales a step
+    before: the zeros stand in for them here)."""
     PACK: tl.constexpr = 32 // BITS
     wrow = k0 // PACK + offs_w
     wv = _kmask(wrow, k_end, PACK, EVEN_K)
@@ -511,7 +514,9 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
     one dot per byte's two fields where they cover consecutive input rows (interleaved). Grouped tile
     order: GROUP_M row tiles walk the same column tiles (L2 reuse). PDL: launched
     with programmatic dependent launch (`_pdl_start`: PREFETCH K steps of weights into L2 before the wait).
-    GATED: a gate|up layer's tile with SiLU-and-multiply in the epilogue (`gated_cols`)."""
+    GATED: a gate|up layer's tile with SiLU-and-multiply in the epilogue (`gated_cols`). PRE_S: each K step's
+    scales loaded during the step before and carried in registers (`gptq_gemm.loads_ahead_for`; in their own step the
+    step waits a memory round trip for them, as the pipeliner does not stage them)."""
     BKW: tl.constexpr = BLOCK_K // (32 // BITS)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
