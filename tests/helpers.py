@@ -6,6 +6,7 @@ import contextlib
 import functools
 import textwrap
 
+import pytest
 import torch
 
 # The start of a subprocess script (argv[1]: scripts/kernel-sass) whose Triton compiles for sm_90 with the compile
@@ -128,3 +129,21 @@ def serve_process(*args: str, env: dict | None = None):
         if proc.poll() is None:
             proc.kill()
         proc.stderr.close()
+
+
+def check_env_choice(monkeypatch, module, attr: str, read, var: str, values, bad: str, choices) -> None:
+    """With module.<attr> unset (None), `read()` follows the environment's `var`: each (setting or None for
+    unset, expected result) of `values`; `bad` is a ConfigError naming the variable, whose hint names `choices`."""
+    from infer.errors import ConfigError
+    monkeypatch.delenv(var, raising=False)
+    for value, want in values:
+        monkeypatch.setattr(module, attr, None)
+        if value is not None:
+            monkeypatch.setenv(var, value)
+        assert read() is want, (var, value)
+    monkeypatch.setattr(module, attr, None)
+    monkeypatch.setenv(var, bad)
+    with pytest.raises(ConfigError, match=var) as e:
+        read()
+    assert all(c in e.value.hint for c in choices), e.value.hint
+

@@ -19,7 +19,7 @@ from infer.kernels import gptq_configs
 from infer.kernels import reference as ref
 from infer.quant import packing
 
-from helpers import interpreted_module
+from helpers import check_env_choice, interpreted_module
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -293,18 +293,8 @@ def test_loads_one_step_ahead_give_the_same_bits(gemm, gen, monkeypatch):
 
 
 def test_int4_loads_from_the_environment(gemm, monkeypatch):
-    from infer.errors import ConfigError
-    monkeypatch.delenv("INFER_INT4_LOADS", raising=False)
-    for value, want in ((None, True), ("late", False), (" ahead", True)):
-        monkeypatch.setattr(gemm, "int4_loads", None)
-        if value is not None:
-            monkeypatch.setenv("INFER_INT4_LOADS", value)
-        assert gemm.loads_ahead() is want
-    monkeypatch.setattr(gemm, "int4_loads", None)
-    monkeypatch.setenv("INFER_INT4_LOADS", "early")
-    with pytest.raises(ConfigError, match="INFER_INT4_LOADS") as e:
-        gemm.loads_ahead()
-    assert "ahead" in e.value.hint and "late" in e.value.hint
+    check_env_choice(monkeypatch, gemm, "int4_loads", gemm.loads_ahead, "INFER_INT4_LOADS",
+                     ((None, True), ("late", False), (" ahead", True)), "early", ("ahead", "late"))
 
 
 def test_byte_fields_probe_and_its_fallback(gemm, monkeypatch, caplog):

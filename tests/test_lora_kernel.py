@@ -9,7 +9,7 @@ import torch
 from infer.kernels import lora_reference as ref
 from infer.lora.batch import LoRAGroups, lora_groups
 
-from helpers import interpreted_module
+from helpers import check_env_choice, interpreted_module
 
 
 @pytest.fixture(scope="module")
@@ -181,18 +181,8 @@ def test_late_loads_give_the_early_ones_result(poisoned, monkeypatch, by_token):
 
 
 def test_expand_load_order_from_the_environment(ops, monkeypatch):
-    from infer.errors import ConfigError
-    monkeypatch.delenv("INFER_LORA_EXPAND_LOADS", raising=False)
-    for value, want in ((None, True), ("late", False), (" early", True)):
-        monkeypatch.setattr(ops, "expand_loads", None)
-        if value is not None:
-            monkeypatch.setenv("INFER_LORA_EXPAND_LOADS", value)
-        assert ops.early_loads() is want
-    monkeypatch.setattr(ops, "expand_loads", None)
-    monkeypatch.setenv("INFER_LORA_EXPAND_LOADS", "first")
-    with pytest.raises(ConfigError, match="INFER_LORA_EXPAND_LOADS") as e:
-        ops.early_loads()
-    assert "early" in e.value.hint and "late" in e.value.hint
+    check_env_choice(monkeypatch, ops, "expand_loads", ops.early_loads, "INFER_LORA_EXPAND_LOADS",
+                     ((None, True), ("late", False), (" early", True)), "first", ("early", "late"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the bench for real (scripts/gpu-check lora-kernels)")

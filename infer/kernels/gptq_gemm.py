@@ -50,6 +50,7 @@ from .gptq_dequant import dequantize_into_scratch, release_scratch, scratch_byte
 from .gptq_gemv import gemv_kernel, gemv_rows_kernel
 from .gptq_kernels import mma_kernel
 from .intmath import cdiv, next_power_of_2
+from .options import env_choice
 
 
 log = logging.getLogger("infer")
@@ -72,12 +73,7 @@ def loads_ahead() -> bool:
     value."""
     global int4_loads
     if int4_loads is None:
-        value = os.environ.get("INFER_INT4_LOADS", "ahead").strip()
-        if value not in ("ahead", "late"):
-            from ..errors import ConfigError
-            raise ConfigError(f"INFER_INT4_LOADS={value!r} is not when the int4 kernels load a step's weights",
-                              "use ahead (the default) or late, or unset it")
-        int4_loads = value
+        int4_loads = env_choice("INFER_INT4_LOADS", ("ahead", "late"), "when the int4 kernels load a step's weights")
     return int4_loads == "ahead"
 
 

@@ -23,8 +23,6 @@ Both kernels' PDL constexpr: launched with programmatic dependent launch (`pdl`)
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -32,6 +30,7 @@ import triton.language as tl
 from . import pdl
 from .intmath import cdiv, next_power_of_2
 from .lora_reference import LoRADelta, SlotGroups
+from .options import env_choice
 
 MAX_SHARDS = 4  # shards one expand launch covers (a merged qkv has 3)
 # Launch constants, measured on an H100 at 7B shapes, rank 16, 16 tokens x 16 adapters, under CUDA graphs (us):
@@ -56,12 +55,7 @@ def early_loads() -> bool:
     environment's INFER_LORA_EXPAND_LOADS, else "early"); ConfigError for another value."""
     global expand_loads
     if expand_loads is None:
-        value = os.environ.get("INFER_LORA_EXPAND_LOADS", "early").strip()
-        if value not in ("early", "late"):
-            from ..errors import ConfigError
-            raise ConfigError(f"INFER_LORA_EXPAND_LOADS={value!r} is not an order of the LoRA expand's loads",
-                              "use early (the default) or late, or unset it")
-        expand_loads = value
+        expand_loads = env_choice("INFER_LORA_EXPAND_LOADS", ("early", "late"), "an order of the LoRA expand's loads")
     return expand_loads == "early"
 
 
