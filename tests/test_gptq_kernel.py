@@ -333,18 +333,22 @@ def test_byte_fields_probe_and_its_fallback(gemm, monkeypatch, caplog):
 
 def test_warmup_reports_the_int4_unpacking(capsys):
     """`infer warmup` on a GPU says whether the start-up probe let the field tiles take their fields by byte
-    permute (and whether the kernels use PDL); off a GPU neither row is printed."""
+    permute, whether the int4 kernels load a K step ahead, and whether the kernels use PDL; off a GPU none of these
+    rows is printed."""
     from infer.cli.warmup import print_plan
     from infer.cli.warmup_plan import estimate_plan
     from infer.engine.config import EngineConfig
     from infer.models.tiny import ensure_builtin
     plan, extra = estimate_plan(EngineConfig(str(ensure_builtin("tiny-llama"))), 64, 2)
     print_plan(plan, extra)
-    assert "byte permute" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "byte permute" not in out and "INFER_INT4_LOADS" not in out
     for on, word in ((True, "yes"), (False, "no")):
-        print_plan(plan, dict(extra, pdl=True, int4_byte_fields=on))
-        out = capsys.readouterr().out
-        assert re.search(rf"int4 fields unpacked by byte permute.*{word}", out.replace("\n", " "), re.S), out
+        print_plan(plan, dict(extra, pdl=True, int4_byte_fields=on, int4_loads_ahead=not on))
+        out = capsys.readouterr().out.replace("\n", " ")
+        assert re.search(rf"int4 fields unpacked by byte permute.*?{word}", out, re.S), out
+        other = "no" if on else "yes"
+        assert re.search(rf"int4 loads one K step ahead \(INFER_INT4_LOADS\)\s*│\s*{other}", out), out
         assert "programmatic dependent launch" in out
 
 

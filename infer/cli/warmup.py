@@ -65,6 +65,9 @@ def print_plan(plan, extra: dict) -> None:
     if extra.get("int4_byte_fields") is not None:
         rows.append(("int4 fields unpacked by byte permute (else shifted: the start-up check failed)",
                      "yes" if extra["int4_byte_fields"] else "no"))
+    if extra.get("int4_loads_ahead") is not None:
+        rows.append(("int4 loads one K step ahead (INFER_INT4_LOADS)",
+                     "yes" if extra["int4_loads_ahead"] else "no"))
     if extra.get("cuda_graphs_s") is not None:
         rows.append((f"CUDA graph capture at start ({extra['cuda_graphs']:,} graphs, s)",
                      f"{extra['cuda_graphs_s']:.1f}"))
