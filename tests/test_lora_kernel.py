@@ -158,11 +158,12 @@ def test_graph_style_static_groups(poisoned):
 
 
 @pytest.mark.parametrize("by_token", [False, True])
-def test_late_loads_give_the_early_ones_result(poisoned, monkeypatch, by_token):
-    """The expand's two load orders (lora_ops.early_loads; INFER_LORA_EXPAND_LOADS) compute the same sums: the late
-    one matches the reference (rows without adapter kept, an untargeted shard, ranks below the padding) and equals
-    the early one bit for bit, at sorted positions and by token (an int4 layer's decode delta)."""
-    monkeypatch.setattr(poisoned, "expand_loads", "late")
+def test_early_loads_give_the_late_ones_result(poisoned, monkeypatch, by_token):
+    """The expand's two load orders (lora_ops.early_loads; INFER_LORA_EXPAND_LOADS) compute the same sums: the early
+    one (every other test runs the default, late) matches the reference (rows without adapter kept, an untargeted
+    shard, ranks below the padding) and equals the late one bit for bit, at sorted positions and by token (an int4
+    layer's decode delta)."""
+    monkeypatch.setattr(poisoned, "expand_loads", "early")
     ranks = torch.tensor([[8, 0, 4], [3, 16, 16]])
     check(poisoned, [0, 1, 2, -1, 0, 2, 2], outs=(16, 24), num_slots=3, ranks=ranks, seed=6)
     dev = _dev()
@@ -182,7 +183,7 @@ def test_late_loads_give_the_early_ones_result(poisoned, monkeypatch, by_token):
 
 def test_expand_load_order_from_the_environment(ops, monkeypatch):
     check_env_choice(monkeypatch, ops, "expand_loads", ops.early_loads, "INFER_LORA_EXPAND_LOADS",
-                     ((None, True), ("late", False), (" early", True)), "first", ("early", "late"))
+                     ((None, False), ("early", True), (" late", False)), "first", ("late", "early"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the bench for real (scripts/gpu-check lora-kernels)")
@@ -225,10 +226,13 @@ def test_lora_bench_rows_on_cpu_interpreted(ops, monkeypatch):
                                         "expand_late_us", "late_gain", "floor_us", "fp16_linear_us")), row
     assert row["adapter_MB"] == 2 * lora_kernels.RANK * (2 * 64 + 48) * 2 / 1e6
     # lora_apply (a shrink and an expand per set), shrink, expand, the hot expand, the two orders, the sweep of the
-    # shrink's splits and the expand's columns (a decode-sized row), the fp16 linear
-    sweep = len(lora_kernels.SWEEP_SPLITS) + len(lora_kernels.SWEEP_BLOCK_N)
-    assert timed == [(3, 6), (3, 3), (3, 3), (1, 1), (3, 3), (3, 3), *[(3, 3)] * sweep, (1, 0)], timed
+    # shrink's splits, each followed by the shrink + expand pair at that split, and of the expand's columns (a
+    # decode-sized row), the fp16 linear
+    splits = [(3, 3), (3, 6)] * len(lora_kernels.SWEEP_SPLITS)
+    assert timed == [(3, 6), (3, 3), (3, 3), (1, 1), (3, 3), (3, 3), *splits,
+                     *[(3, 3)] * len(lora_kernels.SWEEP_BLOCK_N), (1, 0)], timed
     assert {f"shrink_split{s}_us" for s in lora_kernels.SWEEP_SPLITS} <= set(row), row
+    assert {f"pair_split{s}_us" for s in lora_kernels.SWEEP_SPLITS} <= set(row), row
     assert {f"expand_n{n}_us" for n in lora_kernels.SWEEP_BLOCK_N} <= set(row), row
 
 

@@ -3,21 +3,22 @@ beside the floor the adapter bytes set at the copy bandwidth measured in the sam
 
     python -m infer.bench.kernels --lora --out lora_kernels.csv
 
-Workloads (rank 16, 16 adapter slots, float16): 16 tokens each with its own adapter, 64 tokens over 16 adapters
-(4 each, in slot order as the model runner lays out a batch), 64 tokens with one adapter, and a 2048-token prefill
-over 4 adapters. Each row times `kernels.lora_ops.lora_apply` (one shrink and one expand launch) on one merged
-projection from a CUDA graph that cycles through copies of the adapters' weights larger than the L2 cache together
-(`gptq_tune.time_graph`, as the int4 matmuls are timed: in a decode step they come from device memory), and reports:
-the adapter bytes the step must read (A and B of every adapter in use, rank rows only), the time those bytes take at
-the measured device copy bandwidth (the floor), time / floor, and an fp16 `F.linear` of the base projection's shape
-at the same token count for scale; the shrink and the expand alone; the expand by token (as an int4 layer's decode
-step launches it) with the default load order and the late one (`lora_ops.early_loads`; `late_gain` > 1: the late
-order is faster); and the expand with one set of weights, which then stays in L2 (`expand_hot_us`: how this bench
-timed every kernel before 2026-11-27, and how `lora_ops`' launch constants were chosen; the 7B qkv and gate_up
-expands at 16 tokens took 5.5 and 7.8 us that way, 12 us each in a step's profile). At 16 and 64 tokens each row
-also sweeps the shrink's SPLIT_K (`shrink_split{2,4,8,16}_us`) and the by-token expand's columns per program
-(`expand_n{256,512,1024}_us`), the constants `lora_ops.plan` fixes. GPU only.
-"""
+Workloads (rank 16, 16 adapter slots, float16): 16 tokens each with its own adapter, 64 tokens over 16 adapters (4 each,
+in slot order as the model runner lays out a batch), 64 tokens with one adapter, and a 2048-token prefill over 4
+adapters. Each row times `kernels.lora_ops.lora_apply` (one shrink and one expand launch) on one merged projection from
+a CUDA graph that cycles through copies of the adapters' weights larger than the L2 cache together
+(`gptq_tune.time_graph`, as the int4 matmuls are timed: in a decode step they come from device memory), and reports: the
+adapter bytes the step must read (A and B of every adapter in use, rank rows only), the time those bytes take at the
+measured device copy bandwidth (the floor), time / floor, and an fp16 `F.linear` of the base projection's shape at the
+same token count for scale; the shrink and the expand alone; the expand by token (as an int4 layer's decode step
+launches it) in the early load order (`expand_by_token_us`) and the late one, the default since an H200 timed it faster
+(`expand_late_us`; `lora_ops.early_loads`; `late_gain` > 1: the late order is faster); and the expand with one set of
+weights, which then stays in L2 (`expand_hot_us`: how this bench timed every kernel before 2026-11-27, and how
+`lora_ops`' launch constants were chosen; the 7B qkv and gate_up expands at 16 tokens took 5.5 and 7.8 us that way, 12
+us each in a step's profile). At 16 and 64 tokens each row also sweeps the shrink's SPLIT_K
+(`shrink_split{2,4,8,16}_us`; `pair_split{N}_us`: the by-token shrink at that split and the by-token expand that sums
+its partials, one after the other, as a decode step launches them) and the by-token expand's columns per program
+(`expand_n{256,512,1024}_us`, in the default load order), the constants `lora_ops.plan` fixes. GPU only."""
 
 from __future__ import annotations
 
@@ -103,6 +104,14 @@ def measure(k: int, outs: list[int], t: int, adapters: int, bandwidth: float, de
         for split in SWEEP_SPLITS:
             us[f"shrink_split{split}_us"] = time_us(each(lambda a, b, s=split: lora_ops.shrink(x, a, n, groups, ranks,
                                                                                               split=s)))
+            # the pair a decode step launches (by token), the expand summing this split's partials: a finer split
+            # feeds more SMs in the shrink and gives every expand program more partials to read
+            hp_s = lora_ops.partials(split, t, hp_t.shape[2], dev)
+
+            def pair(a, b, s=split, h=hp_s):
+                lora_ops.shrink(x, a, n, groups, ranks, by_token=True, split=s, out=h)
+                lora_ops.expand(h, y, b, scalings, bounds, groups, ranks, by_token=True)
+            us[f"pair_split{split}_us"] = time_us(each(pair))
         for block_n in SWEEP_BLOCK_N:
             us[f"expand_n{block_n}_us"] = time_us(each(lambda a, b, bn=block_n: lora_ops.expand(
                 hp_t, y, b, scalings, bounds, groups, ranks, block_n=bn, by_token=True)))
@@ -144,7 +153,8 @@ def print_row(r: dict) -> None:
           f"  split_k={r['split_k']} tiles={r['tiles']}  by token: expand {r['expand_by_token_us']:6.1f} us, with "
           f"the late loads {r['expand_late_us']:6.1f} ({r['late_gain']:.2f}x); expand from L2 {r['expand_hot_us']:6.1f}"
           f" us", flush=True)
-    sweep = [f"{key[:-3]} {value:.1f}" for key, value in r.items() if key.startswith(("shrink_split", "expand_n"))]
+    sweep = [f"{key[:-3]} {value:.1f}" for key, value in r.items()
+             if key.startswith(("shrink_split", "pair_split", "expand_n"))]
     if sweep:
         print(f"      sweep (us): {', '.join(sweep)}", flush=True)
 

@@ -44,18 +44,21 @@ K_PER_PROGRAM = 1024  # split K no finer than this
 BLOCK_N = 512  # expand: output columns per program, 16-token tiles (decode)
 BLOCK_N_BIG_M = 128  # the same for 64-token tiles (prefill): the accumulator stays at 8K floats
 EXPAND_WARPS = 4
-# The expand's load order (`_expand_kernel`'s EARLY): None: INFER_LORA_EXPAND_LOADS, "early" (the default) or "late"
-# (`python -m infer.bench.kernels --lora` times both; in the 7B step on the H100 the qkv and gate_up expands took 12
-# us where, alone and in the order before, they had taken 5.5 and 7.8)
+# The expand's load order (`_expand_kernel`'s EARLY): None: INFER_LORA_EXPAND_LOADS, "late" (the default) or "early".
+# Early (the default of 2026-11-27's twenty-sixth to thirty-first sessions) requests everything before shared memory;
+# on an H200 (2026-11-27, `python -m infer.bench.kernels --lora`, weights from device memory) the late order was
+# faster by token in every 16- and 64-token row with 16 adapters: 7B qkv 9.6 -> 8.2 us, gate_up 14.9 -> 13.4, 14B qkv
+# 16.1 -> 11.3, gate_up 24.1 -> 18.5; on the H100 every expand averaged 7.4 us in the step before the early order
+# and 9.2 after.
 expand_loads: str | None = None
 
 
 def early_loads() -> bool:
     """Whether the expand requests y's tile, the scale and B's tile before shared memory (`expand_loads`, else the
-    environment's INFER_LORA_EXPAND_LOADS, else "early"); ConfigError for another value."""
+    environment's INFER_LORA_EXPAND_LOADS, else "late": False); ConfigError for another value."""
     global expand_loads
     if expand_loads is None:
-        expand_loads = env_choice("INFER_LORA_EXPAND_LOADS", ("early", "late"), "an order of the LoRA expand's loads")
+        expand_loads = env_choice("INFER_LORA_EXPAND_LOADS", ("late", "early"), "an order of the LoRA expand's loads")
     return expand_loads == "early"
 
 
@@ -123,9 +126,9 @@ def _expand_kernel(hp_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, rank_ptr, scal_p
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
                    S_P2: tl.constexpr, IEEE: tl.constexpr, BY_TOKEN: tl.constexpr = False, PDL: tl.constexpr = False,
                    EARLY: tl.constexpr = True):
-    """EARLY (the default; `early_loads`): y's tile, the scale and B's tile are requested beside the partials, before
-    anything goes through shared memory (three waits for memory); False: the order before 2026-11-27 (the partials'
-    sum before B is requested, the scale and y's tile after the dot: five waits, fewer values held at once)."""
+    """EARLY: y's tile, the scale and B's tile are requested beside the partials, before anything goes through shared
+    memory (three waits for memory); False (the default; `early_loads`): the partials' sum before B is requested, the
+    scale and y's tile after the dot (five waits, fewer values held at once: faster on an H200, see expand_loads)."""
     pdl.start(PDL)
     pid, pid_n = tl.program_id(0), tl.program_id(1)
     local = (pid_n >= t1).to(tl.int32) + (pid_n >= t2).to(tl.int32) + (pid_n >= t3).to(tl.int32)
