@@ -605,6 +605,36 @@ def test_benchmark_times_the_other_unpacking_of_the_same_tile(gemm, gen):
                      str(other))
 
 
+def test_benchmark_tunes_what_the_gpus_table_lacks_first(monkeypatch):
+    """On a GPU whose table (shipped, or the cache's) lacks a shape's M bucket, the kernel bench tunes it with the
+    quick candidate set and saves it as an engine's first start there would, instead of timing the heuristic's
+    guess (an H200, 2026-11-27, had no table: the bench would have timed configs no engine runs)."""
+    from infer.bench import kernels as bench
+    from infer.kernels import gptq_configs, gptq_tune
+    qkv, o = "12288,4096", "4096,4096"
+    have = {qkv: {1: {"kernel": "gemv"}, 16: {"kernel": "mma"}, 64: {"kernel": "mmat"}}, o: {16: {"kernel": "mma"}}}
+    monkeypatch.setattr(gptq_configs, "table", lambda device: have)
+    monkeypatch.setattr(gptq_configs, "gpu_name", lambda device: "Some_GPU")
+    calls, saved, said = [], [], []
+
+    def fake_tune(n, k, buckets, device=None, log=None, quick=False):
+        calls.append((n, k, list(buckets), quick))
+        return {b: ({"kernel": "mma", "tuned_for": b}, 1.0) for b in buckets}
+    monkeypatch.setattr(gptq_tune, "tune_shape", fake_tune)
+    monkeypatch.setattr(gptq_configs, "save", lambda name, found: saved.append((name, found)))
+    todo = bench.untuned(["7B"], [1, 3, 16, 64], "dev")
+    assert todo == {(4096, 4096): [1, 4, 64], (22016, 4096): [1, 4, 16, 64], (4096, 11008): [1, 4, 16, 64],
+                    (12288, 4096): [4]}, todo
+    found = bench.tune_missing(["7B"], [1, 3, 16, 64], "dev", log=said.append)
+    assert sorted(calls) == sorted((n, k, b, True) for (n, k), b in todo.items())
+    assert saved == [("Some_GPU", found)] and found[o] == {b: {"kernel": "mma", "tuned_for": b} for b in (1, 4, 64)}
+    assert "Some_GPU" in said[0] and "12 (shape, M bucket)" in said[0], said
+    for shape, by_m in found.items():  # what the real save does to the table in memory
+        have.setdefault(shape, {}).update(by_m)
+    calls.clear(), saved.clear()
+    assert bench.tune_missing(["7B"], [1, 3, 16, 64], "dev") == {} and calls == [] and saved == []
+
+
 def test_benchmark_tensors_are_valid_gptq():
     from infer.bench import kernels as bench
     qw, qz, s, gi = bench.random_gptq(256, 64, 4, 128, "cpu")

@@ -20,7 +20,9 @@ the step before (the default, AHEAD), and `ahead_gain` late_us / infer_us; from 
 `dequant_us` / `chunks_us` are dequantize + cuBLAS on the whole matrix / in L2-sized column blocks; with --pdl,
 `pdl_us` is the same kernel launched with programmatic dependent launch (each launch of the graph starts, and
 prefetches its first weights, while the one before finishes: kernels.pdl) and `pdl_gain` infer_us / pdl_us; with
---pdl-prefetch, `pdl_us_prefetchP` the same prefetching P K steps before the wait. GPU only.
+--pdl-prefetch, `pdl_us_prefetchP` the same prefetching P K steps before the wait. A shape and M bucket that the
+GPU's table lacks (no table ships for it, and no engine start has tuned it there) is first tuned with the quick
+candidate set, as an engine's first start does, so that every row times what an engine would run. GPU only.
 """
 
 from __future__ import annotations
@@ -202,6 +204,39 @@ def tune(models, out: str | None, buckets=BUCKETS, quick: bool = False) -> dict:
     return found
 
 
+def untuned(models, ms, device) -> dict:
+    """{(N, K): [M buckets]}: the shapes of `models` and token counts `ms` that this GPU's table (the shipped one, the
+    user's cache on top) holds no config for; `gptq_configs.choose` would time `heuristic`'s guess for them."""
+    from ..kernels import gptq_configs
+    todo: dict = {}
+    for model in models:
+        for k, n in SHAPES[model].values():
+            missing = sorted({gptq_configs.bucket(m) for m in ms if gptq_configs.tuned(m, n, k, device) is None})
+            if missing and (n, k) not in todo:
+                todo[(n, k)] = missing
+    return todo
+
+
+def tune_missing(models, ms, device, log=print) -> dict:
+    """Tune what `untuned` names with the quick candidate set and save it to the cache file, as an engine's first
+    start on this GPU does (`gptq_tune.tune_model`), so that the table times the kernels an engine here would run:
+    on a GPU without a shipped table (an H200, an A100...) it timed the heuristic's configs before."""
+    from ..kernels import gptq_configs
+    from ..kernels import gptq_tune
+    todo = untuned(models, ms, device)
+    if not todo:
+        return {}
+    name = gptq_configs.gpu_name(device)
+    log(f"{name}: no tuned config for {sum(len(b) for b in todo.values())} (shape, M bucket) pairs; tuning them with "
+        f"the quick candidate set first, as an engine's first start here does (--tune times the full set)")
+    found = {}
+    for (n, k), buckets in todo.items():
+        res = gptq_tune.tune_shape(n, k, buckets, device=device, log=log, quick=True)
+        found[f"{n},{k}"] = {b: cfg for b, (cfg, _) in res.items() if cfg is not None}
+    gptq_configs.save(name, found)
+    return found
+
+
 def print_table(rows: list[dict], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -246,6 +281,7 @@ def main(argv=None) -> int:
     import pandas as pd
     if args.tune:
         tune(args.models, args.tuned_out, args.tune_m, args.quick)
+    tune_missing(args.models, args.m, torch.device("cuda", torch.cuda.current_device()))
     bandwidth = copy_bandwidth()
     with_pdl = False
     if args.pdl:
