@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from infer import LLM, SamplingParams
+from infer.engine import cuda_graphs
 from infer.engine.cuda_graphs import batch_buckets
 from infer.models.tiny import ensure_builtin
 
@@ -121,3 +122,41 @@ def test_interpreted_triton_lora_under_emulated_graphs_matches_peft(triton_every
     got = _generate(llm, prompts, [4] * 5, lora=names)
     assert llm.engine.runner.graphs.replays[8] >= 3  # 5 rows padded to 8
     assert got == peft_greedy(hf, adapters, list(zip(names, prompts)), n=4)
+
+
+def test_graphs_recorded_on_a_high_priority_stream_with_graph_priority(monkeypatch):
+    """EngineConfig.graph_priority: the decode graphs and the piecewise ones are recorded on one stream of high
+    priority (made once per device), so that their main branch's kernels outrank the LoRA shrinks on the side stream (torch
+    instantiates graphs with each node's priority); without it, on torch's own capture stream (stream=None). The
+    CUDA calls are stood in for on the CPU: the recordings run the model eagerly."""
+    import contextlib
+
+    made, used = [], []
+
+    class Graph:
+        def pool(self):
+            return "pool"
+
+    @contextlib.contextmanager
+    def recording(graph, pool=None, stream=None):
+        used.append(stream)
+        yield
+    path = ensure_builtin("tiny-llama")
+    for high in (False, True):
+        llm = LLM(str(path), max_num_seqs=4, block_size=4, num_kv_blocks=64, max_model_len=32, graph_priority=high,
+                  cuda_graph_max_tokens=8)
+        made.clear(), used.clear()
+        with monkeypatch.context() as m:  # (after the engine is built: the libraries it imports look at them)
+            m.setattr(torch.cuda, "Stream", lambda device=None, priority=0: made.append(priority) or ("s", priority))
+            m.setattr(torch.cuda, "CUDAGraph", Graph)
+            m.setattr(torch.cuda, "graph", recording)
+            m.setattr(torch.cuda, "synchronize", lambda device=None: None)
+            m.setattr(cuda_graphs, "_HIGH", {})
+            m.setattr(llm.engine.runner, "check_pieces", lambda pieces: 0.0)  # stand-in graphs compute nothing
+            llm.engine.runner.capture_graphs(32)
+        runner = llm.engine.runner
+        # one recording per decode bucket, and per piece of the forward for each token bucket of the pieces
+        assert len(used) == len(runner.graphs.buckets) + runner.pieces.num_pieces * len(runner.pieces.buckets)
+        assert used == ([("s", -1)] * len(used) if high else [None] * len(used)) and made == ([-1] if high else []), \
+            (high, used, made)
+        llm.close()

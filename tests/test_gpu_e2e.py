@@ -207,3 +207,27 @@ def test_compare_loads_runs_an_engine_with_the_loads_late(monkeypatch):
     [note] = e2e_report.loads_gains(rows)
     assert note.startswith("llama-2-7b infer, none: the int4 kernels' loads one K step ahead give ")
     assert note in e2e_report.run_notes("cpu", args, rows)
+
+
+def test_compare_priority_runs_engines_with_their_graphs_at_high_priority(monkeypatch):
+    """--compare-priority: the plain modes again, each with EngineConfig.graph_priority (its CUDA graphs recorded on
+    a high-priority stream), rows labelled as such, their adapter cost against the like row, and a note setting
+    each beside the default engine."""
+    built = record_engines(monkeypatch, lambda engine: engine.config.graph_priority)
+    args = e2e.parse_args(["--out", "unused", "--num-prompts", "2", "--concurrency", "2", "--input-len", "5",
+                           "--output-len", "3", "--num-adapters", "2", "--rank", "4", "--skip-hf",
+                           "--compare-priority"])
+    rows = e2e.bench_model("llama-2-7b", args, bandwidth=1e10, device="cpu", dtype=torch.float32, **TINY)
+    high = e2e_report.HIGH_PRIORITY
+    assert [r["lora"] for r in rows] == ["none", f"none, {high}", "2 mixed r4", f"2 mixed r4, {high}"]
+    assert built == [False, True, False, True]
+    notes = e2e_report.priority_gains(rows)
+    assert [n.split(":")[0] for n in notes] == ["llama-2-7b infer, none", "llama-2-7b infer, 2 mixed r4"]
+    assert "CUDA graphs recorded at high priority" in notes[0]
+    costs = e2e_report.adapter_costs(rows)
+    assert [c.split(":")[0] for c in costs] == ["llama-2-7b infer, 2 mixed r4", f"llama-2-7b infer, 2 mixed r4, {high}"]
+    assert all(n in e2e_report.run_notes("cpu", args, rows) for n in notes + costs)
+    eager = e2e.parse_args(["--out", "unused", "--eager", "--num-adapters", "0", "--compare-priority"])
+    run = e2e.ShapeRun("llama-2-7b", None, None, eager, 1e10, "cpu", torch.float32)
+    assert [m[0] for m in e2e.engine_modes(run, None)] == ["none"]  # without graphs there is nothing to record
+

@@ -12,7 +12,8 @@ NO_PIECES = "mixed steps eager"  # gpu_e2e --compare-piecewise: steps that are n
 WITH_PDL = "with PDL"  # gpu_e2e --compare-pdl: kernels launched with programmatic dependent launch (off by default)
 SILU_APART = "silu_and_mul launched apart"  # gpu_e2e --compare-silu: EngineConfig.silu_in_gate_up off
 LOADS_LATE = "int4 loads in their step"  # gpu_e2e --compare-loads: INFER_INT4_LOADS=late
-VARIANTS = (NO_PIECES, WITH_PDL, SILU_APART, LOADS_LATE)  # a mode label's suffix that names a variant of the engine
+HIGH_PRIORITY = "graphs at high priority"  # gpu_e2e --compare-priority: EngineConfig.graph_priority on
+VARIANTS = (NO_PIECES, WITH_PDL, SILU_APART, LOADS_LATE, HIGH_PRIORITY)  # a mode label's suffix naming an engine variant
 
 
 def variant_of(lora: str) -> str | None:
@@ -109,6 +110,16 @@ def loads_gains(rows: list[dict]) -> list[str]:
             for lora, on, r in variant_pairs(rows, LOADS_LATE, "mean_tpot_ms")]
 
 
+def priority_gains(rows: list[dict]) -> list[str]:
+    """For each row whose CUDA graphs were recorded on a high-priority stream (--compare-priority): what that gives
+    against the default engine, as ratios (below 1, what it costs)."""
+    return [f"{r['model']} {r['engine']}, {lora}: CUDA graphs recorded at high priority (the main branch's programs "
+            f"first, the LoRA shrinks beside in what is left) give {r['output_tok_s'] / on['output_tok_s']:.3f}x the "
+            f"throughput and {on['mean_tpot_ms'] / r['mean_tpot_ms']:.3f}x the decode speed (TPOT "
+            f"{r['mean_tpot_ms']} vs {on['mean_tpot_ms']} ms)"
+            for lora, on, r in variant_pairs(rows, HIGH_PRIORITY, "mean_tpot_ms")]
+
+
 def write_tables(rows: list[dict], out: Path, notes: list[str]) -> str:
     import csv
     out.mkdir(parents=True, exist_ok=True)
@@ -132,4 +143,4 @@ def run_notes(device_name: str, args, rows: list[dict]) -> list[str]:
             "roofline: (decode-step weight bytes + KV bytes of the batch at the mean context + adapter bytes) / "
             "measured device-to-device copy bandwidth; fraction = roofline TPOT / measured mean TPOT",
             *adapter_costs(rows), *piecewise_gains(rows), *pdl_gains(rows), *silu_gains(rows),
-            *loads_gains(rows)]
+            *loads_gains(rows), *priority_gains(rows)]

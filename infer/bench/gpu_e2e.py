@@ -33,7 +33,7 @@ from ..kernels.compiles import watch_compiles
 from ..memory.plan import plan_memory
 from ..memory.sizes import kv_bytes_per_token
 from .e2e_models import SHAPES, build_model, dtype_label, hf_config, make_tokenizer, write_random_adapters
-from .e2e_report import NO_PIECES, LOADS_LATE, SILU_APART, WITH_PDL, result_row, run_notes, write_tables
+from .e2e_report import HIGH_PRIORITY, LOADS_LATE, NO_PIECES, SILU_APART, WITH_PDL, result_row, run_notes, write_tables
 from .roofline import copy_bandwidth, decode_roofline, lora_bytes_per_adapter, weight_bytes_per_step
 
 EPILOGUE = "expand in epilogue"  # the mode label of --compare-lora-epilogue
@@ -48,7 +48,7 @@ def build_engine(model, model_config, tokenizer, device, adapters: dict[str, str
                  max_len: int, eager: bool = False, slots: int | None = None, batched_tokens: int = 4096,
                  lora_epilogue: bool | None = None, lora_streams: bool | None = None, expand_beside: bool = False,
                  piecewise_tokens: int = 512, pdl: bool | None = None, expand_fused: bool = False,
-                 expand_in_norm: bool = True, silu_in_gate_up: bool = True):
+                 expand_in_norm: bool = True, silu_in_gate_up: bool = True, graph_priority: bool = False):
     """An LLMEngine over an in-memory model (decode CUDA graphs unless `eager`); `slots` GPU adapter slots (default:
     one per adapter; fewer makes the engine swap adapters, counted in stats()["lora_swaps"]); `batched_tokens` the
     most tokens in one step (longer prompts are prefilled in chunks); `lora_epilogue` True adds every LoRA expand
@@ -60,7 +60,8 @@ def build_engine(model, model_config, tokenizer, device, adapters: dict[str, str
     `expand_fused` True leaves the gate_up and qkv LoRA expands to silu_and_mul and decode_attention
     (EngineConfig.lora_expand_fused), `expand_in_norm` False launches the o and down expands on their own instead of
     in the rms_norm after them (EngineConfig.lora_expand_in_norm); `silu_in_gate_up` False launches silu_and_mul
-    after the int4 gate_up matmul instead of in its epilogue (EngineConfig.silu_in_gate_up)."""
+    after the int4 gate_up matmul instead of in its epilogue (EngineConfig.silu_in_gate_up); `graph_priority` True
+    records the CUDA graphs on a high-priority stream (EngineConfig.graph_priority)."""
     slots = max(1, slots or len(adapters))
     from ..engine import llm_engine
     from ..engine.config import EngineConfig
@@ -74,7 +75,7 @@ def build_engine(model, model_config, tokenizer, device, adapters: dict[str, str
                                  lora_epilogue=lora_epilogue, lora_streams=lora_streams,
                                  lora_expand_beside=expand_beside, cuda_graph_max_tokens=piecewise_tokens, pdl=pdl,
                                  lora_expand_fused=expand_fused, lora_expand_in_norm=expand_in_norm,
-                                 silu_in_gate_up=silu_in_gate_up)
+                                 silu_in_gate_up=silu_in_gate_up, graph_priority=graph_priority)
     manager = None
     if adapters:
         from ..lora.manager import LoRAManager
@@ -204,7 +205,8 @@ def engine_modes(run: ShapeRun, tmp: Path) -> list[tuple[str, dict[str, str], bo
     --compare-piecewise adds each of the two plain modes with graphs for decode steps only, --compare-pdl each of them
     with programmatic dependent launch, --compare-silu the one without adapters with silu_and_mul launched after the
     int4 gate_up matmul (not in its epilogue), --compare-loads the one without adapters with the int4 kernels
-    issuing each K step's loads in that step (not during the step before: gptq_gemm.loads_ahead)."""
+    issuing each K step's loads in that step (not during the step before: gptq_gemm.loads_ahead), --compare-priority
+    each of the two plain modes with its CUDA graphs recorded at high priority (EngineConfig.graph_priority)."""
     args = run.args
     both = args.compare_eager and not args.eager  # each of the two plain modes with graphs and without
     pieces = args.compare_piecewise and not args.eager
@@ -212,13 +214,15 @@ def engine_modes(run: ShapeRun, tmp: Path) -> list[tuple[str, dict[str, str], bo
         + ([(f"none, {NO_PIECES}", {}, False)] if pieces else []) \
         + ([(f"none, {WITH_PDL}", {}, args.eager)] if args.compare_pdl else []) \
         + ([(f"none, {SILU_APART}", {}, args.eager)] if args.compare_silu and not args.fp16 else []) \
-        + ([(f"none, {LOADS_LATE}", {}, args.eager)] if args.compare_loads and not args.fp16 else [])
+        + ([(f"none, {LOADS_LATE}", {}, args.eager)] if args.compare_loads and not args.fp16 else []) \
+        + ([(f"none, {HIGH_PRIORITY}", {}, False)] if args.compare_priority and not args.eager else [])
     if args.num_adapters:
         adapters = write_random_adapters(run.model_config, tmp, args.num_adapters, args.rank)
         mixed = f"{len(adapters)} mixed r{args.rank}"
         modes += [(mixed, adapters, args.eager)] + ([(mixed, adapters, True)] if both else []) \
             + ([(f"{mixed}, {NO_PIECES}", adapters, False)] if pieces else []) \
-            + ([(f"{mixed}, {WITH_PDL}", adapters, args.eager)] if args.compare_pdl else [])
+            + ([(f"{mixed}, {WITH_PDL}", adapters, args.eager)] if args.compare_pdl else []) \
+            + ([(f"{mixed}, {HIGH_PRIORITY}", adapters, False)] if args.compare_priority and not args.eager else [])
         if args.max_loras and args.max_loras < len(adapters):
             modes.append((f"{len(adapters)} mixed r{args.rank} via {args.max_loras} slots", adapters, args.eager))
         if args.compare_lora_epilogue and not args.fp16:
@@ -270,7 +274,7 @@ def infer_row(run: ShapeRun, model, label: str, weight_bytes: int, lora: str, ad
                           lora_streams=False if ONE_STREAM in lora else None, expand_beside=EXPAND_BESIDE in lora,
                           piecewise_tokens=0 if NO_PIECES in lora else 512, pdl=True if WITH_PDL in lora else None,
                           expand_fused=IN_CONSUMERS in lora, expand_in_norm=EXPAND_ALONE not in lora,
-                          silu_in_gate_up=SILU_APART not in lora)
+                          silu_in_gate_up=SILU_APART not in lora, graph_priority=HIGH_PRIORITY in lora)
     engine.warm_kernels()  # compiles every kernel path (prefix-cached prefill too) before anything is timed
     names = list(adapters)
     roof = run.roofline(weight_bytes, lora_bytes_per_adapter(model) if names else 0, min(len(names), b))
@@ -371,6 +375,10 @@ def parse_args(argv=None):
     p.add_argument("--compare-loads", action="store_true",
                    help="also run infer without adapters with the int4 kernels issuing each K step's loads in that "
                         "step instead of during the step before (INFER_INT4_LOADS=late)")
+    p.add_argument("--compare-priority", action="store_true",
+                   help="also run infer with its CUDA graphs recorded on a high-priority stream, so that the GPU "
+                        "schedules the base matmuls' programs before the LoRA shrinks beside them "
+                        "(EngineConfig.graph_priority), without adapters and with the mixed adapters")
     p.add_argument("--profile", action="store_true",
                    help="also profile one prefill and 20 decode steps of each engine (host vs GPU-busy time)")
     return p.parse_args(argv)

@@ -132,7 +132,7 @@ RANGES = {"max_num_seqs": (1, 65536), "max_num_batched_tokens": (1, None), "bloc
 OPTIONAL = {"max_model_len", "num_kv_blocks", "max_cpu_loras", "overlap", "lora_epilogue",  # None: chosen for you
             "lora_streams", "pdl"}
 BOOLS = ("enable_prefix_caching", "enforce_eager", "enable_lora", "overlap", "lora_epilogue", "lora_streams",
-         "lora_expand_beside", "lora_expand_fused", "lora_expand_in_norm", "silu_in_gate_up", "pdl")
+         "lora_expand_beside", "lora_expand_fused", "lora_expand_in_norm", "silu_in_gate_up", "pdl", "graph_priority")
 
 
 @dataclass
@@ -183,6 +183,13 @@ class EngineConfig:
     # (kernels.pdl; True: on for compute capability 9.0+ when a probe graph replays correctly; None: off, as it
     # measured 7-11% slower per decode step on an H100; gpu_e2e --compare-pdl runs engines with True beside)
     pdl: bool | None = None
+    # API only: CUDA, record the CUDA graphs on a high-priority stream, so that where a graph has two branches (a
+    # layer's LoRA shrink on the second stream beside its base matmul, `lora_streams`) the GPU gives free SMs to the
+    # main branch's programs first and the shrink fills the rest (torch instantiates graphs with each kernel's
+    # priority). Off: the shrink is recorded first, and its programs may push a matmul that nearly fills the GPU
+    # into a second partial wave (on an H200, 2026-11-27, a 7B int4 matmul took 20.5 us a launch beside the shrinks
+    # against 17.4 without adapters); off until timed (gpu_e2e --compare-priority runs engines with True beside)
+    graph_priority: bool = False
     memory_limit: int | None = option(None, "CPU memory budget for weights, activations and KV cache, e.g. 8GB "
                                             "(default: half the available RAM).", cli_type=str)
     gpu_memory_utilization: float = option(0.90, "Fraction of the GPU's memory the engine may use, in (0, 1].")

@@ -55,12 +55,17 @@ def token_buckets(max_tokens: int) -> list[int]:
     return [b for b in sizes if b < max_tokens] + [max_tokens]
 
 
+_HIGH: dict = {}  # device -> the high-priority stream graphs are recorded on (EngineConfig.graph_priority)
+
+
 class _StaticTokens:
     """The per-token inputs a recorded graph reads at fixed addresses, for steps of up to buckets[-1] tokens:
     input_ids, positions, slot_mapping and the LoRA map (token_slots, the token order by slot, segment starts)."""
 
-    def __init__(self, model, buckets: list[int], device: torch.device, lora_manager=None, emulate: bool = False):
+    def __init__(self, model, buckets: list[int], device: torch.device, lora_manager=None, emulate: bool = False,
+                 high_priority: bool = False):
         self.model, self.device, self.emulate = model, device, emulate
+        self.high_priority = high_priority  # EngineConfig.graph_priority: record on a high-priority stream
         self.buckets = buckets
         self.max_batch = b = buckets[-1]
         dev = device
@@ -78,6 +83,16 @@ class _StaticTokens:
         self.batches: dict[int, object] = {}
         self.pool = None
         self.replays: Counter[int] = Counter()  # bucket -> replays
+
+    def capture_stream(self):
+        """The stream the graphs are recorded on: None (torch's own capture stream, default priority), or with
+        high_priority a stream of high priority, one per device (`_HIGH`). torch instantiates a graph with each
+        kernel's priority, so its main branch then outranks what the layers launch on their side stream."""
+        if not self.high_priority:
+            return None
+        if self.device not in _HIGH:
+            _HIGH[self.device] = torch.cuda.Stream(self.device, priority=-1)  # lower is higher; clamped to the range
+        return _HIGH[self.device]
 
     def _lora_batch(self, b: int):
         """The static adapter map of bucket b (None without adapters), kept for the emulation's cache resets."""
@@ -142,8 +157,8 @@ class _StaticTokens:
 
 class DecodeGraphs(_StaticTokens):
     def __init__(self, model, max_num_seqs: int, max_blocks: int, device: torch.device, lora_manager=None,
-                 emulate: bool = False):
-        super().__init__(model, batch_buckets(max_num_seqs), device, lora_manager, emulate)
+                 emulate: bool = False, high_priority: bool = False):
+        super().__init__(model, batch_buckets(max_num_seqs), device, lora_manager, emulate, high_priority)
         b, dev = self.max_batch, device
         self.max_blocks = max_blocks
         self.seq_lens = torch.zeros(b, dtype=torch.int32, device=dev)
@@ -176,7 +191,7 @@ class DecodeGraphs(_StaticTokens):
                 continue
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream()):
                 self.outputs[b] = self.model(*args)
             self.pool = graph.pool()
             self.graphs[b] = graph
@@ -218,8 +233,8 @@ class PiecewiseGraphs(_StaticTokens):
     reads the step's query_start_loc, so it computes the n real rows only."""
 
     def __init__(self, model, max_tokens: int, device: torch.device, lora_manager=None, emulate: bool = False,
-                 pool=None):
-        super().__init__(model, token_buckets(max_tokens), device, lora_manager, emulate)
+                 pool=None, high_priority: bool = False):
+        super().__init__(model, token_buckets(max_tokens), device, lora_manager, emulate, high_priority)
         t, attn = self.max_batch, model.layers[0].self_attn
         dtype, hidden = model.embed_tokens.weight.dtype, model.config.hidden_size
         self.query = torch.zeros(t, attn.q_size, dtype=dtype, device=device)  # piece i -> attention i
@@ -269,7 +284,7 @@ class PiecewiseGraphs(_StaticTokens):
             graphs = []
             for i in range(self.num_pieces):
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
+                with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream()):
                     self._piece(i, b)
                 self.pool = graph.pool()
                 graphs.append(graph)

@@ -46,12 +46,15 @@ class ModelRunner:
         if not emulate:
             self._reserve_dequant_scratch()
         max_blocks = -(-max_model_len // self.block_size)
-        graphs = DecodeGraphs(self.model, self.config.max_num_seqs, max_blocks, self.device, self.lora_manager, emulate)
+        priority = self.config.graph_priority
+        graphs = DecodeGraphs(self.model, self.config.max_num_seqs, max_blocks, self.device, self.lora_manager, emulate,
+                              high_priority=priority)
         graphs.capture()
         self.graphs = graphs
         tokens = self.config.piecewise_tokens()
         if tokens:
-            pieces = PiecewiseGraphs(self.model, tokens, self.device, self.lora_manager, emulate, pool=graphs.pool)
+            pieces = PiecewiseGraphs(self.model, tokens, self.device, self.lora_manager, emulate, pool=graphs.pool,
+                                     high_priority=priority)
             pieces.capture()
             self.pieces_check = self.check_pieces(pieces)
             ok = self.pieces_check <= PIECES_TOLERANCE  # (a NaN fails too)
