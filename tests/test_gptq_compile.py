@@ -288,6 +288,39 @@ def test_wave_splits_fill_whole_waves_of_programs():
     assert gptq_tune.wave_splits(mma, 16, 64, 256, 132) == []  # two K steps: no split leaves each program two
 
 
+def test_tuning_times_other_gpus_shipped_winners(monkeypatch, tmp_path):
+    """A GPU without a table of its own times, beside its candidates, what the tables shipped for other GPUs chose
+    for the same shape and M bucket (each once, never its own table's), and such a config can win: an H200's first
+    engine start then does no worse than the H100's full tune."""
+    import torch
+
+    from infer.kernels import gptq_configs, gptq_gemm, gptq_tune
+    mma = dict(kernel="mma", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=3, FIELD=True)
+    theirs = dict(mma, kernel="mmat", SPLIT_K=5)
+    (tmp_path / "GPU_A.json").write_text(json.dumps({"4096,4096": {"16": theirs, "1": {"kernel": "gemv"}}}))
+    (tmp_path / "GPU_B.json").write_text(json.dumps({"4096,4096": {"16": theirs}, "12288,4096": {"16": mma}}))
+    (tmp_path / "GPU_OWN.json").write_text(json.dumps({"4096,4096": {"16": dict(mma, SPLIT_K=7)}}))
+    monkeypatch.setattr(gptq_configs, "SHIPPED", tmp_path)
+    assert gptq_tune.shipped_winners(4096, 4096, 9, "GPU_OWN") == [theirs]  # bucket 16; deduplicated; not its own
+    assert gptq_tune.shipped_winners(4096, 4096, 16, None) == [theirs, dict(mma, SPLIT_K=7)]
+    assert gptq_tune.shipped_winners(4096, 11008, 16, None) == []
+    monkeypatch.setattr(gptq_tune, "candidates", lambda m, step, quick, k: [dict(mma)])
+    monkeypatch.setattr(gptq_tune, "compile_parallel", lambda calls: [c() for c in calls] and 0)
+    monkeypatch.setattr(gptq_tune, "L2_BUST_BYTES", 1)
+    monkeypatch.setattr(gptq_configs, "num_sms", lambda device: 2)  # no whole-wave split differs here
+    seen, compiled = [], []
+
+    def recording(x, *a, config=None, compile_only=False, **kw):
+        (compiled if compile_only else seen).append(config)
+        return torch.ones(x.shape[0], 4096)
+    monkeypatch.setattr(gptq_gemm, "gptq_matmul", recording)
+    monkeypatch.setattr(gptq_tune, "time_graph", lambda fns: 5.0 if seen[-1]["kernel"] == "mmat" else 9.0)
+    monkeypatch.setattr(gptq_tune, "weight_copies", lambda *a: [(None,) * 4, (None,) * 4])
+    res = gptq_tune.tune_shape(4096, 4096, [16], device="cpu")
+    assert compiled == [mma, theirs, dict(mma, SPLIT_K=7)]  # a CPU has no table of its own: every shipped one
+    assert res[16][0]["kernel"] == "mmat" and res[16][1] == 5.0
+
+
 def test_tuning_times_the_winner_with_whole_wave_splits(monkeypatch):
     """tune_shape: after the candidate lists, the bucket's winner with its whole-wave splits is timed too, and a
     faster one wins (here, a stand-in timer that makes split 3 the fastest)."""
@@ -297,6 +330,7 @@ def test_tuning_times_the_winner_with_whole_wave_splits(monkeypatch):
     mma = dict(kernel="mma", BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=2, num_warps=4, num_stages=3, FIELD=True)
     timed = []
     monkeypatch.setattr(gptq_tune, "candidates", lambda m, step, quick, k: [dict(mma), dict(mma, SPLIT_K=4)])
+    monkeypatch.setattr(gptq_tune, "shipped_winners", lambda n, k, m, own: [])  # (timed in the test below)
     monkeypatch.setattr(gptq_tune, "compile_parallel", lambda calls: 0)
     monkeypatch.setattr(gptq_tune, "L2_BUST_BYTES", 1)
     monkeypatch.setattr(gptq_configs, "num_sms", lambda device: 132)

@@ -281,16 +281,35 @@ def weight_copies(k: int, n: int, bits: int, group_size: int, device, make) -> l
     return [make(k, n, bits, group_size, device) for _ in range(max(2, -(-L2_BUST_BYTES // one)))]
 
 
+def shipped_winners(n: int, k: int, m: int, own: str | None) -> list[dict]:
+    """The configs the tables shipped for other GPUs (every file in gptq_configs.SHIPPED but `own`'s) chose for
+    (M's bucket, N, K), each once. A GPU without a table of its own times them beside its candidates, so that its
+    first engine start does no worse than a sibling's full tune (an H200 with the H100's winners: on an H200 on
+    2026-11-27 they were the configs measured); a config that cannot run there is skipped like any candidate."""
+    out: list[dict] = []
+    for path in sorted(gptq_configs.SHIPPED.glob("*.json")):
+        if path.stem != own:
+            cfg = gptq_configs._read(path).get(f"{n},{k}", {}).get(str(gptq_configs.bucket(m)))
+            if cfg and cfg not in out:
+                out.append(dict(cfg))
+    return out
+
+
 def tune_shape(n: int, k: int, buckets, bits: int = 4, group_size: int = 128, device=None, dtype=torch.float16,
                log=None, quick: bool = False) -> dict:
     """{bucket: (best config, microseconds)} for one (N, K), timed on random GPTQ tensors in the interleaved
-    layout the linear method gives such a layer (random words: any layout is random words)."""
+    layout the linear method gives such a layer (random words: any layout is random words): the candidate list
+    (`candidates`), then other GPUs' shipped winners (`shipped_winners`), then the best one's whole-wave splits."""
     device = torch.device(device or "cuda")
     copies = weight_copies(k, n, bits, group_size, device, random_gptq)
     step = gptq_configs.block_k_limit(group_size, k, 32 // bits)
     wp = gptq_configs.interleave_for(group_size, k, 32 // bits)
     xs = {m: torch.randn(m, k, device=device, dtype=dtype) for m in buckets}
-    every = [(m, c) for m in buckets for c in candidates(m, step, quick, k)]
+    own = gptq_configs.gpu_name(device) if device.type == "cuda" else None
+    cands = {m: candidates(m, step, quick, k) for m in buckets}
+    for m in buckets:  # what other GPUs' shipped tables chose for this shape is timed here too
+        cands[m] += [c for c in shipped_winners(n, k, m, own) if c not in cands[m]]
+    every = [(m, c) for m in buckets for c in cands[m]]
     compile_parallel(lambda m=m, c=c: gptq_gemm.gptq_matmul(xs[m], *copies[0][:4], bits, True, group_size, wp,
                                                             config=c, compile_only=True) for m, c in every)
     result = {}
@@ -313,7 +332,7 @@ def tune_shape(n: int, k: int, buckets, bits: int = 4, group_size: int = 128, de
                     log(f"  skip {cfg}: {type(e).__name__}")
                 return None
         best = (None, float("inf"))
-        for cfg in candidates(m, step, quick, k):
+        for cfg in cands[m]:
             us = timed(cfg)
             if us is not None and us < best[1]:
                 best = (cfg, us)
