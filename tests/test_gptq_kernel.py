@@ -244,6 +244,42 @@ def test_launcher_takes_4bit_fields_by_byte_permute(gemm, gen, monkeypatch):
                                                              (False, False), (True, False)]
 
 
+def test_groups_by_shift_or_by_division(gemm, gen, monkeypatch):
+    """The kernels find a K step's group by a shift where the group size is a power of two (GS_LOG2, what
+    `group_shift` gives the launch) and by a division otherwise: both right against the reference, across splits
+    whose steps cross groups, on every kernel kind, interleaved or not."""
+    assert [gemm.group_shift(v) for v in (1, 32, 128, 4096, 96, 320, 384, 0, -1)] == [0, 5, 7, 12, -1, -1, -1, -1, -1]
+    seen = []
+
+    class Recording:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(kw["GS_LOG2"])
+                return self.kernel[grid](*args, **kw)
+            return launch
+    for name in ("mma_kernel", "gemv_kernel", "gemv_rows_kernel"):
+        monkeypatch.setattr(gemm, name, Recording(getattr(gemm, name)))
+    g = gen
+    # (group as checkpointed, K): 96 -> K steps of 32 rows, 3 to a group; -1 with K = 384 -> one group of 384 rows
+    for group, k, want_log2 in ((128, 384, 7), (96, 384, -1), (-1, 384, -1), (-1, 256, 8), (32, 224, 5)):
+        qw, qz, s, gi = make_weights(g, 4, group, k, 40, False, False)
+        gs = k if group == -1 else group
+        wp = gptq_configs.interleave_for(group, k, 8)
+        layouts = [(qw, 1)] + ([(packing.interleave_rows(qw, 4, wp), wp)] if wp > 1 else [])
+        for cfg in (DECODE, FIELDS, MMAT_SCALED, GEMV_INPLACE, ROWS):
+            m = 1 if cfg["kernel"] == "gemv" and "BLOCK_M" not in cfg else 6
+            x = torch.randn(m, k, generator=g).half().to(DEV)
+            want = ref.gptq_matmul(x, qw, qz, s, gi, 4, True)
+            for w, il in layouts:
+                seen.clear()
+                y = gemm.gptq_matmul(x, w, qz, s, gi, 4, True, gs, il, config=cfg)
+                assert seen == [want_log2], (group, k, cfg, seen)
+                assert_close(y, want, torch.float16, g, f"g{group} K={k} {cfg} interleave={il}")
+
+
 def test_loads_one_step_ahead_give_the_same_bits(gemm, gen, monkeypatch):
     """The tensor-core tiles load each K step's scales during the step before, and the one-row gemv each step's
     words, zeros and scales (AHEAD, the default: the loads' latency hides behind a whole step), unless the config
@@ -333,8 +369,8 @@ def test_byte_fields_probe_and_its_fallback(gemm, monkeypatch, caplog):
 
 def test_warmup_reports_the_int4_unpacking(capsys):
     """`infer warmup` on a GPU says whether the start-up probe let the field tiles take their fields by byte
-    permute, whether the int4 kernels load a K step ahead, and whether the kernels use PDL; off a GPU none of these
-    rows is printed."""
+    permute, whether the int4 kernels load a K step ahead, whether the kernels use PDL, and (with adapters) whether
+    the LoRA expands of decode steps are gathers; off a GPU none of these rows is printed."""
     from infer.cli.warmup import print_plan
     from infer.cli.warmup_plan import estimate_plan
     from infer.engine.config import EngineConfig
@@ -342,13 +378,14 @@ def test_warmup_reports_the_int4_unpacking(capsys):
     plan, extra = estimate_plan(EngineConfig(str(ensure_builtin("tiny-llama"))), 64, 2)
     print_plan(plan, extra)
     out = capsys.readouterr().out
-    assert "byte permute" not in out and "INFER_INT4_LOADS" not in out
+    assert "byte permute" not in out and "INFER_INT4_LOADS" not in out and "INFER_LORA_EXPAND" not in out
     for on, word in ((True, "yes"), (False, "no")):
-        print_plan(plan, dict(extra, pdl=True, int4_byte_fields=on, int4_loads_ahead=not on))
+        print_plan(plan, dict(extra, pdl=True, int4_byte_fields=on, int4_loads_ahead=not on, lora_expand_gather=on))
         out = capsys.readouterr().out.replace("\n", " ")
         assert re.search(rf"int4 fields unpacked by byte permute.*?{word}", out, re.S), out
         other = "no" if on else "yes"
         assert re.search(rf"int4 loads one K step ahead \(INFER_INT4_LOADS\)\s*│\s*{other}", out), out
+        assert re.search(rf"LoRA expands gathered \(INFER_LORA_EXPAND\)\s*│\s*{word}", out), out
         assert "programmatic dependent launch" in out
 
 

@@ -209,6 +209,28 @@ def test_compare_loads_runs_an_engine_with_the_loads_late(monkeypatch):
     assert note in e2e_report.run_notes("cpu", args, rows)
 
 
+def test_compare_expand_runs_an_engine_with_the_expands_gathered(monkeypatch):
+    """--compare-expand: a row with the mixed adapters whose engine is built and run with its decode steps' LoRA
+    expands as gathers (lora_ops.expand_by "gather"), the setting given back after it, its adapter cost against
+    the row without adapters, and a note setting it beside the default engine (expands by segments)."""
+    from infer.kernels import lora_ops
+    monkeypatch.setattr(lora_ops, "expand_by", None)
+    built = record_engines(monkeypatch, lambda engine: lora_ops.expand_by)
+    args = e2e.parse_args(["--out", "unused", "--num-prompts", "2", "--concurrency", "2", "--input-len", "5",
+                           "--output-len", "3", "--num-adapters", "2", "--rank", "4", "--skip-hf",
+                           "--compare-expand"])
+    rows = e2e.bench_model("llama-2-7b", args, bandwidth=1e10, device="cpu", dtype=torch.float32, **TINY)
+    gathered = e2e_report.GATHERED
+    assert [r["lora"] for r in rows] == ["none", "2 mixed r4", f"2 mixed r4, {gathered}"]
+    assert built == [None, None, "gather"] and lora_ops.expand_by is None
+    [note] = e2e_report.gather_gains(rows)
+    assert note.startswith("llama-2-7b infer, 2 mixed r4: the LoRA expands as gathers ")
+    costs = e2e_report.adapter_costs(rows)
+    assert [c.split(":")[0] for c in costs] == ["llama-2-7b infer, 2 mixed r4", f"llama-2-7b infer, 2 mixed r4, "
+                                                                               f"{gathered}"]
+    assert all(n in e2e_report.run_notes("cpu", args, rows) for n in [note] + costs)
+
+
 def test_compare_priority_runs_engines_with_their_graphs_at_high_priority(monkeypatch):
     """--compare-priority: the plain modes again, each with EngineConfig.graph_priority (its CUDA graphs recorded on
     a high-priority stream), rows labelled as such, their adapter cost against the like row, and a note setting

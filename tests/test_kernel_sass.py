@@ -140,3 +140,28 @@ def test_lora_expand_issues_its_loads_before_shared_memory_at_sm90():
     assert wide == 16 and total >= wide and early >= total - 2, counts
     late_total, late_wide, late_early = counts["late"]  # the same loads, more of them after shared memory
     assert late_wide == wide and late_early < early - 4, counts
+
+
+@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this triton ships no cuobjdump")
+def test_k_step_bookkeeping_costs_no_division_nor_masks_at_sm90():
+    """docs/perf.md's claims for the K steps' bookkeeping (thirty-third session): a group of a power-of-two size is
+    found by a shift (GS_LOG2), not the integer division that cost the 16-row tile and the one-row gemv 20-36
+    instructions a step; the decode LoRA shrink drops its masks along K where K is a whole number of steps."""
+    specs = ["mmab 16 128 4 3 16 0", "mmab 16 128 4 3 16 0 div", "gemvi 1 128 4 1 16 0", "gemvi 1 128 4 1 16 0 div"]
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel-sass"), "--loop", *specs],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if line.split(" ")[0] in ("mmab", "gemvi")]
+    assert len(rows) == 4, out.stdout
+    count = [{k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", row)} for row in rows]
+    loops = [int(re.search(r"loop\s+(\d+)", row).group(1)) for row in rows]
+    for shift, div in ((0, 1), (2, 3)):
+        assert count[shift]["HMMA"] == count[div]["HMMA"] and count[shift]["FFMA"] == count[div]["FFMA"], out.stdout
+        assert loops[shift] <= loops[div] - 15, out.stdout
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel-sass"), "--lora-shrink"],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    found = re.findall(r"EVEN_K=(True|False): loop (\d+) .*HMMA=(\d+)", out.stdout)
+    shrink = {even: (int(n), int(hmma)) for even, n, hmma in found}
+    assert set(shrink) == {"True", "False"}, out.stdout
+    assert shrink["True"][1] == shrink["False"][1] > 0 and shrink["True"][0] <= 0.9 * shrink["False"][0], out.stdout

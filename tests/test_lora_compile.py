@@ -49,6 +49,7 @@ SCRIPT = COMPILE_ONLY_LAUNCHES + textwrap.dedent('''
         return SimpleNamespace(names=[f"p{i}" for i in range(len(outs))], out_sizes=outs, in_features=K,
                                shard_offset=lambda i: offsets[i], method=method, lora_consumer=consumer)
 
+    lora_ops.expand_by = EXPAND_BY  # INFER_LORA_EXPAND: the decode expands by segments or as gathers
     K, SLOTS, RANK, MAX_TOKENS = 11008, 32, 8, 300  # (splits of K 16, 8 and 4 at 1-16, 17-32, 33+ tokens)
     g = torch.Generator().manual_seed(0)
     out = {}
@@ -86,11 +87,20 @@ SCRIPT = COMPILE_ONLY_LAUNCHES + textwrap.dedent('''
                 elif name in ("apply", "deferred", "norm"):
                     lora_ops.lora_apply(x, y, layer.lora_a, layer.lora_bt, layer.scalings, layer.bounds, groups,
                                         layer.rank_t)
+                    if name == "apply":  # and what a decode graph launches (LoRALayer.apply_beside)
+                        gather = lora_ops.gathers(t)
+                        hs = lora_ops.shrink(x, layer.lora_a, 3, groups, layer.rank_t, by_token=gather)
+                        layer._expand(hs, y, slots, groups, gather)
                 else:  # the shrink by token; the expand launched where the int4 kernel does not add it
                     hp = lora_ops.shrink(x, layer.lora_a, 1, groups, layer.rank_t, by_token=True)
                     if t > 16:
-                        lora_ops.expand(hp, y, layer.lora_bt, layer.scalings, layer.bounds, groups, layer.rank_t,
-                                        by_token=True)
+                        lora_ops.add_delta(LoRADelta(hp, layer.lora_bt, slots, layer.scalings, layer.rank_t,
+                                                     layer.bounds, groups, False), y)
+                    # and what a decode graph launches (LoRALayer.apply_beside): the shrink beside the matmul, by
+                    # token where the expand is a gather, then the expand
+                    gather = lora_ops.gathers(t)
+                    hs = lora_ops.shrink(x, layer.lora_a, 1, groups, layer.rank_t, by_token=gather)
+                    layer._expand(hs, y, slots, groups, gather)
                 late += [(t, c) for c in compiled[n0:]]
                 steps += 1
         out[name] = dict(calls=len(calls), queued=queued, start=start, late=late, steps=steps, watched=watched,
@@ -99,8 +109,9 @@ SCRIPT = COMPILE_ONLY_LAUNCHES + textwrap.dedent('''
 ''')
 
 
-def test_engine_start_compiles_every_lora_kernel_a_step_launches():
-    out = run_compile_only(SCRIPT, 900)
+@pytest.mark.parametrize("expand_by", ["segments", "gather"])
+def test_engine_start_compiles_every_lora_kernel_a_step_launches(expand_by):
+    out = run_compile_only(SCRIPT.replace("EXPAND_BY", repr(expand_by)), 900)
     for name in ("apply", "delta", "deferred", "norm"):
         got = out[name]
         assert got["queued"] == got["calls"] > 0 and got["steps"] == 46, (name, got)
@@ -114,6 +125,14 @@ def test_engine_start_compiles_every_lora_kernel_a_step_launches():
     # epilogue; and, for the decode graphs' shrink beside the matmul (EngineConfig.lora_streams), the apply path's
     # variants by sorted position too
     expands = out["apply"]["start"].count("_expand_kernel")
+    if expand_by == "gather":  # up to 64 tokens the delta layer's expands are gathers: one variant per tile shape
+        # (1, 2, 4, 8 and 16 tokens a program at rank 8 with the 1-16-token plan's split of K, 16 with the 17-32- and
+        # 33-64-token plans'), and by segments for the longer steps only
+        assert out["delta"]["start"].count("_expand_gather_kernel") == 7, out["delta"]
+        assert 0 < out["delta"]["start"].count("_expand_kernel") < (expands - 1) + expands, out
+        # and the apply path's for the decode graphs' launches (`apply_beside`: the shrink beside the matmul)
+        assert out["apply"]["start"].count("_expand_gather_kernel") == 7, out["apply"]
+        return
     assert out["delta"]["start"].count("_expand_kernel") == (expands - 1) + expands, out
     # a layer whose consumer adds its delta (the MLP's gate_up): silu_and_mul's variants for the steps of up to
     # DEFER_MAX_TOKENS tokens (one per split of K there), the expand only for the longer ones

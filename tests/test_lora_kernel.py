@@ -186,6 +186,83 @@ def test_expand_load_order_from_the_environment(ops, monkeypatch):
                      ((None, False), ("early", True), (" late", False)), "first", ("late", "early"))
 
 
+GATHER_CASES = {  # (token slots, shard widths, max rank, dtype)
+    "every token its own adapter, base rows": ([3, 0, -1, 1, 4, 2, -1], (24, 16, 8), 16, torch.float32),
+    "one token": ([2], (24, 16, 8), 16, torch.float32),
+    "two token tiles, shared adapters": ([1, 0, 3] * 6 + [-1, 2], (16, 24), 16, torch.float16),
+    "five shards (two launches), rank 64: 8-token tiles": ([0, 2, 1, -1, 2, 0, 1, 1, 0, 2, 2], (8, 16, 8, 24, 16), 64,
+                                                            torch.float32),
+}
+
+
+@pytest.mark.parametrize("case", list(GATHER_CASES))
+def test_gather_expand_matches_reference(poisoned, case):
+    """The expand as a gather (`expand_gather`, INFER_LORA_EXPAND=gather: each program takes up to 16 tokens of any
+    adapters) from partials by token: the reference's sums (lora_reference.add_delta), rows of slot -1 and shards of
+    rank 0 kept bit for bit, nothing read past a rank (the partials there are NaN), and the same sums as the
+    segments' expand by token up to its TF32-free rounding."""
+    host, outs, max_rank, dtype = GATHER_CASES[case]
+    dev, t, n = _dev(), len(host), len(outs)
+    g = torch.Generator().manual_seed(t)
+    ranks = torch.randint(1, max_rank + 1, (n, 5), generator=g)
+    ranks[0, 1] = 0  # an adapter that does not target the first shard
+    a, b, scal, rk, bounds = layer(list(outs), 5, max_rank, 48, seed=t, dtype=dtype, ranks=ranks)
+    slots = torch.tensor(host, dtype=torch.long, device=dev)
+    groups = lora_groups(slots, 5)
+    x = torch.randn(t, 48, generator=g).to(dtype).to(dev)
+    hp = poisoned.shrink(x, a.to(dev), n, groups, rk.to(dev), by_token=True)
+    y0 = (torch.randn(t, bounds[-1], generator=g) * 10).to(dtype)
+    want = y0.clone()
+    ref.add_delta(ref.LoRADelta(torch.nan_to_num(hp.cpu()), b.float(), slots.cpu(), scal, rk, bounds, None), want)
+    got = y0.clone().to(dev)
+    poisoned.expand_gather(hp, got, b.to(dev), scal.to(dev), bounds, slots, rk.to(dev))
+    got = got.cpu()
+    base = slots.cpu() < 0
+    assert torch.equal(got[base], y0[base]), "rows without adapter changed"
+    untargeted = (slots.cpu() == 1)
+    assert torch.equal(got[untargeted, :outs[0]], y0[untargeted, :outs[0]]), "a shard of rank 0 changed"
+    tol = dict(atol=1e-3, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=1e-2)
+    assert torch.allclose(got.float(), want.float(), **tol), (got.float() - want.float()).abs().max()
+    assert (got[~base].float() - y0[~base].float()).abs().max() > 1.0  # the adapters did add something
+    seg = y0.clone().to(dev)
+    poisoned.expand(hp, seg, b.to(dev), scal.to(dev), bounds, groups, rk.to(dev), by_token=True)
+    assert torch.allclose(got.float(), seg.cpu().float(), **tol)
+
+
+def test_add_delta_gathers_where_asked(poisoned, monkeypatch):
+    """An int4 layer's expand launched on its own (`add_delta`) is the gather with INFER_LORA_EXPAND=gather up to
+    GATHER_MAX_TOKENS tokens, the segments' expand above (and always by default), with the same sums either way."""
+    calls = []
+    real = {name: getattr(poisoned, name) for name in ("expand", "expand_gather")}
+    for name in real:
+        monkeypatch.setattr(poisoned, name, lambda *a, _n=name, **kw: (calls.append(_n), real[_n](*a, **kw)))
+    monkeypatch.setattr(poisoned, "GATHER_MAX_TOKENS", 6)
+    dev = _dev()
+    a, b, scal, rk, bounds = layer([16, 8], 3, 8, 32, seed=11)
+    out = {}
+    for t in (6, 7):
+        slots = torch.tensor([2, -1, 0, 1, 2, 0, 1][:t], device=dev)
+        groups = lora_groups(slots, 3)
+        x = torch.randn(t, 32, generator=torch.Generator().manual_seed(t)).to(dev)
+        hp = poisoned.shrink(x, a.to(dev), 2, groups, rk.to(dev), by_token=True)
+        delta = ref.LoRADelta(hp, b.to(dev), slots, scal.to(dev), rk.to(dev), bounds, groups, False)
+        for mode in ("segments", "gather"):
+            monkeypatch.setattr(poisoned, "expand_by", mode)
+            out[t, mode] = torch.zeros(t, 24, device=dev)
+            poisoned.add_delta(delta, out[t, mode])
+        assert torch.allclose(out[t, "segments"], out[t, "gather"], atol=1e-4, rtol=1e-4)
+    assert calls == ["expand", "expand_gather", "expand", "expand"], calls
+
+
+def test_expand_way_from_the_environment(ops, monkeypatch):
+    check_env_choice(monkeypatch, ops, "expand_by", lambda: ops.gathers(16), "INFER_LORA_EXPAND",
+                     ((None, False), ("gather", True), (" segments", False)), "bgmv", ("segments", "gather"))
+    monkeypatch.setattr(ops, "expand_by", "gather")
+    assert ops.gathers(ops.GATHER_MAX_TOKENS) and not ops.gathers(ops.GATHER_MAX_TOKENS + 1)
+    assert ops.gather_tiles(16, 16) == (16, 32, 16) and ops.gather_tiles(1, 16) == (1, 128, 16)
+    assert ops.gather_tiles(64, 64) == (8, 16, 64) and ops.gather_tiles(3, 128) == (4, 16, 128)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the bench for real (scripts/gpu-check lora-kernels)")
 def test_lora_bench_rows_on_cpu_interpreted(ops, monkeypatch):
     """`infer.bench.kernels --lora`'s measuring code on CPU (interpreted kernels, one call of each timed function
@@ -198,7 +275,7 @@ def test_lora_bench_rows_on_cpu_interpreted(ops, monkeypatch):
     from infer.bench import lora_kernels
     mod = sys.modules["infer.kernels.lora_ops"]
     seen: list[int] = []
-    shrink, expand = mod.shrink, mod.expand
+    shrink, expand, gather = mod.shrink, mod.expand, mod.expand_gather
 
     def rec_shrink(x, lora_a, *a, **kw):
         seen.append(lora_a.data_ptr())
@@ -207,6 +284,10 @@ def test_lora_bench_rows_on_cpu_interpreted(ops, monkeypatch):
     def rec_expand(hp, y, lora_b, *a, **kw):
         seen.append(lora_b.data_ptr())
         return expand(hp, y, lora_b, *a, **kw)
+
+    def rec_gather(hp, y, lora_b, *a, **kw):
+        seen.append(lora_b.data_ptr())
+        return gather(hp, y, lora_b, *a, **kw)
     timed = []
 
     def once(fns):
@@ -218,18 +299,20 @@ def test_lora_bench_rows_on_cpu_interpreted(ops, monkeypatch):
         return (time.perf_counter() - t0) * 1e6
     monkeypatch.setattr(mod, "shrink", rec_shrink)
     monkeypatch.setattr(mod, "expand", rec_expand)
+    monkeypatch.setattr(mod, "expand_gather", rec_gather)
     monkeypatch.setattr(lora_kernels, "time_us", once)
     k, outs, one_set = 64, [32, 16], lora_kernels.SLOTS * lora_kernels.RANK * (2 * 64 + 48) * 2
     row = lora_kernels.measure(k, outs, 4, 2, 1e10, device="cpu", l2_bytes=2 * one_set + 1)
     assert row["weight_sets"] == 3
     assert all(row[key] > 0 for key in ("lora_us", "shrink_us", "expand_us", "expand_hot_us", "expand_by_token_us",
-                                        "expand_late_us", "late_gain", "floor_us", "fp16_linear_us")), row
+                                        "expand_late_us", "late_gain", "expand_gather_us", "gather_gain", "floor_us",
+                                        "fp16_linear_us")), row
     assert row["adapter_MB"] == 2 * lora_kernels.RANK * (2 * 64 + 48) * 2 / 1e6
-    # lora_apply (a shrink and an expand per set), shrink, expand, the hot expand, the two orders, the sweep of the
-    # shrink's splits, each followed by the shrink + expand pair at that split, and of the expand's columns (a
-    # decode-sized row), the fp16 linear
+    # lora_apply (a shrink and an expand per set), shrink, expand, the hot expand, the two orders, the gather, the
+    # sweep of the shrink's splits, each followed by the shrink + expand pair at that split, and of the expand's
+    # columns (a decode-sized row), the fp16 linear
     splits = [(3, 3), (3, 6)] * len(lora_kernels.SWEEP_SPLITS)
-    assert timed == [(3, 6), (3, 3), (3, 3), (1, 1), (3, 3), (3, 3), *splits,
+    assert timed == [(3, 6), (3, 3), (3, 3), (1, 1), (3, 3), (3, 3), (3, 3), *splits,
                      *[(3, 3)] * len(lora_kernels.SWEEP_BLOCK_N), (1, 0)], timed
     assert {f"shrink_split{s}_us" for s in lora_kernels.SWEEP_SPLITS} <= set(row), row
     assert {f"pair_split{s}_us" for s in lora_kernels.SWEEP_SPLITS} <= set(row), row
@@ -389,3 +472,23 @@ def test_real_shapes_gpu(t):
     lora_ops.lora_apply(x.cuda(), got, a.cuda(), b.cuda(), scal.cuda(), bounds, lora_groups(slots.cuda(), 16),
                         rk.cuda())
     assert torch.allclose(got.cpu().float(), want, rtol=2e-2, atol=0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16, 64])
+def test_gather_expand_real_shapes_gpu(t):
+    """The gather expand at a 7B qkv's sizes (rank 16 and 64) on a GPU against the reference."""
+    from infer.kernels import lora_ops
+    for rank in (16, 64):
+        g = torch.Generator().manual_seed(t + rank)
+        slots = torch.randint(-1, 16, (t,), generator=g)
+        a, b, scal, rk, bounds = layer([4096, 1024, 1024], 16, rank, 4096, seed=t, dtype=torch.float16)
+        x = torch.randn(t, 4096, generator=g).half()
+        y = torch.randn(t, bounds[-1], generator=g).half()
+        want = y.float().clone()
+        ref.lora_apply(x.float(), want, a.float(), b.float(), scal, bounds, lora_groups(slots, 16))
+        groups = lora_groups(slots.cuda(), 16)
+        hp = lora_ops.shrink(x.cuda(), a.cuda(), 3, groups, rk.cuda(), by_token=True)
+        got = y.cuda()
+        lora_ops.expand_gather(hp, got, b.cuda(), scal.cuda(), bounds, slots.cuda(), rk.cuda())
+        assert torch.allclose(got.cpu().float(), want, rtol=2e-2, atol=0.5), (t, rank)

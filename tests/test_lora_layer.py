@@ -244,17 +244,25 @@ def test_the_shrink_goes_beside_the_matmul_only_while_a_cuda_graph_is_captured(s
     assert layer.beside(base, x_gpu)
 
 
+@pytest.mark.parametrize("expand_by", ["segments", "gather"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_apply_beside_gives_the_one_stream_result_bit_for_bit(setup, monkeypatch, dtype):
+def test_apply_beside_gives_the_one_stream_result_bit_for_bit(setup, monkeypatch, dtype, expand_by):
     """LoRALayer.apply_beside, the decode graphs' path, with the Triton kernels interpreted and the two streams
     stood in for (the concurrency itself needs a GPU: test_overlap.py's -m gpu test): the shrink into a
     preallocated hp, the expand after the join, or (lora_expand_beside) the expand into a float32 delta added after
     the join, each give exactly what the one-stream path gives (the float32 sum rounded once), on every merged
-    projection, for mixed adapters of ranks 4-64 with a base-model token among them."""
+    projection, for mixed adapters of ranks 4-64 with a base-model token among them. With the expands as gathers
+    (INFER_LORA_EXPAND=gather: the shrink stores by token) the two ways give each other's result bit for bit and
+    the one-stream path's up to the order of the rank's sum."""
     from infer import kernels
+    from infer.kernels import lora_ops
     if torch.cuda.is_available():
         pytest.skip("a GPU runs the real streams (test_overlap.py)")
     monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    monkeypatch.setattr(lora_ops, "expand_by", expand_by)
+    gathered = []
+    real_gather = lora_ops.expand_gather
+    monkeypatch.setattr(lora_ops, "expand_gather", lambda *a, **kw: (gathered.append(1), real_gather(*a, **kw)))
     _stand_in_streams(monkeypatch)
     stack = MergedStack(tiny_llama(seed=0))
     for ml in stack.linears:
@@ -272,10 +280,16 @@ def test_apply_beside_gives_the_one_stream_result_bit_for_bit(setup, monkeypatch
         base = want.clone()
         ml.lora.apply(x, want, batch)
         assert not torch.equal(want, base)
+        got = {}
         for expand_beside in (False, True):
             ml.lora.expand_beside = expand_beside
-            got = ml.lora.apply_beside(ml, x, batch)
-            assert torch.equal(got, want), (ml.names, expand_beside)
+            got[expand_beside] = ml.lora.apply_beside(ml, x, batch)
+            if expand_by == "segments":
+                assert torch.equal(got[expand_beside], want), (ml.names, expand_beside)
+        if expand_by == "gather":
+            tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+            assert torch.equal(got[False], got[True]) and torch.allclose(got[False], want, **tol), ml.names
+    assert len(gathered) == (8 if expand_by == "gather" else 0)  # 4 projections x 2 ways
 
 
 def _deferral_batch(setup, tokens):

@@ -13,7 +13,9 @@ WITH_PDL = "with PDL"  # gpu_e2e --compare-pdl: kernels launched with programmat
 SILU_APART = "silu_and_mul launched apart"  # gpu_e2e --compare-silu: EngineConfig.silu_in_gate_up off
 LOADS_LATE = "int4 loads in their step"  # gpu_e2e --compare-loads: INFER_INT4_LOADS=late
 HIGH_PRIORITY = "graphs at high priority"  # gpu_e2e --compare-priority: EngineConfig.graph_priority on
-VARIANTS = (NO_PIECES, WITH_PDL, SILU_APART, LOADS_LATE, HIGH_PRIORITY)  # a mode label's suffix naming an engine variant
+GATHERED = "expands gathered"  # gpu_e2e --compare-expand: INFER_LORA_EXPAND=gather
+VARIANTS = (NO_PIECES, WITH_PDL, SILU_APART, LOADS_LATE, HIGH_PRIORITY, GATHERED)  # a mode label's variant suffix
+ADAPTERS_ONLY = (GATHERED,)  # variants of the adapters' kernels alone: run with adapters only, costed against "none"
 
 
 def variant_of(lora: str) -> str | None:
@@ -42,7 +44,7 @@ def adapter_costs(rows: list[dict]) -> list[str]:
     lines = []
     for r in rows:
         v = variant_of(r["lora"])
-        plain = f"none, {v}" if v else "none"  # like against like
+        plain = f"none, {v}" if v and v not in ADAPTERS_ONLY else "none"  # like against like
         base = next((b for b in rows if b["model"] == r["model"] and b["engine"] == r["engine"]
                      and b["lora"] == plain), None)
         if base is None or r["lora"] == plain or not base["output_tok_s"]:
@@ -120,6 +122,16 @@ def priority_gains(rows: list[dict]) -> list[str]:
             for lora, on, r in variant_pairs(rows, HIGH_PRIORITY, "mean_tpot_ms")]
 
 
+def gather_gains(rows: list[dict]) -> list[str]:
+    """For each row whose LoRA expands of decode steps were gathers (--compare-expand): what that gives against the
+    default engine (expands by segments), as ratios (below 1, what it costs)."""
+    return [f"{r['model']} {r['engine']}, {lora}: the LoRA expands as gathers (lora_ops.expand_gather, partials by "
+            f"token) give {r['output_tok_s'] / on['output_tok_s']:.3f}x the throughput and "
+            f"{on['mean_tpot_ms'] / r['mean_tpot_ms']:.3f}x the decode speed of the expands by segments (TPOT "
+            f"{r['mean_tpot_ms']} vs {on['mean_tpot_ms']} ms)"
+            for lora, on, r in variant_pairs(rows, GATHERED, "mean_tpot_ms")]
+
+
 def write_tables(rows: list[dict], out: Path, notes: list[str]) -> str:
     import csv
     out.mkdir(parents=True, exist_ok=True)
@@ -143,4 +155,4 @@ def run_notes(device_name: str, args, rows: list[dict]) -> list[str]:
             "roofline: (decode-step weight bytes + KV bytes of the batch at the mean context + adapter bytes) / "
             "measured device-to-device copy bandwidth; fraction = roofline TPOT / measured mean TPOT",
             *adapter_costs(rows), *piecewise_gains(rows), *pdl_gains(rows), *silu_gains(rows),
-            *loads_gains(rows), *priority_gains(rows)]
+            *loads_gains(rows), *priority_gains(rows), *gather_gains(rows)]

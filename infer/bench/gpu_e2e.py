@@ -33,7 +33,8 @@ from ..kernels.compiles import watch_compiles
 from ..memory.plan import plan_memory
 from ..memory.sizes import kv_bytes_per_token
 from .e2e_models import SHAPES, build_model, dtype_label, hf_config, make_tokenizer, write_random_adapters
-from .e2e_report import HIGH_PRIORITY, LOADS_LATE, NO_PIECES, SILU_APART, WITH_PDL, result_row, run_notes, write_tables
+from .e2e_report import (GATHERED, HIGH_PRIORITY, LOADS_LATE, NO_PIECES, SILU_APART, WITH_PDL, result_row, run_notes,
+                         write_tables)
 from .roofline import copy_bandwidth, decode_roofline, lora_bytes_per_adapter, weight_bytes_per_step
 
 EPILOGUE = "expand in epilogue"  # the mode label of --compare-lora-epilogue
@@ -206,7 +207,8 @@ def engine_modes(run: ShapeRun, tmp: Path) -> list[tuple[str, dict[str, str], bo
     with programmatic dependent launch, --compare-silu the one without adapters with silu_and_mul launched after the
     int4 gate_up matmul (not in its epilogue), --compare-loads the one without adapters with the int4 kernels
     issuing each K step's loads in that step (not during the step before: gptq_gemm.loads_ahead), --compare-priority
-    each of the two plain modes with its CUDA graphs recorded at high priority (EngineConfig.graph_priority)."""
+    each of the two plain modes with its CUDA graphs recorded at high priority (EngineConfig.graph_priority),
+    --compare-expand the one with adapters with its decode steps' LoRA expands as gathers (INFER_LORA_EXPAND=gather)."""
     args = run.args
     both = args.compare_eager and not args.eager  # each of the two plain modes with graphs and without
     pieces = args.compare_piecewise and not args.eager
@@ -222,7 +224,8 @@ def engine_modes(run: ShapeRun, tmp: Path) -> list[tuple[str, dict[str, str], bo
         modes += [(mixed, adapters, args.eager)] + ([(mixed, adapters, True)] if both else []) \
             + ([(f"{mixed}, {NO_PIECES}", adapters, False)] if pieces else []) \
             + ([(f"{mixed}, {WITH_PDL}", adapters, args.eager)] if args.compare_pdl else []) \
-            + ([(f"{mixed}, {HIGH_PRIORITY}", adapters, False)] if args.compare_priority and not args.eager else [])
+            + ([(f"{mixed}, {HIGH_PRIORITY}", adapters, False)] if args.compare_priority and not args.eager else []) \
+            + ([(f"{mixed}, {GATHERED}", adapters, args.eager)] if args.compare_expand else [])
         if args.max_loras and args.max_loras < len(adapters):
             modes.append((f"{len(adapters)} mixed r{args.rank} via {args.max_loras} slots", adapters, args.eager))
         if args.compare_lora_epilogue and not args.fp16:
@@ -250,6 +253,20 @@ def int4_loads(mode: str | None):
         gptq_gemm.int4_loads = old
 
 
+@contextlib.contextmanager
+def lora_expand(mode: str | None):
+    """While an engine is built and run: how its LoRA expands of up to 64 tokens find their adapters
+    (lora_ops.expand_by, "segments" or "gather"; None: as set)."""
+    from ..kernels import lora_ops
+    old = lora_ops.expand_by
+    if mode is not None:
+        lora_ops.expand_by = mode
+    try:
+        yield
+    finally:
+        lora_ops.expand_by = old
+
+
 def infer_rows(run: ShapeRun) -> list[dict]:
     """infer's rows: one model with random weights on the device, one engine over it per mode."""
     model, label = build_model(run.model_config, run.dtype, run.device, quantized=not run.args.fp16)
@@ -257,7 +274,8 @@ def infer_rows(run: ShapeRun) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         rows = []
         for lora, adapters, eager in engine_modes(run, Path(tmp)):
-            with int4_loads("late" if LOADS_LATE in lora else None):
+            with int4_loads("late" if LOADS_LATE in lora else None), \
+                    lora_expand("gather" if GATHERED in lora else None):
                 rows.append(infer_row(run, model, label, weight_bytes, lora, adapters, eager))
     del model
     _free_device_memory()
@@ -379,6 +397,9 @@ def parse_args(argv=None):
                    help="also run infer with its CUDA graphs recorded on a high-priority stream, so that the GPU "
                         "schedules the base matmuls' programs before the LoRA shrinks beside them "
                         "(EngineConfig.graph_priority), without adapters and with the mixed adapters")
+    p.add_argument("--compare-expand", action="store_true",
+                   help="also run infer with the mixed adapters, the LoRA expands of decode steps as gathers (each "
+                        "program takes up to 16 tokens of any adapters: INFER_LORA_EXPAND=gather)")
     p.add_argument("--profile", action="store_true",
                    help="also profile one prefill and 20 decode steps of each engine (host vs GPU-busy time)")
     return p.parse_args(argv)

@@ -18,7 +18,10 @@ weights, which then stays in L2 (`expand_hot_us`: how this bench timed every ker
 us each in a step's profile). At 16 and 64 tokens each row also sweeps the shrink's SPLIT_K
 (`shrink_split{2,4,8,16}_us`; `pair_split{N}_us`: the by-token shrink at that split and the by-token expand that sums
 its partials, one after the other, as a decode step launches them) and the by-token expand's columns per program
-(`expand_n{256,512,1024}_us`, in the default load order), the constants `lora_ops.plan` fixes. GPU only."""
+(`expand_n{256,512,1024}_us`, in the default load order), the constants `lora_ops.plan` fixes. Up to 64 tokens
+the expand as a gather too (`expand_gather_us`, `lora_ops.expand_gather`, INFER_LORA_EXPAND=gather: each program
+takes 16 tokens of any adapters; `gather_gain` = expand_us / expand_gather_us, > 1: the gather is faster than the
+expand by segments a decode graph launches). GPU only."""
 
 from __future__ import annotations
 
@@ -100,6 +103,9 @@ def measure(k: int, outs: list[int], t: int, adapters: int, bandwidth: float, de
     for name, early in (("expand_by_token_us", True), ("expand_late_us", False)):  # both load orders
         us[name] = time_us(each(lambda a, b, e=early: lora_ops.expand(hp_t, y, b, scalings, bounds, groups, ranks,
                                                                      by_token=True, early=e)))
+    if t <= lora_ops.GATHER_MAX_TOKENS:  # the expand as a gather (INFER_LORA_EXPAND=gather), from partials by token
+        us["expand_gather_us"] = time_us(each(lambda a, b: lora_ops.expand_gather(hp_t, y, b, scalings, bounds, slots,
+                                                                                  ranks)))
     if t <= SWEEP_MAX_TOKENS:  # the launch constants (lora_ops.plan) against the weights from device memory
         for split in SWEEP_SPLITS:
             us[f"shrink_split{split}_us"] = time_us(each(lambda a, b, s=split: lora_ops.shrink(x, a, n, groups, ranks,
@@ -122,7 +128,9 @@ def measure(k: int, outs: list[int], t: int, adapters: int, bandwidth: float, de
     floor_us = adapter_bytes / bandwidth * 1e6
     p = lora_ops.plan(t, SLOTS, k)
     return {"T": t, "adapters": adapters, "K": k, "N": bounds[-1], "shards": n, **us,
-            "late_gain": us["expand_by_token_us"] / us["expand_late_us"], "adapter_MB": adapter_bytes / 1e6,
+            "late_gain": us["expand_by_token_us"] / us["expand_late_us"],
+            **({"gather_gain": us["expand_us"] / us["expand_gather_us"]} if "expand_gather_us" in us else {}),
+            "adapter_MB": adapter_bytes / 1e6,
             "floor_us": floor_us, "x_floor": us["lora_us"] / floor_us, "fp16_linear_us": linear_us,
             "split_k": p["split"], "tiles": p["tiles"], "weight_sets": len(sets)}
 
@@ -152,7 +160,8 @@ def print_row(r: dict) -> None:
           f" = {r['x_floor']:5.2f}x  [{r['adapter_MB']:.2f} MB]  fp16 linear {r['fp16_linear_us']:7.1f} us"
           f"  split_k={r['split_k']} tiles={r['tiles']}  by token: expand {r['expand_by_token_us']:6.1f} us, with "
           f"the late loads {r['expand_late_us']:6.1f} ({r['late_gain']:.2f}x); expand from L2 {r['expand_hot_us']:6.1f}"
-          f" us", flush=True)
+          f" us" + (f"; as a gather {r['expand_gather_us']:6.1f} us ({r['gather_gain']:.2f}x the expand by segments)"
+                   if "expand_gather_us" in r else ""), flush=True)
     sweep = [f"{key[:-3]} {value:.1f}" for key, value in r.items()
              if key.startswith(("shrink_split", "pair_split", "expand_n"))]
     if sweep:

@@ -83,13 +83,16 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     resident = resident_bytes(device) - before
     lora_manager, largest = _lora_manager(model, engine_config, device, dtype)
     budget = budget_bytes(engine_config, device, resident)
-    tuning_s = compile_s = use_pdl = byte_fields = loads_ahead = None
+    tuning_s = compile_s = use_pdl = byte_fields = loads_ahead = gather = None
     if device.type == "cuda":  # what an engine start adds on this GPU: tuning the int4 matmul for shapes not in a
         from ..kernels import gptq_gemm, pdl  # table, then compiling the kernels it will launch (with PDL where
         from ..kernels.gptq_tune import compile_model, tune_model  # it will use it)
         use_pdl = pdl.configure(device, engine_config.pdl)
         byte_fields = gptq_gemm.configure_byte_fields(device)
         loads_ahead = gptq_gemm.loads_ahead()  # INFER_INT4_LOADS (a bad value stops here, before anything compiles)
+        if lora_manager is not None:  # INFER_LORA_EXPAND (the same)
+            from ..kernels import lora_ops
+            gather = lora_ops.gathers(1)
         tuning_s = tune_model(model, engine_config.max_num_batched_tokens, device)[1]
         t0 = time.perf_counter()
         compile_model(model, engine_config.max_num_batched_tokens, dtype)
@@ -97,7 +100,7 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     extra = {"model": str(path), "dtype": str(dtype).replace("torch.", ""), "estimate": False,
              "weights_resident_bytes": resident, "lora_adapter": largest, "kernel_tuning_s": tuning_s,
              "kernel_compile_s": compile_s, "pdl": use_pdl, "int4_byte_fields": byte_fields,
-             "int4_loads_ahead": loads_ahead}
+             "int4_loads_ahead": loads_ahead, "lora_expand_gather": gather}
     rank = engine_config.max_lora_rank if lora_manager is not None else 0
     act = activation_bytes(model_config, dtype, engine_config.max_num_batched_tokens, concurrency, max_length, rank)
     act += cuda_graph_bytes(engine_config, model_config, dtype)

@@ -221,6 +221,12 @@ def configure_byte_fields(device) -> bool:
     return use
 
 
+def group_shift(group_size: int) -> int:
+    """log2(group_size) where it is a power of two (the kernels find a row's group by a shift: `GS_LOG2`), else -1
+    (by a division)."""
+    return group_size.bit_length() - 1 if group_size > 0 and group_size & (group_size - 1) == 0 else -1
+
+
 def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, gs, wp, m, n, k,
             compile_only: bool = False, bias=None, lora=None, gated: bool = False) -> torch.Tensor:
     """Launch the kernel `cfg` names, or with compile_only only compile it (Triton's `warmup`: same arguments, so
@@ -237,6 +243,7 @@ def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, g
         else _no_workspace(x2.device)
     f32 = x2.dtype == torch.float32
     common = dict(BITS=bits, ZEROS_V1=bool(zeros_v1), F32=f32, WP=wp, EVEN_K=k % cfg["BLOCK_K"] == 0,
+                  GS_LOG2=group_shift(gs),
                   BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT=split > 1, num_warps=cfg["num_warps"],
                   num_stages=cfg["num_stages"], PDL=pdl.on(x2.device), GATED=gated, **pdl.launch(x2.device))
     if common["PDL"]:

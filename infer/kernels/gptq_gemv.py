@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gptq_kernels import LORA_INTS, _epilogue, _fields, _pdl_start, _step_words, _xrow0, gated_cols
+from .gptq_kernels import LORA_INTS, _epilogue, _fields, _pdl_start, _step_words, _xrow0, gated_cols, group_of
 
 
 @triton.jit
@@ -17,9 +17,12 @@ def _gemv_step(acc, x_row, k0, words, wv, z, s, offs_w, BITS: tl.constexpr, WP: 
     XS: tl.constexpr = PACK if WP == 1 else 1
     if FIELD_LOOP:
         part = tl.zeros(acc.shape, dtype=tl.float32)
-        zf = (z + 0x800000).to(tl.float32)[None, :]
+        zf = (z | 0x4B000000).to(tl.float32, bitcast=True)[None, :]  # 2^23 + z, without a conversion
+        if BKW == WP:  # field j's rows: a constant offset of the step's base pointer
+            x_step = x_row + k0 + offs_w
         for j in tl.static_range(PACK):
-            xj = tl.load(x_row + _xrow0(k0, j, WP, PACK, BKW) + offs_w * XS, mask=wv, other=0.0).to(tl.float32)
+            xp = x_step + j * WP if BKW == WP else x_row + _xrow0(k0, j, WP, PACK, BKW) + offs_w * XS
+            xj = tl.load(xp, mask=wv, other=0.0).to(tl.float32)
             qj = ((words >> (j * BITS)) & ((1 << BITS) - 1)) | 0x4B000000
             part += xj[:, None] * (qj.to(tl.float32, bitcast=True) - zf)
         acc += part * s.to(tl.float32)[None, :]
@@ -31,7 +34,8 @@ def _gemv_step(acc, x_row, k0, words, wv, z, s, offs_w, BITS: tl.constexpr, WP: 
             w = ((q - z[None, None, :]).to(tl.float16) * s[None, None, :]).to(tl.float32)
             acc += tl.sum(xv[:, :, None] * w, axis=0)
         else:
-            v = (q | 0x4B000000).to(tl.float32, bitcast=True) - (z + 0x800000).to(tl.float32)[None, None, :]
+            zm = (z | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + z, as the fields are 2^23 + q
+            v = (q | 0x4B000000).to(tl.float32, bitcast=True) - zm[None, None, :]
             acc += tl.sum(xv[:, :, None] * v, axis=0) * s.to(tl.float32)[None, :]
     return acc
 
@@ -65,14 +69,17 @@ def _gemv_step_inplace(acc, x_row, k0, words, wv, z, s, offs_w, BITS: tl.constex
     XS: tl.constexpr = PACK if WP == 1 else 1
     MASK: tl.constexpr = (1 << BITS) - 1
     part = tl.zeros(acc.shape, dtype=tl.float32)
-    zf = z.to(tl.float32)[None, :]
+    zm = (z | 0x4B000000).to(tl.float32, bitcast=True)[None, :]  # 2^23 + z by a logic operation, not a conversion
     high = words >> (LOW * BITS)
+    if BKW == WP:  # field j's rows: the step's first field's + j * WP, a constant offset of one base pointer
+        x_step = x_row + k0 + offs_w
     for j in tl.static_range(PACK):
-        xj = tl.load(x_row + _xrow0(k0, j, WP, PACK, BKW) + offs_w * XS, mask=wv, other=0.0).to(tl.float32)
+        xp = x_step + j * WP if BKW == WP else x_row + _xrow0(k0, j, WP, PACK, BKW) + offs_w * XS
+        xj = tl.load(xp, mask=wv, other=0.0).to(tl.float32)
         at = j * BITS if j < LOW else (j - LOW) * BITS
         src = words if j < LOW else high
         v = _mantissa(src, MASK << at, ASM).to(tl.float32, bitcast=True)
-        q = v * (1.0 / (1 << at)) - (zf + (1 << (23 - at)))
+        q = v * (1.0 / (1 << at)) - (zm + ((1 << (23 - at)) - (1 << 23)))  # 2^(23 - at) + z, exact
         part += xj[:, None] * q
     acc += part * s.to(tl.float32)[None, :]
     return acc
@@ -87,7 +94,8 @@ def gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, 
                 INPLACE: tl.constexpr = False, ASM: tl.constexpr = True, HAS_BIAS: tl.constexpr = False,
                 LORA_S: tl.constexpr = 0, LORA_R: tl.constexpr = 0, LORA_RP: tl.constexpr = 1,
                 LORA_NSH: tl.constexpr = 1, LORA_JB: tl.constexpr = 16, PDL: tl.constexpr = False,
-                PREFETCH: tl.constexpr = 2, GATED: tl.constexpr = False, AHEAD: tl.constexpr = False):
+                PREFETCH: tl.constexpr = 2, GATED: tl.constexpr = False, AHEAD: tl.constexpr = False,
+                GS_LOG2: tl.constexpr = -1):
     """M = 1 on CUDA cores: fields become floats by OR-ing them into the mantissa of 2^23 (the float 2^23 + q),
     x * (q - z) accumulates in a [BLOCK_K / pack, BLOCK_N] float32 tile reduced once at the end, and the group's
     scale multiplies the step's partial sum, not every weight. FIELD_LOOP: field by field, x loaded per field.
@@ -102,20 +110,22 @@ def gemv_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, 
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
     _pdl_start(qw_ptr, qz_ptr, s_ptr, k_begin, k_end, group_size, tl.min(offs_n, 0), N, sq_k, sz_g, ss_g, BITS, BKW,
-               BLOCK_N, PDL, PREFETCH)
+               BLOCK_N, PDL, PREFETCH, GS_LOG2)
     acc = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
     if AHEAD:
-        words_n, wv_n, z_n, s_n = _step_words(qw_ptr, qz_ptr, s_ptr, k_begin, k_end, k_begin // group_size, offs_w,
-                                              offs_n, mask_n, sq_k, sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, False)
+        words_n, wv_n, z_n, s_n = _step_words(qw_ptr, qz_ptr, s_ptr, k_begin, k_end,
+                                              group_of(k_begin, group_size, GS_LOG2), offs_w, offs_n, mask_n, sq_k,
+                                              sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, False)
     for k0 in range(k_begin, k_end, BLOCK_K):
         if AHEAD:
             words, wv, z, s = words_n, wv_n, z_n, s_n
             k1 = tl.where(k0 + BLOCK_K < k_end, k0 + BLOCK_K, k0)
-            words_n, wv_n, z_n, s_n = _step_words(qw_ptr, qz_ptr, s_ptr, k1, k_end, k1 // group_size, offs_w,
-                                                  offs_n, mask_n, sq_k, sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, False)
+            words_n, wv_n, z_n, s_n = _step_words(qw_ptr, qz_ptr, s_ptr, k1, k_end, group_of(k1, group_size, GS_LOG2),
+                                                  offs_w, offs_n, mask_n, sq_k, sz_g, ss_g, BITS, ZEROS_V1, EVEN_K,
+                                                  False)
         else:
-            words, wv, z, s = _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, k0 // group_size, offs_w, offs_n, mask_n,
-                                          sq_k, sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, False)
+            words, wv, z, s = _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, group_of(k0, group_size, GS_LOG2), offs_w,
+                                          offs_n, mask_n, sq_k, sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, False)
         if INPLACE:
             acc = _gemv_step_inplace(acc, x_ptr + pid_m * sx_m, k0, words, wv, z, s, offs_w, BITS, WP, BKW, ASM)
         else:
@@ -135,7 +145,8 @@ def gemv_rows_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                      HAS_BIAS: tl.constexpr = False, LORA_S: tl.constexpr = 0, LORA_R: tl.constexpr = 0,
                      LORA_RP: tl.constexpr = 1, LORA_NSH: tl.constexpr = 1, LORA_JB: tl.constexpr = 16,
-                     PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 2, GATED: tl.constexpr = False):
+                     PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 2, GATED: tl.constexpr = False,
+                     GS_LOG2: tl.constexpr = -1):
     """`gemv` for BLOCK_M rows at once: each weight is loaded and unpacked once and used for every row."""
     PACK: tl.constexpr = 32 // BITS
     BKW: tl.constexpr = BLOCK_K // PACK
@@ -148,11 +159,11 @@ def gemv_rows_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
     _pdl_start(qw_ptr, qz_ptr, s_ptr, k_begin, k_end, group_size, tl.min(offs_n, 0), N, sq_k, sz_g, ss_g, BITS, BKW,
-               BLOCK_N, PDL, PREFETCH)
+               BLOCK_N, PDL, PREFETCH, GS_LOG2)
     acc = tl.zeros((BLOCK_M, BKW, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        words, wv, z, s = _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, k0 // group_size, offs_w, offs_n, mask_n,
-                                      sq_k, sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, False)
+        words, wv, z, s = _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, group_of(k0, group_size, GS_LOG2), offs_w,
+                                      offs_n, mask_n, sq_k, sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, False)
         xk = _xrow0(k0, tl.arange(0, PACK)[:, None], WP, PACK, BKW) + offs_w[None, :] * XS  # [PACK, BKW]
         xv = tl.load(x_ptr + offs_m[:, None, None] * sx_m + xk[None, :, :],
                      mask=mask_m[:, None, None] & wv[None, None, :], other=0.0).to(tl.float32)
@@ -161,7 +172,8 @@ def gemv_rows_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N
             w = ((q - z[None, None, :]).to(tl.float16) * s[None, None, :]).to(tl.float32)
             acc += tl.sum(xv[:, :, :, None] * w[None, :, :, :], axis=1)
         else:
-            v = (q | 0x4B000000).to(tl.float32, bitcast=True) - (z + 0x800000).to(tl.float32)[None, None, :]
+            zm = (z | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + z, as the fields are 2^23 + q
+            v = (q | 0x4B000000).to(tl.float32, bitcast=True) - zm[None, None, :]
             acc += tl.sum(xv[:, :, :, None] * v[None, :, :, :], axis=1) * s.to(tl.float32)[None, None, :]
     out = tl.sum(acc, axis=1)
     _epilogue(out, y_ptr, ws_ptr, lock_ptr, pid_m * tl.num_programs(0) + pid_n, pid_k, offs_m, offs_n, M, N, sy_m,

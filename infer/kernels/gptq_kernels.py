@@ -45,6 +45,16 @@ def _kmask(words, k_end, PACK: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def group_of(k, group_size, GS_LOG2: tl.constexpr):
+    """The group of input row k (>= 0): a shift where the launcher found group_size a power of two (GS_LOG2 =
+    its log2, `gptq_gemm.group_shift`), else a division (13-15 more instructions a K step on sm_90)."""
+    if GS_LOG2 >= 0:
+        return k >> GS_LOG2
+    else:
+        return k // group_size
+
+
+@triton.jit
 def _scales(s_ptr, g, offs_n, mask_n, ss_g):
     """Group g's scales of the tile's columns (fp16: 2 bytes a column, too small for an asynchronous copy, so the
     pipeliner leaves the load where it is written)."""
@@ -257,7 +267,8 @@ def _epilogue(acc, y_ptr, ws_ptr, lock_ptr, tile, pid_k, offs_m, offs_n, M, N, s
 
 @triton.jit
 def _pdl_start(qw_ptr, qz_ptr, s_ptr, k_begin, k_end, group_size, n0, N, sq_k, sz_g, ss_g, BITS: tl.constexpr,
-               BKW: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+               BKW: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+               GS_LOG2: tl.constexpr = -1):
     """With PDL (`pdl`): the program's first PREFETCH K steps of packed words, and their groups' zeros and scales
     (a step lies inside one group), asked into L2 (constants: no need to wait for the kernel before; without the
     zeros and scales the first step would still wait for memory), then `pdl.start` (let the next kernel launch,
@@ -266,7 +277,8 @@ def _pdl_start(qw_ptr, qz_ptr, s_ptr, k_begin, k_end, group_size, n0, N, sq_k, s
         PACK: tl.constexpr = 32 // BITS
         pdl.prefetch_rows(qw_ptr, k_begin // PACK, (k_end + PACK - 1) // PACK, sq_k, n0, N, PREFETCH * BKW, BLOCK_N,
                           32)
-        g0, g_end = k_begin // group_size, (k_end + group_size - 1) // group_size
+        g0 = group_of(k_begin, group_size, GS_LOG2)
+        g_end = group_of(k_end + group_size - 1, group_size, GS_LOG2)
         pdl.prefetch_rows(s_ptr, g0, g_end, ss_g, n0, N, PREFETCH, BLOCK_N, 32)
         pdl.prefetch_rows(qz_ptr, g0, g_end, sz_g, n0 // PACK, (N + PACK - 1) // PACK, PREFETCH, BLOCK_N // PACK, 32)
     pdl.start(PDL)
@@ -282,12 +294,13 @@ def _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, g, offs_w, offs_n, mask_n, sq_
     PACK: tl.constexpr = 32 // BITS
     wrow = k0 // PACK + offs_w
     wv = _kmask(wrow, k_end, PACK, EVEN_K)
+    step_ptr = qw_ptr + (k0 // PACK) * sq_k  # the step's first word row, then offsets the loop does not change
     if TRANS:
-        words = tl.load(qw_ptr + wrow[None, :] * sq_k + offs_n[:, None], mask=wv[None, :] & mask_n[:, None], other=0,
-                        eviction_policy="evict_first")
+        words = tl.load(step_ptr + (offs_w[None, :] * sq_k + offs_n[:, None]), mask=wv[None, :] & mask_n[:, None],
+                        other=0, eviction_policy="evict_first")
     else:
-        words = tl.load(qw_ptr + wrow[:, None] * sq_k + offs_n[None, :], mask=wv[:, None] & mask_n[None, :], other=0,
-                        eviction_policy="evict_first")
+        words = tl.load(step_ptr + (offs_w[:, None] * sq_k + offs_n[None, :]), mask=wv[:, None] & mask_n[None, :],
+                        other=0, eviction_policy="evict_first")
     z, s = _zeros_scales(qz_ptr, s_ptr, g, offs_n, mask_n, sz_g, ss_g, BITS, ZEROS_V1, not PRE_S)
     return words, wv, z, s
 
@@ -315,20 +328,25 @@ def _dot_fields(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, BITS: tl.const
     if BYTES and BYTE_DOTS and TRANS and WP == BKW:  # a byte's two fields cover 2 * BKW consecutive rows: one dot
         r2 = tl.arange(0, 2 * BKW)
         wv2 = _kmask(k0 // PACK + r2 % BKW, k_end, PACK, EVEN_K)  # row r: word r % BKW
+        x_step = x_rows + (k0 + r2)[:, None]  # byte b's rows: + 2 * b * WP, a constant offset
         for b in tl.static_range(PACK // 2):
             lo, hi = _byte_fields(words, zfb, zob, b, ASM)
             if SCALE_W:
                 lo, hi = lo * sw, hi * sw
-            ks = _xrow0(k0, 2 * b, WP, PACK, BKW) + r2
             # [N, BKW] x 2 -> [N, 2 * BKW]: the columns of lo, then of hi (on 4 warps a renaming of registers)
             w2 = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (lo.shape[0], 2 * BKW))
-            xj = tl.load(x_rows + ks[:, None], mask=mask_m[None, :] & wv2[:, None], other=0.0)
+            xj = tl.load(x_step + 2 * b * WP, mask=mask_m[None, :] & wv2[:, None], other=0.0)
             d = tl.dot(w2.to(xj.dtype), xj)
             if SCALE_W:
                 acc += d
             else:
                 part += d
     else:
+        if BKW == WP:  # field j's rows: the step's first field's + j * WP, a constant offset of one base pointer
+            if TRANS:
+                x_step = x_rows + (k0 + offs_w * XS)[:, None]
+            else:
+                x_step = x_rows + (k0 + offs_w * XS)[None, :]
         for j in tl.static_range(PACK):
             ks = _xrow0(k0, j, WP, PACK, BKW) + offs_w * XS
             if BYTES:
@@ -342,17 +360,20 @@ def _dot_fields(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, BITS: tl.const
             if SCALE_W:
                 wj = wj * sw
             if TRANS:
-                xj = tl.load(x_rows + ks[:, None], mask=mask_m[None, :] & wv[:, None], other=0.0)
+                xp = x_step + j * WP if BKW == WP else x_rows + ks[:, None]
+                xj = tl.load(xp, mask=mask_m[None, :] & wv[:, None], other=0.0)
                 d = tl.dot(wj.to(xj.dtype), xj)
             else:
-                xj = tl.load(x_rows + ks[None, :], mask=mask_m[:, None] & wv[None, :], other=0.0)
+                xp = x_step + j * WP if BKW == WP else x_rows + ks[None, :]
+                xj = tl.load(xp, mask=mask_m[:, None] & wv[None, :], other=0.0)
                 d = tl.dot(xj, wj.to(xj.dtype))
             if SCALE_W:
                 acc += d
             else:
                 part += d
-    if not SCALE_W:
-        acc += part * sw.to(tl.float32)
+    if not SCALE_W:  # the scales made float32 before they are broadcast (one layout conversion, not two)
+        sf = s.to(tl.float32)
+        acc += part * (sf[:, None] if TRANS else sf[None, :])
     return acc
 
 
@@ -426,6 +447,8 @@ def _dot_pairs(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, WP: tl.constexp
     else:
         z0, z1, sw = z0[None, :], z1[None, :], s[None, :]
     f0, f4, f1, f5, f2, f6, f3, f7 = _pair_fields(words, ASM)
+    if BKW == WP:
+        x_step = x_rows + (k0 + offs_w)[:, None] if TRANS else x_rows + (k0 + offs_w)[None, :]
     for j in tl.static_range(4):
         if j == 0:
             wj = _pair(f0, f4, TRANS) - z0
@@ -437,23 +460,29 @@ def _dot_pairs(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, WP: tl.constexp
             wj = _pair(f3, f7, TRANS) * 0.0625 - z1
         if SCALE_W:
             wj = wj * sw
-        ra, rb = _xrow0(k0, j, WP, 8, BKW) + offs_w * XS, _xrow0(k0, j + 4, WP, 8, BKW) + offs_w * XS
+        if BKW == WP:  # fields j and j + 4: constant offsets of the step's base pointers (as in `_dot_fields`)
+            pa, pb = x_step + j * WP, x_step + (j + 4) * WP
+        else:
+            ra, rb = _xrow0(k0, j, WP, 8, BKW) + offs_w * XS, _xrow0(k0, j + 4, WP, 8, BKW) + offs_w * XS
+            pa, pb = (x_rows + ra[:, None], x_rows + rb[:, None]) if TRANS else \
+                (x_rows + ra[None, :], x_rows + rb[None, :])
         if TRANS:
             xm = mask_m[None, :] & wv[:, None]
-            xa = tl.load(x_rows + ra[:, None], mask=xm, other=0.0)
-            xb = tl.load(x_rows + rb[:, None], mask=xm, other=0.0)
+            xa = tl.load(pa, mask=xm, other=0.0)
+            xb = tl.load(pb, mask=xm, other=0.0)
             d = tl.dot(wj.to(xa.dtype), _pair_tile(xa, xb))
         else:
             xm = mask_m[:, None] & wv[None, :]
-            xa = tl.load(x_rows + ra[None, :], mask=xm, other=0.0)
-            xb = tl.load(x_rows + rb[None, :], mask=xm, other=0.0)
+            xa = tl.load(pa, mask=xm, other=0.0)
+            xb = tl.load(pb, mask=xm, other=0.0)
             d = tl.dot(tl.interleave(xa, xb), wj.to(xa.dtype))
         if SCALE_W:
             acc += d
         else:
             part += d
-    if not SCALE_W:
-        acc += part * sw.to(tl.float32)
+    if not SCALE_W:  # the scales made float32 before they are broadcast (one layout conversion, not two)
+        sf = s.to(tl.float32)
+        acc += part * (sf[:, None] if TRANS else sf[None, :])
     return acc
 
 
@@ -505,7 +534,7 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
                LORA_R: tl.constexpr = 0, LORA_RP: tl.constexpr = 1, LORA_NSH: tl.constexpr = 1,
                LORA_JB: tl.constexpr = 16, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 2,
                BYTES: tl.constexpr = False, BYTE_DOTS: tl.constexpr = False, GATED: tl.constexpr = False,
-               PRE_S: tl.constexpr = False):
+               PRE_S: tl.constexpr = False, GS_LOG2: tl.constexpr = -1):
     """Tensor cores (tl.dot), y tile [BLOCK_M, BLOCK_N]: one dot per packed field (FIELD_DOTS, `_dot_fields`) or
     one dot over the reshaped tile (`_dot_tile`). TRANS (`mmat`) computes y^T = W^T x^T, so the dequantized weight
     is the first (register) operand of the tensor-core instruction and the activation rows the second (as Machete
@@ -532,7 +561,7 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(k_begin + K_SPLIT, K)
     _pdl_start(qw_ptr, qz_ptr, s_ptr, k_begin, k_end, group_size, tl.min(offs_n, 0), N, sq_k, sz_g, ss_g, BITS, BKW,
-               BLOCK_N, PDL, PREFETCH)
+               BLOCK_N, PDL, PREFETCH, GS_LOG2)
     if TRANS:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         x_rows = x_ptr + offs_m[None, :] * sx_m
@@ -540,15 +569,15 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         x_rows = x_ptr + offs_m[:, None] * sx_m
     if PRE_S:  # the scales one K step ahead (loaded into registers while the step before runs)
-        g_next = k_begin // group_size
+        g_next = group_of(k_begin, group_size, GS_LOG2)
         s_next = _scales(s_ptr, g_next, offs_n, mask_n, ss_g)
     for k0 in range(k_begin, k_end, BLOCK_K):
         if PRE_S:
             g, s = g_next, s_next
-            g_next = tl.minimum(k0 + BLOCK_K, k_end - 1) // group_size
+            g_next = group_of(tl.minimum(k0 + BLOCK_K, k_end - 1), group_size, GS_LOG2)
             s_next = _scales(s_ptr, g_next, offs_n, mask_n, ss_g)
         else:
-            g = k0 // group_size
+            g = group_of(k0, group_size, GS_LOG2)
         words, wv, z, s_step = _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, g, offs_w, offs_n, mask_n, sq_k,
                                            sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, TRANS, PRE_S)
         if not PRE_S:

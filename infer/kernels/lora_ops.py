@@ -51,6 +51,21 @@ EXPAND_WARPS = 4
 # 16.1 -> 11.3, gate_up 24.1 -> 18.5; on the H100 every expand averaged 7.4 us in the step before the early order
 # and 9.2 after.
 expand_loads: str | None = None
+# How an expand of at most GATHER_MAX_TOKENS tokens whose partials are stored by token finds each token's adapter
+# (`expand_gather`): None: INFER_LORA_EXPAND, "segments" (the default: tiles of one slot's tokens, `_expand_kernel`)
+# or "gather" (every program takes up to 16 tokens of any slots and gathers each one's B: `_expand_gather_kernel`).
+expand_by: str | None = None
+GATHER_MAX_TOKENS = 64
+GATHER_ELEMENTS = 8192  # B elements a gather program holds at once (tokens x rank x columns): 64 a thread on 4 warps
+
+
+def gathers(t: int) -> bool:
+    """Whether an expand of t tokens by token is the gather kernel's (`expand_by`, else INFER_LORA_EXPAND, else
+    "segments"; ConfigError for another value): a function of the token count only, as a CUDA graph needs."""
+    global expand_by
+    if expand_by is None:
+        expand_by = env_choice("INFER_LORA_EXPAND", ("segments", "gather"), "a way of the LoRA expand")
+    return expand_by == "gather" and t <= GATHER_MAX_TOKENS
 
 
 def early_loads() -> bool:
@@ -83,7 +98,10 @@ def _tile(starts_ptr, pid, S, BLOCK_M: tl.constexpr, S_P2: tl.constexpr):
 def _shrink_kernel(x_ptr, a_ptr, hp_ptr, order_ptr, starts_ptr, rank_ptr, S, K, NR, R, k_per_split,
                    sx_t, sx_k, sa_s, sa_j, sa_k, sh_p, sh_t, sr_i, sr_s,
                    BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr, S_P2: tl.constexpr,
-                   IEEE: tl.constexpr, BY_TOKEN: tl.constexpr = False, PDL: tl.constexpr = False):
+                   IEEE: tl.constexpr, BY_TOKEN: tl.constexpr = False, PDL: tl.constexpr = False,
+                   EVEN_K: tl.constexpr = False):
+    """EVEN_K: every K step lies whole in its split (K a multiple of BLOCK_K; k_per_split is one): no masks along
+    K, whose compares and selects are a third of the loop's instructions on sm_90."""
     pdl.start(PDL)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     slot, row0, seg_end = _tile(starts_ptr, pid, S, BLOCK_M, S_P2)
@@ -100,7 +118,7 @@ def _shrink_kernel(x_ptr, a_ptr, hp_ptr, order_ptr, starts_ptr, rank_ptr, S, K, 
         k_hi = tl.minimum(K, k_lo + k_per_split)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < k_hi
+            mask_k = (offs_k < k_hi) | EVEN_K
             xa = tl.load(x_ptr + tok[:, None] * sx_t + offs_k[None, :] * sx_k,
                          mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             aa = tl.load(a_base + offs_j[None, :] * sa_j + offs_k[:, None] * sa_k,
@@ -177,6 +195,97 @@ def _expand_kernel(hp_ptr, b_ptr, y_ptr, order_ptr, starts_ptr, rank_ptr, scal_p
         tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
 
 
+@triton.jit(do_not_specialize=["sh_p", "T"])  # (T: one compiled variant per tile shape, `gather_tokens`)
+def _expand_gather_kernel(hp_ptr, b_ptr, y_ptr, slot_ptr, rank_ptr, scal_ptr, T, S, R, shard0,
+                          t1, t2, t3, c0, c1, c2, c3, c4,
+                          sh_p, sh_t, sy_t, sy_n, sr_i, sr_s, sc_i, sc_s,
+                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    """The expand as a gather (Punica's BGMV): program (p, j) takes tokens p * BLOCK_T.. of the step, whatever their
+    slots, and BLOCK_N columns of one shard; it reads each token's slot, then everything else at once (the token's
+    partials, the rows of its slot's B over the columns, the scale, y's row), so a program waits for memory twice
+    where `_expand_kernel` waits three to five times, and a step whose tokens all have their own adapter runs
+    T / BLOCK_T programs per column tile instead of one per token. The rank is contracted on CUDA cores in float32
+    (h [T, R] x B [T, R, N] summed over R); tokens of slot -1, or of rank 0 in the shard, are left untouched."""
+    pdl.start(PDL)
+    pid_t, pid_n = tl.program_id(0), tl.program_id(1)
+    local = (pid_n >= t1).to(tl.int32) + (pid_n >= t2).to(tl.int32) + (pid_n >= t3).to(tl.int32)
+    shard = shard0 + local
+    toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = toks < T
+    slot = tl.load(slot_ptr + toks, mask=mask_t, other=-1).to(tl.int32)
+    lo, hi = _pick(local, c0, c1, c2, c3), _pick(local, c1, c2, c3, c4)  # the shard's columns
+    cols = lo + (pid_n - _pick(local, 0, t1, t2, t3)) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = cols < hi
+    has = slot >= 0
+    slot = tl.where(has, slot, 0)
+    rank = tl.load(rank_ptr + shard * sr_i + slot * sr_s, mask=has, other=0)
+    scale = tl.load(scal_ptr + shard * sc_i + slot * sc_s, mask=has, other=0.0)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r[None, :] < rank[:, None]  # [T, R]: false for slot -1 (rank 0 there)
+    parts = tl.load(hp_ptr + tl.arange(0, SPLIT)[:, None, None] * sh_p + toks[None, :, None] * sh_t
+                    + (shard * R + offs_r)[None, None, :], mask=mask_r[None, :, :], other=0.0)
+    width = hi - lo  # shard's B^T block [S, R, width] starts S*R*(lo - c0) elements in
+    b_rows = b_ptr + (lo - c0).to(tl.int64) * S * R + slot.to(tl.int64) * R * width  # [T]
+    bb = tl.load(b_rows[:, None, None] + (offs_r[None, :, None] * width + (cols - lo)[None, None, :]),
+                 mask=mask_r[:, :, None] & mask_n[None, None, :], other=0.0)
+    y_ptrs = y_ptr + toks[:, None] * sy_t + cols[None, :] * sy_n
+    mask = (rank > 0)[:, None] & mask_n[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    h = tl.sum(parts, 0)  # [T, R]: the SPLIT partial sums of the shrink
+    acc = tl.sum(h[:, :, None] * bb.to(tl.float32), 1)  # [T, N]
+    tl.store(y_ptrs, (y.to(tl.float32) + acc * scale[:, None]).to(y.dtype), mask=mask)
+
+
+def gather_tiles(t: int, rank: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_N, BLOCK_R) of the gather expand for t tokens of rank `rank`: up to 16 tokens a program (8
+    at rank 64, 4 at 128) and GATHER_ELEMENTS of B in flight, 16-128 columns (32 for 16 tokens at rank 16)."""
+    block_r = _p2(rank, 16)
+    block_t = max(1, min(16, _p2(t), GATHER_ELEMENTS // (16 * block_r)))
+    return block_t, max(16, min(128, GATHER_ELEMENTS // (block_t * block_r))), block_r
+
+
+def gather_tokens(max_tokens: int, rank: int) -> list[int]:
+    """The fewest token counts in 1..max_tokens whose gather expands compile every variant the others launch (one
+    per `gather_tiles` shape, its smallest member); none unless the gather is in use (`gathers`)."""
+    first: dict[tuple, int] = {}
+    for t in range(1, min(max_tokens, GATHER_MAX_TOKENS) + 1):
+        if gathers(t):
+            first.setdefault(gather_tiles(t, rank), t)
+    return sorted(first.values())
+
+
+def expand_gather(hp: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, scalings: torch.Tensor,
+                  bounds: list[int], token_slots: torch.Tensor, ranks: torch.Tensor,
+                  compile_only: bool = False) -> None:
+    """`expand` of partials stored by token (`shrink(..., by_token=True)`), with token t's adapter token_slots[t]
+    (-1: none) read by the kernel (`_expand_gather_kernel`): the same sums as `expand`, the rank contracted in
+    float32 (where `expand`'s tensor-core dot takes float16 adapters' partials as TF32). compile_only: compile,
+    launch nothing."""
+    split, t, nr = hp.shape
+    num_slots, rank = ranks.shape[1], nr // (len(bounds) - 1)
+    block_t, block_n, block_r = gather_tiles(t, rank)
+    for first, tiles, shard_args, b in _shard_launches(bounds, block_n, lora_b, num_slots, rank):
+        grid = (cdiv(t, block_t), tiles)
+        run = _expand_gather_kernel.warmup if compile_only else _expand_gather_kernel[grid]
+        run(hp, b, y, token_slots, ranks, scalings, t, num_slots, rank, first, *shard_args,
+            hp.stride(0), hp.stride(1), y.stride(0), y.stride(1), *ranks.stride(), *scalings.stride(),
+            BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT=split, num_warps=EXPAND_WARPS,
+            PDL=pdl.on(y.device), **pdl.launch(y.device), **({"grid": grid} if compile_only else {}))
+
+
+def _shard_launches(bounds: list[int], block_n: int, lora_b: torch.Tensor, num_slots: int, rank: int):
+    """For each expand launch (up to MAX_SHARDS shards of a layer's columns `bounds`): (its first shard, its column
+    tiles of block_n, the kernel's shard arguments t1..t3 (cumulative tiles) and c0..c4 (column bounds), the flat B
+    from its first shard on)."""
+    for first in range(0, len(bounds) - 1, MAX_SHARDS):
+        cols = list(bounds[first:first + MAX_SHARDS + 1])
+        tiles = [cdiv(b - a, block_n) for a, b in zip(cols, cols[1:])]
+        cum = [sum(tiles[:i]) if i < len(tiles) else 2 ** 30 for i in range(1, MAX_SHARDS)]  # 2**30: no shard
+        cols += [cols[-1]] * (MAX_SHARDS + 1 - len(cols))
+        yield first, sum(tiles), cum + cols, lora_b[num_slots * rank * (bounds[first] - bounds[0]):]
+
+
 def _p2(n: int, lo: int = 1) -> int:
     return max(lo, next_power_of_2(max(1, n)))
 
@@ -207,9 +316,11 @@ def plan(t: int, num_slots: int, k: int, split: int | None = None) -> dict:
 
 def plan_key(t: int, num_slots: int, k: int) -> tuple:
     """What of `plan(t, ...)` the compiled kernels depend on: T tokens and T' tokens with the same key launch the
-    same shrink and expand variants (the grid and the integers the kernels do not specialize on may differ)."""
+    same shrink and expand variants (the grid and the integers the kernels do not specialize on may differ), and
+    the same way of expanding by token (`gathers`: where the expand gathers, a decode graph's shrink stores by
+    token)."""
     p = plan(t, num_slots, k)
-    return p["block_m"], p["split"], p["block_k"], p["block_n"]
+    return p["block_m"], p["split"], p["block_k"], p["block_n"], gathers(t)
 
 
 def plan_tokens(max_tokens: int, num_slots: int, k: int, want=lambda t: True) -> list[int]:
@@ -268,8 +379,8 @@ def shrink(x: torch.Tensor, lora_a: torch.Tensor, n: int, groups: SlotGroups, ra
     run(x, lora_a, hp, groups.order, groups.starts, ranks, num_slots, k, nr, nr // n, p["k_per_split"],
         x.stride(0), x.stride(1), *lora_a.stride(), hp.stride(0), hp.stride(1), *ranks.stride(),
         BLOCK_M=p["block_m"], BLOCK_J=_p2(nr, 16), BLOCK_K=p["block_k"], S_P2=_p2(num_slots, 2),
-        IEEE=x.dtype == torch.float32, BY_TOKEN=by_token, PDL=pdl.on(x.device), **pdl.launch(x.device),
-        **({"grid": grid} if compile_only else {}))
+        IEEE=x.dtype == torch.float32, BY_TOKEN=by_token, PDL=pdl.on(x.device), EVEN_K=k % p["block_k"] == 0,
+        **pdl.launch(x.device), **({"grid": grid} if compile_only else {}))
     return hp
 
 
@@ -285,15 +396,10 @@ def expand(hp: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, scalings: to
     num_slots, rank = ranks.shape[1], nr // (len(bounds) - 1)
     p = plan(t, num_slots, 0)
     block_n = block_n or p["block_n"]
-    for first in range(0, len(bounds) - 1, MAX_SHARDS):
-        cols = list(bounds[first:first + MAX_SHARDS + 1])
-        tiles = [cdiv(b - a, block_n) for a, b in zip(cols, cols[1:])]
-        cum = [sum(tiles[:i]) if i < len(tiles) else 2 ** 30 for i in range(1, MAX_SHARDS)]  # 2**30: no shard
-        cols += [cols[-1]] * (MAX_SHARDS + 1 - len(cols))
-        b = lora_b[num_slots * rank * (bounds[first] - bounds[0]):]
-        grid = (p["tiles"], sum(tiles))
+    for first, tiles, shard_args, b in _shard_launches(bounds, block_n, lora_b, num_slots, rank):
+        grid = (p["tiles"], tiles)
         run = _expand_kernel.warmup if compile_only else _expand_kernel[grid]
-        run(hp, b, y, groups.order, groups.starts, ranks, scalings, num_slots, rank, first, *cum, *cols,
+        run(hp, b, y, groups.order, groups.starts, ranks, scalings, num_slots, rank, first, *shard_args,
             hp.stride(0), hp.stride(1), y.stride(0), y.stride(1), *ranks.stride(), *scalings.stride(),
             BLOCK_M=p["block_m"], BLOCK_N=block_n, BLOCK_R=_p2(rank, 16), SPLIT=split, S_P2=_p2(num_slots, 2),
             IEEE=lora_b.dtype == torch.float32, BY_TOKEN=by_token, num_warps=EXPAND_WARPS, PDL=pdl.on(y.device),
@@ -303,5 +409,8 @@ def expand(hp: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, scalings: to
 
 def add_delta(d: LoRADelta, y: torch.Tensor) -> None:
     """Triton version of lora_reference.add_delta: the expand launched on its own (the int4 matmul's dequantize +
-    cuBLAS path, which has no epilogue of ours)."""
-    expand(d.hp, y, d.lora_b, d.scalings, d.bounds, d.groups, d.ranks, by_token=True)
+    cuBLAS path, which has no epilogue of ours), by segments or as a gather (`gathers`)."""
+    if gathers(d.hp.shape[1]):
+        expand_gather(d.hp, y, d.lora_b, d.scalings, d.bounds, d.token_slots, d.ranks)
+    else:
+        expand(d.hp, y, d.lora_b, d.scalings, d.bounds, d.groups, d.ranks, by_token=True)

@@ -187,19 +187,31 @@ class LoRALayer:
         hp = lora_ops.partials_for(x, self.lora_a)
         delta = torch.empty(x.shape[0], self.bounds[-1], dtype=torch.float32, device=x.device) \
             if self.expand_beside else None
+        gather = lora_ops.gathers(x.shape[0])  # the expand as a gather: the partials by token
         side.wait_stream(main)  # fork: x and this step's adapter map are ready
         with _on(side):
-            lora_ops.shrink(x, self.lora_a, len(self.out_sizes), batch.groups, self.rank_t, out=hp)
+            lora_ops.shrink(x, self.lora_a, len(self.out_sizes), batch.groups, self.rank_t, by_token=gather, out=hp)
             if delta is not None:
                 delta.zero_()
-                lora_ops.expand(hp, delta, self.lora_bt, self.scalings, self.bounds, batch.groups, self.rank_t)
+                self._expand(hp, delta, batch.token_slots, batch.groups, gather)
         y = base.method.apply(base, x)
         main.wait_stream(side)  # join
         if delta is None:
-            lora_ops.expand(hp, y, self.lora_bt, self.scalings, self.bounds, batch.groups, self.rank_t)
+            self._expand(hp, y, batch.token_slots, batch.groups, gather)
         else:
             y.add_(delta)
         return y
+
+    def _expand(self, hp, y, token_slots, groups, gather: bool, compile_only: bool = False) -> None:
+        """The expand of this layer's partials into y: as a gather (partials by token, `lora_ops.expand_gather`) or
+        by segments (partials at sorted positions, `lora_ops.expand`)."""
+        from ..kernels import lora_ops
+        if gather:
+            lora_ops.expand_gather(hp, y, self.lora_bt, self.scalings, self.bounds, token_slots, self.rank_t,
+                                   compile_only=compile_only)
+        else:
+            lora_ops.expand(hp, y, self.lora_bt, self.scalings, self.bounds, groups, self.rank_t,
+                            compile_only=compile_only)
 
     def defers(self, base, x: torch.Tensor) -> bool:
         """Whether base's `forward_deferred` of x leaves the expand to y's consumer (`deferred`): on the Triton path,
@@ -259,9 +271,9 @@ class LoRALayer:
         """Callables that each compile (Triton's `warmup`: nothing is launched) shrink and expand variants this
         layer can launch for a step of 1..max_tokens tokens, so that none compiles on a user's request: an engine
         start runs them in parallel (`gptq_tune.compile_parallel`). The variants depend on the token count only
-        through `lora_ops.plan_key`; the expand is compiled where it is a launch of its own, i.e. everywhere on the
-        `apply` path, and on the `delta` path only for the token counts whose int4 kernel does not add it in its
-        epilogue (`method.lora_in_epilogue`)."""
+        through `lora_ops.plan_key` (and the gather expand's through `lora_ops.gather_tiles`); the expand is compiled
+        where it is a launch of its own, i.e. everywhere on the `apply` path, and on the `delta` path only for the
+        token counts whose int4 kernel does not add it in its epilogue (`method.lora_in_epilogue`)."""
         from ..kernels import lora_ops
         num_slots, nr, k = self.lora_a.shape
         by_token = self.takes_delta(base)
@@ -274,7 +286,11 @@ class LoRALayer:
         longer = (lambda t: t > DEFER_MAX_TOKENS) if self._defers_some(base) else (lambda t: True)
         shrinks = lora_ops.plan_tokens(max_tokens, num_slots, k, longer)
         with_expand = set(lora_ops.plan_tokens(max_tokens, num_slots, k, lambda t: longer(t) and expands(t)))
-        calls = [lambda t=t: self._compile(t, by_token, t in with_expand) for t in sorted(set(shrinks) | with_expand)]
+        # and one token count per shape of the gather expand (INFER_LORA_EXPAND=gather): `plan_key` ignores them
+        gathered = set(lora_ops.gather_tokens(max_tokens, nr // len(self.out_sizes)))
+        with_expand |= {t for t in gathered if longer(t) and expands(t)}
+        calls = [lambda t=t: self._compile(t, by_token, t in with_expand)
+                 for t in sorted(set(shrinks) | with_expand | gathered)]
         if self._defers_some(base):  # steps of up to DEFER_MAX_TOKENS: the shrink by token, silu_and_mul's variant
             calls += [lambda t=t: self._compile_deferred(base, t)
                       for t in lora_ops.plan_tokens(min(max_tokens, DEFER_MAX_TOKENS), num_slots, k)]
@@ -295,15 +311,22 @@ class LoRALayer:
         from ..kernels import lora_ops
         dev, dtype = self.lora_a.device, self.lora_a.dtype
         x = torch.empty(t, self.in_features, dtype=dtype, device=dev)  # stand-ins with a step's strides
-        groups = lora_groups(torch.zeros(t, dtype=torch.long, device=dev), self.lora_a.shape[0], in_order=True)
+        slots = torch.zeros(t, dtype=torch.long, device=dev)
+        groups = lora_groups(slots, self.lora_a.shape[0], in_order=True)
         hp = lora_ops.shrink(x, self.lora_a, len(self.out_sizes), groups, self.rank_t, by_token, compile_only=True)
+        gather = lora_ops.gathers(t)
         if expand:
             y = torch.empty(t, self.bounds[-1], dtype=dtype, device=dev)
-            lora_ops.expand(hp, y, self.lora_bt, self.scalings, self.bounds, groups, self.rank_t, by_token=by_token,
-                            compile_only=True)
-        if self.streams is not False and (by_token or self.expand_beside):
-            # apply_beside's variants (by sorted position; the expand into y, or into a float32 delta), first
-            # launched while a decode graph is captured: compiled here with the rest
-            hs = lora_ops.shrink(x, self.lora_a, len(self.out_sizes), groups, self.rank_t, compile_only=True)
+            if by_token and gather:  # add_delta's gather
+                lora_ops.expand_gather(hp, y, self.lora_bt, self.scalings, self.bounds, slots, self.rank_t,
+                                       compile_only=True)
+            else:
+                lora_ops.expand(hp, y, self.lora_bt, self.scalings, self.bounds, groups, self.rank_t,
+                                by_token=by_token, compile_only=True)
+        if self.streams is not False and (by_token or self.expand_beside or gather):
+            # apply_beside's variants (by sorted position, or by token for the gather; the expand into y, or into a
+            # float32 delta), first launched while a decode graph is captured: compiled here with the rest
+            hs = lora_ops.shrink(x, self.lora_a, len(self.out_sizes), groups, self.rank_t, by_token=gather,
+                                 compile_only=True)
             d = torch.empty(t, self.bounds[-1], dtype=torch.float32 if self.expand_beside else dtype, device=dev)
-            lora_ops.expand(hs, d, self.lora_bt, self.scalings, self.bounds, groups, self.rank_t, compile_only=True)
+            self._expand(hs, d, slots, groups, gather, compile_only=True)
