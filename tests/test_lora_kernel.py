@@ -313,10 +313,12 @@ def test_lora_bench_rows_on_cpu_interpreted(ops, monkeypatch):
     # columns (a decode-sized row), the fp16 linear
     splits = [(3, 3), (3, 6)] * len(lora_kernels.SWEEP_SPLITS)
     assert timed == [(3, 6), (3, 3), (3, 3), (1, 1), (3, 3), (3, 3), (3, 3), *splits,
-                     *[(3, 3)] * len(lora_kernels.SWEEP_BLOCK_N), (1, 0)], timed
+                     *[(3, 3)] * len(lora_kernels.SWEEP_BLOCK_N), *[(3, 3)] * len(lora_kernels.SWEEP_GATHER_WARPS),
+                     (1, 0)], timed
     assert {f"shrink_split{s}_us" for s in lora_kernels.SWEEP_SPLITS} <= set(row), row
     assert {f"pair_split{s}_us" for s in lora_kernels.SWEEP_SPLITS} <= set(row), row
     assert {f"expand_n{n}_us" for n in lora_kernels.SWEEP_BLOCK_N} <= set(row), row
+    assert {f"gather_w{w}_us" for w in lora_kernels.SWEEP_GATHER_WARPS} <= set(row), row
 
 
 def test_many_tokens_big_tiles(poisoned):
@@ -477,7 +479,8 @@ def test_real_shapes_gpu(t):
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 16, 64])
 def test_gather_expand_real_shapes_gpu(t):
-    """The gather expand at a 7B qkv's sizes (rank 16 and 64) on a GPU against the reference."""
+    """The gather expand at a 7B qkv's sizes (rank 16 and 64, 1, 2 and 4 warps a program) on a GPU against the
+    reference."""
     from infer.kernels import lora_ops
     for rank in (16, 64):
         g = torch.Generator().manual_seed(t + rank)
@@ -489,6 +492,7 @@ def test_gather_expand_real_shapes_gpu(t):
         ref.lora_apply(x.float(), want, a.float(), b.float(), scal, bounds, lora_groups(slots, 16))
         groups = lora_groups(slots.cuda(), 16)
         hp = lora_ops.shrink(x.cuda(), a.cuda(), 3, groups, rk.cuda(), by_token=True)
-        got = y.cuda()
-        lora_ops.expand_gather(hp, got, b.cuda(), scal.cuda(), bounds, slots.cuda(), rk.cuda())
-        assert torch.allclose(got.cpu().float(), want, rtol=2e-2, atol=0.5), (t, rank)
+        for warps in (1, 2, 4):  # (the kernel bench's sweep)
+            got = y.cuda()
+            lora_ops.expand_gather(hp, got, b.cuda(), scal.cuda(), bounds, slots.cuda(), rk.cuda(), num_warps=warps)
+            assert torch.allclose(got.cpu().float(), want, rtol=2e-2, atol=0.5), (t, rank, warps)

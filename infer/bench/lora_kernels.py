@@ -21,7 +21,7 @@ its partials, one after the other, as a decode step launches them) and the by-to
 (`expand_n{256,512,1024}_us`, in the default load order), the constants `lora_ops.plan` fixes. Up to 64 tokens
 the expand as a gather too (`expand_gather_us`, `lora_ops.expand_gather`, INFER_LORA_EXPAND=gather: each program
 takes 16 tokens of any adapters; `gather_gain` = expand_us / expand_gather_us, > 1: the gather is faster than the
-expand by segments a decode graph launches). GPU only."""
+expand by segments a decode graph launches), and its warps a program swept (`gather_w{1,2,4}_us`). GPU only."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ LAYERS = {"7B": {"qkv": (4096, [4096] * 3), "o": (4096, [4096]), "gate_up": (409
           "14B": {"qkv": (5120, [5120] * 3), "o": (5120, [5120]), "gate_up": (5120, [13696] * 2),
                   "down": (13696, [5120])}}
 # decode-sized workloads also sweep the shrink's SPLIT_K and the expand's columns per program (lora_ops' constants)
-SWEEP_MAX_TOKENS, SWEEP_SPLITS, SWEEP_BLOCK_N = 64, (2, 4, 8, 16), (256, 512, 1024)
+SWEEP_MAX_TOKENS, SWEEP_SPLITS, SWEEP_BLOCK_N, SWEEP_GATHER_WARPS = 64, (2, 4, 8, 16), (256, 512, 1024), (1, 2, 4)
 WORKLOADS = {"16 tok / 16 adapters": (16, 16), "64 tok / 16 adapters": (64, 16), "64 tok / 1 adapter": (64, 1),
              "2048 tok / 4 adapters": (2048, 4)}
 
@@ -121,6 +121,9 @@ def measure(k: int, outs: list[int], t: int, adapters: int, bandwidth: float, de
         for block_n in SWEEP_BLOCK_N:
             us[f"expand_n{block_n}_us"] = time_us(each(lambda a, b, bn=block_n: lora_ops.expand(
                 hp_t, y, b, scalings, bounds, groups, ranks, block_n=bn, by_token=True)))
+        for warps in SWEEP_GATHER_WARPS:  # the gather's warps a program (lora_ops.GATHER_WARPS)
+            us[f"gather_w{warps}_us"] = time_us(each(lambda a, b, w=warps: lora_ops.expand_gather(
+                hp_t, y, b, scalings, bounds, slots, ranks, num_warps=w)))
     w = torch.randn(bounds[-1], k, device=dev, dtype=torch.float16)
     linear_us = time_us([lambda: torch.nn.functional.linear(x, w)])
     used = min(adapters, t)
@@ -163,7 +166,7 @@ def print_row(r: dict) -> None:
           f" us" + (f"; as a gather {r['expand_gather_us']:6.1f} us ({r['gather_gain']:.2f}x the expand by segments)"
                    if "expand_gather_us" in r else ""), flush=True)
     sweep = [f"{key[:-3]} {value:.1f}" for key, value in r.items()
-             if key.startswith(("shrink_split", "pair_split", "expand_n"))]
+             if key.startswith(("shrink_split", "pair_split", "expand_n", "gather_w"))]
     if sweep:
         print(f"      sweep (us): {', '.join(sweep)}", flush=True)
 

@@ -56,7 +56,11 @@ expand_loads: str | None = None
 # or "gather" (every program takes up to 16 tokens of any slots and gathers each one's B: `_expand_gather_kernel`).
 expand_by: str | None = None
 GATHER_MAX_TOKENS = 64
-GATHER_ELEMENTS = 8192  # B elements a gather program holds at once (tokens x rank x columns): 64 a thread on 4 warps
+GATHER_ELEMENTS = 8192  # B elements a gather program holds at once (tokens x rank x columns): 128 a thread
+# Warps of a gather program. sm_90 code (Triton 3.6, 16 tokens x 32 columns, rank 16, split 4): 4 warps 736
+# instructions a warp (2,944 a program), 9 barriers (the rank's sum crosses warps); 2 warps 960 (1,920), 4 barriers;
+# 1 warp 1,352, none, 175 registers. Untimed: the LoRA bench sweeps 1, 2 and 4 (`gather_w{N}_us`).
+GATHER_WARPS = 2
 
 
 def gathers(t: int) -> bool:
@@ -257,11 +261,11 @@ def gather_tokens(max_tokens: int, rank: int) -> list[int]:
 
 def expand_gather(hp: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, scalings: torch.Tensor,
                   bounds: list[int], token_slots: torch.Tensor, ranks: torch.Tensor,
-                  compile_only: bool = False) -> None:
+                  compile_only: bool = False, num_warps: int | None = None) -> None:
     """`expand` of partials stored by token (`shrink(..., by_token=True)`), with token t's adapter token_slots[t]
     (-1: none) read by the kernel (`_expand_gather_kernel`): the same sums as `expand`, the rank contracted in
     float32 (where `expand`'s tensor-core dot takes float16 adapters' partials as TF32). compile_only: compile,
-    launch nothing."""
+    launch nothing. num_warps: other than GATHER_WARPS (the kernel bench's sweep)."""
     split, t, nr = hp.shape
     num_slots, rank = ranks.shape[1], nr // (len(bounds) - 1)
     block_t, block_n, block_r = gather_tiles(t, rank)
@@ -270,7 +274,7 @@ def expand_gather(hp: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, scali
         run = _expand_gather_kernel.warmup if compile_only else _expand_gather_kernel[grid]
         run(hp, b, y, token_slots, ranks, scalings, t, num_slots, rank, first, *shard_args,
             hp.stride(0), hp.stride(1), y.stride(0), y.stride(1), *ranks.stride(), *scalings.stride(),
-            BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT=split, num_warps=EXPAND_WARPS,
+            BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_R=block_r, SPLIT=split, num_warps=num_warps or GATHER_WARPS,
             PDL=pdl.on(y.device), **pdl.launch(y.device), **({"grid": grid} if compile_only else {}))
 
 
