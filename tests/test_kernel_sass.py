@@ -165,3 +165,15 @@ def test_k_step_bookkeeping_costs_no_division_nor_masks_at_sm90():
     shrink = {even: (int(n), int(hmma)) for even, n, hmma in found}
     assert set(shrink) == {"True", "False"}, out.stdout
     assert shrink["True"][1] == shrink["False"][1] > 0 and shrink["True"][0] <= 0.9 * shrink["False"][0], out.stdout
+
+
+@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this triton ships no cuobjdump")
+def test_lora_gather_expand_compiles_without_spills_at_sm90():
+    """The decode LoRA expand as a gather (INFER_LORA_EXPAND=gather) compiles for an H100 on 1, 2 and 4 warps a
+    program (the LoRA bench's sweep) without local memory; docs/perf.md gives the counts this prints."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel-sass"), "--lora-gather"],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = re.findall(r"(\d) warps: (\d+) instructions a warp, \d+ a program, REG:(\d+) STACK:(\d+)", out.stdout)
+    assert [int(w) for w, *_ in rows] == [1, 2, 4], out.stdout
+    assert all(int(n) > 0 and int(stack) == 0 for _, n, _, stack in rows), out.stdout
