@@ -28,7 +28,7 @@ SCRIPT = COMPILE_ONLY_LAUNCHES + textwrap.dedent('''
         return compiled[before:]
 
     # warm_kernels (prefix caching off, no CUDA graphs): a long prompt (3 blocks), a short one alone (1 block),
-    # decodes, and decodes over a context of two 512-key partitions (33 blocks)
+    # decodes over 3 blocks (48 keys: one partition a sequence), over 33 (528 keys: 9 partitions of a key block)
     warm = [step([3], [41]), step([1], [9]), step([3, 1], [1, 1]), step([33], [1])]
     # a user's steps: long and short queries, decodes, over block tables 1, 2, 16 and 32 blocks wide; eager decodes
     # over 4, 10, 19 and 32 partitions (the reduce merges 16 at a time; Triton would specialize a count of 32)
@@ -44,7 +44,7 @@ SCRIPT = COMPILE_ONLY_LAUNCHES + textwrap.dedent('''
 def test_block_table_width_never_compiles_an_attention_variant():
     out = run_compile_only(SCRIPT, 600)
     assert out["warm"] == [["_unified_kernel"], ["_unified_kernel"], ["_decode_kernel"],  # two tile heights
-                           ["_decode_kernel", "_reduce_kernel"]], out  # one partition, then several
+                           ["_decode_kernel"]], out  # one partition, then several (merged in the same kernel)
     assert out["user"] == {name: [] for name in out["user"]}, out
 
 

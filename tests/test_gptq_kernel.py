@@ -496,7 +496,7 @@ def test_split_k_counters_grow_with_the_tiles(gemm):
     assert big.numel() >= small.numel() + 1000 and int(big.count_nonzero()) == 0
     assert gemm._locks(dev, 4) is big
     # the smaller buffer stays allocated: a CUDA graph recorded before the growth still counts in it
-    assert any(t is small for t in gemm._RETIRED_LOCKS[dev])
+    assert any(t is small for t in gemm._RETIRED_LOCKS[(dev, "gemm")])
 
 
 def test_reserved_dequant_scratch_keeps_its_address(gemm, gen):

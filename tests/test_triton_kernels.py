@@ -117,25 +117,71 @@ def test_decode_matches_reference(ops, gen, block_size, hq, hk):
     check_attention(ops[1], gen, ctx, [1] * len(ctx), block_size, hq, hk, 16)
 
 
+def test_decode_parts_fill_the_gpu_and_no_more():
+    """decode_parts: a large batch takes one partition a sequence (nothing to merge, no second wave of programs), a
+    small one as many as keep the launch within what the GPU runs at once, never more than the widest context's
+    key blocks, at least one."""
+    from infer.kernels.intmath import decode_parts
+    assert decode_parts(16, 32, 4096, 64, 528) == 1  # 7B at 16 concurrent on 132 SMs: 512 programs already
+    assert decode_parts(4, 32, 4096, 64, 528) == 4
+    assert decode_parts(16, 8, 4096, 64, 528) == 4  # GQA: fewer heads, more partitions
+    assert decode_parts(1, 8, 300, 64, 528) == 5  # capped by the context's blocks (300 keys: 5 blocks of 64)
+    assert decode_parts(1, 8, 64, 64, 528) == 1 and decode_parts(1, 1, 1, 64, 528) == 1
+    assert decode_parts(3, 2, 10 ** 6, 32, 528) == 88
+    assert decode_parts(600, 1, 10 ** 6, 32, 528) == 1
+
+
+def _force_parts(monkeypatch, attn, programs: int) -> None:
+    monkeypatch.setattr(attn, "_decode_programs", lambda device: programs)
+
+
+def _counters_zero(attn) -> bool:
+    return int(attn._locks(torch.device(DEV), 1, "attention").count_nonzero()) == 0
+
+
 @pytest.mark.parametrize("chunk", [16, 2])
-def test_decode_split_over_long_contexts(ops, gen, monkeypatch, chunk):
-    """Contexts longer than one partition: partial results merged by the reduce kernel, CHUNK partitions at a time
-    (2: the running max and sum carried across chunks, a sequence whose last chunk is partial or unused)."""
+@pytest.mark.parametrize("programs", [10 ** 6, 12])
+def test_decode_split_over_long_contexts(ops, gen, monkeypatch, chunk, programs):
+    """A sequence's keys cut into partitions of whole key blocks by its own length, the partial results merged by
+    the program that finishes last, CHUNK partitions at a time (2: the running max and sum carried across chunks, a
+    last chunk partial). 10**6 programs: one key block a partition (5 for the longest sequence here, one for the
+    shortest, which writes its output alone); 12 programs over 6 sequences x 2 KV heads: one partition each. The
+    arrival counters are zero again after the launch (a CUDA graph's replay counts from zero), and a second
+    launch gives the same result."""
+    _force_parts(monkeypatch, ops[1], programs)
     monkeypatch.setattr(ops[1], "REDUCE_CHUNK", chunk)
-    part = ops[1].PARTITION
-    ctx = [2 * part + 37, part, part + 1, 3] + _lens(gen, 2, 1, 3 * part)
+    ctx = [4 * 64 + 37, 64, 65, 3] + _lens(gen, 2, 1, 300)
     check_attention(ops[1], gen, ctx, [1] * len(ctx), 16, 4, 2, 16)
+    assert _counters_zero(ops[1])
+    check_attention(ops[1], gen, ctx, [1] * len(ctx), 16, 4, 2, 16)
+    assert _counters_zero(ops[1])
+
+
+@pytest.mark.parametrize("parts", [3, 5])
+def test_decode_uneven_partitions(ops, gen, monkeypatch, parts):
+    """Key blocks that do not share out evenly: 3 or 5 partitions over sequences of 1-9 blocks (the last partitions
+    of a short sequence hold no keys and do not count themselves in)."""
+    ctx = [9 * 64, 7 * 64 + 1, 2 * 64 + 5, 64 + 1, 40]
+    _force_parts(monkeypatch, ops[1], parts * len(ctx) * 2)
+    q, caches, clean, meta = paged_batch(gen, ctx, [1] * len(ctx), 16, 2, 2, 16)
+    meta = dict(meta, block_tables=meta["block_tables"][:, :36])  # 9 key blocks of 64 wide: parts = 3 or 5
+    want = ref.paged_attention(q, *clean, scale=0.25, max_query_len=1, **meta)
+    dev = {k: v.to(DEV) for k, v in meta.items()}
+    got = ops[1].paged_attention(q.to(DEV), caches[0].to(DEV), caches[1].to(DEV), scale=0.25, max_query_len=1, **dev)
+    assert_close(got, want, torch.float32, gen, f"{parts} partitions")
+    assert _counters_zero(ops[1])
 
 
 def test_decode_reduce_rescales_to_a_later_larger_max(ops, gen, monkeypatch):
-    """The merge of partitions two at a time, where the keys of the last partitions score far above the earlier
+    """The merge of partitions two at a time, where the keys of the last partition score far above the earlier
     ones (aligned with the query): the sums carried from the first chunk must be rescaled to the new running max.
     Random keys leave the max in the first chunk about half the time, so this does not depend on the seed."""
     monkeypatch.setattr(ops[1], "REDUCE_CHUNK", 2)
-    part, bs, hq, hk, d = ops[1].PARTITION, 16, 4, 2, 16
-    ctx = [3 * part + 5]
+    bs, hq, hk, d = 16, 4, 2, 16
+    _force_parts(monkeypatch, ops[1], 4 * hk)  # 5 key blocks of 64 in 4 partitions: 128 keys each, the last 5 alone
+    ctx = [4 * 64 + 5]
     q, caches, clean, meta = paged_batch(gen, ctx, [1], bs, hq, hk, d)
-    for pos in range(2 * part, ctx[0]):  # partitions 2 and 3: the second chunk
+    for pos in range(4 * 64, ctx[0]):  # partition 2: the second chunk
         block, off = int(meta["block_tables"][0, pos // bs]), pos % bs
         for h in range(hk):
             key = q[0, h * (hq // hk)] * 0.75
@@ -144,7 +190,7 @@ def test_decode_reduce_rescales_to_a_later_larger_max(ops, gen, monkeypatch):
     dev = {k: v.to(DEV) for k, v in meta.items()}
     got = ops[1].paged_attention(q.to(DEV), caches[0].to(DEV), caches[1].to(DEV), scale=d ** -0.5, max_query_len=1,
                                  **dev)
-    assert_close(got, want, torch.float32, gen, "keys of the last partitions aligned with the query")
+    assert_close(got, want, torch.float32, gen, "keys of the last partition aligned with the query")
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -258,11 +304,15 @@ def test_decode_attention_adds_the_qkv_lora_delta_first(ops, gen, hq, hk, head_d
     check_decode_attention(ops, gen, ctx, 4, hq, hk, head_dim, rot_dim, dtype, lora_slots=[2, -1, 0, 1, 2, 0])
 
 
-def test_decode_attention_over_partitions(ops, gen):
-    """The new key in the last partition of a long context, alone in its partition (part + 1), the last key of a
-    full one (part): only the partition holding it writes it and attends to it."""
-    part = ops[1].PARTITION
-    check_decode_attention(ops, gen, [2 * part + 37, part, part + 1, 3], 16, 4, 2, 16, 16, padding=1)
+def test_decode_attention_over_partitions(ops, gen, monkeypatch):
+    """One key block a partition: the new key in the last partition of a long context, alone in its partition
+    (65 keys), the last key of a full one (128), a sequence in one partition (3) beside padding rows: only the
+    partition holding the new key writes it and attends to it; with the qkv delta too (every partition adds it to
+    its query)."""
+    _force_parts(monkeypatch, ops[1], 10 ** 6)
+    check_decode_attention(ops, gen, [4 * 64 + 37, 128, 65, 3], 16, 4, 2, 16, 16, padding=1)
+    check_decode_attention(ops, gen, [2 * 64 + 9, 65, 3], 4, 4, 2, 16, 16, padding=1, lora_slots=[1, 0, -1])
+    assert _counters_zero(ops[1])
 
 
 def _attention_by_definition(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):

@@ -4,6 +4,7 @@
     python -m infer.bench.kernels --tune --tuned-out h100.json ...  # tune first (kernels.gptq_tune), then the table
     python -m infer.bench.kernels --tune --quick --tune-m 1 16 64   # only the engine start's candidates, some M
     python -m infer.bench.kernels --lora --out lora_kernels.csv     # multi-LoRA kernels (infer.bench.lora_kernels)
+    python -m infer.bench.kernels --attention --out attention.csv   # decode attention (infer.bench.attention_kernels)
     python -m infer.bench.kernels --pdl --m 1 16 --models 7B ...    # also with programmatic dependent launch
     python -m infer.bench.kernels --pdl --pdl-prefetch 0 2 8 ...    # ... prefetching 0, 2, 8 K steps of weights
 
@@ -237,17 +238,19 @@ def tune_missing(models, ms, device, log=print) -> dict:
     return found
 
 
-def print_table(rows: list[dict], title: str) -> None:
+def print_table(rows: list[dict], title: str, cols: list[str] | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
     table = Table(title=title)
-    cols = ["model", "layer", "M", "infer_us", "tinygemm_us", "cublas_fp16_us", "floor_us", "vs_fp16",
-            "tinygemm_vs_fp16", "kernel", "other_us", "other", "shift_us", "byte_gain", "joined_us",
-            "byte_dots_gain", "late_us", "ahead_gain", "dequant_us", "chunks_us", "pdl_us", "pdl_gain", "max_rel_err"]
+    cols = cols or ["model", "layer", "M", "infer_us", "tinygemm_us", "cublas_fp16_us", "floor_us", "vs_fp16",
+                    "tinygemm_vs_fp16", "kernel", "other_us", "other", "shift_us", "byte_gain", "joined_us",
+                    "byte_dots_gain", "late_us", "ahead_gain", "dequant_us", "chunks_us", "pdl_us", "pdl_gain",
+                    "max_rel_err"]
     for c in cols:
         table.add_column(c, justify="left" if c in ("model", "layer", "kernel", "other") else "right")
     for r in rows:
-        table.add_row(*(("{:.1f}" if c.endswith("_us") else "{:.2f}x" if c.endswith(("fp16", "gain")) else "{:.1e}"
+        table.add_row(*(("{:.1f}" if c.endswith("_us") else "{:.2f}x" if c.endswith(("fp16", "gain", "sdpa"))
+                         else "{:.1e}"
                          if c == "max_rel_err" else "{}").format(r[c]) if c in r else "-" for c in cols))
     Console(width=160).print(table)
 
@@ -262,6 +265,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tune-m", type=int, nargs="+", default=list(BUCKETS), help="with --tune: the M buckets")
     p.add_argument("--quick", action="store_true", help="with --tune: only the engine start's quick candidates")
     p.add_argument("--lora", action="store_true", help="time the multi-LoRA shrink/expand kernels instead")
+    p.add_argument("--attention", action="store_true",
+                   help="time the decode attention instead (infer.bench.attention_kernels; --models 7B 8B 14B)")
     p.add_argument("--pdl", action="store_true",
                    help="also time each kernel launched with programmatic dependent launch (Hopper and newer)")
     p.add_argument("--pdl-prefetch", type=int, nargs="+", default=[], choices=(0, 1, 2, 4, 8, 16),
@@ -274,6 +279,9 @@ def main(argv=None) -> int:
     if args.lora:
         from .lora_kernels import main as lora_main
         return lora_main(args.out, args.models)
+    if args.attention:
+        from .attention_kernels import main as attention_main
+        return attention_main(args.out, args.models)
     if not torch.cuda.is_available():
         print("infer.bench.kernels needs a CUDA GPU (the Triton GPTQ kernel runs only there); none was found",
               file=sys.stderr)

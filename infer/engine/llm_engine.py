@@ -473,23 +473,29 @@ class LLMEngine:
         lora = [] if self.lora_manager is None else self.lora_manager.compile_calls(most)
         return compile_model(self.runner.model, most, self.dtype, extra=lora)
 
+    def _warm_decode_attention(self) -> None:
+        """Compile both variants of the Triton decode attention (one partition a sequence, several) on one layer
+        (every layer launches the same); without Triton (a CPU) there is nothing to compile."""
+        from .. import kernels
+        for mod in self.runner.model.modules():
+            if hasattr(mod, "compile_decode") and getattr(mod, "k_cache", None) is not None:
+                if kernels.use_triton(mod.k_cache):
+                    mod.compile_decode()
+                return
+
     @torch.inference_mode()
     def warm_kernels(self) -> None:
         """Not a measurement: requests through every path a first real step can take (a prefill, decodes, and a
         prefill whose prompt starts with cached blocks when prefix caching is on) so that no kernel is compiled on
-        a user's first request. Without CUDA graphs, also decodes over a context longer than one attention partition
-        (the split decode and its reduce), where the model and the KV cache allow one. With piecewise graphs the
+        a user's first request; the decode attention's variants with one partition a sequence and with several
+        (`kernels.attention.decode_parts` picks by the batch) are compiled directly. With piecewise graphs the
         prompts run eagerly first (the path of steps longer than the graphs take), then one through the graphs."""
         self._check_open()
-        from ..kernels.attention import PARTITION
         bs = self.config.block_size
         long_prompt = [i % 100 + 1 for i in range(2 * bs + 9)][:max(2, self.max_model_len - 3)]
         prompts = [long_prompt, long_prompt[:9]]  # a long and a short query: both attention tile heights
         if self.config.enable_prefix_caching:
             prompts.append(long_prompt)  # its first blocks are cached: a short query over a cached prefix
-        if self.runner.graphs is None and self.max_model_len >= PARTITION + 3 \
-                and self.block_manager.num_blocks * bs >= PARTITION + 3 * bs:
-            prompts.append([i % 100 + 1 for i in range(PARTITION)])  # its decodes span two partitions
         params = SamplingParams(max_new_tokens=2, ignore_eos=True)
         pieces, self.runner.pieces = self.runner.pieces, None  # eagerly first: the path of longer steps
         try:
@@ -504,6 +510,7 @@ class LLMEngine:
             while self.has_unfinished_requests():
                 self.step()
             pieces.replays.clear()
+        self._warm_decode_attention()
         self._warm_grammar_mask()
         # a fresh engine to its users: no steps, no cached prefixes of made-up prompts, no hits, no replays
         self.num_steps = self.scheduler.num_preemptions = 0

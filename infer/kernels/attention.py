@@ -3,9 +3,12 @@
 Same signature and semantics as `reference.paged_attention`. Two paths, both reading K/V through the block table
 one key at a time (so any block size works) and keeping the softmax in float32 (online, base 2):
 
-* decode only (max_query_len == 1), flash-decoding / paged attention v2 style: a program per (sequence, KV head,
-  context partition) computes the attention of all the query heads of that GQA group at once (K/V loaded once
-  for the group); with more than one partition a second kernel merges the partial results by their max/sum.
+* decode only (max_query_len == 1), flash-decoding style: a program per (sequence, KV head, partition) computes
+  the attention of all the query heads of that GQA group at once (K/V loaded once for the group). A sequence's
+  keys are cut into `parts` partitions of whole key blocks by its own length (`decode_parts` picks the count at
+  launch, from the batch's size: enough programs to fill the GPU), so a short context's few blocks go to as many
+  programs rather than one program's loop; the program that finishes a sequence's partitions last merges their
+  partial results by their max/sum (no second launch).
 * otherwise one "unified" kernel, flash-attention style: a program per (tile of BLOCK_Q query tokens of one
   sequence, KV head), the tile's rows being every (token, query head of the group) pair; it walks the keys
   0..last position of the tile, causal. Programs find their sequence by a binary search over query_start_loc, so
@@ -21,10 +24,11 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .intmath import cdiv, next_power_of_2
+from .gptq_gemm import _locks
+from .intmath import PROGRAMS_PER_SM, cdiv, decode_parts, next_power_of_2
 
-PARTITION = 512  # keys per decode partition (a multiple of every BLOCK_N used)
-REDUCE_CHUNK = 16  # partitions the reduce merges per step (8K keys)
+REDUCE_CHUNK = 16  # partitions the merge reads per step
+_SMS: dict = {}  # device -> its SM count
 LOG2E = 1.4426950408889634
 # the decode kernel's LoRA variant: at most this many registers a thread (ptxas would take about 145 at 7B shapes,
 # three programs per SM where the variant without adapters fits four; the excess spills outside the key loop)
@@ -178,14 +182,40 @@ def _qkv_lora(q, qp, k, kp, v, slot, tok, kv_head, offs_d, partner, mask_d, rows
 # eager decode steps (--eager) of any context compile two variants only (one partition, or several): the block
 # table's width and the partition count are runtime integers, never specialized (nor the partials' stride sh_p,
 # T x 3R: its divisibility by 16 follows T's parity at small ranks)
+@triton.jit
+def _merge(o_row, part_acc_ptr, part_ml_ptr, head, row0, used, s_oh, s_od, BLOCK_D: tl.constexpr,
+           HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr):
+    """One query head's output (the token's row o_row) from its `used` partial results (rows row0..row0+used-1),
+    CHUNK at a time (a running max and sum, as the attention itself keeps); read past L1 (other SMs wrote them)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    m_run = tl.full((1,), float("-inf"), tl.float32)
+    l_run = tl.zeros((1,), tl.float32)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for c in range(0, used, CHUNK):
+        parts = c + tl.arange(0, CHUNK)
+        valid = parts < used
+        prow = row0 + parts
+        m = tl.load(part_ml_ptr + prow * 2, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(part_ml_ptr + prow * 2 + 1, mask=valid, other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_run, tl.max(m, 0))
+        alpha = tl.exp2(m_run - m_new)  # 0 on the first chunk (m_run is -inf there)
+        w = tl.where(valid, tl.exp2(m - m_new), 0.0)
+        a = tl.load(part_acc_ptr + prow[:, None] * BLOCK_D + offs_d[None, :], mask=valid[:, None], other=0.0,
+                    cache_modifier=".cg")
+        acc = acc * alpha + tl.sum(a * w[:, None], 0)
+        l_run = l_run * alpha + tl.sum(l_s * w, 0)
+        m_run = m_new
+    tl.store(o_row + head * s_oh + offs_d * s_od, (acc / l_run).to(o_row.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
 @triton.jit(do_not_specialize=["s_bt", "num_parts", "sh_p"])
-def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tables_ptr, lens_ptr, qsl_ptr, qk_scale,
-                   s_qt, s_qh, s_qd, s_ot, s_oh, s_od, s_bt,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, cnt_ptr, tables_ptr, lens_ptr, qsl_ptr,
+                   qk_scale, s_qt, s_qh, s_qd, s_ot, s_oh, s_od, s_bt,
                    s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, num_parts,
                    pos_ptr, kn_ptr, vn_ptr, cs_ptr, slot_ptr, s_kn, s_vn, s_cs,
                    hp_ptr, lb_ptr, ls_ptr, lr_ptr, lc_ptr, S, R, sh_p, sh_t, sr_i, sr_s, sc_i, sc_s, q_width, kv_width,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PART: tl.constexpr, SPLIT: tl.constexpr,
+                   BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr,
                    IEEE: tl.constexpr, ROPE: tl.constexpr = False, HALF: tl.constexpr = 1,
                    LORA: tl.constexpr = False, LSPLIT: tl.constexpr = 1, BLOCK_R: tl.constexpr = 16,
                    S_P2: tl.constexpr = 2, PDL: tl.constexpr = False):
@@ -195,12 +225,20 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tabl
     program whose partition holds the query's position; that program attends to the new key from its registers
     and to the cache's keys before it, so nothing reads the slot this launch writes. With LORA too, the qkv
     layer's adapter delta (a LoRADelta by token: partials hp, B^T lb, token slots ls, ranks lr and scalings lc
-    [3, S]; q_width and kv_width the shards' columns) is added to q, k and v first (`_qkv_lora`)."""
+    [3, S]; q_width and kv_width the shards' columns) is added to q, k and v first (`_qkv_lora`).
+    SPLIT (num_parts > 1): partition `part` of a sequence takes `span` keys from part * span, span being the
+    sequence's key blocks shared out num_parts ways (whole blocks of BLOCK_N); where one partition holds them all it
+    writes the output, else each stores its partial result and the last to count itself in at cnt_ptr (one counter
+    per sequence and KV head, zero between launches) merges them (`_merge`) and resets the counter."""
     pdl.start(PDL)
     b, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(qsl_ptr + b)
     seq_len = tl.load(lens_ptr + b)
-    lo = part * PART
+    if SPLIT:
+        span = tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_parts), 1) * BLOCK_N
+    else:
+        span = seq_len
+    lo = part * span
     if (tl.load(qsl_ptr + b + 1) - q_start == 1) & (lo < seq_len):
         rows = tl.arange(0, GROUP_PAD)
         head = kv_head * GROUP + rows
@@ -209,7 +247,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tabl
         mask = mask_m[:, None] & (offs_d[None, :] < HEAD_DIM)
         tok = q_start.to(tl.int64)
         q_at = q_ptr + tok * s_qt + head[:, None] * s_qh
-        hi = tl.minimum(seq_len, lo + PART)
+        hi = tl.minimum(seq_len, lo + span)
         if ROPE:
             mask_d = offs_d < HEAD_DIM
             rot = offs_d < 2 * HALF
@@ -270,69 +308,63 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, tabl
         acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, tables_ptr + b.to(tl.int64) * s_bt,
                                      kv_head, lo, hi, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, qk_scale,
                                      PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, IEEE)
-        if not SPLIT:
+        if SPLIT:
+            used = tl.cdiv(seq_len, span)  # the sequence's partitions that hold keys (>= 1)
+        else:
+            used = 1
+        if used == 1:
             acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + tok * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
                      acc.to(out_ptr.dtype.element_ty), mask=mask)
         else:
             # partials laid out [B, Hq, num_parts, BLOCK_D] and [B, Hq, num_parts, 2] (max, sum)
-            prow = (b * (tl.num_programs(1) * GROUP) + head).to(tl.int64) * num_parts + part
+            row0 = (b * (tl.num_programs(1) * GROUP) + head).to(tl.int64) * num_parts
+            prow = row0 + part
             tl.store(part_acc_ptr + prow[:, None] * BLOCK_D + offs_d[None, :], acc, mask=mask_m[:, None])
             tl.store(part_ml_ptr + prow * 2, m_i, mask=mask_m)
             tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=mask_m)
-
-
-@triton.jit(do_not_specialize=["num_parts"])
-def _reduce_kernel(out_ptr, part_acc_ptr, part_ml_ptr, lens_ptr, qsl_ptr, s_ot, s_oh, s_od, num_parts,
-                   BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PART: tl.constexpr, CHUNK: tl.constexpr,
-                   PDL: tl.constexpr = False):
-    """Merges a sequence's used partitions CHUNK at a time (a running max and sum, as the attention itself does), so
-    one compiled variant serves every context length."""
-    pdl.start(PDL)
-    b, head = tl.program_id(0), tl.program_id(1)
-    q_start = tl.load(qsl_ptr + b)
-    if tl.load(qsl_ptr + b + 1) - q_start == 1:
-        used = tl.cdiv(tl.load(lens_ptr + b), PART)  # >= 1: partition 0 holds the query's own key
-        offs_d = tl.arange(0, BLOCK_D)
-        row0 = (b * tl.num_programs(1) + head).to(tl.int64) * num_parts
-        m_run = tl.full((1,), float("-inf"), tl.float32)
-        l_run = tl.zeros((1,), tl.float32)
-        acc = tl.zeros((BLOCK_D,), tl.float32)
-        for c in range(0, used, CHUNK):
-            parts = c + tl.arange(0, CHUNK)
-            valid = parts < used
-            prow = row0 + parts
-            m = tl.load(part_ml_ptr + prow * 2, mask=valid, other=float("-inf"))
-            l_s = tl.load(part_ml_ptr + prow * 2 + 1, mask=valid, other=0.0)
-            m_new = tl.maximum(m_run, tl.max(m, 0))
-            alpha = tl.exp2(m_run - m_new)  # 0 on the first chunk (m_run is -inf there)
-            w = tl.where(valid, tl.exp2(m - m_new), 0.0)
-            a = tl.load(part_acc_ptr + prow[:, None] * BLOCK_D + offs_d[None, :], mask=valid[:, None], other=0.0)
-            acc = acc * alpha + tl.sum(a * w[:, None], 0)
-            l_run = l_run * alpha + tl.sum(l_s * w, 0)
-            m_run = m_new
-        o = acc / l_run
-        tl.store(out_ptr + q_start.to(tl.int64) * s_ot + head * s_oh + offs_d * s_od,
-                 o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+            tl.debug_barrier()  # every thread's partial is written before the counter moves (release below)
+            cnt = cnt_ptr + b * tl.num_programs(1) + kv_head
+            if tl.atomic_add(cnt, 1, sem="acq_rel") == used - 1:  # the last partition: merge every head's
+                o_row = out_ptr + tok * s_ot
+                for gi in tl.static_range(GROUP):
+                    h = kv_head * GROUP + gi
+                    _merge(o_row, part_acc_ptr, part_ml_ptr, h, (b * (tl.num_programs(1) * GROUP) + h).to(tl.int64)
+                           * num_parts, used, s_oh, s_od, BLOCK_D, HEAD_DIM, CHUNK)
+                tl.atomic_xchg(cnt, 0)
 
 
 def _strides(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.stride())
 
 
+def _decode_programs(device: torch.device) -> int:
+    """Decode attention programs the device runs at once (PROGRAMS_PER_SM per SM; an H100's 132 SMs for the
+    interpreter)."""
+    sms = _SMS.get(device)
+    if sms is None:
+        sms = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count \
+            if device.type == "cuda" else 132
+    return PROGRAMS_PER_SM * sms
+
+
 def _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, out, meta, rope=None, lora=None,
-            compile_only: bool = False) -> None:
+            compile_only: bool = False, parts: int | None = None) -> None:
     """rope: (positions, k rows [T, Hk*D], v rows, cos_sin [P, rot_dim], slot_mapping) for `decode_attention`;
-    lora: the qkv layer's LoRADelta there. compile_only: compile the decode kernel, launch nothing."""
+    lora: the qkv layer's LoRADelta there. compile_only: compile the decode kernel, launch nothing. parts: the
+    partitions a sequence's keys are cut into (`decode_parts` by default)."""
     num_seqs, hk = seq_lens.shape[0], k_cache.shape[2]
-    max_ctx = block_tables.shape[1] * k_cache.shape[1]
-    parts = max(1, cdiv(max_ctx, PARTITION))
+    if parts is None:
+        parts = decode_parts(num_seqs, hk, block_tables.shape[1] * k_cache.shape[1], meta["BLOCK_N"],
+                             _decode_programs(q.device))
     if parts > 1:
         hq = q.shape[1]
         part_acc = torch.empty(num_seqs, hq, parts, meta["BLOCK_D"], dtype=torch.float32, device=q.device)
         part_ml = torch.empty(num_seqs, hq, parts, 2, dtype=torch.float32, device=q.device)
+        counters = _locks(q.device, num_seqs * hk, "attention")
     else:
         part_acc = part_ml = out  # unused
+        counters = seq_lens  # unused
     if rope is None:
         extra = (seq_lens, q, q, seq_lens, seq_lens, 0, 0, 0)  # unused
     else:
@@ -351,14 +383,9 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_sca
                     S_P2=max(2, next_power_of_2(num_slots)), maxnreg=LORA_MAX_REGS)
     grid = (num_seqs, hk, parts)
     run = _decode_kernel.warmup if compile_only else _decode_kernel[grid]
-    run(q, k_cache, v_cache, out, part_acc, part_ml, block_tables, seq_lens, query_start_loc, qk_scale,
+    run(q, k_cache, v_cache, out, part_acc, part_ml, counters, block_tables, seq_lens, query_start_loc, qk_scale,
         *_strides(q), *_strides(out), block_tables.stride(0), *_strides(k_cache), *_strides(v_cache), parts,
-        *extra, PART=PARTITION, SPLIT=parts > 1, **meta, **({"grid": grid} if compile_only else {}))
-    if parts > 1 and not compile_only:
-        _reduce_kernel[(num_seqs, out.shape[1])](
-            out, part_acc, part_ml, seq_lens, query_start_loc, *_strides(out), parts, BLOCK_D=meta["BLOCK_D"],
-            HEAD_DIM=meta["HEAD_DIM"], PART=PARTITION, CHUNK=REDUCE_CHUNK, PDL=meta["PDL"],
-            **pdl.launch(q.device))
+        *extra, SPLIT=parts > 1, CHUNK=REDUCE_CHUNK, **meta, **({"grid": grid} if compile_only else {}))
 
 
 def _unified(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, out, max_query_len,
@@ -407,13 +434,14 @@ def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                      cos_sin_cache: torch.Tensor, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, scale: float, lora=None,
-                     compile_only: bool = False) -> torch.Tensor:
-    """Triton version of reference.decode_attention, in one launch (two past one partition of context): the
+                     compile_only: bool = False, parts: int | None = None) -> torch.Tensor:
+    """Triton version of reference.decode_attention, in one launch: the
     rotary embedding, the KV-cache write and the decode attention of `rotary_store_kv` then `paged_attention`,
     without the rotated q's and k's round trip through memory; with `lora` (the qkv layer's LoRADelta, by token),
     its delta added to q, k and v first (the layer's expand needs no launch of its own). q [T, Hq*D], k and v
     [T, Hk*D] (rows of the qkv output: any row stride); returns [T, Hq, D]. compile_only: compile the kernel this
-    call would launch, launch nothing (the output is then unwritten)."""
+    call would launch, launch nothing (the output is then unwritten); parts: its partitions a sequence (by
+    default `decode_parts`: a compile names 1 and 2 to reach both variants)."""
     t = q.shape[0]
     q3 = q.view(t, -1, head_dim)
     out = torch.empty(q3.shape, dtype=q.dtype, device=q.device)
@@ -431,5 +459,6 @@ def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                              f"not of bounds {list(lora.bounds)} for {lora.hp.shape[1]}")
     cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     _decode(q3, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale) * LOG2E, out,
-            _meta(q3, k_cache), rope=(positions, k2, v2, cache, slot_mapping), lora=lora, compile_only=compile_only)
+            _meta(q3, k_cache), rope=(positions, k2, v2, cache, slot_mapping), lora=lora, compile_only=compile_only,
+            parts=parts)
     return out

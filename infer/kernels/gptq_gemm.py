@@ -63,7 +63,7 @@ _BYTES: dict = {}  # device -> whether the field tiles take 4-bit fields by byte
 # loads each step's words, zeros and scales during the step before. `python -m infer.bench.kernels` times both.
 int4_loads: str | None = None
 _LOCKS: dict = {}
-_RETIRED_LOCKS: dict = {}  # device -> counters a larger buffer replaced (graphs may hold their addresses)
+_RETIRED_LOCKS: dict = {}  # (device, owner) -> counters a larger buffer replaced (graphs may hold their addresses)
 _NO_WS: dict = {}
 
 
@@ -104,16 +104,18 @@ def _no_workspace(device: torch.device) -> torch.Tensor:
     return have
 
 
-def _locks(device: torch.device, tiles: int) -> torch.Tensor:
-    """Per-tile arrival counters, zero between calls (the last program of a tile resets its counter). When a launch
-    needs more, a larger buffer takes over and the old one is kept (`_RETIRED_LOCKS`): a CUDA graph recorded its
-    address and still uses it (freed, it could be handed to another tensor that the graph would then write)."""
-    have = _LOCKS.get(device)
+def _locks(device: torch.device, tiles: int, owner: str = "gemm") -> torch.Tensor:
+    """Per-tile arrival counters, zero between calls (the last program of a tile resets its counter); one buffer per
+    device and owner (the split-K tiles here, the decode attention's partitions). When a launch needs more, a larger
+    buffer takes over and the old one is kept (`_RETIRED_LOCKS`): a CUDA graph recorded its address and still uses
+    it (freed, it could be handed to another tensor that the graph would then write)."""
+    key = (device, owner)
+    have = _LOCKS.get(key)
     if have is None or have.numel() < tiles:
         if have is not None:
-            _RETIRED_LOCKS.setdefault(device, []).append(have)
+            _RETIRED_LOCKS.setdefault(key, []).append(have)
         have = torch.zeros(max(tiles, 1 << 14), dtype=torch.int32, device=device)
-        _LOCKS[device] = have
+        _LOCKS[key] = have
     return have
 
 

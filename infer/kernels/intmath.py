@@ -10,3 +10,17 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n, for n >= 1 (as triton.next_power_of_2; 0 for n = 0, as Triton gives)."""
     return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+
+PROGRAMS_PER_SM = 4  # decode attention programs an SM runs at once (4 warps, about 120 registers a thread on sm_90)
+
+
+def decode_parts(num_seqs: int, kv_heads: int, context: int, block_n: int, programs: int) -> int:
+    """Partitions of a sequence's keys in a decode attention launch (`kernels.attention`): as many as keep the
+    launch's programs (one per sequence, KV head and partition) within `programs`, what the GPU runs at once, at
+    most one per key block of the widest context the block tables hold (`context` keys), at least one. A large
+    batch takes one partition (no partial results to merge, no second wave of programs); a small one cuts even a
+    short context into as many programs, so that no program walks its key blocks one after the other while SMs
+    wait."""
+    return max(1, min(cdiv(context, block_n), programs // max(1, num_seqs * kv_heads)))

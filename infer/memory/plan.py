@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from ..errors import ConfigError, OutOfMemoryError
+from ..kernels.intmath import PROGRAMS_PER_SM, decode_parts
 from ..models.shapes import ModelShapes
 from .sizes import activation_bytes, dequant_scratch_bytes, element_bytes, gib, kv_bytes_per_token, weights_bytes
 
@@ -91,8 +92,11 @@ def cuda_graph_bytes(engine_config: PlanOptions, model_config, dtype: torch.dtyp
     step = activation_bytes(model_config, dtype, engine_config.max_num_seqs, 1, 1, rank, penalties=False)
     shapes = ModelShapes.from_config(model_config)
     context = engine_config.max_model_len or model_config.max_position_embeddings
-    parts = -(-context // 512)  # kernels.attention.PARTITION
-    decode = step + engine_config.max_num_seqs * shapes.num_heads * parts * (shapes.head_dim + 2) * 4
+    # the decode attention's partial results at the most partitions any batch size takes (kernels.attention), on
+    # a GPU of up to 256 SMs
+    seqs, programs = engine_config.max_num_seqs, PROGRAMS_PER_SM * 256
+    rows = max(b * decode_parts(b, shapes.num_kv_heads, context, 32, programs) for b in range(1, seqs + 1))
+    decode = step + rows * shapes.num_heads * (shapes.head_dim + 2) * 4
     tokens = engine_config.piecewise_tokens()
     if not tokens:
         return decode

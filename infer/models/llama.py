@@ -80,21 +80,21 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).reshape(t, self.kv_size)
         return (q, k, v, delta) if deferred else (q, k, v)
 
-    def compile_decode(self, delta) -> None:
+    def compile_decode(self, delta=None) -> None:
         """Compile (launch nothing) the decode_attention variants that add `delta` (the qkv layer's LoRADelta of a
-        step of its tokens): within one attention partition and across several, where the cache holds that."""
+        step of its tokens; None: without adapters): with a sequence's keys in one partition and in several."""
         from ..kernels import attention
-        t, dev, bs = delta.hp.shape[1], self.k_cache.device, self.k_cache.shape[1]
+        t, dev = (1 if delta is None else delta.hp.shape[1]), self.k_cache.device
         qkv = torch.empty(t, self.q_size + 2 * self.kv_size, dtype=self.qkv_proj.dtype, device=dev)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         ints = [torch.zeros(t, dtype=torch.int64, device=dev) for _ in range(2)]  # positions, slot mapping
-        for width in sorted({1, min(self.k_cache.shape[0], attention.PARTITION // bs + 1)}):
-            tables = torch.zeros(t, width, dtype=torch.int32, device=dev)
-            lens = torch.ones(t, dtype=torch.int32, device=dev)
-            starts = torch.arange(t + 1, dtype=torch.int32, device=dev)
+        tables = torch.zeros(t, 1, dtype=torch.int32, device=dev)
+        lens = torch.ones(t, dtype=torch.int32, device=dev)
+        starts = torch.arange(t + 1, dtype=torch.int32, device=dev)
+        for parts in (1, 2):
             attention.decode_attention(ints[0], q, k, v, torch.empty(1, self.rot_dim, device=dev), self.head_dim,
                                        self.k_cache, self.v_cache, ints[1], tables, lens, starts, self.scale, delta,
-                                       compile_only=True)
+                                       compile_only=True, parts=parts)
 
     def query(self, positions, x, ctx: ForwardContext, cos_sin):
         """The rotated query [t, q_size]; this step's K and V are in the cache (the part of the layer before the
