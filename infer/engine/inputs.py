@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import RequestError
-from .prompt_size import check_prompt_size
+from .prompt_size import PromptTooLongError, check_prompt_size
 from .sampling_params import SamplingParams
 from .structured import from_openai
 
@@ -181,6 +181,7 @@ def encode_prompt(tokenizer, prompt: Any = None, messages: Any = None, max_token
         check_prompt_size(tokenizer, sum(len(_text_of(m["content"]).encode("utf-8")) for m in messages), max_tokens)
         if template.get("chat_template") is None and getattr(tokenizer, "chat_template", None) is None:
             raise RequestError("this model's tokenizer has no chat template", NO_TEMPLATE_HINT)
+        _check_rendered_size(tokenizer, messages, template, max_tokens)
         try:
             enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **template)
         except Exception as e:
@@ -194,6 +195,27 @@ def encode_prompt(tokenizer, prompt: Any = None, messages: Any = None, max_token
         return list(tokenizer(prompt)["input_ids"])
     except Exception as e:  # a tokenizer error is about this prompt, never about the run
         raise RequestError(f"the tokenizer cannot encode this prompt: {type(e).__name__}: {e}") from e
+
+
+def _check_rendered_size(tokenizer, messages: list[dict], template: dict, max_tokens: int | None) -> None:
+    """Refuse, untokenized, a chat whose rendered text is certainly longer than the context. The contents were
+    measured already; a template may also render the messages' other fields and its arguments (`documents`,
+    `tools`...), so where those could make it too long the chat is rendered as text first (no tokenizer pass over
+    megabytes of documents) and that text is measured."""
+    if not max_tokens:
+        return
+    args = {k: v for k, v in template.items() if k != "chat_template"}
+    size = len(json.dumps([messages, args], ensure_ascii=False, default=str).encode("utf-8"))
+    try:
+        check_prompt_size(tokenizer, size, max_tokens)
+        return  # even all of it rendered would fit
+    except PromptTooLongError:
+        pass
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **template)
+    except Exception as e:
+        raise RequestError(f"the chat template cannot render these messages: {e}") from e
+    check_prompt_size(tokenizer, len(text.encode("utf-8")), max_tokens)
 
 
 def _text_of(content: str | list[dict]) -> str:

@@ -392,7 +392,8 @@ def _unified(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_sc
              meta) -> None:
     group_pad = meta["GROUP_PAD"]
     rows_max = max(64, group_pad)  # rows (token x head pairs) per tile
-    # two tile heights only (short and long queries), so `LLMEngine.warm_kernels()` compiles every variant a step can need
+    # two tile heights only (short and long queries), so `LLMEngine.warm_kernels()` compiles every variant a step
+    # can need
     block_q = max(1, min(16 if max_query_len <= 16 else 64, rows_max // group_pad))
     block_q = max(block_q, 16 // min(group_pad, 16))  # tl.dot needs at least 16 rows
     num_seqs = seq_lens.shape[0]
