@@ -120,7 +120,7 @@ def test_an_openai_batch_line_passes_its_template_fields(tok):
     line["body"] = {"messages": MSGS, "continue_final_message": True}
     with pytest.raises(RequestError, match="body.continue_final_message=true needs add_generation_prompt=false"):
         parse_request(line, tok, "0")
-    line["body"] = {"prompt": "Hi", "documents": [{"title": "t", "text": "x"}]}
+    line["url"], line["body"] = "/v1/completions", {"prompt": "Hi", "documents": [{"title": "t", "text": "x"}]}
     with pytest.raises(RequestError, match="body.documents applies to chat messages only"):
         parse_request(line, tok, "0")
     with pytest.raises(RequestError, match="unknown field"):  # infer's own line format has no such fields

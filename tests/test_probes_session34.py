@@ -67,3 +67,44 @@ def test_a_chat_that_fits_renders_once_and_is_the_template_s_tokens(tok, monkeyp
     want = real([{"role": "user", "content": "hi"}], chat_template=RAG, documents=docs, add_generation_prompt=True,
                 tokenize=True, return_dict=True)["input_ids"]
     assert got == list(want)
+
+
+# ------------------------------------------------------------------ OpenAI batch lines read as the server reads them
+from infer.engine.inputs import parse_request  # noqa: E402
+from infer.errors import RequestError  # noqa: E402
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("line,error", [
+    ({"custom_id": "a", "url": "/v1/chat/completions", "body": {"prompt": "y"}}, "body.messages is missing"),
+    ({"custom_id": "a", "url": "/v1/completions", "body": {"messages": CHAT}}, "takes a prompt"),
+    ({"custom_id": "a", "prompt": "top level", "max_new_tokens": 1, "body": {"prompt": "b"}},
+     r"unknown field\(s\) \['max_new_tokens', 'prompt'\] in an OpenAI batch line"),
+    ({"custom_id": "a", "id": "b", "body": {"prompt": "b"}}, r"unknown field\(s\) \['id'\]"),
+    ({"custom_id": "a", "method": "GET", "body": {"prompt": "b"}}, "method 'GET' is not supported"),
+    ({"custom_id": "a", "body": {"prompt": "b", "max_tokens": "2"}}, "field 'max_tokens' must be"),
+    ({"custom_id": "a", "body": {"prompt": "b", "max_completion_tokens": 1.5}}, "field 'max_completion_tokens'"),
+])
+def test_batch_lines_the_server_would_refuse_are_refused(tok, line, error):
+    with pytest.raises(RequestError, match=error):
+        parse_request(line, tok, "0")
+
+
+def test_batch_lines_the_server_takes_still_parse(tok):
+    chat = parse_request({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                          "body": {"messages": CHAT, "max_tokens": 3}}, tok, "0")
+    plain = parse_request({"custom_id": "b", "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": 2}},
+                          tok, "0")
+    bare = parse_request({"custom_id": "c", "body": {"messages": CHAT}}, tok, "0")  # no url: either kind
+    assert chat.params.max_new_tokens == 3 and plain.params.max_new_tokens == 2
+    assert chat.prompt_token_ids == bare.prompt_token_ids != plain.prompt_token_ids
+
+
+@pytest.mark.parametrize("key,value,n_hint", [("n", 2, True), ("best_of", 3, True), ("echo", True, False),
+                                              ("tools", [{"type": "function"}], False)])
+def test_an_unsupported_batch_field_s_hint_is_about_that_field(tok, key, value, n_hint):
+    with pytest.raises(RequestError) as e:
+        parse_request({"custom_id": "a", "body": {"prompt": "b", key: value}}, tok, "0")
+    assert e.value.message.startswith(f"body.{key}: ")
+    assert ("for n > 1" in e.value.hint) == n_hint, e.value.hint

@@ -352,12 +352,12 @@ def params_from(obj: dict, aliases: dict[str, str] | None = None) -> SamplingPar
     for key, value in obj.items():
         if aliases and key == "max_tokens" and obj.get("max_completion_tokens") is not None:
             continue  # max_completion_tokens supersedes max_tokens wherever each comes (OpenAI, vLLM, the server)
-        key = (aliases or {}).get(key, key)
+        given, key = key, (aliases or {}).get(key, key)
         if key not in _PARAM_TYPES or value is None:
             continue
         types = _PARAM_TYPES[key]
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            raise RequestError(f"field {key!r} must be {_type_name(types)}, got {type(value).__name__}")
+            raise RequestError(f"field {given!r} must be {_type_name(types)}, got {type(value).__name__}")
         kwargs[key] = value
     if isinstance(kwargs.get("logprobs"), bool):  # OpenAI chat: logprobs=true + top_logprobs=k
         kwargs["logprobs"] = int(obj.get("top_logprobs") or 0) if kwargs["logprobs"] else None
@@ -368,6 +368,7 @@ def params_from(obj: dict, aliases: dict[str, str] | None = None) -> SamplingPar
 
 
 BATCH_URLS = ("/v1/completions", "/v1/chat/completions")
+BATCH_KEYS = ("custom_id", "method", "url", "body")  # an OpenAI batch line's fields
 
 
 @dataclass(frozen=True)
@@ -424,14 +425,30 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
     if not isinstance(body, dict):
         raise RequestError(f"field 'body' must be an object, got {type(body).__name__}",
                            'e.g. "body": {"prompt": "Hi", "max_tokens": 16}')
+    unknown = sorted(str(k) for k in obj if k not in BATCH_KEYS)
+    if unknown:  # (a request field beside the body would otherwise be dropped without a word)
+        raise RequestError(f"unknown field(s) {unknown} in an OpenAI batch line", f"its fields are "
+                           f"{', '.join(BATCH_KEYS)}; the request's own fields go inside body")
+    if obj.get("method") not in (None, "POST"):
+        raise RequestError(f"method {obj['method']!r} is not supported: a batch line is a POST request",
+                           'write "method": "POST" or leave it out')
     url = obj.get("url")
     if url is not None and url not in BATCH_URLS:
         raise RequestError(f"url {url!r} is not supported: infer run answers {' and '.join(BATCH_URLS)}",
                            "remove the line, or run it with a server that has that endpoint")
+    # each endpoint's request, as the server (and OpenAI) reads it: chat needs messages, a completion a prompt
+    if url == "/v1/chat/completions" and "messages" not in body:
+        raise RequestError("body.messages is missing: a /v1/chat/completions line needs the chat's messages",
+                           'e.g. "body": {"messages": [{"role": "user", "content": "Hi"}]}; for a plain prompt use '
+                           '"url": "/v1/completions"')
+    if url == "/v1/completions" and "messages" in body:
+        raise RequestError("body.messages is given to /v1/completions, which takes a prompt",
+                           'use "url": "/v1/chat/completions" for messages, or give body.prompt')
     for key, (ok, why) in UNSUPPORTED_OPENAI.items():
         if not ok(body.get(key)):
-            raise RequestError(f"body.{key}: {why}", "remove it from the line's body (for n > 1, write one line "
-                                                     "per reply, each with its own custom_id and seed)")
+            more = " (for n > 1, write one line per reply, each with its own custom_id and seed)" \
+                if key in ("n", "best_of") else ""
+            raise RequestError(f"body.{key}: {why}", f"remove it from the line's body{more}")
     if body.get(REQUEST_TEMPLATE_FIELD) is not None:
         raise RequestError("body.chat_template: a chat template per line is not supported",
                            "remove it from the line's body; `infer run --chat-template FILE` gives the whole run one")
