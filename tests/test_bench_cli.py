@@ -177,6 +177,7 @@ def test_ctrl_c_writes_a_partial_report(tmp_path, monkeypatch):
     (["--url", "localhost:8000"], "is not an http(s) URL"),
     (["-c", "0"], "every level must be at least 1"),
     (["-c", "a,b"], "is not a number or a comma-separated list"),
+    (["-c", "4,100000"], "--concurrency 100000 is more than the engine runs at once (65536)"),
     (["--num-prompts", "0"], "--num-prompts must be at least 1"),
     (["--dataset", "alpaca"], "--dataset 'alpaca' is not a known dataset"),
     (["--dataset", "jsonl:/nonexistent/p.jsonl"], "is not a file"),

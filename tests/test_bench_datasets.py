@@ -174,3 +174,46 @@ def test_jsonl_messages_with_openai_text_parts(tok, tmp_path):
     p.write_text(json.dumps({"messages": [{"role": "user", "content": [{"type": "text"}]}]}) + "\n")
     with pytest.raises(ConfigError, match="line 1: messages\\[0\\].content: every text part needs a string 'text'"):
         load_workload(f"jsonl:{p}", tok)
+
+
+@pytest.mark.parametrize("line, field", [('{"prompt": "a\\ud800"}', "prompt"),
+                                         ('{"messages": [{"role": "user", "content": "\\udc00b"}]}', "messages")])
+def test_jsonl_lone_surrogate_is_refused_as_infer_run_refuses_it(tok, tmp_path, line, field):
+    """JSON can escape a lone surrogate, which no tokenizer encodes: a prompt's used to crash with a TypeError."""
+    p = tmp_path / "s.jsonl"
+    p.write_text('{"prompt": "ok"}\n' + line + "\n")
+    with pytest.raises(ConfigError, match=rf"line 2: {field} contains an unpaired surrogate \(U\+D[8C]00\)"):
+        load_workload(f"jsonl:{p}", tok)
+
+
+@pytest.mark.parametrize("turn", ["human", "gpt"])
+def test_sharegpt_lone_surrogate_names_the_item(tok, tmp_path, turn):
+    long = "To cook rice, rinse it under cold water until the water runs clear"
+    bad = {"from": turn, "value": long + " \ud800"}
+    conv = [bad if turn == "human" else {"from": "human", "value": long},
+            bad if turn == "gpt" else {"from": "gpt", "value": long}]
+    p = tmp_path / "sg.json"
+    p.write_text(json.dumps([{"conversations": [{"from": "human", "value": long}, {"from": "gpt", "value": long}]},
+                             {"conversations": conv}]))
+    with pytest.raises(ConfigError, match=r"item 1: the conversation contains an unpaired surrogate \(U\+D800\)"):
+        load_workload(f"sharegpt:{p}", tok)
+
+
+@pytest.mark.parametrize("value", ['"false"', "1", "0", '"true"'])
+def test_jsonl_ignore_eos_must_be_a_boolean(tok, tmp_path, value):
+    """"false" (a string) used to count as true."""
+    p = tmp_path / "w.jsonl"
+    p.write_text('{"prompt": "ok", "ignore_eos": false}\n{"prompt": "x", "ignore_eos": ' + value + "}\n")
+    with pytest.raises(ConfigError, match=r"line 2: ignore_eos must be true or false"):
+        load_workload(f"jsonl:{p}", tok)
+    p.write_text('{"prompt": "ok", "ignore_eos": null}\n{"prompt": "x", "ignore_eos": true, "id": "a"}\n')
+    assert [r.ignore_eos for r in load_workload(f"jsonl:{p}", tok).requests] == [False, True]
+
+
+def test_jsonl_unknown_field_is_named_with_the_accepted_ones(tok, tmp_path):
+    """A misspelled field (output_len for max_new_tokens) used to be ignored silently, as `infer run` refuses it."""
+    p = tmp_path / "w.jsonl"
+    p.write_text('{"prompt": "ok"}\n{"prompt": "x", "output_len": 5, "temperature": 0.5}\n')
+    with pytest.raises(ConfigError, match=r"line 2: unknown field\(s\) \['output_len', 'temperature'\]") as e:
+        load_workload(f"jsonl:{p}", tok)
+    assert "max_new_tokens" in e.value.hint and "ignore_eos" in e.value.hint

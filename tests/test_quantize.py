@@ -92,6 +92,26 @@ def test_calibration_file_errors(tmp_path):
             calib_mod.read_texts(tmp_path / name)
 
 
+@pytest.mark.parametrize("line, field", [
+    ('{"text": "a\\ud800b"}', "text"), ('{"prompt": "a\\udfffb"}', "prompt"),
+    ('{"messages": [{"role": "user", "content": "hi \\ud800"}]}', "messages"),
+    ('{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}', "messages"),
+])
+def test_jsonl_lone_surrogate_is_refused_as_infer_run_refuses_it(tmp_path, tokenizer, line, field):
+    """JSON can escape a lone surrogate, which no tokenizer encodes: it used to crash with a TypeError."""
+    f = tmp_path / "s.jsonl"
+    f.write_text('{"text": "fine"}\n' + line + "\n")
+    with pytest.raises(ConfigError, match=rf"line 2: {field} contains an unpaired surrogate \(U\+D[8F]\w\w\)"):
+        calib_mod.read_texts(f, calib_mod.chat_renderer(tokenizer))
+
+
+def test_jsonl_with_a_byte_order_mark_is_read(tmp_path):
+    """A UTF-8 BOM (Windows editors) is not part of the first line's JSON, as infer run and bench read theirs."""
+    f = tmp_path / "bom.jsonl"
+    f.write_bytes(b"\xef\xbb\xbf" + b'{"text": "alpha"}\n{"text": "beta"}\n')
+    assert calib_mod.read_texts(f) == ["alpha", "beta"]
+
+
 def test_token_windows_pack_the_stream(tokenizer):
     texts = calib_mod.read_texts(None)
     assert len(texts) >= 20  # the built-in set

@@ -12,7 +12,8 @@
                     max_length 4096, 5 rounds of 16 requests (80), run at concurrency 16
     jsonl:PATH      one JSON object a line: "prompt" (text) or "messages" (chat, rendered with the chat template;
                     a content may be OpenAI's list of text parts, joined, as `infer run` reads it), optional
-                    "max_new_tokens" (or "max_tokens"), "lora", "ignore_eos"
+                    "max_new_tokens" (or "max_tokens"), "lora", "ignore_eos" (a JSON boolean), "id" (not used);
+                    any other field is refused, as `infer run` refuses it, rather than silently ignored
     sharegpt:PATH   a ShareGPT json file: the first human turn of each conversation is the prompt, the length in
                     tokens of the gpt turn that answers it is the output length (as vLLM's benchmark_serving)
 
@@ -34,6 +35,7 @@ from ..errors import ConfigError, RequestError, read_utf8
 
 LITEQWEN = dict(concurrency=16, input_len=44, reply_chars=230, max_length=4096, rounds=5)
 WORKLOADS = ("random", "liteqwen", "jsonl:PATH", "sharegpt:PATH")
+JSONL_KEYS = ("prompt", "messages", "max_new_tokens", "max_tokens", "lora", "ignore_eos", "id")  # id: a label only
 
 
 @dataclass
@@ -163,18 +165,28 @@ def _read(path: str) -> str:
     return text[1:] if text.startswith("\ufeff") else text  # a byte order mark (Windows editors), as infer run
 
 
+def _check_text(value, name: str, where: str) -> None:
+    """`infer run`'s check (a lone surrogate, which JSON can carry, is refused), as a ConfigError naming `where`."""
+    from ..engine.inputs import check_text
+    try:
+        check_text(value, name)
+    except RequestError as e:
+        raise ConfigError(f"{where}: {e.message}", e.hint) from None
+
+
 def _render(tokenizer, obj: dict, where: str) -> tuple[str, list[int]]:
-    from ..engine.inputs import chat_messages, check_text, reads_content_parts
+    from ..engine.inputs import chat_messages, reads_content_parts
     if isinstance(obj.get("prompt"), str) and obj["prompt"]:
         text = obj["prompt"]  # tokenized as infer run and the server tokenize a prompt: with its special tokens
+        _check_text(text, "prompt", where)
         return text, tokenizer.encode(text)
     msgs = obj.get("messages")
     if isinstance(msgs, list) and msgs:
         try:  # as `infer run` reads them: text parts joined, other parts (images, audio) refused
             msgs = chat_messages(msgs, reads_content_parts(tokenizer))
-            check_text(msgs, "messages")
         except RequestError as e:
             raise ConfigError(f"{where}: {e.message}", e.hint) from None
+        _check_text(msgs, "messages", where)
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError(f"{where}: has 'messages' but the tokenizer has no chat template",
                               "give it one with --chat-template, or a 'prompt' string instead")
@@ -199,6 +211,9 @@ def jsonl_requests(path: str, tokenizer, default_output_len: int) -> list[BenchR
             raise ConfigError(f"{where} is not valid JSON: {e.msg}", "one JSON object per line") from e
         if not isinstance(obj, dict):
             raise ConfigError(f"{where} is not a JSON object", "one JSON object per line")
+        unknown = sorted(set(obj) - set(JSONL_KEYS))
+        if unknown:  # as `infer run` refuses them: a field that would change the request is not silently dropped
+            raise ConfigError(f"{where}: unknown field(s) {unknown}", f"allowed: {', '.join(JSONL_KEYS)}")
         text, ids = _render(tokenizer, obj, where)
         n = obj.get("max_new_tokens", obj.get("max_tokens", default_output_len))
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -206,7 +221,11 @@ def jsonl_requests(path: str, tokenizer, default_output_len: int) -> list[BenchR
         lora = obj.get("lora")
         if lora is not None and not isinstance(lora, str):
             raise ConfigError(f"{where}: lora must be an adapter name (a string), got {lora!r}")
-        reqs.append(BenchRequest(text, ids, n, lora=lora, ignore_eos=bool(obj.get("ignore_eos", False))))
+        ignore_eos = obj.get("ignore_eos")
+        if ignore_eos is not None and not isinstance(ignore_eos, bool):
+            raise ConfigError(f"{where}: ignore_eos must be true or false, got {ignore_eos!r}",
+                              'write a JSON boolean: "ignore_eos": true')
+        reqs.append(BenchRequest(text, ids, n, lora=lora, ignore_eos=bool(ignore_eos)))
     if not reqs:
         raise ConfigError(f"workload file {path} has no requests", "one JSON object per line")
     return reqs
@@ -236,7 +255,12 @@ def sharegpt_requests(path: str, tokenizer, num_prompts: int, seed: int = 0, max
                           "a ShareGPT file is one JSON list of {\"conversations\": [...]}") from e
     if not isinstance(data, list):
         raise ConfigError(f"{path} is not a JSON list", "a ShareGPT file is one JSON list of {\"conversations\": ...}")
-    pairs = [p for p in (_first_exchange(d.get("conversations")) for d in data if isinstance(d, dict)) if p]
+    pairs = []
+    for i, d in enumerate(data):
+        pair = _first_exchange(d.get("conversations")) if isinstance(d, dict) else None
+        if pair:
+            _check_text(list(pair), "the conversation", f"{path} item {i}")
+            pairs.append(pair)
     random.Random(seed).shuffle(pairs)
     reqs = []
     for prompt, reply in pairs:

@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..engine.config import ENGINE, LORA, EngineConfig, parse_loras
+from ..engine.config import ENGINE, LORA, RANGES, EngineConfig, parse_loras
 from ..errors import ConfigError, read_utf8
 from . import options as o
 
@@ -270,6 +270,10 @@ def set_target(plan, engine: EngineConfig, lora: list[str] | None, max_num_seqs:
     (max_num_seqs at least the largest level, room for every adapter in the mix). With --url: only the dtype and
     device a baseline loads MODEL with, and the --chat-template the workload's messages are rendered with."""
     if plan.url is None:
+        most = RANGES["max_num_seqs"][1]  # the engine's --max-num-seqs, which the largest level sets
+        if max(plan.levels) > most:
+            raise ConfigError(f"--concurrency {max(plan.levels)} is more than the engine runs at once ({most})",
+                              f"give levels up to {most}, or bench a server with --url")
         plan.engine = replace(engine, seed=plan.seed, loras=lora or [],
                               max_num_seqs=max(max_num_seqs or 1, max(plan.levels)),
                               max_loras=max_loras or max(4, len(plan.loras)))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..errors import ConfigError, read_utf8
+from ..errors import ConfigError, RequestError, read_utf8
 
 BUILTIN_PATH = Path(__file__).parent / "data" / "calibration.txt"
 MIN_WINDOW = 16  # a trailing window shorter than this is dropped
@@ -58,7 +58,9 @@ def _read_txt(path: Path) -> list[str]:
 
 def _read_jsonl(path: Path, render_chat: Callable[[Messages], str]) -> list[str]:
     texts = []
-    for lineno, line in enumerate(read_utf8(path, "calibration file").split("\n"), start=1):
+    text = read_utf8(path, "calibration file")
+    text = text[1:] if text.startswith("\ufeff") else text  # a byte order mark (Windows editors), as infer run
+    for lineno, line in enumerate(text.split("\n"), start=1):
         if line.strip():
             texts.append(_jsonl_text(line, path, lineno, render_chat))
     return texts
@@ -71,11 +73,17 @@ def _text_parts(content) -> bool:
 
 
 def _jsonl_text(line: str, path: Path, lineno: int, render_chat: Callable[[Messages], str]) -> str:
+    from ..engine.inputs import check_text
     where = f"{path}, line {lineno}"
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{where} is not valid JSON ({e.msg})", "write one JSON object per line") from None
+    for key in ("text", "prompt", "messages"):  # a lone surrogate (JSON can carry one) is refused as infer run does
+        try:
+            check_text(obj.get(key) if isinstance(obj, dict) else None, key)
+        except RequestError as e:
+            raise ConfigError(f"{where}: {e.message}", e.hint) from None
     if not isinstance(obj, dict):
         raise ConfigError(f"{where} is not a JSON object", 'write objects like {"text": "..."}')
     for key in ("text", "prompt"):
