@@ -259,3 +259,45 @@ def test_inits_that_change_the_base_are_refused(tmp_path, init):
     (path / "adapter_config.json").write_text(json.dumps({**cfg, "init_lora_weights": init}))
     err = _expect_error(path, "p", match=init)
     assert "path_initial_model_for_weight_conversion" in err.hint
+
+
+@pytest.mark.parametrize("edit, match", [
+    ({"target_modules": 5}, 'has target_modules 5 (an integer), but peft\'s LoraConfig takes a string (a regex) or a '
+                            "list of module names"),
+    ({"target_modules": ["q_proj", 5]}, "has target_modules [\"q_proj\", 5] (a list holding an integer)"),
+    ({"exclude_modules": 5}, "has exclude_modules 5 (an integer)"),
+    ({"exclude_modules": {"a": 1}}, "has exclude_modules {\"a\": 1} (an object)"),
+    ({"layers_pattern": 5, "layers_to_transform": [0]}, "has layers_pattern 5 (an integer), but peft's LoraConfig "
+                                                         "takes a string or a list of strings"),
+    ({"layers_to_transform": "0"}, "has layers_to_transform \"0\" (a string), but peft's LoraConfig takes an integer "
+                                   "or a list of integers"),
+    ({"layers_to_transform": [0, True]}, "(a list holding a boolean)"),
+])
+def test_config_fields_of_the_wrong_type_are_named(tmp_path, edit, match):
+    """They used to crash every command that reads adapters with TypeError: 'int' object is not iterable."""
+    path = make_adapter(tmp_path, "t")
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**cfg, **edit}))
+    err = _expect_error(path, "t", match=match)
+    assert "adapter_config.json" in str(err)
+
+
+def test_a_config_without_peft_type_is_refused_by_name(tmp_path):
+    """peft cannot load it (a bare KeyError: 'peft_type' in lora-validate and convert --merge-lora)."""
+    path = make_adapter(tmp_path, "np")
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    del cfg["peft_type"]
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    err = _expect_error(path, "np", match='adapter_config.json has no peft_type (expected "LORA")')
+    assert '"peft_type": "LORA"' in err.hint
+
+
+def test_weights_whose_product_overflows_are_refused_at_load(tmp_path):
+    """Every weight finite, but lora_B @ lora_A (x scaling) beyond float32: the outputs were NaN, and `infer run`
+    answered token 0 after token 0 without an error."""
+    path = make_adapter(tmp_path, "big")
+    weights = path / "adapter_model.safetensors"
+    save_file({k: v * 1e20 for k, v in load_file(str(weights)).items()}, str(weights))
+    _expect_error(path, "big", match="lora_B @ lora_A x scaling 2 overflows float32")
+    save_file({k: v * 1e-18 for k, v in load_file(str(weights)).items()}, str(weights))  # x100: large, but finite
+    assert len(load_adapter("big", path, tiny_config()).modules) == 4

@@ -347,3 +347,42 @@ def test_weights_peft_does_not_read_are_named_as_the_reason(setup, tmp_path):
     report = json.loads(res.stdout.splitlines()[0])
     assert res.exit_code == 1 and report["numeric"]["adapter_effect"] == 0.0
     assert report["reasons"][0].startswith("peft loaded none of its weights")
+
+
+@pytest.mark.parametrize("kind, reason", [
+    ("target-int", "adapter_config.json has target_modules 5 (an integer), but peft's LoraConfig takes"),
+    ("exclude-int", "adapter_config.json has exclude_modules 5 (an integer)"),
+    ("pattern-int", "adapter_config.json has layers_pattern 5 (an integer)"),
+    ("no-peft-type", 'adapter_config.json has no peft_type (expected "LORA")'),
+    ("overflow", "lora_B @ lora_A x scaling 2 overflows float32"),
+])
+def test_config_and_overflow_failures_keep_the_other_adapters_report(setup, tmp_path, kind, reason):
+    """A wrong-typed field used to raise TypeError out of the command (every other adapter's report lost), a missing
+    peft_type to fail as "peft cannot load it: 'peft_type'", and weights x1e30 (each finite) to pass with a max
+    |Δlogit| of 0 while peft's logits were all NaN."""
+    base, paths = setup
+    edits = {"target-int": dict(target_modules=5), "exclude-int": dict(exclude_modules=5),
+             "pattern-int": dict(layers_pattern=5, layers_to_transform=[0])}
+    bad = tmp_path / kind
+    if kind == "overflow":
+        _copy(paths["qv"], bad, lambda t: t.update({k: v * 1e30 for k, v in t.items()}))
+    else:
+        _copy(paths["qv"], bad, edit_config=lambda c: c.pop("peft_type") if kind == "no-peft-type" else
+              c.update(edits[kind]))
+    res = invoke(base, f"bad={bad}", paths["qv"], "--json", "--steps", "2")
+    assert res.exit_code == 1, res.output
+    reports = {r["name"]: r for r in map(json.loads, res.stdout.splitlines())}
+    assert reports["qv"]["ok"] and reports["qv"]["numeric"]["tokens_agree"]
+    assert not reports["bad"]["ok"] and any(reason in p for p in reports["bad"]["problems"]), reports["bad"]
+    assert "Traceback" not in res.output
+
+
+def test_non_finite_logits_fail_the_numeric_check(setup, tmp_path, monkeypatch):
+    """Logits that are NaN (here: an overflow the load-time bound is told to miss) compared as 0 and "agree"."""
+    base, paths = setup
+    bad = _copy(paths["qv"], tmp_path / "big", lambda t: t.update({k: v * 1e30 for k, v in t.items()}))
+    monkeypatch.setattr(adapter_module, "_delta_bound", lambda a, b, scaling: 0.0)
+    res = invoke(base, f"big={bad}", "--steps", "2")
+    assert res.exit_code == 1, res.output
+    assert "infer's and peft's logits with the adapter are not finite (NaN/inf)" in res.output, res.output
+    assert "NaN/inf" in res.output and "0.00e+00" not in res.output and "Traceback" not in res.output

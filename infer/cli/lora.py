@@ -88,6 +88,8 @@ def report_table(info, reports) -> Table:
         n = r.numeric
         numeric = [f"{n.max_abs_diff:.2e}", f"{n.adapter_effect:.2e}", "agree" if n.tokens_agree else "DIFFER"] \
             if n is not None else ["-", "-", "-"]
+        if n is not None and n.non_finite:  # NaN differences would show as 0 and "agree"
+            numeric = ["NaN/inf", "NaN/inf", "-"]
         table.add_row(r.name, _s(r.rank), _s(r.alpha), r.scaling, _s(r.rslora), _targets(r.targets),
                       r.shapes, "GPTQ" if info.gptq else "float", *numeric,
                       "[green]ok[/green]" if r.ok else "[red]FAIL[/red]")

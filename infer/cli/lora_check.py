@@ -127,7 +127,7 @@ def peft_check(oracle, name: str, path: Path, runs, tol_scale: float, label: str
                         "peft and the tools built on it refuse the adapter as saved; fix its adapter_config.json "
                         "or save it again with peft") from e
     diff = effect = 0.0
-    agree, scale = True, 1.0
+    agree, scale, bad = True, 1.0, set()
     try:
         with torch.no_grad():
             for (prompt, tokens), ours in runs:
@@ -136,13 +136,16 @@ def peft_check(oracle, name: str, path: Path, runs, tol_scale: float, label: str
                 ref = model(input_ids=ids).logits[0, pos].float()
                 with model.disable_adapter():
                     base = model(input_ids=ids).logits[0, pos].float()
+                # max() would skip a NaN difference (NaN > x is false) and report the adapter as agreeing
+                bad |= {who for who, t in (("infer's", ours), ("peft's", ref)) if not bool(t.isfinite().all())}
                 diff = max(diff, (ours - ref).abs().max().item())
                 effect = max(effect, (ref - base).abs().max().item())
                 scale = max(scale, ref.abs().max().item())
                 agree = agree and ref.argmax(-1).tolist() == tokens
     finally:
         model.unload()  # the oracle gets its plain layers back for the next adapter
-    return NumericCheck(diff, tol_scale * scale, agree, effect, label)
+    whose = " and ".join(w for w in ("infer's", "peft's") if w in bad) or None
+    return NumericCheck(diff, tol_scale * scale, agree, effect, label, whose)
 
 
 def _strip_peft(model) -> None:

@@ -1,9 +1,10 @@
 """Read a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors or .bin) and check it.
 
 `read_adapter` fails only when the folder cannot be read at all; everything else it finds that infer cannot serve
-(DoRA, LoRA bias, embedding/lm_head targets, modules_to_save, unpaired or mismatched A/B, non-finite weights) is
-recorded as a `Problem`. `LoRAAdapter.validate_against(base_config)` adds what does not fit the base model and
-returns the whole list (what `infer lora-validate` prints); `load_adapter` raises the first one as a LoRAError.
+(DoRA, LoRA bias, embedding/lm_head targets, modules_to_save, unpaired or mismatched A/B, non-finite weights or a
+B @ A x scaling that overflows float32) is recorded as a `Problem`. `LoRAAdapter.validate_against(base_config)` adds
+what does not fit the base model and returns the whole list (what `infer lora-validate` prints); `load_adapter` raises
+the first one as a LoRAError.
 """
 
 from __future__ import annotations
@@ -150,9 +151,14 @@ def read_config(name: str, path: Path) -> dict:
         raise _fail(name, path, f"{CONFIG_FILE} is not valid JSON: {e}", "re-save the adapter with peft") from e
     if not isinstance(config, dict):
         raise _fail(name, path, f"{CONFIG_FILE} is not a JSON object", "re-save the adapter with peft")
-    peft_type = str(config.get("peft_type", "LORA")).upper()
+    if config.get("peft_type") is None:  # peft reads the adapter's kind from it: a KeyError without it
+        raise _fail(name, path, f'{CONFIG_FILE} has no peft_type (expected "LORA")',
+                    'add "peft_type": "LORA" to it (peft cannot load the adapter without it), or save the adapter '
+                    "again with peft")
+    peft_type = str(config["peft_type"]).upper()
     if peft_type != "LORA":
         raise _fail(name, path, f"peft_type is {peft_type}, not LORA", "only LoRA adapters are supported")
+    _check_types(name, path, config)
     for key, kind in (("r", int), ("lora_alpha", (int, float))):
         if not _positive(config.get(key), kind):
             raise _fail(name, path, f"{CONFIG_FILE} has no valid {key!r} (got {config.get(key)!r})",
@@ -164,6 +170,41 @@ def read_config(name: str, path: Path) -> dict:
             raise _fail(name, path, f"{CONFIG_FILE} has invalid {key} values {bad!r}",
                         f"every {key} value must be a positive{' integer' if kind is int else ', finite number'}")
     return config
+
+
+# adapter_config.json fields whose type infer relies on: peft's LoraConfig types (null: not given)
+_FIELD_TYPES = {"target_modules": (str, "a string (a regex) or a list of module names"),
+                "exclude_modules": (str, "a string (a regex) or a list of module names"),
+                "layers_to_transform": (int, "an integer or a list of integers"),
+                "layers_pattern": (str, "a string or a list of strings")}
+_JSON_TYPES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+               dict: "an object"}
+
+
+def _check_types(name: str, path: Path, config: dict) -> None:
+    """A field of another type than peft's LoraConfig gives it (target_modules: 5) is named, not a TypeError later."""
+    for key, (kind, expected) in _FIELD_TYPES.items():
+        if not _of_type(config.get(key), kind):
+            raise _fail(name, path, f"{CONFIG_FILE} has {key} {json.dumps(config[key])} "
+                        f"({_json_type(config[key], kind)}), but peft's LoraConfig takes {expected}",
+                        f"fix {key} in {CONFIG_FILE}, or save the adapter again with peft")
+
+
+def _one(value, kind: type) -> bool:
+    return isinstance(value, kind) and not isinstance(value, bool)  # a bool is no integer
+
+
+def _of_type(value, kind: type) -> bool:
+    """None, a `kind` or a list of them."""
+    return value is None or _one(value, kind) or isinstance(value, list) and all(_one(v, kind) for v in value)
+
+
+def _json_type(value, kind: type) -> str:
+    """What JSON calls `value` (for a list: what its first item that is not a `kind` is)."""
+    if isinstance(value, list):
+        other = next(v for v in value if not _one(v, kind))
+        return f"a list holding {_JSON_TYPES.get(type(other), 'null')}"
+    return _JSON_TYPES.get(type(value), "null")
 
 
 def _positive(value, kind) -> bool:
@@ -357,7 +398,8 @@ def _classify(tensor_name: str) -> tuple[str, str] | Problem:
     return m["module"], m["kind"]
 
 
-def _pair_problem(module: str, a: torch.Tensor | None, b: torch.Tensor | None, r_cfg: int) -> Problem | None:
+def _pair_problem(module: str, a: torch.Tensor | None, b: torch.Tensor | None, r_cfg: int,
+                  scaling: float = 1.0) -> Problem | None:
     if a is None or b is None:
         return Problem(f"{module} has lora_{'A' if a is None else 'B'} missing", "the weight file is incomplete")
     if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
@@ -369,7 +411,28 @@ def _pair_problem(module: str, a: torch.Tensor | None, b: torch.Tensor | None, r
     if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
         return Problem(f"{module} has non-finite (NaN/inf) weights",
                        "the adapter's training diverged; use another checkpoint")
+    largest = _delta_bound(a, b, scaling)
+    if largest >= FLOAT32_MAX:
+        return Problem(f"{module}: lora_B @ lora_A x scaling {scaling:g} overflows float32 (entries up to "
+                       f"{largest:.3g}): its outputs would be inf/NaN", "the adapter's weights are far too large (its "
+                       "training diverged, or it was saved scaled); use another checkpoint")
     return None
+
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _delta_bound(a: torch.Tensor, b: torch.Tensor, scaling: float) -> float:
+    """The largest |entry| of scaling * B @ A, computed in float64 (where float32's overflow is finite). Bounded
+    first by |row of B| x |column of A| (Cauchy-Schwarz: reading the weights once); the product itself is formed
+    only when that bound reaches float32's limit, which a trained adapter is many orders of magnitude below."""
+    if a.numel() == 0 or b.numel() == 0:
+        return 0.0
+    a64, b64 = a.double(), b.double()
+    bound = abs(scaling) * b64.norm(dim=1).max().item() * a64.norm(dim=0).max().item()
+    if bound < FLOAT32_MAX:
+        return bound
+    return abs(scaling) * (b64 @ a64).abs().max().item()
 
 
 def _module_of(path: str) -> tuple[str, int, str] | None:
@@ -404,7 +467,7 @@ def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[
             continue
         r_cfg, scaling = module_scaling(config, where[0])
         bad = _block_diagonal(config, where[0], pair) or _pair_problem(where[0], pair.get("lora_A"),
-                                                                       pair.get("lora_B"), r_cfg)
+                                                                       pair.get("lora_B"), r_cfg, scaling)
         if bad:
             problems.append(bad)
             continue

@@ -27,10 +27,11 @@ class NumericCheck:
     tokens_agree: bool  # every greedy token of infer is peft's argmax too
     adapter_effect: float  # max |peft with adapter - peft without| on the same logits (0 = the check proves nothing)
     oracle: str
+    non_finite: str | None = None  # whose logits held NaN/inf ("infer's", "peft's", "infer's and peft's"), if any
 
     @property
     def ok(self) -> bool:
-        return self.tokens_agree and self.max_abs_diff <= self.tolerance
+        return self.non_finite is None and self.tokens_agree and self.max_abs_diff <= self.tolerance
 
 
 @dataclass
@@ -63,6 +64,9 @@ class AdapterReport:
         if self.size_problems:
             out += [str(p) for p in self.size_problems] if verbose else [self.size_mismatch]
         n = self.numeric
+        if n is not None and n.non_finite:  # the numbers below would compare NaN with NaN: say this alone
+            return out + [f"{n.non_finite} logits with the adapter are not finite (NaN/inf): its weights overflow "
+                          "the model's activations; use another checkpoint"]
         if n is not None and not n.ok and n.adapter_effect == 0.0:  # peft's adapter changed nothing: it read no weights
             out.append("peft loaded none of its weights (with the adapter on, peft's logits equal the base's): "
                        "tensor names peft does not expect (e.g. lora_A.default.weight, or no base_model.model. "
