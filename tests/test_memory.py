@@ -149,3 +149,30 @@ def test_cuda_graph_pool_is_budgeted_only_with_graphs(monkeypatch):
     small = cuda_graph_bytes(EngineConfig("m", max_num_seqs=16), cfg, torch.float16)
     big = cuda_graph_bytes(EngineConfig("m", max_num_seqs=64), cfg, torch.float16)
     assert 0 < small < big < 1 << 30  # one decode step's temporaries at the largest bucket: megabytes, not GiB
+
+
+@pytest.mark.parametrize("mode", [[], ["--estimate"]])
+def test_warmup_whose_token_budget_cannot_fit_names_it(mode, monkeypatch):
+    """--max-num-batched-tokens 999999999999 ran the worst case into a MemoryError ("...while it was measured ()")
+    and --estimate advised only --memory-limit: neither named the option that made the activations."""
+    from infer.engine import profile
+    monkeypatch.setattr(profile, "profile_run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran")))
+    res = runner.invoke(app, ["warmup", "tiny-llama", "--max-length", "64", "--concurrency", "2",
+                              "--max-num-batched-tokens", "999999999999", *mode])
+    out = " ".join(res.output.split())
+    assert res.exit_code == 1, res.output
+    assert ("Lower --max-num-batched-tokens (999,999,999,999) or --concurrency (2), whose activations take most of "
+            "the budget, or raise --memory-limit.") in out, out
+    assert "()" not in out and not isinstance(res.exception, AssertionError)  # known without running the worst case
+
+
+def test_warmup_out_of_memory_without_a_message_names_the_error_and_the_token_budget(monkeypatch):
+    from infer.engine import profile
+
+    def oom(*a, **k):
+        raise MemoryError()  # what a failed Python allocation raises: no message
+    monkeypatch.setattr(profile, "profile_run", oom)
+    res = runner.invoke(app, ["warmup", "tiny-llama", "--max-length", "64", "--concurrency", "2"])
+    out = " ".join(res.output.split())
+    assert res.exit_code == 1 and "ran out of memory while it was measured (MemoryError)" in out, res.output
+    assert "lower --concurrency, --max-length or --max-num-batched-tokens (4,096: the worst case's prefill)" in out

@@ -37,12 +37,22 @@ def warmup(
     if as_json:
         typer.echo(json.dumps({**plan.to_dict(), **extra}))
     else:
-        print_plan(plan, extra)
+        print_plan(plan, extra, engine_config.max_num_batched_tokens)
     if not plan.fits:
         raise typer.Exit(1)
 
 
-def print_plan(plan, extra: dict) -> None:
+def advice(plan, tokens: int | None = None) -> str:
+    """What to change when `plan` does not fit; when the activations take most of the budget, the batch sizes that
+    make them come first (as an engine start says), `tokens` being --max-num-batched-tokens."""
+    if tokens is None or plan.activation_peak_bytes <= plan.budget_bytes // 2:
+        return plan.advice()
+    sizes = f"--max-num-batched-tokens ({tokens:,})" + \
+        (f" or --concurrency ({plan.concurrency:,})" if plan.concurrency > 1 else "")
+    return f"lower {sizes}, whose activations take most of the budget, or {plan.advice()}"
+
+
+def print_plan(plan, extra: dict, tokens: int | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -99,4 +109,8 @@ def print_plan(plan, extra: dict) -> None:
         console.print(f"[red]does not fit[/red]: {plan.concurrency} x {plan.max_length} tokens needs "
                       f"{plan.concurrency * plan.blocks_for(plan.max_length):,} KV blocks, the budget leaves "
                       f"{plan.kv_blocks:,}; estimated maximum length at this concurrency is "
-                      f"{plan.max_length_at_concurrency}. {plan.advice().capitalize()}.")
+                      f"{plan.max_length_at_concurrency}. {_capital(advice(plan, tokens))}.")
+
+
+def _capital(text: str) -> str:
+    return text[:1].upper() + text[1:]  # str.capitalize() would lower the rest

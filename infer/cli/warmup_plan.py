@@ -107,9 +107,11 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     weights = weights_bytes(model)
     kv_only = make_plan(engine_config, model_config, dtype, device, weights, 0, max_length, concurrency, limit,
                         budget=budget)
-    if not kv_only.fits:  # the KV cache alone cannot fit: running the worst case would only try to allocate it
-        formula = make_plan(engine_config, model_config, dtype, device, weights, act, max_length, concurrency,
-                            limit, budget=budget)
+    formula = make_plan(engine_config, model_config, dtype, device, weights, act, max_length, concurrency,
+                        limit, budget=budget)
+    # the KV cache alone cannot fit, or the formula's activations (what an engine start sizes by) leave it no
+    # block: running the worst case would only try to allocate what is known not to fit
+    if not kv_only.fits or formula.kv_blocks == 0:
         return formula, {**extra, "activation_estimate_bytes": act, "worst_case_run": False}
     with torch.inference_mode():
         plan, estimate = _profile(model, model_config, engine_config, dtype, device, max_length, concurrency,
@@ -163,9 +165,13 @@ def _profile(*args):
     except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError; so is CPU's ENOMEM
         if not isinstance(e, MemoryError) and "memory" not in str(e).lower():
             raise
-        err = OutOfMemoryError(f"the worst case ran out of memory while it was measured ({str(e)[:200]})",
-                               "lower --concurrency or --max-length, or raise --memory-limit only as far as the "
-                               "machine has memory")
+        engine_config, device = args[2], args[4]
+        more = "raise --gpu-memory-utilization" if device.type == "cuda" else \
+            "raise --memory-limit only as far as the machine has memory"
+        err = OutOfMemoryError(f"the worst case ran out of memory while it was measured "
+                               f"({str(e)[:200] or type(e).__name__})",
+                               f"lower --concurrency, --max-length or --max-num-batched-tokens "
+                               f"({engine_config.max_num_batched_tokens:,}: the worst case's prefill), or {more}")
         err.exit_code = 1  # as a plan that does not fit
         raise err from None
 
