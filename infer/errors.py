@@ -21,6 +21,11 @@ class ConfigError(InferError):
     """A bad flag or option value."""
 
 
+class UnknownOptionError(ConfigError, TypeError):
+    """A keyword the API does not take (LLM(model, foo=1)); a TypeError too, as Python's own for an unknown
+    keyword argument is."""
+
+
 class ModelLoadError(InferError):
     """A model folder that is missing, incomplete, corrupted or of an unsupported kind."""
 

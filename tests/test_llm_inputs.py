@@ -115,3 +115,14 @@ def test_an_adapter_trained_on_another_base_is_a_warning_when_added(tmp_path, ca
         msgs = [r.getMessage() for r in caplog.records if "trained on" in r.getMessage()]
         assert len(msgs) == 1 and "adapter 'theirs' was trained on 'meta-llama/Llama-2-7b-hf'" in msgs[0]
         assert llm.list_loras() == ["mine", "theirs"]  # a warning, not a refusal
+
+
+def test_an_unknown_option_is_named_with_the_nearest_known_one():
+    """LLM("tiny-llama", foo=1) was a bare TypeError from EngineConfig.__init__; still a TypeError (as Python's)."""
+    from infer.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"LLM\(\) has no option 'max_num_seq'") as e:
+        LLM("tiny-llama", max_num_seq=4)
+    assert isinstance(e.value, TypeError) and e.value.hint.startswith("did you mean 'max_num_seqs'?")
+    with pytest.raises(TypeError, match=r"LLM\(\) has no option 'bar', 'foo'") as e:
+        LLM("tiny-llama", foo=1, bar=2)
+    assert "max_model_len" in e.value.hint and "did you mean" not in e.value.hint

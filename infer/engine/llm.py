@@ -11,7 +11,7 @@ import threading
 import weakref
 from typing import Iterator, Sequence as Seq
 
-from ..errors import ClosedError, RequestError
+from ..errors import ClosedError, RequestError, UnknownOptionError
 from .config import EngineConfig, load_chat_template
 from .inputs import chat_template_options, encode_prompt
 from .llm_engine import LLMEngine
@@ -21,10 +21,25 @@ from .sampling_params import SamplingParams
 Prompt = str | list[int] | list[dict]  # text, token ids, or chat messages
 
 
+def _check_options(options: dict) -> None:
+    """Every keyword must be an EngineConfig field: an unknown one is named (with the nearest known one), not a
+    bare TypeError from the dataclass."""
+    import difflib
+    from dataclasses import fields
+    known = [f.name for f in fields(EngineConfig) if f.name != "model"]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], known, n=1)
+        raise UnknownOptionError(f"LLM() has no option {', '.join(map(repr, unknown))}",
+                                 (f"did you mean {near[0]!r}? " if near else "") +
+                                 f"its options are EngineConfig's: {', '.join(known)}")
+
+
 class LLM:
     """Example: `LLM("tiny-llama").generate(["Hello"], SamplingParams(max_new_tokens=16))[0].text`."""
 
     def __init__(self, model: str, **engine_options):
+        _check_options(engine_options)
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
