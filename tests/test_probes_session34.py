@@ -108,3 +108,50 @@ def test_an_unsupported_batch_field_s_hint_is_about_that_field(tok, key, value, 
         parse_request({"custom_id": "a", "body": {"prompt": "b", key: value}}, tok, "0")
     assert e.value.message.startswith(f"body.{key}: ")
     assert ("for n > 1" in e.value.hint) == n_hint, e.value.hint
+
+
+# ------------------------------------------------------------------ non-finite logits end their request only
+import math  # noqa: E402
+
+import torch  # noqa: E402
+
+from infer.engine.sampler import NOT_FINITE, Sampler  # noqa: E402
+
+
+@pytest.mark.parametrize("poison", [math.nan, math.inf])
+@pytest.mark.parametrize("temperature,logprobs", [(0.0, None), (1.0, None), (0.0, 2), (0.8, 1)])
+def test_the_sampler_marks_rows_whose_logits_are_not_finite(poison, temperature, logprobs):
+    from infer import SamplingParams
+    from infer.engine.sequence import Sequence
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
+    logits[1, 7] = poison
+    logits[2, :] = -math.inf  # a row every mask emptied is not this error (bad_words and grammars handle it)
+    logits[2, 4] = -math.inf
+    params = SamplingParams(temperature=temperature, logprobs=logprobs, seed=1, max_new_tokens=4)
+    seqs = [Sequence(f"r{i}", [1, 2], params) for i in range(3)]
+    out = Sampler(0).sample(logits, seqs)
+    tokens, _ = out.decode(out.packed.cpu())
+    assert tokens[1] == NOT_FINITE and tokens[0] != NOT_FINITE and tokens[2] != NOT_FINITE
+    assert 0 <= int(out.tokens[1]) < 50  # the next step's input id stays in the vocabulary
+
+
+def test_a_request_whose_logits_are_not_finite_ends_with_an_error_and_the_others_complete(monkeypatch):
+    from infer import LLM, SamplingParams
+    real = Sampler.sample
+
+    def poisoned(self, logits, seqs, inputs=None):
+        logits = logits.clone()
+        for i, s in enumerate(seqs):
+            if s.request_id == llm_ids[1] and s.num_generated >= 2:  # the second prompt, from its third token
+                logits[i, 5] = math.nan
+        return real(self, logits, seqs, inputs)
+    monkeypatch.setattr(Sampler, "sample", poisoned)
+    llm_ids = ["llm-1", "llm-2", "llm-3"]  # LLM.generate's ids, in the prompts' order
+    with LLM("tiny-llama") as llm:
+        outs = llm.generate(["one prompt", "two prompt", "three prompt"],
+                            SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=0))
+    assert [o.request_id for o in outs] == llm_ids
+    assert [o.finish_reason for o in outs] == ["length", "error", "length"]
+    assert "logits for this request were not finite (NaN or inf) at output token 3" in outs[1].error
+    assert len(outs[1].outputs[0].token_ids) == 2 and NOT_FINITE not in outs[1].outputs[0].token_ids
+    assert all(len(outs[i].outputs[0].token_ids) == 6 for i in (0, 2))

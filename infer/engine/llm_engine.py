@@ -15,6 +15,7 @@ from .config import EngineConfig
 from .detokenizer import Detokenizer
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
+from .sampler import NOT_FINITE
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
@@ -355,6 +356,8 @@ class LLMEngine:
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, record: dict | None, now: float) -> RequestOutput:
+        if token == NOT_FINITE:
+            return self._not_finite(seq)
         if seq.bad_words and self._banned(seq, token):  # the row allowed nothing: every logit was -inf
             return self._no_token_left(seq, token)
         if seq.grammar is not None and not seq.grammar.accept_token(token):  # the mask allowed only what it accepts
@@ -401,6 +404,19 @@ class LLMEngine:
         seq.error = (f"bad_words leave no token to sample after the reply so far (token {token} was drawn from a "
                      "row whose every token is banned or not allowed)")
         seq.bad_request = True
+        self.scheduler.finish(seq, "error")
+        out = self._output(seq, [])
+        self._forget(seq)
+        return out
+
+    def _not_finite(self, seq: Sequence) -> RequestOutput:
+        """The request's logits held a NaN or +inf (the model overflowed on it: float16 activations past 65,504, an
+        adapter's weights): it ends with the error, not with a reply of whatever token argmax made of them; the
+        other requests of the step go on."""
+        seq.output_token_ids.pop()
+        seq.error = (f"the model's logits for this request were not finite (NaN or inf) at output token "
+                     f"{seq.num_generated + 1}: the model overflowed on it (run it in bfloat16 or float32 with "
+                     "--dtype, or check its adapter and weights with infer lora-validate)")
         self.scheduler.finish(seq, "error")
         out = self._output(seq, [])
         self._forget(seq)

@@ -19,6 +19,7 @@ raw distribution (before the processors, penalties and temperature), as OpenAI a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from itertools import chain
 
@@ -326,10 +327,15 @@ def _bitmask_to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return copy_to(host, device)
 
 
+NOT_FINITE = -1  # the token id `packed` carries for a row whose logits were not finite (NaN or +inf)
+
+
 @dataclass
 class SampledBatch:
     """One step's sampled rows, on the device. `packed` is what is copied to the host (once): the token ids
-    (int64 [n]), or with logprobs a float64 [n, 2 + 2k] of token, its logprob, k top ids, k top logprobs."""
+    (int64 [n]), or with logprobs a float64 [n, 2 + 2k] of token, its logprob, k top ids, k top logprobs; a row
+    whose logits held a NaN or +inf has the id NOT_FINITE there (`tokens`, the next step's input ids, keeps an id
+    in the vocabulary)."""
 
     tokens: torch.Tensor  # [n] int64, on the device (the next step's input ids when steps overlap)
     packed: torch.Tensor
@@ -370,6 +376,8 @@ class Sampler:
         x = apply_masks(logits, *inputs.masks, grammar=inputs.grammar) if inputs.masked else logits
         x = self.penalised(x, seqs, inputs)
         tokens = x.argmax(-1)
+        # argmax takes a NaN (or +inf) over every number: such a row's greedy pick is not below +inf
+        finite = x.gather(1, tokens.unsqueeze(1)).squeeze(1) < math.inf
         if inputs.drawn:
             idx = inputs.idx
             every = idx is None
@@ -377,7 +385,7 @@ class Sampler:
             probs = self.probs(x if every else x.index_select(0, idx), drawn, inputs.draw_values)
             picked = (probs / self._exponentials(drawn, x.shape[-1], x.device)).argmax(-1)
             tokens = picked if every else tokens.index_copy(0, idx, picked)
-        return self._pack(logits, tokens, [s.params.logprobs for s in seqs])
+        return self._pack(logits, tokens, [s.params.logprobs for s in seqs], finite)
 
     @staticmethod
     def penalised(logits: torch.Tensor, seqs: list[Sequence], inputs: SamplingInputs | None = None) -> torch.Tensor:
@@ -427,11 +435,13 @@ class Sampler:
         return self.generators[key]
 
     @staticmethod
-    def _pack(logits: torch.Tensor, tokens: torch.Tensor, ks: list[int | None]) -> SampledBatch:
+    def _pack(logits: torch.Tensor, tokens: torch.Tensor, ks: list[int | None],
+              finite: torch.Tensor | None = None) -> SampledBatch:
+        ids = tokens if finite is None else torch.where(finite, tokens, NOT_FINITE)
         if all(k is None for k in ks):
-            return SampledBatch(tokens, tokens, ks)
+            return SampledBatch(tokens, ids, ks)
         logp = logits.log_softmax(-1)
-        cols = [tokens.unsqueeze(1).double(), logp.gather(1, tokens.unsqueeze(1)).double()]
+        cols = [ids.unsqueeze(1).double(), logp.gather(1, tokens.unsqueeze(1)).double()]
         kmax = max(k or 0 for k in ks)
         if kmax:
             vals, ids = logp.topk(kmax, -1)
