@@ -358,3 +358,110 @@ def test_merge_lora_missing_folder_names_the_merge_lora_flag(tiny_llama, tmp_pat
     r = run_infer("convert", tiny_llama, "-o", tmp_path / "out", "--merge-lora", tmp_path / "nowhere")
     _clean_error(r, 2, f"--merge-lora {tmp_path / 'nowhere'}: folder not found", "hint: pass --merge-lora PATH")
     assert "--lora NAME=PATH" not in r.output and "LoRA adapter '--merge-lora'" not in r.output
+
+
+def test_gptq_with_a_missing_shard_is_refused_as_run_refuses_it(fake_gptq, tmp_path):
+    """Copying the shards that are there wrote an incomplete model (its index dropped) and exited 0."""
+    src, _ = fake_gptq
+    assert run_cli(src, "-o", tmp_path / "sh", "--max-shard-size", "2KB").exit_code == 0
+    shards = sorted((tmp_path / "sh").glob("model-*.safetensors"))
+    assert len(shards) == 2
+    shards[1].unlink()
+    r = run_infer("convert", tmp_path / "sh", "-o", tmp_path / "out")
+    _clean_error(r, 2, f"is missing weight shards ['{shards[1].name}']", "copy the whole model folder")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+def _with_config(src: Path, dest: Path, **changes) -> Path:
+    """A copy of the model folder `src` whose config.json has `changes` (a value of None removes the key)."""
+    shutil.copytree(src, dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    cfg.update(changes)
+    (dest / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    return dest
+
+
+@pytest.mark.parametrize("changes, words", [
+    (dict(num_hidden_layers=3), "the checkpoint has no tensors for model.layers.2.self_attn.q_proj"),
+    (dict(num_hidden_layers=1), "config.json has no place for: model.layers.1.input_layernorm.weight (and 8 more)"),
+    (dict(hidden_size=None), "lm_head.weight has shape (512, 64), config.json implies (512, 4096)"),
+    (dict(vocab_size=522), "lm_head.weight has shape (512, 64), config.json implies (522, 64)"),
+    # an architecture infer does not run: transformers' own loading report, which it only prints
+    (dict(model_type="gpt2", architectures=None, n_embd=64, n_layer=2, n_head=4),
+     "do not match config.json (GPT2LMHeadModel): no tensor transformer.h.0.attn.c_attn.bias"),
+])
+def test_float_weights_that_do_not_match_config_are_refused(tiny_llama, tmp_path, changes, words):
+    """transformers filled missing weights at random and dropped extra layers (exit 0), or raised its
+    ignore_mismatched_sizes RuntimeError: now `infer run`'s loader checks, in its words, exit 2."""
+    src = _with_config(tiny_llama, tmp_path / "src", **changes)
+    r = run_infer("convert", src, "-o", tmp_path / "out")
+    _clean_error(r, 2, words)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+def _scaled_adapter(base: Path, dest: Path, factor: float) -> Path:
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)) \
+        .save_pretrained(dest)
+    weights = dest / "adapter_model.safetensors"
+    save_file({k: v * factor for k, v in load_file(weights).items()}, weights)
+    return dest
+
+
+def test_merge_that_overflows_is_refused_naming_tensor_and_adapter(tiny_llama, tmp_path):
+    """Finite adapter weights (x1e30) whose product overflows float32: 4 merged tensors were written with inf/NaN."""
+    ad = _scaled_adapter(tiny_llama, tmp_path / "ad", 1e30)
+    r = run_infer("convert", tiny_llama, "-o", tmp_path / "out", "--merge-lora", ad)
+    _clean_error(r, 2, f"merging the adapter {ad} gives non-finite weights (inf or NaN): "
+                       "model.layers.0.self_attn.q_proj.weight (and 3 more)")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+@pytest.mark.parametrize("value, dtype, words", [
+    (float("nan"), None, "has non-finite weights (inf or NaN): model.layers.0.mlp.up_proj.weight"),
+    (1e6, "float16", "has non-finite weights (inf or NaN) once cast to float16: model.layers.0.mlp.up_proj.weight"),
+])
+def test_non_finite_weights_are_refused(tiny_llama, tmp_path, value, dtype, words):
+    from safetensors.torch import save_file
+    src = tmp_path / "src"
+    shutil.copytree(tiny_llama, src)
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.0.mlp.up_proj.weight"][3, 5] = value
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    r = run_infer("convert", src, "-o", tmp_path / "out", *(["--dtype", dtype] if dtype else []))
+    _clean_error(r, 2, words)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("size, expected", [
+    ("4GB", 4 * 10**9), ("1.5GB", 15 * 10**8), ("100KB", 100_000), ("4G", 4 * 10**9), ("2GiB", 2 * 2**30),
+    ("512MiB", 512 * 2**20), ("100kib", 102_400), ("1e9", 10**9), ("123", 123), (2048, 2048),
+])
+def test_shard_sizes_parse_to_bytes(size, expected):
+    """huggingface_hub reads only KB/MB/GB/TB (decimal) and GPTQModel reads GB as 2**30: both now get bytes."""
+    from infer.quant.convert import parse_shard_size
+    assert parse_shard_size(size) == expected
+
+
+@pytest.mark.parametrize("size", ["2XB", "GB", "0", "-1", "1iB", "4 GB GB"])
+def test_bad_shard_size_is_refused_before_any_work(tiny_llama, tmp_path, size):
+    r = run_infer("convert", tmp_path / "no-such-model", "-o", tmp_path / "out", "--max-shard-size", size)
+    _clean_error(r, 2, f"--max-shard-size {size!r}")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("size", ["2GiB", "100KiB", "1e9", "4G"])
+def test_binary_and_plain_shard_sizes_convert(tiny_llama, tmp_path, size):
+    """`2GiB`, the form infer's own hint suggests, failed in huggingface_hub with "Unit 'IB' not supported"."""
+    r = run_infer("convert", tiny_llama, "-o", tmp_path / "out", "--max-shard-size", size)
+    assert r.exit_code == 0, (r.output, r.exception)
+    sharded = size == "100KiB"
+    assert (tmp_path / "out" / "model.safetensors.index.json").is_file() == sharded
+    assert len(list((tmp_path / "out").glob("*.safetensors"))) > 1 if sharded else \
+        (tmp_path / "out" / "model.safetensors").is_file()
+    ref, got = load_file(tiny_llama / "model.safetensors"), load_all(tmp_path / "out")
+    assert set(got) == set(ref) and all(torch.equal(got[k], v) for k, v in ref.items())

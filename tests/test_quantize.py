@@ -80,6 +80,8 @@ def test_jsonl_malformed_names_line(tmp_path, line, words):
 def test_calibration_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         calib_mod.read_texts(tmp_path / "missing.txt")
+    with pytest.raises(ConfigError, match=f"calibration file {tmp_path} is a directory"):
+        calib_mod.read_texts(tmp_path)
     (tmp_path / "c.csv").write_text("a,b\n")
     with pytest.raises(ConfigError, match="neither .txt nor .jsonl"):
         calib_mod.read_texts(tmp_path / "c.csv")
@@ -158,8 +160,9 @@ def test_missing_model_and_missing_extra(tmp_path, tiny_llama, monkeypatch):
 
 
 def test_group_size_must_divide(tmp_path):
-    with pytest.raises(ConfigError, match="does not divide"):
+    with pytest.raises(ConfigError, match="does not divide") as e:
         quantize_model(_odd_model(tmp_path), tmp_path / "o", QuantizeOptions(group_size=64))
+    assert "the model's hidden_size (96) or intermediate_size (160)" in str(e.value)  # not a Python dict
 
 
 def _odd_model(tmp_path: Path) -> Path:
@@ -348,3 +351,110 @@ def test_one_group_asymmetric_checkpoint_notes_transformers_cpu_kernel(tiny_llam
     default = hf_logprobs()
     assert (exact - mine).abs().max() < 1e-3
     assert (default - mine).abs().max() > 0.5
+
+
+# ---- a source GPTQ must not quantize (refused before calibration), and losses it must not report ----
+
+def _source(tiny: Path, dest: Path, config: dict | None = None, tensor: tuple[str, float] | None = None) -> Path:
+    """A copy of the tiny model with config.json `config` changes (None removes a key) or one weight entry set."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(tiny, dest)
+    if config:
+        cfg = {**json.loads((dest / "config.json").read_text()), **config}
+        (dest / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    if tensor:
+        weights = load_file(dest / "model.safetensors")
+        weights[tensor[0]].view(-1)[7] = tensor[1]
+        save_file(weights, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
+@pytest.mark.parametrize("config, tensor, words", [
+    (None, ("model.layers.1.self_attn.k_proj.weight", math.inf), "non-finite weights (inf or NaN) in "
+                                                                  "model.layers.1.self_attn.k_proj.weight"),
+    (None, ("model.norm.weight", math.nan), "non-finite weights (inf or NaN) in model.norm.weight"),
+    (dict(num_hidden_layers=1), None, "config.json has no place for: model.layers.1.input_layernorm.weight"),
+    (dict(num_hidden_layers=3), None, "the checkpoint has no tensors for model.layers.2.self_attn.q_proj"),
+    (dict(hidden_size=None), None, "lm_head.weight has shape (512, 64), config.json implies (512, 4096)"),
+])
+def test_bad_source_weights_are_refused_before_calibration(tmp_path, tiny_llama, monkeypatch, config, tensor, words):
+    """GPTQ on an inf weight reported loss 0 and wrote non-finite scales (run then output token 0 forever); a config
+    with fewer layers than the weights quantized a model with a layer silently dropped."""
+    from infer.quant import quantize as quantize_mod
+    monkeypatch.setattr(quantize_mod, "_run_gptqmodel", lambda *a: pytest.fail("GPTQModel was reached"))
+    src = _source(tiny_llama, tmp_path / "src", config, tensor)
+    r = run_cli(src, "-o", tmp_path / "out", "--group-size", "32")
+    assert isinstance(r.exception, ModelLoadError), (r.output, r.exception)
+    assert words in str(r.exception)
+    assert not (tmp_path / "out").exists()
+
+
+def test_seq_len_beyond_the_context_is_refused(tmp_path, tiny_llama):
+    """--seq-len 100000 was silently capped by the calibration text (and beyond the model's positions)."""
+    r = run_cli(tiny_llama, "-o", tmp_path / "out", "--group-size", "32", "--seq-len", "100000")
+    assert isinstance(r.exception, ConfigError), (r.output, r.exception)
+    assert "--seq-len 100000 is longer than the model's context (4096 tokens" in str(r.exception)
+
+
+@pytest.mark.parametrize("log, words", [
+    ({"gptq": [{"layer": 0, "module": "self_attn.q_proj", "loss": "0.0001"},
+               {"layer": 1, "module": "mlp.up_proj", "loss": "nan"}]},
+     "non-finite error: layer 1 mlp.up_proj (loss nan)"),
+    ({"gptq": [{"layer": 0, "module": "self_attn.q_proj", "loss": float("inf")}]}, "layer 0 self_attn.q_proj"),
+    ({}, "quantized no module"),
+])
+@needs_gptqmodel
+def test_non_finite_or_missing_losses_fail(tmp_path, tiny_llama, monkeypatch, log, words):
+    from infer.quant import quantize as quantize_mod
+
+    def fake_gptqmodel(src, out, *args):
+        (out / "model.safetensors").write_bytes(b"")
+        return log
+    monkeypatch.setattr(quantize_mod, "_run_gptqmodel", fake_gptqmodel)
+    with pytest.raises(InferError, match="GPTQModel") as e:
+        quantize_model(tiny_llama, tmp_path / "out", QuantizeOptions(group_size=32, num_samples=2, seq_len=32))
+    assert words in str(e.value)
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_fallback_loss_text_is_not_refused():
+    """GPTQModel reports a module it fell back on with a text ("fallback(...): 0.01"), not a number."""
+    from infer.quant.quantize import _check_losses
+    _check_losses(Path("m"), {"gptq": [{"layer": 0, "module": "mlp.up_proj", "loss": "fallback(rtn): 0.0123"},
+                                       {"layer": 0, "module": "mlp.down_proj", "loss": "0.002"}]})
+
+
+@pytest.mark.parametrize("size, ok", [("2GiB", True), ("1.5GB", True), ("1e9", True), ("4G", True),
+                                      ("1.5XB", False), ("0", False)])
+def test_shard_size_checked_before_quantizing(tmp_path, tiny_llama, monkeypatch, size, ok):
+    """--max-shard-size 1.5GB, 2GiB or 1e9 ran the whole quantization, then failed in GPTQModel's save."""
+    from infer.quant import quantize as quantize_mod
+
+    class Reached(Exception):
+        pass
+
+    def reached():
+        raise Reached
+    monkeypatch.setattr(quantize_mod, "require_gptqmodel", reached)
+    r = run_cli(tiny_llama, "-o", tmp_path / "out", "--group-size", "32", "--max-shard-size", size)
+    if ok:  # the size is fine: the command goes on to quantize
+        assert isinstance(r.exception, Reached), (r.output, r.exception)
+    else:
+        assert isinstance(r.exception, ConfigError) and f"--max-shard-size {size!r}" in str(r.exception)
+
+
+@needs_gptqmodel
+def test_binary_shard_size_shards_the_checkpoint(tmp_path, tiny_llama, monkeypatch):
+    """GPTQModel gets the size in bytes: 100KiB shards the tiny model, and infer runs the sharded checkpoint."""
+    from infer import LLM, SamplingParams
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "q"
+    r = run_cli(tiny_llama, "-o", out, "--group-size", "32", "--num-samples", "4", "--seq-len", "32",
+                "--max-shard-size", "100KiB")
+    assert r.exit_code == 0, (r.output, r.exception)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert all(f.stat().st_size <= 102_400 + 65_536 for f in out.glob("model-*.safetensors"))  # + one large tensor
+    got = LLM(str(out)).generate([[5, 17, 33]], SamplingParams(max_new_tokens=2))[0]
+    assert len(got.token_ids) == 2

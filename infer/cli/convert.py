@@ -23,7 +23,9 @@ def convert(
     merge_lora: Annotated[Optional[Path], typer.Option(help="A PEFT LoRA adapter folder to fold into the weights "
                                                             "(merge_and_unload). Float models only.",
                                                        show_default=False)] = None,
-    max_shard_size: Annotated[str, typer.Option(help="Largest safetensors file; bigger models are sharded.")] = "4GB",
+    max_shard_size: Annotated[str, typer.Option(help="Largest safetensors file; bigger models are sharded. "
+                                                     "KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB of 1024, a "
+                                                     "plain number is bytes.")] = "4GB",
     overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it already holds a model.")] = False,
 ) -> None:
     """Convert a model folder to (sharded-when-large) safetensors, copying its tokenizer files.
@@ -35,12 +37,11 @@ def convert(
 
     Example: infer convert ./my-model-bin -o ./my-model --dtype bfloat16 --merge-lora ./adapters/support
     """
-    from ..engine.config import parse_size
     from ..models.resolve import resolve_model
-    from ..quant.convert import convert_model
+    from ..quant.convert import convert_model, parse_shard_size
     from .entry import terminate_as_interrupt
     from .quiet import library_output
-    parse_size(max_shard_size, "--max-shard-size")  # a bad size fails now, not after loading the model
+    shard_bytes = parse_shard_size(max_shard_size)  # a bad size fails now, not after loading the model
     if to != "safetensors":
         raise ConfigError(f"--to {to!r} is not supported", "safetensors is the only target format")
     src = resolve_model(model)
@@ -49,7 +50,7 @@ def convert(
         _warn_other_base(merge_lora, src, model)
     # SIGTERM stops it as Ctrl-C does: the staging folder beside OUTPUT (a whole model) is removed, not left behind
     with terminate_as_interrupt(), library_output():  # transformers' and peft's bars; errors reach handle_errors
-        out = convert_model(src, output, dtype=dtype, merge_lora=merge_lora, max_shard_size=max_shard_size,
+        out = convert_model(src, output, dtype=dtype, merge_lora=merge_lora, max_shard_size=shard_bytes,
                             overwrite=overwrite)
     files = sorted(p.name for p in Path(out).iterdir())
     what = ", ".join(x for x in (dtype, merge_lora and f"merged {merge_lora}") if x) or "same dtype"

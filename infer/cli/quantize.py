@@ -84,7 +84,9 @@ def quantize(
         rich_help_panel=CALIB, show_default=False)] = None,
     num_samples: Annotated[int, typer.Option(help="Most calibration windows.", rich_help_panel=CALIB)] = 128,
     seq_len: Annotated[int, typer.Option(help="Tokens per calibration window.", rich_help_panel=CALIB)] = 512,
-    max_shard_size: Annotated[str, typer.Option(help="Largest safetensors file; bigger models are sharded.")] = "4GB",
+    max_shard_size: Annotated[str, typer.Option(help="Largest safetensors file; bigger models are sharded. "
+                                                     "KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB of 1024, a "
+                                                     "plain number is bytes.")] = "4GB",
     overwrite: Annotated[bool, typer.Option(help="Replace OUTPUT if it already holds a model.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show GPTQModel's own console output.")] = False,
 ) -> None:
@@ -96,9 +98,7 @@ def quantize(
 
     Example: infer quantize ./Llama-3.2-1B -o ./Llama-3.2-1B-gptq --bits 4 --group-size 128 --calibration chats.jsonl
     """
-    from ..engine.config import parse_size
     from ..models.resolve import resolve_model
-    parse_size(max_shard_size, "--max-shard-size")  # a bad size fails now, not after the whole quantization
     options = QuantizeOptions(bits=bits, group_size=group_size, desc_act=desc_act, sym=sym, num_samples=num_samples,
                               seq_len=seq_len, damp_percent=damp, max_shard_size=max_shard_size)
     options.validate()

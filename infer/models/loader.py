@@ -17,7 +17,8 @@ from .registry import check_supported, model_class
 
 log = logging.getLogger("infer")
 
-_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+# buffers transformers saved in older checkpoints (and ColossalAI its cos/sin caches): no weights, as vLLM skips them
+_IGNORED = re.compile(r"rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
 
 
 def load_config(path: Path):
@@ -33,18 +34,10 @@ def load_config(path: Path):
 
 def weight_files(path: Path) -> list[Path]:
     """The checkpoint's weight files: safetensors preferred, then .bin; sharded through their index."""
-    for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
-                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
-        index = path / index_name
-        if index.is_file():
-            try:
-                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (ValueError, KeyError) as e:
-                raise ModelLoadError(f"{index} is not a valid weight index: {e}") from e
-            missing = [n for n in names if not (path / n).is_file()]
-            if missing:
-                raise ModelLoadError(f"{path} is missing weight shards {missing}", "copy the whole model folder")
-            return [path / n for n in names]
+    indexed = indexed_files(path)
+    if indexed is not None:
+        return indexed
+    for single in ("model.safetensors", "pytorch_model.bin"):
         if (path / single).is_file():
             return [path / single]
     found = sorted(p.name for p in path.glob("*.safetensors")) or sorted(p.name for p in path.glob("*.bin"))
@@ -52,6 +45,26 @@ def weight_files(path: Path) -> list[Path]:
         return [path / n for n in found]
     raise ModelLoadError(f"{path} has no weights (model.safetensors or pytorch_model.bin)",
                          "pass a complete Hugging Face model folder")
+
+
+def indexed_files(path: Path) -> list[Path] | None:
+    """The shards a sharded checkpoint's index names (safetensors' index first), each of them present; None when the
+    folder has no index (model.safetensors beside a .bin index: the single safetensors file wins)."""
+    for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
+                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        index = Path(path) / index_name
+        if index.is_file():
+            try:
+                names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ModelLoadError(f"{index} is not a valid weight index: {e}") from e
+            missing = [n for n in names if not (path / n).is_file()]
+            if missing:
+                raise ModelLoadError(f"{path} is missing weight shards {missing}", "copy the whole model folder")
+            return [path / n for n in names]
+        if (Path(path) / single).is_file():
+            return None
+    return None
 
 
 def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -108,9 +121,58 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_positio
     return model, cfg
 
 
+def check_weights(path: Path) -> None:
+    """What load_model checks of a float checkpoint, without reading a tensor: an architecture infer runs, every
+    tensor's name and shape against config.json, none missing and none left over. The model is built on the meta
+    device and fed the shapes in the weight files' headers (`infer convert` and `infer quantize` call it before
+    transformers, which fills missing weights at random and drops the others, sees the folder)."""
+    cfg = load_config(path)
+    files = weight_files(path)
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg, torch.float32, linear_method_factory(path, cfg), 1)
+    place_weights(model, tensor_shapes(files), torch.float32)
+
+
+def tensor_shapes(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor of the files as a meta tensor of its shape (float32 or int32: only the kind matters here)."""
+    for f in files:
+        try:
+            if f.suffix == ".safetensors":
+                from safetensors import safe_open
+                with safe_open(str(f), framework="pt") as sf:
+                    for name in sf.keys():
+                        part = sf.get_slice(name)
+                        kind = torch.float32 if "F" in part.get_dtype() else torch.int32  # F16, BF16, F8_E4M3, ...
+                        yield name, torch.empty(part.get_shape(), dtype=kind, device="meta")
+            else:
+                state = torch.load(f, map_location="meta", weights_only=True)
+                yield from state.items()
+        except ModelLoadError:
+            raise
+        except Exception as e:
+            raise ModelLoadError(f"cannot read weight file {f}: {e}", "the file is corrupted or truncated") from e
+
+
 def load_weights(model, tensors, dtype: torch.dtype) -> None:
+    stored_head = place_weights(model, tensors, dtype)
+    for layer in model.modules():
+        if isinstance(layer, MergedLinear):
+            layer.finish_loading()
+    if stored_head is not None:
+        emb = model.embed_tokens.weight
+        if not torch.equal(stored_head.to(emb.device), emb):
+            log.warning("config.json ties lm_head to embed_tokens but the checkpoint stores a different "
+                        "lm_head.weight: using the stored head, as transformers does")
+            model.untie_head(stored_head)
+
+
+def place_weights(model, tensors, dtype: torch.dtype):
+    """Copy each (name, tensor) into the model, checking names and shapes against it: a ModelLoadError for a tensor
+    of the wrong shape, one the model has no place for (a layer config.json does not count, another architecture's
+    names) or a missing one. Returns a stored lm_head.weight that config.json ties to the embeddings (else None)."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    unexpected: list[str] = []
     stored_head = None
     merged: dict[str, MergedLinear] = {n: m for n, m in model.named_modules() if isinstance(m, MergedLinear)}
     shards = packed_shards(type(model))
@@ -129,22 +191,26 @@ def load_weights(model, tensors, dtype: torch.dtype) -> None:
             stored_head = t  # tied embeddings: kept only if it differs from them (checked once both are in)
             continue
         if key not in params:
-            continue  # unexpected extra tensors are ignored, as transformers does
+            unexpected.append(name)
+            continue
         if tuple(params[key].shape) != tuple(t.shape):
             raise ModelLoadError(f"{name} has shape {tuple(t.shape)}, config.json implies {tuple(params[key].shape)}",
                                  "the weights do not match config.json")
         params[key].data.copy_(t)
         loaded.add(key)
-    _check_complete(model, params, loaded, merged)
+    _check_complete(params, loaded, merged)
+    if unexpected:  # vLLM refuses them too; transformers drops them with a warning (a layer config.json leaves out)
+        raise ModelLoadError(f"the checkpoint has tensors config.json has no place for: {unexpected[0]}"
+                             + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""),
+                             "config.json does not describe these weights (num_hidden_layers, the architecture): "
+                             "use the config.json that came with them")
     if stored_head is not None and "embed_tokens.weight" in loaded:
         emb = params["embed_tokens.weight"]
         if tuple(stored_head.shape) != tuple(emb.shape):
             raise ModelLoadError(f"lm_head.weight has shape {tuple(stored_head.shape)}, config.json implies "
                                  f"{tuple(emb.shape)}", "the weights do not match config.json")
-        if not torch.equal(stored_head.to(emb.device), emb):
-            log.warning("config.json ties lm_head to embed_tokens but the checkpoint stores a different "
-                        "lm_head.weight: using the stored head, as transformers does")
-            model.untie_head(stored_head)
+        return stored_head
+    return None
 
 
 def packed_shards(model_cls) -> dict[str, tuple[str, int]]:
@@ -163,7 +229,7 @@ def _merged_shard(key: str, shards: dict[str, tuple[str, int]], merged: dict[str
     return None if layer is None else (layer, pname, shard)
 
 
-def _check_complete(model, params, loaded, merged) -> None:
+def _check_complete(params, loaded, merged) -> None:
     for mname, layer in merged.items():
         have = layer.loaded_names()
         for shard, hf_name in enumerate(layer.names):
@@ -172,7 +238,6 @@ def _check_complete(model, params, loaded, merged) -> None:
             if layer.bias is not None and (shard, "bias") not in have:
                 raise ModelLoadError(f"the checkpoint has no tensor {hf_name}.bias",
                                      "the model folder is incomplete, or config.json wrongly declares biases")
-        layer.finish_loading()
     merged_params = {f"{m}.{p}" for m, layer in merged.items() for p, _ in layer.named_parameters(recurse=False)}
     missing = [k for k in params if k not in loaded and k not in merged_params]
     if missing:

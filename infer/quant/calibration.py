@@ -36,6 +36,8 @@ def read_texts(path: Path | None, render_chat: Callable[[Messages], str] | None 
     if path is None:
         return _read_txt(BUILTIN_PATH)
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"calibration file {path} is a directory", "pass a .txt or .jsonl file inside it")
     if not path.is_file():
         raise ConfigError(f"calibration file {path} does not exist", "pass a .txt or .jsonl file")
     if path.suffix == ".jsonl":

@@ -69,6 +69,13 @@ def check_weight_files(model_dir: Path) -> None:
 
 
 def weight_files(model_dir: Path) -> list[Path]:
+    """The weight files to read: a sharded checkpoint's through its index, refused as `infer run` refuses it when a
+    shard is missing (copying the others would write an incomplete model); otherwise every safetensors file, or
+    pytorch_model*.bin."""
+    from ..models.loader import indexed_files
+    indexed = indexed_files(Path(model_dir))
+    if indexed is not None:
+        return indexed
     files = sorted(Path(model_dir).glob("*.safetensors")) or sorted(Path(model_dir).glob("pytorch_model*.bin"))
     if not files:
         raise ModelLoadError(f"{model_dir} has no weights (*.safetensors or pytorch_model*.bin)",
@@ -157,10 +164,18 @@ def apply_umask(folder: Path) -> None:
     os.chmod(folder, 0o777 & ~mask)
 
 
+def parse_shard_size(size: str | int) -> int:
+    """--max-shard-size in bytes, as Hugging Face reads it: 4GB = 4e9 bytes, 2GiB = 2 * 2**30, a plain number is bytes
+    (huggingface_hub itself takes no binary units and GPTQModel reads GB as 2**30: both get the number of bytes)."""
+    from ..engine.config import parse_size
+    return parse_size(size, "--max-shard-size", decimal=True)
+
+
 def convert_model(src: Path, out: Path, dtype: str | None = None, merge_lora: Path | None = None,
-                  max_shard_size: str = "4GB", overwrite: bool = False) -> Path:
+                  max_shard_size: str | int = "4GB", overwrite: bool = False) -> Path:
     """Write `src` as safetensors into `out`; returns `out`."""
     src = Path(src)
+    max_shard_size = parse_shard_size(max_shard_size)  # a bad size fails now, not after loading the model
     if not (src / "config.json").is_file():
         raise ModelLoadError(f"{src} has no config.json", "pass a Hugging Face model folder")
     if dtype is not None and dtype not in DTYPES:
@@ -189,21 +204,83 @@ def _check_adapter(adapter: Path) -> None:
                         "pass the folder written by peft's save_pretrained")
 
 
-def _save_float(src: Path, out: Path, dtype: str | None, merge_lora: Path | None, max_shard_size: str) -> None:
+def _save_float(src: Path, out: Path, dtype: str | None, merge_lora: Path | None, max_shard_size: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM
+    _check_tensors(src)
     torch_dtype = getattr(torch, dtype) if dtype else "auto"
-    try:
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, device_map="cpu")
+    try:  # mismatched sizes come back in the report (refused below) instead of as transformers' RuntimeError
+        model, info = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, device_map="cpu",
+                                                           output_loading_info=True, ignore_mismatched_sizes=True)
     except Exception as e:
         check_weight_files(src)  # a corrupted or truncated weight file (SafetensorError, ...): named, exit 2
         if isinstance(e, (OSError, ValueError, KeyError)):
             raise ModelLoadError(f"transformers cannot load {src}: {e}", "check that the folder is complete") from e
         raise
+    _check_loading_info(src, type(model).__name__, info)
+    bad = nonfinite_tensors(model.state_dict().items())
+    if bad:
+        cast = f" once cast to {dtype}" if dtype else ""
+        raise ModelLoadError(f"{src} has non-finite weights (inf or NaN){cast}: {_some(bad)}",
+                             f"values beyond {dtype}'s range (or inf/NaN in the checkpoint): keep the checkpoint's "
+                             "dtype or use float32" if dtype
+                             else "the checkpoint is corrupted; copy it again or convert the model it came from")
     if merge_lora is not None:
         model = _merge(model, Path(merge_lora))
+        bad = nonfinite_tensors(model.state_dict().items())
+        if bad:
+            raise LoRAError(f"merging the adapter {merge_lora} gives non-finite weights (inf or NaN): {_some(bad)}",
+                            "the adapter's weights are too large for the model (`infer lora-validate` shows its "
+                            "scaling); check the adapter, or merge into a float32 copy of the model")
     model.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
     copy_tokenizer_files(src, out, EXTRA_FILES)
+
+
+def _check_tensors(src: Path) -> None:
+    """The checks `infer run`'s loader makes of the weights (every tensor's name and shape against config.json, none
+    missing, none left over), in its words, before transformers fills missing weights at random and drops the others.
+    An architecture infer does not run is left to transformers' loading report (_check_loading_info)."""
+    from transformers import AutoConfig
+
+    from ..errors import UnsupportedModelError
+    from ..models.loader import check_weights
+    try:
+        AutoConfig.from_pretrained(src, local_files_only=True)
+    except Exception as e:  # transformers' validation of the config's values (layer_types against the layers, ...)
+        raise ModelLoadError(f"cannot read {src / 'config.json'}: {' '.join(str(e).split())}",
+                             "fix config.json, or copy it again with the model") from e
+    try:
+        check_weights(src)
+    except UnsupportedModelError:
+        return
+
+
+def _check_loading_info(src: Path, arch: str, info: dict) -> None:
+    """Refuse what transformers only reports: weights of the wrong shape, missing ones (initialized at random) and
+    left-over ones (dropped)."""
+    mismatched = sorted(info.get("mismatched_keys") or [])
+    if mismatched:
+        name, stored, wanted = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+        raise ModelLoadError(f"{name} has shape {tuple(stored)}, config.json implies {tuple(wanted)}{more}",
+                             "the weights do not match config.json")
+    missing, unexpected = sorted(info.get("missing_keys") or []), sorted(info.get("unexpected_keys") or [])
+    parts = ([f"no tensor {_some(missing)}"] if missing else []) + \
+        ([f"tensors it has no place for: {_some(unexpected)}"] if unexpected else [])
+    if parts:
+        raise ModelLoadError(f"the weights of {src} do not match config.json ({arch}): {'; '.join(parts)}",
+                             "transformers would fill the missing weights at random and drop the others: use the "
+                             "config.json that came with these weights, or copy the whole model folder")
+
+
+def nonfinite_tensors(tensors) -> list[str]:
+    """The names of the floating-point tensors among (name, tensor) pairs that hold an inf or a NaN."""
+    import torch
+    return [name for name, t in tensors if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def _some(names: list[str]) -> str:
+    return names[0] + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
 
 
 def _merge(model, adapter: Path):
@@ -243,7 +320,7 @@ def _unshared(state: dict, tied: bool) -> dict:
     return out
 
 
-def _copy_tensors(src: Path, out: Path, max_shard_size: str) -> None:
+def _copy_tensors(src: Path, out: Path, max_shard_size: int) -> None:
     """Copy the tensors of a GPTQ checkpoint unchanged into safetensors shards, with its config files."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import sys
 import tempfile
@@ -21,8 +22,8 @@ from typing import Any, TextIO
 
 from ..errors import ConfigError, InferError, ModelLoadError
 from .calibration import CalibrationSet, load_calibration
-from .convert import (check_not_source, check_output, copy_tokenizer_files, is_gptq, read_config_json,
-                      staged_output, weight_files)
+from .convert import (check_not_source, check_output, copy_tokenizer_files, is_gptq, parse_shard_size,
+                      read_config_json, staged_output, weight_files)
 
 BITS = (4, 8)
 GROUP_SIZES = (-1, 32, 64, 128)
@@ -39,9 +40,10 @@ class QuantizeOptions:
     num_samples: int = 128
     seq_len: int = 512
     damp_percent: float = 0.05
-    max_shard_size: str = "4GB"
+    max_shard_size: str | int = "4GB"  # KB/MB/GB/TB decimal, KiB/MiB/GiB/TiB binary, or bytes
 
     def validate(self) -> None:
+        parse_shard_size(self.max_shard_size)  # a bad size fails now, not after the whole quantization
         if self.bits not in BITS:
             raise ConfigError(f"--bits {self.bits} is not supported", "use 4 or 8")
         if self.group_size not in GROUP_SIZES:
@@ -180,6 +182,11 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: Qu
     check_not_source(src, out, "quantized")
     check_output(out, overwrite)
     config = _check_source(src, opts.group_size)
+    context = config.get("max_position_embeddings")
+    if isinstance(context, int) and 0 < context < opts.seq_len:
+        raise ConfigError(f"--seq-len {opts.seq_len} is longer than the model's context ({context} tokens, "
+                          f"max_position_embeddings in config.json)", f"use --seq-len {context} or less")
+    _check_tensors(src)
     gptqmodel_mod = require_gptqmodel()
     tokenizer = _tokenizer(src)
     calib = load_calibration(Path(calibration) if calibration else None, tokenizer, opts.num_samples, opts.seq_len)
@@ -188,10 +195,11 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: Qu
     with staged_output(out, overwrite) as tmp, tempfile.TemporaryDirectory(prefix="infer-quantize-") as work:
         with _log_dir(gptqmodel_mod, Path(work)):
             log = _run_gptqmodel(src, tmp, opts, calib, Path(work), observer)
+        _check_losses(src, log)
+        report = report_frame(log)
         _check_saved(tmp)
         _drop_work_paths(tmp)
         copy_tokenizer_files(src, tmp)
-        report = report_frame(log)
         report.to_csv(tmp / REPORT_NAME, index=False)
     return QuantizeResult(out, report, calib, time.perf_counter() - start)
 
@@ -211,10 +219,25 @@ def _check_source(src: Path, group_size: int) -> dict:
     dims = {k: config[k] for k in ("hidden_size", "intermediate_size") if isinstance(config.get(k), int)}
     bad = {k: v for k, v in dims.items() if group_size > 0 and v % group_size}
     if bad:
-        raise ConfigError(f"--group-size {group_size} does not divide the model's {bad}",
+        sizes = " or ".join(f"{k} ({v})" for k, v in bad.items())
+        raise ConfigError(f"--group-size {group_size} does not divide the model's {sizes}",
                           "pick a group size that divides every layer's input size (or -1 for one group)")
     _check_weights(src)
     return config
+
+
+def _check_tensors(src: Path) -> None:
+    """What `infer run` checks of the weights (names and shapes against config.json, none missing or left over:
+    GPTQModel loads through transformers, which fills missing weights at random and drops extra layers), then that
+    every weight is finite: GPTQ on an inf or NaN reports a loss of 0 and writes non-finite scales."""
+    from ..models.loader import check_weights, iter_tensors
+    from ..models.loader import weight_files as checkpoint_files
+    from .convert import nonfinite_tensors
+    check_weights(src)
+    for name, t in iter_tensors(checkpoint_files(src)):  # one tensor at a time: the model is never held twice
+        if nonfinite_tensors([(name, t)]):
+            raise ModelLoadError(f"{src} has non-finite weights (inf or NaN) in {name}",
+                                 "GPTQ cannot quantize them: fix or replace the checkpoint (a float model that runs)")
 
 
 def _check_weights(src: Path) -> None:
@@ -269,7 +292,7 @@ def _run_gptqmodel(src: Path, out: Path, opts: QuantizeOptions, calib: Calibrati
         qmodel.layer_callback = callbacks
         qmodel.subset_callback = callbacks
         log = qmodel.quantize(calib.samples, batch_size=1)
-        qmodel.save(str(out), max_shard_size=opts.max_shard_size)
+        qmodel.save(str(out), max_shard_size=parse_shard_size(opts.max_shard_size))
     except InferError:
         raise
     except Exception as e:
@@ -288,6 +311,22 @@ def source_half_dtype(src: Path):
     if isinstance(name, str):
         name = name.removeprefix("torch.")
     return {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(name)
+
+
+def _check_losses(src: Path, log: dict) -> None:
+    """GPTQModel must have solved some modules, none with a loss of inf or NaN (a quantization of non-finite values,
+    whose checkpoint computes garbage). A module it fell back on reports a text instead of a number: not refused."""
+    rows = [r for r in log.get("gptq", []) if "layer" in r and "module" in r]
+    if not rows:
+        raise InferError(f"GPTQModel quantized no module of {src} (its report is empty)",
+                         "rerun with --verbose to see GPTQModel's output")
+    bad = [r for r in rows if not math.isfinite(_num(r.get("loss"), default=0.0))]
+    if bad:
+        more = f" (and {len(bad) - 1} more modules)" if len(bad) > 1 else ""
+        raise InferError(f"GPTQModel's quantization of {src} has a non-finite error: layer {bad[0]['layer']} "
+                         f"{bad[0]['module']} (loss {bad[0].get('loss')}){more}",
+                         "the checkpoint would compute garbage: check the source model's weights and the calibration "
+                         "text, or quantize in float32")
 
 
 def _check_saved(out: Path) -> None:
@@ -327,11 +366,11 @@ def report_frame(log: dict):
     return frame.sort_values("layer", kind="stable").reset_index(drop=True)  # in the order GPTQModel ran them
 
 
-def _num(value) -> float:
+def _num(value, default: float = float("nan")) -> float:
     try:
         return float(value)
     except (TypeError, ValueError):
-        return float("nan")
+        return default
 
 
 def _int(value) -> int:
