@@ -413,12 +413,20 @@ def _scaled_adapter(base: Path, dest: Path, factor: float) -> Path:
 
 
 def test_merge_that_overflows_is_refused_naming_tensor_and_adapter(tiny_llama, tmp_path):
-    """Finite adapter weights (x1e30) whose product overflows float32: 4 merged tensors were written with inf/NaN."""
-    ad = _scaled_adapter(tiny_llama, tmp_path / "ad", 1e30)
-    r = run_infer("convert", tiny_llama, "-o", tmp_path / "out", "--merge-lora", ad)
+    """Finite adapter weights whose merge overflows the base's float16 (x1e3: products far past 65,504, well inside
+    float32, so the adapter itself loads): 4 merged tensors were written with inf/NaN. Weights x1e30, whose product
+    overflows float32 itself, are refused when the adapter is read, before any merge."""
+    base = tmp_path / "f16"
+    assert run_infer("convert", tiny_llama, "-o", base, "--dtype", "float16").exit_code == 0
+    ad = _scaled_adapter(tiny_llama, tmp_path / "ad", 1e3)
+    r = run_infer("convert", base, "-o", tmp_path / "out", "--merge-lora", ad)
     _clean_error(r, 2, f"merging the adapter {ad} gives non-finite weights (inf or NaN): "
                        "model.layers.0.self_attn.q_proj.weight (and 3 more)")
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+    huge = _scaled_adapter(tiny_llama, tmp_path / "huge", 1e30)
+    r = run_infer("convert", tiny_llama, "-o", tmp_path / "out", "--merge-lora", huge)
+    _clean_error(r, 2, "lora_B @ lora_A x scaling 2 overflows float32")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("value, dtype, words", [

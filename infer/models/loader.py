@@ -67,21 +67,28 @@ def indexed_files(path: Path) -> list[Path] | None:
     return None
 
 
-def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(files: list[Path], meta: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in the files; `meta`: each as a meta tensor of its shape, read from the
+    headers (float32 or int32: only the kind matters to the checks), no weight data read."""
     for f in files:
         try:
             if f.suffix == ".safetensors":
                 from safetensors import safe_open
                 with safe_open(str(f), framework="pt") as sf:
                     for name in sf.keys():
-                        yield name, sf.get_tensor(name)
+                        yield name, (_meta_of(sf.get_slice(name)) if meta else sf.get_tensor(name))
             else:
-                state = torch.load(f, map_location="cpu", weights_only=True)
+                state = torch.load(f, map_location="meta" if meta else "cpu", weights_only=True)
                 yield from state.items()
         except ModelLoadError:
             raise
         except Exception as e:
             raise ModelLoadError(f"cannot read weight file {f}: {e}", "the file is corrupted or truncated") from e
+
+
+def _meta_of(part) -> torch.Tensor:
+    kind = torch.float32 if "F" in part.get_dtype() else torch.int32  # F16, BF16, F8_E4M3, ...
+    return torch.empty(part.get_shape(), dtype=kind, device="meta")
 
 
 def linear_method_factory(path: Path, cfg):
@@ -130,27 +137,7 @@ def check_weights(path: Path) -> None:
     files = weight_files(path)
     with torch.device("meta"):
         model = model_class(cfg)(cfg, torch.float32, linear_method_factory(path, cfg), 1)
-    place_weights(model, tensor_shapes(files), torch.float32)
-
-
-def tensor_shapes(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each tensor of the files as a meta tensor of its shape (float32 or int32: only the kind matters here)."""
-    for f in files:
-        try:
-            if f.suffix == ".safetensors":
-                from safetensors import safe_open
-                with safe_open(str(f), framework="pt") as sf:
-                    for name in sf.keys():
-                        part = sf.get_slice(name)
-                        kind = torch.float32 if "F" in part.get_dtype() else torch.int32  # F16, BF16, F8_E4M3, ...
-                        yield name, torch.empty(part.get_shape(), dtype=kind, device="meta")
-            else:
-                state = torch.load(f, map_location="meta", weights_only=True)
-                yield from state.items()
-        except ModelLoadError:
-            raise
-        except Exception as e:
-            raise ModelLoadError(f"cannot read weight file {f}: {e}", "the file is corrupted or truncated") from e
+    place_weights(model, iter_tensors(files, meta=True), torch.float32)
 
 
 def load_weights(model, tensors, dtype: torch.dtype) -> None:
