@@ -7,25 +7,26 @@ copy SDPA reads."""
 from __future__ import annotations
 
 import importlib
-import os
 
 import pytest
 import torch
+from helpers import interpreted_module
 
 pytest.importorskip("triton")
 
 
+@pytest.fixture(scope="module")
+def attention():
+    yield from interpreted_module("infer.kernels.attention")
+
+
 @pytest.fixture
-def bench(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    importlib.reload(importlib.import_module("infer.kernels.attention"))
+def bench(attention, monkeypatch):
     mod = importlib.import_module("infer.bench.attention_kernels")
     monkeypatch.setattr(mod, "HEADS", {"7B": (4, 4), "8B": (4, 2)})
     monkeypatch.setattr(mod, "HEAD_DIM", 16)
     monkeypatch.setattr(mod, "TABLE_KEYS", 512)
-    yield mod
-    monkeypatch.delenv("TRITON_INTERPRET")
-    importlib.reload(importlib.import_module("infer.kernels.attention"))
+    return mod
 
 
 @pytest.mark.parametrize("model,batch,ctx", [("7B", 2, 150), ("8B", 3, 64), ("8B", 1, 17)])

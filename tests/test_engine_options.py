@@ -81,3 +81,12 @@ def test_starting_an_engine_leaves_the_callers_random_state_alone():
     with LLM("tiny-llama", seed=7, max_model_len=64):
         pass
     assert torch.equal(torch.rand(4), want)
+
+
+def test_a_budget_below_the_weights_says_so_rather_than_blaming_the_batch():
+    """--memory-limit 1KB: the hint spoke of --max-num-seqs "whose activations take most of the budget" when the
+    weights alone did not fit."""
+    with pytest.raises(OutOfMemoryError) as e:
+        LLM("tiny-llama", memory_limit="1KB")
+    assert "the weights alone take" in str(e.value) and "raise --memory-limit" in str(e.value)
+    assert "--max-num-seqs" not in str(e.value)

@@ -231,7 +231,10 @@ def plan_memory(engine_config: PlanOptions, model_config, model, dtype, device, 
     if plan.kv_blocks < plan.blocks_for(max_len):
         fit = largest_fitting_len(engine_config, model_config, model, dtype, device, max_len, lora_bytes)
         more = "raise --gpu-memory-utilization" if device.type == "cuda" else "raise --memory-limit"
-        if plan.activation_peak_bytes > plan.budget_bytes // 2:  # the batch sizes, not the length, use the memory
+        if plan.weights_bytes >= plan.budget_bytes:  # nothing else matters until the weights fit
+            more = (f"the weights alone take {gib(plan.weights_bytes)} of the budget of {gib(plan.budget_bytes)}: "
+                    f"{more}, or run a smaller or quantized model")
+        elif plan.activation_peak_bytes > plan.budget_bytes // 2:  # the batch sizes, not the length, use the memory
             more = (f"lower --max-num-seqs ({engine_config.max_num_seqs}) or --max-num-batched-tokens "
                     f"({engine_config.max_num_batched_tokens}), whose activations take most of the budget, or {more}")
         raise OutOfMemoryError(
