@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1] / "infer"
 # Lowest first. Each entry is one layer: a set of subpackages (top-level modules count as subpackages).
 LAYERS: list[set[str]] = [
     {"errors"},
+    {"checks"},     # input checks every layer applies alike (valid Unicode text, sizes in bytes)
     {"kernels"},    # Triton ops and their torch references (incl. GPTQ unpack/dequantize)
     {"quant"},      # GPTQ config, packing, GPTQLinear, quantize/convert drivers
     {"models"},     # decoders, loader (builds GPTQLinear modules), model resolution, built-in tiny models

@@ -61,8 +61,14 @@ def infer_logits(llm, name: str, prompts: list[list[int]], steps: int) -> list[t
     for p in prompts:
         with _captured_logits(llm.engine.runner.model) as seen:
             res = llm.generate([p], SamplingParams(max_new_tokens=steps, ignore_eos=True), lora=name)[0]
-        assert all(t.shape[0] == 1 for t in seen) and len(seen) == steps, "one logits row per step expected"
-        out.append((res.token_ids, torch.cat(seen)))
+        logits, toks = torch.cat(seen), list(res.token_ids)
+        if res.finish_reason == "error" and seen and not bool(logits[-1].isfinite().all()):
+            # the engine ends a request whose logits are not finite: the rest of the steps as NaN rows (the numeric
+            # check then names them), teacher-forced with token 0
+            logits = torch.cat([logits, logits.new_full((steps - len(seen), logits.shape[1]), math.nan)])
+            toks += [0] * (steps - len(toks))
+        assert all(t.shape[0] == 1 for t in seen) and logits.shape[0] == steps, "one logits row per step expected"
+        out.append((toks, logits))
     return out
 
 

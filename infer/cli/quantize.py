@@ -115,12 +115,14 @@ def quantize(
 def run_quantization(src: Path, output: Path, options: QuantizeOptions, calibration: Path | None, *,
                      overwrite: bool, verbose: bool) -> QuantizeResult:
     """Quantize with a progress bar; GPTQModel's own console output goes to a log unless `verbose`."""
+    from ..models.loader import check_weights
     from ..quant.quantize import quantize_model
     with tempfile.TemporaryDirectory(prefix="infer-quantize-log-") as logdir:
         with captured_output(Path(logdir) / "gptqmodel.log", enabled=not verbose) as terminal:
             observer = RichObserver(Console(file=terminal, log_path=False))
             try:
-                return quantize_model(src, output, options, calibration, observer, overwrite=overwrite)
+                return quantize_model(src, output, options, calibration, observer, overwrite=overwrite,
+                                      check_weights=check_weights)
             finally:
                 observer.stop()
 

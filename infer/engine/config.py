@@ -7,13 +7,13 @@ shared by run / serve / bench / warmup. Fields without `help` metadata are API-o
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
 
+from ..checks import parse_size
 from ..errors import ConfigError, read_utf8
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -29,31 +29,6 @@ def option(default, help: str, panel: str = ENGINE, flag: str | None = None, cli
     return field(default=default, metadata=meta, **kw)
 
 
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*((?:[KMGT]i?)?B?)?\s*$", re.I)
-
-
-def parse_size(text: str | int | None, flag: str = "the size", decimal: bool = False) -> int | None:
-    """'8GB', '512MiB', '1e9', 2**30 -> bytes (binary units: 1 GB = 2**30 bytes); `flag` names the option.
-    `decimal`: KB/MB/GB/TB (and K/M/G/T) are powers of 1000, as Hugging Face writes shard sizes; KiB/MiB/GiB/TiB
-    stay powers of 1024."""
-    if isinstance(text, bool):
-        raise ConfigError(f"{flag} {text!r} is not a size", "write it like 8GB, 512MB or 2GiB")
-    if isinstance(text, int):
-        if text < 1:
-            raise ConfigError(f"{flag} {text} is not a positive number of bytes", "e.g. 8GB, or leave it unset")
-        return text
-    if text is None:
-        return text
-    m = _SIZE.match(str(text))
-    if not m:
-        raise ConfigError(f"{flag} {text!r} is not a size", "write it like 8GB, 512MB or 2GiB")
-    suffix = (m.group(2) or "").upper()
-    unit = suffix.replace("I", "").replace("B", "")
-    base = 1000 if decimal and "I" not in suffix else 1024
-    value = float(m.group(1)) * base ** " KMGT".index(unit or " ")
-    if not math.isfinite(value) or value < 1:
-        raise ConfigError(f"{flag} {text!r} is not a positive number of bytes", "e.g. 8GB")
-    return int(value)
 
 
 def parse_loras(items: dict[str, str] | list[str] | None) -> dict[str, str]:

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from ..checks import check_text
 from ..errors import RequestError
 from .prompt_size import PromptTooLongError, check_prompt_size
 from .sampling_params import SamplingParams
@@ -319,26 +320,6 @@ def _loops_over_content(template: str) -> bool:
              if isinstance(a.target, nodes.Name) and is_content(a.node)}
     return any(is_content(f.iter) or isinstance(f.iter, nodes.Name) and f.iter.name in names
                for f in tree.find_all(nodes.For))
-
-
-def check_text(value: Any, name: str) -> None:
-    """Every string in `value` (a string, or the lists and objects of a messages array) must be valid Unicode:
-    JSON can carry an escaped lone surrogate (\\ud800) that no tokenizer or UTF-8 writer accepts."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise RequestError(f"{name} contains an unpaired surrogate (U+{ord(item[e.start]):04X}), which is "
-                                   "not valid Unicode", "send valid UTF-8 text (escape pairs like "
-                                   "\\ud83d\\ude00 are fine)") from None
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
 
 
 def _type_name(types: tuple) -> str:

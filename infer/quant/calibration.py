@@ -75,7 +75,7 @@ def _text_parts(content) -> bool:
 
 
 def _jsonl_text(line: str, path: Path, lineno: int, render_chat: Callable[[Messages], str]) -> str:
-    from ..engine.inputs import check_text
+    from ..checks import check_text
     where = f"{path}, line {lineno}"
     try:
         obj = json.loads(line)

@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 from ..errors import ConfigError, LoRAError, ModelLoadError
 
@@ -72,7 +73,7 @@ def weight_files(model_dir: Path) -> list[Path]:
     """The weight files to read: a sharded checkpoint's through its index, refused as `infer run` refuses it when a
     shard is missing (copying the others would write an incomplete model); otherwise every safetensors file, or
     pytorch_model*.bin."""
-    from ..models.loader import indexed_files
+    from .files import indexed_files
     indexed = indexed_files(Path(model_dir))
     if indexed is not None:
         return indexed
@@ -167,13 +168,16 @@ def apply_umask(folder: Path) -> None:
 def parse_shard_size(size: str | int) -> int:
     """--max-shard-size in bytes, as Hugging Face reads it: 4GB = 4e9 bytes, 2GiB = 2 * 2**30, a plain number is bytes
     (huggingface_hub itself takes no binary units and GPTQModel reads GB as 2**30: both get the number of bytes)."""
-    from ..engine.config import parse_size
+    from ..checks import parse_size
     return parse_size(size, "--max-shard-size", decimal=True)
 
 
 def convert_model(src: Path, out: Path, dtype: str | None = None, merge_lora: Path | None = None,
-                  max_shard_size: str | int = "4GB", overwrite: bool = False) -> Path:
-    """Write `src` as safetensors into `out`; returns `out`."""
+                  max_shard_size: str | int = "4GB", overwrite: bool = False,
+                  check_weights: Callable[[Path], None] | None = None) -> Path:
+    """Write `src` as safetensors into `out`; returns `out`. `check_weights`: the engine loader's checks of a float
+    checkpoint against its config.json (models.loader.check_weights, which the CLI passes: quant sits below models),
+    run before transformers loads it."""
     src = Path(src)
     max_shard_size = parse_shard_size(max_shard_size)  # a bad size fails now, not after loading the model
     if not (src / "config.json").is_file():
@@ -193,7 +197,7 @@ def convert_model(src: Path, out: Path, dtype: str | None = None, merge_lora: Pa
         if gptq:
             _copy_tensors(src, tmp, max_shard_size)
         else:
-            _save_float(src, tmp, dtype, merge_lora, max_shard_size)
+            _save_float(src, tmp, dtype, merge_lora, max_shard_size, check_weights)
         copy_tokenizer_files(src, tmp)
     return Path(out)
 
@@ -204,10 +208,11 @@ def _check_adapter(adapter: Path) -> None:
                         "pass the folder written by peft's save_pretrained")
 
 
-def _save_float(src: Path, out: Path, dtype: str | None, merge_lora: Path | None, max_shard_size: int) -> None:
+def _save_float(src: Path, out: Path, dtype: str | None, merge_lora: Path | None, max_shard_size: int,
+                check_weights: Callable[[Path], None] | None = None) -> None:
     import torch
     from transformers import AutoModelForCausalLM
-    _check_tensors(src)
+    _check_tensors(src, check_weights)
     torch_dtype = getattr(torch, dtype) if dtype else "auto"
     try:  # mismatched sizes come back in the report (refused below) instead of as transformers' RuntimeError
         model, info = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, device_map="cpu",
@@ -236,19 +241,20 @@ def _save_float(src: Path, out: Path, dtype: str | None, merge_lora: Path | None
     copy_tokenizer_files(src, out, EXTRA_FILES)
 
 
-def _check_tensors(src: Path) -> None:
+def _check_tensors(src: Path, check_weights: Callable[[Path], None] | None) -> None:
     """The checks `infer run`'s loader makes of the weights (every tensor's name and shape against config.json, none
     missing, none left over), in its words, before transformers fills missing weights at random and drops the others.
     An architecture infer does not run is left to transformers' loading report (_check_loading_info)."""
     from transformers import AutoConfig
 
     from ..errors import UnsupportedModelError
-    from ..models.loader import check_weights
     try:
         AutoConfig.from_pretrained(src, local_files_only=True)
     except Exception as e:  # transformers' validation of the config's values (layer_types against the layers, ...)
         raise ModelLoadError(f"cannot read {src / 'config.json'}: {' '.join(str(e).split())}",
                              "fix config.json, or copy it again with the model") from e
+    if check_weights is None:
+        return
     try:
         check_weights(src)
     except UnsupportedModelError:

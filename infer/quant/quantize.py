@@ -18,7 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 from ..errors import ConfigError, InferError, ModelLoadError
 from .calibration import CalibrationSet, load_calibration
@@ -172,9 +172,10 @@ class _Callbacks:
 
 def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: QuantizeOptions | None = None,
                    calibration: str | os.PathLike | None = None, observer: QuantizeObserver | None = None,
-                   overwrite: bool = False) -> QuantizeResult:
+                   overwrite: bool = False, check_weights: Callable[[Path], None] | None = None) -> QuantizeResult:
     """Quantize the float model in folder `model` (the CLI resolves built-in names with models.resolve) with
-    GPTQModel into `out`; see the module docstring."""
+    GPTQModel into `out`; see the module docstring. `check_weights`: the engine loader's checks of the checkpoint
+    against its config.json (models.loader.check_weights, which the CLI passes: quant sits below models)."""
     opts = options or QuantizeOptions()
     opts.validate()
     src, out = Path(model).expanduser().resolve(), Path(out).resolve()
@@ -186,7 +187,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: Qu
     if isinstance(context, int) and 0 < context < opts.seq_len:
         raise ConfigError(f"--seq-len {opts.seq_len} is longer than the model's context ({context} tokens, "
                           f"max_position_embeddings in config.json)", f"use --seq-len {context} or less")
-    _check_tensors(src)
+    _check_tensors(src, check_weights)
     gptqmodel_mod = require_gptqmodel()
     tokenizer = _tokenizer(src)
     calib = load_calibration(Path(calibration) if calibration else None, tokenizer, opts.num_samples, opts.seq_len)
@@ -226,17 +227,17 @@ def _check_source(src: Path, group_size: int) -> dict:
     return config
 
 
-def _check_tensors(src: Path) -> None:
+def _check_tensors(src: Path, check_weights: Callable[[Path], None] | None) -> None:
     """What `infer run` checks of the weights (names and shapes against config.json, none missing or left over:
     GPTQModel loads through transformers, which fills missing weights at random and drops extra layers), then that
     every weight is finite: GPTQ on an inf or NaN reports a loss of 0 and writes non-finite scales."""
-    from ..models.loader import check_weights, iter_tensors
-    from ..models.loader import weight_files as checkpoint_files
-    from .convert import nonfinite_tensors
-    check_weights(src)
-    for name, t in iter_tensors(checkpoint_files(src)):  # one tensor at a time: the model is never held twice
-        if nonfinite_tensors([(name, t)]):
-            raise ModelLoadError(f"{src} has non-finite weights (inf or NaN) in {name}",
+    from .convert import load_weight_file, nonfinite_tensors
+    if check_weights is not None:
+        check_weights(src)
+    for f in weight_files(src):  # one file at a time: the model is never held twice
+        bad = nonfinite_tensors(load_weight_file(f).items())
+        if bad:
+            raise ModelLoadError(f"{src} has non-finite weights (inf or NaN) in {bad[0]}",
                                  "GPTQ cannot quantize them: fix or replace the checkpoint (a float model that runs)")
 
 
