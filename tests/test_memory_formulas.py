@@ -183,8 +183,9 @@ def test_enable_lora_without_adapters_budgets_the_slots_and_their_activations(mo
     assert est.lora_bytes == measured.lora_bytes > 0 and extra["lora_adapter"] is None
     plain, _ = measured_plan(EngineConfig(**kw), 256, 2)
     assert plain.lora_bytes == 0 and plain.activation_peak_bytes == 1_000_000 + table
-    path = activation_bytes(mc, torch.float32, cfg.max_num_batched_tokens, 2, 256, 16) - \
-        activation_bytes(mc, torch.float32, cfg.max_num_batched_tokens, 2, 256, 0)
+    tokens = 2 * 256  # two sequences of 256 tokens: the most one step holds under the 4,096-token budget
+    path = activation_bytes(mc, torch.float32, tokens, 2, 256, 16) - \
+        activation_bytes(mc, torch.float32, tokens, 2, 256, 0)
     assert path > 0 and measured.activation_peak_bytes == 1_000_000 + table + path
 
 
@@ -220,6 +221,29 @@ def test_profile_run_measures_the_largest_padded_decode_batch():
     assert shapes[0] == (32, 2048) and _per_sequence(32, 2048, kv_heads, True)
     assert len(shapes) == 2 and not _per_sequence(*shapes[1], kv_heads, True)
     assert shapes[1][0] * shapes[1][1] == decode_gather_tokens(32, 2048, kv_heads) > 2048
+
+
+def test_a_step_holds_no_more_tokens_than_its_sequences():
+    """The token budget (4,096 by default) bounds a step, and so do its sequences: 2 sequences of 64 tokens never
+    make a step of more than 128 tokens. The plans counted the whole budget's prefill activations (32x here), and
+    the measured worst case ran its prefill over KV blocks for the budget's tokens rather than the longest
+    sequence's (a 7B's worst case at 8,192 tokens and max_length 512: 4 GiB of KV allocated for 256 MiB of use)."""
+    from infer.cli.warmup_plan import estimate_plan
+    from infer.engine.config import EngineConfig
+    from infer.engine.profile import worst_case_batches
+    from infer.memory.sizes import activation_bytes, penalty_table_bytes, step_tokens
+    from infer.models.loader import load_config
+    mc = load_config(ensure_builtin("tiny-llama"))
+    cfg = EngineConfig(model="tiny-llama", max_num_seqs=2, max_model_len=64)
+    assert cfg.max_num_batched_tokens == 4096
+    assert (step_tokens(4096, 2, 64), step_tokens(100, 2, 64), step_tokens(4096, 0, 64)) == (128, 100, 1)
+    plan, _ = estimate_plan(cfg, 64, 2)
+    whole = activation_bytes(mc, torch.float32, 4096, 2, 64)
+    assert plan.activation_peak_bytes == activation_bytes(mc, torch.float32, 128, 2, 64) < whole
+    assert penalty_table_bytes(mc, 2) < plan.activation_peak_bytes
+    prefill, decodes, blocks = worst_case_batches(mc, cfg, 64, 2, 16)
+    assert blocks == 4 and sum(prefill.num_new_tokens) == 2 * 63 and len(prefill.seqs) == 2
+    assert all(len(s) <= blocks * 16 and len(s.block_table) == blocks for d in (prefill, *decodes) for s in d.seqs)
 
 
 def test_estimate_reads_bin_shapes_and_the_loaders_bits(tmp_path):

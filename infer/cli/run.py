@@ -73,26 +73,25 @@ def run(
     defaults = {"max_new_tokens": max_new_tokens}
     if data_parallel > 1 or ray_address:
         from .run_parallel import run_data_parallel
-        failed = run_data_parallel(engine, input, output, replicas=data_parallel, address=ray_address,
-                                   defaults=defaults, strict=strict, resume=resume, resumable=resumable,
-                                   options=options, quiet=quiet)
+        failed, earlier = run_data_parallel(engine, input, output, replicas=data_parallel, address=ray_address,
+                                            defaults=defaults, strict=strict, resume=resume, resumable=resumable,
+                                            options=options, quiet=quiet)
     else:
-        failed = _run_in_process(engine, input, output, defaults, strict=strict, resume=resume,
+        failed, earlier = _run_in_process(engine, input, output, defaults, strict=strict, resume=resume,
                                  resumable=resumable, options=options, quiet=quiet)
     if resumable:
         mark_complete(output)  # every line has its record: a later run may start this output over
-    if not failed and resume and resumable:  # error records an earlier session wrote fail the run as well
-        earlier = error_ids(output)
-        if earlier:
-            typer.echo(f"note: {output} holds {len(earlier)} error record(s) from before this resume", err=True)
-            failed = len(earlier)
+    if not failed and earlier:  # error records an earlier session wrote for this input fail the run as well
+        typer.echo(f"note: {output} holds {earlier} error record(s) from before this resume", err=True)
+        failed = earlier
     if failed:
         raise typer.Exit(1)
 
 
 def _run_in_process(engine: EngineConfig, input: Path, output: Path | None, defaults: dict, *, strict: bool,
-                    resume: bool, resumable: bool, options: dict, quiet: bool) -> int:
-    """Load the engine, check every line against it, and generate what is still to do; the failed lines' count."""
+                    resume: bool, resumable: bool, options: dict, quiet: bool) -> tuple[int, int]:
+    """Load the engine, check every line against it, and generate what is still to do: (this run's failed lines,
+    error records of this input's lines that the resumed output already held)."""
     if strict:  # every line is read before the model loads: a bad file costs no load time
         from ..engine.setup import load_tokenizer
         from ..models.resolve import resolve_model
@@ -100,10 +99,10 @@ def _run_in_process(engine: EngineConfig, input: Path, output: Path | None, defa
         _strict_exit(read_inputs(input, tokenizer, defaults, model_names(engine), engine.max_model_len))
     llm = _start_engine(engine, quiet)
     lines = _checked_lines(llm, input, defaults, strict, model_names(engine))
-    todo, writer = open_output(lines, output, input, options, resume, resumable)
+    todo, writer, earlier = open_output(lines, output, input, options, resume, resumable)
     try:
         with terminate_as_interrupt():
-            return _generate(llm, todo, writer, quiet)
+            return _generate(llm, todo, writer, quiet), earlier
     except KeyboardInterrupt as e:  # every finished record is on disk already: say how to get the rest
         exit_interrupted(e, output, resumable, len(lines), len(todo), writer.count)
     finally:
@@ -238,14 +237,22 @@ def _checked_lines(llm, input: Path, defaults: dict, strict: bool, names) -> lis
 
 
 def open_output(lines, output, input, options: dict, resume: bool, resumable: bool):
-    """(the lines still to run, the record writer): with --resume, the ids already in the output are skipped; the
-    output's resume fingerprint is (re)written when the output is a regular file."""
+    """(the lines still to run, the record writer, how many of the input's ids the output holds error records
+    of): with --resume, the ids already in the output are skipped, and records of ids the input does not have
+    (an output resumed from another input with --force-resume) are kept, said so, and fail nothing; the output's
+    resume fingerprint is (re)written when the output is a regular file."""
     skip = done_ids(output) if resume and resumable else set()
+    ids = {item.id for item in lines}
+    others = len(skip - ids)
+    if others:
+        typer.echo(f"note: {output} holds {others} record(s) whose ids are not in {input} (written from another "
+                   "input?); they are kept as they are", err=True)
+    earlier = len(error_ids(output) & ids) if skip else 0
     todo = [item for item in lines if item.id not in skip]
     writer = RecordWriter(output, append=resume)
     if resumable:
         write_fingerprint(output, input, options)
-    return todo, writer
+    return todo, writer, earlier
 
 
 def _generate(engine, todo, writer: RecordWriter, quiet: bool) -> int:

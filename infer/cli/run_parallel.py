@@ -21,8 +21,9 @@ VALIDATE_CHUNK = 4096  # requests per validation call (one message each way)
 
 def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int, address: str | None,
                       defaults: dict, strict: bool, resume: bool, resumable: bool, options: dict,
-                      quiet: bool) -> int:
-    """Run every line of `input` on `replicas` engine replicas; return how many lines failed."""
+                      quiet: bool) -> tuple[int, int]:
+    """Run every line of `input` on `replicas` engine replicas: (this run's failed lines, earlier error records of
+    this input's lines in the resumed output), as run._run_in_process."""
     require_ray()  # before anything loads: a missing extra is a one-line error
     from ..engine.setup import load_tokenizer
     from ..models.resolve import resolve_model
@@ -41,9 +42,9 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
             if not quiet:
                 _announce(infos, engine.block_size)
             _check_lines(ray, handles[0], lines, strict)
-            todo, writer = open_output(lines, output, input, options, resume, resumable)
+            todo, writer, earlier = open_output(lines, output, input, options, resume, resumable)
             try:
-                return _generate(pool, todo, writer, tokenizer, quiet)
+                return _generate(pool, todo, writer, tokenizer, quiet), earlier
             except KeyboardInterrupt as e:  # as one engine: every finished record is on disk, say so
                 exit_interrupted(e, output, resumable, len(lines), len(todo), writer.count)
             finally:

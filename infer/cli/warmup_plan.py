@@ -12,7 +12,7 @@ from ..engine.config import EngineConfig
 from ..engine.setup import checkpoint_dtype, model_max_len
 from ..errors import ConfigError, OutOfMemoryError
 from ..memory.plan import MemoryPlan, budget_bytes, cuda_graph_bytes, make_plan
-from ..memory.sizes import activation_bytes, lora_slot_bytes, weights_bytes
+from ..memory.sizes import activation_bytes, lora_slot_bytes, step_tokens, weights_bytes
 
 
 def _model_parts(engine_config: EngineConfig):
@@ -47,7 +47,8 @@ def estimate_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     for name, adapter in engine_config.loras.items():  # the checks an engine start makes (files, rank, shapes)
         load_adapter(name, Path(adapter).expanduser(), model_config, engine_config.max_lora_rank)
     rank = engine_config.max_lora_rank if engine_config.loras or engine_config.enable_lora else 0
-    act = activation_bytes(model_config, dtype, engine_config.max_num_batched_tokens, concurrency, max_length, rank)
+    act = activation_bytes(model_config, dtype, step_tokens(engine_config.max_num_batched_tokens, concurrency,
+                                                             max_length), concurrency, max_length, rank)
     act += cuda_graph_bytes(engine_config, model_config, dtype)
     budget = budget_bytes(engine_config, device, weights, loaded=False)
     lora = lora_slot_bytes(model_config, engine_config.max_loras, rank, dtype) if rank else 0
@@ -102,7 +103,8 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
              "kernel_compile_s": compile_s, "pdl": use_pdl, "int4_byte_fields": byte_fields,
              "int4_loads_ahead": loads_ahead, "lora_expand_gather": gather}
     rank = engine_config.max_lora_rank if lora_manager is not None else 0
-    act = activation_bytes(model_config, dtype, engine_config.max_num_batched_tokens, concurrency, max_length, rank)
+    act = activation_bytes(model_config, dtype, step_tokens(engine_config.max_num_batched_tokens, concurrency,
+                                                             max_length), concurrency, max_length, rank)
     act += cuda_graph_bytes(engine_config, model_config, dtype)
     weights = weights_bytes(model)
     kv_only = make_plan(engine_config, model_config, dtype, device, weights, 0, max_length, concurrency, limit,

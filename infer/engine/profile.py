@@ -10,7 +10,7 @@ import torch
 from ..kernels.reference import longest_batched_decode
 from ..memory.meter import PeakMeter
 from ..memory.plan import MemoryPlan, cuda_graph_bytes, make_plan
-from ..memory.sizes import activation_bytes, penalty_table_bytes, weights_bytes
+from ..memory.sizes import activation_bytes, penalty_table_bytes, step_tokens, weights_bytes
 from ..models.shapes import ModelShapes
 from .config import EngineConfig
 from .model_runner import ModelRunner
@@ -34,7 +34,7 @@ def worst_case_batches(model_config, engine_config: EngineConfig, max_length: in
     batches: `concurrency` sequences at max_length, and, when it is shorter, at the longest length the CPU attention
     still gathers as one padded batch (kernels.reference.longest_batched_decode), which can hold more at once."""
     vocab, tokens = model_config.vocab_size, engine_config.max_num_batched_tokens
-    table = list(range(-(-max(max_length, tokens) // block_size)))
+    table = list(range(-(-max_length // block_size)))  # every sequence here is max_length tokens or fewer
     prefill, left, i = ScheduledBatch([], []), tokens, 0
     while left > 0 and len(prefill.seqs) < engine_config.max_num_seqs:
         n = min(left, max_length - 1)
@@ -84,14 +84,13 @@ def profile_run(model, model_config, engine_config: EngineConfig, dtype, device,
         lora_manager.release(lora_name)
     del runner
     rank = engine_config.max_lora_rank if lora_manager is not None else 0
+    tokens = step_tokens(engine_config.max_num_batched_tokens, engine_config.max_num_seqs, max_length)
     if rank and lora_name is None:  # slots for adapters added later (--enable-lora): their path by the formula
-        peak += activation_bytes(model_config, dtype, engine_config.max_num_batched_tokens, concurrency, max_length,
-                                 rank) - activation_bytes(model_config, dtype, engine_config.max_num_batched_tokens,
-                                                          concurrency, max_length, 0)
+        peak += activation_bytes(model_config, dtype, tokens, concurrency, max_length, rank) \
+            - activation_bytes(model_config, dtype, tokens, concurrency, max_length, 0)
     peak += penalty_table_bytes(model_config, concurrency)  # the worst case samples without penalties: add them
     graphs = cuda_graph_bytes(engine_config, model_config, dtype)  # the CUDA graphs keep a pool of their own
-    estimate = activation_bytes(model_config, dtype, engine_config.max_num_batched_tokens, concurrency, max_length,
-                                rank) + graphs
+    estimate = activation_bytes(model_config, dtype, tokens, concurrency, max_length, rank) + graphs
     weights = weights_bytes(model) if weights is None else weights
     plan = make_plan(engine_config, model_config, dtype, device, weights, peak + graphs, max_length, concurrency,
                      max_length_limit, lora_bytes, measured=True, budget=budget)

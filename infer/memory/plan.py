@@ -19,7 +19,8 @@ import torch
 from ..errors import ConfigError, OutOfMemoryError
 from ..kernels.intmath import PROGRAMS_PER_SM, decode_parts
 from ..models.shapes import ModelShapes
-from .sizes import activation_bytes, dequant_scratch_bytes, element_bytes, gib, kv_bytes_per_token, weights_bytes
+from .sizes import (activation_bytes, dequant_scratch_bytes, element_bytes, gib, kv_bytes_per_token, step_tokens,
+                    weights_bytes)
 
 
 class PlanOptions(Protocol):
@@ -180,10 +181,12 @@ def make_plan(engine_config: PlanOptions, model_config, dtype: torch.dtype, devi
 
 def _start_plan(engine_config: PlanOptions, model_config, model, dtype, device, max_len: int,
                 lora_bytes: int) -> MemoryPlan:
-    tokens, seqs = engine_config.max_num_batched_tokens, engine_config.max_num_seqs
+    seqs = engine_config.max_num_seqs
+    tokens = step_tokens(engine_config.max_num_batched_tokens, seqs, max_len)
     rank = engine_config.max_lora_rank if engine_config.loras else 0
     act = activation_bytes(model_config, dtype, tokens, seqs, max_len, rank) \
-        + cuda_graph_bytes(engine_config, model_config, dtype) + dequant_scratch_bytes(model, dtype, tokens)
+        + cuda_graph_bytes(engine_config, model_config, dtype) + dequant_scratch_bytes(
+            model, dtype, engine_config.max_num_batched_tokens)  # (the runner reserves it by the budget alone)
     plan = make_plan(engine_config, model_config, dtype, device, weights_bytes(model), act, max_len, 1, max_len,
                      lora_bytes)
     if engine_config.num_kv_blocks:

@@ -34,6 +34,12 @@ def penalty_table_bytes(model_config, num_seqs: int) -> int:
     return (num_seqs + 1) * model_config.vocab_size * 4
 
 
+def step_tokens(max_num_batched_tokens: int, num_seqs: int, max_length: int) -> int:
+    """The most tokens one step can hold: the token budget, but no more than `num_seqs` sequences of `max_length`
+    tokens each (a prefill, a recomputed one included, never holds more of a sequence than its length)."""
+    return max(1, min(max_num_batched_tokens, num_seqs * max_length))
+
+
 def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs: int, max_length: int,
                      lora_rank: int = 0, penalties: bool = True) -> int:
     """Peak bytes of one step's temporaries, the larger of a prefill of `num_tokens` tokens and a decode of
