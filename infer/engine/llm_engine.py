@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import replace
@@ -23,6 +24,8 @@ from .setup import load_engine_parts, model_max_len
 from .structured import DEAD_HINT, GrammarBackend, allows_any
 
 log = logging.getLogger("infer")
+# requests whose bad_words stay tokenized (their ids are shared, read-only, by every choice that bans them)
+BAD_WORDS_CACHE = 16
 
 
 class LLMEngine:
@@ -126,19 +129,9 @@ class LLMEngine:
     def bad_word_ids(self, words: list[str]) -> list[list[int]]:
         """vLLM's reading of bad_words: each word's tokens as it is written alone, and also after a space when that
         gives as many tokens starting with another one (the word in the middle of a sentence), so both are
-        banned. RequestError for a word whose tokens the model cannot produce."""
-        out: list[list[int]] = []
-        vocab = self.model_config.vocab_size
-        for word in words:
-            alone = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
-            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            out.append(alone)
-            if spaced and alone and spaced[0] != alone[0] and len(spaced) == len(alone):
-                out.append(spaced)
-            if any(t >= vocab for t in alone + spaced):
-                raise RequestError(f"bad_words: {word!r} has a token outside the model's vocabulary (0..{vocab - 1})",
-                                   "remove it: the model cannot generate it anyway")
-        return [ids for ids in out if ids]
+        banned. RequestError for a word whose tokens the model cannot produce. Cached: a request's words were
+        tokenized again by every check and for every choice (n), on the server's event loop and engine thread."""
+        return list(_bad_word_ids(self.tokenizer, self.model_config.vocab_size, tuple(words)))
 
     def _min_tokens_ban(self, params: SamplingParams) -> list[int]:
         """What min_tokens keeps from being sampled early: EOS (unless ignored) and the stop token ids (vLLM). A stop
@@ -148,12 +141,17 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         return sorted(t for t in eos | set(params.stop_token_ids) if t < vocab)
 
+    @property
+    def model_limit(self) -> int:
+        """The model's own context limit: what --max-model-len may go up to."""
+        return model_max_len(self.model_config, replace(self.config, max_model_len=None))
+
     def _longer_hint(self, by_request: bool) -> str:
         """What can make room for a prompt that fills its cap: the request's max_length up to the engine's context,
         the engine's --max-model-len up to the model's limit, or only a shorter prompt."""
         if by_request:
             return f"shorten the prompt, or raise max_length (up to {self.max_model_len})"
-        limit = model_max_len(self.model_config, replace(self.config, max_model_len=None))
+        limit = self.model_limit
         if self.max_model_len < limit:
             return f"shorten the prompt, or start the engine with --max-model-len up to {limit}, the model's limit"
         return f"shorten the prompt: {limit} tokens is the model's limit"
@@ -533,3 +531,19 @@ class LLMEngine:
         self.block_manager.reset_prefix_cache()
         if self.runner.graphs is not None:
             self.runner.graphs.replays.clear()
+
+
+@functools.lru_cache(maxsize=BAD_WORDS_CACHE)
+def _bad_word_ids(tokenizer, vocab: int, words: tuple[str, ...]) -> list[list[int]]:
+    """LLMEngine.bad_word_ids, for the words of the last BAD_WORDS_CACHE requests that had some."""
+    out: list[list[int]] = []
+    for word in words:
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        out.append(alone)
+        if spaced and alone and spaced[0] != alone[0] and len(spaced) == len(alone):
+            out.append(spaced)
+        if any(t >= vocab for t in alone + spaced):
+            raise RequestError(f"bad_words: {word!r} has a token outside the model's vocabulary (0..{vocab - 1})",
+                               "remove it: the model cannot generate it anyway")
+    return [ids for ids in out if ids]

@@ -62,7 +62,8 @@ class Server:
         self.parser = ParsePool(self.tokenizer, self.limits, max_tokens=self.engine.max_model_len,
                                 defaults=self.sampling_defaults, grammars=self.engine.grammars,
                                 tool_parser=tool_parser, reasoning_parser=reasoning_parser,
-                                trust_template=trust_request_chat_template)
+                                trust_template=trust_request_chat_template,
+                                bad_words=getattr(self.engine, "bad_word_ids", None))
 
     def stats(self) -> dict:
         return {**self.aengine.stats, "num_in_flight": self.aengine.num_in_flight(),

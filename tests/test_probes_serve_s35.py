@@ -1,0 +1,61 @@
+"""Probes of `infer serve`, session 35: a request's bad_words were tokenized again for every check and every choice
+(n), on the event loop and the engine thread (a body of long words
+with n=16 held /health for over a minute)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from infer.engine.config import EngineConfig  # noqa: E402
+from infer.engine.llm_engine import LLMEngine  # noqa: E402
+from infer.models.tiny import ensure_builtin  # noqa: E402
+from infer.serve.app import Server, serve_in_thread  # noqa: E402
+from infer.serve.async_engine import AsyncEngine  # noqa: E402
+
+TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+            "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("probes_s35") / "tiny"
+    shutil.copytree(ensure_builtin("tiny-llama"), path)
+    (path / "chat_template.jinja").write_text(TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return LLMEngine(EngineConfig(str(model), block_size=4, max_num_seqs=4))
+
+
+@pytest.fixture(scope="module")
+def base(engine):
+    with serve_in_thread(Server(AsyncEngine(engine, max_queue=64), "tiny")) as url:
+        yield url
+
+
+def test_bad_words_are_tokenized_once_per_request_on_a_parse_thread(engine, base, monkeypatch):
+    words = [f"w{uuid.uuid4().hex} x{i}" for i in range(3)]  # words no other request sent: not cached yet
+    calls = []
+    encode = engine.tokenizer.encode
+
+    def counting(*args, **kwargs):
+        calls.append(threading.current_thread().name)
+        return encode(*args, **kwargs)
+    monkeypatch.setattr(engine.tokenizer, "encode", counting)
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 4, "bad_words": words},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 4
+    assert len(calls) == 2 * len(words)  # each word alone and after a space, once (was 2 x 3 x n)
+    assert all(name.startswith("infer-parse") for name in calls), calls  # never the event loop or the engine
