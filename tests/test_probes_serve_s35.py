@@ -1,6 +1,7 @@
 """Probes of `infer serve`, session 35: a request's bad_words were tokenized again for every check and every choice
-(n), on the event loop and the engine thread (a body of long words
-with n=16 held /health for over a minute)."""
+(n), on the event loop and the engine thread (a body of long words with n=16 held /health for over a minute);
+with --data-parallel, bad_words, min_tokens with allowed_token_ids and a prompt over max_length were 500s (the
+driver's checks called engine methods its view of the replicas lacked)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ pytest.importorskip("fastapi")
 
 from infer.engine.config import EngineConfig  # noqa: E402
 from infer.engine.llm_engine import LLMEngine  # noqa: E402
+from infer.engine.sampling_params import SamplingParams  # noqa: E402
+from infer.engine.setup import load_tokenizer  # noqa: E402
+from infer.errors import RequestError  # noqa: E402
 from infer.models.tiny import ensure_builtin  # noqa: E402
 from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
@@ -59,3 +63,27 @@ def test_bad_words_are_tokenized_once_per_request_on_a_parse_thread(engine, base
     assert len(r.json()["choices"]) == 4
     assert len(calls) == 2 * len(words)  # each word alone and after a space, once (was 2 x 3 x n)
     assert all(name.startswith("infer-parse") for name in calls), calls  # never the event loop or the engine
+
+
+def _view(model: Path, **info):
+    from infer.parallel.serve_engine import ReplicaView
+    cfg = EngineConfig(str(model), block_size=4)
+    return ReplicaView(cfg, model, load_tokenizer(model), {"max_model_len": 64, "vocab_size": 512,
+                                                          "num_blocks": 100, "adapters": [], **info})
+
+
+@pytest.mark.parametrize("params, says", [
+    (SamplingParams(max_length=2), "max_length"),
+    (SamplingParams(min_tokens=1, allowed_token_ids=[2]), "min_tokens"),
+])
+def test_the_data_parallel_driver_refuses_what_an_engine_refuses(model, engine, params, says):
+    """ReplicaView.validate is LLMEngine.validate: every method it reaches is there, so a request an engine refuses
+    with a RequestError (a 400) is refused so by the driver too, not with an AttributeError (a 500)."""
+    view = _view(model, eos_token_ids=sorted(engine.eos_token_ids), model_limit=engine.model_limit)
+    assert 2 in engine.eos_token_ids
+    for target in (engine, view):
+        with pytest.raises(RequestError) as e:
+            target.validate([1, 2, 3], params)
+        assert says in str(e.value)
+    view.validate([1, 2, 3], SamplingParams(bad_words=["hello world"]))  # tokenized as the engine does
+    assert view.bad_word_ids(["hello world"]) == engine.bad_word_ids(["hello world"])

@@ -51,7 +51,8 @@ class Replica:
         return {"error": None, "host": socket.gethostname(), "pid": os.getpid(), "device": str(e.device),
                 "dtype": str(e.dtype).removeprefix("torch."), "num_blocks": e.memory_plan.num_blocks,
                 "max_model_len": e.max_model_len, "model": e.model_path.name,
-                "vocab_size": e.model_config.vocab_size,
+                "vocab_size": e.model_config.vocab_size, "model_limit": e.model_limit,
+                "eos_token_ids": sorted(e.eos_token_ids),
                 "adapters": sorted(e.lora_manager.names()) if e.lora_manager is not None else [],
                 "lora_enabled": e.lora_manager is not None}
 

@@ -67,6 +67,8 @@ class ReplicaView:
     def __init__(self, config, model_path, tokenizer, info: dict):
         self.config, self.model_path, self.tokenizer = config, model_path, tokenizer
         self.max_model_len = info["max_model_len"]
+        self.model_limit = info.get("model_limit", self.max_model_len)  # what validate's hints name
+        self.eos_token_ids = set(info.get("eos_token_ids", ()))  # what min_tokens bans (validate)
         self.model_config = type("ModelLimits", (), {"vocab_size": info["vocab_size"]})()
         self.block_manager = _Blocks(info["num_blocks"], config.block_size)
         self.lora_manager = _Adapters(info["adapters"]) if info["adapters"] or info.get("lora_enabled") else None
@@ -74,8 +76,12 @@ class ReplicaView:
         # to a replica's matchers)
         self.grammars = GrammarBackend(tokenizer, info["vocab_size"], [])
 
+    # LLMEngine's checks and what they call (a method validate reaches that is missing here was a 500)
     validate = LLMEngine.validate
     lora_slots = LLMEngine.lora_slots
+    bad_word_ids = LLMEngine.bad_word_ids
+    _min_tokens_ban = LLMEngine._min_tokens_ban
+    _longer_hint = LLMEngine._longer_hint
 
     def stats(self) -> dict:
         return {k: 0 for k in SUMMED} | {"kv_usage": 0.0, "prefix_cache_hit_rate": 0.0}
