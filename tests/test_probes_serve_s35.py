@@ -1,7 +1,8 @@
 """Probes of `infer serve`, session 35: a request's bad_words were tokenized again for every check and every choice
 (n), on the event loop and the engine thread (a body of long words with n=16 held /health for over a minute);
 with --data-parallel, bad_words, min_tokens with allowed_token_ids and a prompt over max_length were 500s (the
-driver's checks called engine methods its view of the replicas lacked)."""
+driver's checks called engine methods its view of the replicas lacked); an adapter path with a NUL byte, a name too
+long or ~user of no user made /v1/load_lora_adapter a 500."""
 
 from __future__ import annotations
 
@@ -87,3 +88,16 @@ def test_the_data_parallel_driver_refuses_what_an_engine_refuses(model, engine, 
         assert says in str(e.value)
     view.validate([1, 2, 3], SamplingParams(bad_words=["hello world"]))  # tokenized as the engine does
     assert view.bad_word_ids(["hello world"]) == engine.bad_word_ids(["hello world"])
+
+
+@pytest.mark.parametrize("path", ["adapters/a\x00b", "x" * 5000, "~no-such-user-s35/adapter"])
+def test_an_adapter_path_the_file_system_refuses_is_a_400_naming_lora_path(model, path):
+    """A NUL byte (ValueError), a name too long (OSError ENAMETOOLONG) or ~user of no user (RuntimeError) escaped
+    the adapter's checks: the load was a 500."""
+    engine = LLMEngine(EngineConfig(str(model), block_size=4, max_num_seqs=2, enable_lora=True, max_lora_rank=8))
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny", runtime_lora=True)) as url:
+        r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "s35", "lora_path": path}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "lora_path"
+        assert "cannot be read" in r.json()["error"]["message"]
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=60).json()["data"]] == ["tiny"]

@@ -516,9 +516,27 @@ def folder_stamp(path: Path) -> tuple:
     return tuple(out)
 
 
+def adapter_path(name: str, path: str | Path) -> Path:
+    """`path`, its ~ expanded, or LoRAError for a path the file system refuses outright: ~user of no user
+    (RuntimeError), a NUL byte in it (ValueError), a name longer than the file system allows, a folder it may not
+    read (OSError). Path.expanduser, exists and is_dir raise those instead of saying False, which made a server's
+    adapter load a 500; a path that is not there is read_config's "folder not found"."""
+    try:
+        path = Path(path).expanduser()
+    except RuntimeError as e:
+        raise _fail(name, Path(path), f"cannot be read: {e}", "write the folder's path without ~user") from None
+    try:
+        path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    except (OSError, ValueError) as e:
+        raise _fail(name, path, f"cannot be read: {e}", "pass the folder save_pretrained wrote") from None
+    return path
+
+
 def read_adapter(name: str, path: str | Path) -> LoRAAdapter:
     """Parse the folder; raises LoRAError only when it cannot be read (see the module docstring)."""
-    path = Path(path).expanduser()
+    path = adapter_path(name, path)
     stamp = folder_stamp(path)  # before reading: a change while it is read shows as a change later
     config = read_config(name, path)
     modules, problems = build_modules(config, read_tensors(name, path))

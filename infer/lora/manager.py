@@ -22,7 +22,7 @@ import torch
 
 from ..errors import LoRAError, LoRANameError
 from ..models.layers import MergedLinear
-from .adapter import LoRAAdapter, load_adapter
+from .adapter import LoRAAdapter, adapter_path, load_adapter
 from .batch import LoRABatch
 from .layer import LoRALayer
 
@@ -79,7 +79,7 @@ class LoRAManager:
             raise LoRANameError(
                 f"invalid LoRA adapter name {name!r}: it must be a non-empty string",
                 "e.g. --lora support=./adapters/support, or LLM.add_lora('support', './adapters/support')")
-        return self._read(name, Path(path).expanduser())
+        return self._read(name, adapter_path(name, path))
 
     def add(self, adapter: LoRAAdapter) -> None:
         """Register an adapter `load` returned; LoRAError if its name is taken by another folder."""
