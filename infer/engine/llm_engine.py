@@ -131,7 +131,11 @@ class LLMEngine:
         gives as many tokens starting with another one (the word in the middle of a sentence), so both are
         banned. RequestError for a word whose tokens the model cannot produce. Cached: a request's words were
         tokenized again by every check and for every choice (n), on the server's event loop and engine thread."""
-        return list(_bad_word_ids(self.tokenizer, self.model_config.vocab_size, tuple(words)))
+        cache = self.__dict__.get("_bad_words")  # this engine's (or ReplicaView's) own: its tokenizer goes with it
+        if cache is None:
+            cache = self._bad_words = functools.lru_cache(maxsize=BAD_WORDS_CACHE)(
+                functools.partial(_bad_word_ids, self.tokenizer, self.model_config.vocab_size))
+        return list(cache(tuple(words)))
 
     def _min_tokens_ban(self, params: SamplingParams) -> list[int]:
         """What min_tokens keeps from being sampled early: EOS (unless ignored) and the stop token ids (vLLM). A stop
@@ -533,9 +537,8 @@ class LLMEngine:
             self.runner.graphs.replays.clear()
 
 
-@functools.lru_cache(maxsize=BAD_WORDS_CACHE)
 def _bad_word_ids(tokenizer, vocab: int, words: tuple[str, ...]) -> list[list[int]]:
-    """LLMEngine.bad_word_ids, for the words of the last BAD_WORDS_CACHE requests that had some."""
+    """LLMEngine.bad_word_ids, uncached."""
     out: list[list[int]] = []
     for word in words:
         alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
