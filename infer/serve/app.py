@@ -63,7 +63,7 @@ class Server:
                                 defaults=self.sampling_defaults, grammars=self.engine.grammars,
                                 tool_parser=tool_parser, reasoning_parser=reasoning_parser,
                                 trust_template=trust_request_chat_template,
-                                bad_words=getattr(self.engine, "bad_word_ids", None))
+                                bad_words=getattr(self.engine, "bad_word_ids", None), max_prompts=aengine.max_queue)
 
     def stats(self) -> dict:
         return {**self.aengine.stats, "num_in_flight": self.aengine.num_in_flight(),
@@ -103,9 +103,7 @@ class Server:
     def submit(self, req: p.GenerationRequest, lora: str | None, base_id: str) -> tuple[asyncio.Queue, list[str]]:
         limit = self.aengine.max_queue
         if limit is not None and len(req.prompts) > limit:  # a 503 would make the client retry for ever
-            what = f"{len(req.prompts)} prompts" if req.n == 1 else f"{len(req.prompts)} choices (prompts x n)"
-            raise p.ApiError(400, f"this request has {what}, more than the {limit} requests the server lets wait "
-                                  "(--max-queue); send them in smaller requests", param="n" if req.n > 1 else "prompt")
+            raise p.too_many_choices(len(req.prompts) // req.n, req.n, limit)
         queue: asyncio.Queue = asyncio.Queue()
         ids = [f"{base_id}-{i}" for i in range(len(req.prompts))]
         done: list[str] = []

@@ -16,15 +16,22 @@ PARSE_THREADS = 2  # a big body does not hold up small ones; few enough that bod
 def parse_body(raw: bytes, chat: bool, tokenizer, limits: BodyLimits, max_tokens: int | None = None,
                defaults: dict | None = None, grammars=None, tool_parser: str | None = None,
                reasoning_parser: str | None = None, trust_template: bool = False,
-               bad_words=None) -> p.GenerationRequest:
+               bad_words=None, max_prompts: int | None = None) -> p.GenerationRequest:
     """The whole pipeline for one body (raises ApiError with a 4xx for anything a client can send); a prompt
     certainly longer than `max_tokens` (the context) is refused before it is tokenized; `defaults` fill the sampling
     fields it leaves out. A structured output is compiled here by `grammars` (the engine's GrammarBackend, which
     caches it), not on the engine's thread. `tool_parser`: the server's --tool-call-parser (serve/tools.py);
     `reasoning_parser`: its --reasoning-parser (serve/reasoning.py); `trust_template`: --trust-request-chat-template
     (a chat body's own chat_template is used). `bad_words`: the engine's bad_word_ids, which tokenizes the words here
-    (and caches them), not on the event loop or the engine's thread, which check and add every choice."""
+    (and caches them), not on the event loop or the engine's thread, which check and add every choice.
+    `max_prompts`: the server's --max-queue; a completion with more prompts (x n) is refused before its values are
+    walked and its prompts read (an 8 MB body of 1.9 million one-token prompts held a parse thread for a minute)."""
     body = load_json(raw, limits.max_json_depth)
+    if not chat and max_prompts is not None and isinstance(body, dict):
+        prompts, n = p.prompt_count(body.get("prompt")), body.get("n")
+        n = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= p.MAX_N else 1
+        if prompts * n > max_prompts:
+            raise p.too_many_choices(prompts, n, max_prompts)
     check_values(body)
     req = (p.parse_chat(body, tokenizer, max_tokens, defaults, tool_parser, reasoning_parser, trust_template) if chat
            else p.parse_completion(body, tokenizer, max_tokens, defaults))
@@ -67,10 +74,11 @@ def detokenize_body(raw: bytes, tokenizer, limits: BodyLimits, pool: "ParsePool"
 class ParsePool:
     def __init__(self, tokenizer, limits: BodyLimits, threads: int = PARSE_THREADS, max_tokens: int | None = None,
                  defaults: dict | None = None, grammars=None, tool_parser: str | None = None,
-                 reasoning_parser: str | None = None, trust_template: bool = False, bad_words=None):
+                 reasoning_parser: str | None = None, trust_template: bool = False, bad_words=None,
+                 max_prompts: int | None = None):
         self.tokenizer, self.limits, self.max_tokens, self.defaults = tokenizer, limits, max_tokens, defaults
         self.grammars, self.tool_parser, self.reasoning_parser = grammars, tool_parser, reasoning_parser
-        self.trust_template, self.bad_words = trust_template, bad_words
+        self.trust_template, self.bad_words, self.max_prompts = trust_template, bad_words, max_prompts
         self.max_token_id: int | None = None
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="infer-parse")
 
@@ -78,7 +86,8 @@ class ParsePool:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, parse_body, raw, chat, self.tokenizer, self.limits,
                                           self.max_tokens, self.defaults, self.grammars, self.tool_parser,
-                                          self.reasoning_parser, self.trust_template, self.bad_words)
+                                          self.reasoning_parser, self.trust_template, self.bad_words,
+                                          self.max_prompts)
 
     async def tokenize(self, raw: bytes, max_model_len: int) -> tuple[str | None, dict]:
         loop = asyncio.get_running_loop()

@@ -217,6 +217,20 @@ def _encode(tokenizer, prompt: str, max_tokens: int | None = None) -> list[int]:
         raise bad_request(e, param="prompt") from e
 
 
+def prompt_count(prompt: Any) -> int:
+    """How many prompts a completion's `prompt` field holds, from its shape alone (a list of strings or of token id
+    lists: its length; anything else: one, or a 400 later)."""
+    return len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1
+
+
+def too_many_choices(prompts: int, n: int, limit: int) -> ApiError:
+    """A request of more choices (prompts x n) than --max-queue lets wait: a 400 (a 503 would make the client retry
+    for ever)."""
+    what = f"{prompts} prompts" if n == 1 else f"{prompts * n} choices (prompts x n)"
+    return ApiError(400, f"this request has {what}, more than the {limit} requests the server lets wait "
+                         "(--max-queue); send them in smaller requests", param="n" if n > 1 else "prompt")
+
+
 def _completion_prompts(prompt: Any, tokenizer, max_tokens: int | None = None) -> list[list[int]]:
     if isinstance(prompt, str):
         return [_encode(tokenizer, prompt, max_tokens)]
