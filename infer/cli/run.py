@@ -7,6 +7,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -92,11 +93,8 @@ def _run_in_process(engine: EngineConfig, input: Path, output: Path | None, defa
                     resume: bool, resumable: bool, options: dict, quiet: bool) -> tuple[int, int]:
     """Load the engine, check every line against it, and generate what is still to do: (this run's failed lines,
     error records of this input's lines that the resumed output already held)."""
-    if strict:  # every line is read before the model loads: a bad file costs no load time
-        from ..engine.setup import load_tokenizer
-        from ..models.resolve import resolve_model
-        tokenizer = load_tokenizer(resolve_model(engine.model), engine.chat_template)
-        _strict_exit(read_inputs(input, tokenizer, defaults, model_names(engine), engine.max_model_len))
+    if strict:  # every line is read and checked before the model loads: a bad file costs no load time
+        _strict_exit(_prechecked_lines(engine, input, defaults))
     llm = _start_engine(engine, quiet)
     lines = _checked_lines(llm, input, defaults, strict, model_names(engine))
     todo, writer, earlier = open_output(lines, output, input, options, resume, resumable)
@@ -221,16 +219,42 @@ def _strict_exit(lines: list) -> None:
         raise ConfigError(f"{len(bad)} of {len(lines)} input lines are invalid (--strict)", "fix them and run again")
 
 
+def _prechecked_lines(engine: EngineConfig, input: Path, defaults: dict) -> list:
+    """--strict before the model loads: every line read, then checked by the engine's own checks (LLMEngine.validate,
+    on a view of what the engine will be: the model's vocabulary, context, EOS ids and adapter names) all in one
+    round. Only the KV cache's size, which the memory plan sets, is checked after the load (_checked_lines)."""
+    from ..engine.setup import eos_ids, load_tokenizer, model_max_len
+    from ..models.loader import load_config
+    from ..models.resolve import resolve_model
+    from ..parallel.serve_engine import ReplicaView
+    path = resolve_model(engine.model)
+    tokenizer = load_tokenizer(path, engine.chat_template)
+    lines = read_inputs(input, tokenizer, defaults, model_names(engine), engine.max_model_len)
+    config = load_config(path)
+    limit = model_max_len(config, replace(engine, max_model_len=None))
+    view = ReplicaView(engine, path, tokenizer, {
+        "max_model_len": model_max_len(config, engine), "model_limit": limit, "vocab_size": config.vocab_size,
+        "eos_token_ids": sorted(eos_ids(path, config, tokenizer)), "num_blocks": sys.maxsize,
+        "adapters": sorted(engine.loras), "lora_enabled": engine.enable_lora})
+    _validate_lines(view, lines)
+    return lines
+
+
+def _validate_lines(engine, lines: list) -> None:
+    """Each line's request checked by `engine.validate`: one that can never run becomes that line's error."""
+    for item in lines:
+        if item.request is not None:
+            try:
+                engine.validate(item.request.prompt_token_ids, item.request.params, item.request.lora)
+            except RequestError as e:
+                item.request, item.error = None, f"line {item.line_no}: {e}"
+
+
 def _checked_lines(llm, input: Path, defaults: dict, strict: bool, names) -> list:
     """Every input line, parsed and checked against the engine: a request that can never run is an error now,
     not in the middle of the run. With --strict, any bad line stops the run before generating."""
     lines = read_inputs(input, llm.tokenizer, defaults, names, llm.max_model_len)
-    for item in lines:
-        if item.request is not None:
-            try:
-                llm.validate(item.request.prompt_token_ids, item.request.params, item.request.lora)
-            except RequestError as e:
-                item.request, item.error = None, f"line {item.line_no}: {e}"
+    _validate_lines(llm, lines)
     if strict:
         _strict_exit(lines)
     return lines
