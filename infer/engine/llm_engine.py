@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import numbers
 import time
 from dataclasses import replace
 
@@ -26,6 +27,29 @@ from .structured import DEAD_HINT, GrammarBackend, allows_any
 log = logging.getLogger("infer")
 # requests whose bad_words stay tokenized (their ids are shared, read-only, by every choice that bans them)
 BAD_WORDS_CACHE = 16
+
+
+def request_inputs(prompt_token_ids, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
+    """add_request's prompt as a list of int token ids (a tuple, a 1-D numpy array or tensor, numpy integers taken
+    too) and its params (None: the defaults); RequestError for text, bools, floats or params of another type, which
+    reached the checks below as a bare TypeError or as a token id "outside the vocabulary"."""
+    if params is None:
+        params = SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}",
+                           "e.g. SamplingParams(max_new_tokens=32)")
+    if isinstance(prompt_token_ids, str):
+        raise RequestError("LLMEngine takes a prompt as token ids, not text",
+                           "encode it with engine.tokenizer first, or use LLM.generate, which takes text")
+    if not isinstance(prompt_token_ids, (list, tuple)) and hasattr(prompt_token_ids, "tolist"):
+        prompt_token_ids = prompt_token_ids.tolist()  # a numpy array or a torch tensor
+    if not isinstance(prompt_token_ids, (list, tuple)):
+        raise RequestError(f"the prompt must be a list of token ids, got {type(prompt_token_ids).__name__}")
+    bad = [t for t in prompt_token_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    if bad:
+        raise RequestError(f"the prompt's token ids must be integers, got {bad[0]!r} ({type(bad[0]).__name__})",
+                           "give a list of ints")
+    return [int(t) for t in prompt_token_ids], params
 
 
 class LLMEngine:
@@ -97,13 +121,13 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     lora: str | None = None) -> None:
         self._check_open()
-        params = params or SamplingParams()
+        prompt_token_ids, params = request_inputs(prompt_token_ids, params)
         request_id = str(request_id)
         old = self.requests.get(request_id)
         if old is not None and not old.finished:
             raise RequestError(f"request id {request_id!r} is already running", "give every request its own id")
         params = params.checked()  # the request's own copy, checked again: the caller may have changed its object
-        if params.truncate_prompt_tokens is not None and isinstance(prompt_token_ids, (list, tuple)):
+        if params.truncate_prompt_tokens is not None:
             keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
             prompt_token_ids = list(prompt_token_ids)[-keep:]  # the last k (-1: the context's worth), as vLLM
         self.validate(prompt_token_ids, params, lora)
@@ -162,6 +186,7 @@ class LLMEngine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, lora: str | None = None) -> None:
         """Raise RequestError if this request can never run."""
+        prompt_token_ids, params = request_inputs(prompt_token_ids, params)
         params = params.checked()  # fields set after construction are checked too
         if params.n > 1:
             raise RequestError(f"n={params.n}: an engine request is one sample",
