@@ -57,3 +57,39 @@ def test_engine_add_request_refuses_what_is_not_a_request_with_a_request_error(e
     with pytest.raises(RequestError, match=match):
         engine.validate(prompt, params)
     assert _idle(engine)
+
+
+# ------------------------------------------------------------------ vLLM's prompt dicts
+from infer.engine.llm import LLM  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM("tiny-llama", max_model_len=64) as llm:
+        yield llm
+
+
+def test_vllm_prompt_dicts_are_prompts(llm):
+    """vLLM's {"prompt": text} and {"prompt_token_ids": ids} (TextPrompt, TokensPrompt) were read as chat messages
+    ("messages must be a list of {role, content} objects"), or refused as one prompt of type dict."""
+    ids = llm.tokenizer("hi")["input_ids"]
+    want = llm.generate("hi", P)[0].token_ids
+    got = llm.generate([{"prompt": "hi"}, {"prompt_token_ids": ids}, {"prompt_token_ids": np.array(ids)}, ids], P)
+    assert [o.token_ids for o in got] == [want] * 4
+    assert llm.generate({"prompt": "hi"}, P)[0].token_ids == want
+    assert llm.generate({"prompt_token_ids": ids}, P)[0].prompt_token_ids == ids
+    assert [i for i, _, o in llm.stream([{"prompt": "hi"}, {"prompt": "yo"}], P) if o.finished] == [0, 1]
+    assert llm.generate([{"role": "user", "content": "hi"}], P)[0].prompt_token_ids != ids  # chat messages still
+
+
+@pytest.mark.parametrize("prompt,match", [
+    ({"prompt": "hi", "prompt_token_ids": [5]}, "both prompt and prompt_token_ids"),
+    ({"prompt": "hi", "multi_modal_data": {}}, "'multi_modal_data', which infer does not take"),
+    ({"prompt": [5, 6]}, '"prompt" must be text, got list'),
+    ({"prompt_token_ids": "hi"}, '"prompt_token_ids" must be a list of token ids, got str'),
+    ({"prompt_token_ids": []}, "the prompt is empty"),
+])
+def test_a_bad_prompt_dict_says_what_is_wrong_and_queues_nothing(llm, prompt, match):
+    with pytest.raises(RequestError, match=match):
+        llm.generate(["hi", prompt], P)
+    assert llm.engine.block_manager.num_used_blocks == 0 and not llm.engine.scheduler.has_unfinished()

@@ -18,7 +18,7 @@ from .llm_engine import LLMEngine
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 
-Prompt = str | list[int] | list[dict]  # text, token ids, or chat messages
+Prompt = str | list[int] | list[dict] | dict  # text, token ids, chat messages, or vLLM's {"prompt": ...} dict
 
 
 def _check_options(options: dict) -> None:
@@ -97,9 +97,12 @@ class LLM:
     def _encode(self, prompt: Prompt, i: int, truncated: bool = False, template: dict | None = None) -> list[int]:
         # a text certainly longer than the context is refused untokenized, unless the request keeps only its end
         most = None if truncated else self._engine().max_model_len
-        if isinstance(prompt, str):
+        ids = False
+        if _is_prompt_dict(prompt):  # vLLM's {"prompt": text} or {"prompt_token_ids": ids}
+            prompt, ids = _dict_prompt(prompt, i)
+        if isinstance(prompt, str) and not ids:
             return encode_prompt(self.tokenizer, prompt=prompt, max_tokens=most)
-        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt) and not ids:
             return encode_prompt(self.tokenizer, messages=list(prompt), max_tokens=most, template=template)
         if _is_array(prompt):  # a numpy array or torch tensor of token ids
             prompt = prompt.tolist()
@@ -122,8 +125,9 @@ class LLM:
             prompts = prompts.tolist()
         elif not isinstance(prompts, (str, list, tuple, dict, *_BYTES)) and hasattr(prompts, "__iter__"):
             prompts = list(prompts)  # a generator or another iterable of prompts (bytes iterate as ints: refused)
-        if isinstance(prompts, str) or (prompts and isinstance(prompts, (list, tuple))
-                                        and (isinstance(prompts[0], dict) or _token_id(prompts[0]) is not None)):
+        if isinstance(prompts, str) or _is_prompt_dict(prompts) or (
+                prompts and isinstance(prompts, (list, tuple)) and not _is_prompt_dict(prompts[0])
+                and (isinstance(prompts[0], dict) or _token_id(prompts[0]) is not None)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise RequestError(f"prompts must be a string, a list of token ids, chat messages, or a list of those; "
@@ -339,6 +343,33 @@ def _token_id(x) -> int | None:
     if isinstance(x, numbers.Integral) and not isinstance(x, bool):
         return int(x)
     return None
+
+
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _is_prompt_dict(x) -> bool:
+    """vLLM's TextPrompt {"prompt": text} or TokensPrompt {"prompt_token_ids": ids}, not a chat message (a role)."""
+    return isinstance(x, dict) and "role" not in x and any(k in x for k in _PROMPT_KEYS)
+
+
+def _dict_prompt(prompt: dict, i: int) -> tuple[object, bool]:
+    """(the text or token ids of a prompt dict, whether they are token ids); RequestError for keys infer does not
+    take (vLLM's multi_modal_data...) or both keys."""
+    other = sorted(set(prompt) - set(_PROMPT_KEYS), key=str)
+    if other:
+        raise RequestError(f"prompt {i} has {', '.join(map(repr, other))}, which infer does not take",
+                           'give {"prompt": text} or {"prompt_token_ids": [ids]}')
+    if len(prompt) != 1:
+        raise RequestError(f"prompt {i} has both prompt and prompt_token_ids", "give one of them")
+    key, value = next(iter(prompt.items()))
+    if key == "prompt" and not isinstance(value, str):
+        raise RequestError(f"prompt {i}'s \"prompt\" must be text, got {type(value).__name__}",
+                           'give token ids as {"prompt_token_ids": [ids]}')
+    if key == "prompt_token_ids" and isinstance(value, (str, dict)):
+        raise RequestError(f"prompt {i}'s \"prompt_token_ids\" must be a list of token ids, got {type(value).__name__}",
+                           'give text as {"prompt": text}')
+    return value, key == "prompt_token_ids"
 
 
 def _of(i: int, n: int) -> str:
