@@ -93,3 +93,15 @@ def test_a_bad_prompt_dict_says_what_is_wrong_and_queues_nothing(llm, prompt, ma
     with pytest.raises(RequestError, match=match):
         llm.generate(["hi", prompt], P)
     assert llm.engine.block_manager.num_used_blocks == 0 and not llm.engine.scheduler.has_unfinished()
+
+
+# ------------------------------------------------------------------ engine options given as numpy numbers
+def test_engine_options_take_numpy_numbers():
+    """LLM(model, max_model_len=np.int64(64)) was refused: "--max-model-len must be an integer, got np.int64(64)"
+    (SamplingParams takes numpy numbers)."""
+    config = EngineConfig("tiny-llama", max_model_len=np.int64(64), seed=np.int32(3), max_num_seqs=np.uint8(8),
+                          gpu_memory_utilization=np.float32(0.5))
+    assert (config.max_model_len, config.seed, config.max_num_seqs) == (64, 3, 8)
+    assert type(config.max_model_len) is int and type(config.gpu_memory_utilization) is float
+    with pytest.raises(Exception, match="must be an integer, got True"):
+        EngineConfig("tiny-llama", max_model_len=True)

@@ -7,6 +7,7 @@ shared by run / serve / bench / warmup. Fields without `help` metadata are API-o
 
 from __future__ import annotations
 
+import numbers
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -190,6 +191,13 @@ class EngineConfig:
     max_cpu_loras: int | None = option(None, "Adapters kept in CPU memory (default: all registered).", panel=LORA)
 
     def __post_init__(self) -> None:
+        for name in RANGES:  # a numpy integer is an integer (it was refused as "must be an integer, got np.int64(8)")
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                setattr(self, name, int(value))
+        util = self.gpu_memory_utilization
+        if isinstance(util, numbers.Real) and not isinstance(util, bool):
+            self.gpu_memory_utilization = float(util)  # a numpy float32 too
         self.memory_limit = parse_size(self.memory_limit, "--memory-limit")
         self.loras = parse_loras(self.loras)
         self.chat_template = load_chat_template(self.chat_template)
