@@ -105,3 +105,19 @@ def test_engine_options_take_numpy_numbers():
     assert type(config.max_model_len) is int and type(config.gpu_memory_utilization) is float
     with pytest.raises(Exception, match="must be an integer, got True"):
         EngineConfig("tiny-llama", max_model_len=True)
+
+
+# ------------------------------------------------------------------ vLLM fields spelled out at their defaults
+@pytest.mark.parametrize("kwargs", [{"spaces_between_special_tokens": True}, {"best_of": None}, {"best_of": 1},
+                                    {"use_beam_search": False}])
+def test_vllm_fields_infer_lacks_are_taken_at_their_defaults(kwargs):
+    """vLLM code that spells a default out (SamplingParams(..., spaces_between_special_tokens=True)) was refused:
+    "SamplingParams has no field ... (infer does not support it)"."""
+    assert SamplingParams(max_tokens=3, **kwargs) == SamplingParams(max_tokens=3)
+
+
+@pytest.mark.parametrize("kwargs", [{"spaces_between_special_tokens": False}, {"best_of": 2}, {"best_of": True},
+                                    {"use_beam_search": True}])
+def test_vllm_fields_infer_lacks_are_refused_at_other_values(kwargs):
+    with pytest.raises(RequestError, match="infer does not support it: only .* is taken"):
+        SamplingParams(**kwargs)

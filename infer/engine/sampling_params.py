@@ -196,7 +196,10 @@ class SamplingParams:
 _OTHER_NAMES = {"max_completion_tokens": "max_new_tokens", "top_logprobs": "logprobs", "min_new_tokens": "min_tokens",
                 "guided_decoding": "structured_outputs (vLLM's newer name; its fields are the same)",
                 "do_sample": "temperature > 0 (0, the default, is greedy)"}
-_UNSUPPORTED = ("best_of", "spaces_between_special_tokens", "use_beam_search", "num_beams")
+# vLLM's fields infer does not implement -> the values that change nothing (vLLM's defaults), which are taken, so that
+# vLLM code spelling a default out (spaces_between_special_tokens=True, best_of=None) runs unchanged
+_UNSUPPORTED = {"best_of": (None, 1), "spaces_between_special_tokens": (True,), "use_beam_search": (False,),
+                "num_beams": (1,)}
 
 
 def _refuse_unknown_names(init):
@@ -212,13 +215,17 @@ def _refuse_unknown_names(init):
                 raise RequestError("SamplingParams got both max_tokens and max_new_tokens",
                                    "they are the same field (max_tokens is vLLM's name for it): give one")
             kwargs["max_new_tokens"] = kwargs.pop("max_tokens")
-        for key in kwargs:
+        for key in list(kwargs):
             if key in names:
                 continue
             if key in _OTHER_NAMES:
                 hint = f"infer spells it {_OTHER_NAMES[key]}"
             elif key in _UNSUPPORTED:
-                hint = "infer does not support it"
+                value, defaults = kwargs[key], _UNSUPPORTED[key]
+                if any(value is d or (type(value) is type(d) and value == d) for d in defaults):
+                    del kwargs[key]  # the default: nothing to do
+                    continue
+                hint = f"infer does not support it: only {' or '.join(map(repr, defaults))} (vLLM's default) is taken"
             else:
                 hint = f"the fields are {', '.join(sorted(names))}"
             raise RequestError(f"SamplingParams has no field {key!r}", hint)
