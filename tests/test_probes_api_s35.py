@@ -121,3 +121,15 @@ def test_vllm_fields_infer_lacks_are_taken_at_their_defaults(kwargs):
 def test_vllm_fields_infer_lacks_are_refused_at_other_values(kwargs):
     with pytest.raises(RequestError, match="infer does not support it: only .* is taken"):
         SamplingParams(**kwargs)
+
+
+# ------------------------------------------------------------------ a repetition penalty that overflows the logits
+@pytest.mark.parametrize("penalty", [1e-300, 1e-45, 0.005])
+def test_a_repetition_penalty_near_zero_is_refused_not_blamed_on_the_model(llm, penalty):
+    """repetition_penalty=1e-300 passed the (0, 100] check, divided the seen tokens' logits to inf, and the request
+    ended with finish_reason error: "the model's logits ... were not finite ... the model overflowed on it"."""
+    with pytest.raises(RequestError, match=r"repetition_penalty must be in \[0.01, 100\]"):
+        SamplingParams(repetition_penalty=penalty)
+    out = llm.generate([[5, 17, 99, 5, 17]], SamplingParams(max_new_tokens=3, repetition_penalty=0.01,
+                                                            temperature=1.0, seed=1))[0]
+    assert out.finish_reason == "length" and out.error is None

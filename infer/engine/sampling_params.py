@@ -21,6 +21,7 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024
 MAX_ALLOWED_TOKEN_IDS = 16384
 MAX_BAD_WORDS = 256  # each is matched against the reply's end at every step of the request
+MIN_REPETITION_PENALTY = 0.01  # 1 / the largest (100): a seen token's logit is scaled by at most 100 either way
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 
 
@@ -82,8 +83,10 @@ class SamplingParams:
             (0 <= self.temperature <= 100, f"temperature must be in [0, 100], got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 <= self.top_k <= MAX_TOKENS, f"top_k must be in 0..{MAX_TOKENS} (0 or -1 = off), got {self.top_k}"),
-            (0 < self.repetition_penalty <= 100, f"repetition_penalty must be in (0, 100], got "
-                                                 f"{self.repetition_penalty}"),
+            # below 1/100 a seen token's logit is multiplied past what the upper bound allows the other way; near 0
+            # it overflows to inf and the request ended as if the model had (finish_reason error, "not finite")
+            (MIN_REPETITION_PENALTY <= self.repetition_penalty <= 100,
+             f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, 100], got {self.repetition_penalty}"),
             (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
