@@ -133,3 +133,11 @@ def test_a_repetition_penalty_near_zero_is_refused_not_blamed_on_the_model(llm, 
     out = llm.generate([[5, 17, 99, 5, 17]], SamplingParams(max_new_tokens=3, repetition_penalty=0.01,
                                                             temperature=1.0, seed=1))[0]
     assert out.finish_reason == "length" and out.error is None
+
+
+@pytest.mark.parametrize("config", ["tiny-llama", {"model": "tiny-llama"}, None])
+def test_an_engine_made_from_something_else_than_an_engine_config_says_so(config):
+    """LLMEngine("tiny-llama") failed with AttributeError: 'str' object has no attribute 'model'."""
+    from infer.errors import ConfigError
+    with pytest.raises(ConfigError, match="LLMEngine takes an EngineConfig"):
+        LLMEngine(config)

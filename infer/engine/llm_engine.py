@@ -11,7 +11,7 @@ from dataclasses import replace
 import torch
 
 from .. import kernels
-from ..errors import ClosedError, LoRAError, LoRANameError, RequestError
+from ..errors import ClosedError, ConfigError, LoRAError, LoRANameError, RequestError
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import Detokenizer
@@ -55,6 +55,9 @@ def request_inputs(prompt_token_ids, params: SamplingParams | None) -> tuple[lis
 class LLMEngine:
     def __init__(self, config: EngineConfig, parts=None):
         """`parts` (an engine.setup.EngineParts) serves an in-memory model; by default config.model is loaded."""
+        if not isinstance(config, EngineConfig):  # LLMEngine("tiny-llama") was "'str' object has no attribute 'model'"
+            raise ConfigError(f"LLMEngine takes an EngineConfig, got {type(config).__name__}",
+                              "LLMEngine(EngineConfig(\"MODEL\", max_model_len=...)), or LLM(\"MODEL\", ...)")
         self.config = config
         parts = parts if parts is not None else load_engine_parts(config)
         self.model_path, self.model_config, self.tokenizer = parts.path, parts.model_config, parts.tokenizer
