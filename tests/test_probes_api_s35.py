@@ -141,3 +141,32 @@ def test_an_engine_made_from_something_else_than_an_engine_config_says_so(config
     from infer.errors import ConfigError
     with pytest.raises(ConfigError, match="LLMEngine takes an EngineConfig"):
         LLMEngine(config)
+
+
+# ------------------------------------------------------------------ validate() keeps what add_request() keeps
+def test_validate_takes_a_long_prompt_that_truncate_prompt_tokens_cuts(engine):
+    """add_request cut the prompt to its last truncate_prompt_tokens tokens and ran it; validate (what `infer run
+    --strict` and a data-parallel replica check first) refused it for its whole length."""
+    long = [5] * 100
+    for keep in (10, 63):
+        engine.validate(long, SamplingParams(max_new_tokens=3, truncate_prompt_tokens=keep))
+    with pytest.raises(RequestError, match="the prompt has 64 tokens, which leaves no room"):
+        engine.validate(long, SamplingParams(max_new_tokens=3, truncate_prompt_tokens=-1))  # as add_request
+    with pytest.raises(RequestError, match="the prompt has 100 tokens"):
+        engine.validate(long, SamplingParams(max_new_tokens=3))
+
+
+def test_run_strict_runs_a_line_that_truncate_prompt_tokens_makes_fit(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    line = {"id": "t", "prompt_token_ids": [5] * 100, "truncate_prompt_tokens": 10, "max_new_tokens": 3}
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps(line) + "\n")
+    res = CliRunner().invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q", "--strict",
+                                   "--max-model-len", "64"])
+    assert res.exit_code == 0, res.output
+    record = json.loads(out.read_text())
+    assert record["finish_reason"] == "length" and len(record["token_ids"]) == 3

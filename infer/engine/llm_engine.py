@@ -52,6 +52,15 @@ def request_inputs(prompt_token_ids, params: SamplingParams | None) -> tuple[lis
     return [int(t) for t in prompt_token_ids], params
 
 
+def truncated(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """The prompt's last truncate_prompt_tokens tokens (-1: the context's worth), as vLLM keeps them. A function, not
+    a method: validate runs on views of an engine too (parallel.serve_engine.ReplicaView)."""
+    if params.truncate_prompt_tokens is None:
+        return prompt_token_ids
+    keep = max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+    return prompt_token_ids[-keep:]
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, parts=None):
         """`parts` (an engine.setup.EngineParts) serves an in-memory model; by default config.model is loaded."""
@@ -130,9 +139,7 @@ class LLMEngine:
         if old is not None and not old.finished:
             raise RequestError(f"request id {request_id!r} is already running", "give every request its own id")
         params = params.checked()  # the request's own copy, checked again: the caller may have changed its object
-        if params.truncate_prompt_tokens is not None:
-            keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
-            prompt_token_ids = list(prompt_token_ids)[-keep:]  # the last k (-1: the context's worth), as vLLM
+        prompt_token_ids = truncated(prompt_token_ids, params, self.max_model_len)
         self.validate(prompt_token_ids, params, lora)
         cap = min(self.max_model_len, params.max_length or self.max_model_len)
         key = self.lora_manager.cache_key(lora) if self.lora_manager is not None else None
@@ -188,9 +195,12 @@ class LLMEngine:
         return f"shorten the prompt: {limit} tokens is the model's limit"
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, lora: str | None = None) -> None:
-        """Raise RequestError if this request can never run."""
+        """Raise RequestError if this request can never run (add_request would refuse it)."""
         prompt_token_ids, params = request_inputs(prompt_token_ids, params)
         params = params.checked()  # fields set after construction are checked too
+        # the prompt add_request keeps: a prompt longer than the context with truncate_prompt_tokens runs (the
+        # checks of `infer run --strict` and of a data-parallel replica refused it for its whole length)
+        prompt_token_ids = truncated(prompt_token_ids, params, self.max_model_len)
         if params.n > 1:
             raise RequestError(f"n={params.n}: an engine request is one sample",
                                "LLM.generate, LLM.chat and the server fan n out; with LLMEngine, add one request "
