@@ -170,3 +170,23 @@ def test_run_strict_runs_a_line_that_truncate_prompt_tokens_makes_fit(tmp_path):
     assert res.exit_code == 0, res.output
     record = json.loads(out.read_text())
     assert record["finish_reason"] == "length" and len(record["token_ids"]) == 3
+
+
+# ------------------------------------------------------------------ vLLM's keyword names of generate / chat / stream
+def test_vllm_keywords_of_generate_chat_and_stream(llm):
+    """llm.generate(prompts, sampling_params=sp, use_tqdm=False), as vLLM code calls it, was a bare TypeError
+    (unexpected keyword argument 'sampling_params')."""
+    sp = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    want = llm.generate(["hi"], sp)[0].token_ids
+    assert llm.generate(["hi"], sampling_params=sp, use_tqdm=False)[0].token_ids == want
+    assert llm.generate(prompts=["hi"], sampling_params=[sp])[0].token_ids == want
+    chat = [{"role": "user", "content": "hi"}]
+    assert llm.chat(chat, sampling_params=sp, use_tqdm=False)[0].token_ids == llm.chat(chat, sp)[0].token_ids
+    assert [o.token_ids for _, _, o in llm.stream(["hi"], sampling_params=sp) if o.finished] == [want]
+    with pytest.raises(RequestError, match="got both params and sampling_params"):
+        llm.generate(["hi"], sp, sampling_params=sp)
+    with pytest.raises(RequestError, match="lora_request .* is not taken.*lora=NAME"):
+        llm.generate(["hi"], sp, lora_request=object())
+    with pytest.raises(TypeError):  # any other keyword is still Python's own error
+        llm.generate(["hi"], sp, max_tokens=3)
+    assert llm.engine.block_manager.num_used_blocks == 0 and not llm.engine.scheduler.has_unfinished()

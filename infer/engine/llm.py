@@ -6,6 +6,7 @@ so no call consumes another's outputs."""
 
 from __future__ import annotations
 
+import functools
 import numbers
 import threading
 import weakref
@@ -33,6 +34,26 @@ def _check_options(options: dict) -> None:
         raise UnknownOptionError(f"LLM() has no option {', '.join(map(repr, unknown))}",
                                  (f"did you mean {near[0]!r}? " if near else "") +
                                  f"its options are EngineConfig's: {', '.join(known)}")
+
+
+def _vllm_keywords(method):
+    """vLLM's keywords for generate / chat / stream: `sampling_params` is taken for params (both given: refused),
+    `use_tqdm` is taken and ignored (infer shows no progress bar), and `lora_request` (a vLLM LoRARequest) is
+    refused saying how infer names an adapter. They were Python's bare TypeError."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if "sampling_params" in kwargs:
+            if "params" in kwargs or len(args) >= 2:
+                raise RequestError(f"{method.__name__}() got both params and sampling_params",
+                                   "they are the same argument (sampling_params is vLLM's name for it): give one")
+            kwargs["params"] = kwargs.pop("sampling_params")
+        kwargs.pop("use_tqdm", None)
+        if "lora_request" in kwargs:
+            raise RequestError("lora_request (vLLM's LoRARequest) is not taken: infer names adapters",
+                               "pass lora=NAME, an adapter of LLM(..., loras={NAME: PATH}) or of llm.add_lora(NAME, "
+                               "PATH)")
+        return method(self, *args, **kwargs)
+    return call
 
 
 class LLM:
@@ -233,6 +254,7 @@ class LLM:
         self._failed -= dropped
         return [out for out in outputs if out.request_id not in dropped]
 
+    @_vllm_keywords
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  lora: str | list[str | None] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion (batched together); outputs in the order of the prompts. With
@@ -270,6 +292,7 @@ class LLM:
             self._forget(ids)
         return [done[i] for i in ids]
 
+    @_vllm_keywords
     def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None,
              lora: str | list[str | None] | None = None, *, chat_template_kwargs: dict | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -298,6 +321,7 @@ class LLM:
             template["tools"] = list(tools)
         return self._samples(self._run(self._submit(list(convs), params, lora, template)), params)
 
+    @_vllm_keywords
     def stream(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                lora: str | list[str | None] | None = None) -> Iterator[tuple[int, str, RequestOutput]]:
         """Yield (prompt index, text delta, output) as tokens arrive; the last event of a prompt has finished set.
