@@ -190,3 +190,13 @@ def test_vllm_keywords_of_generate_chat_and_stream(llm):
     with pytest.raises(TypeError):  # any other keyword is still Python's own error
         llm.generate(["hi"], sp, max_tokens=3)
     assert llm.engine.block_manager.num_used_blocks == 0 and not llm.engine.scheduler.has_unfinished()
+
+
+# ------------------------------------------------------------------ text fields of SamplingParams that are not Unicode
+@pytest.mark.parametrize("field", ["bad_words", "stop"])
+def test_a_lone_surrogate_in_bad_words_or_stop_is_a_request_error(llm, field):
+    """bad_words=["\\ud800"] reached the tokenizer when the request was added: TypeError (TextEncodeInput must be
+    Union[...]); a stop string with one could never match."""
+    with pytest.raises(RequestError, match=f"{field} contains an unpaired surrogate"):
+        SamplingParams(**{field: ["ok", "a\ud800"]})
+    assert SamplingParams(**{field: ["\U0001F600"]})  # a character outside the BMP is fine

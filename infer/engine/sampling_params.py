@@ -7,6 +7,7 @@ import math
 import numbers
 from dataclasses import dataclass, field, fields, replace
 
+from ..checks import check_text
 from ..errors import RequestError
 from .structured import StructuredOutputsParams
 
@@ -127,6 +128,8 @@ class SamplingParams:
         for ok, msg in checks:
             if not ok:
                 raise RequestError(msg)
+        check_text(self.stop, "stop")  # a lone surrogate: the tokenizer's TypeError when bad_words were encoded
+        check_text(self.bad_words, "bad_words")
         self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
         if self.structured_outputs is not None:
             self._check_structured()
