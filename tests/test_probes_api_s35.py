@@ -200,3 +200,15 @@ def test_a_lone_surrogate_in_bad_words_or_stop_is_a_request_error(llm, field):
     with pytest.raises(RequestError, match=f"{field} contains an unpaired surrogate"):
         SamplingParams(**{field: ["ok", "a\ud800"]})
     assert SamplingParams(**{field: ["\U0001F600"]})  # a character outside the BMP is fine
+
+
+def test_a_closed_engine_has_no_unfinished_requests():
+    """An abort whose output no step had handed out yet kept has_unfinished_requests() true after close(), so a loop
+    `while engine.has_unfinished_requests(): engine.step()` met ClosedError instead of ending."""
+    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=64))
+    engine.add_request("a", [1, 2, 3], P)
+    engine.step()
+    engine.abort_request("a")
+    engine.add_request("b", [1, 2, 3], P)
+    engine.close()
+    assert not engine.has_unfinished_requests()

@@ -504,6 +504,7 @@ class LLMEngine:
         if runner is None:
             return
         self._inflight = None  # a step still on the device is dropped with everything else
+        self._aborted, self._carried = [], []  # outputs no step will hand out: nothing is unfinished any more
         for s in list(self.requests.values()):
             self.scheduler.finish(s, "abort")
         self.requests.clear()
