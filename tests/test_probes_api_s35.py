@@ -212,3 +212,17 @@ def test_a_closed_engine_has_no_unfinished_requests():
     engine.add_request("b", [1, 2, 3], P)
     engine.close()
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("ids", [["a", "b"], ("a", "b"), {"a", "b"}], ids=["list", "tuple", "set"])
+def test_abort_request_takes_several_ids_as_vllm_s_does(engine, ids):
+    """abort_request(["a", "b"]) looked up the one id "['a', 'b']" and aborted nothing: both ran to the end."""
+    for rid in ("a", "b", "c"):
+        engine.add_request(rid, [5, 6, 7], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    engine.step()
+    engine.abort_request(ids)
+    reasons = {}
+    while engine.has_unfinished_requests():
+        reasons.update({o.request_id: o.finish_reason for o in engine.step() if o.finished})
+    assert reasons == {"a": "abort", "b": "abort", "c": "length"}
+    assert _idle(engine)

@@ -6,6 +6,7 @@ import functools
 import logging
 import numbers
 import time
+from collections.abc import Iterable
 from dataclasses import replace
 
 import torch
@@ -248,7 +249,13 @@ class LLMEngine:
                     "--enable-lora to add them while it runs (LLM.add_lora)") if self.lora_manager is None else "none"
             raise RequestError(f"unknown LoRA adapter {lora!r}", f"registered adapters: {', '.join(known) or none}")
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Stop the request (or each of an iterable of ids, as vLLM's abort_request takes them; a list was read as
+        one id, "['a', 'b']", and nothing was aborted); unknown or finished ids are ignored."""
+        if not isinstance(request_id, (str, bytes)) and isinstance(request_id, Iterable):
+            for rid in list(request_id):
+                self.abort_request(rid)
+            return
         seq = self.requests.get(str(request_id))
         if seq is not None and not seq.finished:
             self.scheduler.finish(seq, "abort")
