@@ -109,7 +109,8 @@ def test_engine_options_take_numpy_numbers():
 
 # ------------------------------------------------------------------ vLLM fields spelled out at their defaults
 @pytest.mark.parametrize("kwargs", [{"spaces_between_special_tokens": True}, {"best_of": None}, {"best_of": 1},
-                                    {"use_beam_search": False}])
+                                    {"use_beam_search": False}, {"detokenize": True}, {"logits_processors": None},
+                                    {"extra_args": None}, {"guided_decoding": None}])
 def test_vllm_fields_infer_lacks_are_taken_at_their_defaults(kwargs):
     """vLLM code that spells a default out (SamplingParams(..., spaces_between_special_tokens=True)) was refused:
     "SamplingParams has no field ... (infer does not support it)"."""
@@ -117,10 +118,12 @@ def test_vllm_fields_infer_lacks_are_taken_at_their_defaults(kwargs):
 
 
 @pytest.mark.parametrize("kwargs", [{"spaces_between_special_tokens": False}, {"best_of": 2}, {"best_of": True},
-                                    {"use_beam_search": True}])
+                                    {"use_beam_search": True}, {"detokenize": False}, {"logits_processors": [abs]}])
 def test_vllm_fields_infer_lacks_are_refused_at_other_values(kwargs):
     with pytest.raises(RequestError, match="infer does not support it: only .* is taken"):
         SamplingParams(**kwargs)
+    with pytest.raises(RequestError, match="infer spells it structured_outputs"):
+        SamplingParams(guided_decoding={"regex": "a"})
 
 
 # ------------------------------------------------------------------ a repetition penalty that overflows the logits

@@ -205,7 +205,7 @@ _OTHER_NAMES = {"max_completion_tokens": "max_new_tokens", "top_logprobs": "logp
 # vLLM's fields infer does not implement -> the values that change nothing (vLLM's defaults), which are taken, so that
 # vLLM code spelling a default out (spaces_between_special_tokens=True, best_of=None) runs unchanged
 _UNSUPPORTED = {"best_of": (None, 1), "spaces_between_special_tokens": (True,), "use_beam_search": (False,),
-                "num_beams": (1,)}
+                "num_beams": (1,), "detokenize": (True,), "logits_processors": (None,), "extra_args": (None,)}
 
 
 def _refuse_unknown_names(init):
@@ -225,6 +225,9 @@ def _refuse_unknown_names(init):
             if key in names:
                 continue
             if key in _OTHER_NAMES:
+                if key == "guided_decoding" and kwargs[key] is None:  # vLLM's default: no constraint
+                    del kwargs[key]
+                    continue
                 hint = f"infer spells it {_OTHER_NAMES[key]}"
             elif key in _UNSUPPORTED:
                 value, defaults = kwargs[key], _UNSUPPORTED[key]
