@@ -229,3 +229,16 @@ def test_abort_request_takes_several_ids_as_vllm_s_does(engine, ids):
         reasons.update({o.request_id: o.finish_reason for o in engine.step() if o.finished})
     assert reasons == {"a": "abort", "b": "abort", "c": "length"}
     assert _idle(engine)
+
+
+# ------------------------------------------------------------------ vLLM's RequestOutput.prompt
+def test_outputs_carry_the_prompt_text_as_vllm_s_do(llm):
+    """vLLM's quick-start loop `for o in outputs: print(o.prompt, o.outputs[0].text)` failed: AttributeError,
+    RequestOutput has no attribute 'prompt'."""
+    ids = llm.tokenizer("yo")["input_ids"]
+    outs = llm.generate(["hi", {"prompt": "there"}, ids, {"prompt_token_ids": ids}], P)
+    assert [o.prompt for o in outs] == ["hi", "there", None, None]
+    assert llm.generate("hi", SamplingParams(n=2, max_new_tokens=2, temperature=1.0))[0].prompt == "hi"
+    assert {o.prompt for _, _, o in llm.stream(["a b", "c"], P)} == {"a b", "c"}
+    assert llm.chat([{"role": "user", "content": "hi"}], P)[0].prompt is None
+    assert not llm._texts  # nothing kept once the calls are over

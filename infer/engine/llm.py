@@ -69,6 +69,7 @@ class LLM:
         self._failed: set[str] = set()  # requests ended by a failed step (their later abort output is dropped)
         self._stepping = False  # inside an engine step (this thread holds the lock): _forget waits for its end
         self._deferred: list[str] = []  # requests to forget once the step is over
+        self._texts: dict[str, str] = {}  # request id -> its prompt's text, when given as text (RequestOutput.prompt)
 
     def close(self) -> None:
         """Free the engine's device memory (KV cache, CUDA graphs, weights) now rather than at garbage collection;
@@ -193,6 +194,8 @@ class LLM:
                         raise
                     ids.append(rid)
                     self._mail[rid] = []
+                    if _prompt_text(prompts[i]) is not None:
+                        self._texts[rid] = _prompt_text(prompts[i])
             except BaseException:
                 self._forget(ids)
                 raise
@@ -205,6 +208,7 @@ class LLM:
                 self._deferred.extend(ids)  # aborting now would change the batch the step is running
                 return
             for rid in ids:
+                self._texts.pop(rid, None)
                 if self._mail.pop(rid, None) is not None and self.engine is not None:
                     self.engine.abort_request(rid)
 
@@ -214,6 +218,8 @@ class LLM:
             with self._lock:
                 got = [out for rid in ids for out in self._mail.get(rid, [])]
                 if got:
+                    for out in got:  # vLLM's RequestOutput.prompt: the text, when the prompt was given as text
+                        out.prompt = self._texts.get(out.request_id)
                     for rid in ids:
                         if rid in self._mail:
                             self._mail[rid] = []
@@ -394,6 +400,13 @@ def _dict_prompt(prompt: dict, i: int) -> tuple[object, bool]:
         raise RequestError(f"prompt {i}'s \"prompt_token_ids\" must be a list of token ids, got {type(value).__name__}",
                            'give text as {"prompt": text}')
     return value, key == "prompt_token_ids"
+
+
+def _prompt_text(prompt) -> str | None:
+    """The text of a prompt given as text (a string, or vLLM's {"prompt": text}); None for token ids and chats."""
+    if isinstance(prompt, str):
+        return prompt
+    return prompt["prompt"] if _is_prompt_dict(prompt) and isinstance(prompt.get("prompt"), str) else None
 
 
 def _of(i: int, n: int) -> str:

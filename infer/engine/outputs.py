@@ -39,6 +39,8 @@ class RequestOutput:
     at that step: the engine hands out a length and copies the (append-only) lists only when they are read, so a
     step never copies every request's history."""
 
+    prompt: str | None = None  # vLLM's: the prompt's text when LLM.generate / stream got it as text (else None)
+
     def __init__(self, request_id: str, prompt_token_ids: list[int], token_ids: list[int] | None = None,
                  new_token_ids: list[int] | None = None, text: str = "", delta_text: str = "",
                  finished: bool = False, finish_reason: str | None = None, error: str | None = None,
@@ -100,6 +102,7 @@ class RequestOutput:
                   stop_reason=first.stop_reason, prompt_logprobs=first.prompt_logprobs,
                   bad_request=first.bad_request)
         out._samples = [CompletionOutput.of(s, j) for j, s in enumerate(samples)]
+        out.prompt = first.prompt
         return out
 
     @property
