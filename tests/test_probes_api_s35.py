@@ -242,3 +242,13 @@ def test_outputs_carry_the_prompt_text_as_vllm_s_do(llm):
     assert {o.prompt for _, _, o in llm.stream(["a b", "c"], P)} == {"a b", "c"}
     assert llm.chat([{"role": "user", "content": "hi"}], P)[0].prompt is None
     assert not llm._texts  # nothing kept once the calls are over
+
+
+def test_a_token_id_outside_the_vocabulary_is_named_with_its_place(engine):
+    """"a token id is outside the vocabulary (0..511)" did not say which of a prompt's ids, nor what to do."""
+    with pytest.raises(RequestError, match=r"outside the vocabulary \(0\.\.511\): the prompt's token 2 is 512 "
+                                           r"\(give token ids of this model's tokenizer\)"):
+        engine.add_request("v", [5, 6, 512, 7, -1], P)
+    with pytest.raises(RequestError, match="prefix_token_ids's token 1 is 9999"):
+        engine.validate([5, 6], SamplingParams(prefix_token_ids=[5, 9999]))
+    assert _idle(engine)

@@ -210,8 +210,11 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if not prompt_token_ids:
             raise RequestError("the prompt is empty", "give a non-empty prompt")
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids + params.prefix_token_ids):
-            raise RequestError(f"a token id is outside the vocabulary (0..{vocab - 1})")
+        for where, ids in (("the prompt", prompt_token_ids), ("prefix_token_ids", params.prefix_token_ids)):
+            bad = next((k for k, t in enumerate(ids) if not isinstance(t, int) or t < 0 or t >= vocab), None)
+            if bad is not None:  # which one: a prompt of thousands of ids was told only that one was wrong
+                raise RequestError(f"a token id is outside the vocabulary (0..{vocab - 1}): {where}'s token {bad} "
+                                   f"is {ids[bad]!r}", "give token ids of this model's tokenizer")
         for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or ())):
             if any(t >= vocab for t in ids):
                 raise RequestError(f"{name} names a token id outside the vocabulary (0..{vocab - 1}): "
