@@ -252,3 +252,13 @@ def test_a_token_id_outside_the_vocabulary_is_named_with_its_place(engine):
     with pytest.raises(RequestError, match="prefix_token_ids's token 1 is 9999"):
         engine.validate([5, 6], SamplingParams(prefix_token_ids=[5, 9999]))
     assert _idle(engine)
+
+
+@pytest.mark.parametrize("keep,hint", [(1000, r"lower truncate_prompt_tokens \(1000\) to 63 or less"),
+                                       (-1, r"lower truncate_prompt_tokens to 63 or less \(-1 keeps the context")])
+def test_a_prompt_truncate_prompt_tokens_leaves_too_long_says_to_lower_it(engine, keep, hint):
+    """truncate_prompt_tokens=1000 on a 64-token context kept the whole prompt, and the refusal said to shorten the
+    prompt or raise --max-model-len, not that the request's own cut was too large."""
+    with pytest.raises(RequestError, match=hint):
+        engine.add_request("t", [5] * 100, SamplingParams(max_new_tokens=3, truncate_prompt_tokens=keep))
+    assert _idle(engine)

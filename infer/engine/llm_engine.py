@@ -237,8 +237,13 @@ class LLMEngine:
         if n >= cap:
             by_request = bool(params.max_length and params.max_length < self.max_model_len)
             which = "max_length" if by_request else "the model's context (--max-model-len)"
-            raise RequestError(f"the prompt has {n} tokens, which leaves no room under {which} of {cap}",
-                               self._longer_hint(by_request))
+            hint = self._longer_hint(by_request)
+            room = cap - 1 - len(params.prefix_token_ids)
+            if params.truncate_prompt_tokens is not None and room > 0:  # the request's own cut left the prompt long
+                hint = (f"lower truncate_prompt_tokens to {room} or less (-1 keeps the context's worth, which leaves "
+                        "no room)" if params.truncate_prompt_tokens == -1 else
+                        f"lower truncate_prompt_tokens ({params.truncate_prompt_tokens}) to {room} or less")
+            raise RequestError(f"the prompt has {n} tokens, which leaves no room under {which} of {cap}", hint)
         need = self.block_manager.blocks_needed(cap)
         if need > self.block_manager.num_blocks:
             raise RequestError(
