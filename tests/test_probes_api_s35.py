@@ -241,6 +241,7 @@ def test_outputs_carry_the_prompt_text_as_vllm_s_do(llm):
     assert llm.generate("hi", SamplingParams(n=2, max_new_tokens=2, temperature=1.0))[0].prompt == "hi"
     assert {o.prompt for _, _, o in llm.stream(["a b", "c"], P)} == {"a b", "c"}
     assert llm.chat([{"role": "user", "content": "hi"}], P)[0].prompt is None
+    assert llm.get_tokenizer() is llm.tokenizer  # vLLM's accessor: AttributeError
     assert not llm._texts  # nothing kept once the calls are over
 
 

@@ -79,6 +79,10 @@ class LLM:
         if engine is not None:
             engine.close()
 
+    def get_tokenizer(self):
+        """The model's tokenizer (vLLM's LLM.get_tokenizer; also `llm.tokenizer`)."""
+        return self.tokenizer
+
     def _engine(self):
         if self.engine is None:
             raise ClosedError("this LLM was closed (LLM.close())", "create a new LLM to generate again")
