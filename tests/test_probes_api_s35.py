@@ -31,7 +31,8 @@ def _idle(engine) -> bool:
 
 
 @pytest.mark.parametrize("prompt", [(5, 6, 7), np.array([5, 6, 7]), torch.tensor([5, 6, 7]),
-                                    [np.int64(5), np.int32(6), 7]], ids=["tuple", "numpy", "tensor", "numpy-ints"])
+                                    [np.int64(5), np.int32(6), 7], list(torch.tensor([5, 6, 7]))],
+                         ids=["tuple", "numpy", "tensor", "numpy-ints", "list-of-0d-tensors"])
 def test_engine_add_request_takes_token_ids_in_any_integer_sequence(engine, prompt):
     """A tuple (TypeError: tuple + list), a numpy array (ValueError: truth value ambiguous) or numpy integers (told
     they were outside the vocabulary) were not taken by LLMEngine.add_request, though LLM.generate takes them."""

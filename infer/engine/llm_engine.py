@@ -46,6 +46,9 @@ def request_inputs(prompt_token_ids, params: SamplingParams | None) -> tuple[lis
         prompt_token_ids = prompt_token_ids.tolist()  # a numpy array or a torch tensor
     if not isinstance(prompt_token_ids, (list, tuple)):
         raise RequestError(f"the prompt must be a list of token ids, got {type(prompt_token_ids).__name__}")
+    if all(type(t) is int for t in prompt_token_ids):  # the usual case, without an ABC isinstance a token or a copy
+        return prompt_token_ids if isinstance(prompt_token_ids, list) else list(prompt_token_ids), params
+    prompt_token_ids = [t.item() if _scalar(t) else t for t in prompt_token_ids]  # list(tensor): 0-d tensors
     bad = [t for t in prompt_token_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
     if bad:
         raise RequestError(f"the prompt's token ids must be integers, got {bad[0]!r} ({type(bad[0]).__name__})",
@@ -60,6 +63,11 @@ def truncated(prompt_token_ids: list[int], params: SamplingParams, max_model_len
         return prompt_token_ids
     keep = max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
     return prompt_token_ids[-keep:]
+
+
+def _scalar(x) -> bool:
+    """A 0-d numpy array or tensor (what list() of a tensor holds)."""
+    return not isinstance(x, (int, float)) and hasattr(x, "item") and getattr(x, "shape", None) == ()
 
 
 class LLMEngine:
