@@ -88,7 +88,9 @@ def _generate(pool: ReplicaPool, todo: list, writer: RecordWriter, tokenizer, qu
     progress = ReplicaProgress(pool, total=len(todo), completed=failed, quiet=quiet)
 
     def on_output(item: Work, out, replica: int) -> None:
+        nonlocal failed
         writer.write(output_record(item.id, out, tokenizer))
+        failed += out.finish_reason == "error"  # ended by the engine with an error (as one engine counts it)
         progress.advance()
 
     def on_rejected(item: Work, reason: str) -> None:
