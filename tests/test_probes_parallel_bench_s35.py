@@ -57,3 +57,97 @@ def test_a_request_the_engine_ends_with_an_error_fails_a_data_parallel_run_too(t
     (one_failed, want), (dp_failed, got) = _one_and_dp(tmp_path, replicas, lines)
     assert want["bw"]["finish_reason"] == "error" and got == want
     assert one_failed == dp_failed == 1
+
+
+# ------------------------------------------------------------------ `infer run --data-parallel 2` without a Ray runtime
+
+
+class _Call:
+    def __init__(self, replica, name: str, args: tuple):
+        self.replica, self.name, self.args = replica, name, args
+
+
+class _Method:
+    def __init__(self, actor, name: str):
+        self.actor, self.name = actor, name
+
+    def remote(self, *args):
+        return _Call(self.actor, self.name, args)
+
+
+class _Actor:
+    """A replica actor's handle: `handle.step.remote(...)` runs `Replica.step` when the driver gets its result."""
+
+    def __init__(self, replica):
+        self.replica, self.alive = replica, True
+
+    def __getattr__(self, name: str):
+        return _Method(self, name)
+
+
+class _Died(Exception):
+    pass
+
+
+class LocalRay:
+    """The few Ray calls the driver makes, run in this process at once."""
+
+    class exceptions:
+        RayError = _Died
+
+    def wait(self, refs, num_returns=1, timeout=None):
+        return refs[:num_returns], refs[num_returns:]
+
+    def get(self, ref):
+        if isinstance(ref, list):
+            return [self.get(r) for r in ref]
+        if not ref.replica.alive:
+            raise _Died("The actor died unexpectedly before finishing this task.")
+        return getattr(ref.replica.replica, ref.name)(*ref.args)
+
+    def kill(self, handle, no_restart=True):
+        handle.alive = False
+
+
+@pytest.fixture
+def local_ray(monkeypatch):
+    """`--data-parallel N` runs its replicas in this process (one engine each, built as the runtime builds them)."""
+    import contextlib
+
+    from infer.cli import run_parallel
+    from infer.parallel.replica import Replica
+    from infer.parallel.runtime import replica_config
+
+    def start_replicas(ray, engine, model_path, n):
+        cfg = replica_config(engine, model_path, "cpu", n, single_node=False)
+        handles = [_Actor(Replica(cfg)) for _ in range(n)]
+        return handles, [h.replica.info() for h in handles]
+    monkeypatch.setattr(run_parallel, "require_ray", lambda: None)
+    monkeypatch.setattr(run_parallel, "ray_runtime", lambda address, cpus: contextlib.nullcontext(LocalRay()))
+    monkeypatch.setattr(run_parallel, "start_replicas", start_replicas)
+
+
+def _cli(*args):
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    return CliRunner().invoke(app, ["run", "tiny-llama", *map(str, args), "-q", "--memory-limit", "512MB",
+                                    "--max-num-seqs", "2"])
+
+
+def _records(path) -> dict:
+    return {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def test_a_prompt_certainly_too_long_is_refused_as_one_engine_refuses_it(tmp_path, local_ray):
+    """Without --max-model-len, the data-parallel driver read the input against no context: a prompt certainly too
+    long was tokenized whole (megabytes of text, in the driver) and its error record was not one engine's ("the
+    prompt has 80002 tokens ..." where one engine says "the prompt is 200,000 bytes long, at least ... tokens")."""
+    inp = _write(tmp_path / "in.jsonl", [{"id": "ok", "prompt": "hello", "max_new_tokens": 2},
+                                         {"id": "huge", "prompt": "word " * 40000, "max_new_tokens": 2}])
+    for name, extra in (("one", ()), ("dp", ("--data-parallel", "2"))):
+        res = _cli(inp, "-o", tmp_path / f"{name}.jsonl", *extra)
+        assert res.exit_code == 1, res.output
+    want, got = _records(tmp_path / "one.jsonl"), _records(tmp_path / "dp.jsonl")
+    assert "bytes long, at least" in want["huge"]["error"]
+    assert got == want

@@ -29,9 +29,8 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
     from ..models.resolve import resolve_model
     model_path = resolve_model(engine.model)
     tokenizer = load_tokenizer(model_path, engine.chat_template)
-    lines = read_inputs(input, tokenizer, defaults, model_names(engine), engine.max_model_len)
     if strict:  # a line that cannot be read stops the run before any replica loads the model
-        _strict_exit(lines)
+        _strict_exit(read_inputs(input, tokenizer, defaults, model_names(engine), engine.max_model_len))
     # ray.init installs its own SIGTERM handler (sys.exit(15)): ours goes in after it, so SIGTERM stops the run
     # as it stops one engine's (exit 143, saying how many records are on disk)
     with ray_runtime(address, local_cpus(replicas)) as ray, terminate_as_interrupt():
@@ -41,6 +40,9 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
         try:
             if not quiet:
                 _announce(infos, engine.block_size)
+            # read against the replicas' context, as one engine reads against its own: a prompt certainly longer
+            # is refused untokenized, with one engine's message
+            lines = read_inputs(input, tokenizer, defaults, model_names(engine), infos[0]["max_model_len"])
             _check_lines(ray, handles[0], lines, strict)
             todo, writer, earlier = open_output(lines, output, input, options, resume, resumable)
             try:
