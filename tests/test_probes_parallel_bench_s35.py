@@ -151,3 +151,25 @@ def test_a_prompt_certainly_too_long_is_refused_as_one_engine_refuses_it(tmp_pat
     want, got = _records(tmp_path / "one.jsonl"), _records(tmp_path / "dp.jsonl")
     assert "bytes long, at least" in want["huge"]["error"]
     assert got == want
+
+
+# ------------------------------------------------------------------ infer bench
+
+
+@pytest.mark.parametrize("kind,text,want", [
+    ("jsonl", '{"prompt": "hi", "max_new_tokens": ' + "9" * 5000 + "}\n",
+     "line 1 is not valid JSON: Exceeds the limit"),
+    ("jsonl", '{"prompt": "hi", "lora": ' + "[" * 100000 + "]" * 100000 + "}\n", "line 1 is not valid JSON: nested"),
+    ("sharegpt", '[{"conversations": [], "x": ' + "9" * 5000 + "}]", "is not valid JSON: Exceeds the limit"),
+    ("sharegpt", "[" * 100000 + "]" * 100000, "is not valid JSON: nested too deeply"),
+])
+def test_a_dataset_json_cannot_read_is_a_clear_error(tmp_path, kind, text, want):
+    """An integer of more than 4300 digits or arrays nested past the decoder's depth in a bench dataset was a
+    ValueError / RecursionError traceback (only JSONDecodeError was caught)."""
+    from infer.bench.datasets import load_workload
+    from infer.errors import ConfigError
+    path = tmp_path / f"data.{kind}"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="not valid JSON") as e:
+        load_workload(f"{kind}:{path}", tokenizer=None)
+    assert want in e.value.message and "set_int_max_str_digits" not in e.value.message

@@ -165,6 +165,20 @@ def _read(path: str) -> str:
     return text[1:] if text.startswith("\ufeff") else text  # a byte order mark (Windows editors), as infer run
 
 
+def _loads(text: str, where: str, hint: str):
+    """json.loads, with every way a text can be unreadable (bad JSON, an integer of more than 4300 digits, arrays
+    nested too deeply for the decoder) a ConfigError naming `where`."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        at = f"column {e.colno}" if e.lineno == 1 else f"line {e.lineno}, column {e.colno}"
+        raise ConfigError(f"{where} is not valid JSON: {e.msg} ({at})", hint) from None
+    except RecursionError:
+        raise ConfigError(f"{where} is not valid JSON: nested too deeply", hint) from None
+    except ValueError as e:  # an integer of more than 4300 digits (Python's advice to raise the limit left out)
+        raise ConfigError(f"{where} is not valid JSON: {str(e).split(';')[0]}", hint) from None
+
+
 def _check_text(value, name: str, where: str) -> None:
     """`infer run`'s check (a lone surrogate, which JSON can carry, is refused), as a ConfigError naming `where`."""
     from ..engine.inputs import check_text
@@ -205,10 +219,7 @@ def jsonl_requests(path: str, tokenizer, default_output_len: int) -> list[BenchR
         if not line.strip():
             continue
         where = f"{path} line {lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{where} is not valid JSON: {e.msg}", "one JSON object per line") from e
+        obj = _loads(line, where, "one JSON object per line")
         if not isinstance(obj, dict):
             raise ConfigError(f"{where} is not a JSON object", "one JSON object per line")
         unknown = sorted(set(obj) - set(JSONL_KEYS))
@@ -248,11 +259,7 @@ def sharegpt_requests(path: str, tokenizer, num_prompts: int, seed: int = 0, max
                       max_total_len: int = 2048) -> list[BenchRequest]:
     """Like vLLM: shuffle (seeded), skip pairs with fewer than 4 prompt or output tokens, prompts over
     `max_prompt_len` tokens and pairs over `max_total_len` tokens, keep the first `num_prompts`."""
-    try:
-        data = json.loads(_read(path))
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path} is not valid JSON: {e.msg} (line {e.lineno})",
-                          "a ShareGPT file is one JSON list of {\"conversations\": [...]}") from e
+    data = _loads(_read(path), path, "a ShareGPT file is one JSON list of {\"conversations\": [...]}")
     if not isinstance(data, list):
         raise ConfigError(f"{path} is not a JSON list", "a ShareGPT file is one JSON list of {\"conversations\": ...}")
     pairs = []
