@@ -173,3 +173,33 @@ def test_a_dataset_json_cannot_read_is_a_clear_error(tmp_path, kind, text, want)
     with pytest.raises(ConfigError, match="not valid JSON") as e:
         load_workload(f"{kind}:{path}", tokenizer=None)
     assert want in e.value.message and "set_int_max_str_digits" not in e.value.message
+
+
+def test_a_dataset_output_length_over_the_limit_is_refused_naming_the_line(tmp_path):
+    """max_new_tokens 10^11 in a jsonl line passed the dataset's check; after the model had loaded, building the
+    request's SamplingParams raised and the bench died without a report ("max_new_tokens must be in ...", no file
+    or line named)."""
+    from infer.bench.datasets import load_workload
+    from infer.errors import ConfigError
+    path = _write(tmp_path / "d.jsonl", [{"prompt": "hi", "max_new_tokens": 4},
+                                         {"prompt": "hi", "max_new_tokens": 10 ** 11}])
+    with pytest.raises(ConfigError, match=r"line 2: max_new_tokens must be an integer in 1\.\.2147483647"):
+        load_workload(f"jsonl:{path}", tokenizer=_tokenizer())
+
+
+def _tokenizer():
+    from infer.engine.setup import load_tokenizer
+    from infer.models.resolve import resolve_model
+    return load_tokenizer(resolve_model("tiny-llama"))
+
+
+def test_a_request_whose_params_are_refused_fails_alone_in_the_bench_driver(replicas):
+    """The driver built a request's SamplingParams outside its guard: one request with an output length out of
+    range ended the whole run (no report) instead of being one failed request."""
+    from infer.bench.datasets import BenchRequest
+    from infer.bench.driver import run_in_process
+    reqs = [BenchRequest(None, [5, 6, 7], 2, ignore_eos=True), BenchRequest(None, [5, 6, 7], 10 ** 11),
+            BenchRequest(None, [8, 9], 2, ignore_eos=True)]
+    result = run_in_process(replicas[0].engine, reqs, concurrency=2, progress=False)
+    assert [r.success for r in result.records] == [True, False, True]
+    assert "max_new_tokens must be in" in result.records[1].error

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..engine.sampling_params import MAX_TOKENS
 from ..errors import ConfigError, RequestError, read_utf8
 
 LITEQWEN = dict(concurrency=16, input_len=44, reply_chars=230, max_length=4096, rounds=5)
@@ -227,8 +228,8 @@ def jsonl_requests(path: str, tokenizer, default_output_len: int) -> list[BenchR
             raise ConfigError(f"{where}: unknown field(s) {unknown}", f"allowed: {', '.join(JSONL_KEYS)}")
         text, ids = _render(tokenizer, obj, where)
         n = obj.get("max_new_tokens", obj.get("max_tokens", default_output_len))
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ConfigError(f"{where}: max_new_tokens must be a positive integer, got {n!r}")
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_TOKENS:
+            raise ConfigError(f"{where}: max_new_tokens must be an integer in 1..{MAX_TOKENS}, got {n!r}")
         lora = obj.get("lora")
         if lora is not None and not isinstance(lora, str):
             raise ConfigError(f"{where}: lora must be an adapter name (a string), got {lora!r}")

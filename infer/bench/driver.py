@@ -88,10 +88,10 @@ class _Run:
         if ids is None:
             ids = self.engine.tokenizer.encode(req.prompt, add_special_tokens=False)
         seed = None if self.temperature == 0 else self.seed + i
-        params = sampling_params_for(req, self.temperature, seed)
         rid = f"bench-{self.tag}-{i}"
         rec = RequestRecord(i, len(ids), send_time=time.perf_counter(), lora=req.lora)
         try:
+            params = sampling_params_for(req, self.temperature, seed)  # (an output length out of range)
             self.engine.add_request(rid, list(ids), params, lora=req.lora)
         except InferError as e:  # this request can never run: a failure, the others go on
             rec.error, rec.end_time, rec.finish_reason = str(e), time.perf_counter(), "error"
