@@ -203,3 +203,38 @@ def test_a_request_whose_params_are_refused_fails_alone_in_the_bench_driver(repl
     result = run_in_process(replicas[0].engine, reqs, concurrency=2, progress=False)
     assert [r.success for r in result.records] == [True, False, True]
     assert "max_new_tokens must be in" in result.records[1].error
+
+
+@pytest.mark.parametrize("name", ["results.json", "throughput.png", "report.md"])
+def test_a_report_file_that_cannot_be_written_is_refused_before_the_bench_runs(tmp_path, name):
+    """--out FOLDER where FOLDER/results.json (or a plot) is a folder: the whole benchmark ran, then writing the
+    report was an IsADirectoryError traceback and every figure measured was lost."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    (tmp_path / "out" / name).mkdir(parents=True)
+    res = CliRunner().invoke(app, ["bench", "tiny-llama", "-c", "1", "--num-prompts", "1", "--input-len", "4",
+                                   "--output-len", "2", "-q", "-o", str(tmp_path / "out")])
+    assert res.exit_code == 2, res.output
+    assert f"the report file {tmp_path / 'out' / name} cannot be written (a folder)" in res.stderr
+    assert "Traceback" not in res.output
+
+
+def test_a_report_that_cannot_be_written_still_shows_the_table(tmp_path):
+    """A report file the benchmark cannot write at its end (the disk filled up, the folder changed under it):
+    an OutputError naming the file, after the table of what was measured (it was printed only after every file
+    had been written, so a failure lost it)."""
+    import io
+
+    from rich.console import Console
+
+    from infer.bench.metrics import RequestRecord, RunResult
+    from infer.bench.report import write_report
+    from infer.errors import OutputError
+    recs = [RequestRecord(0, 4, send_time=0.0, chunk_times=[0.1, 0.2], output_tokens=2, text="ab", success=True)]
+    run = RunResult("infer", 1, recs, duration_s=0.2, num_requests=1, timeline=[{"t": 0.0, "rss_bytes": 1}])
+    (tmp_path / "latency.png").mkdir()
+    buf = io.StringIO()
+    with pytest.raises(OutputError, match="cannot write the benchmark report: .*latency.png"):
+        write_report(tmp_path, [run], console=Console(file=buf, width=200))
+    assert "infer bench: throughput" in buf.getvalue()

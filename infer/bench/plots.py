@@ -158,8 +158,10 @@ def timeline_figure(runs):
 
 def _save(fig, path: Path) -> Path:
     import matplotlib.pyplot as plt
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=100)
+    finally:  # a file that cannot be written leaves no figure open
+        plt.close(fig)
     return path
 
 

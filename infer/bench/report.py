@@ -21,9 +21,13 @@ import platform
 import subprocess
 from pathlib import Path
 
+from ..errors import OutputError
 from .metrics import THROUGHPUT_KEYS, RunResult
 from .plots import plot_latency, plot_throughput, plot_timeline
 
+# what write_report writes into the report folder
+REPORT_FILES = ("results.json", "results.csv", "timelines.json", "throughput.png", "latency.png", "timeline.png",
+                "report.md")
 # (column title, results key, format); the throughput table, then the latency table
 THROUGHPUT_COLUMNS = [
     ("conc", "concurrency", "{:d}"), ("done", "completed", "{:d}"), ("fail", "failed", "{:d}"),
@@ -208,11 +212,25 @@ def _strict(obj):
 
 def write_report(out_dir, runs: list[RunResult], baselines: list[RunResult] | None = None,
                  config: dict | None = None, console=None, show: bool = True) -> list[dict]:
-    """Write every report file into `out_dir` (created), print the table when `show`, return the results list."""
-    import pandas as pd
+    """Print the table when `show`, write every report file into `out_dir` (created), return the results list.
+    OutputError when a file cannot be written (the table, printed first, still shows what was measured)."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     results = build_results(runs, baselines, config)
+    if show:
+        print_table(results, console)
+    try:
+        _write_files(out, results, runs, baselines, config)
+    except OSError as e:
+        where = e.filename or out
+        raise OutputError(f"cannot write the benchmark report: {where}: {e.strerror or e}",
+                          "free some disk space or fix the permissions, or pass another --out folder") from None
+    return results
+
+
+def _write_files(out: Path, results: list[dict], runs: list[RunResult], baselines: list[RunResult] | None,
+                 config: dict | None) -> None:
+    import pandas as pd
+    out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(_strict(results), indent=2, default=str))
     flat = []
     for r in results:
@@ -226,6 +244,3 @@ def write_report(out_dir, runs: list[RunResult], baselines: list[RunResult] | No
              "latency": plot_latency(results, out / "latency.png"),
              "memory and KV cache": plot_timeline(list(runs) + list(baselines or []), out / "timeline.png")}
     (out / "report.md").write_text(_markdown(results, plots, config or {}))
-    if show:
-        print_table(results, console)
-    return results

@@ -170,6 +170,13 @@ def check_out(out: Path | None) -> None:
     except OSError as e:
         raise ConfigError(f"--out {out} is not writable ({existing}: {e.strerror or e})",
                           "choose another folder or fix its permissions") from None
+    from ..bench.report import REPORT_FILES
+    for name in REPORT_FILES:  # a report file of an earlier run is overwritten; one that cannot be is said now
+        path = out / name
+        if path.exists() and (not path.is_file() or not os.access(path, os.W_OK)):
+            why = "a folder" if path.is_dir() else "not a regular file" if not path.is_file() else "not writable"
+            raise ConfigError(f"--out {out}: the report file {path} cannot be written ({why})",
+                              "remove it, or choose another --out folder")
 
 
 def report_failures(results: list[dict] | None) -> bool:
