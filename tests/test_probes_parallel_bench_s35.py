@@ -238,3 +238,26 @@ def test_a_report_that_cannot_be_written_still_shows_the_table(tmp_path):
     with pytest.raises(OutputError, match="cannot write the benchmark report: .*latency.png"):
         write_report(tmp_path, [run], console=Console(file=buf, width=200))
     assert "infer bench: throughput" in buf.getvalue()
+
+
+def test_a_level_that_cannot_run_keeps_the_report_of_the_levels_before(tmp_path, monkeypatch):
+    """bench --url -c 1,2 against a server that went away after the first level: run_http's reachability check
+    raised "cannot reach ..." and the first level's figures were lost (no report at all)."""
+    from infer.bench import plan as bench_plan
+    from infer.bench.metrics import RequestRecord, RunResult
+    from infer.errors import ConfigError
+
+    def run(self, requests, concurrency):
+        if concurrency == 2:
+            raise ConfigError("cannot reach http://127.0.0.1:9: All connection attempts failed",
+                              "start the server first (infer serve MODEL) or fix --url")
+        recs = [RequestRecord(i, 4, send_time=0.0, chunk_times=[0.1, 0.2], output_tokens=2, text="ab", success=True)
+                for i in range(len(requests))]
+        return RunResult("http", concurrency, recs, duration_s=0.2, num_requests=len(requests))
+    monkeypatch.setattr(bench_plan._Target, "run", run)
+    plan = bench_plan.BenchPlan(model="tiny-llama", levels=[1, 2], out=tmp_path / "out", num_prompts=2,
+                                input_len=4, output_len=2, url="http://127.0.0.1:9", model_id="tiny-llama", quiet=True)
+    with pytest.raises(ConfigError, match="cannot reach .*the report in .* holds the levels measured before"):
+        bench_plan.run_plan(plan)
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [(r["concurrency"], r["completed"]) for r in results] == [(1, 2)]

@@ -20,7 +20,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, InferError
 from .datasets import BenchRequest, assign_loras, length_range, load_workload
 from .metrics import RunResult
 
@@ -185,9 +185,11 @@ def _note_base_baseline(plan: BenchPlan, requests: list[BenchRequest]) -> None:
 
 def run_plan(plan: BenchPlan, console=None, hide_libraries=None) -> tuple[list[dict], bool]:
     """Measure `plan` and write its report into `plan.out`; returns (results, interrupted). Raises
-    KeyboardInterrupt only when Ctrl-C came before anything was measured. `hide_libraries`: a context manager
-    factory that keeps other libraries' output off the terminal while the HF baseline loads and runs, yielding a
-    rich Console for the baseline's progress bar or None (the CLI passes `cli.quiet.library_output_to_bar`)."""
+    KeyboardInterrupt only when Ctrl-C came before anything was measured; an InferError of a later level (the
+    server went away) once the report of the levels measured before it is written. `hide_libraries`: a context
+    manager factory that keeps other libraries' output off the terminal while the HF baseline loads and runs,
+    yielding a rich Console for the baseline's progress bar or None (the CLI passes
+    `cli.quiet.library_output_to_bar`)."""
     hide = hide_libraries or _shown
     from .report import write_report
     tokenizer = load_plan_tokenizer(plan)  # the workload is read and checked before any model loads
@@ -208,14 +210,21 @@ def run_plan(plan: BenchPlan, console=None, hide_libraries=None) -> tuple[list[d
     target.warm_adapters(plan.loras)
     runs: list[RunResult] = []
     bases: list[RunResult] = []
+
+    def report() -> list[dict]:
+        return write_report(plan.out, runs, bases, config=report_config(plan, workload.description),
+                            console=console or _console(), show=not plan.quiet)
     try:
         interrupted = _measure(plan, target, requests, hf, runs, bases, hide)  # the run cut short is marked partial
     except KeyboardInterrupt:  # between runs, or inside one that does not return partial: the last one is suspect
         interrupted = True
         if runs:
             runs[-1].partial = True
+    except InferError as e:  # a later level could not run (the server went away): the levels measured are written
+        if not runs:
+            raise
+        report()
+        raise type(e)(f"{e.message} (the report in {plan.out} holds the levels measured before)", e.hint) from None
     if not runs:
         raise KeyboardInterrupt
-    results = write_report(plan.out, runs, bases, config=report_config(plan, workload.description),
-                           console=console or _console(), show=not plan.quiet)
-    return results, interrupted
+    return report(), interrupted
