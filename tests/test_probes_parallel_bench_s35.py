@@ -261,3 +261,19 @@ def test_a_level_that_cannot_run_keeps_the_report_of_the_levels_before(tmp_path,
         bench_plan.run_plan(plan)
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [(r["concurrency"], r["completed"]) for r in results] == [(1, 2)]
+
+
+@pytest.mark.parametrize("reason,ok", [("stop", True), ("length", True), ("abort", False), ("error", False)])
+def test_a_stream_the_server_aborted_is_a_failed_request(reason, ok):
+    """A stream that vLLM or SGLang ends with finish_reason "abort" (the request was cut short) counted as a
+    success of its few tokens in the HTTP driver's figures; the in-process driver counts only stop and length."""
+    from infer.bench.driver import Progress
+    from infer.bench.http_driver import _apply_chunk, _HttpRun
+    from infer.bench.metrics import RequestRecord
+    run = _HttpRun("http://x", "m", [], 1, 0.0, None, None, Progress(False, 1, "http"))
+    rec = RequestRecord(0, 3, send_time=0.0)
+    _apply_chunk(rec, {"choices": [{"text": "ab", "finish_reason": None}]}, 0.1)
+    _apply_chunk(rec, {"choices": [{"text": "", "finish_reason": reason}],
+                       "usage": {"prompt_tokens": 3, "completion_tokens": 1}}, 0.2)
+    run._finish(rec)
+    assert rec.success is ok and (ok or rec.error == f"finished with reason {reason!r}")

@@ -27,6 +27,9 @@ from .metrics import RequestRecord, RunResult
 from .monitor import ResourceSampler
 
 
+ABORTED = ("abort", "error")  # finish reasons of a request the server ended without completing it (vLLM, SGLang)
+
+
 def base_url(url: str) -> str:
     url = url.rstrip("/")
     if not url.startswith(("http://", "https://")):
@@ -126,6 +129,8 @@ class _HttpRun:
                                  if self.tokenizer is not None else len(rec.chunk_times))
         if rec.error is None and not rec.chunk_times:
             rec.error = "the stream ended without any text"
+        if rec.error is None and rec.finish_reason in ABORTED:  # cut short by the server: not a completed request
+            rec.error = f"finished with reason {rec.finish_reason!r}"
         rec.success = rec.error is None
         self.done.append(rec)
         self.end = rec.end_time
