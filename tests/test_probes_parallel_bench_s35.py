@@ -277,3 +277,36 @@ def test_a_stream_the_server_aborted_is_a_failed_request(reason, ok):
                        "usage": {"prompt_tokens": 3, "completion_tokens": 1}}, 0.2)
     run._finish(rec)
     assert rec.success is ok and (ok or rec.error == f"finished with reason {reason!r}")
+
+
+def test_a_replica_that_cannot_start_is_named_with_its_host(monkeypatch):
+    """A replica whose engine could not start (too little --memory-limit; on a cluster, a --lora or model folder
+    the driver has and that node lacks) was refused with the engine's message alone, as if the driver's own
+    engine had failed: the replica and its host are named."""
+    import socket
+
+    import torch
+
+    from infer.errors import OutOfMemoryError
+    from infer.parallel.runtime import start_replicas
+
+    class StartRay(LocalRay):
+        def cluster_resources(self):
+            return {"CPU": 2}
+
+        def nodes(self):
+            return [{"Alive": True, "Resources": {"CPU": 2}}]
+
+        def remote(self, cls):
+            class Actor:
+                def options(self, **_):
+                    return self
+
+                def remote(self, *args):
+                    return _Actor(cls(*args))
+            return Actor()
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # (the replicas' threads: not this process's)
+    cfg = EngineConfig("tiny-llama", device="cpu", memory_limit=1024)
+    from infer.models.resolve import resolve_model
+    with pytest.raises(OutOfMemoryError, match=f"^engine replica 0 \\(on {socket.gethostname()}\\): a single seq"):
+        start_replicas(StartRay(), cfg, resolve_model("tiny-llama"), 2)

@@ -147,13 +147,15 @@ def start_replicas(ray, engine_config, model_path: Path, n: int,
     except ray.exceptions.RayError as e:
         stop_replicas(ray, handles)
         raise ReplicaError(f"an engine replica failed while loading the model: {_last_line(e)}",
-                           "run without --data-parallel to see the error, or run `infer --debug ...` for the traceback") from None
-    failed = next((i["error"] for i in infos if i["error"]), None)
-    if failed:
+                           "run without --data-parallel to see the error, or run `infer --debug ...` for the "
+                           "traceback") from None
+    failed = next((k for k, i in enumerate(infos) if i["error"]), None)
+    if failed is not None:  # named with its replica and host: a cluster's node may lack a folder the driver has
         stop_replicas(ray, handles)
-        cls = getattr(errors, failed["type"], ReplicaError)
+        error, host = infos[failed]["error"], infos[failed]["host"]
+        cls = getattr(errors, error["type"], ReplicaError)
         raise (cls if isinstance(cls, type) and issubclass(cls, InferError) else ReplicaError)(
-            failed["message"], failed["hint"])
+            f"engine replica {failed} (on {host}): {error['message']}", error["hint"])
     return handles, infos
 
 
