@@ -153,6 +153,22 @@ def test_a_prompt_certainly_too_long_is_refused_as_one_engine_refuses_it(tmp_pat
     assert got == want
 
 
+
+def test_strict_lists_the_engines_checks_before_any_replica_starts(tmp_path, local_ray, monkeypatch):
+    """`--data-parallel 2 --strict` read the lines before the replicas started and stopped at what reading finds;
+    the engine's checks came in a second round after the replicas loaded the model: now one round, as one engine's
+    --strict, and no replica starts."""
+    from infer.cli import run_parallel
+    monkeypatch.setattr(run_parallel, "start_replicas", lambda *a: pytest.fail("a replica started"))
+    inp = _write(tmp_path / "in.jsonl", [{"prompt": 5}, {"prompt_token_ids": [1, 99999]},
+                                         {"prompt": "hi", "lora": "nope"}, {"prompt": "fine"}])
+    for extra in ((), ("--data-parallel", "2")):
+        res = _cli(inp, "-o", tmp_path / "out.jsonl", "--strict", *extra)
+        assert res.exit_code == 2, res.output
+        assert "3 of 4 input lines are invalid (--strict)" in res.output, res.output
+        assert "vocabulary" in res.output and "unknown LoRA adapter" in res.output
+
+
 # ------------------------------------------------------------------ infer bench
 
 

@@ -14,7 +14,7 @@ from ..parallel.replica import ENGINE_FAILURE
 from ..parallel.runtime import local_cpus, placement, ray_runtime, require_ray, start_replicas
 from .batch_io import RecordWriter, error_record, model_names, output_record, read_inputs
 from .entry import terminate_as_interrupt
-from .run import _strict_exit, exit_interrupted, open_output
+from .run import _prechecked_lines, _strict_exit, exit_interrupted, open_output
 
 VALIDATE_CHUNK = 4096  # requests per validation call (one message each way)
 
@@ -29,8 +29,8 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
     from ..models.resolve import resolve_model
     model_path = resolve_model(engine.model)
     tokenizer = load_tokenizer(model_path, engine.chat_template)
-    if strict:  # a line that cannot be read stops the run before any replica loads the model
-        _strict_exit(read_inputs(input, tokenizer, defaults, model_names(engine), engine.max_model_len))
+    if strict:  # a bad line (by the engine's own checks too) stops the run before any replica loads the model
+        _strict_exit(_prechecked_lines(engine, input, defaults))
     # ray.init installs its own SIGTERM handler (sys.exit(15)): ours goes in after it, so SIGTERM stops the run
     # as it stops one engine's (exit 143, saying how many records are on disk)
     with ray_runtime(address, local_cpus(replicas)) as ray, terminate_as_interrupt():
