@@ -34,6 +34,7 @@ class PlanOptions(Protocol):
     memory_limit: int | None
     gpu_memory_utilization: float
     loras: dict[str, str]
+    enable_lora: bool
     max_lora_rank: int
 
     def use_cuda_graphs(self) -> bool: ...
@@ -82,6 +83,12 @@ def budget_bytes(engine_config: PlanOptions, device: torch.device, weights: int,
     return int(available_cpu_memory() * 0.5) + (weights if loaded else 0)
 
 
+def lora_rank(engine_config: PlanOptions) -> int:
+    """The rank a step's LoRA path is sized for: --max-lora-rank when the engine has adapter slots (--lora, or
+    --enable-lora for adapters added while it runs), else 0."""
+    return engine_config.max_lora_rank if engine_config.loras or engine_config.enable_lora else 0
+
+
 def cuda_graph_bytes(engine_config: PlanOptions, model_config, dtype: torch.dtype) -> int:
     """The CUDA graphs' private memory pool (engine.cuda_graphs): the temporaries of one decode step of the
     largest bucket, which the graphs keep for themselves, and the attention partials of every sequence; then the
@@ -89,7 +96,7 @@ def cuda_graph_bytes(engine_config: PlanOptions, model_config, dtype: torch.dtyp
     bound) and their static buffers (query, attention output, residual, hidden states)."""
     if not engine_config.use_cuda_graphs():
         return 0
-    rank = engine_config.max_lora_rank if engine_config.loras else 0
+    rank = lora_rank(engine_config)
     step = activation_bytes(model_config, dtype, engine_config.max_num_seqs, 1, 1, rank, penalties=False)
     shapes = ModelShapes.from_config(model_config)
     context = engine_config.max_model_len or model_config.max_position_embeddings
@@ -183,7 +190,7 @@ def _start_plan(engine_config: PlanOptions, model_config, model, dtype, device, 
                 lora_bytes: int) -> MemoryPlan:
     seqs = engine_config.max_num_seqs
     tokens = step_tokens(engine_config.max_num_batched_tokens, seqs, max_len)
-    rank = engine_config.max_lora_rank if engine_config.loras else 0
+    rank = lora_rank(engine_config)
     act = activation_bytes(model_config, dtype, tokens, seqs, max_len, rank) \
         + cuda_graph_bytes(engine_config, model_config, dtype) + dequant_scratch_bytes(
             model, dtype, engine_config.max_num_batched_tokens)  # (the runner reserves it by the budget alone)
