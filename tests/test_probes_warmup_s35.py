@@ -4,7 +4,10 @@ pinned where it decides a figure: on a CPU it moves from run to run."""
 
 from __future__ import annotations
 
-from infer.cli.warmup_plan import estimate_plan
+import pytest
+
+from infer.cli.warmup_plan import estimate_plan, measured_plan
+from infer.engine import profile
 from infer.engine.config import EngineConfig
 from infer.engine.setup import load_engine_parts
 
@@ -21,3 +24,16 @@ def test_engine_start_counts_the_lora_path_of_enable_lora_as_warmup_does():
     est, _ = estimate_plan(EngineConfig(model="tiny-llama", **kw), 256, 2)
     assert _engine_plan(**kw).activation_peak_bytes == est.activation_peak_bytes
 
+
+def test_a_measured_peak_below_the_formula_promises_only_the_blocks_the_engine_allocates(monkeypatch):
+    """The engine sizes its KV cache after the formula's activations; warmup's blocks came from the measured peak
+    alone, so a peak below the formula said "fits" with blocks the engine then did not have (it preempted)."""
+    monkeypatch.setattr(profile, "_peak_activations", lambda *a, **k: 0)
+    kw = dict(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=64, memory_limit=6_000_000)
+    plan, extra = measured_plan(EngineConfig(model="tiny-llama", **kw), 256, 4)
+    assert plan.activation_peak_bytes < extra["activation_estimate_bytes"]
+    engine = _engine_plan(**kw, num_kv_blocks=None)
+    budget_blocks = (engine.budget_bytes - engine.weights_bytes - engine.activation_peak_bytes
+                     - engine.reserve_bytes) // engine.kv_block_bytes  # before the engine's cap at 4 x 16 + 4
+    assert plan.kv_blocks == budget_blocks
+    assert plan.fits == (engine.kv_blocks >= 4 * 16)

@@ -88,13 +88,14 @@ def print_plan(plan, extra: dict, tokens: int | None = None) -> None:
         rows.append(("CUDA graph memory (measured / formula)",
                      f"{gib(extra['cuda_graph_bytes_measured'])} / {gib(extra['cuda_graph_bytes_formula'])}"))
     if extra.get("activation_estimate_bytes") is not None:
-        rows.append(("peak activations (formula)", gib(extra["activation_estimate_bytes"])))
+        rows.append(("peak activations (formula; an engine start reserves it)",
+                     gib(extra["activation_estimate_bytes"])))
     if plan.lora_bytes:
         rows.append(("LoRA slots", gib(plan.lora_bytes)))
     rows.append(("runtime reserve (1% of budget)", gib(plan.reserve_bytes)))
     rows += [
         ("KV cache per token / per block", f"{plan.kv_bytes_per_token:,} B / {plan.kv_block_bytes:,} B"),
-        ("KV blocks under the budget", f"{plan.kv_blocks:,} x {plan.block_size} tokens"),
+        ("KV blocks under the budget (after the larger activations)", f"{plan.kv_blocks:,} x {plan.block_size} tokens"),
         (f"sequences of {plan.max_length} tokens at once", f"{plan.max_concurrency_at_max_length:,}"),
         (f"largest max_length at concurrency {plan.concurrency}", f"{plan.max_length_at_concurrency:,}"),
     ]

@@ -9,7 +9,7 @@ import torch
 
 from ..kernels.reference import longest_batched_decode
 from ..memory.meter import PeakMeter
-from ..memory.plan import MemoryPlan, cuda_graph_bytes, make_plan
+from ..memory.plan import MemoryPlan, cuda_graph_bytes, make_plan, start_activation_bytes
 from ..memory.sizes import activation_bytes, penalty_table_bytes, step_tokens, weights_bytes
 from ..models.shapes import ModelShapes
 from .config import EngineConfig
@@ -92,6 +92,8 @@ def profile_run(model, model_config, engine_config: EngineConfig, dtype, device,
     graphs = cuda_graph_bytes(engine_config, model_config, dtype)  # the CUDA graphs keep a pool of their own
     estimate = activation_bytes(model_config, dtype, tokens, concurrency, max_length, rank) + graphs
     weights = weights_bytes(model) if weights is None else weights
+    # the KV cache an engine start of this config allocates is what its own figure for activations leaves
+    start = start_activation_bytes(engine_config, model_config, model, dtype, max_length)
     plan = make_plan(engine_config, model_config, dtype, device, weights, peak + graphs, max_length, concurrency,
-                     max_length_limit, lora_bytes, measured=True, budget=budget)
+                     max_length_limit, lora_bytes, measured=True, budget=budget, engine_activation=start)
     return plan, estimate

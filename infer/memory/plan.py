@@ -176,24 +176,33 @@ def runtime_reserve(budget: int) -> int:
 
 def make_plan(engine_config: PlanOptions, model_config, dtype: torch.dtype, device: torch.device, weights: int,
               activation: int, max_length: int, concurrency: int, max_length_limit: int, lora: int = 0,
-              measured: bool = False, budget: int | None = None) -> MemoryPlan:
+              measured: bool = False, budget: int | None = None, engine_activation: int = 0) -> MemoryPlan:
+    """`engine_activation`: what an engine start reserves for activations (its formula); the KV blocks are what is
+    left after the larger of it and `activation`, so that a measured peak below the formula never promises blocks
+    the engine will not allocate."""
     per_token = kv_bytes_per_token(model_config, dtype)
     block = per_token * engine_config.block_size
     budget = budget_bytes(engine_config, device, weights) if budget is None else budget
     reserve = runtime_reserve(budget)
-    kv_blocks = max(0, budget - weights - activation - lora - reserve) // block
+    kv_blocks = max(0, budget - weights - max(activation, engine_activation) - lora - reserve) // block
     return MemoryPlan(device.type, device_total(device), budget, weights, activation, lora, reserve, per_token, block,
                       engine_config.block_size, int(kv_blocks), max_length, concurrency, measured, max_length_limit)
+
+
+def start_activation_bytes(engine_config: PlanOptions, model_config, model, dtype, max_len: int) -> int:
+    """What an engine start reserves for activations: the formula's step of max_num_seqs sequences of max_len, the
+    CUDA graphs' pool and the int4 dequantize scratch (the runner reserves it by the budget alone)."""
+    seqs = engine_config.max_num_seqs
+    tokens = step_tokens(engine_config.max_num_batched_tokens, seqs, max_len)
+    return activation_bytes(model_config, dtype, tokens, seqs, max_len, lora_rank(engine_config)) \
+        + cuda_graph_bytes(engine_config, model_config, dtype) \
+        + dequant_scratch_bytes(model, dtype, engine_config.max_num_batched_tokens)
 
 
 def _start_plan(engine_config: PlanOptions, model_config, model, dtype, device, max_len: int,
                 lora_bytes: int) -> MemoryPlan:
     seqs = engine_config.max_num_seqs
-    tokens = step_tokens(engine_config.max_num_batched_tokens, seqs, max_len)
-    rank = lora_rank(engine_config)
-    act = activation_bytes(model_config, dtype, tokens, seqs, max_len, rank) \
-        + cuda_graph_bytes(engine_config, model_config, dtype) + dequant_scratch_bytes(
-            model, dtype, engine_config.max_num_batched_tokens)  # (the runner reserves it by the budget alone)
+    act = start_activation_bytes(engine_config, model_config, model, dtype, max_len)
     plan = make_plan(engine_config, model_config, dtype, device, weights_bytes(model), act, max_len, 1, max_len,
                      lora_bytes)
     if engine_config.num_kv_blocks:
