@@ -42,9 +42,12 @@ def warmup(
         raise typer.Exit(1)
 
 
-def advice(plan, tokens: int | None = None) -> str:
+def advice(plan, tokens: int | None = None, fitting_tokens: int | None = None) -> str:
     """What to change when `plan` does not fit; when the activations take most of the budget, the batch sizes that
-    make them come first (as an engine start says), `tokens` being --max-num-batched-tokens."""
+    make them come first (as an engine start says), `tokens` being --max-num-batched-tokens and `fitting_tokens`
+    the value of it with which the plan fits (warmup_plan), if one does."""
+    if fitting_tokens is not None and tokens is not None:
+        return f"lower --max-num-batched-tokens to {fitting_tokens:,} (from {tokens:,}), or {plan.advice()}"
     if tokens is None or plan.activation_peak_bytes <= plan.budget_bytes // 2:
         return plan.advice()
     sizes = f"--max-num-batched-tokens ({tokens:,})" + \
@@ -110,7 +113,8 @@ def print_plan(plan, extra: dict, tokens: int | None = None) -> None:
         console.print(f"[red]does not fit[/red]: {plan.concurrency} x {plan.max_length} tokens needs "
                       f"{plan.concurrency * plan.blocks_for(plan.max_length):,} KV blocks, the budget leaves "
                       f"{plan.kv_blocks:,}; estimated maximum length at this concurrency is "
-                      f"{plan.max_length_at_concurrency}. {_capital(advice(plan, tokens))}.")
+                      f"{plan.max_length_at_concurrency}. "
+                      f"{_capital(advice(plan, tokens, extra.get('fitting_batched_tokens')))}.")
 
 
 def _capital(text: str) -> str:

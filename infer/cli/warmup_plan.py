@@ -4,14 +4,15 @@ estimated from files alone (config.json and the checkpoint's tensor headers)."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from ..engine.config import EngineConfig
+from ..engine.config import RANGES, EngineConfig
 from ..engine.setup import checkpoint_dtype, model_max_len
 from ..errors import ConfigError, OutOfMemoryError
-from ..memory.plan import MemoryPlan, budget_bytes, cuda_graph_bytes, make_plan
+from ..memory.plan import MemoryPlan, bound_room, budget_bytes, cuda_graph_bytes, make_plan
 from ..memory.sizes import activation_bytes, lora_slot_bytes, step_tokens, weights_bytes
 
 
@@ -33,6 +34,56 @@ def _check_length(model_config, engine_config: EngineConfig, max_length: int) ->
     return limit
 
 
+def _formula(engine_config: EngineConfig, model_config, dtype, concurrency: int, max_length: int, rank: int,
+             tokens: int | None = None) -> int:
+    """The activations an engine of `concurrency` sequences of `max_length` tokens (and steps of up to `tokens`,
+    default --max-num-batched-tokens) reserves: a step, and the CUDA graphs' pool."""
+    cfg = replace(engine_config, max_num_seqs=concurrency, max_model_len=max_length,
+                  max_num_batched_tokens=tokens or engine_config.max_num_batched_tokens)
+    step = step_tokens(cfg.max_num_batched_tokens, concurrency, max_length)
+    return activation_bytes(model_config, dtype, step, concurrency, max_length, rank) \
+        + cuda_graph_bytes(cfg, model_config, dtype)
+
+
+def _blocks_at(plan: MemoryPlan, engine_config: EngineConfig, model_config, dtype, device, rank: int,
+               scale: float = 1.0):
+    """blocks_at(concurrency, length, tokens=None): the KV blocks a plan of another size leaves in `plan`'s budget:
+    its formula's activations times `scale` (how far the measured peak came above the formula at the plan's size:
+    the measured excess grows with the step), and its rotary table; none past the most --concurrency takes."""
+    from ..models.rope import rope_table_bytes
+
+    def blocks_at(concurrency: int, length: int, tokens: int | None = None) -> int:
+        if concurrency > RANGES["max_num_seqs"][1]:
+            return 0
+        act = int(_formula(engine_config, model_config, dtype, concurrency, length, rank, tokens) * scale)
+        rope = rope_table_bytes(model_config, length) - rope_table_bytes(model_config, plan.max_length)
+        return make_plan(engine_config, model_config, dtype, device, plan.weights_bytes + rope, act, length,
+                         concurrency, plan.max_length_limit, plan.lora_bytes, budget=plan.budget_bytes).kv_blocks
+    return blocks_at
+
+
+def _fitting_tokens(plan: MemoryPlan, blocks_at, tokens: int) -> int | None:
+    """When `plan` does not fit: the largest --max-num-batched-tokens below `tokens` with which it does (smaller
+    steps, prefills in more chunks), or None if none does."""
+    need = plan.concurrency * plan.blocks_for(plan.max_length)
+    if plan.fits or tokens <= 1 or blocks_at(plan.concurrency, plan.max_length, 1) < need:
+        return None
+    lo, hi = 1, tokens - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if blocks_at(plan.concurrency, plan.max_length, mid) >= need else (lo, mid - 1)
+    return lo
+
+
+def _finish(plan: MemoryPlan, extra: dict, engine_config: EngineConfig, model_config, dtype, device, rank: int,
+            scale: float = 1.0) -> tuple[MemoryPlan, dict]:
+    """The plan with its room figures above its own size bounded by the plans of that size (memory.plan.bound_room),
+    and, when it does not fit, the --max-num-batched-tokens that makes it fit (`fitting_batched_tokens`)."""
+    blocks_at = _blocks_at(plan, engine_config, model_config, dtype, device, rank, scale)
+    tokens = _fitting_tokens(plan, blocks_at, engine_config.max_num_batched_tokens)
+    return bound_room(plan, blocks_at), {**extra, "fitting_batched_tokens": tokens}
+
+
 def estimate_plan(engine_config: EngineConfig, max_length: int, concurrency: int) -> tuple[MemoryPlan, dict]:
     from ..memory.checkpoint import checkpoint_weights_bytes
     from ..models.loader import weight_files
@@ -47,14 +98,13 @@ def estimate_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     for name, adapter in engine_config.loras.items():  # the checks an engine start makes (files, rank, shapes)
         load_adapter(name, Path(adapter).expanduser(), model_config, engine_config.max_lora_rank)
     rank = engine_config.max_lora_rank if engine_config.loras or engine_config.enable_lora else 0
-    act = activation_bytes(model_config, dtype, step_tokens(engine_config.max_num_batched_tokens, concurrency,
-                                                             max_length), concurrency, max_length, rank)
-    act += cuda_graph_bytes(engine_config, model_config, dtype)
+    act = _formula(engine_config, model_config, dtype, concurrency, max_length, rank)
     budget = budget_bytes(engine_config, device, weights, loaded=False)
     lora = lora_slot_bytes(model_config, engine_config.max_loras, rank, dtype) if rank else 0
     plan = make_plan(engine_config, model_config, dtype, device, weights, act, max_length, concurrency, limit,
                      lora=lora, budget=budget)
-    return plan, {"model": str(path), "dtype": str(dtype).replace("torch.", ""), "estimate": True}
+    return _finish(plan, {"model": str(path), "dtype": str(dtype).replace("torch.", ""), "estimate": True},
+                   engine_config, model_config, dtype, device, rank)
 
 
 def _lora_manager(model, engine_config: EngineConfig, device, dtype):
@@ -103,24 +153,33 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
              "kernel_compile_s": compile_s, "pdl": use_pdl, "int4_byte_fields": byte_fields,
              "int4_loads_ahead": loads_ahead, "lora_expand_gather": gather}
     rank = engine_config.max_lora_rank if lora_manager is not None else 0
-    act = activation_bytes(model_config, dtype, step_tokens(engine_config.max_num_batched_tokens, concurrency,
-                                                             max_length), concurrency, max_length, rank)
-    act += cuda_graph_bytes(engine_config, model_config, dtype)
+    act = _formula(engine_config, model_config, dtype, concurrency, max_length, rank)
     weights = weights_bytes(model)
+    lora = lora_manager.device_bytes() if lora_manager is not None else 0
     kv_only = make_plan(engine_config, model_config, dtype, device, weights, 0, max_length, concurrency, limit,
-                        budget=budget)
+                        lora, budget=budget)
     formula = make_plan(engine_config, model_config, dtype, device, weights, act, max_length, concurrency,
-                        limit, budget=budget)
+                        limit, lora, budget=budget)
     # the KV cache alone cannot fit, or the formula's activations (what an engine start sizes by) leave it no
     # block: running the worst case would only try to allocate what is known not to fit
     if not kv_only.fits or formula.kv_blocks == 0:
-        return formula, {**extra, "activation_estimate_bytes": act, "worst_case_run": False}
+        extra = {**extra, "activation_estimate_bytes": act, "worst_case_run": False}
+        tokens = _finish(formula, extra, engine_config, model_config, dtype, device, rank)[1]["fitting_batched_tokens"]
+        scale = 1.0
+        if tokens is not None:  # the formula comes under a measured peak: measure the steps it suggests, and scale
+            with torch.inference_mode():
+                smaller, estimate = _profile(model, model_config, replace(engine_config, max_num_batched_tokens=tokens),
+                                             dtype, device, max_length, concurrency, limit, lora_manager, largest,
+                                             budget)
+            scale = max(1.0, smaller.activation_peak_bytes / max(estimate, 1))
+        return _finish(formula, extra, engine_config, model_config, dtype, device, rank, scale)
     with torch.inference_mode():
         plan, estimate = _profile(model, model_config, engine_config, dtype, device, max_length, concurrency,
                                   limit, lora_manager, largest, budget)
     if engine_config.use_cuda_graphs():
         extra.update(graph_capture(model, engine_config, dtype, device, max_length, lora_manager))
-    return plan, {**extra, "activation_estimate_bytes": estimate, "worst_case_run": True}
+    return _finish(plan, {**extra, "activation_estimate_bytes": estimate, "worst_case_run": True}, engine_config,
+                   model_config, dtype, device, rank, max(1.0, plan.activation_peak_bytes / max(estimate, 1)))
 
 
 def graph_capture(model, engine_config: EngineConfig, dtype, device, max_length: int, lora_manager=None,

@@ -139,13 +139,18 @@ class MemoryPlan:
 
     @property
     def max_concurrency_at_max_length(self) -> int:
-        return self.kv_blocks // self.blocks_for(self.max_length)
+        most = self.kv_blocks // self.blocks_for(self.max_length)
+        return most if self.room_concurrency is None else min(most, self.room_concurrency)
 
     @property
     def max_length_at_concurrency(self) -> int:
-        return min(self.max_length_limit, (self.kv_blocks // max(self.concurrency, 1)) * self.block_size)
+        most = min(self.max_length_limit, (self.kv_blocks // max(self.concurrency, 1)) * self.block_size)
+        return most if self.room_length is None else min(most, self.room_length)
 
     max_length_limit: int = 0  # the model's context limit
+    # the room figures above the plan's own size as plans of that size have it (bound_room); None: not bounded
+    room_concurrency: int | None = None
+    room_length: int | None = None
 
     @property
     def fits(self) -> bool:
@@ -153,6 +158,7 @@ class MemoryPlan:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        del d["room_concurrency"], d["room_length"]  # in the two figures below
         d.update(fits=self.fits, max_concurrency_at_max_length=self.max_concurrency_at_max_length,
                  max_length_at_concurrency=self.max_length_at_concurrency, kv_block_bytes=self.kv_block_bytes)
         return d
@@ -166,6 +172,33 @@ class MemoryPlan:
             tips.append(f"lower --concurrency to {self.max_concurrency_at_max_length}")
         tips.append("raise --gpu-memory-utilization" if self.device == "cuda" else "raise --memory-limit")
         return ", or ".join(tips)
+
+
+def _largest(ok, lo: int, hi: int) -> int:
+    """The largest x in lo..hi with ok(x), ok(lo) being known true and ok monotone (true, then false)."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
+
+
+def bound_room(plan: MemoryPlan, blocks_at) -> MemoryPlan:
+    """Bound the room figures above the plan's own size (more sequences than its concurrency, longer ones than its
+    max_length) by the KV blocks a plan of that size leaves: its steps hold more tokens, so its activations take
+    more of the budget than this plan's. `blocks_at(concurrency, length)`: those blocks. The figures below the
+    plan's size (what to lower to when it does not fit) are this plan's own, which smaller steps only leave room."""
+    length, c, size = plan.max_length, plan.concurrency, plan.block_size
+    most = plan.max_concurrency_at_max_length
+    if most > c:
+        plan.room_concurrency = _largest(lambda n: blocks_at(n, length) >= n * plan.blocks_for(length), c, most)
+    longest = plan.max_length_at_concurrency
+    if longest > length:
+        def tokens(k: int) -> int:  # whole blocks, up to the model's limit
+            return min(plan.max_length_limit, k * size)
+        k = _largest(lambda k: tokens(k) <= length or blocks_at(c, tokens(k)) >= c * plan.blocks_for(tokens(k)),
+                     length // size, -(-longest // size))
+        plan.room_length = max(length, tokens(k))
+    return plan
 
 
 def runtime_reserve(budget: int) -> int:
