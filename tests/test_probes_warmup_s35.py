@@ -62,8 +62,8 @@ def test_the_room_figures_above_the_asked_size_fit_when_asked_for(monkeypatch, m
 def test_when_the_activations_leave_no_block_warmup_names_the_token_budget_that_fits():
     """2 x 4,096 tokens under 13 MiB: the 4,096-token prefill's activations leave no KV block, and warmup said
     "lower --max-num-batched-tokens (4,096) or --concurrency (2)" with no value (and one concurrency fewer changes
-    nothing: a single sequence of 4,096 tokens makes the same prefill). It now names the token budget that fits,
-    which does, and one more token does not."""
+    nothing: a single sequence of 4,096 tokens makes the same prefill). It now names the token budget that fits by
+    the formula, which does, and one more token does not."""
     from typer.testing import CliRunner
 
     from infer.cli.main import app
@@ -79,4 +79,4 @@ def test_when_the_activations_leave_no_block_warmup_names_the_token_budget_that_
     res = CliRunner().invoke(app, ["warmup", "tiny-llama", "--estimate", "--max-length", "4096", "--concurrency", "2",
                                    "--memory-limit", "13MiB"])
     text = " ".join(res.stdout.split())
-    assert res.exit_code == 1 and f"Lower --max-num-batched-tokens to {tokens:,} (from 4,096)" in text, text
+    assert res.exit_code == 1 and f"With --max-num-batched-tokens {tokens:,} it fits" in text, text

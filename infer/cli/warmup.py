@@ -46,13 +46,13 @@ def advice(plan, tokens: int | None = None, fitting_tokens: int | None = None) -
     """What to change when `plan` does not fit; when the activations take most of the budget, the batch sizes that
     make them come first (as an engine start says), `tokens` being --max-num-batched-tokens and `fitting_tokens`
     the value of it with which the plan fits (warmup_plan), if one does."""
-    if fitting_tokens is not None and tokens is not None:
-        return f"lower --max-num-batched-tokens to {fitting_tokens:,} (from {tokens:,}), or {plan.advice()}"
+    fits = "" if fitting_tokens is None else f". With --max-num-batched-tokens {fitting_tokens:,} it fits " \
+        "(smaller steps: longer prompts prefill in more chunks)"
     if tokens is None or plan.activation_peak_bytes <= plan.budget_bytes // 2:
-        return plan.advice()
+        return plan.advice() + fits
     sizes = f"--max-num-batched-tokens ({tokens:,})" + \
         (f" or --concurrency ({plan.concurrency:,})" if plan.concurrency > 1 else "")
-    return f"lower {sizes}, whose activations take most of the budget, or {plan.advice()}"
+    return f"lower {sizes}, whose activations take most of the budget, or {plan.advice()}{fits}"
 
 
 def print_plan(plan, extra: dict, tokens: int | None = None) -> None:

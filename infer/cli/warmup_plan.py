@@ -163,16 +163,8 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     # the KV cache alone cannot fit, or the formula's activations (what an engine start sizes by) leave it no
     # block: running the worst case would only try to allocate what is known not to fit
     if not kv_only.fits or formula.kv_blocks == 0:
-        extra = {**extra, "activation_estimate_bytes": act, "worst_case_run": False}
-        tokens = _finish(formula, extra, engine_config, model_config, dtype, device, rank)[1]["fitting_batched_tokens"]
-        scale = 1.0
-        if tokens is not None:  # the formula comes under a measured peak: measure the steps it suggests, and scale
-            with torch.inference_mode():
-                smaller, estimate = _profile(model, model_config, replace(engine_config, max_num_batched_tokens=tokens),
-                                             dtype, device, max_length, concurrency, limit, lora_manager, largest,
-                                             budget)
-            scale = max(1.0, smaller.activation_peak_bytes / max(estimate, 1))
-        return _finish(formula, extra, engine_config, model_config, dtype, device, rank, scale)
+        return _finish(formula, {**extra, "activation_estimate_bytes": act, "worst_case_run": False},
+                       engine_config, model_config, dtype, device, rank)
     with torch.inference_mode():
         plan, estimate = _profile(model, model_config, engine_config, dtype, device, max_length, concurrency,
                                   limit, lora_manager, largest, budget)
