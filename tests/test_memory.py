@@ -154,15 +154,16 @@ def test_cuda_graph_pool_is_budgeted_only_with_graphs(monkeypatch):
 @pytest.mark.parametrize("mode", [[], ["--estimate"]])
 def test_warmup_whose_token_budget_cannot_fit_names_it(mode, monkeypatch):
     """--max-num-batched-tokens 999999999999 ran the worst case into a MemoryError ("...while it was measured ()")
-    and --estimate advised only --memory-limit: neither named the option that made the activations."""
+    and --estimate advised only --memory-limit: neither named the option that made the activations. (A step holds
+    at most concurrency x max_length tokens: 4,096 x 2,048 here, whose activations exceed the budget.)"""
     from infer.engine import profile
     monkeypatch.setattr(profile, "profile_run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran")))
-    res = runner.invoke(app, ["warmup", "tiny-llama", "--max-length", "64", "--concurrency", "2",
-                              "--max-num-batched-tokens", "999999999999", *mode])
+    res = runner.invoke(app, ["warmup", "tiny-llama", "--max-length", "2048", "--concurrency", "4096",
+                              "--max-num-batched-tokens", "999999999999", "--memory-limit", "8GB", *mode])
     out = " ".join(res.output.split())
     assert res.exit_code == 1, res.output
-    assert ("Lower --max-num-batched-tokens (999,999,999,999) or --concurrency (2), whose activations take most of "
-            "the budget, or raise --memory-limit.") in out, out
+    assert ("Lower --max-num-batched-tokens (999,999,999,999) or --concurrency (4,096), whose activations take most "
+            "of the budget, or raise --memory-limit.") in out, out
     assert "()" not in out and not isinstance(res.exception, AssertionError)  # known without running the worst case
 
 
