@@ -89,6 +89,13 @@ def test_engine_refuses_to_start_when_one_sequence_cannot_fit(tmp_path):
     inp.write_text('{"prompt": "hi"}\n')
     res = runner.invoke(app, ["run", "tiny-llama", str(inp), "--memory-limit", "12MB"])
     assert res.exit_code == 2 and "estimated maximum model length" in res.output
+    assert "LoRA adapter slots" not in res.output and "a reserve of" in res.output
+    # the adapter slots are part of the sum the message gives (they were left out: its figures did not add up)
+    res = runner.invoke(app, ["run", "tiny-llama", str(inp), "--memory-limit", "12MB", "--enable-lora",
+                              "--max-loras", "8", "--max-lora-rank", "64"])
+    out = " ".join(res.output.split())
+    assert res.exit_code == 2 and "estimated maximum model length" in out, res.output
+    assert ", LoRA adapter slots " in out and " and a reserve of " in out, out
 
 
 def test_a_run_never_goes_beyond_the_reported_peak():

@@ -291,8 +291,10 @@ def plan_memory(engine_config: PlanOptions, model_config, model, dtype, device, 
                     f"({engine_config.max_num_batched_tokens}), whose activations take most of the budget, or {more}")
         raise OutOfMemoryError(
             f"a single sequence of {max_len} tokens does not fit: the KV cache gets {plan.kv_blocks} blocks "
-            f"({plan.kv_blocks * engine_config.block_size} tokens) after weights {gib(plan.weights_bytes)} and "
-            f"activations {gib(plan.activation_peak_bytes)} within a budget of {gib(plan.budget_bytes)}; "
+            f"({plan.kv_blocks * engine_config.block_size} tokens) after weights {gib(plan.weights_bytes)}, "
+            f"activations {gib(plan.activation_peak_bytes)}"
+            + (f", LoRA adapter slots {gib(plan.lora_bytes)}" if plan.lora_bytes else "")
+            + f" and a reserve of {gib(plan.reserve_bytes)} within a budget of {gib(plan.budget_bytes)}; "
             f"estimated maximum model length is {fit}",
             f"use --max-model-len {fit} or less, or {more}" if fit > 1 else more)
     return plan
