@@ -8,7 +8,10 @@ if not Path("/dev/nvidiactl").exists():
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Under pytest-xdist (scripts/test runs one worker per core) each worker takes its share of the cores: two workers of
+# two threads each on CI's two cores spent time switching between threads.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
 
 
 @pytest.fixture(scope="session", autouse=True)
