@@ -25,9 +25,10 @@ def test_a_first_run_and_a_convert_print_only_infers_lines(tmp_path):
     res = _infer(["run", "tiny-llama", str(inp), "-o", str(tmp_path / "o.jsonl")], cache)
     assert res.returncode == 0, res.stderr
     assert [line.split(":")[0] for line in res.stderr.splitlines()] == ["infer", "infer"], res.stderr
-    res = _infer(["convert", "tiny-llama", "-o", str(tmp_path / "conv")], cache)
+    conv = tmp_path / ("a-folder-name-long-enough-to-pass-the-eighty-columns-rich-wraps-at-" * 2) / "conv"
+    res = _infer(["convert", "tiny-llama", "-o", str(conv)], cache)
     assert res.returncode == 0 and res.stderr == "", res.stderr
-    assert res.stdout.startswith(f"Wrote {tmp_path / 'conv'}"), res.stdout
+    assert res.stdout.startswith(f"Wrote {conv} (same dtype)"), res.stdout  # a long path was wrapped after "Wrote"
     # --debug hides nothing (the torchao lines show wherever torchao is installed and cannot load its extensions)
     res = _infer(["--debug", "convert", "tiny-llama", "-o", str(tmp_path / "conv2")], tmp_path / "cache2")
     assert res.returncode == 0 and "Loading weights" in res.stderr, res.stderr

@@ -55,7 +55,7 @@ def convert(
                             overwrite=overwrite, check_weights=check_weights)
     files = sorted(p.name for p in Path(out).iterdir())
     what = ", ".join(x for x in (dtype, merge_lora and f"merged {merge_lora}") if x) or "same dtype"
-    Console().print(f"Wrote {out} ({what}): {', '.join(files)}")
+    Console().print(f"Wrote {out} ({what}): {', '.join(files)}", soft_wrap=True)  # the path on one line, as written
 
 
 def _check_adapter(adapter: Path, src: Path) -> None:

@@ -135,6 +135,6 @@ def print_summary(result: QuantizeResult, options: QuantizeOptions) -> None:
     if worst is not None:
         console.print(f"Largest error: layer {worst.layer} {worst.module} (loss {worst.loss:.3e})")
     console.print(f"Wrote {result.out} ({options.bits}-bit, group size {options.group_size}) in "
-                  f"{result.seconds:.1f} s")
+                  f"{result.seconds:.1f} s", soft_wrap=True)  # a long path stays on one line (not wrapped at 80)
     for note in options.interop_notes():
         console.print(f"[yellow]Note:[/yellow] {note}", highlight=False)
