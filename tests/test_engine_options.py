@@ -26,7 +26,7 @@ from infer.errors import ConfigError, OutOfMemoryError
     (dict(memory_limit=0), "--memory-limit 0 is not a positive number of bytes"),
     (dict(memory_limit=-5), "--memory-limit -5 is not a positive number of bytes"),
     (dict(memory_limit=True), "--memory-limit True is not a size"),
-    (dict(seed=None), "--seed must be an integer, got None"),
+    (dict(seed=-1), "--seed must be in 0..9223372036854775807, got -1"),
     (dict(max_num_seqs=None), "--max-num-seqs must be an integer, got None"),
     (dict(max_num_seqs=2.0), "--max-num-seqs must be an integer, got 2.0"),
     (dict(dtype=["float16"]), "--dtype ['float16'] is not one of"),
@@ -90,3 +90,10 @@ def test_a_budget_below_the_weights_says_so_rather_than_blaming_the_batch():
         LLM("tiny-llama", memory_limit="1KB")
     assert "the weights alone take" in str(e.value) and "raise --memory-limit" in str(e.value)
     assert "--max-num-seqs" not in str(e.value)
+
+
+def test_seed_none_draws_a_seed_as_vllm_reads_it():
+    """vLLM's seed=None is "not reproducible", not an error: the engine draws one, which its config (and a run's
+    records) then shows."""
+    seeds = {EngineConfig("tiny-llama", seed=None).seed for _ in range(4)}
+    assert all(isinstance(s, int) and 0 <= s < 2 ** 63 for s in seeds) and len(seeds) > 1

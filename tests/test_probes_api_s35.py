@@ -31,8 +31,9 @@ def _idle(engine) -> bool:
 
 
 @pytest.mark.parametrize("prompt", [(5, 6, 7), np.array([5, 6, 7]), torch.tensor([5, 6, 7]),
-                                    [np.int64(5), np.int32(6), 7], list(torch.tensor([5, 6, 7]))],
-                         ids=["tuple", "numpy", "tensor", "numpy-ints", "list-of-0d-tensors"])
+                                    [np.int64(5), np.int32(6), 7], list(torch.tensor([5, 6, 7])),
+                                    {"prompt_token_ids": (5, 6, 7)}],
+                         ids=["tuple", "numpy", "tensor", "numpy-ints", "list-of-0d-tensors", "vllm-tokens-prompt"])
 def test_engine_add_request_takes_token_ids_in_any_integer_sequence(engine, prompt):
     """A tuple (TypeError: tuple + list), a numpy array (ValueError: truth value ambiguous) or numpy integers (told
     they were outside the vocabulary) were not taken by LLMEngine.add_request, though LLM.generate takes them."""
@@ -49,6 +50,8 @@ def test_engine_add_request_takes_token_ids_in_any_integer_sequence(engine, prom
     ([1.0, 5], P, "must be integers, got 1.0"),
     (5, P, "must be a list of token ids, got int"),
     ([5, 6], {"max_new_tokens": 3}, "params must be a SamplingParams, got dict"),
+    ({"prompt": "hello"}, P, "needs the key 'prompt_token_ids' \\(it has 'prompt'\\)"),
+    ({"prompt_token_ids": "hello"}, P, "token ids, not text"),
 ])
 def test_engine_add_request_refuses_what_is_not_a_request_with_a_request_error(engine, prompt, params, match):
     """Text and a dict of params were bare TypeError / AttributeError; a bool was taken as token 1, a float was

@@ -8,6 +8,7 @@ shared by run / serve / bench / warmup. Fields without `help` metadata are API-o
 from __future__ import annotations
 
 import numbers
+import random
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -125,7 +126,7 @@ class EngineConfig:
     max_num_batched_tokens: int = option(4096, "Most tokens (prefill + decode) in one step.")
     block_size: int = option(16, "Tokens per KV cache block.")
     max_model_len: int | None = option(None, "Context limit (default: the model's).")
-    seed: int = option(0, "Seed for sampling of requests without their own seed.")
+    seed: int | None = option(0, "Seed for sampling of requests without their own seed.")
     enable_prefix_caching: bool = option(True, "Reuse the KV of shared prompt prefixes.",
                                          flag="--prefix-caching/--no-prefix-caching")
     num_kv_blocks: int | None = None  # API only; None: sized from the memory budget
@@ -191,6 +192,8 @@ class EngineConfig:
     max_cpu_loras: int | None = option(None, "Adapters kept in CPU memory (default: all registered).", panel=LORA)
 
     def __post_init__(self) -> None:
+        if self.seed is None:  # vLLM's seed=None: not reproducible; a drawn seed, kept in the config (and records)
+            self.seed = random.SystemRandom().randrange(2 ** 63)
         for name in RANGES:  # a numpy integer is an integer (it was refused as "must be an integer, got np.int64(8)")
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and not isinstance(value, bool):

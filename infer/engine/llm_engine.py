@@ -32,13 +32,20 @@ BAD_WORDS_CACHE = 16
 
 def request_inputs(prompt_token_ids, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
     """add_request's prompt as a list of int token ids (a tuple, a 1-D numpy array or tensor, numpy integers taken
-    too) and its params (None: the defaults); RequestError for text, bools, floats or params of another type, which
+    too, or vLLM's {"prompt_token_ids": ...}) and its params (None: the defaults); RequestError for text, bools, floats or params of another type, which
     reached the checks below as a bare TypeError or as a token id "outside the vocabulary"."""
     if params is None:
         params = SamplingParams()
     if not isinstance(params, SamplingParams):
         raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}",
                            "e.g. SamplingParams(max_new_tokens=32)")
+    if isinstance(prompt_token_ids, dict):  # vLLM's TokensPrompt: {"prompt_token_ids": [...]}
+        if "prompt_token_ids" not in prompt_token_ids:
+            keys = ", ".join(map(repr, prompt_token_ids)) or "none"
+            raise RequestError(f"a prompt dict needs the key 'prompt_token_ids' (it has {keys})",
+                               "LLMEngine takes token ids; for text use LLM.generate, or encode it with "
+                               "engine.tokenizer")
+        prompt_token_ids = prompt_token_ids["prompt_token_ids"]
     if isinstance(prompt_token_ids, str):
         raise RequestError("LLMEngine takes a prompt as token ids, not text",
                            "encode it with engine.tokenizer first, or use LLM.generate, which takes text")
