@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from infer import LLM, SamplingParams, kernels
 from infer.cli.main import app
+from infer.engine.config import EngineConfig
 from infer.models.layers import MergedLinear
 from infer.models.tiny import ensure_builtin
 from infer.quant import packing
@@ -167,6 +168,39 @@ def test_graph_capture_first_reserves_the_dequant_scratch_for_the_largest_layer(
     runner._reserve_dequant_scratch()
     assert seen == [4096] and gptq_dequant._SCRATCH[(torch.device("cpu"), torch.float32)].numel() == largest
     gptq_dequant.release_scratch(torch.device("cpu"))
+
+
+@needs_gptqmodel
+def test_warmup_estimate_on_cuda_counts_the_dequant_scratch(infer_quantized, monkeypatch):
+    """`infer warmup --estimate` (no weights loaded) counts the int4 dequantize scratch an engine start on CUDA
+    reserves for steps of more than 256 tokens: the biggest GPTQ layer as the engine merges them (gate/up), from
+    the checkpoint's headers. It was left out, so the estimate gave the KV cache memory the engine would not."""
+    from infer.cli import warmup_plan
+    from infer.memory import checkpoint
+    from infer.models.loader import weight_files
+    llm = LLM(str(infer_quantized), block_size=4, max_num_seqs=4, max_model_len=64)
+    largest = max(m.qweight.numel() * 8 for m in llm.engine.runner.model.modules()
+                  if getattr(m, "qweight", None) is not None)
+    llm.close()
+    assert checkpoint.checkpoint_int4_layer_elements(weight_files(infer_quantized), 4) == largest
+    assert largest == 64 * 2 * 128  # tiny-llama's merged gate_up: hidden 64 x (2 x intermediate 128)
+    # an estimate for a CUDA device, on this CPU machine: a stand-in GPU of 8 GiB
+    parts = warmup_plan._model_parts
+    monkeypatch.setattr(warmup_plan, "_model_parts", lambda cfg: (*parts(cfg)[:2], torch.device("cuda"),
+                                                                  torch.float16))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 << 30, 8 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+
+    real, without = checkpoint.checkpoint_int4_layer_elements, []
+    monkeypatch.setattr(checkpoint, "checkpoint_int4_layer_elements",
+                        lambda files, bits: 0 if without else real(files, bits))
+
+    def activations(tokens: int, scratch: bool) -> int:
+        without[:] = [] if scratch else [1]
+        cfg = EngineConfig(str(infer_quantized), max_num_batched_tokens=tokens, enforce_eager=True)
+        return warmup_plan.estimate_plan(cfg, 64, 4)[0].activation_peak_bytes
+    assert activations(512, True) - activations(512, False) == largest * 2  # float16
+    assert activations(256, True) == activations(256, False)  # steps this short never take the dequantize path
 
 
 @needs_gptqmodel

@@ -13,7 +13,8 @@ from ..engine.config import RANGES, EngineConfig
 from ..engine.setup import checkpoint_dtype, model_max_len
 from ..errors import ConfigError, OutOfMemoryError
 from ..memory.plan import MemoryPlan, bound_room, budget_bytes, cuda_graph_bytes, make_plan
-from ..memory.sizes import activation_bytes, lora_slot_bytes, step_tokens, weights_bytes
+from ..memory.sizes import (DEQUANT_MIN_TOKENS, activation_bytes, element_bytes, int4_layer_bytes, lora_slot_bytes,
+                            step_tokens, weights_bytes)
 
 
 def _model_parts(engine_config: EngineConfig):
@@ -35,18 +36,21 @@ def _check_length(model_config, engine_config: EngineConfig, max_length: int) ->
 
 
 def _formula(engine_config: EngineConfig, model_config, dtype, concurrency: int, max_length: int, rank: int,
-             tokens: int | None = None) -> int:
+             tokens: int | None = None, int4_layer: int = 0) -> int:
     """The activations an engine of `concurrency` sequences of `max_length` tokens (and steps of up to `tokens`,
-    default --max-num-batched-tokens) reserves: a step, and the CUDA graphs' pool."""
+    default --max-num-batched-tokens) reserves: a step, the CUDA graphs' pool, and the scratch an int4 prefill
+    dequantizes its biggest layer into (`int4_layer` bytes, memory.sizes.int4_layer_bytes) when steps can take
+    that path, as the engine's start reserves it (memory.plan.start_activation_bytes)."""
     cfg = replace(engine_config, max_num_seqs=concurrency, max_model_len=max_length,
                   max_num_batched_tokens=tokens or engine_config.max_num_batched_tokens)
     step = step_tokens(cfg.max_num_batched_tokens, concurrency, max_length)
     return activation_bytes(model_config, dtype, step, concurrency, max_length, rank) \
-        + cuda_graph_bytes(cfg, model_config, dtype)
+        + cuda_graph_bytes(cfg, model_config, dtype) \
+        + (int4_layer if cfg.max_num_batched_tokens > DEQUANT_MIN_TOKENS else 0)
 
 
 def _blocks_at(plan: MemoryPlan, engine_config: EngineConfig, model_config, dtype, device, rank: int,
-               scale: float = 1.0):
+               scale: float = 1.0, int4_layer: int = 0):
     """blocks_at(concurrency, length, tokens=None): the KV blocks a plan of another size leaves in `plan`'s budget:
     its formula's activations times `scale` (how far the measured peak came above the formula at the plan's size:
     the measured excess grows with the step), and its rotary table; none past the most --concurrency takes."""
@@ -55,7 +59,7 @@ def _blocks_at(plan: MemoryPlan, engine_config: EngineConfig, model_config, dtyp
     def blocks_at(concurrency: int, length: int, tokens: int | None = None) -> int:
         if concurrency > RANGES["max_num_seqs"][1]:
             return 0
-        act = int(_formula(engine_config, model_config, dtype, concurrency, length, rank, tokens) * scale)
+        act = int(_formula(engine_config, model_config, dtype, concurrency, length, rank, tokens, int4_layer) * scale)
         rope = rope_table_bytes(model_config, length) - rope_table_bytes(model_config, plan.max_length)
         return make_plan(engine_config, model_config, dtype, device, plan.weights_bytes + rope, act, length,
                          concurrency, plan.max_length_limit, plan.lora_bytes, budget=plan.budget_bytes).kv_blocks
@@ -76,10 +80,10 @@ def _fitting_tokens(plan: MemoryPlan, blocks_at, tokens: int) -> int | None:
 
 
 def _finish(plan: MemoryPlan, extra: dict, engine_config: EngineConfig, model_config, dtype, device, rank: int,
-            scale: float = 1.0) -> tuple[MemoryPlan, dict]:
+            scale: float = 1.0, int4_layer: int = 0) -> tuple[MemoryPlan, dict]:
     """The plan with its room figures above its own size bounded by the plans of that size (memory.plan.bound_room),
     and, when it does not fit, the --max-num-batched-tokens that makes it fit (`fitting_batched_tokens`)."""
-    blocks_at = _blocks_at(plan, engine_config, model_config, dtype, device, rank, scale)
+    blocks_at = _blocks_at(plan, engine_config, model_config, dtype, device, rank, scale, int4_layer)
     tokens = _fitting_tokens(plan, blocks_at, engine_config.max_num_batched_tokens)
     return bound_room(plan, blocks_at), {**extra, "fitting_batched_tokens": tokens}
 
@@ -98,13 +102,17 @@ def estimate_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     for name, adapter in engine_config.loras.items():  # the checks an engine start makes (files, rank, shapes)
         load_adapter(name, Path(adapter).expanduser(), model_config, engine_config.max_lora_rank)
     rank = engine_config.max_lora_rank if engine_config.loras or engine_config.enable_lora else 0
-    act = _formula(engine_config, model_config, dtype, concurrency, max_length, rank)
+    int4_layer = 0  # the int4 prefill's dequantize scratch, which an engine start on CUDA reserves
+    if gptq and device.type == "cuda":
+        from ..memory.checkpoint import checkpoint_int4_layer_elements
+        int4_layer = checkpoint_int4_layer_elements(weight_files(path), gptq.bits) * element_bytes(dtype)
+    act = _formula(engine_config, model_config, dtype, concurrency, max_length, rank, int4_layer=int4_layer)
     budget = budget_bytes(engine_config, device, weights, loaded=False)
     lora = lora_slot_bytes(model_config, engine_config.max_loras, rank, dtype) if rank else 0
     plan = make_plan(engine_config, model_config, dtype, device, weights, act, max_length, concurrency, limit,
                      lora=lora, budget=budget)
     return _finish(plan, {"model": str(path), "dtype": str(dtype).replace("torch.", ""), "estimate": True},
-                   engine_config, model_config, dtype, device, rank)
+                   engine_config, model_config, dtype, device, rank, int4_layer=int4_layer)
 
 
 def _lora_manager(model, engine_config: EngineConfig, device, dtype):
@@ -153,7 +161,8 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
              "kernel_compile_s": compile_s, "pdl": use_pdl, "int4_byte_fields": byte_fields,
              "int4_loads_ahead": loads_ahead, "lora_expand_gather": gather}
     rank = engine_config.max_lora_rank if lora_manager is not None else 0
-    act = _formula(engine_config, model_config, dtype, concurrency, max_length, rank)
+    int4_layer = int4_layer_bytes(model, dtype)  # (0 on CPU)
+    act = _formula(engine_config, model_config, dtype, concurrency, max_length, rank, int4_layer=int4_layer)
     weights = weights_bytes(model)
     lora = lora_manager.device_bytes() if lora_manager is not None else 0
     kv_only = make_plan(engine_config, model_config, dtype, device, weights, 0, max_length, concurrency, limit,
@@ -164,7 +173,7 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     # block: running the worst case would only try to allocate what is known not to fit
     if not kv_only.fits or formula.kv_blocks == 0:
         return _finish(formula, {**extra, "activation_estimate_bytes": act, "worst_case_run": False},
-                       engine_config, model_config, dtype, device, rank)
+                       engine_config, model_config, dtype, device, rank, int4_layer=int4_layer)
     with torch.inference_mode():
         plan, estimate = _profile(model, model_config, engine_config, dtype, device, max_length, concurrency,
                                   limit, lora_manager, largest, budget)
@@ -172,6 +181,8 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
         extra.update(graph_capture(model, engine_config, dtype, device, max_length, lora_manager))
     return _finish(plan, {**extra, "activation_estimate_bytes": estimate, "worst_case_run": True}, engine_config,
                    model_config, dtype, device, rank, max(1.0, plan.activation_peak_bytes / max(estimate, 1)))
+    # (the measured peak holds the dequantize scratch where the worst case's prefill took that path: the scale the
+    # room figures take from it covers it)
 
 
 def graph_capture(model, engine_config: EngineConfig, dtype, device, max_length: int, lora_manager=None,

@@ -91,3 +91,25 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
             if prepacks and name == "model.embed_tokens.weight" and getattr(model_config, "tie_word_embeddings", False):
                 total += size
     return total
+
+
+# the engine's merged layers (models.layers.MergedLinear): q, k, v and gate, up are one GPTQ layer each
+_MERGED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+
+
+def checkpoint_int4_layer_elements(files: list[Path], bits: int) -> int:
+    """Weights of the biggest GPTQ layer the engine builds from these files (q/k/v and gate/up merged), from the
+    headers alone: what an int4 prefill on CUDA dequantizes into its scratch (memory.sizes.int4_layer_bytes)."""
+    layers: dict[str, int] = {}
+    for f in files:
+        header = safetensors_header(f) if f.suffix == ".safetensors" else _bin_header(f)
+        for name, info in (header or {}).items():
+            if not name.endswith(".qweight"):
+                continue
+            prefix, _, module = name[: -len(".qweight")].rpartition(".")
+            key = f"{prefix}.{_MERGED.get(module, module)}"
+            numel = 1
+            for d in info["shape"]:
+                numel *= d
+            layers[key] = layers.get(key, 0) + numel * (32 // bits)
+    return max(layers.values(), default=0)

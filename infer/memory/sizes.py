@@ -60,14 +60,22 @@ def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs
     return max(prefill, decode) + logits + (penalty_table_bytes(model_config, num_seqs) if penalties else 0)
 
 
-def dequant_scratch_bytes(model, dtype: torch.dtype, num_tokens: int) -> int:
-    """The buffer a large prefill dequantizes the biggest GPTQ layer into before cuBLAS (kernels.gptq_gemm),
-    when steps can be long enough to take that path (more than 256 tokens); 0 on CPU or without GPTQ layers."""
-    if num_tokens <= 256:
-        return 0
+DEQUANT_MIN_TOKENS = 256  # steps of more tokens may take the int4 matmul's dequantize + cuBLAS path
+
+
+def int4_layer_bytes(model, dtype: torch.dtype) -> int:
+    """The biggest GPTQ layer that computes through the int4 kernels (on CUDA), dequantized to `dtype`; 0 on CPU
+    or without GPTQ layers."""
     sizes = [m.qweight.numel() * (32 // m.method.config.bits) for m in model.modules()
              if hasattr(m, "qweight") and getattr(m, "weight", None) is None and m.qweight.is_cuda]
     return max(sizes, default=0) * element_bytes(dtype)
+
+
+def dequant_scratch_bytes(model, dtype: torch.dtype, num_tokens: int) -> int:
+    """The buffer a large prefill dequantizes the biggest GPTQ layer into before cuBLAS (kernels.gptq_gemm),
+    when steps can be long enough to take that path (more than DEQUANT_MIN_TOKENS tokens); 0 on CPU or without
+    GPTQ layers."""
+    return int4_layer_bytes(model, dtype) if num_tokens > DEQUANT_MIN_TOKENS else 0
 
 
 def weights_bytes(model) -> int:
