@@ -247,7 +247,9 @@ class RayAsyncEngine(AsyncEngine):
     # ------------------------------------------------------------------ adapters while serving
     async def add_lora(self, name: str, path: str) -> None:
         """Load the adapter on every live replica (each reads `path` on its own host); the name is offered to
-        requests only once all have it. If one cannot, the others drop it again and its error is raised."""
+        requests only once all have it. If one cannot, the others drop it again and its error is raised. A replica
+        found dead by this call (it died while idle, before the driver's check) is left out, as the driver leaves
+        it out once it notices: the adapter was refused on every replica for it."""
         adapters = self.engine.lora_slots()
         async with self._lora_lock():
             if adapters.has(name):
@@ -256,6 +258,10 @@ class RayAsyncEngine(AsyncEngine):
             path = str(Path(path).expanduser().absolute())  # the replicas may run in another directory
             live = [r for r in self.replicas if r.alive]
             errors = await self._on_replicas([r.handle.add_lora.remote(name, path) for r in live])
+            dead = [r for r, e in zip(live, errors) if isinstance(e, dict) and e.get("died")]
+            if len(dead) == len(live):
+                raise NoEngineError("no engine replica is left", "restart the server")
+            live, errors = zip(*[(r, e) for r, e in zip(live, errors) if r not in dead])
             failed = [(r, e) for r, e in zip(live, errors) if e is not None]
             if failed:
                 loaded = [r for r, e in zip(live, errors) if e is None]
@@ -284,10 +290,13 @@ class RayAsyncEngine(AsyncEngine):
         return [r.handle.remove_lora.remote(name) for r in self.replicas if r.alive]
 
     async def _on_replicas(self, refs: list) -> list:
-        """Each call's result, or {"message": ...} for a replica that died meanwhile."""
+        """Each call's result, or {"message": ..., "died": True} for a replica that died (before or during the
+        call), {"message": ...} for another failure of the call."""
         def get(ref):
             try:
                 return self.ray.get(ref)
+            except self.ray.exceptions.ActorDiedError as e:
+                return {"message": f"the replica stopped: {_last_line(e)}", "died": True}
             except self.ray.exceptions.RayError as e:
                 return {"message": f"the replica stopped: {_last_line(e)}"}
         return await asyncio.to_thread(lambda: [get(ref) for ref in refs])

@@ -20,7 +20,7 @@ from fastapi.responses import PlainTextResponse
 
 from ..errors import LoRAError, LoRANameError
 from . import protocol as p
-from .async_engine import ShuttingDownError
+from .async_engine import NoEngineError, ShuttingDownError
 from .body import check_values, load_json, read_body
 
 log = logging.getLogger("infer.serve")
@@ -43,6 +43,9 @@ def add_adapter_routes(app: FastAPI, server) -> None:
                              code="invalid_lora_adapter") from None
         except ShuttingDownError as e:
             raise _unavailable(e) from None
+        except NoEngineError as e:  # every replica died: as a request is answered then
+            raise p.ApiError(503, str(e), type="server_unavailable", code="no_engine_replica",
+                             headers={"Retry-After": str(server.retry_after)}) from None
         log.info("LoRA adapter %r loaded from %s", name, path)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 

@@ -1,0 +1,98 @@
+"""Session 36: the data-parallel server's runtime adapter load with a replica that died unnoticed."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from infer.errors import LoRAError
+from infer.serve.async_engine import NoEngineError
+
+ray = pytest.importorskip("ray")
+
+
+class _Ref:
+    def __init__(self, value):
+        self.value = value
+
+
+class _FakeRay:
+    exceptions = ray.exceptions
+
+    @staticmethod
+    def get(ref):
+        if isinstance(ref.value, BaseException):
+            raise ref.value
+        return ref.value
+
+
+class _Slots:
+    def __init__(self):
+        self.loaded = set()
+
+    def has(self, name):
+        return name in self.loaded
+
+    def add(self, name):
+        self.loaded.add(name)
+
+
+def _replica(index, answer, removed):
+    from infer.parallel.serve_engine import _Replica
+    handle = SimpleNamespace(add_lora=SimpleNamespace(remote=lambda name, path: _Ref(answer)),
+                             remove_lora=SimpleNamespace(remote=lambda name: (removed.append(index), _Ref(0))[1]))
+    return _Replica(index, handle, {"host": f"host{index}"})
+
+
+def _engine(answers):
+    """A RayAsyncEngine's adapter calls over fake replicas (no Ray cluster, no driver thread): each answers
+    add_lora with `answers[i]` (None: loaded; a dict: the replica's error; an exception: what ray.get raises)."""
+    from infer.parallel.serve_engine import RayAsyncEngine
+    eng, removed = RayAsyncEngine.__new__(RayAsyncEngine), []
+    eng.ray, eng._lora_changes, slots = _FakeRay(), None, _Slots()
+    eng.replicas = [_replica(i, a, removed) for i, a in enumerate(answers)]
+    eng.engine = SimpleNamespace(lora_slots=lambda: slots)
+    return eng, slots, removed
+
+
+def test_an_adapter_loads_on_the_live_replicas_when_one_died_unnoticed():
+    """A replica that died while idle (the driver not yet aware) failed every runtime adapter load: the live
+    replica dropped the adapter again and the server answered 400 "the replica stopped", until the driver's
+    check noticed. The dead one is left out, as the driver leaves it out."""
+    eng, slots, removed = _engine([None, ray.exceptions.ActorDiedError()])
+    asyncio.run(eng.add_lora("sql", "/srv/adapters/sql"))
+    assert slots.has("sql") and removed == []
+
+
+def test_an_adapter_load_with_every_replica_dead_is_no_engine_and_a_replica_error_still_fails_it():
+    eng, slots, _ = _engine([ray.exceptions.ActorDiedError(), ray.exceptions.ActorDiedError()])
+    with pytest.raises(NoEngineError, match="no engine replica is left"):
+        asyncio.run(eng.add_lora("sql", "/srv/adapters/sql"))
+    assert not slots.has("sql")
+    # a live replica that cannot read the adapter still fails the load, and the one that loaded it drops it
+    eng, slots, removed = _engine([None, {"message": "no adapter_config.json in /srv/adapters/sql"},
+                                   ray.exceptions.ActorDiedError()])
+    with pytest.raises(LoRAError, match="replica 1 \\(host1\\): no adapter_config.json"):
+        asyncio.run(eng.add_lora("sql", "/srv/adapters/sql"))
+    assert not slots.has("sql") and removed == [0]
+
+
+def test_a_load_with_no_replica_left_is_a_503_as_a_request_is(monkeypatch):
+    """NoEngineError from the load (every replica dead) was an unhandled 500."""
+    import httpx
+
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+
+    async def no_replica(name, path):
+        raise NoEngineError("no engine replica is left", "restart the server")
+    aengine = AsyncEngine(LLMEngine(EngineConfig("tiny-llama", max_model_len=64, enable_lora=True)))
+    monkeypatch.setattr(aengine, "add_lora", no_replica)
+    with serve_in_thread(Server(aengine, "tiny-llama", runtime_lora=True, retry_after=3)) as base:
+        r = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/srv/a"}, timeout=30)
+    assert r.status_code == 503 and r.headers["retry-after"] == "3", r.text
+    assert r.json()["error"]["code"] == "no_engine_replica"
