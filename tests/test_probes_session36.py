@@ -96,3 +96,25 @@ def test_a_load_with_no_replica_left_is_a_503_as_a_request_is(monkeypatch):
         r = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/srv/a"}, timeout=30)
     assert r.status_code == 503 and r.headers["retry-after"] == "3", r.text
     assert r.json()["error"]["code"] == "no_engine_replica"
+
+
+def test_request_outputs_carry_vllms_metrics():
+    """RequestOutput.metrics (vLLM's RequestMetrics): with one sequence at a time the second request waits in the
+    queue until the first is done, and each one's times run in order."""
+    from infer import LLM, SamplingParams
+    with LLM("tiny-llama", max_model_len=64, max_num_seqs=1) as llm:
+        first, second = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=3, ignore_eos=True))
+        for out in (first, second):
+            m = out.metrics
+            assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time \
+                <= m.finished_time
+            assert m.time_in_queue == m.first_scheduled_time - m.arrival_time
+            assert m.last_token_time == out.token_times[-1]
+        assert second.metrics.first_scheduled_time >= first.metrics.finished_time
+        engine = llm.engine
+        engine.add_request("r", [5, 6], SamplingParams(max_new_tokens=4, ignore_eos=True))
+        running = engine.step()[0]
+        assert not running.finished and running.metrics.finished_time is None
+        assert running.metrics.first_scheduled_time is not None
+        while engine.has_unfinished_requests():
+            engine.step()

@@ -2,6 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestMetrics:
+    """vLLM's per-request timings (RequestOutput.metrics), in time.monotonic() seconds; None where the request has
+    not got there (not scheduled yet, no token yet, not finished)."""
+    arrival_time: float
+    last_token_time: float | None
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    time_in_queue: float | None
+    finished_time: float | None = None
+
 
 class CompletionOutput:
     """One sample of a request, as vLLM's CompletionOutput: `RequestOutput.outputs[j]` (j < SamplingParams.n).
@@ -47,7 +61,8 @@ class RequestOutput:
                  logprobs: list[dict] | None = None, lora: str | None = None, arrival_time: float = 0.0,
                  first_token_time: float | None = None, token_times: list[float] | None = None,
                  num_cached_tokens: int = 0, num_prefix_tokens: int = 0, stop_reason: int | str | None = None,
-                 prompt_logprobs: list | None = None, bad_request: bool = False):
+                 prompt_logprobs: list | None = None, bad_request: bool = False,
+                 first_scheduled_time: float | None = None, finished_time: float | None = None):
         self.request_id, self.prompt_token_ids = request_id, prompt_token_ids
         self._token_ids = list(token_ids or [])
         self.new_token_ids = list(new_token_ids or [])
@@ -59,6 +74,7 @@ class RequestOutput:
         self.stop_reason = stop_reason  # with finish_reason stop: the stop token id or string (None: EOS), as vLLM
         self._logprobs = logprobs
         self.lora, self.arrival_time, self.first_token_time = lora, arrival_time, first_token_time
+        self.first_scheduled_time, self.finished_time = first_scheduled_time, finished_time
         self._token_times = list(token_times or [])
         self.num_cached_tokens = num_cached_tokens
         self.num_prefix_tokens = num_prefix_tokens  # the request's forced prefix_token_ids at the start of token_ids
@@ -81,6 +97,7 @@ class RequestOutput:
         out.bad_request = seq.bad_request
         out.stop_reason = seq.stop_reason if seq.finish_reason == "stop" else None
         out.arrival_time, out.first_token_time = seq.arrival_time, seq.first_token_time
+        out.first_scheduled_time, out.finished_time = seq.first_scheduled_time, seq.finished_time
         out.num_cached_tokens, out.num_prefix_tokens = seq.num_cached_tokens, len(seq.params.prefix_token_ids)
         out.prompt_logprobs = seq.prompt_logprobs  # complete (and no longer growing) once a token is sampled
         out._token_ids = out._token_times = out._logprobs = None
@@ -100,10 +117,22 @@ class RequestOutput:
                   first_token_time=first.first_token_time, token_times=first.token_times,
                   num_cached_tokens=first.num_cached_tokens, num_prefix_tokens=first.num_prefix_tokens,
                   stop_reason=first.stop_reason, prompt_logprobs=first.prompt_logprobs,
-                  bad_request=first.bad_request)
+                  bad_request=first.bad_request, first_scheduled_time=first.first_scheduled_time,
+                  finished_time=max((s.finished_time for s in samples if s.finished_time is not None),
+                                    default=None) if all(s.finished for s in samples) else None)
         out._samples = [CompletionOutput.of(s, j) for j, s in enumerate(samples)]
         out.prompt = first.prompt
         return out
+
+    @property
+    def metrics(self) -> RequestMetrics:
+        """vLLM's RequestMetrics of the request (times in time.monotonic() seconds): arrival, first scheduled,
+        first and last token, finish, and the time it waited in the queue."""
+        times, scheduled = self.token_times, self.first_scheduled_time
+        return RequestMetrics(arrival_time=self.arrival_time, last_token_time=times[-1] if times else None,
+                              first_scheduled_time=scheduled, first_token_time=self.first_token_time,
+                              time_in_queue=None if scheduled is None else scheduled - self.arrival_time,
+                              finished_time=self.finished_time)
 
     @property
     def outputs(self) -> list[CompletionOutput]:

@@ -4,6 +4,7 @@ recomputed later; no request is ever dropped."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -66,6 +67,8 @@ class Scheduler:
             self.waiting.popleft()
             self.bm.allocate(seq)
             seq.status = Status.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             batch.seqs.append(seq)
@@ -108,6 +111,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+        seq.finished_time = time.monotonic()
         if seq in self.running:
             self.running.remove(seq)
             self.bm.free_seq(seq)

@@ -41,6 +41,8 @@ class Sequence:
         self.error: str | None = None
         self.bad_request = False  # the error is the request's own (constraints that leave no token): the server's 400
         self.first_token_time: float | None = None
+        self.first_scheduled_time: float | None = None  # (time.monotonic) when a step first took it
+        self.finished_time: float | None = None
         self.token_times: list[float] = []
         self.logprobs: list[dict] | None = [] if self.params.logprobs is not None else None
         self.text = ""  # detokenized output, stop strings removed
