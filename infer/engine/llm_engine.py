@@ -32,8 +32,9 @@ BAD_WORDS_CACHE = 16
 
 def request_inputs(prompt_token_ids, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
     """add_request's prompt as a list of int token ids (a tuple, a 1-D numpy array or tensor, numpy integers taken
-    too, or vLLM's {"prompt_token_ids": ...}) and its params (None: the defaults); RequestError for text, bools, floats or params of another type, which
-    reached the checks below as a bare TypeError or as a token id "outside the vocabulary"."""
+    too, or vLLM's {"prompt_token_ids": ...}) and its params (None: the defaults); RequestError for text, bools,
+    floats or params of another type, which reached the checks below as a bare TypeError or as a token id "outside
+    the vocabulary"."""
     if params is None:
         params = SamplingParams()
     if not isinstance(params, SamplingParams):

@@ -102,8 +102,8 @@ def checkpoint_int4_layer_elements(files: list[Path], bits: int) -> int:
     headers alone: what an int4 prefill on CUDA dequantizes into its scratch (memory.sizes.int4_layer_bytes)."""
     layers: dict[str, int] = {}
     for f in files:
-        header = safetensors_header(f) if f.suffix == ".safetensors" else _bin_header(f)
-        for name, info in (header or {}).items():
+        tensors = (safetensors_header(f) if f.suffix == ".safetensors" else _bin_header(f)) or {}
+        for name, info in tensors.items():
             if not name.endswith(".qweight"):
                 continue
             prefix, _, module = name[: -len(".qweight")].rpartition(".")
