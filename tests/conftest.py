@@ -8,7 +8,7 @@ if not Path("/dev/nvidiactl").exists():
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))  # (under pytest-xdist too: the 7B-shape references need both)
+torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -179,10 +179,10 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
                                   limit, lora_manager, largest, budget)
     if engine_config.use_cuda_graphs():
         extra.update(graph_capture(model, engine_config, dtype, device, max_length, lora_manager))
-    return _finish(plan, {**extra, "activation_estimate_bytes": estimate, "worst_case_run": True}, engine_config,
-                   model_config, dtype, device, rank, max(1.0, plan.activation_peak_bytes / max(estimate, 1)))
     # (the measured peak holds the dequantize scratch where the worst case's prefill took that path: the scale the
     # room figures take from it covers it)
+    return _finish(plan, {**extra, "activation_estimate_bytes": estimate, "worst_case_run": True}, engine_config,
+                   model_config, dtype, device, rank, max(1.0, plan.activation_peak_bytes / max(estimate, 1)))
 
 
 def graph_capture(model, engine_config: EngineConfig, dtype, device, max_length: int, lora_manager=None,
