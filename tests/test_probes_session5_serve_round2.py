@@ -38,6 +38,9 @@ def served(tmp_path_factory):
     engine = LLMEngine(EngineConfig(str(base), max_model_len=128, max_num_seqs=8, max_loras=2, max_cpu_loras=2,
                                     max_lora_rank=8, loras={n: str(p) for n, p in paths.items()}))
     shutil.rmtree(paths["gone"])  # read again from its folder when it next gets a slot: it is gone
+    for name in ["a", "b"]:  # registration left "gone" in the CPU LRU (max_cpu_loras=2): a request that got a slot
+        engine.lora_manager.cpu_adapter(name)  # before "a" and "b" evicted it would run on the cached weights
+    assert "gone" not in engine.lora_manager.cpu_resident() and "gone" not in engine.lora_manager.resident()
     return engine
 
 
