@@ -90,14 +90,19 @@ def test_every_quick_tuning_candidate_compiles_fits_and_does_not_spill_at_sm90()
 
 
 @pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this triton ships no cuobjdump")
-@pytest.mark.parametrize("expand_fused", [False, True])
-def test_every_kernel_an_engine_launches_at_7b_shapes_compiles_for_sm90(expand_fused):
+def test_every_kernel_an_engine_launches_at_7b_shapes_compiles_for_sm90():
     """The engine's GPU code path run here at Llama-2-7B shapes (one layer, two adapters), each Triton launch
     compiled for sm_90 instead: the start (compile_kernels, warm_kernels), prompts of many lengths, a 300-token
     prefill through dequantize + cuBLAS, decodes past one attention partition, mixed adapters. Every kernel function
     the GPU path has is reached, each kernel fits and does not spill, nothing compiles on a request after the
     start, and nothing in the requests' steps waits for the GPU; by default and with EngineConfig.lora_expand_fused
-    (the decode attention's and silu_and_mul's LoRA variants)."""
+    (the decode attention's and silu_and_mul's LoRA variants). One after the other in one test: the second finds
+    most of its kernels in triton's cache (a cold compile of them all takes minutes on two cores)."""
+    for expand_fused in (False, True):
+        _engine_at_7b_shapes(expand_fused)
+
+
+def _engine_at_7b_shapes(expand_fused: bool) -> None:
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel-sass"), "--engine", "llama-2-7b"]
                          + (["--expand-fused"] if expand_fused else []),
                          capture_output=True, text=True, timeout=1200, env=dict(os.environ, PYTHONPATH=str(ROOT)))
