@@ -11,6 +11,55 @@ import torch  # noqa: E402
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+def _interpret_device_calls_without_repatching() -> None:
+    """Under TRITON_INTERPRET=1, triton's interpreter patches triton.language (inspect.getmembers over its modules)
+    at every launch, and again at every call of a @triton.jit helper inside a kernel, per program: a third to two
+    fifths of an interpreted kernel or engine test's time. A helper's call patches what its module sees (triton.language, triton.language.core)
+    and leaves it so until the launch returns; here a helper whose modules this launch already patched skips it.
+    Launches patch and restore as before. Test speed only: a triton whose interpreter lacks `_patch_lang` runs as it
+    is, and INFER_TEST_SLOW_INTERPRETER=1 turns it off."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch = getattr(interpreter, "_patch_lang", None)
+    if patch is None or hasattr(patch, "patched"):
+        return
+    patched: set = set()  # ids of the language modules the running launch has patched
+    seen: dict = {}  # function -> the ids of the language modules it sees
+
+    def langs(fn) -> set:
+        if fn not in seen:
+            import triton.language as tl
+            seen[fn] = {id(v) for v in fn.__globals__.values() if isinstance(v, type(tl)) and v in (tl, tl.core)}
+        return seen[fn]
+
+    class Launch:  # the scope of a launch's patches: restored when the launch returns
+        def __init__(self, scope):
+            self.scope = scope
+
+        def restore(self):
+            patched.clear()
+            self.scope.restore()
+
+    def patch_lang(fn):
+        mine = langs(fn)
+        if patched and mine <= patched:  # a helper inside a launch whose patches cover its modules
+            return None
+        scope = patch(fn)
+        if patched:  # a helper that sees a module the launch did not (the interpreter never restores these)
+            patched.update(mine)
+            return scope
+        patched.update(mine)
+        return Launch(scope)
+    patch_lang.patched = patched
+    interpreter._patch_lang = patch_lang
+
+
+if os.environ.get("TRITON_INTERPRET") == "1" and not os.environ.get("INFER_TEST_SLOW_INTERPRETER"):
+    _interpret_device_calls_without_repatching()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _infer_cache(tmp_path_factory):
     """Built-in models are generated once per test session into a temporary cache (unless INFER_CACHE is set)."""
