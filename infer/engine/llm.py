@@ -249,12 +249,8 @@ class LLM:
                 seq = engine.requests.get(rid)
                 engine.abort_request(rid)
                 self._failed.add(rid)  # its abort output, handed out by a later step, is dropped
-                # the prompt and the tokens the request had before the failed step stay in its output
-                out = RequestOutput(request_id=rid, prompt_token_ids=list(seq.prompt_token_ids) if seq else [],
-                                    token_ids=list(seq.output_token_ids) if seq else [], text=seq.text if seq else "",
-                                    finished=True, finish_reason="error", error=message,
-                                    lora=seq.lora if seq else None)
-                outputs.append(out)
+                # the prompt, the tokens and the times the request had before the failed step stay in its output
+                outputs.append(RequestOutput.failed(rid, seq, message))
             return outputs
         finally:
             self._stepping = False

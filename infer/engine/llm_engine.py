@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import numbers
 import time
 from collections.abc import Iterable
@@ -28,6 +29,19 @@ from .structured import DEAD_HINT, GrammarBackend, allows_any
 log = logging.getLogger("infer")
 # requests whose bad_words stay tokenized (their ids are shared, read-only, by every choice that bans them)
 BAD_WORDS_CACHE = 16
+
+
+def checked_arrival(arrival_time) -> float | None:
+    """add_request's arrival_time: None, or a time.monotonic() reading not after now. RequestError otherwise:
+    vLLM's engine reads time.time(), whose epoch seconds here would make every queue time negative."""
+    if arrival_time is None:
+        return None
+    now = time.monotonic()
+    if isinstance(arrival_time, bool) or not isinstance(arrival_time, numbers.Real) \
+            or not math.isfinite(arrival_time) or arrival_time > now:
+        raise RequestError(f"arrival_time={arrival_time!r} is not a time.monotonic() reading up to now ({now:.3f})",
+                           "pass time.monotonic() taken when the request arrived, or leave it out (now)")
+    return float(arrival_time)
 
 
 def request_inputs(prompt_token_ids, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
@@ -148,8 +162,12 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    lora: str | None = None) -> None:
+                    lora: str | None = None, arrival_time: float | None = None) -> None:
+        """Queue one request. `arrival_time` (vLLM's keyword): when it arrived, in time.monotonic() seconds, for a
+        caller that held it before adding it (the server's queue); its RequestOutput.metrics count from it. Default:
+        now."""
         self._check_open()
+        arrival_time = checked_arrival(arrival_time)
         prompt_token_ids, params = request_inputs(prompt_token_ids, params)
         request_id = str(request_id)
         old = self.requests.get(request_id)
@@ -160,7 +178,8 @@ class LLMEngine:
         self.validate(prompt_token_ids, params, lora)
         cap = min(self.max_model_len, params.max_length or self.max_model_len)
         key = self.lora_manager.cache_key(lora) if self.lora_manager is not None else None
-        seq = Sequence(request_id, list(prompt_token_ids), params, lora, max_total_len=cap, lora_key=key)
+        seq = Sequence(request_id, list(prompt_token_ids), params, lora, max_total_len=cap, lora_key=key,
+                       **({} if arrival_time is None else {"arrival_time": arrival_time}))
         if params.min_tokens:
             seq.min_tokens_ban = self._min_tokens_ban(params)
         if params.structured_outputs is not None:  # compiled already by validate (xgrammar caches it)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 
@@ -104,6 +105,22 @@ class RequestOutput:
         out._seq, out._len = seq, len(seq.output_token_ids)
         out._samples = None
         return out
+
+    @classmethod
+    def failed(cls, request_id: str, seq, message: str) -> RequestOutput:
+        """The last output of a request an engine failure ended (finish_reason "error", `message`): the prompt, the
+        tokens, text and times it had (`seq`, its engine.sequence.Sequence, or None where the engine never held
+        it), finished now."""
+        if seq is None:
+            return cls(request_id, [], finished=True, finish_reason="error", error=message,
+                       finished_time=time.monotonic())
+        return cls(request_id, list(seq.prompt_token_ids), list(seq.output_token_ids), text=seq.text, finished=True,
+                   finish_reason="error", error=message, lora=seq.lora, arrival_time=seq.arrival_time,
+                   logprobs=None if seq.logprobs is None else list(seq.logprobs),
+                   first_token_time=seq.first_token_time, token_times=seq.token_times,
+                   num_cached_tokens=seq.num_cached_tokens, num_prefix_tokens=len(seq.params.prefix_token_ids),
+                   first_scheduled_time=seq.first_scheduled_time,
+                   finished_time=seq.finished_time if seq.finished_time is not None else time.monotonic())
 
     @classmethod
     def merged(cls, samples: list[RequestOutput]) -> RequestOutput:

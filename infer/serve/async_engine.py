@@ -54,6 +54,7 @@ class _Pending:
     params: SamplingParams
     lora: str | None
     sink: tuple  # (event loop, asyncio.Queue)
+    arrival_time: float  # time.monotonic() when the server accepted it: its metrics count the wait for the loop
 
 
 class AsyncEngine:
@@ -91,7 +92,7 @@ class AsyncEngine:
                 raise InferError(f"request id {request_id!r} is already in use")
             sink = (asyncio.get_running_loop(), queue)
             self._sinks[request_id] = sink
-            self._adds.append(_Pending(request_id, list(prompt_token_ids), params, lora, sink))
+            self._adds.append(_Pending(request_id, list(prompt_token_ids), params, lora, sink, time.monotonic()))
             self._cond.notify()
 
     def _would_wait(self) -> int:
@@ -224,7 +225,7 @@ class AsyncEngine:
 
     def _admit(self, p: _Pending) -> None:
         try:
-            self.engine.add_request(p.request_id, p.prompt_token_ids, p.params, p.lora)
+            self.engine.add_request(p.request_id, p.prompt_token_ids, p.params, p.lora, arrival_time=p.arrival_time)
         except Exception as e:  # validated already; anything here is unexpected, but only this request fails
             log.exception("could not add request %s", p.request_id)
             self._fail(p.request_id, "error", str(e))
@@ -249,15 +250,21 @@ class AsyncEngine:
         running = [s.request_id for s in self.engine.scheduler.running]
         victims = running or list(self.engine.requests)
         for rid in victims:
+            seq = self.engine.requests.get(rid)
             try:
                 self.engine.abort_request(rid)
             except Exception:
                 log.exception("could not abort request %s", rid)
-            self._fail(rid, "error", message)
+            self._fail(rid, "error", message, seq)
 
-    def _fail(self, request_id: str, reason: str, message: str) -> None:
-        out = RequestOutput(request_id=request_id, prompt_token_ids=[], token_ids=[], new_token_ids=[], text="",
-                            delta_text="", finished=True, finish_reason=reason, error=message)
+    def _fail(self, request_id: str, reason: str, message: str, seq=None) -> None:
+        """End a request with `reason` and `message`; with its engine Sequence, its output keeps the prompt, the
+        tokens and the times it had (the server's usage and metrics count them)."""
+        if reason == "error":
+            out = RequestOutput.failed(request_id, seq, message)
+        else:
+            out = RequestOutput(request_id=request_id, prompt_token_ids=[], token_ids=[], new_token_ids=[], text="",
+                                delta_text="", finished=True, finish_reason=reason, error=message)
         self._deliver(out)
 
     def _deliver(self, out: RequestOutput) -> None:
