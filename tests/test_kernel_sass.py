@@ -182,3 +182,33 @@ def test_lora_gather_expand_compiles_without_spills_at_sm90():
     rows = re.findall(r"(\d) warps: (\d+) instructions a warp, \d+ a program, REG:(\d+) STACK:(\d+)", out.stdout)
     assert [int(w) for w, *_ in rows] == [1, 2, 4], out.stdout
     assert all(int(n) > 0 and int(stack) == 0 for _, n, _, stack in rows), out.stdout
+
+
+SPILL_CHECK = """
+import sys
+from importlib.machinery import SourceFileLoader
+ks = SourceFileLoader("kernel_sass", sys.argv[1]).load_module()
+reads, disassemble = [], ks.disassemble
+def counted(kernel, sass=True):
+    reads.append(sass)
+    return disassemble(kernel, sass)
+ks.disassemble = counted
+for spec in ("mma 16 128 4 3 16 0", "mma 16 256 1 3 16 0"):
+    res, local = ks.main_loop_spills(ks.tile_kernel(spec, 90))
+    print(spec, "|", ks._resources(res), "| local", local, "| SASS read", reads.count(True))
+"""
+
+
+@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this triton ships no cuobjdump")
+def test_a_tile_that_spills_is_caught_without_reading_the_sass_of_one_that_does_not():
+    """The audits' spill check (`main_loop_spills`) reads a kernel's SASS only when its resource usage shows a
+    stack frame or local memory: a 16 x 256 tensor-core tile on one warp spills hundreds of registers in its main
+    loop and is found; the engine's decode tile does not, and its SASS is never disassembled."""
+    out = subprocess.run([sys.executable, "-c", SPILL_CHECK, str(ROOT / "scripts" / "kernel-sass")],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split(" | ") for line in out.stdout.splitlines() if line.startswith("mma ")]
+    assert len(rows) == 2, out.stdout
+    (_, res0, local0, read0), (_, res1, local1, read1) = rows
+    assert "STACK:0" in res0 and local0 == "local 0" and read0 == "SASS read 0", out.stdout
+    assert "STACK:0" not in res1 and int(local1.split()[1]) > 100 and read1 == "SASS read 1", out.stdout
