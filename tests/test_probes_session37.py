@@ -32,9 +32,11 @@ def test_add_request_counts_the_queue_from_the_arrival_it_is_given(llm):
     assert now.arrival_time > arrived + 4.0 and now.time_in_queue < 5.0
 
 
-@pytest.mark.parametrize("bad", [time.time(), time.monotonic() + 60, float("nan"), "now", True])
+@pytest.mark.parametrize("bad", ["epoch", "future", "nan", "text", "bool"])
 def test_an_arrival_time_not_read_from_the_monotonic_clock_is_refused(llm, bad):
     """vLLM's engine reads time.time(): its epoch seconds here would make every queue time negative."""
+    bad = {"epoch": time.time(), "future": time.monotonic() + 60, "nan": float("nan"), "text": "now",
+           "bool": True}[bad]
     with pytest.raises(RequestError, match=r"time\.monotonic\(\)"):
         llm.engine.add_request("bad", [5, 6], PARAMS, arrival_time=bad)
     assert "bad" not in llm.engine.requests and not llm.engine.has_unfinished_requests()
@@ -67,31 +69,34 @@ def test_the_requests_a_failed_step_ends_keep_their_tokens_and_times(monkeypatch
 
 
 def test_the_server_loop_fails_a_request_with_its_tokens_and_times(monkeypatch):
+    """The server's loop (AsyncEngine): a request's arrival is when the server accepted it (here it waits in the
+    loop's queue until the loop starts), and a request a failed step ended keeps its prompt, tokens and times."""
     from infer.engine.config import EngineConfig
     from infer.engine.llm_engine import LLMEngine
     from infer.serve.async_engine import AsyncEngine
     engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=4, overlap=False))
     _failing_step(engine, monkeypatch, after=2)
-    aengine = AsyncEngine(engine)
-    aengine.start()
+    aengine = AsyncEngine(engine)  # not started: an add waits in its queue
 
     async def main():
         queue = asyncio.Queue()
-        before = time.monotonic()
         aengine.add("r", [5, 6, 7], SamplingParams(max_new_tokens=8, ignore_eos=True), None, queue)
+        accepted = time.monotonic()
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        aengine.start()
         outs = [await queue.get()]
         while not outs[-1].finished:
             outs.append(await queue.get())
-        return before, outs
+        return accepted, started, outs
 
     try:
-        before, outs = asyncio.run(main())
+        accepted, started, outs = asyncio.run(main())
     finally:
         aengine.shutdown(5.0)
         engine.close()
     last = outs[-1]
     assert last.finish_reason == "error" and "simulated kernel failure" in last.error
     assert last.prompt_token_ids == [5, 6, 7] and last.token_ids == outs[-2].token_ids and last.token_ids
-    # the arrival is when the server took the request, before its loop added it to the engine
-    assert before <= last.arrival_time <= last.metrics.first_scheduled_time <= last.metrics.finished_time
+    assert last.arrival_time <= accepted < started <= last.metrics.first_scheduled_time <= last.metrics.finished_time
     assert last.first_token_time is not None and last.new_token_ids == [] and last.delta_text == ""
