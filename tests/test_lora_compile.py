@@ -109,8 +109,14 @@ SCRIPT = COMPILE_ONLY_LAUNCHES + textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize("expand_by", ["segments", "gather"])
-def test_engine_start_compiles_every_lora_kernel_a_step_launches(expand_by):
+def test_engine_start_compiles_every_lora_kernel_a_step_launches():
+    """With the decode expand by segments and as a gather (EngineConfig.lora_expand), one after the other: the
+    second finds the kernels they share (the shrink, the consumers) in triton's cache."""
+    for expand_by in ("segments", "gather"):
+        _start_compiles_every_lora_kernel(expand_by)
+
+
+def _start_compiles_every_lora_kernel(expand_by: str) -> None:
     out = run_compile_only(SCRIPT.replace("EXPAND_BY", repr(expand_by)), 900)
     for name in ("apply", "delta", "deferred", "norm"):
         got = out[name]
