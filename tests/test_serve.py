@@ -163,6 +163,18 @@ def test_raw_stream_ends_with_done(url):
     assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] is not None
 
 
+def test_a_streamed_event_with_a_unicode_line_separator_stays_one_line(url):
+    """Text with U+2028, U+2029 or U+0085 (a random model's reply may hold them; here a structured output forces
+    them): httpx's iter_lines, like str.splitlines, breaks a line there, so the server escapes them in its JSON; CI
+    once failed reading a cut event."""
+    reply = "a\u2028b\u2029c\x85d"
+    body = {"prompt": "x", "max_tokens": 40, "stream": True, "structured_outputs": {"choice": [reply]}}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]", lines
+    text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1])
+    assert text == reply, text
+
 def test_models_lists_base_and_adapters(client):
     ids = [m.id for m in client.models.list().data]
     assert ids == ["tiny-llama", "pirate"]

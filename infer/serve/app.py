@@ -159,8 +159,13 @@ class Server:
                 self._abort(left)
 
 
+# Characters Python's str.splitlines() (httpx's aiter_lines, many SSE readers) breaks a line at, beside CR and LF
+# (which JSON always escapes): escaped, so a streamed event stays on one line; a JSON reader gets the same string.
+_LINE_BREAKS = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
+
+
 def _dumps(obj) -> str:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).translate(_LINE_BREAKS)
 
 
 def _error(out) -> p.ApiError:
