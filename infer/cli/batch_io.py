@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import signal
 import stat
@@ -163,11 +164,29 @@ def _duplicate(item: InputLine, first: int) -> str:
 
 def encode_record(record: dict) -> bytes:
     """One output line: UTF-8 JSON, "\\n"-terminated. Text that cannot be encoded (a lone surrogate in an id) is
-    written \\u-escaped, which reads back to the same string."""
+    written \\u-escaped, which reads back to the same string. A number JSON cannot hold (NaN, infinity: the prompt
+    logprobs of a model that overflowed) is written as null: json.dumps wrote NaN, which is not JSON (JavaScript's,
+    Go's, Rust's and Java's readers refuse the line)."""
     try:
-        return (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+        text = json.dumps(record, ensure_ascii=False, allow_nan=False)
+    except ValueError:  # a float that is not finite
+        record = _finite(record)
+        text = json.dumps(record, ensure_ascii=False)
+    try:
+        return (text + "\n").encode("utf-8")
     except UnicodeEncodeError:
         return (json.dumps(record, ensure_ascii=True) + "\n").encode("ascii")
+
+
+def _finite(value):
+    """`value` with every float that is not finite replaced by None (JSON's null)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 class RecordWriter:

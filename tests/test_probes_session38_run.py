@@ -1,0 +1,55 @@
+"""Session 38, `infer run` and the Python API: probes of the JSONL contract."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from typer.testing import CliRunner
+
+from infer.cli.main import app
+from infer.models.llama import LlamaForCausalLM
+
+runner = CliRunner()
+
+
+def _write(path, lines):
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def _strict(line: str):
+    """json.loads as JSON defines it: NaN and Infinity are not numbers there (JavaScript, Go, Rust refuse them)."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_records_of_a_model_that_overflowed_are_strict_json(tmp_path, monkeypatch):
+    """A model whose logits overflow (float16 activations past 65,504) ends the request with an error, but its
+    record carried the prompt logprobs computed before: NaN, written as is by json.dumps, which is not JSON."""
+    real = LlamaForCausalLM.compute_logits
+
+    def overflowing(self, hidden):
+        out = real(self, hidden).clone()
+        out[:, 7] = math.inf
+        return out
+    monkeypatch.setattr(LlamaForCausalLM, "compute_logits", overflowing)
+    out = tmp_path / "out.jsonl"
+    lines = [{"id": "a", "prompt": "hello there friend", "max_new_tokens": 3, "prompt_logprobs": 1, "logprobs": 1}]
+    res = runner.invoke(app, ["run", "tiny-llama", str(_write(tmp_path / "in.jsonl", lines)), "-o", str(out), "-q"])
+    assert res.exit_code == 1, res.output
+    [line] = out.read_text(encoding="utf-8").splitlines()
+    rec = _strict(line)
+    assert rec["finish_reason"] == "error" and "not finite" in rec["error"]
+    assert len(rec["prompt_logprobs"]) > 1 and rec["prompt_logprobs"][0] is None
+    assert all(r["logprob"] is None and r["token_id"] >= 0 for r in rec["prompt_logprobs"][1:])
+
+
+def test_a_number_json_cannot_hold_is_null_and_the_rest_is_written_as_before():
+    from infer.cli.batch_io import encode_record
+    rec = {"id": "\ud800", "text": "é", "logprobs": [{"token_id": 5, "logprob": -1.5}]}
+    assert json.loads(encode_record(rec)) == rec  # a lone surrogate \\u-escaped, reading back the same
+    rec = {"id": "a", "text": "é", "logprobs": [{"token_id": 5, "logprob": -math.inf, "top": [math.nan, -0.5]}]}
+    line = encode_record(rec).decode("utf-8")
+    assert "é" in line and _strict(line)["logprobs"] == [{"token_id": 5, "logprob": None, "top": [None, -0.5]}]
