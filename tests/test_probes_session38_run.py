@@ -53,3 +53,17 @@ def test_a_number_json_cannot_hold_is_null_and_the_rest_is_written_as_before():
     rec = {"id": "a", "text": "é", "logprobs": [{"token_id": 5, "logprob": -math.inf, "top": [math.nan, -0.5]}]}
     line = encode_record(rec).decode("utf-8")
     assert "é" in line and _strict(line)["logprobs"] == [{"token_id": 5, "logprob": None, "top": [None, -0.5]}]
+
+
+def test_a_prompt_with_prefix_tokens_that_fills_the_context_names_both(tmp_path):
+    """A 60-token prompt with 4 forced prefix tokens under a context of 64 was refused as "the prompt has 64
+    tokens": the user counts 60 and cannot tell what is wrong."""
+    lines = [{"id": "p", "prompt_token_ids": [5] * 60, "prefix_token_ids": [6] * 4, "max_new_tokens": 2},
+             {"id": "q", "prompt_token_ids": [5] * 64, "max_new_tokens": 2}]
+    out = tmp_path / "out.jsonl"
+    res = runner.invoke(app, ["run", "tiny-llama", str(_write(tmp_path / "in.jsonl", lines)), "-o", str(out), "-q",
+                              "--max-model-len", "64"])
+    assert res.exit_code == 1, res.output
+    recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert "the prompt (60 tokens) and prefix_token_ids (4) make 64 tokens, which leaves no room" in recs["p"]["error"]
+    assert "the prompt has 64 tokens, which leaves no room" in recs["q"]["error"]

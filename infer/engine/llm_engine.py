@@ -278,7 +278,10 @@ class LLMEngine:
                 hint = (f"lower truncate_prompt_tokens to {room} or less (-1 keeps the context's worth, which leaves "
                         "no room)" if params.truncate_prompt_tokens == -1 else
                         f"lower truncate_prompt_tokens ({params.truncate_prompt_tokens}) to {room} or less")
-            raise RequestError(f"the prompt has {n} tokens, which leaves no room under {which} of {cap}", hint)
+            what = f"the prompt has {n} tokens" if not params.prefix_token_ids else \
+                f"the prompt ({n - len(params.prefix_token_ids)} tokens) and prefix_token_ids " \
+                f"({len(params.prefix_token_ids)}) make {n} tokens"  # the prompt alone was said to have them all
+            raise RequestError(f"{what}, which leaves no room under {which} of {cap}", hint)
         need = self.block_manager.blocks_needed(cap)
         if need > self.block_manager.num_blocks:
             raise RequestError(
