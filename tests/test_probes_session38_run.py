@@ -67,3 +67,29 @@ def test_a_prompt_with_prefix_tokens_that_fills_the_context_names_both(tmp_path)
     recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert "the prompt (60 tokens) and prefix_token_ids (4) make 64 tokens, which leaves no room" in recs["p"]["error"]
     assert "the prompt has 64 tokens, which leaves no room" in recs["q"]["error"]
+
+
+def test_resume_through_a_symlinked_output_completes_the_file_it_points_to(tmp_path):
+    """-o LINK where LINK points to the output on another disk: --resume cut a torn last line by replacing LINK with
+    a new file, so the records went there and the file LINK pointed to stayed torn and incomplete."""
+    lines = [{"id": f"r{i}", "prompt": f"count to {i}", "max_new_tokens": 3} for i in range(6)]
+    inp = _write(tmp_path / "in.jsonl", lines)
+    data = tmp_path / "disk" / "out.jsonl"
+    data.parent.mkdir()
+    res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", str(data), "-q"])
+    assert res.exit_code == 0, res.output
+    full = data.read_bytes()
+    data.write_bytes(full[:full.index(b"\n", len(full) // 2) + 20])  # whole records, then a torn one
+    link = tmp_path / "out.jsonl"
+    link.symlink_to(data)
+    res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", str(link), "-q", "--resume"])
+    assert res.exit_code == 0, res.output
+    assert "is missing" not in res.output  # the run's resume record is found through the link
+    assert link.is_symlink() and link.resolve() == data.resolve()
+    recs = [json.loads(line) for line in data.read_text().splitlines()]
+    assert sorted(r["id"] for r in recs) == [f"r{i}" for i in range(6)]
+    data.write_bytes(full[:full.index(b"\n") + 1])
+    fingerprint = json.loads((data.parent / "out.jsonl.resume.json").read_text())
+    (data.parent / "out.jsonl.resume.json").write_text(json.dumps({**fingerprint, "complete": False}))
+    res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", str(link), "-q"])  # a plain re-run, by the link
+    assert res.exit_code == 2 and "did not finish" in res.output, res.output  # refused: the file's run is unfinished

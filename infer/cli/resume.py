@@ -39,9 +39,12 @@ def done_ids(path: Path) -> set[str]:
         ids.add(rec_id)
         keep.append(raw + b"\n")
     if dropped:
-        tmp = path.with_name(path.name + ".tmp")
+        # the file itself, not a link to it: replacing the link left the records in a new file beside it, and the
+        # file it pointed to (on another disk, say) ended torn and without the resumed run's records
+        real = path.resolve()
+        tmp = real.with_name(real.name + ".tmp")
         tmp.write_bytes(b"".join(keep))
-        os.replace(tmp, path)
+        os.replace(tmp, real)
         typer.echo(f"note: removed {dropped} unreadable or repeated line(s) from {path} (a run stopped mid-write?); "
                    "their requests run again", err=True)
     return ids
@@ -64,8 +67,8 @@ def error_ids(path: Path) -> set[str]:
 
 def side_files(output: Path) -> list[Path]:
     """The files a run keeps beside OUTPUT (its resume record, and the temporary copies it renames into place)."""
-    fp = fingerprint_path(output)
-    return [fp, output.with_name(output.name + ".tmp"), fp.with_name(fp.name + ".tmp")]
+    fp, real = fingerprint_path(output), output.resolve()
+    return [fp, real.with_name(real.name + ".tmp"), fp.with_name(fp.name + ".tmp")]
 
 
 def _record_id(raw: bytes) -> str | None:
@@ -79,7 +82,10 @@ def _record_id(raw: bytes) -> str | None:
 
 
 def fingerprint_path(output: Path) -> Path:
-    return output.with_name(output.name + FINGERPRINT_SUFFIX)
+    """Beside the output file itself (a symlinked output's is beside the file it points to, whichever path names
+    it: through the link, a plain re-run did not see that the file's run was unfinished)."""
+    real = output.resolve()
+    return real.with_name(real.name + FINGERPRINT_SUFFIX)
 
 
 def is_regular_target(output: Path | None) -> bool:
