@@ -93,3 +93,18 @@ def test_resume_through_a_symlinked_output_completes_the_file_it_points_to(tmp_p
     (data.parent / "out.jsonl.resume.json").write_text(json.dumps({**fingerprint, "complete": False}))
     res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", str(link), "-q"])  # a plain re-run, by the link
     assert res.exit_code == 2 and "did not finish" in res.output, res.output  # refused: the file's run is unfinished
+
+
+def test_resume_that_cuts_a_torn_line_keeps_the_outputs_mode(tmp_path):
+    """The records were rewritten into a new file with the umask's mode: an output kept private (0600) became
+    readable by everyone after a resume that removed a torn line."""
+    lines = [{"id": f"r{i}", "prompt": f"count to {i}", "max_new_tokens": 3} for i in range(4)]
+    inp, out = _write(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    assert runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q"]).exit_code == 0
+    full = out.read_bytes()
+    out.write_bytes(full[:full.index(b"\n") + 20])
+    out.chmod(0o600)
+    res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q", "--resume"])
+    assert res.exit_code == 0 and "removed 1" in res.output, res.output
+    assert out.stat().st_mode & 0o777 == 0o600
+    assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == [f"r{i}" for i in range(4)]

@@ -44,6 +44,7 @@ def done_ids(path: Path) -> set[str]:
         real = path.resolve()
         tmp = real.with_name(real.name + ".tmp")
         tmp.write_bytes(b"".join(keep))
+        os.chmod(tmp, stat.S_IMODE(real.stat().st_mode))  # an output made private (0600) stays so
         os.replace(tmp, real)
         typer.echo(f"note: removed {dropped} unreadable or repeated line(s) from {path} (a run stopped mid-write?); "
                    "their requests run again", err=True)
