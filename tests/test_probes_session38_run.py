@@ -108,3 +108,16 @@ def test_resume_that_cuts_a_torn_line_keeps_the_outputs_mode(tmp_path):
     assert res.exit_code == 0 and "removed 1" in res.output, res.output
     assert out.stat().st_mode & 0o777 == 0o600
     assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == [f"r{i}" for i in range(4)]
+
+
+def test_a_batch_lines_model_that_is_not_a_string_is_named(tmp_path):
+    """body.model as a list or an object was "cannot read this request (TypeError: unhashable type: 'list')"."""
+    lines = [{"custom_id": "l", "url": "/v1/completions", "body": {"prompt": "hi", "model": ["tiny-llama"]}},
+             {"custom_id": "o", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": "hi"}], "model": {"name": "x"}}}]
+    out = tmp_path / "out.jsonl"
+    res = runner.invoke(app, ["run", "tiny-llama", str(_write(tmp_path / "in.jsonl", lines)), "-o", str(out), "-q"])
+    assert res.exit_code == 1, res.output
+    errors = {r["id"]: r["error"] for r in map(json.loads, out.read_text().splitlines())}
+    assert errors == {"l": "line 1: body.model must be a string, got list",
+                      "o": "line 2: body.model must be a string, got dict"}

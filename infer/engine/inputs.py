@@ -365,10 +365,10 @@ class ModelNames:
         """vLLM's rule, as the server's: an adapter's name runs that adapter. Any other name runs the base when no
         adapter is registered (batch files written for OpenAI name their model); with adapters registered, a name
         that is neither the base nor one of them is a typo that would silently run the base."""
+        if model is not None and not isinstance(model, str):  # (before `in`: a list or an object is unhashable)
+            raise RequestError(f"body.model must be a string, got {type(model).__name__}")
         if model is None or model in self.base:
             return None
-        if not isinstance(model, str):
-            raise RequestError(f"body.model must be a string, got {type(model).__name__}")
         if model in self.adapters:
             return model
         if self.adapters:
