@@ -46,6 +46,11 @@ UNSUPPORTED_OPENAI = {
     # vLLM's extensions that change the reply: silently dropped, the client would get another reply than it asked
     "use_beam_search": (lambda v: v is None or v is False, "beam search is not supported"),
     "return_tokens_as_token_ids": (lambda v: v is None or v is False, "return_tokens_as_token_ids is not supported"),
+    # (these three were dropped without a word; SamplingParams refuses the first two at other values than these)
+    "spaces_between_special_tokens": (lambda v: v is None or v is True,
+                                      "spaces_between_special_tokens=false is not supported"),
+    "logits_processors": (lambda v: not v, "logits_processors are not supported"),
+    "prompt_embeds": (lambda v: v is None, "prompt_embeds are not supported: send the prompt as text or token ids"),
 }
 
 # vLLM's chat fields that reach the chat template (chat_template_options), and the value that leaves it as it is: a
