@@ -139,3 +139,21 @@ def test_vllm_fields_that_change_the_reply_are_refused_not_dropped(tmp_path):
         in recs["spaces"]["error"]
     assert "body.logits_processors" in recs["procs"]["error"] and "body.prompt_embeds" in recs["embeds"]["error"]
     assert recs["defaults"]["error"] is None and recs["defaults"]["finish_reason"] == "length"
+
+
+def test_a_batch_lines_model_naming_both_the_base_and_an_adapter_is_refused(tmp_path):
+    """`infer run tiny-llama --lora tiny-llama=ADAPTER`: a plain line's "lora": "tiny-llama" ran the adapter, a batch
+    line's body.model "tiny-llama" silently ran the base (the server refuses such an adapter name at start)."""
+    from lora_helpers import hf_float, save_adapter
+    from infer.models.tiny import ensure_builtin
+    adapter = save_adapter(hf_float(ensure_builtin("tiny-llama")), tmp_path / "ad", 1, r=4, lora_alpha=8)
+    lines = [{"custom_id": "both", "url": "/v1/completions", "body": {"prompt": "Hi", "model": "tiny-llama"}},
+             {"custom_id": "base", "url": "/v1/completions", "body": {"prompt": "Hi"}},
+             {"id": "plain", "prompt": "Hi", "lora": "tiny-llama"}]
+    out = tmp_path / "out.jsonl"
+    res = runner.invoke(app, ["run", "tiny-llama", str(_write(tmp_path / "in.jsonl", lines)), "-o", str(out), "-q",
+                              "--lora", f"tiny-llama={adapter}", "--max-new-tokens", "3"])
+    assert res.exit_code == 1, res.output
+    recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert "names both the base model and the adapter --lora tiny-llama=" in recs["both"]["error"]
+    assert recs["base"]["error"] is None and recs["plain"]["error"] is None

@@ -372,6 +372,9 @@ class ModelNames:
         that is neither the base nor one of them is a typo that would silently run the base."""
         if model is not None and not isinstance(model, str):  # (before `in`: a list or an object is unhashable)
             raise RequestError(f"body.model must be a string, got {type(model).__name__}")
+        if model is not None and model in self.base and model in self.adapters:  # it ran the base, unsaid
+            raise RequestError(f"body.model {model!r} names both the base model and the adapter --lora {model}=...",
+                               "register the adapter under another name (--lora OTHER=PATH) and name that one")
         if model is None or model in self.base:
             return None
         if model in self.adapters:
