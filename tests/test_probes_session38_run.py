@@ -157,3 +157,23 @@ def test_a_batch_lines_model_naming_both_the_base_and_an_adapter_is_refused(tmp_
     recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert "names both the base model and the adapter --lora tiny-llama=" in recs["both"]["error"]
     assert recs["base"]["error"] is None and recs["plain"]["error"] is None
+
+
+def test_a_failed_line_without_its_own_id_never_takes_a_later_lines_id(tmp_path):
+    """A line that failed and had no usable id of its own (a JSON array, "id": 1.5, no id and a bad field) took its
+    line number as id, so a valid later line with that id was refused as its duplicate and never ran."""
+    lines = [[1, 2], {"id": "1", "prompt": "a", "max_new_tokens": 2},
+             {"id": 1.5, "prompt": "b"}, {"id": 3, "prompt": "c", "max_new_tokens": 2},
+             {"prompt": "d", "temperature": "hot"}, {"id": "5", "prompt": "e", "max_new_tokens": 2},
+             {"prompt": "f", "max_new_tokens": 2}, {"id": "7", "prompt": "g", "max_new_tokens": 2}]
+    out = tmp_path / "out.jsonl"
+    res = runner.invoke(app, ["run", "tiny-llama", str(_write(tmp_path / "in.jsonl", lines)), "-o", str(out), "-q"])
+    assert res.exit_code == 1, res.output
+    recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert all(recs[i]["error"] is None for i in ("1", "3", "5", "7"))
+    assert recs["1~2"]["error"] == "line 1: expected a JSON object, got list"
+    assert recs["3~2"]["error"].startswith("line 3: field 'id' must be")
+    assert recs["5~2"]["error"].startswith("line 5: field 'temperature'")
+    # a valid line without an id has its line number as id (the contract): a later "7" is its duplicate
+    assert recs["7#line8"]["error"].startswith("line 8: duplicate id '7': line 7 already has it")
+    assert len(recs) == 8

@@ -25,7 +25,7 @@ class InputLine:
     id: str
     request: ParsedRequest | None = None
     error: str | None = None
-    made_id: bool = False  # the id is infer's (the line cannot be read): it gives way to every line's own id
+    made_id: bool = False  # the id is infer's (a failed line without its own id): it gives way to every line's own
 
 
 def _line_id(obj, line_no: int) -> str:
@@ -102,6 +102,10 @@ def _parse_line(line_no: int, text: str, tokenizer, defaults: dict, names: Model
         item.error = f"line {line_no}: {e}"
     except Exception as e:  # never let one line end the run: the reason goes into its error record
         item.error = f"line {line_no}: cannot read this request ({type(e).__name__}: {e})"
+    # a failed line whose id is its line number (it gave none, or none usable: a JSON array, "id": 1.5) gives way
+    # to a later line's own id: that valid line was refused as its duplicate and never ran
+    own = isinstance(obj, dict) and any(is_request_id(obj.get(key)) for key in ("custom_id", "id"))
+    item.made_id = item.error is not None and not own
     return item
 
 
