@@ -78,6 +78,7 @@ class GenerationRequest:
     # the body's own prompt_logprobs (echo with logprobs asks the engine too, for as many alternatives as logprobs)
     asked_prompt_logprobs: int | None = None
     structured_field: str | None = None  # the field that asked for a structured output (response_format...)
+    length_field: str = "max_tokens"  # the field that set the reply's length (max_completion_tokens supersedes it)
     tools: ToolRequest | None = None  # chat: the tools and the tool_choice (serve/tools.py)
     reasoning: ReasoningRequest | None = None  # chat with --reasoning-parser: the reply's split (serve/reasoning.py)
 
@@ -189,7 +190,7 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
     return_ids = bool(_expect(body, "return_token_ids", (bool,), "a boolean"))
     return GenerationRequest([], params, model, stream, include_usage and stream, chat, return_ids,
                              include_usage and continuous and stream, n or 1, echo, prompt_only,
-                             asked_prompt_logprobs=asked, structured_field=source)
+                             asked_prompt_logprobs=asked, structured_field=source, length_field=length)
 
 
 def _truncation(req: GenerationRequest, max_tokens: int | None) -> int | None:
@@ -454,10 +455,10 @@ def check_context(req: GenerationRequest, max_model_len: int) -> None:
             raise ApiError(400, f"the prompt has {len(p)} tokens, which leaves no room under this model's maximum "
                                 f"context length of {max_model_len} tokens", param="prompt",
                            code="context_length_exceeded")
-        if want is not None and len(p) + want > max_model_len:
+        if want is not None and len(p) + want > max_model_len:  # named as sent: max_completion_tokens or max_tokens
             raise ApiError(400, f"this model's maximum context length is {max_model_len} tokens; the prompt has "
-                                f"{len(p)} tokens and max_tokens asks for {want} more", param="max_tokens",
-                           code="context_length_exceeded")
+                                f"{len(p)} tokens and {req.length_field} asks for {want} more",
+                           param=req.length_field, code="context_length_exceeded")
 
 
 # ---------------------------------------------------------------------------------------------- responses

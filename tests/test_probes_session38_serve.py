@@ -1,0 +1,41 @@
+"""Probes of `infer serve`, session 38: a context-length 400 named max_tokens when the client had sent
+max_completion_tokens (the field chat clients send now)."""
+
+from __future__ import annotations
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from infer.engine.config import EngineConfig  # noqa: E402
+from infer.engine.llm_engine import LLMEngine  # noqa: E402
+from infer.serve.app import Server, serve_in_thread  # noqa: E402
+from infer.serve.async_engine import AsyncEngine  # noqa: E402
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(EngineConfig("tiny-llama", max_model_len=64, block_size=4, max_num_seqs=4))
+
+
+@pytest.fixture(scope="module")
+def base(engine):
+    with serve_in_thread(Server(AsyncEngine(engine, max_queue=64), "tiny")) as url:
+        yield url
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": MESSAGES}),
+    ("/v1/completions", {"prompt": "hi"}),
+])
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_reply_longer_than_the_context_names_the_length_field_sent(base, path, body, field):
+    r = httpx.post(f"{base}{path}", json={**body, field: 1000}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert error["param"] == field
+    assert f"{field} asks for 1000 more" in error["message"]
