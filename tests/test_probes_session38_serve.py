@@ -1,5 +1,6 @@
 """Probes of `infer serve`, session 38: a context-length 400 named max_tokens when the client had sent
-max_completion_tokens (the field chat clients send now)."""
+max_completion_tokens (the field chat clients send now); vLLM's logits_processors and prompt_embeds, which vLLM
+refuses unless started with an option infer lacks, were silently dropped (a 200 whose reply ignored them)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,25 @@ def test_a_reply_longer_than_the_context_names_the_length_field_sent(base, path,
     assert error["code"] == "context_length_exceeded"
     assert error["param"] == field
     assert f"{field} asks for 1000 more" in error["message"]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": MESSAGES}),
+    ("/v1/completions", {"prompt": "hi"}),
+])
+@pytest.mark.parametrize("field, value", [
+    ("logits_processors", ["my_module.MyProcessor"]),
+    ("logits_processors", [{"qualname": "my_module.MyProcessor", "args": [1]}]),
+    ("prompt_embeds", "AAAA"),
+])
+def test_vllm_extensions_vllm_refuses_by_default_are_400_not_dropped(base, path, body, field, value):
+    r = httpx.post(f"{base}{path}", json={**body, field: value, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 400, r.text  # was a 200 whose reply had ignored them
+    assert r.json()["error"]["param"] == field
+
+
+@pytest.mark.parametrize("field, value", [("logits_processors", []), ("logits_processors", None),
+                                          ("prompt_embeds", None)])
+def test_their_empty_values_are_accepted(base, field, value):
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", field: value, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
