@@ -1,6 +1,7 @@
 """Probes of `infer serve`, session 38: a context-length 400 named max_tokens when the client had sent
 max_completion_tokens (the field chat clients send now); vLLM's logits_processors and prompt_embeds, which vLLM
-refuses unless started with an option infer lacks, were silently dropped (a 200 whose reply ignored them)."""
+refuses unless started with an option infer lacks, were silently dropped (a 200 whose reply ignored them); a --host
+that is no address of the machine was answered "pick another --port"."""
 
 from __future__ import annotations
 
@@ -62,3 +63,12 @@ def test_vllm_extensions_vllm_refuses_by_default_are_400_not_dropped(base, path,
 def test_their_empty_values_are_accepted(base, field, value):
     r = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", field: value, "max_tokens": 2}, timeout=60)
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("host", ["192.0.2.1"])  # TEST-NET-1: an address of no interface here
+def test_a_host_that_cannot_be_bound_is_blamed_not_the_port(host):
+    from infer.cli.serve import _bind
+    from infer.errors import ConfigError
+    with pytest.raises(ConfigError, match=f"cannot listen on {host}:0") as e:
+        _bind(host, 0)
+    assert "--host" in e.value.hint and "--port" not in e.value.hint  # was "pick another --port"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import signal
 import socket
@@ -31,8 +32,11 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}",
-                          "pick another --port (0 picks a free one) or stop what uses it") from e
+        if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:  # the address, not the port
+            hint = "give --host an address of this machine: 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)"
+        else:
+            hint = "pick another --port (0 picks a free one) or stop what uses it"
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}", hint) from e
     sock.listen(2048)
     return sock
 
