@@ -372,6 +372,17 @@ def split(req: ToolRequest | None, text: str) -> tuple[str, list[dict] | None]:
     return "", calls
 
 
+def _read(text: str) -> tuple[Any, str]:
+    """(value, the same value as JSON a strict reader takes) of a constrained reply: xgrammar lets a string with
+    minLength or maxLength hold raw control characters (a tab, U+0003), which strict JSON refuses (so did this reader:
+    the forced call came back as text); it is read all the same, and written again with them escaped."""
+    try:
+        return json.loads(text), text
+    except ValueError:
+        value = json.loads(text, strict=False)
+        return value, json.dumps(value, ensure_ascii=False)
+
+
 def tool_calls(req: ToolRequest | None, text: str) -> list[dict] | None:
     """A constrained reply `text` (a named tool_choice or "required") as OpenAI's tool_calls; None when the request
     asks for none, or when the reply did not complete (cut by max_tokens or a stop string: not JSON), which then
@@ -379,7 +390,7 @@ def tool_calls(req: ToolRequest | None, text: str) -> list[dict] | None:
     if req is None or req.mode in ("none", "auto"):
         return None
     try:
-        value = json.loads(text)
+        value, text = _read(text)
         if req.mode == "named":
             return [_call(req.name, text)]
         if not isinstance(value, list):
