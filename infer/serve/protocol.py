@@ -28,14 +28,6 @@ _PARAM_KEYS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "t
                "top_logprobs", "max_length", "min_p", "min_tokens", "logit_bias", "allowed_token_ids",
                "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs",
                "bad_words"}
-# vLLM's extensions that change the reply and that vLLM itself answers with a 400 unless it was started with an option
-# infer has not (--logits-processor-pattern, --enable-prompt-embeds): dropped, the client would get another reply
-_UNSUPPORTED_VLLM = {
-    "logits_processors": (lambda v: not v, "logits_processors is not supported (vLLM runs them only when started "
-                                           "with --logits-processor-pattern)"),
-    "prompt_embeds": (lambda v: v is None, "prompt_embeds is not supported (vLLM reads them only when started with "
-                                           "--enable-prompt-embeds): send the prompt as text or token ids"),
-}
 _FIELD = re.compile(r"^(?:field ')?([a-z_]+)'?")
 MAX_N = 128  # choices per request (each one is an engine request)
 
@@ -117,9 +109,6 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
         if key in ("tools", "tool_choice") and chat:  # serve/tools.py (parse_chat)
             continue
         if key not in ("n", "echo") and not ok(body.get(key)):  # n: one engine request per choice; echo: below
-            raise ApiError(400, why, param=key)
-    for key, (ok, why) in _UNSUPPORTED_VLLM.items():
-        if not ok(body.get(key)):
             raise ApiError(400, why, param=key)
     if not chat and body.get(REQUEST_TEMPLATE_FIELD) is not None:
         raise ApiError(400, "chat_template applies to chat messages only (send messages to /v1/chat/completions, "
