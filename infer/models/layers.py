@@ -98,6 +98,10 @@ class MergedLinear(nn.Module):
     def load_shard(self, name: str, shard: int, tensor: torch.Tensor) -> None:
         if name == "bias":
             if self.bias is None:
+                if not isinstance(self.method, UnquantizedLinearMethod) and (tensor.is_meta or not bool(tensor.any())):
+                    # older AutoGPTQ versions wrote a zero bias for every layer they quantized, bias or not: it
+                    # adds nothing, and transformers and vLLM skip it ("extra bias for GPTQ models")
+                    return
                 raise ModelLoadError(f"unexpected bias {self.prefix_of(shard)}.bias",
                                      "config.json says this layer has no bias")
             start, size = self.shard_offset(shard), self.out_sizes[shard]

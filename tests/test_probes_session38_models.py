@@ -1,0 +1,51 @@
+"""Model probes of the thirty-eighth session (random configs of the Llama family against transformers), each test
+failing without its fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer.errors import ModelLoadError
+
+from quant_helpers import needs_gptqmodel
+from test_probes_gptq_s19 import hf_greedy, infer_greedy, rtn_checkpoint
+
+
+def _with_extra_biases(path, value: float = 0.0):
+    """`path`'s GPTQ checkpoint with a float16 bias beside every quantized projection, as older AutoGPTQ versions wrote
+    one for every layer they quantized (a Llama has none: config.json declares none)."""
+    from safetensors.torch import load_file, save_file
+    weights = load_file(path / "model.safetensors")
+    for name, t in list(weights.items()):
+        if name.endswith(".qweight"):
+            weights[name[: -len("qweight")] + "bias"] = torch.full((t.shape[1],), value, dtype=torch.float16)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def autogptq_style(tmp_path_factory):
+    """(a GPTQ tiny-llama, its copy with AutoGPTQ's zero biases)."""
+    plain = rtn_checkpoint(tmp_path_factory.mktemp("plain") / "m")
+    return plain, _with_extra_biases(rtn_checkpoint(tmp_path_factory.mktemp("biased") / "m"))
+
+
+def test_autogptq_zero_biases_are_skipped_as_transformers_and_vllm_skip_them(autogptq_style):
+    """A GPTQ Llama whose every projection has an all-zero `.bias` (TheBloke-era AutoGPTQ checkpoints): transformers
+    drops them (unexpected keys) and vLLM skips them ("extra bias for GPTQ models"); infer refused the checkpoint
+    ("unexpected bias model.layers.0.mlp.down_proj.bias"). A zero bias adds nothing: the tokens are the plain one's."""
+    plain, biased = autogptq_style
+    assert infer_greedy(biased) == infer_greedy(plain)
+
+
+@needs_gptqmodel
+def test_autogptq_zero_biases_equal_transformers(autogptq_style):
+    _, biased = autogptq_style
+    assert infer_greedy(biased) == hf_greedy(biased)
+
+
+def test_a_nonzero_bias_config_json_does_not_declare_is_still_refused(tmp_path):
+    path = _with_extra_biases(rtn_checkpoint(tmp_path / "m"), value=0.5)
+    with pytest.raises(ModelLoadError, match=r"unexpected bias model\.layers\.0\..*\.bias"):
+        infer_greedy(path)
