@@ -49,3 +49,42 @@ def test_a_nonzero_bias_config_json_does_not_declare_is_still_refused(tmp_path):
     path = _with_extra_biases(rtn_checkpoint(tmp_path / "m"), value=0.5)
     with pytest.raises(ModelLoadError, match=r"unexpected bias model\.layers\.0\..*\.bias"):
         infer_greedy(path)
+
+
+@pytest.mark.parametrize("model, rope", [
+    ("tiny-llama3", None),  # llama3 rope (Llama 3.1 / 3.2)
+    ("tiny-llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}),
+    ("tiny-llama", {"rope_type": "linear", "factor": 2.0}),
+])
+def test_a_scaled_rope_builds_on_a_device_other_than_the_cpu(tmp_path, model, rope):
+    """Every scaled rope's table (transformers' rope functions) was computed on the default device the model is built
+    on, where those functions copy to "cpu": `infer convert` and `infer quantize` of a Llama 3.1 (their checks build
+    the model on the meta device) died with a traceback, "NotImplementedError: Cannot copy out of meta tensor"; on a
+    GPU the table's positions (cuda) met the functions' inv_freq (cpu) in one product. The table is now the same
+    wherever it is built."""
+    import json
+    import shutil
+
+    from infer.models.loader import check_weights, load_config
+    from infer.models.rope import build_cos_sin_cache
+    from infer.models.tiny import ensure_builtin
+    path = tmp_path / "m"
+    shutil.copytree(ensure_builtin(model), path)
+    if rope:
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["rope_parameters"] = {**rope, "rope_theta": 10000.0}
+        (path / "config.json").write_text(json.dumps(cfg))
+    check_weights(path)  # what convert and quantize run before transformers loads the model
+    cfg = load_config(path)
+    with torch.device("meta"):
+        table = build_cos_sin_cache(cfg, 48)
+    assert table.is_meta and table.shape == (48, 16)
+    assert torch.equal(build_cos_sin_cache(cfg, 48), build_cos_sin_cache(cfg, 100)[:48])
+
+
+def test_convert_a_llama3_rope_model(tmp_path):
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    res = CliRunner().invoke(app, ["convert", "tiny-llama3", "-o", str(tmp_path / "out")])
+    assert res.exit_code == 0 and "Wrote" in res.output, res.output

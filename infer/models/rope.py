@@ -27,8 +27,13 @@ def rope_table_bytes(cfg, max_positions: int) -> int:
     return max_positions * ModelShapes.from_config(cfg).head_dim * torch.finfo(torch.float32).bits // 8
 
 
-def build_cos_sin_cache(cfg, max_positions: int | None = None) -> torch.Tensor:
-    """[max_positions, head_dim] float32 table: cos | sin of position * inv_freq, times the rope's attention scale."""
+def _inv_freq(cfg) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim / 2] on the CPU, the attention scale of cos and sin) of the config's rope."""
+    with torch.device("cpu"):  # whatever device the model is built on: transformers' rope functions compute on the
+        return _cpu_inv_freq(cfg)  # default device, then copy to "cpu" (which a meta tensor cannot)
+
+
+def _cpu_inv_freq(cfg) -> tuple[torch.Tensor, float]:
     params = rope_parameters(cfg)
     rope_type = params.get("rope_type", "default")
     head_dim = ModelShapes.from_config(cfg).head_dim
@@ -49,6 +54,13 @@ def build_cos_sin_cache(cfg, max_positions: int | None = None) -> torch.Tensor:
                                     f"(partial_rotary_factor {params.get('partial_rotary_factor')}) is not supported",
                                     "remove partial_rotary_factor from the rope parameters: Llama, Mistral and Qwen "
                                     "rotate the whole head")
+    return inv_freq, scale
+
+
+def build_cos_sin_cache(cfg, max_positions: int | None = None) -> torch.Tensor:
+    """[max_positions, head_dim] float32 table: cos | sin of position * inv_freq, times the rope's attention scale;
+    on the default device (the one the model is built on)."""
+    inv_freq, scale = _inv_freq(cfg)
     n = max_positions or cfg.max_position_embeddings
-    freqs = torch.outer(torch.arange(n, dtype=torch.float), inv_freq.float())
+    freqs = torch.outer(torch.arange(n, dtype=torch.float), inv_freq.float().to(torch.get_default_device()))
     return torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1)
