@@ -88,3 +88,28 @@ def test_convert_a_llama3_rope_model(tmp_path):
     from infer.cli.main import app
     res = CliRunner().invoke(app, ["convert", "tiny-llama3", "-o", str(tmp_path / "out")])
     assert res.exit_code == 0 and "Wrote" in res.output, res.output
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("rope_parameters", {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                         "long_factor": [2.0] * 8, "original_max_position_embeddings": 64},
+     "rope type 'longrope' is not supported"),
+    ("hidden_act", "gelu", "hidden_act 'gelu' is not supported"),
+])
+def test_warmup_estimate_refuses_a_model_the_engine_refuses(tmp_path, field, value, message):
+    """`infer warmup --estimate` (which never builds the model) said "fits" for a longrope or gelu Llama that `infer
+    run` and the measured warmup refuse when they build it; the config's checks now run when it is read."""
+    import json
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from infer.models.tiny import ensure_builtin
+    path = tmp_path / "m"
+    shutil.copytree(ensure_builtin("tiny-llama"), path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg[field] = value
+    (path / "config.json").write_text(json.dumps(cfg))
+    res = CliRunner().invoke(app, ["warmup", str(path), "--estimate", "--max-length", "64", "--concurrency", "1"])
+    assert res.exit_code == 2 and message in res.output, res.output

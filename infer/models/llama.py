@@ -16,6 +16,7 @@ from .. import kernels
 from ..kernels import cpu_gemm
 from .context import ForwardContext
 from .layers import LinearMethod, MergedLinear
+from .registry import check_activation
 from .rope import build_cos_sin_cache
 from .shapes import ModelShapes
 
@@ -116,10 +117,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg, prefix: str, method_for, dtype):
         super().__init__()
-        act = getattr(cfg, "hidden_act", "silu")
-        if act not in ("silu", "swish"):  # transformers' ACT2FN maps both to SiLU
-            from ..errors import UnsupportedModelError
-            raise UnsupportedModelError(f"hidden_act {act!r} is not supported", "the Llama family uses silu")
+        check_activation(cfg)
         bias = bool(getattr(cfg, "mlp_bias", False)) and cfg.model_type == "llama"  # only Llama's MLP has biases
         names = [f"{prefix}.gate_proj", f"{prefix}.up_proj"]
         inter = cfg.intermediate_size

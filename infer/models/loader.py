@@ -14,6 +14,7 @@ from ..errors import ModelLoadError, UnsupportedModelError
 from ..quant.files import indexed_files
 from .layers import MergedLinear
 from .registry import check_supported, model_class
+from .rope import check_rope
 
 log = logging.getLogger("infer")
 
@@ -29,6 +30,7 @@ def load_config(path: Path):
     except Exception as e:  # an unknown model_type, bad JSON, ...
         raise UnsupportedModelError(f"cannot read {path / 'config.json'}: {e}") from e
     check_supported(cfg)
+    check_rope(cfg)  # refused here, not only when the model is built: warmup --estimate never builds it
     return cfg
 
 

@@ -27,7 +27,14 @@ def check_supported(cfg) -> str:
         raise UnsupportedModelError(
             f"unsupported architecture {archs or model_type!r} (model_type {model_type!r})",
             f"infer runs {', '.join(SUPPORTED)}")
+    check_activation(cfg)
     return arch
+
+
+def check_activation(cfg) -> None:
+    act = getattr(cfg, "hidden_act", "silu")
+    if act not in ("silu", "swish"):  # transformers' ACT2FN maps both to SiLU
+        raise UnsupportedModelError(f"hidden_act {act!r} is not supported", "the Llama family uses silu")
 
 
 def model_class(cfg):

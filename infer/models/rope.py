@@ -27,6 +27,12 @@ def rope_table_bytes(cfg, max_positions: int) -> int:
     return max_positions * ModelShapes.from_config(cfg).head_dim * torch.finfo(torch.float32).bits // 8
 
 
+def check_rope(cfg) -> None:
+    """Refuse a rope infer cannot compute (an UnsupportedModelError): what build_cos_sin_cache refuses, checked when
+    the config is read (models.loader.load_config), so that commands that never build the model refuse it too."""
+    _inv_freq(cfg)
+
+
 def _inv_freq(cfg) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim / 2] on the CPU, the attention scale of cos and sin) of the config's rope."""
     with torch.device("cpu"):  # whatever device the model is built on: transformers' rope functions compute on the
