@@ -45,12 +45,14 @@ class _Tok:
 def test_openai_defaults_come_from_the_generation_config(tmp_path, caplog):
     assert openai_sampling_defaults(tmp_path) == {"temperature": 1.0}  # no file: OpenAI's temperature
     (tmp_path / "generation_config.json").write_text(json.dumps(
-        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05, "do_sample": True}))
-    assert openai_sampling_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20,
-                                                  "repetition_penalty": 1.05}
-    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 0, "top_k": "x", "temperature": 0.0}))
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.05,
+         "do_sample": True}))
+    assert openai_sampling_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05,
+                                                  "repetition_penalty": 1.05}  # vLLM reads min_p there too
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 0, "top_k": "x", "min_p": 2,
+                                                                  "temperature": 0.0}))
     assert openai_sampling_defaults(tmp_path) == {"temperature": 0.0}  # invalid values are left out, said
-    assert "top_p=0" in caplog.text and "top_k='x'" in caplog.text
+    assert "top_p=0" in caplog.text and "top_k='x'" in caplog.text and "min_p=2" in caplog.text
 
 
 @pytest.mark.parametrize("parse, body", [(parse_completion, {"prompt": "hi"}),

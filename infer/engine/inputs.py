@@ -121,7 +121,7 @@ def check_no_chat_template_fields(body: dict, where: str = "") -> None:
 
 # OpenAI's sampling fields a request may leave out, and what it then gets (vLLM's rule): the model's
 # generation_config.json value, else OpenAI's default (temperature 1; the others' defaults switch them off)
-OPENAI_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+OPENAI_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 OPENAI_TEMPERATURE = 1.0
 
 
