@@ -163,14 +163,22 @@ class MemoryPlan:
                  max_length_at_concurrency=self.max_length_at_concurrency, kv_block_bytes=self.kv_block_bytes)
         return d
 
+    @property
+    def weights_exceed_budget(self) -> bool:
+        return self.weights_bytes >= self.budget_bytes and not self.kv_blocks
+
     def advice(self) -> str:
         """What to change when it does not fit (vLLM-style 'estimated maximum model length')."""
+        more = "raise --gpu-memory-utilization" if self.device == "cuda" else "raise --memory-limit"
+        if self.weights_exceed_budget:  # nothing else matters until the weights fit (as at an engine start)
+            return (f"the weights alone take {gib(self.weights_bytes)} of the budget of {gib(self.budget_bytes)}: "
+                    f"{more}, or run a smaller or quantized model")
         tips = []
         if self.max_length_at_concurrency > 0:
             tips.append(f"lower --max-length to {self.max_length_at_concurrency}")
         if self.max_concurrency_at_max_length > 0:
             tips.append(f"lower --concurrency to {self.max_concurrency_at_max_length}")
-        tips.append("raise --gpu-memory-utilization" if self.device == "cuda" else "raise --memory-limit")
+        tips.append(more)
         return ", or ".join(tips)
 
 
