@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+import torch
+import typer
 from typer.testing import CliRunner
 
 from infer.cli.main import app
+from infer.errors import LoRAError
 
 
 def test_warmup_under_a_budget_the_weights_exceed_says_so_not_to_lower_the_batch():
@@ -18,3 +22,60 @@ def test_warmup_under_a_budget_the_weights_exceed_says_so_not_to_lower_the_batch
     assert "The weights alone take 1.0 MiB of the budget of 0.5 MiB: raise --memory-limit, or run a smaller or " \
            "quantized model" in text
     assert "--max-num-batched-tokens" not in text
+
+
+def _convert(*args):
+    from infer.cli.convert import convert
+    app = typer.Typer()
+    app.command()(convert)
+    app.command("noop")(lambda: None)
+    return CliRunner().invoke(app, ["convert", *map(str, args)])
+
+
+@pytest.mark.parametrize("kind", ["dora", "modules_to_save", "bias_all", "embedding"])
+def test_convert_merges_the_adapters_only_serving_refuses_as_peft_merges_them(tmp_path, kind):
+    """DoRA, modules_to_save, trained base biases and embedding targets cannot be served per request, and
+    `lora-validate` says "merge the DoRA adapter into the base model" — but `infer convert --merge-lora` refused them
+    too, with that same hint: the command that merges sent the user back to merging. peft's merge_and_unload folds
+    each in; convert now writes the model peft merges (tensor for tensor)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from infer.models.resolve import resolve_model
+    src = resolve_model("tiny-qwen2")  # q/k/v have biases
+    kw = {"dora": dict(use_dora=True), "modules_to_save": dict(modules_to_save=["lm_head"]),
+          "bias_all": dict(bias="all"), "embedding": dict(target_modules=["q_proj", "embed_tokens"])}[kind]
+    cfg = LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "down_proj"], **kw})
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32), cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:  # the adapter's weights, the trained head and biases: away from their init
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    model.save_pretrained(tmp_path / "ad")
+    r = _convert(src, "-o", tmp_path / "merged", "--merge-lora", tmp_path / "ad")
+    assert r.exit_code == 0, (r.output, r.exception)
+    fresh = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    want = PeftModel.from_pretrained(fresh, tmp_path / "ad").merge_and_unload().state_dict()
+    got = load_file(tmp_path / "merged" / "model.safetensors")
+    plain = load_file(src / "model.safetensors")
+    assert set(got) == set(plain)
+    assert any(not torch.equal(got[k], plain[k]) for k in plain)
+    for k in plain:
+        torch.testing.assert_close(got[k], want[k], atol=0, rtol=0)
+
+
+def test_convert_still_refuses_a_lora_bias_the_base_has_no_bias_for(tmp_path):
+    """peft cannot merge lora_bias=True into a layer without a bias (a RuntimeError after loading the model):
+    convert keeps refusing it first, in one line."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from infer.models.resolve import resolve_model
+    src = resolve_model("tiny-llama")
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], lora_bias=True)
+    get_peft_model(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32), cfg).save_pretrained(tmp_path / "a")
+    r = _convert(src, "-o", tmp_path / "merged", "--merge-lora", tmp_path / "a")
+    assert isinstance(r.exception, LoRAError) and "trains a LoRA bias" in str(r.exception), (r.output, r.exception)
+    assert not (tmp_path / "merged").exists()

@@ -71,7 +71,7 @@ def _check_adapter(adapter: Path, src: Path) -> None:
         return
     base_config = load_config(src)
     try:
-        load_adapter("--merge-lora", adapter, base_config)
+        load_adapter("--merge-lora", adapter, base_config, merging=True)
     except LoRAError as e:  # worded for --lora NAME=PATH (serve, run): speak of the flag this command has
         prefix = f"LoRA adapter '--merge-lora' ({Path(adapter).expanduser()}): "
         hint = (e.hint or "").replace("--lora NAME=PATH", "--merge-lora PATH") or None

@@ -41,6 +41,7 @@ _TRAINING_ONLY = {"velora_config": ".lora_velora_", "monteclora_config": ".lora_
 class Problem:
     message: str
     hint: str
+    merges: bool = False  # only serving it fails: peft's merge_and_unload folds it in (infer convert --merge-lora)
 
     def __str__(self) -> str:
         return f"{self.message} ({self.hint})"
@@ -226,11 +227,13 @@ def read_tensors(name: str, path: Path) -> dict[str, torch.Tensor]:
         raise _fail(name, path, f"cannot read {file.name}: {e}", "the file is damaged; copy it again") from e
 
 
+_MERGE = "infer convert --merge-lora"
 _UNSUPPORTED = {  # adapter_config.json key (when set) -> (what it means, hint)
-    "use_dora": ("uses DoRA", "merge the DoRA adapter into the base model, or train plain LoRA"),
+    "use_dora": ("uses DoRA", f"merge the DoRA adapter into the base model ({_MERGE}), or train plain LoRA"),
     "lora_bias": ("trains a LoRA bias", "train the adapter with lora_bias=False"),
-    "modules_to_save": ("has modules_to_save", "fully trained modules cannot be swapped per request; merge them"),
-    "trainable_token_indices": ("trains embedding rows", "merge them into the base model"),
+    "modules_to_save": ("has modules_to_save",
+                        f"fully trained modules cannot be swapped per request; merge them ({_MERGE})"),
+    "trainable_token_indices": ("trains embedding rows", f"merge them into the base model ({_MERGE})"),
     "layer_replication": ("replicates layers", "merge the adapter into the base model"),
     "target_parameters": ("targets parameters, not modules", "train with target_modules instead"),
     "alora_invocation_tokens": ("is an activated LoRA (aLoRA)", "train a plain LoRA adapter"),
@@ -239,6 +242,10 @@ _UNSUPPORTED = {  # adapter_config.json key (when set) -> (what it means, hint)
                     "train a plain LoRA adapter"),
     "arrow_config": ("routes among adapters (Arrow)", "load the task adapters as plain LoRA adapters"),
 }
+
+
+# what peft's merge_and_unload folds into the weights of the base (the others it cannot merge, or merges wrongly)
+MERGEABLE = ("use_dora", "modules_to_save", "trainable_token_indices")
 
 
 # init_lora_weights that subtract the initial adapter from the base weight (peft redoes it when it loads the adapter)
@@ -253,7 +260,7 @@ def _is_set(config: dict, key: str) -> bool:
 
 
 def config_problems(config: dict) -> list[Problem]:
-    problems = [Problem(f"{what} ({key}: {json.dumps(config[key])})", hint)
+    problems = [Problem(f"{what} ({key}: {json.dumps(config[key])})", hint, merges=key in MERGEABLE)
                 for key, (what, hint) in _UNSUPPORTED.items() if _is_set(config, key)]
     init = config.get("init_lora_weights")
     if isinstance(init, str) and (init.startswith("pissa") or init.lower() in BASE_CHANGING_INITS):
@@ -280,7 +287,7 @@ def config_problems(config: dict) -> list[Problem]:
     targets = targets or []
     for emb in EMBEDDINGS:
         if _targets(targets, emb):
-            problems.append(Problem(f"targets {emb}", _HINT_TARGETS))
+            problems.append(Problem(f"targets {emb}", _HINT_TARGETS, merges=True))
     if isinstance(targets, (list, tuple)):
         unknown = [t for t in targets if str(t).split(".")[-1] not in (*PROJECTIONS, *EMBEDDINGS)]
         if unknown:
@@ -383,13 +390,14 @@ def module_scaling(config: dict, module: str) -> tuple[int, float]:
 def _classify(tensor_name: str) -> tuple[str, str] | Problem:
     """(module path, 'lora_A' | 'lora_B') for a LoRA weight, or the Problem with this tensor."""
     if "lora_magnitude_vector" in tensor_name:
-        return Problem(f"has DoRA magnitude tensors ({tensor_name})", "train plain LoRA (use_dora=False)")
+        return Problem(f"has DoRA magnitude tensors ({tensor_name})", "train plain LoRA (use_dora=False)", True)
     if "modules_to_save" in tensor_name:
-        return Problem(f"has modules_to_save tensors ({tensor_name})", "merge them into the base model")
+        return Problem(f"has modules_to_save tensors ({tensor_name})", f"merge them into the base model ({_MERGE})",
+                       True)
     if "lora_embedding" in tensor_name or any(f".{e}." in tensor_name for e in EMBEDDINGS):
-        return Problem(f"adapts an embedding ({tensor_name})", _HINT_TARGETS)
+        return Problem(f"adapts an embedding ({tensor_name})", _HINT_TARGETS, True)
     if tensor_name.endswith(".bias") and "lora_" not in tensor_name:  # bias="all" / "lora_only" on a base with biases
-        return Problem(f"trains the base model's biases ({tensor_name})", "train the adapter with bias='none'")
+        return Problem(f"trains the base model's biases ({tensor_name})", "train the adapter with bias='none'", True)
     m = _TENSOR.match(tensor_name)
     if m is None:
         return Problem(f"has an unexpected tensor {tensor_name}", "only lora_A/lora_B weights are supported")
@@ -553,10 +561,12 @@ def adapter_problems(name: str, path: str | Path, base_config, max_rank: int | N
 
 
 def load_adapter(name: str, path: str | Path, base_config, max_rank: int | None = None,
-                 dtype: torch.dtype | None = None) -> LoRAAdapter:
-    """Read and validate; raises LoRAError naming the adapter for the first problem."""
+                 dtype: torch.dtype | None = None, merging: bool = False) -> LoRAAdapter:
+    """Read and validate; raises LoRAError naming the adapter for the first problem. `merging`: only the problems
+    that keep peft's merge_and_unload from folding it into the base's weights count (DoRA, modules_to_save, ...
+    merge: infer convert --merge-lora)."""
     adapter = read_adapter(name, path)
-    problems = adapter.validate_against(base_config, max_rank)
+    problems = [p for p in adapter.validate_against(base_config, max_rank) if not (merging and p.merges)]
     if problems:
         more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
         raise _fail(name, adapter.path, problems[0].message + more, problems[0].hint)
