@@ -79,3 +79,41 @@ def test_convert_still_refuses_a_lora_bias_the_base_has_no_bias_for(tmp_path):
     r = _convert(src, "-o", tmp_path / "merged", "--merge-lora", tmp_path / "a")
     assert isinstance(r.exception, LoRAError) and "trains a LoRA bias" in str(r.exception), (r.output, r.exception)
     assert not (tmp_path / "merged").exists()
+
+
+def _tied_copy(tmp_path, head: str):
+    """tiny-llama with tie_word_embeddings true and lm_head.weight stored: the embeddings' copy, or its own head."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from infer.models.resolve import resolve_model
+    src, d = resolve_model("tiny-llama"), tmp_path / f"tied-{head}"
+    shutil.copytree(src, d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    tensors = load_file(d / "model.safetensors")
+    if head == "same":
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    return d
+
+
+def test_quantize_refuses_a_tied_config_whose_checkpoint_stores_another_head(tmp_path, monkeypatch):
+    """config.json says tie_word_embeddings but the weights hold their own lm_head.weight: transformers and `infer run`
+    answer through the stored head (with a warning), GPTQModel tied it and wrote no head, so the quantized model
+    answered through the embeddings: another model, silently. It is refused before calibrating, naming the fix."""
+    from infer.errors import ConfigError
+    from infer.models.loader import check_weights
+    from infer.quant import quantize as q
+
+    def started():
+        raise RuntimeError("calibration started")
+    monkeypatch.setattr(q, "require_gptqmodel", started)
+    opts = q.QuantizeOptions(group_size=32)
+    with pytest.raises(ConfigError, match="stores a different lm_head.weight") as e:
+        q.quantize_model(_tied_copy(tmp_path, "own"), tmp_path / "q", opts, check_weights=check_weights)
+    assert '"tie_word_embeddings": false' in e.value.hint and not (tmp_path / "q").exists()
+    with pytest.raises(RuntimeError, match="calibration started"):  # the same head as the embeddings: quantized
+        q.quantize_model(_tied_copy(tmp_path, "same"), tmp_path / "q", opts, check_weights=check_weights)

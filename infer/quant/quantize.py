@@ -234,11 +234,31 @@ def _check_tensors(src: Path, check_weights: Callable[[Path], None] | None) -> N
     from .convert import load_weight_file, nonfinite_tensors
     if check_weights is not None:
         check_weights(src)
+    tied, heads = bool(read_config_json(src).get("tie_word_embeddings", False)), {}
     for f in weight_files(src):  # one file at a time: the model is never held twice
-        bad = nonfinite_tensors(load_weight_file(f).items())
+        tensors = load_weight_file(f)
+        bad = nonfinite_tensors(tensors.items())
         if bad:
             raise ModelLoadError(f"{src} has non-finite weights (inf or NaN) in {bad[0]}",
                                  "GPTQ cannot quantize them: fix or replace the checkpoint (a float model that runs)")
+        if tied:
+            heads.update({k: v for k, v in tensors.items() if k in ("lm_head.weight", "model.embed_tokens.weight")})
+    _check_tied_head(src, heads)
+
+
+def _check_tied_head(src: Path, heads: dict) -> None:
+    """config.json ties lm_head to the embeddings but the checkpoint stores another lm_head.weight: transformers and
+    `infer run` use the stored head, while GPTQModel ties it and writes no head, so the quantized model would answer
+    through the embeddings instead (another model)."""
+    import torch
+    head, emb = heads.get("lm_head.weight"), heads.get("model.embed_tokens.weight")
+    if head is None or emb is None:  # untied (nothing kept), or tied with no stored head
+        return
+    if head.shape != emb.shape or not torch.equal(head, emb.to(head.dtype)):
+        raise ConfigError(f"{src / 'config.json'} ties lm_head to embed_tokens (tie_word_embeddings: true), but the "
+                          "checkpoint stores a different lm_head.weight, which transformers and infer use: GPTQModel "
+                          "would tie it and drop the stored head",
+                          'set "tie_word_embeddings": false in config.json (a copy of the folder), then quantize')
 
 
 def _check_weights(src: Path) -> None:
