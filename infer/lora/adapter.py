@@ -228,6 +228,7 @@ def read_tensors(name: str, path: Path) -> dict[str, torch.Tensor]:
 
 
 _MERGE = "infer convert --merge-lora"
+_HINT_MERGE_TARGETS = f"{_HINT_TARGETS}, or merge it into the base model ({_MERGE})"
 _UNSUPPORTED = {  # adapter_config.json key (when set) -> (what it means, hint)
     "use_dora": ("uses DoRA", f"merge the DoRA adapter into the base model ({_MERGE}), or train plain LoRA"),
     "lora_bias": ("trains a LoRA bias", "train the adapter with lora_bias=False"),
@@ -287,7 +288,7 @@ def config_problems(config: dict) -> list[Problem]:
     targets = targets or []
     for emb in EMBEDDINGS:
         if _targets(targets, emb):
-            problems.append(Problem(f"targets {emb}", _HINT_TARGETS, merges=True))
+            problems.append(Problem(f"targets {emb}", _HINT_MERGE_TARGETS, merges=True))
     if isinstance(targets, (list, tuple)):
         unknown = [t for t in targets if str(t).split(".")[-1] not in (*PROJECTIONS, *EMBEDDINGS)]
         if unknown:
@@ -395,9 +396,10 @@ def _classify(tensor_name: str) -> tuple[str, str] | Problem:
         return Problem(f"has modules_to_save tensors ({tensor_name})", f"merge them into the base model ({_MERGE})",
                        True)
     if "lora_embedding" in tensor_name or any(f".{e}." in tensor_name for e in EMBEDDINGS):
-        return Problem(f"adapts an embedding ({tensor_name})", _HINT_TARGETS, True)
+        return Problem(f"adapts an embedding ({tensor_name})", _HINT_MERGE_TARGETS, True)
     if tensor_name.endswith(".bias") and "lora_" not in tensor_name:  # bias="all" / "lora_only" on a base with biases
-        return Problem(f"trains the base model's biases ({tensor_name})", "train the adapter with bias='none'", True)
+        return Problem(f"trains the base model's biases ({tensor_name})",
+                       f"train the adapter with bias='none', or merge it into the base model ({_MERGE})", True)
     m = _TENSOR.match(tensor_name)
     if m is None:
         return Problem(f"has an unexpected tensor {tensor_name}", "only lora_A/lora_B weights are supported")
