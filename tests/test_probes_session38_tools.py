@@ -117,3 +117,30 @@ def test_quantize_refuses_a_tied_config_whose_checkpoint_stores_another_head(tmp
     assert '"tie_word_embeddings": false' in e.value.hint and not (tmp_path / "q").exists()
     with pytest.raises(RuntimeError, match="calibration started"):  # the same head as the embeddings: quantized
         q.quantize_model(_tied_copy(tmp_path, "same"), tmp_path / "q", opts, check_weights=check_weights)
+
+
+STRICT_TEMPLATE = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                   "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+                   "{% endif %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+
+
+def test_a_calibration_chat_the_template_refuses_is_named_by_line_not_a_traceback(tmp_path):
+    """Mistral's and Llama 2's templates raise on roles that do not alternate (or on a system turn): a calibration
+    .jsonl holding such a chat ended `infer quantize` in jinja's traceback. It is now one error naming the line, as
+    `infer bench` names a dataset line its template refuses."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from infer.errors import ConfigError
+    from infer.models.resolve import resolve_model
+    from infer.quant.calibration import load_calibration
+    tok = AutoTokenizer.from_pretrained(resolve_model("tiny-llama"))
+    tok.chat_template = STRICT_TEMPLATE
+    path = tmp_path / "calib.jsonl"
+    chats = [[{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi, how can I help?"}],
+             [{"role": "user", "content": "hello"}, {"role": "user", "content": "again"}]]
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
+    with pytest.raises(ConfigError, match=r"calib\.jsonl, line 2: the chat template cannot render these messages: "
+                                          r"Conversation roles must alternate"):
+        load_calibration(path, tok, 4, 16)

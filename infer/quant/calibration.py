@@ -103,7 +103,11 @@ def _jsonl_text(line: str, path: Path, lineno: int, render_chat: Callable[[Messa
         if not ok:
             raise ConfigError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects (a "
                               "content is a string or a list of text parts)")
-        return render_chat(msgs)
+        try:
+            return render_chat(msgs)
+        except Exception as e:  # the template's own checks (roles that must alternate, no system role, ...)
+            raise ConfigError(f"{where}: the chat template cannot render these messages: {e}",
+                              "fix the conversation, or give its text as a 'text' string") from None
     raise ConfigError(f"{where} has none of the keys 'text', 'prompt', 'messages'",
                       'write objects like {"text": "..."} or {"messages": [{"role": "user", "content": "..."}]}')
 
