@@ -144,3 +144,23 @@ def test_a_calibration_chat_the_template_refuses_is_named_by_line_not_a_tracebac
     with pytest.raises(ConfigError, match=r"calib\.jsonl, line 2: the chat template cannot render these messages: "
                                           r"Conversation roles must alternate"):
         load_calibration(path, tok, 4, 16)
+
+
+def test_adapter_slots_that_take_the_budget_are_named_by_warmup_and_an_engine_start():
+    """200 adapter slots of rank 256 take 400 MiB of a 200 MiB budget: warmup said only "raise --memory-limit" and
+    an engine start "raise --memory-limit", though no length or concurrency makes room and --max-loras or
+    --max-lora-rank is what the user asked too much of. Both now name them, with the bytes the slots take."""
+    from infer.engine.config import EngineConfig
+    from infer.engine.setup import load_engine_parts
+    from infer.errors import OutOfMemoryError
+    res = CliRunner().invoke(app, ["warmup", "tiny-llama", "--estimate", "--max-length", "256", "--concurrency", "2",
+                                   "--enable-lora", "--max-loras", "200", "--max-lora-rank", "256",
+                                   "--memory-limit", "200MB"])
+    text = " ".join(res.output.split())
+    assert res.exit_code == 1 and "Lower --max-loras or --max-lora-rank, whose adapter slots take 400.0 MiB of the " \
+        "budget of 200.0 MiB, or raise --memory-limit" in text, text
+    with pytest.raises(OutOfMemoryError) as e:
+        load_engine_parts(EngineConfig(model="tiny-llama", enable_lora=True, max_loras=200, max_lora_rank=256,
+                                       memory_limit="200MB", max_model_len=256))
+    assert e.value.hint.startswith("lower --max-loras (200) or --max-lora-rank (256), whose adapter slots take "
+                                   "400.0 MiB"), e.value.hint

@@ -35,6 +35,7 @@ class PlanOptions(Protocol):
     gpu_memory_utilization: float
     loras: dict[str, str]
     enable_lora: bool
+    max_loras: int
     max_lora_rank: int
 
     def use_cuda_graphs(self) -> bool: ...
@@ -174,6 +175,9 @@ class MemoryPlan:
             return (f"the weights alone take {gib(self.weights_bytes)} of the budget of {gib(self.budget_bytes)}: "
                     f"{more}, or run a smaller or quantized model")
         tips = []
+        if self.lora_bytes > self.budget_bytes // 2:  # no length or concurrency makes room the slots take
+            tips.append(f"lower --max-loras or --max-lora-rank, whose adapter slots take {gib(self.lora_bytes)} of "
+                        f"the budget of {gib(self.budget_bytes)}")
         if self.max_length_at_concurrency > 0:
             tips.append(f"lower --max-length to {self.max_length_at_concurrency}")
         if self.max_concurrency_at_max_length > 0:
@@ -294,6 +298,9 @@ def plan_memory(engine_config: PlanOptions, model_config, model, dtype, device, 
         if plan.weights_bytes >= plan.budget_bytes:  # nothing else matters until the weights fit
             more = (f"the weights alone take {gib(plan.weights_bytes)} of the budget of {gib(plan.budget_bytes)}: "
                     f"{more}, or run a smaller or quantized model")
+        elif plan.lora_bytes > plan.budget_bytes // 2:  # the adapter slots, not the length, use the memory
+            more = (f"lower --max-loras ({engine_config.max_loras}) or --max-lora-rank "
+                    f"({engine_config.max_lora_rank}), whose adapter slots take {gib(plan.lora_bytes)}, or {more}")
         elif plan.activation_peak_bytes > plan.budget_bytes // 2:  # the batch sizes, not the length, use the memory
             more = (f"lower --max-num-seqs ({engine_config.max_num_seqs}) or --max-num-batched-tokens "
                     f"({engine_config.max_num_batched_tokens}), whose activations take most of the budget, or {more}")
