@@ -164,3 +164,26 @@ def test_adapter_slots_that_take_the_budget_are_named_by_warmup_and_an_engine_st
                                        memory_limit="200MB", max_model_len=256))
     assert e.value.hint.startswith("lower --max-loras (200) or --max-lora-rank (256), whose adapter slots take "
                                    "400.0 MiB"), e.value.hint
+
+
+def test_adapter_slots_the_device_cannot_allocate_are_one_error_naming_the_flags(monkeypatch):
+    """An engine start allocates the adapter slots before its memory plan sees them: --max-loras x --max-lora-rank
+    beyond the device's memory ended in torch's allocator traceback (CUDA out of memory, or CPU's "can't allocate
+    memory") inside LoRALayer. It is now one OutOfMemoryError naming both flags, and no layer keeps a slot."""
+    from infer.errors import OutOfMemoryError
+    from infer.lora import manager
+    from infer.models.loader import load_model
+    from infer.models.resolve import resolve_model
+    model, _ = load_model(resolve_model("tiny-llama"), torch.float32, torch.device("cpu"))
+    real, made = manager.LoRALayer, []
+
+    def layer(*args):
+        if made:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        made.append(real(*args))
+        return made[-1]
+    monkeypatch.setattr(manager, "LoRALayer", layer)
+    with pytest.raises(OutOfMemoryError, match=r"--max-loras 64 x --max-lora-rank 64 .*CUDA out of memory") as e:
+        manager.LoRAManager(model, max_loras=64, max_lora_rank=64)
+    assert "lower --max-loras or --max-lora-rank" in e.value.hint
+    assert made and all(m.lora is None for m in model.modules() if hasattr(m, "lora"))

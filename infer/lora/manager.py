@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..errors import LoRAError, LoRANameError
+from ..errors import LoRAError, LoRANameError, OutOfMemoryError
 from ..models.layers import MergedLinear
 from .adapter import LoRAAdapter, adapter_path, load_adapter
 from .batch import LoRABatch
@@ -48,11 +48,22 @@ class LoRAManager:
         self._where: dict[str, tuple[LoRALayer, int]] = {}  # HF module path -> (its layer, shard index)
         self.layers: list[LoRALayer] = []
         self.linears = linears  # self.layers[i] is linears[i].lora
-        for linear in linears:
-            linear.lora = LoRALayer(linear, max_loras, max_lora_rank, self.device, self.dtype)
-            self.layers.append(linear.lora)
-            for i, name in enumerate(linear.names):
-                self._where[name] = (linear.lora, i)
+        try:
+            for linear in linears:
+                linear.lora = LoRALayer(linear, max_loras, max_lora_rank, self.device, self.dtype)
+                self.layers.append(linear.lora)
+                for i, name in enumerate(linear.names):
+                    self._where[name] = (linear.lora, i)
+        except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError and CPU's ENOMEM are RuntimeErrors
+            for linear in linears:
+                linear.lora = None
+            self.layers.clear()
+            if not isinstance(e, MemoryError) and "memory" not in str(e).lower():
+                raise
+            raise OutOfMemoryError(f"the adapter slots (--max-loras {max_loras} x --max-lora-rank {max_lora_rank} "
+                                   f"on every layer) do not fit in memory ({str(e).splitlines()[0][:200]})",
+                                   "lower --max-loras or --max-lora-rank (`infer warmup --estimate` counts the "
+                                   "slots without allocating them)") from None
         self._paths: dict[str, Path] = {}
         self._cpu: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recently used first
         self._resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recently used first
