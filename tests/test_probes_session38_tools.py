@@ -187,3 +187,27 @@ def test_adapter_slots_the_device_cannot_allocate_are_one_error_naming_the_flags
         manager.LoRAManager(model, max_loras=64, max_lora_rank=64)
     assert "lower --max-loras or --max-lora-rank" in e.value.hint
     assert made and all(m.lora is None for m in model.modules() if hasattr(m, "lora"))
+
+
+def test_lora_validate_on_a_short_context_base_works_within_it_and_names_steps(tmp_path):
+    """The numeric check sized its engine at 64 + --steps tokens whatever the base's context: on a base of 64
+    positions every adapter's check died with "--max-model-len 72 is above the model's limit of 64 (use
+    --max-model-len 64 or less)", an option lora-validate does not have. It now runs within the base's context, and
+    --steps beyond it is refused naming --steps."""
+    import json
+    import shutil
+
+    from lora_helpers import hf_float, save_adapter
+
+    from infer.models.resolve import resolve_model
+    base = tmp_path / "short"
+    shutil.copytree(resolve_model("tiny-llama"), base)
+    cfg = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 64}))
+    save_adapter(hf_float(base), tmp_path / "ad", seed=0, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    ok = CliRunner().invoke(app, ["lora-validate", str(base), f"a={tmp_path / 'ad'}", "--json"])
+    assert ok.exit_code == 0, ok.output
+    assert json.loads(ok.stdout.splitlines()[-1])["numeric"]["tokens_agree"] is True
+    far = CliRunner().invoke(app, ["lora-validate", str(base), f"a={tmp_path / 'ad'}", "--steps", "100"])
+    text = " ".join(far.output.split())
+    assert far.exit_code == 2 and "the base model has 64" in text and "use --steps" in text, text

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import LoRAError
+from ..errors import ConfigError, LoRAError
 from ..lora.validate import NumericCheck
 
 PROMPTS = ("The quick brown fox", "Hello, my name is", "1, 2, 3, 4,")
@@ -48,10 +48,26 @@ def _prompt_ids(tokenizer) -> list[list[int]]:
 def engine_for(base_path: Path, adapters: dict[str, Path], max_rank: int, steps: int, device: str):
     """infer's LLM with the adapters registered, sized for the check's short prompts (float32)."""
     from ..engine.llm import LLM
-    need = 64 + steps
+    need = context_for(base_path, steps)
     return LLM(str(base_path), loras={n: str(p) for n, p in adapters.items()}, max_loras=max(1, len(adapters)),
                max_lora_rank=max_rank, dtype="float32", device=device, max_model_len=need,
                num_kv_blocks=2 * math.ceil(need / 16) + 2, max_num_seqs=2, enable_prefix_caching=False)
+
+
+def context_for(base_path: Path, steps: int) -> int:
+    """The context the check's engine is sized for: room for its short prompts and `steps`, within the model's."""
+    from ..models.loader import load_config
+    limit = getattr(load_config(base_path), "max_position_embeddings", None)
+    return min(64 + steps, limit) if isinstance(limit, int) and limit > 0 else 64 + steps
+
+
+def _check_room(prompts: list[list[int]], steps: int, context: int) -> None:
+    """The prompts and `steps` within the engine's context (the model's, when it is short), or --steps named."""
+    longest = max(map(len, prompts))
+    if longest + steps > context:
+        raise ConfigError(f"--steps {steps} after the check's prompts of up to {longest} tokens needs a context of "
+                          f"{longest + steps} tokens, the base model has {context}",
+                          f"use --steps {max(0, context - longest)} or less (0: the static checks only)")
 
 
 def infer_logits(llm, name: str, prompts: list[list[int]], steps: int) -> list[tuple[list[int], torch.Tensor]]:
@@ -175,6 +191,7 @@ def numeric_checks(base_path: Path, gptq: bool, adapters: dict[str, Path], max_r
         return {}
     llm = engine_for(base_path, adapters, max_rank, steps, device)
     prompts = _prompt_ids(llm.tokenizer)
+    _check_room(prompts, steps, llm.engine.config.max_model_len)
     runs = {name: [((p, toks), logits) for p, (toks, logits) in zip(prompts, infer_logits(llm, name, prompts, steps))]
             for name in adapters}
     oracle = oracle_model(base_path, gptq, llm.engine.runner.model)
