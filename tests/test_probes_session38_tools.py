@@ -211,3 +211,52 @@ def test_lora_validate_on_a_short_context_base_works_within_it_and_names_steps(t
     far = CliRunner().invoke(app, ["lora-validate", str(base), f"a={tmp_path / 'ad'}", "--steps", "100"])
     text = " ".join(far.output.split())
     assert far.exit_code == 2 and "the base model has 64" in text and "use --steps" in text, text
+
+
+def _config_only(tmp_path, **config):
+    import json
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                                               **config}))
+    return d
+
+
+def test_quantize_checks_o_projs_input_against_the_group_size_before_calibrating(tmp_path):
+    """head_dim set apart from hidden_size / heads (Qwen3 does): o_proj's input is heads x head_dim (96), which
+    --group-size 64 does not divide though it divides hidden_size (64) and intermediate_size (128); quantize only
+    checked the last two and wrote a checkpoint with a partial group."""
+    from infer.errors import ConfigError
+    from infer.quant.quantize import QuantizeOptions, quantize_model
+    src = _config_only(tmp_path, hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=24,
+                       num_key_value_heads=4)
+    with pytest.raises(ConfigError, match="does not divide") as e:
+        quantize_model(src, tmp_path / "o", QuantizeOptions(group_size=64))
+    assert "o_proj's input, num_attention_heads x head_dim (4 x 24) = 96" in str(e.value)
+    assert "hidden_size" not in str(e.value) and not (tmp_path / "o").exists()
+
+
+def test_quantize_refuses_widths_that_do_not_pack_naming_them_and_the_bits_that_would(tmp_path):
+    """k_proj's and v_proj's outputs of 3 x 20 = 60 do not pack into int32 words of eight 4-bit values: GPTQModel
+    wrote the checkpoint, transformers ran it, infer then refused it naming q_proj (whose 80 packs)."""
+    from infer.errors import ConfigError
+    from infer.quant.quantize import QuantizeOptions, quantize_model
+    src = _config_only(tmp_path, hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=20,
+                       num_key_value_heads=3)
+    with pytest.raises(ConfigError, match="does not pack") as e:
+        quantize_model(src, tmp_path / "o", QuantizeOptions(group_size=-1))
+    text = str(e.value)
+    assert "k_proj's and v_proj's output, num_key_value_heads x head_dim (3 x 20) = 60" in text
+    assert "q_proj" not in text.split("k_proj")[0] and "--bits 8" in text
+
+
+def test_a_gptq_layer_that_does_not_pack_names_the_projection_that_does_not():
+    from infer.errors import ModelLoadError
+    from infer.models.layers import MergedLinear
+    from infer.quant.config import GPTQConfig
+    from infer.quant.gptq_linear import GPTQLinearMethod
+    names = [f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+    with pytest.raises(ModelLoadError) as e:
+        MergedLinear(64, [80, 60, 60], names, False, GPTQLinearMethod(GPTQConfig()), torch.float32)
+    assert str(e.value).startswith("model.layers.0.self_attn.k_proj (output 60), model.layers.0.self_attn.v_proj "
+                                   "(output 60): the width does not pack into int32 words of 8 4-bit values")

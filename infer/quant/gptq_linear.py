@@ -39,9 +39,11 @@ class GPTQLinearMethod:
 
     def create_weights(self, layer) -> None:
         c, k, n = self.config, layer.in_features, layer.out_features
-        if k % c.pack or any(size % c.pack for size in layer.out_sizes):
-            raise ModelLoadError(f"{layer.names[0]}: sizes {k} x {layer.out_sizes} do not pack into {c.bits}-bit "
-                                 f"int32 words", "this layer cannot be a GPTQ layer")
+        if k % c.pack or any(size % c.pack for size in layer.out_sizes):  # name the projection(s) that do not
+            bad = [f"{name} (input {k})" for name in layer.names[:1] if k % c.pack] + \
+                [f"{name} (output {size})" for name, size in zip(layer.names, layer.out_sizes) if size % c.pack]
+            raise ModelLoadError(f"{', '.join(bad)}: the width does not pack into int32 words of {c.pack} {c.bits}-bit "
+                                 "values", "this layer cannot be a GPTQ layer (vLLM refuses it too)")
         groups = c.num_groups(k)
         layer.register_buffer("qweight", torch.zeros(k // c.pack, n, dtype=torch.int32))
         layer.register_buffer("qzeros", torch.zeros(groups, n // c.pack, dtype=torch.int32))

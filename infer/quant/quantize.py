@@ -182,7 +182,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: Qu
     observer = observer or QuantizeObserver()
     check_not_source(src, out, "quantized")
     check_output(out, overwrite)
-    config = _check_source(src, opts.group_size)
+    config = _check_source(src, opts.group_size, opts.bits)
     context = config.get("max_position_embeddings")
     if isinstance(context, int) and 0 < context < opts.seq_len:
         raise ConfigError(f"--seq-len {opts.seq_len} is longer than the model's context ({context} tokens, "
@@ -205,7 +205,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: Qu
     return QuantizeResult(out, report, calib, time.perf_counter() - start)
 
 
-def _check_source(src: Path, group_size: int) -> dict:
+def _check_source(src: Path, group_size: int, bits: int = 4) -> dict:
     if not (src / "config.json").is_file():
         raise ModelLoadError(f"{src} is not a model folder (no config.json)",
                              "pass a Hugging Face model folder (config.json and *.safetensors weights)")
@@ -217,14 +217,47 @@ def _check_source(src: Path, group_size: int) -> dict:
                           "quantize the float model it came from")
     if is_gptq(src):
         raise ConfigError(f"{src} is already a GPTQ checkpoint", "quantize the float model it came from")
-    dims = {k: config[k] for k in ("hidden_size", "intermediate_size") if isinstance(config.get(k), int)}
-    bad = {k: v for k, v in dims.items() if group_size > 0 and v % group_size}
-    if bad:
-        sizes = " or ".join(f"{k} ({v})" for k, v in bad.items())
-        raise ConfigError(f"--group-size {group_size} does not divide the model's {sizes}",
-                          "pick a group size that divides every layer's input size (or -1 for one group)")
+    _check_widths(config, group_size, bits)
     _check_weights(src)
     return config
+
+
+def _widths(config: dict) -> tuple[dict[str, int], dict[str, int]]:
+    """({what: width} of the quantized projections' inputs, the same of their outputs), from config.json as infer's
+    models derive them (head_dim apart from hidden_size / heads where the config sets it); what it lacks is left out."""
+    dims = {k: config[k] for k in ("hidden_size", "intermediate_size") if isinstance(config.get(k), int)}
+    inputs, outputs = dict(dims), dict(dims)
+    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+    if isinstance(heads, int) and heads > 0 and isinstance(hidden, int):
+        head_dim = config.get("head_dim") or hidden // heads
+        kv_heads = config.get("num_key_value_heads") or heads
+        if isinstance(head_dim, int) and isinstance(kv_heads, int):  # (widths equal to hidden_size: said there)
+            q = f"num_attention_heads x head_dim ({heads} x {head_dim})"
+            if heads * head_dim != hidden:
+                inputs[f"o_proj's input, {q}"] = outputs[f"q_proj's output, {q}"] = heads * head_dim
+            if kv_heads * head_dim != hidden:
+                kv = f"k_proj's and v_proj's output, num_key_value_heads x head_dim ({kv_heads} x {head_dim})"
+                outputs[kv] = kv_heads * head_dim
+    return inputs, outputs
+
+
+def _check_widths(config: dict, group_size: int, bits: int) -> None:
+    """Every projection GPTQ quantizes splits into whole groups along its input and packs into int32 words along its
+    input and output: GPTQModel writes a checkpoint whose widths do not, which infer and vLLM then refuse to load."""
+    inputs, outputs = _widths(config)
+    bad = {k: v for k, v in inputs.items() if group_size > 0 and v % group_size}
+    if bad:
+        sizes = " or ".join(f"{k} ({v})" if "(" not in k else f"{k} = {v}" for k, v in bad.items())
+        raise ConfigError(f"--group-size {group_size} does not divide the model's {sizes}",
+                          "pick a group size that divides every layer's input size (or -1 for one group)")
+    pack = 32 // bits
+    bad = {k: v for k, v in {**inputs, **outputs}.items() if v % pack}
+    if bad:
+        sizes = " or ".join(f"{k} ({v})" if "(" not in k else f"{k} = {v}" for k, v in bad.items())
+        fits = [b for b in BITS if b != bits and all(v % (32 // b) == 0 for v in bad.values())]
+        raise ConfigError(f"the model's {sizes} does not pack into int32 words of {pack} {bits}-bit values: its GPTQ "
+                          "checkpoint would load in neither infer nor vLLM",
+                          f"quantize with --bits {fits[0]}" if fits else "this model cannot be quantized to GPTQ here")
 
 
 def _check_tensors(src: Path, check_weights: Callable[[Path], None] | None) -> None:
