@@ -159,11 +159,14 @@ def test_adapter_slots_that_take_the_budget_are_named_by_warmup_and_an_engine_st
     text = " ".join(res.output.split())
     assert res.exit_code == 1 and "Lower --max-loras or --max-lora-rank, whose adapter slots take 400.0 MiB of the " \
         "budget of 200.0 MiB, or raise --memory-limit" in text, text
+    # 94 slots (188 MiB) and the weights fit the budget (190.7 MiB), leaving no room for a sequence's KV cache: the
+    # memory plan's error names the slots (more than 95 are refused before they are allocated, naming them too)
     with pytest.raises(OutOfMemoryError) as e:
-        load_engine_parts(EngineConfig(model="tiny-llama", enable_lora=True, max_loras=200, max_lora_rank=256,
+        load_engine_parts(EngineConfig(model="tiny-llama", enable_lora=True, max_loras=94, max_lora_rank=256,
                                        memory_limit="200MB", max_model_len=256))
-    assert e.value.hint.startswith("lower --max-loras (200) or --max-lora-rank (256), whose adapter slots take "
-                                   "400.0 MiB"), e.value.hint
+    assert str(e.value).startswith("a single sequence of 256 tokens does not fit"), str(e.value)
+    assert "or lower --max-loras (94) or --max-lora-rank (256), whose adapter slots take 188.0 MiB, or raise " \
+        "--memory-limit" in e.value.hint, e.value.hint
 
 
 def test_adapter_slots_the_device_cannot_allocate_are_one_error_naming_the_flags(monkeypatch):
@@ -260,3 +263,18 @@ def test_a_gptq_layer_that_does_not_pack_names_the_projection_that_does_not():
         MergedLinear(64, [80, 60, 60], names, False, GPTQLinearMethod(GPTQConfig()), torch.float32)
     assert str(e.value).startswith("model.layers.0.self_attn.k_proj (output 60), model.layers.0.self_attn.v_proj "
                                    "(output 60): the width does not pack into int32 words of 8 4-bit values")
+
+
+def test_adapter_slots_beyond_the_budget_are_refused_before_they_are_allocated(monkeypatch):
+    """--max-loras 100000 x --max-lora-rank 256 on tiny-llama is 195 GiB of slots: an engine start allocated them
+    before its memory plan counted them, and on a CPU the process filled the machine's memory until it was killed.
+    Now the start refuses them first, naming both flags, and allocates no slot."""
+    from infer import LLM
+    from infer.errors import OutOfMemoryError
+    from infer.lora import manager
+    built = []
+    monkeypatch.setattr(manager, "LoRALayer", lambda *args: built.append(args))
+    with pytest.raises(OutOfMemoryError, match=r"--max-loras 100000 x --max-lora-rank 256 on every layer\) take") as e:
+        LLM("tiny-llama", enable_lora=True, max_loras=100000, max_lora_rank=256, memory_limit=2 ** 30)
+    assert e.value.hint.startswith("lower --max-loras (100000) or --max-lora-rank (256), whose adapter slots take ")
+    assert e.value.hint.endswith(" GiB, or raise --memory-limit") and not built

@@ -108,7 +108,7 @@ def model_max_len(model_config, engine_config: EngineConfig) -> int:
 def load_engine_parts(engine_config: EngineConfig) -> EngineParts:
     from ..models.loader import load_config, load_model
     from ..models.resolve import resolve_model
-    from ..memory.plan import plan_memory
+    from ..memory.plan import check_lora_slots, plan_memory
 
     path = resolve_model(engine_config.model)
     model_config = load_config(path)
@@ -120,6 +120,7 @@ def load_engine_parts(engine_config: EngineConfig) -> EngineParts:
     lora_manager = None
     if engine_config.loras or engine_config.enable_lora:
         from ..lora.manager import LoRAManager
+        check_lora_slots(engine_config, model_config, model, dtype, device)  # before they are allocated
         lora_manager = LoRAManager(model, max_loras=engine_config.max_loras,
                                    max_lora_rank=engine_config.max_lora_rank,
                                    max_cpu_loras=engine_config.max_cpu_loras, device=device, dtype=dtype,

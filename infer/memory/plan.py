@@ -19,8 +19,8 @@ import torch
 from ..errors import ConfigError, OutOfMemoryError
 from ..kernels.intmath import PROGRAMS_PER_SM, decode_parts
 from ..models.shapes import ModelShapes
-from .sizes import (activation_bytes, dequant_scratch_bytes, element_bytes, gib, kv_bytes_per_token, step_tokens,
-                    weights_bytes)
+from .sizes import (activation_bytes, dequant_scratch_bytes, element_bytes, gib, kv_bytes_per_token, lora_slot_bytes,
+                    step_tokens, weights_bytes)
 
 
 class PlanOptions(Protocol):
@@ -278,6 +278,22 @@ def largest_fitting_len(engine_config: PlanOptions, model_config, model, dtype, 
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     return lo
+
+
+def check_lora_slots(engine_config: PlanOptions, model_config, model, dtype, device) -> None:
+    """Before an engine allocates its adapter slots (--max-loras x --max-lora-rank on every merged layer): slots that
+    with the weights pass the budget are refused naming those flags. Allocated first, they were the allocator's error,
+    or on a CPU the machine's memory filling until the process was killed (plan_memory counts them only after)."""
+    slots = lora_slot_bytes(model_config, engine_config.max_loras, engine_config.max_lora_rank, dtype)
+    weights = weights_bytes(model)
+    budget = budget_bytes(engine_config, device, weights)
+    if weights + slots > budget:
+        more = "raise --gpu-memory-utilization" if device.type == "cuda" else "raise --memory-limit"
+        raise OutOfMemoryError(f"the adapter slots (--max-loras {engine_config.max_loras} x --max-lora-rank "
+                               f"{engine_config.max_lora_rank} on every layer) take {gib(slots)}, which with the weights "
+                               f"({gib(weights)}) passes the budget of {gib(budget)}",
+                               f"lower --max-loras ({engine_config.max_loras}) or --max-lora-rank "
+                               f"({engine_config.max_lora_rank}), whose adapter slots take {gib(slots)}, or {more}")
 
 
 def plan_memory(engine_config: PlanOptions, model_config, model, dtype, device, max_len: int,
