@@ -42,8 +42,17 @@ class _Handler(BaseHTTPRequestHandler):
             st.bodies.append((body, self.headers.get("Authorization")))
             st.active += 1
             st.max_active = max(st.max_active, st.active)
+        done = False
+
+        def finish():  # before the last bytes go out: a client that has them may send its next request at once
+            nonlocal done
+            if not done:
+                done = True
+                with st.lock:
+                    st.active -= 1
         try:
             if body["model"] == "missing":
+                finish()
                 self.send_response(404)
                 self.end_headers()
                 self.wfile.write(b'{"error": {"message": "model not found"}}')
@@ -60,10 +69,10 @@ class _Handler(BaseHTTPRequestHandler):
             if "nousage" not in body["prompt"]:
                 usage = {"prompt_tokens": 3, "completion_tokens": body["max_tokens"], "total_tokens": 0}
                 self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+            finish()
             self.wfile.write(b": keep-alive comment\n\ndata: [DONE]\n\n")
         finally:
-            with st.lock:
-                st.active -= 1
+            finish()
 
 
 @pytest.fixture
