@@ -8,8 +8,10 @@ greedy, `max_tokens` = output length, `ignore_eos` when the workload asks for it
 with a LoRA adapter names the adapter as its model, as vLLM serves adapters. The prompt is sent as its token ids
 when the request has them (OpenAI's and vLLM's completions accept a list of ids), so the server runs the very
 prompt the in-process engine runs: sent as text it would be tokenized again (another length, a BOS added).
-Every SSE `data:` chunk with text is time-stamped; output tokens come from the final usage chunk (else from
-`tokenizer`, else one per chunk).
+Every SSE `data:` chunk with a choice is time-stamped, with text or not (an EOS or special token has none), as
+vLLM's benchmark does, but for a last chunk without text beyond the token count (it only says why the request
+finished, as OpenAI's last chunk does). Output tokens come from the final usage chunk (else from `tokenizer`,
+else one per chunk with text; at least one).
 Memory figures are those of this client process, not of the server.
 """
 
@@ -60,28 +62,33 @@ def _body(model: str, req: BenchRequest, temperature: float) -> dict:
     return body
 
 
-def _apply_chunk(rec: RequestRecord, data: dict, t: float) -> None:
-    choices = data.get("choices") or []
-    text = "".join(c.get("text") or "" for c in choices if isinstance(c, dict))
-    if text:
+def _apply_chunk(rec: RequestRecord, data: dict, t: float) -> bool:
+    """Time-stamp a chunk of the reply; True when it carried text. A choice with no text is a token too (an EOS,
+    a special token, text held back mid-character): vLLM times every chunk with a choice, and so do we."""
+    choices = [c for c in data.get("choices") or [] if isinstance(c, dict)]
+    text = "".join(c.get("text") or "" for c in choices)
+    if choices:
         rec.chunk_times.append(t)
         rec.text += text
     for c in choices:
-        if isinstance(c, dict) and c.get("finish_reason"):
+        if c.get("finish_reason"):
             rec.finish_reason = c["finish_reason"]
     usage = data.get("usage")
     if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
         rec.output_tokens = int(usage["completion_tokens"])
         if usage.get("prompt_tokens") is not None:
             rec.prompt_tokens = int(usage["prompt_tokens"])
+    return bool(text)
 
 
-async def _stream_one(client, url: str, body: dict, rec: RequestRecord, headers: dict) -> None:
+async def _stream_one(client, url: str, body: dict, rec: RequestRecord, headers: dict) -> list[bool]:
+    """Stream one request into `rec`; returns, for each chunk time-stamped, whether it carried text."""
+    texts: list[bool] = []
     async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as resp:
         if resp.status_code != 200:
             detail = (await resp.aread()).decode("utf-8", "replace")[:300]
             rec.error = f"HTTP {resp.status_code}: {detail}"
-            return
+            return texts
         async for line in resp.aiter_lines():
             line = line.strip()
             if not line.startswith("data:"):
@@ -92,8 +99,11 @@ async def _stream_one(client, url: str, body: dict, rec: RequestRecord, headers:
             data = json.loads(payload)
             if isinstance(data, dict) and data.get("error"):
                 rec.error = str(data["error"])
-                return
-            _apply_chunk(rec, data, time.perf_counter())
+                return texts
+            n = len(rec.chunk_times)
+            had_text = _apply_chunk(rec, data, time.perf_counter())
+            texts += [had_text] * (len(rec.chunk_times) - n)
+    return texts
 
 
 class _HttpRun:
@@ -113,22 +123,28 @@ class _HttpRun:
             self.in_flight += 1
             self.started += 1
             rec = RequestRecord(i, req.prompt_len, send_time=time.perf_counter(), lora=req.lora)
+            texts: list[bool] = []
             try:
-                await _stream_one(client, self.url, _body(self.model, req, self.temperature), rec, self.headers)
+                texts = await _stream_one(client, self.url, _body(self.model, req, self.temperature), rec,
+                                          self.headers)
             except Exception as e:  # a dropped connection or a bad chunk fails this request only
                 rec.error = f"{type(e).__name__}: {e}"
             finally:
                 self.in_flight -= 1
-        self._finish(rec)
+        self._finish(rec, texts)
         sampler.sample(self.in_flight)
 
-    def _finish(self, rec: RequestRecord) -> None:
+    def _finish(self, rec: RequestRecord, texts: list[bool] | None = None) -> None:
         rec.end_time = time.perf_counter()
-        if rec.chunk_times and not rec.output_tokens:
-            rec.output_tokens = (len(self.tokenizer.encode(rec.text, add_special_tokens=False))
-                                 if self.tokenizer is not None else len(rec.chunk_times))
+        texts = texts or []
+        if rec.chunk_times and not rec.output_tokens:  # no usage: count the text, and a reply has a token at least
+            rec.output_tokens = max(1, len(self.tokenizer.encode(rec.text, add_special_tokens=False))
+                                    if self.tokenizer is not None else sum(texts))
+        if len(rec.chunk_times) > rec.output_tokens and texts and not texts[-1]:
+            rec.chunk_times.pop()  # more chunks than tokens: the last, with no text, only said why the request
+            # finished (OpenAI sends one such chunk); it was no token
         if rec.error is None and not rec.chunk_times:
-            rec.error = "the stream ended without any text"
+            rec.error = "the stream ended without any reply chunk"
         if rec.error is None and rec.finish_reason in ABORTED:  # cut short by the server: not a completed request
             rec.error = f"finished with reason {rec.finish_reason!r}"
         rec.success = rec.error is None

@@ -1,0 +1,84 @@
+"""Probes of `infer bench` (session 38): its numbers against vLLM's benchmark_serving definitions."""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from infer.bench.datasets import BenchRequest
+from infer.bench.http_driver import run_http
+
+
+def _sse_server(chunks_for):
+    """A loopback OpenAI completions server streaming `chunks_for(body)` (a list of JSON objects), then [DONE]."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_GET(self):
+            payload = json.dumps({"object": "list", "data": [{"id": "m"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for chunk in chunks_for(body):
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    return httpd
+
+
+def _choice(text, reason=None):
+    return {"choices": [{"index": 0, "text": text, "finish_reason": reason}], "usage": None}
+
+
+def _usage(n):
+    return {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}}
+
+
+@pytest.fixture
+def eos_server():
+    """What `infer serve` (and vLLM) stream: a request whose first token is EOS gets one chunk with no text and
+    finish_reason stop (completion_tokens 1); one that stops after text gets its EOS step as a chunk with no text."""
+    def chunks(body):
+        if body["prompt"] == [1]:
+            return [_choice("", "stop"), _usage(1)]
+        return [_choice("a"), _choice("b"), _choice("", "stop"), _usage(3)]
+    httpd = _sse_server(chunks)
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_a_reply_of_only_eos_is_a_completed_request_over_http(eos_server):
+    """The in-process driver and vLLM count it completed (one output token, a TTFT); the HTTP driver failed it
+    with 'the stream ended without any text', and `infer bench --url` exited 1."""
+    res = run_http(eos_server, "m", [BenchRequest(None, [1], 4)], concurrency=1, progress=False)
+    (rec,) = res.records
+    assert rec.success, rec.error
+    assert rec.output_tokens == 1 and rec.finish_reason == "stop" and len(rec.chunk_times) == 1
+    m = res.metrics()
+    assert m["completed"] == 1 and m["failed"] == 0 and m["mean_ttft_ms"] > 0
+
+
+def test_the_eos_step_after_text_is_timed_over_http(eos_server):
+    """Its EOS chunk (no text) ends the request: E2EL and ITL count it, as vLLM's and the in-process driver do, so
+    TPOT = (E2EL - TTFT) / (3 - 1) spans the three tokens the usage counts."""
+    res = run_http(eos_server, "m", [BenchRequest(None, [2], 4)], concurrency=1, progress=False)
+    (rec,) = res.records
+    assert rec.success and rec.output_tokens == 3 and rec.text == "ab"
+    assert len(rec.chunk_times) == 3 and len(rec.itl) == 2
+    assert rec.e2el == pytest.approx(rec.chunk_times[2] - rec.send_time)
