@@ -82,3 +82,22 @@ def test_the_eos_step_after_text_is_timed_over_http(eos_server):
     assert rec.success and rec.output_tokens == 3 and rec.text == "ab"
     assert len(rec.chunk_times) == 3 and len(rec.itl) == 2
     assert rec.e2el == pytest.approx(rec.chunk_times[2] - rec.send_time)
+
+
+def test_the_hf_baseline_is_warmed_before_it_is_measured(tmp_path, monkeypatch):
+    """The engine runs warm_kernels() before its first level; the baseline's first level timed transformers' very
+    first generate (CUDA's lazy loading, library handles), which inflated the x columns of that level."""
+    import infer.bench.hf_baseline as H
+    from infer.bench.plan import BenchPlan, run_plan
+    from infer.engine.config import EngineConfig
+    batches, real = [], H._run_batch
+
+    def spy(model, tok, device, batch, sampler, *a):
+        batches.append(([r.output_len for _, r in batch], sampler is not None))
+        return real(model, tok, device, batch, sampler, *a)
+    monkeypatch.setattr(H, "_run_batch", spy)
+    plan = BenchPlan(model="tiny-llama", levels=[2], out=tmp_path / "out", num_prompts=3, input_len=4,
+                     output_len=5, baseline="hf", quiet=True, engine=EngineConfig("tiny-llama", max_num_seqs=2))
+    [r] = run_plan(plan)[0]
+    assert batches == [([2, 2], False), ([5, 5], True), ([5], True)]  # a short unmeasured batch first
+    assert r["baseline"]["completed"] == 3 and r["baseline"]["total_output_tokens"] == 15  # the warmup not counted

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 from ..errors import ModelLoadError
@@ -28,6 +29,8 @@ from .datasets import BenchRequest
 from .driver import Progress
 from .metrics import RequestRecord, RunResult
 from .monitor import ResourceSampler
+
+WARMUP_TOKENS = 2  # tokens a warmup batch generates: a prefill and a decode step
 
 
 class StepClock:
@@ -158,9 +161,11 @@ def _run_batch(model, tok, device, batch: list[tuple[int, BenchRequest]], sample
 
 def run_hf_generate(model: str | HFModel, requests: list[BenchRequest], batch_size: int, dtype: str = "auto",
                     device: str = "auto", progress: bool = True, cache_implementation: str | None = None,
-                    console=None) -> RunResult:
+                    console=None, warmup: bool = False) -> RunResult:
     """The transformers baseline at one batch size (reported as concurrency = batch_size); see module doc.
     `model` is a model folder / built-in name (loaded with `dtype`, `device`) or what load_hf returned.
+    `warmup`: first generate one batch of `batch_size` requests a few tokens long, not measured (as the engine
+    is warmed before it is measured: the first generate pays for CUDA's lazy loading and library handles).
     LoRA names in the workload are ignored (the baseline runs the base model). Ctrl-C returns the finished
     batches with `partial=True`. The progress bar goes to `console` when given (a rich Console)."""
     if batch_size < 1:
@@ -170,6 +175,9 @@ def run_hf_generate(model: str | HFModel, requests: list[BenchRequest], batch_si
     records: list[RequestRecord] = []
     partial, aborted = False, 0
     indexed = list(enumerate(requests))
+    if warmup and indexed:
+        warm = [(i, replace(r, output_len=min(r.output_len, WARMUP_TOKENS))) for i, r in indexed[:batch_size]]
+        _run_batch(model, tok, dev, warm, None, cache_implementation)
     with Progress(progress, len(requests), f"hf generate b={batch_size}", console) as bar:
         t0 = end = time.perf_counter()
         sampler.start(t0)

@@ -6,7 +6,8 @@
 The target is an in-process LLMEngine (`plan.engine` set; warmed up first, adapters made resident) or the
 server at `plan.url`. The workload is read and checked first, with the model's tokenizer only: a bad dataset is
 refused before any model loads. Every level runs the same requests; with `baseline="hf"` each level is followed
-by HF transformers generate at batch size = concurrency, with transformers' (and GPTQModel's) own output kept off
+by HF transformers generate at batch size = concurrency (warmed first with one short batch, as the engine is
+warmed before it is measured), with transformers' (and GPTQModel's) own output kept off
 the terminal unless --debug. That baseline runs the base model: with adapters in the workload it is labelled
 "hf (base, no adapters)" in the table and the report, and a note says so. Ctrl-C ends the plan: what was
 measured is still written, marked partial, and `interrupted` is True.
@@ -130,7 +131,8 @@ def _measure(plan: BenchPlan, target: _Target, requests, hf, runs: list, bases: 
             return True
         if hf is not None:
             with hide() as term:
-                base = run_hf_generate(hf, requests, batch_size=c, progress=not plan.quiet, console=term)
+                base = run_hf_generate(hf, requests, batch_size=c, progress=not plan.quiet, console=term,
+                                       warmup=True)  # warmed, as the engine is, before it is measured
             base.label = label
             bases.append(base)
             if base.partial:
