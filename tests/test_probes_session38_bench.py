@@ -101,3 +101,65 @@ def test_the_hf_baseline_is_warmed_before_it_is_measured(tmp_path, monkeypatch):
     [r] = run_plan(plan)[0]
     assert batches == [([2, 2], False), ([5, 5], True), ([5], True)]  # a short unmeasured batch first
     assert r["baseline"]["completed"] == 3 and r["baseline"]["total_output_tokens"] == 15  # the warmup not counted
+
+
+class _Clock:
+    """A fake time module for the driver: the engine's step moves it on by one second."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def perf_counter(self):
+        return self.now
+
+    def sleep(self, s):
+        self.now += max(s, 1e-3)
+
+
+class _OneTokenASecond:
+    """An engine whose every step takes one second and gives each request one token."""
+
+    class _Out:
+        def __init__(self, rid, n, finished):
+            self.request_id, self.new_token_ids, self.token_ids = rid, [7], [7] * n
+            self.finished, self.finish_reason, self.error, self.text = finished, "length" if finished else None, \
+                None, "x" * n
+
+    def __init__(self, clock):
+        self.clock, self.reqs = clock, {}
+
+    def add_request(self, rid, ids, params, lora=None):
+        self.reqs[rid] = [0, params.max_new_tokens]
+
+    def has_unfinished_requests(self):
+        return bool(self.reqs)
+
+    def step(self):
+        self.clock.now += 1.0
+        outs = []
+        for rid, st in list(self.reqs.items()):
+            st[0] += 1
+            outs.append(self._Out(rid, st[0], st[0] == st[1]))
+            if st[0] == st[1]:
+                del self.reqs[rid]
+        return outs
+
+    def stats(self):
+        return {}
+
+
+@pytest.mark.parametrize("concurrency, ttft1", [(2, 1.5), (1, 1.0)])
+def test_a_request_arriving_during_a_step_counts_from_its_arrival(monkeypatch, concurrency, ttft1):
+    """--request-rate in-process: request 1 arrives at 0.5 s, in the middle of the step that runs request 0 (0 to 1
+    s); a server would take it in its next step and its TTFT (token at 2 s) is 1.5 s, as vLLM's client measures it.
+    The driver counted from when that step returned (1.0 s). With one slot, it waits for request 0 to finish (at
+    2 s): that wait is not latency (vLLM starts the clock after its semaphore), its TTFT is 3 - 2 = 1 s."""
+    import infer.bench.driver as D
+    clock = _Clock()
+    monkeypatch.setattr(D, "time", clock)
+    monkeypatch.setattr(D, "arrival_offsets", lambda n, rate, seed: [0.0, 0.5])
+    reqs = [BenchRequest(None, [1, 2], 2, ignore_eos=True), BenchRequest(None, [3, 4], 2, ignore_eos=True)]
+    run = D.run_in_process(_OneTokenASecond(clock), reqs, concurrency, request_rate=2.0, progress=False)
+    r0, r1 = run.records
+    assert r0.ttft == pytest.approx(1.0) and r0.e2el == pytest.approx(2.0)
+    assert r1.ttft == pytest.approx(ttft1) and r1.e2el == pytest.approx(ttft1 + 1.0)

@@ -5,7 +5,9 @@
     result.metrics()["output_throughput"]
 
 A request is sent (added to the engine) when a slot is free and, with a finite `request_rate`, its Poisson
-arrival time has come. Each engine step's tokens are time-stamped when step() returns. Ctrl-C aborts the
+arrival time has come; its send time, which latencies count from, is its arrival (or when a slot came free, if
+none was free then), as a client's that sends it to a server while a step runs. Each engine step's tokens are
+time-stamped when step() returns. Ctrl-C aborts the
 requests in flight and returns what finished, with `partial=True`.
 """
 
@@ -80,16 +82,21 @@ class _Run:
         self.tag = uuid.uuid4().hex[:8]
         self.done: list[RequestRecord] = []
         self.inflight: dict[str, RequestRecord] = {}
-        self.end = time.perf_counter()
+        self.end = self.free_since = time.perf_counter()  # free_since: when a slot last came free
 
-    def send(self, i: int) -> None:
+    def send(self, i: int, arrival: float) -> None:
+        """Add request i, which arrived at `arrival` (perf_counter). Its send time is when a client would have
+        sent it: on arrival, or when a slot came free if none was then (vLLM's client sends as its semaphore
+        lets it), not when the step running at that moment returned: a server would take it in its next step
+        and its TTFT would count the wait."""
+        sent = max(arrival, self.free_since)
         req = self.requests[i]
         ids = req.prompt_token_ids
         if ids is None:
             ids = self.engine.tokenizer.encode(req.prompt, add_special_tokens=False)
         seed = None if self.temperature == 0 else self.seed + i
         rid = f"bench-{self.tag}-{i}"
-        rec = RequestRecord(i, len(ids), send_time=time.perf_counter(), lora=req.lora)
+        rec = RequestRecord(i, len(ids), send_time=sent, lora=req.lora)
         try:
             params = sampling_params_for(req, self.temperature, seed)  # (an output length out of range)
             self.engine.add_request(rid, list(ids), params, lora=req.lora)
@@ -100,6 +107,7 @@ class _Run:
         self.inflight[rid] = rec
 
     def on_outputs(self, outs, t: float) -> None:
+        full = len(self.inflight) >= self.concurrency
         for o in outs:
             rec = self.inflight.get(o.request_id)
             if rec is None:
@@ -113,6 +121,8 @@ class _Run:
                 rec.error = o.error or (None if rec.success else f"finished with reason {o.finish_reason!r}")
                 rec.end_time = t
                 self._finish(rec)
+        if full and len(self.inflight) < self.concurrency:
+            self.free_since = t
 
     def _finish(self, rec: RequestRecord) -> None:
         self.done.append(rec)
@@ -153,13 +163,13 @@ def run_in_process(engine, requests: list[BenchRequest], concurrency: int, reque
     partial, aborted, nxt = False, 0, 0
     with Progress(progress, len(requests), f"infer c={concurrency}") as bar:
         run = _Run(engine, requests, concurrency, temperature, seed, sampler, bar)
-        t0 = run.end = time.perf_counter()
+        t0 = run.end = run.free_since = time.perf_counter()
         sampler.start(t0)
         try:
             while nxt < len(requests) or run.inflight:
                 now = time.perf_counter() - t0
                 while nxt < len(requests) and len(run.inflight) < concurrency and offsets[nxt] <= now:
-                    run.send(nxt)
+                    run.send(nxt, t0 + offsets[nxt])
                     nxt += 1
                 if not run.inflight:
                     if nxt < len(requests):

@@ -16,8 +16,9 @@ Definitions (the same as vLLM's `benchmark_serving.py` / `vllm bench serve`):
 - chars_per_s = characters of reply text of completed requests / duration (the figure of merit of the liteqwen
   comparison, and the one figure that does not depend on the tokenizer).
 
-The "send time" is when the request was handed to the engine or the server: time spent waiting for a free
-concurrency slot is not latency (vLLM takes its start time after acquiring its semaphore, too).
+The "send time" is when the request was handed to the server, or in-process when it arrived (or a slot came
+free) even if the engine was then in a step: time spent waiting for a free concurrency slot is not latency (vLLM
+takes its start time after acquiring its semaphore, too).
 """
 
 from __future__ import annotations
