@@ -163,3 +163,21 @@ def test_a_request_arriving_during_a_step_counts_from_its_arrival(monkeypatch, c
     r0, r1 = run.records
     assert r0.ttft == pytest.approx(1.0) and r0.e2el == pytest.approx(2.0)
     assert r1.ttft == pytest.approx(ttft1) and r1.e2el == pytest.approx(ttft1 + 1.0)
+
+
+def test_the_hf_baseline_generates_the_tokens_ours_could(tmp_path):
+    """--max-model-len 32 with jsonl lines asking 60 tokens past EOS: the engine stops each at 32 tokens in all
+    (about 20 new), transformers generate knows no such cap and made all 60: the x columns compared 41 output
+    tokens with 120, and the replies' characters too."""
+    from infer.bench.plan import BenchPlan, run_plan
+    from infer.engine.config import EngineConfig
+    data = tmp_path / "w.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"hello world number {i} is", "max_tokens": 60,
+                                        "ignore_eos": True}) + "\n" for i in range(2)))
+    plan = BenchPlan(model="tiny-llama", levels=[2], out=tmp_path / "out", dataset=f"jsonl:{data}",
+                     baseline="hf", quiet=True, engine=EngineConfig("tiny-llama", max_num_seqs=2, max_model_len=32))
+    [r] = run_plan(plan)[0]
+    base = r["baseline"]
+    assert r["completed"] == base["completed"] == 2
+    assert r["total_output_tokens"] == base["total_output_tokens"] == 2 * 32 - r["total_input_tokens"]
+    assert r["mean_reply_chars"] == base["mean_reply_chars"]

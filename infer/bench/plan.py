@@ -7,7 +7,8 @@ The target is an in-process LLMEngine (`plan.engine` set; warmed up first, adapt
 server at `plan.url`. The workload is read and checked first, with the model's tokenizer only: a bad dataset is
 refused before any model loads. Every level runs the same requests; with `baseline="hf"` each level is followed
 by HF transformers generate at batch size = concurrency (warmed first with one short batch, as the engine is
-warmed before it is measured), with transformers' (and GPTQModel's) own output kept off
+warmed before it is measured; each output length cut where the engine's max model length or the request's max_length
+cuts ours, so both generate the same tokens), with transformers' (and GPTQModel's) own output kept off
 the terminal unless --debug. That baseline runs the base model: with adapters in the workload it is labelled
 "hf (base, no adapters)" in the table and the report, and a note says so. Ctrl-C ends the plan: what was
 measured is still written, marked partial, and `interrupted` is True.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..errors import ConfigError, InferError
@@ -120,10 +121,23 @@ def _shown():
     return contextlib.nullcontext(None)
 
 
+def baseline_requests(requests: list[BenchRequest], max_model_len: int | None) -> list[BenchRequest]:
+    """The requests the HF baseline runs: each output length cut to what ours can generate, prompt and output
+    within the request's max_length and the engine's (or server's) max model length, as the engine caps them:
+    generate knows neither cap and ran the whole output length, more tokens than ours made."""
+    out = []
+    for r in requests:
+        caps = [c for c in (r.max_length, max_model_len) if c is not None]
+        room = min(caps) - r.prompt_len if caps and r.prompt_token_ids else None
+        out.append(r if room is None or room >= r.output_len or room < 1 else replace(r, output_len=room))
+    return out
+
+
 def _measure(plan: BenchPlan, target: _Target, requests, hf, runs: list, bases: list, hide=_shown) -> bool:
     """Fill `runs` (and `bases`) level by level; True when Ctrl-C cut the plan short."""
     from .hf_baseline import run_hf_generate
     label = BASE_NO_ADAPTERS if any(r.lora for r in requests) else None
+    base_requests = baseline_requests(requests, _context_len(plan)) if hf is not None else requests
     for c in plan.levels:
         run = target.run(requests, c)
         runs.append(run)
@@ -131,7 +145,7 @@ def _measure(plan: BenchPlan, target: _Target, requests, hf, runs: list, bases: 
             return True
         if hf is not None:
             with hide() as term:
-                base = run_hf_generate(hf, requests, batch_size=c, progress=not plan.quiet, console=term,
+                base = run_hf_generate(hf, base_requests, batch_size=c, progress=not plan.quiet, console=term,
                                        warmup=True)  # warmed, as the engine is, before it is measured
             base.label = label
             bases.append(base)
@@ -149,6 +163,21 @@ def _max_model_len(plan: BenchPlan) -> int | None:
     from ..models.loader import load_config
     from ..models.resolve import resolve_model
     return model_max_len(load_config(resolve_model(plan.engine.model)), plan.engine)
+
+
+def _context_len(plan: BenchPlan) -> int | None:
+    """The in-process engine's max model length, or the one the server reports for the model in /v1/models (vLLM's
+    and infer serve's model cards carry it); None when it says none."""
+    if plan.url is None:
+        return _max_model_len(plan)
+    import httpx
+    headers = {"Authorization": f"Bearer {plan.api_key}"} if plan.api_key else {}
+    try:
+        models = httpx.get(f"{plan.url}/v1/models", headers=headers, timeout=10.0, trust_env=False).json()
+        card = next(m for m in models["data"] if isinstance(m, dict) and m.get("id") == plan.model_id)
+        return int(card["max_model_len"]) if card.get("max_model_len") else None
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, StopIteration):
+        return None
 
 
 def _check_fits(plan: BenchPlan) -> None:
