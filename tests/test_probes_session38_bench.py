@@ -181,3 +181,15 @@ def test_the_hf_baseline_generates_the_tokens_ours_could(tmp_path):
     assert r["completed"] == base["completed"] == 2
     assert r["total_output_tokens"] == base["total_output_tokens"] == 2 * 32 - r["total_input_tokens"]
     assert r["mean_reply_chars"] == base["mean_reply_chars"]
+
+
+def test_a_server_run_shows_no_peak_memory_of_the_client(eos_server):
+    """`infer bench --url` put the bench client's own resident memory (0.3 GiB) in the "peak GiB" column, where
+    the in-process run shows the engine's: a GPU server's memory read as a third of a GiB."""
+    from infer.bench.report import build_results, table_rows
+    res = run_http(eos_server, "m", [BenchRequest(None, [2], 4)], concurrency=1, progress=False)
+    assert res.peak_rss_bytes  # measured, and kept as the client's
+    [entry] = build_results([res], env={"versions": {}, "device": "cpu", "git_commit": None})
+    assert entry["peak_memory_bytes"] is None and entry["peak_memory_gib"] is None
+    titles, [row] = table_rows([entry])
+    assert row[titles.index("peak GiB")] == "-"

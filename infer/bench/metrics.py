@@ -99,7 +99,10 @@ class RunResult:
 
     @property
     def peak_memory_bytes(self) -> int | None:
-        """GPU peak (torch.cuda.max_memory_allocated) when on a GPU, else the peak resident set size."""
+        """GPU peak (torch.cuda.max_memory_allocated) when on a GPU, else the peak resident set size; None for a
+        server driven over HTTP (its memory is not seen from here: peak_rss_bytes is this client's)."""
+        if self.backend == "http":
+            return None
         return self.peak_gpu_bytes if self.peak_gpu_bytes else self.peak_rss_bytes
 
     def metrics(self, percentiles=DEFAULT_PERCENTILES) -> dict:
