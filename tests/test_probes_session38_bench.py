@@ -193,3 +193,5 @@ def test_a_server_run_shows_no_peak_memory_of_the_client(eos_server):
     assert entry["peak_memory_bytes"] is None and entry["peak_memory_gib"] is None
     titles, [row] = table_rows([entry])
     assert row[titles.index("peak GiB")] == "-"
+    from infer.bench.report import _markdown
+    assert "- device: cpu (the client's: the server's is not seen from here)" in _markdown([entry], {}, {})

@@ -165,7 +165,9 @@ def print_table(results: list[dict], console=None, title: str = "infer bench") -
 
 def _markdown(results: list[dict], plots: dict[str, Path], config: dict) -> str:
     env = results[0] if results else environment()
-    lines = ["# infer bench", "", f"- device: {env['device']}", f"- git commit: {env['git_commit']}",
+    device = env["device"] if env.get("backend") != "http" else f"{env['device']} (the client's: the server's is not " \
+        "seen from here)"
+    lines = ["# infer bench", "", f"- device: {device}", f"- git commit: {env['git_commit']}",
              "- versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()), ""]
     if config:
         lines += ["## Configuration", "", "```json", json.dumps(config, indent=2, default=str), "```", ""]
