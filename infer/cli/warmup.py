@@ -26,8 +26,9 @@ def warmup(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout instead of the table.")] = False,
     engine: EngineConfig = None,
 ) -> None:
-    """Load the model, run the worst case (a prefill of the full token budget and a decode of CONCURRENCY
-    sequences at MAX_LENGTH), and report whether it fits: exit 0 fits, 1 does not fit.
+    """Load the model, run the worst case (a prefill of the token budget, or of CONCURRENCY x MAX_LENGTH tokens when
+    that is less, and a decode of CONCURRENCY sequences at MAX_LENGTH), and report whether it fits: exit 0 fits, 1
+    does not fit.
 
     Example: infer warmup ./Qwen1.5-14B-Chat-GPTQ-Int4 --max-length 4096 --concurrency 16
     """
