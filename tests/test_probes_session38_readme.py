@@ -17,3 +17,20 @@ def test_warmup_help_says_the_prefill_is_capped_at_concurrency_times_length():
     text = " ".join(res.output.split())
     assert "full token budget" not in text
     assert "CONCURRENCY x MAX_LENGTH tokens when that is less" in text
+
+
+def test_resume_refusal_names_every_difference_at_once(tmp_path):
+    """The README: another input or changed options are refused "with the differences named". With both a changed
+    input and a changed option, only the input was named; fixing it got a second refusal for the option."""
+    first = tmp_path / "a.jsonl"
+    first.write_text('{"id": "a", "prompt": "hello", "max_new_tokens": 2}\n')
+    out = tmp_path / "out.jsonl"
+    res = runner.invoke(app, ["run", "tiny-llama", str(first), "-o", str(out), "-q"])
+    assert res.exit_code == 0, res.output
+    other = tmp_path / "b.jsonl"
+    other.write_text('{"id": "b", "prompt": "there", "max_new_tokens": 2}\n')
+    res = runner.invoke(app, ["run", "tiny-llama", str(other), "-o", str(out), "--resume", "--max-new-tokens", "9"])
+    assert res.exit_code == 2, res.output
+    text = " ".join(res.output.split())
+    assert "written from another input" in text
+    assert "max_new_tokens 256 -> 9" in text

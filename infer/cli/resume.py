@@ -182,16 +182,17 @@ def check_resume(output: Path, input: Path, options: dict) -> None:
         typer.echo(f"note: {path} is unreadable; resuming without checking the input", err=True)
         return
     hint = "resume with the same input and options, write to a new -o OUTPUT, or pass --force-resume"
-    if input.stat().st_size < size or input_digest(input, size) != digest:
+    changed = sorted(k for k in set(old_opts) | set(options) if old_opts.get(k) != options.get(k))
+    what = ", ".join(f"{k} {old_opts.get(k)!r} -> {options.get(k)!r}" for k in changed)
+    if input.stat().st_size < size or input_digest(input, size) != digest:  # every difference at once
+        also = f"; it was also written with other options: {what}" if changed else ""
         raise ConfigError(f"{output} was written from another input ({old_in.get('path')}, {size} bytes); "
-                          f"{input} is not that file or was changed", hint)
+                          f"{input} is not that file or was changed{also}", hint)
     if input.stat().st_size > size and size and not _ends_a_line(input, size):
         # the old input ended without "\n": what was appended joined its last line, a line already answered
         raise ConfigError(f"{input} grew since {output} was written, but its old last line did not end with a "
                           f"newline, so the text appended to it changed that line (byte {size:,} on)",
                           "end the old last line with a newline and put the new requests on lines of their own, or "
                           "write to a new -o OUTPUT")
-    changed = sorted(k for k in set(old_opts) | set(options) if old_opts.get(k) != options.get(k))
     if changed:
-        what = ", ".join(f"{k} {old_opts.get(k)!r} -> {options.get(k)!r}" for k in changed)
         raise ConfigError(f"{output} was written with other options: {what}", hint)
