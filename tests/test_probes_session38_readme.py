@@ -34,3 +34,13 @@ def test_resume_refusal_names_every_difference_at_once(tmp_path):
     text = " ".join(res.output.split())
     assert "written from another input" in text
     assert "max_new_tokens 256 -> 9" in text
+
+
+def test_serve_help_names_every_route():
+    """`infer serve --help` listed five routes; the server also has vLLM's tokenizer routes and, with
+    --allow-runtime-lora, the adapter routes (the README lists them all)."""
+    res = runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    for route in ("/tokenize", "/detokenize", "/version", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        assert route in text, route
