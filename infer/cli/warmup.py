@@ -48,7 +48,7 @@ def advice(plan, tokens: int | None = None, fitting_tokens: int | None = None) -
     make them come first (as an engine start says), `tokens` being --max-num-batched-tokens and `fitting_tokens`
     the value of it with which the plan fits (warmup_plan), if one does."""
     fits = "" if fitting_tokens is None else f". With --max-num-batched-tokens {fitting_tokens:,} it fits " \
-        "(smaller steps: longer prompts prefill in more chunks)"
+        "by the formula (smaller steps: longer prompts prefill in more chunks; warm up with it to measure it)"
     if tokens is None or plan.activation_peak_bytes <= plan.budget_bytes // 2 or plan.weights_exceed_budget:
         return plan.advice() + fits
     sizes = f"--max-num-batched-tokens ({tokens:,})" + \
