@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from typer.testing import CliRunner
 
 from infer.cli.main import app
@@ -44,3 +45,11 @@ def test_serve_help_names_every_route():
     text = " ".join(res.output.split())
     for route in ("/tokenize", "/detokenize", "/version", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
         assert route in text, route
+
+
+@pytest.mark.parametrize("command", ["run", "serve", "warmup", "bench"])
+def test_lora_option_shows_name_equals_path_in_help(command):
+    """--lora showed typer's `<list[str]>` as its placeholder; it reads NAME=PATH, as its help says."""
+    res = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200", "TERM": "dumb"})
+    assert res.exit_code == 0 and "--lora" in res.output, res.output
+    assert "list[str]" not in res.output and "--lora NAME=PATH" in " ".join(res.output.split()), res.output

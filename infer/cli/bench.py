@@ -236,7 +236,7 @@ def bench(
                                                         "the largest concurrency).", rich_help_panel=ENGINE)] = None,
     lora: Annotated[Optional[list[str]], typer.Option("--lora", help="An adapter as NAME=PATH (PEFT folder); "
                                                       "with --url just NAME. Repeat for more.", rich_help_panel=LORA,
-                                                      show_default=False)] = None,
+                                                      show_default=False, metavar="NAME=PATH")] = None,
     max_loras: Annotated[Optional[int], typer.Option(help="Adapters resident at once (default: max(4, adapters "
                                                      "in the mix)).", rich_help_panel=LORA)] = None,
     engine: EngineConfig = None,

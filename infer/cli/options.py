@@ -50,7 +50,7 @@ def _cli_annotation(f):
     lo, hi = RANGES.get(f.name, (None, None))
     hi = hi if hi is not None and hi < 2 ** 31 else None  # a seed's 2^63 bound is checked, not shown
     return Annotated[base, typer.Option(*decls, help=meta["help"], rich_help_panel=meta["panel"],
-                                        show_default=show_default, min=lo, max=hi)]
+                                        show_default=show_default, min=lo, max=hi, metavar=meta.get("metavar"))]
 
 
 def _cli_default(f):

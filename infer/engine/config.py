@@ -22,10 +22,11 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 ENGINE, LORA = "Engine options", "LoRA options"
 
 
-def option(default, help: str, panel: str = ENGINE, flag: str | None = None, cli_type=None, **kw):
+def option(default, help: str, panel: str = ENGINE, flag: str | None = None, cli_type=None, metavar=None, **kw):
     """A dataclass field that is also a command-line option: `flag` overrides the spelling (--field-name),
-    `cli_type` the type the command line reads (e.g. str for a size given as '8GB')."""
-    meta = {"help": help, "panel": panel, "flag": flag, "cli_type": cli_type}
+    `cli_type` the type the command line reads (e.g. str for a size given as '8GB'), `metavar` its placeholder in
+    --help."""
+    meta = {"help": help, "panel": panel, "flag": flag, "cli_type": cli_type, "metavar": metavar}
     if isinstance(default, (dict, list)):
         return field(default_factory=type(default), metadata=meta, **kw)
     return field(default=default, metadata=meta, **kw)
@@ -183,7 +184,7 @@ class EngineConfig:
                                              "Jinja file, or the template text itself (for a model without one, "
                                              "or with a wrong one).", flag="--chat-template")
     loras: dict[str, str] = option({}, "An adapter as NAME=PATH (PEFT folder); repeat for more.", panel=LORA,
-                                   flag="--lora", cli_type=list[str])
+                                   flag="--lora", cli_type=list[str], metavar="NAME=PATH")
     enable_lora: bool = option(False, "Reserve the adapter slots even with no --lora, so that adapters can be added "
                                       "while the engine runs (LLM.add_lora; infer serve --allow-runtime-lora).",
                                panel=LORA, flag="--enable-lora")
