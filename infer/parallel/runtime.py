@@ -126,6 +126,17 @@ def replica_config(engine_config, model_path: Path, device: str, n: int, single_
     return replica_engine_config
 
 
+def replica_seeded(replica_engine_config, index: int):
+    """Replica `index`'s config: the seed of requests without their own is seed + index, so that replicas do not
+    draw the same random numbers (two samples of one prompt, n=2, run on two replicas at once were the same text);
+    replica 0 draws as one engine does."""
+    if not index or replica_engine_config.seed is None:
+        return replica_engine_config
+    seeded = copy.copy(replica_engine_config)
+    seeded.seed = (replica_engine_config.seed + index) % 2 ** 63
+    return seeded
+
+
 def start_replicas(ray, engine_config, model_path: Path, n: int,
                    threads: int | None = None) -> tuple[list, list[dict]]:
     """Start `n` replica actors, wait until each has loaded the model, and return (handles, infos). CPU replicas
@@ -140,8 +151,8 @@ def start_replicas(ray, engine_config, model_path: Path, n: int,
     options = {"num_cpus": threads, "num_gpus": 0} if device == "cpu" else {"num_cpus": 1, "num_gpus": 1}
     actor = ray.remote(Replica)
     tag = uuid.uuid4().hex[:8]
-    handles = [actor.options(name=f"infer-{tag}-replica-{i}", **options).remote(replica_engine_config, threads)
-               for i in range(n)]
+    handles = [actor.options(name=f"infer-{tag}-replica-{i}", **options).remote(
+        replica_seeded(replica_engine_config, i), threads) for i in range(n)]
     try:
         infos = ray.get([h.info.remote() for h in handles])
     except ray.exceptions.RayError as e:
