@@ -104,7 +104,9 @@ def test_a_forced_call_whose_string_holds_control_characters_is_still_a_call(bas
         assert only["message"]["content"] is None
     assert reason == "tool_calls" and calls and len(calls) == 1
     arguments = json.loads(calls[0]["function"]["arguments"])  # strict: what a client's reader takes
-    assert set(arguments["city"]) <= {"\x03", "\t"} and arguments["city"]
+    # since session 38 (struct) the grammar keeps raw control characters out of such a string (the bias cannot
+    # force them in): the call is whatever else the model writes, still one strict-JSON call
+    assert arguments["city"] and not any(ch < " " for ch in arguments["city"])
 
 
 @pytest.mark.parametrize("mode", ["named", "required"])

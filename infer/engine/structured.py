@@ -16,6 +16,7 @@ completed, before its sampling is queued (`SamplingInputs.late`, LLMEngine.step)
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import re
 import threading
@@ -33,6 +34,9 @@ CACHE_BYTES = 512 << 20  # compiled constraints kept (xgrammar's cache; vLLM's d
 # different schemas does not grow without bound
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (?:Check failed: \(.*?\) is false: )?")
+# a string character in xgrammar's grammar of a string with a length bound (raw control characters pass), and the
+# one JSON allows (as xgrammar's other strings take it)
+_RAW_CONTROL, _JSON_CHAR = r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]'
 # what a grammar no text can match (or complete) usually is: xgrammar compiles it, its matcher allows nothing
 DEAD_HINT = "e.g. a rule that never ends (root ::= a, a ::= a \"x\") or a set of no characters: fix it"
 
@@ -209,6 +213,16 @@ def _xgrammar():
     return xgrammar
 
 
+@functools.lru_cache(maxsize=256)
+def _json_control_fixed(schema: str, any_whitespace: bool) -> str | None:
+    """The EBNF of xgrammar's grammar of `schema` with JSON's string characters in place of _RAW_CONTROL, or None
+    when it has none. xgrammar writes a string with minLength or maxLength (a property name with them too) with a
+    set that lets U+0000-U+001F other than CR and LF (a tab, U+0002) into the reply as they are, and json.loads (a
+    client's SDK) refuses such a reply; its other strings take JSON's set."""
+    text = str(_xgrammar().Grammar.from_json_schema(schema, any_whitespace=any_whitespace))
+    return text.replace(_RAW_CONTROL, _JSON_CHAR) if _RAW_CONTROL in text else None
+
+
 def _reason(e: Exception) -> str:
     """xgrammar's error without its C++ source location."""
     lines = [line for line in str(e).strip().splitlines() if line.strip()]
@@ -241,7 +255,7 @@ class GrammarBackend:
         compiler, kind = self.compiler(), spec.kind
         try:
             if kind == "json":
-                return compiler.compile_json_schema(spec._text, any_whitespace=not spec.disable_any_whitespace)
+                return self._compile_json(compiler, spec._text, not spec.disable_any_whitespace)
             if kind == "json_object":
                 if spec.disable_any_whitespace:
                     return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
@@ -254,6 +268,14 @@ class GrammarBackend:
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors are RuntimeErrors; its FFI's may not be
             raise RequestError(f"the structured output's {_WHAT[kind]} does not compile: {_reason(e)}",
                                "fix it, or send the request without it") from None
+
+    @staticmethod
+    def _compile_json(compiler, schema: str, any_whitespace: bool):
+        """xgrammar's grammar of a JSON schema, less its one way to write raw control characters (_RAW_CONTROL)."""
+        text = _json_control_fixed(schema, any_whitespace)
+        if text is None:
+            return compiler.compile_json_schema(schema, any_whitespace=any_whitespace)
+        return compiler.compile_grammar(text)
 
     def matcher(self, spec: StructuredOutputsParams, forced: list[int] = ()):
         """A new request's matcher, past its forced first reply tokens (RequestError if the grammar refuses them)."""

@@ -1,0 +1,59 @@
+"""Structured outputs probes (session 38): a JSON schema string with minLength or maxLength let the reply hold raw
+control characters (xgrammar's set for such a string is [^"\\\r\n]), so a response_format json_schema reply that
+finished with "stop" was JSON that json.loads (and a client's SDK) refuses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+xgr = pytest.importorskip("xgrammar")
+
+from infer import LLM, SamplingParams, StructuredOutputsParams as S  # noqa: E402
+from infer.engine.structured import GrammarBackend  # noqa: E402
+from infer.models.tiny import ensure_builtin  # noqa: E402
+
+BOUNDED = {"type": "string", "minLength": 2, "maxLength": 4}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(str(ensure_builtin("tiny-llama")), block_size=4) as llm:
+        yield llm
+
+
+def test_a_bounded_string_reply_is_json_that_parses(llm):
+    """tiny-llama, seed 1: '"Iͱd\\x02"' (token 193 is the byte 0x02), finish_reason stop, which json.loads refused."""
+    outs = llm.generate(["hello"] * 6, [SamplingParams(max_new_tokens=40, temperature=1.0, seed=s,
+                                                       structured_outputs=S(json=BOUNDED)) for s in range(6)])
+    for out in outs:
+        assert out.finish_reason == "stop"
+        value = json.loads(out.text)
+        assert isinstance(value, str) and 2 <= len(value) <= 4
+
+
+@pytest.mark.parametrize("schema, good, bad", [
+    (BOUNDED, '"ab"', '"a\x02b"'),
+    ({"type": "object", "properties": {"s": {"type": "string", "maxLength": 3}}, "required": ["s"],
+      "additionalProperties": False}, '{"s": "ab"}', '{"s": "a\tb"}'),
+    ({"type": "object", "propertyNames": {"maxLength": 3}}, '{"ab": 1}', '{"a\x01": 1}'),
+    ({"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1}, '["a"]', '["\x1f"]'),
+])
+def test_the_matcher_refuses_a_raw_control_character_in_a_bounded_string(llm, schema, good, bad):
+    backend: GrammarBackend = llm.engine.grammars
+    tok = llm.engine.tokenizer
+
+    def accepts(text: str) -> bool:
+        m = backend.matcher(S(json=schema))
+        return all(m.accept_token(t) for t in tok.encode(text, add_special_tokens=False))
+
+    assert accepts(good)
+    assert not accepts(bad)
+
+
+def test_a_bad_bounded_schema_is_still_named_and_others_are_unchanged(llm):
+    with pytest.raises(Exception, match="minLength|min_length|greater"):
+        llm.engine.grammars.compile(S(json={"type": "string", "minLength": 5, "maxLength": 1}))
+    out = llm.generate("hi", SamplingParams(max_new_tokens=20, structured_outputs=S(json={"type": "integer"})))
+    assert out[0].finish_reason in ("stop", "length")
