@@ -11,6 +11,7 @@ import pytest
 xgr = pytest.importorskip("xgrammar")
 
 from infer import LLM, SamplingParams, StructuredOutputsParams as S  # noqa: E402
+from infer.errors import RequestError  # noqa: E402
 from infer.engine.structured import GrammarBackend  # noqa: E402
 from infer.models.tiny import ensure_builtin  # noqa: E402
 
@@ -57,3 +58,49 @@ def test_a_bad_bounded_schema_is_still_named_and_others_are_unchanged(llm):
         llm.engine.grammars.compile(S(json={"type": "string", "minLength": 5, "maxLength": 1}))
     out = llm.generate("hi", SamplingParams(max_new_tokens=20, structured_outputs=S(json={"type": "integer"})))
     assert out[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("schema, keyword, where", [
+    ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "allOf", "#/allOf"),  # xgrammar allowed any JSON: "s", {}
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems", "#/uniqueItems"),
+    ({"type": "object", "properties": {"a": {"type": "array", "contains": {"type": "string"}}}}, "contains",
+     "#/properties/a/contains"),
+    ({"anyOf": [{"type": "integer"}, {"not": {"type": "string"}}]}, "not", "#/anyOf/1/not"),
+    ({"if": {"type": "integer"}, "then": {"minimum": 3}}, "then", "#/then"),
+])
+def test_a_keyword_xgrammar_does_not_enforce_is_refused_naming_it(llm, schema, keyword, where):
+    """allOf [integer, minimum 3] compiled and the reply could be {} or "s" (xgrammar only warned); uniqueItems,
+    contains, not and if/then were ignored: a 200 whose JSON the schema rejects. vLLM refuses uniqueItems and
+    contains ("features not supported by xgrammar")."""
+    with pytest.raises(RequestError, match=f"uses {keyword} at {where}, which xgrammar does not enforce"):
+        llm.generate("hi", SamplingParams(max_new_tokens=4, structured_outputs=S(json=schema)))
+
+
+@pytest.mark.parametrize("schema", [
+    {"allOf": [{"$ref": "#/$defs/a"}], "$defs": {"a": {"type": "integer"}}},  # pydantic v1's one-schema allOf
+    {"type": "object", "properties": {"not": {"type": "integer"}, "contains": {"type": "string"}}},  # names only
+    {"enum": [{"not": 1}]},
+    {"type": "array", "items": {"type": "integer"}, "uniqueItems": False, "maxItems": 2},
+])
+def test_schemas_xgrammar_enforces_still_run(llm, schema):
+    out = llm.generate("hi", SamplingParams(max_new_tokens=30, structured_outputs=S(json=schema)))[0]
+    assert out.finish_reason in ("stop", "length")
+
+
+def test_the_server_refuses_it_as_a_400_naming_response_format():
+    pytest.importorskip("fastapi")
+    import httpx
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=4, block_size=4))
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "array", "uniqueItems": True}}}}
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny-llama")) as base:
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
+        ok = httpx.post(f"{base}/v1/chat/completions", json={**body, "response_format": {"type": "json_object"}},
+                        timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+    assert "uniqueItems" in r.json()["error"]["message"]
+    assert ok.status_code == 200

@@ -213,6 +213,51 @@ def _xgrammar():
     return xgrammar
 
 
+# keywords xgrammar (0.2.9) compiles but does not enforce (it ignores them, or allows any JSON in their place: allOf
+# of two or more schemas, with a warning), so a reply could break them; vLLM refuses some of them too
+_UNENFORCED = {"uniqueItems": lambda v: v is True, "contains": lambda v: True, "minContains": lambda v: True,
+               "maxContains": lambda v: True, "not": lambda v: True, "then": lambda v: True,
+               "else": lambda v: True,
+               "allOf": lambda v: isinstance(v, list) and len(v) > 1}
+_DATA = ("enum", "const", "default", "examples")  # values, not schemas
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+
+
+def _unenforced(schema, path: str) -> str | None:
+    """The JSON pointer of the first keyword of `schema` xgrammar does not enforce, or None."""
+    if isinstance(schema, list):
+        return next((found for i, sub in enumerate(schema) if (found := _unenforced(sub, f"{path}/{i}"))), None)
+    if not isinstance(schema, dict):
+        return None
+    for key, value in schema.items():
+        if key in _DATA:
+            continue
+        if key in _UNENFORCED and _UNENFORCED[key](value):
+            return f"{path}/{key}"
+        subs = value.items() if key in _SCHEMA_MAPS and isinstance(value, dict) else [("", value)]
+        for name, sub in subs:
+            found = _unenforced(sub, f"{path}/{key}" + (f"/{name}" if name else "")) \
+                if isinstance(sub, (dict, list)) else None
+            if found:
+                return found
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _check_enforced(schema: str) -> None:
+    """RequestError naming a keyword of the schema (JSON text) that xgrammar would leave unenforced: the reply would
+    not be held to it (allOf [integer, minimum 3] took "s"), so the request is refused, as vLLM refuses uniqueItems
+    and contains, rather than answered with JSON the schema rejects."""
+    try:
+        found = _unenforced(json.loads(schema), "#")
+    except RecursionError:  # deeper than Python reads: xgrammar's own limits decide
+        return
+    if found:
+        keyword = found.rsplit("/", 1)[1]
+        raise RequestError(f"structured_outputs.json uses {keyword} at {found}, which xgrammar does not enforce: "
+                           "a reply could break it", f"remove {keyword} from the schema (and check it in the reply)")
+
+
 @functools.lru_cache(maxsize=256)
 def _json_control_fixed(schema: str, any_whitespace: bool) -> str | None:
     """The EBNF of xgrammar's grammar of `schema` with JSON's string characters in place of _RAW_CONTROL, or None
@@ -253,6 +298,8 @@ class GrammarBackend:
     def compile(self, spec: StructuredOutputsParams):
         """The compiled constraint (cached by xgrammar); RequestError naming the field when it does not compile."""
         compiler, kind = self.compiler(), spec.kind
+        if kind == "json":
+            _check_enforced(spec._text)
         try:
             if kind == "json":
                 return self._compile_json(compiler, spec._text, not spec.disable_any_whitespace)
