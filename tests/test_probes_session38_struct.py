@@ -1,6 +1,9 @@
 """Structured outputs probes (session 38): a JSON schema string with minLength or maxLength let the reply hold raw
 control characters (xgrammar's set for such a string is [^"\\\r\n]), so a response_format json_schema reply that
-finished with "stop" was JSON that json.loads (and a client's SDK) refuses."""
+finished with "stop" was JSON that json.loads (and a client's SDK) refuses; keywords xgrammar compiles but does not
+enforce (allOf of several schemas, uniqueItems, contains, not, if/then/else) were answered with JSON the schema
+rejects, and are refused naming the keyword; tool_choice "required" pointed a parameters schema's "$ref": "#" at the
+list of calls."""
 
 from __future__ import annotations
 
@@ -104,3 +107,29 @@ def test_the_server_refuses_it_as_a_400_naming_response_format():
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
     assert "uniqueItems" in r.json()["error"]["message"]
     assert ok.status_code == 200
+
+
+TREE = {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"},
+                                                                              "maxItems": 2}},
+        "required": ["v"], "additionalProperties": False}
+
+
+def test_required_keeps_a_recursive_parameters_ref_on_the_parameters(llm):
+    """tool_choice "required" nests each function's parameters under items.properties.parameters: their "$ref": "#"
+    (a tree of nodes) pointed at the root of the whole schema, the list of calls, so a node's kids had to be lists
+    of calls ([[{"name": "tree", ...}]]) and {"v": 1, "kids": [{"v": 2}]} was refused."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from infer.serve.tools import parse_tools
+    tools = [{"type": "function", "function": {"name": "tree", "parameters": TREE}},
+             {"type": "function", "function": {"name": "flat", "parameters": {"type": "object"}}}]
+    schema = parse_tools({"tools": tools, "tool_choice": "required"}).schema
+    calls = [{"name": "tree", "parameters": {"v": 1, "kids": [{"v": 2, "kids": [{"v": 3}]}]}}, {"name": "flat",
+                                                                                             "parameters": {}}]
+    jsonschema.validate(calls, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "tree", "parameters": {"v": 1, "kids": [[{"name": "tree", "parameters": {
+            "v": 2}}]]}}], schema)
+    assert tools[0]["function"]["parameters"] == TREE  # what the template renders is left as sent
+    m = llm.engine.grammars.matcher(S(json=schema, disable_any_whitespace=True))
+    text = json.dumps(calls, separators=(", ", ": "))
+    assert all(m.accept_token(t) for t in llm.engine.tokenizer.encode(text, add_special_tokens=False))

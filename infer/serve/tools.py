@@ -95,8 +95,36 @@ def _lift_defs(functions: dict[str, dict]) -> tuple[dict[str, dict], dict[str, d
                     raise _error("tools", f"two functions define {key}/{def_name} differently: tool_choice "
                                  "\"required\" puts their definitions in one schema",
                                  "give the definitions distinct names")
+        key = f"tool_{name}_parameters"
+        moved = _rebase_refs(params, f"#/$defs/{key}")
+        if moved is not params:  # a $ref into the parameters themselves ("#": a tree of nodes) would point at the
+            # root of the whole schema, a list of calls: the parameters move to $defs, where their refs now point
+            if defs.setdefault("$defs", {}).setdefault(key, moved) is not moved:
+                raise _error("tools", f"a definition is named {key}, which tool_choice \"required\" needs for "
+                             f"{name}'s parameters", "rename the definition")
+            params = {"$ref": f"#/$defs/{key}"}
         out[name] = params
     return out, defs
+
+
+def _rebase_refs(schema: Any, base: str) -> Any:
+    """`schema` with each $ref into its own root ("#", "#/properties/...", not the $defs that move to the root) put
+    under `base`; the same object when it has none."""
+    if isinstance(schema, list):
+        items = [_rebase_refs(v, base) for v in schema]
+        return items if any(a is not b for a, b in zip(items, schema)) else schema
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and (v == "#" or (v.startswith("#/") and not v.startswith(
+                ("#/$defs/", "#/definitions/")))):
+            out[k] = base + v[1:]
+        elif k in ("enum", "const", "default", "examples"):
+            out[k] = v
+        else:
+            out[k] = _rebase_refs(v, base)
+    return out if any(out[k] is not schema[k] for k in schema) else schema
 
 
 def parse_tools(body: dict, parser: str | None = None) -> ToolRequest | None:
