@@ -99,3 +99,21 @@ def test_replicas_do_not_draw_the_same_random_numbers(monkeypatch):
     from infer import LLM
     one = LLM("tiny-llama", device="cpu", max_model_len=64, max_num_seqs=2, memory_limit=2 ** 30)
     assert one.generate([{"prompt_token_ids": [5, 6, 7]}], params)[0].token_ids == texts[0]  # replica 0: one engine's
+
+
+def test_a_request_output_pickles_without_the_engines_sequence():
+    """RequestOutput read its lists lazily from the engine's Sequence, which pickle took along (the request's whole
+    state, and a structured request's xgrammar matcher, which cannot be pickled): any caller pickling an output
+    mid-request (Ray, multiprocessing) failed; it pickles its own lists now."""
+    import pickle
+    from infer import LLM, SamplingParams, StructuredOutputsParams
+    llm = LLM("tiny-llama", max_model_len=64)
+    eng = llm.engine
+    eng.add_request("r", [1, 2, 3], SamplingParams(max_new_tokens=6, temperature=1.0, seed=0,
+                                                   structured_outputs=StructuredOutputsParams(choice=["ab", "cd"])))
+    out = next(o for o in eng.step() if o.request_id == "r")
+    copy = pickle.loads(pickle.dumps(out))
+    assert copy.token_ids == out.token_ids and copy.request_id == "r" and copy._seq is None
+    while eng.has_unfinished_requests():
+        eng.step()
+    llm.close()

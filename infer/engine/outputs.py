@@ -157,6 +157,13 @@ class RequestOutput:
         samples = getattr(self, "_samples", None)
         return samples if samples is not None else [CompletionOutput.of(self)]
 
+    def __getstate__(self) -> dict:
+        """Pickled (Ray, multiprocessing) with its lists read, never with the engine's Sequence: the request's whole
+        state, and a structured-output request's xgrammar matcher, which cannot be pickled."""
+        if self._seq is not None:
+            self._materialize()
+        return self.__dict__
+
     def _materialize(self) -> None:
         seq, n, gen = self._seq, self._len, self._len - len(self._seq.params.prefix_token_ids)
         self._token_ids = seq.output_token_ids[:n]

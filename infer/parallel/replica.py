@@ -102,7 +102,7 @@ class Replica:
                     continue
                 result.tokens += len(out.new_token_ids)
                 if out.finished:
-                    result.finished.append(_detached(out))
+                    result.finished.append(out)
             if result.finished or time.monotonic() > deadline:
                 break
         result.running = len(self.engine.requests)
@@ -140,18 +140,10 @@ class Replica:
         outputs = []
         if self.engine.has_unfinished_requests():
             try:
-                outputs = [_detached(o) for o in self.engine.step() if not self._was_failed(o)]
+                outputs = [o for o in self.engine.step() if not self._was_failed(o)]  # (pickled with their lists)
             except Exception as e:  # as one engine's server does: fail the running requests, keep the replica
                 rejected += self._fail_running(e)
         return outputs, rejected, self.engine.stats()
 
     def warm_kernels(self) -> None:
         self.engine.warm_kernels()
-
-
-def _detached(out):
-    """The output with its lists read now: a RequestOutput reads them lazily from the engine's Sequence, which Ray
-    would pickle with it (the request's whole state, and a structured-output request's xgrammar matcher, which
-    cannot be pickled: the call failed and the driver took the replica, then every other one, for dead)."""
-    out.token_ids  # noqa: B018 (the property copies the lists and drops the Sequence)
-    return out
