@@ -147,3 +147,20 @@ def check_env_choice(monkeypatch, module, attr: str, read, var: str, values, bad
         read()
     assert all(c in e.value.hint for c in choices), e.value.hint
 
+
+
+class ModelsHandler:
+    """Mixin of the tests' fake OpenAI servers (http.server handlers): GET answers /v1/models with one model "m",
+    and nothing is logged."""
+
+    def log_message(self, *a):  # keep pytest output clean
+        pass
+
+    def do_GET(self):
+        import json
+        payload = json.dumps({"object": "list", "data": [{"id": "m"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)

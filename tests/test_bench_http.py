@@ -12,6 +12,8 @@ from infer.bench.datasets import BenchRequest
 from infer.bench.http_driver import base_url, run_http
 from infer.errors import ConfigError
 
+from helpers import ModelsHandler
+
 
 class _State:
     def __init__(self):
@@ -21,19 +23,8 @@ class _State:
         self.bodies = []
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(ModelsHandler, BaseHTTPRequestHandler):
     state: _State
-
-    def log_message(self, *a):  # keep pytest output clean
-        pass
-
-    def do_GET(self):
-        payload = json.dumps({"object": "list", "data": [{"id": "m"}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))

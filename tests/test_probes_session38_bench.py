@@ -9,22 +9,13 @@ import pytest
 from infer.bench.datasets import BenchRequest
 from infer.bench.http_driver import run_http
 
+from helpers import ModelsHandler
+
 
 def _sse_server(chunks_for):
     """A loopback OpenAI completions server streaming `chunks_for(body)` (a list of JSON objects), then [DONE]."""
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
-
-        def do_GET(self):
-            payload = json.dumps({"object": "list", "data": [{"id": "m"}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
-
+    class Handler(ModelsHandler, BaseHTTPRequestHandler):
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             self.send_response(200)

@@ -290,8 +290,8 @@ def check_lora_slots(engine_config: PlanOptions, model_config, model, dtype, dev
     if weights + slots > budget:
         more = "raise --gpu-memory-utilization" if device.type == "cuda" else "raise --memory-limit"
         raise OutOfMemoryError(f"the adapter slots (--max-loras {engine_config.max_loras} x --max-lora-rank "
-                               f"{engine_config.max_lora_rank} on every layer) take {gib(slots)}, which with the weights "
-                               f"({gib(weights)}) passes the budget of {gib(budget)}",
+                               f"{engine_config.max_lora_rank} on every layer) take {gib(slots)}, which with the "
+                               f"weights ({gib(weights)}) passes the budget of {gib(budget)}",
                                f"lower --max-loras ({engine_config.max_loras}) or --max-lora-rank "
                                f"({engine_config.max_lora_rank}), whose adapter slots take {gib(slots)}, or {more}")
 
