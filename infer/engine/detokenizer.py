@@ -70,6 +70,10 @@ class Detokenizer:
                 seq.decoded_text, seq.decoded_tokens = text, len(ids)
         else:
             text = decode(ids)
+        # the text before this token that cannot have changed: an open run of byte tokens (final_text_len) turns
+        # from one U+FFFD per byte into fewer characters when it completes, so the new text may start before the
+        # old text's end (a stop string completed by a run's last byte was found a token late, or never)
+        settled = len(seq.text) if seq.final_text_len is None else min(len(seq.text), seq.final_text_len)
         seq.final_text_len = None
         if self.byte_ids:  # the trailing run of byte tokens (skipped special tokens decode to nothing: they do not
             run = len(ids)  # end it)
@@ -90,7 +94,7 @@ class Detokenizer:
             seq.stop_search_from = len(decode(prefix).rstrip("\ufffd")) if prefix else 0
         for stop in stops:
             # only look where the newest tokens could have completed a stop string
-            start = max(seq.stop_search_from, len(seq.text) - len(stop) - 8)
+            start = max(seq.stop_search_from, settled - len(stop) - 8)
             if seq.min_text_len is not None:
                 start = max(start, seq.min_text_len - len(stop) + 1)
             # a U+FFFD at the end may be a character whose last bytes have not come: not text yet (as vLLM)
