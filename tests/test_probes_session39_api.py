@@ -38,3 +38,48 @@ def test_stop_string_completed_by_the_last_byte_of_a_long_byte_run_stops_at_that
             break
     assert found == len(run)  # the run's last byte
     assert seq.text == "a你好你好你好世界"[:"a你好你好你好世界".index(stop)]
+
+
+@pytest.fixture(scope="module")
+def overlapped():
+    """An LLM whose steps overlap (the CUDA default) on the CPU: a step launches its batch, then waits for the
+    tokens of the batch before it."""
+    from infer import LLM
+    llm = LLM("tiny-llama", max_model_len=128, overlap=True)
+    yield llm
+    llm.close()
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["plain", "bad-word-of-two-tokens"])
+@pytest.mark.parametrize("at", [1, 3])
+def test_ctrl_c_while_a_step_waits_for_the_device_loses_no_tokens_of_another_call(overlapped, monkeypatch, late, at):
+    """With overlapped steps, a KeyboardInterrupt while generate() waited for the previous batch's tokens (on a GPU
+    most of a step is that wait) dropped that batch: a stream paused meanwhile then ended with finish_reason error
+    ("a pending token without the step that made it") after a few tokens. The batch is now completed by the next
+    step."""
+    from infer.engine import model_runner
+    tok = overlapped.get_tokenizer()
+    assert len(tok.encode("hello world", add_special_tokens=False)) > 1
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=0.8, seed=1,
+                            bad_words=["hello world"] if late else None)
+    ref_a, ref_b = overlapped.generate(["stream prompt A", "other B"], params)
+    events = overlapped.stream(["stream prompt A"], params)
+    got = [next(events), next(events)]
+    real, calls = model_runner.StepHandle.result, []
+
+    def interrupted(self):
+        calls.append(1)
+        if len(calls) == at:
+            raise KeyboardInterrupt
+        return real(self)
+    monkeypatch.setattr(model_runner.StepHandle, "result", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        overlapped.generate(["other B"], params)
+    monkeypatch.setattr(model_runner.StepHandle, "result", real)
+    got += list(events)
+    final = got[-1][2]
+    assert (final.finish_reason, final.token_ids) == ("length", ref_a.token_ids)
+    assert "".join(delta for _, delta, _ in got) == final.text == ref_a.text
+    again = overlapped.generate(["other B", "stream prompt A"], params)
+    assert [o.token_ids for o in again] == [ref_b.token_ids, ref_a.token_ids]
+    assert not overlapped.engine.requests and overlapped.engine.block_manager.num_used_blocks == 0

@@ -144,6 +144,7 @@ class LLMEngine:
         self._carried: list[RequestOutput] = []  # outputs of a step completed inside a launch that then failed
         self.overlap = config.use_overlap()
         self._inflight = None  # (batch, StepHandle) launched and not yet completed (overlap only)
+        self._unsettled = None  # the same, launched before _inflight: a step's wait for its tokens was interrupted
         self.num_steps = 0
         if self.device.type == "cuda":  # every kernel compiled now, never on a user's first request
             t0 = time.perf_counter()
@@ -312,7 +313,7 @@ class LLMEngine:
         # finished there among them): the next step hands them out, so a caller stepping while this is true, or a
         # server's loop waiting on it, gets them without another request arriving
         return self.scheduler.has_unfinished() or bool(self._aborted) or bool(self._carried) \
-            or self._inflight is not None
+            or self._inflight is not None or self._unsettled is not None
 
     # ------------------------------------------------------------------ adapters at run time
     def lora_slots(self):
@@ -360,36 +361,59 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule a batch, run it, sample, hand out outputs. With overlap (config.use_overlap()) the batch is only
         launched: the outputs returned are the previous batch's, handled on the host while this one runs on the
-        device, and this batch's input ids for tokens the host has not seen yet come from the device."""
+        device, and this batch's input ids for tokens the host has not seen yet come from the device. A step that
+        raises (a failed launch, or Ctrl-C while it waits for the device) loses nothing: the outputs it had made
+        are handed out by the next step, and a launched batch whose tokens it was waiting for is completed then."""
         self._check_open()
         outputs, self._carried = self._carried + self._take_aborted(), []
+        try:
+            self._advance(outputs)
+        except BaseException:
+            self._carried = outputs  # handed out by the next step: not lost
+            raise
+        return outputs
+
+    def _advance(self, outputs: list[RequestOutput]) -> None:
+        """The body of step(), adding its outputs to `outputs` as they are made."""
+        if self._unsettled is not None:  # its wait was interrupted: completed before anything else
+            outputs += self._settle()
         self._reap_loras()  # adapters removed while requests still used them, now that those may have finished
         batch = self.scheduler.schedule()
         outputs += self._take_failed()
         if not batch:
-            return outputs + self._drain()
+            if self._inflight is not None:  # wait for the launched batch, and complete it
+                self._unsettled, self._inflight = self._inflight, None
+                outputs += self._settle()
+            return
         batch.zero, self.block_manager.fresh = self.block_manager.fresh, []  # zeroed by the step (ModelRunner.prepare)
         self.num_steps += 1
         if not self.overlap:
             sampled = self.runner.run(batch)
             self._launched(batch, sampled)
-            return outputs + self._complete(batch, sampled)
+            outputs += self._complete(batch, sampled)
+            return
         prev = self._inflight  # taken only once the next batch is launched: a failed launch loses nothing
-        settled: list = []
+        settled = []
 
         def settle() -> None:  # a row's grammar or bad word reads prev's tokens: the runner completes it mid-launch
+            sampled = prev[1].result()  # interrupted here, prev stays in flight: the next step completes it
             self._inflight = None  # completed here: a launch that fails after this does not complete it again
-            settled.append(self._complete(prev[0], prev[1].result()))
-        try:
-            handle = self.runner.launch(batch, prev[1] if prev else None, settle if prev else None)
-        except BaseException:
-            self._carried = outputs + (settled[0] if settled else [])  # handed out by the next step: not lost
-            raise
+            settled.append(True)
+            outputs.extend(self._complete(prev[0], sampled))
+        handle = self.runner.launch(batch, prev[1] if prev else None, settle if prev else None)
         self._launched(batch, handle.rows)
         self._inflight = (batch, handle)
-        if settled:
-            return outputs + settled[0]
-        return outputs + (self._complete(prev[0], prev[1].result()) if prev else [])
+        if prev is not None and not settled:
+            self._unsettled = prev  # before the batch just launched
+            outputs += self._settle()
+
+    def _settle(self) -> list[RequestOutput]:
+        """Wait for the tokens of the launched batch `_unsettled` and complete it. Interrupted while waiting (Ctrl-C:
+        on a GPU most of a step is this wait), it stays, and the next step completes it first: its tokens were
+        already the input of the batch launched after it."""
+        sampled = self._unsettled[1].result()
+        (batch, _), self._unsettled = self._unsettled, None
+        return self._complete(batch, sampled)
 
     def _check_open(self) -> None:
         if getattr(self, "runner", None) is None:  # close() freed the model and the KV cache
@@ -408,13 +432,6 @@ class LLMEngine:
         for s in failed:
             self._forget(s)
         return [self._output(s, []) for s in failed]
-
-    def _drain(self) -> list[RequestOutput]:
-        """Wait for the launched batch, if any, and complete it."""
-        if self._inflight is None:
-            return []
-        (batch, handle), self._inflight = self._inflight, None
-        return self._complete(batch, handle.result())
 
     def _forget(self, seq: Sequence) -> None:
         """The request is over: drop it, and its row in the sampler's penalty table. A step already launched may
@@ -556,7 +573,7 @@ class LLMEngine:
         runner = getattr(self, "runner", None)
         if runner is None:
             return
-        self._inflight = None  # a step still on the device is dropped with everything else
+        self._inflight = self._unsettled = None  # a step still on the device is dropped with everything else
         self._aborted, self._carried = [], []  # outputs no step will hand out: nothing is unfinished any more
         for s in list(self.requests.values()):
             self.scheduler.finish(s, "abort")
