@@ -83,3 +83,23 @@ def test_ctrl_c_while_a_step_waits_for_the_device_loses_no_tokens_of_another_cal
     again = overlapped.generate(["other B", "stream prompt A"], params)
     assert [o.token_ids for o in again] == [ref_b.token_ids, ref_a.token_ids]
     assert not overlapped.engine.requests and overlapped.engine.block_manager.num_used_blocks == 0
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from infer import LLM
+    llm = LLM("tiny-llama", max_model_len=128)
+    yield llm
+    llm.close()
+
+
+def test_a_tuple_of_sampling_params_is_one_per_prompt_as_in_vllm(llm):
+    """vLLM's generate takes `Sequence[SamplingParams]`; a tuple was refused ("params must be a SamplingParams or a
+    list of them")."""
+    params = (SamplingParams(max_new_tokens=2, ignore_eos=True), SamplingParams(max_new_tokens=3, ignore_eos=True))
+    outs = llm.generate(["a", "b"], params)
+    assert [len(o.token_ids) for o in outs] == [2, 3]
+    assert [len(o.token_ids) for o in llm.generate(["a", "b"], sampling_params=params)] == [2, 3]
+    assert [len(o.token_ids) for o in llm.chat([[{"role": "user", "content": "a"}]] * 2, params)] == [2, 3]
+    events = [e for e in llm.stream(["a", "b"], params=params, lora=(None, None)) if e[2].finished]
+    assert sorted((i, len(o.token_ids)) for i, _, o in events) == [(0, 2), (1, 3)]

@@ -39,7 +39,8 @@ def _check_options(options: dict) -> None:
 def _vllm_keywords(method):
     """vLLM's keywords for generate / chat / stream: `sampling_params` is taken for params (both given: refused),
     `use_tqdm` is taken and ignored (infer shows no progress bar), and `lora_request` (a vLLM LoRARequest) is
-    refused saying how infer names an adapter. They were Python's bare TypeError."""
+    refused saying how infer names an adapter. They were Python's bare TypeError. A tuple of params or of adapter
+    names is a list of them, as vLLM reads a sequence (it was refused, or taken as one adapter name)."""
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         if "sampling_params" in kwargs:
@@ -48,6 +49,12 @@ def _vllm_keywords(method):
                                    "they are the same argument (sampling_params is vLLM's name for it): give one")
             kwargs["params"] = kwargs.pop("sampling_params")
         kwargs.pop("use_tqdm", None)
+        args = list(args)
+        for at, name in ((1, "params"), (2, "lora")):  # vLLM takes any sequence of them, one per prompt: a tuple too
+            if len(args) > at and isinstance(args[at], tuple):
+                args[at] = list(args[at])
+            elif isinstance(kwargs.get(name), tuple):
+                kwargs[name] = list(kwargs[name])
         if "lora_request" in kwargs:
             raise RequestError("lora_request (vLLM's LoRARequest) is not taken: infer names adapters",
                                "pass lora=NAME, an adapter of LLM(..., loras={NAME: PATH}) or of llm.add_lora(NAME, "
