@@ -103,3 +103,15 @@ def test_a_tuple_of_sampling_params_is_one_per_prompt_as_in_vllm(llm):
     assert [len(o.token_ids) for o in llm.chat([[{"role": "user", "content": "a"}]] * 2, params)] == [2, 3]
     events = [e for e in llm.stream(["a", "b"], params=params, lora=(None, None)) if e[2].finished]
     assert sorted((i, len(o.token_ids)) for i, _, o in events) == [(0, 2), (1, 3)]
+
+
+def test_max_tokens_can_be_set_as_in_vllm(llm):
+    """vLLM code sets params.max_tokens (SamplingParams there is a mutable struct): it was Python's bare
+    AttributeError ("property 'max_tokens' ... has no setter"). It sets max_new_tokens, checked when used."""
+    from infer.errors import RequestError
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    params.max_tokens = 3
+    assert params.max_new_tokens == 3 and len(llm.generate(["a"], params)[0].token_ids) == 3
+    params.max_tokens = 0
+    with pytest.raises(RequestError, match="max_new_tokens must be in 1"):
+        llm.generate(["a"], params)

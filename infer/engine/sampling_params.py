@@ -243,8 +243,15 @@ def _refuse_unknown_names(init):
 
 
 SamplingParams.__init__ = _refuse_unknown_names(SamplingParams.__init__)
-SamplingParams.max_tokens = property(lambda self: self.max_new_tokens,
-                                     doc="vLLM's name for max_new_tokens (read-only; set max_new_tokens)")
+
+
+def _set_max_tokens(self, value) -> None:
+    self.max_new_tokens = value  # checked with the other fields when a request is made of the params (checked())
+
+
+# vLLM code sets it too (`params.max_tokens = 64`): that was "property 'max_tokens' ... has no setter"
+SamplingParams.max_tokens = property(lambda self: self.max_new_tokens, _set_max_tokens,
+                                     doc="vLLM's name for max_new_tokens")
 
 
 def _ids(values) -> list:
