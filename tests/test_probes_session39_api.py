@@ -115,3 +115,33 @@ def test_max_tokens_can_be_set_as_in_vllm(llm):
     params.max_tokens = 0
     with pytest.raises(RequestError, match="max_new_tokens must be in 1"):
         llm.generate(["a"], params)
+
+
+def _first_stop(tok, ids: list[int], params: SamplingParams) -> int | None:
+    """The index of the token at which the Detokenizer finds a stop string, fed `ids` one at a time."""
+    detok, seq = Detokenizer(tok), Sequence("r", [1], params)
+    for k, token in enumerate(ids):
+        seq.output_token_ids.append(token)
+        if detok.update(seq, False):
+            return k
+    return None
+
+
+def test_min_tokens_ending_inside_a_character_keeps_a_stop_string_that_character_completes(byte_fallback_tok):
+    """With min_tokens, a stop string must end after the text of the first min_tokens tokens. That text was
+    measured with the U+FFFD of a character whose last bytes had not come (one per byte in a byte-fallback run), so
+    a stop string ending with that character, completed after min_tokens, was never found (vLLM holds such a
+    character back from the text, and stops there)."""
+    from transformers import AutoTokenizer
+    from infer.models.tiny import ensure_builtin
+    level = AutoTokenizer.from_pretrained(str(ensure_builtin("tiny-llama")))  # byte-level BPE (Llama 3, Qwen)
+    ids = level.encode("ab 你好世界 cd", add_special_tokens=False)
+    end = next(k for k in range(len(ids)) if "世界" in level.decode(ids[:k + 1]))  # the token completing 界
+    assert "\ufffd" in level.decode(ids[:end])  # 界 is split over tokens
+    for min_tokens in (end - 1, end):  # the first min_tokens tokens end inside 界
+        assert _first_stop(level, ids, SamplingParams(stop=["世界"], min_tokens=min_tokens)) == end, min_tokens
+    assert _first_stop(level, ids, SamplingParams(stop=["世界"], min_tokens=end + 1)) is None  # 世界 within them
+    run = [3 + b for b in "你好世界".encode()]
+    ids = [259] + run + [260, 260]
+    for min_tokens in (5, 11):  # a + 4 bytes (你 + 1 byte of 好), a + 10 bytes (你好世 + 1 byte of 界)
+        assert _first_stop(byte_fallback_tok, ids, SamplingParams(stop=["世界"], min_tokens=min_tokens)) == len(run)

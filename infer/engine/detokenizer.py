@@ -87,7 +87,7 @@ class Detokenizer:
             if seq.num_generated < p.min_tokens:
                 stops = ()
             elif seq.min_text_len is None:  # the first min_tokens tokens' text: no stop string ends in it
-                seq.min_text_len = len(text)
+                seq.min_text_len = self._whole_len(seq, ids, decode, text)
                 stops = ()
         if stops and seq.stop_search_from is None:  # forced prefix tokens are not generated: not searched
             prefix = p.prefix_token_ids
@@ -107,6 +107,20 @@ class Detokenizer:
         else:
             seq.text = text
         return bool(found)
+
+    @staticmethod
+    def _whole_len(seq: Sequence, ids: list[int], decode, text: str) -> int:
+        """len(text) without a character whose last bytes have not come yet, which vLLM's text holds back: a stop
+        string that character completes with a later token ends after the text of the first min_tokens tokens (it
+        was never found). Such a character is a trailing U+FFFD, or in an open run of byte tokens (shown as one
+        U+FFFD per byte until the whole run is UTF-8) the last 1-3 bytes of the run."""
+        if seq.final_text_len is None:
+            return len(text.rstrip("\ufffd"))
+        for cut in range(4):
+            head = decode(ids[:len(ids) - cut]) if cut else text
+            if len(head) >= seq.final_text_len and "\ufffd" not in head[seq.final_text_len:]:
+                return len(head)
+        return seq.final_text_len  # bytes that are not UTF-8: the text before the run
 
     @staticmethod
     def delta(seq: Sequence) -> str:
