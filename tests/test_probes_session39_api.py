@@ -145,3 +145,23 @@ def test_min_tokens_ending_inside_a_character_keeps_a_stop_string_that_character
     ids = [259] + run + [260, 260]
     for min_tokens in (5, 11):  # a + 4 bytes (你 + 1 byte of 好), a + 10 bytes (你好世 + 1 byte of 界)
         assert _first_stop(byte_fallback_tok, ids, SamplingParams(stop=["世界"], min_tokens=min_tokens)) == len(run)
+
+
+def test_a_step_whose_tokens_cannot_be_read_fails_once_not_at_every_later_step(overlapped, monkeypatch):
+    """A batch whose tokens cannot be read (its copy failed) ends its requests with the error; the engine does not
+    try it again at every later step (only an interrupted wait is completed later), so the next call runs."""
+    from infer.engine import model_runner
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    ref = overlapped.generate(["a", "b"], params)
+    real, broken = model_runner.StepHandle.result, []
+
+    def failing(self):
+        if not broken and self.rows:
+            broken.append(self)
+        if self in broken:
+            raise RuntimeError("the copy of this step's tokens failed")
+        return real(self)
+    monkeypatch.setattr(model_runner.StepHandle, "result", failing)
+    assert {o.finish_reason for o in overlapped.generate(["a", "b"], params)} == {"error"}
+    again = overlapped.generate(["a", "b"], params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in ref]

@@ -411,7 +411,11 @@ class LLMEngine:
         """Wait for the tokens of the launched batch `_unsettled` and complete it. Interrupted while waiting (Ctrl-C:
         on a GPU most of a step is this wait), it stays, and the next step completes it first: its tokens were
         already the input of the batch launched after it."""
-        sampled = self._unsettled[1].result()
+        try:
+            sampled = self._unsettled[1].result()
+        except Exception:  # a failure, not an interruption: the batch is dropped (its requests end with the error)
+            self._unsettled = None
+            raise
         (batch, _), self._unsettled = self._unsettled, None
         return self._complete(batch, sampled)
 
