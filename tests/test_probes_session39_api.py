@@ -165,3 +165,4 @@ def test_a_step_whose_tokens_cannot_be_read_fails_once_not_at_every_later_step(o
     assert {o.finish_reason for o in overlapped.generate(["a", "b"], params)} == {"error"}
     again = overlapped.generate(["a", "b"], params)
     assert [o.token_ids for o in again] == [o.token_ids for o in ref]
+

@@ -396,10 +396,11 @@ class LLMEngine:
         settled = []
 
         def settle() -> None:  # a row's grammar or bad word reads prev's tokens: the runner completes it mid-launch
-            sampled = prev[1].result()  # interrupted here, prev stays in flight: the next step completes it
-            self._inflight = None  # completed here: a launch that fails after this does not complete it again
+            # completed here: a launch that fails after this does not complete it again (interrupted while waiting,
+            # it stays unsettled: the next step completes it)
+            self._unsettled, self._inflight = prev, None
+            outputs.extend(self._settle())
             settled.append(True)
-            outputs.extend(self._complete(prev[0], sampled))
         handle = self.runner.launch(batch, prev[1] if prev else None, settle if prev else None)
         self._launched(batch, handle.rows)
         self._inflight = (batch, handle)
