@@ -1,16 +1,20 @@
 """Paged KV blocks: a free list, reference counts, and automatic prefix caching.
 
-A full block is identified by a chained hash of its token ids (hash of the previous block's hash and its own ids),
-confirmed by comparing the ids. A block is registered in the cache only once its K/V have been computed. Freed
+A full block is identified by a chained hash of its token ids (SHA-256 of the previous block's hash and its own
+ids), confirmed by comparing the ids. A block is registered in the cache only once its K/V have been computed. Freed
 blocks keep their hash and sit in an LRU free list, so a later request with the same prefix finds them until
 their space is needed; freed blocks without a hash are reused first.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from .sequence import Sequence
+
+ROOT = hashlib.sha256(b"infer prefix cache").digest()  # the chain's first link for requests without an adapter
 
 
 class Block:
@@ -19,20 +23,35 @@ class Block:
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
-        self.hash: int | None = None
+        self.hash: bytes | None = None
         self.token_ids: tuple[int, ...] | None = None
 
 
-def chain_hash(prev: int | None, token_ids) -> int:
-    return hash((prev if prev is not None else -1, tuple(token_ids)))
+def chain_hash(prev: bytes | None, token_ids) -> bytes:
+    """A full block's key: SHA-256 of the key before it (`ROOT` for the first block) and the block's token ids.
+    Collision resistant, as vLLM's (sha256): Python's hash() of a tuple of token ids is a 64-bit function, the same in
+    every process and invertible step by step, so a crafted prompt could give its first block the key of another
+    prompt's, and its later blocks were then found by requests with that other prefix, with K/V computed after the
+    crafted one (only a block's own ids are compared). vLLM's CVE-2025-25183 is this attack on its builtin hash."""
+    return hashlib.sha256((ROOT if prev is None else prev) + array("q", token_ids).tobytes()).digest()
 
 
-def root_hash(seq: Sequence) -> int | None:
+def root_hash(seq: Sequence) -> bytes | None:
     """The first link of a sequence's chain: K/V depend on the LoRA adapter, so the adapter (its name and which
     registration of that name, `Sequence.lora_key`) is part of the key."""
     if seq.lora is None:
         return None
-    return hash(("lora", seq.lora if seq.lora_key is None else seq.lora_key))
+    return hashlib.sha256(repr(("lora", seq.lora if seq.lora_key is None else seq.lora_key)).encode()).digest()
+
+
+def block_key(seq: Sequence, i: int, block_size: int) -> bytes:
+    """The key of the sequence's full block i, computed once per sequence (its full blocks never change: tokens are
+    only appended), so that a request waiting for blocks is not hashed again at every step."""
+    keys = seq.block_keys
+    while len(keys) <= i:
+        j = len(keys)
+        keys.append(chain_hash(keys[-1] if j else root_hash(seq), seq.tokens(j * block_size, (j + 1) * block_size)))
+    return keys[i]
 
 
 class BlockManager:
@@ -42,7 +61,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU order
-        self.hash_to_block: dict[int, int] = {}
+        self.hash_to_block: dict[bytes, int] = {}
         self.fresh: list[int] = []  # blocks handed out since the runner last zeroed them
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, found
@@ -65,11 +84,10 @@ class BlockManager:
         wants its prompt's logprobs computes every prompt token (as vLLM: cached ones have no logits)."""
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
-        found, h = [], root_hash(seq)
+        found = []
         for i in range((len(seq) - 1) // self.block_size):
             ids = tuple(seq.tokens(i * self.block_size, (i + 1) * self.block_size))
-            h = chain_hash(h, ids)
-            bid = self.hash_to_block.get(h)
+            bid = self.hash_to_block.get(block_key(seq, i, self.block_size))
             if bid is None or self.blocks[bid].token_ids != ids:
                 break
             found.append(bid)
@@ -123,7 +141,7 @@ class BlockManager:
         full = seq.num_computed_tokens // self.block_size
         for i in range(seq.num_hashed_blocks, full):
             ids = tuple(seq.tokens(i * self.block_size, (i + 1) * self.block_size))
-            h = chain_hash(seq.last_block_hash if i else root_hash(seq), ids)
+            h = block_key(seq, i, self.block_size)
             block = self.blocks[seq.block_table[i]]
             block.hash, block.token_ids = h, ids
             self.hash_to_block.setdefault(h, block.block_id)

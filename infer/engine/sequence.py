@@ -36,7 +36,8 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # of those, found in the prefix cache at admission
         self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
-        self.last_block_hash: int | None = None
+        self.last_block_hash: bytes | None = None
+        self.block_keys: list[bytes] = []  # prefix cache keys of the leading full blocks (block_manager.block_key)
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.bad_request = False  # the error is the request's own (constraints that leave no token): the server's 400

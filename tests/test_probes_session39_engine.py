@@ -1,0 +1,38 @@
+"""Session 39 probes of the engine under stress, each against transformers' greedy tokens on the same weights."""
+
+from __future__ import annotations
+
+import builtins
+
+from infer import LLM, SamplingParams
+from infer.models.tiny import ensure_builtin
+
+from helpers import hf_greedy, random_prompts
+
+N = 8
+
+
+def test_prefix_cache_does_not_trust_pythons_hash(monkeypatch):
+    """The prefix cache keyed blocks on Python's hash() of the previous key and the block's ids, and compared only the
+    block's own ids: hash() of a tuple of token ids is a 64-bit function, the same in every process and invertible,
+    so a prompt can be crafted whose first block B has the key of another prompt's first block A (vLLM's
+    CVE-2025-25183). Here hash() is made to collide on exactly that pair. [B | C] then registered its block C under
+    the key that [A | C] looks up, and [A | C ...] reused C's K/V computed after B: other tokens than transformers'.
+    Keys are SHA-256 now: the collision changes nothing."""
+    from infer.engine import block_manager
+    path = ensure_builtin("tiny-llama")
+    llm = LLM(str(path), block_size=4)
+    a, b, c, d, tail = random_prompts(llm.engine.model_config.vocab_size, (4, 4, 4, 4, 3), seed=39)
+    real = builtins.hash
+
+    def colliding(x):  # B's first link hashes as A's
+        return real((-1, tuple(a)) if x == (-1, tuple(b)) else x)
+    monkeypatch.setattr(block_manager, "hash", colliding, raising=False)
+    params = SamplingParams(max_new_tokens=N, ignore_eos=True)
+    for prompt in (a + d + tail, b + c + tail):  # A registered first, then [B | C]
+        assert llm.generate([prompt], params)[0].token_ids == hf_greedy(str(path), prompt, N)
+    victim = a + c + tail
+    out = llm.generate([victim], params)[0]
+    assert out.token_ids == hf_greedy(str(path), victim, N)
+    assert out.num_cached_tokens == 4  # block A only
+    assert llm.engine.block_manager.num_used_blocks == 0
