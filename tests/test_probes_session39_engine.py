@@ -36,3 +36,16 @@ def test_prefix_cache_does_not_trust_pythons_hash(monkeypatch):
     assert out.token_ids == hf_greedy(str(path), victim, N)
     assert out.num_cached_tokens == 4  # block A only
     assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_warm_kernels_with_the_smallest_context():
+    """warm_kernels (run by every GPU engine's start and by `infer serve`) sent a warm-up prompt of 2 tokens whatever
+    the context, so `--max-model-len 2` (prompts of one token, one token of reply) failed at start with "the prompt
+    has 2 tokens, which leaves no room", about a prompt the user never sent."""
+    path = ensure_builtin("tiny-llama")
+    llm = LLM(str(path), block_size=4, max_model_len=2)
+    llm.engine.warm_kernels()
+    assert llm.engine.num_steps == 0 and llm.engine.block_manager.num_used_blocks == 0
+    prompt = random_prompts(llm.engine.model_config.vocab_size, (1,), seed=2)[0]
+    out = llm.generate([prompt], SamplingParams(max_new_tokens=5, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(str(path), prompt, 1) and out.finish_reason == "length"

@@ -624,7 +624,10 @@ class LLMEngine:
         prompts run eagerly first (the path of steps longer than the graphs take), then one through the graphs."""
         self._check_open()
         bs = self.config.block_size
-        long_prompt = [i % 100 + 1 for i in range(2 * bs + 9)][:max(2, self.max_model_len - 3)]
+        # at most max_model_len - 1 tokens: a prompt needs room for a token (--max-model-len 2 was refused at start,
+        # "the prompt has 2 tokens", a prompt the user never sent)
+        long_prompt = [i % 100 + 1 for i in range(2 * bs + 9)][:max(min(2, self.max_model_len - 1),
+                                                                      self.max_model_len - 3)]
         prompts = [long_prompt, long_prompt[:9]]  # a long and a short query: both attention tile heights
         if self.config.enable_prefix_caching:
             prompts.append(long_prompt)  # its first blocks are cached: a short query over a cached prefix
