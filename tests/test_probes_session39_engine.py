@@ -1,13 +1,17 @@
-"""Session 39 probes of the engine under stress, each against transformers' greedy tokens on the same weights."""
+"""Session 39 probes of the engine under stress: prefix cache keys, the warm-up at start, context limits."""
 
 from __future__ import annotations
 
 import builtins
 
+import pytest
+
 from infer import LLM, SamplingParams
+from infer.errors import ConfigError
 from infer.models.tiny import ensure_builtin
 
 from helpers import hf_greedy, random_prompts
+from test_model_variants import build
 
 N = 8
 
@@ -49,3 +53,13 @@ def test_warm_kernels_with_the_smallest_context():
     prompt = random_prompts(llm.engine.model_config.vocab_size, (1,), seed=2)[0]
     out = llm.generate([prompt], SamplingParams(max_new_tokens=5, ignore_eos=True))[0]
     assert out.token_ids == hf_greedy(str(path), prompt, 1) and out.finish_reason == "length"
+
+
+def test_a_context_past_the_sliding_window_is_refused_naming_the_window(tmp_path):
+    """Mistral's context is capped at its sliding_window (the attention is full); --max-model-len past it was refused
+    as "above the model's limit of 16" for a model whose config says max_position_embeddings 256: the window is
+    named now."""
+    build(tmp_path, "mistral", sliding_window=16)
+    with pytest.raises(ConfigError, match=r"limit of 16 \(its sliding_window.*max_position_embeddings is 256"):
+        LLM(str(tmp_path), block_size=4, max_model_len=64)
+    assert LLM(str(tmp_path), block_size=4, max_model_len=16).engine.max_model_len == 16

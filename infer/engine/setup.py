@@ -93,14 +93,17 @@ def sliding_window(model_config) -> int | None:
 
 
 def model_max_len(model_config, engine_config: EngineConfig) -> int:
-    limit = int(getattr(model_config, "max_position_embeddings", 0) or 2048)
+    positions = int(getattr(model_config, "max_position_embeddings", 0) or 2048)
     window = sliding_window(model_config)
-    if window:
-        limit = min(limit, window)  # attention is full up to the window, where it equals sliding attention
-    if engine_config.max_model_len is not None:
+    limit = min(positions, window) if window else positions  # attention is full up to the window, where it equals
+    if engine_config.max_model_len is not None:  # sliding attention
         if engine_config.max_model_len > limit:
-            raise ConfigError(f"--max-model-len {engine_config.max_model_len} is above the model's limit of {limit}",
-                              f"use --max-model-len {limit} or less")
+            # the window named: "the model's limit of 4096" of a model whose max_position_embeddings is 32768 read as
+            # a wrong number
+            why = (f" (its sliding_window: infer's attention is full, which equals sliding attention only up to the "
+                   f"window; max_position_embeddings is {positions})") if limit < positions else ""
+            raise ConfigError(f"--max-model-len {engine_config.max_model_len} is above the model's limit of "
+                              f"{limit}{why}", f"use --max-model-len {limit} or less")
         return engine_config.max_model_len
     return limit
 
