@@ -418,7 +418,12 @@ def _pair_problem(module: str, a: torch.Tensor | None, b: torch.Tensor | None, r
     if a.shape[0] != r_cfg:
         return Problem(f"{module} has rank {a.shape[0]} but {CONFIG_FILE} gives r={r_cfg}",
                        "the config and the weights come from different adapters")
-    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+    odd = next(((k, t) for k, t in (("lora_A", a), ("lora_B", b)) if not t.is_floating_point()), None)
+    if odd is not None:  # cast to the model's dtype, an int8 / bool / complex tensor would become other numbers
+        return Problem(f"{module}: {odd[0]} holds {str(odd[1].dtype).removeprefix('torch.')} values, not floating "
+                       "point ones", "LoRA weights are floats (float32, bfloat16, float16): save the adapter again "
+                       "with peft, not quantized")
+    if not (_finite(a) and _finite(b)):
         return Problem(f"{module} has non-finite (NaN/inf) weights",
                        "the adapter's training diverged; use another checkpoint")
     largest = _delta_bound(a, b, scaling)
@@ -430,6 +435,11 @@ def _pair_problem(module: str, a: torch.Tensor | None, b: torch.Tensor | None, r
 
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """No NaN/inf in t; float8 tensors (torch has no isfinite for float8_e4m3fn) are read as float32."""
+    return bool(torch.isfinite(t.float() if t.element_size() == 1 else t).all())
 
 
 def _delta_bound(a: torch.Tensor, b: torch.Tensor, scaling: float) -> float:

@@ -1,0 +1,55 @@
+"""LoRA adapters probed against peft (probe session 39): each test fails without its fix.
+
+- an adapter saved in float8_e4m3fn: reading it crashed (torch has no isfinite for it); it is now read as peft reads
+  it; an adapter whose weights are not floats (int8, bool, complex) is refused by name instead of cast silently;
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from infer.errors import LoRAError
+from infer.lora import adapter_problems, load_adapter
+
+from test_lora_adapter import ALL, make_adapter, tiny_config, tiny_llama
+
+X = torch.tensor([[3, 17, 42, 99, 5, 64]])
+
+
+def _retype(path, dtype):
+    f = path / "adapter_model.safetensors"
+    save_file({k: v.to(dtype) for k, v in load_file(str(f)).items()}, str(f))
+    return path
+
+
+@torch.no_grad()
+def _peft_logits(path, x):
+    from peft import PeftModel
+    m = PeftModel.from_pretrained(tiny_llama(), str(path)).eval()
+    return m(input_ids=x).logits
+
+
+@torch.no_grad()
+def _infer_logits(adapter, x):
+    """The base with each module's delta applied as infer serves it: W + scaling * B @ A."""
+    base = tiny_llama()
+    for m in adapter.modules.values():
+        lin = base.get_submodule(m.name)
+        lin.weight += m.scaling * (m.lora_b.float() @ m.lora_a.float())
+    return base(input_ids=x).logits
+
+
+def test_float8_adapter_is_read_as_peft_reads_it(tmp_path):
+    path = _retype(make_adapter(tmp_path, "f8", target_modules=ALL), torch.float8_e4m3fn)
+    assert adapter_problems("f8", path, tiny_config()) == []
+    ad = load_adapter("f8", path, tiny_config(), dtype=torch.float32)
+    assert torch.allclose(_infer_logits(ad, X), _peft_logits(path, X), atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bool, torch.complex64])
+def test_adapter_weights_that_are_not_floats_are_refused(tmp_path, dtype):
+    path = _retype(make_adapter(tmp_path, "q", target_modules=["q_proj"]), dtype)
+    with pytest.raises(LoRAError, match=f"lora_A holds {str(dtype).removeprefix('torch.')} values, not floating"):
+        load_adapter("q", path, tiny_config())
