@@ -2,6 +2,7 @@
 
 - an adapter saved in float8_e4m3fn: reading it crashed (torch has no isfinite for it); it is now read as peft reads
   it; an adapter whose weights are not floats (int8, bool, complex) is refused by name instead of cast silently;
+- lora-validate's numeric check gave its engine a device slot per adapter checked (they run one at a time);
 """
 
 from __future__ import annotations
@@ -53,3 +54,27 @@ def test_adapter_weights_that_are_not_floats_are_refused(tmp_path, dtype):
     path = _retype(make_adapter(tmp_path, "q", target_modules=["q_proj"]), dtype)
     with pytest.raises(LoRAError, match=f"lora_A holds {str(dtype).removeprefix('torch.')} values, not floating"):
         load_adapter("q", path, tiny_config())
+
+
+@pytest.fixture(scope="module")
+def tiny_adapters(tmp_path_factory):
+    from pathlib import Path
+
+    from infer.models.tiny import ensure_builtin
+    from lora_helpers import THREE, hf_float, save_adapter
+    base = Path(ensure_builtin("tiny-llama"))
+    hf = hf_float(base)
+    root = tmp_path_factory.mktemp("s39")
+    return base, {n: save_adapter(hf, root / n, seed=39 + i, **kw) for i, (n, kw) in enumerate(THREE.items())}
+
+
+def test_lora_validate_numeric_check_takes_one_slot_whatever_the_adapter_count(tiny_adapters):
+    """The check's engine had a device slot per adapter checked (float32, --max-lora-rank on every layer): 30 rank-64
+    adapters on a 7B base asked for ~19 GB of slots and failed naming --max-loras, which lora-validate has not."""
+    from infer.cli.lora_check import engine_for, numeric_checks
+    base, paths = tiny_adapters
+    one = engine_for(base, {"a": paths["a"]}, 8, 4, "cpu")
+    three = engine_for(base, paths, 8, 4, "cpu")
+    assert three.engine.lora_manager.device_bytes() == one.engine.lora_manager.device_bytes()
+    checks = numeric_checks(base, False, paths, 8, steps=4, device="cpu")  # swapped in one after the other
+    assert all(c.ok and c.adapter_effect > 0 for c in checks.values()), checks

@@ -46,10 +46,12 @@ def _prompt_ids(tokenizer) -> list[list[int]]:
 
 
 def engine_for(base_path: Path, adapters: dict[str, Path], max_rank: int, steps: int, device: str):
-    """infer's LLM with the adapters registered, sized for the check's short prompts (float32)."""
+    """infer's LLM with the adapters registered, sized for the check's short prompts (float32). One device slot:
+    the adapters run one after the other, so slots for all of them (float32, --max-lora-rank on every layer) would
+    only take memory, and on a large base fail the start naming --max-loras, an option lora-validate has not."""
     from ..engine.llm import LLM
     need = context_for(base_path, steps)
-    return LLM(str(base_path), loras={n: str(p) for n, p in adapters.items()}, max_loras=max(1, len(adapters)),
+    return LLM(str(base_path), loras={n: str(p) for n, p in adapters.items()}, max_loras=1,
                max_lora_rank=max_rank, dtype="float32", device=device, max_model_len=need,
                num_kv_blocks=2 * math.ceil(need / 16) + 2, max_num_seqs=2, enable_prefix_caching=False)
 
