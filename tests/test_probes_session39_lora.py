@@ -2,6 +2,7 @@
 
 - an adapter saved in float8_e4m3fn: reading it crashed (torch has no isfinite for it); it is now read as peft reads
   it; an adapter whose weights are not floats (int8, bool, complex) is refused by name instead of cast silently;
+- an adapter whose weights are beyond float16's range, on a float16 base: refused at load (they were cast to inf);
 - lora-validate's numeric check gave its engine a device slot per adapter checked (they run one at a time);
 """
 
@@ -78,3 +79,17 @@ def test_lora_validate_numeric_check_takes_one_slot_whatever_the_adapter_count(t
     assert three.engine.lora_manager.device_bytes() == one.engine.lora_manager.device_bytes()
     checks = numeric_checks(base, False, paths, 8, steps=4, device="cpu")  # swapped in one after the other
     assert all(c.ok and c.adapter_effect > 0 for c in checks.values()), checks
+
+
+def test_weights_beyond_float16_are_refused_at_load_not_served_as_nan(tmp_path):
+    """A float32 adapter whose lora_A holds 1e6-sized values (B as small: the product is the same) fits a float32 or
+    bfloat16 base; cast to a float16 base's dtype they were inf and every request of the adapter ended in NaN."""
+    path = make_adapter(tmp_path, "big", target_modules=["q_proj"])
+    f = path / "adapter_model.safetensors"
+    save_file({k: v * (1e6 if "lora_A" in k else 1e-6) for k, v in load_file(str(f)).items()}, str(f))
+    for dtype in (torch.float32, torch.bfloat16):
+        ad = load_adapter("big", path, tiny_config(), dtype=dtype)
+        assert all(torch.isfinite(m.lora_a).all() for m in ad.modules.values())
+    with pytest.raises(LoRAError, match=r"lora_A holds values up to .* beyond float16's range \(65504\)") as e:
+        load_adapter("big", path, tiny_config(), dtype=torch.float16)
+    assert "--dtype bfloat16 or float32" in e.value.hint

@@ -77,9 +77,20 @@ class LoRAAdapter:
         return max((m.rank for m in self.modules.values()), default=0)
 
     def to(self, dtype: torch.dtype) -> "LoRAAdapter":
-        """Cast the weights (in place) to the dtype the base model computes in; returns self."""
+        """Cast the weights (in place) to the dtype the base model computes in; returns self. LoRAError when a
+        weight is beyond that dtype's range (a float32 or bfloat16 adapter on a float16 base): cast, it would be
+        inf, and every token of the adapter's requests NaN."""
         for m in self.modules.values():
-            m.lora_a, m.lora_b = m.lora_a.to(dtype).contiguous(), m.lora_b.to(dtype).contiguous()
+            a, b = m.lora_a.to(dtype).contiguous(), m.lora_b.to(dtype).contiguous()
+            for kind, old, new in (("lora_A", m.lora_a, a), ("lora_B", m.lora_b, b)):
+                if new.is_floating_point() and not _finite(new) and _finite(old):
+                    largest = old.double().abs().max().item()
+                    limit = torch.finfo(dtype).max
+                    raise _fail(self.name, self.path, f"{m.name}: {kind} holds values up to {largest:.3g}, beyond "
+                                f"{str(dtype).removeprefix('torch.')}'s range ({limit:.5g}) that the model computes in",
+                                "serve it with --dtype bfloat16 or float32, or use an adapter saved with smaller "
+                                "weights")
+            m.lora_a, m.lora_b = a, b
         return self
 
     def validate_against(self, base_config, max_rank: int | None = None) -> list[Problem]:
