@@ -3,6 +3,9 @@
 - an adapter saved in float8_e4m3fn: reading it crashed (torch has no isfinite for it); it is now read as peft reads
   it; an adapter whose weights are not floats (int8, bool, complex) is refused by name instead of cast silently;
 - an adapter whose weights are beyond float16's range, on a float16 base: refused at load (they were cast to inf);
+- tensors of another model's layers (a vision tower's layers.N.self_attn.q_proj) were read as the base's layer N,
+  replacing its weights; two tensors for one module (with and without base_model.model., or .default.) silently
+  one over the other: both refused by name;
 - lora-validate's numeric check gave its engine a device slot per adapter checked (they run one at a time);
 """
 
@@ -93,3 +96,35 @@ def test_weights_beyond_float16_are_refused_at_load_not_served_as_nan(tmp_path):
     with pytest.raises(LoRAError, match=r"lora_A holds values up to .* beyond float16's range \(65504\)") as e:
         load_adapter("big", path, tiny_config(), dtype=torch.float16)
     assert "--dtype bfloat16 or float32" in e.value.hint
+
+
+def _add_tensors(path, rename):
+    """Save the adapter with, beside each of its tensors, a copy (other values) under rename(name)."""
+    f = path / "adapter_model.safetensors"
+    weights = load_file(str(f))
+    save_file({**weights, **{rename(k): v * 3 + 1 for k, v in weights.items()}}, str(f))
+    return path
+
+
+def test_tensors_of_another_models_layers_are_not_taken_for_the_bases(tmp_path):
+    """Tensors of a module path the base has not (a VLM's vision tower, language_model. ...) that ends in
+    layers.N.self_attn.q_proj were read as the base's module, the last one in the file replacing the real weights:
+    logits 0.4 away from peft's, which ignores them, and nothing said."""
+    path = _add_tensors(make_adapter(tmp_path, "v", target_modules=["q_proj"]),
+                        lambda k: k.replace("base_model.model.", "base_model.model.vision_tower."))
+    problems = [str(p) for p in adapter_problems("v", path, tiny_config())]
+    assert problems and all("adapts vision_tower.model.layers." in p for p in problems), problems
+
+
+def test_two_tensors_for_one_module_are_refused(tmp_path):
+    """base_model.model.X.lora_A.weight and X.lora_A.weight (or X.lora_A.default.weight) are one module to infer:
+    the later one in the file replaced the other silently."""
+    path = _add_tensors(make_adapter(tmp_path, "d", target_modules=["q_proj"]),
+                        lambda k: k.replace("lora_A.weight", "lora_A.default.weight").replace(
+                            "lora_B.weight", "lora_B.default.weight"))
+    with pytest.raises(LoRAError, match=r"has two lora_A tensors for model.layers.0.self_attn.q_proj \("):
+        load_adapter("d", path, tiny_config())
+    bare = _add_tensors(make_adapter(tmp_path, "b", target_modules=["q_proj"]),
+                        lambda k: k.removeprefix("base_model.model.model."))
+    assert any("has two lora_A tensors for model.layers.1.self_attn.q_proj" in str(p)
+               for p in adapter_problems("b", bare, tiny_config()))

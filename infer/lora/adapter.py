@@ -28,7 +28,10 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 _TENSOR = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<kind>lora_A|lora_B)(?:\.[^.]+)?"
                      r"\.(?P<param>weight|bias)$")
-_MODULE = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.(?P<parent>[A-Za-z_]+)\.(?P<proj>[A-Za-z0-9_]+)$")
+# a decoder layer's module as the base names it (model.layers.N..., or layers.N... for an adapter saved on the bare
+# decoder): another path that ends the same way (a VLM's language_model.layers.N..., a vision tower's) is another
+# module, which peft would not load into this base
+_MODULE = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>[A-Za-z_]+)\.(?P<proj>[A-Za-z0-9_]+)$")
 _HINT_TARGETS = "retrain with target_modules among q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 # what peft adapts when adapter_config.json gives no target_modules: its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_
 # MAPPING entry, the same for every architecture infer serves (llama, mistral, qwen2, qwen3)
@@ -467,7 +470,7 @@ def _delta_bound(a: torch.Tensor, b: torch.Tensor, scaling: float) -> float:
 
 
 def _module_of(path: str) -> tuple[str, int, str] | None:
-    m = _MODULE.search(path)
+    m = _MODULE.match(path)
     if m is None or PROJECTIONS.get(m["proj"]) != m["parent"]:
         return None
     return f"model.layers.{int(m['layer'])}.{m['parent']}.{m['proj']}", int(m["layer"]), m["proj"]
@@ -476,14 +479,23 @@ def _module_of(path: str) -> tuple[str, int, str] | None:
 def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, LoRAModule], list[Problem]]:
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     problems: list[Problem] = []
+    first: dict[tuple[str, str], str] = {}  # (module, lora_A | lora_B) -> the tensor that gave it
     for tensor_name, tensor in tensors.items():
         if any(config.get(key) is not None and mark in tensor_name for key, mark in _TRAINING_ONLY.items()):
             continue  # VeLoRA's activation embedding, MonteCLoRA's sampler: unused by peft's eval forward
         kind = _classify(tensor_name)
         if isinstance(kind, Problem):
             problems.append(kind)
-        else:
-            pairs.setdefault(kind[0], {})[kind[1]] = tensor
+            continue
+        where = _module_of(kind[0])
+        module = where[0] if where else kind[0]
+        if (module, kind[1]) in first:  # one silently replaced the other (with or without base_model.model., ...)
+            problems.append(Problem(f"has two {kind[1]} tensors for {module} ({first[module, kind[1]]} and "
+                                    f"{tensor_name})", "the weight file mixes two adapters' tensors: save the "
+                                    "adapter again with peft"))
+            continue
+        first[module, kind[1]] = tensor_name
+        pairs.setdefault(kind[0], {})[kind[1]] = tensor
     modules = {}
     for path, pair in pairs.items():
         where = _module_of(path)
