@@ -6,6 +6,7 @@
 - tensors of another model's layers (a vision tower's layers.N.self_attn.q_proj) were read as the base's layer N,
   replacing its weights; two tensors for one module (with and without base_model.model., or .default.) silently
   one over the other: both refused by name;
+- an adapter_model.bin that unpickles to something else than named tensors: a traceback, now named;
 - lora-validate's numeric check gave its engine a device slot per adapter checked (they run one at a time);
 """
 
@@ -128,3 +129,17 @@ def test_two_tensors_for_one_module_are_refused(tmp_path):
                         lambda k: k.removeprefix("base_model.model.model."))
     assert any("has two lora_A tensors for model.layers.1.self_attn.q_proj" in str(p)
                for p in adapter_problems("b", bare, tiny_config()))
+
+
+@pytest.mark.parametrize("kind", ["tensor", "list", "numbers", "int-key", "none"])
+def test_bin_file_that_is_not_a_state_dict_is_named(tmp_path, kind):
+    """adapter_model.bin unpickled to a tensor, a list, None or a dict of numbers: AttributeError/TypeError
+    tracebacks out of --lora, lora-validate and the server's load route (a 500)."""
+    path = make_adapter(tmp_path, "bin", safe=False, target_modules=["q_proj"])
+    weights = torch.load(path / "adapter_model.bin")
+    obj = {"tensor": torch.zeros(3), "list": [1, 2], "numbers": {k: 1 for k in weights},
+           "int-key": {1: torch.zeros(2)}, "none": None}[kind]
+    torch.save(obj, path / "adapter_model.bin")
+    with pytest.raises(LoRAError, match="adapter_model.bin is not a state dict of named tensors"):
+        load_adapter("bin", path, tiny_config())
+    assert "not a state dict" in str(adapter_problems("bin", path, tiny_config())[0])

@@ -236,9 +236,17 @@ def read_tensors(name: str, path: Path) -> dict[str, torch.Tensor]:
         if file.suffix == ".safetensors":
             from safetensors.torch import load_file
             return load_file(str(file))
-        return torch.load(file, map_location="cpu", weights_only=True)
+        tensors = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt or truncated file: any loader error means the same thing to the user
         raise _fail(name, path, f"cannot read {file.name}: {e}", "the file is damaged; copy it again") from e
+    # a .bin may pickle anything: a tensor, a list, a dict of numbers (safetensors holds named tensors only)
+    bad = (f"a {type(tensors).__name__}" if not isinstance(tensors, dict) else
+           next((f"{k!r}: a {type(v).__name__}" for k, v in tensors.items()
+                 if not isinstance(k, str) or not isinstance(v, torch.Tensor)), None))
+    if bad is not None:
+        raise _fail(name, path, f"{file.name} is not a state dict of named tensors (it holds {bad})",
+                    "save the adapter with peft's save_pretrained")
+    return tensors
 
 
 _MERGE = "infer convert --merge-lora"
