@@ -7,6 +7,8 @@
   replacing its weights; two tensors for one module (with and without base_model.model., or .default.) silently
   one over the other: both refused by name;
 - an adapter_model.bin that unpickles to something else than named tensors: a traceback, now named;
+- a rank_pattern / alpha_pattern key that is not a regex: re.error traceback; a layers_pattern that is not one was
+  reported as every module left out; both now named as peft's refusal;
 - lora-validate's numeric check gave its engine a device slot per adapter checked (they run one at a time);
 """
 
@@ -143,3 +145,34 @@ def test_bin_file_that_is_not_a_state_dict_is_named(tmp_path, kind):
     with pytest.raises(LoRAError, match="adapter_model.bin is not a state dict of named tensors"):
         load_adapter("bin", path, tiny_config())
     assert "not a state dict" in str(adapter_problems("bin", path, tiny_config())[0])
+
+
+def _edit(path, **changes):
+    import json
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize("key", ["rank_pattern", "alpha_pattern"])
+def test_pattern_key_that_is_not_a_regex_is_named(tmp_path, key):
+    """peft matches each rank_pattern / alpha_pattern key as a regex: one that does not compile raised re.error out
+    of --lora, lora-validate and the server's load route (500). peft refuses the adapter too."""
+    path = _edit(make_adapter(tmp_path, "p", target_modules=["q_proj"]), **{key: {"q_proj(": 4}})
+    with pytest.raises(Exception, match="missing \\)"):
+        _peft_logits(path, X)
+    with pytest.raises(LoRAError, match=f'has the {key} key "q_proj\\(", not a valid regular expression'):
+        load_adapter("p", path, tiny_config())
+    assert "not a valid regular expression" in str(adapter_problems("p", path, tiny_config())[0])
+
+
+def test_layers_pattern_that_is_not_a_regex_says_so(tmp_path):
+    """It was reported as every module 'not adapted (layers_pattern ...)': peft fails on the regex itself."""
+    path = _edit(make_adapter(tmp_path, "l", target_modules=["q_proj"], layers_to_transform=[0]),
+                 layers_pattern="lay(ers")
+    with pytest.raises(Exception, match="missing \\)"):
+        _peft_logits(path, X)
+    problems = [str(p) for p in adapter_problems("l", path, tiny_config())]
+    assert problems[0].startswith('layers_pattern "lay(ers" is not a valid regular expression (missing ), '
+                                  "unterminated subpattern at position 3)"), problems

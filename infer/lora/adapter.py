@@ -184,6 +184,15 @@ def read_config(name: str, path: Path) -> dict:
         if bad:
             raise _fail(name, path, f"{CONFIG_FILE} has invalid {key} values {bad!r}",
                         f"every {key} value must be a positive{' integer' if kind is int else ', finite number'}")
+        for pattern in patterns:  # peft matches each key as a regex (pattern_value): re.error when it loads
+            try:
+                re.compile(pattern)
+                re.compile(rf"(.*\.)?({pattern})$")
+            except re.error as e:
+                raise _fail(name, path, f"{CONFIG_FILE} has the {key} key {json.dumps(pattern)}, not a valid "
+                            f"regular expression ({e}): peft cannot load this adapter",
+                            f"fix the key in {key}: peft reads each key as a regular expression matched against the "
+                            "end of a module's name (e.g. v_proj)") from None
     return config
 
 
@@ -297,6 +306,13 @@ def config_problems(config: dict) -> list[Problem]:
             problems.append(Problem(f"{key} {json.dumps(config[key])} is not a valid regular expression ({error})",
                                     f"peft cannot load this adapter: give {key} as a list of module names, or a "
                                     "regex that compiles"))
+    lp = config.get("layers_pattern")
+    for pattern in [lp] if isinstance(lp, str) else lp if isinstance(lp, list) else []:
+        error = _regex_error(pattern) or _regex_error(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.")  # as peft reads it
+        if error:  # peft: re.error; the layer of every module looked unselected ("peft would leave them out")
+            problems.append(Problem(f"layers_pattern {json.dumps(pattern)} is not a valid regular expression "
+                                    f"({error}): peft cannot load this adapter",
+                                    'give the name of the layers\' container, e.g. "layers"'))
     targets = config.get("target_modules")
     if isinstance(targets, str):  # "all-linear" too: peft's LoraConfig refuses these beside a target string
         for key in ("layers_to_transform", "layers_pattern"):
