@@ -9,6 +9,7 @@
 - an adapter_model.bin that unpickles to something else than named tensors: a traceback, now named;
 - a rank_pattern / alpha_pattern key that is not a regex: re.error traceback; a layers_pattern that is not one was
   reported as every module left out; both now named as peft's refusal;
+- a folder where peft saved the adapter in a subfolder (adapter_name not "default"): the error names the subfolder;
 - lora-validate's numeric check gave its engine a device slot per adapter checked (they run one at a time);
 """
 
@@ -176,3 +177,15 @@ def test_layers_pattern_that_is_not_a_regex_says_so(tmp_path):
     problems = [str(p) for p in adapter_problems("l", path, tiny_config())]
     assert problems[0].startswith('layers_pattern "lay(ers" is not a valid regular expression (missing ), '
                                   "unterminated subpattern at position 3)"), problems
+
+
+def test_folder_whose_adapter_peft_saved_in_a_subfolder_names_it(tmp_path):
+    """save_pretrained of an adapter named other than "default" writes OUT/NAME/adapter_config.json: passing OUT
+    said only "adapter_config.json is missing"."""
+    from peft import LoraConfig, get_peft_model
+    model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj"]), adapter_name="sql")
+    model.save_pretrained(str(tmp_path / "out"))
+    with pytest.raises(LoRAError, match="adapter_config.json is missing; the subfolder sql holds one") as e:
+        load_adapter("s", tmp_path / "out", tiny_config())
+    assert str(tmp_path / "out" / "sql") in e.value.hint
+    assert load_adapter("s", tmp_path / "out" / "sql", tiny_config()).rank == 4

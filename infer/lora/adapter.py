@@ -159,6 +159,15 @@ def read_config(name: str, path: Path) -> dict:
         raise _fail(name, path, "folder not found", "pass --lora NAME=PATH with the folder save_pretrained wrote")
     file = path / CONFIG_FILE
     if not file.is_file():
+        try:  # peft's save_pretrained writes an adapter not named "default" into a subfolder of that name
+            inner = sorted(d.name for d in path.iterdir() if (d / CONFIG_FILE).is_file())
+        except OSError:
+            inner = []
+        if inner:
+            raise _fail(name, path, f"{CONFIG_FILE} is missing; the subfolder{'s' if len(inner) > 1 else ''} "
+                        f"{', '.join(inner)} hold{'' if len(inner) > 1 else 's'} one",
+                        f"pass the adapter's own folder, e.g. {path / inner[0]} (peft's save_pretrained puts an "
+                        "adapter not named default in a subfolder of its name)")
         raise _fail(name, path, f"{CONFIG_FILE} is missing", "a PEFT adapter folder holds adapter_config.json")
     try:
         config = json.loads(file.read_text())
