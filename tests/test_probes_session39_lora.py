@@ -189,3 +189,17 @@ def test_folder_whose_adapter_peft_saved_in_a_subfolder_names_it(tmp_path):
         load_adapter("s", tmp_path / "out", tiny_config())
     assert str(tmp_path / "out" / "sql") in e.value.hint
     assert load_adapter("s", tmp_path / "out" / "sql", tiny_config()).rank == 4
+
+
+def test_warmup_estimate_refuses_weights_beyond_float16_as_the_engine_start_does(tiny_adapters, tmp_path):
+    from infer.cli.warmup_plan import estimate_plan
+    from infer.engine.config import EngineConfig
+    base, paths = tiny_adapters
+    import shutil
+    big = shutil.copytree(paths["a"], tmp_path / "big")
+    f = big / "adapter_model.safetensors"
+    save_file({k: v * (1e6 if "lora_A" in k else 1e-6) for k, v in load_file(str(f)).items()}, str(f))
+    config = EngineConfig(str(base), dtype="float16", loras={"big": str(big)}, max_lora_rank=8)
+    with pytest.raises(LoRAError, match="beyond float16's range"):
+        estimate_plan(config, 32, 1)
+    estimate_plan(EngineConfig(str(base), dtype="float32", loras={"big": str(big)}, max_lora_rank=8), 32, 1)

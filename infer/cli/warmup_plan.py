@@ -100,7 +100,7 @@ def estimate_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     weights += rope_table_bytes(model_config, model_max_len(model_config, engine_config))
     from ..lora.adapter import load_adapter
     for name, adapter in engine_config.loras.items():  # the checks an engine start makes (files, rank, shapes)
-        load_adapter(name, Path(adapter).expanduser(), model_config, engine_config.max_lora_rank)
+        load_adapter(name, Path(adapter).expanduser(), model_config, engine_config.max_lora_rank, dtype)
     rank = engine_config.max_lora_rank if engine_config.loras or engine_config.enable_lora else 0
     int4_layer = 0  # the int4 prefill's dequantize scratch, which an engine start on CUDA reserves
     if gptq and device.type == "cuda":
