@@ -10,6 +10,7 @@
 - a rank_pattern / alpha_pattern key that is not a regex: re.error traceback; a layers_pattern that is not one was
   reported as every module left out; both now named as peft's refusal;
 - a folder where peft saved the adapter in a subfolder (adapter_name not "default"): the error names the subfolder;
+- r / lora_alpha / a rank_pattern value too large for a float: OverflowError traceback, now an invalid value;
 - lora-validate's numeric check gave its engine a device slot per adapter checked (they run one at a time);
 """
 
@@ -203,3 +204,14 @@ def test_warmup_estimate_refuses_weights_beyond_float16_as_the_engine_start_does
     with pytest.raises(LoRAError, match="beyond float16's range"):
         estimate_plan(config, 32, 1)
     estimate_plan(EngineConfig(str(base), dtype="float32", loras={"big": str(big)}, max_lora_rank=8), 32, 1)
+
+
+@pytest.mark.parametrize("key", ["r", "lora_alpha", "rank_pattern"])
+def test_integer_too_large_for_a_float_is_an_invalid_value(tmp_path, key):
+    """JSON integers have no size limit: r, lora_alpha or a rank_pattern value of 10**400 raised OverflowError out of
+    --lora, lora-validate and the server's load route (a 500)."""
+    huge = 10 ** 400
+    path = _edit(make_adapter(tmp_path, "h", target_modules=["q_proj"]),
+                 **{key: {"q_proj": huge} if key == "rank_pattern" else huge})
+    with pytest.raises(LoRAError, match=f"has (no valid '{key}'|invalid {key} values)"):
+        load_adapter("h", path, tiny_config())

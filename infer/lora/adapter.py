@@ -242,8 +242,12 @@ def _json_type(value, kind: type) -> str:
 
 def _positive(value, kind) -> bool:
     """A positive number of `kind` that float32 holds (a scaling of 1e300 or NaN turns every output into NaN)."""
-    return (isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(value)
-            and 0 < value < torch.finfo(torch.float32).max)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        return False
+    try:  # an integer of 400 digits (JSON has no limit) is no float: OverflowError
+        return math.isfinite(value) and 0 < value < torch.finfo(torch.float32).max
+    except OverflowError:
+        return False
 
 
 def read_tensors(name: str, path: Path) -> dict[str, torch.Tensor]:
