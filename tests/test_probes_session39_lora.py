@@ -11,6 +11,7 @@
   reported as every module left out; both now named as peft's refusal;
 - a folder where peft saved the adapter in a subfolder (adapter_name not "default"): the error names the subfolder;
 - r / lora_alpha / a rank_pattern value too large for a float: OverflowError traceback, now an invalid value;
+- use_bdlora's target_modules_bd_a / _b not a list of names: a TypeError traceback, or a string matched by character;
 - lora-validate's numeric check gave its engine a device slot per adapter checked (they run one at a time);
 """
 
@@ -215,3 +216,12 @@ def test_integer_too_large_for_a_float_is_an_invalid_value(tmp_path, key):
                  **{key: {"q_proj": huge} if key == "rank_pattern" else huge})
     with pytest.raises(LoRAError, match=f"has (no valid '{key}'|invalid {key} values)"):
         load_adapter("h", path, tiny_config())
+
+
+@pytest.mark.parametrize("patterns", [[1], "q_proj"])
+def test_bdlora_patterns_that_are_not_a_list_of_names_are_named(tmp_path, patterns):
+    """use_bdlora's target_modules_bd_a of [1] raised TypeError ('in <string>' requires string); a string was
+    matched character by character (every module has a "q" or "_"): both refused as a use_bdlora infer cannot read."""
+    path = _edit(make_adapter(tmp_path, "bd", target_modules=["q_proj"]),
+                 use_bdlora={"nblocks": 2, "target_modules_bd_a": patterns})
+    assert "has a use_bdlora infer cannot read" in str(adapter_problems("bd", path, tiny_config())[0])

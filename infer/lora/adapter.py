@@ -563,7 +563,9 @@ def _block_diagonal(config: dict, module: str, pair: dict) -> Problem | None:
     bd = config.get("use_bdlora")
     if bd is None:
         return None
-    if not isinstance(bd, dict) or not isinstance(bd.get("nblocks", 1), int) or bd.get("nblocks", 1) < 1:
+    lists = [bd.get(k) or [] for k in ("target_modules_bd_a", "target_modules_bd_b")] if isinstance(bd, dict) else []
+    if (not isinstance(bd, dict) or not isinstance(bd.get("nblocks", 1), int) or bd.get("nblocks", 1) < 1
+            or not all(isinstance(x, list) and all(isinstance(p, str) for p in x) for x in lists)):
         return Problem(f"has a use_bdlora infer cannot read ({json.dumps(bd)})", "train a plain LoRA adapter")
     nblocks = bd.get("nblocks", 1)
     in_a = any(p in module for p in bd.get("target_modules_bd_a") or [])
