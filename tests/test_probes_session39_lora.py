@@ -120,6 +120,7 @@ def test_tensors_of_another_models_layers_are_not_taken_for_the_bases(tmp_path):
                         lambda k: k.replace("base_model.model.", "base_model.model.vision_tower."))
     problems = [str(p) for p in adapter_problems("v", path, tiny_config())]
     assert problems and all("adapts vision_tower.model.layers." in p for p in problems), problems
+    assert "its layers sit under vision_tower: it was made for another model" in problems[0]
 
 
 def test_two_tensors_for_one_module_are_refused(tmp_path):

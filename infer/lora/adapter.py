@@ -537,7 +537,10 @@ def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[
     for path, pair in pairs.items():
         where = _module_of(path)
         if where is None:
-            problems.append(Problem(f"adapts {path}, which the base model does not have", _HINT_TARGETS))
+            tail = re.search(r"\.(?:model\.)?layers\.\d+\.[A-Za-z_]+\.[A-Za-z0-9_]+$", path)
+            hint = (f"its layers sit under {path[:tail.start()]}: it was made for another model (e.g. a multimodal "
+                    "one); use an adapter trained on this base") if tail else _HINT_TARGETS
+            problems.append(Problem(f"adapts {path}, which the base model does not have", hint))
             continue
         why = _unselected(config, where[0], where[1])
         if why:
