@@ -91,8 +91,8 @@ class LoRAAdapter:
                     limit = torch.finfo(dtype).max
                     raise _fail(self.name, self.path, f"{m.name}: {kind} holds values up to {largest:.3g}, beyond "
                                 f"{str(dtype).removeprefix('torch.')}'s range ({limit:.5g}) that the model computes in",
-                                "serve it with --dtype bfloat16 or float32, or use an adapter saved with smaller "
-                                "weights")
+                                ("serve it with --dtype bfloat16 or float32, or use an adapter saved with smaller "
+                                 "weights") if dtype == torch.float16 else "use an adapter saved with smaller weights")
             m.lora_a, m.lora_b = a, b
         return self
 
