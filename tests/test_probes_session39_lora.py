@@ -13,6 +13,7 @@
 - r / lora_alpha / a rank_pattern value too large for a float: OverflowError traceback, now an invalid value;
 - use_bdlora's target_modules_bd_a / _b not a list of names: a TypeError traceback, or a string matched by character;
 - lora-validate's numeric check gave its engine a device slot per adapter checked (they run one at a time);
+- warmup --estimate checked the adapters without the engine's dtype (the float16 range refusal came only at start).
 """
 
 from __future__ import annotations
