@@ -301,12 +301,19 @@ async def _generate(server: Server, request: Request, chat: bool):
     lora = server.lora_for(req.model)
     p.check_context(req, server.engine.max_model_len)
     model = req.model or server.model_id
-    rid = p.new_id(chat)
-    queue, ids = server.submit(req, lora, rid)
+    # the client's id names the response, as in vLLM (the X-Request-Id header first, then the body's request_id),
+    # and an X-Request-Id header comes back; the engine's ids stay the server's own, so two requests that send the
+    # same id do not collide
+    header = request.headers.get("x-request-id")
+    rid = p.new_id(chat, header or req.request_id)
+    queue, ids = server.submit(req, lora, p.new_id(chat))
+    echo = {"X-Request-Id": header} if header else {}
     if req.stream:
         return StreamingResponse(_stream(server, req, rid, model, queue, ids, arrival),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    return await _complete(server, req, rid, model, queue, ids, request, arrival)
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache", **echo})
+    response = await _complete(server, req, rid, model, queue, ids, request, arrival)
+    response.headers.update(echo)
+    return response
 
 
 async def _tokenization(server: Server, request: Request, detokenize: bool):

@@ -81,6 +81,7 @@ class GenerationRequest:
     length_field: str = "max_tokens"  # the field that set the reply's length (max_completion_tokens supersedes it)
     tools: ToolRequest | None = None  # chat: the tools and the tool_choice (serve/tools.py)
     reasoning: ReasoningRequest | None = None  # chat with --reasoning-parser: the reply's split (serve/reasoning.py)
+    request_id: str | None = None  # vLLM's field: the response's id is cmpl-/chatcmpl- and this (else a uuid)
 
     def params_for(self, index: int):
         """Choice `index`'s sampling: with n > 1 and a seed, sample j draws with seed + j (as vLLM's parallel
@@ -188,9 +189,11 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
     if echo and params.logprobs is not None:  # the prompt's logprobs, with as many alternatives as the reply's
         params.prompt_logprobs = max(params.prompt_logprobs or 0, params.logprobs)
     return_ids = bool(_expect(body, "return_token_ids", (bool,), "a boolean"))
+    request_id = _expect(body, "request_id", (str,), "a string") or None  # "" is none given, as in vLLM
     return GenerationRequest([], params, model, stream, include_usage and stream, chat, return_ids,
                              include_usage and continuous and stream, n or 1, echo, prompt_only,
-                             asked_prompt_logprobs=asked, structured_field=source, length_field=length)
+                             asked_prompt_logprobs=asked, structured_field=source, length_field=length,
+                             request_id=request_id)
 
 
 def _truncation(req: GenerationRequest, max_tokens: int | None) -> int | None:
@@ -462,8 +465,10 @@ def check_context(req: GenerationRequest, max_model_len: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- responses
-def new_id(chat: bool) -> str:
-    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+def new_id(chat: bool, base: str | None = None) -> str:
+    """A response's id: `base` (the client's X-Request-Id header, else its body's request_id, as vLLM takes them)
+    after the endpoint's prefix, else a fresh uuid."""
+    return ("chatcmpl-" if chat else "cmpl-") + (base or uuid.uuid4().hex)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

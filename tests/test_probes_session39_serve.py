@@ -1,0 +1,74 @@
+"""Probes of `infer serve`, session 39: the client's request id (vLLM's X-Request-Id header and body field
+`request_id`) was ignored: the response's id was always a fresh uuid, so a client or proxy could not match a reply
+to its own id."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from infer.engine.config import EngineConfig  # noqa: E402
+from infer.engine.llm_engine import LLMEngine  # noqa: E402
+from infer.serve.app import Server, serve_in_thread  # noqa: E402
+from infer.serve.async_engine import AsyncEngine  # noqa: E402
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+ROUTES = [("/v1/chat/completions", {"messages": MESSAGES}, "chatcmpl-"), ("/v1/completions", {"prompt": "hi"}, "cmpl-")]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(EngineConfig("tiny-llama", max_model_len=256, block_size=4, max_num_seqs=4))
+
+
+@pytest.fixture(scope="module")
+def base(engine):
+    with serve_in_thread(Server(AsyncEngine(engine, max_queue=64), "tiny")) as url:
+        yield url
+
+
+def _ids(r) -> set[str]:
+    """The response ids of a whole reply or of every event of a stream."""
+    if r.headers["content-type"].startswith("text/event-stream"):
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+        return {json.loads(e)["id"] for e in events}
+    return {r.json()["id"]}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("path, body, prefix", ROUTES, ids=["chat", "completions"])
+def test_the_x_request_id_header_names_the_response_and_comes_back(base, path, body, prefix, stream):
+    r = httpx.post(base + path, json={**body, "max_tokens": 2, "stream": stream}, headers={"X-Request-Id": "trace-7"},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    assert _ids(r) == {prefix + "trace-7"}
+    assert r.headers["x-request-id"] == "trace-7"
+
+
+@pytest.mark.parametrize("path, body, prefix", ROUTES, ids=["chat", "completions"])
+def test_the_body_request_id_names_the_response_and_the_header_wins(base, path, body, prefix):
+    r = httpx.post(base + path, json={**body, "max_tokens": 2, "request_id": "mine"}, timeout=60)
+    assert r.status_code == 200 and _ids(r) == {prefix + "mine"}
+    r = httpx.post(base + path, json={**body, "max_tokens": 2, "request_id": "mine"}, headers={"X-Request-Id": "hdr"},
+                   timeout=60)
+    assert r.status_code == 200 and _ids(r) == {prefix + "hdr"}
+
+
+def test_requests_that_send_the_same_id_at_once_all_succeed(base):
+    def one(i):
+        return httpx.post(base + "/v1/completions", json={"prompt": f"hi {i}", "max_tokens": 8, "n": 2},
+                          headers={"X-Request-Id": "same"}, timeout=60)
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(one, range(4)))
+    assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
+    assert all(r.json()["id"] == "cmpl-same" and len(r.json()["choices"]) == 2 for r in replies)
+
+
+def test_a_request_id_that_is_not_a_string_is_named(base):
+    r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "request_id": 5}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
