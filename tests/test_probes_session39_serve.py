@@ -1,6 +1,6 @@
 """Probes of `infer serve`, session 39: the client's request id (vLLM's X-Request-Id header and body field
 `request_id`) was ignored: the response's id was always a fresh uuid, so a client or proxy could not match a reply
-to its own id."""
+to its own id; a chat content part without a type was refused as "has None parts"."""
 
 from __future__ import annotations
 
@@ -72,3 +72,14 @@ def test_requests_that_send_the_same_id_at_once_all_succeed(base):
 def test_a_request_id_that_is_not_a_string_is_named(base):
     r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "request_id": 5}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
+
+
+@pytest.mark.parametrize("part", [{"text": "a"}, {"type": None, "text": "a"}, {"type": 5, "text": "a"}],
+                         ids=["missing", "null", "number"])
+def test_a_content_part_without_a_type_is_named_as_such(base, part):
+    r = httpx.post(base + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}], "max_tokens": 2})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "messages" and "messages[0].content[1] has no string 'type'" in error["message"]
+    assert "None parts" not in error["message"]

@@ -274,7 +274,11 @@ def _content_text(content: Any, i: int, parts: bool = False) -> str | list[dict]
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        kinds = sorted({str(p.get("type")) for p in content if p.get("type") not in TEXT_PARTS})
+        untyped = [k for k, p in enumerate(content) if not isinstance(p.get("type"), str)]
+        if untyped:
+            raise RequestError(f"messages[{i}].content[{untyped[0]}] has no string 'type'",
+                               'give every part its type, e.g. {"type": "text", "text": "..."}')
+        kinds = sorted({p["type"] for p in content if p["type"] not in TEXT_PARTS})
         if kinds:
             raise RequestError(f"messages[{i}].content has {', '.join(kinds)} parts; only text parts are supported",
                                "send text only: this is a text model")
