@@ -1,6 +1,7 @@
 """Probes of `infer serve`, session 39: the client's request id (vLLM's X-Request-Id header and body field
 `request_id`) was ignored: the response's id was always a fresh uuid, so a client or proxy could not match a reply
-to its own id; a chat content part without a type was refused as "has None parts"."""
+to its own id; a chat content part without a type was refused as "has None parts"; a field neither
+OpenAI nor vLLM defines (a mistyped max_token) was ignored without a word, where vLLM names it in its log."""
 
 from __future__ import annotations
 
@@ -83,3 +84,18 @@ def test_a_content_part_without_a_type_is_named_as_such(base, part):
     error = r.json()["error"]
     assert error["param"] == "messages" and "messages[0].content[1] has no string 'type'" in error["message"]
     assert "None parts" not in error["message"]
+
+
+@pytest.mark.parametrize("path, body, prefix", ROUTES, ids=["chat", "completions"])
+def test_a_field_neither_openai_nor_vllm_defines_is_named_in_the_log(base, path, body, prefix, caplog):
+    known = {"user": "u", "metadata": {"a": "b"}, "priority": 0, "request_id": "r", "stream_options": None}
+    with caplog.at_level("WARNING", logger="infer.serve"):
+        r = httpx.post(base + path, json={**body, **known, "max_tokens": 2, "max_token": 9, "temprature": 0},
+                       timeout=60)
+    assert r.status_code == 200, r.text  # ignored, as vLLM ignores it
+    lines = [rec.getMessage() for rec in caplog.records if "ignored" in rec.getMessage()]
+    assert lines == ["the following fields were present in the request but ignored: max_token, temprature"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="infer.serve"):
+        assert httpx.post(base + path, json={**body, **known, "max_tokens": 2}, timeout=60).status_code == 200
+    assert not [rec for rec in caplog.records if "ignored" in rec.getMessage()]

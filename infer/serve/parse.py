@@ -4,12 +4,14 @@ never blocks the event loop (other requests, /health and /metrics keep answering
 from __future__ import annotations
 
 import asyncio
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import RequestError
 from . import protocol as p
 from .body import BodyLimits, check_values, load_json
 
+log = logging.getLogger("infer.serve")
 PARSE_THREADS = 2  # a big body does not hold up small ones; few enough that bodies in flight stay bounded
 
 
@@ -35,6 +37,9 @@ def parse_body(raw: bytes, chat: bool, tokenizer, limits: BodyLimits, max_tokens
     check_values(body)
     req = (p.parse_chat(body, tokenizer, max_tokens, defaults, tool_parser, reasoning_parser, trust_template) if chat
            else p.parse_completion(body, tokenizer, max_tokens, defaults))
+    ignored = p.ignored_fields(body)
+    if ignored:  # as vLLM's log line: the client gets its reply, the operator sees what did nothing
+        log.warning("the following fields were present in the request but ignored: %s", ", ".join(ignored))
     spec = req.params.structured_outputs
     if spec is not None and grammars is not None:
         try:

@@ -30,6 +30,24 @@ _PARAM_KEYS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "t
                "bad_words"}
 _FIELD = re.compile(r"^(?:field ')?([a-z_]+)'?")
 MAX_N = 128  # choices per request (each one is an engine request)
+# Every field of a completions or chat body that OpenAI or vLLM defines: what infer reads, what it refuses at other
+# values (engine.inputs.UNSUPPORTED_OPENAI), and what changes nothing in a reply (user, metadata, priority...). Any
+# other field is ignored, and named in the server's log as vLLM names it, so that a mistyped field is found.
+_KNOWN_FIELDS = _PARAM_KEYS | set(_UNSUPPORTED) | {
+    "model", "prompt", "messages", "stream", "stream_options", "n", "echo", "user", "metadata", "store",
+    "service_tier", "prompt_cache_key", "safety_identifier", "verbosity", "reasoning_effort", "prediction",
+    "web_search_options", "parallel_tool_calls", "response_format", "structured_outputs", "guided_json",
+    "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
+    "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "documents",
+    "add_special_tokens", "include_reasoning", "return_token_ids", "request_id", "priority", "cache_salt",
+    "kv_transfer_params", "vllm_xargs", "mm_processor_kwargs", "media_io_kwargs", "length_penalty",
+    "thinking_token_budget"}
+
+
+def ignored_fields(body: Any) -> list[str]:
+    """The body's fields that neither OpenAI nor vLLM define (a mistyped `max_token`...): ignored, as vLLM ignores
+    them, and worth a line in the log, as vLLM writes one."""
+    return sorted(k for k in body if k not in _KNOWN_FIELDS) if isinstance(body, dict) else []
 
 
 class ApiError(Exception):
