@@ -1,7 +1,8 @@
 """Probes of `infer serve`, session 39: the client's request id (vLLM's X-Request-Id header and body field
 `request_id`) was ignored: the response's id was always a fresh uuid, so a client or proxy could not match a reply
 to its own id; a chat content part without a type was refused as "has None parts"; a field neither
-OpenAI nor vLLM defines (a mistyped max_token) was ignored without a word, where vLLM names it in its log."""
+OpenAI nor vLLM defines (a mistyped max_token) was ignored without a word, where vLLM names it in its log; an
+empty `model` (which vLLM runs as the base) was a 404 "the model '' does not exist"."""
 
 from __future__ import annotations
 
@@ -99,3 +100,18 @@ def test_a_field_neither_openai_nor_vllm_defines_is_named_in_the_log(base, path,
     with caplog.at_level("WARNING", logger="infer.serve"):
         assert httpx.post(base + path, json={**body, **known, "max_tokens": 2}, timeout=60).status_code == 200
     assert not [rec for rec in caplog.records if "ignored" in rec.getMessage()]
+
+
+@pytest.mark.parametrize("path, body, prefix", ROUTES, ids=["chat", "completions"])
+def test_an_empty_model_name_runs_the_base_as_in_vllm(base, path, body, prefix):
+    r = httpx.post(base + path, json={**body, "model": "", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "tiny"
+    r = httpx.post(base + "/tokenize", json={"prompt": "hi", "model": ""}, timeout=60)
+    assert r.status_code == 200 and r.json()["count"] > 0
+
+
+def test_retrieving_no_model_id_is_still_a_404(base):
+    r = httpx.get(base + "/v1/models/", timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert "tiny" in r.json()["error"]["message"]

@@ -81,8 +81,9 @@ class Server:
         return data + [{"id": name, **card, "root": name, "parent": self.model_id} for name in self.adapters()]
 
     def lora_for(self, model: str | None) -> str | None:
-        """vLLM's rule: the base id (or no model) runs the base; an adapter's name runs that adapter."""
-        if model is None or model in (self.model_id, self.engine.config.model):
+        """vLLM's rule: the base id (or no model, or an empty name) runs the base; an adapter's name runs that
+        adapter."""
+        if not model or model in (self.model_id, self.engine.config.model):
             return None
         if model in self.adapters():
             return model
@@ -372,6 +373,10 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         for card in server.model_cards():
             if card["id"] == model:
                 return card
+        if not model:  # GET /v1/models/: no id (a request's empty `model` runs the base, not this)
+            raise p.ApiError(404, "no model id after /v1/models/; available: "
+                                  f"{', '.join(card['id'] for card in server.model_cards())}", param="model",
+                             code="model_not_found")
         server.lora_for(model)  # raises the 404 that names the served models
         return server.model_cards()[0]  # the model as given on the command line (a path): the base
 
