@@ -2,11 +2,14 @@
 `request_id`) was ignored: the response's id was always a fresh uuid, so a client or proxy could not match a reply
 to its own id; a chat content part without a type was refused as "has None parts"; a field neither
 OpenAI nor vLLM defines (a mistyped max_token) was ignored without a word, where vLLM names it in its log; an
-empty `model` (which vLLM runs as the base) was a 404 "the model '' does not exist"."""
+empty `model` (which vLLM runs as the base) was a 404 "the model '' does not exist"; infer:prompt_tokens_total and
+infer:generation_tokens_total counted a request only when it finished, so a stream whose client left counted 0
+tokens and a long request's throughput showed only at its end (vLLM counts them step by step)."""
 
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -115,3 +118,45 @@ def test_retrieving_no_model_id_is_still_a_404(base):
     r = httpx.get(base + "/v1/models/", timeout=60)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert "tiny" in r.json()["error"]["message"]
+
+
+def _metric(base, name: str) -> float:
+    text = httpx.get(base + "/metrics", timeout=60).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.split(" ")[0] == name)
+
+
+def _idle(base) -> None:
+    for _ in range(400):  # the engine thread aborts an abandoned request at its next iteration
+        engine = httpx.get(base + "/health", timeout=60).json()["engine"]
+        if engine["num_in_flight"] == 0 and engine["num_running"] == 0 and engine["kv_blocks_used"] == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the server did not go idle: {engine}")
+
+
+def test_token_counters_count_what_a_stream_generated_before_its_client_left(base):
+    _idle(base)
+    prompt, gen = _metric(base, "infer:prompt_tokens_total"), _metric(base, "infer:generation_tokens_total")
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 200, "ignore_eos": True, "stream": True, "temperature": 0}
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+        events = 0
+        for line in r.iter_lines():
+            events += line.startswith("data: {")
+            if events == 6:
+                break  # the client leaves mid-stream
+    _idle(base)  # aborted, KV blocks freed
+    made = _metric(base, "infer:generation_tokens_total") - gen
+    assert 6 <= made <= 200  # was 0: only finished requests were counted
+    assert _metric(base, "infer:prompt_tokens_total") - prompt == 4
+    assert _metric(base, "infer:num_requests_running") == 0 and _metric(base, "infer:kv_cache_blocks_used") == 0
+
+
+def test_token_counters_match_the_usage_of_finished_requests(base):
+    _idle(base)
+    prompt, gen = _metric(base, "infer:prompt_tokens_total"), _metric(base, "infer:generation_tokens_total")
+    r = httpx.post(base + "/v1/completions", timeout=60, json={"prompt": [[5, 6, 7], [8, 9]], "n": 2, "max_tokens": 7,
+                                                               "ignore_eos": True})
+    assert r.status_code == 200
+    assert r.json()["usage"]["completion_tokens"] == 28
+    assert _metric(base, "infer:generation_tokens_total") - gen == 28
+    assert _metric(base, "infer:prompt_tokens_total") - prompt == 2 * (3 + 2)  # every choice's prefill, as vLLM

@@ -1,7 +1,8 @@
 """Prometheus metrics for the server (names follow vLLM's, with an `infer:` prefix).
 
-Counters and histograms are updated as requests finish; engine gauges (queue depth, running, KV usage) are read
-from the engine thread's latest stats snapshot at scrape time. Each server has its own CollectorRegistry.
+Token counters are updated as the engine's outputs arrive (as vLLM counts them, step by step), the other counters
+and histograms as requests finish; engine gauges (queue depth, running, KV usage) are read from the engine thread's
+latest stats snapshot at scrape time. Each server has its own CollectorRegistry.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ class ServerMetrics:
                             ["route", "status"], registry=r)
         self.finished = Counter("infer:request_finished", "Generation requests by how they ended.",
                                 ["finished_reason"], registry=r)
-        self.prompt_tokens = Counter("infer:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
-        self.generation_tokens = Counter("infer:generation_tokens", "Generated tokens of finished requests.",
+        self.prompt_tokens = Counter("infer:prompt_tokens", "Prompt tokens of the requests the engine started.",
+                                     registry=r)
+        self.generation_tokens = Counter("infer:generation_tokens", "Generated tokens, counted as they are generated.",
                                          registry=r)
         self.ttft = Histogram("infer:time_to_first_token_seconds", "Time to first token (arrival to first token).",
                               buckets=TTFT_BUCKETS, registry=r)
@@ -55,11 +57,23 @@ class ServerMetrics:
                              buckets=E2E_BUCKETS, registry=r)
         r.register(_EngineCollector(stats_fn))
 
+    def observe_output(self, out, counted: dict) -> None:
+        """Count the tokens of one engine output as vLLM counts them, step by step: the prompt at the request's first
+        output, then each token as it comes (a long request's throughput shows while it runs, and the tokens of a
+        request its client abandoned are counted too). `counted`: request id -> tokens counted so far."""
+        before = counted.get(out.request_id)
+        if before is None:
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            before = 0
+        made = out.num_generated
+        if made > before:
+            self.generation_tokens.inc(made - before)
+            before = made
+        counted[out.request_id] = before
+
     def observe_finished(self, out, arrival: float, end: float) -> None:
         """One engine request ended (any reason); `arrival`/`end` are time.monotonic() values."""
         self.finished.labels(out.finish_reason or "unknown").inc()
-        self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.generation_tokens.inc(out.num_generated)
         if out.first_token_time is not None:
             self.ttft.observe(max(0.0, out.first_token_time - arrival))
         if out.finish_reason in ("stop", "length"):
