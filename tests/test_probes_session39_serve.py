@@ -4,7 +4,8 @@ to its own id; a chat content part without a type was refused as "has None parts
 OpenAI nor vLLM defines (a mistyped max_token) was ignored without a word, where vLLM names it in its log; an
 empty `model` (which vLLM runs as the base) was a 404 "the model '' does not exist"; infer:prompt_tokens_total and
 infer:generation_tokens_total counted a request only when it finished, so a stream whose client left counted 0
-tokens and a long request's throughput showed only at its end (vLLM counts them step by step)."""
+tokens and a long request's throughput showed only at its end (vLLM counts them step by step); the time to first
+token was observed only for requests that finished."""
 
 from __future__ import annotations
 
@@ -160,3 +161,15 @@ def test_token_counters_match_the_usage_of_finished_requests(base):
     assert r.json()["usage"]["completion_tokens"] == 28
     assert _metric(base, "infer:generation_tokens_total") - gen == 28
     assert _metric(base, "infer:prompt_tokens_total") - prompt == 2 * (3 + 2)  # every choice's prefill, as vLLM
+
+
+def test_the_time_to_first_token_of_a_stream_its_client_left_is_observed(base):
+    _idle(base)
+    before = _metric(base, "infer:time_to_first_token_seconds_count")
+    body = {"messages": MESSAGES, "max_tokens": 200, "ignore_eos": True, "stream": True, "temperature": 0}
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if '"content":"' in line and '"content":""' not in line:
+                break  # the first token came; the client leaves
+    _idle(base)
+    assert _metric(base, "infer:time_to_first_token_seconds_count") - before == 1  # was 0: observed at the end only

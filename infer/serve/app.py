@@ -138,7 +138,7 @@ class Server:
         goes away raises _ClientGone (streams rely on Starlette cancelling them instead)."""
         index = {rid: i for i, rid in enumerate(ids)}
         left = set(ids)
-        counted: dict[str, int] = {}  # tokens of each request in the metrics so far
+        counted: dict[str, tuple] = {}  # what the metrics counted of each request so far
         checked = time.monotonic()
         try:
             while left:
@@ -150,7 +150,7 @@ class Server:
                     out = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S) if request else await queue.get()
                 except asyncio.TimeoutError:
                     continue
-                self.metrics.observe_output(out, counted)
+                self.metrics.observe_output(out, arrival, counted)
                 if out.finished:
                     left.discard(out.request_id)
                     self.metrics.observe_finished(out, arrival, time.monotonic())

@@ -1,8 +1,9 @@
 """Prometheus metrics for the server (names follow vLLM's, with an `infer:` prefix).
 
-Token counters are updated as the engine's outputs arrive (as vLLM counts them, step by step), the other counters
-and histograms as requests finish; engine gauges (queue depth, running, KV usage) are read from the engine thread's
-latest stats snapshot at scrape time. Each server has its own CollectorRegistry.
+Token counters and the time to first token are updated as the engine's outputs arrive (as vLLM counts them, step by
+step), the other counters and the latency histogram as requests finish; engine gauges (queue depth, running, KV
+usage) are read from the engine thread's latest stats snapshot at scrape time.
+Each server has its own CollectorRegistry.
 """
 
 from __future__ import annotations
@@ -57,11 +58,12 @@ class ServerMetrics:
                              buckets=E2E_BUCKETS, registry=r)
         r.register(_EngineCollector(stats_fn))
 
-    def observe_output(self, out, counted: dict) -> None:
-        """Count the tokens of one engine output as vLLM counts them, step by step: the prompt at the request's first
-        output, then each token as it comes (a long request's throughput shows while it runs, and the tokens of a
-        request its client abandoned are counted too). `counted`: request id -> tokens counted so far."""
-        before = counted.get(out.request_id)
+    def observe_output(self, out, arrival: float, counted: dict) -> None:
+        """Count one engine output as vLLM counts it, step by step: the prompt at the request's first output, each
+        token as it comes and the time to the first token once there is one (a long request shows while it runs, and
+        a request its client abandoned is counted too). `arrival`: a time.monotonic() value; `counted`: request id ->
+        (tokens counted so far, whether its first token was timed)."""
+        before, timed = counted.get(out.request_id, (None, False))
         if before is None:
             self.prompt_tokens.inc(len(out.prompt_token_ids))
             before = 0
@@ -69,13 +71,14 @@ class ServerMetrics:
         if made > before:
             self.generation_tokens.inc(made - before)
             before = made
-        counted[out.request_id] = before
+        if not timed and out.first_token_time is not None:
+            self.ttft.observe(max(0.0, out.first_token_time - arrival))
+            timed = True
+        counted[out.request_id] = (before, timed)
 
     def observe_finished(self, out, arrival: float, end: float) -> None:
         """One engine request ended (any reason); `arrival`/`end` are time.monotonic() values."""
         self.finished.labels(out.finish_reason or "unknown").inc()
-        if out.first_token_time is not None:
-            self.ttft.observe(max(0.0, out.first_token_time - arrival))
         if out.finish_reason in ("stop", "length"):
             self.e2e.observe(max(0.0, end - arrival))
 
