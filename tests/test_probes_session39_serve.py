@@ -173,3 +173,16 @@ def test_the_time_to_first_token_of_a_stream_its_client_left_is_observed(base):
                 break  # the first token came; the client leaves
     _idle(base)
     assert _metric(base, "infer:time_to_first_token_seconds_count") - before == 1  # was 0: observed at the end only
+
+
+@pytest.mark.parametrize("method, path, body, status", [
+    ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400),
+    ("POST", "/v1/chat/completions", {"messages": MESSAGES, "model": "nope"}, 404),
+    ("GET", "/nowhere", None, 404),
+    ("GET", "/health", None, 200),
+    ("POST", "/tokenize", {"prompt": "hi"}, 200),
+], ids=["bad-request", "unknown-model", "unknown-route", "health", "tokenize"])
+def test_the_x_request_id_header_comes_back_on_every_answer(base, method, path, body, status):
+    r = httpx.request(method, base + path, json=body, headers={"X-Request-Id": "err-1"}, timeout=60)
+    assert r.status_code == status and r.headers.get("x-request-id") == "err-1"
+    assert "x-request-id" not in httpx.request(method, base + path, json=body, timeout=60).headers

@@ -304,19 +304,15 @@ async def _generate(server: Server, request: Request, chat: bool):
     lora = server.lora_for(req.model)
     p.check_context(req, server.engine.max_model_len)
     model = req.model or server.model_id
-    # the client's id names the response, as in vLLM (the X-Request-Id header first, then the body's request_id),
-    # and an X-Request-Id header comes back; the engine's ids stay the server's own, so two requests that send the
-    # same id do not collide
-    header = request.headers.get("x-request-id")
-    rid = p.new_id(chat, header or req.request_id)
+    # the client's id names the response, as in vLLM (the X-Request-Id header first, then the body's request_id;
+    # RequestIdMiddleware sends the header back); the engine's ids stay the server's own, so two requests that send
+    # the same id do not collide
+    rid = p.new_id(chat, request.headers.get("x-request-id") or req.request_id)
     queue, ids = server.submit(req, lora, p.new_id(chat))
-    echo = {"X-Request-Id": header} if header else {}
     if req.stream:
         return StreamingResponse(_stream(server, req, rid, model, queue, ids, arrival),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache", **echo})
-    response = await _complete(server, req, rid, model, queue, ids, request, arrival)
-    response.headers.update(echo)
-    return response
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return await _complete(server, req, rid, model, queue, ids, request, arrival)
 
 
 async def _tokenization(server: Server, request: Request, detokenize: bool):
@@ -335,6 +331,29 @@ async def _tokenization(server: Server, request: Request, detokenize: bool):
     return SafeJSONResponse(out)
 
 
+class RequestIdMiddleware:
+    """Pure ASGI middleware: a request's X-Request-Id header comes back on its response, whatever the route and
+    status (an error too), as vLLM's --enable-request-id-headers sends it, so a client or a proxy can match them."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = [value for name, value in scope.get("headers", ()) if name.lower() == b"x-request-id"]
+        if not given or not given[0]:
+            return await self.app(scope, receive, send)
+
+        async def echoing_send(message):
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", ()) if h[0].lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", given[0])]}
+            await send(message)
+
+        await self.app(scope, receive, echoing_send)
+
+
 def create_app(server: Server) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -349,6 +368,7 @@ def create_app(server: Server) -> FastAPI:
     app.state.server = server
     app.add_middleware(ErrorGuardMiddleware)  # inner: its 500s pass through the metrics middleware
     app.add_middleware(HttpMetricsMiddleware, metrics_fn=lambda: server.metrics)
+    app.add_middleware(RequestIdMiddleware)  # outermost: a 500 of the guard carries the id too
     _install_handlers(app)
     _add_routes(app, server)
     return app
