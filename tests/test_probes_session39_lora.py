@@ -227,3 +227,20 @@ def test_bdlora_patterns_that_are_not_a_list_of_names_are_named(tmp_path, patter
     path = _edit(make_adapter(tmp_path, "bd", target_modules=["q_proj"]),
                  use_bdlora={"nblocks": 2, "target_modules_bd_a": patterns})
     assert "has a use_bdlora infer cannot read" in str(adapter_problems("bd", path, tiny_config())[0])
+
+
+def test_lora_validate_warns_of_weights_beyond_the_dtype_a_gpu_serves_the_base_in(tiny_adapters, tmp_path):
+    """lora-validate's numeric check runs in float32, so an adapter whose weights are beyond float16's range passed
+    it, and `--lora` on a GPU (float16 for a float32 or float16 checkpoint with --dtype auto) then refused it."""
+    import shutil
+
+    from infer.lora.validate import static_reports
+    base, paths = tiny_adapters
+    big = shutil.copytree(paths["a"], tmp_path / "big")
+    f = big / "adapter_model.safetensors"
+    save_file({k: v * (1e6 if "lora_A" in k else 1e-6) for k, v in load_file(str(f)).items()}, str(f))
+    _, reports, _ = static_reports(str(base), [f"big={big}", f"a={paths['a']}"])
+    by_name = {r.name: r for r in reports}
+    assert by_name["big"].static_ok and by_name["a"].warnings == []
+    warned = [w for w in by_name["big"].warnings if "beyond float16's range (65504)" in w]
+    assert warned and "--dtype bfloat16 or float32" in warned[0], by_name["big"].warnings

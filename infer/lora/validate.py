@@ -126,8 +126,38 @@ def static_report(name: str, path: Path, base_config, max_rank: int | None, base
     report.targets = [p for p in PROJECTIONS if p in found] or _config_targets(cfg)
     report.shapes = shape_summary(adapter, base_config)
     if base is not None:
-        report.warnings = [w for w in [base_name_warning(name, cfg, base, given or str(base.path))] if w]
+        warnings = [base_name_warning(name, cfg, base, given or str(base.path)), range_warning(adapter, base)]
+        report.warnings = [w for w in warnings if w]
     return report
+
+
+def served_dtype(base: "BaseInfo"):
+    """The dtype a GPU engine serves BASE in with --dtype auto: the checkpoint's float16/bfloat16, else float16
+    (as engine.config.EngineConfig.torch_dtype on a CUDA device)."""
+    import torch
+    d = getattr(base.config, "dtype", None) or getattr(base.config, "torch_dtype", None)
+    d = getattr(torch, d, None) if isinstance(d, str) else d
+    return d if d in (torch.float16, torch.bfloat16) else torch.float16
+
+
+def range_warning(adapter, base: "BaseInfo") -> str | None:
+    """A warning when a weight of the adapter is beyond the range of the dtype a GPU serves BASE in (a float32
+    adapter on a float16 base): `--lora` refuses it there (cast, it would be inf), while the numeric check here runs
+    in float32 and passes."""
+    import torch
+    dtype = served_dtype(base)
+    limit = torch.finfo(dtype).max
+    for m in adapter.modules.values():
+        for kind, t in (("lora_A", m.lora_a), ("lora_B", m.lora_b)):
+            if not t.is_floating_point() or t.numel() == 0:
+                continue
+            largest = t.float().abs().max().item() if t.element_size() == 1 else t.abs().max().item()
+            if largest > limit:
+                name = str(dtype).removeprefix("torch.")
+                return (f"{m.name}: {kind} holds values up to {largest:.3g}, beyond {name}'s range ({limit:.5g}): a "
+                        f"GPU engine serves this base in {name} (--dtype auto) and refuses the adapter there; serve it "
+                        f"with --dtype {'bfloat16 or float32' if dtype == torch.float16 else 'float32'}")
+    return None
 
 
 def _config_targets(cfg: dict) -> list[str]:
