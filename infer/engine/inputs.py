@@ -379,7 +379,7 @@ class ModelNames:
         if model is not None and model in self.base and model in self.adapters:  # it ran the base, unsaid
             raise RequestError(f"body.model {model!r} names both the base model and the adapter --lora {model}=...",
                                "register the adapter under another name (--lora OTHER=PATH) and name that one")
-        if model is None or model in self.base:
+        if not model or model in self.base:  # no name or an empty one: the base, as the server runs it (and vLLM)
             return None
         if model in self.adapters:
             return model
