@@ -137,6 +137,7 @@ class LLMEngine:
             self.runner.capture_graphs(self.max_model_len)
             self.start_times["cuda_graphs_s"] = time.perf_counter() - t0
         self.detokenizer = Detokenizer(self.tokenizer)
+        self.tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)  # vLLM's EOS (stop_reason None)
         # structured outputs: xgrammar's compiler over the vocabulary the logits cover, made on first use
         self.grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
         self.requests: dict[str, Sequence] = {}
@@ -489,8 +490,9 @@ class LLMEngine:
         eos = not p.ignore_eos and token in self.eos_token_ids
         is_stop_token = eos or token in p.stop_token_ids
         stop_string = self.detokenizer.update(seq, is_stop_token)
-        if is_stop_token:  # as vLLM's stop_reason: None for EOS, else the stop token's id (or the stop string)
-            seq.stop_reason = None if eos else token
+        if is_stop_token:  # as vLLM's stop_reason: None for the tokenizer's EOS, else the stop token's id (or the
+            # stop string); vLLM stops at generation_config's other eos_token_ids as stop_token_ids, which report theirs
+            seq.stop_reason = None if token == self.tokenizer_eos and not p.ignore_eos else token
         if is_stop_token or stop_string:
             self.scheduler.finish(seq, "stop")
         elif (p.max_new_tokens is not None and seq.num_generated >= p.max_new_tokens) \
