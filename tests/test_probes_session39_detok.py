@@ -47,6 +47,131 @@ def _write(path, lines):
     return path
 
 
+# ------------------------------------------------------------------------------------------------ detokenize=False
+def test_detokenize_false_gives_the_token_ids_without_text(llm):
+    """vLLM: outputs carry token ids only. infer refused it ("infer does not support it")."""
+    plain = llm.generate([PROMPT], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    ids_only = llm.generate([PROMPT], SamplingParams(max_tokens=6, ignore_eos=True, detokenize=False))[0]
+    assert plain.text and ids_only.text == ""
+    assert ids_only.token_ids == plain.token_ids and ids_only.finish_reason == "length"
+
+
+def test_detokenize_false_skips_the_detokenizers_work(llm, monkeypatch):
+    def no_decoding(*_):
+        raise AssertionError("decoded a request that asked for no text")
+    det = llm.engine.detokenizer
+    monkeypatch.setattr(det, "_decode", no_decoding)
+    monkeypatch.setattr(det, "_decode_all", no_decoding)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False))[0]
+    assert len(out.token_ids) == 4 and out.text == ""
+
+
+def test_detokenize_false_refuses_stop_strings_as_vllm():
+    with pytest.raises(RequestError, match="stop strings need the output text"):
+        SamplingParams(stop=["x"], detokenize=False)
+    assert SamplingParams(stop_token_ids=[5], detokenize=False).stop_token_ids == [5]
+    with pytest.raises(RequestError, match="detokenize must be true or false"):
+        SamplingParams(detokenize="no")
+
+
+def test_a_batch_line_with_detokenize_false_gets_its_token_ids_and_no_text(tmp_path):
+    lines = [{"id": "ids", "prompt": PROMPT, "max_new_tokens": 3, "ignore_eos": True, "detokenize": False},
+             {"id": "text", "prompt": PROMPT, "max_new_tokens": 3, "ignore_eos": True},
+             {"id": "stop", "prompt": PROMPT, "max_new_tokens": 3, "stop": ["x"], "detokenize": False}]
+    out = tmp_path / "out.jsonl"
+    res = runner.invoke(app, ["run", "tiny-llama", str(_write(tmp_path / "in.jsonl", lines)), "-o", str(out), "-q"])
+    recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert res.exit_code == 1, res.output  # the stop line's error
+    assert recs["ids"]["error"] is None and recs["ids"]["text"] == ""
+    assert recs["ids"]["token_ids"] == recs["text"]["token_ids"] and len(recs["ids"]["token_ids"]) == 3
+    assert "stop strings need the output text" in recs["stop"]["error"]
+
+
+# ----------------------------------------------------------------------------- spaces_between_special_tokens=False
+@pytest.mark.parametrize("spaces", [True, False])
+def test_spaces_between_special_tokens_gives_the_tokenizers_decode(llm, spaces):
+    """The reply's text is `tokenizer.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=...)`
+    (what vLLM's text is); False was refused."""
+    tok = llm.get_tokenizer()
+    forced = _specials(tok)
+    p = SamplingParams(max_tokens=3, ignore_eos=True, skip_special_tokens=False, prefix_token_ids=forced,
+                       spaces_between_special_tokens=spaces)
+    out = llm.generate([PROMPT], p)[0]
+    assert out.token_ids[:len(forced)] == forced
+    assert out.text == tok.decode(out.token_ids, skip_special_tokens=False, spaces_between_special_tokens=spaces)
+
+
+class _JoiningTokenizer:
+    """A tokenizer whose decode honours spaces_between_special_tokens (transformers' slow tokenizers of version 4
+    did: special tokens' text joined to the rest with a space, or not)."""
+
+    def __init__(self, tok):
+        self.tok, self.all_special_ids, self.eos_token_id = tok, tok.all_special_ids, tok.eos_token_id
+
+    def decode(self, ids, skip_special_tokens=False, spaces_between_special_tokens=True):
+        parts, run = [], []
+        for i in ids:
+            if i in self.all_special_ids and skip_special_tokens:
+                continue  # (as transformers 4's slow decode: a skipped token does not split the text)
+            if i in self.all_special_ids:
+                if run:
+                    parts.append(self.tok.decode(run))
+                run = []
+                parts.append(self.tok.convert_ids_to_tokens(i))
+            else:
+                run.append(i)
+        if run:
+            parts.append(self.tok.decode(run))
+        return (" " if spaces_between_special_tokens else "").join(parts)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("spaces", [True, False])
+def test_the_text_is_the_decode_of_a_tokenizer_that_honours_the_spaces(llm, skip, spaces):
+    tok = _JoiningTokenizer(llm.get_tokenizer())
+    det = Detokenizer(tok)
+    ids = _specials(llm.get_tokenizer())
+    seq = Sequence("r", [1], SamplingParams(skip_special_tokens=skip, spaces_between_special_tokens=spaces))
+    for i in ids:  # token by token, as the engine appends them
+        seq.output_token_ids.append(i)
+        det.update(seq, False)
+        assert seq.text == tok.decode(seq.output_token_ids, skip_special_tokens=skip,
+                                      spaces_between_special_tokens=spaces)
+    assert ("<|endoftext|> <|im_end|>" in seq.text) == (spaces and not skip), seq.text
+
+
+def test_a_batch_line_with_spaces_between_special_tokens_false_is_answered(tmp_path, llm):
+    body = {"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True, "skip_special_tokens": False,
+            "spaces_between_special_tokens": False}
+    lines = [{"custom_id": "b", "url": "/v1/completions", "body": body},
+             {"id": "p", "prompt": PROMPT, "max_new_tokens": 3, "ignore_eos": True, "skip_special_tokens": False,
+              "spaces_between_special_tokens": False}]
+    out = tmp_path / "out.jsonl"
+    res = runner.invoke(app, ["run", "tiny-llama", str(_write(tmp_path / "in.jsonl", lines)), "-o", str(out), "-q"])
+    assert res.exit_code == 0, res.output
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(recs) == 2 and all(r.get("error") is None for r in recs), recs
+
+
+@pytest.mark.parametrize("route, body", [("/v1/completions", {"prompt": PROMPT}),
+                                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})],
+                         ids=["completions", "chat"])
+def test_the_server_takes_spaces_between_special_tokens_false(llm, route, body):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    tok = llm.get_tokenizer()
+    with serve_in_thread(Server(AsyncEngine(llm.engine, max_queue=8), "tiny")) as url:
+        r = httpx.post(url + route, json={**body, "max_tokens": 4, "ignore_eos": True, "skip_special_tokens": False,
+                                          "spaces_between_special_tokens": False, "return_token_ids": True},
+                       timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    text = choice["text"] if "text" in choice else choice["message"]["content"]
+    assert text == tok.decode(choice["token_ids"], skip_special_tokens=False, spaces_between_special_tokens=False)
+
+
 # ------------------------------------------------------------------------ generation_config's other eos_token_ids
 @pytest.fixture(scope="module")
 def two_eos(tmp_path_factory, llm, path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 from .sequence import Sequence
@@ -41,6 +42,10 @@ def _byte_tokens(tokenizer) -> frozenset[int]:
     return frozenset(i for t, i in vocab.items() if len(t) == 6 and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", t))
 
 
+def _decode_joined(tokenizer, skip_special_tokens: bool, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=False)
+
+
 class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -48,6 +53,10 @@ class Detokenizer:
         # skip_special_tokens=False (vLLM's field): the special tokens' text stays
         self._decode_all = _fast_decode(tokenizer, False) or (
             lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+        # spaces_between_special_tokens=False (vLLM's field): passed to the tokenizer's decode, as vLLM's text is that
+        # decode's; the Rust decode (_fast_decode) is transformers' decode whatever it says, which ignores it
+        self._decode_joined = {skip: _fast_decode(tokenizer, skip) or functools.partial(
+            _decode_joined, tokenizer, skip) for skip in (True, False)}
         # incremental: only the tokens after the last whole character are decoded each step (else all of them)
         self.incremental = _concatenative(tokenizer)
         # decoded whole each step: text from a trailing run of byte tokens is not streamed until the run ends
@@ -60,9 +69,14 @@ class Detokenizer:
         include_stop_str_in_output. With min_tokens, no stop string is searched for until the reply is longer, and
         then only one that ends after the text of the first min_tokens tokens (as vLLM)."""
         p = seq.params
+        if not p.detokenize:  # vLLM's detokenize=False: token ids only, no text (and no stop string to search)
+            return False
         ids = seq.output_token_ids[:-1] if stop_token and not p.include_stop_str_in_output else seq.output_token_ids
         skip = p.skip_special_tokens
-        decode = self._decode if skip else self._decode_all
+        if not p.spaces_between_special_tokens:
+            decode = self._decode_joined[skip]
+        else:
+            decode = self._decode if skip else self._decode_all
         if self.incremental and seq.decoded_tokens <= len(ids):
             tail = decode(ids[seq.decoded_tokens:])
             text = seq.decoded_text + tail

@@ -24,7 +24,8 @@ _PARAM_TYPES: dict[str, tuple] = {
     "frequency_penalty": (int, float), "stop": (str, list), "stop_token_ids": (list,), "seed": (int,),
     "ignore_eos": (bool,), "prefix_token_ids": (list,), "logprobs": (int, bool),
     "min_p": (int, float), "min_tokens": (int,), "logit_bias": (dict,), "allowed_token_ids": (list,),
-    "include_stop_str_in_output": (bool,), "skip_special_tokens": (bool,), "truncate_prompt_tokens": (int,),
+    "include_stop_str_in_output": (bool,), "skip_special_tokens": (bool,), "spaces_between_special_tokens": (bool,),
+    "detokenize": (bool,), "truncate_prompt_tokens": (int,),
     "prompt_logprobs": (int,), "structured_outputs": (dict,), "bad_words": (list,),
 }
 _PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
@@ -46,9 +47,7 @@ UNSUPPORTED_OPENAI = {
     # vLLM's extensions that change the reply: silently dropped, the client would get another reply than it asked
     "use_beam_search": (lambda v: v is None or v is False, "beam search is not supported"),
     "return_tokens_as_token_ids": (lambda v: v is None or v is False, "return_tokens_as_token_ids is not supported"),
-    # (these three were dropped without a word; SamplingParams refuses the first two at other values than these)
-    "spaces_between_special_tokens": (lambda v: v is None or v is True,
-                                      "spaces_between_special_tokens=false is not supported"),
+    # (these two were dropped without a word; SamplingParams refuses the first at other values than this)
     "logits_processors": (lambda v: not v, "logits_processors are not supported"),
     "prompt_embeds": (lambda v: v is None, "prompt_embeds are not supported: send the prompt as text or token ids"),
 }

@@ -49,6 +49,10 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
     include_stop_str_in_output: bool = False  # the stop string (or stop token's text) stays at the end of the text
     skip_special_tokens: bool = True  # special tokens' text left out of the output text
+    # with skip_special_tokens=False: tokenizer.decode's spaces_between_special_tokens (transformers' fast tokenizers
+    # ignore it; a tokenizer whose decode honours it joins special tokens with spaces, or not)
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True  # False: no text is made (outputs carry token ids only; stop strings refused)
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: the context length's)
     prompt_logprobs: int | None = None  # each prompt token's logprob (and top-k) given the tokens before it
     # the reply follows a JSON schema, a regex, a choice or a grammar (engine/structured.py); a dict of its fields too
@@ -128,6 +132,9 @@ class SamplingParams:
         for ok, msg in checks:
             if not ok:
                 raise RequestError(msg)
+        if self.stop and not self.detokenize:  # as vLLM: a stop string is searched for in the text
+            raise RequestError("stop strings need the output text, which detokenize=False does not make",
+                               "set detokenize=True, or stop on token ids with stop_token_ids")
         check_text(self.stop, "stop")  # a lone surrogate: the tokenizer's TypeError when bad_words were encoded
         check_text(self.bad_words, "bad_words")
         self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
@@ -157,7 +164,8 @@ class SamplingParams:
                 setattr(self, name, int(value))  # a numpy integer too, as a plain int from here on
         if self.seed == -1:  # vLLM's (and many clients') "no seed": a random draw, not an error
             self.seed = None
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                     "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name} must be true or false, got {type(getattr(self, name)).__name__}")
         if self.min_tokens is None:
@@ -203,9 +211,9 @@ _OTHER_NAMES = {"max_completion_tokens": "max_new_tokens", "top_logprobs": "logp
                 "guided_decoding": "structured_outputs (vLLM's newer name; its fields are the same)",
                 "do_sample": "temperature > 0 (0, the default, is greedy)"}
 # vLLM's fields infer does not implement -> the values that change nothing (vLLM's defaults), which are taken, so that
-# vLLM code spelling a default out (spaces_between_special_tokens=True, best_of=None) runs unchanged
-_UNSUPPORTED = {"best_of": (None, 1), "spaces_between_special_tokens": (True,), "use_beam_search": (False,),
-                "num_beams": (1,), "detokenize": (True,), "logits_processors": (None,), "extra_args": (None,)}
+# vLLM code spelling a default out (use_beam_search=False, best_of=None) runs unchanged
+_UNSUPPORTED = {"best_of": (None, 1), "use_beam_search": (False,), "num_beams": (1,), "logits_processors": (None,),
+                "extra_args": (None,)}
 
 
 def _refuse_unknown_names(init):

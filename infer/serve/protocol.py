@@ -26,8 +26,8 @@ _ALIASES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_to
 _PARAM_KEYS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "repetition_penalty",
                "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "seed", "ignore_eos", "logprobs",
                "top_logprobs", "max_length", "min_p", "min_tokens", "logit_bias", "allowed_token_ids",
-               "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens", "prompt_logprobs",
-               "bad_words"}
+               "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+               "truncate_prompt_tokens", "prompt_logprobs", "bad_words"}
 _FIELD = re.compile(r"^(?:field ')?([a-z_]+)'?")
 MAX_N = 128  # choices per request (each one is an engine request)
 # Every field of a completions or chat body that OpenAI or vLLM defines: what infer reads, what it refuses at other
