@@ -104,6 +104,16 @@ def serve(
                                                                    "render its messages (the template runs on the "
                                                                    "server: only for clients you trust).",
                                                               rich_help_panel=SERVER)] = False,
+    allowed_origins: Annotated[str, typer.Option("--allowed-origins", help="CORS: origins a browser page may call "
+                                                 "from, a JSON list (as vLLM's), e.g. '[\"http://localhost:3000\"]'.",
+                                                 rich_help_panel=SERVER)] = '["*"]',
+    allowed_methods: Annotated[str, typer.Option("--allowed-methods", help="CORS: methods allowed, a JSON list.",
+                                                 rich_help_panel=SERVER)] = '["*"]',
+    allowed_headers: Annotated[str, typer.Option("--allowed-headers", help="CORS: request headers allowed, a JSON "
+                                                 "list.", rich_help_panel=SERVER)] = '["*"]',
+    allow_credentials: Annotated[bool, typer.Option("--allow-credentials", help="CORS: let pages send credentials "
+                                                    "(cookies, Authorization) across origins.",
+                                                    rich_help_panel=SERVER)] = False,
     engine: EngineConfig = None,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health,
@@ -118,6 +128,8 @@ def serve(
     _check_server_options(port, max_queue, shutdown_timeout, log_level, api_key)
     parser = _tool_parser(enable_auto_tool_choice, tool_call_parser)
     thinking = _reasoning_parser(reasoning_parser)
+    from ..serve.cors import cors_options
+    cors = cors_options(allowed_origins, allowed_methods, allowed_headers, allow_credentials)
     if not host.strip():  # an empty address binds every interface: never do that by accident (`--host "$UNSET"`)
         raise ConfigError("--host is empty", "give an address: 127.0.0.1 (this machine) or 0.0.0.0 (every interface)")
     from ..serve.body import BodyLimits
@@ -133,9 +145,10 @@ def serve(
             from .serve_parallel import serve_data_parallel
             return serve_data_parallel(engine, sock, host, model_id, api_key, max_queue, shutdown_timeout, log_level,
                                        data_parallel, ray_address, limits, allow_runtime_lora, parser, thinking,
-                                       trust_request_chat_template=trust_request_chat_template)
+                                       trust_request_chat_template=trust_request_chat_template, cors=cors)
         _serve(engine, sock, host, model_id, api_key, max_queue, shutdown_timeout, log_level, limits,
-               allow_runtime_lora, parser, thinking, trust_request_chat_template=trust_request_chat_template)
+               allow_runtime_lora, parser, thinking, trust_request_chat_template=trust_request_chat_template,
+               cors=cors)
     finally:
         sock.close()
 
@@ -181,7 +194,7 @@ def _check_server_options(port: int, max_queue: int, shutdown_timeout: float, lo
 def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, model_id: str, api_key: str | None,
            max_queue: int | None, shutdown_timeout: float, log_level: str, limits, runtime_lora: bool = False,
            tool_parser: str | None = None, reasoning_parser: str | None = None,
-           trust_request_chat_template: bool = False) -> None:
+           trust_request_chat_template: bool = False, cors=None) -> None:
     from ..serve.native import bound_native_caches
     bound_native_caches()  # before any model code runs: the caches read their capacity once
     from ..engine.llm_engine import LLMEngine
@@ -193,7 +206,8 @@ def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, model_id
     engine.warm_kernels()
     server = Server(AsyncEngine(engine, max_queue), model_id, api_key=api_key, graceful_timeout=shutdown_timeout,
                     limits=limits, runtime_lora=runtime_lora, tool_parser=tool_parser,
-                    reasoning_parser=reasoning_parser, trust_request_chat_template=trust_request_chat_template)
+                    reasoning_parser=reasoning_parser, trust_request_chat_template=trust_request_chat_template,
+                    cors=cors)
     app = create_app(server)
     bound = sock.getsockname()[1]
     names = (", ".join(server.adapters()) or "none") + (" (more can be loaded)" if runtime_lora else "")

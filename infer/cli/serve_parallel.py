@@ -17,14 +17,14 @@ def serve_data_parallel(cfg, sock: socket.socket, host: str, model_id: str, api_
                         max_queue: int | None, shutdown_timeout: float, log_level: str, replicas: int,
                         address: str | None, limits=None, runtime_lora: bool = False,
                         tool_parser: str | None = None, reasoning_parser: str | None = None,
-                        trust_request_chat_template: bool = False) -> None:
+                        trust_request_chat_template: bool = False, cors=None) -> None:
     require_ray()
     from ..serve.app import create_app
     from ..serve.lifecycle import uvicorn_server
     with ray_runtime(address, local_cpus(replicas)) as ray:
         server, infos = build_server(ray, cfg, replicas, model_id, api_key, max_queue, shutdown_timeout, limits,
                                      runtime_lora, tool_parser, reasoning_parser,
-                                     trust_request_chat_template=trust_request_chat_template)
+                                     trust_request_chat_template=trust_request_chat_template, cors=cors)
         try:
             where = placement(infos)
             names = (", ".join(server.adapters()) or "none") + (" (more can be loaded)" if runtime_lora else "")

@@ -32,7 +32,7 @@ class ReplicaCollector:
 
 def build_server(ray, engine_config, replicas: int, model_id: str, api_key: str | None, max_queue: int | None,
                  shutdown_timeout: float, limits=None, runtime_lora: bool = False, tool_parser: str | None = None,
-                 reasoning_parser: str | None = None, trust_request_chat_template: bool = False):
+                 reasoning_parser: str | None = None, trust_request_chat_template: bool = False, cors=None):
     """Start the replicas, compile their kernels (`warm_kernels`), and return (Server, replica infos) for the app."""
     from ..engine.setup import load_tokenizer
     from ..models.resolve import resolve_model
@@ -50,6 +50,6 @@ def build_server(ray, engine_config, replicas: int, model_id: str, api_key: str 
         raise
     server = Server(aengine, model_id, api_key=api_key, graceful_timeout=shutdown_timeout, limits=limits,
                     runtime_lora=runtime_lora, tool_parser=tool_parser, reasoning_parser=reasoning_parser,
-                    trust_request_chat_template=trust_request_chat_template)
+                    trust_request_chat_template=trust_request_chat_template, cors=cors)
     server.metrics.registry.register(ReplicaCollector(aengine))
     return server, infos

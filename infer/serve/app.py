@@ -11,6 +11,7 @@ from contextlib import aclosing, asynccontextmanager, contextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -21,6 +22,7 @@ from . import protocol as p
 from .adapters import add_adapter_routes
 from .async_engine import NO_ENGINE, AsyncEngine, NoEngineError, QueueFullError, ShuttingDownError
 from .body import BodyLimits, ClientGone, SafeJSONResponse, read_body
+from .cors import CorsOptions
 from .guard import ErrorGuardMiddleware
 from .lifecycle import uvicorn_server
 from .metrics import CONTENT_TYPE, HttpMetricsMiddleware, ServerMetrics
@@ -42,13 +44,14 @@ class Server:
     def __init__(self, aengine: AsyncEngine, model_id: str, api_key: str | None = None, retry_after: int = 1,
                  graceful_timeout: float = 30.0, limits: BodyLimits | None = None, runtime_lora: bool = False,
                  tool_parser: str | None = None, reasoning_parser: str | None = None,
-                 trust_request_chat_template: bool = False):
+                 trust_request_chat_template: bool = False, cors: CorsOptions | None = None):
         """`runtime_lora`: the routes that load and unload adapters while serving are on (serve/adapters.py).
         `tool_parser`: --tool-call-parser, which reads the calls of tool_choice "auto" (serve/tools.py).
         `reasoning_parser`: --reasoning-parser, which splits a chat reply's reasoning from its content
         (serve/reasoning.py). `trust_request_chat_template`: a chat request's own chat_template renders it (else it
-        is a 400)."""
+        is a 400). `cors`: --allowed-origins and the like (serve/cors.py; default: vLLM's, every origin)."""
         self.aengine, self.model_id, self.api_key = aengine, model_id, api_key
+        self.cors = cors or CorsOptions()
         self.runtime_lora = runtime_lora
         self.limits = limits or BodyLimits()
         self.retry_after, self.graceful_timeout = retry_after, graceful_timeout
@@ -367,6 +370,9 @@ def create_app(server: Server) -> FastAPI:
     app = FastAPI(title="infer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
     app.add_middleware(ErrorGuardMiddleware)  # inner: its 500s pass through the metrics middleware
+    # CORS outside the guard (a 500 gets the CORS headers too, so a page can read it) and before routing, so that a
+    # preflight OPTIONS is answered without --api-key (as vLLM); inside the metrics and X-Request-Id middlewares
+    app.add_middleware(CORSMiddleware, **server.cors.middleware_kwargs())
     app.add_middleware(HttpMetricsMiddleware, metrics_fn=lambda: server.metrics)
     app.add_middleware(RequestIdMiddleware)  # outermost: a 500 of the guard carries the id too
     _install_handlers(app)
