@@ -118,3 +118,91 @@ def test_data_parallel_serving_gets_the_cors_options_too(monkeypatch):
     ps.build_server(types.SimpleNamespace(get=lambda refs: refs), EngineConfig("tiny-llama"), 2, "m", None, 8, 1.0,
                     cors=CorsOptions((PAGE,)))
     assert seen["server"] == CorsOptions((PAGE,))
+
+
+# -------------------------------------------------------------------------------------------------- metrics
+def _samples(base: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(f"{base}/metrics").text
+    return {s.name + (str(sorted(s.labels.items())) if s.labels else ""): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _complete(base: str, prompt, n: int, stream: bool = False) -> int:
+    body = {"prompt": prompt, "max_tokens": n, "ignore_eos": True, "stream": stream,
+            "stream_options": {"include_usage": True}} if stream else {"prompt": prompt, "max_tokens": n,
+                                                                         "ignore_eos": True}
+    if not stream:
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data: {")]
+    import json
+    return json.loads(lines[-1][6:])["usage"]["prompt_tokens"]
+
+
+def test_vllm_request_metrics_count_what_the_requests_did():
+    engine = LLMEngine(EngineConfig("tiny-llama", block_size=4, max_num_seqs=4))
+    prompt = list(range(5, 15))  # 10 tokens: a second run finds its first 8 (two whole blocks) cached
+    made = [6, 1, 3, 4]
+    with _server(engine) as base:
+        before = _samples(base)
+        assert before["infer:inter_token_latency_seconds_count"] == 0
+        assert before["infer:prefix_cache_queries_total"] == 0 and before["infer:num_preemptions_total"] == 0
+        prompts = [_complete(base, prompt, made[0]), _complete(base, prompt, made[1]),
+                   _complete(base, "hello there", made[2], stream=True), _complete(base, [7, 8, 9], made[3])]
+        m = _samples(base)
+    assert prompts[:2] == [10, 10]
+    n = len(made)
+    assert m["infer:request_prompt_tokens_count"] == n and m["infer:request_prompt_tokens_sum"] == sum(prompts)
+    assert m["infer:request_generation_tokens_count"] == n and m["infer:request_generation_tokens_sum"] == sum(made)
+    assert m["infer:inter_token_latency_seconds_count"] == sum(k - 1 for k in made)
+    assert m["infer:request_time_per_output_token_seconds_count"] == sum(k > 1 for k in made)
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert m[f"infer:request_{phase}_time_seconds_count"] == n
+    # each is a difference of the engine's timestamps: they add up
+    assert m["infer:inter_token_latency_seconds_sum"] == pytest.approx(m["infer:request_decode_time_seconds_sum"])
+    assert m["infer:request_inference_time_seconds_sum"] == pytest.approx(
+        m["infer:request_prefill_time_seconds_sum"] + m["infer:request_decode_time_seconds_sum"])
+    assert m["infer:request_inference_time_seconds_sum"] > 0
+    # every prompt looked up once (nothing was preempted); the repeated prompt found two blocks
+    assert m["infer:num_preemptions_total"] == 0
+    assert m["infer:prefix_cache_queries_total"] == sum(prompts)
+    assert m["infer:prefix_cache_hits_total"] == 8
+    assert m["infer:generation_tokens_total"] == sum(made)
+
+
+def test_preemptions_show_in_metrics():
+    import concurrent.futures
+    engine = LLMEngine(EngineConfig("tiny-llama", block_size=4, max_num_seqs=4, num_kv_blocks=10, max_model_len=40))
+    with _server(engine) as base:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda i: _complete(base, [10 + i] * 6, 14), range(4)))
+        m = _samples(base)
+    assert engine.stats()["num_preemptions"] > 0
+    assert 0 < m["infer:num_preemptions_total"] <= engine.stats()["num_preemptions"]  # a scrape sees the last snapshot
+    assert m["infer:prefix_cache_queries_total"] == engine.block_manager.prefix_queries > 4 * 6
+    assert m["infer:inter_token_latency_seconds_count"] == 4 * 13
+
+
+def test_inter_token_latency_from_outputs_read_step_by_step_or_shipped_whole():
+    """A replica's outputs come pickled (their lists read): the same latencies as the engine's lazy ones."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from infer.engine.outputs import RequestOutput
+    from infer.serve.metrics import ServerMetrics
+    metrics, counted = ServerMetrics(lambda: {}, max_model_len=64), {}
+    times = [10.0, 10.5, 11.5, 13.5]
+    for k in (1, 3, 4):  # the second output brings two tokens at once
+        out = RequestOutput("r", [1, 2], token_ids=list(range(k)), token_times=times[:k], arrival_time=9.0,
+                            first_token_time=10.0, first_scheduled_time=9.5, finished=k == 4,
+                            finish_reason="length" if k == 4 else None, finished_time=13.5)
+        metrics.observe_output(out, 9.0, counted)
+    metrics.observe_finished(out, 9.0, 14.0)
+    m = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    assert m["infer:inter_token_latency_seconds_count"] == 3 and m["infer:inter_token_latency_seconds_sum"] == 3.5
+    assert m["infer:request_queue_time_seconds_sum"] == 0.5 and m["infer:request_prefill_time_seconds_sum"] == 0.5
+    assert m["infer:request_decode_time_seconds_sum"] == 3.5 and m["infer:request_inference_time_seconds_sum"] == 4.0
+    assert m["infer:request_time_per_output_token_seconds_sum"] == pytest.approx(3.5 / 3)

@@ -568,6 +568,7 @@ class LLMEngine:
             "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks,
             "kv_usage": bm.num_used_blocks / bm.num_blocks,
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate(), "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": bm.prefix_queries, "prefix_cache_hits": bm.prefix_hits,
             "lora_swaps": self.lora_manager.swaps if self.lora_manager else 0, "num_steps": self.num_steps,
             "cuda_graph_replays": sum(self.runner.graphs.replays.values()) if self.runner and self.runner.graphs else 0,
             "piecewise_graph_steps": sum(self.runner.pieces.replays.values()) if self.runner and self.runner.pieces

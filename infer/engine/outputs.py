@@ -190,6 +190,13 @@ class RequestOutput:
             self._materialize()
         return self._token_times
 
+    def token_times_from(self, start: int) -> list[float]:
+        """token_times[start:], without copying the request's whole history (the server's metrics read the times of
+        each step's new tokens)."""
+        if self._seq is not None:
+            return self._seq.token_times[start:self.num_generated]
+        return self._token_times[start:]
+
     @property
     def num_generated(self) -> int:
         """Tokens the model generated: what max_new_tokens limits and completion_tokens counts."""

@@ -29,7 +29,7 @@ DEPTH = 2  # step calls queued per replica
 POLL_S = 0.02  # how long the driver waits for a replica before it looks for new requests again
 PING_S = 5.0  # an idle driver checks its replicas this often: one that died between requests is noticed
 SUMMED = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "num_preemptions", "lora_swaps",
-          "num_steps", "cuda_graph_replays", "piecewise_graph_steps")
+          "num_steps", "cuda_graph_replays", "piecewise_graph_steps", "prefix_cache_queries", "prefix_cache_hits")
 
 
 class _Adapters:

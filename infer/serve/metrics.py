@@ -1,20 +1,39 @@
 """Prometheus metrics for the server (names follow vLLM's, with an `infer:` prefix).
 
-Token counters and the time to first token are updated as the engine's outputs arrive (as vLLM counts them, step by
-step), the other counters and the latency histogram as requests finish; engine gauges (queue depth, running, KV
-usage) are read from the engine thread's latest stats snapshot at scrape time.
+Token counters, the time to first token and the inter-token latency are updated as the engine's outputs arrive (as
+vLLM counts them, step by step); the finish counter and the per-request histograms (latency, queue / prefill / decode /
+inference time, time per output token, prompt and generation tokens) as requests finish, the histograms for requests
+that ended by stop or length. Engine gauges (queue depth, running, KV usage) and counters (preemptions, prefix cache
+queries and hits, in tokens) are read from the engine thread's latest stats snapshot at scrape time. Every time is a
+difference of the engine's own timestamps (RequestOutput), so nothing is timed in the engine's step for it.
 Each server has its own CollectorRegistry.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 disable_created_metrics()  # no *_created series: they double the output and nobody graphs them
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0)
+# vLLM's, with finer buckets below its first (a small int4 model's decode step takes milliseconds)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def token_buckets(max_len: int) -> tuple[int, ...]:
+    """vLLM's 1-2-5 buckets up to `max_len` (the model's length): 1, 2, 5, 10, 20, 50, ..."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_len:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 
 class _EngineCollector:
@@ -38,10 +57,21 @@ class _EngineCollector:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(value))
             yield g
+        counters = [
+            ("infer:num_preemptions", "Requests the scheduler preempted (their KV blocks freed, to be recomputed).",
+             s.get("num_preemptions", 0)),
+            ("infer:prefix_cache_queries", "Prefix cache queries, in tokens looked up.",
+             s.get("prefix_cache_queries", 0)),
+            ("infer:prefix_cache_hits", "Prefix cache hits, in tokens found cached.", s.get("prefix_cache_hits", 0)),
+        ]
+        for name, doc, value in counters:
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], float(value))
+            yield c
 
 
 class ServerMetrics:
-    def __init__(self, stats_fn):
+    def __init__(self, stats_fn, max_model_len: int = 8192):
         self.registry = CollectorRegistry()
         r = self.registry
         self.http = Counter("infer:http_requests", "HTTP requests by route and status code.",
@@ -56,6 +86,24 @@ class ServerMetrics:
                               buckets=TTFT_BUCKETS, registry=r)
         self.e2e = Histogram("infer:e2e_request_latency_seconds", "Request latency (arrival to last token).",
                              buckets=E2E_BUCKETS, registry=r)
+        self.itl = Histogram("infer:inter_token_latency_seconds", "Time between a request's successive tokens.",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.tpot = Histogram("infer:request_time_per_output_token_seconds", "A request's mean time per output token "
+                              "after the first (its decode time over its tokens but one).", buckets=ITL_BUCKETS,
+                              registry=r)
+
+        def phase(name, doc):
+            return Histogram(f"infer:request_{name}_time_seconds", doc, buckets=PHASE_BUCKETS, registry=r)
+        self.queue_time = phase("queue", "Time a request waited before its first step (arrival to first scheduled).")
+        self.prefill_time = phase("prefill", "A request's prefill time (first scheduled to first token).")
+        self.decode_time = phase("decode", "A request's decode time (first token to last token).")
+        self.inference_time = phase("inference", "A request's time in the engine's steps (first scheduled to last "
+                                                 "token).")
+        sizes = token_buckets(max_model_len)
+        self.request_prompt_tokens = Histogram("infer:request_prompt_tokens", "Prompt tokens of a finished request.",
+                                               buckets=sizes, registry=r)
+        self.request_generation_tokens = Histogram("infer:request_generation_tokens", "Tokens a finished request "
+                                                   "generated.", buckets=sizes, registry=r)
         r.register(_EngineCollector(stats_fn))
 
     def observe_output(self, out, arrival: float, counted: dict) -> None:
@@ -70,6 +118,9 @@ class ServerMetrics:
         made = out.num_generated
         if made > before:
             self.generation_tokens.inc(made - before)
+            times = out.token_times_from(max(before - 1, 0))  # the last token counted before, then the new ones
+            for a, b in zip(times, times[1:]):
+                self.itl.observe(max(0.0, b - a))
             before = made
         if not timed and out.first_token_time is not None:
             self.ttft.observe(max(0.0, out.first_token_time - arrival))
@@ -79,8 +130,25 @@ class ServerMetrics:
     def observe_finished(self, out, arrival: float, end: float) -> None:
         """One engine request ended (any reason); `arrival`/`end` are time.monotonic() values."""
         self.finished.labels(out.finish_reason or "unknown").inc()
-        if out.finish_reason in ("stop", "length"):
-            self.e2e.observe(max(0.0, end - arrival))
+        if out.finish_reason not in ("stop", "length"):
+            return
+        self.e2e.observe(max(0.0, end - arrival))
+        made = out.num_generated
+        self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+        self.request_generation_tokens.observe(made)
+        scheduled, first = out.first_scheduled_time, out.first_token_time
+        times = out.token_times_from(made - 1) if made > 0 else []
+        last = times[-1] if times else None
+        if scheduled is not None:
+            self.queue_time.observe(max(0.0, scheduled - out.arrival_time))
+        if first is None or last is None:  # no token generated (a prompt only): no prefill or decode to time
+            return
+        if scheduled is not None:
+            self.prefill_time.observe(max(0.0, first - scheduled))
+            self.inference_time.observe(max(0.0, last - scheduled))
+        self.decode_time.observe(max(0.0, last - first))
+        if made > 1:
+            self.tpot.observe(max(0.0, last - first) / (made - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
