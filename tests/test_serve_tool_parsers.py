@@ -42,7 +42,9 @@ def _read(parser: str, text: str):
     if parsed is None:
         return None
     content, calls = parsed
-    assert all(c["type"] == "function" and c["id"].startswith("chatcmpl-tool-") for c in calls)
+    # mistral's ids are 9 letters and digits (what Mistral's templates accept back), as vLLM's
+    assert all(c["type"] == "function" and (c["id"].isalnum() and len(c["id"]) == 9 if parser == "mistral" else
+                                            c["id"].startswith("chatcmpl-tool-")) for c in calls)
     return content, [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
 
 

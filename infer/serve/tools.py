@@ -22,6 +22,8 @@ from __future__ import annotations
 import ast
 import json
 import re
+import secrets
+import string
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -172,9 +174,19 @@ def parse_tools(body: dict, parser: str | None = None) -> ToolRequest | None:
     return ToolRequest(list(tools), "named", name=name, schema=functions[name])
 
 
-def _call(name: str, arguments: str) -> dict:
-    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+def _call(name: str, arguments: str, call_id: str | None = None) -> dict:
+    return {"id": call_id or f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
             "function": {"name": name, "arguments": arguments}}
+
+
+_ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+def _mistral_call(name: str, arguments: str) -> dict:
+    """A call read by the mistral parser: its id is 9 letters and digits, as vLLM's MistralToolCall makes it, since
+    Mistral's chat templates (and mistral_common) refuse any other id when the client sends the call back with the
+    tool's reply ("Tool call IDs should be alphanumeric strings with length 9!")."""
+    return _call(name, arguments, "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9)))
 
 
 def hermes_calls(text: str) -> tuple[str | None, list[dict]] | None:
@@ -340,7 +352,7 @@ def mistral_calls(text: str) -> tuple[str | None, list[dict]] | None:
         if not isinstance(items, list) or not items or not all(
                 isinstance(x, dict) and isinstance(x.get("name"), str) and "arguments" in x for x in items):
             return None
-        return content, [_call(x["name"], json.dumps(x["arguments"], ensure_ascii=False)) for x in items]
+        return content, [_mistral_call(x["name"], json.dumps(x["arguments"], ensure_ascii=False)) for x in items]
     calls = []
     for raw in raws:
         if not raw.strip():
@@ -348,7 +360,7 @@ def mistral_calls(text: str) -> tuple[str | None, list[dict]] | None:
         named = _mistral_named(raw)
         if named is None:
             return None
-        calls.append(_call(*named))
+        calls.append(_mistral_call(*named))
     return (content, calls) if calls else None
 
 

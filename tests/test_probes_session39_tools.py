@@ -1,0 +1,68 @@
+"""Probes of the thirty-ninth session (tools: the chat endpoint's tool calls and reasoning, against vLLM's parsers
+and OpenAI's wire format)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("xgrammar")
+
+from infer.engine.config import EngineConfig  # noqa: E402
+from infer.engine.llm_engine import LLMEngine  # noqa: E402
+from infer.models.tiny import ensure_builtin  # noqa: E402
+from infer.serve.app import Server, serve_in_thread  # noqa: E402
+from infer.serve.async_engine import AsyncEngine  # noqa: E402
+from infer.serve.tools import parse_tools, split  # noqa: E402
+
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+MESSAGES = [{"role": "user", "content": "add 2 and 10"}]
+# what Mistral 7B Instruct v0.3's chat template does with a call sent back, and with the tool's reply to it
+MISTRAL_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}[INST] {{ message['content'] }}[/INST]"
+    "{% elif message.tool_calls is defined and message.tool_calls is not none %}[TOOL_CALLS] ["
+    "{% for tool_call in message.tool_calls %}{% if tool_call.id is not defined or tool_call.id|length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "{{ tool_call.function|tojson }}{% endfor %}]</s>"
+    "{% elif message['role'] == 'tool' %}{% if message.tool_call_id is not defined or "
+    "message.tool_call_id|length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric strings with "
+    "length 9!') }}{% endif %}[TOOL_RESULTS] {{ message['content'] }}[/TOOL_RESULTS]"
+    "{% else %}{{ message['content'] }}</s>{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("text", ['Sure.[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}}, '
+                                  '{"name": "add", "arguments": {"b": 2}}]',
+                                  '[TOOL_CALLS]add[ARGS]{"a": 1}[TOOL_CALLS]add[ARGS]{"b": 2}'])
+def test_mistral_call_ids_are_nine_letters_and_digits_as_vllms(text):
+    """vLLM's mistral parser gives each call a MistralToolCall id, 9 letters and digits, because Mistral's chat
+    templates (and mistral_common) refuse any other id in the assistant's tool_calls and the tool's tool_call_id that
+    a client sends back; infer gave "chatcmpl-tool-<32 hex>", so the conversation's next turn failed to render."""
+    _, calls = split(parse_tools({"tools": TOOLS}, "mistral"), text)
+    assert len(calls) == 2 and len({c["id"] for c in calls}) == 2
+    assert all(c["id"].isalnum() and len(c["id"]) == 9 and c["type"] == "function" for c in calls)
+
+
+def test_a_mistral_call_can_be_sent_back_with_the_tools_reply(tmp_path):
+    path = tmp_path / "tiny-mistral-tools"
+    shutil.copytree(ensure_builtin("tiny-llama"), path)
+    (path / "chat_template.jinja").write_text(MISTRAL_TEMPLATE)
+    engine = LLMEngine(EngineConfig(str(path), block_size=4, max_num_seqs=2))
+    reply = '[TOOL_CALLS][{"name": "add", "arguments": {"a": 2, "b": 10}}]'
+    body = {"messages": MESSAGES, "max_tokens": 80, "temperature": 0, "tools": TOOLS,
+            "guided_regex": re.escape(reply)}
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny-tools", tool_parser="mistral")) as base:
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        message = r.json()["choices"][0]["message"]
+        call = message["tool_calls"][0]
+        assert call["function"] == {"name": "add", "arguments": '{"a": 2, "b": 10}'}
+        turn = [*MESSAGES, message, {"role": "tool", "tool_call_id": call["id"], "content": "12"}]
+        r = httpx.post(f"{base}/v1/chat/completions", json={"messages": turn, "max_tokens": 2, "tools": TOOLS,
+                                                             "tool_choice": "none"}, timeout=120)
+        assert r.status_code == 200, r.text
