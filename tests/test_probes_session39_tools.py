@@ -66,3 +66,39 @@ def test_a_mistral_call_can_be_sent_back_with_the_tools_reply(tmp_path):
         r = httpx.post(f"{base}/v1/chat/completions", json={"messages": turn, "max_tokens": 2, "tools": TOOLS,
                                                              "tool_choice": "none"}, timeout=120)
         assert r.status_code == 200, r.text
+
+
+# Qwen3's chat template, as far as it concerns an assistant's reasoning: the turns after the last user message
+# (a tool loop's) show theirs in a think block
+QWEN3_REASONING_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['role'] == 'assistant' %}{% set r = '' %}"
+    "{% if message.reasoning_content is defined and message.reasoning_content is not none %}"
+    "{% set r = message.reasoning_content %}{% endif %}<think>\n{{ r }}\n</think>\n\n{% endif %}"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_an_assistants_reasoning_sent_back_reaches_the_template_as_reasoning_content(tmp_path):
+    """A reply's reasoning comes back in the message's `reasoning` field (vLLM's name); a client that appends that
+    message to the conversation (a tool loop) sends `reasoning`, and vLLM copies it to `reasoning_content`, the
+    field chat templates (Qwen3's) read. infer passed `reasoning` alone: the template rendered an empty think block,
+    a different prompt from vLLM's."""
+    from infer.engine.inputs import chat_messages
+    sent = {"role": "assistant", "content": "", "reasoning": "I should add them.",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]}
+    out = chat_messages([*MESSAGES, sent, {"role": "tool", "tool_call_id": "c1", "content": "12"}])
+    assert out[1]["reasoning_content"] == "I should add them." and out[1]["reasoning"] == "I should add them."
+    assert "reasoning_content" not in sent and "reasoning_content" not in out[0]
+    kept = chat_messages([{"role": "assistant", "content": "x", "reasoning_content": "old field"}])
+    assert kept[0]["reasoning_content"] == "old field"
+
+    path = tmp_path / "tiny-think"
+    shutil.copytree(ensure_builtin("tiny-llama"), path)
+    (path / "chat_template.jinja").write_text(QWEN3_REASONING_TEMPLATE)
+    engine = LLMEngine(EngineConfig(str(path), block_size=4, max_num_seqs=2))
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny-think", reasoning_parser="qwen3")) as base:
+        r = httpx.post(f"{base}/tokenize", json={"messages": [*MESSAGES, sent], "add_generation_prompt": False},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        prompt = httpx.post(f"{base}/detokenize", json={"tokens": r.json()["tokens"]}, timeout=60).json()["prompt"]
+        assert "<think>\nI should add them.\n</think>" in prompt

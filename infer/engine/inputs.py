@@ -231,7 +231,8 @@ def chat_messages(messages: Any, parts: bool = False) -> list[dict]:
     """The messages as a chat template reads them: a string role each, and every content a string. OpenAI's list of
     text parts is joined by newlines (as vLLM does); a template would otherwise render the list's Python repr into
     the prompt. With `parts` (the template loops over content: `reads_content_parts`) a list stays a list. Other
-    parts (images, audio) are refused rather than dropped; null content is empty (an assistant's tool call)."""
+    parts (images, audio) are refused rather than dropped; null content is empty (an assistant's tool call); an
+    assistant's `reasoning` is its `reasoning_content` too (as vLLM)."""
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise RequestError("messages must be a list of {\"role\": ..., \"content\": ...} objects")
     out = []
@@ -246,6 +247,10 @@ def chat_messages(messages: Any, parts: bool = False) -> list[dict]:
                                                           '{"name": "f", "arguments": "{}"}}]')
         if calls is not None:
             out[-1]["tool_calls"] = [_tool_call(c) for c in calls]
+        if m["role"] == "assistant" and isinstance(m.get("reasoning"), str):
+            # the reply's `reasoning` (--reasoning-parser's field) sent back, as vLLM takes it: chat templates read
+            # reasoning_content (Qwen3's renders it in the turns after the last user message, tool loops' turns)
+            out[-1]["reasoning_content"] = m["reasoning"]
     return out
 
 
