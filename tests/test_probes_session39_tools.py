@@ -102,3 +102,17 @@ def test_an_assistants_reasoning_sent_back_reaches_the_template_as_reasoning_con
         assert r.status_code == 200, r.text
         prompt = httpx.post(f"{base}/detokenize", json={"tokens": r.json()["tokens"]}, timeout=60).json()["prompt"]
         assert "<think>\nI should add them.\n</think>" in prompt
+
+
+@pytest.mark.parametrize("text", ['<tool_call>{"name": "add", "parameters": {"a": 2, "b": 10}}</tool_call>',
+                                  '<tool_call>{"name": "add"}</tool_call>',
+                                  'Sure.<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+                                  '<tool_call>{"name": "add", "params": {"b": 2}}</tool_call>'])
+def test_a_hermes_call_without_arguments_stays_text_as_in_vllm(text):
+    """vLLM's hermes parser reads each call's "arguments" (a call without them leaves the reply text, as infer's
+    mistral parser does too); infer made the call with arguments "{}", so a model that wrote Llama's "parameters"
+    got a call to add() with its arguments silently dropped."""
+    req = parse_tools({"tools": TOOLS}, "hermes")
+    assert split(req, text) == (text, None)
+    content, calls = split(req, '<tool_call>{"name": "add", "arguments": {}}</tool_call>')
+    assert content == "" and calls[0]["function"] == {"name": "add", "arguments": "{}"}

@@ -191,7 +191,7 @@ def _mistral_call(name: str, arguments: str) -> dict:
 
 def hermes_calls(text: str) -> tuple[str | None, list[dict]] | None:
     """(content before the first call, the calls) of a reply in the hermes syntax; None when it has no call, or
-    when a call is not JSON with a name (as vLLM's parser: the reply then stays text)."""
+    when a call is not JSON with a name and arguments (as vLLM's parser: the reply then stays text)."""
     if HERMES_START not in text:
         return None
     calls = []
@@ -200,9 +200,11 @@ def hermes_calls(text: str) -> tuple[str | None, list[dict]] | None:
             call = json.loads(whole or last)
         except ValueError:
             return None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        # no "arguments" (a call written with Llama's "parameters" among them): text, as vLLM's, not a call whose
+        # arguments were silently dropped
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or "arguments" not in call:
             return None
-        args = call.get("arguments", {})
+        args = call["arguments"]
         calls.append(_call(call["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
     content = text[:text.index(HERMES_START)]  # as vLLM's, blanks included: a stream has sent them already
     return (content or None), calls
