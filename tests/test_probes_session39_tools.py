@@ -116,3 +116,38 @@ def test_a_hermes_call_without_arguments_stays_text_as_in_vllm(text):
     assert split(req, text) == (text, None)
     content, calls = split(req, '<tool_call>{"name": "add", "arguments": {}}</tool_call>')
     assert content == "" and calls[0]["function"] == {"name": "add", "arguments": "{}"}
+
+
+@pytest.fixture(scope="module")
+def hermes_engine(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hermes") / "tiny-tools"
+    shutil.copytree(ensure_builtin("tiny-llama"), path)
+    return LLMEngine(EngineConfig(str(path), block_size=4, max_num_seqs=2))
+
+
+def _stream(base: str, body: dict) -> list[dict]:
+    import json
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as s:
+        return [json.loads(line[6:])["choices"][0] for line in s.iter_lines() if line.startswith("data: {")]
+
+
+def test_calls_read_whole_before_max_tokens_cut_the_text_after_them_finish_as_tool_calls(hermes_engine):
+    """A model that writes its call, then runs on to max_tokens: the call is read (the text after it is dropped, as
+    vLLM's hermes parser does), and vLLM's finish_reason is "tool_calls" (it is so whenever the parser made calls);
+    infer said "length", which a client that acts on the finish_reason takes for a reply cut short, not a call."""
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    body = {"messages": MESSAGES, "max_tokens": 100, "temperature": 0, "tools": TOOLS,
+            "guided_regex": re.escape(call + " and then" * 40)}
+    with serve_in_thread(Server(AsyncEngine(hermes_engine), "tiny-tools", tool_parser="hermes")) as base:
+        c = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
+        assert c["message"]["content"] is None
+        assert [x["function"] for x in c["message"]["tool_calls"]] == [{"name": "add", "arguments": '{"a": 1}'}]
+        assert c["finish_reason"] == "tool_calls" and c["stop_reason"] is None
+        deltas = _stream(base, body)
+        assert deltas[-1]["finish_reason"] == "tool_calls"
+        assert [x["function"] for x in deltas[-1]["delta"]["tool_calls"]] == [x["function"]
+                                                                              for x in c["message"]["tool_calls"]]
+        # cut inside the call: text, and "length"
+        c = httpx.post(f"{base}/v1/chat/completions", json={**body, "max_tokens": 20}, timeout=120).json()
+        c = c["choices"][0]
+        assert c["finish_reason"] == "length" and "tool_calls" not in c["message"]

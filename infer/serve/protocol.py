@@ -574,7 +574,9 @@ def choice(req: GenerationRequest, index: int, text: str, records: list[dict] | 
         message["content"], message["tool_calls"] = text or None, tool_calls
         if delta:
             message["tool_calls"] = [{"index": k, **call} for k, call in enumerate(tool_calls)]
-        out["finish_reason"] = "tool_calls" if finish_reason == "stop" else finish_reason
+        # the calls read whole, though the reply ran on to max_tokens after them ("auto"): "tool_calls", as vLLM
+        # answers, so that a client that acts on the finish_reason makes them
+        out["finish_reason"] = "tool_calls" if finish_reason in ("stop", "length") else finish_reason
     if req.chat and req.reasoning is not None and (reasoning or not delta):
         out["delta" if delta else "message"]["reasoning"] = reasoning if req.reasoning.include else None
     out["stop_reason"] = stop_reason if finish_reason == "stop" else None
