@@ -151,3 +151,26 @@ def test_calls_read_whole_before_max_tokens_cut_the_text_after_them_finish_as_to
         c = httpx.post(f"{base}/v1/chat/completions", json={**body, "max_tokens": 20}, timeout=120).json()
         c = c["choices"][0]
         assert c["finish_reason"] == "length" and "tool_calls" not in c["message"]
+
+
+@pytest.mark.parametrize("parser,reply", [
+    ("hermes", '<tool_call>{"name": "add", "arguments": {"s": "\\ud800x"}}</tool_call>'),
+    ("pythonic", '[add(s="\\ud800x")]'),
+])
+def test_a_call_whose_arguments_hold_a_lone_surrogate_streams_as_it_answers_whole(hermes_engine, parser, reply):
+    """A model that writes a lone surrogate's escape ("\\ud800") in a call's arguments: the parser reads it and writes
+    the arguments again, holding the lone surrogate, which UTF-8 cannot encode. The whole response writes it escaped;
+    the stream raised UnicodeEncodeError in its last chunk and the connection was cut without [DONE]."""
+    import json
+    body = {"messages": MESSAGES, "max_tokens": 100, "temperature": 0, "tools": TOOLS,
+            "guided_regex": re.escape(reply)}
+    with serve_in_thread(Server(AsyncEngine(hermes_engine), "tiny-tools", tool_parser=parser)) as base:
+        c = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
+        assert json.loads(c["message"]["tool_calls"][0]["function"]["arguments"]) == {"s": "\ud800x"}
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as s:
+            lines = [line for line in s.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        last = json.loads(lines[-2][6:])["choices"][0]
+        assert last["finish_reason"] == "tool_calls"
+        assert [x["function"] for x in last["delta"]["tool_calls"]] == [x["function"]
+                                                                        for x in c["message"]["tool_calls"]]

@@ -167,11 +167,14 @@ class Server:
 
 # Characters Python's str.splitlines() (httpx's aiter_lines, many SSE readers) breaks a line at, beside CR and LF
 # (which JSON always escapes): escaped, so a streamed event stays on one line; a JSON reader gets the same string.
-_LINE_BREAKS = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"})
+# And lone surrogates, which UTF-8 cannot hold (a tool call's arguments that a model wrote with a "\\ud800" escape,
+# read and written again): escaped, as the whole response's SafeJSONResponse writes them, not a stream cut short
+_ESCAPED = str.maketrans({c: f"\\u{ord(c):04x}" for c in [*"\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029",
+                                                             *map(chr, range(0xD800, 0xE000))]})
 
 
 def _dumps(obj) -> str:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).translate(_LINE_BREAKS)
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).translate(_ESCAPED)
 
 
 def _error(out) -> p.ApiError:
