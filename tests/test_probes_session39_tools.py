@@ -174,3 +174,23 @@ def test_a_call_whose_arguments_hold_a_lone_surrogate_streams_as_it_answers_whol
         assert last["finish_reason"] == "tool_calls"
         assert [x["function"] for x in last["delta"]["tool_calls"]] == [x["function"]
                                                                         for x in c["message"]["tool_calls"]]
+
+
+def test_thinking_token_budget_is_refused_not_ignored(hermes_engine, tmp_path):
+    """vLLM's thinking_token_budget ends a reasoning model's think block after that many tokens; infer does not cap
+    it, and answered as if the field had not been sent (a reply thinking far past the budget). It is refused, with
+    the field named, as the other parameters infer does not do; null is its default."""
+    from infer.engine.inputs import parse_request
+    from infer.engine.setup import load_tokenizer
+    from infer.errors import RequestError
+    body = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    with serve_in_thread(Server(AsyncEngine(hermes_engine), "tiny-tools", reasoning_parser="qwen3")) as base:
+        r = httpx.post(f"{base}/v1/chat/completions", json={**body, "thinking_token_budget": 10}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_token_budget", r.text
+        assert "thinking_token_budget is not supported" in r.json()["error"]["message"]
+        r = httpx.post(f"{base}/v1/chat/completions", json={**body, "thinking_token_budget": None}, timeout=60)
+        assert r.status_code == 200, r.text
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {**body, "thinking_token_budget": 10}}
+    with pytest.raises(RequestError, match="body.thinking_token_budget"):
+        parse_request(line, load_tokenizer(ensure_builtin("tiny-llama")), "a")

@@ -50,6 +50,9 @@ UNSUPPORTED_OPENAI = {
     # (these two were dropped without a word; SamplingParams refuses the first at other values than this)
     "logits_processors": (lambda v: not v, "logits_processors are not supported"),
     "prompt_embeds": (lambda v: v is None, "prompt_embeds are not supported: send the prompt as text or token ids"),
+    # vLLM's cap on a reasoning model's think block (it ends the block after that many tokens): not done here
+    "thinking_token_budget": (lambda v: v is None, "thinking_token_budget is not supported: the think block is not "
+                                                   "capped (cap the whole reply with max_tokens)"),
 }
 
 # vLLM's chat fields that reach the chat template (chat_template_options), and the value that leaves it as it is: a

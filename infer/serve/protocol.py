@@ -40,8 +40,7 @@ _KNOWN_FIELDS = _PARAM_KEYS | set(_UNSUPPORTED) | {
     "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
     "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "documents",
     "add_special_tokens", "include_reasoning", "return_token_ids", "request_id", "priority", "cache_salt",
-    "kv_transfer_params", "vllm_xargs", "mm_processor_kwargs", "media_io_kwargs", "length_penalty",
-    "thinking_token_budget"}
+    "kv_transfer_params", "vllm_xargs", "mm_processor_kwargs", "media_io_kwargs", "length_penalty"}
 
 
 def ignored_fields(body: Any) -> list[str]:
