@@ -17,6 +17,7 @@ from ..errors import ClosedError, ConfigError, LoRAError, LoRANameError, Request
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import Detokenizer
+from .inputs import encode_prompt
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
 from .sampler import NOT_FINITE
@@ -55,15 +56,12 @@ def request_inputs(prompt_token_ids, params: SamplingParams | None) -> tuple[lis
         raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}",
                            "e.g. SamplingParams(max_new_tokens=32)")
     if isinstance(prompt_token_ids, dict):  # vLLM's TokensPrompt: {"prompt_token_ids": [...]}
-        if "prompt_token_ids" not in prompt_token_ids:
-            keys = ", ".join(map(repr, prompt_token_ids)) or "none"
-            raise RequestError(f"a prompt dict needs the key 'prompt_token_ids' (it has {keys})",
-                               "LLMEngine takes token ids; for text use LLM.generate, or encode it with "
-                               "engine.tokenizer")
-        prompt_token_ids = prompt_token_ids["prompt_token_ids"]
-    if isinstance(prompt_token_ids, str):
-        raise RequestError("LLMEngine takes a prompt as token ids, not text",
-                           "encode it with engine.tokenizer first, or use LLM.generate, which takes text")
+        key, prompt_token_ids = prompt_dict(prompt_token_ids)
+        if key == "prompt":
+            prompt_token_ids = str(prompt_token_ids)
+    if isinstance(prompt_token_ids, str):  # LLMEngine.add_request has tokenized text before: here ids were expected
+        raise RequestError("the prompt's token ids are text (a str), not a list of token ids",
+                           "give text as the prompt itself or as {\"prompt\": text}, token ids as a list of ints")
     if not isinstance(prompt_token_ids, (list, tuple)) and hasattr(prompt_token_ids, "tolist"):
         prompt_token_ids = prompt_token_ids.tolist()  # a numpy array or a torch tensor
     if not isinstance(prompt_token_ids, (list, tuple)):
@@ -76,6 +74,24 @@ def request_inputs(prompt_token_ids, params: SamplingParams | None) -> tuple[lis
         raise RequestError(f"the prompt's token ids must be integers, got {bad[0]!r} ({type(bad[0]).__name__})",
                            "give a list of ints")
     return [int(t) for t in prompt_token_ids], params
+
+
+def prompt_dict(prompt: dict) -> tuple[str, object]:
+    """vLLM's TextPrompt {"prompt": text} or TokensPrompt {"prompt_token_ids": ids} as (its key, its value);
+    RequestError for other keys (vLLM's multi_modal_data, mm_processor_kwargs... were dropped without a word: the
+    request ran without them), both keys or neither."""
+    other = sorted((k for k in prompt if k not in ("prompt", "prompt_token_ids")), key=str)
+    if other:
+        raise RequestError(f"the prompt dict has {', '.join(map(repr, other))}, which infer does not take",
+                           'give {"prompt": text} or {"prompt_token_ids": [ids]}')
+    if len(prompt) != 1:
+        raise RequestError("the prompt dict needs one of 'prompt' (text) or 'prompt_token_ids'"
+                           + (", not both" if prompt else ""), 'give {"prompt": text} or {"prompt_token_ids": [ids]}')
+    key, value = next(iter(prompt.items()))
+    if key == "prompt" and not isinstance(value, str):
+        raise RequestError(f"the prompt dict's 'prompt' must be text, got {type(value).__name__}",
+                           'give token ids as {"prompt_token_ids": [ids]}')
+    return key, value
 
 
 def truncated(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
@@ -163,13 +179,33 @@ class LLMEngine:
         kernels.apply_bitmask(logits, torch.arange(2, device=device), every)
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    lora: str | None = None, arrival_time: float | None = None) -> None:
-        """Queue one request. `arrival_time` (vLLM's keyword): when it arrived, in time.monotonic() seconds, for a
-        caller that held it before adding it (the server's queue); its RequestOutput.metrics count from it. Default:
-        now."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int] | str | dict,
+                    params: SamplingParams | None = None, lora: str | None = None,
+                    arrival_time: float | None = None, priority: int = 0, lora_request=None) -> None:
+        """Queue one request. The prompt is token ids, text (tokenized as LLM.generate does: tokenizer(text)), or
+        vLLM's {"prompt": text} / {"prompt_token_ids": ids}. `arrival_time` (vLLM's keyword): when it arrived, in
+        time.monotonic() seconds, for a caller that held it before adding it (the server's queue); its
+        RequestOutput.metrics count from it. Default: now. vLLM's `priority` is taken at its default (0) only, as
+        vLLM's first-come-first-served scheduler takes it; `lora_request` is refused, naming `lora=NAME`."""
         self._check_open()
+        if lora_request is not None:
+            raise RequestError("lora_request (vLLM's LoRARequest) is not taken: infer names adapters",
+                               "pass lora=NAME, an adapter registered with --lora NAME=PATH or add_lora")
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral) or priority != 0:
+            raise RequestError(f"priority={priority!r}: infer schedules first come, first served",
+                               "leave priority out (0), as vLLM requires without its priority scheduling")
         arrival_time = checked_arrival(arrival_time)
+        text = None
+        if isinstance(prompt_token_ids, dict):
+            key, value = prompt_dict(prompt_token_ids)
+            prompt_token_ids = value
+            text = value if key == "prompt" else None
+        elif isinstance(prompt_token_ids, str):
+            text = prompt_token_ids
+        if text is not None:  # a text certainly longer than the context is refused untokenized, unless cut to fit
+            keep = isinstance(params, SamplingParams) and params.truncate_prompt_tokens is not None
+            prompt_token_ids = encode_prompt(self.tokenizer, prompt=text, max_tokens=None if keep else
+                                             self.max_model_len)
         prompt_token_ids, params = request_inputs(prompt_token_ids, params)
         request_id = str(request_id)
         old = self.requests.get(request_id)
@@ -195,6 +231,7 @@ class LLMEngine:
             self._forget(old)  # consumer would read it as its own end (and its penalty row would be the old one's)
         if self._carried:  # likewise the outputs of an earlier request of this id that a failed launch carried (its
             self._carried = [o for o in self._carried if o.request_id != request_id]  # end among them): dropped
+        seq.prompt = text  # RequestOutput.prompt, as vLLM's: the text when the prompt was text
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -308,6 +345,14 @@ class LLMEngine:
         if seq is not None and not seq.finished:
             self.scheduler.finish(seq, "abort")
             self._aborted.append(seq)
+
+    def get_num_unfinished_requests(self) -> int:
+        """vLLM's: how many requests were added and have not handed out their last output yet (0 exactly when
+        has_unfinished_requests() is false, but for a step already on the device, whose outputs are of these)."""
+        if getattr(self, "runner", None) is None:
+            return 0
+        return len({s.request_id for s in self.scheduler.waiting} | {s.request_id for s in self.scheduler.running}
+                   | {s.request_id for s in self._aborted} | {o.request_id for o in self._carried if o.finished})
 
     def has_unfinished_requests(self) -> bool:
         # _carried: outputs of a step completed inside a launch that then failed (the last of a request that

@@ -104,6 +104,7 @@ class RequestOutput:
         out._token_ids = out._token_times = out._logprobs = None
         out._seq, out._len = seq, len(seq.output_token_ids)
         out._samples = None
+        out.prompt = seq.prompt
         return out
 
     @classmethod

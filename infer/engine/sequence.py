@@ -76,6 +76,7 @@ class Sequence:
         # Tokens sampled on the device whose values the host does not know yet (overlapped steps, see
         # LLMEngine): they count in len() and sit after output_token_ids; tokens() shows them as PENDING.
         self.num_pending = 0
+        self.prompt: str | None = None  # the prompt's text when LLMEngine.add_request got text (RequestOutput.prompt)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -1,0 +1,90 @@
+"""Session 39 probes of the low-level engine API as vLLM's LLMEngine users drive it, and of `infer run`'s I/O."""
+
+from __future__ import annotations
+
+import pytest
+
+from infer import LLM, LLMEngine, SamplingParams
+from infer.engine.config import EngineConfig
+from infer.errors import RequestError
+
+P = SamplingParams(max_new_tokens=3, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, block_size=4))
+    yield eng
+    eng.close()
+
+
+def _run(engine) -> dict:
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return done
+
+
+def _idle(engine) -> bool:
+    return not engine.requests and engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
+
+
+def test_add_request_takes_vllms_text_prompts(engine):
+    """vLLM's LLMEngine.add_request takes a prompt as text or {"prompt": text} besides {"prompt_token_ids": ids};
+    infer's refused both ("LLMEngine takes a prompt as token ids, not text"), so vLLM code driving the engine did
+    not run. Text is tokenized as LLM.generate does, and the outputs' `prompt` is the text, as vLLM's."""
+    ids = engine.tokenizer("hello world")["input_ids"]
+    engine.add_request("ids", {"prompt_token_ids": ids}, P)
+    engine.add_request("text", "hello world", P)
+    engine.add_request("dict", {"prompt": "hello world"}, P)
+    done = _run(engine)
+    assert done["text"].prompt_token_ids == done["dict"].prompt_token_ids == ids
+    assert done["text"].token_ids == done["dict"].token_ids == done["ids"].token_ids
+    assert done["text"].prompt == done["dict"].prompt == "hello world" and done["ids"].prompt is None
+    with LLM("tiny-llama", max_model_len=64, block_size=4) as llm:
+        assert llm.generate(["hello world"], P)[0].token_ids == done["text"].token_ids
+    assert _idle(engine)
+
+
+@pytest.mark.parametrize("prompt,match", [
+    ({"prompt_token_ids": [5, 6], "multi_modal_data": {"image": None}}, "'multi_modal_data', which infer does not"),
+    ({"prompt_token_ids": [5, 6], "prompt": "hi"}, "not both"),
+    ({}, "needs one of 'prompt'"),
+    ("x " * 10000, "leaves no room"),
+], ids=["multimodal", "both", "empty", "text-too-long"])
+def test_add_request_refuses_prompt_dicts_it_cannot_honour(engine, prompt, match):
+    """A {"prompt_token_ids": ..., "multi_modal_data": ...} ran as the token ids alone, the image dropped without a
+    word (LLM.generate refuses such keys); nothing is queued for a refused prompt."""
+    with pytest.raises(RequestError, match=match):
+        engine.add_request("bad", prompt, P)
+    assert _idle(engine)
+
+
+def test_get_num_unfinished_requests(engine):
+    """vLLM's LLMEngine.get_num_unfinished_requests() was an AttributeError."""
+    assert engine.get_num_unfinished_requests() == 0
+    engine.add_request("a", [5, 6, 7], P)
+    engine.add_request("b", [5, 6], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    engine.add_request("c", [7, 8], P)
+    assert engine.get_num_unfinished_requests() == 3
+    engine.abort_request("c")
+    assert engine.get_num_unfinished_requests() == 3  # its abort output is not handed out yet
+    counts = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        counts.append(engine.get_num_unfinished_requests())
+    assert counts[0] == 2 and counts[-1] == 0 and 1 in counts
+    assert _idle(engine)
+
+
+def test_vllm_priority_and_lora_request_keywords(engine):
+    """vLLM's add_request keywords `priority` and `lora_request` were a bare TypeError ("unexpected keyword
+    argument"). priority 0 (vLLM's default) is taken; another is refused as vLLM's first-come-first-served
+    scheduler refuses it; lora_request is refused naming lora=NAME, as LLM.generate does."""
+    engine.add_request("p0", [5, 6, 7], P, priority=0)
+    with pytest.raises(RequestError, match="priority=3"):
+        engine.add_request("p3", [5, 6, 7], P, priority=3)
+    with pytest.raises(RequestError, match="lora=NAME"):
+        engine.add_request("lr", [5, 6, 7], P, lora_request=object())
+    assert set(_run(engine)) == {"p0"}
+    assert _idle(engine)
