@@ -88,3 +88,47 @@ def test_vllm_priority_and_lora_request_keywords(engine):
         engine.add_request("lr", [5, 6, 7], P, lora_request=object())
     assert set(_run(engine)) == {"p0"}
     assert _idle(engine)
+
+
+# ------------------------------------------------------------------ infer run's I/O
+import gzip  # noqa: E402
+import json  # noqa: E402
+
+from typer.testing import CliRunner  # noqa: E402
+
+from infer.cli import run as run_module  # noqa: E402
+from infer.cli.main import app  # noqa: E402
+
+LINES = [{"id": f"r{i}", "prompt": f"hello {i}", "max_new_tokens": 3} for i in range(4)]
+
+
+def _input(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in LINES))
+    return path
+
+
+def _no_model(monkeypatch):
+    monkeypatch.setattr(run_module, "_start_engine", lambda *a, **k: pytest.fail("the model was loaded"))
+
+
+def test_a_gzip_input_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """A gzip-compressed prompts.jsonl.gz loaded the model, then wrote an error record "not valid UTF-8" for every
+    "line" of the compressed bytes and exited 1; it is refused at once, saying how to decompress it."""
+    _no_model(monkeypatch)
+    packed = tmp_path / "in.jsonl.gz"
+    packed.write_bytes(gzip.compress(_input(tmp_path).read_bytes()))
+    res = CliRunner().invoke(app, ["run", "tiny-llama", str(packed), "-o", str(tmp_path / "out.jsonl"), "-q"])
+    assert res.exit_code == 2, res.output
+    assert "gzip-compressed" in res.output and "gunzip -c" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_stdin_as_input_is_refused_naming_stdin(tmp_path, monkeypatch):
+    """`infer run MODEL - -o out.jsonl` (the usual spelling of stdin) said "input file - does not exist"."""
+    _no_model(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, ["run", "tiny-llama", "-", "-o", "out.jsonl", "-q"],
+                             input=_input(tmp_path).read_text())
+    assert res.exit_code == 2, res.output
+    assert "cannot be stdin" in res.output and "save the requests to a file" in res.output

@@ -71,10 +71,21 @@ def check_input_encoding(path: Path) -> None:
     if head[:2] in (b"\xff\xfe", b"\xfe\xff") or head[:4] in (b"\x00\x00\xfe\xff", b"\xff\xfe\x00\x00"):
         raise ConfigError(f"input {path} is UTF-16 or UTF-32 text (it starts with that byte order mark); infer reads "
                           "UTF-8", f"save it as UTF-8, e.g. iconv -f UTF-16 -t UTF-8 {path} > prompts-utf8.jsonl")
+    packed = next((name for magic, name in _COMPRESSED if head.startswith(magic)), None) or \
+        ("bzip2" if head[:3] == b"BZh" and head[4:10] == b"1AY&SY" else None)
+    if packed is not None:  # every line was an error record "not valid UTF-8", after the model had loaded
+        raise ConfigError(f"input {path} is {packed}-compressed; infer reads plain JSONL text",
+                          f"decompress it first, e.g. {_UNPACK[packed]} {path} > prompts.jsonl")
     if len(head) >= 64 and head.count(0) * 4 > len(head):  # JSON text never holds a raw NUL byte
         raise ConfigError(f"input {path} is not a JSONL text file: {head.count(0):,} of its first {len(head):,} "
                           "bytes are NUL (a binary file, or UTF-16 without a byte order mark?)",
                           "give the JSONL file of prompts, saved as UTF-8")
+
+
+# the magic numbers of compressed files, none of which UTF-8 text can start with (bzip2's, tested apart, is text)
+_COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"\xfd7zXZ\x00", "xz"),
+               (b"PK\x03\x04", "zip"))
+_UNPACK = {"gzip": "gunzip -c", "zstd": "zstd -dc", "bzip2": "bunzip2 -c", "xz": "xz -dc", "zip": "unzip -p"}
 
 
 def _loads(text: str):

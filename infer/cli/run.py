@@ -138,6 +138,10 @@ def _check_paths(input: Path, output: Path | None, resume: bool, max_new_tokens:
         raise ConfigError(f"--max-new-tokens must be in 1..{MAX_TOKENS}, got {max_new_tokens}", "e.g. 256")
     if resume and output is None:
         raise ConfigError("--resume needs -o OUTPUT", "resume reads the ids already written to OUTPUT")
+    if str(input) == "-" and not input.exists():  # "-" reads stdin in many tools; here it was "file - does not exist"
+        raise ConfigError("the input cannot be stdin (-): a run reads its input file twice, once to check every line "
+                          "and once more to resume", "save the requests to a file first, e.g. ... > prompts.jsonl, "
+                          "and give its path")
     if not input.exists():
         raise ConfigError(f"input file {input} does not exist", "give a JSONL file with one request per line")
     if input.is_dir():
