@@ -132,3 +132,28 @@ def test_stdin_as_input_is_refused_naming_stdin(tmp_path, monkeypatch):
                              input=_input(tmp_path).read_text())
     assert res.exit_code == 2, res.output
     assert "cannot be stdin" in res.output and "save the requests to a file" in res.output
+
+
+def test_a_second_run_of_the_same_output_is_refused_while_the_first_writes(tmp_path, monkeypatch):
+    """Nothing kept two runs of one -o apart: a `--resume` started while the first run was still generating ran
+    every id the file did not hold yet, as the first run did, and the output ended with two records of those ids
+    (a plain re-run truncated the file under the first). The second run is refused now; the first completes, and
+    leaves no lock behind."""
+    inp, out = _input(tmp_path), tmp_path / "out.jsonl"
+    second = []
+    generate = run_module._generate
+
+    def first_generating(*args, **kwargs):  # the first run is under way: a second one starts
+        if not second:
+            second.append(CliRunner().invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q", "--resume"]))
+        return generate(*args, **kwargs)
+    monkeypatch.setattr(run_module, "_generate", first_generating)
+    res = CliRunner().invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q"])
+    assert res.exit_code == 0, res.output
+    assert second[0].exit_code == 2 and "being written by another infer run" in second[0].output, second[0].output
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert sorted(ids) == ["r0", "r1", "r2", "r3"]
+    assert not (tmp_path / "out.jsonl.lock").exists()
+    monkeypatch.setattr(run_module, "_generate", generate)
+    res = CliRunner().invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q", "--resume"])
+    assert res.exit_code == 0, res.output

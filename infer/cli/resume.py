@@ -9,17 +9,24 @@ another input or other options is refused unless asked for.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import stat
 from pathlib import Path
 
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks, runs are not kept apart
+    fcntl = None
+
 import typer
 
 from ..errors import ConfigError
 
 FINGERPRINT_SUFFIX = ".resume.json"
+LOCK_SUFFIX = ".lock"
 
 
 def done_ids(path: Path) -> set[str]:
@@ -67,9 +74,62 @@ def error_ids(path: Path) -> set[str]:
 
 
 def side_files(output: Path) -> list[Path]:
-    """The files a run keeps beside OUTPUT (its resume record, and the temporary copies it renames into place)."""
+    """The files a run keeps beside OUTPUT (its resume record, the temporary copies it renames into place, and the
+    lock it holds while it writes)."""
     fp, real = fingerprint_path(output), output.resolve()
-    return [fp, real.with_name(real.name + ".tmp"), fp.with_name(fp.name + ".tmp")]
+    return [fp, real.with_name(real.name + ".tmp"), fp.with_name(fp.name + ".tmp"), lock_path(output)]
+
+
+def lock_path(output: Path) -> Path:
+    real = output.resolve()
+    return real.with_name(real.name + LOCK_SUFFIX)
+
+
+@contextlib.contextmanager
+def output_lock(output: Path):
+    """Held while a run writes OUTPUT (a regular file): a second run of the same -o, with --resume or without, is
+    refused at once. Without it both wrote: two --resume runs each ran the ids still missing (every such id ended
+    with two records), a plain run truncated the file under the other. The lock is an flock on OUTPUT.lock (OUTPUT
+    itself is replaced when a resume cuts a torn line), removed at the end; where it cannot be made (a folder that
+    takes no new file, a file system without flock) the run goes on unlocked, as before."""
+    path, fd = lock_path(output), None
+    while fd is None and fcntl is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            break
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode("ascii", "replace").strip()
+            os.close(fd)
+            by = f" (process {holder})" if holder.isdigit() else ""
+            raise ConfigError(f"-o {output} is being written by another infer run{by}; two runs would each write "
+                              "the records still missing", f"wait for that run to end (then --resume completes "
+                              f"what it did not), or choose another -o; if no run is left, delete {path}") from None
+        except OSError:
+            os.close(fd)
+            fd = None
+            break
+        try:  # the run that held it may have removed the file meanwhile: lock the one that is there now
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except OSError:
+            same = False
+        if not same:
+            os.close(fd)
+            fd = None
+    if fd is None:
+        yield
+        return
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        os.close(fd)
 
 
 def _record_id(raw: bytes) -> str | None:

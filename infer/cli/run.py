@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
@@ -21,8 +22,7 @@ from .batch_io import (RecordWriter, check_input_encoding, error_record, model_n
                        read_inputs)
 from .entry import Terminated, terminate_as_interrupt
 from .resume import (check_not_unfinished, check_resume, done_ids, error_ids, is_regular_target, mark_complete,
-                     side_files,
-                     write_fingerprint)
+                     output_lock, side_files, write_fingerprint)
 
 
 @o.engine_options()
@@ -61,6 +61,15 @@ def run(
     _check_paths(input, output, resume, max_new_tokens)
     options = _output_options(engine, max_new_tokens)
     resumable = is_regular_target(output)
+    with output_lock(output) if resumable else contextlib.nullcontext():  # one run at a time writes a file
+        _run_locked(engine, input, output, resume, force_resume, strict, max_new_tokens, quiet, data_parallel,
+                    ray_address, options, resumable)
+
+
+def _run_locked(engine: EngineConfig, input: Path, output: Path | None, resume: bool, force_resume: bool,
+                strict: bool, max_new_tokens: int, quiet: bool, data_parallel: int, ray_address: str | None,
+                options: dict, resumable: bool) -> None:
+    """`run` once its paths are checked, with the output locked."""
     if resume and resumable and not force_resume:
         check_resume(output, input, options)
     if not resume and resumable:
