@@ -157,3 +157,35 @@ def test_a_second_run_of_the_same_output_is_refused_while_the_first_writes(tmp_p
     monkeypatch.setattr(run_module, "_generate", generate)
     res = CliRunner().invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q", "--resume"])
     assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("fail_from", [1, 2], ids=["at-start", "at-end"])
+def test_a_full_disk_writing_the_resume_record_is_one_error_line(tmp_path, monkeypatch, fail_from):
+    """OUT.resume.json is written when the run starts and marked complete at its end; a full disk at either was a
+    traceback (an OSError out of the command) with OUT.resume.json.tmp left behind. It is one error line (exit 2)
+    now, and at the end, where every record is written, a --resume marks the output complete."""
+    import errno
+
+    from infer.cli import resume
+    inp, out = _input(tmp_path), tmp_path / "out.jsonl"
+    replace, calls = resume.os.replace, []
+
+    def full(src, dst):
+        calls.append(dst)
+        if len(calls) >= fail_from:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return replace(src, dst)
+    monkeypatch.setattr(resume.os, "replace", full)
+    res = CliRunner().invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q"])
+    assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output
+    assert "cannot write" in res.output and "No space left on device" in res.output
+    assert not (tmp_path / "out.jsonl.resume.json.tmp").exists()
+    monkeypatch.setattr(resume.os, "replace", replace)
+    if fail_from == 2:
+        assert "every record is in" in res.output
+        assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == ["r0", "r1", "r2", "r3"]
+        assert json.loads((tmp_path / "out.jsonl.resume.json").read_text())["complete"] is False
+    res = CliRunner().invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q", "--resume"])
+    assert res.exit_code == 0, res.output
+    assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == ["r0", "r1", "r2", "r3"]
+    assert json.loads((tmp_path / "out.jsonl.resume.json").read_text())["complete"] is True

@@ -23,7 +23,7 @@ except ImportError:  # Windows: no advisory locks, runs are not kept apart
 
 import typer
 
-from ..errors import ConfigError
+from ..errors import ConfigError, OutputError
 
 FINGERPRINT_SUFFIX = ".resume.json"
 LOCK_SUFFIX = ".lock"
@@ -199,13 +199,24 @@ def mark_complete(output: Path) -> None:
     except (OSError, ValueError):
         return
     if isinstance(data, dict):
-        _write_json(path, {**data, "complete": True})
+        _write_json(path, {**data, "complete": True},
+                    f"every record is in {output}, but {path.name} still says the run did not finish; make room, "
+                    "then run the same command with --resume to mark it complete (it generates nothing)")
 
 
-def _write_json(path: Path, data: dict) -> None:
+def _write_json(path: Path, data: dict, hint: str = "make room or fix the folder's permissions, then run the same "
+                                                     "command again (with --resume once the output holds records)"
+                ) -> None:
+    """Written whole or not at all (a temporary file renamed into place). OutputError when the disk is full or the
+    folder takes no file: that was a traceback, with the temporary file left behind."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise OutputError(f"cannot write {path}: {e.strerror or e}", hint) from None
 
 
 def check_not_unfinished(output: Path) -> None:
