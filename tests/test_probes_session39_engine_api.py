@@ -189,3 +189,26 @@ def test_a_full_disk_writing_the_resume_record_is_one_error_line(tmp_path, monke
     assert res.exit_code == 0, res.output
     assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == ["r0", "r1", "r2", "r3"]
     assert json.loads((tmp_path / "out.jsonl.resume.json").read_text())["complete"] is True
+
+
+def test_a_full_disk_cutting_a_torn_line_on_resume_is_one_error_line(tmp_path, monkeypatch):
+    """--resume cuts a torn last line by writing the good records to OUT.tmp and renaming it over OUT; a full disk
+    there was a traceback with the partial copy left behind. One error line now, OUT untouched, no .tmp."""
+    import errno
+
+    from infer.cli import resume
+    _no_model(monkeypatch)
+    inp, out = _input(tmp_path), tmp_path / "out.jsonl"
+    torn = json.dumps({"id": "r0", "text": "x", "token_ids": [1], "finish_reason": "length"}) + "\n" + '{"id": "r1'
+    out.write_text(torn)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(resume.os, "replace", full)
+    monkeypatch.setattr(run_module, "_start_engine", lambda *a, **k: type("E", (), {
+        "tokenizer": None, "max_model_len": 64, "validate": lambda *a: None})())
+    monkeypatch.setattr(run_module, "_checked_lines", lambda *a, **k: [])
+    res = CliRunner().invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q", "--force-resume"])
+    assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output
+    assert "cannot remove 1 unreadable" in res.output and "No space left" in res.output
+    assert out.read_text() == torn and not (tmp_path / "out.jsonl.tmp").exists()

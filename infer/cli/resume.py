@@ -50,9 +50,16 @@ def done_ids(path: Path) -> set[str]:
         # file it pointed to (on another disk, say) ended torn and without the resumed run's records
         real = path.resolve()
         tmp = real.with_name(real.name + ".tmp")
-        tmp.write_bytes(b"".join(keep))
-        os.chmod(tmp, stat.S_IMODE(real.stat().st_mode))  # an output made private (0600) stays so
-        os.replace(tmp, real)
+        try:
+            tmp.write_bytes(b"".join(keep))
+            os.chmod(tmp, stat.S_IMODE(real.stat().st_mode))  # an output made private (0600) stays so
+            os.replace(tmp, real)
+        except OSError as e:  # a full disk: a traceback, and a .tmp copy of the records left beside
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise OutputError(f"cannot remove {dropped} unreadable or repeated line(s) from {path}: "
+                              f"{e.strerror or e}; the file is as it was",
+                              "make room (the records are copied once), then run the same command again") from None
         typer.echo(f"note: removed {dropped} unreadable or repeated line(s) from {path} (a run stopped mid-write?); "
                    "their requests run again", err=True)
     return ids
