@@ -90,6 +90,16 @@ def test_vllm_priority_and_lora_request_keywords(engine):
     assert _idle(engine)
 
 
+def test_a_request_id_that_is_not_a_string_is_refused(engine):
+    """add_request(7, ...) queued the request as "7": its outputs' request_id was not the id given (a caller's
+    dict keyed by 7 never matched), and 7 and "7" were one id ("already running"). vLLM refuses it (TypeError)."""
+    for rid in (7, None, ("a", 1)):
+        with pytest.raises(RequestError, match="request_id must be a string"):
+            engine.add_request(rid, [5, 6, 7], P)
+    assert _idle(engine)
+    assert engine.get_tokenizer() is engine.tokenizer  # vLLM's LLMEngine.get_tokenizer()
+
+
 # ------------------------------------------------------------------ infer run's I/O
 import gzip  # noqa: E402
 import json  # noqa: E402

@@ -207,7 +207,10 @@ class LLMEngine:
             prompt_token_ids = encode_prompt(self.tokenizer, prompt=text, max_tokens=None if keep else
                                              self.max_model_len)
         prompt_token_ids, params = request_inputs(prompt_token_ids, params)
-        request_id = str(request_id)
+        if not isinstance(request_id, str):  # str() of it was the id: its outputs' request_id (7 -> "7") was not
+            # the caller's, and 7 and "7" were one request; vLLM refuses it too (a TypeError)
+            raise RequestError(f"request_id must be a string, got {type(request_id).__name__} {request_id!r}",
+                               f"pass str({request_id!r}): outputs carry the id as it was given")
         old = self.requests.get(request_id)
         if old is not None and not old.finished:
             raise RequestError(f"request id {request_id!r} is already running", "give every request its own id")
@@ -345,6 +348,10 @@ class LLMEngine:
         if seq is not None and not seq.finished:
             self.scheduler.finish(seq, "abort")
             self._aborted.append(seq)
+
+    def get_tokenizer(self):
+        """vLLM's LLMEngine.get_tokenizer(): the tokenizer text prompts are encoded with."""
+        return self.tokenizer
 
     def get_num_unfinished_requests(self) -> int:
         """vLLM's: how many requests were added and have not handed out their last output yet (0 exactly when
