@@ -100,6 +100,19 @@ def test_a_request_id_that_is_not_a_string_is_refused(engine):
     assert engine.get_tokenizer() is engine.tokenizer  # vLLM's LLMEngine.get_tokenizer()
 
 
+def test_add_request_takes_vllms_keywords(engine):
+    """vLLM's add_request(request_id=..., prompt=..., params=...) was a TypeError (infer named the prompt
+    prompt_token_ids, which still works); a call with neither or both is refused, nothing queued."""
+    engine.add_request(request_id="kw", prompt="hello world", params=P)
+    engine.add_request("old", prompt_token_ids=engine.tokenizer("hello world")["input_ids"], params=P)
+    for kwargs in ({}, {"prompt": [5], "prompt_token_ids": [5]}):
+        with pytest.raises(RequestError, match="add_request needs one prompt"):
+            engine.add_request("bad", params=P, **kwargs)
+    done = _run(engine)
+    assert set(done) == {"kw", "old"} and done["kw"].token_ids == done["old"].token_ids
+    assert _idle(engine)
+
+
 # ------------------------------------------------------------------ infer run's I/O
 import gzip  # noqa: E402
 import json  # noqa: E402

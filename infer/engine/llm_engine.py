@@ -179,15 +179,21 @@ class LLMEngine:
         kernels.apply_bitmask(logits, torch.arange(2, device=device), every)
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt_token_ids: list[int] | str | dict,
+    def add_request(self, request_id: str, prompt: list[int] | str | dict | None = None,
                     params: SamplingParams | None = None, lora: str | None = None,
-                    arrival_time: float | None = None, priority: int = 0, lora_request=None) -> None:
-        """Queue one request. The prompt is token ids, text (tokenized as LLM.generate does: tokenizer(text)), or
-        vLLM's {"prompt": text} / {"prompt_token_ids": ids}. `arrival_time` (vLLM's keyword): when it arrived, in
+                    arrival_time: float | None = None, priority: int = 0, lora_request=None, *,
+                    prompt_token_ids: list[int] | None = None) -> None:
+        """Queue one request. The prompt (vLLM's keyword prompt=, or prompt_token_ids=) is token ids, text (tokenized
+        as LLM.generate does: tokenizer(text)), or vLLM's {"prompt": text} / {"prompt_token_ids": ids}. `arrival_time` (vLLM's keyword): when it arrived, in
         time.monotonic() seconds, for a caller that held it before adding it (the server's queue); its
         RequestOutput.metrics count from it. Default: now. vLLM's `priority` is taken at its default (0) only, as
         vLLM's first-come-first-served scheduler takes it; `lora_request` is refused, naming `lora=NAME`."""
         self._check_open()
+        if (prompt is None) == (prompt_token_ids is None):  # vLLM's keyword is prompt=; infer's was prompt_token_ids=
+            raise RequestError("add_request needs one prompt: " + ("none was given" if prompt is None else
+                                                                   "both prompt and prompt_token_ids were given"),
+                               "pass it as the second argument, or as prompt= (text, token ids or a prompt dict)")
+        prompt_token_ids = prompt if prompt_token_ids is None else prompt_token_ids
         if lora_request is not None:
             raise RequestError("lora_request (vLLM's LoRARequest) is not taken: infer names adapters",
                                "pass lora=NAME, an adapter registered with --lora NAME=PATH or add_lora")
