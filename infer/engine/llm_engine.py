@@ -61,7 +61,8 @@ def request_inputs(prompt_token_ids, params: SamplingParams | None) -> tuple[lis
             prompt_token_ids = str(prompt_token_ids)
     if isinstance(prompt_token_ids, str):  # LLMEngine.add_request has tokenized text before: here ids were expected
         raise RequestError("the prompt's token ids are text (a str), not a list of token ids",
-                           "give text as the prompt itself or as {\"prompt\": text}, token ids as a list of ints")
+                           "give token ids as a list of ints; LLMEngine.add_request takes text as the prompt "
+                           "itself or as {\"prompt\": text} (validate takes token ids only)")
     if not isinstance(prompt_token_ids, (list, tuple)) and hasattr(prompt_token_ids, "tolist"):
         prompt_token_ids = prompt_token_ids.tolist()  # a numpy array or a torch tensor
     if not isinstance(prompt_token_ids, (list, tuple)):
