@@ -113,6 +113,19 @@ def test_add_request_takes_vllms_keywords(engine):
     assert _idle(engine)
 
 
+def test_adapters_on_a_closed_engine_say_it_is_closed(tmp_path):
+    """close() drops the LoRA manager, so add_lora / remove_lora on a closed engine said "this engine has no LoRA
+    adapter slots ... start it with --enable-lora", about an engine started with them. ClosedError now, as every
+    other call; list_loras (vLLM's) lists the adapters of an open one."""
+    from infer.errors import ClosedError
+    eng = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, block_size=4, enable_lora=True))
+    assert eng.list_loras() == []
+    eng.close()
+    for call in (lambda: eng.add_lora("a", str(tmp_path)), lambda: eng.remove_lora("a"), eng.list_loras):
+        with pytest.raises(ClosedError, match="closed"):
+            call()
+
+
 # ------------------------------------------------------------------ infer run's I/O
 import gzip  # noqa: E402
 import json  # noqa: E402

@@ -356,6 +356,11 @@ class LLMEngine:
             self.scheduler.finish(seq, "abort")
             self._aborted.append(seq)
 
+    def list_loras(self) -> list[str]:
+        """vLLM's LLMEngine.list_loras(): the adapters requests may name, in the order they were added."""
+        self._check_open()
+        return self.lora_manager.names() if self.lora_manager is not None else []
+
     def get_tokenizer(self):
         """vLLM's LLMEngine.get_tokenizer(): the tokenizer text prompts are encoded with."""
         return self.tokenizer
@@ -377,7 +382,9 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ adapters at run time
     def lora_slots(self):
-        """The LoRAManager; LoRAError when the engine was started without adapter slots."""
+        """The LoRAManager; LoRAError when the engine was started without adapter slots, ClosedError once it was
+        closed (close() drops the manager: add_lora said to start the engine with --enable-lora)."""
+        self._check_open()
         if self.lora_manager is None:
             raise LoRAError("this engine has no LoRA adapter slots, so adapters cannot be added while it runs",
                             "start it with --enable-lora (LLM(..., enable_lora=True)) or with a --lora")
