@@ -77,6 +77,20 @@ def test_get_num_unfinished_requests(engine):
     assert _idle(engine)
 
 
+def test_get_num_unfinished_requests_with_overlapped_steps():
+    """With overlap (a step's tokens reach the host one step later), a loop on get_num_unfinished_requests() still
+    gets every request's last output exactly once."""
+    eng = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, block_size=4, overlap=True))
+    for i in range(4):
+        eng.add_request(f"r{i}", [5, 6, 7 + i], SamplingParams(max_new_tokens=3 + i, ignore_eos=True))
+    eng.abort_request("r1")
+    finished = []
+    while eng.get_num_unfinished_requests() > 0:
+        finished += [o.request_id for o in eng.step() if o.finished]
+    assert sorted(finished) == ["r0", "r1", "r2", "r3"]
+    eng.close()
+
+
 def test_vllm_priority_and_lora_request_keywords(engine):
     """vLLM's add_request keywords `priority` and `lora_request` were a bare TypeError ("unexpected keyword
     argument"). priority 0 (vLLM's default) is taken; another is refused as vLLM's first-come-first-served
