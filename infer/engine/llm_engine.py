@@ -185,9 +185,9 @@ class LLMEngine:
                     arrival_time: float | None = None, priority: int = 0, lora_request=None, *,
                     prompt_token_ids: list[int] | None = None) -> None:
         """Queue one request. The prompt (vLLM's keyword prompt=, or prompt_token_ids=) is token ids, text (tokenized
-        as LLM.generate does: tokenizer(text)), or vLLM's {"prompt": text} / {"prompt_token_ids": ids}. `arrival_time` (vLLM's keyword): when it arrived, in
-        time.monotonic() seconds, for a caller that held it before adding it (the server's queue); its
-        RequestOutput.metrics count from it. Default: now. vLLM's `priority` is taken at its default (0) only, as
+        as LLM.generate does: tokenizer(text)), or vLLM's {"prompt": text} / {"prompt_token_ids": ids}.
+        `arrival_time` (vLLM's keyword): when it arrived, in time.monotonic() seconds, for a caller that held it
+        before adding it (the server's queue); its RequestOutput.metrics count from it. Default: now. vLLM's `priority` is taken at its default (0) only, as
         vLLM's first-come-first-served scheduler takes it; `lora_request` is refused, naming `lora=NAME`."""
         self._check_open()
         if (prompt is None) == (prompt_token_ids is None):  # vLLM's keyword is prompt=; infer's was prompt_token_ids=
