@@ -13,6 +13,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -22,8 +23,8 @@ from typing import Any, Callable, TextIO
 
 from ..errors import ConfigError, InferError, ModelLoadError
 from .calibration import CalibrationSet, load_calibration
-from .convert import (check_not_source, check_output, copy_tokenizer_files, is_gptq, parse_shard_size,
-                      read_config_json, staged_output, weight_files)
+from .convert import (TOKENIZER_FILES, check_not_source, check_output, is_gptq, parse_shard_size, read_config_json,
+                      staged_output, weight_files)
 
 BITS = (4, 8)
 GROUP_SIZES = (-1, 32, 64, 128)
@@ -200,7 +201,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: Qu
         report = report_frame(log)
         _check_saved(tmp)
         _drop_work_paths(tmp)
-        copy_tokenizer_files(src, tmp)
+        _restore_source_files(src, tmp)
         report.to_csv(tmp / REPORT_NAME, index=False)
     return QuantizeResult(out, report, calib, time.perf_counter() - start)
 
@@ -408,6 +409,22 @@ def _drop_work_paths(out: Path) -> None:
             for k in WORK_PATH_KEYS:
                 meta.pop(k, None)
             path.write_text(json.dumps(data, indent=2, sort_keys=key is not None) + "\n")
+
+
+SOURCE_FILES = TOKENIZER_FILES + ("generation_config.json",)
+
+
+def _restore_source_files(src: Path, out: Path) -> None:
+    """Give the checkpoint the source's tokenizer files and generation_config.json unchanged. GPTQModel saves them as
+    it loaded them, not as the source has them: it sets `do_sample: true` in generation_config.json (transformers'
+    generate then samples where the source model decodes greedily) and rewrites tokenizer_config.json (its class
+    name, loading flags, a pad token it picked). A generation_config.json the source lacks is removed: transformers
+    and infer derive it from config.json, as they do for the source."""
+    for name in SOURCE_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, out / name)
+    if not (src / "generation_config.json").is_file():
+        (out / "generation_config.json").unlink(missing_ok=True)
 
 
 def report_frame(log: dict):
