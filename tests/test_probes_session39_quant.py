@@ -49,3 +49,52 @@ def test_quantize_without_a_generation_config_writes_none(tiny_llama, tmp_path):
     src = _source(tiny_llama, tmp_path, None)
     out = quantize_model(src, tmp_path / "q", SMALL).out
     assert not (out / "generation_config.json").exists()
+
+
+def _transformers4_config(folder):
+    """Rewrite folder's config.json as transformers 4 writes it (rope_theta and rope_scaling, torch_dtype)."""
+    path = folder / "config.json"
+    cfg = json.loads(path.read_text())
+    rope = cfg.pop("rope_parameters")
+    cfg.update(rope_theta=rope.pop("rope_theta"), torch_dtype=cfg.pop("dtype"), transformers_version="4.46.0")
+    cfg["rope_scaling"] = rope if rope.get("rope_type") != "default" else None
+    path.write_text(json.dumps(cfg, indent=2))
+    return cfg
+
+
+def _source_v4(tmp_path, name):
+    from infer.models.resolve import resolve_model
+    src = tmp_path / "src"
+    shutil.copytree(resolve_model(name), src)
+    return src, _transformers4_config(src)
+
+
+def test_convert_keeps_the_source_config_layout(tmp_path):
+    """A transformers-4 config.json (rope_theta, rope_scaling: llama3) comes out with the same fields, only the dtype
+    changed: transformers 5 would save rope_parameters instead, which tools on transformers 4 (vLLM's config
+    reading among them) take for the default rope."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    src, cfg = _source_v4(tmp_path, "tiny-llama3")
+    out = tmp_path / "out"
+    r = CliRunner().invoke(app, ["convert", str(src), "-o", str(out), "--dtype", "bfloat16"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "config.json").read_text()) == {**cfg, "torch_dtype": "bfloat16"}
+    from transformers import AutoConfig
+    assert AutoConfig.from_pretrained(out).rope_parameters["rope_theta"] == 500000.0
+
+
+@needs_gptqmodel
+def test_quantize_keeps_the_source_config_layout(tmp_path):
+    """The quantized checkpoint's config.json is the source's with quantization_config and the dtype GPTQModel wrote
+    its float tensors in (bfloat16 for a float32 source), not transformers 5's re-layout."""
+    src, cfg = _source_v4(tmp_path, "tiny-llama3")
+    out = quantize_model(src, tmp_path / "q", SMALL).out
+    saved = json.loads((out / "config.json").read_text())
+    qc = saved.pop("quantization_config")
+    assert saved == {**cfg, "torch_dtype": "bfloat16"}
+    assert qc == json.loads((out / "quantize_config.json").read_text()) and qc["bits"] == 4
+    from infer import LLM, SamplingParams
+    llm = LLM(str(out), block_size=4)
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, ignore_eos=True))[0].token_ids) == 3

@@ -48,6 +48,32 @@ def read_config_json(model_dir: Path) -> dict:
     return cfg
 
 
+DTYPE_KEYS = ("dtype", "torch_dtype")
+
+
+def keep_source_config(src: Path, out: Path, changed: dict) -> None:
+    """Write the source's config.json into `out` with only the `changed` fields replaced (a dtype in the key or keys
+    the source spells it with). transformers saves a config in its own version's layout (transformers 5 moves
+    rope_theta and rope_scaling into rope_parameters and writes dtype for torch_dtype), which tools reading the
+    fields of older versions take for a model without them (vLLM on transformers 4 gets the default rope)."""
+    cfg = read_config_json(src)
+    for key, value in changed.items():
+        if key == "dtype":
+            if value is None:
+                continue
+            keys = [k for k in DTYPE_KEYS if k in cfg] or ["torch_dtype"]  # every transformers version reads it
+            cfg.update({k: value for k in keys})
+        else:
+            cfg[key] = value
+    (Path(out) / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def saved_dtype(out: Path) -> str | None:
+    """The float dtype the config.json saved into `out` names (dtype or torch_dtype)."""
+    cfg = read_config_json(out)
+    return next((cfg[k] for k in DTYPE_KEYS if isinstance(cfg.get(k), str)), None)
+
+
 def load_weight_file(f: Path) -> dict:
     """Every tensor of one .safetensors or .bin file; a corrupted or truncated file is a ModelLoadError naming it,
     worded as `infer run` words it (models/loader.py)."""
@@ -238,6 +264,7 @@ def _save_float(src: Path, out: Path, dtype: str | None, merge_lora: Path | None
                             "the adapter's weights are too large for the model (`infer lora-validate` shows its "
                             "scaling); check the adapter, or merge into a float32 copy of the model")
     model.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
+    keep_source_config(src, out, {"dtype": saved_dtype(out)} if dtype else {})
     copy_tokenizer_files(src, out, EXTRA_FILES)
 
 

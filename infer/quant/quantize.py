@@ -23,8 +23,8 @@ from typing import Any, Callable, TextIO
 
 from ..errors import ConfigError, InferError, ModelLoadError
 from .calibration import CalibrationSet, load_calibration
-from .convert import (TOKENIZER_FILES, check_not_source, check_output, is_gptq, parse_shard_size, read_config_json,
-                      staged_output, weight_files)
+from .convert import (TOKENIZER_FILES, check_not_source, check_output, is_gptq, keep_source_config, parse_shard_size,
+                      read_config_json, saved_dtype, staged_output, weight_files)
 
 BITS = (4, 8)
 GROUP_SIZES = (-1, 32, 64, 128)
@@ -201,6 +201,8 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: Qu
         report = report_frame(log)
         _check_saved(tmp)
         _drop_work_paths(tmp)
+        keep_source_config(src, tmp, {"dtype": saved_dtype(tmp),
+                                      "quantization_config": read_config_json(tmp)["quantization_config"]})
         _restore_source_files(src, tmp)
         report.to_csv(tmp / REPORT_NAME, index=False)
     return QuantizeResult(out, report, calib, time.perf_counter() - start)
