@@ -98,3 +98,24 @@ def test_quantize_keeps_the_source_config_layout(tmp_path):
     from infer import LLM, SamplingParams
     llm = LLM(str(out), block_size=4)
     assert len(llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, ignore_eos=True))[0].token_ids) == 3
+
+
+def test_convert_of_a_gptq_checkpoint_reads_only_its_model_file(tmp_path):
+    """A file beside model.safetensors (an adapter_model.safetensors kept in the folder) is not part of the model
+    for `infer run` or transformers: `infer convert` copied its tensors into the checkpoint, which `infer run` then
+    refused."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from infer.models.resolve import resolve_model
+    src = tmp_path / "gptq"
+    shutil.copytree(resolve_model("tiny-llama"), src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "gptq", "bits": 4}}))
+    save_file({"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)}, src / "adapter_model.safetensors")
+    out = tmp_path / "out"
+    r = CliRunner().invoke(app, ["convert", str(src), "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert load_file(out / "model.safetensors").keys() == load_file(src / "model.safetensors").keys()

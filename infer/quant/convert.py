@@ -96,13 +96,17 @@ def check_weight_files(model_dir: Path) -> None:
 
 
 def weight_files(model_dir: Path) -> list[Path]:
-    """The weight files to read: a sharded checkpoint's through its index, refused as `infer run` refuses it when a
-    shard is missing (copying the others would write an incomplete model); otherwise every safetensors file, or
-    pytorch_model*.bin."""
+    """The weight files to read, those `infer run` and transformers read: a sharded checkpoint's through its index,
+    refused as `infer run` refuses it when a shard is missing (copying the others would write an incomplete model);
+    else model.safetensors or pytorch_model.bin alone (another file beside it, such as a LoRA adapter's
+    adapter_model.safetensors, is not part of the model); otherwise every safetensors file, or pytorch_model*.bin."""
     from .files import indexed_files
     indexed = indexed_files(Path(model_dir))
     if indexed is not None:
         return indexed
+    for single in ("model.safetensors", "pytorch_model.bin"):
+        if (Path(model_dir) / single).is_file():
+            return [Path(model_dir) / single]
     files = sorted(Path(model_dir).glob("*.safetensors")) or sorted(Path(model_dir).glob("pytorch_model*.bin"))
     if not files:
         raise ModelLoadError(f"{model_dir} has no weights (*.safetensors or pytorch_model*.bin)",
