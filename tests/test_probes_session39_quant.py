@@ -119,3 +119,14 @@ def test_convert_of_a_gptq_checkpoint_reads_only_its_model_file(tmp_path):
     r = CliRunner().invoke(app, ["convert", str(src), "-o", str(out)])
     assert r.exit_code == 0, r.output
     assert load_file(out / "model.safetensors").keys() == load_file(src / "model.safetensors").keys()
+
+
+def test_calibration_txt_with_crlf_and_a_byte_order_mark_reads_as_its_lf_copy(tmp_path):
+    """A .txt saved by a Windows editor (BOM, CRLF) holds the same paragraphs as its LF copy: it was read one
+    sample per line, with carriage returns and the BOM in the texts."""
+    from infer.quant.calibration import read_texts
+    text = "First paragraph,\nits second line.\n\nSecond paragraph.\n"
+    lf, crlf = tmp_path / "lf.txt", tmp_path / "crlf.txt"
+    lf.write_text(text, encoding="utf-8")
+    crlf.write_bytes(b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode())
+    assert read_texts(crlf) == read_texts(lf) == ["First paragraph,\nits second line.", "Second paragraph."]

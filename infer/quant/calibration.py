@@ -54,6 +54,8 @@ def read_texts(path: Path | None, render_chat: Callable[[Messages], str] | None 
 
 def _read_txt(path: Path) -> list[str]:
     content = read_utf8(path, "calibration file")
+    # a Windows editor's file: its byte order mark is no text, and CRLF line ends separate paragraphs as LF ones do
+    content = content.removeprefix("\ufeff").replace("\r\n", "\n")
     blocks = content.split("\n\n") if "\n\n" in content.strip() else content.splitlines()
     return [b.strip() for b in blocks if b.strip()]
 
