@@ -35,7 +35,13 @@ class _Commands(TyperGroup):
             sys.exit(e.exit_code)
         except click_errors.UsageError as e:
             where = e.ctx.command_path if e.ctx is not None else "infer"
-            typer.echo(f"error: {e.format_message()}\n  hint: see `{where} --help`", err=True)
+            from .vllm_flags import vllm_hint
+            hint = vllm_hint(e.option_name) if isinstance(e, click_errors.NoSuchOption) else None
+            if hint is not None:  # vLLM's option: say what to do in infer, not click's guesses at a misspelling
+                typer.echo(f"error: {e.option_name} is vLLM's option, which `{where}` does not take\n"
+                           f"  hint: {hint}", err=True)
+            else:
+                typer.echo(f"error: {e.format_message()}\n  hint: see `{where} --help`", err=True)
             sys.exit(2)
         except click_errors.ClickException as e:
             e.show()
@@ -103,8 +109,17 @@ def _from_ctrl_c(e: BaseException) -> bool:
     return False
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from .. import __version__
+        typer.echo(f"infer {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def main(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False) -> None:
+def main(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
+         version: Annotated[bool, typer.Option("--version", help="Print infer's version and exit.",
+                                               callback=_print_version, is_eager=True)] = False) -> None:
     """Deploy GPTQ int4 language models with batched multi-LoRA, and measure them."""
     _state["debug"] = debug
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, stream=sys.stderr,

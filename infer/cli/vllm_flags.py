@@ -1,0 +1,52 @@
+"""vLLM's command-line options that `infer` does not take, and what to do instead: an unknown option that a vLLM user
+would type gets this hint in place of click's guesses (`--trust-remote-code` is not a misspelling of anything).
+vLLM's spellings with the same meaning are taken as they are (`--enforce-eager`, `--enable-prefix-caching`,
+`--dtype half`, serve's `--uvicorn-log-level`), so they are not listed here."""
+
+from __future__ import annotations
+
+_LOCAL = ("MODEL is a local folder (infer downloads nothing); fetch the revision first, e.g. `huggingface-cli download "
+          "ID --revision REV --local-dir DIR`, and pass DIR")
+_ONE_GPU = ("infer runs each model on one GPU; use --data-parallel N for N replicas (infer run and infer serve), or a "
+            "smaller (int4) model")
+_TLS = "infer serve speaks plain HTTP; put a TLS-terminating proxy (nginx, Caddy) in front of it"
+_NO_REQUEST_LOG = ("infer serve logs no request contents or per-request lines of its own; drop the option "
+                   "(--log-level info shows uvicorn's access log)")
+
+VLLM_HINTS = {
+    "--tensor-parallel-size": _ONE_GPU,
+    "-tp": _ONE_GPU,
+    "--pipeline-parallel-size": _ONE_GPU,
+    "-pp": _ONE_GPU,
+    "--data-parallel-size": "use --data-parallel N (infer run and infer serve): N engine replicas as Ray actors",
+    "-dp": "use --data-parallel N (infer run and infer serve): N engine replicas as Ray actors",
+    "--trust-remote-code": "infer runs its own Llama, Mistral and Qwen code, never a checkpoint's Python; drop the "
+                           "option",
+    "--tokenizer": "the tokenizer is read from MODEL's folder; copy the tokenizer's files (tokenizer.json, "
+                   "tokenizer_config.json) into it",
+    "--revision": _LOCAL,
+    "--tokenizer-revision": _LOCAL,
+    "--code-revision": _LOCAL,
+    "--download-dir": _LOCAL,
+    "--load-format": "MODEL's safetensors or .bin weights are read as they are; drop the option",
+    "--quantization": "the quantization is read from MODEL's config.json (GPTQ int4/int8, or a float model); drop "
+                      "the option (infer quantize makes a GPTQ checkpoint)",
+    "--kv-cache-dtype": "the KV cache is kept in the model's --dtype; drop the option",
+    "--model": "MODEL is the command's first argument, e.g. `infer serve ./my-model --port 8000`",
+    "--lora-modules": "use --lora NAME=PATH, once per adapter, e.g. --lora sql=./adapters/sql --lora chat=./chat",
+    "--generation-config": "infer reads MODEL's generation_config.json for the sampling defaults, as vLLM's "
+                           "default (auto) does; drop the option",
+    "--disable-log-requests": _NO_REQUEST_LOG,
+    "--enable-log-requests": _NO_REQUEST_LOG,
+    "--ssl-keyfile": _TLS,
+    "--ssl-certfile": _TLS,
+    "--ssl-ca-certs": _TLS,
+    "--root-path": "infer serve serves its routes under /; a reverse proxy in front can strip a path prefix",
+}
+
+
+def vllm_hint(option: str | None) -> str | None:
+    """What to do instead of vLLM's `option` (given as typed, maybe with `=VALUE`), or None when it is not one."""
+    if not option:
+        return None
+    return VLLM_HINTS.get(option.split("=", 1)[0])
