@@ -21,6 +21,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..engine.config import RANGES, EngineConfig, cli_fields, valid_device
+from ..errors import ConfigError
 from ..models.tiny import BUILTIN_MODELS
 
 BUILTIN_HELP = (f"a built-in model with random weights ({', '.join(BUILTIN_MODELS)}; generated on first use, its "
@@ -69,11 +70,17 @@ def engine_options(exclude: tuple[str, ...] = ()):
                if p.name != "engine"]
         added = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=_cli_default(f),
                                    annotation=_cli_annotation(f)) for f in chosen]
+        aliased = [f for f in chosen if f.metadata.get("vllm")]
+        added += [inspect.Parameter(_alias(f), inspect.Parameter.KEYWORD_ONLY, default=None,
+                                    annotation=Annotated[Optional[bool], typer.Option(f.metadata["vllm"], hidden=True)])
+                  for f in aliased]
 
         @functools.wraps(fn)
         def command(*args, **kwargs):
             values = {f.name: kwargs.pop(f.name) for f in chosen if f.name in kwargs}
             values = {k: v for k, v in values.items() if v is not None}
+            for f in aliased:
+                _take_alias(f, kwargs.pop(_alias(f), None), values)
             model = kwargs["model"] if "model" in kwargs else args[0]
             kwargs["engine"] = EngineConfig(model=model, **values)
             return fn(*args, **kwargs)
@@ -84,6 +91,21 @@ def engine_options(exclude: tuple[str, ...] = ()):
         return command
 
     return decorate
+
+
+def _alias(f) -> str:
+    return f"{f.name}_as_vllm"
+
+
+def _take_alias(f, given: bool | None, values: dict) -> None:
+    """vLLM's spelling of a bool option (`--enforce-eager`), given: its value, unless infer's spelling set another."""
+    if given is None:
+        return
+    if f.name in values and values[f.name] != f.default and values[f.name] != given:
+        ours, theirs = f.metadata["flag"].split("/"), f.metadata["vllm"].split("/")
+        raise ConfigError(f"{ours[0] if values[f.name] else ours[-1]} and {theirs[0] if given else theirs[-1]} "
+                          "ask for opposite things", "give one of them")
+    values[f.name] = given
 
 
 def _field(name: str):

@@ -19,14 +19,16 @@ from ..checks import parse_size
 from ..errors import ConfigError, read_utf8
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's --dtype spellings, as torch names them
 ENGINE, LORA = "Engine options", "LoRA options"
 
 
-def option(default, help: str, panel: str = ENGINE, flag: str | None = None, cli_type=None, metavar=None, **kw):
+def option(default, help: str, panel: str = ENGINE, flag: str | None = None, cli_type=None, metavar=None,
+           vllm: str | None = None, **kw):
     """A dataclass field that is also a command-line option: `flag` overrides the spelling (--field-name),
     `cli_type` the type the command line reads (e.g. str for a size given as '8GB'), `metavar` its placeholder in
-    --help."""
-    meta = {"help": help, "panel": panel, "flag": flag, "cli_type": cli_type, "metavar": metavar}
+    --help, `vllm` vLLM's spelling where it differs (taken too, not shown apart: the help text names it)."""
+    meta = {"help": help, "panel": panel, "flag": flag, "cli_type": cli_type, "metavar": metavar, "vllm": vllm}
     if isinstance(default, (dict, list)):
         return field(default_factory=type(default), metadata=meta, **kw)
     return field(default=default, metadata=meta, **kw)
@@ -121,15 +123,17 @@ BOOLS = ("enable_prefix_caching", "enforce_eager", "enable_lora", "overlap", "lo
 class EngineConfig:
     model: str
     dtype: str = option("auto", "auto | float32 | float16 | bfloat16 (auto: the checkpoint's dtype on GPU, float32 "
-                                "on CPU).")
+                                "on CPU; vLLM's half and float are float16 and float32).")
     device: str = option("auto", "auto | cpu | cuda | cuda:N.")
     max_num_seqs: int = option(64, "Most sequences in one step.")
     max_num_batched_tokens: int = option(4096, "Most tokens (prefill + decode) in one step.")
     block_size: int = option(16, "Tokens per KV cache block.")
     max_model_len: int | None = option(None, "Context limit (default: the model's).")
     seed: int | None = option(0, "Seed for sampling of requests without their own seed.")
-    enable_prefix_caching: bool = option(True, "Reuse the KV of shared prompt prefixes.",
-                                         flag="--prefix-caching/--no-prefix-caching")
+    enable_prefix_caching: bool = option(True, "Reuse the KV of shared prompt prefixes (vLLM's "
+                                               "--[no-]enable-prefix-caching too).",
+                                         flag="--prefix-caching/--no-prefix-caching",
+                                         vllm="--enable-prefix-caching/--no-enable-prefix-caching")
     num_kv_blocks: int | None = None  # API only; None: sized from the memory budget
     # API only: prepare and hand out step n's results while step n+1 runs on the device (None: on for CUDA, off on
     # CPU, where one processor does both and nothing can overlap)
@@ -176,7 +180,8 @@ class EngineConfig:
                                             "(default: half the available RAM).", cli_type=str)
     gpu_memory_utilization: float = option(0.90, "Fraction of the GPU's memory the engine may use, in (0, 1].")
     enforce_eager: bool = option(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs (slower; "
-                                        "for debugging).", flag="--eager")
+                                        "for debugging; vLLM's --enforce-eager too).", flag="--eager",
+                                 vllm="--enforce-eager")
     cuda_graph_max_tokens: int = option(512, "CUDA: steps that are not all decodes (prefills, prefill chunks beside "
                                              "decodes) of up to this many tokens replay per-layer CUDA graphs around "
                                              "an eager attention; 0: they run eagerly.")
@@ -202,6 +207,8 @@ class EngineConfig:
         util = self.gpu_memory_utilization
         if isinstance(util, numbers.Real) and not isinstance(util, bool):
             self.gpu_memory_utilization = float(util)  # a numpy float32 too
+        if isinstance(self.dtype, str):  # one name per dtype from here on (records, --resume's fingerprint)
+            self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         self.memory_limit = parse_size(self.memory_limit, "--memory-limit")
         self.loras = parse_loras(self.loras)
         self.chat_template = load_chat_template(self.chat_template)
