@@ -72,6 +72,9 @@ def load_chat_template(value: str | Path | None, name: str = "--chat-template",
         return None
     if not isinstance(value, (str, Path)):
         raise error(f"{name} must be a file path or the template text, got {type(value).__name__}")
+    if not str(value).strip():  # Path('') is the current folder: it was refused as "a folder"
+        raise error(f"{name} is empty", "give the path of a Jinja file, or the template text itself (`--chat-template "
+                                        "\"$VAR\"` with VAR unset?)")
     path = Path(value).expanduser()
     try:
         is_file, is_dir = path.is_file(), path.is_dir()
