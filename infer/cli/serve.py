@@ -61,7 +61,8 @@ def serve(
     = None,
     shutdown_timeout: Annotated[float, typer.Option(help="On SIGTERM, seconds in-flight requests get to finish "
                                                          "before they are aborted.", rich_help_panel=SERVER)] = 30.0,
-    log_level: Annotated[str, typer.Option(help="uvicorn log level: critical | error | warning | info | debug.",
+    log_level: Annotated[str, typer.Option("--log-level", "--uvicorn-log-level",
+                                           help="uvicorn log level: critical | error | warning | info | debug.",
                                            rich_help_panel=SERVER)] = "warning",
     data_parallel: Annotated[int, typer.Option("--data-parallel", min=1, help="Engine replicas as Ray actors behind "
                                                "this endpoint, one per GPU; needs infer[ray].",
@@ -130,6 +131,9 @@ def serve(
     thinking = _reasoning_parser(reasoning_parser)
     from ..serve.cors import cors_options
     cors = cors_options(allowed_origins, allowed_methods, allowed_headers, allow_credentials)
+    if served_model_name is not None and not served_model_name.strip():  # `"$UNSET"`: was MODEL's name, silently
+        raise ConfigError("--served-model-name is empty", "give the id clients send as `model`, or leave the option "
+                                                          "out to serve under MODEL's name")
     if not host.strip():  # an empty address binds every interface: never do that by accident (`--host "$UNSET"`)
         raise ConfigError("--host is empty", "give an address: 127.0.0.1 (this machine) or 0.0.0.0 (every interface)")
     from ..serve.body import BodyLimits
