@@ -254,6 +254,9 @@ def bench(
     """
     levels, rate = parse_concurrency(concurrency), parse_rate(request_rate)
     check_options(num_prompts, dataset, baseline, lora_policy, url, rate)
+    if served_model_name is not None and url is None:  # the in-process engine has no ids to choose from
+        raise ConfigError("--served-model-name is the base model's id on a server, used with --url only",
+                          "add --url http://HOST:PORT, or drop --served-model-name")
     check_range_ratio(random_range_ratio, dataset)
     out = out.expanduser() if out is not None else None  # one folder for every file (pandas expands ~ itself)
     check_out(out)
