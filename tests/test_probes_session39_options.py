@@ -111,3 +111,11 @@ def test_bench_refuses_served_model_name_without_url(monkeypatch, tmp_path):
                                       "--out", str(tmp_path / "b")])
     assert result.exit_code == 2, result.output
     assert "--served-model-name" in result.output and "--url" in result.output
+
+
+@pytest.mark.parametrize("argv, command", [(["serve", "tiny-llama", "--port"], "serve"),
+                                           (["--debug", "bench", "tiny-llama", "-c"], "bench")])
+def test_an_option_missing_its_value_points_at_its_commands_help(argv, command):
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 2
+    assert "requires an argument" in result.output and f"see `infer {command} --help`" in result.output

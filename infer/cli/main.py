@@ -34,7 +34,7 @@ class _Commands(TyperGroup):
             e.show()
             sys.exit(e.exit_code)
         except click_errors.UsageError as e:
-            where = e.ctx.command_path if e.ctx is not None else "infer"
+            where = e.ctx.command_path if e.ctx is not None else self._command_path(args)
             from .vllm_flags import vllm_hint
             hint = vllm_hint(e.option_name) if isinstance(e, click_errors.NoSuchOption) else None
             if hint is not None:  # vLLM's option: say what to do in infer, not click's guesses at a misspelling
@@ -50,6 +50,13 @@ class _Commands(TyperGroup):
             typer.echo("interrupted", err=True)
             sys.exit(130)
         sys.exit(code if isinstance(code, int) else 0)
+
+    def _command_path(self, args) -> str:
+        """`infer COMMAND` for an error click raises without its context (an option missing its value, as in
+        `infer serve M --port`): the first of `args` that is a command, else `infer`."""
+        args = sys.argv[1:] if args is None else list(args)
+        name = next((a for a in args if not a.startswith("-")), None)
+        return f"infer {name}" if name in self.commands else "infer"
 
 
 app = typer.Typer(
