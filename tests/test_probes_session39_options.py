@@ -119,3 +119,11 @@ def test_an_option_missing_its_value_points_at_its_commands_help(argv, command):
     result = CliRunner().invoke(app, argv)
     assert result.exit_code == 2
     assert "requires an argument" in result.output and f"see `infer {command} --help`" in result.output
+
+
+@pytest.mark.parametrize("value, traceback", [("0", False), ("false", False), ("", False), ("1", True)])
+def test_infer_debug_0_does_not_turn_debugging_on(monkeypatch, value, traceback):
+    monkeypatch.setenv("INFER_DEBUG", value)
+    result = CliRunner().invoke(app, ["serve", "tiny-llama", "--port", "99999"])
+    assert isinstance(result.exception, ConfigError) is traceback, result.output
+    assert result.exit_code == (1 if traceback else 2)

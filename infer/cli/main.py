@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import os
 import sys
 from typing import Annotated
 
@@ -81,7 +80,8 @@ def handle_errors(fn, command: str = "COMMAND"):
         try:
             return fn(*args, **kwargs)
         except InferError as e:
-            if _state["debug"] or os.environ.get("INFER_DEBUG"):
+            from .quiet import debug_env
+            if _state["debug"] or debug_env():
                 raise
             hint = e.hint or f"see `infer {command} --help`"
             typer.echo(f"error: {e.message}\n  hint: {hint}", err=True)

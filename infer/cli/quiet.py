@@ -27,10 +27,16 @@ QUIET_ENV = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": 
 IMPORT_BANNERS = ("torchao", "torch.utils._pytree")
 
 
+def debug_env() -> bool:
+    """Whether INFER_DEBUG asks for debugging: set to anything but empty, 0, false, no or off (INFER_DEBUG=0 turned
+    it on)."""
+    return os.environ.get("INFER_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
 def quiet_import_banners(argv: list[str]) -> None:
     """Raise IMPORT_BANNERS' loggers to ERROR for this process, unless --debug or INFER_DEBUG asks for everything.
     Called by the console script before anything is imported (`cli.entry`)."""
-    if "--debug" in argv or os.environ.get("INFER_DEBUG"):
+    if "--debug" in argv or debug_env():
         return
     for name in IMPORT_BANNERS:
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -38,7 +44,7 @@ def quiet_import_banners(argv: list[str]) -> None:
 
 def debugging() -> bool:
     from .main import _state
-    return bool(_state["debug"] or os.environ.get("INFER_DEBUG"))
+    return bool(_state["debug"] or debug_env())
 
 
 def _fd(stream) -> int | None:
