@@ -127,3 +127,10 @@ def test_infer_debug_0_does_not_turn_debugging_on(monkeypatch, value, traceback)
     result = CliRunner().invoke(app, ["serve", "tiny-llama", "--port", "99999"])
     assert isinstance(result.exception, ConfigError) is traceback, result.output
     assert result.exit_code == (1 if traceback else 2)
+
+
+def test_a_mistyped_infer_tune_is_refused_not_a_quick_tuning(monkeypatch):
+    from infer.kernels.gptq_tune import tune_model
+    monkeypatch.setenv("INFER_TUNE", "ful")
+    with pytest.raises(ConfigError, match="INFER_TUNE='ful'"):
+        tune_model(None, 16, "cpu")

@@ -363,7 +363,8 @@ def tune_model(model, max_tokens: int, device, log=None, quick: bool | None = No
     winners to the cache file. Returns (shapes tuned, seconds). At engine start the quick candidate set is timed
     (a dozen or two configurations per M bucket) unless INFER_TUNE=full asks for the whole space."""
     if quick is None:
-        quick = os.environ.get("INFER_TUNE", "quick") != "full"
+        from .options import env_choice  # INFER_TUNE=ful (or Full) was a quick tuning, silently
+        quick = env_choice("INFER_TUNE", ("quick", "full"), "a tuning of the int4 kernels") == "quick"
     t0 = time.perf_counter()
     buckets = [b for b in BUCKETS if b <= gptq_configs.bucket(max_tokens)]
     todo: dict = {}
