@@ -134,3 +134,15 @@ def test_a_mistyped_infer_tune_is_refused_not_a_quick_tuning(monkeypatch):
     monkeypatch.setenv("INFER_TUNE", "ful")
     with pytest.raises(ConfigError, match="INFER_TUNE='ful'"):
         tune_model(None, 16, "cpu")
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_an_empty_ray_address_is_refused_not_a_local_run(monkeypatch, tmp_path, command):
+    monkeypatch.setattr("infer.engine.llm_engine.LLMEngine", lambda *a, **k: pytest.fail("ran without the cluster"))
+    monkeypatch.setattr("infer.cli.serve._serve", lambda *a, **k: pytest.fail("served without the cluster"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    argv = [str(prompts), "-o", str(tmp_path / "o.jsonl")] if command == "run" else ["--port", "0"]
+    result = CliRunner().invoke(app, [command, "tiny-llama", *argv, "--ray-address", ""])
+    assert result.exit_code == 2, result.output
+    assert "--ray-address" in result.output and "empty" in result.output

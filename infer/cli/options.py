@@ -123,6 +123,15 @@ def _check_device(value: str) -> str:
     return value
 
 
+def check_ray_address(value: str | None) -> str | None:
+    """--ray-address: an empty one (`--ray-address "$UNSET"`) was taken as none, and the run went to a local Ray
+    runtime without a word."""
+    if value is not None and not value.strip():
+        raise typer.BadParameter("it is empty; give HOST:6379 or ray://HOST:10001, or leave the option out for a "
+                                 "local Ray runtime")
+    return value
+
+
 # Single engine options for commands that do not run the engine (lora-validate).
 Device = Annotated[str, typer.Option(help=_field("device").metadata["help"], callback=_check_device)]
 MaxLoraRank = _cli_annotation(_field("max_lora_rank"))

@@ -43,7 +43,8 @@ def run(
     data_parallel: Annotated[int, typer.Option("--data-parallel", min=1, help="Engine replicas as Ray actors, one per "
                                                "GPU (CPU replicas without GPUs); needs infer[ray].")] = 1,
     ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="Join this Ray cluster (HOST:6379 or "
-                                                       "ray://HOST:10001); default: a local Ray runtime.")] = None,
+                                                       "ray://HOST:10001); default: a local Ray runtime.",
+                                                       callback=o.check_ray_address)] = None,
     engine: EngineConfig = None,
 ) -> None:
     """Generate a reply for every line of INPUT; records are appended to OUTPUT as requests finish.

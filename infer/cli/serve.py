@@ -69,7 +69,7 @@ def serve(
                                                rich_help_panel=SERVER)] = 1,
     ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="Join this Ray cluster (HOST:6379 or "
                                                        "ray://HOST:10001); default: a local Ray runtime.",
-                                                       rich_help_panel=SERVER)] = None,
+                                                       rich_help_panel=SERVER, callback=o.check_ray_address)] = None,
     max_body_size: Annotated[str, typer.Option(help="Largest request body, e.g. 8MB or 512KB; a larger one gets 413 "
                                                     "before it is read.", rich_help_panel=SERVER)] = "8MB",
     max_json_depth: Annotated[int, typer.Option(min=1, max=10000, help="How deeply a request body may nest arrays "
