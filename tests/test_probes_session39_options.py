@@ -73,6 +73,9 @@ def test_serve_takes_vllms_uvicorn_log_level(monkeypatch):
     (["serve", "tiny-llama", "--ssl-keyfile", "k.pem"], "TLS"),
     (["bench", "tiny-llama", "--kv-cache-dtype", "fp8"], "--dtype"),
     (["serve", "tiny-llama", "--generation-config", "auto"], "generation_config.json"),
+    (["bench", "tiny-llama", "--max-concurrency", "4"], "--concurrency"),
+    (["bench", "tiny-llama", "--random-input-len", "8"], "--input-len"),
+    (["bench", "tiny-llama", "--base-url", "http://x"], "--url"),
 ])
 def test_vllm_options_infer_lacks_say_what_to_use_instead(argv, words):
     result = CliRunner().invoke(app, argv)

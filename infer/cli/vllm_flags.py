@@ -42,6 +42,19 @@ VLLM_HINTS = {
     "--ssl-certfile": _TLS,
     "--ssl-ca-certs": _TLS,
     "--root-path": "infer serve serves its routes under /; a reverse proxy in front can strip a path prefix",
+    # `vllm bench serve`'s spellings
+    "--max-concurrency": "infer bench's -c/--concurrency N (one level, or a comma-separated list: -c 1,4,16)",
+    "--random-input-len": "infer bench's --input-len (the random dataset's prompt tokens)",
+    "--random-output-len": "infer bench's --output-len (the random dataset's output tokens)",
+    "--dataset-name": "infer bench's --dataset random | liteqwen | jsonl:PATH | sharegpt:PATH",
+    "--dataset-path": "infer bench's --dataset jsonl:PATH or --dataset sharegpt:PATH",
+    "--base-url": "infer bench's --url http://HOST:PORT (it streams /v1/completions)",
+    "--backend": "infer bench drives its in-process engine, or a server's streaming /v1/completions with --url",
+    "--endpoint": "infer bench drives a server's streaming /v1/completions with --url http://HOST:PORT",
+    "--result-dir": "infer bench's -o/--out FOLDER (results.json, results.csv, report.md and plots)",
+    "--save-result": "infer bench always writes its report, to -o/--out FOLDER (default ./bench-results/<time>)",
+    "--ignore-eos": "infer bench's random dataset ignores EOS already; a jsonl line's \"ignore_eos\": true sets it "
+                    "per request",
 }
 
 
