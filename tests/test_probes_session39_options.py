@@ -21,7 +21,7 @@ def _serve_options(monkeypatch, *argv: str):
     seen = {}
 
     def fake_serve(engine, sock, host, model_id, api_key, max_queue, shutdown_timeout, log_level, *a, **kw):
-        seen.update(engine=engine, log_level=log_level, model_id=model_id)
+        seen.update(engine=engine, log_level=log_level, model_id=model_id, api_key=api_key)
         raise _Stop
 
     monkeypatch.setattr("infer.cli.serve._serve", fake_serve)
@@ -149,3 +149,11 @@ def test_an_empty_ray_address_is_refused_not_a_local_run(monkeypatch, tmp_path, 
     result = CliRunner().invoke(app, [command, "tiny-llama", *argv, "--ray-address", ""])
     assert result.exit_code == 2, result.output
     assert "--ray-address" in result.output and "empty" in result.output
+
+
+def test_serve_requires_vllms_api_key_variable_too(monkeypatch):
+    monkeypatch.delenv("INFER_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "s3cret")  # a vLLM deployment's key: it served without any, silently
+    assert _serve_options(monkeypatch)["api_key"] == "s3cret"
+    monkeypatch.setenv("INFER_API_KEY", "ours")
+    assert _serve_options(monkeypatch)["api_key"] == "ours"

@@ -52,7 +52,8 @@ def serve(
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free port, printed at start).",
                                       rich_help_panel=SERVER)] = 8000,
     api_key: Annotated[Optional[str], typer.Option(help="Require 'Authorization: Bearer KEY' on every route but "
-                                                        "/health.", envvar="INFER_API_KEY", rich_help_panel=SERVER,
+                                                        "/health.", envvar=["INFER_API_KEY", "VLLM_API_KEY"],
+                                                   rich_help_panel=SERVER,
                                                    show_default=False)] = None,
     max_queue: Annotated[int, typer.Option(help="Requests allowed to wait for the engine; more get 503 "
                                                 "with Retry-After.", rich_help_panel=SERVER)] = 1024,
