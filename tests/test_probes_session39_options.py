@@ -74,6 +74,7 @@ def test_serve_takes_vllms_uvicorn_log_level(monkeypatch):
     (["bench", "tiny-llama", "--kv-cache-dtype", "fp8"], "--dtype"),
     (["serve", "tiny-llama", "--generation-config", "auto"], "generation_config.json"),
     (["bench", "tiny-llama", "--max-concurrency", "4"], "--concurrency"),
+    (["serve", "tiny-llama", "--enable-chunked-prefill"], "--max-num-batched-tokens"),
     (["bench", "tiny-llama", "--random-input-len", "8"], "--input-len"),
     (["bench", "tiny-llama", "--base-url", "http://x"], "--url"),
 ])

@@ -42,6 +42,14 @@ VLLM_HINTS = {
     "--ssl-certfile": _TLS,
     "--ssl-ca-certs": _TLS,
     "--root-path": "infer serve serves its routes under /; a reverse proxy in front can strip a path prefix",
+    "--enable-chunked-prefill": "infer always splits long prefills into steps of --max-num-batched-tokens tokens "
+                                "beside the decodes; drop the option",
+    "--no-enable-chunked-prefill": "infer always splits long prefills into steps of --max-num-batched-tokens "
+                                   "tokens; raise --max-num-batched-tokens for fewer, larger steps",
+    "--swap-space": "infer preempts a sequence by recomputing it, not by swapping its KV to the CPU; drop the option",
+    "--disable-log-stats": "infer serve logs no periodic stats (GET /metrics has them); drop the option",
+    "--disable-uvicorn-access-log": "infer serve's access log is off unless --log-level is info or debug; drop the "
+                                    "option",
     # `vllm bench serve`'s spellings
     "--max-concurrency": "infer bench's -c/--concurrency N (one level, or a comma-separated list: -c 1,4,16)",
     "--random-input-len": "infer bench's --input-len (the random dataset's prompt tokens)",
