@@ -158,3 +158,13 @@ def test_serve_requires_vllms_api_key_variable_too(monkeypatch):
     assert _serve_options(monkeypatch)["api_key"] == "s3cret"
     monkeypatch.setenv("INFER_API_KEY", "ours")
     assert _serve_options(monkeypatch)["api_key"] == "ours"
+
+
+@pytest.mark.parametrize("argv", [["convert", "tiny-llama", "-o", ""], ["quantize", "tiny-llama", "-o", " "],
+                                  ["demo", "--out", ""], ["bench", "tiny-llama", "-o", ""]])
+def test_an_empty_output_folder_is_refused_not_the_current_folder(tmp_path, monkeypatch, argv):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 2, result.output
+    assert "it is empty" in result.output
+    assert list(tmp_path.iterdir()) == []

@@ -229,7 +229,8 @@ def bench(
                                                     "with --url too: MODEL must then be a local folder).",
                                                     rich_help_panel=TARGET)] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Report folder (default: "
-                                                "./bench-results/<timestamp>).")] = None,
+                                                "./bench-results/<timestamp>).", parser=o.folder_path,
+                                                metavar="<path>")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the workload (prompts, arrivals) and of the engine.")] = 0,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or tables.")] = False,
     max_num_seqs: Annotated[Optional[int], typer.Option(help="Most sequences in one step (default and minimum: "

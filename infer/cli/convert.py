@@ -9,13 +9,14 @@ import typer
 from rich.console import Console
 
 from ..errors import ConfigError
+from . import options as o
 
 
 def convert(
     model: Annotated[str, typer.Argument(help="A Hugging Face model folder (.bin, sharded or safetensors; float or "
                                               "GPTQ), or a built-in model name.", show_default=False)],
     output: Annotated[Path, typer.Option("-o", "--output", help="Folder to write the converted model into.",
-                                         show_default=False)],
+                                         show_default=False, parser=o.folder_path, metavar="<path>")],
     to: Annotated[str, typer.Option("--to", help="Target format (safetensors is the only one).")] = "safetensors",
     dtype: Annotated[Optional[str], typer.Option(help="float16 | bfloat16 | float32 (default: keep the "
                                                       "checkpoint's dtype). Float models only.",

@@ -26,6 +26,7 @@ from typing import Annotated, Callable
 import typer
 
 from ..errors import ConfigError, InferError
+from . import options as o
 
 PROMPTS = [
     {"id": "base-1", "prompt": "The weather today is", "max_new_tokens": 24},
@@ -111,7 +112,8 @@ def _check_args(out: Path, model: str) -> Path:
 
 def demo(
     out: Annotated[Path, typer.Option("--out", help="Folder for every artifact (created if missing; a re-run "
-                                                    "reuses its checkpoint and adapters).")] = Path("infer-demo"),
+                                                    "reuses its checkpoint and adapters).",
+                                         parser=o.folder_path, metavar="<path>")] = Path("infer-demo"),
     model: Annotated[str, typer.Option(help="The built-in model to start from.")] = "tiny-llama",
     quick: Annotated[bool, typer.Option("--quick", help="Smaller calibration, check and benchmark: a smoke test "
                                                         "(its numbers are noisier).")] = False,

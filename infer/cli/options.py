@@ -123,6 +123,16 @@ def _check_device(value: str) -> str:
     return value
 
 
+def folder_path(value) -> Path:
+    """An output folder option's value as a Path; an empty one (`-o "$UNSET"`) is refused: Path('') is the current
+    folder, which --overwrite would replace."""
+    if isinstance(value, Path):
+        return value
+    if not str(value).strip():
+        raise typer.BadParameter("it is empty; give a folder path")
+    return Path(value)
+
+
 def check_ray_address(value: str | None) -> str | None:
     """--ray-address: an empty one (`--ray-address "$UNSET"`) was taken as none, and the run went to a local Ray
     runtime without a word."""

@@ -66,7 +66,7 @@ def quantize(
     model: Annotated[str, typer.Argument(help=f"A float Hugging Face model folder, or {o.BUILTIN_HELP}.",
                                          show_default=False)],
     output: Annotated[Path, typer.Option("-o", "--output", help="Folder to write the GPTQ checkpoint into.",
-                                         show_default=False)],
+                                         show_default=False, parser=o.folder_path, metavar="<path>")],
     bits: Annotated[int, typer.Option(help="Bits per weight: 4 or 8.", rich_help_panel=GPTQ)] = 4,
     group_size: Annotated[int, typer.Option(help="Weights sharing one scale and zero point along the input "
                                                  "dimension: 32, 64, 128, or -1 for one group per row.",
