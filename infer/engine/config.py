@@ -182,8 +182,9 @@ class EngineConfig:
     memory_limit: int | None = option(None, "CPU memory budget for weights, activations and KV cache, e.g. 8GB "
                                             "(default: half the available RAM).", cli_type=str)
     gpu_memory_utilization: float = option(0.90, "Fraction of the GPU's memory the engine may use, in (0, 1].")
-    enforce_eager: bool = option(False, "CUDA: run decode steps eagerly instead of replaying CUDA graphs (slower; "
-                                        "for debugging; vLLM's --enforce-eager too).", flag="--eager",
+    enforce_eager: bool = option(False, "CUDA: no CUDA graphs at all (decode or piecewise: "
+                                        "--cuda-graph-max-tokens is then unused); every step runs eagerly "
+                                        "(slower; for debugging; vLLM's --enforce-eager too).", flag="--eager",
                                  vllm="--enforce-eager")
     cuda_graph_max_tokens: int = option(512, "CUDA: steps that are not all decodes (prefills, prefill chunks beside "
                                              "decodes) of up to this many tokens replay per-layer CUDA graphs around "
