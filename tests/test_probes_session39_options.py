@@ -168,3 +168,16 @@ def test_an_empty_output_folder_is_refused_not_the_current_folder(tmp_path, monk
     assert result.exit_code == 2, result.output
     assert "it is empty" in result.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_takes_vllms_dtype_half(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_convert(src, out, dtype=None, **kw):
+        seen["dtype"] = dtype
+        raise _Stop
+
+    monkeypatch.setattr("infer.quant.convert.convert_model", fake_convert)
+    result = CliRunner().invoke(app, ["convert", "tiny-llama", "-o", str(tmp_path / "out"), "--dtype", "half"])
+    assert isinstance(result.exception, _Stop), result.output
+    assert seen["dtype"] == "float16"

@@ -43,6 +43,8 @@ def convert(
     from ..quant.convert import convert_model, parse_shard_size
     from .entry import terminate_as_interrupt
     from .quiet import library_output
+    from ..engine.config import DTYPE_ALIASES
+    dtype = DTYPE_ALIASES.get(dtype, dtype)  # vLLM's half and float, as the engine options take them
     shard_bytes = parse_shard_size(max_shard_size)  # a bad size fails now, not after loading the model
     if to != "safetensors":
         raise ConfigError(f"--to {to!r} is not supported", "safetensors is the only target format")
