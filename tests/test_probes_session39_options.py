@@ -16,6 +16,15 @@ class _Stop(Exception):
     pass
 
 
+@pytest.fixture(autouse=True)
+def _no_server(monkeypatch):
+    """A refusal these tests expect that did not come would start a real server (on port 8000) and hang the test:
+    serving raises _Stop instead, so such a test fails at once (_serve_options patches it again to see the options)."""
+    def never(*a, **kw):
+        raise _Stop
+    monkeypatch.setattr("infer.cli.serve._serve", never)
+
+
 def _serve_options(monkeypatch, *argv: str):
     """The EngineConfig and log level `infer serve tiny-llama --port 0 ARGV` would serve with (nothing loads)."""
     seen = {}
