@@ -61,7 +61,9 @@ def _functions(tools: Any) -> dict[str, dict]:
         if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
             raise _error("tools", f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
                                   f"\"parameters\": {{...}}}}}}")
-        name, params = fn.get("name"), fn.get("parameters", {"type": "object", "properties": {}})
+        name, params = fn.get("name"), fn.get("parameters")
+        if params is None:  # absent or null: a function without parameters (OpenAI's SDK and vLLM accept both)
+            params = {"type": "object", "properties": {}}
         if not isinstance(name, str) or not name:
             raise _error("tools", f"tools[{i}].function.name must be a non-empty string")
         if name in out:
