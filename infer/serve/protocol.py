@@ -200,7 +200,7 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
         if str(e).startswith("max_new_tokens"):  # name the field the client sent, not the engine's
             raise ApiError(400, str(e).replace("max_new_tokens", length), param=length) from e
         if str(e).startswith("structured_outputs"):
-            raise ApiError(400, str(e), param=source) from e
+            raise ApiError(400, _in_words_of(e, source), param=source) from e
         raise bad_request(str(e).replace("max_new_tokens", length)) from e
     asked = params.prompt_logprobs
     if echo and params.logprobs is not None:  # the prompt's logprobs, with as many alternatives as the reply's
@@ -267,6 +267,23 @@ def _completion_prompts(prompt: Any, tokenizer, max_tokens: int | None = None) -
                         "token id lists", param="prompt")
 
 
+def _in_words_of(e: RequestError, field: str) -> str:
+    """A constraint's error in the words of the request field that asked for it: SamplingParams names its own
+    structured_outputs, which a client that sent response_format or tool_choice never wrote."""
+    message = e.message
+    if message.startswith("structured_outputs"):
+        message = field + message[len("structured_outputs"):]
+    else:
+        message = f"{field}: {message}"
+    hint = (e.hint or "").replace("the constraint", field)
+    return f"{message} ({hint})" if hint else message
+
+
+def _tool_choice_words(tools) -> str:
+    """How an error names the tool_choice the client sent."""
+    return f"tool_choice (function {tools.name!r})" if tools.mode == "named" else f"tool_choice {tools.mode!r}"
+
+
 def _no_max_tokens(body: dict) -> bool:
     """No max_tokens given: absent or null (OpenAI's clients send null for None), so the endpoint's default holds."""
     return body.get("max_tokens") is None and body.get("max_completion_tokens") is None
@@ -330,7 +347,7 @@ def parse_chat(body: Any, tokenizer, max_tokens: int | None = None, defaults: di
             req.params = replace(req.params, structured_outputs={"json": req.tools.schema,
                                                                  "disable_any_whitespace": True})
         except RequestError as e:
-            raise ApiError(400, f"tool_choice: {e}", param="tool_choice") from e
+            raise ApiError(400, _in_words_of(e, _tool_choice_words(req.tools)), param="tool_choice") from e
         req.structured_field = "tools"  # a parameters schema xgrammar cannot compile is the tools' fault
     if req.tools is not None and req.tools.mode == "auto":  # as vLLM's hermes parser: its tags stay in the text
         req.params = replace(req.params, skip_special_tokens=False)
