@@ -62,3 +62,39 @@ def test_response_format_that_conflicts_names_response_format(base):
     error = r.json()["error"]
     assert error["param"] == "response_format"
     assert error["message"].startswith("response_format cannot be combined with min_tokens"), error["message"]
+
+
+# ----------------------------------------------------------------------------- --served-model-name A B (vLLM nargs +)
+@pytest.mark.parametrize("args, names", [
+    (["tiny-llama", "--served-model-name", "a", "b"], ["a", "b"]),
+    (["tiny-llama", "--served-model-name", "a", "b", "--port", "0"], ["a", "b"]),
+    (["--served-model-name", "a", "b", "tiny-llama", "--port", "0"], ["a", "b"]),
+    (["--served-model-name", "a", "tiny-llama"], ["a"]),
+    (["tiny-llama", "--served-model-name", "a", "--served-model-name", "b", "--served-model-name", "a"], ["a", "b"]),
+    (["tiny-llama"], ["tiny-llama"]),
+])
+def test_serve_takes_several_served_model_names(monkeypatch, args, names):
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    seen = {}
+    monkeypatch.setattr("infer.cli.serve._serve", lambda cfg, sock, host, ids, *a, **k: seen.update(ids=ids,
+                                                                                                   model=cfg.model))
+    if "--port" not in args:
+        args = [*args, "--port", "0"]
+    result = CliRunner().invoke(app, ["serve", *args])
+    assert result.exit_code == 0, result.output
+    assert seen == {"ids": names, "model": "tiny-llama"}
+
+
+def test_a_server_with_several_ids_answers_to_each_and_lists_them(engine):
+    with serve_in_thread(Server(AsyncEngine(engine, max_queue=8), ["first", "second"])) as url:
+        cards = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
+        assert [c["id"] for c in cards] == ["first", "second"]
+        for model, reported in (("second", "second"), ("first", "first"), (None, "first")):
+            body = {"prompt": "hi", "max_tokens": 2, **({"model": model} if model else {})}
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == reported
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "model": "third"}, timeout=60)
+        assert r.status_code == 404 and "first, second" in r.json()["error"]["message"], r.text

@@ -57,9 +57,13 @@ def serve(
                                                    show_default=False)] = None,
     max_queue: Annotated[int, typer.Option(help="Requests allowed to wait for the engine; more get 503 "
                                                 "with Retry-After.", rich_help_panel=SERVER)] = 1024,
-    served_model_name: Annotated[Optional[str], typer.Option(help="Model id of the base model in the API "
-                                                                  "(default: MODEL's name).", rich_help_panel=SERVER)]
-    = None,
+    served_model_name: Annotated[Optional[list[str]], typer.Option(help="Model id of the base model in the API "
+                                                                        "(default: MODEL's name); several ids "
+                                                                        "(--served-model-name A B, as vLLM's) are "
+                                                                        "each accepted as `model`, the first is "
+                                                                        "the one reported when a request names "
+                                                                        "none.", metavar="NAME [NAME ...]",
+                                                                   rich_help_panel=SERVER)] = None,
     shutdown_timeout: Annotated[float, typer.Option(help="On SIGTERM, seconds in-flight requests get to finish "
                                                          "before they are aborted.", rich_help_panel=SERVER)] = 30.0,
     log_level: Annotated[str, typer.Option("--log-level", "--uvicorn-log-level",
@@ -132,15 +136,12 @@ def serve(
     thinking = _reasoning_parser(reasoning_parser)
     from ..serve.cors import cors_options
     cors = cors_options(allowed_origins, allowed_methods, allowed_headers, allow_credentials)
-    if served_model_name is not None and not served_model_name.strip():  # `"$UNSET"`: was MODEL's name, silently
-        raise ConfigError("--served-model-name is empty", "give the id clients send as `model`, or leave the option "
-                                                          "out to serve under MODEL's name")
+    model_ids = _model_ids(served_model_name, model)
     if not host.strip():  # an empty address binds every interface: never do that by accident (`--host "$UNSET"`)
         raise ConfigError("--host is empty", "give an address: 127.0.0.1 (this machine) or 0.0.0.0 (every interface)")
     from ..serve.body import BodyLimits
     limits = BodyLimits(parse_size(max_body_size, "--max-body-size"), max_json_depth)
-    model_id = served_model_name or o.base_model_id(model)
-    clash = sorted(set(engine.loras) & {model_id, str(model)})
+    clash = sorted(set(engine.loras) & {*model_ids, str(model)})
     if clash:  # a request's `model` picks the base model first: that adapter could never be used
         raise ConfigError(f"--lora name {clash[0]!r} is the served model's id, so no request could pick the adapter",
                           "give the adapter another NAME, or serve the base under --served-model-name")
@@ -148,14 +149,26 @@ def serve(
     try:
         if data_parallel > 1 or ray_address:
             from .serve_parallel import serve_data_parallel
-            return serve_data_parallel(engine, sock, host, model_id, api_key, max_queue, shutdown_timeout, log_level,
-                                       data_parallel, ray_address, limits, allow_runtime_lora, parser, thinking,
+            return serve_data_parallel(engine, sock, host, model_ids, api_key, max_queue, shutdown_timeout,
+                                       log_level, data_parallel, ray_address, limits, allow_runtime_lora, parser,
+                                       thinking,
                                        trust_request_chat_template=trust_request_chat_template, cors=cors)
-        _serve(engine, sock, host, model_id, api_key, max_queue, shutdown_timeout, log_level, limits,
+        _serve(engine, sock, host, model_ids, api_key, max_queue, shutdown_timeout, log_level, limits,
                allow_runtime_lora, parser, thinking, trust_request_chat_template=trust_request_chat_template,
                cors=cors)
     finally:
         sock.close()
+
+
+def _model_ids(names: list[str] | None, model) -> list[str]:
+    """--served-model-name's ids (MODEL's name when none), each checked, without repeats; the first is the main one."""
+    if not names:
+        return [o.base_model_id(model)]
+    for name in names:
+        if not name.strip():  # `"$UNSET"`: was MODEL's name, silently
+            raise ConfigError("--served-model-name is empty", "give the id clients send as `model`, or leave the "
+                                                              "option out to serve under MODEL's name")
+    return list(dict.fromkeys(names))
 
 
 def _tool_parser(enable: bool, parser: str | None) -> str | None:
@@ -196,7 +209,7 @@ def _check_server_options(port: int, max_queue: int, shutdown_timeout: float, lo
         raise ConfigError(f"--log-level {log_level!r} is not one of {' | '.join(LOG_LEVELS)}", "e.g. --log-level info")
 
 
-def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, model_id: str, api_key: str | None,
+def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, model_id, api_key: str | None,
            max_queue: int | None, shutdown_timeout: float, log_level: str, limits, runtime_lora: bool = False,
            tool_parser: str | None = None, reasoning_parser: str | None = None,
            trust_request_chat_template: bool = False, cors=None) -> None:

@@ -13,7 +13,7 @@ from ..parallel.serve import build_server
 from .serve import _quiet_signals, url_host
 
 
-def serve_data_parallel(cfg, sock: socket.socket, host: str, model_id: str, api_key: str | None,
+def serve_data_parallel(cfg, sock: socket.socket, host: str, model_id: str | list[str], api_key: str | None,
                         max_queue: int | None, shutdown_timeout: float, log_level: str, replicas: int,
                         address: str | None, limits=None, runtime_lora: bool = False,
                         tool_parser: str | None = None, reasoning_parser: str | None = None,

@@ -30,8 +30,9 @@ class ReplicaCollector:
             yield g
 
 
-def build_server(ray, engine_config, replicas: int, model_id: str, api_key: str | None, max_queue: int | None,
-                 shutdown_timeout: float, limits=None, runtime_lora: bool = False, tool_parser: str | None = None,
+def build_server(ray, engine_config, replicas: int, model_id: str | list[str], api_key: str | None,
+                 max_queue: int | None, shutdown_timeout: float, limits=None, runtime_lora: bool = False,
+                 tool_parser: str | None = None,
                  reasoning_parser: str | None = None, trust_request_chat_template: bool = False, cors=None):
     """Start the replicas, compile their kernels (`warm_kernels`), and return (Server, replica infos) for the app."""
     from ..engine.setup import load_tokenizer

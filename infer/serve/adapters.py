@@ -33,7 +33,7 @@ def add_adapter_routes(app: FastAPI, server) -> None:
         body = await _body(server, request)
         name, path = _string(body, "lora_name"), _string(body, "lora_path")
         base = getattr(server.engine, "model_path", None)
-        if name in (server.model_id, server.engine.config.model, *([str(base)] if base is not None else [])):
+        if name in (*server.model_ids, server.engine.config.model, *([str(base)] if base is not None else [])):
             raise p.ApiError(400, f"lora_name {name!r} is the base model's id, so no request could pick the adapter",
                              param="lora_name")
         try:

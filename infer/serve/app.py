@@ -7,6 +7,7 @@ import hmac
 import json
 import logging
 import time
+from collections.abc import Sequence
 from contextlib import aclosing, asynccontextmanager, contextmanager
 
 from fastapi import FastAPI, Request
@@ -41,16 +42,20 @@ class _ClientGone(Exception):
 class Server:
     """What the routes need: the engine wrapper, model ids, auth and metrics."""
 
-    def __init__(self, aengine: AsyncEngine, model_id: str, api_key: str | None = None, retry_after: int = 1,
-                 graceful_timeout: float = 30.0, limits: BodyLimits | None = None, runtime_lora: bool = False,
+    def __init__(self, aengine: AsyncEngine, model_id: str | Sequence[str], api_key: str | None = None,
+                 retry_after: int = 1, graceful_timeout: float = 30.0, limits: BodyLimits | None = None,
+                 runtime_lora: bool = False,
                  tool_parser: str | None = None, reasoning_parser: str | None = None,
                  trust_request_chat_template: bool = False, cors: CorsOptions | None = None):
-        """`runtime_lora`: the routes that load and unload adapters while serving are on (serve/adapters.py).
+        """`model_id`: the base model's id, or its ids (--served-model-name A B): a request's `model` may be any of
+        them; the first names the base where a name is reported without a request's (/health, adapters' parent).
+        `runtime_lora`: the routes that load and unload adapters while serving are on (serve/adapters.py).
         `tool_parser`: --tool-call-parser, which reads the calls of tool_choice "auto" (serve/tools.py).
         `reasoning_parser`: --reasoning-parser, which splits a chat reply's reasoning from its content
         (serve/reasoning.py). `trust_request_chat_template`: a chat request's own chat_template renders it (else it
         is a 400). `cors`: --allowed-origins and the like (serve/cors.py; default: vLLM's, every origin)."""
-        self.aengine, self.model_id, self.api_key = aengine, model_id, api_key
+        self.model_ids = [model_id] if isinstance(model_id, str) else list(model_id)
+        self.aengine, self.model_id, self.api_key = aengine, self.model_ids[0], api_key
         self.cors = cors or CorsOptions()
         self.runtime_lora = runtime_lora
         self.limits = limits or BodyLimits()
@@ -77,21 +82,21 @@ class Server:
         return sorted(lm.names()) if lm is not None else []
 
     def model_cards(self) -> list[dict]:
-        """/v1/models' entries: the base, then every adapter (its parent is the base)."""
+        """/v1/models' entries: the base under each of its ids, then every adapter (its parent: the first id)."""
         card = {"object": "model", "created": self.created, "owned_by": "infer"}
         card["max_model_len"] = self.engine.max_model_len  # as vLLM's cards: clients size prompts from it
-        data = [{"id": self.model_id, **card, "root": str(self.engine.model_path), "parent": None}]
+        data = [{"id": name, **card, "root": str(self.engine.model_path), "parent": None} for name in self.model_ids]
         return data + [{"id": name, **card, "root": name, "parent": self.model_id} for name in self.adapters()]
 
     def lora_for(self, model: str | None) -> str | None:
         """vLLM's rule: the base id (or no model, or an empty name) runs the base; an adapter's name runs that
         adapter."""
-        if not model or model in (self.model_id, self.engine.config.model):
+        if not model or model in self.model_ids or model == self.engine.config.model:
             return None
         if model in self.adapters():
             return model
         raise p.ApiError(404, f"the model {model!r} does not exist; available: "
-                              f"{', '.join([self.model_id, *self.adapters()])}", param="model",
+                              f"{', '.join([*self.model_ids, *self.adapters()])}", param="model",
                          code="model_not_found")
 
     def check_auth(self, request: Request) -> None:
