@@ -88,7 +88,7 @@ def test_a_load_with_no_replica_left_is_a_503_as_a_request_is(monkeypatch):
     from infer.serve.app import Server, serve_in_thread
     from infer.serve.async_engine import AsyncEngine
 
-    async def no_replica(name, path):
+    async def no_replica(name, path, replace=False):
         raise NoEngineError("no engine replica is left", "restart the server")
     aengine = AsyncEngine(LLMEngine(EngineConfig("tiny-llama", max_model_len=64, enable_lora=True)))
     monkeypatch.setattr(aengine, "add_lora", no_replica)

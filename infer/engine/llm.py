@@ -108,13 +108,14 @@ class LLM:
             pass
 
     # ------------------------------------------------------------------ adapters while running
-    def add_lora(self, name: str, path: str) -> None:
+    def add_lora(self, name: str, path: str, replace: bool = False) -> None:
         """Load the PEFT adapter folder `path` under `name` (validated against the base first); later calls may
         pass `lora=name`. Needs an LLM made with `enable_lora=True` or with `loras=`. The folder is read without
-        holding up other threads' steps."""
+        holding up other threads' steps. `replace=True` (vLLM's load_inplace): `name` may be loaded already; the
+        requests added from now on get the new weights, those added before finish with the old ones."""
         adapter = self._engine().lora_slots().load(name, path)
         with self._lock:
-            self._engine().add_lora(name, path, loaded=adapter)
+            self._engine().add_lora(name, path, loaded=adapter, replace=replace)
 
     def remove_lora(self, name: str) -> int:
         """Refuse `name` from now on; requests already running with it finish with it, and its memory is freed

@@ -390,15 +390,26 @@ class LLMEngine:
                             "start it with --enable-lora (LLM(..., enable_lora=True)) or with a --lora")
         return self.lora_manager
 
-    def add_lora(self, name: str, path, loaded=None) -> None:
+    def add_lora(self, name: str, path, loaded=None, replace: bool = False) -> None:
         """Register the PEFT adapter folder `path` under `name`; requests may name it from the next step on.
-        `loaded`: what `lora_slots().load(name, path)` already read (a server reads it off the engine thread)."""
+        `loaded`: what `lora_slots().load(name, path)` already read (a server reads it off the engine thread).
+        `replace` (vLLM's load_inplace): a name already loaded takes the new weights for the requests added from now
+        on; the requests added before finish with the weights they started with (freed after the last of them)."""
         manager = self.lora_slots()
         self._reap_loras()
-        if manager.has(name):
+        if manager.has(name) and not replace:
             raise LoRANameError(f"a LoRA adapter named {name!r} is already loaded",
-                                "remove it first, or give this one another name")
-        manager.add(loaded if loaded is not None else manager.load(name, path))
+                                "remove it first, give this one another name, or replace it (load_inplace)")
+        adapter = loaded if loaded is not None else manager.load(name, path)
+        if not replace:
+            manager.add(adapter)
+            return
+        old = manager.replace(adapter)
+        if old is not None:
+            for seq in self.requests.values():
+                if seq.lora == name and not seq.finished:
+                    seq.lora = old  # the manager's key of the weights it started with; outputs keep the name
+            self._reap_loras()
 
     def remove_lora(self, name: str) -> int:
         """New requests may no longer name `name`; those that already do finish with it, and its memory is freed

@@ -94,7 +94,7 @@ class RequestOutput:
         # held back, as in vLLM), so each step's text extends the last and the final text
         out.text = seq.text if seq.finished else seq.text[:seq.sent_text_len]
         out.delta_text, out.finished = delta_text, seq.finished
-        out.finish_reason, out.error, out.lora = seq.finish_reason, seq.error, seq.lora
+        out.finish_reason, out.error, out.lora = seq.finish_reason, seq.error, seq.lora_name
         out.bad_request = seq.bad_request
         out.stop_reason = seq.stop_reason if seq.finish_reason == "stop" else None
         out.arrival_time, out.first_token_time = seq.arrival_time, seq.first_token_time
@@ -116,7 +116,7 @@ class RequestOutput:
             return cls(request_id, [], finished=True, finish_reason="error", error=message,
                        finished_time=time.monotonic())
         return cls(request_id, list(seq.prompt_token_ids), list(seq.output_token_ids), text=seq.text, finished=True,
-                   finish_reason="error", error=message, lora=seq.lora, arrival_time=seq.arrival_time,
+                   finish_reason="error", error=message, lora=seq.lora_name, arrival_time=seq.arrival_time,
                    logprobs=None if seq.logprobs is None else list(seq.logprobs),
                    first_token_time=seq.first_token_time, token_times=seq.token_times,
                    num_cached_tokens=seq.num_cached_tokens, num_prefix_tokens=len(seq.params.prefix_token_ids),

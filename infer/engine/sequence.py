@@ -31,6 +31,9 @@ class Sequence:
     def __post_init__(self) -> None:
         # Forced first reply tokens are output tokens from the start; they are computed with the prompt.
         self.output_token_ids: list[int] = list(self.params.prefix_token_ids)
+        # the adapter's name, as outputs report it; `lora` is the adapter manager's key of its weights, which a
+        # replacement of the adapter while the request runs changes (LLMEngine.add_lora(replace=True))
+        self.lora_name = self.lora
         self.status = Status.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache

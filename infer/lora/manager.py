@@ -8,7 +8,8 @@ recently used slot that no running request pins, and pins it until `release`.
 Adapters can come and go while the engine runs (`LLMEngine.add_lora` / `remove_lora`): `load` reads and validates
 a folder without touching the registry (a server does it off the engine thread), `add` registers what it read.
 `retire` takes a name away from new requests at once; the requests already holding it run on with it, and
-`unregister` frees its slot and memory once none is left (the engine decides when).
+`unregister` frees its slot and memory once none is left (the engine decides when). `replace` puts new weights
+under a name in use: the old ones are retired under a private key for the requests that hold them.
 """
 
 from __future__ import annotations
@@ -112,6 +113,35 @@ class LoRAManager:
         self._registration[name] = self._registrations
         self._stamps[name] = adapter.stamp
         self._cache(adapter)
+
+    def replace(self, adapter: LoRAAdapter) -> str | None:
+        """Register `adapter` in place of the adapter registered under its name (vLLM's load_inplace): new requests
+        get the new weights at once. The old weights are retired under a private key, returned (None when the name
+        was free), which the caller moves the requests already holding them to: they finish with the weights they
+        started with, and each registration keeps its own prefix-cache key, so no K/V of one is reused by the
+        other."""
+        name = adapter.name
+        if name not in self._paths:
+            self.add(adapter)
+            return None
+        old = f"{name}\x00{self._registration[name]}"  # no adapter name holds a NUL (it came from JSON or a flag)
+        serving = name not in self._retired
+        if serving:
+            self.retire(name)
+        self._cpu.pop(name, None)  # the retired copy is the one requests use now
+        for table in (self._paths, self._resident, self._pins, self._retired, self._registration, self._stamps):
+            if name in table:
+                table[old] = table.pop(name)
+        try:
+            self.add(adapter)
+        except BaseException:  # the name keeps the old weights
+            for table in (self._paths, self._resident, self._pins, self._retired, self._registration, self._stamps):
+                if old in table:
+                    table[name] = table.pop(old)
+            if serving and self._retired.get(name) is not None:
+                self._cache(self._retired.pop(name))
+            raise
+        return old
 
     def cache_key(self, name: str | None) -> tuple[str, int] | None:
         """What the prefix cache keys a request's K/V on: the name and which registration of it, so an adapter

@@ -56,10 +56,11 @@ class Replica:
                 "adapters": sorted(e.lora_manager.names()) if e.lora_manager is not None else [],
                 "lora_enabled": e.lora_manager is not None}
 
-    def add_lora(self, name: str, path: str) -> dict | None:
-        """Register an adapter while serving: None, or the error ({"message", "hint"}) the driver reports."""
+    def add_lora(self, name: str, path: str, replace: bool = False) -> dict | None:
+        """Register an adapter while serving (`replace`: in place of one of that name, LLMEngine.add_lora): None, or
+        the error ({"message", "hint"}) the driver reports."""
         try:
-            self.engine.add_lora(name, path)
+            self.engine.add_lora(name, path, replace=replace)
         except InferError as e:
             return {"message": e.message, "hint": e.hint, "name": isinstance(e, LoRANameError)}
         return None

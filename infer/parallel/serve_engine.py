@@ -245,19 +245,26 @@ class RayAsyncEngine(AsyncEngine):
                     _last_line(error), len(again), sum(x.alive for x in self.replicas))
 
     # ------------------------------------------------------------------ adapters while serving
-    async def add_lora(self, name: str, path: str) -> None:
+    async def add_lora(self, name: str, path: str, replace: bool = False) -> None:
         """Load the adapter on every live replica (each reads `path` on its own host); the name is offered to
         requests only once all have it. If one cannot, the others drop it again and its error is raised. A replica
         found dead by this call (it died while idle, before the driver's check) is left out, as the driver leaves
-        it out once it notices: the adapter was refused on every replica for it."""
+        it out once it notices: the adapter was refused on every replica for it. `replace` (load_inplace): each
+        replica gives the new weights to the requests it gets from now on (LLMEngine.add_lora); if one replica
+        cannot, the name is removed from every replica, since the others no longer have the old weights for it."""
         adapters = self.engine.lora_slots()
         async with self._lora_lock():
-            if adapters.has(name):
+            if adapters.has(name) and not replace:
                 raise LoRANameError(f"a LoRA adapter named {name!r} is already loaded",
-                                    "remove it first, or give this one another name")
+                                    "remove it first, give this one another name, or replace it (load_inplace: true)")
             path = str(Path(path).expanduser().absolute())  # the replicas may run in another directory
-            live = [r for r in self.replicas if r.alive]
-            errors = await self._on_replicas([r.handle.add_lora.remote(name, path) for r in live])
+            live, had = [r for r in self.replicas if r.alive], adapters.has(name)
+            if replace:  # the requests already routed reach their replica first: they keep the old weights
+                refs = await self._call(lambda engine: engine._on_replicas_after_sent(
+                    lambda r: r.handle.add_lora.remote(name, path, True), live))
+            else:
+                refs = [r.handle.add_lora.remote(name, path) for r in live]
+            errors = await self._on_replicas(refs)
             dead = [r for r, e in zip(live, errors) if isinstance(e, dict) and e.get("died")]
             if len(dead) == len(live):
                 raise NoEngineError("no engine replica is left", "restart the server")
@@ -265,10 +272,15 @@ class RayAsyncEngine(AsyncEngine):
             failed = [(r, e) for r, e in zip(live, errors) if e is not None]
             if failed:
                 loaded = [r for r, e in zip(live, errors) if e is None]
+                gone = ""
+                if had and loaded:  # those have no old weights left under the name: no replica may serve it now
+                    adapters.discard(name)
+                    loaded = list(live)
+                    gone = f"; {name!r} is no longer served, since the other replicas had taken the new weights"
                 await self._on_replicas([r.handle.remove_lora.remote(name) for r in loaded])
                 r, e = failed[0]
                 kind = LoRANameError if e.get("name") else LoRAError  # the name, or the folder, is the problem
-                raise kind(f"replica {r.index} ({r.info.get('host')}): {e['message']}", e.get("hint"))
+                raise kind(f"replica {r.index} ({r.info.get('host')}): {e['message']}{gone}", e.get("hint"))
             adapters.add(name)
 
     async def remove_lora(self, name: str) -> int:
@@ -283,6 +295,11 @@ class RayAsyncEngine(AsyncEngine):
             refs = await self._call(lambda engine: engine._retire_on_replicas(name))
             results = await self._on_replicas(refs)
         return sum(n for n in results if isinstance(n, int))
+
+    def _on_replicas_after_sent(self, call, replicas: list) -> list:
+        """Driver thread: send every routed request, then call(replica) on each of `replicas` (in this order)."""
+        self._send(flush=True)
+        return [call(r) for r in replicas]
 
     def _retire_on_replicas(self, name: str) -> list:
         """Driver thread: send every routed request, then the removal, to every live replica (in this order)."""

@@ -1,14 +1,18 @@
 """Adapters while serving: vLLM's runtime LoRA routes, on when the server runs with --allow-runtime-lora.
 
     POST /v1/load_lora_adapter    {"lora_name": "sql", "lora_path": "/srv/adapters/sql"}
+                                  (with "load_inplace": true, vLLM's, new weights for a name already loaded)
     POST /v1/unload_lora_adapter  {"lora_name": "sql"}
 
 A loaded adapter is validated against the base first (what `infer lora-validate` checks), then listed by
 /v1/models and picked by a request's `model` at once; the folder is read on a worker thread, so requests in flight
 go on meanwhile. An unloaded one is refused to new requests at once; requests accepted before finish with it, and its
-memory is freed after the last of them. The path is read on the server's host (with --data-parallel, on every
-replica's host). The routes answer 404 on a server started without the flag: they let a client make the server read
-a folder of its choosing, so they are off unless asked for (and --api-key guards them as every route).
+memory is freed after the last of them. An adapter loaded in place of one of the same name serves the requests
+accepted after the call; those accepted before finish with the weights they started with, and the prefix cache never
+gives K/V of one to the other (vLLM swaps the weights under running requests, and keys its cache by the name). The
+path is read on the server's host (with --data-parallel, on every replica's host). The routes answer 404 on a server
+started without the flag: they let a client make the server read a folder of its choosing, so they are off unless
+asked for (and --api-key guards them as every route).
 """
 
 from __future__ import annotations
@@ -32,12 +36,15 @@ def add_adapter_routes(app: FastAPI, server) -> None:
     async def load_lora_adapter(request: Request):
         body = await _body(server, request)
         name, path = _string(body, "lora_name"), _string(body, "lora_path")
+        inplace = body.get("load_inplace", False)
+        if not isinstance(inplace, bool):  # vLLM's field: a name already loaded takes the new weights
+            raise p.ApiError(400, f"load_inplace must be a boolean, got {inplace!r}", param="load_inplace")
         base = getattr(server.engine, "model_path", None)
         if name in (*server.model_ids, server.engine.config.model, *([str(base)] if base is not None else [])):
             raise p.ApiError(400, f"lora_name {name!r} is the base model's id, so no request could pick the adapter",
                              param="lora_name")
         try:
-            await server.aengine.add_lora(name, path)
+            await server.aengine.add_lora(name, path, replace=inplace)
         except LoRAError as e:
             raise p.ApiError(400, str(e), param="lora_name" if isinstance(e, LoRANameError) else "lora_path",
                              code="invalid_lora_adapter") from None

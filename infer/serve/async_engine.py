@@ -118,15 +118,16 @@ class AsyncEngine:
         self._cond.notify()
 
     # ------------------------------------------------------------------ adapters while serving
-    async def add_lora(self, name: str, path: str) -> None:
+    async def add_lora(self, name: str, path: str, replace: bool = False) -> None:
         """Read and validate the adapter on a worker thread (steps go on meanwhile), then register it on the engine
-        thread; requests may name it once this returns. LoRAError when it cannot be served."""
+        thread; requests may name it once this returns. LoRAError when it cannot be served. `replace` (vLLM's
+        load_inplace): the requests accepted before keep the weights they started with (LLMEngine.add_lora)."""
         manager = self.engine.lora_slots()
-        if manager.has(name):  # checked again on the engine thread: another call may add the name meanwhile
+        if manager.has(name) and not replace:  # checked again on the engine thread: another call may add it meanwhile
             raise LoRANameError(f"a LoRA adapter named {name!r} is already loaded",
-                                "remove it first, or give this one another name")
+                                "remove it first, give this one another name, or replace it (load_inplace: true)")
         adapter = await asyncio.to_thread(manager.load, name, path)
-        await self._call(lambda engine: engine.add_lora(name, path, loaded=adapter))
+        await self._call(lambda engine: engine.add_lora(name, path, loaded=adapter, replace=replace))
 
     async def remove_lora(self, name: str) -> int:
         """Refuse `name` to new requests; those admitted before finish with it. Returns how many still use it."""
