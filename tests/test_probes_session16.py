@@ -140,16 +140,17 @@ def test_text_parts_are_joined_by_newlines_for_a_template_that_prints_content(to
 def test_a_template_that_loops_over_the_parts_gets_them(tok, monkeypatch):
     """A template that loops over `message['content']` (vision and newer chat templates: vLLM's "openai" content
     format, found in the template's syntax tree as vLLM finds it) rendered an empty turn from the joined string:
-    it looped over characters. It now gets the list, and renders what transformers renders from the same messages;
-    string content stays a string."""
+    it looped over characters. It now gets the list, and renders what transformers renders from the messages vLLM
+    gives it: string content is one text part there (session 39: it stayed a string)."""
     monkeypatch.setattr(tok, "chat_template", PARTS_TEMPLATE)
     assert reads_content_parts(tok)
-    messages = [{"role": "system", "content": "be brief"},
-                {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]}]
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": parts}]
     got = encode_prompt(tok, messages=messages)
-    want = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    as_vllm = [{"role": "system", "content": [{"type": "text", "text": "be brief"}]}, messages[1]]
+    want = tok.apply_chat_template(as_vllm, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     assert got == list(want)
-    assert "[Hello][world]" in tok.decode(got)
+    assert "[be brief]" in tok.decode(got) and "[Hello][world]" in tok.decode(got)
 
 
 @pytest.mark.parametrize("template, reads", [

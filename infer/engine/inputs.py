@@ -233,9 +233,10 @@ def _text_of(content: str | list[dict]) -> str:
 def chat_messages(messages: Any, parts: bool = False) -> list[dict]:
     """The messages as a chat template reads them: a string role each, and every content a string. OpenAI's list of
     text parts is joined by newlines (as vLLM does); a template would otherwise render the list's Python repr into
-    the prompt. With `parts` (the template loops over content: `reads_content_parts`) a list stays a list. Other
-    parts (images, audio) are refused rather than dropped; null content is empty (an assistant's tool call); an
-    assistant's `reasoning` is its `reasoning_content` too (as vLLM)."""
+    the prompt. With `parts` (the template loops over content: `reads_content_parts`) every content is a list of
+    text parts, a string's too (as vLLM's "openai" content format). Other parts (images, audio) are refused rather
+    than dropped; null content is empty (an assistant's tool call); an assistant's `reasoning` is its
+    `reasoning_content` too (as vLLM)."""
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise RequestError("messages must be a list of {\"role\": ..., \"content\": ...} objects")
     out = []
@@ -277,8 +278,11 @@ TEXT_PARTS = ("text", "refusal")  # OpenAI's text-bearing content parts (an assi
 def _content_text(content: Any, i: int, parts: bool = False) -> str | list[dict]:
     """A message's content as a template reads it: a string, its text parts joined by newlines (as vLLM does for
     templates that render content as a string), or with `parts` (a template that loops over the parts) a list of
-    them as given, every part a text part."""
+    them as given, every part a text part; there a string is one text part and null none, as vLLM's "openai"
+    content format gives them (a template that only loops over the parts would drop a string's text)."""
     if content is None or isinstance(content, str):
+        if parts:
+            return [] if content is None else [{"type": "text", "text": content}]
         return content or ""
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
         untyped = [k for k, p in enumerate(content) if not isinstance(p.get("type"), str)]

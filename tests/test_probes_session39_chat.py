@@ -1,0 +1,53 @@
+"""Session 39 probes of how chat messages become token ids (LLM.chat, the server's chat and /tokenize, `infer run`
+lines, bench datasets), compared with vLLM: it renders with apply_chat_template(tokenize=False) and tokenizes
+the text with add_special_tokens=False, and gives a template that loops over a message's content (its "openai"
+content format) every content as a list of parts."""
+
+from __future__ import annotations
+
+import pytest
+
+from infer.bench.datasets import _render
+from infer.engine.inputs import encode_prompt, parse_request, reads_content_parts
+from infer.models.tiny import ensure_builtin
+from infer.serve.protocol import parse_chat, tokenize
+
+# a template that only loops over the parts (idefics2 / llava style): a string content has no parts to loop over
+LOOPS = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% for part in message['content'] %}"
+         "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture
+def tok(monkeypatch):
+    from transformers import AutoTokenizer
+    t = AutoTokenizer.from_pretrained(str(ensure_builtin("tiny-qwen2")))
+    return t
+
+
+def _every_entry_point(tok, messages) -> list[list[int]]:
+    return [encode_prompt(tok, messages=messages),
+            parse_chat({"messages": messages}, tok).prompts[0],
+            tokenize({"messages": messages}, tok, 4096)[1]["tokens"],
+            parse_request({"messages": messages}, tok, "0").prompt_token_ids,
+            parse_request({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                           "body": {"messages": messages}}, tok, "0").prompt_token_ids,
+            _render(tok, {"messages": messages}, "line 1")[1]]
+
+
+def test_string_content_reaches_a_template_that_loops_over_the_parts(tok, monkeypatch):
+    """A template that loops over `message['content']` got a string content as the string: its loop went over the
+    characters, found no text part, and the user's words were silently dropped from the prompt (an empty turn),
+    in every entry point. vLLM gives such a template every content as a list of parts: a string is one text part,
+    a null content (an assistant's tool call) none."""
+    monkeypatch.setattr(tok, "chat_template", LOOPS)
+    assert reads_content_parts(tok)
+    messages = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": None},
+                {"role": "user", "content": [{"type": "text", "text": "again"}]}]
+    as_vllm = [{"role": "user", "content": [{"type": "text", "text": "Hello there"}]},
+               {"role": "assistant", "content": []}, messages[2]]
+    want = tok(tok.apply_chat_template(as_vllm, tokenize=False, add_generation_prompt=True),
+               add_special_tokens=False)["input_ids"]
+    assert "Hello there" in tok.decode(want)
+    for got in _every_entry_point(tok, messages):
+        assert got == want, tok.decode(got)
