@@ -51,3 +51,14 @@ def test_string_content_reaches_a_template_that_loops_over_the_parts(tok, monkey
     assert "Hello there" in tok.decode(want)
     for got in _every_entry_point(tok, messages):
         assert got == want, tok.decode(got)
+
+
+def test_tools_in_chat_template_kwargs_point_at_the_tools_field(tok):
+    """`chat_template_kwargs: {"tools": [...]}` was refused as "an argument of the tokenization, not a variable of
+    the template": tools is the request's own field, which the error now names (as it does add_generation_prompt)."""
+    from infer.serve.protocol import ApiError
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(ApiError) as e:
+        parse_chat({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tools": tools}}, tok)
+    assert "cannot set tools" in e.value.message and "send tools as a field of the request" in e.value.message
+    assert "tokenization" not in e.value.message

@@ -105,7 +105,7 @@ def chat_template_options(body: dict, where: str = "") -> dict:
                                f"{type(kwargs).__name__}", 'e.g. {"enable_thinking": false}')
         reserved = sorted(set(kwargs) & _TEMPLATE_ARGS)
         if reserved:
-            fields = [k for k in reserved if k in CHAT_TEMPLATE_FIELDS]
+            fields = [k for k in reserved if k in CHAT_TEMPLATE_FIELDS or k == "tools"]  # the request's own
             raise _field_error("chat_template_kwargs", f"{where}chat_template_kwargs cannot set {', '.join(reserved)}",
                                f"send {' and '.join(where + k for k in fields)} as a field of the request itself"
                                if fields else "they are arguments of the tokenization, not variables of the template")
