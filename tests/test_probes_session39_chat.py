@@ -62,3 +62,33 @@ def test_tools_in_chat_template_kwargs_point_at_the_tools_field(tok):
         parse_chat({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tools": tools}}, tok)
     assert "cannot set tools" in e.value.message and "send tools as a field of the request" in e.value.message
     assert "tokenization" not in e.value.message
+
+
+# Llama-3.1's rule on an assistant turn with tool_calls (trimmed): exactly one call, its arguments as JSON
+ONE_CALL = ("{% for message in messages %}{% if 'tool_calls' in message %}{% if not message.tool_calls|length == 1 %}"
+            "{{ raise_exception('This model only supports single tool-calls at once!') }}{% endif %}"
+            "{% set fn = message.tool_calls[0].function %}<|im_start|>assistant\n"
+            "{\"name\": \"{{ fn.name }}\", \"parameters\": {{ fn.arguments | tojson }}}<|im_end|>\n"
+            "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("calls, turn", [
+    ([], "ok"),  # an empty list (clients that always send the field): a plain assistant turn
+    ([{"id": "c1", "type": "function", "function": {"name": "f", "arguments": ""}}], '{"name": "f", "parameters": {}}'),
+    ([{"id": "c1", "type": "function", "function": {"name": "f", "arguments": None}}],
+     '{"name": "f", "parameters": {}}'),
+    ([{"id": "c1", "type": "function", "function": {"name": "f"}}], '{"name": "f", "parameters": {}}'),
+], ids=["empty-list", "empty-arguments", "null-arguments", "no-arguments"])
+def test_assistant_tool_calls_reach_the_template_as_vllm_gives_them(tok, monkeypatch, calls, turn):
+    """vLLM drops an assistant's empty `tool_calls` list and gives a call without arguments (null, "" or none)
+    `{}`. infer passed both as sent: Llama-3.1's template refused the conversation ("only supports single
+    tool-calls") for `tool_calls: []`, and rendered `"parameters": ""` or `null` for a call without arguments."""
+    monkeypatch.setattr(tok, "chat_template", ONE_CALL)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok", "tool_calls": calls},
+                {"role": "user", "content": "x"}]
+    want = tok("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n" + turn + "<|im_end|>\n"
+               "<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    for got in _every_entry_point(tok, messages):
+        assert got == want, tok.decode(got)
+    assert messages[1]["tool_calls"] == calls  # the caller's messages are left as they were

@@ -249,7 +249,9 @@ def chat_messages(messages: Any, parts: bool = False) -> list[dict]:
             raise RequestError(f"messages[{i}].tool_calls must be a list of tool call objects, got "
                                f"{type(calls).__name__}", 'e.g. [{"id": "call_1", "type": "function", "function": '
                                                           '{"name": "f", "arguments": "{}"}}]')
-        if calls is not None:
+        if calls == [] and m["role"] == "assistant":  # no call: the template's plain assistant turn (as vLLM)
+            del out[-1]["tool_calls"]
+        elif calls is not None:
             out[-1]["tool_calls"] = [_tool_call(c) for c in calls]
         if m["role"] == "assistant" and isinstance(m.get("reasoning"), str):
             # the reply's `reasoning` (--reasoning-parser's field) sent back, as vLLM takes it: chat templates read
@@ -261,8 +263,11 @@ def chat_messages(messages: Any, parts: bool = False) -> list[dict]:
 def _tool_call(call: Any) -> Any:
     """An OpenAI tool call as chat templates read it: `function.arguments` sent as a JSON string (OpenAI's form)
     becomes the object it encodes, as vLLM does (a template that writes `arguments | tojson` would otherwise quote
-    the string again). The caller's message is left as it was."""
+    the string again); none (null or "", a call without arguments) is {}, as vLLM has it. The caller's message is
+    left as it was."""
     fn = call.get("function") if isinstance(call, dict) else None
+    if isinstance(fn, dict) and fn.get("arguments", "") in (None, ""):
+        return {**call, "function": {**fn, "arguments": {}}}
     if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
         return call
     try:
