@@ -92,3 +92,19 @@ def test_assistant_tool_calls_reach_the_template_as_vllm_gives_them(tok, monkeyp
     for got in _every_entry_point(tok, messages):
         assert got == want, tok.decode(got)
     assert messages[1]["tool_calls"] == calls  # the caller's messages are left as they were
+
+
+@pytest.mark.parametrize("loops", [False, True], ids=["prints-content", "loops-over-parts"])
+def test_responses_style_text_parts_are_text(tok, monkeypatch, loops):
+    """vLLM's chat reads `input_text` and `output_text` parts (the Responses API's) as text; infer refused them with
+    "only text parts are supported", which they are."""
+    if loops:
+        monkeypatch.setattr(tok, "chat_template", LOOPS)
+    sent = [{"role": "user", "content": [{"type": "input_text", "text": "Hello"}, {"type": "text", "text": "there"}]},
+            {"role": "assistant", "content": [{"type": "output_text", "text": "Hi"}]}]
+    same = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "Hi"}]}]
+    want = encode_prompt(tok, messages=same)
+    assert "Hello" in tok.decode(want) and "Hi" in tok.decode(want)
+    for got in _every_entry_point(tok, sent):
+        assert got == want, tok.decode(got)

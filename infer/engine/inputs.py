@@ -277,7 +277,9 @@ def _tool_call(call: Any) -> Any:
     return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
 
 
-TEXT_PARTS = ("text", "refusal")  # OpenAI's text-bearing content parts (an assistant's refusal is its text)
+# OpenAI's text-bearing content parts and the key of their text (an assistant's refusal is its text; the Responses
+# API's input_text and output_text, which vLLM's chat takes as text too)
+TEXT_PARTS = {"text": "text", "refusal": "refusal", "input_text": "text", "output_text": "text"}
 
 
 def _content_text(content: Any, i: int, parts: bool = False) -> str | list[dict]:
@@ -298,11 +300,12 @@ def _content_text(content: Any, i: int, parts: bool = False) -> str | list[dict]
         if kinds:
             raise RequestError(f"messages[{i}].content has {', '.join(kinds)} parts; only text parts are supported",
                                "send text only: this is a text model")
-        if not all(isinstance(p.get(p["type"]), str) for p in content):
+        if not all(isinstance(p.get(TEXT_PARTS[p["type"]]), str) for p in content):
             raise RequestError(f"messages[{i}].content: every text part needs a string 'text'")
         if parts:
-            return [dict(p) if p["type"] == "text" else {"type": "text", "text": p["refusal"]} for p in content]
-        return "\n".join(p[p["type"]] for p in content)
+            return [dict(p) if p["type"] == "text" else {"type": "text", "text": p[TEXT_PARTS[p["type"]]]}
+                    for p in content]
+        return "\n".join(p[TEXT_PARTS[p["type"]]] for p in content)
     raise RequestError(f"messages[{i}].content must be a string or a list of text parts, got "
                        f"{type(content).__name__}")
 
