@@ -108,3 +108,29 @@ def test_responses_style_text_parts_are_text(tok, monkeypatch, loops):
     assert "Hello" in tok.decode(want) and "Hi" in tok.decode(want)
     for got in _every_entry_point(tok, sent):
         assert got == want, tok.decode(got)
+
+
+def test_a_template_that_is_not_jinja_is_named_not_the_messages(tok, monkeypatch, tmp_path):
+    """A model whose own chat template does not parse failed every chat with "the chat template cannot render these
+    messages: unexpected '}'", which blames the messages; it now says the template is not valid Jinja (its line) and
+    how to give another, and a request's own chat_template (--trust-request-chat-template) is a 400 naming that
+    field. A template's refusal of the messages (raise_exception) keeps its message."""
+    from infer.errors import ConfigError, RequestError
+    from infer.serve.protocol import ApiError
+    monkeypatch.setattr(tok, "chat_template", "{% for m in messages %}\n{{ m.content }")
+    messages = [{"role": "user", "content": "x"}]
+    with pytest.raises(RequestError, match=r"^this model's chat template is not valid Jinja \(line 2\)") as e:
+        encode_prompt(tok, messages=messages)
+    assert "--chat-template" in e.value.hint
+    with pytest.raises(ApiError, match="this model's chat template is not valid Jinja") as e:
+        parse_chat({"messages": messages}, tok)
+    assert e.value.status == 400 and e.value.param == "messages"
+    with pytest.raises(ConfigError, match="line 1: this model's chat template is not valid Jinja"):
+        _render(tok, {"messages": messages}, "line 1")
+    monkeypatch.setattr(tok, "chat_template", LOOPS)
+    with pytest.raises(ApiError, match="the request's chat_template is not valid Jinja") as e:
+        parse_chat({"messages": messages, "chat_template": "{{ x"}, tok, trust_template=True)
+    assert e.value.status == 400 and e.value.param == "chat_template"
+    monkeypatch.setattr(tok, "chat_template", "{{ raise_exception('System role not supported') }}")
+    with pytest.raises(ApiError, match="^the chat template cannot render these messages: System role not supported"):
+        parse_chat({"messages": messages}, tok)

@@ -190,7 +190,7 @@ def _check_text(value, name: str, where: str) -> None:
 
 
 def _render(tokenizer, obj: dict, where: str) -> tuple[str, list[int]]:
-    from ..engine.inputs import chat_messages, reads_content_parts
+    from ..engine.inputs import chat_messages, reads_content_parts, template_error
     if isinstance(obj.get("prompt"), str) and obj["prompt"]:
         text = obj["prompt"]  # tokenized as infer run and the server tokenize a prompt: with its special tokens
         _check_text(text, "prompt", where)
@@ -207,8 +207,9 @@ def _render(tokenizer, obj: dict, where: str) -> tuple[str, list[int]]:
                               "give it one with --chat-template, or a 'prompt' string instead")
         try:
             text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # the template's own checks (roles that must alternate, ...)
-            raise ConfigError(f"{where}: the chat template cannot render these messages: {e}") from None
+        except Exception as e:  # the template's own checks (roles that must alternate, ...), or its syntax
+            error = template_error(e)
+            raise ConfigError(f"{where}: {error.message}", error.hint) from None
         return text, tokenizer.encode(text, add_special_tokens=False)
     raise ConfigError(f"{where}: needs a non-empty 'prompt' string or a 'messages' list",
                       'e.g. {"prompt": "Hello"} or {"messages": [{"role": "user", "content": "Hello"}]}')

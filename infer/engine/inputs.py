@@ -193,7 +193,7 @@ def encode_prompt(tokenizer, prompt: Any = None, messages: Any = None, max_token
         try:
             enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **template)
         except Exception as e:
-            raise RequestError(f"the chat template cannot render these messages: {e}") from e
+            raise template_error(e, template.get("chat_template") is not None) from e
         return list(enc["input_ids"])
     if not isinstance(prompt, str):
         raise RequestError(f"prompt must be a string, got {type(prompt).__name__}")
@@ -222,8 +222,24 @@ def _check_rendered_size(tokenizer, messages: list[dict], template: dict, max_to
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, **template)
     except Exception as e:
-        raise RequestError(f"the chat template cannot render these messages: {e}") from e
+        raise template_error(e, template.get("chat_template") is not None) from e
     check_prompt_size(tokenizer, len(text.encode("utf-8")), max_tokens)
+
+
+def template_error(e: Exception, own: bool = False) -> RequestError:
+    """What apply_chat_template's exception `e` tells the caller: the template's own refusal of these messages
+    (raise_exception, a role it does not take...), or a template that is not valid Jinja at all, which no message
+    could fix (the model's, or with `own` the request's `chat_template`)."""
+    import jinja2
+    if not isinstance(e, jinja2.TemplateSyntaxError):
+        return RequestError(f"the chat template cannot render these messages: {e}")
+    line = f" (line {e.lineno})" if e.lineno else ""
+    if own:
+        return _field_error(REQUEST_TEMPLATE_FIELD, f"the request's chat_template is not valid Jinja{line}: "
+                                                    f"{e.message}", "fix the template's syntax")
+    return RequestError(f"this model's chat template is not valid Jinja{line}: {e.message}",
+                        "give a working one with --chat-template FILE (infer run / serve / bench; LLM(model, "
+                        "chat_template=...))")
 
 
 def _text_of(content: str | list[dict]) -> str:

@@ -402,7 +402,7 @@ def _render_chat(tokenizer, messages: list[dict], template: dict, max_tokens: in
     except PromptTooLongError as e:
         raise ApiError(400, str(e), param="messages", code="context_length_exceeded") from e
     except RequestError as e:
-        raise bad_request(e, param="messages") from e
+        raise bad_request(e, param=getattr(e, "field", None) or "messages") from e
 
 
 # ---------------------------------------------------------------------------------- vLLM's /tokenize, /detokenize
