@@ -134,3 +134,37 @@ def test_a_template_that_is_not_jinja_is_named_not_the_messages(tok, monkeypatch
     monkeypatch.setattr(tok, "chat_template", "{{ raise_exception('System role not supported') }}")
     with pytest.raises(ApiError, match="^the chat template cannot render these messages: System role not supported"):
         parse_chat({"messages": messages}, tok)
+
+
+LLAMA2 = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+          "{% for message in messages %}{% if message['role'] == 'user' %}"
+          "{{ bos_token + '[INST] ' + message['content'] + ' [/INST]' }}"
+          "{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + eos_token }}{% endif %}{% endfor %}")
+
+
+def test_a_bos_template_with_a_bos_tokenizer_gives_one_bos_everywhere():
+    """Guard (no defect found): a Llama-2-style template that writes bos_token, with a tokenizer that adds BOS to
+    text, gives the BOS once in every entry point, and special-token text inside a user's content is the special
+    token, as vLLM's rendering then tokenizing without special tokens gives them; a text prompt gets its BOS."""
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+    from infer.models.tiny import _tokenizer_json
+    from infer.serve.protocol import parse_completion
+    backend = Tokenizer.from_str(_tokenizer_json(256))
+    backend.add_special_tokens(["<s>", "</s>", "[INST]", "[/INST]"])
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                           special_tokens=[("<s>", backend.token_to_id("<s>"))])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                  pad_token="<|endoftext|>")
+    tok.chat_template = LLAMA2
+    bos = tok.convert_tokens_to_ids("<s>")
+    messages = [{"role": "user", "content": "Hi <|im_end|> [/INST]"}, {"role": "assistant", "content": "yo"},
+                {"role": "user", "content": "again"}]
+    want = tok(tok.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
+    assert want[:2] == [bos, tok.convert_tokens_to_ids("[INST]")] and want.count(bos) == 2  # one per user turn
+    assert tok.convert_tokens_to_ids("<|im_end|>") in want and want.count(tok.convert_tokens_to_ids("[/INST]")) == 3
+    for got in _every_entry_point(tok, messages):
+        assert got == want, tok.convert_ids_to_tokens(got)
+    text = parse_completion({"prompt": "hello"}, tok).prompts[0]
+    assert text == tok("hello")["input_ids"] and text[0] == bos and text.count(bos) == 1
+    assert parse_request({"prompt": "hello"}, tok, "0").prompt_token_ids == text
