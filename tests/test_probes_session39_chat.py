@@ -168,3 +168,22 @@ def test_a_bos_template_with_a_bos_tokenizer_gives_one_bos_everywhere():
     text = parse_completion({"prompt": "hello"}, tok).prompts[0]
     assert text == tok("hello")["input_ids"] and text[0] == bos and text.count(bos) == 1
     assert parse_request({"prompt": "hello"}, tok, "0").prompt_token_ids == text
+
+
+def test_named_templates_content_format_is_the_one_rendered(tok, monkeypatch):
+    """A tokenizer with named templates (Hermes / Command-R style: "default" and "tool_use") renders a request with
+    tools with "tool_use", but infer found the content format from "default": a "tool_use" template that loops over
+    the parts got the text joined into one string and rendered an empty turn. vLLM finds the format of the template
+    it renders with."""
+    named = {"default": tok.chat_template, "tool_use": "{{ tools | length }}" + LOOPS}
+    monkeypatch.setattr(tok, "chat_template", named)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    messages = [{"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}]
+    want = tok(tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True),
+               add_special_tokens=False)["input_ids"]
+    assert tok.decode(want).startswith("1<|im_start|>user\nonetwo<|im_end|>")
+    assert encode_prompt(tok, messages=messages, template={"tools": tools}) == want
+    assert parse_chat({"messages": messages, "tools": tools, "tool_choice": "none"}, tok).prompts[0] == want
+    assert tokenize({"messages": messages, "tools": tools}, tok, 4096)[1]["tokens"] == want
+    plain = encode_prompt(tok, messages=messages)  # no tools: "default", which prints the content (joined)
+    assert "one\ntwo" in tok.decode(plain)

@@ -183,7 +183,8 @@ def encode_prompt(tokenizer, prompt: Any = None, messages: Any = None, max_token
         template = {"add_generation_prompt": True, **(template or {})}
         if template.get("chat_template") is None:
             template.pop("chat_template", None)
-        messages = chat_messages(messages, reads_content_parts(tokenizer, template.get("chat_template")))
+        parts = reads_content_parts(tokenizer, template.get("chat_template"), template.get("tools") is not None)
+        messages = chat_messages(messages, parts)
         check_text(messages, "messages")
         check_text(template, "the chat template's arguments")
         check_prompt_size(tokenizer, sum(len(_text_of(m["content"]).encode("utf-8")) for m in messages), max_tokens)
@@ -330,16 +331,20 @@ _PART_TEMPLATES: dict[str, bool] = {}
 _PART_TEMPLATES_MAX = 256
 
 
-def reads_content_parts(tokenizer, template: str | None = None) -> bool:
+def reads_content_parts(tokenizer, template: str | None = None, tools: bool = False) -> bool:
     """Whether the tokenizer's chat template loops over a message's content (OpenAI's list of parts, as vision and
     newer chat templates do) rather than printing it as a string: vLLM's "openai" content format, found as vLLM
     finds it, by a `for` over `<message>['content']` (or `.content`, or a variable set from it) in the template's
     syntax tree. Such a template gets list content as the list, not the joined text. `template`: a call's own
-    template, read instead of the tokenizer's."""
-    if template is None:
-        template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):
-        template = template.get("default")
+    template, read instead of the tokenizer's. A tokenizer's named templates resolve as apply_chat_template resolves
+    them (and vLLM, which finds the format of that one): a call's template may be one's name, and with `tools` (the
+    call renders some) "tool_use" is the one used where there is one."""
+    named = getattr(tokenizer, "chat_template", None)
+    if isinstance(named, dict) and (template is None or template in named):
+        template = named.get(template if template is not None else "tool_use" if tools and "tool_use" in named
+                             else "default")
+    elif template is None:
+        template = named
     if not isinstance(template, str):
         return False
     if template not in _PART_TEMPLATES:

@@ -378,7 +378,9 @@ def request_template(body: dict, trusted: bool) -> str | None:
 
 
 def _messages(body: dict, tokenizer, template: str | None = None) -> list[dict]:
-    """The body's messages, checked, as LLM.chat and infer run give them to the template: name, tool_calls... kept."""
+    """The body's messages, checked, and returned as sent: encode_prompt gives them to the template as it gives
+    LLM.chat's and infer run's (name, tool_calls... kept), in the content format of the template it renders with
+    (a tokenizer's "tool_use" one where tools are rendered)."""
     messages = body.get("messages")
     if messages is None:
         raise ApiError(400, "missing required field 'messages' (a non-empty list)", param="messages")
@@ -390,9 +392,10 @@ def _messages(body: dict, tokenizer, template: str | None = None) -> list[dict]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", param="messages")
     try:
-        return chat_messages(messages, reads_content_parts(tokenizer, template))
+        chat_messages(messages, reads_content_parts(tokenizer, template))
     except RequestError as e:
         raise bad_request(e, param="messages") from e
+    return messages
 
 
 def _render_chat(tokenizer, messages: list[dict], template: dict, max_tokens: int | None) -> list[int]:
