@@ -177,8 +177,10 @@ def _epilogue_args(y, bias, lora, m: int, n: int, block_m: int, block_n: int) ->
     rank, slots = lora.rank, lora.scalings.shape[1]
     pm = next_power_of_2(block_m)
     jb = 16 if block_m >= 16 else max(1, min(16, 2048 // (pm * block_n)))  # (B's pointer tile stays small)
-    args = (y if bias is None else bias, hp, lora.lora_b, lora.token_slots, lora.ranks, lora.scalings,
-            hp.shape[2], hp.shape[0], *ends)
+    # the epilogue indexes ranks and scalings [n, S] and token_slots [T] as dense (no strides, unlike the expand
+    # launch): a strided view (a transposed [S, n] table, a slice) is made dense here, not read wrong
+    args = (y if bias is None else bias, hp, lora.lora_b, lora.token_slots.contiguous(), lora.ranks.contiguous(),
+            lora.scalings.contiguous(), hp.shape[2], hp.shape[0], *ends)
     return args, dict(HAS_BIAS=bias is not None, LORA_S=slots, LORA_R=rank, LORA_RP=next_power_of_2(rank),
                       LORA_NSH=nsh, LORA_JB=jb)
 
