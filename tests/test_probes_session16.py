@@ -117,7 +117,8 @@ from infer.errors import RequestError  # noqa: E402
 
 PARTS_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] is string %}{{ m['content'] }}"
                   "{% else %}{% for part in m['content'] %}{% if part['type'] == 'text' %}[{{ part['text'] }}]"
-                  "{% endif %}{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+                  "{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 @pytest.fixture(scope="module")

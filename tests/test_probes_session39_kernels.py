@@ -12,19 +12,8 @@ from infer.kernels import lora_reference as lref
 from infer.kernels import reference as ref
 from infer.lora.batch import lora_groups
 
-from helpers import interpreted_module
-from test_gptq_epilogue import _case
+from test_gptq_epilogue import _case, gemm, ops  # noqa: F401 (the interpreted kernel modules, per module)
 from test_gptq_kernel import CONFIGS, assert_close
-
-
-@pytest.fixture(scope="module")
-def ops():
-    yield from interpreted_module("infer.kernels.lora_ops")
-
-
-@pytest.fixture(scope="module")
-def gemm(ops):
-    yield from interpreted_module("infer.kernels.gptq_gemm")
 
 
 @pytest.mark.parametrize("regime,m", [("gemv", 1), ("decode", 5)])

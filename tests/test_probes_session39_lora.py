@@ -26,6 +26,7 @@ from infer.errors import LoRAError
 from infer.lora import adapter_problems, load_adapter
 
 from test_lora_adapter import ALL, make_adapter, tiny_config, tiny_llama
+from test_probes_lora_s18 import _infer_logits, _peft_logits
 
 X = torch.tensor([[3, 17, 42, 99, 5, 64]])
 
@@ -34,23 +35,6 @@ def _retype(path, dtype):
     f = path / "adapter_model.safetensors"
     save_file({k: v.to(dtype) for k, v in load_file(str(f)).items()}, str(f))
     return path
-
-
-@torch.no_grad()
-def _peft_logits(path, x):
-    from peft import PeftModel
-    m = PeftModel.from_pretrained(tiny_llama(), str(path)).eval()
-    return m(input_ids=x).logits
-
-
-@torch.no_grad()
-def _infer_logits(adapter, x):
-    """The base with each module's delta applied as infer serves it: W + scaling * B @ A."""
-    base = tiny_llama()
-    for m in adapter.modules.values():
-        lin = base.get_submodule(m.name)
-        lin.weight += m.scaling * (m.lora_b.float() @ m.lora_a.float())
-    return base(input_ids=x).logits
 
 
 def test_float8_adapter_is_read_as_peft_reads_it(tmp_path):

@@ -15,19 +15,10 @@ from infer.engine.llm_engine import LLMEngine  # noqa: E402
 from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 
+from test_probes_session38_serve import base, engine  # noqa: E402,F401 (the tiny server, per module)
+
 MESSAGES = [{"role": "user", "content": "hi"}]
 NAMED = {"type": "function", "function": {"name": "ping"}}
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return LLMEngine(EngineConfig("tiny-llama", max_model_len=256, block_size=4, max_num_seqs=4))
-
-
-@pytest.fixture(scope="module")
-def base(engine):
-    with serve_in_thread(Server(AsyncEngine(engine, max_queue=64), "tiny")) as url:
-        yield url
 
 
 @pytest.mark.parametrize("tool_choice", ["none", "required", NAMED])

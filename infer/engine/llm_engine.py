@@ -187,8 +187,9 @@ class LLMEngine:
         """Queue one request. The prompt (vLLM's keyword prompt=, or prompt_token_ids=) is token ids, text (tokenized
         as LLM.generate does: tokenizer(text)), or vLLM's {"prompt": text} / {"prompt_token_ids": ids}.
         `arrival_time` (vLLM's keyword): when it arrived, in time.monotonic() seconds, for a caller that held it
-        before adding it (the server's queue); its RequestOutput.metrics count from it. Default: now. vLLM's `priority` is taken at its default (0) only, as
-        vLLM's first-come-first-served scheduler takes it; `lora_request` is refused, naming `lora=NAME`."""
+        before adding it (the server's queue); its RequestOutput.metrics count from it. Default: now. vLLM's
+        `priority` is taken at its default (0) only, as vLLM's first-come-first-served scheduler takes it;
+        `lora_request` is refused, naming `lora=NAME`."""
         self._check_open()
         if (prompt is None) == (prompt_token_ids is None):  # vLLM's keyword is prompt=; infer's was prompt_token_ids=
             raise RequestError("add_request needs one prompt: " + ("none was given" if prompt is None else
