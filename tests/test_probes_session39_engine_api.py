@@ -262,3 +262,12 @@ def test_a_full_disk_cutting_a_torn_line_on_resume_is_one_error_line(tmp_path, m
     assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output
     assert "cannot remove 1 unreadable" in res.output and "No space left" in res.output
     assert out.read_text() == torn and not (tmp_path / "out.jsonl.tmp").exists()
+
+
+def test_the_data_parallel_servers_view_of_its_engines_reaches_the_adapter_slots():
+    """The data-parallel server's ReplicaView borrows LLMEngine.lora_slots, which now checks the engine is open
+    first: the view had no such check, so every POST /v1/load_lora_adapter with --data-parallel was a 500."""
+    from infer.parallel.serve_engine import ReplicaView, _Adapters
+    view = ReplicaView.__new__(ReplicaView)
+    view.lora_manager = _Adapters(["a"])
+    assert view.lora_slots() is view.lora_manager

@@ -86,6 +86,10 @@ class ReplicaView:
     def stats(self) -> dict:
         return {k: 0 for k in SUMMED} | {"kv_usage": 0.0, "prefix_cache_hit_rate": 0.0}
 
+    def _check_open(self) -> None:
+        """What LLMEngine's methods above call first: a view is open while its driver runs (the replicas' engines
+        say themselves when they were closed)."""
+
 
 @dataclass
 class _Replica:
