@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..engine.config import RANGES, EngineConfig
-from ..engine.setup import checkpoint_dtype, model_max_len
+from ..engine.setup import checkpoint_dtype, model_max_len, warn_unused_memory_option
 from ..errors import ConfigError, OutOfMemoryError
 from ..memory.plan import MemoryPlan, bound_room, budget_bytes, cuda_graph_bytes, make_plan
 from ..memory.sizes import (DEQUANT_MIN_TOKENS, activation_bytes, element_bytes, int4_layer_bytes, lora_slot_bytes,
@@ -23,6 +23,7 @@ def _model_parts(engine_config: EngineConfig):
     path = resolve_model(engine_config.model)
     model_config = load_config(path)
     device = engine_config.torch_device()
+    warn_unused_memory_option(engine_config, device)
     return path, model_config, device, engine_config.torch_dtype(checkpoint_dtype(model_config))
 
 

@@ -17,6 +17,7 @@ import torch
 
 from ..checks import parse_size
 from ..errors import ConfigError, read_utf8
+from ..memory.sizes import gib
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's --dtype spellings, as torch names them
@@ -271,10 +272,29 @@ class EngineConfig:
     def use_cuda_graphs(self) -> bool:
         return self.torch_device().type == "cuda" and not self.enforce_eager
 
+    def unused_memory_option(self, device_type: str) -> str | None:
+        """What to warn of when the memory option set (not its default) is not the one `device_type`'s budget
+        reads: --gpu-memory-utilization on a CPU, --memory-limit on a GPU (memory.plan.budget_bytes). Not refused,
+        so that one command line with both serves --device auto on either machine. A value equal to the default
+        (which the command line always passes) counts as unset."""
+        util = self.gpu_memory_utilization
+        if device_type == "cpu" and util != _field_default("gpu_memory_utilization"):
+            budget = f"here {gib(self.memory_limit)}" if self.memory_limit else "default: half the available RAM"
+            return (f"--gpu-memory-utilization {util:g} does not apply on cpu: the CPU budget is --memory-limit "
+                    f"({budget})")
+        if device_type == "cuda" and self.memory_limit is not None:
+            return (f"--memory-limit {gib(self.memory_limit)} does not apply on cuda: the GPU budget is "
+                    f"--gpu-memory-utilization ({util:g} of the GPU's memory)")
+        return None
+
     def piecewise_tokens(self) -> int:
         """The most tokens of a step the piecewise graphs take (0: none): --cuda-graph-max-tokens, at most a step's
         token budget."""
         return min(self.cuda_graph_max_tokens, self.max_num_batched_tokens)
+
+
+def _field_default(name: str):
+    return next(f.default for f in fields(EngineConfig) if f.name == name)
 
 
 def valid_device(name: str) -> bool:

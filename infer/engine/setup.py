@@ -108,6 +108,14 @@ def model_max_len(model_config, engine_config: EngineConfig) -> int:
     return limit
 
 
+def warn_unused_memory_option(engine_config: EngineConfig, device: torch.device) -> None:
+    """Once at start: the memory option given that this device's budget does not read
+    (EngineConfig.unused_memory_option)."""
+    note = engine_config.unused_memory_option(device.type)
+    if note:
+        log.warning(note)
+
+
 def load_engine_parts(engine_config: EngineConfig) -> EngineParts:
     from ..models.loader import load_config, load_model
     from ..models.resolve import resolve_model
@@ -116,6 +124,7 @@ def load_engine_parts(engine_config: EngineConfig) -> EngineParts:
     path = resolve_model(engine_config.model)
     model_config = load_config(path)
     device = engine_config.torch_device()
+    warn_unused_memory_option(engine_config, device)
     dtype = engine_config.torch_dtype(checkpoint_dtype(model_config))
     tokenizer = load_tokenizer(path, engine_config.chat_template)
     max_len = model_max_len(model_config, engine_config)
