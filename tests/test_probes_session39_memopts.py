@@ -55,3 +55,18 @@ def test_memory_limit_on_a_gpu_names_gpu_memory_utilization(device):
         assert note == ("--memory-limit 8.00 GiB does not apply on cuda: the GPU budget is --gpu-memory-utilization "
                         "(0.8 of the GPU's memory)")
     assert EngineConfig("tiny-llama").unused_memory_option(device) is None
+
+
+@pytest.mark.parametrize("value", ["8", "1.5", 1.5])
+def test_memory_limit_without_a_unit_below_a_mebibyte_asks_for_the_unit(value):
+    """--memory-limit 8 (meaning 8 GB) was 8 bytes: the engine start then said "a budget of 0.0 MiB" with no word of
+    the unit."""
+    from infer.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"--memory-limit .* byte\(s\): a size without a unit counts bytes") as e:
+        EngineConfig("tiny-llama", memory_limit=value)
+    assert "GB" in str(e.value.hint)
+
+
+@pytest.mark.parametrize("value, size", [("8GiB", 8 << 30), ("8GB", 8 << 30), ("1048576", 1 << 20), (4096, 4096)])
+def test_memory_limit_sizes_with_a_unit_or_of_a_mebibyte_or_in_bytes_from_python_still_parse(value, size):
+    assert EngineConfig("tiny-llama", memory_limit=value).memory_limit == size

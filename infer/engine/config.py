@@ -214,7 +214,13 @@ class EngineConfig:
             self.gpu_memory_utilization = float(util)  # a numpy float32 too
         if isinstance(self.dtype, str):  # one name per dtype from here on (records, --resume's fingerprint)
             self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
-        self.memory_limit = parse_size(self.memory_limit, "--memory-limit")
+        limit, self.memory_limit = self.memory_limit, parse_size(self.memory_limit, "--memory-limit")
+        # --memory-limit 8 was 8 bytes, refused later as "a budget of 0.0 MiB" without a word of the unit (an int,
+        # as dataclasses.replace passes the parsed size again, stays a number of bytes)
+        if isinstance(limit, (str, float)) and re.fullmatch(r"\s*[0-9.e]+\s*", str(limit)) \
+                and self.memory_limit < 2 ** 20:
+            raise ConfigError(f"--memory-limit {str(limit).strip()} is {self.memory_limit} byte(s): a size without "
+                              f"a unit counts bytes", f"give the unit, e.g. --memory-limit {str(limit).strip()}GB")
         self.loras = parse_loras(self.loras)
         self.chat_template = load_chat_template(self.chat_template)
         for msg in self._problems():
