@@ -20,6 +20,13 @@ from typing import Annotated, Optional
 
 import typer
 
+try:  # typer >= 0.24 carries its own copy of click
+    from typer._click import core as click_core
+    from typer._click.globals import get_current_context
+except ImportError:  # pragma: no cover - older typer uses click itself
+    from click import core as click_core
+    from click import get_current_context
+
 from ..engine.config import RANGES, EngineConfig, cli_fields, valid_device
 from ..errors import ConfigError
 from ..models.tiny import BUILTIN_MODELS
@@ -80,7 +87,7 @@ def engine_options(exclude: tuple[str, ...] = ()):
             values = {f.name: kwargs.pop(f.name) for f in chosen if f.name in kwargs}
             values = {k: v for k, v in values.items() if v is not None}
             for f in aliased:
-                _take_alias(f, kwargs.pop(_alias(f), None), values)
+                _take_alias(f, kwargs.pop(_alias(f), None), values, _given(f.name))
             model = kwargs["model"] if "model" in kwargs else args[0]
             kwargs["engine"] = EngineConfig(model=model, **values)
             return fn(*args, **kwargs)
@@ -97,11 +104,22 @@ def _alias(f) -> str:
     return f"{f.name}_as_vllm"
 
 
-def _take_alias(f, given: bool | None, values: dict) -> None:
-    """vLLM's spelling of a bool option (`--enforce-eager`), given: its value, unless infer's spelling set another."""
+def _given(name: str) -> bool:
+    """Whether option `name` was set on the command line (or from its environment variable), not left at its
+    default: `--prefix-caching` given is its default's value too."""
+    ctx = get_current_context(silent=True)
+    if ctx is None:  # called as a plain function: only a value other than the default tells
+        return False
+    return ctx.get_parameter_source(name) not in (None, click_core.ParameterSource.DEFAULT,
+                                                  click_core.ParameterSource.DEFAULT_MAP)
+
+
+def _take_alias(f, given: bool | None, values: dict, ours_given: bool = False) -> None:
+    """vLLM's spelling of a bool option (`--enforce-eager`), given: its value, unless infer's spelling set another
+    (also its default's value, as `--prefix-caching --no-enable-prefix-caching`)."""
     if given is None:
         return
-    if f.name in values and values[f.name] != f.default and values[f.name] != given:
+    if f.name in values and (ours_given or values[f.name] != f.default) and values[f.name] != given:
         ours, theirs = f.metadata["flag"].split("/"), f.metadata["vllm"].split("/")
         raise ConfigError(f"{ours[0] if values[f.name] else ours[-1]} and {theirs[0] if given else theirs[-1]} "
                           "ask for opposite things", "give one of them")

@@ -1,0 +1,32 @@
+"""Session 39 probes of README.md's examples and claims, run as a newcomer runs them."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from infer.cli.main import app
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.fixture(autouse=True)
+def _no_server(monkeypatch):
+    """A refusal that did not come would start a real server: serving raises _Stop instead."""
+    def never(*a, **kw):
+        raise _Stop
+    monkeypatch.setattr("infer.cli.serve._serve", never)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--prefix-caching", "--no-enable-prefix-caching"], "--prefix-caching and --no-enable-prefix-caching"),
+    (["--no-enable-prefix-caching", "--prefix-caching"], "--prefix-caching and --no-enable-prefix-caching"),
+    (["--no-prefix-caching", "--enable-prefix-caching"], "--no-prefix-caching and --enable-prefix-caching"),
+])
+def test_infers_prefix_caching_spelling_at_its_default_against_vllms_opposite_is_refused(argv, named):
+    """`--prefix-caching` (True, the default) with `--no-enable-prefix-caching` was taken as the latter, silently."""
+    result = CliRunner().invoke(app, ["serve", "tiny-llama", "--port", "0", *argv])
+    assert result.exit_code == 2, result.output
+    assert named in result.output and "opposite" in result.output
