@@ -30,3 +30,13 @@ def test_infers_prefix_caching_spelling_at_its_default_against_vllms_opposite_is
     result = CliRunner().invoke(app, ["serve", "tiny-llama", "--port", "0", *argv])
     assert result.exit_code == 2, result.output
     assert named in result.output and "opposite" in result.output
+
+
+@pytest.mark.parametrize("flag", ["-o", "--output"])
+def test_run_with_an_empty_output_is_refused_as_empty_not_as_a_directory(tmp_path, flag):
+    """`infer run M in.jsonl -o "$UNSET"` said "-o . is a directory", naming a folder the user never gave."""
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    result = CliRunner().invoke(app, ["run", "tiny-llama", str(prompts), flag, ""])
+    assert result.exit_code == 2, result.output
+    assert "-o is empty" in result.output and "is a directory" not in result.output

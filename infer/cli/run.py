@@ -54,6 +54,8 @@ def run(
     Exit status: 0 all lines ok, 1 some lines failed (each has an error record), 2 the run could not start.
     """
     resume = resume or force_resume
+    if output is not None and not output.strip():  # `-o "$UNSET"`: Path('') is the current folder
+        raise ConfigError("-o is empty", "give a file path, e.g. -o out.jsonl, or -o - (or no -o) for stdout")
     if output is not None and output.endswith(("/", os.sep)):  # (a Path would drop the slash: a file of that name)
         raise ConfigError(f"-o {output} names a directory (it ends with a slash)",
                           "give a file path, e.g. -o out/records.jsonl")
