@@ -40,3 +40,16 @@ def test_run_with_an_empty_output_is_refused_as_empty_not_as_a_directory(tmp_pat
     result = CliRunner().invoke(app, ["run", "tiny-llama", str(prompts), flag, ""])
     assert result.exit_code == 2, result.output
     assert "-o is empty" in result.output and "is a directory" not in result.output
+
+
+def test_python_add_lora_of_a_loaded_name_names_replace_true(tmp_path):
+    """The Python API's refusal pointed at `load_inplace`, the server's field, which add_lora does not take."""
+    from infer import LLM
+    from infer.errors import LoRANameError
+    from lora_helpers import THREE, hf_float, save_adapter
+    llm = LLM("tiny-llama", enable_lora=True, max_loras=1)
+    save_adapter(hf_float(str(llm.engine.model_path)), tmp_path / "a", 0, **THREE["a"])
+    llm.add_lora("sql", str(tmp_path / "a"))
+    with pytest.raises(LoRANameError) as e:
+        llm.add_lora("sql", str(tmp_path / "a"))
+    assert "replace=True" in str(e.value)

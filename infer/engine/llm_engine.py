@@ -400,7 +400,8 @@ class LLMEngine:
         self._reap_loras()
         if manager.has(name) and not replace:
             raise LoRANameError(f"a LoRA adapter named {name!r} is already loaded",
-                                "remove it first, give this one another name, or replace it (load_inplace)")
+                                "remove it first, give this one another name, or replace it: "
+                                "add_lora(name, path, replace=True)")
         adapter = loaded if loaded is not None else manager.load(name, path)
         if not replace:
             manager.add(adapter)
