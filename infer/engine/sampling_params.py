@@ -110,7 +110,7 @@ class SamplingParams:
              f"min_tokens ({self.min_tokens}) must be at most max_new_tokens ({self.max_new_tokens})"),
             (len(self.logit_bias) <= MAX_LOGIT_BIAS,
              f"logit_bias has {len(self.logit_bias)} tokens, more than {MAX_LOGIT_BIAS}"),
-            (all(isinstance(t, int) and 0 <= t < 2**31 for t in self.logit_bias),
+            (all(type(t) is int and 0 <= t < 2**31 for t in self.logit_bias),  # a bool key (True) is not one
              "logit_bias keys must be token ids"),
             (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
             (self.allowed_token_ids is None or 0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS,
