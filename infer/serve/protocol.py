@@ -16,6 +16,7 @@ from ..engine.inputs import UNSUPPORTED_OPENAI as _UNSUPPORTED, REQUEST_TEMPLATE
     params_from
 from ..engine.outputs import RequestOutput
 from ..engine.prompt_size import PromptTooLongError
+from ..engine.sampling_params import MAX_TOKENS
 from ..engine.structured import from_openai
 from ..errors import RequestError
 from .reasoning import ReasoningRequest, reasoning_request
@@ -118,6 +119,9 @@ def _expect(body: dict, key: str, types: tuple, what: str) -> Any:
     return value
 
 
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+
+
 def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRequest:
     """The fields both endpoints share; `defaults` (engine.inputs.openai_sampling_defaults) fill the sampling fields
     the body leaves out or sends as null."""
@@ -194,6 +198,9 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
         if isinstance(least, int) and not isinstance(least, bool) and least > 0:  # not "at most max_tokens (1)"
             raise ApiError(400, f"min_tokens ({least}) must be at most {length} (0)", param="min_tokens")
         fields[length] = 1
+    unsized = _no_max_tokens(body)
+    if unsized:  # the endpoint's default is what min_tokens is checked against, not SamplingParams' own (256)
+        fields["max_tokens"] = MAX_TOKENS if chat else COMPLETIONS_MAX_TOKENS  # chat: the context, None below
     try:
         params = params_from(fields, _ALIASES)
     except RequestError as e:
@@ -202,6 +209,8 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
         if str(e).startswith("structured_outputs"):
             raise ApiError(400, _in_words_of(e, source), param=source) from e
         raise bad_request(str(e).replace("max_new_tokens", length)) from e
+    if unsized and chat:
+        params.max_new_tokens = None  # as OpenAI: up to the context limit (check_context checks min_tokens)
     asked = params.prompt_logprobs
     if echo and params.logprobs is not None:  # the prompt's logprobs, with as many alternatives as the reply's
         params.prompt_logprobs = max(params.prompt_logprobs or 0, params.logprobs)
@@ -294,8 +303,6 @@ def parse_completion(body: Any, tokenizer, max_tokens: int | None = None,
     req = _common(body, chat=False, defaults=defaults)
     if body.get("prompt") is None:
         raise ApiError(400, "missing required field 'prompt'", param="prompt")
-    if _no_max_tokens(body):
-        req.params.max_new_tokens = 16  # OpenAI's default for /v1/completions
     max_tokens = _truncation(req, max_tokens)
     req.prompts = _choices(req, _completion_prompts(body["prompt"], tokenizer, max_tokens))
     if req.echo:
@@ -351,8 +358,6 @@ def parse_chat(body: Any, tokenizer, max_tokens: int | None = None, defaults: di
         req.structured_field = "tools"  # a parameters schema xgrammar cannot compile is the tools' fault
     if req.tools is not None and req.tools.mode == "auto":  # as vLLM's hermes parser: its tags stay in the text
         req.params = replace(req.params, skip_special_tokens=False)
-    if _no_max_tokens(body):
-        req.params.max_new_tokens = None  # as OpenAI: up to the context limit
     max_tokens = _truncation(req, max_tokens)
     prompt = _render_chat(tokenizer, clean, template, max_tokens)
     _expect(body, "include_reasoning", (bool,), "a boolean")
@@ -499,6 +504,10 @@ def check_context(req: GenerationRequest, max_model_len: int) -> None:
             raise ApiError(400, f"this model's maximum context length is {max_model_len} tokens; the prompt has "
                                 f"{len(p)} tokens and {req.length_field} asks for {want} more",
                            param=req.length_field, code="context_length_exceeded")
+        if want is None and len(p) + req.params.min_tokens > max_model_len:  # chat without max_tokens
+            raise ApiError(400, f"min_tokens ({req.params.min_tokens}) is more than the {max_model_len - len(p)} "
+                                f"tokens this model's maximum context length of {max_model_len} leaves after the "
+                                f"prompt's {len(p)}", param="min_tokens", code="context_length_exceeded")
 
 
 # ---------------------------------------------------------------------------------------------- responses
