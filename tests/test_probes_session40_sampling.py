@@ -44,3 +44,18 @@ def test_min_tokens_without_max_tokens_is_checked_against_the_endpoints_default(
         assert r.json()["error"]["message"] == "min_tokens (20) must be at most max_tokens (16)"
         r = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "min_tokens": 16, "temperature": 0}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16, r.text
+
+
+def test_a_dead_end_of_the_requests_own_token_rules_names_its_field():
+    """allowed_token_ids that min_tokens leaves empty was a 400 with param "prompt" (the prompt was fine), and a
+    bad word that bans the only allowed token mid-reply (no_token_left) a 400 with param null."""
+    httpx = pytest.importorskip("httpx")
+    with _served(64) as base:
+        body = {"prompt": "hi", "max_tokens": 4, "min_tokens": 2, "allowed_token_ids": [2]}  # 2: the tiny EOS
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+        body = {"prompt": "hi", "max_tokens": 4, "allowed_token_ids": [8], "bad_words": ["&&"]}  # "&&": [8, 8]
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["code"] == "no_token_left", r.text
+        assert error["param"] == "bad_words"

@@ -17,7 +17,7 @@ from ..errors import ClosedError, ConfigError, LoRAError, LoRANameError, Request
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import Detokenizer
-from .inputs import encode_prompt
+from .inputs import _field_error, encode_prompt
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
 from .sampler import NOT_FINITE
@@ -306,8 +306,9 @@ class LLMEngine:
                                    f"{max(ids)}")
         if params.allowed_token_ids and params.min_tokens and set(params.allowed_token_ids) <= set(
                 self._min_tokens_ban(params)):
-            raise RequestError("every token in allowed_token_ids is an EOS or stop token, which min_tokens "
-                               "forbids: nothing could be sampled", "allow another token, or drop min_tokens")
+            raise _field_error("allowed_token_ids", "every token in allowed_token_ids is an EOS or stop token, "
+                               "which min_tokens forbids: nothing could be sampled",
+                               "allow another token, or drop min_tokens")
         if params.bad_words:
             single = {ids[0] for ids in self.bad_word_ids(params.bad_words) if len(ids) == 1}
             first = single | set(self._min_tokens_ban(params) if params.min_tokens else ())

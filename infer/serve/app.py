@@ -189,7 +189,7 @@ def _error(out) -> p.ApiError:
         return p.ApiError(503, out.error, type="server_unavailable", code="no_engine_replica",
                           headers={"Retry-After": "1"})
     if getattr(out, "bad_request", False):  # its own constraints reached a dead end: the client's to change
-        return p.ApiError(400, out.error, code="no_token_left")
+        return p.ApiError(400, out.error, code="no_token_left", param=p.bad_request(out.error).param)  # bad_words
     return p.ApiError(500, out.error or "the request failed in the engine", type="server_error",
                       code="engine_error")
 

@@ -71,6 +71,8 @@ def shutting_down(message: str, retry_after: int | str = 1) -> ApiError:
 def bad_request(e: RequestError | str, param: str | None = None) -> ApiError:
     message = str(e)
     if param is None:
+        param = getattr(e, "field", None)  # the field the error names itself (a server's `param`)
+    if param is None:
         m = _FIELD.match(message)
         name = m.group(1) if m else None
         param = {"max_new_tokens": "max_tokens"}.get(name, name) if name in _PARAM_KEYS | {"max_new_tokens",
