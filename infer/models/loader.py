@@ -15,6 +15,7 @@ from ..quant.files import indexed_files
 from .layers import MergedLinear
 from .registry import check_supported, model_class
 from .rope import check_rope
+from .shapes import check_shapes
 
 log = logging.getLogger("infer")
 
@@ -30,6 +31,7 @@ def load_config(path: Path):
     except Exception as e:  # an unknown model_type, bad JSON, ...
         raise UnsupportedModelError(f"cannot read {path / 'config.json'}: {e}") from e
     check_supported(cfg)
+    check_shapes(cfg)
     check_rope(cfg)  # refused here, not only when the model is built: warmup --estimate never builds it
     return cfg
 

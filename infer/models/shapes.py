@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import UnsupportedModelError
+
 
 @dataclass(frozen=True)
 class ModelShapes:
@@ -32,3 +34,15 @@ class ModelShapes:
     def kv_size(self) -> int:
         """Width of the key (and of the value) projection's output: num_kv_heads * head_dim."""
         return self.num_kv_heads * self.head_dim
+
+
+def check_shapes(cfg) -> None:
+    """Refuse head counts no attention can compute (an UnsupportedModelError naming the config fields): query heads
+    shared by groups of KV heads need num_attention_heads to be a multiple of num_key_value_heads (transformers'
+    repeat_kv fails at the first forward; infer's kernels would read the wrong KV head)."""
+    shapes = ModelShapes.from_config(cfg)
+    if shapes.num_heads % shapes.num_kv_heads:
+        raise UnsupportedModelError(f"config.json has num_attention_heads {shapes.num_heads}, not a multiple of "
+                                    f"num_key_value_heads {shapes.num_kv_heads}",
+                                    "each KV head serves the same number of query heads: use the config.json that "
+                                    "came with the weights")
