@@ -25,3 +25,13 @@ def test_heads_not_a_multiple_of_the_kv_heads_are_refused_when_loading(tmp_path)
     _patch(tmp_path, num_key_value_heads=3, head_dim=16)
     with pytest.raises(UnsupportedModelError, match="num_attention_heads 4.*num_key_value_heads 3"):
         LLM(str(tmp_path), block_size=4)
+
+
+def test_a_rope_parameter_transformers_cannot_compute_is_refused_naming_the_rope(tmp_path):
+    """A linear rope whose factor is the string "2" (transformers only warns when it reads config.json) reached the
+    user as a raw TypeError from transformers' rope function: refused now as an UnsupportedModelError naming the
+    rope parameters."""
+    build(tmp_path, "llama")
+    _patch(tmp_path, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": "2"})
+    with pytest.raises(UnsupportedModelError, match="linear rope parameters.*'factor': '2'"):
+        LLM(str(tmp_path), block_size=4)

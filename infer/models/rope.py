@@ -51,7 +51,13 @@ def _cpu_inv_freq(cfg) -> tuple[torch.Tensor, float]:
         # dynamic (NTK): transformers rescales only once a sequence passes max_position_embeddings, which infer's
         # context never does (engine/setup.model_max_len caps it there): below it, its table is this one
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+        try:
+            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+        except (TypeError, ValueError, KeyError, ZeroDivisionError) as e:  # a factor "2", a null field, ...
+            raise UnsupportedModelError(f"config.json's {rope_type} rope parameters {params} cannot be computed "
+                                        f"({type(e).__name__}: {e})",
+                                        "rope_parameters (rope_scaling in older configs) needs the numbers its "
+                                        "rope_type takes: use the config.json that came with the weights") from e
     else:
         raise UnsupportedModelError(f"rope type {rope_type!r} is not supported",
                                     "supported rope types: default, linear, llama3, yarn, dynamic")
