@@ -91,9 +91,8 @@ def test_convert_a_llama3_rope_model(tmp_path):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("rope_parameters", {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
-                         "long_factor": [2.0] * 8, "original_max_position_embeddings": 64},
-     "rope type 'longrope' is not supported"),
+    ("rope_parameters", {"rope_type": "mrope", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+     "rope type 'mrope' is not supported"),
     ("hidden_act", "gelu", "hidden_act 'gelu' is not supported"),
 ])
 def test_warmup_estimate_refuses_a_model_the_engine_refuses(tmp_path, field, value, message):

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
-from infer import LLM
-from infer.errors import UnsupportedModelError
+from infer import LLM, SamplingParams
+from infer.errors import ConfigError, UnsupportedModelError
 
+from helpers import random_prompts
 from test_model_variants import build
 
 
@@ -35,3 +38,34 @@ def test_a_rope_parameter_transformers_cannot_compute_is_refused_naming_the_rope
     _patch(tmp_path, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": "2"})
     with pytest.raises(UnsupportedModelError, match="linear rope parameters.*'factor': '2'"):
         LLM(str(tmp_path), block_size=4)
+
+
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0], "long_factor": [1.0, 2, 4, 8, 16, 24, 32, 48]}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_longrope_equals_transformers_up_to_original_max_position_embeddings(tmp_path, model_type):
+    """rope_type longrope was refused. Up to original_max_position_embeddings transformers rotates with the short
+    factors times the attention factor (from max_position_embeddings / original), and past it rotates the whole
+    sequence with the long ones (keys already cached included), which a paged KV cache cannot: the context is capped
+    at original_max_position_embeddings, and within it the tokens and logprobs are transformers'."""
+    build(tmp_path, model_type, rope_parameters=dict(LONGROPE))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    llm = LLM(str(tmp_path), block_size=4)
+    assert llm.engine.max_model_len == 64
+    prompts = random_prompts(512, (5, 50), seed=7)
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=13, ignore_eos=True, logprobs=1))
+    for p, out in zip(prompts, outs):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([p]), max_new_tokens=13, do_sample=False, pad_token_id=0,
+                               eos_token_id=None)
+            logits = hf(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1:-1].log_softmax(-1)
+        assert out.token_ids == want[0, len(p):].tolist()
+        assert max(abs(r["logprob"] - float(logits[i, r["token_id"]])) for i, r in enumerate(out.logprobs)) < 1e-4
+
+
+def test_a_max_model_len_past_longropes_original_positions_is_refused_naming_the_field(tmp_path):
+    build(tmp_path, "llama", rope_parameters=dict(LONGROPE))
+    with pytest.raises(ConfigError, match="limit of 64.*original_max_position_embeddings"):
+        LLM(str(tmp_path), block_size=4, max_model_len=100)

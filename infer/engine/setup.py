@@ -93,15 +93,24 @@ def sliding_window(model_config) -> int | None:
 
 
 def model_max_len(model_config, engine_config: EngineConfig) -> int:
+    from ..models.rope import rope_max_positions
     positions = int(getattr(model_config, "max_position_embeddings", 0) or 2048)
     window = sliding_window(model_config)
     limit = min(positions, window) if window else positions  # attention is full up to the window, where it equals
-    if engine_config.max_model_len is not None:  # sliding attention
+    rope_limit = rope_max_positions(model_config)  # sliding attention; longrope's short factors up to their limit
+    if rope_limit is not None and rope_limit < limit:
+        limit, window = rope_limit, None
+    if engine_config.max_model_len is not None:
         if engine_config.max_model_len > limit:
             # the window named: "the model's limit of 4096" of a model whose max_position_embeddings is 32768 read as
             # a wrong number
-            why = (f" (its sliding_window: infer's attention is full, which equals sliding attention only up to the "
-                   f"window; max_position_embeddings is {positions})") if limit < positions else ""
+            why = ""
+            if limit < positions:
+                why = (f" (its sliding_window: infer's attention is full, which equals sliding attention only up to "
+                       f"the window; max_position_embeddings is {positions})") if window == limit else (
+                    f" (its longrope rope_parameters' original_max_position_embeddings: past it transformers rotates "
+                    f"the whole sequence with the long factors, which infer's KV cache cannot; max_position_embeddings "
+                    f"is {positions})")
             raise ConfigError(f"--max-model-len {engine_config.max_model_len} is above the model's limit of "
                               f"{limit}{why}", f"use --max-model-len {limit} or less")
         return engine_config.max_model_len

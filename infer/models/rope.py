@@ -22,6 +22,18 @@ def rope_parameters(cfg) -> dict:
     return params
 
 
+def rope_max_positions(cfg) -> int | None:
+    """The positions up to which infer's one rope table equals transformers' rope, where that is below
+    max_position_embeddings (None: no such limit). longrope rotates with its short factors up to
+    original_max_position_embeddings; once a sequence passes it, transformers rotates every position of the sequence
+    with the long factors, keys already in a KV cache included, which a paged cache cannot redo: the context is
+    capped there (engine/setup.model_max_len)."""
+    params = rope_parameters(cfg)
+    if params.get("rope_type") == "longrope" and params.get("original_max_position_embeddings"):
+        return int(params["original_max_position_embeddings"])
+    return None
+
+
 def rope_table_bytes(cfg, max_positions: int) -> int:
     """The bytes of build_cos_sin_cache(cfg, max_positions): loaded with the weights, not in the checkpoint."""
     return max_positions * ModelShapes.from_config(cfg).head_dim * torch.finfo(torch.float32).bits // 8
@@ -47,20 +59,23 @@ def _cpu_inv_freq(cfg) -> tuple[torch.Tensor, float]:
         base = params["rope_theta"]
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         scale = 1.0
-    elif rope_type in ("linear", "llama3", "yarn", "dynamic"):
+    elif rope_type in ("linear", "llama3", "yarn", "dynamic", "longrope"):
         # dynamic (NTK): transformers rescales only once a sequence passes max_position_embeddings, which infer's
-        # context never does (engine/setup.model_max_len caps it there): below it, its table is this one
+        # context never does (engine/setup.model_max_len caps it there): below it, its table is this one; longrope:
+        # the short factors (and the attention factor) up to original_max_position_embeddings (rope_max_positions)
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
         try:
             inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
-        except (TypeError, ValueError, KeyError, ZeroDivisionError) as e:  # a factor "2", a null field, ...
-            raise UnsupportedModelError(f"config.json's {rope_type} rope parameters {params} cannot be computed "
+        except (TypeError, ValueError, KeyError, ZeroDivisionError, RuntimeError) as e:  # a factor "2", a null
+            # field, longrope factors of another length than head_dim / 2, ...
+            shown = {k: f"[{len(v)} values]" if isinstance(v, list) else v for k, v in params.items()}
+            raise UnsupportedModelError(f"config.json's {rope_type} rope parameters {shown} cannot be computed "
                                         f"({type(e).__name__}: {e})",
                                         "rope_parameters (rope_scaling in older configs) needs the numbers its "
                                         "rope_type takes: use the config.json that came with the weights") from e
     else:
         raise UnsupportedModelError(f"rope type {rope_type!r} is not supported",
-                                    "supported rope types: default, linear, llama3, yarn, dynamic")
+                                    "supported rope types: default, linear, llama3, yarn, dynamic, longrope")
     if 2 * inv_freq.numel() != head_dim:  # transformers' Llama-family attention rotates whole heads (it fails here)
         raise UnsupportedModelError(f"a {rope_type} rope over {2 * inv_freq.numel()} of {head_dim} head dimensions "
                                     f"(partial_rotary_factor {params.get('partial_rotary_factor')}) is not supported",
