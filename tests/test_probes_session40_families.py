@@ -69,3 +69,14 @@ def test_a_max_model_len_past_longropes_original_positions_is_refused_naming_the
     build(tmp_path, "llama", rope_parameters=dict(LONGROPE))
     with pytest.raises(ConfigError, match="limit of 64.*original_max_position_embeddings"):
         LLM(str(tmp_path), block_size=4, max_model_len=100)
+
+
+def test_a_prompt_past_a_sliding_window_cap_is_refused_naming_the_window(tmp_path):
+    """A Mistral whose sliding_window (40) is below max_position_embeddings (256) has its context capped at the
+    window; a longer prompt was refused with "40 tokens is the model's limit", a number a user reads as wrong for a
+    model of 256 positions: the hint names sliding_window now, as --max-model-len's refusal does."""
+    from infer.errors import RequestError
+    build(tmp_path, "mistral", sliding_window=40)
+    llm = LLM(str(tmp_path), block_size=4)
+    with pytest.raises(RequestError, match=r"40 tokens is the model's limit \(its sliding_window.*is 256\)"):
+        llm.generate([list(range(3, 60))], SamplingParams(max_new_tokens=2))

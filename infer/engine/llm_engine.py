@@ -24,7 +24,7 @@ from .sampler import NOT_FINITE
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
-from .setup import load_engine_parts, model_max_len
+from .setup import context_limit, load_engine_parts, model_max_len
 from .structured import DEAD_HINT, GrammarBackend, allows_any
 
 log = logging.getLogger("infer")
@@ -278,7 +278,8 @@ class LLMEngine:
         limit = self.model_limit
         if self.max_model_len < limit:
             return f"shorten the prompt, or start the engine with --max-model-len up to {limit}, the model's limit"
-        return f"shorten the prompt: {limit} tokens is the model's limit"
+        why = context_limit(self.model_config)[1]  # a cap below max_position_embeddings said, with its field
+        return f"shorten the prompt: {limit} tokens is the model's limit" + (f" ({why})" if why else "")
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, lora: str | None = None) -> None:
         """Raise RequestError if this request can never run (add_request would refuse it)."""

@@ -92,27 +92,31 @@ def sliding_window(model_config) -> int | None:
     return int(window) if getattr(model_config, "use_sliding_window", True) else None
 
 
-def model_max_len(model_config, engine_config: EngineConfig) -> int:
+def context_limit(model_config) -> tuple[int, str]:
+    """(the model's context limit, why it is below max_position_embeddings, or "" where it is not): attention is
+    full, which equals sliding attention up to the window; longrope's short factors hold up to
+    original_max_position_embeddings (models.rope.rope_max_positions)."""
     from ..models.rope import rope_max_positions
     positions = int(getattr(model_config, "max_position_embeddings", 0) or 2048)
-    window = sliding_window(model_config)
-    limit = min(positions, window) if window else positions  # attention is full up to the window, where it equals
-    rope_limit = rope_max_positions(model_config)  # sliding attention; longrope's short factors up to their limit
-    if rope_limit is not None and rope_limit < limit:
-        limit, window = rope_limit, None
+    window, rope_limit = sliding_window(model_config), rope_max_positions(model_config)
+    if window and window < positions and not (rope_limit and rope_limit < window):
+        # the window named: "the model's limit of 4096" of a model whose max_position_embeddings is 32768 read as
+        # a wrong number
+        return window, (f"its sliding_window: infer's attention is full, which equals sliding attention only up to "
+                        f"the window; max_position_embeddings is {positions}")
+    if rope_limit and rope_limit < positions:
+        return rope_limit, (f"its longrope rope_parameters' original_max_position_embeddings: past it transformers "
+                            f"rotates the whole sequence with the long factors, which infer's KV cache cannot; "
+                            f"max_position_embeddings is {positions}")
+    return positions, ""
+
+
+def model_max_len(model_config, engine_config: EngineConfig) -> int:
+    limit, why = context_limit(model_config)
     if engine_config.max_model_len is not None:
         if engine_config.max_model_len > limit:
-            # the window named: "the model's limit of 4096" of a model whose max_position_embeddings is 32768 read as
-            # a wrong number
-            why = ""
-            if limit < positions:
-                why = (f" (its sliding_window: infer's attention is full, which equals sliding attention only up to "
-                       f"the window; max_position_embeddings is {positions})") if window == limit else (
-                    f" (its longrope rope_parameters' original_max_position_embeddings: past it transformers rotates "
-                    f"the whole sequence with the long factors, which infer's KV cache cannot; max_position_embeddings "
-                    f"is {positions})")
             raise ConfigError(f"--max-model-len {engine_config.max_model_len} is above the model's limit of "
-                              f"{limit}{why}", f"use --max-model-len {limit} or less")
+                              f"{limit}{f' ({why})' if why else ''}", f"use --max-model-len {limit} or less")
         return engine_config.max_model_len
     return limit
 
