@@ -80,3 +80,20 @@ def test_a_prompt_past_a_sliding_window_cap_is_refused_naming_the_window(tmp_pat
     llm = LLM(str(tmp_path), block_size=4)
     with pytest.raises(RequestError, match=r"40 tokens is the model's limit \(its sliding_window.*is 256\)"):
         llm.generate([list(range(3, 60))], SamplingParams(max_new_tokens=2))
+
+
+def test_infer_run_and_warmup_name_the_window_that_caps_the_context(tmp_path):
+    """`infer run --strict` checks its lines before the engine loads (parallel.ReplicaView: no reason to give) and
+    `warmup --max-length` checks against the model's context: both said only the number for a context capped at
+    sliding_window; they name it now, as the engine does."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    build(tmp_path / "m", "mistral", sliding_window=40)
+    (tmp_path / "in.jsonl").write_text(json.dumps({"prompt_token_ids": list(range(3, 60))}) + "\n")
+    res = CliRunner().invoke(app, ["run", str(tmp_path / "m"), str(tmp_path / "in.jsonl"), "-o",
+                                   str(tmp_path / "out.jsonl"), "--block-size", "4", "--strict"])
+    assert res.exit_code == 2 and "model's limit (its sliding_window" in res.output, res.output
+    res = CliRunner().invoke(app, ["warmup", str(tmp_path / "m"), "--estimate", "--max-length", "64",
+                                   "--concurrency", "1"])
+    assert res.exit_code == 2 and "context of 40 (its sliding_window" in res.output, res.output

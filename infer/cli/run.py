@@ -239,7 +239,7 @@ def _prechecked_lines(engine: EngineConfig, input: Path, defaults: dict) -> list
     """--strict before the model loads: every line read, then checked by the engine's own checks (LLMEngine.validate,
     on a view of what the engine will be: the model's vocabulary, context, EOS ids and adapter names) all in one
     round. Only the KV cache's size, which the memory plan sets, is checked after the load (_checked_lines)."""
-    from ..engine.setup import eos_ids, load_tokenizer, model_max_len
+    from ..engine.setup import context_limit, eos_ids, load_tokenizer, model_max_len
     from ..models.loader import load_config
     from ..models.resolve import resolve_model
     from ..parallel.serve_engine import ReplicaView
@@ -249,7 +249,8 @@ def _prechecked_lines(engine: EngineConfig, input: Path, defaults: dict) -> list
     config = load_config(path)
     limit = model_max_len(config, replace(engine, max_model_len=None))
     view = ReplicaView(engine, path, tokenizer, {
-        "max_model_len": model_max_len(config, engine), "model_limit": limit, "vocab_size": config.vocab_size,
+        "max_model_len": model_max_len(config, engine), "model_limit": limit,
+        "model_limit_reason": context_limit(config)[1], "vocab_size": config.vocab_size,
         "eos_token_ids": sorted(eos_ids(path, config, tokenizer)), "num_blocks": sys.maxsize,
         "adapters": sorted(engine.loras), "lora_enabled": engine.enable_lora})
     _validate_lines(view, lines)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..engine.config import RANGES, EngineConfig
-from ..engine.setup import checkpoint_dtype, model_max_len, warn_unused_memory_option
+from ..engine.setup import checkpoint_dtype, context_limit, model_max_len, warn_unused_memory_option
 from ..errors import ConfigError, OutOfMemoryError
 from ..memory.plan import MemoryPlan, bound_room, budget_bytes, cuda_graph_bytes, make_plan
 from ..memory.sizes import (DEQUANT_MIN_TOKENS, activation_bytes, element_bytes, int4_layer_bytes, lora_slot_bytes,
@@ -31,7 +31,9 @@ def _check_length(model_config, engine_config: EngineConfig, max_length: int) ->
     """The model's context limit, which `max_length` must not pass."""
     limit = model_max_len(model_config, EngineConfig(model=engine_config.model, device=engine_config.device))
     if max_length > limit:
-        raise ConfigError(f"--max-length {max_length} is above the model's context of {limit}",
+        why = context_limit(model_config)[1]  # a cap below max_position_embeddings: its field named
+        raise ConfigError(f"--max-length {max_length} is above the model's context of {limit}"
+                          + (f" ({why})" if why else ""),
                           f"use --max-length {limit} or less")
     return limit
 

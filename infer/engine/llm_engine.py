@@ -270,6 +270,11 @@ class LLMEngine:
         """The model's own context limit: what --max-model-len may go up to."""
         return model_max_len(self.model_config, replace(self.config, max_model_len=None))
 
+    @property
+    def model_limit_reason(self) -> str:
+        """Why model_limit is below max_position_embeddings (its sliding_window, longrope), or "" where it is not."""
+        return context_limit(self.model_config)[1]
+
     def _longer_hint(self, by_request: bool) -> str:
         """What can make room for a prompt that fills its cap: the request's max_length up to the engine's context,
         the engine's --max-model-len up to the model's limit, or only a shorter prompt."""
@@ -278,7 +283,7 @@ class LLMEngine:
         limit = self.model_limit
         if self.max_model_len < limit:
             return f"shorten the prompt, or start the engine with --max-model-len up to {limit}, the model's limit"
-        why = context_limit(self.model_config)[1]  # a cap below max_position_embeddings said, with its field
+        why = self.model_limit_reason  # a cap below max_position_embeddings said, with its field
         return f"shorten the prompt: {limit} tokens is the model's limit" + (f" ({why})" if why else "")
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, lora: str | None = None) -> None:

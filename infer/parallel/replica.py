@@ -52,6 +52,7 @@ class Replica:
                 "dtype": str(e.dtype).removeprefix("torch."), "num_blocks": e.memory_plan.num_blocks,
                 "max_model_len": e.max_model_len, "model": e.model_path.name,
                 "vocab_size": e.model_config.vocab_size, "model_limit": e.model_limit,
+                "model_limit_reason": e.model_limit_reason,
                 "eos_token_ids": sorted(e.eos_token_ids),
                 "adapters": sorted(e.lora_manager.names()) if e.lora_manager is not None else [],
                 "lora_enabled": e.lora_manager is not None}

@@ -68,6 +68,7 @@ class ReplicaView:
         self.config, self.model_path, self.tokenizer = config, model_path, tokenizer
         self.max_model_len = info["max_model_len"]
         self.model_limit = info.get("model_limit", self.max_model_len)  # what validate's hints name
+        self.model_limit_reason = info.get("model_limit_reason", "")
         self.eos_token_ids = set(info.get("eos_token_ids", ()))  # what min_tokens bans (validate)
         self.model_config = type("ModelLimits", (), {"vocab_size": info["vocab_size"]})()
         self.block_manager = _Blocks(info["num_blocks"], config.block_size)
