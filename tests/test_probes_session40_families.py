@@ -97,3 +97,19 @@ def test_infer_run_and_warmup_name_the_window_that_caps_the_context(tmp_path):
     res = CliRunner().invoke(app, ["warmup", str(tmp_path / "m"), "--estimate", "--max-length", "64",
                                    "--concurrency", "1"])
     assert res.exit_code == 2 and "context of 40 (its sliding_window" in res.output, res.output
+
+
+def test_lora_validate_on_a_base_capped_by_its_sliding_window_works_within_it(tmp_path):
+    """lora-validate sized its engine at 64 + --steps tokens within max_position_embeddings only: on a Mistral base
+    whose sliding_window (40) caps the context, every check died with "--max-model-len 72 is above the model's limit
+    of 40", an option lora-validate does not have. It now runs within the capped context."""
+    from typer.testing import CliRunner
+
+    from lora_helpers import hf_float, save_adapter
+
+    from infer.cli.main import app
+    base = tmp_path / "m"
+    build(base, "mistral", sliding_window=40)
+    save_adapter(hf_float(base), tmp_path / "ad", seed=0, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    res = CliRunner().invoke(app, ["lora-validate", str(base), f"a={tmp_path / 'ad'}", "--steps", "4"])
+    assert res.exit_code == 0, res.output

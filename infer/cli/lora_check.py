@@ -58,9 +58,9 @@ def engine_for(base_path: Path, adapters: dict[str, Path], max_rank: int, steps:
 
 def context_for(base_path: Path, steps: int) -> int:
     """The context the check's engine is sized for: room for its short prompts and `steps`, within the model's."""
+    from ..engine.setup import context_limit
     from ..models.loader import load_config
-    limit = getattr(load_config(base_path), "max_position_embeddings", None)
-    return min(64 + steps, limit) if isinstance(limit, int) and limit > 0 else 64 + steps
+    return min(64 + steps, context_limit(load_config(base_path))[0])  # a sliding_window or longrope cap included
 
 
 def _check_room(prompts: list[list[int]], steps: int, context: int) -> None:
