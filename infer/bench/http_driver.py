@@ -11,7 +11,8 @@ prompt the in-process engine runs: sent as text it would be tokenized again (ano
 Every SSE `data:` chunk with a choice is time-stamped, with text or not (an EOS or special token has none), as
 vLLM's benchmark does, but for a last chunk without text beyond the token count (it only says why the request
 finished, as OpenAI's last chunk does). Output tokens come from the final usage chunk (else from `tokenizer`,
-else one per chunk with text; at least one).
+else one per chunk with text; at least one). A stream the server cut off (the connection closed with neither a
+finish_reason nor `data: [DONE]`) is a failed request, not a completed one of the tokens it got.
 Memory figures are those of this client process, not of the server.
 """
 
@@ -81,29 +82,30 @@ def _apply_chunk(rec: RequestRecord, data: dict, t: float) -> bool:
     return bool(text)
 
 
-async def _stream_one(client, url: str, body: dict, rec: RequestRecord, headers: dict) -> list[bool]:
-    """Stream one request into `rec`; returns, for each chunk time-stamped, whether it carried text."""
+async def _stream_one(client, url: str, body: dict, rec: RequestRecord, headers: dict) -> tuple[list[bool], bool]:
+    """Stream one request into `rec`; returns, for each chunk time-stamped, whether it carried text, and whether
+    the stream ended with `data: [DONE]` (not cut off by the server closing the connection)."""
     texts: list[bool] = []
     async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as resp:
         if resp.status_code != 200:
             detail = (await resp.aread()).decode("utf-8", "replace")[:300]
             rec.error = f"HTTP {resp.status_code}: {detail}"
-            return texts
+            return texts, False
         async for line in resp.aiter_lines():
             line = line.strip()
             if not line.startswith("data:"):
                 continue  # blank separators, comments, event: lines
             payload = line[5:].strip()
             if payload == "[DONE]":
-                break
+                return texts, True
             data = json.loads(payload)
             if isinstance(data, dict) and data.get("error"):
                 rec.error = str(data["error"])
-                return texts
+                return texts, False
             n = len(rec.chunk_times)
             had_text = _apply_chunk(rec, data, time.perf_counter())
             texts += [had_text] * (len(rec.chunk_times) - n)
-    return texts
+    return texts, False
 
 
 class _HttpRun:
@@ -124,17 +126,19 @@ class _HttpRun:
             self.started += 1
             rec = RequestRecord(i, req.prompt_len, send_time=time.perf_counter(), lora=req.lora)
             texts: list[bool] = []
+            ended = False
             try:
-                texts = await _stream_one(client, self.url, _body(self.model, req, self.temperature), rec,
+                texts, ended = await _stream_one(client, self.url, _body(self.model, req, self.temperature), rec,
                                           self.headers)
             except Exception as e:  # a dropped connection or a bad chunk fails this request only
                 rec.error = f"{type(e).__name__}: {e}"
             finally:
                 self.in_flight -= 1
-        self._finish(rec, texts)
+        self._finish(rec, texts, ended)
         sampler.sample(self.in_flight)
 
-    def _finish(self, rec: RequestRecord, texts: list[bool] | None = None) -> None:
+    def _finish(self, rec: RequestRecord, texts: list[bool] | None = None, ended: bool = True) -> None:
+        """Record `rec` as done; `ended`: the stream ended with [DONE] (False: the connection closed first)."""
         rec.end_time = time.perf_counter()
         texts = texts or []
         if rec.chunk_times and not rec.output_tokens:  # no usage: count the text, and a reply has a token at least
@@ -145,6 +149,9 @@ class _HttpRun:
             # finished (OpenAI sends one such chunk); it was no token
         if rec.error is None and not rec.chunk_times:
             rec.error = "the stream ended without any reply chunk"
+        if rec.error is None and not ended and rec.finish_reason is None:  # the server went away mid-reply
+            rec.error = ("the stream ended before the reply finished (no finish_reason and no data: [DONE]; "
+                         "the server closed the connection)")
         if rec.error is None and rec.finish_reason in ABORTED:  # cut short by the server: not a completed request
             rec.error = f"finished with reason {rec.finish_reason!r}"
         rec.success = rec.error is None
