@@ -61,3 +61,35 @@ def test_a_stream_that_ends_with_a_finish_reason_or_done_is_completed():
             httpd.server_close()
         (rec,) = res.records
         assert rec.success, rec.error
+
+
+def test_sigterm_writes_the_partial_report_and_exits_143(tmp_path, monkeypatch):
+    """SIGTERM (`timeout`, a job scheduler, docker stop) ended `infer bench` on the spot: nothing measured reached
+    --out, not even the levels already finished. It now stops as Ctrl-C does (the report written, the level it cut
+    marked partial), says "terminated" and exits 143, as `infer run` does."""
+    import os
+    import signal
+
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from infer.engine.llm_engine import LLMEngine
+    before = signal.getsignal(signal.SIGTERM)
+    step, calls = LLMEngine.step, [0]
+
+    def terminated(self):
+        calls[0] += 1
+        if calls[0] == 12:  # past the warmup, inside the measured run
+            if signal.getsignal(signal.SIGTERM) == before:  # the signal would end pytest itself
+                raise RuntimeError("no SIGTERM handler while the benchmark runs: the process would end here")
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step(self)
+    monkeypatch.setattr(LLMEngine, "step", terminated)
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["bench", "tiny-llama", "--out", str(out), "-c", "2,4", "--num-prompts", "6",
+                                   "--input-len", "8", "--output-len", "20", "-q"])
+    assert res.exit_code == 143, (res.output, res.exception)
+    assert "terminated" in res.output and "Traceback" not in res.output
+    [r] = json.loads((out / "results.json").read_text())
+    assert r["partial"] is True and r["completed"] < 6 and r["aborted"] > 0
+    assert signal.getsignal(signal.SIGTERM) == before  # put back

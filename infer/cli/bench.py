@@ -293,13 +293,22 @@ def set_target(plan, engine: EngineConfig, lora: list[str] | None, max_num_seqs:
 
 
 def run_and_report(plan) -> None:
-    """Run the plan and say where the report is; exit 130 when Ctrl-C cut it short."""
+    """Run the plan and say where the report is; exit 130 when Ctrl-C cut it short, 143 when SIGTERM did (a
+    timeout, a job scheduler): either way what was measured is written first."""
     from ..bench.plan import run_plan
+    from .entry import Terminated, terminate_as_interrupt, terminated
     from .quiet import library_output_to_bar
-    results, interrupted = run_plan(plan, hide_libraries=library_output_to_bar)
+    try:
+        with terminate_as_interrupt():
+            results, interrupted = run_plan(plan, hide_libraries=library_output_to_bar)
+    except KeyboardInterrupt:  # before anything was measured
+        if terminated():
+            raise Terminated from None
+        raise
     typer.echo(f"infer bench: report written to {plan.out}", err=True)
     if interrupted:
-        typer.echo(f"interrupted: the report in {plan.out} holds what was measured (marked partial)", err=True)
-        raise typer.Exit(130)
+        word = "terminated" if terminated() else "interrupted"
+        typer.echo(f"{word}: the report in {plan.out} holds what was measured (marked partial)", err=True)
+        raise typer.Exit(143 if terminated() else 130)
     if report_failures(results):
         raise typer.Exit(1)

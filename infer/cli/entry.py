@@ -21,8 +21,18 @@ class Terminated(KeyboardInterrupt):
     exits 143 (128 + SIGTERM; `cli.main.handle_errors`)."""
 
 
+_terminated = [False]
+
+
 def _raise_terminated(signum, frame):
+    _terminated[0] = True
     raise Terminated
+
+
+def terminated() -> bool:
+    """Whether SIGTERM reached the latest `terminate_as_interrupt` block (for a command whose loop turns the
+    interruption into a partial result, as `infer bench` does, and still has to exit 143)."""
+    return _terminated[0]
 
 
 @contextlib.contextmanager
@@ -32,6 +42,7 @@ def terminate_as_interrupt():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    _terminated[0] = False
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         yield
