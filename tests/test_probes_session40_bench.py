@@ -93,3 +93,27 @@ def test_sigterm_writes_the_partial_report_and_exits_143(tmp_path, monkeypatch):
     [r] = json.loads((out / "results.json").read_text())
     assert r["partial"] is True and r["completed"] < 6 and r["aborted"] > 0
     assert signal.getsignal(signal.SIGTERM) == before  # put back
+
+
+def test_an_unexpected_error_at_a_later_level_keeps_the_levels_measured(tmp_path, monkeypatch):
+    """`-c 1,2`: level 2 failed with an error that is not infer's own (the GPU ran out of memory at the larger
+    batch, a bug): the report of level 1, measured and printed nowhere yet, was lost. It is now written before the
+    error is raised (as it already was for infer's own errors, e.g. the server going away)."""
+    from typer.testing import CliRunner
+
+    import infer.bench.driver as driver
+    from infer.cli.main import app
+    real = driver.run_in_process
+
+    def oom_at_two(engine, requests, concurrency, *a, **k):
+        if concurrency == 2:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real(engine, requests, concurrency, *a, **k)
+    monkeypatch.setattr(driver, "run_in_process", oom_at_two)
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["bench", "tiny-llama", "--out", str(out), "-c", "1,2", "--num-prompts", "2",
+                                   "--input-len", "4", "--output-len", "3", "-q"])
+    assert isinstance(res.exception, RuntimeError)
+    [r] = json.loads((out / "results.json").read_text())
+    assert r["concurrency"] == 1 and r["completed"] == 2 and not r["partial"]
+    assert (out / "report.md").is_file()

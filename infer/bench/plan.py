@@ -216,10 +216,10 @@ def _note_base_baseline(plan: BenchPlan, requests: list[BenchRequest]) -> None:
 
 def run_plan(plan: BenchPlan, console=None, hide_libraries=None) -> tuple[list[dict], bool]:
     """Measure `plan` and write its report into `plan.out`; returns (results, interrupted). Raises
-    KeyboardInterrupt only when Ctrl-C came before anything was measured; an InferError of a later level (the
-    server went away) once the report of the levels measured before it is written. `hide_libraries`: a context
-    manager factory that keeps other libraries' output off the terminal while the HF baseline loads and runs,
-    yielding a rich Console for the baseline's progress bar or None (the CLI passes
+    KeyboardInterrupt only when Ctrl-C came before anything was measured; the error of a later level (the server
+    went away, the GPU ran out of memory) once the report of the levels measured before it is written.
+    `hide_libraries`: a context manager factory that keeps other libraries' output off the terminal while the HF
+    baseline loads and runs, yielding a rich Console for the baseline's progress bar or None (the CLI passes
     `cli.quiet.library_output_to_bar`)."""
     hide = hide_libraries or _shown
     from .report import write_report
@@ -251,11 +251,15 @@ def run_plan(plan: BenchPlan, console=None, hide_libraries=None) -> tuple[list[d
         interrupted = True
         if runs:
             runs[-1].partial = True
-    except InferError as e:  # a later level could not run (the server went away): the levels measured are written
-        if not runs:
+    except Exception as e:  # a later level could not run (the server went away, the GPU ran out of memory): the
+        if not runs:  # levels measured before it are written, then the error is raised
             raise
         report()
-        raise type(e)(f"{e.message} (the report in {plan.out} holds the levels measured before)", e.hint) from None
+        if isinstance(e, InferError):
+            raise type(e)(f"{e.message} (the report in {plan.out} holds the levels measured before)", e.hint) from None
+        print(f"error: the benchmark stopped at an error; the report in {plan.out} holds the levels measured before",
+              file=sys.stderr, flush=True)
+        raise
     if not runs:
         raise KeyboardInterrupt
     return report(), interrupted
