@@ -117,3 +117,43 @@ def test_an_unexpected_error_at_a_later_level_keeps_the_levels_measured(tmp_path
     [r] = json.loads((out / "results.json").read_text())
     assert r["concurrency"] == 1 and r["completed"] == 2 and not r["partial"]
     assert (out / "report.md").is_file()
+
+
+def test_goodput_counts_the_completed_requests_within_every_objective():
+    """vLLM's --goodput KEY:MS (ttft, tpot, e2el): request_goodput = completed requests meeting every objective
+    named, per second of duration; a one-token request's TPOT is 0. `infer bench` had no such figure."""
+    from infer.bench.metrics import RequestRecord, compute_metrics
+    recs = [RequestRecord(0, 4, 0.0, [0.010, 0.012, 0.014], 3, "abc", True),  # TTFT 10, TPOT 2, E2EL 14 ms
+            RequestRecord(1, 4, 0.0, [0.050, 0.051], 2, "ab", True),  # TTFT 50, TPOT 1, E2EL 51
+            RequestRecord(2, 4, 0.0, [0.005], 1, "a", True),  # TTFT 5, (TPOT 0), E2EL 5
+            RequestRecord(3, 4, 0.0, [0.001], 1, "", False, "HTTP 500")]  # failed: never good
+    assert "request_goodput" not in compute_metrics(recs, 0.1)
+    assert compute_metrics(recs, 0.1, goodput={"ttft": 20, "tpot": 1.5})["request_goodput"] == 10.0  # only #2
+    assert compute_metrics(recs, 0.1, goodput={"e2el": 20})["request_goodput"] == 20.0  # #0 and #2
+    assert compute_metrics(recs, 0.1, goodput={"tpot": 5})["request_goodput"] == 30.0
+
+
+def test_goodput_option_reaches_every_report_file(tmp_path):
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["bench", "tiny-llama", "--out", str(out), "-c", "2", "--num-prompts", "2",
+                                   "--input-len", "4", "--output-len", "3", "--goodput", "ttft:1e9 tpot:1e9",
+                                   "--goodput", "e2el:1e9"])
+    assert res.exit_code == 0, res.output
+    [r] = json.loads((out / "results.json").read_text())
+    assert r["request_goodput"] == r["request_throughput"] > 0
+    assert r["config"]["goodput"] == {"ttft": 1e9, "tpot": 1e9, "e2el": 1e9}
+    assert "request_goodput" in (out / "results.csv").read_text().splitlines()[0]
+    assert "good req/s" in (out / "report.md").read_text() and "good req/s" in res.output
+
+
+def test_bad_goodput_is_refused_naming_it(tmp_path):
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    for value, message in (("ttft", "'ttft' is not a KEY:MS"), ("itl:5", "'itl:5' is not a KEY:MS"),
+                           ("tpot:-1", "must be >= 0 ms"), ("e2el:1,e2el:2", "sets e2el twice")):
+        res = CliRunner().invoke(app, ["bench", "tiny-llama", "--out", str(tmp_path / "o"), "--goodput", value])
+        assert res.exit_code == 2 and message in res.output, res.output

@@ -13,6 +13,9 @@ Definitions (the same as vLLM's `benchmark_serving.py` / `vllm bench serve`):
 - ITL = every gap between consecutive chunks, over all completed requests;
 - each of TTFT, TPOT, ITL, E2EL is summarised as mean_/median_/std_/pNN_ + `<name>_ms`, with numpy's
   (linear) percentiles, and an empty list counts as 0 (as vLLM does);
+- request_goodput (with service level objectives, vLLM's --goodput): completed requests whose TTFT, TPOT and
+  E2EL (those the objectives name, in ms) are each at most the objective, per second of duration (a request of
+  one token has a TPOT of 0 here, as in vLLM);
 - chars_per_s = characters of reply text of completed requests / duration (the figure of merit of the liteqwen
   comparison, and the one figure that does not depend on the tokenizer).
 
@@ -31,6 +34,7 @@ import numpy as np
 DEFAULT_PERCENTILES = (90, 99)
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 THROUGHPUT_KEYS = ("request_throughput", "output_throughput", "total_token_throughput", "chars_per_s")
+SLO_METRICS = ("ttft", "tpot", "e2el")  # what --goodput may set an objective on (vLLM's names), in ms
 
 
 @dataclass
@@ -96,6 +100,7 @@ class RunResult:
     engine_stats: dict = field(default_factory=dict)
     start_time: float = 0.0  # perf_counter() when the run started (records' times are on the same clock)
     label: str | None = None  # how the report names this run, when more than its backend says (default: backend)
+    goodput: dict | None = None  # service level objectives {"ttft" | "tpot" | "e2el": ms}: adds request_goodput
 
     @property
     def peak_memory_bytes(self) -> int | None:
@@ -106,7 +111,7 @@ class RunResult:
         return self.peak_gpu_bytes if self.peak_gpu_bytes else self.peak_rss_bytes
 
     def metrics(self, percentiles=DEFAULT_PERCENTILES) -> dict:
-        return compute_metrics(self.records, self.duration_s, percentiles)
+        return compute_metrics(self.records, self.duration_s, percentiles, goodput=self.goodput)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -124,8 +129,16 @@ def _ms_stats(name: str, values: list[float], percentiles) -> dict:
     return out
 
 
-def compute_metrics(records: list[RequestRecord], duration_s: float, percentiles=DEFAULT_PERCENTILES) -> dict:
-    """vLLM benchmark_serving metrics over `records` (see the module docstring for each definition)."""
+def meets_slos(rec: RequestRecord, slos: dict) -> bool:
+    """Whether a completed request's TTFT, TPOT and E2EL are each within the objective (ms) `slos` sets on it."""
+    got = {"ttft": rec.ttft, "tpot": rec.tpot or 0.0, "e2el": rec.e2el}
+    return all(got[k] * 1000.0 <= v for k, v in slos.items())
+
+
+def compute_metrics(records: list[RequestRecord], duration_s: float, percentiles=DEFAULT_PERCENTILES,
+                    goodput: dict | None = None) -> dict:
+    """vLLM benchmark_serving metrics over `records` (see the module docstring for each definition); with
+    `goodput` objectives ({"ttft": ms, ...}) also request_goodput."""
     done = [r for r in records if r.success]
     total_in = sum(r.prompt_tokens for r in done)
     total_out = sum(r.output_tokens for r in done)
@@ -138,6 +151,8 @@ def compute_metrics(records: list[RequestRecord], duration_s: float, percentiles
         "total_token_throughput": (total_in + total_out) / dur, "chars_per_s": chars / dur,
         "mean_reply_chars": chars / len(done) if done else 0.0,
     }
+    if goodput:
+        out["request_goodput"] = sum(meets_slos(r, goodput) for r in done) / dur
     series = {
         "ttft": [r.ttft for r in done],
         "tpot": [r.tpot for r in done if r.tpot is not None],

@@ -52,6 +52,7 @@ class BenchPlan:
     device: str = "auto"
     chat_template: str | None = None  # with --url: what the workload's messages are rendered with (in-process:
     # the engine's)
+    goodput: dict | None = None  # service level objectives {"ttft" | "tpot" | "e2el": ms} (vLLM's --goodput)
 
 
 BASE_NO_ADAPTERS = "hf (base, no adapters)"  # the HF baseline's label when the workload uses adapters
@@ -140,6 +141,7 @@ def _measure(plan: BenchPlan, target: _Target, requests, hf, runs: list, bases: 
     base_requests = baseline_requests(requests, _context_len(plan)) if hf is not None else requests
     for c in plan.levels:
         run = target.run(requests, c)
+        run.goodput = plan.goodput
         runs.append(run)
         if run.partial:
             return True
@@ -147,7 +149,7 @@ def _measure(plan: BenchPlan, target: _Target, requests, hf, runs: list, bases: 
             with hide() as term:
                 base = run_hf_generate(hf, base_requests, batch_size=c, progress=not plan.quiet, console=term,
                                        warmup=True)  # warmed, as the engine is, before it is measured
-            base.label = label
+            base.label, base.goodput = label, plan.goodput
             bases.append(base)
             if base.partial:
                 return True

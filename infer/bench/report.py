@@ -35,6 +35,7 @@ THROUGHPUT_COLUMNS = [
     ("tok/s", "total_token_throughput", "{:.1f}"), ("chars/s", "chars_per_s", "{:.1f}"),
     ("peak GiB", "peak_memory_gib", "{:.2f}"),
 ]
+GOODPUT_COLUMN = ("good req/s", "request_goodput", "{:.2f}")  # with --goodput: after req/s
 RATIO_COLUMNS = [("base out tok/s", "base:output_throughput", ""), ("x out tok/s", "ratio:output_throughput", ""),
                  ("x chars/s", "ratio:chars_per_s", "")]
 LATENCY_COLUMNS = [("conc", "concurrency", "{:d}")] + [
@@ -114,7 +115,10 @@ def table_rows(results: list[dict], which: str = "throughput") -> tuple[list[str
     if which == "latency":
         cols = LATENCY_COLUMNS
     else:
-        cols = THROUGHPUT_COLUMNS + (RATIO_COLUMNS if any("baseline" in r for r in results) else [])
+        cols = list(THROUGHPUT_COLUMNS)
+        if any("request_goodput" in r for r in results):
+            cols.insert(4, GOODPUT_COLUMN)
+        cols += RATIO_COLUMNS if any("baseline" in r for r in results) else []
     rows = [[_cell(r, k, f) for _, k, f in cols] for r in results]
     if which != "latency":
         cols = cols + [("partial", "partial", "")]

@@ -48,6 +48,33 @@ def parse_rate(text: str) -> float:
     return rate
 
 
+def parse_goodput(items: list[str] | None) -> dict | None:
+    """--goodput, as vLLM's: KEY:MS service level objectives, KEY one of ttft, tpot, e2el (each flag one or more
+    pairs, separated by spaces or commas) -> {"ttft": 100.0, ...}; None when not given."""
+    from ..bench.metrics import SLO_METRICS
+    if not items:
+        return None
+    slos: dict[str, float] = {}
+    for pair in (p for item in items for p in item.replace(",", " ").split()):
+        name, sep, value = pair.partition(":")
+        try:
+            ms = float(value) if sep else math.nan
+        except ValueError:
+            ms = math.nan
+        if name not in SLO_METRICS or math.isnan(ms):
+            raise ConfigError(f"--goodput {pair!r} is not a KEY:MS service level objective",
+                              f"KEY is one of {', '.join(SLO_METRICS)}, MS a number of milliseconds, e.g. "
+                              "--goodput ttft:100 --goodput tpot:50")
+        if ms < 0:
+            raise ConfigError(f"--goodput {pair!r}: an objective must be >= 0 ms")
+        if name in slos:
+            raise ConfigError(f"--goodput sets {name} twice", "give each objective once")
+        slos[name] = ms
+    if not slos:
+        raise ConfigError("--goodput names no objective", "e.g. --goodput ttft:100 --goodput tpot:50")
+    return slos
+
+
 def check_dataset(spec: str) -> None:
     """Fail before loading anything on an unknown dataset kind or a missing dataset file."""
     from ..bench.datasets import WORKLOADS
@@ -209,6 +236,12 @@ def bench(
                                                       "0 <= R < 1 (vLLM's option).", rich_help_panel=WL)] = 0.0,
     request_rate: Annotated[str, typer.Option(help="Poisson arrivals per second, or inf (all at once).",
                                               rich_help_panel=WL)] = "inf",
+    goodput: Annotated[Optional[list[str]], typer.Option("--goodput", help="vLLM's service level objectives, "
+                                                         "KEY:MS with KEY ttft, tpot or e2el (repeat it, or give "
+                                                         "several in one quoted value): adds request_goodput, the "
+                                                         "completed requests per second that meet them all.",
+                                                         rich_help_panel=WL, show_default=False,
+                                                         metavar="KEY:MS")] = None,
     lora_mix: Annotated[Optional[int], typer.Option(help="Spread the first K --lora adapters over the requests "
                                                     "round-robin (default: all of them); jsonl lines that "
                                                     "name a \"lora\" keep it.", rich_help_panel=WL)] = None,
@@ -253,7 +286,7 @@ def bench(
 
     Against a server: infer bench tiny-llama --url http://127.0.0.1:8000 -c 16
     """
-    levels, rate = parse_concurrency(concurrency), parse_rate(request_rate)
+    levels, rate, slos = parse_concurrency(concurrency), parse_rate(request_rate), parse_goodput(goodput)
     check_options(num_prompts, dataset, baseline, lora_policy, url, rate)
     if served_model_name is not None and url is None:  # the in-process engine has no ids to choose from
         raise ConfigError("--served-model-name is the base model's id on a server, used with --url only",
@@ -269,7 +302,7 @@ def bench(
                      input_len=input_len, output_len=output_len, range_ratio=random_range_ratio, loras=names,
                      lora_policy=lora_policy,
                      url=None if url is None else check_url(url, model_id, names, api_key), model_id=model_id,
-                     api_key=api_key, baseline=baseline, seed=seed, quiet=quiet,
+                     api_key=api_key, baseline=baseline, seed=seed, quiet=quiet, goodput=slos,
                      out=out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S"))
     set_target(plan, engine, lora, max_num_seqs, max_loras)
     run_and_report(plan)
