@@ -11,6 +11,21 @@ _STAT_KEYS = ("kv_usage", "kv_blocks_used", "num_running", "num_waiting", "prefi
               "num_preemptions", "lora_swaps")
 
 
+def _reset_rss_peak() -> bool:
+    """Reset the kernel's peak resident set size of this process (Linux's VmHWM); False where it cannot be."""
+    from ..memory.meter import reset_peak_rss
+    return reset_peak_rss()
+
+
+def _rss_peak() -> int | None:
+    """The kernel's peak resident set size of this process since its last reset (VmHWM), in bytes, or None."""
+    from ..memory.meter import peak_rss_bytes
+    try:
+        return peak_rss_bytes()
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _cuda_in_use() -> bool:
     try:
         import torch
@@ -20,8 +35,10 @@ def _cuda_in_use() -> bool:
 
 
 class ResourceSampler:
-    """Call `sample(in_flight)` often (each engine step); it records at most one sample per `interval_s`
-    but always tracks the peak RSS it saw. With an `engine`, each sample also holds its stats().
+    """Call `sample(in_flight)` often (each engine step); it records at most one sample per `interval_s`.
+    The peak RSS is the kernel's (Linux's VmHWM, reset by `start()`), so a peak between two samples (a large
+    prefill's activations) counts; elsewhere it is the largest RSS sampled. With an `engine`, each sample also
+    holds its stats().
     GPU figures come from torch.cuda (max_memory_allocated is reset by `start()`). The engine's cumulative
     counters (num_preemptions, lora_swaps, num_steps, cuda_graph_replays, piecewise_graph_steps) also appear as
     run_<name>: their change since `start()`."""
@@ -39,10 +56,12 @@ class ResourceSampler:
         self._last = -float("inf")
         self._cuda = False
         self._stats0: dict = {}
+        self._kernel_peak = False
 
     def start(self, t0: float | None = None) -> None:
         self._t0 = time.perf_counter() if t0 is None else t0
         self._cuda = _cuda_in_use()
+        self._kernel_peak = _reset_rss_peak()
         self._stats0 = dict(self.engine.stats()) if self.engine is not None else {}
         if self._cuda:
             import torch
@@ -54,7 +73,7 @@ class ResourceSampler:
             return
         self._last = now
         rss = self._proc.memory_info().rss
-        self.peak_rss_bytes = max(self.peak_rss_bytes, rss)
+        self.peak_rss_bytes = max(self.peak_rss_bytes, rss, (_rss_peak() or 0) if self._kernel_peak else 0)
         row = {"t": now - self._t0, "rss_bytes": rss, "in_flight": in_flight}
         if self._cuda:
             import torch
