@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..errors import ConfigError, InferError
-from .datasets import BenchRequest, assign_loras, length_range, load_workload
+from .datasets import BenchRequest, Workload, assign_loras, length_range, load_workload
 from .metrics import RunResult
 
 
@@ -216,6 +216,16 @@ def _note_base_baseline(plan: BenchPlan, requests: list[BenchRequest]) -> None:
               file=sys.stderr, flush=True)
 
 
+def _note_short_dataset(plan: BenchPlan, workload: Workload) -> None:
+    """Say when the dataset gave fewer requests than --num-prompts asked for (vLLM repeats requests to reach the
+    number; infer measures the dataset as it is, and says so: a report of 2 requests read as one of 100 misleads)."""
+    got = len(workload.requests)
+    if plan.num_prompts and got < plan.num_prompts:
+        print(f"note: --num-prompts {plan.num_prompts}, but {plan.dataset} gives {got} usable request"
+              f"{'s' if got != 1 else ''}: measuring those {got} (requests are not repeated to reach the number)",
+              file=sys.stderr, flush=True)
+
+
 def run_plan(plan: BenchPlan, console=None, hide_libraries=None) -> tuple[list[dict], bool]:
     """Measure `plan` and write its report into `plan.out`; returns (results, interrupted). Raises
     KeyboardInterrupt only when Ctrl-C came before anything was measured; the error of a later level (the server
@@ -230,6 +240,7 @@ def run_plan(plan: BenchPlan, console=None, hide_libraries=None) -> tuple[list[d
     workload = load_workload(plan.dataset, tokenizer, num_prompts=plan.num_prompts,
                              input_len=plan.input_len, output_len=plan.output_len, seed=plan.seed,
                              range_ratio=plan.range_ratio)
+    _note_short_dataset(plan, workload)
     own = any(r.lora for r in workload.requests)  # a jsonl line's "lora" is its own: --lora only registers it
     requests = assign_loras(workload.requests, plan.loras) if plan.loras and not own else workload.requests
     if plan.baseline == "hf":
