@@ -74,8 +74,19 @@ def check_reachable(address: str, timeout: float = 5.0) -> None:
                           "(or ray://HOST:10001 for Ray Client)") from None
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity (taskset, a Slurm job's cores, a container's cpuset), not
+    every core of the machine as os.cpu_count() says."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no affinity on this platform (macOS, Windows)
+        return os.cpu_count() or 1
+
+
 def local_cpus(num_replicas: int) -> int:
-    return max(os.cpu_count() or 1, num_replicas)
+    """The CPUs of a local runtime: the usable ones (each CPU replica gets an even share as its torch threads; the
+    machine's whole count put, e.g., 64 threads in each of 2 replicas of an 8-core job)."""
+    return max(usable_cpus(), num_replicas)
 
 
 def _alive_nodes(ray) -> list[dict]:

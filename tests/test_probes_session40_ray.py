@@ -1,0 +1,20 @@
+"""Session 40 probes, data parallelism with Ray (infer/parallel, infer run/serve --data-parallel, dp_compare)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from infer.parallel import runtime
+
+
+def test_a_local_runtime_counts_the_cpus_this_process_may_run_on(monkeypatch):
+    """`infer run --data-parallel 2` in an 8-core Slurm job (or under taskset, or in a cpuset container) on a
+    64-core machine: the local Ray runtime got os.cpu_count()'s 64 CPUs, and each CPU replica 32 torch threads on
+    those 8 cores."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert runtime.local_cpus(2) == 8
+    assert runtime.local_cpus(12) == 12  # more replicas than CPUs: one CPU each, as before
+
