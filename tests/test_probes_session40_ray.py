@@ -18,3 +18,15 @@ def test_a_local_runtime_counts_the_cpus_this_process_may_run_on(monkeypatch):
     assert runtime.local_cpus(2) == 8
     assert runtime.local_cpus(12) == 12  # more replicas than CPUs: one CPU each, as before
 
+
+@pytest.mark.parametrize("argv", [["--replicas", "0"], ["--replicas", "2,"], ["--threads", "-1"]],
+                         ids=["zero-replicas", "trailing-comma", "negative-threads"])
+def test_dp_compare_refuses_a_bad_count_before_starting_ray(argv, capsys):
+    """python -m infer.bench.dp_compare --replicas 0 was a ZeroDivisionError traceback (after starting Ray), `2,` a
+    ValueError traceback and --threads -1 a ConfigError traceback about a replica of -1 CPUs."""
+    from infer.bench.dp_compare import main
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert argv[0] in err and "Traceback" not in err

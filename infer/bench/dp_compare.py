@@ -70,6 +70,24 @@ def _fail(item, reason: str) -> None:
     raise SystemExit(f"request {item.id} was rejected: {reason}")
 
 
+def _replica_counts(ap: argparse.ArgumentParser, value: str) -> list[int]:
+    """--replicas 1,2,4: each a positive whole number (0 was a ZeroDivisionError traceback, `2,` a ValueError)."""
+    try:
+        counts = [int(c) for c in value.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        ap.error(f"--replicas {value!r}: give replica counts of 1 or more, separated by commas, e.g. 1,2,4")
+    return counts
+
+
+def _threads(value: str) -> int:
+    """--threads: 0 (an even share) or more; -1 reached Ray as a replica of -1 CPUs."""
+    if not value.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of 0 or more")
+    return int(value)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny-llama")
@@ -79,8 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per CPU replica (0: an even share of the "
-                    "cores); fixed by default so that only the replica count changes")
+    ap.add_argument("--threads", type=_threads, default=1, help="torch threads per CPU replica (0: an even share of "
+                    "the cores); fixed by default so that only the replica count changes")
     ap.add_argument("--ray-address", default=None, help="join this Ray cluster instead of a local runtime")
     ap.add_argument("--no-baseline", action="store_true", help="skip the one-engine run without Ray")
     args = ap.parse_args(argv)
@@ -88,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     from ..engine.config import EngineConfig
     from ..models.loader import load_config
     from ..models.resolve import resolve_model
-    counts = [int(c) for c in args.replicas.split(",")]
+    counts = _replica_counts(ap, args.replicas)
     config = EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs, device=args.device)
     path = resolve_model(args.model)
     work = workload(load_config(path).vocab_size, args.num_prompts, args.input_len, args.output_len)
@@ -106,4 +124,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from ..errors import InferError
+    try:
+        main()
+    except InferError as e:  # a bad option or cluster (no room for the replicas, no GPU): one line, not a traceback
+        raise SystemExit(f"error: {e}") from None
