@@ -30,3 +30,18 @@ def test_dp_compare_refuses_a_bad_count_before_starting_ray(argv, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert argv[0] in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("option, says", [("--data-parallel-address", "--ray-address"),
+                                          ("--data-parallel-backend", "Ray actors"),
+                                          ("--data-parallel-size-local", "--data-parallel N"),
+                                          ("--distributed-executor-backend", "--data-parallel N")])
+def test_vllms_data_parallel_options_name_infers(option, says):
+    """A vLLM user's `--data-parallel-address HEAD` (or the Ray backend options) got click's guess or nothing, not
+    what infer takes instead."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    res = CliRunner().invoke(app, ["serve", "tiny-llama", option, "x"])
+    assert res.exit_code == 2
+    assert f"{option} is vLLM's option" in res.output and says in res.output

@@ -20,6 +20,11 @@ VLLM_HINTS = {
     "-pp": _ONE_GPU,
     "--data-parallel-size": "use --data-parallel N (infer run and infer serve): N engine replicas as Ray actors",
     "-dp": "use --data-parallel N (infer run and infer serve): N engine replicas as Ray actors",
+    "--data-parallel-backend": "infer's --data-parallel replicas are always Ray actors; drop the option",
+    "--data-parallel-address": "use --ray-address HOST:6379 (the Ray cluster's head, after `ray start --head`)",
+    "--data-parallel-size-local": "use --data-parallel N with --ray-address HOST:6379: Ray places the N replicas "
+                                  "on the cluster's nodes",
+    "--distributed-executor-backend": _ONE_GPU,
     "--trust-remote-code": "infer runs its own Llama, Mistral and Qwen code, never a checkpoint's Python; drop the "
                            "option",
     "--tokenizer": "the tokenizer is read from MODEL's folder; copy the tokenizer's files (tokenizer.json, "
