@@ -45,3 +45,15 @@ def test_vllms_data_parallel_options_name_infers(option, says):
     res = CliRunner().invoke(app, ["serve", "tiny-llama", option, "x"])
     assert res.exit_code == 2
     assert f"{option} is vLLM's option" in res.output and says in res.output
+
+
+def test_ray_address_variable_is_the_cluster_to_join(monkeypatch):
+    """`ray job submit -- infer run ... --data-parallel 4` (Ray sets RAY_ADDRESS for the job) started a runtime of
+    its own on the head node instead of joining the cluster, as ray.init() and vLLM would; a RAY_ADDRESS where
+    nothing answers is now named as such (port 1: refused at once)."""
+    pytest.importorskip("ray")
+    from infer.errors import ConfigError
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    with pytest.raises(ConfigError, match=r"127\.0\.0\.1:1 \(the RAY_ADDRESS variable"):
+        with runtime.ray_runtime(None, 2):
+            pass

@@ -32,15 +32,21 @@ def require_ray():
 
 @contextlib.contextmanager
 def ray_runtime(address: str | None, num_cpus: int):
-    """Join the cluster at `address`, or start a local runtime of `num_cpus` CPUs; leave it at the end. A runtime
-    the calling program already started (ray.init before us) is used as it is and left running."""
+    """Join the cluster at `address` (or at $RAY_ADDRESS, as ray.init reads it), or start a local runtime of
+    `num_cpus` CPUs; leave it at the end. A runtime the calling program already started (ray.init before us) is
+    used as it is and left running."""
     ray = require_ray()
     if ray.is_initialized():
         yield ray
         return
     quiet = {"log_to_driver": False, "logging_level": logging.ERROR}
+    # Ray's own variable, as ray.init() and vLLM read it: `ray job submit` sets it for the job's command, which
+    # should run on that cluster, not start a runtime of its own on the head node
+    source = ""
+    if not address and os.environ.get("RAY_ADDRESS", "").strip():
+        address, source = os.environ["RAY_ADDRESS"].strip(), " (the RAY_ADDRESS variable; unset it for a local one)"
     if address:
-        check_reachable(address)
+        check_reachable(address, source)
     try:
         if address:
             ray.init(address=address, **quiet)
@@ -48,7 +54,7 @@ def ray_runtime(address: str | None, num_cpus: int):
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
                      object_store_memory=LOCAL_OBJECT_STORE, **quiet)
     except (ConnectionError, ValueError, RuntimeError, TimeoutError) as e:
-        where = f"the Ray cluster at {address}" if address else "a local Ray runtime"
+        where = f"the Ray cluster at {address}{source}" if address else "a local Ray runtime"
         raise ConfigError(f"cannot start or join {where}: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
                           "on the head node run `ray start --head`, then pass --ray-address HOST:6379 (or "
                           "ray://HOST:10001)" if address else "check `ray status`, or pass --ray-address") from None
@@ -58,7 +64,7 @@ def ray_runtime(address: str | None, num_cpus: int):
         ray.shutdown()
 
 
-def check_reachable(address: str, timeout: float = 5.0) -> None:
+def check_reachable(address: str, source: str = "", timeout: float = 5.0) -> None:
     """Fail at once when nothing listens at HOST:PORT (or ray://HOST:PORT): ray.init retries a silent address
     for many minutes (20 tries of about 35 s) before it gives up. Other forms ("auto") are left to Ray."""
     host, sep, port = address.removeprefix("ray://").rpartition(":")
@@ -68,7 +74,7 @@ def check_reachable(address: str, timeout: float = 5.0) -> None:
     try:
         socket.create_connection((host, int(port)), timeout=timeout).close()
     except OSError as e:
-        raise ConfigError(f"cannot join the Ray cluster at {address}: nothing answers there "
+        raise ConfigError(f"cannot join the Ray cluster at {address}{source}: nothing answers there "
                           f"({e.strerror or type(e).__name__})",
                           "on the head node run `ray start --head --port 6379`, then pass --ray-address HOST:6379 "
                           "(or ray://HOST:10001 for Ray Client)") from None
