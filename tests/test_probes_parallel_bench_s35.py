@@ -310,6 +310,8 @@ def test_a_replica_that_cannot_start_is_named_with_its_host(monkeypatch):
         def cluster_resources(self):
             return {"CPU": 2}
 
+        available_resources = cluster_resources
+
         def nodes(self):
             return [{"Alive": True, "Resources": {"CPU": 2}}]
 

@@ -47,6 +47,8 @@ class _FakeRay:
     def cluster_resources(self):
         return {"CPU": 2}
 
+    available_resources = cluster_resources
+
     def nodes(self):
         return [{"Alive": True, "Resources": {"CPU": 2}}]
 

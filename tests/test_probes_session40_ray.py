@@ -57,3 +57,35 @@ def test_ray_address_variable_is_the_cluster_to_join(monkeypatch):
     with pytest.raises(ConfigError, match=r"127\.0\.0\.1:1 \(the RAY_ADDRESS variable"):
         with runtime.ray_runtime(None, 2):
             pass
+
+
+class _BusyRay:
+    """A cluster of one node with 2 CPUs and 2 GPUs, of which another job's actors hold one of each."""
+
+    def nodes(self):
+        return [{"Alive": True, "Resources": {"CPU": 2, "GPU": 2}}]
+
+    def cluster_resources(self):
+        return {"CPU": 2, "GPU": 2}
+
+    def available_resources(self):
+        return {"CPU": 1, "GPU": 1}
+
+
+def test_replicas_that_other_jobs_leave_no_room_for_are_refused_not_left_waiting(monkeypatch):
+    """`--data-parallel 2 --ray-address HEAD` on a cluster where another job holds one of its 2 CPUs (or GPUs): the
+    room was counted from the cluster's totals, so the second replica waited for a CPU for ever and the run hung
+    without a word."""
+    from types import SimpleNamespace
+
+    from infer.errors import ConfigError
+    monkeypatch.setattr(runtime, "FREE_WAIT_S", 0.0)
+    ray = _BusyRay()
+    assert runtime.cpu_threads(ray, 2) == 1
+    with pytest.raises(ConfigError, match=r"room for 1") as e:
+        runtime.check_cpu_room(ray, 2, 1)
+    assert "1 free" in e.value.message and e.value.hint == "use --data-parallel 1"
+    runtime.check_cpu_room(ray, 1, 1)  # one fits
+    with pytest.raises(ConfigError, match=r"only 1 of the Ray cluster's 2 are free"):
+        runtime.replica_device(ray, SimpleNamespace(device="cuda"), 2)
+    assert runtime.replica_device(ray, SimpleNamespace(device="auto"), 1) == "cuda"

@@ -7,6 +7,7 @@ import copy
 import logging
 import os
 import socket
+import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -107,26 +108,50 @@ def replica_device(ray, engine_config, n: int) -> str:
     if gpus < n:
         raise ConfigError(f"--data-parallel {n} needs {n} GPUs (one per replica) but the Ray cluster has {gpus}",
                           f"use --data-parallel {gpus}" if gpus else "use --device cpu for CPU replicas")
+    free = _free(ray, "GPU", n)
+    if free < n:  # the replicas past the free ones would wait for a GPU for ever: the run would hang
+        raise ConfigError(f"--data-parallel {n} needs {n} GPUs (one per replica) but only {free} of the Ray "
+                          f"cluster's {gpus} are free: other jobs or actors hold the rest",
+                          f"use --data-parallel {free}" if free else
+                          "wait for the cluster's other work to end (`ray status`)")
     return "cuda"
 
 
+FREE_WAIT_S = 10.0  # how long replicas just stopped (a run before, in this process) may take to free their CPUs
+
+
+def _free(ray, resource: str, need: int = 0) -> int:
+    """How many of `resource` no actor or task of the cluster holds (other jobs' replicas hold theirs); with `need`,
+    waits a little for that many, as the replicas of a run that just ended free theirs after they are killed."""
+    deadline = time.monotonic() + FREE_WAIT_S
+    while True:
+        free = int(ray.available_resources().get(resource, 0))
+        if free >= need or time.monotonic() > deadline:
+            return free
+        time.sleep(0.2)
+
+
 def cpu_threads(ray, n: int) -> int:
-    """Threads per CPU replica: an even share of the cluster's CPUs that still fits on one node."""
+    """Threads per CPU replica: an even share of the cluster's free CPUs that still fits on one node."""
     nodes = _alive_nodes(ray)
     per_node = max((int(node["Resources"].get("CPU", 0)) for node in nodes), default=1)
-    total = int(ray.cluster_resources().get("CPU", 1))
-    return max(1, min(per_node, total // n))
+    return max(1, min(per_node, _free(ray, "CPU", n) // n))
 
 
 def check_cpu_room(ray, n: int, threads: int) -> None:
-    """Each CPU replica holds `threads` CPUs of one node: when the cluster's nodes cannot hold `n` of them, the
-    ones left over would wait for CPUs for ever (Ray keeps such actors pending), and the run would hang."""
+    """Each CPU replica holds `threads` CPUs of one node: when the cluster's nodes cannot hold `n` of them, or the
+    CPUs other jobs hold leave too few free, the ones left over would wait for CPUs for ever (Ray keeps such actors
+    pending), and the run would hang."""
     room = sum(int(node["Resources"].get("CPU", 0)) // threads for node in _alive_nodes(ray))
+    total, free = int(ray.cluster_resources().get("CPU", 0)), _free(ray, "CPU", n * threads)
+    held = free < total and free // threads < room  # (free CPUs are counted over the cluster, not per node)
+    room = min(room, free // threads)
     if room < n:
-        total = int(ray.cluster_resources().get("CPU", 0))
         raise ConfigError(f"--data-parallel {n} needs {n} CPU replicas of {threads} CPU(s) each, but the Ray cluster "
-                          f"({total} CPUs) has room for {room}",
-                          f"use --data-parallel {room}" if room else "add CPUs to the cluster")
+                          f"({total} CPUs" + (f", {free} free: other jobs or actors hold the rest" if held else "")
+                          + f") has room for {room}",
+                          f"use --data-parallel {room}" if room else
+                          "wait for the cluster's other work to end (`ray status`), or add CPUs to the cluster")
 
 
 def replica_config(engine_config, model_path: Path, device: str, n: int, single_node: bool):
