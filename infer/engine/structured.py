@@ -223,17 +223,42 @@ _DATA = ("enum", "const", "default", "examples")  # values, not schemas
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
 
 
-def _unenforced(schema, path: str) -> str | None:
-    """The JSON pointer of the first keyword of `schema` xgrammar does not enforce, or None."""
+# the string formats xgrammar (0.2.9) writes a grammar of: with one, a string's pattern, minLength and maxLength are
+# ignored (a warning on stderr), and a pattern ignores minLength and maxLength: {"pattern": "[a-z]+", "maxLength": 3}
+# took "abcdefgh"
+_FORMATS = frozenset(("email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
+                      "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"))
+_LENGTHS = {"minLength": lambda v: v != 0, "maxLength": lambda v: True}
+
+
+def _ignored_beside(schema: dict) -> tuple[str, str] | None:
+    """(keyword, the keyword that makes xgrammar ignore it) of a string schema, or None."""
+    kind = schema.get("type", "string")
+    if "string" not in (kind if isinstance(kind, list) else [kind]):
+        return None
+    over = "format" if schema.get("format") in _FORMATS else "pattern" if "pattern" in schema else None
+    if over is None:
+        return None
+    if over == "format" and "pattern" in schema:
+        return "pattern", over
+    return next(((k, over) for k, counts in _LENGTHS.items() if k in schema and counts(schema[k])), None)
+
+
+def _unenforced(schema, path: str) -> tuple[str, str | None] | None:
+    """(the JSON pointer of the first keyword of `schema` xgrammar does not enforce, the keyword beside it that
+    makes xgrammar ignore it or None), or None."""
     if isinstance(schema, list):
         return next((found for i, sub in enumerate(schema) if (found := _unenforced(sub, f"{path}/{i}"))), None)
     if not isinstance(schema, dict):
         return None
+    ignored = _ignored_beside(schema)
+    if ignored:
+        return f"{path}/{ignored[0]}", ignored[1]
     for key, value in schema.items():
         if key in _DATA:
             continue
         if key in _UNENFORCED and _UNENFORCED[key](value):
-            return f"{path}/{key}"
+            return f"{path}/{key}", None
         subs = value.items() if key in _SCHEMA_MAPS and isinstance(value, dict) else [("", value)]
         for name, sub in subs:
             found = _unenforced(sub, f"{path}/{key}" + (f"/{name}" if name else "")) \
@@ -253,7 +278,13 @@ def _check_enforced(schema: str) -> None:
     except RecursionError:  # deeper than Python reads: xgrammar's own limits decide
         return
     if found:
+        found, beside = found
         keyword = found.rsplit("/", 1)[1]
+        if beside:
+            raise RequestError(f"structured_outputs.json uses {keyword} at {found} beside {beside}, which xgrammar "
+                               f"does not enforce together (it keeps {beside} and ignores {keyword}): a reply could "
+                               "break it", f"keep one of {keyword} and {beside} in that string's schema (and check "
+                               "the other in the reply)")
         raise RequestError(f"structured_outputs.json uses {keyword} at {found}, which xgrammar does not enforce: "
                            "a reply could break it", f"remove {keyword} from the schema (and check it in the reply)")
 
