@@ -289,6 +289,50 @@ def _check_enforced(schema: str) -> None:
                            "a reply could break it", f"remove {keyword} from the schema (and check it in the reply)")
 
 
+# formats whose grammar in xgrammar (0.2.9) takes strings the format does not: a date took any day 01-31 in any
+# month ("2023-02-31", "2023-04-31") and year 0000, an ipv4 address octets with leading zeros ("07.22.091.30",
+# which JSON Schema's test suite, Python's ipaddress and pydantic refuse); each as the pattern that holds the reply
+# to it (Feb 29 in leap years only, Python's years 0001-9999)
+_YEAR = "(000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})"
+_LEAP = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
+_DATE = (f"({_YEAR}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+         f"|02-(0[1-9]|1[0-9]|2[0-8]))|{_LEAP}-02-29)")
+_TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9][0-9]|[0-9])"
+_FORMAT_PATTERNS = {"date": f"^{_DATE}$", "date-time": f"^{_DATE}T{_TIME}$",
+                    "ipv4": f"^{_OCTET}(\\.{_OCTET}){{3}}$"}
+
+
+def _with_format_patterns(schema):
+    """`schema` with each string's format in _FORMAT_PATTERNS (and no pattern of its own) as that pattern."""
+    if isinstance(schema, list):
+        return [_with_format_patterns(sub) for sub in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _DATA:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _with_format_patterns(sub) for name, sub in value.items()}
+        else:
+            out[key] = _with_format_patterns(value)
+    if isinstance(out.get("format"), str) and out["format"] in _FORMAT_PATTERNS and "pattern" not in out:
+        out["pattern"] = _FORMAT_PATTERNS[out.pop("format")]
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _formats_fixed(schema: str) -> str:
+    """The schema (JSON text) with _with_format_patterns' patterns, or itself when it has none of those formats."""
+    if not any(f'"{name}"' in schema for name in _FORMAT_PATTERNS):
+        return schema
+    try:
+        return json.dumps(_with_format_patterns(json.loads(schema)))
+    except RecursionError:  # deeper than Python reads: xgrammar's own limits decide
+        return schema
+
+
 @functools.lru_cache(maxsize=256)
 def _json_control_fixed(schema: str, any_whitespace: bool) -> str | None:
     """The EBNF of xgrammar's grammar of `schema` with JSON's string characters in place of _RAW_CONTROL, or None
@@ -350,6 +394,7 @@ class GrammarBackend:
     @staticmethod
     def _compile_json(compiler, schema: str, any_whitespace: bool):
         """xgrammar's grammar of a JSON schema, less its one way to write raw control characters (_RAW_CONTROL)."""
+        schema = _formats_fixed(schema)
         text = _json_control_fixed(schema, any_whitespace)
         if text is None:
             return compiler.compile_json_schema(schema, any_whitespace=any_whitespace)
