@@ -111,3 +111,32 @@ def test_sampled_dates_and_addresses_validate():
     assert done
     for out in done:
         jsonschema.validate(json.loads(out.text), schema, format_checker=jsonschema.FormatChecker())
+
+
+@pytest.mark.parametrize("schema, breaking, message", [
+    ({"type": "string", "pattern": "(?=a)b"}, '"b"', r"a pattern with a lookahead \(\(\?=...\) or \(\?!...\)\) at "
+                                                      "#/pattern, which xgrammar ignores"),
+    ({"type": "object", "patternProperties": {"^(?!x)[a-z]$": {"type": "integer"}}, "additionalProperties": False},
+     '{"x": 1}', r"lookahead .* at #/patternProperties/\^\(\?!x\)\[a-z\]\$, which xgrammar ignores"),
+    ({"type": "object", "properties": {"a": {"$ref": "http://example.com/a.json"}}, "required": ["a"]},
+     '{"a": [true]}', r'a \$ref that is not a JSON pointer into the schema at #/properties/a/\$ref '
+                      r'\("http://example.com/a.json"\), which xgrammar does not resolve'),
+    ({"$ref": "#thing", "$defs": {"t": {"$anchor": "thing", "type": "integer"}}}, '"s"', r'at #/\$ref \("#thing"\)'),
+])
+def test_a_lookahead_or_a_ref_xgrammar_lets_anything_through_is_refused(llm, schema, breaking, message):
+    """xgrammar dropped a pattern's lookahead and put any JSON in place of a $ref it could not resolve (warnings on
+    stderr only): the reply could break the schema."""
+    assert _accepts(llm, schema, breaking)
+    with pytest.raises(RequestError, match=message):
+        llm.generate("hi", SamplingParams(max_new_tokens=4, structured_outputs=S(json=schema)))
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "pattern": r"^a\(?=b[(?=]c$"},  # escaped, and in a character class: no lookahead
+    {"type": "string", "pattern": "^[(?!=]+$"},
+    {"type": "array", "items": {"$ref": "#"}, "maxItems": 1},
+    {"type": "object", "properties": {"$ref": {"type": "string"}, "pattern": {"enum": ["(?=a)"]}}},
+])
+def test_patterns_without_a_lookahead_and_local_refs_still_run(llm, schema):
+    out = llm.generate("hi", SamplingParams(max_new_tokens=30, structured_outputs=S(json=schema)))[0]
+    assert out.finish_reason in ("stop", "length")

@@ -244,9 +244,27 @@ def _ignored_beside(schema: dict) -> tuple[str, str] | None:
     return next(((k, over) for k, counts in _LENGTHS.items() if k in schema and counts(schema[k])), None)
 
 
+def _lookahead(pattern: str) -> bool:
+    """Whether a regex has a lookahead, (?=...) or (?!...): xgrammar ignores one in a schema's pattern (only a
+    warning on stderr), so pattern "(?=a)b" took "b"; a regex of its own (structured_outputs.regex) is refused."""
+    i, in_class = 0, False
+    while i < len(pattern):
+        if pattern[i] == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = pattern[i] != "]"
+        elif pattern[i] == "[":  # ECMA-262's class, as JSON Schema's: "[]" is empty, a first ] ends it
+            in_class = True
+        elif pattern.startswith(("(?=", "(?!"), i):
+            return True
+        i += 1
+    return False
+
+
 def _unenforced(schema, path: str) -> tuple[str, str | None] | None:
-    """(the JSON pointer of the first keyword of `schema` xgrammar does not enforce, the keyword beside it that
-    makes xgrammar ignore it or None), or None."""
+    """(the JSON pointer of the first keyword of `schema` xgrammar does not enforce, why: the keyword beside it that
+    makes xgrammar ignore it, "lookahead", "ref " and the $ref's JSON, or None), or None."""
     if isinstance(schema, list):
         return next((found for i, sub in enumerate(schema) if (found := _unenforced(sub, f"{path}/{i}"))), None)
     if not isinstance(schema, dict):
@@ -254,6 +272,15 @@ def _unenforced(schema, path: str) -> tuple[str, str | None] | None:
     ignored = _ignored_beside(schema)
     if ignored:
         return f"{path}/{ignored[0]}", ignored[1]
+    if isinstance(schema.get("pattern"), str) and _lookahead(schema["pattern"]):
+        return f"{path}/pattern", "lookahead"
+    names = schema.get("patternProperties")
+    found = next((name for name in names if _lookahead(name)), None) if isinstance(names, dict) else None
+    if found is not None:
+        return f"{path}/patternProperties/{found}", "lookahead"
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):  # xgrammar allowed any JSON in its place
+        return f"{path}/$ref", "ref " + json.dumps(ref)
     for key, value in schema.items():
         if key in _DATA:
             continue
@@ -280,6 +307,15 @@ def _check_enforced(schema: str) -> None:
     if found:
         found, beside = found
         keyword = found.rsplit("/", 1)[1]
+        beside = beside or ""
+        if beside == "lookahead":
+            raise RequestError(f"structured_outputs.json has a pattern with a lookahead ((?=...) or (?!...)) at "
+                               f"{found}, which xgrammar ignores: a reply could break it",
+                               "write the pattern without the lookahead (and check it in the reply)")
+        if beside.startswith("ref "):
+            raise RequestError(f"structured_outputs.json has a $ref that is not a JSON pointer into the schema at "
+                               f"{found} ({beside[4:]}), which xgrammar does not resolve (any JSON would pass)",
+                               'put what it points to under $defs and refer to it as "#/$defs/NAME"')
         if beside:
             raise RequestError(f"structured_outputs.json uses {keyword} at {found} beside {beside}, which xgrammar "
                                f"does not enforce together (it keeps {beside} and ignores {keyword}): a reply could "
