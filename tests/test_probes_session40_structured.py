@@ -140,3 +140,53 @@ def test_a_lookahead_or_a_ref_xgrammar_lets_anything_through_is_refused(llm, sch
 def test_patterns_without_a_lookahead_and_local_refs_still_run(llm, schema):
     out = llm.generate("hi", SamplingParams(max_new_tokens=30, structured_outputs=S(json=schema)))[0]
     assert out.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("grammar, good, bad", [
+    ('start: "yes" | "no"', ["yes", "no"], ["maybe"]),
+    ("?start: pair ~ 2..3\npair: 'k' \"=\" DIGIT+ [\";\"]  // a comment\nDIGIT: \"0\"..\"9\"",
+     ["k=1k=22;", "k=1;k=2;k=3"], ["k=1", "k=a;k=1"]),
+    ('start: item+ -> items\nitem.2: "x"\n    | "#y"', ["x#yx"], ["z"]),
+])
+def test_a_lark_grammar_is_converted_as_vllm_does(llm, grammar, good, bad):
+    """vLLM takes a grammar without ::= as Lark's and converts it to EBNF for xgrammar; infer sent it to xgrammar as
+    it was: 'EBNF lexer error at line 1, column 6: Unexpected character: ':''."""
+    def matches(text):
+        matcher = llm.engine.grammars.matcher(S(grammar=grammar))
+        ids = llm.engine.tokenizer.encode(text, add_special_tokens=False)
+        return all(matcher.accept_token(t) for t in ids) and matcher.accept_token(llm.engine.tokenizer.eos_token_id)
+
+    assert all(matches(t) for t in good) and not any(matches(t) for t in bad)
+    out = llm.generate("hi", SamplingParams(max_new_tokens=20, temperature=1.0, seed=0,
+                                            structured_outputs=S(grammar=grammar)))[0]
+    assert out.finish_reason == "stop" and matches(out.text)
+
+
+@pytest.mark.parametrize("grammar, message", [
+    ("start: /[a-z]+/", r"read as Lark \(it has no ::=\): line 1: the regular expression /\[a-z\]\+/ is not "
+                        "supported"),
+    ('%import common.WS\n%ignore WS\nstart: "a"', "line 1: %import is not supported"),
+    ('start: "a"i', 'the case-insensitive string "a"i is not supported'),
+    ("start: value", "it refers to rules it does not define: value"),
+    ('start: "a"\n"b"', "line 2 is neither a rule"),
+])
+def test_what_the_lark_conversion_cannot_write_is_named(llm, grammar, message):
+    with pytest.raises(RequestError, match=message):
+        llm.generate("hi", SamplingParams(max_new_tokens=4, structured_outputs=S(grammar=grammar)))
+
+
+def test_the_server_takes_a_lark_guided_grammar():
+    pytest.importorskip("fastapi")
+    import httpx
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=4, block_size=4))
+    body = {"prompt": "hi", "max_tokens": 8, "temperature": 0, "guided_grammar": 'start: "yes" | "no"'}
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny-llama")) as base:
+        ok = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        bad = httpx.post(f"{base}/v1/completions", json={**body, "guided_grammar": "start: /x/"}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] in ("yes", "no"), ok.text
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_grammar", bad.text
+    assert "regular expression /x/" in bad.json()["error"]["message"]

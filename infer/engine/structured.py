@@ -204,6 +204,118 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(_ebnf_literal(c) for c in choices)
 
 
+# Lark (vLLM takes a grammar without "::=" as Lark's syntax and converts it to EBNF for xgrammar): its tokens
+_LARK_TOKEN = re.compile(r"""(?P<space>\s+)|(?P<comment>//[^\n]*|\#[^\n]*)
+    |(?P<string>"(?:[^"\\\n]|\\.)*"i?|'(?:[^'\\\n]|\\.)*'i?)|(?P<regex>/(?:[^/\\\n]|\\.)+/[imslux]*)
+    |(?P<name>[?!]?[A-Za-z_][A-Za-z0-9_]*(?:\.-?[0-9]+)?)|(?P<number>[0-9]+)|(?P<op>\.\.|->|[:|()\[\]*+?~])
+    |(?P<directive>%[a-z]+)|(?P<other>.)""", re.X)
+_LARK_HINT = ("write it in xgrammar's EBNF (root ::= ...), or in Lark with rules, terminals, strings, \"a\"..\"z\" "
+              "ranges, [optional], ( | ), ?, *, +, ~ n and ~ n..m")
+
+
+def _is_lark(grammar: str) -> bool:
+    """vLLM's test: no line (less its # or // comment) defines a rule with ::=."""
+    return not any("::=" in re.sub(r"(#|//).*$", "", line) for line in grammar.split("\n"))
+
+
+def _lark_error(message: str) -> RequestError:
+    return RequestError(f"structured_outputs.grammar is read as Lark (it has no ::=): {message}", _LARK_HINT)
+
+
+def _lark_string(token: str) -> str:
+    if token.endswith("i"):
+        raise _lark_error(f"the case-insensitive string {token} is not supported")
+    import ast
+    try:
+        return ast.literal_eval(token)
+    except (ValueError, SyntaxError):
+        raise _lark_error(f"the string {token} is not a valid string literal") from None
+
+
+def _class_char(char: str) -> str:
+    return "\\" + char if char in "\\]-^[" else json.dumps(char, ensure_ascii=False)[1:-1]
+
+
+def lark_to_ebnf(grammar: str) -> str:
+    """A Lark grammar (what vLLM's convert_lark_to_ebnf takes, and [optional], "a".."z" and ~ n..m, which it did
+    not translate) as xgrammar's EBNF; RequestError for what it cannot write (regexes, %import, %ignore)."""
+    rules: list[tuple[str, list[str]]] = []
+    for number, line in enumerate(grammar.split("\n"), 1):
+        tokens = [(m.lastgroup, m.group()) for m in _LARK_TOKEN.finditer(line)
+                  if m.lastgroup not in ("space", "comment")]
+        if not tokens:
+            continue
+        kind, text = tokens[0]
+        if kind == "directive":
+            raise _lark_error(f"line {number}: {text} is not supported ({line.strip()!r})")
+        if kind == "name" and len(tokens) > 1 and tokens[1] == ("op", ":"):
+            rules.append((text.lstrip("?!").split(".")[0], []))
+            body = tokens[2:]
+        elif (kind, text) == ("op", "|") and rules:
+            body = tokens
+        else:
+            raise _lark_error(f"line {number} is neither a rule (name: ...) nor an alternative (| ...): "
+                              f"{line.strip()!r}")
+        out = rules[-1][1]
+        i = 0
+        while i < len(body):
+            kind, text = body[i]
+            if kind == "string":
+                value = _lark_string(text)
+                if i + 2 < len(body) and body[i + 1] == ("op", "..") and body[i + 2][0] == "string":
+                    end = _lark_string(body[i + 2][1])
+                    if len(value) != 1 or len(end) != 1:
+                        raise _lark_error(f"line {number}: a range needs one character each side, got {text}.."
+                                          f"{body[i + 2][1]}")
+                    out.append(f"[{_class_char(value)}-{_class_char(end)}]")
+                    i += 3
+                    continue
+                out.append(json.dumps(value, ensure_ascii=False))
+            elif kind == "regex":
+                raise _lark_error(f"line {number}: the regular expression {text} is not supported")
+            elif kind == "name":
+                out.append(text.lstrip("?!").split(".")[0])
+            elif kind == "op" and text in "()|*+?":
+                out.append(text)
+            elif (kind, text) == ("op", "["):
+                out.append("(")
+            elif (kind, text) == ("op", "]"):
+                out.append(")?")
+            elif (kind, text) == ("op", "~") and i + 1 < len(body) and body[i + 1][0] == "number":
+                low = high = body[i + 1][1]
+                i += 2
+                if i + 1 < len(body) and body[i] == ("op", "..") and body[i + 1][0] == "number":
+                    high = body[i + 1][1]
+                    i += 2
+                out.append(f"{{{low},{high}}}")
+                continue
+            elif (kind, text) == ("op", "->") and i + 1 < len(body) and body[i + 1][0] == "name":
+                i += 2  # an alias names the tree's node: the language is the same
+                continue
+            else:
+                raise _lark_error(f"line {number}: {text!r} is not supported here ({line.strip()!r})")
+            i += 1
+    if not rules:
+        raise _lark_error("it defines no rule (name: ...)")
+    names = [name for name, _ in rules]
+    start = "start" if "start" in names else names[0]
+    if "root" in names and start != "root":
+        raise _lark_error("a rule named root that is not the start rule is not supported (root is EBNF's start)")
+    defined: dict[str, list[str]] = {}
+    for name, body in rules:
+        if name in defined:
+            raise _lark_error(f"the rule {name} is defined twice")
+        defined[name] = body
+    used = {t for body in defined.values() for t in body if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", t)}
+    missing = sorted(used - set(defined))
+    if missing:
+        raise _lark_error(f"it refers to rules it does not define: {', '.join(missing)}")
+    lines = [] if start == "root" else [f"root ::= {start}"]
+    for name, body in defined.items():
+        lines.append(f"{name} ::= {' '.join(body)}")
+    return "\n".join(lines)
+
+
 def _xgrammar():
     try:
         import xgrammar
@@ -353,7 +465,9 @@ def _with_format_patterns(schema):
             out[key] = {name: _with_format_patterns(sub) for name, sub in value.items()}
         else:
             out[key] = _with_format_patterns(value)
-    if isinstance(out.get("format"), str) and out["format"] in _FORMAT_PATTERNS and "pattern" not in out:
+    kind = out.get("type", "string")
+    if "string" in (kind if isinstance(kind, list) else [kind]) and isinstance(out.get("format"), str) \
+            and out["format"] in _FORMAT_PATTERNS and "pattern" not in out:
         out["pattern"] = _FORMAT_PATTERNS[out.pop("format")]
     return out
 
@@ -411,6 +525,7 @@ class GrammarBackend:
         compiler, kind = self.compiler(), spec.kind
         if kind == "json":
             _check_enforced(spec._text)
+        grammar = (lark_to_ebnf(spec.grammar) if _is_lark(spec.grammar) else spec.grammar) if kind == "grammar" else ""
         try:
             if kind == "json":
                 return self._compile_json(compiler, spec._text, not spec.disable_any_whitespace)
@@ -422,7 +537,7 @@ class GrammarBackend:
                 return compiler.compile_regex(spec.regex)
             if kind == "choice":
                 return compiler.compile_grammar(choice_grammar(spec.choice))
-            return compiler.compile_grammar(spec.grammar)
+            return compiler.compile_grammar(grammar)
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's errors are RuntimeErrors; its FFI's may not be
             raise RequestError(f"the structured output's {_WHAT[kind]} does not compile: {_reason(e)}",
                                "fix it, or send the request without it") from None
