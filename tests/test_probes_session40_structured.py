@@ -81,7 +81,7 @@ DATES = {"type": "object", "properties": {"d": {"type": "string", "format": "dat
     ({"type": "string", "format": "date"}, ['"2024-02-29"', '"2023-04-30"', '"0001-12-31"', '"2000-02-29"'],
      ['"2023-02-31"', '"2023-04-31"', '"2023-02-29"', '"1900-02-29"', '"0000-01-01"']),
     ({"type": "string", "format": "date-time"}, ['"2024-02-29T23:59:60.5+05:30"', '"1999-12-31T00:00:00Z"'],
-     ['"2023-11-31T10:00:00Z"', '"2023-02-29T10:00:00Z"']),
+     ['"2023-11-31T10:00:00Z"', '"2023-02-29T10:00:00Z"', '"2024-01-01T07:57:4989Z"']),
     ({"type": "string", "format": "ipv4"}, ['"10.0.0.1"', '"255.255.255.0"', '"0.0.0.0"'],
      ['"07.22.91.30"', '"1.001.181.44"', '"256.1.1.1"']),
     (DATES, ['{"d": "2024-02-29", "t": "2024-01-01T00:00:00Z", "ip": null, "e": {"format":"date"}}'],
@@ -190,3 +190,77 @@ def test_the_server_takes_a_lark_guided_grammar():
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] in ("yes", "no"), ok.text
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_grammar", bad.text
     assert "regular expression /x/" in bad.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("schema, breaking, message", [
+    ({"type": "number", "multipleOf": 0.5}, "0.3", "uses multipleOf at #/multipleOf, which xgrammar enforces only"),
+    ({"multipleOf": 2}, '"s"', "uses multipleOf at #/multipleOf"),
+    ({"type": "object", "required": ["z"]}, "{}", 'requires "z" at #/required, which is not in that schema'),
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentRequired": {"a": ["b"]}}, '{"a": 1}', "uses dependentRequired at #/dependentRequired"),
+    ({"type": "integer", "anyOf": [{"type": "integer", "minimum": 5}, {"type": "string"}]}, '"s"',
+     "uses type at #/type beside anyOf, which xgrammar ignores there"),
+    ({"$ref": "#/$defs/a", "maximum": 3, "$defs": {"a": {"type": "integer"}}}, "9",
+     r"uses maximum at #/maximum beside \$ref"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "anyOf": [{"required": ["a"]}]}, '"s"',
+     "beside anyOf"),
+])
+def test_a_keyword_xgrammar_drops_is_refused(llm, schema, breaking, message):
+    """xgrammar ignored multipleOf on a number, required names without a property schema, dependentRequired and
+    whatever constrains beside $ref, anyOf, oneOf or allOf: replies the schema rejects finished with stop."""
+    assert _accepts(llm, schema, breaking)
+    with pytest.raises(RequestError, match=message):
+        llm.generate("hi", SamplingParams(max_new_tokens=4, structured_outputs=S(json=schema)))
+
+
+def test_a_pydantic_models_schema_still_runs_and_its_replies_validate(llm):
+    pydantic = pytest.importorskip("pydantic")
+    jsonschema = pytest.importorskip("jsonschema")
+    import datetime
+    from typing import Literal, Optional, Union
+
+    class Addr(pydantic.BaseModel):
+        street: str = pydantic.Field(description="the street", max_length=8)
+        zip: Optional[str] = None
+
+    class Cat(pydantic.BaseModel):
+        kind: Literal["cat"]
+        lives: int = pydantic.Field(ge=0, le=9, multiple_of=3)
+
+    class Dog(pydantic.BaseModel):
+        kind: Literal["dog"]
+
+    class Model(pydantic.BaseModel):
+        code: str = pydantic.Field(pattern=r"^[A-Z]{3}$")
+        addr: Addr = pydantic.Field(description="home")
+        other: Optional[Addr] = None
+        pet: Union[Cat, Dog] = pydantic.Field(discriminator="kind")
+        day: datetime.date
+        when: datetime.datetime
+
+    schema = Model.model_json_schema()
+    outs = llm.generate(["hi"] * 3, [SamplingParams(max_new_tokens=200, temperature=1.0, seed=s,
+                                                    structured_outputs=S(json=schema, disable_any_whitespace=True))
+                                     for s in range(3)])
+    assert any(out.finish_reason == "stop" for out in outs)
+    for out in outs:
+        if out.finish_reason == "stop":
+            jsonschema.validate(json.loads(out.text), schema, format_checker=jsonschema.FormatChecker())
+            Model.model_validate_json(out.text)
+
+
+@pytest.mark.parametrize("schema, good, bad", [
+    ({"type": "string", "pattern": "^b(x[0-9]+)?$"}, ['"b"', '"bx5"', '"bx55"'], ['"b5"', '"b55"']),
+    ({"type": "string", "pattern": r"^[0-9]+(\.[0-9]+)?$"}, ['"12"', '"1.25"'], ['"1x2"']),
+    ({"type": "string", "pattern": "^v(-[a-z]+)??$"}, ['"v"', '"v-ab"'], ['"vab"']),
+    ({"type": "object", "patternProperties": {"^k(_[0-9]+)?$": {"type": "integer"}}, "additionalProperties": False},
+     ['{"k": 1}', '{"k_5": 1}'], ['{"k5": 1}']),
+    ({"type": "string", "pattern": r"^a\)?[)?]$"}, ['"a)?"', '"a?"'], ['"a)??"']),  # not groups: as they were
+])
+def test_an_optional_group_in_a_pattern_holds(llm, schema, good, bad):
+    """xgrammar's automaton of a schema pattern skipped an optional group wrongly when it ends in a repetition:
+    "^b(x[0-9]+)?$" took "b5" (a date-time's fraction, (\\.[0-9]+)?, took "07:57:4989Z")."""
+    for text in good:
+        assert _matches(llm, schema, text), text
+    for text in bad:
+        assert not _matches(llm, schema, text), text

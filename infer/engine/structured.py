@@ -330,7 +330,8 @@ def _xgrammar():
 _UNENFORCED = {"uniqueItems": lambda v: v is True, "contains": lambda v: True, "minContains": lambda v: True,
                "maxContains": lambda v: True, "not": lambda v: True, "then": lambda v: True,
                "else": lambda v: True,
-               "allOf": lambda v: isinstance(v, list) and len(v) > 1}
+               "allOf": lambda v: isinstance(v, list) and len(v) > 1,
+               "dependentRequired": bool, "dependentSchemas": bool, "dependencies": bool}
 _DATA = ("enum", "const", "default", "examples")  # values, not schemas
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
 
@@ -354,6 +355,14 @@ def _ignored_beside(schema: dict) -> tuple[str, str] | None:
     if over == "format" and "pattern" in schema:
         return "pattern", over
     return next(((k, over) for k, counts in _LENGTHS.items() if k in schema and counts(schema[k])), None)
+
+
+# with one of these, xgrammar (0.2.9) writes the grammar of it alone: a keyword that constrains beside it is ignored
+# ({"type": "integer", "anyOf": [..., {"type": "string"}]} took "s"; {"$ref": ..., "maximum": 3} took 9)
+_ALONE = ("$ref", "anyOf", "oneOf", "allOf")
+_ANNOTATIONS = frozenset(("title", "description", "default", "examples", "$comment", "$schema", "$id", "$anchor",
+                          "$dynamicAnchor", "deprecated", "readOnly", "writeOnly", "$defs", "definitions",
+                          "discriminator", "nullable", "format", "contentMediaType", "contentEncoding", "example"))
 
 
 def _lookahead(pattern: str) -> bool:
@@ -393,6 +402,19 @@ def _unenforced(schema, path: str) -> tuple[str, str | None] | None:
     ref = schema.get("$ref")
     if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):  # xgrammar allowed any JSON in its place
         return f"{path}/$ref", "ref " + json.dumps(ref)
+    over = next((k for k in _ALONE if k in schema), None)
+    beside = next((k for k in schema if k != over and k not in _ANNOTATIONS), None) if over else None
+    if beside is not None:
+        return f"{path}/{beside}", over
+    mult, kind = schema.get("multipleOf"), schema.get("type")
+    kinds = set(kind) - {"null"} if isinstance(kind, list) else {kind}
+    if mult is not None and (kinds != {"integer"} or not isinstance(mult, int) or isinstance(mult, bool)):
+        return f"{path}/multipleOf", "multiple"
+    required, names = schema.get("required"), schema.get("properties")
+    missing = [n for n in required if not isinstance(names, dict) or n not in names] \
+        if isinstance(required, list) else []
+    if missing:
+        return f"{path}/required", "required " + json.dumps(missing[0])
     for key, value in schema.items():
         if key in _DATA:
             continue
@@ -420,6 +442,18 @@ def _check_enforced(schema: str) -> None:
         found, beside = found
         keyword = found.rsplit("/", 1)[1]
         beside = beside or ""
+        if beside == "multiple":
+            raise RequestError(f"structured_outputs.json uses multipleOf at {found}, which xgrammar enforces only "
+                               "as a whole number on an integer schema: a reply could break it",
+                               "remove multipleOf from the schema (and check it in the reply)")
+        if beside.startswith("required "):
+            raise RequestError(f"structured_outputs.json requires {beside[9:]} at {found}, which is not in that "
+                               "schema's properties: xgrammar does not enforce such a name",
+                               "give each required name a schema under the same properties")
+        if beside in _ALONE:
+            raise RequestError(f"structured_outputs.json uses {keyword} at {found} beside {beside}, which xgrammar "
+                               f"ignores there (it writes {beside} alone): a reply could break it",
+                               f"move {keyword} into the schemas of {beside} (or drop it and check it in the reply)")
         if beside == "lookahead":
             raise RequestError(f"structured_outputs.json has a pattern with a lookahead ((?=...) or (?!...)) at "
                                f"{found}, which xgrammar ignores: a reply could break it",
@@ -445,26 +479,55 @@ _YEAR = "(000[1-9]|00[1-9][0-9]|0[1-9][0-9]{2}|[1-9][0-9]{3})"
 _LEAP = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
 _DATE = (f"({_YEAR}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
          f"|02-(0[1-9]|1[0-9]|2[0-8]))|{_LEAP}-02-29)")
-_TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\.[0-9]+)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_TIME = r"([01][0-9]|2[0-3]):[0-5][0-9]:([0-5][0-9]|60)(\.[0-9]+){0,1}(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
 _OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9][0-9]|[0-9])"
 _FORMAT_PATTERNS = {"date": f"^{_DATE}$", "date-time": f"^{_DATE}T{_TIME}$",
                     "ipv4": f"^{_OCTET}(\\.{_OCTET}){{3}}$"}
 
 
-def _with_format_patterns(schema):
-    """`schema` with each string's format in _FORMAT_PATTERNS (and no pattern of its own) as that pattern."""
+def _optional_groups_fixed(pattern: str) -> str:
+    """`pattern` with each optional group, (...)?, written (...){0,1}. xgrammar (0.2.9) builds a schema pattern's
+    automaton with a wrong skip for an optional group that ends in a repetition: "^b(x[0-9]+)?$" took "b5" and
+    "^[0-9]+(\\.[0-9]+)?$" took "12" as "1" and "2" without the dot; {0,1} is built right (its regex kind is too)."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = char != "]"
+        elif char == "[":  # ECMA-262's class, as JSON Schema's: "[]" is empty, a first ] ends it
+            in_class = True
+        elif char == ")" and pattern.startswith("?", i + 1):
+            out.append("){0,1}")
+            i += 3 if pattern.startswith("??", i + 1) else 2  # lazy or not: the same strings
+            continue
+        out.append(char)
+        i += 1
+    return "".join(out)
+
+
+def _for_xgrammar(schema):
+    """`schema` with each string's format in _FORMAT_PATTERNS (and no pattern of its own) as that pattern, and its
+    patterns' optional groups as xgrammar builds them right (_optional_groups_fixed)."""
     if isinstance(schema, list):
-        return [_with_format_patterns(sub) for sub in schema]
+        return [_for_xgrammar(sub) for sub in schema]
     if not isinstance(schema, dict):
         return schema
     out = {}
     for key, value in schema.items():
         if key in _DATA:
             out[key] = value
+        elif key == "patternProperties" and isinstance(value, dict):
+            out[key] = {_optional_groups_fixed(name): _for_xgrammar(sub) for name, sub in value.items()}
         elif key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: _with_format_patterns(sub) for name, sub in value.items()}
+            out[key] = {name: _for_xgrammar(sub) for name, sub in value.items()}
+        elif key == "pattern" and isinstance(value, str):
+            out[key] = _optional_groups_fixed(value)
         else:
-            out[key] = _with_format_patterns(value)
+            out[key] = _for_xgrammar(value)
     kind = out.get("type", "string")
     if "string" in (kind if isinstance(kind, list) else [kind]) and isinstance(out.get("format"), str) \
             and out["format"] in _FORMAT_PATTERNS and "pattern" not in out:
@@ -473,12 +536,12 @@ def _with_format_patterns(schema):
 
 
 @functools.lru_cache(maxsize=256)
-def _formats_fixed(schema: str) -> str:
-    """The schema (JSON text) with _with_format_patterns' patterns, or itself when it has none of those formats."""
-    if not any(f'"{name}"' in schema for name in _FORMAT_PATTERNS):
+def _for_xgrammar_text(schema: str) -> str:
+    """The schema (JSON text) as _for_xgrammar writes it, or itself when it has no pattern or such format."""
+    if '"pattern' not in schema and not any(f'"{name}"' in schema for name in _FORMAT_PATTERNS):
         return schema
     try:
-        return json.dumps(_with_format_patterns(json.loads(schema)))
+        return json.dumps(_for_xgrammar(json.loads(schema)))
     except RecursionError:  # deeper than Python reads: xgrammar's own limits decide
         return schema
 
@@ -545,7 +608,7 @@ class GrammarBackend:
     @staticmethod
     def _compile_json(compiler, schema: str, any_whitespace: bool):
         """xgrammar's grammar of a JSON schema, less its one way to write raw control characters (_RAW_CONTROL)."""
-        schema = _formats_fixed(schema)
+        schema = _for_xgrammar_text(schema)
         text = _json_control_fixed(schema, any_whitespace)
         if text is None:
             return compiler.compile_json_schema(schema, any_whitespace=any_whitespace)
