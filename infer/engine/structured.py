@@ -15,6 +15,7 @@ completed, before its sampling is queued (`SamplingInputs.late`, LLMEngine.step)
 
 from __future__ import annotations
 
+import ast
 import collections
 import functools
 import json
@@ -225,7 +226,6 @@ def _lark_error(message: str) -> RequestError:
 def _lark_string(token: str) -> str:
     if token.endswith("i"):
         raise _lark_error(f"the case-insensitive string {token} is not supported")
-    import ast
     try:
         return ast.literal_eval(token)
     except (ValueError, SyntaxError):
