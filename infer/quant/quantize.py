@@ -220,9 +220,22 @@ def _check_source(src: Path, group_size: int, bits: int = 4) -> dict:
                           "quantize the float model it came from")
     if is_gptq(src):
         raise ConfigError(f"{src} is already a GPTQ checkpoint", "quantize the float model it came from")
-    _check_widths(config, group_size, bits)
+    _check_widths(_with_head_dim(src, config), group_size, bits)
     _check_weights(src)
     return config
+
+
+def _with_head_dim(src: Path, config: dict) -> dict:
+    """`config` with the head_dim transformers' config class gives a config.json that leaves it out (Qwen3's is 128,
+    not hidden_size / heads), as infer's models read it (models.shapes); `config` itself where that cannot be read."""
+    if config.get("head_dim"):
+        return config
+    from transformers import AutoConfig
+    try:
+        head_dim = getattr(AutoConfig.from_pretrained(src), "head_dim", None)
+    except Exception:  # an unknown model_type, ...: refused later, with its own words
+        return config
+    return {**config, "head_dim": head_dim} if isinstance(head_dim, int) and head_dim > 0 else config
 
 
 def _widths(config: dict) -> tuple[dict[str, int], dict[str, int]]:
