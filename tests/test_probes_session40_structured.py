@@ -264,3 +264,20 @@ def test_an_optional_group_in_a_pattern_holds(llm, schema, good, bad):
         assert _matches(llm, schema, text), text
     for text in bad:
         assert not _matches(llm, schema, text), text
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "oneOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                                 {"type": "object", "properties": {"b": {"type": "boolean"}}, "required": ["b"]}]},
+    {"type": "number", "anyOf": [{"type": "integer", "minimum": 3}, {"type": "number", "maximum": -1}]},
+    {"type": ["string", "null"], "anyOf": [{"type": "string", "maxLength": 3}, {"type": "null"}]},
+])
+def test_a_type_beside_anyof_that_every_branch_keeps_runs(llm, schema):
+    """A `type` beside oneOf/anyOf that each branch's own type is within (OpenAPI writes {"type": "object",
+    "oneOf": [objects]}) loses nothing when xgrammar writes the branches alone: not refused, and replies validate."""
+    jsonschema = pytest.importorskip("jsonschema")
+    outs = llm.generate(["hi", "a b", "x"], SamplingParams(max_new_tokens=24, temperature=1.0, seed=3,
+                                                            structured_outputs=S(json=schema)))
+    for o in outs:
+        if o.outputs[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(o.outputs[0].text), schema)

@@ -383,6 +383,23 @@ def _lookahead(pattern: str) -> bool:
     return False
 
 
+def _types(schema) -> set | None:
+    """The JSON types a schema's `type` names (None where it names none); a number's include integer."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    kinds = set(kind) if isinstance(kind, list) else {kind} if isinstance(kind, str) else None
+    return None if kinds is None else kinds | ({"integer"} if "number" in kinds else set())
+
+
+def _type_holds(schema: dict, over: str) -> bool:
+    """Whether a `type` beside anyOf/oneOf/allOf says nothing the branches do not: each branch's own type is within
+    it ({"type": "object", "oneOf": [{"type": "object", ...}, ...]}, as OpenAPI writes), so xgrammar writing the
+    branches alone loses nothing."""
+    outer, branches = _types(schema), schema.get(over)
+    if outer is None or over == "$ref" or not isinstance(branches, list) or not branches:
+        return False
+    return all((inner := _types(b)) is not None and inner <= outer for b in branches)
+
+
 def _unenforced(schema, path: str) -> tuple[str, str | None] | None:
     """(the JSON pointer of the first keyword of `schema` xgrammar does not enforce, why: the keyword beside it that
     makes xgrammar ignore it, "lookahead", "ref " and the $ref's JSON, or None), or None."""
@@ -403,7 +420,8 @@ def _unenforced(schema, path: str) -> tuple[str, str | None] | None:
     if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):  # xgrammar allowed any JSON in its place
         return f"{path}/$ref", "ref " + json.dumps(ref)
     over = next((k for k in _ALONE if k in schema), None)
-    beside = next((k for k in schema if k != over and k not in _ANNOTATIONS), None) if over else None
+    beside = next((k for k in schema if k != over and k not in _ANNOTATIONS
+                   and not (k == "type" and _type_holds(schema, over))), None) if over else None
     if beside is not None:
         return f"{path}/{beside}", over
     mult, kind = schema.get("multipleOf"), schema.get("type")
