@@ -144,7 +144,10 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     model, model_config = load_model(path, dtype, device, max_positions=model_max_len(model_config, engine_config))
     resident = resident_bytes(device) - before
     lora_manager, largest = _lora_manager(model, engine_config, device, dtype)
-    budget = budget_bytes(engine_config, device, resident)
+    weights = weights_bytes(model)
+    # the budget as an engine start reads it (memory.plan.make_plan): by default on a CPU, half the free RAM plus
+    # the weights it holds, not the resident growth, which holds whatever the load also allocated
+    budget = budget_bytes(engine_config, device, weights)
     tuning_s = compile_s = use_pdl = byte_fields = loads_ahead = gather = None
     if device.type == "cuda":  # what an engine start adds on this GPU: tuning the int4 matmul for shapes not in a
         from ..kernels import gptq_gemm, pdl  # table, then compiling the kernels it will launch (with PDL where
@@ -166,7 +169,6 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     rank = engine_config.max_lora_rank if lora_manager is not None else 0
     int4_layer = int4_layer_bytes(model, dtype)  # (0 on CPU)
     act = _formula(engine_config, model_config, dtype, concurrency, max_length, rank, int4_layer=int4_layer)
-    weights = weights_bytes(model)
     lora = lora_manager.device_bytes() if lora_manager is not None else 0
     kv_only = make_plan(engine_config, model_config, dtype, device, weights, 0, max_length, concurrency, limit,
                         lora, budget=budget)

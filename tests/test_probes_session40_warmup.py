@@ -1,0 +1,24 @@
+"""Probes of the fortieth session: `infer warmup`'s figures against what an engine start with the same options
+allocates (its budget, the weights an estimate counts), its defaults and the vLLM spellings of its memory options."""
+
+from __future__ import annotations
+
+from infer.cli.warmup_plan import measured_plan
+from infer.engine.config import EngineConfig
+from infer.engine.setup import load_engine_parts
+
+
+def test_the_default_cpu_budget_is_the_one_an_engine_start_reads(monkeypatch):
+    """Without --memory-limit a CPU's budget is half the free RAM plus the weights. An engine start adds the
+    weights it holds; warmup added the growth of the resident memory over the load, which also held the ~100 MB of
+    torch modules a first model build imports: it planned with a budget the engine never had (more KV blocks)."""
+    from infer.memory import meter, plan as memory_plan
+    monkeypatch.setattr(memory_plan, "available_cpu_memory", lambda: 64 << 20)
+    grown = iter(range(0, 1 << 40, 100 << 20))  # each reading 100 MB above the one before
+    monkeypatch.setattr(meter, "resident_bytes", lambda device: next(grown))
+    kw = dict(model="tiny-llama", max_num_seqs=2, max_model_len=256)
+    plan, extra = measured_plan(EngineConfig(**kw), 256, 2)
+    engine = load_engine_parts(EngineConfig(**kw)).memory_plan
+    assert extra["weights_resident_bytes"] == 100 << 20
+    assert plan.budget_bytes == engine.budget_bytes == (32 << 20) + engine.weights_bytes
+
