@@ -22,3 +22,18 @@ def test_the_default_cpu_budget_is_the_one_an_engine_start_reads(monkeypatch):
     assert extra["weights_resident_bytes"] == 100 << 20
     assert plan.budget_bytes == engine.budget_bytes == (32 << 20) + engine.weights_bytes
 
+
+def test_the_resident_weights_figure_holds_no_library_code():
+    """`weights_resident_bytes` (--json) was ~100 MB for a 1 MB model in a fresh process: building a model on the
+    meta device imports torch._dynamo at its first init, after warmup had warmed the math libraries."""
+    import json
+    import os
+    import subprocess
+    import sys
+    code = ("import json\nfrom infer.cli.warmup_plan import measured_plan\n"
+            "from infer.engine.config import EngineConfig\n"
+            "cfg = EngineConfig(model='tiny-llama', max_num_seqs=1, max_model_len=64, memory_limit='64MB')\n"
+            "p, x = measured_plan(cfg, 64, 1)\nprint(json.dumps([x['weights_resident_bytes'], p.weights_bytes]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ, timeout=120)
+    resident, weights = json.loads(out.stdout.strip().splitlines()[-1])
+    assert resident < weights + (30 << 20)

@@ -253,3 +253,5 @@ def _warm_libraries(dtype: torch.dtype, device: torch.device) -> None:
     x = torch.randn(4, 64, dtype=dtype, device=device)
     cpu_gemm.linear(x, w, None, cpu_gemm.prepack(w))
     torch.nn.functional.scaled_dot_product_attention(x[None, None], x[None, None], x[None, None], is_causal=True)
+    # a model is built on the meta device (models.llama): the first meta init imports torch._dynamo (~100 MB)
+    torch.nn.Embedding(2, 2, device="meta")
