@@ -37,3 +37,28 @@ def test_the_resident_weights_figure_holds_no_library_code():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ, timeout=120)
     resident, weights = json.loads(out.stdout.strip().splitlines()[-1])
     assert resident < weights + (30 << 20)
+
+
+def test_without_max_length_a_model_of_a_shorter_context_is_warmed_up_at_its_context(tmp_path):
+    """`infer warmup MODEL` of a model of 2,048 positions died with "--max-length 4096 is above the model's context
+    of 2048", an option the user had not given (its default); the engine's own default is the model's context. The
+    default is now 4,096 or the model's context where that is shorter; a --max-length given is still checked."""
+    import json
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from infer.models.resolve import resolve_model
+    model = tmp_path / "short"
+    shutil.copytree(resolve_model("tiny-llama"), model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    args = ["warmup", str(model), "--estimate", "--concurrency", "2", "--memory-limit", "30MB", "--json"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["max_length"] == 2048
+    res = CliRunner().invoke(app, ["warmup", "tiny-llama", *args[2:]])
+    assert res.exit_code == 0 and json.loads(res.stdout)["max_length"] == 4096
+    res = CliRunner().invoke(app, [*args, "--max-length", "2049"])
+    assert res.exit_code != 0 and "--max-length 2049 is above the model's context of 2048" in res.output

@@ -15,9 +15,10 @@ from . import options as o
 @o.engine_options(exclude=("max_num_seqs", "max_model_len", "chat_template"))
 def warmup(
     model: o.Model,
-    max_length: Annotated[int, typer.Option("--max-length", "--max-model-len", min=2,
-                                            help="Longest request (prompt + output) to prove; the engine's "
-                                                 "--max-model-len.")] = 4096,
+    max_length: Annotated[int | None, typer.Option("--max-length", "--max-model-len", min=2, show_default=False,
+                                                   help="Longest request (prompt + output) to prove; the engine's "
+                                                        "--max-model-len (default: 4096, or the model's context "
+                                                        "where that is shorter).")] = None,
     concurrency: Annotated[int, typer.Option("--concurrency", "--max-num-seqs", min=1, max=65536,
                                              help="Sequences of max_length that must fit at once; the engine's "
                                                   "--max-num-seqs.")] = 16,
@@ -32,8 +33,10 @@ def warmup(
 
     Example: infer warmup ./Qwen1.5-14B-Chat-GPTQ-Int4 --max-length 4096 --concurrency 16
     """
+    from .warmup_plan import default_length, estimate_plan, measured_plan
+    if max_length is None:  # a model of a shorter context was refused for a --max-length it was not given
+        max_length = default_length(engine)
     engine_config = replace(engine, max_num_seqs=concurrency, max_model_len=max_length)
-    from .warmup_plan import estimate_plan, measured_plan
     plan, extra = (estimate_plan if estimate else measured_plan)(engine_config, max_length, concurrency)
     if as_json:
         typer.echo(json.dumps({**plan.to_dict(), **extra}))

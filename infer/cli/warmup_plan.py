@@ -27,6 +27,17 @@ def _model_parts(engine_config: EngineConfig):
     return path, model_config, device, engine_config.torch_dtype(checkpoint_dtype(model_config))
 
 
+DEFAULT_LENGTH = 4096  # warmup's --max-length when none is given, where the model's context is no shorter
+
+
+def default_length(engine_config: EngineConfig) -> int:
+    """--max-length when none is given: DEFAULT_LENGTH, or the model's context where that is shorter."""
+    from ..models.loader import load_config
+    from ..models.resolve import resolve_model
+    model_config = load_config(resolve_model(engine_config.model))
+    return min(DEFAULT_LENGTH, context_limit(model_config)[0])
+
+
 def _check_length(model_config, engine_config: EngineConfig, max_length: int) -> int:
     """The model's context limit, which `max_length` must not pass."""
     limit = model_max_len(model_config, EngineConfig(model=engine_config.model, device=engine_config.device))
