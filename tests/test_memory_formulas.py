@@ -127,6 +127,7 @@ def test_int4_checkpoint_weights_count_scales_zeros_and_g_idx(tmp_path):
     q, kv = _widths(cfg)
     shapes = [(h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h)]
     int4 = n * sum(_gptq_linear_bytes(k, m, 4, 32) for k, m in shapes)
+    int4 -= n * 3 * h * 4  # one g_idx per merged layer: k, v share q's, up shares gate's
     floats = cfg.vocab_size * h + n * 2 * h + h + (0 if cfg.tie_word_embeddings else cfg.vocab_size * h)
     files = sorted(out.glob("*.safetensors"))
     for dtype in (torch.float16, torch.float32):
@@ -264,4 +265,5 @@ def test_estimate_reads_bin_shapes_and_the_loaders_bits(tmp_path):
     assert st > (tmp_path / "pytorch_model.bin").stat().st_size
     dequantized = 16 * 8 * 64 * 4  # the 4-bit reading: 8 values per int32 word, float32
     eight = checkpoint_weights_bytes([tmp_path / "model.safetensors"], cfg, f32, cpu, bits=8)
-    assert st - eight in (dequantized // 2, dequantized)  # half the values (and half the prepacked copy, if any)
+    g_idx = (16 * 8 - 16 * 4) * 4  # the layer's g_idx (int32 per input), of half the inputs at 8 bits
+    assert st - eight - g_idx in (dequantized // 2, dequantized)  # half the values (and the prepacked copy's half)

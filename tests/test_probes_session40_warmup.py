@@ -62,3 +62,47 @@ def test_without_max_length_a_model_of_a_shorter_context_is_warmed_up_at_its_con
     assert res.exit_code == 0 and json.loads(res.stdout)["max_length"] == 4096
     res = CliRunner().invoke(app, [*args, "--max-length", "2049"])
     assert res.exit_code != 0 and "--max-length 2049 is above the model's context of 2048" in res.output
+
+
+def test_estimate_counts_one_g_idx_per_merged_gptq_layer_as_the_engine_holds(tmp_path):
+    """`--estimate` counted a g_idx per checkpoint shard (q, k, v, gate, up: five) where the engine's merged layers
+    hold one each (two), and none for a checkpoint that has no g_idx, whose layers the engine gives one; estimate
+    and measured weights now agree to the byte. On CUDA an act-order layer also holds the int64 permutation of its
+    inputs."""
+    import sys
+    from pathlib import Path
+
+    import pytest
+    import torch
+    from safetensors.torch import load_file, save_file
+    from typer.testing import CliRunner
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from quant_helpers import has_gptqmodel
+
+    from infer.cli.main import app
+    from infer.cli.warmup_plan import estimate_plan
+    from infer.memory.checkpoint import checkpoint_weights_bytes
+    from infer.models.loader import load_config, weight_files
+    if not has_gptqmodel():
+        pytest.skip("needs the quantize extra (gptqmodel)")
+    out = tmp_path / "q"
+    res = CliRunner().invoke(app, ["quantize", "tiny-llama", "-o", str(out), "--group-size", "32",
+                                   "--num-samples", "4", "--seq-len", "32"])
+    assert res.exit_code == 0, res.output
+
+    def weights(mode):
+        cfg = EngineConfig(model=str(out), device="cpu", max_num_seqs=1, max_model_len=64, memory_limit="64MB")
+        return (estimate_plan if mode == "estimate" else measured_plan)(cfg, 64, 1)[0].weights_bytes
+    assert weights("estimate") == weights("measured")
+    files = weight_files(out)
+    cfg = load_config(out)
+    h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    q = cfg.num_attention_heads * cfg.head_dim
+    inputs = layers * (h + q + h + inter)  # qkv, o_proj, gate_up, down_proj
+    cuda = torch.device("cuda")
+    assert checkpoint_weights_bytes(files, cfg, torch.float16, cuda, 4, act_order=True) \
+        - checkpoint_weights_bytes(files, cfg, torch.float16, cuda, 4) == 8 * inputs
+    for f in files:  # an export without g_idx: the engine's layers make their own
+        save_file({k: v for k, v in load_file(f).items() if not k.endswith(".g_idx")}, f, metadata={"format": "pt"})
+    assert weights("estimate") == weights("measured")

@@ -59,17 +59,20 @@ def _bin_header(path: Path) -> dict | None:
 
 
 def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype, device: torch.device,
-                             bits: int | None = None) -> int:
+                             bits: int | None = None, act_order: bool = False) -> int:
     """Bytes of the weights once loaded: float tensors in `dtype`, integer (GPTQ) tensors as stored, plus the
     CPU matmul copies the engine prepacks (float linear layers and the output head); on a CPU a GPTQ layer also
-    holds its dequantized float weight (and its prepacked copy). `bits`: the GPTQ config's (as the loader reads
-    it, quantize_config.json too); else config.json's, else 4."""
+    holds its dequantized float weight (and its prepacked copy). A merged GPTQ layer (q/k/v, gate/up) holds one
+    int32 g_idx, whether the checkpoint has one per shard or none (quant.gptq_linear), and on CUDA with act-order
+    (`act_order`: the GPTQ config's desc_act) the int64 permutation of its inputs. `bits`: the GPTQ config's (as the
+    loader reads it, quantize_config.json too); else config.json's, else 4."""
     elem = torch.finfo(dtype).bits // 8
     prepacks = device.type == "cpu" and cpu_gemm.available(torch.empty(0, dtype=dtype))
     if bits is None:
         qc = getattr(model_config, "quantization_config", None)
         bits = int((qc if isinstance(qc, dict) else vars(qc) if qc is not None else {}).get("bits", 4) or 4)
     total = 0
+    gptq_inputs: dict[str, int] = {}  # merged GPTQ layer -> its input width
     for f in files:
         header = safetensors_header(f) if f.suffix == ".safetensors" else _bin_header(f)
         if header is None:
@@ -83,6 +86,10 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
             size = numel * (elem if is_float else _ST_BYTES.get(info["dtype"], 4))
             if name == "lm_head.weight" and getattr(model_config, "tie_word_embeddings", False):
                 continue
+            if name.endswith(".g_idx"):  # one per merged layer, counted below
+                continue
+            if name.endswith(".qweight") and len(info["shape"]) == 2:
+                gptq_inputs[_merged_key(name)] = info["shape"][0] * (32 // bits)
             total += size
             if device.type == "cpu" and name.endswith(".qweight"):  # the CPU path dequantizes each GPTQ layer
                 total += numel * (32 // bits) * elem * (2 if prepacks else 1)  # once at load (and prepacks it)
@@ -90,11 +97,18 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
                 total += size
             if prepacks and name == "model.embed_tokens.weight" and getattr(model_config, "tie_word_embeddings", False):
                 total += size
-    return total
+    per_input = 4 + (8 if act_order and device.type == "cuda" else 0)  # g_idx (int32), act_perm (int64)
+    return total + sum(gptq_inputs.values()) * per_input
 
 
 # the engine's merged layers (models.layers.MergedLinear): q, k, v and gate, up are one GPTQ layer each
 _MERGED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+
+
+def _merged_key(qweight_name: str) -> str:
+    """The engine's layer a GPTQ tensor `PREFIX.MODULE.qweight` loads into (q/k/v and gate/up merged)."""
+    prefix, _, module = qweight_name[: -len(".qweight")].rpartition(".")
+    return f"{prefix}.{_MERGED.get(module, module)}"
 
 
 def checkpoint_int4_layer_elements(files: list[Path], bits: int) -> int:
@@ -106,8 +120,7 @@ def checkpoint_int4_layer_elements(files: list[Path], bits: int) -> int:
         for name, info in tensors.items():
             if not name.endswith(".qweight"):
                 continue
-            prefix, _, module = name[: -len(".qweight")].rpartition(".")
-            key = f"{prefix}.{_MERGED.get(module, module)}"
+            key = _merged_key(name)
             numel = 1
             for d in info["shape"]:
                 numel *= d
