@@ -106,3 +106,15 @@ def test_estimate_counts_one_g_idx_per_merged_gptq_layer_as_the_engine_holds(tmp
     for f in files:  # an export without g_idx: the engine's layers make their own
         save_file({k: v for k, v in load_file(f).items() if not k.endswith(".g_idx")}, f, metadata={"format": "pt"})
     assert weights("estimate") == weights("measured")
+
+
+def test_vllms_kv_cache_sizing_options_say_what_sizes_infers_cache():
+    """vLLM's --num-gpu-blocks-override, --kv-cache-memory-bytes and --cpu-offload-gb, typed at `infer warmup` (or
+    serve), were "No such option" with only "see --help"; they now say what sizes infer's KV cache instead."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    for option, word in (("--num-gpu-blocks-override", "num_kv_blocks"), ("--kv-cache-memory-bytes", "budget"),
+                         ("--cpu-offload-gb", "int4")):
+        res = CliRunner().invoke(app, ["warmup", "tiny-llama", "--estimate", option, "100"])
+        assert res.exit_code == 2 and f"{option} is vLLM's option" in res.output and word in res.output, res.output

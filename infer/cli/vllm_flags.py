@@ -51,6 +51,13 @@ VLLM_HINTS = {
                                 "beside the decodes; drop the option",
     "--no-enable-chunked-prefill": "infer always splits long prefills into steps of --max-num-batched-tokens "
                                    "tokens; raise --max-num-batched-tokens for fewer, larger steps",
+    "--num-gpu-blocks-override": "infer sizes the KV cache from the memory budget (--gpu-memory-utilization, or "
+                                 "--memory-limit on a CPU); `infer warmup` prints the blocks a budget gives (the "
+                                 "Python API takes num_kv_blocks=N)",
+    "--kv-cache-memory-bytes": "the KV cache gets what the memory budget (--gpu-memory-utilization, or --memory-limit "
+                               "on a CPU) leaves after the weights and activations; `infer warmup` prints its bytes "
+                               "and blocks",
+    "--cpu-offload-gb": "infer holds every weight on the device; run an int4 model (infer quantize) or a smaller one",
     "--swap-space": "infer preempts a sequence by recomputing it, not by swapping its KV to the CPU; drop the option",
     "--disable-log-stats": "infer serve logs no periodic stats (GET /metrics has them); drop the option",
     "--disable-uvicorn-access-log": "infer serve's access log is off unless --log-level is info or debug; drop the "
