@@ -118,3 +118,25 @@ def test_vllms_kv_cache_sizing_options_say_what_sizes_infers_cache():
                          ("--cpu-offload-gb", "int4")):
         res = CliRunner().invoke(app, ["warmup", "tiny-llama", "--estimate", option, "100"])
         assert res.exit_code == 2 and f"{option} is vLLM's option" in res.output and word in res.output, res.output
+
+
+def test_adapter_slots_past_the_budget_are_a_plan_that_does_not_fit_not_an_allocation(monkeypatch):
+    """An engine start refuses --max-loras x --max-lora-rank slots that pass the budget before it allocates them;
+    warmup (measured) allocated them first, which on a GPU they exceed is the allocator's OutOfMemoryError (a
+    traceback), on a CPU the machine's memory filling. It now answers "does not fit" naming the slots, as
+    --estimate does, without allocating them."""
+    import torch
+
+    from infer.lora import manager
+
+    def no_room(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 128.00 MiB")
+    monkeypatch.setattr(manager.LoRAManager, "__init__", no_room)
+    kw = dict(model="tiny-llama", max_num_seqs=2, max_model_len=256, memory_limit="20MB", enable_lora=True,
+              max_loras=64, max_lora_rank=256)
+    plan, extra = measured_plan(EngineConfig(**kw), 256, 2)
+    from infer.cli.warmup import advice
+    from infer.cli.warmup_plan import estimate_plan
+    est, _ = estimate_plan(EngineConfig(**kw), 256, 2)
+    assert not plan.fits and plan.kv_blocks == 0 and plan.lora_bytes == est.lora_bytes > plan.budget_bytes
+    assert "--max-loras" in advice(plan) and extra["worst_case_run"] is False

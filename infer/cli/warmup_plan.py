@@ -143,6 +143,35 @@ def _lora_manager(model, engine_config: EngineConfig, device, dtype):
     return manager, max(engine_config.loras, key=manager.rank_of, default=None)
 
 
+def _slots_past_budget(model, model_config, engine_config: EngineConfig, device, dtype) -> int:
+    """The bytes of the adapter slots (--max-loras x --max-lora-rank) when they and the weights pass the budget,
+    else 0 (no slots, or they fit)."""
+    from ..memory.plan import lora_rank
+    rank = lora_rank(engine_config)
+    if not rank:
+        return 0
+    slots = lora_slot_bytes(model_config, engine_config.max_loras, rank, dtype)
+    weights = weights_bytes(model)
+    return slots if weights + slots > budget_bytes(engine_config, device, weights) else 0
+
+
+def _slots_plan(model, model_config, engine_config: EngineConfig, device, dtype, max_length: int, concurrency: int,
+                limit: int, slots: int, extra: dict) -> tuple[MemoryPlan, dict]:
+    """The plan (which does not fit) of slots that pass the budget, without allocating them: the adapters checked
+    as an engine start checks them, the activations by the formula."""
+    from ..lora.adapter import load_adapter
+    for name, adapter in engine_config.loras.items():
+        load_adapter(name, Path(adapter).expanduser(), model_config, engine_config.max_lora_rank, dtype)
+    rank = engine_config.max_lora_rank
+    int4_layer = int4_layer_bytes(model, dtype)
+    act = _formula(engine_config, model_config, dtype, concurrency, max_length, rank, int4_layer=int4_layer)
+    weights = weights_bytes(model)
+    plan = make_plan(engine_config, model_config, dtype, device, weights, act, max_length, concurrency, limit, slots,
+                     budget=budget_bytes(engine_config, device, weights))
+    return _finish(plan, {**extra, "activation_estimate_bytes": act}, engine_config, model_config, dtype, device, rank,
+                   int4_layer=int4_layer)
+
+
 def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int) -> tuple[MemoryPlan, dict]:
     from ..memory.meter import fixed_mmap_threshold, resident_bytes
     from ..models.loader import load_model
@@ -155,6 +184,14 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     # the rope table an engine of this config holds (engine.setup.load_engine_parts)
     model, model_config = load_model(path, dtype, device, max_positions=model_max_len(model_config, engine_config))
     resident = resident_bytes(device) - before
+    slots = _slots_past_budget(model, model_config, engine_config, device, dtype)
+    if slots:  # as an engine start refuses them before it allocates them (memory.plan.check_lora_slots): allocated,
+        # they were the allocator's error (or on a CPU the machine's memory filling) instead of "does not fit"
+        return _slots_plan(model, model_config, engine_config, device, dtype, max_length, concurrency, limit, slots,
+                           {"model": str(path), "dtype": str(dtype).replace("torch.", ""), "estimate": False,
+                            "weights_resident_bytes": resident, "lora_adapter": None, "kernel_tuning_s": None,
+                            "kernel_compile_s": None, "pdl": None, "int4_byte_fields": None,
+                            "int4_loads_ahead": None, "lora_expand_gather": None, "worst_case_run": False})
     lora_manager, largest = _lora_manager(model, engine_config, device, dtype)
     weights = weights_bytes(model)
     # the budget as an engine start reads it (memory.plan.make_plan): by default on a CPU, half the free RAM plus
