@@ -140,3 +140,16 @@ def test_adapter_slots_past_the_budget_are_a_plan_that_does_not_fit_not_an_alloc
     est, _ = estimate_plan(EngineConfig(**kw), 256, 2)
     assert not plan.fits and plan.kv_blocks == 0 and plan.lora_bytes == est.lora_bytes > plan.budget_bytes
     assert "--max-loras" in advice(plan) and extra["worst_case_run"] is False
+
+
+def test_the_reserve_row_says_its_floor():
+    """Under a 20 MB budget the table's "runtime reserve (1% of budget)" read 4.0 MiB, a fifth of it: the reserve
+    is 1% of the budget but at least 4 MiB (memory.plan.runtime_reserve), and the row now says so."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    res = CliRunner().invoke(app, ["warmup", "tiny-llama", "--estimate", "--max-length", "256", "--concurrency", "2",
+                                   "--memory-limit", "20MB"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    row = next(line for line in res.output.splitlines() if "runtime reserve" in line)
+    assert "at least 4 MiB" in row and "4.0 MiB" in row
