@@ -109,7 +109,7 @@ def test_retrieving_no_model_id_is_still_a_404(base):
 
 def _metric(base, name: str) -> float:
     text = httpx.get(base + "/metrics", timeout=60).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.split(" ")[0] == name)
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.split(" ")[0].split("{")[0] == name)
 
 
 def _idle(base) -> None:

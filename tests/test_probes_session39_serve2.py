@@ -124,8 +124,13 @@ def test_data_parallel_serving_gets_the_cors_options_too(monkeypatch):
 def _samples(base: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
     text = httpx.get(f"{base}/metrics").text
-    return {s.name + (str(sorted(s.labels.items())) if s.labels else ""): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):  # model_name and engine (vLLM's labels) left out
+        for s in family.samples:
+            labels = sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "engine"))
+            key = s.name + (str(labels) if labels else "")
+            out[key] = out.get(key, 0.0) + s.value
+    return out
 
 
 def _complete(base: str, prompt, n: int, stream: bool = False) -> int:

@@ -36,11 +36,16 @@ def token_buckets(max_len: int) -> tuple[int, ...]:
         scale *= 10
 
 
+# vLLM's labels on every engine metric: a dashboard built for vLLM filters on model_name (the served model's id, the
+# first --served-model-name) and engine (the engine's index; one engine here, replicas are summed into it)
+LABELS = ("model_name", "engine")
+
+
 class _EngineCollector:
     """Gauges read from `stats_fn()` (a dict as LLMEngine.stats() returns it) when Prometheus scrapes."""
 
-    def __init__(self, stats_fn):
-        self.stats_fn = stats_fn
+    def __init__(self, stats_fn, labels: list[str]):
+        self.stats_fn, self.labels = stats_fn, labels
 
     def collect(self):
         s = self.stats_fn()
@@ -54,8 +59,8 @@ class _EngineCollector:
              s.get("num_in_flight", 0)),
         ]
         for name, doc, value in gauges:
-            g = GaugeMetricFamily(name, doc)
-            g.add_metric([], float(value))
+            g = GaugeMetricFamily(name, doc, labels=LABELS)
+            g.add_metric(self.labels, float(value))
             yield g
         counters = [
             ("infer:num_preemptions", "Requests the scheduler preempted (their KV blocks freed, to be recomputed).",
@@ -65,35 +70,51 @@ class _EngineCollector:
             ("infer:prefix_cache_hits", "Prefix cache hits, in tokens found cached.", s.get("prefix_cache_hits", 0)),
         ]
         for name, doc, value in counters:
-            c = CounterMetricFamily(name, doc)
-            c.add_metric([], float(value))
+            c = CounterMetricFamily(name, doc, labels=LABELS)
+            c.add_metric(self.labels, float(value))
             yield c
 
 
+class _Bound:
+    """A labelled counter with model_name and engine set: `.labels(reason)` is the child for one finished_reason."""
+
+    def __init__(self, counter: Counter, labels: list[str]):
+        self.counter, self.bound = counter, labels
+
+    def labels(self, reason: str):
+        return self.counter.labels(*self.bound, reason)
+
+
 class ServerMetrics:
-    def __init__(self, stats_fn, max_model_len: int = 8192):
+    def __init__(self, stats_fn, max_model_len: int = 8192, model_name: str = "model"):
+        """`model_name`: the value of vLLM's model_name label (the served model's first id)."""
         self.registry = CollectorRegistry()
         r = self.registry
+        labels = [model_name, "0"]
         self.http = Counter("infer:http_requests", "HTTP requests by route and status code.",
                             ["route", "status"], registry=r)
-        self.finished = Counter("infer:request_finished", "Generation requests by how they ended.",
-                                ["finished_reason"], registry=r)
+        finished = Counter("infer:request_finished", "Generation requests by how they ended.",
+                           [*LABELS, "finished_reason"], registry=r)
+        self.finished = _Bound(finished, labels)
+        for reason in ("stop", "length", "abort"):  # shown from the start at 0, as vLLM's are
+            self.finished.labels(reason)
         self.prompt_tokens = Counter("infer:prompt_tokens", "Prompt tokens of the requests the engine started.",
-                                     registry=r)
+                                     labelnames=LABELS, registry=r).labels(*labels)
         self.generation_tokens = Counter("infer:generation_tokens", "Generated tokens, counted as they are generated.",
-                                         registry=r)
+                                         labelnames=LABELS, registry=r).labels(*labels)
         self.ttft = Histogram("infer:time_to_first_token_seconds", "Time to first token (arrival to first token).",
-                              buckets=TTFT_BUCKETS, registry=r)
+                              buckets=TTFT_BUCKETS, labelnames=LABELS, registry=r).labels(*labels)
         self.e2e = Histogram("infer:e2e_request_latency_seconds", "Request latency (arrival to last token).",
-                             buckets=E2E_BUCKETS, registry=r)
+                             buckets=E2E_BUCKETS, labelnames=LABELS, registry=r).labels(*labels)
         self.itl = Histogram("infer:inter_token_latency_seconds", "Time between a request's successive tokens.",
-                             buckets=ITL_BUCKETS, registry=r)
+                             buckets=ITL_BUCKETS, labelnames=LABELS, registry=r).labels(*labels)
         self.tpot = Histogram("infer:request_time_per_output_token_seconds", "A request's mean time per output token "
                               "after the first (its decode time over its tokens but one).", buckets=ITL_BUCKETS,
-                              registry=r)
+                              labelnames=LABELS, registry=r).labels(*labels)
 
         def phase(name, doc):
-            return Histogram(f"infer:request_{name}_time_seconds", doc, buckets=PHASE_BUCKETS, registry=r)
+            return Histogram(f"infer:request_{name}_time_seconds", doc, buckets=PHASE_BUCKETS, labelnames=LABELS,
+                             registry=r).labels(*labels)
         self.queue_time = phase("queue", "Time a request waited before its first step (arrival to first scheduled).")
         self.prefill_time = phase("prefill", "A request's prefill time (first scheduled to first token).")
         self.decode_time = phase("decode", "A request's decode time (first token to last token).")
@@ -101,10 +122,11 @@ class ServerMetrics:
                                                  "token).")
         sizes = token_buckets(max_model_len)
         self.request_prompt_tokens = Histogram("infer:request_prompt_tokens", "Prompt tokens of a finished request.",
-                                               buckets=sizes, registry=r)
+                                               buckets=sizes, labelnames=LABELS, registry=r).labels(*labels)
         self.request_generation_tokens = Histogram("infer:request_generation_tokens", "Tokens a finished request "
-                                                   "generated.", buckets=sizes, registry=r)
-        r.register(_EngineCollector(stats_fn))
+                                                   "generated.", buckets=sizes, labelnames=LABELS,
+                                                   registry=r).labels(*labels)
+        r.register(_EngineCollector(stats_fn, labels))
 
     def observe_output(self, out, arrival: float, counted: dict) -> None:
         """Count one engine output as vLLM counts it, step by step: the prompt at the request's first output, each
