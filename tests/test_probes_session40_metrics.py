@@ -1,6 +1,6 @@
 """Probes of /metrics and the model ids against vLLM's (session 40): vLLM labels every engine metric with model_name
 (the served model's first id) and engine, so a dashboard built for vLLM filters on them, and shows its finished
-reasons from the start."""
+reasons from the start; vLLM's iteration_tokens_total histogram (tokens per engine step) was missing."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ ENGINE_METRICS = ("infer:num_requests_running", "infer:num_requests_waiting", "i
                   "infer:inter_token_latency_seconds", "infer:request_time_per_output_token_seconds",
                   "infer:request_queue_time_seconds", "infer:request_prefill_time_seconds",
                   "infer:request_decode_time_seconds", "infer:request_inference_time_seconds",
-                  "infer:request_prompt_tokens", "infer:request_generation_tokens")
+                  "infer:request_prompt_tokens", "infer:request_generation_tokens", "infer:iteration_tokens_total")
 
 
 def test_engine_metrics_carry_vllms_model_name_and_engine_labels(engine):
@@ -55,3 +55,35 @@ def test_engine_metrics_carry_vllms_model_name_and_engine_labels(engine):
     reasons = {s.labels["finished_reason"] for s in families["infer:request_finished"].samples}
     assert {"stop", "length", "abort"} <= reasons
     assert _value(families, "infer:request_finished", "infer:request_finished_total", finished_reason="length") == 1
+
+
+def test_iteration_tokens_histogram_counts_the_tokens_of_every_step(engine):
+    prompts = [list(range(5, 15)), list(range(20, 26))]  # 10 and 6 prompt tokens, no shared prefix
+    made = 4
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny")) as base:
+        before = _families(base)
+        steps_before = engine.stats()["num_steps"]
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": prompts, "max_tokens": made, "ignore_eos": True},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        after = _families(base)
+    name = "infer:iteration_tokens_total"
+    assert after[name].type == "histogram"
+    buckets = sorted(float(s.labels["le"]) for s in after[name].samples if s.name == name + "_bucket")
+    assert buckets[:4] == [1.0, 8.0, 16.0, 32.0] and buckets[-2] == 16384.0  # vLLM's buckets
+    total = _value(after, name, name + "_sum") - _value(before, name, name + "_sum")
+    # every token computed once: each prompt (no cache hit, no preemption) and every generated token but the last
+    # (the last one is sampled, never fed back)
+    assert total == sum(map(len, prompts)) + len(prompts) * (made - 1)
+    steps = _value(after, name, name + "_count") - _value(before, name, name + "_count")
+    assert made <= steps == engine.stats()["num_steps"] - steps_before  # one observation a step
+
+
+def test_iteration_tokens_counts_a_step_per_observation():
+    from infer.serve.metrics import ServerMetrics
+    metrics = ServerMetrics(lambda: {}, max_model_len=64, model_name="m")
+    for tokens in (3, 40, 1):
+        metrics.iteration_tokens.observe(tokens)
+    text = metrics.render().decode()
+    assert 'infer:iteration_tokens_total_count{engine="0",model_name="m"} 3.0' in text
+    assert 'infer:iteration_tokens_total_sum{engine="0",model_name="m"} 44.0' in text

@@ -164,6 +164,7 @@ class LLMEngine:
         self._inflight = None  # (batch, StepHandle) launched and not yet completed (overlap only)
         self._unsettled = None  # the same, launched before _inflight: a step's wait for its tokens was interrupted
         self.num_steps = 0
+        self.last_step_tokens = 0  # tokens the latest step scheduled (prompt chunks and decodes), 0 for none
         if self.device.type == "cuda":  # every kernel compiled now, never on a user's first request
             t0 = time.perf_counter()
             self.warm_kernels()
@@ -462,6 +463,7 @@ class LLMEngine:
 
     def _advance(self, outputs: list[RequestOutput]) -> None:
         """The body of step(), adding its outputs to `outputs` as they are made."""
+        self.last_step_tokens = 0
         if self._unsettled is not None:  # its wait was interrupted: completed before anything else
             outputs += self._settle()
         self._reap_loras()  # adapters removed while requests still used them, now that those may have finished
@@ -474,6 +476,7 @@ class LLMEngine:
             return
         batch.zero, self.block_manager.fresh = self.block_manager.fresh, []  # zeroed by the step (ModelRunner.prepare)
         self.num_steps += 1
+        self.last_step_tokens = batch.num_tokens
         if not self.overlap:
             sampled = self.runner.run(batch)
             self._launched(batch, sampled)

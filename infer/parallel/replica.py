@@ -130,7 +130,8 @@ class Replica:
     def serve_step(self, new: list[Wire], aborts: list[str]) -> tuple[list, list, dict]:
         """For the server: add, abort (a request may be aborted in the call that adds it), run one engine step.
         Returns (every output of the step, as streaming needs them; (request id, reason) of rejected requests;
-        the engine's stats)."""
+        the engine's stats, with `step_tokens`: the tokens the step computed, for the server's
+        infer:iteration_tokens_total)."""
         rejected = []
         for rid, prompt_token_ids, params, lora in new:
             try:
@@ -139,13 +140,14 @@ class Replica:
                 rejected.append((rid, str(e)))
         for rid in aborts:
             self.engine.abort_request(rid)
-        outputs = []
+        outputs, stepped = [], 0
         if self.engine.has_unfinished_requests():
             try:
                 outputs = [o for o in self.engine.step() if not self._was_failed(o)]  # (pickled with their lists)
+                stepped = self.engine.last_step_tokens
             except Exception as e:  # as one engine's server does: fail the running requests, keep the replica
                 rejected += self._fail_running(e)
-        return outputs, rejected, self.engine.stats()
+        return outputs, rejected, {**self.engine.stats(), "step_tokens": stepped}
 
     def warm_kernels(self) -> None:
         self.engine.warm_kernels()

@@ -213,6 +213,7 @@ class RayAsyncEngine(AsyncEngine):
             except self.ray.exceptions.RayError as e:
                 self._lost(r, e)
                 continue
+            self._stepped(r.stats.get("step_tokens", 0))
             for rid, reason in rejected:
                 self._done(r, rid)
                 self._fail(rid, "error", reason)

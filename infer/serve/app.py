@@ -63,6 +63,7 @@ class Server:
         self.engine = aengine.engine
         self.tokenizer = self.engine.tokenizer
         self.metrics = ServerMetrics(self.stats, self.engine.max_model_len, self.model_id)
+        aengine.on_step = self.metrics.iteration_tokens.observe  # every step's tokens, from the engine thread
         self.created = p.now()
         # what a request gets for the sampling fields it leaves out: the model's generation_config.json, else
         # OpenAI's temperature 1 (vLLM's rule); LLM and plain `infer run` lines stay greedy by default

@@ -72,6 +72,7 @@ class AsyncEngine:
         self._accepting = True
         self.stats: dict = dict(engine.stats())  # a snapshot, replaced (never mutated) by the engine thread
         self.num_step_errors = 0
+        self.on_step = None  # fn(tokens): called on the engine thread with each step's token count (the metrics)
         self._thread = threading.Thread(target=self._run, name="infer-engine", daemon=True)
 
     # ------------------------------------------------------------------ called from the event loop
@@ -239,12 +240,18 @@ class AsyncEngine:
             log.exception("engine step failed; failing the running requests")
             self._fail_running(f"internal engine error: {type(e).__name__}: {e}")
             outputs = []
+        else:
+            self._stepped(getattr(self.engine, "last_step_tokens", 0))
         for out in outputs:
             self._deliver(out)
         stats = dict(self.engine.stats())
         with self._cond:
             self._num_waiting, self._num_running = stats["num_waiting"], stats["num_running"]
         self.stats = stats
+
+    def _stepped(self, tokens: int) -> None:
+        if tokens and self.on_step is not None:
+            self.on_step(tokens)
 
     def _fail_running(self, message: str) -> None:
         """After a failed step the running sequences' state is not trusted: abort them (frees their blocks)."""

@@ -4,8 +4,9 @@ Token counters, the time to first token and the inter-token latency are updated 
 vLLM counts them, step by step); the finish counter and the per-request histograms (latency, queue / prefill / decode /
 inference time, time per output token, prompt and generation tokens) as requests finish, the histograms for requests
 that ended by stop or length. Engine gauges (queue depth, running, KV usage) and counters (preemptions, prefix cache
-queries and hits, in tokens) are read from the engine thread's latest stats snapshot at scrape time. Every time is a
-difference of the engine's own timestamps (RequestOutput), so nothing is timed in the engine's step for it.
+queries and hits, in tokens) are read from the engine thread's latest stats snapshot at scrape time; the tokens of each
+engine step (iteration_tokens_total) are observed by the engine thread as the step ends (AsyncEngine.on_step). Every
+time is a difference of the engine's own timestamps (RequestOutput), so nothing is timed in the engine's step for it.
 Each server has its own CollectorRegistry.
 """
 
@@ -23,6 +24,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15
                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                  50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM's
 
 
 def token_buckets(max_len: int) -> tuple[int, ...]:
@@ -126,6 +128,9 @@ class ServerMetrics:
         self.request_generation_tokens = Histogram("infer:request_generation_tokens", "Tokens a finished request "
                                                    "generated.", buckets=sizes, labelnames=LABELS,
                                                    registry=r).labels(*labels)
+        self.iteration_tokens = Histogram("infer:iteration_tokens_total", "Tokens an engine step computed (prompt "
+                                          "chunks and generated tokens).", buckets=ITERATION_BUCKETS,
+                                          labelnames=LABELS, registry=r).labels(*labels)
         r.register(_EngineCollector(stats_fn, labels))
 
     def observe_output(self, out, arrival: float, counted: dict) -> None:
