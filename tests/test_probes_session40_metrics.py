@@ -1,6 +1,7 @@
 """Probes of /metrics and the model ids against vLLM's (session 40): vLLM labels every engine metric with model_name
 (the served model's first id) and engine, so a dashboard built for vLLM filters on them, and shows its finished
-reasons from the start; vLLM's iteration_tokens_total histogram (tokens per engine step) was missing."""
+reasons from the start; vLLM's iteration_tokens_total histogram (tokens per engine step) was missing; with
+--served-model-name, MODEL itself was still accepted as a request's `model`, where vLLM answers 404."""
 
 from __future__ import annotations
 
@@ -87,3 +88,26 @@ def test_iteration_tokens_counts_a_step_per_observation():
     text = metrics.render().decode()
     assert 'infer:iteration_tokens_total_count{engine="0",model_name="m"} 3.0' in text
     assert 'infer:iteration_tokens_total_sum{engine="0",model_name="m"} 44.0' in text
+
+
+def test_served_model_names_replace_model_itself_as_vllm_does(engine):
+    body = {"prompt": "hi", "max_tokens": 1}
+    with serve_in_thread(Server(AsyncEngine(engine), ["a", "b"])) as base:
+        r = httpx.post(f"{base}/v1/completions", json={**body, "model": "tiny-llama"}, timeout=60)
+        assert r.status_code == 404, r.text  # was 200: MODEL was accepted beside the served names
+        assert r.json()["error"]["code"] == "model_not_found" and "a, b" in r.json()["error"]["message"]
+        for name in ("a", "b"):
+            assert httpx.post(f"{base}/v1/completions", json={**body, "model": name}, timeout=60).status_code == 200
+
+
+def test_model_as_given_is_still_an_id_when_served_under_its_folder_name(engine, monkeypatch):
+    import types
+
+    from infer.serve import protocol as p
+    default, named = Server(AsyncEngine(engine), "tiny-llama"), Server(AsyncEngine(engine), ["a", "b"])
+    monkeypatch.setattr(engine, "config", types.SimpleNamespace(model="/models/tiny-llama/"))
+    assert default.lora_for("/models/tiny-llama/") is None  # vLLM's id without --served-model-name: the base
+    assert default.lora_for("tiny-llama") is None
+    with pytest.raises(p.ApiError) as e:
+        named.lora_for("/models/tiny-llama/")
+    assert e.value.status == 404

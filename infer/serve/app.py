@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Sequence
 from contextlib import aclosing, asynccontextmanager, contextmanager
+from pathlib import PurePath
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -92,13 +93,20 @@ class Server:
     def lora_for(self, model: str | None) -> str | None:
         """vLLM's rule: the base id (or no model, or an empty name) runs the base; an adapter's name runs that
         adapter."""
-        if not model or model in self.model_ids or model == self.engine.config.model:
+        if not model or model in self.model_ids or model in self._model_path_ids():
             return None
         if model in self.adapters():
             return model
         raise p.ApiError(404, f"the model {model!r} does not exist; available: "
                               f"{', '.join([*self.model_ids, *self.adapters()])}", param="model",
                          code="model_not_found")
+
+    def _model_path_ids(self) -> tuple[str, ...]:
+        """MODEL as given, which vLLM serves under when there is no --served-model-name (infer lists its folder's
+        name): accepted then only; with --served-model-name the ids are those names alone (vLLM's 404)."""
+        model = self.engine.config.model
+        default = PurePath(model.rstrip("/\\")).name or model  # cli.options.base_model_id's rule
+        return (model,) if self.model_ids == [default] else ()
 
     def check_auth(self, request: Request) -> None:
         if self.api_key is None:
