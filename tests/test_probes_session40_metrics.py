@@ -111,3 +111,27 @@ def test_model_as_given_is_still_an_id_when_served_under_its_folder_name(engine,
     with pytest.raises(p.ApiError) as e:
         named.lora_for("/models/tiny-llama/")
     assert e.value.status == 404
+
+
+def _bounds(text: str, name: str) -> list[float]:
+    from prometheus_client.parser import text_string_to_metric_families
+    return sorted(float(s.labels["le"]) for f in text_string_to_metric_families(text) for s in f.samples
+                  if s.name == name + "_bucket" and s.labels["le"] != "+Inf")
+
+
+def test_latency_histograms_reach_as_high_as_vllms():
+    """TTFT stopped at 10 s and the request latency at 60 s: a p99 of a loaded server read 10 s (60 s) however long
+    requests waited, where vLLM's buckets reach 2560 s (7680 s)."""
+    from infer.serve.metrics import ServerMetrics
+    metrics = ServerMetrics(lambda: {}, max_model_len=64, model_name="m")
+    metrics.ttft.observe(30.0)
+    metrics.e2e.observe(300.0)
+    text = metrics.render().decode()
+    ttft, e2e = _bounds(text, "infer:time_to_first_token_seconds"), _bounds(text, "infer:e2e_request_latency_seconds")
+    vllm_ttft = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                 80.0, 160.0, 640.0, 2560.0]
+    vllm_e2e = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+                960.0, 1920.0, 7680.0]
+    assert set(vllm_ttft) <= set(ttft) and set(vllm_e2e) <= set(e2e)
+    assert 'infer:time_to_first_token_seconds_bucket{engine="0",le="40.0",model_name="m"} 1.0' in text
+    assert 'infer:e2e_request_latency_seconds_bucket{engine="0",le="480.0",model_name="m"} 1.0' in text
