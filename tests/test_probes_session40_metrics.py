@@ -135,3 +135,16 @@ def test_latency_histograms_reach_as_high_as_vllms():
     assert set(vllm_ttft) <= set(ttft) and set(vllm_e2e) <= set(e2e)
     assert 'infer:time_to_first_token_seconds_bucket{engine="0",le="40.0",model_name="m"} 1.0' in text
     assert 'infer:e2e_request_latency_seconds_bucket{engine="0",le="480.0",model_name="m"} 1.0' in text
+
+
+def test_finished_requests_are_counted_under_vllms_request_success_name_too(engine):
+    """vLLM's dashboards and alerts read vllm:request_success_total{finished_reason}; infer only had
+    request_finished_total."""
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny")) as base:
+        body = {"prompt": "hi", "max_tokens": 2, "ignore_eos": True, "n": 2}
+        assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
+        families = _families(base)
+    assert families["infer:request_success"].type == "counter"
+    for reason, count in (("length", 2), ("stop", 0), ("abort", 0)):
+        for name in ("infer:request_success", "infer:request_finished"):
+            assert _value(families, name, name + "_total", finished_reason=reason, model_name="tiny") == count

@@ -82,14 +82,23 @@ class _EngineCollector:
             yield c
 
 
-class _Bound:
-    """A labelled counter with model_name and engine set: `.labels(reason)` is the child for one finished_reason."""
+class _Finished:
+    """The finish counters (infer's request_finished and vLLM's request_success, the same counts), model_name and
+    engine set: `.labels(reason).inc()` counts one request that ended by `reason`."""
 
-    def __init__(self, counter: Counter, labels: list[str]):
-        self.counter, self.bound = counter, labels
+    def __init__(self, counters: list[Counter], labels: list[str]):
+        self.counters, self.bound = counters, labels
 
-    def labels(self, reason: str):
-        return self.counter.labels(*self.bound, reason)
+    def labels(self, reason: str) -> _Finished._Child:
+        return self._Child([c.labels(*self.bound, reason) for c in self.counters])
+
+    class _Child:
+        def __init__(self, children):
+            self.children = children
+
+        def inc(self, amount: float = 1) -> None:
+            for c in self.children:
+                c.inc(amount)
 
 
 class ServerMetrics:
@@ -100,9 +109,11 @@ class ServerMetrics:
         labels = [model_name, "0"]
         self.http = Counter("infer:http_requests", "HTTP requests by route and status code.",
                             ["route", "status"], registry=r)
-        finished = Counter("infer:request_finished", "Generation requests by how they ended.",
-                           [*LABELS, "finished_reason"], registry=r)
-        self.finished = _Bound(finished, labels)
+        finished = [Counter("infer:request_finished", "Generation requests by how they ended.",
+                            [*LABELS, "finished_reason"], registry=r),
+                    Counter("infer:request_success", "Generation requests by how they ended (vLLM's name; the same "
+                            "counts as infer:request_finished_total).", [*LABELS, "finished_reason"], registry=r)]
+        self.finished = _Finished(finished, labels)
         for reason in ("stop", "length", "abort"):  # shown from the start at 0, as vLLM's are
             self.finished.labels(reason)
         self.prompt_tokens = Counter("infer:prompt_tokens", "Prompt tokens of the requests the engine started.",
