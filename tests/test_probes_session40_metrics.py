@@ -148,3 +148,26 @@ def test_finished_requests_are_counted_under_vllms_request_success_name_too(engi
     for reason, count in (("length", 2), ("stop", 0), ("abort", 0)):
         for name in ("infer:request_success", "infer:request_finished"):
             assert _value(families, name, name + "_total", finished_reason=reason, model_name="tiny") == count
+
+
+def test_data_parallel_metrics_carry_the_labels_and_every_replicas_steps():
+    """--data-parallel 2: the driver observes each replica's step tokens, and the counters sum both replicas."""
+    ray = pytest.importorskip("ray")
+    from infer.parallel.serve import build_server
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             object_store_memory=256 * 2 ** 20, logging_level="ERROR")
+    try:
+        srv, _ = build_server(ray, EngineConfig("tiny-llama", max_model_len=128, max_num_seqs=4), 2, ["llama"],
+                              api_key=None, max_queue=64, shutdown_timeout=5)
+        prompts = [[5, 17, 99, 230, 41, 7], [8, 9, 10], [300, 301, 302, 303], [42] * 5]
+        with serve_in_thread(srv) as base:
+            r = httpx.post(f"{base}/v1/completions", json={"prompt": prompts, "max_tokens": 3, "ignore_eos": True},
+                           timeout=120)
+            assert r.status_code == 200, r.text
+            families = _families(base)
+    finally:
+        ray.shutdown()
+    name = "infer:iteration_tokens_total"
+    assert _value(families, name, name + "_sum", model_name="llama", engine="0") == sum(map(len, prompts)) + 4 * 2
+    assert _value(families, "infer:prompt_tokens", "infer:prompt_tokens_total", model_name="llama") == 18
+    assert _value(families, "infer:request_success", "infer:request_success_total", finished_reason="length") == 4
