@@ -171,3 +171,18 @@ def test_data_parallel_metrics_carry_the_labels_and_every_replicas_steps():
     assert _value(families, name, name + "_sum", model_name="llama", engine="0") == sum(map(len, prompts)) + 4 * 2
     assert _value(families, "infer:prompt_tokens", "infer:prompt_tokens_total", model_name="llama") == 18
     assert _value(families, "infer:request_success", "infer:request_success_total", finished_reason="length") == 4
+
+
+def test_an_iteration_without_a_step_observes_no_step_tokens(engine):
+    """The engine thread also wakes for an abort or an adapter change when nothing runs: no step, so no
+    observation (it observed the previous step's tokens again)."""
+    from infer.engine.sampling_params import SamplingParams
+    aengine, seen = AsyncEngine(engine), []
+    aengine.on_step = seen.append
+    engine.add_request("probe-steps", [5, 6, 7], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        aengine._iteration([], [])
+    assert sum(seen) == 3 + 1  # the prompt, then the first token fed back
+    aengine._iteration([], ["gone"])  # an abort of a request that already ended, nothing running
+    aengine._iteration([], [])
+    assert sum(seen) == 3 + 1

@@ -233,15 +233,17 @@ class AsyncEngine:
             self._fail(p.request_id, "error", str(e))
 
     def _step(self) -> None:
+        stepping = self.engine.has_unfinished_requests()
         try:
-            outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+            outputs = self.engine.step() if stepping else []
         except Exception as e:
             self.num_step_errors += 1
             log.exception("engine step failed; failing the running requests")
             self._fail_running(f"internal engine error: {type(e).__name__}: {e}")
             outputs = []
         else:
-            self._stepped(getattr(self.engine, "last_step_tokens", 0))
+            if stepping:  # else the engine's last step is one already counted (an iteration for an abort, a control)
+                self._stepped(getattr(self.engine, "last_step_tokens", 0))
         for out in outputs:
             self._deliver(out)
         stats = dict(self.engine.stats())
