@@ -65,11 +65,17 @@ def test_dynamic_ntk_rope_equals_transformers_up_to_max_position_embeddings(tmp_
     and logprobs of prompts that fill the whole context equal transformers'."""
     build(tmp_path, "llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})
     _patch(tmp_path, max_position_embeddings=64)
+    assert_fills_its_context_as_transformers(tmp_path, 64)
+
+
+def assert_fills_its_context_as_transformers(path, context: int) -> None:
+    """infer's context is `context` tokens, and prompts that fill it (with 13 tokens generated) give transformers'
+    greedy tokens and logprobs."""
     from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    llm = LLM(str(tmp_path), block_size=4)
-    assert llm.engine.max_model_len == 64
-    prompts = random_prompts(512, (5, 50), seed=7)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), block_size=4)
+    assert llm.engine.max_model_len == context
+    prompts = random_prompts(512, (5, context - 14), seed=7)
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=13, ignore_eos=True, logprobs=1))
     for p, out in zip(prompts, outs):
         with torch.no_grad():

@@ -32,17 +32,22 @@ def _chunk(text, reason=None):
     return f"data: {json.dumps({'choices': [{'index': 0, 'text': text, 'finish_reason': reason}]})}\n\n".encode()
 
 
+def _drive_one(reply: bytes, max_tokens: int):
+    """run_http of one request against a server that writes `reply` and closes the connection."""
+    httpd = _server(lambda h: h.wfile.write(reply))
+    try:
+        return run_http(f"http://127.0.0.1:{httpd.server_address[1]}", "m", [BenchRequest(None, [1, 2], max_tokens)],
+                        1, progress=False)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def test_a_stream_cut_off_by_the_server_is_a_failed_request():
     """A server that dies mid-reply (two of eight tokens streamed, then the connection closes: no finish_reason, no
     [DONE]) was counted a completed request of two tokens, raising throughput and hiding the failure; vLLM's
     client waits for the end of the stream too. It is now failed, naming why."""
-    httpd = _server(lambda h: h.wfile.write(_chunk("a") + _chunk("b")))
-    try:
-        res = run_http(f"http://127.0.0.1:{httpd.server_address[1]}", "m", [BenchRequest(None, [1, 2], 8)], 1,
-                       progress=False)
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    res = _drive_one(_chunk("a") + _chunk("b"), 8)
     (rec,) = res.records
     assert not rec.success and "stream ended before the reply finished" in rec.error
     m = res.metrics()
@@ -52,14 +57,7 @@ def test_a_stream_cut_off_by_the_server_is_a_failed_request():
 def test_a_stream_that_ends_with_a_finish_reason_or_done_is_completed():
     """The other side: a finish_reason without [DONE], or [DONE] without a finish_reason, is a whole reply."""
     for reply in (_chunk("a") + _chunk("b", "length"), _chunk("a") + _chunk("b") + b"data: [DONE]\n\n"):
-        httpd = _server(lambda h, reply=reply: h.wfile.write(reply))
-        try:
-            res = run_http(f"http://127.0.0.1:{httpd.server_address[1]}", "m", [BenchRequest(None, [1, 2], 2)], 1,
-                           progress=False)
-        finally:
-            httpd.shutdown()
-            httpd.server_close()
-        (rec,) = res.records
+        (rec,) = _drive_one(reply, 2).records
         assert rec.success, rec.error
 
 

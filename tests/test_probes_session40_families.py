@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from infer import LLM, SamplingParams
 from infer.errors import ConfigError, UnsupportedModelError
 
-from helpers import random_prompts
 from test_model_variants import build
+from test_probes_configs_s18 import assert_fills_its_context_as_transformers
 
 
 def _patch(folder, **fields):
@@ -51,18 +49,7 @@ def test_longrope_equals_transformers_up_to_original_max_position_embeddings(tmp
     sequence with the long ones (keys already cached included), which a paged KV cache cannot: the context is capped
     at original_max_position_embeddings, and within it the tokens and logprobs are transformers'."""
     build(tmp_path, model_type, rope_parameters=dict(LONGROPE))
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    llm = LLM(str(tmp_path), block_size=4)
-    assert llm.engine.max_model_len == 64
-    prompts = random_prompts(512, (5, 50), seed=7)
-    outs = llm.generate(prompts, SamplingParams(max_new_tokens=13, ignore_eos=True, logprobs=1))
-    for p, out in zip(prompts, outs):
-        with torch.no_grad():
-            want = hf.generate(torch.tensor([p]), max_new_tokens=13, do_sample=False, pad_token_id=0,
-                               eos_token_id=None)
-            logits = hf(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1:-1].log_softmax(-1)
-        assert out.token_ids == want[0, len(p):].tolist()
-        assert max(abs(r["logprob"] - float(logits[i, r["token_id"]])) for i, r in enumerate(out.logprobs)) < 1e-4
+    assert_fills_its_context_as_transformers(tmp_path, 64)
 
 
 def test_a_max_model_len_past_longropes_original_positions_is_refused_naming_the_field(tmp_path):

@@ -94,7 +94,8 @@ def test_adapter_churn_with_disconnects_and_a_vanished_adapter(served):
         after = httpx.post(f"{url}/v1/completions", json={"prompt": "still", "model": "b", "max_tokens": 2})
         metrics = httpx.get(f"{url}/metrics").text
     ended = {m.group(1): float(m.group(2))
-             for m in re.finditer(r'infer:request_finished_total\{[^}]*finished_reason="(\w+)"[^}]*\} ([\d.]+)', metrics)}
+             for m in re.finditer(r'infer:request_finished_total\{[^}]*finished_reason="(\w+)"[^}]*\} ([\d.]+)',
+                                  metrics)}
     assert sum(ended.values()) == N + 1, ended  # every request ended exactly once
     assert ended.get("error") == sum(_job(i)["lora"] == "gone" for i in range(N)), ended
     for i, r in enumerate(results):

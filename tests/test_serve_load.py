@@ -107,7 +107,8 @@ def test_load_with_disconnects(engine):
     assert stats["num_in_flight"] == 0 and aengine.num_step_errors == 0
     assert not re.search(r'status="5\d\d"', metrics)
     ended = {m.group(1): float(m.group(2))
-             for m in re.finditer(r'infer:request_finished_total\{[^}]*finished_reason="(\w+)"[^}]*\} ([\d.]+)', metrics)}
+             for m in re.finditer(r'infer:request_finished_total\{[^}]*finished_reason="(\w+)"[^}]*\} ([\d.]+)',
+                                  metrics)}
     assert sum(ended.values()) == N, ended  # every engine request ended exactly once
     assert 1 <= ended.get("abort", 0) <= N_LEAVE, ended  # leavers abort unless they had already finished
     assert len(aborted) == ended["abort"]  # ... and each of those was stopped inside the engine
