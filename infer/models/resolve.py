@@ -5,11 +5,16 @@ It sits beside the loader, which reads the folder it returns; nothing is downloa
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
 from pathlib import Path
 
 from ..errors import ModelLoadError
 from .tiny import BUILTIN_MODELS, ensure_builtin
+
+# a Hugging Face hub id as vLLM and transformers take it: ORG/NAME, each part of letters, digits, "-", "_", "."
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def resolve_model(name_or_path: str | os.PathLike) -> Path:
@@ -17,13 +22,72 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
     p = Path(name_or_path).expanduser()
     if p.is_dir():
         if not (p / "config.json").is_file():
-            raise ModelLoadError(f"model folder {p} has no config.json",
-                                 "pass a Hugging Face model folder (config.json and *.safetensors weights)")
+            raise _not_a_model_folder(p)
         return p
     if p.exists():
+        if p.suffix.lower() == ".gguf":
+            raise ModelLoadError(f"{p} is a GGUF file: infer does not read GGUF (llama.cpp's format)",
+                                 "pass the original Hugging Face folder (config.json, safetensors weights, tokenizer "
+                                 "files), or its GPTQ version; `infer quantize FOLDER -o OUT` makes one")
         raise ModelLoadError(f"{p} is a file, not a model folder", "pass the folder that holds config.json")
-    if str(name_or_path) in BUILTIN_MODELS:
-        return ensure_builtin(str(name_or_path))
-    raise ModelLoadError(f"{str(name_or_path)!r} is neither a local model folder nor a built-in model "
-                         f"({', '.join(BUILTIN_MODELS)})",
-                         "pass a folder with config.json and weights; nothing is downloaded")
+    name = str(name_or_path)
+    if name in BUILTIN_MODELS:
+        return ensure_builtin(name)
+    raise ModelLoadError(f"{name!r} is neither a local model folder nor a built-in model "
+                         f"({', '.join(BUILTIN_MODELS)})", _unknown_name_hint(name))
+
+
+def _not_a_model_folder(p: Path) -> ModelLoadError:
+    """A folder without config.json: say what it holds when a newcomer's usual mix-up explains it."""
+    if (p / "adapter_config.json").is_file():
+        return ModelLoadError(f"{p} is a LoRA adapter (adapter_config.json), not a model",
+                              f"pass its base model as MODEL and the adapter with --lora NAME={p}")
+    ggufs = sorted(f.name for f in p.glob("*.gguf"))
+    if ggufs:
+        return ModelLoadError(f"model folder {p} has no config.json, only GGUF weights ({ggufs[0]}): infer does not "
+                              "read GGUF (llama.cpp's format)",
+                              "pass the original Hugging Face folder (config.json, safetensors weights, tokenizer "
+                              "files), or its GPTQ version; `infer quantize FOLDER -o OUT` makes one")
+    snapshots = _snapshots(p / "snapshots")
+    if snapshots:  # a hub cache's models--ORG--NAME folder: the model files are in a snapshot below it
+        return ModelLoadError(f"{p} is a Hugging Face cache folder: the model files are in its snapshots",
+                              f"pass the snapshot folder, e.g. {snapshots[-1]}")
+    return ModelLoadError(f"model folder {p} has no config.json",
+                          "pass a Hugging Face model folder (config.json and *.safetensors weights)")
+
+
+def _unknown_name_hint(name: str) -> str:
+    close = difflib.get_close_matches(name.lower(), BUILTIN_MODELS, n=1, cutoff=0.75)
+    if close:
+        return f"did you mean the built-in model {close[0]!r}? Else pass a folder with config.json and weights"
+    if _HUB_ID.fullmatch(name) and not name.startswith("."):
+        cached = _hub_cache_snapshot(name)
+        if cached is not None:
+            return (f"{name!r} looks like a Hugging Face hub id; infer reads local folders only (nothing is "
+                    f"downloaded), and the hub cache holds it: pass {cached}")
+        return (f"{name!r} looks like a Hugging Face hub id; infer reads local folders only (nothing is downloaded): "
+                f"fetch it first, e.g. `huggingface-cli download {name} --local-dir ./{name.split('/')[1]}`, "
+                f"and pass ./{name.split('/')[1]}")
+    return "pass a folder with config.json and weights; nothing is downloaded"
+
+
+def _hub_cache_snapshot(repo_id: str) -> Path | None:
+    """The newest snapshot of `repo_id` in the local Hugging Face hub cache that holds config.json, or None."""
+    env = os.environ
+    if env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE"):
+        root = Path(env.get("HF_HUB_CACHE") or env["HUGGINGFACE_HUB_CACHE"])
+    else:
+        hf_home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+        root = Path(hf_home) / "hub"
+    folder = root.expanduser() / ("models--" + repo_id.replace("/", "--"))
+    snapshots = _snapshots(folder / "snapshots")
+    return snapshots[-1] if snapshots else None
+
+
+def _snapshots(folder: Path) -> list[Path]:
+    """The snapshot folders under a hub cache's `snapshots` that hold config.json, oldest first."""
+    try:
+        found = [s for s in folder.iterdir() if (s / "config.json").is_file()]
+    except OSError:
+        return []
+    return sorted(found, key=lambda s: s.stat().st_mtime)

@@ -1,0 +1,69 @@
+"""Session 40 probes of a newcomer's first minutes: the mistakes everyone makes once get one clear error naming the
+problem and what to do."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from infer.cli.main import app
+from infer.errors import ModelLoadError
+from infer.models.resolve import resolve_model
+
+runner = CliRunner()
+
+
+def _refusal(name: str) -> ModelLoadError:
+    with pytest.raises(ModelLoadError) as e:
+        resolve_model(name)
+    return e.value
+
+
+def test_a_hub_id_says_how_to_download_it(tmp_path, monkeypatch):
+    """`infer run meta-llama/Llama-2-7b-hf` only said to pass a folder: it now names the download command."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    err = _refusal("meta-llama/Llama-2-7b-hf")
+    assert "hub id" in err.hint and "huggingface-cli download meta-llama/Llama-2-7b-hf" in err.hint
+
+
+def test_a_hub_id_in_the_local_hub_cache_names_its_snapshot(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    snap = tmp_path / "hf" / "hub" / "models--org--model" / "snapshots" / "0123abc"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    assert str(snap) in _refusal("org/model").hint
+    err = _refusal(str(tmp_path / "hf" / "hub" / "models--org--model"))  # the cache's folder itself
+    assert "cache" in err.message and str(snap) in err.hint
+
+
+@pytest.mark.parametrize("name, meant", [("tiny-lama", "tiny-llama"), ("Tiny-Llama", "tiny-llama"),
+                                         ("tiny_qwen2", "tiny-qwen2"), ("llama-100", "llama-100m")])
+def test_a_misspelt_builtin_name_suggests_the_builtin(tmp_path, monkeypatch, name, meant):
+    monkeypatch.chdir(tmp_path)
+    assert f"did you mean the built-in model {meant!r}" in _refusal(name).hint
+
+
+def test_a_gguf_file_or_folder_is_named_as_gguf(tmp_path):
+    """A GGUF file got "is a file, not a model folder: pass the folder that holds config.json" (there is none)."""
+    gguf = tmp_path / "m" / "model-Q4_K_M.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    for path in (gguf, gguf.parent):
+        err = _refusal(str(path))
+        assert "GGUF" in err.message and "infer quantize" in err.hint
+
+
+def test_an_adapter_folder_given_as_model_says_to_pass_it_with_lora(tmp_path):
+    ad = tmp_path / "adapter"
+    ad.mkdir()
+    (ad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    err = _refusal(str(ad))
+    assert "LoRA adapter" in err.message and f"--lora NAME={ad}" in err.hint
