@@ -67,3 +67,36 @@ def test_an_adapter_folder_given_as_model_says_to_pass_it_with_lora(tmp_path):
     (ad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
     err = _refusal(str(ad))
     assert "LoRA adapter" in err.message and f"--lora NAME={ad}" in err.hint
+
+
+@pytest.fixture
+def _no_engine(monkeypatch):
+    """A refusal that did not come before the model loads would start an engine: starting one fails the test."""
+    from infer.engine import llm_engine
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+
+
+@pytest.mark.parametrize("text, named", [
+    ("id,prompt\n1,hello there\n2,how are you\n", "is not JSONL"),                    # a CSV
+    ("The weather today is\nTrains leave\n", "is not JSONL"),                         # a plain text file
+    ('[{"prompt": "a"}, {"prompt": "b"}]\n', "is a JSON document"),                   # a JSON array on one line
+    ('[\n  {"prompt": "a"},\n  {"prompt": "b"}\n]\n', "is a JSON document"),          # a pretty-printed array
+    ('{\n  "prompt": "a"\n}\n', "is a JSON document"),                                # a pretty-printed object
+], ids=["csv", "text", "array", "pretty-array", "pretty-object"])
+def test_an_input_that_is_not_jsonl_is_refused_once_before_the_model_loads(tmp_path, _no_engine, text, named):
+    """Each line got an error record ("bad JSON", "expected a JSON object, got list") after the model loaded,
+    and the run exited 1 as if some requests had failed."""
+    inp = tmp_path / "prompts.json"
+    inp.write_text(text)
+    res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", str(tmp_path / "o.jsonl"), "-q"])
+    assert res.exit_code == 2 and named in res.output and "one request object per line" in res.output, res.output
+    assert "jq " in res.output and not (tmp_path / "o.jsonl").exists()
+
+
+def test_a_jsonl_file_with_a_bad_line_still_gets_its_error_record(tmp_path):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "a", "max_new_tokens": 2,}\n')
+    out = tmp_path / "o.jsonl"
+    res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q"])
+    assert res.exit_code == 1, res.output
+    assert json.loads(out.read_text())["error"].startswith("line 1: bad JSON")

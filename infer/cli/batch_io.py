@@ -80,6 +80,38 @@ def check_input_encoding(path: Path) -> None:
         raise ConfigError(f"input {path} is not a JSONL text file: {head.count(0):,} of its first {len(head):,} "
                           "bytes are NUL (a binary file, or UTF-16 without a byte order mark?)",
                           "give the JSONL file of prompts, saved as UTF-8")
+    _check_jsonl(path, head)
+
+
+def _check_jsonl(path: Path, head: bytes) -> None:
+    """A CSV, a plain text file or one JSON document (an array of requests, a pretty-printed object) got one error
+    record per line, "bad JSON" or "expected a JSON object", after the model had loaded: when no line of the file's
+    start is a JSON object, say once what the file is and how to make JSONL of it. A JSONL file with a bad line (one
+    that starts as an object does) still gets its error records."""
+    text = head.removeprefix(b"\xef\xbb\xbf").decode("utf-8", "replace")
+    lines = text.split("\n")
+    if len(head) == 1 << 16 and len(lines) > 1:
+        lines = lines[:-1]  # the last line may be cut in the middle
+    lines = [line.strip() for line in lines if line.strip()]
+    if not lines or lines[0].startswith("{") and lines[0] != "{":
+        return
+    document = lines[0] in ("[", "{")  # a line of JSONL is never a bracket alone: one JSON value over many lines
+    for line in lines if not document else ():
+        try:
+            if isinstance(json.loads(line), dict):
+                return
+        except (ValueError, RecursionError):
+            pass
+    example = '{"prompt": "The weather today is"}'
+    if document or lines[0].startswith("["):  # one JSON document: an array of requests, or an object over lines
+        raise ConfigError(f"input {path} is a JSON document (it starts with {lines[0][0]!r}), not JSONL: infer run "
+                          f"reads one request object per line, e.g. {example}",
+                          f"write each request on a line of its own, e.g. jq -c '.[]' {path} > prompts.jsonl for an "
+                          f"array (jq -c . {path} for pretty-printed objects)")
+    raise ConfigError(f"input {path} is not JSONL: no line of it is a JSON object (line 1: {lines[0][:40]!r}); infer "
+                      f"run reads one request object per line, e.g. {example}",
+                      f"to make one request of each line of a text file: jq -R -c '{{prompt: .}}' {path} > "
+                      "prompts.jsonl (a CSV needs its prompt column taken out first)")
 
 
 # the magic numbers of compressed files, none of which UTF-8 text can start with (bzip2's, tested apart, is text)
