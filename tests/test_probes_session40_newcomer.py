@@ -100,3 +100,22 @@ def test_a_jsonl_file_with_a_bad_line_still_gets_its_error_record(tmp_path):
     res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q"])
     assert res.exit_code == 1, res.output
     assert json.loads(out.read_text())["error"].startswith("line 1: bad JSON")
+
+
+@pytest.mark.parametrize("command, option, says", [
+    ("run", "--temperature", '"temperature" is a request\'s field, set per line of INPUT'),
+    ("run", "--top-p=0.9", '"top_p" is a request\'s field, set per line of INPUT'),
+    ("run", "--max-tokens", "use --max-new-tokens N"),
+    ("serve", "--temperature", "\"temperature\" is a request's field: send it in each request's body"),
+    ("serve", "--max-tokens", "a request's max_tokens"),
+])
+def test_a_requests_field_given_as_an_option_says_where_it_goes(command, option, says):
+    """`infer run M in.jsonl --temperature 0.7` got click's guess "Possible options: --chat-template"."""
+    res = runner.invoke(app, [command, "tiny-llama", *(["in.jsonl"] if command == "run" else []), option, "1"])
+    assert res.exit_code == 2 and says in res.output and "--chat-template" not in res.output, res.output
+    assert f"`infer {command}` has no option {option.split('=')[0]}" in res.output
+
+
+def test_an_unknown_option_that_is_no_field_still_gets_clicks_guess():
+    res = runner.invoke(app, ["run", "tiny-llama", "in.jsonl", "--max-new-token", "4"])
+    assert res.exit_code == 2 and "Possible options: --max-new-tokens" in res.output, res.output

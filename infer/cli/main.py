@@ -34,11 +34,16 @@ class _Commands(TyperGroup):
             sys.exit(e.exit_code)
         except click_errors.UsageError as e:
             where = e.ctx.command_path if e.ctx is not None else self._command_path(args)
-            from .vllm_flags import vllm_hint
-            hint = vllm_hint(e.option_name) if isinstance(e, click_errors.NoSuchOption) else None
+            from .vllm_flags import request_field_hint, vllm_hint
+            unknown = isinstance(e, click_errors.NoSuchOption)
+            hint = vllm_hint(e.option_name) if unknown else None
+            field = request_field_hint(where, e.option_name) if unknown and hint is None else None
             if hint is not None:  # vLLM's option: say what to do in infer, not click's guesses at a misspelling
                 typer.echo(f"error: {e.option_name} is vLLM's option, which `{where}` does not take\n"
                            f"  hint: {hint}", err=True)
+            elif field is not None:  # a request's field (--temperature): where it goes instead
+                typer.echo(f"error: `{where}` has no option {e.option_name.split('=', 1)[0]}\n  hint: {field}",
+                           err=True)
             else:
                 typer.echo(f"error: {e.format_message()}\n  hint: see `{where} --help`", err=True)
             sys.exit(2)

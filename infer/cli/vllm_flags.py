@@ -83,3 +83,30 @@ def vllm_hint(option: str | None) -> str | None:
     if not option:
         return None
     return VLLM_HINTS.get(option.split("=", 1)[0])
+
+
+# a request's sampling fields, typed as options of `infer run` or `infer serve` (click guessed `--chat-template`
+# for `--temperature`): they are set per request, in the JSONL line or the HTTP request
+_REQUEST_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "stop", "stop_token_ids", "logprobs", "ignore_eos", "min_tokens",
+                   "logit_bias", "bad_words", "allowed_token_ids", "skip_special_tokens")
+
+
+def request_field_hint(command: str, option: str | None) -> str | None:
+    """What to do instead of an option of `command` (`infer run`, `infer serve`) that is a request's field, or
+    None when it is not one."""
+    if not option or command not in ("infer run", "infer serve"):
+        return None
+    name = option.split("=", 1)[0].lstrip("-").replace("-", "_")
+    run = command == "infer run"
+    if name in ("max_tokens", "max_new_tokens", "max_completion_tokens"):
+        return ("use --max-new-tokens N: the default for lines without their own \"max_new_tokens\"" if run else
+                "the reply's length is a request's max_tokens (16 by default for completions, up to the context "
+                "for chat); --max-model-len caps the context")
+    if name not in _REQUEST_FIELDS:
+        return None
+    if run:
+        return (f"\"{name}\" is a request's field, set per line of INPUT: e.g. {{\"prompt\": \"...\", \"{name}\": "
+                "...} (in an OpenAI batch line, inside its body)")
+    return (f"\"{name}\" is a request's field: send it in each request's body (a request that leaves a sampling "
+            "field out gets MODEL's generation_config.json value, else OpenAI's default)")
