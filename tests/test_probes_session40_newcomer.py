@@ -119,3 +119,28 @@ def test_a_requests_field_given_as_an_option_says_where_it_goes(command, option,
 def test_an_unknown_option_that_is_no_field_still_gets_clicks_guess():
     res = runner.invoke(app, ["run", "tiny-llama", "in.jsonl", "--max-new-token", "4"])
     assert res.exit_code == 2 and "Possible options: --max-new-tokens" in res.output, res.output
+
+
+@pytest.mark.parametrize("key", ["text", "input", "instruction"])
+def test_a_line_whose_prompt_is_under_another_datasets_key_says_to_rename_it(tmp_path, key):
+    """{"text": ...} (what `infer quantize --calibration` reads) got "unknown field(s) ['text']" and a list of 31
+    allowed fields, 'prompt' somewhere in it."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({key: "hello there"}) + "\n")
+    out = tmp_path / "o.jsonl"
+    res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q"])
+    assert res.exit_code == 1, res.output
+    assert f"the prompt's field is 'prompt' (a chat's 'messages'), e.g. {{\"prompt\": \"...\"}}: rename {key!r}" \
+        in json.loads(out.read_text())["error"]
+
+
+def test_a_bench_dataset_line_with_text_says_to_rename_it(tmp_path):
+    from infer.bench.datasets import jsonl_requests
+    from infer.engine.setup import load_tokenizer
+    from infer.errors import ConfigError
+    from infer.models.tiny import ensure_builtin
+    inp = tmp_path / "d.jsonl"
+    inp.write_text('{"text": "hello there"}\n')
+    with pytest.raises(ConfigError) as e:
+        jsonl_requests(str(inp), load_tokenizer(ensure_builtin("tiny-llama")), 8)
+    assert "rename 'text'" in e.value.hint

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..engine.inputs import prompt_lookalike
 from ..engine.sampling_params import MAX_TOKENS
 from ..errors import ConfigError, RequestError, read_utf8
 
@@ -226,7 +227,9 @@ def jsonl_requests(path: str, tokenizer, default_output_len: int) -> list[BenchR
             raise ConfigError(f"{where} is not a JSON object", "one JSON object per line")
         unknown = sorted(set(obj) - set(JSONL_KEYS))
         if unknown:  # as `infer run` refuses them: a field that would change the request is not silently dropped
-            raise ConfigError(f"{where}: unknown field(s) {unknown}", f"allowed: {', '.join(JSONL_KEYS)}")
+            rename = prompt_lookalike(obj, unknown)
+            raise ConfigError(f"{where}: unknown field(s) {unknown}",
+                              f"{rename + '; ' if rename else ''}allowed: {', '.join(JSONL_KEYS)}")
         text, ids = _render(tokenizer, obj, where)
         n = obj.get("max_new_tokens", obj.get("max_tokens", default_output_len))
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_TOKENS:

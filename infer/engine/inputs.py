@@ -509,6 +509,18 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
     return fields, req_id, lora, _OPENAI_ALIASES
 
 
+# what datasets call the prompt (a calibration file's "text", Alpaca's "instruction"/"input"), read by no line
+_PROMPT_LOOKALIKES = frozenset({"text", "input", "instruction", "question", "query", "content", "inputs"})
+
+
+def prompt_lookalike(obj: dict, unknown) -> str | None:
+    """What to rename when a line without a prompt holds what other datasets call one ({"text": ...}), or None."""
+    named = sorted(set(unknown) & _PROMPT_LOOKALIKES)
+    if not named or any(k in obj for k in _PROMPT_KEYS):
+        return None
+    return f"the prompt's field is 'prompt' (a chat's 'messages'), e.g. {{\"prompt\": \"...\"}}: rename {named[0]!r}"
+
+
 def is_request_id(value: Any) -> bool:
     """An id a record can carry as given: a string or an integer (not a list, an object or a boolean)."""
     return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
@@ -538,6 +550,8 @@ def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = 
             if openai:  # OpenAI's names for a field this format spells otherwise
                 hint = (f"this format calls {' and '.join(openai)} 'max_new_tokens' (OpenAI's names are read inside "
                         f"an OpenAI batch line's body); {hint}")
+            elif prompt_lookalike(obj, unknown) is not None:  # {"text": ...}
+                hint = f"{prompt_lookalike(obj, unknown)}; {hint}"
             raise RequestError(f"unknown field(s) {sorted(unknown)}", hint)
         req_id = default_id if obj.get("id") is None else request_id(obj["id"], "id")
         fields, lora, aliases = obj, obj.get("lora"), None
