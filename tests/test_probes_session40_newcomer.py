@@ -144,3 +144,16 @@ def test_a_bench_dataset_line_with_text_says_to_rename_it(tmp_path):
     with pytest.raises(ConfigError) as e:
         jsonl_requests(str(inp), load_tokenizer(ensure_builtin("tiny-llama")), 8)
     assert "rename 'text'" in e.value.hint
+
+
+@pytest.mark.parametrize("keyword, says", [("tensor_parallel_size", "one GPU"), ("trust_remote_code", "never a "
+                                           "checkpoint's Python"), ("quantization", "read from the model's config")])
+def test_a_vllm_keyword_of_llm_says_what_to_do_instead(keyword, says):
+    """`LLM(model, tensor_parallel_size=1, trust_remote_code=True)` (vLLM's quick start) listed EngineConfig's 30
+    fields; the command line said what to do for the same options."""
+    from infer import LLM
+    from infer.errors import UnknownOptionError
+    with pytest.raises(UnknownOptionError) as e:
+        LLM("tiny-llama", **{keyword: 1})
+    assert f"LLM() has no option {keyword!r}: it is vLLM's keyword" == e.value.message and says in e.value.hint
+    assert isinstance(e.value, TypeError)

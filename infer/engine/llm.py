@@ -30,10 +30,37 @@ def _check_options(options: dict) -> None:
     known = [f.name for f in fields(EngineConfig) if f.name != "model"]
     unknown = sorted(set(options) - set(known))
     if unknown:
+        vllm = next((name for name in unknown if name in _VLLM_OPTIONS), None)
+        if vllm is not None:  # a vLLM program's keyword: what to do in infer, not 30 options to guess from
+            raise UnknownOptionError(f"LLM() has no option {vllm!r}: it is vLLM's keyword", _VLLM_OPTIONS[vllm])
         near = difflib.get_close_matches(unknown[0], known, n=1)
         raise UnknownOptionError(f"LLM() has no option {', '.join(map(repr, unknown))}",
                                  (f"did you mean {near[0]!r}? " if near else "") +
                                  f"its options are EngineConfig's: {', '.join(known)}")
+
+
+_LOCAL = ("model is a local folder (infer downloads nothing): fetch it first, e.g. `huggingface-cli download ID "
+          "--revision REV --local-dir DIR`, and pass DIR")
+_ONE_GPU = "infer runs each model on one GPU (`infer run/serve --data-parallel N` runs replicas); drop the keyword"
+# vLLM's LLM() keywords that infer does not take, and what to do instead (the command line's are in cli/vllm_flags)
+_VLLM_OPTIONS = {
+    "tensor_parallel_size": _ONE_GPU,
+    "pipeline_parallel_size": _ONE_GPU,
+    "data_parallel_size": _ONE_GPU,
+    "trust_remote_code": "infer runs its own Llama, Mistral and Qwen code, never a checkpoint's Python; drop the "
+                         "keyword",
+    "quantization": "the quantization is read from the model's config.json (GPTQ int4/int8, or a float model); drop "
+                    "the keyword (`infer quantize` makes a GPTQ checkpoint)",
+    "tokenizer": "the tokenizer is read from the model's folder; copy the tokenizer's files into it",
+    "revision": _LOCAL,
+    "tokenizer_revision": _LOCAL,
+    "download_dir": _LOCAL,
+    "load_format": "the model's safetensors or .bin weights are read as they are; drop the keyword",
+    "kv_cache_dtype": "the KV cache is kept in the model's dtype; drop the keyword",
+    "enable_chunked_prefill": "infer always splits long prefills into steps of max_num_batched_tokens tokens; drop "
+                              "the keyword",
+    "swap_space": "infer preempts a sequence by recomputing it, not by swapping its KV to the CPU; drop the keyword",
+}
 
 
 def _vllm_keywords(method):
