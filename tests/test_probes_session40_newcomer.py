@@ -157,3 +157,14 @@ def test_a_vllm_keyword_of_llm_says_what_to_do_instead(keyword, says):
         LLM("tiny-llama", **{keyword: 1})
     assert f"LLM() has no option {keyword!r}: it is vLLM's keyword" == e.value.message and says in e.value.hint
     assert isinstance(e.value, TypeError)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["run", "tiny-llama", "in.jsonl", "out.jsonl"],
+     "the output file is an option: infer run MODEL INPUT -o out.jsonl"),
+    (["serve", "tiny-llama", "8000"], "the port is an option: infer serve MODEL --port 8000"),
+], ids=["run-output", "serve-port"])
+def test_one_positional_argument_too_many_says_which_option_it_is(argv, says):
+    res = runner.invoke(app, argv)
+    assert res.exit_code == 2 and "unexpected extra argument" in res.output and says in res.output, res.output
+

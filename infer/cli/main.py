@@ -45,7 +45,8 @@ class _Commands(TyperGroup):
                 typer.echo(f"error: `{where}` has no option {e.option_name.split('=', 1)[0]}\n  hint: {field}",
                            err=True)
             else:
-                typer.echo(f"error: {e.format_message()}\n  hint: see `{where} --help`", err=True)
+                hint = _extra_argument_hint(where, e) or f"see `{where} --help`"
+                typer.echo(f"error: {e.format_message()}\n  hint: {hint}", err=True)
             sys.exit(2)
         except click_errors.ClickException as e:
             e.show()
@@ -61,6 +62,21 @@ class _Commands(TyperGroup):
         args = sys.argv[1:] if args is None else list(args)
         name = next((a for a in args if not a.startswith("-")), None)
         return f"infer {name}" if name in self.commands else "infer"
+
+
+def _extra_argument_hint(where: str, error) -> str | None:
+    """What a newcomer meant by one positional argument too many: `infer run M in.jsonl out.jsonl` (the output is
+    -o OUT), `infer serve M 8000` (the port is --port); None for anything else."""
+    import re
+    found = re.fullmatch(r"Got unexpected extra argument(?:s|\(s\))? \((.*)\)", error.format_message())
+    if found is None or " " in found.group(1):
+        return None
+    extra = found.group(1)
+    if where == "infer run":
+        return f"the output file is an option: infer run MODEL INPUT -o {extra}"
+    if where == "infer serve" and extra.isdigit():
+        return f"the port is an option: infer serve MODEL --port {extra}"
+    return None
 
 
 app = typer.Typer(
