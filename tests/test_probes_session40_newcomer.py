@@ -168,3 +168,10 @@ def test_one_positional_argument_too_many_says_which_option_it_is(argv, says):
     res = runner.invoke(app, argv)
     assert res.exit_code == 2 and "unexpected extra argument" in res.output and says in res.output, res.output
 
+
+def test_model_and_input_swapped_are_named(tmp_path, _no_engine):
+    """`infer run prompts.jsonl tiny-llama` said "input file tiny-llama does not exist"."""
+    inp = tmp_path / "prompts.jsonl"
+    inp.write_text('{"prompt": "hi"}\n')
+    res = runner.invoke(app, ["run", str(inp), "tiny-llama", "-o", str(tmp_path / "o.jsonl")])
+    assert res.exit_code == 2 and "swapped" in res.output and f"infer run tiny-llama {inp}" in res.output, res.output

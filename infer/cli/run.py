@@ -61,6 +61,10 @@ def run(
                           "give a file path, e.g. -o out/records.jsonl")
     # "-" is the usual spelling of stdout (a file named "-" is -o ./-)
     output = None if output is None or output == "-" else Path(output)
+    given = Path(str(engine.model)).expanduser()
+    if str(input) != "-" and not input.exists() and given.is_file():  # `infer run prompts.jsonl tiny-llama`
+        raise ConfigError(f"input file {input} does not exist, and MODEL {given} is a file: the two are swapped?",
+                          f"MODEL comes first: infer run MODEL INPUT, e.g. infer run {input} {given}")
     _check_paths(input, output, resume, max_new_tokens)
     options = _output_options(engine, max_new_tokens)
     resumable = is_regular_target(output)
