@@ -175,3 +175,28 @@ def test_model_and_input_swapped_are_named(tmp_path, _no_engine):
     inp.write_text('{"prompt": "hi"}\n')
     res = runner.invoke(app, ["run", str(inp), "tiny-llama", "-o", str(tmp_path / "o.jsonl")])
     assert res.exit_code == 2 and "swapped" in res.output and f"infer run tiny-llama {inp}" in res.output, res.output
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from infer import LLM
+    engine = LLM("tiny-llama", max_num_seqs=4)
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("prompts, says", [
+    ({"role": "user", "content": "hi"}, "the prompt is one chat message, not a list of them"),
+    (["a", {"role": "user", "content": "hi"}], "prompt 1 is one chat message, not a list of them"),
+    ({"text": "hi"}, "the prompt is a dict of 'text', which is no prompt"),
+    ([{"prompt": "a"}, {"text": "b"}], "prompt 1 is a dict of 'text', which is no prompt"),
+], ids=["message", "message-in-list", "text-dict", "text-dict-in-list"])
+def test_a_dict_that_is_no_prompt_says_what_it_is(llm, prompts, says):
+    """One chat message not put in a list got "prompts must be a string, ... got dict", and a {"text": ...} among
+    prompts "is of type dict, not text, token ids or chat messages (give ... a list of chat messages (dicts))"."""
+    from infer import RequestError, SamplingParams
+    with pytest.raises(RequestError) as e:
+        llm.generate(prompts, SamplingParams(max_new_tokens=2))
+    assert e.value.message == says
+    assert ('[{"role": "user", "content": ...}]' if "chat" in says else '{"prompt": text}') in e.value.hint
+    assert llm.engine.get_num_unfinished_requests() == 0

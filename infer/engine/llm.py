@@ -171,6 +171,8 @@ class LLM:
             ids = [_token_id(t) for t in prompt]  # numpy ints and 0-d tensors (list(array)) are token ids too
             if all(t is not None for t in ids):
                 return ids
+        if isinstance(prompt, dict):
+            raise _bad_dict(prompt, f"prompt {i}")
         what = ("a list whose items are not all token ids (ints) nor all chat messages (dicts)"
                 if isinstance(prompt, (list, tuple))
                 else f"of type {type(prompt).__name__}, not text, token ids or chat messages")
@@ -190,6 +192,8 @@ class LLM:
                 prompts and isinstance(prompts, (list, tuple)) and not _is_prompt_dict(prompts[0])
                 and (isinstance(prompts[0], dict) or _token_id(prompts[0]) is not None)):
             prompts = [prompts]
+        if isinstance(prompts, dict):
+            raise _bad_dict(prompts, "the prompt")
         if not isinstance(prompts, (list, tuple)):
             raise RequestError(f"prompts must be a string, a list of token ids, chat messages, or a list of those; "
                                f"got {type(prompts).__name__}",
@@ -416,6 +420,16 @@ _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 def _is_prompt_dict(x) -> bool:
     """vLLM's TextPrompt {"prompt": text} or TokensPrompt {"prompt_token_ids": ids}, not a chat message (a role)."""
     return isinstance(x, dict) and "role" not in x and any(k in x for k in _PROMPT_KEYS)
+
+
+def _bad_dict(prompt: dict, what: str) -> RequestError:
+    """A dict that is neither vLLM's prompt dict nor inside a list of chat messages: one chat message not put in a
+    list, or a dict of other keys ({"text": ...})."""
+    if "role" in prompt:
+        return RequestError(f"{what} is one chat message, not a list of them",
+                            'give the chat as a list: [{"role": "user", "content": ...}]')
+    return RequestError(f"{what} is a dict of {', '.join(map(repr, sorted(prompt, key=str))) or 'no keys'}, which is "
+                        "no prompt", 'give text, or vLLM\'s {"prompt": text} or {"prompt_token_ids": [ids]}')
 
 
 def _dict_prompt(prompt: dict, i: int) -> tuple[object, bool]:
