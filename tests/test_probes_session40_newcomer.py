@@ -200,3 +200,12 @@ def test_a_dict_that_is_no_prompt_says_what_it_is(llm, prompts, says):
     assert e.value.message == says
     assert ('[{"role": "user", "content": ...}]' if "chat" in says else '{"prompt": text}') in e.value.hint
     assert llm.engine.get_num_unfinished_requests() == 0
+
+
+@pytest.mark.parametrize("dtype, says", [("int4", "int4/int8 weights come from a GPTQ checkpoint"),
+                                         ("gptq", "`infer quantize MODEL -o OUT --bits 4`"),
+                                         ("fp16", "(did you mean float16?)"), ("bf16", "(did you mean bfloat16?)")])
+def test_a_quantized_or_short_dtype_says_what_to_do(dtype, says):
+    """`--dtype int4` (a newcomer who forgot to quantize) only listed the float types."""
+    res = runner.invoke(app, ["run", "tiny-llama", "in.jsonl", "--dtype", dtype])
+    assert res.exit_code == 2 and f"--dtype {dtype!r} is not one of" in res.output and says in res.output, res.output

@@ -21,6 +21,18 @@ from ..memory.sizes import gib
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's --dtype spellings, as torch names them
+_SHORT_DTYPES = {"fp16": "float16", "f16": "float16", "bf16": "bfloat16", "fp32": "float32", "f32": "float32"}
+
+
+def _dtype_advice(dtype) -> str:
+    """What a refused --dtype meant: a short name (fp16), or a quantized type (int4), which no --dtype gives."""
+    name = str(dtype).lower().replace("torch.", "")
+    if name in _SHORT_DTYPES:
+        return f" (did you mean {_SHORT_DTYPES[name]}?)"
+    if any(q in name for q in ("int", "gptq", "awq", "q4", "q8", "fp8", "nf4")):
+        return (": --dtype is the float type of activations and unquantized weights; int4/int8 weights come from a "
+                "GPTQ checkpoint (make one with `infer quantize MODEL -o OUT --bits 4`, then serve OUT)")
+    return ""
 ENGINE, LORA = "Engine options", "LoRA options"
 
 
@@ -249,7 +261,7 @@ class EngineConfig:
                 what = "True, False or None" if name in OPTIONAL else "True or False"
                 yield f"{name} must be {what}, got {value!r}"
         if not isinstance(self.dtype, str) or self.dtype not in ("auto", *_DTYPES):
-            yield f"--dtype {self.dtype!r} is not one of auto, float32, float16, bfloat16"
+            yield f"--dtype {self.dtype!r} is not one of auto, float32, float16, bfloat16" + _dtype_advice(self.dtype)
         if not isinstance(self.device, str) or not valid_device(self.device):
             yield f"--device {self.device!r} is not one of auto, cpu, cuda, cuda:N"
         util = self.gpu_memory_utilization
