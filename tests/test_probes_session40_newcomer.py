@@ -209,3 +209,11 @@ def test_a_quantized_or_short_dtype_says_what_to_do(dtype, says):
     """`--dtype int4` (a newcomer who forgot to quantize) only listed the float types."""
     res = runner.invoke(app, ["run", "tiny-llama", "in.jsonl", "--dtype", dtype])
     assert res.exit_code == 2 and f"--dtype {dtype!r} is not one of" in res.output and says in res.output, res.output
+
+
+def test_quantize_with_its_default_group_size_on_a_tiny_model_names_the_size_that_fits(tmp_path):
+    """`infer quantize tiny-llama -o OUT` (the default --group-size 128 on a hidden size of 64) said only "pick a
+    group size that divides every layer's input size"."""
+    res = runner.invoke(app, ["quantize", "tiny-llama", "-o", str(tmp_path / "q")])
+    assert res.exit_code == 2 and "--group-size 128 does not divide the model's hidden_size (64)" in res.output
+    assert "use --group-size 64, the largest that divides every layer's input size" in res.output, res.output

@@ -264,8 +264,12 @@ def _check_widths(config: dict, group_size: int, bits: int) -> None:
     bad = {k: v for k, v in inputs.items() if group_size > 0 and v % group_size}
     if bad:
         sizes = " or ".join(f"{k} ({v})" if "(" not in k else f"{k} = {v}" for k, v in bad.items())
+        fits = [g for g in GROUP_SIZES if g > 0 and all(v % g == 0 for v in inputs.values())]
         raise ConfigError(f"--group-size {group_size} does not divide the model's {sizes}",
-                          "pick a group size that divides every layer's input size (or -1 for one group)")
+                          f"use --group-size {fits[-1]}, the largest that divides every layer's input size (or -1 "
+                          "for one group per row)" if fits else
+                          "use --group-size -1 (one group per row): no other group size divides every layer's input "
+                          "size")
     pack = 32 // bits
     bad = {k: v for k, v in {**inputs, **outputs}.items() if v % pack}
     if bad:
