@@ -217,3 +217,32 @@ def test_quantize_with_its_default_group_size_on_a_tiny_model_names_the_size_tha
     res = runner.invoke(app, ["quantize", "tiny-llama", "-o", str(tmp_path / "q")])
     assert res.exit_code == 2 and "--group-size 128 does not divide the model's hidden_size (64)" in res.output
     assert "use --group-size 64, the largest that divides every layer's input size" in res.output, res.output
+
+
+def test_an_adapter_no_line_names_is_a_note(tmp_path, monkeypatch):
+    """`infer run M in.jsonl --lora support=PATH` with lines that name no adapter ran the base model without a word:
+    a newcomer took the replies for the adapter's."""
+    from infer.cli import batch_io
+    from infer.cli.batch_io import InputLine
+    from infer.engine.inputs import ParsedRequest
+    from infer.engine.sampling_params import SamplingParams
+    base = InputLine(1, "a", ParsedRequest("a", [1, 2], SamplingParams(), None))
+    legal = InputLine(2, "b", ParsedRequest("b", [1, 2], SamplingParams(), "legal"))
+    note = batch_io.unused_adapters_note({"support": "/s", "legal": "/l"}, [base, legal])
+    assert note.startswith("note: no line of the input names the adapter(s) support given with --lora")
+    assert '"lora": "support"' in note
+    assert batch_io.unused_adapters_note({"legal": "/l"}, [base, legal]) is None
+    assert batch_io.unused_adapters_note({}, [base]) is None
+
+
+def test_infer_run_prints_the_note_for_an_adapter_no_line_names(tmp_path):
+    from pathlib import Path
+
+    from infer.models.tiny import ensure_builtin
+    from test_serve import make_adapter
+    adapter = make_adapter(Path(ensure_builtin("tiny-llama")), tmp_path / "support")
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "hi", "max_new_tokens": 2}\n')
+    res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", str(tmp_path / "o.jsonl"),
+                              "--lora", f"support={adapter}"])
+    assert res.exit_code == 0 and "no line of the input names the adapter(s) support" in res.output, res.output

@@ -152,6 +152,20 @@ def _parse_line(line_no: int, text: str, tokenizer, defaults: dict, names: Model
     return item
 
 
+def unused_adapters_note(loras, lines: list[InputLine]) -> str | None:
+    """The note for `--lora NAME=PATH` adapters that no line of the input names: each line picks its adapter with
+    "lora" (or a batch line's body.model), and a newcomer who registered one and named it nowhere got base-model
+    replies without a word. None when every adapter is named (or none is registered)."""
+    named = {item.request.lora for item in lines if item.request is not None}
+    unused = [name for name in (loras or {}) if name not in named]
+    if not unused:
+        return None
+    which = ", ".join(unused)
+    return (f"note: no line of the input names the adapter(s) {which} given with --lora; lines without \"lora\" run "
+            f"the base model (a line picks an adapter with \"lora\": \"{unused[0]}\", an OpenAI batch line with "
+            f"\"model\": \"{unused[0]}\")")
+
+
 def read_inputs(path: Path, tokenizer, defaults: dict, names: ModelNames = ModelNames(),
                 max_tokens: int | None = None) -> list[InputLine]:
     """Every non-blank line of the input, parsed, or with the reason it is bad (line numbers start at 1); `names`

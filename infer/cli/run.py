@@ -18,8 +18,8 @@ from ..engine.config import EngineConfig
 from ..errors import ConfigError, RequestError
 from . import options as o
 from ..engine.sampling_params import MAX_TOKENS
-from .batch_io import (RecordWriter, check_input_encoding, error_record, model_names, output_record,
-                       read_inputs)
+from .batch_io import (RecordWriter, check_input_encoding, error_record, model_names, output_record, read_inputs,
+                       unused_adapters_note)
 from .entry import Terminated, terminate_as_interrupt
 from .resume import (check_not_unfinished, check_resume, done_ids, error_ids, is_regular_target, mark_complete,
                      output_lock, side_files, write_fingerprint)
@@ -113,6 +113,9 @@ def _run_in_process(engine: EngineConfig, input: Path, output: Path | None, defa
         _strict_exit(_prechecked_lines(engine, input, defaults))
     llm = _start_engine(engine, quiet)
     lines = _checked_lines(llm, input, defaults, strict, model_names(engine))
+    note = unused_adapters_note(engine.loras, lines)
+    if note and not quiet:
+        typer.echo(note, err=True)
     todo, writer, earlier = open_output(lines, output, input, options, resume, resumable)
     try:
         with terminate_as_interrupt():

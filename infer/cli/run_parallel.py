@@ -12,7 +12,7 @@ from ..parallel.pool import ReplicaPool, Work
 from ..parallel.progress import ReplicaProgress
 from ..parallel.replica import ENGINE_FAILURE
 from ..parallel.runtime import local_cpus, placement, ray_runtime, require_ray, start_replicas
-from .batch_io import RecordWriter, error_record, model_names, output_record, read_inputs
+from .batch_io import RecordWriter, error_record, model_names, output_record, read_inputs, unused_adapters_note
 from .entry import terminate_as_interrupt
 from .run import _prechecked_lines, _strict_exit, exit_interrupted, open_output
 
@@ -44,6 +44,9 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
             # is refused untokenized, with one engine's message
             lines = read_inputs(input, tokenizer, defaults, model_names(engine), infos[0]["max_model_len"])
             _check_lines(ray, handles[0], lines, strict)
+            note = unused_adapters_note(engine.loras, lines)
+            if note and not quiet:
+                typer.echo(note, err=True)
             todo, writer, earlier = open_output(lines, output, input, options, resume, resumable)
             try:
                 return _generate(pool, todo, writer, tokenizer, quiet), earlier
