@@ -246,3 +246,25 @@ def test_infer_run_prints_the_note_for_an_adapter_no_line_names(tmp_path):
     res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", str(tmp_path / "o.jsonl"),
                               "--lora", f"support={adapter}"])
     assert res.exit_code == 0 and "no line of the input names the adapter(s) support" in res.output, res.output
+
+
+def test_a_missing_extra_is_named_with_the_pip_command(monkeypatch):
+    """`pip install -e .` without [serve], then `infer serve`: a traceback ending in "No module named 'fastapi'"."""
+    def no_fastapi(*a, **kw):
+        raise ModuleNotFoundError("No module named 'fastapi'", name="fastapi")
+    monkeypatch.setattr("infer.cli.serve._serve", no_fastapi)
+    res = runner.invoke(app, ["serve", "tiny-llama", "--port", "0"])
+    assert res.exit_code == 2 and "infer serve needs 'fastapi', which is not installed" in res.output, res.output
+    assert "pip install 'infer[serve]'" in res.output and "Traceback" not in res.output
+
+
+def test_bench_without_pandas_is_refused_before_it_measures(tmp_path, monkeypatch):
+    """pandas is imported when the report is written: a missing bench extra lost every level measured."""
+    import importlib.util
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pandas" else find(name, *a))
+    from infer.engine import llm_engine
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+    res = runner.invoke(app, ["bench", "tiny-llama", "--num-prompts", "2", "--out", str(tmp_path / "b")])
+    assert res.exit_code == 2 and "writes its report with pandas, which is not installed" in res.output, res.output
+    assert "pip install 'infer[bench]'" in res.output

@@ -179,6 +179,16 @@ def check_sizes(levels: list[int], **sizes: int | None) -> None:
                           f"raise it to {max(levels)} or more, or leave it out (it defaults to the largest level)")
 
 
+def require_report_libraries() -> None:
+    """The report needs pandas and matplotlib (the bench extra): missing, they failed the run after every level was
+    measured, with a traceback and no report."""
+    import importlib.util
+    for package in ("pandas", "matplotlib"):
+        if importlib.util.find_spec(package) is None:
+            raise ConfigError(f"infer bench writes its report with {package}, which is not installed",
+                              "pip install 'infer[bench]' (the bench extra)")
+
+
 def check_out(out: Path | None) -> None:
     """The report folder must be creatable and writable: found now, not after the whole benchmark has run."""
     if out is None:
@@ -294,6 +304,7 @@ def bench(
     check_range_ratio(random_range_ratio, dataset)
     out = out.expanduser() if out is not None else None  # one folder for every file (pandas expands ~ itself)
     check_out(out)
+    require_report_libraries()
     check_sizes(levels, input_len=input_len, output_len=output_len, max_num_seqs=max_num_seqs, max_loras=max_loras)
     names = mix(lora_names(lora, url), lora_mix)
     model_id = served_model_name or o.base_model_id(model)

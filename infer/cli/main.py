@@ -114,12 +114,37 @@ def handle_errors(fn, command: str = "COMMAND"):
         except (typer.Exit, typer.Abort, click_errors.ClickException):  # the command's own exit, as it chose
             raise
         except Exception as e:
+            extra = missing_extra(e)
+            if extra is not None and not (_state["debug"] or _debug()):  # `pip install -e .` without the extra
+                typer.echo(f"error: infer {command} needs {extra[0]!r}, which is not installed\n"
+                           f"  hint: pip install 'infer[{extra[1]}]' (the {extra[1]} extra)", err=True)
+                raise typer.Exit(2) from None
             if not _from_ctrl_c(e):
                 raise
             typer.echo("interrupted", err=True)  # e.g. transformers' lazy imports turn it into an import error
             raise typer.Exit(130) from None
 
     return wrapper
+
+
+# the packages of infer's extras (pyproject.toml), by the name they import as: which extra installs each
+_EXTRAS = {"fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve", "starlette": "serve",
+           "pandas": "bench", "matplotlib": "bench", "httpx": "bench", "peft": "lora", "gptqmodel": "quantize",
+           "optimum": "quantize", "ray": "ray", "xgrammar": "structured"}
+
+
+def missing_extra(e: BaseException) -> tuple[str, str] | None:
+    """(the package, the extra that installs it) when `e` is the import of an extra's package that is not
+    installed, else None: a traceback from deep inside serve or bench said only "No module named 'fastapi'"."""
+    if not isinstance(e, ModuleNotFoundError) or not e.name:
+        return None
+    package = e.name.split(".")[0]
+    return (package, _EXTRAS[package]) if package in _EXTRAS else None
+
+
+def _debug() -> bool:
+    from .quiet import debug_env
+    return debug_env()
 
 
 def _from_ctrl_c(e: BaseException) -> bool:
