@@ -268,3 +268,25 @@ def test_bench_without_pandas_is_refused_before_it_measures(tmp_path, monkeypatc
     res = runner.invoke(app, ["bench", "tiny-llama", "--num-prompts", "2", "--out", str(tmp_path / "b")])
     assert res.exit_code == 2 and "writes its report with pandas, which is not installed" in res.output, res.output
     assert "pip install 'infer[bench]'" in res.output
+
+
+def test_a_wrong_route_or_method_says_which_routes_there_are():
+    """`curl HOST:8000/completions` got {"error": {"message": "Not Found"}}, a GET of a POST route "Method Not
+    Allowed", and the runtime LoRA routes of a server without --allow-runtime-lora "Not Found" too."""
+    import httpx
+
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=2))
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny-llama")) as url:
+        r = httpx.post(f"{url}/completions", json={"prompt": "hi"})
+        assert r.status_code == 404 and r.json()["error"]["message"].startswith(
+            "no route POST /completions: the OpenAI routes are under /v1 (POST /v1/completions"), r.text
+        r = httpx.get(f"{url}/v1/completions")
+        assert r.status_code == 405 and r.json()["error"]["message"] == "GET /v1/completions is not allowed: use POST"
+        r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"})
+        assert r.status_code == 404 and "--allow-runtime-lora" in r.json()["error"]["message"], r.text
+        r = httpx.get(f"{url}/v1/models/nope")  # a route's own 404 keeps its message
+        assert r.status_code == 404 and "the model 'nope' does not exist" in r.json()["error"]["message"]

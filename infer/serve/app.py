@@ -296,6 +296,23 @@ async def _stream(server: Server, req: p.GenerationRequest, rid: str, model: str
     yield "data: [DONE]\n\n"
 
 
+def _routing_message(request: Request, e, headers) -> str:
+    """The router's bare "Not Found" / "Method Not Allowed" (a client's `curl HOST/completions`, a GET of a POST
+    route) as what was asked and what to ask instead."""
+    asked = f"{request.method} {request.url.path}"
+    if e.status_code == 404 and e.detail == "Not Found" and request.url.path.endswith("_lora_adapter"):
+        return (f"no route {asked}: the runtime LoRA routes are off; start the server with --allow-runtime-lora "
+                "(it lets clients make the server read a folder they name)")
+    if e.status_code == 404 and e.detail == "Not Found":
+        return (f"no route {asked}: the OpenAI routes are under /v1 (POST /v1/completions, POST "
+                "/v1/chat/completions, GET /v1/models), beside GET /health, GET /metrics, POST /tokenize, POST "
+                "/detokenize and GET /version")
+    if e.status_code == 405 and e.detail == "Method Not Allowed":
+        allow = (headers or {}).get("Allow") or (headers or {}).get("allow")
+        return f"{asked} is not allowed" + (f": use {allow}" if allow else "")
+    return str(e.detail)
+
+
 def _install_handlers(app: FastAPI) -> None:
     """Every answer that is not a success is an OpenAI-style error body (ErrorGuardMiddleware makes the 500s)."""
     @app.exception_handler(p.ApiError)
@@ -304,8 +321,9 @@ def _install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
-        return SafeJSONResponse(p.ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code,
-                                headers=getattr(e, "headers", None))  # a 405's Allow among them
+        headers = getattr(e, "headers", None)  # a 405's Allow among them
+        return SafeJSONResponse(p.ApiError(e.status_code, _routing_message(request, e, headers)).body(),
+                                status_code=e.status_code, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError):
