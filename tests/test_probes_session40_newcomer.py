@@ -290,3 +290,15 @@ def test_a_wrong_route_or_method_says_which_routes_there_are():
         assert r.status_code == 404 and "--allow-runtime-lora" in r.json()["error"]["message"], r.text
         r = httpx.get(f"{url}/v1/models/nope")  # a route's own 404 keeps its message
         assert r.status_code == 404 and "the model 'nope' does not exist" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("method", ["generate", "stream"])
+def test_sampling_options_given_as_keywords_say_to_use_sampling_params(llm, method):
+    """transformers' habit, `llm.generate("hi", max_new_tokens=32)`, got Python's bare "unexpected keyword
+    argument"."""
+    with pytest.raises(TypeError) as e:
+        getattr(llm, method)("hi", max_new_tokens=4, temperature=0.5)
+    assert str(e.value).startswith(f"{method}() has no keyword 'max_new_tokens': sampling options go in a "
+                                   "SamplingParams")
+    assert f"llm.{method}(prompts, SamplingParams(max_new_tokens=4, temperature=0.5))" in e.value.hint
+    assert llm.engine.get_num_unfinished_requests() == 0

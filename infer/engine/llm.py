@@ -10,6 +10,7 @@ import functools
 import numbers
 import threading
 import weakref
+from dataclasses import fields as dataclass_fields
 from typing import Iterator, Sequence as Seq
 
 from ..errors import ClosedError, RequestError, UnknownOptionError
@@ -63,6 +64,9 @@ _VLLM_OPTIONS = {
 }
 
 
+_SAMPLING_FIELDS = frozenset([*(f.name for f in dataclass_fields(SamplingParams)), "max_tokens"])
+
+
 def _vllm_keywords(method):
     """vLLM's keywords for generate / chat / stream: `sampling_params` is taken for params (both given: refused),
     `use_tqdm` is taken and ignored (infer shows no progress bar), and `lora_request` (a vLLM LoRARequest) is
@@ -82,6 +86,11 @@ def _vllm_keywords(method):
                 args[at] = list(args[at])
             elif isinstance(kwargs.get(name), tuple):
                 kwargs[name] = list(kwargs[name])
+        sampling = sorted(k for k in kwargs if k in _SAMPLING_FIELDS)
+        if sampling:  # transformers' generate(prompt, max_new_tokens=32): a bare TypeError named no way out
+            given = ", ".join(f"{k}={kwargs[k]!r}" for k in sampling)
+            raise UnknownOptionError(f"{method.__name__}() has no keyword {sampling[0]!r}: sampling options go in a "
+                                     "SamplingParams", f"llm.{method.__name__}(prompts, SamplingParams({given}))")
         if "lora_request" in kwargs:
             raise RequestError("lora_request (vLLM's LoRARequest) is not taken: infer names adapters",
                                "pass lora=NAME, an adapter of LLM(..., loras={NAME: PATH}) or of llm.add_lora(NAME, "
