@@ -302,3 +302,14 @@ def test_sampling_options_given_as_keywords_say_to_use_sampling_params(llm, meth
                                    "SamplingParams")
     assert f"llm.{method}(prompts, SamplingParams(max_new_tokens=4, temperature=0.5))" in e.value.hint
     assert llm.engine.get_num_unfinished_requests() == 0
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["run", "-help"], "-help is read as one-letter options (-h -e ...); long options take two dashes: --help"),
+    (["run", "tiny-llama", "in.jsonl", "-max-new-tokens", "3"], "long options take two dashes: --max-new-tokens"),
+    (["version"], "the version is an option: infer --version"),
+], ids=["help", "max-new-tokens", "version"])
+def test_one_dash_long_options_and_a_version_command_say_what_was_meant(argv, says):
+    """`infer run -help` said "No such option: -e" and nothing else; `infer version` "No such command"."""
+    res = runner.invoke(app, argv)
+    assert res.exit_code == 2 and says in res.output, res.output

@@ -45,7 +45,8 @@ class _Commands(TyperGroup):
                 typer.echo(f"error: `{where}` has no option {e.option_name.split('=', 1)[0]}\n  hint: {field}",
                            err=True)
             else:
-                hint = _extra_argument_hint(where, e) or f"see `{where} --help`"
+                hint = (_extra_argument_hint(where, e) or (_one_dash_hint(e, args) if unknown else None)
+                        or _command_hint(e) or f"see `{where} --help`")
                 typer.echo(f"error: {e.format_message()}\n  hint: {hint}", err=True)
             sys.exit(2)
         except click_errors.ClickException as e:
@@ -62,6 +63,26 @@ class _Commands(TyperGroup):
         args = sys.argv[1:] if args is None else list(args)
         name = next((a for a in args if not a.startswith("-")), None)
         return f"infer {name}" if name in self.commands else "infer"
+
+
+def _one_dash_hint(error, args) -> str | None:
+    """`infer run -help` or `-max-new-tokens 8`: click reads one dash as short options, one letter each, and named
+    the first it did not know ("No such option: -e"). Say that long options take two dashes."""
+    args = sys.argv[1:] if args is None else list(args)
+    letter = (error.option_name or "")[1:]
+    token = next((a for a in args if a.startswith("-") and not a.startswith("--") and len(a) > 2
+                  and a[1:2].isalpha() and letter and letter in a[1:].split("=")[0]), None)
+    if token is None or len(letter) != 1:
+        return None
+    name = token.split("=")[0]
+    return f"{name} is read as one-letter options (-{name[1]} -{name[2]} ...); long options take two dashes: -{name}"
+
+
+def _command_hint(error) -> str | None:
+    """`infer version`: the version is an option."""
+    if "No such command 'version'" in error.format_message():
+        return "the version is an option: infer --version"
+    return None
 
 
 def _extra_argument_hint(where: str, error) -> str | None:
