@@ -93,7 +93,14 @@ def _check_jsonl(path: Path, head: bytes) -> None:
     if len(head) == 1 << 16 and len(lines) > 1:
         lines = lines[:-1]  # the last line may be cut in the middle
     lines = [line.strip() for line in lines if line.strip()]
-    if not lines or lines[0].startswith("{") and lines[0] != "{":
+    if not lines:
+        return
+    if lines[0].startswith("{") and lines[0] != "{":
+        commas = sum(line.endswith(",") for line in lines)
+        if commas >= max(1, len(lines) - 1) and all(_is_object(line.removesuffix(",")) for line in lines):
+            raise ConfigError(f"input {path}: its lines end with a comma (the items of a JSON array?), which makes "
+                              "them bad JSON; a JSONL line is the object alone",
+                              f"remove the commas, e.g. sed 's/,$//' {path} > prompts.jsonl")
         return
     document = lines[0] in ("[", "{")  # a line of JSONL is never a bracket alone: one JSON value over many lines
     for line in lines if not document else ():
@@ -112,6 +119,13 @@ def _check_jsonl(path: Path, head: bytes) -> None:
                       f"run reads one request object per line, e.g. {example}",
                       f"to make one request of each line of a text file: jq -R -c '{{prompt: .}}' {path} > "
                       "prompts.jsonl (a CSV needs its prompt column taken out first)")
+
+
+def _is_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):
+        return False
 
 
 # the magic numbers of compressed files, none of which UTF-8 text can start with (bzip2's, tested apart, is text)
