@@ -314,3 +314,12 @@ def test_one_dash_long_options_and_a_version_command_say_what_was_meant(argv, sa
     """`infer run -help` said "No such option: -e" and nothing else; `infer version` "No such command"."""
     res = runner.invoke(app, argv)
     assert res.exit_code == 2 and says in res.output, res.output
+
+
+def test_a_sharegpt_line_says_how_to_write_it_as_messages(tmp_path):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}]}) + "\n")
+    out = tmp_path / "o.jsonl"
+    res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q"])
+    assert res.exit_code == 1, res.output
+    assert "'conversations' is ShareGPT's chat: write it as 'messages'" in json.loads(out.read_text())["error"]

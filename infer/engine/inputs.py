@@ -515,8 +515,13 @@ _PROMPT_LOOKALIKES = frozenset({"text", "input", "instruction", "question", "que
 
 def prompt_lookalike(obj: dict, unknown) -> str | None:
     """What to rename when a line without a prompt holds what other datasets call one ({"text": ...}), or None."""
+    if any(k in obj for k in _PROMPT_KEYS):
+        return None
+    if "conversations" in unknown:  # a ShareGPT record: {"from": "human", "value": ...} turns
+        return ("'conversations' is ShareGPT's chat: write it as 'messages', OpenAI's list of {\"role\": \"user\", "
+                "\"content\": ...} (from human/gpt/system to role user/assistant/system, value to content)")
     named = sorted(set(unknown) & _PROMPT_LOOKALIKES)
-    if not named or any(k in obj for k in _PROMPT_KEYS):
+    if not named:
         return None
     return f"the prompt's field is 'prompt' (a chat's 'messages'), e.g. {{\"prompt\": \"...\"}}: rename {named[0]!r}"
 
