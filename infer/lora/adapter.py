@@ -168,6 +168,9 @@ def read_config(name: str, path: Path) -> dict:
                         f"{', '.join(inner)} hold{'' if len(inner) > 1 else 's'} one",
                         f"pass the adapter's own folder, e.g. {path / inner[0]} (peft's save_pretrained puts an "
                         "adapter not named default in a subfolder of its name)")
+        if (path / "config.json").is_file():  # a model (a merged one too), passed where an adapter was expected
+            raise _fail(name, path, f"is a full model (config.json, no {CONFIG_FILE}), not a PEFT LoRA adapter",
+                        "pass it as the base model, or pass the adapter folder peft's save_pretrained wrote")
         raise _fail(name, path, f"{CONFIG_FILE} is missing", "a PEFT adapter folder holds adapter_config.json")
     try:
         config = json.loads(file.read_text())

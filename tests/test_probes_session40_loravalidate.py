@@ -1,0 +1,60 @@
+"""Session 40 probes of `infer lora-validate` and adapter loading: a full model passed as an adapter is named as
+such, one problem per kind of refused tensor (not one line per layer), and the warning about weights beyond float16
+names its adapter."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from infer.cli.main import app
+from infer.errors import LoRAError
+from infer.lora.adapter import read_adapter
+from infer.models.tiny import ensure_builtin
+
+from lora_helpers import ALL, save_adapter
+
+WEIGHTS = "adapter_model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+    base = ensure_builtin("tiny-llama")
+    root = tmp_path_factory.mktemp("s40lval")
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    paths = {
+        "good": save_adapter(hf, root / "good", 1, r=4, lora_alpha=8, target_modules=ALL),
+        "dora": save_adapter(hf, root / "dora", 2, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                             use_dora=True),
+    }
+    huge = root / "huge"
+    shutil.copytree(paths["good"], huge)
+    tensors = load_file(huge / WEIGHTS)
+    key = next(k for k in tensors if "down_proj.lora_A" in k)
+    tensors[key] = tensors[key] * 1e6  # beyond float16, within float32: a warning, not a failure
+    save_file(tensors, huge / WEIGHTS)
+    paths["huge"] = huge
+    return base, paths
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, ["lora-validate", *map(str, args)])
+
+
+def test_full_model_folder_passed_as_adapter_is_named(adapters, tmp_path):
+    """A model folder (e.g. one `infer convert --merge-lora` wrote) given as an adapter said only "adapter_config.json
+    is missing"; it is now called a full model, with what to do."""
+    base, _ = adapters
+    model = tmp_path / "merged"
+    shutil.copytree(base, model)
+    with pytest.raises(LoRAError, match="is a full model .*not a PEFT LoRA adapter") as e:
+        read_adapter("merged", model)
+    assert "as the base model" in e.value.hint
+    res = invoke(base, model, "--steps", "0")
+    assert res.exit_code == 1 and "'merged'" in res.output and "is a full model" in res.output, res.output
