@@ -58,3 +58,16 @@ def test_full_model_folder_passed_as_adapter_is_named(adapters, tmp_path):
     assert "as the base model" in e.value.hint
     res = invoke(base, model, "--steps", "0")
     assert res.exit_code == 1 and "'merged'" in res.output and "is a full model" in res.output, res.output
+
+
+def test_tensor_problems_of_one_kind_are_one_line(adapters):
+    """A DoRA adapter gave one error line per magnitude tensor (two per layer here, 224 on a 32-layer model with
+    seven targets); now one line names the first tensor and counts the others."""
+    base, paths = adapters
+    res = invoke(base, paths["dora"], "--steps", "0", "--json")
+    assert res.exit_code == 1, res.output
+    report = json.loads(res.stdout)
+    magnitude = [p for p in report["problems"] if "DoRA magnitude" in p]
+    assert len(magnitude) == 1, report["problems"]
+    assert "and 3 more like it" in magnitude[0], magnitude[0]
+    assert any("use_dora" in p for p in report["problems"])

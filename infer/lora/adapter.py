@@ -520,12 +520,13 @@ def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     problems: list[Problem] = []
     first: dict[tuple[str, str], str] = {}  # (module, lora_A | lora_B) -> the tensor that gave it
+    alike: dict[tuple[str, str], list] = {}  # one problem for all the tensors of one kind (a DoRA vector per module)
     for tensor_name, tensor in tensors.items():
         if any(config.get(key) is not None and mark in tensor_name for key, mark in _TRAINING_ONLY.items()):
             continue  # VeLoRA's activation embedding, MonteCLoRA's sampler: unused by peft's eval forward
         kind = _classify(tensor_name)
         if isinstance(kind, Problem):
-            problems.append(kind)
+            alike.setdefault((kind.message.replace(tensor_name, ""), kind.hint), []).append((tensor_name, kind))
             continue
         where = _module_of(kind[0])
         module = where[0] if where else kind[0]
@@ -536,6 +537,11 @@ def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[
             continue
         first[module, kind[1]] = tensor_name
         pairs.setdefault(kind[0], {})[kind[1]] = tensor
+    for group in alike.values():
+        (tensor_name, problem), more = group[0], len(group) - 1
+        if more:
+            problem.message = problem.message.replace(tensor_name, f"{tensor_name} and {more} more like it")
+        problems.append(problem)
     modules = {}
     for path, pair in pairs.items():
         where = _module_of(path)
