@@ -71,3 +71,13 @@ def test_tensor_problems_of_one_kind_are_one_line(adapters):
     assert len(magnitude) == 1, report["problems"]
     assert "and 3 more like it" in magnitude[0], magnitude[0]
     assert any("use_dora" in p for p in report["problems"])
+
+
+def test_float16_range_warning_names_its_adapter(adapters):
+    """Among several adapters, the warning about weights beyond float16 began with the module path alone: which
+    adapter it was about could not be told."""
+    base, paths = adapters
+    res = invoke(base, paths["good"], paths["huge"], "--steps", "0")
+    assert res.exit_code == 0, res.output
+    warnings = [line for line in res.output.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: adapter 'huge': "), warnings

@@ -154,9 +154,10 @@ def range_warning(adapter, base: "BaseInfo") -> str | None:
             largest = t.float().abs().max().item() if t.element_size() == 1 else t.abs().max().item()
             if largest > limit:
                 name = str(dtype).removeprefix("torch.")
-                return (f"{m.name}: {kind} holds values up to {largest:.3g}, beyond {name}'s range ({limit:.5g}): a "
-                        f"GPU engine serves this base in {name} (--dtype auto) and refuses the adapter there; serve it "
-                        f"with --dtype {'bfloat16 or float32' if dtype == torch.float16 else 'float32'}")
+                return (f"adapter {adapter.name!r}: {m.name}: {kind} holds values up to {largest:.3g}, beyond "
+                        f"{name}'s range ({limit:.5g}): a GPU engine serves this base in {name} (--dtype auto) and "
+                        "refuses the adapter there; serve it with --dtype "
+                        f"{'bfloat16 or float32' if dtype == torch.float16 else 'float32'}")
     return None
 
 
