@@ -81,3 +81,20 @@ def test_float16_range_warning_names_its_adapter(adapters):
     assert res.exit_code == 0, res.output
     warnings = [line for line in res.output.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and warnings[0].startswith("warning: adapter 'huge': "), warnings
+
+
+def test_weights_the_config_leaves_out_are_one_line(adapters, tmp_path):
+    """An adapter whose layers_to_transform selects no layer it has weights for gave one error per module (14 here,
+    224 on a 32-layer model); now one line names the first module and counts the others."""
+    base, paths = adapters
+    bad = tmp_path / "layer5"
+    shutil.copytree(paths["good"], bad)
+    config = json.loads((bad / "adapter_config.json").read_text())
+    config["layers_to_transform"] = [5]
+    (bad / "adapter_config.json").write_text(json.dumps(config))
+    res = invoke(base, bad, "--steps", "0", "--json")
+    assert res.exit_code == 1, res.output
+    report = json.loads(res.stdout)
+    assert len(report["problems"]) == 1, report["problems"]
+    assert "and 13 more modules, which its adapter_config.json does not adapt (layers_to_transform [5])" in \
+        report["problems"][0], report["problems"][0]

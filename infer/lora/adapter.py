@@ -543,6 +543,7 @@ def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[
             problem.message = problem.message.replace(tensor_name, f"{tensor_name} and {more} more like it")
         problems.append(problem)
     modules = {}
+    unselected: dict[str, list[str]] = {}  # why its config leaves a module out -> the modules
     for path, pair in pairs.items():
         where = _module_of(path)
         if where is None:
@@ -552,10 +553,8 @@ def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[
             problems.append(Problem(f"adapts {path}, which the base model does not have", hint))
             continue
         why = _unselected(config, where[0], where[1])
-        if why:
-            problems.append(Problem(f"has weights for {where[0]}, which its {CONFIG_FILE} does not adapt ({why}): "
-                                    "peft would leave them out", "the config and the weights come from different "
-                                    "adapters: save the adapter again with peft"))
+        if why:  # one problem per reason, not one per module (every module of the adapter, often)
+            unselected.setdefault(why, []).append(where[0])
             continue
         r_cfg, scaling = module_scaling(config, where[0])
         bad = _block_diagonal(config, where[0], pair) or _pair_problem(where[0], pair.get("lora_A"),
@@ -564,6 +563,11 @@ def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[
             problems.append(bad)
             continue
         modules[where[0]] = LoRAModule(where[0], where[1], where[2], pair["lora_A"], pair["lora_B"], scaling)
+    for why, names in unselected.items():
+        more = f" and {len(names) - 1} more modules" if len(names) > 1 else ""
+        problems.append(Problem(f"has weights for {names[0]}{more}, which its {CONFIG_FILE} does not adapt ({why}): "
+                                "peft would leave them out", "the config and the weights come from different "
+                                "adapters: save the adapter again with peft"))
     if not modules and not problems:
         problems.append(Problem("has no lora_A/lora_B weights", "the weight file is empty or not a LoRA adapter"))
     return modules, problems
