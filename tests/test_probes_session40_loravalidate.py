@@ -98,3 +98,16 @@ def test_weights_the_config_leaves_out_are_one_line(adapters, tmp_path):
     assert len(report["problems"]) == 1, report["problems"]
     assert "and 13 more modules, which its adapter_config.json does not adapt (layers_to_transform [5])" in \
         report["problems"][0], report["problems"][0]
+
+
+def test_adapter_folder_given_as_the_base_is_named(adapters):
+    """BASE and ADAPTER swapped (or `infer run ./adapter`): "model folder ... has no config.json" did not say that the
+    folder is a LoRA adapter nor which model it was trained on."""
+    from infer.errors import ModelLoadError
+    from infer.models.resolve import resolve_model
+    base, paths = adapters
+    with pytest.raises(ModelLoadError, match="is a PEFT LoRA adapter .*not a model: it was trained on") as e:
+        resolve_model(paths["good"])
+    assert str(base) in e.value.message and "--lora" in e.value.hint
+    res = invoke(paths["good"], base, "--steps", "0")
+    assert res.exit_code == 2 and "is a PEFT LoRA adapter" in res.output, res.output

@@ -40,8 +40,8 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
 def _not_a_model_folder(p: Path) -> ModelLoadError:
     """A folder without config.json: say what it holds when a newcomer's usual mix-up explains it."""
     if (p / "adapter_config.json").is_file():
-        return ModelLoadError(f"{p} is a LoRA adapter (adapter_config.json), not a model",
-                              f"pass its base model as MODEL and the adapter with --lora NAME={p} (infer convert: "
+        return ModelLoadError(f"{p} is a PEFT LoRA adapter (adapter_config.json, no config.json), not a model"
+                              f"{_trained_on(p)}", f"pass its base model as MODEL and the adapter with --lora NAME={p} (infer convert: "
                               f"--merge-lora {p}; infer lora-validate: BASE {p})")
     ggufs = sorted(f.name for f in p.glob("*.gguf"))
     if ggufs:
@@ -92,3 +92,13 @@ def _snapshots(folder: Path) -> list[Path]:
     except OSError:
         return []
     return sorted(found, key=lambda s: s.stat().st_mtime)
+
+
+def _trained_on(adapter: Path) -> str:
+    """': it was trained on NAME' from the adapter's base_model_name_or_path, or '' when it names none."""
+    import json
+    try:
+        named = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return ""
+    return f": it was trained on {named!r}" if isinstance(named, str) and named.strip() else ""
