@@ -111,3 +111,20 @@ def test_adapter_folder_given_as_the_base_is_named(adapters):
     assert str(base) in e.value.message and "--lora" in e.value.hint
     res = invoke(paths["good"], base, "--steps", "0")
     assert res.exit_code == 2 and "is a PEFT LoRA adapter" in res.output, res.output
+
+
+def test_peft_type_in_lower_case_is_named_even_without_the_numeric_check(adapters, tmp_path):
+    """peft_type "lora": infer reads it, peft does not (a KeyError). lora-validate passed it with --steps 0 and said
+    only "peft cannot load it: 'lora'" with the numeric check."""
+    base, paths = adapters
+    lower = tmp_path / "lower"
+    shutil.copytree(paths["good"], lower)
+    config = json.loads((lower / "adapter_config.json").read_text())
+    config["peft_type"] = "lora"
+    (lower / "adapter_config.json").write_text(json.dumps(config))
+    res = invoke(base, lower, paths["good"], "--steps", "0", "--json")
+    assert res.exit_code == 1, res.output
+    reports = [json.loads(line) for line in res.stdout.splitlines()]
+    assert [r["ok"] for r in reports] == [False, True], reports
+    assert reports[0]["problems"] == ['peft_type is "lora": peft reads only "LORA" and cannot load it (write '
+                                      '"peft_type": "LORA" in adapter_config.json)'], reports[0]

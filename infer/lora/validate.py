@@ -9,6 +9,7 @@ peft) runs the engine, so it lives beside the command, in `infer.cli.lora_check`
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -111,6 +112,10 @@ def static_report(name: str, path: Path, base_config, max_rank: int | None, base
         prefix = f"LoRA adapter {name!r} ({Path(path).expanduser()}): "  # the report names the adapter already
         report.problems = [Problem(e.message.removeprefix(prefix), e.hint or "")]
         return report
+    spelled = adapter.config.get("peft_type")
+    if spelled != "LORA":  # infer reads "lora" too; peft's PEFT_TYPE_TO_CONFIG_MAPPING only "LORA" (a KeyError)
+        report.problems.append(Problem(f"peft_type is {json.dumps(spelled)}: peft reads only \"LORA\" and cannot "
+                                       "load it", 'write "peft_type": "LORA" in adapter_config.json'))
     misfits = _misfit_modules(adapter, base_config)
     for p in adapter.validate_against(base_config, max_rank):
         is_size = any(p.message.startswith(f"{m} ") for m in misfits)
