@@ -128,3 +128,27 @@ def test_peft_type_in_lower_case_is_named_even_without_the_numeric_check(adapter
     assert [r["ok"] for r in reports] == [False, True], reports
     assert reports[0]["problems"] == ['peft_type is "lora": peft reads only "LORA" and cannot load it (write '
                                       '"peft_type": "LORA" in adapter_config.json)'], reports[0]
+
+
+@pytest.mark.parametrize("kind, expected", [
+    ("gpt2", "adapts transformer.h.0.mlp.down_proj (and 13 more modules), which the base model does not have"),
+    ("rank", "model.layers.0.mlp.down_proj (and 13 more modules) has rank 4 but adapter_config.json gives r=8"),
+], ids=["gpt2", "rank"])
+def test_one_problem_in_every_module_is_one_line(adapters, tmp_path, kind, expected):
+    """An adapter for another architecture (GPT-2's transformer.h.N) or whose config gives another r than its weights
+    gave one error per module (hundreds on a 7B model); now one line names the first module and counts the rest."""
+    base, paths = adapters
+    bad = tmp_path / kind
+    shutil.copytree(paths["good"], bad)
+    if kind == "gpt2":
+        tensors = load_file(bad / WEIGHTS)
+        save_file({k.replace("model.model.layers.", "model.transformer.h."): v for k, v in tensors.items()},
+                  bad / WEIGHTS)
+    else:
+        config = json.loads((bad / "adapter_config.json").read_text())
+        config["r"] = 8
+        (bad / "adapter_config.json").write_text(json.dumps(config))
+    res = invoke(base, bad, "--steps", "0", "--json")
+    assert res.exit_code == 1, res.output
+    problems = json.loads(res.stdout)["problems"]
+    assert len(problems) == 1 and problems[0].startswith(expected), problems

@@ -544,13 +544,14 @@ def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[
         problems.append(problem)
     modules = {}
     unselected: dict[str, list[str]] = {}  # why its config leaves a module out -> the modules
+    per_module: list[tuple[str, Problem]] = []  # (module, its problem): alike ones are one problem
     for path, pair in pairs.items():
         where = _module_of(path)
         if where is None:
             tail = re.search(r"\.(?:model\.)?layers\.\d+\.[A-Za-z_]+\.[A-Za-z0-9_]+$", path)
             hint = (f"its layers sit under {path[:tail.start()]}: it was made for another model (e.g. a multimodal "
                     "one); use an adapter trained on this base") if tail else _HINT_TARGETS
-            problems.append(Problem(f"adapts {path}, which the base model does not have", hint))
+            per_module.append((path, Problem(f"adapts {path}, which the base model does not have", hint)))
             continue
         why = _unselected(config, where[0], where[1])
         if why:  # one problem per reason, not one per module (every module of the adapter, often)
@@ -560,9 +561,10 @@ def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[
         bad = _block_diagonal(config, where[0], pair) or _pair_problem(where[0], pair.get("lora_A"),
                                                                        pair.get("lora_B"), r_cfg, scaling)
         if bad:
-            problems.append(bad)
+            per_module.append((where[0], bad))
             continue
         modules[where[0]] = LoRAModule(where[0], where[1], where[2], pair["lora_A"], pair["lora_B"], scaling)
+    problems += _one_per_kind(per_module)
     for why, names in unselected.items():
         more = f" and {len(names) - 1} more modules" if len(names) > 1 else ""
         problems.append(Problem(f"has weights for {names[0]}{more}, which its {CONFIG_FILE} does not adapt ({why}): "
@@ -571,6 +573,21 @@ def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[
     if not modules and not problems:
         problems.append(Problem("has no lora_A/lora_B weights", "the weight file is empty or not a LoRA adapter"))
     return modules, problems
+
+
+def _one_per_kind(per_module: list[tuple[str, Problem]]) -> list[Problem]:
+    """The same problem in many modules (every module of an adapter for another model, often hundreds) as one
+    problem naming the first module and counting the others."""
+    kinds: dict[tuple[str, str], list[tuple[str, Problem]]] = {}
+    for module, problem in per_module:
+        kinds.setdefault((problem.message.replace(module, ""), problem.hint), []).append((module, problem))
+    out = []
+    for group in kinds.values():
+        module, problem = group[0]
+        if len(group) > 1:
+            problem.message = problem.message.replace(module, f"{module} (and {len(group) - 1} more modules)", 1)
+        out.append(problem)
+    return out
 
 
 def _block_diagonal(config: dict, module: str, pair: dict) -> Problem | None:
