@@ -41,7 +41,8 @@ def _not_a_model_folder(p: Path) -> ModelLoadError:
     """A folder without config.json: say what it holds when a newcomer's usual mix-up explains it."""
     if (p / "adapter_config.json").is_file():
         return ModelLoadError(f"{p} is a PEFT LoRA adapter (adapter_config.json, no config.json), not a model"
-                              f"{_trained_on(p)}", f"pass its base model as MODEL and the adapter with --lora NAME={p} (infer convert: "
+                              f"{_trained_on(p)}",
+                              f"pass its base model as MODEL and the adapter with --lora NAME={p} (infer convert: "
                               f"--merge-lora {p}; infer lora-validate: BASE {p})")
     ggufs = sorted(f.name for f in p.glob("*.gguf"))
     if ggufs:
