@@ -287,7 +287,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, cnt_
             v_new = v_new.to(v_ptr.dtype.element_ty)
             own = hi == seq_len  # this partition holds the query's position, seq_len - 1: the new key
             if own:
-                slot_kv = tl.load(slot_ptr + tok)
+                slot_kv = tl.load(slot_ptr + tok).to(tl.int64)  # block x stride past 2**31 (an int32 slot_mapping)
                 if slot_kv >= 0:
                     blk, off = slot_kv // PAGE, slot_kv % PAGE
                     tl.store(k_ptr + blk * s_kb + off * s_ks + kv_head * s_kh + offs_d * s_kd, k_new, mask=mask_d)
