@@ -8,7 +8,6 @@ import json
 import shutil
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
@@ -17,17 +16,15 @@ from infer.errors import LoRAError
 from infer.lora.adapter import read_adapter
 from infer.models.tiny import ensure_builtin
 
-from lora_helpers import ALL, save_adapter
+from lora_helpers import ALL, hf_float, save_adapter
 
 WEIGHTS = "adapter_model.safetensors"
 
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
     base = ensure_builtin("tiny-llama")
-    root = tmp_path_factory.mktemp("s40lval")
-    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    hf, root = hf_float(base), tmp_path_factory.mktemp("s40lval")
     paths = {
         "good": save_adapter(hf, root / "good", 1, r=4, lora_alpha=8, target_modules=ALL),
         "dora": save_adapter(hf, root / "dora", 2, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
