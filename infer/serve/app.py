@@ -25,7 +25,7 @@ from .adapters import add_adapter_routes
 from .async_engine import NO_ENGINE, AsyncEngine, NoEngineError, QueueFullError, ShuttingDownError
 from .body import BodyLimits, ClientGone, SafeJSONResponse, read_body
 from .cors import CorsOptions
-from .guard import ErrorGuardMiddleware
+from .guard import ErrorGuardMiddleware, server_error_body
 from .lifecycle import uvicorn_server
 from .metrics import CONTENT_TYPE, HttpMetricsMiddleware, ServerMetrics
 from .parse import ParsePool
@@ -243,6 +243,21 @@ async def _complete(server: Server, req: p.GenerationRequest, rid: str, model: s
 
 
 async def _stream(server: Server, req: p.GenerationRequest, rid: str, model: str, queue, ids, arrival: float):
+    """The SSE events of a streamed reply, ending in `data: [DONE]`. An unexpected error once the stream started
+    (the status is sent: there is no 500 to answer) is an error event, then [DONE], as vLLM ends such a stream, and
+    the requests still running are aborted; it is logged with its traceback."""
+    try:
+        async with aclosing(_stream_events(server, req, rid, model, queue, ids, arrival)) as events:
+            async for chunk in events:  # closed with this one (a client gone): its requests are aborted at once
+                yield chunk
+    except Exception as e:  # noqa: BLE001 (a bug of the server: the client is told, not left with a cut stream)
+        log.exception("unhandled error in the stream %s", rid)
+        yield f"data: {_dumps(server_error_body(e))}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, model: str, queue, ids,
+                         arrival: float):
     created, sent_lp, offsets = p.now(), {}, {}  # offsets: where choice i's next logprobs text_offset starts
     sent = {}  # with tools or reasoning: how much of choice i's content went out
     thought = {}  # with reasoning: how much of choice i's reasoning went out
@@ -293,7 +308,6 @@ async def _stream(server: Server, req: p.GenerationRequest, rid: str, model: str
         else:
             if req.include_usage:
                 yield event([], p.usage(prompt_n, completion_n))
-    yield "data: [DONE]\n\n"
 
 
 def _routing_message(request: Request, e, headers) -> str:

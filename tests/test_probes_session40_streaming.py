@@ -1,0 +1,53 @@
+"""Probes of the OpenAI server's streaming, session 40: an unexpected error once a stream had started cut the
+connection (the client's reader failed with an incomplete chunked read, and saw neither an error nor `[DONE]`),
+where vLLM ends such a stream with an error event and then `data: [DONE]`."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+import infer.serve.protocol as p  # noqa: E402
+from test_probes_session38_serve import base, engine  # noqa: E402,F401 (the tiny server, per module)
+
+ROUTES = [("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+          ("/v1/completions", {"prompt": "hi"})]
+
+
+def _events(text: str) -> list[str]:
+    return [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+
+
+def _in_flight(base: str) -> int:
+    for _ in range(100):
+        n = httpx.get(base + "/health", timeout=10).json()["engine"]["num_in_flight"]
+        if n == 0:
+            return 0
+        time.sleep(0.05)
+    return n
+
+
+@pytest.mark.parametrize("path, body", ROUTES, ids=["chat", "completions"])
+def test_an_error_after_the_stream_started_is_an_error_event_then_done(base, path, body, monkeypatch):
+    choice, calls = p.choice, []
+
+    def failing(*args, **kwargs):  # a bug of the server on the stream's second chunk
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return choice(*args, **kwargs)
+
+    monkeypatch.setattr(p, "choice", failing)
+    r = httpx.post(base + path, json={**body, "max_tokens": 40, "ignore_eos": True, "stream": True}, timeout=60)
+    assert r.status_code == 200
+    events = _events(r.text)  # was: httpx.RemoteProtocolError, the connection cut without an end
+    assert events[-1] == "[DONE]", events
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "server_error" and "RuntimeError" in error["message"]
+    monkeypatch.setattr(p, "choice", choice)
+    assert _in_flight(base) == 0  # the request the stream was for is aborted, its KV blocks freed
