@@ -1,6 +1,9 @@
 """Probes of the OpenAI server's streaming, session 40: an unexpected error once a stream had started cut the
 connection (the client's reader failed with an incomplete chunked read, and saw neither an error nor `[DONE]`),
-where vLLM ends such a stream with an error event and then `data: [DONE]`."""
+where vLLM ends such a stream with an error event and then `data: [DONE]`; `stream_options` without
+`include_usage` (`{"continuous_usage_stats": true}`, `{}`) gave no usage at all, where vLLM's include_usage defaults
+to true once stream_options is sent (and continuous_usage_stats alone puts the usage in every chunk, as the README
+says), and an `include_usage: null` was a 400."""
 
 from __future__ import annotations
 
@@ -51,3 +54,28 @@ def test_an_error_after_the_stream_started_is_an_error_event_then_done(base, pat
     assert error["type"] == "server_error" and "RuntimeError" in error["message"]
     monkeypatch.setattr(p, "choice", choice)
     assert _in_flight(base) == 0  # the request the stream was for is aborted, its KV blocks freed
+
+
+def _usages(base: str, path: str, body: dict, options) -> list:
+    r = httpx.post(base + path, json={**body, "max_tokens": 4, "stream": True, "stream_options": options}, timeout=60)
+    assert r.status_code == 200, r.text
+    return [json.loads(e).get("usage", "absent") for e in _events(r.text)[:-1]]
+
+
+@pytest.mark.parametrize("path, body", ROUTES, ids=["chat", "completions"])
+def test_continuous_usage_stats_alone_puts_the_usage_in_every_chunk(base, path, body):
+    usages = _usages(base, path, body, {"continuous_usage_stats": True})  # was: no usage in any chunk
+    assert all(isinstance(u, dict) for u in usages), usages
+    assert usages[-1]["completion_tokens"] == 4 and usages[-1]["total_tokens"] == usages[-1]["prompt_tokens"] + 4
+
+
+@pytest.mark.parametrize("path, body", ROUTES, ids=["chat", "completions"])
+@pytest.mark.parametrize("options, last", [({}, True), ({"include_usage": None}, False),
+                                           ({"include_usage": False, "continuous_usage_stats": True}, False),
+                                           (None, False)], ids=["empty", "null", "false", "no-options"])
+def test_stream_options_include_usage_defaults_to_true_as_vllm(base, path, body, options, last):
+    usages = _usages(base, path, body, options)
+    if last:
+        assert usages[-1]["completion_tokens"] == 4 and all(u is None for u in usages[:-1]), usages
+    else:
+        assert all(u == "absent" for u in usages), usages

@@ -156,14 +156,18 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
             raise ApiError(400, str(e), param=e.field) from e
     model = _expect(body, "model", (str,), "a string")
     stream = bool(_expect(body, "stream", (bool,), "a boolean"))
-    options = _expect(body, "stream_options", (dict,), "an object") or {}
+    given = _expect(body, "stream_options", (dict,), "an object")
+    options = given or {}
     if options and not stream:  # as vLLM and OpenAI: the options of a stream that is not one are a mistake
         raise ApiError(400, "stream_options can only be given with stream: true", param="stream_options")
-    include_usage = options.get("include_usage", False)
+    # vLLM's StreamOptions: include_usage defaults to true once stream_options is sent ({"continuous_usage_stats":
+    # true} alone gets the usage in every chunk and the last), a null is false; no stream_options, no usage
+    include_usage = options.get("include_usage", given is not None)
     continuous = options.get("continuous_usage_stats", False)
     for key, value in (("include_usage", include_usage), ("continuous_usage_stats", continuous)):
-        if not isinstance(value, bool):
+        if value is not None and not isinstance(value, bool):
             raise ApiError(400, f"stream_options.{key} must be a boolean", param="stream_options")
+    include_usage, continuous = bool(include_usage), bool(continuous)
     unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
     if unknown:
         raise ApiError(400, f"stream_options has unknown fields {unknown}; infer reads include_usage and "
