@@ -3,7 +3,8 @@ connection (the client's reader failed with an incomplete chunked read, and saw 
 where vLLM ends such a stream with an error event and then `data: [DONE]`; `stream_options` without
 `include_usage` (`{"continuous_usage_stats": true}`, `{}`) gave no usage at all, where vLLM's include_usage defaults
 to true once stream_options is sent (and continuous_usage_stats alone puts the usage in every chunk, as the README
-says), and an `include_usage: null` was a 400."""
+says), and an `include_usage: null` was a 400; `echo` in a stream was a 400, where vLLM streams the prompt (and its logprobs)
+in each choice's first chunk, also with max_tokens 0."""
 
 from __future__ import annotations
 
@@ -79,3 +80,38 @@ def test_stream_options_include_usage_defaults_to_true_as_vllm(base, path, body,
         assert usages[-1]["completion_tokens"] == 4 and all(u is None for u in usages[:-1]), usages
     else:
         assert all(u == "absent" for u in usages), usages
+
+
+def _streamed_choices(text: str) -> dict:
+    """{index: (text, logprobs lists joined, finish_reason)} of a completions stream."""
+    out: dict = {}
+    for event in _events(text)[:-1]:
+        for c in json.loads(event)["choices"]:
+            t, lp, reason = out.get(c["index"], ("", None, None))
+            if c["logprobs"] is not None:
+                lp = lp or {k: [] for k in c["logprobs"]}
+                for k in lp:
+                    lp[k] += c["logprobs"][k]
+            out[c["index"]] = (t + c["text"], lp, c["finish_reason"] or reason)
+    return out
+
+
+@pytest.mark.parametrize("body", [{"prompt": ["hi there", "a b"], "n": 2, "max_tokens": 5, "logprobs": 1},
+                                  {"prompt": "hi there", "max_tokens": 0, "logprobs": 1},
+                                  {"prompt": [1, 5, 9], "max_tokens": 3}], ids=["n", "max-tokens-0", "token-ids"])
+def test_echo_streams_the_prompt_first_as_the_whole_reply_has_it(base, body):
+    body = {**body, "echo": True, "temperature": 0}
+    whole = httpx.post(base + "/v1/completions", json=body, timeout=60)
+    r = httpx.post(base + "/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}},
+                   timeout=60)
+    assert r.status_code == 200, r.text  # was a 400 "echo is only supported in a response that is not streamed"
+    streamed = _streamed_choices(r.text)
+    for c in whole.json()["choices"]:
+        text, lp, reason = streamed[c["index"]]
+        assert text == c["text"] and reason == c["finish_reason"]
+        if c["logprobs"] is None:
+            assert lp is None
+            continue
+        assert lp["tokens"] == c["logprobs"]["tokens"] and lp["text_offset"] == c["logprobs"]["text_offset"]
+        assert lp["token_logprobs"] == pytest.approx(c["logprobs"]["token_logprobs"], abs=1e-4)
+    assert json.loads(_events(r.text)[-2])["usage"] == whole.json()["usage"]

@@ -152,7 +152,7 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(path):
             return httpx.post(f"{base}/v1/completions", json={"prompt": text, "temperature": 0, **body}, timeout=60)
         zero, one = post(echo=True, logprobs=1, max_tokens=0), post(echo=True, logprobs=1, max_tokens=1)
         plain, ids_echo = post(max_tokens=1), post(echo=True, max_tokens=2, prompt=ids)
-        refused = [post(echo=True, max_tokens=1, stream=True), post(max_tokens=0)]
+        refused = [post(max_tokens=0)]  # echo in a stream: test_probes_session40_streaming.py
         chat = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                                "echo": True}, timeout=60)
     for r in (zero, one, plain, ids_echo):
@@ -169,5 +169,5 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_reads_them(path):
         assert len(lp["top_logprobs"][t]) <= 2  # the prompt's token and the most likely one
     assert z["logprobs"]["token_logprobs"] == lp["token_logprobs"][:len(ids)] and "prompt_logprobs" not in o
     assert ids_echo.json()["choices"][0]["text"].startswith(engine.tokenizer.decode(ids))
-    assert [r.status_code for r in refused] == [400, 400] and refused[0].json()["error"]["param"] == "echo"
+    assert [r.status_code for r in refused] == [400]
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "echo"

@@ -262,6 +262,7 @@ async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, mod
     sent = {}  # with tools or reasoning: how much of choice i's content went out
     thought = {}  # with reasoning: how much of choice i's reasoning went out
     prompt_n, completion_n = 0, 0
+    echoed = set()  # with echo: the choices whose prompt went out
 
     def event(choices, usage=None) -> str:
         return f"data: {_dumps(p.envelope(req, rid, model, created, choices, usage, chunk=True))}\n\n"
@@ -281,6 +282,14 @@ async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, mod
             reason = p.finish_reason(out) if out.finished else None
             new_ids = out.new_token_ids if req.return_token_ids else None
             delta, calls, text, reasoning = out.delta_text, None, out.text, ""
+            if req.echo:  # (completions) the prompt and its logprobs first, in the choice's first chunk, as vLLM
+                if req.prompt_only:  # max_tokens 0: the prompt alone, the one token generated left out
+                    delta, records = "", None if records is None else []
+                    new_ids, reason = [] if new_ids is not None else None, "length" if out.finished else None
+                if i not in echoed:
+                    echoed.add(i)
+                    head, head_records = p.echoed_prompt(req, i, out, server.tokenizer)
+                    delta, records = head + delta, None if records is None else head_records + records
             if req.reasoning is not None:  # the reasoning first: what follows it is the text tools are read from
                 whole, text = reasoning_parts(req.reasoning, out.text, out.finished)
                 reasoning, thought[i] = whole[thought.get(i, 0):] if req.reasoning.include else "", len(whole)
@@ -300,11 +309,11 @@ async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, mod
                 if lp and lp["tokens"]:
                     offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                 # stream_options.continuous_usage_stats: this choice's tokens so far in every chunk (as vLLM)
-                yield event([c], p.usage(len(out.prompt_token_ids), out.num_generated) if req.continuous_usage
-                            else None)
+                generated = 0 if req.prompt_only else out.num_generated
+                yield event([c], p.usage(len(out.prompt_token_ids), generated) if req.continuous_usage else None)
             if out.finished:
                 prompt_n += len(out.prompt_token_ids) if req.counts_prompt(i) else 0
-                completion_n += out.num_generated
+                completion_n += 0 if req.prompt_only else out.num_generated
         else:
             if req.include_usage:
                 yield event([], p.usage(prompt_n, completion_n))

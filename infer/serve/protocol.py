@@ -140,8 +140,6 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
     echo = bool(_expect(body, "echo", (bool,), "a boolean"))
     if echo and chat:
         raise ApiError(400, "echo is supported by /v1/completions only", param="echo")
-    if echo and body.get("stream"):
-        raise ApiError(400, "echo is only supported in a response that is not streamed", param="echo")
     n = _expect(body, "n", (int,), "an integer")
     if n is not None and not 1 <= n <= MAX_N:
         raise ApiError(400, f"n must be in 1..{MAX_N}, got {n}", param="n")
@@ -318,9 +316,11 @@ def parse_completion(body: Any, tokenizer, max_tokens: int | None = None,
     return req
 
 
-def echoed(req: GenerationRequest, index: int, out: RequestOutput, tokenizer) -> tuple[str, list[dict] | None]:
-    """(text, logprob records) of an echo choice: the prompt as sent (its tokens decoded when sent as ids or
-    truncated), then the reply (nothing with max_tokens 0); the first prompt token's logprob is null."""
+def echoed_prompt(req: GenerationRequest, index: int, out: RequestOutput,
+                  tokenizer) -> tuple[str, list[dict] | None]:
+    """(text, logprob records) an echo choice starts with: the prompt as sent (its tokens decoded when sent as ids or
+    truncated) and, with logprobs, its tokens' (the first one's null). A stream sends them in the choice's first
+    chunk, before its first text, as vLLM does."""
     text = req.prompt_texts[index // req.n] if req.prompt_texts else None
     if text is None or req.params.truncate_prompt_tokens is not None:
         text = tokenizer.decode(out.prompt_token_ids)
@@ -330,6 +330,14 @@ def echoed(req: GenerationRequest, index: int, out: RequestOutput, tokenizer) ->
         records = [{"token_id": out.prompt_token_ids[0], "logprob": None}] + [
             {"token_id": r["token_id"], "logprob": r["logprob"], "top_logprobs": r.get("top_logprobs", [])[:k]}
             for r in out.prompt_logprobs[1:]]
+    return text, records
+
+
+def echoed(req: GenerationRequest, index: int, out: RequestOutput, tokenizer) -> tuple[str, list[dict] | None]:
+    """(text, logprob records) of an echo choice: the prompt (echoed_prompt), then the reply (nothing with
+    max_tokens 0)."""
+    text, records = echoed_prompt(req, index, out, tokenizer)
+    if records is not None:
         records += [] if req.prompt_only else out.logprobs
     return text + ("" if req.prompt_only else out.text), records
 
