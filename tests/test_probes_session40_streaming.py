@@ -4,7 +4,8 @@ where vLLM ends such a stream with an error event and then `data: [DONE]`; `stre
 `include_usage` (`{"continuous_usage_stats": true}`, `{}`) gave no usage at all, where vLLM's include_usage defaults
 to true once stream_options is sent (and continuous_usage_stats alone puts the usage in every chunk, as the README
 says), and an `include_usage: null` was a 400; `echo` in a stream was a 400, where vLLM streams the prompt (and its logprobs)
-in each choice's first chunk, also with max_tokens 0."""
+in each choice's first chunk, also with max_tokens 0; with `return_token_ids` no chunk carried the prompt's token
+ids, which the whole reply has and vLLM streams in a choice's first chunk."""
 
 from __future__ import annotations
 
@@ -115,3 +116,18 @@ def test_echo_streams_the_prompt_first_as_the_whole_reply_has_it(base, body):
         assert lp["tokens"] == c["logprobs"]["tokens"] and lp["text_offset"] == c["logprobs"]["text_offset"]
         assert lp["token_logprobs"] == pytest.approx(c["logprobs"]["token_logprobs"], abs=1e-4)
     assert json.loads(_events(r.text)[-2])["usage"] == whole.json()["usage"]
+
+
+@pytest.mark.parametrize("path, body", ROUTES, ids=["chat", "completions"])
+@pytest.mark.parametrize("n", [1, 2])
+def test_return_token_ids_streams_each_choices_prompt_token_ids_once(base, path, body, n):
+    body = {**body, "max_tokens": 4, "n": n, "temperature": 0, "return_token_ids": True}
+    whole = httpx.post(base + path, json=body, timeout=60).json()
+    r = httpx.post(base + path, json={**body, "stream": True}, timeout=60)
+    prompts: dict = {}
+    for event in _events(r.text)[:-1]:
+        for c in json.loads(event)["choices"]:
+            if "prompt_token_ids" in c:
+                prompts.setdefault(c["index"], []).append(c["prompt_token_ids"])
+    # was: none in any chunk, where the whole reply (and vLLM's stream) has them
+    assert prompts == {c["index"]: [c["prompt_token_ids"]] for c in whole["choices"]}

@@ -262,7 +262,7 @@ async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, mod
     sent = {}  # with tools or reasoning: how much of choice i's content went out
     thought = {}  # with reasoning: how much of choice i's reasoning went out
     prompt_n, completion_n = 0, 0
-    echoed = set()  # with echo: the choices whose prompt went out
+    echoed, prompted = set(), set()  # the choices whose prompt (echo), whose prompt_token_ids went out
 
     def event(choices, usage=None) -> str:
         return f"data: {_dumps(p.envelope(req, rid, model, created, choices, usage, chunk=True))}\n\n"
@@ -302,9 +302,13 @@ async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, mod
                 delta = content[sent.get(i, 0):]
             sent[i] = sent.get(i, 0) + len(delta)
             if delta or reasoning or records or reason or new_ids:
+                # return_token_ids: the prompt's ids ride in the choice's first chunk, as vLLM streams them
+                prompt_ids = out.prompt_token_ids if new_ids is not None and i not in prompted else None
+                if prompt_ids is not None:
+                    prompted.add(i)
                 c = p.choice(req, i, delta, records, server.tokenizer, reason, delta=True, token_ids=new_ids,
                              text_offset=offsets.get(i, 0), stop_reason=out.stop_reason if out.finished else None,
-                             tool_calls=calls, reasoning=reasoning)
+                             tool_calls=calls, reasoning=reasoning, prompt_token_ids=prompt_ids)
                 lp = c.get("logprobs") if not req.chat else None
                 if lp and lp["tokens"]:
                     offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
