@@ -184,10 +184,10 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: Qu
     check_not_source(src, out, "quantized")
     check_output(out, overwrite)
     config = _check_source(src, opts.group_size, opts.bits)
-    context = config.get("max_position_embeddings")
-    if isinstance(context, int) and 0 < context < opts.seq_len:
+    context, field = _context(config)
+    if context is not None and context < opts.seq_len:
         raise ConfigError(f"--seq-len {opts.seq_len} is longer than the model's context ({context} tokens, "
-                          f"max_position_embeddings in config.json)", f"use --seq-len {context} or less")
+                          f"{field} in config.json)", f"use --seq-len {context} or less")
     _check_tensors(src, check_weights)
     gptqmodel_mod = require_gptqmodel()
     tokenizer = _tokenizer(src)
@@ -206,6 +206,21 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: Qu
         _restore_source_files(src, tmp)
         report.to_csv(tmp / REPORT_NAME, index=False)
     return QuantizeResult(out, report, calib, time.perf_counter() - start)
+
+
+def _context(config: dict) -> tuple[int | None, str]:
+    """(the longest calibration window the model runs as infer serves it, the config field that sets it). A longrope
+    model's context is original_max_position_embeddings (engine/setup.context_limit): past it transformers rotates
+    the whole sequence with the long factors, so calibrating a longer window would fit the weights to activations of
+    a rope infer never runs."""
+    positions = config.get("max_position_embeddings")
+    positions = positions if isinstance(positions, int) and positions > 0 else None
+    rope = config.get("rope_parameters") or config.get("rope_scaling")
+    if isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type")) == "longrope":
+        original = rope.get("original_max_position_embeddings")  # transformers reads it there only (not top-level)
+        if isinstance(original, int) and 0 < original and (positions is None or original < positions):
+            return original, "original_max_position_embeddings of its longrope rope_parameters"
+    return positions, "max_position_embeddings"
 
 
 def _check_source(src: Path, group_size: int, bits: int = 4) -> dict:
