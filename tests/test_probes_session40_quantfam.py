@@ -47,3 +47,10 @@ def test_quantize_caps_seq_len_of_a_longrope_model_at_its_original_context(tmp_p
         with pytest.raises(_Calibrating):
             quantize_model(src, tmp_path / "q", opts)
 
+
+@pytest.mark.parametrize("damp", [0.0, 1.0])
+def test_damp_at_either_end_is_refused_as_outside_the_open_interval(damp):
+    """--damp 0 was refused with "must lie between 0 and 1", which 0 does: the message says the ends are excluded
+    (GPTQModel refuses them too)."""
+    with pytest.raises(ConfigError, match="above 0 and below 1"):
+        QuantizeOptions(damp_percent=damp).validate()

@@ -54,7 +54,8 @@ class QuantizeOptions:
         if self.seq_len < 16:
             raise ConfigError(f"--seq-len {self.seq_len} is too short", "use at least 16 tokens (512 is typical)")
         if not 0 < self.damp_percent < 1:
-            raise ConfigError(f"--damp {self.damp_percent} must lie between 0 and 1", "0.01-0.1 is typical")
+            raise ConfigError(f"--damp {self.damp_percent} must be above 0 and below 1 (0 and 1 excluded)",
+                              "0.01-0.1 is typical")
 
     def interop_notes(self) -> list[str]:
         """Known problems other tools have with the checkpoint these options write (infer itself runs them all)."""
