@@ -181,7 +181,18 @@ def test_vllm_request_metrics_count_what_the_requests_did():
 
 def test_preemptions_show_in_metrics():
     import concurrent.futures
+    import time
     engine = LLMEngine(EngineConfig("tiny-llama", block_size=4, max_num_seqs=4, num_kv_blocks=10, max_model_len=40))
+    real, deadline, started = engine.step, time.monotonic() + 60, []
+
+    def step():  # no step before the four requests are in: their growth together is what preempts (sent over HTTP
+        # from four threads, on a loaded machine one could finish before the last arrived, and none was preempted)
+        if not started and engine.get_num_unfinished_requests() < 4 and time.monotonic() < deadline:
+            time.sleep(0.005)
+            return []
+        started.append(True)
+        return real()
+    engine.step = step
     with _server(engine) as base:
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             list(pool.map(lambda i: _complete(base, [10 + i] * 6, 14), range(4)))
