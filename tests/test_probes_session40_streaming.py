@@ -3,8 +3,8 @@ connection (the client's reader failed with an incomplete chunked read, and saw 
 where vLLM ends such a stream with an error event and then `data: [DONE]`; `stream_options` without
 `include_usage` (`{"continuous_usage_stats": true}`, `{}`) gave no usage at all, where vLLM's include_usage defaults
 to true once stream_options is sent (and continuous_usage_stats alone puts the usage in every chunk, as the README
-says), and an `include_usage: null` was a 400; `echo` in a stream was a 400, where vLLM streams the prompt (and its logprobs)
-in each choice's first chunk, also with max_tokens 0; with `return_token_ids` no chunk carried the prompt's token
+says), and an `include_usage: null` was a 400; `echo` in a stream was a 400, where vLLM streams the prompt (and its
+logprobs) in each choice's first chunk, also with max_tokens 0; with `return_token_ids` no chunk carried the prompt's token
 ids, which the whole reply has and vLLM streams in a choice's first chunk."""
 
 from __future__ import annotations
