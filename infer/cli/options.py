@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import typing
 from dataclasses import MISSING
+from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -43,6 +45,39 @@ def base_model_id(model: str) -> str:
     return Path(model.rstrip("/\\")).name or model
 
 
+# vLLM's human-readable integers (--max-model-len 32k): lower-case suffixes are decimal and take a fraction (25.6k is
+# 25,600), upper-case ones binary and whole (32K is 32,768)
+HUMAN_INT_FIELDS = frozenset({"max_model_len", "max_num_batched_tokens"})
+_DECIMAL = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12}
+_BINARY = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)")
+
+
+def human_int(lo: int | None = None, hi: int | None = None):
+    """The parser of an integer option that also takes vLLM's suffixes, checking the option's range."""
+    def parse(value):
+        if isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        else:
+            text = str(value).strip()
+            match = _HUMAN_INT.fullmatch(text)
+            if not match:
+                raise typer.BadParameter(f"{text!r} is not a whole number: give one such as 4096, or with vLLM's "
+                                         "suffixes 8k (8,000) or 8K (8,192)")
+            digits, suffix = match.groups()
+            if "." in digits and suffix not in _DECIMAL:
+                hint = f": write {digits}{suffix.lower()} for {int(Decimal(digits) * _DECIMAL[suffix.lower()]):,}" \
+                    if suffix else ""
+                raise typer.BadParameter(f"{text!r} is not a whole number (a fraction takes a lower-case, decimal "
+                                         f"suffix: k, m, g, t){hint}")
+            number = int(Decimal(digits) * (_DECIMAL.get(suffix) or _BINARY.get(suffix) or 1))
+        if lo is not None and number < lo or hi is not None and number > hi:
+            bounds = f"{lo}<=x" if hi is None else f"{lo}<=x<={hi}"
+            raise typer.BadParameter(f"{value} is not in the range {bounds}.")
+        return number
+    return parse
+
+
 def _cli_annotation(f):
     """The Annotated type the command line reads for an EngineConfig field."""
     meta = f.metadata
@@ -57,6 +92,9 @@ def _cli_annotation(f):
     show_default = f.default not in (None, MISSING)
     lo, hi = RANGES.get(f.name, (None, None))
     hi = hi if hi is not None and hi < 2 ** 31 else None  # a seed's 2^63 bound is checked, not shown
+    if f.name in HUMAN_INT_FIELDS:
+        return Annotated[base, typer.Option(*decls, help=meta["help"], rich_help_panel=meta["panel"],
+                                            show_default=show_default, parser=human_int(lo, hi), metavar="INTEGER")]
     return Annotated[base, typer.Option(*decls, help=meta["help"], rich_help_panel=meta["panel"],
                                         show_default=show_default, min=lo, max=hi, metavar=meta.get("metavar"))]
 

@@ -15,7 +15,8 @@ from . import options as o
 @o.engine_options(exclude=("max_num_seqs", "max_model_len", "chat_template"))
 def warmup(
     model: o.Model,
-    max_length: Annotated[int | None, typer.Option("--max-length", "--max-model-len", min=2, show_default=False,
+    max_length: Annotated[int | None, typer.Option("--max-length", "--max-model-len", parser=o.human_int(2),
+                                                   metavar="INTEGER", show_default=False,
                                                    help="Longest request (prompt + output) to prove; the engine's "
                                                         "--max-model-len (default: 4096, or the model's context "
                                                         "where that is shorter).")] = None,

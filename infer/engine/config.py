@@ -142,9 +142,11 @@ class EngineConfig:
                                 "on CPU; vLLM's half and float are float16 and float32).")
     device: str = option("auto", "auto | cpu | cuda | cuda:N.")
     max_num_seqs: int = option(64, "Most sequences in one step.")
-    max_num_batched_tokens: int = option(4096, "Most tokens (prefill + decode) in one step.")
+    max_num_batched_tokens: int = option(4096, "Most tokens (prefill + decode) in one step (8k is 8,000, "
+                                                      "8K 8,192, as vLLM reads them).")
     block_size: int = option(16, "Tokens per KV cache block.")
-    max_model_len: int | None = option(None, "Context limit (default: the model's).")
+    max_model_len: int | None = option(None, "Context limit (default: the model's; 32k is 32,000, 32K "
+                                                  "32,768, as vLLM reads them).")
     seed: int | None = option(0, "Seed for sampling of requests without their own seed.")
     enable_prefix_caching: bool = option(True, "Reuse the KV of shared prompt prefixes (vLLM's "
                                                "--[no-]enable-prefix-caching too).",
