@@ -63,3 +63,15 @@ def test_warmup_max_length_takes_human_readable_sizes(monkeypatch):
     assert seen["length"] == 2000 and seen["engine"].max_model_len == 2000
     refused = CliRunner().invoke(app, ["warmup", "tiny-llama", "--max-model-len", "1", "--estimate"])
     assert refused.exit_code == 2 and "2<=x" in refused.output
+
+
+@pytest.mark.parametrize("command", [["run", "tiny-llama", "in.jsonl", "-o", "out.jsonl"], ["serve", "tiny-llama"]])
+def test_vllms_lora_modules_spelling_a_b_says_to_repeat_lora(monkeypatch, command):
+    """vLLM's --lora-modules takes several NAME=PATH after one flag; infer's --lora one each time. The stray
+    pairs were called an output file (`infer run ... -o b=./y`) or left without a hint."""
+    monkeypatch.setattr("infer.cli.serve._serve", lambda *a, **kw: (_ for _ in ()).throw(_Stop()))
+    result = CliRunner().invoke(app, [*command, "--lora", "a=./x", "b=./y", "c=./z"])
+    assert result.exit_code == 2
+    text = " ".join(result.output.split())
+    assert "repeat the option for each adapter" in text and "--lora b=./y --lora c=./z" in text, text
+    assert "output file" not in text

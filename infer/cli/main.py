@@ -90,9 +90,15 @@ def _extra_argument_hint(where: str, error) -> str | None:
     -o OUT), `infer serve M 8000` (the port is --port); None for anything else."""
     import re
     found = re.fullmatch(r"Got unexpected extra argument(?:s|\(s\))? \((.*)\)", error.format_message())
-    if found is None or " " in found.group(1):
+    if found is None:
         return None
     extra = found.group(1)
+    pairs = extra.split(" ")
+    if all("=" in p and not p.startswith("-") and p.split("=")[0] for p in pairs):  # vLLM's --lora-modules a=x b=y
+        more = " ".join(f"--lora {p}" for p in pairs)
+        return f"--lora takes one NAME=PATH: repeat the option for each adapter (... {more})"
+    if " " in extra:
+        return None
     if where == "infer run":
         return f"the output file is an option: infer run MODEL INPUT -o {extra}"
     if where == "infer serve" and extra.isdigit():
