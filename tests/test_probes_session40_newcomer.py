@@ -31,7 +31,9 @@ def test_a_hub_id_says_how_to_download_it(tmp_path, monkeypatch):
     assert "hub id" in err.hint and "huggingface-cli download meta-llama/Llama-2-7b-hf" in err.hint
 
 
-def test_a_hub_id_in_the_local_hub_cache_names_its_snapshot(tmp_path, monkeypatch):
+def test_a_hub_id_in_the_local_hub_cache_is_read_from_its_snapshot(tmp_path, monkeypatch):
+    """Session 40 named the snapshot in a hint; the forty-first reads it (DESIGN: "local folders (or the local
+    Hugging Face cache)"): tests/test_probes_session41_main.py runs such a model."""
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
@@ -39,7 +41,7 @@ def test_a_hub_id_in_the_local_hub_cache_names_its_snapshot(tmp_path, monkeypatc
     snap = tmp_path / "hf" / "hub" / "models--org--model" / "snapshots" / "0123abc"
     snap.mkdir(parents=True)
     (snap / "config.json").write_text("{}")
-    assert str(snap) in _refusal("org/model").hint
+    assert resolve_model("org/model") == snap
     err = _refusal(str(tmp_path / "hf" / "hub" / "models--org--model"))  # the cache's folder itself
     assert "cache" in err.message and str(snap) in err.hint
 

@@ -40,8 +40,11 @@ Model = Annotated[str, typer.Argument(help=f"A local Hugging Face model folder (
 
 
 def base_model_id(model: str) -> str:
-    """The id HTTP clients send as `model` for the base (serve's default, bench's with --url): a built-in's name, or
-    the model folder's name."""
+    """The id HTTP clients send as `model` for the base (serve's default, bench's with --url): a built-in's name, a
+    hub id read from the local hub cache as given (as vLLM lists it), or the model folder's name."""
+    from ..models.resolve import is_hub_id
+    if is_hub_id(model) and not Path(model).exists():
+        return model
     return Path(model.rstrip("/\\")).name or model
 
 

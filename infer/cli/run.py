@@ -146,7 +146,10 @@ def _start_engine(engine: EngineConfig, quiet: bool):
     llm = LLMEngine(engine)
     if not quiet:
         p = llm.memory_plan
-        typer.echo(f"infer: {llm.model_path.name} on {llm.device.type}, {llm.dtype}, KV cache "
+        from ..models.resolve import is_hub_id
+        given = str(engine.model)
+        name = given if is_hub_id(given) and not Path(given).exists() else llm.model_path.name  # not the snapshot's
+        typer.echo(f"infer: {name} on {llm.device.type}, {llm.dtype}, KV cache "
                    f"{p.num_blocks} blocks x {engine.block_size} tokens, max length {llm.max_model_len}", err=True)
     return llm
 

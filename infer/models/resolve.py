@@ -33,6 +33,10 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
     name = str(name_or_path)
     if name in BUILTIN_MODELS:
         return ensure_builtin(name)
+    if is_hub_id(name):  # downloaded before (huggingface-cli, transformers, vLLM): the local hub cache's snapshot
+        cached = _hub_cache_snapshot(name)
+        if cached is not None:
+            return cached
     raise ModelLoadError(f"{name!r} is neither a local model folder nor a built-in model "
                          f"({', '.join(BUILTIN_MODELS)})", _unknown_name_hint(name))
 
@@ -62,27 +66,39 @@ def _unknown_name_hint(name: str) -> str:
     close = difflib.get_close_matches(name.lower(), BUILTIN_MODELS, n=1, cutoff=0.75)
     if close:
         return f"did you mean the built-in model {close[0]!r}? Else pass a folder with config.json and weights"
-    if _HUB_ID.fullmatch(name) and not name.startswith("."):
-        cached = _hub_cache_snapshot(name)
-        if cached is not None:
-            return (f"{name!r} looks like a Hugging Face hub id; infer reads local folders only (nothing is "
-                    f"downloaded), and the hub cache holds it: pass {cached}")
-        return (f"{name!r} looks like a Hugging Face hub id; infer reads local folders only (nothing is downloaded): "
-                f"fetch it first, e.g. `huggingface-cli download {name} --local-dir ./{name.split('/')[1]}`, "
-                f"and pass ./{name.split('/')[1]}")
+    if is_hub_id(name):
+        return (f"{name!r} looks like a Hugging Face hub id, and the local hub cache ({_hub_cache_root()}) does not "
+                f"hold it; infer downloads nothing: fetch it first, `huggingface-cli download {name}` (then pass "
+                f"{name} again), or with `--local-dir ./{name.split('/')[1]}` and pass ./{name.split('/')[1]}")
     return "pass a folder with config.json and weights; nothing is downloaded"
 
 
-def _hub_cache_snapshot(repo_id: str) -> Path | None:
-    """The newest snapshot of `repo_id` in the local Hugging Face hub cache that holds config.json, or None."""
+def is_hub_id(name: str) -> bool:
+    """Whether `name` (not a local path) reads as a Hugging Face hub id, ORG/NAME."""
+    return bool(_HUB_ID.fullmatch(name)) and not name.startswith(".")
+
+
+def _hub_cache_root() -> Path:
+    """The local Hugging Face hub cache, as huggingface_hub finds it (read from the environment on each call)."""
     env = os.environ
     if env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE"):
-        root = Path(env.get("HF_HUB_CACHE") or env["HUGGINGFACE_HUB_CACHE"])
-    else:
-        hf_home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
-        root = Path(hf_home) / "hub"
-    folder = root.expanduser() / ("models--" + repo_id.replace("/", "--"))
-    snapshots = _snapshots(folder / "snapshots")
+        return Path(env.get("HF_HUB_CACHE") or env["HUGGINGFACE_HUB_CACHE"]).expanduser()
+    hf_home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return Path(hf_home).expanduser() / "hub"
+
+
+def _hub_cache_snapshot(repo_id: str) -> Path | None:
+    """The snapshot of `repo_id` the local hub cache's `main` points to (what transformers and vLLM load offline),
+    else its newest snapshot that holds config.json (one downloaded at a pinned revision), or None."""
+    from huggingface_hub import try_to_load_from_cache
+    root = _hub_cache_root()
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json", cache_dir=root)
+    except Exception:  # noqa: BLE001 - a name huggingface_hub refuses is simply not in the cache
+        found = None
+    if isinstance(found, str):
+        return Path(found).parent
+    snapshots = _snapshots(root / ("models--" + repo_id.replace("/", "--")) / "snapshots")
     return snapshots[-1] if snapshots else None
 
 
