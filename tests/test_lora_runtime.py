@@ -178,11 +178,9 @@ def test_every_mistake_is_a_lora_error_and_the_engine_keeps_serving(paths, oracl
         stream = llm.stream(PROMPTS[:1], PARAMS, lora="a")
         next(stream)
         llm.remove_lora("a")
-        with pytest.raises(LoRANameError, match="being removed: requests accepted before its removal"):
-            llm.add_lora("a", str(paths["a"]))  # its running request still uses the old weights under that name
-        assert [out.token_ids for _, _, out in stream if out.finished] == [oracle.greedy("a", PROMPTS[0], N)]
-        llm.add_lora("a", str(paths["c"]))  # the last user finished: the name is free again
+        llm.add_lora("a", str(paths["c"]))  # the name is free at once (vLLM's); its running request keeps a's weights
         assert llm.list_loras() == ["a"]
+        assert [out.token_ids for _, _, out in stream if out.finished] == [oracle.greedy("a", PROMPTS[0], N)]
         out = llm.generate(PROMPTS[:1], PARAMS, lora="a")[0]
         assert out.token_ids == oracle.greedy("c", PROMPTS[0], N)
 

@@ -411,9 +411,11 @@ class LLMEngine:
                                 "remove it first, give this one another name, or replace it: "
                                 "add_lora(name, path, replace=True)")
         adapter = loaded if loaded is not None else manager.load(name, path)
-        if not replace:
+        if not replace and name not in manager.retired():
             manager.add(adapter)
             return
+        # replaced, or removed while requests still use it (as vLLM, the name may be loaded again at once): the
+        # requests that hold the old weights move to their private key and finish with them
         old = manager.replace(adapter)
         if old is not None:
             for seq in self.requests.values():

@@ -1,0 +1,66 @@
+"""Session 41 probes of adapters at run time (LLMEngine.add_lora / remove_lora, what POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter call), with peft as the oracle: a name unloaded while its requests still run can be loaded
+again at once (as in vLLM), each request keeping its own weights and prefix-cache key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from infer import SamplingParams
+from infer.engine.config import EngineConfig
+from infer.engine.llm_engine import LLMEngine
+from infer.models.tiny import ensure_builtin
+
+from lora_helpers import THREE, PeftOracle, hf_float, save_adapter
+
+PROMPT = list(range(5, 45))  # two full blocks of 16: the prefix cache holds them
+N = 6
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    hf = hf_float(Path(ensure_builtin("tiny-llama")))
+    root = tmp_path_factory.mktemp("s41-lora")
+    return hf, {name: save_adapter(hf, root / name, seed=40 + i, **kw) for i, (name, kw) in enumerate(THREE.items())}
+
+
+@pytest.fixture(scope="module")
+def oracle(paths):
+    hf, adapters = paths
+    return PeftOracle(hf, adapters)
+
+
+def _finish(engine: LLMEngine) -> dict[str, list[int]]:
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.token_ids)
+    return done
+
+
+def test_a_name_unloaded_while_its_requests_run_can_be_loaded_again_at_once(paths, oracle):
+    """vLLM frees the name at once; infer answered 400 'being removed' until the old requests ended (which a client
+    cannot see), though load_inplace on that same unloaded name worked."""
+    _, adapters = paths
+    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=256, enable_lora=True, max_loras=1, max_lora_rank=8))
+    try:
+        params = SamplingParams(max_new_tokens=N, ignore_eos=True)
+        engine.add_lora("a", str(adapters["a"]))
+        engine.add_request("old", PROMPT, params, lora="a")
+        engine.step()  # its prompt's K/V are computed (and cached) with a's weights
+        assert engine.remove_lora("a") == 1
+        engine.add_lora("a", str(adapters["c"]))  # was: LoRANameError 'being removed'
+        assert engine.list_loras() == ["a"]
+        engine.add_request("new", PROMPT, params, lora="a")
+        engine.add_request("base", PROMPT, params)
+        done = _finish(engine)
+        assert done["old"] == oracle.greedy("a", PROMPT, N)
+        assert done["new"] == oracle.greedy("c", PROMPT, N)  # no block of a's K/V, in a slot swap either
+        assert done["base"] == oracle.greedy(None, PROMPT, N)
+        assert engine.lora_manager.retired() == [] and engine.lora_manager.names() == ["a"]  # old weights freed
+        assert engine.stats()["lora_swaps"] == 2  # a, then c, through the one slot
+    finally:
+        engine.close()
