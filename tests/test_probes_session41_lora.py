@@ -1,6 +1,7 @@
 """Session 41 probes of adapters at run time (LLMEngine.add_lora / remove_lora, what POST /v1/load_lora_adapter and
 /v1/unload_lora_adapter call), with peft as the oracle: a name unloaded while its requests still run can be loaded
-again at once (as in vLLM), each request keeping its own weights and prefix-cache key."""
+again at once (as in vLLM), each request keeping its own weights and prefix-cache key; an adapter name cannot take
+the private key under which replaced weights finish their requests."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from infer import SamplingParams
+from infer import LLM, SamplingParams
 from infer.engine.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine
+from infer.errors import LoRANameError
 from infer.models.tiny import ensure_builtin
 
 from lora_helpers import THREE, PeftOracle, hf_float, save_adapter
@@ -64,3 +66,15 @@ def test_a_name_unloaded_while_its_requests_run_can_be_loaded_again_at_once(path
         assert engine.stats()["lora_swaps"] == 2  # a, then c, through the one slot
     finally:
         engine.close()
+
+
+def test_an_adapter_name_with_a_nul_cannot_take_the_key_of_replaced_weights(paths, oracle):
+    """Replaced weights finish their requests under NAME + NUL + registration; a JSON lora_name can hold a NUL, and an
+    adapter loaded under such a name was overwritten (and later freed) by the replace, unlisted from /v1/models."""
+    _, adapters = paths
+    with LLM("tiny-llama", enable_lora=True, max_loras=2, max_lora_rank=8, max_model_len=256) as llm:
+        llm.add_lora("x", str(adapters["a"]))
+        key = f"x\x00{llm.engine.lora_manager.cache_key('x')[1]}"
+        with pytest.raises(LoRANameError, match="NUL"):
+            llm.add_lora(key, str(adapters["c"]))
+        assert llm.list_loras() == ["x"]

@@ -91,6 +91,8 @@ class LoRAManager:
             raise LoRANameError(
                 f"invalid LoRA adapter name {name!r}: it must be a non-empty string",
                 "e.g. --lora support=./adapters/support, or LLM.add_lora('support', './adapters/support')")
+        if "\x00" in name:  # `replace` keeps old weights under NAME + NUL + a number: a name with a NUL could be one
+            raise LoRANameError(f"invalid LoRA adapter name {name!r}: it holds a NUL character", "name it without one")
         return self._read(name, adapter_path(name, path))
 
     def add(self, adapter: LoRAAdapter) -> None:
@@ -124,7 +126,7 @@ class LoRAManager:
         if name not in self._paths:
             self.add(adapter)
             return None
-        old = f"{name}\x00{self._registration[name]}"  # no adapter name holds a NUL (it came from JSON or a flag)
+        old = f"{name}\x00{self._registration[name]}"  # no adapter name holds a NUL: `load` refuses it
         serving = name not in self._retired
         if serving:
             self.retire(name)
