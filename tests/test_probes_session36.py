@@ -35,7 +35,7 @@ class _Slots:
     def has(self, name):
         return name in self.loaded
 
-    def add(self, name):
+    def add(self, name, path=None):
         self.loaded.add(name)
 
 

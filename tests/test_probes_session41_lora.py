@@ -78,3 +78,31 @@ def test_an_adapter_name_with_a_nul_cannot_take_the_key_of_replaced_weights(path
         with pytest.raises(LoRANameError, match="NUL"):
             llm.add_lora(key, str(adapters["c"]))
         assert llm.list_loras() == ["x"]
+
+
+def test_an_adapters_models_card_has_its_folder_as_root_as_in_vllm(paths):
+    """vLLM's /v1/models card of an adapter: root = the folder it was loaded from (infer gave its name again), so a
+    client can see which folder a name serves, after a load_inplace too."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+
+    _, adapters = paths
+    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=256, enable_lora=True, max_loras=1, max_lora_rank=8,
+                                    loras={"a": str(adapters["a"])}))
+    try:
+        with serve_in_thread(Server(AsyncEngine(engine), "tiny-llama", runtime_lora=True)) as url:
+            def roots():
+                return {m["id"]: m["root"] for m in httpx.get(f"{url}/v1/models").json()["data"]}
+
+            assert Path(roots()["a"]).samefile(adapters["a"])
+            r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(adapters["b"])})
+            assert r.status_code == 200
+            assert Path(roots()["b"]).samefile(adapters["b"])
+            r = httpx.post(f"{url}/v1/load_lora_adapter",
+                           json={"lora_name": "b", "lora_path": str(adapters["c"]), "load_inplace": True})
+            assert r.status_code == 200
+            assert Path(roots()["b"]).samefile(adapters["c"])
+    finally:
+        engine.close()

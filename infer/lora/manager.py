@@ -185,6 +185,11 @@ class LoRAManager:
     def names(self) -> list[str]:
         return [n for n in self._paths if n not in self._retired]
 
+    def path_of(self, name: str) -> str:
+        """The folder `name` was loaded from (vLLM's `root` of an adapter's /v1/models card)."""
+        self._require(name)
+        return str(self._paths[name])
+
     def _require(self, name: str) -> None:
         if name not in self._paths:
             raise LoRAError(f"unknown LoRA adapter {name!r}",

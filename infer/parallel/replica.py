@@ -55,6 +55,8 @@ class Replica:
                 "model_limit_reason": e.model_limit_reason,
                 "eos_token_ids": sorted(e.eos_token_ids),
                 "adapters": sorted(e.lora_manager.names()) if e.lora_manager is not None else [],
+                "adapter_paths": {n: e.lora_manager.path_of(n) for n in e.lora_manager.names()}
+                if e.lora_manager is not None else {},
                 "lora_enabled": e.lora_manager is not None}
 
     def add_lora(self, name: str, path: str, replace: bool = False) -> dict | None:

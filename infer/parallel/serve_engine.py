@@ -35,8 +35,9 @@ SUMMED = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "nu
 class _Adapters:
     """The adapter names requests may use on every replica (the driver checks requests against it)."""
 
-    def __init__(self, names: list[str]):
+    def __init__(self, names: list[str], paths: dict[str, str] | None = None):
         self._names = list(names)
+        self._paths = dict(paths or {})  # name -> the folder it was loaded from (/v1/models' root)
 
     def has(self, name: str) -> bool:
         return name in self._names
@@ -44,13 +45,19 @@ class _Adapters:
     def names(self) -> list[str]:
         return list(self._names)
 
-    def add(self, name: str) -> None:
+    def path_of(self, name: str) -> str | None:
+        return self._paths.get(name)
+
+    def add(self, name: str, path: str | None = None) -> None:
         if name not in self._names:
             self._names.append(name)
+        if path is not None:
+            self._paths[name] = path
 
     def discard(self, name: str) -> None:
         if name in self._names:
             self._names.remove(name)
+        self._paths.pop(name, None)
 
 
 class _Blocks:
@@ -72,7 +79,8 @@ class ReplicaView:
         self.eos_token_ids = set(info.get("eos_token_ids", ()))  # what min_tokens bans (validate)
         self.model_config = type("ModelLimits", (), {"vocab_size": info["vocab_size"]})()
         self.block_manager = _Blocks(info["num_blocks"], config.block_size)
-        self.lora_manager = _Adapters(info["adapters"]) if info["adapters"] or info.get("lora_enabled") else None
+        self.lora_manager = (_Adapters(info["adapters"], info.get("adapter_paths"))
+                             if info["adapters"] or info.get("lora_enabled") else None)
         # structured outputs compiled in the driver too (checked before a request travels; the stop ids matter only
         # to a replica's matchers)
         self.grammars = GrammarBackend(tokenizer, info["vocab_size"], [])
@@ -287,7 +295,7 @@ class RayAsyncEngine(AsyncEngine):
                 r, e = failed[0]
                 kind = LoRANameError if e.get("name") else LoRAError  # the name, or the folder, is the problem
                 raise kind(f"replica {r.index} ({r.info.get('host')}): {e['message']}{gone}", e.get("hint"))
-            adapters.add(name)
+            adapters.add(name, path)
 
     async def remove_lora(self, name: str) -> int:
         """Refuse `name` to new requests, then retire it on every replica behind the requests already sent there

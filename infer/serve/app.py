@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..engine.inputs import openai_sampling_defaults
-from ..errors import RequestError
+from ..errors import LoRAError, RequestError
 from . import protocol as p
 from .adapters import add_adapter_routes
 from .async_engine import NO_ENGINE, AsyncEngine, NoEngineError, QueueFullError, ShuttingDownError
@@ -88,7 +88,9 @@ class Server:
         card = {"object": "model", "created": self.created, "owned_by": "infer"}
         card["max_model_len"] = self.engine.max_model_len  # as vLLM's cards: clients size prompts from it
         data = [{"id": name, **card, "root": str(self.engine.model_path), "parent": None} for name in self.model_ids]
-        return data + [{"id": name, **card, "root": name, "parent": self.model_id} for name in self.adapters()]
+        lm = self.engine.lora_manager
+        return data + [{"id": name, **card, "root": _adapter_root(lm, name), "parent": self.model_id}
+                       for name in self.adapters()]
 
     def lora_for(self, model: str | None) -> str | None:
         """vLLM's rule: the base id (or no model, or an empty name) runs the base; an adapter's name runs that
@@ -498,6 +500,14 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     async def metrics(request: Request):
         server.check_auth(request)
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _adapter_root(manager, name: str) -> str:
+    """An adapter card's `root`: the folder it was loaded from, as vLLM's (its name where the folder is not known)."""
+    try:
+        return manager.path_of(name) or name
+    except (AttributeError, LoRAError):  # a registry that does not know the folders, or removed meanwhile
+        return name
 
 
 @contextmanager
