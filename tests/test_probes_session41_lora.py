@@ -106,3 +106,32 @@ def test_an_adapters_models_card_has_its_folder_as_root_as_in_vllm(paths):
             assert Path(roots()["b"]).samefile(adapters["c"])
     finally:
         engine.close()
+
+
+def test_two_loads_of_one_name_at_once_tell_the_second_client_about_load_inplace(paths):
+    """Both pass the check made before the folder is read; the second was refused by the engine's own check, whose
+    hint is for Python (`add_lora(name, path, replace=True)`), on an HTTP route."""
+    import asyncio
+
+    from infer.serve.async_engine import AsyncEngine
+
+    _, adapters = paths
+    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=256, enable_lora=True, max_loras=1, max_lora_rank=8))
+    aengine = AsyncEngine(engine)
+
+    async def both():
+        aengine.start()
+        try:
+            return await asyncio.gather(aengine.add_lora("k", str(adapters["a"])),
+                                        aengine.add_lora("k", str(adapters["b"])), return_exceptions=True)
+        finally:
+            await asyncio.to_thread(aengine.shutdown, 10)
+
+    try:
+        results = asyncio.run(both())  # either may be read first
+        assert results.count(None) == 1
+        error = next(r for r in results if r is not None)
+        assert isinstance(error, LoRANameError)
+        assert "load_inplace: true" in str(error) and "add_lora(" not in str(error)
+    finally:
+        engine.close()

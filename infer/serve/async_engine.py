@@ -124,11 +124,19 @@ class AsyncEngine:
         thread; requests may name it once this returns. LoRAError when it cannot be served. `replace` (vLLM's
         load_inplace): the requests accepted before keep the weights they started with (LLMEngine.add_lora)."""
         manager = self.engine.lora_slots()
-        if manager.has(name) and not replace:  # checked again on the engine thread: another call may add it meanwhile
-            raise LoRANameError(f"a LoRA adapter named {name!r} is already loaded",
-                                "remove it first, give this one another name, or replace it (load_inplace: true)")
+
+        def check():  # before the read, and again on the engine thread: another call may have added it meanwhile
+            if manager.has(name) and not replace:
+                raise LoRANameError(f"a LoRA adapter named {name!r} is already loaded",
+                                    "remove it first, give this one another name, or replace it (load_inplace: true)")
+
+        def add(engine):
+            check()
+            engine.add_lora(name, path, loaded=adapter, replace=replace)
+
+        check()
         adapter = await asyncio.to_thread(manager.load, name, path)
-        await self._call(lambda engine: engine.add_lora(name, path, loaded=adapter, replace=replace))
+        await self._call(add)
 
     async def remove_lora(self, name: str) -> int:
         """Refuse `name` to new requests; those admitted before finish with it. Returns how many still use it."""
