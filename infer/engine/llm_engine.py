@@ -403,7 +403,8 @@ class LLMEngine:
         """Register the PEFT adapter folder `path` under `name`; requests may name it from the next step on.
         `loaded`: what `lora_slots().load(name, path)` already read (a server reads it off the engine thread).
         `replace` (vLLM's load_inplace): a name already loaded takes the new weights for the requests added from now
-        on; the requests added before finish with the weights they started with (freed after the last of them)."""
+        on; the requests added before finish with the weights they started with (freed after the last of them). A name
+        removed while requests still use it may be added again at once: those requests finish with the old weights."""
         manager = self.lora_slots()
         self._reap_loras()
         if manager.has(name) and not replace:
