@@ -50,9 +50,10 @@ class CompletionOutput:
 
 
 class RequestOutput:
-    """One request's state after a step. token_ids, logprobs and token_times are the request's lists as they were
-    at that step: the engine hands out a length and copies the (append-only) lists only when they are read, so a
-    step never copies every request's history."""
+    """One request's state after a step. token_ids, logprobs, token_times and a running request's text are the
+    request's as they were at that step: the engine hands out a length and copies the (append-only) lists and text
+    only when they are read, so a step never copies every request's history, and the outputs a slow stream reader
+    has not taken yet hold a length each, not a copy of the whole text so far (quadratic memory)."""
 
     prompt: str | None = None  # vLLM's: the prompt's text when LLM.generate / stream got it as text (else None)
 
@@ -92,7 +93,10 @@ class RequestOutput:
         out.request_id, out.prompt_token_ids, out.new_token_ids = seq.request_id, seq.prompt_token_ids, new_token_ids
         # a running request's text is what its deltas handed out so far (a possible stop string or partial character
         # held back, as in vLLM), so each step's text extends the last and the final text
-        out.text = seq.text if seq.finished else seq.text[:seq.sent_text_len]
+        if seq.finished:
+            out._text, out._text_seq = seq.text, None
+        else:  # read when asked for: each step's text is a prefix of every later one (see above)
+            out._text, out._text_seq, out._text_len = None, seq, seq.sent_text_len
         out.delta_text, out.finished = delta_text, seq.finished
         out.finish_reason, out.error, out.lora = seq.finish_reason, seq.error, seq.lora_name
         out.bad_request = seq.bad_request
@@ -163,6 +167,7 @@ class RequestOutput:
         state, and a structured-output request's xgrammar matcher, which cannot be pickled."""
         if self._seq is not None:
             self._materialize()
+        self.text  # noqa: B018 (read: the Sequence is not pickled)
         return self.__dict__
 
     def _materialize(self) -> None:
@@ -171,6 +176,17 @@ class RequestOutput:
         self._token_times = seq.token_times[:gen]
         self._logprobs = seq.logprobs[:gen] if seq.logprobs is not None else None
         self._seq = None
+
+    @property
+    def text(self) -> str:
+        """The output text so far (stop strings removed)."""
+        if self._text_seq is not None:
+            self._text, self._text_seq = self._text_seq.text[:self._text_len], None
+        return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._text, self._text_seq = value, None
 
     @property
     def token_ids(self) -> list[int]:

@@ -283,7 +283,7 @@ async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, mod
                 records, sent_lp[i] = out.logprobs[sent_lp.get(i, 0):], len(out.logprobs)
             reason = p.finish_reason(out) if out.finished else None
             new_ids = out.new_token_ids if req.return_token_ids else None
-            delta, calls, text, reasoning = out.delta_text, None, out.text, ""
+            delta, calls, text, reasoning = out.delta_text, None, None, ""  # text: read where needed (a copy)
             if req.echo:  # (completions) the prompt and its logprobs first, in the choice's first chunk, as vLLM
                 if req.prompt_only:  # max_tokens 0: the prompt alone, the one token generated left out
                     delta, records = "", None if records is None else []
@@ -297,6 +297,7 @@ async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, mod
                 reasoning, thought[i] = whole[thought.get(i, 0):] if req.reasoning.include else "", len(whole)
                 delta = text[sent.get(i, 0):]
             if req.tools is not None and req.tools.mode != "none":  # calls go whole in the choice's last chunk;
+                text = out.text if text is None else text
                 if out.finished:  # before them, the text that is content (none for a constrained call)
                     content, calls = split(req.tools, text)
                 else:
