@@ -16,7 +16,7 @@ from typing import Iterator, Sequence as Seq
 from ..errors import ClosedError, RequestError, UnknownOptionError
 from .config import EngineConfig, load_chat_template
 from .inputs import chat_template_options, encode_prompt
-from .llm_engine import LLMEngine
+from .llm_engine import LLMEngine, interrupts_held
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 
@@ -279,9 +279,11 @@ class LLM:
                 engine = self._engine()
                 if not engine.has_unfinished_requests():
                     raise RuntimeError(f"the engine has no work left but requests {ids} did not finish")
-                for out in self._step(engine):
-                    if out.request_id in self._mail:  # others are outputs of requests their call gave up
-                        self._mail[out.request_id].append(out)
+                outs = self._step(engine)
+                with interrupts_held():  # a Ctrl-C here would lose other calls' outputs of the step
+                    for out in outs:
+                        if out.request_id in self._mail:  # others are outputs of requests their call gave up
+                            self._mail[out.request_id].append(out)
 
     def _step(self, engine) -> list[RequestOutput]:
         """One engine step. When it raises, the requests it was running are not trusted: they end with

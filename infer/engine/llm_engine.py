@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 import numbers
+import signal
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import replace
@@ -30,6 +33,26 @@ from .structured import DEAD_HINT, GrammarBackend, allows_any
 log = logging.getLogger("infer")
 # requests whose bad_words stay tokenized (their ids are shared, read-only, by every choice that bans them)
 BAD_WORDS_CACHE = 16
+
+
+@contextlib.contextmanager
+def interrupts_held():
+    """Hold a Ctrl-C (SIGINT) back until the block is done, then act on it (Python's handler raises
+    KeyboardInterrupt there): the host's bookkeeping of a step (tokens appended, outputs handed to their calls) is
+    done whole or not at all, so an interrupt cannot leave another call's request with a token counted but never
+    appended, or its output lost. Only in the main thread, under a Python handler (SIG_IGN / SIG_DFL are left)."""
+    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if not callable(previous):
+        yield
+        return
+    held = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        previous(signal.SIGINT, held[0])
 
 
 def checked_arrival(arrival_time) -> float | None:
@@ -468,22 +491,23 @@ class LLMEngine:
         """The body of step(), adding its outputs to `outputs` as they are made."""
         self.last_step_tokens = 0
         if self._unsettled is not None:  # its wait was interrupted: completed before anything else
-            outputs += self._settle()
+            self._settle(outputs)
         self._reap_loras()  # adapters removed while requests still used them, now that those may have finished
         batch = self.scheduler.schedule()
         outputs += self._take_failed()
         if not batch:
             if self._inflight is not None:  # wait for the launched batch, and complete it
                 self._unsettled, self._inflight = self._inflight, None
-                outputs += self._settle()
+                self._settle(outputs)
             return
         batch.zero, self.block_manager.fresh = self.block_manager.fresh, []  # zeroed by the step (ModelRunner.prepare)
         self.num_steps += 1
         self.last_step_tokens = batch.num_tokens
         if not self.overlap:
             sampled = self.runner.run(batch)
-            self._launched(batch, sampled)
-            outputs += self._complete(batch, sampled)
+            with interrupts_held():
+                self._launched(batch, sampled)
+                outputs += self._complete(batch, sampled)
             return
         prev = self._inflight  # taken only once the next batch is launched: a failed launch loses nothing
         settled = []
@@ -492,26 +516,28 @@ class LLMEngine:
             # completed here: a launch that fails after this does not complete it again (interrupted while waiting,
             # it stays unsettled: the next step completes it)
             self._unsettled, self._inflight = prev, None
-            outputs.extend(self._settle())
+            self._settle(outputs)
             settled.append(True)
         handle = self.runner.launch(batch, prev[1] if prev else None, settle if prev else None)
-        self._launched(batch, handle.rows)
-        self._inflight = (batch, handle)
+        with interrupts_held():
+            self._launched(batch, handle.rows)
+            self._inflight = (batch, handle)
         if prev is not None and not settled:
             self._unsettled = prev  # before the batch just launched
-            outputs += self._settle()
+            self._settle(outputs)
 
-    def _settle(self) -> list[RequestOutput]:
-        """Wait for the tokens of the launched batch `_unsettled` and complete it. Interrupted while waiting (Ctrl-C:
-        on a GPU most of a step is this wait), it stays, and the next step completes it first: its tokens were
-        already the input of the batch launched after it."""
+    def _settle(self, outputs: list[RequestOutput]) -> None:
+        """Wait for the tokens of the launched batch `_unsettled` and complete it, adding its outputs to `outputs`.
+        Interrupted while waiting (Ctrl-C: on a GPU most of a step is this wait), it stays, and the next step completes
+        it first: its tokens were already the input of the batch launched after it."""
         try:
             sampled = self._unsettled[1].result()
         except Exception:  # a failure, not an interruption: the batch is dropped (its requests end with the error)
             self._unsettled = None
             raise
-        (batch, _), self._unsettled = self._unsettled, None
-        return self._complete(batch, sampled)
+        with interrupts_held():  # once the tokens are here, completing the batch is not interrupted half way
+            (batch, _), self._unsettled = self._unsettled, None
+            outputs.extend(self._complete(batch, sampled))
 
     def _check_open(self) -> None:
         if getattr(self, "runner", None) is None:  # close() freed the model and the KV cache
