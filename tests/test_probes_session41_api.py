@@ -101,3 +101,17 @@ def test_ctrl_c_while_a_steps_outputs_go_to_their_calls_loses_nothing_of_another
     assert "".join(delta for _, delta, _ in got) == final.text == ref.text
     assert not llm.engine.requests and llm.engine.block_manager.num_used_blocks == 0
 
+
+def test_vllms_priority_keyword_is_taken_at_its_default_and_refused_otherwise(llm):
+    """vLLM's LLM.generate / chat take `priority` (one int per prompt; only 0 without priority scheduling); here it
+    was Python's bare TypeError ("unexpected keyword argument 'priority'")."""
+    from infer import RequestError
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    ref = [o.token_ids for o in llm.generate(["a", "b"], params)]
+    assert [o.token_ids for o in llm.generate(["a", "b"], params, priority=None)] == ref
+    assert [o.token_ids for o in llm.generate(["a", "b"], params, priority=[0, 0])] == ref
+    assert llm.chat([{"role": "user", "content": "a"}], params, priority=[0])[0].finish_reason == "length"
+    for bad in ([1, 0], 3, [True]):
+        with pytest.raises(RequestError, match="first come, first served"):
+            llm.generate(["a", "b"], params, priority=bad)
+    assert not llm.engine.requests

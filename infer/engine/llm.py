@@ -70,7 +70,8 @@ _SAMPLING_FIELDS = frozenset([*(f.name for f in dataclass_fields(SamplingParams)
 def _vllm_keywords(method):
     """vLLM's keywords for generate / chat / stream: `sampling_params` is taken for params (both given: refused),
     `use_tqdm` is taken and ignored (infer shows no progress bar), and `lora_request` (a vLLM LoRARequest) is
-    refused saying how infer names an adapter. They were Python's bare TypeError. A tuple of params or of adapter
+    refused saying how infer names an adapter; `priority` is taken at vLLM's default only (_check_priority). They
+    were Python's bare TypeError. A tuple of params or of adapter
     names is a list of them, as vLLM reads a sequence (it was refused, or taken as one adapter name)."""
     @functools.wraps(method)
     def call(self, *args, **kwargs):
@@ -80,6 +81,7 @@ def _vllm_keywords(method):
                                    "they are the same argument (sampling_params is vLLM's name for it): give one")
             kwargs["params"] = kwargs.pop("sampling_params")
         kwargs.pop("use_tqdm", None)
+        _check_priority(kwargs.pop("priority", None), method.__name__)
         args = list(args)
         for at, name in ((1, "params"), (2, "lora")):  # vLLM takes any sequence of them, one per prompt: a tuple too
             if len(args) > at and isinstance(args[at], tuple):
@@ -97,6 +99,17 @@ def _vllm_keywords(method):
                                "PATH)")
         return method(self, *args, **kwargs)
     return call
+
+
+def _check_priority(priority, name: str) -> None:
+    """vLLM's `priority` keyword (one int per prompt): taken at vLLM's default (None, or 0 for every prompt), which
+    is all vLLM itself takes without its priority scheduling; it was Python's bare TypeError."""
+    if priority is None or (isinstance(priority, (list, tuple)) and all(
+            isinstance(p, numbers.Integral) and not isinstance(p, bool) and p == 0 for p in priority)):
+        return
+    raise RequestError(f"{name}() got priority={priority!r}: infer schedules first come, first served",
+                       "leave priority out (or give 0 for every prompt), as vLLM requires without its priority "
+                       "scheduling")
 
 
 class LLM:
