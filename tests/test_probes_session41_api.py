@@ -115,3 +115,13 @@ def test_vllms_priority_keyword_is_taken_at_its_default_and_refused_otherwise(ll
         with pytest.raises(RequestError, match="first come, first served"):
             llm.generate(["a", "b"], params, priority=bad)
     assert not llm.engine.requests
+
+
+def test_chat_with_no_conversations_returns_no_outputs_as_generate_does(llm):
+    """vLLM's LLM.chat([]) is a list of no conversations (its outputs: []), as generate([]) is here; chat([])
+    raised RequestError, so a program that filtered its batch of conversations down to none failed."""
+    params = SamplingParams(max_new_tokens=2)
+    assert llm.generate([], params) == []
+    assert llm.chat([], params) == []
+    assert llm.chat((), params) == []
+    assert not llm.engine.requests

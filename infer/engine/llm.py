@@ -372,6 +372,9 @@ class LLM:
         Qwen3's enable_thinking; tools: OpenAI's function definitions, for a template that renders them), then run
         as generate() runs prompts. `chat_template`: this call's template instead of the model's (the one of
         `LLM(model, chat_template=...)`, else the tokenizer's): a Jinja file, or the template text itself."""
+        if isinstance(messages, (list, tuple)) and not messages:  # no conversation: none to run, as generate([])
+            self._engine()  # (and vLLM's chat([]), a list of no conversations)
+            return []
         convs = [messages] if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict) \
             else messages
         if not isinstance(convs, (list, tuple)) or not convs or not all(
