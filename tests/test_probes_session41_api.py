@@ -125,3 +125,15 @@ def test_chat_with_no_conversations_returns_no_outputs_as_generate_does(llm):
     assert llm.chat([], params) == []
     assert llm.chat((), params) == []
     assert not llm.engine.requests
+
+
+def test_sampling_params_clone_is_an_independent_copy_as_in_vllm(llm):
+    """vLLM's SamplingParams.clone() (a deep copy, e.g. to change one request's params): an AttributeError here."""
+    params = SamplingParams(max_tokens=3, stop=["zz"], logit_bias={5: 1.0}, ignore_eos=True)
+    copied = params.clone()
+    assert copied == params and copied is not params
+    copied.stop.append("yy")
+    copied.logit_bias[6] = 2.0
+    copied.max_tokens = 2
+    assert params.stop == ["zz"] and params.logit_bias == {5: 1.0} and params.max_tokens == 3
+    assert len(llm.generate(["a"], copied)[0].token_ids) == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import numbers
@@ -188,6 +189,11 @@ class SamplingParams:
         construction only, so `params.temperature = -1` afterwards reached the sampler; and a request shared the
         caller's object, which could change under it while it ran."""
         return replace(self)
+
+    def clone(self) -> SamplingParams:
+        """vLLM's SamplingParams.clone(): a deep copy, whose lists and dicts can be changed without touching these
+        params (it was an AttributeError)."""
+        return copy.deepcopy(self)
 
     @property
     def greedy(self) -> bool:
