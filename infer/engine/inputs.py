@@ -444,6 +444,20 @@ def _batch_prompt(body: dict) -> dict:
                        "write one line per prompt, each with its own custom_id")
 
 
+def _check_batch_logprobs(value: Any, chat: bool) -> None:
+    """OpenAI's logprobs is a boolean for a chat (the count is top_logprobs) and the count itself for a completion,
+    as the server reads them: a chat's 1 gave one alternative per token (vLLM: none) and a completion's true none
+    (vLLM: one)."""
+    if value is None:
+        return
+    if chat and not isinstance(value, bool):
+        raise RequestError(f"body.logprobs must be a boolean for a chat, got {json.dumps(value)}",
+                           "send \"logprobs\": true with \"top_logprobs\": N for N alternatives per token")
+    if not chat and isinstance(value, bool):
+        raise RequestError(f"body.logprobs must be an integer for a completion (the alternatives per token), got "
+                           f"{json.dumps(value)}", "e.g. \"logprobs\": 2 (0: the sampled token's alone)")
+
+
 _TEMPLATE_KEY = "\0template"  # a batch line's chat_template_options among its fields (a line's own is refused)
 
 
@@ -491,6 +505,7 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
     else:
         check_no_chat_template_fields(body, "body.")
         template = None
+    _check_batch_logprobs(body.get("logprobs"), "messages" in body)
     top = body.get("top_logprobs")
     if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
         raise RequestError(f"body.top_logprobs must be an integer in 0..20, got {top!r}")

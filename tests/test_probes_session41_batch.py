@@ -1,0 +1,52 @@
+"""Session 41, `infer run` with OpenAI batch lines (as `vllm run-batch` reads them): probes of the line contract."""
+
+from __future__ import annotations
+
+import json
+
+from infer.cli.batch_io import read_inputs
+
+
+class _Tok:
+    """Enough of a tokenizer for the reader: one id per byte."""
+    chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+    def __call__(self, text):
+        return {"input_ids": list(text.encode("utf-8"))[:50] or [0]}
+
+    def apply_chat_template(self, messages, tokenize=True, return_dict=True, **kwargs):
+        return {"input_ids": list("".join(m["content"] for m in messages).encode("utf-8")) or [0]}
+
+
+def _read(tmp_path, lines: list[dict]):
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return {item.id: item for item in read_inputs(path, _Tok(), {"max_new_tokens": 4})}
+
+
+def _batch(cid: str, url: str, **body) -> dict:
+    return {"custom_id": cid, "method": "POST", "url": url, "body": body}
+
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def test_a_batch_lines_logprobs_is_read_by_its_endpoints_type(tmp_path):
+    """A chat line's "logprobs": 1 gave one alternative per token (vLLM and OpenAI read a boolean there: none), and
+    a completion line's "logprobs": true gave none (vLLM reads it as the count 1): both are refused, as the server
+    refuses them, and the well-typed forms still give what they ask."""
+    items = _read(tmp_path, [
+        _batch("chat-int", "/v1/chat/completions", messages=CHAT, logprobs=1),
+        _batch("chat-3", "/v1/chat/completions", messages=CHAT, logprobs=3),
+        _batch("cmpl-bool", "/v1/completions", prompt="hi", logprobs=True),
+        _batch("chat-ok", "/v1/chat/completions", messages=CHAT, logprobs=True, top_logprobs=2),
+        _batch("chat-none", "/v1/chat/completions", messages=CHAT, logprobs=False),
+        _batch("cmpl-ok", "/v1/completions", prompt="hi", logprobs=3),
+        _batch("cmpl-0", "/v1/completions", prompt="hi", logprobs=0)])
+    assert "body.logprobs must be a boolean for a chat" in items["chat-int"].error
+    assert "top_logprobs" in items["chat-3"].error
+    assert "body.logprobs must be an integer for a completion" in items["cmpl-bool"].error
+    assert items["chat-ok"].request.params.logprobs == 2
+    assert items["chat-none"].request.params.logprobs is None
+    assert items["cmpl-ok"].request.params.logprobs == 3 and items["cmpl-0"].request.params.logprobs == 0
+
