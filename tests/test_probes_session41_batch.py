@@ -50,3 +50,14 @@ def test_a_batch_lines_logprobs_is_read_by_its_endpoints_type(tmp_path):
     assert items["chat-none"].request.params.logprobs is None
     assert items["cmpl-ok"].request.params.logprobs == 3 and items["cmpl-0"].request.params.logprobs == 0
 
+
+def test_a_completion_prompt_list_of_neither_text_nor_ids_names_the_problem(tmp_path):
+    """"prompt": [true] was refused as "body.prompt holds 1 prompts; a batch line answers one"."""
+    items = _read(tmp_path, [_batch("b", "/v1/completions", prompt=[True]),
+                             _batch("f", "/v1/completions", prompt=[1.5]),
+                             _batch("two", "/v1/completions", prompt=["a", "b"]),
+                             _batch("one", "/v1/completions", prompt=["a"])])
+    for cid in ("b", "f"):
+        assert "holds" not in items[cid].error and "must be a string, a list of token ids" in items[cid].error
+    assert "holds 2 prompts" in items["two"].error
+    assert items["one"].error is None and items["one"].request.prompt_token_ids == list(b"a")

@@ -440,6 +440,9 @@ def _batch_prompt(body: dict) -> dict:
         raise RequestError("body.prompt is an empty list", "give the prompt as a string or a list of token ids")
     if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         return _batch_prompt({"prompt": prompt[0]}) or {"prompt": prompt[0]}
+    if not all(isinstance(p, (str, list)) for p in prompt):  # [true], [1.5]: not "holds 1 prompts"
+        raise RequestError("body.prompt must be a string, a list of token ids (integers) or a list of such prompts",
+                           'e.g. "prompt": "Hi" or "prompt": [1, 2, 3]')
     raise RequestError(f"body.prompt holds {len(prompt)} prompts; a batch line answers one",
                        "write one line per prompt, each with its own custom_id")
 
