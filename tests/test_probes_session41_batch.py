@@ -61,3 +61,23 @@ def test_a_completion_prompt_list_of_neither_text_nor_ids_names_the_problem(tmp_
         assert "holds" not in items[cid].error and "must be a string, a list of token ids" in items[cid].error
     assert "holds 2 prompts" in items["two"].error
     assert items["one"].error is None and items["one"].request.prompt_token_ids == list(b"a")
+
+
+def test_a_batch_lines_sampling_errors_name_the_fields_its_body_gave(tmp_path):
+    """"max_tokens": 0 was refused as "max_new_tokens must be in 1..", and a response_format with min_tokens as
+    "structured_outputs cannot be combined with min_tokens": fields the line never wrote (the server names the
+    client's)."""
+    items = _read(tmp_path, [
+        _batch("mt", "/v1/completions", prompt="hi", max_tokens=0),
+        _batch("mct", "/v1/chat/completions", messages=CHAT, max_completion_tokens=0, max_tokens=5),
+        _batch("min", "/v1/completions", prompt="hi", max_tokens=3, min_tokens=5),
+        _batch("rf", "/v1/chat/completions", messages=CHAT, response_format={"type": "json_object"}, min_tokens=2),
+        _batch("gc", "/v1/completions", prompt="hi", guided_choice=["a", "b"], ignore_eos=True),
+        _batch("so", "/v1/completions", prompt="hi", structured_outputs={"choice": ["a"]}, ignore_eos=True)])
+    assert items["mt"].error.startswith("line 1: body.max_tokens must be in 1..")
+    assert "body.max_completion_tokens must be in 1.." in items["mct"].error
+    assert "min_tokens (5) must be at most body.max_tokens (3)" in items["min"].error
+    assert "body.response_format cannot be combined with min_tokens" in items["rf"].error
+    assert "or body.response_format)" in items["rf"].error and "structured_outputs" not in items["rf"].error
+    assert "body.guided_choice cannot be combined with ignore_eos" in items["gc"].error
+    assert "structured_outputs cannot be combined with ignore_eos" in items["so"].error  # the field it gave

@@ -462,6 +462,23 @@ def _check_batch_logprobs(value: Any, chat: bool) -> None:
 
 
 _TEMPLATE_KEY = "\0template"  # a batch line's chat_template_options among its fields (a line's own is refused)
+_WORDS_KEY = "\0words"  # a batch line's names for the engine's fields (max_tokens for max_new_tokens...)
+
+
+def _in_body_words(e: RequestError, words: dict | None) -> RequestError:
+    """SamplingParams' error in the words of the batch line's body: "max_new_tokens must be in 1..N, got 0" was
+    the answer to "max_tokens": 0, and "structured_outputs cannot be combined with min_tokens" to a response_format
+    (the server names the field the client sent)."""
+    message, hint = e.message, e.hint
+    for engine_name, body_name in (words or {}).items():
+        if body_name is None or body_name == engine_name:
+            continue
+        message = message.replace(engine_name, "body." + body_name)
+        if hint is not None:
+            hint = hint.replace(engine_name, "body." + body_name)
+            if engine_name == "structured_outputs":
+                hint = hint.replace("the constraint", "body." + body_name)
+    return e if (message, hint) == (e.message, e.hint) else RequestError(message, hint)
 
 
 def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, str, Any, dict]:
@@ -517,7 +534,10 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
                            "set \"logprobs\": true, or remove top_logprobs")
     fields = {k: v for k, v in body.items() if k in _PARAM_TYPES or k in _OPENAI_ALIASES
               or k in ("prompt", "messages", "top_logprobs")}
-    fields["structured_outputs"] = from_openai(body, "body.")[0]  # response_format, guided_json...: one of them
+    fields["structured_outputs"], source = from_openai(body, "body.")  # response_format, guided_json...: one of them
+    length = next((k for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), None)
+    # the body's names for the engine's fields that SamplingParams' errors name
+    fields[_WORDS_KEY] = {"max_new_tokens": length, "structured_outputs": source}
     fields.update(_batch_prompt(body))
     fields[_TEMPLATE_KEY] = template
     lora = body.get("lora")
@@ -582,7 +602,10 @@ def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = 
         raise RequestError(f"field 'lora' must be a string or null, got {type(lora).__name__}")
     # a field given as null is not given (OpenAI clients write None as null): the run's default holds
     merged = {**(defaults or {}), **{k: v for k, v in fields.items() if v is not None}}
-    params = params_from(merged, aliases)
+    try:
+        params = params_from(merged, aliases)
+    except RequestError as e:
+        raise _in_body_words(e, fields.get(_WORDS_KEY)) from None
     given = [k for k in _PROMPT_KEYS if fields.get(k) is not None]
     if len(given) != 1:
         raise RequestError("no prompt: give one of prompt, messages, prompt_token_ids" if not given else
