@@ -81,3 +81,15 @@ def test_a_batch_lines_sampling_errors_name_the_fields_its_body_gave(tmp_path):
     assert "or body.response_format)" in items["rf"].error and "structured_outputs" not in items["rf"].error
     assert "body.guided_choice cannot be combined with ignore_eos" in items["gc"].error
     assert "structured_outputs cannot be combined with ignore_eos" in items["so"].error  # the field it gave
+
+
+def test_a_batch_line_asking_for_a_stream_is_refused_as_openai_and_vllm_refuse_it(tmp_path):
+    """"stream": true in a batch line ran as if absent; OpenAI's Batch API rejects such a line and vllm run-batch
+    writes an error for it ("Request must not be sent in stream mode"): a file infer took was refused there."""
+    items = _read(tmp_path, [_batch("s", "/v1/chat/completions", messages=CHAT, stream=True),
+                             _batch("so", "/v1/completions", prompt="hi", stream=True,
+                                    stream_options={"include_usage": True}),
+                             _batch("f", "/v1/completions", prompt="hi", stream=False),
+                             _batch("n", "/v1/completions", prompt="hi", stream=None)])
+    assert "body.stream" in items["s"].error and "body.stream" in items["so"].error
+    assert items["f"].error is None and items["n"].error is None

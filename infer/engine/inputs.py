@@ -516,6 +516,10 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
             more = " (for n > 1, write one line per reply, each with its own custom_id and seed)" \
                 if key in ("n", "best_of") else ""
             raise RequestError(f"body.{key}: {why}", f"remove it from the line's body{more}")
+    if body.get("stream") not in (None, False):  # OpenAI's batch refuses it, vLLM's run-batch answers an error
+        raise RequestError("body.stream: a batch line's reply is written whole, never streamed (OpenAI's Batch API "
+                           "and vllm run-batch refuse stream: true)", "remove stream (and stream_options) from the "
+                           "line's body")
     if body.get(REQUEST_TEMPLATE_FIELD) is not None:
         raise RequestError("body.chat_template: a chat template per line is not supported",
                            "remove it from the line's body; `infer run --chat-template FILE` gives the whole run one")
