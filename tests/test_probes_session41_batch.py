@@ -93,3 +93,27 @@ def test_a_batch_line_asking_for_a_stream_is_refused_as_openai_and_vllm_refuse_i
                              _batch("n", "/v1/completions", prompt="hi", stream=None)])
     assert "body.stream" in items["s"].error and "body.stream" in items["so"].error
     assert items["f"].error is None and items["n"].error is None
+
+
+def test_resume_takes_lines_appended_after_a_newline_that_ends_the_old_last_line(tmp_path):
+    """An input whose last line had no newline, grown by an editor's Enter at its end and new lines (or `echo >>`
+    then `cat >>`): the old last line is as it was, yet --resume refused it as changed and told the user to do
+    what they had done ("end the old last line with a newline")."""
+    import pytest
+    from infer.cli.resume import check_resume, write_fingerprint
+    from infer.errors import ConfigError
+    old = json.dumps(_batch("a", "/v1/completions", prompt="hi")) + "\n" + \
+        json.dumps(_batch("b", "/v1/completions", prompt="yo"))
+    new = json.dumps(_batch("c", "/v1/completions", prompt="hey")) + "\n"
+    for grown, ok in ((old + "\n" + new, True), (old + "\r\n" + new, True), (old + new, False),
+                      (old + " \n" + new, False)):
+        inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+        inp.write_text(old, newline="")
+        out.write_text("")
+        write_fingerprint(out, inp, {"model": "m"})
+        inp.write_text(grown, newline="")
+        if ok:
+            check_resume(out, inp, {"model": "m"})
+        else:
+            with pytest.raises(ConfigError, match="old last line did not end with a newline"):
+                check_resume(out, inp, {"model": "m"})

@@ -189,6 +189,15 @@ def _ends_a_line(path: Path, size: int) -> bool:
         return f.read(1) == b"\n"
 
 
+def _starts_a_line(path: Path, size: int) -> bool:
+    """Whether the bytes from `size` on start with a newline ("\n" or "\r\n"): text appended so to a file whose
+    last line had none ended that line as it was (an editor's Enter at its end, `echo >> FILE`)."""
+    with open(path, "rb") as f:
+        f.seek(size)
+        head = f.read(2)
+    return head.startswith(b"\n") or head == b"\r\n"
+
+
 def fingerprint(input: Path, options: dict) -> dict:
     return {"input": {"path": str(input), "bytes": input.stat().st_size, "sha256": input_digest(input)},
             "options": options}
@@ -266,7 +275,7 @@ def check_resume(output: Path, input: Path, options: dict) -> None:
         also = f"; it was also written with other options: {what}" if changed else ""
         raise ConfigError(f"{output} was written from another input ({old_in.get('path')}, {size} bytes); "
                           f"{input} is not that file or was changed{also}", hint)
-    if input.stat().st_size > size and size and not _ends_a_line(input, size):
+    if input.stat().st_size > size and size and not _ends_a_line(input, size) and not _starts_a_line(input, size):
         # the old input ended without "\n": what was appended joined its last line, a line already answered
         raise ConfigError(f"{input} grew since {output} was written, but its old last line did not end with a "
                           f"newline, so the text appended to it changed that line (byte {size:,} on)",
