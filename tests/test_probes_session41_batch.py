@@ -117,3 +117,25 @@ def test_resume_takes_lines_appended_after_a_newline_that_ends_the_old_last_line
         else:
             with pytest.raises(ConfigError, match="old last line did not end with a newline"):
                 check_resume(out, inp, {"model": "m"})
+
+
+def test_resume_runs_an_appended_line_that_names_the_id_a_failed_line_had_taken(tmp_path):
+    """A failed line without an id of its own takes its line number as id, and N~2 once a later line names N. A
+    line appended since with "custom_id": "2" made the failed line 2's id "2~2", and --resume took the appended
+    line for done (the output held a record "2": line 2's error): its request never ran, and line 2 had two error
+    records. The resumed output is the one a fresh run of the grown input writes."""
+    from typer.testing import CliRunner
+    from infer.cli.main import app
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text('{"prompt": "a", "max_new_tokens": 2}\n{"prompt": "b", "temperature": "hot"}\n')
+    cli = CliRunner()
+    assert cli.invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q"]).exit_code == 1
+    with open(inp, "a") as f:
+        f.write(json.dumps(_batch("2", "/v1/completions", prompt="c", max_tokens=2, temperature=0)) + "\n")
+    res = cli.invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q", "--resume"])
+    assert res.exit_code == 1, res.output
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    by_id = {r["id"]: r for r in recs}
+    assert len(recs) == 3 and set(by_id) == {"1", "2", "2~2"}
+    assert by_id["2"]["error"] is None and len(by_id["2"]["token_ids"]) == 2
+    assert by_id["2~2"]["error"].startswith("line 2: ")

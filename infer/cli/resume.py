@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -29,23 +30,29 @@ FINGERPRINT_SUFFIX = ".resume.json"
 LOCK_SUFFIX = ".lock"
 
 
-def done_ids(path: Path) -> set[str]:
+def done_ids(path: Path, lines_of: dict[str, int] | None = None) -> set[str]:
     """Ids of the whole records in an output file. Any other line is cut out of the file (atomically), with a
-    note on stderr saying how many."""
+    note on stderr saying how many. `lines_of` (the input's id -> line number): an error record that names
+    another line than the one that has its id now is cut too (a failed line without an id of its own took its
+    line number as id, and a line appended since names that id: the failed line's id is N~2 now, and the
+    appended line would have been skipped as done, its request never run)."""
     if not path.is_file():
         return set()
     data = path.read_bytes()
     lines = data.split(b"\n")
     tail = lines.pop()  # b"" when the file ends with "\n", else a torn last record
-    ids, keep, dropped = set(), [], 1 if tail else 0
+    ids, keep, dropped, moved = set(), [], 1 if tail else 0, 0
     for raw in lines:
-        rec_id = _record_id(raw)
+        rec_id, line_no = _record_id(raw, with_line=True)
+        if rec_id is not None and line_no is not None and (lines_of or {}).get(rec_id, line_no) != line_no:
+            moved += 1
+            continue
         if rec_id is None or rec_id in ids:
             dropped += 1
             continue
         ids.add(rec_id)
         keep.append(raw + b"\n")
-    if dropped:
+    if dropped or moved:
         # the file itself, not a link to it: replacing the link left the records in a new file beside it, and the
         # file it pointed to (on another disk, say) ended torn and without the resumed run's records
         real = path.resolve()
@@ -57,11 +64,15 @@ def done_ids(path: Path) -> set[str]:
         except OSError as e:  # a full disk: a traceback, and a .tmp copy of the records left beside
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            raise OutputError(f"cannot remove {dropped} unreadable or repeated line(s) from {path}: "
+            raise OutputError(f"cannot remove {dropped + moved} unreadable or repeated line(s) from {path}: "
                               f"{e.strerror or e}; the file is as it was",
                               "make room (the records are copied once), then run the same command again") from None
-        typer.echo(f"note: removed {dropped} unreadable or repeated line(s) from {path} (a run stopped mid-write?); "
-                   "their requests run again", err=True)
+        if dropped:
+            typer.echo(f"note: removed {dropped} unreadable or repeated line(s) from {path} (a run stopped "
+                       "mid-write?); their requests run again", err=True)
+        if moved:
+            typer.echo(f"note: removed {moved} error record(s) from {path} whose id another line of the input has "
+                       "now; both lines run again", err=True)
     return ids
 
 
@@ -139,14 +150,22 @@ def output_lock(output: Path):
         os.close(fd)
 
 
-def _record_id(raw: bytes) -> str | None:
+_ERROR_LINE = re.compile(r"line ([0-9]+): ")  # how an input line's error record starts
+
+
+def _record_id(raw: bytes, with_line: bool = False):
+    """A record's id (None: not a record); `with_line`: (id, the input line its error names, or None)."""
     try:
         rec = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError):
-        return None
+        rec = None
     if not isinstance(rec, dict) or not isinstance(rec.get("id"), str):
-        return None
-    return rec["id"]
+        return (None, None) if with_line else None
+    if not with_line:
+        return rec["id"]
+    m = _ERROR_LINE.match(rec["error"]) if rec.get("finish_reason") == "error" and isinstance(rec.get("error"),
+                                                                                              str) else None
+    return rec["id"], int(m.group(1)) if m else None
 
 
 def fingerprint_path(output: Path) -> Path:

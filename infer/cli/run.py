@@ -292,7 +292,7 @@ def open_output(lines, output, input, options: dict, resume: bool, resumable: bo
     of): with --resume, the ids already in the output are skipped, and records of ids the input does not have
     (an output resumed from another input with --force-resume) are kept, said so, and fail nothing; the output's
     resume fingerprint is (re)written when the output is a regular file."""
-    skip = done_ids(output) if resume and resumable else set()
+    skip = done_ids(output, {item.id: item.line_no for item in lines}) if resume and resumable else set()
     ids = {item.id for item in lines}
     others = len(skip - ids)
     if others:
