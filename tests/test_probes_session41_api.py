@@ -18,15 +18,25 @@ def llm():
     llm.close()
 
 
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler (KeyboardInterrupt), whatever this process was started with: a shell's
+    background job (`cmd &`) starts with SIGINT ignored, and the tests would then prove nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("paused_first", [True, False], ids=["paused-stream-first", "paused-stream-last"])
-def test_ctrl_c_while_a_step_appends_its_tokens_loses_nothing_of_another_call(llm, monkeypatch, paused_first):
+def test_ctrl_c_while_a_step_appends_its_tokens_loses_nothing_of_another_call(llm, monkeypatch, paused_first,
+                                                                            python_sigint):
     """A Ctrl-C (SIGINT) that came while a step was appending its sampled tokens (the detokenizer's work, per
     sequence, on the host) stopped the step half way: a paused stream of another call lost that step's text delta
     (its deltas no longer joined to its text) when its sequence came before the interrupted one, and ended with
     finish_reason error after two tokens when it came after (its token was sampled and counted, never appended).
     The host's bookkeeping of a step now holds the interrupt back until it is done."""
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        pytest.skip("needs Python's default SIGINT handler")
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     ref = llm.generate(["paused stream", "interrupted call"], params)
     if paused_first:
@@ -66,11 +76,10 @@ def test_ctrl_c_while_a_step_appends_its_tokens_loses_nothing_of_another_call(ll
     assert not llm.engine.requests and llm.engine.block_manager.num_used_blocks == 0
 
 
-def test_ctrl_c_while_a_steps_outputs_go_to_their_calls_loses_nothing_of_another_call(llm, monkeypatch):
+def test_ctrl_c_while_a_steps_outputs_go_to_their_calls_loses_nothing_of_another_call(llm, monkeypatch,
+                                                                                     python_sigint):
     """The outputs of a step are put in the mailboxes of the calls that made their requests; a Ctrl-C in the middle
     lost the rest of them: a paused stream of another call then missed that step's text delta."""
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        pytest.skip("needs Python's default SIGINT handler")
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     ref = llm.generate(["paused stream"], params)[0]
     events = llm.stream(["paused stream"], params)
