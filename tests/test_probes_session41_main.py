@@ -131,3 +131,54 @@ def test_a_hub_id_without_refs_main_takes_its_newest_snapshot_and_an_uncached_on
     with pytest.raises(ModelLoadError) as e:
         resolve_model("org/absent")
     assert str(tmp_path / "hub") in e.value.hint and "huggingface-cli download org/absent" in e.value.hint
+
+
+def _capped_model(tmp_path, cap):
+    """tiny-llama with generation_config.json's max_new_tokens set to `cap`."""
+    import shutil
+
+    from infer.models.tiny import ensure_builtin
+    folder = tmp_path / "capped"
+    shutil.copytree(ensure_builtin("tiny-llama"), folder)
+    gen = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**gen, "max_new_tokens": cap}))
+    return folder
+
+
+@pytest.mark.parametrize("chat, body, expected", [
+    (True, {}, 5), (True, {"max_tokens": 50}, 5), (True, {"max_completion_tokens": 3}, 3),
+    (False, {}, 5), (False, {"max_tokens": 50}, 5), (False, {"max_tokens": 2}, 2)])
+def test_generation_configs_max_new_tokens_caps_every_server_request_as_vllm(tmp_path, chat, body, expected):
+    """vLLM reads generation_config.json's max_new_tokens as a cap on every OpenAI request (the least of it, the
+    request's max_tokens and the context's room); infer's server let a request run to its own max_tokens."""
+    pytest.importorskip("fastapi")
+    from transformers import AutoTokenizer
+
+    import infer.serve.protocol as p
+    from infer.engine.inputs import openai_sampling_defaults
+    folder = _capped_model(tmp_path, 5)
+    tok = AutoTokenizer.from_pretrained(folder)
+    defaults = openai_sampling_defaults(folder)
+    if chat:
+        req = p.parse_chat({"messages": [{"role": "user", "content": "hi"}], **body}, tok, 4096, defaults)
+    else:
+        req = p.parse_completion({"prompt": "hi", **body}, tok, 4096, defaults)
+    assert req.params.max_new_tokens == expected
+    with pytest.raises(p.ApiError) as e:
+        p.parse_completion({"prompt": "hi", "min_tokens": 8}, tok, 4096, defaults)
+    assert e.value.param == "min_tokens" and "generation_config.json" in str(e.value)
+
+
+def test_generation_configs_max_new_tokens_caps_batch_lines_not_plain_ones(tmp_path):
+    """`infer run`'s OpenAI batch lines are answered as the server answers them (capped); plain lines, like
+    LLM.generate, take their own max_new_tokens."""
+    folder = _capped_model(tmp_path, 4)
+    lines = [{"custom_id": "b", "url": "/v1/completions",
+              "body": {"prompt": "hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True}},
+             {"id": "p", "prompt": "hello", "max_new_tokens": 12, "ignore_eos": True}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    result = CliRunner().invoke(app, ["run", str(folder), str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "o.jsonl")])
+    assert result.exit_code == 0, result.output
+    records = {r["id"]: r for r in map(json.loads, (tmp_path / "o.jsonl").read_text().splitlines())}
+    assert len(records["b"]["token_ids"]) == 4 and records["b"]["finish_reason"] == "length"
+    assert len(records["p"]["token_ids"]) == 12

@@ -127,8 +127,14 @@ OPENAI_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_pe
 OPENAI_TEMPERATURE = 1.0
 
 
+# generation_config.json's max_new_tokens, among the defaults: not a default but a cap on every OpenAI request's reply
+# (vLLM's get_max_tokens: the least of the request's max_tokens, this and the context's room)
+MAX_TOKENS_CAP = "\0max_tokens_cap"
+
+
 def openai_sampling_defaults(model_path) -> dict:
-    """The sampling an OpenAI request (the server, a batch line of `infer run`) gets for the fields it leaves out.
+    """The sampling an OpenAI request (the server, a batch line of `infer run`) gets for the fields it leaves out,
+    and under MAX_TOKENS_CAP the cap generation_config.json's max_new_tokens puts on every reply (cap_max_tokens).
     A value in generation_config.json that SamplingParams refuses is left out, with a warning."""
     import logging
     import math
@@ -152,7 +158,26 @@ def openai_sampling_defaults(model_path) -> dict:
             out[key] = int(value) if key == "top_k" else value
         else:
             logging.getLogger("infer").warning("ignoring %s=%r in %s: not a valid sampling value", key, value, gen)
+    cap = data.get("max_new_tokens") if isinstance(data, dict) else None
+    if isinstance(cap, int) and not isinstance(cap, bool) and cap >= 1:
+        out[MAX_TOKENS_CAP] = cap
+    elif cap is not None:
+        logging.getLogger("infer").warning("ignoring max_new_tokens=%r in %s: not a whole number of at least 1",
+                                           cap, gen)
     return out
+
+
+def cap_max_tokens(params: SamplingParams, cap: int | None) -> None:
+    """Cap a reply at generation_config.json's max_new_tokens, as vLLM caps every OpenAI request (max_tokens
+    larger, or none given, gets the cap); a min_tokens past it cannot be met and is refused."""
+    if cap is None:
+        return
+    if params.max_new_tokens is None or params.max_new_tokens > cap:
+        params.max_new_tokens = cap
+    if params.min_tokens > cap:
+        raise _field_error("min_tokens", f"min_tokens ({params.min_tokens}) is more than {cap}, the max_new_tokens "
+                           "of the model's generation_config.json, which caps every request's reply (as in vLLM)",
+                           f"lower min_tokens to {cap} or less")
 
 
 def check_add_special_tokens(value: Any, chat: bool, where: str = "add_special_tokens") -> None:
@@ -605,9 +630,12 @@ def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = 
     if lora is not None and not isinstance(lora, str):
         raise RequestError(f"field 'lora' must be a string or null, got {type(lora).__name__}")
     # a field given as null is not given (OpenAI clients write None as null): the run's default holds
-    merged = {**(defaults or {}), **{k: v for k, v in fields.items() if v is not None}}
+    defaults = dict(defaults or {})
+    cap = defaults.pop(MAX_TOKENS_CAP, None)  # (batch lines only: the model's generation_config.json, as the server)
+    merged = {**defaults, **{k: v for k, v in fields.items() if v is not None}}
     try:
         params = params_from(merged, aliases)
+        cap_max_tokens(params, cap)
     except RequestError as e:
         raise _in_body_words(e, fields.get(_WORDS_KEY)) from None
     given = [k for k in _PROMPT_KEYS if fields.get(k) is not None]

@@ -18,7 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from ..engine.inputs import openai_sampling_defaults
+from ..engine.inputs import MAX_TOKENS_CAP, openai_sampling_defaults
 from ..errors import LoRAError, RequestError
 from . import protocol as p
 from .adapters import add_adapter_routes
@@ -69,6 +69,10 @@ class Server:
         # what a request gets for the sampling fields it leaves out: the model's generation_config.json, else
         # OpenAI's temperature 1 (vLLM's rule); LLM and plain `infer run` lines stay greedy by default
         self.sampling_defaults = openai_sampling_defaults(self.engine.model_path)
+        if MAX_TOKENS_CAP in self.sampling_defaults:  # as vLLM says it at start
+            log.warning("the model's generation_config.json has max_new_tokens %d: every request's reply is capped "
+                        "at it, as vLLM caps it (remove it from the file to lift the cap)",
+                        self.sampling_defaults[MAX_TOKENS_CAP])
         self.parser = ParsePool(self.tokenizer, self.limits, max_tokens=self.engine.max_model_len,
                                 defaults=self.sampling_defaults, grammars=self.engine.grammars,
                                 tool_parser=tool_parser, reasoning_parser=reasoning_parser,

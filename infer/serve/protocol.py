@@ -13,7 +13,7 @@ from typing import Any
 
 from ..engine.inputs import UNSUPPORTED_OPENAI as _UNSUPPORTED, REQUEST_TEMPLATE_FIELD, chat_template_options, \
     check_add_special_tokens, chat_messages, check_no_chat_template_fields, reads_content_parts, encode_prompt, \
-    params_from
+    params_from, MAX_TOKENS_CAP, cap_max_tokens
 from ..engine.outputs import RequestOutput
 from ..engine.prompt_size import PromptTooLongError
 from ..engine.sampling_params import MAX_TOKENS
@@ -170,7 +170,9 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
     if unknown:
         raise ApiError(400, f"stream_options has unknown fields {unknown}; infer reads include_usage and "
                             "continuous_usage_stats", param="stream_options")
-    fields = {**(defaults or {}), **{k: v for k, v in body.items() if k in _PARAM_KEYS and v is not None}}
+    defaults = dict(defaults or {})
+    cap = defaults.pop(MAX_TOKENS_CAP, None)  # generation_config.json's max_new_tokens: caps every reply (vLLM)
+    fields = {**defaults, **{k: v for k, v in body.items() if k in _PARAM_KEYS and v is not None}}
     try:
         structured, source = from_openai(body)
     except RequestError as e:
@@ -215,6 +217,10 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
         raise bad_request(str(e).replace("max_new_tokens", length)) from e
     if unsized and chat:
         params.max_new_tokens = None  # as OpenAI: up to the context limit (check_context checks min_tokens)
+    try:
+        cap_max_tokens(params, cap)
+    except RequestError as e:
+        raise ApiError(400, str(e), param="min_tokens") from e
     asked = params.prompt_logprobs
     if echo and params.logprobs is not None:  # the prompt's logprobs, with as many alternatives as the reply's
         params.prompt_logprobs = max(params.prompt_logprobs or 0, params.logprobs)
