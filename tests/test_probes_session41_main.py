@@ -182,3 +182,24 @@ def test_generation_configs_max_new_tokens_caps_batch_lines_not_plain_ones(tmp_p
     records = {r["id"]: r for r in map(json.loads, (tmp_path / "o.jsonl").read_text().splitlines())}
     assert len(records["b"]["token_ids"]) == 4 and records["b"]["finish_reason"] == "length"
     assert len(records["p"]["token_ids"]) == 12
+
+
+def test_vllm_programs_spelling_out_defaults_run_unchanged():
+    """vLLM programs pass logits_processors=[] and LLM.chat's chat_template_content_format="auto" /
+    mm_processor_kwargs=None at their defaults: a RequestError and bare TypeErrors here; other values are refused
+    by name."""
+    from infer import LLM
+    from infer.engine.sampling_params import SamplingParams
+    from infer.errors import RequestError
+    params = SamplingParams(max_new_tokens=3, logits_processors=[])
+    with pytest.raises(RequestError, match="logits_processors"):
+        SamplingParams(logits_processors=[lambda ids, logits: logits])
+    with LLM("tiny-llama", max_model_len=64) as llm:
+        msgs = [{"role": "user", "content": "hi"}]
+        want = llm.chat(msgs, params)[0].token_ids
+        got = llm.chat(msgs, params, chat_template_content_format="auto", mm_processor_kwargs=None)[0].token_ids
+        assert got == want
+        with pytest.raises(RequestError, match="chat_template_content_format='openai'"):
+            llm.chat(msgs, params, chat_template_content_format="openai")
+        with pytest.raises(RequestError, match="mm_processor_kwargs"):
+            llm.chat(msgs, params, mm_processor_kwargs={"size": 3})

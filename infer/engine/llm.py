@@ -67,6 +67,18 @@ _VLLM_OPTIONS = {
 _SAMPLING_FIELDS = frozenset([*(f.name for f in dataclass_fields(SamplingParams)), "max_tokens"])
 
 
+def _check_chat_keywords(kwargs: dict) -> None:
+    """vLLM's LLM.chat keywords at the values infer's chat has: chat_template_content_format "auto" (infer reads a
+    content's parts as vLLM's auto does) and mm_processor_kwargs None (text only). They were a bare TypeError."""
+    fmt = kwargs.pop("chat_template_content_format", "auto")
+    if fmt != "auto":
+        raise RequestError(f"chat_template_content_format={fmt!r} is not supported: infer reads a content's parts as "
+                           "vLLM's 'auto' does (joined for a template that expects text, kept for one that loops "
+                           "over them)", "leave it out, or pass 'auto'")
+    if kwargs.pop("mm_processor_kwargs", None) is not None:
+        raise RequestError("mm_processor_kwargs is not supported: infer runs text models", "leave it out")
+
+
 def _vllm_keywords(method):
     """vLLM's keywords for generate / chat / stream: `sampling_params` is taken for params (both given: refused),
     `use_tqdm` is taken and ignored (infer shows no progress bar), and `lora_request` (a vLLM LoRARequest) is
@@ -82,6 +94,8 @@ def _vllm_keywords(method):
             kwargs["params"] = kwargs.pop("sampling_params")
         kwargs.pop("use_tqdm", None)
         _check_priority(kwargs.pop("priority", None), method.__name__)
+        if method.__name__ == "chat":
+            _check_chat_keywords(kwargs)
         args = list(args)
         for at, name in ((1, "params"), (2, "lora")):  # vLLM takes any sequence of them, one per prompt: a tuple too
             if len(args) > at and isinstance(args[at], tuple):

@@ -218,7 +218,7 @@ _OTHER_NAMES = {"max_completion_tokens": "max_new_tokens", "top_logprobs": "logp
                 "do_sample": "temperature > 0 (0, the default, is greedy)"}
 # vLLM's fields infer does not implement -> the values that change nothing (vLLM's defaults), which are taken, so that
 # vLLM code spelling a default out (use_beam_search=False, best_of=None) runs unchanged
-_UNSUPPORTED = {"best_of": (None, 1), "use_beam_search": (False,), "num_beams": (1,), "logits_processors": (None,),
+_UNSUPPORTED = {"best_of": (None, 1), "use_beam_search": (False,), "num_beams": (1,), "logits_processors": (None, []),
                 "extra_args": (None,)}
 
 
