@@ -203,3 +203,21 @@ def test_vllm_programs_spelling_out_defaults_run_unchanged():
             llm.chat(msgs, params, chat_template_content_format="openai")
         with pytest.raises(RequestError, match="mm_processor_kwargs"):
             llm.chat(msgs, params, mm_processor_kwargs={"size": 3})
+
+
+def test_a_request_whose_choices_the_free_slots_start_at_once_is_not_refused_for_the_queue():
+    """--max-queue counts requests that cannot start at once; a body of n=8 at an idle server with 64 free slots and
+    --max-queue 4 waits for nothing, but was a 400 "more than the 4 requests the server lets wait"."""
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=16))
+    with serve_in_thread(Server(AsyncEngine(engine, max_queue=4), "tiny-llama")) as url:
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "a", "n": 8, "max_tokens": 2, "seed": 1},
+                       timeout=120)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 8, r.text
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": ["a", "b"], "n": 11, "max_tokens": 2}, timeout=120)
+        assert r.status_code == 400 and "22 choices" in r.json()["error"]["message"], r.text

@@ -162,6 +162,12 @@ class RayAsyncEngine(AsyncEngine):
                 log.exception("replica driver error: %s", e)
         self._fail_controls()
 
+    def capacity(self) -> int | None:
+        """The most requests one body may hold: --max-queue and the running slots of the live replicas."""
+        if self.max_queue is None:
+            return None
+        return self.max_queue + sum(r.alive for r in self.replicas) * self.engine.config.max_num_seqs
+
     def _would_wait(self) -> int:
         """Under _cond: the requests accepted that no live replica can start at once (for --max-queue): all those
         not finished, less the running slots of the live replicas."""

@@ -77,7 +77,7 @@ class Server:
                                 defaults=self.sampling_defaults, grammars=self.engine.grammars,
                                 tool_parser=tool_parser, reasoning_parser=reasoning_parser,
                                 trust_template=trust_request_chat_template,
-                                bad_words=getattr(self.engine, "bad_word_ids", None), max_prompts=aengine.max_queue)
+                                bad_words=getattr(self.engine, "bad_word_ids", None), max_prompts=aengine.capacity())
 
     def stats(self) -> dict:
         return {**self.aengine.stats, "num_in_flight": self.aengine.num_in_flight(),
@@ -125,7 +125,7 @@ class Server:
 
     # ------------------------------------------------------------------------------------ generation
     def submit(self, req: p.GenerationRequest, lora: str | None, base_id: str) -> tuple[asyncio.Queue, list[str]]:
-        limit = self.aengine.max_queue
+        limit = self.aengine.capacity()
         if limit is not None and len(req.prompts) > limit:  # a 503 would make the client retry for ever
             raise p.too_many_choices(len(req.prompts) // req.n, req.n, limit)
         queue: asyncio.Queue = asyncio.Queue()

@@ -96,6 +96,11 @@ class AsyncEngine:
             self._adds.append(_Pending(request_id, list(prompt_token_ids), params, lora, sink, time.monotonic()))
             self._cond.notify()
 
+    def capacity(self) -> int | None:
+        """The most requests (choices) one body may hold: what could ever be accepted at once, the running slots
+        and --max-queue waiting (None: no --max-queue). A body past it gets a 400, since retrying cannot help."""
+        return None if self.max_queue is None else self.max_queue + self.engine.config.max_num_seqs
+
     def _would_wait(self) -> int:
         """Under _cond: how many of the requests accepted so far cannot start at once (--max-queue counts these).
         Requests not yet admitted and those in the engine's waiting queue take the free running slots first: a

@@ -26,7 +26,8 @@ def parse_body(raw: bytes, chat: bool, tokenizer, limits: BodyLimits, max_tokens
     `reasoning_parser`: its --reasoning-parser (serve/reasoning.py); `trust_template`: --trust-request-chat-template
     (a chat body's own chat_template is used). `bad_words`: the engine's bad_word_ids, which tokenizes the words here
     (and caches them), not on the event loop or the engine's thread, which check and add every choice.
-    `max_prompts`: the server's --max-queue; a completion with more prompts (x n) is refused before its values are
+    `max_prompts`: what the server can hold at once (AsyncEngine.capacity: its running slots and --max-queue); a
+    completion with more prompts (x n) is refused before its values are
     walked and its prompts read (an 8 MB body of 1.9 million one-token prompts held a parse thread for a minute)."""
     body = load_json(raw, limits.max_json_depth)
     if not chat and max_prompts is not None and isinstance(body, dict):

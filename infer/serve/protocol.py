@@ -264,11 +264,12 @@ def prompt_count(prompt: Any) -> int:
 
 
 def too_many_choices(prompts: int, n: int, limit: int) -> ApiError:
-    """A request of more choices (prompts x n) than --max-queue lets wait: a 400 (a 503 would make the client retry
-    for ever)."""
+    """A request of more choices (prompts x n) than the server could ever hold at once (its running slots and
+    --max-queue waiting): a 400 (a 503 would make the client retry for ever)."""
     what = f"{prompts} prompts" if n == 1 else f"{prompts * n} choices (prompts x n)"
-    return ApiError(400, f"this request has {what}, more than the {limit} requests the server lets wait "
-                         "(--max-queue); send them in smaller requests", param="n" if n > 1 else "prompt")
+    return ApiError(400, f"this request has {what}, more than the {limit} requests the server can hold at once "
+                         "(its --max-num-seqs running slots and --max-queue waiting); send them in smaller requests",
+                    param="n" if n > 1 else "prompt")
 
 
 def _completion_prompts(prompt: Any, tokenizer, max_tokens: int | None = None) -> list[list[int]]:
