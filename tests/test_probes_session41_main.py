@@ -221,3 +221,28 @@ def test_a_request_whose_choices_the_free_slots_start_at_once_is_not_refused_for
         assert r.status_code == 200 and len(r.json()["choices"]) == 8, r.text
         r = httpx.post(f"{url}/v1/completions", json={"prompt": ["a", "b"], "n": 11, "max_tokens": 2}, timeout=120)
         assert r.status_code == 400 and "22 choices" in r.json()["error"]["message"], r.text
+
+
+def test_an_adapter_removed_while_in_use_is_freed_by_the_step_its_last_request_ends(tmp_path):
+    """An unloaded adapter's memory was freed at the step after its last request ended; an idle server takes no
+    such step, so it kept the weights (and the slot) until the next request came."""
+    from pathlib import Path
+
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.engine.sampling_params import SamplingParams
+    from infer.models.tiny import ensure_builtin
+    from lora_helpers import hf_float, save_adapter
+    adapter = save_adapter(hf_float(Path(ensure_builtin("tiny-llama"))), tmp_path / "a", seed=3, r=4)
+    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, enable_lora=True, max_loras=1, max_lora_rank=8))
+    try:
+        engine.add_lora("a", str(adapter))
+        engine.add_request("r", list(range(5, 15)), SamplingParams(max_new_tokens=4, ignore_eos=True), lora="a")
+        engine.step()
+        assert engine.remove_lora("a") == 1 and engine.lora_manager.retired()
+        finished = False
+        while not finished:
+            finished = any(out.finished for out in engine.step())
+        assert engine.lora_manager.retired() == []  # no further step needed
+    finally:
+        engine.close()

@@ -485,7 +485,9 @@ class LLMEngine:
         except BaseException:
             self._carried = outputs  # handed out by the next step: not lost
             raise
-        return outputs
+        if self.lora_manager is not None and self.lora_manager.retired() and any(o.finished for o in outputs):
+            self._reap_loras()  # a removed adapter's last request ended: freed now, not at a next step an idle
+        return outputs          # server never takes
 
     def _advance(self, outputs: list[RequestOutput]) -> None:
         """The body of step(), adding its outputs to `outputs` as they are made."""
