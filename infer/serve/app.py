@@ -29,7 +29,7 @@ from .guard import ErrorGuardMiddleware, server_error_body
 from .lifecycle import uvicorn_server
 from .metrics import CONTENT_TYPE, HttpMetricsMiddleware, ServerMetrics
 from .parse import ParsePool
-from .reasoning import parts as reasoning_parts, split as reasoning_split
+from .reasoning import parts as reasoning_parts
 from .tools import split, visible
 
 log = logging.getLogger("infer.serve")
@@ -203,15 +203,12 @@ def _error(out) -> p.ApiError:
     if out.error == NO_ENGINE:  # accepted, then its replica and every other died: as a request refused for it
         return p.ApiError(503, out.error, type="server_unavailable", code="no_engine_replica",
                           headers={"Retry-After": "1"})
-    if getattr(out, "bad_request", False):  # its own constraints reached a dead end: the client's to change
-        return p.ApiError(400, out.error, code="no_token_left", param=p.bad_request(out.error).param)  # bad_words
-    return p.ApiError(500, out.error or "the request failed in the engine", type="server_error",
-                      code="engine_error")
+    return p.engine_error(out)  # its own constraints reached a dead end (400), or the engine failed (500)
 
 
 async def _complete(server: Server, req: p.GenerationRequest, rid: str, model: str, queue, ids, request,
                     arrival: float) -> SafeJSONResponse:
-    choices, prompt_n, completion_n, prompt_lp = {}, 0, 0, {}
+    response = p.WholeResponse(req, server.tokenizer)
     try:
         async with aclosing(server.outputs(queue, ids, request, arrival)) as outs:
             async for i, out in outs:
@@ -219,33 +216,10 @@ async def _complete(server: Server, req: p.GenerationRequest, rid: str, model: s
                     continue
                 if out.finish_reason in ("error", "abort"):
                     raise _error(out)
-                text, records = p.echoed(req, i, out, server.tokenizer) if req.echo else (out.text, out.logprobs)
-                reason = "length" if req.prompt_only else p.finish_reason(out)
-                ids_out = [] if req.prompt_only else out.token_ids  # not the one token generated and left out
-                thought = None
-                if req.reasoning is not None:  # the reasoning first: the tool-call parser reads the content only
-                    thought, text = reasoning_split(req.reasoning, text)
-                if req.tools is not None and text is not None:
-                    text, calls = split(req.tools, text)
-                else:
-                    calls = None
-                choices[i] = p.choice(req, i, text, records, server.tokenizer, reason, token_ids=ids_out,
-                                      prompt_token_ids=out.prompt_token_ids, stop_reason=out.stop_reason,
-                                      tool_calls=calls, reasoning=thought)
-                if out.prompt_logprobs is not None and req.asked_prompt_logprobs is not None:
-                    # vLLM's field: a completion choice's, a chat response's
-                    prompt_lp[i] = p.prompt_logprobs(out.prompt_logprobs, server.tokenizer, req.asked_prompt_logprobs)
-                    if not req.chat:
-                        choices[i]["prompt_logprobs"] = prompt_lp[i]
-                prompt_n += len(out.prompt_token_ids) if req.counts_prompt(i) else 0
-                completion_n += 0 if req.prompt_only else out.num_generated
+                response.add(i, out)
     except _ClientGone:
         return SafeJSONResponse({}, status_code=499)  # nobody reads it
-    body = p.envelope(req, rid, model, p.now(), [choices[i] for i in sorted(choices)],
-                      p.usage(prompt_n, completion_n), chunk=False)
-    if req.chat and prompt_lp:
-        body["prompt_logprobs"] = prompt_lp[min(prompt_lp)]
-    return SafeJSONResponse(body)
+    return SafeJSONResponse(response.body(rid, model, p.now()))
 
 
 async def _stream(server: Server, req: p.GenerationRequest, rid: str, model: str, queue, ids, arrival: float):

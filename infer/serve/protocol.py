@@ -19,8 +19,8 @@ from ..engine.prompt_size import PromptTooLongError
 from ..engine.sampling_params import MAX_TOKENS
 from ..engine.structured import from_openai
 from ..errors import RequestError
-from .reasoning import ReasoningRequest, reasoning_request
-from .tools import ToolRequest, parse_tools
+from .reasoning import ReasoningRequest, reasoning_request, split as reasoning_split
+from .tools import ToolRequest, parse_tools, split as split_tools
 
 # OpenAI names for our SamplingParams fields, and the vLLM-style extras we accept as they are
 _ALIASES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
@@ -644,6 +644,57 @@ def envelope(req: GenerationRequest, rid: str, model: str, created: int, choices
     if not chunk or req.include_usage:
         out["usage"] = usage_obj
     return out
+
+
+class WholeResponse:
+    """The body of a response that is not streamed, built from its choices' finished outputs (none failed): what the
+    server answers and what `infer run --output-format openai` writes as a batch line's response body. Pure (no web
+    framework), so that both use it."""
+
+    def __init__(self, req: GenerationRequest, tokenizer):
+        self.req, self.tokenizer = req, tokenizer
+        self.choices: dict[int, dict] = {}
+        self.prompt_lp: dict[int, list] = {}
+        self.prompt_n = self.completion_n = 0
+
+    def add(self, i: int, out: RequestOutput) -> None:
+        """Choice `i`'s finished output (finish_reason stop or length)."""
+        req, tokenizer = self.req, self.tokenizer
+        text, records = echoed(req, i, out, tokenizer) if req.echo else (out.text, out.logprobs)
+        reason = "length" if req.prompt_only else finish_reason(out)
+        ids_out = [] if req.prompt_only else out.token_ids  # not the one token generated and left out
+        thought = None
+        if req.reasoning is not None:  # the reasoning first: the tool-call parser reads the content only
+            thought, text = reasoning_split(req.reasoning, text)
+        if req.tools is not None and text is not None:
+            text, calls = split_tools(req.tools, text)
+        else:
+            calls = None
+        self.choices[i] = choice(req, i, text, records, tokenizer, reason, token_ids=ids_out,
+                                 prompt_token_ids=out.prompt_token_ids, stop_reason=out.stop_reason,
+                                 tool_calls=calls, reasoning=thought)
+        if out.prompt_logprobs is not None and req.asked_prompt_logprobs is not None:
+            # vLLM's field: a completion choice's, a chat response's
+            self.prompt_lp[i] = prompt_logprobs(out.prompt_logprobs, tokenizer, req.asked_prompt_logprobs)
+            if not req.chat:
+                self.choices[i]["prompt_logprobs"] = self.prompt_lp[i]
+        self.prompt_n += len(out.prompt_token_ids) if req.counts_prompt(i) else 0
+        self.completion_n += 0 if req.prompt_only else out.num_generated
+
+    def body(self, rid: str, model: str, created: int) -> dict:
+        body = envelope(self.req, rid, model, created, [self.choices[i] for i in sorted(self.choices)],
+                        usage(self.prompt_n, self.completion_n), chunk=False)
+        if self.req.chat and self.prompt_lp:
+            body["prompt_logprobs"] = self.prompt_lp[min(self.prompt_lp)]
+        return body
+
+
+def engine_error(out: RequestOutput) -> ApiError:
+    """The error a request the engine ended with an error answers: 400 when its own constraints reached a dead end
+    (the client's to change), else 500."""
+    if getattr(out, "bad_request", False):
+        return ApiError(400, out.error, code="no_token_left", param=bad_request(out.error).param)  # bad_words
+    return ApiError(500, out.error or "the request failed in the engine", type="server_error", code="engine_error")
 
 
 def finish_reason(out: RequestOutput) -> str:
