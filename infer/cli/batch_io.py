@@ -294,8 +294,10 @@ class RecordWriter:
             except OSError as e:
                 raise self._failed(e) from None
             self.count += 1
-            if self.first_error is None and record.get("error") is not None:
-                self.first_error = (str(record["id"]), str(record["error"]))
+            if self.first_error is None:
+                rec_id, error = record_of(record)
+                if error is not None:
+                    self.first_error = (str(rec_id), error)
 
     def error_note(self) -> str | None:
         """The line a run's summary adds when it wrote error records: the first one's id and error, and where the
@@ -357,6 +359,91 @@ class _TextAsBytes:
 
     def flush(self) -> None:
         self.stream.flush()
+
+
+OUTPUT_FORMATS = ("infer", "openai")  # --output-format: infer's own record, or OpenAI's batch output line
+NOT_A_BATCH_LINE = ("--output-format openai writes OpenAI batch output lines, one per OpenAI batch line (custom_id, "
+                    "method, url, body); this line is in infer's own format")
+
+
+def record_of(rec) -> tuple[str | None, str | None]:
+    """(id, error message or None) of an output record of either format (id None: not a record). An OpenAI batch
+    output line's id is its custom_id (its own "id" is the line's, new each time it is written)."""
+    if not isinstance(rec, dict):
+        return None, None
+    if "custom_id" in rec and "response" in rec:  # --output-format openai
+        error = rec.get("error")
+        if isinstance(error, dict) and isinstance(error.get("error"), dict):
+            error = error["error"].get("message")
+        rec_id = rec["custom_id"]
+        return (rec_id if isinstance(rec_id, str) else None), (None if error is None else str(error))
+    rec_id = rec.get("id")
+    failed = rec.get("finish_reason") == "error"
+    return (rec_id if isinstance(rec_id, str) else None), (str(rec.get("error")) if failed else None)
+
+
+class Records:
+    """The records of one --output-format. "infer": infer's own (output_record, error_record). "openai": OpenAI's
+    batch output line, as `vllm run-batch` writes it: {"id", "custom_id", "response": {"status_code", "request_id",
+    "body"}, "error"}, the body being the chat.completion or text_completion object `infer serve` answers the
+    line's body with (serve.protocol.WholeResponse); a failed line has status 400 (the line is bad) or 500 (the
+    engine failed), a null body and, as error, the error object the server answers ({"error": {"message", ...}})."""
+
+    def __init__(self, fmt: str = "infer", tokenizer=None, lines=(), model: str = ""):
+        self.fmt, self.tokenizer, self.model = fmt, tokenizer, model
+        self.requests = {item.id: item.request for item in lines if item.request is not None}
+
+    def output(self, req_id: str, out) -> dict:
+        if self.fmt == "infer":
+            return output_record(req_id, out, self.tokenizer)
+        from ..serve import protocol as p
+        if out.finish_reason in ("error", "abort"):
+            return self._failed(req_id, p.engine_error(out))
+        request = self.requests[req_id]
+        info = request.openai
+        req = p.GenerationRequest([request.prompt_token_ids], request.params, info["model"], chat=info["chat"],
+                                  return_token_ids=info["return_token_ids"],
+                                  asked_prompt_logprobs=request.params.prompt_logprobs)
+        response = p.WholeResponse(req, self.tokenizer)
+        response.add(0, out)
+        body = response.body(p.new_id(info["chat"], info["request_id"]), info["model"] or self.model, p.now())
+        return {"id": _batch_id(), "custom_id": req_id,
+                "response": {"status_code": 200, "request_id": _batch_id("req"), "body": body}, "error": None}
+
+    def error(self, req_id: str, message: str, engine: bool = False) -> dict:
+        """A line's error record: a bad line's (400), or with `engine` one the engine failed on (500)."""
+        if self.fmt == "infer":
+            return error_record(req_id, message)
+        from ..serve import protocol as p
+        e = p.ApiError(500, message, type="server_error", code="engine_error") if engine else \
+            p.ApiError(400, message)
+        return self._failed(req_id, e)
+
+    @staticmethod
+    def _failed(req_id: str, e) -> dict:
+        return {"id": _batch_id(), "custom_id": req_id,
+                "response": {"status_code": e.status, "request_id": _batch_id("req"), "body": None},
+                "error": e.body()}
+
+
+def check_format(lines: list[InputLine], fmt: str) -> None:
+    """--output-format openai answers OpenAI batch lines: a line of infer's own format gets an error record (it has no
+    custom_id an OpenAI batch output line could carry), and an input without any batch line is refused whole."""
+    if fmt != "openai":
+        return
+    plain = [item for item in lines if item.request is not None and item.request.openai is None]
+    if plain and not any(item.request is not None and item.request.openai is not None for item in lines):
+        raise ConfigError(f"--output-format openai writes OpenAI batch output, but no line of the input is an OpenAI "
+                          f"batch line (line {plain[0].line_no} is in infer's own format)",
+                          'write each line as {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", '
+                          '"body": {...}}, or leave out --output-format openai for infer\'s own records')
+    for item in plain:
+        item.request, item.error = None, f"line {item.line_no}: {NOT_A_BATCH_LINE}"
+
+
+def _batch_id(kind: str = "batch_req") -> str:
+    import uuid
+    return f"{kind}_{uuid.uuid4().hex}"
 
 
 def error_record(req_id: str, message: str) -> dict:

@@ -25,8 +25,12 @@ except ImportError:  # Windows: no advisory locks, runs are not kept apart
 import typer
 
 from ..errors import ConfigError, OutputError
+from .batch_io import record_of
 
 FINGERPRINT_SUFFIX = ".resume.json"
+# options a fingerprint holds only when they are not their default (outputs written before they existed resume as
+# they did): a missing one is its default
+OPTION_DEFAULTS = {"output_format": "infer"}
 LOCK_SUFFIX = ".lock"
 
 
@@ -86,8 +90,9 @@ def error_ids(path: Path) -> set[str]:
                 rec = json.loads(raw.decode("utf-8")) if raw.strip() else None
             except (ValueError, RecursionError):
                 continue
-            if isinstance(rec, dict) and rec.get("finish_reason") == "error" and isinstance(rec.get("id"), str):
-                out.add(rec["id"])
+            rec_id, error = record_of(rec)
+            if rec_id is not None and error is not None:
+                out.add(rec_id)
     return out
 
 
@@ -159,13 +164,13 @@ def _record_id(raw: bytes, with_line: bool = False):
         rec = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError):
         rec = None
-    if not isinstance(rec, dict) or not isinstance(rec.get("id"), str):
+    rec_id, error = record_of(rec)  # either --output-format's record: an OpenAI batch output line's is custom_id
+    if rec_id is None:
         return (None, None) if with_line else None
     if not with_line:
-        return rec["id"]
-    m = _ERROR_LINE.match(rec["error"]) if rec.get("finish_reason") == "error" and isinstance(rec.get("error"),
-                                                                                              str) else None
-    return rec["id"], int(m.group(1)) if m else None
+        return rec_id
+    m = _ERROR_LINE.match(error) if error is not None else None
+    return rec_id, int(m.group(1)) if m else None
 
 
 def fingerprint_path(output: Path) -> Path:
@@ -284,10 +289,13 @@ def check_resume(output: Path, input: Path, options: dict) -> None:
         old = json.loads(path.read_text(encoding="utf-8"))
         old_in, old_opts = old["input"], old["options"]
         size, digest = int(old_in["bytes"]), str(old_in["sha256"])
+        if not isinstance(old_opts, dict):
+            raise TypeError("options")
     except (OSError, ValueError, KeyError, TypeError):
         typer.echo(f"note: {path} is unreadable; resuming without checking the input", err=True)
         return
     hint = "resume with the same input and options, write to a new -o OUTPUT, or pass --force-resume"
+    old_opts, options = {**OPTION_DEFAULTS, **old_opts}, {**OPTION_DEFAULTS, **options}
     changed = sorted(k for k in set(old_opts) | set(options) if old_opts.get(k) != options.get(k))
     what = ", ".join(f"{k} {old_opts.get(k)!r} -> {options.get(k)!r}" for k in changed)
     if input.stat().st_size < size or input_digest(input, size) != digest:  # every difference at once

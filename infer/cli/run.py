@@ -18,11 +18,17 @@ from ..engine.config import EngineConfig
 from ..errors import ConfigError, RequestError
 from . import options as o
 from ..engine.sampling_params import MAX_TOKENS
-from .batch_io import (RecordWriter, check_input_encoding, error_record, model_names, output_record, read_inputs,
-                       unused_adapters_note)
+from .batch_io import (OUTPUT_FORMATS, Records, RecordWriter, check_format, check_input_encoding, model_names,
+                       read_inputs, unused_adapters_note)
 from .entry import Terminated, terminate_as_interrupt
 from .resume import (check_not_unfinished, check_resume, done_ids, error_ids, is_regular_target, mark_complete,
                      output_lock, side_files, write_fingerprint)
+
+
+def _check_format(value: str) -> str:
+    if value not in OUTPUT_FORMATS:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(OUTPUT_FORMATS)}")
+    return value
 
 
 @o.engine_options()
@@ -45,6 +51,11 @@ def run(
     ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="Join this Ray cluster (HOST:6379 or "
                                                        "ray://HOST:10001); default: a local Ray runtime.",
                                                        callback=o.check_ray_address)] = None,
+    output_format: Annotated[str, typer.Option("--output-format", help="infer: infer's own record per line (id, text, "
+                                               "token_ids, ...); openai: OpenAI's batch output line (custom_id, "
+                                               "response.body: the server's chat.completion or text_completion), as "
+                                               "vllm run-batch writes it; every line must be an OpenAI batch line.",
+                                               callback=_check_format)] = "infer",
     engine: EngineConfig = None,
 ) -> None:
     """Generate a reply for every line of INPUT; records are appended to OUTPUT as requests finish.
@@ -66,16 +77,16 @@ def run(
         raise ConfigError(f"input file {input} does not exist, and MODEL {given} is a file: the two are swapped?",
                           f"MODEL comes first: infer run MODEL INPUT, e.g. infer run {input} {given}")
     _check_paths(input, output, resume, max_new_tokens)
-    options = _output_options(engine, max_new_tokens)
+    options = _output_options(engine, max_new_tokens, output_format)
     resumable = is_regular_target(output)
     with output_lock(output) if resumable else contextlib.nullcontext():  # one run at a time writes a file
         _run_locked(engine, input, output, resume, force_resume, strict, max_new_tokens, quiet, data_parallel,
-                    ray_address, options, resumable)
+                    ray_address, options, resumable, output_format)
 
 
 def _run_locked(engine: EngineConfig, input: Path, output: Path | None, resume: bool, force_resume: bool,
                 strict: bool, max_new_tokens: int, quiet: bool, data_parallel: int, ray_address: str | None,
-                options: dict, resumable: bool) -> None:
+                options: dict, resumable: bool, output_format: str = "infer") -> None:
     """`run` once its paths are checked, with the output locked."""
     if resume and resumable and not force_resume:
         check_resume(output, input, options)
@@ -92,10 +103,11 @@ def _run_locked(engine: EngineConfig, input: Path, output: Path | None, resume: 
         from .run_parallel import run_data_parallel
         failed, earlier = run_data_parallel(engine, input, output, replicas=data_parallel, address=ray_address,
                                             defaults=defaults, strict=strict, resume=resume, resumable=resumable,
-                                            options=options, quiet=quiet)
+                                            options=options, quiet=quiet, output_format=output_format)
     else:
         failed, earlier = _run_in_process(engine, input, output, defaults, strict=strict, resume=resume,
-                                 resumable=resumable, options=options, quiet=quiet)
+                                          resumable=resumable, options=options, quiet=quiet,
+                                          output_format=output_format)
     if resumable:
         mark_complete(output)  # every line has its record: a later run may start this output over
     if not failed and earlier:  # error records an earlier session wrote for this input fail the run as well
@@ -106,20 +118,22 @@ def _run_locked(engine: EngineConfig, input: Path, output: Path | None, resume: 
 
 
 def _run_in_process(engine: EngineConfig, input: Path, output: Path | None, defaults: dict, *, strict: bool,
-                    resume: bool, resumable: bool, options: dict, quiet: bool) -> tuple[int, int]:
+                    resume: bool, resumable: bool, options: dict, quiet: bool,
+                    output_format: str = "infer") -> tuple[int, int]:
     """Load the engine, check every line against it, and generate what is still to do: (this run's failed lines,
     error records of this input's lines that the resumed output already held)."""
     if strict:  # every line is read and checked before the model loads: a bad file costs no load time
-        _strict_exit(_prechecked_lines(engine, input, defaults))
+        _strict_exit(_prechecked_lines(engine, input, defaults, output_format))
     llm = _start_engine(engine, quiet)
-    lines = _checked_lines(llm, input, defaults, strict, model_names(engine))
+    lines = _checked_lines(llm, input, defaults, strict, model_names(engine), output_format)
     note = unused_adapters_note(engine.loras, lines)
     if note and not quiet:
         typer.echo(note, err=True)
     todo, writer, earlier = open_output(lines, output, input, options, resume, resumable)
     try:
         with terminate_as_interrupt():
-            return _generate(llm, todo, writer, quiet), earlier
+            records = Records(output_format, llm.tokenizer, lines, o.base_model_id(str(engine.model)))
+            return _generate(llm, todo, writer, quiet, records), earlier
     except KeyboardInterrupt as e:  # every finished record is on disk already: say how to get the rest
         exit_interrupted(e, output, resumable, len(lines), len(todo), writer.count)
     finally:
@@ -226,7 +240,7 @@ def _first_existing(path: Path) -> Path:
     return path
 
 
-def _output_options(engine: EngineConfig, max_new_tokens: int) -> dict:
+def _output_options(engine: EngineConfig, max_new_tokens: int, output_format: str = "infer") -> dict:
     """The options that change what a run writes: a resumed run must use the same ones."""
     model = Path(engine.model).expanduser()
     return {"model": str(model.resolve()) if model.exists() else engine.model, "dtype": engine.dtype,
@@ -234,7 +248,8 @@ def _output_options(engine: EngineConfig, max_new_tokens: int) -> dict:
             "loras": {k: str(Path(v).resolve()) for k, v in sorted(engine.loras.items())},
             # only when given: outputs written before the option existed resume as they did
             **({"chat_template": "sha256:" + hashlib.sha256(engine.chat_template.encode()).hexdigest()[:16]}
-               if engine.chat_template is not None else {})}
+               if engine.chat_template is not None else {}),
+            **({"output_format": output_format} if output_format != "infer" else {})}
 
 
 def _strict_exit(lines: list) -> None:
@@ -245,7 +260,7 @@ def _strict_exit(lines: list) -> None:
         raise ConfigError(f"{len(bad)} of {len(lines)} input lines are invalid (--strict)", "fix them and run again")
 
 
-def _prechecked_lines(engine: EngineConfig, input: Path, defaults: dict) -> list:
+def _prechecked_lines(engine: EngineConfig, input: Path, defaults: dict, output_format: str = "infer") -> list:
     """--strict before the model loads: every line read, then checked by the engine's own checks (LLMEngine.validate,
     on a view of what the engine will be: the model's vocabulary, context, EOS ids and adapter names) all in one
     round. Only the KV cache's size, which the memory plan sets, is checked after the load (_checked_lines)."""
@@ -256,6 +271,7 @@ def _prechecked_lines(engine: EngineConfig, input: Path, defaults: dict) -> list
     path = resolve_model(engine.model)
     tokenizer = load_tokenizer(path, engine.chat_template)
     lines = read_inputs(input, tokenizer, defaults, model_names(engine), engine.max_model_len)
+    check_format(lines, output_format)
     config = load_config(path)
     limit = model_max_len(config, replace(engine, max_model_len=None))
     view = ReplicaView(engine, path, tokenizer, {
@@ -277,10 +293,11 @@ def _validate_lines(engine, lines: list) -> None:
                 item.request, item.error = None, f"line {item.line_no}: {e}"
 
 
-def _checked_lines(llm, input: Path, defaults: dict, strict: bool, names) -> list:
+def _checked_lines(llm, input: Path, defaults: dict, strict: bool, names, output_format: str = "infer") -> list:
     """Every input line, parsed and checked against the engine: a request that can never run is an error now,
     not in the middle of the run. With --strict, any bad line stops the run before generating."""
     lines = read_inputs(input, llm.tokenizer, defaults, names, llm.max_model_len)
+    check_format(lines, output_format)
     _validate_lines(llm, lines)
     if strict:
         _strict_exit(lines)
@@ -306,12 +323,13 @@ def open_output(lines, output, input, options: dict, resume: bool, resumable: bo
     return todo, writer, earlier
 
 
-def _generate(engine, todo, writer: RecordWriter, quiet: bool) -> int:
+def _generate(engine, todo, writer: RecordWriter, quiet: bool, records: Records | None = None) -> int:
+    records = records or Records("infer", engine.tokenizer)
     failed = 0
     pending = {}
     for item in todo:
         if item.error:
-            writer.write(error_record(item.id, item.error))
+            writer.write(records.error(item.id, item.error))
             failed += 1
             continue
         r = item.request
@@ -322,13 +340,13 @@ def _generate(engine, todo, writer: RecordWriter, quiet: bool) -> int:
     with progress:
         task = progress.add_task("requests", total=len(todo), completed=failed, tokens="0 tok/s")
         while engine.has_unfinished_requests():
-            outs, lost = _step(engine, pending, writer)
+            outs, lost = _step(engine, pending, writer, records)
             failed += lost
             progress.advance(task, lost)
             for out in outs:
                 tokens += len(out.new_token_ids)
                 if out.finished and pending.pop(out.request_id, None) is not None:
-                    writer.write(output_record(out.request_id, out, engine.tokenizer))
+                    writer.write(records.output(out.request_id, out))
                     failed += out.finish_reason == "error"
                     progress.advance(task)
             rate = tokens / max(time.monotonic() - start, 1e-9)
@@ -342,7 +360,7 @@ def _generate(engine, todo, writer: RecordWriter, quiet: bool) -> int:
     return failed
 
 
-def _step(engine, pending: dict, writer: RecordWriter) -> tuple[list, int]:
+def _step(engine, pending: dict, writer: RecordWriter, records: Records) -> tuple[list, int]:
     """One engine step: (outputs, 0); or, when the step fails, error records for the requests it was running
     (as the server does) and ([], how many), so that one request the engine cannot run never ends the run."""
     try:
@@ -354,7 +372,7 @@ def _step(engine, pending: dict, writer: RecordWriter) -> tuple[list, int]:
         for rid in victims:
             engine.abort_request(rid)
             if pending.pop(rid, None) is not None:
-                writer.write(error_record(rid, message))
+                writer.write(records.error(rid, message, engine=True))
                 lost += 1
         if not lost:  # nothing to blame: the failure is not about a request
             raise

@@ -12,7 +12,7 @@ from ..parallel.pool import ReplicaPool, Work
 from ..parallel.progress import ReplicaProgress
 from ..parallel.replica import ENGINE_FAILURE
 from ..parallel.runtime import local_cpus, placement, ray_runtime, require_ray, start_replicas
-from .batch_io import RecordWriter, error_record, model_names, output_record, read_inputs, unused_adapters_note
+from .batch_io import Records, RecordWriter, check_format, model_names, read_inputs, unused_adapters_note
 from .entry import terminate_as_interrupt
 from .run import _prechecked_lines, _strict_exit, exit_interrupted, open_output
 
@@ -21,7 +21,7 @@ VALIDATE_CHUNK = 4096  # requests per validation call (one message each way)
 
 def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int, address: str | None,
                       defaults: dict, strict: bool, resume: bool, resumable: bool, options: dict,
-                      quiet: bool) -> tuple[int, int]:
+                      quiet: bool, output_format: str = "infer") -> tuple[int, int]:
     """Run every line of `input` on `replicas` engine replicas: (this run's failed lines, earlier error records of
     this input's lines in the resumed output), as run._run_in_process."""
     require_ray()  # before anything loads: a missing extra is a one-line error
@@ -30,7 +30,7 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
     model_path = resolve_model(engine.model)
     tokenizer = load_tokenizer(model_path, engine.chat_template)
     if strict:  # a bad line (by the engine's own checks too) stops the run before any replica loads the model
-        _strict_exit(_prechecked_lines(engine, input, defaults))
+        _strict_exit(_prechecked_lines(engine, input, defaults, output_format))
     # ray.init installs its own SIGTERM handler (sys.exit(15)): ours goes in after it, so SIGTERM stops the run
     # as it stops one engine's (exit 143, saying how many records are on disk)
     with ray_runtime(address, local_cpus(replicas)) as ray, terminate_as_interrupt():
@@ -43,13 +43,16 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
             # read against the replicas' context, as one engine reads against its own: a prompt certainly longer
             # is refused untokenized, with one engine's message
             lines = read_inputs(input, tokenizer, defaults, model_names(engine), infos[0]["max_model_len"])
+            check_format(lines, output_format)
             _check_lines(ray, handles[0], lines, strict)
             note = unused_adapters_note(engine.loras, lines)
             if note and not quiet:
                 typer.echo(note, err=True)
             todo, writer, earlier = open_output(lines, output, input, options, resume, resumable)
             try:
-                return _generate(pool, todo, writer, tokenizer, quiet), earlier
+                from .options import base_model_id
+                records = Records(output_format, tokenizer, lines, base_model_id(str(engine.model)))
+                return _generate(pool, todo, writer, tokenizer, quiet, records), earlier
             except KeyboardInterrupt as e:  # as one engine: every finished record is on disk, say so
                 exit_interrupted(e, output, resumable, len(lines), len(todo), writer.count)
             finally:
@@ -81,11 +84,13 @@ def _check_lines(ray, replica, lines: list, strict: bool) -> None:
         _strict_exit(lines)
 
 
-def _generate(pool: ReplicaPool, todo: list, writer: RecordWriter, tokenizer, quiet: bool) -> int:
+def _generate(pool: ReplicaPool, todo: list, writer: RecordWriter, tokenizer, quiet: bool,
+              records: Records | None = None) -> int:
+    records = records or Records("infer", tokenizer)
     failed, work = 0, []
     for item in todo:
         if item.error:
-            writer.write(error_record(item.id, item.error))
+            writer.write(records.error(item.id, item.error))
             failed += 1
         else:
             r = item.request
@@ -94,7 +99,7 @@ def _generate(pool: ReplicaPool, todo: list, writer: RecordWriter, tokenizer, qu
 
     def on_output(item: Work, out, replica: int) -> None:
         nonlocal failed
-        writer.write(output_record(item.id, out, tokenizer))
+        writer.write(records.output(item.id, out))
         failed += out.finish_reason == "error"  # ended by the engine with an error (as one engine counts it)
         progress.advance()
 
@@ -103,7 +108,8 @@ def _generate(pool: ReplicaPool, todo: list, writer: RecordWriter, tokenizer, qu
         # a request the replica could not add is a bad line ("line N: ..."); one its engine failed on inside a step
         # gets one engine's record for that, the error as it is (run._step)
         engine_failure = reason.startswith(ENGINE_FAILURE)
-        writer.write(error_record(item.id, reason if engine_failure else f"line {item.line_no}: {reason}"))
+        writer.write(records.error(item.id, reason if engine_failure else f"line {item.line_no}: {reason}",
+                                   engine=engine_failure))
         failed += 1
         progress.advance()
 

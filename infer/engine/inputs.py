@@ -197,6 +197,9 @@ class ParsedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     lora: str | None = None
+    # an OpenAI batch line's: what its response is built from (chat, model, return_token_ids, request_id); None for
+    # a line of infer's own format
+    openai: dict | None = None
 
 
 def encode_prompt(tokenizer, prompt: Any = None, messages: Any = None, max_tokens: int | None = None,
@@ -487,6 +490,7 @@ def _check_batch_logprobs(value: Any, chat: bool) -> None:
 
 
 _TEMPLATE_KEY = "\0template"  # a batch line's chat_template_options among its fields (a line's own is refused)
+_OPENAI_KEY = "\0openai"  # what a batch line's response is built from (ParsedRequest.openai)
 _WORDS_KEY = "\0words"  # a batch line's names for the engine's fields (max_tokens for max_new_tokens...)
 
 
@@ -573,6 +577,14 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
     if lora is None:
         lora = names.lora_for(body.get("model"))
     req_id = default_id if obj.get("custom_id") is None else request_id(obj["custom_id"], "custom_id")
+    for key in ("return_token_ids",):
+        if body.get(key) is not None and not isinstance(body[key], bool):
+            raise RequestError(f"body.{key} must be a boolean, got {type(body[key]).__name__}")
+    rid = body.get("request_id")
+    if rid is not None and not isinstance(rid, str):
+        raise RequestError(f"body.request_id must be a string, got {type(rid).__name__}")
+    fields[_OPENAI_KEY] = {"chat": "messages" in body, "model": body.get("model"),
+                           "return_token_ids": body.get("return_token_ids") is True, "request_id": rid or None}
     return fields, req_id, lora, _OPENAI_ALIASES
 
 
@@ -651,4 +663,4 @@ def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = 
         keep = params.truncate_prompt_tokens  # the prompt's end only: its whole length is no reason to refuse it
         tokens = encode_prompt(tokenizer, fields.get("prompt"), fields.get("messages"),
                                max_tokens if keep is None else None, fields.get(_TEMPLATE_KEY))
-    return ParsedRequest(req_id, tokens, params, lora)
+    return ParsedRequest(req_id, tokens, params, lora, fields.get(_OPENAI_KEY))
