@@ -232,3 +232,45 @@ def test_help_and_unknown_format():
     assert "--output-format" in res.output
     res = runner.invoke(app, ["run", "tiny-llama", "in.jsonl", "--output-format", "vllm"])
     assert res.exit_code == 2 and "'vllm' is not one of infer, openai" in res.output
+
+
+def test_the_data_parallel_driver_writes_the_same_openai_records(monkeypatch, tmp_path):
+    """run_parallel's driver (replicas through a fake Ray) writes the records one engine writes in openai format: the
+    same bodies, a bad line's 400 and a request the engine failed on as a 500 (not as a bad line)."""
+    from helpers import fail_steps_of
+    from test_ray_pool import FakeRay, _Handle
+
+    from infer.cli import run as one, run_parallel
+    from infer.cli.batch_io import Records, RecordWriter, check_format, model_names, read_inputs
+    from infer.engine.config import EngineConfig
+    from infer.parallel.pool import ReplicaPool
+    from infer.parallel.replica import Replica
+    fail_steps_of(monkeypatch, "poison")
+    inp = tmp_path / "in.jsonl"
+    _write(inp, [_batch("a", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "temperature": 0}),
+                 _batch("b", "/v1/completions", {"prompt": "hi", "max_tokens": 4, "temperature": 0, "logprobs": 1}),
+                 _batch("poison", "/v1/completions", {"prompt": "y", "max_tokens": 3}),
+                 {"id": "plain", "prompt": "z"}])
+    cfg = EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=1, memory_limit=2 ** 29)
+    replicas = [Replica(cfg) for _ in range(2)]
+    tokenizer = replicas[0].engine.tokenizer
+    got = []
+    for path in (tmp_path / "one.jsonl", tmp_path / "dp.jsonl"):
+        lines = read_inputs(inp, tokenizer, {"max_new_tokens": 3}, model_names(cfg), 64)
+        check_format(lines, "openai")
+        records = Records("openai", tokenizer, lines, "tiny-llama")
+        writer = RecordWriter(path, append=False)
+        if path.name == "one.jsonl":
+            one._generate(replicas[0].engine, lines, writer, True, records)
+        else:
+            pool = ReplicaPool(FakeRay(), [_Handle(r) for r in replicas], capacity=2, notify=lambda m: None)
+            run_parallel._generate(pool, lines, writer, tokenizer, True, records)
+        writer.close()
+        got.append({r["custom_id"]: {"status": r["response"]["status_code"], "error": r["error"],
+                                     "body": r["response"]["body"] and _without_ids(r["response"]["body"])}
+                    for r in _records(path)})
+    want, dp = got
+    assert set(want) == {"a", "b", "poison", "plain"}
+    assert want["poison"]["status"] == 500 and want["poison"]["error"]["error"]["code"] == "engine_error"
+    assert want["plain"]["status"] == 400 and want["a"]["status"] == want["b"]["status"] == 200
+    _same(dp, want)
