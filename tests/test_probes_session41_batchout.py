@@ -164,7 +164,7 @@ def test_resume_after_an_interrupt_in_the_middle_of_the_run(tmp_path, monkeypatc
     assert sorted(r["custom_id"] for r in recs) == sorted(line["custom_id"] for line in lines)
     bad = next(r for r in recs if r["custom_id"] == "bad")
     assert bad["response"]["status_code"] == 400 and bad["response"]["body"] is None
-    assert "only n=1 is supported" in bad["error"]["error"]["message"]
+    assert "only n=1 is supported" in bad["error"]["message"]
     for r in recs:
         if r["custom_id"] != "bad":
             i = int(r["custom_id"][1:])
@@ -198,8 +198,8 @@ def test_lines_that_are_not_batch_lines(tmp_path):
     assert "1 ok, 2 failed" in res.output and "first error (id " in res.output
     by_id = {r["custom_id"]: r for r in _records(out)}
     assert set(by_id) == {"ok", "plain", "line3"}
-    assert "infer's own format" in by_id["plain"]["error"]["error"]["message"]
-    assert by_id["line3"]["error"]["error"]["message"].startswith("line 3: bad JSON")
+    assert "infer's own format" in by_id["plain"]["error"]["message"]
+    assert by_id["line3"]["error"]["message"].startswith("line 3: bad JSON")
     for cid in ("plain", "line3"):
         assert by_id[cid]["response"] == {"status_code": 400, "request_id": by_id[cid]["response"]["request_id"],
                                           "body": None}
@@ -224,7 +224,7 @@ def test_an_engine_failure_is_a_500_record(tmp_path, monkeypatch):
     assert res.exit_code == 1, res.output
     [rec] = _records(out)
     assert rec["custom_id"] == "a" and rec["response"]["status_code"] == 500 and rec["response"]["body"] is None
-    assert rec["error"]["error"]["type"] == "server_error" and "boom" in rec["error"]["error"]["message"]
+    assert rec["error"]["type"] == "server_error" and "boom" in rec["error"]["message"]
 
 
 def test_help_and_unknown_format():
@@ -271,6 +271,6 @@ def test_the_data_parallel_driver_writes_the_same_openai_records(monkeypatch, tm
                     for r in _records(path)})
     want, dp = got
     assert set(want) == {"a", "b", "poison", "plain"}
-    assert want["poison"]["status"] == 500 and want["poison"]["error"]["error"]["code"] == "engine_error"
+    assert want["poison"]["status"] == 500 and want["poison"]["error"]["code"] == "engine_error"
     assert want["plain"]["status"] == 400 and want["a"]["status"] == want["b"]["status"] == 200
     _same(dp, want)

@@ -373,8 +373,8 @@ def record_of(rec) -> tuple[str | None, str | None]:
         return None, None
     if "custom_id" in rec and "response" in rec:  # --output-format openai
         error = rec.get("error")
-        if isinstance(error, dict) and isinstance(error.get("error"), dict):
-            error = error["error"].get("message")
+        if isinstance(error, dict):  # {"message", "type", "param", "code"} (vLLM's {"error": {...}} read too)
+            error = (error["error"] if isinstance(error.get("error"), dict) else error).get("message", error)
         rec_id = rec["custom_id"]
         return (rec_id if isinstance(rec_id, str) else None), (None if error is None else str(error))
     rec_id = rec.get("id")
@@ -387,7 +387,8 @@ class Records:
     batch output line, as `vllm run-batch` writes it: {"id", "custom_id", "response": {"status_code", "request_id",
     "body"}, "error"}, the body being the chat.completion or text_completion object `infer serve` answers the
     line's body with (serve.protocol.WholeResponse); a failed line has status 400 (the line is bad) or 500 (the
-    engine failed), a null body and, as error, the error object the server answers ({"error": {"message", ...}})."""
+    engine failed), a null body and, as error, the error object the server answers that request with: {"message",
+    "type", "param", "code"} (OpenAI's batch error has code and message; vLLM writes the server's error there)."""
 
     def __init__(self, fmt: str = "infer", tokenizer=None, lines=(), model: str = ""):
         self.fmt, self.tokenizer, self.model = fmt, tokenizer, model
@@ -423,7 +424,7 @@ class Records:
     def _failed(req_id: str, e) -> dict:
         return {"id": _batch_id(), "custom_id": req_id,
                 "response": {"status_code": e.status, "request_id": _batch_id("req"), "body": None},
-                "error": e.body()}
+                "error": e.body()["error"]}
 
 
 def check_format(lines: list[InputLine], fmt: str) -> None:
