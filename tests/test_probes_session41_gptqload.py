@@ -1,6 +1,9 @@
 """GPTQ checkpoints written by other tools (GPTQModel, AutoGPTQ, optimum, hand conversions), as users download them:
 - a `desc_act: true` checkpoint without its `g_idx` tensors loaded with plain groups (i // group_size) and
-  generated wrong tokens silently: act-order groups can only be read from g_idx (vLLM leaves the default too)."""
+  generated wrong tokens silently: act-order groups can only be read from g_idx (vLLM leaves the default too);
+- GPTQModel's `dynamic` per-module rules (`-:regex` leaves modules in float, `+:regex` overrides group_size, sym,
+  desc_act), which vLLM reads, were refused outright: they are applied now, first match wins as in GPTQModel and vLLM
+  (only another bit width per module is refused: one bit width per model)."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from infer.errors import ModelLoadError
+from infer.errors import ModelLoadError, UnsupportedModelError
 from infer.models.tiny import ensure_builtin
 from infer.quant import packing
 
@@ -18,18 +21,21 @@ PROMPTS = [[5, 17, 99, 230, 41], list(range(40, 73))]
 N = 6
 
 
-def crafted(dst, model="tiny-llama", group=32, desc_act=False, drop_g_idx=False, qc_extra=None, seed=0):
+def crafted(dst, model="tiny-llama", group=32, desc_act=False, drop_g_idx=False, qc_extra=None, seed=0,
+            per_module=None):
     """A round-to-nearest GPTQ copy of a built-in model; with desc_act, each input's rows are grouped in a random
-    order shared by the projections that read the same input (as GPTQ's act-order gives them)."""
+    order shared by the projections that read the same input (as GPTQ's act-order gives them). `per_module`:
+    module name -> None (left in float) or its (group_size, sym)."""
     from safetensors.torch import load_file, save_file
     shutil.copytree(ensure_builtin(model), dst)
     gen, perms, out = torch.Generator().manual_seed(seed), {}, {}
     for name, t in load_file(dst / "model.safetensors").items():
         module = name[: -len(".weight")]
-        if ".layers." in name and name.endswith("_proj.weight"):
+        own = per_module(module) if per_module else (group, False)
+        if ".layers." in name and name.endswith("_proj.weight") and own is not None:
             key = module.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
             perm = perms.setdefault(key, torch.randperm(t.shape[1], generator=gen)) if desc_act else None
-            qw, qz, s, gi = packing.quantize_rtn(t.float(), 4, group, False, perm=perm)
+            qw, qz, s, gi = packing.quantize_rtn(t.float(), 4, own[0], own[1], perm=perm)
             out.update({f"{module}.qweight": qw, f"{module}.qzeros": qz, f"{module}.scales": s})
             if not drop_g_idx:
                 out[f"{module}.g_idx"] = gi
@@ -62,3 +68,63 @@ def test_g_idx_may_be_absent_where_the_groups_are_plain(tmp_path, desc_act, grou
     full = crafted(tmp_path / "full", group=group, desc_act=desc_act)
     bare = crafted(tmp_path / "bare", group=group, desc_act=desc_act, drop_g_idx=True)
     assert infer_greedy(bare) == infer_greedy(full)
+
+
+DYNAMIC = {"-:model\\.layers\\.1\\.mlp\\..*": {}, "+:.*o_proj": {"group_size": 64, "sym": True, "damp_percent": 0.1}}
+
+
+def dynamic_module(module):
+    """What DYNAMIC gives each module of tiny-llama (base: group 32, asym)."""
+    if module.startswith("model.layers.1.mlp."):
+        return None
+    return (64, True) if module.endswith("o_proj") else (32, False)
+
+
+def dequantized_greedy(float_dir, gptq_dir):
+    """transformers on the float model with every GPTQ layer replaced by its dequantized weight (the test helpers'
+    independent v1 dequantizer), the float layers as stored."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from quant_helpers import dequantize_v1
+    tensors = load_file(gptq_dir / "model.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, t in tensors.items():
+            if name.endswith(".qweight"):
+                prefix = name[: -len(".qweight")]
+                w = dequantize_v1(tensors, prefix, 4)
+                state[prefix + ".weight"].copy_(w.half().float())  # rounded as the fp16 scales' product is
+            elif name in state:
+                state[name].copy_(t.float())
+        model.generation_config.eos_token_id = None
+        return [model.generate(torch.tensor([p]), max_new_tokens=N, do_sample=False, pad_token_id=0)[0, len(p):]
+                .tolist() for p in PROMPTS]
+
+
+def test_gptqmodel_dynamic_rules_leave_modules_float_and_override_groups_as_the_dequantized_model(tmp_path):
+    path = crafted(tmp_path / "m", qc_extra={"dynamic": DYNAMIC}, per_module=dynamic_module)
+    assert infer_greedy(path) == dequantized_greedy(ensure_builtin("tiny-llama"), path)
+
+
+@pytest.mark.parametrize("dynamic, error, message", [
+    ({"-:.*self_attn\\.k_proj": {}}, UnsupportedModelError, r"dynamic quantizes .*q_proj.* but not .*k_proj"),
+    ({"+:.*\\.up_proj": {"group_size": 64}}, UnsupportedModelError, r"gate_proj and .*up_proj with different"),
+    ({"+:.*down_proj": {"bits": 8}}, UnsupportedModelError, r"8 bits, the others to 4"),
+    ({"+:.*down_proj": {"pack_dtype": "int16"}}, UnsupportedModelError, r"sets pack_dtype"),
+    ({"-:model.layers.(0": {}}, ModelLoadError, r"not a valid regex"),
+    ({"+:.*down_proj": 8}, ModelLoadError, r"is not a mapping"),
+    (["-:.*down_proj"], ModelLoadError, r"not a mapping of module patterns"),
+], ids=["splits-qkv", "splits-gate-up", "other-bits", "other-packing", "bad-regex", "bad-override", "not-a-dict"])
+def test_dynamic_rules_infer_cannot_run_are_refused_naming_them(tmp_path, dynamic, error, message):
+    path = crafted(tmp_path / "m", qc_extra={"dynamic": dynamic})
+    with pytest.raises(error, match=message):
+        infer_greedy(path)
+
+
+def test_dynamic_overrides_that_repeat_the_base_format_are_read():
+    from infer.quant.config import GPTQConfig
+    cfg = GPTQConfig.from_dict({"quant_method": "gptq", "bits": 4, "group_size": 32, "dynamic": {
+        "+:.*o_proj": {"pack_dtype": "int32", "bits": 4, "group_size": 64}}}, "config.json")
+    assert cfg.for_module("model.layers.0.self_attn.o_proj").group_size == 64
+    assert cfg.for_module("model.layers.0.mlp.down_proj").group_size == 32

@@ -87,14 +87,20 @@ def linear_method_factory(path: Path, cfg):
         raise UnsupportedModelError(f"{path} has a quantization config infer cannot read")
 
     def method_for(names):
-        quantized = [n for n in names if gcfg.quantizes(n)]
+        configs = [gcfg.for_module(n) for n in names]
+        quantized = [n for n, c in zip(names, configs) if c is not None]
         if len(quantized) == len(names):
-            return GPTQLinearMethod(gcfg)
+            other = [n for n, c in zip(names, configs) if c.settings() != configs[0].settings()]
+            if other:  # dynamic overrides for some of them
+                raise UnsupportedModelError(f"{path}: {gcfg.source}'s dynamic quantizes {names[0]} and {other[0]} "
+                                            "with different settings", "infer runs these projections as one matmul: "
+                                            "they must be quantized alike")
+            return GPTQLinearMethod(configs[0])
         if not quantized:
-            return None  # left in float by modules_in_block_to_quantize
+            return None  # left in float by modules_in_block_to_quantize or dynamic
         floats = [n for n in names if n not in quantized]
-        raise UnsupportedModelError(f"{path}: modules_in_block_to_quantize quantizes {', '.join(quantized)} but not "
-                                    f"{', '.join(floats)}",
+        which = "dynamic" if gcfg.dynamic else "modules_in_block_to_quantize"
+        raise UnsupportedModelError(f"{path}: {which} quantizes {', '.join(quantized)} but not {', '.join(floats)}",
                                     "infer runs these projections as one matmul: they must all be quantized or "
                                     "all be left in float")
     return method_for

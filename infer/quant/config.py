@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import ModelLoadError, UnsupportedModelError
@@ -23,6 +24,9 @@ class GPTQConfig:
     # transformers/optimum's list of module-name suffixes inside each decoder layer that are quantized (the others
     # stay float); None: every linear of a decoder layer is
     modules_in_block_to_quantize: tuple[str, ...] | None = None
+    # GPTQModel's per-module overrides, in order: (regex as written, left in float, its (key, value) overrides); the
+    # first regex that matches the start of a module's name decides, as GPTQModel and vLLM read `dynamic`
+    dynamic: tuple[tuple[str, bool, tuple[tuple[str, object], ...]], ...] = ()
     source: str = field(default="config.json", compare=False)  # the file it was read from, for messages
 
     @property
@@ -38,8 +42,22 @@ class GPTQConfig:
 
     def quantizes(self, module: str) -> bool:
         """Whether the decoder-layer linear `module` (its HF path) is a GPTQ layer; as optimum matches it, by the end
-        of its name."""
-        return self.modules_in_block_to_quantize is None or module.endswith(self.modules_in_block_to_quantize)
+        of its name, and GPTQModel by its `dynamic` rules (`-:` leaves a module in float)."""
+        return self.for_module(module) is not None
+
+    def for_module(self, module: str) -> "GPTQConfig | None":
+        """The settings of the decoder-layer linear `module` (its HF path, e.g. model.layers.0.mlp.down_proj) with
+        its `dynamic` overrides applied; None where it is left in float."""
+        if self.modules_in_block_to_quantize is not None and not module.endswith(self.modules_in_block_to_quantize):
+            return None
+        for pattern, negative, overrides in self.dynamic:
+            if re.match(pattern.removeprefix("-:").removeprefix("+:"), module):
+                return None if negative else replace(self, **dict(overrides))
+        return self
+
+    def settings(self) -> tuple:
+        """What a layer's tensors are read with (shards merged into one matmul must agree on it)."""
+        return self.bits, self.group_size, self.desc_act, self.sym
 
     @classmethod
     def from_dict(cls, d: dict, source: str) -> "GPTQConfig":
@@ -70,13 +88,9 @@ class GPTQConfig:
         if d.get("lm_head"):
             raise UnsupportedModelError(f"{source}: a quantized lm_head is not supported",
                                         "quantize with lm_head=False")
-        if d.get("dynamic"):  # GPTQModel's per-module overrides: other bits or group sizes, or modules left in float
-            raise UnsupportedModelError(f"{source}: per-module quantization settings (dynamic: "
-                                        f"{json.dumps(d['dynamic'])[:120]}) are not supported",
-                                        "quantize every module with the same settings (no dynamic in QuantizeConfig)")
         return cls(bits, group, bool(d.get("desc_act", False)), bool(d.get("sym", True)), fmt,
                    modules_in_block_to_quantize=_module_suffixes(d.get("modules_in_block_to_quantize"), source),
-                   source=Path(source).name)
+                   dynamic=_dynamic(d.get("dynamic"), d, bits, source), source=Path(source).name)
 
     @classmethod
     def from_model_dir(cls, path: Path) -> "GPTQConfig | None":
@@ -100,6 +114,8 @@ class GPTQConfig:
              "pack_dtype": "int32"}
         if self.modules_in_block_to_quantize is not None:
             d["modules_in_block_to_quantize"] = [list(self.modules_in_block_to_quantize)]
+        if self.dynamic:
+            d["dynamic"] = {pattern: dict(overrides) for pattern, _, overrides in self.dynamic}
         return d
 
 
@@ -124,3 +140,46 @@ def _module_suffixes(value, source: str) -> tuple[str, ...] | None:
         raise ModelLoadError(f"{source}: modules_in_block_to_quantize {json.dumps(value)[:120]} is not a list of lists "
                              f"of module names", 'e.g. [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]]')
     return tuple(n for g in value for n in g)
+
+
+# the `dynamic` override keys that change how a module's tensors are read; the others (damp_percent, mse, ...) only
+# steered the solver
+_DYNAMIC_KEYS = {"bits": int, "group_size": int, "desc_act": bool, "sym": bool}
+
+
+def _dynamic(value, base: dict, bits: int, source: str) -> tuple:
+    """GPTQModel's `dynamic` ({"-:regex": {}} leaves the matching modules in float, {"+:regex": {key: value}}
+    overrides their settings) as GPTQConfig.dynamic; other bits per module are refused (one bit width per model), and
+    so is another packing or format than `base`'s (the whole quantization config)."""
+    if not value:
+        return ()
+    hint = 'e.g. {"-:.*down_proj.*": {}, "+:.*o_proj.*": {"group_size": 64}}'
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{source}: dynamic {json.dumps(value)[:120]} is not a mapping of module patterns", hint)
+    rules = []
+    for pattern, overrides in value.items():
+        try:
+            re.compile(pattern.removeprefix("-:").removeprefix("+:"))
+        except re.error as e:
+            raise ModelLoadError(f"{source}: dynamic pattern {pattern!r} is not a valid regex: {e}", hint) from None
+        if not isinstance(overrides, dict):
+            raise ModelLoadError(f"{source}: dynamic {pattern!r}: {json.dumps(overrides)[:80]} is not a mapping", hint)
+        negative = pattern.startswith("-:")
+        kept = {}
+        for key, kind in ({} if negative else _DYNAMIC_KEYS).items():
+            if key in overrides:
+                kept[key] = _int(overrides, key, 0, source) if kind is int else bool(overrides[key])
+        for key in ("pack_dtype", "format", "checkpoint_format", "quant_method", "method"):
+            same = base.get(key, "int32" if key == "pack_dtype" else None)
+            if not negative and key in overrides and overrides[key] != same:
+                raise UnsupportedModelError(f"{source}: dynamic {pattern!r} sets {key} {json.dumps(overrides[key])}",
+                                            "infer reads one GPTQ format per model")
+        if kept.get("bits", bits) != bits:
+            raise UnsupportedModelError(f"{source}: dynamic {pattern!r} quantizes its modules to {kept['bits']} bits, "
+                                        f"the others to {bits}", "infer runs one bit width per model")
+        group = kept.get("group_size", -1)
+        if group != -1 and group < 1:
+            raise UnsupportedModelError(f"{source}: dynamic {pattern!r}: group_size {group} is not valid",
+                                        "use -1 (one group per column) or a positive size such as 32, 64 or 128")
+        rules.append((pattern, negative, tuple(sorted(kept.items()))))
+    return tuple(rules)
