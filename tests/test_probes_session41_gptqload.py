@@ -128,3 +128,20 @@ def test_dynamic_overrides_that_repeat_the_base_format_are_read():
         "+:.*o_proj": {"pack_dtype": "int32", "bits": 4, "group_size": 64}}}, "config.json")
     assert cfg.for_module("model.layers.0.self_attn.o_proj").group_size == 64
     assert cfg.for_module("model.layers.0.mlp.down_proj").group_size == 32
+
+
+@pytest.mark.parametrize("qc, message", [
+    ({"method": "awq", "format": "gemm"}, "method 'awq' is not supported"),
+    ({"quant_method": "gptq", "method": "fp8"}, "method 'fp8' is not supported"),
+    ({"quant_method": "awq", "method": "awq"}, "quant_method 'awq' is not supported"),
+    ({"load_in_4bit": True}, "quant_method 'bitsandbytes' is not supported"),
+], ids=["method-only", "method-disagrees", "both", "bitsandbytes"])
+def test_gptqmodels_method_field_naming_another_method_is_refused(tmp_path, qc, message):
+    """GPTQModel reads `method` before its deprecated alias quant_method: a quantize_config.json with only
+    `method: awq` was read as 4-bit GPTQ and failed on a tensor shape with a hint about bits and group_size."""
+    from infer.quant.config import GPTQConfig
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": 128, **qc}))
+    with pytest.raises(UnsupportedModelError, match=message) as e:
+        GPTQConfig.from_model_dir(tmp_path)
+    assert "`infer quantize`" in e.value.hint

@@ -62,10 +62,16 @@ class GPTQConfig:
     @classmethod
     def from_dict(cls, d: dict, source: str) -> "GPTQConfig":
         bnb = d.get("load_in_4bit") or d.get("load_in_8bit")  # bitsandbytes configs older than quant_method
-        method = str(d.get("quant_method") or ("bitsandbytes" if bnb else "gptq")).lower()
+        # GPTQModel reads `method` (quant_method is its deprecated alias), transformers quant_method: neither may
+        # name another method
+        named = [(k, str(d[k]).lower()) for k in ("quant_method", "method") if d.get(k)] or \
+            [("quant_method", "bitsandbytes" if bnb else "gptq")]
+        key, method = next(((k, m) for k, m in named if m != "gptq"), named[0])
         if method != "gptq":
-            raise UnsupportedModelError(f"{source}: quant_method {method!r} is not supported",
-                                        "infer runs GPTQ checkpoints (quant_method 'gptq') and float models")
+            raise UnsupportedModelError(f"{source}: {key} {method!r} is not supported",
+                                        "infer runs GPTQ checkpoints (quant_method 'gptq') and float models: use the "
+                                        "model's GPTQ release, or its float weights (`infer quantize` makes a GPTQ "
+                                        "checkpoint of them)")
         bits = _int(d, "bits", 4, source)
         if bits not in SUPPORTED_BITS:
             raise UnsupportedModelError(f"{source}: {bits}-bit GPTQ is not supported",
