@@ -145,3 +145,16 @@ def test_gptqmodels_method_field_naming_another_method_is_refused(tmp_path, qc, 
     with pytest.raises(UnsupportedModelError, match=message) as e:
         GPTQConfig.from_model_dir(tmp_path)
     assert "`infer quantize`" in e.value.hint
+
+
+@pytest.mark.parametrize("qc_extra, which", [({"dynamic": {"-:.*down_proj": {}}}, "dynamic"), (
+    {"modules_in_block_to_quantize": [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                       "mlp.gate_proj", "mlp.up_proj"]]}, "modules_in_block_to_quantize")],
+    ids=["dynamic", "modules_in_block_to_quantize"])
+def test_a_quantized_layer_the_config_leaves_in_float_names_the_rule(tmp_path, qc_extra, which):
+    """The message said "config.json has no quantization_config" for a checkpoint that has one, whose rule leaves
+    down_proj in float while the weights hold it quantized."""
+    path = crafted(tmp_path / "m", qc_extra=qc_extra)
+    with pytest.raises(ModelLoadError, match=r"down_proj\.(qweight|qzeros|scales|g_idx) for a float linear") as e:
+        infer_greedy(path)
+    assert e.value.hint == f"the checkpoint has it quantized but config.json's {which} leaves it in float"

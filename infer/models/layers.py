@@ -38,7 +38,11 @@ class LinearMethod(Protocol):
 
 
 class UnquantizedLinearMethod:
-    """A float weight [sum(out_sizes), in]; shards are stacked along the output dimension."""
+    """A float weight [sum(out_sizes), in]; shards are stacked along the output dimension. `why`: in a quantized
+    checkpoint, what leaves this layer in float (for the message when it holds quantized tensors after all)."""
+
+    def __init__(self, why: str | None = None):
+        self.why = why
 
     def create_weights(self, layer: "MergedLinear") -> None:
         layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=layer.dtype),
@@ -47,6 +51,7 @@ class UnquantizedLinearMethod:
     def load_shard(self, layer: "MergedLinear", name: str, shard: int, tensor: torch.Tensor) -> None:
         if name != "weight":
             raise ModelLoadError(f"unexpected tensor {layer.prefix_of(shard)}.{name} for a float linear layer",
+                                 f"the checkpoint has it quantized but {self.why}" if self.why else
                                  "the checkpoint looks quantized but config.json has no quantization_config")
         start, size = layer.shard_offset(shard), layer.out_sizes[shard]
         expect = (size, layer.in_features)

@@ -12,7 +12,7 @@ from transformers import AutoConfig
 
 from ..errors import ModelLoadError, UnsupportedModelError
 from ..quant.files import indexed_files
-from .layers import MergedLinear
+from .layers import MergedLinear, UnquantizedLinearMethod
 from .registry import check_supported, model_class
 from .rope import check_rope
 from .shapes import check_shapes
@@ -96,10 +96,10 @@ def linear_method_factory(path: Path, cfg):
                                             "with different settings", "infer runs these projections as one matmul: "
                                             "they must be quantized alike")
             return GPTQLinearMethod(configs[0])
-        if not quantized:
-            return None  # left in float by modules_in_block_to_quantize or dynamic
-        floats = [n for n in names if n not in quantized]
         which = "dynamic" if gcfg.dynamic else "modules_in_block_to_quantize"
+        if not quantized:  # left in float by modules_in_block_to_quantize or dynamic
+            return UnquantizedLinearMethod(f"{gcfg.source}'s {which} leaves it in float")
+        floats = [n for n in names if n not in quantized]
         raise UnsupportedModelError(f"{path}: {which} quantizes {', '.join(quantized)} but not {', '.join(floats)}",
                                     "infer runs these projections as one matmul: they must all be quantized or "
                                     "all be left in float")
