@@ -17,6 +17,8 @@ from infer.errors import ModelLoadError, UnsupportedModelError
 from infer.models.tiny import ensure_builtin
 from infer.quant import packing
 
+from quant_helpers import needs_gptqmodel
+
 PROMPTS = [[5, 17, 99, 230, 41], list(range(40, 73))]
 N = 6
 
@@ -158,3 +160,32 @@ def test_a_quantized_layer_the_config_leaves_in_float_names_the_rule(tmp_path, q
     with pytest.raises(ModelLoadError, match=r"down_proj\.(qweight|qzeros|scales|g_idx) for a float linear") as e:
         infer_greedy(path)
     assert e.value.hint == f"the checkpoint has it quantized but config.json's {which} leaves it in float"
+
+
+@needs_gptqmodel
+def test_a_gptqmodel_checkpoint_with_dynamic_rules_runs_as_its_dequantized_weights(tmp_path):
+    """GPTQModel's own `dynamic` (module names as it matches them: model.layers.N.mlp.down_proj): a layer left in float
+    and another group size for o_proj, against transformers on the dequantized weights."""
+    from quant_helpers import dequantized_float_model
+    from gptqmodel import GPTQModel, QuantizeConfig
+    from gptqmodel.looper import loop_processor
+    from gptqmodel.quantization.config import FORMAT
+    src = ensure_builtin("tiny-llama")
+    gen = torch.Generator().manual_seed(0)
+    calib = [{"input_ids": torch.randint(3, 512, (32,), generator=gen).tolist(), "attention_mask": [1] * 32}
+             for _ in range(4)]
+    qcfg = QuantizeConfig(bits=4, group_size=32, sym=False, format=FORMAT.GPTQ, dynamic={
+        r"-:model\.layers\.1\.mlp\..*": {}, r"+:.*o_proj.*": {"group_size": 64, "sym": True}})
+    old, loop_processor._PROJECT_LOG_DIR = loop_processor._PROJECT_LOG_DIR, tmp_path / "logs"
+    try:
+        model = GPTQModel.load(str(src), qcfg)
+        model.quantize(calib, batch_size=1)
+        model.save(str(tmp_path / "q"))
+    finally:
+        loop_processor._PROJECT_LOG_DIR = old
+    ref = dequantized_float_model(src, tmp_path / "q")
+    ref.generation_config.eos_token_id = None
+    with torch.no_grad():
+        want = [ref.generate(torch.tensor([p]), max_new_tokens=N, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+                for p in PROMPTS]
+    assert infer_greedy(tmp_path / "q") == want
