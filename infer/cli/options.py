@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover - older typer uses click itself
     from click import core as click_core
     from click import get_current_context
 
-from ..engine.config import RANGES, EngineConfig, cli_fields, valid_device
+from ..engine.config import RANGES, EngineConfig, cli_fields, command_line_template, valid_device
 from ..errors import ConfigError
 from ..models.tiny import BUILTIN_MODELS
 
@@ -129,6 +129,8 @@ def engine_options(exclude: tuple[str, ...] = ()):
             values = {k: v for k, v in values.items() if v is not None}
             for f in aliased:
                 _take_alias(f, kwargs.pop(_alias(f), None), values, _given(f.name))
+            if "chat_template" in values:  # the command line's text, as vLLM reads it (escapes decoded)
+                values["chat_template"] = command_line_template(values["chat_template"])
             model = kwargs["model"] if "model" in kwargs else args[0]
             kwargs["engine"] = EngineConfig(model=model, **values)
             return fn(*args, **kwargs)

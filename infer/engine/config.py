@@ -75,6 +75,25 @@ def parse_loras(items: dict[str, str] | list[str] | None) -> dict[str, str]:
     return out
 
 
+def command_line_template(value: str | None, name: str = "--chat-template") -> str | None:
+    """A --chat-template value as vLLM reads the command line's: the template text itself (not an existing file)
+    has its backslash escapes decoded (`\\n` typed in the shell is a newline, as vLLM's codecs "unicode_escape"), so the
+    same command line renders the same prompt; other characters stay as typed (vLLM's decoding garbles non-ASCII).
+    A file's text, and a template given through the Python API or to a replica, are taken as they are."""
+    if not isinstance(value, str) or ("{{" not in value and "{%" not in value) or "\\" not in value:
+        return value
+    try:
+        if Path(value).expanduser().is_file():
+            return value
+    except (OSError, ValueError):  # template text too long for a path, or with a NUL
+        pass
+    try:
+        return value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{name}: the template text has a bad backslash escape ({e.reason})",
+                          "escape a literal backslash as \\\\, or give the template as a file") from None
+
+
 def load_chat_template(value: str | Path | None, name: str = "--chat-template",
                        error: type = ConfigError) -> str | None:
     """vLLM's rule for --chat-template: a path to a file that exists is read; else text that looks like a template

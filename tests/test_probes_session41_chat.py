@@ -1,0 +1,52 @@
+"""Session 41 probes of chat templates across model families (Llama-2/3.1, Mistral, Gemma, Phi-3, Qwen2.5/3,
+DeepSeek-R1, ChatML) and of vLLM's chat options, compared with transformers' apply_chat_template and vLLM's
+handling of the same request."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from infer.cli.main import app
+from infer.models.tiny import ensure_builtin
+
+runner = CliRunner()
+
+
+def _write(path, lines):
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_an_inline_command_line_template_has_its_escapes_decoded_as_vllm(tmp_path):
+    """`--chat-template '{% for m in messages %}{{ m.content }}\\n{% endfor %}'` (the template text on the command
+    line, where the shell leaves `\\n` as a backslash and an n) rendered the two characters into the prompt; vLLM's
+    load_chat_template decodes an inline template's escapes, so the same command line gave another prompt there.
+    Non-ASCII text stays as typed; a file's text is read as it is; a bad escape is refused naming the option."""
+    from transformers import AutoTokenizer
+    model = str(ensure_builtin("tiny-llama"))
+    typed = "{% for m in messages %}{{ m['content'] }}\\n{% endfor %}é=>"
+    real = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}é=>"
+    messages = [{"role": "user", "content": "hello"}, {"role": "user", "content": "again"}]
+    tok = AutoTokenizer.from_pretrained(model)
+    want = tok.apply_chat_template(messages, chat_template=real, tokenize=True, return_dict=True,
+                                   add_generation_prompt=True)["input_ids"]
+    inp = _write(tmp_path / "in.jsonl", [{"id": "a", "messages": messages, "max_new_tokens": 1,
+                                          "prompt_logprobs": 0}])
+    out = tmp_path / "o.jsonl"
+    res = runner.invoke(app, ["run", model, str(inp), "-o", str(out), "-q", "--chat-template", typed])
+    assert res.exit_code == 0, res.output
+    rec = json.loads(out.read_text())
+    assert rec["error"] is None and rec["usage"]["prompt_tokens"] == len(want), tok.decode(want)
+    assert [p["token_id"] for p in rec["prompt_logprobs"][1:]] == list(want[1:])
+    path = tmp_path / "t.jinja"  # a file's backslashes are the template's own
+    path.write_text(typed)
+    res = runner.invoke(app, ["run", model, str(inp), "-o", str(tmp_path / "f.jsonl"), "-q", "--chat-template",
+                              str(path)])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "f.jsonl").read_text())["usage"]["prompt_tokens"] != len(want)
+    res = runner.invoke(app, ["run", model, str(inp), "-o", str(tmp_path / "b.jsonl"), "-q", "--chat-template",
+                              "{{ messages[0]['content'] }}\\x4"])
+    assert res.exit_code == 2 and "--chat-template" in res.output and "escape" in res.output, res.output
