@@ -50,3 +50,33 @@ def test_an_inline_command_line_template_has_its_escapes_decoded_as_vllm(tmp_pat
     res = runner.invoke(app, ["run", model, str(inp), "-o", str(tmp_path / "b.jsonl"), "-q", "--chat-template",
                               "{{ messages[0]['content'] }}\\x4"])
     assert res.exit_code == 2 and "--chat-template" in res.output and "escape" in res.output, res.output
+
+
+# llava-hf's style (llava-1.5, llava-onevision, Emu3...): the parts of one type, through a filter
+SELECT = ("{% for message in messages %}{{ message['role'].upper() + ': ' }}"
+          "{% for c in message['content'] | selectattr('type', 'equalto', 'text') %}{{ c['text'] + ' ' }}{% endfor %}"
+          "{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+SLICED = ("{% for message in messages %}{% set parts = message.content[0:] | list %}{% for p in parts %}"
+          "<{{ p.text }}>{% endfor %}{% endfor %}{% if add_generation_prompt %}=>{% endif %}")
+
+
+@pytest.mark.parametrize("template", [SELECT, SLICED], ids=["selectattr", "slice-then-filter"])
+def test_a_template_that_filters_the_parts_gets_them_as_parts(template, monkeypatch):
+    """vLLM's content-format detection sees a loop over `message['content'] | selectattr(...)` (or a slice of it,
+    or a variable set from such) as a loop over the parts ("openai" format); infer looked for the bare
+    `message['content']` only, gave such a template the string, whose characters the filter dropped: the user's
+    words were silently missing from the prompt in every entry point."""
+    from transformers import AutoTokenizer
+    from infer.engine.inputs import encode_prompt, parse_request, reads_content_parts
+    from infer.serve.protocol import parse_chat, tokenize
+    tok = AutoTokenizer.from_pretrained(str(ensure_builtin("tiny-llama")))
+    monkeypatch.setattr(tok, "chat_template", template)
+    assert reads_content_parts(tok)
+    messages = [{"role": "user", "content": "Hello there"}]
+    want = tok.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "Hello there"}]}],
+                                   tokenize=True, return_dict=True, add_generation_prompt=True)["input_ids"]
+    assert "Hello there" in tok.decode(want)
+    for got in (encode_prompt(tok, messages=messages), parse_chat({"messages": messages}, tok).prompts[0],
+                tokenize({"messages": messages}, tok, 4096)[1]["tokens"],
+                parse_request({"messages": messages}, tok, "0").prompt_token_ids):
+        assert list(got) == list(want), tok.decode(got)

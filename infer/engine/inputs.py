@@ -390,12 +390,19 @@ def _loops_over_content(template: str) -> bool:
     except (jinja2.TemplateError, RecursionError):  # nested deeper than Jinja's parser recurses: rendering says so
         return False
 
+    def bare(node):  # what a filter, a test or a slice is applied to (`content | selectattr(...)`, `content[1:]`)
+        while isinstance(node, (nodes.Filter, nodes.Test)) and node.node is not None \
+                or isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+            node = node.node
+        return node
+
     def is_content(node) -> bool:
+        node = bare(node)
         return (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content"
                 or isinstance(node, nodes.Getattr) and node.attr == "content")
     names = {a.target.name for a in tree.find_all(nodes.Assign)
              if isinstance(a.target, nodes.Name) and is_content(a.node)}
-    return any(is_content(f.iter) or isinstance(f.iter, nodes.Name) and f.iter.name in names
+    return any(is_content(f.iter) or isinstance(bare(f.iter), nodes.Name) and bare(f.iter).name in names
                for f in tree.find_all(nodes.For))
 
 
