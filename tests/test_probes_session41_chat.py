@@ -80,3 +80,44 @@ def test_a_template_that_filters_the_parts_gets_them_as_parts(template, monkeypa
                 tokenize({"messages": messages}, tok, 4096)[1]["tokens"],
                 parse_request({"messages": messages}, tok, "0").prompt_token_ids):
         assert list(got) == list(want), tok.decode(got)
+
+
+# Llama 3.1-3.3's test for a tool-call turn (trimmed): the key's presence, whatever its value
+LLAMA31_CALLS = ("{% for message in messages %}{% if 'tool_calls' in message %}"
+                 "{% if not message.tool_calls|length == 1 %}"
+                 "{{ raise_exception('This model only supports single tool-calls at once!') }}{% endif %}"
+                 "CALL {{ message.tool_calls[0].function.name }}\n{% else %}{{ message['role'] }}: "
+                 "{{ message['content'] | trim }}\n{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def test_null_fields_of_a_message_do_not_reach_the_template(monkeypatch):
+    """A client that sends back the assistant message it got (the OpenAI SDK's `message.model_dump()`) sends
+    `tool_calls: null`, `refusal: null`, `function_call: null`, `audio: null`. vLLM gives the template the message
+    without them; infer passed them on, and Llama 3.x's template, which asks `'tool_calls' in message`, refused the
+    conversation ("object of type 'NoneType' has no len()": a 400) with transformers 4 (transformers 5 drops null
+    fields itself). What the template is given is checked here, whatever transformers does with it."""
+    from transformers import AutoTokenizer
+    from infer.engine.inputs import encode_prompt, parse_request
+    from infer.serve.protocol import parse_chat, tokenize
+    tok = AutoTokenizer.from_pretrained(str(ensure_builtin("tiny-llama")))
+    monkeypatch.setattr(tok, "chat_template", LLAMA31_CALLS)
+    given = []
+    real = type(tok).apply_chat_template
+
+    def spy(self, conversation, *args, **kwargs):
+        given.append(conversation)
+        return real(self, conversation, *args, **kwargs)
+    monkeypatch.setattr(type(tok), "apply_chat_template", spy)
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "Hello!", "tool_calls": None, "refusal": None,
+                 "function_call": None, "audio": None, "name": None},
+                {"role": "user", "content": "again"}]
+    want = tok("user: hi\nassistant: Hello!\nuser: again\nassistant:", add_special_tokens=False)["input_ids"]
+    for got in (encode_prompt(tok, messages=messages), parse_chat({"messages": messages}, tok).prompts[0],
+                tokenize({"messages": messages}, tok, 4096)[1]["tokens"],
+                parse_request({"messages": messages}, tok, "0").prompt_token_ids):
+        assert list(got) == want, tok.decode(got)
+    assert given and all(None not in m.values() for conv in given for m in conv), given[-1]
+    assert given[-1][1] == {"role": "assistant", "content": "Hello!"}
+    assert messages[1]["tool_calls"] is None  # the caller's messages are left as they were

@@ -280,15 +280,18 @@ def chat_messages(messages: Any, parts: bool = False) -> list[dict]:
     text parts is joined by newlines (as vLLM does); a template would otherwise render the list's Python repr into
     the prompt. With `parts` (the template loops over content: `reads_content_parts`) every content is a list of
     text parts, a string's too (as vLLM's "openai" content format). Other parts (images, audio) are refused rather
-    than dropped; null content is empty (an assistant's tool call); an assistant's `reasoning` is its
-    `reasoning_content` too (as vLLM)."""
+    than dropped; null content is empty (an assistant's tool call), another null field absent; an assistant's
+    `reasoning` is its `reasoning_content` too (as vLLM)."""
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise RequestError("messages must be a list of {\"role\": ..., \"content\": ...} objects")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m["role"], str):
             raise RequestError(f"messages[{i}].role must be a string, got {type(m['role']).__name__}")
-        out.append({**m, "content": _content_text(m.get("content"), i, parts)})
+        # a field sent as null is not given (OpenAI's SDK sends back tool_calls, refusal... as null): vLLM leaves it out
+        # of what the template reads, and a template that tests `'tool_calls' in message` (Llama 3.x) failed on it
+        out.append({**{k: v for k, v in m.items() if v is not None}, "content": _content_text(m.get("content"), i,
+                                                                                            parts)})
         calls = m.get("tool_calls")
         if calls is not None and not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
             raise RequestError(f"messages[{i}].tool_calls must be a list of tool call objects, got "
