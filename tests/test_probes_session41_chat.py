@@ -121,3 +121,17 @@ def test_null_fields_of_a_message_do_not_reach_the_template(monkeypatch):
     assert given and all(None not in m.values() for conv in given for m in conv), given[-1]
     assert given[-1][1] == {"role": "assistant", "content": "Hello!"}
     assert messages[1]["tool_calls"] is None  # the caller's messages are left as they were
+
+
+@pytest.mark.parametrize("flag, words", [
+    (["--chat-template-content-format", "string"], "content format"),
+    (["--default-chat-template-kwargs", '{"enable_thinking": false}'], "chat_template_kwargs"),
+    (["--response-role", "bot"], "assistant"),
+], ids=["content-format", "default-kwargs", "response-role"])
+def test_vllms_chat_options_say_what_to_do(flag, words):
+    """vLLM's chat options of `vllm serve` were "No such option (Possible options: --chat-template)", a guess that
+    points a vLLM user at another option; they now say what infer does instead, as vLLM's other options do."""
+    res = runner.invoke(app, ["serve", "tiny-llama", *flag])
+    assert res.exit_code == 2
+    assert "is vLLM's option" in res.output and words in res.output, res.output
+    assert "Possible options" not in res.output

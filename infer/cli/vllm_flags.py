@@ -62,6 +62,13 @@ VLLM_HINTS = {
     "--disable-log-stats": "infer serve logs no periodic stats (GET /metrics has them); drop the option",
     "--disable-uvicorn-access-log": "infer serve's access log is off unless --log-level is info or debug; drop the "
                                     "option",
+    # vLLM's chat options (click guessed --chat-template for them)
+    "--chat-template-content-format": "infer finds a template's content format as vLLM's default (auto) does: "
+                                      "\"openai\" (a list of parts) for one that loops over a message's content, "
+                                      "else the text; drop the option",
+    "--default-chat-template-kwargs": "send chat_template_kwargs with each request (e.g. {\"enable_thinking\": "
+                                      "false}), or fix the default in the template itself (--chat-template FILE)",
+    "--response-role": "a chat reply's role is always \"assistant\"; drop the option",
     # `vllm bench serve`'s spellings
     "--max-concurrency": "infer bench's -c/--concurrency N (one level, or a comma-separated list: -c 1,4,16)",
     "--random-input-len": "infer bench's --input-len (the random dataset's prompt tokens)",
