@@ -135,3 +135,34 @@ def test_vllms_chat_options_say_what_to_do(flag, words):
     assert res.exit_code == 2
     assert "is vLLM's option" in res.output and words in res.output, res.output
     assert "Possible options" not in res.output
+
+
+# templates that loop over the parts with transformers' Jinja extensions: loop controls, the {% generation %} tag
+# (templates written for assistant-token masks in training)
+BREAKS = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% for part in message['content'] %}"
+          "{% if part['type'] != 'text' %}{% continue %}{% endif %}{{ part['text'] }}{% endfor %}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+GENERATION = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['role'] == 'assistant' %}"
+              "{% generation %}{% for part in message['content'] %}{{ part['text'] }}{% endfor %}<|im_end|>\n"
+              "{% endgeneration %}{% else %}{% for part in message['content'] %}{{ part['text'] }}{% endfor %}"
+              "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("template", [BREAKS, GENERATION], ids=["continue", "generation-tag"])
+def test_a_template_with_transformers_jinja_extensions_gets_its_content_format(template, monkeypatch):
+    """infer parsed the template in a plain Jinja environment to find its content format: a template with
+    `{% continue %}` / `{% break %}` or transformers' `{% generation %}` tag did not parse there, was taken as
+    printing the content, got the string, looped over its characters and rendered empty turns (the user's words
+    missing). vLLM parses it in transformers' environment, finds the loop, and gives it the parts."""
+    from transformers import AutoTokenizer
+    from infer.engine.inputs import encode_prompt, reads_content_parts
+    from infer.serve.protocol import parse_chat
+    tok = AutoTokenizer.from_pretrained(str(ensure_builtin("tiny-llama")))
+    monkeypatch.setattr(tok, "chat_template", template)
+    assert reads_content_parts(tok)
+    messages = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hi"},
+                {"role": "user", "content": "again"}]
+    want = tok("<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\nHi<|im_end|>\n"
+               "<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    assert encode_prompt(tok, messages=messages) == want
+    assert parse_chat({"messages": messages}, tok).prompts[0] == want

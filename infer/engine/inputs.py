@@ -385,11 +385,22 @@ def reads_content_parts(tokenizer, template: str | None = None, tools: bool = Fa
     return _PART_TEMPLATES[template]
 
 
+def _jinja_environment(template: str):
+    """The Jinja environment transformers renders `template` in (vLLM parses templates in it): its loop controls
+    (`{% break %}`) and its `{% generation %}` tag are Jinja there; a plain environment cannot parse them."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # another transformers: Jinja's loop controls at least
+        import jinja2
+        return jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    return _compile_jinja_template(template).environment
+
+
 def _loops_over_content(template: str) -> bool:
     import jinja2
     from jinja2 import nodes
     try:
-        tree = jinja2.Environment().parse(template)
+        tree = _jinja_environment(template).parse(template)
     except (jinja2.TemplateError, RecursionError):  # nested deeper than Jinja's parser recurses: rendering says so
         return False
 
