@@ -34,6 +34,16 @@ def save_adapter(hf, out, seed: int, **lora_kw):
     return out
 
 
+def three_adapters(root, seed: int):
+    """tiny-llama's float model and THREE saved under `root` (seeds seed, seed + 1, seed + 2): (hf, {name: path})."""
+    from pathlib import Path
+
+    from infer.models.tiny import ensure_builtin
+    hf = hf_float(Path(ensure_builtin("tiny-llama")))
+    return hf, {name: save_adapter(hf, Path(root) / name, seed=seed + i, **kw)
+                for i, (name, kw) in enumerate(THREE.items())}
+
+
 class PeftOracle:
     """peft's greedy tokens for (adapter or None, prompt, n), one row at a time, remembered across calls."""
 

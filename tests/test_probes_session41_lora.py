@@ -13,9 +13,8 @@ from infer import LLM, SamplingParams
 from infer.engine.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine
 from infer.errors import LoRANameError
-from infer.models.tiny import ensure_builtin
 
-from lora_helpers import THREE, PeftOracle, hf_float, save_adapter
+from lora_helpers import PeftOracle, three_adapters
 
 PROMPT = list(range(5, 45))  # two full blocks of 16: the prefix cache holds them
 N = 6
@@ -23,9 +22,7 @@ N = 6
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
-    hf = hf_float(Path(ensure_builtin("tiny-llama")))
-    root = tmp_path_factory.mktemp("s41-lora")
-    return hf, {name: save_adapter(hf, root / name, seed=40 + i, **kw) for i, (name, kw) in enumerate(THREE.items())}
+    return three_adapters(tmp_path_factory.mktemp("s41-lora"), seed=40)
 
 
 @pytest.fixture(scope="module")

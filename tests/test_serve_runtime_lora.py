@@ -6,7 +6,6 @@ a server without the flag each get their own 4xx; the routes need the API key.""
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -21,7 +20,7 @@ from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 
 from helpers import serve_process  # noqa: E402
-from lora_helpers import THREE, PeftOracle, hf_float, save_adapter  # noqa: E402
+from lora_helpers import PeftOracle, three_adapters  # noqa: E402
 
 PROMPT = [5, 17, 99, 230, 41, 7]
 N = 10
@@ -29,9 +28,7 @@ N = 10
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
-    hf = hf_float(Path(ensure_builtin("tiny-llama")))
-    root = tmp_path_factory.mktemp("serve-runtime-lora")
-    return hf, {name: save_adapter(hf, root / name, seed=20 + i, **kw) for i, (name, kw) in enumerate(THREE.items())}
+    return three_adapters(tmp_path_factory.mktemp("serve-runtime-lora"), seed=20)
 
 
 @pytest.fixture(scope="module")
