@@ -7,6 +7,7 @@ and no adapter can be merged into int4 weights (repacking for a kernel happens a
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -15,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
-from ..errors import ConfigError, LoRAError, ModelLoadError
+from ..errors import ConfigError, LoRAError, ModelLoadError, OutputError
 
 DTYPES = ("float16", "bfloat16", "float32")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
@@ -158,7 +159,14 @@ def staged_output(out: Path, overwrite: bool):
         except OSError as e:
             raise ConfigError(f"cannot write into {out.parent}: {e.strerror or e}",
                               "pass an -o folder you can write to") from None
-        yield tmp
+        try:
+            yield tmp
+        except Exception as e:  # safetensors' SafetensorError, GPTQModel's save wrapped in an InferError, ...
+            if _out_of_space(e):
+                raise OutputError(f"no space left on the device while writing {out}: nothing was written",
+                                  f"free space on the disk that holds {out.parent}, or pass an -o on another "
+                                  "disk") from e
+            raise
         apply_umask(tmp)  # before the old model goes: a failure here leaves it in place
         if out.exists():
             shutil.rmtree(out)
@@ -166,6 +174,20 @@ def staged_output(out: Path, overwrite: bool):
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _out_of_space(e: BaseException | None) -> bool:
+    """Whether `e` or an exception it was raised from is a full disk or quota (an OSError, or the safetensors
+    writer's error, which carries only the OS's words)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def current_umask() -> int:

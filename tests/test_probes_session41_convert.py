@@ -1,0 +1,65 @@
+"""Session 41 probes of `infer convert` / `infer quantize` as a user runs them: what reaches the terminal when the
+output cannot be written."""
+
+from __future__ import annotations
+
+import errno
+
+from typer.testing import CliRunner
+
+runner = CliRunner()
+
+
+def _run_infer(*args):
+    from infer.cli.main import app
+    return runner.invoke(app, [*map(str, args)])
+
+
+def _one_error(r, *words):
+    assert r.exit_code == 2, (r.output, r.exception)
+    assert isinstance(r.exception, SystemExit), r.exception  # no traceback reached the terminal
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, r.output
+    for word in words:
+        assert word in r.output, (word, r.output)
+
+
+class _FullDisk(Exception):
+    """What safetensors' writer raises on a full disk: not an OSError, only the OS's words."""
+
+
+def test_convert_onto_a_full_disk_is_one_error_exit_2(tmp_path, monkeypatch):
+    """safetensors' SafetensorError ("No space left on device (os error 28)") reached the terminal as a traceback,
+    where README promises a one-line message and exit 2 for an output the disk cannot hold; nothing is left behind."""
+    import safetensors.torch
+
+    def full(*args, **kwargs):
+        raise _FullDisk("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    out = tmp_path / "out"
+    r = _run_infer("convert", "tiny-llama", "-o", out)
+    _one_error(r, "no space left", str(out))
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no staging folder, no half-written model
+
+
+def test_quantize_onto_a_full_disk_names_the_disk_not_gptqmodel(tmp_path, monkeypatch):
+    """GPTQModel's save failing with ENOSPC was reported as "GPTQModel failed to quantize" with a hint to rerun with
+    --verbose: the disk is full, which is what the message must say."""
+    import pytest
+    pytest.importorskip("gptqmodel")
+    import infer.quant.quantize as q
+
+    def run(src, out, *args, **kwargs):
+        (out / "model.safetensors").write_bytes(b"partial")
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as e:
+            raise q.InferError(f"GPTQModel failed to quantize {src}: OSError: {e}", "rerun with --verbose") from e
+
+    monkeypatch.setattr(q, "_run_gptqmodel", run)
+    out = tmp_path / "out"
+    r = _run_infer("quantize", "tiny-llama", "-o", out, "--group-size", "32", "--num-samples", "2", "--seq-len", "32")
+    _one_error(r, "no space left", str(out))
+    assert "GPTQModel failed" not in r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
