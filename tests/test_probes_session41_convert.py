@@ -31,12 +31,12 @@ class _FullDisk(Exception):
 def test_convert_onto_a_full_disk_is_one_error_exit_2(tmp_path, monkeypatch):
     """safetensors' SafetensorError ("No space left on device (os error 28)") reached the terminal as a traceback,
     where README promises a one-line message and exit 2 for an output the disk cannot hold; nothing is left behind."""
-    import safetensors.torch
+    import transformers.modeling_utils as mu  # it holds safetensors' save_file under its own name
 
     def full(*args, **kwargs):
         raise _FullDisk("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    monkeypatch.setattr(mu, "safe_save_file", full)
     out = tmp_path / "out"
     r = _run_infer("convert", "tiny-llama", "-o", out)
     _one_error(r, "no space left", str(out))
@@ -63,3 +63,27 @@ def test_quantize_onto_a_full_disk_names_the_disk_not_gptqmodel(tmp_path, monkey
     _one_error(r, "no space left", str(out))
     assert "GPTQModel failed" not in r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_convert_into_an_existing_empty_folder_keeps_that_folder(tmp_path):
+    """-o naming an existing empty folder (a container's mounted volume, a folder with its own permissions): the
+    staged model was renamed over it after rmtree, which a mount point refuses (EBUSY, a traceback after all the
+    work); the folder itself must stay and be filled."""
+    from safetensors.torch import load_file
+    out = tmp_path / "vol"
+    out.mkdir()
+    out.chmod(0o1777)
+    inode = out.stat().st_ino
+    r = _run_infer("convert", "tiny-llama", "-o", out)
+    assert r.exit_code == 0, r.output
+    assert out.stat().st_ino == inode and out.stat().st_mode & 0o7777 == 0o1777
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["vol"]  # no staging folder left beside or inside
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+    assert load_file(out / "model.safetensors")
+    # --overwrite replaces the model in place too, and a staging folder a killed run left inside does not block it
+    (out / ".infer-staging-old").mkdir()
+    (out / "stale.bin").write_bytes(b"x")
+    r = _run_infer("convert", "tiny-llama", "-o", out, "--overwrite", "--dtype", "float16")
+    assert r.exit_code == 0, r.output
+    assert out.stat().st_ino == inode and not (out / "stale.bin").exists()
+    assert next(iter(load_file(out / "model.safetensors").values())).dtype.is_floating_point

@@ -129,7 +129,7 @@ def check_output(out: Path, overwrite: bool) -> None:
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output {out} exists and is not a folder", "pass a folder path with -o")
-    if out.is_dir() and any(out.iterdir()):
+    if out.is_dir() and any(not p.name.startswith(STAGING_PREFIX) for p in out.iterdir()):
         if not overwrite:
             raise ConfigError(f"output folder {out} is not empty", "pass --overwrite to replace it, or another -o")
         if not (out / "config.json").is_file():
@@ -145,19 +145,25 @@ def check_not_source(src: Path, out: Path, what: str) -> None:
         raise ConfigError(f"output {out} is {where}", f"write the {what} model to another folder")
 
 
+STAGING_PREFIX = ".infer-staging-"  # inside an existing OUTPUT folder (one left by a killed run does not count)
+
+
 @contextmanager
 def staged_output(out: Path, overwrite: bool):
-    """Yield a temporary sibling folder of `out`; on success it replaces `out`, on failure it is removed, so an
-    interrupted run never leaves a half-written model behind."""
+    """Yield a temporary folder; on success its files become `out`, on failure it is removed, so an interrupted run
+    never leaves a half-written model behind. A new `out` is staged beside it and renamed into place; an existing
+    folder (empty, or a model --overwrite replaces) is kept, staged inside and filled at the end: it may be a mount
+    point (a container's volume) or hold permissions of its own, and its parent may not be writable."""
     out = Path(out).resolve()
     check_output(out, overwrite)
-    tmp = None
+    tmp, inside = None, out.is_dir()
     try:  # one try from the folder's creation on: an interrupt right after mkdtemp removes it too
+        where = out if inside else out.parent
         try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+            where.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX if inside else f".{out.name}.tmp-", dir=where))
         except OSError as e:
-            raise ConfigError(f"cannot write into {out.parent}: {e.strerror or e}",
+            raise ConfigError(f"cannot write into {where}: {e.strerror or e}",
                               "pass an -o folder you can write to") from None
         try:
             yield tmp
@@ -168,12 +174,29 @@ def staged_output(out: Path, overwrite: bool):
                                   "disk") from e
             raise
         apply_umask(tmp)  # before the old model goes: a failure here leaves it in place
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        if inside:
+            _fill(out, tmp)
+        else:
+            tmp.rename(out)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fill(out: Path, tmp: Path) -> None:
+    """Replace what `out` holds (an old model, or nothing) with the files staged in `tmp`, a folder inside it."""
+    for p in out.iterdir():
+        if p != tmp and not p.name.startswith(STAGING_PREFIX):
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    moved = []
+    try:
+        for p in sorted(tmp.iterdir()):
+            p.rename(out / p.name)
+            moved.append(out / p.name)
+    except BaseException:  # an interrupt between two renames: no half-moved model is left as if complete
+        for p in moved:
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        raise
 
 
 def _out_of_space(e: BaseException | None) -> bool:
