@@ -87,3 +87,22 @@ def test_convert_into_an_existing_empty_folder_keeps_that_folder(tmp_path):
     assert r.exit_code == 0, r.output
     assert out.stat().st_ino == inode and not (out / "stale.bin").exists()
     assert next(iter(load_file(out / "model.safetensors").values())).dtype.is_floating_point
+
+
+def test_calibration_dataset_name_says_nothing_is_downloaded(tmp_path, monkeypatch):
+    """--calibration wikitext2 / allenai/c4 (as GPTQModel's examples load them) said only "does not exist": a user
+    expecting the dataset to be fetched learns that infer reads local files only."""
+    from infer.errors import ConfigError
+    from infer.quant.calibration import read_texts
+    monkeypatch.chdir(tmp_path)
+    for name in ("wikitext2", "allenai/c4"):
+        try:
+            read_texts(name)
+        except ConfigError as e:
+            assert "downloads nothing" in e.message and ".jsonl" in e.hint, e
+        else:
+            raise AssertionError("accepted")
+    try:
+        read_texts("missing.txt")
+    except ConfigError as e:
+        assert "does not exist" in e.message

@@ -39,6 +39,9 @@ def read_texts(path: Path | None, render_chat: Callable[[Messages], str] | None 
     if path.is_dir():
         raise ConfigError(f"calibration file {path} is a directory", "pass a .txt or .jsonl file inside it")
     if not path.is_file():
+        if path.suffix not in (".txt", ".jsonl"):  # "wikitext2", "allenai/c4": GPTQModel's and AutoGPTQ's examples
+            raise ConfigError(f"calibration file {path} does not exist (a dataset name is not read: infer downloads "
+                              "nothing)", "save the dataset's texts as a .txt or .jsonl file and pass its path")
         raise ConfigError(f"calibration file {path} does not exist", "pass a .txt or .jsonl file")
     if path.suffix == ".jsonl":
         texts = _read_jsonl(path, render_chat or _plain_chat)
