@@ -68,7 +68,7 @@ def _unknown_name_hint(name: str) -> str:
         return f"did you mean the built-in model {close[0]!r}? Else pass a folder with config.json and weights"
     if is_hub_id(name):
         return (f"{name!r} looks like a Hugging Face hub id, and the local hub cache ({_hub_cache_root()}) does not "
-                f"hold it; infer downloads nothing: fetch it first, `huggingface-cli download {name}` (then pass "
+                f"hold it; nothing is downloaded: fetch it first, `huggingface-cli download {name}` (then pass "
                 f"{name} again), or with `--local-dir ./{name.split('/')[1]}` and pass ./{name.split('/')[1]}")
     return "pass a folder with config.json and weights; nothing is downloaded"
 
