@@ -8,11 +8,11 @@ A loaded adapter is validated against the base first (what `infer lora-validate`
 /v1/models and picked by a request's `model` at once; the folder is read on a worker thread, so requests in flight
 go on meanwhile. An unloaded one is refused to new requests at once; requests accepted before finish with it, and its
 memory is freed after the last of them (the name may be loaded again at once, as in vLLM). An adapter loaded in
-place of one of the same name serves the requests accepted after the call; those accepted before finish with the weights they started with, and the prefix cache never
-gives K/V of one to the other (vLLM swaps the weights under running requests, and keys its cache by the name). The
-path is read on the server's host (with --data-parallel, on every replica's host). The routes answer 404 on a server
-started without the flag: they let a client make the server read a folder of its choosing, so they are off unless
-asked for (and --api-key guards them as every route).
+place of one of the same name serves the requests accepted after the call; those accepted before finish with the
+weights they started with, and the prefix cache never gives K/V of one to the other (vLLM swaps the weights under
+running requests, and keys its cache by the name). The path is read on the server's host (with --data-parallel, on
+every replica's host). The routes answer 404 on a server started without the flag: they let a client make the server
+read a folder of its choosing, so they are off unless asked for (and --api-key guards them as every route).
 """
 
 from __future__ import annotations
