@@ -105,22 +105,23 @@ def test_an_adapter_path_the_file_system_refuses_is_a_400_naming_lora_path(model
 
 def test_more_prompts_than_the_queue_lets_wait_are_refused_before_they_are_read(engine, base, monkeypatch):
     """An 8 MB body of 1.9 million one-token prompts was walked value by value and read prompt by prompt (a parse
-    thread held for a minute) before the 400 for more prompts than --max-queue: now the count decides first."""
+    thread held for a minute) before the 400 for more prompts than the server can hold (its 4 running slots and
+    --max-queue 64, since the forty-first session): now the count decides first."""
     from infer.serve import body as body_mod, protocol
 
     def unread(*args, **kwargs):
         raise AssertionError("the prompts were read")
     monkeypatch.setattr(protocol, "_completion_prompts", unread)
     monkeypatch.setattr(body_mod, "_check_finite", unread)
-    for prompt, n, says in (([[1]] * 65, None, "65 prompts"), (["a", "b"], 33, "66 choices (prompts x n)")):
+    for prompt, n, says in (([[1]] * 69, None, "69 prompts"), (["a", "b"], 35, "70 choices (prompts x n)")):
         r = httpx.post(f"{base}/v1/completions", json={"prompt": prompt, "max_tokens": 2, "n": n}, timeout=60)
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert says in err["message"] and "--max-queue" in err["message"], err
         assert err["param"] == ("n" if n else "prompt")
     monkeypatch.undo()
-    r = httpx.post(f"{base}/v1/completions", json={"prompt": [[1]] * 64, "max_tokens": 1}, timeout=120)
-    assert r.status_code == 200 and len(r.json()["choices"]) == 64, r.text  # at the limit: served
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": [[1]] * 68, "max_tokens": 1}, timeout=120)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 68, r.text  # at the limit: served
 
 
 def test_a_choice_checks_its_token_lists_without_an_abc_check_per_token(monkeypatch):
