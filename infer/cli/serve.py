@@ -205,6 +205,12 @@ def _check_server_options(port: int, max_queue: int, shutdown_timeout: float, lo
     if api_key is not None and not api_key.strip():  # `--api-key "$UNSET"`: no client could authenticate
         raise ConfigError("--api-key is empty", "give a non-empty key (is INFER_API_KEY or the variable you passed "
                                                 "set?), or leave --api-key out to serve without one")
+    if api_key is not None and not all(" " <= c <= "~" or c == "\t" for c in api_key.strip()):
+        # a client sends the key in a header: httpx (the openai SDK) cannot encode it, curl's UTF-8 bytes read back
+        # as Latin-1, so every request was a 401
+        raise ConfigError("--api-key holds a character an HTTP header cannot carry (a non-ASCII letter or a control "
+                          "character), so no client could send it", "use ASCII letters, digits and punctuation, "
+                                                                    "e.g. the output of `openssl rand -hex 32`")
     if log_level not in LOG_LEVELS:
         raise ConfigError(f"--log-level {log_level!r} is not one of {' | '.join(LOG_LEVELS)}", "e.g. --log-level info")
 

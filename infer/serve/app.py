@@ -56,6 +56,9 @@ class Server:
         (serve/reasoning.py). `trust_request_chat_template`: a chat request's own chat_template renders it (else it
         is a 400). `cors`: --allowed-origins and the like (serve/cors.py; default: vLLM's, every origin)."""
         self.model_ids = [model_id] if isinstance(model_id, str) else list(model_id)
+        # the key as a client can send it: a header value never holds surrounding whitespace (h11 strips it, as
+        # check_auth does), so a key read with its trailing newline (a secret file, a Kubernetes secret) matched none
+        api_key = api_key.strip() if api_key is not None else None
         self.aengine, self.model_id, self.api_key = aengine, self.model_ids[0], api_key
         self.cors = cors or CorsOptions()
         self.runtime_lora = runtime_lora

@@ -1,0 +1,48 @@
+"""Probes of session 42: `infer serve` as an operator deploys it (keys from the environment, signals, proxies).
+
+An --api-key read with a trailing newline (a key file, a Kubernetes secret made with `echo`) could never match: the
+client's token is stripped (and a header value cannot hold a newline), the server's key was not, so every request
+was a 401; a key with a character outside ASCII was taken, though no client can send it in a header."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from infer.cli.main import app  # noqa: E402
+from infer.engine.config import EngineConfig  # noqa: E402
+from infer.engine.llm_engine import LLMEngine  # noqa: E402
+from infer.serve.app import Server, serve_in_thread  # noqa: E402
+from infer.serve.async_engine import AsyncEngine  # noqa: E402
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(EngineConfig("tiny-llama", max_model_len=256, block_size=4, max_num_seqs=4))
+
+
+def _server(engine, **kw):
+    return serve_in_thread(Server(AsyncEngine(engine, max_queue=64), "tiny", **kw))
+
+
+# ------------------------------------------------------------------------------------------------ the API key
+@pytest.mark.parametrize("key", ["secret\n", " secret", "secret\r\n"])
+def test_a_key_read_with_surrounding_whitespace_still_authenticates(engine, key):
+    with _server(engine, api_key=key) as base:
+        ok = httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer secret"})
+        assert ok.status_code == 200, ok.text  # was a 401 for every request
+        assert httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer other"}).status_code == 401
+        assert httpx.get(f"{base}/v1/models").status_code == 401
+
+
+@pytest.mark.parametrize("key", ["sécret", "sec\x07ret", "clé-🔑"])
+def test_a_key_no_header_can_carry_is_refused_at_start(monkeypatch, key):
+    monkeypatch.setattr("infer.cli.serve._serve", lambda *a, **kw: pytest.fail("the server started"))
+    res = runner.invoke(app, ["serve", "tiny-llama", "--port", "0"], env={"INFER_API_KEY": key})
+    assert res.exit_code == 2, res.output
+    assert "--api-key" in res.output and "header" in res.output
