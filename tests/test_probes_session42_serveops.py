@@ -46,3 +46,20 @@ def test_a_key_no_header_can_carry_is_refused_at_start(monkeypatch, key):
     res = runner.invoke(app, ["serve", "tiny-llama", "--port", "0"], env={"INFER_API_KEY": key})
     assert res.exit_code == 2, res.output
     assert "--api-key" in res.output and "header" in res.output
+
+
+# ------------------------------------------------------------------------------------ vLLM's server options
+@pytest.mark.parametrize("argv, words", [
+    (["--enable-request-id-headers"], "always sends a request's X-Request-Id header back"),  # was: --allowed-headers?
+    (["--uds", "/tmp/infer.sock"], "listens on TCP"),
+    (["--disable-fastapi-docs"], "no /docs"),
+    (["--api-server-count", "2"], "--data-parallel"),
+    (["--ssl-cert-reqs", "2"], "TLS"),
+    (["--max-log-len", "100"], "logs no request contents"),
+    (["--h11-max-header-count", "64"], "--max-body-size"),
+    (["--middleware", "my.mod.Middleware"], "proxy"),
+])
+def test_vllms_server_options_say_what_to_do_instead(argv, words):
+    result = runner.invoke(app, ["serve", "tiny-llama", *argv])
+    assert result.exit_code == 2, result.output
+    assert f"{argv[0]} is vLLM's option" in result.output and words in result.output, result.output

@@ -47,6 +47,29 @@ VLLM_HINTS = {
     "--ssl-certfile": _TLS,
     "--ssl-ca-certs": _TLS,
     "--root-path": "infer serve serves its routes under /; a reverse proxy in front can strip a path prefix",
+    "--ssl-cert-reqs": _TLS,
+    "--ssl-ciphers": _TLS,
+    "--enable-ssl-refresh": _TLS,
+    # vLLM's other server (frontend) options
+    "--uds": "infer serve listens on TCP (--host, --port); a proxy in front (nginx, Caddy) can take the Unix socket",
+    "--enable-request-id-headers": "infer serve always sends a request's X-Request-Id header back on its answer; "
+                                   "drop the option",
+    "--disable-fastapi-docs": "infer serve has no /docs, /redoc or /openapi.json routes; drop the option",
+    "--enable-offline-docs": "infer serve has no /docs, /redoc or /openapi.json routes; drop the option",
+    "--api-server-count": "infer serve runs one API server process; use --data-parallel N for N engine replicas",
+    "--disable-frontend-multiprocessing": "infer serve runs its engine in the server's own process; drop the option",
+    "--max-log-len": _NO_REQUEST_LOG,
+    "--enable-log-outputs": _NO_REQUEST_LOG,
+    "--log-config-file": "infer serve logs to stderr (--log-level sets how much); drop the option",
+    "--disable-access-log-for-endpoints": "infer serve's access log is off unless --log-level is info or debug; drop "
+                                          "the option",
+    "--h11-max-header-count": "infer serve keeps uvicorn's header limits; drop the option (--max-body-size and "
+                              "--max-json-depth bound a request's body)",
+    "--h11-max-incomplete-event-size": "infer serve keeps uvicorn's header limits; drop the option (--max-body-size "
+                                       "and --max-json-depth bound a request's body)",
+    "--enable-server-load-tracking": "GET /metrics has infer:num_requests_in_flight (and waiting, running); drop "
+                                     "the option",
+    "--middleware": "infer serve takes no ASGI middleware; put what it does in a proxy in front",
     "--enable-chunked-prefill": "infer always splits long prefills into steps of --max-num-batched-tokens tokens "
                                 "beside the decodes; drop the option",
     "--no-enable-chunked-prefill": "infer always splits long prefills into steps of --max-num-batched-tokens "
