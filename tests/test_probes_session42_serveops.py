@@ -63,3 +63,32 @@ def test_vllms_server_options_say_what_to_do_instead(argv, words):
     result = runner.invoke(app, ["serve", "tiny-llama", *argv])
     assert result.exit_code == 2, result.output
     assert f"{argv[0]} is vLLM's option" in result.output and words in result.output, result.output
+
+
+# ------------------------------------------------------------------------------------ several keys, as vLLM's
+def _served_keys(monkeypatch, *argv, env=None):
+    seen = {}
+    monkeypatch.setattr("infer.cli.serve._serve", lambda engine, sock, host, ids, api_key, *a, **kw:
+                        seen.update(api_key=api_key))
+    for name in ("INFER_API_KEY", "VLLM_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    res = runner.invoke(app, ["serve", "tiny-llama", "--port", "0", *argv], env=env)
+    assert res.exit_code == 0, res.output
+    return seen["api_key"]
+
+
+def test_api_key_takes_several_keys_as_vllms(monkeypatch):
+    assert _served_keys(monkeypatch, "--api-key", "old", "new") == ["old", "new"]  # was: an unexpected argument
+    assert _served_keys(monkeypatch, "--api-key", "old", "--api-key", "new") == ["old", "new"]
+    assert _served_keys(monkeypatch, "--api-key", "k") == "k"
+    # a variable holds one key, whole: not one key per word
+    assert _served_keys(monkeypatch, env={"INFER_API_KEY": "pass phrase"}) == "pass phrase"
+    assert _served_keys(monkeypatch, env={"VLLM_API_KEY": "v"}) == "v"
+
+
+def test_every_key_of_several_is_accepted(engine):
+    with _server(engine, api_key=["old", "new\n"]) as base:
+        for key, status in (("old", 200), ("new", 200), ("other", 401), ("oldnew", 401)):
+            r = httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == status, (key, r.text)
+        assert httpx.get(f"{base}/v1/models").status_code == 401

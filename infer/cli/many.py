@@ -53,7 +53,7 @@ def spread(args: list[str], many: set[str], takes_value: set[str], positionals: 
 class ManyValuesCommand(TyperCommand):
     """A command whose options named in `MANY` take several values after one flag (vLLM's nargs "+")."""
 
-    MANY = {"--served-model-name"}
+    MANY = {"--served-model-name", "--api-key"}
 
     def parse_args(self, ctx, args):
         options = [p for p in self.params if p.param_type_name == "option"]  # typer's click or click's own

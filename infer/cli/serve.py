@@ -51,10 +51,12 @@ def serve(
                                       rich_help_panel=SERVER)] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free port, printed at start).",
                                       rich_help_panel=SERVER)] = 8000,
-    api_key: Annotated[Optional[str], typer.Option(help="Require 'Authorization: Bearer KEY' on every route but "
-                                                        "/health.", envvar=["INFER_API_KEY", "VLLM_API_KEY"],
-                                                   rich_help_panel=SERVER,
-                                                   show_default=False)] = None,
+    api_key: Annotated[Optional[list[str]], typer.Option(help="Require 'Authorization: Bearer KEY' on every route "
+                                                              "but /health; several keys (--api-key A B, as vLLM's) "
+                                                              "are each accepted, e.g. while rotating them. "
+                                                              "Default: $INFER_API_KEY, else $VLLM_API_KEY (one key).",
+                                                         metavar="KEY [KEY ...]", rich_help_panel=SERVER,
+                                                         show_default=False)] = None,
     max_queue: Annotated[int, typer.Option(help="Requests allowed to wait for the engine; more get 503 "
                                                 "with Retry-After.", rich_help_panel=SERVER)] = 1024,
     served_model_name: Annotated[Optional[list[str]], typer.Option(help="Model id of the base model in the API "
@@ -131,6 +133,7 @@ def serve(
     """
     if allow_runtime_lora:
         engine.enable_lora = True  # the adapter slots exist from the start, as vLLM's --enable-lora
+    api_key = _api_keys(api_key)
     _check_server_options(port, max_queue, shutdown_timeout, log_level, api_key)
     parser = _tool_parser(enable_auto_tool_choice, tool_call_parser)
     thinking = _reasoning_parser(reasoning_parser)
@@ -171,6 +174,18 @@ def _model_ids(names: list[str] | None, model) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _api_keys(keys: list[str] | None) -> str | list[str] | None:
+    """--api-key's keys (one, as a string, or several, without repeats), or None. Without the option, the variable
+    INFER_API_KEY, else VLLM_API_KEY, holds one key, whole (click's envvar would split it at its spaces, each part a
+    key of its own)."""
+    if not keys:
+        import os
+        env = os.environ.get("INFER_API_KEY") or os.environ.get("VLLM_API_KEY")  # the first one set, as click's
+        keys = [env] if env else []
+    keys = list(dict.fromkeys(keys or []))
+    return None if not keys else keys[0] if len(keys) == 1 else keys
+
+
 def _tool_parser(enable: bool, parser: str | None) -> str | None:
     """--enable-auto-tool-choice and --tool-call-parser, which only work together (as in vLLM)."""
     from ..serve.tools import PARSERS
@@ -194,7 +209,7 @@ def _reasoning_parser(parser: str | None) -> str | None:
 
 
 def _check_server_options(port: int, max_queue: int, shutdown_timeout: float, log_level: str,
-                          api_key: str | None = None) -> None:
+                          api_key: str | list[str] | None = None) -> None:
     """The server options the command line cannot range-check itself, checked before anything binds or loads."""
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port {port} is not a port number", "use 0..65535")
@@ -202,20 +217,25 @@ def _check_server_options(port: int, max_queue: int, shutdown_timeout: float, lo
         raise ConfigError(f"--max-queue must be at least 1, got {max_queue}", "e.g. --max-queue 256")
     if not shutdown_timeout >= 0:  # NaN too: it made SIGTERM abort every request at once
         raise ConfigError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout}", "seconds, e.g. 30")
-    if api_key is not None and not api_key.strip():  # `--api-key "$UNSET"`: no client could authenticate
+    for key in [api_key] if isinstance(api_key, str) else api_key or []:
+        _check_api_key(key)
+    if log_level not in LOG_LEVELS:
+        raise ConfigError(f"--log-level {log_level!r} is not one of {' | '.join(LOG_LEVELS)}", "e.g. --log-level info")
+
+
+def _check_api_key(api_key: str) -> None:
+    if not api_key.strip():  # `--api-key "$UNSET"`: no client could authenticate
         raise ConfigError("--api-key is empty", "give a non-empty key (is INFER_API_KEY or the variable you passed "
                                                 "set?), or leave --api-key out to serve without one")
-    if api_key is not None and not all(" " <= c <= "~" or c == "\t" for c in api_key.strip()):
+    if not all(" " <= c <= "~" or c == "\t" for c in api_key.strip()):
         # a client sends the key in a header: httpx (the openai SDK) cannot encode it, curl's UTF-8 bytes read back
         # as Latin-1, so every request was a 401
         raise ConfigError("--api-key holds a character an HTTP header cannot carry (a non-ASCII letter or a control "
                           "character), so no client could send it", "use ASCII letters, digits and punctuation, "
                                                                     "e.g. the output of `openssl rand -hex 32`")
-    if log_level not in LOG_LEVELS:
-        raise ConfigError(f"--log-level {log_level!r} is not one of {' | '.join(LOG_LEVELS)}", "e.g. --log-level info")
 
 
-def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, model_id, api_key: str | None,
+def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, model_id, api_key: str | list[str] | None,
            max_queue: int | None, shutdown_timeout: float, log_level: str, limits, runtime_lora: bool = False,
            tool_parser: str | None = None, reasoning_parser: str | None = None,
            trust_request_chat_template: bool = False, cors=None) -> None:

@@ -43,7 +43,8 @@ class _ClientGone(Exception):
 class Server:
     """What the routes need: the engine wrapper, model ids, auth and metrics."""
 
-    def __init__(self, aengine: AsyncEngine, model_id: str | Sequence[str], api_key: str | None = None,
+    def __init__(self, aengine: AsyncEngine, model_id: str | Sequence[str],
+                 api_key: str | Sequence[str] | None = None,
                  retry_after: int = 1, graceful_timeout: float = 30.0, limits: BodyLimits | None = None,
                  runtime_lora: bool = False,
                  tool_parser: str | None = None, reasoning_parser: str | None = None,
@@ -54,11 +55,13 @@ class Server:
         `tool_parser`: --tool-call-parser, which reads the calls of tool_choice "auto" (serve/tools.py).
         `reasoning_parser`: --reasoning-parser, which splits a chat reply's reasoning from its content
         (serve/reasoning.py). `trust_request_chat_template`: a chat request's own chat_template renders it (else it
-        is a 400). `cors`: --allowed-origins and the like (serve/cors.py; default: vLLM's, every origin)."""
+        is a 400). `cors`: --allowed-origins and the like (serve/cors.py; default: vLLM's, every origin).
+        `api_key`: the key, or keys (--api-key A B, as vLLM's), each accepted in 'Authorization: Bearer KEY'."""
         self.model_ids = [model_id] if isinstance(model_id, str) else list(model_id)
-        # the key as a client can send it: a header value never holds surrounding whitespace (h11 strips it, as
+        # the keys as a client can send them: a header value never holds surrounding whitespace (h11 strips it, as
         # check_auth does), so a key read with its trailing newline (a secret file, a Kubernetes secret) matched none
-        api_key = api_key.strip() if api_key is not None else None
+        keys = [] if api_key is None else [api_key] if isinstance(api_key, str) else list(api_key)
+        self.api_keys = [key.strip().encode() for key in keys]
         self.aengine, self.model_id, self.api_key = aengine, self.model_ids[0], api_key
         self.cors = cors or CorsOptions()
         self.runtime_lora = runtime_lora
@@ -118,11 +121,13 @@ class Server:
         return (model,) if self.model_ids == [default] else ()
 
     def check_auth(self, request: Request) -> None:
-        if self.api_key is None:
+        if not self.api_keys:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+        sent = token.strip().encode()
+        matches = [hmac.compare_digest(sent, key) for key in self.api_keys]  # every key compared: no timing hint
+        if scheme.lower() != "bearer" or not any(matches):
             raise p.ApiError(401, "invalid or missing API key: send the header 'Authorization: Bearer KEY'",
                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
