@@ -92,3 +92,25 @@ def test_every_key_of_several_is_accepted(engine):
             r = httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {key}"})
             assert r.status_code == status, (key, r.text)
         assert httpx.get(f"{base}/v1/models").status_code == 401
+
+
+# ------------------------------------------------------------------------------------------------ --host
+def test_an_ipv6_host_in_brackets_is_bound_and_named_as_a_url_writes_it():
+    import socket
+
+    from infer.cli.serve import _bind
+    from infer.errors import ConfigError
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    try:
+        busy = _bind("[::1]", 0)  # was: "cannot listen on [::1]:0: Name or service not known"
+    except ConfigError as e:
+        if "Name or service" in str(e) or "Cannot assign" in str(e):
+            raise
+        pytest.skip(f"no IPv6 loopback here: {e}")
+    with busy:
+        assert busy.family == socket.AF_INET6
+        port = busy.getsockname()[1]
+        with pytest.raises(ConfigError) as e:
+            _bind("::1", port)
+        assert f"cannot listen on [::1]:{port}:" in str(e.value)  # was: ::1:PORT

@@ -25,18 +25,20 @@ def url_host(host: str) -> str:
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # an IPv6 address as a URL writes it ([::1]): the brackets are the URL's, not the address's
+    address = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        sock.bind((address, port))
     except OSError as e:
         sock.close()
         if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:  # the address, not the port
             hint = "give --host an address of this machine: 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)"
         else:
             hint = "pick another --port (0 picks a free one) or stop what uses it"
-        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}", hint) from e
+        raise ConfigError(f"cannot listen on {url_host(address)}:{port}: {e.strerror or e}", hint) from e
     sock.listen(2048)
     return sock
 
