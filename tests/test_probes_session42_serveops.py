@@ -114,3 +114,13 @@ def test_an_ipv6_host_in_brackets_is_bound_and_named_as_a_url_writes_it():
         with pytest.raises(ConfigError) as e:
             _bind("::1", port)
         assert f"cannot listen on [::1]:{port}:" in str(e.value)  # was: ::1:PORT
+
+
+# ------------------------------------------------------------------------------------------------ logs
+def test_vllms_uvicorn_log_level_trace_is_taken(monkeypatch):
+    seen = {}
+    monkeypatch.setattr("infer.cli.serve._serve", lambda engine, sock, host, ids, key, queue, timeout, log_level, *a,
+                        **kw: seen.update(log_level=log_level))
+    res = runner.invoke(app, ["serve", "tiny-llama", "--port", "0", "--uvicorn-log-level", "trace"])
+    assert res.exit_code == 0, res.output  # was: "--log-level 'trace' is not one of ..."
+    assert seen["log_level"] == "trace"

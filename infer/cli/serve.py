@@ -43,7 +43,8 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's, as vLLM's --uvicorn-log-level
+VERBOSE = ("info", "debug", "trace")  # the levels that show the access log and infer's own info lines
 
 
 @o.engine_options()
@@ -71,7 +72,7 @@ def serve(
     shutdown_timeout: Annotated[float, typer.Option(help="On SIGTERM, seconds in-flight requests get to finish "
                                                          "before they are aborted.", rich_help_panel=SERVER)] = 30.0,
     log_level: Annotated[str, typer.Option("--log-level", "--uvicorn-log-level",
-                                           help="uvicorn log level: critical | error | warning | info | debug.",
+                                           help="uvicorn log level: critical | error | warning | info | debug | trace.",
                                            rich_help_panel=SERVER)] = "warning",
     data_parallel: Annotated[int, typer.Option("--data-parallel", min=1, help="Engine replicas as Ray actors behind "
                                                "this endpoint, one per GPU; needs infer[ray].",
@@ -260,8 +261,8 @@ def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, model_id
     typer.echo(f"infer: serving {server.model_id} ({engine.device.type}, {engine.dtype}, KV "
                f"{engine.memory_plan.num_blocks} blocks) on http://{url_host(host)}:{bound}  adapters: {names}",
                err=True)
-    logging.getLogger("infer").setLevel(logging.INFO if log_level in ("info", "debug") else logging.WARNING)
-    uv = uvicorn_server(server, app, shutdown_timeout, log_level=log_level, access_log=log_level in ("info", "debug"))
+    logging.getLogger("infer").setLevel(logging.INFO if log_level in VERBOSE else logging.WARNING)
+    uv = uvicorn_server(server, app, shutdown_timeout, log_level=log_level, access_log=log_level in VERBOSE)
     with _quiet_signals():
         uv.run(sockets=[sock])
     server.aengine.shutdown(0)  # already stopped by the app's shutdown unless uvicorn failed to start

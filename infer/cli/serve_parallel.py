@@ -10,7 +10,7 @@ import typer
 
 from ..parallel.runtime import local_cpus, placement, ray_runtime, require_ray
 from ..parallel.serve import build_server
-from .serve import _quiet_signals, url_host
+from .serve import VERBOSE, _quiet_signals, url_host
 
 
 def serve_data_parallel(cfg, sock: socket.socket, host: str, model_id: str | list[str], api_key: str | None,
@@ -31,9 +31,9 @@ def serve_data_parallel(cfg, sock: socket.socket, host: str, model_id: str | lis
             typer.echo(f"infer: serving {server.model_id} over {replicas} replicas ({where}; KV "
                        f"{infos[0]['num_blocks']} blocks each) on http://{url_host(host)}:{sock.getsockname()[1]}  "
                        f"adapters: {names}", err=True)
-            logging.getLogger("infer").setLevel(logging.INFO if log_level in ("info", "debug") else logging.WARNING)
+            logging.getLogger("infer").setLevel(logging.INFO if log_level in VERBOSE else logging.WARNING)
             uv = uvicorn_server(server, create_app(server), shutdown_timeout, log_level=log_level,
-                                access_log=log_level in ("info", "debug"))
+                                access_log=log_level in VERBOSE)
             with _quiet_signals():
                 uv.run(sockets=[sock])
         finally:
