@@ -124,3 +124,17 @@ def test_vllms_uvicorn_log_level_trace_is_taken(monkeypatch):
     res = runner.invoke(app, ["serve", "tiny-llama", "--port", "0", "--uvicorn-log-level", "trace"])
     assert res.exit_code == 0, res.output  # was: "--log-level 'trace' is not one of ..."
     assert seen["log_level"] == "trace"
+
+
+def test_a_500_is_logged_with_the_clients_request_id(engine, monkeypatch, caplog):
+    server = Server(AsyncEngine(engine, max_queue=64), "tiny")
+
+    def broken(model):
+        raise KeyError("simulated bug")
+    monkeypatch.setattr(server, "lora_for", broken)
+    with serve_in_thread(server) as base, caplog.at_level("ERROR", logger="infer.serve"):
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                       headers={"X-Request-Id": "req-42"}, timeout=60)
+    assert r.status_code == 500 and r.headers["x-request-id"] == "req-42"
+    logged = [rec.getMessage() for rec in caplog.records if "unhandled error" in rec.getMessage()]
+    assert logged and "req-42" in logged[0], logged  # was: only the method and path, nothing to match the client's

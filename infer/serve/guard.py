@@ -38,7 +38,10 @@ class ErrorGuardMiddleware:
         try:
             await self.app(scope, receive, tracking_send)
         except Exception as e:
-            log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            # the client's X-Request-Id (the one id it has of a 500) names the traceback, so the two can be matched
+            given = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k.lower() == b"x-request-id"), "")
+            log.exception("unhandled error in %s %s%s", scope.get("method"), scope.get("path"),
+                          f" (X-Request-Id {given!r})" if given else "")
             if started:
                 raise
             body = json.dumps(server_error_body(e)).encode()
