@@ -138,3 +138,10 @@ def test_a_500_is_logged_with_the_clients_request_id(engine, monkeypatch, caplog
     assert r.status_code == 500 and r.headers["x-request-id"] == "req-42"
     logged = [rec.getMessage() for rec in caplog.records if "unhandled error" in rec.getMessage()]
     assert logged and "req-42" in logged[0], logged  # was: only the method and path, nothing to match the client's
+
+
+def test_a_blank_key_given_to_the_server_lets_no_one_in(engine):
+    with _server(engine, api_key=["  ", "k"]) as base:
+        for header in ({"Authorization": "Bearer"}, {"Authorization": "bearer"}, {}):
+            assert httpx.get(f"{base}/v1/models", headers=header).status_code == 401, header
+        assert httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200

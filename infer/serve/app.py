@@ -127,7 +127,7 @@ class Server:
         scheme, _, token = header.partition(" ")
         sent = token.strip().encode()
         matches = [hmac.compare_digest(sent, key) for key in self.api_keys]  # every key compared: no timing hint
-        if scheme.lower() != "bearer" or not any(matches):
+        if scheme.lower() != "bearer" or not sent or not any(matches):  # (a blank key never matches)
             raise p.ApiError(401, "invalid or missing API key: send the header 'Authorization: Bearer KEY'",
                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
