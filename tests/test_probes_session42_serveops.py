@@ -145,3 +145,26 @@ def test_a_blank_key_given_to_the_server_lets_no_one_in(engine):
         for header in ({"Authorization": "Bearer"}, {"Authorization": "bearer"}, {}):
             assert httpx.get(f"{base}/v1/models", headers=header).status_code == 401, header
         assert httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer k"}).status_code == 200
+
+
+# ------------------------------------------------------------------------------------------------ /health
+def test_health_is_503_while_every_engine_step_fails_and_ok_again_after(engine, monkeypatch):
+    """A device that fails every step (a CUDA error poisons its context) made every request a 500 while /health said
+    ok, so no orchestrator restarted the server (vLLM's /health is a 503 once its engine is dead)."""
+    def broken(batch):
+        raise RuntimeError("simulated lost device")
+    with _server(engine) as base:
+        monkeypatch.setattr(engine.runner, "run", broken)
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 500
+        assert httpx.get(f"{base}/health").status_code == 200  # one failed step: not yet a dead engine
+        for prompt in ("b", "c"):
+            assert httpx.post(f"{base}/v1/completions", json={"prompt": prompt, "max_tokens": 2},
+                              timeout=60).status_code == 500
+        r = httpx.get(f"{base}/health")
+        assert r.status_code == 503, r.text
+        assert "simulated lost device" in r.json()["error"] and "restart" in r.json()["error"]
+        monkeypatch.undo()  # the device is back: a step that runs makes the engine healthy again
+        assert httpx.post(f"{base}/v1/completions", json={"prompt": "d", "max_tokens": 2},
+                          timeout=60).status_code == 200
+        assert httpx.get(f"{base}/health").status_code == 200

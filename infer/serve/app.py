@@ -34,6 +34,7 @@ from .tools import split, visible
 
 log = logging.getLogger("infer.serve")
 DISCONNECT_POLL_S = 0.25
+UNHEALTHY_AFTER_FAILED_STEPS = 3  # engine steps failed in a row before /health answers 503 (as vLLM's dead engine)
 
 
 class _ClientGone(Exception):
@@ -467,6 +468,12 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         if stats.get("num_replicas_alive", 1) == 0:  # every data-parallel replica died: probes must see it
             return SafeJSONResponse({"status": "unavailable", "model": server.model_id, "engine": stats,
                                      "error": "no engine replica is left; restart the server"}, status_code=503)
+        failing = getattr(server.aengine, "failing_steps", 0)
+        if failing >= UNHEALTHY_AFTER_FAILED_STEPS:  # every step fails (a lost device): every request is a 500
+            return SafeJSONResponse({"status": "unavailable", "model": server.model_id, "engine": stats,
+                                     "error": f"the engine's last {failing} steps failed "
+                                              f"({server.aengine.last_step_error}); restart the server"},
+                                    status_code=503)
         return {"status": "ok", "model": server.model_id, "engine": stats}
 
     # vLLM's utility routes, outside /v1 as in vLLM; --api-key guards them as every route but /health

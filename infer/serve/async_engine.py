@@ -72,6 +72,9 @@ class AsyncEngine:
         self._accepting = True
         self.stats: dict = dict(engine.stats())  # a snapshot, replaced (never mutated) by the engine thread
         self.num_step_errors = 0
+        # steps that failed in a row (0 after a step that ran): a device that fails every step (a CUDA error poisons
+        # its context) is a server to restart, which /health says; a one-off failure is not
+        self.failing_steps, self.last_step_error = 0, ""
         self.on_step = None  # fn(tokens): called on the engine thread with each step's token count (the metrics)
         self._thread = threading.Thread(target=self._run, name="infer-engine", daemon=True)
 
@@ -221,7 +224,7 @@ class AsyncEngine:
             try:
                 self._iteration(adds, aborts, controls)
             except Exception as e:  # never let the loop die: fail what was running, keep serving
-                self.num_step_errors += 1
+                self._step_failed(e)
                 log.exception("engine loop error")
                 self._fail_running(f"internal engine error: {type(e).__name__}: {e}")
         self._fail_controls()
@@ -250,19 +253,27 @@ class AsyncEngine:
         try:
             outputs = self.engine.step() if stepping else []
         except Exception as e:
-            self.num_step_errors += 1
+            self._step_failed(e)
             log.exception("engine step failed; failing the running requests")
             self._fail_running(f"internal engine error: {type(e).__name__}: {e}")
             outputs = []
         else:
             if stepping:  # else the engine's last step is one already counted (an iteration for an abort, a control)
-                self._stepped(getattr(self.engine, "last_step_tokens", 0))
+                tokens = getattr(self.engine, "last_step_tokens", 0)
+                if tokens:  # the model ran (a step that only ended aborted requests proves nothing)
+                    self.failing_steps = 0
+                self._stepped(tokens)
         for out in outputs:
             self._deliver(out)
         stats = dict(self.engine.stats())
         with self._cond:
             self._num_waiting, self._num_running = stats["num_waiting"], stats["num_running"]
         self.stats = stats
+
+    def _step_failed(self, e: Exception) -> None:
+        self.num_step_errors += 1
+        self.failing_steps += 1
+        self.last_step_error = f"{type(e).__name__}: {e}"
 
     def _stepped(self, tokens: int) -> None:
         if tokens and self.on_step is not None:
