@@ -218,9 +218,13 @@ def _context(config: dict) -> tuple[int | None, str]:
     positions = positions if isinstance(positions, int) and positions > 0 else None
     rope = config.get("rope_parameters") or config.get("rope_scaling")
     if isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type")) == "longrope":
-        original = rope.get("original_max_position_embeddings")  # transformers reads it there only (not top-level)
+        # transformers moves a top-level original_max_position_embeddings (where Phi-3 writes it) into the rope
+        # parameters, over the one they have (PreTrainedConfig.standardize_rope_params): the engine's cap reads that
+        top = "original_max_position_embeddings" in config
+        original = (config if top else rope).get("original_max_position_embeddings")
         if isinstance(original, int) and 0 < original and (positions is None or original < positions):
-            return original, "original_max_position_embeddings of its longrope rope_parameters"
+            return original, ("original_max_position_embeddings (read with its longrope rope_scaling)" if top else
+                              "original_max_position_embeddings of its longrope rope_parameters")
     return positions, "max_position_embeddings"
 
 

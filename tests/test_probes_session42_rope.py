@@ -1,0 +1,52 @@
+"""Session 42 probes of long contexts and position handling: every rope type infer runs, sliding windows, prompts and
+generations up to the context, against transformers on the same tiny random weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from infer.errors import ConfigError
+from infer.quant import quantize as quantize_mod
+from infer.quant.quantize import QuantizeOptions, quantize_model
+
+
+class _Calibrating(Exception):
+    pass
+
+
+def _tiny_llama_with(tmp_path, **fields):
+    from infer.models.resolve import resolve_model
+    src = tmp_path / "src"
+    shutil.copytree(resolve_model("tiny-llama"), src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg.update(fields)
+    (src / "config.json").write_text(json.dumps(cfg, indent=2))
+    return src
+
+
+def _calibrating():
+    raise _Calibrating()
+
+
+@pytest.mark.parametrize("in_rope", [None, 1024])
+def test_quantize_reads_a_top_level_original_max_position_embeddings_of_longrope(tmp_path, monkeypatch, in_rope):
+    """Phi-3 writes original_max_position_embeddings beside rope_scaling, not in it; transformers moves it into the
+    rope parameters (over one they hold), and the engine caps the context there. quantize read only the rope dict's:
+    a --seq-len past the context infer serves was calibrated with transformers' long factors."""
+    from infer.models.loader import load_config
+    from infer.engine.setup import context_limit
+    monkeypatch.setattr(quantize_mod, "require_gptqmodel", _calibrating)
+    rope = {"type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [4.0] * 8}
+    if in_rope:
+        rope["original_max_position_embeddings"] = in_rope
+    src = _tiny_llama_with(tmp_path, rope_scaling=rope, original_max_position_embeddings=256)
+    assert context_limit(load_config(src))[0] == 256  # what infer serves it at
+    with pytest.raises(ConfigError, match="original_max_position_embeddings") as e:
+        quantize_model(src, tmp_path / "q", QuantizeOptions(group_size=32, num_samples=2, seq_len=300))
+    assert "256" in e.value.hint
+    with pytest.raises(_Calibrating):
+        quantize_model(src, tmp_path / "q", QuantizeOptions(group_size=32, num_samples=2, seq_len=256))
