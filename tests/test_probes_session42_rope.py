@@ -50,3 +50,20 @@ def test_quantize_reads_a_top_level_original_max_position_embeddings_of_longrope
     assert "256" in e.value.hint
     with pytest.raises(_Calibrating):
         quantize_model(src, tmp_path / "q", QuantizeOptions(group_size=32, num_samples=2, seq_len=256))
+
+
+@pytest.mark.parametrize("max_model_len,hint", [
+    (None, "lower them: 4096 tokens is the model's limit"),
+    ("256", "lower them, or raise --max-model-len (up to 4096, the model's limit)"),
+])
+def test_bench_random_too_long_says_whether_max_model_len_can_grow(tmp_path, monkeypatch, max_model_len, hint):
+    """At the model's own limit (no --max-model-len) the hint said "raise --max-model-len (up to the model's limit)",
+    which the engine then refuses: it names the limit instead, and the cap below it where there is one."""
+    from typer.testing import CliRunner
+    import infer.bench.plan as plan
+    from infer.cli.main import app
+    monkeypatch.setattr(plan, "_Target", None)  # refused before any model loads
+    args = ["bench", "tiny-llama", "--input-len", "4000", "--output-len", "200", "-q", "--out", str(tmp_path / "o")]
+    res = CliRunner().invoke(app, args + (["--max-model-len", max_model_len] if max_model_len else []))
+    assert res.exit_code == 2, res.output
+    assert hint in " ".join(res.output.split()), res.output

@@ -195,8 +195,19 @@ def _check_fits(plan: BenchPlan) -> None:
         drawn = f" (the longest drawn with --random-range-ratio {plan.range_ratio:g}: {longest})" \
             if plan.range_ratio else ""
         raise ConfigError(f"--input-len {plan.input_len} + --output-len {plan.output_len} tokens{drawn} do not fit "
-                          f"the engine's max length of {cap}", "lower them, or raise --max-model-len (up to the "
-                                                               "model's limit)")
+                          f"the engine's max length of {cap}", _longer_hint(plan, cap))
+
+
+def _longer_hint(plan: BenchPlan, cap: int) -> str:
+    """Raising --max-model-len helps only below the model's limit: at it (the default), the limit and what sets it
+    (a sliding window, longrope) are said instead."""
+    from ..engine.setup import context_limit
+    from ..models.loader import load_config
+    from ..models.resolve import resolve_model
+    limit, why = context_limit(load_config(resolve_model(plan.engine.model)))
+    if cap < limit:
+        return f"lower them, or raise --max-model-len (up to {limit}, the model's limit)"
+    return f"lower them: {limit} tokens is the model's limit" + (f" ({why})" if why else "")
 
 
 def _console():
