@@ -20,6 +20,7 @@ class _Calibrating(Exception):
 def _tiny_llama_with(tmp_path, **fields):
     from infer.models.resolve import resolve_model
     src = tmp_path / "src"
+    src.parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(resolve_model("tiny-llama"), src)
     cfg = json.loads((src / "config.json").read_text())
     cfg.pop("rope_parameters", None)
@@ -67,3 +68,26 @@ def test_bench_random_too_long_says_whether_max_model_len_can_grow(tmp_path, mon
     res = CliRunner().invoke(app, args + (["--max-model-len", max_model_len] if max_model_len else []))
     assert res.exit_code == 2, res.output
     assert hint in " ".join(res.output.split()), res.output
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "default", "rope_theta": 0.0},
+                                  {"rope_type": "default", "rope_theta": -10.0},
+                                  {"rope_type": "linear", "rope_theta": 10000.0, "factor": 0.0}])
+def test_a_rope_of_frequencies_not_finite_is_refused_when_the_config_is_read(tmp_path, rope):
+    """rope_theta 0 (or below) or a linear factor of 0 rotates every position past 0 by NaN: the engine ran, and a
+    prompt's first token ended in "the model overflowed (run it in bfloat16 or float32)", which no dtype cures. The
+    config is refused when it is read, naming the rope parameters, as one transformers cannot compute is."""
+    from infer.errors import UnsupportedModelError
+    from infer.models.loader import load_config
+    src = _tiny_llama_with(tmp_path, rope_parameters=rope)
+    with pytest.raises(UnsupportedModelError, match="not finite") as e:
+        load_config(src)
+    assert rope["rope_type"] in str(e.value) and "rope_theta" in e.value.hint
+
+
+def test_finite_unusual_rope_parameters_still_load(tmp_path):
+    """A dynamic factor of 0 is unscaled below max_position_embeddings and a huge rope_theta is finite: both run."""
+    from infer.models.loader import load_config
+    for rope in ({"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 0.0},
+                 {"rope_type": "default", "rope_theta": 1e30}):
+        load_config(_tiny_llama_with(tmp_path / rope["rope_type"], rope_parameters=rope))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..errors import UnsupportedModelError
@@ -68,20 +70,30 @@ def _cpu_inv_freq(cfg) -> tuple[torch.Tensor, float]:
             inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
         except (TypeError, ValueError, KeyError, ZeroDivisionError, RuntimeError) as e:  # a factor "2", a null
             # field, longrope factors of another length than head_dim / 2, ...
-            shown = {k: f"[{len(v)} values]" if isinstance(v, list) else v for k, v in params.items()}
-            raise UnsupportedModelError(f"config.json's {rope_type} rope parameters {shown} cannot be computed "
-                                        f"({type(e).__name__}: {e})",
+            raise UnsupportedModelError(f"config.json's {rope_type} rope parameters {_shown(params)} cannot be "
+                                        f"computed ({type(e).__name__}: {e})",
                                         "rope_parameters (rope_scaling in older configs) needs the numbers its "
                                         "rope_type takes: use the config.json that came with the weights") from e
     else:
         raise UnsupportedModelError(f"rope type {rope_type!r} is not supported",
                                     "supported rope types: default, linear, llama3, yarn, dynamic, longrope")
+    if not (bool(torch.isfinite(inv_freq).all()) and math.isfinite(scale)):  # a rope_theta of 0, a linear factor of
+        # 0, ...: every position past 0 rotated by NaN, which the first forward reported as the model overflowing
+        raise UnsupportedModelError(f"config.json's {rope_type} rope parameters {_shown(params)} give rotary "
+                                    "frequencies that are not finite (NaN or inf)",
+                                    "rope_theta must be above 0 and a scaling factor must not be 0: use the "
+                                    "config.json that came with the weights")
     if 2 * inv_freq.numel() != head_dim:  # transformers' Llama-family attention rotates whole heads (it fails here)
         raise UnsupportedModelError(f"a {rope_type} rope over {2 * inv_freq.numel()} of {head_dim} head dimensions "
                                     f"(partial_rotary_factor {params.get('partial_rotary_factor')}) is not supported",
                                     "remove partial_rotary_factor from the rope parameters: Llama, Mistral and Qwen "
                                     "rotate the whole head")
     return inv_freq, scale
+
+
+def _shown(params: dict) -> dict:
+    """The rope parameters as an error message shows them: a list of factors as its length."""
+    return {k: f"[{len(v)} values]" if isinstance(v, list) else v for k, v in params.items()}
 
 
 def build_cos_sin_cache(cfg, max_positions: int | None = None) -> torch.Tensor:
