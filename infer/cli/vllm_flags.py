@@ -61,8 +61,8 @@ VLLM_HINTS = {
     "--max-log-len": _NO_REQUEST_LOG,
     "--enable-log-outputs": _NO_REQUEST_LOG,
     "--log-config-file": "infer serve logs to stderr (--log-level sets how much); drop the option",
-    "--disable-access-log-for-endpoints": "infer serve's access log is off unless --log-level is info or debug; drop "
-                                          "the option",
+    "--disable-access-log-for-endpoints": "infer serve's access log is off unless --log-level is info, debug or "
+                                          "trace; drop the option",
     "--h11-max-header-count": "infer serve keeps uvicorn's header limits; drop the option (--max-body-size and "
                               "--max-json-depth bound a request's body)",
     "--h11-max-incomplete-event-size": "infer serve keeps uvicorn's header limits; drop the option (--max-body-size "
@@ -83,8 +83,8 @@ VLLM_HINTS = {
     "--cpu-offload-gb": "infer holds every weight on the device; run an int4 model (infer quantize) or a smaller one",
     "--swap-space": "infer preempts a sequence by recomputing it, not by swapping its KV to the CPU; drop the option",
     "--disable-log-stats": "infer serve logs no periodic stats (GET /metrics has them); drop the option",
-    "--disable-uvicorn-access-log": "infer serve's access log is off unless --log-level is info or debug; drop the "
-                                    "option",
+    "--disable-uvicorn-access-log": "infer serve's access log is off unless --log-level is info, debug or trace; "
+                                    "drop the option",
     # vLLM's chat options (click guessed --chat-template for them)
     "--chat-template-content-format": "infer finds a template's content format as vLLM's default (auto) does: "
                                       "\"openai\" (a list of parts) for one that loops over a message's content, "
