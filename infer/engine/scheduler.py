@@ -58,23 +58,40 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if not self.bm.can_allocate(seq) or (self.lora and not self.lora.can_acquire(seq.lora)):
-                break
-            if self.lora and not self._acquire(seq):
-                continue
-            self.waiting.popleft()
-            self.bm.allocate(seq)
-            seq.status = Status.RUNNING
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = time.monotonic()
-            self.running.append(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-            budget -= n
+        self._admit(batch, budget)
         return batch
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        """Add waiting requests to the running ones and the batch, first come first served within budget."""
+        # requests that wait for an adapter slot (every slot pinned by running requests): the requests behind them
+        # that use no adapter go first, as vLLM admits them, while those that use one wait in turn, so that the
+        # slots' adapters drain and the first of them is the next to get one (no starvation)
+        skipped: list[Sequence] = []
+        try:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[0]
+                if self.lora and seq.lora is not None and skipped:
+                    skipped.append(self.waiting.popleft())
+                    continue
+                if not self.bm.can_allocate(seq):
+                    break
+                if self.lora and not self.lora.can_acquire(seq.lora):
+                    skipped.append(self.waiting.popleft())
+                    continue
+                if self.lora and not self._acquire(seq):
+                    continue
+                self.waiting.popleft()
+                self.bm.allocate(seq)
+                seq.status = Status.RUNNING
+                if seq.first_scheduled_time is None:
+                    seq.first_scheduled_time = time.monotonic()
+                self.running.append(seq)
+                n = min(seq.num_uncomputed_tokens, budget)
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(n)
+                budget -= n
+        finally:
+            self.waiting.extendleft(reversed(skipped))
 
     def _acquire(self, seq: Sequence) -> bool:
         """Pin seq's adapter in a slot; False (seq finished with the error) when its folder can no longer be read:

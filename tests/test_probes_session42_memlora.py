@@ -1,0 +1,62 @@
+"""Session 42 probes of memory planning and admission when adapters, long prompts and many requests compete, with
+peft as the oracle."""
+
+from __future__ import annotations
+
+import pytest
+
+from infer import SamplingParams
+from infer.engine.config import EngineConfig
+from infer.engine.llm_engine import LLMEngine
+
+from lora_helpers import PeftOracle, three_adapters
+
+PROMPT = list(range(5, 25))
+N = 6
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    return three_adapters(tmp_path_factory.mktemp("s42-memlora"), seed=420)
+
+
+@pytest.fixture(scope="module")
+def oracle(paths):
+    hf, adapters = paths
+    return PeftOracle(hf, adapters)
+
+
+def _finish(engine: LLMEngine) -> dict[str, list[int]]:
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.token_ids)
+    return done
+
+
+def test_requests_without_an_adapter_do_not_wait_behind_one_that_waits_for_a_slot(paths, oracle):
+    """vLLM admits the requests behind one whose adapter cannot get a slot (every slot held by running requests);
+    infer stopped admitting at it, so base-model requests waited for the slot's requests to finish. A request of the
+    adapter in the slot still waits its turn behind it (admitting it would keep the slot pinned for ever)."""
+    _, adapters = paths
+    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=128, loras={k: str(v) for k, v in adapters.items()},
+                                    max_loras=1, max_lora_rank=8, max_num_seqs=8))
+    try:
+        params = SamplingParams(max_tokens=N, ignore_eos=True)
+        engine.add_request("a1", PROMPT, params, lora="a")
+        engine.add_request("b1", PROMPT, params, lora="b")  # every slot is pinned by a1
+        engine.add_request("base", PROMPT, params)
+        engine.add_request("a2", PROMPT, params, lora="a")  # behind b1: waits for it
+        engine.add_request("base2", PROMPT[:7], params)
+        engine.step()
+        running = [s.request_id for s in engine.scheduler.running]
+        assert running == ["a1", "base", "base2"]  # was ["a1"]
+        assert [s.request_id for s in engine.scheduler.waiting] == ["b1", "a2"]  # their order kept
+        done = _finish(engine)
+        for rid, lora, prompt in [("a1", "a", PROMPT), ("b1", "b", PROMPT), ("base", None, PROMPT),
+                                  ("a2", "a", PROMPT), ("base2", None, PROMPT[:7])]:
+            assert done[rid] == oracle.greedy(lora, prompt, N), rid
+        assert engine.stats()["lora_swaps"] == 3  # a, b, a again: a2 did not pass b1
+    finally:
+        engine.close()
