@@ -60,3 +60,18 @@ def test_requests_without_an_adapter_do_not_wait_behind_one_that_waits_for_a_slo
         assert engine.stats()["lora_swaps"] == 3  # a, b, a again: a2 did not pass b1
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("option, args, word", [
+    ("--lora-dtype", ["auto"], "--dtype"), ("--fully-sharded-loras", [], "one GPU"),
+    ("--scheduling-policy", ["fcfs"], "first come"), ("--preemption-mode", ["recompute"], "recomputing"),
+    ("--long-prefill-token-threshold", ["256"], "--max-num-batched-tokens"),
+    ("--max-num-partial-prefills", ["2"], "--max-num-batched-tokens")])
+def test_vllms_adapter_and_scheduling_options_say_what_infer_does_instead(option, args, word):
+    """vLLM's --lora-dtype was "No such option (Possible options: --dtype, --lora)", and its scheduling options
+    (--scheduling-policy fcfs, vLLM's default among them) "No such option" with only "see --help"."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    res = CliRunner().invoke(app, ["warmup", "tiny-llama", "--estimate", option, *args])
+    assert res.exit_code == 2 and f"{option} is vLLM's option" in res.output and word in res.output, res.output

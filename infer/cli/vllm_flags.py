@@ -12,6 +12,8 @@ _ONE_GPU = ("infer runs each model on one GPU; use --data-parallel N for N repli
 _TLS = "infer serve speaks plain HTTP; put a TLS-terminating proxy (nginx, Caddy) in front of it"
 _NO_REQUEST_LOG = ("infer serve logs no request contents or per-request lines of its own; drop the option "
                    "(--log-level info shows uvicorn's access log)")
+_CHUNKS = ("infer splits a long prefill into steps of at most --max-num-batched-tokens tokens beside the decodes; "
+           "lower --max-num-batched-tokens for shorter chunks")
 
 VLLM_HINTS = {
     "--tensor-parallel-size": _ONE_GPU,
@@ -82,6 +84,15 @@ VLLM_HINTS = {
                                "and blocks",
     "--cpu-offload-gb": "infer holds every weight on the device; run an int4 model (infer quantize) or a smaller one",
     "--swap-space": "infer preempts a sequence by recomputing it, not by swapping its KV to the CPU; drop the option",
+    "--preemption-mode": "infer preempts a sequence by recomputing it (vLLM's recompute); drop the option",
+    "--scheduling-policy": "infer schedules first come, first served (vLLM's default, fcfs); drop the option",
+    "--long-prefill-token-threshold": _CHUNKS,
+    "--max-num-partial-prefills": _CHUNKS,
+    "--max-long-partial-prefills": _CHUNKS,
+    # vLLM's adapter options that infer has no counterpart of (--enable-lora, --max-loras, --max-lora-rank and
+    # --max-cpu-loras it takes as they are)
+    "--lora-dtype": "adapter weights are cast to the model's --dtype, as vLLM's default (auto) does; drop the option",
+    "--fully-sharded-loras": "infer runs each model on one GPU, so its adapters are not sharded; drop the option",
     "--disable-log-stats": "infer serve logs no periodic stats (GET /metrics has them); drop the option",
     "--disable-uvicorn-access-log": "infer serve's access log is off unless --log-level is info, debug or trace; "
                                     "drop the option",
