@@ -75,3 +75,24 @@ def test_vllms_adapter_and_scheduling_options_say_what_infer_does_instead(option
     from infer.cli.main import app
     res = CliRunner().invoke(app, ["warmup", "tiny-llama", "--estimate", option, *args])
     assert res.exit_code == 2 and f"{option} is vLLM's option" in res.output and word in res.output, res.output
+
+
+def test_on_a_cpu_the_plan_counts_the_adapters_cpu_copies_within_the_memory_limit(paths):
+    """On a CPU --memory-limit is the process's memory, and the adapters' CPU copies (the CPU LRU's, up to
+    --max-cpu-loras) live in it beside the slots; the plan counted the slots only, so the KV cache took the copies'
+    bytes past the budget (16 rank-16 adapters of llama-100m: 179 MB). Warmup --estimate counts what an engine
+    start does."""
+    from infer.cli.warmup_plan import estimate_plan
+    _, adapters = paths
+    config = EngineConfig("tiny-llama", max_model_len=64, loras={k: str(v) for k, v in adapters.items()},
+                          max_loras=1, max_cpu_loras=2, max_lora_rank=8, memory_limit="40MB", device="cpu")
+    engine = LLMEngine(config)
+    try:
+        manager, plan = engine.lora_manager, engine.memory_plan
+        copies = [sum(t.numel() * t.element_size() for m in manager.cpu_adapter(n).modules.values()
+                      for t in (m.lora_a, m.lora_b)) for n in ("b", "c")]  # the two the LRU keeps
+        assert manager.cpu_resident() == ["b", "c"] and min(copies) > 0
+        assert plan.lora_bytes == manager.device_bytes() + sum(copies)  # was device_bytes() alone
+        assert estimate_plan(config, 64, 1)[0].lora_bytes == plan.lora_bytes
+    finally:
+        engine.close()

@@ -99,7 +99,8 @@ def print_plan(plan, extra: dict, tokens: int | None = None) -> None:
         rows.append(("peak activations (formula; an engine start reserves it)",
                      gib(extra["activation_estimate_bytes"])))
     if plan.lora_bytes:
-        rows.append(("LoRA slots", gib(plan.lora_bytes)))
+        rows.append(("LoRA slots" + (" and the adapters' CPU copies" if plan.device == "cpu" else ""),
+                     gib(plan.lora_bytes)))
     rows.append(("runtime reserve (1% of budget, at least 4 MiB)", gib(plan.reserve_bytes)))
     rows += [
         ("KV cache per token / per block", f"{plan.kv_bytes_per_token:,} B / {plan.kv_block_bytes:,} B"),

@@ -114,8 +114,11 @@ def estimate_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     from ..models.rope import rope_table_bytes  # the rotary table an engine of this config builds at load
     weights += rope_table_bytes(model_config, model_max_len(model_config, engine_config))
     from ..lora.adapter import load_adapter
+    copies = []  # on a CPU the adapters' copies count, as many as the engine's CPU LRU keeps (LoRAManager)
     for name, adapter in engine_config.loras.items():  # the checks an engine start makes (files, rank, shapes)
-        load_adapter(name, Path(adapter).expanduser(), model_config, engine_config.max_lora_rank, dtype)
+        copies.append(load_adapter(name, Path(adapter).expanduser(), model_config, engine_config.max_lora_rank,
+                                   dtype).nbytes)
+    copies = copies[-engine_config.max_cpu_loras:] if engine_config.max_cpu_loras else copies
     rank = engine_config.max_lora_rank if engine_config.loras or engine_config.enable_lora else 0
     int4_layer = 0  # the int4 prefill's dequantize scratch, which an engine start on CUDA reserves
     if gptq and device.type == "cuda":
@@ -124,6 +127,7 @@ def estimate_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     act = _formula(engine_config, model_config, dtype, concurrency, max_length, rank, int4_layer=int4_layer)
     budget = budget_bytes(engine_config, device, weights, loaded=False)
     lora = lora_slot_bytes(model_config, engine_config.max_loras, rank, dtype) if rank else 0
+    lora += sum(copies) if device.type == "cpu" else 0
     plan = make_plan(engine_config, model_config, dtype, device, weights, act, max_length, concurrency, limit,
                      lora=lora, budget=budget)
     return _finish(plan, {"model": str(path), "dtype": str(dtype).replace("torch.", ""), "estimate": True},
@@ -137,7 +141,7 @@ def _lora_manager(model, engine_config: EngineConfig, device, dtype):
         return None, None
     from ..lora.manager import LoRAManager
     manager = LoRAManager(model, max_loras=engine_config.max_loras, max_lora_rank=engine_config.max_lora_rank,
-                          max_cpu_loras=None, device=device, dtype=dtype)
+                          max_cpu_loras=engine_config.max_cpu_loras, device=device, dtype=dtype)
     for name, adapter in engine_config.loras.items():
         manager.register(name, adapter)
     return manager, max(engine_config.loras, key=manager.rank_of, default=None)
@@ -218,7 +222,7 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     rank = engine_config.max_lora_rank if lora_manager is not None else 0
     int4_layer = int4_layer_bytes(model, dtype)  # (0 on CPU)
     act = _formula(engine_config, model_config, dtype, concurrency, max_length, rank, int4_layer=int4_layer)
-    lora = lora_manager.device_bytes() if lora_manager is not None else 0
+    lora = lora_manager.budget_bytes() if lora_manager is not None else 0
     kv_only = make_plan(engine_config, model_config, dtype, device, weights, 0, max_length, concurrency, limit,
                         lora, budget=budget)
     formula = make_plan(engine_config, model_config, dtype, device, weights, act, max_length, concurrency,

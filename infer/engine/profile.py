@@ -74,7 +74,7 @@ def profile_run(model, model_config, engine_config: EngineConfig, dtype, device,
     runner = ModelRunner(engine_config, model, dtype=dtype, device=device, num_blocks=nblocks,
                          lora_manager=lora_manager)
     runner.zero_blocks(list(range(nblocks)))
-    lora_bytes = lora_manager.device_bytes() if lora_manager is not None else 0  # the slots, used or not
+    lora_bytes = lora_manager.budget_bytes() if lora_manager is not None else 0  # slots used or not, CPU copies
     if lora_manager is not None and lora_name is not None:
         lora_manager.acquire(lora_name)
         for s in prefill.seqs + [s for d in decodes for s in d.seqs]:

@@ -153,6 +153,6 @@ def load_engine_parts(engine_config: EngineConfig) -> EngineParts:
         for name, adapter in engine_config.loras.items():
             lora_manager.register(name, adapter)
     plan = plan_memory(engine_config, model_config, model, dtype, device, max_len,
-                       lora_manager.device_bytes() if lora_manager is not None else 0)
+                       lora_manager.budget_bytes() if lora_manager is not None else 0)
     return EngineParts(path, model, model_config, tokenizer, dtype, device, max_len,
                        eos_ids(path, model_config, tokenizer), plan.num_blocks, plan, lora_manager)

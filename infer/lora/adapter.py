@@ -79,6 +79,11 @@ class LoRAAdapter:
     def rank(self) -> int:
         return max((m.rank for m in self.modules.values()), default=0)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its A and B weights."""
+        return sum(t.numel() * t.element_size() for m in self.modules.values() for t in (m.lora_a, m.lora_b))
+
     def to(self, dtype: torch.dtype) -> "LoRAAdapter":
         """Cast the weights (in place) to the dtype the base model computes in; returns self. LoRAError when a
         weight is beyond that dtype's range (a float32 or bfloat16 adapter on a float16 base): cast, it would be

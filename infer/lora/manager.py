@@ -237,6 +237,16 @@ class LoRAManager:
         """Bytes of the stacked A/B slot tensors of every layer (the LoRA slots' memory)."""
         return sum(t.numel() * t.element_size() for layer in self.layers for t in [layer.lora_a, layer.lora_bt])
 
+    def host_bytes(self) -> int:
+        """Bytes of the adapters' CPU copies it holds (the CPU LRU's, and the weights retired adapters keep)."""
+        held = {id(a): a for a in [*self._cpu.values(), *self._retired.values()] if a is not None}
+        return sum(a.nbytes for a in held.values())
+
+    def budget_bytes(self) -> int:
+        """What the adapters take of the memory budget: the device slots, and on a CPU, whose budget
+        (--memory-limit) is the process's memory, the adapters' CPU copies too."""
+        return self.device_bytes() + (self.host_bytes() if self.device.type == "cpu" else 0)
+
     def cpu_resident(self) -> list[str]:
         return list(self._cpu)
 
