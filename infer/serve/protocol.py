@@ -547,6 +547,14 @@ def _tok(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
+MIN_LOGPROB = -9999.0  # what a reply's logprobs show for -inf (a token its grammar masked), as vLLM shows it
+
+
+def _lp(logprob: float | None) -> float | None:
+    """A reply's logprob as JSON can hold it: -inf (a top token its grammar does not allow) as MIN_LOGPROB."""
+    return logprob if logprob is None else max(logprob, MIN_LOGPROB)
+
+
 def completion_logprobs(records: list[dict], tokenizer, offset: int = 0) -> dict:
     """The legacy completions logprobs object; text_offset counts characters of the tokens' strings from `offset`."""
     tokens = [_tok(tokenizer, r["token_id"]) for r in records]
@@ -561,11 +569,11 @@ def completion_logprobs(records: list[dict], tokenizer, offset: int = 0) -> dict
         if r["logprob"] is None:  # an echoed prompt's first token: nothing predicts it (null, as OpenAI)
             tops.append(None)
             continue
-        top = {tok: r["logprob"]}
+        top = {tok: _lp(r["logprob"])}
         for x in r.get("top_logprobs", []):
-            top.setdefault(_tok(tokenizer, x["token_id"]), x["logprob"])
+            top.setdefault(_tok(tokenizer, x["token_id"]), _lp(x["logprob"]))
         tops.append(top)
-    return {"tokens": tokens, "token_logprobs": [r["logprob"] for r in records], "top_logprobs": tops,
+    return {"tokens": tokens, "token_logprobs": [_lp(r["logprob"]) for r in records], "top_logprobs": tops,
             "text_offset": text_offset}
 
 
@@ -590,7 +598,7 @@ def prompt_logprobs(records: list[dict | None], tokenizer, k: int | None = None)
 def chat_logprobs(records: list[dict], tokenizer) -> dict:
     def entry(token_id: int, logprob: float) -> dict:
         t = _tok(tokenizer, token_id)
-        return {"token": t, "logprob": logprob, "bytes": list(t.encode("utf-8"))}
+        return {"token": t, "logprob": _lp(logprob), "bytes": list(t.encode("utf-8"))}
     return {"content": [{**entry(r["token_id"], r["logprob"]),
                          "top_logprobs": [entry(x["token_id"], x["logprob"]) for x in r.get("top_logprobs", [])]}
                         for r in records]}
