@@ -43,7 +43,7 @@ def _same(a, b) -> bool:
     """Equal, logprob values to 1e-4: a batch of other rows (the steps overlap schedules before the step before
     has completed, so preemption and prefix-cache hits can differ) moves them by float rounding only."""
     if isinstance(a, float) and isinstance(b, float):
-        return abs(a - b) <= 1e-4
+        return a == b or abs(a - b) <= 1e-4  # a == b: -inf, a top token a grammar masked
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):

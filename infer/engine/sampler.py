@@ -14,7 +14,8 @@ vLLM applies min-p before top-k and top-p), then one draw. Greedy rows take the 
 masks, bias and penalties. A draw is an exponential race: argmax(p / q) with q ~ Exp(1) i.i.d. is distributed as p.
 q is drawn for each row from that request's own generator when it has a seed (so it gets the same tokens in any
 batch and any batch order), and from the engine's generator for the other rows. Logprob records describe the model's
-raw distribution (before the processors, penalties and temperature), as OpenAI and vLLM report them.
+raw distribution (before the processors, penalties and temperature), as OpenAI and vLLM report them; for a row with
+a grammar, as vLLM (which masks the logits before its sampler), that distribution over the tokens the grammar allows.
 """
 
 from __future__ import annotations
@@ -385,7 +386,22 @@ class Sampler:
             probs = self.probs(x if every else x.index_select(0, idx), drawn, inputs.draw_values)
             picked = (probs / self._exponentials(drawn, x.shape[-1], x.device)).argmax(-1)
             tokens = picked if every else tokens.index_copy(0, idx, picked)
-        return self._pack(logits, tokens, [s.params.logprobs for s in seqs], finite)
+        ks = [s.params.logprobs for s in seqs]
+        return self._pack(self._grammar_logits(logits, seqs, inputs, ks), tokens, ks, finite)
+
+    @staticmethod
+    def _grammar_logits(logits: torch.Tensor, seqs: list[Sequence], inputs: SamplingInputs,
+                        ks: list[int | None]) -> torch.Tensor:
+        """The logits the logprob records describe: the raw ones, with the grammar's bitmask applied to the rows that
+        have a grammar and ask for logprobs (vLLM applies it to the logits before its sampler computes them)."""
+        rows = [i for i, (k, s) in enumerate(zip(ks, seqs)) if k is not None and s.grammar is not None]
+        if inputs.grammar is None or not rows:
+            return logits
+        masked = apply_bitmask(logits, *inputs.grammar)
+        if len(rows) == len(seqs):
+            return masked
+        idx = torch.tensor(rows, device=logits.device)
+        return logits.index_copy(0, idx, masked.index_select(0, idx))
 
     @staticmethod
     def penalised(logits: torch.Tensor, seqs: list[Sequence], inputs: SamplingInputs | None = None) -> torch.Tensor:
