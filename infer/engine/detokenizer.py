@@ -42,6 +42,19 @@ def _byte_tokens(tokenizer) -> frozenset[int]:
     return frozenset(i for t, i in vocab.items() if len(t) == 6 and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", t))
 
 
+def _skipped_special_ids(tokenizer) -> frozenset[int]:
+    """Ids that decode(ids, skip_special_tokens=True) drops: the named special tokens and every added token marked
+    special, which all_special_ids does not list when no special-token field names it (Mistral's [INST], [SEP] added
+    with special=True)."""
+    ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    try:
+        ids.update(i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
+                   if getattr(t, "special", False))
+    except Exception:  # no added-token table to read: the named special tokens
+        pass
+    return frozenset(ids)
+
+
 def _decode_joined(tokenizer, skip_special_tokens: bool, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=False)
 
@@ -61,7 +74,7 @@ class Detokenizer:
         self.incremental = _concatenative(tokenizer)
         # decoded whole each step: text from a trailing run of byte tokens is not streamed until the run ends
         self.byte_ids = frozenset() if self.incremental else _byte_tokens(tokenizer)
-        self.special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()) or ())
+        self.special_ids = _skipped_special_ids(tokenizer)
 
     def update(self, seq: Sequence, stop_token: bool) -> bool:
         """Refresh seq.text from its output tokens; True if a stop string was found (text is cut before it, or
