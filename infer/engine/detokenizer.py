@@ -31,15 +31,18 @@ def _concatenative(tokenizer) -> bool:
     return _fast_decode(tokenizer) is not None and type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
 
 
-def _byte_tokens(tokenizer) -> frozenset[int]:
-    """Ids of SentencePiece's byte-fallback tokens (<0x00>..<0xFF>: Llama 2, Mistral). Their decoder turns a run of
-    them into UTF-8 as a whole, and every byte of a run that is not valid UTF-8 into U+FFFD, so the text of the run's
-    first bytes can change when more arrive ("\n" then a lone 0xF0: "\n" becomes U+FFFD)."""
+def _byte_tokens(tokenizer) -> tuple[frozenset[int], int | None]:
+    """Ids of SentencePiece's byte-fallback tokens (<0x00>..<0xFF>: Llama 2, Mistral), and the tokenizer's highest
+    id (None if unknown). The decoder turns a run of byte tokens into UTF-8 as a whole, and every byte of a run that
+    is not valid UTF-8 into U+FFFD, so the text of the run's first bytes can change when more arrive ("\n" then a
+    lone 0xF0: "\n" becomes U+FFFD). An id past the highest (a model's padded vocabulary rows) decodes to nothing:
+    the bytes on both sides of it join."""
     try:
         vocab = tokenizer.get_vocab()
     except Exception:  # a tokenizer without a vocabulary to read: nothing to hold back
-        return frozenset()
-    return frozenset(i for t, i in vocab.items() if len(t) == 6 and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", t))
+        return frozenset(), None
+    ids = frozenset(i for t, i in vocab.items() if len(t) == 6 and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", t))
+    return ids, max(vocab.values(), default=None)
 
 
 def _skipped_special_ids(tokenizer) -> frozenset[int]:
@@ -73,7 +76,7 @@ class Detokenizer:
         # incremental: only the tokens after the last whole character are decoded each step (else all of them)
         self.incremental = _concatenative(tokenizer)
         # decoded whole each step: text from a trailing run of byte tokens is not streamed until the run ends
-        self.byte_ids = frozenset() if self.incremental else _byte_tokens(tokenizer)
+        self.byte_ids, self.max_id = (frozenset(), None) if self.incremental else _byte_tokens(tokenizer)
         self.special_ids = _skipped_special_ids(tokenizer)
 
     def update(self, seq: Sequence, stop_token: bool) -> bool:
@@ -102,9 +105,10 @@ class Detokenizer:
         # old text's end (a stop string completed by a run's last byte was found a token late, or never)
         settled = len(seq.text) if seq.final_text_len is None else min(len(seq.text), seq.final_text_len)
         seq.final_text_len = None
-        if self.byte_ids:  # the trailing run of byte tokens (skipped special tokens decode to nothing: they do not
-            run = len(ids)  # end it)
-            while run > 0 and (ids[run - 1] in self.byte_ids or (skip and ids[run - 1] in self.special_ids)):
+        if self.byte_ids:  # the trailing run of byte tokens (skipped special tokens and ids the tokenizer has no
+            run, top = len(ids), self.max_id  # token for decode to nothing: they do not end it)
+            while run > 0 and (ids[run - 1] in self.byte_ids or (skip and ids[run - 1] in self.special_ids)
+                               or (top is not None and ids[run - 1] > top)):
                 run -= 1
             if any(i in self.byte_ids for i in ids[run:]):
                 seq.final_text_len = len(decode(ids[:run]))
