@@ -684,4 +684,12 @@ def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = 
         keep = params.truncate_prompt_tokens  # the prompt's end only: its whole length is no reason to refuse it
         tokens = encode_prompt(tokenizer, fields.get("prompt"), fields.get("messages"),
                                max_tokens if keep is None else None, fields.get(_TEMPLATE_KEY))
+    length = (fields.get(_WORDS_KEY) or {}).get("max_new_tokens")  # a batch body's own max_tokens, if it gave one
+    if length is not None and max_tokens is not None and params.max_new_tokens is not None:
+        keep = params.truncate_prompt_tokens
+        size = len(tokens) if keep is None else min(len(tokens), max_tokens if keep == -1 else keep)
+        if size + params.max_new_tokens > max_tokens:  # as the server answers it (and vllm run-batch): not a silent cut
+            raise RequestError(f"this model's maximum context length is {max_tokens} tokens; the prompt has {size} "
+                               f"tokens and body.{length} asks for {params.max_new_tokens} more",
+                               f"lower body.{length} to {max(max_tokens - size, 0)} or less, or raise --max-model-len")
     return ParsedRequest(req_id, tokens, params, lora, fields.get(_OPENAI_KEY))

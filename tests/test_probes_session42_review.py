@@ -1,0 +1,40 @@
+"""Session 42, review of session 41's code: `infer run --output-format openai`, generation_config caps, hub ids
+from the local cache, convert/quantize output folders."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from infer.cli.main import app
+
+runner = CliRunner()
+
+
+def _write(path, lines) -> None:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def _records(path) -> dict:
+    return {r["custom_id"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def test_a_batch_lines_max_tokens_past_the_context_is_a_400_as_the_server_answers_it(tmp_path):
+    """vllm run-batch (and infer serve) answer a body whose max_tokens the context cannot hold with a 400
+    (context_length_exceeded); `infer run` generated up to the context and wrote a 200 with a shorter reply."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(src, [{"custom_id": "big", "url": "/v1/completions",
+                  "body": {"prompt": "hello there", "max_tokens": 200, "temperature": 0, "ignore_eos": True}},
+                 {"custom_id": "ok", "url": "/v1/completions",
+                  "body": {"prompt": "hello there", "max_tokens": 3, "temperature": 0}},
+                 {"custom_id": "default", "url": "/v1/completions",  # no max_tokens: --max-new-tokens, cut
+                  "body": {"prompt": "hello there", "temperature": 0}}])
+    res = runner.invoke(app, ["run", "tiny-llama", str(src), "-o", str(out), "--output-format", "openai",
+                              "--max-model-len", "32", "--max-new-tokens", "40", "-q"])
+    recs = _records(out)
+    assert res.exit_code == 1, res.output
+    assert recs["big"]["response"]["status_code"] == 400
+    assert "body.max_tokens asks for 200" in recs["big"]["error"]["message"]
+    assert recs["ok"]["response"]["status_code"] == 200
+    assert recs["default"]["response"]["status_code"] == 200
