@@ -38,3 +38,16 @@ def test_a_batch_lines_max_tokens_past_the_context_is_a_400_as_the_server_answer
     assert "body.max_tokens asks for 200" in recs["big"]["error"]["message"]
     assert recs["ok"]["response"]["status_code"] == 200
     assert recs["default"]["response"]["status_code"] == 200
+
+
+def test_convert_into_a_mounted_volumes_root_leaves_its_lost_found_and_fills_it(tmp_path):
+    """An ext4 volume mounted as -o (the case filling an existing folder in place is for) holds lost+found, owned by
+    root: the folder was 'not empty', and with --overwrite 'holds no model'; it could never be written to."""
+    vol = tmp_path / "vol"
+    (vol / "lost+found").mkdir(parents=True)
+    res = runner.invoke(app, ["convert", "tiny-llama", "-o", str(vol)])
+    assert res.exit_code == 0, res.output
+    assert (vol / "config.json").is_file() and (vol / "lost+found").is_dir()
+    res = runner.invoke(app, ["convert", "tiny-llama", "-o", str(vol), "--overwrite"])  # replaced, lost+found kept
+    assert res.exit_code == 0, res.output
+    assert (vol / "config.json").is_file() and (vol / "lost+found").is_dir()

@@ -129,7 +129,7 @@ def check_output(out: Path, overwrite: bool) -> None:
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output {out} exists and is not a folder", "pass a folder path with -o")
-    if out.is_dir() and any(not p.name.startswith(STAGING_PREFIX) for p in out.iterdir()):
+    if out.is_dir() and any(not _kept(p) for p in out.iterdir()):
         if not overwrite:
             raise ConfigError(f"output folder {out} is not empty", "pass --overwrite to replace it, or another -o")
         if not (out / "config.json").is_file():
@@ -146,6 +146,12 @@ def check_not_source(src: Path, out: Path, what: str) -> None:
 
 
 STAGING_PREFIX = ".infer-staging-"  # inside an existing OUTPUT folder (one left by a killed run does not count)
+
+
+def _kept(p: Path) -> bool:
+    """What an existing OUTPUT folder may hold besides a model, left as it is: a staging folder, and the lost+found
+    of a volume's root (an ext4 volume mounted as OUTPUT has one, owned by root: never a model's file)."""
+    return p.name.startswith(STAGING_PREFIX) or p.name == "lost+found" and p.is_dir()
 
 
 @contextmanager
@@ -186,7 +192,7 @@ def staged_output(out: Path, overwrite: bool):
 def _fill(out: Path, tmp: Path) -> None:
     """Replace what `out` holds (an old model, or nothing) with the files staged in `tmp`, a folder inside it."""
     for p in out.iterdir():
-        if p != tmp and not p.name.startswith(STAGING_PREFIX):
+        if p != tmp and not _kept(p):
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
     moved = []
     try:
