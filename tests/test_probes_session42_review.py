@@ -51,3 +51,33 @@ def test_convert_into_a_mounted_volumes_root_leaves_its_lost_found_and_fills_it(
     res = runner.invoke(app, ["convert", "tiny-llama", "-o", str(vol), "--overwrite"])  # replaced, lost+found kept
     assert res.exit_code == 0, res.output
     assert (vol / "config.json").is_file() and (vol / "lost+found").is_dir()
+
+
+def test_a_chat_without_max_tokens_is_capped_by_generation_config_not_refused_past_the_context(tmp_path):
+    """generation_config.json's max_new_tokens caps a chat that gives no max_tokens, as vLLM's get_max_tokens takes
+    the least of the cap and the context's room; the server read the cap as if the client had asked for it and
+    answered 400 'max_tokens asks for 50 more' to a request that sent no max_tokens."""
+    import shutil
+
+    import pytest
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.models.tiny import ensure_builtin
+    from infer.serve.app import Server, create_app
+    from infer.serve.async_engine import AsyncEngine
+    model = tmp_path / "m"
+    shutil.copytree(ensure_builtin("tiny-llama"), model)
+    (model / "generation_config.json").write_text(json.dumps({"max_new_tokens": 50, "temperature": 0}))
+    engine = LLMEngine(EngineConfig(str(model), max_model_len=64))
+    chat = [{"role": "user", "content": "tell me a long story about the weather in spain please"}]
+    with TestClient(create_app(Server(AsyncEngine(engine), "m"))) as client:
+        r = client.post("/v1/chat/completions", json={"messages": chat, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens"] + 50 > 64 and usage["completion_tokens"] <= 64 - usage["prompt_tokens"]
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        r = client.post("/v1/chat/completions", json={"messages": chat, "max_tokens": 60})  # asked: still a 400
+        assert r.status_code == 400 and "max_tokens" in r.text

@@ -102,6 +102,9 @@ class GenerationRequest:
     tools: ToolRequest | None = None  # chat: the tools and the tool_choice (serve/tools.py)
     reasoning: ReasoningRequest | None = None  # chat with --reasoning-parser: the reply's split (serve/reasoning.py)
     request_id: str | None = None  # vLLM's field: the response's id is cmpl-/chatcmpl- and this (else a uuid)
+    # the client asked for the reply's length (chat without max_tokens: up to the context, or the generation_config
+    # cap, whichever is less, as vLLM's get_max_tokens: the cap is no request the context must hold)
+    asked_length: bool = True
 
     def params_for(self, index: int):
         """Choice `index`'s sampling: with n > 1 and a seed, sample j draws with seed + j (as vLLM's parallel
@@ -229,7 +232,7 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
     return GenerationRequest([], params, model, stream, include_usage and stream, chat, return_ids,
                              include_usage and continuous and stream, n or 1, echo, prompt_only,
                              asked_prompt_logprobs=asked, structured_field=source, length_field=length,
-                             request_id=request_id)
+                             request_id=request_id, asked_length=not (unsized and chat))
 
 
 def _truncation(req: GenerationRequest, max_tokens: int | None) -> int | None:
@@ -515,7 +518,7 @@ def detokenize(body: Any, tokenizer, max_token_id: int) -> tuple[str | None, dic
 
 def check_context(req: GenerationRequest, max_model_len: int) -> None:
     """As OpenAI and vLLM: asking for more tokens than the context holds is a 400, not a silent cut."""
-    want = req.params.max_new_tokens
+    want = req.params.max_new_tokens if req.asked_length else None
     for p in req.prompts:
         if len(p) >= max_model_len:
             raise ApiError(400, f"the prompt has {len(p)} tokens, which leaves no room under this model's maximum "
