@@ -81,3 +81,17 @@ def test_a_chat_without_max_tokens_is_capped_by_generation_config_not_refused_pa
         assert r.json()["choices"][0]["finish_reason"] == "length"
         r = client.post("/v1/chat/completions", json={"messages": chat, "max_tokens": 60})  # asked: still a 400
         assert r.status_code == 400 and "max_tokens" in r.text
+
+
+def test_a_batch_lines_min_tokens_past_the_context_is_a_400_as_the_server_answers_it(tmp_path):
+    """A chat line without max_tokens whose min_tokens the context cannot hold: the server answers 400 naming
+    min_tokens; `infer run` wrote a 200 whose reply fell short of the min_tokens it asked for."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    chat = [{"role": "user", "content": "hi"}]
+    _write(src, [{"custom_id": "least", "url": "/v1/chat/completions",
+                  "body": {"messages": chat, "min_tokens": 40, "temperature": 0}}])
+    res = runner.invoke(app, ["run", "tiny-llama", str(src), "-o", str(out), "--output-format", "openai",
+                              "--max-model-len", "32", "--max-new-tokens", "48", "-q"])
+    rec = _records(out)["least"]
+    assert res.exit_code == 1, res.output
+    assert rec["response"]["status_code"] == 400 and "body.min_tokens (40)" in rec["error"]["message"]

@@ -685,11 +685,16 @@ def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = 
         tokens = encode_prompt(tokenizer, fields.get("prompt"), fields.get("messages"),
                                max_tokens if keep is None else None, fields.get(_TEMPLATE_KEY))
     length = (fields.get(_WORDS_KEY) or {}).get("max_new_tokens")  # a batch body's own max_tokens, if it gave one
-    if length is not None and max_tokens is not None and params.max_new_tokens is not None:
+    if fields.get(_OPENAI_KEY) is not None and max_tokens is not None and params.max_new_tokens is not None:
         keep = params.truncate_prompt_tokens
         size = len(tokens) if keep is None else min(len(tokens), max_tokens if keep == -1 else keep)
-        if size + params.max_new_tokens > max_tokens:  # as the server answers it (and vllm run-batch): not a silent cut
+        if length is not None and size + params.max_new_tokens > max_tokens:  # as the server answers it (and vllm
+            # run-batch): not a reply the context silently cuts
             raise RequestError(f"this model's maximum context length is {max_tokens} tokens; the prompt has {size} "
                                f"tokens and body.{length} asks for {params.max_new_tokens} more",
                                f"lower body.{length} to {max(max_tokens - size, 0)} or less, or raise --max-model-len")
+        if size + params.min_tokens > max_tokens:  # no max_tokens: a min_tokens the context cannot hold (the server's)
+            raise RequestError(f"body.min_tokens ({params.min_tokens}) is more than the {max_tokens - size} tokens "
+                               f"this model's maximum context length of {max_tokens} leaves after the prompt's {size}",
+                               "lower body.min_tokens, or raise --max-model-len")
     return ParsedRequest(req_id, tokens, params, lora, fields.get(_OPENAI_KEY))
