@@ -114,6 +114,13 @@ VLLM_HINTS = {
     "--endpoint": "infer bench drives a server's streaming /v1/completions with --url http://HOST:PORT",
     "--result-dir": "infer bench's -o/--out FOLDER (results.json, results.csv, report.md and plots)",
     "--save-result": "infer bench always writes its report, to -o/--out FOLDER (default ./bench-results/<time>)",
+    "--burstiness": "infer bench's --request-rate arrivals are a Poisson process (vLLM's default, burstiness 1.0); "
+                    "drop the option",
+    "--metric-percentiles": "infer bench reports p90 and p99 (and the median, mean and std) of every latency "
+                            "metric in results.json; drop the option",
+    "--percentile-metrics": "infer bench reports percentiles of all of ttft, tpot, itl and e2el; drop the option",
+    "--save-detailed": "infer bench's results.json holds each level's aggregate metrics, not per-request lists; "
+                       "drop the option",
     "--ignore-eos": "infer bench's random dataset ignores EOS already; a jsonl line's \"ignore_eos\": true sets it "
                     "per request",
 }
