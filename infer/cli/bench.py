@@ -216,6 +216,17 @@ def check_out(out: Path | None) -> None:
                               "remove it, or choose another --out folder")
 
 
+def default_out(root: Path = Path("bench-results")) -> Path:
+    """The default --out, ROOT/<timestamp>, chosen before anything runs (so check_out sees it): one that exists (a
+    run started in the same second) gets a suffix, <timestamp>-2 and so on, rather than one report over the other."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out, k = root / stamp, 1
+    while out.exists():
+        k += 1
+        out = root / f"{stamp}-{k}"
+    return out
+
+
 def report_failures(results: list[dict] | None) -> bool:
     """One line per level where requests failed, with why; True if any did."""
     failed = False
@@ -302,7 +313,7 @@ def bench(
         raise ConfigError("--served-model-name is the base model's id on a server, used with --url only",
                           "add --url http://HOST:PORT, or drop --served-model-name")
     check_range_ratio(random_range_ratio, dataset)
-    out = out.expanduser() if out is not None else None  # one folder for every file (pandas expands ~ itself)
+    out = out.expanduser() if out is not None else default_out()  # one folder for every file (pandas expands ~)
     check_out(out)
     require_report_libraries()
     check_sizes(levels, input_len=input_len, output_len=output_len, max_num_seqs=max_num_seqs, max_loras=max_loras)
@@ -314,7 +325,7 @@ def bench(
                      lora_policy=lora_policy,
                      url=None if url is None else check_url(url, model_id, names, api_key), model_id=model_id,
                      api_key=api_key, baseline=baseline, seed=seed, quiet=quiet, goodput=slos,
-                     out=out or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S"))
+                     out=out)
     set_target(plan, engine, lora, max_num_seqs, max_loras)
     run_and_report(plan)
 
