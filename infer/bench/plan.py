@@ -53,6 +53,7 @@ class BenchPlan:
     chat_template: str | None = None  # with --url: what the workload's messages are rendered with (in-process:
     # the engine's)
     goodput: dict | None = None  # service level objectives {"ttft" | "tpot" | "e2el": ms} (vLLM's --goodput)
+    save_detailed: bool = False  # results.json also holds each request's figures (vLLM's --save-detailed)
 
 
 BASE_NO_ADAPTERS = "hf (base, no adapters)"  # the HF baseline's label when the workload uses adapters
@@ -268,7 +269,7 @@ def run_plan(plan: BenchPlan, console=None, hide_libraries=None) -> tuple[list[d
 
     def report() -> list[dict]:
         return write_report(plan.out, runs, bases, config=report_config(plan, workload.description),
-                            console=console or _console(), show=not plan.quiet)
+                            console=console or _console(), show=not plan.quiet, detailed=plan.save_detailed)
     try:
         interrupted = _measure(plan, target, requests, hf, runs, bases, hide)  # the run cut short is marked partial
     except KeyboardInterrupt:  # between runs, or inside one that does not return partial: the last one is suspect

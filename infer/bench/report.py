@@ -67,8 +67,23 @@ def environment() -> dict:
             "device": device, "git_commit": _git_commit()}
 
 
-def run_entry(run: RunResult) -> dict:
-    """vLLM's metrics for one run plus our own figures (no config / environment)."""
+def detailed_lists(run: RunResult) -> dict:
+    """vLLM's --save-detailed lists, one item per request in workload order (a failed one has a TTFT of 0, no
+    ITLs and 0 output tokens, as in vLLM): input_lens, output_lens, ttfts and itls (seconds), generated_texts and
+    request_errors (vLLM's "errors"; ours is the distinct reasons). Each request's E2EL is its TTFT plus the sum of
+    its ITLs, and its TPOT that sum over output_lens - 1."""
+    recs = run.records
+    return {"input_lens": [r.prompt_tokens for r in recs],
+            "output_lens": [r.output_tokens if r.success else 0 for r in recs],
+            "ttfts": [r.ttft if r.success else 0.0 for r in recs],
+            "itls": [r.itl if r.success else [] for r in recs],
+            "generated_texts": [r.text for r in recs],
+            "request_errors": [None if r.success else (r.error or "") for r in recs]}
+
+
+def run_entry(run: RunResult, detailed: bool = False) -> dict:
+    """vLLM's metrics for one run plus our own figures (no config / environment); with `detailed`, also each
+    request's (detailed_lists)."""
     d = {"backend": run.backend, "label": run.label or run.backend, "concurrency": run.concurrency,
          "request_rate": None if math.isinf(run.request_rate) else run.request_rate,
          "num_requests": run.num_requests, "partial": run.partial, "aborted": run.aborted}
@@ -79,19 +94,21 @@ def run_entry(run: RunResult) -> dict:
     if run.timeline and "kv_usage" in run.timeline[0]:
         d["max_kv_usage"] = max(s.get("kv_usage", 0.0) for s in run.timeline)
     d["errors"] = list(dict.fromkeys(r.error for r in run.records if not r.success and r.error))[:5]  # distinct
+    if detailed:
+        d.update(detailed_lists(run))
     return d
 
 
 def build_results(runs: list[RunResult], baselines: list[RunResult] | None = None,
-                  config: dict | None = None, env: dict | None = None) -> list[dict]:
+                  config: dict | None = None, env: dict | None = None, detailed: bool = False) -> list[dict]:
     env = env if env is not None else environment()
     by_conc = {b.concurrency: b for b in (baselines or [])}
     results = []
     for run in runs:
-        entry = run_entry(run)
+        entry = run_entry(run, detailed)
         base = by_conc.get(run.concurrency)
         if base is not None:
-            entry["baseline"] = run_entry(base)
+            entry["baseline"] = run_entry(base, detailed)
             entry["ratio"] = {k: (entry[k] / entry["baseline"][k] if entry["baseline"][k] else None)
                               for k in THROUGHPUT_KEYS}
         entry.update(config=config or {}, **env)
@@ -217,11 +234,12 @@ def _strict(obj):
 
 
 def write_report(out_dir, runs: list[RunResult], baselines: list[RunResult] | None = None,
-                 config: dict | None = None, console=None, show: bool = True) -> list[dict]:
-    """Print the table when `show`, write every report file into `out_dir` (created), return the results list.
+                 config: dict | None = None, console=None, show: bool = True, detailed: bool = False) -> list[dict]:
+    """Print the table when `show`, write every report file into `out_dir` (created), return the results list
+    (with `detailed`, each entry also holds each request's figures, vLLM's --save-detailed).
     OutputError when a file cannot be written (the table, printed first, still shows what was measured)."""
     out = Path(out_dir)
-    results = build_results(runs, baselines, config)
+    results = build_results(runs, baselines, config, detailed=detailed)
     if show:
         print_table(results, console)
     try:

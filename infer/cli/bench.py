@@ -285,6 +285,9 @@ def bench(
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Report folder (default: "
                                                 "./bench-results/<timestamp>).", parser=o.folder_path,
                                                 metavar="<path>")] = None,
+    save_detailed: Annotated[bool, typer.Option("--save-detailed", help="results.json also holds each request's "
+                                                "input_lens, output_lens, ttfts, itls (s), generated_texts and "
+                                                "request_errors, as vLLM's option.", rich_help_panel=WL)] = False,
     seed: Annotated[int, typer.Option(help="Seed of the workload (prompts, arrivals) and of the engine.")] = 0,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or tables.")] = False,
     max_num_seqs: Annotated[Optional[int], typer.Option(help="Most sequences in one step (default and minimum: "
@@ -325,6 +328,7 @@ def bench(
                      lora_policy=lora_policy,
                      url=None if url is None else check_url(url, model_id, names, api_key), model_id=model_id,
                      api_key=api_key, baseline=baseline, seed=seed, quiet=quiet, goodput=slos,
+                     save_detailed=save_detailed,
                      out=out)
     set_target(plan, engine, lora, max_num_seqs, max_loras)
     run_and_report(plan)

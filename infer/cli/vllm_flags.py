@@ -119,8 +119,6 @@ VLLM_HINTS = {
     "--metric-percentiles": "infer bench reports p90 and p99 (and the median, mean and std) of every latency "
                             "metric in results.json; drop the option",
     "--percentile-metrics": "infer bench reports percentiles of all of ttft, tpot, itl and e2el; drop the option",
-    "--save-detailed": "infer bench's results.json holds each level's aggregate metrics, not per-request lists; "
-                       "drop the option",
     "--ignore-eos": "infer bench's random dataset ignores EOS already; a jsonl line's \"ignore_eos\": true sets it "
                     "per request",
 }
