@@ -90,3 +90,14 @@ def test_detailed_lists_of_a_failed_request_are_vllms():
     assert e["itls"] == [[0.25, 0.25], []] and e["request_errors"] == [None, "HTTP 400: too long"]
     assert e["completed"] == 1 and e["failed"] == 1 and e["mean_tpot_ms"] == pytest.approx(250.0)
     assert "ttfts" not in run_entry(RunResult("http", 2, [ok, bad], duration_s=2.0, num_requests=2))
+
+
+def test_results_json_has_vllms_save_result_names_of_the_run_settings():
+    """A script reading `vllm bench serve --save-result` JSON reads max_concurrency, num_prompts and burstiness:
+    results.json, said to use vLLM's key names, had only its own concurrency and num_requests."""
+    from infer.bench.metrics import RequestRecord, RunResult
+    from infer.bench.report import run_entry
+    ok = RequestRecord(0, 3, send_time=0.0, chunk_times=[0.5, 1.0], output_tokens=2, text="ab", success=True)
+    e = run_entry(RunResult("infer", 4, [ok], duration_s=1.0, num_requests=6, request_rate=8.0))
+    assert (e["max_concurrency"], e["num_prompts"], e["burstiness"]) == (4, 6, 1.0)
+    assert (e["concurrency"], e["num_requests"], e["request_rate"]) == (4, 6, 8.0)

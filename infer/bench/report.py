@@ -86,7 +86,9 @@ def run_entry(run: RunResult, detailed: bool = False) -> dict:
     request's (detailed_lists)."""
     d = {"backend": run.backend, "label": run.label or run.backend, "concurrency": run.concurrency,
          "request_rate": None if math.isinf(run.request_rate) else run.request_rate,
-         "num_requests": run.num_requests, "partial": run.partial, "aborted": run.aborted}
+         "num_requests": run.num_requests, "partial": run.partial, "aborted": run.aborted,
+         # vLLM's --save-result names of the same figures (its max_concurrency is a level, its arrivals Poisson)
+         "max_concurrency": run.concurrency, "num_prompts": run.num_requests, "burstiness": 1.0}
     d.update(run.metrics())
     peak = run.peak_memory_bytes
     d.update(peak_memory_bytes=peak, peak_memory_gib=None if peak is None else peak / 2**30,
