@@ -101,3 +101,18 @@ def test_results_json_has_vllms_save_result_names_of_the_run_settings():
     e = run_entry(RunResult("infer", 4, [ok], duration_s=1.0, num_requests=6, request_rate=8.0))
     assert (e["max_concurrency"], e["num_prompts"], e["burstiness"]) == (4, 6, 1.0)
     assert (e["concurrency"], e["num_requests"], e["request_rate"]) == (4, 6, 8.0)
+
+
+def test_timeline_plot_of_a_url_run_says_the_memory_is_the_clients_and_why_the_kv_panel_is_empty():
+    """With --url the report has no peak memory (the server's is not seen), but timeline.png drew this client's
+    RSS labelled plain "(RSS)" under "memory (GiB)", as if it were the server's, beside an empty KV panel."""
+    from infer.bench.metrics import RunResult
+    from infer.bench.plots import timeline_figure
+    tl = [{"t": 0.1, "rss_bytes": 2**30, "in_flight": 1}, {"t": 0.2, "rss_bytes": 2**30, "in_flight": 0}]
+    fig = timeline_figure([RunResult("http", 2, [], duration_s=0.2, num_requests=1, timeline=tl)])
+    mem_ax, kv_ax = fig.axes
+    labels = mem_ax.get_legend_handles_labels()[1]
+    assert labels == ["http c=2 (this client's RSS, not the server's)"]
+    assert any("no KV cache samples" in t.get_text() for t in kv_ax.texts)
+    import matplotlib.pyplot as plt
+    plt.close(fig)

@@ -138,7 +138,8 @@ def timeline_figure(runs):
         label = f"{getattr(run, 'label', None) or run.backend} c={run.concurrency}"
         key = "gpu_bytes" if any("gpu_bytes" in s for s in tl) else "rss_bytes"
         pts = [(s["t"], s[key] / 2**30) for s in tl if key in s]
-        mem_ax.plot([t for t, _ in pts], [v for _, v in pts], label=f"{label} ({key[:-6].upper()})")
+        what = key[:-6].upper() if run.backend != "http" else "this client's RSS, not the server's"
+        mem_ax.plot([t for t, _ in pts], [v for _, v in pts], label=f"{label} ({what})")
         top = max([top] + [v for _, v in pts])
         kv = [(s["t"], 100 * s["kv_usage"]) for s in tl if "kv_usage" in s]
         if kv:
@@ -147,6 +148,9 @@ def timeline_figure(runs):
     mem_ax.set_ylim(0, top * 1.1 if top > 0 else 1)  # from zero: a few MiB of change is not a cliff
     kv_ax.set_ylabel("KV cache used (%)")
     kv_ax.set_ylim(0, 105)
+    if not kv_ax.get_lines():  # a server driven over HTTP, or transformers: nothing to draw, say why
+        kv_ax.text(0.5, 0.5, "no KV cache samples (only the in-process engine reports its KV cache)",
+                   ha="center", va="center", transform=kv_ax.transAxes)
     for ax in (mem_ax, kv_ax):
         ax.set_xlabel("seconds since the run started")
         ax.grid(True, alpha=0.3)
