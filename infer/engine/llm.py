@@ -224,6 +224,10 @@ class LLM:
             prompts = prompts.tolist()
         elif not isinstance(prompts, (str, list, tuple, dict, *_BYTES)) and hasattr(prompts, "__iter__"):
             prompts = list(prompts)  # a generator or another iterable of prompts (bytes iterate as ints: refused)
+        if (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], dict)
+                and not {"role", "content"} & prompts[0].keys() and not _is_prompt_dict(prompts[0])):
+            # [{"text": ...}] (a dataset's rows) is no chat either: say what the dict is, not that messages need roles
+            raise _bad_dict(prompts[0], "prompt 0")
         if isinstance(prompts, str) or _is_prompt_dict(prompts) or (
                 prompts and isinstance(prompts, (list, tuple)) and not _is_prompt_dict(prompts[0])
                 and (isinstance(prompts[0], dict) or _token_id(prompts[0]) is not None)):
