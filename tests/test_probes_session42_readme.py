@@ -31,3 +31,15 @@ def test_chats_and_prompt_dicts_in_lists_still_run(llm):
     assert len(llm.generate([{"role": "user", "content": "hi"}], P)) == 1  # one chat
     with pytest.raises(RequestError, match="messages must be a list"):  # a chat message without its role
         llm.generate([{"content": "hi"}], P)
+
+
+@pytest.mark.parametrize("call", ["generate", "chat"])
+def test_priority_zero_as_one_int_is_vllms_default(llm, call):
+    """README: `priority` None or 0 for every prompt is taken. priority=0 (one int, as add_request takes it and as
+    vLLM reads a falsy priority) was refused with a hint to 'give 0 for every prompt'."""
+    prompt = [{"role": "user", "content": "hi"}] if call == "chat" else ["hi"]
+    assert len(getattr(llm, call)(prompt, P, priority=0)) == 1
+    assert len(getattr(llm, call)(prompt, P, priority=[0])) == 1
+    for bad in (1, [1], True, 0.0):
+        with pytest.raises(RequestError, match="first come, first served"):
+            getattr(llm, call)(prompt, P, priority=bad)

@@ -117,9 +117,12 @@ def _vllm_keywords(method):
 
 def _check_priority(priority, name: str) -> None:
     """vLLM's `priority` keyword (one int per prompt): taken at vLLM's default (None, or 0 for every prompt), which
-    is all vLLM itself takes without its priority scheduling; it was Python's bare TypeError."""
-    if priority is None or (isinstance(priority, (list, tuple)) and all(
-            isinstance(p, numbers.Integral) and not isinstance(p, bool) and p == 0 for p in priority)):
+    is all vLLM itself takes without its priority scheduling; it was Python's bare TypeError. A bare 0 is 0 for every
+    prompt too (vLLM reads a falsy priority as its default; add_request takes priority=0): it was refused, its hint
+    saying to give 0."""
+    def zero(p) -> bool:
+        return isinstance(p, numbers.Integral) and not isinstance(p, bool) and p == 0
+    if priority is None or zero(priority) or (isinstance(priority, (list, tuple)) and all(map(zero, priority))):
         return
     raise RequestError(f"{name}() got priority={priority!r}: infer schedules first come, first served",
                        "leave priority out (or give 0 for every prompt), as vLLM requires without its priority "
