@@ -233,8 +233,9 @@ def _note_short_dataset(plan: BenchPlan, workload: Workload) -> None:
     number; infer measures the dataset as it is, and says so: a report of 2 requests read as one of 100 misleads)."""
     got = len(workload.requests)
     if plan.num_prompts and got < plan.num_prompts:
+        those = "that one" if got == 1 else f"those {got}"
         print(f"note: --num-prompts {plan.num_prompts}, but {plan.dataset} gives {got} usable request"
-              f"{'s' if got != 1 else ''}: measuring those {got} (requests are not repeated to reach the number)",
+              f"{'s' if got != 1 else ''}: measuring {those} (requests are not repeated to reach the number)",
               file=sys.stderr, flush=True)
 
 

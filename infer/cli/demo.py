@@ -181,7 +181,7 @@ def _warmup_line(stdout: str) -> str:
     d = json.loads(stdout.strip().splitlines()[-1])
     verdict = "fits" if d["fits"] else "does NOT fit"
     return (f"{verdict}: 8 x 2048 tokens; room for {d['max_concurrency_at_max_length']} sequences of 2048 "
-            f"({d['kv_blocks']} KV blocks)")
+            f"({d['kv_blocks']:,} KV blocks)")
 
 
 def _run_line(outputs: Path) -> str:
