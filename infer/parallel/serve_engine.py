@@ -30,6 +30,9 @@ POLL_S = 0.02  # how long the driver waits for a replica before it looks for new
 PING_S = 5.0  # an idle driver checks its replicas this often: one that died between requests is noticed
 SUMMED = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "num_preemptions", "lora_swaps",
           "num_steps", "cuda_graph_replays", "piecewise_graph_steps", "prefix_cache_queries", "prefix_cache_hits")
+# what only grows (the /metrics counters): a dead replica's last figures stay in the sums, so they never go back
+CUMULATIVE = ("num_preemptions", "lora_swaps", "num_steps", "cuda_graph_replays", "piecewise_graph_steps",
+              "prefix_cache_queries", "prefix_cache_hits")
 
 
 class _Adapters:
@@ -347,7 +350,7 @@ class RayAsyncEngine(AsyncEngine):
     # ------------------------------------------------------------------ what /health and /metrics read
     def _aggregate(self) -> dict:
         live = [r for r in self.replicas if r.alive]
-        total = {k: sum(r.stats.get(k, 0) for r in live) for k in SUMMED}
+        total = {k: sum(r.stats.get(k, 0) for r in (self.replicas if k in CUMULATIVE else live)) for k in SUMMED}
         total["kv_usage"] = total["kv_blocks_used"] / max(total["kv_blocks_total"], 1)
         rates = [r.stats.get("prefix_cache_hit_rate", 0.0) for r in live]
         total["prefix_cache_hit_rate"] = sum(rates) / max(len(rates), 1)
