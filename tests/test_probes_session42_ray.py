@@ -26,3 +26,54 @@ def test_a_dead_replicas_counts_stay_in_the_servers_counters():
     for key in ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "num_steps"):
         assert after[key] == before[key], key
     assert (after["num_running"], after["kv_blocks_total"], after["num_replicas_alive"]) == (1, 10, 1)
+
+
+class _RayError(Exception):
+    pass
+
+
+class _FakeRay:
+    exceptions = SimpleNamespace(RayError=_RayError)
+
+    @staticmethod
+    def get(ref):
+        if isinstance(ref, Exception):
+            raise ref
+        return ref
+
+
+class _Handle:
+    def __init__(self, dead: bool, seen: list):
+        self.dead, self.seen = dead, seen
+        self.validate = SimpleNamespace(remote=self._validate)
+
+    def _validate(self, wires):
+        self.seen.append(self)
+        if self.dead:
+            return _RayError("The actor is dead because its worker process has died.")
+        return {wires[0][0]: "top_p must be in (0, 1], got 2.0"}
+
+
+def _item(rid: str, line_no: int):
+    request = SimpleNamespace(prompt_token_ids=[1, 2], params=None, lora=None)
+    return SimpleNamespace(id=rid, line_no=line_no, request=request, error=None)
+
+
+def test_a_replica_that_dies_while_lines_are_checked_leaves_the_checks_to_another():
+    """`infer run --data-parallel 2` checks every line on replica 0 before generating: a replica 0 that dies then
+    (OOM-killed, its node lost) was a Python traceback; the other replica checks the lines and the run goes on."""
+    from infer.cli.run_parallel import _check_lines
+    from infer.parallel.runtime import ReplicaError
+    seen = []
+    dead, live = _Handle(True, seen), _Handle(False, seen)
+    lines = [_item("a", 1), _item("b", 2)]
+    _check_lines(_FakeRay, [dead, live], lines, strict=False)
+    assert seen == [dead, live]
+    assert lines[0].request is None and lines[0].error == "line 1: top_p must be in (0, 1], got 2.0"
+    assert lines[1].request is not None
+    try:
+        _check_lines(_FakeRay, [_Handle(True, []), _Handle(True, [])], [_item("c", 1)], strict=False)
+    except ReplicaError as e:
+        assert "every engine replica has stopped" in e.message
+    else:
+        raise AssertionError("no error when every replica died")

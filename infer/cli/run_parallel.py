@@ -11,7 +11,7 @@ import typer
 from ..parallel.pool import ReplicaPool, Work
 from ..parallel.progress import ReplicaProgress
 from ..parallel.replica import ENGINE_FAILURE
-from ..parallel.runtime import local_cpus, placement, ray_runtime, require_ray, start_replicas
+from ..parallel.runtime import ReplicaError, local_cpus, placement, ray_runtime, require_ray, start_replicas
 from .batch_io import Records, RecordWriter, check_format, model_names, read_inputs, unused_adapters_note
 from .entry import terminate_as_interrupt
 from .run import _prechecked_lines, _strict_exit, exit_interrupted, open_output
@@ -44,7 +44,7 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
             # is refused untokenized, with one engine's message
             lines = read_inputs(input, tokenizer, defaults, model_names(engine), infos[0]["max_model_len"])
             check_format(lines, output_format)
-            _check_lines(ray, handles[0], lines, strict)
+            _check_lines(ray, handles, lines, strict)
             note = unused_adapters_note(engine.loras, lines)
             if note and not quiet:
                 typer.echo(note, err=True)
@@ -69,14 +69,22 @@ def _announce(infos: list[dict], block_size: int) -> None:
                err=True)
 
 
-def _check_lines(ray, replica, lines: list, strict: bool) -> None:
+def _check_lines(ray, replicas: list, lines: list, strict: bool) -> None:
     """Every parsed line checked against a replica's engine (the same checks and messages as one engine); with
-    --strict, any bad line stops the run before generating."""
-    todo = [item for item in lines if item.request is not None]
+    --strict, any bad line stops the run before generating. A replica that dies meanwhile leaves the checks to the
+    next one (the pool finds it dead when it sends it work)."""
+    todo, live = [item for item in lines if item.request is not None], list(replicas)
     for start in range(0, len(todo), VALIDATE_CHUNK):
         chunk = todo[start:start + VALIDATE_CHUNK]
         wires = [(item.id, item.request.prompt_token_ids, item.request.params, item.request.lora) for item in chunk]
-        bad = ray.get(replica.validate.remote(wires))
+        bad = None
+        while bad is None:
+            if not live:
+                raise ReplicaError("every engine replica has stopped", "nothing was generated yet: run again")
+            try:
+                bad = ray.get(live[0].validate.remote(wires))
+            except ray.exceptions.RayError:
+                live.pop(0)
         for item in chunk:
             if item.id in bad:
                 item.request, item.error = None, f"line {item.line_no}: {bad[item.id]}"
