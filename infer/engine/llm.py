@@ -156,6 +156,11 @@ class LLM:
         """The model's tokenizer (vLLM's LLM.get_tokenizer; also `llm.tokenizer`)."""
         return self.tokenizer
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's `LLM.llm_engine`: the LLMEngine this LLM drives (also `llm.engine`); ClosedError once closed."""
+        return self._engine()
+
     def _engine(self):
         if self.engine is None:
             raise ClosedError("this LLM was closed (LLM.close())", "create a new LLM to generate again")
