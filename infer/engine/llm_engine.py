@@ -226,6 +226,14 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, numbers.Integral) or priority != 0:
             raise RequestError(f"priority={priority!r}: infer schedules first come, first served",
                                "leave priority out (0), as vLLM requires without its priority scheduling")
+        if isinstance(lora, numbers.Real) and not isinstance(lora, bool):  # vLLM's add_request(id, prompt, params,
+            # arrival_time): its time was read as an adapter name ("lora must be an adapter name, got 25714.7")
+            raise RequestError(f"lora={lora!r} is a number: add_request's fourth argument is lora (an adapter name), "
+                               "where vLLM's is arrival_time", f"pass arrival_time={lora!r} by keyword")
+        if arrival_time is not None and hasattr(arrival_time, "lora_name"):  # vLLM's fifth: lora_request
+            raise RequestError("arrival_time is a LoRARequest: add_request's fifth argument is arrival_time, where "
+                               "vLLM's is lora_request", f"pass lora={getattr(arrival_time, 'lora_name')!r}, an "
+                               "adapter registered with --lora NAME=PATH or add_lora")
         arrival_time = checked_arrival(arrival_time)
         text = None
         if isinstance(prompt_token_ids, dict):
