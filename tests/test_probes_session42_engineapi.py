@@ -55,3 +55,42 @@ def test_vllms_positional_arrival_time_and_lora_request_are_named(engine):
     engine.add_request("c", [5, 6, 7], P, None, now)  # by keyword or positionally in infer's order: taken
     while engine.has_unfinished_requests():
         engine.step()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_one_requests_token_that_raises_ends_it_and_not_the_engine(monkeypatch, overlap):
+    """An exception while a step handled one request's new token (its tokenizer's decode raised) left the rest of
+    the batch's tokens pending: every later step raised "a pending token without the step that made it" and
+    has_unfinished_requests() stayed true, so a vLLM-style `while has_unfinished_requests(): step()` loop never
+    ended. Now that request ends with finish_reason "error" naming the exception; the others go on unchanged."""
+    eng = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, block_size=4, overlap=overlap))
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    prompts = {"a": [5, 6, 7, 8, 9], "b": [11, 12, 13], "c": list(range(20, 37))}
+
+    def run() -> dict:
+        for rid, ids in prompts.items():
+            eng.add_request(rid, ids, params)
+        done, steps = {}, 0
+        while eng.has_unfinished_requests() and steps < 50:
+            steps += 1
+            done.update({o.request_id: o for o in eng.step() if o.finished})
+        return done
+
+    ref = run()
+    update, raised = eng.detokenizer.update, []
+
+    def failing(seq, stop_token):
+        if seq.request_id == "b" and len(seq.output_token_ids) == 3 and not raised:
+            raised.append(True)
+            raise ValueError("decode failed")
+        return update(seq, stop_token)
+
+    monkeypatch.setattr(eng.detokenizer, "update", failing)
+    done = run()
+    assert raised and sorted(done) == ["a", "b", "c"]
+    assert done["a"].token_ids == ref["a"].token_ids and done["c"].token_ids == ref["c"].token_ids
+    assert done["b"].finish_reason == "error" and "ValueError: decode failed" in done["b"].error
+    assert done["b"].token_ids == ref["b"].token_ids[:3]
+    assert not eng.requests and eng.block_manager.num_used_blocks == 0
+    assert run()["b"].token_ids == ref["b"].token_ids  # the engine goes on
+    eng.close()

@@ -596,8 +596,22 @@ class LLMEngine:
                 seq.output_token_ids.append(token)
             self.block_manager.register_computed(seq)
             if token is not None:
-                outputs.append(self._append_token(seq, token, record, now))
+                try:
+                    outputs.append(self._append_token(seq, token, record, now))
+                except Exception as e:  # this request's token could not be handled (its tokenizer's decode raised):
+                    # it ends with the error; raised, the rest of the batch kept its tokens pending, and every
+                    # later step raised "a pending token without the step that made it"
+                    outputs.append(self._failed_token(seq, e))
         return outputs
+
+    def _failed_token(self, seq: Sequence, e: Exception) -> RequestOutput:
+        """The request whose newest token raised while handled (detokenized, checked): finished, error named."""
+        if not seq.finished:
+            seq.error = f"handling output token {seq.num_generated} raised {type(e).__name__}: {e}"
+            self.scheduler.finish(seq, "error")
+        out = self._output(seq, [])
+        self._forget(seq)
+        return out
 
     def _append_token(self, seq: Sequence, token: int, record: dict | None, now: float) -> RequestOutput:
         if token == NOT_FINITE:
