@@ -77,3 +77,13 @@ class PeftOracle:
 
     def close(self) -> None:
         self.model.unload()
+
+
+def finish_all(engine) -> dict[str, list[int]]:
+    """Step an LLMEngine until nothing is left: {request id: its generated token ids}."""
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.token_ids)
+    return done

@@ -14,7 +14,7 @@ from infer.engine.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine
 from infer.errors import LoRANameError
 
-from lora_helpers import PeftOracle, three_adapters
+from lora_helpers import PeftOracle, finish_all, three_adapters
 
 PROMPT = list(range(5, 45))  # two full blocks of 16: the prefix cache holds them
 N = 6
@@ -29,15 +29,6 @@ def paths(tmp_path_factory):
 def oracle(paths):
     hf, adapters = paths
     return PeftOracle(hf, adapters)
-
-
-def _finish(engine: LLMEngine) -> dict[str, list[int]]:
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = list(out.token_ids)
-    return done
 
 
 def test_a_name_unloaded_while_its_requests_run_can_be_loaded_again_at_once(paths, oracle):
@@ -55,7 +46,7 @@ def test_a_name_unloaded_while_its_requests_run_can_be_loaded_again_at_once(path
         assert engine.list_loras() == ["a"]
         engine.add_request("new", PROMPT, params, lora="a")
         engine.add_request("base", PROMPT, params)
-        done = _finish(engine)
+        done = finish_all(engine)
         assert done["old"] == oracle.greedy("a", PROMPT, N)
         assert done["new"] == oracle.greedy("c", PROMPT, N)  # no block of a's K/V, in a slot swap either
         assert done["base"] == oracle.greedy(None, PROMPT, N)

@@ -9,7 +9,7 @@ from infer import SamplingParams
 from infer.engine.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine
 
-from lora_helpers import PeftOracle, three_adapters
+from lora_helpers import PeftOracle, finish_all, three_adapters
 
 PROMPT = list(range(5, 25))
 N = 6
@@ -24,15 +24,6 @@ def paths(tmp_path_factory):
 def oracle(paths):
     hf, adapters = paths
     return PeftOracle(hf, adapters)
-
-
-def _finish(engine: LLMEngine) -> dict[str, list[int]]:
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = list(out.token_ids)
-    return done
 
 
 def test_requests_without_an_adapter_do_not_wait_behind_one_that_waits_for_a_slot(paths, oracle):
@@ -53,7 +44,7 @@ def test_requests_without_an_adapter_do_not_wait_behind_one_that_waits_for_a_slo
         running = [s.request_id for s in engine.scheduler.running]
         assert running == ["a1", "base", "base2"]  # was ["a1"]
         assert [s.request_id for s in engine.scheduler.waiting] == ["b1", "a2"]  # their order kept
-        done = _finish(engine)
+        done = finish_all(engine)
         for rid, lora, prompt in [("a1", "a", PROMPT), ("b1", "b", PROMPT), ("base", None, PROMPT),
                                   ("a2", "a", PROMPT), ("base2", None, PROMPT[:7])]:
             assert done[rid] == oracle.greedy(lora, prompt, N), rid
