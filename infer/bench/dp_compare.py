@@ -1,4 +1,4 @@
-"""Issue 15's measurement: throughput of 1 and of N engine replicas (Ray actors) on the same requests, side by side.
+"""Data-parallel measurement: throughput of 1 and of N engine replicas (Ray actors) on the same requests, side by side.
 
     python -m infer.bench.dp_compare --model tiny-llama --replicas 1,2 --num-prompts 64 --output-len 64
 
@@ -90,13 +90,13 @@ def _threads(value: str) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="tiny-llama")
+    ap.add_argument("--model", default="tiny-llama", help="model folder, hub id in the local cache, or built-in name")
     ap.add_argument("--replicas", default="1,2", help="comma-separated replica counts, e.g. 1,2,4")
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--input-len", type=int, default=32)
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--device", default="auto")
+    ap.add_argument("--num-prompts", type=int, default=64, help="requests in the workload")
+    ap.add_argument("--input-len", type=int, default=32, help="prompt tokens of each request")
+    ap.add_argument("--output-len", type=int, default=64, help="tokens generated per request (EOS ignored)")
+    ap.add_argument("--max-num-seqs", type=int, default=16, help="sequences in one step, per replica")
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     ap.add_argument("--threads", type=_threads, default=1, help="torch threads per CPU replica (0: an even share of "
                     "the cores); fixed by default so that only the replica count changes")
     ap.add_argument("--ray-address", default=None, help="join this Ray cluster instead of a local runtime")
