@@ -8,9 +8,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .replica import ENGINE_FAILURE
 from .runtime import ReplicaError, _last_line, stop_replicas
 
 DEPTH = 2  # calls queued per replica: while the driver reads one result the replica already runs the next
+MAX_LOST = 2  # a request in flight on this many replicas that stopped is not run again: it may be what stops them
 
 
 @dataclass
@@ -20,6 +22,7 @@ class Work:
     prompt_token_ids: list[int]
     params: object
     lora: str | None
+    lost: int = 0  # replicas that stopped while this request was in flight on them
 
     def wire(self) -> tuple:
         return self.id, self.prompt_token_ids, self.params, self.lora
@@ -69,7 +72,7 @@ class ReplicaPool:
             try:
                 result = self.ray.get(ready[0])
             except self.ray.exceptions.RayError as e:
-                self._lost(r, queue, e)
+                self._lost(r, queue, e, on_rejected)
                 continue
             for rid, reason in result.rejected:
                 item = r.inflight.pop(rid, None)
@@ -100,17 +103,31 @@ class ReplicaPool:
             raise ReplicaError("no engine replica is left to run the remaining requests",
                                "the records written so far are kept: run again with --resume")
 
-    def _lost(self, r: ReplicaState, queue: deque, error: Exception) -> None:
-        """A replica died (or its engine raised): its unfinished requests go back to the front of the queue."""
+    def _lost(self, r: ReplicaState, queue: deque, error: Exception, on_rejected: Callable) -> None:
+        """A replica died (or its engine raised): its unfinished requests go back to the front of the queue. While
+        other replicas live, a request that was in flight on MAX_LOST replicas that stopped is handed back as
+        failed instead (on_rejected): one that crashes the process it runs in would otherwise take every replica
+        down in turn. When none is left nothing is failed: the records missing run again with --resume."""
         r.alive = False
         stop_replicas(self.ray, [r.handle])
         for ref in [ref for ref, owner in self._calls.items() if owner is r]:
             self._calls.pop(ref)
-        queue.extendleft(reversed(list(r.inflight.values())))
-        left = len(self.live())
-        self.notify(f"warning: replica {r.index} stopped ({_last_line(error)}); its {len(r.inflight)} unfinished "
-                    f"request(s) run again on the {left} other replica(s)")
+        items = list(r.inflight.values())
         r.inflight.clear()
+        left = len(self.live())
+        for item in items:
+            item.lost += 1
+        suspects = [item for item in items if item.lost >= MAX_LOST] if left else []
+        again = [item for item in items if not (left and item.lost >= MAX_LOST)]
+        queue.extendleft(reversed(again))
+        self.notify(f"warning: replica {r.index} stopped ({_last_line(error)}); its {len(again)} unfinished "
+                    f"request(s) run again on the {left} other replica(s)"
+                    + (f"; {len(suspects)} in flight on {MAX_LOST} replicas that stopped are written as errors"
+                       if suspects else ""))
+        for item in suspects:
+            on_rejected(item, f"{ENGINE_FAILURE}: the request was in flight on {MAX_LOST} engine replicas that "
+                              f"stopped (the last: {_last_line(error)}); it is not run again, as it may be what "
+                              "stops them")
         if not left:
             raise ReplicaError("every engine replica has stopped", "the records written so far are kept: check the "
                                                                    "warnings above, then run again with --resume")

@@ -4,8 +4,8 @@ stay as they are, and one driver thread decides where each request runs.
 
 The driver thread sends a new request to the replica with the fewest in flight and asks every busy replica for one
 engine step at a time (two calls queued, so a replica never waits for the driver); every output goes to its
-request's asyncio queue. A replica that dies: requests that had no output yet run again on the others, those
-already streaming end with an error.
+request's asyncio queue. A replica that dies: requests that had no output yet run again on the others (unless one was on
+pool.MAX_LOST replicas that stopped: it may be what stops them), those already streaming end with an error.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from ..engine.llm_engine import LLMEngine
 from ..engine.structured import GrammarBackend
 from ..errors import LoRAError, LoRANameError
 from ..serve.async_engine import NO_ENGINE, AsyncEngine, NoEngineError
+from .pool import MAX_LOST
 from .runtime import _last_line, stop_replicas
 
 log = logging.getLogger("infer.serve")
@@ -259,6 +260,14 @@ class RayAsyncEngine(AsyncEngine):
         again = [p for rid, p in r.inflight.items() if rid not in r.started]
         for rid in [rid for rid in r.inflight if rid in r.started]:
             self._fail(rid, "error", f"engine replica {r.index} stopped while this request ran")
+        left = sum(x.alive for x in self.replicas)
+        for p in again:
+            p.lost += 1
+            if left and p.lost >= MAX_LOST:  # with none left every request ends as NO_ENGINE anyway
+                self._fail(p.request_id, "error", f"the request was on {MAX_LOST} engine replicas that stopped (the "
+                                                  f"last: replica {r.index}); it is not run again, as it may be "
+                                                  "what stops them")
+        again = [p for p in again if not (left and p.lost >= MAX_LOST)]
         for rid in list(r.inflight):
             self._owner.pop(rid, None)
         r.inflight, r.new, r.started = {}, [], set()

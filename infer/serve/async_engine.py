@@ -55,6 +55,7 @@ class _Pending:
     lora: str | None
     sink: tuple  # (event loop, asyncio.Queue)
     arrival_time: float  # time.monotonic() when the server accepted it: its metrics count the wait for the loop
+    lost: int = 0  # engine replicas (data parallel) that stopped while this request was on them
 
 
 class AsyncEngine:

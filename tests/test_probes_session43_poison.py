@@ -1,0 +1,143 @@
+"""A request that crashes the process it runs in (a "poison" request) under data parallelism: `infer run --dp` and
+`infer serve --dp` re-ran a dead replica's unfinished requests on the others, so such a request took every replica
+down in turn and the whole run (or server) with it. Now a request that was in flight on pool.MAX_LOST replicas
+that stopped ends as an error while other replicas live; the others still complete, each once.
+
+Replicas are real engines in this process behind a stand-in for the few Ray calls the driver makes (as in
+tests/test_ray_pool.py); the stand-in kills a replica whenever the poison request is on it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from infer.engine.config import EngineConfig
+from infer.engine.sampling_params import SamplingParams
+from infer.parallel.pool import MAX_LOST, ReplicaPool, Work
+from infer.parallel.replica import ENGINE_FAILURE, Replica
+from infer.parallel.runtime import ReplicaError
+
+POISON = "poison"
+
+
+class _Died(Exception):
+    pass
+
+
+class _Ref:
+    def __init__(self, handle, method, args):
+        self.handle, self.method, self.args = handle, method, args
+
+
+class _Method:
+    def __init__(self, handle, name):
+        self.handle, self.name = handle, name
+
+    def remote(self, *args):
+        return _Ref(self.handle, self.name, args)
+
+
+class _Handle:
+    def __init__(self, replica: Replica):
+        self.replica, self.alive, self.ran = replica, True, set()
+        self.step, self.serve_step = _Method(self, "step"), _Method(self, "serve_step")
+
+
+class _Ray:
+    """ray.wait / get / kill over in-process replicas; a replica handed the poison request dies (and stays dead)."""
+
+    class exceptions:
+        RayError = _Died
+        ActorDiedError = _Died
+
+    def __init__(self):
+        self.lock = threading.Lock()
+
+    def wait(self, refs, num_returns=1, timeout=None):
+        return refs[:1], refs[1:]
+
+    def get(self, ref):
+        if isinstance(ref, list):
+            return [self.get(r) for r in ref]
+        with self.lock:
+            h = ref.handle
+            new = ref.args[0] if ref.args else []
+            h.ran.update(w[0] for w in new)
+            if POISON in h.ran:
+                h.alive = False
+            if not h.alive:
+                raise _Died("The actor died unexpectedly before finishing this task.")
+            return getattr(h.replica, ref.method)(*ref.args)
+
+    def kill(self, handle, no_restart=True):
+        handle.alive = False
+
+
+def _replicas(n: int) -> list[Replica]:
+    cfg = EngineConfig("tiny-llama", max_model_len=128, max_num_seqs=3, memory_limit=2 ** 29)
+    return [Replica(cfg) for _ in range(n)]
+
+
+PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+
+def _work() -> list[Work]:
+    work = [Work(f"r{i}", i + 1, [5 + i, 17, 99, 230 + i], PARAMS, None) for i in range(6)]
+    work.insert(1, Work(POISON, 99, [7, 8, 9], PARAMS, None))
+    return work
+
+
+def test_run_a_poison_request_ends_as_an_error_and_the_others_complete():
+    notes, done, failed = [], [], []
+    handles = [_Handle(r) for r in _replicas(3)]
+    pool = ReplicaPool(_Ray(), handles, capacity=3, notify=notes.append)
+    pool.run(_work(), lambda w, out, i: done.append(w.id), lambda w, reason: failed.append((w.id, reason)))
+    assert sorted(done) == [f"r{i}" for i in range(6)], "every other request completes, once"
+    assert [f[0] for f in failed] == [POISON], failed
+    assert failed[0][1].startswith(ENGINE_FAILURE) and f"in flight on {MAX_LOST} engine replicas" in failed[0][1]
+    assert sum(not h.alive for h in handles) == MAX_LOST, "the third replica lives on"
+    assert any("written as errors" in n for n in notes), notes
+
+
+def test_run_with_no_replica_left_fails_nothing_so_resume_reruns_it():
+    """With two replicas both stopped there is no one left: the run stops (ReplicaError) and the requests in flight
+    are not written as errors (an error record is done for --resume, which would never run them again)."""
+    failed = []
+    pool = ReplicaPool(_Ray(), [_Handle(r) for r in _replicas(2)], capacity=3, notify=lambda m: None)
+    with pytest.raises(ReplicaError, match="every engine replica has stopped"):
+        pool.run(_work(), lambda *a: None, lambda w, reason: failed.append(w.id))
+    assert failed == []
+
+
+def test_serve_a_poison_request_fails_alone_and_the_server_keeps_replicas():
+    from infer.parallel.serve_engine import RayAsyncEngine, ReplicaView
+
+    replicas = _replicas(3)
+    handles = [_Handle(r) for r in replicas]
+    engine = replicas[0].engine
+    view = ReplicaView(engine.config, engine.model_path, engine.tokenizer, replicas[0].info())
+    aengine = RayAsyncEngine(_Ray(), handles, [r.info() for r in replicas], view)
+    aengine.start()
+
+    async def one(rid: str, prompt: list[int]):
+        queue = asyncio.Queue()
+        aengine.add(rid, prompt, PARAMS, None, queue)
+        while True:
+            out = await asyncio.wait_for(queue.get(), 60)
+            if out.finished:
+                return out
+
+    async def main():
+        return await asyncio.gather(*[one(w.id, w.prompt_token_ids) for w in _work()])
+
+    try:
+        outs = {o.request_id: o for o in asyncio.run(main())}
+    finally:
+        aengine.shutdown(timeout=5)
+    assert outs[POISON].finish_reason == "error" and f"on {MAX_LOST} engine replicas" in outs[POISON].error
+    for i in range(6):  # one that had streamed on a replica when it stopped ends with that error (not re-run)
+        o = outs[f"r{i}"]
+        assert o.finish_reason == "length" or "stopped while this request ran" in o.error, (o.request_id, o.error)
+    assert sum(r.alive for r in aengine.replicas) == 3 - MAX_LOST
