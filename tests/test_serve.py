@@ -224,7 +224,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {"prompt": "x", "model": 3}, 400, "model"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 9}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"prompt": [100000]}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1] * MAX_LEN}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1] * 100, "max_tokens": MAX_LEN}, 400, "max_tokens"),

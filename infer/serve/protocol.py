@@ -183,10 +183,10 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
     if structured is not None:
         fields["structured_outputs"] = structured
     if not chat and isinstance(fields.get("logprobs"), bool):
-        raise ApiError(400, "field 'logprobs' must be an integer (0..5) for completions", param="logprobs")
-    if not chat and isinstance(fields.get("logprobs"), int) and not 0 <= fields["logprobs"] <= 5:
-        # here, not after SamplingParams, whose own range (0..20, chat's top_logprobs) said otherwise above 20
-        raise ApiError(400, f"logprobs must be in 0..5, got {fields['logprobs']}", param="logprobs")
+        raise ApiError(400, "field 'logprobs' must be an integer (0..20) for completions", param="logprobs")
+    if not chat and isinstance(fields.get("logprobs"), int) and not 0 <= fields["logprobs"] <= 20:
+        # vLLM's range (its max_logprobs, 20), not OpenAI's legacy 0..5: a vLLM client's logprobs 10 was a 400
+        raise ApiError(400, f"logprobs must be in 0..20, got {fields['logprobs']}", param="logprobs")
     if chat and fields.get("logprobs") is not None and not isinstance(fields["logprobs"], bool):
         raise ApiError(400, "field 'logprobs' must be a boolean for chat (use top_logprobs for the count)",
                        param="logprobs")
