@@ -26,9 +26,11 @@ needs_gptqmodel = pytest.mark.skipif(not has_gptqmodel(), reason="needs the quan
 
 
 def make_gptqmodel_checkpoint(src_dir, out_dir, bits: int = 4, group_size: int = 32, desc_act: bool = False,
-                              sym: bool = True, num_samples: int = 8, seq_len: int = 64, seed: int = 0) -> Path:
+                              sym: bool = True, num_samples: int = 8, seq_len: int = 64, seed: int = 0,
+                              **extra) -> Path:
     """Quantize the float model in `src_dir` with GPTQModel's own API into `out_dir` (format "gptq", v1 zero
-    points), calibrating on random token ids. Returns `out_dir`."""
+    points), calibrating on random token ids; `extra`: more QuantizeConfig fields (lm_head, dynamic). Returns
+    `out_dir`."""
     from gptqmodel import GPTQModel, QuantizeConfig
     from gptqmodel.looper import loop_processor
     from gptqmodel.quantization.config import FORMAT
@@ -38,7 +40,7 @@ def make_gptqmodel_checkpoint(src_dir, out_dir, bits: int = 4, group_size: int =
     calib = [{"input_ids": torch.randint(3, vocab, (seq_len,), generator=g).tolist(), "attention_mask": [1] * seq_len}
              for _ in range(num_samples)]
     qcfg = QuantizeConfig(bits=bits, group_size=group_size, desc_act=desc_act, sym=sym, format=FORMAT.GPTQ,
-                          act_group_aware=False if desc_act else None)
+                          act_group_aware=False if desc_act else None, **extra)
     with tempfile.TemporaryDirectory() as work:
         old, loop_processor._PROJECT_LOG_DIR = loop_processor._PROJECT_LOG_DIR, Path(work) / "logs"
         try:
@@ -84,7 +86,9 @@ def dequantized_float_model(float_dir, gptq_dir):
         for name, t in tensors.items():
             if name.endswith(".qweight"):
                 prefix = name[: -len(".qweight")]
-                state[prefix + ".weight"].copy_(dequantize_v1(tensors, prefix, bits))
+                # each layer's own width (GPTQModel's dynamic rules, its 8-bit lm_head): rows = in_features*bits/32
+                width = 32 * t.shape[0] // tensors[prefix + ".g_idx"].numel() if prefix + ".g_idx" in tensors else bits
+                state[prefix + ".weight"].copy_(dequantize_v1(tensors, prefix, width))
             elif name in state:
                 state[name].copy_(t.float())
     return model.eval()

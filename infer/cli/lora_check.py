@@ -99,6 +99,8 @@ def oracle_model(base_path: Path, gptq: bool, engine_model=None):
     cfg = copy.deepcopy(AutoConfig.from_pretrained(base_path, local_files_only=True))
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
+    if getattr(engine_model, "quantized_head", False):  # a GPTQ head is stored on its own, tied or not
+        cfg.tie_word_embeddings = False
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     copy_dequantized(engine_model, model)
     return model

@@ -215,7 +215,13 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, method_for, dtype) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
+        head = method_for(["lm_head"])  # a GPTQ head (GPTQModel's lm_head=True; stored on its own, tied or not)
+        self.quantized_head = head is not None
+        if self.quantized_head:
+            self.tie_word_embeddings = False
+            self.lm_head = MergedLinear(cfg.hidden_size, [cfg.vocab_size], ["lm_head"], False, head, dtype)
+            self.lm_head.lora_target = False  # no adapter slots on the head (LoRAManager)
+        elif not self.tie_word_embeddings:
             self.lm_head = _uninitialized(nn.Linear, cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
             self.lm_head.weight.requires_grad_(False)
         self.register_buffer("packed_head", None, persistent=False)
@@ -261,6 +267,8 @@ class LlamaForCausalLM(nn.Module):
         return self.layers[i].self_attn.query(positions, x, ctx, self.cos_sin), residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.quantized_head:
+            return self.lm_head(hidden).float()
         return cpu_gemm.linear(hidden, self._head_weight(), None, self.packed_head).float()
 
     def _head_weight(self) -> torch.Tensor:
@@ -277,5 +285,6 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = False
 
     def finish_loading(self) -> None:
-        """After the weights are in: the CPU matmul layout of the output head (layers pack their own)."""
-        self.packed_head = cpu_gemm.prepack(self._head_weight().data)
+        """After the weights are in: the CPU matmul layout of a float output head (layers pack their own)."""
+        if not self.quantized_head:
+            self.packed_head = cpu_gemm.prepack(self._head_weight().data)

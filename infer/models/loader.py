@@ -87,6 +87,9 @@ def linear_method_factory(path: Path, cfg):
         raise UnsupportedModelError(f"{path} has a quantization config infer cannot read")
 
     def method_for(names):
+        if names == ["lm_head"]:  # the output head: quantized only where the checkpoint says lm_head (None: float)
+            head = gcfg.for_head()
+            return None if head is None else GPTQLinearMethod(head)
         configs = [gcfg.for_module(n) for n in names]
         quantized = [n for n, c in zip(names, configs) if c is not None]
         if len(quantized) == len(names):

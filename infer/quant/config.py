@@ -55,6 +55,17 @@ class GPTQConfig:
                 return None if negative else replace(self, **dict(overrides))
         return self
 
+    def for_head(self) -> "GPTQConfig | None":
+        """The output head's settings: None unless `lm_head` (GPTQModel's lm_head=True) quantizes it, with the
+        `dynamic` rule that matches "lm_head" applied (GPTQModel 7 writes {"lm_head": {"bits": 8, ...}} by
+        default). modules_in_block_to_quantize names decoder-layer modules only: it does not apply."""
+        if not self.lm_head:
+            return None
+        for pattern, negative, overrides in self.dynamic:
+            if re.match(pattern.removeprefix("-:").removeprefix("+:"), "lm_head"):
+                return None if negative else replace(self, **dict(overrides))
+        return self
+
     def settings(self) -> tuple:
         """What a layer's tensors are read with (shards merged into one matmul must agree on it)."""
         return self.bits, self.group_size, self.desc_act, self.sym
@@ -91,10 +102,7 @@ class GPTQConfig:
         if pack_dtype != "int32":  # GPTQModel can pack into int8/int16/int64 words
             raise UnsupportedModelError(f"{source}: pack_dtype {pack_dtype!r} is not supported",
                                         "infer reads GPTQ weights packed into int32 words (pack_dtype int32)")
-        if d.get("lm_head"):
-            raise UnsupportedModelError(f"{source}: a quantized lm_head is not supported",
-                                        "quantize with lm_head=False")
-        return cls(bits, group, bool(d.get("desc_act", False)), bool(d.get("sym", True)), fmt,
+        return cls(bits, group, bool(d.get("desc_act", False)), bool(d.get("sym", True)), fmt, bool(d.get("lm_head")),
                    modules_in_block_to_quantize=_module_suffixes(d.get("modules_in_block_to_quantize"), source),
                    dynamic=_dynamic(d.get("dynamic"), d, bits, source), source=Path(source).name)
 
@@ -155,8 +163,9 @@ _DYNAMIC_KEYS = {"bits": int, "group_size": int, "desc_act": bool, "sym": bool}
 
 def _dynamic(value, base: dict, bits: int, source: str) -> tuple:
     """GPTQModel's `dynamic` ({"-:regex": {}} leaves the matching modules in float, {"+:regex": {key: value}}
-    overrides their settings) as GPTQConfig.dynamic; other bits per module are refused (one bit width per model), and
-    so is another packing or format than `base`'s (the whole quantization config)."""
+    overrides their settings) as GPTQConfig.dynamic; bits per module may differ (4 or 8: GPTQModel quantizes a
+    quantized lm_head to 8 by default), another packing or format than `base`'s (the whole quantization config) is
+    refused."""
     if not value:
         return ()
     hint = 'e.g. {"-:.*down_proj.*": {}, "+:.*o_proj.*": {"group_size": 64}}'
@@ -180,9 +189,9 @@ def _dynamic(value, base: dict, bits: int, source: str) -> tuple:
             if not negative and key in overrides and overrides[key] != same:
                 raise UnsupportedModelError(f"{source}: dynamic {pattern!r} sets {key} {json.dumps(overrides[key])}",
                                             "infer reads one GPTQ format per model")
-        if kept.get("bits", bits) != bits:
-            raise UnsupportedModelError(f"{source}: dynamic {pattern!r} quantizes its modules to {kept['bits']} bits, "
-                                        f"the others to {bits}", "infer runs one bit width per model")
+        if kept.get("bits", bits) not in SUPPORTED_BITS:  # each layer reads its own width (vLLM's dynamic too)
+            raise UnsupportedModelError(f"{source}: dynamic {pattern!r} quantizes its modules to {kept['bits']} bits",
+                                        "only 4-bit and 8-bit GPTQ are supported")
         group = kept.get("group_size", -1)
         if group != -1 and group < 1:
             raise UnsupportedModelError(f"{source}: dynamic {pattern!r}: group_size {group} is not valid",
