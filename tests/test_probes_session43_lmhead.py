@@ -101,3 +101,56 @@ def test_head_settings_from_the_config():
     assert cfg.for_head() is not None
     with pytest.raises(UnsupportedModelError, match="3 bits"):
         GPTQConfig.from_dict({**base, "dynamic": {"+:.*down_proj": {"bits": 3}}}, "config.json")
+
+
+@needs_gptqmodel
+def test_the_head_runs_in_slices_that_never_take_the_dequantize_path(mixed, monkeypatch):
+    """More rows than HEAD_ROWS (prompt_logprobs, long steps) go through the head in slices, each small enough for
+    the fused int4 kernels: the same logprobs as in one matmul; and the memory plan's dequantize scratch leaves
+    the head out (the checkpoint estimate too, each layer at its own width)."""
+    from infer.memory import checkpoint, sizes
+    from infer.models import llama
+    from infer.models.loader import weight_files
+    assert llama.HEAD_ROWS <= sizes.DEQUANT_MIN_TOKENS
+    params = SamplingParams(max_new_tokens=2, prompt_logprobs=2, ignore_eos=True)
+    whole = LLM(str(mixed), block_size=4, dtype="float32").generate([PROMPTS[1]], params)[0].prompt_logprobs
+    llm = LLM(str(mixed), block_size=4, dtype="float32")
+    monkeypatch.setattr(llama, "HEAD_ROWS", 2)
+    head, rows = llm.engine.runner.model.lm_head, []
+    real = head.forward
+    monkeypatch.setattr(head, "forward", lambda x, ctx=None: (rows.append(len(x)), real(x, ctx))[1])
+    sliced = llm.generate([PROMPTS[1]], params)[0].prompt_logprobs
+    assert rows and max(rows) <= 2 and sum(rows) >= len(PROMPTS[1]) - 1
+    assert sliced == whole
+    model = llm.engine.runner.model
+    layers = [m for m in model.modules() if getattr(m, "qweight", None) is not None and m is not model.lm_head]
+    largest = max(m.qweight.numel() * (32 // m.method.config.bits) for m in layers)
+    assert checkpoint.checkpoint_int4_layer_elements(weight_files(mixed), 4) == largest
+
+
+def test_the_dequantize_scratch_is_sized_without_the_head():
+    from types import SimpleNamespace
+
+    from infer.memory import sizes
+
+    class _Layer(torch.nn.Module):
+        def __init__(self, k: int, n: int, bits: int, head: bool = False):
+            super().__init__()
+            self.qweight = SimpleNamespace(numel=lambda: k * bits // 32 * n, is_cuda=True)
+            self.weight, self.method = None, SimpleNamespace(config=SimpleNamespace(bits=bits))
+            if head:
+                self.output_head = True
+
+    model = torch.nn.Sequential(_Layer(64, 128, 4), _Layer(64, 512, 8, head=True))
+    assert sizes.int4_layer_bytes(model, torch.float16) == 64 * 128 * 2
+
+
+def test_the_checkpoint_estimate_reads_each_layers_width_from_its_g_idx(tmp_path):
+    """A layer at 8 bits in a 4-bit checkpoint holds half the weights a 4-bit reading of its words gives."""
+    from safetensors.torch import save_file
+
+    from infer.memory import checkpoint
+    save_file({"model.layers.0.mlp.down_proj.qweight": torch.zeros(32, 64, dtype=torch.int32),  # K 128 at 8 bits
+               "model.layers.0.mlp.down_proj.g_idx": torch.zeros(128, dtype=torch.int32),
+               "lm_head.qweight": torch.zeros(32, 512, dtype=torch.int32)}, tmp_path / "model.safetensors")
+    assert checkpoint.checkpoint_int4_layer_elements([tmp_path / "model.safetensors"], 4) == 128 * 64

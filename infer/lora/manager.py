@@ -40,7 +40,8 @@ class LoRAManager:
         if max_loras < 1 or max_lora_rank < 1 or (max_cpu_loras is not None and max_cpu_loras < 1):
             raise LoRAError(f"max_loras={max_loras}, max_lora_rank={max_lora_rank}, max_cpu_loras={max_cpu_loras}",
                             "each must be at least 1")
-        linears = [m for m in model.modules() if isinstance(m, MergedLinear) and getattr(m, "lora_target", True)]
+        linears = [m for m in model.modules() if isinstance(m, MergedLinear)
+                   and not getattr(m, "output_head", False)]  # a GPTQ lm_head: adapters never target it
         self.base_config = model.config
         self.base_path, self.base_name = base_path, base_name
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras

@@ -115,14 +115,14 @@ def checkpoint_int4_layer_elements(files: list[Path], bits: int) -> int:
     """Weights of the biggest GPTQ layer the engine builds from these files (q/k/v and gate/up merged), from the
     headers alone: what an int4 prefill on CUDA dequantizes into its scratch (memory.sizes.int4_layer_bytes)."""
     layers: dict[str, int] = {}
+    headers: dict[str, dict] = {}
     for f in files:
-        tensors = (safetensors_header(f) if f.suffix == ".safetensors" else _bin_header(f)) or {}
-        for name, info in tensors.items():
-            if not name.endswith(".qweight"):
-                continue
-            key = _merged_key(name)
-            numel = 1
-            for d in info["shape"]:
-                numel *= d
-            layers[key] = layers.get(key, 0) + numel * (32 // bits)
+        headers.update((safetensors_header(f) if f.suffix == ".safetensors" else _bin_header(f)) or {})
+    for name, info in headers.items():
+        if not name.endswith(".qweight") or name.removeprefix("model.") == "lm_head.qweight":
+            continue  # a GPTQ head takes its rows in fused slices, never the scratch (LlamaForCausalLM.compute_logits)
+        rows, cols = info["shape"]
+        g_idx = headers.get(name.removesuffix("qweight") + "g_idx")  # K itself: a layer may have its own bits
+        key = _merged_key(name)
+        layers[key] = layers.get(key, 0) + cols * (g_idx["shape"][0] if g_idx else rows * (32 // bits))
     return max(layers.values(), default=0)

@@ -67,7 +67,8 @@ def int4_layer_bytes(model, dtype: torch.dtype) -> int:
     """The biggest GPTQ layer that computes through the int4 kernels (on CUDA), dequantized to `dtype`; 0 on CPU
     or without GPTQ layers."""
     sizes = [m.qweight.numel() * (32 // m.method.config.bits) for m in model.modules()
-             if hasattr(m, "qweight") and getattr(m, "weight", None) is None and m.qweight.is_cuda]
+             if hasattr(m, "qweight") and getattr(m, "weight", None) is None and m.qweight.is_cuda
+             and not getattr(m, "output_head", False)]  # a GPTQ head takes its rows in fused slices (compute_logits)
     return max(sizes, default=0) * element_bytes(dtype)
 
 

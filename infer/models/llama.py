@@ -20,6 +20,10 @@ from .registry import check_activation
 from .rope import build_cos_sin_cache
 from .shapes import ModelShapes
 
+# rows of one GPTQ output-head matmul: no more than memory.sizes.DEQUANT_MIN_TOKENS, so the head always runs in the
+# fused int4 kernels and never dequantizes whole into the scratch (which the memory plan does not size for it)
+HEAD_ROWS = 256
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype):
@@ -220,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
         if self.quantized_head:
             self.tie_word_embeddings = False
             self.lm_head = MergedLinear(cfg.hidden_size, [cfg.vocab_size], ["lm_head"], False, head, dtype)
-            self.lm_head.lora_target = False  # no adapter slots on the head (LoRAManager)
+            self.lm_head.output_head = True  # no adapter slots (LoRAManager), no dequantize scratch (memory.sizes)
         elif not self.tie_word_embeddings:
             self.lm_head = _uninitialized(nn.Linear, cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
             self.lm_head.weight.requires_grad_(False)
@@ -267,8 +271,11 @@ class LlamaForCausalLM(nn.Module):
         return self.layers[i].self_attn.query(positions, x, ctx, self.cos_sin), residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.quantized_head:
-            return self.lm_head(hidden).float()
+        if self.quantized_head:  # at most HEAD_ROWS rows a matmul: the fused int4 kernels, never the dequantize
+            # scratch, which would hold the whole head in float (prompt_logprobs and long steps come in slices)
+            if len(hidden) <= HEAD_ROWS:
+                return self.lm_head(hidden).float()
+            return torch.cat([self.lm_head(hidden[i:i + HEAD_ROWS]).float() for i in range(0, len(hidden), HEAD_ROWS)])
         return cpu_gemm.linear(hidden, self._head_weight(), None, self.packed_head).float()
 
     def _head_weight(self) -> torch.Tensor:
