@@ -44,6 +44,18 @@ def prompt_ends_reasoning(prompt_ids: list[int], tokenizer) -> bool:
     return tail.rfind(THINK_END) > tail.rfind(THINK_START)
 
 
+def tags_are_skipped(tokenizer) -> bool:
+    """Whether the tokenizer's <think> or </think> is a special token, which the reply's text (skip_special_tokens)
+    leaves out: the split could not see where the block ends (a fine-tune's tokenizer that added them as special)."""
+    named = set(getattr(tokenizer, "all_special_tokens", ()) or ())
+    try:
+        named.update(t.content for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
+                     if getattr(t, "special", False))
+    except Exception:  # no added-token table to read: the named special tokens
+        pass
+    return THINK_START in named or THINK_END in named
+
+
 def reasoning_request(parser: str | None, body: dict, prompt_ids: list[int], tokenizer,
                       structured=None) -> ReasoningRequest | None:
     """The request's reasoning split (None without --reasoning-parser, where include_reasoning changes nothing, as

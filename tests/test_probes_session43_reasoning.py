@@ -1,0 +1,89 @@
+"""Session 43 probes of --reasoning-parser (serve/reasoning.py) on a tokenizer whose <think> and </think> are added
+tokens of their own, as real reasoning models' are (DeepSeek R1, Qwen3), also marked special (a fine-tune's
+tokenizer that added them with add_special_tokens)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("xgrammar")
+
+from infer.engine.config import EngineConfig  # noqa: E402
+from infer.engine.llm_engine import LLMEngine  # noqa: E402
+from infer.models.tiny import ensure_builtin  # noqa: E402
+from infer.serve.app import Server, serve_in_thread  # noqa: E402
+from infer.serve.async_engine import AsyncEngine  # noqa: E402
+
+MESSAGES = [{"role": "user", "content": "think, then answer"}]
+
+
+def _think_model(path, special: bool) -> str:
+    """tiny-llama with <think> and </think> added to its tokenizer (ids past its vocabulary: the embedding and the
+    head get zero rows for them)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(ensure_builtin("tiny-llama"), path)
+    tok = json.loads((path / "tokenizer.json").read_text())
+    cfg = json.loads((path / "config.json").read_text())
+    first = max([*tok["model"]["vocab"].values(), *(t["id"] for t in tok["added_tokens"])]) + 1
+    for k, tag in enumerate(["<think>", "</think>"]):
+        tok["added_tokens"].append(dict(id=first + k, content=tag, single_word=False, lstrip=False, rstrip=False,
+                                        normalized=False, special=special))
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    weights = load_file(str(path / "model.safetensors"))
+    for name, w in list(weights.items()):
+        if w.dim() == 2 and w.shape[0] == cfg["vocab_size"]:
+            weights[name] = torch.cat([w, w.new_zeros(first + 2 - w.shape[0], w.shape[1])]).contiguous()
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg["vocab_size"] = first + 2
+    (path / "config.json").write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def special_engine(tmp_path_factory):
+    path = _think_model(tmp_path_factory.mktemp("s43") / "think-special", special=True)
+    return LLMEngine(EngineConfig(path, block_size=4, max_num_seqs=4))
+
+
+def _body(reply: str, **extra) -> dict:
+    """A chat body whose reply is forced with a regex (xgrammar writes a tag as its own token)."""
+    return {"messages": MESSAGES, "max_tokens": 40, "temperature": 0, "guided_regex": re.escape(reply), **extra}
+
+
+def _streamed(base: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as s:
+        return [json.loads(line[6:])["choices"][0] for line in s.iter_lines() if line.startswith("data: {")]
+
+
+def _joined(deltas: list[dict], key: str) -> str:
+    return "".join(d["delta"].get(key) or "" for d in deltas)
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+def test_think_tags_that_are_special_tokens_still_split_the_reply(special_engine, parser):
+    """The tags were special tokens, which the reply's text leaves out (skip_special_tokens): the parser saw no
+    </think> and answered everything as reasoning ("abcxyz", content null), whole and streamed. The tags now stay in
+    the text with a reasoning parser (as the hermes tool parser keeps its tags)."""
+    tok = special_engine.tokenizer
+    start, end = tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("</think>")
+    with serve_in_thread(Server(AsyncEngine(special_engine), "think", reasoning_parser=parser)) as base:
+        for reply, want in [("<think>abc</think>xyz", ("abc", "xyz")), ("abc</think>xyz", ("abc", "xyz")),
+                            ("abc</think>", ("abc", None))]:
+            r = httpx.post(f"{base}/v1/chat/completions", json=_body(reply, return_token_ids=True), timeout=120)
+            assert r.status_code == 200, r.text
+            c = r.json()["choices"][0]
+            assert end in c["token_ids"] and (start in c["token_ids"]) == reply.startswith("<think>")  # own tokens
+            assert (c["message"]["reasoning"], c["message"]["content"]) == want, reply
+            deltas = _streamed(base, _body(reply))
+            assert (_joined(deltas, "reasoning"), _joined(deltas, "content")) == (want[0], want[1] or ""), reply
+    # without a parser the reply's text is as before: special tokens left out
+    with serve_in_thread(Server(AsyncEngine(special_engine), "think")) as base:
+        r = httpx.post(f"{base}/v1/chat/completions", json=_body("<think>abc</think>xyz"), timeout=120)
+        assert r.json()["choices"][0]["message"]["content"] == "abcxyz"
