@@ -47,9 +47,13 @@ def _think_model(path, special: bool) -> str:
 
 
 @pytest.fixture(scope="module")
-def special_engine(tmp_path_factory):
-    path = _think_model(tmp_path_factory.mktemp("s43") / "think-special", special=True)
-    return LLMEngine(EngineConfig(path, block_size=4, max_num_seqs=4))
+def special_model(tmp_path_factory):
+    return _think_model(tmp_path_factory.mktemp("s43") / "think-special", special=True)
+
+
+@pytest.fixture(scope="module")
+def special_engine(special_model):
+    return LLMEngine(EngineConfig(special_model, block_size=4, max_num_seqs=4))
 
 
 def _body(reply: str, **extra) -> dict:
@@ -87,3 +91,39 @@ def test_think_tags_that_are_special_tokens_still_split_the_reply(special_engine
     with serve_in_thread(Server(AsyncEngine(special_engine), "think")) as base:
         r = httpx.post(f"{base}/v1/chat/completions", json=_body("<think>abc</think>xyz"), timeout=120)
         assert r.json()["choices"][0]["message"]["content"] == "abcxyz"
+
+
+# ------------------------------------------------------------------------------------------- infer run
+def _line(custom_id: str, reply: str, **body) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": {
+        "messages": MESSAGES, "max_tokens": 40, "temperature": 0, "guided_regex": re.escape(reply), **body}})
+
+
+def test_infer_run_splits_the_reasoning_of_openai_batch_lines(special_model, tmp_path):
+    """vllm run-batch takes --reasoning-parser and writes each chat.completion's message split as the server's;
+    `infer run --reasoning-parser` was "No such option", so a batch of a reasoning model's replies had the think
+    block in the content (or, with special tags, lost). Now it splits as infer serve does, reads a line's
+    include_reasoning and chat_template_kwargs, and is refused (exit 2) without --output-format openai."""
+    from typer.testing import CliRunner
+    from infer.cli.main import app
+    model = special_model
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join([_line("a", "<think>abc</think>xyz"), _line("b", "abc</think>", include_reasoning=False),
+                              _line("c", "abc", chat_template_kwargs={"enable_thinking": False}),
+                              _line("d", "abc", include_reasoning="no")]) + "\n")
+    out = tmp_path / "out.jsonl"
+    res = CliRunner().invoke(app, ["run", model, str(src), "-o", str(out), "-q", "--output-format", "openai",
+                                   "--reasoning-parser", "qwen3"])
+    assert res.exit_code == 1, res.output  # line d is bad
+    recs = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    message = {k: r["response"]["body"]["choices"][0]["message"] for k, r in recs.items() if r["error"] is None}
+    assert (message["a"]["reasoning"], message["a"]["content"]) == ("abc", "xyz")
+    assert (message["b"]["reasoning"], message["b"]["content"]) == (None, None)
+    assert (message["c"]["reasoning"], message["c"]["content"]) == (None, "abc")
+    assert "include_reasoning must be a boolean" in recs["d"]["error"]["message"]
+    res = CliRunner().invoke(app, ["run", model, str(src), "-o", str(tmp_path / "o2.jsonl"), "--reasoning-parser",
+                                   "qwen3"])
+    assert res.exit_code == 2 and "--output-format openai" in res.output
+    res = CliRunner().invoke(app, ["run", model, str(src), "-o", str(tmp_path / "o3.jsonl"), "--output-format",
+                                   "openai", "--reasoning-parser", "granite"])
+    assert res.exit_code == 2 and "deepseek_r1 | qwen3" in res.output

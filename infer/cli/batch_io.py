@@ -390,9 +390,27 @@ class Records:
     engine failed), a null body and, as error, the error object the server answers that request with: {"message",
     "type", "param", "code"} (OpenAI's batch error has code and message; vLLM writes the server's error there)."""
 
-    def __init__(self, fmt: str = "infer", tokenizer=None, lines=(), model: str = ""):
+    def __init__(self, fmt: str = "infer", tokenizer=None, lines=(), model: str = "", reasoning_parser=None):
         self.fmt, self.tokenizer, self.model = fmt, tokenizer, model
         self.requests = {item.id: item.request for item in lines if item.request is not None}
+        self.reasoning = {}  # --reasoning-parser (openai): each chat line's split, as the server's (serve/reasoning.py)
+        if reasoning_parser is not None and fmt == "openai":
+            self._split_reasoning(reasoning_parser)
+
+    def _split_reasoning(self, parser: str) -> None:
+        """Each chat line's ReasoningRequest, read from its body as the server reads it; the think tags stay in the
+        text where they are special tokens (the split needs them). Before the lines are generated."""
+        from dataclasses import replace
+        from ..serve.reasoning import reasoning_request, tags_are_skipped
+        skipped = tags_are_skipped(self.tokenizer)
+        for req_id, request in self.requests.items():
+            if request.openai is None or not request.openai["chat"]:
+                continue
+            split = reasoning_request(parser, request.openai["reasoning"], request.prompt_token_ids, self.tokenizer,
+                                      request.params.structured_outputs)
+            self.reasoning[req_id] = split
+            if skipped and not split.ended:
+                request.params = replace(request.params, skip_special_tokens=False)
 
     def output(self, req_id: str, out) -> dict:
         if self.fmt == "infer":
@@ -405,6 +423,7 @@ class Records:
         req = p.GenerationRequest([request.prompt_token_ids], request.params, info["model"], chat=info["chat"],
                                   return_token_ids=info["return_token_ids"],
                                   asked_prompt_logprobs=request.params.prompt_logprobs)
+        req.reasoning = self.reasoning.get(req_id)
         response = p.WholeResponse(req, self.tokenizer)
         response.add(0, out)
         body = response.body(p.new_id(info["chat"], info["request_id"]), info["model"] or self.model, p.now())

@@ -56,6 +56,10 @@ def run(
                                                "response.body: the server's chat.completion or text_completion), as "
                                                "vllm run-batch writes it; every line must be an OpenAI batch line.",
                                                callback=_check_format)] = "infer",
+    reasoning_parser: Annotated[Optional[str], typer.Option("--reasoning-parser", help="With --output-format openai: "
+                                                            "split a chat line's reasoning from its answer into the "
+                                                            "message's `reasoning`, as infer serve's option (and "
+                                                            "vllm run-batch's): deepseek_r1 | qwen3.")] = None,
     engine: EngineConfig = None,
 ) -> None:
     """Generate a reply for every line of INPUT; records are appended to OUTPUT as requests finish.
@@ -77,7 +81,7 @@ def run(
         raise ConfigError(f"input file {input} does not exist, and MODEL {given} is a file: the two are swapped?",
                           f"MODEL comes first: infer run MODEL INPUT, e.g. infer run {input} {given}")
     _check_paths(input, output, resume, max_new_tokens)
-    options = _output_options(engine, max_new_tokens, output_format)
+    options = _output_options(engine, max_new_tokens, output_format, _reasoning_option(reasoning_parser, output_format))
     resumable = is_regular_target(output)
     with output_lock(output) if resumable else contextlib.nullcontext():  # one run at a time writes a file
         _run_locked(engine, input, output, resume, force_resume, strict, max_new_tokens, quiet, data_parallel,
@@ -132,7 +136,8 @@ def _run_in_process(engine: EngineConfig, input: Path, output: Path | None, defa
     todo, writer, earlier = open_output(lines, output, input, options, resume, resumable)
     try:
         with terminate_as_interrupt():
-            records = Records(output_format, llm.tokenizer, lines, o.base_model_id(str(engine.model)))
+            records = Records(output_format, llm.tokenizer, lines, o.base_model_id(str(engine.model)),
+                              options.get("reasoning_parser"))
             return _generate(llm, todo, writer, quiet, records), earlier
     except KeyboardInterrupt as e:  # every finished record is on disk already: say how to get the rest
         exit_interrupted(e, output, resumable, len(lines), len(todo), writer.count)
@@ -240,7 +245,18 @@ def _first_existing(path: Path) -> Path:
     return path
 
 
-def _output_options(engine: EngineConfig, max_new_tokens: int, output_format: str = "infer") -> dict:
+def _reasoning_option(parser: str | None, output_format: str) -> str | None:
+    """--reasoning-parser: a parser serve's option names; it splits the chat.completion messages of OpenAI output."""
+    from .serve import _reasoning_parser
+    parser = _reasoning_parser(parser)
+    if parser is not None and output_format != "openai":
+        raise ConfigError("--reasoning-parser splits the messages of OpenAI batch output: infer's own records have "
+                          "the reply's text alone", "add --output-format openai (as vllm run-batch writes)")
+    return parser
+
+
+def _output_options(engine: EngineConfig, max_new_tokens: int, output_format: str = "infer",
+                    reasoning_parser: str | None = None) -> dict:
     """The options that change what a run writes: a resumed run must use the same ones."""
     model = Path(engine.model).expanduser()
     return {"model": str(model.resolve()) if model.exists() else engine.model, "dtype": engine.dtype,
@@ -249,7 +265,8 @@ def _output_options(engine: EngineConfig, max_new_tokens: int, output_format: st
             # only when given: outputs written before the option existed resume as they did
             **({"chat_template": "sha256:" + hashlib.sha256(engine.chat_template.encode()).hexdigest()[:16]}
                if engine.chat_template is not None else {}),
-            **({"output_format": output_format} if output_format != "infer" else {})}
+            **({"output_format": output_format} if output_format != "infer" else {}),
+            **({"reasoning_parser": reasoning_parser} if reasoning_parser is not None else {})}
 
 
 def _strict_exit(lines: list) -> None:

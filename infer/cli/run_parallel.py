@@ -51,7 +51,8 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
             todo, writer, earlier = open_output(lines, output, input, options, resume, resumable)
             try:
                 from .options import base_model_id
-                records = Records(output_format, tokenizer, lines, base_model_id(str(engine.model)))
+                records = Records(output_format, tokenizer, lines, base_model_id(str(engine.model)),
+                                  options.get("reasoning_parser"))
                 return _generate(pool, todo, writer, tokenizer, quiet, records), earlier
             except KeyboardInterrupt as e:  # as one engine: every finished record is on disk, say so
                 exit_interrupted(e, output, resumable, len(lines), len(todo), writer.count)

@@ -604,7 +604,11 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
     rid = body.get("request_id")
     if rid is not None and not isinstance(rid, str):
         raise RequestError(f"body.request_id must be a string, got {type(rid).__name__}")
-    fields[_OPENAI_KEY] = {"chat": "messages" in body, "model": body.get("model"),
+    if body.get("include_reasoning") is not None and not isinstance(body["include_reasoning"], bool):
+        raise RequestError(f"body.include_reasoning must be a boolean, got {type(body['include_reasoning']).__name__}")
+    # what --reasoning-parser reads of a chat body (cli/batch_io.py), as the server reads it
+    reasoning = {k: body.get(k) for k in ("include_reasoning", "chat_template_kwargs")}
+    fields[_OPENAI_KEY] = {"chat": "messages" in body, "model": body.get("model"), "reasoning": reasoning,
                            "return_token_ids": body.get("return_token_ids") is True, "request_id": rid or None}
     return fields, req_id, lora, _OPENAI_ALIASES
 
