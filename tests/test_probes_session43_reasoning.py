@@ -127,3 +127,36 @@ def test_infer_run_splits_the_reasoning_of_openai_batch_lines(special_model, tmp
     res = CliRunner().invoke(app, ["run", model, str(src), "-o", str(tmp_path / "o3.jsonl"), "--output-format",
                                    "openai", "--reasoning-parser", "granite"])
     assert res.exit_code == 2 and "deepseek_r1 | qwen3" in res.output
+
+
+# ------------------------------------------------------------------------------------------- reasoning_effort
+QWEN3_LIKE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n[effort={{ reasoning_effort }}]"
+              "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+              "{% endif %}")
+
+
+@pytest.mark.parametrize("effort,kwargs,thinking", [("none", None, False), ("low", None, True),
+                                                    ("none", {"enable_thinking": True}, True), (None, None, True)])
+def test_reasoning_effort_reaches_the_template_as_vllm_passes_it(special_engine, effort, kwargs, thinking):
+    """vLLM passes reasoning_effort to the chat template, and enable_thinking = (reasoning_effort != "none") unless
+    chat_template_kwargs sets it: "none" turns Qwen3's thinking off. infer dropped the field (the model thought, and
+    the qwen3 parser split a reply that was all answer)."""
+    from infer.serve.protocol import parse_chat
+    tok = special_engine.tokenizer
+    body = {"messages": MESSAGES, "chat_template": QWEN3_LIKE, "reasoning_effort": effort,
+            "chat_template_kwargs": kwargs}
+    req = parse_chat(body, tok, 4096, trust_template=True, reasoning_parser="qwen3")
+    prompt = tok.decode(req.prompts[0], skip_special_tokens=False)
+    assert f"[effort={effort or ''}]" in prompt
+    assert prompt.endswith("</think>\n\n") is not thinking
+    assert req.reasoning.ended is not thinking  # the reply is all content when thinking is off
+
+
+def test_a_bad_reasoning_effort_is_refused_naming_it(special_engine):
+    with serve_in_thread(Server(AsyncEngine(special_engine), "think", reasoning_parser="qwen3")) as base:
+        for bad in ["extreme", 3]:
+            r = httpx.post(f"{base}/v1/chat/completions", json=_body("abc", reasoning_effort=bad), timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort", r.text
+        r = httpx.post(f"{base}/v1/chat/completions", json=_body("abc", reasoning_effort="high"), timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["reasoning"] == "abc", r.text

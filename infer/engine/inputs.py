@@ -59,6 +59,8 @@ UNSUPPORTED_OPENAI = {
 # request with a prompt instead of messages has no template, and is refused another value rather than ignoring it
 CHAT_TEMPLATE_FIELDS = {"add_generation_prompt": True, "continue_final_message": False, "chat_template_kwargs": None,
                         "documents": None}
+# vLLM's reasoning_effort values; it reaches the template, with enable_thinking (unless chat_template_kwargs sets it)
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # apply_chat_template's own arguments: in chat_template_kwargs they would change how the text is tokenized (or say
 # what a field of the request says), not what the template renders
 _TEMPLATE_ARGS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -110,6 +112,14 @@ def chat_template_options(body: dict, where: str = "") -> dict:
                                f"send {' and '.join(where + k for k in fields)} as a field of the request itself"
                                if fields else "they are arguments of the tokenization, not variables of the template")
         options.update(kwargs)
+    effort = body.get("reasoning_effort")
+    if effort is not None:  # as vLLM: a variable of the template, and thinking on unless it is "none"
+        if effort not in REASONING_EFFORTS:
+            raise _field_error("reasoning_effort", f"{where}reasoning_effort must be one of "
+                               f"{', '.join(REASONING_EFFORTS)}, got {json.dumps(effort)}")
+        options["reasoning_effort"] = effort
+        if "enable_thinking" not in (kwargs or {}):
+            options["enable_thinking"] = effort != "none"
     return options
 
 
@@ -607,7 +617,7 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
     if body.get("include_reasoning") is not None and not isinstance(body["include_reasoning"], bool):
         raise RequestError(f"body.include_reasoning must be a boolean, got {type(body['include_reasoning']).__name__}")
     # what --reasoning-parser reads of a chat body (cli/batch_io.py), as the server reads it
-    reasoning = {k: body.get(k) for k in ("include_reasoning", "chat_template_kwargs")}
+    reasoning = {k: body.get(k) for k in ("include_reasoning", "chat_template_kwargs", "reasoning_effort")}
     fields[_OPENAI_KEY] = {"chat": "messages" in body, "model": body.get("model"), "reasoning": reasoning,
                            "return_token_ids": body.get("return_token_ids") is True, "request_id": rid or None}
     return fields, req_id, lora, _OPENAI_ALIASES

@@ -66,7 +66,9 @@ def reasoning_request(parser: str | None, body: dict, prompt_ids: list[int], tok
         return None
     include = body.get("include_reasoning") is not False
     kwargs = body.get("chat_template_kwargs") or {}
-    off = PARSERS[parser]["reads_enable_thinking"] and not kwargs.get("enable_thinking", True)
+    # the template's enable_thinking: chat_template_kwargs', else reasoning_effort's (as vLLM passes it)
+    thinking = kwargs["enable_thinking"] if "enable_thinking" in kwargs else body.get("reasoning_effort") != "none"
+    off = PARSERS[parser]["reads_enable_thinking"] and not thinking
     kind = StructuredOutputsParams.of(structured).kind if structured is not None else None
     off = off or kind in ("json", "json_object", "choice")
     return ReasoningRequest(parser, ended=off or prompt_ends_reasoning(prompt_ids, tokenizer), include=include)
