@@ -38,10 +38,13 @@ def chain_hash(prev: bytes | None, token_ids) -> bytes:
 
 def root_hash(seq: Sequence) -> bytes | None:
     """The first link of a sequence's chain: K/V depend on the LoRA adapter, so the adapter (its name and which
-    registration of that name, `Sequence.lora_key`) is part of the key."""
-    if seq.lora is None:
+    registration of that name, `Sequence.lora_key`) is part of the key; and so is the request's cache_salt (vLLM's:
+    only requests of the same salt share blocks)."""
+    salt = seq.params.cache_salt
+    if seq.lora is None and salt is None:
         return None
-    return hashlib.sha256(repr(("lora", seq.lora if seq.lora_key is None else seq.lora_key)).encode()).digest()
+    lora = None if seq.lora is None else (seq.lora if seq.lora_key is None else seq.lora_key)
+    return hashlib.sha256(repr(("lora", lora) if salt is None else ("lora", lora, "salt", salt)).encode()).digest()
 
 
 def block_key(seq: Sequence, i: int, block_size: int) -> bytes:
@@ -176,14 +179,16 @@ class BlockManager:
         child.last_block_hash = self.blocks[parent.block_table[child.num_hashed_blocks - 1]].hash \
             if child.num_hashed_blocks else None
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (blocks in use keep their contents) and the hit counters: a benchmark run
-        then starts as cold as a fresh engine."""
+    def reset_prefix_cache(self, counters: bool = True) -> None:
+        """Forget every cached prefix (blocks in use keep their contents) and, with `counters`, the hit counters: a
+        benchmark run then starts as cold as a fresh engine (LLMEngine.reset_prefix_cache keeps them: they only
+        grow, as /metrics counts them)."""
         for block in self.blocks:
             if block.ref_count == 0:
                 block.hash, block.token_ids = None, None
         self.hash_to_block = {h: b for h, b in self.hash_to_block.items() if self.blocks[b].ref_count > 0}
-        self.prefix_queries = self.prefix_hits = 0
+        if counters:
+            self.prefix_queries = self.prefix_hits = 0
 
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0

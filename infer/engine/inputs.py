@@ -26,7 +26,7 @@ _PARAM_TYPES: dict[str, tuple] = {
     "min_p": (int, float), "min_tokens": (int,), "logit_bias": (dict,), "allowed_token_ids": (list,),
     "include_stop_str_in_output": (bool,), "skip_special_tokens": (bool,), "spaces_between_special_tokens": (bool,),
     "detokenize": (bool,), "truncate_prompt_tokens": (int,),
-    "prompt_logprobs": (int,), "structured_outputs": (dict,), "bad_words": (list,),
+    "prompt_logprobs": (int,), "structured_outputs": (dict,), "bad_words": (list,), "cache_salt": (str,),
 }
 _PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 _OTHER_KEYS = {"id", "lora"}

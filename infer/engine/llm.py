@@ -16,7 +16,7 @@ from typing import Iterator, Sequence as Seq
 from ..errors import ClosedError, RequestError, UnknownOptionError
 from .config import EngineConfig, load_chat_template
 from .inputs import chat_template_options, encode_prompt
-from .llm_engine import LLMEngine, interrupts_held
+from .llm_engine import LLMEngine, interrupts_held, salted_params
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 
@@ -194,6 +194,11 @@ class LLM:
         with self._lock:
             return self._engine().remove_lora(name)
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's LLM.reset_prefix_cache: forget every cached prefix (LLMEngine.reset_prefix_cache)."""
+        with self._lock:
+            return self._engine().reset_prefix_cache()
+
     def list_loras(self) -> list[str]:
         """The adapters requests may name, in the order they were added."""
         manager = self._engine().lora_manager
@@ -247,7 +252,7 @@ class LLM:
                                f"got {type(prompts).__name__}",
                                "decode bytes to text first" if isinstance(prompts, _BYTES) else None)
         n = len(prompts)
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * n
+        params_list = list(params) if isinstance(params, list) else [params or SamplingParams()] * n
         loras = lora if isinstance(lora, list) else [lora] * n
         for what, items in (("SamplingParams", params_list), ("lora", loras)):
             if len(items) != n:
@@ -264,6 +269,7 @@ class LLM:
         encoded = []
         for i, p in enumerate(prompts):
             try:
+                params_list[i] = salted_params(p, params_list[i])  # vLLM's {"prompt...": ..., "cache_salt": ...}
                 encoded.append(self._encode(p, i, params_list[i].truncate_prompt_tokens is not None, template))
             except RequestError as e:
                 if n > 1 and not e.message.startswith(f"prompt {i} "):  # which of the prompts it is
@@ -488,10 +494,11 @@ def _bad_dict(prompt: dict, what: str) -> RequestError:
 def _dict_prompt(prompt: dict, i: int) -> tuple[object, bool]:
     """(the text or token ids of a prompt dict, whether they are token ids); RequestError for keys infer does not
     take (vLLM's multi_modal_data...) or both keys."""
-    other = sorted(set(prompt) - set(_PROMPT_KEYS), key=str)
+    other = sorted(set(prompt) - set(_PROMPT_KEYS) - {"cache_salt"}, key=str)
     if other:
         raise RequestError(f"prompt {i} has {', '.join(map(repr, other))}, which infer does not take",
-                           'give {"prompt": text} or {"prompt_token_ids": [ids]}')
+                           'give {"prompt": text} or {"prompt_token_ids": [ids]} (and "cache_salt", as vLLM)')
+    prompt = {k: v for k, v in prompt.items() if k != "cache_salt"}  # (_submit puts it in the prompt's params)
     if len(prompt) != 1:
         raise RequestError(f"prompt {i} has both prompt and prompt_token_ids", "give one of them")
     key, value = next(iter(prompt.items()))

@@ -79,6 +79,7 @@ def request_inputs(prompt_token_ids, params: SamplingParams | None) -> tuple[lis
         raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}",
                            "e.g. SamplingParams(max_new_tokens=32)")
     if isinstance(prompt_token_ids, dict):  # vLLM's TokensPrompt: {"prompt_token_ids": [...]}
+        params = salted_params(prompt_token_ids, params)
         key, prompt_token_ids = prompt_dict(prompt_token_ids)
         if key == "prompt":
             prompt_token_ids = str(prompt_token_ids)
@@ -104,10 +105,11 @@ def prompt_dict(prompt: dict) -> tuple[str, object]:
     """vLLM's TextPrompt {"prompt": text} or TokensPrompt {"prompt_token_ids": ids} as (its key, its value);
     RequestError for other keys (vLLM's multi_modal_data, mm_processor_kwargs... were dropped without a word: the
     request ran without them), both keys or neither."""
-    other = sorted((k for k in prompt if k not in ("prompt", "prompt_token_ids")), key=str)
+    other = sorted((k for k in prompt if k not in ("prompt", "prompt_token_ids", "cache_salt")), key=str)
     if other:
         raise RequestError(f"the prompt dict has {', '.join(map(repr, other))}, which infer does not take",
-                           'give {"prompt": text} or {"prompt_token_ids": [ids]}')
+                           'give {"prompt": text} or {"prompt_token_ids": [ids]} (and "cache_salt", as vLLM)')
+    prompt = {k: v for k, v in prompt.items() if k != "cache_salt"}  # salted_params reads it
     if len(prompt) != 1:
         raise RequestError("the prompt dict needs one of 'prompt' (text) or 'prompt_token_ids'"
                            + (", not both" if prompt else ""), 'give {"prompt": text} or {"prompt_token_ids": [ids]}')
@@ -116,6 +118,15 @@ def prompt_dict(prompt: dict) -> tuple[str, object]:
         raise RequestError(f"the prompt dict's 'prompt' must be text, got {type(value).__name__}",
                            'give token ids as {"prompt_token_ids": [ids]}')
     return key, value
+
+
+def salted_params(prompt, params: SamplingParams | None) -> SamplingParams | None:
+    """`params` with the cache_salt of vLLM's prompt dict ({"prompt_token_ids": ..., "cache_salt": ...}), if it has
+    one (RequestError for one that is not a non-empty string)."""
+    if not isinstance(prompt, dict) or prompt.get("cache_salt") is None or not isinstance(params, (SamplingParams,
+                                                                                                  type(None))):
+        return params  # (params of another type: refused by the caller's own check)
+    return replace(params if params is not None else SamplingParams(), cache_salt=prompt["cache_salt"])
 
 
 def truncated(prompt_token_ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
@@ -237,6 +248,7 @@ class LLMEngine:
         arrival_time = checked_arrival(arrival_time)
         text = None
         if isinstance(prompt_token_ids, dict):
+            params = salted_params(prompt_token_ids, params)
             key, value = prompt_dict(prompt_token_ids)
             prompt_token_ids = value
             text = value if key == "prompt" else None
@@ -412,6 +424,13 @@ class LLMEngine:
             return 0
         return len({s.request_id for s in self.scheduler.waiting} | {s.request_id for s in self.scheduler.running}
                    | {s.request_id for s in self._aborted} | {o.request_id for o in self._carried if o.finished})
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every cached prefix (the blocks requests still use stay theirs, unshared); the hit counters
+        go on counting. True."""
+        self._check_open()
+        self.block_manager.reset_prefix_cache(counters=False)
+        return True
 
     def has_unfinished_requests(self) -> bool:
         # _carried: outputs of a step completed inside a launch that then failed (the last of a request that

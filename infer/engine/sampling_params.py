@@ -60,6 +60,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     bad_words: list[str] | None = None  # words never generated (vLLM's: their last token is masked after the rest)
     n: int = 1  # samples of the prompt (LLM.generate / LLM.chat: RequestOutput.outputs; sample j draws with seed + j)
+    # vLLM's cache_salt (a prompt dict's key there, and the server's field): requests share prefix-cache blocks only
+    # with requests of the same salt (a tenant cannot learn another's prompts from cache hits)
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -125,6 +128,8 @@ class SamplingParams:
             (len(self.bad_words or ()) <= MAX_BAD_WORDS,
              f"bad_words has {len(self.bad_words or ())} words, more than {MAX_BAD_WORDS}"),
             (self.n is not None and 1 <= self.n <= MAX_N, f"n must be in 1..{MAX_N}, got {self.n}"),
+            (self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),
+             f"cache_salt must be a non-empty string, got {self.cache_salt!r}"[:200]),
             (self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1
              or self.truncate_prompt_tokens == -1,
              f"truncate_prompt_tokens must be at least 1 (or -1: the context length), got "
@@ -136,6 +141,7 @@ class SamplingParams:
         if self.stop and not self.detokenize:  # as vLLM: a stop string is searched for in the text
             raise RequestError("stop strings need the output text, which detokenize=False does not make",
                                "set detokenize=True, or stop on token ids with stop_token_ids")
+        check_text(self.cache_salt, "cache_salt")
         check_text(self.stop, "stop")  # a lone surrogate: the tokenizer's TypeError when bad_words were encoded
         check_text(self.bad_words, "bad_words")
         self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
