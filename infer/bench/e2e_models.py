@@ -47,7 +47,7 @@ def gptq_method_factory(group_size: int = 128):
     except ImportError:
         return None
     config = GPTQConfig(bits=4, group_size=group_size)
-    return lambda names: GPTQLinearMethod(config)
+    return lambda names: None if names == ["lm_head"] else GPTQLinearMethod(config)  # the head stays float
 
 
 def _random_shards(layer, gen_scale: float = 0.02) -> list[tuple[str, int, torch.Tensor]]:
