@@ -9,6 +9,7 @@ tokenizer's chat template when it has one).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -17,6 +18,7 @@ from ..errors import ConfigError, RequestError, read_utf8
 
 BUILTIN_PATH = Path(__file__).parent / "data" / "calibration.txt"
 MIN_WINDOW = 16  # a trailing window shorter than this is dropped
+BLANK_LINE = re.compile(r"\n[ \t]*\n")  # a line holding only spaces or tabs is blank too, as editors show it
 
 Messages = list[dict]
 
@@ -59,7 +61,7 @@ def _read_txt(path: Path) -> list[str]:
     content = read_utf8(path, "calibration file")
     # a Windows editor's file: its byte order mark is no text, and CRLF line ends separate paragraphs as LF ones do
     content = content.removeprefix("\ufeff").replace("\r\n", "\n")
-    blocks = content.split("\n\n") if "\n\n" in content.strip() else content.splitlines()
+    blocks = BLANK_LINE.split(content) if BLANK_LINE.search(content.strip()) else content.splitlines()
     return [b.strip() for b in blocks if b.strip()]
 
 
