@@ -16,3 +16,20 @@ def test_txt_blank_lines_holding_spaces_separate_paragraphs(tmp_path):
     assert calib_mod.read_texts(f) == ["first para\nstill first", "second para\nstill second", "third"]
     f.write_text("a\nb\n\nc\nd\n \ne\n")  # mixed: an empty and a spaces-only blank line
     assert calib_mod.read_texts(f) == ["a\nb", "c\nd", "e"]
+
+
+@pytest.mark.parametrize("name, body, want", [
+    ("TEXTS.TXT", "one\n\ntwo\n", ["one", "two"]),
+    ("Chats.JSONL", '{"text": "alpha"}\n{"prompt": "beta"}\n', ["alpha", "beta"]),
+], ids=["txt", "jsonl"])
+def test_calibration_suffix_in_capitals_is_read(tmp_path, name, body, want):
+    f = tmp_path / name
+    f.write_text(body)
+    assert calib_mod.read_texts(f) == want
+
+
+def test_calibration_other_suffix_still_refused(tmp_path):
+    f = tmp_path / "c.json"
+    f.write_text('{"text": "x"}')
+    with pytest.raises(ConfigError, match="neither .txt nor .jsonl"):
+        calib_mod.read_texts(f)

@@ -38,16 +38,17 @@ def read_texts(path: Path | None, render_chat: Callable[[Messages], str] | None 
     if path is None:
         return _read_txt(BUILTIN_PATH)
     path = Path(path)
+    suffix = path.suffix.lower()  # TEXTS.TXT (a Windows or DOS name) is a .txt file too
     if path.is_dir():
         raise ConfigError(f"calibration file {path} is a directory", "pass a .txt or .jsonl file inside it")
     if not path.is_file():
-        if path.suffix not in (".txt", ".jsonl"):  # "wikitext2", "allenai/c4": GPTQModel's and AutoGPTQ's examples
+        if suffix not in (".txt", ".jsonl"):  # "wikitext2", "allenai/c4": GPTQModel's and AutoGPTQ's examples
             raise ConfigError(f"calibration file {path} does not exist (a dataset name is not read: infer downloads "
                               "nothing)", "save the dataset's texts as a .txt or .jsonl file and pass its path")
         raise ConfigError(f"calibration file {path} does not exist", "pass a .txt or .jsonl file")
-    if path.suffix == ".jsonl":
+    if suffix == ".jsonl":
         texts = _read_jsonl(path, render_chat or _plain_chat)
-    elif path.suffix == ".txt":
+    elif suffix == ".txt":
         texts = _read_txt(path)
     else:
         raise ConfigError(f"calibration file {path} is neither .txt nor .jsonl",
