@@ -33,3 +33,24 @@ def test_calibration_other_suffix_still_refused(tmp_path):
     f.write_text('{"text": "x"}')
     with pytest.raises(ConfigError, match="neither .txt nor .jsonl"):
         calib_mod.read_texts(f)
+
+
+@pytest.mark.parametrize("bits, where", [(8, "config.json"), (8, "quantize_config.json"), (4, "config.json")])
+def test_convert_refusal_names_the_checkpoints_bit_width(tmp_path, bits, where):
+    """--dtype on a GPTQ checkpoint is refused before any tensor is read; the reason names its real packing (an 8-bit
+    checkpoint was said to hold "packed int4" weights)."""
+    import json
+
+    from infer.quant.convert import convert_model
+    src = tmp_path / "gptq"
+    src.mkdir()
+    qc = {"quant_method": "gptq", "bits": bits, "group_size": 32, "desc_act": False, "sym": True}
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    if where == "config.json":
+        config["quantization_config"] = qc
+    else:
+        (src / "quantize_config.json").write_text(json.dumps(qc))
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as e:
+        convert_model(src, tmp_path / "out", dtype="float16")
+    assert e.value.message.endswith(f"its weights are packed int{bits}")

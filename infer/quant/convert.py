@@ -271,7 +271,7 @@ def convert_model(src: Path, out: Path, dtype: str | None = None, merge_lora: Pa
     gptq = is_gptq(src)
     if gptq and (dtype or merge_lora):
         what = "change the dtype of" if dtype else "merge a LoRA adapter into"
-        raise ConfigError(f"cannot {what} the GPTQ checkpoint {src}: its weights are packed int4",
+        raise ConfigError(f"cannot {what} the GPTQ checkpoint {src}: its weights are packed {_gptq_bits(src)}",
                           "convert or merge the float model first, then quantize it with `infer quantize`; "
                           "adapters can be served on top of GPTQ with --lora")
     with staged_output(out, overwrite) as tmp:
@@ -281,6 +281,20 @@ def convert_model(src: Path, out: Path, dtype: str | None = None, merge_lora: Pa
             _save_float(src, tmp, dtype, merge_lora, max_shard_size, check_weights)
         copy_tokenizer_files(src, tmp)
     return Path(out)
+
+
+def _gptq_bits(src: Path) -> str:
+    """What the GPTQ checkpoint's weights are packed as ("int4", "int8"), from its quantization config as infer reads
+    it (config.json's quantization_config, else quantize_config.json); "integers" when the bits cannot be read."""
+    for name, key in (("config.json", "quantization_config"), ("quantize_config.json", None)):
+        try:
+            data = json.loads((Path(src) / name).read_text())
+        except (OSError, ValueError):
+            continue
+        qc = data.get(key) if key and isinstance(data, dict) else data
+        if isinstance(qc, dict) and qc:
+            return f"int{qc['bits']}" if isinstance(qc.get("bits"), int) else "integers"
+    return "integers"
 
 
 def _check_adapter(adapter: Path) -> None:
