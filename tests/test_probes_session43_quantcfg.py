@@ -54,3 +54,27 @@ def test_convert_refusal_names_the_checkpoints_bit_width(tmp_path, bits, where):
     with pytest.raises(ConfigError) as e:
         convert_model(src, tmp_path / "out", dtype="float16")
     assert e.value.message.endswith(f"its weights are packed int{bits}")
+
+
+def test_tilde_in_an_output_or_calibration_path_is_the_home_folder(tmp_path, monkeypatch):
+    """`--output=~/x` (the shell expands no ~ after "=") wrote into a folder named `~` in the current one, and
+    `--calibration=~/c.txt` was "not found", while MODEL's ~ was expanded; both now mean the home folder."""
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    (home / "c.txt").write_text("some calibration text\n\nand another paragraph\n")
+    assert calib_mod.read_texts(Path("~/c.txt")) == ["some calibration text", "and another paragraph"]
+    res = CliRunner().invoke(app, ["convert", "tiny-llama", "--output=~/conv"])
+    assert res.exit_code == 0, res.output
+    assert (home / "conv" / "config.json").is_file() and not (cwd / "~").exists()
+    (home / "q").mkdir()
+    (home / "q" / "notes.txt").write_text("x")
+    res = CliRunner().invoke(app, ["quantize", "tiny-llama", "--output=~/q", "--group-size", "32"])
+    assert res.exit_code == 2 and f"output folder {home / 'q'} is not empty" in " ".join(res.output.split())

@@ -185,13 +185,14 @@ def _check_device(value: str) -> str:
 
 
 def folder_path(value) -> Path:
-    """An output folder option's value as a Path; an empty one (`-o "$UNSET"`) is refused: Path('') is the current
-    folder, which --overwrite would replace."""
+    """An output folder option's value as a Path, `~` expanded (the shell leaves `--output=~/x` as it is, which made a
+    folder named `~` in the current one); an empty one (`-o "$UNSET"`) is refused: Path('') is the current folder,
+    which --overwrite would replace."""
     if isinstance(value, Path):
-        return value
+        return value.expanduser()
     if not str(value).strip():
         raise typer.BadParameter("it is empty; give a folder path")
-    return Path(value)
+    return Path(value).expanduser()
 
 
 def check_ray_address(value: str | None) -> str | None:

@@ -37,7 +37,7 @@ def read_texts(path: Path | None, render_chat: Callable[[Messages], str] | None 
     """The calibration texts of a .txt or .jsonl file, or of the built-in set when `path` is None."""
     if path is None:
         return _read_txt(BUILTIN_PATH)
-    path = Path(path)
+    path = Path(path).expanduser()  # `--calibration=~/texts.txt`: the shell expands no ~ after "="
     suffix = path.suffix.lower()  # TEXTS.TXT (a Windows or DOS name) is a .txt file too
     if path.is_dir():
         raise ConfigError(f"calibration file {path} is a directory", "pass a .txt or .jsonl file inside it")

@@ -259,7 +259,8 @@ def convert_model(src: Path, out: Path, dtype: str | None = None, merge_lora: Pa
     """Write `src` as safetensors into `out`; returns `out`. `check_weights`: the engine loader's checks of a float
     checkpoint against its config.json (models.loader.check_weights, which the CLI passes: quant sits below models),
     run before transformers loads it."""
-    src = Path(src)
+    src, out = Path(src).expanduser(), Path(out).expanduser()  # as `infer run` reads MODEL and --lora reads PATH
+    merge_lora = Path(merge_lora).expanduser() if merge_lora is not None else None
     max_shard_size = parse_shard_size(max_shard_size)  # a bad size fails now, not after loading the model
     if not (src / "config.json").is_file():
         raise ModelLoadError(f"{src} has no config.json", "pass a Hugging Face model folder")

@@ -180,7 +180,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: Qu
     against its config.json (models.loader.check_weights, which the CLI passes: quant sits below models)."""
     opts = options or QuantizeOptions()
     opts.validate()
-    src, out = Path(model).expanduser().resolve(), Path(out).resolve()
+    src, out = Path(model).expanduser().resolve(), Path(out).expanduser().resolve()
     observer = observer or QuantizeObserver()
     check_not_source(src, out, "quantized")
     check_output(out, overwrite)
