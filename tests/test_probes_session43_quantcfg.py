@@ -78,3 +78,25 @@ def test_tilde_in_an_output_or_calibration_path_is_the_home_folder(tmp_path, mon
     (home / "q" / "notes.txt").write_text("x")
     res = CliRunner().invoke(app, ["quantize", "tiny-llama", "--output=~/q", "--group-size", "32"])
     assert res.exit_code == 2 and f"output folder {home / 'q'} is not empty" in " ".join(res.output.split())
+
+
+def test_convert_into_a_git_clone_keeps_its_git_folder(tmp_path):
+    """A Hugging Face repo cloned to push a model holds .git and .gitattributes: writing into it was refused ('not
+    empty', then with --overwrite 'holds no model'), and --overwrite of a clone holding a model deleted its .git
+    (the history, and the LFS settings). Hidden entries are now left as they are and do not count as content."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    repo = tmp_path / "repo"
+    (repo / ".git" / "objects").mkdir(parents=True)
+    (repo / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (repo / ".gitattributes").write_text("*.safetensors filter=lfs diff=lfs merge=lfs -text\n")
+    res = CliRunner().invoke(app, ["convert", "tiny-llama", "-o", str(repo)])
+    assert res.exit_code == 0, res.output
+    assert (repo / "config.json").is_file() and (repo / "model.safetensors").is_file()
+    (repo / "old-notes.txt").write_text("x")  # a model's folder: --overwrite replaces what is not hidden
+    res = CliRunner().invoke(app, ["convert", "tiny-llama", "-o", str(repo), "--overwrite"])
+    assert res.exit_code == 0, res.output
+    assert (repo / ".git" / "HEAD").read_text() == "ref: refs/heads/main\n" and (repo / ".gitattributes").is_file()
+    assert not (repo / "old-notes.txt").exists() and (repo / "config.json").is_file()
+    assert not [p for p in repo.iterdir() if p.name.startswith(".infer-staging-")]

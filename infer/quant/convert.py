@@ -149,9 +149,11 @@ STAGING_PREFIX = ".infer-staging-"  # inside an existing OUTPUT folder (one left
 
 
 def _kept(p: Path) -> bool:
-    """What an existing OUTPUT folder may hold besides a model, left as it is: a staging folder, and the lost+found
-    of a volume's root (an ext4 volume mounted as OUTPUT has one, owned by root: never a model's file)."""
-    return p.name.startswith(STAGING_PREFIX) or p.name == "lost+found" and p.is_dir()
+    """What an existing OUTPUT folder may hold besides a model, left as it is: hidden entries (a staging folder, and a
+    git clone's .git and .gitattributes: a Hugging Face repo cloned to push the model, as transformers' save_pretrained
+    writes into one, and huggingface_hub's .cache of a --local-dir download), and the lost+found of a volume's root (an
+    ext4 volume mounted as OUTPUT has one, owned by root: never a model's file)."""
+    return p.name.startswith(".") or p.name == "lost+found" and p.is_dir()
 
 
 @contextmanager
