@@ -100,3 +100,19 @@ def test_convert_into_a_git_clone_keeps_its_git_folder(tmp_path):
     assert (repo / ".git" / "HEAD").read_text() == "ref: refs/heads/main\n" and (repo / ".gitattributes").is_file()
     assert not (repo / "old-notes.txt").exists() and (repo / "config.json").is_file()
     assert not [p for p in repo.iterdir() if p.name.startswith(".infer-staging-")]
+
+
+def test_run_output_with_a_tilde_is_written_in_the_home_folder(tmp_path, monkeypatch):
+    """`infer run ... --output=~/o.jsonl` (no shell expansion after "=") wrote ./~/o.jsonl, as quantize did."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    (cwd / "p.jsonl").write_text('{"id": "a", "prompt": "hello"}\n')
+    res = CliRunner().invoke(app, ["run", "tiny-llama", "p.jsonl", "--output=~/o.jsonl", "--max-new-tokens", "2"])
+    assert res.exit_code == 0, res.output
+    assert (home / "o.jsonl").is_file() and not (cwd / "~").exists()

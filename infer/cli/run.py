@@ -75,7 +75,7 @@ def run(
         raise ConfigError(f"-o {output} names a directory (it ends with a slash)",
                           "give a file path, e.g. -o out/records.jsonl")
     # "-" is the usual spelling of stdout (a file named "-" is -o ./-)
-    output = None if output is None or output == "-" else Path(output)
+    output = None if output is None or output == "-" else Path(output).expanduser()  # --output=~/o.jsonl: no shell ~
     given = Path(str(engine.model)).expanduser()
     if str(input) != "-" and not input.exists() and given.is_file():  # `infer run prompts.jsonl tiny-llama`
         raise ConfigError(f"input file {input} does not exist, and MODEL {given} is a file: the two are swapped?",
