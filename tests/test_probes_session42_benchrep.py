@@ -40,8 +40,7 @@ def test_the_default_out_folder_of_a_run_started_in_the_same_second_is_another(t
     (tmp_path / "20260101-000000").mkdir()
     (tmp_path / "20260101-000000" / "results.json").write_text("[]")
     out = bench_cli.default_out(tmp_path)
-    assert out == tmp_path / "20260101-000000-2"
-    out.mkdir()
+    assert out == tmp_path / "20260101-000000-2" and out.is_dir()  # made: the next run started gets another
     assert bench_cli.default_out(tmp_path) == tmp_path / "20260101-000000-3"
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import tempfile
@@ -217,14 +218,34 @@ def check_out(out: Path | None) -> None:
 
 
 def default_out(root: Path = Path("bench-results")) -> Path:
-    """The default --out, ROOT/<timestamp>, chosen before anything runs (so check_out sees it): one that exists (a
-    run started in the same second) gets a suffix, <timestamp>-2 and so on, rather than one report over the other."""
+    """The default --out, ROOT/<timestamp>, chosen before anything runs (so check_out sees it) and made at once, so
+    that it is this run's: one that exists (a run started in the same second, by a script that starts several at
+    once, whose folder is otherwise only made when its report is written) gets a suffix, <timestamp>-2 and so on,
+    rather than one report over the other. One that cannot be made is returned for check_out to say why."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    out, k = root / stamp, 1
-    while out.exists():
-        k += 1
-        out = root / f"{stamp}-{k}"
-    return out
+    k = 1
+    while True:
+        out = root / (stamp if k == 1 else f"{stamp}-{k}")
+        try:
+            out.mkdir(parents=True)
+        except FileExistsError:
+            k += 1
+            continue
+        except OSError:
+            pass
+        return out
+
+
+@contextlib.contextmanager
+def removed_if_empty(folder: Path | None):
+    """The default report folder, made before the run, removed again (if still empty) when the run ends early."""
+    try:
+        yield
+    except BaseException:
+        if folder is not None:
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only an empty one: a report written (an interrupted run's) stays
+        raise
 
 
 def report_failures(results: list[dict] | None) -> bool:
@@ -316,22 +337,24 @@ def bench(
         raise ConfigError("--served-model-name is the base model's id on a server, used with --url only",
                           "add --url http://HOST:PORT, or drop --served-model-name")
     check_range_ratio(random_range_ratio, dataset)
+    made = out is None  # the default folder is made now, and removed if the run ends before writing to it
     out = out.expanduser() if out is not None else default_out()  # one folder for every file (pandas expands ~)
-    check_out(out)
-    require_report_libraries()
-    check_sizes(levels, input_len=input_len, output_len=output_len, max_num_seqs=max_num_seqs, max_loras=max_loras)
-    names = mix(lora_names(lora, url), lora_mix)
-    model_id = served_model_name or o.base_model_id(model)
-    from ..bench.plan import BenchPlan
-    plan = BenchPlan(model=model, levels=levels, rate=rate, num_prompts=num_prompts, dataset=dataset,
-                     input_len=input_len, output_len=output_len, range_ratio=random_range_ratio, loras=names,
-                     lora_policy=lora_policy,
-                     url=None if url is None else check_url(url, model_id, names, api_key), model_id=model_id,
-                     api_key=api_key, baseline=baseline, seed=seed, quiet=quiet, goodput=slos,
-                     save_detailed=save_detailed,
-                     out=out)
-    set_target(plan, engine, lora, max_num_seqs, max_loras)
-    run_and_report(plan)
+    with removed_if_empty(out if made else None):
+        check_out(out)
+        require_report_libraries()
+        check_sizes(levels, input_len=input_len, output_len=output_len, max_num_seqs=max_num_seqs, max_loras=max_loras)
+        names = mix(lora_names(lora, url), lora_mix)
+        model_id = served_model_name or o.base_model_id(model)
+        from ..bench.plan import BenchPlan
+        plan = BenchPlan(model=model, levels=levels, rate=rate, num_prompts=num_prompts, dataset=dataset,
+                         input_len=input_len, output_len=output_len, range_ratio=random_range_ratio, loras=names,
+                         lora_policy=lora_policy,
+                         url=None if url is None else check_url(url, model_id, names, api_key), model_id=model_id,
+                         api_key=api_key, baseline=baseline, seed=seed, quiet=quiet, goodput=slos,
+                         save_detailed=save_detailed,
+                         out=out)
+        set_target(plan, engine, lora, max_num_seqs, max_loras)
+        run_and_report(plan)
 
 
 def set_target(plan, engine: EngineConfig, lora: list[str] | None, max_num_seqs: int | None,
