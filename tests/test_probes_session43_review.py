@@ -30,3 +30,13 @@ def test_a_bench_run_that_ends_before_its_report_leaves_no_empty_default_folder(
     result = CliRunner().invoke(app, ["bench", "tiny-llama", "-c", "1", "--num-prompts", "1"])
     assert result.exit_code == 2, result.output
     assert not list((tmp_path / "bench-results").glob("*"))
+
+
+def test_the_request_id_headers_hint_says_infer_makes_no_id_up():
+    """vLLM's --enable-request-id-headers puts an X-Request-Id (a random uuid when the request has none) on every
+    answer; the hint said infer always sends one back, so dropping the option, as told, left a client that sends
+    none without the header it relied on."""
+    result = CliRunner().invoke(app, ["serve", "tiny-llama", "--enable-request-id-headers"])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "makes up none for a request that sends none" in text, result.output

@@ -54,8 +54,9 @@ VLLM_HINTS = {
     "--enable-ssl-refresh": _TLS,
     # vLLM's other server (frontend) options
     "--uds": "infer serve listens on TCP (--host, --port); a proxy in front (nginx, Caddy) can take the Unix socket",
-    "--enable-request-id-headers": "infer serve always sends a request's X-Request-Id header back on its answer; "
-                                   "drop the option",
+    "--enable-request-id-headers": "infer serve always sends a request's X-Request-Id header back on its answer, "
+                                   "but makes up none for a request that sends none (vLLM's option sends a random "
+                                   "one): drop the option, and have the client (or a proxy) send X-Request-Id",
     "--disable-fastapi-docs": "infer serve has no /docs, /redoc or /openapi.json routes; drop the option",
     "--enable-offline-docs": "infer serve has no /docs, /redoc or /openapi.json routes; drop the option",
     "--api-server-count": "infer serve runs one API server process; use --data-parallel N for N engine replicas",
