@@ -29,7 +29,7 @@ def test_a_bench_run_that_ends_before_its_report_leaves_no_empty_default_folder(
     monkeypatch.setattr(plan_mod, "run_plan", fail)
     result = CliRunner().invoke(app, ["bench", "tiny-llama", "-c", "1", "--num-prompts", "1"])
     assert result.exit_code == 2, result.output
-    assert not list((tmp_path / "bench-results").glob("*"))
+    assert not (tmp_path / "bench-results").exists()  # nothing left behind
 
 
 def test_the_request_id_headers_hint_says_infer_makes_no_id_up():

@@ -237,12 +237,13 @@ def default_out(root: Path = Path("bench-results")) -> Path:
 
 
 @contextlib.contextmanager
-def removed_if_empty(folder: Path | None):
-    """The default report folder, made before the run, removed again (if still empty) when the run ends early."""
+def removed_if_empty(folders: list[Path]):
+    """The folders made for the default report before the run (innermost first), removed again (those still empty)
+    when the run ends early."""
     try:
         yield
     except BaseException:
-        if folder is not None:
+        for folder in folders:
             with contextlib.suppress(OSError):
                 folder.rmdir()  # only an empty one: a report written (an interrupted run's) stays
         raise
@@ -337,9 +338,13 @@ def bench(
         raise ConfigError("--served-model-name is the base model's id on a server, used with --url only",
                           "add --url http://HOST:PORT, or drop --served-model-name")
     check_range_ratio(random_range_ratio, dataset)
-    made = out is None  # the default folder is made now, and removed if the run ends before writing to it
-    out = out.expanduser() if out is not None else default_out()  # one folder for every file (pandas expands ~)
-    with removed_if_empty(out if made else None):
+    made = []  # the default folder (and bench-results) made now: removed if the run ends before writing to it
+    if out is None:
+        fresh = not os.path.lexists("bench-results")
+        out = default_out()
+        made = [out, Path("bench-results")] if fresh else [out]
+    out = out.expanduser()  # one folder for every file (pandas expands ~)
+    with removed_if_empty(made):
         check_out(out)
         require_report_libraries()
         check_sizes(levels, input_len=input_len, output_len=output_len, max_num_seqs=max_num_seqs, max_loras=max_loras)
