@@ -40,3 +40,52 @@ def test_the_request_id_headers_hint_says_infer_makes_no_id_up():
     assert result.exit_code == 2, result.output
     text = " ".join(result.output.split())
     assert "makes up none for a request that sends none" in text, result.output
+
+
+def _capped_model(tmp_path, cap: int):
+    import json
+    import shutil
+
+    from infer.models.tiny import ensure_builtin
+    model = tmp_path / "m"
+    shutil.copytree(ensure_builtin("tiny-llama"), model)
+    (model / "generation_config.json").write_text(json.dumps({"max_new_tokens": cap, "temperature": 0}))
+    return model
+
+
+def test_a_max_tokens_past_the_context_is_named_as_asked_not_as_generation_configs_cap(tmp_path):
+    """The server checked the context against max_tokens after generation_config.json's cap (50) had lowered it:
+    a client that sent 100 was told 'max_tokens asks for 50 more', a number it never sent, and one that sent 60
+    with a prompt of 17 and a context of 64 got a 200 (17 + 50 fit), where vLLM checks the client's own number
+    (a 400 'max_tokens ... is too large: 60')."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, create_app
+    from infer.serve.async_engine import AsyncEngine
+    engine = LLMEngine(EngineConfig(str(_capped_model(tmp_path, 40)), max_model_len=64))
+    chat = [{"role": "user", "content": "hi"}]
+    with TestClient(create_app(Server(AsyncEngine(engine), "m"))) as client:
+        r = client.post("/v1/chat/completions", json={"messages": chat, "max_tokens": 100})
+        assert r.status_code == 400 and "max_tokens asks for 100 more" in r.text, r.text
+        prompt = client.post("/tokenize", json={"messages": chat}).json()["count"]
+        asked = 64 - prompt + 1  # past the context by one, while the cap (40) fits
+        assert prompt + 40 <= 64 < prompt + asked
+        r = client.post("/v1/chat/completions", json={"messages": chat, "max_tokens": asked})
+        assert r.status_code == 400 and f"max_tokens asks for {asked} more" in r.text, r.text
+        r = client.post("/v1/chat/completions", json={"messages": chat, "max_tokens": 64 - prompt, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40  # fits: capped at 40
+
+
+def test_a_batch_lines_max_tokens_past_the_context_is_named_as_asked_not_as_the_cap(tmp_path):
+    import json
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"custom_id": "big", "url": "/v1/completions",
+                               "body": {"prompt": "hello there", "max_tokens": 100}}) + "\n")
+    res = CliRunner().invoke(app, ["run", str(_capped_model(tmp_path, 40)), str(src), "-o", str(out),
+                                   "--output-format", "openai", "--max-model-len", "32", "-q"])
+    rec = json.loads(out.read_text())
+    assert res.exit_code == 1, res.output
+    assert rec["response"]["status_code"] == 400 and "body.max_tokens asks for 100 more" in rec["error"]["message"]

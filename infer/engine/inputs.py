@@ -682,6 +682,7 @@ def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = 
     merged = {**defaults, **{k: v for k, v in fields.items() if v is not None}}
     try:
         params = params_from(merged, aliases)
+        asked = params.max_new_tokens  # what the context must hold: the body's own, not generation_config's cap
         cap_max_tokens(params, cap)
     except RequestError as e:
         raise _in_body_words(e, fields.get(_WORDS_KEY)) from None
@@ -702,10 +703,10 @@ def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = 
     if fields.get(_OPENAI_KEY) is not None and max_tokens is not None and params.max_new_tokens is not None:
         keep = params.truncate_prompt_tokens
         size = len(tokens) if keep is None else min(len(tokens), max_tokens if keep == -1 else keep)
-        if length is not None and size + params.max_new_tokens > max_tokens:  # as the server answers it (and vllm
+        if length is not None and size + asked > max_tokens:  # as the server answers it (and vllm
             # run-batch): not a reply the context silently cuts
             raise RequestError(f"this model's maximum context length is {max_tokens} tokens; the prompt has {size} "
-                               f"tokens and body.{length} asks for {params.max_new_tokens} more",
+                               f"tokens and body.{length} asks for {asked} more",
                                f"lower body.{length} to {max(max_tokens - size, 0)} or less, or raise --max-model-len")
         if size + params.min_tokens > max_tokens:  # no max_tokens: a min_tokens the context cannot hold (the server's)
             raise RequestError(f"body.min_tokens ({params.min_tokens}) is more than the {max_tokens - size} tokens "

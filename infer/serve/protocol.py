@@ -105,6 +105,9 @@ class GenerationRequest:
     # the client asked for the reply's length (chat without max_tokens: up to the context, or the generation_config
     # cap, whichever is less, as vLLM's get_max_tokens: the cap is no request the context must hold)
     asked_length: bool = True
+    # the reply's length as the client asked for it, before the generation_config cap (None: params'): what the
+    # context must hold, as vLLM checks it ("max_tokens 100" was refused as "asks for 50", the cap)
+    asked_tokens: int | None = None
 
     def params_for(self, index: int):
         """Choice `index`'s sampling: with n > 1 and a seed, sample j draws with seed + j (as vLLM's parallel
@@ -218,6 +221,7 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
         if str(e).startswith("structured_outputs"):
             raise ApiError(400, _in_words_of(e, source), param=source) from e
         raise bad_request(str(e).replace("max_new_tokens", length)) from e
+    asked_tokens = params.max_new_tokens
     if unsized and chat:
         params.max_new_tokens = None  # as OpenAI: up to the context limit (check_context checks min_tokens)
     try:
@@ -232,7 +236,7 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
     return GenerationRequest([], params, model, stream, include_usage and stream, chat, return_ids,
                              include_usage and continuous and stream, n or 1, echo, prompt_only,
                              asked_prompt_logprobs=asked, structured_field=source, length_field=length,
-                             request_id=request_id, asked_length=not (unsized and chat))
+                             request_id=request_id, asked_length=not (unsized and chat), asked_tokens=asked_tokens)
 
 
 def _truncation(req: GenerationRequest, max_tokens: int | None) -> int | None:
@@ -520,7 +524,7 @@ def detokenize(body: Any, tokenizer, max_token_id: int) -> tuple[str | None, dic
 
 def check_context(req: GenerationRequest, max_model_len: int) -> None:
     """As OpenAI and vLLM: asking for more tokens than the context holds is a 400, not a silent cut."""
-    want = req.params.max_new_tokens if req.asked_length else None
+    want = (req.params.max_new_tokens if req.asked_tokens is None else req.asked_tokens) if req.asked_length else None
     for p in req.prompts:
         if len(p) >= max_model_len:
             raise ApiError(400, f"the prompt has {len(p)} tokens, which leaves no room under this model's maximum "
