@@ -89,3 +89,42 @@ def test_a_batch_lines_max_tokens_past_the_context_is_named_as_asked_not_as_the_
     rec = json.loads(out.read_text())
     assert res.exit_code == 1, res.output
     assert rec["response"]["status_code"] == 400 and "body.max_tokens asks for 100 more" in rec["error"]["message"]
+
+
+def test_a_structured_replys_logprobs_with_bad_words_are_the_same_with_overlapping_steps():
+    """Session 42 made a structured reply's logprobs describe the distribution over the tokens its grammar allows.
+    With overlapping steps (the GPU default) the grammar's mask is filled late, with the bad words' bans in it, so
+    a row with bad_words had their tokens' mass spread over the others: other logprobs than without overlap (vLLM
+    masks bad words after its logprobs are computed). Now both see the grammar alone."""
+    import math
+
+    from infer import SamplingParams
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.engine.structured import StructuredOutputsParams
+
+    def run(overlap: bool, bad: list[str] | None):
+        engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, block_size=4, overlap=overlap))
+        params = SamplingParams(max_tokens=4, temperature=0, logprobs=8, bad_words=bad,
+                                structured_outputs=StructuredOutputsParams(regex="[a-z ]{1,40}"))
+        engine.add_request("r", [5, 6, 7, 8], params)
+        done = None
+        while engine.has_unfinished_requests():
+            done = next((o for o in engine.step() if o.finished), done)
+        tokenizer = engine.tokenizer
+        engine.close()
+        return done.outputs[0], tokenizer
+
+    free, tokenizer = run(False, None)
+    ids = [x["token_id"] for x in free.logprobs[2]["top_logprobs"]
+           if x["token_id"] != free.token_ids[2] and math.isfinite(x["logprob"])]
+    word = next(w for w in (tokenizer.decode([t]).strip() for t in ids)
+                if w and len(tokenizer(w, add_special_tokens=False).input_ids) == 1)
+    plain, _ = run(False, [word])
+    overlapped, _ = run(True, [word])
+    assert overlapped.token_ids == plain.token_ids
+    for a, b in zip(plain.logprobs, overlapped.logprobs):
+        assert a["token_id"] == b["token_id"] and a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
+        assert [x["token_id"] for x in a["top_logprobs"]] == [x["token_id"] for x in b["top_logprobs"]]
+        assert [x["logprob"] for x in a["top_logprobs"]] == pytest.approx([x["logprob"] for x in b["top_logprobs"]],
+                                                                          abs=1e-4)

@@ -149,14 +149,21 @@ def _masks(seqs: list[Sequence], vocab: int, words: bool = True) -> tuple[list[i
     return allowed, free if allowed else [], banned, biased, biases
 
 
-def late_bitmask(seqs: list[Sequence], vocab: int) -> torch.Tensor:
+def late_bitmask(seqs: list[Sequence], vocab: int, words: bool = True) -> torch.Tensor:
     """[len(seqs), ceil(vocab / 32)] int32 on the host, filled once the step before has completed: each row's
     matcher's next tokens (every token for a request without one, or that finished meanwhile: its token is
-    dropped), less the last token of each bad word the reply now ends the rest of (as `_masks` bans it)."""
+    dropped), less (with `words`) the last token of each bad word the reply now ends the rest of (as `_masks` bans
+    it: clear_bad_words)."""
     bitmask = torch.full((len(seqs), -(-vocab // 32)), -1, dtype=torch.int32)
     live = [k for k, s in enumerate(seqs) if s.grammar is not None]
     if live:
         bitmask[live] = fill_bitmask([seqs[k].grammar for k in live], vocab)
+    return clear_bad_words(bitmask, seqs) if words else bitmask
+
+
+def clear_bad_words(bitmask: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """`bitmask` (one row per seq, changed in place and returned) less the last token of each bad word the reply now
+    ends the rest of."""
     rows, tokens = [], []
     for k, s in enumerate(seqs):
         for ids in s.bad_words:
@@ -243,6 +250,7 @@ class SamplingInputs:
                 self.masked = True
         self.floats = floats
         self.idx = self.penalty_counts = self.penalty_values = self.draw_values = self.masks = self.grammar = None
+        self.logprob_grammar = None  # (late rows with bad words and logprobs) the grammar's mask without the words
 
     def _count(self, seqs: list[Sequence], keys: list, vocab: int, pack: Pack, prev):
         """The table's updates for this step's penalised rows, on the host, as flat indices row * vocab + token."""
@@ -307,7 +315,12 @@ class SamplingInputs:
         tokens appended and accepted by the matchers: LLMEngine.step), while this step's forward runs, and queue
         its copy. The model runner calls it between the forward and the sampler."""
         if self._late_rows is not None:
-            self.grammar = (self._ruled_rows, _bitmask_to(late_bitmask(self._late_rows, vocab), device))
+            host = late_bitmask(self._late_rows, vocab, words=False)
+            if any(s.grammar is not None and s.bad_words and s.params.logprobs is not None for s in self._late_rows):
+                # the logprob records see the grammar's mask alone, as without overlap (bad words are masked after
+                # them, as vLLM's sampler does): with the words, a banned token's mass went to the others
+                self.logprob_grammar = (self._ruled_rows, _bitmask_to(host.clone(), device))
+            self.grammar = (self._ruled_rows, _bitmask_to(clear_bad_words(host, self._late_rows), device))
             self._late_rows = None
 
     @classmethod
@@ -397,7 +410,7 @@ class Sampler:
         rows = [i for i, (k, s) in enumerate(zip(ks, seqs)) if k is not None and s.grammar is not None]
         if inputs.grammar is None or not rows:
             return logits
-        masked = apply_bitmask(logits, *inputs.grammar)
+        masked = apply_bitmask(logits, *(inputs.grammar if inputs.logprob_grammar is None else inputs.logprob_grammar))
         if len(rows) == len(seqs):
             return masked
         idx = torch.tensor(rows, device=logits.device)
