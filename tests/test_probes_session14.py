@@ -350,7 +350,7 @@ def test_a_memory_limit_beyond_the_machine_is_refused():
     """--memory-limit 1TB on a 24 GiB machine planned 16,384 x 4,096 tokens and said "fits"."""
     import psutil
     res = _invoke("warmup", "tiny-llama", "--max-length", "4096", "--concurrency", "16384", "--estimate",
-                  "--memory-limit", f"{psutil.virtual_memory().total * 2}")
+                  "--max-num-batched-tokens", "16384", "--memory-limit", f"{psutil.virtual_memory().total * 2}")
     assert res.exit_code == 2 and "is more than this machine's memory" in res.output, res.output
 
 

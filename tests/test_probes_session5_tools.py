@@ -209,7 +209,7 @@ def test_warmup_that_cannot_fit_says_so_without_running_the_worst_case(monkeypat
     from infer.engine import profile
     monkeypatch.setattr(profile, "profile_run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran")))
     res = runner.invoke(app, ["warmup", "tiny-llama", "--max-length", "4096", "--concurrency", "65536", "--json",
-                              "--memory-limit", "2GB"])
+                              "--memory-limit", "2GB", "--max-num-batched-tokens", "65536"])
     assert res.exit_code == 1, res.output
     out = json.loads(res.output.strip().splitlines()[-1])
     assert out["fits"] is False and out["worst_case_run"] is False
@@ -232,7 +232,8 @@ def test_an_engine_whose_batch_sizes_use_the_memory_names_them(tmp_path):
     inp = tmp_path / "in.jsonl"
     inp.write_bytes(_lines({"prompt": "hi", "max_new_tokens": 2}))
     res = runner.invoke(app, ["run", "tiny-llama", str(inp), "-o", str(tmp_path / "o.jsonl"), "-q",
-                              "--max-num-seqs", "65536", "--memory-limit", "1GB"])
+                              "--max-num-seqs", "65536", "--memory-limit", "1GB",
+                              "--max-num-batched-tokens", "65536"])  # a token a sequence at least (session 43)
     assert res.exit_code == 2 and "does not fit" in res.output, res.output
     assert "lower --max-num-seqs (65536) or --max-num-batched-tokens" in " ".join(res.output.split())
 

@@ -173,6 +173,7 @@ def test_random_workloads_keep_invariants_and_finish(lora_model, reqs, block_siz
                                                      max_num_seqs, max_tokens):
     seqs = [_sequence(i, r) for i, r in enumerate(reqs)]
     need = max(-(-s.max_total_len // block_size) for s in seqs)  # the engine refuses a request above the cache
+    max_tokens = max(max_tokens, max_num_seqs)  # the engine refuses fewer tokens a step than sequences (as vLLM)
     w = World(*lora_model, block_size, need + extra_blocks, caching, max_num_seqs, max_tokens)
     step, limit = 0, 40 + 10 * sum(s.max_total_len for s in seqs)
     while step <= 12 or w.sched.has_unfinished():

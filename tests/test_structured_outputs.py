@@ -117,7 +117,7 @@ def test_greedy_tokens_equal_transformers_with_xgrammars_processor(path, llm, co
             assert o.text in spec.choice
 
 
-@pytest.mark.parametrize("engine", [dict(overlap=True), dict(overlap=True, max_num_batched_tokens=8),
+@pytest.mark.parametrize("engine", [dict(overlap=True), dict(overlap=True, max_num_batched_tokens=8, max_num_seqs=8),
                                     dict(overlap=True, num_kv_blocks=24, max_model_len=48, max_num_seqs=8)],
                          ids=["overlap", "chunked-prefill", "preemption"])
 def test_the_same_tokens_with_overlap_chunked_prefill_and_preemption(path, compiler, engine):

@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..engine.config import ENGINE, LORA, RANGES, EngineConfig, parse_loras
+from ..engine.config import ENGINE, LORA, RANGES, EngineConfig, batched_tokens_below_seqs, parse_loras
 from ..errors import ConfigError, read_utf8
 from . import options as o
 
@@ -372,8 +372,11 @@ def set_target(plan, engine: EngineConfig, lora: list[str] | None, max_num_seqs:
         if max(plan.levels) > most:
             raise ConfigError(f"--concurrency {max(plan.levels)} is more than the engine runs at once ({most})",
                               f"give levels up to {most}, or bench a server with --url")
-        plan.engine = replace(engine, seed=plan.seed, loras=lora or [],
-                              max_num_seqs=max(max_num_seqs or 1, max(plan.levels)),
+        seqs = max(max_num_seqs or 1, max(plan.levels))
+        if engine.max_num_batched_tokens < seqs:  # named as given: the largest level sets the sequences by default
+            raise ConfigError(*batched_tokens_below_seqs(engine.max_num_batched_tokens, seqs, "--max-num-seqs" if
+                                                         max_num_seqs else "the largest --concurrency"))
+        plan.engine = replace(engine, seed=plan.seed, loras=lora or [], max_num_seqs=seqs,
                               max_loras=max_loras or max(4, len(plan.loras)))
     else:
         plan.dtype, plan.device, plan.chat_template = engine.dtype, engine.device, engine.chat_template

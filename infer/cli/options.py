@@ -132,6 +132,9 @@ def engine_options(exclude: tuple[str, ...] = ()):
             if "chat_template" in values:  # the command line's text, as vLLM reads it (escapes decoded)
                 values["chat_template"] = command_line_template(values["chat_template"])
             model = kwargs["model"] if "model" in kwargs else args[0]
+            if "max_num_seqs" in exclude and "max_num_batched_tokens" in values:  # the command sets its own (warmup's
+                # --concurrency) and checks it against the tokens: the default's 64 is no conflict of the user's
+                values["max_num_seqs"] = min(default("max_num_seqs"), values["max_num_batched_tokens"])
             kwargs["engine"] = EngineConfig(model=model, **values)
             return fn(*args, **kwargs)
 

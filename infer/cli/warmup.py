@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from ..engine.config import EngineConfig
+from ..engine.config import EngineConfig, batched_tokens_below_seqs
+from ..errors import ConfigError
 from . import options as o
 
 
@@ -37,6 +38,9 @@ def warmup(
     from .warmup_plan import default_length, estimate_plan, measured_plan
     if max_length is None:  # a model of a shorter context was refused for a --max-length it was not given
         max_length = default_length(engine)
+    if engine.max_num_batched_tokens < concurrency:  # named as warmup spells it (--max-num-seqs is its alias)
+        raise ConfigError(*batched_tokens_below_seqs(engine.max_num_batched_tokens, concurrency,
+                                                     "--concurrency/--max-num-seqs"))
     engine_config = replace(engine, max_num_seqs=concurrency, max_model_len=max_length)
     plan, extra = (estimate_plan if estimate else measured_plan)(engine_config, max_length, concurrency)
     if as_json:

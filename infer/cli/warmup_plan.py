@@ -55,8 +55,10 @@ def _formula(engine_config: EngineConfig, model_config, dtype, concurrency: int,
     default --max-num-batched-tokens) reserves: a step, the CUDA graphs' pool, and the scratch an int4 prefill
     dequantizes its biggest layer into (`int4_layer` bytes, memory.sizes.int4_layer_bytes) when steps can take
     that path, as the engine's start reserves it (memory.plan.start_activation_bytes)."""
-    cfg = replace(engine_config, max_num_seqs=concurrency, max_model_len=max_length,
-                  max_num_batched_tokens=tokens or engine_config.max_num_batched_tokens)
+    # an engine of more sequences than its step's tokens is refused (EngineConfig): a figure for one (the room for
+    # more sequences) is for the least token budget such an engine takes, one token a sequence
+    tokens = max(tokens or engine_config.max_num_batched_tokens, concurrency)
+    cfg = replace(engine_config, max_num_seqs=concurrency, max_model_len=max_length, max_num_batched_tokens=tokens)
     step = step_tokens(cfg.max_num_batched_tokens, concurrency, max_length)
     return activation_bytes(model_config, dtype, step, concurrency, max_length, rank) \
         + cuda_graph_bytes(cfg, model_config, dtype) \
@@ -83,10 +85,10 @@ def _blocks_at(plan: MemoryPlan, engine_config: EngineConfig, model_config, dtyp
 def _fitting_tokens(plan: MemoryPlan, blocks_at, tokens: int) -> int | None:
     """When `plan` does not fit: the largest --max-num-batched-tokens below `tokens` with which it does (smaller
     steps, prefills in more chunks), or None if none does."""
-    need = plan.concurrency * plan.blocks_for(plan.max_length)
-    if plan.fits or tokens <= 1 or blocks_at(plan.concurrency, plan.max_length, 1) < need:
+    need, least = plan.concurrency * plan.blocks_for(plan.max_length), plan.concurrency  # a token a sequence at least
+    if plan.fits or tokens <= least or blocks_at(plan.concurrency, plan.max_length, least) < need:
         return None
-    lo, hi = 1, tokens - 1
+    lo, hi = least, tokens - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if blocks_at(plan.concurrency, plan.max_length, mid) >= need else (lo, mid - 1)

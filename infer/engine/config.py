@@ -256,8 +256,8 @@ class EngineConfig:
                               f"a unit counts bytes", f"give the unit, e.g. --memory-limit {str(limit).strip()}GB")
         self.loras = parse_loras(self.loras)
         self.chat_template = load_chat_template(self.chat_template)
-        for msg in self._problems():
-            raise ConfigError(msg)  # the CLI adds "see `infer <the command> --help`" to an error without a hint
+        for msg in self._problems():  # the CLI adds "see `infer <the command> --help`" to an error without a hint
+            raise ConfigError(*msg) if isinstance(msg, tuple) else ConfigError(msg)  # msg: a message or (it, hint)
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"--device {self.device} was asked but no CUDA GPU is visible", "use --device cpu")
         if self.device.startswith("cuda:") and int(self.device[5:]) >= torch.cuda.device_count():
@@ -276,6 +276,9 @@ class EngineConfig:
             elif value is not None and (value < lo or (hi is not None and value > hi)):
                 bound = f"in {lo}..{hi}" if hi is not None else f"at least {lo}"
                 yield f"{flag_of(name)} must be {bound}, got {value}"
+        tokens, seqs = self.max_num_batched_tokens, self.max_num_seqs
+        if isinstance(tokens, int) and isinstance(seqs, int) and tokens < seqs:
+            yield batched_tokens_below_seqs(tokens, seqs)
         for name in BOOLS:
             value = getattr(self, name)
             if not isinstance(value, bool) and not (value is None and name in OPTIONAL):
@@ -330,6 +333,15 @@ class EngineConfig:
         """The most tokens of a step the piecewise graphs take (0: none): --cuda-graph-max-tokens, at most a step's
         token budget."""
         return min(self.cuda_graph_max_tokens, self.max_num_batched_tokens)
+
+
+def batched_tokens_below_seqs(tokens: int, seqs: int, seqs_flag: str = "--max-num-seqs") -> tuple[str, str]:
+    """(message, hint) for a step's token budget below its sequences (vLLM's SchedulerConfig refuses it): a step that
+    runs max_num_seqs decodes needs a token for each. Long prefills are always chunked, so that is the only bound
+    (vLLM's other one, max_model_len, is for chunked prefill off). `seqs_flag`: the option that set the sequences."""
+    return (f"--max-num-batched-tokens ({tokens:,}) is below {seqs_flag} ({seqs:,}): a step must have room for one "
+            f"decode token of every sequence it runs (vLLM refuses it too)",
+            f"raise --max-num-batched-tokens to {seqs:,} or more, or lower {seqs_flag} to {tokens:,} or less")
 
 
 def _field_default(name: str):

@@ -1,0 +1,68 @@
+"""Probes of session 43 (gaps): option pairs vLLM refuses, /detokenize's bound, errors that name the flag typed, the
+order of the context check and generation_config's cap, request ids that are not strings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from infer.cli.main import app
+from infer.engine.config import EngineConfig
+from infer.errors import ConfigError
+
+runner = CliRunner()
+
+
+def _said(res) -> str:
+    return " ".join(res.output.split())
+
+
+# ------------------------------------------------------------------ --max-num-batched-tokens below --max-num-seqs
+def test_fewer_batched_tokens_than_sequences_is_refused_naming_both():
+    """vLLM's SchedulerConfig refuses max_num_batched_tokens < max_num_seqs (infer always chunks prefills, so that is
+    its only bound); infer took it, and a step could not give every running sequence its decode token."""
+    with pytest.raises(ConfigError, match=r"--max-num-batched-tokens \(4\) is below --max-num-seqs \(8\)") as e:
+        EngineConfig("tiny-llama", max_num_batched_tokens=4, max_num_seqs=8)
+    assert "raise --max-num-batched-tokens to 8 or more, or lower --max-num-seqs to 4" in e.value.hint
+    assert EngineConfig("tiny-llama", max_num_batched_tokens=8, max_num_seqs=8).max_num_seqs == 8
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_run_and_serve_refuse_fewer_batched_tokens_than_sequences(tmp_path, command, monkeypatch):
+    monkeypatch.setattr("infer.cli.serve._serve", lambda *a, **kw: pytest.fail("the server started"))
+    (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt": "hi"}\n')
+    argv = ["run", "tiny-llama", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl")] \
+        if command == "run" else ["serve", "tiny-llama", "--port", "0"]
+    res = runner.invoke(app, [*argv, "--max-num-batched-tokens", "4", "--max-num-seqs", "8"])
+    assert res.exit_code != 0 and "--max-num-batched-tokens (4) is below --max-num-seqs (8)" in _said(res), res.output
+
+
+def test_warmup_names_its_concurrency_and_takes_a_budget_of_its_own_size():
+    res = runner.invoke(app, ["warmup", "tiny-llama", "--estimate", "--max-num-batched-tokens", "8",
+                              "--concurrency", "16"])
+    assert res.exit_code == 2 and "is below --concurrency/--max-num-seqs (16)" in _said(res), res.output
+    # --max-num-batched-tokens below the engine's default --max-num-seqs (64), which warmup does not use: fits, and
+    # the room figures above the asked concurrency (engines of more sequences than 32 tokens) are still worked out
+    res = runner.invoke(app, ["warmup", "tiny-llama", "--estimate", "--max-num-batched-tokens", "32",
+                              "--concurrency", "4", "--max-length", "256", "--json"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.output.strip().splitlines()[-1])
+    assert plan["fits"] and plan["max_concurrency_at_max_length"] >= 4
+
+
+def test_warmups_fitting_token_budget_is_never_below_its_concurrency():
+    res = runner.invoke(app, ["warmup", "tiny-llama", "--estimate", "--memory-limit", "13MiB", "--concurrency", "2",
+                              "--json"])
+    assert res.exit_code == 1, res.output
+    tokens = json.loads(res.output.strip().splitlines()[-1])["fitting_batched_tokens"]
+    assert tokens is None or tokens >= 2
+
+
+def test_bench_names_the_largest_concurrency_that_set_the_sequences():
+    res = runner.invoke(app, ["bench", "tiny-llama", "-c", "8", "--max-num-batched-tokens", "4", "--num-prompts",
+                              "2"])
+    assert res.exit_code == 2, res.output
+    assert "--max-num-batched-tokens (4) is below the largest --concurrency (8)" in _said(res), res.output
+
