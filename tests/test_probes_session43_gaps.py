@@ -66,3 +66,46 @@ def test_bench_names_the_largest_concurrency_that_set_the_sequences():
     assert res.exit_code == 2, res.output
     assert "--max-num-batched-tokens (4) is below the largest --concurrency (8)" in _said(res), res.output
 
+
+# ------------------------------------------------------------------------ /detokenize of the padded vocab's ids
+@pytest.fixture(scope="module")
+def padded_model(tmp_path_factory):
+    """tiny-llama's 512 embedding rows under a tokenizer of 300 tokens (as a model whose vocab_size is padded past
+    its tokenizer's length, e.g. Qwen's)."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from infer.models.tiny import ensure_builtin
+    path = tmp_path_factory.mktemp("padded") / "tiny-padded"
+    shutil.copytree(ensure_builtin("tiny-llama"), path)
+    for f in list(path.glob("tokenizer*")) + list(path.glob("special_tokens_map.json")):
+        f.unlink()
+    vocab = {"<eos>": 0, **{f"w{i}": i for i in range(1, 300)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>").save_pretrained(path)
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((path / name).read_text())
+        (path / name).write_text(json.dumps({**cfg, "eos_token_id": 0}))
+    return str(path)
+
+
+def test_detokenize_decodes_ids_of_the_models_padded_vocab(padded_model):
+    """/detokenize refused an id inside the model's vocab_size (one /v1/completions takes in a prompt, and the model
+    can produce) for being past the tokenizer's length; vLLM decodes what it can. Past vocab_size: still a 400."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    engine = LLMEngine(EngineConfig(padded_model, max_model_len=64, max_num_seqs=2, block_size=4))
+    assert engine.model_config.vocab_size == 512 and len(engine.tokenizer) == 300
+    with serve_in_thread(Server(AsyncEngine(engine, max_queue=8), "tiny")) as base:
+        plain = httpx.post(f"{base}/detokenize", json={"tokens": [5, 6]})
+        padded = httpx.post(f"{base}/detokenize", json={"tokens": [5, 400, 511, 6]})
+        assert plain.status_code == 200 and padded.status_code == 200, padded.text
+        assert padded.json()["prompt"] == plain.json()["prompt"] == "w5 w6"
+        outside = httpx.post(f"{base}/detokenize", json={"tokens": [5, 512]})
+        assert outside.status_code == 400 and "tokens[1] = 512 is outside the vocabulary (0..511)" in outside.text

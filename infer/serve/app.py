@@ -84,7 +84,8 @@ class Server:
                                 defaults=self.sampling_defaults, grammars=self.engine.grammars,
                                 tool_parser=tool_parser, reasoning_parser=reasoning_parser,
                                 trust_template=trust_request_chat_template,
-                                bad_words=getattr(self.engine, "bad_word_ids", None), max_prompts=aengine.capacity())
+                                bad_words=getattr(self.engine, "bad_word_ids", None), max_prompts=aengine.capacity(),
+                                vocab_size=self.engine.model_config.vocab_size)
 
     def stats(self) -> dict:
         return {**self.aengine.stats, "num_in_flight": self.aengine.num_in_flight(),

@@ -70,19 +70,25 @@ def max_token_id(tokenizer) -> int:
 
 
 def detokenize_body(raw: bytes, tokenizer, limits: BodyLimits, pool: "ParsePool") -> tuple[str | None, dict]:
+    """POST /detokenize's body -> (model, response): ids of the model's vocab_size (padded past the tokenizer's
+    length: ids the model can produce, which /v1/completions takes as a prompt) and of the tokenizer (an added token
+    past vocab_size) are decoded, as vLLM bounds them."""
     body = load_json(raw, limits.max_json_depth)
     check_values(body)
     if pool.max_token_id is None:  # once: get_vocab builds the whole vocabulary
         pool.max_token_id = max_token_id(tokenizer)
-    return p.detokenize(body, tokenizer, pool.max_token_id)
+    known = pool.max_token_id
+    bound = known if pool.vocab_size is None else max(known, pool.vocab_size - 1)
+    return p.detokenize(body, tokenizer, bound, known)
 
 
 class ParsePool:
     def __init__(self, tokenizer, limits: BodyLimits, threads: int = PARSE_THREADS, max_tokens: int | None = None,
                  defaults: dict | None = None, grammars=None, tool_parser: str | None = None,
                  reasoning_parser: str | None = None, trust_template: bool = False, bad_words=None,
-                 max_prompts: int | None = None):
+                 max_prompts: int | None = None, vocab_size: int | None = None):
         self.tokenizer, self.limits, self.max_tokens, self.defaults = tokenizer, limits, max_tokens, defaults
+        self.vocab_size = vocab_size  # the model's (config.json): /detokenize's bound
         self.grammars, self.tool_parser, self.reasoning_parser = grammars, tool_parser, reasoning_parser
         self.trust_template, self.bad_words, self.max_prompts = trust_template, bad_words, max_prompts
         self.max_token_id: int | None = None

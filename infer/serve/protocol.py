@@ -498,9 +498,11 @@ def tokenize(body: Any, tokenizer, max_model_len: int, trust_template: bool = Fa
                    "token_strs": tokenizer.convert_ids_to_tokens(ids) if strs else None}
 
 
-def detokenize(body: Any, tokenizer, max_token_id: int) -> tuple[str | None, dict]:
+def detokenize(body: Any, tokenizer, max_token_id: int, known_id: int | None = None) -> tuple[str | None, dict]:
     """(model, response) of vLLM's POST /detokenize: `tokenizer.decode(tokens)`, special tokens kept; an id outside
-    the tokenizer's vocabulary (0..max_token_id, vLLM's bound) is a 400 naming `tokens`."""
+    the vocabulary (0..max_token_id: the model's, which may be padded past the tokenizer's, as vLLM's bound) is a 400
+    naming `tokens`. An id the tokenizer does not know (above `known_id`, an embedding row of the padding) decodes
+    to nothing, as vLLM decodes what it can."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     model = _expect(body, "model", (str,), "a string")
@@ -515,6 +517,8 @@ def detokenize(body: Any, tokenizer, max_token_id: int) -> tuple[str | None, dic
             raise ApiError(400, f"tokens[{i}] must be an integer token id, got {type(t).__name__}", param="tokens")
         if not 0 <= t <= max_token_id:
             raise ApiError(400, f"tokens[{i}] = {t} is outside the vocabulary (0..{max_token_id})", param="tokens")
+    if known_id is not None and known_id < max_token_id:
+        tokens = [t for t in tokens if t <= known_id]
     try:
         return model, {"prompt": tokenizer.decode(tokens)}
     except Exception as e:
