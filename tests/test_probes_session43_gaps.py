@@ -42,7 +42,7 @@ def test_run_and_serve_refuse_fewer_batched_tokens_than_sequences(tmp_path, comm
 def test_warmup_names_its_concurrency_and_takes_a_budget_of_its_own_size():
     res = runner.invoke(app, ["warmup", "tiny-llama", "--estimate", "--max-num-batched-tokens", "8",
                               "--concurrency", "16"])
-    assert res.exit_code == 2 and "is below --concurrency/--max-num-seqs (16)" in _said(res), res.output
+    assert res.exit_code == 2 and "is below --concurrency (16)" in _said(res), res.output
     # --max-num-batched-tokens below the engine's default --max-num-seqs (64), which warmup does not use: fits, and
     # the room figures above the asked concurrency (engines of more sequences than 32 tokens) are still worked out
     res = runner.invoke(app, ["warmup", "tiny-llama", "--estimate", "--max-num-batched-tokens", "32",
@@ -109,3 +109,29 @@ def test_detokenize_decodes_ids_of_the_models_padded_vocab(padded_model):
         assert padded.json()["prompt"] == plain.json()["prompt"] == "w5 w6"
         outside = httpx.post(f"{base}/detokenize", json={"tokens": [5, 512]})
         assert outside.status_code == 400 and "tokens[1] = 512 is outside the vocabulary (0..511)" in outside.text
+
+
+# -------------------------------------------------------------------------- an error names the flag as typed
+@pytest.mark.parametrize("typed", ["--max-length", "--max-model-len"])
+def test_warmups_length_past_the_context_is_named_as_typed(typed):
+    """`infer warmup --max-model-len 99999` was told "--max-length 99999 is above the model's context"."""
+    res = runner.invoke(app, ["warmup", "tiny-llama", "--estimate", typed, "99999"])
+    assert res.exit_code == 2, res.output
+    other = {"--max-length", "--max-model-len"} - {typed}
+    assert f"{typed} 99999 is above the model's context of 4096" in _said(res) and other.pop() not in res.output
+    assert f"use {typed} 4096 or less" in _said(res)
+
+
+def test_warmups_sequences_are_named_as_typed_and_both_spellings_must_agree():
+    res = runner.invoke(app, ["warmup", "tiny-llama", "--estimate", "--max-num-batched-tokens", "8",
+                              "--max-num-seqs", "16"])
+    assert res.exit_code == 2 and "is below --max-num-seqs (16)" in _said(res), res.output
+    res = runner.invoke(app, ["warmup", "tiny-llama", "--estimate", "--max-length", "100", "--max-model-len", "200"])
+    assert res.exit_code == 2 and "--max-length 100 and --max-model-len 200" in _said(res), res.output  # was: 200
+    res = runner.invoke(app, ["warmup", "tiny-llama", "--estimate", "--concurrency", "4", "--max-num-seqs", "3"])
+    assert res.exit_code == 2 and "--concurrency 4 and --max-num-seqs 3" in _said(res), res.output
+    res = runner.invoke(app, ["warmup", "tiny-llama", "--estimate", "--max-model-len", "128", "--max-num-seqs", "3",
+                              "--json"])
+    plan = json.loads(res.output.strip().splitlines()[-1])
+    assert res.exit_code == 0 and (plan["max_length"], plan["concurrency"]) == (128, 3), res.output
+

@@ -16,14 +16,18 @@ from . import options as o
 @o.engine_options(exclude=("max_num_seqs", "max_model_len", "chat_template"))
 def warmup(
     model: o.Model,
-    max_length: Annotated[int | None, typer.Option("--max-length", "--max-model-len", parser=o.human_int(2),
+    max_length: Annotated[int | None, typer.Option("--max-length", parser=o.human_int(2),
                                                    metavar="INTEGER", show_default=False,
                                                    help="Longest request (prompt + output) to prove; the engine's "
-                                                        "--max-model-len (default: 4096, or the model's context "
-                                                        "where that is shorter).")] = None,
-    concurrency: Annotated[int, typer.Option("--concurrency", "--max-num-seqs", min=1, max=65536,
+                                                        "--max-model-len, taken as well (default: 4096, or the "
+                                                        "model's context where that is shorter).")] = None,
+    concurrency: Annotated[int, typer.Option("--concurrency", min=1, max=65536,
                                              help="Sequences of max_length that must fit at once; the engine's "
-                                                  "--max-num-seqs.")] = 16,
+                                                  "--max-num-seqs, taken as well.")] = 16,
+    # the engine's spellings, each its own option so that an error names the one typed
+    max_model_len: Annotated[int | None, typer.Option("--max-model-len", parser=o.human_int(2), metavar="INTEGER",
+                                                      hidden=True)] = None,
+    max_num_seqs: Annotated[int | None, typer.Option("--max-num-seqs", min=1, max=65536, hidden=True)] = None,
     estimate: Annotated[bool, typer.Option("--estimate", help="No weights loaded: figures from config.json and the checkpoint's "
                                                 "tensor headers, activations from the formula.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout instead of the table.")] = False,
@@ -35,12 +39,16 @@ def warmup(
 
     Example: infer warmup ./Qwen1.5-14B-Chat-GPTQ-Int4 --max-length 4096 --concurrency 16
     """
-    from .warmup_plan import default_length, estimate_plan, measured_plan
+    from .warmup_plan import check_length, default_length, estimate_plan, measured_plan
+    max_length, length_flag = _one_of("--max-length", max_length, "--max-model-len", max_model_len)
+    concurrency, seqs_flag = _one_of("--concurrency", concurrency if o._given("concurrency") else None,
+                                     "--max-num-seqs", max_num_seqs, concurrency)
     if max_length is None:  # a model of a shorter context was refused for a --max-length it was not given
         max_length = default_length(engine)
-    if engine.max_num_batched_tokens < concurrency:  # named as warmup spells it (--max-num-seqs is its alias)
-        raise ConfigError(*batched_tokens_below_seqs(engine.max_num_batched_tokens, concurrency,
-                                                     "--concurrency/--max-num-seqs"))
+    else:
+        check_length(engine, max_length, length_flag)
+    if engine.max_num_batched_tokens < concurrency:
+        raise ConfigError(*batched_tokens_below_seqs(engine.max_num_batched_tokens, concurrency, seqs_flag))
     engine_config = replace(engine, max_num_seqs=concurrency, max_model_len=max_length)
     plan, extra = (estimate_plan if estimate else measured_plan)(engine_config, max_length, concurrency)
     if as_json:
@@ -49,6 +57,17 @@ def warmup(
         print_plan(plan, extra, engine_config.max_num_batched_tokens)
     if not plan.fits:
         raise typer.Exit(1)
+
+
+def _one_of(ours: str, value, engines: str, engines_value, default=None):
+    """(value, the flag that gave it) of an option warmup takes under its own name and the engine's (--max-length
+    and --max-model-len): both given with different values is refused, naming both."""
+    if value is not None and engines_value is not None and value != engines_value:
+        raise ConfigError(f"{ours} {value} and {engines} {engines_value} are the same option with different values",
+                          "give one of them")
+    if engines_value is not None:
+        return engines_value, engines
+    return (default if value is None else value), ours
 
 
 def advice(plan, tokens: int | None = None, fitting_tokens: int | None = None) -> str:

@@ -38,14 +38,21 @@ def default_length(engine_config: EngineConfig) -> int:
     return min(DEFAULT_LENGTH, context_limit(model_config)[0])
 
 
-def _check_length(model_config, engine_config: EngineConfig, max_length: int) -> int:
+def check_length(engine_config: EngineConfig, max_length: int, flag: str = "--max-length") -> None:
+    """Refuse a `max_length` past the model's context, naming it as given (`flag`: --max-length or --max-model-len)."""
+    from ..models.loader import load_config
+    from ..models.resolve import resolve_model
+    _check_length(load_config(resolve_model(engine_config.model)), engine_config, max_length, flag)
+
+
+def _check_length(model_config, engine_config: EngineConfig, max_length: int, flag: str = "--max-length") -> int:
     """The model's context limit, which `max_length` must not pass."""
     limit = model_max_len(model_config, EngineConfig(model=engine_config.model, device=engine_config.device))
     if max_length > limit:
         why = context_limit(model_config)[1]  # a cap below max_position_embeddings: its field named
-        raise ConfigError(f"--max-length {max_length} is above the model's context of {limit}"
+        raise ConfigError(f"{flag} {max_length} is above the model's context of {limit}"
                           + (f" ({why})" if why else ""),
-                          f"use --max-length {limit} or less")
+                          f"use {flag} {limit} or less")
     return limit
 
 
