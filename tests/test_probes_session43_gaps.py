@@ -135,3 +135,9 @@ def test_warmups_sequences_are_named_as_typed_and_both_spellings_must_agree():
     plan = json.loads(res.output.strip().splitlines()[-1])
     assert res.exit_code == 0 and (plan["max_length"], plan["concurrency"]) == (128, 3), res.output
 
+
+def test_serves_bad_log_level_names_vllms_spelling_too(monkeypatch):
+    monkeypatch.setattr("infer.cli.serve._serve", lambda *a, **kw: pytest.fail("the server started"))
+    res = runner.invoke(app, ["serve", "tiny-llama", "--port", "0", "--uvicorn-log-level", "loud"])
+    assert res.exit_code == 2 and "--uvicorn-log-level 'loud' is not one of" in _said(res), res.output
+

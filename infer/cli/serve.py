@@ -223,7 +223,8 @@ def _check_server_options(port: int, max_queue: int, shutdown_timeout: float, lo
     for key in [api_key] if isinstance(api_key, str) else api_key or []:
         _check_api_key(key)
     if log_level not in LOG_LEVELS:
-        raise ConfigError(f"--log-level {log_level!r} is not one of {' | '.join(LOG_LEVELS)}", "e.g. --log-level info")
+        raise ConfigError(f"--log-level/--uvicorn-log-level {log_level!r} is not one of {' | '.join(LOG_LEVELS)}",
+                          "e.g. --log-level info")  # both: either may have given it
 
 
 def _check_api_key(api_key: str) -> None:
