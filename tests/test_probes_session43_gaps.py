@@ -141,3 +141,11 @@ def test_serves_bad_log_level_names_vllms_spelling_too(monkeypatch):
     res = runner.invoke(app, ["serve", "tiny-llama", "--port", "0", "--uvicorn-log-level", "loud"])
     assert res.exit_code == 2 and "--uvicorn-log-level 'loud' is not one of" in _said(res), res.output
 
+
+@pytest.mark.parametrize("typed, words", [("-tp", "one GPU"), ("-pp", "one GPU"), ("-dp", "--data-parallel N")])
+def test_vllms_short_parallel_options_are_named_as_typed(typed, words):
+    """vLLM's -tp 2 was read as -t -p: "No such option: -t", hint "long options take two dashes: --tp"."""
+    res = runner.invoke(app, ["serve", "tiny-llama", typed, "2"])
+    assert res.exit_code == 2, res.output
+    assert f"{typed} is vLLM's option, which `infer serve` does not take" in _said(res) and words in _said(res)
+    assert "two dashes" not in res.output

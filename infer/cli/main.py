@@ -36,10 +36,14 @@ class _Commands(TyperGroup):
             where = e.ctx.command_path if e.ctx is not None else self._command_path(args)
             from .vllm_flags import request_field_hint, vllm_hint
             unknown = isinstance(e, click_errors.NoSuchOption)
-            hint = vllm_hint(e.option_name) if unknown else None
+            option = e.option_name if unknown else None
+            hint = vllm_hint(option)
+            if unknown and hint is None and vllm_hint(_one_dash_token(e, args)):  # vLLM's -tp, which click read
+                option = _one_dash_token(e, args).split("=")[0]  # as -t -p ("No such option: -t")
+                hint = vllm_hint(option)
             field = request_field_hint(where, e.option_name) if unknown and hint is None else None
             if hint is not None:  # vLLM's option: say what to do in infer, not click's guesses at a misspelling
-                typer.echo(f"error: {e.option_name} is vLLM's option, which `{where}` does not take\n"
+                typer.echo(f"error: {option} is vLLM's option, which `{where}` does not take\n"
                            f"  hint: {hint}", err=True)
             elif field is not None:  # a request's field (--temperature): where it goes instead
                 typer.echo(f"error: `{where}` has no option {e.option_name.split('=', 1)[0]}\n  hint: {field}",
@@ -68,14 +72,22 @@ class _Commands(TyperGroup):
 def _one_dash_hint(error, args) -> str | None:
     """`infer run -help` or `-max-new-tokens 8`: click reads one dash as short options, one letter each, and named
     the first it did not know ("No such option: -e"). Say that long options take two dashes."""
-    args = sys.argv[1:] if args is None else list(args)
-    letter = (error.option_name or "")[1:]
-    token = next((a for a in args if a.startswith("-") and not a.startswith("--") and len(a) > 2
-                  and a[1:2].isalpha() and letter and letter in a[1:].split("=")[0]), None)
-    if token is None or len(letter) != 1:
+    token = _one_dash_token(error, args)
+    if token is None:
         return None
     name = token.split("=")[0]
     return f"{name} is read as one-letter options (-{name[1]} -{name[2]} ...); long options take two dashes: -{name}"
+
+
+def _one_dash_token(error, args) -> str | None:
+    """The argument of one dash and several letters (`-tp`, `-help`) that click read as the unknown one-letter
+    option it names, or None."""
+    args = sys.argv[1:] if args is None else list(args)
+    letter = (error.option_name or "")[1:]
+    if len(letter) != 1:
+        return None
+    return next((a for a in args if a.startswith("-") and not a.startswith("--") and len(a) > 2
+                 and a[1:2].isalpha() and letter in a[1:].split("=")[0]), None)
 
 
 def _command_hint(error) -> str | None:
