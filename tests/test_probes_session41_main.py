@@ -164,8 +164,9 @@ def test_generation_configs_max_new_tokens_caps_every_server_request_as_vllm(tmp
     else:
         req = p.parse_completion({"prompt": "hi", **body}, tok, 4096, defaults)
     assert req.params.max_new_tokens == expected
-    with pytest.raises(p.ApiError) as e:
-        p.parse_completion({"prompt": "hi", "min_tokens": 8}, tok, 4096, defaults)
+    req = p.parse_completion({"prompt": "hi", "min_tokens": 8}, tok, 4096, defaults)
+    with pytest.raises(p.ApiError) as e:  # after the context's checks (session 43), as vLLM's order
+        p.check_context(req, 4096)
     assert e.value.param == "min_tokens" and "generation_config.json" in str(e.value)
 
 

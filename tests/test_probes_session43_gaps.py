@@ -149,3 +149,66 @@ def test_vllms_short_parallel_options_are_named_as_typed(typed, words):
     assert res.exit_code == 2, res.output
     assert f"{typed} is vLLM's option, which `infer serve` does not take" in _said(res) and words in _said(res)
     assert "two dashes" not in res.output
+
+
+# ------------------------------------------------- the context's check before generation_config's max_new_tokens cap
+@pytest.fixture(scope="module")
+def capped(tmp_path_factory):
+    """tiny-llama with generation_config.json's max_new_tokens 5, its tokenizer and its OpenAI defaults."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from infer.engine.inputs import openai_sampling_defaults
+    from infer.models.tiny import ensure_builtin
+    folder = tmp_path_factory.mktemp("capped") / "capped"
+    shutil.copytree(ensure_builtin("tiny-llama"), folder)
+    gen = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**gen, "max_new_tokens": 5}))
+    return AutoTokenizer.from_pretrained(folder), openai_sampling_defaults(folder)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_max_tokens_the_context_cannot_hold_is_refused_before_the_cap(capped, chat):
+    """vLLM checks the request's own max_tokens against the context, then caps it at generation_config.json's
+    max_new_tokens; infer capped first, so 40 prompt tokens + max_tokens 50 under a context of 64 ran (5 tokens)."""
+    pytest.importorskip("fastapi")
+    import infer.serve.protocol as p
+    tok, defaults = capped
+    if chat:
+        body = {"messages": [{"role": "user", "content": "hi " * 10}], "max_completion_tokens": 50}
+        req = p.parse_chat(body, tok, 64, defaults)
+    else:
+        req = p.parse_completion({"prompt": list(range(10, 50)), "max_tokens": 50}, tok, 64, defaults)
+    assert req.params.max_new_tokens == 5  # what runs, once it is taken: the cap
+    with pytest.raises(p.ApiError) as e:
+        p.check_context(req, 64)
+    assert e.value.code == "context_length_exceeded" and "asks for 50 more" in str(e.value), str(e.value)
+    ok = p.parse_completion({"prompt": list(range(10, 50)), "max_tokens": 24}, tok, 64, defaults)
+    p.check_context(ok, 64)
+
+
+def test_a_prompt_past_the_context_is_said_before_a_min_tokens_past_the_cap(capped):
+    pytest.importorskip("fastapi")
+    import infer.serve.protocol as p
+    tok, defaults = capped
+    req = p.parse_completion({"prompt": list(range(10, 80)), "min_tokens": 8, "max_tokens": 8}, tok, 64, defaults)
+    with pytest.raises(p.ApiError) as e:
+        p.check_context(req, 64)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "prompt", str(e.value)
+    req = p.parse_completion({"prompt": list(range(10, 20)), "min_tokens": 8, "max_tokens": 8}, tok, 64, defaults)
+    with pytest.raises(p.ApiError) as e:  # a prompt that fits: the cap's refusal is still said
+        p.check_context(req, 64)
+    assert e.value.param == "min_tokens" and "generation_config.json" in str(e.value)
+
+
+def test_a_batch_lines_max_tokens_is_checked_against_the_context_before_the_cap(capped):
+    from infer.engine.inputs import parse_request
+    from infer.errors import RequestError
+    tok, defaults = capped
+    line = {"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "hello world", "max_tokens": 60}}
+    with pytest.raises(RequestError, match="body.max_tokens asks for 60 more"):
+        parse_request(line, tok, "0", defaults, max_tokens=64)
+    line["body"]["max_tokens"] = 40
+    assert parse_request(line, tok, "0", defaults, max_tokens=64).params.max_new_tokens == 5
+

@@ -683,7 +683,6 @@ def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = 
     try:
         params = params_from(merged, aliases)
         asked = params.max_new_tokens  # what the context must hold: the body's own, not generation_config's cap
-        cap_max_tokens(params, cap)
     except RequestError as e:
         raise _in_body_words(e, fields.get(_WORDS_KEY)) from None
     given = [k for k in _PROMPT_KEYS if fields.get(k) is not None]
@@ -712,4 +711,8 @@ def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = 
             raise RequestError(f"body.min_tokens ({params.min_tokens}) is more than the {max_tokens - size} tokens "
                                f"this model's maximum context length of {max_tokens} leaves after the prompt's {size}",
                                "lower body.min_tokens, or raise --max-model-len")
+    try:  # after the context's checks, which read the body's own max_tokens (as vLLM's order: the cap is no request)
+        cap_max_tokens(params, cap)
+    except RequestError as e:
+        raise _in_body_words(e, fields.get(_WORDS_KEY)) from None
     return ParsedRequest(req_id, tokens, params, lora, fields.get(_OPENAI_KEY))

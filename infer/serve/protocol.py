@@ -108,6 +108,7 @@ class GenerationRequest:
     # the reply's length as the client asked for it, before the generation_config cap (None: params'): what the
     # context must hold, as vLLM checks it ("max_tokens 100" was refused as "asks for 50", the cap)
     asked_tokens: int | None = None
+    capped: ApiError | None = None  # the cap's refusal (a min_tokens past it), said after the context's checks
 
     def params_for(self, index: int):
         """Choice `index`'s sampling: with n > 1 and a seed, sample j draws with seed + j (as vLLM's parallel
@@ -226,8 +227,9 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
         params.max_new_tokens = None  # as OpenAI: up to the context limit (check_context checks min_tokens)
     try:
         cap_max_tokens(params, cap)
-    except RequestError as e:
-        raise ApiError(400, str(e), param="min_tokens") from e
+        capped = None
+    except RequestError as e:  # said after the context's checks, as vLLM checks the prompt's length first
+        capped = ApiError(400, str(e), param="min_tokens")
     asked = params.prompt_logprobs
     if echo and params.logprobs is not None:  # the prompt's logprobs, with as many alternatives as the reply's
         params.prompt_logprobs = max(params.prompt_logprobs or 0, params.logprobs)
@@ -236,7 +238,8 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
     return GenerationRequest([], params, model, stream, include_usage and stream, chat, return_ids,
                              include_usage and continuous and stream, n or 1, echo, prompt_only,
                              asked_prompt_logprobs=asked, structured_field=source, length_field=length,
-                             request_id=request_id, asked_length=not (unsized and chat), asked_tokens=asked_tokens)
+                             request_id=request_id, asked_length=not (unsized and chat), asked_tokens=asked_tokens,
+                             capped=capped)
 
 
 def _truncation(req: GenerationRequest, max_tokens: int | None) -> int | None:
@@ -542,6 +545,8 @@ def check_context(req: GenerationRequest, max_model_len: int) -> None:
             raise ApiError(400, f"min_tokens ({req.params.min_tokens}) is more than the {max_model_len - len(p)} "
                                 f"tokens this model's maximum context length of {max_model_len} leaves after the "
                                 f"prompt's {len(p)}", param="min_tokens", code="context_length_exceeded")
+    if req.capped is not None:
+        raise req.capped
 
 
 # ---------------------------------------------------------------------------------------------- responses
