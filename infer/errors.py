@@ -45,6 +45,10 @@ class RequestError(InferError, ValueError):
     exit_code = 1
 
 
+class RequestIdTypeError(RequestError, TypeError):
+    """A request id that is not a string (LLMEngine.add_request / abort_request); a TypeError too, as vLLM's."""
+
+
 class LoRAError(InferError):
     """An adapter that cannot be loaded or does not fit the base model."""
 

@@ -212,3 +212,26 @@ def test_a_batch_lines_max_tokens_is_checked_against_the_context_before_the_cap(
     line["body"]["max_tokens"] = 40
     assert parse_request(line, tok, "0", defaults, max_tokens=64).params.max_new_tokens == 5
 
+
+# ---------------------------------------------------------------------------------- request ids are strings
+@pytest.fixture(scope="module")
+def engine():
+    from infer.engine.llm_engine import LLMEngine
+    return LLMEngine(EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=4, block_size=4))
+
+
+@pytest.mark.parametrize("bad", [7, b"7", ["a", 7]], ids=["int", "bytes", "list"])
+def test_abort_request_refuses_an_id_that_is_not_a_string_as_add_request_does(engine, bad):
+    """add_request(7, ...) is refused (vLLM's ids are strings), but abort_request(7) silently aborted request "7"."""
+    from infer.engine.sampling_params import SamplingParams
+    from infer.errors import RequestError
+    engine.add_request("7", [5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    with pytest.raises(TypeError, match="request_id must be a string, got"):
+        engine.abort_request(bad)
+    with pytest.raises(RequestError):
+        engine.add_request(7, [5, 6], SamplingParams(max_new_tokens=2))
+    assert not engine.requests["7"].finished and not engine.requests["a"].finished  # none aborted
+    engine.abort_request(["7", "a"])
+    while engine.has_unfinished_requests():
+        engine.step()

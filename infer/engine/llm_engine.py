@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 
 from .. import kernels
-from ..errors import ClosedError, ConfigError, LoRAError, LoRANameError, RequestError
+from ..errors import ClosedError, ConfigError, LoRAError, LoRANameError, RequestError, RequestIdTypeError
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import Detokenizer
@@ -143,6 +143,14 @@ def _scalar(x) -> bool:
     return not isinstance(x, (int, float)) and hasattr(x, "item") and getattr(x, "shape", None) == ()
 
 
+def _check_request_id(request_id) -> None:
+    """Request ids are strings, as vLLM's (a TypeError there too): str() of another was the id, so its outputs'
+    request_id (7 -> "7") was not the caller's, and 7 and "7" were one request."""
+    if not isinstance(request_id, str):
+        raise RequestIdTypeError(f"request_id must be a string, got {type(request_id).__name__} {request_id!r}",
+                                 f"pass str({request_id!r}): outputs carry the id as it was given")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, parts=None):
         """`parts` (an engine.setup.EngineParts) serves an in-memory model; by default config.model is loaded."""
@@ -259,10 +267,7 @@ class LLMEngine:
             prompt_token_ids = encode_prompt(self.tokenizer, prompt=text, max_tokens=None if keep else
                                              self.max_model_len)
         prompt_token_ids, params = request_inputs(prompt_token_ids, params)
-        if not isinstance(request_id, str):  # str() of it was the id: its outputs' request_id (7 -> "7") was not
-            # the caller's, and 7 and "7" were one request; vLLM refuses it too (a TypeError)
-            raise RequestError(f"request_id must be a string, got {type(request_id).__name__} {request_id!r}",
-                               f"pass str({request_id!r}): outputs carry the id as it was given")
+        _check_request_id(request_id)
         old = self.requests.get(request_id)
         if old is not None and not old.finished:
             raise RequestError(f"request id {request_id!r} is already running", "give every request its own id")
@@ -400,10 +405,14 @@ class LLMEngine:
         """Stop the request (or each of an iterable of ids, as vLLM's abort_request takes them; a list was read as
         one id, "['a', 'b']", and nothing was aborted); unknown or finished ids are ignored."""
         if not isinstance(request_id, (str, bytes)) and isinstance(request_id, Iterable):
-            for rid in list(request_id):
+            ids = list(request_id)
+            for rid in ids:  # every id checked before any is aborted
+                _check_request_id(rid)
+            for rid in ids:
                 self.abort_request(rid)
             return
-        seq = self.requests.get(str(request_id))
+        _check_request_id(request_id)  # 7 aborted request "7", which add_request(7, ...) refuses
+        seq = self.requests.get(request_id)
         if seq is not None and not seq.finished:
             self.scheduler.finish(seq, "abort")
             self._aborted.append(seq)
