@@ -154,3 +154,29 @@ def test_the_checkpoint_estimate_reads_each_layers_width_from_its_g_idx(tmp_path
                "model.layers.0.mlp.down_proj.g_idx": torch.zeros(128, dtype=torch.int32),
                "lm_head.qweight": torch.zeros(32, 512, dtype=torch.int32)}, tmp_path / "model.safetensors")
     assert checkpoint.checkpoint_int4_layer_elements([tmp_path / "model.safetensors"], 4) == 128 * 64
+
+
+@needs_gptqmodel
+def test_quantize_lm_head_writes_a_quantized_head_infer_runs(tmp_path):
+    """`infer quantize --lm-head` (GPTQModel's lm_head=True): the head is GPTQ (8 bits, GPTQModel's rule) and the
+    checkpoint generates what transformers does on its dequantized weights; a tied head is refused up front
+    (GPTQModel raised NotImplementedError after loading the model)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    out = tmp_path / "q"
+    res = CliRunner().invoke(app, ["quantize", "tiny-llama", "-o", str(out), "--lm-head", "--group-size", "32",
+                                   "--num-samples", "4", "--seq-len", "64"])
+    assert res.exit_code == 0, res.output
+    assert "transformers does not read a quantized lm_head" in res.output
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["lm_head"] is True
+    llm = LLM(str(out), block_size=4)
+    assert llm.engine.runner.model.quantized_head
+    got = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_new_tokens=N, ignore_eos=True))]
+    assert got == _hf_greedy(out)
+    res = CliRunner().invoke(app, ["quantize", "tiny-llama3", "-o", str(tmp_path / "t"), "--lm-head",
+                                   "--group-size", "32"])
+    assert res.exit_code == 2 and "ties lm_head to the embeddings" in res.output, res.output

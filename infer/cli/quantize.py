@@ -78,6 +78,9 @@ def quantize(
                                       "middle); --no-sym fits a zero point per group.", rich_help_panel=GPTQ)] = True,
     damp: Annotated[float, typer.Option(help="Hessian dampening, as a fraction of its mean diagonal.",
                                         rich_help_panel=GPTQ)] = 0.05,
+    lm_head: Annotated[bool, typer.Option("--lm-head/--no-lm-head", help="Quantize the output head too (GPTQModel's "
+                                          "lm_head=True, which writes it at 8 bits); not for a head tied to the "
+                                          "embeddings.", rich_help_panel=GPTQ)] = False,
     calibration: Annotated[Optional[Path], typer.Option(
         help="Calibration text: .txt (one sample per paragraph, or per line) or .jsonl (objects with \"text\", "
              "\"prompt\" or \"messages\"). Default: a small built-in English/code text set.",
@@ -100,7 +103,7 @@ def quantize(
     """
     from ..models.resolve import resolve_model
     options = QuantizeOptions(bits=bits, group_size=group_size, desc_act=desc_act, sym=sym, num_samples=num_samples,
-                              seq_len=seq_len, damp_percent=damp, max_shard_size=max_shard_size)
+                              seq_len=seq_len, damp_percent=damp, max_shard_size=max_shard_size, lm_head=lm_head)
     options.validate()
     src = resolve_model(model)  # a bad MODEL fails before the quantize extra is looked for
     if (src / "config.json").is_file():  # a model infer cannot run is refused before calibration, not after

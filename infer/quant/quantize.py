@@ -42,6 +42,7 @@ class QuantizeOptions:
     seq_len: int = 512
     damp_percent: float = 0.05
     max_shard_size: str | int = "4GB"  # KB/MB/GB/TB decimal, KiB/MiB/GiB/TiB binary, or bytes
+    lm_head: bool = False  # quantize the output head too (GPTQModel's lm_head=True: 8 bits by its dynamic rule)
 
     def validate(self) -> None:
         parse_shard_size(self.max_shard_size)  # a bad size fails now, not after the whole quantization
@@ -67,6 +68,10 @@ class QuantizeOptions:
                          "torch_fused kernel, which drops the zero points: its outputs there are wrong. Load it in "
                          "transformers with GPTQConfig(bits=4, group_size=-1, sym=False, backend=\"torch\"), or "
                          "quantize with --sym or a group size")
+        if self.lm_head:
+            # GPTQModel 7.6 + transformers 5: the head loads as a plain Linear whose weights were never read
+            notes.append("transformers does not read a quantized lm_head (its head stays a float layer without the "
+                         "checkpoint's weights: wrong outputs there); infer and vLLM run it")
         return notes
 
 
@@ -185,6 +190,9 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: Qu
     check_not_source(src, out, "quantized")
     check_output(out, overwrite)
     config = _check_source(src, opts.group_size, opts.bits)
+    if opts.lm_head and config.get("tie_word_embeddings", False):  # GPTQModel: NotImplementedError, after loading
+        raise ConfigError(f"--lm-head: {src / 'config.json'} ties lm_head to the embeddings (tie_word_embeddings: "
+                          "true), and GPTQModel quantizes only a head of its own", "quantize without --lm-head")
     context, field = _context(config)
     if context is not None and context < opts.seq_len:
         raise ConfigError(f"--seq-len {opts.seq_len} is longer than the model's context ({context} tokens, "
@@ -376,6 +384,7 @@ def _run_gptqmodel(src: Path, out: Path, opts: QuantizeOptions, calib: Calibrati
     from gptqmodel.quantization.config import FORMAT
     qcfg = QuantizeConfig(bits=opts.bits, group_size=opts.group_size, desc_act=opts.desc_act, sym=opts.sym,
                           damp_percent=opts.damp_percent, format=FORMAT.GPTQ, offload_to_disk_path=str(work / "off"),
+                          lm_head=opts.lm_head,
                           act_group_aware=False if opts.desc_act or opts.group_size == -1 else None)  # -1: no groups
     dtype = source_half_dtype(src)
     try:
