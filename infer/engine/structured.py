@@ -341,6 +341,7 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "depe
 # took "abcdefgh"
 _FORMATS = frozenset(("email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
                       "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"))
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")  # an integer's multipleOf is ignored beside
 _LENGTHS = {"minLength": lambda v: v != 0, "maxLength": lambda v: True}
 
 
@@ -428,6 +429,9 @@ def _unenforced(schema, path: str) -> tuple[str, str | None] | None:
     kinds = set(kind) - {"null"} if isinstance(kind, list) else {kind}
     if mult is not None and (kinds != {"integer"} or not isinstance(mult, int) or isinstance(mult, bool)):
         return f"{path}/multipleOf", "multiple"
+    bound = next((k for k in _BOUNDS if k in schema), None) if mult not in (None, 1) else None
+    if bound is not None:  # xgrammar writes the range alone: {"multipleOf": 5, "minimum": 0} took 481
+        return f"{path}/multipleOf", "range " + bound
     required, names = schema.get("required"), schema.get("properties")
     missing = [n for n in required if not isinstance(names, dict) or n not in names] \
         if isinstance(required, list) else []
@@ -464,6 +468,11 @@ def _check_enforced(schema: str) -> None:
             raise RequestError(f"structured_outputs.json uses multipleOf at {found}, which xgrammar enforces only "
                                "as a whole number on an integer schema: a reply could break it",
                                "remove multipleOf from the schema (and check it in the reply)")
+        if beside.startswith("range "):
+            raise RequestError(f"structured_outputs.json uses multipleOf at {found} beside {beside[6:]}, which "
+                               "xgrammar does not enforce together (it keeps the range and ignores multipleOf): a "
+                               "reply could break it", "keep one of multipleOf and the range in that integer's "
+                               "schema (and check the other in the reply)")
         if beside.startswith("required "):
             raise RequestError(f"structured_outputs.json requires {beside[9:]} at {found}, which is not in that "
                                "schema's properties: xgrammar does not enforce such a name",

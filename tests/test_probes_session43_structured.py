@@ -1,0 +1,55 @@
+"""Structured outputs probes (session 43): JSON schema keywords xgrammar (0.2.9) compiles but leaves unenforced
+beside another keyword, so a reply that finished with "stop" broke the schema: an integer's multipleOf beside a
+range ({"type": "integer", "multipleOf": 5, "minimum": 0} took 481). Such a schema is refused naming the keyword,
+as the other keywords xgrammar does not enforce are."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+xgr = pytest.importorskip("xgrammar")
+
+from infer import LLM, SamplingParams, StructuredOutputsParams as S  # noqa: E402
+from infer.errors import RequestError  # noqa: E402
+from infer.models.tiny import ensure_builtin  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(str(ensure_builtin("tiny-llama")), block_size=4) as llm:
+        yield llm
+
+
+def _xgrammar_accepts(llm, schema, text: str) -> bool:
+    """Whether xgrammar's own grammar of `schema` (no check of ours) takes `text` to its end."""
+    matcher = xgr.GrammarMatcher(llm.engine.grammars.compiler().compile_json_schema(json.dumps(schema)))
+    ids = llm.engine.tokenizer.encode(text, add_special_tokens=False)
+    return all(matcher.accept_token(t) for t in ids) and matcher.accept_token(llm.engine.tokenizer.eos_token_id)
+
+
+def _generate(llm, schema):
+    return llm.generate("hi", SamplingParams(max_new_tokens=24, structured_outputs=S(json=schema)))[0].outputs[0]
+
+
+@pytest.mark.parametrize("schema, where, bound, breaking", [
+    ({"type": "integer", "multipleOf": 5, "minimum": 0}, "#", "minimum", "481"),
+    ({"type": "integer", "multipleOf": 5, "exclusiveMaximum": 100}, "#", "exclusiveMaximum", "12"),
+    ({"type": "object", "properties": {"n": {"type": ["integer", "null"], "multipleOf": 10, "maximum": 90}}},
+     "#/properties/n", "maximum", '{"n": 7}'),
+])
+def test_an_integer_multiple_of_beside_a_range_is_refused_naming_both(llm, schema, where, bound, breaking):
+    assert _xgrammar_accepts(llm, schema, breaking)  # what xgrammar's grammar let through
+    with pytest.raises(RequestError, match=f"uses multipleOf at {where}/multipleOf beside {bound}, which xgrammar "
+                                           "does not enforce together"):
+        _generate(llm, schema)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "integer", "multipleOf": 5},  # alone: xgrammar enforces it
+    {"type": "integer", "multipleOf": 1, "minimum": 0},  # every integer: nothing lost
+    {"type": "integer", "minimum": 0, "maximum": 9},
+])
+def test_multiple_of_or_a_range_alone_still_runs(llm, schema):
+    assert _generate(llm, schema).finish_reason in ("stop", "length")
