@@ -1,7 +1,8 @@
 """Structured outputs probes (session 43): JSON schema keywords xgrammar (0.2.9) compiles but leaves unenforced
 beside another keyword, so a reply that finished with "stop" broke the schema: an integer's multipleOf beside a
-range ({"type": "integer", "multipleOf": 5, "minimum": 0} took 481). Such a schema is refused naming the keyword,
-as the other keywords xgrammar does not enforce are."""
+range ({"type": "integer", "multipleOf": 5, "minimum": 0} took 481), and any constraining keyword beside enum or
+const (xgrammar writes the values alone: {"type": "integer", "enum": [1, 5, 10], "maximum": 5} took 10). Such a
+schema is refused naming the keyword, as the other keywords xgrammar does not enforce are."""
 
 from __future__ import annotations
 
@@ -53,3 +54,32 @@ def test_an_integer_multiple_of_beside_a_range_is_refused_naming_both(llm, schem
 ])
 def test_multiple_of_or_a_range_alone_still_runs(llm, schema):
     assert _generate(llm, schema).finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("schema, keyword, over, breaking", [
+    ({"type": "integer", "enum": [1, 5, 10], "maximum": 5}, "maximum", "enum", "10"),
+    ({"type": "string", "enum": ["a", "bbb"], "maxLength": 2}, "maxLength", "enum", '"bbb"'),
+    ({"type": "integer", "enum": [1, "a"]}, "type", "enum", '"a"'),
+    ({"type": "string", "const": "abc", "minLength": 5}, "minLength", "const", '"abc"'),
+    ({"const": "a", "enum": ["b"]}, "enum", "const", '"a"'),
+    ({"type": "string", "enum": ["x1", "yy"], "pattern": "^[a-z]+$"}, "pattern", "enum", '"x1"'),
+])
+def test_a_keyword_beside_enum_or_const_that_a_value_breaks_is_refused(llm, schema, keyword, over, breaking):
+    assert _xgrammar_accepts(llm, schema, breaking)
+    with pytest.raises(RequestError, match=f"uses {keyword} at #/{keyword} beside {over}, which xgrammar ignores"):
+        _generate(llm, schema)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "enum": ["red", "green"], "title": "Color", "description": "x", "default": "red"},  # pydantic
+    {"type": "string", "const": "a"},  # pydantic's Literal["a"]
+    {"type": ["string", "null"], "enum": ["a", None]},
+    {"type": "number", "enum": [1, 2.5], "maximum": 3},
+    {"type": "integer", "const": 3.0},
+    {"type": "string", "enum": ["a", "bb"], "maxLength": 2},
+    {"type": "string", "enum": ["a", "bb"], "pattern": "^[ab]+$"},
+    {"type": "object", "properties": {"k": {"type": "string", "enum": ["x", "y"]}}, "required": ["k"]},
+])
+def test_enum_and_const_whose_values_meet_the_keywords_beside_still_run(llm, schema):
+    out = _generate(llm, schema)
+    assert out.finish_reason in ("stop", "length")

@@ -366,6 +366,55 @@ _ANNOTATIONS = frozenset(("title", "description", "default", "examples", "$comme
                           "discriminator", "nullable", "format", "contentMediaType", "contentEncoding", "example"))
 
 
+# with enum or const, xgrammar (0.2.9) writes those values alone (const before enum): a keyword beside them that
+# constrains is ignored ({"type": "integer", "enum": [1, 5, 10], "maximum": 5} took 10); each checks a value here
+_BOUND_HOLDS = {"minimum": lambda v, b: v >= b, "maximum": lambda v, b: v <= b,
+                "exclusiveMinimum": lambda v, b: v > b, "exclusiveMaximum": lambda v, b: v < b}
+_JSON_TYPES = {"string": str, "array": list, "object": dict}
+_VALUE_KEYWORDS = frozenset(("type", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+                             "multipleOf", "minLength", "maxLength", "pattern", "format", "items", "prefixItems",
+                             "minItems", "maxItems", "uniqueItems", "contains", "properties", "required",
+                             "additionalProperties", "patternProperties", "propertyNames", "minProperties",
+                             "maxProperties", "unevaluatedProperties", "unevaluatedItems"))
+
+
+def _value_holds(value, keyword: str, bound) -> bool:
+    """Whether an enum/const value surely meets `keyword`: its type, a number's bound, a string's length or pattern,
+    the enum beside a const; False for the others (items, properties, ...), which are not checked."""
+    if keyword == "type":
+        kinds = set(bound) if isinstance(bound, list) else {bound}
+        if isinstance(value, bool) or value is None:
+            return ("boolean" if value is not None else "null") in kinds
+        if isinstance(value, (int, float)):
+            return "number" in kinds or ("integer" in kinds and (isinstance(value, int) or value.is_integer()))
+        return any(isinstance(value, _JSON_TYPES[k]) for k in kinds if k in _JSON_TYPES)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if keyword in _BOUND_HOLDS and isinstance(bound, (int, float)):
+        return not number or _BOUND_HOLDS[keyword](value, bound)
+    if keyword in ("minLength", "maxLength") and isinstance(bound, int):
+        return not isinstance(value, str) or (len(value) >= bound if keyword == "minLength" else len(value) <= bound)
+    if keyword == "enum" and isinstance(bound, list):
+        return value in bound
+    if keyword == "pattern" and isinstance(bound, str):
+        try:
+            return not isinstance(value, str) or re.search(bound, value) is not None
+        except re.error:
+            return False
+    return False
+
+
+def _beside_values(schema: dict) -> tuple[str, str] | None:
+    """(a keyword xgrammar ignores beside the schema's const or enum, which of those), or None: one that some value
+    may break."""
+    over = "const" if "const" in schema else "enum" if isinstance(schema.get("enum"), list) else None
+    if over is None:
+        return None
+    values = [schema["const"]] if over == "const" else schema["enum"]
+    found = next((k for k in schema if k in _VALUE_KEYWORDS and k != over
+                  and not all(_value_holds(v, k, schema[k]) for v in values)), None)
+    return (found, over) if found else None
+
+
 def _lookahead(pattern: str) -> bool:
     """Whether a regex has a lookahead, (?=...) or (?!...): xgrammar ignores one in a schema's pattern (only a
     warning on stderr), so pattern "(?=a)b" took "b"; a regex of its own (structured_outputs.regex) is refused."""
@@ -420,6 +469,9 @@ def _unenforced(schema, path: str) -> tuple[str, str | None] | None:
     ref = schema.get("$ref")
     if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):  # xgrammar allowed any JSON in its place
         return f"{path}/$ref", "ref " + json.dumps(ref)
+    fixed = _beside_values(schema)
+    if fixed:
+        return f"{path}/{fixed[0]}", fixed[1]
     over = next((k for k in _ALONE if k in schema), None)
     beside = next((k for k in schema if k != over and k not in _ANNOTATIONS
                    and not (k == "type" and _type_holds(schema, over))), None) if over else None
@@ -477,6 +529,10 @@ def _check_enforced(schema: str) -> None:
             raise RequestError(f"structured_outputs.json requires {beside[9:]} at {found}, which is not in that "
                                "schema's properties: xgrammar does not enforce such a name",
                                "give each required name a schema under the same properties")
+        if beside in ("enum", "const"):
+            raise RequestError(f"structured_outputs.json uses {keyword} at {found} beside {beside}, which xgrammar "
+                               f"ignores there (it allows every value of {beside}): a reply could break it",
+                               f"give {beside} only values that meet {keyword}, and drop {keyword}")
         if beside in _ALONE:
             raise RequestError(f"structured_outputs.json uses {keyword} at {found} beside {beside}, which xgrammar "
                                f"ignores there (it writes {beside} alone): a reply could break it",
