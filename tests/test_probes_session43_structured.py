@@ -37,6 +37,7 @@ def _generate(llm, schema):
 @pytest.mark.parametrize("schema, where, bound, breaking", [
     ({"type": "integer", "multipleOf": 5, "minimum": 0}, "#", "minimum", "481"),
     ({"type": "integer", "multipleOf": 5, "exclusiveMaximum": 100}, "#", "exclusiveMaximum", "12"),
+    ({"type": "integer", "multipleOf": 2, "minimum": 0, "maximum": 10000}, "#", "minimum", "7"),  # 5001 multiples
     ({"type": "object", "properties": {"n": {"type": ["integer", "null"], "multipleOf": 10, "maximum": 90}}},
      "#/properties/n", "maximum", '{"n": 7}'),
 ])
@@ -47,9 +48,33 @@ def test_an_integer_multiple_of_beside_a_range_is_refused_naming_both(llm, schem
         _generate(llm, schema)
 
 
+@pytest.mark.parametrize("schema, good, bad", [
+    ({"type": "integer", "multipleOf": 1000, "minimum": 0, "maximum": 100000}, ["0", "1000", "100000"],
+     ["7", "1500", "101000"]),
+    ({"type": ["integer", "null"], "multipleOf": 4000, "exclusiveMinimum": -1, "exclusiveMaximum": 20000},
+     ["null", "0", "16000"], ["4", "20000", "-4000"]),
+])
+def test_an_integer_multiple_of_within_a_two_sided_range_is_enforced(llm, schema, good, bad):
+    """A range wider than xgrammar enforces multipleOf in, but of few multiples: they are compiled as their enum."""
+    assert _xgrammar_accepts(llm, schema, bad[0])
+    for text in good + bad:
+        matcher = llm.engine.grammars.matcher(S(json=schema))
+        ids = llm.engine.tokenizer.encode(text, add_special_tokens=False)
+        taken = all(matcher.accept_token(t) for t in ids) and matcher.accept_token(llm.engine.tokenizer.eos_token_id)
+        assert taken == (text in good), text
+    outs = llm.generate(["hi"] * 4, [SamplingParams(max_new_tokens=8, temperature=1.0, seed=s,
+                                                    structured_outputs=S(json=schema)) for s in range(4)])
+    for out in outs:
+        value, ends = json.loads(out.text), [int(t) for t in good if t != "null"]
+        assert out.finish_reason == "stop" and (value is None or (value % schema["multipleOf"] == 0
+                                                                  and min(ends) <= value <= max(ends))), value
+
+
 @pytest.mark.parametrize("schema", [
     {"type": "integer", "multipleOf": 5},  # alone: xgrammar enforces it
     {"type": "integer", "multipleOf": 1, "minimum": 0},  # every integer: nothing lost
+    {"type": "integer", "multipleOf": 3, "minimum": 0, "maximum": 9},  # pydantic's ge, le, multiple_of
+    {"type": "integer", "multipleOf": 2, "minimum": 0, "maximum": 9999},  # a range xgrammar enforces it in
     {"type": "integer", "minimum": 0, "maximum": 9},
 ])
 def test_multiple_of_or_a_range_alone_still_runs(llm, schema):

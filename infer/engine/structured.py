@@ -415,6 +415,43 @@ def _beside_values(schema: dict) -> tuple[str, str] | None:
     return (found, over) if found else None
 
 
+MAX_MULTIPLES = 1024  # an integer's multipleOf beside a range of at most this many multiples is written as their enum
+XGRAMMAR_RANGE = 10_000  # xgrammar (0.2.9) enforces multipleOf beside a range of at most this many integers
+
+
+def _range(schema: dict) -> tuple[int, int] | None:
+    """(lowest, highest) integer a schema's two whole-number bounds allow, or None without both."""
+    bounds = {k: schema[k] for k in _BOUNDS if k in schema}
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and float(v).is_integer()
+               for v in bounds.values()):
+        return None
+    lows = [int(bounds[k]) + (k == "exclusiveMinimum") for k in ("minimum", "exclusiveMinimum") if k in bounds]
+    highs = [int(bounds[k]) - (k == "exclusiveMaximum") for k in ("maximum", "exclusiveMaximum") if k in bounds]
+    return (max(lows), min(highs)) if lows and highs else None
+
+
+def _multiples(schema: dict) -> list[int] | None:
+    """The multiples an integer schema's multipleOf (2 or more) allows within its two-sided range (pydantic's ge, le
+    and multiple_of), when they are 1..MAX_MULTIPLES; else None."""
+    mult, kind = schema.get("multipleOf"), schema.get("type")
+    kinds = set(kind) if isinstance(kind, list) else {kind}
+    if not isinstance(mult, int) or isinstance(mult, bool) or mult < 2 or kinds - {"null"} != {"integer"}:
+        return None
+    span = _range(schema)
+    if span is None:
+        return None
+    first, last = -(-span[0] // mult) * mult, span[1]
+    count = (last - first) // mult + 1
+    return list(range(first, last + 1, mult)) if 0 < count <= MAX_MULTIPLES else None
+
+
+def _multiple_ignored(schema: dict) -> bool:
+    """Whether xgrammar would ignore an integer schema's multipleOf for its range (one-sided, or wider than
+    XGRAMMAR_RANGE integers: {"multipleOf": 5, "minimum": 0} took 481), and it is not written as an enum."""
+    span = _range(schema)
+    return (span is None or span[1] - span[0] + 1 > XGRAMMAR_RANGE) and not _multiples(schema)
+
+
 def _lookahead(pattern: str) -> bool:
     """Whether a regex has a lookahead, (?=...) or (?!...): xgrammar ignores one in a schema's pattern (only a
     warning on stderr), so pattern "(?=a)b" took "b"; a regex of its own (structured_outputs.regex) is refused."""
@@ -482,7 +519,7 @@ def _unenforced(schema, path: str) -> tuple[str, str | None] | None:
     if mult is not None and (kinds != {"integer"} or not isinstance(mult, int) or isinstance(mult, bool)):
         return f"{path}/multipleOf", "multiple"
     bound = next((k for k in _BOUNDS if k in schema), None) if mult not in (None, 1) else None
-    if bound is not None:  # xgrammar writes the range alone: {"multipleOf": 5, "minimum": 0} took 481
+    if bound is not None and _multiple_ignored(schema):
         return f"{path}/multipleOf", "range " + bound
     required, names = schema.get("required"), schema.get("properties")
     missing = [n for n in required if not isinstance(names, dict) or n not in names] \
@@ -523,8 +560,9 @@ def _check_enforced(schema: str) -> None:
         if beside.startswith("range "):
             raise RequestError(f"structured_outputs.json uses multipleOf at {found} beside {beside[6:]}, which "
                                "xgrammar does not enforce together (it keeps the range and ignores multipleOf): a "
-                               "reply could break it", "keep one of multipleOf and the range in that integer's "
-                               "schema (and check the other in the reply)")
+                               "reply could break it", f"bound the range on both sides, to at most {XGRAMMAR_RANGE} "
+                               f"integers or {MAX_MULTIPLES} multiples (which are enforced), or keep one of "
+                               "multipleOf and the range")
         if beside.startswith("required "):
             raise RequestError(f"structured_outputs.json requires {beside[9:]} at {found}, which is not in that "
                                "schema's properties: xgrammar does not enforce such a name",
@@ -611,6 +649,12 @@ def _for_xgrammar(schema):
             out[key] = _optional_groups_fixed(value)
         else:
             out[key] = _for_xgrammar(value)
+    values = _multiples(out) if isinstance(out.get("multipleOf"), int) else None
+    if values:
+        kind = out["type"]
+        out = {k: v for k, v in out.items() if k not in _BOUNDS and k not in ("multipleOf", "type")}
+        out["enum"] = values + ([None] if isinstance(kind, list) and "null" in kind else [])
+        return out
     kind = out.get("type", "string")
     if "string" in (kind if isinstance(kind, list) else [kind]) and isinstance(out.get("format"), str) \
             and out["format"] in _FORMAT_PATTERNS and "pattern" not in out:
@@ -620,8 +664,10 @@ def _for_xgrammar(schema):
 
 @functools.lru_cache(maxsize=256)
 def _for_xgrammar_text(schema: str) -> str:
-    """The schema (JSON text) as _for_xgrammar writes it, or itself when it has no pattern or such format."""
-    if '"pattern' not in schema and not any(f'"{name}"' in schema for name in _FORMAT_PATTERNS):
+    """The schema (JSON text) as _for_xgrammar writes it, or itself when it has no pattern, multipleOf or such
+    format."""
+    if '"pattern' not in schema and '"multipleOf"' not in schema \
+            and not any(f'"{name}"' in schema for name in _FORMAT_PATTERNS):
         return schema
     try:
         return json.dumps(_for_xgrammar(json.loads(schema)))
