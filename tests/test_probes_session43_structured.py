@@ -30,6 +30,13 @@ def _xgrammar_accepts(llm, schema, text: str) -> bool:
     return all(matcher.accept_token(t) for t in ids) and matcher.accept_token(llm.engine.tokenizer.eos_token_id)
 
 
+def _takes(llm, schema, text: str) -> bool:
+    """Whether the engine's grammar of `schema` takes `text` to its end."""
+    matcher = llm.engine.grammars.matcher(S(json=schema))
+    ids = llm.engine.tokenizer.encode(text, add_special_tokens=False)
+    return all(matcher.accept_token(t) for t in ids) and matcher.accept_token(llm.engine.tokenizer.eos_token_id)
+
+
 def _generate(llm, schema):
     return llm.generate("hi", SamplingParams(max_new_tokens=24, structured_outputs=S(json=schema)))[0].outputs[0]
 
@@ -58,10 +65,7 @@ def test_an_integer_multiple_of_within_a_two_sided_range_is_enforced(llm, schema
     """A range wider than xgrammar enforces multipleOf in, but of few multiples: they are compiled as their enum."""
     assert _xgrammar_accepts(llm, schema, bad[0])
     for text in good + bad:
-        matcher = llm.engine.grammars.matcher(S(json=schema))
-        ids = llm.engine.tokenizer.encode(text, add_special_tokens=False)
-        taken = all(matcher.accept_token(t) for t in ids) and matcher.accept_token(llm.engine.tokenizer.eos_token_id)
-        assert taken == (text in good), text
+        assert _takes(llm, schema, text) == (text in good), text
     outs = llm.generate(["hi"] * 4, [SamplingParams(max_new_tokens=8, temperature=1.0, seed=s,
                                                     structured_outputs=S(json=schema)) for s in range(4)])
     for out in outs:
@@ -108,3 +112,21 @@ def test_a_keyword_beside_enum_or_const_that_a_value_breaks_is_refused(llm, sche
 def test_enum_and_const_whose_values_meet_the_keywords_beside_still_run(llm, schema):
     out = _generate(llm, schema)
     assert out.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("schema, good, bad", [
+    ({"minimum": 5}, ["7", "5.5"], ["3"]),
+    ({"description": "n", "minimum": 1, "maximum": 3}, ["2"], ["9", "0"]),
+    ({"maxLength": 1}, ['"a"'], ['"abc"']),
+    ({"pattern": "^a+$"}, ['"aa"'], ['"b"']),
+    ({"format": "date"}, ['"2024-01-31"'], ['"x"']),
+    ({"minimum": 5, "maxLength": 3}, ["7", '"ab"'], ["4", '"abcd"']),
+    ({"type": "object", "properties": {"n": {"description": "a count", "maximum": 3}}, "required": ["n"]},
+     ['{"n": 2}'], ['{"n": 9}']),
+])
+def test_a_schema_without_a_type_holds_its_number_and_string_keywords(llm, schema, good, bad):
+    """xgrammar ignored a number's or a string's keywords in a schema without a type ({"minimum": 5} took 3): the
+    schema now gets the types its keywords are of, so every reply validates."""
+    assert _xgrammar_accepts(llm, schema, bad[0])
+    for text in good + bad:
+        assert _takes(llm, schema, text) == (text in good), text

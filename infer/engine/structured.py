@@ -630,9 +630,31 @@ def _optional_groups_fixed(pattern: str) -> str:
     return "".join(out)
 
 
+# the keywords of each JSON type: xgrammar (0.2.9) ignores a number's, a string's or an array's in a schema without a
+# type ({"minimum": 5} took 3, {"maxLength": 1} "abc", {"maxItems": 1} [1, 2]), so such a schema gets those types
+_TYPE_KEYWORDS = {"number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"),
+                  "string": ("minLength", "maxLength", "pattern", "format"),
+                  "array": ("minItems", "maxItems", "items", "prefixItems"),
+                  "object": ("properties", "required", "additionalProperties", "patternProperties", "propertyNames",
+                             "minProperties", "maxProperties")}
+_TYPED_ELSEWHERE = ("type", "enum", "const", "$ref", "anyOf", "oneOf", "allOf", "not")
+
+
+def _implied_types(schema: dict) -> list[str]:
+    """The types whose keywords a schema without a type (or values, or branches) has, when one is a number's, a
+    string's or an array's (xgrammar types those with properties or items itself); else []."""
+    if any(k in schema for k in _TYPED_ELSEWHERE):
+        return []
+    kinds = [kind for kind, words in _TYPE_KEYWORDS.items()
+             if any(w in schema and (w != "format" or isinstance(schema[w], str) and schema[w] in _FORMATS)
+                    for w in words)]
+    return kinds if set(kinds) & {"number", "string"} or "maxItems" in schema or "minItems" in schema else []
+
+
 def _for_xgrammar(schema):
-    """`schema` with each string's format in _FORMAT_PATTERNS (and no pattern of its own) as that pattern, and its
-    patterns' optional groups as xgrammar builds them right (_optional_groups_fixed)."""
+    """`schema` with each string's format in _FORMAT_PATTERNS (and no pattern of its own) as that pattern, its
+    patterns' optional groups as xgrammar builds them right (_optional_groups_fixed), a schema without a type given
+    the types its keywords imply (_implied_types), and an integer's multiples in a range as their enum."""
     if isinstance(schema, list):
         return [_for_xgrammar(sub) for sub in schema]
     if not isinstance(schema, dict):
@@ -649,6 +671,9 @@ def _for_xgrammar(schema):
             out[key] = _optional_groups_fixed(value)
         else:
             out[key] = _for_xgrammar(value)
+    implied = _implied_types(out)
+    if implied:
+        out["type"] = implied[0] if len(implied) == 1 else implied
     values = _multiples(out) if isinstance(out.get("multipleOf"), int) else None
     if values:
         kind = out["type"]
@@ -662,12 +687,15 @@ def _for_xgrammar(schema):
     return out
 
 
+# what _for_xgrammar may rewrite: a schema's text without any of these is compiled as it is
+_SPOTS = ("pattern", "patternProperties", "multipleOf", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+          "minLength", "maxLength", "minItems", "maxItems", "format", *_FORMAT_PATTERNS)
+
+
 @functools.lru_cache(maxsize=256)
 def _for_xgrammar_text(schema: str) -> str:
-    """The schema (JSON text) as _for_xgrammar writes it, or itself when it has no pattern, multipleOf or such
-    format."""
-    if '"pattern' not in schema and '"multipleOf"' not in schema \
-            and not any(f'"{name}"' in schema for name in _FORMAT_PATTERNS):
+    """The schema (JSON text) as _for_xgrammar writes it, or itself when it has nothing _for_xgrammar rewrites."""
+    if not any(f'"{name}"' in schema for name in _SPOTS):
         return schema
     try:
         return json.dumps(_for_xgrammar(json.loads(schema)))
