@@ -130,3 +130,22 @@ def test_a_schema_without_a_type_holds_its_number_and_string_keywords(llm, schem
     assert _xgrammar_accepts(llm, schema, bad[0])
     for text in good + bad:
         assert _takes(llm, schema, text) == (text in good), text
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": {"a": 1}}, "Type should be a string"),
+    ({"type": [{"a": 1}], "minimum": 1}, "type must be a string or an array of strings"),
+    ({"type": "string", "format": {"x": 1}}, "does not compile"),
+    ({"type": {"a": 1}, "multipleOf": 3, "minimum": 0, "maximum": 9}, "Type should be a string"),
+])
+def test_a_keyword_of_the_wrong_kind_is_a_request_error_not_a_type_error(llm, schema, message):
+    """The checks of what xgrammar enforces hashed `type` and `format`: a dict there raised TypeError (the server's
+    500 "internal server error"); xgrammar's own checks now name it."""
+    with pytest.raises(RequestError, match=message):
+        _generate(llm, schema)
+    assert _generate(llm, {"type": "integer"}).finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("schema", [{"format": ["a"]}, {"type": "object", "properties": {"a": {"format": {}}}}])
+def test_a_format_that_is_not_a_string_is_ignored_as_xgrammar_ignores_it(llm, schema):
+    assert _generate(llm, schema).finish_reason in ("stop", "length")

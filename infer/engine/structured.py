@@ -549,6 +549,8 @@ def _check_enforced(schema: str) -> None:
         found = _unenforced(json.loads(schema), "#")
     except RecursionError:  # deeper than Python reads: xgrammar's own limits decide
         return
+    except TypeError:  # a keyword of the wrong kind ({"type": {...}}, {"format": [...]}): xgrammar's checks name it
+        return
     if found:
         found, beside = found
         keyword = found.rsplit("/", 1)[1]
@@ -699,7 +701,7 @@ def _for_xgrammar_text(schema: str) -> str:
         return schema
     try:
         return json.dumps(_for_xgrammar(json.loads(schema)))
-    except RecursionError:  # deeper than Python reads: xgrammar's own limits decide
+    except (RecursionError, TypeError):  # deeper than Python reads, or malformed: xgrammar's own checks decide
         return schema
 
 
