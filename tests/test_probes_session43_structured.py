@@ -149,3 +149,22 @@ def test_a_keyword_of_the_wrong_kind_is_a_request_error_not_a_type_error(llm, sc
 @pytest.mark.parametrize("schema", [{"format": ["a"]}, {"type": "object", "properties": {"a": {"format": {}}}}])
 def test_a_format_that_is_not_a_string_is_ignored_as_xgrammar_ignores_it(llm, schema):
     assert _generate(llm, schema).finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("schema, where, breaking", [
+    ({"anyOf": []}, "#/anyOf", ""),
+    ({"oneOf": []}, "#/oneOf", ""),
+    ({"type": "object", "properties": {"a": {"anyOf": []}}, "required": ["a"]}, "#/properties/a/anyOf", '{"a": }'),
+    ({"type": "array", "items": {"oneOf": []}}, "#/items/oneOf", "[,]"),
+    ({"type": []}, "#/type", "1"),
+])
+def test_an_empty_any_of_one_of_or_type_is_refused(llm, schema, where, breaking):
+    """No JSON value matches an empty anyOf, oneOf or type list; xgrammar wrote nothing in its place, so
+    {"anyOf": []} was answered "" with finish_reason stop (json.loads refuses it)."""
+    assert _xgrammar_accepts(llm, schema, breaking)
+    with pytest.raises(RequestError, match=f"has an empty {where.rsplit('/', 1)[1]} at {where}: no JSON value"):
+        _generate(llm, schema)
+
+
+def test_an_empty_all_of_still_runs(llm):
+    assert _generate(llm, {"allOf": []}).finish_reason in ("stop", "length")  # every value matches it

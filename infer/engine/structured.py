@@ -506,6 +506,9 @@ def _unenforced(schema, path: str) -> tuple[str, str | None] | None:
     ref = schema.get("$ref")
     if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):  # xgrammar allowed any JSON in its place
         return f"{path}/$ref", "ref " + json.dumps(ref)
+    empty = next((k for k in ("anyOf", "oneOf", "type") if schema.get(k) == []), None)
+    if empty:  # xgrammar wrote nothing in its place: {"anyOf": []} was answered "" and an item of one "[,]"
+        return f"{path}/{empty}", "empty"
     fixed = _beside_values(schema)
     if fixed:
         return f"{path}/{fixed[0]}", fixed[1]
@@ -559,6 +562,10 @@ def _check_enforced(schema: str) -> None:
             raise RequestError(f"structured_outputs.json uses multipleOf at {found}, which xgrammar enforces only "
                                "as a whole number on an integer schema: a reply could break it",
                                "remove multipleOf from the schema (and check it in the reply)")
+        if beside == "empty":
+            raise RequestError(f"structured_outputs.json has an empty {keyword} at {found}: no JSON value matches it "
+                               "(xgrammar would write nothing there, which is not JSON)",
+                               f"give {keyword} at least one {'type' if keyword == 'type' else 'schema'}, or drop it")
         if beside.startswith("range "):
             raise RequestError(f"structured_outputs.json uses multipleOf at {found} beside {beside[6:]}, which "
                                "xgrammar does not enforce together (it keeps the range and ignores multipleOf): a "
