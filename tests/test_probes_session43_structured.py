@@ -168,3 +168,25 @@ def test_an_empty_any_of_one_of_or_type_is_refused(llm, schema, where, breaking)
 
 def test_an_empty_all_of_still_runs(llm):
     assert _generate(llm, {"allOf": []}).finish_reason in ("stop", "length")  # every value matches it
+
+
+@pytest.mark.parametrize("schema, good, bad", [
+    ({"type": "array", "maxItems": 2}, ["[]", "[1]", '[1, "a"]'], ["[1, 2, 3]"]),
+    ({"type": ["array", "null"], "minItems": 1, "maxItems": 2}, ["[1]", "null"], ["[]", "[1, 2, 3]"]),
+    ({"type": "object", "maxProperties": 2}, ["{}", '{"a": 1}'], ['{"a": 1, "b": 2, "c": 3}']),
+    ({"maxProperties": 1}, ['{"a": 1}'], ['{"a": 1, "b": 2}']),
+])
+def test_a_bounded_count_of_items_or_properties_with_no_schema_for_them_takes_any(llm, schema, good, bad):
+    """xgrammar read an array's maxItems with no items schema as no items at all ({"type": "array", "maxItems": 2}
+    took only []), and an object's maxProperties with no properties as no properties; JSON Schema takes any."""
+    for text in good + bad:
+        assert _takes(llm, schema, text) == (text in good), text
+
+
+@pytest.mark.parametrize("schema", [{"type": "array", "minItems": 1}, {"type": "object", "minProperties": 1}])
+def test_a_lower_bound_on_items_or_properties_with_no_schema_for_them_compiles(llm, schema):
+    """It was refused: 'minItems is greater than the number of prefixItems, but additional items are not allowed'."""
+    with pytest.raises(RuntimeError, match="are not allowed|aren't allowed"):
+        llm.engine.grammars.compiler().compile_json_schema(json.dumps(schema))
+    empty = "[]" if schema["type"] == "array" else "{}"
+    assert not _takes(llm, schema, empty) and _takes(llm, schema, "[1]" if empty == "[]" else '{"a": 1}')

@@ -646,24 +646,28 @@ _TYPE_KEYWORDS = {"number": ("minimum", "maximum", "exclusiveMinimum", "exclusiv
                   "array": ("minItems", "maxItems", "items", "prefixItems"),
                   "object": ("properties", "required", "additionalProperties", "patternProperties", "propertyNames",
                              "minProperties", "maxProperties")}
+_OPEN_OBJECT = ("properties", "patternProperties", "additionalProperties", "unevaluatedProperties", "propertyNames")
 _TYPED_ELSEWHERE = ("type", "enum", "const", "$ref", "anyOf", "oneOf", "allOf", "not")
 
 
 def _implied_types(schema: dict) -> list[str]:
-    """The types whose keywords a schema without a type (or values, or branches) has, when one is a number's, a
-    string's or an array's (xgrammar types those with properties or items itself); else []."""
+    """The types whose keywords a schema without a type (or values, or branches) has, when one is a number's or a
+    string's or it bounds a count of items or properties (xgrammar types those with properties or items itself, and
+    ignores the others); else []."""
     if any(k in schema for k in _TYPED_ELSEWHERE):
         return []
     kinds = [kind for kind, words in _TYPE_KEYWORDS.items()
              if any(w in schema and (w != "format" or isinstance(schema[w], str) and schema[w] in _FORMATS)
                     for w in words)]
-    return kinds if set(kinds) & {"number", "string"} or "maxItems" in schema or "minItems" in schema else []
+    bounded = {"minItems", "maxItems", "minProperties", "maxProperties"} & set(schema)
+    return kinds if set(kinds) & {"number", "string"} or bounded else []
 
 
 def _for_xgrammar(schema):
     """`schema` with each string's format in _FORMAT_PATTERNS (and no pattern of its own) as that pattern, its
     patterns' optional groups as xgrammar builds them right (_optional_groups_fixed), a schema without a type given
-    the types its keywords imply (_implied_types), and an integer's multiples in a range as their enum."""
+    the types its keywords imply (_implied_types), an integer's multiples in a range as their enum, and any items
+    (properties) for an array (object) whose count of them is bounded and nothing else says what they are."""
     if isinstance(schema, list):
         return [_for_xgrammar(sub) for sub in schema]
     if not isinstance(schema, dict):
@@ -683,6 +687,12 @@ def _for_xgrammar(schema):
     implied = _implied_types(out)
     if implied:
         out["type"] = implied[0] if len(implied) == 1 else implied
+    kinds = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
+    if "array" in kinds and ("minItems" in out or "maxItems" in out) and not {"items", "prefixItems"} & set(out):
+        out["items"] = True  # xgrammar took a count of items with no schema for them as no items at all
+    if "object" in kinds and ("minProperties" in out or "maxProperties" in out) \
+            and not set(_OPEN_OBJECT) & set(out):
+        out["additionalProperties"] = True  # as an array's items: {"maxProperties": 2} took only {}
     values = _multiples(out) if isinstance(out.get("multipleOf"), int) else None
     if values:
         kind = out["type"]
@@ -698,7 +708,8 @@ def _for_xgrammar(schema):
 
 # what _for_xgrammar may rewrite: a schema's text without any of these is compiled as it is
 _SPOTS = ("pattern", "patternProperties", "multipleOf", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
-          "minLength", "maxLength", "minItems", "maxItems", "format", *_FORMAT_PATTERNS)
+          "minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "format",
+          *_FORMAT_PATTERNS)
 
 
 @functools.lru_cache(maxsize=256)
