@@ -108,6 +108,9 @@ def test_a_keyword_beside_enum_or_const_that_a_value_breaks_is_refused(llm, sche
     {"type": "string", "enum": ["a", "bb"], "maxLength": 2},
     {"type": "string", "enum": ["a", "bb"], "pattern": "^[ab]+$"},
     {"type": "object", "properties": {"k": {"type": "string", "enum": ["x", "y"]}}, "required": ["k"]},
+    {"type": "string", "format": "date", "enum": ["2024-01-31"]},  # format: an annotation
+    {"type": "string", "enum": ["a"], "minLength": 0},  # says nothing
+    {"type": "array", "enum": [[1, 2]], "uniqueItems": False, "items": {}},
 ])
 def test_enum_and_const_whose_values_meet_the_keywords_beside_still_run(llm, schema):
     out = _generate(llm, schema)

@@ -371,8 +371,10 @@ _ANNOTATIONS = frozenset(("title", "description", "default", "examples", "$comme
 _BOUND_HOLDS = {"minimum": lambda v, b: v >= b, "maximum": lambda v, b: v <= b,
                 "exclusiveMinimum": lambda v, b: v > b, "exclusiveMaximum": lambda v, b: v < b}
 _JSON_TYPES = {"string": str, "array": list, "object": dict}
+_VACUOUS = {"minLength": 0, "minItems": 0, "minProperties": 0, "uniqueItems": False}
+_OPEN = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "propertyNames")
 _VALUE_KEYWORDS = frozenset(("type", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
-                             "multipleOf", "minLength", "maxLength", "pattern", "format", "items", "prefixItems",
+                             "multipleOf", "minLength", "maxLength", "pattern", "items", "prefixItems",
                              "minItems", "maxItems", "uniqueItems", "contains", "properties", "required",
                              "additionalProperties", "patternProperties", "propertyNames", "minProperties",
                              "maxProperties", "unevaluatedProperties", "unevaluatedItems"))
@@ -381,6 +383,8 @@ _VALUE_KEYWORDS = frozenset(("type", "enum", "minimum", "maximum", "exclusiveMin
 def _value_holds(value, keyword: str, bound) -> bool:
     """Whether an enum/const value surely meets `keyword`: its type, a number's bound, a string's length or pattern,
     the enum beside a const; False for the others (items, properties, ...), which are not checked."""
+    if bound == _VACUOUS.get(keyword, ()) or keyword in _OPEN and bound in (True, {}):  # says nothing
+        return True
     if keyword == "type":
         kinds = set(bound) if isinstance(bound, list) else {bound}
         if isinstance(value, bool) or value is None:
