@@ -199,7 +199,7 @@ def test_preemptions_show_in_metrics():
         m = _samples(base)
     assert engine.stats()["num_preemptions"] > 0
     assert 0 < m["infer:num_preemptions_total"] <= engine.stats()["num_preemptions"]  # a scrape sees the last snapshot
-    assert m["infer:prefix_cache_queries_total"] == engine.block_manager.prefix_queries > 4 * 6
+    assert m["infer:prefix_cache_queries_total"] == engine.block_manager.prefix_queries == 4 * 6  # first admissions
     assert m["infer:inter_token_latency_seconds_count"] == 4 * 13
 
 

@@ -105,15 +105,18 @@ class BlockManager:
         """Give a waiting sequence blocks for all its current tokens, reusing cached prefix blocks."""
         assert not seq.block_table
         hits = self._cached_prefix(seq)
-        self.prefix_queries += len(seq)
-        self.prefix_hits += len(hits) * self.block_size
+        if not seq.num_preemptions:  # as vLLM: a preempted request's recompute, which finds its own blocks, is
+            # neither a query of the hit rate nor its cached tokens (they say what its first admission found)
+            self.prefix_queries += len(seq)
+            self.prefix_hits += len(hits) * self.block_size
+            seq.num_cached_tokens = len(hits) * self.block_size
         for bid in hits:
             block = self.blocks[bid]
             if block.ref_count == 0:
                 del self.free[bid]
             block.ref_count += 1
             seq.block_table.append(bid)
-        seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_hashed_blocks = len(hits)
         seq.last_block_hash = self.blocks[hits[-1]].hash if hits else None
         for _ in range(self.blocks_needed(len(seq)) - len(hits)):

@@ -1,0 +1,48 @@
+"""Session 43 probes: the scheduler under KV pressure (few blocks, preemption by recompute, chunked prefill).
+
+Outputs must not depend on batch composition or preemption, and the counters must say what vLLM's say."""
+
+from __future__ import annotations
+
+import pytest
+
+from infer.engine.config import EngineConfig
+from infer.engine.llm_engine import LLMEngine
+from infer.engine.sampling_params import SamplingParams
+
+PROMPTS = [[10 + i] * 6 for i in range(4)]  # no shared first block: nothing for the prefix cache to find
+
+
+def _run(engine: LLMEngine, prompts, params: SamplingParams) -> list:
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    return [outs[str(i)] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def tight():
+    """Ten blocks of 4 tokens for four requests of 6 + 14 tokens (5 blocks each): they preempt one another."""
+    engine = LLMEngine(EngineConfig("tiny-llama", block_size=4, max_num_seqs=4, num_kv_blocks=10, max_model_len=40))
+    yield engine
+    engine.close()
+
+
+def test_preempted_recompute_is_not_a_prefix_cache_hit(tight):
+    """vLLM counts a preempted request's re-admission apart (PrefixCacheStats.preempted_*) and sets a request's
+    num_cached_tokens at its first scheduling only; here the recompute, which finds the request's own prompt and
+    reply blocks in the cache, was counted as queries and hits (a hit rate of ~40% for prompts that share nothing)
+    and became its num_cached_tokens (more than its prompt's tokens)."""
+    tight.reset_prefix_cache()
+    q0, h0, p0 = (tight.stats()[k] for k in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions"))
+    outs = _run(tight, PROMPTS, SamplingParams(max_new_tokens=14, ignore_eos=True))
+    s = tight.stats()
+    assert s["num_preemptions"] > p0  # the point of the setup
+    assert s["prefix_cache_queries"] - q0 == sum(len(p) for p in PROMPTS)
+    assert s["prefix_cache_hits"] - h0 == 0
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 0, 0]
+    assert s["kv_blocks_used"] == 0 and tight.get_num_unfinished_requests() == 0
