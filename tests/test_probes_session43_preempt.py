@@ -46,3 +46,24 @@ def test_preempted_recompute_is_not_a_prefix_cache_hit(tight):
     assert s["prefix_cache_hits"] - h0 == 0
     assert [o.num_cached_tokens for o in outs] == [0, 0, 0, 0]
     assert s["kv_blocks_used"] == 0 and tight.get_num_unfinished_requests() == 0
+
+
+def test_no_prefix_cache_queries_without_a_lookup():
+    """vLLM's get_computed_blocks records no query with prefix caching off, nor for a request that skips the cache
+    (prompt_logprobs); here every admission was a query, so /metrics' infer:prefix_cache_queries_total grew on an
+    engine started with --no-prefix-caching."""
+    engine = LLMEngine(EngineConfig("tiny-llama", block_size=4, max_model_len=40, enable_prefix_caching=False))
+    try:
+        _run(engine, PROMPTS[:2], SamplingParams(max_new_tokens=2))
+        assert (engine.stats()["prefix_cache_queries"], engine.stats()["prefix_cache_hits"]) == (0, 0)
+    finally:
+        engine.close()
+
+
+def test_prompt_logprobs_request_is_no_prefix_cache_query(tight):
+    tight.reset_prefix_cache()
+    q0 = tight.stats()["prefix_cache_queries"]
+    _run(tight, PROMPTS[:1], SamplingParams(max_new_tokens=2, prompt_logprobs=1))
+    assert tight.stats()["prefix_cache_queries"] == q0
+    _run(tight, PROMPTS[:1], SamplingParams(max_new_tokens=2))
+    assert tight.stats()["prefix_cache_queries"] == q0 + len(PROMPTS[0])

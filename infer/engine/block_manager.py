@@ -82,10 +82,14 @@ class BlockManager:
         return (num_tokens + self.block_size - 1) // self.block_size
 
     # ------------------------------------------------------------------ admission
+    def _reads_cache(self, seq: Sequence) -> bool:
+        """Whether admission looks the sequence up in the prefix cache. A request that wants its prompt's logprobs
+        computes every prompt token (as vLLM: cached ones have no logits)."""
+        return self.enable_prefix_caching and seq.params.prompt_logprobs is None
+
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids of the longest cached prefix; at least one token is always left to compute. A request that
-        wants its prompt's logprobs computes every prompt token (as vLLM: cached ones have no logits)."""
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+        """Block ids of the longest cached prefix; at least one token is always left to compute."""
+        if not self._reads_cache(seq):
             return []
         found = []
         for i in range((len(seq) - 1) // self.block_size):
@@ -107,8 +111,9 @@ class BlockManager:
         hits = self._cached_prefix(seq)
         if not seq.num_preemptions:  # as vLLM: a preempted request's recompute, which finds its own blocks, is
             # neither a query of the hit rate nor its cached tokens (they say what its first admission found)
-            self.prefix_queries += len(seq)
-            self.prefix_hits += len(hits) * self.block_size
+            if self._reads_cache(seq):  # as vLLM, a request that skips the cache (or every one, with the cache
+                self.prefix_queries += len(seq)  # off) is no query
+                self.prefix_hits += len(hits) * self.block_size
             seq.num_cached_tokens = len(hits) * self.block_size
         for bid in hits:
             block = self.blocks[bid]
