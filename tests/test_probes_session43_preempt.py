@@ -67,3 +67,13 @@ def test_prompt_logprobs_request_is_no_prefix_cache_query(tight):
     assert tight.stats()["prefix_cache_queries"] == q0
     _run(tight, PROMPTS[:1], SamplingParams(max_new_tokens=2))
     assert tight.stats()["prefix_cache_queries"] == q0 + len(PROMPTS[0])
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5])
+def test_num_kv_blocks_error_names_the_keyword(value):
+    """num_kv_blocks (vLLM's num_gpu_blocks_override) is API only: its error named a flag no command takes,
+    '--num-kv-blocks must be at least 1' (infer run says no such option)."""
+    from infer.errors import ConfigError
+    with pytest.raises(ConfigError) as e:
+        EngineConfig("tiny-llama", num_kv_blocks=value)
+    assert "num_kv_blocks must be" in str(e.value) and "--num-kv-blocks" not in str(e.value)

@@ -358,8 +358,11 @@ def cli_fields() -> list:
 
 
 def flag_of(name: str) -> str:
-    """The command-line spelling of a field: '--max-num-seqs', '--eager', '--prefix-caching'."""
+    """The command-line spelling of a field: '--max-num-seqs', '--eager', '--prefix-caching'; an API-only field
+    (no help, no option: num_kv_blocks) keeps its keyword's name, not a flag no command takes."""
     for f in fields(EngineConfig):
         if f.name == name and f.metadata.get("flag"):
             return f.metadata["flag"].split("/")[0]
+        if f.name == name and not f.metadata.get("help"):
+            return name
     return "--" + name.replace("_", "-")

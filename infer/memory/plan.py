@@ -300,7 +300,7 @@ def plan_memory(engine_config: PlanOptions, model_config, model, dtype, device, 
                 lora_bytes: int = 0) -> MemoryPlan:
     """The engine's sizing at start: estimated activations, and KV for what can run at once: on CPU no more than
     max_num_seqs sequences of max_len (CPU pages are only used as blocks fill), on CUDA twice that (room for the
-    prefix cache) within the budget; --num-kv-blocks overrides both."""
+    prefix cache) within the budget; num_kv_blocks (API only) overrides both."""
     plan = _start_plan(engine_config, model_config, model, dtype, device, max_len, lora_bytes)
     if plan.kv_blocks < plan.blocks_for(max_len) and engine_config.num_kv_blocks:
         raise ConfigError(
