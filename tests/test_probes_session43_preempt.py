@@ -77,3 +77,17 @@ def test_num_kv_blocks_error_names_the_keyword(value):
     with pytest.raises(ConfigError) as e:
         EngineConfig("tiny-llama", num_kv_blocks=value)
     assert "num_kv_blocks must be" in str(e.value) and "--num-kv-blocks" not in str(e.value)
+
+
+@pytest.mark.parametrize("keyword, value, hint", [
+    ("num_gpu_blocks_override", 8, "num_kv_blocks=N"), ("preemption_mode", "swap", "recomputing"),
+    ("scheduling_policy", "priority", "first come, first served"), ("kv_cache_memory_bytes", 2 ** 20, "num_kv_blocks"),
+    ("max_num_partial_prefills", 2, "max_num_batched_tokens")])
+def test_vllm_scheduler_keywords_say_what_to_do(keyword, value, hint):
+    """vLLM's scheduler and KV-cache keywords of LLM(): the command line names what to do for each
+    (cli/vllm_flags); LLM() listed its 30 options instead (num_gpu_blocks_override: a guess)."""
+    from infer import LLM
+    from infer.errors import ConfigError
+    with pytest.raises(ConfigError) as e:
+        LLM("tiny-llama", **{keyword: value})
+    assert "vLLM's keyword" in str(e.value) and hint in str(e.value)

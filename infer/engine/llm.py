@@ -61,6 +61,13 @@ _VLLM_OPTIONS = {
     "enable_chunked_prefill": "infer always splits long prefills into steps of max_num_batched_tokens tokens; drop "
                               "the keyword",
     "swap_space": "infer preempts a sequence by recomputing it, not by swapping its KV to the CPU; drop the keyword",
+    "preemption_mode": "infer preempts a sequence by recomputing it (vLLM's recompute); drop the keyword",
+    "scheduling_policy": "infer schedules first come, first served (vLLM's default, fcfs); drop the keyword",
+    "num_gpu_blocks_override": "infer's keyword for the number of KV cache blocks is num_kv_blocks=N",
+    "kv_cache_memory_bytes": "the KV cache gets what the memory budget (gpu_memory_utilization, or memory_limit on a "
+                             "CPU) leaves after the weights and activations; num_kv_blocks=N sets its blocks",
+    "max_num_partial_prefills": "infer splits long prefills into steps of max_num_batched_tokens tokens beside the "
+                                "decodes; drop the keyword",
 }
 
 
