@@ -435,8 +435,8 @@ class LLMEngine:
                    | {s.request_id for s in self._aborted} | {o.request_id for o in self._carried if o.finished})
 
     def reset_prefix_cache(self) -> bool:
-        """vLLM's: forget every cached prefix (the blocks requests still use stay theirs, unshared); the hit counters
-        go on counting. True."""
+        """vLLM's: forget every cached prefix that no request holds (blocks in use keep their keys, so requests can
+        still share them); the hit counters go on counting. True."""
         self._check_open()
         self.block_manager.reset_prefix_cache(counters=False)
         return True
