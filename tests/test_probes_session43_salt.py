@@ -118,3 +118,27 @@ def test_reset_prefix_cache_forgets_the_prefixes_and_keeps_counting(llm):
     assert _hits(llm) == before, "the counters only grow (/metrics counts them)"
     assert _run(llm, PROMPT)[1] == 0
     assert llm.llm_engine.reset_prefix_cache() is True and _run(llm, PROMPT)[1] == 0
+
+
+def test_a_priority_other_than_0_is_refused_by_the_server_and_batch_lines(tmp_path):
+    """The Python API refused priority != 0 (first come, first served), the server took it and ignored it; vLLM
+    without its priority scheduling answers 400 too."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from infer.serve.app import Server, create_app
+    from infer.serve.async_engine import AsyncEngine
+    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, block_size=4))
+    with TestClient(create_app(Server(AsyncEngine(engine), "tiny-llama"))) as client:
+        for priority, status in ((0, 200), (None, 200), (3, 400), (-1, 400), (True, 400)):
+            r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "priority": priority})
+            assert r.status_code == status, (priority, r.text)
+            if status == 400:
+                assert r.json()["error"]["param"] == "priority" and "first come, first served" in r.text
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi", '
+                   '"max_tokens": 2, "priority": 2}}\n')
+    CliRunner().invoke(app, ["run", "tiny-llama", str(inp), "-o", str(tmp_path / "out.jsonl"), "-q"])
+    assert "only priority 0 is supported" in (tmp_path / "out.jsonl").read_text()

@@ -53,6 +53,9 @@ UNSUPPORTED_OPENAI = {
     # vLLM's cap on a reasoning model's think block (it ends the block after that many tokens): not done here
     "thinking_token_budget": (lambda v: v is None, "thinking_token_budget is not supported: the think block is not "
                                                    "capped (cap the whole reply with max_tokens)"),
+    # vLLM's request priority: without its priority scheduling vLLM answers another value than 0 with a 400 too
+    "priority": (lambda v: v is None or (v == 0 and not isinstance(v, bool)),
+                 "only priority 0 is supported: infer schedules first come, first served"),
 }
 
 # vLLM's chat fields that reach the chat template (chat_template_options), and the value that leaves it as it is: a
