@@ -743,7 +743,17 @@ class LLMEngine:
             "cuda_graph_replays": sum(self.runner.graphs.replays.values()) if self.runner and self.runner.graphs else 0,
             "piecewise_graph_steps": sum(self.runner.pieces.replays.values()) if self.runner and self.runner.pieces
             else 0,
+            **self._lora_stats(),
         }
+
+    def _lora_stats(self) -> dict:
+        """vLLM's lora_requests_info: the slots, and the adapters of the waiting and of the running requests (by the
+        name they were asked for, a replaced adapter's old weights too)."""
+        if self.lora_manager is None:
+            return {}
+        return {"lora_max": self.lora_manager.max_loras,
+                "lora_waiting": sorted({s.lora_name for s in self.scheduler.waiting if s.lora_name is not None}),
+                "lora_running": sorted({s.lora_name for s in self.scheduler.running if s.lora_name is not None})}
 
     def close(self) -> None:
         """Give the device memory back (KV cache, CUDA graphs and their pool, weights); the engine is unusable

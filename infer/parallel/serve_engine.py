@@ -364,6 +364,10 @@ class RayAsyncEngine(AsyncEngine):
         rates = [r.stats.get("prefix_cache_hit_rate", 0.0) for r in live]
         total["prefix_cache_hit_rate"] = sum(rates) / max(len(rates), 1)
         total["num_replicas_alive"] = len(live)
+        if any(r.stats.get("lora_max") for r in live):  # vLLM's lora_requests_info over every replica
+            total["lora_max"] = max(r.stats.get("lora_max", 0) for r in live)
+            for k in ("lora_waiting", "lora_running"):
+                total[k] = sorted({name for r in live for name in r.stats.get(k, [])})
         total["replicas"] = [{"replica": r.index, "alive": r.alive, "host": r.info.get("host"),
                               "device": r.info.get("device"), "num_in_flight": len(r.inflight),
                               **{k: r.stats.get(k, 0) if r.alive else 0  # a dead replica runs nothing

@@ -12,6 +12,8 @@ Each server has its own CollectorRegistry.
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -76,10 +78,19 @@ class _EngineCollector:
              s.get("prefix_cache_queries", 0)),
             ("infer:prefix_cache_hits", "Prefix cache hits, in tokens found cached.", s.get("prefix_cache_hits", 0)),
         ]
+        if s.get("lora_max"):  # an engine with adapter slots
+            counters.append(("infer:lora_swaps", "Adapters copied into a device slot (--max-loras slots).",
+                             s.get("lora_swaps", 0)))
         for name, doc, value in counters:
             c = CounterMetricFamily(name, doc, labels=LABELS)
             c.add_metric(self.labels, float(value))
             yield c
+        if s.get("lora_max"):  # vLLM's: its labels say which adapters requests wait for and run with; the value is
+            g = GaugeMetricFamily("infer:lora_requests_info", "Running stats on LoRA requests.",  # when it was read
+                                  labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            g.add_metric([str(s["lora_max"]), ",".join(s.get("lora_waiting", [])), ",".join(s.get("lora_running", []))],
+                         time.time())
+            yield g
 
 
 class _Finished:

@@ -1,0 +1,48 @@
+"""Session 43 probes of adapters at run time (load/unload while requests run, slots, metrics, errors)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from infer import SamplingParams
+from infer.engine.config import EngineConfig
+from infer.engine.llm_engine import LLMEngine
+
+from lora_helpers import three_adapters
+
+pytest.importorskip("prometheus_client")
+
+from infer.serve.metrics import ServerMetrics  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    return three_adapters(tmp_path_factory.mktemp("lorart"), seed=43)[1]
+
+
+def test_metrics_show_vllms_lora_requests_info_and_the_adapter_swaps(paths):
+    """vLLM's /metrics has vllm:lora_requests_info{max_lora, waiting_lora_adapters, running_lora_adapters}; a
+    dashboard built for it found no infer:lora_* series at all, and the adapter swaps stats() counts were not shown."""
+    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=128, enable_lora=True, max_loras=1, max_lora_rank=8))
+    try:
+        for name in ("a", "b"):
+            engine.add_lora(name, paths[name])
+        params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+        engine.add_request("1", {"prompt_token_ids": [5, 6, 7]}, params, lora="a")
+        engine.add_request("2", {"prompt_token_ids": [8, 9]}, params, lora="b")  # waits: the one slot is a's
+        engine.step()
+        text = ServerMetrics(engine.stats, 128, "tiny-llama").render().decode()
+        info = re.search(r"^infer:lora_requests_info\{(.*)\} (\S+)$", text, re.M)
+        assert info is not None, text
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', info.group(1)))
+        assert labels == {"max_lora": "1", "waiting_lora_adapters": "b", "running_lora_adapters": "a"}
+        assert re.search(r'^infer:lora_swaps_total\{.*\} 1\.0$', text, re.M), text
+        while engine.has_unfinished_requests():
+            engine.step()
+        text = ServerMetrics(engine.stats, 128, "tiny-llama").render().decode()
+        assert 'waiting_lora_adapters=""' in text and 'running_lora_adapters=""' in text
+        assert re.search(r'^infer:lora_swaps_total\{.*\} 2\.0$', text, re.M), text
+    finally:
+        engine.close()
