@@ -46,3 +46,30 @@ def test_metrics_show_vllms_lora_requests_info_and_the_adapter_swaps(paths):
         assert re.search(r'^infer:lora_swaps_total\{.*\} 2\.0$', text, re.M), text
     finally:
         engine.close()
+
+
+def test_an_adapter_whose_folder_was_deleted_while_loaded_says_so_not_how_to_pass_lora(paths, tmp_path):
+    """The CPU copy of 't' was dropped (--max-cpu-loras 1) and its folder deleted after it was added: its request
+    failed with 'folder not found (pass --lora NAME=PATH with the folder save_pretrained wrote)', as if the name had
+    been given a wrong path, to a client that loaded it fine (a server's /v1/load_lora_adapter took it with a 200)."""
+    import shutil
+
+    folder = shutil.copytree(paths["b"], tmp_path / "t")
+    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=128, enable_lora=True, max_loras=1, max_cpu_loras=1,
+                                    max_lora_rank=8))
+    try:
+        engine.add_lora("t", folder)
+        engine.add_lora("u", paths["c"])  # the CPU copy of 't' is dropped
+        shutil.rmtree(folder)
+        params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+        engine.add_request("1", {"prompt_token_ids": [5, 6, 7]}, params, lora="t")
+        engine.add_request("2", {"prompt_token_ids": [5, 6, 7]}, params, lora="u")
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs.update({o.request_id: o for o in engine.step() if o.finished})
+        assert outs["2"].finish_reason == "length"
+        error = outs["1"].outputs[0].error
+        assert outs["1"].finish_reason == "error" and str(folder) in error and "folder not found" in error
+        assert "pass --lora" not in error and "when the adapter was added" in error and "--max-cpu-loras 1" in error
+    finally:
+        engine.close()

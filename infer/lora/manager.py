@@ -220,7 +220,14 @@ class LoRAManager:
                                 "be read, so it cannot be swapped back in", "resend the request with another adapter")
             return self._retired[name]
         if name not in self._cpu:
-            adapter = self._read(name, self._paths[name])
+            try:
+                adapter = self._read(name, self._paths[name])
+            except LoRAError as e:  # it was read and checked when added: its folder was deleted or rewritten since
+                raise LoRAError(
+                    f"{e.message}; it was read when the adapter was added, and its weights had to be read again "
+                    f"(--max-cpu-loras {self.max_cpu_loras} keeps fewer adapters in CPU memory)",
+                    "keep adapter folders in place, unchanged, while infer serves them; remove the adapter and add it "
+                    "again from where it is now") from None
             if adapter.stamp != self._stamps.get(name, adapter.stamp):  # other weights: the prefix cache, running
                 raise LoRAError(                                        # requests and the name mean the old ones
                     f"LoRA adapter {name!r}: its folder {self._paths[name]} changed since it was added, and its "
