@@ -73,3 +73,21 @@ def test_an_adapter_whose_folder_was_deleted_while_loaded_says_so_not_how_to_pas
         assert "pass --lora" not in error and "when the adapter was added" in error and "--max-cpu-loras 1" in error
     finally:
         engine.close()
+
+
+def test_a_refused_adapters_other_problem_is_counted_in_good_english_and_says_where_to_see_it(tmp_path):
+    """A DoRA adapter (two problems: use_dora and its magnitude tensors) was refused with '(and 1 more problems)',
+    naming neither the other problem nor where to read it."""
+    from pathlib import Path
+
+    from infer import LLM
+    from infer.errors import LoRAError
+    from infer.models.tiny import ensure_builtin
+
+    from lora_helpers import hf_float, save_adapter
+    dora = save_adapter(hf_float(Path(ensure_builtin("tiny-llama"))), tmp_path / "dora", seed=1, r=4, lora_alpha=8,
+                        target_modules=["q_proj"], use_dora=True)
+    with LLM("tiny-llama", enable_lora=True, max_loras=1, max_lora_rank=8, max_model_len=64) as llm:
+        with pytest.raises(LoRAError, match="DoRA") as err:
+            llm.add_lora("dora", str(dora))
+    assert "(and 1 more problem: `infer lora-validate` lists every one)" in str(err.value)

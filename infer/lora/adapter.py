@@ -680,6 +680,8 @@ def load_adapter(name: str, path: str | Path, base_config, max_rank: int | None 
     adapter = read_adapter(name, path)
     problems = [p for p in adapter.validate_against(base_config, max_rank) if not (merging and p.merges)]
     if problems:
-        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        rest = len(problems) - 1
+        more = f" (and {rest} more problem{'s' if rest > 1 else ''}: `infer lora-validate` lists every one)" if rest \
+            else ""
         raise _fail(name, adapter.path, problems[0].message + more, problems[0].hint)
     return adapter.to(dtype) if dtype is not None else adapter
