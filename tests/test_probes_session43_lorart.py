@@ -91,3 +91,29 @@ def test_a_refused_adapters_other_problem_is_counted_in_good_english_and_says_wh
         with pytest.raises(LoRAError, match="DoRA") as err:
             llm.add_lora("dora", str(dora))
     assert "(and 1 more problem: `infer lora-validate` lists every one)" in str(err.value)
+
+
+def test_removing_an_adapter_nobody_uses_neither_reads_its_folder_nor_drops_another_adapters_cpu_copy(paths, tmp_path):
+    """--max-cpu-loras 1: 'y' holds the one CPU copy. Removing the unused 'x' read x's folder again (on the engine
+    thread, holding up every step) and put it in the CPU LRU, which dropped y's copy: y's folder, gone since, was then
+    needed and y's next request failed."""
+    import shutil
+
+    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=128, enable_lora=True, max_loras=1, max_cpu_loras=1,
+                                    max_lora_rank=8))
+    try:
+        engine.add_lora("x", paths["a"])
+        engine.add_lora("y", shutil.copytree(paths["b"], tmp_path / "y"))  # x's CPU copy is dropped
+        reads = engine.lora_manager.disk_loads
+        assert engine.remove_lora("x") == 0
+        assert engine.lora_manager.disk_loads == reads and engine.list_loras() == ["y"]
+        shutil.rmtree(tmp_path / "y")
+        engine.add_request("1", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_new_tokens=3, ignore_eos=True),
+                           lora="y")
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.finished]
+        assert [(o.finish_reason, o.outputs[0].error) for o in outs] == [("length", None)]
+        assert not engine.lora_manager.retired()
+    finally:
+        engine.close()

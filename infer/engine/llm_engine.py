@@ -490,7 +490,8 @@ class LLMEngine:
         if not manager.has(name):
             raise LoRAError(f"unknown LoRA adapter {name!r}",
                             f"loaded adapters: {', '.join(sorted(manager.names())) or 'none'}")
-        manager.retire(name)
+        in_use = manager.pins(name) or any(seq.lora == name and not seq.finished for seq in self.requests.values())
+        manager.retire(name, in_use=bool(in_use))  # unused: freed now, its folder not read again for it
         return self._reap_loras().get(name, 0)
 
     def _reap_loras(self) -> dict[str, int]:

@@ -152,14 +152,19 @@ class LoRAManager:
         the earlier one computed."""
         return None if name is None else (name, self._registration.get(name, 0))
 
-    def retire(self, name: str) -> None:
+    def retire(self, name: str, in_use: bool = True) -> None:
         """Take `name` away from new requests (`has` is False from now on); requests that already hold it keep
-        running with it until `unregister`. Its weights stay in memory (never read from its folder again)."""
+        running with it until `unregister`. Its weights stay in memory (never read from its folder again), beside
+        the CPU LRU, whose other adapters keep their copies. `in_use` False: no request holds it (the caller
+        unregisters it at once), so its folder is not read again for it."""
         self._require(name)
-        try:
-            self._retired[name] = self.cpu_adapter(name)
-        except LoRAError:  # its folder is gone or changed and the CPU LRU had dropped it: removing must still work
-            self._retired[name] = None  # requests holding its slot finish; one that needs it swapped in fails
+        adapter = self._cpu.pop(name, None)
+        if adapter is None and in_use:
+            try:
+                adapter = self._reread(name)
+            except LoRAError:  # its folder is gone or changed and the CPU LRU had dropped it: removing must still work
+                adapter = None  # requests holding its slot finish; one that needs it swapped in fails
+        self._retired[name] = adapter
 
     def retired(self) -> list[str]:
         return list(self._retired)
@@ -220,22 +225,26 @@ class LoRAManager:
                                 "be read, so it cannot be swapped back in", "resend the request with another adapter")
             return self._retired[name]
         if name not in self._cpu:
-            try:
-                adapter = self._read(name, self._paths[name])
-            except LoRAError as e:  # it was read and checked when added: its folder was deleted or rewritten since
-                raise LoRAError(
-                    f"{e.message}; it was read when the adapter was added, and its weights had to be read again "
-                    f"(--max-cpu-loras {self.max_cpu_loras} keeps fewer adapters in CPU memory)",
-                    "keep adapter folders in place, unchanged, while infer serves them; remove the adapter and add it "
-                    "again from where it is now") from None
-            if adapter.stamp != self._stamps.get(name, adapter.stamp):  # other weights: the prefix cache, running
-                raise LoRAError(                                        # requests and the name mean the old ones
-                    f"LoRA adapter {name!r}: its folder {self._paths[name]} changed since it was added, and its "
-                    "earlier weights are no longer in memory", "add the new weights under a new name (or remove "
-                    "and add it again); keep adapter folders unchanged while infer serves them")
-            self._cache(adapter)
+            self._cache(self._reread(name))
         self._cpu.move_to_end(name)
         return self._cpu[name]
+
+    def _reread(self, name: str) -> LoRAAdapter:
+        """The adapter read from its folder again (the CPU LRU dropped it); LoRAError if it is gone or changed."""
+        try:
+            adapter = self._read(name, self._paths[name])
+        except LoRAError as e:  # it was read and checked when added: its folder was deleted or rewritten since
+            raise LoRAError(
+                f"{e.message}; it was read when the adapter was added, and its weights had to be read again "
+                f"(--max-cpu-loras {self.max_cpu_loras} keeps fewer adapters in CPU memory)",
+                "keep adapter folders in place, unchanged, while infer serves them; remove the adapter and add it "
+                "again from where it is now") from None
+        if adapter.stamp != self._stamps.get(name, adapter.stamp):  # other weights: the prefix cache, running
+            raise LoRAError(                                        # requests and the name mean the old ones
+                f"LoRA adapter {name!r}: its folder {self._paths[name]} changed since it was added, and its "
+                "earlier weights are no longer in memory", "add the new weights under a new name (or remove "
+                "and add it again); keep adapter folders unchanged while infer serves them")
+        return adapter
 
     def rank_of(self, name: str) -> int:
         """The adapter's largest rank over its modules."""
