@@ -117,3 +117,20 @@ def test_removing_an_adapter_nobody_uses_neither_reads_its_folder_nor_drops_anot
         assert not engine.lora_manager.retired()
     finally:
         engine.close()
+
+
+def test_a_hub_id_as_a_runtime_adapters_path_says_nothing_is_downloaded_and_how_to_fetch_it(tmp_path, monkeypatch):
+    """vLLM's /v1/load_lora_adapter (and LoRARequest) take a hub id as lora_path and download it; infer answered
+    'folder not found (pass --lora NAME=PATH ...)', a CLI flag, to an HTTP client, not saying why nor what to do."""
+    from infer import LLM
+    from infer.errors import LoRAError
+
+    monkeypatch.chdir(tmp_path)
+    with LLM("tiny-llama", enable_lora=True, max_loras=1, max_lora_rank=8, max_model_len=64) as llm:
+        with pytest.raises(LoRAError, match="folder not found") as err:
+            llm.add_lora("sql", "yard1/llama-2-7b-sql-lora-test")
+        assert "nothing is downloaded" in str(err.value) and "--local-dir ./llama-2-7b-sql-lora-test" in str(err.value)
+        assert "--lora" not in str(err.value)
+        with pytest.raises(LoRAError, match="folder not found") as err:
+            llm.add_lora("sql", "adapters/sql/v2")
+        assert f"a relative path is read from {tmp_path}" in str(err.value) and "--lora" not in str(err.value)

@@ -77,7 +77,8 @@ def _check_adapter(adapter: Path, src: Path) -> None:
         load_adapter("--merge-lora", adapter, base_config, merging=True)
     except LoRAError as e:  # worded for --lora NAME=PATH (serve, run): speak of the flag this command has
         prefix = f"LoRA adapter '--merge-lora' ({Path(adapter).expanduser()}): "
-        hint = (e.hint or "").replace("--lora NAME=PATH", "--merge-lora PATH") or None
+        hint = (e.hint or "").replace("--lora NAME=PATH", "--merge-lora PATH").replace(
+            "pass the folder peft's", "pass --merge-lora PATH with the folder peft's") or None
         raise LoRAError(f"--merge-lora {adapter}: {e.message.removeprefix(prefix)}", hint) from e
 
 

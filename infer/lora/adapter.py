@@ -156,12 +156,25 @@ def _fail(name: str, path: Path, message: str, hint: str) -> LoRAError:
     return LoRAError(f"LoRA adapter {name!r} ({path}): {message}", hint)
 
 
+def _not_found_hint(path: Path) -> str:
+    """What to pass instead of a folder that is not there: a hub id (vLLM downloads one) is fetched first."""
+    from ..models.resolve import is_hub_id
+    text = str(path)
+    if not path.is_absolute() and is_hub_id(text):
+        local = "./" + text.split("/")[1]
+        return (f"{text!r} reads as a Hugging Face hub id, and infer reads adapters from local folders only "
+                f"(nothing is downloaded): fetch it first, `huggingface-cli download {text} --local-dir {local}`, "
+                f"and pass {local}")
+    relative = "" if path.is_absolute() else f" (a relative path is read from {Path.cwd()})"
+    return f"pass the folder peft's save_pretrained wrote{relative}"
+
+
 def read_config(name: str, path: Path) -> dict:
     if path.exists() and not path.is_dir():
         raise _fail(name, path, "is a file, not a folder", "pass the folder save_pretrained wrote (the one that "
                                                             "holds adapter_config.json), not a file in it")
     if not path.is_dir():
-        raise _fail(name, path, "folder not found", "pass --lora NAME=PATH with the folder save_pretrained wrote")
+        raise _fail(name, path, "folder not found", _not_found_hint(path))
     file = path / CONFIG_FILE
     if not file.is_file():
         try:  # peft's save_pretrained writes an adapter not named "default" into a subfolder of that name
