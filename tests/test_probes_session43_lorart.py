@@ -134,3 +134,24 @@ def test_a_hub_id_as_a_runtime_adapters_path_says_nothing_is_downloaded_and_how_
         with pytest.raises(LoRAError, match="folder not found") as err:
             llm.add_lora("sql", "adapters/sql/v2")
         assert f"a relative path is read from {tmp_path}" in str(err.value) and "--lora" not in str(err.value)
+
+
+def test_data_parallel_metrics_show_the_adapters_of_every_live_replica():
+    """With --data-parallel, /metrics reads the replicas' summed stats: lora_requests_info must show the adapters
+    waiting and running on any live replica (a dead one's are gone)."""
+    from types import SimpleNamespace
+
+    from infer.parallel.serve_engine import RayAsyncEngine, _Replica
+
+    def stats(**kw):
+        return {"num_running": 1, "num_waiting": 1, "kv_blocks_total": 10, "kv_blocks_used": 2, "lora_swaps": 2,
+                "lora_max": 2, **kw}
+    replicas = [_Replica(0, None, {}, stats=stats(lora_waiting=["b"], lora_running=["a"])),
+                _Replica(1, None, {}, stats=stats(lora_waiting=["c"], lora_running=["a", "d"])),
+                _Replica(2, None, {}, stats=stats(lora_waiting=["x"], lora_running=["y"]))]
+    replicas[2].alive = False
+    total = RayAsyncEngine._aggregate(SimpleNamespace(replicas=replicas))
+    assert (total["lora_max"], total["lora_waiting"], total["lora_running"]) == (2, ["b", "c"], ["a", "d"])
+    assert total["lora_swaps"] == 6  # a counter: the dead replica's swaps stay in it
+    text = ServerMetrics(lambda: total, 128, "tiny-llama").render().decode()
+    assert 'waiting_lora_adapters="b,c"' in text and 'running_lora_adapters="a,d"' in text
