@@ -187,14 +187,16 @@ class BlockManager:
         child.last_block_hash = self.blocks[parent.block_table[child.num_hashed_blocks - 1]].hash \
             if child.num_hashed_blocks else None
 
-    def reset_prefix_cache(self, counters: bool = True) -> None:
-        """Forget every cached prefix (blocks in use keep their contents) and, with `counters`, the hit counters: a
-        benchmark run then starts as cold as a fresh engine (LLMEngine.reset_prefix_cache keeps them: they only
-        grow, as /metrics counts them)."""
+    def reset_prefix_cache(self, counters: bool = True, in_use: bool = False) -> None:
+        """Forget every cached prefix of the free blocks (blocks in use keep their contents) and, with `counters`, the
+        hit counters: a benchmark run then starts as cold as a fresh engine (LLMEngine.reset_prefix_cache keeps them:
+        they only grow, as /metrics counts them). With `in_use` the blocks of running requests are no longer shared
+        either (they keep their hashes for their own chain, but no new request finds them)."""
         for block in self.blocks:
             if block.ref_count == 0:
                 block.hash, block.token_ids = None, None
-        self.hash_to_block = {h: b for h, b in self.hash_to_block.items() if self.blocks[b].ref_count > 0}
+        self.hash_to_block = {} if in_use else \
+            {h: b for h, b in self.hash_to_block.items() if self.blocks[b].ref_count > 0}
         if counters:
             self.prefix_queries = self.prefix_hits = 0
 

@@ -438,7 +438,7 @@ class LLMEngine:
         """vLLM's: forget every cached prefix that no request holds (blocks in use keep their keys, so requests can
         still share them); the hit counters go on counting. True."""
         self._check_open()
-        self.block_manager.reset_prefix_cache(counters=False)
+        self.block_manager.reset_prefix_cache(counters=False, in_use=True)
         return True
 
     def has_unfinished_requests(self) -> bool:

@@ -1,0 +1,39 @@
+"""Review of session 43's changes: defects found in its new features (cache_salt / reset_prefix_cache, ...)."""
+
+from __future__ import annotations
+
+import pytest
+
+from infer import LLM, SamplingParams
+
+PROMPT = list(range(5, 41))  # 36 tokens: 9 full blocks of 4
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny-llama", block_size=4, max_model_len=128)
+
+
+def _hits(llm) -> int:
+    return llm.engine.stats()["prefix_cache_hits"]
+
+
+def test_reset_prefix_cache_also_forgets_the_prefixes_of_running_requests(llm):
+    # reset_prefix_cache answered True while a running request's prompt blocks stayed shared: a request sent after
+    # the reset still hit them (the docstring says "unshared", the README "cached prefixes forgotten")
+    engine = llm.engine
+    engine.add_request("running", {"prompt_token_ids": PROMPT}, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    engine.step()  # its prompt is computed and its blocks registered
+    assert llm.reset_prefix_cache() is True
+    before = _hits(llm)
+    engine.add_request("after", {"prompt_token_ids": PROMPT}, SamplingParams(max_new_tokens=2, ignore_eos=True))
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id] = out
+    assert _hits(llm) - before == 0
+    assert outs["after"].outputs[0].token_ids == outs["running"].outputs[0].token_ids[:2]
+    # and the cache works again afterwards
+    before = _hits(llm)
+    llm.generate([PROMPT], SamplingParams(max_new_tokens=2))
+    assert _hits(llm) - before >= 32
