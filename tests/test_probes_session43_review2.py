@@ -37,3 +37,30 @@ def test_reset_prefix_cache_also_forgets_the_prefixes_of_running_requests(llm):
     before = _hits(llm)
     llm.generate([PROMPT], SamplingParams(max_new_tokens=2))
     assert _hits(llm) - before >= 32
+
+
+def test_bench_default_out_under_a_dangling_link_is_refused_not_looped_on(tmp_path, monkeypatch):
+    # default_out made <timestamp>, <timestamp>-2, ... for ever when ./bench-results was a link to nothing (mkdir's
+    # FileExistsError came from the link, not from the timestamp folder): `infer bench` hung before it started
+    from pathlib import Path
+
+    from infer.cli.bench import check_out, default_out
+    from infer.errors import ConfigError
+    (tmp_path / "bench-results").symlink_to(tmp_path / "gone")
+    monkeypatch.chdir(tmp_path)
+    calls = []
+    real = Path.mkdir
+
+    def counted(self, *args, **kwargs):
+        calls.append(self)
+        if len(calls) > 50:
+            raise RuntimeError("default_out loops")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", counted)
+    out = default_out()
+    monkeypatch.setattr(Path, "mkdir", real)
+    assert out.parent == Path("bench-results")
+    with pytest.raises(ConfigError, match="is a link to .*gone, which does not exist"):
+        check_out(out)  # said before the benchmark runs, not when its report cannot be written
+    assert (tmp_path / "bench-results").is_symlink()

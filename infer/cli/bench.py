@@ -198,6 +198,9 @@ def check_out(out: Path | None) -> None:
         raise ConfigError(f"--out {out} is a file, not a folder", "give a folder for the report, e.g. --out ./bench")
     existing = out
     while not existing.exists() and existing != existing.parent:
+        if existing.is_symlink():  # a link to nothing: no folder can be made under it
+            raise ConfigError(f"--out {out}: {existing} is a link to {os.readlink(existing)}, which does not exist",
+                              "create the link's target, remove the link, or give another --out folder")
         existing = existing.parent
     if not existing.is_dir():
         raise ConfigError(f"--out {out}: {existing} is a file, not a folder", "give a path inside a folder")
@@ -229,6 +232,8 @@ def default_out(root: Path = Path("bench-results")) -> Path:
         try:
             out.mkdir(parents=True)
         except FileExistsError:
+            if not os.path.lexists(out):  # a folder above is in the way (a dangling link): check_out says why
+                return out
             k += 1
             continue
         except OSError:
