@@ -64,3 +64,21 @@ def test_bench_default_out_under_a_dangling_link_is_refused_not_looped_on(tmp_pa
     with pytest.raises(ConfigError, match="is a link to .*gone, which does not exist"):
         check_out(out)  # said before the benchmark runs, not when its report cannot be written
     assert (tmp_path / "bench-results").is_symlink()
+
+
+@pytest.mark.parametrize("bounds", [{"minimum": 0, "maximum": 50}, {"minimum": 0}, {}])
+def test_an_enum_whose_values_meet_multiple_of_is_taken_and_kept(llm, bounds):
+    # every value of the enum is a multiple of 5, yet it was refused "give enum only values that meet multipleOf";
+    # and with the refusal gone, the range's multiples (0, 15, 20, ...) replaced the enum in the grammar
+    schema = {"type": "integer", "multipleOf": 5, **bounds, "enum": [5, 10]}
+    texts = {llm.generate(["x"], SamplingParams(max_new_tokens=8, temperature=1.0, seed=seed,
+                                                structured_outputs={"json": schema}))[0].outputs[0].text
+             for seed in range(8)}
+    assert texts and texts <= {"5", "10"}, texts
+
+
+def test_an_enum_value_that_breaks_multiple_of_is_still_refused(llm):
+    from infer.errors import RequestError
+    with pytest.raises(RequestError, match="multipleOf at #/multipleOf beside enum"):
+        llm.generate(["x"], SamplingParams(max_new_tokens=4, structured_outputs={
+            "json": {"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 50, "enum": [5, 12]}}))

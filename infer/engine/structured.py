@@ -399,6 +399,9 @@ def _value_holds(value, keyword: str, bound) -> bool:
         return not isinstance(value, str) or (len(value) >= bound if keyword == "minLength" else len(value) <= bound)
     if keyword == "enum" and isinstance(bound, list):
         return value in bound
+    if keyword == "multipleOf" and isinstance(bound, (int, float)) and not isinstance(bound, bool) and bound > 0:
+        return not number or (value % bound == 0 if isinstance(value, int) and isinstance(bound, int)
+                              else (value / bound).is_integer())
     if keyword == "pattern" and isinstance(bound, str):
         try:
             return not isinstance(value, str) or re.search(bound, value) is not None
@@ -439,7 +442,8 @@ def _multiples(schema: dict) -> list[int] | None:
     and multiple_of), when they are 1..MAX_MULTIPLES; else None."""
     mult, kind = schema.get("multipleOf"), schema.get("type")
     kinds = set(kind) if isinstance(kind, list) else {kind}
-    if not isinstance(mult, int) or isinstance(mult, bool) or mult < 2 or kinds - {"null"} != {"integer"}:
+    if not isinstance(mult, int) or isinstance(mult, bool) or mult < 2 or kinds - {"null"} != {"integer"} \
+            or "enum" in schema or "const" in schema:  # (values of their own: _beside_values checked them)
         return None
     span = _range(schema)
     if span is None:
@@ -452,6 +456,8 @@ def _multiples(schema: dict) -> list[int] | None:
 def _multiple_ignored(schema: dict) -> bool:
     """Whether xgrammar would ignore an integer schema's multipleOf for its range (one-sided, or wider than
     XGRAMMAR_RANGE integers: {"multipleOf": 5, "minimum": 0} took 481), and it is not written as an enum."""
+    if "enum" in schema or "const" in schema:  # xgrammar writes the values alone, each checked by _beside_values
+        return False
     span = _range(schema)
     return (span is None or span[1] - span[0] + 1 > XGRAMMAR_RANGE) and not _multiples(schema)
 
