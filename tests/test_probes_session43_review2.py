@@ -82,3 +82,36 @@ def test_an_enum_value_that_breaks_multiple_of_is_still_refused(llm):
     with pytest.raises(RequestError, match="multipleOf at #/multipleOf beside enum"):
         llm.generate(["x"], SamplingParams(max_new_tokens=4, structured_outputs={
             "json": {"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 50, "enum": [5, 12]}}))
+
+
+def test_serve_a_request_never_sent_to_a_replica_that_stopped_is_not_counted_as_lost_there(monkeypatch):
+    # a request routed to a replica but not sent yet (its calls queued: r.new) counted as "in flight" on it when it
+    # stopped: on the next replica that stopped it was failed as "on 2 engine replicas that stopped" after one
+    import collections
+    import threading
+
+    from infer.parallel.pool import MAX_LOST
+    from infer.parallel.serve_engine import RayAsyncEngine, _Replica
+    from infer.serve.async_engine import _Pending
+
+    class _Ray:
+        def kill(self, handle, no_restart=True):
+            pass
+
+    engine = RayAsyncEngine.__new__(RayAsyncEngine)
+    dead, *others = [_Replica(i, object(), {}) for i in range(3)]
+    engine.ray, engine.replicas, engine._calls, engine._owner = _Ray(), [dead, *others], {}, {}
+    engine._cond, engine._adds = threading.Condition(), collections.deque()
+    failed = []
+    monkeypatch.setattr(engine, "_fail", lambda rid, reason, message, seq=None: failed.append(rid))
+
+    def pending(rid: str) -> _Pending:
+        return _Pending(rid, [5, 6], SamplingParams(), None, (None, None), 0.0, lost=MAX_LOST - 1)
+
+    sent, unsent = pending("sent"), pending("unsent")
+    engine._sinks = {"sent": None, "unsent": None}
+    dead.inflight = {"sent": sent, "unsent": unsent}
+    dead.new = [unsent]
+    engine._lost(dead, RuntimeError("died"))
+    assert failed == ["sent"]
+    assert unsent.lost == MAX_LOST - 1 and list(engine._adds) == [unsent]

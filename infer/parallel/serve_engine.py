@@ -261,8 +261,10 @@ class RayAsyncEngine(AsyncEngine):
         for rid in [rid for rid in r.inflight if rid in r.started]:
             self._fail(rid, "error", f"engine replica {r.index} stopped while this request ran")
         left = sum(x.alive for x in self.replicas)
+        unsent = {id(p) for p in r.new}  # assigned to the replica but never sent to it: not lost there
         for p in again:
-            p.lost += 1
+            if id(p) not in unsent:
+                p.lost += 1
             if left and p.lost >= MAX_LOST:  # with none left every request ends as NO_ENGINE anyway
                 self._fail(p.request_id, "error", f"the request was on {MAX_LOST} engine replicas that stopped (the "
                                                   f"last: replica {r.index}); it is not run again, as it may be "
