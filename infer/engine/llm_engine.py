@@ -435,8 +435,8 @@ class LLMEngine:
                    | {s.request_id for s in self._aborted} | {o.request_id for o in self._carried if o.finished})
 
     def reset_prefix_cache(self) -> bool:
-        """vLLM's: forget every cached prefix that no request holds (blocks in use keep their keys, so requests can
-        still share them); the hit counters go on counting. True."""
+        """vLLM's: forget every cached prefix, also those of running requests (they keep their blocks, unshared);
+        the hit counters go on counting. True (vLLM returns False while requests run; infer resets anyway)."""
         self._check_open()
         self.block_manager.reset_prefix_cache(counters=False, in_use=True)
         return True
