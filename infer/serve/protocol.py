@@ -169,14 +169,17 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
     # true} alone gets the usage in every chunk and the last), a null is false; no stream_options, no usage
     include_usage = options.get("include_usage", given is not None)
     continuous = options.get("continuous_usage_stats", False)
-    for key, value in (("include_usage", include_usage), ("continuous_usage_stats", continuous)):
+    # OpenAI's include_obfuscation (the SDK's type has it): random padding of each chunk against side channels;
+    # infer (as vLLM) sends none, so the option changes nothing and is taken either way
+    for key, value in (("include_usage", include_usage), ("continuous_usage_stats", continuous),
+                       ("include_obfuscation", options.get("include_obfuscation"))):
         if value is not None and not isinstance(value, bool):
             raise ApiError(400, f"stream_options.{key} must be a boolean", param="stream_options")
     include_usage, continuous = bool(include_usage), bool(continuous)
-    unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
+    unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats", "include_obfuscation"})
     if unknown:
-        raise ApiError(400, f"stream_options has unknown fields {unknown}; infer reads include_usage and "
-                            "continuous_usage_stats", param="stream_options")
+        raise ApiError(400, f"stream_options has unknown fields {unknown}; infer reads include_usage, "
+                            "continuous_usage_stats and include_obfuscation", param="stream_options")
     defaults = dict(defaults or {})
     cap = defaults.pop(MAX_TOKENS_CAP, None)  # generation_config.json's max_new_tokens: caps every reply (vLLM)
     fields = {**defaults, **{k: v for k, v in body.items() if k in _PARAM_KEYS and v is not None}}

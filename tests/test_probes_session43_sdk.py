@@ -1,0 +1,54 @@
+"""Probes of `infer serve` through the official OpenAI Python SDK, session 43: stream_options that the SDK's own
+types carry (include_obfuscation) were refused with a 400."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from infer.engine.config import EngineConfig  # noqa: E402
+from infer.engine.llm_engine import LLMEngine  # noqa: E402
+from infer.models.tiny import ensure_builtin  # noqa: E402
+from infer.serve.app import Server, serve_in_thread  # noqa: E402
+from infer.serve.async_engine import AsyncEngine  # noqa: E402
+
+TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+            "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("probes_s43_sdk") / "tiny"
+    shutil.copytree(ensure_builtin("tiny-llama"), path)
+    (path / "chat_template.jinja").write_text(TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return LLMEngine(EngineConfig(str(model), block_size=4, max_num_seqs=4))
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    with serve_in_thread(Server(AsyncEngine(engine, max_queue=64), "tiny")) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_stream_options_include_obfuscation_of_the_sdk_is_taken(client, chat):
+    kw = dict(model="tiny", max_tokens=2, temperature=0, stream=True,
+              stream_options={"include_usage": True, "include_obfuscation": False})
+    stream = (client.chat.completions.create(messages=MESSAGES, **kw) if chat
+              else client.completions.create(prompt="hi", **kw))
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == 2
+    with pytest.raises(openai.BadRequestError, match="include_obfuscation must be a boolean"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, stream=True,
+                                       stream_options={"include_obfuscation": "no"})
