@@ -52,3 +52,12 @@ def test_stream_options_include_obfuscation_of_the_sdk_is_taken(client, chat):
     with pytest.raises(openai.BadRequestError, match="include_obfuscation must be a boolean"):
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, stream=True,
                                        stream_options={"include_obfuscation": "no"})
+
+
+def test_a_chat_over_the_context_names_messages_not_a_prompt_it_did_not_send(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi " * 3000}])
+    assert e.value.code == "context_length_exceeded" and e.value.param == "messages", e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="hi " * 3000, max_tokens=1)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "prompt", e.value.body

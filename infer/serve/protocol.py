@@ -538,7 +538,8 @@ def check_context(req: GenerationRequest, max_model_len: int) -> None:
     for p in req.prompts:
         if len(p) >= max_model_len:
             raise ApiError(400, f"the prompt has {len(p)} tokens, which leaves no room under this model's maximum "
-                                f"context length of {max_model_len} tokens", param="prompt",
+                                f"context length of {max_model_len} tokens",
+                           param="messages" if req.chat else "prompt",  # the field the client sent
                            code="context_length_exceeded")
         if want is not None and len(p) + want > max_model_len:  # named as sent: max_completion_tokens or max_tokens
             raise ApiError(400, f"this model's maximum context length is {max_model_len} tokens; the prompt has "
