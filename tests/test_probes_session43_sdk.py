@@ -1,5 +1,7 @@
 """Probes of `infer serve` through the official OpenAI Python SDK, session 43: stream_options that the SDK's own
-types carry (include_obfuscation) were refused with a 400."""
+types carry (include_obfuscation) were refused with a 400; a chat prompt past the context was a 400 naming `prompt`,
+a field the chat request has not; `top_logprobs: 0` without `logprobs` (a default some clients send) was a 400
+where vLLM refuses only a positive count."""
 
 from __future__ import annotations
 
@@ -61,3 +63,22 @@ def test_a_chat_over_the_context_names_messages_not_a_prompt_it_did_not_send(cli
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt="hi " * 3000, max_tokens=1)
     assert e.value.code == "context_length_exceeded" and e.value.param == "prompt", e.value.body
+
+
+def test_top_logprobs_0_without_logprobs_is_taken_as_vllm_takes_it(client):
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, top_logprobs=0)
+    assert r.choices[0].logprobs is None and r.usage.completion_tokens == 2
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, top_logprobs=0, logprobs=False)
+    assert r.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="logprobs must be set to true") as e:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, top_logprobs=1)
+    assert e.value.param == "top_logprobs"
+
+
+def test_a_batch_line_with_top_logprobs_0_without_logprobs_is_taken(engine):
+    from infer.engine.inputs import parse_request
+    from infer.errors import RequestError
+    line = {"custom_id": "a", "body": {"messages": MESSAGES, "max_tokens": 2, "top_logprobs": 0}}
+    assert parse_request(line, engine.tokenizer, "0").params.logprobs is None
+    with pytest.raises(RequestError, match="body.logprobs is not true"):
+        parse_request({"custom_id": "a", "body": {**line["body"], "top_logprobs": 1}}, engine.tokenizer, "0")

@@ -596,7 +596,7 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
     top = body.get("top_logprobs")
     if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
         raise RequestError(f"body.top_logprobs must be an integer in 0..20, got {top!r}")
-    if top is not None and "messages" in body and body.get("logprobs") is not True:
+    if top and "messages" in body and body.get("logprobs") is not True:  # 0 asks for none (as vLLM's check)
         raise RequestError("body.top_logprobs is given but body.logprobs is not true: no logprobs would be written",
                            "set \"logprobs\": true, or remove top_logprobs")
     fields = {k: v for k, v in body.items() if k in _PARAM_TYPES or k in _OPENAI_ALIASES

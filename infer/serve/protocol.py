@@ -203,7 +203,8 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
     if stream and body.get("prompt_logprobs") is not None:
         raise ApiError(400, "prompt_logprobs is only returned by a response that is not streamed",
                        param="prompt_logprobs")
-    if chat and top is not None and fields.get("logprobs") is not True:  # as vLLM: else silently no logprobs
+    # as vLLM: else silently no logprobs; a top_logprobs of 0 (the SDK's or a client's default) asks for none
+    if chat and top and fields.get("logprobs") is not True:
         raise ApiError(400, "when using top_logprobs, logprobs must be set to true", param="top_logprobs")
     length = "max_completion_tokens" if fields.get("max_completion_tokens") is not None else "max_tokens"
     if length == "max_completion_tokens":  # it supersedes max_tokens, whichever comes first (OpenAI, vLLM)
