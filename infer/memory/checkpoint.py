@@ -73,11 +73,15 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
         bits = int((qc if isinstance(qc, dict) else vars(qc) if qc is not None else {}).get("bits", 4) or 4)
     total = 0
     gptq_inputs: dict[str, int] = {}  # merged GPTQ layer -> its input width
+    headers = []
     for f in files:
         header = safetensors_header(f) if f.suffix == ".safetensors" else _bin_header(f)
         if header is None:
             total += f.stat().st_size  # a legacy .bin: the stored size is the estimate
             continue
+        headers.append(header)
+    g_idx = {name: info for header in headers for name, info in header.items() if name.endswith(".g_idx")}
+    for header in headers:
         for name, info in header.items():
             numel = 1
             for d in info["shape"]:
@@ -89,10 +93,13 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
             if name.endswith(".g_idx"):  # one per merged layer, counted below
                 continue
             if name.endswith(".qweight") and len(info["shape"]) == 2:
-                gptq_inputs[_merged_key(name)] = info["shape"][0] * (32 // bits)
+                # K from the layer's g_idx: a layer may have its own bits (dynamic, a quantized lm_head at 8)
+                own = g_idx.get(name.removesuffix("qweight") + "g_idx")
+                k = own["shape"][0] if own and own["shape"] else info["shape"][0] * (32 // bits)
+                gptq_inputs[_merged_key(name)] = k
+                if device.type == "cpu":  # the CPU path dequantizes each GPTQ layer once at load (and prepacks it)
+                    total += k * info["shape"][1] * elem * (2 if prepacks else 1)
             total += size
-            if device.type == "cpu" and name.endswith(".qweight"):  # the CPU path dequantizes each GPTQ layer
-                total += numel * (32 // bits) * elem * (2 if prepacks else 1)  # once at load (and prepacks it)
             if prepacks and is_float and (_LINEAR.search(name) or name == "lm_head.weight"):
                 total += size
             if prepacks and name == "model.embed_tokens.weight" and getattr(model_config, "tie_word_embeddings", False):
