@@ -30,3 +30,25 @@ def test_the_cpu_estimate_dequantizes_each_layer_at_its_own_width(tmp_path):
         g_idx = (128 + 64) * 4  # one int32 per input of each (merged) layer
         got = checkpoint.checkpoint_weights_bytes([tmp_path / "model.safetensors"], cfg, dtype, torch.device("cpu"), 4)
         assert got == stored + floats + g_idx, dtype
+
+
+def test_a_budget_the_weights_and_the_reserve_take_says_so_not_to_lower_the_batch():
+    """--memory-limit 4MB is the runtime reserve's minimum (4 MiB) on its own: with tiny-llama's 1 MiB of weights
+    nothing can fit, yet warmup and an engine start said "lower --max-num-batched-tokens (or --max-num-seqs), whose
+    activations take most of the budget", which no batch size makes fit. Both now name the weights and the reserve."""
+    from typer.testing import CliRunner
+
+    from infer import LLM
+    from infer.cli.main import app
+    from infer.errors import OutOfMemoryError
+    res = CliRunner().invoke(app, ["warmup", "tiny-llama", "--estimate", "--max-length", "256", "--concurrency", "2",
+                                   "--memory-limit", "4MB"])
+    text = " ".join(res.output.split())
+    assert res.exit_code == 1, res.output
+    assert "the runtime reserve (4.0 MiB: 1% of the budget, at least 4 MiB) take the whole budget of 4.0 MiB: " \
+           "raise --memory-limit well above" in text
+    assert "--max-num-batched-tokens" not in text
+    with pytest.raises(OutOfMemoryError) as e:
+        LLM("tiny-llama", memory_limit="4MB", max_model_len=256)
+    assert "the runtime reserve" in str(e.value) and "raise --memory-limit" in str(e.value)
+    assert "--max-num-seqs" not in str(e.value)

@@ -166,14 +166,14 @@ class MemoryPlan:
 
     @property
     def weights_exceed_budget(self) -> bool:
-        return self.weights_bytes >= self.budget_bytes and not self.kv_blocks
+        """The weights with the runtime reserve leave nothing: no batch size or length can make room."""
+        return self.weights_bytes + self.reserve_bytes >= self.budget_bytes and not self.kv_blocks
 
     def advice(self) -> str:
         """What to change when it does not fit (vLLM-style 'estimated maximum model length')."""
         more = "raise --gpu-memory-utilization" if self.device == "cuda" else "raise --memory-limit"
         if self.weights_exceed_budget:  # nothing else matters until the weights fit (as at an engine start)
-            return (f"the weights alone take {gib(self.weights_bytes)} of the budget of {gib(self.budget_bytes)}: "
-                    f"{more}, or run a smaller or quantized model")
+            return weights_advice(self.weights_bytes, self.reserve_bytes, self.budget_bytes, more)
         tips = []
         if self.lora_bytes > self.budget_bytes // 2:  # no length or concurrency makes room the slots take
             tips.append(f"lower --max-loras or --max-lora-rank, whose adapter slots take {gib(self.lora_bytes)} of "
@@ -184,6 +184,15 @@ class MemoryPlan:
             tips.append(f"lower --concurrency to {self.max_concurrency_at_max_length}")
         tips.append(more)
         return ", or ".join(tips)
+
+
+def weights_advice(weights: int, reserve: int, budget: int, more: str) -> str:
+    """The weights (with the runtime reserve) leave nothing of the budget: what to change."""
+    if weights >= budget:
+        return f"the weights alone take {gib(weights)} of the budget of {gib(budget)}: {more}, or run a smaller or " \
+            "quantized model"
+    return (f"the weights ({gib(weights)}) and the runtime reserve ({gib(reserve)}: 1% of the budget, at least "
+            f"4 MiB) take the whole budget of {gib(budget)}: {more} well above {gib(weights + reserve)}")
 
 
 def _largest(ok, lo: int, hi: int) -> int:
@@ -311,9 +320,8 @@ def plan_memory(engine_config: PlanOptions, model_config, model, dtype, device, 
     if plan.kv_blocks < plan.blocks_for(max_len):
         fit = largest_fitting_len(engine_config, model_config, model, dtype, device, max_len, lora_bytes)
         more = "raise --gpu-memory-utilization" if device.type == "cuda" else "raise --memory-limit"
-        if plan.weights_bytes >= plan.budget_bytes:  # nothing else matters until the weights fit
-            more = (f"the weights alone take {gib(plan.weights_bytes)} of the budget of {gib(plan.budget_bytes)}: "
-                    f"{more}, or run a smaller or quantized model")
+        if plan.weights_bytes + plan.reserve_bytes >= plan.budget_bytes:  # nothing else matters until they fit
+            more = weights_advice(plan.weights_bytes, plan.reserve_bytes, plan.budget_bytes, more)
         elif plan.lora_bytes > plan.budget_bytes // 2:  # the adapter slots, not the length, use the memory
             more = (f"lower --max-loras ({engine_config.max_loras}) or --max-lora-rank "
                     f"({engine_config.max_lora_rank}), whose adapter slots take {gib(plan.lora_bytes)}, or {more}")
