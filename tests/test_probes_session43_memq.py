@@ -52,3 +52,39 @@ def test_a_budget_the_weights_and_the_reserve_take_says_so_not_to_lower_the_batc
         LLM("tiny-llama", memory_limit="4MB", max_model_len=256)
     assert "the runtime reserve" in str(e.value) and "raise --memory-limit" in str(e.value)
     assert "--max-num-seqs" not in str(e.value)
+
+
+def test_the_estimate_reads_a_layers_own_bits_from_the_config_when_it_has_no_g_idx(tmp_path):
+    """g_idx is optional in a GPTQ checkpoint (the loader builds the plain one): without it, `warmup --estimate`
+    read an 8-bit down_proj and an 8-bit head (`dynamic`, lm_head) as 4-bit words, twice their width; it now takes
+    each layer's bits from the quantization config, as the loader does, and counts what the g_idx copy counts."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from infer.cli.warmup_plan import estimate_plan
+    from infer.engine.config import EngineConfig
+    from infer.models.tiny import ensure_builtin
+    counts = {}
+    for with_g_idx in (True, False):
+        d = tmp_path / f"m{int(with_g_idx)}"
+        d.mkdir()
+        src = ensure_builtin("tiny-llama")
+        for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            if (src / f).exists():
+                shutil.copy(src / f, d / f)
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
+                                      "sym": True, "lm_head": True, "checkpoint_format": "gptq",
+                                      "dynamic": {"+:.*down_proj": {"bits": 8}, "lm_head": {"bits": 8}}}
+        (d / "config.json").write_text(json.dumps(cfg))
+        tensors = {"model.layers.0.mlp.down_proj.qweight": torch.zeros(32, 64, dtype=torch.int32),
+                   "lm_head.qweight": torch.zeros(16, 512, dtype=torch.int32)}
+        if with_g_idx:
+            tensors.update({"model.layers.0.mlp.down_proj.g_idx": torch.zeros(128, dtype=torch.int32),
+                            "lm_head.g_idx": torch.zeros(64, dtype=torch.int32)})
+        save_file(tensors, d / "model.safetensors")
+        plan, _ = estimate_plan(EngineConfig(model=str(d), memory_limit="64MB", dtype="float32"), 256, 1)
+        counts[with_g_idx] = plan.weights_bytes  # a stored g_idx is counted as the loaded one
+    assert counts[False] == counts[True]

@@ -118,8 +118,11 @@ def estimate_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     limit = _check_length(model_config, engine_config, max_length)
     from ..quant.config import GPTQConfig
     gptq = GPTQConfig.from_model_dir(path)  # as the loader: another quant_method, or 3-bit GPTQ, is refused
+    def bits_of(module: str) -> int | None:  # a layer's own bits, as the loader reads them (a head, `dynamic`)
+        own = gptq.for_head() if module.removeprefix("model.") == "lm_head" else gptq.for_module(module)
+        return own.bits if own is not None else None
     weights = checkpoint_weights_bytes(weight_files(path), model_config, dtype, device, gptq.bits if gptq else None,
-                                       gptq.desc_act if gptq else False)
+                                       gptq.desc_act if gptq else False, bits_of if gptq else None)
     from ..models.rope import rope_table_bytes  # the rotary table an engine of this config builds at load
     weights += rope_table_bytes(model_config, model_max_len(model_config, engine_config))
     from ..lora.adapter import load_adapter
