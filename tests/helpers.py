@@ -164,3 +164,18 @@ class ModelsHandler:
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
         self.wfile.write(payload)
+
+
+CHATML_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+                   "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_chat_model(tmp_path_factory, name: str):
+    """tiny-llama copied into a fresh folder with a minimal ChatML chat template (server probes)."""
+    import shutil
+
+    from infer.models.tiny import ensure_builtin
+    path = tmp_path_factory.mktemp(name) / "tiny"
+    shutil.copytree(ensure_builtin("tiny-llama"), path)
+    (path / "chat_template.jinja").write_text(CHATML_TEMPLATE)
+    return path

@@ -5,7 +5,6 @@ where vLLM refuses only a positive count."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -15,21 +14,17 @@ pytest.importorskip("fastapi")
 
 from infer.engine.config import EngineConfig  # noqa: E402
 from infer.engine.llm_engine import LLMEngine  # noqa: E402
-from infer.models.tiny import ensure_builtin  # noqa: E402
 from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 
-TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
-            "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+from helpers import tiny_chat_model  # noqa: E402
+
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("probes_s43_sdk") / "tiny"
-    shutil.copytree(ensure_builtin("tiny-llama"), path)
-    (path / "chat_template.jinja").write_text(TEMPLATE)
-    return path
+    return tiny_chat_model(tmp_path_factory, "probes_s43_sdk")
 
 
 @pytest.fixture(scope="module")
