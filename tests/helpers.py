@@ -179,3 +179,17 @@ def tiny_chat_model(tmp_path_factory, name: str):
     shutil.copytree(ensure_builtin("tiny-llama"), path)
     (path / "chat_template.jinja").write_text(CHATML_TEMPLATE)
     return path
+
+
+def streamed_chat_choices(base: str, body: dict) -> list[dict]:
+    """Each chunk's first choice of a streamed /v1/chat/completions answer to `body`."""
+    import json
+
+    import httpx
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as s:
+        return [json.loads(line[6:])["choices"][0] for line in s.iter_lines() if line.startswith("data: {")]
+
+
+def joined_deltas(deltas: list[dict], key: str) -> str:
+    """The streamed choices' `delta[key]` pieces joined."""
+    return "".join(d["delta"].get(key) or "" for d in deltas)

@@ -20,6 +20,8 @@ from infer.models.tiny import ensure_builtin  # noqa: E402
 from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 
+from helpers import joined_deltas, streamed_chat_choices  # noqa: E402
+
 MESSAGES = [{"role": "user", "content": "think, then answer"}]
 
 
@@ -61,13 +63,7 @@ def _body(reply: str, **extra) -> dict:
     return {"messages": MESSAGES, "max_tokens": 40, "temperature": 0, "guided_regex": re.escape(reply), **extra}
 
 
-def _streamed(base: str, body: dict) -> list[dict]:
-    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as s:
-        return [json.loads(line[6:])["choices"][0] for line in s.iter_lines() if line.startswith("data: {")]
-
-
-def _joined(deltas: list[dict], key: str) -> str:
-    return "".join(d["delta"].get(key) or "" for d in deltas)
+_streamed, _joined = streamed_chat_choices, joined_deltas
 
 
 @pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])

@@ -25,6 +25,8 @@ from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 from infer.serve.reasoning import ReasoningRequest, parts, prompt_ends_reasoning, split  # noqa: E402
 
+from helpers import joined_deltas, streamed_chat_choices  # noqa: E402
+
 R1, QWEN3 = ReasoningRequest("deepseek_r1"), ReasoningRequest("qwen3")
 
 
@@ -141,13 +143,7 @@ def _body(reply: str, **extra) -> dict:
     return {"messages": MESSAGES, "max_tokens": 160, "temperature": 0, "guided_regex": re.escape(reply), **extra}
 
 
-def _streamed(base: str, body: dict) -> list[dict]:
-    with httpx.stream("POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as s:
-        return [json.loads(line[6:])["choices"][0] for line in s.iter_lines() if line.startswith("data: {")]
-
-
-def _joined(deltas: list[dict], key: str) -> str:
-    return "".join(d["delta"].get(key) or "" for d in deltas)
+_streamed, _joined = streamed_chat_choices, joined_deltas
 
 
 @pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
