@@ -8,7 +8,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 _ERRORS = ("InferError", "ConfigError", "ModelLoadError", "UnsupportedModelError", "OutputError", "RequestError",
-           "LoRAError", "LoRANameError", "OutOfMemoryError", "ClosedError", "UnknownOptionError")
+           "LoRAError", "LoRANameError", "OutOfMemoryError", "ClosedError", "UnknownOptionError", "RequestIdTypeError")
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "RequestOutput", "CompletionOutput",
            "LLMEngine", *_ERRORS]
 

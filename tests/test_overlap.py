@@ -162,7 +162,7 @@ def test_prefill_chunks_beside_decodes_are_identical(path):
     prompts = random_prompts(512, (3, 23, 5, 30), seed=6)
     requests = [(str(i), q, SamplingParams(max_new_tokens=n, ignore_eos=True))
                 for i, (q, n) in enumerate(zip(prompts, (12, 6, 9, 5)))]
-    off, on = _both(path, requests, engine={"max_num_batched_tokens": 8}, arrive_every=1)
+    off, on = _both(path, requests, engine={"max_num_batched_tokens": 8, "max_num_seqs": 8}, arrive_every=1)
     assert on == off
     for rid, prompt, p in requests:
         assert on[rid][-1][4] == hf_greedy(path, prompt, p.max_new_tokens)
