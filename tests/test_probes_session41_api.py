@@ -120,9 +120,11 @@ def test_vllms_priority_keyword_is_taken_at_its_default_and_refused_otherwise(ll
     assert [o.token_ids for o in llm.generate(["a", "b"], params, priority=None)] == ref
     assert [o.token_ids for o in llm.generate(["a", "b"], params, priority=[0, 0])] == ref
     assert llm.chat([{"role": "user", "content": "a"}], params, priority=[0])[0].finish_reason == "length"
-    for bad in ([1, 0], 3, [True]):
+    for bad in ([1, 0], 3):  # without scheduling_policy="priority" (tests/test_priority_scheduling.py)
         with pytest.raises(RequestError, match="first come, first served"):
             llm.generate(["a", "b"], params, priority=bad)
+    with pytest.raises(RequestError, match="integer per prompt"):
+        llm.generate(["a", "b"], params, priority=[True, 0])
     assert not llm.engine.requests
 
 

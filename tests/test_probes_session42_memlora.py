@@ -55,12 +55,12 @@ def test_requests_without_an_adapter_do_not_wait_behind_one_that_waits_for_a_slo
 
 @pytest.mark.parametrize("option, args, word", [
     ("--lora-dtype", ["auto"], "--dtype"), ("--fully-sharded-loras", [], "one GPU"),
-    ("--scheduling-policy", ["fcfs"], "first come"), ("--preemption-mode", ["recompute"], "recomputing"),
+    ("--preemption-mode", ["recompute"], "recomputing"),
     ("--long-prefill-token-threshold", ["256"], "--max-num-batched-tokens"),
     ("--max-num-partial-prefills", ["2"], "--max-num-batched-tokens")])
 def test_vllms_adapter_and_scheduling_options_say_what_infer_does_instead(option, args, word):
     """vLLM's --lora-dtype was "No such option (Possible options: --dtype, --lora)", and its scheduling options
-    (--scheduling-policy fcfs, vLLM's default among them) "No such option" with only "see --help"."""
+    (--preemption-mode recompute, vLLM's default among them) "No such option" with only "see --help"."""
     from typer.testing import CliRunner
 
     from infer.cli.main import app

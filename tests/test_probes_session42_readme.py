@@ -41,5 +41,5 @@ def test_priority_zero_as_one_int_is_vllms_default(llm, call):
     assert len(getattr(llm, call)(prompt, P, priority=0)) == 1
     assert len(getattr(llm, call)(prompt, P, priority=[0])) == 1
     for bad in (1, [1], True, 0.0):
-        with pytest.raises(RequestError, match="first come, first served"):
+        with pytest.raises(RequestError, match="first come, first served|integer per prompt"):
             getattr(llm, call)(prompt, P, priority=bad)

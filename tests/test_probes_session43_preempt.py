@@ -81,7 +81,7 @@ def test_num_kv_blocks_error_names_the_keyword(value):
 
 @pytest.mark.parametrize("keyword, value, hint", [
     ("num_gpu_blocks_override", 8, "num_kv_blocks=N"), ("preemption_mode", "swap", "recomputing"),
-    ("scheduling_policy", "priority", "first come, first served"), ("kv_cache_memory_bytes", 2 ** 20, "num_kv_blocks"),
+    ("kv_cache_memory_bytes", 2 ** 20, "num_kv_blocks"),
     ("max_num_partial_prefills", 2, "max_num_batched_tokens")])
 def test_vllm_scheduler_keywords_say_what_to_do(keyword, value, hint):
     """vLLM's scheduler and KV-cache keywords of LLM(): the command line names what to do for each

@@ -60,19 +60,20 @@ requests = st.lists(st.fixed_dictionaries({
     "lora": st.sampled_from([None, *THREE]),
     "max_new": st.integers(1, 6),
     "abort": st.one_of(st.none(), st.integers(0, 40)),
+    "priority": st.integers(0, 3),  # read under the priority policy (fcfs: every request 0)
 }), min_size=1, max_size=10)
 
 
 class World:
     """The scheduler under test, its block manager and adapter slots, and a shadow of what every block holds."""
 
-    def __init__(self, model, paths, block_size, num_blocks, caching, max_num_seqs, max_tokens):
+    def __init__(self, model, paths, block_size, num_blocks, caching, max_num_seqs, max_tokens, policy="fcfs"):
         self.bm = BlockManager(num_blocks, block_size, caching)
         self.lora = LoRAManager(model, max_loras=MAX_LORAS, max_lora_rank=8)
         for name, path in paths.items():
             self.lora.register(name, path)
         config = EngineConfig(model="tiny-llama", max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
-                              block_size=block_size)
+                              block_size=block_size, scheduling_policy=policy)
         self.sched = Scheduler(config, self.bm, self.lora)
         self.max_num_seqs, self.max_tokens = max_num_seqs, max_tokens
         self.seqs: list[Sequence] = []
@@ -125,6 +126,10 @@ class World:
         for seq in running:
             self._check_contents(seq)
         self._check_adapters()
+        if self.sched.by_priority:  # both queues in (priority, arrival, admission) order: the last is the victim
+            for queue in (self.sched.running, list(self.sched.waiting)):
+                ranks = [Scheduler.rank(s) for s in queue]
+                assert ranks == sorted(ranks), "a queue is out of priority order"
 
     def _check_contents(self, seq: Sequence) -> None:
         """Every computed position's block holds the K/V of this sequence's tokens up to there, with its adapter."""
@@ -148,7 +153,8 @@ class World:
 
 
 def _req(lora, tail, max_new, arrival=0, abort=None) -> dict:
-    return dict(arrival=arrival, prefix=0, prefix_len=0, tail=tail, lora=lora, max_new=max_new, abort=abort)
+    return dict(arrival=arrival, prefix=0, prefix_len=0, tail=tail, lora=lora, max_new=max_new, abort=abort,
+                priority=0)
 
 
 # Always tried first: three adapters running at once for two slots; two adapters whose sequences preempt each other.
@@ -158,23 +164,25 @@ PREEMPT_WITH_ADAPTERS = dict(reqs=[_req("a", [1] * 6, 6), _req("b", [2] * 6, 6),
                              block_size=2, extra_blocks=0, caching=False, max_num_seqs=4, max_tokens=32)
 
 
-def _sequence(i: int, r: dict) -> Sequence:
+def _sequence(i: int, r: dict, policy: str = "fcfs") -> Sequence:
     prompt = PREFIXES[r["prefix"]][:r["prefix_len"]] + r["tail"]
-    params = SamplingParams(max_new_tokens=r["max_new"], ignore_eos=True)
+    params = SamplingParams(max_new_tokens=r["max_new"], ignore_eos=True,
+                            priority=r["priority"] if policy == "priority" else 0)
     return Sequence(f"r{i}", prompt, params, r["lora"], max_total_len=len(prompt) + r["max_new"])
 
 
-@example(**THREE_AT_ONCE)
-@example(**PREEMPT_WITH_ADAPTERS)
+@example(**THREE_AT_ONCE, policy="fcfs")
+@example(**PREEMPT_WITH_ADAPTERS, policy="priority")
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reqs=requests, block_size=st.sampled_from([1, 2, 4]), extra_blocks=st.integers(0, 24),
-       caching=st.booleans(), max_num_seqs=st.integers(1, 6), max_tokens=st.integers(1, 32))
+       caching=st.booleans(), max_num_seqs=st.integers(1, 6), max_tokens=st.integers(1, 32),
+       policy=st.sampled_from(["fcfs", "priority"]))
 def test_random_workloads_keep_invariants_and_finish(lora_model, reqs, block_size, extra_blocks, caching,
-                                                     max_num_seqs, max_tokens):
-    seqs = [_sequence(i, r) for i, r in enumerate(reqs)]
+                                                     max_num_seqs, max_tokens, policy):
+    seqs = [_sequence(i, r, policy) for i, r in enumerate(reqs)]
     need = max(-(-s.max_total_len // block_size) for s in seqs)  # the engine refuses a request above the cache
     max_tokens = max(max_tokens, max_num_seqs)  # the engine refuses fewer tokens a step than sequences (as vLLM)
-    w = World(*lora_model, block_size, need + extra_blocks, caching, max_num_seqs, max_tokens)
+    w = World(*lora_model, block_size, need + extra_blocks, caching, max_num_seqs, max_tokens, policy)
     step, limit = 0, 40 + 10 * sum(s.max_total_len for s in seqs)
     while step <= 12 or w.sched.has_unfinished():
         assert step < limit, "the workload did not finish in a bounded number of steps"

@@ -104,6 +104,9 @@ def _generate(pool: ReplicaPool, todo: list, writer: RecordWriter, tokenizer, qu
         else:
             r = item.request
             work.append(Work(item.id, item.line_no, r.prompt_token_ids, r.params, r.lora))
+    # the pool hands requests out in this order as replicas have room: under --scheduling-policy priority the most
+    # urgent first (each replica's engine orders only what it holds); stable, so equal priorities keep file order
+    work.sort(key=lambda w: w.params.priority)
     progress = ReplicaProgress(pool, total=len(todo), completed=failed, quiet=quiet)
 
     def on_output(item: Work, out, replica: int) -> None:

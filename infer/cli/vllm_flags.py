@@ -86,7 +86,6 @@ VLLM_HINTS = {
     "--cpu-offload-gb": "infer holds every weight on the device; run an int4 model (infer quantize) or a smaller one",
     "--swap-space": "infer preempts a sequence by recomputing it, not by swapping its KV to the CPU; drop the option",
     "--preemption-mode": "infer preempts a sequence by recomputing it (vLLM's recompute); drop the option",
-    "--scheduling-policy": "infer schedules first come, first served (vLLM's default, fcfs); drop the option",
     "--long-prefill-token-threshold": _CHUNKS,
     "--max-num-partial-prefills": _CHUNKS,
     "--max-long-partial-prefills": _CHUNKS,

@@ -150,6 +150,7 @@ RANGES = {"max_num_seqs": (1, 65536), "max_num_batched_tokens": (1, None), "bloc
           "cuda_graph_max_tokens": (0, 8192)}
 OPTIONAL = {"max_model_len", "num_kv_blocks", "max_cpu_loras", "overlap", "lora_epilogue",  # None: chosen for you
             "lora_streams", "pdl"}
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy values
 BOOLS = ("enable_prefix_caching", "enforce_eager", "enable_lora", "overlap", "lora_epilogue", "lora_streams",
          "lora_expand_beside", "lora_expand_fused", "lora_expand_in_norm", "silu_in_gate_up", "pdl", "graph_priority")
 
@@ -171,6 +172,10 @@ class EngineConfig:
                                                "--[no-]enable-prefix-caching too).",
                                          flag="--prefix-caching/--no-prefix-caching",
                                          vllm="--enable-prefix-caching/--no-enable-prefix-caching")
+    scheduling_policy: str = option("fcfs", "fcfs | priority: the order waiting requests are admitted in, and which "
+                                            "running one is preempted when the KV cache runs out (priority: by "
+                                            "each request's priority, lower first, then by arrival; the lowest "
+                                            "priority, latest arrived is preempted; as vLLM's).")
     num_kv_blocks: int | None = None  # API only; None: sized from the memory budget
     # API only: prepare and hand out step n's results while step n+1 runs on the device (None: on for CUDA, off on
     # CPU, where one processor does both and nothing can overlap)
@@ -286,6 +291,9 @@ class EngineConfig:
                 yield f"{name} must be {what}, got {value!r}"
         if not isinstance(self.dtype, str) or self.dtype not in ("auto", *_DTYPES):
             yield f"--dtype {self.dtype!r} is not one of auto, float32, float16, bfloat16" + _dtype_advice(self.dtype)
+        if not isinstance(self.scheduling_policy, str) or self.scheduling_policy not in SCHEDULING_POLICIES:
+            yield (f"--scheduling-policy {self.scheduling_policy!r} is not one of {', '.join(SCHEDULING_POLICIES)}",
+                   "fcfs: first come, first served; priority: requests' priority (lower first), then arrival")
         if not isinstance(self.device, str) or not valid_device(self.device):
             yield f"--device {self.device!r} is not one of auto, cpu, cuda, cuda:N"
         util = self.gpu_memory_utilization

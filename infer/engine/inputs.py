@@ -27,6 +27,7 @@ _PARAM_TYPES: dict[str, tuple] = {
     "include_stop_str_in_output": (bool,), "skip_special_tokens": (bool,), "spaces_between_special_tokens": (bool,),
     "detokenize": (bool,), "truncate_prompt_tokens": (int,),
     "prompt_logprobs": (int,), "structured_outputs": (dict,), "bad_words": (list,), "cache_salt": (str,),
+    "priority": (int,),  # vLLM's request priority (the engine refuses another value than 0 unless it schedules by it)
 }
 _PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 _OTHER_KEYS = {"id", "lora"}
@@ -53,9 +54,6 @@ UNSUPPORTED_OPENAI = {
     # vLLM's cap on a reasoning model's think block (it ends the block after that many tokens): not done here
     "thinking_token_budget": (lambda v: v is None, "thinking_token_budget is not supported: the think block is not "
                                                    "capped (cap the whole reply with max_tokens)"),
-    # vLLM's request priority: without its priority scheduling vLLM answers another value than 0 with a 400 too
-    "priority": (lambda v: v is None or (v == 0 and not isinstance(v, bool)),
-                 "only priority 0 is supported: infer schedules first come, first served"),
 }
 
 # vLLM's chat fields that reach the chat template (chat_template_options), and the value that leaves it as it is: a

@@ -10,7 +10,7 @@ import functools
 import numbers
 import threading
 import weakref
-from dataclasses import fields as dataclass_fields
+from dataclasses import fields as dataclass_fields, replace
 from typing import Iterator, Sequence as Seq
 
 from ..errors import ClosedError, RequestError, UnknownOptionError
@@ -62,7 +62,6 @@ _VLLM_OPTIONS = {
                               "the keyword",
     "swap_space": "infer preempts a sequence by recomputing it, not by swapping its KV to the CPU; drop the keyword",
     "preemption_mode": "infer preempts a sequence by recomputing it (vLLM's recompute); drop the keyword",
-    "scheduling_policy": "infer schedules first come, first served (vLLM's default, fcfs); drop the keyword",
     "num_gpu_blocks_override": "infer's keyword for the number of KV cache blocks is num_kv_blocks=N",
     "kv_cache_memory_bytes": "the KV cache gets what the memory budget (gpu_memory_utilization, or memory_limit on a "
                              "CPU) leaves after the weights and activations; num_kv_blocks=N sets its blocks",
@@ -71,7 +70,8 @@ _VLLM_OPTIONS = {
 }
 
 
-_SAMPLING_FIELDS = frozenset([*(f.name for f in dataclass_fields(SamplingParams)), "max_tokens"])
+# (priority, a SamplingParams field too, is also generate's own keyword, as vLLM's)
+_SAMPLING_FIELDS = frozenset([*(f.name for f in dataclass_fields(SamplingParams)), "max_tokens"]) - {"priority"}
 
 
 def _check_chat_keywords(kwargs: dict) -> None:
@@ -89,8 +89,8 @@ def _check_chat_keywords(kwargs: dict) -> None:
 def _vllm_keywords(method):
     """vLLM's keywords for generate / chat / stream: `sampling_params` is taken for params (both given: refused),
     `use_tqdm` is taken and ignored (infer shows no progress bar), and `lora_request` (a vLLM LoRARequest) is
-    refused saying how infer names an adapter; `priority` is taken at vLLM's default only (_check_priority). They
-    were Python's bare TypeError. A tuple of params or of adapter
+    refused saying how infer names an adapter; `priority` (one int per prompt, or one for all) is checked here
+    (_check_priority) and handed on. They were Python's bare TypeError. A tuple of params or of adapter
     names is a list of them, as vLLM reads a sequence (it was refused, or taken as one adapter name)."""
     @functools.wraps(method)
     def call(self, *args, **kwargs):
@@ -100,7 +100,7 @@ def _vllm_keywords(method):
                                    "they are the same argument (sampling_params is vLLM's name for it): give one")
             kwargs["params"] = kwargs.pop("sampling_params")
         kwargs.pop("use_tqdm", None)
-        _check_priority(kwargs.pop("priority", None), method.__name__)
+        kwargs["priority"] = _check_priority(kwargs.pop("priority", None), method.__name__)
         if method.__name__ == "chat":
             _check_chat_keywords(kwargs)
         args = list(args)
@@ -122,18 +122,19 @@ def _vllm_keywords(method):
     return call
 
 
-def _check_priority(priority, name: str) -> None:
-    """vLLM's `priority` keyword (one int per prompt): taken at vLLM's default (None, or 0 for every prompt), which
-    is all vLLM itself takes without its priority scheduling; it was Python's bare TypeError. A bare 0 is 0 for every
-    prompt too (vLLM reads a falsy priority as its default; add_request takes priority=0): it was refused, its hint
-    saying to give 0."""
-    def zero(p) -> bool:
-        return isinstance(p, numbers.Integral) and not isinstance(p, bool) and p == 0
-    if priority is None or zero(priority) or (isinstance(priority, (list, tuple)) and all(map(zero, priority))):
-        return
-    raise RequestError(f"{name}() got priority={priority!r}: infer schedules first come, first served",
-                       "leave priority out (or give 0 for every prompt), as vLLM requires without its priority "
-                       "scheduling")
+def _check_priority(priority, name: str) -> int | list[int] | None:
+    """vLLM's `priority` keyword: one int per prompt (a list), or one int for every prompt; None: 0 for all. The
+    engine refuses a value other than 0 unless it schedules by priority (LLM(..., scheduling_policy="priority")).
+    Returned as ints (a numpy integer too); the list's length is checked against the prompts by _submit."""
+    def integer(p) -> bool:
+        return isinstance(p, numbers.Integral) and not isinstance(p, bool)
+    if priority is None or integer(priority):
+        return None if priority is None else int(priority)
+    if isinstance(priority, (list, tuple)) and all(map(integer, priority)):
+        return [int(p) for p in priority]
+    raise RequestError(f"{name}() got priority={priority!r}: it must be an integer per prompt (a list), or one "
+                       "for every prompt"[:300], "e.g. priority=[0, 1] (lower runs first under "
+                       'scheduling_policy="priority")')
 
 
 class LLM:
@@ -235,10 +236,11 @@ class LLM:
         raise RequestError(f"prompt {i} is {what}",
                            "give text, a list of token ids, or a list of chat messages (dicts)")
 
-    def _submit(self, prompts, params, lora, template: dict | None = None) -> list[str]:
+    def _submit(self, prompts, params, lora, template: dict | None = None, priority=None) -> list[str]:
         """Queue every prompt, or none: a bad one raises with the ones before it taken back out of the engine.
         `template`: apply_chat_template's options for the chat prompts (LLM.chat). A prompt whose params have n > 1
-        becomes n requests, one after another in the ids returned (SamplingParams.sample(j))."""
+        becomes n requests, one after another in the ids returned (SamplingParams.sample(j)). `priority`: an int
+        for every prompt, or a list of one per prompt (each of a prompt's n samples has its priority)."""
         self._engine()
         if _is_array(prompts):  # token ids as a numpy array or torch tensor: 1-D is one prompt, 2-D a batch
             prompts = prompts.tolist()
@@ -261,7 +263,8 @@ class LLM:
         n = len(prompts)
         params_list = list(params) if isinstance(params, list) else [params or SamplingParams()] * n
         loras = lora if isinstance(lora, list) else [lora] * n
-        for what, items in (("SamplingParams", params_list), ("lora", loras)):
+        priorities = priority if isinstance(priority, list) else [priority or 0] * n
+        for what, items in (("SamplingParams", params_list), ("lora", loras), ("priority", priorities)):
             if len(items) != n:
                 raise RequestError(f"{n} prompts but {len(items)} {what}", f"give one {what} per prompt, or one "
                                                                           "for all")
@@ -273,6 +276,7 @@ class LLM:
                 which = _of(i, n) if isinstance(lora, list) else ""
                 raise RequestError(f"lora{which} must be an adapter name (a string) or None, got {lo!r}",
                                    "give one name for all prompts, or a list with one name (or None) per prompt")
+        params_list = [replace(sp, priority=pr) if pr else sp for sp, pr in zip(params_list, priorities)]
         encoded = []
         for i, p in enumerate(prompts):
             try:
@@ -364,10 +368,12 @@ class LLM:
 
     @_vllm_keywords
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
-                 lora: str | list[str | None] | None = None) -> list[RequestOutput]:
+                 lora: str | list[str | None] | None = None, *, priority: int | list[int] | None = None
+                 ) -> list[RequestOutput]:
         """Run every prompt to completion (batched together); outputs in the order of the prompts. With
-        SamplingParams.n > 1 a prompt's output holds its n samples in `outputs` (as vLLM's)."""
-        return self._samples(self._run(self._submit(prompts, params, lora)), params)
+        SamplingParams.n > 1 a prompt's output holds its n samples in `outputs` (as vLLM's). `priority` (vLLM's):
+        one int per prompt, or one for all; lower runs first with LLM(..., scheduling_policy="priority")."""
+        return self._samples(self._run(self._submit(prompts, params, lora, priority=priority)), params)
 
     @staticmethod
     def _sizes(params, count: int) -> list[int]:
@@ -405,7 +411,7 @@ class LLM:
              lora: str | list[str | None] | None = None, *, chat_template_kwargs: dict | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              documents: list[dict] | None = None, tools: list[dict] | None = None,
-             chat_template: str | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None, priority: int | list[int] | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or a list of them, rendered by
         the model's chat template with these options (chat_template_kwargs: the template's own variables, e.g.
         Qwen3's enable_thinking; tools: OpenAI's function definitions, for a template that renders them), then run
@@ -430,17 +436,18 @@ class LLM:
                 raise RequestError("tools must be a list of function definitions (dicts)",
                                    'e.g. [{"type": "function", "function": {"name": "f", "parameters": {...}}}]')
             template["tools"] = list(tools)
-        return self._samples(self._run(self._submit(list(convs), params, lora, template)), params)
+        return self._samples(self._run(self._submit(list(convs), params, lora, template, priority)), params)
 
     @_vllm_keywords
     def stream(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
-               lora: str | list[str | None] | None = None) -> Iterator[tuple[int, str, RequestOutput]]:
+               lora: str | list[str | None] | None = None, *, priority: int | list[int] | None = None
+               ) -> Iterator[tuple[int, str, RequestOutput]]:
         """Yield (prompt index, text delta, output) as tokens arrive; the last event of a prompt has finished set.
         The prompts are checked and queued at this call (a bad one raises here, not at the first next()).
         With SamplingParams.n > 1 each of a prompt's n samples streams on its own, as vLLM's streamed outputs
         carry the sample that changed: `output.outputs[0].index` says which (j < n), and each sample's last event
         has finished set."""
-        ids = self._submit(prompts, params, lora)
+        ids = self._submit(prompts, params, lora, priority=priority)
         events = self._events(ids, self._sizes(params, len(ids)))
         weakref.finalize(events, self._forget, ids)  # dropped without being read to the end: free its requests
         return events

@@ -231,8 +231,8 @@ class LLMEngine:
         as LLM.generate does: tokenizer(text)), or vLLM's {"prompt": text} / {"prompt_token_ids": ids}.
         `arrival_time` (vLLM's keyword): when it arrived, in time.monotonic() seconds, for a caller that held it
         before adding it (the server's queue); its RequestOutput.metrics count from it. Default: now. vLLM's
-        `priority` is taken at its default (0) only, as vLLM's first-come-first-served scheduler takes it;
-        `lora_request` is refused, naming `lora=NAME`."""
+        `priority` (lower runs first) needs scheduling_policy="priority" unless it is 0, as in vLLM; it overrides
+        params.priority where it is not 0. `lora_request` is refused, naming `lora=NAME`."""
         self._check_open()
         if (prompt is None) == (prompt_token_ids is None):  # vLLM's keyword is prompt=; infer's was prompt_token_ids=
             raise RequestError("add_request needs one prompt: " + ("none was given" if prompt is None else
@@ -242,9 +242,9 @@ class LLMEngine:
         if lora_request is not None:
             raise RequestError("lora_request (vLLM's LoRARequest) is not taken: infer names adapters",
                                "pass lora=NAME, an adapter registered with --lora NAME=PATH or add_lora")
-        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral) or priority != 0:
-            raise RequestError(f"priority={priority!r}: infer schedules first come, first served",
-                               "leave priority out (0), as vLLM requires without its priority scheduling")
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+            raise _field_error("priority", f"priority must be an integer, got {priority!r}"[:200],
+                               "lower values run first under scheduling_policy=\"priority\"")
         if isinstance(lora, numbers.Real) and not isinstance(lora, bool):  # vLLM's add_request(id, prompt, params,
             # arrival_time): its time was read as an adapter name ("lora must be an adapter name, got 25714.7")
             raise RequestError(f"lora={lora!r} is a number: add_request's fourth argument is lora (an adapter name), "
@@ -267,6 +267,8 @@ class LLMEngine:
             prompt_token_ids = encode_prompt(self.tokenizer, prompt=text, max_tokens=None if keep else
                                              self.max_model_len)
         prompt_token_ids, params = request_inputs(prompt_token_ids, params)
+        if priority:
+            params = replace(params, priority=int(priority))
         _check_request_id(request_id)
         old = self.requests.get(request_id)
         if old is not None and not old.finished:
@@ -346,6 +348,10 @@ class LLMEngine:
             raise RequestError(f"n={params.n}: an engine request is one sample",
                                "LLM.generate, LLM.chat and the server fan n out; with LLMEngine, add one request "
                                "per sample, each with params.sample(j)")
+        if params.priority and self.config.scheduling_policy != "priority":  # vLLM refuses it so too
+            raise _field_error("priority", f"priority={params.priority}, but this engine schedules first come, first "
+                               "served", 'start it with --scheduling-policy priority (LLM(..., scheduling_policy='
+                               '"priority")), or leave priority out (0)')
         n = len(prompt_token_ids) + len(params.prefix_token_ids)
         vocab = self.model_config.vocab_size
         if not prompt_token_ids:

@@ -14,6 +14,7 @@ from .structured import StructuredOutputsParams
 
 MAX_TOKENS = 2**31 - 1  # token counts and top_k
 MAX_SEED = 2**63 - 1
+MAX_PRIORITY = 2**63 - 1  # request priorities are 64-bit integers either way (vLLM's are Python ints)
 MAX_N = 1024  # samples per prompt in one call (each is an engine request)
 # every stop string is searched and every stop token id compared after each token, on the engine's one thread:
 # the lists are capped so that one request cannot slow every step of every other request
@@ -63,6 +64,10 @@ class SamplingParams:
     # vLLM's cache_salt (a prompt dict's key there, and the server's field): requests share prefix-cache blocks only
     # with requests of the same salt (a tenant cannot learn another's prompts from cache hits)
     cache_salt: str | None = None
+    # vLLM's request priority (its add_request / generate keyword, the server's field; carried here so that it goes
+    # wherever the request's parameters go): under --scheduling-policy priority lower values are admitted first and
+    # preempted last; the default policy (fcfs) takes 0 only, as vLLM's
+    priority: int = 0
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -130,6 +135,8 @@ class SamplingParams:
             (self.n is not None and 1 <= self.n <= MAX_N, f"n must be in 1..{MAX_N}, got {self.n}"),
             (self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt != ""),
              f"cache_salt must be a non-empty string, got {self.cache_salt!r}"[:200]),
+            (-MAX_PRIORITY <= self.priority <= MAX_PRIORITY,
+             f"priority must be in {-MAX_PRIORITY}..{MAX_PRIORITY}, got {self.priority}"[:200]),
             (self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1
              or self.truncate_prompt_tokens == -1,
              f"truncate_prompt_tokens must be at least 1 (or -1: the context length), got "
@@ -163,7 +170,7 @@ class SamplingParams:
     def _check_types(self) -> None:
         """From Python nothing checked the types: ignore_eos="no" ignored EOS, top_k=2.5 reached the sampler."""
         for name in ("max_new_tokens", "max_length", "top_k", "seed", "logprobs", "min_tokens",
-                     "truncate_prompt_tokens", "prompt_logprobs", "n"):
+                     "truncate_prompt_tokens", "prompt_logprobs", "n", "priority"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
                 raise RequestError(f"{name} must be an integer, got {type(value).__name__}")
@@ -177,6 +184,8 @@ class SamplingParams:
                 raise RequestError(f"{name} must be true or false, got {type(getattr(self, name)).__name__}")
         if self.min_tokens is None:
             self.min_tokens = 0
+        if self.priority is None:  # the server's field sent as null: its default
+            self.priority = 0
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise RequestError("logit_bias must be an object of token id -> bias, got "
                                f"{type(self.logit_bias).__name__}")

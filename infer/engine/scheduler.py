@@ -1,9 +1,16 @@
 """Who runs this step: running sequences first (decodes, unfinished prefill chunks), then new ones, within
 max_num_seqs and max_num_batched_tokens. When KV blocks run out, the youngest running sequence is preempted and
-recomputed later; no request is ever dropped."""
+recomputed later; no request is ever dropped.
+
+With scheduling_policy "priority" (vLLM's), both queues are kept in the order of (priority, arrival, admission
+number): waiting requests are admitted lowest priority value first, running ones are given their tokens in that
+order, and the one preempted when blocks run out is the last of them (the lowest priority, latest arrived), so
+that a preempted request goes back among the waiting ones at its own place."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -38,9 +45,24 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.failed: list[Sequence] = []  # finished with an error while scheduling; the engine hands them out
+        self.by_priority = config.scheduling_policy == "priority"
+        self._numbers = itertools.count()  # admission numbers: ties of priority and arrival time go first come
+
+    @staticmethod
+    def rank(seq: Sequence) -> tuple:
+        """A sequence's place under the priority policy (smaller first; the largest is preempted first)."""
+        return seq.params.priority, seq.arrival_time, seq.number
+
+    def _queue(self, queue, seq: Sequence) -> None:
+        """Put seq in `queue` (waiting or running) at its rank."""
+        bisect.insort(queue, seq, key=self.rank)
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        seq.number = next(self._numbers)
+        if self.by_priority:
+            self._queue(self.waiting, seq)
+        else:
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -85,7 +107,10 @@ class Scheduler:
                 seq.status = Status.RUNNING
                 if seq.first_scheduled_time is None:
                     seq.first_scheduled_time = time.monotonic()
-                self.running.append(seq)
+                if self.by_priority:
+                    self._queue(self.running, seq)
+                else:
+                    self.running.append(seq)
                 n = min(seq.num_uncomputed_tokens, budget)
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
@@ -106,7 +131,8 @@ class Scheduler:
         return True
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
-        """Make sure `seq` has blocks for num_tokens, preempting the youngest others; False if seq was preempted."""
+        """Make sure `seq` has blocks for num_tokens, preempting the youngest others (under the priority policy, the
+        lowest priority, latest arrived: the running list is in that order); False if seq was preempted."""
         while self.bm.slots_needed(seq, num_tokens) > self.bm.num_free_blocks:
             victim = self.running[-1]
             self.preempt(victim)
@@ -123,7 +149,10 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            self._queue(self.waiting, seq)
+        else:
+            self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED

@@ -35,6 +35,7 @@ class Sequence:
         # replacement of the adapter while the request runs changes (LLMEngine.add_lora(replace=True))
         self.lora_name = self.lora
         self.status = Status.WAITING
+        self.number = 0  # the scheduler's admission number (Scheduler.add): ties of priority and arrival, in order
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # of those, found in the prefix cache at admission

@@ -28,11 +28,11 @@ _PARAM_KEYS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "t
                "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "seed", "ignore_eos", "logprobs",
                "top_logprobs", "max_length", "min_p", "min_tokens", "logit_bias", "allowed_token_ids",
                "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-               "truncate_prompt_tokens", "prompt_logprobs", "bad_words", "cache_salt"}
+               "truncate_prompt_tokens", "prompt_logprobs", "bad_words", "cache_salt", "priority"}
 _FIELD = re.compile(r"^(?:field ')?([a-z_]+)'?")
 MAX_N = 128  # choices per request (each one is an engine request)
 # Every field of a completions or chat body that OpenAI or vLLM defines: what infer reads, what it refuses at other
-# values (engine.inputs.UNSUPPORTED_OPENAI), and what changes nothing in a reply (user, metadata, priority...). Any
+# values (engine.inputs.UNSUPPORTED_OPENAI), and what changes nothing in a reply (user, metadata...). Any
 # other field is ignored, and named in the server's log as vLLM names it, so that a mistyped field is found.
 _KNOWN_FIELDS = _PARAM_KEYS | set(_UNSUPPORTED) | {
     "model", "prompt", "messages", "stream", "stream_options", "n", "echo", "user", "metadata", "store",
@@ -40,7 +40,7 @@ _KNOWN_FIELDS = _PARAM_KEYS | set(_UNSUPPORTED) | {
     "web_search_options", "parallel_tool_calls", "response_format", "structured_outputs", "guided_json",
     "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
     "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "documents",
-    "add_special_tokens", "include_reasoning", "return_token_ids", "request_id", "priority",
+    "add_special_tokens", "include_reasoning", "return_token_ids", "request_id",
     "kv_transfer_params", "vllm_xargs", "mm_processor_kwargs", "media_io_kwargs", "length_penalty"}
 
 
