@@ -94,8 +94,8 @@ def test_a_forced_call_whose_string_holds_control_characters_is_still_a_call(bas
     if stream:
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as r:
             chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-        last = [c for c in chunks if c["choices"]][-1]["choices"][0]
-        calls, reason = last["delta"].get("tool_calls"), last["finish_reason"]
+        *_, made, last = [c["choices"][0] for c in chunks if c["choices"]]  # the calls, then the finish alone
+        calls, reason = made["delta"].get("tool_calls"), last["finish_reason"]
     else:
         r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text

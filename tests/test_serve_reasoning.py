@@ -204,7 +204,7 @@ def test_tool_calls_are_read_from_the_content_only(engine):
         deltas = _streamed(base, body)
         assert _joined(deltas, "reasoning") == thought and _joined(deltas, "content") == "Sure."
         assert deltas[-1]["finish_reason"] == "tool_calls"
-        assert [x["function"] for x in deltas[-1]["delta"]["tool_calls"]] == [x["function"]
+        assert [x["function"] for x in deltas[-2]["delta"]["tool_calls"]] == [x["function"]
                                                                               for x in c["message"]["tool_calls"]]
         # a call only in the reasoning is no call
         r = httpx.post(f"{base}/v1/chat/completions", json=_body(f"<think>{thought}</think>no", tools=TOOLS),

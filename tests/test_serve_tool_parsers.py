@@ -205,7 +205,7 @@ def _served_reads(model, parser, reply, content, want):
             deltas = [json.loads(line[6:])["choices"][0] for line in s.iter_lines() if line.startswith("data: {")]
         assert "".join(d["delta"].get("content") or "" for d in deltas) == (content or "")
         assert deltas[-1]["finish_reason"] == "tool_calls"
-        assert [x["function"] for x in deltas[-1]["delta"]["tool_calls"]] == [x["function"] for x in calls]
+        assert [x["function"] for x in deltas[-2]["delta"]["tool_calls"]] == [x["function"] for x in calls]
         r = httpx.post(f"{base}/v1/chat/completions", json={**body, "tool_choice": "none"}, timeout=120)
         assert r.json()["choices"][0]["message"]["content"] == reply  # "none": the same reply is text
 

@@ -121,9 +121,9 @@ def test_streamed_calls_come_whole_in_the_last_chunk(served):
         chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     deltas = [c["choices"][0] for c in chunks if c["choices"]]
     assert not "".join(d["delta"].get("content") or "" for d in deltas)  # no JSON text before the call
-    last = deltas[-1]
-    assert last["finish_reason"] == "tool_calls"
-    (call,) = last["delta"]["tool_calls"]
+    last = deltas[-1]  # the finish alone, after the calls (as OpenAI streams them)
+    assert last["finish_reason"] == "tool_calls" and last["delta"] == {}
+    (call,) = deltas[-2]["delta"]["tool_calls"]
     assert call["index"] == 0 and call["function"] == whole["message"]["tool_calls"][0]["function"]
 
 
@@ -244,7 +244,7 @@ def test_auto_reads_the_calls_the_model_writes(served_auto):
     deltas = [ch["choices"][0] for ch in chunks if ch["choices"]]
     assert "".join(d["delta"].get("content") or "" for d in deltas) == "Sure."  # no tag text streamed as content
     assert deltas[-1]["finish_reason"] == "tool_calls"
-    assert deltas[-1]["delta"]["tool_calls"][0]["function"] == call["function"]
+    assert deltas[-2]["delta"]["tool_calls"][0]["function"] == call["function"]
 
 
 def test_auto_without_a_call_is_text_and_none_renders_only(served_auto):
@@ -300,4 +300,4 @@ def test_a_llama3_json_server_reads_a_forced_call(model):
                                 "guided_regex": forced, "stream": True}, timeout=120) as s:
             deltas = [json.loads(line[6:])["choices"][0] for line in s.iter_lines() if line.startswith("data: {")]
         assert not "".join(d["delta"].get("content") or "" for d in deltas)
-        assert deltas[-1]["delta"]["tool_calls"][0]["function"]["name"] == "add"
+        assert deltas[-2]["delta"]["tool_calls"][0]["function"]["name"] == "add"

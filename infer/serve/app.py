@@ -284,7 +284,7 @@ async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, mod
                 whole, text = reasoning_parts(req.reasoning, out.text, out.finished)
                 reasoning, thought[i] = whole[thought.get(i, 0):] if req.reasoning.include else "", len(whole)
                 delta = text[sent.get(i, 0):]
-            if req.tools is not None and req.tools.mode != "none":  # calls go whole in the choice's last chunk;
+            if req.tools is not None and req.tools.mode != "none":  # calls go whole in one chunk, then the finish;
                 text = out.text if text is None else text
                 if out.finished:  # before them, the text that is content (none for a constrained call)
                     content, calls = split(req.tools, text)
@@ -305,7 +305,14 @@ async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, mod
                     offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                 # stream_options.continuous_usage_stats: this choice's tokens so far in every chunk (as vLLM)
                 generated = 0 if req.prompt_only else out.num_generated
-                yield event([c], p.usage(len(out.prompt_token_ids), generated) if req.continuous_usage else None)
+                now = p.usage(len(out.prompt_token_ids), generated) if req.continuous_usage else None
+                if calls:  # the calls, then the finish alone with an empty delta, as OpenAI streams them: the SDK's
+                    # stream helper only ends (tool_calls.function.arguments.done) a call seen before the finish
+                    end = {"index": i, "delta": {}, "logprobs": None, "finish_reason": c["finish_reason"],
+                           "stop_reason": c["stop_reason"]}
+                    yield event([{**c, "finish_reason": None, "stop_reason": None}], now)
+                    c = end
+                yield event([c], now)
             if out.finished:
                 prompt_n += len(out.prompt_token_ids) if req.counts_prompt(i) else 0
                 completion_n += 0 if req.prompt_only else out.num_generated
