@@ -58,3 +58,42 @@ def test_the_sdks_stream_helper_ends_each_streamed_call_and_parses_its_arguments
     assert whole.message.content == final.message.content == "Sure. "
     assert [c.function.parsed_arguments for c in final.message.tool_calls] == [
         c.function.parsed_arguments for c in whole.message.tool_calls]
+
+
+ADD_TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"], "additionalProperties": False}}}]
+
+
+@pytest.mark.parametrize("choice,reply", [({"type": "function", "function": {"name": "add"}}, '{"a": 1}'),
+                                          ("required", '[{"name": "add", "parameters": {"a": 1}}]')],
+                         ids=["named", "required"])
+def test_a_forced_call_on_a_mistral_server_has_a_mistral_call_id(choice, reply):
+    """With --tool-call-parser mistral, "auto"'s calls have 9-letter-and-digit ids, which Mistral's chat templates
+    demand of a call sent back; a forced call (a named tool_choice, "required") had a chatcmpl-tool-... id, so the
+    conversation's next turn was a 400 (the template's "Tool call IDs should be alphanumeric strings with length
+    9!"). vLLM gives forced calls Mistral's ids too on a Mistral model."""
+    from infer.serve.tools import parse_tools, tool_calls
+    (call,) = tool_calls(parse_tools({"tools": ADD_TOOLS, "tool_choice": choice}, "mistral"), reply)
+    assert call["id"].isalnum() and len(call["id"]) == 9
+    assert call["function"] == {"name": "add", "arguments": '{"a": 1}'}
+    (call,) = tool_calls(parse_tools({"tools": ADD_TOOLS, "tool_choice": choice}, "hermes"), reply)
+    assert call["id"].startswith("chatcmpl-tool-")
+
+
+def test_a_named_call_on_a_mistral_server_can_be_sent_back_with_the_tools_reply(tmp_path):
+    from test_probes_session39_tools import MISTRAL_TEMPLATE
+    path = tmp_path / "tiny-mistral-tools"
+    shutil.copytree(ensure_builtin("tiny-llama"), path)
+    (path / "chat_template.jinja").write_text(MISTRAL_TEMPLATE)
+    engine = LLMEngine(EngineConfig(str(path), block_size=4, max_num_seqs=2))
+    body = {"messages": MESSAGES, "max_tokens": 40, "temperature": 0, "tools": ADD_TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "add"}}}
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny-tools", tool_parser="mistral")) as base:
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        message = r.json()["choices"][0]["message"]
+        (call,) = message["tool_calls"]
+        turn = [*MESSAGES, message, {"role": "tool", "tool_call_id": call["id"], "content": "3"}]
+        r = httpx.post(f"{base}/v1/chat/completions", json={"messages": turn, "max_tokens": 2, "tools": ADD_TOOLS,
+                                                             "tool_choice": "none"}, timeout=120)
+        assert r.status_code == 200, r.text

@@ -46,6 +46,9 @@ class ToolRequest:
     # parallel_tool_calls: false: "auto" keeps only the first call the model writes (vLLM's
     # maybe_filter_parallel_tool_calls, OpenAI's "at most one"); "required" has it in its schema (maxItems 1)
     parallel: bool = True
+    # the server's --tool-call-parser, whatever the mode: a forced call's id takes the form its family's chat template
+    # takes back (mistral: 9 letters and digits), as "auto"'s calls do
+    parser: str | None = None
 
 
 NAMED_HINT = 'e.g. "tool_choice": {"type": "function", "function": {"name": "get_weather"}}'
@@ -147,9 +150,9 @@ def parse_tools(body: dict, parser: str | None = None) -> ToolRequest | None:
         return None
     functions = _functions(tools)
     if choice == "none":
-        return ToolRequest(list(tools), "none")
+        return ToolRequest(list(tools), "none", parser=parser)
     if (choice is None or choice == "auto") and parser is not None:
-        return ToolRequest(list(tools), "auto", name=parser, parallel=parallel is not False)
+        return ToolRequest(list(tools), "auto", name=parser, parallel=parallel is not False, parser=parser)
     if choice is None or choice == "auto":
         raise _error("tool_choice", f"tool_choice {choice or 'auto'!r} (the default with tools) needs a parser of the "
                      "model's own tool-call syntax: this server was started without one",
@@ -164,7 +167,7 @@ def parse_tools(body: dict, parser: str | None = None) -> ToolRequest | None:
         schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}, **defs}
         if parallel is False:
             schema["maxItems"] = 1
-        return ToolRequest(list(tools), "required", schema=schema)
+        return ToolRequest(list(tools), "required", schema=schema, parser=parser)
     fn = choice.get("function") if isinstance(choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(choice, dict) or choice.get("type", "function") != "function" or not isinstance(name, str):
@@ -173,7 +176,7 @@ def parse_tools(body: dict, parser: str | None = None) -> ToolRequest | None:
     if name not in functions:
         raise _error("tool_choice", f"tool_choice names {name!r}, which is not among the tools",
                      f"tools has: {', '.join(functions)}")
-    return ToolRequest(list(tools), "named", name=name, schema=functions[name])
+    return ToolRequest(list(tools), "named", name=name, schema=functions[name], parser=parser)
 
 
 def _call(name: str, arguments: str, call_id: str | None = None) -> dict:
@@ -433,12 +436,13 @@ def tool_calls(req: ToolRequest | None, text: str) -> list[dict] | None:
     stays text. ("auto" is read by split, with the parser's PARSERS.)"""
     if req is None or req.mode in ("none", "auto"):
         return None
+    make = _mistral_call if req.parser == "mistral" else _call
     try:
         value, text = _read(text)
         if req.mode == "named":
-            return [_call(req.name, text)]
+            return [make(req.name, text)]
         if not isinstance(value, list):
             return None
-        return [_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in value]
+        return [make(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in value]
     except (ValueError, RecursionError):  # cut short, or nested deeper than Python's JSON reads: text
         return None
