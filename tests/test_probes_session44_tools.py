@@ -97,3 +97,33 @@ def test_a_named_call_on_a_mistral_server_can_be_sent_back_with_the_tools_reply(
         r = httpx.post(f"{base}/v1/chat/completions", json={"messages": turn, "max_tokens": 2, "tools": ADD_TOOLS,
                                                              "tool_choice": "none"}, timeout=120)
         assert r.status_code == 200, r.text
+
+
+# what Hermes 2 Pro's tool_use template does with each tool's parameters (NousResearch's, also vLLM's
+# examples/tool_chat_template_hermes.jinja)
+PARAMETERS_TEMPLATE = (
+    "{% for t in tools %}{{ t.function.name }}: {{ t.function.parameters | tojson }}\n{% endfor %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("choice", ["auto", "none", "required"])
+def test_a_function_sent_without_parameters_reaches_the_template_with_null_parameters(tmp_path, choice):
+    """OpenAI lets a function leave `parameters` out (it takes none). vLLM hands the template its tools as its
+    FunctionDefinition model dumps them, `parameters: null` included; infer handed them as sent, so a template that
+    reads each tool's parameters (`| tojson`) failed on the missing key: the request was a 400 "the chat template
+    cannot render these messages: Object of type Undefined is not JSON serializable"."""
+    path = tmp_path / "tiny-tools"
+    shutil.copytree(ensure_builtin("tiny-llama"), path)
+    (path / "chat_template.jinja").write_text(PARAMETERS_TEMPLATE)
+    engine = LLMEngine(EngineConfig(str(path), block_size=4, max_num_seqs=2))
+    tools = [{"type": "function", "function": {"name": "now"}}]
+    body = {"messages": MESSAGES, "max_tokens": 20, "temperature": 0, "tools": tools, "tool_choice": choice,
+            "return_token_ids": True}
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny-tools", tool_parser="hermes")) as base:
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        ids = r.json()["choices"][0]["prompt_token_ids"]
+        assert engine.tokenizer.decode(ids).startswith("now: null\n")
+        r = httpx.post(f"{base}/tokenize", json={"messages": MESSAGES, "tools": tools}, timeout=120)
+        assert r.status_code == 200 and r.json()["tokens"] == ids

@@ -134,6 +134,14 @@ def _rebase_refs(schema: Any, base: str) -> Any:
     return out if any(out[k] is not schema[k] for k in schema) else schema
 
 
+def _rendered(tools: list[dict]) -> list[dict]:
+    """The (checked) tools as the chat template gets them: as sent, but a function sent without `parameters` (OpenAI's
+    function that takes none) has them null, as vLLM gives its tools to the template (its FunctionDefinition's
+    model_dump), so that a template that reads them (Hermes' `tool.parameters|tojson`) renders rather than fails."""
+    return [tool if "parameters" in tool["function"] else {**tool, "function": {**tool["function"], "parameters": None}}
+            for tool in tools]
+
+
 def parse_tools(body: dict, parser: str | None = None) -> ToolRequest | None:
     """The chat body's tools and tool_choice (and parallel_tool_calls); None when it has no tools (tool_choice may
     then only be absent, "none" or "auto"). `parser`: the server's --tool-call-parser (None: "auto" is refused)."""
@@ -150,9 +158,9 @@ def parse_tools(body: dict, parser: str | None = None) -> ToolRequest | None:
         return None
     functions = _functions(tools)
     if choice == "none":
-        return ToolRequest(list(tools), "none", parser=parser)
+        return ToolRequest(_rendered(tools), "none", parser=parser)
     if (choice is None or choice == "auto") and parser is not None:
-        return ToolRequest(list(tools), "auto", name=parser, parallel=parallel is not False, parser=parser)
+        return ToolRequest(_rendered(tools), "auto", name=parser, parallel=parallel is not False, parser=parser)
     if choice is None or choice == "auto":
         raise _error("tool_choice", f"tool_choice {choice or 'auto'!r} (the default with tools) needs a parser of the "
                      "model's own tool-call syntax: this server was started without one",
@@ -167,7 +175,7 @@ def parse_tools(body: dict, parser: str | None = None) -> ToolRequest | None:
         schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}, **defs}
         if parallel is False:
             schema["maxItems"] = 1
-        return ToolRequest(list(tools), "required", schema=schema, parser=parser)
+        return ToolRequest(_rendered(tools), "required", schema=schema, parser=parser)
     fn = choice.get("function") if isinstance(choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(choice, dict) or choice.get("type", "function") != "function" or not isinstance(name, str):
@@ -176,7 +184,7 @@ def parse_tools(body: dict, parser: str | None = None) -> ToolRequest | None:
     if name not in functions:
         raise _error("tool_choice", f"tool_choice names {name!r}, which is not among the tools",
                      f"tools has: {', '.join(functions)}")
-    return ToolRequest(list(tools), "named", name=name, schema=functions[name], parser=parser)
+    return ToolRequest(_rendered(tools), "named", name=name, schema=functions[name], parser=parser)
 
 
 def _call(name: str, arguments: str, call_id: str | None = None) -> dict:
