@@ -127,3 +127,4 @@ def test_a_function_sent_without_parameters_reaches_the_template_with_null_param
         assert engine.tokenizer.decode(ids).startswith("now: null\n")
         r = httpx.post(f"{base}/tokenize", json={"messages": MESSAGES, "tools": tools}, timeout=120)
         assert r.status_code == 200 and r.json()["tokens"] == ids
+

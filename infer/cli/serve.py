@@ -191,12 +191,14 @@ def _api_keys(keys: list[str] | None) -> str | list[str] | None:
 
 def _tool_parser(enable: bool, parser: str | None) -> str | None:
     """--enable-auto-tool-choice and --tool-call-parser, which only work together (as in vLLM)."""
-    from ..serve.tools import PARSERS
+    from ..serve.tools import PARSER_ALIASES, PARSERS
+    parser = PARSER_ALIASES.get(parser, parser)
     if enable and parser is None:
         raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser",
                           f"name the model family's tool-call syntax: {' | '.join(PARSERS)}")
     if parser is not None and parser not in PARSERS:
-        raise ConfigError(f"--tool-call-parser {parser!r} is not available", f"infer reads: {' | '.join(PARSERS)}")
+        raise ConfigError(f"--tool-call-parser {parser!r} is not available", f"infer reads: {' | '.join(PARSERS)} "
+                          f"(and vLLM's {', '.join(f'{a} as {b}' for a, b in PARSER_ALIASES.items())})")
     if parser is not None and not enable:
         raise ConfigError("--tool-call-parser is used by tool_choice auto only, which needs --enable-auto-tool-choice",
                           "add --enable-auto-tool-choice")

@@ -343,6 +343,15 @@ def _mistral_named(raw: str) -> tuple[str, str] | None:
     return (name, json.dumps(value, ensure_ascii=False)) if isinstance(value, dict) else None
 
 
+def _bracketed(body: str) -> str | None:
+    """vLLM's fallback match re.search(r"\\[{.*}\\]", body, re.DOTALL): from the first "[{" to the last "}]" after
+    it, found in linear time (the regex takes time quadratic in a reply of many "[{" without a "}]": seconds of the
+    server's event loop for a degenerate reply of 20,000)."""
+    start = body.find("[{")
+    end = body.rfind("}]")
+    return body[start:end + 2] if start >= 0 and end >= start + 2 else None
+
+
 def mistral_calls(text: str) -> tuple[str | None, list[dict]] | None:
     """(content before [TOOL_CALLS], the calls) of a reply in Mistral's syntax, as vLLM's mistral parser reads it:
     after one [TOOL_CALLS], a JSON list of {"name", "arguments"} objects (or, as its fallback, the first `[{...}]` in
@@ -359,9 +368,9 @@ def mistral_calls(text: str) -> tuple[str | None, list[dict]] | None:
         try:
             items = json.loads(body)
         except ValueError:
-            found = re.search(r"\[{.*}\]", body, re.DOTALL)
+            found = _bracketed(body)
             try:
-                items = json.loads(found.group(0)) if found else None
+                items = json.loads(found) if found else None
             except ValueError:
                 return None
         if not isinstance(items, list) or not items or not all(
@@ -381,6 +390,9 @@ def mistral_calls(text: str) -> tuple[str | None, list[dict]] | None:
 
 # --tool-call-parser: the syntaxes "auto" reads
 PARSERS = {"hermes": hermes_calls, "llama3_json": llama3_calls, "pythonic": pythonic_calls, "mistral": mistral_calls}
+# vLLM's other names of these syntaxes (its llama4_json parser is its llama3_json one; its llama4_pythonic reads the
+# pythonic list inside <|python_start|>...<|python_end|>, as pythonic_calls does)
+PARSER_ALIASES = {"llama4_json": "llama3_json", "llama4_pythonic": "pythonic"}
 
 
 def _parsed(name: str, text: str) -> tuple[str | None, list[dict]] | None:
