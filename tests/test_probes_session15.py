@@ -85,8 +85,8 @@ def test_add_special_tokens_other_than_infer_does_is_refused(chat, value):
     (parse_chat if chat else parse_completion)({**body, "add_special_tokens": not value}, _Tok())  # infer's own
     with pytest.raises(RequestError, match="body.add_special_tokens"):
         parse_request({"custom_id": "a", "body": {**body, "add_special_tokens": value}}, _Tok(), "1")
-    with pytest.raises(ApiError, match="return_tokens_as_token_ids"):
-        (parse_chat if chat else parse_completion)({**body, "return_tokens_as_token_ids": True}, _Tok())
+    assert (parse_chat if chat else parse_completion)({**body, "return_tokens_as_token_ids": True},
+                                                      _Tok()).tokens_as_ids  # taken (tests/test_tokens_as_ids.py)
 
 
 def test_a_running_requests_text_is_what_its_deltas_handed_out():

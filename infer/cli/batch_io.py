@@ -421,7 +421,7 @@ class Records:
         request = self.requests[req_id]
         info = request.openai
         req = p.GenerationRequest([request.prompt_token_ids], request.params, info["model"], chat=info["chat"],
-                                  return_token_ids=info["return_token_ids"],
+                                  return_token_ids=info["return_token_ids"], tokens_as_ids=info["tokens_as_ids"],
                                   asked_prompt_logprobs=request.params.prompt_logprobs)
         req.reasoning = self.reasoning.get(req_id)
         response = p.WholeResponse(req, self.tokenizer)

@@ -115,6 +115,11 @@ def serve(
                                                                    "render its messages (the template runs on the "
                                                                    "server: only for clients you trust).",
                                                               rich_help_panel=SERVER)] = False,
+    return_tokens_as_token_ids: Annotated[bool, typer.Option("--return-tokens-as-token-ids",
+                                                             help="Logprobs name each token as 'token_id:ID' "
+                                                                  "instead of its text (as vLLM's option; a request "
+                                                                  "sets it with return_tokens_as_token_ids).",
+                                                             rich_help_panel=SERVER)] = False,
     allowed_origins: Annotated[str, typer.Option("--allowed-origins", help="CORS: origins a browser page may call "
                                                  "from, a JSON list (as vLLM's), e.g. '[\"http://localhost:3000\"]'.",
                                                  rich_help_panel=SERVER)] = '["*"]',
@@ -158,10 +163,11 @@ def serve(
             return serve_data_parallel(engine, sock, host, model_ids, api_key, max_queue, shutdown_timeout,
                                        log_level, data_parallel, ray_address, limits, allow_runtime_lora, parser,
                                        thinking,
-                                       trust_request_chat_template=trust_request_chat_template, cors=cors)
+                                       trust_request_chat_template=trust_request_chat_template, cors=cors,
+                                       tokens_as_ids=return_tokens_as_token_ids)
         _serve(engine, sock, host, model_ids, api_key, max_queue, shutdown_timeout, log_level, limits,
                allow_runtime_lora, parser, thinking, trust_request_chat_template=trust_request_chat_template,
-               cors=cors)
+               cors=cors, tokens_as_ids=return_tokens_as_token_ids)
     finally:
         sock.close()
 
@@ -244,7 +250,7 @@ def _check_api_key(api_key: str) -> None:
 def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, model_id, api_key: str | list[str] | None,
            max_queue: int | None, shutdown_timeout: float, log_level: str, limits, runtime_lora: bool = False,
            tool_parser: str | None = None, reasoning_parser: str | None = None,
-           trust_request_chat_template: bool = False, cors=None) -> None:
+           trust_request_chat_template: bool = False, cors=None, tokens_as_ids: bool = False) -> None:
     from ..serve.native import bound_native_caches
     bound_native_caches()  # before any model code runs: the caches read their capacity once
     from ..engine.llm_engine import LLMEngine
@@ -257,7 +263,7 @@ def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, model_id
     server = Server(AsyncEngine(engine, max_queue), model_id, api_key=api_key, graceful_timeout=shutdown_timeout,
                     limits=limits, runtime_lora=runtime_lora, tool_parser=tool_parser,
                     reasoning_parser=reasoning_parser, trust_request_chat_template=trust_request_chat_template,
-                    cors=cors)
+                    cors=cors, tokens_as_ids=tokens_as_ids)
     app = create_app(server)
     bound = sock.getsockname()[1]
     names = (", ".join(server.adapters()) or "none") + (" (more can be loaded)" if runtime_lora else "")

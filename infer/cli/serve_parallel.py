@@ -17,7 +17,7 @@ def serve_data_parallel(cfg, sock: socket.socket, host: str, model_id: str | lis
                         max_queue: int | None, shutdown_timeout: float, log_level: str, replicas: int,
                         address: str | None, limits=None, runtime_lora: bool = False,
                         tool_parser: str | None = None, reasoning_parser: str | None = None,
-                        trust_request_chat_template: bool = False, cors=None) -> None:
+                        trust_request_chat_template: bool = False, cors=None, tokens_as_ids: bool = False) -> None:
     require_ray()
     from ..serve.app import create_app
     from ..serve.lifecycle import uvicorn_server
@@ -25,6 +25,7 @@ def serve_data_parallel(cfg, sock: socket.socket, host: str, model_id: str | lis
         server, infos = build_server(ray, cfg, replicas, model_id, api_key, max_queue, shutdown_timeout, limits,
                                      runtime_lora, tool_parser, reasoning_parser,
                                      trust_request_chat_template=trust_request_chat_template, cors=cors)
+        server.tokens_as_ids = tokens_as_ids
         try:
             where = placement(infos)
             names = (", ".join(server.adapters()) or "none") + (" (more can be loaded)" if runtime_lora else "")

@@ -47,7 +47,6 @@ UNSUPPORTED_OPENAI = {
     "audio": (lambda v: v is None, "audio output is not supported"),
     # vLLM's extensions that change the reply: silently dropped, the client would get another reply than it asked
     "use_beam_search": (lambda v: v is None or v is False, "beam search is not supported"),
-    "return_tokens_as_token_ids": (lambda v: v is None or v is False, "return_tokens_as_token_ids is not supported"),
     # (these two were dropped without a word; SamplingParams refuses the first at other values than this)
     "logits_processors": (lambda v: not v, "logits_processors are not supported"),
     "prompt_embeds": (lambda v: v is None, "prompt_embeds are not supported: send the prompt as text or token ids"),
@@ -609,7 +608,7 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
     if lora is None:
         lora = names.lora_for(body.get("model"))
     req_id = default_id if obj.get("custom_id") is None else request_id(obj["custom_id"], "custom_id")
-    for key in ("return_token_ids",):
+    for key in ("return_token_ids", "return_tokens_as_token_ids"):
         if body.get(key) is not None and not isinstance(body[key], bool):
             raise RequestError(f"body.{key} must be a boolean, got {type(body[key]).__name__}")
     rid = body.get("request_id")
@@ -620,7 +619,8 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
     # what --reasoning-parser reads of a chat body (cli/batch_io.py), as the server reads it
     reasoning = {k: body.get(k) for k in ("include_reasoning", "chat_template_kwargs", "reasoning_effort")}
     fields[_OPENAI_KEY] = {"chat": "messages" in body, "model": body.get("model"), "reasoning": reasoning,
-                           "return_token_ids": body.get("return_token_ids") is True, "request_id": rid or None}
+                           "return_token_ids": body.get("return_token_ids") is True, "request_id": rid or None,
+                           "tokens_as_ids": body.get("return_tokens_as_token_ids") is True}
     return fields, req_id, lora, _OPENAI_ALIASES
 
 

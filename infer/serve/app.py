@@ -49,7 +49,8 @@ class Server:
                  retry_after: int = 1, graceful_timeout: float = 30.0, limits: BodyLimits | None = None,
                  runtime_lora: bool = False,
                  tool_parser: str | None = None, reasoning_parser: str | None = None,
-                 trust_request_chat_template: bool = False, cors: CorsOptions | None = None):
+                 trust_request_chat_template: bool = False, cors: CorsOptions | None = None,
+                 tokens_as_ids: bool = False):
         """`model_id`: the base model's id, or its ids (--served-model-name A B): a request's `model` may be any of
         them; the first names the base where a name is reported without a request's (/health, adapters' parent).
         `runtime_lora`: the routes that load and unload adapters while serving are on (serve/adapters.py).
@@ -57,6 +58,7 @@ class Server:
         `reasoning_parser`: --reasoning-parser, which splits a chat reply's reasoning from its content
         (serve/reasoning.py). `trust_request_chat_template`: a chat request's own chat_template renders it (else it
         is a 400). `cors`: --allowed-origins and the like (serve/cors.py; default: vLLM's, every origin).
+        `tokens_as_ids`: --return-tokens-as-token-ids, every request's return_tokens_as_token_ids.
         `api_key`: the key, or keys (--api-key A B, as vLLM's), each accepted in 'Authorization: Bearer KEY'."""
         self.model_ids = [model_id] if isinstance(model_id, str) else list(model_id)
         # the keys as a client can send them: a header value never holds surrounding whitespace (h11 strips it, as
@@ -66,6 +68,7 @@ class Server:
         self.aengine, self.model_id, self.api_key = aengine, self.model_ids[0], api_key
         self.cors = cors or CorsOptions()
         self.runtime_lora = runtime_lora
+        self.tokens_as_ids = tokens_as_ids
         self.limits = limits or BodyLimits()
         self.retry_after, self.graceful_timeout = retry_after, graceful_timeout
         self.engine = aengine.engine
@@ -364,6 +367,7 @@ async def _generate(server: Server, request: Request, chat: bool):
         return Response(status_code=499)  # nobody reads it
     req = await server.parser.parse(raw, chat)  # JSON, checks and tokenization run off the event loop
     del raw
+    req.tokens_as_ids = req.tokens_as_ids or server.tokens_as_ids  # the field, or the server's option (vLLM's)
     lora = server.lora_for(req.model)
     p.check_context(req, server.engine.max_model_len)
     model = req.model or server.model_id

@@ -40,7 +40,7 @@ _KNOWN_FIELDS = _PARAM_KEYS | set(_UNSUPPORTED) | {
     "web_search_options", "parallel_tool_calls", "response_format", "structured_outputs", "guided_json",
     "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
     "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "documents",
-    "add_special_tokens", "include_reasoning", "return_token_ids", "request_id",
+    "add_special_tokens", "include_reasoning", "return_token_ids", "return_tokens_as_token_ids", "request_id",
     "kv_transfer_params", "vllm_xargs", "mm_processor_kwargs", "media_io_kwargs", "length_penalty"}
 
 
@@ -109,6 +109,9 @@ class GenerationRequest:
     # context must hold, as vLLM checks it ("max_tokens 100" was refused as "asks for 50", the cap)
     asked_tokens: int | None = None
     capped: ApiError | None = None  # the cap's refusal (a min_tokens past it), said after the context's checks
+    # vLLM's return_tokens_as_token_ids (the field, or the server's --return-tokens-as-token-ids): each logprobs
+    # token is "token_id:ID" instead of its text (a token whose text is not valid UTF-8 alone stays identifiable)
+    tokens_as_ids: bool = False
 
     def params_for(self, index: int):
         """Choice `index`'s sampling: with n > 1 and a seed, sample j draws with seed + j (as vLLM's parallel
@@ -238,12 +241,13 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
     if echo and params.logprobs is not None:  # the prompt's logprobs, with as many alternatives as the reply's
         params.prompt_logprobs = max(params.prompt_logprobs or 0, params.logprobs)
     return_ids = bool(_expect(body, "return_token_ids", (bool,), "a boolean"))
+    as_ids = bool(_expect(body, "return_tokens_as_token_ids", (bool,), "a boolean"))
     request_id = _expect(body, "request_id", (str,), "a string") or None  # "" is none given, as in vLLM
     return GenerationRequest([], params, model, stream, include_usage and stream, chat, return_ids,
                              include_usage and continuous and stream, n or 1, echo, prompt_only,
                              asked_prompt_logprobs=asked, structured_field=source, length_field=length,
                              request_id=request_id, asked_length=not (unsized and chat), asked_tokens=asked_tokens,
-                             capped=capped)
+                             capped=capped, tokens_as_ids=as_ids)
 
 
 def _truncation(req: GenerationRequest, max_tokens: int | None) -> int | None:
@@ -566,8 +570,9 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _tok(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id])
+def _tok(tokenizer, token_id: int, as_id: bool = False) -> str:
+    """A logprobs entry's token: its text, or with return_tokens_as_token_ids vLLM's "token_id:ID"."""
+    return f"token_id:{token_id}" if as_id else tokenizer.decode([token_id])
 
 
 MIN_LOGPROB = -9999.0  # what a reply's logprobs show for -inf (a token its grammar masked), as vLLM shows it
@@ -578,9 +583,10 @@ def _lp(logprob: float | None) -> float | None:
     return logprob if logprob is None else max(logprob, MIN_LOGPROB)
 
 
-def completion_logprobs(records: list[dict], tokenizer, offset: int = 0) -> dict:
-    """The legacy completions logprobs object; text_offset counts characters of the tokens' strings from `offset`."""
-    tokens = [_tok(tokenizer, r["token_id"]) for r in records]
+def completion_logprobs(records: list[dict], tokenizer, offset: int = 0, as_ids: bool = False) -> dict:
+    """The legacy completions logprobs object; text_offset counts characters of the tokens' strings from `offset`
+    (with `as_ids`, return_tokens_as_token_ids, the "token_id:ID" strings', as vLLM counts them)."""
+    tokens = [_tok(tokenizer, r["token_id"], as_ids) for r in records]
     text_offset, pos = [], offset
     for t in tokens:
         text_offset.append(pos)
@@ -594,7 +600,7 @@ def completion_logprobs(records: list[dict], tokenizer, offset: int = 0) -> dict
             continue
         top = {tok: _lp(r["logprob"])}
         for x in r.get("top_logprobs", []):
-            top.setdefault(_tok(tokenizer, x["token_id"]), _lp(x["logprob"]))
+            top.setdefault(_tok(tokenizer, x["token_id"], as_ids), _lp(x["logprob"]))
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": [_lp(r["logprob"]) for r in records], "top_logprobs": tops,
             "text_offset": text_offset}
@@ -618,9 +624,9 @@ def prompt_logprobs(records: list[dict | None], tokenizer, k: int | None = None)
     return out
 
 
-def chat_logprobs(records: list[dict], tokenizer) -> dict:
+def chat_logprobs(records: list[dict], tokenizer, as_ids: bool = False) -> dict:
     def entry(token_id: int, logprob: float) -> dict:
-        t = _tok(tokenizer, token_id)
+        t = _tok(tokenizer, token_id, as_ids)
         return {"token": t, "logprob": _lp(logprob), "bytes": list(t.encode("utf-8"))}
     return {"content": [{**entry(r["token_id"], r["logprob"]),
                          "top_logprobs": [entry(x["token_id"], x["logprob"]) for x in r.get("top_logprobs", [])]}
@@ -640,7 +646,8 @@ def choice(req: GenerationRequest, index: int, text: str, records: list[dict] | 
     a message's is null and no delta carries it (vLLM's rule)."""
     lp = None
     if records is not None:
-        lp = chat_logprobs(records, tokenizer) if req.chat else completion_logprobs(records, tokenizer, text_offset)
+        lp = chat_logprobs(records, tokenizer, req.tokens_as_ids) if req.chat else \
+            completion_logprobs(records, tokenizer, text_offset, req.tokens_as_ids)
     if not req.chat:
         out = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
     elif delta:
