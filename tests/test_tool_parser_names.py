@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 
+@example("[{a}] [{b}]")
+@example("x[{[{}]y}]")
+@example("[{]")
 @settings(max_examples=300, deadline=None)
 @given(st.text(alphabet="[]{}ab\n", max_size=40))
 def test_the_mistral_fallback_finds_what_vllms_regex_finds(body):
