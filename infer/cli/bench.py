@@ -22,6 +22,7 @@ WL = "Workload options"
 TARGET = "Target options"
 BASELINES = ("hf",)
 POLICIES = ("mixed", "split")
+DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN = 44, 128  # the random dataset's lengths (output: also jsonl's default)
 
 
 # ------------------------------------------------------------------------------------------------ parsing
@@ -169,6 +170,19 @@ def check_range_ratio(ratio: float, dataset: str) -> None:
                           "drop --random-range-ratio; the dataset's requests carry their own lengths")
 
 
+def check_lengths(dataset: str, input_len: int | None, output_len: int | None) -> None:
+    """--input-len is the random dataset's, --output-len the random one's and jsonl's default: given with a dataset
+    whose requests carry their own lengths, they were silently ignored (and the report's config still showed them)."""
+    kind = dataset.partition(":")[0]
+    if input_len is not None and kind != "random":
+        raise ConfigError(f"--input-len applies to --dataset random, not {kind}",
+                          "drop --input-len; the dataset's prompts carry their own lengths")
+    if output_len is not None and kind in ("liteqwen", "sharegpt"):
+        mine = "each conversation's gpt reply" if kind == "sharegpt" else "liteqwen's ~230-character reply"
+        raise ConfigError(f"--output-len applies to --dataset random and jsonl, not {kind}",
+                          f"drop --output-len; each request's output length is that of {mine}")
+
+
 def check_sizes(levels: list[int], **sizes: int | None) -> None:
     """Token counts and engine sizes a benchmark cannot run with; --max-num-seqs may not be below a level."""
     for name, value in sizes.items():
@@ -276,9 +290,11 @@ def bench(
                                                        "100, liteqwen: 80).", rich_help_panel=WL)] = None,
     dataset: Annotated[str, typer.Option(help="random | liteqwen | jsonl:PATH | sharegpt:PATH.",
                                          rich_help_panel=WL)] = "random",
-    input_len: Annotated[int, typer.Option(help="Prompt tokens (random).", rich_help_panel=WL)] = 44,
-    output_len: Annotated[int, typer.Option(help="Output tokens (random; default for jsonl lines).",
-                                            rich_help_panel=WL)] = 128,
+    input_len: Annotated[Optional[int], typer.Option(help="Prompt tokens (random) [default: 44].",
+                                                     rich_help_panel=WL, show_default=False)] = None,
+    output_len: Annotated[Optional[int], typer.Option(help="Output tokens (random; default for jsonl lines) "
+                                                      "[default: 128].", rich_help_panel=WL,
+                                                      show_default=False)] = None,
     random_range_ratio: Annotated[float, typer.Option(help="Random: draw each request's prompt and output "
                                                       "lengths uniformly from [len x (1 - R), len x (1 + R)], "
                                                       "0 <= R < 1 (vLLM's option).", rich_help_panel=WL)] = 0.0,
@@ -343,6 +359,9 @@ def bench(
         raise ConfigError("--served-model-name is the base model's id on a server, used with --url only",
                           "add --url http://HOST:PORT, or drop --served-model-name")
     check_range_ratio(random_range_ratio, dataset)
+    check_lengths(dataset, input_len, output_len)
+    input_len, output_len = DEFAULT_INPUT_LEN if input_len is None else input_len, \
+        DEFAULT_OUTPUT_LEN if output_len is None else output_len
     made = []  # the default folder (and bench-results) made now: removed if the run ends before writing to it
     if out is None:
         fresh = not os.path.lexists("bench-results")

@@ -1,0 +1,55 @@
+"""Probes of `infer bench` as a `vllm bench serve` user runs it (session 44)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from infer.cli.main import app
+
+runner = CliRunner()
+
+
+def _sharegpt(tmp_path: Path) -> Path:
+    conv = {"conversations": [{"from": "human", "value": "Tell me a story about a dragon and a knight please"},
+                              {"from": "gpt", "value": "Once upon a time a dragon lived in a cave near the sea."}]}
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps([conv] * 2))
+    return path
+
+
+def _jsonl(tmp_path: Path) -> Path:
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "hello there friend"}\n')
+    return path
+
+
+@pytest.mark.parametrize("kind, args, words", [
+    ("sharegpt", ["--output-len", "4"], "--output-len applies to --dataset random and jsonl, not sharegpt"),
+    ("sharegpt", ["--input-len", "8"], "--input-len applies to --dataset random, not sharegpt"),
+    ("jsonl", ["--input-len", "8"], "--input-len applies to --dataset random, not jsonl"),
+    ("liteqwen", ["--output-len", "4"], "--output-len applies to --dataset random and jsonl, not liteqwen"),
+])
+def test_a_length_the_dataset_ignores_is_refused_not_silently_dropped(tmp_path, kind, args, words):
+    """--input-len / --output-len with a dataset whose requests carry their own lengths were ignored without a word
+    (a sharegpt run asked for 4 output tokens generated 30, and results.json's config said output_len 4)."""
+    spec = {"sharegpt": f"sharegpt:{_sharegpt(tmp_path)}", "jsonl": f"jsonl:{_jsonl(tmp_path)}",
+            "liteqwen": "liteqwen"}[kind]
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["bench", "tiny-llama", "--dataset", spec, *args, "-c", "1", "--num-prompts", "1", "-q",
+                              "--out", str(out)])
+    assert res.exit_code == 2, res.output
+    assert words in res.output
+    assert not (out / "results.json").exists()
+
+
+def test_output_len_is_still_the_default_of_jsonl_lines(tmp_path):
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["bench", "tiny-llama", "--dataset", f"jsonl:{_jsonl(tmp_path)}", "--output-len", "3",
+                              "-c", "1", "-q", "--save-detailed", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    [r] = json.loads((out / "results.json").read_text())
+    assert r["output_lens"] == [3]
