@@ -53,3 +53,25 @@ def test_output_len_is_still_the_default_of_jsonl_lines(tmp_path):
     assert res.exit_code == 0, res.output
     [r] = json.loads((out / "results.json").read_text())
     assert r["output_lens"] == [3]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--result-filename", "r.json"], "-o/--out FOLDER"),
+    (["--sharegpt-output-len", "8"], "length of each conversation's gpt reply"),
+    (["--custom-output-len", "8"], "vLLM's custom dataset"),
+    (["--random-prefix-len", "8"], "share no prefix"),
+    (["--num-warmups", "2"], "warms its in-process engine"),
+    (["--disable-tqdm"], "-q/--quiet"),
+    (["--temperature", "0.5"], "greedy"),
+    (["--top-p", "0.9"], "greedy"),
+    (["--batch-size", "4"], "-c N --num-prompts N"),
+    (["--output-json", "r.json"], "-o/--out FOLDER"),
+    (["--num-iters", "3"], "--num-prompts requests at each -c level"),
+])
+def test_vllm_bench_serve_options_say_what_infer_bench_does(tmp_path, argv, words):
+    """vllm bench serve's (and latency's) options infer bench lacks got click's guesses: --temperature "Possible
+    options: --chat-template", --sharegpt-output-len "--output-len" (which sharegpt ignored), --batch-size
+    "--block-size", --output-json "--output-len", --result-filename nothing."""
+    res = runner.invoke(app, ["bench", "tiny-llama", *argv, "--out", str(tmp_path / "out")])
+    assert res.exit_code == 2
+    assert words in res.output and "Possible options" not in res.output

@@ -107,7 +107,8 @@ VLLM_HINTS = {
     "--max-concurrency": "infer bench's -c/--concurrency N (one level, or a comma-separated list: -c 1,4,16)",
     "--random-input-len": "infer bench's --input-len (the random dataset's prompt tokens)",
     "--random-output-len": "infer bench's --output-len (the random dataset's output tokens)",
-    "--dataset-name": "infer bench's --dataset random | liteqwen | jsonl:PATH | sharegpt:PATH",
+    "--dataset-name": "infer bench's --dataset random | liteqwen | jsonl:PATH | sharegpt:PATH (vLLM's custom "
+                      "dataset is jsonl:PATH)",
     "--dataset-path": "infer bench's --dataset jsonl:PATH or --dataset sharegpt:PATH",
     "--base-url": "infer bench's --url http://HOST:PORT (it streams /v1/completions)",
     "--backend": "infer bench drives its in-process engine, or a server's streaming /v1/completions with --url",
@@ -119,6 +120,26 @@ VLLM_HINTS = {
     "--metric-percentiles": "infer bench reports p90 and p99 (and the median, mean and std) of every latency "
                             "metric in results.json; drop the option",
     "--percentile-metrics": "infer bench reports percentiles of all of ttft, tpot, itl and e2el; drop the option",
+    "--result-filename": "infer bench writes results.json (with results.csv, report.md and plots) into -o/--out "
+                         "FOLDER: give a folder per run",
+    "--append-result": "infer bench writes each run's report into its own -o/--out FOLDER",
+    "--sharegpt-output-len": "infer bench's sharegpt requests ask for the length of each conversation's gpt reply "
+                             "(vLLM's default); for one length use --dataset random --output-len N, or a jsonl file "
+                             "with \"max_new_tokens\" per line",
+    "--custom-output-len": "infer bench's --dataset jsonl:PATH (vLLM's custom dataset) takes --output-len N for "
+                           "lines without their own \"max_new_tokens\"",
+    "--random-prefix-len": "infer bench's random prompts share no prefix; write prompts with a common prefix into a "
+                           "jsonl file (--dataset jsonl:PATH)",
+    "--num-warmups": "infer bench warms its in-process engine (and the HF baseline) before measuring; against a "
+                     "server (--url) run a short bench first; drop the option",
+    # `vllm bench latency`'s and `vllm bench throughput`'s spellings
+    "--batch-size": "infer batches requests itself (up to --max-num-seqs); to time a batch of N as vllm bench latency "
+                    "does: infer bench MODEL -c N --num-prompts N",
+    "--num-iters": "infer bench measures --num-prompts requests at each -c level; run it again for another sample",
+    "--num-iters-warmup": "infer bench warms its in-process engine (and the HF baseline) before measuring; drop the "
+                          "option",
+    "--output-json": "infer bench writes results.json (with results.csv, report.md and plots) into -o/--out FOLDER",
+    "--disable-tqdm": "infer bench's -q/--quiet hides the progress bars (and the tables)",
     "--ignore-eos": "infer bench's random dataset ignores EOS already; a jsonl line's \"ignore_eos\": true sets it "
                     "per request",
 }
@@ -141,9 +162,12 @@ _REQUEST_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
 def request_field_hint(command: str, option: str | None) -> str | None:
     """What to do instead of an option of `command` (`infer run`, `infer serve`) that is a request's field, or
     None when it is not one."""
-    if not option or command not in ("infer run", "infer serve"):
+    if not option or command not in ("infer run", "infer serve", "infer bench"):
         return None
     name = option.split("=", 1)[0].lstrip("-").replace("-", "_")
+    if command == "infer bench":  # vllm bench serve's sampling options (click guessed --chat-template)
+        return ("infer bench runs every request greedy (temperature 0, vllm bench serve's default); drop the option"
+                if name in _REQUEST_FIELDS else None)
     run = command == "infer run"
     if name in ("max_tokens", "max_new_tokens", "max_completion_tokens"):
         return ("use --max-new-tokens N: the default for lines without their own \"max_new_tokens\"" if run else
