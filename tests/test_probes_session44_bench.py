@@ -75,3 +75,16 @@ def test_vllm_bench_serve_options_say_what_infer_bench_does(tmp_path, argv, word
     res = runner.invoke(app, ["bench", "tiny-llama", *argv, "--out", str(tmp_path / "out")])
     assert res.exit_code == 2
     assert words in res.output and "Possible options" not in res.output
+
+
+def test_a_url_naming_the_completions_endpoint_is_the_server():
+    """`--url http://HOST:PORT/v1/completions` (vLLM's --base-url and --endpoint in one) posted every request to
+    /v1/completions/v1/completions: each failed with a 404 after the whole level ran."""
+    from infer.bench.http_driver import base_url
+    from infer.errors import ConfigError
+    assert base_url("http://127.0.0.1:8000/v1/completions") == "http://127.0.0.1:8000"
+    assert base_url("http://127.0.0.1:8000/v1/completions/") == "http://127.0.0.1:8000"
+    assert base_url("http://127.0.0.1:8000/v1") == "http://127.0.0.1:8000"
+    with pytest.raises(ConfigError, match="is a chat endpoint") as e:
+        base_url("http://127.0.0.1:8000/v1/chat/completions")
+    assert "--url http://127.0.0.1:8000" in e.value.hint

@@ -34,9 +34,16 @@ ABORTED = ("abort", "error")  # finish reasons of a request the server ended wit
 
 
 def base_url(url: str) -> str:
+    """The server's root from --url: http(s)://HOST:PORT, with /v1 or the completions endpoint itself (vLLM's
+    --base-url plus --endpoint, given as one URL) taken off; a chat endpoint is refused (the bench streams
+    /v1/completions: it would POST under the chat route and every request would fail)."""
     url = url.rstrip("/")
     if not url.startswith(("http://", "https://")):
         raise ConfigError(f"--url {url!r} is not an http(s) URL", "e.g. --url http://127.0.0.1:8000")
+    if url.endswith("/chat/completions"):
+        raise ConfigError(f"--url {url} is a chat endpoint; infer bench streams /v1/completions",
+                          f"give the server's address: --url {url[:-len('/chat/completions')].removesuffix('/v1')}")
+    url = url[:-len("/completions")] if url.endswith("/v1/completions") else url
     return url[:-3] if url.endswith("/v1") else url
 
 
