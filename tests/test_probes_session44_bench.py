@@ -88,3 +88,25 @@ def test_a_url_naming_the_completions_endpoint_is_the_server():
     with pytest.raises(ConfigError, match="is a chat endpoint") as e:
         base_url("http://127.0.0.1:8000/v1/chat/completions")
     assert "--url http://127.0.0.1:8000" in e.value.hint
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--max-model-len", "64", "--block-size", "32"], "--block-size, --max-model-len"),
+    (["--max-num-seqs", "4"], "--max-num-seqs"),
+    (["--enforce-eager"], "--enforce-eager"),
+])
+def test_engine_options_with_url_are_refused_not_silently_ignored(tmp_path, argv, named):
+    """With --url no engine runs here: --max-model-len 64 with 100-token prompts ran them on the server's 4096
+    without a word. The check comes before the server is reached (an unreachable port here)."""
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["bench", "tiny-llama", "--url", "http://127.0.0.1:9", *argv, "-q", "--out", str(out)])
+    assert res.exit_code == 2
+    assert f"{named} set the in-process engine, which --url does not run" in res.output
+    assert "cannot reach" not in res.output
+
+
+def test_url_keeps_the_options_the_baseline_and_the_dataset_use(tmp_path):
+    res = runner.invoke(app, ["bench", "tiny-llama", "--url", "http://127.0.0.1:9", "--dtype", "float32", "--device",
+                              "cpu", "--chat-template", "{{ messages[0]['content'] }}", "-q",
+                              "--out", str(tmp_path / "out")])
+    assert res.exit_code == 2 and "cannot reach http://127.0.0.1:9" in res.output

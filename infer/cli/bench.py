@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..engine.config import ENGINE, LORA, RANGES, EngineConfig, batched_tokens_below_seqs, parse_loras
+from ..engine.config import ENGINE, LORA, RANGES, EngineConfig, batched_tokens_below_seqs, cli_fields, parse_loras
 from ..errors import ConfigError, read_utf8
 from . import options as o
 
@@ -181,6 +181,28 @@ def check_lengths(dataset: str, input_len: int | None, output_len: int | None) -
         mine = "each conversation's gpt reply" if kind == "sharegpt" else "liteqwen's ~230-character reply"
         raise ConfigError(f"--output-len applies to --dataset random and jsonl, not {kind}",
                           f"drop --output-len; each request's output length is that of {mine}")
+
+
+URL_ENGINE_OPTIONS = ("dtype", "device", "chat_template")  # what an engine option still sets with --url
+
+
+def check_url_engine_options(url: str | None) -> None:
+    """With --url no engine runs here: an engine option given (--max-model-len, --block-size, --max-num-seqs ...)
+    was silently ignored, the server's own settings measured instead. Refused, but --dtype and --device (the HF
+    baseline's) and --chat-template (renders the dataset's messages)."""
+    ctx = o.get_current_context(silent=True)
+    if url is None or ctx is None:
+        return
+    fields = {f.name for f in cli_fields()} | {"max_num_seqs", "max_loras"}
+    given = [p.opts[0] for p in ctx.command.params
+             if (p.name in fields or p.name.removesuffix("_as_vllm") in fields) and p.opts
+             and p.name.removesuffix("_as_vllm") not in URL_ENGINE_OPTIONS
+             and ctx.get_parameter_source(p.name) not in (None, o.click_core.ParameterSource.DEFAULT,
+                                                          o.click_core.ParameterSource.DEFAULT_MAP)]
+    if given:
+        raise ConfigError(f"{', '.join(given)} set the in-process engine, which --url does not run: the server's own "
+                          "settings are measured", "drop them here and start the server with them (infer serve MODEL "
+                          f"{given[0]} ...), or drop --url")
 
 
 def check_sizes(levels: list[int], **sizes: int | None) -> None:
@@ -360,6 +382,7 @@ def bench(
                           "add --url http://HOST:PORT, or drop --served-model-name")
     check_range_ratio(random_range_ratio, dataset)
     check_lengths(dataset, input_len, output_len)
+    check_url_engine_options(url)
     input_len, output_len = DEFAULT_INPUT_LEN if input_len is None else input_len, \
         DEFAULT_OUTPUT_LEN if output_len is None else output_len
     made = []  # the default folder (and bench-results) made now: removed if the run ends before writing to it
