@@ -63,6 +63,9 @@ class AsyncEngine:
         self.engine = engine
         self.max_queue = max_queue
         self._cond = threading.Condition()
+        # held by `add` from its check to its enqueue, and by the engine thread while it runs controls: a request
+        # accepted (its adapter checked) before an adapter's removal or replacement runs is admitted before it
+        self._admission = threading.Lock()
         self._adds: deque[_Pending] = deque()
         self._aborts: deque[str] = deque()
         self._controls: deque[tuple] = deque()  # (fn(engine), loop, future): run on the engine thread
@@ -86,19 +89,20 @@ class AsyncEngine:
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, lora: str | None,
             queue: asyncio.Queue) -> None:
         """Enqueue one request; its outputs arrive on `queue`. Raises RequestError, QueueFullError."""
-        self.engine.validate(prompt_token_ids, params, lora)  # read-only checks against fixed engine limits
-        with self._cond:
-            if not self._accepting:
-                raise ShuttingDownError("the server is shutting down", "retry against another replica")
-            if self.max_queue is not None and self._would_wait() >= self.max_queue:
-                raise QueueFullError(f"{self.max_queue} requests are already waiting (--max-queue)",
-                                     "retry after a moment")
-            if request_id in self._sinks:
-                raise InferError(f"request id {request_id!r} is already in use")
-            sink = (asyncio.get_running_loop(), queue)
-            self._sinks[request_id] = sink
-            self._adds.append(_Pending(request_id, list(prompt_token_ids), params, lora, sink, time.monotonic()))
-            self._cond.notify()
+        with self._admission:
+            self.engine.validate(prompt_token_ids, params, lora)  # read-only checks against fixed engine limits
+            with self._cond:
+                if not self._accepting:
+                    raise ShuttingDownError("the server is shutting down", "retry against another replica")
+                if self.max_queue is not None and self._would_wait() >= self.max_queue:
+                    raise QueueFullError(f"{self.max_queue} requests are already waiting (--max-queue)",
+                                         "retry after a moment")
+                if request_id in self._sinks:
+                    raise InferError(f"request id {request_id!r} is already in use")
+                sink = (asyncio.get_running_loop(), queue)
+                self._sinks[request_id] = sink
+                self._adds.append(_Pending(request_id, list(prompt_token_ids), params, lora, sink, time.monotonic()))
+                self._cond.notify()
 
     def capacity(self) -> int | None:
         """The most requests (choices) one body may hold: what could ever be accepted at once, the running slots
@@ -235,7 +239,14 @@ class AsyncEngine:
             self.engine.abort_request(rid)  # frees its KV blocks now
         for p in adds:
             self._admit(p)
-        self._run_controls(controls, self.engine)  # after the adds: a request accepted before a removal runs
+        if controls:  # after the adds: a request accepted before a removal runs, also one accepted (its adapter
+            with self._admission:  # checked) since this iteration took the control, which the next would admit
+                with self._cond:  # after the removal ("unknown LoRA adapter", a 500)
+                    late, self._adds = list(self._adds), deque()
+                adds = adds + late
+                for p in late:
+                    self._admit(p)
+                self._run_controls(controls, self.engine)
         if adds:
             with self._cond:  # the new requests wait in the engine now: count them before the step runs
                 self._num_waiting = len(self.engine.scheduler.waiting)
