@@ -55,3 +55,30 @@ def test_request_accepted_while_its_adapter_is_being_unloaded_runs_with_it(adapt
     assert (out.finish_reason, out.error) == ("length", None) and len(out.token_ids) == 3
     assert running == 1  # the unload's 200 said one request still finishes with it
     assert engine.lora_manager.retired() == [] and "b" not in engine.lora_manager.names()  # freed after it
+
+
+def test_adapter_unloaded_between_model_check_and_submit_is_a_404(adapter, monkeypatch):
+    """An unload that ran on the engine thread after the route found the request's adapter (lora_for) and before the
+    request was queued made the engine's check refuse it: a 400 "unknown LoRA adapter" blaming `prompt`, where a
+    request naming an unloaded adapter gets vLLM's 404 model_not_found on `model`."""
+    import httpx
+
+    from infer.serve.app import Server, serve_in_thread
+
+    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, enable_lora=True, max_loras=1, max_lora_rank=8,
+                                    loras={"b": str(adapter)}))
+    found = Server.lora_for
+
+    def lora_for_then_unloaded(self, model):
+        name = found(self, model)
+        if name == "b":
+            engine.remove_lora("b")  # no request uses it: freed at once, as the engine thread would do it
+        return name
+
+    monkeypatch.setattr(Server, "lora_for", lora_for_then_unloaded)
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny-llama", runtime_lora=True)) as url:
+        r = httpx.post(f"{url}/v1/completions", json={"model": "b", "prompt": "hi", "max_tokens": 2}, timeout=60)
+        health = httpx.get(f"{url}/health").json()["engine"]
+    assert r.status_code == 404, r.text
+    assert r.json()["error"]["code"] == "model_not_found" and r.json()["error"]["param"] == "model"
+    assert health["num_in_flight"] == 0 and health["kv_blocks_used"] == 0

@@ -150,6 +150,8 @@ class Server:
                 done.append(rid)
         except RequestError as e:
             self._abort(done)
+            if lora is not None and lora not in self.adapters():  # unloaded since lora_for found it (an unload ran
+                self.lora_for(lora)  # on the engine thread meanwhile): the 404 of a request that names it after
             named = p.bad_request(e)  # a field the engine refused (logit_bias, allowed_token_ids...) is named
             raise (named if named.param else p.bad_request(e, param="prompt")) from e
         except QueueFullError as e:
