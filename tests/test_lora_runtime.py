@@ -40,7 +40,7 @@ def oracle(hf, paths):
 
 
 def make_llm(**kw) -> LLM:
-    return LLM("tiny-llama", enable_lora=True, max_loras=2, max_lora_rank=8, max_model_len=256, **kw)
+    return LLM("tiny-llama", enable_lora=True, **{"max_loras": 2, **kw}, max_lora_rank=8, max_model_len=256)
 
 
 def test_adapters_added_while_running_give_peft_tokens_through_fewer_slots(paths, oracle):
@@ -118,7 +118,7 @@ def test_an_adapter_whose_folder_was_deleted_can_still_be_removed(paths, oracle,
     import shutil
 
     folder = shutil.copytree(paths["a"], tmp_path / "x")
-    with make_llm(max_cpu_loras=1, max_num_seqs=1) as llm:
+    with make_llm(max_loras=1, max_cpu_loras=1, max_num_seqs=1) as llm:
         llm.add_lora("x", str(folder))
         stream = llm.stream(PROMPTS[:2], PARAMS, lora=["x", None])
         next(stream)  # 'x' is in a device slot, pinned by the running request

@@ -423,8 +423,9 @@ def set_target(plan, engine: EngineConfig, lora: list[str] | None, max_num_seqs:
         if engine.max_num_batched_tokens < seqs:  # named as given: the largest level sets the sequences by default
             raise ConfigError(*batched_tokens_below_seqs(engine.max_num_batched_tokens, seqs, "--max-num-seqs" if
                                                          max_num_seqs else "the largest --concurrency"))
-        plan.engine = replace(engine, seed=plan.seed, loras=lora or [], max_num_seqs=seqs,
-                              max_loras=max_loras or max(4, len(plan.loras)))
+        slots = max(4, len(plan.loras))  # by default no more slots than --max-cpu-loras, which must hold them all
+        slots = min(slots, engine.max_cpu_loras) if engine.max_cpu_loras else slots
+        plan.engine = replace(engine, seed=plan.seed, loras=lora or [], max_num_seqs=seqs, max_loras=max_loras or slots)
     else:
         plan.dtype, plan.device, plan.chat_template = engine.dtype, engine.device, engine.chat_template
 

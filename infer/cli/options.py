@@ -135,6 +135,8 @@ def engine_options(exclude: tuple[str, ...] = ()):
             if "max_num_seqs" in exclude and "max_num_batched_tokens" in values:  # the command sets its own (warmup's
                 # --concurrency) and checks it against the tokens: the default's 64 is no conflict of the user's
                 values["max_num_seqs"] = min(default("max_num_seqs"), values["max_num_batched_tokens"])
+            if "max_loras" in exclude and "max_cpu_loras" in values:  # the command sets its own (bench's --max-loras)
+                values["max_loras"] = min(default("max_loras"), values["max_cpu_loras"])  # and it is checked then
             kwargs["engine"] = EngineConfig(model=model, **values)
             return fn(*args, **kwargs)
 

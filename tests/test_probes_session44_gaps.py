@@ -1,0 +1,45 @@
+"""Session 44 probes of known gaps (vLLM parity of options, request bodies, checkpoints, kernel tables)."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from infer.cli.main import app
+from infer.engine.config import EngineConfig
+from infer.errors import ConfigError
+
+
+def test_max_cpu_loras_below_max_loras_is_refused_by_the_api():
+    """vLLM refuses max_cpu_loras < max_loras ("max_cpu_loras (1) must be >= max_loras (2)"); infer took it."""
+    with pytest.raises(ConfigError) as e:
+        EngineConfig("tiny-llama", max_loras=2, max_cpu_loras=1)
+    assert "--max-cpu-loras 1" in str(e.value) and "--max-loras 2" in str(e.value)
+    EngineConfig("tiny-llama", max_loras=2, max_cpu_loras=2)  # equal is fine, as in vLLM
+
+
+@pytest.mark.parametrize("command", ["run", "serve", "bench", "warmup"])
+def test_max_cpu_loras_below_max_loras_is_refused_by_every_command(command, tmp_path):
+    model = str(tmp_path / "no-model")  # without the check, the command fails on it (serve would not start serving)
+    args = {"run": ["run", model, str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "o.jsonl")],
+            "serve": ["serve", model], "bench": ["bench", model, "--out", str(tmp_path / "b")],
+            "warmup": ["warmup", model]}[command]
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    res = CliRunner().invoke(app, [*args, "--device", "cpu", "--max-loras", "3", "--max-cpu-loras", "2"])
+    assert res.exit_code != 0
+    assert "--max-cpu-loras 2 is below --max-loras 3" in " ".join(res.output.split()), res.output
+
+
+def test_bench_checks_max_cpu_loras_against_its_own_max_loras(tmp_path):
+    """bench sets --max-loras itself (default: max(4, adapters)): its check must not compare with the engine's 4."""
+    from infer.bench.plan import BenchPlan
+    from infer.cli.bench import set_target
+
+    plan = BenchPlan(model="tiny-llama", levels=[1], out=tmp_path)
+    engine = EngineConfig("tiny-llama", max_loras=1, max_cpu_loras=1)
+    set_target(plan, engine, None, None, None)  # by default no more slots than CPU copies
+    assert plan.engine.max_loras == 1
+    set_target(plan, engine, None, None, 1)
+    with pytest.raises(ConfigError, match="--max-cpu-loras 1 is below --max-loras 2"):
+        set_target(plan, engine, None, None, 2)
+
