@@ -43,3 +43,54 @@ def test_bench_checks_max_cpu_loras_against_its_own_max_loras(tmp_path):
     with pytest.raises(ConfigError, match="--max-cpu-loras 1 is below --max-loras 2"):
         set_target(plan, engine, None, None, 2)
 
+
+ONE_OF_CASES = {  # name: (schema, whether a value may match two branches)
+    "integer or number": ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, True),
+    "touching ranges": ({"oneOf": [{"type": "integer", "maximum": 4}, {"type": "integer", "minimum": 4}]}, True),
+    "open objects": ({"oneOf": [{"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"],
+                                 "additionalProperties": True},
+                                {"type": "object", "properties": {"b": {"type": "string"}}, "required": ["b"]}]}, True),
+    "string or number": ({"oneOf": [{"type": "string"}, {"type": "number"}]}, False),
+    "apart ranges": ({"oneOf": [{"type": "integer", "maximum": 3}, {"type": "integer", "exclusiveMinimum": 3}]}, False),
+    "enums": ({"oneOf": [{"enum": ["a", "b"]}, {"const": "c"}, {"type": "integer"}]}, False),
+    "null or union": ({"oneOf": [{"type": "null"}, {"anyOf": [{"type": "string"}, {"type": "integer"}]}]}, False),
+    "objects as xgrammar writes them": ({"oneOf": [
+        {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]},
+        {"type": "object", "properties": {"b": {"type": "string"}}, "required": ["b"]}]}, False),
+    "pydantic discriminated union": ({
+        "$defs": {"Cat": {"type": "object", "properties": {"kind": {"const": "cat", "type": "string"},
+                                                           "n": {"type": "integer"}}, "required": ["kind", "n"]},
+                  "Dog": {"type": "object", "properties": {"kind": {"enum": ["dog"], "type": "string"},
+                                                           "n": {"type": "integer"}}, "required": ["kind", "n"]}},
+        "type": "object", "required": ["pet"],
+        "properties": {"pet": {"oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
+                               "discriminator": {"propertyName": "kind"}}}}, False),
+}
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    pytest.importorskip("xgrammar")
+    from transformers import AutoTokenizer
+
+    from infer.engine.structured import GrammarBackend
+    from infer.models.tiny import ensure_builtin
+
+    tok = AutoTokenizer.from_pretrained(str(ensure_builtin("tiny-llama")))
+    return GrammarBackend(tok, len(tok), [tok.eos_token_id])
+
+
+@pytest.mark.parametrize("name", list(ONE_OF_CASES))
+def test_a_one_of_whose_branches_one_value_may_match_is_refused(grammars, name):
+    """xgrammar writes oneOf as anyOf: {"oneOf": [integer, number]} took 3, which matches both, so oneOf rejects it.
+    Such a schema is refused naming the two branches; one whose branches are exclusive (types, consts, ranges, a
+    discriminator, or objects xgrammar writes with only their own properties) is compiled as before."""
+    from infer import StructuredOutputsParams as S
+    from infer.errors import RequestError
+
+    schema, overlaps = ONE_OF_CASES[name]
+    if overlaps:
+        with pytest.raises(RequestError, match=r"oneOf at #/oneOf whose schemas 0 and 1 one value may both match"):
+            grammars.compile(S(json=schema))
+    else:
+        grammars.compile(S(json=schema))

@@ -28,6 +28,7 @@ import torch
 
 from ..errors import RequestError
 from ..kernels import apply_bitmask
+from .schema_overlap import overlapping
 
 MAX_SPEC_CHARS = 200_000  # a schema, regex or grammar (compiling one runs on the server's threads)
 MAX_CHOICES = 4096
@@ -497,11 +498,13 @@ def _type_holds(schema: dict, over: str) -> bool:
     return all((inner := _types(b)) is not None and inner <= outer for b in branches)
 
 
-def _unenforced(schema, path: str) -> tuple[str, str | None] | None:
+def _unenforced(schema, path: str, root=None) -> tuple[str, str | None] | None:
     """(the JSON pointer of the first keyword of `schema` xgrammar does not enforce, why: the keyword beside it that
-    makes xgrammar ignore it, "lookahead", "ref " and the $ref's JSON, or None), or None."""
+    makes xgrammar ignore it, "lookahead", "ref " and the $ref's JSON, "overlap I J" (two oneOf branches one value
+    may match), or None), or None. `root`: the whole schema, which $refs point into (default: `schema`)."""
+    root = schema if root is None else root
     if isinstance(schema, list):
-        return next((found for i, sub in enumerate(schema) if (found := _unenforced(sub, f"{path}/{i}"))), None)
+        return next((found for i, sub in enumerate(schema) if (found := _unenforced(sub, f"{path}/{i}", root))), None)
     if not isinstance(schema, dict):
         return None
     ignored = _ignored_beside(schema)
@@ -527,6 +530,9 @@ def _unenforced(schema, path: str) -> tuple[str, str | None] | None:
                    and not (k == "type" and _type_holds(schema, over))), None) if over else None
     if beside is not None:
         return f"{path}/{beside}", over
+    pair = overlapping(schema["oneOf"], root) if isinstance(schema.get("oneOf"), list) else None
+    if pair is not None:  # xgrammar writes oneOf as anyOf: a value that matches both branches could be produced
+        return f"{path}/oneOf", f"overlap {pair[0]} {pair[1]}"
     mult, kind = schema.get("multipleOf"), schema.get("type")
     kinds = set(kind) - {"null"} if isinstance(kind, list) else {kind}
     if mult is not None and (kinds != {"integer"} or not isinstance(mult, int) or isinstance(mult, bool)):
@@ -546,7 +552,7 @@ def _unenforced(schema, path: str) -> tuple[str, str | None] | None:
             return f"{path}/{key}", None
         subs = value.items() if key in _SCHEMA_MAPS and isinstance(value, dict) else [("", value)]
         for name, sub in subs:
-            found = _unenforced(sub, f"{path}/{key}" + (f"/{name}" if name else "")) \
+            found = _unenforced(sub, f"{path}/{key}" + (f"/{name}" if name else ""), root) \
                 if isinstance(sub, (dict, list)) else None
             if found:
                 return found
@@ -598,6 +604,12 @@ def _check_enforced(schema: str) -> None:
             raise RequestError(f"structured_outputs.json has a pattern with a lookahead ((?=...) or (?!...)) at "
                                f"{found}, which xgrammar ignores: a reply could break it",
                                "write the pattern without the lookahead (and check it in the reply)")
+        if beside.startswith("overlap "):
+            first, second = beside.split()[1:]
+            raise RequestError(f"structured_outputs.json has a oneOf at {found} whose schemas {first} and {second} "
+                               "one value may both match: xgrammar enforces oneOf as anyOf, so a reply could match "
+                               "both, which oneOf rejects", "use anyOf if a value may match several of them, or make "
+                               "them exclusive (different types, or a property each requires with a different const)")
         if beside.startswith("ref "):
             raise RequestError(f"structured_outputs.json has a $ref that is not a JSON pointer into the schema at "
                                f"{found} ({beside[4:]}), which xgrammar does not resolve (any JSON would pass)",
