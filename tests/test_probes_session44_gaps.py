@@ -94,3 +94,58 @@ def test_a_one_of_whose_branches_one_value_may_match_is_refused(grammars, name):
             grammars.compile(S(json=schema))
     else:
         grammars.compile(S(json=schema))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from infer.models.tiny import ensure_builtin
+
+    return AutoTokenizer.from_pretrained(str(ensure_builtin("tiny-llama")))
+
+
+WHOLE = {"max_tokens": 5.0, "n": 2.0, "top_k": 3.0, "logprobs": 2.0, "seed": 1.0, "min_tokens": 1.0,
+         "stop_token_ids": [3.0], "prompt_logprobs": 1.0, "truncate_prompt_tokens": 4.0, "priority": 0.0}
+
+
+def test_whole_floats_in_integer_fields_are_read_as_vllm_reads_them(tokenizer):
+    """vLLM's pydantic request models (lax mode) take max_tokens 5.0 as 5 and refuse 5.5; infer answered every
+    whole float in an integer field (max_tokens, n, top_k, logprobs, seed...) with a 400."""
+    import json
+
+    from infer.serve.body import BodyLimits
+    from infer.serve.parse import parse_body
+    from infer.serve.protocol import ApiError
+
+    def parse(body: dict, chat: bool = False):
+        return parse_body(json.dumps(body).encode(), chat, tokenizer, BodyLimits(), max_tokens=128)
+
+    req = parse({"prompt": "hi", **WHOLE})
+    params = req.params
+    assert (req.n, params.max_new_tokens, params.top_k, params.logprobs, params.seed, params.min_tokens) \
+        == (2, 5, 3, 2, 1, 1)
+    assert (params.stop_token_ids, params.prompt_logprobs, params.truncate_prompt_tokens) == ([3], 1, 4)
+    assert type(params.max_new_tokens) is int and type(params.seed) is int
+    chat = parse({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5.0, "logprobs": True,
+                  "top_logprobs": 2.0, "allowed_token_ids": [5.0, 6.0]}, chat=True).params
+    assert (chat.max_new_tokens, chat.logprobs, chat.allowed_token_ids) == (5, 2, [5, 6])
+    for field in ("max_tokens", "n", "top_k", "seed"):
+        with pytest.raises(ApiError) as e:
+            parse({"prompt": "hi", field: 2.5})
+        assert e.value.status == 400 and e.value.param == field
+
+
+def test_whole_floats_in_a_batch_lines_integer_fields_are_read_too(tokenizer):
+    from infer.engine.inputs import parse_request
+    from infer.errors import RequestError
+
+    line = {"custom_id": "r1", "url": "/v1/completions",
+            "body": {"prompt": "hi", "max_tokens": 5.0, "top_k": 3.0, "seed": 7.0, "logprobs": 1.0, "n": 1.0}}
+    params = parse_request(line, tokenizer, "0").params
+    assert (params.max_new_tokens, params.top_k, params.seed, params.logprobs) == (5, 3, 7, 1)
+    chat = {"custom_id": "r2", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2.0}}
+    assert parse_request(chat, tokenizer, "0").params.logprobs == 2
+    with pytest.raises(RequestError, match="max_tokens"):
+        parse_request({"custom_id": "r3", "body": {"prompt": "hi", "max_tokens": 5.5}}, tokenizer, "0")

@@ -436,6 +436,32 @@ def _type_name(types: tuple) -> str:
                        for t in types)
 
 
+# the OpenAI request fields vLLM types as integers (lists of them), which pydantic reads in lax mode: a whole number
+# written as a float (5.0, as JavaScript's and some SDKs' JSON writes it) is that integer, 5.5 is refused
+OPENAI_INTS = ("max_tokens", "max_completion_tokens", "n", "best_of", "top_k", "seed", "logprobs", "top_logprobs",
+               "min_tokens", "truncate_prompt_tokens", "prompt_logprobs", "priority")
+OPENAI_INT_LISTS = ("stop_token_ids", "allowed_token_ids")
+
+
+def whole_numbers(body: Any) -> Any:
+    """An OpenAI request body with each integer field given as a whole float (max_tokens 5.0) as that integer, as
+    vLLM reads it (answered 400 "must be an integer, got float" here); anything else as it is."""
+    if not isinstance(body, dict):
+        return body
+
+    def whole(value):
+        return int(value) if isinstance(value, float) and value.is_integer() else value
+
+    out = dict(body)
+    for key in OPENAI_INTS:
+        if key in out:
+            out[key] = whole(out[key])
+    for key in OPENAI_INT_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [whole(v) for v in out[key]]
+    return out
+
+
 def params_from(obj: dict, aliases: dict[str, str] | None = None) -> SamplingParams:
     kwargs = {}
     for key, value in obj.items():
@@ -548,7 +574,7 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
         raise RequestError("an OpenAI batch line (it has custom_id) needs a 'body' object with the request",
                            'e.g. {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", '
                            '"body": {"messages": [{"role": "user", "content": "Hi"}]}}')
-    body = obj["body"]
+    body = whole_numbers(obj["body"])
     if not isinstance(body, dict):
         raise RequestError(f"field 'body' must be an object, got {type(body).__name__}",
                            'e.g. "body": {"prompt": "Hi", "max_tokens": 16}')

@@ -7,6 +7,7 @@ import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
+from ..engine.inputs import whole_numbers
 from ..errors import RequestError
 from . import protocol as p
 from .body import BodyLimits, check_values, load_json
@@ -29,7 +30,7 @@ def parse_body(raw: bytes, chat: bool, tokenizer, limits: BodyLimits, max_tokens
     `max_prompts`: what the server can hold at once (AsyncEngine.capacity: its running slots and --max-queue); a
     completion with more prompts (x n) is refused before its values are
     walked and its prompts read (an 8 MB body of 1.9 million one-token prompts held a parse thread for a minute)."""
-    body = load_json(raw, limits.max_json_depth)
+    body = whole_numbers(load_json(raw, limits.max_json_depth))  # max_tokens 5.0 is 5, as vLLM reads it
     if not chat and max_prompts is not None and isinstance(body, dict):
         prompts, n = p.prompt_count(body.get("prompt")), body.get("n")
         n = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= p.MAX_N else 1
