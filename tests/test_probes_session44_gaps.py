@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from infer.cli.main import app
@@ -149,3 +150,75 @@ def test_whole_floats_in_a_batch_lines_integer_fields_are_read_too(tokenizer):
     assert parse_request(chat, tokenizer, "0").params.logprobs == 2
     with pytest.raises(RequestError, match="max_tokens"):
         parse_request({"custom_id": "r3", "body": {"prompt": "hi", "max_tokens": 5.5}}, tokenizer, "0")
+
+
+def ragged_copies(root, group: int, bits: int = 4):
+    """(a GPTQ copy of tiny-llama whose group_size divides neither hidden_size 64 nor intermediate_size 128, as
+    AutoGPTQ writes one: ceil(in / group) groups, the last one short; the float copy of its dequantized weights)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from infer.models.tiny import ensure_builtin
+    from infer.quant import packing
+
+    quant, plain = shutil.copytree(ensure_builtin("tiny-llama"), root / "q"), shutil.copytree(ensure_builtin(
+        "tiny-llama"), root / "f")
+    tensors, floats = {}, {}
+    for name, t in load_file(quant / "model.safetensors").items():
+        module = name[: -len(".weight")]
+        if ".layers." in name and name.endswith("_proj.weight"):
+            qw, qz, s, gi = packing.quantize_rtn(t.float(), bits, group, sym=False)
+            assert s.shape[0] == -(-t.shape[1] // group) and t.shape[1] % group  # a short last group
+            tensors.update({f"{module}.qweight": qw, f"{module}.qzeros": qz, f"{module}.scales": s,
+                            f"{module}.g_idx": gi})
+            floats[name] = packing.dequantize(qw, qz, s, gi, bits).to(t.dtype)
+        else:
+            tensors[name] = floats[name] = t
+    save_file(tensors, quant / "model.safetensors", metadata={"format": "pt"})
+    save_file(floats, plain / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((quant / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": False,
+                                  "sym": False, "checkpoint_format": "gptq"}
+    (quant / "config.json").write_text(json.dumps(cfg))
+    return quant, plain
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_group_size_that_does_not_divide_the_input_gives_the_dequantized_models_tokens(tmp_path, bits):
+    """group_size 48 with inputs of 64 and 128 (AutoGPTQ's ceil(in / group) groups, the last one short; vLLM refuses
+    such a layer): infer reads the short group from g_idx and generates transformers' greedy tokens of the
+    dequantized weights."""
+    from helpers import hf_greedy
+
+    from infer import LLM, SamplingParams
+
+    quant, plain = ragged_copies(tmp_path, 48, bits)
+    prompts = [[5, 17, 99, 230, 41], list(range(40, 60))]
+    with LLM(str(quant), block_size=4, device="cpu") as llm:
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))]
+    assert got == [hf_greedy(str(plain), p, 6) for p in prompts]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_int4_kernels_read_a_short_last_group(bits):
+    """K 96 with group_size 64 (the kernel path the GPU runs, interpreted here): each kernel kind matches the
+    reference, which reads g_idx."""
+    from helpers import interpreted_module
+
+    from infer.kernels import reference as ref
+    from infer.quant import packing
+
+    gemm = next(interpreted_module("infer.kernels.gptq_gemm"))
+    g = torch.Generator().manual_seed(44)
+    qw, qz, s, gi = packing.quantize_rtn(torch.randn(40, 96, generator=g), bits, 64, sym=False)
+    configs = [None, {"kernel": "gemv", "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2, "num_warps": 4, "num_stages": 2},
+               {"kernel": "mma", "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 1, "GROUP_M": 1,
+                "num_warps": 4, "num_stages": 2}, {"kernel": "dequant"}]
+    for cfg in configs:
+        for m in (1, 19):
+            x = torch.randn(m, 96, generator=g)
+            want = ref.gptq_matmul(x, qw, qz, s, gi, bits, True)
+            got = gemm.gptq_matmul(x, qw, qz, s, gi, bits, True, 64, 1, config=cfg)
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())), (cfg, m)
