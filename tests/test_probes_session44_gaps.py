@@ -222,3 +222,34 @@ def test_the_int4_kernels_read_a_short_last_group(bits):
             want = ref.gptq_matmul(x, qw, qz, s, gi, bits, True)
             got = gemm.gptq_matmul(x, qw, qz, s, gi, bits, True, 64, 1, config=cfg)
             assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())), (cfg, m)
+
+
+def test_every_shipped_int4_table_config_computes_an_8_bit_layer_right():
+    """The tuned tables are keyed by "N,K" only, so a layer of another bit width with a tuned shape (an 8-bit
+    module of a `dynamic` rule, a quantized lm_head) launches a config tuned at 4 bits: each one must still compute
+    the 8-bit matmul (the 4-bit-only options, PAIRS and byte fields, are dropped for it; BLOCK_K is capped)."""
+    import json
+
+    from helpers import interpreted_module
+
+    from infer.kernels import gptq_configs
+    from infer.kernels import reference as ref
+    from infer.quant import packing
+
+    gemm = next(interpreted_module("infer.kernels.gptq_gemm"))
+    configs = {}
+    for path in gptq_configs.SHIPPED.glob("*.json"):
+        for by_m in json.loads(path.read_text()).values():
+            for m, cfg in by_m.items():
+                configs.setdefault(json.dumps(cfg, sort_keys=True), min(int(m), 33))
+    assert configs
+    g = torch.Generator().manual_seed(44)
+    k, n, bits = 256, 128, 8
+    qw, qz, s, gi = packing.quantize_rtn(torch.randn(n, k, generator=g), bits, 128, sym=False)
+    wp = gptq_configs.interleave_for(128, k, 32 // bits)
+    qwi = packing.interleave_rows(qw, bits, wp)
+    for text, m in configs.items():
+        x = torch.randn(m, k, generator=g).half()
+        want = ref.gptq_matmul(x.float(), qw, qz, s, gi, bits, True)
+        got = gemm.gptq_matmul(x, qwi, qz, s, gi, bits, True, 128, wp, config=json.loads(text)).float()
+        assert float((got - want).abs().max() / want.abs().max()) < 3e-3, text
