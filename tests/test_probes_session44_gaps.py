@@ -11,12 +11,39 @@ from infer.engine.config import EngineConfig
 from infer.errors import ConfigError
 
 
-def test_max_cpu_loras_below_max_loras_is_refused_by_the_api():
+def test_max_cpu_loras_below_max_loras_is_refused_by_the_api(tmp_path):
     """vLLM refuses max_cpu_loras < max_loras ("max_cpu_loras (1) must be >= max_loras (2)"); infer took it."""
     with pytest.raises(ConfigError) as e:
-        EngineConfig("tiny-llama", max_loras=2, max_cpu_loras=1)
+        EngineConfig("tiny-llama", enable_lora=True, max_loras=2, max_cpu_loras=1)
     assert "--max-cpu-loras 1" in str(e.value) and "--max-loras 2" in str(e.value)
-    EngineConfig("tiny-llama", max_loras=2, max_cpu_loras=2)  # equal is fine, as in vLLM
+    with pytest.raises(ConfigError, match="--max-cpu-loras 1 is below --max-loras 2"):
+        EngineConfig("tiny-llama", loras={"a": str(tmp_path)}, max_loras=2, max_cpu_loras=1)
+    EngineConfig("tiny-llama", enable_lora=True, max_loras=2, max_cpu_loras=2)  # equal is fine, as in vLLM
+    EngineConfig("tiny-llama", max_loras=2, max_cpu_loras=1)  # no adapters at all: unused, as vLLM ignores it
+
+
+def test_max_cpu_loras_alone_lowers_the_default_slots_on_the_command_line():
+    """vLLM's default --max-loras (1) is never above a --max-cpu-loras; infer's (4) was: `--enable-lora
+    --max-cpu-loras 2` must not be refused for a --max-loras nobody gave."""
+    import typer
+
+    from infer.cli import options as o
+
+    seen = {}
+    cli = typer.Typer()
+
+    @cli.command()
+    @o.engine_options()
+    def show(model: str, engine: EngineConfig = None):
+        seen["engine"] = engine
+
+    res = CliRunner().invoke(cli, ["tiny-llama", "--enable-lora", "--max-cpu-loras", "2"])
+    assert res.exit_code == 0, res.output
+    assert (seen["engine"].max_loras, seen["engine"].max_cpu_loras) == (2, 2)
+    res = CliRunner().invoke(cli, ["tiny-llama", "--enable-lora", "--max-cpu-loras", "8"])
+    assert (seen["engine"].max_loras, seen["engine"].max_cpu_loras) == (4, 8)
+    res = CliRunner().invoke(cli, ["tiny-llama", "--enable-lora", "--max-loras", "3", "--max-cpu-loras", "2"])
+    assert res.exit_code != 0 and "--max-cpu-loras 2 is below --max-loras 3" in str(res.exception or res.output)
 
 
 @pytest.mark.parametrize("command", ["run", "serve", "bench", "warmup"])
@@ -26,7 +53,8 @@ def test_max_cpu_loras_below_max_loras_is_refused_by_every_command(command, tmp_
             "serve": ["serve", model], "bench": ["bench", model, "--out", str(tmp_path / "b")],
             "warmup": ["warmup", model]}[command]
     (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
-    res = CliRunner().invoke(app, [*args, "--device", "cpu", "--max-loras", "3", "--max-cpu-loras", "2"])
+    res = CliRunner().invoke(app, [*args, "--device", "cpu", "--enable-lora", "--max-loras", "3", "--max-cpu-loras",
+                                   "2"])
     assert res.exit_code != 0
     assert "--max-cpu-loras 2 is below --max-loras 3" in " ".join(res.output.split()), res.output
 
@@ -37,7 +65,7 @@ def test_bench_checks_max_cpu_loras_against_its_own_max_loras(tmp_path):
     from infer.cli.bench import set_target
 
     plan = BenchPlan(model="tiny-llama", levels=[1], out=tmp_path)
-    engine = EngineConfig("tiny-llama", max_loras=1, max_cpu_loras=1)
+    engine = EngineConfig("tiny-llama", enable_lora=True, max_loras=1, max_cpu_loras=1)
     set_target(plan, engine, None, None, None)  # by default no more slots than CPU copies
     assert plan.engine.max_loras == 1
     set_target(plan, engine, None, None, 1)

@@ -135,8 +135,10 @@ def engine_options(exclude: tuple[str, ...] = ()):
             if "max_num_seqs" in exclude and "max_num_batched_tokens" in values:  # the command sets its own (warmup's
                 # --concurrency) and checks it against the tokens: the default's 64 is no conflict of the user's
                 values["max_num_seqs"] = min(default("max_num_seqs"), values["max_num_batched_tokens"])
-            if "max_loras" in exclude and "max_cpu_loras" in values:  # the command sets its own (bench's --max-loras)
-                values["max_loras"] = min(default("max_loras"), values["max_cpu_loras"])  # and it is checked then
+            if "max_cpu_loras" in values and ("max_loras" in exclude or not _given("max_loras")):
+                # --max-cpu-loras 2 alone: the default slots (4) no more than it, as vLLM's default (1) never is (a
+                # command that sets its own, bench's --max-loras, has it checked then)
+                values["max_loras"] = min(values.get("max_loras", default("max_loras")), values["max_cpu_loras"])
             kwargs["engine"] = EngineConfig(model=model, **values)
             return fn(*args, **kwargs)
 

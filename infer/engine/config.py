@@ -284,9 +284,9 @@ class EngineConfig:
         tokens, seqs = self.max_num_batched_tokens, self.max_num_seqs
         if isinstance(tokens, int) and isinstance(seqs, int) and tokens < seqs:
             yield batched_tokens_below_seqs(tokens, seqs)
-        cpu, slots = self.max_cpu_loras, self.max_loras
-        if isinstance(cpu, int) and isinstance(slots, int) and not isinstance(cpu, bool) and cpu < slots:
-            # vLLM refuses it too: an adapter in a device slot keeps its CPU copy
+        cpu, slots, lora_on = self.max_cpu_loras, self.max_loras, bool(self.loras) or self.enable_lora is True
+        if lora_on and isinstance(cpu, int) and isinstance(slots, int) and not isinstance(cpu, bool) and cpu < slots:
+            # vLLM refuses it too (where adapters are on): an adapter in a device slot keeps its CPU copy
             yield (f"--max-cpu-loras {cpu} is below --max-loras {slots}: every adapter in a device slot is kept in "
                    f"CPU memory too", f"pass --max-cpu-loras {slots} or more (or lower --max-loras to {cpu})")
         for name in BOOLS:
