@@ -281,3 +281,34 @@ def test_every_shipped_int4_table_config_computes_an_8_bit_layer_right():
         want = ref.gptq_matmul(x.float(), qw, qz, s, gi, bits, True)
         got = gemm.gptq_matmul(x, qwi, qz, s, gi, bits, True, 128, wp, config=json.loads(text)).float()
         assert float((got - want).abs().max() / want.abs().max()) < 3e-3, text
+
+
+def test_a_large_one_of_is_checked_at_once_or_refused_quickly(grammars):
+    """The oneOf proof compared every pair of branches: 2,000 labelled consts ({"const": i, "title": ...}, a common
+    way to write an enum) took 16 s of a parse thread, a discriminated union of 2,000 objects 100 s. Branches told
+    apart by their values (or a property's) are proven at once; others stop after a bounded number of comparisons."""
+    from infer import StructuredOutputsParams as S
+    from infer.engine.schema_overlap import CHECKS, overlapping
+    from infer.errors import RequestError
+
+    consts = [{"const": i, "title": f"n{i}"} for i in range(2000)]
+    tagged = [{"type": "object", "properties": {"k": {"const": i}, "v": {"type": "string"}}, "required": ["k", "v"]}
+              for i in range(2000)]
+    calls = []
+    import infer.engine.schema_overlap as so
+
+    real = so.disjoint
+    so.disjoint = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        assert overlapping(consts, {}) is None and overlapping(tagged, {}) is None and not calls
+        assert overlapping(consts + [{"const": 5.0}], {}) is not None  # 5 and 5.0 are one JSON number
+        opened = [{"type": "object", "properties": {f"k{i}": {"type": "string"}}, "required": [f"k{i}"]}
+                  for i in range(300)]
+        calls.clear()
+        assert overlapping(opened, {}) == "large" and len(calls) <= CHECKS + 1
+    finally:
+        so.disjoint = real
+    grammars.compile(S(json={"oneOf": consts[:300]}))
+    with pytest.raises(RequestError, match="too large to prove its schemas exclusive"):
+        grammars.compile(S(json={"type": "object", "properties": {"x": {"oneOf": opened}}}))
+    assert CHECKS <= 10_000

@@ -15,19 +15,27 @@ import itertools
 
 _KINDS = {bool: "boolean", type(None): "null", str: "string", list: "array", dict: "object"}
 _DEPTH = 32  # $refs and nested branches followed at most this deep (a recursive schema: not proven)
+CHECKS = 10_000  # schema pairs one oneOf's proof may compare (its branches' and their nested ones); past it: not proven
 
 
-def overlapping(branches: list, root) -> tuple[int, int] | None:
-    """(i, j) of the first two branches that may both match a value, or None when every pair is disjoint."""
+def overlapping(branches: list, root) -> tuple[int, int] | str | None:
+    """(i, j) of the first two branches that may both match a value; "large" when the proof ran past CHECKS
+    comparisons first; None when every pair is disjoint. Many branches told apart by their const/enum values (or
+    those of a property every branch requires) are proven at once, not pair by pair."""
+    if _apart_by_values(branches, root):
+        return None
+    budget = [CHECKS]
     for i, j in itertools.combinations(range(len(branches)), 2):
-        if not disjoint(branches[i], branches[j], root):
-            return i, j
+        if not disjoint(branches[i], branches[j], root, 0, budget):
+            return (i, j) if budget[0] >= 0 else "large"
     return None
 
 
-def disjoint(a, b, root, depth: int = 0) -> bool:
-    """Whether no JSON value matches both schemas `a` and `b` (False: not proven)."""
-    if depth > _DEPTH:
+def disjoint(a, b, root, depth: int = 0, budget: list | None = None) -> bool:
+    """Whether no JSON value matches both schemas `a` and `b` (False: not proven). `budget`: [comparisons left]."""
+    if budget is not None:
+        budget[0] -= 1
+    if depth > _DEPTH or (budget is not None and budget[0] < 0):
         return False
     a, b = _resolve(a, root, depth), _resolve(b, root, depth)
     if a is False or b is False:
@@ -37,11 +45,11 @@ def disjoint(a, b, root, depth: int = 0) -> bool:
     for one, other in ((a, b), (b, a)):
         for key in ("anyOf", "oneOf"):  # a union is disjoint from a schema when each of its branches is
             subs = one.get(key)
-            if isinstance(subs, list) and subs and all(disjoint(s, other, root, depth + 1) for s in subs):
+            if isinstance(subs, list) and subs and all(disjoint(s, other, root, depth + 1, budget) for s in subs):
                 return True
     values_a, values_b = _values(a), _values(b)
     if values_a is not None and values_b is not None:
-        return not any(_same(x, y) for x in values_a for y in values_b)
+        return not {_key(v) for v in values_a} & {_key(v) for v in values_b}
     for values, other in ((values_a, b), (values_b, a)):
         kinds = _types(other)
         if values is not None and kinds is not None and not any(_kind(v) in kinds for v in values):
@@ -49,7 +57,38 @@ def disjoint(a, b, root, depth: int = 0) -> bool:
     kinds_a, kinds_b = _types(a), _types(b)
     if kinds_a is not None and kinds_b is not None and not kinds_a & kinds_b:
         return True
-    return _ranges_apart(a, b) or _objects_apart(a, b, root, depth)
+    return _ranges_apart(a, b) or _objects_apart(a, b, root, depth, budget)
+
+
+def _apart_by_values(branches: list, root) -> bool:
+    """Whether the branches are told apart by their const/enum values (no value in two of them), or all require one
+    property whose const/enum values tell them apart so (a discriminated union)."""
+    resolved = [_resolve(b, root, 0) for b in branches]
+    if not resolved or not all(isinstance(b, dict) for b in resolved):
+        return False
+
+    def distinct(value_sets) -> bool:
+        seen: set = set()
+        for values in value_sets:
+            if values is None:
+                return False
+            keys = {_key(v) for v in values}
+            if keys & seen:
+                return False
+            seen |= keys
+        return True
+
+    if distinct(_values(b) for b in resolved):
+        return True
+    first = resolved[0].get("required")
+    for name in first if isinstance(first, list) else []:
+        props = [b.get("properties") for b in resolved]
+        if isinstance(name, str) and all(isinstance(b.get("required"), list) and name in b["required"]
+                                         and isinstance(p, dict) and isinstance(_resolve(p.get(name), root, 0), dict)
+                                         for b, p in zip(resolved, props)):
+            if distinct(_values(_resolve(p[name], root, 0)) for p in props):
+                return True
+    return False
 
 
 def _resolve(schema, root, depth: int):
@@ -84,17 +123,17 @@ def _kind(value) -> str:
     return _KINDS.get(type(value), "?")
 
 
-def _same(x, y) -> bool:
-    """JSON equality: 1 and 1.0 are one number, true is not 1."""
-    if _kind(x) in ("integer", "number") and _kind(y) in ("integer", "number"):
-        return x == y
-    if _kind(x) != _kind(y):
-        return False
-    if isinstance(x, list):
-        return len(x) == len(y) and all(_same(p, q) for p, q in zip(x, y))
-    if isinstance(x, dict):
-        return x.keys() == y.keys() and all(_same(x[k], y[k]) for k in x)
-    return x == y
+def _key(value):
+    """A hashable key equal for JSON-equal values: 1 and 1.0 are one number, true is not 1."""
+    if isinstance(value, bool) or value is None:
+        return "b", value
+    if isinstance(value, (int, float)):
+        return "n", value
+    if isinstance(value, list):
+        return "l", tuple(_key(v) for v in value)
+    if isinstance(value, dict):
+        return "d", frozenset((k, _key(v)) for k, v in value.items())
+    return "s", value
 
 
 def _types(schema: dict) -> set | None:
@@ -130,7 +169,7 @@ def _ranges_apart(a: dict, b: dict) -> bool:
             or high_b < low_a or high_b == low_a and (open_high_b or open_low_a))
 
 
-def _objects_apart(a: dict, b: dict, root, depth: int) -> bool:
+def _objects_apart(a: dict, b: dict, root, depth: int, budget: list | None) -> bool:
     """Whether two schemas that allow objects only surely match no common object: a property both require with
     disjoint schemas, or one that one requires and the other forbids."""
     if not all(_types(s) in ({"object"}, None) and (_types(s) or "properties" in s) for s in (a, b)):
@@ -142,7 +181,8 @@ def _objects_apart(a: dict, b: dict, root, depth: int) -> bool:
         for name in required:
             if not isinstance(name, str):
                 continue
-            if name in props and name in other_props and disjoint(props[name], other_props[name], root, depth + 1):
+            if name in props and name in other_props \
+                    and disjoint(props[name], other_props[name], root, depth + 1, budget):
                 return True
             if name not in other_props and _closed(other, False):
                 return True

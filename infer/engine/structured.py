@@ -532,7 +532,7 @@ def _unenforced(schema, path: str, root=None) -> tuple[str, str | None] | None:
         return f"{path}/{beside}", over
     pair = overlapping(schema["oneOf"], root) if isinstance(schema.get("oneOf"), list) else None
     if pair is not None:  # xgrammar writes oneOf as anyOf: a value that matches both branches could be produced
-        return f"{path}/oneOf", f"overlap {pair[0]} {pair[1]}"
+        return f"{path}/oneOf", "overlap large" if pair == "large" else f"overlap {pair[0]} {pair[1]}"
     mult, kind = schema.get("multipleOf"), schema.get("type")
     kinds = set(kind) - {"null"} if isinstance(kind, list) else {kind}
     if mult is not None and (kinds != {"integer"} or not isinstance(mult, int) or isinstance(mult, bool)):
@@ -604,6 +604,11 @@ def _check_enforced(schema: str) -> None:
             raise RequestError(f"structured_outputs.json has a pattern with a lookahead ((?=...) or (?!...)) at "
                                f"{found}, which xgrammar ignores: a reply could break it",
                                "write the pattern without the lookahead (and check it in the reply)")
+        if beside == "overlap large":
+            raise RequestError(f"structured_outputs.json has a oneOf at {found} too large to prove its schemas "
+                               f"exclusive: xgrammar enforces oneOf as anyOf, so a reply could match two of them, "
+                               "which oneOf rejects", "use anyOf if a value may match several of them, or tell them "
+                               "apart by a const in each (of the value, or of a property they all require)")
         if beside.startswith("overlap "):
             first, second = beside.split()[1:]
             raise RequestError(f"structured_outputs.json has a oneOf at {found} whose schemas {first} and {second} "
