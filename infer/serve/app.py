@@ -30,6 +30,7 @@ from .lifecycle import uvicorn_server
 from .metrics import CONTENT_TYPE, HttpMetricsMiddleware, ServerMetrics
 from .parse import ParsePool
 from .reasoning import parts as reasoning_parts
+from .responses import add_routes as add_responses_routes
 from .tools import split, visible
 
 log = logging.getLogger("infer.serve")
@@ -335,7 +336,7 @@ def _routing_message(request: Request, e, headers) -> str:
                 "(it lets clients make the server read a folder they name)")
     if e.status_code == 404 and e.detail == "Not Found":
         return (f"no route {asked}: the OpenAI routes are under /v1 (POST /v1/completions, POST "
-                "/v1/chat/completions, GET /v1/models), beside GET /health, GET /metrics, POST /tokenize, POST "
+                "/v1/chat/completions, POST /v1/responses, GET /v1/models), beside GET /health, GET /metrics, POST /tokenize, POST "
                 "/detokenize and GET /version")
     if e.status_code == 405 and e.detail == "Method Not Allowed":
         allow = (headers or {}).get("Allow") or (headers or {}).get("allow")
@@ -475,6 +476,7 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         return server.model_cards()[0]  # the model as given on the command line (a path): the base
 
     add_adapter_routes(app, server)
+    add_responses_routes(app, server)
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers and probes often send HEAD
     async def health():

@@ -19,7 +19,7 @@ PARSE_THREADS = 2  # a big body does not hold up small ones; few enough that bod
 def parse_body(raw: bytes, chat: bool, tokenizer, limits: BodyLimits, max_tokens: int | None = None,
                defaults: dict | None = None, grammars=None, tool_parser: str | None = None,
                reasoning_parser: str | None = None, trust_template: bool = False,
-               bad_words=None, max_prompts: int | None = None) -> p.GenerationRequest:
+               bad_words=None, max_prompts: int | None = None, convert=None) -> p.GenerationRequest:
     """The whole pipeline for one body (raises ApiError with a 4xx for anything a client can send); a prompt
     certainly longer than `max_tokens` (the context) is refused before it is tokenized; `defaults` fill the sampling
     fields it leaves out. A structured output is compiled here by `grammars` (the engine's GrammarBackend, which
@@ -29,8 +29,12 @@ def parse_body(raw: bytes, chat: bool, tokenizer, limits: BodyLimits, max_tokens
     (and caches them), not on the event loop or the engine's thread, which check and add every choice.
     `max_prompts`: what the server can hold at once (AsyncEngine.capacity: its running slots and --max-queue); a
     completion with more prompts (x n) is refused before its values are
-    walked and its prompts read (an 8 MB body of 1.9 million one-token prompts held a parse thread for a minute)."""
+    walked and its prompts read (an 8 MB body of 1.9 million one-token prompts held a parse thread for a minute).
+    `convert`: turns another endpoint's body into the chat body it runs as (serve/responses.py's to_chat)."""
     body = whole_numbers(load_json(raw, limits.max_json_depth))  # max_tokens 5.0 is 5, as vLLM reads it
+    if convert is not None:
+        check_values(body)
+        body = convert(body)
     if not chat and max_prompts is not None and isinstance(body, dict):
         prompts, n = p.prompt_count(body.get("prompt")), body.get("n")
         n = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= p.MAX_N else 1
@@ -95,12 +99,12 @@ class ParsePool:
         self.max_token_id: int | None = None
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="infer-parse")
 
-    async def parse(self, raw: bytes, chat: bool) -> p.GenerationRequest:
+    async def parse(self, raw: bytes, chat: bool, convert=None) -> p.GenerationRequest:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, parse_body, raw, chat, self.tokenizer, self.limits,
                                           self.max_tokens, self.defaults, self.grammars, self.tool_parser,
                                           self.reasoning_parser, self.trust_template, self.bad_words,
-                                          self.max_prompts)
+                                          self.max_prompts, convert)
 
     async def tokenize(self, raw: bytes, max_model_len: int) -> tuple[str | None, dict]:
         loop = asyncio.get_running_loop()

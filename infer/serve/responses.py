@@ -1,0 +1,521 @@
+"""OpenAI's Responses API, `POST /v1/responses`, as vLLM serves it: a Responses body is turned into the chat body
+/v1/chat/completions would get for it (`to_chat`), parsed, checked and run exactly as that chat request (the same
+template, tools, reasoning split, structured outputs, LoRA, limits and metrics), and its reply is written back as a
+Responses object, whole or as OpenAI's typed stream events.
+
+- `input`: a string (one user message) or a list of items: messages ({"role", "content": str | [{"type":
+  "input_text" | "output_text", "text"}]}, with or without "type": "message"; "developer" is a system message),
+  "function_call" items (an assistant turn's tool_calls), "function_call_output" items (tool messages) and
+  "reasoning" items (the next assistant turn's reasoning). `instructions`: a system message first.
+- `max_output_tokens` is chat's max_tokens, `text.format` its response_format, `reasoning.effort` its
+  reasoning_effort; function tools come in the Responses shape ({"type": "function", "name", "parameters"}), and
+  tool_choice {"type": "function", "name"}. vLLM's extra sampling fields are taken as chat takes them.
+- the reply: a "reasoning" output item (with --reasoning-parser), a "message" item, then one "function_call" item per
+  call; status "incomplete" (incomplete_details.reason "max_output_tokens") when the reply was cut at its length.
+- infer keeps no responses (as vLLM without its response store): `store` is taken and nothing is stored;
+  previous_response_id, conversation, background and GET /v1/responses/{id} are refused with why, and so are
+  built-in tools (web_search...) and input other than text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from . import protocol as p
+from .body import ClientGone, SafeJSONResponse, read_body
+from .reasoning import parts as reasoning_parts, split as reasoning_split
+from .tools import split as split_tools, visible
+
+log = logging.getLogger("infer.serve")
+
+# the Responses fields that become a chat field of another name, for the errors the chat parsing gives
+_PARAM_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+                "response_format": "text", "reasoning_effort": "reasoning"}
+# vLLM's extra sampling and template fields, taken as /v1/chat/completions takes them
+_PASSED = {"temperature", "top_p", "seed", "user", "metadata", "stream", "model", "parallel_tool_calls", "top_k",
+           "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "stop_token_ids",
+           "ignore_eos", "min_tokens", "logit_bias", "allowed_token_ids", "include_stop_str_in_output",
+           "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens", "bad_words",
+           "cache_salt", "priority", "request_id", "chat_template", "chat_template_kwargs", "structured_outputs",
+           "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+           "guided_whitespace_pattern", "include_reasoning", "return_token_ids", "max_length", "length_penalty",
+           "documents", "vllm_xargs", "kv_transfer_params", "mm_processor_kwargs"}
+# Responses fields that change nothing in a reply here (echoed where OpenAI echoes them)
+_TAKEN = {"input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "reasoning", "store",
+          "include", "truncation", "service_tier", "prompt_cache_key", "safety_identifier", "stream_options",
+          "top_logprobs", "previous_response_id", "background", "conversation", "prompt", "max_tool_calls"}
+# chat fields a client may send here by mistake: a 400 naming the Responses field (else silently another reply)
+_CHAT_ONLY = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+              "response_format": "text.format", "reasoning_effort": "reasoning.effort", "logprobs": "top_logprobs",
+              "tools[].function": "tools"}
+NOT_STORED = ("infer keeps no responses (as vLLM without its response store): send the whole conversation in "
+              "`input` instead")
+
+
+def _bad(message: str, param: str | None, code: str | None = None) -> p.ApiError:
+    return p.ApiError(400, message, param=param, code=code)
+
+
+def renamed(e: p.ApiError) -> p.ApiError:
+    """A chat parsing error in the words of the Responses field the client sent."""
+    param = _PARAM_NAMES.get(e.param, e.param)
+    message = e.message
+    for chat, ours in (("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"),
+                       ("response_format", "text.format")):
+        message = message.replace(chat, ours)
+    return p.ApiError(e.status, message, param=param, code=e.code, type=e.type, headers=e.headers)
+
+
+def _text_parts(content: Any, where: str, param: str = "input") -> list[dict] | str:
+    """A message's content: a string, or its text parts as chat's {"type": "text"} parts."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(f"{where}.content must be a string or a list of input_text parts, got {type(content).__name__}",
+                   param)
+    out = []
+    for k, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+        elif kind in ("input_image", "input_file", "input_audio"):
+            raise _bad(f"{where}.content[{k}] is {kind}: infer serves text models, only input_text is taken", param)
+        else:
+            raise _bad(f"{where}.content[{k}] must be {{\"type\": \"input_text\", \"text\": ...}}", param)
+    return out
+
+
+def _messages(body: dict) -> list[dict]:
+    """`instructions` and `input` as chat messages."""
+    messages: list[dict] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise _bad("instructions must be a string", "instructions")
+        messages.append({"role": "system", "content": instructions})
+    given = body.get("input")
+    if given is None:
+        raise _bad("missing required field 'input' (a string, or a list of message items)", "input")
+    if isinstance(given, str):
+        return [*messages, {"role": "user", "content": given}]
+    if not isinstance(given, list) or not given:
+        got = "an empty list" if isinstance(given, list) else f"a {type(given).__name__}"
+        raise _bad(f"input must be a string or a non-empty list of items, got {got}", "input")
+    thought = None  # a reasoning item's text: the next assistant turn's
+    for i, item in enumerate(given):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise _bad(f"{where} must be an object (a message or a function_call / function_call_output item)",
+                       "input")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise _bad(f"{where}.role must be user, system, developer or assistant, got {role!r}", "input")
+            m = {"role": "system" if role == "developer" else role,
+                 "content": _text_parts(item.get("content"), where)}
+            if role == "assistant" and thought is not None:
+                m["reasoning"], thought = thought, None
+            messages.append(m)
+        elif kind == "function_call":
+            call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
+            if not (isinstance(call_id, str) and isinstance(name, str) and isinstance(arguments, str)):
+                raise _bad(f"{where}: a function_call item needs string call_id, name and arguments", "input")
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and thought is None:  # the same turn's calls
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                m = {"role": "assistant", "content": "", "tool_calls": [call]}
+                if thought is not None:
+                    m["reasoning"], thought = thought, None
+                messages.append(m)
+        elif kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str):
+                raise _bad(f"{where}: a function_call_output item needs a string call_id", "input")
+            output = _text_parts(output, where)
+            if isinstance(output, list):
+                output = "".join(part["text"] for part in output)
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+        elif kind == "reasoning":
+            texts = [c.get("text") for c in (item.get("content") or []) if isinstance(c, dict)]
+            thought = "".join(t for t in texts if isinstance(t, str))
+        elif kind == "item_reference":
+            raise _bad(f"{where} is an item_reference: {NOT_STORED}", "input")
+        else:
+            raise _bad(f"{where} has type {kind!r}: infer takes message, function_call, function_call_output and "
+                       "reasoning items", "input")
+    return messages
+
+
+def _tools(body: dict, chat: dict) -> None:
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise _bad("tools must be a list of {\"type\": \"function\", \"name\": ..., \"parameters\": {...}}",
+                       "tools")
+        out = []
+        for i, tool in enumerate(tools):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind != "function":
+                raise _bad(f"tools[{i}] has type {kind!r}: built-in tools (web_search, file_search, "
+                           "code_interpreter, mcp...) are not supported; infer serves function tools only", "tools")
+            if "function" in tool and "name" not in tool:
+                raise _bad(f"tools[{i}] is in the chat completions shape; the Responses API's is {{\"type\": "
+                           "\"function\", \"name\": ..., \"parameters\": {...}}", "tools")
+            fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+            out.append({"type": "function", "function": fn})
+        chat["tools"] = out
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise _bad("tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"name\": "
+                       f"...}}; got {json.dumps(choice)[:80]} (built-in tools are not supported)", "tool_choice")
+        chat["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+    elif choice is not None:
+        chat["tool_choice"] = choice
+
+
+def _text_format(body: dict, chat: dict) -> None:
+    text = body.get("text")
+    if text is None:
+        return
+    if not isinstance(text, dict):
+        raise _bad("text must be an object, e.g. {\"format\": {\"type\": \"json_object\"}}", "text")
+    fmt = text.get("format")
+    if fmt is None:
+        return
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return
+    if kind == "json_object":
+        chat["response_format"] = {"type": "json_object"}
+    elif kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise _bad("text.format.schema must be a JSON schema object", "text")
+        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if fmt.get(k) is not None}
+        chat["response_format"] = {"type": "json_schema", "json_schema": schema}
+    else:
+        raise _bad(f"text.format.type must be text, json_object or json_schema, got {kind!r}", "text")
+
+
+def to_chat(body: Any) -> dict:
+    """The chat body /v1/chat/completions would run for this Responses body (ApiError 400 for what is not taken)."""
+    if not isinstance(body, dict):
+        raise _bad(f"the request body must be a JSON object, got {type(body).__name__}", None)
+    if body.get("previous_response_id") is not None:
+        raise _bad(f"previous_response_id is not supported: {NOT_STORED}", "previous_response_id",
+                   "previous_response_not_found")
+    if body.get("conversation") is not None:
+        raise _bad(f"conversation is not supported: {NOT_STORED}", "conversation")
+    if body.get("prompt") is not None:
+        raise _bad("prompt (a stored prompt template) is not supported: send the text in instructions and input",
+                   "prompt")
+    if body.get("background") not in (None, False):
+        raise _bad("background is not supported: infer keeps no responses to poll; send the request with stream "
+                   "true, or wait for its reply", "background")
+    if body.get("store") is not None and not isinstance(body["store"], bool):
+        raise _bad("store must be true or false", "store")
+    if body.get("truncation") not in (None, "disabled"):
+        raise _bad("truncation 'auto' is not supported: a conversation longer than the context is refused (use "
+                   "truncate_prompt_tokens to keep its end)", "truncation")
+    top = body.get("top_logprobs")
+    if top not in (None, 0):
+        raise _bad("top_logprobs is not supported on /v1/responses (use /v1/chat/completions)", "top_logprobs")
+    for name, ours in _CHAT_ONLY.items():
+        if name in body and body[name] is not None:
+            raise _bad(f"{name} is a chat completions field; the Responses API's is {ours}", name)
+    reasoning = body.get("reasoning")
+    if reasoning is not None and not isinstance(reasoning, dict):
+        raise _bad("reasoning must be an object, e.g. {\"effort\": \"low\"}", "reasoning")
+    chat = {k: v for k, v in body.items() if k in _PASSED}
+    chat["messages"] = _messages(body)
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = body["max_output_tokens"]
+    if reasoning and reasoning.get("effort") is not None:
+        chat["reasoning_effort"] = reasoning["effort"]
+    _tools(body, chat)
+    _text_format(body, chat)
+    ignored = sorted(k for k in body if k not in _PASSED | _TAKEN)
+    if ignored:  # as vLLM's log line
+        log.warning("the following fields were present in the request but ignored: %s", ", ".join(ignored))
+    return chat
+
+
+# ---------------------------------------------------------------------------------------------- the reply
+def _ids(kind: str) -> str:
+    return f"{kind}_{uuid.uuid4().hex}"
+
+
+class Reply:
+    """What a Responses object holds but its output: the request's echoed fields, its id and its usage."""
+
+    def __init__(self, body: dict, req: p.GenerationRequest, rid: str, model: str, tokenizer):
+        self.body, self.req, self.rid, self.model, self.tokenizer = body, req, rid, model, tokenizer
+        self.created = time.time()
+        self.ids = {"msg": _ids("msg"), "rs": _ids("rs")}
+        self.usage = None
+
+    def envelope(self, status: str, output: list[dict]) -> dict:
+        b, params = self.body, self.req.params
+        out = {"id": self.rid, "object": "response", "created_at": int(self.created), "status": status,
+               "background": False, "error": None,
+               "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+               "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
+               "max_tool_calls": b.get("max_tool_calls"), "metadata": b.get("metadata") or {}, "model": self.model,
+               "output": output, "parallel_tool_calls": b.get("parallel_tool_calls") is not False,
+               "previous_response_id": None, "prompt_cache_key": b.get("prompt_cache_key"),
+               "reasoning": {"effort": (b.get("reasoning") or {}).get("effort"),
+                             "summary": (b.get("reasoning") or {}).get("summary")},
+               "safety_identifier": b.get("safety_identifier"), "service_tier": b.get("service_tier") or "auto",
+               "store": b.get("store") is not False, "temperature": params.temperature,
+               "text": b.get("text") or {"format": {"type": "text"}},
+               "tool_choice": b.get("tool_choice") or ("auto" if b.get("tools") else "none"),
+               "tools": b.get("tools") or [], "top_logprobs": b.get("top_logprobs") or 0, "top_p": params.top_p,
+               "truncation": b.get("truncation") or "disabled", "usage": self.usage, "user": b.get("user")}
+        return out
+
+    def count(self, prompt_n: int, output_n: int, cached: int, reasoning: str | None) -> None:
+        thought = len(self.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+        self.usage = {"input_tokens": prompt_n, "input_tokens_details": {"cached_tokens": cached},
+                      "output_tokens": output_n, "output_tokens_details": {"reasoning_tokens": min(thought, output_n)},
+                      "total_tokens": prompt_n + output_n}
+
+    def reasoning_item(self, text: str, status: str = "completed") -> dict:
+        return {"type": "reasoning", "id": self.ids["rs"], "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}], "encrypted_content": None, "status": status}
+
+    def message_item(self, text: str, status: str = "completed") -> dict:
+        content = [] if status == "in_progress" else [_output_text(text)]
+        return {"type": "message", "id": self.ids["msg"], "status": status, "role": "assistant", "content": content}
+
+    def output(self, reasoning: str | None, content: str | None, calls: list[dict] | None, status: str) -> list:
+        out = []
+        if reasoning:  # (none: a reply that wrote no reasoning, as a stream sends no reasoning item for it)
+            out.append(self.reasoning_item(reasoning))
+        if content or not calls:
+            out.append(self.message_item(content or "", status))
+        out += [_call_item(c) for c in calls or []]
+        return out
+
+
+def _output_text(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _call_item(call: dict, status: str = "completed") -> dict:
+    fn = call["function"]
+    return {"type": "function_call", "id": "fc_" + call["id"].rsplit("-", 1)[-1], "call_id": call["id"],
+            "name": fn["name"], "arguments": fn["arguments"], "status": status}
+
+
+def _status(out) -> str:
+    return "incomplete" if p.finish_reason(out) == "length" else "completed"
+
+
+def _parts(req: p.GenerationRequest, text: str) -> tuple[str | None, str | None, list[dict] | None]:
+    """(reasoning, content, calls) of a finished reply, as the chat message has them."""
+    thought = None
+    if req.reasoning is not None:
+        thought, text = reasoning_split(req.reasoning, text)
+        if not req.reasoning.include:
+            thought = None
+    calls = None
+    if req.tools is not None and text is not None:
+        text, calls = split_tools(req.tools, text)
+    return thought, text, calls
+
+
+async def _whole(server, req, reply: Reply, queue, ids, request, arrival):
+    from .app import _ClientGone, _error  # noqa: PLC0415 (the chat route's helpers; app.py imports this module)
+    final = None
+    try:
+        async with aclosing(server.outputs(queue, ids, request, arrival)) as outs:
+            async for _, out in outs:
+                if out.finished:
+                    if out.finish_reason in ("error", "abort"):
+                        raise _error(out)
+                    final = out
+    except _ClientGone:
+        return SafeJSONResponse({}, status_code=499)  # nobody reads it
+    thought, content, calls = _parts(req, final.text)
+    status = "completed" if calls else _status(final)
+    reply.count(len(final.prompt_token_ids), final.num_generated, final.num_cached_tokens, thought)
+    return SafeJSONResponse(reply.envelope(status, reply.output(thought, content, calls, status)))
+
+
+def _sse(event: dict) -> str:
+    from .app import _dumps  # noqa: PLC0415
+    return f"event: {event['type']}\ndata: {_dumps(event)}\n\n"
+
+
+async def _stream(server, req, reply: Reply, queue, ids, arrival):
+    """OpenAI's typed events; an error once the stream started is an `error` event, as OpenAI ends such a stream."""
+    seq = 0
+
+    def event(kind: str, **fields) -> str:
+        nonlocal seq
+        seq += 1
+        return _sse({"type": kind, **fields, "sequence_number": seq - 1})
+
+    try:
+        async with aclosing(_events(server, req, reply, queue, ids, arrival, event)) as events:
+            async for chunk in events:
+                yield chunk
+    except p.ApiError as e:
+        yield event("error", code=e.code or e.type, message=e.message, param=e.param)
+    except Exception as e:  # noqa: BLE001 (a bug of the server: the client is told, not left with a cut stream)
+        log.exception("unhandled error in the stream %s", reply.rid)
+        yield event("error", code="server_error", message=f"{type(e).__name__}: {e}", param=None)
+
+
+async def _events(server, req, reply: Reply, queue, ids, arrival, event):
+    from .app import _error  # noqa: PLC0415
+    yield event("response.created", response=reply.envelope("in_progress", []))
+    yield event("response.in_progress", response=reply.envelope("in_progress", []))
+    index = 0  # the next output item's
+    open_item = None  # "rs" or "msg": the item whose text is streaming
+    thought_sent = text_sent = ""
+    thought_done = req.reasoning is None or not req.reasoning.include
+
+    def start(kind: str):
+        item = reply.reasoning_item("", "in_progress") if kind == "rs" else reply.message_item("", "in_progress")
+        if kind == "rs":
+            item["content"] = []
+        part = {"type": "reasoning_text", "text": ""} if kind == "rs" else _output_text("")
+        return [event("response.output_item.added", output_index=index, item=item),
+                event("response.content_part.added", item_id=reply.ids[kind], output_index=index, content_index=0,
+                      part=part)]
+
+    def finish(kind: str, text: str):
+        done = "response.reasoning_text.done" if kind == "rs" else "response.output_text.done"
+        extra = {} if kind == "rs" else {"logprobs": []}
+        part = {"type": "reasoning_text", "text": text} if kind == "rs" else _output_text(text)
+        item = reply.reasoning_item(text) if kind == "rs" else reply.message_item(text, status)
+        return [event(done, item_id=reply.ids[kind], output_index=index, content_index=0, text=text, **extra),
+                event("response.content_part.done", item_id=reply.ids[kind], output_index=index, content_index=0,
+                      part=part),
+                event("response.output_item.done", output_index=index, item=item)]
+
+    status = "completed"
+    async with aclosing(server.outputs(queue, ids, None, arrival)) as outs:
+        async for _, out in outs:
+            if out.finished and out.finish_reason in ("error", "abort"):
+                raise _error(out)
+            if out.finished:  # as the whole response reads it (the same calls, ids included)
+                final = _parts(req, out.text)
+                thought, text, calls = final[0] or "", final[1] or "", final[2]
+                status = "completed" if calls else _status(out)
+            else:
+                text, thought = out.text, ""
+                if req.reasoning is not None:
+                    thought, text = reasoning_parts(req.reasoning, out.text, False)
+                if req.tools is not None and req.tools.mode != "none":
+                    text = visible(req.tools, text) if req.tools.mode == "auto" else ""
+            if not thought_done and thought and len(thought) > len(thought_sent):
+                if open_item is None:
+                    open_item = "rs"
+                    for e in start("rs"):
+                        yield e
+                yield event("response.reasoning_text.delta", item_id=reply.ids["rs"], output_index=index,
+                            content_index=0, delta=thought[len(thought_sent):])
+                thought_sent = thought
+            if open_item == "rs" and (text or out.finished):  # the answer starts: the reasoning is whole
+                for e in finish("rs", thought_sent):
+                    yield e
+                open_item, index, thought_done = None, index + 1, True
+            if text and len(text) > len(text_sent):
+                if open_item is None:
+                    open_item = "msg"
+                    for e in start("msg"):
+                        yield e
+                yield event("response.output_text.delta", item_id=reply.ids["msg"], output_index=index,
+                            content_index=0, delta=text[len(text_sent):], logprobs=[])
+                text_sent = text
+            if not out.finished:
+                continue
+            if open_item is None and not calls:  # an empty reply: its message all the same
+                open_item = "msg"
+                for e in start("msg"):
+                    yield e
+            if open_item == "msg":
+                for e in finish("msg", text_sent):
+                    yield e
+                index += 1
+            for call in calls or []:
+                item = _call_item(call)
+                yield event("response.output_item.added", output_index=index, item={**item, "arguments": "",
+                                                                                     "status": "in_progress"})
+                yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                            delta=item["arguments"])
+                yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                            name=item["name"], arguments=item["arguments"])
+                yield event("response.output_item.done", output_index=index, item=item)
+                index += 1
+            reply.count(len(out.prompt_token_ids), out.num_generated, out.num_cached_tokens, final[0])
+            whole = reply.envelope(status, reply.output(*final, status))
+            yield event("response.completed" if status == "completed" else "response.incomplete", response=whole)
+
+
+async def create(server, request: Request):
+    """POST /v1/responses."""
+    server.check_auth(request)
+    arrival = time.monotonic()
+    try:
+        raw = await read_body(request, server.limits.max_body_size)
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads it
+    sent: dict = {}
+
+    def convert(body):
+        sent.update(body if isinstance(body, dict) else {})
+        return to_chat(body)
+
+    try:
+        req = await server.parser.parse(raw, True, convert)
+        del raw
+        lora = server.lora_for(req.model)
+        p.check_context(req, server.engine.max_model_len)
+    except p.ApiError as e:
+        raise renamed(e) from e
+    model = req.model or server.model_id
+    base = request.headers.get("x-request-id") or req.request_id
+    reply = Reply(sent, req, "resp_" + (base or uuid.uuid4().hex), model, server.tokenizer)
+    queue, ids = server.submit(req, lora, _ids("resp"))
+    if req.stream:
+        return StreamingResponse(_stream(server, req, reply, queue, ids, arrival), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return await _whole(server, req, reply, queue, ids, request, arrival)
+
+
+def add_routes(app, server) -> None:
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await create(server, request)
+
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    async def stored(request: Request, response_id: str):
+        server.check_auth(request)
+        raise p.ApiError(404, f"no response {response_id!r}: {NOT_STORED}", param="response_id",
+                         code="response_not_found")
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel(request: Request, response_id: str):
+        server.check_auth(request)
+        raise p.ApiError(404, f"no response {response_id!r}: {NOT_STORED} (background responses are not "
+                              "supported)", param="response_id", code="response_not_found")
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(request: Request, response_id: str):
+        server.check_auth(request)
+        raise p.ApiError(404, f"no response {response_id!r}: {NOT_STORED}", param="response_id",
+                         code="response_not_found")
