@@ -336,8 +336,8 @@ def _routing_message(request: Request, e, headers) -> str:
                 "(it lets clients make the server read a folder they name)")
     if e.status_code == 404 and e.detail == "Not Found":
         return (f"no route {asked}: the OpenAI routes are under /v1 (POST /v1/completions, POST "
-                "/v1/chat/completions, POST /v1/responses, GET /v1/models), beside GET /health, GET /metrics, POST /tokenize, POST "
-                "/detokenize and GET /version")
+                "/v1/chat/completions, POST /v1/responses, GET /v1/models), beside GET /health, GET /metrics, POST "
+                "/tokenize, POST /detokenize and GET /version")
     if e.status_code == 405 and e.detail == "Method Not Allowed":
         allow = (headers or {}).get("Allow") or (headers or {}).get("allow")
         return f"{asked} is not allowed" + (f": use {allow}" if allow else "")

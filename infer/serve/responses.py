@@ -66,6 +66,8 @@ def _bad(message: str, param: str | None, code: str | None = None) -> p.ApiError
 
 def renamed(e: p.ApiError) -> p.ApiError:
     """A chat parsing error in the words of the Responses field the client sent."""
+    if e.code == "unknown_parameter":  # a chat field sent here: named as sent
+        return e
     param = _PARAM_NAMES.get(e.param, e.param)
     message = e.message
     for chat, ours in (("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"),
@@ -233,7 +235,8 @@ def to_chat(body: Any) -> dict:
         raise _bad("top_logprobs is not supported on /v1/responses (use /v1/chat/completions)", "top_logprobs")
     for name, ours in _CHAT_ONLY.items():
         if name in body and body[name] is not None:
-            raise _bad(f"{name} is a chat completions field; the Responses API's is {ours}", name)
+            raise _bad(f"{name} is a chat completions field; the Responses API's is {ours}", name,
+                       "unknown_parameter")
     reasoning = body.get("reasoning")
     if reasoning is not None and not isinstance(reasoning, dict):
         raise _bad("reasoning must be an object, e.g. {\"effort\": \"low\"}", "reasoning")
