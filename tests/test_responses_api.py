@@ -258,6 +258,42 @@ def test_function_call_items_reach_the_template_as_the_chat_messages(served):
     assert to_chat({"input": items, "tools": TOOLS})["messages"] == messages
 
 
+def test_the_sdk_sends_a_replys_output_items_back_with_the_call_outputs(served):
+    """The SDK's tool loop: the reply's items, then a function_call_output, as the next request's input."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key="none")
+    first = client.responses.create(model="tiny-resp", input=[{"role": "user", "content": "weather?"}], tools=TOOLS,
+                                    max_output_tokens=80, temperature=0, extra_body={"guided_regex": FORCED})
+    (call,) = [o for o in first.output if o.type == "function_call"]
+    sent = [{"role": "user", "content": "weather?"}, *[o.model_dump(exclude_none=True) for o in first.output],
+            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
+    second = client.responses.create(model="tiny-resp", input=sent, tools=TOOLS, max_output_tokens=4,
+                                     temperature=0, extra_body={"ignore_eos": True, "tool_choice": "none"})
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": "Sure.", "tool_calls": [
+                    {"id": call.call_id, "type": "function", "function": {"name": call.name,
+                                                                          "arguments": call.arguments}}]},
+                {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}]
+    chat = _chat(served, messages, tools=CHAT_TOOLS, tool_choice="none", ignore_eos=True, max_tokens=4)
+    assert second.usage.input_tokens == chat["usage"]["prompt_tokens"]
+    assert second.output_text == chat["choices"][0]["message"]["content"]
+
+
+def test_an_engine_failure_is_a_500_or_an_error_event(served, monkeypatch):
+    from infer.engine.model_runner import ModelRunner
+
+    def run(self, batch):
+        raise RuntimeError("simulated kernel failure")
+    monkeypatch.setattr(ModelRunner, "run", run)
+    r = _resp(served, input="hi")
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    events = _events(served, input="hi")
+    assert events[-1][0] == "error" and events[-1][1]["code"] == "engine_error"
+    assert "simulated kernel failure" in events[-1][1]["message"]
+    monkeypatch.undo()
+    assert _resp(served, input="hi", max_output_tokens=2).status_code == 200
+
+
 # ------------------------------------------------------------------------------------------- reasoning
 def test_reasoning_is_an_output_item_before_the_message(model):
     engine = LLMEngine(EngineConfig(model, block_size=4, max_num_seqs=2, max_model_len=MAX_LEN))
@@ -301,6 +337,16 @@ def test_reasoning_is_an_output_item_before_the_message(model):
     ({"text": {"format": {"type": "xml"}}}, "text", "json_schema"),
     ({"temperature": "hot"}, "temperature", "temperature"),
     ({"tool_choice": "required"}, "tool_choice", "no tools"),
+    ({"n": 2}, "n", "one reply"),
+    ({"metadata": "x"}, "metadata", "string values"),
+    ({"metadata": {"k": 1}}, "metadata", "string values"),
+    ({"user": 5}, "user", "string"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": None}]}, "input", "input[0].output"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input", "call_id, name and arguments"),
+    ({"input": [{"type": "computer_call"}]}, "input", "'computer_call'"),
+    ({"reasoning": {"effort": "bogus"}}, "reasoning", "reasoning.effort must be one of"),
+    ({"top_logprobs": 3}, "top_logprobs", "top_logprobs"),
+    ({"truncation": "auto"}, "truncation", "truncation"),
 ])
 def test_what_is_not_taken_is_a_400_naming_it(served, body, param, words):
     r = httpx.post(f"{served}/v1/responses", json={"input": "hi", **body}, timeout=60)

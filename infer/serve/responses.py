@@ -71,27 +71,27 @@ def renamed(e: p.ApiError) -> p.ApiError:
     param = _PARAM_NAMES.get(e.param, e.param)
     message = e.message
     for chat, ours in (("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"),
-                       ("response_format", "text.format")):
+                       ("response_format", "text.format"), ("reasoning_effort", "reasoning.effort")):
         message = message.replace(chat, ours)
     return p.ApiError(e.status, message, param=param, code=e.code, type=e.type, headers=e.headers)
 
 
 def _text_parts(content: Any, where: str, param: str = "input") -> list[dict] | str:
-    """A message's content: a string, or its text parts as chat's {"type": "text"} parts."""
+    """A message's content (`where`: "input[i].content", or a function_call_output's "input[i].output"): a string, or
+    its text parts as chat's {"type": "text"} parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _bad(f"{where}.content must be a string or a list of input_text parts, got {type(content).__name__}",
-                   param)
+        raise _bad(f"{where} must be a string or a list of input_text parts, got {type(content).__name__}", param)
     out = []
     for k, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
             out.append({"type": "text", "text": part["text"]})
         elif kind in ("input_image", "input_file", "input_audio"):
-            raise _bad(f"{where}.content[{k}] is {kind}: infer serves text models, only input_text is taken", param)
+            raise _bad(f"{where}[{k}] is {kind}: infer serves text models, only input_text is taken", param)
         else:
-            raise _bad(f"{where}.content[{k}] must be {{\"type\": \"input_text\", \"text\": ...}}", param)
+            raise _bad(f"{where}[{k}] must be {{\"type\": \"input_text\", \"text\": ...}}", param)
     return out
 
 
@@ -123,7 +123,7 @@ def _messages(body: dict) -> list[dict]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise _bad(f"{where}.role must be user, system, developer or assistant, got {role!r}", "input")
             m = {"role": "system" if role == "developer" else role,
-                 "content": _text_parts(item.get("content"), where)}
+                 "content": _text_parts(item.get("content"), f"{where}.content")}
             if role == "assistant" and thought is not None:
                 m["reasoning"], thought = thought, None
             messages.append(m)
@@ -144,7 +144,7 @@ def _messages(body: dict) -> list[dict]:
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
                 raise _bad(f"{where}: a function_call_output item needs a string call_id", "input")
-            output = _text_parts(output, where)
+            output = _text_parts(output, f"{where}.output")
             if isinstance(output, list):
                 output = "".join(part["text"] for part in output)
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
@@ -237,6 +237,17 @@ def to_chat(body: Any) -> dict:
         if name in body and body[name] is not None:
             raise _bad(f"{name} is a chat completions field; the Responses API's is {ours}", name,
                        "unknown_parameter")
+    if body.get("n") not in (None, 1):
+        raise _bad("n is not a Responses API field: a response has one reply (send one request per reply)", "n",
+                   "unknown_parameter")
+    metadata = body.get("metadata")
+    if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+            for k, v in metadata.items())):
+        raise _bad("metadata must be an object of at most 16 string values (keys up to 64 characters, values up "
+                   "to 512), as OpenAI's", "metadata")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise _bad("user must be a string", "user")
     reasoning = body.get("reasoning")
     if reasoning is not None and not isinstance(reasoning, dict):
         raise _bad("reasoning must be an object, e.g. {\"effort\": \"low\"}", "reasoning")
