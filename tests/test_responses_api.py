@@ -114,6 +114,22 @@ def test_input_and_instructions_run_as_the_chat_completion_of_the_same_messages(
     assert _text(r2.json()) == _text(body) and r2.json()["usage"]["input_tokens"] == body["usage"]["input_tokens"]
 
 
+def test_an_incomplete_assistant_message_last_is_continued(served):
+    first = _resp(served, input="tell", max_output_tokens=3, ignore_eos=True).json()
+    assert first["status"] == "incomplete"
+    more = _resp(served, input=[{"role": "user", "content": "tell"}, *first["output"]], ignore_eos=True).json()
+    chat = _chat(served, [{"role": "user", "content": "tell"}, {"role": "assistant", "content": _text(first)}],
+                 continue_final_message=True, add_generation_prompt=False, ignore_eos=True)
+    assert _text(more) == chat["choices"][0]["message"]["content"]
+    assert more["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+    # a completed one is a turn of its own: the reply is the next assistant turn
+    done = [{"role": "user", "content": "tell"}, {**first["output"][0], "status": "completed"}]
+    chat = _chat(served, [{"role": "user", "content": "tell"}, {"role": "assistant", "content": _text(first)}],
+                 ignore_eos=True)
+    assert _resp(served, input=done, ignore_eos=True).json()["usage"]["input_tokens"] == chat["usage"][
+        "prompt_tokens"]
+
+
 def test_the_response_object_has_openais_fields(served):
     r = _resp(served, input="hi", max_output_tokens=4, ignore_eos=True, top_p=0.5, seed=3, user="u1",
               metadata={"k": "v"}, store=True, instructions="sys")

@@ -253,6 +253,12 @@ def to_chat(body: Any) -> dict:
         raise _bad("reasoning must be an object, e.g. {\"effort\": \"low\"}", "reasoning")
     chat = {k: v for k, v in body.items() if k in _PASSED}
     chat["messages"] = _messages(body)
+    last = body["input"][-1] if isinstance(body["input"], list) else {}
+    if last.get("type", "message") == "message" and last.get("role") == "assistant" and \
+            last.get("status") in ("in_progress", "incomplete"):
+        # an incomplete assistant message last (a reply cut at max_output_tokens, sent back): the reply continues
+        # it, as vLLM continues a partial final message
+        chat.update(continue_final_message=True, add_generation_prompt=False)
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     if reasoning and reasoning.get("effort") is not None:
