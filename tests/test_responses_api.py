@@ -182,6 +182,20 @@ def test_a_stream_sends_openais_typed_events_in_order(served):
     assert _events(served, input="hi", guided_regex="ok", max_output_tokens=20)[-1][0] == "response.completed"
 
 
+def test_logprobs_come_as_chats_when_included(served):
+    include = ["message.output_text.logprobs"]
+    r = _resp(served, input="hi", include=include, top_logprobs=2, ignore_eos=True).json()
+    chat = _chat(served, [{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=2, ignore_eos=True)
+    lp = r["output"][0]["content"][0]["logprobs"]
+    assert lp == chat["choices"][0]["logprobs"]["content"] and len(lp) == 8 and len(lp[0]["top_logprobs"]) == 2
+    assert _resp(served, input="hi", top_logprobs=2).json()["output"][0]["content"][0]["logprobs"] == []  # as vLLM
+    events = _events(served, input="hi", include=include, top_logprobs=2, ignore_eos=True)
+    streamed = [x for _, d in events if d["type"] == "response.output_text.delta" for x in d["logprobs"]]
+    done = [d for _, d in events if d["type"] == "response.output_text.done"][0]
+    assert done["logprobs"] == lp and [x["token"] for x in streamed] == [x["token"] for x in lp]
+    assert events[-1][1]["response"]["output"][0]["content"][0]["logprobs"] == lp
+
+
 def test_the_openai_sdk_reads_it_whole_and_streamed(served):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{served}/v1", api_key="none")
@@ -361,7 +375,9 @@ def test_reasoning_is_an_output_item_before_the_message(model):
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input", "call_id, name and arguments"),
     ({"input": [{"type": "computer_call"}]}, "input", "'computer_call'"),
     ({"reasoning": {"effort": "bogus"}}, "reasoning", "reasoning.effort must be one of"),
-    ({"top_logprobs": 3}, "top_logprobs", "top_logprobs"),
+    ({"top_logprobs": 30}, "top_logprobs", "0..20"),
+    ({"top_logprobs": 30, "include": ["message.output_text.logprobs"]}, "top_logprobs", "0..20"),
+    ({"include": "message.output_text.logprobs"}, "include", "list of strings"),
     ({"truncation": "auto"}, "truncation", "truncation"),
 ])
 def test_what_is_not_taken_is_a_400_naming_it(served, body, param, words):

@@ -56,6 +56,7 @@ _TAKEN = {"input", "instructions", "max_output_tokens", "tools", "tool_choice", 
 _CHAT_ONLY = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
               "response_format": "text.format", "reasoning_effort": "reasoning.effort", "logprobs": "top_logprobs",
               "tools[].function": "tools"}
+LOGPROBS = "message.output_text.logprobs"  # the `include` value that asks for the reply's logprobs
 NOT_STORED = ("infer keeps no responses (as vLLM without its response store): send the whole conversation in "
               "`input` instead")
 
@@ -230,9 +231,9 @@ def to_chat(body: Any) -> dict:
     if body.get("truncation") not in (None, "disabled"):
         raise _bad("truncation 'auto' is not supported: a conversation longer than the context is refused (use "
                    "truncate_prompt_tokens to keep its end)", "truncation")
-    top = body.get("top_logprobs")
-    if top not in (None, 0):
-        raise _bad("top_logprobs is not supported on /v1/responses (use /v1/chat/completions)", "top_logprobs")
+    include = body.get("include")
+    if include is not None and not (isinstance(include, list) and all(isinstance(x, str) for x in include)):
+        raise _bad("include must be a list of strings, e.g. [\"message.output_text.logprobs\"]", "include")
     for name, ours in _CHAT_ONLY.items():
         if name in body and body[name] is not None:
             raise _bad(f"{name} is a chat completions field; the Responses API's is {ours}", name,
@@ -263,6 +264,12 @@ def to_chat(body: Any) -> dict:
         chat["max_tokens"] = body["max_output_tokens"]
     if reasoning and reasoning.get("effort") is not None:
         chat["reasoning_effort"] = reasoning["effort"]
+    if LOGPROBS in (include or []):  # as vLLM: the reply's logprobs only when included, top_logprobs alternatives
+        chat.update(logprobs=True, top_logprobs=body.get("top_logprobs") or 0)
+    elif body.get("top_logprobs") is not None:
+        top = body["top_logprobs"]
+        if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20:
+            raise _bad(f"top_logprobs must be an integer in 0..20, got {json.dumps(top)[:40]}", "top_logprobs")
     _tools(body, chat)
     _text_format(body, chat)
     ignored = sorted(k for k in body if k not in _PASSED | _TAKEN)
@@ -314,22 +321,28 @@ class Reply:
         return {"type": "reasoning", "id": self.ids["rs"], "summary": [],
                 "content": [{"type": "reasoning_text", "text": text}], "encrypted_content": None, "status": status}
 
-    def message_item(self, text: str, status: str = "completed") -> dict:
-        content = [] if status == "in_progress" else [_output_text(text)]
+    def logprobs(self, records: list[dict] | None) -> list[dict]:
+        """The reply's token records as output_text's logprobs (chat's logprobs content: token, logprob, bytes,
+        top_logprobs)."""
+        return p.chat_logprobs(records, self.tokenizer)["content"] if records else []
+
+    def message_item(self, text: str, status: str = "completed", records: list[dict] | None = None) -> dict:
+        content = [] if status == "in_progress" else [_output_text(text, self.logprobs(records))]
         return {"type": "message", "id": self.ids["msg"], "status": status, "role": "assistant", "content": content}
 
-    def output(self, reasoning: str | None, content: str | None, calls: list[dict] | None, status: str) -> list:
+    def output(self, reasoning: str | None, content: str | None, calls: list[dict] | None, status: str,
+               records: list[dict] | None = None) -> list:
         out = []
         if reasoning:  # (none: a reply that wrote no reasoning, as a stream sends no reasoning item for it)
             out.append(self.reasoning_item(reasoning))
         if content or not calls:
-            out.append(self.message_item(content or "", status))
+            out.append(self.message_item(content or "", status, records))
         out += [_call_item(c) for c in calls or []]
         return out
 
 
-def _output_text(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _output_text(text: str, logprobs: list | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def _call_item(call: dict, status: str = "completed") -> dict:
@@ -370,7 +383,7 @@ async def _whole(server, req, reply: Reply, queue, ids, request, arrival):
     thought, content, calls = _parts(req, final.text)
     status = "completed" if calls else _status(final)
     reply.count(len(final.prompt_token_ids), final.num_generated, final.num_cached_tokens, thought)
-    return SafeJSONResponse(reply.envelope(status, reply.output(thought, content, calls, status)))
+    return SafeJSONResponse(reply.envelope(status, reply.output(thought, content, calls, status, final.logprobs)))
 
 
 def _sse(event: dict) -> str:
@@ -405,6 +418,7 @@ async def _events(server, req, reply: Reply, queue, ids, arrival, event):
     index = 0  # the next output item's
     open_item = None  # "rs" or "msg": the item whose text is streaming
     thought_sent = text_sent = ""
+    lp_sent = 0  # the reply's token records sent in deltas
     thought_done = req.reasoning is None or not req.reasoning.include
 
     def start(kind: str):
@@ -416,11 +430,11 @@ async def _events(server, req, reply: Reply, queue, ids, arrival, event):
                 event("response.content_part.added", item_id=reply.ids[kind], output_index=index, content_index=0,
                       part=part)]
 
-    def finish(kind: str, text: str):
+    def finish(kind: str, text: str, records=None):
         done = "response.reasoning_text.done" if kind == "rs" else "response.output_text.done"
-        extra = {} if kind == "rs" else {"logprobs": []}
-        part = {"type": "reasoning_text", "text": text} if kind == "rs" else _output_text(text)
-        item = reply.reasoning_item(text) if kind == "rs" else reply.message_item(text, status)
+        extra = {} if kind == "rs" else {"logprobs": reply.logprobs(records)}
+        part = {"type": "reasoning_text", "text": text} if kind == "rs" else _output_text(text, extra["logprobs"])
+        item = reply.reasoning_item(text) if kind == "rs" else reply.message_item(text, status, records)
         return [event(done, item_id=reply.ids[kind], output_index=index, content_index=0, text=text, **extra),
                 event("response.content_part.done", item_id=reply.ids[kind], output_index=index, content_index=0,
                       part=part),
@@ -458,8 +472,10 @@ async def _events(server, req, reply: Reply, queue, ids, arrival, event):
                     open_item = "msg"
                     for e in start("msg"):
                         yield e
+                records = (out.logprobs or [])[lp_sent:]  # the tokens since the last delta (its text may lag)
+                lp_sent += len(records)
                 yield event("response.output_text.delta", item_id=reply.ids["msg"], output_index=index,
-                            content_index=0, delta=text[len(text_sent):], logprobs=[])
+                            content_index=0, delta=text[len(text_sent):], logprobs=reply.logprobs(records))
                 text_sent = text
             if not out.finished:
                 continue
@@ -468,7 +484,7 @@ async def _events(server, req, reply: Reply, queue, ids, arrival, event):
                 for e in start("msg"):
                     yield e
             if open_item == "msg":
-                for e in finish("msg", text_sent):
+                for e in finish("msg", text_sent, out.logprobs):
                     yield e
                 index += 1
             for call in calls or []:
@@ -482,7 +498,7 @@ async def _events(server, req, reply: Reply, queue, ids, arrival, event):
                 yield event("response.output_item.done", output_index=index, item=item)
                 index += 1
             reply.count(len(out.prompt_token_ids), out.num_generated, out.num_cached_tokens, final[0])
-            whole = reply.envelope(status, reply.output(*final, status))
+            whole = reply.envelope(status, reply.output(*final, status, out.logprobs))
             yield event("response.completed" if status == "completed" else "response.incomplete", response=whole)
 
 
