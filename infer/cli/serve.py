@@ -132,10 +132,10 @@ def serve(
                                                     rich_help_panel=SERVER)] = False,
     engine: EngineConfig = None,
 ) -> None:
-    """Serve MODEL over an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health,
-    /metrics, vLLM's /tokenize, /detokenize and /version (and, with --allow-runtime-lora, /v1/load_lora_adapter and
-    /v1/unload_lora_adapter). A request's `model` picks a --lora adapter by its NAME (the base id, or none, runs the
-    base).
+    """Serve MODEL over an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models,
+    /health, /metrics, vLLM's /tokenize, /detokenize and /version (and, with --allow-runtime-lora,
+    /v1/load_lora_adapter and /v1/unload_lora_adapter). A request's `model` picks a --lora adapter by its NAME (the
+    base id, or none, runs the base).
 
     Example: infer serve tiny-llama --port 8000 --lora support=./adapters/support
     """
