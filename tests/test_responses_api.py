@@ -368,6 +368,7 @@ def test_reasoning_is_an_output_item_before_the_message(model):
     ({"temperature": "hot"}, "temperature", "temperature"),
     ({"tool_choice": "required"}, "tool_choice", "no tools"),
     ({"n": 2}, "n", "one reply"),
+    ({"input": "word " * 600}, "input", "maximum context length"),
     ({"metadata": "x"}, "metadata", "string values"),
     ({"metadata": {"k": 1}}, "metadata", "string values"),
     ({"user": 5}, "user", "string"),
