@@ -54,8 +54,7 @@ _TAKEN = {"input", "instructions", "max_output_tokens", "tools", "tool_choice", 
           "top_logprobs", "previous_response_id", "background", "conversation", "prompt", "max_tool_calls"}
 # chat fields a client may send here by mistake: a 400 naming the Responses field (else silently another reply)
 _CHAT_ONLY = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
-              "response_format": "text.format", "reasoning_effort": "reasoning.effort", "logprobs": "top_logprobs",
-              "tools[].function": "tools"}
+              "response_format": "text.format", "reasoning_effort": "reasoning.effort", "logprobs": "top_logprobs"}
 LOGPROBS = "message.output_text.logprobs"  # the `include` value that asks for the reply's logprobs
 NOT_STORED = ("infer keeps no responses (as vLLM without its response store): send the whole conversation in "
               "`input` instead")
@@ -306,7 +305,7 @@ class Reply:
                "safety_identifier": b.get("safety_identifier"), "service_tier": b.get("service_tier") or "auto",
                "store": b.get("store") is not False, "temperature": params.temperature,
                "text": b.get("text") or {"format": {"type": "text"}},
-               "tool_choice": b.get("tool_choice") or ("auto" if b.get("tools") else "none"),
+               "tool_choice": b.get("tool_choice") or "auto",
                "tools": b.get("tools") or [], "top_logprobs": b.get("top_logprobs") or 0, "top_p": params.top_p,
                "truncation": b.get("truncation") or "disabled", "usage": self.usage, "user": b.get("user")}
         return out
