@@ -1,0 +1,161 @@
+"""AsyncLLM: vLLM's asyncio engine API, for a program that runs its own event loop (a web app, an agent loop).
+
+    llm = AsyncLLM("tiny-llama", max_model_len=512)
+    async for out in llm.generate("Hello", SamplingParams(max_new_tokens=16), request_id="r1"):
+        print(out.delta_text, end="")
+    llm.shutdown()
+
+One background thread owns the LLMEngine (serve.async_engine.AsyncEngine, the same loop `infer serve` runs), so
+many `generate` calls of one event loop batch together; each yields the request's RequestOutput as its tokens arrive
+(`text` the reply so far, `delta_text` the new text, `finished` on the last). Leaving the `async for` early (break,
+an exception, the task cancelled) aborts the request and frees its KV blocks, as vLLM's does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import numbers
+from dataclasses import replace
+from typing import AsyncIterator
+
+from ..engine.config import EngineConfig
+from ..engine.inputs import encode_prompt
+from ..engine.llm_engine import LLMEngine, prompt_dict, request_inputs, salted_params
+from ..engine.outputs import RequestOutput
+from ..engine.sampling_params import SamplingParams
+from ..errors import ClosedError, RequestError, RequestIdTypeError
+from .async_engine import AsyncEngine
+
+
+class AsyncLLM:
+    """vLLM's AsyncLLM: `AsyncLLM(model, **options)` takes LLM's options (EngineConfig's fields); `generate` is an
+    async generator of RequestOutputs, `abort`, `add_lora`, `remove_lora` and `list_loras` act between two steps of
+    the engine thread, `shutdown()` (or `with` / `async with`) stops it and frees the engine's memory."""
+
+    def __init__(self, model: str, **engine_options):
+        from ..engine.llm import _check_options
+        _check_options(engine_options)
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+        self._loop = AsyncEngine(self.engine)
+        self._loop.start()
+        self._closed = False
+
+    # ------------------------------------------------------------------ requests
+    async def generate(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
+                       *, lora: str | None = None, priority: int = 0, lora_request=None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Run one prompt (text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids} with an optional
+        "cache_salt"), yielding its RequestOutput at every step that changed it; the last has `finished` set (an
+        engine failure ends it with finish_reason "error" and `error`). `request_id` must be unique among the
+        requests in flight (vLLM's third argument; a string). `lora`: a registered adapter's name; `priority` needs
+        scheduling_policy="priority" unless it is 0. One request is one sample (n > 1 is refused: start one
+        generate per sample with `params.sample(j)`). A bad request raises RequestError before anything runs."""
+        self._check_open()
+        if lora_request is not None:
+            raise RequestError("lora_request (vLLM's LoRARequest) is not taken: infer names adapters",
+                               "pass lora=NAME, an adapter of AsyncLLM(..., loras={NAME: PATH}) or of add_lora")
+        if not isinstance(request_id, str):
+            raise RequestIdTypeError(f"request_id must be a string, got {type(request_id).__name__}",
+                                     "give every request its own id, e.g. str(uuid.uuid4())")
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+            raise RequestError(f"priority must be an integer, got {priority!r}"[:200])
+        ids, params = await asyncio.to_thread(self._inputs, prompt, sampling_params)
+        if priority:
+            params = replace(params, priority=int(priority))
+        queue: asyncio.Queue = asyncio.Queue()
+        self._loop.add(request_id, ids, params, lora, queue)
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:  # the caller stopped reading (break, cancel, an error): free the request now
+                self._loop.abort(request_id)
+
+    def _inputs(self, prompt, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids and the request's own checked params (off the event loop: tokenizing a long text
+        takes a while)."""
+        text = None
+        if isinstance(prompt, dict):
+            params = salted_params(prompt, params)
+            key, prompt = prompt_dict(prompt)
+            text = prompt if key == "prompt" else None
+        elif isinstance(prompt, str):
+            text = prompt
+        if text is not None:  # tokenized as LLM.generate tokenizes it; certainly too long: refused untokenized
+            keep = isinstance(params, SamplingParams) and params.truncate_prompt_tokens is not None
+            prompt = encode_prompt(self.tokenizer, prompt=text, max_tokens=None if keep else
+                                   self.engine.max_model_len)
+        ids, params = request_inputs(prompt, params)
+        return ids, params.checked()
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        """Stop requests (vLLM's abort): each one's generate ends without a further output, its KV blocks freed."""
+        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+            self._loop.abort(rid)
+
+    # ------------------------------------------------------------------ adapters
+    async def add_lora(self, name: str, path: str, replace: bool = False) -> None:
+        """Register a PEFT adapter folder under `name` while requests run (read on a worker thread, added between
+        two steps); `replace=True` (vLLM's load_inplace) swaps the weights of a loaded name for new requests."""
+        self._check_open()
+        await self._loop.add_lora(name, path, replace)
+
+    async def remove_lora(self, name: str) -> int:
+        """Unregister an adapter: new requests naming it are refused at once; those running finish with it.
+        Returns how many were still running."""
+        self._check_open()
+        return await self._loop.remove_lora(name)
+
+    def list_loras(self) -> list[str]:
+        lm = self.engine.lora_manager
+        return sorted(lm.names()) if lm is not None else []
+
+    # ------------------------------------------------------------------ state
+    def get_tokenizer(self):
+        """The model's tokenizer (vLLM's AsyncLLM.get_tokenizer, here not a coroutine; also `llm.tokenizer`)."""
+        return self.tokenizer
+
+    @property
+    def is_running(self) -> bool:
+        """vLLM's: the engine thread is alive and taking requests."""
+        return not self._closed and self._loop._thread.is_alive()
+
+    async def check_health(self) -> None:
+        """vLLM's: raises ClosedError once shut down (or if the engine thread is gone)."""
+        if not self.is_running:
+            raise ClosedError("this AsyncLLM is not running (shut down)", "create a new AsyncLLM")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("this AsyncLLM was shut down", "create a new AsyncLLM to generate again")
+
+    def shutdown(self, timeout: float = 0.0) -> None:
+        """Stop taking requests, give those in flight `timeout` seconds to finish (default: none; each ends with
+        finish_reason "abort"), stop the engine thread and free the engine's memory."""
+        if self._closed:
+            return
+        self._closed = True
+        self._loop.shutdown(timeout)
+        self.engine.close()
+
+    def __enter__(self) -> "AsyncLLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    async def __aenter__(self) -> "AsyncLLM":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.to_thread(self.shutdown)
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # interpreter shutdown: modules may already be gone
+            pass
