@@ -59,6 +59,17 @@ def test_concurrent_generates_batch_and_match_transformers(llm, path):
     assert by_text[-1].token_ids == by_ids[-1].token_ids and by_text[-1].prompt_token_ids == by_ids[-1].prompt_token_ids
 
 
+def test_a_salted_prompt_shares_no_cached_prefix(llm):
+    prompt = list(range(20, 33))
+
+    async def main():
+        await _collect(llm, prompt, "warm")
+        plain = await _collect(llm, {"prompt_token_ids": prompt}, "again")
+        salted = await _collect(llm, {"prompt_token_ids": prompt, "cache_salt": "tenant-b"}, "salted")
+        return plain[-1].num_cached_tokens, salted[-1].num_cached_tokens
+    assert asyncio.run(main()) == (12, 0)
+
+
 def test_leaving_the_loop_aborts_the_request_and_frees_its_blocks(llm):
     async def main():
         got = []
@@ -107,6 +118,10 @@ def test_an_id_in_flight_is_refused_and_lora_names_an_adapter(llm):
         await first.aclose()
         with pytest.raises(RequestError, match="lora=NAME"):
             await _collect(llm, [5, 6], "lr", lora_request=object())
+        with pytest.raises(RequestError, match="first come, first served"):  # the keyword reaches the engine
+            await _collect(llm, [5, 6], "pk", priority=1)
+        with pytest.raises(RequestError, match="priority must be an integer"):
+            await _collect(llm, [5, 6], "pb", priority=True)
         await _settled(llm)
     asyncio.run(main())
 
