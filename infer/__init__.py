@@ -1,7 +1,8 @@
 """infer: deploy GPTQ int4 language models with batched multi-LoRA, and measure them.
 
-Public API: `LLM`, `AsyncLLM` (vLLM's asyncio engine), `SamplingParams` (and its `StructuredOutputsParams`),
-`EngineConfig` (imported lazily so `import infer` stays light), and the errors a user can cause (`InferError` and its subclasses, from `infer.errors`).
+Public API: `LLM`, `AsyncLLM` (vLLM's asyncio engine), `BeamSearchParams` (LLM.beam_search), `SamplingParams` (and
+its `StructuredOutputsParams`), `EngineConfig` (imported lazily so `import infer` stays light), and the errors a user
+can cause (`InferError` and its subclasses, from `infer.errors`).
 """
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 _ERRORS = ("InferError", "ConfigError", "ModelLoadError", "UnsupportedModelError", "OutputError", "RequestError",
            "LoRAError", "LoRANameError", "OutOfMemoryError", "ClosedError", "UnknownOptionError", "RequestIdTypeError")
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "RequestOutput",
-           "CompletionOutput", "LLMEngine", *_ERRORS]
+__all__ = ["LLM", "AsyncLLM", "BeamSearchParams", "SamplingParams", "StructuredOutputsParams", "EngineConfig",
+           "RequestOutput", "CompletionOutput", "LLMEngine", *_ERRORS]
 
 
 def __getattr__(name: str):
@@ -20,6 +21,9 @@ def __getattr__(name: str):
     if name == "AsyncLLM":
         from .serve.async_llm import AsyncLLM
         return AsyncLLM
+    if name == "BeamSearchParams":
+        from .engine.beam import BeamSearchParams
+        return BeamSearchParams
     if name == "SamplingParams":
         from .engine.sampling_params import SamplingParams
         return SamplingParams

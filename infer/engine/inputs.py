@@ -46,7 +46,8 @@ UNSUPPORTED_OPENAI = {
     "modalities": (lambda v: v is None or v == ["text"], "only text output is supported"),
     "audio": (lambda v: v is None, "audio output is not supported"),
     # vLLM's extensions that change the reply: silently dropped, the client would get another reply than it asked
-    "use_beam_search": (lambda v: v is None or v is False, "beam search is not supported"),
+    "use_beam_search": (lambda v: v is None or v is False, "beam search is not served (from Python: "
+                                                           "LLM.beam_search)"),
     # (these two were dropped without a word; SamplingParams refuses the first at other values than this)
     "logits_processors": (lambda v: not v, "logits_processors are not supported"),
     "prompt_embeds": (lambda v: v is None, "prompt_embeds are not supported: send the prompt as text or token ids"),

@@ -406,6 +406,36 @@ class LLM:
             self._forget(ids)
         return [done[i] for i in ids]
 
+    def beam_search(self, prompts, params: "BeamSearchParams", lora: str | list[str | None] | None = None, *,
+                    use_tqdm: bool = False) -> list["BeamSearchOutput"]:
+        """vLLM's LLM.beam_search: each prompt's `params.beam_width` best beams of up to `params.max_tokens` tokens
+        (engine/beam.py), best first, as BeamSearchOutput(sequences=[BeamSearchSequence(tokens, text, cum_logprob,
+        logprobs, ...)]). Prompts: text, token ids or vLLM's prompt dicts (not chat messages); `lora`: one adapter
+        for all, or one per prompt."""
+        from .beam import BeamSearchParams, beam_search
+        if not isinstance(params, BeamSearchParams):
+            raise RequestError(f"beam_search takes a BeamSearchParams, got {type(params).__name__}",
+                               "e.g. BeamSearchParams(beam_width=4, max_tokens=32)")
+        if isinstance(prompts, str) or _is_prompt_dict(prompts) or (
+                isinstance(prompts, (list, tuple)) and prompts and _token_id(prompts[0]) is not None):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise RequestError(f"prompts must be a prompt or a list of them, got {type(prompts).__name__}")
+        loras = list(lora) if isinstance(lora, (list, tuple)) else [lora] * len(prompts)
+        if len(loras) != len(prompts):
+            raise RequestError(f"{len(prompts)} prompts but {len(loras)} lora", "give one lora per prompt, or one "
+                                                                                "for all")
+        encoded = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, (list, tuple)) and p and all(isinstance(m, dict) for m in p):
+                raise RequestError(f"prompt {i} is chat messages: beam_search takes text or token ids",
+                                   "render the chat first: llm.get_tokenizer().apply_chat_template(messages, "
+                                   "add_generation_prompt=True)")
+            encoded.append(self._encode(p, i))
+        engine = self._engine()
+        return beam_search(lambda ids, step, los: self.generate(ids, step, los), self.tokenizer,
+                           set(engine.eos_token_ids), encoded, params, loras, engine.max_model_len)
+
     @_vllm_keywords
     def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None,
              lora: str | list[str | None] | None = None, *, chat_template_kwargs: dict | None = None,

@@ -264,6 +264,9 @@ def _refuse_unknown_names(init):
                     del kwargs[key]  # the default: nothing to do
                     continue
                 hint = f"infer does not support it: only {' or '.join(map(repr, defaults))} (vLLM's default) is taken"
+                if key in ("use_beam_search", "num_beams"):  # vLLM's own beam search is LLM.beam_search too
+                    hint += "; for beam search call llm.beam_search(prompts, BeamSearchParams(beam_width=..., " \
+                            "max_tokens=...))"
             else:
                 hint = f"the fields are {', '.join(sorted(names))}"
             raise RequestError(f"SamplingParams has no field {key!r}", hint)

@@ -1,0 +1,131 @@
+"""Beam search, as vLLM's `LLM.beam_search`: built on the engine's generation, one token per step for every live beam
+of every prompt (their shared prefixes come from the prefix cache), each beam extended by its top 2 x beam_width
+tokens (and the sampled one), the best beam_width candidates of a prompt kept by their score.
+
+A beam's score is its cumulative logprob divided by its length (prompt included, a final EOS not counted) to the
+power `length_penalty` (vLLM's get_beam_search_score). With EOS taken (ignore_eos false) a candidate ending in EOS is
+a finished beam and leaves the search; at the end the running beams join the finished ones and the best beam_width
+are returned, best first. The candidates of a step are the same as transformers' `generate(num_beams=...)`'s (its
+top 2 x num_beams over every beam's tokens), so with EOS ignored the beams are transformers' too.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+
+from ..errors import RequestError
+
+MAX_BEAM_WIDTH = 10  # 2 x beam_width candidates per beam come from the top logprobs, which stop at 20
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's BeamSearchParams: beam_width beams, max_tokens new tokens at most."""
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0  # the draw of the token a step samples beside the top ones (0: greedy, vLLM's default)
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False  # the EOS token's own text kept at the end of a finished beam's text
+
+    def __post_init__(self) -> None:
+        for name, lo, hi in (("beam_width", 1, MAX_BEAM_WIDTH), ("max_tokens", 1, 2 ** 31 - 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not lo <= value <= hi:
+                raise RequestError(f"{name} must be an integer in {lo}..{hi}, got {value!r}"[:200],
+                                   "beam_width is at most 10: each beam's candidates are its top 2 x beam_width "
+                                   "tokens, and top logprobs stop at 20" if name == "beam_width" else None)
+            setattr(self, name, int(value))
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}"[:200])
+        for name in ("temperature", "length_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise RequestError(f"{name} must be a finite number, got {value!r}"[:200])
+        if not 0 <= self.temperature <= 100:
+            raise RequestError(f"temperature must be in [0, 100], got {self.temperature}")
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam, as vLLM's: `tokens` the prompt's and the beam's, `text` their decoded text (prompt included, as
+    vLLM's), `logprobs` one {token id: logprob} per generated token, `cum_logprob` their sum."""
+    tokens: list[int]
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None  # "stop" (EOS) or "length"
+    num_prompt_tokens: int = 0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The beam's own tokens (after the prompt)."""
+        return self.tokens[self.num_prompt_tokens:]
+
+
+@dataclass
+class BeamSearchOutput:
+    """vLLM's: a prompt's best beams, best first."""
+    sequences: list[BeamSearchSequence]
+
+
+def score(beam: BeamSearchSequence, eos: set[int], length_penalty: float) -> float:
+    """vLLM's get_beam_search_score: the cumulative logprob over the length (prompt included, a last EOS not)."""
+    length = len(beam.tokens) - (1 if beam.tokens[-1] in eos else 0)
+    return beam.cum_logprob / (length ** length_penalty)
+
+
+def beam_search(generate, tokenizer, eos: set[int], prompts: list[list[int]], params: BeamSearchParams,
+                lora: list[str | None], max_model_len: int) -> list[BeamSearchOutput]:
+    """`generate(token id lists, SamplingParams, loras)` runs one step of every beam (LLM.generate); `prompts` are
+    token ids, `lora` an adapter (or None) per prompt."""
+    from .sampling_params import SamplingParams
+    for i, prompt in enumerate(prompts):
+        if len(prompt) + params.max_tokens > max_model_len:
+            raise RequestError(f"prompt {i} has {len(prompt)} tokens: with max_tokens {params.max_tokens} its beams "
+                               f"outgrow the context ({max_model_len} tokens)",
+                               f"lower max_tokens to {max(0, max_model_len - len(prompt))} or less")
+    width = params.beam_width
+    step = SamplingParams(max_new_tokens=1, logprobs=2 * width, temperature=params.temperature, ignore_eos=True,
+                          detokenize=False)
+    live = [[BeamSearchSequence(list(p), num_prompt_tokens=len(p))] for p in prompts]
+    done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+    for _ in range(params.max_tokens):
+        beams = [(i, beam) for i, group in enumerate(live) for beam in group]
+        if not beams:
+            break
+        outs = generate([beam.tokens for _, beam in beams], step, [lora[i] for i, _ in beams])
+        candidates: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        for (i, beam), out in zip(beams, outs):
+            record = out.logprobs[0]
+            options = {record["token_id"]: record["logprob"]}
+            options.update((x["token_id"], x["logprob"]) for x in record.get("top_logprobs", []))
+            for token, logprob in options.items():
+                if logprob == -math.inf:
+                    continue
+                new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [options], beam.cum_logprob + logprob,
+                                         num_prompt_tokens=beam.num_prompt_tokens)
+                if token in eos and not params.ignore_eos:
+                    new.finish_reason = "stop"
+                    done[i].append(new)
+                else:
+                    candidates[i].append(new)
+        for i, group in enumerate(candidates):
+            group.sort(key=lambda b: score(b, eos, params.length_penalty), reverse=True)
+            live[i] = group[:width]
+    results = []
+    for i in range(len(prompts)):
+        for beam in live[i]:
+            beam.finish_reason = "length"
+        best = sorted(done[i] + live[i], key=lambda b: score(b, eos, params.length_penalty), reverse=True)[:width]
+        for beam in best:  # the text of the prompt and the beam, special tokens left out (the EOS's own text kept
+            # with include_stop_str_in_output)
+            end = beam.tokens[-1:] if beam.finish_reason == "stop" else []
+            beam.text = tokenizer.decode(beam.tokens[:len(beam.tokens) - len(end)], skip_special_tokens=True)
+            if end and params.include_stop_str_in_output:
+                beam.text += tokenizer.decode(end, skip_special_tokens=False)
+        results.append(BeamSearchOutput(best))
+    return results
