@@ -1,6 +1,7 @@
 """infer: deploy GPTQ int4 language models with batched multi-LoRA, and measure them.
 
-Public API: `LLM`, `AsyncLLM` (vLLM's asyncio engine), `BeamSearchParams` (LLM.beam_search), `SamplingParams` (and
+Public API: `LLM`, `AsyncLLM` (vLLM's asyncio engine), `BeamSearchParams` (LLM.beam_search), `LoRARequest` (vLLM's
+adapter by request), `SamplingParams` (and
 its `StructuredOutputsParams`), `EngineConfig` (imported lazily so `import infer` stays light), and the errors a user
 can cause (`InferError` and its subclasses, from `infer.errors`).
 """
@@ -10,8 +11,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 _ERRORS = ("InferError", "ConfigError", "ModelLoadError", "UnsupportedModelError", "OutputError", "RequestError",
            "LoRAError", "LoRANameError", "OutOfMemoryError", "ClosedError", "UnknownOptionError", "RequestIdTypeError")
-__all__ = ["LLM", "AsyncLLM", "BeamSearchParams", "SamplingParams", "StructuredOutputsParams", "EngineConfig",
-           "RequestOutput", "CompletionOutput", "LLMEngine", *_ERRORS]
+__all__ = ["LLM", "AsyncLLM", "BeamSearchParams", "LoRARequest", "SamplingParams", "StructuredOutputsParams",
+           "EngineConfig", "RequestOutput", "CompletionOutput", "LLMEngine", *_ERRORS]
 
 
 def __getattr__(name: str):
@@ -24,6 +25,9 @@ def __getattr__(name: str):
     if name == "BeamSearchParams":
         from .engine.beam import BeamSearchParams
         return BeamSearchParams
+    if name == "LoRARequest":
+        from .lora.request import LoRARequest
+        return LoRARequest
     if name == "SamplingParams":
         from .engine.sampling_params import SamplingParams
         return SamplingParams

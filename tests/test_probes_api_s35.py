@@ -191,7 +191,7 @@ def test_vllm_keywords_of_generate_chat_and_stream(llm):
     assert [o.token_ids for _, _, o in llm.stream(["hi"], sampling_params=sp) if o.finished] == [want]
     with pytest.raises(RequestError, match="got both params and sampling_params"):
         llm.generate(["hi"], sp, sampling_params=sp)
-    with pytest.raises(RequestError, match="lora_request .* is not taken.*lora=NAME"):
+    with pytest.raises(RequestError, match="lora_request must be a LoRARequest.*lora=NAME"):
         llm.generate(["hi"], sp, lora_request=object())
     with pytest.raises(TypeError):  # any other keyword is still Python's own error
         llm.generate(["hi"], sp, max_tokens=3)

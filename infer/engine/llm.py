@@ -88,10 +88,11 @@ def _check_chat_keywords(kwargs: dict) -> None:
 
 def _vllm_keywords(method):
     """vLLM's keywords for generate / chat / stream: `sampling_params` is taken for params (both given: refused),
-    `use_tqdm` is taken and ignored (infer shows no progress bar), and `lora_request` (a vLLM LoRARequest) is
-    refused saying how infer names an adapter; `priority` (one int per prompt, or one for all) is checked here
-    (_check_priority) and handed on. They were Python's bare TypeError. A tuple of params or of adapter
-    names is a list of them, as vLLM reads a sequence (it was refused, or taken as one adapter name)."""
+    `use_tqdm` is taken and ignored (infer shows no progress bar), and `lora_request` (vLLM's LoRARequest, or a list
+    of one per prompt) registers each adapter on first use and runs it by its name (LLM._lora_of); `priority` (one
+    int per prompt, or one for all) is checked here (_check_priority) and handed on. They were Python's bare
+    TypeError. A tuple of params or of adapter names is a list of them, as vLLM reads a sequence (it was refused,
+    or taken as one adapter name)."""
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         if "sampling_params" in kwargs:
@@ -114,10 +115,12 @@ def _vllm_keywords(method):
             given = ", ".join(f"{k}={kwargs[k]!r}" for k in sampling)
             raise UnknownOptionError(f"{method.__name__}() has no keyword {sampling[0]!r}: sampling options go in a "
                                      "SamplingParams", f"llm.{method.__name__}(prompts, SamplingParams({given}))")
-        if "lora_request" in kwargs:
-            raise RequestError("lora_request (vLLM's LoRARequest) is not taken: infer names adapters",
-                               "pass lora=NAME, an adapter of LLM(..., loras={NAME: PATH}) or of llm.add_lora(NAME, "
-                               "PATH)")
+        if kwargs.get("lora_request") is not None:  # vLLM's way to name adapters: registered on first use
+            if kwargs.get("lora") is not None or len(args) > 2:
+                raise RequestError(f"{method.__name__}() got both lora and lora_request", "give one: lora=NAME for a "
+                                   "registered adapter, or vLLM's lora_request=LoRARequest(NAME, ID, PATH)")
+            kwargs["lora"] = self._lora_of(kwargs["lora_request"])
+        kwargs.pop("lora_request", None)
         return method(self, *args, **kwargs)
     return call
 
@@ -195,6 +198,21 @@ class LLM:
         adapter = self._engine().lora_slots().load(name, path)
         with self._lock:
             self._engine().add_lora(name, path, loaded=adapter, replace=replace)
+
+    def _lora_of(self, request):
+        """The adapter name(s) of vLLM's lora_request (one LoRARequest, or a list with one or None per prompt),
+        each folder registered under its lora_name on first use; a name registered from another folder is refused."""
+        if isinstance(request, (list, tuple)):
+            return [None if r is None else self._lora_of(r) for r in request]
+        from ..lora.request import clash, request_path, same_folder
+        name, path = request_path(request)
+        manager = self._engine().lora_slots()  # LoRAError naming enable_lora when the engine has no slots
+        if manager.has(name):
+            if not same_folder(manager.path_of(name), path):
+                raise clash(name, manager.path_of(name), path)
+            return name
+        self.add_lora(name, path)
+        return name
 
     def remove_lora(self, name: str) -> int:
         """Refuse `name` from now on; requests already running with it finish with it, and its memory is freed

@@ -232,7 +232,8 @@ class LLMEngine:
         `arrival_time` (vLLM's keyword): when it arrived, in time.monotonic() seconds, for a caller that held it
         before adding it (the server's queue); its RequestOutput.metrics count from it. Default: now. vLLM's
         `priority` (lower runs first) needs scheduling_policy="priority" unless it is 0, as in vLLM; it overrides
-        params.priority where it is not 0. `lora_request` is refused, naming `lora=NAME`."""
+        params.priority where it is not 0. vLLM's `lora_request` (a LoRARequest) registers its folder under its
+        lora_name on first use and runs the request with it, as `lora=NAME` does."""
         self._check_open()
         if (prompt is None) == (prompt_token_ids is None):  # vLLM's keyword is prompt=; infer's was prompt_token_ids=
             raise RequestError("add_request needs one prompt: " + ("none was given" if prompt is None else
@@ -240,8 +241,9 @@ class LLMEngine:
                                "pass it as the second argument, or as prompt= (text, token ids or a prompt dict)")
         prompt_token_ids = prompt if prompt_token_ids is None else prompt_token_ids
         if lora_request is not None:
-            raise RequestError("lora_request (vLLM's LoRARequest) is not taken: infer names adapters",
-                               "pass lora=NAME, an adapter registered with --lora NAME=PATH or add_lora")
+            if lora is not None:
+                raise RequestError("add_request got both lora and lora_request", "give one")
+            lora = self._lora_of(lora_request)
         if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
             raise _field_error("priority", f"priority must be an integer, got {priority!r}"[:200],
                                "lower values run first under scheduling_policy=\"priority\"")
@@ -488,6 +490,18 @@ class LLMEngine:
                 if seq.lora == name and not seq.finished:
                     seq.lora = old  # the manager's key of the weights it started with; outputs keep the name
             self._reap_loras()
+
+    def _lora_of(self, request) -> str:
+        """The adapter name of vLLM's LoRARequest, its folder registered under its lora_name on first use."""
+        from ..lora.request import clash, request_path, same_folder
+        name, path = request_path(request)
+        manager = self.lora_slots()
+        if manager.has(name):
+            if not same_folder(manager.path_of(name), path):
+                raise clash(name, manager.path_of(name), path)
+            return name
+        self.add_lora(name, path)
+        return name
 
     def remove_lora(self, name: str) -> int:
         """New requests may no longer name `name`; those that already do finish with it, and its memory is freed

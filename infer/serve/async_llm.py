@@ -23,7 +23,7 @@ from ..engine.inputs import encode_prompt
 from ..engine.llm_engine import LLMEngine, prompt_dict, request_inputs, salted_params
 from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import SamplingParams
-from ..errors import ClosedError, RequestError, RequestIdTypeError
+from ..errors import ClosedError, LoRANameError, RequestError, RequestIdTypeError
 from .async_engine import AsyncEngine
 
 
@@ -48,13 +48,15 @@ class AsyncLLM:
         """Run one prompt (text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids} with an optional
         "cache_salt"), yielding its RequestOutput at every step that changed it; the last has `finished` set (an
         engine failure ends it with finish_reason "error" and `error`). `request_id` must be unique among the
-        requests in flight (vLLM's third argument; a string). `lora`: a registered adapter's name; `priority` needs
+        requests in flight (vLLM's third argument; a string). `lora`: a registered adapter's name (or vLLM's
+        `lora_request`, a LoRARequest, registered under its lora_name on first use); `priority` needs
         scheduling_policy="priority" unless it is 0. One request is one sample (n > 1 is refused: start one
         generate per sample with `params.sample(j)`). A bad request raises RequestError before anything runs."""
         self._check_open()
-        if lora_request is not None:
-            raise RequestError("lora_request (vLLM's LoRARequest) is not taken: infer names adapters",
-                               "pass lora=NAME, an adapter of AsyncLLM(..., loras={NAME: PATH}) or of add_lora")
+        if lora_request is not None:  # vLLM's: its folder registered under its lora_name on first use
+            if lora is not None:
+                raise RequestError("generate() got both lora and lora_request", "give one")
+            lora = await self._lora_of(lora_request)
         if not isinstance(request_id, str):
             raise RequestIdTypeError(f"request_id must be a string, got {type(request_id).__name__}",
                                      "give every request its own id, e.g. str(uuid.uuid4())")
@@ -103,6 +105,21 @@ class AsyncLLM:
         two steps); `replace=True` (vLLM's load_inplace) swaps the weights of a loaded name for new requests."""
         self._check_open()
         await self._loop.add_lora(name, path, replace)
+
+    async def _lora_of(self, request) -> str:
+        from ..lora.request import clash, request_path, same_folder
+        name, path = request_path(request)
+        manager = self.engine.lora_slots()
+        if manager.has(name):
+            if not same_folder(manager.path_of(name), path):
+                raise clash(name, manager.path_of(name), path)
+            return name
+        try:
+            await self.add_lora(name, path)
+        except LoRANameError:  # another generate registered it meanwhile
+            if not manager.has(name) or not same_folder(manager.path_of(name), path):
+                raise
+        return name
 
     async def remove_lora(self, name: str) -> int:
         """Unregister an adapter: new requests naming it are refused at once; those running finish with it.
