@@ -86,6 +86,16 @@ def _check_chat_keywords(kwargs: dict) -> None:
         raise RequestError("mm_processor_kwargs is not supported: infer runs text models", "leave it out")
 
 
+def _slots_within_cpu(options: dict) -> dict:
+    """max_cpu_loras=N without max_loras: the default slots (4) no more than N, as the commands read --max-cpu-loras
+    given alone (and as vLLM's default max_loras, 1, never exceeds it); it was refused as below max_loras 4."""
+    cpu = options.get("max_cpu_loras")
+    if "max_loras" in options or not isinstance(cpu, int) or isinstance(cpu, bool) or cpu < 1:
+        return options
+    default = next(f.default for f in dataclass_fields(EngineConfig) if f.name == "max_loras")
+    return {**options, "max_loras": min(default, cpu)}
+
+
 def _vllm_keywords(method):
     """vLLM's keywords for generate / chat / stream: `sampling_params` is taken for params (both given: refused),
     `use_tqdm` is taken and ignored (infer shows no progress bar), and `lora_request` (vLLM's LoRARequest, or a list
@@ -145,7 +155,7 @@ class LLM:
 
     def __init__(self, model: str, **engine_options):
         _check_options(engine_options)
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.engine = LLMEngine(EngineConfig(model=model, **_slots_within_cpu(engine_options)))
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
         self._lock = threading.RLock()  # one engine step (or add/abort) at a time
