@@ -183,13 +183,14 @@ def check_lengths(dataset: str, input_len: int | None, output_len: int | None) -
                           f"drop --output-len; each request's output length is that of {mine}")
 
 
-URL_ENGINE_OPTIONS = ("dtype", "device", "chat_template")  # what an engine option still sets with --url
+# what an engine option still sets with --url (bench's own --seed seeds the workload: prompts, arrivals)
+URL_ENGINE_OPTIONS = ("dtype", "device", "chat_template", "seed")
 
 
 def check_url_engine_options(url: str | None) -> None:
     """With --url no engine runs here: an engine option given (--max-model-len, --block-size, --max-num-seqs ...)
     was silently ignored, the server's own settings measured instead. Refused, but --dtype and --device (the HF
-    baseline's) and --chat-template (renders the dataset's messages)."""
+    baseline's), --chat-template (renders the dataset's messages) and --seed (the workload's prompts and arrivals)."""
     ctx = o.get_current_context(silent=True)
     if url is None or ctx is None:
         return
