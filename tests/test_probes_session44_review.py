@@ -34,3 +34,31 @@ def test_bench_url_takes_seed_which_seeds_the_workload():
     assert "in-process engine" not in res.output and "cannot reach http://127.0.0.1:9" in res.output, res.output
     res = CliRunner().invoke(app, [*base, "--block-size", "8"])
     assert "--block-size set the in-process engine" in res.output, res.output
+
+
+def test_a_bodys_return_tokens_as_token_ids_false_overrides_the_servers_option():
+    """vLLM reads a body's return_tokens_as_token_ids when it is sent (false too) and --return-tokens-as-token-ids
+    only when it is not: a client of such a server that asks for false gets the tokens' text. infer ORed them, so
+    the server's option could not be turned off by a request."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, create_app
+    from infer.serve.async_engine import AsyncEngine
+    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, block_size=4))
+    body = {"prompt": "hello", "max_tokens": 3, "logprobs": 1, "ignore_eos": True, "temperature": 0}
+    try:
+        with TestClient(create_app(Server(AsyncEngine(engine), "tiny-llama", tokens_as_ids=True))) as client:
+            def tokens(**kw) -> list[str]:
+                r = client.post("/v1/completions", json={**body, **kw})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["logprobs"]["tokens"]
+            assert all(t.startswith("token_id:") for t in tokens())
+            assert all(t.startswith("token_id:") for t in tokens(return_tokens_as_token_ids=None))
+            text = tokens(return_tokens_as_token_ids=False)
+            assert not any(t.startswith("token_id:") for t in text)
+            assert text == [engine.tokenizer.decode([int(t[9:])]) for t in tokens()]
+    finally:
+        engine.close()

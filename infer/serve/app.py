@@ -59,7 +59,7 @@ class Server:
         `reasoning_parser`: --reasoning-parser, which splits a chat reply's reasoning from its content
         (serve/reasoning.py). `trust_request_chat_template`: a chat request's own chat_template renders it (else it
         is a 400). `cors`: --allowed-origins and the like (serve/cors.py; default: vLLM's, every origin).
-        `tokens_as_ids`: --return-tokens-as-token-ids, every request's return_tokens_as_token_ids.
+        `tokens_as_ids`: --return-tokens-as-token-ids, the return_tokens_as_token_ids of requests that send none.
         `api_key`: the key, or keys (--api-key A B, as vLLM's), each accepted in 'Authorization: Bearer KEY'."""
         self.model_ids = [model_id] if isinstance(model_id, str) else list(model_id)
         # the keys as a client can send them: a header value never holds surrounding whitespace (h11 strips it, as
@@ -370,7 +370,8 @@ async def _generate(server: Server, request: Request, chat: bool):
         return Response(status_code=499)  # nobody reads it
     req = await server.parser.parse(raw, chat)  # JSON, checks and tokenization run off the event loop
     del raw
-    req.tokens_as_ids = req.tokens_as_ids or server.tokens_as_ids  # the field, or the server's option (vLLM's)
+    if req.tokens_as_ids is None:  # the field when sent (false too), else the server's option, as vLLM reads them
+        req.tokens_as_ids = server.tokens_as_ids
     lora = server.lora_for(req.model)
     p.check_context(req, server.engine.max_model_len)
     model = req.model or server.model_id

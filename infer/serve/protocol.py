@@ -110,8 +110,9 @@ class GenerationRequest:
     asked_tokens: int | None = None
     capped: ApiError | None = None  # the cap's refusal (a min_tokens past it), said after the context's checks
     # vLLM's return_tokens_as_token_ids (the field, or the server's --return-tokens-as-token-ids): each logprobs
-    # token is "token_id:ID" instead of its text (a token whose text is not valid UTF-8 alone stays identifiable)
-    tokens_as_ids: bool = False
+    # token is "token_id:ID" instead of its text (a token whose text is not valid UTF-8 alone stays identifiable);
+    # None: the body left it out (or null), and the server's option decides, as vLLM's (a body's false overrides it)
+    tokens_as_ids: bool | None = False
 
     def params_for(self, index: int):
         """Choice `index`'s sampling: with n > 1 and a seed, sample j draws with seed + j (as vLLM's parallel
@@ -241,7 +242,7 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
     if echo and params.logprobs is not None:  # the prompt's logprobs, with as many alternatives as the reply's
         params.prompt_logprobs = max(params.prompt_logprobs or 0, params.logprobs)
     return_ids = bool(_expect(body, "return_token_ids", (bool,), "a boolean"))
-    as_ids = bool(_expect(body, "return_tokens_as_token_ids", (bool,), "a boolean"))
+    as_ids = _expect(body, "return_tokens_as_token_ids", (bool,), "a boolean")  # None: the server's option
     request_id = _expect(body, "request_id", (str,), "a string") or None  # "" is none given, as in vLLM
     return GenerationRequest([], params, model, stream, include_usage and stream, chat, return_ids,
                              include_usage and continuous and stream, n or 1, echo, prompt_only,
