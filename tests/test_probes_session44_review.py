@@ -22,6 +22,15 @@ def test_llm_max_cpu_loras_alone_lowers_the_default_slots_as_the_commands_do():
         LLM("tiny-llama", max_loras=3, max_cpu_loras=2, **opts)  # both given: still refused, as vLLM does
 
 
+def test_async_llm_max_cpu_loras_alone_lowers_the_default_slots_too():
+    """vLLM's AsyncLLM takes LLM's options: AsyncLLM(enable_lora=True, max_cpu_loras=2) was refused as below the
+    default max_loras (4), as LLM(...) was."""
+    from infer import AsyncLLM
+    with AsyncLLM("tiny-llama", enable_lora=True, max_lora_rank=8, max_model_len=64, block_size=4,
+                  max_cpu_loras=2) as engine:
+        assert (engine.engine.config.max_loras, engine.engine.config.max_cpu_loras) == (2, 2)
+
+
 def test_bench_url_takes_seed_which_seeds_the_workload():
     """`infer bench --url URL --seed 3`: the seed draws the random prompts and the Poisson arrivals sent to the
     server (as vllm bench serve's --seed does); it was refused as an in-process engine option ("--seed set the

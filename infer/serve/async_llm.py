@@ -33,9 +33,9 @@ class AsyncLLM:
     the engine thread, `shutdown()` (or `with` / `async with`) stops it and frees the engine's memory."""
 
     def __init__(self, model: str, **engine_options):
-        from ..engine.llm import _check_options
+        from ..engine.llm import _check_options, _slots_within_cpu
         _check_options(engine_options)
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.engine = LLMEngine(EngineConfig(model=model, **_slots_within_cpu(engine_options)))
         self.tokenizer = self.engine.tokenizer
         self._loop = AsyncEngine(self.engine)
         self._loop.start()
