@@ -71,3 +71,31 @@ def test_a_bodys_return_tokens_as_token_ids_false_overrides_the_servers_option()
             assert text == [engine.tokenizer.decode([int(t[9:])]) for t in tokens()]
     finally:
         engine.close()
+
+
+def test_responses_logprobs_follow_the_servers_return_tokens_as_token_ids():
+    """vLLM's /v1/responses names its logprobs' tokens token_id:ID on a server started with
+    --return-tokens-as-token-ids, as its chat and completions do; infer's /v1/responses gave their text."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, create_app
+    from infer.serve.async_engine import AsyncEngine
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, block_size=4, chat_template=template))
+    body = {"input": "hi", "max_output_tokens": 3, "include": ["message.output_text.logprobs"], "top_logprobs": 1,
+            "ignore_eos": True, "temperature": 0}
+    try:
+        for as_ids in (True, False):
+            with TestClient(create_app(Server(AsyncEngine(engine), "tiny-llama", tokens_as_ids=as_ids))) as client:
+                r = client.post("/v1/responses", json=body)
+                assert r.status_code == 200, r.text
+                lp = r.json()["output"][0]["content"][0]["logprobs"]
+                assert len(lp) == 3
+                tokens = [x["token"] for x in lp] + [t["token"] for x in lp for t in x["top_logprobs"]]
+                assert all(t.startswith("token_id:") for t in tokens) == as_ids, tokens
+                assert not as_ids or all(x["bytes"] == list(x["token"].encode()) for x in lp)
+    finally:
+        engine.close()

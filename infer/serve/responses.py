@@ -323,7 +323,7 @@ class Reply:
     def logprobs(self, records: list[dict] | None) -> list[dict]:
         """The reply's token records as output_text's logprobs (chat's logprobs content: token, logprob, bytes,
         top_logprobs)."""
-        return p.chat_logprobs(records, self.tokenizer)["content"] if records else []
+        return p.chat_logprobs(records, self.tokenizer, bool(self.req.tokens_as_ids))["content"] if records else []
 
     def message_item(self, text: str, status: str = "completed", records: list[dict] | None = None) -> dict:
         content = [] if status == "in_progress" else [_output_text(text, self.logprobs(records))]
@@ -522,6 +522,8 @@ async def create(server, request: Request):
         p.check_context(req, server.engine.max_model_len)
     except p.ApiError as e:
         raise renamed(e) from e
+    if req.tokens_as_ids is None:  # --return-tokens-as-token-ids: the logprobs' tokens as token_id:ID, as vLLM's
+        req.tokens_as_ids = server.tokens_as_ids
     model = req.model or server.model_id
     base = request.headers.get("x-request-id") or req.request_id
     reply = Reply(sent, req, "resp_" + (base or uuid.uuid4().hex), model, server.tokenizer)
