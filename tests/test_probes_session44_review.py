@@ -99,3 +99,26 @@ def test_responses_logprobs_follow_the_servers_return_tokens_as_token_ids():
                 assert not as_ids or all(x["bytes"] == list(x["token"].encode()) for x in lp)
     finally:
         engine.close()
+
+
+def test_responses_max_output_tokens_takes_a_whole_float_as_chats_max_tokens_does():
+    """A whole float in an integer field is that integer (vLLM's pydantic models read them so; chat's max_tokens 3.0
+    is taken): /v1/responses' max_output_tokens 3.0 was a 400 "must be integer, got float"; 3.5 stays a 400."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, create_app
+    from infer.serve.async_engine import AsyncEngine
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, block_size=4, chat_template=template))
+    try:
+        with TestClient(create_app(Server(AsyncEngine(engine), "tiny-llama"))) as client:
+            r = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 3.0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["output_tokens"] == 3 and r.json()["max_output_tokens"] == 3
+            r = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 3.5})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_tokens", r.text
+    finally:
+        engine.close()

@@ -440,7 +440,8 @@ def _type_name(types: tuple) -> str:
 # the OpenAI request fields vLLM types as integers (lists of them), which pydantic reads in lax mode: a whole number
 # written as a float (5.0, as JavaScript's and some SDKs' JSON writes it) is that integer, 5.5 is refused
 OPENAI_INTS = ("max_tokens", "max_completion_tokens", "n", "best_of", "top_k", "seed", "logprobs", "top_logprobs",
-               "min_tokens", "truncate_prompt_tokens", "prompt_logprobs", "priority")
+               "min_tokens", "truncate_prompt_tokens", "prompt_logprobs", "priority",
+               "max_output_tokens")  # (/v1/responses' max_tokens)
 OPENAI_INT_LISTS = ("stop_token_ids", "allowed_token_ids")
 
 
