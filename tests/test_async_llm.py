@@ -70,7 +70,11 @@ def test_a_salted_prompt_shares_no_cached_prefix(llm):
     assert asyncio.run(main()) == (12, 0)
 
 
-def test_leaving_the_loop_aborts_the_request_and_frees_its_blocks(llm):
+def test_leaving_the_loop_aborts_the_request_and_frees_its_blocks(llm, monkeypatch):
+    aborted = []
+    real = llm._loop.abort
+    monkeypatch.setattr(llm._loop, "abort", lambda rid: aborted.append(rid) or real(rid))
+
     async def main():
         got = []
         async for out in llm.generate([5, 6, 7, 8], SamplingParams(max_new_tokens=40, ignore_eos=True), "early"):
@@ -94,6 +98,7 @@ def test_leaving_the_loop_aborts_the_request_and_frees_its_blocks(llm):
         await llm.abort(["never-added"])  # an unknown id is nothing to stop
     asyncio.run(cancelled())
     assert not llm.engine.requests and llm.engine.block_manager.num_used_blocks == 0
+    assert aborted == ["early", "cancel", "never-added"]  # each left early, none after it finished
 
 
 @pytest.mark.parametrize("prompt, params, rid, error, match", [
