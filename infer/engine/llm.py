@@ -304,10 +304,10 @@ class LLM:
                 which = _of(i, n) if isinstance(lora, list) else ""
                 raise RequestError(f"lora{which} must be an adapter name (a string) or None, got {lo!r}",
                                    "give one name for all prompts, or a list with one name (or None) per prompt")
-        params_list = [replace(sp, priority=pr) if pr else sp for sp, pr in zip(params_list, priorities)]
         encoded = []
         for i, p in enumerate(prompts):
-            try:
+            try:  # a priority out of range is refused naming its prompt, as the engine's refusals are
+                params_list[i] = replace(params_list[i], priority=priorities[i]) if priorities[i] else params_list[i]
                 params_list[i] = salted_params(p, params_list[i])  # vLLM's {"prompt...": ..., "cache_salt": ...}
                 encoded.append(self._encode(p, i, params_list[i].truncate_prompt_tokens is not None, template))
             except RequestError as e:
