@@ -24,3 +24,63 @@ def test_a_priority_out_of_range_in_generates_list_names_its_prompt(llm):
             llm.generate(["a", "b", "c"], params, priority=[0, bad, 1])
     assert not llm.llm_engine.requests
     assert [len(o.token_ids) for o in llm.generate(["a", "b"], params, priority=[0, 2**63 - 1])] == [2, 2]
+
+
+class _Rank:
+    """A rank whose comparisons are counted (the waiting queue's cost, without timing it)."""
+    count = 0
+
+    def __init__(self, key):
+        self.key = key
+
+    def __lt__(self, other):
+        _Rank.count += 1
+        return self.key < other.key
+
+    def __eq__(self, other):
+        return self.key == other.key
+
+    def __gt__(self, other):
+        return other < self
+
+    def __le__(self, other):
+        return not other < self
+
+    def __ge__(self, other):
+        return not self < other
+
+
+def test_queueing_many_waiting_requests_by_priority_is_not_quadratic(monkeypatch):
+    """Under the priority policy a request was put among n waiting ones with bisect on a deque (each of its log2 n
+    probes indexes the deque, O(n), and takes that request's rank) and deque.insert: queueing a run of 10^5 lines
+    of random priorities took 13 s, 10^6 most of an hour. vLLM keeps a heap. Counted here (no timing): ranks taken
+    and compared per request queued; the queue still hands requests out in (priority, arrival, admission) order, a
+    preempted one at its own rank, an aborted waiting one removed."""
+    import random
+
+    from infer.engine.config import EngineConfig
+    from infer.engine.scheduler import Scheduler
+    from infer.engine.sequence import Sequence
+    calls = []
+
+    def rank(seq):
+        calls.append(seq)
+        return _Rank((seq.params.priority, seq.number))
+    monkeypatch.setattr(Scheduler, "rank", staticmethod(rank))
+    sched = Scheduler(EngineConfig("tiny-llama", scheduling_policy="priority"), block_manager=None)
+    rng = random.Random(0)
+    params = [SamplingParams(priority=p) for p in range(-50, 50)]
+    seqs = [Sequence(str(i), [1, 2, 3], rng.choice(params)) for i in range(4096)]
+    _Rank.count = 0
+    for seq in seqs:
+        sched.add(seq)
+    # each request's rank is taken once, as it is queued (bisect on the deque took log2 n of them, each an O(n) index)
+    assert len(calls) == 4096, f"{len(calls) / 4096:.1f} ranks taken per request queued"
+    assert _Rank.count < 4096 * 16, f"{_Rank.count / 4096:.0f} rank comparisons per request queued"
+    sched.finish(seqs[7], "abort")
+    assert seqs[7] not in sched.waiting and len(sched.waiting) == 4095
+    want = sorted((s for s in seqs if s is not seqs[7]), key=lambda s: (s.params.priority, s.number))
+    assert list(sched.waiting) == want and sched.waiting[0] is want[0]
+    first = sched.waiting.popleft()
+    sched.waiting.appendleft(first)  # (a preempted request goes back at its rank)
+    assert [sched.waiting.popleft() for _ in range(len(want))] == want

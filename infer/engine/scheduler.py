@@ -10,6 +10,7 @@ that a preempted request goes back among the waiting ones at its own place."""
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import time
 from collections import deque
@@ -35,17 +36,68 @@ class ScheduledBatch:
         return bool(self.seqs)
 
 
+class RankedQueue:
+    """The waiting requests under the priority policy: a heap of (rank, sequence), as vLLM's PriorityRequestQueue,
+    so that queueing one of n waiting requests is O(log n) (a deque kept sorted took O(n) each: a run of 10^5 lines
+    of random priorities spent 13 s queueing them, 10^6 most of an hour). The deque methods the scheduler calls;
+    every position argument is the rank's. Iterated in rank order (sorted in place: a sorted list is a heap)."""
+
+    def __init__(self, rank):
+        self._rank = rank
+        self._heap: list[tuple] = []  # (rank, seq); ranks are unique (admission numbers), so seqs are never compared
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def __iter__(self):
+        self._heap.sort()
+        return iter([seq for _, seq in self._heap])
+
+    def __contains__(self, seq) -> bool:
+        return any(s is seq for _, s in self._heap)
+
+    def __getitem__(self, index: int):
+        if index == 0:
+            return self._heap[0][1]
+        return list(self)[index]
+
+    def append(self, seq) -> None:
+        heapq.heappush(self._heap, (self._rank(seq), seq))
+
+    appendleft = append
+
+    def extendleft(self, seqs) -> None:
+        for seq in seqs:
+            self.append(seq)
+
+    def popleft(self):
+        return heapq.heappop(self._heap)[1]
+
+    def remove(self, seq) -> None:
+        at = next((i for i, (_, s) in enumerate(self._heap) if s is seq), None)
+        if at is None:
+            raise ValueError("the sequence is not waiting")
+        last = self._heap.pop()
+        if at < len(self._heap):
+            self._heap[at] = last
+            heapq.heapify(self._heap)
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, lora=None):
         self.bm = block_manager
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.lora = lora  # adapter slot manager (or None): admits a request only when its adapter gets a slot
-        self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.failed: list[Sequence] = []  # finished with an error while scheduling; the engine hands them out
         self.by_priority = config.scheduling_policy == "priority"
+        # waiting requests: arrival order (fcfs), or a heap by rank (priority)
+        self.waiting: deque[Sequence] | RankedQueue = RankedQueue(self.rank) if self.by_priority else deque()
         self._numbers = itertools.count()  # admission numbers: ties of priority and arrival time go first come
 
     @staticmethod
@@ -54,15 +106,12 @@ class Scheduler:
         return seq.params.priority, seq.arrival_time, seq.number
 
     def _queue(self, queue, seq: Sequence) -> None:
-        """Put seq in `queue` (waiting or running) at its rank."""
+        """Put seq in `queue` (the running list; the waiting one is a RankedQueue) at its rank."""
         bisect.insort(queue, seq, key=self.rank)
 
     def add(self, seq: Sequence) -> None:
         seq.number = next(self._numbers)
-        if self.by_priority:
-            self._queue(self.waiting, seq)
-        else:
-            self.waiting.append(seq)
+        self.waiting.append(seq)  # (RankedQueue: at its rank)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -149,10 +198,7 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        if self.by_priority:
-            self._queue(self.waiting, seq)
-        else:
-            self.waiting.appendleft(seq)
+        self.waiting.appendleft(seq)  # (RankedQueue: at its rank)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = Status.FINISHED
