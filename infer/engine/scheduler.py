@@ -37,35 +37,42 @@ class ScheduledBatch:
 
 
 class RankedQueue:
-    """The waiting requests under the priority policy: a heap of (rank, sequence), as vLLM's PriorityRequestQueue,
-    so that queueing one of n waiting requests is O(log n) (a deque kept sorted took O(n) each: a run of 10^5 lines
-    of random priorities spent 13 s queueing them, 10^6 most of an hour). The deque methods the scheduler calls;
-    every position argument is the rank's. Iterated in rank order (sorted in place: a sorted list is a heap)."""
+    """The waiting requests under the priority policy: a heap by rank, as vLLM's PriorityRequestQueue, so that
+    queueing one of n waiting requests is O(log n) (a deque kept sorted took O(n) each: a run of 10^5 lines of random
+    priorities spent 13 s queueing them, 10^6 most of an hour); a request removed (aborted while waiting) is only
+    marked, in O(1), and dropped when it reaches the top. The deque methods the scheduler calls; every position
+    argument is the rank's. Iterated in rank order."""
 
     def __init__(self, rank):
         self._rank = rank
-        self._heap: list[tuple] = []  # (rank, seq); ranks are unique (admission numbers), so seqs are never compared
+        # [rank, seq] (seq None once removed); ranks are unique (admission numbers), so seqs are never compared
+        self._heap: list[list] = []
+        self._entries: dict[int, list] = {}  # id(seq) -> its entry, for the requests waiting
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._entries)
 
     def __bool__(self) -> bool:
-        return bool(self._heap)
+        return bool(self._entries)
 
     def __iter__(self):
-        self._heap.sort()
+        self._heap = sorted(e for e in self._heap if e[1] is not None)  # (a sorted list is a heap)
         return iter([seq for _, seq in self._heap])
 
     def __contains__(self, seq) -> bool:
-        return any(s is seq for _, s in self._heap)
+        entry = self._entries.get(id(seq))
+        return entry is not None and entry[1] is seq
 
     def __getitem__(self, index: int):
-        if index == 0:
+        if index == 0 and self._entries:
+            self._drop_removed()
             return self._heap[0][1]
         return list(self)[index]
 
     def append(self, seq) -> None:
-        heapq.heappush(self._heap, (self._rank(seq), seq))
+        entry = [self._rank(seq), seq]
+        self._entries[id(seq)] = entry
+        heapq.heappush(self._heap, entry)
 
     appendleft = append
 
@@ -74,16 +81,24 @@ class RankedQueue:
             self.append(seq)
 
     def popleft(self):
-        return heapq.heappop(self._heap)[1]
+        if not self._entries:
+            raise IndexError("pop from an empty queue")
+        self._drop_removed()
+        seq = heapq.heappop(self._heap)[1]
+        del self._entries[id(seq)]
+        return seq
 
     def remove(self, seq) -> None:
-        at = next((i for i, (_, s) in enumerate(self._heap) if s is seq), None)
-        if at is None:
+        if seq not in self:
             raise ValueError("the sequence is not waiting")
-        last = self._heap.pop()
-        if at < len(self._heap):
-            self._heap[at] = last
+        self._entries.pop(id(seq))[1] = None
+        if len(self._heap) > 2 * len(self._entries) + 64:  # mostly removed ones: kept no longer
+            self._heap = [e for e in self._heap if e[1] is not None]
             heapq.heapify(self._heap)
+
+    def _drop_removed(self) -> None:
+        while self._heap[0][1] is None:
+            heapq.heappop(self._heap)
 
 
 class Scheduler:
