@@ -229,3 +229,4 @@ def test_a_data_parallel_run_hands_out_the_most_urgent_lines_first(tmp_path):
     assert run_parallel._generate(pool, todo, writer, replica.engine.tokenizer, True) == 0
     writer.close()
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["b", "d", "c", "a"]
+

@@ -18,8 +18,8 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
-class Sequence:
+@dataclass(eq=False)  # one request is one object: `in` and remove() on the queues compare by identity, not by building
+class Sequence:  # a tuple of every field for each request ahead of the one removed
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
