@@ -40,6 +40,7 @@ class AsyncLLM:
         self._loop = AsyncEngine(self.engine)
         self._loop.start()
         self._closed = False
+        self._streams: dict[str, tuple] = {}  # request id -> (event loop, queue) of its generate, for abort()
 
     # ------------------------------------------------------------------ requests
     async def generate(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
@@ -67,13 +68,19 @@ class AsyncLLM:
             params = replace(params, priority=int(priority))
         queue: asyncio.Queue = asyncio.Queue()
         self._loop.add(request_id, ids, params, lora, queue)
+        stream = self._streams[request_id] = (asyncio.get_running_loop(), queue)
         finished = False
         try:
             while not finished:
                 out = await queue.get()
+                if out is None:  # abort() from elsewhere: the request ends without a further output
+                    finished = True
+                    break
                 finished = out.finished
                 yield out
         finally:
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
             if not finished:  # the caller stopped reading (break, cancel, an error): free the request now
                 self._loop.abort(request_id)
 
@@ -98,6 +105,13 @@ class AsyncLLM:
         """Stop requests (vLLM's abort): each one's generate ends without a further output, its KV blocks freed."""
         for rid in [request_id] if isinstance(request_id, str) else list(request_id):
             self._loop.abort(rid)
+            stream = self._streams.get(rid)
+            if stream is not None:  # wake its generate (maybe of another event loop), which awaits its queue
+                loop, queue = stream
+                try:
+                    loop.call_soon_threadsafe(queue.put_nowait, None)
+                except RuntimeError:  # that event loop is closed: nobody is reading
+                    pass
 
     # ------------------------------------------------------------------ adapters
     async def add_lora(self, name: str, path: str, replace: bool = False) -> None:

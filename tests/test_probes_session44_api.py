@@ -1,0 +1,72 @@
+"""Session 44 probes of the Python API as a vLLM user porting code would use it: LLM.beam_search, AsyncLLM and
+LoRARequest."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from infer import AsyncLLM, SamplingParams
+from infer.models.tiny import ensure_builtin
+
+
+@pytest.fixture(scope="module")
+def path():
+    return str(ensure_builtin("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def allm(path):
+    engine = AsyncLLM(path, max_model_len=64, block_size=4)
+    yield engine
+    engine.shutdown()
+
+
+def _settle(engine) -> None:
+    for _ in range(500):
+        if not engine.requests and engine.block_manager.num_used_blocks == 0:
+            return
+        time.sleep(0.01)
+
+
+def test_abort_from_another_task_ends_the_generate(allm):
+    """vLLM's AsyncLLM.abort(request_id) from another task ends that request's `async for` (it hung forever: the
+    engine dropped the request's queue without a word to the generate awaiting it). The engine is gated: its second
+    step waits until the abort was sent, so the request is still running when it is aborted."""
+    engine = allm.engine
+    real_step = engine.step
+
+    async def main():
+        outs, first, gate = [], asyncio.Event(), asyncio.Event()
+        loop = asyncio.get_running_loop()
+        steps = []
+
+        def gated_step():  # engine thread: every step after the first waits for the abort to have been sent
+            if steps:
+                asyncio.run_coroutine_threadsafe(gate.wait(), loop).result(timeout=30)
+            steps.append(1)
+            return real_step()
+
+        async def consume():
+            async for out in allm.generate([5, 9, 13], SamplingParams(max_new_tokens=40, ignore_eos=True), "ab"):
+                outs.append(out)
+                first.set()
+
+        async def aborter():
+            await first.wait()
+            await allm.abort("ab")
+            gate.set()
+
+        engine.step = gated_step
+        try:
+            await asyncio.wait_for(asyncio.gather(consume(), aborter()), 20)
+        finally:
+            engine.step = real_step
+            gate.set()
+        return outs
+    outs = asyncio.run(main())
+    assert outs and not outs[-1].finished
+    _settle(engine)
+    assert not engine.requests and engine.block_manager.num_used_blocks == 0
