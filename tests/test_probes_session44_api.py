@@ -70,3 +70,39 @@ def test_abort_from_another_task_ends_the_generate(allm):
     assert outs and not outs[-1].finished
     _settle(engine)
     assert not engine.requests and engine.block_manager.num_used_blocks == 0
+
+
+@pytest.fixture(scope="module")
+def adapters(path, tmp_path_factory):
+    from lora_helpers import THREE, hf_float, save_adapter
+    hf = hf_float(path)
+    root = tmp_path_factory.mktemp("p44_adapters")
+    return {name: str(save_adapter(hf, root / name, seed=5 + i, **THREE[name])) for i, name in enumerate("ab")}
+
+
+@pytest.fixture(scope="module")
+def lora_llm(path):
+    from infer import LLM
+    with LLM(path, block_size=4, max_model_len=64, enable_lora=True, max_lora_rank=8) as engine:
+        yield engine
+
+
+def test_beam_search_takes_vllms_lora_request(lora_llm, adapters):
+    """vLLM's LLM.beam_search(prompts, params, lora_request=...) (its third argument): a LoRARequest, or a list with
+    one or None per prompt, registered on first use as generate's is. It was a TypeError by keyword and a
+    RequestError ("lora must be an adapter name") as the third argument."""
+    from infer import BeamSearchParams, LoRARequest
+    params = BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True)
+    prompt = [5, 9, 13]
+    by_keyword = lora_llm.beam_search([prompt], params, lora_request=LoRARequest("a", 1, adapters["a"]))[0]
+    assert "a" in lora_llm.list_loras()
+    by_name = lora_llm.beam_search([prompt], params, "a")[0]
+    by_position = lora_llm.beam_search([prompt], params, LoRARequest("a", 1, adapters["a"]))[0]
+    base, with_b = lora_llm.beam_search([prompt, prompt], params, [None, LoRARequest("b", 2, adapters["b"])])
+    alone_b = lora_llm.beam_search([prompt], params, "b")[0]
+    tokens = [[s.tokens for s in o.sequences] for o in (by_keyword, by_name, by_position, base, with_b, alone_b)]
+    assert tokens[0] == tokens[1] == tokens[2] != tokens[3]
+    assert tokens[4] == tokens[5] != tokens[3]
+    from infer.errors import RequestError
+    with pytest.raises(RequestError, match="both lora and lora_request"):
+        lora_llm.beam_search([prompt], params, "a", lora_request=LoRARequest("a", 1, adapters["a"]))

@@ -435,15 +435,24 @@ class LLM:
         return [done[i] for i in ids]
 
     def beam_search(self, prompts, params: "BeamSearchParams", lora: str | list[str | None] | None = None, *,
-                    use_tqdm: bool = False) -> list["BeamSearchOutput"]:
+                    lora_request=None, use_tqdm: bool = False) -> list["BeamSearchOutput"]:
         """vLLM's LLM.beam_search: each prompt's `params.beam_width` best beams of up to `params.max_tokens` tokens
         (engine/beam.py), best first, as BeamSearchOutput(sequences=[BeamSearchSequence(tokens, text, cum_logprob,
         logprobs, ...)]). Prompts: text, token ids or vLLM's prompt dicts (not chat messages); `lora`: one adapter
-        for all, or one per prompt."""
+        for all, or one per prompt; vLLM's `lora_request` (its third argument: a LoRARequest, or a list with one or
+        None per prompt) registers each adapter on first use, as generate's does."""
         from .beam import BeamSearchParams, beam_search
         if not isinstance(params, BeamSearchParams):
             raise RequestError(f"beam_search takes a BeamSearchParams, got {type(params).__name__}",
                                "e.g. BeamSearchParams(beam_width=4, max_tokens=32)")
+        if lora_request is not None:
+            if lora is not None:
+                raise RequestError("beam_search() got both lora and lora_request", "give one")
+            lora = lora_request
+        if isinstance(lora, (list, tuple)):  # vLLM's third argument is lora_request: LoRARequests read by name
+            lora = [x if x is None or isinstance(x, str) else self._lora_of(x) for x in lora]
+        elif lora is not None and not isinstance(lora, str):
+            lora = self._lora_of(lora)
         if isinstance(prompts, str) or _is_prompt_dict(prompts) or (
                 isinstance(prompts, (list, tuple)) and prompts and _token_id(prompts[0]) is not None):
             prompts = [prompts]
