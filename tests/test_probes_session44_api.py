@@ -106,3 +106,21 @@ def test_beam_search_takes_vllms_lora_request(lora_llm, adapters):
     from infer.errors import RequestError
     with pytest.raises(RequestError, match="both lora and lora_request"):
         lora_llm.beam_search([prompt], params, "a", lora_request=LoRARequest("a", 1, adapters["a"]))
+
+
+def test_a_request_id_in_flight_is_a_valueerror_as_vllms(allm):
+    """vLLM's AsyncLLM refuses a request id already running with a ValueError; infer's was a bare InferError (no
+    hint), which a ported `except ValueError` let through."""
+    async def main():
+        first = allm.generate([5, 9, 13], SamplingParams(max_new_tokens=30, ignore_eos=True), "dup")
+        await first.__anext__()
+        try:
+            with pytest.raises(ValueError, match="already in use") as e:
+                async for _ in allm.generate([7, 8], SamplingParams(max_new_tokens=2), "dup"):
+                    pass
+            assert e.value.hint
+        finally:
+            await first.aclose()
+    asyncio.run(main())
+    _settle(allm.engine)
+    assert not allm.engine.requests

@@ -36,6 +36,13 @@ class ShuttingDownError(InferError):
     exit_code = 1
 
 
+class RequestIdInUseError(InferError, ValueError):
+    """A request id already names a request in flight: a ValueError too, as vLLM's ("Request id ... already
+    running"), so that `except ValueError` catches it."""
+
+    exit_code = 1
+
+
 class NoEngineError(InferError):
     """No engine is left to run a request (every data-parallel replica has died)."""
 
@@ -98,7 +105,8 @@ class AsyncEngine:
                     raise QueueFullError(f"{self.max_queue} requests are already waiting (--max-queue)",
                                          "retry after a moment")
                 if request_id in self._sinks:
-                    raise InferError(f"request id {request_id!r} is already in use")
+                    raise RequestIdInUseError(f"request id {request_id!r} is already in use",
+                                              "give every request in flight its own id, e.g. str(uuid.uuid4())")
                 sink = (asyncio.get_running_loop(), queue)
                 self._sinks[request_id] = sink
                 self._adds.append(_Pending(request_id, list(prompt_token_ids), params, lora, sink, time.monotonic()))
