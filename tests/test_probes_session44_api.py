@@ -124,3 +124,13 @@ def test_a_request_id_in_flight_is_a_valueerror_as_vllms(allm):
     asyncio.run(main())
     _settle(allm.engine)
     assert not allm.engine.requests
+
+
+def test_lora_request_is_hashable_and_equal_by_name_as_vllms():
+    """vLLM's LoRARequest is equal and hashed by lora_name (sets, dict keys, lru_cache of requests), with the
+    properties adapter_id, name and path; infer's dataclass was unhashable (TypeError) and had none of them."""
+    from infer import LoRARequest
+    a1, a2, b = LoRARequest("a", 1, "/x"), LoRARequest("a", 2, "/y"), LoRARequest("b", 1, "/x")
+    assert a1 == a2 and a1 != b and len({a1, a2, b}) == 2 and {a1: 1}[a2] == 1
+    assert (a1.adapter_id, a1.name, a1.path) == (1, "a", "/x")
+    assert LoRARequest("c", 3, lora_local_path="/z").path == "/z"

@@ -11,10 +11,11 @@ from pathlib import Path
 from ..errors import LoRANameError, RequestError
 
 
-@dataclass
+@dataclass(eq=False)
 class LoRARequest:
     """vLLM's fields: `lora_name` (what outputs and /v1/models call it), `lora_int_id` (vLLM's unique id, 1 or more;
-    infer keys adapters by name), `lora_path` (the PEFT folder; vLLM's older `lora_local_path` is read too)."""
+    infer keys adapters by name), `lora_path` (the PEFT folder; vLLM's older `lora_local_path` is read too). Equal
+    and hashed by lora_name, as vLLM's (a set or a dict key of requests holds one per adapter)."""
     lora_name: str
     lora_int_id: int
     lora_path: str = ""
@@ -29,6 +30,24 @@ class LoRARequest:
                                f"{self.lora_int_id!r}"[:200])
         if not (self.lora_path or self.lora_local_path):
             raise RequestError(f"LoRARequest {self.lora_name!r} has no lora_path", "give the adapter's PEFT folder")
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, LoRARequest) and self.lora_name == other.lora_name
+
+    def __hash__(self) -> int:
+        return hash(self.lora_name)
+
+    @property
+    def adapter_id(self) -> int:  # vLLM's names for the fields
+        return self.lora_int_id
+
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
+    @property
+    def path(self) -> str:
+        return self.lora_path or self.lora_local_path
 
 
 def request_path(request) -> tuple[str, str]:
