@@ -134,3 +134,19 @@ def test_lora_request_is_hashable_and_equal_by_name_as_vllms():
     assert a1 == a2 and a1 != b and len({a1, a2, b}) == 2 and {a1: 1}[a2] == 1
     assert (a1.adapter_id, a1.name, a1.path) == (1, "a", "/x")
     assert LoRARequest("c", 3, lora_local_path="/z").path == "/z"
+
+
+def test_beam_search_takes_vllms_concurrency_limit(lora_llm):
+    """vLLM's LLM.beam_search(..., concurrency_limit=N) searches N prompts at a time; it was a TypeError here. The
+    beams are those of one call over all the prompts."""
+    from infer import BeamSearchParams
+    from infer.errors import RequestError
+    params = BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True)
+    prompts = [[5, 9, 13], [7, 8, 9, 10, 11], [3]]
+    whole = lora_llm.beam_search(prompts, params)
+    limited = lora_llm.beam_search(prompts, params, concurrency_limit=2)
+    assert [[s.tokens for s in o.sequences] for o in limited] == [[s.tokens for s in o.sequences] for o in whole]
+    assert lora_llm.beam_search([], params, concurrency_limit=1) == []
+    with pytest.raises(RequestError, match="concurrency_limit must be a positive integer"):
+        lora_llm.beam_search(prompts, params, concurrency_limit=0)
+    assert lora_llm.engine.block_manager.num_used_blocks == 0 and not lora_llm.engine.requests

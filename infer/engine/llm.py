@@ -435,16 +435,21 @@ class LLM:
         return [done[i] for i in ids]
 
     def beam_search(self, prompts, params: "BeamSearchParams", lora: str | list[str | None] | None = None, *,
-                    lora_request=None, use_tqdm: bool = False) -> list["BeamSearchOutput"]:
+                    lora_request=None, use_tqdm: bool = False, concurrency_limit: int | None = None
+                    ) -> list["BeamSearchOutput"]:
         """vLLM's LLM.beam_search: each prompt's `params.beam_width` best beams of up to `params.max_tokens` tokens
         (engine/beam.py), best first, as BeamSearchOutput(sequences=[BeamSearchSequence(tokens, text, cum_logprob,
         logprobs, ...)]). Prompts: text, token ids or vLLM's prompt dicts (not chat messages); `lora`: one adapter
         for all, or one per prompt; vLLM's `lora_request` (its third argument: a LoRARequest, or a list with one or
-        None per prompt) registers each adapter on first use, as generate's does."""
+        None per prompt) registers each adapter on first use, as generate's does. vLLM's `concurrency_limit`: the
+        prompts are searched that many at a time (the beams of a prompt do not depend on the others)."""
         from .beam import BeamSearchParams, beam_search
         if not isinstance(params, BeamSearchParams):
             raise RequestError(f"beam_search takes a BeamSearchParams, got {type(params).__name__}",
                                "e.g. BeamSearchParams(beam_width=4, max_tokens=32)")
+        if concurrency_limit is not None and (isinstance(concurrency_limit, bool) or not isinstance(
+                concurrency_limit, numbers.Integral) or concurrency_limit < 1):
+            raise RequestError(f"concurrency_limit must be a positive integer or None, got {concurrency_limit!r}"[:200])
         if lora_request is not None:
             if lora is not None:
                 raise RequestError("beam_search() got both lora and lora_request", "give one")
@@ -470,8 +475,13 @@ class LLM:
                                    "add_generation_prompt=True)")
             encoded.append(self._encode(p, i))
         engine = self._engine()
-        return beam_search(lambda ids, step, los: self.generate(ids, step, los), self.tokenizer,
-                           set(engine.eos_token_ids), encoded, params, loras, engine.max_model_len)
+        chunk = int(concurrency_limit or len(encoded) or 1)
+        outputs = []
+        for at in range(0, len(encoded), chunk):
+            outputs += beam_search(lambda ids, step, los: self.generate(ids, step, los), self.tokenizer,
+                                   set(engine.eos_token_ids), encoded[at:at + chunk], params, loras[at:at + chunk],
+                                   engine.max_model_len)
+        return outputs
 
     @_vllm_keywords
     def chat(self, messages, params: SamplingParams | list[SamplingParams] | None = None,
