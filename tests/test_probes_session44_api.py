@@ -150,3 +150,19 @@ def test_beam_search_takes_vllms_concurrency_limit(lora_llm):
     with pytest.raises(RequestError, match="concurrency_limit must be a positive integer"):
         lora_llm.beam_search(prompts, params, concurrency_limit=0)
     assert lora_llm.engine.block_manager.num_used_blocks == 0 and not lora_llm.engine.requests
+
+
+def test_beam_search_keeps_a_prompt_dicts_cache_salt(lora_llm):
+    """A prompt dict's cache_salt shares cached prefixes only with requests of that salt (README); beam_search
+    dropped it, so a salted search's steps hit the blocks an unsalted request cached. Its first step (one beam, the
+    prompt alone) now finds none of them, and the beams are the unsalted ones."""
+    from infer import BeamSearchParams
+    params = BeamSearchParams(beam_width=2, max_tokens=1, ignore_eos=True)
+    prompt = list(range(40, 61))
+    plain = lora_llm.beam_search([prompt], params)[0]
+    hits = lora_llm.engine.stats()["prefix_cache_hits"]
+    salted = lora_llm.beam_search([{"prompt_token_ids": prompt, "cache_salt": "tenant-1"}], params)[0]
+    assert lora_llm.engine.stats()["prefix_cache_hits"] == hits
+    assert [s.tokens for s in salted.sequences] == [s.tokens for s in plain.sequences]
+    again = lora_llm.beam_search([prompt], params)[0]  # (the unsalted one does hit its own blocks)
+    assert lora_llm.engine.stats()["prefix_cache_hits"] > hits and again.sequences[0].tokens == plain.sequences[0].tokens

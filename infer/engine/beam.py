@@ -79,9 +79,12 @@ def score(beam: BeamSearchSequence, eos: set[int], length_penalty: float) -> flo
 
 
 def beam_search(generate, tokenizer, eos: set[int], prompts: list[list[int]], params: BeamSearchParams,
-                lora: list[str | None], max_model_len: int) -> list[BeamSearchOutput]:
-    """`generate(token id lists, SamplingParams, loras)` runs one step of every beam (LLM.generate); `prompts` are
-    token ids, `lora` an adapter (or None) per prompt."""
+                lora: list[str | None], max_model_len: int, salts: list[str | None] | None = None
+                ) -> list[BeamSearchOutput]:
+    """`generate(prompts, SamplingParams, loras)` runs one step of every beam (LLM.generate); `prompts` are token
+    ids, `lora` an adapter (or None) per prompt, `salts` a prompt's cache_salt (or None): its beams' steps are
+    {"prompt_token_ids": ..., "cache_salt": ...} prompts, sharing cached prefixes only with that salt's."""
+    salts = salts or [None] * len(prompts)
     from .sampling_params import SamplingParams
     for i, prompt in enumerate(prompts):
         if len(prompt) + params.max_tokens > max_model_len:
@@ -97,7 +100,8 @@ def beam_search(generate, tokenizer, eos: set[int], prompts: list[list[int]], pa
         beams = [(i, beam) for i, group in enumerate(live) for beam in group]
         if not beams:
             break
-        outs = generate([beam.tokens for _, beam in beams], step, [lora[i] for i, _ in beams])
+        outs = generate([beam.tokens if salts[i] is None else {"prompt_token_ids": beam.tokens, "cache_salt": salts[i]}
+                         for i, beam in beams], step, [lora[i] for i, _ in beams])
         candidates: list[list[BeamSearchSequence]] = [[] for _ in prompts]
         for (i, beam), out in zip(beams, outs):
             record = out.logprobs[0]

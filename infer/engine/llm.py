@@ -474,13 +474,14 @@ class LLM:
                                    "render the chat first: llm.get_tokenizer().apply_chat_template(messages, "
                                    "add_generation_prompt=True)")
             encoded.append(self._encode(p, i))
+        salts = [p.get("cache_salt") if _is_prompt_dict(p) else None for p in prompts]  # (generate checks them)
         engine = self._engine()
         chunk = int(concurrency_limit or len(encoded) or 1)
         outputs = []
         for at in range(0, len(encoded), chunk):
             outputs += beam_search(lambda ids, step, los: self.generate(ids, step, los), self.tokenizer,
                                    set(engine.eos_token_ids), encoded[at:at + chunk], params, loras[at:at + chunk],
-                                   engine.max_model_len)
+                                   engine.max_model_len, salts[at:at + chunk])
         return outputs
 
     @_vllm_keywords
