@@ -39,6 +39,8 @@ log = logging.getLogger("infer.serve")
 # the Responses fields that become a chat field of another name, for the errors the chat parsing gives
 _PARAM_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
                 "response_format": "text", "reasoning_effort": "reasoning"}
+# an engine refusal at submit names the prompt it was given: the client sent `input`
+_SUBMIT_NAMES = {**_PARAM_NAMES, "prompt": "input"}
 # vLLM's extra sampling and template fields, taken as /v1/chat/completions takes them
 _PASSED = {"temperature", "top_p", "seed", "user", "metadata", "stream", "model", "parallel_tool_calls", "top_k",
            "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop", "stop_token_ids",
@@ -64,11 +66,11 @@ def _bad(message: str, param: str | None, code: str | None = None) -> p.ApiError
     return p.ApiError(400, message, param=param, code=code)
 
 
-def renamed(e: p.ApiError) -> p.ApiError:
+def renamed(e: p.ApiError, names: dict[str, str] = _PARAM_NAMES) -> p.ApiError:
     """A chat parsing error in the words of the Responses field the client sent."""
     if e.code == "unknown_parameter":  # a chat field sent here: named as sent
         return e
-    param = _PARAM_NAMES.get(e.param, e.param)
+    param = names.get(e.param, e.param)
     message = e.message
     for chat, ours in (("max_completion_tokens", "max_output_tokens"), ("max_tokens", "max_output_tokens"),
                        ("response_format", "text.format"), ("reasoning_effort", "reasoning.effort")):
@@ -527,7 +529,10 @@ async def create(server, request: Request):
     model = req.model or server.model_id
     base = request.headers.get("x-request-id") or req.request_id
     reply = Reply(sent, req, "resp_" + (base or uuid.uuid4().hex), model, server.tokenizer)
-    queue, ids = server.submit(req, lora, _ids("resp"))
+    try:
+        queue, ids = server.submit(req, lora, _ids("resp"))
+    except p.ApiError as e:  # the engine's refusal names the prompt: here it is `input` (`prompt` is another field)
+        raise renamed(e, _SUBMIT_NAMES) from e
     if req.stream:
         return StreamingResponse(_stream(server, req, reply, queue, ids, arrival), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})

@@ -1,0 +1,47 @@
+"""Probes of POST /v1/responses (session 44): errors name the Responses field the client sent, ..."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from infer.engine.config import EngineConfig  # noqa: E402
+from infer.engine.llm_engine import LLMEngine  # noqa: E402
+from infer.models.tiny import ensure_builtin  # noqa: E402
+from infer.serve.app import Server, serve_in_thread  # noqa: E402
+from infer.serve.async_engine import AsyncEngine  # noqa: E402
+
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    path = tmp_path_factory.mktemp("resp2") / "tiny-resp"
+    shutil.copytree(ensure_builtin("tiny-llama"), path)
+    (path / "chat_template.jinja").write_text(TEMPLATE)
+    engine = LLMEngine(EngineConfig(str(path), block_size=4, max_num_seqs=2, max_model_len=256))
+    try:
+        with serve_in_thread(Server(AsyncEngine(engine), "tiny-resp", tool_parser="hermes")) as base:
+            yield base
+    finally:
+        engine.close()
+
+
+def _post(base, **body):
+    return httpx.post(f"{base}/v1/responses", json={"max_output_tokens": 2, "temperature": 0, **body}, timeout=120)
+
+
+def test_an_engine_refusal_of_the_prompt_names_input_not_the_prompt_field(served):
+    """`prompt` is a Responses field of its own (a stored prompt template): a prompt the engine refuses (longer than
+    the request's max_length) is the client's `input`."""
+    r = _post(served, input="hello there", max_length=3)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "input" and "max_length" in err["message"]
+    r = _post(served, input="hi", prompt={"id": "pmpt_1"})  # the field itself is still named as sent
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
