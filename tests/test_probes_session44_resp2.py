@@ -45,3 +45,11 @@ def test_an_engine_refusal_of_the_prompt_names_input_not_the_prompt_field(served
     assert err["param"] == "input" and "max_length" in err["message"]
     r = _post(served, input="hi", prompt={"id": "pmpt_1"})  # the field itself is still named as sent
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_an_input_of_reasoning_items_alone_is_a_400_in_the_responses_words(served):
+    r = _post(served, input=[{"type": "reasoning", "id": "rs_1", "summary": [],
+                              "content": [{"type": "reasoning_text", "text": "hmm"}]}])
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "input" and "messages" not in err["message"] and "no message" in err["message"]

@@ -158,6 +158,9 @@ def _messages(body: dict) -> list[dict]:
         else:
             raise _bad(f"{where} has type {kind!r}: infer takes message, function_call, function_call_output and "
                        "reasoning items", "input")
+    if not messages:  # reasoning items alone: no turn to answer (the chat check would name `messages`)
+        raise _bad("input holds no message: reasoning items go with the conversation they belong to (send the user's "
+                   "message too)", "input")
     return messages
 
 
