@@ -53,3 +53,16 @@ def test_an_input_of_reasoning_items_alone_is_a_400_in_the_responses_words(serve
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "input" and "messages" not in err["message"] and "no message" in err["message"]
+
+
+@pytest.mark.parametrize("field,value", [("service_tier", 5), ("service_tier", "fastest"), ("prompt_cache_key", 5),
+                                         ("safety_identifier", ["x"]), ("max_tool_calls", "2"), ("truncation", 5)])
+def test_an_echoed_field_of_the_wrong_type_is_a_400_naming_it(served, field, value):
+    """These fields change nothing here but come back in the response object: a wrong one was echoed as sent (a
+    response a typed client cannot read), where vLLM and OpenAI refuse it."""
+    r = _post(served, input="hi", **{field: value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+    ok = _post(served, input="hi", service_tier="flex", prompt_cache_key="k", safety_identifier="u", max_tool_calls=2,
+               truncation="disabled")
+    assert ok.status_code == 200 and ok.json()["service_tier"] == "flex" and ok.json()["prompt_cache_key"] == "k"

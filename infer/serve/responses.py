@@ -57,6 +57,7 @@ _TAKEN = {"input", "instructions", "max_output_tokens", "tools", "tool_choice", 
 # chat fields a client may send here by mistake: a 400 naming the Responses field (else silently another reply)
 _CHAT_ONLY = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
               "response_format": "text.format", "reasoning_effort": "reasoning.effort", "logprobs": "top_logprobs"}
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")  # OpenAI's (echoed; nothing changes here)
 LOGPROBS = "message.output_text.logprobs"  # the `include` value that asks for the reply's logprobs
 NOT_STORED = ("infer keeps no responses (as vLLM without its response store): send the whole conversation in "
               "`input` instead")
@@ -232,6 +233,18 @@ def to_chat(body: Any) -> dict:
                    "true, or wait for its reply", "background")
     if body.get("store") is not None and not isinstance(body["store"], bool):
         raise _bad("store must be true or false", "store")
+    for name in ("prompt_cache_key", "safety_identifier"):  # echoed in the reply: their type as OpenAI's
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise _bad(f"{name} must be a string", name)
+    if body.get("service_tier") is not None and body["service_tier"] not in SERVICE_TIERS:
+        got = json.dumps(body["service_tier"])[:40]
+        raise _bad(f"service_tier must be one of {', '.join(SERVICE_TIERS)}, got {got}", "service_tier")
+    mtc = body.get("max_tool_calls")
+    if mtc is not None and (not isinstance(mtc, int) or isinstance(mtc, bool) or mtc < 1):
+        raise _bad(f"max_tool_calls must be a positive integer, got {json.dumps(mtc)[:40]}", "max_tool_calls")
+    if body.get("truncation") not in (None, "disabled", "auto"):
+        raise _bad(f"truncation must be \"disabled\" (or \"auto\", not supported), got "
+                   f"{json.dumps(body['truncation'])[:40]}", "truncation")
     if body.get("truncation") not in (None, "disabled"):
         raise _bad("truncation 'auto' is not supported: a conversation longer than the context is refused (use "
                    "truncate_prompt_tokens to keep its end)", "truncation")
