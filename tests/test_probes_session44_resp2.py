@@ -20,11 +20,16 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content']
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def model(tmp_path_factory):
     path = tmp_path_factory.mktemp("resp2") / "tiny-resp"
     shutil.copytree(ensure_builtin("tiny-llama"), path)
     (path / "chat_template.jinja").write_text(TEMPLATE)
-    engine = LLMEngine(EngineConfig(str(path), block_size=4, max_num_seqs=2, max_model_len=256))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def served(model):
+    engine = LLMEngine(EngineConfig(model, block_size=4, max_num_seqs=2, max_model_len=256))
     try:
         with serve_in_thread(Server(AsyncEngine(engine), "tiny-resp", tool_parser="hermes")) as base:
             yield base
@@ -66,3 +71,35 @@ def test_an_echoed_field_of_the_wrong_type_is_a_400_naming_it(served, field, val
     ok = _post(served, input="hi", service_tier="flex", prompt_cache_key="k", safety_identifier="u", max_tool_calls=2,
                truncation="disabled")
     assert ok.status_code == 200 and ok.json()["service_tier"] == "flex" and ok.json()["prompt_cache_key"] == "k"
+
+
+def test_a_continued_message_is_content_not_reasoning_with_a_reasoning_parser(model):
+    """An incomplete message sent back (its reasoning done, its text cut) is continued: with --reasoning-parser
+    deepseek_r1 the continuation (no closing tag in it, the template leaving the reasoning out) was all reasoning,
+    the message's text empty; chat's continue_final_message the same."""
+    engine = LLMEngine(EngineConfig(model, block_size=4, max_num_seqs=2, max_model_len=256))
+    try:
+        with serve_in_thread(Server(AsyncEngine(engine), "tiny-resp", reasoning_parser="deepseek_r1")) as base:
+            sent = [{"role": "user", "content": "q"},  # a reply cut at max_output_tokens, as the SDK sends it back
+                    {"type": "reasoning", "id": "rs_1", "summary": [], "status": "completed",
+                     "content": [{"type": "reasoning_text", "text": "ab"}]},
+                    {"type": "message", "id": "msg_1", "role": "assistant", "status": "incomplete",
+                     "content": [{"type": "output_text", "text": "hel", "annotations": [], "logprobs": []}]}]
+            more = _post(base, input=sent, max_output_tokens=10, guided_regex="lo world").json()
+            assert [o["type"] for o in more["output"]] == ["message"] and more["output"][0]["content"][0]["text"] \
+                == "lo world"
+            chat = httpx.post(f"{base}/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "hel"}],
+                "continue_final_message": True, "add_generation_prompt": False, "max_tokens": 10, "temperature": 0,
+                "guided_regex": "lo world"}, timeout=60).json()
+            assert chat["choices"][0]["message"]["content"] == "lo world"
+            assert chat["choices"][0]["message"]["reasoning"] is None
+            # a message that opens a think block it does not close is still continued as reasoning
+            open_ = httpx.post(f"{base}/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>a"}],
+                "continue_final_message": True, "add_generation_prompt": False, "max_tokens": 10, "temperature": 0,
+                "guided_regex": "b</think>c"}, timeout=60).json()
+            assert open_["choices"][0]["message"]["reasoning"] == "b" and open_["choices"][0]["message"]["content"] \
+                == "c"
+    finally:
+        engine.close()

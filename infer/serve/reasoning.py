@@ -71,7 +71,27 @@ def reasoning_request(parser: str | None, body: dict, prompt_ids: list[int], tok
     off = PARSERS[parser]["reads_enable_thinking"] and not thinking
     kind = StructuredOutputsParams.of(structured).kind if structured is not None else None
     off = off or kind in ("json", "json_object", "choice")
-    return ReasoningRequest(parser, ended=off or prompt_ends_reasoning(prompt_ids, tokenizer), include=include)
+    ended = off or prompt_ends_reasoning(prompt_ids, tokenizer) or continues_content(body)
+    return ReasoningRequest(parser, ended=ended, include=include)
+
+
+def continues_content(body: dict) -> bool:
+    """Whether the reply continues a final assistant message's content (continue_final_message; a Responses
+    `incomplete` message sent back): content written, no think block left open in it, means the reasoning is over
+    (a template that leaves the message's reasoning out shows no closing tag for prompt_ends_reasoning to see), so
+    the continuation is content, not reasoning."""
+    messages = body.get("messages")
+    if not body.get("continue_final_message") or not isinstance(messages, list) or not messages:
+        return False
+    last = messages[-1]
+    if not isinstance(last, dict) or last.get("role") != "assistant":
+        return False
+    content = last.get("content")
+    if isinstance(content, list):
+        content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    if not isinstance(content, str) or not content.strip():
+        return False
+    return content.rfind(THINK_START) <= content.rfind(THINK_END)
 
 
 def parts(req: ReasoningRequest, text: str, finished: bool = True) -> tuple[str, str]:
