@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -103,3 +104,22 @@ def test_a_continued_message_is_content_not_reasoning_with_a_reasoning_parser(mo
                 == "c"
     finally:
         engine.close()
+
+
+def test_the_response_and_every_event_validate_as_the_openai_sdks_types(served):
+    """The SDK reads without validating, so a field its types require but the server leaves out is an
+    AttributeError when read (usage.input_tokens_details.cache_write_tokens) and a failure for a validating client."""
+    openai_types = pytest.importorskip("openai.types.responses")
+    pydantic = pytest.importorskip("pydantic")
+    if "cache_write_tokens" not in openai_types.response_usage.InputTokensDetails.model_fields:
+        pytest.skip("this openai SDK has no cache_write_tokens")
+    body = {"input": "hi", "max_output_tokens": 3, "ignore_eos": True, "include": ["message.output_text.logprobs"],
+            "top_logprobs": 1}
+    whole = _post(served, **body).json()
+    openai_types.Response.model_validate(whole)
+    events = pydantic.TypeAdapter(openai_types.ResponseStreamEvent)
+    with httpx.stream("POST", f"{served}/v1/responses", json={**body, "stream": True}, timeout=60) as s:
+        sent = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+    assert sent[-1]["type"] == "response.incomplete"
+    for event in sent:
+        events.validate_python(event)

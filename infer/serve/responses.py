@@ -330,7 +330,9 @@ class Reply:
 
     def count(self, prompt_n: int, output_n: int, cached: int, reasoning: str | None) -> None:
         thought = len(self.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
-        self.usage = {"input_tokens": prompt_n, "input_tokens_details": {"cached_tokens": cached},
+        # cache_write_tokens (which the SDK's InputTokensDetails requires): not counted here, 0
+        self.usage = {"input_tokens": prompt_n, "input_tokens_details": {"cached_tokens": cached,
+                                                                         "cache_write_tokens": 0},
                       "output_tokens": output_n, "output_tokens_details": {"reasoning_tokens": min(thought, output_n)},
                       "total_tokens": prompt_n + output_n}
 
