@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import textwrap
+import time
 
 import pytest
 import torch
@@ -193,3 +194,39 @@ def streamed_chat_choices(base: str, body: dict) -> list[dict]:
 def joined_deltas(deltas: list[dict], key: str) -> str:
     """The streamed choices' `delta[key]` pieces joined."""
     return "".join(d["delta"].get(key) or "" for d in deltas)
+
+
+class StepGate:
+    """Wrap engine.step so that a test holds the engine thread before each step while `open` is clear (timing-
+    dependent server tests gate the engine, so they cannot flake on a loaded machine); `delay` slows every step;
+    `closed`: held from the start."""
+
+    def __init__(self, engine, delay: float = 0.0, closed: bool = False):
+        import threading
+        self.engine, self.delay, self.open = engine, delay, threading.Event()
+        if not closed:
+            self.open.set()
+        self.inner = engine.step
+
+    def __enter__(self):
+        def step():
+            self.open.wait(30)
+            if self.delay:
+                time.sleep(self.delay)
+            return self.inner()
+        self.engine.step = step
+        return self
+
+    def __exit__(self, *exc):
+        self.open.set()
+        del self.engine.step
+
+
+def wait_until(pred, timeout: float = 30.0) -> bool:
+    """Poll `pred` (every 20 ms) until it holds or `timeout` seconds pass; whether it held."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False

@@ -165,4 +165,5 @@ def test_beam_search_keeps_a_prompt_dicts_cache_salt(lora_llm):
     assert lora_llm.engine.stats()["prefix_cache_hits"] == hits
     assert [s.tokens for s in salted.sequences] == [s.tokens for s in plain.sequences]
     again = lora_llm.beam_search([prompt], params)[0]  # (the unsalted one does hit its own blocks)
-    assert lora_llm.engine.stats()["prefix_cache_hits"] > hits and again.sequences[0].tokens == plain.sequences[0].tokens
+    assert lora_llm.engine.stats()["prefix_cache_hits"] > hits
+    assert again.sequences[0].tokens == plain.sequences[0].tokens

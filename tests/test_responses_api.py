@@ -5,6 +5,7 @@ take (stored responses, background, built-in tools, non-text input) is a 400 or 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -24,6 +25,8 @@ from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 from infer.serve.body import BodyLimits  # noqa: E402
 from infer.serve.responses import to_chat  # noqa: E402
+
+from helpers import StepGate, wait_until  # noqa: E402
 
 # a template that renders the tools, an assistant's calls and a tool message's call id (to check what reaches it)
 TEMPLATE = ("{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n"
@@ -417,31 +420,10 @@ def test_api_key_limits_and_metrics_hold_for_it(model):
         engine.close()
 
 
-class _Gate:
-    """Hold the engine thread before each step until opened."""
-
-    def __init__(self, engine):
-        self.engine, self.open, self.inner = engine, threading.Event(), engine.step
-
-    def __enter__(self):
-        def step():
-            self.open.wait(30)
-            return self.inner()
-        self.engine.step = step
-        return self
-
-    def __exit__(self, *exc):
-        self.open.set()
-        del self.engine.step
+_Gate = functools.partial(StepGate, closed=True)  # (helpers.py): held until opened
 
 
-def _until(pred, timeout=30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return False
+_until = wait_until  # (helpers.py)
 
 
 def test_a_full_queue_is_a_503_and_a_client_gone_aborts(model):

@@ -17,7 +17,7 @@ httpx = pytest.importorskip("httpx")  # the serve extra (the GPU machine has no 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from helpers import hf_greedy, serve_process
+from helpers import StepGate, hf_greedy, serve_process, wait_until
 
 from infer.engine.llm_engine import LLMEngine
 from infer.engine.config import EngineConfig
@@ -59,13 +59,7 @@ def engine(adapter):
                                   loras={"pirate": str(adapter)}))
 
 
-def _wait(pred, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return False
+_wait = wait_until  # (helpers.py)
 
 
 def _idle(url: str) -> dict:
@@ -289,25 +283,7 @@ def test_api_key(engine):
         assert good.completions.create(model="tiny-llama", prompt="x", max_tokens=2).usage.completion_tokens >= 1
 
 
-class _Gate:
-    """Wrap engine.step so the test can hold the engine thread inside a step."""
-
-    def __init__(self, engine, delay: float = 0.0):
-        self.engine, self.delay, self.open = engine, delay, threading.Event()
-        self.open.set()
-        self.inner = engine.step
-
-    def __enter__(self):
-        def step():
-            self.open.wait(30)
-            time.sleep(self.delay)
-            return self.inner()
-        self.engine.step = step
-        return self
-
-    def __exit__(self, *exc):
-        self.open.set()
-        del self.engine.step
+_Gate = StepGate  # (helpers.py)
 
 
 def _send_held(base, gate, n: int) -> tuple[list, list]:

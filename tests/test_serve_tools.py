@@ -143,7 +143,8 @@ def test_parallel_tool_calls_false_gives_one_call_and_the_openai_client_reads_th
         calls = reply.choices[0].message.tool_calls
         assert reply.choices[0].finish_reason == "tool_calls" and len(calls) == 1
         assert calls[0].function.name in ("get_weather", "add") and json.loads(calls[0].function.arguments)
-    assert parse_tools({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}).schema["maxItems"] == 1
+    one = parse_tools({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False})
+    assert one.schema["maxItems"] == 1
     assert "maxItems" not in parse_tools({"tools": TOOLS, "tool_choice": "required"}).schema
 
 

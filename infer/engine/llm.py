@@ -214,14 +214,10 @@ class LLM:
         each folder registered under its lora_name on first use; a name registered from another folder is refused."""
         if isinstance(request, (list, tuple)):
             return [None if r is None else self._lora_of(r) for r in request]
-        from ..lora.request import clash, request_path, same_folder
-        name, path = request_path(request)
-        manager = self._engine().lora_slots()  # LoRAError naming enable_lora when the engine has no slots
-        if manager.has(name):
-            if not same_folder(manager.path_of(name), path):
-                raise clash(name, manager.path_of(name), path)
-            return name
-        self.add_lora(name, path)
+        from ..lora.request import to_register
+        name, path = to_register(request, self._engine().lora_slots())  # (LoRAError naming enable_lora: no slots)
+        if path is not None:
+            self.add_lora(name, path)
         return name
 
     def remove_lora(self, name: str) -> int:

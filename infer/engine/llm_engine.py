@@ -493,14 +493,10 @@ class LLMEngine:
 
     def _lora_of(self, request) -> str:
         """The adapter name of vLLM's LoRARequest, its folder registered under its lora_name on first use."""
-        from ..lora.request import clash, request_path, same_folder
-        name, path = request_path(request)
-        manager = self.lora_slots()
-        if manager.has(name):
-            if not same_folder(manager.path_of(name), path):
-                raise clash(name, manager.path_of(name), path)
-            return name
-        self.add_lora(name, path)
+        from ..lora.request import to_register
+        name, path = to_register(request, self.lora_slots())
+        if path is not None:
+            self.add_lora(name, path)
         return name
 
     def remove_lora(self, name: str) -> int:

@@ -61,6 +61,17 @@ def request_path(request) -> tuple[str, str]:
     return name, str(path)
 
 
+def to_register(request, manager) -> tuple[str, str | None]:
+    """(the adapter name of vLLM's LoRARequest, its folder if it still has to be registered under that name, else
+    None); a name registered from another folder is a LoRANameError naming both."""
+    name, path = request_path(request)
+    if not manager.has(name):
+        return name, path
+    if not same_folder(manager.path_of(name), path):
+        raise clash(name, manager.path_of(name), path)
+    return name, None
+
+
 def same_folder(a, b) -> bool:
     try:
         return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()

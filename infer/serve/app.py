@@ -23,7 +23,7 @@ from ..errors import LoRAError, RequestError
 from . import protocol as p
 from .adapters import add_adapter_routes
 from .async_engine import NO_ENGINE, AsyncEngine, NoEngineError, QueueFullError, ShuttingDownError
-from .body import BodyLimits, ClientGone, SafeJSONResponse, read_body
+from .body import BodyLimits, SafeJSONResponse, request_body
 from .cors import CorsOptions
 from .guard import ErrorGuardMiddleware, server_error_body
 from .lifecycle import uvicorn_server
@@ -362,11 +362,9 @@ def _install_handlers(app: FastAPI) -> None:
 
 
 async def _generate(server: Server, request: Request, chat: bool):
-    server.check_auth(request)
     arrival = time.monotonic()
-    try:
-        raw = await read_body(request, server.limits.max_body_size)
-    except ClientGone:
+    raw = await request_body(server, request)
+    if raw is None:
         return Response(status_code=499)  # nobody reads it
     req = await server.parser.parse(raw, chat)  # JSON, checks and tokenization run off the event loop
     del raw
@@ -389,10 +387,8 @@ async def _generate(server: Server, request: Request, chat: bool):
 async def _tokenization(server: Server, request: Request, detokenize: bool):
     """vLLM's /tokenize and /detokenize: the body is read, checked and (de)tokenized on a parse thread; the model
     may be the base or an adapter (they share the tokenizer), else the 404 of the other routes."""
-    server.check_auth(request)
-    try:
-        raw = await read_body(request, server.limits.max_body_size)
-    except ClientGone:
+    raw = await request_body(server, request)
+    if raw is None:
         return Response(status_code=499)  # nobody reads it
     if detokenize:
         model, out = await server.parser.detokenize(raw)

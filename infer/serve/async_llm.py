@@ -121,18 +121,15 @@ class AsyncLLM:
         await self._loop.add_lora(name, path, replace)
 
     async def _lora_of(self, request) -> str:
-        from ..lora.request import clash, request_path, same_folder
-        name, path = request_path(request)
+        from ..lora.request import to_register
         manager = self.engine.lora_slots()
-        if manager.has(name):
-            if not same_folder(manager.path_of(name), path):
-                raise clash(name, manager.path_of(name), path)
-            return name
-        try:
-            await self.add_lora(name, path)
-        except LoRANameError:  # another generate registered it meanwhile
-            if not manager.has(name) or not same_folder(manager.path_of(name), path):
-                raise
+        name, path = to_register(request, manager)
+        if path is not None:
+            try:
+                await self.add_lora(name, path)
+            except LoRANameError:  # another generate registered it meanwhile: fine if from the same folder (a
+                if to_register(request, manager)[1] is not None:  # clash raises its own error), else this one stands
+                    raise
         return name
 
     async def remove_lora(self, name: str) -> int:

@@ -137,3 +137,13 @@ def check_values(body: Any) -> None:
         except RequestError as e:
             raise ApiError(400, str(e), param=key) from None
         _check_finite(value, key)
+
+
+async def request_body(server, request) -> bytes | None:
+    """A generation route's start: the API key checked, then the body read (its bytes; None when the client left
+    while sending it, answered 499)."""
+    server.check_auth(request)
+    try:
+        return await read_body(request, server.limits.max_body_size)
+    except ClientGone:
+        return None

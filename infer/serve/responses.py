@@ -30,7 +30,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from . import protocol as p
-from .body import ClientGone, SafeJSONResponse, read_body
+from .body import SafeJSONResponse, request_body
 from .reasoning import parts as reasoning_parts, split as reasoning_split
 from .tools import split as split_tools, visible
 
@@ -523,11 +523,9 @@ async def _events(server, req, reply: Reply, queue, ids, arrival, event):
 
 async def create(server, request: Request):
     """POST /v1/responses."""
-    server.check_auth(request)
     arrival = time.monotonic()
-    try:
-        raw = await read_body(request, server.limits.max_body_size)
-    except ClientGone:
+    raw = await request_body(server, request)
+    if raw is None:
         return Response(status_code=499)  # nobody reads it
     sent: dict = {}
 
