@@ -121,3 +121,19 @@ def test_samplingparams_beam_search_names_llm_beam_search():
     with pytest.raises(RequestError) as e:
         SamplingParams(use_beam_search=True)
     assert "llm.beam_search" in e.value.hint
+
+
+def test_concurrency_limit_bounds_the_prompts_searched_at_once(llm, monkeypatch):
+    """vLLM's concurrency_limit: the prompts are searched that many at a time, so a step runs at most
+    limit x beam_width beams (the beams themselves are the same either way)."""
+    sizes = []
+    real = llm.generate
+    monkeypatch.setattr(llm, "generate", lambda ids, *a, **kw: sizes.append(len(ids)) or real(ids, *a, **kw))
+    params = BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True)
+    prompts = [[5, 9, 13], [7, 8, 9, 10], [3, 4], [6, 6, 6]]
+    whole = llm.beam_search(prompts, params)
+    assert max(sizes) == 4 * 2
+    sizes.clear()
+    limited = llm.beam_search(prompts, params, concurrency_limit=1)
+    assert max(sizes) == 2 and len(sizes) == 4 * 3
+    assert [[s.tokens for s in o.sequences] for o in limited] == [[s.tokens for s in o.sequences] for o in whole]
