@@ -215,7 +215,7 @@ class LLM:
         if isinstance(request, (list, tuple)):
             return [None if r is None else self._lora_of(r) for r in request]
         from ..lora.request import to_register
-        name, path = to_register(request, self._engine().lora_slots())  # (LoRAError naming enable_lora: no slots)
+        name, path = to_register(request, self._engine().lora_slots)  # (LoRAError naming enable_lora: no slots)
         if path is not None:
             self.add_lora(name, path)
         return name

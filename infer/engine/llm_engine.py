@@ -494,7 +494,7 @@ class LLMEngine:
     def _lora_of(self, request) -> str:
         """The adapter name of vLLM's LoRARequest, its folder registered under its lora_name on first use."""
         from ..lora.request import to_register
-        name, path = to_register(request, self.lora_slots())
+        name, path = to_register(request, self.lora_slots)
         if path is not None:
             self.add_lora(name, path)
         return name

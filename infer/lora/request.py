@@ -61,10 +61,12 @@ def request_path(request) -> tuple[str, str]:
     return name, str(path)
 
 
-def to_register(request, manager) -> tuple[str, str | None]:
+def to_register(request, slots) -> tuple[str, str | None]:
     """(the adapter name of vLLM's LoRARequest, its folder if it still has to be registered under that name, else
-    None); a name registered from another folder is a LoRANameError naming both."""
+    None); a name registered from another folder is a LoRANameError naming both. `slots()`: the engine's adapter
+    manager (a LoRAError naming enable_lora when it has none), asked once the request is known to be one."""
     name, path = request_path(request)
+    manager = slots()
     if not manager.has(name):
         return name, path
     if not same_folder(manager.path_of(name), path):

@@ -122,14 +122,13 @@ class AsyncLLM:
 
     async def _lora_of(self, request) -> str:
         from ..lora.request import to_register
-        manager = self.engine.lora_slots()
-        name, path = to_register(request, manager)
+        name, path = to_register(request, self.engine.lora_slots)
         if path is not None:
             try:
                 await self.add_lora(name, path)
             except LoRANameError:  # another generate registered it meanwhile: fine if from the same folder (a
-                if to_register(request, manager)[1] is not None:  # clash raises its own error), else this one stands
-                    raise
+                if to_register(request, self.engine.lora_slots)[1] is not None:  # clash raises its own error),
+                    raise  # else this one stands
         return name
 
     async def remove_lora(self, name: str) -> int:
