@@ -36,7 +36,6 @@ def _chat(**extra) -> dict:
 @pytest.mark.parametrize("field,value,message", [
     ("best_of", 2, "only best_of=1 is supported"),
     ("suffix", "x", "suffix is not supported"),
-    ("use_beam_search", True, "beam search"),
     ("guided_whitespace_pattern", "\\s*", "guided_whitespace_pattern is not supported"),
     ("response_format", {"type": "structural_tag"}, "type 'structural_tag' is not supported"),
     ("tool_choice", "required", "the request has no tools"),

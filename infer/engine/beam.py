@@ -78,31 +78,38 @@ def score(beam: BeamSearchSequence, eos: set[int], length_penalty: float) -> flo
     return beam.cum_logprob / (length ** length_penalty)
 
 
-def beam_search(generate, tokenizer, eos: set[int], prompts: list[list[int]], params: BeamSearchParams,
-                lora: list[str | None], max_model_len: int, salts: list[str | None] | None = None
-                ) -> list[BeamSearchOutput]:
-    """`generate(prompts, SamplingParams, loras)` runs one step of every beam (LLM.generate); `prompts` are token
-    ids, `lora` an adapter (or None) per prompt, `salts` a prompt's cache_salt (or None): its beams' steps are
-    {"prompt_token_ids": ..., "cache_salt": ...} prompts, sharing cached prefixes only with that salt's."""
-    salts = salts or [None] * len(prompts)
-    from .sampling_params import SamplingParams
-    for i, prompt in enumerate(prompts):
-        if len(prompt) + params.max_tokens > max_model_len:
-            raise RequestError(f"prompt {i} has {len(prompt)} tokens: with max_tokens {params.max_tokens} its beams "
-                               f"outgrow the context ({max_model_len} tokens)",
-                               f"lower max_tokens to {max(0, max_model_len - len(prompt))} or less")
-    width = params.beam_width
-    step = SamplingParams(max_new_tokens=1, logprobs=2 * width, temperature=params.temperature, ignore_eos=True,
-                          detokenize=False)
-    live = [[BeamSearchSequence(list(p), num_prompt_tokens=len(p))] for p in prompts]
-    done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-    for _ in range(params.max_tokens):
-        beams = [(i, beam) for i, group in enumerate(live) for beam in group]
-        if not beams:
-            break
-        outs = generate([beam.tokens if salts[i] is None else {"prompt_token_ids": beam.tokens, "cache_salt": salts[i]}
-                         for i, beam in beams], step, [lora[i] for i, _ in beams])
-        candidates: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+class BeamSearch:
+    """The search of some prompts, one step at a time, for whoever runs the steps: `LLM.beam_search` (beam_search
+    below, over LLM.generate) and the server (its engine loop, beside other requests). Each step: `beams()` lists
+    (prompt index, beam) whose next token the model must score, each scored by one request of `step` (one token,
+    the top 2 x beam_width logprobs); `advance(beams, outs)` takes their outputs (each with `logprobs`); once
+    `beams()` is empty `finish(tokenizer)` returns each prompt's best beams."""
+
+    def __init__(self, prompts: list[list[int]], params: BeamSearchParams, eos: set[int], max_model_len: int,
+                 priority: int = 0):
+        from .sampling_params import SamplingParams
+        for i, prompt in enumerate(prompts):
+            if len(prompt) + params.max_tokens > max_model_len:
+                raise RequestError(f"prompt {i} has {len(prompt)} tokens: with max_tokens {params.max_tokens} its "
+                                   f"beams outgrow the context ({max_model_len} tokens)",
+                                   f"lower max_tokens to {max(0, max_model_len - len(prompt))} or less")
+        self.params, self.eos = params, set(eos)
+        self.step = SamplingParams(max_new_tokens=1, logprobs=2 * params.beam_width, temperature=params.temperature,
+                                   ignore_eos=True, detokenize=False, priority=priority)
+        self.live = [[BeamSearchSequence(list(p), num_prompt_tokens=len(p))] for p in prompts]
+        self.done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        self.steps = 0
+
+    def beams(self) -> list[tuple[int, BeamSearchSequence]]:
+        """The live beams of every prompt, as (prompt index, beam): none once max_tokens steps ran."""
+        if self.steps >= self.params.max_tokens:
+            return []
+        return [(i, beam) for i, group in enumerate(self.live) for beam in group]
+
+    def advance(self, beams: list[tuple[int, BeamSearchSequence]], outs) -> None:
+        """One step: `outs[k]` the output of `beams[k]`'s request."""
+        params, width = self.params, self.params.beam_width
+        candidates: list[list[BeamSearchSequence]] = [[] for _ in self.live]
         for (i, beam), out in zip(beams, outs):
             record = out.logprobs[0]
             options = {record["token_id"]: record["logprob"]}
@@ -112,24 +119,44 @@ def beam_search(generate, tokenizer, eos: set[int], prompts: list[list[int]], pa
                     continue
                 new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [options], beam.cum_logprob + logprob,
                                          num_prompt_tokens=beam.num_prompt_tokens)
-                if token in eos and not params.ignore_eos:
+                if token in self.eos and not params.ignore_eos:
                     new.finish_reason = "stop"
-                    done[i].append(new)
+                    self.done[i].append(new)
                 else:
                     candidates[i].append(new)
         for i, group in enumerate(candidates):
-            group.sort(key=lambda b: score(b, eos, params.length_penalty), reverse=True)
-            live[i] = group[:width]
-    results = []
-    for i in range(len(prompts)):
-        for beam in live[i]:
-            beam.finish_reason = "length"
-        best = sorted(done[i] + live[i], key=lambda b: score(b, eos, params.length_penalty), reverse=True)[:width]
-        for beam in best:  # the text of the prompt and the beam, special tokens left out (the EOS's own text kept
-            # with include_stop_str_in_output)
-            end = beam.tokens[-1:] if beam.finish_reason == "stop" else []
-            beam.text = tokenizer.decode(beam.tokens[:len(beam.tokens) - len(end)], skip_special_tokens=True)
-            if end and params.include_stop_str_in_output:
-                beam.text += tokenizer.decode(end, skip_special_tokens=False)
-        results.append(BeamSearchOutput(best))
-    return results
+            group.sort(key=lambda b: score(b, self.eos, params.length_penalty), reverse=True)
+            self.live[i] = group[:width]
+        self.steps += 1
+
+    def finish(self, tokenizer) -> list[BeamSearchOutput]:
+        """Each prompt's best beam_width beams, best first, with their text."""
+        params, results = self.params, []
+        for i in range(len(self.live)):
+            for beam in self.live[i]:
+                beam.finish_reason = "length"
+            best = sorted(self.done[i] + self.live[i], key=lambda b: score(b, self.eos, params.length_penalty),
+                          reverse=True)[:params.beam_width]
+            for beam in best:  # the text of the prompt and the beam, special tokens left out (the EOS's own text kept
+                # with include_stop_str_in_output)
+                end = beam.tokens[-1:] if beam.finish_reason == "stop" else []
+                beam.text = tokenizer.decode(beam.tokens[:len(beam.tokens) - len(end)], skip_special_tokens=True)
+                if end and params.include_stop_str_in_output:
+                    beam.text += tokenizer.decode(end, skip_special_tokens=False)
+            results.append(BeamSearchOutput(best))
+        return results
+
+
+def beam_search(generate, tokenizer, eos: set[int], prompts: list[list[int]], params: BeamSearchParams,
+                lora: list[str | None], max_model_len: int, salts: list[str | None] | None = None
+                ) -> list[BeamSearchOutput]:
+    """`generate(prompts, SamplingParams, loras)` runs one step of every beam (LLM.generate); `prompts` are token
+    ids, `lora` an adapter (or None) per prompt, `salts` a prompt's cache_salt (or None): its beams' steps are
+    {"prompt_token_ids": ..., "cache_salt": ...} prompts, sharing cached prefixes only with that salt's."""
+    salts = salts or [None] * len(prompts)
+    search = BeamSearch(prompts, params, eos, max_model_len)
+    while beams := search.beams():
+        outs = generate([beam.tokens if salts[i] is None else {"prompt_token_ids": beam.tokens, "cache_salt": salts[i]}
+                         for i, beam in beams], search.step, [lora[i] for i, _ in beams])
+        search.advance(beams, outs)
+    return search.finish(tokenizer)

@@ -23,6 +23,7 @@ from ..errors import LoRAError, RequestError
 from . import protocol as p
 from .adapters import add_adapter_routes
 from .async_engine import NO_ENGINE, AsyncEngine, NoEngineError, QueueFullError, ShuttingDownError
+from .beams import ServedBeamSearch
 from .body import BodyLimits, SafeJSONResponse, request_body
 from .cors import CorsOptions
 from .guard import ErrorGuardMiddleware, server_error_body
@@ -84,6 +85,7 @@ class Server:
             log.warning("the model's generation_config.json has max_new_tokens %d: every request's reply is capped "
                         "at it, as vLLM caps it (remove it from the file to lift the cap)",
                         self.sampling_defaults[MAX_TOKENS_CAP])
+        self._beams: dict[str, ServedBeamSearch] = {}  # a beam search's choice ids -> the search (serve/beams.py)
         self.parser = ParsePool(self.tokenizer, self.limits, max_tokens=self.engine.max_model_len,
                                 defaults=self.sampling_defaults, grammars=self.engine.grammars,
                                 tool_parser=tool_parser, reasoning_parser=reasoning_parser,
@@ -146,6 +148,13 @@ class Server:
         ids = [f"{base_id}-{i}" for i in range(len(req.prompts))]
         done: list[str] = []
         try:
+            if req.beam is not None:  # vLLM's use_beam_search: one search, its steps on the engine loop
+                search = ServedBeamSearch(self.aengine, self.tokenizer, self._eos(), self.engine.max_model_len,
+                                          req.prompts, req.n, req.beam, req.params, lora, base_id)
+                search.start()
+                for rid in search.ids:
+                    self._beams[rid] = search
+                return search.queue, search.ids
             for i, (rid, prompt) in enumerate(zip(ids, req.prompts)):
                 self.aengine.add(rid, prompt, req.params_for(i), lora, queue)
                 done.append(rid)
@@ -170,7 +179,15 @@ class Server:
 
     def _abort(self, ids) -> None:
         for rid in ids:
-            self.aengine.abort(rid)
+            search = self._beams.pop(rid, None)
+            if search is not None:  # a beam search's choice: the search ends (its steps in flight are aborted)
+                search.abort()
+            else:
+                self.aengine.abort(rid)
+
+    def _eos(self) -> set[int]:
+        eos = getattr(self.engine, "eos_token_ids", None)
+        return set(eos) if eos else {self.tokenizer.eos_token_id}
 
     async def outputs(self, queue: asyncio.Queue, ids: list[str], request: Request | None, arrival: float):
         """Yield (choice index, RequestOutput) until every request is finished. With `request`, a client that
@@ -192,6 +209,7 @@ class Server:
                 self.metrics.observe_output(out, arrival, counted)
                 if out.finished:
                     left.discard(out.request_id)
+                    self._beams.pop(out.request_id, None)
                     self.metrics.observe_finished(out, arrival, time.monotonic())
                 yield index[out.request_id], out
         finally:

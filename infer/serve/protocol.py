@@ -113,6 +113,8 @@ class GenerationRequest:
     # token is "token_id:ID" instead of its text (a token whose text is not valid UTF-8 alone stays identifiable);
     # None: the body left it out (or null), and the server's option decides, as vLLM's (a body's false overrides it)
     tokens_as_ids: bool | None = False
+    # vLLM's use_beam_search: the n choices of a prompt are its n best beams (serve/beams.py), not n samples
+    beam: Any = None
 
     def params_for(self, index: int):
         """Choice `index`'s sampling: with n > 1 and a seed, sample j draws with seed + j (as vLLM's parallel
@@ -143,7 +145,8 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
     for key, (ok, why) in _UNSUPPORTED.items():
         if key in ("tools", "tool_choice") and chat:  # serve/tools.py (parse_chat)
             continue
-        if key not in ("n", "echo") and not ok(body.get(key)):  # n: one engine request per choice; echo: below
+        if key not in ("n", "echo", "use_beam_search") and not ok(body.get(key)):  # n: one engine request per
+            # choice; echo, use_beam_search: below
             raise ApiError(400, why, param=key)
     if not chat and body.get(REQUEST_TEMPLATE_FIELD) is not None:
         raise ApiError(400, "chat_template applies to chat messages only (send messages to /v1/chat/completions, "
@@ -244,11 +247,40 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
     return_ids = bool(_expect(body, "return_token_ids", (bool,), "a boolean"))
     as_ids = _expect(body, "return_tokens_as_token_ids", (bool,), "a boolean")  # None: the server's option
     request_id = _expect(body, "request_id", (str,), "a string") or None  # "" is none given, as in vLLM
+    beam = _beam_params(body, params, n or 1, chat, stream, echo, source) \
+        if _expect(body, "use_beam_search", (bool,), "a boolean") else None
     return GenerationRequest([], params, model, stream, include_usage and stream, chat, return_ids,
                              include_usage and continuous and stream, n or 1, echo, prompt_only,
                              asked_prompt_logprobs=asked, structured_field=source, length_field=length,
                              request_id=request_id, asked_length=not (unsized and chat), asked_tokens=asked_tokens,
-                             capped=capped, tokens_as_ids=as_ids)
+                             capped=capped, tokens_as_ids=as_ids, beam=beam)
+
+
+def _beam_params(body: dict, params, n: int, chat: bool, stream: bool, echo: bool, structured: str | None):
+    """vLLM's to_beam_search_params: n beams (the choices), max_tokens, ignore_eos, temperature (the draw of the
+    one sampled candidate a step adds), length_penalty and include_stop_str_in_output; the other sampling fields
+    do not apply to a beam search, as in vLLM. Refused as vLLM refuses them: a streamed completion; and what a beam
+    search cannot give: a constraint (its beams would not follow it) and the prompt's logprobs."""
+    if stream and not chat:
+        raise ApiError(400, "Streaming is not currently supported with beam search (as in vLLM; a chat completion "
+                            "streams its beams once they are found)", param="stream")
+    if structured is not None:
+        raise ApiError(400, f"{structured} cannot be combined with use_beam_search (its beams do not follow a "
+                            "constraint)", param=structured)
+    if params.prompt_logprobs is not None:
+        raise ApiError(400, "prompt_logprobs cannot be combined with use_beam_search" if not echo else
+                       "echo with logprobs cannot be combined with use_beam_search (the prompt's logprobs are not "
+                       "computed)", param="prompt_logprobs" if not echo else "logprobs")
+    penalty = _expect(body, "length_penalty", (int, float), "a number")
+    from ..engine.beam import BeamSearchParams
+    try:
+        return BeamSearchParams(beam_width=n, max_tokens=params.max_new_tokens or 1, ignore_eos=params.ignore_eos,
+                                temperature=params.temperature, length_penalty=1.0 if penalty is None else penalty,
+                                include_stop_str_in_output=params.include_stop_str_in_output)
+    except RequestError as e:
+        name = str(e).split(" ", 1)[0]
+        message = str(e).replace("beam_width", "n (the beam width)", 1)
+        raise ApiError(400, message, param={"beam_width": "n", "max_tokens": None}.get(name, name)) from e
 
 
 def _truncation(req: GenerationRequest, max_tokens: int | None) -> int | None:
@@ -385,6 +417,9 @@ def parse_chat(body: Any, tokenizer, max_tokens: int | None = None, defaults: di
         raise ApiError(400, str(e), param=e.field) from e
     if req.tools is not None:
         template["tools"] = req.tools.tools  # apply_chat_template renders them (a template that reads `tools`)
+    if req.tools is not None and req.tools.schema is not None and req.beam is not None:
+        raise ApiError(400, f"{_tool_choice_words(req.tools)} cannot be combined with use_beam_search (its beams do "
+                            "not follow a constraint)", param="tool_choice")
     if req.tools is not None and req.tools.schema is not None:  # the reply is a call: a JSON schema constrains it
         if req.params.structured_outputs is not None:
             raise ApiError(400, f"tool_choice {req.tools.mode!r} constrains the reply already; "

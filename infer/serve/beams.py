@@ -1,0 +1,164 @@
+"""vLLM's `use_beam_search` on the server: a request's beam search runs on the engine loop as vLLM's online beam
+search does, one step at a time (each live beam one engine request of one token and its top 2 x n logprobs, among
+the other clients' requests, which keep getting their tokens), and ends in one finished output per choice: prompt
+i's beam r (best first) is choice i x n + r, which the routes answer as any other choice (usage, logprobs, echo,
+a chat stream's chunks). Aborting it (its client gone) aborts the steps in flight.
+
+As vLLM's: a choice's token_ids are the beam's tokens (a final EOS only with include_stop_str_in_output), its text
+theirs decoded with the special tokens kept and without the EOS, its stop_reason the EOS id when it ended on one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import replace
+
+from ..engine.beam import BeamSearch, BeamSearchParams
+from ..engine.outputs import RequestOutput
+from .async_engine import NO_ENGINE, NoEngineError, QueueFullError, ShuttingDownError
+
+log = logging.getLogger("infer.serve")
+RETRY_FULL_S = 0.05  # a later step refused by --max-queue waits this long and is sent again (the search goes on)
+
+
+class ServedBeamSearch:
+    """One request's beam search over an AsyncEngine. `start()` sends the first step (raising what AsyncEngine.add
+    raises, so that a bad request or a full server is refused before the response starts), then runs the rest in a
+    task; `queue` gets each choice's finished output (request id: `ids[choice]`); `abort()` ends it."""
+
+    def __init__(self, aengine, tokenizer, eos: set[int], max_model_len: int, prompts: list[list[int]],
+                 n: int, beam: BeamSearchParams, params, lora: str | None, base_id: str):
+        """`prompts`: one per choice (prompt i n times, as GenerationRequest.prompts); `beam`: its params, with
+        max_tokens the request's SamplingParams' (`params`: also its priority, cache_salt and logprobs), whose None
+        (a chat without max_tokens) is the context left after each prompt, as vLLM's get_max_tokens."""
+        self.aengine, self.tokenizer, self.lora, self.n, self.beam = aengine, tokenizer, lora, n, beam
+        self.logprobs = params.logprobs
+        self.ids = [f"{base_id}-{i}" for i in range(len(prompts))]
+        self.base_id = base_id
+        self.searches = []
+        for prompt in prompts[::n]:
+            asked = params.max_new_tokens
+            length = asked if asked is not None else max(1, max_model_len - len(prompt))
+            search = BeamSearch([prompt], replace(beam, max_tokens=length), eos, max_model_len,
+                                priority=params.priority)
+            search.step = replace(search.step, cache_salt=params.cache_salt)
+            self.searches.append(search)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._steps: asyncio.Queue = asyncio.Queue()
+        self._in_flight: set[str] = set()
+        self._count = 0
+        self._task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ the search
+    def _beams(self) -> list[tuple[int, int, object]]:
+        return [(s, i, beam) for s, search in enumerate(self.searches) for i, beam in search.beams()]
+
+    def _send(self, beams) -> list[str]:
+        """One engine request per beam; their ids. The first step's errors go to the caller; a later step's
+        QueueFullError too (the caller retries)."""
+        rids = []
+        try:
+            for s, _, beam in beams:
+                rid = f"{self.base_id}-beam{self._count}"
+                self._count += 1
+                self.aengine.add(rid, beam.tokens, self.searches[s].step, self.lora, self._steps)
+                self._in_flight.add(rid)
+                rids.append(rid)
+        except Exception:
+            for rid in rids:
+                self._in_flight.discard(rid)
+                self.aengine.abort(rid)
+            raise
+        return rids
+
+    def start(self) -> None:
+        beams = self._beams()
+        rids = self._send(beams)
+        self._task = asyncio.get_running_loop().create_task(self._run(beams, rids))
+
+    async def _run(self, beams, rids) -> None:
+        try:
+            while beams:
+                outs = await self._collect(rids)
+                failed = next((o for o in outs if o.finish_reason in ("error", "abort")), None)
+                if failed is not None:  # the engine failed a step, or the server is shutting down
+                    return self._fail(failed.finish_reason, failed.error, failed.bad_request)
+                for s, search in enumerate(self.searches):
+                    mine = [(i, beam) for (t, i, beam) in beams if t == s]
+                    if mine:
+                        search.advance(mine, [o for (t, _, _), o in zip(beams, outs) if t == s])
+                beams = self._beams()
+                rids = await self._send_later(beams) if beams else []
+            self._finish()
+        except asyncio.CancelledError:
+            raise
+        except ShuttingDownError as e:
+            self._fail("abort", str(e))
+        except NoEngineError:
+            self._fail("error", NO_ENGINE)
+        except Exception as e:  # noqa: BLE001 (a bug, or a step refused: the client gets the error, not a hang)
+            log.exception("beam search %s failed", self.base_id)
+            self._fail("error", f"beam search failed: {type(e).__name__}: {e}")
+        finally:
+            for rid in self._in_flight:  # cancelled (client gone) or failed: free the steps' KV blocks now
+                self.aengine.abort(rid)
+            self._in_flight.clear()
+
+    async def _send_later(self, beams) -> list[str]:
+        while True:
+            try:
+                return self._send(beams)
+            except QueueFullError:  # other clients fill the queue: this search waits its turn, as theirs would
+                await asyncio.sleep(RETRY_FULL_S)
+
+    async def _collect(self, rids: list[str]) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(rids):
+            out = await self._steps.get()
+            if out.finished:
+                self._in_flight.discard(out.request_id)
+                done[out.request_id] = out
+        return [done[rid] for rid in rids]
+
+    # ------------------------------------------------------------------ the choices
+    def _fail(self, reason: str, message: str | None, bad_request: bool = False) -> None:
+        for cid in self.ids:
+            out = RequestOutput(cid, [], finished=True, finish_reason=reason, error=message, bad_request=bad_request)
+            self.queue.put_nowait(out)
+
+    def _finish(self) -> None:
+        for s, search in enumerate(self.searches):
+            best = search.finish(self.tokenizer)[0].sequences
+            for r in range(self.n):
+                cid = self.ids[s * self.n + r]
+                if r >= len(best):  # (each step keeps 2 x n candidates a beam: never fewer beams than n)
+                    self.queue.put_nowait(RequestOutput(cid, [], finished=True, finish_reason="error",
+                                                        error=f"the beam search found {len(best)} beams, not {self.n}"))
+                    continue
+                self.queue.put_nowait(self._output(cid, best[r], search))
+
+    def _output(self, cid: str, beam, search) -> RequestOutput:
+        tokens = beam.output_token_ids
+        ended = beam.finish_reason == "stop"
+        shown = tokens[:-1] if ended else tokens  # the text never holds the EOS (vLLM's)
+        kept = tokens if not ended or self.beam.include_stop_str_in_output else shown
+        text = self.tokenizer.decode(shown, skip_special_tokens=False)
+        records = None
+        if self.logprobs is not None:  # each token's, and the candidates it was chosen from
+            records = []
+            for token, options in zip(kept, beam.logprobs):
+                top = sorted(options.items(), key=lambda kv: -kv[1])[:self.logprobs]
+                records.append({"token_id": token, "logprob": options[token],
+                                "top_logprobs": [{"token_id": t, "logprob": v} for t, v in top]})
+        prompt = beam.tokens[:beam.num_prompt_tokens]
+        return RequestOutput(cid, prompt, kept, new_token_ids=kept, text=text, delta_text=text, finished=True,
+                             finish_reason=beam.finish_reason, logprobs=records, lora=self.lora,
+                             stop_reason=tokens[-1] if ended else None)
+
+    def abort(self) -> None:
+        """End the search now (its client is gone): the steps in flight are aborted."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        for rid in list(self._in_flight):
+            self.aengine.abort(rid)
