@@ -49,7 +49,7 @@ def test_beams_are_transformers_beams(llm, path, width):
             assert math.isclose(s.cum_logprob / 6, hf_score, rel_tol=1e-4, abs_tol=1e-4)
             assert math.isclose(sum(s.logprobs[k][t] for k, t in enumerate(s.output_token_ids)), s.cum_logprob,
                                 rel_tol=1e-6)
-        assert out.sequences[0].text == llm.tokenizer.decode(out.sequences[0].tokens, skip_special_tokens=True)
+        assert out.sequences[0].text == llm.tokenizer.decode(out.sequences[0].tokens, skip_special_tokens=False)
     if width == 1:  # one beam is greedy decoding
         from infer import SamplingParams
         greedy = llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))

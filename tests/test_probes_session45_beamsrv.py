@@ -194,3 +194,12 @@ def test_client_gone_ends_the_beam_search(engine):
         assert _post(base, "completions", {"prompt": PROMPT, "n": 2, "max_tokens": 2,
                                            "use_beam_search": True}).status_code == 200
 
+
+def test_llm_beam_search_text_keeps_special_tokens(llm):
+    """vLLM's LLM.beam_search decodes a beam's tokens as they are (tokenizer.decode: special tokens kept)."""
+    special = llm.tokenizer.all_special_ids[-1]
+    prompt = [special] + PROMPT
+    out = _beams(llm, prompt, 2, 3, ignore_eos=True)
+    for s in out.sequences:
+        assert s.text == llm.tokenizer.decode(s.tokens, skip_special_tokens=False)
+        assert s.text.startswith(llm.tokenizer.decode([special], skip_special_tokens=False))

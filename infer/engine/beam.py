@@ -137,10 +137,10 @@ class BeamSearch:
                 beam.finish_reason = "length"
             best = sorted(self.done[i] + self.live[i], key=lambda b: score(b, self.eos, params.length_penalty),
                           reverse=True)[:params.beam_width]
-            for beam in best:  # the text of the prompt and the beam, special tokens left out (the EOS's own text kept
-                # with include_stop_str_in_output)
+            for beam in best:  # the text of the prompt and the beam, special tokens kept as vLLM's tokenizer.decode
+                # keeps them (the EOS's own text only with include_stop_str_in_output)
                 end = beam.tokens[-1:] if beam.finish_reason == "stop" else []
-                beam.text = tokenizer.decode(beam.tokens[:len(beam.tokens) - len(end)], skip_special_tokens=True)
+                beam.text = tokenizer.decode(beam.tokens[:len(beam.tokens) - len(end)], skip_special_tokens=False)
                 if end and params.include_stop_str_in_output:
                     beam.text += tokenizer.decode(end, skip_special_tokens=False)
             results.append(BeamSearchOutput(best))
