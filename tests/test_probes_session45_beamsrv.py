@@ -203,3 +203,27 @@ def test_llm_beam_search_text_keeps_special_tokens(llm):
     for s in out.sequences:
         assert s.text == llm.tokenizer.decode(s.tokens, skip_special_tokens=False)
         assert s.text.startswith(llm.tokenizer.decode([special], skip_special_tokens=False))
+
+
+def test_an_adapter_named_as_the_model_runs_the_beams_with_priority(path, tmp_path):
+    """`model` naming an adapter searches with it (LLM.beam_search's beams with that lora); under the priority
+    policy the request's priority reaches every step."""
+    from lora_helpers import THREE, hf_float, save_adapter
+    adapter = str(save_adapter(hf_float(path), tmp_path / "a", seed=5, **THREE["a"]))
+    engine = LLMEngine(EngineConfig(path, max_model_len=MAX_LEN, block_size=4, loras={"a": adapter},
+                                    scheduling_policy="priority"))
+    seen = []
+    add = engine.add_request
+    engine.add_request = lambda rid, ids, params, *a, **k: (seen.append(params.priority), add(rid, ids, params,
+                                                                                               *a, **k))[1]
+    body = {"prompt": PROMPT, "n": 2, "max_tokens": 4, "use_beam_search": True, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, "priority": -2}
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny-llama")) as base:
+        r = httpx.post(f"{base}/v1/completions", json={**body, "model": "a"}, timeout=60)
+        plain = httpx.post(f"{base}/v1/completions", json={**body, "model": "tiny-llama"}, timeout=60)
+    assert r.status_code == 200 and r.json()["model"] == "a", r.text
+    assert seen and set(seen) == {-2}
+    with LLM(path, block_size=4, max_model_len=MAX_LEN, loras={"a": adapter}) as llm:
+        want = llm.beam_search([PROMPT], BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True), lora="a")[0]
+    assert [c["token_ids"] for c in r.json()["choices"]] == [s.output_token_ids for s in want.sequences]
+    assert [c["token_ids"] for c in plain.json()["choices"]] != [c["token_ids"] for c in r.json()["choices"]]
