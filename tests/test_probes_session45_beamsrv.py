@@ -227,3 +227,20 @@ def test_an_adapter_named_as_the_model_runs_the_beams_with_priority(path, tmp_pa
         want = llm.beam_search([PROMPT], BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True), lora="a")[0]
     assert [c["token_ids"] for c in r.json()["choices"]] == [s.output_token_ids for s in want.sequences]
     assert [c["token_ids"] for c in plain.json()["choices"]] != [c["token_ids"] for c in r.json()["choices"]]
+
+
+def test_a_batch_line_with_use_beam_search_says_where_beam_search_runs(tmp_path):
+    """`infer run` refuses it (vLLM's run-batch would search): its record said "beam search is not served", which
+    the server now contradicts, or with the beam width n > 1 "only n=1 is supported"; it names what runs one."""
+    from infer.cli.batch_io import read_inputs
+
+    class Tok:
+        chat_template = None
+
+        def __call__(self, text):
+            return {"input_ids": list(text.encode("utf-8"))[:50] or [0]}
+    line = {"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "hi", "n": 3, "use_beam_search": True}}
+    (tmp_path / "in.jsonl").write_text(json.dumps(line) + "\n")
+    item = {i.id: i for i in read_inputs(tmp_path / "in.jsonl", Tok(), {"max_new_tokens": 4})}["c"]
+    assert "body.use_beam_search: beam search is not run for batch lines" in item.error
+    assert "infer serve" in item.error and "LLM.beam_search" in item.error

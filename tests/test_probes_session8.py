@@ -119,7 +119,7 @@ def test_batch_lines_asking_for_what_infer_does_not_do_get_error_records(tmp_pat
     items = _read(tmp_path, tokenizer, _batch("min", use_beam_search=True),
                   _batch("guided", guided_json={"type": "object"}, guided_regex="a+"), _batch("top", top_logprobs=2),
                   _batch("ok", min_tokens=0, top_logprobs=2, logprobs=True))
-    assert "body.use_beam_search: beam search is not served" in items["min"].error
+    assert "body.use_beam_search: beam search is not run for batch lines" in items["min"].error
     assert "one structured output, got body.guided_json, body.guided_regex" in items["guided"].error
     assert "body.logprobs is not true" in items["top"].error
     assert items["ok"].error is None and items["ok"].request.params.logprobs == 2

@@ -46,8 +46,9 @@ UNSUPPORTED_OPENAI = {
     "modalities": (lambda v: v is None or v == ["text"], "only text output is supported"),
     "audio": (lambda v: v is None, "audio output is not supported"),
     # vLLM's extensions that change the reply: silently dropped, the client would get another reply than it asked
-    "use_beam_search": (lambda v: v is None or v is False, "beam search is not served (from Python: "
-                                                           "LLM.beam_search)"),
+    "use_beam_search": (lambda v: v is None or v is False, "beam search is not run for batch lines (`infer serve` "
+                                                           "takes use_beam_search per request, as vLLM's server; "
+                                                           "from Python: LLM.beam_search)"),
     # (these two were dropped without a word; SamplingParams refuses the first at other values than this)
     "logits_processors": (lambda v: not v, "logits_processors are not supported"),
     "prompt_embeds": (lambda v: v is None, "prompt_embeds are not supported: send the prompt as text or token ids"),
@@ -599,7 +600,8 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
     if url == "/v1/completions" and "messages" in body:
         raise RequestError("body.messages is given to /v1/completions, which takes a prompt",
                            'use "url": "/v1/chat/completions" for messages, or give body.prompt')
-    for key, (ok, why) in UNSUPPORTED_OPENAI.items():
+    # use_beam_search first: its n is the beam width, which "only n=1" would misread
+    for key, (ok, why) in sorted(UNSUPPORTED_OPENAI.items(), key=lambda kv: kv[0] != "use_beam_search"):
         if not ok(body.get(key)):
             more = " (for n > 1, write one line per reply, each with its own custom_id and seed)" \
                 if key in ("n", "best_of") else ""
