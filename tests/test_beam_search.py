@@ -63,7 +63,7 @@ def test_a_beam_that_ends_in_eos_is_finished_and_scored_without_it(llm, monkeypa
     plain = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True))[0]
     second = plain.sequences[0].output_token_ids[1]
     monkeypatch.setattr(llm.engine, "eos_token_ids", {second})
-    out = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=4))[0]
+    out = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=4, include_stop_str_in_output=True))[0]
     stopped = [s for s in out.sequences if s.finish_reason == "stop"]
     assert stopped and all(s.output_token_ids[-1] == second for s in stopped)
     assert all(second not in s.output_token_ids for s in out.sequences if s.finish_reason == "length")

@@ -81,20 +81,22 @@ def test_eos_finished_beams_as_vllm(url, llm, engine, monkeypatch):
     eos = plain[1]
     monkeypatch.setattr(engine, "eos_token_ids", {eos})
     monkeypatch.setattr(llm.engine, "eos_token_ids", {eos})
-    want = _beams(llm, PROMPT, 2, 4).sequences
-    stopped = [k for k, s in enumerate(want) if s.finish_reason == "stop"]
-    assert stopped
     for keep in (False, True):
+        want = _beams(llm, PROMPT, 2, 4, include_stop_str_in_output=keep).sequences
+        stopped = [k for k, s in enumerate(want) if s.finish_reason == "stop"]
+        assert stopped
         r = _post(url, "completions", {"prompt": PROMPT, "n": 2, "max_tokens": 4, "use_beam_search": True,
                                        "temperature": 0, "return_token_ids": True,
                                        "include_stop_str_in_output": keep})
         assert r.status_code == 200, r.text
         choices = r.json()["choices"]
+        assert [c["token_ids"] for c in choices] == [s.output_token_ids for s in want]
         for k in stopped:
             c, s = choices[k], want[k]
             assert c["finish_reason"] == "stop" and c["stop_reason"] == eos
-            assert c["token_ids"] == (s.output_token_ids if keep else s.output_token_ids[:-1])
-            assert c["text"] == llm.tokenizer.decode(s.output_token_ids[:-1], skip_special_tokens=False)
+            assert (s.output_token_ids[-1] == eos) is keep
+            assert c["text"] == llm.tokenizer.decode([t for t in s.output_token_ids if t != eos],
+                                                     skip_special_tokens=False)
         assert r.json()["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in choices)
 
 
@@ -244,3 +246,19 @@ def test_a_batch_line_with_use_beam_search_says_where_beam_search_runs(tmp_path)
     item = {i.id: i for i in read_inputs(tmp_path / "in.jsonl", Tok(), {"max_new_tokens": 4})}["c"]
     assert "body.use_beam_search: beam search is not run for batch lines" in item.error
     assert "infer serve" in item.error and "LLM.beam_search" in item.error
+
+
+def test_llm_beam_search_finished_beam_holds_its_eos_only_when_asked(llm, monkeypatch):
+    """vLLM's LLM.beam_search: a beam ended by EOS has it in its tokens and text only with
+    include_stop_str_in_output (infer kept it in the tokens always), and its stop_reason is the EOS id."""
+    plain = _beams(llm, PROMPT, 2, 4, ignore_eos=True).sequences[0].output_token_ids
+    eos = plain[1]
+    monkeypatch.setattr(llm.engine, "eos_token_ids", {eos})
+    for keep in (False, True):
+        out = _beams(llm, PROMPT, 2, 4, include_stop_str_in_output=keep).sequences
+        stopped = [s for s in out if s.finish_reason == "stop"]
+        assert stopped
+        for s in stopped:
+            assert s.stop_reason == eos and (s.output_token_ids[-1] == eos) is keep
+            assert eos not in s.output_token_ids[:-1]
+            assert s.text == llm.tokenizer.decode(s.tokens, skip_special_tokens=False)

@@ -6,7 +6,8 @@ A beam's score is its cumulative logprob divided by its length (prompt included,
 power `length_penalty` (vLLM's get_beam_search_score). With EOS taken (ignore_eos false) a candidate ending in EOS is
 a finished beam and leaves the search; at the end the running beams join the finished ones and the best beam_width
 are returned, best first. The candidates of a step are the same as transformers' `generate(num_beams=...)`'s (its
-top 2 x num_beams over every beam's tokens), so with EOS ignored the beams are transformers' too.
+top 2 x num_beams over every beam's tokens), so with EOS ignored the beams are transformers' too. As vLLM's, a
+finished beam's tokens and text hold its EOS only with include_stop_str_in_output (its stop_reason names it).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class BeamSearchSequence:
     text: str | None = None
     finish_reason: str | None = None  # "stop" (EOS) or "length"
     num_prompt_tokens: int = 0
+    stop_reason: int | None = None  # with finish_reason "stop": the EOS id that ended it (vLLM's)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -120,7 +122,7 @@ class BeamSearch:
                 new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [options], beam.cum_logprob + logprob,
                                          num_prompt_tokens=beam.num_prompt_tokens)
                 if token in self.eos and not params.ignore_eos:
-                    new.finish_reason = "stop"
+                    new.finish_reason, new.stop_reason = "stop", token
                     self.done[i].append(new)
                 else:
                     candidates[i].append(new)
@@ -137,12 +139,11 @@ class BeamSearch:
                 beam.finish_reason = "length"
             best = sorted(self.done[i] + self.live[i], key=lambda b: score(b, self.eos, params.length_penalty),
                           reverse=True)[:params.beam_width]
-            for beam in best:  # the text of the prompt and the beam, special tokens kept as vLLM's tokenizer.decode
-                # keeps them (the EOS's own text only with include_stop_str_in_output)
-                end = beam.tokens[-1:] if beam.finish_reason == "stop" else []
-                beam.text = tokenizer.decode(beam.tokens[:len(beam.tokens) - len(end)], skip_special_tokens=False)
-                if end and params.include_stop_str_in_output:
-                    beam.text += tokenizer.decode(end, skip_special_tokens=False)
+            for beam in best:  # as vLLM's: a final EOS stays in the tokens (and the text) only with
+                # include_stop_str_in_output; the text is the prompt's and the beam's, special tokens kept
+                if beam.finish_reason == "stop" and not params.include_stop_str_in_output:
+                    beam.tokens = beam.tokens[:-1]
+                beam.text = tokenizer.decode(beam.tokens, skip_special_tokens=False)
             results.append(BeamSearchOutput(best))
         return results
 

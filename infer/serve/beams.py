@@ -139,11 +139,9 @@ class ServedBeamSearch:
                 self.queue.put_nowait(self._output(cid, best[r], search))
 
     def _output(self, cid: str, beam, search) -> RequestOutput:
-        tokens = beam.output_token_ids
-        ended = beam.finish_reason == "stop"
-        shown = tokens[:-1] if ended else tokens  # the text never holds the EOS (vLLM's)
-        kept = tokens if not ended or self.beam.include_stop_str_in_output else shown
-        text = self.tokenizer.decode(shown, skip_special_tokens=False)
+        kept = beam.output_token_ids  # (a final EOS only with include_stop_str_in_output)
+        shown = kept[:-1] if beam.finish_reason == "stop" and self.beam.include_stop_str_in_output else kept
+        text = self.tokenizer.decode(shown, skip_special_tokens=False)  # never the EOS's text (vLLM's)
         records = None
         if self.logprobs is not None:  # each token's, and the candidates it was chosen from
             records = []
@@ -154,7 +152,7 @@ class ServedBeamSearch:
         prompt = beam.tokens[:beam.num_prompt_tokens]
         return RequestOutput(cid, prompt, kept, new_token_ids=kept, text=text, delta_text=text, finished=True,
                              finish_reason=beam.finish_reason, logprobs=records, lora=self.lora,
-                             stop_reason=tokens[-1] if ended else None)
+                             stop_reason=beam.stop_reason)
 
     def abort(self) -> None:
         """End the search now (its client is gone): the steps in flight are aborted."""
