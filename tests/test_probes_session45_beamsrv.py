@@ -262,3 +262,28 @@ def test_llm_beam_search_finished_beam_holds_its_eos_only_when_asked(llm, monkey
             assert s.stop_reason == eos and (s.output_token_ids[-1] == eos) is keep
             assert eos not in s.output_token_ids[:-1]
             assert s.text == llm.tokenizer.decode(s.tokens, skip_special_tokens=False)
+
+
+def test_async_llm_beam_search_is_vllms_engine_client_beam_search(path, llm):
+    """vLLM's EngineClient.beam_search (AsyncLLM) was missing: it yields one finished output whose outputs are
+    LLM.beam_search's beams, best first, while a generate of the same event loop runs beside it."""
+    import asyncio
+
+    from infer import AsyncLLM, SamplingParams
+    want = _beams(llm, PROMPT, 3, 5, ignore_eos=True).sequences
+
+    async def main():
+        async with AsyncLLM(path, block_size=4, max_model_len=MAX_LEN) as engine:
+            async def beams():
+                return [o async for o in engine.beam_search(
+                    PROMPT, "b1", BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True, temperature=0.0))]
+
+            async def plain():
+                return [o async for o in engine.generate("hi", SamplingParams(max_new_tokens=3, ignore_eos=True),
+                                                         "p1")]
+            return await asyncio.gather(beams(), plain())
+    found, plain = asyncio.run(main())
+    assert len(found) == 1 and found[0].finished and found[0].request_id == "b1"
+    assert [o.token_ids for o in found[0].outputs] == [s.output_token_ids for s in want]
+    assert [o.index for o in found[0].outputs] == [0, 1, 2]
+    assert plain[-1].finished and plain[-1].num_generated == 3

@@ -84,6 +84,48 @@ class AsyncLLM:
             if not finished:  # the caller stopped reading (break, cancel, an error): free the request now
                 self._loop.abort(request_id)
 
+    async def beam_search(self, prompt, request_id: str, params, lora_request=None, *, lora: str | None = None,
+                          priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """vLLM's EngineClient.beam_search (what its server runs for use_beam_search): `params` a BeamSearchParams;
+        the search runs one step at a time on the engine thread beside the other requests, and yields one finished
+        RequestOutput whose `outputs` are the beam_width best beams, best first (each its own text and token_ids, a
+        final EOS only with include_stop_str_in_output, and per token the logprobs of the candidates it was chosen
+        from); finish_reason "error" or "abort" (with `error`) if the engine failed it or shut down. Leaving it
+        early aborts the steps in flight."""
+        from ..engine.beam import BeamSearchParams
+        from .beams import ServedBeamSearch
+        self._check_open()
+        if not isinstance(params, BeamSearchParams):
+            raise RequestError(f"beam_search takes a BeamSearchParams, got {type(params).__name__}",
+                               "e.g. BeamSearchParams(beam_width=4, max_tokens=32)")
+        if lora_request is not None:
+            if lora is not None:
+                raise RequestError("beam_search() got both lora and lora_request", "give one")
+            lora = await self._lora_of(lora_request)
+        if not isinstance(request_id, str):
+            raise RequestIdTypeError(f"request_id must be a string, got {type(request_id).__name__}",
+                                     "give every request its own id, e.g. str(uuid.uuid4())")
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+            raise RequestError(f"priority must be an integer, got {priority!r}"[:200])
+        width = params.beam_width
+        step = SamplingParams(max_new_tokens=params.max_tokens, logprobs=2 * width, priority=int(priority))
+        ids, step = await asyncio.to_thread(self._inputs, prompt, step)
+        search = ServedBeamSearch(self._loop, self.tokenizer, set(self.engine.eos_token_ids),
+                                  self.engine.max_model_len, [ids] * width, width, params, step, lora, request_id)
+        search.start()
+        outs: dict[str, RequestOutput] = {}
+        try:
+            while len(outs) < width:
+                out = await search.queue.get()
+                outs[out.request_id] = out
+        finally:
+            if len(outs) < width:  # the caller stopped waiting: the search's steps are aborted
+                search.abort()
+        beams = [outs[cid] for cid in search.ids]
+        out = next((o for o in beams if o.finish_reason in ("error", "abort")), None) or RequestOutput.merged(beams)
+        out.request_id = request_id
+        yield out
+
     def _inputs(self, prompt, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
         """The prompt's token ids and the request's own checked params (off the event loop: tokenizing a long text
         takes a while)."""
