@@ -110,8 +110,8 @@ class BeamSearch:
 
     def advance(self, beams: list[tuple[int, BeamSearchSequence]], outs) -> None:
         """One step: `outs[k]` the output of `beams[k]`'s request."""
-        params, width = self.params, self.params.beam_width
-        candidates: list[list[BeamSearchSequence]] = [[] for _ in self.live]
+        params, width, eos, live, done = self.params, self.params.beam_width, self.eos, self.live, self.done
+        candidates: list[list[BeamSearchSequence]] = [[] for _ in live]
         for (i, beam), out in zip(beams, outs):
             record = out.logprobs[0]
             options = {record["token_id"]: record["logprob"]}
@@ -121,23 +121,23 @@ class BeamSearch:
                     continue
                 new = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [options], beam.cum_logprob + logprob,
                                          num_prompt_tokens=beam.num_prompt_tokens)
-                if token in self.eos and not params.ignore_eos:
+                if token in eos and not params.ignore_eos:
                     new.finish_reason, new.stop_reason = "stop", token
-                    self.done[i].append(new)
+                    done[i].append(new)
                 else:
                     candidates[i].append(new)
         for i, group in enumerate(candidates):
-            group.sort(key=lambda b: score(b, self.eos, params.length_penalty), reverse=True)
-            self.live[i] = group[:width]
+            group.sort(key=lambda b: score(b, eos, params.length_penalty), reverse=True)
+            live[i] = group[:width]
         self.steps += 1
 
     def finish(self, tokenizer) -> list[BeamSearchOutput]:
         """Each prompt's best beam_width beams, best first, with their text."""
-        params, results = self.params, []
-        for i in range(len(self.live)):
-            for beam in self.live[i]:
+        params, results, eos, live, done = self.params, [], self.eos, self.live, self.done
+        for i in range(len(live)):
+            for beam in live[i]:
                 beam.finish_reason = "length"
-            best = sorted(self.done[i] + self.live[i], key=lambda b: score(b, self.eos, params.length_penalty),
+            best = sorted(done[i] + live[i], key=lambda b: score(b, eos, params.length_penalty),
                           reverse=True)[:params.beam_width]
             for beam in best:  # as vLLM's: a final EOS stays in the tokens (and the text) only with
                 # include_stop_str_in_output; the text is the prompt's and the beam's, special tokens kept

@@ -101,7 +101,7 @@ class AsyncLLM:
         if lora_request is not None:
             if lora is not None:
                 raise RequestError("beam_search() got both lora and lora_request", "give one")
-            lora = await self._lora_of(lora_request)
+            lora = await self._lora_of(lora_request)  # (registered on first use, as generate's)
         if not isinstance(request_id, str):
             raise RequestIdTypeError(f"request_id must be a string, got {type(request_id).__name__}",
                                      "give every request its own id, e.g. str(uuid.uuid4())")
