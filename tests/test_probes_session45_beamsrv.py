@@ -231,9 +231,9 @@ def test_an_adapter_named_as_the_model_runs_the_beams_with_priority(path, tmp_pa
     assert [c["token_ids"] for c in plain.json()["choices"]] != [c["token_ids"] for c in r.json()["choices"]]
 
 
-def test_a_batch_line_with_use_beam_search_says_where_beam_search_runs(tmp_path):
-    """`infer run` refuses it (vLLM's run-batch would search): its record said "beam search is not served", which
-    the server now contradicts, or with the beam width n > 1 "only n=1 is supported"; it names what runs one."""
+def test_a_batch_lines_beam_search_fields_are_checked(tmp_path):
+    """A use_beam_search line (run as the server runs it) is refused what the server refuses: a beam width past 10,
+    a constraint, prompt_logprobs; and a use_beam_search that is no boolean."""
     from infer.cli.batch_io import read_inputs
 
     class Tok:
@@ -241,11 +241,17 @@ def test_a_batch_line_with_use_beam_search_says_where_beam_search_runs(tmp_path)
 
         def __call__(self, text):
             return {"input_ids": list(text.encode("utf-8"))[:50] or [0]}
-    line = {"custom_id": "c", "url": "/v1/completions", "body": {"prompt": "hi", "n": 3, "use_beam_search": True}}
-    (tmp_path / "in.jsonl").write_text(json.dumps(line) + "\n")
-    item = {i.id: i for i in read_inputs(tmp_path / "in.jsonl", Tok(), {"max_new_tokens": 4})}["c"]
-    assert "body.use_beam_search: beam search is not run for batch lines" in item.error
-    assert "infer serve" in item.error and "LLM.beam_search" in item.error
+    bodies = {"wide": {"n": 11}, "json": {"response_format": {"type": "json_object"}},
+              "plp": {"prompt_logprobs": 1}, "yes": {"use_beam_search": "yes"}, "ok": {"n": 3, "length_penalty": 2}}
+    lines = [{"custom_id": k, "url": "/v1/completions", "body": {"prompt": "hi", "use_beam_search": True, **v}}
+             for k, v in bodies.items()]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    items = {i.id: i for i in read_inputs(tmp_path / "in.jsonl", Tok(), {"max_new_tokens": 4})}
+    assert "body.n (the beam width of use_beam_search) must be an integer in 1..10" in items["wide"].error
+    assert "cannot be combined with body.use_beam_search" in items["json"].error
+    assert "cannot be combined with body.use_beam_search" in items["plp"].error
+    assert "body.use_beam_search must be true or false" in items["yes"].error
+    assert items["ok"].error is None and items["ok"].request.openai["beam"] == {"n": 3, "length_penalty": 2.0}
 
 
 def test_llm_beam_search_finished_beam_holds_its_eos_only_when_asked(llm, monkeypatch):
@@ -287,3 +293,41 @@ def test_async_llm_beam_search_is_vllms_engine_client_beam_search(path, llm):
     assert [o.token_ids for o in found[0].outputs] == [s.output_token_ids for s in want]
     assert [o.index for o in found[0].outputs] == [0, 1, 2]
     assert plain[-1].finished and plain[-1].num_generated == 3
+
+
+def test_infer_run_answers_beam_search_lines_as_the_server(llm, tmp_path):
+    """vllm run-batch answers a use_beam_search line as its server does; `infer run` refused it. A beam line's record
+    body is the server's response (n choices, the beams best first, usage over them), beside other lines; alone in
+    the file its beams are LLM.beam_search's."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    beam = {"prompt": PROMPT, "n": 3, "max_tokens": 4, "use_beam_search": True, "temperature": 0, "logprobs": 2,
+            "return_token_ids": True, "ignore_eos": True}
+    bodies = [("/v1/completions", beam),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "n": 2, "max_tokens": 3,
+                                        "use_beam_search": True, "temperature": 0, "length_penalty": 0.5}),
+              ("/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "temperature": 0})]
+
+    def run(bodies, name, *extra):
+        inp, out = tmp_path / f"{name}.in.jsonl", tmp_path / f"{name}.jsonl"
+        inp.write_text("".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": route, "body": body}) + "\n"
+                               for i, (route, body) in enumerate(bodies)))
+        res = CliRunner().invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q", "--block-size", "4",
+                                       *extra])
+        assert res.exit_code in (0, 1), res.output
+        return {r.get("custom_id", r.get("id")): r for r in map(json.loads, out.read_text().splitlines())}
+    records = run(bodies, "mixed", "--output-format", "openai")
+    assert all(r["error"] is None and r["response"]["status_code"] == 200 for r in records.values()), records
+    tok = llm.tokenizer
+    first, chat = records["c0"]["response"]["body"], records["c1"]["response"]["body"]
+    assert [c["index"] for c in first["choices"]] == [0, 1, 2] and len(chat["choices"]) == 2
+    assert all(c["text"] == tok.decode(c["token_ids"], skip_special_tokens=False) and len(c["token_ids"]) == 4
+               and len(c["logprobs"]["tokens"]) == 4 for c in first["choices"])
+    assert first["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
+    assert chat["object"] == "chat.completion" and all(c["message"]["role"] == "assistant" for c in chat["choices"])
+    alone = run(bodies[:1], "alone", "--output-format", "openai")["c0"]["response"]["body"]
+    want = _beams(llm, PROMPT, 3, 4, ignore_eos=True).sequences
+    assert [c["token_ids"] for c in alone["choices"]] == [s.output_token_ids for s in want]
+    own = run(bodies, "own")  # infer's own records hold one reply a line
+    assert "--output-format openai" in own["c0"]["error"] and own["c2"]["finish_reason"] == "length"

@@ -50,7 +50,7 @@ def test_a_byte_order_mark_does_not_cost_the_first_line(tmp_path):
     assert items["a"].error is None and "line 2" in items["line2"].error  # only the file's first bytes are a BOM
 
 
-@pytest.mark.parametrize("field,value", [("n", 3), ("best_of", 2), ("echo", True), ("use_beam_search", True),
+@pytest.mark.parametrize("field,value", [("n", 3), ("best_of", 2), ("echo", True),
                                          ("tools", [{"type": "function"}]),
                                          ("suffix", "the end")])
 def test_batch_line_fields_that_would_change_the_reply_are_refused_not_dropped(tmp_path, field, value):

@@ -116,10 +116,10 @@ def test_batch_lines_the_run_cannot_answer_say_so(tmp_path, tokenizer):
 def test_batch_lines_asking_for_what_infer_does_not_do_get_error_records(tmp_path, tokenizer):
     """min_tokens, guided_json or top_logprobs without logprobs gave a record that ignored them (two structured
     outputs at once are refused now that one is supported)."""
-    items = _read(tmp_path, tokenizer, _batch("min", use_beam_search=True),
+    items = _read(tmp_path, tokenizer, _batch("min", use_beam_search=True, n=11),
                   _batch("guided", guided_json={"type": "object"}, guided_regex="a+"), _batch("top", top_logprobs=2),
                   _batch("ok", min_tokens=0, top_logprobs=2, logprobs=True))
-    assert "body.use_beam_search: beam search is not run for batch lines" in items["min"].error
+    assert "body.n (the beam width of use_beam_search) must be an integer in 1..10" in items["min"].error
     assert "one structured output, got body.guided_json, body.guided_regex" in items["guided"].error
     assert "body.logprobs is not true" in items["top"].error
     assert items["ok"].error is None and items["ok"].request.params.logprobs == 2

@@ -415,17 +415,24 @@ class Records:
     def output(self, req_id: str, out) -> dict:
         if self.fmt == "infer":
             return output_record(req_id, out, self.tokenizer)
+        return self.choices(req_id, [out])
+
+    def choices(self, req_id: str, outs: list) -> dict:
+        """(openai) The record of a line answered with these choices' finished outputs (a beam search's n)."""
         from ..serve import protocol as p
-        if out.finish_reason in ("error", "abort"):
-            return self._failed(req_id, p.engine_error(out))
+        failed = next((out for out in outs if out.finish_reason in ("error", "abort")), None)
+        if failed is not None:
+            return self._failed(req_id, p.engine_error(failed))
         request = self.requests[req_id]
         info = request.openai
-        req = p.GenerationRequest([request.prompt_token_ids], request.params, info["model"], chat=info["chat"],
-                                  return_token_ids=info["return_token_ids"], tokens_as_ids=info["tokens_as_ids"],
+        req = p.GenerationRequest([request.prompt_token_ids] * len(outs), request.params, info["model"],
+                                  chat=info["chat"], return_token_ids=info["return_token_ids"], n=len(outs),
+                                  tokens_as_ids=info["tokens_as_ids"],
                                   asked_prompt_logprobs=request.params.prompt_logprobs)
         req.reasoning = self.reasoning.get(req_id)
         response = p.WholeResponse(req, self.tokenizer)
-        response.add(0, out)
+        for i, out in enumerate(outs):
+            response.add(i, out)
         body = response.body(p.new_id(info["chat"], info["request_id"]), info["model"] or self.model, p.now())
         return {"id": _batch_id(), "custom_id": req_id,
                 "response": {"status_code": 200, "request_id": _batch_id("req"), "body": body}, "error": None}

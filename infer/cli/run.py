@@ -20,6 +20,7 @@ from . import options as o
 from ..engine.sampling_params import MAX_TOKENS
 from .batch_io import (OUTPUT_FORMATS, Records, RecordWriter, check_format, check_input_encoding, model_names,
                        read_inputs, unused_adapters_note)
+from .beam_lines import LineBeams, is_beam_line
 from .entry import Terminated, terminate_as_interrupt
 from .resume import (check_not_unfinished, check_resume, done_ids, error_ids, is_regular_target, mark_complete,
                      output_lock, side_files, write_fingerprint)
@@ -344,12 +345,24 @@ def _generate(engine, todo, writer: RecordWriter, quiet: bool, records: Records 
     records = records or Records("infer", engine.tokenizer)
     failed = 0
     pending = {}
+    beams: dict = {}  # a use_beam_search line's step request id -> its search (cli/beam_lines.py)
     for item in todo:
+        if not item.error and is_beam_line(item.request) and records.fmt != "openai":
+            item.error = (f"line {item.line_no}: body.use_beam_search answers n choices, which infer's own records do "
+                          "not hold: run with --output-format openai")
         if item.error:
             writer.write(records.error(item.id, item.error))
             failed += 1
             continue
         r = item.request
+        if is_beam_line(r):
+            try:
+                search = LineBeams(engine, item)
+                beams.update(dict.fromkeys(search.send(engine), search))
+            except RequestError as e:
+                writer.write(records.error(item.id, f"line {item.line_no}: {e}"))
+                failed += 1
+            continue
         engine.add_request(item.id, r.prompt_token_ids, r.params, r.lora)
         pending[item.id] = item
     start, tokens = time.monotonic(), 0
@@ -357,11 +370,24 @@ def _generate(engine, todo, writer: RecordWriter, quiet: bool, records: Records 
     with progress:
         task = progress.add_task("requests", total=len(todo), completed=failed, tokens="0 tok/s")
         while engine.has_unfinished_requests():
-            outs, lost = _step(engine, pending, writer, records)
+            outs, lost = _step(engine, pending, writer, records, beams)
             failed += lost
             progress.advance(task, lost)
             for out in outs:
                 tokens += len(out.new_token_ids)
+                search = beams.pop(out.request_id, None) if out.finished else None
+                if search is not None:  # a beam search's step request: its next step, or the line's record
+                    if not search.take(out):
+                        continue
+                    bad = search.advance()
+                    rids = search.send(engine) if bad is None else []
+                    beams.update(dict.fromkeys(rids, search))
+                    if not rids:
+                        writer.write(records.choices(search.item.id, [bad] if bad else search.outputs(
+                            engine.tokenizer)))
+                        failed += bad is not None
+                        progress.advance(task)
+                    continue
                 if out.finished and pending.pop(out.request_id, None) is not None:
                     writer.write(records.output(out.request_id, out))
                     failed += out.finish_reason == "error"
@@ -377,9 +403,12 @@ def _generate(engine, todo, writer: RecordWriter, quiet: bool, records: Records 
     return failed
 
 
-def _step(engine, pending: dict, writer: RecordWriter, records: Records) -> tuple[list, int]:
+def _step(engine, pending: dict, writer: RecordWriter, records: Records, beams: dict | None = None
+          ) -> tuple[list, int]:
     """One engine step: (outputs, 0); or, when the step fails, error records for the requests it was running
-    (as the server does) and ([], how many), so that one request the engine cannot run never ends the run."""
+    (as the server does) and ([], how many), so that one request the engine cannot run never ends the run. A beam
+    search line (`beams`: its step requests' ids -> its search) with a step among them fails whole."""
+    beams = {} if beams is None else beams
     try:
         return engine.step(), 0
     except Exception as e:
@@ -388,6 +417,13 @@ def _step(engine, pending: dict, writer: RecordWriter, records: Records) -> tupl
         lost = 0
         for rid in victims:
             engine.abort_request(rid)
+            search = beams.get(rid)
+            if search is not None:  # the whole search ends: its other steps too
+                for other in [k for k, v in beams.items() if v is search]:
+                    del beams[other]
+                    engine.abort_request(other)
+                writer.write(records.error(search.item.id, message, engine=True))
+                lost += 1
             if pending.pop(rid, None) is not None:
                 writer.write(records.error(rid, message, engine=True))
                 lost += 1

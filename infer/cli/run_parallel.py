@@ -13,6 +13,7 @@ from ..parallel.progress import ReplicaProgress
 from ..parallel.replica import ENGINE_FAILURE
 from ..parallel.runtime import ReplicaError, local_cpus, placement, ray_runtime, require_ray, start_replicas
 from .batch_io import Records, RecordWriter, check_format, model_names, read_inputs, unused_adapters_note
+from .beam_lines import is_beam_line
 from .entry import terminate_as_interrupt
 from .run import _prechecked_lines, _strict_exit, exit_interrupted, open_output
 
@@ -98,6 +99,9 @@ def _generate(pool: ReplicaPool, todo: list, writer: RecordWriter, tokenizer, qu
     records = records or Records("infer", tokenizer)
     failed, work = 0, []
     for item in todo:
+        if not item.error and is_beam_line(item.request):  # (its steps would go to any replica: one engine runs it)
+            item.error = (f"line {item.line_no}: body.use_beam_search is not run with --data-parallel or Ray: run the "
+                          "file without them (or send the lines to infer serve)")
         if item.error:
             writer.write(records.error(item.id, item.error))
             failed += 1

@@ -600,8 +600,12 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
     if url == "/v1/completions" and "messages" in body:
         raise RequestError("body.messages is given to /v1/completions, which takes a prompt",
                            'use "url": "/v1/chat/completions" for messages, or give body.prompt')
-    # use_beam_search first: its n is the beam width, which "only n=1" would misread
-    for key, (ok, why) in sorted(UNSUPPORTED_OPENAI.items(), key=lambda kv: kv[0] != "use_beam_search"):
+    beam = body.get("use_beam_search")
+    if beam is not None and not isinstance(beam, bool):
+        raise RequestError(f"body.use_beam_search must be true or false, got {type(beam).__name__}")
+    for key, (ok, why) in UNSUPPORTED_OPENAI.items():
+        if beam and key in ("n", "use_beam_search"):  # vLLM's beam search (its n: the beam width): _beam_line
+            continue
         if not ok(body.get(key)):
             more = " (for n > 1, write one line per reply, each with its own custom_id and seed)" \
                 if key in ("n", "best_of") else ""
@@ -650,8 +654,28 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
     reasoning = {k: body.get(k) for k in ("include_reasoning", "chat_template_kwargs", "reasoning_effort")}
     fields[_OPENAI_KEY] = {"chat": "messages" in body, "model": body.get("model"), "reasoning": reasoning,
                            "return_token_ids": body.get("return_token_ids") is True, "request_id": rid or None,
-                           "tokens_as_ids": body.get("return_tokens_as_token_ids") is True}
+                           "tokens_as_ids": body.get("return_tokens_as_token_ids") is True,
+                           "beam": _beam_line(body, source) if beam else None}
     return fields, req_id, lora, _OPENAI_ALIASES
+
+
+def _beam_line(body: dict, structured: str | None) -> dict:
+    """A batch line's use_beam_search, as the server takes it (serve/protocol.py): {"n": the beam width,
+    "length_penalty"}; what a beam search cannot give (a constraint, the prompt's logprobs) is refused."""
+    n, penalty = body.get("n"), body.get("length_penalty")
+    if n is None:
+        n = 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 10:
+        raise RequestError(f"body.n (the beam width of use_beam_search) must be an integer in 1..10, got {n!r}"[:200],
+                           "each beam's candidates are its top 2 x n tokens, and top logprobs stop at 20")
+    if penalty is not None and (isinstance(penalty, bool) or not isinstance(penalty, (int, float))):
+        raise RequestError(f"body.length_penalty must be a number, got {type(penalty).__name__}")
+    if structured is not None:
+        raise RequestError(f"{structured} cannot be combined with body.use_beam_search (its beams do not follow a "
+                           "constraint)")
+    if body.get("prompt_logprobs") is not None:
+        raise RequestError("body.prompt_logprobs cannot be combined with body.use_beam_search")
+    return {"n": n, "length_penalty": 1.0 if penalty is None else float(penalty)}
 
 
 # what datasets call the prompt (a calibration file's "text", Alpaca's "instruction"/"input"), read by no line

@@ -139,20 +139,7 @@ class ServedBeamSearch:
                 self.queue.put_nowait(self._output(cid, best[r], search))
 
     def _output(self, cid: str, beam, search) -> RequestOutput:
-        kept = beam.output_token_ids  # (a final EOS only with include_stop_str_in_output)
-        shown = kept[:-1] if beam.finish_reason == "stop" and self.beam.include_stop_str_in_output else kept
-        text = self.tokenizer.decode(shown, skip_special_tokens=False)  # never the EOS's text (vLLM's)
-        records = None
-        if self.logprobs is not None:  # each token's, and the candidates it was chosen from
-            records = []
-            for token, options in zip(kept, beam.logprobs):
-                top = sorted(options.items(), key=lambda kv: -kv[1])[:self.logprobs]
-                records.append({"token_id": token, "logprob": options[token],
-                                "top_logprobs": [{"token_id": t, "logprob": v} for t, v in top]})
-        prompt = beam.tokens[:beam.num_prompt_tokens]
-        return RequestOutput(cid, prompt, kept, new_token_ids=kept, text=text, delta_text=text, finished=True,
-                             finish_reason=beam.finish_reason, logprobs=records, lora=self.lora,
-                             stop_reason=beam.stop_reason)
+        return beam_output(cid, beam, self.tokenizer, self.beam.include_stop_str_in_output, self.logprobs, self.lora)
 
     def abort(self) -> None:
         """End the search now (its client is gone): the steps in flight are aborted."""
@@ -160,3 +147,25 @@ class ServedBeamSearch:
             self._task.cancel()
         for rid in list(self._in_flight):
             self.aengine.abort(rid)
+
+
+def beam_output(cid: str, beam, tokenizer, include_stop_str_in_output: bool, logprobs: int | None,
+                lora: str | None = None) -> RequestOutput:
+    """A finished beam (engine/beam.py's BeamSearchSequence) as one choice's finished output, as vLLM's online beam
+    search makes it: token_ids the beam's (a final EOS only with include_stop_str_in_output), text theirs decoded
+    with the special tokens kept and never the EOS, stop_reason the EOS id; with `logprobs`, each token's record and
+    its top `logprobs` candidates."""
+    kept = beam.output_token_ids  # (a final EOS only with include_stop_str_in_output)
+    shown = kept[:-1] if beam.finish_reason == "stop" and include_stop_str_in_output else kept
+    text = tokenizer.decode(shown, skip_special_tokens=False)  # never the EOS's text (vLLM's)
+    records = None
+    if logprobs is not None:  # each token's, and the candidates it was chosen from
+        records = []
+        for token, options in zip(kept, beam.logprobs):
+            top = sorted(options.items(), key=lambda kv: -kv[1])[:logprobs]
+            records.append({"token_id": token, "logprob": options[token],
+                            "top_logprobs": [{"token_id": t, "logprob": v} for t, v in top]})
+    prompt = beam.tokens[:beam.num_prompt_tokens]
+    return RequestOutput(cid, prompt, kept, new_token_ids=kept, text=text, delta_text=text, finished=True,
+                         finish_reason=beam.finish_reason, logprobs=records, lora=lora,
+                         stop_reason=beam.stop_reason)
