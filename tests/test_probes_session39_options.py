@@ -80,7 +80,6 @@ def test_serve_takes_vllms_uvicorn_log_level(monkeypatch):
     (["run", "tiny-llama", "in.jsonl", "--tensor-parallel-size=2"], "--data-parallel"),
     (["serve", "tiny-llama", "--revision", "main"], "local folder"),
     (["serve", "tiny-llama", "--ssl-keyfile", "k.pem"], "TLS"),
-    (["bench", "tiny-llama", "--kv-cache-dtype", "fp8"], "--dtype"),
     (["serve", "tiny-llama", "--generation-config", "auto"], "generation_config.json"),
     (["bench", "tiny-llama", "--max-concurrency", "4"], "--concurrency"),
     (["serve", "tiny-llama", "--enable-chunked-prefill"], "--max-num-batched-tokens"),

@@ -267,6 +267,9 @@ def _output_options(engine: EngineConfig, max_new_tokens: int, output_format: st
             **({"chat_template": "sha256:" + hashlib.sha256(engine.chat_template.encode()).hexdigest()[:16]}
                if engine.chat_template is not None else {}),
             **({"output_format": output_format} if output_format != "infer" else {}),
+            # an fp8 KV cache changes the tokens (fp8 and fp8_e4m3 are one type)
+            **({"kv_cache_dtype": {"fp8": "fp8_e4m3"}.get(engine.kv_cache_dtype, engine.kv_cache_dtype)}
+               if engine.kv_cache_dtype != "auto" else {}),
             **({"reasoning_parser": reasoning_parser} if reasoning_parser is not None else {})}
 
 

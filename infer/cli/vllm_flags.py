@@ -38,7 +38,8 @@ VLLM_HINTS = {
     "--load-format": "MODEL's safetensors or .bin weights are read as they are; drop the option",
     "--quantization": "the quantization is read from MODEL's config.json (GPTQ int4/int8, or a float model); drop "
                       "the option (infer quantize makes a GPTQ checkpoint)",
-    "--kv-cache-dtype": "the KV cache is kept in the model's --dtype; drop the option",
+    "--calculate-kv-scales": "infer's fp8 KV cache (--kv-cache-dtype fp8) stores K and V with scale 1.0, vLLM's "
+                             "default; drop the option",
     "--model": "MODEL is the command's first argument, e.g. `infer serve ./my-model --port 8000`",
     "--lora-modules": "use --lora NAME=PATH, once per adapter, e.g. --lora sql=./adapters/sql --lora chat=./chat",
     "--generation-config": "infer reads MODEL's generation_config.json for the sampling defaults, as vLLM's "

@@ -126,6 +126,7 @@ def print_plan(plan, extra: dict, tokens: int | None = None) -> None:
                      gib(plan.lora_bytes)))
     rows.append(("runtime reserve (1% of budget, at least 4 MiB)", gib(plan.reserve_bytes)))
     rows += [
+        ("KV cache dtype (--kv-cache-dtype)", plan.kv_cache_dtype),
         ("KV cache per token / per block", f"{plan.kv_bytes_per_token:,} B / {plan.kv_block_bytes:,} B"),
         ("KV blocks under the budget (after the larger activations)", f"{plan.kv_blocks:,} x {plan.block_size} tokens"),
         (f"sequences of {plan.max_length} tokens at once", f"{plan.max_concurrency_at_max_length:,}"),

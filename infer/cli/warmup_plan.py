@@ -67,7 +67,8 @@ def _formula(engine_config: EngineConfig, model_config, dtype, concurrency: int,
     tokens = max(tokens or engine_config.max_num_batched_tokens, concurrency)
     cfg = replace(engine_config, max_num_seqs=concurrency, max_model_len=max_length, max_num_batched_tokens=tokens)
     step = step_tokens(cfg.max_num_batched_tokens, concurrency, max_length)
-    return activation_bytes(model_config, dtype, step, concurrency, max_length, rank) \
+    return activation_bytes(model_config, dtype, step, concurrency, max_length, rank,
+                            kv_dtype=engine_config.kv_dtype(dtype)) \
         + cuda_graph_bytes(cfg, model_config, dtype) \
         + (int4_layer if cfg.max_num_batched_tokens > DEQUANT_MIN_TOKENS else 0)
 

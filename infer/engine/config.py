@@ -151,6 +151,9 @@ RANGES = {"max_num_seqs": (1, 65536), "max_num_batched_tokens": (1, None), "bloc
 OPTIONAL = {"max_model_len", "num_kv_blocks", "max_cpu_loras", "overlap", "lora_epilogue",  # None: chosen for you
             "lora_streams", "pdl"}
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy values
+# vLLM's --kv-cache-dtype values (auto: the model's dtype) and the torch dtype K and V are stored in
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2}
 BOOLS = ("enable_prefix_caching", "enforce_eager", "enable_lora", "overlap", "lora_epilogue", "lora_streams",
          "lora_expand_beside", "lora_expand_fused", "lora_expand_in_norm", "silu_in_gate_up", "pdl", "graph_priority")
 
@@ -176,6 +179,11 @@ class EngineConfig:
                                             "running one is preempted when the KV cache runs out (priority: by "
                                             "each request's priority, lower first, then by arrival; the lowest "
                                             "priority, latest arrived is preempted; as vLLM's).")
+    kv_cache_dtype: str = option("auto", "auto | fp8 | fp8_e4m3 | fp8_e5m2: the type K and V are stored in (auto: "
+                                         "the model's --dtype; fp8 is fp8_e4m3). fp8 takes 1 byte an element: about "
+                                         "twice the KV blocks of a float16 model in the same memory, at some accuracy "
+                                         "(values rounded to 3 or 2 mantissa bits, saturated to +-448 or +-57344, "
+                                         "scale 1.0 as vLLM's default).")
     num_kv_blocks: int | None = None  # API only; None: sized from the memory budget
     # API only: prepare and hand out step n's results while step n+1 runs on the device (None: on for CUDA, off on
     # CPU, where one processor does both and nothing can overlap)
@@ -268,6 +276,18 @@ class EngineConfig:
         if self.device.startswith("cuda:") and int(self.device[5:]) >= torch.cuda.device_count():
             raise ConfigError(f"--device {self.device}: this machine has {torch.cuda.device_count()} CUDA GPU(s), "
                               f"numbered from 0", "use --device cuda:0 (or cuda for the first)")
+        self._check_fp8_device()
+
+    def _check_fp8_device(self) -> None:
+        """float8 e4m3 needs compute capability 8.9+ in the Triton kernels (Ada, Hopper and later; e5m2 compiles
+        for older GPUs too): refused here rather than as a compile error at the first step."""
+        if KV_CACHE_DTYPES[self.kv_cache_dtype] != torch.float8_e4m3fn or self.torch_device().type != "cuda":
+            return
+        cap = torch.cuda.get_device_capability(self.torch_device())
+        if cap < (8, 9):
+            raise ConfigError(f"--kv-cache-dtype {self.kv_cache_dtype} (float8 e4m3) needs a GPU of compute "
+                              f"capability 8.9 or more; this one has {cap[0]}.{cap[1]}",
+                              "use --kv-cache-dtype fp8_e5m2 (or auto) on this GPU")
 
     def _problems(self):
         if not isinstance(self.model, (str, Path)) or not str(self.model).strip():
@@ -299,6 +319,9 @@ class EngineConfig:
         if not isinstance(self.scheduling_policy, str) or self.scheduling_policy not in SCHEDULING_POLICIES:
             yield (f"--scheduling-policy {self.scheduling_policy!r} is not one of {', '.join(SCHEDULING_POLICIES)}",
                    "fcfs: first come, first served; priority: requests' priority (lower first), then arrival")
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            yield (f"--kv-cache-dtype {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}",
+                   "auto keeps K and V in the model's --dtype; fp8 (fp8_e4m3) and fp8_e5m2 store them in 1 byte")
         if not isinstance(self.device, str) or not valid_device(self.device):
             yield f"--device {self.device!r} is not one of auto, cpu, cuda, cuda:N"
         util = self.gpu_memory_utilization
@@ -320,6 +343,10 @@ class EngineConfig:
         if checkpoint_dtype in (torch.float16, torch.bfloat16):
             return checkpoint_dtype
         return torch.float16
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the KV cache's elements for a model computing in `model_dtype` (--kv-cache-dtype)."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
 
     def use_overlap(self) -> bool:
         return self.torch_device().type == "cuda" if self.overlap is None else self.overlap

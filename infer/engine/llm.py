@@ -57,7 +57,8 @@ _VLLM_OPTIONS = {
     "tokenizer_revision": _LOCAL,
     "download_dir": _LOCAL,
     "load_format": "the model's safetensors or .bin weights are read as they are; drop the keyword",
-    "kv_cache_dtype": "the KV cache is kept in the model's dtype; drop the keyword",
+    "calculate_kv_scales": "infer's fp8 KV cache (kv_cache_dtype=\"fp8\") stores K and V with scale 1.0, vLLM's "
+                           "default; drop the keyword",
     "enable_chunked_prefill": "infer always splits long prefills into steps of max_num_batched_tokens tokens; drop "
                               "the keyword",
     "swap_space": "infer preempts a sequence by recomputing it, not by swapping its KV to the CPU; drop the keyword",

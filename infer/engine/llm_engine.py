@@ -753,6 +753,7 @@ class LLMEngine:
         return {
             "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
             "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks,
+            "kv_cache_dtype": self.config.kv_cache_dtype,
             "kv_usage": bm.num_used_blocks / bm.num_blocks,
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate(), "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": bm.prefix_queries, "prefix_cache_hits": bm.prefix_hits,

@@ -100,15 +100,22 @@ class ModelRunner:
         a = layers[0]
         # Uninitialised: on CPU, pages become resident only as blocks are used; each block is zeroed when it is
         # handed to a sequence (zero_blocks), so masked attention never reads garbage.
+        # --kv-cache-dtype: fp8 stores K and V in 1 byte (the kernels saturate and round on write, upcast on read)
         cache = torch.empty(len(layers), 2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
-                            dtype=self.dtype, device=self.device)
+                            dtype=self.config.kv_dtype(self.dtype), device=self.device)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = cache[i, 0], cache[i, 1]
         return cache
 
+    @property
+    def _fill_view(self) -> torch.Tensor:
+        """The cache as zero_blocks fills it: torch has no index_fill_ for float8 (whose zero byte is 0.0)."""
+        cache = self.kv_cache
+        return cache.view(torch.uint8) if cache.element_size() == 1 else cache
+
     def zero_blocks(self, block_ids: list[int]) -> None:
         if block_ids:
-            self.kv_cache.index_fill_(2, to_device(block_ids, torch.long, self.device), 0)
+            self._fill_view.index_fill_(2, to_device(block_ids, torch.long, self.device), 0)
 
     def order(self, batch: ScheduledBatch) -> list[int]:
         """The order the batch's sequences run in: by adapter slot when adapters are loaded (the base model's first),
@@ -150,7 +157,7 @@ class ModelRunner:
                                   prev=prev) if rows else None
         data = pack.to(self.device)
         if batch.zero:  # as zero_blocks does, without a copy of its own (index_fill_ takes the 0 as a scalar;
-            self.kv_cache.index_fill_(2, data[zero], 0)  # `[:, :, ids] = 0` copies a 0-dim tensor over: a sync)
+            self._fill_view.index_fill_(2, data[zero], 0)  # `[:, :, ids] = 0` copies a 0-dim tensor over: a sync)
         input_ids = data[ids]
         if host.fill:
             where, src = data[fill].view(-1, 2).unbind(1)

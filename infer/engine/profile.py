@@ -90,7 +90,8 @@ def profile_run(model, model_config, engine_config: EngineConfig, dtype, device,
             - activation_bytes(model_config, dtype, tokens, concurrency, max_length, 0)
     peak += penalty_table_bytes(model_config, concurrency)  # the worst case samples without penalties: add them
     graphs = cuda_graph_bytes(engine_config, model_config, dtype)  # the CUDA graphs keep a pool of their own
-    estimate = activation_bytes(model_config, dtype, tokens, concurrency, max_length, rank) + graphs
+    estimate = activation_bytes(model_config, dtype, tokens, concurrency, max_length, rank,
+                                kv_dtype=engine_config.kv_dtype(dtype)) + graphs
     weights = weights_bytes(model) if weights is None else weights
     # the KV cache an engine start of this config allocates is what its own figure for activations leaves
     start = start_activation_bytes(engine_config, model_config, model, dtype, max_length)

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import fp8, pdl
 from .gptq_gemm import _locks
 from .intmath import PROGRAMS_PER_SM, cdiv, decode_parts, next_power_of_2
 
@@ -49,7 +49,7 @@ def _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, table_ptr, kv_head, lo, hi
         block = tl.load(table_ptr + keys // PAGE, mask=mask_n, other=0).to(tl.int64)
         slot = keys % PAGE
         k = tl.load(k_ptr + block[None, :] * s_kb + slot[None, :] * s_ks + kv_head * s_kh + offs_d[:, None] * s_kd,
-                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+                    mask=mask_n[None, :] & mask_d[:, None], other=0.0).to(q.dtype)  # a float8 cache: exact
         if IEEE:
             s = tl.dot(q, k, input_precision="ieee")
         else:
@@ -60,7 +60,7 @@ def _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, table_ptr, kv_head, lo, hi
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + block[:, None] * s_vb + slot[:, None] * s_vs + kv_head * s_vh + offs_d[None, :] * s_vd,
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -218,7 +218,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, cnt_
                    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr,
                    IEEE: tl.constexpr, ROPE: tl.constexpr = False, HALF: tl.constexpr = 1,
                    LORA: tl.constexpr = False, LSPLIT: tl.constexpr = 1, BLOCK_R: tl.constexpr = 16,
-                   S_P2: tl.constexpr = 2, PDL: tl.constexpr = False):
+                   S_P2: tl.constexpr = 2, PDL: tl.constexpr = False, FP8: tl.constexpr = 0):
     """With ROPE (`decode_attention`): q is the unrotated query, and the step's own key and value (token rows
     kn/vn, s_kn/s_vn apart; head h at h * HEAD_DIM) are rotated here by the token's position (cos | sin rows of
     cs_ptr, s_cs apart; HALF = rotary dims / 2) and written into the cache slot slot_ptr[token] (-1: none) by the
@@ -229,7 +229,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, cnt_
     SPLIT (num_parts > 1): partition `part` of a sequence takes `span` keys from part * span, span being the
     sequence's key blocks shared out num_parts ways (whole blocks of BLOCK_N); where one partition holds them all it
     writes the output, else each stores its partial result and the last to count itself in at cnt_ptr (one counter
-    per sequence and KV head, zero between launches) merges them (`_merge`) and resets the counter."""
+    per sequence and KV head, zero between launches) merges them (`_merge`) and resets the counter. FP8: the
+    caches' float8 format (fp8.code; 0: none): the new key and value are rounded to it (fp8.to_cache) before
+    they are written and attended, as every key the cache holds."""
     pdl.start(PDL)
     b, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(qsl_ptr + b)
@@ -283,8 +285,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, cnt_
                         _pick(c_q, sl, slot), _pick(c_k, sl, slot), _pick(c_v, sl, slot),
                         S, R, sh_p, sh_t, q_width, kv_width, GROUP, HEAD_DIM, LSPLIT, BLOCK_R)
             q = _rotate(q, qp, cos[None, :], sin[None, :])
-            k_new = _rotate(k_new, kp, cos, sin).to(k_ptr.dtype.element_ty)
-            v_new = v_new.to(v_ptr.dtype.element_ty)
+            k_new = fp8.to_cache(_rotate(k_new, kp, cos, sin), k_ptr, FP8)
+            v_new = fp8.to_cache(v_new, v_ptr, FP8)
             own = hi == seq_len  # this partition holds the query's position, seq_len - 1: the new key
             if own:
                 slot_kv = tl.load(slot_ptr + tok).to(tl.int64)  # block x stride past 2**31 (an int32 slot_mapping)
@@ -370,7 +372,7 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_sca
     else:
         positions, k, v, cos_sin, slots = rope
         extra = (positions, k, v, cos_sin, slots, k.stride(0), v.stride(0), cos_sin.stride(0))
-        meta = dict(meta, ROPE=True, HALF=cos_sin.shape[-1] // 2)
+        meta = dict(meta, ROPE=True, HALF=cos_sin.shape[-1] // 2, FP8=fp8.code(k_cache.dtype))
     if lora is None:
         extra += (seq_lens,) * 5 + (0,) * 10  # unused
     else:

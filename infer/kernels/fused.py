@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import fp8, pdl
 from .intmath import cdiv, next_power_of_2
 
 
@@ -162,9 +162,9 @@ def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor,
 # ----------------------------------------------------------------------------------------------- rotary
 @triton.jit
 def _rotate_heads(src, dst, cos, sin, heads, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_R: tl.constexpr, PASS: tl.constexpr, BLOCK_P: tl.constexpr):
+                  BLOCK_R: tl.constexpr, PASS: tl.constexpr, BLOCK_P: tl.constexpr, FP8: tl.constexpr = 0):
     """Rotate the `heads` heads of one row (src: its first element) into dst, rounded to src's dtype first (as the
-    reference returns them), then stored in dst's (the KV cache's, when dst is a cache slot)."""
+    reference returns them), then stored in dst's (the KV cache's, when dst is a cache slot: FP8, fp8.to_cache)."""
     h = tl.arange(0, BLOCK_H)
     r = tl.arange(0, BLOCK_R)
     mask = (h[:, None] < heads) & (r[None, :] < HALF)
@@ -172,15 +172,15 @@ def _rotate_heads(src, dst, cos, sin, heads, HEAD_DIM: tl.constexpr, HALF: tl.co
     o_at = dst + h[:, None] * HEAD_DIM + r[None, :]
     x1 = tl.load(x_at, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_at + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(o_at, (x1 * cos[None, :] - x2 * sin[None, :]).to(src.dtype.element_ty).to(dst.dtype.element_ty),
+    tl.store(o_at, fp8.to_cache((x1 * cos[None, :] - x2 * sin[None, :]).to(src.dtype.element_ty), dst, FP8),
              mask=mask)
-    tl.store(o_at + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(src.dtype.element_ty).to(dst.dtype.element_ty),
-             mask=mask)
+    tl.store(o_at + HALF, fp8.to_cache((x2 * cos[None, :] + x1 * sin[None, :]).to(src.dtype.element_ty), dst,
+                                       FP8), mask=mask)
     if PASS > 0:  # dims past rot_dim pass through
         p = tl.arange(0, BLOCK_P)
         pmask = (h[:, None] < heads) & (p[None, :] < PASS)
         off = h[:, None] * HEAD_DIM + 2 * HALF + p[None, :]
-        tl.store(dst + off, tl.load(src + off, mask=pmask, other=0.0).to(dst.dtype.element_ty), mask=pmask)
+        tl.store(dst + off, fp8.to_cache(tl.load(src + off, mask=pmask, other=0.0), dst, FP8), mask=pmask)
 
 
 @triton.jit
@@ -188,9 +188,10 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cache_ptr, s_q, s_k, s
                    v_ptr, vc_ptr, slot_ptr, s_v, s_row, kv_width,
                    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
                    BLOCK_R: tl.constexpr, PASS: tl.constexpr, BLOCK_P: tl.constexpr, KV: tl.constexpr = False,
-                   BLOCK_KV: tl.constexpr = 16, PDL: tl.constexpr = False):
+                   BLOCK_KV: tl.constexpr = 16, PDL: tl.constexpr = False, FP8: tl.constexpr = 0):
     """One token: q rotated into qo; k rotated into ko, or with KV into the token's KV-cache slot (ko_ptr / vc_ptr:
-    the caches as rows of kv_width = Hk * D elements, s_row apart), with v copied beside it (slot -1: no write)."""
+    the caches as rows of kv_width = Hk * D elements, s_row apart), with v copied beside it (slot -1: no write;
+    FP8: the caches' float8 format, fp8.code)."""
     pdl.start(PDL)
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -203,10 +204,10 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, cache_ptr, s_q, s_k, s
         slot = tl.load(slot_ptr + tok).to(tl.int64)
         if slot >= 0:
             _rotate_heads(k_ptr + tok * s_k, ko_ptr + slot * s_row, cos, sin, hk, HEAD_DIM, HALF, BLOCK_HK, BLOCK_R,
-                          PASS, BLOCK_P)
+                          PASS, BLOCK_P, FP8)
             c = tl.arange(0, BLOCK_KV)
             val = tl.load(v_ptr + tok * s_v + c, mask=c < kv_width)
-            tl.store(vc_ptr + slot * s_row + c, val.to(vc_ptr.dtype.element_ty), mask=c < kv_width)
+            tl.store(vc_ptr + slot * s_row + c, fp8.to_cache(val, vc_ptr, FP8), mask=c < kv_width)
     else:
         _rotate_heads(k_ptr + tok * s_k, ko_ptr + tok * s_ko, cos, sin, hk, HEAD_DIM, HALF, BLOCK_HK, BLOCK_R, PASS,
                       BLOCK_P)
@@ -259,7 +260,7 @@ def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
     qo = q_out.view(t, -1)
     _rotary_kernel[(t,)](positions, q2, k2, qo, k_cache, cache, q2.stride(0), k2.stride(0), qo.stride(0), 0,
                          cache.stride(0), hq, hk, v2, v_cache, slot_mapping, v2.stride(0), width, width, KV=True,
-                         BLOCK_KV=next_power_of_2(width), **consts)
+                         BLOCK_KV=next_power_of_2(width), FP8=fp8.code(k_cache.dtype), **consts)
     return q_out
 
 
@@ -354,7 +355,8 @@ def silu_and_mul(x: torch.Tensor, lora=None, compile_only: bool = False) -> torc
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, heads, head_dim, s_kt, s_kh, s_kd, s_vt, s_vh, s_vd,
                      s_cb, s_cs, s_ch, s_cd, s_db, s_ds, s_dh, s_dd,
-                     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+                     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
+                     FP8: tl.constexpr = 0):
     pdl.start(PDL)
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -365,8 +367,8 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, heads, head_dim, s_
         mask = (h < heads) & (d < head_dim)
         k = tl.load(k_ptr + tok * s_kt + h * s_kh + d * s_kd, mask=mask)
         v = tl.load(v_ptr + tok * s_vt + h * s_vh + d * s_vd, mask=mask)
-        tl.store(kc_ptr + block * s_cb + off * s_cs + h * s_ch + d * s_cd, k.to(kc_ptr.dtype.element_ty), mask=mask)
-        tl.store(vc_ptr + block * s_db + off * s_ds + h * s_dh + d * s_dd, v.to(vc_ptr.dtype.element_ty), mask=mask)
+        tl.store(kc_ptr + block * s_cb + off * s_cs + h * s_ch + d * s_cd, fp8.to_cache(k, kc_ptr, FP8), mask=mask)
+        tl.store(vc_ptr + block * s_db + off * s_ds + h * s_dh + d * s_dd, fp8.to_cache(v, vc_ptr, FP8), mask=mask)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -378,4 +380,4 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     _store_kv_kernel[(t,)](k, v, k_cache, v_cache, slot_mapping, heads, head_dim, *k.stride(), *v.stride(),
                            *k_cache.stride(), *v_cache.stride(), PAGE=k_cache.shape[1],
                            BLOCK_H=next_power_of_2(heads), BLOCK_D=next_power_of_2(head_dim), PDL=pdl.on(k.device),
-                           **pdl.launch(k.device))
+                           FP8=fp8.code(k_cache.dtype), **pdl.launch(k.device))

@@ -152,22 +152,40 @@ def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Semantics: for every token t with slot_mapping[t] >= 0, write k[t], v[t] ([Hk, D]) into the flat slot
-    slot_mapping[t] of k_cache / v_cache ([num_blocks, block_size, Hk, D]; slot = block * block_size + offset).
-    Tokens with slot -1 (padding) are skipped."""
+    slot_mapping[t] of k_cache / v_cache ([num_blocks, block_size, Hk, D]; slot = block * block_size + offset),
+    as `to_cache` rounds them to the cache's dtype. Tokens with slot -1 (padding) are skipped."""
     kc = k_cache.view(-1, *k_cache.shape[2:])
     vc = v_cache.view(-1, *v_cache.shape[2:])
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    kc.index_copy_(0, slot_mapping, k.to(kc.dtype))
-    vc.index_copy_(0, slot_mapping, v.to(vc.dtype))
+    k, v = to_cache(k, kc.dtype), to_cache(v, vc.dtype)
+    if kc.element_size() == 1:  # float8: torch has no index_copy_ for it; the bytes are copied
+        kc, vc, k, v = kc.view(torch.uint8), vc.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+    kc.index_copy_(0, slot_mapping, k)
+    vc.index_copy_(0, slot_mapping, v)
 
 
-def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` tokens of one sequence's paged cache, as [length, Hk, D]."""
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Semantics: x as a KV cache of `dtype` stores it: cast to dtype; for float8 (--kv-cache-dtype fp8, scale 1.0
+    as vLLM's default) first saturated to the format's finite range (+-448 e4m3, +-57344 e5m2), then rounded to
+    nearest even. Reads upcast the stored values exactly to the query's dtype."""
+    if is_fp8(dtype):
+        most = torch.finfo(dtype).max
+        return x.clamp(-most, most).to(dtype)
+    return x.to(dtype)
+
+
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """The first `length` tokens of one sequence's paged cache, as [length, Hk, D] of `dtype` (a float8 cache's
+    values upcast exactly)."""
     bs = cache.shape[1]
     nblocks = (length + bs - 1) // bs
-    return cache.index_select(0, block_table[:nblocks].long()).flatten(0, 1)[:length]
+    return cache.index_select(0, block_table[:nblocks].long()).flatten(0, 1)[:length].to(dtype)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -176,8 +194,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Semantics: for each sequence b, its queries q[query_start_loc[b]:query_start_loc[b+1]] ([n_b, Hq, D]) are the
     last n_b tokens of a sequence of seq_lens[b] tokens whose keys/values sit in the paged cache at the blocks
     block_tables[b] ([num_blocks, block_size, Hk, D]). Query i (position p = seq_lens[b] - n_b + i) attends to the
-    keys at positions 0..p: out = softmax(scale * q K^T) V, head h reading KV head h // (Hq / Hk) (GQA).
-    Returns [T, Hq, D] in q's dtype; the softmax is computed in float32."""
+    keys at positions 0..p: out = softmax(scale * q K^T) V, head h reading KV head h // (Hq / Hk) (GQA); a float8
+    cache's K and V upcast to q's dtype (exactly) first. Returns [T, Hq, D] in q's dtype; the softmax is computed
+    in float32."""
     num_seqs = seq_lens.shape[0]
     out = torch.empty_like(q)
     qsl = query_start_loc.tolist()
@@ -189,8 +208,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         n = qsl[b + 1] - qsl[b]
         if n <= 1:
             continue
-        k = _gather_kv(k_cache, block_tables[b], lens[b])
-        v = _gather_kv(v_cache, block_tables[b], lens[b])
+        k = _gather_kv(k_cache, block_tables[b], lens[b], q.dtype)
+        v = _gather_kv(v_cache, block_tables[b], lens[b], q.dtype)
         out[qsl[b]:qsl[b + 1]] = _attend(q[qsl[b]:qsl[b + 1]], k, v, scale, lens[b] - n)
     return out
 
@@ -256,16 +275,16 @@ def _decode_attention(q, k_cache, v_cache, block_tables, lens, qsl, rows, scale,
     if _per_sequence(len(rows), max_len, k_cache.shape[2], equal):
         tables = block_tables.long()
         for b in rows:
-            k = _gather_kv(k_cache, tables[b], lens[b])
-            v = _gather_kv(v_cache, tables[b], lens[b])
+            k = _gather_kv(k_cache, tables[b], lens[b], q.dtype)
+            v = _gather_kv(v_cache, tables[b], lens[b], q.dtype)
             out[qsl[b]:qsl[b] + 1] = _attend(q[qsl[b]:qsl[b] + 1], k, v, scale, lens[b] - 1)
         return
     idx = torch.tensor(rows, device=q.device)
     nblocks = (max_len + k_cache.shape[1] - 1) // k_cache.shape[1]
     tables = block_tables.index_select(0, idx)[:, :nblocks].long()
     r, flat = tables.shape[0], tables.flatten()
-    k = k_cache.index_select(0, flat).view(r, -1, *k_cache.shape[2:])[:, :max_len].transpose(1, 2)  # [R,Hk,L,D]
-    v = v_cache.index_select(0, flat).view(r, -1, *v_cache.shape[2:])[:, :max_len].transpose(1, 2)
+    k = k_cache.index_select(0, flat).view(r, -1, *k_cache.shape[2:])[:, :max_len].transpose(1, 2).to(q.dtype)
+    v = v_cache.index_select(0, flat).view(r, -1, *v_cache.shape[2:])[:, :max_len].transpose(1, 2).to(q.dtype)
     qstart = torch.tensor([qsl[b] for b in rows], device=q.device)
     qr = q.index_select(0, qstart).unsqueeze(2)  # [R, Hq, 1, D]
     mask = None

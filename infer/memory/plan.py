@@ -37,6 +37,9 @@ class PlanOptions(Protocol):
     enable_lora: bool
     max_loras: int
     max_lora_rank: int
+    kv_cache_dtype: str
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype: ...
 
     def use_cuda_graphs(self) -> bool: ...
 
@@ -152,6 +155,7 @@ class MemoryPlan:
     # the room figures above the plan's own size as plans of that size have it (bound_room); None: not bounded
     room_concurrency: int | None = None
     room_length: int | None = None
+    kv_cache_dtype: str = ""  # the KV cache's element type (torch's name: float16, float8_e4m3fn, ...)
 
     @property
     def fits(self) -> bool:
@@ -222,6 +226,12 @@ def bound_room(plan: MemoryPlan, blocks_at) -> MemoryPlan:
     return plan
 
 
+def kv_dtype(engine_config: PlanOptions, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for a model computing in `dtype` (--kv-cache-dtype; options without it: dtype)."""
+    pick = getattr(engine_config, "kv_dtype", None)
+    return pick(dtype) if pick is not None else dtype
+
+
 def runtime_reserve(budget: int) -> int:
     """1% of the budget (at least 4 MiB) kept free for allocator fragmentation and the engine's own objects, which
     grow over a long run but never show in one warmup step."""
@@ -234,13 +244,14 @@ def make_plan(engine_config: PlanOptions, model_config, dtype: torch.dtype, devi
     """`engine_activation`: what an engine start reserves for activations (its formula); the KV blocks are what is
     left after the larger of it and `activation`, so that a measured peak below the formula never promises blocks
     the engine will not allocate."""
-    per_token = kv_bytes_per_token(model_config, dtype)
+    per_token = kv_bytes_per_token(model_config, kv_dtype(engine_config, dtype))
     block = per_token * engine_config.block_size
     budget = budget_bytes(engine_config, device, weights) if budget is None else budget
     reserve = runtime_reserve(budget)
     kv_blocks = max(0, budget - weights - max(activation, engine_activation) - lora - reserve) // block
     return MemoryPlan(device.type, device_total(device), budget, weights, activation, lora, reserve, per_token, block,
-                      engine_config.block_size, int(kv_blocks), max_length, concurrency, measured, max_length_limit)
+                      engine_config.block_size, int(kv_blocks), max_length, concurrency, measured, max_length_limit,
+                      kv_cache_dtype=str(kv_dtype(engine_config, dtype)).replace("torch.", ""))
 
 
 def start_activation_bytes(engine_config: PlanOptions, model_config, model, dtype, max_len: int) -> int:
@@ -248,7 +259,8 @@ def start_activation_bytes(engine_config: PlanOptions, model_config, model, dtyp
     CUDA graphs' pool and the int4 dequantize scratch (the runner reserves it by the budget alone)."""
     seqs = engine_config.max_num_seqs
     tokens = step_tokens(engine_config.max_num_batched_tokens, seqs, max_len)
-    return activation_bytes(model_config, dtype, tokens, seqs, max_len, lora_rank(engine_config)) \
+    return activation_bytes(model_config, dtype, tokens, seqs, max_len, lora_rank(engine_config),
+                            kv_dtype=kv_dtype(engine_config, dtype)) \
         + cuda_graph_bytes(engine_config, model_config, dtype) \
         + dequant_scratch_bytes(model, dtype, engine_config.max_num_batched_tokens)
 

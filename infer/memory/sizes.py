@@ -41,10 +41,10 @@ def step_tokens(max_num_batched_tokens: int, num_seqs: int, max_length: int) -> 
 
 
 def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs: int, max_length: int,
-                     lora_rank: int = 0, penalties: bool = True) -> int:
+                     lora_rank: int = 0, penalties: bool = True, kv_dtype: torch.dtype | None = None) -> int:
     """Peak bytes of one step's temporaries, the larger of a prefill of `num_tokens` tokens and a decode of
     `num_seqs` sequences at context `max_length`, plus (`penalties`) the sampler's penalty table for `num_seqs`
-    requests."""
+    requests. `kv_dtype`: the KV cache's, when not `dtype` (fp8: the CPU decode gathers it, then upcasts a copy)."""
     b = element_bytes(dtype)
     h, inter = model_config.hidden_size, model_config.intermediate_size
     shapes = ModelShapes.from_config(model_config)
@@ -55,7 +55,8 @@ def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs
     # decode: the K and V the CPU attention gathers at once (one sequence, or a small batch padded to its longest;
     # the GPU kernel reads the cache in place), plus float32 scores
     gathered = decode_gather_tokens(num_seqs, max_length, shapes.num_kv_heads)
-    decode = gathered * (2 * kv * b + heads * 4) + num_seqs * per_token * b
+    gather = 2 * kv * b + (kv * element_bytes(kv_dtype) if kv_dtype not in (None, dtype) else 0)
+    decode = gathered * (gather + heads * 4) + num_seqs * per_token * b
     logits = min(num_tokens, max(num_seqs, 1)) * model_config.vocab_size * 4 * 3  # logits, log-softmax, a copy
     return max(prefill, decode) + logits + (penalty_table_bytes(model_config, num_seqs) if penalties else 0)
 
