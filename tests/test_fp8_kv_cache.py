@@ -40,6 +40,8 @@ def test_store_kv_and_rotary_store_kv_write_the_references_bytes(ops, gen, dtype
     qkv = rand(gen, t, (hq + 2 * hk) * d, dtype=src) * 4
     qkv[0, hq * d] = 1e4  # past e4m3's 448
     qkv[1, (hq + hk) * d + 1] = -1e4
+    # halfway between two e4m3 (and e5m2) values: to the even one
+    qkv[2, hq * d:hq * d + 6] = torch.tensor([1.0625, 1.1875, -1.0625, 1.125, 1.375, 0.5625 / 256])
     q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
     slots = torch.randperm(nb * bs, generator=gen)[:t]
     slots[torch.tensor([4, 10])] = -1
@@ -377,3 +379,26 @@ def test_int4_model_follows_transformers_on_its_dequantized_weights(int4_checkpo
         steps = logits[len(p) - 1:-1]
         picked = steps.gather(1, torch.tensor(o.token_ids)[:, None])[:, 0]
         assert (steps.max(1).values - picked).max() < 0.05, (p, o.token_ids, steps.argmax(1).tolist())
+
+
+def test_serve_takes_the_option_and_warmup_shows_the_cache_dtype(monkeypatch):
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from test_probes_session39_options import _serve_options
+    assert _serve_options(monkeypatch, "--kv-cache-dtype", "fp8")["engine"].kv_cache_dtype == "fp8"
+    res = CliRunner().invoke(app, ["warmup", "tiny-llama", "--estimate", "--memory-limit", "64MB", "--max-length",
+                                   "128", "--concurrency", "2", "--kv-cache-dtype", "fp8_e5m2"])
+    assert res.exit_code == 0, res.output
+    assert "float8_e5m2" in res.output and "KV cache dtype" in res.output
+
+
+def test_the_cpu_decode_gather_counts_its_upcast_copy():
+    """The CPU decode gathers a float8 cache's K and V and upcasts a copy: the formula counts both."""
+    from infer.memory.sizes import activation_bytes
+    from infer.models.loader import load_config
+    from infer.models.tiny import ensure_builtin
+    cfg = load_config(ensure_builtin("tiny-llama"))
+    args = (cfg, torch.float32, 4, 4, 4096)
+    plain = activation_bytes(*args)
+    assert activation_bytes(*args, kv_dtype=torch.float32) == plain < activation_bytes(*args, kv_dtype=KV["fp8"])
