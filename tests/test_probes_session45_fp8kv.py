@@ -91,3 +91,13 @@ def test_vllms_calculate_kv_scales_says_the_scale_is_one():
     assert res.exit_code == 2 and "scale 1.0" in res.output and "--calculate-kv-scales is vLLM's option" in res.output
     with pytest.raises(ConfigError, match="scale 1.0"):
         LLM("tiny-llama", kv_cache_dtype="fp8", calculate_kv_scales=True)
+
+
+def test_run_announces_the_kv_cache_dtype(tmp_path):
+    """`infer run` says what its KV cache holds when it is not the model's dtype (it says blocks and tokens)."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "hi"}\n')
+    res = CliRunner().invoke(app, ["run", "tiny-llama", str(inp), "-o", str(tmp_path / "o.jsonl"), "--max-new-tokens",
+                                   "2", "--kv-cache-dtype", "fp8_e5m2"])
+    assert res.exit_code == 0, res.output
+    assert "tokens of float8_e5m2, max length" in res.output

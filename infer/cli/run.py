@@ -169,8 +169,10 @@ def _start_engine(engine: EngineConfig, quiet: bool):
         from ..models.resolve import is_hub_id
         given = str(engine.model)
         name = given if is_hub_id(given) and not Path(given).exists() else llm.model_path.name  # not the snapshot's
+        kv = f" of {p.kv_cache_dtype}" if engine.kv_cache_dtype != "auto" else ""
         typer.echo(f"infer: {name} on {llm.device.type}, {llm.dtype}, KV cache "
-                   f"{p.num_blocks} blocks x {engine.block_size} tokens, max length {llm.max_model_len}", err=True)
+                   f"{p.num_blocks} blocks x {engine.block_size} tokens{kv}, max length {llm.max_model_len}",
+                   err=True)
     return llm
 
 
