@@ -375,7 +375,7 @@ def test_int4_model_follows_transformers_on_its_dequantized_weights(int4_checkpo
     hf.generation_config.eos_token_id = None
     for p, o in zip(prompts, outs):
         with torch.no_grad():
-            logits = hf(torch.tensor([p + o.token_ids]), past_key_values=fp8_cache(torch.float8_e4m3fn)).logits[0]
+            logits = hf(torch.tensor([p + o.token_ids]), cache=fp8_cache(torch.float8_e4m3fn)).logits[0]
         steps = logits[len(p) - 1:-1]
         picked = steps.gather(1, torch.tensor(o.token_ids)[:, None])[:, 0]
         assert (steps.max(1).values - picked).max() < 0.05, (p, o.token_ids, steps.argmax(1).tolist())
