@@ -47,7 +47,10 @@ def _distinct_values(tmp_path):
               "memory_limit": ("3MB", 3 * 2**20), "gpu_memory_utilization": 0.5, "enforce_eager": True,
               "cuda_graph_max_tokens": 64,
               "loras": (f"a={lora}", {"a": str(lora)}), "enable_lora": True, "max_loras": 2, "max_lora_rank": 16, "max_cpu_loras": 3,
-              "chat_template": "{{ messages[0]['content'] }}"}
+              "chat_template": "{{ messages[0]['content'] }}",
+              "speculative_config": ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}',
+                                     {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
+                                      "prompt_lookup_min": 3})}
     assert set(values) == {f.name for f in cli_fields()}, "a new option needs a value in this test"
     argv, expected = [], {}
     for name, v in values.items():

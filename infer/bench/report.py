@@ -81,6 +81,19 @@ def detailed_lists(run: RunResult) -> dict:
             "request_errors": [None if r.success else (r.error or "") for r in recs]}
 
 
+def spec_decode_figures(stats: dict) -> dict:
+    """vLLM's speculative decoding figures of a run (its counters' growth over the run, else their totals): the
+    acceptance rate (accepted draft tokens / draft tokens) and the mean acceptance length (tokens a verified draft
+    step adds: 1 + accepted / drafts); {} without speculation."""
+    pre = "run_" if "run_spec_decode_num_drafts" in stats else ""
+    drafts = stats.get(pre + "spec_decode_num_drafts")
+    if drafts is None:
+        return {}
+    tokens, accepted = stats[pre + "spec_decode_num_draft_tokens"], stats[pre + "spec_decode_num_accepted_tokens"]
+    return {"spec_decode_acceptance_rate": accepted / tokens if tokens else 0.0,
+            "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0}
+
+
 def run_entry(run: RunResult, detailed: bool = False) -> dict:
     """vLLM's metrics for one run plus our own figures (no config / environment); with `detailed`, also each
     request's (detailed_lists)."""
@@ -93,6 +106,7 @@ def run_entry(run: RunResult, detailed: bool = False) -> dict:
     peak = run.peak_memory_bytes
     d.update(peak_memory_bytes=peak, peak_memory_gib=None if peak is None else peak / 2**30,
              peak_rss_bytes=run.peak_rss_bytes, peak_gpu_bytes=run.peak_gpu_bytes, engine_stats=run.engine_stats)
+    d.update(spec_decode_figures(run.engine_stats))
     if run.timeline and "kv_usage" in run.timeline[0]:
         d["max_kv_usage"] = max(s.get("kv_usage", 0.0) for s in run.timeline)
     d["errors"] = list(dict.fromkeys(r.error for r in run.records if not r.success and r.error))[:5]  # distinct

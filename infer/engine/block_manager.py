@@ -145,6 +145,17 @@ class BlockManager:
         for _ in range(self.slots_needed(seq, num_tokens)):
             seq.block_table.append(self._take_free())
 
+    def shrink(self, seq: Sequence, num_tokens: int) -> None:
+        """Free the sequence's trailing blocks past those `num_tokens` tokens need (speculative decoding: the blocks
+        only rejected drafts were written to). They were never registered in the prefix cache: reused first."""
+        keep = max(self.blocks_needed(num_tokens), seq.num_hashed_blocks)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            assert block.ref_count == 0 and block.hash is None, "a rejected draft's block was shared or cached"
+            self.free[block.block_id] = None
+            self.free.move_to_end(block.block_id, last=False)
+
     def register_computed(self, seq: Sequence) -> None:
         """Put the sequence's newly computed full blocks into the prefix cache."""
         if not self.enable_prefix_caching:

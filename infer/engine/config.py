@@ -18,6 +18,7 @@ import torch
 from ..checks import parse_size
 from ..errors import ConfigError, read_utf8
 from ..memory.sizes import gib
+from .speculative import parse_speculative_config
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's --dtype spellings, as torch names them
@@ -184,6 +185,10 @@ class EngineConfig:
                                          "twice the KV blocks of a float16 model in the same memory, at some accuracy "
                                          "(values rounded to 3 or 2 mantissa bits, saturated to +-448 or +-57344, "
                                          "scale 1.0 as vLLM's default).")
+    speculative_config: dict | None = option(None, "vLLM's n-gram speculative decoding (prompt lookup) as JSON, "
+                                                   "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": "
+                                                   "3, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (only "
+                                                   "\"ngram\"; default: off).", cli_type=str, metavar="JSON")
     num_kv_blocks: int | None = None  # API only; None: sized from the memory budget
     # API only: prepare and hand out step n's results while step n+1 runs on the device (None: on for CUDA, off on
     # CPU, where one processor does both and nothing can overlap)
@@ -269,6 +274,7 @@ class EngineConfig:
                               f"a unit counts bytes", f"give the unit, e.g. --memory-limit {str(limit).strip()}GB")
         self.loras = parse_loras(self.loras)
         self.chat_template = load_chat_template(self.chat_template)
+        self.speculative_config = parse_speculative_config(self.speculative_config)
         for msg in self._problems():  # the CLI adds "see `infer <the command> --help`" to an error without a hint
             raise ConfigError(*msg) if isinstance(msg, tuple) else ConfigError(msg)  # msg: a message or (it, hint)
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -349,6 +355,8 @@ class EngineConfig:
         return KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
 
     def use_overlap(self) -> bool:
+        if self.speculative_config is not None:  # a speculative step is verified on the host before the next
+            return False
         return self.torch_device().type == "cuda" if self.overlap is None else self.overlap
 
     def use_cuda_graphs(self) -> bool:

@@ -28,6 +28,7 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
 from .setup import context_limit, load_engine_parts, model_max_len
+from .speculative import SpecStats, SpeculativeConfig, propose_ngram, speculates
 from .structured import DEAD_HINT, GrammarBackend, allows_any
 
 log = logging.getLogger("infer")
@@ -203,6 +204,9 @@ class LLMEngine:
         self._aborted: list[Sequence] = []
         self._carried: list[RequestOutput] = []  # outputs of a step completed inside a launch that then failed
         self.overlap = config.use_overlap()
+        # n-gram speculative decoding (vLLM's "ngram" method), or None; its steps run synchronously (no overlap)
+        self.speculative = SpeculativeConfig(**config.speculative_config) if config.speculative_config else None
+        self.spec_stats = SpecStats(self.speculative.num_speculative_tokens) if self.speculative else None
         self._inflight = None  # (batch, StepHandle) launched and not yet completed (overlap only)
         self._unsettled = None  # the same, launched before _inflight: a step's wait for its tokens was interrupted
         self.num_steps = 0
@@ -548,6 +552,8 @@ class LLMEngine:
         if self._unsettled is not None:  # its wait was interrupted: completed before anything else
             self._settle(outputs)
         self._reap_loras()  # adapters removed while requests still used them, now that those may have finished
+        if self.speculative is not None:
+            self._propose()
         batch = self.scheduler.schedule()
         outputs += self._take_failed()
         if not batch:
@@ -558,6 +564,11 @@ class LLMEngine:
         batch.zero, self.block_manager.fresh = self.block_manager.fresh, []  # zeroed by the step (ModelRunner.prepare)
         self.num_steps += 1
         self.last_step_tokens = batch.num_tokens
+        if self.speculative is not None:  # (never overlapped: EngineConfig.use_overlap)
+            results = self.runner.verify(batch)
+            with interrupts_held():
+                outputs += self._complete_speculative(batch, results)
+            return
         if not self.overlap:
             sampled = self.runner.run(batch)
             with interrupts_held():
@@ -647,6 +658,59 @@ class LLMEngine:
                     # it ends with the error; raised, the rest of the batch kept its tokens pending, and every
                     # later step raised "a pending token without the step that made it"
                     outputs.append(self._failed_token(seq, e))
+        return outputs
+
+    def _propose(self) -> None:
+        """Speculative decoding: drafts for each running sequence that decodes and may speculate (`speculates`), at
+        most as many as its max_tokens and context leave room for after the token the step adds of its own."""
+        spec = self.speculative
+        for seq in self.scheduler.running:
+            seq.draft_token_ids = []
+            if seq.num_uncomputed_tokens != 1 or seq.num_pending or not speculates(seq):
+                continue
+            room = seq.max_total_len - len(seq) - 1
+            if seq.params.max_new_tokens is not None:
+                room = min(room, seq.params.max_new_tokens - seq.num_generated - 1)
+            k = min(spec.num_speculative_tokens, room)
+            if k > 0:
+                seq.draft_token_ids = propose_ngram(seq.all_token_ids, k, spec.prompt_lookup_min,
+                                                    spec.prompt_lookup_max)
+
+    def _complete_speculative(self, batch: ScheduledBatch, results: dict) -> list[RequestOutput]:
+        """`_complete` for a speculative step (ModelRunner.verify's results): each sequence's tokens appended one by
+        one (stops checked after each; the rest dropped once it finishes), its KV counted up to its last accepted
+        draft, the blocks only rejected drafts used freed, and one output per request with every token it got."""
+        outputs, now = [], time.monotonic()
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            drafts, seq.draft_token_ids = seq.draft_token_ids, []
+            if seq.finished:
+                continue
+            tokens, records, accepted = results.get(i, ((), (), 0))
+            base = seq.num_computed_tokens + n - len(drafts)  # computed once its first token is appended
+            if drafts:
+                self.spec_stats.count(len(drafts), accepted)
+            if not tokens:
+                seq.num_computed_tokens = base
+                self.block_manager.register_computed(seq)
+                continue
+            made = []
+            for j, (token, record) in enumerate(zip(tokens, records)):
+                seq.num_computed_tokens = base + j  # the KV of an accepted draft is the token's
+                seq.output_token_ids.append(token)
+                self.block_manager.register_computed(seq)
+                try:
+                    made.append(self._append_token(seq, token, record, now))
+                except Exception as e:  # as in _complete
+                    made.append(self._failed_token(seq, e))
+                if seq.finished:
+                    break
+            if drafts and not seq.finished:
+                self.block_manager.shrink(seq, len(seq))
+            out = made[-1]
+            if len(made) > 1:
+                out.new_token_ids = [t for o in made for t in o.new_token_ids]
+                out.delta_text = "".join(o.delta_text for o in made)
+            outputs.append(out)
         return outputs
 
     def _failed_token(self, seq: Sequence, e: Exception) -> RequestOutput:
@@ -761,7 +825,7 @@ class LLMEngine:
             "cuda_graph_replays": sum(self.runner.graphs.replays.values()) if self.runner and self.runner.graphs else 0,
             "piecewise_graph_steps": sum(self.runner.pieces.replays.values()) if self.runner and self.runner.pieces
             else 0,
-            **self._lora_stats(),
+            **self._lora_stats(), **(self.spec_stats.as_dict() if self.spec_stats is not None else {}),
         }
 
     def _lora_stats(self) -> dict:

@@ -135,7 +135,7 @@ class ModelRunner:
         first. Every integer input travels to the device in one copy (a Pack), without a sync; the sampling
         parameters' floats, when a row draws or has penalties, in a second."""
         host = HostInputs(self.block_size)
-        rows = []
+        rows, row_seqs = [], []
         for i in order if order is not None else range(len(batch.seqs)):
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
             if seq.prompt_logprobs is not None:
@@ -144,6 +144,12 @@ class ModelRunner:
             if seq.num_computed_tokens + n == len(seq):
                 rows.append(i)
                 host.sample.append(len(host.ids) - 1)
+                row_seqs.append(seq)
+            elif seq.draft_token_ids:  # speculative decoding: a row at its last token and at every draft
+                k = len(seq.draft_token_ids)
+                rows.append(i)
+                host.sample.extend(range(len(host.ids) - k - 1, len(host.ids)))
+                row_seqs.extend([seq] * (k + 1))
             if self.lora_manager is not None:
                 host.lora_slots.extend([self.lora_manager.slot_of(seq.lora)] * n)
         b, width = len(host.tables), max(map(len, host.tables))
@@ -153,8 +159,7 @@ class ModelRunner:
         tables = pack.add_rows(host.tables, width)
         last, fill, zero = pack.add(host.sample), pack.add(host.fill), pack.add(batch.zero)
         prompt = (pack.add(host.plp_rows), pack.add(host.plp_tokens)) if host.plp_rows else None
-        sampling = SamplingInputs([batch.seqs[i] for i in rows], self.vocab_size, pack, self.penalties,
-                                  prev=prev) if rows else None
+        sampling = SamplingInputs(row_seqs, self.vocab_size, pack, self.penalties, prev=prev) if rows else None
         data = pack.to(self.device)
         if batch.zero:  # as zero_blocks does, without a copy of its own (index_fill_ takes the 0 as a scalar;
             self._fill_view.index_fill_(2, data[zero], 0)  # `[:, :, ids] = 0` copies a 0-dim tensor over: a sync)
@@ -229,6 +234,34 @@ class ModelRunner:
             out.append(torch.cat(cols, 1))
         return out[0] if len(out) == 1 else torch.cat(out)
 
+    @torch.inference_mode()
+    def verify(self, batch: ScheduledBatch) -> dict[int, tuple[list[int], list, int]]:
+        """A speculative decoding step, run to the end: {index in batch: (tokens, logprob records, drafts accepted)}
+        for the sequences that sample. A sequence with drafts (Sequence.draft_token_ids) gets its accepted drafts
+        and one token of the target's own (Sampler.sample_speculative); the others one token, as `run` gives."""
+        input_ids, positions, ctx, rows, idx, sampling, prompt = self.prepare(batch, self.order(batch))
+        hidden = self.forward(input_ids, positions, ctx, batch.num_new_tokens)
+        if prompt is not None:
+            _append_prompt_logprobs(prompt[2], self._prompt_logprobs(hidden, prompt).tolist())
+        if not rows:
+            return {}
+        seqs, drafts = [], []
+        for i in rows:
+            seq = batch.seqs[i]
+            seqs.extend([seq] * (len(seq.draft_token_ids) + 1))
+            drafts.extend(seq.draft_token_ids + [-1])
+        logits = self.model.compute_logits(hidden if idx is None else hidden.index_select(0, idx))
+        sampled, accepted = self.sampler.sample_speculative(logits, seqs, sampling,
+                                                            to_device(drafts, torch.long, self.device))
+        tokens, records = sampled.decode(sampled.packed.cpu())
+        accepted, out, at = accepted.tolist(), {}, 0
+        for i in rows:
+            k = len(batch.seqs[i].draft_token_ids)
+            m = next((j for j in range(k) if not accepted[at + j]), k)  # the drafts accepted
+            out[i] = (tokens[at:at + m + 1], records[at:at + m + 1], m)
+            at += k + 1
+        return out
+
     def run(self, batch: ScheduledBatch) -> dict[int, tuple[int, dict | None]]:
         """Returns {index in batch: (token, logprob record)} for the sequences whose prompt is now complete."""
         return self.launch(batch).result()
@@ -267,7 +300,11 @@ class HostInputs:
         if seq.num_pending and start + n > len(seq) - seq.num_pending:
             assert prev is not None and seq.num_pending == 1, "a pending token without the step that made it"
             self.fill += (len(self.ids) + n - 1, prev.row_of[seq.request_id])
-        self.ids.extend(seq.tokens(start, start + n))
+        if seq.draft_token_ids:  # speculative decoding: the drafts follow the last token (they are no tokens of
+            k = len(seq.draft_token_ids)  # the sequence until the step accepts them)
+            self.ids.extend(seq.tokens(start, start + n - k) + seq.draft_token_ids)
+        else:
+            self.ids.extend(seq.tokens(start, start + n))
         if n == 1:  # a decode: no per-token loop
             self.pos.append(start)
             self.slots.append(table[start // bs] * bs + start % bs)

@@ -402,6 +402,49 @@ class Sampler:
         ks = [s.params.logprobs for s in seqs]
         return self._pack(self._grammar_logits(logits, seqs, inputs, ks), tokens, ks, finite)
 
+    def sample_speculative(self, logits: torch.Tensor, seqs: list[Sequence], inputs: SamplingInputs,
+                           drafts: torch.Tensor) -> tuple[SampledBatch, torch.Tensor]:
+        """Speculative decoding's verification: (the rows' tokens, whether each row accepted its draft). `drafts` [n]:
+        each row's draft token (-1: none, the row of a sequence's last position). A greedy row accepts its draft when
+        it is the argmax; a drawn row, as vLLM's rejection sampler for drafts of probability one (n-gram), with
+        probability p(draft) under the row's distribution (temperature, top-k, top-p, min-p), else (and at a row
+        without a draft) its token is drawn from p with the draft's probability set to 0 (renormalised), so that
+        every token kept is distributed as without speculation. A row's token is its draft where accepted."""
+        logits = logits.float()
+        x = apply_masks(logits, *inputs.masks, grammar=inputs.grammar) if inputs.masked else logits
+        x = self.penalised(x, seqs, inputs)
+        tokens = x.argmax(-1)
+        finite = x.gather(1, tokens.unsqueeze(1)).squeeze(1) < math.inf
+        accepted = tokens == drafts
+        if inputs.drawn:
+            idx = inputs.idx
+            every = idx is None
+            drawn = [seqs[i] for i in inputs.drawn]
+            p = self.probs(x if every else x.index_select(0, idx), drawn, inputs.draw_values)
+            p = p / p.sum(-1, keepdim=True)
+            d = drafts if every else drafts.index_select(0, idx)
+            has = d >= 0
+            at = d.clamp_min(0).unsqueeze(1)
+            ok = has & (self._uniforms(drawn, x.device) < p.gather(1, at).squeeze(1))
+            rest = torch.where(has.unsqueeze(1), p.scatter(1, at, 0.0), p)
+            picked = torch.where(ok, d, (rest / self._exponentials(drawn, x.shape[-1], x.device)).argmax(-1))
+            tokens = picked if every else tokens.index_copy(0, idx, picked)
+            accepted = ok if every else accepted.index_copy(0, idx, ok)
+        ks = [s.params.logprobs for s in seqs]
+        return self._pack(self._grammar_logits(logits, seqs, inputs, ks), tokens, ks, finite), accepted
+
+    def _uniforms(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+        """[len(seqs)] U[0, 1) draws: a seeded request's from its own generator (as `_exponentials`)."""
+        u = torch.empty(len(seqs), device=device)
+        if any(s.params.seed is None for s in seqs):
+            u.uniform_(generator=self._engine_generator(device))
+        for j, s in enumerate(seqs):
+            if s.params.seed is not None:
+                if s.generator is None:
+                    s.generator = torch.Generator(device=device).manual_seed(s.params.seed)
+                u[j:j + 1].uniform_(generator=s.generator)
+        return u
+
     @staticmethod
     def _grammar_logits(logits: torch.Tensor, seqs: list[Sequence], inputs: SamplingInputs,
                         ks: list[int | None]) -> torch.Tensor:

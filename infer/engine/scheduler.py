@@ -138,6 +138,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
+            if seq.draft_token_ids:
+                n = self._with_drafts(seq, n, budget)
             if not self._reserve(seq, seq.num_computed_tokens + n):
                 continue  # seq itself was preempted (it was the youngest); the list shrank
             batch.seqs.append(seq)
@@ -146,6 +148,19 @@ class Scheduler:
             i += 1
         self._admit(batch, budget)
         return batch
+
+    def _with_drafts(self, seq: Sequence, n: int, budget: int) -> int:
+        """The tokens of a decoding sequence with drafts (speculative decoding): its last token and as many of its
+        drafts as the budget and the free KV blocks hold (drafts never preempt anyone); the drafts left out are
+        dropped."""
+        if n != seq.num_uncomputed_tokens:
+            seq.draft_token_ids = []
+            return n
+        k = min(len(seq.draft_token_ids), budget - n)
+        while k > 0 and self.bm.slots_needed(seq, seq.num_computed_tokens + n + k) > self.bm.num_free_blocks:
+            k -= 1
+        del seq.draft_token_ids[k:]
+        return n + k
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         """Add waiting requests to the running ones and the batch, first come first served within budget."""
@@ -207,6 +222,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.draft_token_ids = []
         self.bm.free_seq(seq)
         if self.lora:
             self.lora.release(seq.lora)

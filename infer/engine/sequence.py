@@ -80,6 +80,9 @@ class Sequence:  # a tuple of every field for each request ahead of the one remo
         # Tokens sampled on the device whose values the host does not know yet (overlapped steps, see
         # LLMEngine): they count in len() and sit after output_token_ids; tokens() shows them as PENDING.
         self.num_pending = 0
+        # speculative decoding: the tokens proposed for it this step (LLMEngine._propose), verified by the step that
+        # schedules them (their KV is never registered: only the tokens the step accepts join the sequence)
+        self.draft_token_ids: list[int] = []
         self.prompt: str | None = None  # the prompt's text when LLMEngine.add_request got text (RequestOutput.prompt)
 
     @property

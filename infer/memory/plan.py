@@ -261,8 +261,20 @@ def start_activation_bytes(engine_config: PlanOptions, model_config, model, dtyp
     tokens = step_tokens(engine_config.max_num_batched_tokens, seqs, max_len)
     return activation_bytes(model_config, dtype, tokens, seqs, max_len, lora_rank(engine_config),
                             kv_dtype=kv_dtype(engine_config, dtype)) \
+        + speculative_logit_bytes(engine_config, model_config) \
         + cuda_graph_bytes(engine_config, model_config, dtype) \
         + dequant_scratch_bytes(model, dtype, engine_config.max_num_batched_tokens)
+
+
+def speculative_logit_bytes(engine_config: PlanOptions, model_config) -> int:
+    """With speculative decoding, the logits of the rows a verify step samples beyond one a sequence (each draft's
+    position has its row), as activation_bytes counts a row's (logits, log-softmax, a copy)."""
+    spec = getattr(engine_config, "speculative_config", None)
+    if not spec:
+        return 0
+    seqs, tokens = engine_config.max_num_seqs, engine_config.max_num_batched_tokens
+    rows = min(tokens, seqs * (spec["num_speculative_tokens"] + 1)) - min(tokens, seqs)
+    return max(0, rows) * model_config.vocab_size * 4 * 3
 
 
 def _start_plan(engine_config: PlanOptions, model_config, model, dtype, device, max_len: int,

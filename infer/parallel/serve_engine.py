@@ -370,6 +370,12 @@ class RayAsyncEngine(AsyncEngine):
             total["lora_max"] = max(r.stats.get("lora_max", 0) for r in live)
             for k in ("lora_waiting", "lora_running"):
                 total[k] = sorted({name for r in live for name in r.stats.get(k, [])})
+        spec = [r.stats for r in self.replicas if "spec_decode_num_drafts" in r.stats]  # counters: dead ones too
+        if spec:  # speculative decoding's counters, summed (by position too)
+            for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
+                total[k] = sum(s[k] for s in spec)
+            per_pos = [s["spec_decode_num_accepted_tokens_per_pos"] for s in spec]
+            total["spec_decode_num_accepted_tokens_per_pos"] = [sum(col) for col in zip(*per_pos)]
         total["replicas"] = [{"replica": r.index, "alive": r.alive, "host": r.info.get("host"),
                               "device": r.info.get("device"), "num_in_flight": len(r.inflight),
                               **{k: r.stats.get(k, 0) if r.alive else 0  # a dead replica runs nothing

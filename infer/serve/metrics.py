@@ -81,9 +81,23 @@ class _EngineCollector:
         if s.get("lora_max"):  # an engine with adapter slots
             counters.append(("infer:lora_swaps", "Adapters copied into a device slot (--max-loras slots).",
                              s.get("lora_swaps", 0)))
+        if "spec_decode_num_drafts" in s:  # speculative decoding (vLLM's spec_decode counters)
+            counters += [
+                ("infer:spec_decode_num_drafts", "Speculative drafts verified (one per request and step with drafts).",
+                 s["spec_decode_num_drafts"]),
+                ("infer:spec_decode_num_draft_tokens", "Draft tokens verified.", s["spec_decode_num_draft_tokens"]),
+                ("infer:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                 s["spec_decode_num_accepted_tokens"])]
         for name, doc, value in counters:
             c = CounterMetricFamily(name, doc, labels=LABELS)
             c.add_metric(self.labels, float(value))
+            yield c
+        if "spec_decode_num_accepted_tokens_per_pos" in s:
+            c = CounterMetricFamily("infer:spec_decode_num_accepted_tokens_per_pos",
+                                    "Draft tokens accepted, by their position in the draft.",
+                                    labels=[*LABELS, "position"])
+            for pos, value in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
+                c.add_metric([*self.labels, str(pos)], float(value))
             yield c
         if s.get("lora_max"):  # vLLM's: its labels say which adapters requests wait for and run with; the value is
             g = GaugeMetricFamily("infer:lora_requests_info", "Running stats on LoRA requests.",  # when it was read

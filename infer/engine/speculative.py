@@ -1,0 +1,127 @@
+"""N-gram speculative decoding (vLLM's "ngram" method, prompt lookup): the configuration, the proposer and the
+counters.
+
+The proposer looks, in a decoding sequence's prompt and output, for the most recent earlier occurrence of its last n
+tokens (n from prompt_lookup_max down to prompt_lookup_min) and proposes the (up to) k tokens that followed it. The
+engine then verifies them in one forward over [last token + drafts] (LLMEngine._advance_speculative): the longest
+prefix of drafts the target model agrees with is kept, plus one token of the target's own.
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ConfigError
+
+METHODS = ("ngram",)
+KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+DEFAULT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is given
+HINT = ('e.g. --speculative-config \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 2}\'')
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in KEYS}
+
+
+def parse_speculative_config(value) -> dict | None:
+    """--speculative-config (JSON text) or LLM(speculative_config=...) (a dict, or a SpeculativeConfig) as a checked
+    dict of the KEYS (None: speculation off); ConfigError naming what is wrong."""
+    if value is None:
+        return None
+    if isinstance(value, SpeculativeConfig):
+        value = value.as_dict()
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--speculative-config is not JSON: {e}", HINT) from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--speculative-config must be a JSON object, got {type(value).__name__}", HINT)
+    other = sorted(str(k) for k in value if k not in KEYS)
+    method = value.get("method")
+    if method is None and "model" in value:
+        method = value["model"]
+    if method != "ngram" and method != "[ngram]":
+        raise ConfigError(f"--speculative-config: method {method!r} is not supported: infer speculates only with "
+                          f"\"ngram\" (prompt lookup; no draft model, EAGLE or MTP)", HINT)
+    if other and other != ["model"]:
+        raise ConfigError(f"--speculative-config: unknown key(s) {', '.join(other)}",
+                          f"infer's ngram speculation takes {', '.join(KEYS)}")
+    k = value.get("num_speculative_tokens")
+    lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+    if lo is None and hi is None:
+        lo = hi = DEFAULT_LOOKUP
+    lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+    for name, v in (("num_speculative_tokens", k), ("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+            raise ConfigError(f"--speculative-config: {name} must be an integer of at least 1, got {v!r}", HINT)
+    if lo > hi:
+        raise ConfigError(f"--speculative-config: prompt_lookup_min ({lo}) is above prompt_lookup_max ({hi})",
+                          "give prompt_lookup_min <= prompt_lookup_max")
+    return {"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_max": int(hi),
+            "prompt_lookup_min": int(lo)}
+
+
+def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Up to k tokens that followed the most recent earlier occurrence of `tokens`' last n tokens, for the largest n
+    in n_min..n_max that occurs earlier ([] where none does). Fewer than k near the end of `tokens`."""
+    size = len(tokens)
+    if k <= 0 or size <= n_min:
+        return []
+    arr = np.asarray(tokens)
+    ends = np.flatnonzero(arr[:size - 1] == arr[size - 1])  # where earlier matches of length 1 end
+    best = ends if n_min <= 1 and ends.size else None
+    length = 1
+    while length < n_max and ends.size and length < size - 1:
+        ends = ends[ends >= length]
+        ends = ends[arr[ends - length] == arr[size - 1 - length]]
+        length += 1
+        if length >= n_min and ends.size:
+            best = ends
+    if best is None:
+        return []
+    start = int(best[-1]) + 1
+    return [int(t) for t in tokens[start:start + k]]
+
+
+def speculates(seq) -> bool:
+    """Whether `seq` may get drafts: its sampling needs no per-token state that the verify pass cannot honour at
+    every position at once (penalties, a grammar, bad_words, min_tokens still masking). allowed_token_ids and
+    logit_bias are stateless: they are applied at every position."""
+    p = seq.params
+    return not (p.needs_penalties or seq.grammar is not None or seq.bad_words or seq.min_tokens_ban)
+
+
+class SpecStats:
+    """vLLM's spec decode counters: drafts verified (one per request and step with drafts), draft tokens, accepted
+    tokens, and accepted tokens by position."""
+
+    def __init__(self, k: int):
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * k
+
+    def count(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        for j in range(accepted):
+            self.accepted_per_pos[j] += 1
+
+    def as_dict(self) -> dict:
+        return {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": self.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos)}
