@@ -387,11 +387,7 @@ class Sampler:
         logits = logits.float()
         if inputs is None:
             inputs = SamplingInputs.build(seqs, logits.shape[-1], logits.device)
-        x = apply_masks(logits, *inputs.masks, grammar=inputs.grammar) if inputs.masked else logits
-        x = self.penalised(x, seqs, inputs)
-        tokens = x.argmax(-1)
-        # argmax takes a NaN (or +inf) over every number: such a row's greedy pick is not below +inf
-        finite = x.gather(1, tokens.unsqueeze(1)).squeeze(1) < math.inf
+        x, tokens, finite = self._greedy(logits, seqs, inputs)
         if inputs.drawn:
             idx = inputs.idx
             every = idx is None
@@ -399,8 +395,7 @@ class Sampler:
             probs = self.probs(x if every else x.index_select(0, idx), drawn, inputs.draw_values)
             picked = (probs / self._exponentials(drawn, x.shape[-1], x.device)).argmax(-1)
             tokens = picked if every else tokens.index_copy(0, idx, picked)
-        ks = [s.params.logprobs for s in seqs]
-        return self._pack(self._grammar_logits(logits, seqs, inputs, ks), tokens, ks, finite)
+        return self._packed(logits, seqs, inputs, tokens, finite)
 
     def sample_speculative(self, logits: torch.Tensor, seqs: list[Sequence], inputs: SamplingInputs,
                            drafts: torch.Tensor) -> tuple[SampledBatch, torch.Tensor]:
@@ -411,10 +406,7 @@ class Sampler:
         without a draft) its token is drawn from p with the draft's probability set to 0 (renormalised), so that
         every token kept is distributed as without speculation. A row's token is its draft where accepted."""
         logits = logits.float()
-        x = apply_masks(logits, *inputs.masks, grammar=inputs.grammar) if inputs.masked else logits
-        x = self.penalised(x, seqs, inputs)
-        tokens = x.argmax(-1)
-        finite = x.gather(1, tokens.unsqueeze(1)).squeeze(1) < math.inf
+        x, tokens, finite = self._greedy(logits, seqs, inputs)
         accepted = tokens == drafts
         if inputs.drawn:
             idx = inputs.idx
@@ -430,20 +422,25 @@ class Sampler:
             picked = torch.where(ok, d, (rest / self._exponentials(drawn, x.shape[-1], x.device)).argmax(-1))
             tokens = picked if every else tokens.index_copy(0, idx, picked)
             accepted = ok if every else accepted.index_copy(0, idx, ok)
+        return self._packed(logits, seqs, inputs, tokens, finite), accepted
+
+    def _greedy(self, logits: torch.Tensor, seqs: list[Sequence], inputs: SamplingInputs):
+        """(the rows' scores: masks and penalties applied, their argmax, whether that argmax is finite)."""
+        x = apply_masks(logits, *inputs.masks, grammar=inputs.grammar) if inputs.masked else logits
+        x = self.penalised(x, seqs, inputs)
+        tokens = x.argmax(-1)
+        # argmax takes a NaN (or +inf) over every number: such a row's greedy pick is not below +inf
+        finite = x.gather(1, tokens.unsqueeze(1)).squeeze(1) < math.inf
+        return x, tokens, finite
+
+    def _packed(self, logits: torch.Tensor, seqs: list[Sequence], inputs: SamplingInputs, tokens: torch.Tensor,
+                finite: torch.Tensor) -> SampledBatch:
         ks = [s.params.logprobs for s in seqs]
-        return self._pack(self._grammar_logits(logits, seqs, inputs, ks), tokens, ks, finite), accepted
+        return self._pack(self._grammar_logits(logits, seqs, inputs, ks), tokens, ks, finite)
 
     def _uniforms(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
         """[len(seqs)] U[0, 1) draws: a seeded request's from its own generator (as `_exponentials`)."""
-        u = torch.empty(len(seqs), device=device)
-        if any(s.params.seed is None for s in seqs):
-            u.uniform_(generator=self._engine_generator(device))
-        for j, s in enumerate(seqs):
-            if s.params.seed is not None:
-                if s.generator is None:
-                    s.generator = torch.Generator(device=device).manual_seed(s.params.seed)
-                u[j:j + 1].uniform_(generator=s.generator)
-        return u
+        return self._draws(seqs, (len(seqs),), device, lambda t, g: t.uniform_(generator=g))
 
     @staticmethod
     def _grammar_logits(logits: torch.Tensor, seqs: list[Sequence], inputs: SamplingInputs,
@@ -490,15 +487,21 @@ class Sampler:
 
     def _exponentials(self, seqs: list[Sequence], vocab: int, device: torch.device) -> torch.Tensor:
         """[len(seqs), vocab] Exp(1) draws: a seeded request's row from its own generator."""
-        q = torch.empty(len(seqs), vocab, device=device)
+        q = self._draws(seqs, (len(seqs), vocab), device, lambda t, g: t.exponential_(generator=g))
+        return q.clamp_min_(torch.finfo(q.dtype).tiny)
+
+    def _draws(self, seqs: list[Sequence], shape: tuple, device: torch.device, draw) -> torch.Tensor:
+        """A tensor of `shape` (a row per sequence) filled by `draw(tensor, generator)`: the engine's generator for
+        every row, then a seeded request's row again from its own generator."""
+        q = torch.empty(shape, device=device)
         if any(s.params.seed is None for s in seqs):
-            q.exponential_(generator=self._engine_generator(device))
+            draw(q, self._engine_generator(device))
         for j, s in enumerate(seqs):
             if s.params.seed is not None:
                 if s.generator is None:
                     s.generator = torch.Generator(device=device).manual_seed(s.params.seed)
-                q[j].exponential_(generator=s.generator)
-        return q.clamp_min_(torch.finfo(q.dtype).tiny)
+                draw(q[j:j + 1], s.generator)
+        return q
 
     def _engine_generator(self, device: torch.device) -> torch.Generator:
         key = str(device)
