@@ -66,8 +66,11 @@ def test_store_kv_and_rotary_store_kv_write_the_references_bytes(ops, gen, dtype
 def test_paged_attention_reads_a_float8_cache(ops, gen, dtype, src):
     """Decodes and prefill chunks over float8 caches: the Triton kernels, and the reference, equal the reference over
     the same values held in the model's dtype (the upcast is exact)."""
-    ctx, new = [37, 5, 20, 9], [1, 5, 1, 4]
-    q, _, clean, meta = paged_batch(gen, ctx, new, 4, 4, 2, 16, src)
+    check_paged_fp8(ops, gen, [37, 5, 20, 9], [1, 5, 1, 4], 4, 4, 2, 16, dtype, src)
+
+
+def check_paged_fp8(ops, gen, ctx, new, bs, hq, hk, d, dtype, src):
+    q, _, clean, meta = paged_batch(gen, ctx, new, bs, hq, hk, d, src)
     caches = [_fp8(c * 3, dtype) for c in clean]
     wide = [c.to(src) for c in caches]
     for mql in (None, 1):
@@ -75,9 +78,10 @@ def test_paged_attention_reads_a_float8_cache(ops, gen, dtype, src):
         if mql == 1:  # decodes only
             q = q[:len(rows)]
             meta = dict(meta, query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int32))
-        want = ref.paged_attention(q, *wide, scale=0.25, max_query_len=mql, **meta)
-        assert torch.equal(ref.paged_attention(q, *caches, scale=0.25, max_query_len=mql, **meta), want)
-        got = ops[1].paged_attention(q.to(DEV), *(c.to(DEV) for c in caches), scale=0.25, max_query_len=mql,
+        scale = d ** -0.5
+        want = ref.paged_attention(q, *wide, scale=scale, max_query_len=mql, **meta)
+        assert torch.equal(ref.paged_attention(q, *caches, scale=scale, max_query_len=mql, **meta), want)
+        got = ops[1].paged_attention(q.to(DEV), *(c.to(DEV) for c in caches), scale=scale, max_query_len=mql,
                                      **{key: t.to(DEV) for key, t in meta.items()})
         assert got.dtype == src
         assert_close(got, want, src, gen, f"mql {mql}")
@@ -88,7 +92,10 @@ def test_paged_attention_reads_a_float8_cache(ops, gen, dtype, src):
 def test_decode_attention_rounds_the_new_key_through_the_cache(ops, gen, dtype, src):
     """The fused decode (rotary, KV write, attention) writes the reference's float8 bytes and attends to the new
     key and value as the cache holds them (rounded), as the reference, which reads them back from the cache."""
-    ctx, bs, hq, hk, d = [9, 1, 30, 4], 4, 4, 2, 16
+    check_decode_fp8(ops, gen, [9, 1, 30, 4], 4, 4, 2, 16, dtype, src)
+
+
+def check_decode_fp8(ops, gen, ctx, bs, hq, hk, d, dtype, src):
     n = len(ctx)
     _, _, clean, meta = paged_batch(gen, ctx, [1] * n, bs, hq, hk, d, src)
     caches = [_fp8(c, dtype) for c in clean]
@@ -112,6 +119,18 @@ def test_decode_attention_rounds_the_new_key_through_the_cache(ops, gen, dtype, 
     unrounded = ref.decode_attention(pos.cpu(), q.cpu(), k.cpu(), v.cpu(), cos_sin.cpu(), d, *wide, slots,
                                      scale=d ** -0.5, **meta)
     assert not torch.equal(unrounded, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("hk", [32, 8])
+def test_float8_attention_real_sizes_gpu(ops, gen, dtype, hk):
+    """The fused decode and the paged attention over float8 caches at Llama-2-7B (32 KV heads) and Llama-3-8B (8)
+    head shapes, contexts up to 4096, float16 (the fused decode's new key and value rounded as the cache holds them)."""
+    lens = [int(x) for x in torch.randint(2, 4096, (14,), generator=gen)]
+    check_decode_fp8(ops, gen, lens + [4096, 1], 16, 32, hk, 128, dtype, torch.float16)
+    check_paged_fp8(ops, gen, lens[:12] + [1512, 3000, 4096, 44], [1] * 12 + [512, 300, 1, 44], 16, 32, hk, 128, dtype,
+                    torch.float16)
 
 
 # ----------------------------------------------------------------------------------------------- engine vs HF

@@ -49,7 +49,8 @@ def build_engine(model, model_config, tokenizer, device, adapters: dict[str, str
                  max_len: int, eager: bool = False, slots: int | None = None, batched_tokens: int = 4096,
                  lora_epilogue: bool | None = None, lora_streams: bool | None = None, expand_beside: bool = False,
                  piecewise_tokens: int = 512, pdl: bool | None = None, expand_fused: bool = False,
-                 expand_in_norm: bool = True, silu_in_gate_up: bool = True, graph_priority: bool = False):
+                 expand_in_norm: bool = True, silu_in_gate_up: bool = True, graph_priority: bool = False,
+                 kv_cache_dtype: str = "auto"):
     """An LLMEngine over an in-memory model (decode CUDA graphs unless `eager`); `slots` GPU adapter slots (default:
     one per adapter; fewer makes the engine swap adapters, counted in stats()["lora_swaps"]); `batched_tokens` the
     most tokens in one step (longer prompts are prefilled in chunks); `lora_epilogue` True adds every LoRA expand
@@ -62,7 +63,8 @@ def build_engine(model, model_config, tokenizer, device, adapters: dict[str, str
     (EngineConfig.lora_expand_fused), `expand_in_norm` False launches the o and down expands on their own instead of
     in the rms_norm after them (EngineConfig.lora_expand_in_norm); `silu_in_gate_up` False launches silu_and_mul
     after the int4 gate_up matmul instead of in its epilogue (EngineConfig.silu_in_gate_up); `graph_priority` True
-    records the CUDA graphs on a high-priority stream (EngineConfig.graph_priority)."""
+    records the CUDA graphs on a high-priority stream (EngineConfig.graph_priority); `kv_cache_dtype` the KV cache's
+    elements (EngineConfig.kv_cache_dtype: auto, fp8, fp8_e5m2)."""
     slots = max(1, slots or len(adapters))
     from ..engine import llm_engine
     from ..engine.config import EngineConfig
@@ -76,7 +78,8 @@ def build_engine(model, model_config, tokenizer, device, adapters: dict[str, str
                                  lora_epilogue=lora_epilogue, lora_streams=lora_streams,
                                  lora_expand_beside=expand_beside, cuda_graph_max_tokens=piecewise_tokens, pdl=pdl,
                                  lora_expand_fused=expand_fused, lora_expand_in_norm=expand_in_norm,
-                                 silu_in_gate_up=silu_in_gate_up, graph_priority=graph_priority)
+                                 silu_in_gate_up=silu_in_gate_up, graph_priority=graph_priority,
+                                 kv_cache_dtype=kv_cache_dtype)
     manager = None
     if adapters:
         from ..lora.manager import LoRAManager
@@ -292,7 +295,8 @@ def infer_row(run: ShapeRun, model, label: str, weight_bytes: int, lora: str, ad
                           lora_streams=False if ONE_STREAM in lora else None, expand_beside=EXPAND_BESIDE in lora,
                           piecewise_tokens=0 if NO_PIECES in lora else 512, pdl=True if WITH_PDL in lora else None,
                           expand_fused=IN_CONSUMERS in lora, expand_in_norm=EXPAND_ALONE not in lora,
-                          silu_in_gate_up=SILU_APART not in lora, graph_priority=HIGH_PRIORITY in lora)
+                          silu_in_gate_up=SILU_APART not in lora, graph_priority=HIGH_PRIORITY in lora,
+                          kv_cache_dtype=args.kv_cache_dtype)
     engine.warm_kernels()  # compiles every kernel path (prefix-cached prefill too) before anything is timed
     names = list(adapters)
     roof = run.roofline(weight_bytes, lora_bytes_per_adapter(model) if names else 0, min(len(names), b))
@@ -311,6 +315,7 @@ def infer_row(run: ShapeRun, model, label: str, weight_bytes: int, lora: str, ad
     check = engine.runner.pieces_check  # the start's check of the pieces against the whole forward (None: none)
     row["piecewise_check"] = None if check is None else float(f"{check:.3g}")
     row["pdl"] = engine.pdl
+    row["kv_cache_dtype"] = args.kv_cache_dtype
     print(json.dumps(row), flush=True)
     if args.profile:
         mode = re.sub(r"[^a-z0-9]+", "-", lora).strip("-")  # every mode its own file ("16-mixed-r16-via-8-slots")
@@ -400,6 +405,8 @@ def parse_args(argv=None):
     p.add_argument("--compare-expand", action="store_true",
                    help="also run infer with the mixed adapters, the LoRA expands of decode steps as gathers (each "
                         "program takes up to 16 tokens of any adapters: INFER_LORA_EXPAND=gather)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="the KV cache's elements in every infer row (--kv-cache-dtype; default: the model's dtype)")
     p.add_argument("--profile", action="store_true",
                    help="also profile one prefill and 20 decode steps of each engine (host vs GPU-busy time)")
     return p.parse_args(argv)
