@@ -130,10 +130,18 @@ def _vllm_keywords(method):
             if kwargs.get("lora") is not None or len(args) > 2:
                 raise RequestError(f"{method.__name__}() got both lora and lora_request", "give one: lora=NAME for a "
                                    "registered adapter, or vLLM's lora_request=LoRARequest(NAME, ID, PATH)")
-            kwargs["lora"] = self._lora_of(kwargs["lora_request"])
+            kwargs["lora"] = _LoRARequests(kwargs["lora_request"])  # registered by _submit once the call is checked
         kwargs.pop("lora_request", None)
         return method(self, *args, **kwargs)
     return call
+
+
+class _LoRARequests:
+    """vLLM's lora_request as given (one LoRARequest, or a list of one or None per prompt), carried to LLM._submit,
+    which registers its adapters only once the prompts, and the list's length, are known to be good."""
+
+    def __init__(self, value):
+        self.value = list(value) if isinstance(value, (list, tuple)) else value
 
 
 def _check_priority(priority, name: str) -> int | list[int] | None:
@@ -286,6 +294,8 @@ class LLM:
                                f"got {type(prompts).__name__}",
                                "decode bytes to text first" if isinstance(prompts, _BYTES) else None)
         n = len(prompts)
+        requested = isinstance(lora, _LoRARequests)
+        lora = lora.value if requested else lora
         params_list = list(params) if isinstance(params, list) else [params or SamplingParams()] * n
         loras = lora if isinstance(lora, list) else [lora] * n
         priorities = priority if isinstance(priority, list) else [priority or 0] * n
@@ -297,7 +307,7 @@ class LLM:
             raise RequestError("params must be a SamplingParams or a list of them", "e.g. SamplingParams("
                                                                                      "max_new_tokens=32)")
         for i, lo in enumerate(loras):
-            if lo is not None and not isinstance(lo, str):
+            if lo is not None and not isinstance(lo, str) and not requested:
                 which = _of(i, n) if isinstance(lora, list) else ""
                 raise RequestError(f"lora{which} must be an adapter name (a string) or None, got {lo!r}",
                                    "give one name for all prompts, or a list with one name (or None) per prompt")
@@ -311,6 +321,8 @@ class LLM:
                 if n > 1 and not e.message.startswith(f"prompt {i} "):  # which of the prompts it is
                     raise type(e)(f"prompt {i}: {e.message}", e.hint) from None
                 raise
+        if requested:  # vLLM's LoRARequests: registered now that the call is checked (a refused one registers none)
+            loras = [None if lo is None else self._lora_of(lo) for lo in loras]
         requests = [(i, p, sp.sample(j) if sp.n > 1 else sp, lo)
                     for i, (p, sp, lo) in enumerate(zip(encoded, params_list, loras)) for j in range(sp.n)]
         ids: list[str] = []

@@ -1,0 +1,80 @@
+"""Session 45 probes of known gaps: data-parallel poison requests, vLLM option hints per command, LoRARequest
+registration order, add_request's positional LoRARequest hint, data-parallel metric labels, Responses reasoning."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from infer import SamplingParams
+from infer.errors import RequestError
+from infer.models.tiny import ensure_builtin
+
+
+@pytest.fixture(scope="module")
+def path():
+    return str(ensure_builtin("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def adapters(path, tmp_path_factory):
+    from lora_helpers import THREE, hf_float, save_adapter
+    hf = hf_float(path)
+    root = tmp_path_factory.mktemp("p45_adapters")
+    return {name: str(save_adapter(hf, root / name, seed=5 + i, **THREE[name])) for i, name in enumerate("ab")}
+
+
+@pytest.fixture(scope="module")
+def lora_llm(path):
+    from infer import LLM
+    with LLM(path, block_size=4, max_model_len=64, enable_lora=True, max_lora_rank=8) as engine:
+        yield engine
+
+
+@pytest.mark.parametrize("method", ["generate", "chat", "stream"])
+def test_lora_request_list_of_the_wrong_length_registers_nothing(lora_llm, adapters, method):
+    """vLLM refuses a lora_request list whose length is not the prompts' before it adds anything; infer registered
+    every adapter of the list first (list_loras grew) and only then refused the call."""
+    from infer import LoRARequest
+    before = lora_llm.list_loras()
+    prompt = [{"role": "user", "content": "hi"}] if method == "chat" else "hello"
+    requests = [LoRARequest(f"{method}-a", 1, adapters["a"]), LoRARequest(f"{method}-b", 2, adapters["b"])]
+    with pytest.raises(RequestError, match="3 prompts but 2 lora"):
+        getattr(lora_llm, method)([prompt] * 3 if method != "chat" else [[prompt[0]]] * 3,
+                                  SamplingParams(max_new_tokens=2), lora_request=requests)
+    assert lora_llm.list_loras() == before
+    with pytest.raises(RequestError):  # a bad prompt refuses the call before its adapters are registered too
+        long = "word " * 400
+        getattr(lora_llm, method)([long] if method != "chat" else [[{"role": "user", "content": long}]],
+                                  SamplingParams(max_new_tokens=2), lora_request=[requests[0]])
+    assert lora_llm.list_loras() == before
+
+
+def test_lora_request_list_still_registers_and_runs(lora_llm, adapters):
+    from infer import LoRARequest
+    outs = lora_llm.generate(["hello", "hello"], SamplingParams(max_new_tokens=3, ignore_eos=True),
+                             lora_request=[None, LoRARequest("b", 2, adapters["b"])])
+    assert "b" in lora_llm.list_loras() and len(outs) == 2
+    again = lora_llm.generate(["hello"], SamplingParams(max_new_tokens=3, ignore_eos=True), lora="b")
+    assert again[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+
+
+def test_add_request_positional_lora_request_hint_names_lora_request():
+    """vLLM's add_request(request_id, prompt, params, arrival_time, lora_request): a LoRARequest fifth was refused
+    with the hint `pass lora='sql'`, an adapter name that is not registered; the keyword that takes the request (and
+    registers its folder) is lora_request=."""
+    from infer import EngineConfig, LLMEngine
+
+    class LoRARequest:
+        lora_name, lora_int_id, lora_path = "sql", 1, "/adapters/sql"
+
+    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, block_size=4))
+    try:
+        with pytest.raises(RequestError) as e:
+            engine.add_request("b", [5, 6, 7], SamplingParams(max_new_tokens=2), None, LoRARequest())
+        assert "lora_request=" in e.value.hint and "lora='sql'" not in e.value.hint
+        assert "'sql'" in e.value.hint
+        assert not engine.requests
+    finally:
+        engine.close()
