@@ -49,7 +49,7 @@ def test_vllms_positional_arrival_time_and_lora_request_are_named(engine):
     with pytest.raises(RequestError, match="fourth argument is lora.*vLLM's is arrival_time") as e:
         engine.add_request("a", [5, 6, 7], P, now)
     assert f"arrival_time={now!r}" in str(e.value)
-    with pytest.raises(RequestError, match="fifth argument is arrival_time.*lora='sql'"):
+    with pytest.raises(RequestError, match="fifth argument is arrival_time.*lora_request="):
         engine.add_request("b", [5, 6, 7], P, None, LoRARequest())
     assert not engine.requests and not engine.has_unfinished_requests()
     engine.add_request("c", [5, 6, 7], P, None, now)  # by keyword or positionally in infer's order: taken

@@ -257,8 +257,8 @@ class LLMEngine:
                                "where vLLM's is arrival_time", f"pass arrival_time={lora!r} by keyword")
         if arrival_time is not None and hasattr(arrival_time, "lora_name"):  # vLLM's fifth: lora_request
             raise RequestError("arrival_time is a LoRARequest: add_request's fifth argument is arrival_time, where "
-                               "vLLM's is lora_request", f"pass lora={getattr(arrival_time, 'lora_name')!r}, an "
-                               "adapter registered with --lora NAME=PATH or add_lora")
+                               "vLLM's is lora_request", "pass it by keyword: add_request(request_id, prompt, "
+                               f"params, lora_request=LoRARequest({getattr(arrival_time, 'lora_name')!r}, ...))")
         arrival_time = checked_arrival(arrival_time)
         text = None
         if isinstance(prompt_token_ids, dict):
