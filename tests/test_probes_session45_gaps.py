@@ -78,3 +78,39 @@ def test_add_request_positional_lora_request_hint_names_lora_request():
         assert not engine.requests
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("argv, words, wrong", [
+    (["run", "tiny-llama", "IN", "--disable-tqdm"], "infer run's -q/--quiet", "infer bench"),
+    (["serve", "tiny-llama", "--disable-tqdm"], "no progress bar", "infer bench"),
+    (["bench", "tiny-llama", "--disable-tqdm"], "infer bench's -q/--quiet", "vllm bench"),
+    (["run", "tiny-llama", "IN", "--ignore-eos"], "set per line of INPUT", "infer bench"),
+    (["serve", "tiny-llama", "--ignore-eos"], "send it in each request's body", "infer bench"),
+    (["run", "tiny-llama", "IN", "--output-json", "x.json"], "-o/--output FILE", "infer bench"),
+    (["run", "tiny-llama", "IN", "--max-concurrency", "4"], "--max-num-seqs", "infer bench"),
+    (["serve", "tiny-llama", "--max-concurrency", "4"], "--max-queue", "infer bench"),
+    (["run", "tiny-llama", "IN", "--batch-size", "4"], "--max-num-seqs", "infer bench"),
+    (["run", "tiny-llama", "IN", "--disable-log-stats"], "infer run logs no periodic stats", "infer serve"),
+    (["run", "tiny-llama", "IN", "--disable-log-requests"], "infer run logs no request contents", "infer serve"),
+    (["run", "tiny-llama", "IN", "--model", "m"], "`infer run ./my-model", "infer serve"),
+    (["run", "tiny-llama", "IN", "--dataset-name", "random"], "`vllm bench`'s option", None),
+    (["serve", "tiny-llama", "--num-warmups", "2"], "`vllm bench`'s option", None),
+    (["run", "tiny-llama", "IN", "--ssl-keyfile", "k.pem"], "`vllm serve`'s option", None),
+    (["bench", "tiny-llama", "--uds", "/tmp/s"], "`vllm serve`'s option", None),
+    (["serve", "tiny-llama", "--uds", "/tmp/s"], "listens on TCP", "vllm serve"),
+])
+def test_vllm_option_hints_name_what_the_command_used_takes(tmp_path, argv, words, wrong):
+    """vLLM's option hints were one table for every command: `infer run --disable-tqdm` was told "infer bench's
+    -q/--quiet hides the progress bars" (run's own -q/--quiet was not named), `infer run --ignore-eos` got infer
+    bench's random dataset instead of the line's "ignore_eos", `infer run --disable-log-stats` was told about
+    infer serve. Each hint now names what the command typed takes, or whose option it is."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "hi"}\n')
+    argv = [str(src) if a == "IN" else a for a in argv]
+    res = CliRunner().invoke(app, argv)
+    assert res.exit_code == 2, res.output
+    assert words in res.output, res.output
+    assert wrong is None or wrong not in res.output, res.output

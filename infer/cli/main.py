@@ -37,10 +37,10 @@ class _Commands(TyperGroup):
             from .vllm_flags import request_field_hint, vllm_hint
             unknown = isinstance(e, click_errors.NoSuchOption)
             option = e.option_name if unknown else None
-            hint = vllm_hint(option)
-            if unknown and hint is None and vllm_hint(_one_dash_token(e, args)):  # vLLM's -tp, which click read
-                option = _one_dash_token(e, args).split("=")[0]  # as -t -p ("No such option: -t")
-                hint = vllm_hint(option)
+            hint = vllm_hint(option, where)
+            if unknown and hint is None and vllm_hint(_one_dash_token(e, args), where):  # vLLM's -tp, which click
+                option = _one_dash_token(e, args).split("=")[0]  # read as -t -p ("No such option: -t")
+                hint = vllm_hint(option, where)
             field = request_field_hint(where, e.option_name) if unknown and hint is None else None
             if hint is not None:  # vLLM's option: say what to do in infer, not click's guesses at a misspelling
                 typer.echo(f"error: {option} is vLLM's option, which `{where}` does not take\n"

@@ -146,11 +146,68 @@ VLLM_HINTS = {
 }
 
 
-def vllm_hint(option: str | None) -> str | None:
-    """What to do instead of vLLM's `option` (given as typed, maybe with `=VALUE`), or None when it is not one."""
+# vllm bench's options, and vllm serve's (frontend) ones: their hints name infer bench's and infer serve's options
+_BENCH_ONLY = frozenset({"--batch-size", *(k for k, v in VLLM_HINTS.items() if v.startswith("infer bench"))})
+_SERVE_ONLY = frozenset({"--enable-server-load-tracking", *(k for k, v in VLLM_HINTS.items()
+                                                             if v.startswith("infer serve") or v in (_TLS,
+                                                                                                     _NO_REQUEST_LOG))})
+
+_RUN_NO_LOG = "infer run logs no request contents (-o/--output holds every record); drop the option"
+# a command's own counterpart of vLLM's option, where the table's hint names another command's (None: the option is
+# a request's field there, which request_field_hint explains)
+_BY_COMMAND: dict[str, dict[str, str | None]] = {
+    "infer run": {
+        "--disable-tqdm": "infer run's -q/--quiet turns the progress bar (and the summary) off",
+        "--ignore-eos": None,
+        "--output-json": "infer run writes one JSON record per line to -o/--output FILE (--output-format openai for "
+                         "OpenAI batch records)",
+        "--batch-size": "infer run batches the lines itself, up to --max-num-seqs sequences a step",
+        "--max-concurrency": "infer run runs up to --max-num-seqs sequences at once (on each of --data-parallel N "
+                             "replicas)",
+        "--disable-log-stats": "infer run logs no periodic stats (its progress bar shows requests and tokens/s; "
+                               "-q/--quiet turns it off); drop the option",
+        "--disable-log-requests": _RUN_NO_LOG,
+        "--enable-log-requests": _RUN_NO_LOG,
+        "--max-log-len": _RUN_NO_LOG,
+        "--enable-log-outputs": _RUN_NO_LOG,
+        "--model": "MODEL is the command's first argument, e.g. `infer run ./my-model prompts.jsonl -o out.jsonl`",
+    },
+    "infer serve": {
+        "--disable-tqdm": "infer serve shows no progress bar; drop the option",
+        "--ignore-eos": None,
+        "--batch-size": "infer serve batches the requests itself, up to --max-num-seqs sequences a step",
+        "--max-concurrency": "infer serve runs up to --max-num-seqs sequences at once and queues up to --max-queue "
+                             "more",
+    },
+    "infer bench": {
+        "--disable-log-stats": "infer bench logs no periodic stats (its report has them); drop the option",
+        "--model": "MODEL is the command's first argument, e.g. `infer bench ./my-model -c 1,4,16`",
+    },
+    "infer warmup": {
+        "--model": "MODEL is the command's first argument, e.g. `infer warmup ./my-model --max-length 4096`",
+    },
+}
+
+
+def vllm_hint(option: str | None, command: str | None = None) -> str | None:
+    """What to do instead of vLLM's `option` (given as typed, maybe with `=VALUE`) in `command` (`infer run`...;
+    None: any), or None when it is not one. `vllm bench`'s and `vllm serve`'s own options typed to another command
+    say whose options they are, and a command with its own counterpart (run's -q/--quiet for --disable-tqdm) names
+    it."""
     if not option:
         return None
-    return VLLM_HINTS.get(option.split("=", 1)[0])
+    name = option.split("=", 1)[0]
+    own = _BY_COMMAND.get(command or "", {})
+    if name in own:
+        return own[name]
+    hint = VLLM_HINTS.get(name)
+    if hint is None or command is None:
+        return hint
+    if name in _BENCH_ONLY and command != "infer bench":
+        return f"that is `vllm bench`'s option: {hint}"
+    if name in _SERVE_ONLY and command != "infer serve":
+        return f"that is `vllm serve`'s option: {hint}"
+    return hint
 
 
 # a request's sampling fields, typed as options of `infer run` or `infer serve` (click guessed `--chat-template`
