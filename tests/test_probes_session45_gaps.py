@@ -114,3 +114,24 @@ def test_vllm_option_hints_name_what_the_command_used_takes(tmp_path, argv, word
     assert res.exit_code == 2, res.output
     assert words in res.output, res.output
     assert wrong is None or wrong not in res.output, res.output
+
+
+def test_a_deeply_nested_json_schema_travels_to_a_data_parallel_replica():
+    """`infer run --data-parallel 2` with one line whose structured_outputs.json schema nests 900 levels (one engine
+    runs it, and the JSONL reader takes it) stopped the whole run with a traceback: Ray's cloudpickle could not
+    send the line's params to a replica ("Could not pickle object as excessively deep recursion required"). The
+    schema now travels as its JSON text."""
+    from ray import cloudpickle
+
+    from infer.engine.structured import StructuredOutputsParams
+    schema = {"type": "string"}
+    for _ in range(900):
+        schema = {"type": "array", "items": schema}
+    params = SamplingParams(max_new_tokens=4, structured_outputs={"json": schema, "disable_any_whitespace": True})
+    wire = cloudpickle.loads(cloudpickle.dumps([("a", [5, 6], params, None)]))
+    got = wire[0][2].structured_outputs
+    assert got._text == params.structured_outputs._text and got.kind == "json" and got.disable_any_whitespace
+    for spec in (StructuredOutputsParams(regex="a+"), StructuredOutputsParams(choice=["x", "y"]),
+                 StructuredOutputsParams(json={"type": "object"}), StructuredOutputsParams(json_object=True)):
+        back = cloudpickle.loads(cloudpickle.dumps(spec))
+        assert (back.kind, back._text, back.choice, back.regex) == (spec.kind, spec._text, spec.choice, spec.regex)

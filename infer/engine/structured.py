@@ -43,6 +43,16 @@ _RAW_CONTROL, _JSON_CHAR = r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]'
 DEAD_HINT = "e.g. a rule that never ends (root ::= a, a ::= a \"x\") or a set of no characters: fix it"
 
 
+def _unpickled(cls, fields: dict):
+    """A StructuredOutputsParams as it was pickled (its fields set as they are: the JSON schema's text is not
+    parsed again, which a deeply nested one would need the recursion pickle lacked for)."""
+    spec = object.__new__(cls)
+    for name, value in fields.items():
+        object.__setattr__(spec, name, value)
+    object.__setattr__(spec, "_text", fields["json"])
+    return spec
+
+
 def _asked(kind: str, value) -> bool:
     """Whether a field asks for its kind: given (json_object: not false). Not `value not in (None, False)`: 0 equals
     False, and json=0 or regex=0 was told that no kind was given instead of what is wrong with it."""
@@ -108,6 +118,14 @@ class StructuredOutputsParams:
             text = value
         if isinstance(text, str) and len(text) > MAX_SPEC_CHARS:
             raise RequestError(f"structured_outputs.{kind} has {len(text)} characters, more than {MAX_SPEC_CHARS}")
+
+    def __reduce_ex__(self, protocol):
+        """Pickled (to a data-parallel replica) with a JSON schema as its text: a schema nested a few hundred levels
+        deep, which a JSONL line may hold, was more than pickle's recursion allows, and the run stopped."""
+        if self.kind != "json" or isinstance(self.json, str):
+            return super().__reduce_ex__(protocol)
+        return _unpickled, (self.__class__, {**{f.name: getattr(self, f.name) for f in fields(self) if f.init},
+                                                "json": self._text})
 
     @property
     def kind(self) -> str:
