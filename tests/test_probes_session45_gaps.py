@@ -135,3 +135,74 @@ def test_a_deeply_nested_json_schema_travels_to_a_data_parallel_replica():
                  StructuredOutputsParams(json={"type": "object"}), StructuredOutputsParams(json_object=True)):
         back = cloudpickle.loads(cloudpickle.dumps(spec))
         assert (back.kind, back._text, back.choice, back.regex) == (spec.kind, spec._text, spec.choice, spec.regex)
+
+
+RTEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m.reasoning_content %}[{{ m.reasoning_content }}]"
+             "{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(tmp_path_factory):
+    import shutil
+
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    model = tmp_path_factory.mktemp("p45resp") / "tiny-resp"
+    shutil.copytree(ensure_builtin("tiny-llama"), model)
+    (model / "chat_template.jinja").write_text(RTEMPLATE)
+    engine = LLMEngine(EngineConfig(str(model), block_size=4, max_num_seqs=2, max_model_len=256))
+    try:
+        with serve_in_thread(Server(AsyncEngine(engine), "tiny-resp", reasoning_parser="deepseek_r1")) as base:
+            yield base
+    finally:
+        engine.close()
+
+
+def test_a_reply_cut_inside_its_reasoning_has_an_incomplete_reasoning_item(reasoning_server):
+    """A Responses reply cut by max_output_tokens before its reasoning ended marked the reasoning item "completed"
+    (whole and streamed); OpenAI and vLLM mark it incomplete. A reasoning that ended keeps "completed"."""
+    import json
+
+    import httpx
+    body = {"input": "q", "max_output_tokens": 3, "temperature": 0, "guided_regex": "abcdefgh"}
+    whole = httpx.post(f"{reasoning_server}/v1/responses", json=body, timeout=120).json()
+    assert whole["status"] == "incomplete"
+    [rs] = [o for o in whole["output"] if o["type"] == "reasoning"]
+    assert rs["status"] == "incomplete"
+    with httpx.stream("POST", f"{reasoning_server}/v1/responses", json={**body, "stream": True}, timeout=120) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done" and e["item"]["type"] == "reasoning"]
+    assert [d["status"] for d in done] == ["incomplete"]
+    assert events[-1]["response"]["output"][0]["status"] == "incomplete"
+    ended = httpx.post(f"{reasoning_server}/v1/responses", timeout=120,
+                       json={**body, "max_output_tokens": 20, "guided_regex": "ab</think>cdefghijklmnopqrstuvwxyz"})
+    [rs] = [o for o in ended.json()["output"] if o["type"] == "reasoning"]
+    assert ended.json()["status"] == "incomplete" and rs["status"] == "completed"
+
+
+def test_a_reasoning_item_before_a_user_message_reaches_the_prompt(reasoning_server):
+    """A reasoning item followed by a user message (or last in the input) was dropped from the prompt: it waited
+    for an assistant message to join. vLLM reads each reasoning item as an assistant turn of its own."""
+    import httpx
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [],
+               "content": [{"type": "reasoning_text", "text": "deep thought here"}]}
+
+    def prompt_tokens(items) -> int:
+        r = httpx.post(f"{reasoning_server}/v1/responses", timeout=120,
+                       json={"input": items, "max_output_tokens": 1, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["input_tokens"]
+
+    chat = httpx.post(f"{reasoning_server}/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "", "reasoning":
+                                                         "deep thought here"}, {"role": "user", "content": "b"}],
+        "max_tokens": 1, "temperature": 0}).json()["usage"]["prompt_tokens"]
+    plain = prompt_tokens([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    assert prompt_tokens([{"role": "user", "content": "a"}, thought, {"role": "user", "content": "b"}]) == chat > plain
+    # joined to the assistant message that follows it, as before
+    joined = prompt_tokens([{"role": "user", "content": "a"}, thought, {"role": "assistant", "content": ""},
+                            {"role": "user", "content": "b"}])
+    assert joined == chat

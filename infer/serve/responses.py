@@ -129,6 +129,7 @@ def _messages(body: dict) -> list[dict]:
                  "content": _text_parts(item.get("content"), f"{where}.content")}
             if role == "assistant" and thought is not None:
                 m["reasoning"], thought = thought, None
+            thought = _thought_turn(messages, thought)
             messages.append(m)
         elif kind == "function_call":
             call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
@@ -150,6 +151,7 @@ def _messages(body: dict) -> list[dict]:
             output = _text_parts(output, f"{where}.output")
             if isinstance(output, list):
                 output = "".join(part["text"] for part in output)
+            thought = _thought_turn(messages, thought)
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
         elif kind == "reasoning":
             texts = [c.get("text") for c in (item.get("content") or []) if isinstance(c, dict)]
@@ -162,7 +164,15 @@ def _messages(body: dict) -> list[dict]:
     if not messages:  # reasoning items alone: no turn to answer (the chat check would name `messages`)
         raise _bad("input holds no message: reasoning items go with the conversation they belong to (send the user's "
                    "message too)", "input")
+    _thought_turn(messages, thought)
     return messages
+
+
+def _thought_turn(messages: list[dict], thought: str | None) -> None:
+    """A reasoning item that no assistant message or function call follows (one before a user message, or last)
+    is an assistant turn of its own, as vLLM reads every reasoning item (it was dropped from the prompt). None."""
+    if thought is not None:
+        messages.append({"role": "assistant", "content": "", "reasoning": thought})
 
 
 def _tools(body: dict, chat: dict) -> None:
