@@ -363,7 +363,7 @@ class Reply:
                records: list[dict] | None = None) -> list:
         out = []
         if reasoning:  # (none: a reply that wrote no reasoning, as a stream sends no reasoning item for it)
-            out.append(self.reasoning_item(reasoning))
+            out.append(self.reasoning_item(reasoning, _thought_status(status, content, calls)))
         if content or not calls:
             out.append(self.message_item(content or "", status, records))
         out += [_call_item(c) for c in calls or []]
@@ -378,6 +378,12 @@ def _call_item(call: dict, status: str = "completed") -> dict:
     fn = call["function"]
     return {"type": "function_call", "id": "fc_" + call["id"].rsplit("-", 1)[-1], "call_id": call["id"],
             "name": fn["name"], "arguments": fn["arguments"], "status": status}
+
+
+def _thought_status(status: str, content: str | None, calls) -> str:
+    """A reply's reasoning item's status: incomplete when the reply was cut inside it (nothing after it), as
+    OpenAI's and vLLM's."""
+    return "incomplete" if status == "incomplete" and not content and not calls else "completed"
 
 
 def _status(out) -> str:
@@ -459,11 +465,12 @@ async def _events(server, req, reply: Reply, queue, ids, arrival, event):
                 event("response.content_part.added", item_id=reply.ids[kind], output_index=index, content_index=0,
                       part=part)]
 
-    def finish(kind: str, text: str, records=None):
+    def finish(kind: str, text: str, records=None, cut: bool = False):
         done = "response.reasoning_text.done" if kind == "rs" else "response.output_text.done"
         extra = {} if kind == "rs" else {"logprobs": reply.logprobs(records)}
         part = {"type": "reasoning_text", "text": text} if kind == "rs" else _output_text(text, extra["logprobs"])
-        item = reply.reasoning_item(text) if kind == "rs" else reply.message_item(text, status, records)
+        item = reply.reasoning_item(text, "incomplete" if cut else "completed") if kind == "rs" else \
+            reply.message_item(text, status, records)
         return [event(done, item_id=reply.ids[kind], output_index=index, content_index=0, text=text, **extra),
                 event("response.content_part.done", item_id=reply.ids[kind], output_index=index, content_index=0,
                       part=part),
@@ -493,7 +500,8 @@ async def _events(server, req, reply: Reply, queue, ids, arrival, event):
                             content_index=0, delta=thought[len(thought_sent):])
                 thought_sent = thought
             if open_item == "rs" and (text or out.finished):  # the answer starts: the reasoning is whole
-                for e in finish("rs", thought_sent):
+                cut = out.finished and _thought_status(status, text, calls) == "incomplete"
+                for e in finish("rs", thought_sent, cut=cut):
                     yield e
                 open_item, index, thought_done = None, index + 1, True
             if text and len(text) > len(text_sent):
