@@ -206,3 +206,18 @@ def test_a_reasoning_item_before_a_user_message_reaches_the_prompt(reasoning_ser
     joined = prompt_tokens([{"role": "user", "content": "a"}, thought, {"role": "assistant", "content": ""},
                             {"role": "user", "content": "b"}])
     assert joined == chat
+
+
+def test_beam_search_lora_request_list_of_the_wrong_length_registers_nothing(lora_llm, adapters):
+    """LLM.beam_search registered a lora_request list's adapters before it refused the list's length."""
+    from infer import BeamSearchParams, LoRARequest
+    before = lora_llm.list_loras()
+    requests = [LoRARequest("beam-a", 1, adapters["a"]), LoRARequest("beam-b", 2, adapters["b"])]
+    with pytest.raises(RequestError, match="1 prompts but 2 lora"):
+        lora_llm.beam_search(["hello"], BeamSearchParams(beam_width=2, max_tokens=2), lora_request=requests)
+    with pytest.raises(RequestError):  # a prompt it cannot take: refused before the adapter is registered too
+        lora_llm.beam_search([[{"role": "user", "content": "hi"}]], BeamSearchParams(beam_width=2, max_tokens=2),
+                             lora_request=requests[:1])
+    assert lora_llm.list_loras() == before
+    out = lora_llm.beam_search(["hello"], BeamSearchParams(beam_width=2, max_tokens=2), lora_request=requests[:1])
+    assert len(out) == 1 and "beam-a" in lora_llm.list_loras()

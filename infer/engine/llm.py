@@ -463,10 +463,6 @@ class LLM:
             if lora is not None:
                 raise RequestError("beam_search() got both lora and lora_request", "give one")
             lora = lora_request
-        if isinstance(lora, (list, tuple)):  # vLLM's third argument is lora_request: LoRARequests read by name
-            lora = [x if x is None or isinstance(x, str) else self._lora_of(x) for x in lora]
-        elif lora is not None and not isinstance(lora, str):
-            lora = self._lora_of(lora)
         if isinstance(prompts, str) or _is_prompt_dict(prompts) or (
                 isinstance(prompts, (list, tuple)) and prompts and _token_id(prompts[0]) is not None):
             prompts = [prompts]
@@ -483,6 +479,8 @@ class LLM:
                                    "render the chat first: llm.get_tokenizer().apply_chat_template(messages, "
                                    "add_generation_prompt=True)")
             encoded.append(self._encode(p, i))
+        # vLLM's third argument is lora_request: LoRARequests read by name, registered once the call is checked
+        loras = [x if x is None or isinstance(x, str) else self._lora_of(x) for x in loras]
         salts = [p.get("cache_salt") if _is_prompt_dict(p) else None for p in prompts]  # (generate checks them)
         engine = self._engine()
         chunk = int(concurrency_limit or len(encoded) or 1)
