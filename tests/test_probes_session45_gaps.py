@@ -137,8 +137,9 @@ def test_a_deeply_nested_json_schema_travels_to_a_data_parallel_replica():
         assert (back.kind, back._text, back.choice, back.regex) == (spec.kind, spec._text, spec.choice, spec.regex)
 
 
-RTEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m.reasoning_content %}[{{ m.reasoning_content }}]"
-             "{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+RTEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+             "{% if m.reasoning_content %}[{{ m.reasoning_content }}]{% endif %}"
+             "{{ m['content'] }}<|im_end|>\n{% endfor %}"
              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
@@ -221,3 +222,67 @@ def test_beam_search_lora_request_list_of_the_wrong_length_registers_nothing(lor
     assert lora_llm.list_loras() == before
     out = lora_llm.beam_search(["hello"], BeamSearchParams(beam_width=2, max_tokens=2), lora_request=requests[:1])
     assert len(out) == 1 and "beam-a" in lora_llm.list_loras()
+
+
+def test_a_request_that_raises_inside_a_replica_fails_alone(monkeypatch):
+    """A request whose add_request raised anything but a RequestError inside a data-parallel replica escaped the
+    replica's call: the driver took the replica for dead, re-ran its requests on the others, where it raised again,
+    and with two replicas the whole run stopped. Now that request gets an error record and the rest complete on
+    both replicas, each once (a validation that raises likewise fails its line only)."""
+    from infer.engine.config import EngineConfig
+    from infer.parallel.pool import ReplicaPool, Work
+    from infer.parallel.replica import ENGINE_FAILURE, Replica
+
+    class _Died(Exception):
+        pass
+
+    class _Ref:
+        def __init__(self, replica, method, args):
+            self.replica, self.method, self.args = replica, method, args
+
+    class _Handle:
+        def __init__(self, replica):
+            self.replica = replica
+            self.step = type("M", (), {"remote": lambda _, *a: _Ref(replica, "step", a)})()
+
+    class _Ray:
+        class exceptions:
+            RayError = _Died
+
+        def wait(self, refs, num_returns=1, timeout=None):
+            return refs[:1], refs[1:]
+
+        def get(self, ref):
+            try:
+                return getattr(ref.replica, ref.method)(*ref.args)
+            except Exception as e:  # as Ray hands an actor method's exception to the driver
+                raise _Died(str(e)) from e
+
+        def kill(self, handle, no_restart=True):
+            pass
+
+    cfg = EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=3, memory_limit=2 ** 29)
+    replicas = [Replica(cfg) for _ in range(2)]
+    for rep in replicas:
+        real = rep.engine.add_request
+
+        def add(rid, *args, _real=real, **kwargs):
+            if rid == "poison":
+                raise OverflowError("crafted")
+            return _real(rid, *args, **kwargs)
+        monkeypatch.setattr(rep.engine, "add_request", add)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    work = [Work(rid, i + 1, [5 + i, 6, 7], params, None) for i, rid in enumerate(["a", "poison", "b", "c", "d"])]
+    outs, rejected = {}, {}
+    pool = ReplicaPool(_Ray(), [_Handle(r) for r in replicas], capacity=2, notify=lambda m: None)
+    pool.run(work, lambda item, out, i: outs.setdefault(item.id, out),
+             lambda item, why: rejected.setdefault(item.id, why))
+    assert sorted(outs) == ["a", "b", "c", "d"] and all(o.finish_reason == "length" for o in outs.values())
+    assert list(rejected) == ["poison"] and rejected["poison"].startswith(ENGINE_FAILURE)
+    assert "OverflowError: crafted" in rejected["poison"]
+    assert all(r.alive for r in pool.replicas)
+    for rep in replicas:
+        assert not rep.engine.requests or all(s.finished for s in rep.engine.requests.values())
+        monkeypatch.setattr(rep.engine, "validate", lambda *a: (_ for _ in ()).throw(RecursionError("deep")))
+    bad = replicas[0].validate([("x", [5, 6], params, None)])
+    assert bad["x"].startswith(ENGINE_FAILURE) and "RecursionError" in bad["x"]

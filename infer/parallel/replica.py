@@ -83,17 +83,14 @@ class Replica:
                 self.engine.validate(prompt_token_ids, params, lora)
             except RequestError as e:
                 bad[rid] = str(e)
+            except Exception as e:  # noqa: BLE001 - that line's error: the driver took the replica for dead
+                bad[rid] = f"{ENGINE_FAILURE}: {type(e).__name__}: {e}"
         return bad
 
     def step(self, new: list[Wire], budget_s: float = 0.5) -> StepResult:
         """Add `new` requests, then run engine steps until at least one request finishes, nothing is left, or
         `budget_s` seconds pass."""
-        result = StepResult()
-        for rid, prompt_token_ids, params, lora in new:
-            try:
-                self.engine.add_request(rid, prompt_token_ids, params, lora)
-            except RequestError as e:
-                result.rejected.append((rid, str(e)))
+        result = StepResult(rejected=self._add(new))
         deadline = time.monotonic() + budget_s
         while self.engine.has_unfinished_requests():
             try:
@@ -111,6 +108,23 @@ class Replica:
                 break
         result.running = len(self.engine.requests)
         return result
+
+    def _add(self, new: list[Wire]) -> list[tuple[str, str]]:
+        """Add `new` to the engine: (request id, reason) of those it refused. Any other exception while adding one
+        fails that request alone (it escaped the call, and the driver took the replica for dead: a request that
+        raised on every replica stopped the whole run)."""
+        rejected = []
+        for rid, prompt_token_ids, params, lora in new:
+            try:
+                self.engine.add_request(rid, prompt_token_ids, params, lora)
+            except RequestError as e:
+                rejected.append((rid, str(e)))
+            except Exception as e:  # noqa: BLE001 - as a failed step: that request's error, the replica goes on
+                if rid in self.engine.requests and not self.engine.requests[rid].finished:
+                    self.engine.abort_request(rid)
+                    self._failed.add(rid)
+                rejected.append((rid, f"{ENGINE_FAILURE}: {type(e).__name__}: {e}"))
+        return rejected
 
     def _fail_running(self, error: Exception) -> list[tuple[str, str]]:
         """After a failed step the running requests' state is not trusted: abort them (frees their KV blocks) and
@@ -134,12 +148,7 @@ class Replica:
         Returns (every output of the step, as streaming needs them; (request id, reason) of rejected requests;
         the engine's stats, with `step_tokens`: the tokens the step computed, for the server's
         infer:iteration_tokens_total)."""
-        rejected = []
-        for rid, prompt_token_ids, params, lora in new:
-            try:
-                self.engine.add_request(rid, prompt_token_ids, params, lora)
-            except RequestError as e:
-                rejected.append((rid, str(e)))
+        rejected = self._add(new)
         for rid in aborts:
             self.engine.abort_request(rid)
         outputs, stepped = [], 0
