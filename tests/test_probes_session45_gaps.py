@@ -286,3 +286,11 @@ def test_a_request_that_raises_inside_a_replica_fails_alone(monkeypatch):
         monkeypatch.setattr(rep.engine, "validate", lambda *a: (_ for _ in ()).throw(RecursionError("deep")))
     bad = replicas[0].validate([("x", [5, 6], params, None)])
     assert bad["x"].startswith(ENGINE_FAILURE) and "RecursionError" in bad["x"]
+
+
+def test_a_copied_json_schema_stays_as_it_was_given():
+    """(The schema travels to a replica as its text; a copy, SamplingParams.clone() included, keeps the dict.)"""
+    import copy
+    params = SamplingParams(structured_outputs={"json": {"type": "object"}})
+    for spec in (params.clone().structured_outputs, copy.copy(params.structured_outputs)):
+        assert spec.json == {"type": "object"} and spec._text == params.structured_outputs._text

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import copy
 import functools
 import json
 import re
@@ -126,6 +127,18 @@ class StructuredOutputsParams:
             return super().__reduce_ex__(protocol)
         return _unpickled, (self.__class__, {**{f.name: getattr(self, f.name) for f in fields(self) if f.init},
                                                 "json": self._text})
+
+    def __copy__(self):  # copy and deepcopy (SamplingParams.clone) keep the schema as it was given
+        return self._copied(lambda value: value)
+
+    def __deepcopy__(self, memo):
+        return self._copied(lambda value: copy.deepcopy(value, memo))
+
+    def _copied(self, each):
+        new = object.__new__(type(self))
+        for name, value in self.__dict__.items():
+            object.__setattr__(new, name, each(value))
+        return new
 
     @property
     def kind(self) -> str:
