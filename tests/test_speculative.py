@@ -453,3 +453,16 @@ def test_drafts_take_only_free_blocks_and_budget_never_preempting():
     sched.max_num_batched_tokens = 2
     batch = sched.schedule()  # the budget cuts them
     assert (batch.num_new_tokens, a.draft_token_ids, b.draft_token_ids) == ([2], [5], [])
+
+
+def test_overlap_asked_for_still_verifies_each_step_first(path, plain):
+    """overlap=True (CUDA's default: the next step prepared while this one runs) with speculation on: a speculative
+    step is verified on the host before the next is planned, so drafts are still made and accepted and the tokens
+    are plain's."""
+    llm = LLM(str(path), block_size=4, speculative_config=SPEC, overlap=True)
+    prompts = random_prompts(plain.engine.model_config.vocab_size, (4, 9), seed=1)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True, allowed_token_ids=FEW)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+    assert accepted(llm) > 10
+    no_leaks(llm)
+    llm.close()
