@@ -101,6 +101,70 @@ class RankedQueue:
             heapq.heappop(self._heap)
 
 
+class ArrivalQueue:
+    """The waiting requests under the fcfs policy: a deque in arrival order (a preempted request goes back at the
+    front), where a request removed (aborted while waiting) is only marked, in O(1), and skipped when it reaches the
+    front; `seq in queue` is O(1) too (a deque's remove and `in` scanned it: aborting n waiting requests one by one
+    took O(n^2)). The deque methods the scheduler calls; iterated in queue order."""
+
+    def __init__(self):
+        self._queue: deque[list] = deque()  # [seq] boxes (seq None once removed), in queue order
+        self._entries: dict[int, list] = {}  # id(seq) -> its box, for the requests waiting
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
+    def __iter__(self):
+        return iter([box[0] for box in self._queue if box[0] is not None])
+
+    def __contains__(self, seq) -> bool:
+        box = self._entries.get(id(seq))
+        return box is not None and box[0] is seq
+
+    def __getitem__(self, index: int):
+        if index == 0 and self._entries:
+            self._drop_removed()
+            return self._queue[0][0]
+        return list(self)[index]
+
+    def _box(self, seq) -> list:
+        box = [seq]
+        self._entries[id(seq)] = box
+        return box
+
+    def append(self, seq) -> None:
+        self._queue.append(self._box(seq))
+
+    def appendleft(self, seq) -> None:
+        self._queue.appendleft(self._box(seq))
+
+    def extendleft(self, seqs) -> None:
+        for seq in seqs:
+            self.appendleft(seq)
+
+    def popleft(self):
+        if not self._entries:
+            raise IndexError("pop from an empty queue")
+        self._drop_removed()
+        seq = self._queue.popleft()[0]
+        del self._entries[id(seq)]
+        return seq
+
+    def remove(self, seq) -> None:
+        if seq not in self:
+            raise ValueError("the sequence is not waiting")
+        self._entries.pop(id(seq))[0] = None
+        if len(self._queue) > 2 * len(self._entries) + 64:  # mostly removed ones: kept no longer
+            self._queue = deque(box for box in self._queue if box[0] is not None)
+
+    def _drop_removed(self) -> None:
+        while self._queue[0][0] is None:
+            self._queue.popleft()
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, lora=None):
         self.bm = block_manager
@@ -112,7 +176,7 @@ class Scheduler:
         self.failed: list[Sequence] = []  # finished with an error while scheduling; the engine hands them out
         self.by_priority = config.scheduling_policy == "priority"
         # waiting requests: arrival order (fcfs), or a heap by rank (priority)
-        self.waiting: deque[Sequence] | RankedQueue = RankedQueue(self.rank) if self.by_priority else deque()
+        self.waiting: ArrivalQueue | RankedQueue = RankedQueue(self.rank) if self.by_priority else ArrivalQueue()
         self._numbers = itertools.count()  # admission numbers: ties of priority and arrival time go first come
 
     @staticmethod
