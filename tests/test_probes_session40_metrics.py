@@ -151,7 +151,8 @@ def test_finished_requests_are_counted_under_vllms_request_success_name_too(engi
 
 
 def test_data_parallel_metrics_carry_the_labels_and_every_replicas_steps():
-    """--data-parallel 2: the driver observes each replica's step tokens, and the counters sum both replicas."""
+    """--data-parallel 2: the driver observes each replica's step tokens, each replica has its own series (label
+    engine, as vLLM's data-parallel engines), and they add up to the requests' tokens."""
     ray = pytest.importorskip("ray")
     from infer.parallel.serve import build_server
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
@@ -168,7 +169,11 @@ def test_data_parallel_metrics_carry_the_labels_and_every_replicas_steps():
     finally:
         ray.shutdown()
     name = "infer:iteration_tokens_total"
-    assert _value(families, name, name + "_sum", model_name="llama", engine="0") == sum(map(len, prompts)) + 4 * 2
+    assert _value(families, name, name + "_sum", model_name="llama") == sum(map(len, prompts)) + 4 * 2
+    for engine in ("0", "1"):  # two requests each (the driver sends a request to the replica with fewest in flight)
+        assert _value(families, name, name + "_sum", model_name="llama", engine=engine) > 0
+        assert _value(families, "infer:request_success", "infer:request_success_total", finished_reason="length",
+                      engine=engine) == 2
     assert _value(families, "infer:prompt_tokens", "infer:prompt_tokens_total", model_name="llama") == 18
     assert _value(families, "infer:request_success", "infer:request_success_total", finished_reason="length") == 4
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from collections import deque
 
+import pytest
+
 from infer.engine.sampling_params import SamplingParams
 
 
@@ -63,3 +65,185 @@ def test_fcfs_abort_of_waiting_requests_does_not_scan_the_queue(monkeypatch):
         pass
     else:
         raise AssertionError("popleft from an empty queue did not raise")
+
+
+# -------------------------------------------------------------------------------------------------- data parallel
+
+
+class _Ref:
+    def __init__(self, handle, method, args):
+        self.handle, self.method, self.args = handle, method, args
+
+
+class _Method:
+    def __init__(self, handle, name):
+        self.handle, self.name = handle, name
+
+    def remote(self, *args):
+        return _Ref(self.handle, self.name, args)
+
+
+class _Handle:
+    def __init__(self, replica):
+        self.replica = replica
+        self.serve_step = _Method(self, "serve_step")
+
+
+class _Ray:
+    """ray.wait / get / kill over in-process replicas (each call runs when its result is read)."""
+
+    class exceptions:
+        RayError = RuntimeError
+        ActorDiedError = RuntimeError
+
+    def __init__(self):
+        import threading
+        self.lock = threading.Lock()
+
+    def wait(self, refs, num_returns=1, timeout=None):
+        return refs[:1], refs[1:]
+
+    def get(self, ref):
+        if isinstance(ref, list):
+            return [self.get(r) for r in ref]
+        with self.lock:
+            return getattr(ref.handle.replica, ref.method)(*ref.args)
+
+    def kill(self, handle, no_restart=True):
+        pass
+
+
+def _families(text: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def _by_engine(samples: dict, name: str, **labels) -> dict:
+    """{engine label: value} of the samples called `name` whose other labels include `labels`."""
+    out = {}
+    for (n, lab), value in samples.items():
+        d = dict(lab)
+        if n == name and all(d.get(k) == v for k, v in labels.items()):
+            out[d["engine"]] = value
+    return out
+
+
+def test_data_parallel_metrics_have_a_series_per_engine_as_vllms():
+    """vLLM labels every engine series of a data-parallel server with its engine's index (engine="0", "1", ...);
+    infer summed the replicas into engine="0", so a dashboard built for vLLM could not tell a stuck or hot replica
+    from the others. Each replica now has its own series: the gauges and counters of its stats, the request counters
+    and histograms of the requests it ran, and its steps' tokens; /health and the replica_* gauges stay as they were."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from infer.engine.config import EngineConfig
+    from infer.parallel.replica import Replica
+    from infer.parallel.serve import ReplicaCollector
+    from infer.parallel.serve_engine import RayAsyncEngine, ReplicaView
+    from infer.serve.app import Server, create_app
+    cfg = EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=4, memory_limit=2 ** 29)
+    replicas = [Replica(cfg) for _ in range(2)]
+    engine = replicas[0].engine
+    view = ReplicaView(engine.config, engine.model_path, engine.tokenizer, replicas[0].info())
+    aengine = RayAsyncEngine(_Ray(), [_Handle(r) for r in replicas], [r.info() for r in replicas], view)
+    server = Server(aengine, "tiny-llama")
+    server.metrics.registry.register(ReplicaCollector(aengine))
+    prompts = [[5, 17, 99], [6, 17, 99, 230], [7, 8], [9, 10, 11, 12, 13]]
+    with TestClient(create_app(server)) as client:
+        before = _families(client.get("/metrics").text)
+        # both engines' series are there from the start, as vLLM's
+        assert _by_engine(before, "infer:request_success_total", finished_reason="length") == {"0": 0.0, "1": 0.0}
+        assert _by_engine(before, "infer:num_requests_running") == {"0": 0.0, "1": 0.0}
+        r = client.post("/v1/completions", json={"prompt": prompts, "max_tokens": 3, "ignore_eos": True,
+                                                 "temperature": 0})
+        assert r.status_code == 200, r.text
+        samples = _families(client.get("/metrics").text)
+        health = client.get("/health").json()
+    # the driver sends each new request to the replica with the fewest in flight: two each
+    done = _by_engine(samples, "infer:request_success_total", finished_reason="length")
+    assert done == {"0": 2.0, "1": 2.0}, done
+    prompt_tokens = _by_engine(samples, "infer:prompt_tokens_total")
+    assert set(prompt_tokens) == {"0", "1"} and sum(prompt_tokens.values()) == sum(map(len, prompts))
+    assert all(v > 0 for v in prompt_tokens.values()), prompt_tokens
+    assert _by_engine(samples, "infer:generation_tokens_total") == {"0": 6.0, "1": 6.0}
+    assert _by_engine(samples, "infer:e2e_request_latency_seconds_count") == {"0": 2.0, "1": 2.0}
+    assert _by_engine(samples, "infer:request_prompt_tokens_sum") == prompt_tokens
+    steps = _by_engine(samples, "infer:iteration_tokens_total_sum")
+    # each engine's steps computed its prompts and fed back all but the last token of each request
+    assert steps == {k: v + 2 * 2 for k, v in prompt_tokens.items()}, steps
+    blocks = _by_engine(samples, "infer:kv_cache_blocks_total")
+    assert blocks == {str(i): float(r.engine.block_manager.num_blocks) for i, r in enumerate(replicas)}, blocks
+    assert _by_engine(samples, "infer:num_requests_running") == {"0": 0.0, "1": 0.0}
+    for name in ("infer:num_preemptions_total", "infer:prefix_cache_queries_total", "infer:kv_cache_usage_perc"):
+        assert set(_by_engine(samples, name)) == {"0", "1"}, name
+    assert samples[("infer:replica_up", (("replica", "1"),))] == 1.0
+    assert "engines" not in health["engine"] and len(health["engine"]["replicas"]) == 2
+
+
+def test_a_dead_replicas_engine_series_keep_its_counters_and_zero_its_gauges():
+    """A replica that died keeps its counters in its own series (Prometheus reads a counter going down as a reset)
+    and shows nothing running or held."""
+    from types import SimpleNamespace
+
+    from infer.parallel.serve_engine import RayAsyncEngine, _Replica
+    from infer.serve.metrics import ServerMetrics
+
+    def stats(**kw):
+        return {"num_running": 2, "num_waiting": 1, "kv_blocks_total": 10, "kv_blocks_used": 4, "kv_usage": 0.4,
+                "num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0, **kw}
+    replicas = [_Replica(0, None, {}, stats=stats(num_preemptions=1)),
+                _Replica(1, None, {}, stats=stats(num_preemptions=5, prefix_cache_hits=7))]
+    replicas[1].alive = False
+    total = RayAsyncEngine._aggregate(SimpleNamespace(replicas=replicas))
+    samples = _families(ServerMetrics(lambda: total, 64, "m", engines=2).render().decode())
+    assert _by_engine(samples, "infer:num_preemptions_total") == {"0": 1.0, "1": 5.0}
+    assert _by_engine(samples, "infer:prefix_cache_hits_total") == {"0": 0.0, "1": 7.0}
+    assert _by_engine(samples, "infer:num_requests_running") == {"0": 2.0, "1": 0.0}
+    assert _by_engine(samples, "infer:kv_cache_usage_perc") == {"0": 0.4, "1": 0.0}
+    assert _by_engine(samples, "infer:kv_cache_blocks_total") == {"0": 10.0, "1": 0.0}
+
+
+def test_a_request_its_client_left_is_counted_as_an_abort_on_the_engine_that_ran_it():
+    """The server counts an abort for each request whose client went away: with data-parallel replicas, on the
+    replica that ran it (engine="i"), not all on engine "0"."""
+    import asyncio
+
+    from infer.engine.config import EngineConfig
+    from infer.parallel.replica import Replica
+    from infer.parallel.serve_engine import RayAsyncEngine, ReplicaView
+    from infer.serve.app import Server
+    cfg = EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=4, memory_limit=2 ** 29)
+    replicas = [Replica(cfg) for _ in range(2)]
+    engine = replicas[0].engine
+    view = ReplicaView(engine.config, engine.model_path, engine.tokenizer, replicas[0].info())
+    aengine = RayAsyncEngine(_Ray(), [_Handle(r) for r in replicas], [r.info() for r in replicas], view)
+    server = Server(aengine, "tiny-llama")
+    aengine.start()
+
+    async def main():
+        queue, params = asyncio.Queue(), SamplingParams(max_new_tokens=40, ignore_eos=True)
+        aengine.add("x0", [5, 6], params, None, queue)
+        aengine.add("x1", [5, 6, 7], params, None, queue)
+        outputs = server.outputs(queue, ["x0", "x1"], None, 0.0)
+        seen = 0
+        async for _ in outputs:
+            seen += 1
+            if seen == 4:  # both have started on their replicas; then the client goes away
+                break
+        await outputs.aclose()
+        for _ in range(1000):  # the driver sends the aborts to the replicas, which free the requests
+            if not any(r.engine.requests for r in replicas):
+                break
+            await asyncio.sleep(0.02)
+
+    try:
+        asyncio.run(main())
+    finally:
+        aengine.shutdown(timeout=5)
+    samples = _families(server.metrics.render().decode())
+    assert _by_engine(samples, "infer:request_success_total", finished_reason="abort") == {"0": 1.0, "1": 1.0}
+    assert [len(r.engine.requests) for r in replicas] == [0, 0]

@@ -56,6 +56,7 @@ class RequestOutput:
     has not taken yet hold a length each, not a copy of the whole text so far (quadratic memory)."""
 
     prompt: str | None = None  # vLLM's: the prompt's text when LLM.generate / stream got it as text (else None)
+    engine_index: int = 0  # the data-parallel replica that ran the request (the server's /metrics label engine)
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], token_ids: list[int] | None = None,
                  new_token_ids: list[int] | None = None, text: str = "", delta_text: str = "",

@@ -34,6 +34,8 @@ SUMMED = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "nu
 # what only grows (the /metrics counters): a dead replica's last figures stay in the sums, so they never go back
 CUMULATIVE = ("num_preemptions", "lora_swaps", "num_steps", "cuda_graph_replays", "piecewise_graph_steps",
               "prefix_cache_queries", "prefix_cache_hits")
+# what a dead replica shows as 0 in its own /metrics series (it runs and holds nothing); its counters stay
+GAUGES = ("num_running", "num_waiting", "kv_usage", "kv_blocks_used", "kv_blocks_total", "num_in_flight")
 
 
 class _Adapters:
@@ -130,6 +132,14 @@ class RayAsyncEngine(AsyncEngine):
         for r, (_, _, stats) in zip(self.replicas, ray.get([h.serve_step.remote([], []) for h in handles])):
             r.stats = stats
         self.stats = self._aggregate()
+
+    @property
+    def num_engines(self) -> int:
+        return len(self.replicas)
+
+    def engine_of(self, request_id: str) -> int:
+        r = self._owner.get(request_id)  # (a dict read from the event loop: atomic)
+        return r.index if r is not None else 0
 
     # ------------------------------------------------------------------ the driver thread
     def add(self, request_id: str, prompt_token_ids: list[int], params, lora, queue) -> None:
@@ -231,20 +241,29 @@ class RayAsyncEngine(AsyncEngine):
             except self.ray.exceptions.RayError as e:
                 self._lost(r, e)
                 continue
-            self._stepped(r.stats.get("step_tokens", 0))
+            tokens = r.stats.get("step_tokens", 0)
+            if tokens and self.on_step is not None:  # the step's tokens, on the replica's own series
+                self.on_step(tokens, r.index)
             for rid, reason in rejected:
+                self._fail(rid, "error", reason)  # (while the request's replica is known: its engine label)
                 self._done(r, rid)
-                self._fail(rid, "error", reason)
             for out in outputs:
                 if out.request_id in r.inflight:
                     r.started.add(out.request_id)
                     if out.finished:
                         self._done(r, out.request_id)
+                    out.engine_index = r.index
                     self._deliver(out)
         stats = self._aggregate()
         with self._cond:
             self._num_waiting = stats["num_waiting"]
         self.stats = stats
+
+    def _deliver(self, out) -> None:
+        r = self._owner.get(out.request_id)  # an output the driver made (an error): the replica it was on, if any
+        if r is not None:
+            out.engine_index = r.index
+        super()._deliver(out)
 
     def _done(self, r: _Replica, rid: str) -> None:
         r.inflight.pop(rid, None)
@@ -376,6 +395,9 @@ class RayAsyncEngine(AsyncEngine):
                 total[k] = sum(s[k] for s in spec)
             per_pos = [s["spec_decode_num_accepted_tokens_per_pos"] for s in spec]
             total["spec_decode_num_accepted_tokens_per_pos"] = [sum(col) for col in zip(*per_pos)]
+        # each replica's own figures, for /metrics' per-engine series (label engine, as vLLM's data-parallel engines)
+        total["engines"] = [{**r.stats, "num_in_flight": len(r.inflight)}
+                            | ({} if r.alive else dict.fromkeys(GAUGES, 0)) for r in self.replicas]
         total["replicas"] = [{"replica": r.index, "alive": r.alive, "host": r.info.get("host"),
                               "device": r.info.get("device"), "num_in_flight": len(r.inflight),
                               **{k: r.stats.get(k, 0) if r.alive else 0  # a dead replica runs nothing

@@ -75,8 +75,9 @@ class Server:
         self.retry_after, self.graceful_timeout = retry_after, graceful_timeout
         self.engine = aengine.engine
         self.tokenizer = self.engine.tokenizer
-        self.metrics = ServerMetrics(self.stats, self.engine.max_model_len, self.model_id)
-        aengine.on_step = self.metrics.iteration_tokens.observe  # every step's tokens, from the engine thread
+        self.metrics = ServerMetrics(self.stats, self.engine.max_model_len, self.model_id,
+                                     engines=getattr(aengine, "num_engines", 1))
+        aengine.on_step = self.metrics.observe_step  # every step's tokens, from the engine thread
         self.created = p.now()
         # what a request gets for the sampling fields it leaves out: the model's generation_config.json, else
         # OpenAI's temperature 1 (vLLM's rule); LLM and plain `infer run` lines stay greedy by default
@@ -215,7 +216,7 @@ class Server:
         finally:
             if left:  # client gone, cancelled, or an error: free the engine's KV blocks now
                 for rid in left:
-                    self.metrics.finished.labels("abort").inc()
+                    self.metrics.engine(self.aengine.engine_of(rid)).finished.labels("abort").inc()
                 self._abort(left)
 
 
@@ -495,7 +496,7 @@ def _add_routes(app: FastAPI, server: Server) -> None:
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers and probes often send HEAD
     async def health():
-        stats = server.stats()
+        stats = {k: v for k, v in server.stats().items() if k != "engines"}  # (each replica's: /metrics' series)
         if stats.get("num_replicas_alive", 1) == 0:  # every data-parallel replica died: probes must see it
             return SafeJSONResponse({"status": "unavailable", "model": server.model_id, "engine": stats,
                                      "error": "no engine replica is left; restart the server"}, status_code=503)

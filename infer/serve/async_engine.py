@@ -86,7 +86,9 @@ class AsyncEngine:
         # steps that failed in a row (0 after a step that ran): a device that fails every step (a CUDA error poisons
         # its context) is a server to restart, which /health says; a one-off failure is not
         self.failing_steps, self.last_step_error = 0, ""
-        self.on_step = None  # fn(tokens): called on the engine thread with each step's token count (the metrics)
+        # fn(tokens): called on the engine thread with each step's token count (the metrics); the data-parallel
+        # driver calls fn(tokens, replica index)
+        self.on_step = None
         self._thread = threading.Thread(target=self._run, name="infer-engine", daemon=True)
 
     # ------------------------------------------------------------------ called from the event loop
@@ -188,6 +190,12 @@ class AsyncEngine:
             controls, self._controls = list(self._controls), deque()
         for _, loop, future in controls:
             _settle(loop, future, None, ShuttingDownError("the server is shutting down", "retry later"))
+
+    num_engines = 1  # the engines /metrics shows (label engine): the data-parallel driver's replicas
+
+    def engine_of(self, request_id: str) -> int:
+        """The index of the engine that runs `request_id` (/metrics' label engine)."""
+        return 0
 
     def num_in_flight(self) -> int:
         with self._cond:
