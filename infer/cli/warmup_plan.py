@@ -12,7 +12,7 @@ import torch
 from ..engine.config import RANGES, EngineConfig
 from ..engine.setup import checkpoint_dtype, context_limit, model_max_len, warn_unused_memory_option
 from ..errors import ConfigError, OutOfMemoryError
-from ..memory.plan import MemoryPlan, bound_room, budget_bytes, cuda_graph_bytes, make_plan
+from ..memory.plan import MemoryPlan, bound_room, budget_bytes, cuda_graph_bytes, make_plan, speculative_logit_bytes
 from ..memory.sizes import (DEQUANT_MIN_TOKENS, activation_bytes, element_bytes, int4_layer_bytes, lora_slot_bytes,
                             step_tokens, weights_bytes)
 
@@ -69,7 +69,7 @@ def _formula(engine_config: EngineConfig, model_config, dtype, concurrency: int,
     step = step_tokens(cfg.max_num_batched_tokens, concurrency, max_length)
     return activation_bytes(model_config, dtype, step, concurrency, max_length, rank,
                             kv_dtype=engine_config.kv_dtype(dtype)) \
-        + cuda_graph_bytes(cfg, model_config, dtype) \
+        + cuda_graph_bytes(cfg, model_config, dtype) + speculative_logit_bytes(cfg, model_config) \
         + (int4_layer if cfg.max_num_batched_tokens > DEQUANT_MIN_TOKENS else 0)
 
 

@@ -9,7 +9,7 @@ import torch
 
 from ..kernels.reference import longest_batched_decode
 from ..memory.meter import PeakMeter
-from ..memory.plan import MemoryPlan, cuda_graph_bytes, make_plan, start_activation_bytes
+from ..memory.plan import MemoryPlan, cuda_graph_bytes, make_plan, speculative_logit_bytes, start_activation_bytes
 from ..memory.sizes import activation_bytes, penalty_table_bytes, step_tokens, weights_bytes
 from ..models.shapes import ModelShapes
 from .config import EngineConfig
@@ -89,9 +89,11 @@ def profile_run(model, model_config, engine_config: EngineConfig, dtype, device,
         peak += activation_bytes(model_config, dtype, tokens, concurrency, max_length, rank) \
             - activation_bytes(model_config, dtype, tokens, concurrency, max_length, 0)
     peak += penalty_table_bytes(model_config, concurrency)  # the worst case samples without penalties: add them
+    spec = speculative_logit_bytes(engine_config, model_config, concurrency)  # nor runs a verify step's extra rows
+    peak += spec
     graphs = cuda_graph_bytes(engine_config, model_config, dtype)  # the CUDA graphs keep a pool of their own
     estimate = activation_bytes(model_config, dtype, tokens, concurrency, max_length, rank,
-                                kv_dtype=engine_config.kv_dtype(dtype)) + graphs
+                                kv_dtype=engine_config.kv_dtype(dtype)) + graphs + spec
     weights = weights_bytes(model) if weights is None else weights
     # the KV cache an engine start of this config allocates is what its own figure for activations leaves
     start = start_activation_bytes(engine_config, model_config, model, dtype, max_length)

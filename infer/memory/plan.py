@@ -266,13 +266,14 @@ def start_activation_bytes(engine_config: PlanOptions, model_config, model, dtyp
         + dequant_scratch_bytes(model, dtype, engine_config.max_num_batched_tokens)
 
 
-def speculative_logit_bytes(engine_config: PlanOptions, model_config) -> int:
+def speculative_logit_bytes(engine_config: PlanOptions, model_config, seqs: int | None = None) -> int:
     """With speculative decoding, the logits of the rows a verify step samples beyond one a sequence (each draft's
-    position has its row), as activation_bytes counts a row's (logits, log-softmax, a copy)."""
+    position has its row), as activation_bytes counts a row's (logits, log-softmax, a copy). `seqs`: the sequences
+    at once (default max_num_seqs)."""
     spec = getattr(engine_config, "speculative_config", None)
     if not spec:
         return 0
-    seqs, tokens = engine_config.max_num_seqs, engine_config.max_num_batched_tokens
+    seqs, tokens = seqs or engine_config.max_num_seqs, engine_config.max_num_batched_tokens
     rows = min(tokens, seqs * (spec["num_speculative_tokens"] + 1)) - min(tokens, seqs)
     return max(0, rows) * model_config.vocab_size * 4 * 3
 
