@@ -22,3 +22,40 @@ def test_warmup_counts_the_verify_steps_logit_rows_as_the_engine_start_does(monk
     assert est.activation_peak_bytes == engine.activation_peak_bytes
     _, extra = measured_plan(EngineConfig(model="tiny-llama", **kw), 256, 8)
     assert extra["activation_estimate_bytes"] == engine.activation_peak_bytes
+
+
+def _two_decoding(num_blocks: int, prompt_b: list[int], tokens: int = 64):
+    from infer import SamplingParams
+    from infer.engine.block_manager import BlockManager
+    from infer.engine.scheduler import Scheduler
+    from infer.engine.sequence import Sequence
+    bm = BlockManager(num_blocks, 4, enable_prefix_caching=False)
+    sched = Scheduler(EngineConfig("tiny-llama", max_num_seqs=4, max_num_batched_tokens=64), bm)
+    a, b = Sequence("a", [1, 2, 3], SamplingParams(max_new_tokens=50)), Sequence("b", prompt_b, SamplingParams())
+    for s in (a, b):
+        sched.add(s)
+    batch = sched.schedule()  # both prefills
+    for s, n in zip(batch.seqs, batch.num_new_tokens):
+        s.num_computed_tokens += n
+        s.output_token_ids.append(9)
+    sched.max_num_batched_tokens = tokens
+    return sched, a, b
+
+
+def test_an_older_requests_drafts_never_preempt_a_younger_ones_own_token():
+    """a's drafts took the last free block before b (younger, at a block's end) was scheduled: b's own token then
+    found no block and b was preempted (its KV recomputed later), where a plain step preempts no one."""
+    sched, a, b = _two_decoding(3, [1, 2, 3, 4])  # a: 4 tokens in one block, b: 5 tokens, its second block is new
+    assert sched.bm.num_free_blocks == 1
+    a.draft_token_ids = [5, 6, 7]
+    batch = sched.schedule()
+    assert sched.num_preemptions == 0 and batch.seqs == [a, b]
+    assert batch.num_new_tokens == [1, 1] and a.draft_token_ids == []
+
+
+def test_drafts_take_only_the_token_budget_the_running_requests_leave():
+    """With a budget of 3 tokens, a's two drafts took the token b's own decode needed: b sat the step out."""
+    sched, a, b = _two_decoding(8, [1, 2, 3], tokens=3)
+    a.draft_token_ids = [5, 6]
+    batch = sched.schedule()
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [2, 1] and a.draft_token_ids == [5]

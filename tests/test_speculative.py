@@ -451,8 +451,14 @@ def test_drafts_take_only_free_blocks_and_budget_never_preempting():
     sched.bm.shrink(a, 4)  # the drafts were rejected: the block goes back
     a.draft_token_ids = [5, 6]
     sched.max_num_batched_tokens = 2
-    batch = sched.schedule()  # the budget cuts them
-    assert (batch.num_new_tokens, a.draft_token_ids, b.draft_token_ids) == ([2], [5], [])
+    batch = sched.schedule()  # the budget cuts them: a's and b's own tokens first, no room left for a draft
+    assert (batch.num_new_tokens, a.draft_token_ids, b.draft_token_ids) == ([1, 1], [], [])
+    sched.bm.shrink(a, 4)
+    a.draft_token_ids = [5, 6]
+    sched.max_num_batched_tokens = 3
+    batch = sched.schedule()
+    assert (batch.num_new_tokens, a.draft_token_ids) == ([2, 1], [5])
+
 
 
 def test_overlap_asked_for_still_verifies_each_step_first(path, plain):

@@ -202,29 +202,35 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
-            if seq.draft_token_ids:
-                n = self._with_drafts(seq, n, budget)
             if not self._reserve(seq, seq.num_computed_tokens + n):
                 continue  # seq itself was preempted (it was the youngest); the list shrank
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
             budget -= n
             i += 1
+        for seq in self.running[i:]:  # not scheduled this step: no drafts
+            seq.draft_token_ids = []
+        budget = self._with_drafts(batch, budget)
         self._admit(batch, budget)
         return batch
 
-    def _with_drafts(self, seq: Sequence, n: int, budget: int) -> int:
-        """The tokens of a decoding sequence with drafts (speculative decoding): its last token and as many of its
-        drafts as the budget and the free KV blocks hold (drafts never preempt anyone); the drafts left out are
-        dropped."""
-        if n != seq.num_uncomputed_tokens:
-            seq.draft_token_ids = []
-            return n
-        k = min(len(seq.draft_token_ids), budget - n)
-        while k > 0 and self.bm.slots_needed(seq, seq.num_computed_tokens + n + k) > self.bm.num_free_blocks:
-            k -= 1
-        del seq.draft_token_ids[k:]
-        return n + k
+    def _with_drafts(self, batch: ScheduledBatch, budget: int) -> int:
+        """Speculative decoding: to each decoding sequence of the batch with drafts, as many of them as the budget and
+        the free KV blocks that every running sequence's own tokens left hold (drafts never preempt anyone, nor keep
+        a running sequence out of the step); the drafts left out are dropped. Returns the budget left."""
+        for j, seq in enumerate(batch.seqs):
+            if not seq.draft_token_ids:
+                continue
+            n = batch.num_new_tokens[j]
+            k = min(len(seq.draft_token_ids), budget) if n == seq.num_uncomputed_tokens else 0
+            while k > 0 and self.bm.slots_needed(seq, seq.num_computed_tokens + n + k) > self.bm.num_free_blocks:
+                k -= 1
+            del seq.draft_token_ids[k:]
+            if k:
+                self.bm.grow(seq, seq.num_computed_tokens + n + k)
+                batch.num_new_tokens[j] += k
+                budget -= k
+        return budget
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         """Add waiting requests to the running ones and the batch, first come first served within budget."""
