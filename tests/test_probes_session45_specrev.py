@@ -59,3 +59,21 @@ def test_drafts_take_only_the_token_budget_the_running_requests_leave():
     a.draft_token_ids = [5, 6]
     batch = sched.schedule()
     assert batch.seqs == [a, b] and batch.num_new_tokens == [2, 1] and a.draft_token_ids == [5]
+
+
+def test_tokens_a_speculative_step_accepts_together_make_one_inter_token_latency():
+    """A verify step hands a request several tokens at one time: vLLM observes one inter-token latency per step and
+    request; each accepted draft added a 0 s observation, pulling the histogram toward 0."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from infer.engine.outputs import RequestOutput
+    from infer.serve.metrics import ServerMetrics
+    metrics, counted = ServerMetrics(lambda: {}, max_model_len=64), {}
+    times = [10.0, 10.5, 10.5, 10.5, 11.25]  # the second step accepted two drafts and added one token of its own
+    for k in (1, 4, 5):
+        out = RequestOutput("r", [1, 2], token_ids=list(range(k)), token_times=times[:k], arrival_time=9.0,
+                            first_token_time=10.0, first_scheduled_time=9.5)
+        metrics.observe_output(out, 9.0, counted)
+    m = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    assert m["infer:inter_token_latency_seconds_count"] == 2 and m["infer:inter_token_latency_seconds_sum"] == 1.25
+    assert m["infer:generation_tokens_total"] == 5

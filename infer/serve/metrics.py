@@ -225,7 +225,8 @@ class ServerMetrics:
             s.generation_tokens.inc(made - before)
             times = out.token_times_from(max(before - 1, 0))  # the last token counted before, then the new ones
             for a, b in zip(times, times[1:]):
-                s.itl.observe(max(0.0, b - a))
+                if b != a:  # tokens of one step (a speculative step's accepted drafts) share its time: one latency
+                    s.itl.observe(max(0.0, b - a))  # for the step and request, as vLLM observes
             before = made
         if not timed and out.first_token_time is not None:
             s.ttft.observe(max(0.0, out.first_token_time - arrival))
