@@ -460,7 +460,6 @@ def test_drafts_take_only_free_blocks_and_budget_never_preempting():
     assert (batch.num_new_tokens, a.draft_token_ids) == ([2, 1], [5])
 
 
-
 def test_overlap_asked_for_still_verifies_each_step_first(path, plain):
     """overlap=True (CUDA's default: the next step prepared while this one runs) with speculation on: a speculative
     step is verified on the host before the next is planned, so drafts are still made and accepted and the tokens
