@@ -132,6 +132,21 @@ def _by_engine(samples: dict, name: str, **labels) -> dict:
     return out
 
 
+def _dp_server():
+    """Two in-process tiny-llama replicas behind the fake ray, their RayAsyncEngine and a Server over it."""
+    from infer.engine.config import EngineConfig
+    from infer.parallel.replica import Replica
+    from infer.parallel.serve_engine import RayAsyncEngine, ReplicaView
+    from infer.serve.app import Server
+    cfg = EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=4, memory_limit=2 ** 29)
+    replicas = [Replica(cfg) for _ in range(2)]
+    engine = replicas[0].engine
+    view = ReplicaView(engine.config, engine.model_path, engine.tokenizer, replicas[0].info())
+    aengine = RayAsyncEngine(_Ray(), [_Handle(r) for r in replicas], [r.info() for r in replicas], view)
+    server = Server(aengine, "tiny-llama")
+    return replicas, aengine, server
+
+
 def test_data_parallel_metrics_have_a_series_per_engine_as_vllms():
     """vLLM labels every engine series of a data-parallel server with its engine's index (engine="0", "1", ...);
     infer summed the replicas into engine="0", so a dashboard built for vLLM could not tell a stuck or hot replica
@@ -140,17 +155,9 @@ def test_data_parallel_metrics_have_a_series_per_engine_as_vllms():
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
-    from infer.engine.config import EngineConfig
-    from infer.parallel.replica import Replica
     from infer.parallel.serve import ReplicaCollector
-    from infer.parallel.serve_engine import RayAsyncEngine, ReplicaView
-    from infer.serve.app import Server, create_app
-    cfg = EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=4, memory_limit=2 ** 29)
-    replicas = [Replica(cfg) for _ in range(2)]
-    engine = replicas[0].engine
-    view = ReplicaView(engine.config, engine.model_path, engine.tokenizer, replicas[0].info())
-    aengine = RayAsyncEngine(_Ray(), [_Handle(r) for r in replicas], [r.info() for r in replicas], view)
-    server = Server(aengine, "tiny-llama")
+    from infer.serve.app import create_app
+    replicas, aengine, server = _dp_server()
     server.metrics.registry.register(ReplicaCollector(aengine))
     prompts = [[5, 17, 99], [6, 17, 99, 230], [7, 8], [9, 10, 11, 12, 13]]
     with TestClient(create_app(server)) as client:
@@ -212,16 +219,7 @@ def test_a_request_its_client_left_is_counted_as_an_abort_on_the_engine_that_ran
     replica that ran it (engine="i"), not all on engine "0"."""
     import asyncio
 
-    from infer.engine.config import EngineConfig
-    from infer.parallel.replica import Replica
-    from infer.parallel.serve_engine import RayAsyncEngine, ReplicaView
-    from infer.serve.app import Server
-    cfg = EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=4, memory_limit=2 ** 29)
-    replicas = [Replica(cfg) for _ in range(2)]
-    engine = replicas[0].engine
-    view = ReplicaView(engine.config, engine.model_path, engine.tokenizer, replicas[0].info())
-    aengine = RayAsyncEngine(_Ray(), [_Handle(r) for r in replicas], [r.info() for r in replicas], view)
-    server = Server(aengine, "tiny-llama")
+    replicas, aengine, server = _dp_server()
     aengine.start()
 
     async def main():

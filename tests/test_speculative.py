@@ -467,7 +467,8 @@ def test_overlap_asked_for_still_verifies_each_step_first(path, plain):
     llm = LLM(str(path), block_size=4, speculative_config=SPEC, overlap=True)
     prompts = random_prompts(plain.engine.model_config.vocab_size, (4, 9), seed=1)
     params = SamplingParams(max_new_tokens=30, ignore_eos=True, allowed_token_ids=FEW)
-    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
     assert accepted(llm) > 10
     no_leaks(llm)
     llm.close()
