@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ..engine.config import KV_CACHE_DTYPES
 from ..kernels.compiles import watch_compiles
 from ..memory.plan import plan_memory
 from ..memory.sizes import kv_bytes_per_token
@@ -166,6 +167,11 @@ class ShapeRun:
         return self.args.concurrency
 
     @property
+    def kv_dtype(self) -> torch.dtype:
+        """infer's KV cache elements: --kv-cache-dtype's (fp8: 1 byte), else the model's dtype."""
+        return KV_CACHE_DTYPES[getattr(self.args, "kv_cache_dtype", "auto")] or self.dtype
+
+    @property
     def max_len(self) -> int:
         return self.args.input_len + self.args.output_len + 8
 
@@ -173,8 +179,10 @@ class ShapeRun:
     def mean_context(self) -> float:
         return self.args.input_len + self.args.output_len / 2
 
-    def roofline(self, weight_bytes: int, adapter_bytes: int = 0, num_adapters: int = 0) -> dict:
-        kv_per_token = kv_bytes_per_token(self.model_config, self.dtype)
+    def roofline(self, weight_bytes: int, adapter_bytes: int = 0, num_adapters: int = 0,
+                 kv_dtype: torch.dtype | None = None) -> dict:
+        """The decode step's floor; its KV term at `kv_dtype`'s bytes (None: infer's cache, --kv-cache-dtype)."""
+        kv_per_token = kv_bytes_per_token(self.model_config, kv_dtype or self.kv_dtype)
         return decode_roofline(weight_bytes, kv_per_token, self.batch, self.mean_context, adapter_bytes,
                                num_adapters, self.bandwidth)
 
@@ -338,7 +346,7 @@ def hf_rows(run: ShapeRun) -> list[dict]:
         hf = AutoModelForCausalLM.from_config(run.model_config, dtype=run.dtype).eval()
     reqs = run.requests([])
     handle = HFModel(hf, run.tokenizer, torch.device(run.device))
-    roof = run.roofline(weight_bytes_per_step(hf, b))
+    roof = run.roofline(weight_bytes_per_step(hf, b), kv_dtype=run.dtype)  # transformers' cache: the model's dtype
     rows = []
     for cache, label in ((None, "hf generate"), ("static", "hf generate, static cache")):
         if cache and run.device != "cuda":

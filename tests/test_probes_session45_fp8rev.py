@@ -1,0 +1,18 @@
+"""Session 45 probes of the fp8 KV cache (--kv-cache-dtype) and the served beam search."""
+
+from __future__ import annotations
+
+import torch
+
+
+def test_gpu_e2e_roofline_counts_an_fp8_caches_one_byte(tmp_path):
+    """gpu_e2e --kv-cache-dtype fp8: infer's decode floor reads 1 byte a KV element (it counted the model's 2);
+    transformers' rows keep their cache in the model's dtype."""
+    from infer.bench import e2e_models
+    from infer.bench import gpu_e2e as e2e
+    cfg = e2e_models.hf_config("llama-2-7b")
+    runs = {kv: e2e.ShapeRun("llama-2-7b", cfg, None, e2e.parse_args(["--out", str(tmp_path), "--kv-cache-dtype", kv]),
+                             1e12, "cuda", torch.float16) for kv in ("auto", "fp8", "fp8_e5m2")}
+    kv_term = {kv: run.roofline(0)["step_bytes"] for kv, run in runs.items()}
+    assert kv_term["fp8"] == kv_term["fp8_e5m2"] == kv_term["auto"] / 2 > 0
+    assert runs["fp8"].roofline(0, kv_dtype=torch.float16)["step_bytes"] == kv_term["auto"]
