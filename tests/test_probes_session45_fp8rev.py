@@ -16,3 +16,19 @@ def test_gpu_e2e_roofline_counts_an_fp8_caches_one_byte(tmp_path):
     kv_term = {kv: run.roofline(0)["step_bytes"] for kv, run in runs.items()}
     assert kv_term["fp8"] == kv_term["fp8_e5m2"] == kv_term["auto"] / 2 > 0
     assert runs["fp8"].roofline(0, kv_dtype=torch.float16)["step_bytes"] == kv_term["auto"]
+
+
+def test_data_parallel_run_announces_the_kv_cache_dtype(tmp_path):
+    """infer run --data-parallel --kv-cache-dtype fp8 says its replicas' KV cache is float8, as one engine's banner
+    does (it named only the model's dtype)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(json.dumps({"prompt": "hi", "max_new_tokens": 2}) + "\n")
+    res = CliRunner().invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "--data-parallel", "2",
+                                   "--device", "cpu", "--block-size", "4", "--kv-cache-dtype", "fp8_e5m2"])
+    assert res.exit_code == 0, res.output
+    assert "tokens of float8_e5m2 each" in res.output, res.output

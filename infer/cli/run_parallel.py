@@ -40,7 +40,7 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
                            notify=lambda message: typer.echo(message, err=True))
         try:
             if not quiet:
-                _announce(infos, engine.block_size)
+                _announce(infos, engine.block_size, engine.kv_cache_dtype)
             # read against the replicas' context, as one engine reads against its own: a prompt certainly longer
             # is refused untokenized, with one engine's message
             lines = read_inputs(input, tokenizer, defaults, model_names(engine), infos[0]["max_model_len"])
@@ -63,11 +63,12 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
             pool.close()
 
 
-def _announce(infos: list[dict], block_size: int) -> None:
+def _announce(infos: list[dict], block_size: int, kv_cache_dtype: str = "auto") -> None:
     first = infos[0]
     where = placement(infos)
+    kv = f" of {first.get('kv_cache_dtype')}" if kv_cache_dtype != "auto" else ""  # as one engine's banner says it
     typer.echo(f"infer: {len(infos)} replicas of {first['model']} ({where}), {first['dtype']}, KV cache "
-               f"{first['num_blocks']} blocks x {block_size} tokens each, max length {first['max_model_len']}",
+               f"{first['num_blocks']} blocks x {block_size} tokens{kv} each, max length {first['max_model_len']}",
                err=True)
 
 
