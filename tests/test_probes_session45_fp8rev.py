@@ -32,3 +32,30 @@ def test_data_parallel_run_announces_the_kv_cache_dtype(tmp_path):
                                    "--device", "cpu", "--block-size", "4", "--kv-cache-dtype", "fp8_e5m2"])
     assert res.exit_code == 0, res.output
     assert "tokens of float8_e5m2 each" in res.output, res.output
+
+
+def test_infer_run_beam_lines_without_max_tokens_fit_the_context(tmp_path):
+    """A use_beam_search line without max_tokens gets the run's --max-new-tokens (256) as a plain line does, at
+    most the context left (a plain line is cut there): it failed with "its beams outgrow the context"."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    msgs = [{"role": "user", "content": "hello there"}]
+    bodies = {"chat": ("/v1/chat/completions", {"messages": msgs, "n": 2, "use_beam_search": True}),
+              "cmpl": ("/v1/completions", {"prompt": list(range(5, 57)), "n": 2, "use_beam_search": True,
+                                           "ignore_eos": True}),
+              "plain": ("/v1/completions", {"prompt": list(range(5, 57)), "ignore_eos": True})}
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"custom_id": k, "method": "POST", "url": u, "body": b}) + "\n"
+                           for k, (u, b) in bodies.items()))
+    res = CliRunner().invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q", "--block-size", "4",
+                                   "--max-model-len", "64", "--output-format", "openai"])
+    records = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert res.exit_code == 0 and all(r["error"] is None for r in records.values()), records
+    cmpl, plain = records["cmpl"]["response"]["body"], records["plain"]["response"]["body"]
+    assert len(cmpl["choices"]) == 2 and cmpl["usage"]["completion_tokens"] == 2 * 12
+    assert plain["usage"]["completion_tokens"] == 12
+    chat = records["chat"]["response"]["body"]
+    assert len(chat["choices"]) == 2 and chat["usage"]["prompt_tokens"] + chat["usage"]["completion_tokens"] // 2 <= 64

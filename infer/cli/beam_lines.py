@@ -23,9 +23,10 @@ class LineBeams:
     def __init__(self, engine, item):
         r = item.request
         beam = r.openai["beam"]
-        length = r.params.max_new_tokens
-        if length is None:  # a chat line without max_tokens: the context left, as the server's
-            length = max(1, engine.max_model_len - len(r.prompt_token_ids))
+        # a line without max_tokens (None, or the run's --max-new-tokens): at most the context left, as a plain
+        # line's reply is cut there (a body's own max_tokens past the context was refused when the line was read)
+        room = max(1, engine.max_model_len - len(r.prompt_token_ids))
+        length = room if r.params.max_new_tokens is None else min(r.params.max_new_tokens, room)
         self.params = BeamSearchParams(beam_width=beam["n"], max_tokens=length, ignore_eos=r.params.ignore_eos,
                                        temperature=r.params.temperature, length_penalty=beam["length_penalty"],
                                        include_stop_str_in_output=r.params.include_stop_str_in_output)
