@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+
+from infer.kernels import reference as ref
+from test_triton_kernels import DEV, ops  # noqa: F401
 
 
 def test_gpu_e2e_roofline_counts_an_fp8_caches_one_byte(tmp_path):
@@ -59,3 +63,22 @@ def test_infer_run_beam_lines_without_max_tokens_fit_the_context(tmp_path):
     assert plain["usage"]["completion_tokens"] == 12
     chat = records["chat"]["response"]["body"]
     assert len(chat["choices"]) == 2 and chat["usage"]["prompt_tokens"] + chat["usage"]["completion_tokens"] // 2 <= 64
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_a_nan_key_stays_nan_in_a_float8_cache_as_the_reference_stores_it(ops, dtype):
+    """A NaN in K or V (a model that overflowed) is stored as NaN, as reference.to_cache (torch's cast) stores it, so
+    that the non-finite logits are caught; fp8.to_cache's saturation (tl.minimum, NaN-dropping) wrote +-448 / 57344
+    instead: finite, wrong attention. inf still saturates."""
+    t, hk, d, bs, nb = 3, 2, 16, 4, 2
+    k, v = torch.zeros(t, hk, d, device=DEV), torch.zeros(t, hk, d, device=DEV)
+    k[0, 0, 3], k[1, 1, 0], v[2, 0, 5], v[0, 1, 1] = float("nan"), float("-nan"), float("nan"), float("inf")
+    slots = torch.tensor([0, 5, 6], device=DEV)
+    got = [torch.zeros(nb, bs, hk, d, dtype=dtype, device=DEV) for _ in range(2)]
+    want = [c.cpu().clone() for c in got]
+    ops[0].store_kv(k, v, *got, slots)
+    ref.store_kv(k.cpu(), v.cpu(), *want, slots.cpu())
+    for g_c, w_c in zip(got, want):
+        g, w = g_c.cpu().float(), w_c.float()
+        assert torch.equal(g.isnan(), w.isnan()) and int(w.isnan().sum()) >= 1
+        assert torch.equal(g.nan_to_num(0.0), w.nan_to_num(0.0))

@@ -40,8 +40,14 @@ def _round(x, MANT: tl.constexpr, EMIN: tl.constexpr, MAX: tl.constexpr):
 @triton.jit
 def to_cache(x, dst_ptr, FP8: tl.constexpr):
     """x as the cache dst_ptr points into stores it (FP8: `code` of its dtype)."""
-    if FP8 == 1:
-        x = _round(x.to(tl.float32), 3, -6, 448.0)
-    elif FP8 == 2:
-        x = _round(x.to(tl.float32), 2, -14, 57344.0)
+    if FP8 == 1 or FP8 == 2:
+        x = x.to(tl.float32)
+        if FP8 == 1:
+            y = _round(x, 3, -6, 448.0).to(dst_ptr.dtype.element_ty)
+        else:
+            y = _round(x, 2, -14, 57344.0).to(dst_ptr.dtype.element_ty)
+        # a NaN (a model that overflowed) stays NaN, as torch's cast keeps it, and is caught in the logits: the
+        # saturation's minimum drops NaN (448), and the interpreter's cast has no NaN. 0x7F: NaN in e4m3fn and e5m2
+        nan = tl.full(x.shape, 0x7F, tl.uint8).to(dst_ptr.dtype.element_ty, bitcast=True)
+        return tl.where(x != x, nan, y)
     return x.to(dst_ptr.dtype.element_ty)
