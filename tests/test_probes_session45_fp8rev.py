@@ -82,3 +82,26 @@ def test_a_nan_key_stays_nan_in_a_float8_cache_as_the_reference_stores_it(ops, d
         g, w = g_c.cpu().float(), w_c.float()
         assert torch.equal(g.isnan(), w.isnan()) and int(w.isnan().sum()) >= 1
         assert torch.equal(g.nan_to_num(0.0), w.nan_to_num(0.0))
+
+
+def test_infer_run_beam_line_keeps_the_end_of_a_truncated_prompt(tmp_path):
+    """A use_beam_search line with truncate_prompt_tokens searches from the prompt's last tokens, as a plain line
+    and the server do (it searched from the whole prompt and failed: its beams outgrow the context)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    body = {"prompt": list(range(5, 105)), "max_tokens": 3, "truncate_prompt_tokens": 10, "ignore_eos": True,
+            "return_token_ids": True}
+    lines = [{"custom_id": "beam", "url": "/v1/completions", "body": {**body, "n": 2, "use_beam_search": True}},
+             {"custom_id": "plain", "url": "/v1/completions", "body": body}]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    res = CliRunner().invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q", "--block-size", "4",
+                                   "--max-model-len", "64", "--output-format", "openai"])
+    records = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert res.exit_code == 0 and all(r["error"] is None for r in records.values()), records
+    beam = records["beam"]["response"]["body"]
+    assert beam["usage"]["prompt_tokens"] == records["plain"]["response"]["body"]["usage"]["prompt_tokens"] == 10
+    assert [c["prompt_token_ids"] for c in beam["choices"]] == [list(range(95, 105))] * 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..engine.beam import BeamSearch, BeamSearchParams
+from ..engine.llm_engine import truncated
 from ..serve.beams import beam_output
 
 
@@ -25,12 +26,13 @@ class LineBeams:
         beam = r.openai["beam"]
         # a line without max_tokens (None, or the run's --max-new-tokens): at most the context left, as a plain
         # line's reply is cut there (a body's own max_tokens past the context was refused when the line was read)
-        room = max(1, engine.max_model_len - len(r.prompt_token_ids))
+        prompt = truncated(r.prompt_token_ids, r.params, engine.max_model_len)  # truncate_prompt_tokens: its end
+        room = max(1, engine.max_model_len - len(prompt))
         length = room if r.params.max_new_tokens is None else min(r.params.max_new_tokens, room)
         self.params = BeamSearchParams(beam_width=beam["n"], max_tokens=length, ignore_eos=r.params.ignore_eos,
                                        temperature=r.params.temperature, length_penalty=beam["length_penalty"],
                                        include_stop_str_in_output=r.params.include_stop_str_in_output)
-        self.search = BeamSearch([r.prompt_token_ids], self.params, set(engine.eos_token_ids), engine.max_model_len,
+        self.search = BeamSearch([prompt], self.params, set(engine.eos_token_ids), engine.max_model_len,
                                  priority=r.params.priority)
         self.search.step = replace(self.search.step, cache_salt=r.params.cache_salt)
         self.item, self.lora, self.logprobs = item, r.lora, r.params.logprobs
