@@ -119,6 +119,17 @@ class PenaltyTable:
         self.table = table
 
 
+def draft_positions(seqs: list[Sequence]) -> list[int]:
+    """Each row's place among its sequence's verify rows: 0 for a row without drafts, j for the row that follows
+    drafts[:j] of a sequence with drafts (its k + 1 rows are consecutive; ModelRunner.prepare)."""
+    at, prev, j = [], None, 0
+    for s in seqs:
+        j = j + 1 if s is prev and s.draft_token_ids else 0
+        at.append(j)
+        prev = s
+    return at
+
+
 def _draw_values(seqs: list[Sequence], vocab: int) -> list[list[float]]:
     """Each row's temperature, 1 - top_p, top_k (vocab: off) and min_p."""
     return [[s.params.temperature, 1.0 - s.params.top_p, min(s.params.top_k, vocab) if s.params.top_k else vocab,
@@ -214,17 +225,22 @@ class SamplingInputs:
     def __init__(self, seqs: list[Sequence], vocab: int, pack: Pack, table: PenaltyTable, keys: list | None = None,
                  prev=None):
         self.n = len(seqs)
-        self.drawn, self.penalties, masks, self.late = [], False, False, False
+        self.drawn, self.penalties, masks, self.late, drafts = [], False, False, False, False
         for i, s in enumerate(seqs):  # one pass over the rows (this runs at every step)
             p = s.params
             if not p.greedy:
                 self.drawn.append(i)
+            if s.draft_token_ids:
+                drafts = True
             if not self.penalties and p.needs_penalties:
                 self.penalties = True
             if s.logit_masks:
                 masks = True
                 if s.num_pending and s.reads_last_token:  # its mask needs the token `prev` sampled: see settle
                     self.late = True
+        # speculative decoding: each row's place j among its sequence's verify rows (ModelRunner.prepare: the rows of
+        # a sequence with drafts follow one another), whose processors see drafts[:j] as output tokens
+        self.at = draft_positions(seqs) if drafts else None
         self._idx = pack.add(self.drawn) if 0 < len(self.drawn) < self.n else None
         floats: list[float] = []  # flat: the rows' penalties [n, 3], the drawn rows' draw values [d, 4], the biases
         if self.penalties:
@@ -255,11 +271,14 @@ class SamplingInputs:
     def _count(self, seqs: list[Sequence], keys: list, vocab: int, pack: Pack, prev):
         """The table's updates for this step's penalised rows, on the host, as flat indices row * vocab + token."""
         table = self.table
-        rows, fresh, marks, counts, pending = [], [], [], [], []
-        for s, key in zip(seqs, keys):
+        rows, fresh, marks, counts, pending, drafted = [], [], [], [], [], []
+        for i, (s, key) in enumerate(zip(seqs, keys)):
             if not s.params.needs_penalties:
                 rows.append(0)
                 continue
+            j = self.at[i] if self.at is not None else 0
+            if j:  # a verify row after drafts[:j]: counted in the row's copy of its table entries, not in the table
+                drafted.extend([i * vocab + t for t in s.draft_token_ids[:j]])
             row, new = table.row(key)
             rows.append(row)
             base = row * vocab
@@ -273,7 +292,8 @@ class SamplingInputs:
                 pending += (row, prev.row_of[s.request_id])
             table.counted[key] = known + s.num_pending
         self._prev_tokens = prev.sampled.tokens if pending else None
-        return [pack.add(rows)] + [pack.add(piece) if piece else None for piece in (fresh, marks, counts, pending)]
+        return [pack.add(rows)] + [pack.add(piece) if piece else None
+                                   for piece in (fresh, marks, counts, pending, drafted)]
 
     def load(self, data: torch.Tensor, device: torch.device) -> SamplingInputs:
         """The device side, from `data` (the step's Pack on the device) and one copy of the floats: the penalty
@@ -290,7 +310,7 @@ class SamplingInputs:
             if self._bitmask is not None:
                 self.grammar = (self._ruled_rows, _bitmask_to(self._bitmask, device))
         if self.penalties:
-            rows, fresh, marks, counts, pending = self._updates
+            rows, fresh, marks, counts, pending, drafted = self._updates
             table = self.table.table
             flat = table.view(-1)
             if fresh is not None:
@@ -305,6 +325,10 @@ class SamplingInputs:
                 where = adds[0] if len(adds) == 1 else torch.cat(adds)
                 flat.index_add_(0, where, torch.ones(where.shape, dtype=torch.int32, device=device))
             self.penalty_counts = table.index_select(0, data[rows])
+            if drafted is not None:  # the drafts before each verify row count as its output tokens
+                where = data[drafted]
+                self.penalty_counts.view(-1).index_add_(0, where, torch.ones(where.shape, dtype=torch.int32,
+                                                                              device=device))
             self.penalty_values, values = values[:3 * self.n].view(self.n, 3), values[3 * self.n:]
         self.draw_values = values.view(-1, 4) if values is not None and values.numel() else None
         return self
