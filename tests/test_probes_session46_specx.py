@@ -111,3 +111,91 @@ def test_penalised_requests_batched_with_plain_ones_and_a_prefix_cache_hit(plain
 def test_penalties_at_each_verify_row_count_the_drafts_before_it(extra, temperature):
     params = SamplingParams(temperature=temperature, **extra)
     verify_rows_equal_plain_rows(params, [3, 4, 5], [5, 9, 9], [9, 5, 12])
+
+
+# ------------------------------------------------------------------ structured outputs
+SCHEMA = '{"type":"object","properties":{"a":{"type":"array","items":{"type":"integer"}}},"required":["a"]}'
+
+
+def structured(**kw):
+    pytest.importorskip("xgrammar")
+    from infer.engine.sampling_params import StructuredOutputsParams
+    return StructuredOutputsParams(**kw)
+
+
+def drafts_checked(monkeypatch, llm):
+    """Wraps llm's verify: every draft of a request with a grammar is one its matcher accepts (after the drafts
+    before it); the matcher is left as it was. Returns the list of the drafts seen."""
+    seen = []
+    real = llm.engine.runner.verify
+
+    def verify(batch):
+        for seq in batch.seqs:
+            if seq.grammar is not None and seq.draft_token_ids:
+                for t in seq.draft_token_ids:
+                    assert seq.grammar.accept_token(t) and not seq.grammar.is_terminated()
+                seq.grammar.rollback(len(seq.draft_token_ids))
+                seen.append(list(seq.draft_token_ids))
+        return real(batch)
+    monkeypatch.setattr(llm.engine.runner, "verify", verify)
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["regex", "json", "choice", "json_object"])
+def test_structured_greedy_replies_equal_plain_with_drafts_accepted(plain, spec, monkeypatch, kind):
+    so = {"regex": dict(regex="[ab]{30}"), "json": dict(json=SCHEMA), "choice": dict(choice=["abababab", "bababa"]),
+          "json_object": dict(json_object=True)}[kind]
+    params = SamplingParams(max_new_tokens=30, structured_outputs=structured(**so))
+    prompts = random_prompts(plain.engine.model_config.vocab_size, (6, 10, 8), seed=9) + [[5, 6, 7, 8] * 4]
+    seen = drafts_checked(monkeypatch, spec)
+    got = same_with_drafts(plain, spec, prompts, params)
+    assert seen and all(got)
+
+
+def test_structured_requests_mixed_with_penalised_and_plain_ones(plain, spec, monkeypatch):
+    vocab = plain.engine.model_config.vocab_size
+    prompts = random_prompts(vocab, (7, 12, 9, 5, 6), seed=4)
+    regex = structured(regex="[ab]{24}")
+    params = [SamplingParams(max_new_tokens=24, structured_outputs=regex),
+              SamplingParams(max_new_tokens=24, ignore_eos=True, allowed_token_ids=FEW),
+              SamplingParams(max_new_tokens=24, structured_outputs=regex, repetition_penalty=1.2),
+              SamplingParams(max_new_tokens=24, structured_outputs=structured(json=SCHEMA), logprobs=2),
+              SamplingParams(max_new_tokens=24, ignore_eos=True, allowed_token_ids=FEW, presence_penalty=0.4)]
+    seen = drafts_checked(monkeypatch, spec)
+    drafts, accepted = counters(spec)
+    got = spec.generate(prompts, params)
+    want = plain.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got[3].logprobs, want[3].logprobs):  # the grammar's mask at each row: the same records
+        assert g["token_id"] == w["token_id"] and abs(g["logprob"] - w["logprob"]) < 1e-4
+    assert all(o.error is None for o in got) and seen
+    assert counters(spec)[0] > drafts and counters(spec)[1] > accepted
+    again = [p + o.token_ids[:8] for p, o in zip(prompts, got)]  # a prefix cache hit (the grammar starts afresh)
+    hits = spec.engine.block_manager.prefix_hits
+    assert [o.token_ids for o in spec.generate(again, params)] == \
+        [o.token_ids for o in plain.generate(again, params)]
+    assert spec.engine.block_manager.prefix_hits > hits
+
+
+def test_draft_bitmask_cuts_at_a_refused_draft_and_rolls_the_matcher_back(plain):
+    so = structured(regex="(ab)+c")
+    engine = plain.engine
+    tok = engine.tokenizer
+    a, b, c = (tok.encode(x, add_special_tokens=False) for x in "abc")
+    assert len(a) == len(b) == len(c) == 1
+    a, b, c = a[0], b[0], c[0]
+    from infer.engine.structured import draft_bitmask, fill_bitmask
+    vocab = engine.model_config.vocab_size
+    m = engine.grammars.matcher(so)
+    assert m.accept_token(a)
+    before = fill_bitmask([m], vocab)
+    kept, bitmask = draft_bitmask(m, [b, a, a, b], vocab)
+    assert kept == [b, a] and bitmask.shape[0] == 3
+    assert torch.equal(bitmask[0:1], before) and torch.equal(fill_bitmask([m], vocab), before)  # rolled back
+    for j, t in enumerate(kept):  # row j + 1: the matcher's state after kept[:j + 1]
+        assert m.accept_token(t)
+        assert torch.equal(bitmask[j + 1:j + 2], fill_bitmask([m], vocab))
+    m.rollback(len(kept))
+    eos = sorted(engine.eos_token_ids)[0]
+    kept, bitmask = draft_bitmask(m, [b, c, eos], vocab)  # the EOS that would end it is not drafted
+    assert kept == [b, c] and bitmask.shape[0] == 3 and torch.equal(fill_bitmask([m], vocab), before)

@@ -29,7 +29,7 @@ from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
 from .setup import context_limit, load_engine_parts, model_max_len
 from .speculative import SpecStats, SpeculativeConfig, propose_ngram, speculates
-from .structured import DEAD_HINT, GrammarBackend, allows_any
+from .structured import DEAD_HINT, GrammarBackend, allows_any, draft_bitmask
 
 log = logging.getLogger("infer")
 # requests whose bad_words stay tokenized (their ids are shared, read-only, by every choice that bans them)
@@ -665,7 +665,7 @@ class LLMEngine:
         most as many as its max_tokens and context leave room for after the token the step adds of its own."""
         spec = self.speculative
         for seq in self.scheduler.running:
-            seq.draft_token_ids = []
+            seq.draft_token_ids, seq.draft_bitmask = [], None
             if seq.num_uncomputed_tokens != 1 or seq.num_pending or not speculates(seq):
                 continue
             room = seq.max_total_len - len(seq) - 1
@@ -673,8 +673,10 @@ class LLMEngine:
                 room = min(room, seq.params.max_new_tokens - seq.num_generated - 1)
             k = min(spec.num_speculative_tokens, room)
             if k > 0:
-                seq.draft_token_ids = propose_ngram(seq.all_token_ids, k, spec.prompt_lookup_min,
-                                                    spec.prompt_lookup_max)
+                drafts = propose_ngram(seq.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+                if drafts and seq.grammar is not None:  # cut where the grammar refuses one; each row's mask
+                    drafts, seq.draft_bitmask = draft_bitmask(seq.grammar, drafts, self.model_config.vocab_size)
+                seq.draft_token_ids = drafts
 
     def _complete_speculative(self, batch: ScheduledBatch, results: dict) -> list[RequestOutput]:
         """`_complete` for a speculative step (ModelRunner.verify's results): each sequence's tokens appended one by

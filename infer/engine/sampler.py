@@ -130,6 +130,20 @@ def draft_positions(seqs: list[Sequence]) -> list[int]:
     return at
 
 
+def _verify_bitmask(seqs: list[Sequence], ruled: list[int], at: list[int], vocab: int) -> torch.Tensor:
+    """The bitmask of the rows `ruled` (each with a grammar) of a speculative step: a verify row j of a sequence
+    with drafts takes row j of the bitmask made when they were proposed (its matcher's next tokens after
+    drafts[:j]); the other rows their matcher's next tokens now."""
+    now = [k for k, i in enumerate(ruled) if not seqs[i].draft_token_ids]
+    bitmask = torch.empty(len(ruled), -(-vocab // 32), dtype=torch.int32)
+    if now:
+        bitmask[now] = fill_bitmask([seqs[ruled[k]].grammar for k in now], vocab)
+    for k, i in enumerate(ruled):
+        if seqs[i].draft_token_ids:
+            bitmask[k] = seqs[i].draft_bitmask[at[i]]
+    return bitmask
+
+
 def _draw_values(seqs: list[Sequence], vocab: int) -> list[list[float]]:
     """Each row's temperature, 1 - top_p, top_k (vocab: off) and min_p."""
     return [[s.params.temperature, 1.0 - s.params.top_p, min(s.params.top_k, vocab) if s.params.top_k else vocab,
@@ -260,6 +274,8 @@ class SamplingInputs:
             if ruled:
                 if self.late:  # their bitmask is filled by settle(), once the step before has completed
                     self._late_rows = [seqs[i] for i in ruled]
+                elif self.at is not None:  # speculative: a verify row's from its drafts' (draft_bitmask)
+                    self._bitmask = _verify_bitmask(seqs, ruled, self.at, vocab)
                 else:  # each matcher's next tokens, now (the step before has completed)
                     self._bitmask = fill_bitmask([seqs[i].grammar for i in ruled], vocab)
                 self._ruled = pack.add(ruled) if len(ruled) < self.n else None

@@ -83,6 +83,8 @@ class Sequence:  # a tuple of every field for each request ahead of the one remo
         # speculative decoding: the tokens proposed for it this step (LLMEngine._propose), verified by the step that
         # schedules them (their KV is never registered: only the tokens the step accepts join the sequence)
         self.draft_token_ids: list[int] = []
+        # with a grammar, its verify rows' bitmask [len(draft_token_ids) + 1, W] (structured.draft_bitmask)
+        self.draft_bitmask = None
         self.prompt: str | None = None  # the prompt's text when LLMEngine.add_request got text (RequestOutput.prompt)
 
     @property

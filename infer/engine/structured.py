@@ -921,6 +921,29 @@ def fill_bitmask(matchers: list, vocab: int, threads: bool | None = None) -> tor
     return bitmask
 
 
+def draft_bitmask(matcher, drafts: list[int], vocab: int) -> tuple[list[int], torch.Tensor]:
+    """Speculative decoding: (the longest prefix of `drafts` the matcher accepts, token by token, without ending,
+    the bitmask [len(kept) + 1, ceil(vocab / 32)] int32 of its verify rows: row j the tokens the matcher allows after
+    kept[:j]). Cut at the first draft it refuses (never verified, as vLLM's validate_tokens) and before one that
+    ends it (an EOS: nothing is allowed after it). The matcher is rolled back to where it was."""
+    bitmask = torch.full((len(drafts) + 1, -(-vocab // 32)), -1, dtype=torch.int32)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    kept = 0
+    try:
+        for t in drafts:
+            if not matcher.accept_token(t):
+                break
+            if matcher.is_terminated():
+                matcher.rollback(1)
+                break
+            kept += 1
+            matcher.fill_next_token_bitmask(bitmask, kept)
+    finally:
+        if kept:
+            matcher.rollback(kept)
+    return list(drafts[:kept]), bitmask[:kept + 1]
+
+
 def allows_any(matcher, vocab: int) -> bool:
     """Whether `matcher` allows some token of the vocabulary next. xgrammar compiles a grammar no text can match
     (or can complete from here): its matcher then allows nothing, and a step samples a token it refuses."""
