@@ -199,3 +199,36 @@ def test_draft_bitmask_cuts_at_a_refused_draft_and_rolls_the_matcher_back(plain)
     eos = sorted(engine.eos_token_ids)[0]
     kept, bitmask = draft_bitmask(m, [b, c, eos], vocab)  # the EOS that would end it is not drafted
     assert kept == [b, c] and bitmask.shape[0] == 3 and torch.equal(fill_bitmask([m], vocab), before)
+
+
+# ------------------------------------------------------------------ bad_words
+@pytest.mark.parametrize("words", [["##"], ["$%"], ["#$", "&&"], ["%%%"], ["#", "&%#"]])
+def test_bad_words_greedy_replies_equal_plain_with_drafts_accepted(plain, spec, words):
+    """(FEW are the tokens '#', '$', '%', '&'.) No reply holds a bad word, though drafts of them were proposed."""
+    prompts = random_prompts(plain.engine.model_config.vocab_size, (6, 10, 8), seed=9) + [[5, 5, 5, 7, 7, 7] * 3]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, allowed_token_ids=FEW, bad_words=words)
+    drafts, accepted = counters(spec)
+    got = spec.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(prompts, params)]
+    assert all(o.error is None for o in got) and not any(w in o.text for o in got for w in words)
+    assert counters(spec)[0] > drafts and counters(spec)[1] > accepted
+
+
+def test_bad_words_mixed_with_every_other_kind(plain, spec):
+    vocab = plain.engine.model_config.vocab_size
+    prompts = random_prompts(vocab, (7, 12, 9, 5), seed=5)
+    params = [SamplingParams(max_new_tokens=20, ignore_eos=True, allowed_token_ids=FEW, bad_words=["##", "%&"]),
+              SamplingParams(max_new_tokens=20, ignore_eos=True, allowed_token_ids=FEW),
+              SamplingParams(max_new_tokens=20, ignore_eos=True, allowed_token_ids=FEW, bad_words=["$$$"],
+                             frequency_penalty=0.3),
+              SamplingParams(max_new_tokens=20, structured_outputs=structured(regex="[ab]{20}"), bad_words=["bbb"])]
+    same_with_drafts(plain, spec, prompts, params)
+
+
+@pytest.mark.parametrize("output, drafts", [([], [5, 6, 5]), ([5], [6, 5, 6]), ([9, 5, 6], [5, 6, 7]),
+                                            ([5, 6, 5, 6], [7, 5, 6])])
+def test_bad_words_at_each_verify_row_see_the_drafts_before_it(output, drafts):
+    def words(s):
+        s.bad_words = [[5, 6, 7], [6, 5], [8]]
+    params = SamplingParams(bad_words=["x"])
+    verify_rows_equal_plain_rows(params, [3, 4, 5], output, drafts, setup=words)

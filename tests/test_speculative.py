@@ -282,7 +282,7 @@ def test_logprobs_equal_the_plain_run(plain, spec):
     assert accepted(spec) > before
 
 
-@pytest.mark.parametrize("extra", [dict(min_tokens=12, ignore_eos=False), dict(bad_words=["zz"])])
+@pytest.mark.parametrize("extra", [dict(min_tokens=12, ignore_eos=False)])
 def test_requests_whose_sampling_has_state_get_no_drafts(plain, spec, extra):
     prompts = random_prompts(plain.engine.model_config.vocab_size, (6, 10), seed=9)
     params = SamplingParams(**{"max_new_tokens": 12, "ignore_eos": True, "allowed_token_ids": FEW, **extra})

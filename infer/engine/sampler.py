@@ -150,14 +150,24 @@ def _draw_values(seqs: list[Sequence], vocab: int) -> list[list[float]]:
              s.params.min_p] for s in seqs]
 
 
-def _masks(seqs: list[Sequence], vocab: int, words: bool = True) -> tuple[list[int], list[int], list[int], list[int],
-                                                                        list[float]]:
+def _ends_with(out: list[int], drafted: list[int], part: list[int]) -> bool:
+    """Whether the reply `out` followed by the drafts `drafted` ends with `part` (without joining them)."""
+    m, d = len(part), len(drafted)
+    if d >= m:
+        return drafted[d - m:] == part
+    return len(out) >= m - d and out[len(out) - (m - d):] == part[:m - d] and drafted == part[m - d:]
+
+
+def _masks(seqs: list[Sequence], vocab: int, words: bool = True,
+           at: list[int] | None = None) -> tuple[list[int], list[int], list[int], list[int], list[float]]:
     """The rows' logits processors as flat indices row * vocab + token: (allowed tokens, rows without an allowed
     list, tokens min_tokens or bad_words mask, tokens with a bias, the biases). Empty lists: nothing to apply.
-    words=False: bad_words left out (SamplingInputs.settle puts them in the rows' bitmask)."""
+    words=False: bad_words left out (SamplingInputs.settle puts them in the rows' bitmask). at: each row's place
+    among its sequence's verify rows (draft_positions; None: no drafts): row j sees drafts[:j] as reply tokens."""
     allowed, free, banned, biased, biases = [], [], [], [], []
     for i, s in enumerate(seqs):
         p, base = s.params, i * vocab
+        j = at[i] if at is not None else 0
         if p.allowed_token_ids:
             allowed.extend([base + t for t in p.allowed_token_ids])
         else:
@@ -166,7 +176,8 @@ def _masks(seqs: list[Sequence], vocab: int, words: bool = True) -> tuple[list[i
         if s.min_tokens_ban and s.num_generated + s.num_pending < p.min_tokens:
             banned.extend([base + t for t in s.min_tokens_ban])
         for ids in s.bad_words if words else ():  # vLLM's bad_words: a word's last token, once the reply ends with
-            if len(ids) == 1 or s.output_token_ids[1 - len(ids):] == ids[:-1]:  # the rest of it
+            if len(ids) == 1 or (s.output_token_ids[1 - len(ids):] == ids[:-1] if not j  # the rest of it
+                                 else _ends_with(s.output_token_ids, s.draft_token_ids[:j], ids[:-1])):
                 banned.append(base + ids[-1])
         for t, b in p.logit_bias.items():
             biased.append(base + t)
@@ -266,7 +277,7 @@ class SamplingInputs:
         self.masked, self._biases, self._bitmask = False, 0, None
         self._ruled, self._late_rows = None, None
         if masks:
-            allowed, free, banned, biased, biases = _masks(seqs, vocab, words=not self.late)
+            allowed, free, banned, biased, biases = _masks(seqs, vocab, words=not self.late, at=self.at)
             self._masks = [pack.add(piece) if piece else None for piece in (allowed, free, banned, biased)]
             self.masked, self._biases = any(piece is not None for piece in self._masks), len(biases)
             floats += biases

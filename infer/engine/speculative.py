@@ -100,11 +100,11 @@ def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int
 
 def speculates(seq) -> bool:
     """Whether `seq` may get drafts: its sampling needs no per-token state that the verify pass cannot honour at
-    every position at once (bad_words, min_tokens still masking). allowed_token_ids and logit_bias are stateless:
-    they are applied at every position; the penalties at verify row j count drafts[:j] as output tokens
-    (SamplingInputs); a grammar's drafts are cut where it refuses one, and row j is masked with its state after
-    drafts[:j] (structured.draft_bitmask)."""
-    return not (seq.bad_words or seq.min_tokens_ban)
+    every position at once (min_tokens still masking). allowed_token_ids and logit_bias are stateless: they are
+    applied at every position; the penalties at verify row j count drafts[:j] as output tokens and bad_words see
+    them as the reply's latest tokens (SamplingInputs); a grammar's drafts are cut where it refuses one, and row j
+    is masked with its state after drafts[:j] (structured.draft_bitmask)."""
+    return not seq.min_tokens_ban
 
 
 class SpecStats:
