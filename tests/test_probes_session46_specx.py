@@ -232,3 +232,38 @@ def test_bad_words_at_each_verify_row_see_the_drafts_before_it(output, drafts):
         s.bad_words = [[5, 6, 7], [6, 5], [8]]
     params = SamplingParams(bad_words=["x"])
     verify_rows_equal_plain_rows(params, [3, 4, 5], output, drafts, setup=words)
+
+
+# ------------------------------------------------------------------ min_tokens
+@pytest.mark.parametrize("min_tokens", [3, 8, 13])
+def test_min_tokens_greedy_replies_equal_plain_with_drafts_accepted(plain, spec, min_tokens):
+    """A stop token the model keeps choosing ('#', 5; or EOS) is banned until min_tokens, then ends the reply."""
+    eos = sorted(plain.engine.eos_token_ids)[0]
+    prompts = random_prompts(plain.engine.model_config.vocab_size, (6, 10, 8), seed=9) + [[7, 5, 6, 5, 7, 5] * 3]
+    stop = SamplingParams(max_new_tokens=24, allowed_token_ids=FEW, stop_token_ids=[5], min_tokens=min_tokens)
+    eos_too = SamplingParams(max_new_tokens=24, allowed_token_ids=[6, 7, 8, eos], min_tokens=min_tokens,
+                             logit_bias={eos: 1.5})
+    got = same_with_drafts(plain, spec, prompts * 2, [stop] * len(prompts) + [eos_too] * len(prompts))
+    assert all(len(t) >= min_tokens for t in got)
+    assert any(len(t) < 24 for t in got[:len(prompts)]) and any(len(t) < 24 for t in got[len(prompts):])
+
+
+def test_min_tokens_mixed_with_every_other_kind(plain, spec):
+    vocab = plain.engine.model_config.vocab_size
+    prompts = random_prompts(vocab, (7, 12, 9, 5, 8), seed=6)
+    params = [SamplingParams(max_new_tokens=20, allowed_token_ids=FEW, stop_token_ids=[5], min_tokens=9),
+              SamplingParams(max_new_tokens=20, ignore_eos=True, allowed_token_ids=FEW),
+              SamplingParams(max_new_tokens=20, allowed_token_ids=FEW, stop_token_ids=[5], min_tokens=6,
+                             bad_words=["%%"], presence_penalty=0.2),
+              SamplingParams(max_new_tokens=20, structured_outputs=structured(regex="[ab]{8,20}")),
+              SamplingParams(max_new_tokens=20, allowed_token_ids=FEW, stop_token_ids=[7, 5], min_tokens=4,
+                             repetition_penalty=1.1)]
+    same_with_drafts(plain, spec, prompts, params)
+
+
+@pytest.mark.parametrize("generated", [0, 1, 2, 3, 5])
+def test_min_tokens_at_each_verify_row_counts_the_drafts_before_it(generated):
+    def ban(s):
+        s.min_tokens_ban = [5, 2]
+    params = SamplingParams(min_tokens=4, stop_token_ids=[5])
+    verify_rows_equal_plain_rows(params, [3, 4, 6], [9] * generated, [5, 9, 5], setup=ban)

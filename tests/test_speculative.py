@@ -282,16 +282,6 @@ def test_logprobs_equal_the_plain_run(plain, spec):
     assert accepted(spec) > before
 
 
-@pytest.mark.parametrize("extra", [dict(min_tokens=12, ignore_eos=False)])
-def test_requests_whose_sampling_has_state_get_no_drafts(plain, spec, extra):
-    prompts = random_prompts(plain.engine.model_config.vocab_size, (6, 10), seed=9)
-    params = SamplingParams(**{"max_new_tokens": 12, "ignore_eos": True, "allowed_token_ids": FEW, **extra})
-    drafts = spec.engine.stats()["spec_decode_num_drafts"]
-    assert [o.token_ids for o in spec.generate(prompts, params)] == \
-        [o.token_ids for o in plain.generate(prompts, params)]
-    assert spec.engine.stats()["spec_decode_num_drafts"] == drafts
-
-
 def test_structured_output_equals_plain(plain, spec):
     """(drafts of structured outputs: tests/test_probes_session46_specx.py)"""
     pytest.importorskip("xgrammar")

@@ -28,7 +28,7 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
 from .setup import context_limit, load_engine_parts, model_max_len
-from .speculative import SpecStats, SpeculativeConfig, propose_ngram, speculates
+from .speculative import SpecStats, SpeculativeConfig, propose_ngram
 from .structured import DEAD_HINT, GrammarBackend, allows_any, draft_bitmask
 
 log = logging.getLogger("infer")
@@ -661,12 +661,13 @@ class LLMEngine:
         return outputs
 
     def _propose(self) -> None:
-        """Speculative decoding: drafts for each running sequence that decodes and may speculate (`speculates`), at
-        most as many as its max_tokens and context leave room for after the token the step adds of its own."""
+        """Speculative decoding: drafts for each running sequence that decodes, at most as many as its max_tokens
+        and context leave room for after the token the step adds of its own (with a grammar, cut where it refuses
+        one)."""
         spec = self.speculative
         for seq in self.scheduler.running:
             seq.draft_token_ids, seq.draft_bitmask = [], None
-            if seq.num_uncomputed_tokens != 1 or seq.num_pending or not speculates(seq):
+            if seq.num_uncomputed_tokens != 1 or seq.num_pending:
                 continue
             room = seq.max_total_len - len(seq) - 1
             if seq.params.max_new_tokens is not None:

@@ -172,8 +172,8 @@ def _masks(seqs: list[Sequence], vocab: int, words: bool = True,
             allowed.extend([base + t for t in p.allowed_token_ids])
         else:
             free.append(i)
-        # the token sampled now is the reply's (num_generated + num_pending)-th, counting from 0
-        if s.min_tokens_ban and s.num_generated + s.num_pending < p.min_tokens:
+        # the token sampled now is the reply's (num_generated + num_pending + j)-th, counting from 0
+        if s.min_tokens_ban and s.num_generated + s.num_pending + j < p.min_tokens:
             banned.extend([base + t for t in s.min_tokens_ban])
         for ids in s.bad_words if words else ():  # vLLM's bad_words: a word's last token, once the reply ends with
             if len(ids) == 1 or (s.output_token_ids[1 - len(ids):] == ids[:-1] if not j  # the rest of it

@@ -5,6 +5,12 @@ The proposer looks, in a decoding sequence's prompt and output, for the most rec
 tokens (n from prompt_lookup_max down to prompt_lookup_min) and proposes the (up to) k tokens that followed it. The
 engine then verifies them in one forward over [last token + drafts] (LLMEngine._advance_speculative): the longest
 prefix of drafts the target model agrees with is kept, plus one token of the target's own.
+
+Every request may get drafts: at verify row j (after drafts[:j]) each logits processor sees the state the request
+would have with drafts[:j] accepted (sampler.SamplingInputs: the penalties count them as output tokens, bad_words
+see them as the reply's latest tokens, min_tokens counts them; a grammar's drafts are cut where it refuses one and
+row j is masked with its state after drafts[:j]: structured.draft_bitmask), as vLLM's rejection sampler and
+structured outputs do.
 """
 
 from __future__ import annotations
@@ -96,15 +102,6 @@ def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int
         return []
     start = int(best[-1]) + 1
     return [int(t) for t in tokens[start:start + k]]
-
-
-def speculates(seq) -> bool:
-    """Whether `seq` may get drafts: its sampling needs no per-token state that the verify pass cannot honour at
-    every position at once (min_tokens still masking). allowed_token_ids and logit_bias are stateless: they are
-    applied at every position; the penalties at verify row j count drafts[:j] as output tokens and bad_words see
-    them as the reply's latest tokens (SamplingInputs); a grammar's drafts are cut where it refuses one, and row j
-    is masked with its state after drafts[:j] (structured.draft_bitmask)."""
-    return not seq.min_tokens_ban
 
 
 class SpecStats:
