@@ -267,3 +267,46 @@ def test_min_tokens_at_each_verify_row_counts_the_drafts_before_it(generated):
         s.min_tokens_ban = [5, 2]
     params = SamplingParams(min_tokens=4, stop_token_ids=[5])
     verify_rows_equal_plain_rows(params, [3, 4, 6], [9] * generated, [5, 9, 5], setup=ban)
+
+
+# ------------------------------------------------------------------ every kind together
+def mixed_params():
+    regex = structured(regex="[ab]{6,24}")
+    return [SamplingParams(max_new_tokens=24, ignore_eos=True, allowed_token_ids=FEW, repetition_penalty=1.2,
+                           bad_words=["##"]),
+            SamplingParams(max_new_tokens=24, structured_outputs=regex, frequency_penalty=0.4),
+            SamplingParams(max_new_tokens=24, allowed_token_ids=FEW, stop_token_ids=[5], min_tokens=10,
+                           presence_penalty=0.3),
+            SamplingParams(max_new_tokens=24, ignore_eos=True, allowed_token_ids=FEW),
+            SamplingParams(max_new_tokens=24, structured_outputs=structured(json=SCHEMA), bad_words=["9"])]
+
+
+@pytest.mark.parametrize("kw", [dict(num_kv_blocks=24, max_model_len=64), dict(max_num_batched_tokens=8)],
+                         ids=["preempted", "drafts-cut-by-budget"])
+def test_every_kind_with_preemption_or_a_small_budget_equals_plain(path, kw):
+    a = LLM(str(path), block_size=4, max_num_seqs=5, **kw)
+    b = LLM(str(path), block_size=4, max_num_seqs=5, speculative_config=SPEC, **kw)
+    prompts = random_prompts(a.engine.model_config.vocab_size, (5, 9, 14, 7, 11), seed=5)
+    got = same_with_drafts(a, b, prompts, mixed_params())
+    assert all(got)
+    if "num_kv_blocks" in kw:
+        assert b.engine.stats()["num_preemptions"] > 0
+
+
+def test_penalised_replies_equal_transformers(path, spec):
+    from test_speculative import hf_restricted
+    prompts = random_prompts(spec.engine.model_config.vocab_size, (6, 11), seed=12) + [[5, 6, 7, 8] * 4]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True, repetition_penalty=1.2, allowed_token_ids=FEW)
+    drafts = counters(spec)
+    got = [o.token_ids for o in spec.generate(prompts, params)]
+    assert got == [hf_restricted(path, p, 20, repetition_penalty=1.2) for p in prompts]
+    assert counters(spec)[0] > drafts[0] and counters(spec)[1] > drafts[1]
+
+
+def test_adapters_with_every_kind_equal_plain(tmp_path, path):
+    from lora_helpers import ALL, hf_float, save_adapter
+    adapter = save_adapter(hf_float(path), tmp_path / "a", seed=3, r=4, lora_alpha=8, target_modules=ALL)
+    kw = dict(block_size=4, loras={"a": str(adapter)})
+    a, b = LLM(str(path), **kw), LLM(str(path), speculative_config=SPEC, **kw)
+    prompts = random_prompts(a.engine.model_config.vocab_size, (6, 12, 4, 9, 7), seed=7)
+    same_with_drafts(a, b, prompts, mixed_params(), loras=["a", None, "a", "a", "a"])

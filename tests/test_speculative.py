@@ -35,9 +35,9 @@ class AllowOnly:
         return out
 
 
-def hf_restricted(path, prompt, n, ids=FEW):
+def hf_restricted(path, prompt, n, ids=FEW, **kw):
     from transformers import LogitsProcessorList
-    return hf_greedy(path, prompt, n, logits_processor=LogitsProcessorList([AllowOnly(ids)]))
+    return hf_greedy(path, prompt, n, logits_processor=LogitsProcessorList([AllowOnly(ids)]), **kw)
 
 
 @pytest.fixture(scope="module")

@@ -138,9 +138,10 @@ def _verify_bitmask(seqs: list[Sequence], ruled: list[int], at: list[int], vocab
     bitmask = torch.empty(len(ruled), -(-vocab // 32), dtype=torch.int32)
     if now:
         bitmask[now] = fill_bitmask([seqs[ruled[k]].grammar for k in now], vocab)
-    for k, i in enumerate(ruled):
-        if seqs[i].draft_token_ids:
-            bitmask[k] = seqs[i].draft_bitmask[at[i]]
+    for k, i in enumerate(ruled):  # a sequence's verify rows are consecutive, from j = 0: copied together
+        if at[i] == 0 and seqs[i].draft_token_ids:
+            rows = len(seqs[i].draft_token_ids) + 1
+            bitmask[k:k + rows] = seqs[i].draft_bitmask[:rows]
     return bitmask
 
 
