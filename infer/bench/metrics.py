@@ -34,6 +34,8 @@ import numpy as np
 DEFAULT_PERCENTILES = (90, 99)
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 THROUGHPUT_KEYS = ("request_throughput", "output_throughput", "total_token_throughput", "chars_per_s")
+# the latency figures a baseline's ratios cover besides THROUGHPUT_KEYS (ours / baseline: below 1 is faster)
+LATENCY_RATIO_KEYS = tuple(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "p99"))
 SLO_METRICS = ("ttft", "tpot", "e2el")  # what --goodput may set an objective on (vLLM's names), in ms
 
 

@@ -8,9 +8,12 @@ report.md, timelines.json and PNG plots.
 concurrency (an HF run's batch size). results.json is a list with one object per run, with vLLM's key names
 (completed, failed, total_input_tokens, ..., mean_ttft_ms, p99_itl_ms, ...) plus chars_per_s,
 peak_memory_bytes, concurrency, partial, config, versions, device and git_commit; a matched baseline sits
-in "baseline" (same keys) and the ours/baseline ratios of the throughput figures in "ratio". Every entry has a
-"label" (its backend, or what the run says it is: "hf (base, no adapters)" for a baseline that ran the base
-model while ours ran adapters), which the table titles, report.md, results.csv and the plots show.
+in "baseline" (same keys) and the ours/baseline ratios of the throughput figures and of the mean, median and p99
+TTFT, TPOT, ITL and E2EL in "ratio" (a latency ratio below 1: ours is faster). Every entry has a "label" (its
+backend, or what the run says it is: "hf (base, no adapters)" for a baseline that ran the base model while ours ran
+adapters, "infer (no speculation)" for ours' engine without speculative decoding), which the table titles,
+report.md, results.csv and the plots show. With speculative decoding the throughput table also shows ours'
+acceptance rate and mean acceptance length.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import subprocess
 from pathlib import Path
 
 from ..errors import OutputError
-from .metrics import THROUGHPUT_KEYS, RunResult
+from .metrics import LATENCY_RATIO_KEYS, THROUGHPUT_KEYS, RunResult
 from .plots import plot_latency, plot_throughput, plot_timeline
 
 # what write_report writes into the report folder
@@ -38,9 +41,14 @@ THROUGHPUT_COLUMNS = [
 GOODPUT_COLUMN = ("good req/s", "request_goodput", "{:.2f}")  # with --goodput: after req/s
 RATIO_COLUMNS = [("base out tok/s", "base:output_throughput", ""), ("x out tok/s", "ratio:output_throughput", ""),
                  ("x chars/s", "ratio:chars_per_s", "")]
+# with speculative decoding (ours): vLLM's acceptance figures, after peak GiB
+SPEC_COLUMNS = [("accept", "spec_decode_acceptance_rate", "{:.2f}"),
+                ("accept len", "spec_decode_mean_acceptance_length", "{:.2f}")]
 LATENCY_COLUMNS = [("conc", "concurrency", "{:d}")] + [
     (f"{m.upper()} {s} ms", f"{'median' if s == 'p50' else s}_{m}_ms", "{:.2f}")
     for m in ("ttft", "tpot", "itl", "e2el") for s in ("p50", "p99")]
+# with a baseline: ours / baseline of each median latency (below 1: ours is faster)
+LATENCY_RATIO_COLUMNS = [(f"x {m.upper()} p50", f"ratio:median_{m}_ms", "") for m in ("ttft", "tpot", "itl", "e2el")]
 
 
 def _git_commit() -> str | None:
@@ -126,7 +134,7 @@ def build_results(runs: list[RunResult], baselines: list[RunResult] | None = Non
         if base is not None:
             entry["baseline"] = run_entry(base, detailed)
             entry["ratio"] = {k: (entry[k] / entry["baseline"][k] if entry["baseline"][k] else None)
-                              for k in THROUGHPUT_KEYS}
+                              for k in THROUGHPUT_KEYS + LATENCY_RATIO_KEYS}
         entry.update(config=config or {}, **env)
         results.append(entry)
     return results
@@ -145,13 +153,15 @@ def _cell(entry: dict, key: str, fmt: str) -> str:
 def table_rows(results: list[dict], which: str = "throughput") -> tuple[list[str], list[list[str]]]:
     """Column titles and formatted rows of the "throughput" table (with baseline and ratio columns when there
     is a baseline, and a partial flag) or of the "latency" table."""
+    based = any("baseline" in r for r in results)
     if which == "latency":
-        cols = LATENCY_COLUMNS
+        cols = LATENCY_COLUMNS + (LATENCY_RATIO_COLUMNS if based else [])
     else:
         cols = list(THROUGHPUT_COLUMNS)
         if any("request_goodput" in r for r in results):
             cols.insert(4, GOODPUT_COLUMN)
-        cols += RATIO_COLUMNS if any("baseline" in r for r in results) else []
+        cols += SPEC_COLUMNS if any("spec_decode_acceptance_rate" in r for r in results) else []
+        cols += RATIO_COLUMNS if based else []
     rows = [[_cell(r, k, f) for _, k, f in cols] for r in results]
     if which != "latency":
         cols = cols + [("partial", "partial", "")]
@@ -160,7 +170,8 @@ def table_rows(results: list[dict], which: str = "throughput") -> tuple[list[str
 
 
 def baseline_label(results: list[dict]) -> str | None:
-    """The baseline's label when it says more than its backend ("hf (base, no adapters)"), else None."""
+    """The baseline's label when it says more than its backend ("hf (base, no adapters)", "infer (no speculation)"),
+    else None."""
     for r in results:
         base = r.get("baseline")
         if base and base.get("label") and base["label"] != base.get("backend"):
@@ -173,6 +184,11 @@ def baseline_note(results: list[dict]) -> str | None:
     label = baseline_label(results)
     if label is None:
         return None
+    base = next(r["baseline"] for r in results if r.get("baseline"))
+    if base.get("backend") != "hf":  # ours' engine without speculative decoding
+        return (f"baseline = {label}: the same engine and options without --speculative-config, run after ours "
+                "with ours' engine freed first (one engine in memory at a time, so each peak is its own); "
+                "x = ours (speculative) / baseline, a latency x below 1 is faster")
     return (f"baseline = {label}: transformers generate on the base model, without the adapters ours ran; "
             "x = ours (with adapters) / baseline")
 
@@ -277,7 +293,8 @@ def _write_files(out: Path, results: list[dict], runs: list[RunResult], baseline
         for e in [r] + ([r["baseline"]] if "baseline" in r else []):
             flat.append({k: v for k, v in e.items() if not isinstance(v, (dict, list))})
     pd.DataFrame(flat).to_csv(out / "results.csv", index=False)
-    timelines = [{"backend": r.backend, "concurrency": r.concurrency, "timeline": r.timeline}
+    timelines = [{"backend": r.backend, "label": r.label or r.backend, "concurrency": r.concurrency,
+                  "timeline": r.timeline}
                  for r in list(runs) + list(baselines or [])]
     (out / "timelines.json").write_text(json.dumps(timelines))
     plots = {"throughput": plot_throughput(results, out / "throughput.png"),
