@@ -10,7 +10,10 @@ by HF transformers generate at batch size = concurrency (warmed first with one s
 warmed before it is measured; each output length cut where the engine's max model length or the request's max_length
 cuts ours, so both generate the same tokens), with transformers' (and GPTQModel's) own output kept off
 the terminal unless --debug. That baseline runs the base model: with adapters in the workload it is labelled
-"hf (base, no adapters)" in the table and the report, and a note says so. Ctrl-C ends the plan: what was
+"hf (base, no adapters)" in the table and the report, and a note says so. With `baseline="no-spec"` (ours runs
+with a speculative_config) every level of ours runs first, then ours' engine is closed and the baseline's, the same
+engine config without speculative_config, is built and runs every level: labelled "infer (no speculation)", one
+engine in memory at a time, so each side's peak memory is its own. Ctrl-C ends the plan: what was
 measured is still written, marked partial, and `interrupted` is True.
 """
 
@@ -44,7 +47,7 @@ class BenchPlan:
     url: str | None = None
     model_id: str | None = None  # the base model's id on the server (--url)
     api_key: str | None = None
-    baseline: str | None = None  # None | "hf"
+    baseline: str | None = None  # None | "hf" | "no-spec" (the same engine without its speculative_config)
     seed: int = 0
     quiet: bool = False
     engine: object | None = None  # EngineConfig for an in-process run
@@ -57,6 +60,8 @@ class BenchPlan:
 
 
 BASE_NO_ADAPTERS = "hf (base, no adapters)"  # the HF baseline's label when the workload uses adapters
+NO_SPEC = "no-spec"  # the baseline that runs ours' engine config without its speculative_config
+NO_SPEC_LABEL = "infer (no speculation)"  # its label in the table, report.md, results.csv and results.json
 
 
 def load_plan_tokenizer(plan: BenchPlan):
@@ -82,6 +87,19 @@ class _Target:
             self.hf_dtype, self.hf_device = str(self.engine.dtype).split(".")[-1], self.engine.device.type
         else:
             self.hf_dtype, self.hf_device = plan.dtype, plan.device
+
+    def close(self) -> None:
+        """Free the in-process engine (weights, KV cache) and give the heap back to the OS, so that an engine built
+        next is measured alone."""
+        if self.engine is None:
+            return
+        import gc
+
+        from ..memory.meter import trim_heap
+        self.engine.close()
+        self.engine = None
+        gc.collect()
+        trim_heap()
 
     def warm_adapters(self, names: list[str]) -> None:
         """One short request per adapter, so the measured runs start with the adapters loaded (as a server that
@@ -115,6 +133,9 @@ def report_config(plan: BenchPlan, description: str) -> dict:
     cfg["workload"] = description
     if plan.engine is not None:
         cfg["engine"] = {k: v for k, v in asdict(plan.engine).items() if k != "loras"}
+    if plan.baseline == NO_SPEC:
+        cfg["baseline_engine"] = ("the same engine options without speculative_config, built after ours was "
+                                  "freed (one engine in memory at a time): each side's peak memory is its own")
     return cfg
 
 
@@ -136,7 +157,8 @@ def baseline_requests(requests: list[BenchRequest], max_model_len: int | None) -
 
 
 def _measure(plan: BenchPlan, target: _Target, requests, hf, runs: list, bases: list, hide=_shown) -> bool:
-    """Fill `runs` (and `bases`) level by level; True when Ctrl-C cut the plan short."""
+    """Fill `runs` (and `bases`) level by level (the no-spec baseline's levels after all of ours); True when Ctrl-C
+    cut the plan short."""
     from .hf_baseline import run_hf_generate
     label = BASE_NO_ADAPTERS if any(r.lora for r in requests) else None
     base_requests = baseline_requests(requests, _context_len(plan)) if hf is not None else requests
@@ -150,10 +172,42 @@ def _measure(plan: BenchPlan, target: _Target, requests, hf, runs: list, bases: 
             with hide() as term:
                 base = run_hf_generate(hf, base_requests, batch_size=c, progress=not plan.quiet, console=term,
                                        warmup=True)  # warmed, as the engine is, before it is measured
-            base.label, base.goodput = label, plan.goodput
-            bases.append(base)
-            if base.partial:
+            if _add_baseline(plan, base, label, bases):
                 return True
+    if plan.baseline == NO_SPEC:
+        return _measure_no_spec(plan, target, requests, bases)
+    return False
+
+
+def _add_baseline(plan: BenchPlan, base: RunResult, label: str | None, bases: list) -> bool:
+    """Record a baseline run of one level (labelled, with the plan's objectives); True when it was cut short."""
+    base.label, base.goodput = label, plan.goodput
+    bases.append(base)
+    return base.partial
+
+
+def no_spec_plan(plan: BenchPlan) -> BenchPlan:
+    """The no-spec baseline's plan: ours with the engine's speculative_config dropped, nothing else changed."""
+    return replace(plan, engine=replace(plan.engine, speculative_config=None), baseline=None)
+
+
+def _measure_no_spec(plan: BenchPlan, target: _Target, requests, bases: list) -> bool:
+    """The no-spec baseline, after every level of ours: ours' engine is freed first, then the same engine without
+    speculation is built, warmed as ours was, and runs every level with the same requests (and rate); True when
+    Ctrl-C cut it short."""
+    base = None
+    try:
+        target.close()
+        base = _Target(no_spec_plan(plan), target.tokenizer)
+        base.warm_adapters(plan.loras)
+        for c in plan.levels:
+            if _add_baseline(plan, base.run(requests, c), NO_SPEC_LABEL, bases):
+                return True
+    except KeyboardInterrupt:  # while the baseline's engine was built or between its levels: ours are complete
+        return True
+    finally:
+        if base is not None:
+            base.close()
     return False
 
 
@@ -247,6 +301,10 @@ def run_plan(plan: BenchPlan, console=None, hide_libraries=None) -> tuple[list[d
     baseline loads and runs, yielding a rich Console for the baseline's progress bar or None (the CLI passes
     `cli.quiet.library_output_to_bar`)."""
     hide = hide_libraries or _shown
+    if plan.baseline == NO_SPEC and getattr(plan.engine, "speculative_config", None) is None:
+        raise ConfigError("the no-spec baseline runs the in-process engine without its speculative_config, and this "
+                          "plan has none", "set the engine's speculative_config (--speculative-config), or use "
+                          "baseline hf")
     from .report import write_report
     tokenizer = load_plan_tokenizer(plan)  # the workload is read and checked before any model loads
     _check_fits(plan)

@@ -1,5 +1,6 @@
 """`infer bench MODEL`: throughput and latency of the engine (in-process) or of any OpenAI-compatible server
-(--url), at one or more concurrency levels, optionally against HF transformers generate (--baseline hf)."""
+(--url), at one or more concurrency levels, optionally against HF transformers generate (--baseline hf) or against the
+same engine without speculative decoding (--baseline no-spec)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from . import options as o
 
 WL = "Workload options"
 TARGET = "Target options"
-BASELINES = ("hf",)
+BASELINES = ("hf", "no-spec")
 POLICIES = ("mixed", "split")
 DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN = 44, 128  # the random dataset's lengths (output: also jsonl's default)
 
@@ -154,9 +155,21 @@ def check_options(num_prompts: int | None, dataset: str, baseline: str | None, l
         raise ConfigError("--lora-policy split runs the in-process engine", "drop --url, or use --lora-policy mixed")
     if lora_policy == "split" and not math.isinf(rate):
         raise ConfigError("--lora-policy split sends every group at once; it takes no --request-rate")
-    if baseline is not None and not math.isinf(rate):  # ours would be paced by the arrivals, the baseline not
+    if baseline == "no-spec" and url is not None:
+        raise ConfigError("--baseline no-spec runs the in-process engine a second time, without speculation; --url "
+                          "benches a server", "drop --url (bench MODEL in-process with --speculative-config), or "
+                          "bench two servers, one started without --speculative-config")
+    if baseline == "hf" and not math.isinf(rate):  # ours would be paced by the arrivals, the baseline not
         raise ConfigError(f"--baseline {baseline} sends each static batch at once; it takes no --request-rate",
                           "drop --request-rate to compare throughput with the baseline, or drop --baseline")
+
+
+def check_no_spec(baseline: str | None, engine: EngineConfig) -> None:
+    """--baseline no-spec measures what --speculative-config buys: without it both sides would be the same engine."""
+    if baseline == "no-spec" and engine.speculative_config is None:
+        raise ConfigError("--baseline no-spec compares against the same engine without --speculative-config, which "
+                          "is not given", "add --speculative-config '{\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 3}', or use --baseline hf")
 
 
 def check_range_ratio(ratio: float, dataset: str) -> None:
@@ -346,7 +359,10 @@ def bench(
                                                    show_default=False)] = None,
     baseline: Annotated[Optional[str], typer.Option(help="hf: also run HF transformers generate on MODEL, static "
                                                     "batches of size = concurrency, and report ours/baseline (works "
-                                                    "with --url too: MODEL must then be a local folder).",
+                                                    "with --url too: MODEL must then be a local folder). no-spec: "
+                                                    "with --speculative-config, also run the same engine and options "
+                                                    "without it, after ours (ours freed first), and report "
+                                                    "ours/baseline with the acceptance rate.",
                                                     rich_help_panel=TARGET)] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Report folder (default: "
                                                 "./bench-results/<timestamp>).", parser=o.folder_path,
@@ -375,6 +391,9 @@ def bench(
     Uneven lengths: infer bench llama-100m -c 16 --input-len 256 --output-len 128 --random-range-ratio 0.75
 
     Against a server: infer bench tiny-llama --url http://127.0.0.1:8000 -c 16
+
+    Does speculation pay: infer bench tiny-llama --speculative-config '{"method": "ngram",
+    "num_speculative_tokens": 3}' --baseline no-spec -c 4
     """
     levels, rate, slos = parse_concurrency(concurrency), parse_rate(request_rate), parse_goodput(goodput)
     check_options(num_prompts, dataset, baseline, lora_policy, url, rate)
@@ -384,6 +403,7 @@ def bench(
     check_range_ratio(random_range_ratio, dataset)
     check_lengths(dataset, input_len, output_len)
     check_url_engine_options(url)
+    check_no_spec(baseline, engine)
     input_len, output_len = DEFAULT_INPUT_LEN if input_len is None else input_len, \
         DEFAULT_OUTPUT_LEN if output_len is None else output_len
     made = []  # the default folder (and bench-results) made now: removed if the run ends before writing to it
