@@ -182,3 +182,16 @@ def test_hf_baseline_also_reports_latency_ratios():
     titles, [row] = table_rows([entry], "latency")
     assert row[titles.index("x ITL p50")] == "0.50x"
     assert not math.isnan(entry["ratio"]["p99_e2el_ms"])
+
+
+def test_a_baseline_cut_short_is_flagged_in_the_partial_column():
+    """Ctrl-C during the no-spec baseline (which runs after all of ours) left ours whole and the row unflagged, while
+    its ratios compared a whole run with part of one."""
+    from infer.bench.metrics import RequestRecord, RunResult
+    from infer.bench.report import build_results, table_rows
+    recs = [RequestRecord(0, 4, 0.0, chunk_times=[1.0, 2.0], output_tokens=2, success=True)]
+    ours = RunResult("infer", 1, recs, duration_s=2.0, num_requests=1)
+    base = RunResult("infer", 1, recs, duration_s=2.0, num_requests=2, partial=True, label=LABEL)
+    [entry] = build_results([ours], [base], env={"versions": {}, "device": "cpu", "git_commit": None})
+    titles, [row] = table_rows([entry])
+    assert row[titles.index("partial")] == "baseline"

@@ -165,8 +165,16 @@ def table_rows(results: list[dict], which: str = "throughput") -> tuple[list[str
     rows = [[_cell(r, k, f) for _, k, f in cols] for r in results]
     if which != "latency":
         cols = cols + [("partial", "partial", "")]
-        rows = [row + ["yes" if r["partial"] else ""] for row, r in zip(rows, results)]
+        rows = [row + [_partial(r)] for row, r in zip(rows, results)]
     return [t for t, _, _ in cols], rows
+
+
+def _partial(entry: dict) -> str:
+    """The partial column: "yes" when ours was cut short, "baseline" when only the baseline was (its ratios compare a
+    whole run with part of one)."""
+    if entry["partial"]:
+        return "yes"
+    return "baseline" if (entry.get("baseline") or {}).get("partial") else ""
 
 
 def baseline_label(results: list[dict]) -> str | None:
