@@ -70,7 +70,7 @@ def test_no_spec_baseline_runs_the_same_engine_without_drafts_and_reports_ratios
     rows = list(csv.DictReader((out / "results.csv").open()))
     assert [row["label"] for row in rows] == ["infer", LABEL, "infer", LABEL]
     report = (out / "report.md").read_text()
-    for words in (f"Baseline = {LABEL}", "| accept | accept len |", "x TPOT p50", "x E2EL p50", "x out tok/s"):
+    for words in (f"Baseline = {LABEL}", "| accept rate | accept len |", "x TPOT p50", "x E2EL p50", "x out tok/s"):
         assert words in report, words
     labels = [t["label"] for t in json.loads((out / "timelines.json").read_text())]
     assert labels == ["infer", "infer", LABEL, LABEL]

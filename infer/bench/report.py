@@ -42,7 +42,7 @@ GOODPUT_COLUMN = ("good req/s", "request_goodput", "{:.2f}")  # with --goodput: 
 RATIO_COLUMNS = [("base out tok/s", "base:output_throughput", ""), ("x out tok/s", "ratio:output_throughput", ""),
                  ("x chars/s", "ratio:chars_per_s", "")]
 # with speculative decoding (ours): vLLM's acceptance figures, after peak GiB
-SPEC_COLUMNS = [("accept", "spec_decode_acceptance_rate", "{:.2f}"),
+SPEC_COLUMNS = [("accept rate", "spec_decode_acceptance_rate", "{:.2f}"),
                 ("accept len", "spec_decode_mean_acceptance_length", "{:.2f}")]
 LATENCY_COLUMNS = [("conc", "concurrency", "{:d}")] + [
     (f"{m.upper()} {s} ms", f"{'median' if s == 'p50' else s}_{m}_ms", "{:.2f}")
