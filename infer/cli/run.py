@@ -18,6 +18,7 @@ from ..engine.config import EngineConfig
 from ..errors import ConfigError, RequestError
 from . import options as o
 from ..engine.sampling_params import MAX_TOKENS
+from .banner import start_traits
 from .batch_io import (OUTPUT_FORMATS, Records, RecordWriter, check_format, check_input_encoding, model_names,
                        read_inputs, unused_adapters_note)
 from .beam_lines import LineBeams, is_beam_line
@@ -161,18 +162,15 @@ def exit_interrupted(e: KeyboardInterrupt, output: Path | None, resumable: bool,
 
 
 def _start_engine(engine: EngineConfig, quiet: bool):
-    """The in-process engine, announced on stderr (model, device, dtype, KV cache, max length) unless quiet."""
+    """The in-process engine, announced on stderr (model, device, dtype, KV cache, max length, speculative decoding)
+    unless quiet."""
     from ..engine.llm_engine import LLMEngine
     llm = LLMEngine(engine)
     if not quiet:
-        p = llm.memory_plan
         from ..models.resolve import is_hub_id
         given = str(engine.model)
         name = given if is_hub_id(given) and not Path(given).exists() else llm.model_path.name  # not the snapshot's
-        kv = f" of {p.kv_cache_dtype}" if engine.kv_cache_dtype != "auto" else ""
-        typer.echo(f"infer: {name} on {llm.device.type}, {llm.dtype}, KV cache "
-                   f"{p.num_blocks} blocks x {engine.block_size} tokens{kv}, max length {llm.max_model_len}",
-                   err=True)
+        typer.echo(f"infer: {name} on {llm.device.type}, {start_traits(llm)}", err=True)
     return llm
 
 

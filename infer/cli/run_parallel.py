@@ -12,6 +12,7 @@ from ..parallel.pool import ReplicaPool, Work
 from ..parallel.progress import ReplicaProgress
 from ..parallel.replica import ENGINE_FAILURE
 from ..parallel.runtime import ReplicaError, local_cpus, placement, ray_runtime, require_ray, start_replicas
+from .banner import replica_traits
 from .batch_io import Records, RecordWriter, check_format, model_names, read_inputs, unused_adapters_note
 from .beam_lines import is_beam_line
 from .entry import terminate_as_interrupt
@@ -40,7 +41,7 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
                            notify=lambda message: typer.echo(message, err=True))
         try:
             if not quiet:
-                _announce(infos, engine.block_size, engine.kv_cache_dtype)
+                _announce(infos, engine)
             # read against the replicas' context, as one engine reads against its own: a prompt certainly longer
             # is refused untokenized, with one engine's message
             lines = read_inputs(input, tokenizer, defaults, model_names(engine), infos[0]["max_model_len"])
@@ -63,13 +64,10 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
             pool.close()
 
 
-def _announce(infos: list[dict], block_size: int, kv_cache_dtype: str = "auto") -> None:
-    first = infos[0]
-    where = placement(infos)
-    kv = f" of {first.get('kv_cache_dtype')}" if kv_cache_dtype != "auto" else ""  # as one engine's banner says it
-    typer.echo(f"infer: {len(infos)} replicas of {first['model']} ({where}), {first['dtype']}, KV cache "
-               f"{first['num_blocks']} blocks x {block_size} tokens{kv} each, max length {first['max_model_len']}",
-               err=True)
+def _announce(infos: list[dict], engine) -> None:
+    """As one engine's banner (cli/banner.py), for every replica."""
+    typer.echo(f"infer: {len(infos)} replicas of {infos[0]['model']} ({placement(infos)}), "
+               f"{replica_traits(infos, engine)}", err=True)
 
 
 def _check_lines(ray, replicas: list, lines: list, strict: bool) -> None:

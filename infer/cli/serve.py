@@ -15,6 +15,7 @@ import typer
 from ..engine.config import EngineConfig, parse_size
 from ..errors import ConfigError
 from . import options as o
+from .banner import start_traits
 
 SERVER = "Server options"
 
@@ -267,9 +268,8 @@ def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, model_id
     app = create_app(server)
     bound = sock.getsockname()[1]
     names = (", ".join(server.adapters()) or "none") + (" (more can be loaded)" if runtime_lora else "")
-    typer.echo(f"infer: serving {server.model_id} ({engine.device.type}, {engine.dtype}, KV "
-               f"{engine.memory_plan.num_blocks} blocks) on http://{url_host(host)}:{bound}  adapters: {names}",
-               err=True)
+    typer.echo(f"infer: serving {server.model_id} ({engine.device.type}, {start_traits(engine)}) on "
+               f"http://{url_host(host)}:{bound}  adapters: {names}", err=True)
     logging.getLogger("infer").setLevel(logging.INFO if log_level in VERBOSE else logging.WARNING)
     uv = uvicorn_server(server, app, shutdown_timeout, log_level=log_level, access_log=log_level in VERBOSE)
     with _quiet_signals():

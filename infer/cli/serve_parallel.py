@@ -10,6 +10,7 @@ import typer
 
 from ..parallel.runtime import local_cpus, placement, ray_runtime, require_ray
 from ..parallel.serve import build_server
+from .banner import replica_traits
 from .serve import VERBOSE, _quiet_signals, url_host
 
 
@@ -29,8 +30,8 @@ def serve_data_parallel(cfg, sock: socket.socket, host: str, model_id: str | lis
         try:
             where = placement(infos)
             names = (", ".join(server.adapters()) or "none") + (" (more can be loaded)" if runtime_lora else "")
-            typer.echo(f"infer: serving {server.model_id} over {replicas} replicas ({where}; KV "
-                       f"{infos[0]['num_blocks']} blocks each) on http://{url_host(host)}:{sock.getsockname()[1]}  "
+            typer.echo(f"infer: serving {server.model_id} over {replicas} replicas ({where}; "
+                       f"{replica_traits(infos, cfg)}) on http://{url_host(host)}:{sock.getsockname()[1]}  "
                        f"adapters: {names}", err=True)
             logging.getLogger("infer").setLevel(logging.INFO if log_level in VERBOSE else logging.WARNING)
             uv = uvicorn_server(server, create_app(server), shutdown_timeout, log_level=log_level,
