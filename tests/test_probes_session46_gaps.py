@@ -44,3 +44,39 @@ def test_run_banner_names_speculative_decoding(tmp_path):
     line = next(x for x in res.output.splitlines() if x.startswith("infer: tiny-llama"))
     assert "n-gram speculative decoding (3 draft tokens)" in line and " of " not in line, line
 
+
+def _families(base: str) -> dict:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    return {f.name: f for f in text_string_to_metric_families(httpx.get(f"{base}/metrics").text)}
+
+
+def _sum(families: dict, name: str, sample: str) -> float:
+    return sum(s.value for s in families[name].samples if s.name == sample)
+
+
+def test_iteration_tokens_count_accepted_drafts_not_rejected_ones():
+    """vLLM's iteration_tokens_total observes a step's prompt tokens and the tokens it generated (a speculative row:
+    its accepted drafts and the target's own token); infer observed every token the step scheduled, the drafts it
+    rejected too. Every token is computed once: each prompt, and every generated token but the last."""
+    httpx = pytest.importorskip("httpx")
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    engine = LLMEngine(EngineConfig("tiny-llama", block_size=4, max_num_seqs=4, max_num_batched_tokens=256,
+                                    speculative_config=SPEC))
+    # every token of the vocabulary (512) in the prompt: whatever a step samples, the n-gram lookup finds drafts
+    prompts = [list(range(3, 512)), list(range(511, 2, -1))]
+    made = 12
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny")) as base:
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": prompts, "max_tokens": made, "ignore_eos": True},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        families = _families(base)
+    stats = engine.stats()
+    drafted, accepted = stats["spec_decode_num_draft_tokens"], stats["spec_decode_num_accepted_tokens"]
+    assert drafted > accepted  # some drafts were rejected: they are no tokens of the step
+    name = "infer:iteration_tokens_total"
+    assert _sum(families, name, name + "_sum") == sum(map(len, prompts)) + len(prompts) * (made - 1)
+    engine.close()

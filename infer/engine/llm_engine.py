@@ -210,7 +210,7 @@ class LLMEngine:
         self._inflight = None  # (batch, StepHandle) launched and not yet completed (overlap only)
         self._unsettled = None  # the same, launched before _inflight: a step's wait for its tokens was interrupted
         self.num_steps = 0
-        self.last_step_tokens = 0  # tokens the latest step scheduled (prompt chunks and decodes), 0 for none
+        self.last_step_tokens = 0  # tokens the latest step computed (prompt chunks, decodes, accepted drafts), 0: none
         if self.device.type == "cuda":  # every kernel compiled now, never on a user's first request
             t0 = time.perf_counter()
             self.warm_kernels()
@@ -566,6 +566,8 @@ class LLMEngine:
         self.last_step_tokens = batch.num_tokens
         if self.speculative is not None:  # (never overlapped: EngineConfig.use_overlap)
             results = self.runner.verify(batch)
+            # as vLLM's iteration tokens: a row's accepted drafts and its own token, never the drafts it rejected
+            self.last_step_tokens -= sum(len(batch.seqs[i].draft_token_ids) - r[2] for i, r in results.items())
             with interrupts_held():
                 outputs += self._complete_speculative(batch, results)
             return
