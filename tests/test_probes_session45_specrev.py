@@ -24,20 +24,6 @@ def test_warmup_counts_the_verify_steps_logit_rows_as_the_engine_start_does(monk
     assert extra["activation_estimate_bytes"] == engine.activation_peak_bytes
 
 
-
-def test_warmups_measured_peak_adds_the_verify_rows_its_worst_case_never_runs(monkeypatch):
-    """The measured worst case runs no verify step: warmup adds the draft rows' logits to the peak it measured, so
-    the same measurement with --speculative-config is higher by exactly those bytes."""
-    from infer.memory.plan import speculative_logit_bytes
-    monkeypatch.setattr(profile, "_peak_activations", lambda *a, **k: 0)
-    kw = dict(max_num_seqs=8, max_model_len=256, memory_limit="64MB")
-    plain, _ = measured_plan(EngineConfig(model="tiny-llama", **kw), 256, 8)
-    cfg = EngineConfig(model="tiny-llama", speculative_config=SPEC, **kw)
-    spec, _ = measured_plan(cfg, 256, 8)
-    rows = speculative_logit_bytes(cfg, load_engine_parts(cfg).model_config, 8)
-    assert rows > 0 and spec.activation_peak_bytes - plain.activation_peak_bytes == rows
-
-
 def _two_decoding(num_blocks: int, prompt_b: list[int], tokens: int = 64):
     from infer import SamplingParams
     from infer.engine.block_manager import BlockManager

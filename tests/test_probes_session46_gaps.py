@@ -80,3 +80,32 @@ def test_iteration_tokens_count_accepted_drafts_not_rejected_ones():
     name = "infer:iteration_tokens_total"
     assert _sum(families, name, name + "_sum") == sum(map(len, prompts)) + len(prompts) * (made - 1)
     engine.close()
+
+
+def test_warmups_worst_case_runs_a_verify_step_with_every_draft(monkeypatch):
+    """With --speculative-config the measured worst case ran no verify step (its draft rows' logits were only added
+    by formula): it now runs one, a full batch near max_length with num_speculative_tokens drafts each as far as the
+    token budget goes, and adds nothing by formula on top of what it measured."""
+    from infer.cli.warmup_plan import measured_plan
+    from infer.engine import profile
+    from infer.engine.config import EngineConfig
+    from infer.engine.model_runner import ModelRunner
+    spec = {**SPEC, "num_speculative_tokens": 4}
+    verified = []
+    real = ModelRunner.verify
+
+    def verify(self, batch):
+        verified.append((list(batch.num_new_tokens), [len(s.draft_token_ids) for s in batch.seqs],
+                         max(len(s) for s in batch.seqs)))
+        return real(self, batch)
+    monkeypatch.setattr(ModelRunner, "verify", verify)
+    kw = dict(max_num_seqs=8, max_model_len=128, memory_limit="64MB", max_num_batched_tokens=36)
+    measured_plan(EngineConfig(model="tiny-llama", speculative_config=spec, **kw), 128, 8)
+    assert verified, "no verify step was measured"
+    tokens, drafts, longest = verified[-1]
+    assert sum(tokens) == 36 and drafts == [4] * 7 + [0]  # the budget: 8 own tokens and 28 drafts
+    assert longest + 4 <= 128  # the drafts fit the context
+    monkeypatch.setattr(profile, "_peak_activations", lambda *a, **k: 0)
+    plain, _ = measured_plan(EngineConfig(model="tiny-llama", **kw), 128, 8)
+    with_spec, _ = measured_plan(EngineConfig(model="tiny-llama", speculative_config=spec, **kw), 128, 8)
+    assert with_spec.activation_peak_bytes == plain.activation_peak_bytes  # measured, not added again

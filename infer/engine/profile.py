@@ -1,5 +1,6 @@
 """The profile run (vLLM's name): measure the worst case before serving, a prefill of the largest token budget and
-a decode of a full batch at max_length (with the largest-rank adapter active when adapters are given), on a
+a decode of a full batch at max_length, and with speculative decoding a verify step of that batch with every draft
+it may have (with the largest-rank adapter active when adapters are given), on a
 ModelRunner of its own. The meters are `infer.memory.meter`'s; the plan the peaks go into is `infer.memory.plan`'s.
 """
 
@@ -32,7 +33,8 @@ def worst_case_batches(model_config, engine_config: EngineConfig, max_length: in
     """(prefill batch, decode batches, blocks) over one shared set of blocks: all decode sequences point at the same
     max_length blocks, so the attention reads as much as a full batch does without the KV memory of one. Two decode
     batches: `concurrency` sequences at max_length, and, when it is shorter, at the longest length the CPU attention
-    still gathers as one padded batch (kernels.reference.longest_batched_decode), which can hold more at once."""
+    still gathers as one padded batch (kernels.reference.longest_batched_decode), which can hold more at once; with
+    speculative decoding a third, the verify step (_verify_batch)."""
     vocab, tokens = model_config.vocab_size, engine_config.max_num_batched_tokens
     table = list(range(-(-max_length // block_size)))  # every sequence here is max_length tokens or fewer
     prefill, left, i = ScheduledBatch([], []), tokens, 0
@@ -47,7 +49,30 @@ def worst_case_batches(model_config, engine_config: EngineConfig, max_length: in
         lengths.append(batched)
     decodes = [ScheduledBatch([_fake_seq(100 + j, n, vocab, table, n - 1) for j in range(concurrency)],
                               [1] * concurrency) for n in lengths]
-    return prefill, decodes, len(table)
+    verify = _verify_batch(engine_config, vocab, max_length, concurrency, table)
+    return prefill, decodes + ([verify] if verify else []), len(table)
+
+
+def _verify_batch(engine_config: EngineConfig, vocab: int, max_length: int, concurrency: int,
+                  table: list[int]) -> ScheduledBatch | None:
+    """With speculative decoding, a verify step of `concurrency` decoding sequences with drafts, as many as the
+    scheduler gives them (num_speculative_tokens each, while the token budget left by every sequence's own token
+    lasts; the scheduler's _with_drafts), near max_length (the drafts fit the context, as _propose leaves them):
+    its logits have a row for every draft. None without speculative decoding."""
+    spec = engine_config.speculative_config
+    k = min(spec["num_speculative_tokens"], max_length - 2) if spec else 0
+    if k < 1:
+        return None
+    n, budget, g = max_length - k - 1, engine_config.max_num_batched_tokens - concurrency, torch.Generator()
+    batch = ScheduledBatch([], [])
+    for j in range(concurrency):
+        seq = _fake_seq(200 + j, n, vocab, table, n - 1)
+        drafts = min(k, max(budget, 0))
+        seq.draft_token_ids = torch.randint(0, vocab, (drafts,), generator=g.manual_seed(j)).tolist()
+        budget -= drafts
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(1 + drafts)
+    return batch
 
 
 def _peak_activations(runner: ModelRunner, batches, device: torch.device) -> int:
@@ -56,10 +81,11 @@ def _peak_activations(runner: ModelRunner, batches, device: torch.device) -> int
     runner.run(batches[0])  # first run: one-time allocations (kernels, thread pools) are not activations
     peaks = []
     for batch in batches:
+        step = runner.verify if any(s.draft_token_ids for s in batch.seqs) else runner.run  # (a verify step's own)
         runs = []
         for _ in range(2):
             with PeakMeter(device) as meter:
-                runner.run(batch)
+                step(batch)
             runs.append(meter.peak)
         peaks.append(runs[-1])
     return max(peaks)
@@ -89,8 +115,7 @@ def profile_run(model, model_config, engine_config: EngineConfig, dtype, device,
         peak += activation_bytes(model_config, dtype, tokens, concurrency, max_length, rank) \
             - activation_bytes(model_config, dtype, tokens, concurrency, max_length, 0)
     peak += penalty_table_bytes(model_config, concurrency)  # the worst case samples without penalties: add them
-    spec = speculative_logit_bytes(engine_config, model_config, concurrency)  # nor runs a verify step's extra rows
-    peak += spec
+    spec = speculative_logit_bytes(engine_config, model_config, concurrency)  # the verify step's rows: measured
     graphs = cuda_graph_bytes(engine_config, model_config, dtype)  # the CUDA graphs keep a pool of their own
     estimate = activation_bytes(model_config, dtype, tokens, concurrency, max_length, rank,
                                 kv_dtype=engine_config.kv_dtype(dtype)) + graphs + spec
