@@ -109,3 +109,52 @@ def test_warmups_worst_case_runs_a_verify_step_with_every_draft(monkeypatch):
     plain, _ = measured_plan(EngineConfig(model="tiny-llama", **kw), 128, 8)
     with_spec, _ = measured_plan(EngineConfig(model="tiny-llama", speculative_config=spec, **kw), 128, 8)
     assert with_spec.activation_peak_bytes == plain.activation_peak_bytes  # measured, not added again
+
+
+def test_data_parallel_counts_requests_no_replica_has_counted_yet_as_waiting():
+    """--data-parallel: a request the front accepted and the driver had not routed yet, or routed and sent to a
+    replica that had not answered since, was in no replica's num_requests_waiting (nor the front's in
+    num_requests_in_flight): /metrics' running+waiting showed fewer requests than the server held. They now wait on
+    the replica they go (or went) to until its figures count them."""
+    import asyncio
+    import threading
+
+    from infer.engine.sampling_params import SamplingParams
+    from test_probes_session45_dpmet import _by_engine, _dp_server
+    from test_probes_session45_dpmet import _families as _samples
+    replicas, aengine, server = _dp_server()
+    entered, gate = threading.Event(), threading.Event()
+    real = replicas[0].serve_step
+
+    def gated(wires, aborts):  # replica 0 holds the driver (the fake ray runs a call in it) until the gate opens
+        if wires:
+            entered.set()
+            gate.wait(60)
+        return real(wires, aborts)
+    replicas[0].serve_step = gated
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    aengine.start()
+
+    async def scenario():
+        queue, loop = asyncio.Queue(), asyncio.get_running_loop()
+        aengine.add("a", [5, 17, 99], params, None, queue)  # routed to replica 0, sent; its answer is held
+        assert await loop.run_in_executor(None, entered.wait, 30)
+        aengine.add("b", [6, 7], params, None, queue)  # the driver is held: not routed (it would go to replica 1)
+        held = _samples(server.metrics.render().decode())
+        gate.set()
+        finished = set()
+        while len(finished) < 2:
+            out = await asyncio.wait_for(queue.get(), 60)
+            if out.finished:
+                finished.add(out.request_id)
+        return held
+
+    try:
+        held = asyncio.run(scenario())
+    finally:
+        gate.set()
+        aengine.shutdown(5)
+    assert _by_engine(held, "infer:num_requests_waiting") == {"0": 1.0, "1": 1.0}, held
+    assert _by_engine(held, "infer:num_requests_in_flight") == {"0": 1.0, "1": 1.0}, held
+    assert server.stats()["num_waiting"] == 0 and aengine.stats["num_waiting"] == 0
+    assert all(e["num_waiting"] == e["num_in_flight"] == 0 for e in aengine.stats["engines"])

@@ -118,6 +118,7 @@ class _Replica:
     started: set = field(default_factory=set)  # ids that have had an output delivered
     aborts: list = field(default_factory=list)
     stats: dict = field(default_factory=dict)
+    unseen: int = 0  # requests assigned to it that its latest stats do not count yet (not sent, or sent and unanswered)
 
 
 class RayAsyncEngine(AsyncEngine):
@@ -125,13 +126,23 @@ class RayAsyncEngine(AsyncEngine):
         self.ray = ray
         self.replicas = [_Replica(i, h, info) for i, h, info in zip(range(len(handles)), handles, infos)]
         self._calls: dict = {}  # object ref -> _Replica
+        self._carried: dict = {}  # object ref -> the new requests its call carries
         self._owner: dict = {}  # request id -> _Replica (driver thread only)
         self._lora_changes: asyncio.Lock | None = None
         super().__init__(view, max_queue)
         self._thread.name = "infer-replicas"
         for r, (_, _, stats) in zip(self.replicas, ray.get([h.serve_step.remote([], []) for h in handles])):
             r.stats = stats
-        self.stats = self._aggregate()
+
+    @property
+    def stats(self) -> dict:
+        """What /health and /metrics read: the replicas' latest figures, with the requests accepted that no replica's
+        figures count yet (not routed, not sent, or sent and not answered) as waiting, on the replica they go to."""
+        return self._with_unseen(self._aggregate())
+
+    @stats.setter
+    def stats(self, value: dict) -> None:  # (AsyncEngine's snapshot: here every read is aggregated anew)
+        pass
 
     @property
     def num_engines(self) -> int:
@@ -213,6 +224,7 @@ class RayAsyncEngine(AsyncEngine):
             r = min(live, key=lambda r: len(r.inflight))
             r.new.append(p)
             r.inflight[p.request_id] = p
+            r.unseen += 1
             self._owner[p.request_id] = r
 
     def _send(self, flush: bool = False) -> None:
@@ -223,7 +235,8 @@ class RayAsyncEngine(AsyncEngine):
             if not r.alive or full or not (r.new or r.aborts or r.inflight):
                 continue
             wires = [(p.request_id, p.prompt_token_ids, p.params, p.lora) for p in r.new]
-            self._calls[r.handle.serve_step.remote(wires, r.aborts)] = r
+            ref = r.handle.serve_step.remote(wires, r.aborts)
+            self._calls[ref], self._carried[ref] = r, len(wires)
             r.new, r.aborts = [], []
             r.calls += 1
 
@@ -233,6 +246,7 @@ class RayAsyncEngine(AsyncEngine):
         ready, _ = self.ray.wait(list(self._calls), num_returns=1, timeout=POLL_S)
         for ref in ready:
             r = self._calls.pop(ref)
+            carried = self._carried.pop(ref, 0)
             r.calls -= 1
             if not r.alive:
                 continue
@@ -241,6 +255,7 @@ class RayAsyncEngine(AsyncEngine):
             except self.ray.exceptions.RayError as e:
                 self._lost(r, e)
                 continue
+            r.unseen -= carried  # its figures count them now (set first: a request is never out of both)
             tokens = r.stats.get("step_tokens", 0)
             if tokens and self.on_step is not None:  # the step's tokens, on the replica's own series
                 self.on_step(tokens, r.index)
@@ -257,7 +272,6 @@ class RayAsyncEngine(AsyncEngine):
         stats = self._aggregate()
         with self._cond:
             self._num_waiting = stats["num_waiting"]
-        self.stats = stats
 
     def _deliver(self, out) -> None:
         r = self._owner.get(out.request_id)  # an output the driver made (an error): the replica it was on, if any
@@ -276,6 +290,7 @@ class RayAsyncEngine(AsyncEngine):
         stop_replicas(self.ray, [r.handle])
         for ref in [ref for ref, owner in self._calls.items() if owner is r]:
             self._calls.pop(ref)
+            self._carried.pop(ref, None)
         again = [p for rid, p in r.inflight.items() if rid not in r.started]
         for rid in [rid for rid in r.inflight if rid in r.started]:
             self._fail(rid, "error", f"engine replica {r.index} stopped while this request ran")
@@ -291,7 +306,7 @@ class RayAsyncEngine(AsyncEngine):
         again = [p for p in again if not (left and p.lost >= MAX_LOST)]
         for rid in list(r.inflight):
             self._owner.pop(rid, None)
-        r.inflight, r.new, r.started = {}, [], set()
+        r.inflight, r.new, r.started, r.unseen = {}, [], set(), 0
         with self._cond:
             self._adds.extendleft(reversed([p for p in again if p.request_id in self._sinks]))
         log.warning("engine replica %d stopped (%s); %d request(s) run again on the %d other replica(s)", r.index,
@@ -403,6 +418,26 @@ class RayAsyncEngine(AsyncEngine):
                               **{k: r.stats.get(k, 0) if r.alive else 0  # a dead replica runs nothing
                                  for k in ("num_running", "num_waiting", "kv_usage", "num_steps")}}
                              for r in self.replicas]
+        return total
+
+    def _with_unseen(self, total: dict) -> dict:
+        """`total` (_aggregate's) with the requests no replica's figures count yet as waiting: those a replica was
+        given and has not answered for (Replica.unseen), and the front's not yet routed (`_adds`) on the replica
+        _route will give each (the live one with the fewest in flight), in flight there too."""
+        load = {r.index: len(r.inflight) for r in self.replicas if r.alive}
+        front = dict.fromkeys(load, 0)
+        for _ in range(len(self._adds) if load else 0):
+            i = min(load, key=load.get)
+            load[i] += 1
+            front[i] += 1
+        for r, engine, replica in zip(self.replicas, total["engines"], total["replicas"]):
+            if r.alive:
+                more = r.unseen + front[r.index]
+                engine["num_waiting"] = engine.get("num_waiting", 0) + more
+                replica["num_waiting"] += more
+                total["num_waiting"] += more
+                engine["num_in_flight"] += front[r.index]
+                replica["num_in_flight"] += front[r.index]
         return total
 
     def shutdown(self, timeout: float = 30.0) -> None:
