@@ -158,3 +158,33 @@ def test_data_parallel_counts_requests_no_replica_has_counted_yet_as_waiting():
     assert _by_engine(held, "infer:num_requests_in_flight") == {"0": 1.0, "1": 1.0}, held
     assert server.stats()["num_waiting"] == 0 and aengine.stats["num_waiting"] == 0
     assert all(e["num_waiting"] == e["num_in_flight"] == 0 for e in aengine.stats["engines"])
+
+
+def test_cpu_attention_after_a_context_bounds_its_mask(monkeypatch):
+    """A chunked prefill's later chunk (n queries after a context, L keys) built one n x L boolean mask, which torch's
+    CPU SDPA copied to floats: 19 MB for 1,928 queries over 2,008 keys, outside the memory plan (a tiny-llama run
+    under --memory-limit grew well past it with long prompts). The queries now go in row chunks whose mask stays
+    within 2^17 entries; the output is the same causal attention."""
+    import torch
+
+    from infer.kernels import reference
+    sizes = []
+    real = reference.F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, attn_mask=None, **kw):
+        if attn_mask is not None:
+            sizes.append(attn_mask.numel())
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+    monkeypatch.setattr(reference.F, "scaled_dot_product_attention", sdpa)
+    g = torch.Generator().manual_seed(0)
+    offset, n, hq, hk, d = 1500, 700, 4, 2, 8
+    q = torch.randn(n, hq, d, generator=g)
+    k, v = torch.randn(offset + n, hk, d, generator=g), torch.randn(offset + n, hk, d, generator=g)
+    out = reference._attend(q, k, v, 0.5, offset)
+    assert sizes and max(sizes) <= 1 << 17, sizes
+    qd, kd, vd = q.double(), k.double().repeat_interleave(hq // hk, 1), v.double().repeat_interleave(hq // hk, 1)
+    scores = torch.einsum("qhd,khd->hqk", qd, kd) * 0.5
+    pos = torch.arange(offset, offset + n)[:, None]
+    scores = scores.masked_fill(torch.arange(offset + n)[None] > pos, float("-inf"))
+    want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vd)
+    assert torch.allclose(out.double(), want, atol=1e-5)

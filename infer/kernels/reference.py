@@ -214,6 +214,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+MASK_ELEMENTS = 1 << 17  # the most (query x key) mask entries one masked SDPA call builds (a bool mask, and the
+# float copy torch's CPU SDPA makes of it): a chunked prefill's queries after a context go in row chunks this bounds
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int) -> torch.Tensor:
     """Causal attention of n queries at positions offset..offset+n-1 over L = offset + n keys.
     (4-D inputs: with 3-D ones torch's CPU SDPA falls back to a path that materialises the n x L scores.)"""
@@ -222,11 +226,20 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, off
     gqa = qh.shape[1] != kh.shape[1]
     if offset == 0 or n == 1:  # one query at the last position sees every key: no mask
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=offset == 0, scale=scale, enable_gqa=gqa)
-    else:
-        pos_q = torch.arange(offset, offset + n, device=q.device).unsqueeze(1)
-        mask = torch.arange(k.shape[0], device=q.device).unsqueeze(0) <= pos_q
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return o[0].transpose(0, 1)
+        return o[0].transpose(0, 1)
+    # after a context (a chunked prefill's later chunk): masked, in row chunks, each over the keys up to its last
+    # query, so that the mask (rows x keys, and its float copy) never outgrows MASK_ELEMENTS (the n x L mask of a
+    # 2,000-token chunk after 2,000 tokens took 19 MB, where the memory plan counts per-token activations)
+    rows = max(1, MASK_ELEMENTS // k.shape[0])
+    out = []
+    for start in range(0, n, rows):
+        end = min(n, start + rows)
+        keys = offset + end
+        pos_q = torch.arange(offset + start, offset + end, device=q.device).unsqueeze(1)
+        mask = torch.arange(keys, device=q.device).unsqueeze(0) <= pos_q
+        out.append(F.scaled_dot_product_attention(qh[:, :, start:end], kh[:, :, :keys], vh[:, :, :keys],
+                                                  attn_mask=mask, scale=scale, enable_gqa=gqa)[0])
+    return (out[0] if len(out) == 1 else torch.cat(out, 1)).transpose(0, 1)
 
 
 # Decode attention on CPU, two ways: one unmasked SDPA per sequence, or one SDPA over the batch, its sequences
