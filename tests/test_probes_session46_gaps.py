@@ -45,6 +45,18 @@ def test_run_banner_names_speculative_decoding(tmp_path):
     assert "n-gram speculative decoding (3 draft tokens)" in line and " of " not in line, line
 
 
+def test_data_parallel_banners_name_the_kv_cache_dtype_and_speculative_decoding():
+    """`infer serve --data-parallel`'s banner said only "KV N blocks each"; run's and serve's replica banners now say
+    what one engine's says, for each replica."""
+    from infer.cli.banner import replica_traits
+    from infer.engine.config import EngineConfig
+    infos = [{"dtype": "float32", "num_blocks": 40, "kv_cache_dtype": "float8_e5m2", "max_model_len": 256}] * 2
+    cfg = EngineConfig("tiny-llama", block_size=4, kv_cache_dtype="fp8_e5m2", speculative_config=SPEC)
+    assert replica_traits(infos, cfg) == ("float32, KV cache 40 blocks x 4 tokens of float8_e5m2 each, max length 256, "
+                                          "n-gram speculative decoding (3 draft tokens)")
+    plain = EngineConfig("tiny-llama", block_size=4)
+    assert replica_traits(infos, plain) == "float32, KV cache 40 blocks x 4 tokens each, max length 256"
+
 def _families(base: str) -> dict:
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
