@@ -21,9 +21,10 @@ def test_serve_banner_names_the_kv_cache_dtype_and_speculative_decoding(monkeypa
     "KV N blocks", with neither the cache's type nor speculative decoding."""
     from typer.testing import CliRunner
 
+    import infer.serve.app  # noqa: F401  (imported first: its own uvicorn_server stays the real one)
     from infer.cli.main import app
     from infer.serve import lifecycle
-    monkeypatch.setattr(lifecycle, "uvicorn_server", lambda *a, **k: _NoUvicorn())
+    monkeypatch.setattr(lifecycle, "uvicorn_server", lambda *a, **k: _NoUvicorn())  # what cli/serve.py calls
     res = CliRunner().invoke(app, ["serve", "tiny-llama", "--port", "0", "--device", "cpu", "--kv-cache-dtype",
                                    "fp8_e5m2", "--speculative-config", json.dumps(SPEC)])
     assert res.exit_code == 0, res.output
