@@ -30,7 +30,7 @@ from .batch_io import record_of
 FINGERPRINT_SUFFIX = ".resume.json"
 # options a fingerprint holds only when they are not their default (outputs written before they existed resume as
 # they did): a missing one is its default
-OPTION_DEFAULTS = {"output_format": "infer"}
+OPTION_DEFAULTS = {"output_format": "infer", "kv_cache_dtype": "auto"}  # what a key left out of OUT.resume.json means
 LOCK_SUFFIX = ".lock"
 
 
