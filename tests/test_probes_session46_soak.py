@@ -23,3 +23,86 @@ def test_resume_without_the_fp8_kv_cache_names_auto_not_none(tmp_path):
     check_resume(out, inp, {"model": "tiny-llama", "kv_cache_dtype": "fp8_e4m3"})  # the same options: taken
     write_fingerprint(out, inp, {"model": "tiny-llama"})  # an auto run resumed with auto (the key left out both times)
     check_resume(out, inp, {"model": "tiny-llama"})
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    from pathlib import Path
+
+    from infer.models.tiny import ensure_builtin
+    from lora_helpers import THREE, hf_float, save_adapter
+    hf = hf_float(Path(ensure_builtin("tiny-llama")))
+    root = tmp_path_factory.mktemp("soak46-lora")
+    return {name: save_adapter(hf, root / name, seed=46 + i, **THREE[name]) for i, name in enumerate("ab")}
+
+
+def _served_beams(adapters, change=None):
+    """A served beam search (use_beam_search, n=2) with adapter b, the engine loop pumped here step by step; after
+    its first step `change(engine)` runs on the engine (as the engine thread runs an unload or a reload between two
+    iterations). Returns (each choice's finish_reason and token ids, the engine)."""
+    import asyncio
+    from collections import deque
+
+    from infer.engine.beam import BeamSearchParams
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.engine.sampling_params import SamplingParams
+    from infer.serve.async_engine import AsyncEngine
+    from infer.serve.beams import ServedBeamSearch
+    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, enable_lora=True, max_loras=1, max_lora_rank=8,
+                                    loras={"b": str(adapters["b"])}))
+    aengine = AsyncEngine(engine)  # (its thread is not started: `pump` is its loop)
+
+    def pump():
+        with aengine._cond:
+            adds, aengine._adds = list(aengine._adds), deque()
+            aborts, aengine._aborts = list(aengine._aborts), deque()
+            controls, aengine._controls = list(aengine._controls), deque()
+        aengine._iteration(adds, aborts, controls)
+
+    async def scenario():
+        width = 2
+        step = SamplingParams(max_new_tokens=5, logprobs=2 * width)
+        search = ServedBeamSearch(aengine, engine.tokenizer, set(engine.eos_token_ids), engine.max_model_len,
+                                  [[5, 17, 99, 230]] * width, width, BeamSearchParams(beam_width=width, max_tokens=5,
+                                                                                      ignore_eos=True),
+                                  step, "b", "cmpl-x")
+        search.start()
+        outs, steps = [], 0
+        while len(outs) < width and steps < 50:
+            pump()
+            steps += 1
+            for _ in range(20):  # the search's task takes the step's outputs and sends the next step
+                await asyncio.sleep(0)
+            if steps == 1 and change is not None:
+                change(engine)
+            while not search.queue.empty():
+                outs.append(search.queue.get_nowait())
+        pump()  # (the hold's release)
+        return [(o.finish_reason, o.error, o.token_ids) for o in outs]
+
+    return asyncio.run(scenario()), engine
+
+
+@pytest.mark.parametrize("change", ["unload", "reload"])
+def test_served_beam_search_keeps_its_adapter_through_an_unload_or_reload(adapters, change):
+    """A served beam search (use_beam_search; AsyncLLM.beam_search too) adds a new engine request per beam and step,
+    so between two steps no request held its adapter: an unload then freed it at once and the next step was refused,
+    a 500 "beam search failed: RequestError: unknown LoRA adapter" for a request accepted before the unload (which
+    the README says finishes with it), and an in-place reload (load_inplace) gave the later steps the new weights.
+    The search now holds the adapter (LLMEngine.hold_lora) from its first step to its end."""
+    want, _ = _served_beams(adapters)
+    assert [r for r, _, _ in want] == ["length", "length"]
+
+    def unload(engine):
+        assert engine.remove_lora("b") == 1  # the unload's 200 says one request still finishes with it
+
+    def reload(engine):
+        engine.add_lora("b", str(adapters["a"]), replace=True)
+
+    got, engine = _served_beams(adapters, unload if change == "unload" else reload)
+    assert got == want  # the same beams: the adapter the search began with, on every step
+    manager = engine.lora_manager
+    assert manager.retired() == [] and engine._lora_holds == []  # freed after the search
+    assert manager.names() == ([] if change == "unload" else ["b"])
+    assert engine.stats()["kv_blocks_used"] == 0

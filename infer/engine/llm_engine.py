@@ -11,7 +11,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -152,6 +152,16 @@ def _check_request_id(request_id) -> None:
                                  f"pass str({request_id!r}): outputs carry the id as it was given")
 
 
+@dataclass(eq=False)
+class LoRAHold:
+    """A caller's hold on an adapter between its requests (a served beam search adds one request per beam and step):
+    while held, removing the adapter or replacing it in place leaves its weights to the holder, as to a running
+    request. Pass it as add_request's `lora`; `lora` here is the manager's key of the weights (the name, until a
+    replacement moves them to a private key). LLMEngine.hold_lora / release_lora."""
+    name: str
+    lora: str
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, parts=None):
         """`parts` (an engine.setup.EngineParts) serves an in-memory model; by default config.model is loaded."""
@@ -211,6 +221,7 @@ class LLMEngine:
         self._unsettled = None  # the same, launched before _inflight: a step's wait for its tokens was interrupted
         self.num_steps = 0
         self.last_step_tokens = 0  # tokens the latest step computed (prompt chunks, decodes, accepted drafts), 0: none
+        self._lora_holds: list[LoRAHold] = []  # hold_lora's, not released yet
         if self.device.type == "cuda":  # every kernel compiled now, never on a user's first request
             t0 = time.perf_counter()
             self.warm_kernels()
@@ -282,10 +293,14 @@ class LLMEngine:
         params = params.checked()  # the request's own copy, checked again: the caller may have changed its object
         prompt_token_ids = truncated(prompt_token_ids, params, self.max_model_len)
         self.validate(prompt_token_ids, params, lora)
+        name = lora
+        if isinstance(lora, LoRAHold):  # a held adapter: the weights of the hold, reported under its name
+            name, lora = lora.name, lora.lora
         cap = min(self.max_model_len, params.max_length or self.max_model_len)
         key = self.lora_manager.cache_key(lora) if self.lora_manager is not None else None
         seq = Sequence(request_id, list(prompt_token_ids), params, lora, max_total_len=cap, lora_key=key,
                        **({} if arrival_time is None else {"arrival_time": arrival_time}))
+        seq.lora_name = name
         if params.min_tokens:
             seq.min_tokens_ban = self._min_tokens_ban(params)
         if params.structured_outputs is not None:  # compiled already by validate (xgrammar caches it)
@@ -405,6 +420,10 @@ class LLMEngine:
             raise RequestError(
                 f"a request of {cap} tokens needs {need} KV blocks but the cache holds "
                 f"{self.block_manager.num_blocks}", "lower max_length, or give the engine more memory")
+        if isinstance(lora, LoRAHold):  # held (hold_lora): its weights run whether or not the name is still served
+            if any(h is lora for h in self._lora_holds):
+                return
+            lora = lora.name  # released: the name, as any request's
         if lora is not None and not isinstance(lora, str):
             raise RequestError(f"lora must be an adapter name (a string) or None, got {lora!r}")
         if lora is not None and (self.lora_manager is None or not self.lora_manager.has(lora)):
@@ -493,6 +512,26 @@ class LLMEngine:
             for seq in self.requests.values():
                 if seq.lora == name and not seq.finished:
                     seq.lora = old  # the manager's key of the weights it started with; outputs keep the name
+            for hold in self._lora_holds:
+                if hold.lora == name:
+                    hold.lora = old
+            self._reap_loras()
+
+    def hold_lora(self, name: str | None) -> LoRAHold | None:
+        """Keep adapter `name` (None: no adapter, no hold) for a caller that adds its requests one after another (a
+        served beam search's steps): requests added with `lora=hold` run with these weights even after the adapter
+        is removed or replaced in place meanwhile, and they are freed only after release_lora(hold)."""
+        if name is None:
+            return None
+        self.validate([0], SamplingParams(max_tokens=1), name)  # RequestError for a name not served
+        hold = LoRAHold(name, name)
+        self._lora_holds.append(hold)
+        return hold
+
+    def release_lora(self, hold: LoRAHold | None) -> None:
+        """End hold_lora's hold: an adapter removed meanwhile is freed once no request uses it either."""
+        if hold is not None and any(h is hold for h in self._lora_holds):
+            self._lora_holds = [h for h in self._lora_holds if h is not hold]
             self._reap_loras()
 
     def _lora_of(self, request) -> str:
@@ -510,7 +549,8 @@ class LLMEngine:
         if not manager.has(name):
             raise LoRAError(f"unknown LoRA adapter {name!r}",
                             f"loaded adapters: {', '.join(sorted(manager.names())) or 'none'}")
-        in_use = manager.pins(name) or any(seq.lora == name and not seq.finished for seq in self.requests.values())
+        in_use = manager.pins(name) or any(seq.lora == name and not seq.finished for seq in self.requests.values()) \
+            or any(hold.lora == name for hold in self._lora_holds)
         manager.retire(name, in_use=bool(in_use))  # unused: freed now, its folder not read again for it
         return self._reap_loras().get(name, 0)
 
@@ -523,6 +563,8 @@ class LLMEngine:
         for seq in self.requests.values():
             if seq.lora is not None and not seq.finished:
                 users[seq.lora] = users.get(seq.lora, 0) + 1
+        for hold in self._lora_holds:  # a holder between two of its requests uses it too
+            users[hold.lora] = users.get(hold.lora, 0) + 1
         for name in manager.retired():
             if not users.get(name) and not manager.pins(name):
                 manager.unregister(name)

@@ -166,6 +166,25 @@ class AsyncEngine:
         self.engine.lora_slots()
         return await self._call(lambda engine: engine.remove_lora(name))
 
+    def hold_lora(self, name: str | None):
+        """What a caller that adds requests one after another with adapter `name` passes as their `lora` (a served
+        beam search's steps): the engine's hold (LLMEngine.hold_lora), so that an unload or in-place reload meanwhile
+        leaves it the weights it began with, as a running request keeps them; the name itself where the engine has no
+        holds (data parallel). RequestError for a name not served. release_lora(hold) when done."""
+        hold = getattr(self.engine, "hold_lora", None)
+        if name is None or hold is None:
+            return name
+        with self._admission:  # ordered with the removals and replacements the engine thread runs
+            return hold(name)
+
+    def release_lora(self, hold) -> None:
+        """End hold_lora's hold, on the engine thread (an adapter removed meanwhile is freed there)."""
+        if hold is None or isinstance(hold, str):
+            return
+        with self._cond:
+            self._controls.append((lambda engine: engine.release_lora(hold), None, None))
+            self._cond.notify()
+
     async def _call(self, fn):
         """fn(engine) on the engine thread, between two steps and after every request queued before this call."""
         loop = asyncio.get_running_loop()
@@ -183,13 +202,17 @@ class AsyncEngine:
                 result, error = fn(target), None
             except Exception as e:  # the caller's error (a bad adapter): it goes back to the caller
                 result, error = None, e
-            _settle(loop, future, result, error)
+            if future is not None:  # (none: nobody waits for it, release_lora)
+                _settle(loop, future, result, error)
+            elif error is not None:
+                log.error("engine control failed: %s", error)
 
     def _fail_controls(self) -> None:
         with self._cond:
             controls, self._controls = list(self._controls), deque()
         for _, loop, future in controls:
-            _settle(loop, future, None, ShuttingDownError("the server is shutting down", "retry later"))
+            if future is not None:
+                _settle(loop, future, None, ShuttingDownError("the server is shutting down", "retry later"))
 
     num_engines = 1  # the engines /metrics shows (label engine): the data-parallel driver's replicas
 

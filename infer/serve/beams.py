@@ -49,6 +49,7 @@ class ServedBeamSearch:
         self._in_flight: set[str] = set()
         self._count = 0
         self._task: asyncio.Task | None = None
+        self._lora = lora  # what the steps name: the engine's hold on the adapter once started (AsyncEngine.hold_lora)
 
     # ------------------------------------------------------------------ the search
     def _beams(self) -> list[tuple[int, int, object]]:
@@ -62,7 +63,7 @@ class ServedBeamSearch:
             for s, _, beam in beams:
                 rid = f"{self.base_id}-beam{self._count}"
                 self._count += 1
-                self.aengine.add(rid, beam.tokens, self.searches[s].step, self.lora, self._steps)
+                self.aengine.add(rid, beam.tokens, self.searches[s].step, self._lora, self._steps)
                 self._in_flight.add(rid)
                 rids.append(rid)
         except Exception:
@@ -74,8 +75,19 @@ class ServedBeamSearch:
 
     def start(self) -> None:
         beams = self._beams()
-        rids = self._send(beams)
+        # every step is a new engine request: the hold keeps the adapter's weights for the later ones, as a request
+        # accepted before an unload or an in-place reload finishes with the adapter it began with
+        self._lora = self.aengine.hold_lora(self.lora)
+        try:
+            rids = self._send(beams)
+        except Exception:
+            self._release()
+            raise
         self._task = asyncio.get_running_loop().create_task(self._run(beams, rids))
+
+    def _release(self) -> None:
+        lora, self._lora = self._lora, self.lora
+        self.aengine.release_lora(lora)
 
     async def _run(self, beams, rids) -> None:
         try:
@@ -104,6 +116,7 @@ class ServedBeamSearch:
             for rid in self._in_flight:  # cancelled (client gone) or failed: free the steps' KV blocks now
                 self.aengine.abort(rid)
             self._in_flight.clear()
+            self._release()
 
     async def _send_later(self, beams) -> list[str]:
         while True:
@@ -147,6 +160,7 @@ class ServedBeamSearch:
             self._task.cancel()
         for rid in list(self._in_flight):
             self.aengine.abort(rid)
+        self._release()  # (also when the task was cancelled before it ran)
 
 
 def beam_output(cid: str, beam, tokenizer, include_stop_str_in_output: bool, logprobs: int | None,
