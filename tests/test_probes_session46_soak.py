@@ -106,3 +106,35 @@ def test_served_beam_search_keeps_its_adapter_through_an_unload_or_reload(adapte
     assert manager.retired() == [] and engine._lora_holds == []  # freed after the search
     assert manager.names() == ([] if change == "unload" else ["b"])
     assert engine.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("change", ["remove", "replace"])
+def test_llm_beam_search_keeps_its_adapter_through_remove_or_replace(adapters, change):
+    """LLM.beam_search runs each step as a generate call of its own: an LLM.remove_lora from another thread between
+    two steps raised "prompt 0: unknown LoRA adapter 'b'" out of a search begun before it (README: requests already
+    holding an adapter finish with it), and add_lora(replace=True) gave the later steps the new weights."""
+    from infer import LLM, BeamSearchParams
+    llm = LLM("tiny-llama", max_model_len=64, enable_lora=True, max_loras=1, max_lora_rank=8,
+              loras={"b": str(adapters["b"])})
+    params = BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True)
+    want = [s.output_token_ids for s in llm.beam_search([[5, 17, 99, 230]], params, lora="b")[0].sequences]
+    real, calls = llm.generate, []
+
+    def generate(*args, **kwargs):  # the change comes between the first step and the second (as from a thread)
+        out = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 1:
+            if change == "remove":
+                assert llm.remove_lora("b") == 1  # the search still uses it
+            else:
+                llm.add_lora("b", str(adapters["a"]), replace=True)
+        return out
+
+    llm.generate = generate
+    got = [s.output_token_ids for s in llm.beam_search([[5, 17, 99, 230]], params, lora="b")[0].sequences]
+    assert len(calls) > 1 and got == want
+    engine = llm.engine
+    assert engine.lora_manager.retired() == [] and engine._lora_holds == []  # freed after the search
+    assert engine.lora_manager.names() == ([] if change == "remove" else ["b"])
+    assert engine.stats()["kv_blocks_used"] == 0
+    llm.close()

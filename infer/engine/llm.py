@@ -16,7 +16,7 @@ from typing import Iterator, Sequence as Seq
 from ..errors import ClosedError, RequestError, UnknownOptionError
 from .config import EngineConfig, load_chat_template
 from .inputs import chat_template_options, encode_prompt
-from .llm_engine import LLMEngine, interrupts_held, salted_params
+from .llm_engine import LLMEngine, LoRAHold, interrupts_held, salted_params
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 
@@ -307,7 +307,7 @@ class LLM:
             raise RequestError("params must be a SamplingParams or a list of them", "e.g. SamplingParams("
                                                                                      "max_new_tokens=32)")
         for i, lo in enumerate(loras):
-            if lo is not None and not isinstance(lo, str) and not requested:
+            if lo is not None and not isinstance(lo, (str, LoRAHold)) and not requested:  # (a hold: beam_search)
                 which = _of(i, n) if isinstance(lora, list) else ""
                 raise RequestError(f"lora{which} must be an adapter name (a string) or None, got {lo!r}",
                                    "give one name for all prompts, or a list with one name (or None) per prompt")
@@ -485,10 +485,19 @@ class LLM:
         engine = self._engine()
         chunk = int(concurrency_limit or len(encoded) or 1)
         outputs = []
-        for at in range(0, len(encoded), chunk):
-            outputs += beam_search(lambda ids, step, los: self.generate(ids, step, los), self.tokenizer,
-                                   set(engine.eos_token_ids), encoded[at:at + chunk], params, loras[at:at + chunk],
-                                   engine.max_model_len, salts[at:at + chunk])
+        with self._lock:  # its steps are requests added one after another: each adapter is held from the first to the
+            manager = engine.lora_manager  # last, so a remove_lora or an in-place add_lora meanwhile leaves it to them
+            holds = {lo: engine.hold_lora(lo) for lo in set(loras) if lo is not None and manager and manager.has(lo)}
+        held = [holds.get(lo, lo) for lo in loras]
+        try:
+            for at in range(0, len(encoded), chunk):
+                outputs += beam_search(lambda ids, step, los: self.generate(ids, step, los), self.tokenizer,
+                                       set(engine.eos_token_ids), encoded[at:at + chunk], params, held[at:at + chunk],
+                                       engine.max_model_len, salts[at:at + chunk])
+        finally:
+            with self._lock:
+                for hold in holds.values():
+                    engine.release_lora(hold)
         return outputs
 
     @_vllm_keywords
