@@ -50,7 +50,7 @@ def _served_beams(adapters, change=None):
     from infer.serve.async_engine import AsyncEngine
     from infer.serve.beams import ServedBeamSearch
     engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, enable_lora=True, max_loras=1, max_lora_rank=8,
-                                    loras={"b": str(adapters["b"])}))
+                                    loras={"b": str(adapters["b"])}, block_size=4))
     aengine = AsyncEngine(engine)  # (its thread is not started: `pump` is its loop)
 
     def pump():
@@ -64,7 +64,7 @@ def _served_beams(adapters, change=None):
         width = 2
         step = SamplingParams(max_new_tokens=5, logprobs=2 * width)
         search = ServedBeamSearch(aengine, engine.tokenizer, set(engine.eos_token_ids), engine.max_model_len,
-                                  [[5, 17, 99, 230]] * width, width, BeamSearchParams(beam_width=width, max_tokens=5,
+                                  [[5, 17, 99, 230, 6, 7]] * width, width, BeamSearchParams(beam_width=width, max_tokens=5,
                                                                                       ignore_eos=True),
                                   step, "b", "cmpl-x")
         search.start()
@@ -91,7 +91,7 @@ def test_served_beam_search_keeps_its_adapter_through_an_unload_or_reload(adapte
     a 500 "beam search failed: RequestError: unknown LoRA adapter" for a request accepted before the unload (which
     the README says finishes with it), and an in-place reload (load_inplace) gave the later steps the new weights.
     The search now holds the adapter (LLMEngine.hold_lora) from its first step to its end."""
-    want, _ = _served_beams(adapters)
+    want, plain = _served_beams(adapters)
     assert [r for r, _, _ in want] == ["length", "length"]
 
     def unload(engine):
@@ -102,6 +102,8 @@ def test_served_beam_search_keeps_its_adapter_through_an_unload_or_reload(adapte
 
     got, engine = _served_beams(adapters, unload if change == "unload" else reload)
     assert got == want  # the same beams: the adapter the search began with, on every step
+    # and its K/V: each step finds the beams' prefixes in the cache, under the key of the weights it holds
+    assert engine.stats()["prefix_cache_hits"] == plain.stats()["prefix_cache_hits"] > 0
     manager = engine.lora_manager
     assert manager.retired() == [] and engine._lora_holds == []  # freed after the search
     assert manager.names() == ([] if change == "unload" else ["b"])

@@ -160,6 +160,7 @@ class LoRAHold:
     replacement moves them to a private key). LLMEngine.hold_lora / release_lora."""
     name: str
     lora: str
+    key: object = None  # the weights' prefix-cache key (LoRAManager.cache_key), which a replacement does not change
 
 
 class LLMEngine:
@@ -292,12 +293,14 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already running", "give every request its own id")
         params = params.checked()  # the request's own copy, checked again: the caller may have changed its object
         prompt_token_ids = truncated(prompt_token_ids, params, self.max_model_len)
+        if isinstance(lora, LoRAHold) and not any(h is lora for h in self._lora_holds):
+            lora = lora.name  # a hold released: its name, as any request's
         self.validate(prompt_token_ids, params, lora)
-        name = lora
-        if isinstance(lora, LoRAHold):  # a held adapter: the weights of the hold, reported under its name
-            name, lora = lora.name, lora.lora
+        if isinstance(lora, LoRAHold):  # a held adapter: the weights of the hold (and their K/V), under its name
+            name, lora, key = lora.name, lora.lora, lora.key
+        else:
+            name, key = lora, self.lora_manager.cache_key(lora) if self.lora_manager is not None else None
         cap = min(self.max_model_len, params.max_length or self.max_model_len)
-        key = self.lora_manager.cache_key(lora) if self.lora_manager is not None else None
         seq = Sequence(request_id, list(prompt_token_ids), params, lora, max_total_len=cap, lora_key=key,
                        **({} if arrival_time is None else {"arrival_time": arrival_time}))
         seq.lora_name = name
@@ -524,7 +527,7 @@ class LLMEngine:
         if name is None:
             return None
         self.validate([0], SamplingParams(max_tokens=1), name)  # RequestError for a name not served
-        hold = LoRAHold(name, name)
+        hold = LoRAHold(name, name, self.lora_manager.cache_key(name))
         self._lora_holds.append(hold)
         return hold
 
