@@ -34,6 +34,7 @@ class Replica:
         self.error: dict | None = None
         self.engine = None
         self._failed: set[str] = set()  # requests reported as failed whose abort output is still to come
+        self._holds: dict = {}  # the driver's adapter holds (serve_engine.ReplicaHold's token) -> this engine's
         if threads:
             import torch
             torch.set_num_threads(threads)
@@ -116,6 +117,8 @@ class Replica:
         raised on every replica stopped the whole run)."""
         rejected = []
         for rid, prompt_token_ids, params, lora in new:
+            if getattr(lora, "token", None) is not None:  # the driver's hold: this engine's, or the name once released
+                lora = self._holds.get(lora.token, lora.name)
             try:
                 self.engine.add_request(rid, prompt_token_ids, params, lora)
             except RequestError as e:
@@ -144,11 +147,25 @@ class Replica:
             return True
         return False
 
-    def serve_step(self, new: list[Wire], aborts: list[str]) -> tuple[list, list, dict]:
-        """For the server: add, abort (a request may be aborted in the call that adds it), run one engine step.
+    def _hold(self, ops) -> None:
+        """The driver's adapter holds, in order: ("hold", token, name) holds the adapter (LLMEngine.hold_lora),
+        ("release", token) ends that hold."""
+        for op in ops:
+            if op[0] == "hold":
+                try:
+                    self._holds[op[1]] = self.engine.hold_lora(op[2])
+                except InferError:  # not served here: the requests naming it are refused as any other's
+                    pass
+            else:
+                self.engine.release_lora(self._holds.pop(op[1], None))
+
+    def serve_step(self, new: list[Wire], aborts: list[str], holds=()) -> tuple[list, list, dict]:
+        """For the server: adapter holds (`holds`, _hold), add, abort (a request may be aborted in the call that
+        adds it), run one engine step.
         Returns (every output of the step, as streaming needs them; (request id, reason) of rejected requests;
         the engine's stats, with `step_tokens`: the tokens the step computed, for the server's
         infer:iteration_tokens_total)."""
+        self._hold(holds)
         rejected = self._add(new)
         for rid in aborts:
             self.engine.abort_request(rid)

@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..engine.block_manager import BlockManager
-from ..engine.llm_engine import LLMEngine
+from ..engine.llm_engine import LLMEngine, LoRAHold
+from ..engine.sampling_params import SamplingParams
 from ..engine.structured import GrammarBackend
 from ..errors import LoRAError, LoRANameError
 from ..serve.async_engine import NO_ENGINE, AsyncEngine, NoEngineError
@@ -66,6 +68,14 @@ class _Adapters:
         self._paths.pop(name, None)
 
 
+@dataclass(eq=False)
+class ReplicaHold(LoRAHold):
+    """RayAsyncEngine.hold_lora's hold (a served beam search's adapter): the `lora` its requests travel with; each
+    live replica holds the adapter under `token` (Replica.serve_step's `holds`) and runs them with that hold, or
+    with the name once it is released there."""
+    token: str = ""
+
+
 class _Blocks:
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -90,6 +100,7 @@ class ReplicaView:
         # structured outputs compiled in the driver too (checked before a request travels; the stop ids matter only
         # to a replica's matchers)
         self.grammars = GrammarBackend(tokenizer, info["vocab_size"], [])
+        self._lora_holds: list[LoRAHold] = []  # RayAsyncEngine.hold_lora's (validate takes a request holding one)
 
     # LLMEngine's checks and what they call (a method validate reaches that is missing here was a 500)
     validate = LLMEngine.validate
@@ -117,6 +128,7 @@ class _Replica:
     inflight: dict = field(default_factory=dict)  # request id -> _Pending, sent or assigned, not finished
     started: set = field(default_factory=set)  # ids that have had an output delivered
     aborts: list = field(default_factory=list)
+    holds: list = field(default_factory=list)  # adapter holds and releases not sent yet (Replica.serve_step's)
     stats: dict = field(default_factory=dict)
     unseen: int = 0  # requests assigned to it that its latest stats do not count yet (not sent, or sent and unanswered)
 
@@ -151,6 +163,39 @@ class RayAsyncEngine(AsyncEngine):
     def engine_of(self, request_id: str) -> int:
         r = self._owner.get(request_id)  # (a dict read from the event loop: atomic)
         return r.index if r is not None else 0
+
+    def hold_lora(self, name: str | None):
+        """AsyncEngine.hold_lora over the replicas: every live replica holds the adapter (sent before any later
+        unload or in-place reload, which the driver thread sends after it), so a search's steps keep its weights on
+        whichever replica they run, also when a replica dies and they run again on another (a dead replica's holds
+        go with it). RequestError for a name not served."""
+        if name is None:
+            return None
+        with self._admission:  # ordered with the requests' checks
+            self.engine.validate([0], SamplingParams(max_tokens=1), name)
+            hold = ReplicaHold(name, name, token=uuid.uuid4().hex)
+            self.engine._lora_holds.append(hold)
+        self._control(lambda engine: engine._hold_on_replicas(("hold", hold.token, name)))
+        return hold
+
+    def release_lora(self, hold) -> None:
+        """End hold_lora's hold: on every live replica, with its next step call."""
+        if not isinstance(hold, ReplicaHold):
+            return
+        with self._admission:
+            self.engine._lora_holds = [h for h in self.engine._lora_holds if h is not hold]
+        self._control(lambda engine: engine._hold_on_replicas(("release", hold.token)))
+
+    def _control(self, fn) -> None:
+        with self._cond:
+            self._controls.append((fn, None, None))
+            self._cond.notify()
+
+    def _hold_on_replicas(self, op: tuple) -> None:
+        """Driver thread: `op` goes to every live replica with its next step call."""
+        for r in self.replicas:
+            if r.alive:
+                r.holds.append(op)
 
     # ------------------------------------------------------------------ the driver thread
     def add(self, request_id: str, prompt_token_ids: list[int], params, lora, queue) -> None:
@@ -209,7 +254,7 @@ class RayAsyncEngine(AsyncEngine):
                 r.calls += 1
 
     def _busy(self) -> bool:
-        return any(r.alive and (r.inflight or r.new or r.aborts) for r in self.replicas)
+        return any(r.alive and (r.inflight or r.new or r.aborts or r.holds) for r in self.replicas)
 
     def _route(self, adds: list, aborts: list) -> None:
         for rid in aborts:
@@ -231,13 +276,13 @@ class RayAsyncEngine(AsyncEngine):
         """A step call to every replica with work and fewer than DEPTH calls queued; `flush`: also to those with
         DEPTH queued that have requests not sent yet."""
         for r in self.replicas:
-            full = r.calls >= DEPTH and not (flush and r.new)
-            if not r.alive or full or not (r.new or r.aborts or r.inflight):
+            full = r.calls >= DEPTH and not (flush and (r.new or r.holds))
+            if not r.alive or full or not (r.new or r.aborts or r.inflight or r.holds):
                 continue
             wires = [(p.request_id, p.prompt_token_ids, p.params, p.lora) for p in r.new]
-            ref = r.handle.serve_step.remote(wires, r.aborts)
+            ref = r.handle.serve_step.remote(wires, r.aborts, *([r.holds] if r.holds else []))
             self._calls[ref], self._carried[ref] = r, len(wires)
-            r.new, r.aborts = [], []
+            r.new, r.aborts, r.holds = [], [], []
             r.calls += 1
 
     def _collect(self) -> None:
@@ -306,7 +351,7 @@ class RayAsyncEngine(AsyncEngine):
         again = [p for p in again if not (left and p.lost >= MAX_LOST)]
         for rid in list(r.inflight):
             self._owner.pop(rid, None)
-        r.inflight, r.new, r.started, r.unseen = {}, [], set(), 0
+        r.inflight, r.new, r.started, r.unseen, r.holds = {}, [], set(), 0, []
         with self._cond:
             self._adds.extendleft(reversed([p for p in again if p.request_id in self._sinks]))
         log.warning("engine replica %d stopped (%s); %d request(s) run again on the %d other replica(s)", r.index,

@@ -1,0 +1,174 @@
+"""Session 46 probes: served beam searches (use_beam_search, AsyncLLM.beam_search) under data parallelism: adapter
+holds on the replicas, and their /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from infer.engine.sampling_params import SamplingParams
+
+
+class _Ref:
+    def __init__(self, result=None, error=None):
+        self.result, self.error = result, error
+
+
+class _Method:
+    def __init__(self, ray, handle, name):
+        self.ray, self.handle, self.name = ray, handle, name
+
+    def remote(self, *args):
+        """Run now, in the order the calls are made, as a Ray actor runs one caller's calls."""
+        with self.ray.lock:
+            if self.name == "serve_step" and args[0] and self.handle.dies_at is not None:  # a call with requests
+                self.handle.dies_at -= 1
+                self.handle.alive = self.handle.alive and self.handle.dies_at > 0
+            if not self.handle.alive:
+                return _Ref(error=RuntimeError("the actor died"))
+            return _Ref(getattr(self.handle.replica, self.name)(*args))
+
+
+class _Handle:
+    def __init__(self, ray, replica):
+        self.replica, self.alive = replica, True
+        self.dies_at = None  # the how-manieth serve_step call with new requests finds the actor dead
+        for name in ("serve_step", "add_lora", "remove_lora"):
+            setattr(self, name, _Method(ray, self, name))
+
+
+class _Ray:
+    class exceptions:
+        RayError = RuntimeError
+        ActorDiedError = RuntimeError
+
+    def __init__(self):
+        self.lock = threading.Lock()
+
+    def wait(self, refs, num_returns=1, timeout=None):
+        return refs[:1], refs[1:]
+
+    def get(self, ref):
+        if isinstance(ref, list):
+            return [self.get(r) for r in ref]
+        if ref.error is not None:
+            raise ref.error
+        return ref.result
+
+    def kill(self, handle, no_restart=True):
+        handle.alive = False
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    from pathlib import Path
+
+    from infer.models.tiny import ensure_builtin
+    from lora_helpers import THREE, hf_float, save_adapter
+    hf = hf_float(Path(ensure_builtin("tiny-llama")))
+    root = tmp_path_factory.mktemp("dpbeam46-lora")
+    return {name: save_adapter(hf, root / name, seed=46 + i, **THREE[name]) for i, name in enumerate("ab")}
+
+
+def _dp(adapters=None):
+    """Two in-process tiny-llama replicas (adapter b loaded when `adapters`) behind the fake ray, their
+    RayAsyncEngine (started) and a Server over it."""
+    from infer.engine.config import EngineConfig
+    from infer.parallel.replica import Replica
+    from infer.parallel.serve_engine import RayAsyncEngine, ReplicaView
+    from infer.serve.app import Server
+    lora = {} if adapters is None else dict(enable_lora=True, max_loras=1, max_lora_rank=8,
+                                            loras={"b": str(adapters["b"])})
+    cfg = EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=4, block_size=4, **lora)
+    replicas = [Replica(cfg) for _ in range(2)]
+    engine = replicas[0].engine
+    ray = _Ray()
+    handles = [_Handle(ray, r) for r in replicas]
+    view = ReplicaView(engine.config, engine.model_path, engine.tokenizer, replicas[0].info())
+    aengine = RayAsyncEngine(ray, handles, [r.info() for r in replicas], view)
+    aengine.start()
+    return replicas, handles, aengine, Server(aengine, "tiny-llama")
+
+
+def _search(aengine, lora, width=2, max_tokens=5, base_id="cmpl-x"):
+    from infer.engine.beam import BeamSearchParams
+    from infer.serve.beams import ServedBeamSearch
+    tok = aengine.engine.tokenizer
+    return ServedBeamSearch(aengine, tok, set(aengine.engine.eos_token_ids), aengine.engine.max_model_len,
+                            [[5, 17, 99, 230, 6, 7]] * width, width,
+                            BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=True),
+                            SamplingParams(max_new_tokens=max_tokens, logprobs=2 * width), lora, base_id)
+
+
+async def _settle(replicas):
+    for _ in range(500):  # the driver sends the releases with its next step calls
+        if not any(r.engine._lora_holds or r.engine.requests for r in replicas):
+            return
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("change", ["none", "unload", "reload", "unload, then a replica dies"])
+def test_data_parallel_beam_search_keeps_its_adapter_through_an_unload_or_reload(adapters, change):
+    """With --data-parallel, a served beam search's adapter hold stayed in the driver (its engine had no holds): an
+    unload right after the search began failed its next step with a 500 "unknown LoRA adapter", and an in-place
+    reload gave its later steps the new weights. Every live replica now holds the adapter for the search (sent
+    before the unload or reload) and runs its steps with that hold; the holds are released after it."""
+    replicas, handles, aengine, _ = _dp(adapters)
+    if "dies" in change:  # replica 1 dies on its second call that brings it steps: they run again on replica 0
+        handles[1].dies_at = 2
+
+    async def main():
+        search = _search(aengine, "b")
+        search.start()  # its first step is on its way; the change comes before its next ones
+        if change.startswith("unload"):
+            await aengine.remove_lora("b")
+        elif change == "reload":
+            await aengine.add_lora("b", str(adapters["a"]), replace=True)
+        outs = [await asyncio.wait_for(search.queue.get(), 60) for _ in range(2)]
+        await _settle(replicas)
+        return [(o.finish_reason, o.error, o.token_ids) for o in outs]
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        aengine.shutdown(timeout=5)
+    want = _reference(adapters)
+    assert got == want
+    for r, handle in zip(replicas, handles):
+        if handle.dies_at is not None:
+            assert [x.alive for x in aengine.replicas] == [True, False]  # (its holds went with it)
+            continue
+        manager = r.engine.lora_manager
+        assert r.engine._lora_holds == [] and getattr(r, "_holds", {}) == {} and manager.retired() == []
+        assert manager.names() == ([] if change.startswith("unload") else ["b"])
+        assert r.engine.stats()["kv_blocks_used"] == 0
+    assert getattr(aengine.engine, "_lora_holds", []) == []
+
+
+_REFERENCE = {}
+
+
+def _reference(adapters):
+    """The search's choices with adapter b untouched (one engine, no data parallel)."""
+    if "ref" not in _REFERENCE:
+        from infer.engine.config import EngineConfig
+        from infer.engine.llm_engine import LLMEngine
+        from infer.serve.async_engine import AsyncEngine
+        engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=4, block_size=4,
+                                        enable_lora=True, max_loras=1, max_lora_rank=8,
+                                        loras={"b": str(adapters["b"])}))
+        aengine = AsyncEngine(engine)
+        aengine.start()
+
+        async def main():
+            search = _search(aengine, "b")
+            search.start()
+            return [await asyncio.wait_for(search.queue.get(), 60) for _ in range(2)]
+        try:
+            outs = asyncio.run(main())
+        finally:
+            aengine.shutdown(timeout=5)
+        _REFERENCE["ref"] = [(o.finish_reason, o.error, o.token_ids) for o in outs]
+    return _REFERENCE["ref"]
