@@ -72,7 +72,7 @@ def adapters(tmp_path_factory):
     return {name: save_adapter(hf, root / name, seed=46 + i, **THREE[name]) for i, name in enumerate("ab")}
 
 
-def _dp(adapters=None):
+def _dp(adapters=None, start=True):
     """Two in-process tiny-llama replicas (adapter b loaded when `adapters`) behind the fake ray, their
     RayAsyncEngine (started) and a Server over it."""
     from infer.engine.config import EngineConfig
@@ -88,7 +88,8 @@ def _dp(adapters=None):
     handles = [_Handle(ray, r) for r in replicas]
     view = ReplicaView(engine.config, engine.model_path, engine.tokenizer, replicas[0].info())
     aengine = RayAsyncEngine(ray, handles, [r.info() for r in replicas], view)
-    aengine.start()
+    if start:  # (else the app's lifespan starts it)
+        aengine.start()
     return replicas, handles, aengine, Server(aengine, "tiny-llama")
 
 
@@ -172,3 +173,54 @@ def _reference(adapters):
             aengine.shutdown(timeout=5)
         _REFERENCE["ref"] = [(o.finish_reason, o.error, o.token_ids) for o in outs]
     return _REFERENCE["ref"]
+
+
+def _families(text: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def _by_engine(samples: dict, name: str, **labels) -> dict:
+    out = {}
+    for (n, lab), value in samples.items():
+        d = dict(lab)
+        if n == name and all(d.get(k) == v for k, v in labels.items()):
+            out[d["engine"]] = value
+    return out
+
+
+def test_served_beam_search_metrics_count_every_step_as_vllms():
+    """A served beam search's /metrics counted its choices as the requests: generation_tokens_total only the tokens
+    of the beams returned, no time to first token, one success per choice, and every count on engine "0" under
+    data parallel. vLLM's beam search runs each beam step as an ordinary engine request, which its /metrics count:
+    each step's prompt and token, its time to first token, its finish, on the engine that ran it; so does infer."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from infer.serve.app import create_app
+    replicas, _, aengine, server = _dp(start=False)
+    steps = []  # (step request id, prompt length)
+    real_add = aengine.add
+
+    def add(rid, prompt, params, lora, queue):
+        steps.append((rid, len(prompt)))
+        return real_add(rid, prompt, params, lora, queue)
+    aengine.add = add
+    with TestClient(create_app(server)) as client:
+        r = client.post("/v1/completions", json={"prompt": [5, 17, 99], "n": 2, "use_beam_search": True,
+                                                 "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert [len(c["text"]) > 0 for c in r.json()["choices"]] == [True, True]
+        samples = _families(client.get("/metrics").text)
+    # one step of the prompt, then one of each of the two beams for each later token
+    assert len(steps) == 1 + 2 * 3, steps
+    done = _by_engine(samples, "infer:request_success_total", finished_reason="length")
+    assert sum(done.values()) == len(steps) and set(done) == {"0", "1"} and all(done.values()), done
+    assert _by_engine(samples, "infer:generation_tokens_total") == done  # one token each
+    assert _by_engine(samples, "infer:time_to_first_token_seconds_count") == done
+    assert _by_engine(samples, "infer:e2e_request_latency_seconds_count") == done
+    assert sum(_by_engine(samples, "infer:prompt_tokens_total").values()) == sum(n for _, n in steps)

@@ -151,7 +151,7 @@ class Server:
         try:
             if req.beam is not None:  # vLLM's use_beam_search: one search, its steps on the engine loop
                 search = ServedBeamSearch(self.aengine, self.tokenizer, self._eos(), self.engine.max_model_len,
-                                          req.prompts, req.n, req.beam, req.params, lora, base_id)
+                                          req.prompts, req.n, req.beam, req.params, lora, base_id, self.metrics)
                 search.start()
                 for rid in search.ids:
                     self._beams[rid] = search
@@ -207,11 +207,14 @@ class Server:
                     out = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S) if request else await queue.get()
                 except asyncio.TimeoutError:
                     continue
-                self.metrics.observe_output(out, arrival, counted)
+                beam = out.request_id in self._beams  # a beam search's choice: its steps are what /metrics counts
+                if not beam:
+                    self.metrics.observe_output(out, arrival, counted)
                 if out.finished:
                     left.discard(out.request_id)
                     self._beams.pop(out.request_id, None)
-                    self.metrics.observe_finished(out, arrival, time.monotonic())
+                    if not beam:
+                        self.metrics.observe_finished(out, arrival, time.monotonic())
                 yield index[out.request_id], out
         finally:
             if left:  # client gone, cancelled, or an error: free the engine's KV blocks now

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import replace
 
 from ..engine.beam import BeamSearch, BeamSearchParams
@@ -28,10 +29,16 @@ class ServedBeamSearch:
     task; `queue` gets each choice's finished output (request id: `ids[choice]`); `abort()` ends it."""
 
     def __init__(self, aengine, tokenizer, eos: set[int], max_model_len: int, prompts: list[list[int]],
-                 n: int, beam: BeamSearchParams, params, lora: str | None, base_id: str):
+                 n: int, beam: BeamSearchParams, params, lora: str | None, base_id: str, metrics=None):
         """`prompts`: one per choice (prompt i n times, as GenerationRequest.prompts); `beam`: its params, with
         max_tokens the request's SamplingParams' (`params`: also its priority, cache_salt and logprobs), whose None
-        (a chat without max_tokens) is the context left after each prompt, as vLLM's get_max_tokens."""
+        (a chat without max_tokens) is the context left after each prompt, as vLLM's get_max_tokens. `metrics` (the
+        server's ServerMetrics): each step is counted as the engine request it is, on the engine that ran it, as
+        vLLM's /metrics count its beam search's steps (its choices are no engine requests: the server leaves them
+        out)."""
+        self.metrics = metrics
+        self._arrival: dict[str, float] = {}  # step request id -> when it was sent
+        self._counted: dict = {}  # what the metrics counted of each step so far (ServerMetrics.observe_output)
         self.aengine, self.tokenizer, self.lora, self.n, self.beam = aengine, tokenizer, lora, n, beam
         self.logprobs = params.logprobs
         self.ids = [f"{base_id}-{i}" for i in range(len(prompts))]
@@ -65,10 +72,12 @@ class ServedBeamSearch:
                 self._count += 1
                 self.aengine.add(rid, beam.tokens, self.searches[s].step, self._lora, self._steps)
                 self._in_flight.add(rid)
+                self._arrival[rid] = time.monotonic()
                 rids.append(rid)
         except Exception:
-            for rid in rids:
+            for rid in rids:  # (never counted: refused with the request, or sent again)
                 self._in_flight.discard(rid)
+                self._arrival.pop(rid, None)
                 self.aengine.abort(rid)
             raise
         return rids
@@ -113,9 +122,7 @@ class ServedBeamSearch:
             log.exception("beam search %s failed", self.base_id)
             self._fail("error", f"beam search failed: {type(e).__name__}: {e}")
         finally:
-            for rid in self._in_flight:  # cancelled (client gone) or failed: free the steps' KV blocks now
-                self.aengine.abort(rid)
-            self._in_flight.clear()
+            self._abort_steps()  # cancelled (client gone) or failed: free the steps' KV blocks now
             self._release()
 
     async def _send_later(self, beams) -> list[str]:
@@ -129,10 +136,28 @@ class ServedBeamSearch:
         done: dict[str, RequestOutput] = {}
         while len(done) < len(rids):
             out = await self._steps.get()
+            self._observe(out)
             if out.finished:
                 self._in_flight.discard(out.request_id)
                 done[out.request_id] = out
         return [done[rid] for rid in rids]
+
+    def _observe(self, out: RequestOutput) -> None:
+        """Count a step's output in /metrics as any engine request's (its tokens, time to first token, finish)."""
+        if self.metrics is None:
+            return
+        arrival = self._arrival.get(out.request_id, 0.0)
+        self.metrics.observe_output(out, arrival, self._counted)
+        if out.finished:
+            self._counted.pop(out.request_id, None)
+            self._arrival.pop(out.request_id, None)
+            self.metrics.observe_finished(out, arrival, time.monotonic())
+
+    def _abort_steps(self) -> None:
+        """Abort the steps in flight."""
+        for rid in list(self._in_flight):
+            self.aengine.abort(rid)
+        self._in_flight.clear()
 
     # ------------------------------------------------------------------ the choices
     def _fail(self, reason: str, message: str | None, bad_request: bool = False) -> None:
@@ -158,8 +183,7 @@ class ServedBeamSearch:
         """End the search now (its client is gone): the steps in flight are aborted."""
         if self._task is not None and not self._task.done():
             self._task.cancel()
-        for rid in list(self._in_flight):
-            self.aengine.abort(rid)
+        self._abort_steps()
         self._release()  # (also when the task was cancelled before it ran)
 
 
