@@ -193,6 +193,54 @@ def _by_engine(samples: dict, name: str, **labels) -> dict:
     return out
 
 
+def test_a_beam_search_its_client_left_counts_its_steps_aborts_on_their_replicas(monkeypatch):
+    """With data parallel, a beam search whose client went away was counted as one abort per choice, all on
+    engine "0" (the choices' ids have no replica). Its steps are the engine requests, as in vLLM (whose beam search
+    runs each beam step as an ordinary request): the steps in flight are counted as aborts on the replica each ran
+    on, and the choices not at all."""
+    from infer.serve import protocol as p
+    replicas, _, aengine, server = _dp()
+    gate = threading.Event()  # closed: the replicas take their steps in and run none of them
+    for r in replicas:
+        real = r.engine.has_unfinished_requests
+        monkeypatch.setattr(r.engine, "has_unfinished_requests", lambda real=real: gate.is_set() and real())
+
+    async def main():
+        # two prompts: each search's first step is one request, and the driver sends them to the two replicas
+        req = p.parse_completion({"prompt": [[5, 17, 99], [6, 17, 99, 230]], "n": 2, "use_beam_search": True,
+                                  "max_tokens": 4, "ignore_eos": True}, server.tokenizer)
+        queue, ids = server.submit(req, None, "cmpl-x")
+
+        async def client():
+            async for _ in server.outputs(queue, ids, None, 0.0):
+                pass
+        task = asyncio.create_task(client())
+        for _ in range(1000):
+            if all(len(r.engine.requests) == 1 for r in replicas):
+                break
+            await asyncio.sleep(0.01)
+        assert [len(r.engine.requests) for r in replicas] == [1, 1]
+        task.cancel()  # the client goes away
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        gate.set()
+        for _ in range(1000):  # the driver sends the aborts, which free the steps
+            if not any(r.engine.requests for r in replicas):
+                break
+            await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(main())
+    finally:
+        gate.set()
+        aengine.shutdown(timeout=5)
+    samples = _families(server.metrics.render().decode())
+    assert _by_engine(samples, "infer:request_success_total", finished_reason="abort") == {"0": 1.0, "1": 1.0}
+    assert [len(r.engine.requests) for r in replicas] == [0, 0]
+
+
 def test_served_beam_search_metrics_count_every_step_as_vllms():
     """A served beam search's /metrics counted its choices as the requests: generation_tokens_total only the tokens
     of the beams returned, no time to first token, one success per choice, and every count on engine "0" under

@@ -218,8 +218,9 @@ class Server:
                 yield index[out.request_id], out
         finally:
             if left:  # client gone, cancelled, or an error: free the engine's KV blocks now
-                for rid in left:
-                    self.metrics.engine(self.aengine.engine_of(rid)).finished.labels("abort").inc()
+                for rid in left:  # (a beam search counts the aborts of its steps, on their engines)
+                    if rid not in self._beams:
+                        self.metrics.engine(self.aengine.engine_of(rid)).finished.labels("abort").inc()
                 self._abort(left)
 
 

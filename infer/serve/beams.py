@@ -154,8 +154,10 @@ class ServedBeamSearch:
             self.metrics.observe_finished(out, arrival, time.monotonic())
 
     def _abort_steps(self) -> None:
-        """Abort the steps in flight."""
+        """Abort the steps in flight; each counts as an abort on the engine it was on, as a request its client left."""
         for rid in list(self._in_flight):
+            if self.metrics is not None:
+                self.metrics.engine(self.aengine.engine_of(rid)).finished.labels("abort").inc()
             self.aengine.abort(rid)
         self._in_flight.clear()
 
