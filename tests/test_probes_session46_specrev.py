@@ -57,3 +57,28 @@ def test_grammar_request_whose_drafts_the_budget_cuts_equals_plain(monkeypatch):
     assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(prompts, params)]
     assert all(o.error is None for o in got) and any(cut)
     assert spec.engine.block_manager.num_used_blocks == 0
+
+
+def test_a_finished_grammar_requests_sequence_holds_no_draft_bitmask(monkeypatch):
+    """A finished request's output keeps its Sequence (its lists are read lazily), so whatever the Sequence holds
+    lives as long as the caller keeps the outputs. Its draft bitmask ([k + 1, vocab / 32] int32, ~114 KB for a
+    152k vocabulary and k = 5) stayed after its last speculative step, and after a step whose drafts the grammar
+    cut to none (the usual last step: only EOS allowed): LLM.generate over many structured requests held one per
+    output. It is released once used, and when the request is forgotten."""
+    path = str(ensure_builtin("tiny-llama"))
+    spec = LLM(path, block_size=4, speculative_config=SPEC)
+    seqs = []
+    real = spec.engine.runner.verify
+
+    def verify(batch):
+        seqs.extend(s for s in batch.seqs if s.grammar is not None)
+        return real(batch)
+    monkeypatch.setattr(spec.engine.runner, "verify", verify)
+    prompts = [[5, 6, 7, 8] * 3] + random_prompts(spec.engine.model_config.vocab_size, (6, 9), seed=4)
+    params = [SamplingParams(max_new_tokens=30, structured_outputs=structured(regex=r)) for r in
+              ("[ab]{6}", "(ab)+c", "[ab]{3,12}")]
+    drafts = spec.engine.stats()["spec_decode_num_drafts"]
+    outs = spec.generate(prompts, params)
+    assert all(o.finish_reason == "stop" and o.error is None for o in outs)
+    assert spec.engine.stats()["spec_decode_num_drafts"] > drafts and seqs
+    assert all(s.draft_bitmask is None for s in seqs)

@@ -675,7 +675,7 @@ class LLMEngine:
         still read the row; whoever gets it next resets it in a later step, after that one on the device."""
         self.requests.pop(seq.request_id, None)
         self.runner.penalties.release(seq.request_id)
-        seq.grammar = None
+        seq.grammar = seq.draft_bitmask = None
 
     @staticmethod
     def _launched(batch: ScheduledBatch, rows) -> None:
@@ -723,7 +723,8 @@ class LLMEngine:
             if k > 0:
                 drafts = propose_ngram(seq.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
                 if drafts and seq.grammar is not None:  # cut where the grammar refuses one; each row's mask
-                    drafts, seq.draft_bitmask = draft_bitmask(seq.grammar, drafts, self.model_config.vocab_size)
+                    drafts, bits = draft_bitmask(seq.grammar, drafts, self.model_config.vocab_size)
+                    seq.draft_bitmask = bits if drafts else None  # (none kept: no bitmask held)
                 seq.draft_token_ids = drafts
 
     def _complete_speculative(self, batch: ScheduledBatch, results: dict) -> list[RequestOutput]:
@@ -732,7 +733,8 @@ class LLMEngine:
         draft, the blocks only rejected drafts used freed, and one output per request with every token it got."""
         outputs, now = [], time.monotonic()
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            drafts, seq.draft_token_ids = seq.draft_token_ids, []
+            # the drafts and their bitmask are used up (a finished request's output keeps its Sequence)
+            drafts, seq.draft_token_ids, seq.draft_bitmask = seq.draft_token_ids, [], None
             if seq.finished:
                 continue
             tokens, records, accepted = results.get(i, ((), (), 0))
