@@ -140,3 +140,53 @@ def test_llm_beam_search_keeps_its_adapter_through_remove_or_replace(adapters, c
     assert engine.lora_manager.names() == ([] if change == "remove" else ["b"])
     assert engine.stats()["kv_blocks_used"] == 0
     llm.close()
+
+
+def test_a_held_adapter_removed_after_the_cpu_cache_dropped_it_is_read_again_for_the_search(adapters):
+    """remove_lora counts a beam search's hold as a user: with one slot and one CPU copy, a request on adapter a
+    between two steps of a search on b evicts b from both, so the removal must keep b's weights (read again from its
+    folder) for the search's later steps, which swap it back in; taken as unused, its weights were dropped and the
+    next step failed."""
+    from infer import LLM, BeamSearchParams
+    llm = LLM("tiny-llama", max_model_len=64, enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8,
+              loras={"a": str(adapters["a"]), "b": str(adapters["b"])})
+    params = BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True)
+    want = [s.output_token_ids for s in llm.beam_search([[5, 17, 99, 230]], params, lora="b")[0].sequences]
+    real, calls = llm.generate, []
+
+    def generate(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 1:  # between the first step and the second: b leaves the slot and the CPU cache, then goes
+            real([[7, 8, 9]], None, "a")
+            assert llm.remove_lora("b") == 1  # the search holds it
+        return out
+
+    llm.generate = generate
+    got = [s.output_token_ids for s in llm.beam_search([[5, 17, 99, 230]], params, lora="b")[0].sequences]
+    assert len(calls) > 1 and got == want
+    assert llm.engine.lora_manager.names() == ["a"] and llm.engine._lora_holds == []
+    llm.close()
+
+
+def test_llm_beam_search_names_a_failed_step_instead_of_an_index_error():
+    """A step of LLM.beam_search that the engine failed (its output carries the error and no token) raised a bare
+    IndexError from the search; it raises RequestError naming the prompt, the step and the step's error."""
+    from infer import LLM, BeamSearchParams
+    from infer.engine.outputs import RequestOutput
+    from infer.errors import RequestError
+    llm = LLM("tiny-llama", max_model_len=64)
+    real, calls = llm.generate, []
+
+    def generate(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:  # as the engine ends a request its step failed
+            out[0] = RequestOutput.failed(out[0].request_id, None, "engine step failed: boom")
+        return out
+
+    llm.generate = generate
+    with pytest.raises(RequestError) as err:
+        llm.beam_search([[5, 17, 99, 230]], BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True))
+    assert "prompt 0 failed at step 2" in err.value.message and "boom" in err.value.message
+    llm.close()

@@ -113,6 +113,10 @@ class BeamSearch:
         params, width, eos, live, done = self.params, self.params.beam_width, self.eos, self.live, self.done
         candidates: list[list[BeamSearchSequence]] = [[] for _ in live]
         for (i, beam), out in zip(beams, outs):
+            if not out.logprobs:  # the step failed (an engine error, an adapter gone): no token to extend the beam by
+                raise RequestError(f"beam search of prompt {i} failed at step {self.steps + 1}: "
+                                   f"{getattr(out, 'error', None) or 'its step returned no token'}",
+                                   "the step's error says why; fix it and run the search again")
             record = out.logprobs[0]
             options = {record["token_id"]: record["logprob"]}
             options.update((x["token_id"], x["logprob"]) for x in record.get("top_logprobs", []))
