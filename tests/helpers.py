@@ -230,3 +230,23 @@ def wait_until(pred, timeout: float = 30.0) -> bool:
             return True
         time.sleep(0.02)
     return False
+
+
+def metric_families(text: str) -> dict:
+    """{(sample name, sorted labels): value} of a Prometheus exposition text (/metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def samples_by_engine(samples: dict, name: str, **labels) -> dict:
+    """{engine label: value} of the samples called `name` whose other labels include `labels`."""
+    out = {}
+    for (n, lab), value in samples.items():
+        d = dict(lab)
+        if n == name and all(d.get(k) == v for k, v in labels.items()):
+            out[d["engine"]] = value
+    return out

@@ -7,6 +7,7 @@ from collections import deque
 
 import pytest
 
+from helpers import metric_families, samples_by_engine
 from infer.engine.sampling_params import SamplingParams
 
 
@@ -113,25 +114,6 @@ class _Ray:
         pass
 
 
-def _families(text: str) -> dict:
-    from prometheus_client.parser import text_string_to_metric_families
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return out
-
-
-def _by_engine(samples: dict, name: str, **labels) -> dict:
-    """{engine label: value} of the samples called `name` whose other labels include `labels`."""
-    out = {}
-    for (n, lab), value in samples.items():
-        d = dict(lab)
-        if n == name and all(d.get(k) == v for k, v in labels.items()):
-            out[d["engine"]] = value
-    return out
-
-
 def _dp_server():
     """Two in-process tiny-llama replicas behind the fake ray, their RayAsyncEngine and a Server over it."""
     from infer.engine.config import EngineConfig
@@ -161,32 +143,33 @@ def test_data_parallel_metrics_have_a_series_per_engine_as_vllms():
     server.metrics.registry.register(ReplicaCollector(aengine))
     prompts = [[5, 17, 99], [6, 17, 99, 230], [7, 8], [9, 10, 11, 12, 13]]
     with TestClient(create_app(server)) as client:
-        before = _families(client.get("/metrics").text)
+        before = metric_families(client.get("/metrics").text)
         # both engines' series are there from the start, as vLLM's
-        assert _by_engine(before, "infer:request_success_total", finished_reason="length") == {"0": 0.0, "1": 0.0}
-        assert _by_engine(before, "infer:num_requests_running") == {"0": 0.0, "1": 0.0}
+        zero = {"0": 0.0, "1": 0.0}
+        assert samples_by_engine(before, "infer:request_success_total", finished_reason="length") == zero
+        assert samples_by_engine(before, "infer:num_requests_running") == {"0": 0.0, "1": 0.0}
         r = client.post("/v1/completions", json={"prompt": prompts, "max_tokens": 3, "ignore_eos": True,
                                                  "temperature": 0})
         assert r.status_code == 200, r.text
-        samples = _families(client.get("/metrics").text)
+        samples = metric_families(client.get("/metrics").text)
         health = client.get("/health").json()
     # the driver sends each new request to the replica with the fewest in flight: two each
-    done = _by_engine(samples, "infer:request_success_total", finished_reason="length")
+    done = samples_by_engine(samples, "infer:request_success_total", finished_reason="length")
     assert done == {"0": 2.0, "1": 2.0}, done
-    prompt_tokens = _by_engine(samples, "infer:prompt_tokens_total")
+    prompt_tokens = samples_by_engine(samples, "infer:prompt_tokens_total")
     assert set(prompt_tokens) == {"0", "1"} and sum(prompt_tokens.values()) == sum(map(len, prompts))
     assert all(v > 0 for v in prompt_tokens.values()), prompt_tokens
-    assert _by_engine(samples, "infer:generation_tokens_total") == {"0": 6.0, "1": 6.0}
-    assert _by_engine(samples, "infer:e2e_request_latency_seconds_count") == {"0": 2.0, "1": 2.0}
-    assert _by_engine(samples, "infer:request_prompt_tokens_sum") == prompt_tokens
-    steps = _by_engine(samples, "infer:iteration_tokens_total_sum")
+    assert samples_by_engine(samples, "infer:generation_tokens_total") == {"0": 6.0, "1": 6.0}
+    assert samples_by_engine(samples, "infer:e2e_request_latency_seconds_count") == {"0": 2.0, "1": 2.0}
+    assert samples_by_engine(samples, "infer:request_prompt_tokens_sum") == prompt_tokens
+    steps = samples_by_engine(samples, "infer:iteration_tokens_total_sum")
     # each engine's steps computed its prompts and fed back all but the last token of each request
     assert steps == {k: v + 2 * 2 for k, v in prompt_tokens.items()}, steps
-    blocks = _by_engine(samples, "infer:kv_cache_blocks_total")
+    blocks = samples_by_engine(samples, "infer:kv_cache_blocks_total")
     assert blocks == {str(i): float(r.engine.block_manager.num_blocks) for i, r in enumerate(replicas)}, blocks
-    assert _by_engine(samples, "infer:num_requests_running") == {"0": 0.0, "1": 0.0}
+    assert samples_by_engine(samples, "infer:num_requests_running") == {"0": 0.0, "1": 0.0}
     for name in ("infer:num_preemptions_total", "infer:prefix_cache_queries_total", "infer:kv_cache_usage_perc"):
-        assert set(_by_engine(samples, name)) == {"0", "1"}, name
+        assert set(samples_by_engine(samples, name)) == {"0", "1"}, name
     assert samples[("infer:replica_up", (("replica", "1"),))] == 1.0
     assert "engines" not in health["engine"] and len(health["engine"]["replicas"]) == 2
 
@@ -206,12 +189,12 @@ def test_a_dead_replicas_engine_series_keep_its_counters_and_zero_its_gauges():
                 _Replica(1, None, {}, stats=stats(num_preemptions=5, prefix_cache_hits=7))]
     replicas[1].alive = False
     total = RayAsyncEngine._aggregate(SimpleNamespace(replicas=replicas))
-    samples = _families(ServerMetrics(lambda: total, 64, "m", engines=2).render().decode())
-    assert _by_engine(samples, "infer:num_preemptions_total") == {"0": 1.0, "1": 5.0}
-    assert _by_engine(samples, "infer:prefix_cache_hits_total") == {"0": 0.0, "1": 7.0}
-    assert _by_engine(samples, "infer:num_requests_running") == {"0": 2.0, "1": 0.0}
-    assert _by_engine(samples, "infer:kv_cache_usage_perc") == {"0": 0.4, "1": 0.0}
-    assert _by_engine(samples, "infer:kv_cache_blocks_total") == {"0": 10.0, "1": 0.0}
+    samples = metric_families(ServerMetrics(lambda: total, 64, "m", engines=2).render().decode())
+    assert samples_by_engine(samples, "infer:num_preemptions_total") == {"0": 1.0, "1": 5.0}
+    assert samples_by_engine(samples, "infer:prefix_cache_hits_total") == {"0": 0.0, "1": 7.0}
+    assert samples_by_engine(samples, "infer:num_requests_running") == {"0": 2.0, "1": 0.0}
+    assert samples_by_engine(samples, "infer:kv_cache_usage_perc") == {"0": 0.4, "1": 0.0}
+    assert samples_by_engine(samples, "infer:kv_cache_blocks_total") == {"0": 10.0, "1": 0.0}
 
 
 def test_a_request_its_client_left_is_counted_as_an_abort_on_the_engine_that_ran_it():
@@ -242,6 +225,6 @@ def test_a_request_its_client_left_is_counted_as_an_abort_on_the_engine_that_ran
         asyncio.run(main())
     finally:
         aengine.shutdown(timeout=5)
-    samples = _families(server.metrics.render().decode())
-    assert _by_engine(samples, "infer:request_success_total", finished_reason="abort") == {"0": 1.0, "1": 1.0}
+    samples = metric_families(server.metrics.render().decode())
+    assert samples_by_engine(samples, "infer:request_success_total", finished_reason="abort") == {"0": 1.0, "1": 1.0}
     assert [len(r.engine.requests) for r in replicas] == [0, 0]

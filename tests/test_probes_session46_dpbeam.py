@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from helpers import metric_families, samples_by_engine
 from infer.engine.sampling_params import SamplingParams
 
 
@@ -175,24 +176,6 @@ def _reference(adapters):
     return _REFERENCE["ref"]
 
 
-def _families(text: str) -> dict:
-    from prometheus_client.parser import text_string_to_metric_families
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return out
-
-
-def _by_engine(samples: dict, name: str, **labels) -> dict:
-    out = {}
-    for (n, lab), value in samples.items():
-        d = dict(lab)
-        if n == name and all(d.get(k) == v for k, v in labels.items()):
-            out[d["engine"]] = value
-    return out
-
-
 def test_a_beam_search_its_client_left_counts_its_steps_aborts_on_their_replicas(monkeypatch):
     """With data parallel, a beam search whose client went away was counted as one abort per choice, all on
     engine "0" (the choices' ids have no replica). Its steps are the engine requests, as in vLLM (whose beam search
@@ -236,8 +219,8 @@ def test_a_beam_search_its_client_left_counts_its_steps_aborts_on_their_replicas
     finally:
         gate.set()
         aengine.shutdown(timeout=5)
-    samples = _families(server.metrics.render().decode())
-    assert _by_engine(samples, "infer:request_success_total", finished_reason="abort") == {"0": 1.0, "1": 1.0}
+    samples = metric_families(server.metrics.render().decode())
+    assert samples_by_engine(samples, "infer:request_success_total", finished_reason="abort") == {"0": 1.0, "1": 1.0}
     assert [len(r.engine.requests) for r in replicas] == [0, 0]
 
 
@@ -263,12 +246,12 @@ def test_served_beam_search_metrics_count_every_step_as_vllms():
                                                  "max_tokens": 4, "ignore_eos": True})
         assert r.status_code == 200, r.text
         assert [len(c["text"]) > 0 for c in r.json()["choices"]] == [True, True]
-        samples = _families(client.get("/metrics").text)
+        samples = metric_families(client.get("/metrics").text)
     # one step of the prompt, then one of each of the two beams for each later token
     assert len(steps) == 1 + 2 * 3, steps
-    done = _by_engine(samples, "infer:request_success_total", finished_reason="length")
+    done = samples_by_engine(samples, "infer:request_success_total", finished_reason="length")
     assert sum(done.values()) == len(steps) and set(done) == {"0", "1"} and all(done.values()), done
-    assert _by_engine(samples, "infer:generation_tokens_total") == done  # one token each
-    assert _by_engine(samples, "infer:time_to_first_token_seconds_count") == done
-    assert _by_engine(samples, "infer:e2e_request_latency_seconds_count") == done
-    assert sum(_by_engine(samples, "infer:prompt_tokens_total").values()) == sum(n for _, n in steps)
+    assert samples_by_engine(samples, "infer:generation_tokens_total") == done  # one token each
+    assert samples_by_engine(samples, "infer:time_to_first_token_seconds_count") == done
+    assert samples_by_engine(samples, "infer:e2e_request_latency_seconds_count") == done
+    assert sum(samples_by_engine(samples, "infer:prompt_tokens_total").values()) == sum(n for _, n in steps)

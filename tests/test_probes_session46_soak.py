@@ -63,10 +63,9 @@ def _served_beams(adapters, change=None):
     async def scenario():
         width = 2
         step = SamplingParams(max_new_tokens=5, logprobs=2 * width)
+        beam_params = BeamSearchParams(beam_width=width, max_tokens=5, ignore_eos=True)
         search = ServedBeamSearch(aengine, engine.tokenizer, set(engine.eos_token_ids), engine.max_model_len,
-                                  [[5, 17, 99, 230, 6, 7]] * width, width, BeamSearchParams(beam_width=width, max_tokens=5,
-                                                                                      ignore_eos=True),
-                                  step, "b", "cmpl-x")
+                                  [[5, 17, 99, 230, 6, 7]] * width, width, beam_params, step, "b", "cmpl-x")
         search.start()
         outs, steps = [], 0
         while len(outs) < width and steps < 50:
