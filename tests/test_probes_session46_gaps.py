@@ -133,8 +133,9 @@ def test_data_parallel_counts_requests_no_replica_has_counted_yet_as_waiting():
     import threading
 
     from infer.engine.sampling_params import SamplingParams
-    from test_probes_session45_dpmet import _by_engine, _dp_server
-    from test_probes_session45_dpmet import _families as _samples
+    from helpers import metric_families as _samples
+    from helpers import samples_by_engine as _by_engine
+    from test_probes_session45_dpmet import _dp_server
     replicas, aengine, server = _dp_server()
     entered, gate = threading.Event(), threading.Event()
     real = replicas[0].serve_step
