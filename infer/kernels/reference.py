@@ -202,11 +202,27 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
     decode = [b for b in range(num_seqs) if qsl[b + 1] - qsl[b] == 1]
-    if decode:
-        _decode_attention(q, k_cache, v_cache, block_tables, lens, qsl, decode, scale, out)
+    # a few queries after a context (a speculative decoding step's verify rows): each query a decode row of its own
+    # (its position + 1 keys of its sequence's blocks) in the decode batch, when that batch is small enough to be
+    # attended at once: no gather and masked SDPA per sequence and layer
+    short = [b for b in range(num_seqs) if 1 < qsl[b + 1] - qsl[b] <= SHORT_QUERIES and lens[b] > qsl[b + 1] - qsl[b]]
+    if short:
+        count, longest, heads = len(decode) + sum(qsl[b + 1] - qsl[b] for b in short), max(lens), k_cache.shape[2]
+        if _per_sequence(count, longest, heads, False) or count * longest * heads >= PER_SEQUENCE_POSITIONS:
+            short = []  # (the bound also keeps the batch's gathered K and V within the memory plan's decode term)
+    if decode or short:
+        seqs, queries, row_lens = list(decode), [qsl[b] for b in decode], [lens[b] for b in decode]
+        for b in short:
+            n = qsl[b + 1] - qsl[b]
+            seqs += [b] * n
+            queries += range(qsl[b], qsl[b + 1])
+            row_lens += range(lens[b] - n + 1, lens[b] + 1)
+        _rows_attention(q, k_cache, v_cache, block_tables, seqs, queries, row_lens, scale, out,
+                        batched=bool(short))
+    done = set(short)
     for b in range(num_seqs):
         n = qsl[b + 1] - qsl[b]
-        if n <= 1:
+        if n <= 1 or b in done:
             continue
         k = _gather_kv(k_cache, block_tables[b], lens[b], q.dtype)
         v = _gather_kv(v_cache, block_tables[b], lens[b], q.dtype)
@@ -253,6 +269,7 @@ PER_SEQUENCE_LEN = 512  # uneven lengths: at least this long
 PER_SEQUENCE_MIN_LEN = 128  # otherwise at least this long, and at least this many (sequence x length x KV head):
 PER_SEQUENCE_POSITIONS = 24000  # uneven lengths
 PER_SEQUENCE_POSITIONS_EQUAL = 48000  # equal lengths (no padding, no mask)
+SHORT_QUERIES = 8  # paged_attention: a sequence of at most this many queries may join the decode batch
 
 
 def _per_sequence(num_seqs: int, max_len: int, kv_heads: int, equal: bool) -> bool:
@@ -282,23 +299,29 @@ def _decode_attention(q, k_cache, v_cache, block_tables, lens, qsl, rows, scale,
     """One query per sequence: each sequence on its own (no padding, no mask) when `_per_sequence` says so, else
     every sequence's blocks gathered into one batch and attended at once (masked past each one's length when the
     lengths differ)."""
-    row_lens = [lens[b] for b in rows]
+    _rows_attention(q, k_cache, v_cache, block_tables, rows, [qsl[b] for b in rows], [lens[b] for b in rows], scale,
+                    out)
+
+
+def _rows_attention(q, k_cache, v_cache, block_tables, seqs, queries, row_lens, scale, out, batched=False) -> None:
+    """`_decode_attention` of rows: query q[queries[r]] over the first row_lens[r] keys of sequence seqs[r]'s
+    blocks (`batched`: as one batch, whatever `_per_sequence` says)."""
     max_len = max(row_lens)
     equal = min(row_lens) == max_len
-    if _per_sequence(len(rows), max_len, k_cache.shape[2], equal):
+    if not batched and _per_sequence(len(seqs), max_len, k_cache.shape[2], equal):
         tables = block_tables.long()
-        for b in rows:
-            k = _gather_kv(k_cache, tables[b], lens[b], q.dtype)
-            v = _gather_kv(v_cache, tables[b], lens[b], q.dtype)
-            out[qsl[b]:qsl[b] + 1] = _attend(q[qsl[b]:qsl[b] + 1], k, v, scale, lens[b] - 1)
+        for b, i, n in zip(seqs, queries, row_lens):
+            k = _gather_kv(k_cache, tables[b], n, q.dtype)
+            v = _gather_kv(v_cache, tables[b], n, q.dtype)
+            out[i:i + 1] = _attend(q[i:i + 1], k, v, scale, n - 1)
         return
-    idx = torch.tensor(rows, device=q.device)
+    idx = torch.tensor(seqs, device=q.device)
     nblocks = (max_len + k_cache.shape[1] - 1) // k_cache.shape[1]
     tables = block_tables.index_select(0, idx)[:, :nblocks].long()
     r, flat = tables.shape[0], tables.flatten()
     k = k_cache.index_select(0, flat).view(r, -1, *k_cache.shape[2:])[:, :max_len].transpose(1, 2).to(q.dtype)
     v = v_cache.index_select(0, flat).view(r, -1, *v_cache.shape[2:])[:, :max_len].transpose(1, 2).to(q.dtype)
-    qstart = torch.tensor([qsl[b] for b in rows], device=q.device)
+    qstart = torch.tensor(queries, device=q.device)
     qr = q.index_select(0, qstart).unsqueeze(2)  # [R, Hq, 1, D]
     mask = None
     if not equal:

@@ -1,0 +1,80 @@
+"""Session 46 probes: the host cost of n-gram speculative decoding on CPU (verify steps' attention, the proposer)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer.kernels import reference
+
+
+def _naive_attention(q, k_cache, v_cache, tables, lens, qsl, scale):
+    """Each query on its own, in float64: query i of sequence b (position lens[b] - n_b + i) over keys 0..p."""
+    out = torch.empty_like(q)
+    bs, hq, hk = k_cache.shape[1], q.shape[1], k_cache.shape[2]
+    for b in range(len(lens)):
+        n = qsl[b + 1] - qsl[b]
+        for i in range(n):
+            p = lens[b] - n + i
+            slots = [tables[b][t // bs] * bs + t % bs for t in range(p + 1)]
+            k = k_cache.flatten(0, 1)[slots].double().repeat_interleave(hq // hk, 1)  # [p + 1, Hq, D]
+            v = v_cache.flatten(0, 1)[slots].double().repeat_interleave(hq // hk, 1)
+            row = q[qsl[b] + i].double()  # [Hq, D]
+            w = torch.softmax(scale * torch.einsum("hd,thd->ht", row, k), -1)
+            out[qsl[b] + i] = torch.einsum("ht,thd->hd", w, v).to(q.dtype)
+    return out
+
+
+def _case(counts, lens, hq=4, hk=2, d=8, bs=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    blocks = sum(-(-n // bs) for n in lens) + 1
+    k_cache = torch.randn(blocks, bs, hk, d, generator=g)
+    v_cache = torch.randn(blocks, bs, hk, d, generator=g)
+    perm = torch.randperm(blocks, generator=g).tolist()  # scattered blocks
+    width = max(-(-n // bs) for n in lens)
+    tables, at = [], 0
+    for n in lens:
+        row = perm[at:at + -(-n // bs)]
+        at += len(row)
+        tables.append(row + [0] * (width - len(row)))
+    qsl = [0]
+    for c in counts:
+        qsl.append(qsl[-1] + c)
+    q = torch.randn(qsl[-1], hq, d, generator=g)
+    return q, k_cache, v_cache, tables, qsl
+
+
+CASES = [([4, 1, 3], [21, 9, 14]), ([2, 2], [7, 7]), ([4], [30]), ([1, 4, 1], [5, 12, 33])]
+
+
+@pytest.mark.parametrize("counts,lens", CASES)
+def test_verify_rows_attend_in_the_decode_batch(monkeypatch, counts, lens):
+    """A speculative step's sequences (a few queries after their context) were attended one by one (a K/V gather and
+    a masked SDPA per sequence and layer: twice the decode batch's cost at 4 sequences); each query is now a row of
+    the decode batch, with the same result."""
+    q, k_cache, v_cache, tables, qsl = _case(counts, lens)
+    calls = []
+    attend = reference._attend
+    monkeypatch.setattr(reference, "_attend", lambda *a, **kw: calls.append(a[0].shape[0]) or attend(*a, **kw))
+    got = reference.paged_attention(q, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32),
+                                    torch.tensor(lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32),
+                                    0.3, max(counts))
+    want = _naive_attention(q, k_cache, v_cache, tables, lens, qsl, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert calls == []
+
+
+def test_long_chunks_and_fresh_prompts_still_attend_per_sequence(monkeypatch):
+    """A prefill chunk longer than SHORT_QUERIES, and a short prompt without context, keep the causal path."""
+    counts, lens = [reference.SHORT_QUERIES + 1, 3, 1], [reference.SHORT_QUERIES + 5, 3, 10]
+    q, k_cache, v_cache, tables, qsl = _case(counts, lens, seed=1)
+    calls = []
+    attend = reference._attend
+    monkeypatch.setattr(reference, "_attend", lambda *a, **kw: calls.append(a[0].shape[0]) or attend(*a, **kw))
+    got = reference.paged_attention(q, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32),
+                                    torch.tensor(lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32),
+                                    0.3, max(counts))
+    torch.testing.assert_close(got, _naive_attention(q, k_cache, v_cache, tables, lens, qsl, 0.3),
+                               rtol=1e-5, atol=1e-5)
+    assert sorted(calls) == [3, reference.SHORT_QUERIES + 1]
+
