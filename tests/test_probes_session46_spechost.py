@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
+from infer.engine.speculative import propose_ngram
 from infer.kernels import reference
 
 
@@ -78,3 +81,24 @@ def test_long_chunks_and_fresh_prompts_still_attend_per_sequence(monkeypatch):
                                rtol=1e-5, atol=1e-5)
     assert sorted(calls) == [3, reference.SHORT_QUERIES + 1]
 
+
+def _naive_ngram(tokens, k, n_min, n_max):
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        tail = tokens[len(tokens) - n:]
+        for s in range(len(tokens) - 1 - n, -1, -1):  # the most recent earlier occurrence
+            if tokens[s:s + n] == tail:
+                return tokens[s + n:s + n + k]
+    return []
+
+
+def test_propose_ngram_matches_its_definition():
+    """The proposer (now a bytes search) against its definition, with ids whose bytes match across token
+    boundaries (256 and 1 share bytes with 65536 and 257 at other offsets) and ids past 32 bits."""
+    rng = random.Random(0)
+    for _ in range(3000):
+        vocab = rng.choice([[0, 1, 256, 257, 65536], list(range(3)), list(range(300)), [2 ** 40, 2 ** 40 + 1, 7]])
+        tokens = [rng.choice(vocab) for _ in range(rng.randint(0, 40))]
+        k, lo = rng.randint(0, 4), rng.randint(1, 4)
+        hi = rng.randint(lo, 6)
+        want = _naive_ngram(tokens, k, lo, hi) if k > 0 and len(tokens) > lo else []
+        assert propose_ngram(tokens, k, lo, hi) == want, (tokens, k, lo, hi)

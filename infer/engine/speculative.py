@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import json
 import numbers
+from array import array
 from dataclasses import dataclass
 
-import numpy as np
 
 from ..errors import ConfigError
 
@@ -84,24 +84,26 @@ def parse_speculative_config(value) -> dict | None:
 
 def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
     """Up to k tokens that followed the most recent earlier occurrence of `tokens`' last n tokens, for the largest n
-    in n_min..n_max that occurs earlier ([] where none does). Fewer than k near the end of `tokens`."""
+    in n_min..n_max that occurs earlier ([] where none does). Fewer than k near the end of `tokens`.
+    (Searched as bytes, 8 per token, with bytes.rfind: one C copy of the list and a C search per n, where numpy's
+    conversion and masks cost tens of microseconds per sequence and step.)"""
     size = len(tokens)
     if k <= 0 or size <= n_min:
         return []
-    arr = np.asarray(tokens)
-    ends = np.flatnonzero(arr[:size - 1] == arr[size - 1])  # where earlier matches of length 1 end
-    best = ends if n_min <= 1 and ends.size else None
-    length = 1
-    while length < n_max and ends.size and length < size - 1:
-        ends = ends[ends >= length]
-        ends = ends[arr[ends - length] == arr[size - 1 - length]]
-        length += 1
-        if length >= n_min and ends.size:
-            best = ends
-    if best is None:
-        return []
-    start = int(best[-1]) + 1
-    return [int(t) for t in tokens[start:start + k]]
+    w = _WIDTH
+    buf = array("q", tokens).tobytes()
+    limit = (size - 1) * w  # an earlier occurrence ends before the last token
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        pattern, end = buf[(size - n) * w:], limit
+        while (at := buf.rfind(pattern, 0, end)) >= 0:
+            if at % w == 0:  # (a match across token boundaries is none: search before it)
+                start = at // w + n
+                return [int(t) for t in tokens[start:start + k]]
+            end = at + len(pattern) - 1
+    return []
+
+
+_WIDTH = array("q").itemsize
 
 
 class SpecStats:
