@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from array import array
 
 import pytest
 import torch
@@ -102,3 +103,26 @@ def test_propose_ngram_matches_its_definition():
         hi = rng.randint(lo, 6)
         want = _naive_ngram(tokens, k, lo, hi) if k > 0 and len(tokens) > lo else []
         assert propose_ngram(tokens, k, lo, hi) == want, (tokens, k, lo, hi)
+
+
+def test_propose_for_keeps_the_packed_ids_in_step_with_the_sequence():
+    """The engine's proposer packs only the tokens a sequence added since its last call (not its whole token list
+    every step), and proposes what propose_ngram does over the sequence's tokens as they grow, and after one is
+    dropped."""
+    from infer.engine.sampling_params import SamplingParams
+    from infer.engine.sequence import Sequence
+    from infer.engine.speculative import propose_for
+
+    rng = random.Random(1)
+    seq = Sequence("r", [rng.randrange(4) for _ in range(6)], SamplingParams(max_tokens=100))
+    for step in range(60):
+        want = propose_ngram(seq.all_token_ids, 3, 1, 3)
+        assert propose_for(seq, 3, 1, 3) == want
+        assert seq.ngram_ids[1] == len(seq.all_token_ids)
+        assert bytes(seq.ngram_ids[0]) == array("q", seq.all_token_ids).tobytes()
+        if step == 30:
+            seq.output_token_ids.pop()
+        seq.output_token_ids.extend(rng.randrange(4) for _ in range(rng.randint(1, 3)))
+    held = seq.ngram_ids[0]
+    propose_for(seq, 3, 1, 3)
+    assert seq.ngram_ids[0] is held  # extended in place, not rebuilt

@@ -28,7 +28,7 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
 from .setup import context_limit, load_engine_parts, model_max_len
-from .speculative import SpecStats, SpeculativeConfig, propose_ngram
+from .speculative import SpecStats, SpeculativeConfig, propose_for
 from .structured import DEAD_HINT, GrammarBackend, allows_any, draft_bitmask
 
 log = logging.getLogger("infer")
@@ -721,7 +721,7 @@ class LLMEngine:
                 room = min(room, seq.params.max_new_tokens - seq.num_generated - 1)
             k = min(spec.num_speculative_tokens, room)
             if k > 0:
-                drafts = propose_ngram(seq.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+                drafts = propose_for(seq, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
                 if drafts and seq.grammar is not None:  # cut where the grammar refuses one; each row's mask
                     drafts, bits = draft_bitmask(seq.grammar, drafts, self.model_config.vocab_size)
                     seq.draft_bitmask = bits if drafts else None  # (none kept: no bitmask held)

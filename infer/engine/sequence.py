@@ -85,6 +85,9 @@ class Sequence:  # a tuple of every field for each request ahead of the one remo
         self.draft_token_ids: list[int] = []
         # with a grammar, its verify rows' bitmask [len(draft_token_ids) + 1, W] (structured.draft_bitmask)
         self.draft_bitmask = None
+        # (speculative.propose_for) the ids the proposer searched last, packed 8 bytes each, and how many: each step
+        # packs only the tokens added since
+        self.ngram_ids: tuple[bytearray, int] | None = None
         self.prompt: str | None = None  # the prompt's text when LLMEngine.add_request got text (RequestOutput.prompt)
 
     @property

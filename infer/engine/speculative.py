@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import numbers
+import sys
 from array import array
 from dataclasses import dataclass
 
@@ -84,26 +85,53 @@ def parse_speculative_config(value) -> dict | None:
 
 def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
     """Up to k tokens that followed the most recent earlier occurrence of `tokens`' last n tokens, for the largest n
-    in n_min..n_max that occurs earlier ([] where none does). Fewer than k near the end of `tokens`.
-    (Searched as bytes, 8 per token, with bytes.rfind: one C copy of the list and a C search per n, where numpy's
-    conversion and masks cost tens of microseconds per sequence and step.)"""
-    size = len(tokens)
+    in n_min..n_max that occurs earlier ([] where none does). Fewer than k near the end of `tokens`."""
+    if k <= 0 or len(tokens) <= n_min:
+        return []
+    start = _ngram_start(array("q", tokens).tobytes(), len(tokens), n_min, n_max)
+    return [] if start is None else [int(t) for t in tokens[start:start + k]]
+
+
+def propose_for(seq, k: int, n_min: int, n_max: int) -> list[int]:
+    """propose_ngram over a sequence's tokens (prompt and output, none pending), from the packed ids it keeps
+    (Sequence.ngram_ids: extended by the tokens added since the last call; rebuilt where its last token is not the
+    sequence's any more: an output token dropped, which only a request that ends does)."""
+    size = len(seq.prompt_token_ids) + len(seq.output_token_ids)
     if k <= 0 or size <= n_min:
         return []
-    w = _WIDTH
-    buf = array("q", tokens).tobytes()
-    limit = (size - 1) * w  # an earlier occurrence ends before the last token
-    for n in range(min(n_max, size - 1), n_min - 1, -1):
-        pattern, end = buf[(size - n) * w:], limit
-        while (at := buf.rfind(pattern, 0, end)) >= 0:
-            if at % w == 0:  # (a match across token boundaries is none: search before it)
-                start = at // w + n
-                return [int(t) for t in tokens[start:start + k]]
-            end = at + len(pattern) - 1
-    return []
+    held = seq.ngram_ids
+    if held is None or held[1] > size or _last(held) != seq.token_at(held[1] - 1):
+        held = (bytearray(array("q", seq.all_token_ids)), size)
+    elif held[1] < size:
+        held[0].extend(array("q", seq.tokens(held[1], size)))
+        held = (held[0], size)
+    seq.ngram_ids = held
+    start = _ngram_start(held[0], size, n_min, n_max)
+    return [] if start is None else seq.tokens(start, min(start + k, size))
 
 
 _WIDTH = array("q").itemsize
+
+
+def _last(held: tuple[bytearray, int]) -> int:
+    buf, size = held
+    return int.from_bytes(buf[(size - 1) * _WIDTH:size * _WIDTH], sys.byteorder, signed=True)
+
+
+def _ngram_start(buf, size: int, n_min: int, n_max: int) -> int | None:
+    """Where the proposal starts in the `size` tokens packed in `buf` (8 bytes each): after the most recent earlier
+    occurrence of the last n tokens, n from n_max down to n_min (None: none occurs). One bytes.rfind per n, where
+    numpy's conversion and masks cost tens of microseconds per sequence and step; a match across token boundaries
+    is none (searched again before it)."""
+    w = _WIDTH
+    limit = (size - 1) * w  # an earlier occurrence ends before the last token
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        pattern, end = bytes(buf[(size - n) * w:size * w]), limit
+        while (at := buf.rfind(pattern, 0, end)) >= 0:
+            if at % w == 0:
+                return at // w + n
+            end = at + len(pattern) - 1
+    return None
 
 
 class SpecStats:
