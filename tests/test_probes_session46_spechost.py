@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 from array import array
 
 import pytest
@@ -126,3 +127,52 @@ def test_propose_for_keeps_the_packed_ids_in_step_with_the_sequence():
     held = seq.ngram_ids[0]
     propose_for(seq, 3, 1, 3)
     assert seq.ngram_ids[0] is held  # extended in place, not rebuilt
+
+
+def test_a_verify_step_copies_its_inputs_once_and_reads_back_once(monkeypatch):
+    """A speculative step queued a second host-to-device copy (its drafts, beside the step's Pack) and read two
+    device tensors back (the sampled tokens, then whether each row accepted its draft: two waits for the GPU);
+    the drafts now travel in the Pack and the acceptances come back with the tokens, in one copy."""
+    from infer import LLM, SamplingParams
+    from infer.engine import transfer
+    from infer.models.tiny import ensure_builtin
+
+    llm = LLM(str(ensure_builtin("tiny-llama")), block_size=4,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 3})
+    eng = llm.engine
+    for i in range(2):
+        eng.add_request(str(i), [5, 6, 7] * 4, SamplingParams(max_tokens=10, ignore_eos=True, logprobs=i or None,
+                                                               allowed_token_ids=[5, 6, 7]))
+    eng.step()  # the prefill
+    host, reads, copies, sent = set(), [], [], []
+    cpu, tolist, copy_to = torch.Tensor.cpu, torch.Tensor.tolist, transfer.copy_to
+
+    def counted_copy_to(*a, **kw):  # every host-to-device copy (Pack.to and to_device call it)
+        sent.append(sys._getframe(1).f_code.co_name)
+        return copy_to(*a, **kw)
+
+    def counted_cpu(t, *a, **kw):
+        out = cpu(t, *a, **kw)
+        host.add(out.untyped_storage().data_ptr())
+        copies.append(sys._getframe(1).f_code.co_name)
+        return out
+
+    def counted_tolist(t):
+        caller = sys._getframe(1).f_code.co_name
+        if caller in ("verify", "decode"):
+            reads.append(t.untyped_storage().data_ptr() in host)
+        return tolist(t)
+    monkeypatch.setattr(torch.Tensor, "cpu", counted_cpu)
+    monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+    monkeypatch.setattr(transfer, "copy_to", counted_copy_to)
+    while eng.has_unfinished_requests():
+        host.clear()
+        eng.step()
+        assert sent == ["to"]  # the step's Pack (no to_device of the drafts)
+        assert copies == ["verify"]
+        assert reads and all(reads), "a device tensor read back on its own"
+        reads.clear()
+        copies.clear()
+        sent.clear()
+    assert eng.stats()["spec_decode_num_drafts"] > 0 and eng.stats()["spec_decode_num_accepted_tokens"] > 0

@@ -245,16 +245,19 @@ class ModelRunner:
             _append_prompt_logprobs(prompt[2], self._prompt_logprobs(hidden, prompt).tolist())
         if not rows:
             return {}
-        seqs, drafts = [], []
+        seqs = []
         for i in rows:
             seq = batch.seqs[i]
             seqs.extend([seq] * (len(seq.draft_token_ids) + 1))
-            drafts.extend(seq.draft_token_ids + [-1])
         logits = self.model.compute_logits(hidden if idx is None else hidden.index_select(0, idx))
-        sampled, accepted = self.sampler.sample_speculative(logits, seqs, sampling,
-                                                            to_device(drafts, torch.long, self.device))
-        tokens, records = sampled.decode(sampled.packed.cpu())
-        accepted, out, at = accepted.tolist(), {}, 0
+        drafts = sampling.drafts  # (copied with the step's inputs)
+        if drafts is None:
+            drafts = torch.full((len(seqs),), -1, dtype=torch.long, device=logits.device)
+        sampled, accepted = self.sampler.sample_speculative(logits, seqs, sampling, drafts)
+        packed = sampled.packed  # the tokens (and logprobs) and whether each row accepted its draft: one copy back
+        host = torch.cat([packed.reshape(len(seqs), -1), accepted.view(-1, 1).to(packed.dtype)], 1).cpu()
+        tokens, records = sampled.decode(host[:, :-1] if packed.dim() == 2 else host[:, 0])
+        accepted, out, at = host[:, -1].tolist(), {}, 0
         for i in rows:
             k = len(batch.seqs[i].draft_token_ids)
             m = next((j for j in range(k) if not accepted[at + j]), k)  # the drafts accepted

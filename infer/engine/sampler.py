@@ -267,6 +267,9 @@ class SamplingInputs:
         # speculative decoding: each row's place j among its sequence's verify rows (ModelRunner.prepare: the rows of
         # a sequence with drafts follow one another), whose processors see drafts[:j] as output tokens
         self.at = draft_positions(seqs) if drafts else None
+        # and each row's draft (-1: none; a sequence's last verify row), with the step's other integers
+        self._drafts = pack.add([s.draft_token_ids[j] if j < len(s.draft_token_ids) else -1
+                                 for s, j in zip(seqs, self.at)]) if drafts else None
         self._idx = pack.add(self.drawn) if 0 < len(self.drawn) < self.n else None
         floats: list[float] = []  # flat: the rows' penalties [n, 3], the drawn rows' draw values [d, 4], the biases
         if self.penalties:
@@ -294,6 +297,7 @@ class SamplingInputs:
                 self.masked = True
         self.floats = floats
         self.idx = self.penalty_counts = self.penalty_values = self.draw_values = self.masks = self.grammar = None
+        self.drafts = None  # (speculative) [n] each row's draft on the device, None: no row has one
         self.logprob_grammar = None  # (late rows with bad words and logprobs) the grammar's mask without the words
 
     def _count(self, seqs: list[Sequence], keys: list, vocab: int, pack: Pack, prev):
@@ -328,6 +332,8 @@ class SamplingInputs:
         table updated first (fresh rows zeroed, their prompt tokens marked, the new output tokens counted)."""
         if self._idx is not None:
             self.idx = data[self._idx]
+        if self._drafts is not None:
+            self.drafts = data[self._drafts]
         values = to_device(self.floats, torch.float32, device) if self.floats else None  # one copy of the floats
         if self._biases:
             values, biases = values[:-self._biases], values[-self._biases:]
