@@ -21,7 +21,6 @@ import sys
 from array import array
 from dataclasses import dataclass
 
-
 from ..errors import ConfigError
 
 METHODS = ("ngram",)
