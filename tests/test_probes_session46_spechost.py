@@ -176,3 +176,26 @@ def test_a_verify_step_copies_its_inputs_once_and_reads_back_once(monkeypatch):
         copies.clear()
         sent.clear()
     assert eng.stats()["spec_decode_num_drafts"] > 0 and eng.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_a_finished_requests_sequence_holds_no_packed_ids():
+    """A finished output keeps its Sequence (read lazily), so what the Sequence holds lives as long as the caller keeps
+    the outputs: the proposer's packed ids (8 bytes a token) are dropped when the request is forgotten, as its
+    grammar and draft bitmask are."""
+    from infer import LLM, SamplingParams
+    from infer.models.tiny import ensure_builtin
+    spec = LLM(str(ensure_builtin("tiny-llama")), block_size=4,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+                                   "prompt_lookup_max": 4})
+    seqs = []
+    real = spec.engine._propose
+
+    def propose():
+        real()
+        seqs.extend(s for s in spec.engine.scheduler.running if s.ngram_ids is not None)
+    spec.engine._propose = propose
+    outs = spec.generate([[5, 6, 7, 8] * 4, [9, 10, 11] * 5],
+                         SamplingParams(max_new_tokens=12, ignore_eos=True, allowed_token_ids=[5, 6, 7, 8]))
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outs) and seqs  # the proposer packed ids for them
+    assert all(s.ngram_ids is None for s in seqs)
+    spec.close()

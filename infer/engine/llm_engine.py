@@ -675,7 +675,7 @@ class LLMEngine:
         still read the row; whoever gets it next resets it in a later step, after that one on the device."""
         self.requests.pop(seq.request_id, None)
         self.runner.penalties.release(seq.request_id)
-        seq.grammar = seq.draft_bitmask = None
+        seq.grammar = seq.draft_bitmask = seq.ngram_ids = None  # (a finished output keeps its Sequence)
 
     @staticmethod
     def _launched(batch: ScheduledBatch, rows) -> None:
