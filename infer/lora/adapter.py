@@ -158,8 +158,11 @@ def _fail(name: str, path: Path, message: str, hint: str) -> LoRAError:
 
 def _not_found_hint(path: Path) -> str:
     """What to pass instead of a folder that is not there: a hub id (vLLM downloads one) is fetched first."""
-    from ..models.resolve import is_hub_id
+    from ..models.resolve import is_hub_id, missing_folder_hint
     text = str(path)
+    local = missing_folder_hint(text)
+    if local:
+        return local
     if not path.is_absolute() and is_hub_id(text):
         local = "./" + text.split("/")[1]
         return (f"{text!r} reads as a Hugging Face hub id, and infer reads adapters from local folders only "

@@ -66,11 +66,33 @@ def _unknown_name_hint(name: str) -> str:
     close = difflib.get_close_matches(name.lower(), BUILTIN_MODELS, n=1, cutoff=0.75)
     if close:
         return f"did you mean the built-in model {close[0]!r}? Else pass a folder with config.json and weights"
+    local = missing_folder_hint(name)
+    if local:
+        return local
     if is_hub_id(name):
         return (f"{name!r} looks like a Hugging Face hub id, and the local hub cache ({_hub_cache_root()}) does not "
                 f"hold it; nothing is downloaded: fetch it first, `huggingface-cli download {name}` (then pass "
                 f"{name} again), or with `--local-dir ./{name.split('/')[1]}` and pass ./{name.split('/')[1]}")
     return "pass a folder with config.json and weights; nothing is downloaded"
+
+
+def missing_folder_hint(text: str) -> str | None:
+    """For a path that is not there but whose parent is a local folder (a typo in the last part): the parent's
+    folder of the closest name, else None. A missing `infer-demo/tiny-llama-gtpq` is then no hub id to download."""
+    p = Path(text).expanduser()
+    parent = p.parent
+    if p.name in ("", ".", "..") or not parent.is_dir():
+        return None
+    try:
+        names = sorted(d.name for d in parent.iterdir() if d.is_dir() and not d.name.startswith("."))
+    except OSError:
+        return None
+    close = difflib.get_close_matches(p.name, names, n=1, cutoff=0.6)
+    if close:
+        return f"the folder {str(parent)!r} has no {p.name!r}: did you mean {str(parent / close[0])!r}?"
+    if parent == Path("."):
+        return None  # a bare name (or ./NAME) nothing is close to: the caller's own hint applies
+    return f"the folder {str(parent)!r} has no {p.name!r} (check the path)"
 
 
 def is_hub_id(name: str) -> bool:

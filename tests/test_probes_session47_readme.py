@@ -1,0 +1,48 @@
+"""Session 47 probes of README's examples, run as a newcomer types them: each mistyped path, key or option value
+gets an error that names the problem and what to do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from infer.errors import LoRAError, ModelLoadError
+from infer.lora.adapter import read_config
+from infer.models.resolve import resolve_model
+
+
+def _model_refusal(name: str) -> ModelLoadError:
+    with pytest.raises(ModelLoadError) as e:
+        resolve_model(name)
+    return e.value
+
+
+def test_a_typo_in_a_local_model_path_is_no_hub_id(tmp_path, monkeypatch):
+    """`infer run infer-demo/tiny-llama-gtpq ...` (a typo under the demo's folder) was told it looked like a hub id
+    and to `huggingface-cli download infer-demo/tiny-llama-gtpq`: the folder is local, and the hint now says which
+    folder there was meant."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "infer-demo" / "tiny-llama-gptq").mkdir(parents=True)
+    err = _model_refusal("infer-demo/tiny-llama-gtpq")
+    assert "huggingface-cli" not in err.hint
+    assert "infer-demo/tiny-llama-gptq" in err.hint
+    err = _model_refusal("infer-demo/zzz")
+    assert "huggingface-cli" not in err.hint and "'infer-demo' has no 'zzz'" in err.hint
+    # an ORG/NAME whose ORG is no local folder is still a hub id
+    assert "huggingface-cli download meta-llama/Llama-2-7b-hf" in _model_refusal("meta-llama/Llama-2-7b-hf").hint
+
+
+def test_a_typo_in_a_local_adapter_path_is_no_hub_id(tmp_path, monkeypatch):
+    """`infer lora-validate BASE support=./adapters/suport` (and a served load_lora_adapter's lora_path): Path drops
+    the `./`, so the hint read `adapters/suport` as a hub id to download; it now names the local folder meant."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "adapters" / "support").mkdir(parents=True)
+    with pytest.raises(LoRAError) as e:
+        read_config("support", Path("./adapters/suport"))
+    text = str(e.value) + " " + (e.value.hint or "")
+    assert "hub id" not in text and "huggingface-cli" not in text
+    assert "adapters/support" in text
