@@ -46,3 +46,26 @@ def test_a_typo_in_a_local_adapter_path_is_no_hub_id(tmp_path, monkeypatch):
     text = str(e.value) + " " + (e.value.hint or "")
     assert "hub id" not in text and "huggingface-cli" not in text
     assert "adapters/support" in text
+
+
+class _Resp:
+    status_code = 401
+
+    def json(self):
+        return {"error": {"message": "invalid or missing API key"}}
+
+
+@pytest.mark.parametrize("key", [None, "wrong"])
+def test_bench_url_names_a_refused_key_apart_from_a_missing_one(monkeypatch, key):
+    """`infer bench MODEL --url ... --api-key wrong` was told to "pass --api-key KEY", the option it had passed."""
+    import httpx
+
+    from infer.cli.bench import check_url
+    from infer.errors import ConfigError
+    monkeypatch.setattr(httpx, "get", lambda *a, **k: _Resp())
+    with pytest.raises(ConfigError) as e:
+        check_url("http://127.0.0.1:9", "tiny-llama", [], key)
+    if key is None:
+        assert "requires an API key" in str(e.value) and e.value.hint == "pass --api-key KEY"
+    else:
+        assert "refused the --api-key given" in str(e.value) and "started with" in e.value.hint

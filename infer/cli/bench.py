@@ -128,7 +128,10 @@ def check_url(url: str, model_id: str, adapters: list[str], api_key: str | None)
         raise ConfigError(f"cannot reach {base}: {e or type(e).__name__}",
                           "start the server first (infer serve MODEL) or fix --url") from None
     if resp.status_code in (401, 403):
-        raise ConfigError(f"{base} refused the API key (HTTP {resp.status_code})", "pass --api-key KEY")
+        if not api_key:
+            raise ConfigError(f"{base} requires an API key (HTTP {resp.status_code})", "pass --api-key KEY")
+        raise ConfigError(f"{base} refused the --api-key given (HTTP {resp.status_code})",
+                          "pass a key the server was started with (its --api-key, INFER_API_KEY or VLLM_API_KEY)")
     try:
         served = {m["id"] for m in resp.json()["data"]} if resp.status_code == 200 else None
     except (ValueError, KeyError, TypeError):
