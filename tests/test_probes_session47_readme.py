@@ -69,3 +69,23 @@ def test_bench_url_names_a_refused_key_apart_from_a_missing_one(monkeypatch, key
         assert "requires an API key" in str(e.value) and e.value.hint == "pass --api-key KEY"
     else:
         assert "refused the --api-key given" in str(e.value) and "started with" in e.value.hint
+
+
+def test_quantize_progress_counts_the_head_with_lm_head():
+    """`infer quantize tiny-llama -o OUT --group-size 32 --lm-head` (README's example) showed "Quantizing layers 3/2"
+    and "layer 2 quantized" for the head: the bar's total now counts the head and the log names it."""
+    import io
+
+    from rich.console import Console
+
+    from infer.cli.quantize import RichObserver
+    from infer.quant.calibration import CalibrationSet
+    buf = io.StringIO()
+    obs = RichObserver(Console(file=buf, width=200, log_path=False, log_time=False), lm_head=True)
+    obs.start(2, CalibrationSet(source="built-in", samples=[{"input_ids": [1, 2], "attention_mask": [1, 1]}]))
+    for layer in range(3):
+        obs.layer_done(layer)
+    task = obs.progress.tasks[0]
+    obs.stop()
+    assert task.total == 3 and task.completed == 3
+    assert "lm_head quantized" in buf.getvalue() and "layer 2 quantized" not in buf.getvalue()

@@ -23,8 +23,10 @@ CALIB = "Calibration"
 class RichObserver(QuantizeObserver):
     """Draws one progress bar over the decoder layers, naming the modules being solved."""
 
-    def __init__(self, console: Console):
+    def __init__(self, console: Console, lm_head: bool = False):
         self.console = console
+        self.lm_head = lm_head  # GPTQModel solves the head as one more layer, numbered after the decoder's
+        self.num_layers = 0
         self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), TextColumn("{task.fields[detail]}"), console=console)
         self.task = None
@@ -35,17 +37,22 @@ class RichObserver(QuantizeObserver):
         self.console.print(f"Calibrating on {len(calibration.samples)} samples, {calibration.num_tokens} tokens, "
                            f"from {source}")
         self.progress.start()
-        self.task = self.progress.add_task("Quantizing layers", total=num_layers or None, detail="loading model")
+        self.num_layers = num_layers
+        total = num_layers + 1 if num_layers and self.lm_head else num_layers
+        self.task = self.progress.add_task("Quantizing layers", total=total or None, detail="loading model")
 
     def subset(self, layer: int, modules: list[str], stage: str) -> None:
         if self.task is not None:
             verb = "solving" if stage.startswith("quant") else "capturing inputs of"
-            self.progress.update(self.task, detail=f"layer {layer}: {verb} {', '.join(modules)}")
+            self.progress.update(self.task, detail=f"{self._name(layer)}: {verb} {', '.join(modules)}")
 
     def layer_done(self, layer: int) -> None:
         if self.task is not None:
             self.progress.advance(self.task)
-            self.console.log(f"layer {layer} quantized")
+            self.console.log(f"{self._name(layer)} quantized")
+
+    def _name(self, layer: int) -> str:
+        return "lm_head" if self.lm_head and self.num_layers and layer >= self.num_layers else f"layer {layer}"
 
     def stop(self) -> None:
         if self.task is not None:
@@ -122,7 +129,7 @@ def run_quantization(src: Path, output: Path, options: QuantizeOptions, calibrat
     from ..quant.quantize import quantize_model
     with tempfile.TemporaryDirectory(prefix="infer-quantize-log-") as logdir:
         with captured_output(Path(logdir) / "gptqmodel.log", enabled=not verbose) as terminal:
-            observer = RichObserver(Console(file=terminal, log_path=False))
+            observer = RichObserver(Console(file=terminal, log_path=False), lm_head=options.lm_head)
             try:
                 return quantize_model(src, output, options, calibration, observer, overwrite=overwrite,
                                       check_weights=check_weights)
