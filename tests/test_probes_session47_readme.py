@@ -89,3 +89,16 @@ def test_quantize_progress_counts_the_head_with_lm_head():
     obs.stop()
     assert task.total == 3 and task.completed == 3
     assert "lm_head quantized" in buf.getvalue() and "layer 2 quantized" not in buf.getvalue()
+
+
+@pytest.mark.parametrize("argv", [[], ["tiny-llama", "ad"], ["tiny-llama", "ad", "mine"]])
+def test_demo_adapter_step_gives_usage_not_traceback(argv, capsys, tmp_path, monkeypatch):
+    """The demo prints its adapter step as `python -m infer.cli.demo tiny-llama infer-demo/adapters support legal`;
+    re-typed without arguments or with another name it raised TypeError / KeyError tracebacks (or, with no name,
+    made nothing and said nothing)."""
+    from infer.cli.demo import _adapters_main
+    monkeypatch.chdir(tmp_path)
+    assert _adapters_main(argv) == 2
+    err = capsys.readouterr().err
+    assert "usage: python -m infer.cli.demo MODEL FOLDER NAME..." in err and "support, legal" in err
+    assert not (tmp_path / "ad").exists()

@@ -212,5 +212,18 @@ def _make_adapters(model: str, folder: str, *names: str) -> None:
         make_random_adapter(base, Path(folder) / name, rank, targets, seed)
 
 
+def _adapters_main(argv: list[str]) -> int:
+    """`python -m infer.cli.demo MODEL FOLDER NAME...` as the demo prints it: a usage line, not a traceback, for
+    missing arguments or a name the demo has no adapter recipe for."""
+    usage = f"usage: python -m infer.cli.demo MODEL FOLDER NAME... (NAME: {', '.join(ADAPTERS)})"
+    unknown = [n for n in argv[2:] if n not in ADAPTERS]
+    if len(argv) < 3 or unknown:
+        why = f"unknown adapter name {unknown[0]!r}" if unknown else "MODEL, FOLDER and at least one NAME are needed"
+        print(f"error: {why}\n  {usage}", file=sys.stderr)
+        return 2
+    _make_adapters(*argv)
+    return 0
+
+
 if __name__ == "__main__":
-    _make_adapters(*sys.argv[1:])
+    sys.exit(_adapters_main(sys.argv[1:]))
