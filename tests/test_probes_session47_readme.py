@@ -102,3 +102,21 @@ def test_demo_adapter_step_gives_usage_not_traceback(argv, capsys, tmp_path, mon
     err = capsys.readouterr().err
     assert "usage: python -m infer.cli.demo MODEL FOLDER NAME..." in err and "support, legal" in err
     assert not (tmp_path / "ad").exists()
+
+
+def test_demo_takes_dash_o_as_every_other_command(monkeypatch, tmp_path):
+    """`infer demo -o DIR` was "No such option: -o": run, quantize, convert and bench all take -o for their
+    output."""
+    from typer.testing import CliRunner
+
+    import infer.cli.demo as demo_mod
+    from infer.cli.main import app
+    from infer.errors import ConfigError
+    seen = []
+
+    def stop(out, model):
+        seen.append(out)
+        raise ConfigError("stopped here")
+    monkeypatch.setattr(demo_mod, "_check_args", stop)
+    result = CliRunner().invoke(app, ["demo", "-o", str(tmp_path / "d")])
+    assert result.exit_code == 2 and seen == [tmp_path / "d"], result.output

@@ -111,7 +111,7 @@ def _check_args(out: Path, model: str) -> Path:
 
 
 def demo(
-    out: Annotated[Path, typer.Option("--out", help="Folder for every artifact (created if missing; a re-run "
+    out: Annotated[Path, typer.Option("-o", "--out", help="Folder for every artifact (created if missing; a re-run "
                                                     "reuses its checkpoint and adapters).",
                                          parser=o.folder_path, metavar="<path>")] = Path("infer-demo"),
     model: Annotated[str, typer.Option(help="The built-in model to start from.")] = "tiny-llama",
