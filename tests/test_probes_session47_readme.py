@@ -120,3 +120,19 @@ def test_demo_takes_dash_o_as_every_other_command(monkeypatch, tmp_path):
     monkeypatch.setattr(demo_mod, "_check_args", stop)
     result = CliRunner().invoke(app, ["demo", "-o", str(tmp_path / "d")])
     assert result.exit_code == 2 and seen == [tmp_path / "d"], result.output
+
+
+def test_a_misspelt_jsonl_field_names_the_field_meant():
+    """A line `{"promt": "hi"}` or `{"prompt": "hi", "temprature": 0.5}` got the whole list of 35 allowed fields to
+    search; the hint now starts with the field meant (the server ignores such a field; `infer run` refuses it)."""
+    from infer.engine.inputs import parse_request
+    from infer.errors import RequestError
+    with pytest.raises(RequestError) as e:
+        parse_request({"prompt": "hi", "temprature": 0.5, "max_new_token": 3}, None, "1")
+    assert e.value.hint.startswith("did you mean 'max_new_tokens' for 'max_new_token', 'temperature' for 'temprature'?")
+    with pytest.raises(RequestError) as e:
+        parse_request({"promt": "hi"}, None, "1")
+    assert "did you mean 'prompt' for 'promt'?" in e.value.hint
+    with pytest.raises(RequestError) as e:
+        parse_request({"prompt": "hi", "zzz": 1}, None, "1")
+    assert "did you mean" not in e.value.hint and e.value.hint.startswith("allowed: ")

@@ -8,6 +8,7 @@ template's arguments).
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -726,6 +727,12 @@ def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = 
                         f"an OpenAI batch line's body); {hint}")
             elif prompt_lookalike(obj, unknown) is not None:  # {"text": ...}
                 hint = f"{prompt_lookalike(obj, unknown)}; {hint}"
+            else:  # a typo ("promt", "temprature"): name the field meant first
+                allowed = [*_PROMPT_KEYS, *_OTHER_KEYS, *_PARAM_TYPES]
+                meant = [f"{k!r} for {u!r}" for u in sorted(unknown) if isinstance(u, str)
+                         for k in difflib.get_close_matches(u, allowed, n=1, cutoff=0.8)]
+                if meant:
+                    hint = f"did you mean {', '.join(meant)}? {hint}"
             raise RequestError(f"unknown field(s) {sorted(unknown)}", hint)
         req_id = default_id if obj.get("id") is None else request_id(obj["id"], "id")
         fields, lora, aliases = obj, obj.get("lora"), None
