@@ -136,3 +136,15 @@ def test_a_misspelt_jsonl_field_names_the_field_meant():
     with pytest.raises(RequestError) as e:
         parse_request({"prompt": "hi", "zzz": 1}, None, "1")
     assert "did you mean" not in e.value.hint and e.value.hint.startswith("allowed: ")
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_body_sent_to_the_other_endpoint_names_it(chat):
+    """`{"prompt": ...}` posted to /v1/chat/completions (or `{"messages": ...}` to /v1/completions) was told only
+    that the other field is missing; the 400 now says which endpoint takes the field sent."""
+    from infer.serve.protocol import ApiError, parse_chat, parse_completion
+    body = {"model": "m", "prompt": "hi"} if chat else {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(ApiError) as e:
+        (parse_chat if chat else parse_completion)(body, None)
+    text = e.value.message
+    assert ("POST /v1/completions" if chat else "POST /v1/chat/completions") in text

@@ -364,7 +364,8 @@ def parse_completion(body: Any, tokenizer, max_tokens: int | None = None,
                      defaults: dict | None = None) -> GenerationRequest:
     req = _common(body, chat=False, defaults=defaults)
     if body.get("prompt") is None:
-        raise ApiError(400, "missing required field 'prompt'", param="prompt")
+        other = " ('messages' is a chat's: POST /v1/chat/completions)" if body.get("messages") is not None else ""
+        raise ApiError(400, f"missing required field 'prompt'{other}", param="prompt")
     max_tokens = _truncation(req, max_tokens)
     req.prompts = _choices(req, _completion_prompts(body["prompt"], tokenizer, max_tokens))
     if req.echo:
@@ -465,7 +466,8 @@ def _messages(body: dict, tokenizer, template: str | None = None) -> list[dict]:
     (a tokenizer's "tool_use" one where tools are rendered)."""
     messages = body.get("messages")
     if messages is None:
-        raise ApiError(400, "missing required field 'messages' (a non-empty list)", param="messages")
+        other = " ('prompt' is a completion's: POST /v1/completions)" if body.get("prompt") is not None else ""
+        raise ApiError(400, f"missing required field 'messages' (a non-empty list){other}", param="messages")
     if not isinstance(messages, list) or not messages:
         got = "an empty list" if isinstance(messages, list) else f"a {type(messages).__name__}"
         raise ApiError(400, f"field 'messages' must be a non-empty list of message objects, got {got}",
