@@ -148,3 +148,14 @@ def test_a_body_sent_to_the_other_endpoint_names_it(chat):
         (parse_chat if chat else parse_completion)(body, None)
     text = e.value.message
     assert ("POST /v1/completions" if chat else "POST /v1/chat/completions") in text
+
+
+def test_bench_lora_policy_split_without_adapters_is_refused(tmp_path):
+    """`infer bench tiny-llama --lora-policy split` without --lora ran the base model as one group, the very run
+    mixed makes, and labelled it split; it is now refused before anything loads."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    result = CliRunner().invoke(app, ["bench", "tiny-llama", "--lora-policy", "split", "-o", str(tmp_path / "b")])
+    assert result.exit_code == 2 and "no --lora is given" in result.output
+    assert not (tmp_path / "b").exists()

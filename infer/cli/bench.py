@@ -400,6 +400,10 @@ def bench(
     """
     levels, rate, slos = parse_concurrency(concurrency), parse_rate(request_rate), parse_goodput(goodput)
     check_options(num_prompts, dataset, baseline, lora_policy, url, rate)
+    if lora_policy == "split" and not lora:  # one group, the base model's: the same run as mixed, labelled split
+        raise ConfigError("--lora-policy split runs each adapter's requests apart, and no --lora is given",
+                          "pass --lora NAME=PATH for each adapter (and --lora-mix K to spread them), or drop "
+                          "--lora-policy")
     if served_model_name is not None and url is None:  # the in-process engine has no ids to choose from
         raise ConfigError("--served-model-name is the base model's id on a server, used with --url only",
                           "add --url http://HOST:PORT, or drop --served-model-name")
