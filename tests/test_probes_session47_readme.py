@@ -159,3 +159,18 @@ def test_bench_lora_policy_split_without_adapters_is_refused(tmp_path):
     result = CliRunner().invoke(app, ["bench", "tiny-llama", "--lora-policy", "split", "-o", str(tmp_path / "b")])
     assert result.exit_code == 2 and "no --lora is given" in result.output
     assert not (tmp_path / "b").exists()
+
+
+def test_a_mistyped_lora_folder_names_the_folder_meant(tmp_path, monkeypatch):
+    """`--lora support=./adapters/suport` (run, serve, bench, warmup) was told only "pass a PEFT adapter folder",
+    and `--lora sql=org/sql-lora` (vLLM downloads such an id) the same; they now get the loader's hints."""
+    from infer.engine.config import parse_loras
+    from infer.errors import ConfigError
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "adapters" / "support").mkdir(parents=True)
+    with pytest.raises(ConfigError) as e:
+        parse_loras(["support=./adapters/suport"])
+    assert "did you mean 'adapters/support'?" in e.value.hint
+    with pytest.raises(ConfigError) as e:
+        parse_loras(["sql=org/sql-lora"])
+    assert "huggingface-cli download org/sql-lora" in e.value.hint

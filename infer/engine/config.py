@@ -71,7 +71,9 @@ def parse_loras(items: dict[str, str] | list[str] | None) -> dict[str, str]:
             raise ConfigError(f"--lora {name!r}: {path!r} is not a folder path", "map each adapter name (a string) to "
                                                                                   "its PEFT folder")
         if not Path(path).is_dir():
-            raise ConfigError(f"--lora {name}: {path} is not a folder", "pass a PEFT adapter folder")
+            from ..lora.adapter import not_found_hint
+            hint = "pass a PEFT adapter folder" if Path(path).exists() else not_found_hint(Path(path))
+            raise ConfigError(f"--lora {name}: {path} is not a folder", hint)
         out[name] = str(path)
     return out
 

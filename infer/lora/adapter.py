@@ -156,7 +156,7 @@ def _fail(name: str, path: Path, message: str, hint: str) -> LoRAError:
     return LoRAError(f"LoRA adapter {name!r} ({path}): {message}", hint)
 
 
-def _not_found_hint(path: Path) -> str:
+def not_found_hint(path: Path) -> str:
     """What to pass instead of a folder that is not there: a hub id (vLLM downloads one) is fetched first."""
     from ..models.resolve import is_hub_id, missing_folder_hint
     text = str(path)
@@ -177,7 +177,7 @@ def read_config(name: str, path: Path) -> dict:
         raise _fail(name, path, "is a file, not a folder", "pass the folder save_pretrained wrote (the one that "
                                                             "holds adapter_config.json), not a file in it")
     if not path.is_dir():
-        raise _fail(name, path, "folder not found", _not_found_hint(path))
+        raise _fail(name, path, "folder not found", not_found_hint(path))
     file = path / CONFIG_FILE
     if not file.is_file():
         try:  # peft's save_pretrained writes an adapter not named "default" into a subfolder of that name
