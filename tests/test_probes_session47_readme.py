@@ -174,3 +174,15 @@ def test_a_mistyped_lora_folder_names_the_folder_meant(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as e:
         parse_loras(["sql=org/sql-lora"])
     assert "huggingface-cli download org/sql-lora" in e.value.hint
+
+
+def test_a_misspelt_sampling_params_field_names_the_field_meant():
+    """`SamplingParams(max_new_token=32)` listed every field; `LLM(max_num_seq=16)` already said what was meant."""
+    from infer import SamplingParams
+    from infer.errors import RequestError
+    with pytest.raises(RequestError) as e:
+        SamplingParams(max_new_token=32)
+    assert e.value.hint.startswith("did you mean 'max_new_tokens'?")
+    with pytest.raises(RequestError) as e:
+        SamplingParams(zzz=1)
+    assert e.value.hint.startswith("the fields are")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import difflib
 import functools
 import math
 import numbers
@@ -269,6 +270,9 @@ def _refuse_unknown_names(init):
                             "max_tokens=...))"
             else:
                 hint = f"the fields are {', '.join(sorted(names))}"
+                close = difflib.get_close_matches(key, sorted(names), n=1, cutoff=0.8)
+                if close:  # a typo: max_new_token, temprature
+                    hint = f"did you mean {close[0]!r}? {hint}"
             raise RequestError(f"SamplingParams has no field {key!r}", hint)
         init(self, *args, **kwargs)
     return __init__
