@@ -756,6 +756,8 @@ class LLMEngine:
                     made.append(self._failed_token(seq, e))
                 if seq.finished:
                     break
+            # the accepted drafts after a stop were never handed out: no tokens of the step (as vLLM counts them)
+            self.last_step_tokens -= len(tokens) - len(made)
             if drafts and not seq.finished:
                 self.block_manager.shrink(seq, len(seq))
             out = made[-1]
