@@ -80,7 +80,9 @@ def test_convert_keeps_the_source_config_layout(tmp_path):
     out = tmp_path / "out"
     r = CliRunner().invoke(app, ["convert", str(src), "-o", str(out), "--dtype", "bfloat16"])
     assert r.exit_code == 0, r.output
-    assert json.loads((out / "config.json").read_text()) == {**cfg, "torch_dtype": "bfloat16"}
+    # (and the source it copies: an adapter trained on it names it)
+    assert json.loads((out / "config.json").read_text()) == {**cfg, "torch_dtype": "bfloat16",
+                                                             "_name_or_path": str(src.resolve())}
     from transformers import AutoConfig
     assert AutoConfig.from_pretrained(out).rope_parameters["rope_theta"] == 500000.0
 
@@ -93,7 +95,7 @@ def test_quantize_keeps_the_source_config_layout(tmp_path):
     out = quantize_model(src, tmp_path / "q", SMALL).out
     saved = json.loads((out / "config.json").read_text())
     qc = saved.pop("quantization_config")
-    assert saved == {**cfg, "torch_dtype": "bfloat16"}
+    assert saved == {**cfg, "torch_dtype": "bfloat16", "_name_or_path": str(src.resolve())}  # (its source)
     assert qc == json.loads((out / "quantize_config.json").read_text()) and qc["bits"] == 4
     from infer import LLM, SamplingParams
     llm = LLM(str(out), block_size=4)

@@ -39,7 +39,7 @@ def convert(
     Example: infer convert ./my-model-bin -o ./my-model --dtype bfloat16 --merge-lora ./adapters/support
     """
     from ..models.loader import check_weights
-    from ..models.resolve import resolve_model
+    from ..models.resolve import resolve_model, source_name
     from ..quant.convert import convert_model, parse_shard_size
     from .entry import terminate_as_interrupt
     from .quiet import library_output
@@ -55,7 +55,7 @@ def convert(
     # SIGTERM stops it as Ctrl-C does: the staging folder beside OUTPUT (a whole model) is removed, not left behind
     with terminate_as_interrupt(), library_output():  # transformers' and peft's bars; errors reach handle_errors
         out = convert_model(src, output, dtype=dtype, merge_lora=merge_lora, max_shard_size=shard_bytes,
-                            overwrite=overwrite, check_weights=check_weights)
+                            overwrite=overwrite, check_weights=check_weights, source_name=source_name(model))
     files = sorted(p.name for p in Path(out).iterdir())
     what = ", ".join(x for x in (dtype, merge_lora and f"merged {merge_lora}") if x) or "same dtype"
     Console().print(f"Wrote {out} ({what}): {', '.join(files)}", soft_wrap=True)  # the path on one line, as written

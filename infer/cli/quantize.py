@@ -108,7 +108,7 @@ def quantize(
 
     Example: infer quantize ./Llama-3.2-1B -o ./Llama-3.2-1B-gptq --bits 4 --group-size 128 --calibration chats.jsonl
     """
-    from ..models.resolve import resolve_model
+    from ..models.resolve import resolve_model, source_name
     options = QuantizeOptions(bits=bits, group_size=group_size, desc_act=desc_act, sym=sym, num_samples=num_samples,
                               seq_len=seq_len, damp_percent=damp, max_shard_size=max_shard_size, lm_head=lm_head)
     options.validate()
@@ -118,12 +118,13 @@ def quantize(
         from ..models.registry import check_supported
         check_supported(load_config(src))
     with terminate_as_interrupt():
-        result = run_quantization(src, output, options, calibration, overwrite=overwrite, verbose=verbose)
+        result = run_quantization(src, output, options, calibration, overwrite=overwrite, verbose=verbose,
+                                  source=source_name(model))
     print_summary(result, options)
 
 
 def run_quantization(src: Path, output: Path, options: QuantizeOptions, calibration: Path | None, *,
-                     overwrite: bool, verbose: bool) -> QuantizeResult:
+                     overwrite: bool, verbose: bool, source: str | None = None) -> QuantizeResult:
     """Quantize with a progress bar; GPTQModel's own console output goes to a log unless `verbose`."""
     from ..models.loader import check_weights
     from ..quant.quantize import quantize_model
@@ -132,7 +133,7 @@ def run_quantization(src: Path, output: Path, options: QuantizeOptions, calibrat
             observer = RichObserver(Console(file=terminal, log_path=False), lm_head=options.lm_head)
             try:
                 return quantize_model(src, output, options, calibration, observer, overwrite=overwrite,
-                                      check_weights=check_weights)
+                                      check_weights=check_weights, source_name=source)
             finally:
                 observer.stop()
 

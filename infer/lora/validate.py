@@ -223,18 +223,25 @@ def _model_key(name: str) -> str:
     return key
 
 
+def _same_folder(named: str, path: str | Path) -> bool:
+    try:
+        return Path(named).expanduser().resolve() == Path(path).expanduser().resolve()
+    except OSError:
+        return False
+
+
 def base_name_warning(name: str, cfg: dict, base: "BaseInfo", given: str) -> str | None:
     """A warning when the adapter's base_model_name_or_path names another model than BASE (None when it names
-    nothing, the same folder, or the same model under a quantized or versioned name)."""
+    nothing, the same folder, the same model under a quantized or versioned name, or the model a GPTQ BASE records it
+    was quantized from)."""
+    from ..quant.convert import recorded_source
     named = cfg.get("base_model_name_or_path")
     if not isinstance(named, str) or not named.strip():
         return None
-    try:
-        if Path(named).expanduser().resolve() == base.path.resolve():
-            return None
-    except OSError:
-        pass
-    if _model_key(named) in {_model_key(given), _model_key(str(base.path))}:
+    source = recorded_source(base.path)  # the model a GPTQ base was quantized from: its weights, an adapter's base
+    if _same_folder(named, base.path) or (source and _same_folder(named, source)):
+        return None
+    if _model_key(named) in {_model_key(n) for n in (given, str(base.path), source) if n}:
         return None
     return (f"adapter {name!r} was trained on {named!r}, not on {given}: its sizes may fit, but its weights were "
             f"learned for another model")

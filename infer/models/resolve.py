@@ -41,6 +41,13 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
                          f"({', '.join(BUILTIN_MODELS)})", _unknown_name_hint(name))
 
 
+def source_name(name_or_path: str | os.PathLike) -> str:
+    """The name a copy of the model records as its source (config.json's `_name_or_path`, which an adapter trained on
+    the model may name as its base): a local folder's absolute path, else the built-in or hub name as given."""
+    p = Path(name_or_path).expanduser()
+    return str(p.resolve()) if p.is_dir() else str(name_or_path)
+
+
 def _not_a_model_folder(p: Path) -> ModelLoadError:
     """A folder without config.json: say what it holds when a newcomer's usual mix-up explains it."""
     if (p / "adapter_config.json").is_file():

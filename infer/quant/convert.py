@@ -49,14 +49,27 @@ def read_config_json(model_dir: Path) -> dict:
     return cfg
 
 
+def recorded_source(model_dir: Path) -> str | None:
+    """The model a GPTQ checkpoint's weights were quantized from: config.json's `_name_or_path`, as `infer quantize`
+    writes it (and GPTQModel and AutoGPTQ did under transformers 4; `infer convert` copies it). None for a float
+    model, whose `_name_or_path` may name the model it was fine-tuned from, or when none is recorded."""
+    try:
+        cfg = read_config_json(model_dir)
+        named = cfg.get("_name_or_path")
+        return named.strip() if isinstance(named, str) and named.strip() and is_gptq(model_dir) else None
+    except ModelLoadError:
+        return None
+
+
 DTYPE_KEYS = ("dtype", "torch_dtype")
 
 
 def keep_source_config(src: Path, out: Path, changed: dict) -> None:
     """Write the source's config.json into `out` with only the `changed` fields replaced (a dtype in the key or keys
-    the source spells it with). transformers saves a config in its own version's layout (transformers 5 moves
-    rope_theta and rope_scaling into rope_parameters and writes dtype for torch_dtype), which tools reading the
-    fields of older versions take for a model without them (vLLM on transformers 4 gets the default rope)."""
+    the source spells it with; another key set to None is removed). transformers saves a config in its own version's
+    layout (transformers 5 moves rope_theta and rope_scaling into rope_parameters and writes dtype for torch_dtype),
+    which tools reading the fields of older versions take for a model without them (vLLM on transformers 4 gets the
+    default rope)."""
     cfg = read_config_json(src)
     for key, value in changed.items():
         if key == "dtype":
@@ -64,6 +77,8 @@ def keep_source_config(src: Path, out: Path, changed: dict) -> None:
                 continue
             keys = [k for k in DTYPE_KEYS if k in cfg] or ["torch_dtype"]  # every transformers version reads it
             cfg.update({k: value for k in keys})
+        elif value is None:
+            cfg.pop(key, None)
         else:
             cfg[key] = value
     (Path(out) / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -257,10 +272,12 @@ def parse_shard_size(size: str | int) -> int:
 
 def convert_model(src: Path, out: Path, dtype: str | None = None, merge_lora: Path | None = None,
                   max_shard_size: str | int = "4GB", overwrite: bool = False,
-                  check_weights: Callable[[Path], None] | None = None) -> Path:
+                  check_weights: Callable[[Path], None] | None = None, source_name: str | None = None) -> Path:
     """Write `src` as safetensors into `out`; returns `out`. `check_weights`: the engine loader's checks of a float
     checkpoint against its config.json (models.loader.check_weights, which the CLI passes: quant sits below models),
-    run before transformers loads it."""
+    run before transformers loads it. `source_name`: the name a float copy's config.json records as the model its
+    weights are (`_name_or_path`; default: `src`'s path); a merged model records none, and a GPTQ checkpoint's
+    config.json is copied unchanged (the model it was quantized from, which it records, is the copy's)."""
     src, out = Path(src).expanduser(), Path(out).expanduser()  # as `infer run` reads MODEL and --lora reads PATH
     merge_lora = Path(merge_lora).expanduser() if merge_lora is not None else None
     max_shard_size = parse_shard_size(max_shard_size)  # a bad size fails now, not after loading the model
@@ -278,10 +295,12 @@ def convert_model(src: Path, out: Path, dtype: str | None = None, merge_lora: Pa
                           "convert or merge the float model first, then quantize it with `infer quantize`; "
                           "adapters can be served on top of GPTQ with --lora")
     with staged_output(out, overwrite) as tmp:
-        if gptq:
+        if gptq:  # config.json unchanged: the source it records (recorded_source) is the copy's
             _copy_tensors(src, tmp, max_shard_size)
         else:
-            _save_float(src, tmp, dtype, merge_lora, max_shard_size, check_weights)
+            # the same weights as the source's; merged, the weights of no model an adapter was trained on
+            named = None if merge_lora is not None else source_name or str(src.resolve())
+            _save_float(src, tmp, dtype, merge_lora, max_shard_size, check_weights, named)
         copy_tokenizer_files(src, tmp)
     return Path(out)
 
@@ -307,7 +326,7 @@ def _check_adapter(adapter: Path) -> None:
 
 
 def _save_float(src: Path, out: Path, dtype: str | None, merge_lora: Path | None, max_shard_size: int,
-                check_weights: Callable[[Path], None] | None = None) -> None:
+                check_weights: Callable[[Path], None] | None = None, named: str | None = None) -> None:
     import torch
     from transformers import AutoModelForCausalLM
     _check_tensors(src, check_weights)
@@ -336,7 +355,7 @@ def _save_float(src: Path, out: Path, dtype: str | None, merge_lora: Path | None
                             "the adapter's weights are too large for the model (`infer lora-validate` shows its "
                             "scaling); check the adapter, or merge into a float32 copy of the model")
     model.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
-    keep_source_config(src, out, {"dtype": saved_dtype(out)} if dtype else {})
+    keep_source_config(src, out, {"_name_or_path": named, **({"dtype": saved_dtype(out)} if dtype else {})})
     copy_tokenizer_files(src, out, EXTRA_FILES)
 
 

@@ -179,10 +179,13 @@ class _Callbacks:
 
 def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: QuantizeOptions | None = None,
                    calibration: str | os.PathLike | None = None, observer: QuantizeObserver | None = None,
-                   overwrite: bool = False, check_weights: Callable[[Path], None] | None = None) -> QuantizeResult:
+                   overwrite: bool = False, check_weights: Callable[[Path], None] | None = None,
+                   source_name: str | None = None) -> QuantizeResult:
     """Quantize the float model in folder `model` (the CLI resolves built-in names with models.resolve) with
     GPTQModel into `out`; see the module docstring. `check_weights`: the engine loader's checks of the checkpoint
-    against its config.json (models.loader.check_weights, which the CLI passes: quant sits below models)."""
+    against its config.json (models.loader.check_weights, which the CLI passes: quant sits below models).
+    `source_name`: the name config.json's `_name_or_path` records as the model quantized (default: `model`'s path),
+    which an adapter trained on it may name as its base (lora.validate.base_name_warning)."""
     opts = options or QuantizeOptions()
     opts.validate()
     src, out = Path(model).expanduser().resolve(), Path(out).expanduser().resolve()
@@ -210,7 +213,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: Qu
         report = report_frame(log)
         _check_saved(tmp)
         _drop_work_paths(tmp)
-        keep_source_config(src, tmp, {"dtype": saved_dtype(tmp),
+        keep_source_config(src, tmp, {"dtype": saved_dtype(tmp), "_name_or_path": source_name or str(src),
                                       "quantization_config": read_config_json(tmp)["quantization_config"]})
         _restore_source_files(src, tmp)
         report.to_csv(tmp / REPORT_NAME, index=False)
