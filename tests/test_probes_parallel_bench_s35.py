@@ -24,8 +24,8 @@ def replicas():
 
 def _one_and_dp(tmp_path, replicas, lines: list) -> tuple[tuple[int, dict], tuple[int, dict]]:
     """(failed count, records by id) of one engine's _generate and of the data-parallel driver's (replicas in this
-    process behind test_ray_pool's stand-in for Ray) on the same input."""
-    from test_ray_pool import FakeRay, _Handle
+    process behind tests/fakeray.py's stand-in for Ray) on the same input."""
+    from fakeray import FakeRay, Handle
 
     from infer.cli import run as one, run_parallel
     from infer.cli.batch_io import RecordWriter, read_inputs
@@ -40,7 +40,7 @@ def _one_and_dp(tmp_path, replicas, lines: list) -> tuple[tuple[int, dict], tupl
         if name == "one":
             failed = one._generate(replicas[0].engine, todo, writer, True)
         else:
-            pool = ReplicaPool(FakeRay(), [_Handle(r) for r in replicas], capacity=2, notify=lambda m: None)
+            pool = ReplicaPool(FakeRay(), [Handle(r) for r in replicas], capacity=2, notify=lambda m: None)
             failed = run_parallel._generate(pool, todo, writer, tokenizer, True)
         writer.close()
         results.append((failed, {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}))
@@ -62,68 +62,22 @@ def test_a_request_the_engine_ends_with_an_error_fails_a_data_parallel_run_too(t
 # ------------------------------------------------------------------ `infer run --data-parallel 2` without a Ray runtime
 
 
-class _Call:
-    def __init__(self, replica, name: str, args: tuple):
-        self.replica, self.name, self.args = replica, name, args
-
-
-class _Method:
-    def __init__(self, actor, name: str):
-        self.actor, self.name = actor, name
-
-    def remote(self, *args):
-        return _Call(self.actor, self.name, args)
-
-
-class _Actor:
-    """A replica actor's handle: `handle.step.remote(...)` runs `Replica.step` when the driver gets its result."""
-
-    def __init__(self, replica):
-        self.replica, self.alive = replica, True
-
-    def __getattr__(self, name: str):
-        return _Method(self, name)
-
-
-class _Died(Exception):
-    pass
-
-
-class LocalRay:
-    """The few Ray calls the driver makes, run in this process at once."""
-
-    class exceptions:
-        RayError = _Died
-
-    def wait(self, refs, num_returns=1, timeout=None):
-        return refs[:num_returns], refs[num_returns:]
-
-    def get(self, ref):
-        if isinstance(ref, list):
-            return [self.get(r) for r in ref]
-        if not ref.replica.alive:
-            raise _Died("The actor died unexpectedly before finishing this task.")
-        return getattr(ref.replica.replica, ref.name)(*ref.args)
-
-    def kill(self, handle, no_restart=True):
-        handle.alive = False
-
-
 @pytest.fixture
 def local_ray(monkeypatch):
     """`--data-parallel N` runs its replicas in this process (one engine each, built as the runtime builds them)."""
     import contextlib
 
+    from fakeray import FakeRay, Handle
     from infer.cli import run_parallel
     from infer.parallel.replica import Replica
     from infer.parallel.runtime import replica_config
 
     def start_replicas(ray, engine, model_path, n):
         cfg = replica_config(engine, model_path, "cpu", n, single_node=False)
-        handles = [_Actor(Replica(cfg)) for _ in range(n)]
+        handles = [Handle(Replica(cfg)) for _ in range(n)]
         return handles, [h.replica.info() for h in handles]
     monkeypatch.setattr(run_parallel, "require_ray", lambda: None)
-    monkeypatch.setattr(run_parallel, "ray_runtime", lambda address, cpus: contextlib.nullcontext(LocalRay()))
+    monkeypatch.setattr(run_parallel, "ray_runtime", lambda address, cpus: contextlib.nullcontext(FakeRay()))
     monkeypatch.setattr(run_parallel, "start_replicas", start_replicas)
 
 
@@ -303,28 +257,12 @@ def test_a_replica_that_cannot_start_is_named_with_its_host(monkeypatch):
 
     import torch
 
+    from fakeray import FakeRay
     from infer.errors import OutOfMemoryError
     from infer.parallel.runtime import start_replicas
 
-    class StartRay(LocalRay):
-        def cluster_resources(self):
-            return {"CPU": 2}
-
-        available_resources = cluster_resources
-
-        def nodes(self):
-            return [{"Alive": True, "Resources": {"CPU": 2}}]
-
-        def remote(self, cls):
-            class Actor:
-                def options(self, **_):
-                    return self
-
-                def remote(self, *args):
-                    return _Actor(cls(*args))
-            return Actor()
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # (the replicas' threads: not this process's)
     cfg = EngineConfig("tiny-llama", device="cpu", memory_limit=1024)
     from infer.models.resolve import resolve_model
     with pytest.raises(OutOfMemoryError, match=f"^engine replica 0 \\(on {socket.gethostname()}\\): a single seq"):
-        start_replicas(StartRay(), cfg, resolve_model("tiny-llama"), 2)
+        start_replicas(FakeRay(), cfg, resolve_model("tiny-llama"), 2)

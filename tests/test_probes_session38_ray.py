@@ -38,64 +38,26 @@ def test_a_structured_output_request_served_over_replicas_does_not_kill_them(rep
     assert outputs[-1].token_ids == [t for o in outputs for t in o.new_token_ids]
 
 
-class _FakeRay:
-    """Just what start_replicas calls, with the actors built in this process."""
-
-    class exceptions:
-        RayError = RuntimeError
-
-    def cluster_resources(self):
-        return {"CPU": 2}
-
-    available_resources = cluster_resources
-
-    def nodes(self):
-        return [{"Alive": True, "Resources": {"CPU": 2}}]
-
-    def remote(self, cls):
-        class Method:
-            def __init__(self, fn):
-                self.remote = fn
-
-        class Actor:
-            def __init__(self, obj):
-                self.info = Method(obj.info)
-                self.obj = obj
-
-        class Factory:
-            def options(self, **_):
-                return self
-
-            def remote(self, *args):
-                return Actor(cls(*args))
-        return Factory()
-
-    def get(self, refs):
-        return refs
-
-    def kill(self, handle, no_restart=True):
-        pass
-
-
 def test_replicas_do_not_draw_the_same_random_numbers(monkeypatch):
     """Every replica's engine got the driver's --seed (0 by default), so requests without a seed drew the same
     numbers on every replica: `n=2` at temperature 1 on `infer serve --data-parallel 2` gave the same text twice
     (its samples run on two replicas at once), where one engine gives two samples."""
     import torch
 
+    from fakeray import FakeRay
     from infer.engine.config import EngineConfig
     from infer.models.resolve import resolve_model
     from infer.parallel.runtime import start_replicas
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # (the replicas' threads: not this process's)
     cfg = EngineConfig("tiny-llama", device="cpu", max_model_len=64, max_num_seqs=2, memory_limit=2 ** 30)
-    handles, _ = start_replicas(_FakeRay(), cfg, resolve_model("tiny-llama"), 2)
+    handles, _ = start_replicas(FakeRay(), cfg, resolve_model("tiny-llama"), 2)
     params = SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True)
     texts = []
     for h in handles:
         finished = []
         new = [("s", [5, 6, 7], params, None)]
         while not finished:
-            finished, new = h.obj.step(new).finished, []
+            finished, new = h.replica.step(new).finished, []
         texts.append(finished[0].token_ids)
     assert texts[0] != texts[1]
     from infer import LLM

@@ -3,13 +3,12 @@
 down in turn and the whole run (or server) with it. Now a request that was in flight on pool.MAX_LOST replicas
 that stopped ends as an error while other replicas live; the others still complete, each once.
 
-Replicas are real engines in this process behind a stand-in for the few Ray calls the driver makes (as in
-tests/test_ray_pool.py); the stand-in kills a replica whenever the poison request is on it."""
+Replicas are real engines in this process behind a stand-in for the few Ray calls the driver makes (tests/fakeray.py,
+as in tests/test_ray_pool.py); the stand-in kills a replica whenever the poison request is on it."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 
@@ -19,60 +18,23 @@ from infer.parallel.pool import MAX_LOST, ReplicaPool, Work
 from infer.parallel.replica import ENGINE_FAILURE, Replica
 from infer.parallel.runtime import ReplicaError
 
+from fakeray import FakeRay, Handle
+
 POISON = "poison"
 
 
-class _Died(Exception):
-    pass
+class _Ray(FakeRay):
+    """A replica handed the poison request dies (and stays dead)."""
+
+    def before(self, ref):
+        h = ref.handle
+        h.ran.update(w[0] for w in (ref.args[0] if ref.args else []))
+        if POISON in h.ran:
+            h.alive = False
 
 
-class _Ref:
-    def __init__(self, handle, method, args):
-        self.handle, self.method, self.args = handle, method, args
-
-
-class _Method:
-    def __init__(self, handle, name):
-        self.handle, self.name = handle, name
-
-    def remote(self, *args):
-        return _Ref(self.handle, self.name, args)
-
-
-class _Handle:
-    def __init__(self, replica: Replica):
-        self.replica, self.alive, self.ran = replica, True, set()
-        self.step, self.serve_step = _Method(self, "step"), _Method(self, "serve_step")
-
-
-class _Ray:
-    """ray.wait / get / kill over in-process replicas; a replica handed the poison request dies (and stays dead)."""
-
-    class exceptions:
-        RayError = _Died
-        ActorDiedError = _Died
-
-    def __init__(self):
-        self.lock = threading.Lock()
-
-    def wait(self, refs, num_returns=1, timeout=None):
-        return refs[:1], refs[1:]
-
-    def get(self, ref):
-        if isinstance(ref, list):
-            return [self.get(r) for r in ref]
-        with self.lock:
-            h = ref.handle
-            new = ref.args[0] if ref.args else []
-            h.ran.update(w[0] for w in new)
-            if POISON in h.ran:
-                h.alive = False
-            if not h.alive:
-                raise _Died("The actor died unexpectedly before finishing this task.")
-            return getattr(h.replica, ref.method)(*ref.args)
-
-    def kill(self, handle, no_restart=True):
-        handle.alive = False
+def _handle(replica: Replica) -> Handle:
+    return Handle(replica, ran=set())  # ran: the requests handed to it
 
 
 def _replicas(n: int) -> list[Replica]:
@@ -91,7 +53,7 @@ def _work() -> list[Work]:
 
 def test_run_a_poison_request_ends_as_an_error_and_the_others_complete():
     notes, done, failed = [], [], []
-    handles = [_Handle(r) for r in _replicas(3)]
+    handles = [_handle(r) for r in _replicas(3)]
     pool = ReplicaPool(_Ray(), handles, capacity=3, notify=notes.append)
     pool.run(_work(), lambda w, out, i: done.append(w.id), lambda w, reason: failed.append((w.id, reason)))
     assert sorted(done) == [f"r{i}" for i in range(6)], "every other request completes, once"
@@ -105,7 +67,7 @@ def test_run_with_no_replica_left_fails_nothing_so_resume_reruns_it():
     """With two replicas both stopped there is no one left: the run stops (ReplicaError) and the requests in flight
     are not written as errors (an error record is done for --resume, which would never run them again)."""
     failed = []
-    pool = ReplicaPool(_Ray(), [_Handle(r) for r in _replicas(2)], capacity=3, notify=lambda m: None)
+    pool = ReplicaPool(_Ray(), [_handle(r) for r in _replicas(2)], capacity=3, notify=lambda m: None)
     with pytest.raises(ReplicaError, match="every engine replica has stopped"):
         pool.run(_work(), lambda *a: None, lambda w, reason: failed.append(w.id))
     assert failed == []
@@ -115,7 +77,7 @@ def test_serve_a_poison_request_fails_alone_and_the_server_keeps_replicas():
     from infer.parallel.serve_engine import RayAsyncEngine, ReplicaView
 
     replicas = _replicas(3)
-    handles = [_Handle(r) for r in replicas]
+    handles = [_handle(r) for r in replicas]
     engine = replicas[0].engine
     view = ReplicaView(engine.config, engine.model_path, engine.tokenizer, replicas[0].info())
     aengine = RayAsyncEngine(_Ray(), handles, [r.info() for r in replicas], view)

@@ -71,51 +71,9 @@ def test_fcfs_abort_of_waiting_requests_does_not_scan_the_queue(monkeypatch):
 # -------------------------------------------------------------------------------------------------- data parallel
 
 
-class _Ref:
-    def __init__(self, handle, method, args):
-        self.handle, self.method, self.args = handle, method, args
-
-
-class _Method:
-    def __init__(self, handle, name):
-        self.handle, self.name = handle, name
-
-    def remote(self, *args):
-        return _Ref(self.handle, self.name, args)
-
-
-class _Handle:
-    def __init__(self, replica):
-        self.replica = replica
-        self.serve_step = _Method(self, "serve_step")
-
-
-class _Ray:
-    """ray.wait / get / kill over in-process replicas (each call runs when its result is read)."""
-
-    class exceptions:
-        RayError = RuntimeError
-        ActorDiedError = RuntimeError
-
-    def __init__(self):
-        import threading
-        self.lock = threading.Lock()
-
-    def wait(self, refs, num_returns=1, timeout=None):
-        return refs[:1], refs[1:]
-
-    def get(self, ref):
-        if isinstance(ref, list):
-            return [self.get(r) for r in ref]
-        with self.lock:
-            return getattr(ref.handle.replica, ref.method)(*ref.args)
-
-    def kill(self, handle, no_restart=True):
-        pass
-
-
 def _dp_server():
-    """Two in-process tiny-llama replicas behind the fake ray, their RayAsyncEngine and a Server over it."""
+    """Two in-process tiny-llama replicas behind the fake ray (tests/fakeray.py), their RayAsyncEngine and a Server over it."""
+    from fakeray import FakeRay, Handle
     from infer.engine.config import EngineConfig
     from infer.parallel.replica import Replica
     from infer.parallel.serve_engine import RayAsyncEngine, ReplicaView
@@ -124,7 +82,7 @@ def _dp_server():
     replicas = [Replica(cfg) for _ in range(2)]
     engine = replicas[0].engine
     view = ReplicaView(engine.config, engine.model_path, engine.tokenizer, replicas[0].info())
-    aengine = RayAsyncEngine(_Ray(), [_Handle(r) for r in replicas], [r.info() for r in replicas], view)
+    aengine = RayAsyncEngine(FakeRay(), [Handle(r) for r in replicas], [r.info() for r in replicas], view)
     server = Server(aengine, "tiny-llama")
     return replicas, aengine, server
 

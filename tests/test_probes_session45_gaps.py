@@ -229,37 +229,17 @@ def test_a_request_that_raises_inside_a_replica_fails_alone(monkeypatch):
     replica's call: the driver took the replica for dead, re-ran its requests on the others, where it raised again,
     and with two replicas the whole run stopped. Now that request gets an error record and the rest complete on
     both replicas, each once (a validation that raises likewise fails its line only)."""
+    from fakeray import Died, FakeRay, Handle
     from infer.engine.config import EngineConfig
     from infer.parallel.pool import ReplicaPool, Work
     from infer.parallel.replica import ENGINE_FAILURE, Replica
 
-    class _Died(Exception):
-        pass
-
-    class _Ref:
-        def __init__(self, replica, method, args):
-            self.replica, self.method, self.args = replica, method, args
-
-    class _Handle:
-        def __init__(self, replica):
-            self.replica = replica
-            self.step = type("M", (), {"remote": lambda _, *a: _Ref(replica, "step", a)})()
-
-    class _Ray:
-        class exceptions:
-            RayError = _Died
-
-        def wait(self, refs, num_returns=1, timeout=None):
-            return refs[:1], refs[1:]
-
-        def get(self, ref):
+    class _Ray(FakeRay):
+        def call(self, ref):
             try:
-                return getattr(ref.replica, ref.method)(*ref.args)
+                return super().call(ref)
             except Exception as e:  # as Ray hands an actor method's exception to the driver
-                raise _Died(str(e)) from e
-
-        def kill(self, handle, no_restart=True):
-            pass
+                raise Died(str(e)) from e
 
     cfg = EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=3, memory_limit=2 ** 29)
     replicas = [Replica(cfg) for _ in range(2)]
@@ -274,7 +254,7 @@ def test_a_request_that_raises_inside_a_replica_fails_alone(monkeypatch):
     params = SamplingParams(max_new_tokens=3, ignore_eos=True)
     work = [Work(rid, i + 1, [5 + i, 6, 7], params, None) for i, rid in enumerate(["a", "poison", "b", "c", "d"])]
     outs, rejected = {}, {}
-    pool = ReplicaPool(_Ray(), [_Handle(r) for r in replicas], capacity=2, notify=lambda m: None)
+    pool = ReplicaPool(_Ray(), [Handle(r) for r in replicas], capacity=2, notify=lambda m: None)
     pool.run(work, lambda item, out, i: outs.setdefault(item.id, out),
              lambda item, why: rejected.setdefault(item.id, why))
     assert sorted(outs) == ["a", "b", "c", "d"] and all(o.finish_reason == "length" for o in outs.values())

@@ -8,58 +8,23 @@ import threading
 
 import pytest
 
+from fakeray import FakeRay, Handle
 from helpers import metric_families, samples_by_engine
 from infer.engine.sampling_params import SamplingParams
 
 
-class _Ref:
-    def __init__(self, result=None, error=None):
-        self.result, self.error = result, error
-
-
-class _Method:
-    def __init__(self, ray, handle, name):
-        self.ray, self.handle, self.name = ray, handle, name
-
-    def remote(self, *args):
-        """Run now, in the order the calls are made, as a Ray actor runs one caller's calls."""
-        with self.ray.lock:
-            if self.name == "serve_step" and args[0] and self.handle.dies_at is not None:  # a call with requests
-                self.handle.dies_at -= 1
-                self.handle.alive = self.handle.alive and self.handle.dies_at > 0
-            if not self.handle.alive:
-                return _Ref(error=RuntimeError("the actor died"))
-            return _Ref(getattr(self.handle.replica, self.name)(*args))
-
-
-class _Handle:
-    def __init__(self, ray, replica):
-        self.replica, self.alive = replica, True
-        self.dies_at = None  # the how-manieth serve_step call with new requests finds the actor dead
-        for name in ("serve_step", "add_lora", "remove_lora"):
-            setattr(self, name, _Method(ray, self, name))
-
-
-class _Ray:
-    class exceptions:
-        RayError = RuntimeError
-        ActorDiedError = RuntimeError
+class _Ray(FakeRay):
+    """Calls run at once, in the order they are made, as a Ray actor runs one caller's calls; a handle's `dies_at`
+    (None: never) is the how-manieth serve_step call with new requests that finds the actor dead."""
 
     def __init__(self):
-        self.lock = threading.Lock()
+        super().__init__(eager=True)
 
-    def wait(self, refs, num_returns=1, timeout=None):
-        return refs[:1], refs[1:]
-
-    def get(self, ref):
-        if isinstance(ref, list):
-            return [self.get(r) for r in ref]
-        if ref.error is not None:
-            raise ref.error
-        return ref.result
-
-    def kill(self, handle, no_restart=True):
-        handle.alive = False
+    def before(self, ref):
+        h = ref.handle
+        if ref.method == "serve_step" and ref.args[0] and h.dies_at is not None:  # a call with requests
+            h.dies_at -= 1
+            h.alive = h.alive and h.dies_at > 0
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +51,7 @@ def _dp(adapters=None, start=True):
     replicas = [Replica(cfg) for _ in range(2)]
     engine = replicas[0].engine
     ray = _Ray()
-    handles = [_Handle(ray, r) for r in replicas]
+    handles = [Handle(r, ray, dies_at=None) for r in replicas]
     view = ReplicaView(engine.config, engine.model_path, engine.tokenizer, replicas[0].info())
     aengine = RayAsyncEngine(ray, handles, [r.info() for r in replicas], view)
     if start:  # (else the app's lifespan starts it)

@@ -1,5 +1,5 @@
 """The data-parallel driver loop (infer.parallel.pool) without a Ray runtime: replicas are real engines in this
-process behind a stand-in for the few Ray calls the pool makes, so a replica death lands at an exact moment.
+process behind a stand-in for the few Ray calls the pool makes (tests/fakeray.py), so a replica death lands at an exact moment.
 Every request is handed back exactly once, with one engine's tokens, whichever replica ran it."""
 
 from __future__ import annotations
@@ -12,42 +12,7 @@ from infer.parallel.pool import ReplicaPool, Work
 from infer.parallel.replica import Replica
 from infer.parallel.runtime import ReplicaError
 
-
-class _Died(Exception):
-    pass
-
-
-class _Ref:
-    def __init__(self, handle, args):
-        self.handle, self.args = handle, args
-
-
-class _Handle:
-    """An actor handle: `step.remote(...)` queues a call; the call runs when the driver gets its result."""
-
-    def __init__(self, replica: Replica):
-        self.replica, self.alive, self.calls = replica, True, 0
-        self.step = self
-
-    def remote(self, *args):
-        self.calls += 1
-        return _Ref(self, args)
-
-
-class FakeRay:
-    class exceptions:
-        RayError = _Died
-
-    def wait(self, refs, num_returns=1, timeout=None):
-        return refs[:1], refs[1:]
-
-    def get(self, ref):
-        if not ref.handle.alive:
-            raise _Died("The actor died unexpectedly before finishing this task.")
-        return ref.handle.replica.step(*ref.args)
-
-    def kill(self, handle, no_restart=True):
-        handle.alive = False
+from fakeray import FakeRay, Handle
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +40,7 @@ def want(replicas, work):
 
 
 def _pool(replicas, notes):
-    return ReplicaPool(FakeRay(), [_Handle(r) for r in replicas], capacity=4, notify=notes.append)
+    return ReplicaPool(FakeRay(), [Handle(r) for r in replicas], capacity=4, notify=notes.append)
 
 
 def test_spread_over_both_replicas(replicas, work, want):
