@@ -160,16 +160,15 @@ def not_found_hint(path: Path) -> str:
     """What to pass instead of a folder that is not there: a hub id (vLLM downloads one) is fetched first."""
     from ..models.resolve import is_hub_id, missing_folder_hint
     text = str(path)
-    local = missing_folder_hint(text)
-    if local:
-        return local
-    if not path.is_absolute() and is_hub_id(text):
+    local = missing_folder_hint(text)  # a typo under an existing folder: the folder's closest entry first
+    if not local and not path.is_absolute() and is_hub_id(text):
         local = "./" + text.split("/")[1]
         return (f"{text!r} reads as a Hugging Face hub id, and infer reads adapters from local folders only "
                 f"(nothing is downloaded): fetch it first, `huggingface-cli download {text} --local-dir {local}`, "
                 f"and pass {local}")
     relative = "" if path.is_absolute() else f" (a relative path is read from {Path.cwd()})"
-    return f"pass the folder peft's save_pretrained wrote{relative}"
+    where = f"pass the folder peft's save_pretrained wrote{relative}"
+    return f"{where} ({local})" if local else where
 
 
 def read_config(name: str, path: Path) -> dict:
