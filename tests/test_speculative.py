@@ -85,7 +85,8 @@ def test_proposer_takes_the_longest_most_recent_match():
 
 @pytest.mark.parametrize("value, message", [
     ({"method": "eagle", "num_speculative_tokens": 3}, "only with \"ngram\""),
-    ({"model": "some/draft", "num_speculative_tokens": 3}, "only with \"ngram\""),
+    ({"method": "draft_model", "num_speculative_tokens": 3}, "needs \"model\""),
+    ({"method": "mtp", "model": "some/draft", "num_speculative_tokens": 3}, "only with \"ngram\""),
     ({"method": "ngram"}, "num_speculative_tokens must be an integer of at least 1, got None"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
     ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens must be"),

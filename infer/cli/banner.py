@@ -8,14 +8,19 @@ from __future__ import annotations
 def engine_traits(dtype, num_blocks: int, block_size: int, kv_cache_dtype: str | None, max_len: int,
                   speculative: dict | None, each: bool = False) -> str:
     """e.g. "torch.float16, KV cache 812 blocks x 16 tokens of float8_e4m3fn, max length 4096, n-gram speculative
-    decoding (4 draft tokens)". `kv_cache_dtype`: the cache's element type, None when --kv-cache-dtype is auto (the
-    model's dtype); `each`: the blocks are every replica's."""
+    decoding (4 draft tokens)" (or "draft-model speculative decoding (./small, 3 draft tokens)"). `kv_cache_dtype`:
+    the cache's element type, None when --kv-cache-dtype is auto (the model's dtype); `each`: the blocks are every
+    replica's."""
     kv = f" of {kv_cache_dtype}" if kv_cache_dtype else ""
     text = f"{dtype}, KV cache {num_blocks} blocks x {block_size} tokens{kv}{' each' if each else ''}, " \
            f"max length {max_len}"
     if speculative:
         k = speculative["num_speculative_tokens"]
-        text += f", n-gram speculative decoding ({k} draft token{'s' if k != 1 else ''})"
+        tokens = f"{k} draft token{'s' if k != 1 else ''}"
+        if speculative.get("method") == "draft_model":
+            text += f", draft-model speculative decoding ({speculative['model']}, {tokens})"
+        else:
+            text += f", n-gram speculative decoding ({tokens})"
     return text
 
 

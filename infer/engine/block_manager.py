@@ -194,6 +194,7 @@ class BlockManager:
             self.blocks[bid].ref_count += 1
             child.block_table.append(bid)
         child.num_computed_tokens = child.num_cached_tokens = full * self.block_size
+        child.draft_computed = min(parent.draft_computed, child.num_computed_tokens)  # (draft-model speculation)
         child.num_hashed_blocks = min(parent.num_hashed_blocks, full)
         child.last_block_hash = self.blocks[parent.block_table[child.num_hashed_blocks - 1]].hash \
             if child.num_hashed_blocks else None

@@ -183,13 +183,20 @@ class LLMEngine:
                 layer.expand_beside = config.lora_expand_beside
                 layer.fused = config.lora_expand_fused
                 layer.fused_norm = config.lora_expand_in_norm
-        for mod in parts.model.modules():  # silu_and_mul in the int4 gate_up kernel's epilogue
-            if hasattr(mod, "act_in_gate_up"):
+        draft_model = parts.draft.model if getattr(parts, "draft", None) is not None else None
+        for mod in [*parts.model.modules(), *(draft_model.modules() if draft_model is not None else ())]:
+            if hasattr(mod, "act_in_gate_up"):  # silu_and_mul in the int4 gate_up kernel's epilogue
                 mod.act_in_gate_up = config.silu_in_gate_up and mod.fuses_act()
         self.block_manager = BlockManager(parts.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.lora_manager)
         self.runner = ModelRunner(config, parts.model, dtype=self.dtype, device=self.device,
                                   num_blocks=parts.num_blocks, lora_manager=self.lora_manager)
+        self.drafter = None  # draft-model speculative decoding: the draft model and its KV cache (engine.draft)
+        if getattr(parts, "draft", None) is not None:
+            from .draft import DraftRunner
+            self.drafter = DraftRunner(parts.draft, config.kv_dtype(self.dtype), parts.num_blocks, config.block_size,
+                                       self.device)
+            self.runner.draft = self.drafter  # zero_blocks zeroes both caches
         self.start_times: dict[str, float] = {}  # seconds spent getting the GPU ready, summed into start_s by gpu_e2e
         self.pdl = False  # whether the step's kernels launch with programmatic dependent launch (kernels.pdl)
         if self.device.type == "cuda":
@@ -199,6 +206,8 @@ class LLMEngine:
             gptq_gemm.configure_byte_fields(self.device)  # (the same)
             t0 = time.perf_counter()
             tune_model(parts.model, config.max_num_batched_tokens, self.device, log=log.info)
+            if draft_model is not None:  # (an int4 draft's shapes too)
+                tune_model(draft_model, config.max_num_batched_tokens, self.device, log=log.info)
             self.start_times["kernel_tuning_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()  # every int4 and LoRA kernel the engine will launch, compiled in parallel
             self.compile_kernels()
@@ -218,6 +227,9 @@ class LLMEngine:
         # n-gram speculative decoding (vLLM's "ngram" method), or None; its steps run synchronously (no overlap)
         self.speculative = SpeculativeConfig(**config.speculative_config) if config.speculative_config else None
         self.spec_stats = SpecStats(self.speculative.num_speculative_tokens) if self.speculative else None
+        if self.speculative is not None and self.speculative.uses_draft_model and self.drafter is None:
+            raise ConfigError("--speculative-config names a draft model, but the engine was given its parts "
+                              "without one", "load them with engine.setup.load_engine_parts (it loads the draft)")
         self._inflight = None  # (batch, StepHandle) launched and not yet completed (overlap only)
         self._unsettled = None  # the same, launched before _inflight: a step's wait for its tokens was interrupted
         self.num_steps = 0
@@ -608,6 +620,8 @@ class LLMEngine:
             return
         batch.zero, self.block_manager.fresh = self.block_manager.fresh, []  # zeroed by the step (ModelRunner.prepare)
         self.num_steps += 1
+        if self.drafter is not None:  # the draft model's drafts, in the slots the scheduler gave their placeholders
+            self.drafter.propose(batch)
         self.last_step_tokens = batch.num_tokens
         if self.speculative is not None:  # (never overlapped: EngineConfig.use_overlap)
             results = self.runner.verify(batch)
@@ -720,7 +734,9 @@ class LLMEngine:
             if seq.params.max_new_tokens is not None:
                 room = min(room, seq.params.max_new_tokens - seq.num_generated - 1)
             k = min(spec.num_speculative_tokens, room)
-            if k > 0:
+            if k > 0 and self.drafter is not None:  # placeholders: the draft model fills those scheduled
+                seq.draft_token_ids = [0] * k
+            elif k > 0:
                 drafts = propose_for(seq, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
                 if drafts and seq.grammar is not None:  # cut where the grammar refuses one; each row's mask
                     drafts, bits = draft_bitmask(seq.grammar, drafts, self.model_config.vocab_size)
@@ -758,13 +774,16 @@ class LLMEngine:
                     break
             # the accepted drafts after a stop were never handed out: no tokens of the step (as vLLM counts them)
             self.last_step_tokens -= len(tokens) - len(made)
-            if drafts and not seq.finished:
+            if (drafts or self.drafter is not None) and not seq.finished:  # (a grammar may cut every draft)
                 self.block_manager.shrink(seq, len(seq))
             out = made[-1]
             if len(made) > 1:
                 out.new_token_ids = [t for o in made for t in o.new_token_ids]
                 out.delta_text = "".join(o.delta_text for o in made)
             outputs.append(out)
+        if self.drafter is not None:  # the draft KV of the tokens that stay (accepted drafts, the step's own)
+            for seq in batch.seqs:
+                seq.draft_computed = min(seq.draft_fed, seq.num_computed_tokens)
         return outputs
 
     def _failed_token(self, seq: Sequence, e: Exception) -> RequestOutput:
@@ -906,6 +925,9 @@ class LLMEngine:
             if hasattr(m, "k_cache"):
                 m.k_cache = m.v_cache = None
         runner.graphs = runner.pieces = runner.kv_cache = runner.model = None
+        if getattr(self, "drafter", None) is not None:
+            self.drafter.close()
+            self.drafter = None
         self.runner = None
         self.lora_manager = None
         if self.device.type == "cuda":
@@ -922,7 +944,10 @@ class LLMEngine:
         from ..kernels.gptq_tune import compile_model
         most = self.config.max_num_batched_tokens
         lora = [] if self.lora_manager is None else self.lora_manager.compile_calls(most)
-        return compile_model(self.runner.model, most, self.dtype, extra=lora)
+        queued = compile_model(self.runner.model, most, self.dtype, extra=lora)
+        if self.drafter is not None:  # the draft model's (it runs eagerly: no CUDA graphs)
+            queued += compile_model(self.drafter.model, most, self.dtype)
+        return queued
 
     def _warm_decode_attention(self) -> None:
         """Compile both variants of the Triton decode attention (one partition a sequence, several) on one layer

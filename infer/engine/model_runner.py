@@ -36,6 +36,7 @@ class ModelRunner:
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once captured
         self.pieces = None  # engine.cuda_graphs.PiecewiseGraphs once captured (and checked)
         self.pieces_check: float | None = None  # the check's relative difference (check_pieces)
+        self.draft = None  # engine.draft.DraftRunner (draft-model speculation): its KV blocks are zeroed with these
 
     def capture_graphs(self, max_model_len: int, emulate: bool = False) -> None:
         """Record the decode steps of up to config.max_num_seqs sequences of up to max_model_len tokens as CUDA
@@ -116,6 +117,8 @@ class ModelRunner:
     def zero_blocks(self, block_ids: list[int]) -> None:
         if block_ids:
             self._fill_view.index_fill_(2, to_device(block_ids, torch.long, self.device), 0)
+            if self.draft is not None:
+                self.draft.zero(block_ids)
 
     def order(self, batch: ScheduledBatch) -> list[int]:
         """The order the batch's sequences run in: by adapter slot when adapters are loaded (the base model's first),

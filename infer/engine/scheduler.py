@@ -253,6 +253,7 @@ class Scheduler:
                     continue
                 self.waiting.popleft()
                 self.bm.allocate(seq)
+                seq.draft_computed = seq.num_computed_tokens  # a cached prefix's draft KV is taken as it is
                 seq.status = Status.RUNNING
                 if seq.first_scheduled_time is None:
                     seq.first_scheduled_time = time.monotonic()
@@ -293,6 +294,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         seq.draft_token_ids = []
+        seq.draft_computed = 0  # recomputed, by the draft model too
         self.bm.free_seq(seq)
         if self.lora:
             self.lora.release(seq.lora)

@@ -88,6 +88,10 @@ class Sequence:  # a tuple of every field for each request ahead of the one remo
         # (speculative.propose_for) the ids the proposer searched last, packed 8 bytes each, and how many: each step
         # packs only the tokens added since
         self.ngram_ids: tuple[bytearray, int] | None = None
+        # draft-model speculation (engine.draft): the leading tokens whose KV the draft model's cache holds, and the
+        # positions the step's draft forwards wrote (draft_computed after the verify: those whose tokens stay)
+        self.draft_computed = 0
+        self.draft_fed = 0
         self.prompt: str | None = None  # the prompt's text when LLMEngine.add_request got text (RequestOutput.prompt)
 
     @property

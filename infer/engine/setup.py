@@ -29,6 +29,7 @@ class EngineParts:
     num_blocks: int
     memory_plan: Any
     lora_manager: Any
+    draft: Any = None  # engine.draft.DraftParts: draft-model speculative decoding's model
 
 
 def load_tokenizer(path: Path, chat_template: str | None = None):
@@ -142,6 +143,8 @@ def load_engine_parts(engine_config: EngineConfig) -> EngineParts:
     tokenizer = load_tokenizer(path, engine_config.chat_template)
     max_len = model_max_len(model_config, engine_config)
     model, model_config = load_model(path, dtype, device, max_positions=max_len)  # the rope table: max_len rows
+    from .draft import load_draft
+    draft = load_draft(engine_config, model_config, dtype, device, max_len)  # (None without a draft model)
     lora_manager = None
     if engine_config.loras or engine_config.enable_lora:
         from ..lora.manager import LoRAManager
@@ -153,6 +156,7 @@ def load_engine_parts(engine_config: EngineConfig) -> EngineParts:
         for name, adapter in engine_config.loras.items():
             lora_manager.register(name, adapter)
     plan = plan_memory(engine_config, model_config, model, dtype, device, max_len,
-                       lora_manager.budget_bytes() if lora_manager is not None else 0)
+                       lora_manager.budget_bytes() if lora_manager is not None else 0,
+                       draft=(draft.model, draft.model_config) if draft is not None else None)
     return EngineParts(path, model, model_config, tokenizer, dtype, device, max_len,
-                       eos_ids(path, model_config, tokenizer), plan.num_blocks, plan, lora_manager)
+                       eos_ids(path, model_config, tokenizer), plan.num_blocks, plan, lora_manager, draft)

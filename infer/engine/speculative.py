@@ -1,5 +1,5 @@
-"""N-gram speculative decoding (vLLM's "ngram" method, prompt lookup): the configuration, the proposer and the
-counters.
+"""Speculative decoding: the configuration (vLLM's "ngram" method, prompt lookup, or "draft_model", a smaller model
+that drafts greedily: engine.draft), the n-gram proposer and the counters.
 
 The proposer looks, in a decoding sequence's prompt and output, for the most recent earlier occurrence of its last n
 tokens (n from prompt_lookup_max down to prompt_lookup_min) and proposes the (up to) k tokens that followed it. The
@@ -17,28 +17,37 @@ from __future__ import annotations
 
 import json
 import numbers
+import os
 import sys
 from array import array
 from dataclasses import dataclass
 
 from ..errors import ConfigError
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+DRAFT_KEYS = ("method", "model", "num_speculative_tokens")  # vLLM's draft-model speculation (method "draft_model")
+NGRAM_NAMES = ("ngram", "[ngram]")
 DEFAULT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is given
 HINT = ('e.g. --speculative-config \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, '
-        '"prompt_lookup_min": 2}\'')
+        '"prompt_lookup_min": 2}\', or a draft model: \'{"model": "./small-model", "num_speculative_tokens": 3}\'')
+DRAFT_HINT = 'e.g. --speculative-config \'{"model": "./small-model", "num_speculative_tokens": 3}\''
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
-    prompt_lookup_max: int
-    prompt_lookup_min: int
+    prompt_lookup_max: int = DEFAULT_LOOKUP
+    prompt_lookup_min: int = DEFAULT_LOOKUP
+    model: str | None = None  # the draft model (method "draft_model"): a folder or a built-in name
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
 
     def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in KEYS}
+        return {k: getattr(self, k) for k in (DRAFT_KEYS if self.uses_draft_model else KEYS)}
 
 
 def parse_speculative_config(value) -> dict | None:
@@ -57,14 +66,17 @@ def parse_speculative_config(value) -> dict | None:
             raise ConfigError(f"--speculative-config is not JSON: {e}", HINT) from None
     if not isinstance(value, dict):
         raise ConfigError(f"--speculative-config must be a JSON object, got {type(value).__name__}", HINT)
+    method, model = value.get("method"), value.get("model")
+    if method is None and model is not None:  # as vLLM infers it: "ngram" names the method, anything else a model
+        method = "ngram" if model in NGRAM_NAMES else "draft_model"
+    if method == "draft_model":
+        return _draft_config(value)
     other = sorted(str(k) for k in value if k not in KEYS)
-    method = value.get("method")
-    if method is None and "model" in value:
-        method = value["model"]
-    if method != "ngram" and method != "[ngram]":
-        raise ConfigError(f"--speculative-config: method {method!r} is not supported: infer speculates only with "
-                          f"\"ngram\" (prompt lookup; no draft model, EAGLE or MTP)", HINT)
-    if other and other != ["model"]:
+    if method not in NGRAM_NAMES:
+        raise ConfigError(f"--speculative-config: method {method!r} is not supported: infer speculates only "
+                          f"with \"ngram\" (prompt lookup) or a draft model (\"model\": a folder or a built-in name, "
+                          f"method \"draft_model\"; no EAGLE or MTP)", HINT)
+    if other and (other != ["model"] or model not in NGRAM_NAMES):
         raise ConfigError(f"--speculative-config: unknown key(s) {', '.join(other)}",
                           f"infer's ngram speculation takes {', '.join(KEYS)}")
     k = value.get("num_speculative_tokens")
@@ -80,6 +92,24 @@ def parse_speculative_config(value) -> dict | None:
                           "give prompt_lookup_min <= prompt_lookup_max")
     return {"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_max": int(hi),
             "prompt_lookup_min": int(lo)}
+
+
+def _draft_config(value: dict) -> dict:
+    """parse_speculative_config's dict for vLLM's draft-model speculation: the model (its folder or a built-in name,
+    loaded and checked against the target by the engine) and num_speculative_tokens."""
+    other = sorted(str(k) for k in value if k not in DRAFT_KEYS)
+    if other:
+        raise ConfigError(f"--speculative-config: unknown key(s) {', '.join(other)} for a draft model",
+                          f"infer's draft-model speculation takes {', '.join(DRAFT_KEYS)}")
+    model, k = value.get("model"), value.get("num_speculative_tokens")
+    model = os.fspath(model) if isinstance(model, os.PathLike) else model
+    if not isinstance(model, str) or not model.strip():
+        raise ConfigError(f"--speculative-config: method \"draft_model\" needs \"model\", the draft model's folder or "
+                          f"a built-in name, got {model!r}", DRAFT_HINT)
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+        raise ConfigError(f"--speculative-config: num_speculative_tokens must be an integer of at least 1, got {k!r}",
+                          DRAFT_HINT)
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": int(k)}
 
 
 def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:

@@ -240,11 +240,15 @@ def runtime_reserve(budget: int) -> int:
 
 def make_plan(engine_config: PlanOptions, model_config, dtype: torch.dtype, device: torch.device, weights: int,
               activation: int, max_length: int, concurrency: int, max_length_limit: int, lora: int = 0,
-              measured: bool = False, budget: int | None = None, engine_activation: int = 0) -> MemoryPlan:
+              measured: bool = False, budget: int | None = None, engine_activation: int = 0,
+              draft_config=None) -> MemoryPlan:
     """`engine_activation`: what an engine start reserves for activations (its formula); the KV blocks are what is
     left after the larger of it and `activation`, so that a measured peak below the formula never promises blocks
-    the engine will not allocate."""
+    the engine will not allocate. `draft_config`: a draft model's (speculative decoding), whose KV cache has a block
+    for each of the target's: a block's bytes are both models'."""
     per_token = kv_bytes_per_token(model_config, kv_dtype(engine_config, dtype))
+    if draft_config is not None:
+        per_token += kv_bytes_per_token(draft_config, kv_dtype(engine_config, dtype))
     block = per_token * engine_config.block_size
     budget = budget_bytes(engine_config, device, weights) if budget is None else budget
     reserve = runtime_reserve(budget)
@@ -254,16 +258,31 @@ def make_plan(engine_config: PlanOptions, model_config, dtype: torch.dtype, devi
                       kv_cache_dtype=str(kv_dtype(engine_config, dtype)).replace("torch.", ""))
 
 
-def start_activation_bytes(engine_config: PlanOptions, model_config, model, dtype, max_len: int) -> int:
+def start_activation_bytes(engine_config: PlanOptions, model_config, model, dtype, max_len: int,
+                           draft_config=None) -> int:
     """What an engine start reserves for activations: the formula's step of max_num_seqs sequences of max_len, the
-    CUDA graphs' pool and the int4 dequantize scratch (the runner reserves it by the budget alone)."""
+    CUDA graphs' pool and the int4 dequantize scratch (the runner reserves it by the budget alone); with a draft
+    model (`draft_config`), its step's too."""
     seqs = engine_config.max_num_seqs
     tokens = step_tokens(engine_config.max_num_batched_tokens, seqs, max_len)
     return activation_bytes(model_config, dtype, tokens, seqs, max_len, lora_rank(engine_config),
                             kv_dtype=kv_dtype(engine_config, dtype)) \
         + speculative_logit_bytes(engine_config, model_config) \
+        + draft_activation_bytes(engine_config, draft_config, dtype, max_len) \
         + cuda_graph_bytes(engine_config, model_config, dtype) \
         + dequant_scratch_bytes(model, dtype, engine_config.max_num_batched_tokens)
+
+
+def draft_activation_bytes(engine_config: PlanOptions, draft_config, dtype, max_len: int,
+                           seqs: int | None = None) -> int:
+    """A draft model's step (draft-model speculative decoding: it feeds the step's tokens, then one a sequence per
+    draft), counted beside the target's; 0 without one."""
+    if draft_config is None:
+        return 0
+    seqs = seqs or engine_config.max_num_seqs
+    tokens = step_tokens(engine_config.max_num_batched_tokens, seqs, max_len)
+    return activation_bytes(draft_config, dtype, tokens, seqs, max_len, penalties=False,
+                            kv_dtype=kv_dtype(engine_config, dtype))
 
 
 def speculative_logit_bytes(engine_config: PlanOptions, model_config, seqs: int | None = None) -> int:
@@ -279,11 +298,13 @@ def speculative_logit_bytes(engine_config: PlanOptions, model_config, seqs: int 
 
 
 def _start_plan(engine_config: PlanOptions, model_config, model, dtype, device, max_len: int,
-                lora_bytes: int) -> MemoryPlan:
+                lora_bytes: int, draft=None) -> MemoryPlan:
     seqs = engine_config.max_num_seqs
-    act = start_activation_bytes(engine_config, model_config, model, dtype, max_len)
-    plan = make_plan(engine_config, model_config, dtype, device, weights_bytes(model), act, max_len, 1, max_len,
-                     lora_bytes)
+    draft_model, draft_config = draft if draft is not None else (None, None)
+    act = start_activation_bytes(engine_config, model_config, model, dtype, max_len, draft_config)
+    weights = weights_bytes(model) + (weights_bytes(draft_model) if draft_model is not None else 0)
+    plan = make_plan(engine_config, model_config, dtype, device, weights, act, max_len, 1, max_len,
+                     lora_bytes, draft_config=draft_config)
     if engine_config.num_kv_blocks:
         if engine_config.num_kv_blocks > plan.kv_blocks:  # the cache is allocated at start: refuse it before that
             more = "raise --gpu-memory-utilization" if device.type == "cuda" else "raise --memory-limit"
@@ -301,11 +322,11 @@ def _start_plan(engine_config: PlanOptions, model_config, model, dtype, device, 
 
 
 def largest_fitting_len(engine_config: PlanOptions, model_config, model, dtype, device, max_len: int,
-                        lora_bytes: int = 0) -> int:
+                        lora_bytes: int = 0, draft=None) -> int:
     """The largest max_model_len below `max_len` whose own plan holds one sequence (activations shrink with the
     length, so this is more than the KV left at `max_len`); 0 if none does. A binary search: fitting is monotone."""
     def fits(n: int) -> bool:
-        plan = _start_plan(engine_config, model_config, model, dtype, device, n, lora_bytes)
+        plan = _start_plan(engine_config, model_config, model, dtype, device, n, lora_bytes, draft)
         return plan.kv_blocks >= plan.blocks_for(n)
     lo, hi = 0, max_len - 1
     while lo < hi:
@@ -331,11 +352,12 @@ def check_lora_slots(engine_config: PlanOptions, model_config, model, dtype, dev
 
 
 def plan_memory(engine_config: PlanOptions, model_config, model, dtype, device, max_len: int,
-                lora_bytes: int = 0) -> MemoryPlan:
+                lora_bytes: int = 0, draft=None) -> MemoryPlan:
     """The engine's sizing at start: estimated activations, and KV for what can run at once: on CPU no more than
     max_num_seqs sequences of max_len (CPU pages are only used as blocks fill), on CUDA twice that (room for the
-    prefix cache) within the budget; num_kv_blocks (API only) overrides both."""
-    plan = _start_plan(engine_config, model_config, model, dtype, device, max_len, lora_bytes)
+    prefix cache) within the budget; num_kv_blocks (API only) overrides both. `draft`: (model, config) of a draft
+    model (speculative decoding), whose weights, KV blocks and step count too."""
+    plan = _start_plan(engine_config, model_config, model, dtype, device, max_len, lora_bytes, draft)
     if plan.kv_blocks < plan.blocks_for(max_len) and engine_config.num_kv_blocks:
         raise ConfigError(
             f"num_kv_blocks={engine_config.num_kv_blocks} holds {engine_config.num_kv_blocks * plan.block_size} "
@@ -343,7 +365,7 @@ def plan_memory(engine_config: PlanOptions, model_config, model, dtype, device, 
             f"use num_kv_blocks={plan.blocks_for(max_len)} or more, or lower --max-model-len to "
             f"{engine_config.num_kv_blocks * plan.block_size} or less")
     if plan.kv_blocks < plan.blocks_for(max_len):
-        fit = largest_fitting_len(engine_config, model_config, model, dtype, device, max_len, lora_bytes)
+        fit = largest_fitting_len(engine_config, model_config, model, dtype, device, max_len, lora_bytes, draft)
         more = "raise --gpu-memory-utilization" if device.type == "cuda" else "raise --memory-limit"
         if plan.weights_bytes + plan.reserve_bytes >= plan.budget_bytes:  # nothing else matters until they fit
             more = weights_advice(plan.weights_bytes, plan.reserve_bytes, plan.budget_bytes, more)

@@ -1,0 +1,173 @@
+"""Draft-model speculative decoding (vLLM's "draft_model" method): a second, smaller decoder of the same vocabulary
+proposes each decoding sequence's drafts greedily; the target verifies them (ModelRunner.verify).
+
+The draft's KV cache is a tensor of its own with the target's block layout (the same number of blocks of the same
+size), so a sequence's block table and the slots the scheduler allocated serve both models. Each speculative step,
+after scheduling and before the target's verify, `DraftRunner.propose` feeds the draft every scheduled sequence's
+tokens its KV lacks (Sequence.draft_computed up to the step's own tokens: a prefill chunk's, or the one or two of a
+decode) in one batched forward, takes draft 1 from the last position of each sequence with drafts, and k - 1 more
+one-token forwards give drafts 2..k. Greedy drafts are one-hot: the sampler's rejection rule keeps sampled output's
+distribution exact, as vLLM's proposers do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError, InferError
+from ..models.context import ForwardContext
+from .scheduler import ScheduledBatch
+from .structured import draft_bitmask
+
+
+@dataclass
+class DraftParts:
+    path: Path
+    model: Any
+    model_config: Any
+
+
+def draft_config(engine_config, target_config, max_len: int) -> tuple[Path, Any] | None:
+    """(folder, config) of the draft model of --speculative-config {"model": ...} (None for n-gram or no
+    speculation); ConfigError when its vocabulary differs from the target's or its context is shorter than the
+    engine's max_model_len (`max_len`)."""
+    from ..models.loader import load_config
+    from ..models.resolve import resolve_model
+    from .setup import context_limit
+    spec = engine_config.speculative_config
+    if not spec or spec.get("method") != "draft_model":
+        return None
+    name = spec["model"]
+    try:
+        path = resolve_model(name)
+        config = load_config(path)
+    except InferError as e:
+        raise type(e)(f"--speculative-config model {name!r}: {e.message}", e.hint) from None
+    vocab, want = getattr(config, "vocab_size", None), target_config.vocab_size
+    if vocab != want:
+        raise ConfigError(f"--speculative-config model {name!r} has a vocabulary of {vocab} tokens, the target "
+                          f"model {want}: a draft must share the target's vocabulary (its token ids)",
+                          "use a draft of the target's family (the same tokenizer and vocab_size)")
+    limit, why = context_limit(config)
+    if limit < max_len:
+        raise ConfigError(f"--speculative-config model {name!r} holds a context of {limit} tokens"
+                          f"{f' ({why})' if why else ''}, below the engine's max length of {max_len}",
+                          f"use --max-model-len {limit} or less, or a draft with a longer context")
+    return path, config
+
+
+def load_draft(engine_config, target_config, dtype: torch.dtype, device: torch.device,
+               max_len: int) -> DraftParts | None:
+    """The draft model (draft_config's checks passed), loaded as the target is, in its dtype on its device; None
+    without one."""
+    from ..models.loader import load_model
+    found = draft_config(engine_config, target_config, max_len)
+    if found is None:
+        return None
+    model, config = load_model(found[0], dtype, device, max_positions=max_len)
+    return DraftParts(found[0], model, config)
+
+
+class DraftRunner:
+    """The draft model, its KV cache (the target's block layout) and its proposals."""
+
+    def __init__(self, parts: DraftParts, kv_dtype: torch.dtype, num_blocks: int, block_size: int,
+                 device: torch.device):
+        self.model, self.model_config, self.path = parts.model, parts.model_config, parts.path
+        self.block_size, self.device = block_size, device
+        layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
+        a = layers[0]
+        # uninitialised as the target's: every block is zeroed when a sequence gets it (zero)
+        self.kv_cache = torch.empty(len(layers), 2, num_blocks, block_size, a.num_kv_heads, a.head_dim,
+                                    dtype=kv_dtype, device=device)
+        for i, layer in enumerate(layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+
+    def zero(self, block_ids) -> None:
+        if len(block_ids):
+            cache = self.kv_cache.view(torch.uint8) if self.kv_cache.element_size() == 1 else self.kv_cache
+            cache.index_fill_(2, torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device), 0)
+
+    def close(self) -> None:
+        for m in self.model.modules():
+            if hasattr(m, "k_cache"):
+                m.k_cache = m.v_cache = None
+        self.model = self.kv_cache = None
+
+    @torch.inference_mode()
+    def propose(self, batch: ScheduledBatch) -> None:
+        """Fill the drafts of the batch's sequences (their placeholders, trimmed by the scheduler, say how many) with
+        the draft model's greedy tokens, feeding it first what its KV lacks of every scheduled sequence; with a
+        grammar the drafts are cut where it refuses one (batch.num_new_tokens shrinks with them). Sets each
+        sequence's draft_fed: the positions whose draft KV this step wrote (engine: draft_computed after verify)."""
+        self.zero(batch.zero)
+        feeds, rows = [], []  # (seq, start, tokens) fed; index in feeds of each sequence with drafts
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            k = len(seq.draft_token_ids)
+            end = seq.num_computed_tokens + n - k  # the step's own tokens end here
+            start = min(seq.draft_computed, seq.num_computed_tokens)
+            seq.draft_fed = end
+            if k:
+                rows.append(len(feeds))
+            feeds.append((seq, start, seq.tokens(start, end)))
+        if not rows:
+            self._forward(feeds, [])
+            return
+        drafted = [[t] for t in self._forward(feeds, rows)]
+        seqs = [feeds[r][0] for r in rows]
+        for j in range(1, max(len(s.draft_token_ids) for s in seqs)):  # drafts 2..k, one position a forward
+            live = [i for i, s in enumerate(seqs) if len(s.draft_token_ids) > j]
+            step = [(seqs[i], seqs[i].draft_fed + j - 1, [drafted[i][-1]]) for i in live]
+            for i, t in zip(live, self._forward(step, list(range(len(step))))):
+                drafted[i].append(t)
+        for seq, drafts in zip(seqs, drafted):
+            seq.draft_fed += len(seq.draft_token_ids) - 1  # drafts 1..k-1 were fed
+            seq.draft_token_ids = drafts[:len(seq.draft_token_ids)]
+        self._cut(batch, self.model_config.vocab_size)
+
+    @staticmethod
+    def _cut(batch: ScheduledBatch, vocab: int) -> None:
+        """Cut a structured output's drafts at the first its grammar refuses (and its verify rows' bitmask)."""
+        for j, seq in enumerate(batch.seqs):
+            if not seq.draft_token_ids or seq.grammar is None:
+                continue
+            k = len(seq.draft_token_ids)
+            drafts, bits = draft_bitmask(seq.grammar, seq.draft_token_ids, vocab)
+            seq.draft_token_ids, seq.draft_bitmask = drafts, (bits if drafts else None)
+            batch.num_new_tokens[j] -= k - len(drafts)  # the verify never sees the cut ones
+
+    def _forward(self, feeds, rows: list[int]) -> list[int]:
+        """One batched forward of the draft over `feeds` [(seq, first position, tokens)] (those without tokens
+        skipped); the argmax of the last position of each feed in `rows`."""
+        bs, ids, pos, slots, starts, lens, tables, last = self.block_size, [], [], [], [0], [], [], {}
+        for r, (seq, start, tokens) in enumerate(feeds):
+            if not tokens:
+                continue
+            table = seq.block_table
+            ids.extend(tokens)
+            pos.extend(range(start, start + len(tokens)))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + len(tokens)))
+            starts.append(len(ids))
+            lens.append(start + len(tokens))
+            tables.append(table)
+            last[r] = len(ids) - 1
+        if not ids:
+            return []
+        width = max(map(len, tables))
+        dev = self.device
+        ctx = ForwardContext(query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+                             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+                             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                                       dtype=torch.int32, device=dev),
+                             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+                             max_query_len=max(b - a for a, b in zip(starts, starts[1:])))
+        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
+                            torch.tensor(pos, dtype=torch.long, device=dev), ctx)
+        if not rows:
+            return []
+        idx = torch.tensor([last[r] for r in rows], dtype=torch.long, device=dev)
+        return self.model.compute_logits(hidden.index_select(0, idx)).argmax(-1).tolist()
