@@ -358,3 +358,26 @@ def test_bench_baseline_no_spec_runs_with_a_draft_model(tmp_path):
     assert r["config"]["engine"]["speculative_config"]["method"] == "draft_model"
     assert r["engine_stats"]["run_spec_decode_num_accepted_tokens"] > 0
     assert r["generated_texts"] == r["baseline"]["generated_texts"]
+
+
+def test_warmup_counts_the_draft_as_the_engine_start_does(monkeypatch):
+    """warmup's formula (--estimate) and its measured worst case (which runs the draft's steps too) plan the draft's
+    weights, its KV in every block and its activations as an engine start does."""
+    from infer.cli.warmup_plan import estimate_plan, measured_plan
+    from infer.engine import profile
+    from infer.engine.setup import load_engine_parts
+    ran, real = [], profile._draft_peak
+    monkeypatch.setattr(profile, "_draft_peak", lambda *a: ran.append(a) or real(*a))
+    kw = dict(max_num_seqs=4, max_model_len=128, memory_limit="64MB", block_size=4)
+    spec = dict(kw, speculative_config=draft_spec("tiny-qwen3"))
+    alone = load_engine_parts(EngineConfig(model="tiny-llama", **kw)).memory_plan
+    engine = load_engine_parts(EngineConfig(model="tiny-llama", **spec)).memory_plan
+    assert engine.kv_bytes_per_token > alone.kv_bytes_per_token and engine.weights_bytes > alone.weights_bytes
+    est, _ = estimate_plan(EngineConfig(model="tiny-llama", **spec), 128, 4)
+    assert est.activation_peak_bytes == engine.activation_peak_bytes
+    assert est.kv_bytes_per_token == engine.kv_bytes_per_token
+    assert est.weights_bytes - engine.weights_bytes == \
+        estimate_plan(EngineConfig(model="tiny-llama", **kw), 128, 4)[0].weights_bytes - alone.weights_bytes
+    plan, extra = measured_plan(EngineConfig(model="tiny-llama", **spec), 128, 4)
+    assert ran and extra["worst_case_run"] and extra["activation_estimate_bytes"] == engine.activation_peak_bytes
+    assert plan.kv_bytes_per_token == engine.kv_bytes_per_token and plan.weights_bytes == engine.weights_bytes

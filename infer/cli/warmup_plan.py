@@ -3,6 +3,7 @@ estimated from files alone (config.json and the checkpoint's tensor headers)."""
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -12,7 +13,8 @@ import torch
 from ..engine.config import RANGES, EngineConfig
 from ..engine.setup import checkpoint_dtype, context_limit, model_max_len, warn_unused_memory_option
 from ..errors import ConfigError, OutOfMemoryError
-from ..memory.plan import MemoryPlan, bound_room, budget_bytes, cuda_graph_bytes, make_plan, speculative_logit_bytes
+from ..memory.plan import (MemoryPlan, bound_room, budget_bytes, cuda_graph_bytes, draft_activation_bytes, make_plan,
+                           speculative_logit_bytes)
 from ..memory.sizes import (DEQUANT_MIN_TOKENS, activation_bytes, element_bytes, int4_layer_bytes, lora_slot_bytes,
                             step_tokens, weights_bytes)
 
@@ -25,6 +27,20 @@ def _model_parts(engine_config: EngineConfig):
     device = engine_config.torch_device()
     warn_unused_memory_option(engine_config, device)
     return path, model_config, device, engine_config.torch_dtype(checkpoint_dtype(model_config))
+
+
+@functools.lru_cache(maxsize=8)
+def _draft_model_config(name: str):
+    from ..models.loader import load_config
+    from ..models.resolve import resolve_model
+    return load_config(resolve_model(name))
+
+
+def _draft_cfg(engine_config: EngineConfig):
+    """The draft model's config (--speculative-config {"model": ...}), or None: its KV shares every block, its
+    weights and steps count beside the target's (checked against the target by engine.draft.draft_config)."""
+    spec = engine_config.speculative_config
+    return _draft_model_config(spec["model"]) if spec and spec.get("method") == "draft_model" else None
 
 
 DEFAULT_LENGTH = 4096  # warmup's --max-length when none is given, where the model's context is no shorter
@@ -70,6 +86,7 @@ def _formula(engine_config: EngineConfig, model_config, dtype, concurrency: int,
     return activation_bytes(model_config, dtype, step, concurrency, max_length, rank,
                             kv_dtype=engine_config.kv_dtype(dtype)) \
         + cuda_graph_bytes(cfg, model_config, dtype) + speculative_logit_bytes(cfg, model_config) \
+        + draft_activation_bytes(cfg, _draft_cfg(engine_config), dtype, max_length, concurrency) \
         + (int4_layer if cfg.max_num_batched_tokens > DEQUANT_MIN_TOKENS else 0)
 
 
@@ -86,7 +103,8 @@ def _blocks_at(plan: MemoryPlan, engine_config: EngineConfig, model_config, dtyp
         act = int(_formula(engine_config, model_config, dtype, concurrency, length, rank, tokens, int4_layer) * scale)
         rope = rope_table_bytes(model_config, length) - rope_table_bytes(model_config, plan.max_length)
         return make_plan(engine_config, model_config, dtype, device, plan.weights_bytes + rope, act, length,
-                         concurrency, plan.max_length_limit, plan.lora_bytes, budget=plan.budget_bytes).kv_blocks
+                         concurrency, plan.max_length_limit, plan.lora_bytes, budget=plan.budget_bytes,
+                         draft_config=_draft_cfg(engine_config)).kv_blocks
     return blocks_at
 
 
@@ -126,6 +144,7 @@ def estimate_plan(engine_config: EngineConfig, max_length: int, concurrency: int
                                        gptq.desc_act if gptq else False, bits_of if gptq else None)
     from ..models.rope import rope_table_bytes  # the rotary table an engine of this config builds at load
     weights += rope_table_bytes(model_config, model_max_len(model_config, engine_config))
+    weights += _draft_weights(engine_config, model_config, dtype, device, max_length)
     from ..lora.adapter import load_adapter
     copies = []  # on a CPU the adapters' copies count, as many as the engine's CPU LRU keeps (LoRAManager)
     for name, adapter in engine_config.loras.items():  # the checks an engine start makes (files, rank, shapes)
@@ -142,9 +161,31 @@ def estimate_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     lora = lora_slot_bytes(model_config, engine_config.max_loras, rank, dtype) if rank else 0
     lora += sum(copies) if device.type == "cpu" else 0
     plan = make_plan(engine_config, model_config, dtype, device, weights, act, max_length, concurrency, limit,
-                     lora=lora, budget=budget)
+                     lora=lora, budget=budget, draft_config=_draft_cfg(engine_config))
     return _finish(plan, {"model": str(path), "dtype": str(dtype).replace("torch.", ""), "estimate": True},
                    engine_config, model_config, dtype, device, rank, int4_layer=int4_layer)
+
+
+def _draft_weights(engine_config: EngineConfig, model_config, dtype, device, max_length: int) -> int:
+    """A draft model's weights from its files (and its rotary table), after the checks an engine start makes; 0
+    without one."""
+    from ..engine.draft import draft_config
+    from ..memory.checkpoint import checkpoint_weights_bytes
+    from ..models.loader import weight_files
+    from ..models.rope import rope_table_bytes
+    from ..quant.config import GPTQConfig
+    found = draft_config(engine_config, model_config, max_length)
+    if found is None:
+        return 0
+    path, config = found
+    gptq = GPTQConfig.from_model_dir(path)
+
+    def bits_of(module: str) -> int | None:
+        own = gptq.for_head() if module.removeprefix("model.") == "lm_head" else gptq.for_module(module)
+        return own.bits if own is not None else None
+    return checkpoint_weights_bytes(weight_files(path), config, dtype, device, gptq.bits if gptq else None,
+                                    gptq.desc_act if gptq else False, bits_of if gptq else None) \
+        + rope_table_bytes(config, max_length)
 
 
 def _lora_manager(model, engine_config: EngineConfig, device, dtype):
@@ -173,7 +214,7 @@ def _slots_past_budget(model, model_config, engine_config: EngineConfig, device,
 
 
 def _slots_plan(model, model_config, engine_config: EngineConfig, device, dtype, max_length: int, concurrency: int,
-                limit: int, slots: int, extra: dict) -> tuple[MemoryPlan, dict]:
+                limit: int, slots: int, extra: dict, draft_weights: int = 0) -> tuple[MemoryPlan, dict]:
     """The plan (which does not fit) of slots that pass the budget, without allocating them: the adapters checked
     as an engine start checks them, the activations by the formula."""
     from ..lora.adapter import load_adapter
@@ -182,9 +223,9 @@ def _slots_plan(model, model_config, engine_config: EngineConfig, device, dtype,
     rank = engine_config.max_lora_rank
     int4_layer = int4_layer_bytes(model, dtype)
     act = _formula(engine_config, model_config, dtype, concurrency, max_length, rank, int4_layer=int4_layer)
-    weights = weights_bytes(model)
+    weights = weights_bytes(model) + draft_weights
     plan = make_plan(engine_config, model_config, dtype, device, weights, act, max_length, concurrency, limit, slots,
-                     budget=budget_bytes(engine_config, device, weights))
+                     budget=budget_bytes(engine_config, device, weights), draft_config=_draft_cfg(engine_config))
     return _finish(plan, {**extra, "activation_estimate_bytes": act}, engine_config, model_config, dtype, device, rank,
                    int4_layer=int4_layer)
 
@@ -200,6 +241,9 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     before = resident_bytes(device)
     # the rope table an engine of this config holds (engine.setup.load_engine_parts)
     model, model_config = load_model(path, dtype, device, max_positions=model_max_len(model_config, engine_config))
+    from ..engine.draft import load_draft  # (draft-model speculation: loaded as an engine start loads it)
+    draft = load_draft(engine_config, model_config, dtype, device, model_max_len(model_config, engine_config))
+    draft_weights = weights_bytes(draft.model) if draft is not None else 0
     resident = resident_bytes(device) - before
     slots = _slots_past_budget(model, model_config, engine_config, device, dtype)
     if slots:  # as an engine start refuses them before it allocates them (memory.plan.check_lora_slots): allocated,
@@ -208,9 +252,10 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
                            {"model": str(path), "dtype": str(dtype).replace("torch.", ""), "estimate": False,
                             "weights_resident_bytes": resident, "lora_adapter": None, "kernel_tuning_s": None,
                             "kernel_compile_s": None, "pdl": None, "int4_byte_fields": None,
-                            "int4_loads_ahead": None, "lora_expand_gather": None, "worst_case_run": False})
+                            "int4_loads_ahead": None, "lora_expand_gather": None, "worst_case_run": False},
+                           draft_weights)
     lora_manager, largest = _lora_manager(model, engine_config, device, dtype)
-    weights = weights_bytes(model)
+    weights = weights_bytes(model) + draft_weights
     # the budget as an engine start reads it (memory.plan.make_plan): by default on a CPU, half the free RAM plus
     # the weights it holds, not the resident growth, which holds whatever the load also allocated
     budget = budget_bytes(engine_config, device, weights)
@@ -237,9 +282,9 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     act = _formula(engine_config, model_config, dtype, concurrency, max_length, rank, int4_layer=int4_layer)
     lora = lora_manager.budget_bytes() if lora_manager is not None else 0
     kv_only = make_plan(engine_config, model_config, dtype, device, weights, 0, max_length, concurrency, limit,
-                        lora, budget=budget)
+                        lora, budget=budget, draft_config=_draft_cfg(engine_config))
     formula = make_plan(engine_config, model_config, dtype, device, weights, act, max_length, concurrency,
-                        limit, lora, budget=budget)
+                        limit, lora, budget=budget, draft_config=_draft_cfg(engine_config))
     # the KV cache alone cannot fit, or the formula's activations (what an engine start sizes by) leave it no
     # block: running the worst case would only try to allocate what is known not to fit
     if not kv_only.fits or formula.kv_blocks == 0:
@@ -247,7 +292,7 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
                        engine_config, model_config, dtype, device, rank, int4_layer=int4_layer)
     with torch.inference_mode():
         plan, estimate = _profile(model, model_config, engine_config, dtype, device, max_length, concurrency,
-                                  limit, lora_manager, largest, budget)
+                                  limit, lora_manager, largest, budget, weights, draft)
     if engine_config.use_cuda_graphs():
         extra.update(graph_capture(model, engine_config, dtype, device, max_length, lora_manager))
     # (the measured peak holds the dequantize scratch where the worst case's prefill took that path: the scale the

@@ -1,7 +1,8 @@
 """The profile run (vLLM's name): measure the worst case before serving, a prefill of the largest token budget and
 a decode of a full batch at max_length, and with speculative decoding a verify step of that batch with every draft
-it may have (with the largest-rank adapter active when adapters are given), on a
-ModelRunner of its own. The meters are `infer.memory.meter`'s; the plan the peaks go into is `infer.memory.plan`'s.
+it may have (with the largest-rank adapter active when adapters are given), on a ModelRunner of its own; with a draft
+model, its steps over the same batches (a DraftRunner of its own). The meters are `infer.memory.meter`'s; the plan
+the peaks go into is `infer.memory.plan`'s.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import torch
 
 from ..kernels.reference import longest_batched_decode
 from ..memory.meter import PeakMeter
-from ..memory.plan import MemoryPlan, cuda_graph_bytes, make_plan, speculative_logit_bytes, start_activation_bytes
+from ..memory.plan import (MemoryPlan, cuda_graph_bytes, draft_activation_bytes, make_plan, speculative_logit_bytes,
+                           start_activation_bytes)
 from ..memory.sizes import activation_bytes, penalty_table_bytes, step_tokens, weights_bytes
 from ..models.shapes import ModelShapes
 from .config import EngineConfig
@@ -25,6 +27,7 @@ def _fake_seq(i: int, length: int, vocab: int, table: list[int], computed: int) 
     s = Sequence(f"warmup-{i}", torch.randint(0, vocab, (length,), generator=g).tolist(),
                  SamplingParams(max_new_tokens=1), None)
     s.block_table, s.num_computed_tokens = table, computed
+    s.draft_computed = computed  # (a draft model feeds what the target computes this step)
     return s
 
 
@@ -91,10 +94,32 @@ def _peak_activations(runner: ModelRunner, batches, device: torch.device) -> int
     return max(peaks)
 
 
+def _draft_peak(draft, engine_config: EngineConfig, batches, nblocks: int, dtype, device: torch.device) -> int:
+    """A draft model's peak over the worst case's batches (draft-model speculation: it feeds each step's tokens, then
+    drafts one token a sequence at a time), each run twice as _peak_activations does; its KV cache is not counted."""
+    from .draft import DraftRunner
+    runner = DraftRunner(draft, engine_config.kv_dtype(dtype), nblocks, engine_config.block_size, device)
+    runner.zero(list(range(nblocks)))
+    peaks = []
+    for batch in batches:
+        k = [len(s.draft_token_ids) for s in batch.seqs]
+        runs = []
+        for _ in range(2):
+            with PeakMeter(device) as meter:
+                runner.propose(batch)
+            runs.append(meter.peak)
+        for s, n in zip(batch.seqs, k):  # (propose fills the drafts in place: the same number)
+            assert len(s.draft_token_ids) == n
+        peaks.append(runs[-1])
+    runner.close()
+    return max(peaks)
+
+
 def profile_run(model, model_config, engine_config: EngineConfig, dtype, device, max_length: int,
                 concurrency: int, max_length_limit: int, lora_manager=None, lora_name: str | None = None,
-                budget: int | None = None, weights: int | None = None) -> tuple[MemoryPlan, int]:
-    """Run the worst case and return (measured plan, estimated activation bytes)."""
+                budget: int | None = None, weights: int | None = None, draft=None) -> tuple[MemoryPlan, int]:
+    """Run the worst case and return (measured plan, estimated activation bytes). `draft`: a draft model's
+    engine.draft.DraftParts (its steps come before the target's verify: the peak is the larger)."""
     prefill, decodes, nblocks = worst_case_batches(model_config, engine_config, max_length, concurrency,
                                                   engine_config.block_size)
     runner = ModelRunner(engine_config, model, dtype=dtype, device=device, num_blocks=nblocks,
@@ -109,6 +134,8 @@ def profile_run(model, model_config, engine_config: EngineConfig, dtype, device,
     if lora_manager is not None and lora_name is not None:
         lora_manager.release(lora_name)
     del runner
+    if draft is not None:
+        peak = max(peak, _draft_peak(draft, engine_config, (prefill, *decodes), nblocks, dtype, device))
     rank = engine_config.max_lora_rank if lora_manager is not None else 0
     tokens = step_tokens(engine_config.max_num_batched_tokens, engine_config.max_num_seqs, max_length)
     if rank and lora_name is None:  # slots for adapters added later (--enable-lora): their path by the formula
@@ -117,11 +144,15 @@ def profile_run(model, model_config, engine_config: EngineConfig, dtype, device,
     peak += penalty_table_bytes(model_config, concurrency)  # the worst case samples without penalties: add them
     spec = speculative_logit_bytes(engine_config, model_config, concurrency)  # the verify step's rows: measured
     graphs = cuda_graph_bytes(engine_config, model_config, dtype)  # the CUDA graphs keep a pool of their own
+    draft_config = draft.model_config if draft is not None else None
     estimate = activation_bytes(model_config, dtype, tokens, concurrency, max_length, rank,
-                                kv_dtype=engine_config.kv_dtype(dtype)) + graphs + spec
-    weights = weights_bytes(model) if weights is None else weights
+                                kv_dtype=engine_config.kv_dtype(dtype)) + graphs + spec \
+        + draft_activation_bytes(engine_config, draft_config, dtype, max_length, concurrency)
+    if weights is None:
+        weights = weights_bytes(model) + (weights_bytes(draft.model) if draft is not None else 0)
     # the KV cache an engine start of this config allocates is what its own figure for activations leaves
-    start = start_activation_bytes(engine_config, model_config, model, dtype, max_length)
+    start = start_activation_bytes(engine_config, model_config, model, dtype, max_length, draft_config)
     plan = make_plan(engine_config, model_config, dtype, device, weights, peak + graphs, max_length, concurrency,
-                     max_length_limit, lora_bytes, measured=True, budget=budget, engine_activation=start)
+                     max_length_limit, lora_bytes, measured=True, budget=budget, engine_activation=start,
+                     draft_config=draft_config)
     return plan, estimate
