@@ -381,3 +381,22 @@ def test_warmup_counts_the_draft_as_the_engine_start_does(monkeypatch):
     plan, extra = measured_plan(EngineConfig(model="tiny-llama", **spec), 128, 4)
     assert ran and extra["worst_case_run"] and extra["activation_estimate_bytes"] == engine.activation_peak_bytes
     assert plan.kv_bytes_per_token == engine.kv_bytes_per_token and plan.weights_bytes == engine.weights_bytes
+
+
+def test_each_data_parallel_replica_loads_its_own_draft_from_its_full_path(tmp_path, path, monkeypatch):
+    import pickle
+
+    from infer.parallel.replica import Replica
+    from infer.parallel.runtime import replica_config
+    shutil.copytree(path, tmp_path / "small")
+    monkeypatch.chdir(tmp_path)
+    cfg = EngineConfig(str(path), block_size=4, speculative_config=draft_spec("small"))
+    rep = replica_config(cfg, path, "cpu", 2, single_node=True)
+    assert rep.speculative_config["model"] == str((tmp_path / "small").resolve())
+    assert cfg.speculative_config["model"] == "small"  # the driver's own is left as given
+    replica = Replica(pickle.loads(pickle.dumps(rep)), threads=1)
+    assert replica.error is None and replica.engine.drafter is not None
+    replica.engine.add_request("a", [5, 6, 7, 8], greedy(10))
+    while replica.engine.has_unfinished_requests():
+        replica.engine.step()
+    assert replica.engine.stats()["spec_decode_num_accepted_tokens"] > 0
