@@ -70,6 +70,10 @@ def test_a_model_key_means_a_draft_model_as_vllm_infers_it(path):
         {"method": "draft_model", "model": "x", "num_speculative_tokens": 4}
     assert parse_speculative_config({"model": path, "num_speculative_tokens": 1})["model"] == str(path)  # a Path
     assert parse_speculative_config({"model": "[ngram]", "num_speculative_tokens": 2})["method"] == "ngram"
+    from infer.engine.speculative import SpeculativeConfig
+    typed = SpeculativeConfig(method="draft_model", num_speculative_tokens=2, model="tiny-qwen2")
+    assert parse_speculative_config(typed) == {"method": "draft_model", "model": "tiny-qwen2",
+                                               "num_speculative_tokens": 2}
     cfg = EngineConfig("tiny-llama", speculative_config=draft_spec("tiny-qwen2"))
     assert cfg.speculative_config["method"] == "draft_model" and not cfg.use_overlap()
 
@@ -287,7 +291,7 @@ def test_stop_strings_and_tokens_inside_accepted_drafts_and_max_tokens(plain, se
     no_leaks(selfdraft)
 
 
-def test_a_float16_gptq_free_draft_in_another_dtype_follows_the_target(path):
+def test_the_draft_runs_in_the_targets_dtype_and_kv_cache_dtype(path):
     """The draft runs in the target's dtype (bfloat16 here), whatever its checkpoint says."""
     llm = LLM(str(path), block_size=4, dtype="bfloat16", speculative_config=draft_spec("tiny-qwen2"))
     assert next(llm.engine.drafter.model.parameters()).dtype == torch.bfloat16
@@ -295,6 +299,11 @@ def test_a_float16_gptq_free_draft_in_another_dtype_follows_the_target(path):
     ref = LLM(str(path), block_size=4, dtype="bfloat16")
     p = [[5, 9, 13, 17]]
     assert llm.generate(p, greedy(12))[0].token_ids == ref.generate(p, greedy(12))[0].token_ids
+    fp8 = LLM(str(path), block_size=4, kv_cache_dtype="fp8", speculative_config=draft_spec(path))
+    assert fp8.engine.drafter.kv_cache.dtype == torch.float8_e4m3fn
+    assert fp8.generate(p, greedy(12))[0].token_ids == \
+        LLM(str(path), block_size=4, kv_cache_dtype="fp8").generate(p, greedy(12))[0].token_ids
+    assert stats(fp8)["spec_decode_num_accepted_tokens"] > 0
 
 
 # ------------------------------------------------------------------ the commands and the server
@@ -400,3 +409,25 @@ def test_each_data_parallel_replica_loads_its_own_draft_from_its_full_path(tmp_p
     while replica.engine.has_unfinished_requests():
         replica.engine.step()
     assert replica.engine.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_a_gptq_int4_draft_of_the_target(tmp_path, path, plain):
+    """The draft loads as the target does: an int4 GPTQ checkpoint of the target (a random tiny model, whose int4
+    argmax agrees with the float one's about 40% of the time) has its drafts accepted as often."""
+    from quant_helpers import needs_gptqmodel
+    if needs_gptqmodel.args[0]:
+        pytest.skip("needs the quantize extra (gptqmodel)")
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    out = tmp_path / "q"
+    res = CliRunner().invoke(app, ["quantize", "tiny-llama", "-o", str(out), "--group-size", "32", "--num-samples",
+                                   "8", "--seq-len", "32"])
+    assert res.exit_code == 0, res.output
+    llm = LLM(str(path), block_size=4, speculative_config=draft_spec(out))
+    assert any(hasattr(m, "qweight") for m in llm.engine.drafter.model.modules())
+    prompts = random_prompts(plain.engine.model_config.vocab_size, (5, 11), seed=12)
+    assert [o.token_ids for o in llm.generate(prompts, greedy(20))] == \
+        [o.token_ids for o in plain.generate(prompts, greedy(20))]
+    s = stats(llm)
+    assert s["spec_decode_num_accepted_tokens"] >= 0.2 * s["spec_decode_num_draft_tokens"] > 0, s

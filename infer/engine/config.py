@@ -187,10 +187,12 @@ class EngineConfig:
                                          "twice the KV blocks of a float16 model in the same memory, at some accuracy "
                                          "(values rounded to 3 or 2 mantissa bits, saturated to +-448 or +-57344, "
                                          "scale 1.0 as vLLM's default).")
-    speculative_config: dict | None = option(None, "vLLM's n-gram speculative decoding (prompt lookup) as JSON, "
+    speculative_config: dict | None = option(None, "vLLM's speculative decoding as JSON: n-gram (prompt lookup), "
                                                    "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": "
-                                                   "3, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' (only "
-                                                   "\"ngram\"; default: off).", cli_type=str, metavar="JSON")
+                                                   "3, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}', or a "
+                                                   "draft model of the target's vocabulary, e.g. '{\"model\": "
+                                                   "\"./small\", \"num_speculative_tokens\": 3}' (default: off).",
+                                             cli_type=str, metavar="JSON")
     num_kv_blocks: int | None = None  # API only; None: sized from the memory budget
     # API only: prepare and hand out step n's results while step n+1 runs on the device (None: on for CUDA, off on
     # CPU, where one processor does both and nothing can overlap)
