@@ -182,6 +182,73 @@ def test_chunked_prefills_mixed_with_decodes(path, plain, draft):
     no_leaks(llm)
 
 
+def test_the_draft_feeds_only_what_its_kv_lacks_each_step(path, plain, monkeypatch):
+    """Each step the draft's first forward holds the step's own tokens and at most one more a sequence (the last
+    accepted draft after a step that accepted all), never a catch-up prefill: not after a prefix-cache hit (it
+    starts at the cached prefix), nor after a preemption (it recomputes with the target)."""
+    from infer.engine.draft import DraftRunner
+    fed, real_propose, real_forward = [], DraftRunner.propose, DraftRunner._forward
+
+    def propose(self, batch):
+        own = sum(n - len(s.draft_token_ids) for s, n in zip(batch.seqs, batch.num_new_tokens))
+        fed.append([own, len(batch.seqs), None])
+        return real_propose(self, batch)
+
+    def forward(self, feeds, rows):
+        if fed[-1][2] is None:
+            fed[-1][2] = sum(len(tokens) for _, _, tokens in feeds)
+        return real_forward(self, feeds, rows)
+    monkeypatch.setattr(DraftRunner, "propose", propose)
+    monkeypatch.setattr(DraftRunner, "_forward", forward)
+    llm = LLM(str(path), block_size=4, max_num_batched_tokens=8, max_num_seqs=4, num_kv_blocks=14, max_model_len=48,
+              speculative_config=draft_spec(path))
+    prompts = random_prompts(plain.engine.model_config.vocab_size, (10, 7, 13), seed=13)
+    first = llm.generate(prompts[:1], greedy(14))[0]
+    again = [prompts[0] + first.token_ids[:10]] + prompts[1:]
+    assert [o.token_ids for o in llm.generate(again, greedy(20))] == \
+        [o.token_ids for o in plain.generate(again, greedy(20))]
+    s = stats(llm)
+    assert s["num_preemptions"] > 0 and s["prefix_cache_hits"] >= 16
+    assert all(tokens <= own + seqs for own, seqs, tokens in fed), fed
+
+
+def _noisy_copy(src, dst, scale: float):
+    """A copy of the model whose matrices (not the embeddings) carry some noise: a draft that agrees with the
+    target on some tokens only."""
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    g = torch.Generator().manual_seed(0)
+    for f in dst.glob("*.safetensors"):
+        tensors = {k: v + scale * torch.randn(v.shape, generator=g, dtype=v.dtype)
+                   if v.dim() == 2 and "embed" not in k else v for k, v in load_file(f).items()}
+        save_file(tensors, f, metadata={"format": "pt"})
+    return dst
+
+
+def test_the_draft_kv_holds_exactly_the_tokens_that_stay(tmp_path, path, plain):
+    """A draft that agrees with the target now and then: every draft it makes is its argmax given the sequence's
+    real tokens (its KV of a rejected draft's position is never taken for the token that replaced it), so the
+    counters are what teacher-forced drafting predicts, step by step."""
+    draft, k, n = _noisy_copy(path, tmp_path / "d", 0.05), 2, 40
+    llm = LLM(str(path), block_size=4, speculative_config=draft_spec(draft, k))
+    prompt = random_prompts(plain.engine.model_config.vocab_size, (9,), seed=14)[0]
+    out = llm.generate([prompt], greedy(n))[0].token_ids
+    assert out == plain.generate([prompt], greedy(n))[0].token_ids
+    full = prompt + out
+    rec = LLM(str(draft), block_size=4).generate([full], SamplingParams(max_new_tokens=1, prompt_logprobs=1))[0]
+    guess = {i: r["top_logprobs"][0]["token_id"] for i, r in enumerate(rec.prompt_logprobs) if i}
+    at, made, drafted, accepted = len(prompt) + 1, 1, 0, 0  # the prefill's step made the first token
+    while made < n:
+        j = min(k, n - made - 1)
+        m = 0
+        while m < j and guess[at + m] == full[at + m]:
+            m += 1
+        drafted, accepted, made, at = drafted + j, accepted + m, made + m + 1, at + m + 1
+    s = stats(llm)
+    assert (s["spec_decode_num_draft_tokens"], s["spec_decode_num_accepted_tokens"]) == (drafted, accepted)
+    assert 0 < accepted < drafted
+
+
 def test_preemption_resets_the_draft_kv_and_changes_nothing(path):
     kw = dict(block_size=4, num_kv_blocks=24, max_model_len=64)
     a, b = LLM(str(path), **kw), LLM(str(path), speculative_config=draft_spec(path), **kw)
