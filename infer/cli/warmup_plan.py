@@ -183,9 +183,9 @@ def _draft_weights(engine_config: EngineConfig, model_config, dtype, device, max
     def bits_of(module: str) -> int | None:
         own = gptq.for_head() if module.removeprefix("model.") == "lm_head" else gptq.for_module(module)
         return own.bits if own is not None else None
-    return checkpoint_weights_bytes(weight_files(path), config, dtype, device, gptq.bits if gptq else None,
-                                    gptq.desc_act if gptq else False, bits_of if gptq else None) \
-        + rope_table_bytes(config, max_length)
+    bits, desc_act = (gptq.bits, gptq.desc_act) if gptq else (None, False)
+    return checkpoint_weights_bytes(weight_files(path), config, dtype, device, bits, desc_act,
+                                    bits_of if gptq else None) + rope_table_bytes(config, max_length)
 
 
 def _lora_manager(model, engine_config: EngineConfig, device, dtype):
