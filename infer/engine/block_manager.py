@@ -18,13 +18,17 @@ ROOT = hashlib.sha256(b"infer prefix cache").digest()  # the chain's first link 
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "draft_upto")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash: bytes | None = None
         self.token_ids: tuple[int, ...] | None = None
+        # draft-model speculation: in a cached block whose draft KV the sequence that freed it had not fully written
+        # (its last accepted draft, fed only the step after), the slots it had; None: all (a prefix hit feeds the
+        # draft from the first slot it lacks)
+        self.draft_upto: int | None = None
 
 
 def chain_hash(prev: bytes | None, token_ids) -> bytes:
@@ -122,6 +126,11 @@ class BlockManager:
             block.ref_count += 1
             seq.block_table.append(bid)
         seq.num_computed_tokens = len(hits) * self.block_size
+        seq.draft_computed = seq.num_computed_tokens  # the draft model's KV is taken up to its first stale slot
+        for i, bid in enumerate(hits):
+            if self.blocks[bid].draft_upto is not None:
+                seq.draft_computed = i * self.block_size + self.blocks[bid].draft_upto
+                break
         seq.num_hashed_blocks = len(hits)
         seq.last_block_hash = self.blocks[hits[-1]].hash if hits else None
         for _ in range(self.blocks_needed(len(seq)) - len(hits)):
@@ -132,7 +141,7 @@ class BlockManager:
         block = self.blocks[bid]
         if block.hash is not None and self.hash_to_block.get(block.hash) == bid:
             del self.hash_to_block[block.hash]
-        block.hash, block.token_ids, block.ref_count = None, None, 1
+        block.hash, block.token_ids, block.ref_count, block.draft_upto = None, None, 1, None
         self.fresh.append(bid)
         return bid
 
@@ -174,7 +183,12 @@ class BlockManager:
     def free_seq(self, seq: Sequence) -> None:
         """Drop the sequence's references; blocks nobody uses go to the free list: cached ones (a prefix hash) last,
         to be reused as late as possible, the others first, since their contents are worth nothing and their
-        memory is warm (on CPU, a block never used before costs page faults when first touched)."""
+        memory is warm (on CPU, a block never used before costs page faults when first touched). A cached block
+        whose draft-model KV the sequence had not written to its end keeps how far it had (draft_upto: allocate)."""
+        for i, bid in enumerate(seq.block_table):
+            if self.blocks[bid].hash is not None:
+                upto = seq.draft_computed - i * self.block_size
+                self.blocks[bid].draft_upto = None if upto >= self.block_size else max(upto, 0)
         for bid in reversed(seq.block_table):
             block = self.blocks[bid]
             block.ref_count -= 1
@@ -184,7 +198,7 @@ class BlockManager:
                 if block.hash is None:
                     self.free.move_to_end(bid, last=False)
         seq.block_table = []
-        seq.num_computed_tokens = seq.num_hashed_blocks = 0
+        seq.num_computed_tokens = seq.num_hashed_blocks = seq.draft_computed = 0
         seq.last_block_hash = None
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

@@ -764,6 +764,8 @@ class LLMEngine:
             made = []
             for j, (token, record) in enumerate(zip(tokens, records)):
                 seq.num_computed_tokens = base + j  # the KV of an accepted draft is the token's
+                if self.drafter is not None:  # (a stop's free_seq then knows how far its blocks' draft KV is)
+                    seq.draft_computed = min(seq.draft_fed, seq.num_computed_tokens)
                 seq.output_token_ids.append(token)
                 self.block_manager.register_computed(seq)
                 try:

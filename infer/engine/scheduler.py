@@ -252,8 +252,7 @@ class Scheduler:
                 if self.lora and not self._acquire(seq):
                     continue
                 self.waiting.popleft()
-                self.bm.allocate(seq)
-                seq.draft_computed = seq.num_computed_tokens  # a cached prefix's draft KV is taken as it is
+                self.bm.allocate(seq)  # (a cached prefix's draft KV is taken up to its first stale block)
                 seq.status = Status.RUNNING
                 if seq.first_scheduled_time is None:
                     seq.first_scheduled_time = time.monotonic()
@@ -294,8 +293,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         seq.draft_token_ids = []
-        seq.draft_computed = 0  # recomputed, by the draft model too
-        self.bm.free_seq(seq)
+        self.bm.free_seq(seq)  # (draft_computed 0: recomputed, by the draft model too)
         if self.lora:
             self.lora.release(seq.lora)
         seq.status = Status.WAITING

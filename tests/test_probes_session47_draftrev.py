@@ -1,0 +1,45 @@
+"""Review probes of draft-model speculative decoding (session 47): the draft model's KV cache where a stale copy would
+only lower acceptance (prefix-cache hits on a finished request's blocks, ...), and the option's refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from infer import LLM, SamplingParams
+from infer.models.tiny import ensure_builtin
+
+from helpers import random_prompts
+
+
+@pytest.fixture(scope="module")
+def path():
+    return str(ensure_builtin("tiny-llama"))
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+
+def counters(llm) -> tuple[int, int]:
+    s = llm.engine.stats()
+    return s["spec_decode_num_draft_tokens"], s["spec_decode_num_accepted_tokens"]
+
+
+def test_a_prefix_hit_on_a_finished_requests_blocks_feeds_the_draft_what_it_never_wrote(path):
+    """The target as its own draft accepts every draft. A request whose last step accepted all its drafts and stopped
+    left its cached blocks without the draft KV of that last accepted draft (it is fed the step after, and there was
+    none): the next turn of the conversation, whose prompt hits those blocks, must feed the draft from there, not take
+    the stale slot as its KV (every draft still accepted, as in an engine without the cache)."""
+    spec = {"model": path, "num_speculative_tokens": 3}
+    llm = LLM(path, block_size=4, speculative_config=spec)
+    prompt = random_prompts(llm.engine.model_config.vocab_size, (10,), seed=11)[0]
+    first = llm.generate([prompt], greedy(11))[0].token_ids  # its last step accepts all 3 drafts and stops
+    turn = prompt + first + [5]
+    before = counters(llm)
+    out = llm.generate([turn], greedy(12))[0].token_ids
+    after = counters(llm)
+    assert llm.engine.block_manager.prefix_hits == 20
+    cold = LLM(path, block_size=4, speculative_config=spec, enable_prefix_caching=False)
+    assert cold.generate([turn], greedy(12))[0].token_ids == out
+    drafted, accepted = after[0] - before[0], after[1] - before[1]
+    assert (drafted, accepted) == counters(cold) and accepted == drafted
