@@ -43,3 +43,16 @@ def test_a_prefix_hit_on_a_finished_requests_blocks_feeds_the_draft_what_it_neve
     assert cold.generate([turn], greedy(12))[0].token_ids == out
     drafted, accepted = after[0] - before[0], after[1] - before[1]
     assert (drafted, accepted) == counters(cold) and accepted == drafted
+
+
+def test_an_adapter_folder_as_the_draft_is_refused_with_a_draft_hint(tmp_path, path):
+    """A LoRA adapter given as the draft: the hint says how to make a draft of it (merge it), not to pass it with
+    --lora (which would apply it to the target)."""
+    from infer.errors import ModelLoadError
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 8, '
+                                                  '"target_modules": ["q_proj"], "base_model_name_or_path": "x"}')
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelLoadError) as e:
+        LLM(path, block_size=4, speculative_config={"model": str(tmp_path), "num_speculative_tokens": 2})
+    assert "LoRA adapter" in e.value.message and "--speculative-config model" in e.value.message
+    assert "--merge-lora" in e.value.hint and "--lora NAME" not in e.value.hint

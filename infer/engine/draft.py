@@ -46,7 +46,13 @@ def draft_config(engine_config, target_config, max_len: int) -> tuple[Path, Any]
         path = resolve_model(name)
         config = load_config(path)
     except InferError as e:
-        raise type(e)(f"--speculative-config model {name!r}: {e.message}", e.hint) from None
+        hint = e.hint
+        folder = Path(name).expanduser()
+        if (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
+            # (the model's own hint says to pass it with --lora: that applies it to the target, not the draft)
+            hint = (f"a draft is a whole model: merge the adapter into its base first (infer convert BASE -o "
+                    f"MERGED --merge-lora {name}) and pass MERGED as the draft's \"model\"")
+        raise type(e)(f"--speculative-config model {name!r}: {e.message}", hint) from None
     vocab, want = getattr(config, "vocab_size", None), target_config.vocab_size
     if vocab != want:
         raise ConfigError(f"--speculative-config model {name!r} has a vocabulary of {vocab} tokens, the target "
