@@ -56,3 +56,16 @@ def test_an_adapter_folder_as_the_draft_is_refused_with_a_draft_hint(tmp_path, p
         LLM(path, block_size=4, speculative_config={"model": str(tmp_path), "num_speculative_tokens": 2})
     assert "LoRA adapter" in e.value.message and "--speculative-config model" in e.value.message
     assert "--merge-lora" in e.value.hint and "--lora NAME" not in e.value.hint
+
+
+def test_method_ngram_with_a_draft_model_names_the_conflict_not_an_unknown_key(path):
+    from infer.engine.speculative import parse_speculative_config
+    from infer.errors import ConfigError
+    with pytest.raises(ConfigError) as e:
+        parse_speculative_config({"method": "ngram", "model": path, "num_speculative_tokens": 2})
+    assert "unknown" not in e.value.message and "takes no draft model" in e.value.message
+    assert '"method": "draft_model"' in e.value.hint
+    with pytest.raises(ConfigError, match="unknown key"):  # a key of neither method is still unknown
+        parse_speculative_config({"method": "ngram", "model": "ngram", "num_speculative_tokens": 2, "foo": 1})
+    assert parse_speculative_config({"method": "ngram", "model": "[ngram]", "num_speculative_tokens": 2})["method"] \
+        == "ngram"

@@ -76,7 +76,11 @@ def parse_speculative_config(value) -> dict | None:
         raise ConfigError(f"--speculative-config: method {method!r} is not supported: infer speculates only "
                           f"with \"ngram\" (prompt lookup) or a draft model (\"model\": a folder or a built-in name, "
                           f"method \"draft_model\"; no EAGLE or MTP)", HINT)
-    if other and (other != ["model"] or model not in NGRAM_NAMES):
+    if "model" in other and model not in NGRAM_NAMES:  # a draft model with method "ngram": which one was meant?
+        raise ConfigError(f"--speculative-config: method {method!r} (prompt lookup) takes no draft model, got "
+                          f"\"model\": {model!r}", 'for draft-model speculation give "method": "draft_model" or '
+                          'leave "method" out; for n-gram speculation leave "model" out')
+    if other and other != ["model"]:
         raise ConfigError(f"--speculative-config: unknown key(s) {', '.join(other)}",
                           f"infer's ngram speculation takes {', '.join(KEYS)}")
     k = value.get("num_speculative_tokens")
