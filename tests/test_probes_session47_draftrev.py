@@ -69,3 +69,25 @@ def test_method_ngram_with_a_draft_model_names_the_conflict_not_an_unknown_key(p
         parse_speculative_config({"method": "ngram", "model": "ngram", "num_speculative_tokens": 2, "foo": 1})
     assert parse_speculative_config({"method": "ngram", "model": "[ngram]", "num_speculative_tokens": 2})["method"] \
         == "ngram"
+
+
+def test_warmup_caps_lengths_at_a_shorter_draft_context(tmp_path, path):
+    """An engine with a draft of a shorter context refuses a longer max_model_len: warmup's default length, its
+    'largest max_length' figure and a --max-length above it say so too (they took the target's context only)."""
+    import json
+    import shutil
+
+    from infer.cli.warmup_plan import check_length, default_length, estimate_plan
+    from infer.engine.config import EngineConfig
+    from infer.errors import ConfigError
+    draft = tmp_path / "short"
+    shutil.copytree(path, draft)
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 256}))
+    cfg = EngineConfig(model=path, memory_limit="64MB", block_size=4,
+                       speculative_config={"model": str(draft), "num_speculative_tokens": 2})
+    assert default_length(cfg) == 256
+    plan, _ = estimate_plan(cfg, 128, 4)
+    assert plan.max_length_limit == 256 and plan.max_length_at_concurrency <= 256
+    with pytest.raises(ConfigError, match="draft model's context of 256"):
+        check_length(cfg, 300)

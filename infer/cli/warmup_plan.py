@@ -47,11 +47,13 @@ DEFAULT_LENGTH = 4096  # warmup's --max-length when none is given, where the mod
 
 
 def default_length(engine_config: EngineConfig) -> int:
-    """--max-length when none is given: DEFAULT_LENGTH, or the model's context where that is shorter."""
+    """--max-length when none is given: DEFAULT_LENGTH, or the model's context (a draft model's) where that is
+    shorter."""
     from ..models.loader import load_config
     from ..models.resolve import resolve_model
     model_config = load_config(resolve_model(engine_config.model))
-    return min(DEFAULT_LENGTH, context_limit(model_config)[0])
+    draft = _draft_cfg(engine_config)
+    return min(DEFAULT_LENGTH, context_limit(model_config)[0], *([context_limit(draft)[0]] if draft else []))
 
 
 def check_length(engine_config: EngineConfig, max_length: int, flag: str = "--max-length") -> None:
@@ -62,13 +64,22 @@ def check_length(engine_config: EngineConfig, max_length: int, flag: str = "--ma
 
 
 def _check_length(model_config, engine_config: EngineConfig, max_length: int, flag: str = "--max-length") -> int:
-    """The model's context limit, which `max_length` must not pass."""
+    """The model's context limit, which `max_length` must not pass (with a draft model, the shorter of its and the
+    target's: an engine start refuses a longer max_model_len)."""
     limit = model_max_len(model_config, EngineConfig(model=engine_config.model, device=engine_config.device))
     if max_length > limit:
         why = context_limit(model_config)[1]  # a cap below max_position_embeddings: its field named
         raise ConfigError(f"{flag} {max_length} is above the model's context of {limit}"
                           + (f" ({why})" if why else ""),
                           f"use {flag} {limit} or less")
+    draft = _draft_cfg(engine_config)
+    if draft is not None:
+        cap, why = context_limit(draft)
+        if max_length > cap:
+            raise ConfigError(f"{flag} {max_length} is above the draft model's context of {cap}"
+                              + (f" ({why})" if why else ""), f"use {flag} {cap} or less, or a draft with a longer "
+                              f"context")
+        limit = min(limit, cap)
     return limit
 
 
