@@ -4,6 +4,7 @@ only lower acceptance (prefix-cache hits on a finished request's blocks, ...), a
 from __future__ import annotations
 
 import pytest
+import torch
 
 from infer import LLM, SamplingParams
 from infer.models.tiny import ensure_builtin
@@ -91,3 +92,38 @@ def test_warmup_caps_lengths_at_a_shorter_draft_context(tmp_path, path):
     assert plan.max_length_limit == 256 and plan.max_length_at_concurrency <= 256
     with pytest.raises(ConfigError, match="draft model's context of 256"):
         check_length(cfg, 300)
+
+
+def test_the_int4_dequantize_scratch_is_planned_and_reserved_for_the_draft_too(path, monkeypatch):
+    """On a GPU a long prefill dequantizes its biggest int4 layer into one scratch buffer, reserved before the CUDA
+    graphs record its address. An int4 draft uses the same buffer: the plan and the reservation must take its
+    layers too (the larger), or the draft's first long prefill reallocates it (memory outside the plan, and graphs
+    writing into freed memory). Layer sizes faked: int4 layers compute this way on CUDA only."""
+    from infer.engine import model_runner
+    from infer.engine.config import EngineConfig
+    from infer.engine.setup import load_engine_parts
+    from infer.kernels import gptq_dequant
+    from infer.memory import plan as plan_mod
+    from infer.memory import sizes
+    kw = dict(block_size=4, max_num_batched_tokens=512, max_model_len=64,
+              speculative_config={"model": path, "num_speculative_tokens": 2})
+    parts = load_engine_parts(EngineConfig(model=path, **kw))
+    draft = parts.draft.model
+    monkeypatch.setattr(sizes, "int4_layer_bytes", lambda model, dtype: 3 << 20 if model is draft else 1 << 20)
+    cfg = EngineConfig(model=path, **kw)
+    with_draft = plan_mod.start_activation_bytes(cfg, parts.model_config, parts.model, parts.dtype, 64,
+                                                 parts.draft.model_config, draft)
+    alone = plan_mod.start_activation_bytes(cfg, parts.model_config, parts.model, parts.dtype, 64,
+                                            parts.draft.model_config)
+    assert with_draft - alone == 2 << 20  # the larger of the two, not both
+    reserved = []
+    monkeypatch.setattr(gptq_dequant, "reserve_scratch", lambda device, dtype, numel: reserved.append(numel))
+    from infer.engine.draft import DraftRunner
+    runner = model_runner.ModelRunner(cfg, parts.model, dtype=parts.dtype, device=parts.device, num_blocks=8)
+    runner.draft = DraftRunner(parts.draft, parts.dtype, 8, 4, parts.device)
+    for m in draft.modules():  # a module with a qweight, as an int4 layer has
+        if isinstance(m, torch.nn.Linear):
+            m.qweight = m.weight
+            break
+    runner._reserve_dequant_scratch()
+    assert reserved and reserved[0] * torch.empty((), dtype=parts.dtype).element_size() == 3 << 20

@@ -90,10 +90,12 @@ class ModelRunner:
         counts when steps can be long enough to use it) before a graph records its address (see
         kernels.gptq_dequant.reserve_scratch)."""
         from ..memory.sizes import dequant_scratch_bytes
-        size = dequant_scratch_bytes(self.model, self.dtype, self.config.max_num_batched_tokens)
+        models = [self.model] + ([self.draft.model] if self.draft is not None else [])  # (a draft model's share it)
+        size = max(dequant_scratch_bytes(m, self.dtype, self.config.max_num_batched_tokens) for m in models)
         if size:
             from ..kernels.gptq_dequant import reserve_scratch
-            device = next(m.qweight.device for m in self.model.modules() if getattr(m, "qweight", None) is not None)
+            device = next(m.qweight.device for model in models for m in model.modules()
+                          if getattr(m, "qweight", None) is not None)
             reserve_scratch(device, self.dtype, size // torch.empty((), dtype=self.dtype).element_size())
 
     def _allocate_kv(self, num_blocks: int) -> torch.Tensor:

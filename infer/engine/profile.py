@@ -151,7 +151,8 @@ def profile_run(model, model_config, engine_config: EngineConfig, dtype, device,
     if weights is None:
         weights = weights_bytes(model) + (weights_bytes(draft.model) if draft is not None else 0)
     # the KV cache an engine start of this config allocates is what its own figure for activations leaves
-    start = start_activation_bytes(engine_config, model_config, model, dtype, max_length, draft_config)
+    start = start_activation_bytes(engine_config, model_config, model, dtype, max_length, draft_config,
+                                   draft.model if draft is not None else None)
     plan = make_plan(engine_config, model_config, dtype, device, weights, peak + graphs, max_length, concurrency,
                      max_length_limit, lora_bytes, measured=True, budget=budget, engine_activation=start,
                      draft_config=draft_config)

@@ -259,7 +259,7 @@ def make_plan(engine_config: PlanOptions, model_config, dtype: torch.dtype, devi
 
 
 def start_activation_bytes(engine_config: PlanOptions, model_config, model, dtype, max_len: int,
-                           draft_config=None) -> int:
+                           draft_config=None, draft_model=None) -> int:
     """What an engine start reserves for activations: the formula's step of max_num_seqs sequences of max_len, the
     CUDA graphs' pool and the int4 dequantize scratch (the runner reserves it by the budget alone); with a draft
     model (`draft_config`), its step's too."""
@@ -270,7 +270,8 @@ def start_activation_bytes(engine_config: PlanOptions, model_config, model, dtyp
         + speculative_logit_bytes(engine_config, model_config) \
         + draft_activation_bytes(engine_config, draft_config, dtype, max_len) \
         + cuda_graph_bytes(engine_config, model_config, dtype) \
-        + dequant_scratch_bytes(model, dtype, engine_config.max_num_batched_tokens)
+        + max(dequant_scratch_bytes(m, dtype, engine_config.max_num_batched_tokens)  # (one scratch: the draft's too)
+              for m in (model, *([draft_model] if draft_model is not None else [])))
 
 
 def draft_activation_bytes(engine_config: PlanOptions, draft_config, dtype, max_len: int,
@@ -301,7 +302,7 @@ def _start_plan(engine_config: PlanOptions, model_config, model, dtype, device, 
                 lora_bytes: int, draft=None) -> MemoryPlan:
     seqs = engine_config.max_num_seqs
     draft_model, draft_config = draft if draft is not None else (None, None)
-    act = start_activation_bytes(engine_config, model_config, model, dtype, max_len, draft_config)
+    act = start_activation_bytes(engine_config, model_config, model, dtype, max_len, draft_config, draft_model)
     weights = weights_bytes(model) + (weights_bytes(draft_model) if draft_model is not None else 0)
     plan = make_plan(engine_config, model_config, dtype, device, weights, act, max_len, 1, max_len,
                      lora_bytes, draft_config=draft_config)
