@@ -211,7 +211,7 @@ def test_the_server_takes_priority_under_the_priority_policy():
 def test_a_data_parallel_run_hands_out_the_most_urgent_lines_first(tmp_path):
     """`infer run --data-parallel-size N`: the driver's queue is in priority order (each replica's engine orders
     only what it holds), so with one slot the records come out by priority."""
-    from test_ray_pool import FakeRay, _Handle
+    from fakeray import FakeRay, Handle as _Handle
 
     from infer.cli import run_parallel
     from infer.cli.batch_io import RecordWriter, read_inputs

@@ -78,7 +78,7 @@ def test_sigterm_stops_a_data_parallel_run_as_one_engine(tmp_path, ray_cluster):
 def test_a_step_failure_is_one_engines_error_record(monkeypatch, tmp_path):
     """One engine writes 'internal engine error: ...' for a request it failed on inside a step; the data-parallel
     driver wrote 'line N: internal engine error: ...', as if the line were bad."""
-    from test_ray_pool import FakeRay, _Handle
+    from fakeray import FakeRay, Handle as _Handle
 
     from infer.cli import run as one, run_parallel
     from infer.cli.batch_io import RecordWriter, read_inputs

@@ -365,7 +365,7 @@ def test_sigterm_during_quantize_cleans_up_as_ctrl_c_does(tmp_path):
         from pathlib import Path
         import infer.quant.quantize as q
         from infer.quant.convert import staged_output
-        def fake(src, out, options, calibration, observer, overwrite=False, check_weights=None):
+        def fake(src, out, options, calibration, observer, overwrite=False, check_weights=None, source_name=None):
             with staged_output(out, overwrite) as tmp:
                 (tmp / "part.safetensors").write_bytes(b"x")
                 os.kill(os.getpid(), signal.SIGTERM)

@@ -238,7 +238,7 @@ def test_the_data_parallel_driver_writes_the_same_openai_records(monkeypatch, tm
     """run_parallel's driver (replicas through a fake Ray) writes the records one engine writes in openai format: the
     same bodies, a bad line's 400 and a request the engine failed on as a 500 (not as a bad line)."""
     from helpers import fail_steps_of
-    from test_ray_pool import FakeRay, _Handle
+    from fakeray import FakeRay, Handle as _Handle
 
     from infer.cli import run as one, run_parallel
     from infer.cli.batch_io import Records, RecordWriter, check_format, model_names, read_inputs
