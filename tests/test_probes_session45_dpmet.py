@@ -72,7 +72,8 @@ def test_fcfs_abort_of_waiting_requests_does_not_scan_the_queue(monkeypatch):
 
 
 def _dp_server():
-    """Two in-process tiny-llama replicas behind the fake ray (tests/fakeray.py), their RayAsyncEngine and a Server over it."""
+    """Two in-process tiny-llama replicas behind the fake ray (tests/fakeray.py), their RayAsyncEngine and a Server
+    over it."""
     from fakeray import FakeRay, Handle
     from infer.engine.config import EngineConfig
     from infer.parallel.replica import Replica

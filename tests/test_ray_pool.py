@@ -1,5 +1,6 @@
 """The data-parallel driver loop (infer.parallel.pool) without a Ray runtime: replicas are real engines in this
-process behind a stand-in for the few Ray calls the pool makes (tests/fakeray.py), so a replica death lands at an exact moment.
+process behind a stand-in for the few Ray calls the pool makes (tests/fakeray.py), so a replica death lands at an
+exact moment.
 Every request is handed back exactly once, with one engine's tokens, whichever replica ran it."""
 
 from __future__ import annotations
