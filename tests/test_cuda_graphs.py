@@ -124,11 +124,13 @@ def test_interpreted_triton_lora_under_emulated_graphs_matches_peft(triton_every
     assert got == peft_greedy(hf, adapters, list(zip(names, prompts)), n=4)
 
 
-def test_graphs_recorded_on_a_high_priority_stream_with_graph_priority(monkeypatch):
-    """EngineConfig.graph_priority: the decode graphs and the piecewise ones are recorded on one stream of high
-    priority (made once per device), so that their main branch's kernels outrank the LoRA shrinks on the side stream (torch
-    instantiates graphs with each node's priority); without it, on torch's own capture stream (stream=None). The
-    CUDA calls are stood in for on the CPU: the recordings run the model eagerly."""
+@pytest.mark.parametrize("lora", [False, True], ids=["no-adapters", "adapters"])
+def test_graphs_recorded_on_a_high_priority_stream_with_graph_priority(monkeypatch, lora):
+    """EngineConfig.graph_priority: True records the decode graphs and the piecewise ones on one stream of high
+    priority (made once per device), so that their main branch's kernels outrank the LoRA shrinks on the side stream
+    (torch instantiates graphs with each node's priority); False on torch's own capture stream (stream=None); None
+    (the default) at high priority only where there are adapters and the graph has PRIORITY_AUTO_TOKENS tokens or
+    more. The CUDA calls are stood in for on the CPU: the recordings run the model eagerly."""
     import contextlib
 
     made, used = [], []
@@ -142,9 +144,10 @@ def test_graphs_recorded_on_a_high_priority_stream_with_graph_priority(monkeypat
         used.append(stream)
         yield
     path = ensure_builtin("tiny-llama")
-    for high in (False, True):
-        llm = LLM(str(path), max_num_seqs=4, block_size=4, num_kv_blocks=64, max_model_len=32, graph_priority=high,
-                  cuda_graph_max_tokens=8)
+    auto = cuda_graphs.PRIORITY_AUTO_TOKENS
+    for high in (False, True, None):
+        llm = LLM(str(path), max_num_seqs=4, block_size=4, num_kv_blocks=64, max_model_len=auto + 16,
+                  graph_priority=high, cuda_graph_max_tokens=auto + 16, enable_lora=lora, max_lora_rank=8)
         made.clear(), used.clear()
         with monkeypatch.context() as m:  # (after the engine is built: the libraries it imports look at them)
             m.setattr(torch.cuda, "Stream", lambda device=None, priority=0: made.append(priority) or ("s", priority))
@@ -153,10 +156,14 @@ def test_graphs_recorded_on_a_high_priority_stream_with_graph_priority(monkeypat
             m.setattr(torch.cuda, "synchronize", lambda device=None: None)
             m.setattr(cuda_graphs, "_HIGH", {})
             m.setattr(llm.engine.runner, "check_pieces", lambda pieces: 0.0)  # stand-in graphs compute nothing
-            llm.engine.runner.capture_graphs(32)
+            llm.engine.runner.capture_graphs(auto + 16)
         runner = llm.engine.runner
+        decode, pieces = runner.graphs.buckets, runner.pieces.buckets
+        assert max(decode) < auto <= max(pieces) and auto in pieces, (decode, pieces, auto)
         # one recording per decode bucket, and per piece of the forward for each token bucket of the pieces
-        assert len(used) == len(runner.graphs.buckets) + runner.pieces.num_pieces * len(runner.pieces.buckets)
-        assert used == ([("s", -1)] * len(used) if high else [None] * len(used)) and made == ([-1] if high else []), \
-            (high, used, made)
+        n = runner.pieces.num_pieces
+        assert len(used) == len(decode) + n * len(pieces)
+        want = len(used) if high else 0 if high is False or not lora else n * sum(b >= auto for b in pieces)
+        assert used.count(("s", -1)) == want and used.count(None) == len(used) - want, (high, lora, used)
+        assert made == ([-1] if want else []), (high, made)
         llm.close()

@@ -371,8 +371,8 @@ def test_byte_fields_probe_and_its_fallback(gemm, monkeypatch, caplog):
 
 def test_warmup_reports_the_int4_unpacking(capsys):
     """`infer warmup` on a GPU says whether the start-up probe let the field tiles take their fields by byte
-    permute, whether the int4 kernels load a K step ahead, whether the kernels use PDL, and (with adapters) whether
-    the LoRA expands of decode steps are gathers; off a GPU none of these rows is printed."""
+    permute, whether the int4 kernels load a K step ahead, whether the kernels use PDL, and (with adapters) up to
+    how many tokens the LoRA expands of a step are gathers; off a GPU none of these rows is printed."""
     from infer.cli.warmup import print_plan
     from infer.cli.warmup_plan import estimate_plan
     from infer.engine.config import EngineConfig
@@ -382,12 +382,14 @@ def test_warmup_reports_the_int4_unpacking(capsys):
     out = capsys.readouterr().out
     assert "byte permute" not in out and "INFER_INT4_LOADS" not in out and "INFER_LORA_EXPAND" not in out
     for on, word in ((True, "yes"), (False, "no")):
-        print_plan(plan, dict(extra, pdl=True, int4_byte_fields=on, int4_loads_ahead=not on, lora_expand_gather=on))
+        print_plan(plan, dict(extra, pdl=True, int4_byte_fields=on, int4_loads_ahead=not on,
+                              lora_expand_gather=16 if on else 0))
         out = capsys.readouterr().out.replace("\n", " ")
         assert re.search(rf"int4 fields unpacked by byte permute.*?{word}", out, re.S), out
         other = "no" if on else "yes"
         assert re.search(rf"int4 loads one K step ahead \(INFER_INT4_LOADS\)\s*│\s*{other}", out), out
-        assert re.search(rf"LoRA expands gathered \(INFER_LORA_EXPAND\)\s*│\s*{word}", out), out
+        gathered = "up to 16 tokens a step" if on else "no"
+        assert re.search(rf"LoRA expands gathered \(INFER_LORA_EXPAND\)\s*│\s*{gathered}", out), out
         assert "programmatic dependent launch" in out
 
 

@@ -209,10 +209,11 @@ def test_compare_loads_runs_an_engine_with_the_loads_late(monkeypatch):
     assert note in e2e_report.run_notes("cpu", args, rows)
 
 
-def test_compare_expand_runs_an_engine_with_the_expands_gathered(monkeypatch):
-    """--compare-expand: a row with the mixed adapters whose engine is built and run with its decode steps' LoRA
-    expands as gathers (lora_ops.expand_by "gather"), the setting given back after it, its adapter cost against
-    the row without adapters, and a note setting it beside the default engine (expands by segments)."""
+def test_compare_expand_runs_engines_with_the_expands_gathered_and_by_segments(monkeypatch):
+    """--compare-expand: rows with the mixed adapters whose engines are built and run with their decode steps' LoRA
+    expands all gathers (lora_ops.expand_by "gather") and all by segments ("segments"), the setting given back after
+    each, their adapter cost against the row without adapters, and notes setting each beside the default engine
+    (gathers up to GATHER_AUTO_TOKENS tokens)."""
     from infer.kernels import lora_ops
     monkeypatch.setattr(lora_ops, "expand_by", None)
     built = record_engines(monkeypatch, lambda engine: lora_ops.expand_by)
@@ -220,34 +221,40 @@ def test_compare_expand_runs_an_engine_with_the_expands_gathered(monkeypatch):
                            "--output-len", "3", "--num-adapters", "2", "--rank", "4", "--skip-hf",
                            "--compare-expand"])
     rows = e2e.bench_model("llama-2-7b", args, bandwidth=1e10, device="cpu", dtype=torch.float32, **TINY)
-    gathered = e2e_report.GATHERED
-    assert [r["lora"] for r in rows] == ["none", "2 mixed r4", f"2 mixed r4, {gathered}"]
-    assert built == [None, None, "gather"] and lora_ops.expand_by is None
-    [note] = e2e_report.gather_gains(rows)
-    assert note.startswith("llama-2-7b infer, 2 mixed r4: the LoRA expands as gathers ")
+    gathered, segments = e2e_report.GATHERED, e2e_report.SEGMENTS
+    assert [r["lora"] for r in rows] == ["none", "2 mixed r4", f"2 mixed r4, {gathered}", f"2 mixed r4, {segments}"]
+    assert built == [None, None, "gather", "segments"] and lora_ops.expand_by is None
+    notes = e2e_report.gather_gains(rows)
+    assert [n.split(": ")[1][:40] for n in notes] == ["the LoRA expands all as gathers (lora_op",
+                                                      "the LoRA expands all by segments (tiles "]
+    assert all(n.startswith("llama-2-7b infer, 2 mixed r4: ") for n in notes)
     costs = e2e_report.adapter_costs(rows)
     assert [c.split(":")[0] for c in costs] == ["llama-2-7b infer, 2 mixed r4", f"llama-2-7b infer, 2 mixed r4, "
-                                                                               f"{gathered}"]
-    assert all(n in e2e_report.run_notes("cpu", args, rows) for n in [note] + costs)
+                                                f"{gathered}", f"llama-2-7b infer, 2 mixed r4, {segments}"]
+    assert all(n in e2e_report.run_notes("cpu", args, rows) for n in notes + costs)
 
 
 def test_compare_priority_runs_engines_with_their_graphs_at_high_priority(monkeypatch):
-    """--compare-priority: the plain modes again, each with EngineConfig.graph_priority (its CUDA graphs recorded on
-    a high-priority stream), rows labelled as such, their adapter cost against the like row, and a note setting
-    each beside the default engine."""
+    """--compare-priority: the plain modes again, each with EngineConfig.graph_priority True (all its CUDA graphs
+    recorded on a high-priority stream) and False (all at the default priority; the default engine's is None, by
+    the graph's tokens), rows labelled as such, their adapter cost against the like row, and a note setting each
+    beside the default engine."""
     built = record_engines(monkeypatch, lambda engine: engine.config.graph_priority)
     args = e2e.parse_args(["--out", "unused", "--num-prompts", "2", "--concurrency", "2", "--input-len", "5",
                            "--output-len", "3", "--num-adapters", "2", "--rank", "4", "--skip-hf",
                            "--compare-priority"])
     rows = e2e.bench_model("llama-2-7b", args, bandwidth=1e10, device="cpu", dtype=torch.float32, **TINY)
-    high = e2e_report.HIGH_PRIORITY
-    assert [r["lora"] for r in rows] == ["none", f"none, {high}", "2 mixed r4", f"2 mixed r4, {high}"]
-    assert built == [False, True, False, True]
+    high, low = e2e_report.HIGH_PRIORITY, e2e_report.LOW_PRIORITY
+    assert [r["lora"] for r in rows] == ["none", f"none, {high}", f"none, {low}", "2 mixed r4", f"2 mixed r4, {high}",
+                                         f"2 mixed r4, {low}"]
+    assert built == [None, True, False, None, True, False]
     notes = e2e_report.priority_gains(rows)
-    assert [n.split(":")[0] for n in notes] == ["llama-2-7b infer, none", "llama-2-7b infer, 2 mixed r4"]
-    assert "CUDA graphs recorded at high priority" in notes[0]
+    assert [n.split(":")[0] for n in notes] == ["llama-2-7b infer, none", "llama-2-7b infer, 2 mixed r4"] * 2
+    assert all("CUDA graphs all recorded at high priority" in n for n in notes[:2])
+    assert all("CUDA graphs all recorded at the default priority" in n for n in notes[2:])
     costs = e2e_report.adapter_costs(rows)
-    assert [c.split(":")[0] for c in costs] == ["llama-2-7b infer, 2 mixed r4", f"llama-2-7b infer, 2 mixed r4, {high}"]
+    assert [c.split(":")[0] for c in costs] == ["llama-2-7b infer, 2 mixed r4", f"llama-2-7b infer, 2 mixed r4, {high}",
+                                                f"llama-2-7b infer, 2 mixed r4, {low}"]
     assert all(n in e2e_report.run_notes("cpu", args, rows) for n in notes + costs)
     eager = e2e.parse_args(["--out", "unused", "--eager", "--num-adapters", "0", "--compare-priority"])
     run = e2e.ShapeRun("llama-2-7b", None, None, eager, 1e10, "cpu", torch.float32)

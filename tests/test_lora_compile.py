@@ -110,9 +110,10 @@ SCRIPT = COMPILE_ONLY_LAUNCHES + textwrap.dedent('''
 
 
 def test_engine_start_compiles_every_lora_kernel_a_step_launches():
-    """With the decode expand by segments and as a gather (EngineConfig.lora_expand), one after the other: the
-    second finds the kernels they share (the shrink, the consumers) in triton's cache."""
-    for expand_by in ("segments", "gather"):
+    """With the decode expand by segments, as a gather, and by the step's tokens (INFER_LORA_EXPAND's auto, the
+    default: gathers up to GATHER_AUTO_TOKENS tokens), one after the other: the later ones find the kernels they
+    share (the shrink, the consumers) in triton's cache."""
+    for expand_by in ("segments", "gather", "auto"):
         _start_compiles_every_lora_kernel(expand_by)
 
 
@@ -131,6 +132,12 @@ def _start_compiles_every_lora_kernel(expand_by: str) -> None:
     # epilogue; and, for the decode graphs' shrink beside the matmul (EngineConfig.lora_streams), the apply path's
     # variants by sorted position too
     expands = out["apply"]["start"].count("_expand_kernel")
+    if expand_by == "auto":  # gathers up to 32 tokens (the 1-16- and 17-32-token plans' tile shapes), by segments
+        # above
+        assert out["delta"]["start"].count("_expand_gather_kernel") == 6, out["delta"]
+        assert out["apply"]["start"].count("_expand_gather_kernel") == 6, out["apply"]
+        assert 0 < out["delta"]["start"].count("_expand_kernel") < (expands - 1) + expands, out
+        return
     if expand_by == "gather":  # up to 64 tokens the delta layer's expands are gathers: one variant per tile shape
         # (1, 2, 4, 8 and 16 tokens a program at rank 8 with the 1-16-token plan's split of K, 16 with the 17-32- and
         # 33-64-token plans'), and by segments for the longer steps only

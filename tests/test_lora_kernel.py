@@ -255,10 +255,16 @@ def test_add_delta_gathers_where_asked(poisoned, monkeypatch):
 
 
 def test_expand_way_from_the_environment(ops, monkeypatch):
-    check_env_choice(monkeypatch, ops, "expand_by", lambda: ops.gathers(16), "INFER_LORA_EXPAND",
-                     ((None, False), ("gather", True), (" segments", False)), "bgmv", ("segments", "gather"))
+    auto = ops.GATHER_AUTO_TOKENS
+    for t, unset in ((auto, True), (auto + 1, False)):  # unset: "auto", gathers up to GATHER_AUTO_TOKENS tokens
+        check_env_choice(monkeypatch, ops, "expand_by", lambda: ops.gathers(t), "INFER_LORA_EXPAND",
+                         ((None, unset), ("auto", unset), ("gather", True), (" segments", False)), "bgmv",
+                         ("auto", "segments", "gather"))
     monkeypatch.setattr(ops, "expand_by", "gather")
     assert ops.gathers(ops.GATHER_MAX_TOKENS) and not ops.gathers(ops.GATHER_MAX_TOKENS + 1)
+    assert ops.gather_limit() == ops.GATHER_MAX_TOKENS > auto > 1
+    monkeypatch.setattr(ops, "expand_by", "segments")
+    assert not ops.gathers(1) and ops.gather_limit() == 0
     assert ops.gather_tiles(16, 16) == (16, 32, 16) and ops.gather_tiles(1, 16) == (1, 128, 16)
     assert ops.gather_tiles(64, 64) == (8, 16, 64) and ops.gather_tiles(3, 128) == (4, 16, 128)
 

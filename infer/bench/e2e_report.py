@@ -12,10 +12,14 @@ NO_PIECES = "mixed steps eager"  # gpu_e2e --compare-piecewise: steps that are n
 WITH_PDL = "with PDL"  # gpu_e2e --compare-pdl: kernels launched with programmatic dependent launch (off by default)
 SILU_APART = "silu_and_mul launched apart"  # gpu_e2e --compare-silu: EngineConfig.silu_in_gate_up off
 LOADS_LATE = "int4 loads in their step"  # gpu_e2e --compare-loads: INFER_INT4_LOADS=late
-HIGH_PRIORITY = "graphs at high priority"  # gpu_e2e --compare-priority: EngineConfig.graph_priority on
+HIGH_PRIORITY = "graphs at high priority"  # gpu_e2e --compare-priority: EngineConfig.graph_priority True
+LOW_PRIORITY = "graphs at default priority"  # and False (the default engine's is None: by the graph's tokens)
 GATHERED = "expands gathered"  # gpu_e2e --compare-expand: INFER_LORA_EXPAND=gather
-VARIANTS = (NO_PIECES, WITH_PDL, SILU_APART, LOADS_LATE, HIGH_PRIORITY, GATHERED)  # a mode label's variant suffix
-ADAPTERS_ONLY = (GATHERED,)  # variants of the adapters' kernels alone: run with adapters only, costed against "none"
+SEGMENTS = "expands by segments"  # and INFER_LORA_EXPAND=segments (the default engine's is auto: by the tokens)
+VARIANTS = (NO_PIECES, WITH_PDL, SILU_APART, LOADS_LATE, HIGH_PRIORITY, LOW_PRIORITY, GATHERED,
+            SEGMENTS)  # a mode label's variant suffix
+ADAPTERS_ONLY = (GATHERED, SEGMENTS)  # variants of the adapters' kernels alone: run with adapters only, costed
+# against "none"
 
 
 def variant_of(lora: str) -> str | None:
@@ -113,23 +117,27 @@ def loads_gains(rows: list[dict]) -> list[str]:
 
 
 def priority_gains(rows: list[dict]) -> list[str]:
-    """For each row whose CUDA graphs were recorded on a high-priority stream (--compare-priority): what that gives
-    against the default engine, as ratios (below 1, what it costs)."""
-    return [f"{r['model']} {r['engine']}, {lora}: CUDA graphs recorded at high priority (the main branch's programs "
-            f"first, the LoRA shrinks beside in what is left) give {r['output_tok_s'] / on['output_tok_s']:.3f}x the "
-            f"throughput and {on['mean_tpot_ms'] / r['mean_tpot_ms']:.3f}x the decode speed (TPOT "
+    """For each row whose CUDA graphs were all recorded on a high-priority stream, or all at the default priority
+    (--compare-priority): what that gives against the default engine (by the graph's tokens), as ratios."""
+    return [f"{r['model']} {r['engine']}, {lora}: CUDA graphs all recorded at {what} give "
+            f"{r['output_tok_s'] / on['output_tok_s']:.3f}x the throughput and "
+            f"{on['mean_tpot_ms'] / r['mean_tpot_ms']:.3f}x the decode speed of the default engine's (TPOT "
             f"{r['mean_tpot_ms']} vs {on['mean_tpot_ms']} ms)"
-            for lora, on, r in variant_pairs(rows, HIGH_PRIORITY, "mean_tpot_ms")]
+            for variant, what in ((HIGH_PRIORITY, "high priority (the main branch's programs first, the LoRA shrinks "
+                                                  "beside in what is left)"), (LOW_PRIORITY, "the default priority"))
+            for lora, on, r in variant_pairs(rows, variant, "mean_tpot_ms")]
 
 
 def gather_gains(rows: list[dict]) -> list[str]:
-    """For each row whose LoRA expands of decode steps were gathers (--compare-expand): what that gives against the
-    default engine (expands by segments), as ratios (below 1, what it costs)."""
-    return [f"{r['model']} {r['engine']}, {lora}: the LoRA expands as gathers (lora_ops.expand_gather, partials by "
-            f"token) give {r['output_tok_s'] / on['output_tok_s']:.3f}x the throughput and "
-            f"{on['mean_tpot_ms'] / r['mean_tpot_ms']:.3f}x the decode speed of the expands by segments (TPOT "
+    """For each row whose LoRA expands of decode steps were all gathers, or all by segments (--compare-expand): what
+    that gives against the default engine (gathers up to lora_ops.GATHER_AUTO_TOKENS tokens), as ratios."""
+    return [f"{r['model']} {r['engine']}, {lora}: the LoRA expands all {what} give "
+            f"{r['output_tok_s'] / on['output_tok_s']:.3f}x the throughput and "
+            f"{on['mean_tpot_ms'] / r['mean_tpot_ms']:.3f}x the decode speed of the default engine's (TPOT "
             f"{r['mean_tpot_ms']} vs {on['mean_tpot_ms']} ms)"
-            for lora, on, r in variant_pairs(rows, GATHERED, "mean_tpot_ms")]
+            for variant, what in ((GATHERED, "as gathers (lora_ops.expand_gather, partials by token)"),
+                                  (SEGMENTS, "by segments (tiles of one adapter's tokens)"))
+            for lora, on, r in variant_pairs(rows, variant, "mean_tpot_ms")]
 
 
 def write_tables(rows: list[dict], out: Path, notes: list[str]) -> str:

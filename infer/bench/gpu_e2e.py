@@ -30,12 +30,14 @@ from pathlib import Path
 import torch
 
 from ..engine.config import KV_CACHE_DTYPES
+from ..engine.cuda_graphs import PRIORITY_AUTO_TOKENS
 from ..kernels.compiles import watch_compiles
+from ..kernels.lora_ops import GATHER_AUTO_TOKENS
 from ..memory.plan import plan_memory
 from ..memory.sizes import kv_bytes_per_token
 from .e2e_models import SHAPES, build_model, dtype_label, hf_config, make_tokenizer, write_random_adapters
-from .e2e_report import (GATHERED, HIGH_PRIORITY, LOADS_LATE, NO_PIECES, SILU_APART, WITH_PDL, result_row, run_notes,
-                         write_tables)
+from .e2e_report import (GATHERED, HIGH_PRIORITY, LOADS_LATE, LOW_PRIORITY, NO_PIECES, SEGMENTS, SILU_APART, WITH_PDL,
+                         result_row, run_notes, write_tables)
 from .roofline import copy_bandwidth, decode_roofline, lora_bytes_per_adapter, weight_bytes_per_step
 
 EPILOGUE = "expand in epilogue"  # the mode label of --compare-lora-epilogue
@@ -50,7 +52,7 @@ def build_engine(model, model_config, tokenizer, device, adapters: dict[str, str
                  max_len: int, eager: bool = False, slots: int | None = None, batched_tokens: int = 4096,
                  lora_epilogue: bool | None = None, lora_streams: bool | None = None, expand_beside: bool = False,
                  piecewise_tokens: int = 512, pdl: bool | None = None, expand_fused: bool = False,
-                 expand_in_norm: bool = True, silu_in_gate_up: bool = True, graph_priority: bool = False,
+                 expand_in_norm: bool = True, silu_in_gate_up: bool = True, graph_priority: bool | None = None,
                  kv_cache_dtype: str = "auto"):
     """An LLMEngine over an in-memory model (decode CUDA graphs unless `eager`); `slots` GPU adapter slots (default:
     one per adapter; fewer makes the engine swap adapters, counted in stats()["lora_swaps"]); `batched_tokens` the
@@ -64,7 +66,8 @@ def build_engine(model, model_config, tokenizer, device, adapters: dict[str, str
     (EngineConfig.lora_expand_fused), `expand_in_norm` False launches the o and down expands on their own instead of
     in the rms_norm after them (EngineConfig.lora_expand_in_norm); `silu_in_gate_up` False launches silu_and_mul
     after the int4 gate_up matmul instead of in its epilogue (EngineConfig.silu_in_gate_up); `graph_priority` True
-    records the CUDA graphs on a high-priority stream (EngineConfig.graph_priority); `kv_cache_dtype` the KV cache's
+    records every CUDA graph on a high-priority stream, False none, None by the graph's tokens
+    (EngineConfig.graph_priority); `kv_cache_dtype` the KV cache's
     elements (EngineConfig.kv_cache_dtype: auto, fp8, fp8_e5m2)."""
     slots = max(1, slots or len(adapters))
     from ..engine import llm_engine
@@ -218,8 +221,9 @@ def engine_modes(run: ShapeRun, tmp: Path) -> list[tuple[str, dict[str, str], bo
     with programmatic dependent launch, --compare-silu the one without adapters with silu_and_mul launched after the
     int4 gate_up matmul (not in its epilogue), --compare-loads the one without adapters with the int4 kernels
     issuing each K step's loads in that step (not during the step before: gptq_gemm.loads_ahead), --compare-priority
-    each of the two plain modes with its CUDA graphs recorded at high priority (EngineConfig.graph_priority),
-    --compare-expand the one with adapters with its decode steps' LoRA expands as gathers (INFER_LORA_EXPAND=gather)."""
+    each of the two plain modes with all its CUDA graphs recorded at high priority and with all at the default
+    priority (EngineConfig.graph_priority True and False), --compare-expand the one with adapters with all its decode
+    steps' LoRA expands as gathers and with all by segments (INFER_LORA_EXPAND=gather and segments)."""
     args = run.args
     both = args.compare_eager and not args.eager  # each of the two plain modes with graphs and without
     pieces = args.compare_piecewise and not args.eager
@@ -228,15 +232,17 @@ def engine_modes(run: ShapeRun, tmp: Path) -> list[tuple[str, dict[str, str], bo
         + ([(f"none, {WITH_PDL}", {}, args.eager)] if args.compare_pdl else []) \
         + ([(f"none, {SILU_APART}", {}, args.eager)] if args.compare_silu and not args.fp16 else []) \
         + ([(f"none, {LOADS_LATE}", {}, args.eager)] if args.compare_loads and not args.fp16 else []) \
-        + ([(f"none, {HIGH_PRIORITY}", {}, False)] if args.compare_priority and not args.eager else [])
+        + ([(f"none, {v}", {}, False) for v in (HIGH_PRIORITY, LOW_PRIORITY)]
+           if args.compare_priority and not args.eager else [])
     if args.num_adapters:
         adapters = write_random_adapters(run.model_config, tmp, args.num_adapters, args.rank)
         mixed = f"{len(adapters)} mixed r{args.rank}"
         modes += [(mixed, adapters, args.eager)] + ([(mixed, adapters, True)] if both else []) \
             + ([(f"{mixed}, {NO_PIECES}", adapters, False)] if pieces else []) \
             + ([(f"{mixed}, {WITH_PDL}", adapters, args.eager)] if args.compare_pdl else []) \
-            + ([(f"{mixed}, {HIGH_PRIORITY}", adapters, False)] if args.compare_priority and not args.eager else []) \
-            + ([(f"{mixed}, {GATHERED}", adapters, args.eager)] if args.compare_expand else [])
+            + ([(f"{mixed}, {v}", adapters, False) for v in (HIGH_PRIORITY, LOW_PRIORITY)]
+               if args.compare_priority and not args.eager else []) \
+            + ([(f"{mixed}, {v}", adapters, args.eager) for v in (GATHERED, SEGMENTS)] if args.compare_expand else [])
         if args.max_loras and args.max_loras < len(adapters):
             modes.append((f"{len(adapters)} mixed r{args.rank} via {args.max_loras} slots", adapters, args.eager))
         if args.compare_lora_epilogue and not args.fp16:
@@ -267,7 +273,7 @@ def int4_loads(mode: str | None):
 @contextlib.contextmanager
 def lora_expand(mode: str | None):
     """While an engine is built and run: how its LoRA expands of up to 64 tokens find their adapters
-    (lora_ops.expand_by, "segments" or "gather"; None: as set)."""
+    (lora_ops.expand_by, "auto", "segments" or "gather"; None: as set)."""
     from ..kernels import lora_ops
     old = lora_ops.expand_by
     if mode is not None:
@@ -286,7 +292,7 @@ def infer_rows(run: ShapeRun) -> list[dict]:
         rows = []
         for lora, adapters, eager in engine_modes(run, Path(tmp)):
             with int4_loads("late" if LOADS_LATE in lora else None), \
-                    lora_expand("gather" if GATHERED in lora else None):
+                    lora_expand("gather" if GATHERED in lora else "segments" if SEGMENTS in lora else None):
                 rows.append(infer_row(run, model, label, weight_bytes, lora, adapters, eager))
     del model
     _free_device_memory()
@@ -303,7 +309,8 @@ def infer_row(run: ShapeRun, model, label: str, weight_bytes: int, lora: str, ad
                           lora_streams=False if ONE_STREAM in lora else None, expand_beside=EXPAND_BESIDE in lora,
                           piecewise_tokens=0 if NO_PIECES in lora else 512, pdl=True if WITH_PDL in lora else None,
                           expand_fused=IN_CONSUMERS in lora, expand_in_norm=EXPAND_ALONE not in lora,
-                          silu_in_gate_up=SILU_APART not in lora, graph_priority=HIGH_PRIORITY in lora,
+                          silu_in_gate_up=SILU_APART not in lora,
+                          graph_priority=True if HIGH_PRIORITY in lora else False if LOW_PRIORITY in lora else None,
                           kv_cache_dtype=args.kv_cache_dtype)
     engine.warm_kernels()  # compiles every kernel path (prefix-cached prefill too) before anything is timed
     names = list(adapters)
@@ -407,12 +414,17 @@ def parse_args(argv=None):
                    help="also run infer without adapters with the int4 kernels issuing each K step's loads in that "
                         "step instead of during the step before (INFER_INT4_LOADS=late)")
     p.add_argument("--compare-priority", action="store_true",
-                   help="also run infer with its CUDA graphs recorded on a high-priority stream, so that the GPU "
-                        "schedules the base matmuls' programs before the LoRA shrinks beside them "
-                        "(EngineConfig.graph_priority), without adapters and with the mixed adapters")
+                   help="also run infer with all its CUDA graphs recorded on a high-priority stream, so that the "
+                        "GPU schedules the base matmuls' programs before the LoRA shrinks beside them, and with all "
+                        "at the default priority (EngineConfig.graph_priority True and False; the default engine "
+                        f"records the graphs of {PRIORITY_AUTO_TOKENS} tokens or more at high priority where there "
+                        "are adapters), "
+                        "without adapters and with the mixed adapters")
     p.add_argument("--compare-expand", action="store_true",
-                   help="also run infer with the mixed adapters, the LoRA expands of decode steps as gathers (each "
-                        "program takes up to 16 tokens of any adapters: INFER_LORA_EXPAND=gather)")
+                   help="also run infer with the mixed adapters, the LoRA expands of decode steps all as gathers "
+                        "(each program takes up to 16 tokens of any adapters: INFER_LORA_EXPAND=gather), and all by "
+                        f"segments (INFER_LORA_EXPAND=segments; the default engine gathers up to {GATHER_AUTO_TOKENS} "
+                        "tokens)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    help="the KV cache's elements in every infer row (--kv-cache-dtype; default: the model's dtype)")
     p.add_argument("--profile", action="store_true",

@@ -110,8 +110,8 @@ def print_plan(plan, extra: dict, tokens: int | None = None) -> None:
         rows.append(("int4 loads one K step ahead (INFER_INT4_LOADS)",
                      "yes" if extra["int4_loads_ahead"] else "no"))
     if extra.get("lora_expand_gather") is not None:
-        rows.append(("LoRA expands gathered (INFER_LORA_EXPAND)",
-                     "yes" if extra["lora_expand_gather"] else "no"))
+        n = extra["lora_expand_gather"]
+        rows.append(("LoRA expands gathered (INFER_LORA_EXPAND)", f"up to {n} tokens a step" if n else "no"))
     if extra.get("cuda_graphs_s") is not None:
         rows.append((f"CUDA graph capture at start ({extra['cuda_graphs']:,} graphs, s)",
                      f"{extra['cuda_graphs_s']:.1f}"))

@@ -279,7 +279,7 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
         loads_ahead = gptq_gemm.loads_ahead()  # INFER_INT4_LOADS (a bad value stops here, before anything compiles)
         if lora_manager is not None:  # INFER_LORA_EXPAND (the same)
             from ..kernels import lora_ops
-            gather = lora_ops.gathers(1)
+            gather = lora_ops.gather_limit()
         tuning_s = tune_model(model, engine_config.max_num_batched_tokens, device)[1]
         t0 = time.perf_counter()
         compile_model(model, engine_config.max_num_batched_tokens, dtype)

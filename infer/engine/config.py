@@ -152,7 +152,7 @@ RANGES = {"max_num_seqs": (1, 65536), "max_num_batched_tokens": (1, None), "bloc
           "max_cpu_loras": (1, None), "seed": (0, 2 ** 63 - 1),
           "cuda_graph_max_tokens": (0, 8192)}
 OPTIONAL = {"max_model_len", "num_kv_blocks", "max_cpu_loras", "overlap", "lora_epilogue",  # None: chosen for you
-            "lora_streams", "pdl"}
+            "lora_streams", "pdl", "graph_priority"}
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy values
 # vLLM's --kv-cache-dtype values (auto: the model's dtype) and the torch dtype K and V are stored in
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
@@ -231,10 +231,12 @@ class EngineConfig:
     # API only: CUDA, record the CUDA graphs on a high-priority stream, so that where a graph has two branches (a
     # layer's LoRA shrink on the second stream beside its base matmul, `lora_streams`) the GPU gives free SMs to the
     # main branch's programs first and the shrink fills the rest (torch instantiates graphs with each kernel's
-    # priority). Off: the shrink is recorded first, and its programs may push a matmul that nearly fills the GPU
-    # into a second partial wave (on an H200, 2026-11-27, a 7B int4 matmul took 20.5 us a launch beside the shrinks
-    # against 17.4 without adapters); off until timed (gpu_e2e --compare-priority runs engines with True beside)
-    graph_priority: bool = False
+    # priority). True: every graph; False: none (the shrink, recorded first, may push a matmul that nearly fills the
+    # GPU into a second partial wave); None (auto): with adapters, the graphs of at least
+    # cuda_graphs.PRIORITY_AUTO_TOKENS tokens (on an H200, 2026-12-04, 7B int4 with 16 mixed adapters, all at high
+    # priority: 0.835x the throughput at 16 concurrent, 0.937x at 32, 1.099x at 64; gpu_e2e --compare-priority runs
+    # engines with True and False beside)
+    graph_priority: bool | None = None
     memory_limit: int | None = option(None, "CPU memory budget for weights, activations and KV cache, e.g. 8GB "
                                             "(default: half the available RAM).", cli_type=str)
     gpu_memory_utilization: float = option(0.90, "Fraction of the GPU's memory the engine may use, in (0, 1].")
