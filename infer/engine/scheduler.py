@@ -170,6 +170,10 @@ class Scheduler:
         self.bm = block_manager
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        # draft-model speculation: the draft's first forward of a step also feeds what its KV lacks before the step's
+        # own tokens (the last accepted draft of a step that accepted them all), counted against the same budget
+        spec = config.speculative_config
+        self.draft_model = bool(spec) and spec.get("method") == "draft_model"
         self.lora = lora  # adapter slot manager (or None): admits a request only when its adapter gets a slot
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -195,18 +199,33 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def lag(self, seq: Sequence) -> int:
+        """Draft-model speculation: the tokens seq's draft KV lacks before its next token (DraftRunner.propose feeds
+        them with the step's own), which the step's budget counts; 0 otherwise."""
+        return seq.num_computed_tokens - min(seq.draft_computed, seq.num_computed_tokens) if self.draft_model else 0
+
+    def _fit(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
+        """The tokens of seq this step within `budget`, which its draft's catch-up (lag) shares: the draft's first
+        forward holds every scheduled sequence's lag and own tokens, no more than max_num_batched_tokens. (A first
+        sequence whose lag alone fills the budget still gets one token: never reached, lag is at most one token and
+        comes only from drafts, which a budget of one never gives.)"""
+        n = min(seq.num_uncomputed_tokens, budget - self.lag(seq))
+        return n if n > 0 or batch else 1
+
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [])
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = self._fit(seq, budget, batch)
+            if n < 1:
+                break
             if not self._reserve(seq, seq.num_computed_tokens + n):
                 continue  # seq itself was preempted (it was the youngest); the list shrank
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
-            budget -= n
+            budget -= n + self.lag(seq)
             i += 1
         for seq in self.running[i:]:  # not scheduled this step: no drafts
             seq.draft_token_ids = []
@@ -217,19 +236,21 @@ class Scheduler:
     def _with_drafts(self, batch: ScheduledBatch, budget: int) -> int:
         """Speculative decoding: to each decoding sequence of the batch with drafts, as many of them as the budget and
         the free KV blocks that every running sequence's own tokens left hold (drafts never preempt anyone, nor keep
-        a running sequence out of the step); the drafts left out are dropped. Returns the budget left."""
+        a running sequence out of the step); the drafts left out are dropped. Returns the budget left. A sequence's
+        draft catch-up (lag), already counted, is no more than its drafts' tokens: those need only what exceeds it
+        (the target's verify holds the drafts, the draft's first forward the lag)."""
         for j, seq in enumerate(batch.seqs):
             if not seq.draft_token_ids:
                 continue
-            n = batch.num_new_tokens[j]
-            k = min(len(seq.draft_token_ids), budget) if n == seq.num_uncomputed_tokens else 0
+            n, lag = batch.num_new_tokens[j], self.lag(seq)
+            k = min(len(seq.draft_token_ids), budget + lag) if n == seq.num_uncomputed_tokens else 0
             while k > 0 and self.bm.slots_needed(seq, seq.num_computed_tokens + n + k) > self.bm.num_free_blocks:
                 k -= 1
             del seq.draft_token_ids[k:]
             if k:
                 self.bm.grow(seq, seq.num_computed_tokens + n + k)
                 batch.num_new_tokens[j] += k
-                budget -= k
+                budget -= max(k - lag, 0)
         return budget
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
@@ -260,10 +281,12 @@ class Scheduler:
                     self._queue(self.running, seq)
                 else:
                     self.running.append(seq)
-                n = min(seq.num_uncomputed_tokens, budget)
+                n = self._fit(seq, budget, batch)  # (a cached prefix's draft may lag)
+                if n < 1:
+                    break  # running, its first tokens the next step's
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
-                budget -= n
+                budget -= n + self.lag(seq)
         finally:
             self.waiting.extendleft(reversed(skipped))
 
