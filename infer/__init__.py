@@ -10,7 +10,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 _ERRORS = ("InferError", "ConfigError", "ModelLoadError", "UnsupportedModelError", "OutputError", "RequestError",
-           "LoRAError", "LoRANameError", "OutOfMemoryError", "ClosedError", "UnknownOptionError", "RequestIdTypeError")
+           "LoRAError", "LoRANameError", "OutOfMemoryError", "ClosedError", "UnknownOptionError", "RequestIdTypeError",
+           "UnknownAdapterError")
 __all__ = ["LLM", "AsyncLLM", "BeamSearchParams", "LoRARequest", "SamplingParams", "StructuredOutputsParams",
            "EngineConfig", "RequestOutput", "CompletionOutput", "LLMEngine", *_ERRORS]
 

@@ -49,6 +49,17 @@ class RequestIdTypeError(RequestError, TypeError):
     """A request id that is not a string (LLMEngine.add_request / abort_request); a TypeError too, as vLLM's."""
 
 
+class UnknownAdapterError(RequestError):
+    """A request names a LoRA adapter the engine does not have. `name`: the one named; `known`: the registered ones;
+    `slots`: whether the engine has adapter slots (adapters can be registered while it runs). The hint is the API's
+    remedy (LLM.add_lora, lora_request); a front end (infer run, infer serve) says its own from these fields."""
+
+    def __init__(self, message: str, hint: str | None = None, *, name: str | None = None, known=(),
+                 slots: bool = False):
+        super().__init__(message, hint)
+        self.name, self.known, self.slots = name, tuple(known), slots
+
+
 class LoRAError(InferError):
     """An adapter that cannot be loaded or does not fit the base model."""
 

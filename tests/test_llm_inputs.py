@@ -47,7 +47,7 @@ def test_an_unknown_adapter_on_an_engine_without_adapters_says_how_to_start_one(
     with pytest.raises(RequestError) as e:
         llm.generate("a", P, lora="support")
     assert "unknown LoRA adapter 'support'" in str(e.value)
-    assert "LLM(..., loras={NAME: PATH})" in str(e.value) and "--enable-lora" in str(e.value)
+    assert "LLM(..., loras={NAME: PATH})" in str(e.value) and "enable_lora=True" in str(e.value)
 
 
 def test_a_bad_prompt_in_a_batch_is_named_by_its_index_and_nothing_is_queued(llm):

@@ -74,3 +74,73 @@ def test_the_scheduler_counts_a_lagging_draft_against_the_budget(path):
     assert batch.num_new_tokens == [1, 3] and sched.lag(seqs[0]) == 1
     draft_fed = sum(n + sched.lag(s) for s, n in zip(batch.seqs, batch.num_new_tokens))
     assert draft_fed <= 5
+
+
+# ------------------------------------------------------------------ 2. an unknown adapter, in the caller's terms
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    from lora_helpers import hf_float, save_adapter
+    from pathlib import Path
+    hf = hf_float(Path(ensure_builtin("tiny-llama")))
+    return save_adapter(hf, tmp_path_factory.mktemp("s48-adapter") / "qv", seed=3)
+
+
+def _run(tmp_path, lines, *extra):
+    import json
+
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    res = CliRunner().invoke(app, ["run", str(ensure_builtin("tiny-llama")), str(inp), "-o", str(out), "-q",
+                                   "--max-new-tokens", "3", "--max-model-len", "64", *extra])
+    return res, {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+
+
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_infer_run_names_the_lora_option_for_an_unknown_adapter_not_the_api(tmp_path, adapter, with_lora):
+    lines = [{"id": "a", "prompt": "hello there", "lora": "sql"}, {"id": "b", "prompt": "hi"}]
+    res, recs = _run(tmp_path, lines, *(["--lora", f"qv={adapter}"] if with_lora else []))
+    assert res.exit_code == 1, res.output
+    err = recs["a"]["error"]
+    assert recs["a"]["finish_reason"] == "error" and "unknown LoRA adapter 'sql'" in err
+    assert "--lora sql=PATH" in err and "add_lora" not in err and "LLM(" not in err and "lora_request" not in err
+    assert ("registered adapters: qv;" if with_lora else "registered adapters: none;") in err
+    assert recs["b"]["error"] is None and len(recs["b"]["token_ids"]) == 3
+
+
+def test_the_api_names_add_lora_and_lora_request_with_the_errors_fields(path, adapter):
+    from infer.errors import RequestError, UnknownAdapterError
+    import infer
+    assert infer.UnknownAdapterError is UnknownAdapterError and issubclass(UnknownAdapterError, RequestError)
+    llm = LLM(str(path), max_model_len=64, loras={"qv": str(adapter)})
+    with pytest.raises(UnknownAdapterError) as e:
+        llm.engine.validate([5, 6, 7], greedy(2), "sql")
+    assert (e.value.name, e.value.known, e.value.slots) == ("sql", ("qv",), True)
+    assert "registered adapters: qv" in str(e.value) and "LLM.add_lora" in str(e.value)
+    assert "lora_request=LoRARequest" in str(e.value)
+    bare = LLM(str(path), max_model_len=64)
+    with pytest.raises(UnknownAdapterError) as e:
+        bare.engine.validate([5, 6, 7], greedy(2), "sql")
+    assert e.value.slots is False and e.value.known == ()
+    assert "enable_lora=True" in str(e.value) and "LLM.add_lora" in str(e.value)
+
+
+def test_the_server_answers_an_unknown_adapter_with_a_404_naming_the_served_ones(adapter):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, loras={"qv": str(adapter)}))
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny-llama")) as url:
+        body = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+        bad = httpx.post(f"{url}/v1/completions", json={**body, "model": "sql"}, timeout=60)
+        assert bad.status_code == 404, bad.text
+        msg = bad.json()["error"]["message"]
+        assert "'sql' does not exist" in msg and "qv" in msg and "tiny-llama" in msg and "add_lora" not in msg
+        for model in ("qv", "tiny-llama"):  # the others still complete
+            ok = httpx.post(f"{url}/v1/completions", json={**body, "model": model}, timeout=60)
+            assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length", ok.text

@@ -15,7 +15,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..engine.config import EngineConfig
-from ..errors import ConfigError, RequestError
+from ..errors import ConfigError, RequestError, UnknownAdapterError
 from . import options as o
 from ..engine.sampling_params import MAX_TOKENS
 from .banner import start_traits
@@ -310,8 +310,16 @@ def _validate_lines(engine, lines: list) -> None:
         if item.request is not None:
             try:
                 engine.validate(item.request.prompt_token_ids, item.request.params, item.request.lora)
+            except UnknownAdapterError as e:  # (the engine's hint is the API's: LLM.add_lora)
+                item.request, item.error = None, f"line {item.line_no}: {adapter_remedy(e)}"
             except RequestError as e:
                 item.request, item.error = None, f"line {item.line_no}: {e}"
+
+
+def adapter_remedy(e: UnknownAdapterError) -> str:
+    """An input line's unknown adapter in infer run's terms: the adapters --lora gave, and how to give it."""
+    return (f"{e.message} (registered adapters: {', '.join(e.known) or 'none'}; give it to infer run with "
+            f"--lora {e.name}=PATH, PATH its PEFT folder)")
 
 
 def _checked_lines(llm, input: Path, defaults: dict, strict: bool, names, output_format: str = "infer") -> list:

@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import kernels
-from ..errors import ClosedError, ConfigError, LoRAError, LoRANameError, RequestError, RequestIdTypeError
+from ..errors import (ClosedError, ConfigError, LoRAError, LoRANameError, RequestError, RequestIdTypeError,
+                      UnknownAdapterError)
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import Detokenizer
@@ -443,9 +444,16 @@ class LLMEngine:
             raise RequestError(f"lora must be an adapter name (a string) or None, got {lora!r}")
         if lora is not None and (self.lora_manager is None or not self.lora_manager.has(lora)):
             known = sorted(self.lora_manager.names()) if self.lora_manager else []
-            none = ("none: start the engine with an adapter (--lora NAME=PATH, LLM(..., loras={NAME: PATH})), or with "
-                    "--enable-lora to add them while it runs (LLM.add_lora)") if self.lora_manager is None else "none"
-            raise RequestError(f"unknown LoRA adapter {lora!r}", f"registered adapters: {', '.join(known) or none}")
+            # the API's remedy (a front end says its own from the error's fields: infer run's --lora NAME=PATH)
+            if self.lora_manager is None:
+                hint = ("registered adapters: none: start the engine with an adapter (LLM(..., loras={NAME: PATH})), "
+                        "or with enable_lora=True to register them while it runs (LLM.add_lora(NAME, PATH), or a "
+                        "request's lora_request=LoRARequest(NAME, 1, PATH))")
+            else:
+                hint = (f"registered adapters: {', '.join(known) or 'none'}; register another with "
+                        "LLM.add_lora(NAME, PATH), or give a request lora_request=LoRARequest(NAME, 1, PATH)")
+            raise UnknownAdapterError(f"unknown LoRA adapter {lora!r}", hint, name=lora, known=known,
+                                      slots=self.lora_manager is not None)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop the request (or each of an iterable of ids, as vLLM's abort_request takes them; a list was read as
