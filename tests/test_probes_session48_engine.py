@@ -8,6 +8,8 @@ import pytest
 from infer import LLM, SamplingParams
 from infer.models.tiny import ensure_builtin
 
+from quant_helpers import needs_gptqmodel
+
 
 @pytest.fixture(scope="module")
 def path():
@@ -144,3 +146,67 @@ def test_the_server_answers_an_unknown_adapter_with_a_404_naming_the_served_ones
         for model in ("qv", "tiny-llama"):  # the others still complete
             ok = httpx.post(f"{url}/v1/completions", json={**body, "model": model}, timeout=60)
             assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length", ok.text
+
+
+# ------------------------------------------------------------------ 3. the quantization report's lm_head row
+def _gptq_log(head_module: str = "lm_head", head_loss=6e-5) -> dict:
+    """GPTQModel's per-module log of a 2-layer model quantized with lm_head=True: the head is its layer 2."""
+    rows = [{"layer": layer, "module": m, "loss": 1e-3 * (layer + 1), "samples": 256, "damp": 0.05, "time": 0.01}
+            for layer in (1, 0) for m in ("self_attn.q_proj", "mlp.down_proj")]
+    return {"gptq": [rows[2], rows[3], rows[0], rows[1],
+                     {"layer": 2, "module": head_module, "loss": head_loss, "samples": 256, "damp": 0.05,
+                      "time": 0.07}]}
+
+
+def test_the_report_keys_the_head_as_lm_head_not_a_decoder_layer(tmp_path):
+    import pandas as pd
+
+    from infer.quant.quantize import report_frame
+    frame = report_frame(_gptq_log(), 2)
+    assert list(frame.layer) == [0, 0, 1, 1, "lm_head"] and list(frame.module)[-1] == "lm_head"
+    frame.to_csv(tmp_path / "r.csv", index=False)
+    back = pd.read_csv(tmp_path / "r.csv")
+    decoder = back[back.layer != "lm_head"]
+    assert decoder.layer.astype(int).nunique() == 2 and len(back[back.layer == "lm_head"]) == 1
+    # a head of another name is known by its number: the decoder's layers end before it
+    assert list(report_frame(_gptq_log("embed_out"), 2).layer)[-1] == "lm_head"
+    assert list(report_frame({"gptq": _gptq_log()["gptq"][:4]}, 2).layer) == [0, 0, 1, 1]
+
+
+def test_the_summaries_name_the_head_lm_head(tmp_path, capsys):
+    import math
+
+    from infer.cli.quantize import RichObserver, print_summary
+    from infer.errors import InferError
+    from infer.quant.quantize import QuantizeOptions, QuantizeResult, _check_losses, report_frame
+    result = QuantizeResult(tmp_path, report_frame(_gptq_log(head_loss=1.0), 2), None, 1.0)
+    print_summary(result, QuantizeOptions(lm_head=True))
+    out = capsys.readouterr().out
+    assert "Largest error: lm_head (loss 1.000e+00)" in out and "layer 2" not in out, out
+    with pytest.raises(InferError) as e:
+        _check_losses(tmp_path, _gptq_log(head_loss=math.nan), 2)
+    assert "non-finite error: lm_head (loss nan)" in str(e.value) and "layer 2" not in str(e.value)
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+    obs = RichObserver(Console(file=io.StringIO()), lm_head=True)  # the progress: 2 layers and the head
+    obs.start(2, SimpleNamespace(source="built-in", samples=[[1]], num_tokens=1))
+    task = obs.progress.tasks[0]
+    obs.stop()
+    assert task.total == 3 and task.description == "Quantizing layers and lm_head"
+
+
+@needs_gptqmodel
+def test_quantize_lm_head_writes_the_heads_row_as_lm_head(tmp_path):
+    import pandas as pd
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    out = tmp_path / "q"
+    res = CliRunner().invoke(app, ["quantize", "tiny-llama", "-o", str(out), "--lm-head", "--group-size", "32",
+                                   "--num-samples", "4", "--seq-len", "64"])
+    assert res.exit_code == 0, res.output
+    report = pd.read_csv(out / "quantization_report.csv")
+    assert list(report.layer)[-1] == "lm_head" and list(report.module)[-1] == "lm_head"
+    assert sorted(set(report.layer[:-1].astype(int))) == [0, 1]  # tiny-llama's two decoder layers, no third

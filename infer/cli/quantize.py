@@ -12,7 +12,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..quant.calibration import CalibrationSet
-from ..quant.quantize import REPORT_NAME, QuantizeObserver, QuantizeOptions, QuantizeResult, captured_output
+from ..quant.quantize import (REPORT_NAME, QuantizeObserver, QuantizeOptions, QuantizeResult, captured_output,
+                              module_name)
 from . import options as o
 from .entry import terminate_as_interrupt
 
@@ -39,7 +40,8 @@ class RichObserver(QuantizeObserver):
         self.progress.start()
         self.num_layers = num_layers
         total = num_layers + 1 if num_layers and self.lm_head else num_layers
-        self.task = self.progress.add_task("Quantizing layers", total=total or None, detail="loading model")
+        what = "Quantizing layers and lm_head" if total != num_layers else "Quantizing layers"  # (the head: no layer)
+        self.task = self.progress.add_task(what, total=total or None, detail="loading model")
 
     def subset(self, layer: int, modules: list[str], stage: str) -> None:
         if self.task is not None:
@@ -144,7 +146,7 @@ def print_summary(result: QuantizeResult, options: QuantizeOptions) -> None:
     console.print(report_table(result))
     worst = result.report.loc[result.report["loss"].idxmax()] if len(result.report) else None
     if worst is not None:
-        console.print(f"Largest error: layer {worst.layer} {worst.module} (loss {worst.loss:.3e})")
+        console.print(f"Largest error: {module_name(worst)} (loss {worst.loss:.3e})")
     console.print(f"Wrote {result.out} ({options.bits}-bit, group size {options.group_size}) in "
                   f"{result.seconds:.1f} s", soft_wrap=True)  # a long path stays on one line (not wrapped at 80)
     for note in options.interop_notes():

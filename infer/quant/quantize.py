@@ -209,8 +209,9 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: Qu
     with staged_output(out, overwrite) as tmp, tempfile.TemporaryDirectory(prefix="infer-quantize-") as work:
         with _log_dir(gptqmodel_mod, Path(work)):
             log = _run_gptqmodel(src, tmp, opts, calib, Path(work), observer)
-        _check_losses(src, log)
-        report = report_frame(log)
+        num_layers = int(config.get("num_hidden_layers", 0))
+        _check_losses(src, log, num_layers)
+        report = report_frame(log, num_layers)
         _check_saved(tmp)
         _drop_work_paths(tmp)
         keep_source_config(src, tmp, {"dtype": saved_dtype(tmp), "_name_or_path": source_name or str(src),
@@ -419,7 +420,13 @@ def source_half_dtype(src: Path):
     return {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(name)
 
 
-def _check_losses(src: Path, log: dict) -> None:
+def module_name(row: dict, num_layers: int | None = None) -> str:
+    """A report row's module as a user reads it: "layer 3 mlp.down_proj", or "lm_head" for the head."""
+    layer = report_layer(row, num_layers)
+    return str(row["module"]) if layer == HEAD else f"layer {layer} {row['module']}"
+
+
+def _check_losses(src: Path, log: dict, num_layers: int | None = None) -> None:
     """GPTQModel must have solved some modules, none with a loss of inf or NaN (a quantization of non-finite values,
     whose checkpoint computes garbage). A module it fell back on reports a text instead of a number: not refused."""
     rows = [r for r in log.get("gptq", []) if "layer" in r and "module" in r]
@@ -429,8 +436,8 @@ def _check_losses(src: Path, log: dict) -> None:
     bad = [r for r in rows if not math.isfinite(_num(r.get("loss"), default=0.0))]
     if bad:
         more = f" (and {len(bad) - 1} more modules)" if len(bad) > 1 else ""
-        raise InferError(f"GPTQModel's quantization of {src} has a non-finite error: layer {bad[0]['layer']} "
-                         f"{bad[0]['module']} (loss {bad[0].get('loss')}){more}",
+        raise InferError(f"GPTQModel's quantization of {src} has a non-finite error: {module_name(bad[0], num_layers)}"
+                         f" (loss {bad[0].get('loss')}){more}",
                          "the checkpoint would compute garbage: check the source model's weights and the calibration "
                          "text, or quantize in float32")
 
@@ -478,14 +485,30 @@ def _restore_source_files(src: Path, out: Path) -> None:
         (out / "generation_config.json").unlink(missing_ok=True)
 
 
-def report_frame(log: dict):
-    """GPTQModel's per-module log ({"gptq": [{layer, module, loss, samples, damp, time, ...}]}) as a table."""
+HEAD = "lm_head"  # the report's `layer` of the output head's row (--lm-head): no decoder layer
+
+
+def report_layer(row: dict, num_layers: int | None = None) -> int | str:
+    """A GPTQModel log row's `layer` as the report keys it: the decoder layer's index, or HEAD for the output head,
+    which GPTQModel solves as one more layer numbered after the decoder's (layer num_hidden_layers). A report's own
+    row (its layer already keyed) reads as it is."""
+    if row["layer"] == HEAD:
+        return HEAD
+    layer = int(row["layer"])
+    head = str(row["module"]) == HEAD or (num_layers is not None and num_layers > 0 and layer >= num_layers)
+    return HEAD if head else layer
+
+
+def report_frame(log: dict, num_layers: int | None = None):
+    """GPTQModel's per-module log ({"gptq": [{layer, module, loss, samples, damp, time, ...}]}) as a table; the
+    head's row (--lm-head) is keyed `lm_head`, not a decoder layer's index (`num_layers`: the decoder's)."""
     import pandas as pd
-    rows = [{"layer": int(r["layer"]), "module": str(r["module"]), "loss": _num(r.get("loss")),
+    rows = [{"layer": report_layer(r, num_layers), "module": str(r["module"]), "loss": _num(r.get("loss")),
              "samples": _int(r.get("samples")), "damp": _num(r.get("damp")), "seconds": _num(r.get("time"))}
             for r in log.get("gptq", []) if "layer" in r and "module" in r]
-    frame = pd.DataFrame(rows, columns=["layer", "module", "loss", "samples", "damp", "seconds"])
-    return frame.sort_values("layer", kind="stable").reset_index(drop=True)  # in the order GPTQModel ran them
+    # in the order GPTQModel ran them: by decoder layer (stable within one), the head last
+    rows.sort(key=lambda r: (r["layer"] == HEAD, r["layer"] if r["layer"] != HEAD else 0))
+    return pd.DataFrame(rows, columns=["layer", "module", "loss", "samples", "damp", "seconds"])
 
 
 def _num(value, default: float = float("nan")) -> float:
