@@ -78,6 +78,28 @@ def test_the_scheduler_counts_a_lagging_draft_against_the_budget(path):
     assert draft_fed <= 5
 
 
+def test_an_admitted_prefix_hit_whose_draft_lags_counts_its_catch_up(path, monkeypatch):
+    """A request admitted on a cached prefix whose last slot the draft never wrote (block_manager's draft_upto)
+    catches up that slot with its first chunk: the budget left to the requests admitted after it counts it."""
+    llm = LLM(str(path), block_size=4, max_num_batched_tokens=5, max_num_seqs=4,
+              speculative_config={"model": str(path), "num_speculative_tokens": 1})
+    sched = llm.engine.scheduler
+    from infer.engine.sequence import Sequence
+    a, b = Sequence("a", list(range(3, 11)), greedy(4), None), Sequence("b", [7, 8, 9], greedy(4), None)
+    real = sched.bm.allocate
+
+    def allocate(seq):
+        real(seq)
+        if seq is a:  # as a hit of its first block, whose last slot's draft KV is stale
+            seq.num_computed_tokens, seq.draft_computed = 4, 3
+    monkeypatch.setattr(sched.bm, "allocate", allocate)
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert [s.request_id for s in batch.seqs] == ["a"] and batch.num_new_tokens == [4]
+    assert sum(n + sched.lag(s) for s, n in zip(batch.seqs, batch.num_new_tokens)) <= 5
+
+
 # ------------------------------------------------------------------ 2. an unknown adapter, in the caller's terms
 @pytest.fixture(scope="module")
 def adapter(tmp_path_factory):
