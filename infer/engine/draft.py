@@ -22,6 +22,7 @@ from ..errors import ConfigError, InferError
 from ..models.context import ForwardContext
 from .scheduler import ScheduledBatch
 from .structured import draft_bitmask
+from .transfer import Pack
 
 
 @dataclass
@@ -85,6 +86,7 @@ class DraftRunner:
                  device: torch.device):
         self.model, self.model_config, self.path = parts.model, parts.model_config, parts.path
         self.block_size, self.device = block_size, device
+        self._zero = []  # the KV blocks the next forward zeroes first (propose)
         layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
         a = layers[0]
         # uninitialised as the target's: every block is zeroed when a sequence gets it (zero)
@@ -109,8 +111,13 @@ class DraftRunner:
         """Fill the drafts of the batch's sequences (their placeholders, trimmed by the scheduler, say how many) with
         the draft model's greedy tokens, feeding it first what its KV lacks of every scheduled sequence; with a
         grammar the drafts are cut where it refuses one (batch.num_new_tokens shrinks with them). Sets each
-        sequence's draft_fed: the positions whose draft KV this step wrote (engine: draft_computed after verify)."""
-        self.zero(batch.zero)
+        sequence's draft_fed: the positions whose draft KV this step wrote (engine: draft_computed after verify).
+
+        The drafts stay on the device until the last forward: drafts 2..k feed the forward before's argmax (its
+        live rows picked on the device), their positions, slots and block tables come from the host's bookkeeping
+        (they do not depend on the tokens), and every drafted token is read back in one copy at the end (the
+        grammar's cut and the target's verify need them on the host). The first forward's integer inputs and the
+        blocks to zero travel to the device in one copy, those of all the later forwards in a second."""
         feeds, rows = [], []  # (seq, start, tokens) fed; index in feeds of each sequence with drafts
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             k = len(seq.draft_token_ids)
@@ -120,19 +127,27 @@ class DraftRunner:
             if k:
                 rows.append(len(feeds))
             feeds.append((seq, start, seq.tokens(start, end)))
+        self._zero = batch.zero  # zeroed by the first forward, its block ids in that forward's copy
+        ids = self._forward(feeds, rows)
         if not rows:
-            self._forward(feeds, [])
             return
-        drafted = [[t] for t in self._forward(feeds, rows)]
         seqs = [feeds[r][0] for r in rows]
-        for j in range(1, max(len(s.draft_token_ids) for s in seqs)):  # drafts 2..k, one position a forward
-            live = [i for i, s in enumerate(seqs) if len(s.draft_token_ids) > j]
-            step = [(seqs[i], seqs[i].draft_fed + j - 1, [drafted[i][-1]]) for i in live]
-            for i, t in zip(live, self._forward(step, list(range(len(step))))):
-                drafted[i].append(t)
+        ks = [len(s.draft_token_ids) for s in seqs]
+        out = [ids]  # each forward's argmax: a token for each sequence with a draft still to make, in seqs' order
+        for gather, positions, ctx in self._decode_inputs(seqs, ks):
+            if gather is not None:  # the sequences whose drafts are done leave the batch
+                ids = ids.index_select(0, gather)
+            ids = self._argmax(self._decode(ids, positions, ctx))
+            out.append(ids)
+        host = (torch.cat(out) if len(out) > 1 else ids).tolist()  # the step's one read from the device
+        drafted, at = [[] for _ in seqs], 0
+        for j in range(len(out)):
+            for i in [i for i, k in enumerate(ks) if k > j]:
+                drafted[i].append(host[at])
+                at += 1
         for seq, drafts in zip(seqs, drafted):
-            seq.draft_fed += len(seq.draft_token_ids) - 1  # drafts 1..k-1 were fed
-            seq.draft_token_ids = drafts[:len(seq.draft_token_ids)]
+            seq.draft_fed += len(drafts) - 1  # drafts 1..k-1 were fed
+            seq.draft_token_ids = drafts
         self._cut(batch, self.model_config.vocab_size)
 
     @staticmethod
@@ -146,9 +161,11 @@ class DraftRunner:
             seq.draft_token_ids, seq.draft_bitmask = drafts, (bits if drafts else None)
             batch.num_new_tokens[j] -= k - len(drafts)  # the verify never sees the cut ones
 
-    def _forward(self, feeds, rows: list[int]) -> list[int]:
+    def _forward(self, feeds, rows: list[int]) -> torch.Tensor | None:
         """One batched forward of the draft over `feeds` [(seq, first position, tokens)] (those without tokens
-        skipped); the argmax of the last position of each feed in `rows`."""
+        skipped), after zeroing the KV blocks self._zero; the argmax (on the device) of the last position of each
+        feed in `rows` (None without rows). Every integer input travels in one copy (a Pack), without a sync."""
+        zero, self._zero = self._zero, []
         bs, ids, pos, slots, starts, lens, tables, last = self.block_size, [], [], [], [0], [], [], {}
         for r, (seq, start, tokens) in enumerate(feeds):
             if not tokens:
@@ -161,19 +178,60 @@ class DraftRunner:
             lens.append(start + len(tokens))
             tables.append(table)
             last[r] = len(ids) - 1
+        pack = Pack()
+        zeros = pack.add(zero)
+        if ids:
+            width = max(map(len, tables))
+            pieces = [pack.add(x) for x in (ids, pos, slots, starts, lens)] + [pack.add_rows(tables, width)]
+            idx = pack.add([last[r] for r in rows])
+        if not ids and not zero:
+            return None
+        data = pack.to(self.device)
+        if zero:  # index_fill_ takes the 0 as a scalar: no copy of its own
+            cache = self.kv_cache.view(torch.uint8) if self.kv_cache.element_size() == 1 else self.kv_cache
+            cache.index_fill_(2, data[zeros], 0)
         if not ids:
-            return []
-        width = max(map(len, tables))
-        dev = self.device
-        ctx = ForwardContext(query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-                             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-                             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                                       dtype=torch.int32, device=dev),
-                             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            return None
+        ids_, pos_, slots_, starts_, lens_, tables_ = (data[p] for p in pieces)
+        ctx = ForwardContext(query_start_loc=starts_.int(), seq_lens=lens_.int(),
+                             block_tables=tables_.view(len(tables), width).int(), slot_mapping=slots_,
                              max_query_len=max(b - a for a, b in zip(starts, starts[1:])))
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
-                            torch.tensor(pos, dtype=torch.long, device=dev), ctx)
-        if not rows:
+        hidden = self.model(ids_, pos_, ctx)
+        return self._argmax(hidden, data[idx]) if rows else None
+
+    def _decode_inputs(self, seqs, ks: list[int]) -> list[tuple]:
+        """(gather, positions, ctx) of each one-token forward of drafts 2..max(ks): `gather` picks, from the
+        forward before's argmax, the rows of the sequences with a draft still to make (None: all of them). Their
+        positions, slots, lengths and block tables follow from the host's bookkeeping, all forwards' in one copy."""
+        bs, n = self.block_size, len(seqs)
+        if max(ks) < 2:
             return []
-        idx = torch.tensor([last[r] for r in rows], dtype=torch.long, device=dev)
-        return self.model.compute_logits(hidden.index_select(0, idx)).argmax(-1).tolist()
+        width = max(len(s.block_table) for s in seqs)
+        pack = Pack()
+        tables, starts = pack.add_rows([s.block_table for s in seqs], width), pack.add(range(n + 1))
+        live, steps = list(range(n)), []
+        for j in range(1, max(ks)):
+            now = [i for i in live if ks[i] > j]
+            gather = pack.add([p for p, i in enumerate(live) if ks[i] > j]) if len(now) < len(live) else None
+            pos = [seqs[i].draft_fed + j - 1 for i in now]
+            slots = [seqs[i].block_table[p // bs] * bs + p % bs for i, p in zip(now, pos)]
+            pick = pack.add(now) if len(now) < n else None
+            steps.append((gather, pack.add(pos), pack.add(slots), pack.add([p + 1 for p in pos]), pick, len(now)))
+            live = now
+        data = pack.to(self.device)
+        all_tables, all_starts = data[tables].view(n, width).int(), data[starts].int()
+        out = []
+        for gather, pos, slots, lens, pick, m in steps:
+            ctx = ForwardContext(query_start_loc=all_starts[:m + 1], seq_lens=data[lens].int(),
+                                 block_tables=all_tables if pick is None else all_tables.index_select(0, data[pick]),
+                                 slot_mapping=data[slots], max_query_len=1)
+            out.append((None if gather is None else data[gather], data[pos], ctx))
+        return out
+
+    def _decode(self, ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The hidden states of a one-token forward of each sequence (drafts 2..k)."""
+        return self.model(ids, positions, ctx)
+
+    def _argmax(self, hidden: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """The greedy token of each row of `hidden` (those `idx` picks), on the device."""
+        return self.model.compute_logits(hidden if idx is None else hidden.index_select(0, idx)).argmax(-1)
