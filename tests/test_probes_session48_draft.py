@@ -80,3 +80,45 @@ def test_a_step_of_k_drafts_reads_the_device_once(path, monkeypatch, k):
     assert sum(max(d) == k for _, _, d, _ in per_call) >= 3  # steps of k drafts
     assert any(len(set(d) - {0}) > 1 for _, _, d, _ in per_call)  # and of uneven drafts
     assert all(found == (max(d) > 0) and copies <= 2 for found, copies, d, _ in per_call), per_call
+
+
+# ------------------------------------------------------------------ the draft's one-token forwards as CUDA graphs
+@pytest.mark.parametrize("k", [2, 4])
+def test_the_drafts_one_token_forwards_replay_decode_graphs(path, monkeypatch, k):
+    """Captured beside the target's (emulated on CPU): drafts 2..k replay the draft's own decode graphs, the first
+    forward of a step (the step's own tokens) stays eager, and the tokens are those of a run without speculation."""
+    decodes, real = [], DraftRunner._decode
+    monkeypatch.setattr(DraftRunner, "_decode", lambda self, *a: decodes.append(a[0].shape[0]) or real(self, *a))
+    kw = dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64)
+    prompts = random_prompts(512, (3, 17, 9, 26, 5), seed=24)
+    lengths = [5, 13, 2, 9, 11]
+    want = _outputs(LLM(str(path), **kw), prompts, lengths)
+    llm = LLM(str(path), speculative_config=spec(path, k), **kw)
+    runner, drafter = llm.engine.runner, llm.engine.drafter
+    runner.capture_graphs(64, emulate=True)
+    graphs = drafter.graphs
+    assert graphs is not None and graphs is not runner.graphs and graphs.model is drafter.model
+    assert graphs.block_tables.data_ptr() != runner.graphs.block_tables.data_ptr()
+    captured = sum(graphs.replays.values())
+    assert _outputs(llm, prompts, lengths) == want
+    assert decodes and sum(graphs.replays.values()) - captured == len(decodes)  # every one-token forward replayed
+    assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_the_memory_plan_counts_the_drafts_graphs_as_warmup_does(monkeypatch):
+    """With CUDA graphs the engine's start reserves the draft's decode graphs' pool beside the target's, and
+    warmup's formula counts the same."""
+    from infer.cli.warmup_plan import estimate_plan
+    from infer.engine.setup import load_engine_parts
+    kw = dict(max_num_seqs=4, max_model_len=128, memory_limit="64MB", block_size=4)
+    draft = dict(kw, speculative_config=spec("tiny-qwen3", 3))
+
+    def peak(graphs: bool, **opts) -> int:
+        monkeypatch.setattr(EngineConfig, "use_cuda_graphs", lambda self: graphs)
+        return load_engine_parts(EngineConfig(model="tiny-llama", **opts)).memory_plan.activation_peak_bytes
+    from infer.engine.config import EngineConfig
+    alone, spec_graphs = peak(True, **kw) - peak(False, **kw), peak(True, **draft) - peak(False, **draft)
+    assert spec_graphs > alone > 0  # the draft's graphs on top of the target's
+    monkeypatch.setattr(EngineConfig, "use_cuda_graphs", lambda self: True)
+    assert estimate_plan(EngineConfig(model="tiny-llama", **draft), 128, 4)[0].activation_peak_bytes == \
+        peak(True, **draft)

@@ -13,8 +13,8 @@ import torch
 from ..engine.config import RANGES, EngineConfig
 from ..engine.setup import checkpoint_dtype, context_limit, model_max_len, warn_unused_memory_option
 from ..errors import ConfigError, OutOfMemoryError
-from ..memory.plan import (MemoryPlan, bound_room, budget_bytes, cuda_graph_bytes, draft_activation_bytes, make_plan,
-                           speculative_logit_bytes)
+from ..memory.plan import (MemoryPlan, bound_room, budget_bytes, cuda_graph_bytes, draft_activation_bytes,
+                           draft_graph_bytes, make_plan, speculative_logit_bytes)
 from ..memory.sizes import (DEQUANT_MIN_TOKENS, activation_bytes, element_bytes, int4_layer_bytes, lora_slot_bytes,
                             step_tokens, weights_bytes)
 
@@ -98,6 +98,7 @@ def _formula(engine_config: EngineConfig, model_config, dtype, concurrency: int,
                             kv_dtype=engine_config.kv_dtype(dtype)) \
         + cuda_graph_bytes(cfg, model_config, dtype) + speculative_logit_bytes(cfg, model_config) \
         + draft_activation_bytes(cfg, _draft_cfg(engine_config), dtype, max_length, concurrency) \
+        + (draft_graph_bytes(cfg, _draft_cfg(engine_config), dtype) if cfg.use_cuda_graphs() else 0) \
         + (int4_layer if cfg.max_num_batched_tokens > DEQUANT_MIN_TOKENS else 0)
 
 

@@ -87,6 +87,7 @@ class DraftRunner:
         self.model, self.model_config, self.path = parts.model, parts.model_config, parts.path
         self.block_size, self.device = block_size, device
         self._zero = []  # the KV blocks the next forward zeroes first (propose)
+        self.graphs = None  # engine.cuda_graphs.DecodeGraphs of the one-token forwards (drafts 2..k) once captured
         layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
         a = layers[0]
         # uninitialised as the target's: every block is zeroed when a sequence gets it (zero)
@@ -100,11 +101,24 @@ class DraftRunner:
             cache = self.kv_cache.view(torch.uint8) if self.kv_cache.element_size() == 1 else self.kv_cache
             cache.index_fill_(2, torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device), 0)
 
+    def capture_graphs(self, max_num_seqs: int, max_blocks: int, emulate: bool = False, pool=None,
+                       high_priority: bool | None = False) -> None:
+        """Record the draft's one-token forwards (drafts 2..k: pure decodes of up to max_num_seqs sequences of up to
+        max_blocks blocks) as CUDA graphs over static buffers of their own, in the memory pool `pool` (the
+        target's: the two never run at once); `emulate` replays by re-running the model. The first forward of a
+        step (the step's own tokens, a mixed prefill) stays eager. Called with the target's (ModelRunner)."""
+        from .cuda_graphs import DecodeGraphs
+        graphs = DecodeGraphs(self.model, max_num_seqs, max_blocks, self.device, None, emulate,
+                              high_priority=high_priority)
+        graphs.pool = pool
+        graphs.capture()
+        self.graphs = graphs
+
     def close(self) -> None:
         for m in self.model.modules():
             if hasattr(m, "k_cache"):
                 m.k_cache = m.v_cache = None
-        self.model = self.kv_cache = None
+        self.model = self.kv_cache = self.graphs = None
 
     @torch.inference_mode()
     def propose(self, batch: ScheduledBatch) -> None:
@@ -229,7 +243,10 @@ class DraftRunner:
         return out
 
     def _decode(self, ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The hidden states of a one-token forward of each sequence (drafts 2..k)."""
+        """The hidden states of a one-token forward of each sequence (drafts 2..k): a graph's replay once
+        captured."""
+        if self.graphs is not None and self.graphs.fits([1] * ids.shape[0], ctx):
+            return self.graphs.run(ids, positions, ctx)
         return self.model(ids, positions, ctx)
 
     def _argmax(self, hidden: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:

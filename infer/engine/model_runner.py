@@ -40,9 +40,10 @@ class ModelRunner:
 
     def capture_graphs(self, max_model_len: int, emulate: bool = False) -> None:
         """Record the decode steps of up to config.max_num_seqs sequences of up to max_model_len tokens as CUDA
-        graphs, and the other steps of up to config.piecewise_tokens() tokens as piecewise graphs (see
-        engine.cuda_graphs); `emulate` replays by re-running the model. Called at the engine's start, before any
-        request: the pieces' check (check_pieces) writes the KV of the first blocks."""
+        graphs (a draft model's one-token forwards too: DraftRunner.capture_graphs), and the other steps of up to
+        config.piecewise_tokens() tokens as piecewise graphs (see engine.cuda_graphs); `emulate` replays by
+        re-running the model. Called at the engine's start, before any request: the pieces' check (check_pieces)
+        writes the KV of the first blocks."""
         from .cuda_graphs import DecodeGraphs, PiecewiseGraphs
         if not emulate:
             self._reserve_dequant_scratch()
@@ -52,6 +53,9 @@ class ModelRunner:
                               high_priority=priority)
         graphs.capture()
         self.graphs = graphs
+        if self.draft is not None:  # the draft's one-token forwards (engine.draft), in the same pool
+            self.draft.capture_graphs(self.config.max_num_seqs, max_blocks, emulate, pool=graphs.pool,
+                                      high_priority=priority)
         tokens = self.config.piecewise_tokens()
         if tokens:
             pieces = PiecewiseGraphs(self.model, tokens, self.device, self.lora_manager, emulate, pool=graphs.pool,

@@ -101,6 +101,19 @@ def cuda_graph_bytes(engine_config: PlanOptions, model_config, dtype: torch.dtyp
     if not engine_config.use_cuda_graphs():
         return 0
     rank = lora_rank(engine_config)
+    decode = _decode_graph_bytes(engine_config, model_config, dtype, rank)
+    shapes = ModelShapes.from_config(model_config)
+    tokens = engine_config.piecewise_tokens()
+    if not tokens:
+        return decode
+    pieces = activation_bytes(model_config, dtype, tokens, 1, 1, rank, penalties=False)
+    buffers = tokens * (2 * shapes.q_size + 2 * model_config.hidden_size) * element_bytes(dtype)
+    return decode + pieces + buffers
+
+
+def _decode_graph_bytes(engine_config: PlanOptions, model_config, dtype: torch.dtype, rank: int) -> int:
+    """The decode graphs' share of the pool: one decode step's temporaries at the largest bucket and the attention
+    partials of every sequence."""
     step = activation_bytes(model_config, dtype, engine_config.max_num_seqs, 1, 1, rank, penalties=False)
     shapes = ModelShapes.from_config(model_config)
     context = engine_config.max_model_len or model_config.max_position_embeddings
@@ -108,13 +121,16 @@ def cuda_graph_bytes(engine_config: PlanOptions, model_config, dtype: torch.dtyp
     # a GPU of up to 256 SMs
     seqs, programs = engine_config.max_num_seqs, PROGRAMS_PER_SM * 256
     rows = max(b * decode_parts(b, shapes.num_kv_heads, context, 32, programs) for b in range(1, seqs + 1))
-    decode = step + rows * shapes.num_heads * (shapes.head_dim + 2) * 4
-    tokens = engine_config.piecewise_tokens()
-    if not tokens:
-        return decode
-    pieces = activation_bytes(model_config, dtype, tokens, 1, 1, rank, penalties=False)
-    buffers = tokens * (2 * shapes.q_size + 2 * model_config.hidden_size) * element_bytes(dtype)
-    return decode + pieces + buffers
+    return step + rows * shapes.num_heads * (shapes.head_dim + 2) * 4
+
+
+def draft_graph_bytes(engine_config: PlanOptions, draft_config, dtype: torch.dtype) -> int:
+    """A draft model's decode graphs (engine.draft: its one-token forwards of drafts 2..k, recorded beside the
+    target's, no adapters): the decode share of cuda_graph_bytes for the draft, counted on top of the target's as
+    an upper bound (they share the target's pool); 0 without a draft or without graphs."""
+    if draft_config is None or not engine_config.use_cuda_graphs():
+        return 0
+    return _decode_graph_bytes(engine_config, draft_config, dtype, 0)
 
 
 @dataclass
@@ -269,7 +285,7 @@ def start_activation_bytes(engine_config: PlanOptions, model_config, model, dtyp
                             kv_dtype=kv_dtype(engine_config, dtype)) \
         + speculative_logit_bytes(engine_config, model_config) \
         + draft_activation_bytes(engine_config, draft_config, dtype, max_len) \
-        + cuda_graph_bytes(engine_config, model_config, dtype) \
+        + cuda_graph_bytes(engine_config, model_config, dtype) + draft_graph_bytes(engine_config, draft_config, dtype) \
         + max(dequant_scratch_bytes(m, dtype, engine_config.max_num_batched_tokens)  # (one scratch: the draft's too)
               for m in (model, *([draft_model] if draft_model is not None else [])))
 
