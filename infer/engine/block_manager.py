@@ -179,6 +179,21 @@ class BlockManager:
             seq.last_block_hash = h
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
 
+    def drafts_written(self, seqs) -> None:
+        """Draft-model speculation, once a step's draft forward ran: it wrote each sequence's draft KV from its first
+        stale slot (draft_computed) up to its computed tokens, so a cached block there whose draft KV was known only
+        up to a slot it wrote (draft_upto) is now known to hold it that far. Otherwise that block stayed marked until
+        the sequence was freed, and a request that hit it and the blocks computed after it meanwhile fed the draft
+        all those tokens again, its catch-up (Scheduler.lag) past max_num_batched_tokens."""
+        bs = self.block_size
+        for seq in seqs:
+            start, end = min(seq.draft_computed, seq.num_computed_tokens), seq.num_computed_tokens
+            for i in range(start // bs, min(-(-end // bs), len(seq.block_table))):
+                block = self.blocks[seq.block_table[i]]
+                if block.draft_upto is not None and start <= i * bs + block.draft_upto:
+                    upto = end - i * bs
+                    block.draft_upto = None if upto >= bs else max(upto, block.draft_upto)
+
     # ------------------------------------------------------------------ release
     def free_seq(self, seq: Sequence) -> None:
         """Drop the sequence's references; blocks nobody uses go to the free list: cached ones (a prefix hash) last,

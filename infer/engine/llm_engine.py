@@ -630,6 +630,7 @@ class LLMEngine:
         self.num_steps += 1
         if self.drafter is not None:  # the draft model's drafts, in the slots the scheduler gave their placeholders
             self.drafter.propose(batch)
+            self.block_manager.drafts_written(batch.seqs)  # (the cached blocks whose draft KV it caught up)
         self.last_step_tokens = batch.num_tokens
         if self.speculative is not None:  # (never overlapped: EngineConfig.use_overlap)
             results = self.runner.verify(batch)

@@ -1,0 +1,69 @@
+"""Session 48 (review): a cached block's draft KV known to be written once a draft caught it up (a prefix hit's
+catch-up within max_num_batched_tokens), and the unknown-adapter remedy of `infer run --data-parallel`."""
+
+from __future__ import annotations
+
+import pytest
+
+from infer import LLM, SamplingParams
+from infer.models.tiny import ensure_builtin
+
+
+@pytest.fixture(scope="module")
+def path():
+    return ensure_builtin("tiny-llama")
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+
+# ------------------------------------------------------------------ 1. a prefix hit's draft catch-up
+def _first_forwards(monkeypatch) -> list:
+    """The tokens of the draft's first forward of each step (its catch-up and the step's own tokens)."""
+    from infer.engine.draft import DraftRunner
+    fed, real_propose, real_forward = [], DraftRunner.propose, DraftRunner._forward
+
+    def propose(self, batch):
+        fed.append(None)
+        return real_propose(self, batch)
+
+    def forward(self, feeds, rows):
+        if fed[-1] is None:
+            fed[-1] = sum(len(tokens) for _, _, tokens in feeds)
+        return real_forward(self, feeds, rows)
+    monkeypatch.setattr(DraftRunner, "propose", propose)
+    monkeypatch.setattr(DraftRunner, "_forward", forward)
+    return fed
+
+
+def test_a_hit_on_blocks_computed_after_a_stale_one_catches_up_no_more_than_a_token(path, monkeypatch):
+    """X finishes with its draft one token behind at a block's end (that block's draft_upto 3). Z extends X's text:
+    it hits that block, its draft catches the slot up, and Z's later blocks get cached. Y, arriving while Z runs,
+    hits all of them: the stale mark was kept until Z was freed, so Y's draft fed the slot and every token of Z's
+    blocks again (a catch-up of 17 tokens: Y waited behind Z, then a draft forward of 18 tokens with a budget of
+    8). Once Z's draft wrote the slot, the block says so."""
+    kw = dict(block_size=4, max_num_batched_tokens=8, max_num_seqs=4)
+    llm = LLM(str(path), speculative_config={"model": str(path), "num_speculative_tokens": 2}, **kw)
+    eng, bm = llm.engine, llm.engine.block_manager
+    prompt = list(range(10, 18))
+    x = prompt + list(llm.generate([prompt], greedy(13))[0].outputs[0].token_ids)
+    assert [b.draft_upto for b in bm.blocks if b.hash is not None] == [None, None, None, None, 3]  # (the setup)
+    z = x[:20] + list(range(40, 56))
+    y = z + [70, 71, 72, 73]
+    fed = _first_forwards(monkeypatch)
+    eng.add_request("z", z, greedy(30))
+    while eng.requests["z"].num_computed_tokens < len(z):
+        eng.step()
+    eng.add_request("y", y, greedy(4))
+    seq_y, outs, lags = eng.requests["y"], {}, []
+    while eng.has_unfinished_requests():
+        outs.update((o.request_id, list(o.token_ids)) for o in eng.step() if o.finished)
+        if seq_y.block_table and not seq_y.finished:
+            lags.append(eng.scheduler.lag(seq_y))
+    assert fed and max(fed) <= 8, fed
+    assert max(lags, default=0) <= 1, lags
+    plain = LLM(str(path), **kw)
+    want = plain.generate([z, y], [greedy(30), greedy(4)])
+    assert [list(o.outputs[0].token_ids) for o in want] == [outs["z"], outs["y"]]
+    assert bm.num_used_blocks == 0
