@@ -67,3 +67,45 @@ def test_a_hit_on_blocks_computed_after_a_stale_one_catches_up_no_more_than_a_to
     want = plain.generate([z, y], [greedy(30), greedy(4)])
     assert [list(o.outputs[0].token_ids) for o in want] == [outs["z"], outs["y"]]
     assert bm.num_used_blocks == 0
+
+
+# ------------------------------------------------------------------ 2. infer run --data-parallel: an unknown adapter
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    from pathlib import Path
+
+    from lora_helpers import hf_float, save_adapter
+    hf = hf_float(Path(ensure_builtin("tiny-llama")))
+    return save_adapter(hf, tmp_path_factory.mktemp("s48r-adapter") / "qv", seed=3)
+
+
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_infer_run_data_parallel_names_the_lora_option_for_an_unknown_adapter(adapter, with_lora):
+    """`infer run --data-parallel N` checks the lines on a replica (Replica.validate, across Ray): it sent back
+    str(e), the engine's API remedy (LLM.add_lora, lora_request), where one engine's infer run says --lora NAME=PATH.
+    The replica sends the error itself (pickled, as Ray does), which the driver words as one engine's run does."""
+    import pickle
+    from types import SimpleNamespace
+
+    from fakeray import FakeRay, Handle
+    from infer.cli.run_parallel import _check_lines
+    from infer.engine.config import EngineConfig
+    from infer.parallel.replica import Replica
+
+    class Ray(FakeRay):
+        def call(self, ref):  # what crosses the actor boundary is pickled
+            return pickle.loads(pickle.dumps(super().call(ref)))
+    ray = Ray(eager=True)
+    loras = {"qv": str(adapter)} if with_lora else {}
+    replica = Replica(EngineConfig("tiny-llama", max_model_len=64, loras=loras))
+    lines = [SimpleNamespace(id=rid, line_no=i + 1, error=None,
+                             request=SimpleNamespace(prompt_token_ids=[5, 6, 7], params=greedy(2), lora=lora))
+             for i, (rid, lora) in enumerate([("a", "sql"), ("b", None), ("c", "qv" if with_lora else None)])]
+    _check_lines(ray, [Handle(replica, ray)], lines, strict=False)
+    err = lines[0].error
+    assert lines[0].request is None and err.startswith("line 1: unknown LoRA adapter 'sql'"), err
+    assert "--lora sql=PATH" in err and "add_lora" not in err and "lora_request" not in err, err
+    assert ("registered adapters: qv;" if with_lora else "registered adapters: none;") in err
+    assert [x.error for x in lines[1:]] == [None, None]
+    bad = replica.validate([("d", [5, 6, 7], greedy(2), None), ("e", [5] * 100, greedy(2), None)])
+    assert list(bad) == ["e"] and "64" in str(bad["e"])  # (another request error: its own text)

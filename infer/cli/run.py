@@ -310,10 +310,14 @@ def _validate_lines(engine, lines: list) -> None:
         if item.request is not None:
             try:
                 engine.validate(item.request.prompt_token_ids, item.request.params, item.request.lora)
-            except UnknownAdapterError as e:  # (the engine's hint is the API's: LLM.add_lora)
-                item.request, item.error = None, f"line {item.line_no}: {adapter_remedy(e)}"
             except RequestError as e:
-                item.request, item.error = None, f"line {item.line_no}: {e}"
+                item.request, item.error = None, f"line {item.line_no}: {line_reason(e)}"
+
+
+def line_reason(e: RequestError | str) -> str:
+    """Why an input line can never run, in infer run's terms (the engine's error, or a replica's text): an unknown
+    adapter's remedy is --lora NAME=PATH (the engine's hint is the API's: LLM.add_lora)."""
+    return adapter_remedy(e) if isinstance(e, UnknownAdapterError) else str(e)
 
 
 def adapter_remedy(e: UnknownAdapterError) -> str:

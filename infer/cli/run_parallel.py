@@ -16,7 +16,7 @@ from .banner import replica_traits
 from .batch_io import Records, RecordWriter, check_format, model_names, read_inputs, unused_adapters_note
 from .beam_lines import is_beam_line
 from .entry import terminate_as_interrupt
-from .run import _prechecked_lines, _strict_exit, exit_interrupted, open_output
+from .run import _prechecked_lines, _strict_exit, exit_interrupted, line_reason, open_output
 
 VALIDATE_CHUNK = 4096  # requests per validation call (one message each way)
 
@@ -88,7 +88,7 @@ def _check_lines(ray, replicas: list, lines: list, strict: bool) -> None:
                 live.pop(0)
         for item in chunk:
             if item.id in bad:
-                item.request, item.error = None, f"line {item.line_no}: {bad[item.id]}"
+                item.request, item.error = None, f"line {item.line_no}: {line_reason(bad[item.id])}"
     if strict:
         _strict_exit(lines)
 

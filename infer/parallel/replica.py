@@ -77,14 +77,16 @@ class Replica:
         except InferError as e:
             return {"message": e.message, "hint": e.hint}
 
-    def validate(self, requests: list[Wire]) -> dict[str, str]:
-        """{request id: reason} for the requests this engine could never run (the others are not listed)."""
+    def validate(self, requests: list[Wire]) -> dict[str, RequestError | str]:
+        """{request id: why} for the requests this engine could never run (the others are not listed): the engine's
+        RequestError itself, whose fields let the driver word it in its own terms (an unknown adapter's remedy is
+        infer run's --lora NAME=PATH, not the API's LLM.add_lora), or the text of another failure."""
         bad = {}
         for rid, prompt_token_ids, params, lora in requests:
             try:
                 self.engine.validate(prompt_token_ids, params, lora)
             except RequestError as e:
-                bad[rid] = str(e)
+                bad[rid] = e
             except Exception as e:  # noqa: BLE001 - that line's error: the driver took the replica for dead
                 bad[rid] = f"{ENGINE_FAILURE}: {type(e).__name__}: {e}"
         return bad
