@@ -16,6 +16,14 @@ class InferError(Exception):
     def __str__(self) -> str:
         return f"{self.message} ({self.hint})" if self.hint else self.message
 
+    def reworded(self, message: str) -> "InferError":
+        """This error with another message: its class and fields kept (an UnknownAdapterError stays one, with its
+        name and the registered adapters), where a caller says which of its inputs it is ("prompt 2: ...")."""
+        import copy
+        e = copy.copy(self)
+        e.message, e.args = message, (message,)
+        return e
+
 
 class ConfigError(InferError):
     """A bad flag or option value."""

@@ -109,3 +109,23 @@ def test_infer_run_data_parallel_names_the_lora_option_for_an_unknown_adapter(ad
     assert [x.error for x in lines[1:]] == [None, None]
     bad = replica.validate([("d", [5, 6, 7], greedy(2), None), ("e", [5] * 100, greedy(2), None)])
     assert list(bad) == ["e"] and "64" in str(bad["e"])  # (another request error: its own text)
+
+
+# ------------------------------------------------------------------ 3. LLM.generate of several prompts
+def test_several_prompts_naming_an_unknown_adapter_raise_unknown_adapter_error(path):
+    """LLM.generate words a refused prompt's error "prompt i: ..." when there are several: it re-raised a plain
+    RequestError, so `except UnknownAdapterError` (exported, raised for one prompt) missed it, and its fields (the
+    name, the registered adapters) were gone. The error keeps its class and fields."""
+    from infer.errors import RequestError, UnknownAdapterError
+    llm = LLM(str(path), max_model_len=64)
+    with pytest.raises(UnknownAdapterError) as one:
+        llm.generate([[5, 6, 7]], greedy(2), lora="sql")
+    with pytest.raises(UnknownAdapterError) as many:
+        llm.generate([[5, 6, 7], [8, 9]], greedy(2), lora="sql")
+    e = many.value
+    assert e.message == f"prompt 0: {one.value.message}" and str(e).startswith("prompt 0: unknown LoRA adapter 'sql'")
+    assert (e.name, e.known, e.slots, e.hint) == ("sql", (), False, one.value.hint)
+    with pytest.raises(RequestError) as long:  # another refusal: its own class, its prompt named
+        llm.generate([[5, 6, 7], [5] * 100], greedy(2))
+    assert type(long.value) is RequestError and long.value.message.startswith("prompt 1: ")
+    assert llm.generate([[5, 6, 7]], greedy(2))[0].outputs[0].token_ids  # the engine still runs

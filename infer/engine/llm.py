@@ -319,7 +319,7 @@ class LLM:
                 encoded.append(self._encode(p, i, params_list[i].truncate_prompt_tokens is not None, template))
             except RequestError as e:
                 if n > 1 and not e.message.startswith(f"prompt {i} "):  # which of the prompts it is
-                    raise type(e)(f"prompt {i}: {e.message}", e.hint) from None
+                    raise e.reworded(f"prompt {i}: {e.message}") from None
                 raise
         if requested:  # vLLM's LoRARequests: registered now that the call is checked (a refused one registers none)
             loras = [None if lo is None else self._lora_of(lo) for lo in loras]
@@ -335,7 +335,7 @@ class LLM:
                         self._engine().add_request(rid, p, sp, lo)
                     except RequestError as e:
                         if n > 1:  # which of the prompts it is
-                            raise RequestError(f"prompt {i}: {e.message}", e.hint) from None
+                            raise e.reworded(f"prompt {i}: {e.message}") from None  # (its class kept)
                         raise
                     ids.append(rid)
                     self._mail[rid] = []
