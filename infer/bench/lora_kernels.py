@@ -21,7 +21,8 @@ its partials, one after the other, as a decode step launches them) and the by-to
 (`expand_n{256,512,1024}_us`, in the default load order), the constants `lora_ops.plan` fixes. Up to 64 tokens
 the expand as a gather too (`expand_gather_us`, `lora_ops.expand_gather`, INFER_LORA_EXPAND=gather: each program
 takes 16 tokens of any adapters; `gather_gain` = expand_us / expand_gather_us, > 1: the gather is faster than
-the expand by segments, which a decode graph of more than GATHER_AUTO_TOKENS tokens launches), and its warps a program swept (`gather_w{1,2,4}_us`). GPU only."""
+the expand by segments, which a decode graph of more than GATHER_AUTO_TOKENS tokens launches), and its warps a
+program swept (`gather_w{1,2,4}_us`). GPU only."""
 
 from __future__ import annotations
 
