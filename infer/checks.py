@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
+from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, RequestError
@@ -53,3 +55,35 @@ def parse_size(text: str | int | None, flag: str = "the size", decimal: bool = F
     if not math.isfinite(value) or value < 1:
         raise ConfigError(f"{flag} {text!r} is not a positive number of bytes", "e.g. 8GB")
     return int(value)
+
+
+# Files a tokenizer of a supported model is read from (fast, sentencepiece, BPE, WordPiece vocabularies); the JSON ones
+# are checked for being readable when loading fails
+VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "spiece.model")
+TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                  "added_tokens.json")
+
+
+def tokenizer_problem(path: Path | str, error: BaseException) -> tuple[str, str]:
+    """(message, hint) for a tokenizer that transformers could not load from the folder `path`, in one paragraph:
+    no tokenizer file at all, or a named file that is truncated or not JSON, before transformers' own words (which
+    span several lines for a missing tokenizer)."""
+    path = Path(path)
+    names = {f.name for f in path.iterdir()} if path.is_dir() else set()
+    if not any(n in VOCAB_FILES or n.endswith((".tiktoken", ".model")) for n in names):
+        return (f"{path} has no tokenizer files (tokenizer.json, tokenizer.model, or vocab.json and merges.txt)",
+                "copy the tokenizer files of the model the weights come from into the folder (e.g. huggingface-cli "
+                "download ORG/NAME tokenizer.json tokenizer_config.json --local-dir FOLDER)")
+    for name in TOKENIZER_JSON:
+        if name in names:
+            try:
+                json.loads((path / name).read_bytes())
+            except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+                return (f"tokenizer file {path / name} cannot be read: {' '.join(str(e).split())}",
+                        "the file is corrupted or truncated: copy it again from the model's source")
+    detail = " ".join(str(error).split())
+    if isinstance(error, KeyError) or not detail:
+        detail = f"{type(error).__name__} {detail}".strip()
+    return (f"cannot load the tokenizer of {path}: {detail}",
+            "the model folder needs its tokenizer files (tokenizer.json or tokenizer.model) as the model's source has "
+            "them")

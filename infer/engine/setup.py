@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ..checks import tokenizer_problem
 from ..errors import ConfigError, ModelLoadError
 from .config import EngineConfig
 
@@ -38,8 +39,7 @@ def load_tokenizer(path: Path, chat_template: str | None = None):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:
-        raise ModelLoadError(f"cannot load the tokenizer of {path}: {e}",
-                             "the model folder needs tokenizer files (tokenizer.json or tokenizer.model)") from e
+        raise ModelLoadError(*tokenizer_problem(path, e)) from e
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer

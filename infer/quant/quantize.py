@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
+from ..checks import tokenizer_problem
 from ..errors import ConfigError, InferError, ModelLoadError
 from .calibration import CalibrationSet, load_calibration
 from .convert import (TOKENIZER_FILES, check_not_source, check_output, is_gptq, keep_source_config, parse_shard_size,
@@ -377,9 +378,9 @@ def _tokenizer(src: Path):
     from transformers import AutoTokenizer
     try:
         return AutoTokenizer.from_pretrained(src)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{src} has no usable tokenizer ({e})",
-                             "calibration text must be tokenized: add the tokenizer files to the folder") from e
+    except Exception as e:  # transformers raises KeyError, TypeError... for a broken file too
+        message, hint = tokenizer_problem(src, e)
+        raise ModelLoadError(message, f"calibration text must be tokenized: {hint}") from e
 
 
 def _run_gptqmodel(src: Path, out: Path, opts: QuantizeOptions, calib: CalibrationSet, work: Path,

@@ -1,0 +1,61 @@
+"""Probes of the forty-eighth session's newcomer soak of the CLI: what a first user types and the bad inputs they
+plausibly give, each answered with one clear paragraph."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+
+def _model_without(tmp_path: Path, *drop: str) -> Path:
+    """A copy of the built-in tiny-llama folder without the files named in `drop`."""
+    from infer.models.resolve import resolve_model
+    src = resolve_model("tiny-llama")
+    out = tmp_path / "model"
+    out.mkdir()
+    for f in src.iterdir():
+        if f.name not in drop:
+            shutil.copy(f, out / f.name)
+    return out
+
+
+TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@pytest.mark.parametrize("broken", ["missing", "truncated", "binary"])
+def test_a_model_folder_without_a_usable_tokenizer_is_one_paragraph_naming_the_file(tmp_path, broken):
+    """A folder with config.json and weights but no tokenizer (a download of `*.safetensors config.json` only) got
+    transformers' five-line "Couldn't instantiate the backend tokenizer from one of: (1) ... (2) ... (3) ..."; a
+    truncated tokenizer.json got a bare JSON error naming no file, with a hint that the folder lacks tokenizer files.
+    Now: the folder has no tokenizer files, or the file that cannot be read, in one line each."""
+    from infer.engine.setup import load_tokenizer
+    from infer.errors import ModelLoadError
+    from infer.models.resolve import resolve_model
+    path = _model_without(tmp_path, *TOKENIZER)
+    if broken == "truncated":
+        (path / "tokenizer.json").write_bytes((resolve_model("tiny-llama") / "tokenizer.json").read_bytes()[:300])
+    elif broken == "binary":
+        (path / "tokenizer.json").write_bytes(bytes(range(128, 256)) * 4)
+    with pytest.raises(ModelLoadError) as e:
+        load_tokenizer(path)
+    text = f"{e.value.message} {e.value.hint}"
+    assert "\n" not in text, text
+    if broken == "missing":
+        assert f"{path} has no tokenizer files" in e.value.message and "tokenizer.json" in e.value.hint
+    else:
+        assert f"tokenizer file {path / 'tokenizer.json'} cannot be read" in e.value.message
+        assert "corrupted or truncated" in e.value.hint
+
+
+def test_quantize_names_a_folder_without_tokenizer_files_in_one_paragraph(tmp_path):
+    """`infer quantize` tokenizes its calibration text: a folder without tokenizer files got transformers'
+    multi-line message inside parentheses."""
+    from infer.errors import ModelLoadError
+    from infer.quant.quantize import _tokenizer
+    path = _model_without(tmp_path, *TOKENIZER)
+    with pytest.raises(ModelLoadError) as e:
+        _tokenizer(path)
+    assert "\n" not in f"{e.value.message} {e.value.hint}"
+    assert f"{path} has no tokenizer files" in e.value.message and "calibration" in e.value.hint
