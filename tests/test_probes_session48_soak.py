@@ -59,3 +59,29 @@ def test_quantize_names_a_folder_without_tokenizer_files_in_one_paragraph(tmp_pa
         _tokenizer(path)
     assert "\n" not in f"{e.value.message} {e.value.hint}"
     assert f"{path} has no tokenizer files" in e.value.message and "calibration" in e.value.hint
+
+
+def test_a_quoted_tilde_input_file_is_read_from_home_as_dash_o_is(tmp_path, monkeypatch):
+    """`infer run MODEL "~/my prompts.jsonl"` (quoted for the space, so the shell leaves `~` alone) was "input file
+    ~/my prompts.jsonl does not exist", while -o ~/... was expanded."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "my prompts.jsonl").write_text("\n")  # no request: answered without loading the model
+    result = CliRunner().invoke(app, ["run", "tiny-llama", "~/my prompts.jsonl", "-o", str(tmp_path / "out.jsonl")])
+    assert result.exit_code == 0, result.output
+    assert "holds no requests" in result.output and (tmp_path / "out.jsonl").is_file()
+
+
+def test_a_quoted_tilde_lora_path_is_read_from_home(tmp_path, monkeypatch):
+    """`--lora "support=~/adapters/support"` was "~/adapters/support is not a folder", with a hint that the folder
+    '~' had no such entry and "did you mean" the very folder given; lora-validate, --merge-lora and the model path
+    expanded `~` already."""
+    from infer.engine.config import EngineConfig
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "adapters" / "support").mkdir(parents=True)
+    config = EngineConfig("tiny-llama", loras=["support=~/adapters/support"])
+    assert config.loras == {"support": str(tmp_path / "adapters" / "support")}
+    assert EngineConfig("tiny-llama", loras={"s": Path("~/adapters/support")}).loras == {
+        "s": str(tmp_path / "adapters" / "support")}

@@ -78,6 +78,7 @@ def run(
                           "give a file path, e.g. -o out/records.jsonl")
     # "-" is the usual spelling of stdout (a file named "-" is -o ./-)
     output = None if output is None or output == "-" else Path(output).expanduser()  # --output=~/o.jsonl: no shell ~
+    input = input.expanduser()  # a quoted "~/my prompts.jsonl" reaches infer unexpanded, as -o's does
     given = Path(str(engine.model)).expanduser()
     if str(input) != "-" and not input.exists() and given.is_file():  # `infer run prompts.jsonl tiny-llama`
         raise ConfigError(f"input file {input} does not exist, and MODEL {given} is a file: the two are swapped?",

@@ -8,6 +8,7 @@ shared by run / serve / bench / warmup. Fields without `help` metadata are API-o
 from __future__ import annotations
 
 import numbers
+import os
 import random
 import re
 from dataclasses import dataclass, field, fields
@@ -70,6 +71,10 @@ def parse_loras(items: dict[str, str] | list[str] | None) -> dict[str, str]:
         if not isinstance(name, str) or not isinstance(path, (str, Path)):
             raise ConfigError(f"--lora {name!r}: {path!r} is not a folder path", "map each adapter name (a string) to "
                                                                                   "its PEFT folder")
+        if isinstance(path, Path):  # a quoted --lora "a=~/x" reaches infer unexpanded
+            path = path.expanduser()
+        elif path.startswith("~"):
+            path = os.path.expanduser(path)
         if not Path(path).is_dir():
             from ..lora.adapter import not_found_hint
             hint = "pass a PEFT adapter folder" if Path(path).exists() else not_found_hint(Path(path))
