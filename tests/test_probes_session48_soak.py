@@ -85,3 +85,25 @@ def test_a_quoted_tilde_lora_path_is_read_from_home(tmp_path, monkeypatch):
     assert config.loras == {"support": str(tmp_path / "adapters" / "support")}
     assert EngineConfig("tiny-llama", loras={"s": Path("~/adapters/support")}).loras == {
         "s": str(tmp_path / "adapters" / "support")}
+
+
+def test_output_format_openai_with_an_input_of_infer_lines_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """`infer run MODEL prompts.jsonl -o out.jsonl --output-format openai` with plain `{"prompt": ...}` lines loaded
+    the model (minutes for a large one) before saying that no line is an OpenAI batch line; an existing output
+    stays as it was."""
+    from typer.testing import CliRunner
+
+    import infer.cli.run as run_mod
+    from infer.cli.main import app
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(run_mod, "_start_engine", no_load)
+    src = tmp_path / "prompts.jsonl"
+    src.write_text('{"prompt": "hi"}\n{"prompt": [\n{"prompt": "there", "id": "b"}\n')
+    out = tmp_path / "out.jsonl"
+    out.write_text("kept\n")
+    result = CliRunner().invoke(app, ["run", "tiny-llama", str(src), "-o", str(out), "--output-format", "openai"])
+    assert result.exit_code == 2, result.output
+    assert "no line of the input is an OpenAI batch line (line 1 is in infer's own format)" in result.output
+    assert out.read_text() == "kept\n"

@@ -460,12 +460,35 @@ def check_format(lines: list[InputLine], fmt: str) -> None:
         return
     plain = [item for item in lines if item.request is not None and item.request.openai is None]
     if plain and not any(item.request is not None and item.request.openai is not None for item in lines):
-        raise ConfigError(f"--output-format openai writes OpenAI batch output, but no line of the input is an OpenAI "
-                          f"batch line (line {plain[0].line_no} is in infer's own format)",
-                          'write each line as {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", '
-                          '"body": {...}}, or leave out --output-format openai for infer\'s own records')
+        raise _no_batch_line(plain[0].line_no)
     for item in plain:
         item.request, item.error = None, f"line {item.line_no}: {NOT_A_BATCH_LINE}"
+
+
+def check_batch_lines(path: Path, fmt: str) -> None:
+    """--output-format openai with an input that holds no OpenAI batch line, only lines of infer's own format: refused
+    before the model loads (check_format refused it only once every line was parsed, after the load)."""
+    if fmt != "openai" or not path.is_file():
+        return
+    plain = None
+    for line_no, text, _ in read_lines(path):
+        try:
+            obj = _loads(text) if text is not None and text.strip() else None
+        except ValueError:  # a bad line gets its own error record
+            continue
+        if isinstance(obj, dict):
+            if "body" in obj or "custom_id" in obj:  # parse_request's test for a batch line
+                return
+            plain = plain or line_no
+    if plain is not None:
+        raise _no_batch_line(plain)
+
+
+def _no_batch_line(line_no: int) -> ConfigError:
+    return ConfigError(f"--output-format openai writes OpenAI batch output, but no line of the input is an OpenAI "
+                       f"batch line (line {line_no} is in infer's own format)",
+                       'write each line as {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", '
+                       '"body": {...}}, or leave out --output-format openai for infer\'s own records')
 
 
 def _batch_id(kind: str = "batch_req") -> str:

@@ -19,8 +19,8 @@ from ..errors import ConfigError, RequestError, UnknownAdapterError
 from . import options as o
 from ..engine.sampling_params import MAX_TOKENS
 from .banner import start_traits
-from .batch_io import (OUTPUT_FORMATS, Records, RecordWriter, check_format, check_input_encoding, model_names,
-                       read_inputs, unused_adapters_note)
+from .batch_io import (OUTPUT_FORMATS, Records, RecordWriter, check_batch_lines, check_format, check_input_encoding,
+                       model_names, read_inputs, unused_adapters_note)
 from .beam_lines import LineBeams, is_beam_line
 from .entry import Terminated, terminate_as_interrupt
 from .resume import (check_not_unfinished, check_resume, done_ids, error_ids, is_regular_target, mark_complete,
@@ -105,6 +105,7 @@ def _run_locked(engine: EngineConfig, input: Path, output: Path | None, resume: 
         if output is not None and not resume:
             open(output, "wb").close()  # the (empty) output a next step expects
         return
+    check_batch_lines(input, output_format)  # an input for the other format costs no model load
     defaults = {"max_new_tokens": max_new_tokens}
     if data_parallel > 1 or ray_address:
         from .run_parallel import run_data_parallel
