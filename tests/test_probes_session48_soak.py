@@ -107,3 +107,17 @@ def test_output_format_openai_with_an_input_of_infer_lines_is_refused_before_the
     assert result.exit_code == 2, result.output
     assert "no line of the input is an OpenAI batch line (line 1 is in infer's own format)" in result.output
     assert out.read_text() == "kept\n"
+
+
+def test_quantize_errors_before_calibration_start_without_an_empty_line(tmp_path):
+    """Every `infer quantize` refusal found before calibrating (a bad --calibration file, a GPTQ source...) printed
+    an empty line before "error:" when stderr is not a terminal (a log, CI): the progress bar that never started was
+    stopped, and rich prints a newline for that."""
+    import io
+
+    from rich.console import Console
+
+    from infer.cli.quantize import RichObserver
+    out = io.StringIO()
+    RichObserver(Console(file=out)).stop()
+    assert out.getvalue() == ""

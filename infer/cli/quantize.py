@@ -59,7 +59,8 @@ class RichObserver(QuantizeObserver):
     def stop(self) -> None:
         if self.task is not None:
             self.progress.update(self.task, detail="saving")
-        self.progress.stop()
+        if self.progress.live.is_started:  # rich prints an empty line for a bar never started (an error before it)
+            self.progress.stop()
 
 
 def report_table(result: QuantizeResult) -> Table:
