@@ -121,3 +121,32 @@ def test_quantize_errors_before_calibration_start_without_an_empty_line(tmp_path
     out = io.StringIO()
     RichObserver(Console(file=out)).stop()
     assert out.getvalue() == ""
+
+
+def test_an_output_symlink_that_loops_is_one_line_not_a_traceback(tmp_path):
+    """`-o` naming a symbolic link that leads back to itself ended in a RuntimeError traceback ("Symlink loop")
+    from the resume file's path; it is now refused before the model loads."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    src = tmp_path / "prompts.jsonl"
+    src.write_text('{"prompt": "hi"}\n')
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    result = CliRunner().invoke(app, ["run", "tiny-llama", str(src), "-o", str(tmp_path / "a")])
+    assert result.exit_code == 2, result.output
+    assert "is a symbolic link that leads back to itself" in result.output, result.output
+
+
+@pytest.mark.parametrize("command", [["convert", "tiny-llama"], ["quantize", "tiny-llama", "--group-size", "32"]])
+def test_an_output_folder_symlink_that_loops_is_one_line_not_a_traceback(tmp_path, command):
+    """`infer convert/quantize MODEL -o LINK` with a link that leads back to itself ended in a RuntimeError
+    traceback ("Symlink loop") from the check that OUT is not the source folder."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    result = CliRunner().invoke(app, [*command, "-o", str(tmp_path / "a")])
+    assert result.exit_code == 2, result.output
+    assert "is a symbolic link that leads back to itself" in result.output, result.output

@@ -11,8 +11,10 @@ largest concurrency) excludes it and declares its own, then `dataclasses.replace
 
 from __future__ import annotations
 
+import errno
 import functools
 import inspect
+import os
 import re
 import typing
 from dataclasses import MISSING
@@ -195,11 +197,22 @@ def folder_path(value) -> Path:
     """An output folder option's value as a Path, `~` expanded (the shell leaves `--output=~/x` as it is, which made a
     folder named `~` in the current one); an empty one (`-o "$UNSET"`) is refused: Path('') is the current folder,
     which --overwrite would replace."""
-    if isinstance(value, Path):
-        return value.expanduser()
-    if not str(value).strip():
+    if not isinstance(value, Path) and not str(value).strip():
         raise typer.BadParameter("it is empty; give a folder path")
-    return Path(value).expanduser()
+    path = Path(value).expanduser()
+    if symlink_loop(path):  # the source-folder and staging checks resolve it: Path.resolve() raised on 3.11
+        raise typer.BadParameter(f"{path} is a symbolic link that leads back to itself (a loop); remove the link or "
+                                 "give another folder")
+    return path
+
+
+def symlink_loop(path: Path) -> bool:
+    """Whether `path` (or a folder above it) is a symbolic link that leads back to itself."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    return False
 
 
 def check_ray_address(value: str | None) -> str | None:

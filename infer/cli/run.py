@@ -197,6 +197,9 @@ def _check_paths(input: Path, output: Path | None, resume: bool, max_new_tokens:
     check_input_encoding(input)
     if output is None:
         return
+    if o.symlink_loop(output):  # its side files go beside a symlink's target: Path.resolve() raised on 3.11
+        raise ConfigError(f"-o {output} is a symbolic link that leads back to itself (a loop)",
+                          "remove the link or point it at a file, or give another -o")
     if output.is_dir():
         raise ConfigError(f"-o {output} is a directory", "give a file path, e.g. -o out.jsonl")
     if output.exists() and os.path.samefile(output, input):
