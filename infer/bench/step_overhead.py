@@ -3,9 +3,11 @@
     python -m infer.bench.step_overhead --concurrency 16 64 --steps 300                 # CPU, tiny-llama
     python -m infer.bench.step_overhead --device cuda --overlap off|on --gpu-busy         # GPU
     python -m infer.bench.step_overhead --penalties --prompt-len 2000                     # repetition + frequency
+    python -m infer.bench.step_overhead --adapters 16                                     # 16 mixed LoRA adapters
 
 It starts `concurrency` requests (random prompts of --prompt-len tokens, 32 by default, ignore_eos, long enough that
-none finishes; with --penalties each has a repetition and a frequency penalty), runs until
+none finishes; with --penalties each has a repetition and a frequency penalty; with --adapters N, N random rank-16
+LoRA adapters on every projection, given to the requests round-robin, all resident at once), runs until
 every one decodes, then times `steps` decode steps twice. First untouched: `wall_step_ms_uninstrumented`, the
 real step time (with overlap, the steady rate of steps). Then with the engine's parts wrapped in timers, split into:
 schedule (Scheduler.schedule), prepare (ModelRunner.prepare: token ids, positions, block tables, slot mapping),
@@ -26,8 +28,10 @@ import json
 import pstats
 import random
 import statistics
+import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
@@ -58,24 +62,42 @@ class PhaseTimer:
         setattr(obj, attr, timed)
 
 
-def build_engine(model: str, concurrency: int, device: str, overlap: bool | None, max_model_len: int = 1024):
+ADAPTER_RANK = 16
+
+
+def write_adapters(model: str, num: int, out: Path) -> dict[str, str]:
+    """`num` random rank-ADAPTER_RANK PEFT adapters for `model` (every projection of every layer) under `out`."""
+    from transformers import AutoConfig
+
+    from ..models.resolve import resolve_model
+    from .e2e_models import write_random_adapters
+    return write_random_adapters(AutoConfig.from_pretrained(str(resolve_model(model))), out, num, ADAPTER_RANK)
+
+
+def build_engine(model: str, concurrency: int, device: str, overlap: bool | None, max_model_len: int = 1024,
+                 loras: dict[str, str] | None = None):
     from ..engine.config import EngineConfig
     from ..engine.llm_engine import LLMEngine
     opts = dict(model=model, device=device, max_num_seqs=max(concurrency, 1), max_model_len=max_model_len,
                 num_kv_blocks=concurrency * -(-max_model_len // 16) + 8, block_size=16)
     if overlap is not None:
         opts["overlap"] = overlap
+    if loras:  # all resident: the step's cost, not the adapters' swapping
+        opts.update(loras=dict(loras), max_loras=len(loras), max_lora_rank=ADAPTER_RANK)
     return LLMEngine(EngineConfig(**opts))
 
 
-def start_requests(engine, concurrency: int, prompt_len: int, seed: int = 0, penalties: bool = False) -> None:
+def start_requests(engine, concurrency: int, prompt_len: int, seed: int = 0, penalties: bool = False,
+                   adapters: list[str] | None = None) -> None:
+    """`concurrency` requests; with `adapters`, request i runs adapter i % len(adapters)."""
     from ..engine.sampling_params import SamplingParams
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_new_tokens=engine.max_model_len - prompt_len, ignore_eos=True,
                             **(dict(repetition_penalty=1.1, frequency_penalty=0.2) if penalties else {}))
     for i in range(concurrency):
-        engine.add_request(f"r{i}", [rng.randrange(3, vocab) for _ in range(prompt_len)], params)
+        lora = adapters[i % len(adapters)] if adapters else None
+        engine.add_request(f"r{i}", [rng.randrange(3, vocab) for _ in range(prompt_len)], params, lora=lora)
     while len(engine.scheduler.waiting) or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
         engine.step()
     for _ in range(3):  # steady state: allocations, caches
@@ -169,18 +191,21 @@ def gpu_busy(engine, steps: int) -> float:
 
 
 def run_one(model: str, concurrency: int, steps: int, device: str, profile: bool, overlap: bool | None,
-            clock_name: str, busy: bool = False, prompt_len: int = 32, penalties: bool = False) -> dict:
+            clock_name: str, busy: bool = False, prompt_len: int = 32, penalties: bool = False,
+            adapters: int = 0) -> dict:
     clock = CLOCKS[clock_name]
-    # room for the prompt, the steps before timing, both timed runs and the GPU-busy run
-    engine = build_engine(model, concurrency, device, overlap, max(1024, prompt_len + 3 * steps + 128))
-    start_requests(engine, concurrency, prompt_len, penalties=penalties)
-    plain = measure(engine, steps, None, False, time.perf_counter)  # un-instrumented wall time of a step
-    extra = {"gpu_busy": round(gpu_busy(engine, min(steps, 50)), 4)} if busy else {}
-    timer = instrument(engine, clock)
-    phases = measure(engine, steps, timer, profile, clock)
+    with tempfile.TemporaryDirectory() as tmp:  # the adapters' folders, for as long as the engine may read them
+        loras = write_adapters(model, adapters, Path(tmp)) if adapters else None
+        # room for the prompt, the steps before timing, both timed runs and the GPU-busy run
+        engine = build_engine(model, concurrency, device, overlap, max(1024, prompt_len + 3 * steps + 128), loras)
+        start_requests(engine, concurrency, prompt_len, penalties=penalties, adapters=list(loras or ()))
+        plain = measure(engine, steps, None, False, time.perf_counter)  # un-instrumented wall time of a step
+        extra = {"gpu_busy": round(gpu_busy(engine, min(steps, 50)), 4)} if busy else {}
+        timer = instrument(engine, clock)
+        phases = measure(engine, steps, timer, profile, clock)
     return {"model": model, "device": str(engine.device), "concurrency": concurrency, "steps": steps,
             "overlap": getattr(engine, "overlap", False), "clock": clock_name, "prompt_len": prompt_len,
-            "penalties": penalties,
+            "penalties": penalties, "adapters": adapters,
             "wall_step_ms_uninstrumented": plain["step_ms"], **extra, **phases}
 
 
@@ -200,13 +225,17 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-len", type=int, default=32, help="tokens of each random prompt")
     ap.add_argument("--penalties", action="store_true",
                     help="every request with repetition_penalty=1.1 and frequency_penalty=0.2")
+    ap.add_argument("--adapters", type=int, default=0,
+                    help="N random rank-16 LoRA adapters, given to the requests round-robin (0: none)")
     args = ap.parse_args(argv)
+    if args.adapters < 0:
+        ap.error("--adapters must be 0 or more")
     torch.set_num_threads(args.threads)
     overlap = None if args.overlap == "default" else args.overlap == "on"
     clock = args.clock or ("cpu" if args.device == "cpu" else "wall")
     for c in args.concurrency:
         print(json.dumps(run_one(args.model, c, args.steps, args.device, args.profile, overlap, clock,
-                                 args.gpu_busy, args.prompt_len, args.penalties)), flush=True)
+                                 args.gpu_busy, args.prompt_len, args.penalties, args.adapters)), flush=True)
 
 
 if __name__ == "__main__":
