@@ -7,6 +7,8 @@ import re
 
 from .sequence import Sequence
 
+_UNSEEN = object()  # (Detokenizer._token) an id not decoded yet
+
 
 def _fast_decode(tokenizer, skip_special_tokens: bool = True):
     """The Rust tokenizer's own decode when it is exactly what `tokenizer.decode(ids, skip_special_tokens=...)`
@@ -29,6 +31,13 @@ def _concatenative(tokenizer) -> bool:
     bytes as UTF-8; not of decoders that strip or merge across tokens (SentencePiece's Metaspace, Strip, Fuse)."""
     backend = getattr(tokenizer, "_tokenizer", None)
     return _fast_decode(tokenizer) is not None and type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
+
+
+def _space_joined(tokenizer) -> bool:
+    """Whether decode(ids) is the ids' token strings joined by single spaces, the ids decode skips left out: the
+    Rust tokenizer's decode when it has no decoder (a word-level vocabulary). Its text then grows token by token."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    return _fast_decode(tokenizer) is not None and getattr(backend, "decoder", 0) is None
 
 
 def _byte_tokens(tokenizer) -> tuple[frozenset[int], int | None]:
@@ -75,6 +84,11 @@ class Detokenizer:
             _decode_joined, tokenizer, skip) for skip in (True, False)}
         # incremental: only the tokens after the last whole character are decoded each step (else all of them)
         self.incremental = _concatenative(tokenizer)
+        # each decode's text of one token id (_token), keyed by the decode function, then by the id
+        self._token_text: dict = {}
+        # no decoder: each token's string is appended after a space (decoding the whole reply each step costs time
+        # in its length, which made a reply's text cost time in the square of its length)
+        self.joined = not self.incremental and _space_joined(tokenizer)
         # decoded whole each step: text from a trailing run of byte tokens is not streamed until the run ends
         self.byte_ids, self.max_id = (frozenset(), None) if self.incremental else _byte_tokens(tokenizer)
         self.special_ids = _skipped_special_ids(tokenizer)
@@ -93,7 +107,14 @@ class Detokenizer:
             decode = self._decode_joined[skip]
         else:
             decode = self._decode if skip else self._decode_all
-        if self.incremental and seq.decoded_tokens <= len(ids):
+        if self.joined and seq.decoded_tokens <= len(ids):
+            text, after = seq.decoded_text, seq.decoded_any
+            for token in ids[seq.decoded_tokens:]:
+                piece = self._token(decode, token)
+                if piece is not None:  # not skipped
+                    text, after = (text + " " + piece if after else piece), True
+            seq.decoded_text, seq.decoded_tokens, seq.decoded_any = text, len(ids), after
+        elif self.incremental and seq.decoded_tokens <= len(ids):
             tail = decode(ids[seq.decoded_tokens:])
             text = seq.decoded_text + tail
             if tail and not tail.endswith("\ufffd"):  # the bytes so far end on a character: final text
@@ -138,6 +159,22 @@ class Detokenizer:
         else:
             seq.text = text
         return bool(found)
+
+    def _token(self, decode, token: int) -> str | None:
+        """decode([token]), decoded once per id and decode function; with `joined`, None for a token decode skips
+        (a skipped special token, an id without a token), which alone decodes to "" as an empty token string
+        does, but unlike it adds no space: decode([token, token]) tells them apart."""
+        texts = self._token_text.get(decode)
+        if texts is None:
+            texts = self._token_text[decode] = {}
+        text = texts.get(token, _UNSEEN)
+        if text is not _UNSEEN:
+            return text
+        text = decode([token])
+        if self.joined and not text and decode([token, token]) == "":
+            text = None
+        texts[token] = text
+        return text
 
     @staticmethod
     def _whole_len(seq: Sequence, ids: list[int], decode, text: str) -> int:

@@ -53,6 +53,7 @@ class Sequence:  # a tuple of every field for each request ahead of the one remo
         self.text = ""  # detokenized output, stop strings removed
         self.sent_text_len = 0  # how much of `text` the caller has seen (streaming)
         self.decoded_tokens, self.decoded_text = 0, ""  # output tokens whose text is final, and that text
+        self.decoded_any = False  # (a tokenizer without a decoder) decoded_text holds a token: the next follows a space
         self.final_text_len: int | None = None  # `text` past this may still change (an open run of byte tokens)
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None: EOS)
         self.stop_search_from: int | None = None  # where stop strings may start in `text`: after the forced prefix
