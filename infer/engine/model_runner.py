@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..lora.batch import LoRAGroups, host_groups
 from ..models.context import ForwardContext
 from .config import EngineConfig
 from .sampler import PenaltyTable, SampledBatch, Sampler, SamplingInputs
@@ -168,6 +169,10 @@ class ModelRunner:
         tables = pack.add_rows(host.tables, width)
         last, fill, zero = pack.add(host.sample), pack.add(host.fill), pack.add(batch.zero)
         prompt = (pack.add(host.plp_rows), pack.add(host.plp_tokens)) if host.plp_rows else None
+        groups = None  # the tokens grouped by adapter slot (LoRAGroups), made on the host, copied with the rest
+        if self.lora_manager is not None and max(host.lora_slots, default=-1) >= 0:
+            by_slot, bounds, in_order = host_groups(host.lora_slots, self.lora_manager.max_loras)
+            groups = (pack.add(by_slot), pack.add(bounds), in_order)
         sampling = SamplingInputs(row_seqs, self.vocab_size, pack, self.penalties, prev=prev) if rows else None
         data = pack.to(self.device)
         if batch.zero:  # as zero_blocks does, without a copy of its own (index_fill_ takes the 0 as a scalar;
@@ -180,7 +185,8 @@ class ModelRunner:
                              block_tables=data[tables].view(b, width).int(), slot_mapping=data[slots],
                              max_query_len=max(batch.num_new_tokens))
         if self.lora_manager is not None:  # the slots on the host decide the plan; their copy came with the rest
-            ctx.lora = self.lora_manager.make_batch(host.lora_slots, data[lora])
+            ctx.lora = self.lora_manager.make_batch(host.lora_slots, data[lora], groups and LoRAGroups(
+                data[groups[0]], data[groups[1]], groups[2]))
         if sampling is not None:
             sampling.load(data, self.device)
         if prompt is not None:  # (flat indices of the hidden rows, the prompt tokens they predict, whose they are)

@@ -40,6 +40,20 @@ def lora_groups(token_slots: torch.Tensor, num_slots: int, in_order: bool = Fals
     return LoRAGroups(order, starts, in_order)
 
 
+def host_groups(token_slots: list[int], num_slots: int) -> tuple[list[int], list[int], bool]:
+    """lora_groups' order and starts as lists, from the slots on the host (a step's inputs: they travel to the
+    device with the step's other integers, instead of costing a handful of device ops each step), and in_order."""
+    n = len(token_slots)
+    in_order = all(a <= b for a, b in zip(token_slots, token_slots[1:]))
+    order = list(range(n)) if in_order else sorted(range(n), key=token_slots.__getitem__)  # stable, as argsort's
+    starts = [0] * (num_slots + 2)
+    for s in token_slots:
+        starts[s + 2] += 1
+    for s in range(2, num_slots + 2):
+        starts[s] += starts[s - 1]
+    return order, starts, in_order
+
+
 @dataclass
 class LoRABatch:
     """What the model runner puts at `ctx.lora` for one step (see infer.lora): every token's adapter slot.
@@ -57,10 +71,11 @@ class LoRABatch:
 
     @classmethod
     def build(cls, token_slots, num_slots: int, device: torch.device | str | None = None,
-              on_device: torch.Tensor | None = None) -> "LoRABatch | None":
+              on_device: torch.Tensor | None = None, groups: LoRAGroups | None = None) -> "LoRABatch | None":
         """From a list (or tensor) of per-token slots; None when no token uses an adapter. `on_device`: the same
         slots already on the device as int64 (the engine's step copies them with its other inputs), so that
-        building the batch neither copies nor waits for the device."""
+        building the batch neither copies nor waits for the device; `groups`: their LoRAGroups, already on the
+        device too (host_groups' lists, copied with them)."""
         if isinstance(token_slots, torch.Tensor):
             host = token_slots.tolist()
             slots = token_slots.to(device=device or token_slots.device, dtype=torch.long)
@@ -72,4 +87,4 @@ class LoRABatch:
             return None
         assert active[-1] < num_slots and min(host) >= -1, f"token slots must be in -1..{num_slots - 1}"
         in_order = all(a <= b for a, b in zip(host, host[1:]))
-        return cls(slots, active, lora_groups(slots, num_slots, in_order))
+        return cls(slots, active, groups if groups is not None else lora_groups(slots, num_slots, in_order))

@@ -339,10 +339,11 @@ class LoRAManager:
                 calls += layer.compile_calls(linear, max_tokens)
         return calls
 
-    def make_batch(self, token_slots, on_device: torch.Tensor | None = None) -> LoRABatch | None:
+    def make_batch(self, token_slots, on_device: torch.Tensor | None = None, groups=None) -> LoRABatch | None:
         """The per-step `ctx.lora` from every token's slot (list of ints or a tensor); None when all are -1.
-        `on_device`: the same slots already on the device (int64), so nothing is copied."""
-        return LoRABatch.build(token_slots, self.max_loras, self.device, on_device)
+        `on_device`: the same slots already on the device (int64), and `groups` their LoRAGroups (batch.host_groups,
+        on the device), so nothing is copied or computed on the device."""
+        return LoRABatch.build(token_slots, self.max_loras, self.device, on_device, groups)
 
 
 def _device_of(linears: list[MergedLinear]) -> torch.device:
