@@ -73,3 +73,21 @@ def test_step_overhead_adapters_option_reaches_the_run(monkeypatch):
     assert seen and seen[0][-1] == 3
     with pytest.raises(SystemExit):
         step_overhead.main(["--adapters", "-1"])
+
+
+def test_host_groups_equal_the_device_grouping():
+    """lora.batch.host_groups (a LoRA step's grouping by adapter slot, made on the host from the slots it has) gives
+    lora_groups' order and starts exactly, for random, sorted, all-base and single-slot batches, and says in_order
+    exactly when the slots do not decrease."""
+    import torch
+
+    from infer.lora.batch import host_groups, lora_groups
+    rng = random.Random(48)
+    cases = [[], [-1] * 5, [2] * 4, [-1, -1, 0, 1, 1, 3], [3, 1, -1, 1, 0, -1, 3]]
+    cases += [[rng.randrange(-1, s) for _ in range(rng.randrange(1, 40))] for s in (1, 2, 5, 16) for _ in range(50)]
+    for slots in cases:
+        num_slots = max(slots, default=0) + 1 + rng.randrange(3)
+        order, starts, in_order = host_groups(slots, num_slots)
+        want = lora_groups(torch.tensor(slots, dtype=torch.long), num_slots)
+        assert order == want.order.tolist() and starts == want.starts.tolist(), slots
+        assert in_order == (slots == sorted(slots)), slots
