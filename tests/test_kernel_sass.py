@@ -109,9 +109,11 @@ def _engine_at_7b_shapes(expand_fused: bool) -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     names = {line.split()[1] for line in out.stdout.splitlines() if line.startswith("ok ")}
     # (rotary_store_kv writes k and v into the cache in the rotary kernel: the engine launches no _store_kv_kernel)
+    # (the decode steps' LoRA expands of up to lora_ops.GATHER_AUTO_TOKENS tokens are gathers, the longer by segments)
     assert names == {"_decode_kernel", "_unified_kernel", "_rms_norm_kernel", "_rotary_kernel",
-                     "_rms_norm_lora_kernel", "_embed_rms_norm_kernel", "_silu_and_mul_kernel", "_shrink_kernel", "_expand_kernel", "gemv_kernel",
-                     "mma_kernel", "_dequant_kernel", "_bitmask_kernel"}, out.stdout[-3000:]
+                     "_rms_norm_lora_kernel", "_embed_rms_norm_kernel", "_silu_and_mul_kernel", "_shrink_kernel",
+                     "_expand_kernel", "_expand_gather_kernel", "gemv_kernel", "mma_kernel", "_dequant_kernel",
+                     "_bitmask_kernel"}, out.stdout[-3000:]
     assert "0 over the shared-memory limit or spilling in the main loop or compiled late or waiting for the GPU in " \
         "a request's step (0 waits;" in out.stdout, out.stdout
     # as an engine on sm_90 launches them: with programmatic dependent launch, every launch with the constexpr and
