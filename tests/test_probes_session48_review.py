@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from infer import LLM, SamplingParams
+from infer import LLM
 from infer.models.tiny import ensure_builtin
+
+from test_probes_session48_engine import _first_forwards, greedy
 
 
 @pytest.fixture(scope="module")
@@ -14,27 +16,8 @@ def path():
     return ensure_builtin("tiny-llama")
 
 
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_new_tokens=n, ignore_eos=True)
-
-
 # ------------------------------------------------------------------ 1. a prefix hit's draft catch-up
-def _first_forwards(monkeypatch) -> list:
-    """The tokens of the draft's first forward of each step (its catch-up and the step's own tokens)."""
-    from infer.engine.draft import DraftRunner
-    fed, real_propose, real_forward = [], DraftRunner.propose, DraftRunner._forward
-
-    def propose(self, batch):
-        fed.append(None)
-        return real_propose(self, batch)
-
-    def forward(self, feeds, rows):
-        if fed[-1] is None:
-            fed[-1] = sum(len(tokens) for _, _, tokens in feeds)
-        return real_forward(self, feeds, rows)
-    monkeypatch.setattr(DraftRunner, "propose", propose)
-    monkeypatch.setattr(DraftRunner, "_forward", forward)
-    return fed
+# (the draft's first forward of each step counted as the engine probes count it)
 
 
 def test_a_hit_on_blocks_computed_after_a_stale_one_catches_up_no_more_than_a_token(path, monkeypatch):
