@@ -128,8 +128,8 @@ def test_the_audit_sees_calls_that_wait(tiny, monkeypatch):
     pageable memory) is reported at that line, and so is a value read back on the host inside infer's code."""
     path, loras = tiny
     monkeypatch.setattr(kernels, "use_triton", lambda t: True)
-    monkeypatch.setattr(LoRAManager, "make_batch",
-                        lambda self, slots, on_device=None: LoRABatch.build(slots, self.max_loras, self.device))
+    monkeypatch.setattr(LoRAManager, "make_batch", lambda self, slots, on_device=None, groups=None:
+                        LoRABatch.build(slots, self.max_loras, self.device))
     llm = LLM(path, loras=loras, **OPTS)
     eng = llm.engine
     for i, (p, n) in enumerate(zip(random_prompts(eng.model_config.vocab_size, (5, 3), seed=2), ["a", None])):
