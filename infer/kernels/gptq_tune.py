@@ -41,6 +41,8 @@ def _no_spill(cfg: dict) -> bool:
     bm, bn, bk = cfg.get("BLOCK_M", 1), cfg["BLOCK_N"], cfg["BLOCK_K"]
     if cfg["kernel"] == "gemv":
         return not (bm == 2 and bn == 64 and bk == 32)
+    if cfg["kernel"] == "mmat" and (bm, bn, cfg["num_warps"], cfg["SPLIT_K"]) == (64, 256, 4, 1):
+        return False  # the 64 x 256 4-warp tile's epilogue without split-K (8 B of stack in the loop, Triton 3.6)
     if not cfg.get("FIELD"):
         return not ((cfg["kernel"] == "mma" and bm == 16 and bn == 128 and bk == 128)
                     or (cfg["kernel"] == "mmat" and bm == 128))
@@ -70,6 +72,17 @@ def _wide_rows(m: int, splits) -> list[dict]:
     if m > 128:
         out += [_field("mmat", 256, 128, 8, s, 2) for s in splits]
     return out
+
+
+def _wide_cols(bm: int, splits) -> list[dict]:
+    """Transposed field tiles of `bm` rows (32 or 64) over 256 weight columns on one warpgroup (4 warps), the group
+    scale folded: each tile of x a program reads from L2 serves 256 columns instead of 128. At 64 rows with 128
+    columns that re-reading is twice the int4 weight's bytes (7B qkv: 50 MB of L2 reads beside 25 MB of DRAM), and
+    every field dot waits for its wgmma (Triton keeps a register operand made in the loop synchronous), so only
+    other programs hide the tensor cores' latency. 255 registers for sm_90 with Triton 3.6, nothing spilled, two
+    programs per SM (the 8-warp 256-column tile: one); 2 stages (3 spill). Without split-K the 64-row tile spills
+    (`_no_spill`)."""
+    return [_field("mmat", bm, 256, 4, s, 2) for s in splits]
 
 
 def chunked(k: int, mbs=(8, 16, 32)) -> list[dict]:
@@ -111,6 +124,7 @@ def quick_candidates(m: int, step: int, k: int | None = None) -> list[dict]:
             # and the full set's 33-64-row winner on an H100, the transposed 4-warp tile of all the rows (2026-11-27,
             # 7B at 64 rows: 0.81-0.86x the time of the quick set's best without it)
             out += [_field("mmat", bm, 128, 4, s) for s in (1, 2, 4, 8)]
+            out += _wide_cols(bm, (1, 2, 4))
         else:  # the H100's 65-256-row winner (full set), and the tiles with more rows per dequantized weight
             out += [_field("mmat", 64, 128, 4, s) for s in (1, 2, 4)] + _wide_rows(m, (1, 2))
     if m > 256:  # prefill: fused tiles with the most rows per weight, beside dequantize + cuBLAS
@@ -175,6 +189,8 @@ def candidates(m: int, step: int, quick: bool = False, k: int | None = None) -> 
                     for s in (1, 2, 4, 8) for p in (False, True) if not (bm == 128 and w == 4)]
         out += [_field("mmat", min(m, 64), bn, w, s, 3, sw, p) for bn, w in ((128, 4), (128, 8), (256, 8))
                 for sw in (False, True) for s in (1, 2, 4, 8) for p in (False, True)]
+    if 17 <= m <= 64:
+        out += _wide_cols(_rows_tile(m), (1, 2, 4, 8))
     if 65 <= m <= 256:
         out += _wide_rows(m, (1, 2, 4))
     if m > 256:
