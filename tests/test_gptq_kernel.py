@@ -422,29 +422,32 @@ def test_wide_row_tiles_compute_right(gemm, gen):
 
 
 
-def test_wide_column_tiles_are_candidates_and_compute_right(gemm, gen):
+def test_wide_column_tiles_are_candidates_and_compute_right(gemm, gen, monkeypatch):
     """The transposed 4-warp field tiles over 256 weight columns (`gptq_tune._wide_cols`: 17-64 rows, each x tile
     read from L2 serving twice the columns), in the engine start's quick set and in the full set, split-K only at 64
-    rows (`_no_spill`), against the reference with masked rows and columns on an interleaved layer."""
+    rows and with the Triton its registers were checked with (`_no_spill`), against the reference with masked rows
+    and columns on an interleaved layer."""
     from infer.kernels import gptq_tune
     g = gen
     k, n = 256, 200
-    for m in (20, 32, 40, 64):
-        bm = 32 if m <= 32 else 64
-        for quick in (True, False):
-            wide = [c for c in gptq_tune.candidates(m, 128, quick, 4096) if c["kernel"] == "mmat"
-                    and c["BLOCK_N"] == 256 and c["num_warps"] == 4]
-            splits = {c["SPLIT_K"] for c in wide}
-            assert wide and all(c["BLOCK_M"] == bm and c["SCALE_W"] and not c.get("PAIRS") for c in wide), (m, wide)
-            assert {2, 4} <= splits and (1 in splits) == (bm == 32), (m, quick, splits)
+    for version, tall in (((3, 6), True), ((3, 9), False)):  # the 64-row tile spills with 3.9's code
+        monkeypatch.setattr(gptq_tune, "TRITON", version)
+        for m in (20, 32, 40, 64):
+            bm = 32 if m <= 32 else 64
+            for quick in (True, False):
+                wide = [c for c in gptq_tune.candidates(m, 128, quick, 4096) if c["kernel"] == "mmat"
+                        and c["BLOCK_N"] == 256 and c["num_warps"] == 4]
+                splits = {c["SPLIT_K"] for c in wide}
+                assert all(c["BLOCK_M"] == bm and c["SCALE_W"] and not c.get("PAIRS") for c in wide), (m, wide)
+                want = ({1, 2, 4} if bm == 32 else {2, 4} if tall else set()) | ({8} if not quick and wide else set())
+                assert splits == want, (version, m, quick, splits)
     assert not any(c["BLOCK_N"] == 256 and c["num_warps"] == 4 for c in gptq_tune.candidates(16, 128, True, 4096)
                    + gptq_tune.candidates(128, 128, True, 4096) if c["kernel"] == "mmat")
     qw, qz, s, gi = make_weights(g, 4, 128, k, n, True, False)
     wp = gptq_configs.interleave_for(128, k, 8)
     qi = packing.interleave_rows(qw, 4, wp)
     for m, split in ((40, 2), (64, 2), (20, 1)):
-        cfg = next(c for c in gptq_tune.candidates(m, 128, True, k) if c["kernel"] == "mmat" and c["BLOCK_N"] == 256
-                   and c["num_warps"] == 4 and c["SPLIT_K"] == split)
+        cfg = next(c for c in gptq_tune._wide_cols(32 if m <= 32 else 64, (1, 2)) if c["SPLIT_K"] == split)
         x = torch.randn(m, k, generator=g).half().to(DEV)
         want = ref.gptq_matmul(x, qw, qz, s, gi, 4, True)
         assert_close(gemm.gptq_matmul(x, qi, qz, s, gi, 4, True, 128, wp, config=cfg), want, torch.float16, g,

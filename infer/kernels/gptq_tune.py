@@ -10,15 +10,18 @@ request ever waits for tuning, and by `python -m infer.bench.kernels --tune`.
 from __future__ import annotations
 
 import os
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import triton
 
 from . import gptq_configs, gptq_gemm
 from .intmath import cdiv
 
 BUCKETS = tuple(1 << i for i in range(13))  # 1 .. 4096
+TRITON = tuple(int(p) for p in re.findall(r"\d+", triton.__version__)[:2])  # what `_no_spill` was checked with
 L2_BUST_BYTES = 160 << 20
 
 
@@ -41,8 +44,8 @@ def _no_spill(cfg: dict) -> bool:
     bm, bn, bk = cfg.get("BLOCK_M", 1), cfg["BLOCK_N"], cfg["BLOCK_K"]
     if cfg["kernel"] == "gemv":
         return not (bm == 2 and bn == 64 and bk == 32)
-    if cfg["kernel"] == "mmat" and (bm, bn, cfg["num_warps"], cfg["SPLIT_K"]) == (64, 256, 4, 1):
-        return False  # the 64 x 256 4-warp tile's epilogue without split-K (8 B of stack in the loop, Triton 3.6)
+    if cfg["kernel"] == "mmat" and (bm, bn, cfg["num_warps"]) == (64, 256, 4):  # 255 registers: with Triton 3.6
+        return cfg["SPLIT_K"] > 1 and TRITON == (3, 6)  # only the unsplit one spills (8 B); with 3.9 both (5 loads)
     if not cfg.get("FIELD"):
         return not ((cfg["kernel"] == "mma" and bm == 16 and bn == 128 and bk == 128)
                     or (cfg["kernel"] == "mmat" and bm == 128))
@@ -80,8 +83,8 @@ def _wide_cols(bm: int, splits) -> list[dict]:
     columns that re-reading is twice the int4 weight's bytes (7B qkv: 50 MB of L2 reads beside 25 MB of DRAM), and
     every field dot waits for its wgmma (Triton keeps a register operand made in the loop synchronous), so only
     other programs hide the tensor cores' latency. 255 registers for sm_90 with Triton 3.6, nothing spilled, two
-    programs per SM (the 8-warp 256-column tile: one); 2 stages (3 spill). Without split-K the 64-row tile spills
-    (`_no_spill`)."""
+    programs per SM (the 8-warp 256-column tile: one); 2 stages (3 spill). The 64-row tile is left out where it
+    spills in its loop (`_no_spill`: without split-K, or with a Triton other than 3.6's generation)."""
     return [_field("mmat", bm, 256, 4, s, 2) for s in splits]
 
 
