@@ -89,8 +89,11 @@ class Detokenizer:
         # no decoder: each token's string is appended after a space (decoding the whole reply each step costs time
         # in its length, which made a reply's text cost time in the square of its length)
         self.joined = not self.incremental and _space_joined(tokenizer)
-        # decoded whole each step: text from a trailing run of byte tokens is not streamed until the run ends
-        self.byte_ids, self.max_id = (frozenset(), None) if self.incremental else _byte_tokens(tokenizer)
+        # decoded whole each step: text from a trailing run of byte tokens is not streamed until the run ends. Not
+        # with `joined`: without a decoder a byte token's text is its string ("<0x41>"), final once appended (and
+        # holding it back decoded the text before the run whole, every step of the run)
+        self.byte_ids, self.max_id = (frozenset(), None) if self.incremental or self.joined \
+            else _byte_tokens(tokenizer)
         self.special_ids = _skipped_special_ids(tokenizer)
 
     def update(self, seq: Sequence, stop_token: bool) -> bool:
