@@ -42,3 +42,37 @@ def test_byte_named_tokens_without_a_decoder_stream_at_once_and_never_decode_the
         streamed += Detokenizer.delta(seq)
         assert streamed == seq.text  # nothing held back: no stop strings, no partial character
     assert max(calls) <= 2
+
+
+def test_the_measured_plan_counts_the_drafts_graphs_as_the_engine_start_does(monkeypatch):
+    """With CUDA graphs a draft model's one-token forwards are recorded into the target's pool, which an engine's
+    start (start_activation_bytes) and warmup's formula count (memory.plan.draft_graph_bytes); warmup's measured plan
+    (engine.profile.profile_run: the worst case's peak plus the graphs' pool by formula) counted the target's graphs
+    only, its activations (and the estimate it compares them with) short of the draft's graphs. The worst case's
+    measured peaks are stood in for: only what the plan adds to them is compared."""
+    from infer.cli import warmup_plan
+    from infer.engine import profile
+    from infer.engine.config import EngineConfig
+    from infer.memory.plan import cuda_graph_bytes, draft_graph_bytes
+    from infer.models.tiny import ensure_builtin
+    monkeypatch.setattr(profile, "_peak_activations", lambda *a: 1 << 20)
+    monkeypatch.setattr(profile, "_draft_peak", lambda *a: 1 << 19)
+    monkeypatch.setattr(warmup_plan, "graph_capture", lambda *a, **k: {})  # (no CUDA here)
+    draft = ensure_builtin("tiny-qwen3")
+    config = dict(model="tiny-llama", max_num_seqs=4, max_model_len=128, memory_limit="256MB", block_size=4,
+                  speculative_config={"model": str(draft), "num_speculative_tokens": 3})
+
+    def measured(graphs: bool):
+        monkeypatch.setattr(EngineConfig, "use_cuda_graphs", lambda self: graphs)
+        plan, extra = warmup_plan.measured_plan(EngineConfig(**config), 128, 4)
+        assert extra["worst_case_run"]
+        return plan.activation_peak_bytes, extra["activation_estimate_bytes"]
+
+    (peak, estimate), (peak0, estimate0) = measured(True), measured(False)
+    monkeypatch.setattr(EngineConfig, "use_cuda_graphs", lambda self: True)
+    engine = EngineConfig(**config)
+    _, model_config, _, dtype = warmup_plan._model_parts(engine)
+    draft_config = warmup_plan._draft_cfg(engine)
+    want = cuda_graph_bytes(engine, model_config, dtype) + draft_graph_bytes(engine, draft_config, dtype)
+    assert draft_graph_bytes(engine, draft_config, dtype) > 0
+    assert peak - peak0 == want and estimate - estimate0 == want, (peak - peak0, estimate - estimate0, want)

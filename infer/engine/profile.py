@@ -11,8 +11,8 @@ import torch
 
 from ..kernels.reference import longest_batched_decode
 from ..memory.meter import PeakMeter
-from ..memory.plan import (MemoryPlan, cuda_graph_bytes, draft_activation_bytes, make_plan, speculative_logit_bytes,
-                           start_activation_bytes)
+from ..memory.plan import (MemoryPlan, cuda_graph_bytes, draft_activation_bytes, draft_graph_bytes, make_plan,
+                           speculative_logit_bytes, start_activation_bytes)
 from ..memory.sizes import activation_bytes, penalty_table_bytes, step_tokens, weights_bytes
 from ..models.shapes import ModelShapes
 from .config import EngineConfig
@@ -143,8 +143,10 @@ def profile_run(model, model_config, engine_config: EngineConfig, dtype, device,
             - activation_bytes(model_config, dtype, tokens, concurrency, max_length, 0)
     peak += penalty_table_bytes(model_config, concurrency)  # the worst case samples without penalties: add them
     spec = speculative_logit_bytes(engine_config, model_config, concurrency)  # the verify step's rows: measured
-    graphs = cuda_graph_bytes(engine_config, model_config, dtype)  # the CUDA graphs keep a pool of their own
     draft_config = draft.model_config if draft is not None else None
+    # the CUDA graphs keep a pool of their own (a draft model's decode graphs too, as an engine start reserves)
+    graphs = cuda_graph_bytes(engine_config, model_config, dtype) \
+        + draft_graph_bytes(engine_config, draft_config, dtype)
     estimate = activation_bytes(model_config, dtype, tokens, concurrency, max_length, rank,
                                 kv_dtype=engine_config.kv_dtype(dtype)) + graphs + spec \
         + draft_activation_bytes(engine_config, draft_config, dtype, max_length, concurrency)
