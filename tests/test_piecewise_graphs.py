@@ -264,7 +264,7 @@ def test_measured_warmup_captures_the_graphs_an_engine_would(monkeypatch):
     from infer.cli import warmup_plan
     seen = []
     monkeypatch.setattr(EngineConfig, "use_cuda_graphs", lambda self: not self.enforce_eager)
-    monkeypatch.setattr(warmup_plan, "graph_capture", lambda model, config, dtype, device, max_length, lora:
+    monkeypatch.setattr(warmup_plan, "graph_capture", lambda model, config, dtype, device, max_length, lora, draft=None:
                         (seen.append((config.cuda_graph_max_tokens, max_length)), {"cuda_graphs_s": 1.5})[1])
     path = str(ensure_builtin("tiny-llama"))
     _, extra = warmup_plan.measured_plan(EngineConfig(path, cuda_graph_max_tokens=64), 48, 2)

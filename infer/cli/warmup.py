@@ -118,6 +118,12 @@ def print_plan(plan, extra: dict, tokens: int | None = None) -> None:
     if extra.get("cuda_graph_bytes_measured") is not None:
         rows.append(("CUDA graph memory (measured / formula)",
                      f"{gib(extra['cuda_graph_bytes_measured'])} / {gib(extra['cuda_graph_bytes_formula'])}"))
+        if extra.get("cuda_graph_bytes_measured_draft") is not None:  # a draft model's decode graphs, and the rest
+            rows.append(("  the target's (measured / formula)", f"{gib(extra['cuda_graph_bytes_measured_target'])} / "
+                         f"{gib(extra['cuda_graph_bytes_formula_target'])}"))
+            rows.append((f"  the draft model's, {extra['cuda_graphs_draft']:,} graphs (measured / formula)",
+                         f"{gib(extra['cuda_graph_bytes_measured_draft'])} / "
+                         f"{gib(extra['cuda_graph_bytes_formula_draft'])}"))
     if extra.get("activation_estimate_bytes") is not None:
         rows.append(("peak activations (formula; an engine start reserves it)",
                      gib(extra["activation_estimate_bytes"])))

@@ -306,7 +306,7 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
         plan, estimate = _profile(model, model_config, engine_config, dtype, device, max_length, concurrency,
                                   limit, lora_manager, largest, budget, weights, draft)
     if engine_config.use_cuda_graphs():
-        extra.update(graph_capture(model, engine_config, dtype, device, max_length, lora_manager))
+        extra.update(graph_capture(model, engine_config, dtype, device, max_length, lora_manager, draft=draft))
     # (the measured peak holds the dequantize scratch where the worst case's prefill took that path: the scale the
     # room figures take from it covers it)
     return _finish(plan, {**extra, "activation_estimate_bytes": estimate, "worst_case_run": True}, engine_config,
@@ -314,39 +314,73 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
 
 
 def graph_capture(model, engine_config: EngineConfig, dtype, device, max_length: int, lora_manager=None,
-                  emulate: bool = False) -> dict:
+                  emulate: bool = False, draft=None) -> dict:
     """What an engine start's CUDA graph capture costs here (after its kernels are compiled, as in an engine): the
-    seconds, the graphs recorded (decode buckets, and piece x bucket), and on CUDA the device memory it kept (the
-    allocator's reserved bytes: the graphs' pool and static buffers), beside the plan's formula for it.
+    seconds, the graphs recorded (decode buckets, piece x bucket, and a draft model's decode buckets), and on CUDA
+    the device memory it kept (the allocator's reserved bytes: the graphs' pool and static buffers), beside the
+    plan's formula for it. With a draft model (`draft`, engine.draft.DraftParts) the capture is the engine's:
+    its one-token forwards recorded after the target's decode graphs, in their pool (ModelRunner.capture_graphs);
+    the figures then also say the draft's part (`cuda_graphs_draft`, `cuda_graph_bytes_measured_draft` and
+    `cuda_graph_bytes_formula_draft`, memory.plan.draft_graph_bytes) and the target's (`..._target`).
     `emulate`: the same capture replayed by calls (the tests' CPU stand-in; no memory figure)."""
     from ..engine.model_runner import ModelRunner
     blocks = -(-max_length // engine_config.block_size)
     runner = ModelRunner(engine_config, model, dtype=dtype, device=device, num_blocks=blocks,
                          lora_manager=lora_manager)
-    cuda = device.type == "cuda" and not emulate
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        before = torch.cuda.memory_reserved(device)
+    drafter, draft_kept = None, []
+    if draft is not None:  # its KV in the target's block layout, as the engine holds it (LLMEngine)
+        from ..engine.draft import DraftRunner
+        drafter = DraftRunner(draft, engine_config.kv_dtype(dtype), blocks, engine_config.block_size, device)
+        runner.draft = drafter
+        capture = drafter.capture_graphs
+
+        def measured_capture(*args, **kwargs):  # the draft's share: what its capture adds to the pool
+            at = _reserved(device, emulate)
+            capture(*args, **kwargs)
+            after = _reserved(device, emulate)
+            draft_kept.append(None if at is None else after - at)
+        drafter.capture_graphs = measured_capture
+    before = _reserved(device, emulate)
     t0 = time.perf_counter()
     runner.capture_graphs(max_length, emulate=emulate)
     seconds = time.perf_counter() - t0
-    kept = None
-    if cuda:  # what the graphs hold: the eager runs before each recording leave cached blocks, given back first
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        kept = torch.cuda.memory_reserved(device) - before
+    # what the graphs hold: the eager runs before each recording leave cached blocks, given back first
+    after = _reserved(device, emulate)
+    kept = None if before is None else after - before
     pieces = runner.pieces
     recorded = len(runner.graphs.buckets) + (len(pieces.buckets) * pieces.num_pieces if pieces else 0)
+    target_formula = cuda_graph_bytes(engine_config, model.config, dtype)
+    out = {"cuda_graphs_s": seconds, "cuda_graphs": recorded, "cuda_graph_bytes_measured": kept,
+           "cuda_graph_bytes_formula": target_formula}
+    if drafter is not None:
+        ours = len(drafter.graphs.buckets) if drafter.graphs is not None else 0
+        draft_measured = draft_kept[0] if draft_kept else None
+        draft_formula = draft_graph_bytes(engine_config, draft.model_config, dtype)
+        out.update(cuda_graphs=recorded + ours, cuda_graphs_draft=ours,
+                   cuda_graph_bytes_formula=target_formula + draft_formula,
+                   cuda_graph_bytes_formula_target=target_formula, cuda_graph_bytes_formula_draft=draft_formula,
+                   cuda_graph_bytes_measured_draft=draft_measured,
+                   cuda_graph_bytes_measured_target=None if kept is None or draft_measured is None
+                   else kept - draft_measured)
+        drafter.close()  # its KV cache and graphs go with it
     for m in model.modules():  # the runner's KV cache and graphs go with it
         if hasattr(m, "k_cache"):
             m.k_cache = m.v_cache = None
-    runner.graphs = runner.pieces = runner.kv_cache = None
-    del runner, pieces
-    if cuda:
+    runner.graphs = runner.pieces = runner.kv_cache = runner.draft = None
+    del runner, pieces, drafter
+    if before is not None:
         torch.cuda.empty_cache()
-    return {"cuda_graphs_s": seconds, "cuda_graphs": recorded, "cuda_graph_bytes_measured": kept,
-            "cuda_graph_bytes_formula": cuda_graph_bytes(engine_config, model.config, dtype)}
+    return out
+
+
+def _reserved(device, emulate: bool = False) -> int | None:
+    """The allocator's reserved bytes on a CUDA device, its cached blocks given back first (None: not measured, on
+    a CPU or with emulated graphs)."""
+    if device.type != "cuda" or emulate:
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved(device)
 
 
 def _profile(*args):

@@ -1,0 +1,93 @@
+"""Draft-model speculative decoding, the forty-ninth session's probes: warmup's graph capture records the draft's
+decode graphs as the engine does and reports the target's and the draft's share (measured and by the formula), and
+the engine's stats count the draft's graph replays and eager forwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer import LLM, SamplingParams
+from infer.engine.config import EngineConfig
+from infer.models.tiny import ensure_builtin
+
+from helpers import random_prompts
+
+
+@pytest.fixture(scope="module")
+def path():
+    return ensure_builtin("tiny-llama")
+
+
+def spec(model, k: int = 3) -> dict:
+    return {"model": str(model), "num_speculative_tokens": k}
+
+
+def _outputs(llm, prompts, lengths):
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+# ------------------------------------------------------------------ warmup's graph capture with a draft model
+def test_warmup_graph_capture_records_and_measures_the_drafts_graphs(path, monkeypatch, capsys):
+    """graph_capture (what `infer warmup` measures) records the draft's one-token forwards as the engine's start
+    does (ModelRunner.capture_graphs: after the target's decode graphs, in their pool), counts them, and splits
+    the memory kept into the target's and the draft's part, measured (a stand-in allocator here: each capture
+    adds its model's bytes) and by the formula (cuda_graph_bytes + draft_graph_bytes)."""
+    from infer.cli import warmup_plan
+    from infer.cli.warmup import print_plan
+    from infer.engine.cuda_graphs import DecodeGraphs, batch_buckets
+    from infer.engine.draft import DraftRunner, load_draft
+    from infer.memory.plan import cuda_graph_bytes, draft_graph_bytes
+    config = EngineConfig(str(path), max_num_seqs=4, block_size=4, cuda_graph_max_tokens=32, max_model_len=64,
+                          speculative_config=spec("tiny-qwen3"))
+    llm = LLM(str(path), max_num_seqs=4, block_size=4, num_kv_blocks=64, max_model_len=64)
+    model = llm.engine.runner.model
+    monkeypatch.setattr(EngineConfig, "use_cuda_graphs", lambda self: True)  # (the formula's figures)
+    draft = load_draft(config, model.config, torch.float32, torch.device("cpu"), 64)
+    held = [0]  # the stand-in allocator's reserved bytes: 1000 per target decode capture, 7 per draft's
+    real_capture = DecodeGraphs.capture
+
+    def capture(self):
+        real_capture(self)
+        held[0] += 7 if self.model is draft.model else 1000
+    monkeypatch.setattr(DecodeGraphs, "capture", capture)
+    monkeypatch.setattr(warmup_plan, "_reserved", lambda device, emulate=False: held[0])
+    seen, real_draft = [], DraftRunner.capture_graphs
+    monkeypatch.setattr(DraftRunner, "capture_graphs",
+                        lambda self, *a, **kw: seen.append((self.model, a, kw)) or real_draft(self, *a, **kw))
+    got = warmup_plan.graph_capture(model, config, torch.float32, torch.device("cpu"), 64, emulate=True, draft=draft)
+    [(drafted, args, kw)] = seen
+    assert drafted is draft.model and args[:2] == (4, 16) and kw["pool"] is None  # (emulated: no pool)
+    layers = len(model.layers)
+    assert got["cuda_graphs_draft"] == len(batch_buckets(4))
+    assert got["cuda_graphs"] == 2 * len(batch_buckets(4)) + 2 * (layers + 1)
+    assert got["cuda_graph_bytes_measured"] == 1007
+    assert (got["cuda_graph_bytes_measured_target"], got["cuda_graph_bytes_measured_draft"]) == (1000, 7)
+    target, ours = cuda_graph_bytes(config, model.config, torch.float32), \
+        draft_graph_bytes(config, draft.model_config, torch.float32)
+    assert ours > 0 and got["cuda_graph_bytes_formula_draft"] == ours
+    assert got["cuda_graph_bytes_formula_target"] == target
+    assert got["cuda_graph_bytes_formula"] == target + ours
+    assert all(m.k_cache is None for m in draft.model.modules() if hasattr(m, "k_cache"))  # the draft's cache let go
+    from infer.cli.warmup_plan import estimate_plan
+    plan, extra = estimate_plan(EngineConfig(str(path)), 64, 2)
+    print_plan(plan, {**extra, **got, "cuda_graph_bytes_measured": 3 * 2**20, "cuda_graph_bytes_formula": 2**22,
+                      "cuda_graph_bytes_measured_target": 2 * 2**20, "cuda_graph_bytes_formula_target": 3 * 2**20,
+                      "cuda_graph_bytes_measured_draft": 2**20, "cuda_graph_bytes_formula_draft": 2**20})
+    out = capsys.readouterr().out
+    assert "the target's (measured / formula)" in out and "2.0 MiB / 3.0 MiB" in out
+    assert f"the draft model's, {len(batch_buckets(4))} graphs (measured / formula)" in out
+    assert "1.0 MiB / 1.0 MiB" in out
+
+
+def test_measured_warmup_passes_its_draft_to_the_graph_capture(monkeypatch):
+    from infer.cli import warmup_plan
+    seen = []
+    monkeypatch.setattr(EngineConfig, "use_cuda_graphs", lambda self: True)
+    monkeypatch.setattr(warmup_plan, "graph_capture", lambda model, config, dtype, device, max_length, lora,
+                        draft=None: seen.append(draft) or {})
+    path = str(ensure_builtin("tiny-llama"))
+    warmup_plan.measured_plan(EngineConfig(path, speculative_config=spec("tiny-qwen3"), block_size=4), 48, 2)
+    [draft] = seen
+    assert draft is not None and draft.path.name.startswith("tiny-qwen3")
