@@ -91,3 +91,63 @@ def test_measured_warmup_passes_its_draft_to_the_graph_capture(monkeypatch):
     warmup_plan.measured_plan(EngineConfig(path, speculative_config=spec("tiny-qwen3"), block_size=4), 48, 2)
     [draft] = seen
     assert draft is not None and draft.path.name.startswith("tiny-qwen3")
+
+
+# ------------------------------------------------------------------ the draft's forwards in the engine's stats
+def test_stats_count_the_drafts_graph_replays_and_eager_forwards(path, monkeypatch):
+    """Beside cuda_graph_replays (the target's): draft_cuda_graph_replays (the draft's one-token forwards replayed
+    from its decode graphs, emulated here) and draft_eager_forwards (each step's first forward, and drafts 2..k
+    without graphs); warm_kernels leaves them at 0 as it leaves the target's; a bench's monitor counts them per
+    run."""
+    from infer.bench.monitor import ResourceSampler
+    from infer.engine.draft import DraftRunner
+    calls = {"first": 0, "decode": 0}
+    real_forward, real_decode = DraftRunner._forward, DraftRunner._decode
+
+    def forward(self, feeds, rows):
+        calls["first"] += any(tokens for _, _, tokens in feeds)
+        return real_forward(self, feeds, rows)
+
+    def decode(self, *a):
+        calls["decode"] += 1
+        return real_decode(self, *a)
+    monkeypatch.setattr(DraftRunner, "_forward", forward)
+    monkeypatch.setattr(DraftRunner, "_decode", decode)
+    kw = dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64)
+    prompts = random_prompts(512, (3, 17, 9, 5), seed=49)
+    lengths = [9, 6, 11, 4]
+    eager = LLM(str(path), speculative_config=spec(path, 3), **kw)
+    assert {"draft_cuda_graph_replays", "draft_eager_forwards"} <= set(eager.engine.stats())
+    want = _outputs(eager, prompts, lengths)
+    s = eager.engine.stats()
+    assert s["draft_cuda_graph_replays"] == 0 and s["draft_eager_forwards"] == calls["first"] + calls["decode"] > 0
+    assert "draft_cuda_graph_replays" not in LLM(str(path), **kw).engine.stats()  # no draft: no figures
+    llm = LLM(str(path), speculative_config=spec(path, 3), **kw)
+    llm.engine.runner.capture_graphs(64, emulate=True)
+    llm.engine.warm_kernels()
+    s = llm.engine.stats()
+    assert (s["draft_cuda_graph_replays"], s["draft_eager_forwards"], s["cuda_graph_replays"]) == (0, 0, 0)
+    calls.update(first=0, decode=0)
+    sampler = ResourceSampler(llm.engine)
+    sampler.start()
+    assert _outputs(llm, prompts, lengths) == want
+    sampler.sample(force=True)
+    s = llm.engine.stats()
+    assert s["draft_cuda_graph_replays"] == calls["decode"] > 0 and s["draft_eager_forwards"] == calls["first"] > 0
+    assert sampler.last_stats["run_draft_cuda_graph_replays"] == calls["decode"]
+    assert sampler.last_stats["run_draft_eager_forwards"] == calls["first"]
+
+
+def test_data_parallel_stats_sum_the_drafts_forwards():
+    from infer.parallel.serve_engine import RayAsyncEngine
+    drv = RayAsyncEngine.__new__(RayAsyncEngine)
+
+    class R:
+        def __init__(self, stats, alive=True):
+            self.stats, self.alive, self.index, self.info, self.inflight = stats, alive, 0, {}, {}
+    drv.replicas = [R({"draft_cuda_graph_replays": 5, "draft_eager_forwards": 2}),
+                    R({"draft_cuda_graph_replays": 1, "draft_eager_forwards": 4}, alive=False)]
+    total = drv._aggregate()
+    assert (total["draft_cuda_graph_replays"], total["draft_eager_forwards"]) == (6, 6)
+    drv.replicas = [R({})]
+    assert "draft_eager_forwards" not in drv._aggregate()

@@ -88,6 +88,7 @@ class DraftRunner:
         self.block_size, self.device = block_size, device
         self._zero = []  # the KV blocks the next forward zeroes first (propose)
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs of the one-token forwards (drafts 2..k) once captured
+        self.eager_forwards = 0  # forwards run eagerly (each step's first; drafts 2..k without a graph that fits)
         layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
         a = layers[0]
         # uninitialised as the target's: every block is zeroed when a sequence gets it (zero)
@@ -113,6 +114,17 @@ class DraftRunner:
         graphs.pool = pool
         graphs.capture()
         self.graphs = graphs
+
+    def stats(self) -> dict:
+        """The draft's forwards so far, beside the target's graph counts in LLMEngine.stats(): its decode graphs'
+        replays (drafts 2..k) and the forwards it ran eagerly."""
+        return {"draft_cuda_graph_replays": sum(self.graphs.replays.values()) if self.graphs is not None else 0,
+                "draft_eager_forwards": self.eager_forwards}
+
+    def reset_stats(self) -> None:
+        if self.graphs is not None:
+            self.graphs.replays.clear()
+        self.eager_forwards = 0
 
     def close(self) -> None:
         for m in self.model.modules():
@@ -211,6 +223,7 @@ class DraftRunner:
                              block_tables=tables_.view(len(tables), width).int(), slot_mapping=slots_,
                              max_query_len=max(b - a for a, b in zip(starts, starts[1:])))
         hidden = self.model(ids_, pos_, ctx)
+        self.eager_forwards += 1
         return self._argmax(hidden, data[idx]) if rows else None
 
     def _decode_inputs(self, seqs, ks: list[int]) -> list[tuple]:
@@ -247,6 +260,7 @@ class DraftRunner:
         captured."""
         if self.graphs is not None and self.graphs.fits([1] * ids.shape[0], ctx):
             return self.graphs.run(ids, positions, ctx)
+        self.eager_forwards += 1
         return self.model(ids, positions, ctx)
 
     def _argmax(self, hidden: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:

@@ -909,6 +909,7 @@ class LLMEngine:
             "cuda_graph_replays": sum(self.runner.graphs.replays.values()) if self.runner and self.runner.graphs else 0,
             "piecewise_graph_steps": sum(self.runner.pieces.replays.values()) if self.runner and self.runner.pieces
             else 0,
+            **(self.drafter.stats() if getattr(self, "drafter", None) is not None else {}),
             **self._lora_stats(), **(self.spec_stats.as_dict() if self.spec_stats is not None else {}),
         }
 
@@ -956,7 +957,7 @@ class LLMEngine:
         most = self.config.max_num_batched_tokens
         lora = [] if self.lora_manager is None else self.lora_manager.compile_calls(most)
         queued = compile_model(self.runner.model, most, self.dtype, extra=lora)
-        if self.drafter is not None:  # the draft model's (it runs eagerly: no CUDA graphs)
+        if self.drafter is not None:  # the draft model's
             queued += compile_model(self.drafter.model, most, self.dtype)
         return queued
 
@@ -1007,6 +1008,8 @@ class LLMEngine:
         self.block_manager.reset_prefix_cache()
         if self.runner.graphs is not None:
             self.runner.graphs.replays.clear()
+        if self.drafter is not None:  # (the draft's replays and eager forwards too)
+            self.drafter.reset_stats()
 
 
 def _bad_word_ids(tokenizer, vocab: int, words: tuple[str, ...]) -> list[list[int]]:

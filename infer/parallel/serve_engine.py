@@ -455,6 +455,9 @@ class RayAsyncEngine(AsyncEngine):
                 total[k] = sum(s[k] for s in spec)
             per_pos = [s["spec_decode_num_accepted_tokens_per_pos"] for s in spec]
             total["spec_decode_num_accepted_tokens_per_pos"] = [sum(col) for col in zip(*per_pos)]
+        for k in ("draft_cuda_graph_replays", "draft_eager_forwards"):  # a draft model's forwards (counters)
+            if any(k in r.stats for r in self.replicas):
+                total[k] = sum(r.stats.get(k, 0) for r in self.replicas)
         # each replica's own figures, for /metrics' per-engine series (label engine, as vLLM's data-parallel engines)
         total["engines"] = [{**r.stats, "num_in_flight": len(r.inflight)}
                             | ({} if r.alive else dict.fromkeys(GAUGES, 0)) for r in self.replicas]
