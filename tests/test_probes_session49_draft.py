@@ -151,3 +151,51 @@ def test_data_parallel_stats_sum_the_drafts_forwards():
     assert (total["draft_cuda_graph_replays"], total["draft_eager_forwards"]) == (6, 6)
     drv.replicas = [R({})]
     assert "draft_eager_forwards" not in drv._aggregate()
+
+
+# ------------------------------------------------------------------ a draft of another tokenizer
+def _retokenized(src, dst, swap: bool = True, drop: bool = False):
+    """A copy of `src` whose tokenizer.json gives ids 100..109 other tokens (pairs swapped), or (`drop`) without
+    any tokenizer file."""
+    import json
+    import shutil
+    shutil.copytree(src, dst)
+    if drop:
+        (dst / "tokenizer.json").unlink()
+        return dst
+    data = json.loads((dst / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    tokens = sorted((i, t) for t, i in vocab.items() if 100 <= i < 110)
+    for (i, t), (j, u) in zip(tokens[::2], tokens[1::2]):
+        vocab[t], vocab[u] = j, i
+    (dst / "tokenizer.json").write_text(json.dumps(data, indent=1) if swap else json.dumps(data))
+    return dst
+
+
+def test_a_draft_of_another_tokenizer_of_the_same_size_is_refused_naming_both(tmp_path, path):
+    """The same vocab_size, other token ids: refused at start (and by warmup --estimate), naming the draft, the
+    target and a token id whose meaning differs; the same tokenizer written otherwise, or a draft folder without a
+    tokenizer, is taken."""
+    import json
+
+    from infer.cli.warmup_plan import estimate_plan
+    from infer.errors import ConfigError
+    other = _retokenized(path, tmp_path / "other")
+    with pytest.raises(ConfigError) as e:
+        LLM(str(path), block_size=4, speculative_config=spec(other))
+    msg = str(e.value)
+    assert f"model {str(other)!r} has another tokenizer than the target model ({path})" in msg, msg
+    assert "token id 100 is" in msg and e.value.hint
+    with pytest.raises(ConfigError, match="another tokenizer"):
+        estimate_plan(EngineConfig(str(path), speculative_config=spec(other)), 64, 2)
+    same = tmp_path / "same"  # the same ids, the file written otherwise
+    import shutil
+    shutil.copytree(path, same)
+    (same / "tokenizer.json").write_text(json.dumps(json.loads((path / "tokenizer.json").read_text()), indent=2))
+    none = _retokenized(path, tmp_path / "none", drop=True)
+    prompts = random_prompts(512, (7, 4), seed=9)
+    want = _outputs(LLM(str(path), block_size=4), prompts, [8, 8])
+    for draft in (same, none):
+        assert _outputs(LLM(str(path), block_size=4, speculative_config=spec(draft)), prompts, [8, 8]) == want
+    from infer.engine.draft import _token_ids  # (a tokenizer.json read as transformers loads it: the same ids)
+    assert _token_ids(path, True) == _token_ids(path, False) and len(_token_ids(path, True)) == 512

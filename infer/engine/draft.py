@@ -34,8 +34,8 @@ class DraftParts:
 
 def draft_config(engine_config, target_config, max_len: int) -> tuple[Path, Any] | None:
     """(folder, config) of the draft model of --speculative-config {"model": ...} (None for n-gram or no
-    speculation); ConfigError when its vocabulary differs from the target's or its context is shorter than the
-    engine's max_model_len (`max_len`)."""
+    speculation); ConfigError when its vocabulary (its size, or its tokenizer's token ids) differs from the
+    target's or its context is shorter than the engine's max_model_len (`max_len`)."""
     from ..models.loader import load_config
     from ..models.resolve import resolve_model
     from .setup import context_limit
@@ -59,12 +59,53 @@ def draft_config(engine_config, target_config, max_len: int) -> tuple[Path, Any]
         raise ConfigError(f"--speculative-config model {name!r} has a vocabulary of {vocab} tokens, the target "
                           f"model {want}: a draft must share the target's vocabulary (its token ids)",
                           "use a draft of the target's family (the same tokenizer and vocab_size)")
+    _check_tokenizer(name, path, resolve_model(engine_config.model))
     limit, why = context_limit(config)
     if limit < max_len:
         raise ConfigError(f"--speculative-config model {name!r} holds a context of {limit} tokens"
                           f"{f' ({why})' if why else ''}, below the engine's max length of {max_len}",
                           f"use --max-model-len {limit} or less, or a draft with a longer context")
     return path, config
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
+
+
+def _token_ids(folder: Path, parsed: bool) -> dict[str, int] | None:
+    """What each token id of the tokenizer in `folder` means ({token: id}, added tokens too): from its
+    tokenizer.json (`parsed`), else as transformers loads it; None where the folder holds no tokenizer."""
+    if parsed:
+        import json
+        data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+        vocab = (data.get("model") or {}).get("vocab") or {}
+        ids = {t: i for i, (t, _) in enumerate(vocab)} if isinstance(vocab, list) else dict(vocab)  # (Unigram: a list)
+        ids.update({t["content"]: t["id"] for t in data.get("added_tokens") or []})
+        return ids
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    from .setup import load_tokenizer
+    return dict(load_tokenizer(folder).get_vocab())
+
+
+def _check_tokenizer(name: str, draft: Path, target: Path) -> None:
+    """ConfigError where the draft's tokenizer gives a token id another meaning than the target's (its drafts would
+    be other tokens than it meant, nearly all rejected: the speculation slower than none). Two tokenizer.json are
+    compared as files, then by their vocabularies; other formats as transformers loads them. A folder without a
+    tokenizer is taken on its vocab_size alone."""
+    a, b = draft / "tokenizer.json", target / "tokenizer.json"
+    parsed = a.is_file() and b.is_file()
+    if parsed and a.read_bytes() == b.read_bytes():
+        return
+    theirs = _token_ids(draft, parsed)
+    ours = None if theirs is None else _token_ids(target, parsed)
+    if theirs is None or ours is None or theirs == ours:
+        return
+    by_id, their_by_id = {i: t for t, i in ours.items()}, {i: t for t, i in theirs.items()}
+    at = min(i for i in set(by_id) | set(their_by_id) if by_id.get(i) != their_by_id.get(i))
+    raise ConfigError(f"--speculative-config model {name!r} has another tokenizer than the target model "
+                      f"({target}): token id {at} is {their_by_id.get(at)!r} in the draft, {by_id.get(at)!r} in the "
+                      f"target ({len(theirs):,} and {len(ours):,} tokens); a draft must share the target's token ids",
+                      "use a draft of the target's family (the same tokenizer and vocab_size)")
 
 
 def load_draft(engine_config, target_config, dtype: torch.dtype, device: torch.device,
