@@ -199,3 +199,17 @@ def test_a_draft_of_another_tokenizer_of_the_same_size_is_refused_naming_both(tm
         assert _outputs(LLM(str(path), block_size=4, speculative_config=spec(draft)), prompts, [8, 8]) == want
     from infer.engine.draft import _token_ids  # (a tokenizer.json read as transformers loads it: the same ids)
     assert _token_ids(path, True) == _token_ids(path, False) and len(_token_ids(path, True)) == 512
+
+
+def test_a_draft_of_another_vocabulary_size_is_refused_naming_the_target_too(tmp_path, path):
+    import json
+    import shutil
+
+    from infer.errors import ConfigError
+    small = tmp_path / "small"
+    shutil.copytree(path, small)
+    cfg = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**cfg, "vocab_size": 256}))
+    with pytest.raises(ConfigError) as e:
+        LLM(str(path), speculative_config=spec(small))
+    assert f"model {str(small)!r} has a vocabulary of 256 tokens, the target model 512 ({path})" in str(e.value)

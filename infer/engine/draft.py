@@ -55,11 +55,12 @@ def draft_config(engine_config, target_config, max_len: int) -> tuple[Path, Any]
                     f"MERGED --merge-lora {name}) and pass MERGED as the draft's \"model\"")
         raise type(e)(f"--speculative-config model {name!r}: {e.message}", hint) from None
     vocab, want = getattr(config, "vocab_size", None), target_config.vocab_size
+    target = resolve_model(engine_config.model)
     if vocab != want:
         raise ConfigError(f"--speculative-config model {name!r} has a vocabulary of {vocab} tokens, the target "
-                          f"model {want}: a draft must share the target's vocabulary (its token ids)",
+                          f"model {want} ({target}): a draft must share the target's vocabulary (its token ids)",
                           "use a draft of the target's family (the same tokenizer and vocab_size)")
-    _check_tokenizer(name, path, resolve_model(engine_config.model))
+    _check_tokenizer(name, path, target)
     limit, why = context_limit(config)
     if limit < max_len:
         raise ConfigError(f"--speculative-config model {name!r} holds a context of {limit} tokens"
