@@ -41,8 +41,9 @@ class ResourceSampler:
     prefill's activations) counts; elsewhere it is the largest RSS sampled. With an `engine`, each sample also
     holds its stats().
     GPU figures come from torch.cuda (max_memory_allocated is reset by `start()`). The engine's cumulative
-    counters (num_preemptions, lora_swaps, num_steps, cuda_graph_replays, piecewise_graph_steps) also appear as
-    run_<name>: their change since `start()`."""
+    counters (num_preemptions, lora_swaps, num_steps, cuda_graph_replays, piecewise_graph_steps, a draft model's
+    draft_cuda_graph_replays and draft_eager_forwards, the spec_decode counts) also appear as run_<name>: their
+    change since `start()`."""
 
     def __init__(self, engine=None, interval_s: float = 0.05):
         import psutil
