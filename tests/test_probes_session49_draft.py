@@ -1,6 +1,7 @@
 """Draft-model speculative decoding, the forty-ninth session's probes: warmup's graph capture records the draft's
-decode graphs as the engine does and reports the target's and the draft's share (measured and by the formula), and
-the engine's stats count the draft's graph replays and eager forwards."""
+decode graphs as the engine does and reports the target's and the draft's share (measured and by the formula), the
+engine's stats count the draft's graph replays and eager forwards, and a draft of another tokenizer (or vocabulary
+size) is refused naming the draft and the target."""
 
 from __future__ import annotations
 
