@@ -131,7 +131,8 @@ def server(ray_cluster):
     from infer.engine.config import EngineConfig
     from infer.parallel.serve import build_server
     cfg = EngineConfig("tiny-llama", max_model_len=128, max_num_seqs=4)
-    srv, _ = build_server(ray, cfg, 2, "tiny-llama", api_key=None, max_queue=64, shutdown_timeout=5)
+    srv, _ = build_server(ray, cfg, 2, "tiny-llama", api_key=None, max_queue=64, shutdown_timeout=5,
+                          max_restarts=0)  # (the tests below see dead replicas stay dead)
     return srv
 
 

@@ -29,7 +29,7 @@ def server():
     try:
         cfg = EngineConfig("tiny-llama", max_model_len=MAX_LEN, max_num_seqs=4, enable_lora=True, max_lora_rank=8)
         srv, _ = build_server(ray, cfg, 2, "tiny-llama", api_key=None, max_queue=64, shutdown_timeout=5,
-                              runtime_lora=True)
+                              runtime_lora=True, max_restarts=0)  # (the tests below see dead replicas stay dead)
         yield srv
     finally:
         ray.shutdown()

@@ -38,7 +38,8 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
     with ray_runtime(address, local_cpus(replicas)) as ray, terminate_as_interrupt():
         handles, infos = start_replicas(ray, engine, model_path, replicas)
         pool = ReplicaPool(ray, handles, capacity=engine.max_num_seqs + max(1, engine.max_num_seqs // 4),
-                           notify=lambda message: typer.echo(message, err=True))
+                           notify=lambda message: typer.echo(message, err=True),
+                           restart=getattr(handles, "restart", None))
         try:
             if not quiet:
                 _announce(infos, engine)
@@ -135,8 +136,9 @@ def _generate(pool: ReplicaPool, todo: list, writer: RecordWriter, tokenizer, qu
         elapsed = time.monotonic() - start
         tokens = sum(r.tokens for r in pool.replicas)
         each = ", ".join(f"replica {r.index} {r.done} requests {r.rate():,.1f} tok/s" for r in pool.replicas)
+        restarted = f"; {pool.restarted} replica(s) restarted" if pool.restarted else ""
         typer.echo(f"infer: {len(todo) - failed} ok, {failed} failed, {tokens} tokens in {elapsed:.1f} s "
-                   f"({tokens / max(elapsed, 1e-9):,.1f} tok/s; {each})", err=True)
+                   f"({tokens / max(elapsed, 1e-9):,.1f} tok/s; {each}){restarted}", err=True)
         if writer.error_note():
             typer.echo(writer.error_note(), err=True)
     return failed

@@ -1,5 +1,6 @@
 """The driver loop: keep every replica's slots full, hand back outputs as requests finish, re-run a dead
-replica's unfinished requests on the others. Every request is handed back exactly once."""
+replica's unfinished requests on the others (and start a fresh replica in its place, MAX_RESTARTS times at most).
+Every request is handed back exactly once."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from .runtime import ReplicaError, _last_line, stop_replicas
 
 DEPTH = 2  # calls queued per replica: while the driver reads one result the replica already runs the next
 MAX_LOST = 2  # a request in flight on this many replicas that stopped is not run again: it may be what stops them
+MAX_RESTARTS = 2  # a replica that stopped is replaced by a fresh one (same config) this many times at most
 
 
 @dataclass
@@ -23,6 +25,7 @@ class Work:
     params: object
     lora: str | None
     lost: int = 0  # replicas that stopped while this request was in flight on them
+    alone: bool = False  # it runs alone on a replica (ReplicaPool._lost: to tell whether it is what stops them)
 
     def wire(self) -> tuple:
         return self.id, self.prompt_token_ids, self.params, self.lora
@@ -38,6 +41,8 @@ class ReplicaState:
     done: int = 0
     tokens: int = 0
     start: float = field(default_factory=time.monotonic)
+    restarts: int = 0  # fresh replicas started in place of this one
+    starting: object = None  # while a fresh one loads the model: its `info` call
 
     def rate(self) -> float:
         return self.tokens / max(time.monotonic() - self.start, 1e-9)
@@ -48,10 +53,18 @@ class ReplicaPool:
     in flight each: the engine's batch plus a few waiting, so a freed slot is refilled at once)."""
 
     def __init__(self, ray, handles: list, capacity: int, budget_s: float = 0.5,
-                 notify: Callable[[str], None] = print):
+                 notify: Callable[[str], None] = print, restart: Callable[[int], object] | None = None):
+        """`restart(index)`: a fresh actor for replica `index`, started as the first one was (runtime.start_replicas'
+        ReplicaHandles.restart); None: a replica that stops is not replaced."""
         self.ray, self.capacity, self.budget_s, self.notify = ray, capacity, budget_s, notify
         self.replicas = [ReplicaState(i, h) for i, h in enumerate(handles)]
         self._calls: dict = {}  # object ref -> ReplicaState
+        self._starting: dict = {}  # a fresh replica's `info` call -> its ReplicaState (not alive until it answers)
+        self.restart = restart
+        self.restarted = 0  # fresh replicas started in place of ones that stopped
+        # requests that were in flight on MAX_LOST replicas that stopped along with others that were too: each runs
+        # again alone on a replica, to tell which of them stops the replicas (only that one is failed)
+        self._retry: deque = deque()
 
     def live(self) -> list[ReplicaState]:
         return [r for r in self.replicas if r.alive]
@@ -62,9 +75,12 @@ class ReplicaPool:
         queue = deque(work)
         for r in self.replicas:
             r.start = time.monotonic()
-        while queue or any(r.inflight for r in self.live()):
+        while queue or self._retry or any(r.inflight for r in self.live()):
             self._dispatch(queue)
-            ready, _ = self.ray.wait(list(self._calls), num_returns=1)
+            ready, _ = self.ray.wait(list(self._calls) + list(self._starting), num_returns=1)
+            if ready[0] in self._starting:
+                self._started(self._starting.pop(ready[0]), ready[0])
+                continue
             r = self._calls.pop(ready[0])
             r.calls -= 1
             if not r.alive:
@@ -88,9 +104,19 @@ class ReplicaPool:
 
     def _dispatch(self, queue: deque) -> None:
         ready = [r for r in sorted(self.live(), key=lambda r: len(r.inflight)) if r.calls < DEPTH]
+        # while requests wait to run alone, the least loaded replica that runs none gets no new work, so that it is
+        # soon free to take one (the others go on with the queue)
+        drain = next((r for r in ready if not self._runs_retry(r)), None) if self._retry else None
         for k, r in enumerate(ready):
-            share = -(-len(queue) // (len(ready) - k))  # a short queue is split evenly, least loaded first
-            new = [queue.popleft() for _ in range(min(self.capacity - len(r.inflight), share))]
+            if self._runs_retry(r):
+                new = []
+            elif self._retry and not r.inflight:
+                new = [self._retry.popleft()]
+            elif r is drain:
+                new = []
+            else:
+                share = -(-len(queue) // (len(ready) - k))  # a short queue is split evenly, least loaded first
+                new = [queue.popleft() for _ in range(min(self.capacity - len(r.inflight), share))]
             if not new and not r.inflight:
                 continue
             if r.calls and not new:
@@ -99,38 +125,92 @@ class ReplicaPool:
                 r.inflight[item.id] = item
             self._calls[r.handle.step.remote([w.wire() for w in new], self.budget_s)] = r
             r.calls += 1
-        if not self._calls:
+        if not self._calls and not self._starting:
             raise ReplicaError("no engine replica is left to run the remaining requests",
                                "the records written so far are kept: run again with --resume")
 
+    @staticmethod
+    def _runs_retry(r: ReplicaState) -> bool:
+        return any(item.alone for item in r.inflight.values())
+
     def _lost(self, r: ReplicaState, queue: deque, error: Exception, on_rejected: Callable) -> None:
-        """A replica died (or its engine raised): its unfinished requests go back to the front of the queue. While
-        other replicas live, a request that was in flight on MAX_LOST replicas that stopped is handed back as
-        failed instead (on_rejected): one that crashes the process it runs in would otherwise take every replica
-        down in turn. When none is left nothing is failed: the records missing run again with --resume."""
+        """A replica died (or its engine raised): its unfinished requests go back to the front of the queue, and a
+        fresh replica is started in its place (MAX_RESTARTS times at most). While other replicas live (or one is
+        being started), a request that was in flight on MAX_LOST replicas that stopped is handed back as failed
+        instead (on_rejected): one that crashes the process it runs in would otherwise take every replica down in
+        turn. Where several were (each time together) and replicas are replaced, each runs again alone first
+        (_retry): the one that stops a replica alone is the one failed. When none is left nothing is failed: the
+        records missing run again with --resume."""
         r.alive = False
         stop_replicas(self.ray, [r.handle])
         for ref in [ref for ref, owner in self._calls.items() if owner is r]:
             self._calls.pop(ref)
+        r.calls = 0
         items = list(r.inflight.values())
         r.inflight.clear()
-        left = len(self.live())
+        replaced = self._replace(r)
+        live = len(self.live())
+        left = live + len(self._starting)
         for item in items:
             item.lost += 1
-        suspects = [item for item in items if item.lost >= MAX_LOST] if left else []
-        again = [item for item in items if not (left and item.lost >= MAX_LOST)]
+        twice = [item for item in items if item.lost >= MAX_LOST] if left else []
+        isolate = [] if len(items) == 1 or len(twice) == 1 or self.restart is None else twice
+        suspects = [item for item in twice if item not in isolate]
+        again = [item for item in items if item not in twice]
+        for item in isolate:
+            item.alone = True
         queue.extendleft(reversed(again))
+        self._retry.extend(isolate)
         self.notify(f"warning: replica {r.index} stopped ({_last_line(error)}); its {len(again)} unfinished "
-                    f"request(s) run again on the {left} other replica(s)"
+                    f"request(s) run again on the {live} other replica(s)"
+                    + (" and the fresh one" if replaced else "")
                     + (f"; {len(suspects)} in flight on {MAX_LOST} replicas that stopped are written as errors"
-                       if suspects else ""))
+                       if suspects else "")
+                    + (f"; {len(isolate)} in flight on {MAX_LOST} replicas that stopped run again one at a time"
+                       if isolate else "")
+                    + (f"; a fresh replica {r.index} is starting (restart {r.restarts} of {MAX_RESTARTS})"
+                       if replaced else ""))
         for item in suspects:
-            on_rejected(item, f"{ENGINE_FAILURE}: the request was in flight on {MAX_LOST} engine replicas that "
+            on_rejected(item, f"{ENGINE_FAILURE}: the request was in flight on {item.lost} engine replicas that "
                               f"stopped (the last: {_last_line(error)}); it is not run again, as it may be what "
                               "stops them")
         if not left:
             raise ReplicaError("every engine replica has stopped", "the records written so far are kept: check the "
                                                                    "warnings above, then run again with --resume")
 
+    def _replace(self, r: ReplicaState) -> bool:
+        """Start a fresh actor in place of stopped replica `r`, if it has restarts left: it serves once its `info`
+        call answers (_started); meanwhile the other replicas go on."""
+        if self.restart is None or r.restarts >= MAX_RESTARTS:
+            return False
+        r.restarts += 1
+        self.restarted += 1
+        try:
+            r.handle = self.restart(r.index)
+            r.starting = r.handle.info.remote()
+        except Exception as e:  # noqa: BLE001 - the runtime refused a new actor: the replica stays stopped
+            self.notify(f"warning: a fresh replica {r.index} could not be started ({_last_line(e)})")
+            return False
+        self._starting[r.starting] = r
+        return True
+
+    def _started(self, r: ReplicaState, ref) -> None:
+        """A fresh replica answered its `info` call: it takes work from now on, or (it could not load the model) it
+        is stopped and, with restarts left, started once more."""
+        r.starting = None
+        try:
+            error = (self.ray.get(ref) or {}).get("error")
+        except self.ray.exceptions.RayError as e:
+            error = {"message": _last_line(e)}
+        if error:
+            stop_replicas(self.ray, [r.handle])
+            again = self._replace(r)
+            self.notify(f"warning: the fresh replica {r.index} failed to start ({error['message']})"
+                        + (f"; starting another (restart {r.restarts} of {MAX_RESTARTS})" if again else
+                           "; it stays stopped"))
+            return
+        r.alive, r.calls = True, 0
+        self.notify(f"infer: replica {r.index} restarted; it takes requests again")
+
     def close(self) -> None:
-        stop_replicas(self.ray, [r.handle for r in self.replicas])
+        stop_replicas(self.ray, [r.handle for r in self.replicas])  # (a fresh one still loading too)

@@ -36,5 +36,5 @@ class ReplicaProgress:
         rate = tokens / max(time.monotonic() - self.start, 1e-9)
         self.progress.update(self.task, rate=f"{rate:,.0f} tok/s")
         for r, row in zip(self.pool.replicas, self.rows):
-            state = f"{r.rate():,.0f} tok/s" if r.alive else "stopped"
+            state = f"{r.rate():,.0f} tok/s" if r.alive else "restarting" if r.starting is not None else "stopped"
             self.progress.update(row, completed=r.done, rate=state)

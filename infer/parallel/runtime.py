@@ -182,10 +182,25 @@ def replica_seeded(replica_engine_config, index: int):
     return seeded
 
 
+class ReplicaHandles(list):
+    """start_replicas' actor handles, and `restart(index)`: a fresh actor for replica `index` (after that one
+    stopped), started as the first one was: the same config, seed, device and resources. It loads the model on its
+    own; its `info` call answers once it has (with the error, as start_replicas reads it, if it could not)."""
+
+    def __init__(self, handles: list, start):
+        super().__init__(handles)
+        self._start, self._restarts = start, 0
+
+    def restart(self, index: int):
+        self._restarts += 1
+        return self._start(index, f"-restart-{self._restarts}")  # (a new name: the stopped one may hold its own)
+
+
 def start_replicas(ray, engine_config, model_path: Path, n: int,
                    threads: int | None = None) -> tuple[list, list[dict]]:
-    """Start `n` replica actors, wait until each has loaded the model, and return (handles, infos). CPU replicas
-    use `threads` torch threads each (default: an even share of the cores)."""
+    """Start `n` replica actors, wait until each has loaded the model, and return (handles, infos); the handles
+    are a ReplicaHandles, which can start a replica again. CPU replicas use `threads` torch threads each (default:
+    an even share of the cores)."""
     from .replica import Replica
     device = replica_device(ray, engine_config, n)
     threads = (threads or cpu_threads(ray, n)) if device == "cpu" else None
@@ -196,8 +211,11 @@ def start_replicas(ray, engine_config, model_path: Path, n: int,
     options = {"num_cpus": threads, "num_gpus": 0} if device == "cpu" else {"num_cpus": 1, "num_gpus": 1}
     actor = ray.remote(Replica)
     tag = uuid.uuid4().hex[:8]
-    handles = [actor.options(name=f"infer-{tag}-replica-{i}", **options).remote(
-        replica_seeded(replica_engine_config, i), threads) for i in range(n)]
+
+    def start(i: int, suffix: str = ""):
+        return actor.options(name=f"infer-{tag}-replica-{i}{suffix}", **options).remote(
+            replica_seeded(replica_engine_config, i), threads)
+    handles = ReplicaHandles([start(i) for i in range(n)], start)
     try:
         infos = ray.get([h.info.remote() for h in handles])
     except ray.exceptions.RayError as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from prometheus_client.core import GaugeMetricFamily
 
+from .pool import MAX_RESTARTS
 from .runtime import start_replicas, stop_replicas
 
 
@@ -16,7 +17,8 @@ class ReplicaCollector:
               ("infer:replica_num_requests_waiting", "Requests waiting in the replica.", "num_waiting"),
               ("infer:replica_num_requests_in_flight", "Requests sent to the replica and not finished.",
                "num_in_flight"),
-              ("infer:replica_kv_cache_usage_perc", "Fraction of the replica's KV cache blocks in use.", "kv_usage"))
+              ("infer:replica_kv_cache_usage_perc", "Fraction of the replica's KV cache blocks in use.", "kv_usage"),
+              ("infer:replica_restarts", "Fresh replicas started in place of this one after it stopped.", "restarts"))
 
     def __init__(self, aengine):
         self.aengine = aengine
@@ -26,15 +28,17 @@ class ReplicaCollector:
         for name, doc, key in self.GAUGES:
             g = GaugeMetricFamily(name, doc, labels=["replica"])
             for r in replicas:
-                g.add_metric([str(r["replica"])], float(r[key]))
+                g.add_metric([str(r["replica"])], float(r.get(key, 0)))
             yield g
 
 
 def build_server(ray, engine_config, replicas: int, model_id: str | list[str], api_key: str | None,
                  max_queue: int | None, shutdown_timeout: float, limits=None, runtime_lora: bool = False,
                  tool_parser: str | None = None,
-                 reasoning_parser: str | None = None, trust_request_chat_template: bool = False, cors=None):
-    """Start the replicas, compile their kernels (`warm_kernels`), and return (Server, replica infos) for the app."""
+                 reasoning_parser: str | None = None, trust_request_chat_template: bool = False, cors=None,
+                 max_restarts: int = MAX_RESTARTS):
+    """Start the replicas, compile their kernels (`warm_kernels`), and return (Server, replica infos) for the app.
+    A replica that stops is replaced by a fresh one `max_restarts` times at most (RayAsyncEngine)."""
     from ..engine.setup import load_tokenizer
     from ..models.resolve import resolve_model
     from ..serve.app import Server
@@ -45,7 +49,8 @@ def build_server(ray, engine_config, replicas: int, model_id: str | list[str], a
     try:
         ray.get([h.warm_kernels.remote() for h in handles])
         view = ReplicaView(engine_config, model_path, tokenizer, infos[0])
-        aengine = RayAsyncEngine(ray, handles, infos, view, max_queue)
+        aengine = RayAsyncEngine(ray, handles, infos, view, max_queue, restart=getattr(handles, "restart", None),
+                                 max_restarts=max_restarts)
     except BaseException:
         stop_replicas(ray, handles)
         raise

@@ -5,18 +5,22 @@ stay as they are, and one driver thread decides where each request runs.
 The driver thread sends a new request to the replica with the fewest in flight and asks every busy replica for one
 engine step at a time (two calls queued, so a replica never waits for the driver); every output goes to its
 request's asyncio queue. A replica that dies: requests that had no output yet run again on the others (unless one was on
-pool.MAX_LOST replicas that stopped: it may be what stops them), those already streaming end with an error.
+pool.MAX_LOST replicas that stopped: it may be what stops them), those already streaming end with an error; a fresh
+replica is started in its place in the background (pool.MAX_RESTARTS times at most), and serves once it has loaded
+the model, compiled its kernels and loaded the adapters the server has now.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 from ..engine.block_manager import BlockManager
 from ..engine.llm_engine import LLMEngine, LoRAHold
@@ -24,7 +28,7 @@ from ..engine.sampling_params import SamplingParams
 from ..engine.structured import GrammarBackend
 from ..errors import LoRAError, LoRANameError
 from ..serve.async_engine import NO_ENGINE, AsyncEngine, NoEngineError
-from .pool import MAX_LOST
+from .pool import MAX_LOST, MAX_RESTARTS
 from .runtime import _last_line, stop_replicas
 
 log = logging.getLogger("infer.serve")
@@ -36,6 +40,7 @@ SUMMED = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "nu
 # what only grows (the /metrics counters): a dead replica's last figures stay in the sums, so they never go back
 CUMULATIVE = ("num_preemptions", "lora_swaps", "num_steps", "cuda_graph_replays", "piecewise_graph_steps",
               "prefix_cache_queries", "prefix_cache_hits")
+SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
 # what a dead replica shows as 0 in its own /metrics series (it runs and holds nothing); its counters stay
 GAUGES = ("num_running", "num_waiting", "kv_usage", "kv_blocks_used", "kv_blocks_total", "num_in_flight")
 
@@ -131,11 +136,41 @@ class _Replica:
     holds: list = field(default_factory=list)  # adapter holds and releases not sent yet (Replica.serve_step's)
     stats: dict = field(default_factory=dict)
     unseen: int = 0  # requests assigned to it that its latest stats do not count yet (not sent, or sent and unanswered)
+    restarts: int = 0  # fresh replicas started in place of this one
+    starting: bool = False  # a fresh one is loading in its place
+    base: dict = field(default_factory=dict)  # the counters of the replicas it replaced (added to its own: never down)
+    # (taken while the counters move from `stats` to `base`: /metrics, read in the server's thread, never sees a
+    # counter in both or in neither)
+    moving: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def figures(self) -> dict:
+        """Its latest stats, with the counters of the replicas it replaced added."""
+        with self.moving:
+            base, stats = self.base, dict(self.stats)
+        for k, v in base.items():
+            if isinstance(v, list):  # spec_decode_num_accepted_tokens_per_pos
+                mine = stats.get(k) or []
+                stats[k] = [a + b for a, b in zip(v + [0] * (len(mine) - len(v)), mine + [0] * (len(v) - len(mine)))]
+            else:
+                stats[k] = stats.get(k, 0) + v
+        return stats
 
 
 class RayAsyncEngine(AsyncEngine):
-    def __init__(self, ray, handles: list, infos: list[dict], view: ReplicaView, max_queue: int | None = None):
+    _restart = None  # (an engine made without __init__, as tests do: replicas are not restarted)
+    _starting = MappingProxyType({})
+    _retry = ()
+    _isolated = frozenset()
+
+    def __init__(self, ray, handles: list, infos: list[dict], view: ReplicaView, max_queue: int | None = None,
+                 restart=None, max_restarts: int = MAX_RESTARTS):
+        """`restart(index)`: a fresh actor for replica `index` (runtime.ReplicaHandles.restart), started in the
+        background when one stops, `max_restarts` times per replica at most; None: replicas are not restarted."""
         self.ray = ray
+        self._restart, self.max_restarts = restart, max_restarts
+        self._starting: dict = {}  # a fresh replica's pending call (its `info`, then its warm-up) -> _Replica, stage
+        self._retry: deque = deque()  # requests to run again alone on a replica (_lost, _route; driver thread)
+        self._isolated: set = set()  # the ids of those: each runs alone where it is sent
         self.replicas = [_Replica(i, h, info) for i, h, info in zip(range(len(handles)), handles, infos)]
         self._calls: dict = {}  # object ref -> _Replica
         self._carried: dict = {}  # object ref -> the new requests its call carries
@@ -199,7 +234,7 @@ class RayAsyncEngine(AsyncEngine):
 
     # ------------------------------------------------------------------ the driver thread
     def add(self, request_id: str, prompt_token_ids: list[int], params, lora, queue) -> None:
-        if not any(r.alive for r in self.replicas):
+        if not any(r.alive or r.starting for r in self.replicas):
             raise NoEngineError("no engine replica is left", "restart the server")
         super().add(request_id, prompt_token_ids, params, lora, queue)
 
@@ -208,7 +243,7 @@ class RayAsyncEngine(AsyncEngine):
         while True:
             with self._cond:
                 while not (self._stopping or self._adds or self._aborts or self._controls or self._calls
-                           or self._busy()):
+                           or self._starting or self._retry or self._busy()):
                     left = pinged + PING_S - time.monotonic()
                     if left <= 0 or not self._cond.wait(timeout=left):
                         break
@@ -242,7 +277,7 @@ class RayAsyncEngine(AsyncEngine):
         """Under _cond: the requests accepted that no live replica can start at once (for --max-queue): all those
         not finished, less the running slots of the live replicas."""
         live = [r for r in self.replicas if r.alive]
-        outstanding = len(self._adds) + sum(len(r.inflight) for r in live)
+        outstanding = len(self._adds) + len(self._retry) + sum(len(r.inflight) for r in live)
         return outstanding - len(live) * self.engine.config.max_num_seqs
 
     def _ping(self) -> None:
@@ -262,15 +297,41 @@ class RayAsyncEngine(AsyncEngine):
             if r is not None and r.alive:
                 r.aborts.append(rid)
         live = [r for r in self.replicas if r.alive]
-        for p in adds:
-            if not live:
+        # a request on MAX_LOST replicas that stopped along with others runs again alone on one (_retry, _lost)
+        retry = [p for p in self._retry if p.request_id in self._sinks]  # (not those aborted meanwhile)
+        self._retry.clear()
+        if not live and any(r.starting for r in self.replicas):
+            self._retry.extend(retry)
+            with self._cond:  # they wait for the fresh replica (the driver looks again after POLL_S)
+                self._adds.extendleft(reversed(adds))
+            return
+        if not live:
+            for p in retry + adds:
                 self._fail(p.request_id, "error", NO_ENGINE)
-                continue
-            r = min(live, key=lambda r: len(r.inflight))
-            r.new.append(p)
-            r.inflight[p.request_id] = p
-            r.unseen += 1
-            self._owner[p.request_id] = r
+            return
+        for r in sorted(live, key=lambda r: len(r.inflight)):
+            if retry and not r.inflight:
+                self._assign(r, retry.pop(0))
+        self._retry.extend(retry)
+        # while some wait, the least loaded replica that runs none gets no new requests: it is soon free for one
+        drain = min((r for r in live if not self._runs_retry(r)), key=lambda r: len(r.inflight),
+                    default=None) if retry else None
+        open_ = [r for r in live if not self._runs_retry(r) and r is not drain]
+        if adds and not open_:
+            with self._cond:  # they wait for a replica that takes new requests
+                self._adds.extendleft(reversed(adds))
+            return
+        for p in adds:
+            self._assign(min(open_, key=lambda r: len(r.inflight)), p)
+
+    def _assign(self, r: _Replica, p) -> None:
+        r.new.append(p)
+        r.inflight[p.request_id] = p
+        r.unseen += 1
+        self._owner[p.request_id] = r
+
+    def _runs_retry(self, r: _Replica) -> bool:
+        return any(rid in self._isolated for rid in r.inflight)
 
     def _send(self, flush: bool = False) -> None:
         """A step call to every replica with work and fewer than DEPTH calls queued; `flush`: also to those with
@@ -286,10 +347,13 @@ class RayAsyncEngine(AsyncEngine):
             r.calls += 1
 
     def _collect(self) -> None:
-        if not self._calls:
+        if not self._calls and not self._starting:
             return
-        ready, _ = self.ray.wait(list(self._calls), num_returns=1, timeout=POLL_S)
+        ready, _ = self.ray.wait(list(self._calls) + list(self._starting), num_returns=1, timeout=POLL_S)
         for ref in ready:
+            if ref in self._starting:
+                self._started(ref, *self._starting.pop(ref))
+                continue
             r = self._calls.pop(ref)
             carried = self._carried.pop(ref, 0)
             r.calls -= 1
@@ -325,12 +389,17 @@ class RayAsyncEngine(AsyncEngine):
         super()._deliver(out)
 
     def _done(self, r: _Replica, rid: str) -> None:
+        if rid in self._isolated:
+            self._isolated.discard(rid)
         r.inflight.pop(rid, None)
         r.started.discard(rid)
         self._owner.pop(rid, None)
 
     def _lost(self, r: _Replica, error: Exception) -> None:
-        """Requests with no output yet go back to the front of the queue; those already streaming fail."""
+        """Requests with no output yet go back to the front of the queue; those already streaming fail. One on
+        MAX_LOST replicas that stopped fails too, as it may be what stops them; where several were (each time
+        together) and replicas are replaced, each runs again alone first (_retry): the one that stops a replica
+        alone is the one failed."""
         r.alive = False
         stop_replicas(self.ray, [r.handle])
         for ref in [ref for ref, owner in self._calls.items() if owner is r]:
@@ -339,23 +408,86 @@ class RayAsyncEngine(AsyncEngine):
         again = [p for rid, p in r.inflight.items() if rid not in r.started]
         for rid in [rid for rid in r.inflight if rid in r.started]:
             self._fail(rid, "error", f"engine replica {r.index} stopped while this request ran")
-        left = sum(x.alive for x in self.replicas)
+        self._replace(r)
+        left = sum(x.alive or x.starting for x in self.replicas)
         unsent = {id(p) for p in r.new}  # assigned to the replica but never sent to it: not lost there
+        sent = [p for p in r.inflight.values() if id(p) not in unsent]
         for p in again:
             if id(p) not in unsent:
                 p.lost += 1
-            if left and p.lost >= MAX_LOST:  # with none left every request ends as NO_ENGINE anyway
-                self._fail(p.request_id, "error", f"the request was on {MAX_LOST} engine replicas that stopped (the "
+        # (with none left every request ends as NO_ENGINE anyway)
+        twice = [p for p in again if p.lost >= MAX_LOST] if left else []
+        isolate = [] if len(sent) == 1 or len(twice) == 1 or self._restart is None else twice
+        for p in twice:
+            if p not in isolate:
+                self._fail(p.request_id, "error", f"the request was on {p.lost} engine replicas that stopped (the "
                                                   f"last: replica {r.index}); it is not run again, as it may be "
                                                   "what stops them")
-        again = [p for p in again if not (left and p.lost >= MAX_LOST)]
+        if isolate:
+            self._retry.extend(p for p in isolate if p.request_id in self._sinks)
+            self._isolated.update(p.request_id for p in isolate)
+        again = [p for p in again if p not in twice]
         for rid in list(r.inflight):
             self._owner.pop(rid, None)
         r.inflight, r.new, r.started, r.unseen, r.holds = {}, [], set(), 0, []
         with self._cond:
             self._adds.extendleft(reversed([p for p in again if p.request_id in self._sinks]))
-        log.warning("engine replica %d stopped (%s); %d request(s) run again on the %d other replica(s)", r.index,
-                    _last_line(error), len(again), sum(x.alive for x in self.replicas))
+        log.warning("engine replica %d stopped (%s); %d request(s) run again on the %d other replica(s)%s", r.index,
+                    _last_line(error), len(again), sum(x.alive for x in self.replicas),
+                    f"; a fresh replica {r.index} is starting (restart {r.restarts} of {self.max_restarts})"
+                    if r.starting else "")
+
+    def _replace(self, r: _Replica) -> None:
+        """Driver thread: start a fresh actor in place of stopped replica `r`, if it has restarts left; the others
+        serve meanwhile (_started takes it on once it has loaded the model)."""
+        if self._restart is None or r.restarts >= self.max_restarts:
+            return
+        r.restarts += 1
+        base = {k: v for k, v in r.figures().items() if k in CUMULATIVE + SPEC_COUNTERS
+                or k == "spec_decode_num_accepted_tokens_per_pos"}
+        with r.moving:
+            r.base, r.stats = base, {k: v for k, v in r.stats.items() if k not in base}
+        try:
+            r.handle = self._restart(r.index)
+            self._starting[r.handle.info.remote()] = (r, "info", [])
+        except Exception as e:  # noqa: BLE001 - the runtime refused a new actor: the replica stays stopped
+            log.warning("a fresh engine replica %d could not be started (%s)", r.index, _last_line(e))
+            return
+        r.starting = True
+
+    def _started(self, ref, r: _Replica, stage: str, syncs: list) -> None:
+        """Driver thread: a fresh replica's call answered. After `info`: it loads the adapters the server has now
+        (and drops those removed since it started) and compiles its kernels, as build_server's replicas did; after
+        that warm-up it takes requests. One that fails is stopped, and with restarts left, started once more."""
+        try:
+            result = self.ray.get(ref)
+            error = (result or {}).get("error") if stage == "info" else None
+            error = error and error.get("message")
+            for sync in syncs:  # (ran before the warm-up on the actor: answered)
+                failed = self.ray.get(sync)
+                if isinstance(failed, dict):
+                    log.warning("fresh engine replica %d: %s", r.index, failed.get("message"))
+        except self.ray.exceptions.RayError as e:
+            error = _last_line(e)
+        if error:
+            stop_replicas(self.ray, [r.handle])
+            r.starting = False
+            log.warning("the fresh engine replica %d failed to start (%s)", r.index, error)
+            self._replace(r)
+            return
+        if stage == "info":
+            r.info = result
+            adapters = self.engine.lora_manager  # (the view's: the names requests may use now)
+            has = set(result.get("adapters", []))
+            names = set(adapters.names()) if adapters is not None else set()
+            syncs = [r.handle.add_lora.remote(n, adapters.path_of(n)) for n in sorted(names - has)
+                     if adapters.path_of(n)]
+            syncs += [r.handle.remove_lora.remote(n) for n in sorted(has - names)]
+            self._starting[r.handle.warm_kernels.remote()] = (r, "warm", syncs)
+            return
+        r.starting, r.alive, r.calls = False, True, 1
+        self._calls[r.handle.serve_step.remote([], [])] = r  # its first figures
+        log.warning("engine replica %d restarted; it takes requests again", r.index)
 
     # ------------------------------------------------------------------ adapters while serving
     async def add_lora(self, name: str, path: str, replace: bool = False) -> None:
@@ -440,7 +572,9 @@ class RayAsyncEngine(AsyncEngine):
     # ------------------------------------------------------------------ what /health and /metrics read
     def _aggregate(self) -> dict:
         live = [r for r in self.replicas if r.alive]
-        total = {k: sum(r.stats.get(k, 0) for r in (self.replicas if k in CUMULATIVE else live)) for k in SUMMED}
+        figures = {r.index: r.figures() for r in self.replicas}
+        total = {k: sum(figures[r.index].get(k, 0) for r in (self.replicas if k in CUMULATIVE else live))
+                 for k in SUMMED}
         total["kv_usage"] = total["kv_blocks_used"] / max(total["kv_blocks_total"], 1)
         rates = [r.stats.get("prefix_cache_hit_rate", 0.0) for r in live]
         total["prefix_cache_hit_rate"] = sum(rates) / max(len(rates), 1)
@@ -449,9 +583,9 @@ class RayAsyncEngine(AsyncEngine):
             total["lora_max"] = max(r.stats.get("lora_max", 0) for r in live)
             for k in ("lora_waiting", "lora_running"):
                 total[k] = sorted({name for r in live for name in r.stats.get(k, [])})
-        spec = [r.stats for r in self.replicas if "spec_decode_num_drafts" in r.stats]  # counters: dead ones too
+        spec = [figures[r.index] for r in self.replicas if "spec_decode_num_drafts" in figures[r.index]]  # dead too
         if spec:  # speculative decoding's counters, summed (by position too)
-            for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
+            for k in SPEC_COUNTERS:
                 total[k] = sum(s[k] for s in spec)
             per_pos = [s["spec_decode_num_accepted_tokens_per_pos"] for s in spec]
             total["spec_decode_num_accepted_tokens_per_pos"] = [sum(col) for col in zip(*per_pos)]
@@ -459,10 +593,12 @@ class RayAsyncEngine(AsyncEngine):
             if any(k in r.stats for r in self.replicas):
                 total[k] = sum(r.stats.get(k, 0) for r in self.replicas)
         # each replica's own figures, for /metrics' per-engine series (label engine, as vLLM's data-parallel engines)
-        total["engines"] = [{**r.stats, "num_in_flight": len(r.inflight)}
+        total["engines"] = [{**figures[r.index], "num_in_flight": len(r.inflight)}
                             | ({} if r.alive else dict.fromkeys(GAUGES, 0)) for r in self.replicas]
+        total["replicas_restarted"] = sum(r.restarts for r in self.replicas)
         total["replicas"] = [{"replica": r.index, "alive": r.alive, "host": r.info.get("host"),
                               "device": r.info.get("device"), "num_in_flight": len(r.inflight),
+                              "restarts": r.restarts, "restarting": r.starting,
                               **{k: r.stats.get(k, 0) if r.alive else 0  # a dead replica runs nothing
                                  for k in ("num_running", "num_waiting", "kv_usage", "num_steps")}}
                              for r in self.replicas]

@@ -1,0 +1,201 @@
+"""Data parallelism, the forty-ninth session's probes.
+
+A request that crashes the process it runs in (a "poison" request) stopped both replicas of `--data-parallel 2`:
+the pool re-ran it on the other one, and the run ended with "every engine replica has stopped". A replica that
+stops is now replaced by a fresh one (runtime.ReplicaHandles.restart, the same config), pool.MAX_RESTARTS times at
+most, so the run completes with the poison request as an error record. Replicas are real engines in this process
+behind the stand-in for Ray's calls (tests/fakeray.py); the stand-in kills a replica whenever the poison request is
+on it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from infer.engine.config import EngineConfig
+from infer.engine.sampling_params import SamplingParams
+from infer.parallel.pool import MAX_LOST, MAX_RESTARTS, ReplicaPool, Work
+from infer.parallel.replica import ENGINE_FAILURE, Replica
+from infer.parallel.runtime import ReplicaError
+
+from fakeray import FakeRay, Handle
+
+POISON = "poison"
+PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+
+class _Ray(FakeRay):
+    """A replica handed the poison request dies (and stays dead); with `always`, every replica dies at its first
+    step call."""
+
+    def __init__(self, always: bool = False):
+        super().__init__()
+        self.always = always
+
+    def before(self, ref):
+        h = ref.handle
+        if ref.method in ("step", "serve_step"):
+            h.ran.update(w[0] for w in (ref.args[0] if ref.args else []))
+            if POISON in h.ran or (self.always and h.ran):
+                h.alive = False
+
+
+def _config() -> EngineConfig:
+    return EngineConfig("tiny-llama", max_model_len=128, max_num_seqs=3, memory_limit=2 ** 29)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return [Replica(_config()) for _ in range(4)]
+
+
+class _Restarts:
+    """What ReplicaHandles.restart does, over replicas built beforehand: a fresh handle for replica `index`."""
+
+    def __init__(self, spares: list):
+        self.spares, self.asked = list(spares), []
+
+    def __call__(self, index: int) -> Handle:
+        self.asked.append(index)
+        return Handle(self.spares.pop(0), ran=set())
+
+
+def _work() -> list[Work]:
+    work = [Work(f"r{i}", i + 1, [5 + i, 17, 99, 230 + i], PARAMS, None) for i in range(6)]
+    work.insert(1, Work(POISON, 99, [7, 8, 9], PARAMS, None))
+    return work
+
+
+def test_run_replaces_a_replica_that_stopped_so_two_replicas_finish_the_run(engines):
+    notes, done, failed = [], [], []
+    restarts = _Restarts(engines[2:])
+    pool = ReplicaPool(_Ray(), [Handle(r, ran=set()) for r in engines[:2]], capacity=3, notify=notes.append,
+                       restart=restarts)
+    pool.run(_work(), lambda w, out, i: done.append(w.id), lambda w, reason: failed.append((w.id, reason)))
+    assert sorted(done) == [f"r{i}" for i in range(6)], "every other request completes, once"
+    assert [f[0] for f in failed] == [POISON] and failed[0][1].startswith(ENGINE_FAILURE), failed
+    assert "engine replicas that stopped" in failed[0][1], failed
+    assert pool.restarted == len(restarts.asked) >= 1 and restarts.asked[0] in (0, 1)
+    assert any("restart 1 of" in n for n in notes) and any("restarted" in n for n in notes), notes
+    assert all(r.restarts <= MAX_RESTARTS for r in pool.replicas)
+
+
+def test_restarts_are_bounded_per_replica():
+    """Replicas that die at every step are replaced MAX_RESTARTS times each, then the run stops as before."""
+    cfg = _config()
+    made = []
+
+    def restart(index: int) -> Handle:
+        made.append(index)
+        return Handle(_Stub(), ran=set())
+
+    pool = ReplicaPool(_Ray(always=True), [Handle(_Stub(), ran=set()) for _ in range(2)], capacity=3,
+                       notify=lambda m: None, restart=restart)
+    with pytest.raises(ReplicaError):
+        pool.run([Work(f"r{i}", i + 1, [5, 6], PARAMS, None) for i in range(4)], lambda *a: None, lambda *a: None)
+    assert sorted(made) == [0] * MAX_RESTARTS + [1] * MAX_RESTARTS
+    assert pool.restarted == 2 * MAX_RESTARTS and cfg is not None
+
+
+class _Stub:
+    """A replica that never gets to run anything (the stand-in kills it at its first step call)."""
+
+    def info(self) -> dict:
+        return {"error": None}
+
+
+def test_a_fresh_replica_that_cannot_load_stays_stopped_after_its_restarts():
+    notes = []
+
+    class Broken(_Stub):
+        def info(self) -> dict:
+            return {"error": {"type": "ConfigError", "message": "the model does not fit", "hint": ""}}
+
+    pool = ReplicaPool(_Ray(always=True), [Handle(_Stub(), ran=set())], capacity=3, notify=notes.append,
+                       restart=lambda index: Handle(Broken(), ran=set()))
+    with pytest.raises(ReplicaError):
+        pool.run([Work("r0", 1, [5, 6], PARAMS, None)], lambda *a: None, lambda *a: None)
+    assert pool.restarted == MAX_RESTARTS
+    assert any("failed to start (the model does not fit); it stays stopped" in n for n in notes), notes
+
+
+def test_start_replicas_handles_restart_a_replica_with_its_config(monkeypatch):
+    """runtime.start_replicas' handles start a fresh replica as the first: its seed (seed + index) too."""
+    import torch
+
+    from infer.models.resolve import resolve_model
+    from infer.parallel.runtime import start_replicas
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    cfg = EngineConfig("tiny-llama", device="cpu", max_model_len=64, max_num_seqs=2, memory_limit=2 ** 29)
+    handles, _ = start_replicas(FakeRay(), cfg, resolve_model("tiny-llama"), 2)
+    fresh = handles.restart(1)
+    assert fresh is not handles[1] and fresh.alive
+    assert fresh.replica.engine.config.seed == handles[1].replica.engine.config.seed
+    assert fresh.info.remote() is not None
+
+
+def _serve(aengine, work: list[Work]) -> dict:
+    async def one(rid: str, prompt: list[int]):
+        queue = asyncio.Queue()
+        aengine.add(rid, prompt, PARAMS, None, queue)
+        while True:
+            out = await asyncio.wait_for(queue.get(), 60)
+            if out.finished:
+                return out
+
+    async def main():
+        return await asyncio.gather(*[one(w.id, w.prompt_token_ids) for w in work])
+    return {o.request_id: o for o in asyncio.run(main())}
+
+
+def test_serve_restarts_a_replica_that_stopped_in_the_background(engines):
+    """`infer serve --data-parallel 2`: a poison request stopped both replicas for good (every later request was a
+    503). Now each stopped replica is replaced by a fresh one, which serves once it has loaded."""
+    import time
+
+    from infer.parallel.serve_engine import RayAsyncEngine, ReplicaView
+
+    first = engines[:2]
+    restarts = _Restarts([Replica(_config()) for _ in range(2 * MAX_RESTARTS)])
+    view = ReplicaView(first[0].engine.config, first[0].engine.model_path, first[0].engine.tokenizer,
+                       first[0].info())
+    aengine = RayAsyncEngine(_Ray(), [Handle(r, ran=set()) for r in first], [r.info() for r in first], view,
+                             restart=restarts)
+    aengine.start()
+    try:
+        outs = _serve(aengine, _work())
+        assert outs[POISON].finish_reason == "error" and "engine replicas that stopped" in outs[POISON].error
+        for i in range(6):  # one that had streamed on a replica when it stopped ends with that error (not re-run)
+            o = outs[f"r{i}"]
+            assert o.finish_reason == "length" or "stopped while this request ran" in o.error, (o.request_id, o.error)
+        deadline = time.monotonic() + 60
+        while not all(r.alive for r in aengine.replicas) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(r.alive for r in aengine.replicas), "both stopped replicas were replaced"
+        stats = aengine.stats
+        assert stats["num_replicas_alive"] == 2 and stats["replicas_restarted"] == len(restarts.asked) >= 2
+        assert all(1 <= r["restarts"] <= MAX_RESTARTS for r in stats["replicas"])
+        later = _serve(aengine, [Work("after", 1, [5, 6, 7], PARAMS, None)])  # served again
+        assert later["after"].finish_reason == "length"
+    finally:
+        aengine.shutdown(timeout=5)
+
+
+def test_serve_counters_of_a_replaced_replica_never_go_down():
+    """A fresh replica's counters start at 0: those of the replica it replaced stay in the sums (a Prometheus
+    counter that goes down reads as a reset)."""
+    from infer.parallel.serve_engine import RayAsyncEngine, _Replica
+
+    old = {"num_preemptions": 3, "num_steps": 100, "num_running": 2}
+    r = _Replica(0, None, {}, stats=dict(old))
+    engine = RayAsyncEngine.__new__(RayAsyncEngine)
+    engine.ray, engine.replicas, engine._starting = FakeRay(), [r], {}
+    engine._restart, engine.max_restarts = lambda index: Handle(_Stub()), MAX_RESTARTS
+    before = RayAsyncEngine._aggregate(engine)
+    engine._replace(r)
+    r.stats = {"num_preemptions": 1, "num_steps": 5, "num_running": 1}  # the fresh replica's first figures
+    r.alive = True
+    after = RayAsyncEngine._aggregate(engine)
+    assert (after["num_preemptions"], after["num_steps"]) == (4, 105) and after["num_running"] == 1
+    assert after["engines"][0]["num_steps"] == 105 and before["num_steps"] == 100
