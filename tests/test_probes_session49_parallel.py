@@ -199,3 +199,73 @@ def test_serve_counters_of_a_replaced_replica_never_go_down():
     after = RayAsyncEngine._aggregate(engine)
     assert (after["num_preemptions"], after["num_steps"]) == (4, 105) and after["num_running"] == 1
     assert after["engines"][0]["num_steps"] == 105 and before["num_steps"] == 100
+
+
+# ------------------------------------------------------------------ more local replicas than the machine holds
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.fixture
+def four_cpus_no_gpu(monkeypatch):
+    """A machine of 4 usable CPUs and no GPU; starting a runtime, or serving, fails the test."""
+    import torch
+
+    from infer.parallel import runtime
+
+    def never(*a, **kw):
+        raise _Stop
+    monkeypatch.setattr(runtime, "usable_cpus", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(runtime, "ray_runtime", never)
+    monkeypatch.setattr("infer.cli.run_parallel.ray_runtime", never)
+    monkeypatch.setattr("infer.cli.serve_parallel.serve_data_parallel", never)
+    monkeypatch.setattr("infer.cli.serve._serve", never)
+
+
+def test_run_refuses_more_local_replicas_than_cpus(tmp_path, four_cpus_no_gpu):
+    """`infer run --data-parallel 1000` without --ray-address started a local runtime of 1000 CPUs and 1000
+    replicas, each loading the model: one line now names the limit and what to do."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt": "hi", "max_new_tokens": 2}\n')
+    res = CliRunner().invoke(app, ["run", "tiny-llama", str(inp), "-o", str(tmp_path / "out.jsonl"), "-q",
+                                   "--data-parallel", "1000"])
+    assert not isinstance(res.exception, _Stop) and res.exit_code != 0, res.output
+    assert "--data-parallel 1000 is more replicas than this machine holds: it has 4 usable CPU(s)" in res.output
+    assert "use --data-parallel 4 or fewer" in res.output and "--ray-address" in res.output
+
+
+def test_serve_refuses_more_local_replicas_than_cpus(four_cpus_no_gpu):
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    res = CliRunner().invoke(app, ["serve", "tiny-llama", "--port", "0", "--host", "127.0.0.1",
+                                   "--data-parallel", "5"])
+    assert not isinstance(res.exception, _Stop) and res.exit_code != 0, res.output
+    assert "--data-parallel 5 is more replicas than this machine holds: it has 4 usable CPU(s)" in res.output
+
+
+def test_local_replica_limits(monkeypatch):
+    """CUDA replicas: one per GPU; a cluster (--ray-address or $RAY_ADDRESS) is not this machine; within the
+    limit nothing is refused."""
+    import torch
+
+    from infer.errors import ConfigError
+    from infer.parallel import runtime
+    monkeypatch.setattr(runtime, "usable_cpus", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ConfigError, match="it has 2 GPU"):
+        runtime.check_local_replicas(3, None, "auto")
+    runtime.check_local_replicas(2, None, "cuda")
+    runtime.check_local_replicas(4, None, "cpu")  # CPU replicas on a GPU machine: its CPUs
+    with pytest.raises(ConfigError, match="it has 4 usable CPU"):
+        runtime.check_local_replicas(5, None, "cpu")
+    runtime.check_local_replicas(1000, "head:6379", "auto")
+    monkeypatch.setenv("RAY_ADDRESS", "head:6379")
+    runtime.check_local_replicas(1000, None, "auto")

@@ -11,7 +11,8 @@ import typer
 from ..parallel.pool import ReplicaPool, Work
 from ..parallel.progress import ReplicaProgress
 from ..parallel.replica import ENGINE_FAILURE
-from ..parallel.runtime import ReplicaError, local_cpus, placement, ray_runtime, require_ray, start_replicas
+from ..parallel.runtime import (ReplicaError, check_local_replicas, local_cpus, placement, ray_runtime, require_ray,
+                                start_replicas)
 from .banner import replica_traits
 from .batch_io import Records, RecordWriter, check_format, model_names, read_inputs, unused_adapters_note
 from .beam_lines import is_beam_line
@@ -27,6 +28,7 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
     """Run every line of `input` on `replicas` engine replicas: (this run's failed lines, earlier error records of
     this input's lines in the resumed output), as run._run_in_process."""
     require_ray()  # before anything loads: a missing extra is a one-line error
+    check_local_replicas(replicas, address, engine.device)  # (--data-parallel 1000 on one machine)
     from ..engine.setup import load_tokenizer
     from ..models.resolve import resolve_model
     model_path = resolve_model(engine.model)

@@ -157,6 +157,9 @@ def serve(
     if clash:  # a request's `model` picks the base model first: that adapter could never be used
         raise ConfigError(f"--lora name {clash[0]!r} is the served model's id, so no request could pick the adapter",
                           "give the adapter another NAME, or serve the base under --served-model-name")
+    if data_parallel > 1:  # before the port is taken: more local replicas than the machine holds
+        from ..parallel.runtime import check_local_replicas
+        check_local_replicas(data_parallel, ray_address, engine.device)
     sock = _bind(host, port)
     try:
         if data_parallel > 1 or ray_address:

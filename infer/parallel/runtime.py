@@ -96,6 +96,29 @@ def local_cpus(num_replicas: int) -> int:
     return max(usable_cpus(), num_replicas)
 
 
+def local_replica_limit(device: str) -> tuple[int, str]:
+    """How many replicas a local runtime can hold, and of what: one per GPU (CUDA replicas: --device cuda, or auto
+    where a GPU is visible), else one per usable CPU."""
+    import torch
+    gpus = torch.cuda.device_count() if device != "cpu" else 0
+    if device.startswith("cuda") or (device == "auto" and gpus):
+        return gpus, "GPU(s), one per replica"
+    return usable_cpus(), "usable CPU(s), at least one per replica"
+
+
+def check_local_replicas(n: int, address: str | None, device: str) -> None:
+    """Refuse more replicas than this machine holds when they would run here (no --ray-address, no $RAY_ADDRESS):
+    each loads the model, so `--data-parallel 1000` started 1000 engines on a 2-core machine (the local runtime is
+    given one CPU per replica); on a cluster its own resources decide (replica_device, check_cpu_room)."""
+    if address or os.environ.get("RAY_ADDRESS", "").strip():
+        return
+    limit, what = local_replica_limit(device)
+    if n > limit:
+        raise ConfigError(f"--data-parallel {n} is more replicas than this machine holds: it has {limit} {what}",
+                          (f"use --data-parallel {limit} or fewer, " if limit > 1 else "run without --data-parallel, ")
+                          + "or pass --ray-address HOST:6379 to spread the replicas over a Ray cluster")
+
+
 def _alive_nodes(ray) -> list[dict]:
     return [n for n in ray.nodes() if n.get("Alive")]
 
