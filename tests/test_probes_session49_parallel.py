@@ -269,3 +269,76 @@ def test_local_replica_limits(monkeypatch):
     runtime.check_local_replicas(1000, "head:6379", "auto")
     monkeypatch.setenv("RAY_ADDRESS", "head:6379")
     runtime.check_local_replicas(1000, None, "auto")
+
+
+# ------------------------------------------------------------------ a driver killed with SIGKILL
+
+_DRIVER = """
+import os, sys, time
+from infer.parallel.runtime import ray_runtime
+with ray_runtime(None, 2) as ray:
+    class A:
+        def pid(self):
+            return os.getpid()
+    actor = ray.remote(A).options(num_cpus=1).remote()
+    print("READY", ray.get(actor.pid.remote()), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_local_runtime_leaves_nothing_behind_a_driver_killed_with_sigkill(tmp_path):
+    """`infer run --data-parallel 2` killed with SIGKILL left the local Ray runtime's agents (and anything else
+    the raylet had started) running for ever, reparented to init: reaper.py stops them."""
+    pytest.importorskip("ray")
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    env.pop("RAY_ADDRESS", None)
+    driver = subprocess.Popen([sys.executable, "-c", _DRIVER], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              env=env, cwd=tmp_path)
+    try:
+        line = driver.stdout.readline().decode()
+        assert line.startswith("READY"), line
+        time.sleep(1.5)  # (the reaper notes the driver's descendants twice a second)
+        kids = [p for p in psutil.Process(driver.pid).children(recursive=True)]
+        actor = psutil.Process(int(line.split()[1]))
+        assert actor in kids and len(kids) > 2
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+        _, left = psutil.wait_procs(kids, timeout=30)
+        assert not left, [(p.pid, p.name()) for p in left]
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        for p in locals().get("kids", []):  # (what a failure left: not for the next tests)
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+
+
+def test_the_reaper_leaves_everything_after_a_clean_exit(tmp_path):
+    """The driver's "done" (ray_runtime's clean exit): nothing to stop; its stdin closed without it: what it noted."""
+    import os
+    import subprocess
+    import sys
+
+    from infer.parallel import reaper
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        noted = {}
+        for word in (b"done", b""):
+            r, w = os.pipe()
+            os.write(w, word)
+            os.close(w)
+            with open(r, "rb") as stdin:
+                noted[word] = [p.pid for p in reaper.watch(os.getpid(), stdin)]
+        assert noted[b"done"] == [] and child.pid in noted[b""]
+    finally:
+        child.kill()
+        child.wait()

@@ -59,10 +59,36 @@ def ray_runtime(address: str | None, num_cpus: int):
         raise ConfigError(f"cannot start or join {where}: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
                           "on the head node run `ray start --head`, then pass --ray-address HOST:6379 (or "
                           "ray://HOST:10001)" if address else "check `ray status`, or pass --ray-address") from None
+    reaper = None if address else start_reaper()
     try:
         yield ray
     finally:
         ray.shutdown()
+        stop_reaper(reaper)
+
+
+def start_reaper():
+    """The process that stops what a local runtime started if this driver dies without ray.shutdown() (reaper.py);
+    None where it cannot start (the runtime works as before)."""
+    import subprocess
+    import sys
+    try:
+        return subprocess.Popen([sys.executable, str(Path(__file__).with_name("reaper.py")), str(os.getpid())],
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    except OSError:
+        return None
+
+
+def stop_reaper(reaper) -> None:
+    """A clean exit: the runtime is shut down, the reaper leaves everything as it is."""
+    if reaper is None:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        reaper.stdin.write(b"done")
+        reaper.stdin.close()
+    with contextlib.suppress(Exception):
+        reaper.wait(timeout=5)
 
 
 def check_reachable(address: str, source: str = "", timeout: float = 5.0) -> None:
