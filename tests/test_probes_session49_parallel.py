@@ -342,3 +342,46 @@ def test_the_reaper_leaves_everything_after_a_clean_exit(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_fresh_serving_replica_gets_the_adapters_the_server_has_now():
+    """Adapters loaded (or unloaded) while serving were only on the replicas of that time: a fresh replica loads
+    those and drops those, compiles its kernels, and only then takes requests."""
+    from infer.parallel.serve_engine import RayAsyncEngine, _Adapters, _Replica
+
+    class Fresh:
+        def __init__(self):
+            self.calls = []
+
+        def info(self):
+            self.calls.append(("info",))
+            return {"error": None, "host": "h", "adapters": ["a", "gone"]}
+
+        def add_lora(self, name, path, replace=False):
+            self.calls.append(("add_lora", name, path))
+
+        def remove_lora(self, name):
+            self.calls.append(("remove_lora", name))
+            return 0
+
+        def warm_kernels(self):
+            self.calls.append(("warm_kernels",))
+
+        def serve_step(self, new, aborts, holds=()):
+            self.calls.append(("serve_step",))
+            return [], [], {}
+
+    fresh = Fresh()
+    r = _Replica(0, None, {}, alive=False)
+    engine = RayAsyncEngine.__new__(RayAsyncEngine)
+    engine.ray, engine.replicas, engine._starting, engine._calls = FakeRay(eager=True), [r], {}, {}
+    engine._restart, engine.max_restarts = lambda index: Handle(fresh, engine.ray), MAX_RESTARTS
+    from types import SimpleNamespace
+    engine.engine = SimpleNamespace(lora_manager=_Adapters(["a", "b"], {"a": "/a", "b": "/b"}))
+    engine._replace(r)
+    while engine._starting:
+        ref = next(iter(engine._starting))
+        engine._started(ref, *engine._starting.pop(ref))
+    assert fresh.calls == [("info",), ("add_lora", "b", "/b"), ("remove_lora", "gone"), ("warm_kernels",),
+                           ("serve_step",)]
+    assert r.alive and not r.starting and r.restarts == 1 and r.info["host"] == "h"
