@@ -10,22 +10,9 @@ import pytest
 from infer.errors import LoRAError
 from infer.serve.async_engine import NoEngineError
 
-ray = pytest.importorskip("ray")
+from fakeray import FakeRay, Handle
 
-
-class _Ref:
-    def __init__(self, value):
-        self.value = value
-
-
-class _FakeRay:
-    exceptions = ray.exceptions
-
-    @staticmethod
-    def get(ref):
-        if isinstance(ref.value, BaseException):
-            raise ref.value
-        return ref.value
+DEAD = object()  # an answer: the replica died unnoticed (a call on it fails as Ray's ActorDiedError)
 
 
 class _Slots:
@@ -39,19 +26,34 @@ class _Slots:
         self.loaded.add(name)
 
 
+class _Adapters:
+    """A replica's adapter calls: add_lora answers `answer` (None: loaded; a dict: the replica's error)."""
+
+    def __init__(self, index, answer, removed):
+        self.index, self.answer, self.removed = index, answer, removed
+
+    def add_lora(self, name, path):
+        return self.answer
+
+    def remove_lora(self, name):
+        self.removed.append(self.index)
+        return 0
+
+
 def _replica(index, answer, removed):
     from infer.parallel.serve_engine import _Replica
-    handle = SimpleNamespace(add_lora=SimpleNamespace(remote=lambda name, path: _Ref(answer)),
-                             remove_lora=SimpleNamespace(remote=lambda name: (removed.append(index), _Ref(0))[1]))
+    handle = Handle(_Adapters(index, answer, removed))
+    handle.alive = answer is not DEAD
     return _Replica(index, handle, {"host": f"host{index}"})
 
 
 def _engine(answers):
     """A RayAsyncEngine's adapter calls over fake replicas (no Ray cluster, no driver thread): each answers
-    add_lora with `answers[i]` (None: loaded; a dict: the replica's error; an exception: what ray.get raises)."""
+    add_lora with `answers[i]` (None: loaded; a dict: the replica's error; DEAD: the call fails as on a dead
+    actor)."""
     from infer.parallel.serve_engine import RayAsyncEngine
     eng, removed = RayAsyncEngine.__new__(RayAsyncEngine), []
-    eng.ray, eng._lora_changes, slots = _FakeRay(), None, _Slots()
+    eng.ray, eng._lora_changes, slots = FakeRay(), None, _Slots()
     eng.replicas = [_replica(i, a, removed) for i, a in enumerate(answers)]
     eng.engine = SimpleNamespace(lora_slots=lambda: slots)
     return eng, slots, removed
@@ -61,19 +63,19 @@ def test_an_adapter_loads_on_the_live_replicas_when_one_died_unnoticed():
     """A replica that died while idle (the driver not yet aware) failed every runtime adapter load: the live
     replica dropped the adapter again and the server answered 400 "the replica stopped", until the driver's
     check noticed. The dead one is left out, as the driver leaves it out."""
-    eng, slots, removed = _engine([None, ray.exceptions.ActorDiedError()])
+    eng, slots, removed = _engine([None, DEAD])
     asyncio.run(eng.add_lora("sql", "/srv/adapters/sql"))
     assert slots.has("sql") and removed == []
 
 
 def test_an_adapter_load_with_every_replica_dead_is_no_engine_and_a_replica_error_still_fails_it():
-    eng, slots, _ = _engine([ray.exceptions.ActorDiedError(), ray.exceptions.ActorDiedError()])
+    eng, slots, _ = _engine([DEAD, DEAD])
     with pytest.raises(NoEngineError, match="no engine replica is left"):
         asyncio.run(eng.add_lora("sql", "/srv/adapters/sql"))
     assert not slots.has("sql")
     # a live replica that cannot read the adapter still fails the load, and the one that loaded it drops it
     eng, slots, removed = _engine([None, {"message": "no adapter_config.json in /srv/adapters/sql"},
-                                   ray.exceptions.ActorDiedError()])
+                                   DEAD])
     with pytest.raises(LoRAError, match="replica 1 \\(host1\\): no adapter_config.json"):
         asyncio.run(eng.add_lora("sql", "/srv/adapters/sql"))
     assert not slots.has("sql") and removed == [0]

@@ -4,6 +4,8 @@ from types import SimpleNamespace
 
 from infer.parallel.serve_engine import RayAsyncEngine, _Replica
 
+from fakeray import FakeRay, Handle
+
 
 def _stats(**kw) -> dict:
     return {"num_running": 1, "num_waiting": 0, "kv_blocks_total": 10, "kv_blocks_used": 2, "num_preemptions": 0,
@@ -28,30 +30,28 @@ def test_a_dead_replicas_counts_stay_in_the_servers_counters():
     assert (after["num_running"], after["kv_blocks_total"], after["num_replicas_alive"]) == (1, 10, 1)
 
 
-class _RayError(Exception):
-    pass
+class _Checks:
+    """A replica's `validate`: every first line of a call is refused."""
 
-
-class _FakeRay:
-    exceptions = SimpleNamespace(RayError=_RayError)
-
-    @staticmethod
-    def get(ref):
-        if isinstance(ref, Exception):
-            raise ref
-        return ref
-
-
-class _Handle:
-    def __init__(self, dead: bool, seen: list):
-        self.dead, self.seen = dead, seen
-        self.validate = SimpleNamespace(remote=self._validate)
-
-    def _validate(self, wires):
-        self.seen.append(self)
-        if self.dead:
-            return _RayError("The actor is dead because its worker process has died.")
+    def validate(self, wires):
         return {wires[0][0]: "top_p must be in (0, 1], got 2.0"}
+
+
+class _Ray(FakeRay):
+    """Notes the handle of each call (`seen`)."""
+
+    def __init__(self, seen: list):
+        super().__init__()
+        self.seen = seen
+
+    def before(self, ref):
+        self.seen.append(ref.handle)
+
+
+def _handle(dead: bool) -> Handle:
+    handle = Handle(_Checks())
+    handle.alive = not dead
+    return handle
 
 
 def _item(rid: str, line_no: int):
@@ -65,14 +65,14 @@ def test_a_replica_that_dies_while_lines_are_checked_leaves_the_checks_to_anothe
     from infer.cli.run_parallel import _check_lines
     from infer.parallel.runtime import ReplicaError
     seen = []
-    dead, live = _Handle(True, seen), _Handle(False, seen)
+    dead, live = _handle(True), _handle(False)
     lines = [_item("a", 1), _item("b", 2)]
-    _check_lines(_FakeRay, [dead, live], lines, strict=False)
+    _check_lines(_Ray(seen), [dead, live], lines, strict=False)
     assert seen == [dead, live]
     assert lines[0].request is None and lines[0].error == "line 1: top_p must be in (0, 1], got 2.0"
     assert lines[1].request is not None
     try:
-        _check_lines(_FakeRay, [_Handle(True, []), _Handle(True, [])], [_item("c", 1)], strict=False)
+        _check_lines(_Ray([]), [_handle(True), _handle(True)], [_item("c", 1)], strict=False)
     except ReplicaError as e:
         assert "every engine replica has stopped" in e.message
     else:

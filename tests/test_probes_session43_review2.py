@@ -94,13 +94,10 @@ def test_serve_a_request_never_sent_to_a_replica_that_stopped_is_not_counted_as_
     from infer.parallel.serve_engine import RayAsyncEngine, _Replica
     from infer.serve.async_engine import _Pending
 
-    class _Ray:
-        def kill(self, handle, no_restart=True):
-            pass
-
+    from fakeray import FakeRay, Handle
     engine = RayAsyncEngine.__new__(RayAsyncEngine)
-    dead, *others = [_Replica(i, object(), {}) for i in range(3)]
-    engine.ray, engine.replicas, engine._calls, engine._owner = _Ray(), [dead, *others], {}, {}
+    dead, *others = [_Replica(i, Handle(None), {}) for i in range(3)]
+    engine.ray, engine.replicas, engine._calls, engine._owner = FakeRay(), [dead, *others], {}, {}
     engine._cond, engine._adds = threading.Condition(), collections.deque()
     failed = []
     monkeypatch.setattr(engine, "_fail", lambda rid, reason, message, seq=None: failed.append(rid))
