@@ -385,3 +385,30 @@ def test_a_fresh_serving_replica_gets_the_adapters_the_server_has_now():
     assert fresh.calls == [("info",), ("add_lora", "b", "/b"), ("remove_lora", "gone"), ("warm_kernels",),
                            ("serve_step",)]
     assert r.alive and not r.starting and r.restarts == 1 and r.info["host"] == "h"
+
+
+def test_health_says_replicas_are_being_restarted_when_none_is_up():
+    """/health with every replica stopped said "restart the server" while fresh ones were loading."""
+    import httpx
+
+    from infer.engine.config import EngineConfig as Config
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    figures = {"num_replicas_alive": 0, "replicas_restarting": 1}
+
+    class Down(AsyncEngine):  # RayAsyncEngine's figures with every replica stopped
+        @property
+        def stats(self):
+            return {**self._snapshot, **figures}
+
+        @stats.setter
+        def stats(self, value):
+            self._snapshot = value
+
+    aengine = Down(LLMEngine(Config("tiny-llama", max_model_len=64)))
+    with serve_in_thread(Server(aengine, "tiny-llama")) as base:
+        r = httpx.get(f"{base}/health", timeout=30)
+        assert r.status_code == 503 and r.json()["error"] == "every engine replica stopped; 1 being restarted"
+        figures["replicas_restarting"] = 0
+        assert "restart the server" in httpx.get(f"{base}/health", timeout=30).json()["error"]

@@ -596,6 +596,7 @@ class RayAsyncEngine(AsyncEngine):
         total["engines"] = [{**figures[r.index], "num_in_flight": len(r.inflight)}
                             | ({} if r.alive else dict.fromkeys(GAUGES, 0)) for r in self.replicas]
         total["replicas_restarted"] = sum(r.restarts for r in self.replicas)
+        total["replicas_restarting"] = sum(r.starting for r in self.replicas)
         total["replicas"] = [{"replica": r.index, "alive": r.alive, "host": r.info.get("host"),
                               "device": r.info.get("device"), "num_in_flight": len(r.inflight),
                               "restarts": r.restarts, "restarting": r.starting,

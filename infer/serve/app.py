@@ -502,8 +502,10 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     async def health():
         stats = {k: v for k, v in server.stats().items() if k != "engines"}  # (each replica's: /metrics' series)
         if stats.get("num_replicas_alive", 1) == 0:  # every data-parallel replica died: probes must see it
+            coming = stats.get("replicas_restarting", 0)  # (fresh ones loading: requests wait for them)
             return SafeJSONResponse({"status": "unavailable", "model": server.model_id, "engine": stats,
-                                     "error": "no engine replica is left; restart the server"}, status_code=503)
+                                     "error": f"every engine replica stopped; {coming} being restarted" if coming
+                                     else "no engine replica is left; restart the server"}, status_code=503)
         failing = getattr(server.aengine, "failing_steps", 0)
         if failing >= UNHEALTHY_AFTER_FAILED_STEPS:  # every step fails (a lost device): every request is a 500
             return SafeJSONResponse({"status": "unavailable", "model": server.model_id, "engine": stats,
