@@ -187,7 +187,7 @@ def test_serve_counters_of_a_replaced_replica_never_go_down():
     counter that goes down reads as a reset)."""
     from infer.parallel.serve_engine import RayAsyncEngine, _Replica
 
-    old = {"num_preemptions": 3, "num_steps": 100, "num_running": 2}
+    old = {"num_preemptions": 3, "num_steps": 100, "num_running": 2, "draft_eager_forwards": 7}
     r = _Replica(0, None, {}, stats=dict(old))
     engine = RayAsyncEngine.__new__(RayAsyncEngine)
     engine.ray, engine.replicas, engine._starting = FakeRay(), [r], {}
@@ -199,6 +199,7 @@ def test_serve_counters_of_a_replaced_replica_never_go_down():
     after = RayAsyncEngine._aggregate(engine)
     assert (after["num_preemptions"], after["num_steps"]) == (4, 105) and after["num_running"] == 1
     assert after["engines"][0]["num_steps"] == 105 and before["num_steps"] == 100
+    assert before["draft_eager_forwards"] == after["draft_eager_forwards"] == 7  # (the fresh one has run none)
 
 
 # ------------------------------------------------------------------ more local replicas than the machine holds

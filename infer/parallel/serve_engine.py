@@ -41,6 +41,7 @@ SUMMED = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "nu
 CUMULATIVE = ("num_preemptions", "lora_swaps", "num_steps", "cuda_graph_replays", "piecewise_graph_steps",
               "prefix_cache_queries", "prefix_cache_hits")
 SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+DRAFT_COUNTERS = ("draft_cuda_graph_replays", "draft_eager_forwards")  # a draft model's forwards
 # what a dead replica shows as 0 in its own /metrics series (it runs and holds nothing); its counters stay
 GAUGES = ("num_running", "num_waiting", "kv_usage", "kv_blocks_used", "kv_blocks_total", "num_in_flight")
 
@@ -443,7 +444,7 @@ class RayAsyncEngine(AsyncEngine):
         if self._restart is None or r.restarts >= self.max_restarts:
             return
         r.restarts += 1
-        base = {k: v for k, v in r.figures().items() if k in CUMULATIVE + SPEC_COUNTERS
+        base = {k: v for k, v in r.figures().items() if k in CUMULATIVE + SPEC_COUNTERS + DRAFT_COUNTERS
                 or k == "spec_decode_num_accepted_tokens_per_pos"}
         with r.moving:
             r.base, r.stats = base, {k: v for k, v in r.stats.items() if k not in base}
@@ -589,9 +590,9 @@ class RayAsyncEngine(AsyncEngine):
                 total[k] = sum(s[k] for s in spec)
             per_pos = [s["spec_decode_num_accepted_tokens_per_pos"] for s in spec]
             total["spec_decode_num_accepted_tokens_per_pos"] = [sum(col) for col in zip(*per_pos)]
-        for k in ("draft_cuda_graph_replays", "draft_eager_forwards"):  # a draft model's forwards (counters)
-            if any(k in r.stats for r in self.replicas):
-                total[k] = sum(r.stats.get(k, 0) for r in self.replicas)
+        for k in DRAFT_COUNTERS:  # (counters)
+            if any(k in figures[r.index] for r in self.replicas):
+                total[k] = sum(figures[r.index].get(k, 0) for r in self.replicas)
         # each replica's own figures, for /metrics' per-engine series (label engine, as vLLM's data-parallel engines)
         total["engines"] = [{**figures[r.index], "num_in_flight": len(r.inflight)}
                             | ({} if r.alive else dict.fromkeys(GAUGES, 0)) for r in self.replicas]
