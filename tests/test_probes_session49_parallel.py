@@ -220,8 +220,7 @@ def four_cpus_no_gpu(monkeypatch):
     monkeypatch.setattr(runtime, "usable_cpus", lambda: 4)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setattr(runtime, "ray_runtime", never)
-    monkeypatch.setattr("infer.cli.run_parallel.ray_runtime", never)
+    monkeypatch.setattr("infer.cli.run_parallel.ray_runtime", never)  # (runtime's own is left: imported by name)
     monkeypatch.setattr("infer.cli.serve_parallel.serve_data_parallel", never)
     monkeypatch.setattr("infer.cli.serve._serve", never)
 
