@@ -573,8 +573,9 @@ class RayAsyncEngine(AsyncEngine):
     # ------------------------------------------------------------------ what /health and /metrics read
     def _aggregate(self) -> dict:
         live = [r for r in self.replicas if r.alive]
-        figures = {r.index: r.figures() for r in self.replicas}
-        total = {k: sum(figures[r.index].get(k, 0) for r in (self.replicas if k in CUMULATIVE else live))
+        # (keyed by the replica: tests' stand-ins share an index; a stand-in without figures() gives its stats)
+        figures = {id(r): r.figures() if hasattr(r, "figures") else r.stats for r in self.replicas}
+        total = {k: sum(figures[id(r)].get(k, 0) for r in (self.replicas if k in CUMULATIVE else live))
                  for k in SUMMED}
         total["kv_usage"] = total["kv_blocks_used"] / max(total["kv_blocks_total"], 1)
         rates = [r.stats.get("prefix_cache_hit_rate", 0.0) for r in live]
@@ -584,23 +585,23 @@ class RayAsyncEngine(AsyncEngine):
             total["lora_max"] = max(r.stats.get("lora_max", 0) for r in live)
             for k in ("lora_waiting", "lora_running"):
                 total[k] = sorted({name for r in live for name in r.stats.get(k, [])})
-        spec = [figures[r.index] for r in self.replicas if "spec_decode_num_drafts" in figures[r.index]]  # dead too
+        spec = [figures[id(r)] for r in self.replicas if "spec_decode_num_drafts" in figures[id(r)]]  # dead too
         if spec:  # speculative decoding's counters, summed (by position too)
             for k in SPEC_COUNTERS:
                 total[k] = sum(s[k] for s in spec)
             per_pos = [s["spec_decode_num_accepted_tokens_per_pos"] for s in spec]
             total["spec_decode_num_accepted_tokens_per_pos"] = [sum(col) for col in zip(*per_pos)]
         for k in DRAFT_COUNTERS:  # (counters)
-            if any(k in figures[r.index] for r in self.replicas):
-                total[k] = sum(figures[r.index].get(k, 0) for r in self.replicas)
+            if any(k in figures[id(r)] for r in self.replicas):
+                total[k] = sum(figures[id(r)].get(k, 0) for r in self.replicas)
         # each replica's own figures, for /metrics' per-engine series (label engine, as vLLM's data-parallel engines)
-        total["engines"] = [{**figures[r.index], "num_in_flight": len(r.inflight)}
+        total["engines"] = [{**figures[id(r)], "num_in_flight": len(r.inflight)}
                             | ({} if r.alive else dict.fromkeys(GAUGES, 0)) for r in self.replicas]
-        total["replicas_restarted"] = sum(r.restarts for r in self.replicas)
-        total["replicas_restarting"] = sum(r.starting for r in self.replicas)
+        total["replicas_restarted"] = sum(getattr(r, "restarts", 0) for r in self.replicas)
+        total["replicas_restarting"] = sum(getattr(r, "starting", False) for r in self.replicas)
         total["replicas"] = [{"replica": r.index, "alive": r.alive, "host": r.info.get("host"),
                               "device": r.info.get("device"), "num_in_flight": len(r.inflight),
-                              "restarts": r.restarts, "restarting": r.starting,
+                              "restarts": getattr(r, "restarts", 0), "restarting": getattr(r, "starting", False),
                               **{k: r.stats.get(k, 0) if r.alive else 0  # a dead replica runs nothing
                                  for k in ("num_running", "num_waiting", "kv_usage", "num_steps")}}
                              for r in self.replicas]
