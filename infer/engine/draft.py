@@ -8,6 +8,10 @@ tokens its KV lacks (Sequence.draft_computed up to the step's own tokens: a pref
 decode) in one batched forward, takes draft 1 from the last position of each sequence with drafts, and k - 1 more
 one-token forwards give drafts 2..k. Greedy drafts are one-hot: the sampler's rejection rule keeps sampled output's
 distribution exact, as vLLM's proposers do.
+
+The draft's vocab_size may differ from the target's by padding only (Qwen2.5-0.5B's 151,936 drafting Qwen2.5-7B's
+152,064: one tokenizer, the larger embedding padded): its drafts are the argmax over the ids the target has, and a
+token of the target's it cannot embed (a padding id) is fed as a stand-in.
 """
 
 from __future__ import annotations
@@ -30,12 +34,14 @@ class DraftParts:
     path: Path
     model: Any
     model_config: Any
+    target_vocab: int | None = None  # the target's vocab_size where it differs from the draft's (padding)
 
 
 def draft_config(engine_config, target_config, max_len: int) -> tuple[Path, Any] | None:
     """(folder, config) of the draft model of --speculative-config {"model": ...} (None for n-gram or no
-    speculation); ConfigError when its vocabulary (its size, or its tokenizer's token ids) differs from the
-    target's or its context is shorter than the engine's max_model_len (`max_len`)."""
+    speculation); ConfigError when its vocabulary (its tokenizer's token ids, or its size otherwise than by padding
+    beyond the tokenizer's ids) differs from the target's or its context is shorter than the engine's max_model_len
+    (`max_len`)."""
     from ..models.loader import load_config
     from ..models.resolve import resolve_model
     from .setup import context_limit
@@ -56,11 +62,15 @@ def draft_config(engine_config, target_config, max_len: int) -> tuple[Path, Any]
         raise type(e)(f"--speculative-config model {name!r}: {e.message}", hint) from None
     vocab, want = getattr(config, "vocab_size", None), target_config.vocab_size
     target = resolve_model(engine_config.model)
-    if vocab != want:
+    real = _check_tokenizer(name, path, target, padded=vocab != want)
+    if vocab != want and (real is None or not isinstance(vocab, int) or real > min(vocab, want)):
+        why = ("the draft's folder holds no tokenizer to show the difference is padding" if real is None else
+               f"their tokenizers hold {real:,} token ids (added tokens too), more than the smaller takes")
         raise ConfigError(f"--speculative-config model {name!r} has a vocabulary of {vocab} tokens, the target "
-                          f"model {want} ({target}): a draft must share the target's vocabulary (its token ids)",
-                          "use a draft of the target's family (the same tokenizer and vocab_size)")
-    _check_tokenizer(name, path, target)
+                          f"model {want} ({target}): {why}; a draft must share the target's vocabulary (its token "
+                          f"ids), its vocab_size differing only by padding beyond the tokenizer's ids",
+                          "use a draft of the target's family (the same tokenizer; a vocab_size of at least its "
+                          "tokens, as Qwen2.5-0.5B's 151,936 drafting Qwen2.5-7B's 152,064)")
     limit, why = context_limit(config)
     if limit < max_len:
         raise ConfigError(f"--speculative-config model {name!r} holds a context of {limit} tokens"
@@ -88,25 +98,37 @@ def _token_ids(folder: Path, parsed: bool) -> dict[str, int] | None:
     return dict(load_tokenizer(folder).get_vocab())
 
 
-def _check_tokenizer(name: str, draft: Path, target: Path) -> None:
+def _check_tokenizer(name: str, draft: Path, target: Path, padded: bool = False) -> int | None:
     """ConfigError where the draft's tokenizer gives a token id another meaning than the target's (its drafts would
-    be other tokens than it meant, nearly all rejected: the speculation slower than none). Two tokenizer.json are
-    compared as files, then by their vocabularies; other formats as transformers loads them. A folder without a
-    tokenizer is taken on its vocab_size alone."""
+    be other tokens than it meant, nearly all rejected: the speculation slower than none); ids only one of them has
+    (added tokens, in the other's padding) are no conflict. Two tokenizer.json are compared as files, then by their
+    vocabularies; other formats as transformers loads them. A folder without a tokenizer is taken on its vocab_size
+    alone. Returns, where the two models' vocab_size differ (`padded`), how many token ids the tokenizers hold (the
+    largest id of either + 1: the rest of each embedding is padding); None without a tokenizer to tell, or when the
+    sizes are the same."""
     a, b = draft / "tokenizer.json", target / "tokenizer.json"
     parsed = a.is_file() and b.is_file()
-    if parsed and a.read_bytes() == b.read_bytes():
-        return
+    same = parsed and a.read_bytes() == b.read_bytes()
+    if same and not padded:
+        return None
     theirs = _token_ids(draft, parsed)
-    ours = None if theirs is None else _token_ids(target, parsed)
-    if theirs is None or ours is None or theirs == ours:
-        return
-    by_id, their_by_id = {i: t for t, i in ours.items()}, {i: t for t, i in theirs.items()}
-    at = min(i for i in set(by_id) | set(their_by_id) if by_id.get(i) != their_by_id.get(i))
-    raise ConfigError(f"--speculative-config model {name!r} has another tokenizer than the target model "
-                      f"({target}): token id {at} is {their_by_id.get(at)!r} in the draft, {by_id.get(at)!r} in the "
-                      f"target ({len(theirs):,} and {len(ours):,} tokens); a draft must share the target's token ids",
-                      "use a draft of the target's family (the same tokenizer and vocab_size)")
+    ours = None if theirs is None else theirs if same else _token_ids(target, parsed)
+    if theirs is None or ours is None:
+        return None
+    if theirs != ours:
+        by_id, their_by_id = {i: t for t, i in ours.items()}, {i: t for t, i in theirs.items()}
+        differ = [i for i in set(by_id) & set(their_by_id) if by_id.get(i) != their_by_id.get(i)]
+        if differ:
+            at = min(differ)
+            mine, yours = their_by_id.get(at), by_id.get(at)
+            raise ConfigError(f"--speculative-config model {name!r} has another tokenizer than the target model "
+                              f"({target}): token id {at} is {mine!r} in the draft, {yours!r} in the target "
+                              f"({len(theirs):,} and {len(ours):,} tokens); a draft must share the target's token ids",
+                              "use a draft of the target's family (the same tokenizer; its vocab_size the target's, "
+                              "or padded otherwise)")
+    if not padded:
+        return None
+    return max(max(theirs.values(), default=-1), max(ours.values(), default=-1)) + 1
 
 
 def load_draft(engine_config, target_config, dtype: torch.dtype, device: torch.device,
@@ -118,7 +140,7 @@ def load_draft(engine_config, target_config, dtype: torch.dtype, device: torch.d
     if found is None:
         return None
     model, config = load_model(found[0], dtype, device, max_positions=max_len)
-    return DraftParts(found[0], model, config)
+    return DraftParts(found[0], model, config, target_config.vocab_size)
 
 
 class DraftRunner:
@@ -128,6 +150,10 @@ class DraftRunner:
                  device: torch.device):
         self.model, self.model_config, self.path = parts.model, parts.model_config, parts.path
         self.block_size, self.device = block_size, device
+        # a vocab_size other than the target's (draft_config: only padding beyond the tokenizer's ids differs): a
+        # token the draft cannot embed is fed as a stand-in (_forward), a draft the target cannot take never made
+        self.vocab = parts.model_config.vocab_size
+        self.target_vocab = parts.target_vocab or self.vocab
         self._zero = []  # the KV blocks the next forward zeroes first (propose)
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs of the one-token forwards (drafts 2..k) once captured
         self.eager_forwards = 0  # forwards run eagerly (each step's first; drafts 2..k without a graph that fits)
@@ -216,7 +242,7 @@ class DraftRunner:
         for seq, drafts in zip(seqs, drafted):
             seq.draft_fed += len(drafts) - 1  # drafts 1..k-1 were fed
             seq.draft_token_ids = drafts
-        self._cut(batch, self.model_config.vocab_size)
+        self._cut(batch, self.target_vocab)  # (the bitmask of the target's verify rows)
 
     @staticmethod
     def _cut(batch: ScheduledBatch, vocab: int) -> None:
@@ -261,6 +287,10 @@ class DraftRunner:
         if not ids:
             return None
         ids_, pos_, slots_, starts_, lens_, tables_ = (data[p] for p in pieces)
+        if self.vocab < self.target_vocab:  # a padding id of the target's (beyond its tokenizer's: a prompt's, or a
+            # random model's token) has no row in the draft's embedding: its last id stands in (the drafts after it
+            # are guesses as any, the target verifies them)
+            ids_ = ids_.clamp(max=self.vocab - 1)
         ctx = ForwardContext(query_start_loc=starts_.int(), seq_lens=lens_.int(),
                              block_tables=tables_.view(len(tables), width).int(), slot_mapping=slots_,
                              max_query_len=max(b - a for a, b in zip(starts, starts[1:])))
@@ -306,5 +336,7 @@ class DraftRunner:
         return self.model(ids, positions, ctx)
 
     def _argmax(self, hidden: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
-        """The greedy token of each row of `hidden` (those `idx` picks), on the device."""
-        return self.model.compute_logits(hidden if idx is None else hidden.index_select(0, idx)).argmax(-1)
+        """The greedy token of each row of `hidden` (those `idx` picks), on the device: of the ids the target has
+        (a draft of a larger vocab_size never proposes its padding)."""
+        logits = self.model.compute_logits(hidden if idx is None else hidden.index_select(0, idx))
+        return (logits[:, :self.target_vocab] if logits.shape[-1] > self.target_vocab else logits).argmax(-1)
