@@ -171,7 +171,7 @@ def test_an_assistant_refusal_part_is_its_text():
     """OpenAI's assistant content may hold a refusal part (vLLM reads it as text); infer refused the message."""
     msgs = chat_messages([{"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't"}]}])
     assert msgs[0]["content"] == "I can't"
-    with pytest.raises(RequestError, match="every text part needs a string 'text'"):
+    with pytest.raises(RequestError, match="every refusal part needs a string 'refusal'"):
         chat_messages([{"role": "assistant", "content": [{"type": "refusal", "text": "no"}]}])
 
 

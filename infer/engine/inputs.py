@@ -361,8 +361,10 @@ def _content_text(content: Any, i: int, parts: bool = False) -> str | list[dict]
         if kinds:
             raise RequestError(f"messages[{i}].content has {', '.join(kinds)} parts; only text parts are supported",
                                "send text only: this is a text model")
-        if not all(isinstance(p.get(TEXT_PARTS[p["type"]]), str) for p in content):
-            raise RequestError(f"messages[{i}].content: every text part needs a string 'text'")
+        bad = [p["type"] for p in content if not isinstance(p.get(TEXT_PARTS[p["type"]]), str)]
+        if bad:  # named by the key its kind holds its text in: a refusal part's is 'refusal', not 'text'
+            raise RequestError(f"messages[{i}].content: every {bad[0]} part needs a string "
+                               f"'{TEXT_PARTS[bad[0]]}'")
         if parts:
             return [dict(p) if p["type"] == "text" else {"type": "text", "text": p[TEXT_PARTS[p["type"]]]}
                     for p in content]
