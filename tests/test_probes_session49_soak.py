@@ -17,3 +17,23 @@ def test_a_text_part_without_its_key_names_the_key_its_kind_needs(part, key):
     with pytest.raises(RequestError) as e:
         chat_messages([{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}])
     assert e.value.message == f"messages[0].content: every {part['type']} part needs a string '{key}'", e.value.message
+
+
+@pytest.mark.parametrize("bad", [7, [7], ["a", 7], b"a"])
+def test_async_llm_abort_checks_every_id_before_stopping_any(bad):
+    """AsyncLLM.abort(7) was a bare TypeError ("'int' object is not iterable"), abort([7]) stopped nothing without a
+    word, abort(["a", 7]) stopped "a" and dropped 7, and abort(b"a") aborted the ids 97: now RequestIdTypeError
+    before anything is stopped, as LLMEngine.abort_request answers."""
+    import asyncio
+
+    from infer.errors import RequestIdTypeError
+    from infer.serve.async_llm import AsyncLLM
+    aborted = []
+    llm = AsyncLLM.__new__(AsyncLLM)  # no engine: abort only reaches the engine thread's loop and the streams
+    llm._loop = type("Loop", (), {"abort": lambda self, rid: aborted.append(rid)})()
+    llm._streams = {}
+    with pytest.raises(RequestIdTypeError, match="request_id must be a string"):
+        asyncio.run(llm.abort(bad))
+    assert aborted == []
+    asyncio.run(llm.abort(("a", "b")))
+    assert aborted == ["a", "b"]

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import numbers
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import AsyncIterator
 
 from ..engine.config import EngineConfig
 from ..engine.inputs import encode_prompt
-from ..engine.llm_engine import LLMEngine, prompt_dict, request_inputs, salted_params
+from ..engine.llm_engine import LLMEngine, _check_request_id, prompt_dict, request_inputs, salted_params
 from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import SamplingParams
 from ..errors import ClosedError, LoRANameError, RequestError, RequestIdTypeError
@@ -144,8 +145,14 @@ class AsyncLLM:
         return ids, params.checked()
 
     async def abort(self, request_id: str | list[str]) -> None:
-        """Stop requests (vLLM's abort): each one's generate ends without a further output, its KV blocks freed."""
-        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+        """Stop requests (vLLM's abort): each one's generate ends without a further output, its KV blocks freed.
+        Every id is checked before any is stopped, as LLMEngine.abort_request checks them: abort(7) was a bare
+        "'int' object is not iterable", and abort([7]) stopped nothing without a word."""
+        one = isinstance(request_id, (str, bytes)) or not isinstance(request_id, Iterable)
+        ids = [request_id] if one else list(request_id)
+        for rid in ids:
+            _check_request_id(rid)
+        for rid in ids:
             self._loop.abort(rid)
             stream = self._streams.get(rid)
             if stream is not None:  # wake its generate (maybe of another event loop), which awaits its queue
