@@ -37,3 +37,19 @@ def test_async_llm_abort_checks_every_id_before_stopping_any(bad):
     assert aborted == []
     asyncio.run(llm.abort(("a", "b")))
     assert aborted == ["a", "b"]
+
+
+@pytest.mark.parametrize("length", [20, 16])
+def test_a_beam_search_prompt_as_long_as_the_context_is_told_to_shorten_the_prompt(length):
+    """LLM.beam_search of a prompt that fills the context was told to "lower max_tokens to 0 or less", which no
+    BeamSearchParams takes (max_tokens is at least 1): now the prompt is named too long, with the most it may be."""
+    from infer.engine.beam import BeamSearch, BeamSearchParams
+    from infer.errors import RequestError
+    with pytest.raises(RequestError) as e:
+        BeamSearch([[5] * 3, [5] * length], BeamSearchParams(beam_width=2, max_tokens=4), {0}, max_model_len=16)
+    assert e.value.message == (f"prompt 1 has {length} tokens, which leaves no room under the context (16 tokens) "
+                               "for even one new token"), e.value.message
+    assert e.value.hint == "shorten the prompt to at most 15 tokens" and "max_tokens to 0" not in str(e.value)
+    with pytest.raises(RequestError) as e:  # a prompt that leaves room: lower max_tokens, as before
+        BeamSearch([[5] * 14], BeamSearchParams(beam_width=2, max_tokens=4), {0}, max_model_len=16)
+    assert e.value.hint == "lower max_tokens to 2 or less"

@@ -91,10 +91,14 @@ class BeamSearch:
                  priority: int = 0):
         from .sampling_params import SamplingParams
         for i, prompt in enumerate(prompts):
+            if len(prompt) >= max_model_len:  # no max_tokens fits: "lower max_tokens to 0" is no advice
+                raise RequestError(f"prompt {i} has {len(prompt)} tokens, which leaves no room under the context "
+                                   f"({max_model_len} tokens) for even one new token",
+                                   f"shorten the prompt to at most {max_model_len - 1} tokens")
             if len(prompt) + params.max_tokens > max_model_len:
                 raise RequestError(f"prompt {i} has {len(prompt)} tokens: with max_tokens {params.max_tokens} its "
                                    f"beams outgrow the context ({max_model_len} tokens)",
-                                   f"lower max_tokens to {max(0, max_model_len - len(prompt))} or less")
+                                   f"lower max_tokens to {max_model_len - len(prompt)} or less")
         self.params, self.eos = params, set(eos)
         self.step = SamplingParams(max_new_tokens=1, logprobs=2 * params.beam_width, temperature=params.temperature,
                                    ignore_eos=True, detokenize=False, priority=priority)
