@@ -53,3 +53,21 @@ def test_a_beam_search_prompt_as_long_as_the_context_is_told_to_shorten_the_prom
     with pytest.raises(RequestError) as e:  # a prompt that leaves room: lower max_tokens, as before
         BeamSearch([[5] * 14], BeamSearchParams(beam_width=2, max_tokens=4), {0}, max_model_len=16)
     assert e.value.hint == "lower max_tokens to 2 or less"
+
+
+@pytest.mark.parametrize("path", [None, 5, "", ["./adapters/support"]])
+def test_an_adapter_path_that_is_no_path_is_a_lora_error(path):
+    """LLM.add_lora("x", None) (a path read from an unset setting) was a bare TypeError from pathlib ("expected str,
+    bytes or os.PathLike object, not NoneType"), and "" read the current folder: now a LoRAError naming the
+    adapter and what it got."""
+    from infer.errors import LoRAError
+    from infer.lora.adapter import adapter_path
+    with pytest.raises(LoRAError) as e:
+        adapter_path("support", path)
+    assert e.value.message == f"LoRA adapter 'support': its path must be a folder's path (a string), got {path!r}"
+
+
+def test_an_adapter_path_given_as_bytes_or_a_path_is_read(tmp_path):
+    from infer.lora.adapter import adapter_path
+    assert adapter_path("support", str(tmp_path).encode()) == tmp_path
+    assert adapter_path("support", tmp_path) == tmp_path

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -656,6 +657,11 @@ def adapter_path(name: str, path: str | Path) -> Path:
     (RuntimeError), a NUL byte in it (ValueError), a name longer than the file system allows, a folder it may not
     read (OSError). Path.expanduser, exists and is_dir raise those instead of saying False, which made a server's
     adapter load a 500; a path that is not there is read_config's "folder not found"."""
+    if isinstance(path, bytes):  # os.fsdecode's reading: Path() takes no bytes
+        path = os.fsdecode(path)
+    if not isinstance(path, (str, os.PathLike)) or not str(path):  # Path(None) was a bare TypeError
+        raise LoRAError(f"LoRA adapter {name!r}: its path must be a folder's path (a string), got {path!r}"[:300],
+                        "pass the folder peft's save_pretrained wrote, e.g. add_lora('support', './adapters/support')")
     try:
         path = Path(path).expanduser()
     except RuntimeError as e:
