@@ -71,3 +71,17 @@ def test_an_adapter_path_given_as_bytes_or_a_path_is_read(tmp_path):
     from infer.lora.adapter import adapter_path
     assert adapter_path("support", str(tmp_path).encode()) == tmp_path
     assert adapter_path("support", tmp_path) == tmp_path
+
+
+def test_a_request_id_of_none_is_not_told_to_pass_str_none():
+    """LLMEngine.add_request(None, ...) and abort_request(None) (an id from an unset variable) were told to "pass
+    str(None)", which names the request "None" (and a second such request collides with it)."""
+    from infer.engine.llm_engine import _check_request_id
+    from infer.errors import RequestIdTypeError
+    with pytest.raises(RequestIdTypeError) as e:
+        _check_request_id(None)
+    assert e.value.message == "request_id must be a string, got None" and "str(None)" not in e.value.hint
+    assert e.value.hint == "give every request its own id, e.g. str(uuid.uuid4())"
+    with pytest.raises(RequestIdTypeError) as e:  # another type: its str() is still the advice
+        _check_request_id(7)
+    assert e.value.hint == "pass str(7): outputs carry the id as it was given"

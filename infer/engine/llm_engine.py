@@ -148,6 +148,9 @@ def _scalar(x) -> bool:
 def _check_request_id(request_id) -> None:
     """Request ids are strings, as vLLM's (a TypeError there too): str() of another was the id, so its outputs'
     request_id (7 -> "7") was not the caller's, and 7 and "7" were one request."""
+    if request_id is None:  # "pass str(None)" named the id "None"
+        raise RequestIdTypeError("request_id must be a string, got None",
+                                 "give every request its own id, e.g. str(uuid.uuid4())")
     if not isinstance(request_id, str):
         raise RequestIdTypeError(f"request_id must be a string, got {type(request_id).__name__} {request_id!r}",
                                  f"pass str({request_id!r}): outputs carry the id as it was given")
