@@ -85,3 +85,19 @@ def test_a_request_id_of_none_is_not_told_to_pass_str_none():
     with pytest.raises(RequestIdTypeError) as e:  # another type: its str() is still the advice
         _check_request_id(7)
     assert e.value.hint == "pass str(7): outputs carry the id as it was given"
+
+
+def test_a_chat_template_that_renders_nothing_is_named_not_an_empty_prompt():
+    """A chat template that writes nothing for the messages (one that knows only the roles "human" and "bot") made a
+    chat of non-empty messages "the prompt is empty (give a non-empty prompt)": the template is now named."""
+    from infer.engine.inputs import encode_prompt
+    from infer.engine.setup import load_tokenizer
+    from infer.errors import RequestError
+    from infer.models.resolve import resolve_model
+    tok = load_tokenizer(resolve_model("tiny-llama"))
+    template = {"chat_template": "{% for m in messages %}{% if m.role == 'human' %}{{ m.content }}{% endif %}"
+                                 "{% endfor %}"}
+    with pytest.raises(RequestError) as e:
+        encode_prompt(tok, messages=[{"role": "user", "content": "hi"}], template=template)
+    assert e.value.message == "the chat template renders these 1 message(s) as no text at all", e.value.message
+    assert encode_prompt(tok, messages=[{"role": "human", "content": "hi"}], template=template)  # it renders these

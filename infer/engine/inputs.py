@@ -236,6 +236,9 @@ def encode_prompt(tokenizer, prompt: Any = None, messages: Any = None, max_token
             enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **template)
         except Exception as e:
             raise template_error(e, template.get("chat_template") is not None) from e
+        if not enc["input_ids"]:  # else "the prompt is empty (give a non-empty prompt)" for non-empty messages
+            raise RequestError(f"the chat template renders these {len(messages)} message(s) as no text at all",
+                               "check the template: it writes nothing for them (does it know their roles?)")
         return list(enc["input_ids"])
     if not isinstance(prompt, str):
         raise RequestError(f"prompt must be a string, got {type(prompt).__name__}")
