@@ -238,9 +238,9 @@ class EngineConfig:
     # main branch's programs first and the shrink fills the rest (torch instantiates graphs with each kernel's
     # priority). True: every graph; False: none (the shrink, recorded first, may push a matmul that nearly fills the
     # GPU into a second partial wave); None (auto): with adapters, the graphs of at least
-    # cuda_graphs.PRIORITY_AUTO_TOKENS tokens (on an H200, 2026-12-04, 7B int4 with 16 mixed adapters, all at high
-    # priority: 0.835x the throughput at 16 concurrent, 0.937x at 32, 1.099x at 64; gpu_e2e --compare-priority runs
-    # engines with True and False beside)
+    # memory.graph_buckets.PRIORITY_AUTO_TOKENS tokens (on an H200, 2026-12-04, 7B int4 with 16 mixed adapters, all
+    # at high priority: 0.835x the throughput at 16 concurrent, 0.937x at 32, 1.099x at 64; gpu_e2e
+    # --compare-priority runs engines with True and False beside)
     graph_priority: bool | None = None
     memory_limit: int | None = option(None, "CPU memory budget for weights, activations and KV cache, e.g. 8GB "
                                             "(default: half the available RAM).", cli_type=str)

@@ -35,32 +35,14 @@ from collections import Counter
 
 import torch
 
+# (the buckets and the priority rule live below both this and the memory plan, which sizes the pool from them)
+from ..memory.graph_buckets import PRIORITY_AUTO_TOKENS, batch_buckets, records_high, token_buckets  # noqa: F401
 from ..models.context import ForwardContext
 
 log = logging.getLogger("infer")
 
 
-def batch_buckets(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, then multiples of 8, up to and including max_num_seqs."""
-    sizes = [b for b in [1, 2, 4] + list(range(8, max_num_seqs, 8)) if b < max_num_seqs]
-    return sizes + [max_num_seqs]
-
-
-def token_buckets(max_tokens: int) -> list[int]:
-    """The piecewise graphs' step sizes in tokens: multiples of 16 to 128, of 32 to 256, of 64 to 512, then of
-    128, up to and including max_tokens (a step of more than 64 tokens is padded by less than a quarter of its
-    size, a shorter one by at most 15 rows)."""
-    sizes = list(range(16, 129, 16)) + list(range(160, 257, 32)) + list(range(320, 513, 64)) \
-        + list(range(640, max_tokens, 128))
-    return [b for b in sizes if b < max_tokens] + [max_tokens]
-
-
 _HIGH: dict = {}  # device -> the high-priority stream graphs are recorded on (EngineConfig.graph_priority)
-# EngineConfig.graph_priority None (auto): with adapters, the graphs of at least this many tokens are recorded at high
-# priority. On an H200 (2026-12-04, 7B int4, 16 mixed rank-16 adapters) high priority gave 0.835x the throughput at
-# 16 concurrent and 0.937x at 32 (the expands waited for shrinks starved of SMs), 1.099x at 64 (the matmuls'
-# programs placed first); without adapters 1.00x at all three.
-PRIORITY_AUTO_TOKENS = 48
 
 
 class _StaticTokens:
@@ -92,12 +74,10 @@ class _StaticTokens:
     def capture_stream(self, b: int):
         """The stream the graph of bucket b is recorded on: None (torch's own capture stream, default priority), or
         a stream of high priority, one per device (`_HIGH`), with high_priority True, or with None (auto) where there
-        are adapters and b >= PRIORITY_AUTO_TOKENS. torch instantiates a graph with each kernel's priority, so its
-        main branch then outranks what the layers launch on their side stream."""
-        high = self.high_priority
-        if high is None:
-            high = self.lora_manager is not None and b >= PRIORITY_AUTO_TOKENS
-        if not high:
+        are adapters and b >= PRIORITY_AUTO_TOKENS (memory.graph_buckets.records_high, which the memory plan reads
+        too). torch instantiates a graph with each kernel's priority, so its main branch then outranks what the
+        layers launch on their side stream."""
+        if not records_high(self.high_priority, self.lora_manager is not None, b):
             return None
         if self.device not in _HIGH:
             _HIGH[self.device] = torch.cuda.Stream(self.device, priority=-1)  # lower is higher; clamped to the range

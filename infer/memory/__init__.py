@@ -6,8 +6,10 @@ Where each part lives, and why (the layers of `tests/test_layers.py`: ... models
 - `sizes` (what a step weighs, from the model's config), `checkpoint` (the weights of a checkpoint from its
   safetensors headers, no tensor read), `plan` (the budget, `MemoryPlan`, and `plan_memory`, the engine's sizing at
   start) and `meter` (peak-memory meters) are pure planning and measuring. They sit below the engine, which calls
-  `plan_memory` while it sets itself up. They read the engine's options through the `plan.PlanOptions` protocol,
-  which `EngineConfig` satisfies, instead of importing `infer.engine.config`: nothing here imports the engine.
+  `plan_memory` while it sets itself up. `graph_buckets` (the CUDA graphs' buckets and which stream records each)
+  is read by both the plan (the graphs' pool) and `engine.cuda_graphs` (the capture). They read the engine's
+  options through the `plan.PlanOptions` protocol, which `EngineConfig` satisfies, instead of importing
+  `infer.engine.config`: nothing here imports the engine.
 - The profile run, which runs a real model step on a `ModelRunner` under these meters (vLLM keeps its
   `profile_run` in the worker), needs the engine, so it is `infer.engine.profile`.
 - `infer warmup`'s plan builder (load the model and profile it, or estimate from files) is the command's own:

@@ -19,6 +19,7 @@ import torch
 from ..errors import ConfigError, OutOfMemoryError
 from ..kernels.intmath import PROGRAMS_PER_SM, decode_parts
 from ..models.shapes import ModelShapes
+from .graph_buckets import batch_buckets, largest_per_stream, token_buckets
 from .sizes import (activation_bytes, dequant_scratch_bytes, element_bytes, gib, kv_bytes_per_token, lora_slot_bytes,
                     step_tokens, weights_bytes)
 
@@ -38,6 +39,7 @@ class PlanOptions(Protocol):
     max_loras: int
     max_lora_rank: int
     kv_cache_dtype: str
+    graph_priority: bool | None
 
     def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype: ...
 
@@ -93,33 +95,47 @@ def lora_rank(engine_config: PlanOptions) -> int:
     return engine_config.max_lora_rank if engine_config.loras or engine_config.enable_lora else 0
 
 
+def has_adapters(engine_config: PlanOptions) -> bool:
+    """Whether the engine has adapter slots (--lora, or --enable-lora): its graphs then carry the LoRA path, and with
+    graph_priority None (auto) the larger ones are recorded on a stream of their own (memory.graph_buckets)."""
+    return bool(engine_config.loras or engine_config.enable_lora)
+
+
 def cuda_graph_bytes(engine_config: PlanOptions, model_config, dtype: torch.dtype) -> int:
     """The CUDA graphs' private memory pool (engine.cuda_graphs): the temporaries of one decode step of the
     largest bucket, which the graphs keep for themselves, and the attention partials of every sequence; then the
     piecewise graphs' temporaries of a step of their most tokens (the same pool: counted on top, as an upper
-    bound) and their static buffers (query, attention output, residual, hidden states)."""
+    bound) and their static buffers (query, attention output, residual, hidden states). Where the graphs are
+    recorded on two streams (graph_priority None with adapters: memory.graph_buckets.records_high), each kind's
+    largest bucket on each stream counts: the allocator keys the pool's free blocks by stream, so a stream's graphs
+    never reuse the temporaries the other's freed."""
     if not engine_config.use_cuda_graphs():
         return 0
     rank = lora_rank(engine_config)
-    decode = _decode_graph_bytes(engine_config, model_config, dtype, rank)
+    priority, adapters = engine_config.graph_priority, has_adapters(engine_config)
+    decode = sum(_decode_graph_bytes(engine_config, model_config, dtype, rank, b)
+                 for b in largest_per_stream(batch_buckets(engine_config.max_num_seqs), priority, adapters))
     shapes = ModelShapes.from_config(model_config)
     tokens = engine_config.piecewise_tokens()
     if not tokens:
         return decode
-    pieces = activation_bytes(model_config, dtype, tokens, 1, 1, rank, penalties=False)
+    pieces = sum(activation_bytes(model_config, dtype, t, 1, 1, rank, penalties=False)
+                 for t in largest_per_stream(token_buckets(tokens), priority, adapters))
     buffers = tokens * (2 * shapes.q_size + 2 * model_config.hidden_size) * element_bytes(dtype)
     return decode + pieces + buffers
 
 
-def _decode_graph_bytes(engine_config: PlanOptions, model_config, dtype: torch.dtype, rank: int) -> int:
-    """The decode graphs' share of the pool: one decode step's temporaries at the largest bucket and the attention
-    partials of every sequence."""
-    step = activation_bytes(model_config, dtype, engine_config.max_num_seqs, 1, 1, rank, penalties=False)
+def _decode_graph_bytes(engine_config: PlanOptions, model_config, dtype: torch.dtype, rank: int,
+                        seqs: int | None = None) -> int:
+    """The decode graphs' share of the pool: one decode step's temporaries at the largest bucket (`seqs`, default
+    max_num_seqs) and the attention partials of every sequence up to it."""
+    seqs = seqs or engine_config.max_num_seqs
+    step = activation_bytes(model_config, dtype, seqs, 1, 1, rank, penalties=False)
     shapes = ModelShapes.from_config(model_config)
     context = engine_config.max_model_len or model_config.max_position_embeddings
     # the decode attention's partial results at the most partitions any batch size takes (kernels.attention), on
     # a GPU of up to 256 SMs
-    seqs, programs = engine_config.max_num_seqs, PROGRAMS_PER_SM * 256
+    programs = PROGRAMS_PER_SM * 256
     rows = max(b * decode_parts(b, shapes.num_kv_heads, context, 32, programs) for b in range(1, seqs + 1))
     return step + rows * shapes.num_heads * (shapes.head_dim + 2) * 4
 
@@ -130,7 +146,9 @@ def draft_graph_bytes(engine_config: PlanOptions, draft_config, dtype: torch.dty
     an upper bound (they share the target's pool); 0 without a draft or without graphs."""
     if draft_config is None or not engine_config.use_cuda_graphs():
         return 0
-    return _decode_graph_bytes(engine_config, draft_config, dtype, 0)
+    # no adapters: its graphs share one stream whatever graph_priority says (one bucket here, max_num_seqs)
+    return sum(_decode_graph_bytes(engine_config, draft_config, dtype, 0, b) for b in
+               largest_per_stream(batch_buckets(engine_config.max_num_seqs), engine_config.graph_priority, False))
 
 
 @dataclass

@@ -1,0 +1,109 @@
+"""Probes of the memory plan's CUDA-graph pool (memory.plan.cuda_graph_bytes), session 49: the formula `infer warmup`
+proves a config by, and that an engine start reserves, must be an upper bound of what the capture keeps.
+
+With EngineConfig.graph_priority None (the default) and adapters, the graphs of PRIORITY_AUTO_TOKENS tokens or more
+are recorded on a high-priority stream and the smaller ones on torch's own capture stream (engine.cuda_graphs). The
+caching allocator keys a pool's free blocks by stream, so neither stream's graphs reuse what the other's freed: the
+pool then also holds the largest graph of the second stream, which the formula did not count. These are formulas:
+no GPU (use_cuda_graphs is stood in for)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from infer.engine.config import EngineConfig
+from infer.memory.graph_buckets import PRIORITY_AUTO_TOKENS, batch_buckets, token_buckets
+from infer.memory.plan import cuda_graph_bytes
+from infer.memory.sizes import activation_bytes
+
+CFG = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                  num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
+RANK = 16
+
+
+def _engine(seqs: int, tokens: int, priority, adapters: bool = True, **kw) -> EngineConfig:
+    return EngineConfig("m", max_num_seqs=seqs, cuda_graph_max_tokens=tokens, graph_priority=priority,
+                        enable_lora=adapters, max_lora_rank=RANK, max_model_len=2048, **kw)
+
+
+def _pool(seqs: int, tokens: int, priority, adapters: bool = True) -> int:
+    return cuda_graph_bytes(_engine(seqs, tokens, priority, adapters), CFG, torch.float16)
+
+
+def _below(buckets: list[int]) -> int:
+    """The largest bucket recorded on torch's own stream where auto priority splits them."""
+    return max(b for b in buckets if b < PRIORITY_AUTO_TOKENS)
+
+
+@pytest.fixture(autouse=True)
+def _graphs(monkeypatch):
+    monkeypatch.setattr(EngineConfig, "use_cuda_graphs", lambda self: True)
+
+
+@pytest.mark.parametrize("seqs", [PRIORITY_AUTO_TOKENS, 64, 256])
+def test_auto_priority_counts_the_second_streams_largest_decode_graph(seqs):
+    """Decode graphs only (--cuda-graph-max-tokens 0), adapters, max_num_seqs >= 48: the graphs of 48 sequences
+    or more on the high-priority stream, those below on the default one. The pool is what a one-stream engine's
+    holds plus the largest default-stream graph's own (an engine of that many sequences: its step and attention
+    partials). It was the one-stream figure."""
+    one_stream = _pool(seqs, 0, False)
+    small = _below(batch_buckets(seqs))
+    assert small == 40
+    assert _pool(seqs, 0, None) - one_stream == _pool(small, 0, False) > 0
+
+
+@pytest.mark.parametrize("seqs,tokens", [(64, 512), (64, 48), (16, 512), (64, 32)])
+def test_auto_priority_counts_the_second_streams_largest_graph_of_each_kind(seqs, tokens):
+    """With the piecewise graphs too, each kind's largest bucket on the second stream counts (the pool counts the
+    decode graphs' and the pieces' temporaries on top of each other, as an upper bound, so a stream's each kind's):
+    the pieces of 16 and 32 tokens share the default stream with the small decode graphs. 32-token pieces beside
+    decode graphs of up to 16 sequences (all on the default stream) hold more than the 16's step, and decode
+    graphs of 40 sequences beside pieces of 32 tokens more than the pieces."""
+    one_stream = _pool(seqs, tokens, False)
+    want = 0
+    if seqs >= PRIORITY_AUTO_TOKENS:  # the decode graphs span both streams
+        want += _pool(_below(batch_buckets(seqs)), 0, False)
+    if tokens >= PRIORITY_AUTO_TOKENS:  # the pieces span both streams
+        want += activation_bytes(CFG, torch.float16, _below(token_buckets(tokens)), 1, 1, RANK, penalties=False)
+    assert want > 0
+    assert _pool(seqs, tokens, None) - one_stream == want
+
+
+@pytest.mark.parametrize("seqs,tokens", [(64, 0), (64, 512), (16, 512), (40, 0)])
+def test_one_stream_pools_are_unchanged(seqs, tokens):
+    """Where every graph shares one stream the figure is the one-stream formula: graph_priority True (all at high
+    priority) or False (none), no adapters (auto records nothing at high priority), or auto priority with every
+    bucket below 48 (max_num_seqs 40, no pieces)."""
+    one_stream = _pool(seqs, tokens, False)
+    assert _pool(seqs, tokens, True) == one_stream
+    assert _pool(seqs, tokens, None, adapters=False) == _pool(seqs, tokens, False, adapters=False)
+    if seqs < PRIORITY_AUTO_TOKENS and tokens < PRIORITY_AUTO_TOKENS:
+        assert _pool(seqs, tokens, None) == one_stream
+
+
+def test_engine_start_warmup_and_measured_plan_count_the_same_pool(monkeypatch):
+    """The engine start's reserve (start_activation_bytes), warmup's formula (_formula) and the measured plan
+    (engine.profile, which reads cuda_graph_bytes itself) all take the pool from cuda_graph_bytes: with auto
+    priority's two streams each grows by the same second-stream graph."""
+    from infer.cli.warmup_plan import _formula
+    from infer.memory.plan import start_activation_bytes
+    auto, forced = _engine(64, 0, None), _engine(64, 0, False)
+    extra = _pool(40, 0, False)
+    model = torch.nn.Linear(1, 1)  # no int4 layer: no dequantize scratch
+    start = [start_activation_bytes(e, CFG, model, torch.float16, 2048) for e in (auto, forced)]
+    assert start[0] - start[1] == extra
+    warm = [_formula(e, CFG, torch.float16, 64, 2048, RANK) for e in (auto, forced)]
+    assert warm[0] - warm[1] == extra
+
+
+def test_the_engine_records_the_buckets_and_streams_the_plan_counts():
+    """engine.cuda_graphs records the buckets and picks the streams by the very functions the plan sizes the pool
+    by (memory.graph_buckets): a copy of either on one side would let the two drift apart."""
+    from infer.engine import cuda_graphs
+    from infer.memory import graph_buckets
+    assert cuda_graphs.batch_buckets is graph_buckets.batch_buckets
+    assert cuda_graphs.token_buckets is graph_buckets.token_buckets
+    assert cuda_graphs.records_high is graph_buckets.records_high
+    assert cuda_graphs.PRIORITY_AUTO_TOKENS == graph_buckets.PRIORITY_AUTO_TOKENS
