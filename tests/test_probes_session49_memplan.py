@@ -15,7 +15,7 @@ from transformers import LlamaConfig
 
 from infer.engine.config import EngineConfig
 from infer.memory.graph_buckets import PRIORITY_AUTO_TOKENS, batch_buckets, token_buckets
-from infer.memory.plan import cuda_graph_bytes
+from infer.memory.plan import _decode_graph_bytes, cuda_graph_bytes
 from infer.memory.sizes import activation_bytes
 
 CFG = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -51,7 +51,9 @@ def test_auto_priority_counts_the_second_streams_largest_decode_graph(seqs):
     one_stream = _pool(seqs, 0, False)
     small = _below(batch_buckets(seqs))
     assert small == 40
-    assert _pool(seqs, 0, None) - one_stream == _pool(small, 0, False) > 0
+    second = _decode_graph_bytes(_engine(seqs, 0, None), CFG, torch.float16, RANK, small)
+    assert second == _decode_graph_bytes(_engine(small, 0, None), CFG, torch.float16, RANK)  # an engine of 40's
+    assert _pool(seqs, 0, None) - one_stream == second > 0
 
 
 @pytest.mark.parametrize("seqs,tokens", [(64, 512), (64, 48), (16, 512), (64, 32)])
@@ -64,7 +66,7 @@ def test_auto_priority_counts_the_second_streams_largest_graph_of_each_kind(seqs
     one_stream = _pool(seqs, tokens, False)
     want = 0
     if seqs >= PRIORITY_AUTO_TOKENS:  # the decode graphs span both streams
-        want += _pool(_below(batch_buckets(seqs)), 0, False)
+        want += _decode_graph_bytes(_engine(seqs, 0, None), CFG, torch.float16, RANK, _below(batch_buckets(seqs)))
     if tokens >= PRIORITY_AUTO_TOKENS:  # the pieces span both streams
         want += activation_bytes(CFG, torch.float16, _below(token_buckets(tokens)), 1, 1, RANK, penalties=False)
     assert want > 0
@@ -90,7 +92,7 @@ def test_engine_start_warmup_and_measured_plan_count_the_same_pool(monkeypatch):
     from infer.cli.warmup_plan import _formula
     from infer.memory.plan import start_activation_bytes
     auto, forced = _engine(64, 0, None), _engine(64, 0, False)
-    extra = _pool(40, 0, False)
+    extra = _decode_graph_bytes(auto, CFG, torch.float16, RANK, 40)
     model = torch.nn.Linear(1, 1)  # no int4 layer: no dequantize scratch
     start = [start_activation_bytes(e, CFG, model, torch.float16, 2048) for e in (auto, forced)]
     assert start[0] - start[1] == extra
@@ -107,3 +109,35 @@ def test_the_engine_records_the_buckets_and_streams_the_plan_counts():
     assert cuda_graphs.token_buckets is graph_buckets.token_buckets
     assert cuda_graphs.records_high is graph_buckets.records_high
     assert cuda_graphs.PRIORITY_AUTO_TOKENS == graph_buckets.PRIORITY_AUTO_TOKENS
+
+
+@pytest.mark.parametrize("draft", [False, True], ids=["target", "draft"])
+def test_the_pool_counts_the_hidden_states_every_decode_graph_keeps(draft, monkeypatch):
+    """Every decode graph keeps its output ([bucket, hidden], DecodeGraphs.outputs) in the pool for its replays, so
+    the smaller recordings after the largest cannot reuse that memory: the pool counts them on top of the largest
+    step's temporaries (which hold its own output). The bytes are the ones an (emulated) capture of tiny-llama keeps,
+    for the target's decode graphs and a draft model's alike. It counted the largest step only: at 256 sequences of
+    a 7B model the kept rows (3,975) alone outweigh that step's temporaries."""
+    from infer import LLM
+    from infer.engine.cuda_graphs import DecodeGraphs
+    from infer.memory.plan import draft_graph_bytes
+    from infer.models.tiny import ensure_builtin
+    seqs = 64
+    monkeypatch.setattr(EngineConfig, "use_cuda_graphs", lambda self: False)  # an engine on this CPU
+    llm = LLM(str(ensure_builtin("tiny-llama")), max_num_seqs=seqs, max_num_batched_tokens=seqs, block_size=4,
+              num_kv_blocks=64, max_model_len=32, cuda_graph_max_tokens=0)
+    try:
+        runner = llm.engine.runner
+        graphs = DecodeGraphs(runner.model, seqs, 8, runner.device, None, emulate=True)
+        graphs.capture()
+        kept = sum(o.numel() * o.element_size() for b, o in graphs.outputs.items() if b != seqs)
+        assert kept == sum(batch_buckets(seqs)[:-1]) * runner.model.config.hidden_size * 4  # float32 on CPU
+        config, model_config, dtype = llm.engine.config, runner.model.config, runner.dtype
+        monkeypatch.setattr(EngineConfig, "use_cuda_graphs", lambda self: True)  # its formula as on a GPU
+        if draft:
+            pool = draft_graph_bytes(config, model_config, dtype)
+        else:
+            pool = cuda_graph_bytes(config, model_config, dtype)
+        assert pool - _decode_graph_bytes(config, model_config, dtype, 0) == kept
+    finally:
+        llm.close()

@@ -103,18 +103,21 @@ def has_adapters(engine_config: PlanOptions) -> bool:
 
 def cuda_graph_bytes(engine_config: PlanOptions, model_config, dtype: torch.dtype) -> int:
     """The CUDA graphs' private memory pool (engine.cuda_graphs): the temporaries of one decode step of the
-    largest bucket, which the graphs keep for themselves, and the attention partials of every sequence; then the
-    piecewise graphs' temporaries of a step of their most tokens (the same pool: counted on top, as an upper
-    bound) and their static buffers (query, attention output, residual, hidden states). Where the graphs are
-    recorded on two streams (graph_priority None with adapters: memory.graph_buckets.records_high), each kind's
-    largest bucket on each stream counts: the allocator keys the pool's free blocks by stream, so a stream's graphs
-    never reuse the temporaries the other's freed."""
+    largest bucket, which the graphs keep for themselves, the attention partials of every sequence and the hidden
+    states each smaller decode graph keeps (_decode_outputs_bytes); then the piecewise graphs' temporaries of a
+    step of their most tokens (the same pool: counted on top, as an upper bound) and their static buffers (query,
+    attention output, residual, hidden states). Where the graphs are recorded on two streams (graph_priority None
+    with adapters: memory.graph_buckets.records_high), each kind's largest bucket on each stream counts: the
+    allocator keys the pool's free blocks by stream, so a stream's graphs never reuse the temporaries the other's
+    freed."""
     if not engine_config.use_cuda_graphs():
         return 0
     rank = lora_rank(engine_config)
     priority, adapters = engine_config.graph_priority, has_adapters(engine_config)
+    buckets = batch_buckets(engine_config.max_num_seqs)
     decode = sum(_decode_graph_bytes(engine_config, model_config, dtype, rank, b)
-                 for b in largest_per_stream(batch_buckets(engine_config.max_num_seqs), priority, adapters))
+                 for b in largest_per_stream(buckets, priority, adapters)) \
+        + _decode_outputs_bytes(model_config, dtype, buckets)
     shapes = ModelShapes.from_config(model_config)
     tokens = engine_config.piecewise_tokens()
     if not tokens:
@@ -140,15 +143,25 @@ def _decode_graph_bytes(engine_config: PlanOptions, model_config, dtype: torch.d
     return step + rows * shapes.num_heads * (shapes.head_dim + 2) * 4
 
 
+def _decode_outputs_bytes(model_config, dtype: torch.dtype, buckets: list[int]) -> int:
+    """The hidden states every decode graph but the largest leaves in the pool ([bucket, hidden], kept for its
+    replays: DecodeGraphs.outputs), which the later, smaller recordings cannot reuse: on top of the largest step's
+    temporaries (which hold its own). At 256 sequences that is 3,975 rows, 31 MiB for a 7B model (hidden 4,096,
+    fp16): more than its step's temporaries at 256 (about 26 MiB by activation_bytes)."""
+    return sum(buckets[:-1]) * model_config.hidden_size * element_bytes(dtype)
+
+
 def draft_graph_bytes(engine_config: PlanOptions, draft_config, dtype: torch.dtype) -> int:
     """A draft model's decode graphs (engine.draft: its one-token forwards of drafts 2..k, recorded beside the
-    target's, no adapters): the decode share of cuda_graph_bytes for the draft, counted on top of the target's as
-    an upper bound (they share the target's pool); 0 without a draft or without graphs."""
+    target's, no adapters): the decode share of cuda_graph_bytes for the draft (its kept outputs too), counted on
+    top of the target's as an upper bound (they share the target's pool); 0 without a draft or without graphs."""
     if draft_config is None or not engine_config.use_cuda_graphs():
         return 0
     # no adapters: its graphs share one stream whatever graph_priority says (one bucket here, max_num_seqs)
+    buckets = batch_buckets(engine_config.max_num_seqs)
     return sum(_decode_graph_bytes(engine_config, draft_config, dtype, 0, b) for b in
-               largest_per_stream(batch_buckets(engine_config.max_num_seqs), engine_config.graph_priority, False))
+               largest_per_stream(buckets, engine_config.graph_priority, False)) \
+        + _decode_outputs_bytes(draft_config, dtype, buckets)
 
 
 @dataclass
