@@ -141,3 +141,37 @@ def test_the_pool_counts_the_hidden_states_every_decode_graph_keeps(draft, monke
         assert pool - _decode_graph_bytes(config, model_config, dtype, 0) == kept
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("hidden,heads,kv_heads,block_size,max_len,seqs", [
+    (3200, 32, 32, 16, 2048, 16),  # head_dim 100 (OpenLLaMA 3B): the partials' rows are padded to 128
+    (4096, 16, 8, 256, 300, 4),  # head_dim 256, 256-token blocks: the tables hold 512 keys, not 300
+    (4096, 32, 32, 16, 2048, 64),  # the common case (head_dim 128): already covered, still covered
+])
+def test_the_decode_partials_are_counted_as_the_kernel_allocates_them(hidden, heads, kv_heads, block_size, max_len,
+                                                                       seqs):
+    """The decode attention's partial results (kernels.attention._decode: [B, Hq, parts, BLOCK_D] and [B, Hq,
+    parts, 2] float32, temporaries of every decode graph) as the kernel sizes them for each bucket: BLOCK_D is the
+    head_dim padded to a power of two, and the partitions follow the block tables' width (whole blocks of
+    block_size keys) and the kernel's key block (BLOCK_N, from _meta). The formula counted head_dim and
+    max_model_len keys, below the kernel's where head_dim is not a power of two, or where the blocks pass the length
+    and the context bounds the partitions."""
+    from infer.kernels.attention import _meta
+    from infer.kernels.intmath import PROGRAMS_PER_SM, cdiv, decode_parts
+    from infer.memory.sizes import activation_bytes
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=2, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, vocab_size=1000, max_position_embeddings=max_len)
+    head_dim = hidden // heads
+    engine = EngineConfig("m", max_num_seqs=seqs, block_size=block_size, max_model_len=max_len,
+                          cuda_graph_max_tokens=0)
+    meta = _meta(torch.empty(1, heads, head_dim), torch.empty(1, block_size, kv_heads, head_dim))
+    width = cdiv(max_len, block_size) * block_size  # DecodeGraphs.block_tables: whole blocks of max_model_len
+    most = 0
+    for sms in (132, 256):  # an H100 / H200 and the formula's bound
+        for b in batch_buckets(seqs):
+            parts = decode_parts(b, kv_heads, width, meta["BLOCK_N"], PROGRAMS_PER_SM * sms)
+            if parts > 1:  # (one partition: none allocated)
+                most = max(most, b * heads * parts * (meta["BLOCK_D"] + 2) * 4)
+    step = activation_bytes(cfg, torch.float16, seqs, 1, 1, 0, penalties=False)
+    assert most > 0
+    assert _decode_graph_bytes(engine, cfg, torch.float16, 0) - step >= most

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from ..errors import ConfigError, OutOfMemoryError
-from ..kernels.intmath import PROGRAMS_PER_SM, decode_parts
+from ..kernels.intmath import PROGRAMS_PER_SM, cdiv, decode_parts, next_power_of_2
 from ..models.shapes import ModelShapes
 from .graph_buckets import batch_buckets, largest_per_stream, token_buckets
 from .sizes import (activation_bytes, dequant_scratch_bytes, element_bytes, gib, kv_bytes_per_token, lora_slot_bytes,
@@ -135,12 +135,14 @@ def _decode_graph_bytes(engine_config: PlanOptions, model_config, dtype: torch.d
     seqs = seqs or engine_config.max_num_seqs
     step = activation_bytes(model_config, dtype, seqs, 1, 1, rank, penalties=False)
     shapes = ModelShapes.from_config(model_config)
-    context = engine_config.max_model_len or model_config.max_position_embeddings
-    # the decode attention's partial results at the most partitions any batch size takes (kernels.attention), on
-    # a GPU of up to 256 SMs
+    # the keys the block tables hold: whole blocks (the kernel partitions by the table's width, not the length)
+    size = engine_config.block_size
+    context = cdiv(engine_config.max_model_len or model_config.max_position_embeddings, size) * size
+    # the decode attention's partial results at the most partitions any batch size takes (kernels.attention: key
+    # blocks of 32 or 64, rows of the head padded to a power of two), on a GPU of up to 256 SMs
     programs = PROGRAMS_PER_SM * 256
     rows = max(b * decode_parts(b, shapes.num_kv_heads, context, 32, programs) for b in range(1, seqs + 1))
-    return step + rows * shapes.num_heads * (shapes.head_dim + 2) * 4
+    return step + rows * shapes.num_heads * (max(16, next_power_of_2(shapes.head_dim)) + 2) * 4
 
 
 def _decode_outputs_bytes(model_config, dtype: torch.dtype, buckets: list[int]) -> int:
