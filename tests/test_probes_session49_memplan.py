@@ -15,7 +15,7 @@ from transformers import LlamaConfig
 
 from infer.engine.config import EngineConfig
 from infer.memory.graph_buckets import PRIORITY_AUTO_TOKENS, batch_buckets, token_buckets
-from infer.memory.plan import _decode_graph_bytes, cuda_graph_bytes
+from infer.memory.plan import _decode_graph_bytes, cuda_graph_bytes, graph_inputs_bytes
 from infer.memory.sizes import activation_bytes
 
 CFG = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -138,7 +138,8 @@ def test_the_pool_counts_the_hidden_states_every_decode_graph_keeps(draft, monke
             pool = draft_graph_bytes(config, model_config, dtype)
         else:
             pool = cuda_graph_bytes(config, model_config, dtype)
-        assert pool - _decode_graph_bytes(config, model_config, dtype, 0) == kept
+        inputs = graph_inputs_bytes(config, model_config, False)  # (the static inputs: the test below)
+        assert pool - _decode_graph_bytes(config, model_config, dtype, 0) - inputs == kept
     finally:
         llm.close()
 
@@ -175,3 +176,61 @@ def test_the_decode_partials_are_counted_as_the_kernel_allocates_them(hidden, he
     step = activation_bytes(cfg, torch.float16, seqs, 1, 1, 0, penalties=False)
     assert most > 0
     assert _decode_graph_bytes(engine, cfg, torch.float16, 0) - step >= most
+
+
+def _rounded(tensors) -> int:
+    return sum(-(-t.numel() * t.element_size() // 512) * 512 for t in tensors)
+
+
+@pytest.mark.parametrize("adapters", [False, True], ids=["base", "adapters"])
+def test_the_graphs_static_inputs_are_counted(adapters, monkeypatch):
+    """The static inputs the graphs read (input ids, positions, KV slots, the adapter map; the decode graphs' seq
+    lens, query starts and block tables [max_num_seqs, blocks of max_model_len]) are device memory the capture adds
+    beside the pool (warmup measures it in the reserved bytes) and an engine start must leave room for: as many
+    bytes as an (emulated) capture of tiny-llama allocates, the target's decode graphs, its pieces and a draft's.
+    Only the pieces' query, attention output, residual and hidden buffers were counted."""
+    from infer import LLM
+    from infer.engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs
+    from infer.memory.plan import draft_graph_bytes
+    from infer.models.tiny import ensure_builtin
+    seqs, length, tokens = 16, 64, 32
+    monkeypatch.setattr(EngineConfig, "use_cuda_graphs", lambda self: False)  # an engine on this CPU
+    llm = LLM(str(ensure_builtin("tiny-llama")), max_num_seqs=seqs, block_size=4, num_kv_blocks=64,
+              max_model_len=length, cuda_graph_max_tokens=tokens, enable_lora=adapters, max_lora_rank=8)
+    try:
+        runner = llm.engine.runner
+        manager = runner.lora_manager
+        decode = DecodeGraphs(runner.model, seqs, length // 4, runner.device, manager, emulate=True)
+        pieces = PiecewiseGraphs(runner.model, tokens, runner.device, manager, emulate=True)
+        static = [decode.input_ids, decode.positions, decode.slot_mapping, decode.seq_lens, decode.query_start_loc,
+                  decode.block_tables]
+        static += [pieces.input_ids, pieces.positions, pieces.slot_mapping]
+        if adapters:
+            static += [g.token_slots for g in (decode, pieces)] + [g.lora_order for g in (decode, pieces)] \
+                + [g.lora_starts for g in (decode, pieces)]
+        config, model_config = llm.engine.config, runner.model.config
+        assert graph_inputs_bytes(config, model_config, adapters) \
+            + graph_inputs_bytes(config, model_config, adapters, tokens) == _rounded(static)
+        draft = DecodeGraphs(runner.model, seqs, length // 4, runner.device, None, emulate=True)  # no adapters
+        assert graph_inputs_bytes(config, model_config, False) == _rounded(
+            [draft.input_ids, draft.positions, draft.slot_mapping, draft.seq_lens, draft.query_start_loc,
+             draft.block_tables])
+    finally:
+        llm.close()
+
+
+def test_the_pool_grows_with_the_block_tables(monkeypatch):
+    """The decode graphs' block tables [max_num_seqs, blocks of max_model_len] int32 are the largest static input:
+    8 MiB at 256 sequences of 128k tokens in blocks of 16, for the target's graphs and again for a draft's. Where
+    nothing else the graphs hold grows with the length (the attention partials at their programs' bound), the
+    pool's figure grows by exactly the tables' bytes. It did not grow."""
+    from infer.memory.plan import draft_graph_bytes
+    cfg = LlamaConfig(**{**CFG.to_dict(), "max_position_embeddings": 131072})
+    pools = []
+    for length in (4096, 131072):
+        engine = EngineConfig("m", max_num_seqs=256, max_num_batched_tokens=4096, max_model_len=length,
+                              cuda_graph_max_tokens=0)
+        pools.append((cuda_graph_bytes(engine, cfg, torch.float16), draft_graph_bytes(engine, cfg, torch.float16)))
+    tables = 256 * (131072 - 4096) // 16 * 4
+    assert pools[1][0] - pools[0][0] == tables
+    assert pools[1][1] - pools[0][1] == tables

@@ -106,7 +106,8 @@ def cuda_graph_bytes(engine_config: PlanOptions, model_config, dtype: torch.dtyp
     largest bucket, which the graphs keep for themselves, the attention partials of every sequence and the hidden
     states each smaller decode graph keeps (_decode_outputs_bytes); then the piecewise graphs' temporaries of a
     step of their most tokens (the same pool: counted on top, as an upper bound) and their static buffers (query,
-    attention output, residual, hidden states). Where the graphs are recorded on two streams (graph_priority None
+    attention output, residual, hidden states), with both kinds' static inputs (graph_inputs_bytes: the decode
+    graphs' block tables are the most of them). Where the graphs are recorded on two streams (graph_priority None
     with adapters: memory.graph_buckets.records_high), each kind's largest bucket on each stream counts: the
     allocator keys the pool's free blocks by stream, so a stream's graphs never reuse the temporaries the other's
     freed."""
@@ -117,15 +118,33 @@ def cuda_graph_bytes(engine_config: PlanOptions, model_config, dtype: torch.dtyp
     buckets = batch_buckets(engine_config.max_num_seqs)
     decode = sum(_decode_graph_bytes(engine_config, model_config, dtype, rank, b)
                  for b in largest_per_stream(buckets, priority, adapters)) \
-        + _decode_outputs_bytes(model_config, dtype, buckets)
+        + _decode_outputs_bytes(model_config, dtype, buckets) \
+        + graph_inputs_bytes(engine_config, model_config, adapters)
     shapes = ModelShapes.from_config(model_config)
     tokens = engine_config.piecewise_tokens()
     if not tokens:
         return decode
     pieces = sum(activation_bytes(model_config, dtype, t, 1, 1, rank, penalties=False)
                  for t in largest_per_stream(token_buckets(tokens), priority, adapters))
-    buffers = tokens * (2 * shapes.q_size + 2 * model_config.hidden_size) * element_bytes(dtype)
+    buffers = tokens * (2 * shapes.q_size + 2 * model_config.hidden_size) * element_bytes(dtype) \
+        + graph_inputs_bytes(engine_config, model_config, adapters, tokens)
     return decode + pieces + buffers
+
+
+def graph_inputs_bytes(engine_config: PlanOptions, model_config, adapters: bool, tokens: int | None = None) -> int:
+    """The static inputs a set of graphs reads (engine.cuda_graphs, allocated beside the pool), each rounded to the
+    allocator's 512 bytes: input_ids, positions and slot_mapping (int64) for every row, with adapters the token
+    slots, the order by slot (int64) and the segment starts; the decode graphs' (`tokens` None: max_num_seqs rows)
+    also seq_lens, query_start_loc and the block tables [rows, blocks of max_model_len] (int32): 8 MiB at 256
+    sequences of 128k tokens in blocks of 16. `tokens`: the piecewise graphs' rows instead."""
+    rows = tokens or engine_config.max_num_seqs
+    sizes = [rows * 8] * 3
+    if adapters:
+        sizes += [rows * 8, rows * 8, (engine_config.max_loras + 2) * 8]
+    if tokens is None:
+        blocks = cdiv(engine_config.max_model_len or model_config.max_position_embeddings, engine_config.block_size)
+        sizes += [rows * 4, (rows + 1) * 4, rows * blocks * 4]
+    return sum(cdiv(n, 512) * 512 for n in sizes)
 
 
 def _decode_graph_bytes(engine_config: PlanOptions, model_config, dtype: torch.dtype, rank: int,
@@ -163,7 +182,7 @@ def draft_graph_bytes(engine_config: PlanOptions, draft_config, dtype: torch.dty
     buckets = batch_buckets(engine_config.max_num_seqs)
     return sum(_decode_graph_bytes(engine_config, draft_config, dtype, 0, b) for b in
                largest_per_stream(buckets, engine_config.graph_priority, False)) \
-        + _decode_outputs_bytes(draft_config, dtype, buckets)
+        + _decode_outputs_bytes(draft_config, dtype, buckets) + graph_inputs_bytes(engine_config, draft_config, False)
 
 
 @dataclass
