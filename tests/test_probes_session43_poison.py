@@ -73,6 +73,21 @@ def test_run_with_no_replica_left_fails_nothing_so_resume_reruns_it():
     assert failed == []
 
 
+
+def _serve(aengine, work: list[Work]) -> dict:
+    """Every request of `work` through the serving engine at once; {request_id: its final output}."""
+    async def one(rid: str, prompt: list[int]):
+        queue = asyncio.Queue()
+        aengine.add(rid, prompt, PARAMS, None, queue)
+        while True:
+            out = await asyncio.wait_for(queue.get(), 60)
+            if out.finished:
+                return out
+
+    async def main():
+        return await asyncio.gather(*[one(w.id, w.prompt_token_ids) for w in work])
+    return {o.request_id: o for o in asyncio.run(main())}
+
 def test_serve_a_poison_request_fails_alone_and_the_server_keeps_replicas():
     from infer.parallel.serve_engine import RayAsyncEngine, ReplicaView
 
@@ -83,19 +98,8 @@ def test_serve_a_poison_request_fails_alone_and_the_server_keeps_replicas():
     aengine = RayAsyncEngine(_Ray(), handles, [r.info() for r in replicas], view)
     aengine.start()
 
-    async def one(rid: str, prompt: list[int]):
-        queue = asyncio.Queue()
-        aengine.add(rid, prompt, PARAMS, None, queue)
-        while True:
-            out = await asyncio.wait_for(queue.get(), 60)
-            if out.finished:
-                return out
-
-    async def main():
-        return await asyncio.gather(*[one(w.id, w.prompt_token_ids) for w in _work()])
-
     try:
-        outs = {o.request_id: o for o in asyncio.run(main())}
+        outs = _serve(aengine, _work())
     finally:
         aengine.shutdown(timeout=5)
     assert outs[POISON].finish_reason == "error" and f"on {MAX_LOST} engine replicas" in outs[POISON].error

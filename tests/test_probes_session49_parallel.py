@@ -9,8 +9,6 @@ on it."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from infer.engine.config import EngineConfig
@@ -20,6 +18,7 @@ from infer.parallel.replica import ENGINE_FAILURE, Replica
 from infer.parallel.runtime import ReplicaError
 
 from fakeray import FakeRay, Handle
+from test_probes_session43_poison import _serve
 
 POISON = "poison"
 PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)
@@ -134,19 +133,6 @@ def test_start_replicas_handles_restart_a_replica_with_its_config(monkeypatch):
     assert fresh.replica.engine.config.seed == handles[1].replica.engine.config.seed
     assert fresh.info.remote() is not None
 
-
-def _serve(aengine, work: list[Work]) -> dict:
-    async def one(rid: str, prompt: list[int]):
-        queue = asyncio.Queue()
-        aengine.add(rid, prompt, PARAMS, None, queue)
-        while True:
-            out = await asyncio.wait_for(queue.get(), 60)
-            if out.finished:
-                return out
-
-    async def main():
-        return await asyncio.gather(*[one(w.id, w.prompt_token_ids) for w in work])
-    return {o.request_id: o for o in asyncio.run(main())}
 
 
 def test_serve_restarts_a_replica_that_stopped_in_the_background(engines):
