@@ -297,6 +297,9 @@ class RayAsyncEngine(AsyncEngine):
             r = self._owner.get(rid)
             if r is not None and r.alive:
                 r.aborts.append(rid)
+        # an add aborted while the driver held it (taken from _adds: the abort found it in neither) is dropped here,
+        # not run, nor put back to wait for a fresh replica, with no one to read it
+        adds = [p for p in adds if p.request_id in self._sinks]
         live = [r for r in self.replicas if r.alive]
         # a request on MAX_LOST replicas that stopped along with others runs again alone on one (_retry, _lost)
         retry = [p for p in self._retry if p.request_id in self._sinks]  # (not those aborted meanwhile)
