@@ -43,3 +43,85 @@ def test_an_add_aborted_while_the_driver_holds_it_is_not_run():
     engine._sinks["kept"] = object()
     RayAsyncEngine._route(engine, [kept], [])
     assert list(engine._adds) == [kept] and MAX_RESTARTS
+
+
+class _Fresh:
+    """A replica's adapter calls, recorded; `on_warm`: what the server does while it compiles its kernels."""
+
+    def __init__(self, on_warm=lambda: None, has=("a",)):
+        self.calls, self.on_warm, self.has = [], on_warm, list(has)
+
+    def info(self):
+        self.calls.append(("info",))
+        return {"error": None, "host": "h", "adapters": list(self.has)}
+
+    def add_lora(self, name, path, replace=False):
+        self.calls.append(("add_lora", name, path, replace))
+
+    def remove_lora(self, name):
+        self.calls.append(("remove_lora", name))
+        return 0
+
+    def warm_kernels(self):
+        self.calls.append(("warm_kernels",))
+        self.on_warm()
+
+    def serve_step(self, new, aborts, holds=()):
+        self.calls.append(("serve_step",))
+        return [], [], {}
+
+
+def test_a_fresh_replica_gets_the_adapters_changed_while_it_compiled():
+    """The adapters a fresh replica was given were read when its model had loaded: one added, replaced or removed
+    while it compiled its kernels (a minute or more) went to the live replicas only, and the fresh one served
+    without it (a request naming it failed there) or with the old weights."""
+    from types import SimpleNamespace
+
+    from infer.parallel.serve_engine import _Adapters
+    adapters = _Adapters(["a", "b"], {"a": "/a", "b": "/b"})
+
+    def change():  # what add_lora / remove_lora do meanwhile (on the live replicas, then the view's names)
+        adapters.add("c", "/c")
+        adapters.add("a", "/a2")
+        adapters.discard("b")
+
+    fresh = _Fresh(change)
+    r = _Replica(0, None, {}, alive=False)
+    engine = _engine([r])
+    engine._restart, engine.max_restarts = lambda index: Handle(fresh, engine.ray), MAX_RESTARTS
+    engine.engine = SimpleNamespace(lora_manager=adapters)
+    engine._replace(r)
+    while engine._starting:
+        ref = next(iter(engine._starting))
+        engine._started(ref, *engine._starting.pop(ref))
+    assert fresh.calls[:3] == [("info",), ("add_lora", "b", "/b", False), ("warm_kernels",)], fresh.calls
+    assert sorted(fresh.calls[3:-1]) == [("add_lora", "a", "/a2", True), ("add_lora", "c", "/c", False),
+                                         ("remove_lora", "b")], fresh.calls
+    assert fresh.calls[-1] == ("serve_step",) and r.alive and not r.starting
+
+
+def test_add_lora_gives_the_adapter_to_a_replica_that_began_to_serve_meanwhile():
+    """add_lora loaded the adapter on the replicas live when it began; one that finished its restart before the
+    name was offered had checked the adapters without it: it served requests naming it without the adapter."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from infer.parallel.serve_engine import _Adapters
+    late = _Replica(1, None, {}, alive=False)
+    ray = FakeRay(eager=True)
+
+    class Live(_Fresh):
+        def add_lora(self, name, path, replace=False):
+            super().add_lora(name, path, replace)
+            late.alive = True  # the fresh replica's last step (_started, the driver thread) meanwhile
+
+    first, fresh = Live(), _Fresh()
+    live = _Replica(0, Handle(first, ray), {}, alive=True)
+    late.handle = Handle(fresh, ray)
+    engine = _engine([live, late])
+    engine.ray, engine._lora_changes = ray, None
+    adapters = _Adapters(["a"], {"a": "/a"})
+    engine.engine = SimpleNamespace(lora_slots=lambda: adapters, lora_manager=adapters)
+    asyncio.run(engine.add_lora("c", "/c"))
+    assert adapters.has("c") and ("add_lora", "c", "/c", False) in first.calls
+    assert ("add_lora", "c", "/c", False) in fresh.calls, "the replica that began to serve meanwhile lacks it"

@@ -459,10 +459,12 @@ class RayAsyncEngine(AsyncEngine):
             return
         r.starting = True
 
-    def _started(self, ref, r: _Replica, stage: str, syncs: list) -> None:
+    def _started(self, ref, r: _Replica, stage: str, syncs: list, synced: dict | None = None) -> None:
         """Driver thread: a fresh replica's call answered. After `info`: it loads the adapters the server has now
         (and drops those removed since it started) and compiles its kernels, as build_server's replicas did; after
-        that warm-up it takes requests. One that fails is stopped, and with restarts left, started once more."""
+        that warm-up it takes requests, once it has the adapters the server has then too (`synced`: those it was
+        given; an adapter added, replaced or removed while it compiled is given, or dropped, first). One that fails
+        is stopped, and with restarts left, started once more."""
         try:
             result = self.ray.get(ref)
             error = (result or {}).get("error") if stage == "info" else None
@@ -487,11 +489,24 @@ class RayAsyncEngine(AsyncEngine):
             syncs = [r.handle.add_lora.remote(n, adapters.path_of(n)) for n in sorted(names - has)
                      if adapters.path_of(n)]
             syncs += [r.handle.remove_lora.remote(n) for n in sorted(has - names)]
-            self._starting[r.handle.warm_kernels.remote()] = (r, "warm", syncs)
+            self._starting[r.handle.warm_kernels.remote()] = (r, "warm", syncs, self._adapter_paths())
             return
+        now = self._adapter_paths()
+        if synced is not None and now != synced:  # (add_lora and remove_lora went to the live replicas only)
+            syncs = [r.handle.add_lora.remote(n, path, *([True] if n in synced else []))
+                     for n, path in sorted(now.items()) if path and synced.get(n) != path]
+            syncs += [r.handle.remove_lora.remote(n) for n in sorted(set(synced) - set(now))]
+            if syncs:
+                self._starting[syncs[-1]] = (r, "warm", syncs[:-1], now)
+                return
         r.starting, r.alive, r.calls = False, True, 1
         self._calls[r.handle.serve_step.remote([], [])] = r  # its first figures
         log.warning("engine replica %d restarted; it takes requests again", r.index)
+
+    def _adapter_paths(self) -> dict:
+        """The adapters requests may name now, with the folders they were loaded from (the view's)."""
+        adapters = self.engine.lora_manager
+        return {} if adapters is None else {n: adapters.path_of(n) for n in adapters.names()}
 
     # ------------------------------------------------------------------ adapters while serving
     async def add_lora(self, name: str, path: str, replace: bool = False) -> None:
@@ -508,6 +523,7 @@ class RayAsyncEngine(AsyncEngine):
                                     "remove it first, give this one another name, or replace it (load_inplace: true)")
             path = str(Path(path).expanduser().absolute())  # the replicas may run in another directory
             live, had = [r for r in self.replicas if r.alive], adapters.has(name)
+            asked = list(live)
             if replace:  # the requests already routed reach their replica first: they keep the old weights
                 refs = await self._call(lambda engine: engine._on_replicas_after_sent(
                     lambda r: r.handle.add_lora.remote(name, path, True), live))
@@ -531,6 +547,12 @@ class RayAsyncEngine(AsyncEngine):
                 kind = LoRANameError if e.get("name") else LoRAError  # the name, or the folder, is the problem
                 raise kind(f"replica {r.index} ({r.info.get('host')}): {e['message']}{gone}", e.get("hint"))
             adapters.add(name, path)
+            # a fresh replica that began to serve meanwhile (after `live` was read, before the name was added: its
+            # own check of the adapters, _started, did not see it) is given it too
+            late = [r for r in self.replicas if r.alive and r not in asked]
+            if late:
+                await self._on_replicas([r.handle.add_lora.remote(name, path, *([True] if replace else []))
+                                         for r in late])
 
     async def remove_lora(self, name: str) -> int:
         """Refuse `name` to new requests, then retire it on every replica behind the requests already sent there
