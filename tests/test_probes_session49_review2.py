@@ -125,3 +125,38 @@ def test_add_lora_gives_the_adapter_to_a_replica_that_began_to_serve_meanwhile()
     asyncio.run(engine.add_lora("c", "/c"))
     assert adapters.has("c") and ("add_lora", "c", "/c", False) in first.calls
     assert ("add_lora", "c", "/c", False) in fresh.calls, "the replica that began to serve meanwhile lacks it"
+
+
+def test_a_request_that_ends_while_it_runs_alone_is_no_longer_named_so():
+    """A request run again alone (on MAX_LOST replicas that stopped along with others) that stopped its replica
+    once more failed, but its id stayed in the set of those running alone: a later request of the same id (a
+    client's X-Request-Id) kept its replica from taking new requests while it ran. One aborted while waiting to
+    run alone stayed there too."""
+    from types import SimpleNamespace
+
+    from infer.parallel.pool import MAX_LOST
+    ray = FakeRay(eager=True)
+    poison = _Pending("same")
+    poison.lost = MAX_LOST
+    r0 = _Replica(0, Handle(_Fresh(), ray), {}, alive=True)
+    r1 = _Replica(1, Handle(_Fresh(), ray), {}, alive=True)
+    engine = _engine([r0, r1])
+    engine.ray, engine._restart = ray, lambda index: Handle(_Fresh(), ray)
+    engine._carried, engine.max_restarts = {}, 0
+    got = []
+    sink = (SimpleNamespace(call_soon_threadsafe=lambda put, out: put(out)), SimpleNamespace(put_nowait=got.append))
+    engine._sinks["same"] = sink
+    engine._isolated.add("same")
+    r0.inflight["same"] = poison
+    RayAsyncEngine._lost(engine, r0, RuntimeError("the replica died"))
+    assert [o.request_id for o in got] == ["same"] and got[0].finish_reason == "error", "the request failed"
+    assert not engine._isolated, "its id is still named as running alone"
+    again = _Pending("same")
+    engine._sinks["same"] = sink
+    RayAsyncEngine._route(engine, [again], [])
+    assert r1.inflight == {"same": again} and not RayAsyncEngine._runs_retry(engine, r1)
+    waiting = _Pending("w")
+    engine._retry.append(waiting)
+    engine._isolated.add("w")
+    RayAsyncEngine._route(engine, [], [])  # (aborted: no sink)
+    assert not engine._isolated and not engine._retry

@@ -303,6 +303,8 @@ class RayAsyncEngine(AsyncEngine):
         live = [r for r in self.replicas if r.alive]
         # a request on MAX_LOST replicas that stopped along with others runs again alone on one (_retry, _lost)
         retry = [p for p in self._retry if p.request_id in self._sinks]  # (not those aborted meanwhile)
+        if self._isolated:
+            self._isolated.difference_update(p.request_id for p in self._retry if p.request_id not in self._sinks)
         self._retry.clear()
         if not live and any(r.starting for r in self.replicas):
             self._retry.extend(retry)
@@ -310,6 +312,8 @@ class RayAsyncEngine(AsyncEngine):
                 self._adds.extendleft(reversed(adds))
             return
         if not live:
+            if self._isolated:
+                self._isolated.difference_update(p.request_id for p in retry)
             for p in retry + adds:
                 self._fail(p.request_id, "error", NO_ENGINE)
             return
@@ -427,9 +431,14 @@ class RayAsyncEngine(AsyncEngine):
                 self._fail(p.request_id, "error", f"the request was on {p.lost} engine replicas that stopped (the "
                                                   f"last: replica {r.index}); it is not run again, as it may be "
                                                   "what stops them")
+        # its requests end here or run again: none is left named as running alone (a client's id is used again
+        # later, and its replica took no new requests while it ran), but those to run alone once more
+        if self._isolated:  # (an engine made without __init__ has none)
+            self._isolated.difference_update(r.inflight)
         if isolate:
-            self._retry.extend(p for p in isolate if p.request_id in self._sinks)
-            self._isolated.update(p.request_id for p in isolate)
+            kept = [p for p in isolate if p.request_id in self._sinks]
+            self._retry.extend(kept)
+            self._isolated.update(p.request_id for p in kept)
         again = [p for p in again if p not in twice]
         for rid in list(r.inflight):
             self._owner.pop(rid, None)
