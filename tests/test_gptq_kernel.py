@@ -453,6 +453,44 @@ def test_wide_column_tiles_are_candidates_and_compute_right(gemm, gen, monkeypat
         assert_close(gemm.gptq_matmul(x, qi, qz, s, gi, 4, True, 128, wp, config=cfg), want, torch.float16, g,
                      f"M={m} {cfg}")
 
+def test_sync_mma_tiles_are_candidates_and_compute_right(gemm, gen, monkeypatch):
+    """The transposed field tiles whose field dots are batched over one slice of weight columns per warp, so that
+    Triton lowers them to mma.sync instead of wgmma (`gptq_tune._sync`, SYNC_MMA): candidates at 17-64 rows in the
+    quick set, at 16 and 17-256 rows in the full set; against the reference with masked rows and columns, the
+    group scale folded into the weights and applied to the sum, with and without split-K, 4 and 8 warps."""
+    from infer.kernels import gptq_tune
+    g = gen
+    for m, quick, want in ((16, True, set()), (16, False, {(16, 128, 4)}), (32, True, {(32, 128, 4), (32, 256, 8)}),
+                           (64, True, {(64, 128, 4), (64, 256, 8)}), (128, True, set()),
+                           (128, False, {(128, 128, 8)})):
+        sync = [c for c in gptq_tune.candidates(m, 128, quick, 4096) if c.get("SYNC_MMA")]
+        assert {(c["BLOCK_M"], c["BLOCK_N"], c["num_warps"]) for c in sync} == want, (m, quick, sync)
+        assert all(c["kernel"] == "mmat" and c["FIELD"] and not c.get("PAIRS") for c in sync)
+    k, n = 256, 200
+    qw, qz, s, gi = make_weights(g, 4, 128, k, n, True, False)
+    wp = gptq_configs.interleave_for(128, k, 8)
+    qi = packing.interleave_rows(qw, 4, wp)
+    for m, bm, bn, w, split, scale_w in ((40, 64, 128, 4, 2, True), (20, 32, 256, 8, 1, True),
+                                          (64, 64, 128, 4, 1, False), (9, 16, 128, 4, 2, True)):
+        cfg = dict(gptq_tune._field("mmat", bm, bn, w, split, 3, scale_w), SYNC_MMA=True)
+        x = torch.randn(m, k, generator=g).half().to(DEV)
+        want = ref.gptq_matmul(x, qw, qz, s, gi, 4, True)
+        y = gemm.gptq_matmul(x, qi, qz, s, gi, 4, True, 128, wp, config=cfg)
+        assert_close(y, want, torch.float16, g, f"M={m} {cfg}")
+    calls = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: calls.append(kw)
+    monkeypatch.setattr(gemm, "mma_kernel", Recorder())
+    sync = dict(gptq_tune._field("mmat", 32, 128, 4, 1), SYNC_MMA=True)
+    for cfg in (sync, dict(sync, num_warps=8), dict(sync, BLOCK_N=32), dict(sync, kernel="mma"), dict(sync, PAIRS=True),
+                dict(sync, BYTE_DOTS=True), dict(sync, SYNC_MMA=False)):  # only where one slice per warp holds 16+
+        gemm.gptq_matmul(torch.randn(5, 256, generator=g).half().to(DEV), qw.to(DEV), qz.to(DEV), s.to(DEV),
+                         gi.to(DEV), 4, True, 128, config=cfg)
+    assert [c["SYNC"] for c in calls] == [4, 8, 0, 0, 0, 0, 0]
+
+
 def test_heuristic_regimes():
     from infer.kernels import gptq_configs as gc
     one = gc.heuristic(1, 4096, 4096, sms=132)
@@ -626,6 +664,7 @@ def test_real_sizes_on_gpu(gemm, gen, m, k, n, group, desc_act):
                                  dict(FIELDS, BLOCK_N=128, SPLIT_K=8), dict(GEMV_FIELDS, BLOCK_N=64, SPLIT_K=8),
                                  dict(GEMV_INPLACE, BLOCK_N=128, SPLIT_K=8), dict(PAIRS, BLOCK_N=128, SPLIT_K=8),
                                  dict(MMAT_FIELDS, BLOCK_M=64, BLOCK_N=128, SPLIT_K=2),
+                                 dict(MMAT_SCALED, BLOCK_M=64, BLOCK_N=128, SPLIT_K=2, SYNC_MMA=True),
                                  dict(ROWS, BLOCK_N=64, BLOCK_K=64, SPLIT_K=4),
                                  dict(PREFILL, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, GROUP_M=8)])
 def test_split_k_counters_under_graph_replays(gemm, gen, cfg):
@@ -667,6 +706,12 @@ def test_benchmark_times_the_other_unpacking_of_the_same_tile(gemm, gen):
     assert bench.joined(MMAT_SCALED) == MMAT_JOINED and bench.joined(FIELDS) is None
     assert bench.joined(dict(MMAT_SCALED, num_warps=8)) is None and bench.joined(MMAT_JOINED) is None
     assert bench.joined(MMAT_SHIFTS_SCALED) is None
+    wide = dict(MMAT_SCALED, BLOCK_N=128)  # mma.sync on 4 warps: 32 columns each
+    assert bench.synced(wide) == dict(wide, SYNC_MMA=True)
+    assert bench.synced(dict(wide, SYNC_MMA=True)) == dict(wide, SYNC_MMA=False)
+    assert bench.synced(MMAT_SCALED) is None and bench.synced(dict(wide, num_warps=16)) is None  # < 16 columns a warp
+    assert bench.synced(dict(wide, PAIRS=True)) is None and bench.synced(dict(wide, BYTE_DOTS=True)) is None
+    assert bench.synced(FIELDS) is None and bench.synced(dict(wide, FIELD=False)) is None
     qw, qz, s, gi = make_weights(gen, 4, 128, 256, 40, False, False)
     for cfg, m in ((FIELDS, 3), (PAIRS, 3), (MMAT_PAIRS, 2), (GEMV_INPLACE, 1), (GEMV, 1)):
         other = bench.toggled(cfg)
@@ -741,6 +786,7 @@ def test_benchmark_rows_on_cpu_interpreted(gemm, monkeypatch, capsys):
     assert all(("shift_us" in r) == (bench.shifted(json.loads(r["config"])) is not None) for r in rows), rows
     assert rows[1]["shift_us"] > 0 and rows[1]["byte_gain"] == rows[1]["shift_us"] / rows[1]["infer_us"]
     assert all(("joined_us" in r) == (bench.joined(json.loads(r["config"])) is not None) for r in rows), rows
+    assert all(("sync_us" in r) == (bench.synced(json.loads(r["config"])) is not None) for r in rows), rows
     # the tensor-core tiles and the one-row gemv also timed with each K step's loads issued in that step
     assert [("late_us" in r) for r in rows] == [bench.late_loads(json.loads(r["config"])) is not None for r in rows]
     assert "late_us" in rows[1], rows  # the field tile of 3 rows
@@ -751,5 +797,11 @@ def test_benchmark_rows_on_cpu_interpreted(gemm, monkeypatch, capsys):
     assert bench.late_loads(dict(gemv, BLOCK_N=128)) is None  # 16 words a thread: not ahead by default
     assert bench.late_loads({"kernel": "mma"}) == {"kernel": "mma", "AHEAD": False}
     assert bench.late_loads(gemv) == dict(gemv, AHEAD=False)
+    # a transposed field tile (as a GPU's table may choose at 32 rows) is also timed with its dots as mma.sync
+    tile = dict(MMAT_SCALED, BLOCK_M=32, BLOCK_N=128, SPLIT_K=1)
+    monkeypatch.setattr(gptq_configs, "choose", lambda m, n, k, device: tile)
+    rows += bench.measure_shape("7B", "tiny", 256, 128, [32], 1e12, device="cpu")
+    assert json.loads(rows[-1]["config"]) == tile and rows[-1]["max_rel_err"] < 2e-3, rows[-1]
+    assert rows[-1]["sync_us"] > 0 and rows[-1]["sync_gain"] == rows[-1]["infer_us"] / rows[-1]["sync_us"]
     bench.print_table(rows, "cpu")
     assert "tiny" in capsys.readouterr().out

@@ -75,6 +75,27 @@ def test_fields_by_byte_permute_spend_fewer_instructions_at_sm90():
 
 
 @pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this triton ships no cuobjdump")
+def test_sync_mma_tiles_issue_mma_sync_and_unpack_each_weight_once_at_sm90():
+    """docs/perf.md's claim for SYNC_MMA (gptq_tune._sync): the transposed field tile's dots batched over one slice
+    of columns per warp compile to mma.sync (HMMA) with no wgmma nor its waits, the same tensor-core work as the
+    wgmma tile (a 64 x 128 x 128 K step: 16 wgmma of 64 x 64 x 16 per warpgroup, 128 m16n8k16 per warp), each
+    weight unpacked once (no warp unpacks another's columns), nothing spilled."""
+    specs = ["mmatb 64 128 4 3 16 1", "mmatb 64 128 4 3 16 1 sync", "mmatb 32 128 4 3 16 1 sync",
+             "mmatb 64 256 8 2 16 1 sync"]
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel-sass"), "--loop", *specs],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("mmatb ")]
+    assert len(rows) == 4, out.stdout
+    count = [{k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", row)} for row in rows]
+    assert count[0]["HGMMA"] == 16 and count[0]["HMMA"] == 0, out.stdout
+    for c, hmma in zip(count[1:], (128, 64, 128)):  # per warp: (rows / 8) x (columns per warp / 16) x 8 fields
+        assert c["HMMA"] == hmma and c["HGMMA"] == 0 and c["WARPGROUP"] == 0, out.stdout
+        assert c["PRMT"] <= 128 // 4 + 4 and c["LDL"] == c["STL"] == 0, out.stdout
+    assert all("STACK:0" in row for row in rows), out.stdout
+
+
+@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this triton ships no cuobjdump")
 def test_every_quick_tuning_candidate_compiles_fits_and_does_not_spill_at_sm90():
     """What an engine start tunes over on an H100 (gptq_tune's quick set, M = 1-4096) and what it launches
     untuned (every fused entry of the shipped tables, at its own layer shape), compiled through the launcher in

@@ -121,7 +121,7 @@ rms = {"x_ptr": "*fp16", "res_ptr": "*fp16", "w_ptr": "*fp16", "y_ptr": "*fp16",
        "eps": "fp32", "s_x": "i32", "s_r": "i32", "s_y": "i32", "s_h": "i32"}
 mma = dict(BITS=4, ZEROS_V1=True, F32=False, WP=16, EVEN_K=True, BLOCK_N=128, BLOCK_K=128, SPLIT=True,
            DOT_F32=False, BLOCK_M=16, GROUP_M=1, FIELD_DOTS=True, SCALE_W=False, TRANS=True, PAIRS=False, ASM=True,
-           BYTES=True, BYTE_DOTS=True, PRE_S=True, GS_LOG2=7, **kernel_sass.NO_LORA)
+           BYTES=True, BYTE_DOTS=True, PRE_S=True, GS_LOG2=7, SYNC=0, **kernel_sass.NO_LORA)
 gemv = dict(BITS=4, ZEROS_V1=True, F32=False, WP=16, EVEN_K=True, BLOCK_N=64, BLOCK_K=128, SPLIT=True,
             FIELD_LOOP=False, INPLACE=True, ASM=True, AHEAD=True, GS_LOG2=7, **kernel_sass.NO_LORA)
 for on in (False, True):

@@ -15,7 +15,9 @@ measured in the same run; `vs_fp16` > 1 means faster than cuBLAS on the fp16 wei
 with the other unpacking of the words (PAIRS on or off for the field mma / mmat, INPLACE for gemv); `shift_us` is a
 field tile with its 4-bit fields shifted out one at a time instead of taken by byte permute (the default), and
 `byte_gain` shift_us / infer_us; `joined_us` a transposed 4-warp tile with one dot per byte's two fields instead
-of one per field (the default), and `byte_dots_gain` infer_us / joined_us (what BYTE_DOTS would give); `late_us` a
+of one per field (the default), and `byte_dots_gain` infer_us / joined_us (what BYTE_DOTS would give); `sync_us` a
+transposed field tile with its dots as mma.sync instead of wgmma (SYNC_MMA), or as wgmma where the table chose
+mma.sync, and `sync_gain` infer_us / sync_us; `late_us` a
 tensor-core tile that loads each K step's scales in that step, or a one-row gemv its whole step, instead of during
 the step before (the default, AHEAD), and `ahead_gain` late_us / infer_us; from 32 rows,
 `dequant_us` / `chunks_us` are dequantize + cuBLAS on the whole matrix / in L2-sized column blocks; with --pdl,
@@ -102,6 +104,17 @@ def joined(cfg: dict) -> dict | None:
     return None
 
 
+def synced(cfg: dict) -> dict | None:
+    """A transposed field tile with one dot per field with its dots switched between wgmma (the default) and
+    warp-synchronous mma.sync (SYNC_MMA, one slice of columns per warp: gptq_kernels._dot_fields), or None where
+    the launcher would not take SYNC_MMA (other kernels, two fields per dot, one dot per byte, fewer than 16 columns
+    a warp): the bench times both (`sync_gain` infer_us / sync_us, above 1 where the other one is faster)."""
+    if cfg.get("kernel") != "mmat" or not cfg.get("FIELD") or cfg.get("PAIRS") or cfg.get("BYTE_DOTS") \
+            or cfg["BLOCK_N"] % (16 * cfg["num_warps"]):
+        return None
+    return dict(cfg, SYNC_MMA=not cfg.get("SYNC_MMA", False))
+
+
 def late_loads(cfg: dict) -> dict | None:
     """A kernel that issues a K step's loads during the step before (`gptq_gemm.loads_ahead_for`: the tensor-core
     tiles their scales, the narrow one-row gemv its whole step) with them issued in their own step instead, or None
@@ -158,6 +171,11 @@ def measure_shape(model: str, name: str, k: int, n: int, ms, bandwidth: float, d
             row["joined_us"] = time_graph([lambda t=t: gptq_gemm.gptq_matmul(x, *t, 4, True, 128, wp,
                                                                               config=joined_cfg) for t in copies])
             row["byte_dots_gain"] = ours / row["joined_us"]
+        if synced(cfg) is not None:  # the same tile's dots as mma.sync instead of wgmma, or the other way round
+            sync_cfg = synced(cfg)
+            row["sync_us"] = time_graph([lambda t=t: gptq_gemm.gptq_matmul(x, *t, 4, True, 128, wp,
+                                                                            config=sync_cfg) for t in copies])
+            row["sync_gain"] = ours / row["sync_us"]
         if late_loads(cfg) is not None:  # the same kernel with each step's loads issued in that step
             late_cfg = late_loads(cfg)
             row["late_us"] = time_graph([lambda t=t: gptq_gemm.gptq_matmul(x, *t, 4, True, 128, wp,
@@ -244,7 +262,8 @@ def print_table(rows: list[dict], title: str, cols: list[str] | None = None) -> 
     table = Table(title=title)
     cols = cols or ["model", "layer", "M", "infer_us", "tinygemm_us", "cublas_fp16_us", "floor_us", "vs_fp16",
                     "tinygemm_vs_fp16", "kernel", "other_us", "other", "shift_us", "byte_gain", "joined_us",
-                    "byte_dots_gain", "late_us", "ahead_gain", "dequant_us", "chunks_us", "pdl_us", "pdl_gain",
+                    "byte_dots_gain", "sync_us", "sync_gain", "late_us", "ahead_gain", "dequant_us", "chunks_us",
+                    "pdl_us", "pdl_gain",
                     "max_rel_err"]
     for c in cols:
         table.add_column(c, justify="left" if c in ("model", "layer", "kernel", "other") else "right")
@@ -252,7 +271,7 @@ def print_table(rows: list[dict], title: str, cols: list[str] | None = None) -> 
         table.add_row(*(("{:.1f}" if c.endswith("_us") else "{:.2f}x" if c.endswith(("fp16", "gain", "sdpa"))
                          else "{:.1e}"
                          if c == "max_rel_err" else "{}").format(r[c]) if c in r else "-" for c in cols))
-    Console(width=160).print(table)
+    Console(width=200).print(table)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

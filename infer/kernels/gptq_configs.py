@@ -5,7 +5,8 @@ two places, merged with the user's cache winning: tables shipped with infer for 
 (`kernels/configs/<GPU name>.json`), and `$INFER_CACHE/kernels/<GPU name>.json` (default ~/.cache/infer) written
 by `gptq_tune` when an engine starts on a GPU or shape nobody tuned before, so a restart does not tune again.
 A config is {"kernel": "gemv" | "mma" | "mmat" | "dequant", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "GROUP_M",
-"num_warps", "num_stages", "FIELD", "SCALE_W", "PAIRS", "INPLACE", "BYTES", "BYTE_DOTS", "AHEAD", "CHUNK_N"} (see
+"num_warps", "num_stages", "FIELD", "SCALE_W", "PAIRS", "INPLACE", "BYTES", "BYTE_DOTS", "SYNC_MMA", "AHEAD",
+"CHUNK_N"} (see
 gptq_gemm; absent keys take its defaults).
 """
 

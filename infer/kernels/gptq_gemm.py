@@ -273,6 +273,10 @@ def _launch(kind: str, cfg: dict, x2, qweight, qzeros, scales, bits, zeros_v1, g
     # waits, but on an H100 (2026-11-27) the same tiles ran 5-15% faster with one dot per field at 128-256 rows
     dots["BYTE_DOTS"] = dots["BYTES"] and kind == "mmat" and cfg["num_warps"] == 4 and bool(cfg.get("BYTE_DOTS",
                                                                                                    False))
+    # the fields' dots as warp-synchronous mma.sync, one slice of BLOCK_N / num_warps weight columns per warp, where
+    # a transposed field tile's config says SYNC_MMA=True (`gptq_kernels._dot_fields`: no dot waits for its wgmma)
+    sync = field and kind == "mmat" and not dots["PAIRS"] and not dots["BYTE_DOTS"] and bool(cfg.get("SYNC_MMA"))
+    dots["SYNC"] = cfg["num_warps"] if sync and cfg["BLOCK_N"] % (16 * cfg["num_warps"]) == 0 else 0
     ahead = loads_ahead_for(kind, cfg, bits)  # a K step's scales (tiles) or whole step (gemv) during the one before
     if kind == "gemv" and cfg.get("BLOCK_M", 1) == 1:
         grid = (cdiv(n, cfg["BLOCK_N"]), split, m)

@@ -308,7 +308,8 @@ def _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, g, offs_w, offs_n, mask_n, sq_
 @triton.jit
 def _dot_fields(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, BITS: tl.constexpr, WP: tl.constexpr,
                 BKW: tl.constexpr, SCALE_W: tl.constexpr, TRANS: tl.constexpr, BYTES: tl.constexpr = False,
-                ASM: tl.constexpr = True, k_end=0, EVEN_K: tl.constexpr = True, BYTE_DOTS: tl.constexpr = False):
+                ASM: tl.constexpr = True, k_end=0, EVEN_K: tl.constexpr = True, BYTE_DOTS: tl.constexpr = False,
+                SYNC: tl.constexpr = 0):
     """acc += one K step as one tensor-core dot per packed field, each field tile straight from the loaded words'
     registers. x_rows: pointers to the rows' first element ([BLOCK_M, 1], or [1, BLOCK_M] with TRANS: acc is then
     y^T and the weight the first operand). The group's scale multiplies the step's sum, or with SCALE_W the weights
@@ -316,7 +317,11 @@ def _dot_fields(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, BITS: tl.const
     (4-bit): a byte's two fields' q - z at a time by byte permute (`_byte_fields`, just before their dots), else
     each field shifted out of the words (`_field_f16`); the same fp16 values either way. BYTE_DOTS (with BYTES and
     TRANS, where a K step is one interleaved block: the two fields' rows are consecutive): one dot over both fields
-    (K = 2 * BKW, the two tiles joined in registers), half the dots and their waits for the tensor cores."""
+    (K = 2 * BKW, the two tiles joined in registers), half the dots and their waits for the tensor cores. SYNC (with
+    TRANS, not BYTE_DOTS): acc is [SYNC, BLOCK_N / SYNC, BLOCK_M] and each field's dot a batched one over SYNC
+    slices of the weight columns, x broadcast to every slice: Triton lowers a batched dot to the warp-synchronous
+    mma.sync (MMAv2: one slice per warp, x read by each warp from shared memory), never to wgmma, so no dot waits
+    for the tensor cores; only a use of its result does."""
     PACK: tl.constexpr = 32 // BITS
     XS: tl.constexpr = PACK if WP == 1 else 1
     part = tl.zeros(acc.shape, dtype=tl.float32)
@@ -362,18 +367,31 @@ def _dot_fields(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, BITS: tl.const
             if TRANS:
                 xp = x_step + j * WP if BKW == WP else x_rows + ks[:, None]
                 xj = tl.load(xp, mask=mask_m[None, :] & wv[:, None], other=0.0)
-                d = tl.dot(wj.to(xj.dtype), xj)
+                if SYNC:  # [BLOCK_N, BKW] -> [SYNC, BLOCK_N / SYNC, BKW] (a renaming of registers), x to each slice
+                    w3 = tl.reshape(wj.to(xj.dtype), (SYNC, wj.shape[0] // SYNC, wj.shape[1]))
+                    x3 = tl.broadcast_to(xj[None, :, :], (SYNC, xj.shape[0], xj.shape[1]))
+                    if SCALE_W:
+                        acc = tl.dot(w3, x3, acc)
+                    else:
+                        part = tl.dot(w3, x3, part)
+                else:
+                    d = tl.dot(wj.to(xj.dtype), xj)
             else:
                 xp = x_step + j * WP if BKW == WP else x_rows + ks[None, :]
                 xj = tl.load(xp, mask=mask_m[:, None] & wv[None, :], other=0.0)
                 d = tl.dot(xj, wj.to(xj.dtype))
-            if SCALE_W:
+            if SYNC:
+                pass  # accumulated by the dot itself
+            elif SCALE_W:
                 acc += d
             else:
                 part += d
     if not SCALE_W:  # the scales made float32 before they are broadcast (one layout conversion, not two)
         sf = s.to(tl.float32)
-        acc += part * (sf[:, None] if TRANS else sf[None, :])
+        if SYNC:
+            acc += part * tl.reshape(sf, (SYNC, sf.shape[0] // SYNC))[:, :, None]
+        else:
+            acc += part * (sf[:, None] if TRANS else sf[None, :])
     return acc
 
 
@@ -534,7 +552,7 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
                LORA_R: tl.constexpr = 0, LORA_RP: tl.constexpr = 1, LORA_NSH: tl.constexpr = 1,
                LORA_JB: tl.constexpr = 16, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 2,
                BYTES: tl.constexpr = False, BYTE_DOTS: tl.constexpr = False, GATED: tl.constexpr = False,
-               PRE_S: tl.constexpr = False, GS_LOG2: tl.constexpr = -1):
+               PRE_S: tl.constexpr = False, GS_LOG2: tl.constexpr = -1, SYNC: tl.constexpr = 0):
     """Tensor cores (tl.dot), y tile [BLOCK_M, BLOCK_N]: one dot per packed field (FIELD_DOTS, `_dot_fields`) or
     one dot over the reshaped tile (`_dot_tile`). TRANS (`mmat`) computes y^T = W^T x^T, so the dequantized weight
     is the first (register) operand of the tensor-core instruction and the activation rows the second (as Machete
@@ -545,7 +563,10 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
     with programmatic dependent launch (`_pdl_start`: PREFETCH K steps of weights into L2 before the wait).
     GATED: a gate|up layer's tile with SiLU-and-multiply in the epilogue (`gated_cols`). PRE_S: each K step's
     scales loaded during the step before and carried in registers (`gptq_gemm.loads_ahead_for`; in their own step the
-    step waits a memory round trip for them, as the pipeliner does not stage them)."""
+    step waits a memory round trip for them, as the pipeliner does not stage them). SYNC (TRANS with FIELD_DOTS,
+    one dot per field): the fields' dots as mma.sync over SYNC column slices (`_dot_fields`), 0: off."""
+    tl.static_assert(SYNC == 0 or (TRANS and FIELD_DOTS and not PAIRS and not BYTE_DOTS and BLOCK_N % SYNC == 0),
+                     "SYNC: a transposed field tile with one dot per field")
     BKW: tl.constexpr = BLOCK_K // (32 // BITS)
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -562,7 +583,10 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
     k_end = tl.minimum(k_begin + K_SPLIT, K)
     _pdl_start(qw_ptr, qz_ptr, s_ptr, k_begin, k_end, group_size, tl.min(offs_n, 0), N, sq_k, sz_g, ss_g, BITS, BKW,
                BLOCK_N, PDL, PREFETCH, GS_LOG2)
-    if TRANS:
+    if SYNC:  # the weight columns in SYNC slices, one per warp (`_dot_fields`)
+        acc = tl.zeros((SYNC, BLOCK_N // SYNC, BLOCK_M), dtype=tl.float32)
+        x_rows = x_ptr + offs_m[None, :] * sx_m
+    elif TRANS:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         x_rows = x_ptr + offs_m[None, :] * sx_m
     else:
@@ -586,10 +610,12 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
             acc = _dot_pairs(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, WP, BKW, SCALE_W, ASM, TRANS)
         elif FIELD_DOTS:
             acc = _dot_fields(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, BITS, WP, BKW, SCALE_W, TRANS, BYTES,
-                              ASM, k_end, EVEN_K, BYTE_DOTS)
+                              ASM, k_end, EVEN_K, BYTE_DOTS, SYNC)
         else:
             acc = _dot_tile(acc, x_rows, mask_m, k0, k_end, words, z, s, BITS, WP, BKW, EVEN_K, F32, DOT_F32, TRANS)
-    if TRANS:
+    if SYNC:
+        acc = tl.trans(tl.reshape(acc, (BLOCK_N, BLOCK_M)))
+    elif TRANS:
         acc = tl.trans(acc)
     _epilogue(acc, y_ptr, ws_ptr, lock_ptr, pid, pid_k, offs_m, offs_n, M, N, sy_m, n_split,
               bias_ptr, hp_ptr, lb_ptr, slot_ptr, rank_ptr, scal_ptr, NR, n_lsplit, c1, c2, c3, SPLIT, HAS_BIAS,

@@ -88,6 +88,21 @@ def _wide_cols(bm: int, splits) -> list[dict]:
     return [_field("mmat", bm, 256, 4, s, 2) for s in splits]
 
 
+def _sync(bm: int, splits, wide: bool = True) -> list[dict]:
+    """Transposed field tiles of `bm` rows whose field dots run as warp-synchronous mma.sync (SYNC_MMA, see
+    gptq_kernels._dot_fields), one slice of 32 weight columns per warp: 128 columns on 4 warps (3 stages), and with
+    `wide` 256 columns on 8 warps (2 stages). Every wgmma a field tile issues waits for itself (Triton keeps a
+    register operand made in the loop synchronous), so within a warp only the next field's unpacking hides the
+    tensor cores' latency; an mma.sync stalls only the instruction that reads its result, and a K step's 128
+    (64 rows) or 64 (32 rows) of them per warp are independent but for their accumulators. For sm_90 with Triton
+    3.6 (and 3.9): 544 instructions per K step at 64 x 128 (433 with wgmma), 250 registers, 2 programs per SM,
+    nothing spilled; 32 x 128: 475, 161 registers, 3 per SM; 64 x 256 on 8 warps: 530, 254 registers, 1 per SM."""
+    out = [dict(_field("mmat", bm, 128, 4, s), SYNC_MMA=True) for s in splits]
+    if wide:
+        out += [dict(_field("mmat", bm, 256, 8, s, 2), SYNC_MMA=True) for s in splits]
+    return out
+
+
 def chunked(k: int, mbs=(8, 16, 32)) -> list[dict]:
     """`dequant` a block of columns at a time, each block's fp16 weight (about `mb` MB) small enough to stay in L2
     between the dequantize kernel and cuBLAS (gptq_gemm._dequant_chunks); for 32 rows and more."""
@@ -127,7 +142,7 @@ def quick_candidates(m: int, step: int, k: int | None = None) -> list[dict]:
             # and the full set's 33-64-row winner on an H100, the transposed 4-warp tile of all the rows (2026-11-27,
             # 7B at 64 rows: 0.81-0.86x the time of the quick set's best without it)
             out += [_field("mmat", bm, 128, 4, s) for s in (1, 2, 4, 8)]
-            out += _wide_cols(bm, (1, 2, 4))
+            out += _wide_cols(bm, (1, 2, 4)) + _sync(bm, (1, 2, 4))
         else:  # the H100's 65-256-row winner (full set), and the tiles with more rows per dequantized weight
             out += [_field("mmat", 64, 128, 4, s) for s in (1, 2, 4)] + _wide_rows(m, (1, 2))
     if m > 256:  # prefill: fused tiles with the most rows per weight, beside dequantize + cuBLAS
@@ -182,6 +197,7 @@ def candidates(m: int, step: int, quick: bool = False, k: int | None = None) -> 
                 for bn, w in ((64, 4), (128, 4), (128, 8)) for bk in (64, 128) for s in (1,) + splits]
         out += [_field("mmat", 16, bn, w, s, st, sw, p) for bn, w in ((128, 4), (256, 8)) for st in (2, 3)
                 for sw in (False, True) for s in splits for p in (False, True)]
+        out += _sync(16, splits, wide=False)
     if 17 <= m <= 64:  # 16-row tiles, GROUP_M of them walking the same column block (weights read once from DRAM)
         out += [dict(_field("mma", 16, bn, w, s, st, False, p), GROUP_M=4) for bn, w in ((128, 4), (256, 8))
                 for st in (2, 3) for s in (2, 4, 8) for p in (False, True)]
@@ -193,9 +209,9 @@ def candidates(m: int, step: int, quick: bool = False, k: int | None = None) -> 
         out += [_field("mmat", min(m, 64), bn, w, s, 3, sw, p) for bn, w in ((128, 4), (128, 8), (256, 8))
                 for sw in (False, True) for s in (1, 2, 4, 8) for p in (False, True)]
     if 17 <= m <= 64:
-        out += _wide_cols(_rows_tile(m), (1, 2, 4, 8))
-    if 65 <= m <= 256:
-        out += _wide_rows(m, (1, 2, 4))
+        out += _wide_cols(_rows_tile(m), (1, 2, 4, 8)) + _sync(_rows_tile(m), (1, 2, 4, 8))
+    if 65 <= m <= 256:  # (mma.sync on 128 rows: 8 warps of 16 columns each, 237 registers)
+        out += _wide_rows(m, (1, 2, 4)) + [dict(_field("mmat", 128, 128, 8, s), SYNC_MMA=True) for s in (1, 2, 4)]
     if m > 256:
         out += [dict(c, GROUP_M=8) for c in _wide_rows(m, (1,))]
     if m >= 128:
