@@ -455,12 +455,13 @@ def test_wide_column_tiles_are_candidates_and_compute_right(gemm, gen, monkeypat
 
 def test_sync_mma_tiles_are_candidates_and_compute_right(gemm, gen, monkeypatch):
     """The transposed field tiles whose field dots are batched over one slice of weight columns per warp, so that
-    Triton lowers them to mma.sync instead of wgmma (`gptq_tune._sync`, SYNC_MMA): candidates at 17-64 rows in the
-    quick set, at 16 and 17-256 rows in the full set; against the reference with masked rows and columns, the
+    Triton lowers them to mma.sync instead of wgmma (`gptq_tune._sync`, SYNC_MMA): candidates at 2-64 rows in the
+    quick set, at 2-256 rows in the full set; against the reference with masked rows and columns, the
     group scale folded into the weights and applied to the sum, with and without split-K, 4 and 8 warps."""
     from infer.kernels import gptq_tune
     g = gen
-    for m, quick, want in ((16, True, set()), (16, False, {(16, 128, 4)}), (32, True, {(32, 128, 4), (32, 256, 8)}),
+    for m, quick, want in ((1, True, set()), (16, True, {(16, 128, 4)}), (16, False, {(16, 128, 4)}),
+                           (32, True, {(32, 128, 4), (32, 256, 8)}),
                            (64, True, {(64, 128, 4), (64, 256, 8)}), (128, True, set()),
                            (128, False, {(128, 128, 8)})):
         sync = [c for c in gptq_tune.candidates(m, 128, quick, 4096) if c.get("SYNC_MMA")]

@@ -129,6 +129,8 @@ def quick_candidates(m: int, step: int, k: int | None = None) -> list[dict]:
                 for s in (2, 4, 8, 16) for p in (False, True)]
     if m <= 16:  # the weight as wgmma's register operand (no shared-memory round trip), one or two fields per dot
         out += [_field("mmat", 16, 128, 4, s, 3, False, p) for s in (2, 4, 8, 16) for p in (False, True)]
+        if m > 1:  # and the same tile on mma.sync (no dot waits for the tensor cores)
+            out += _sync(16, (2, 4, 8, 16), wide=False)
     elif m <= 256:
         bm = _rows_tile(m)
         tiles = ((128, 4), (256, 8)) if bm == 32 else (((128, 4), (128, 8)) if bm == 64 else ((128, 8),))
