@@ -72,9 +72,10 @@ def test_method_ngram_with_a_draft_model_names_the_conflict_not_an_unknown_key(p
         == "ngram"
 
 
-def test_warmup_caps_lengths_at_a_shorter_draft_context(tmp_path, path):
-    """An engine with a draft of a shorter context refuses a longer max_model_len: warmup's default length, its
-    'largest max_length' figure and a --max-length above it say so too (they took the target's context only)."""
+def test_warmup_takes_lengths_past_a_shorter_draft_context(tmp_path, path):
+    """An engine with a draft of a shorter context takes a longer max_model_len (its sequences go on without drafts
+    past the draft's context, as vLLM's): warmup's default length, its 'largest max_length' figure and a
+    --max-length above the draft's context are the target's (session 50; they were capped at the draft's)."""
     import json
     import shutil
 
@@ -87,11 +88,12 @@ def test_warmup_caps_lengths_at_a_shorter_draft_context(tmp_path, path):
     (draft / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 256}))
     cfg = EngineConfig(model=path, memory_limit="64MB", block_size=4,
                        speculative_config={"model": str(draft), "num_speculative_tokens": 2})
-    assert default_length(cfg) == 256
+    assert default_length(cfg) == min(4096, config["max_position_embeddings"]) > 256
     plan, _ = estimate_plan(cfg, 128, 4)
-    assert plan.max_length_limit == 256 and plan.max_length_at_concurrency <= 256
-    with pytest.raises(ConfigError, match="draft model's context of 256"):
-        check_length(cfg, 300)
+    assert plan.max_length_limit == config["max_position_embeddings"] > 256
+    check_length(cfg, 300)  # taken
+    with pytest.raises(ConfigError, match="model's context of"):
+        check_length(cfg, config["max_position_embeddings"] + 1)
 
 
 def test_the_int4_dequantize_scratch_is_planned_and_reserved_for_the_draft_too(path, monkeypatch):

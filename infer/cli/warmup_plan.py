@@ -47,13 +47,12 @@ DEFAULT_LENGTH = 4096  # warmup's --max-length when none is given, where the mod
 
 
 def default_length(engine_config: EngineConfig) -> int:
-    """--max-length when none is given: DEFAULT_LENGTH, or the model's context (a draft model's) where that is
-    shorter."""
+    """--max-length when none is given: DEFAULT_LENGTH, or the model's context where that is shorter (a draft
+    model's shorter context does not cap it: past it a sequence goes on without drafts, engine.draft)."""
     from ..models.loader import load_config
     from ..models.resolve import resolve_model
     model_config = load_config(resolve_model(engine_config.model))
-    draft = _draft_cfg(engine_config)
-    return min(DEFAULT_LENGTH, context_limit(model_config)[0], *([context_limit(draft)[0]] if draft else []))
+    return min(DEFAULT_LENGTH, context_limit(model_config)[0])
 
 
 def check_length(engine_config: EngineConfig, max_length: int, flag: str = "--max-length") -> None:
@@ -64,22 +63,14 @@ def check_length(engine_config: EngineConfig, max_length: int, flag: str = "--ma
 
 
 def _check_length(model_config, engine_config: EngineConfig, max_length: int, flag: str = "--max-length") -> int:
-    """The model's context limit, which `max_length` must not pass (with a draft model, the shorter of its and the
-    target's: an engine start refuses a longer max_model_len)."""
+    """The model's context limit, which `max_length` must not pass (a draft model's shorter context is no limit: an
+    engine start takes it, its sequences going on without drafts past it)."""
     limit = model_max_len(model_config, EngineConfig(model=engine_config.model, device=engine_config.device))
     if max_length > limit:
         why = context_limit(model_config)[1]  # a cap below max_position_embeddings: its field named
         raise ConfigError(f"{flag} {max_length} is above the model's context of {limit}"
                           + (f" ({why})" if why else ""),
                           f"use {flag} {limit} or less")
-    draft = _draft_cfg(engine_config)
-    if draft is not None:
-        cap, why = context_limit(draft)
-        if max_length > cap:
-            raise ConfigError(f"{flag} {max_length} is above the draft model's context of {cap}"
-                              + (f" ({why})" if why else ""), f"use {flag} {cap} or less, or a draft with a longer "
-                              f"context")
-        limit = min(limit, cap)
     return limit
 
 
@@ -181,7 +172,7 @@ def estimate_plan(engine_config: EngineConfig, max_length: int, concurrency: int
 def _draft_weights(engine_config: EngineConfig, model_config, dtype, device, max_length: int) -> int:
     """A draft model's weights from its files (and its rotary table), after the checks an engine start makes; 0
     without one."""
-    from ..engine.draft import draft_config
+    from ..engine.draft import draft_config, draft_context
     from ..memory.checkpoint import checkpoint_weights_bytes
     from ..models.loader import weight_files
     from ..models.rope import rope_table_bytes
@@ -197,7 +188,8 @@ def _draft_weights(engine_config: EngineConfig, model_config, dtype, device, max
         return own.bits if own is not None else None
     bits, desc_act = (gptq.bits, gptq.desc_act) if gptq else (None, False)
     return checkpoint_weights_bytes(weight_files(path), config, dtype, device, bits, desc_act,
-                                    bits_of if gptq else None) + rope_table_bytes(config, max_length)
+                                    bits_of if gptq else None) \
+        + rope_table_bytes(config, draft_context(config, max_length))  # (its table: its own positions)
 
 
 def _lora_manager(model, engine_config: EngineConfig, device, dtype):

@@ -186,8 +186,8 @@ class BlockManager:
         the sequence was freed, and a request that hit it and the blocks computed after it meanwhile fed the draft
         all those tokens again, its catch-up (Scheduler.lag) past max_num_batched_tokens."""
         bs = self.block_size
-        for seq in seqs:
-            start, end = min(seq.draft_computed, seq.num_computed_tokens), seq.num_computed_tokens
+        for seq in seqs:  # (its feed stops at draft_fed: the draft's context, Sequence.draft_end)
+            start, end = min(seq.draft_computed, seq.num_computed_tokens), min(seq.draft_fed, seq.num_computed_tokens)
             for i in range(start // bs, min(-(-end // bs), len(seq.block_table))):
                 block = self.blocks[seq.block_table[i]]
                 if block.draft_upto is not None and start <= i * bs + block.draft_upto:

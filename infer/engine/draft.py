@@ -16,6 +16,7 @@ token of the target's it cannot embed (a padding id) is fed as a stand-in.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from .scheduler import ScheduledBatch
 from .structured import draft_bitmask
 from .transfer import Pack
 
+log = logging.getLogger("infer")
 
 @dataclass
 class DraftParts:
@@ -35,16 +37,17 @@ class DraftParts:
     model: Any
     model_config: Any
     target_vocab: int | None = None  # the target's vocab_size where it differs from the draft's (padding)
+    context: int | None = None  # the positions it sees (draft_context: its context, at most max_model_len)
 
 
 def draft_config(engine_config, target_config, max_len: int) -> tuple[Path, Any] | None:
     """(folder, config) of the draft model of --speculative-config {"model": ...} (None for n-gram or no
     speculation); ConfigError when its vocabulary (its tokenizer's token ids, or its size otherwise than by padding
-    beyond the tokenizer's ids) differs from the target's or its context is shorter than the engine's max_model_len
-    (`max_len`)."""
+    beyond the tokenizer's ids) differs from the target's. A context shorter than the engine's max_model_len
+    (`max_len`) is taken, as vLLM takes it: a sequence speculates only while its tokens and drafts fit the draft's
+    context (draft_context), then goes on without drafts."""
     from ..models.loader import load_config
     from ..models.resolve import resolve_model
-    from .setup import context_limit
     spec = engine_config.speculative_config
     if not spec or spec.get("method") != "draft_model":
         return None
@@ -71,12 +74,27 @@ def draft_config(engine_config, target_config, max_len: int) -> tuple[Path, Any]
                           f"ids), its vocab_size differing only by padding beyond the tokenizer's ids",
                           "use a draft of the target's family (the same tokenizer; a vocab_size of at least its "
                           "tokens, as Qwen2.5-0.5B's 151,936 drafting Qwen2.5-7B's 152,064)")
-    limit, why = context_limit(config)
-    if limit < max_len:
-        raise ConfigError(f"--speculative-config model {name!r} holds a context of {limit} tokens"
-                          f"{f' ({why})' if why else ''}, below the engine's max length of {max_len}",
-                          f"use --max-model-len {limit} or less, or a draft with a longer context")
     return path, config
+
+
+def draft_context(draft_model_config, max_len: int) -> int:
+    """The positions a draft model sees: its context limit (models.limits.context_limit), at most the engine's
+    max_model_len (`max_len`). A sequence drafts only while its tokens and drafts fit them (vLLM's
+    speculative_max_model_len): past them it goes on without drafts."""
+    from ..models.limits import context_limit
+    return min(context_limit(draft_model_config)[0], max_len)
+
+
+def context_note(name, draft_model_config, max_len: int) -> str | None:
+    """What a draft of a context shorter than max_len (`max_len`) means, said once when it is loaded; None where its
+    context is no shorter."""
+    from ..models.limits import context_limit
+    limit, why = context_limit(draft_model_config)
+    if limit >= max_len:
+        return None
+    return (f"the draft model {str(name)!r} holds a context of {limit} tokens{f' ({why})' if why else ''}, below the "
+            f"engine's max length of {max_len}: a sequence speculates only while its tokens and drafts fit {limit} "
+            f"tokens, then goes on without drafts (stats: draft_context_skipped_steps)")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
@@ -139,8 +157,12 @@ def load_draft(engine_config, target_config, dtype: torch.dtype, device: torch.d
     found = draft_config(engine_config, target_config, max_len)
     if found is None:
         return None
-    model, config = load_model(found[0], dtype, device, max_positions=max_len)
-    return DraftParts(found[0], model, config, target_config.vocab_size)
+    context = draft_context(found[1], max_len)
+    note = context_note(engine_config.speculative_config["model"], found[1], max_len)
+    if note:
+        log.warning(note)
+    model, config = load_model(found[0], dtype, device, max_positions=context)  # (its rope table: its positions)
+    return DraftParts(found[0], model, config, target_config.vocab_size, context)
 
 
 class DraftRunner:
@@ -154,6 +176,10 @@ class DraftRunner:
         # token the draft cannot embed is fed as a stand-in (_forward), a draft the target cannot take never made
         self.vocab = parts.model_config.vocab_size
         self.target_vocab = parts.target_vocab or self.vocab
+        # the positions it sees (draft_context): a sequence is fed up to them, and drafts only while its tokens and
+        # drafts fit them (LLMEngine._propose); None: any the engine takes
+        self.context = parts.context
+        self.context_skips = 0  # sequence-steps decoded without drafts because their drafts would pass the context
         self._zero = []  # the KV blocks the next forward zeroes first (propose)
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs of the one-token forwards (drafts 2..k) once captured
         self.eager_forwards = 0  # forwards run eagerly (each step's first; drafts 2..k without a graph that fits)
@@ -177,6 +203,8 @@ class DraftRunner:
         target's: the two never run at once); `emulate` replays by re-running the model. The first forward of a
         step (the step's own tokens, a mixed prefill) stays eager. Called with the target's (ModelRunner)."""
         from .cuda_graphs import DecodeGraphs
+        if self.context is not None:  # a sequence drafts only within the draft's context: no wider block tables
+            max_blocks = min(max_blocks, -(-self.context // self.block_size))
         graphs = DecodeGraphs(self.model, max_num_seqs, max_blocks, self.device, None, emulate,
                               high_priority=high_priority)
         graphs.pool = pool
@@ -187,12 +215,17 @@ class DraftRunner:
         """The draft's forwards so far, beside the target's graph counts in LLMEngine.stats(): its decode graphs'
         replays (drafts 2..k) and the forwards it ran eagerly."""
         return {"draft_cuda_graph_replays": sum(self.graphs.replays.values()) if self.graphs is not None else 0,
-                "draft_eager_forwards": self.eager_forwards}
+                "draft_eager_forwards": self.eager_forwards, "draft_context_skipped_steps": self.context_skips}
 
     def reset_stats(self) -> None:
         if self.graphs is not None:
             self.graphs.replays.clear()
-        self.eager_forwards = 0
+        self.eager_forwards = self.context_skips = 0
+
+    def fits(self, length: int, k: int) -> bool:
+        """Whether a sequence of `length` tokens (its last the step's own) may get k drafts: its tokens and drafts
+        within the draft's context (vLLM's speculative_max_model_len: seq_len + k past it drafts none)."""
+        return self.context is None or length + k <= self.context
 
     def close(self) -> None:
         for m in self.model.modules():
@@ -217,6 +250,7 @@ class DraftRunner:
             k = len(seq.draft_token_ids)
             end = seq.num_computed_tokens + n - k  # the step's own tokens end here
             start = min(seq.draft_computed, seq.num_computed_tokens)
+            end = max(start, seq.draft_end(end, self.context))  # never past its context (Scheduler.lag counts so)
             seq.draft_fed = end
             if k:
                 rows.append(len(feeds))

@@ -196,11 +196,13 @@ class LLMEngine:
         self.runner = ModelRunner(config, parts.model, dtype=self.dtype, device=self.device,
                                   num_blocks=parts.num_blocks, lora_manager=self.lora_manager)
         self.drafter = None  # draft-model speculative decoding: the draft model and its KV cache (engine.draft)
+        self._past_draft_context: set = set()  # the step's decodes left without drafts by the draft's context
         if getattr(parts, "draft", None) is not None:
             from .draft import DraftRunner
             self.drafter = DraftRunner(parts.draft, config.kv_dtype(self.dtype), parts.num_blocks, config.block_size,
                                        self.device)
             self.runner.draft = self.drafter  # zero_blocks zeroes both caches
+            self.scheduler.draft_context = self.drafter.context  # (its catch-up stops there too)
         self.start_times: dict[str, float] = {}  # seconds spent getting the GPU ready, summed into start_s by gpu_e2e
         self.pdl = False  # whether the step's kernels launch with programmatic dependent launch (kernels.pdl)
         if self.device.type == "cuda":
@@ -738,6 +740,7 @@ class LLMEngine:
         and context leave room for after the token the step adds of its own (with a grammar, cut where it refuses
         one)."""
         spec = self.speculative
+        self._past_draft_context = set()
         for seq in self.scheduler.running:
             seq.draft_token_ids, seq.draft_bitmask = [], None
             if seq.num_uncomputed_tokens != 1 or seq.num_pending:
@@ -746,7 +749,10 @@ class LLMEngine:
             if seq.params.max_new_tokens is not None:
                 room = min(room, seq.params.max_new_tokens - seq.num_generated - 1)
             k = min(spec.num_speculative_tokens, room)
-            if k > 0 and self.drafter is not None:  # placeholders: the draft model fills those scheduled
+            if k > 0 and self.drafter is not None and not self.drafter.fits(len(seq), k):
+                self._past_draft_context.add(seq)  # its drafts would pass the draft's context: none (counted
+                # once it is scheduled: _complete_speculative)
+            elif k > 0 and self.drafter is not None:  # placeholders: the draft model fills those scheduled
                 seq.draft_token_ids = [0] * k
             elif k > 0:
                 drafts = propose_for(seq, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -769,6 +775,8 @@ class LLMEngine:
             base = seq.num_computed_tokens + n - len(drafts)  # computed once its first token is appended
             if drafts:
                 self.spec_stats.count(len(drafts), accepted)
+            elif seq in self._past_draft_context:  # a decode without drafts: they would pass its context
+                self.drafter.context_skips += 1
             if not tokens:
                 seq.num_computed_tokens = base
                 self.block_manager.register_computed(seq)

@@ -135,7 +135,13 @@ def profile_run(model, model_config, engine_config: EngineConfig, dtype, device,
         lora_manager.release(lora_name)
     del runner
     if draft is not None:
-        peak = max(peak, _draft_peak(draft, engine_config, (prefill, *decodes), nblocks, dtype, device))
+        batches, blocks = (prefill, *decodes), nblocks
+        if draft.context is not None and draft.context < max_length:  # its worst case is at its own context (past
+            # it a sequence feeds the draft nothing and drafts nothing: engine.draft.DraftRunner.propose)
+            prefill_d, decodes_d, blocks = worst_case_batches(model_config, engine_config, draft.context,
+                                                              concurrency, engine_config.block_size)
+            batches = (prefill_d, *decodes_d)
+        peak = max(peak, _draft_peak(draft, engine_config, batches, blocks, dtype, device))
     rank = engine_config.max_lora_rank if lora_manager is not None else 0
     tokens = step_tokens(engine_config.max_num_batched_tokens, engine_config.max_num_seqs, max_length)
     if rank and lora_name is None:  # slots for adapters added later (--enable-lora): their path by the formula

@@ -174,6 +174,7 @@ class Scheduler:
         # own tokens (the last accepted draft of a step that accepted them all), counted against the same budget
         spec = config.speculative_config
         self.draft_model = bool(spec) and spec.get("method") == "draft_model"
+        self.draft_context: int | None = None  # the draft's context (LLMEngine sets it): never fed past it
         self.lora = lora  # adapter slot manager (or None): admits a request only when its adapter gets a slot
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -201,8 +202,12 @@ class Scheduler:
 
     def lag(self, seq: Sequence) -> int:
         """Draft-model speculation: the tokens seq's draft KV lacks before its next token (DraftRunner.propose feeds
-        them with the step's own), which the step's budget counts; 0 otherwise."""
-        return seq.num_computed_tokens - min(seq.draft_computed, seq.num_computed_tokens) if self.draft_model else 0
+        them with the step's own, never past the draft's context: Sequence.draft_end), which the step's budget
+        counts; 0 otherwise."""
+        if not self.draft_model:
+            return 0
+        return max(0, seq.draft_end(seq.num_computed_tokens, self.draft_context)
+                   - min(seq.draft_computed, seq.num_computed_tokens))
 
     def _fit(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
         """The tokens of seq this step within `budget`, which its draft's catch-up (lag) shares: the draft's first

@@ -102,6 +102,14 @@ class Sequence:  # a tuple of every field for each request ahead of the one remo
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
 
+    def draft_end(self, end: int, context: int | None) -> int:
+        """Draft-model speculation: where the draft model's feed of this sequence's tokens up to `end` stops, its
+        context (positions) being `context` (None: any): at `end`, or at the context (a sequence drafts only while its
+        tokens and drafts fit it); nothing past the start once the sequence is that long (it drafts no more)."""
+        if context is None:
+            return end
+        return min(end, context if len(self) < context else 0)
+
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self) - self.num_computed_tokens

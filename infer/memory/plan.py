@@ -18,6 +18,7 @@ import torch
 
 from ..errors import ConfigError, OutOfMemoryError
 from ..kernels.intmath import PROGRAMS_PER_SM, cdiv, decode_parts, next_power_of_2
+from ..models.limits import context_limit
 from ..models.shapes import ModelShapes
 from .graph_buckets import batch_buckets, largest_per_stream, token_buckets
 from .sizes import (activation_bytes, dequant_scratch_bytes, element_bytes, gib, kv_bytes_per_token, lora_slot_bytes,
@@ -172,12 +173,31 @@ def _decode_outputs_bytes(model_config, dtype: torch.dtype, buckets: list[int]) 
     return sum(buckets[:-1]) * model_config.hidden_size * element_bytes(dtype)
 
 
+def draft_len(draft_config, max_len: int | None) -> int:
+    """The positions a draft model sees (engine.draft.draft_context): its context limit, at most the engine's
+    max_model_len (`max_len`; None: its own). A sequence past them drafts no more and feeds the draft nothing: its
+    steps, graphs and block tables are of this length, not the target's."""
+    limit = context_limit(draft_config)[0]
+    return limit if max_len is None else min(limit, max_len)
+
+
+class _DraftOptions:
+    """An engine's options (PlanOptions) as a draft model's share reads them: max_model_len its draft_len."""
+
+    def __init__(self, options: PlanOptions, max_model_len: int):
+        self._options, self.max_model_len = options, max_model_len
+
+    def __getattr__(self, name: str):
+        return getattr(self._options, name)
+
+
 def draft_graph_bytes(engine_config: PlanOptions, draft_config, dtype: torch.dtype) -> int:
     """A draft model's decode graphs (engine.draft: its one-token forwards of drafts 2..k, recorded beside the
     target's, no adapters): the decode share of cuda_graph_bytes for the draft (its kept outputs too), counted on
     top of the target's as an upper bound (they share the target's pool); 0 without a draft or without graphs."""
     if draft_config is None or not engine_config.use_cuda_graphs():
         return 0
+    engine_config = _DraftOptions(engine_config, draft_len(draft_config, engine_config.max_model_len))
     # no adapters: its graphs share one stream whatever graph_priority says (one bucket here, max_num_seqs)
     buckets = batch_buckets(engine_config.max_num_seqs)
     return sum(_decode_graph_bytes(engine_config, draft_config, dtype, 0, b) for b in
@@ -348,7 +368,7 @@ def draft_activation_bytes(engine_config: PlanOptions, draft_config, dtype, max_
     draft), counted beside the target's; 0 without one."""
     if draft_config is None:
         return 0
-    seqs = seqs or engine_config.max_num_seqs
+    seqs, max_len = seqs or engine_config.max_num_seqs, draft_len(draft_config, max_len)  # (past it: not fed)
     tokens = step_tokens(engine_config.max_num_batched_tokens, seqs, max_len)
     return activation_bytes(draft_config, dtype, tokens, seqs, max_len, penalties=False,
                             kv_dtype=kv_dtype(engine_config, dtype))

@@ -1,0 +1,184 @@
+"""Draft-model speculative decoding, the fiftieth session's probes: a draft whose context is shorter than the
+engine's max_model_len is taken, as vLLM takes it (its speculative_max_model_len): a sequence drafts only while its
+tokens and drafts fit the draft's context and then goes on without drafts (per sequence: the others of the step
+keep drafting), the draft is never fed past its context, its rope table, graphs and memory share are of its own
+context, and stats() counts the decodes left without drafts by it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from infer import LLM, SamplingParams
+from infer.engine.config import EngineConfig
+from infer.models.tiny import ensure_builtin
+
+from helpers import random_prompts
+
+SHORT = 32  # the short draft's max_position_embeddings
+
+
+@pytest.fixture(scope="module")
+def path():
+    return ensure_builtin("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def short(path, tmp_path_factory):
+    """The target itself with a context of SHORT tokens: its drafts are the target's own while it drafts."""
+    dst = tmp_path_factory.mktemp("short") / "draft"
+    shutil.copytree(path, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": SHORT}))
+    return dst
+
+
+def spec(model, k: int = 3) -> dict:
+    return {"model": str(model), "num_speculative_tokens": k}
+
+
+def _outputs(llm, prompts, lengths):
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lengths]
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+KW = dict(block_size=4, max_num_batched_tokens=32, max_num_seqs=4, max_model_len=96)
+# some prompts cross the draft's context mid-generation, one stays within it, one starts past it
+PROMPTS = random_prompts(512, (20, 5, 26, 40, 9), seed=50)
+LENGTHS = [20, 8, 12, 10, 30]
+
+
+@pytest.fixture(scope="module")
+def plain(path):
+    return _outputs(LLM(str(path), **KW), PROMPTS, LENGTHS)
+
+
+def _fed_positions(monkeypatch):
+    """Every position the draft's forwards were fed (its first forward's and the one-token forwards')."""
+    from infer.engine.draft import DraftRunner
+    seen = []
+    real_forward, real_decode = DraftRunner._forward, DraftRunner._decode
+
+    def forward(self, feeds, rows):
+        for seq, start, tokens in feeds:
+            seen.extend(range(start, start + len(tokens)))
+        return real_forward(self, feeds, rows)
+
+    def decode(self, ids, positions, ctx):
+        seen.extend(positions.tolist())
+        return real_decode(self, ids, positions, ctx)
+    monkeypatch.setattr(DraftRunner, "_forward", forward)
+    monkeypatch.setattr(DraftRunner, "_decode", decode)
+    return seen
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_shorter_draft_is_taken_and_sequences_stop_drafting_past_its_context(path, short, plain, monkeypatch,
+                                                                               caplog, graphs):
+    """Refused at start before; now taken (said once), greedy tokens equal a run without speculation, per sequence:
+    the short sequences of the batch draft to their end while the others stop at the draft's context, the draft is
+    never fed a position past it, and stats() counts the decodes that ran without drafts because of it."""
+    seen = _fed_positions(monkeypatch)
+    with caplog.at_level("WARNING", logger="infer"):
+        llm = LLM(str(path), speculative_config=spec(short), **KW)
+    notes = [r.getMessage() for r in caplog.records if "context of 32 tokens" in r.getMessage()]
+    assert len(notes) == 1 and "without drafts" in notes[0] and "draft_context_skipped_steps" in notes[0]
+    assert llm.engine.drafter.context == SHORT
+    if graphs:
+        llm.engine.runner.capture_graphs(96, emulate=True)
+        assert llm.engine.drafter.graphs.max_blocks == SHORT // 4  # (the draft's tables: its context's blocks)
+    drafted = []  # (length, drafts) of every sequence with drafts at each verify
+    real_verify = llm.engine.runner.verify
+
+    def verify(batch):
+        drafted.extend((len(s), len(s.draft_token_ids)) for s in batch.seqs if s.draft_token_ids)
+        return real_verify(batch)
+    monkeypatch.setattr(llm.engine.runner, "verify", verify)
+    seen.clear()
+    assert _outputs(llm, PROMPTS, LENGTHS) == plain
+    assert seen and max(seen) < SHORT
+    assert drafted and all(n + k <= SHORT for n, k in drafted)
+    assert any(n + k > SHORT - 4 for n, k in drafted)  # drafting up to the limit (a step adds up to k + 1)
+    stats = llm.engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    # the decodes without drafts: every step of a sequence whose length and drafts pass SHORT (k = 3, or fewer
+    # near max_tokens), prompt 40 (all 9 decodes after its prefill's token), 26 (from length 30 on)...
+    want = 0
+    for prompt, n in zip(PROMPTS, LENGTHS):
+        for length in range(len(prompt) + 1, len(prompt) + n):  # the decodes: their lengths before the step
+            k = min(3, len(prompt) + n - length)
+            want += length + k > SHORT
+    assert 0 < stats["draft_context_skipped_steps"] <= want  # (a step may accept drafts over several lengths)
+    assert stats["draft_context_skipped_steps"] >= 9  # the 40-token prompt's decodes alone
+    if graphs:
+        assert stats["draft_cuda_graph_replays"] > 0
+
+
+def test_one_sequence_past_the_context_does_not_stop_the_others_of_its_step(path, short, monkeypatch):
+    """Per sequence, not per batch: in a step where one sequence is past the draft's context the others draft."""
+    llm = LLM(str(path), speculative_config=spec(short), **KW)
+    steps = []
+    real_verify = llm.engine.runner.verify
+
+    def verify(batch):
+        steps.append([(len(s), len(s.draft_token_ids), n) for s, n in zip(batch.seqs, batch.num_new_tokens)])
+        return real_verify(batch)
+    monkeypatch.setattr(llm.engine.runner, "verify", verify)
+    prompts = random_prompts(512, (40, 4), seed=7)
+    want = _outputs(LLM(str(path), **KW), prompts, [12, 12])
+    assert _outputs(llm, prompts, [12, 12]) == want
+    mixed = [s for s in steps if len(s) == 2 and s[0][0] > SHORT and s[0][1] == 0 and s[1][1] > 0]
+    assert mixed, steps
+    # the draft's catch-up (Scheduler.lag) counts no tokens it is never fed: the long prompt's second chunk is its
+    # 8 tokens beside the short prompt's 4, not one token a step (its draft KV "lagging" ever more)
+    assert steps[:2] == [[(40, 0, 32)], [(40, 0, 8), (4, 0, 4)]], steps
+
+
+def test_the_draft_is_loaded_and_planned_for_its_own_context(path, short, monkeypatch):
+    """Its rope table holds its context's positions (not max_model_len's), and the engine's memory plan counts its
+    step and graphs at its context: a draft of the same shapes and a longer context costs more."""
+    from infer.engine.setup import load_engine_parts
+    from infer.memory.plan import draft_activation_bytes, draft_graph_bytes
+    from infer.models.loader import load_config
+    kw = dict(KW, max_model_len=512, memory_limit="64MB")
+    parts = load_engine_parts(EngineConfig(model=path, speculative_config=spec(short), **kw))
+    assert parts.draft.context == SHORT
+    cos = [b for n, b in parts.draft.model.named_buffers() if "cos" in n or "rope" in n or "inv" in n]
+    assert cos and max(b.shape[0] for b in cos if b.dim() >= 2) <= SHORT
+    monkeypatch.setattr(EngineConfig, "use_cuda_graphs", lambda self: True)
+    cfg = EngineConfig(model=path, speculative_config=spec(short), **kw)
+    short_cfg, long_cfg = load_config(short), load_config(path)
+    assert draft_activation_bytes(cfg, short_cfg, torch.float32, 512) < \
+        draft_activation_bytes(cfg, long_cfg, torch.float32, 512)
+    assert draft_graph_bytes(cfg, short_cfg, torch.float32) < draft_graph_bytes(cfg, long_cfg, torch.float32)
+
+
+def test_a_prefix_hit_takes_no_draft_kv_that_a_sequence_past_the_context_never_fed(path, short):
+    """A sequence past the draft's context feeds it nothing: a cached prefix it hit (draft KV unwritten: its first
+    owner was past the context too) must stay marked unwritten while it runs, or a request within the context that
+    hits it meanwhile drafts from a draft KV of zeros (greedy tokens the same, the drafts rejected). The target as
+    its own draft accepts every draft of a right draft KV."""
+    llm = LLM(str(path), speculative_config=spec(short), enable_prefix_caching=True, **KW)
+    eng = llm.engine
+    base = random_prompts(512, (36,), seed=3)[0]
+    llm.generate([base + [7]], SamplingParams(max_new_tokens=2, ignore_eos=True))  # its blocks cached, unwritten
+    eng.add_request("hit", base + [9], SamplingParams(max_new_tokens=20, ignore_eos=True))  # a hit, past it too
+    eng.step()
+    before = dict(eng.stats())
+    prompt = base[:20] + [11]  # within the context: hits the first 20 tokens' blocks while "hit" runs
+    eng.add_request("within", prompt, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    got = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                got[out.request_id] = out.outputs[0].token_ids if hasattr(out, "outputs") else out.token_ids
+    want = _outputs(LLM(str(path), **KW), [prompt], [6])[0]
+    assert list(got["within"]) == want
+    stats = eng.stats()
+    drafted = stats["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+    accepted = stats["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert stats["prefix_cache_hits"] > before["prefix_cache_hits"]
+    assert drafted > 0 and accepted == drafted
