@@ -182,3 +182,40 @@ def test_a_prefix_hit_takes_no_draft_kv_that_a_sequence_past_the_context_never_f
     accepted = stats["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
     assert stats["prefix_cache_hits"] > before["prefix_cache_hits"]
     assert drafted > 0 and accepted == drafted
+
+
+# ------------------------------------------------------------------ a draft whose tokenizer differs in special tokens
+def _special_renamed(src, dst, at: int, name: str, special: bool = True):
+    """A copy of `src` whose tokenizer names added token `at` `name` (marked special or not), with a chat template
+    of its own."""
+    shutil.copytree(src, dst)
+    data = json.loads((dst / "tokenizer.json").read_text())
+    for t in data["added_tokens"]:
+        if t["id"] == at:
+            old, t["content"], t["special"] = t["content"], name, special
+    vocab = data["model"]["vocab"]
+    if old in vocab:
+        vocab[name] = vocab.pop(old)
+    (dst / "tokenizer.json").write_text(json.dumps(data))
+    (dst / "chat_template.jinja").write_text("{% for m in messages %}<|im_start|>{{ m.content }}" + name +
+                                             "{% endfor %}")
+    return dst
+
+
+def test_a_draft_whose_tokenizer_names_a_special_token_otherwise_is_taken(path, tmp_path, caplog):
+    """A base model's "<|reserved_special_token_N|>" where the chat target has "<|eot_id|>" (Llama 3.2 1B drafting
+    Llama 3 70B), and a chat template of its own: the same ids to both models, the target's tokenizer reads them
+    (as vLLM takes such a draft): taken, said once, greedy tokens as without speculation; an id the draft holds
+    as a plain token where the target has a special one stays refused."""
+    from infer.errors import ConfigError
+    draft = _special_renamed(path, tmp_path / "renamed", 2, "<|reserved_special_token_0|>")
+    prompts = random_prompts(512, (9, 14), seed=5)
+    want = _outputs(LLM(str(path), block_size=4), prompts, [8, 8])
+    with caplog.at_level("WARNING", logger="infer"):
+        llm = LLM(str(path), block_size=4, speculative_config=spec(draft))
+    notes = [r.getMessage() for r in caplog.records if "special token" in r.getMessage()]
+    assert len(notes) == 1 and "id 2: '<|reserved_special_token_0|>' in the draft, '<|im_end|>'" in notes[0]
+    assert _outputs(llm, prompts, [8, 8]) == want
+    plain = _special_renamed(path, tmp_path / "plain", 2, "eot", special=False)
+    with pytest.raises(ConfigError, match="token id 2 is 'eot' in the draft, '<|im_end|>' in the target"):
+        LLM(str(path), block_size=4, speculative_config=spec(plain))

@@ -100,26 +100,31 @@ def context_note(name, draft_model_config, max_len: int) -> str | None:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
 
 
-def _token_ids(folder: Path, parsed: bool) -> dict[str, int] | None:
-    """What each token id of the tokenizer in `folder` means ({token: id}, added tokens too): from its
-    tokenizer.json (`parsed`), else as transformers loads it; None where the folder holds no tokenizer."""
+def _token_ids(folder: Path, parsed: bool) -> tuple[dict[str, int], set[int]] | None:
+    """What each token id of the tokenizer in `folder` means ({token: id}, added tokens too), and the ids of its
+    special tokens (added tokens marked special): from its tokenizer.json (`parsed`), else as transformers loads
+    it; None where the folder holds no tokenizer."""
     if parsed:
         import json
         data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
         vocab = (data.get("model") or {}).get("vocab") or {}
         ids = {t: i for i, (t, _) in enumerate(vocab)} if isinstance(vocab, list) else dict(vocab)  # (Unigram: a list)
-        ids.update({t["content"]: t["id"] for t in data.get("added_tokens") or []})
-        return ids
+        added = data.get("added_tokens") or []
+        ids.update({t["content"]: t["id"] for t in added})
+        return ids, {t["id"] for t in added if t.get("special")}
     if not any((folder / f).is_file() for f in TOKENIZER_FILES):
         return None
     from .setup import load_tokenizer
-    return dict(load_tokenizer(folder).get_vocab())
+    tokenizer = load_tokenizer(folder)
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return dict(tokenizer.get_vocab()), {i for i, t in added.items() if getattr(t, "special", False)}
 
 
 def _check_tokenizer(name: str, draft: Path, target: Path, padded: bool = False) -> int | None:
     """ConfigError where the draft's tokenizer gives a token id another meaning than the target's (its drafts would
     be other tokens than it meant, nearly all rejected: the speculation slower than none); ids only one of them has
-    (added tokens, in the other's padding) are no conflict. Two tokenizer.json are compared as files, then by their
+    (added tokens, in the other's padding) are no conflict, nor a special token of both named otherwise (said
+    once). Two tokenizer.json are compared as files, then by their
     vocabularies; other formats as transformers loads them. A folder without a tokenizer is taken on its vocab_size
     alone. Returns, where the two models' vocab_size differ (`padded`), how many token ids the tokenizers hold (the
     largest id of either + 1: the rest of each embedding is padding); None without a tokenizer to tell, or when the
@@ -133,9 +138,20 @@ def _check_tokenizer(name: str, draft: Path, target: Path, padded: bool = False)
     ours = None if theirs is None else theirs if same else _token_ids(target, parsed)
     if theirs is None or ours is None:
         return None
+    (theirs, their_special), (ours, our_special) = theirs, ours
     if theirs != ours:
         by_id, their_by_id = {i: t for t, i in ours.items()}, {i: t for t, i in theirs.items()}
         differ = [i for i in set(by_id) & set(their_by_id) if by_id.get(i) != their_by_id.get(i)]
+        # a special token of both named otherwise (a chat model's "<|eot_id|>" at a base model's
+        # "<|reserved_special_token_4|>"): the same id to both models, which the target's tokenizer reads, as vLLM
+        # takes such a draft (it compares no tokenizers); said once
+        special = sorted(i for i in differ if i in their_special and i in our_special)
+        differ = [i for i in differ if i not in their_special or i not in our_special]
+        if special and not differ:
+            at = special[0]
+            log.warning("the draft model %r names %d special token id(s) otherwise than the target model (%s), e.g. "
+                        "id %d: %r in the draft, %r in the target; taken: both models read the same ids, the "
+                        "target's tokenizer their text", name, len(special), target, at, their_by_id[at], by_id[at])
         if differ:
             at = min(differ)
             mine, yours = their_by_id.get(at), by_id.get(at)
