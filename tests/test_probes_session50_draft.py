@@ -219,3 +219,46 @@ def test_a_draft_whose_tokenizer_names_a_special_token_otherwise_is_taken(path, 
     plain = _special_renamed(path, tmp_path / "plain", 2, "eot", special=False)
     with pytest.raises(ConfigError, match="token id 2 is 'eot' in the draft, '<|im_end|>' in the target"):
         LLM(str(path), block_size=4, speculative_config=spec(plain))
+
+
+# ------------------------------------------------------------------ a step interrupted in the draft's forward
+@pytest.mark.parametrize("where", ["draft", "verify", "run"])
+def test_a_step_interrupted_before_the_verify_leaves_its_blocks_to_be_zeroed(path, monkeypatch, where):
+    """Ctrl-C while the draft's tokens are read back (or in the verify) ends the step before the target zeroed the
+    KV blocks it got: the next step zeroes them, or the target's attention read what their memory held (NaN here, as
+    uninitialised memory may: the request ended "logits were not finite"). Greedy tokens as without speculation.
+    ("run": a step without speculation interrupted in its forward, the same.)"""
+    from infer.engine.draft import DraftRunner
+    from infer.engine.model_runner import ModelRunner
+    prompts = random_prompts(512, (20, 5), seed=50)
+    want = _outputs(LLM(str(path), **KW), prompts, [12, 12])
+    llm = LLM(str(path), speculative_config=None if where == "run" else spec(path), overlap=False, **KW)
+    eng = llm.engine
+    for cache in (eng.runner.kv_cache, *([eng.drafter.kv_cache] if eng.drafter else [])):
+        cache.fill_(float("nan"))  # (memory as torch.empty may hand it out: every block is zeroed when handed out)
+    calls, interrupts = [0], []
+    owner, name = {"draft": (DraftRunner, "_forward"), "verify": (ModelRunner, "verify"),
+                   "run": (ModelRunner, "run")}[where]
+    real = getattr(owner, name)
+
+    def interrupted(self, *a):
+        calls[0] += 1
+        zero = a[0].zero if owner is ModelRunner else self._zero
+        if calls[0] > 1 and zero and not interrupts:  # the first step after the prefill that got a new block
+            raise KeyboardInterrupt
+        return real(self, *a)
+    monkeypatch.setattr(owner, name, interrupted)
+    for i, prompt in enumerate(prompts):
+        eng.add_request(str(i), prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    got = {}
+    while eng.has_unfinished_requests():
+        try:
+            outs = eng.step()
+        except KeyboardInterrupt:
+            interrupts.append(True)
+            continue
+        for out in outs:
+            if out.finished:
+                got[out.request_id] = (list(out.outputs[0].token_ids), out.outputs[0].finish_reason)
+    assert interrupts == [True]
+    assert [got[str(i)] for i in range(2)] == [(w, "length") for w in want]

@@ -633,19 +633,27 @@ class LLMEngine:
             return
         batch.zero, self.block_manager.fresh = self.block_manager.fresh, []  # zeroed by the step (ModelRunner.prepare)
         self.num_steps += 1
-        if self.drafter is not None:  # the draft model's drafts, in the slots the scheduler gave their placeholders
-            self.drafter.propose(batch)
-            self.block_manager.drafts_written(batch.seqs)  # (the cached blocks whose draft KV it caught up)
+        try:
+            if self.drafter is not None:  # the draft model's drafts, in the slots the scheduler gave their placeholders
+                self.drafter.propose(batch)
+                self.block_manager.drafts_written(batch.seqs)  # (the cached blocks whose draft KV it caught up)
+            if self.speculative is not None:
+                results = self.runner.verify(batch)
+            elif not self.overlap:
+                sampled = self.runner.run(batch)
+        except BaseException:  # (Ctrl-C while the draft's tokens are read back) the step never completed: its blocks
+            # are the next step's to zero, or the target's KV of the blocks it got held whatever their memory held
+            # (a NaN read as attention's masked tail: the request ended "logits were not finite")
+            self.block_manager.fresh[:0] = batch.zero
+            raise
         self.last_step_tokens = batch.num_tokens
         if self.speculative is not None:  # (never overlapped: EngineConfig.use_overlap)
-            results = self.runner.verify(batch)
             # as vLLM's iteration tokens: a row's accepted drafts and its own token, never the drafts it rejected
             self.last_step_tokens -= sum(len(batch.seqs[i].draft_token_ids) - r[2] for i, r in results.items())
             with interrupts_held():
                 outputs += self._complete_speculative(batch, results)
             return
         if not self.overlap:
-            sampled = self.runner.run(batch)
             with interrupts_held():
                 self._launched(batch, sampled)
                 outputs += self._complete(batch, sampled)
