@@ -262,3 +262,36 @@ def test_a_step_interrupted_before_the_verify_leaves_its_blocks_to_be_zeroed(pat
                 got[out.request_id] = (list(out.outputs[0].token_ids), out.outputs[0].finish_reason)
     assert interrupts == [True]
     assert [got[str(i)] for i in range(2)] == [(w, "length") for w in want]
+
+
+# ------------------------------------------------------------------ the new counter beside the draft's others
+def test_the_context_counter_is_summed_over_replicas_and_counted_per_benchmark_run():
+    """draft_context_skipped_steps is a counter as draft_eager_forwards is: a data-parallel server sums it over
+    its replicas (a replaced replica's figure kept), and a benchmark's sampler reports its change over the run."""
+    from fakeray import FakeRay, Handle
+
+    from infer.bench.monitor import ResourceSampler
+    from infer.parallel.serve_engine import RayAsyncEngine, _Replica
+
+    class Stub:
+        def info(self) -> dict:
+            return {"error": None}
+    r = _Replica(0, None, {}, stats={"num_steps": 10, "draft_context_skipped_steps": 7})
+    engine = RayAsyncEngine.__new__(RayAsyncEngine)
+    engine.ray, engine.replicas, engine._starting = FakeRay(), [r], {}
+    engine._restart, engine.max_restarts = lambda index: Handle(Stub()), 3
+    assert RayAsyncEngine._aggregate(engine)["draft_context_skipped_steps"] == 7
+    engine._replace(r)
+    r.stats, r.alive = {"num_steps": 1, "draft_context_skipped_steps": 2}, True
+    assert RayAsyncEngine._aggregate(engine)["draft_context_skipped_steps"] == 9
+
+    class Engine:
+        figures = {"draft_context_skipped_steps": 4}
+
+        def stats(self):
+            return dict(self.figures)
+    sampler = ResourceSampler(Engine(), interval_s=0)
+    sampler.start()
+    Engine.figures = {"draft_context_skipped_steps": 10}
+    sampler.sample(force=True)
+    assert sampler.last_stats["run_draft_context_skipped_steps"] == 6

@@ -7,7 +7,7 @@ import time
 
 _COUNTERS = ("num_preemptions", "lora_swaps", "num_steps", "cuda_graph_replays",  # cumulative: also per run
              "piecewise_graph_steps", "draft_cuda_graph_replays", "draft_eager_forwards", "spec_decode_num_drafts",
-             "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+             "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "draft_context_skipped_steps")
 _STAT_KEYS = ("kv_usage", "kv_blocks_used", "num_running", "num_waiting", "prefix_cache_hit_rate",
               "num_preemptions", "lora_swaps")
 
@@ -42,8 +42,8 @@ class ResourceSampler:
     holds its stats().
     GPU figures come from torch.cuda (max_memory_allocated is reset by `start()`). The engine's cumulative
     counters (num_preemptions, lora_swaps, num_steps, cuda_graph_replays, piecewise_graph_steps, a draft model's
-    draft_cuda_graph_replays and draft_eager_forwards, the spec_decode counts) also appear as run_<name>: their
-    change since `start()`."""
+    draft_cuda_graph_replays, draft_eager_forwards and draft_context_skipped_steps, the spec_decode counts) also
+    appear as run_<name>: their change since `start()`."""
 
     def __init__(self, engine=None, interval_s: float = 0.05):
         import psutil

@@ -41,7 +41,8 @@ SUMMED = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_used", "nu
 CUMULATIVE = ("num_preemptions", "lora_swaps", "num_steps", "cuda_graph_replays", "piecewise_graph_steps",
               "prefix_cache_queries", "prefix_cache_hits")
 SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
-DRAFT_COUNTERS = ("draft_cuda_graph_replays", "draft_eager_forwards")  # a draft model's forwards
+# a draft model's forwards, and the decodes its context left without drafts
+DRAFT_COUNTERS = ("draft_cuda_graph_replays", "draft_eager_forwards", "draft_context_skipped_steps")
 # what a dead replica shows as 0 in its own /metrics series (it runs and holds nothing); its counters stay
 GAUGES = ("num_running", "num_waiting", "kv_usage", "kv_blocks_used", "kv_blocks_total", "num_in_flight")
 
