@@ -295,3 +295,21 @@ def test_the_context_counter_is_summed_over_replicas_and_counted_per_benchmark_r
     Engine.figures = {"draft_context_skipped_steps": 10}
     sampler.sample(force=True)
     assert sampler.last_stats["run_draft_context_skipped_steps"] == 6
+
+
+def test_warmup_measures_the_drafts_peak_at_its_own_context(path, short, monkeypatch):
+    """`infer warmup` (measured) with a draft of a shorter context: the draft's peak is run on the worst case of
+    its own context (past it a sequence feeds it nothing), not on the target's batches at max_length, whose
+    drafting rows it would run past its rope table (or measure nothing for)."""
+    from infer.cli import warmup_plan
+    from infer.engine.draft import DraftRunner
+    seen, real = [], DraftRunner.propose
+
+    def propose(self, batch):
+        seen.append(max(len(s) + len(s.draft_token_ids) for s in batch.seqs))
+        return real(self, batch)
+    monkeypatch.setattr(DraftRunner, "propose", propose)
+    cfg = EngineConfig(str(path), speculative_config=spec(short), block_size=4, max_num_batched_tokens=64)
+    plan, _ = warmup_plan.measured_plan(cfg, 96, 2)
+    assert plan.max_length == 96 and plan.activation_peak_bytes > 0
+    assert seen and max(seen) <= SHORT
