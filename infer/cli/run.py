@@ -275,7 +275,17 @@ def _output_options(engine: EngineConfig, max_new_tokens: int, output_format: st
             # an fp8 KV cache changes the tokens (fp8 and fp8_e4m3 are one type)
             **({"kv_cache_dtype": {"fp8": "fp8_e4m3"}.get(engine.kv_cache_dtype, engine.kv_cache_dtype)}
                if engine.kv_cache_dtype != "auto" else {}),
-            **({"reasoning_parser": reasoning_parser} if reasoning_parser is not None else {})}
+            **({"reasoning_parser": reasoning_parser} if reasoning_parser is not None else {}),
+            # speculation draws a seeded sampled request's random numbers otherwise (rejection sampling)
+            **({"speculative_config": _speculation(engine.speculative_config)} if engine.speculative_config else {})}
+
+
+def _speculation(config: dict) -> dict:
+    """--speculative-config as a resume fingerprint holds it: a draft model's folder as an absolute path."""
+    model = config.get("model")
+    if model is not None and Path(model).expanduser().exists():
+        return {**config, "model": str(Path(model).expanduser().resolve())}
+    return dict(config)
 
 
 def _strict_exit(lines: list) -> None:
