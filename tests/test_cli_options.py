@@ -123,3 +123,32 @@ def test_sizes_and_adapters_are_normalised(tmp_path):
     cfg = EngineConfig("m", memory_limit="1.5GiB", loras={"x": str(tmp_path)})
     assert cfg.memory_limit == int(1.5 * 2**30) and cfg.loras == {"x": str(tmp_path)}
     assert dataclasses.replace(cfg, seed=3).memory_limit == cfg.memory_limit
+
+
+# options of the data-parallel drivers (not EngineConfig's): flag, a value other than the default, the keyword it
+# reaches run_data_parallel and serve_data_parallel with, and the value there
+REPLICA_OPTIONS = [("--max-replica-restarts", "0", "max_restarts", 0)]
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_replica_options_reach_the_data_parallel_drivers(command, tmp_path, monkeypatch):
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def driver(*args, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+    monkeypatch.setattr("infer.cli.run_parallel.run_data_parallel", driver)
+    monkeypatch.setattr("infer.cli.serve_parallel.serve_data_parallel", driver)
+    monkeypatch.setattr("infer.cli.serve._serve", driver)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    where = [str(prompts), "-o", str(tmp_path / "o.jsonl")] if command == "run" else ["--port", "0"]
+    argv = [a for flag, value, _, _ in REPLICA_OPTIONS for a in (flag, value)]
+    result = CliRunner().invoke(app, [command, "tiny-llama", *where, "--data-parallel", "2",
+                                      "--ray-address", "127.0.0.1:1", *argv])
+    assert isinstance(result.exception, Stop), result.output
+    for _, _, keyword, want in REPLICA_OPTIONS:
+        assert seen[keyword] == want, (command, keyword)

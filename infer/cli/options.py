@@ -34,6 +34,7 @@ except ImportError:  # pragma: no cover - older typer uses click itself
 from ..engine.config import RANGES, EngineConfig, cli_fields, command_line_template, valid_device
 from ..errors import ConfigError
 from ..models.tiny import BUILTIN_MODELS
+from ..parallel.pool import MAX_RESTARTS
 
 BUILTIN_HELP = (f"a built-in model with random weights ({', '.join(BUILTIN_MODELS)}; generated on first use, its "
                 "text is gibberish)")
@@ -222,6 +223,14 @@ def check_ray_address(value: str | None) -> str | None:
         raise typer.BadParameter("it is empty; give HOST:6379 or ray://HOST:10001, or leave the option out for a "
                                  "local Ray runtime")
     return value
+
+
+MAX_REPLICA_RESTARTS = MAX_RESTARTS  # --max-replica-restarts' default
+REPLICA_RESTARTS_HELP = ("With --data-parallel: how many times a replica that stops (its process died) is replaced by "
+                         "a fresh one (the same config, the model loaded again), per replica; 0: never (the others "
+                         "go on without it).")
+MaxReplicaRestarts = Annotated[int, typer.Option("--max-replica-restarts", min=0, max=1000,
+                                                 help=REPLICA_RESTARTS_HELP)]
 
 
 # Single engine options for commands that do not run the engine (lora-validate).

@@ -53,6 +53,7 @@ def run(
     ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="Join this Ray cluster (HOST:6379 or "
                                                        "ray://HOST:10001); default: a local Ray runtime.",
                                                        callback=o.check_ray_address)] = None,
+    max_replica_restarts: o.MaxReplicaRestarts = o.MAX_REPLICA_RESTARTS,
     output_format: Annotated[str, typer.Option("--output-format", help="infer: infer's own record per line (id, text, "
                                                "token_ids, ...); openai: OpenAI's batch output line (custom_id, "
                                                "response.body: the server's chat.completion or text_completion), as "
@@ -88,13 +89,16 @@ def run(
     resumable = is_regular_target(output)
     with output_lock(output) if resumable else contextlib.nullcontext():  # one run at a time writes a file
         _run_locked(engine, input, output, resume, force_resume, strict, max_new_tokens, quiet, data_parallel,
-                    ray_address, options, resumable, output_format)
+                    ray_address, options, resumable, output_format,
+                    replica_options={"max_restarts": max_replica_restarts})
 
 
 def _run_locked(engine: EngineConfig, input: Path, output: Path | None, resume: bool, force_resume: bool,
                 strict: bool, max_new_tokens: int, quiet: bool, data_parallel: int, ray_address: str | None,
-                options: dict, resumable: bool, output_format: str = "infer") -> None:
-    """`run` once its paths are checked, with the output locked."""
+                options: dict, resumable: bool, output_format: str = "infer",
+                replica_options: dict | None = None) -> None:
+    """`run` once its paths are checked, with the output locked (`replica_options`: run_data_parallel's
+    max_restarts, for --data-parallel)."""
     if resume and resumable and not force_resume:
         check_resume(output, input, options)
     if not resume and resumable:
@@ -111,7 +115,8 @@ def _run_locked(engine: EngineConfig, input: Path, output: Path | None, resume: 
         from .run_parallel import run_data_parallel
         failed, earlier = run_data_parallel(engine, input, output, replicas=data_parallel, address=ray_address,
                                             defaults=defaults, strict=strict, resume=resume, resumable=resumable,
-                                            options=options, quiet=quiet, output_format=output_format)
+                                            options=options, quiet=quiet, output_format=output_format,
+                                            **(replica_options or {}))
     else:
         failed, earlier = _run_in_process(engine, input, output, defaults, strict=strict, resume=resume,
                                           resumable=resumable, options=options, quiet=quiet,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from ..parallel.pool import ReplicaPool, Work
+from ..parallel.pool import MAX_RESTARTS, ReplicaPool, Work
 from ..parallel.progress import ReplicaProgress
 from ..parallel.replica import ENGINE_FAILURE
 from ..parallel.runtime import (ReplicaError, check_local_replicas, local_cpus, placement, ray_runtime, require_ray,
@@ -24,9 +24,10 @@ VALIDATE_CHUNK = 4096  # requests per validation call (one message each way)
 
 def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int, address: str | None,
                       defaults: dict, strict: bool, resume: bool, resumable: bool, options: dict,
-                      quiet: bool, output_format: str = "infer") -> tuple[int, int]:
+                      quiet: bool, output_format: str = "infer", max_restarts: int = MAX_RESTARTS) -> tuple[int, int]:
     """Run every line of `input` on `replicas` engine replicas: (this run's failed lines, earlier error records of
-    this input's lines in the resumed output), as run._run_in_process."""
+    this input's lines in the resumed output), as run._run_in_process. A replica that stops is replaced by a fresh
+    one `max_restarts` times at most (--max-replica-restarts; 0: never)."""
     require_ray()  # before anything loads: a missing extra is a one-line error
     check_local_replicas(replicas, address, engine.device)  # (--data-parallel 1000 on one machine)
     from ..engine.setup import load_tokenizer
@@ -41,7 +42,7 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
         handles, infos = start_replicas(ray, engine, model_path, replicas)
         pool = ReplicaPool(ray, handles, capacity=engine.max_num_seqs + max(1, engine.max_num_seqs // 4),
                            notify=lambda message: typer.echo(message, err=True),
-                           restart=getattr(handles, "restart", None))
+                           restart=getattr(handles, "restart", None), max_restarts=max_restarts)
         try:
             if not quiet:
                 _announce(infos, engine)

@@ -81,6 +81,9 @@ def serve(
     ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="Join this Ray cluster (HOST:6379 or "
                                                        "ray://HOST:10001); default: a local Ray runtime.",
                                                        rich_help_panel=SERVER, callback=o.check_ray_address)] = None,
+    max_replica_restarts: Annotated[int, typer.Option(
+        "--max-replica-restarts", min=0, max=1000, help=o.REPLICA_RESTARTS_HELP,
+        rich_help_panel=SERVER)] = o.MAX_REPLICA_RESTARTS,
     max_body_size: Annotated[str, typer.Option(help="Largest request body, e.g. 8MB or 512KB; a larger one gets 413 "
                                                     "before it is read.", rich_help_panel=SERVER)] = "8MB",
     max_json_depth: Annotated[int, typer.Option(min=1, max=10000, help="How deeply a request body may nest arrays "
@@ -168,7 +171,8 @@ def serve(
                                        log_level, data_parallel, ray_address, limits, allow_runtime_lora, parser,
                                        thinking,
                                        trust_request_chat_template=trust_request_chat_template, cors=cors,
-                                       tokens_as_ids=return_tokens_as_token_ids)
+                                       tokens_as_ids=return_tokens_as_token_ids,
+                                       max_restarts=max_replica_restarts)
         _serve(engine, sock, host, model_ids, api_key, max_queue, shutdown_timeout, log_level, limits,
                allow_runtime_lora, parser, thinking, trust_request_chat_template=trust_request_chat_template,
                cors=cors, tokens_as_ids=return_tokens_as_token_ids)

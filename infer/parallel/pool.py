@@ -1,5 +1,6 @@
 """The driver loop: keep every replica's slots full, hand back outputs as requests finish, re-run a dead
-replica's unfinished requests on the others (and start a fresh replica in its place, MAX_RESTARTS times at most).
+replica's unfinished requests on the others (and start a fresh replica in its place, `max_restarts` times at most:
+--max-replica-restarts, MAX_RESTARTS by default).
 Every request is handed back exactly once."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from .runtime import ReplicaError, _last_line, stop_replicas
 
 DEPTH = 2  # calls queued per replica: while the driver reads one result the replica already runs the next
 MAX_LOST = 2  # a request in flight on this many replicas that stopped is not run again: it may be what stops them
-MAX_RESTARTS = 2  # a replica that stopped is replaced by a fresh one (same config) this many times at most
+MAX_RESTARTS = 2  # the default of --max-replica-restarts: how many times a stopped replica is replaced at most
 
 
 @dataclass
@@ -53,10 +54,15 @@ class ReplicaPool:
     in flight each: the engine's batch plus a few waiting, so a freed slot is refilled at once)."""
 
     def __init__(self, ray, handles: list, capacity: int, budget_s: float = 0.5,
-                 notify: Callable[[str], None] = print, restart: Callable[[int], object] | None = None):
+                 notify: Callable[[str], None] = print, restart: Callable[[int], object] | None = None,
+                 max_restarts: int = MAX_RESTARTS):
         """`restart(index)`: a fresh actor for replica `index`, started as the first one was (runtime.start_replicas'
-        ReplicaHandles.restart); None: a replica that stops is not replaced."""
+        ReplicaHandles.restart), `max_restarts` times per replica at most (0: never); None: a replica that stops is
+        not replaced."""
+        if max_restarts < 0:
+            raise ValueError(f"max_restarts must be 0 or more, got {max_restarts}")
         self.ray, self.capacity, self.budget_s, self.notify = ray, capacity, budget_s, notify
+        self.max_restarts = max_restarts
         self.replicas = [ReplicaState(i, h) for i, h in enumerate(handles)]
         self._calls: dict = {}  # object ref -> ReplicaState
         self._starting: dict = {}  # a fresh replica's `info` call -> its ReplicaState (not alive until it answers)
@@ -135,7 +141,7 @@ class ReplicaPool:
 
     def _lost(self, r: ReplicaState, queue: deque, error: Exception, on_rejected: Callable) -> None:
         """A replica died (or its engine raised): its unfinished requests go back to the front of the queue, and a
-        fresh replica is started in its place (MAX_RESTARTS times at most). While other replicas live (or one is
+        fresh replica is started in its place (max_restarts times at most). While other replicas live (or one is
         being started), a request that was in flight on MAX_LOST replicas that stopped is handed back as failed
         instead (on_rejected): one that crashes the process it runs in would otherwise take every replica down in
         turn. Where several were (each time together) and replicas are replaced, each runs again alone first
@@ -168,7 +174,7 @@ class ReplicaPool:
                        if suspects else "")
                     + (f"; {len(isolate)} in flight on {MAX_LOST} replicas that stopped run again one at a time"
                        if isolate else "")
-                    + (f"; a fresh replica {r.index} is starting (restart {r.restarts} of {MAX_RESTARTS})"
+                    + (f"; a fresh replica {r.index} is starting (restart {r.restarts} of {self.max_restarts})"
                        if replaced else ""))
         for item in suspects:
             on_rejected(item, f"{ENGINE_FAILURE}: the request was in flight on {item.lost} engine replicas that "
@@ -181,7 +187,7 @@ class ReplicaPool:
     def _replace(self, r: ReplicaState) -> bool:
         """Start a fresh actor in place of stopped replica `r`, if it has restarts left: it serves once its `info`
         call answers (_started); meanwhile the other replicas go on."""
-        if self.restart is None or r.restarts >= MAX_RESTARTS:
+        if self.restart is None or r.restarts >= self.max_restarts:
             return False
         r.restarts += 1
         self.restarted += 1
@@ -206,7 +212,7 @@ class ReplicaPool:
             stop_replicas(self.ray, [r.handle])
             again = self._replace(r)
             self.notify(f"warning: the fresh replica {r.index} failed to start ({error['message']})"
-                        + (f"; starting another (restart {r.restarts} of {MAX_RESTARTS})" if again else
+                        + (f"; starting another (restart {r.restarts} of {self.max_restarts})" if again else
                            "; it stays stopped"))
             return
         r.alive, r.calls = True, 0
