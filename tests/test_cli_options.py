@@ -127,7 +127,8 @@ def test_sizes_and_adapters_are_normalised(tmp_path):
 
 # options of the data-parallel drivers (not EngineConfig's): flag, a value other than the default, the keyword it
 # reaches run_data_parallel and serve_data_parallel with, and the value there
-REPLICA_OPTIONS = [("--max-replica-restarts", "0", "max_restarts", 0)]
+REPLICA_OPTIONS = [("--max-replica-restarts", "0", "max_restarts", 0),
+                   ("--replica-placement-timeout", "12.5", "placement_timeout", 12.5)]
 
 
 @pytest.mark.parametrize("command", ["run", "serve"])

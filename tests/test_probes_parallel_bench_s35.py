@@ -72,7 +72,7 @@ def local_ray(monkeypatch):
     from infer.parallel.replica import Replica
     from infer.parallel.runtime import replica_config
 
-    def start_replicas(ray, engine, model_path, n):
+    def start_replicas(ray, engine, model_path, n, threads=None, placement_timeout=None):
         cfg = replica_config(engine, model_path, "cpu", n, single_node=False)
         handles = [Handle(Replica(cfg)) for _ in range(n)]
         return handles, [h.replica.info() for h in handles]

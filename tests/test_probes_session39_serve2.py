@@ -112,7 +112,7 @@ def test_data_parallel_serving_gets_the_cors_options_too(monkeypatch):
     monkeypatch.setattr("infer.serve.app.Server", FakeServer)
     monkeypatch.setattr("infer.models.resolve.resolve_model", lambda m: m)
     monkeypatch.setattr("infer.engine.setup.load_tokenizer", lambda *a: None)
-    monkeypatch.setattr(ps, "start_replicas", lambda *a: ([], [{}]))
+    monkeypatch.setattr(ps, "start_replicas", lambda *a, **kw: ([], [{}]))
     monkeypatch.setattr("infer.parallel.serve_engine.RayAsyncEngine", lambda *a, **kw: None)
     monkeypatch.setattr("infer.parallel.serve_engine.ReplicaView", lambda *a: None)
     ps.build_server(types.SimpleNamespace(get=lambda refs: refs), EngineConfig("tiny-llama"), 2, "m", None, 8, 1.0,

@@ -130,7 +130,7 @@ def test_start_replicas_handles_restart_a_replica_with_its_config(monkeypatch):
     handles, _ = start_replicas(FakeRay(), cfg, resolve_model("tiny-llama"), 2)
     fresh = handles.restart(1)
     assert fresh is not handles[1] and fresh.alive
-    assert fresh.replica.engine.config.seed == handles[1].replica.engine.config.seed
+    assert fresh.replica.config.seed == handles[1].replica.engine.config.seed  # (it loads in its `load` call)
     assert fresh.info.remote() is not None
 
 

@@ -35,6 +35,7 @@ from ..engine.config import RANGES, EngineConfig, cli_fields, command_line_templ
 from ..errors import ConfigError
 from ..models.tiny import BUILTIN_MODELS
 from ..parallel.pool import MAX_RESTARTS
+from ..parallel.runtime import PLACEMENT_TIMEOUT_S
 
 BUILTIN_HELP = (f"a built-in model with random weights ({', '.join(BUILTIN_MODELS)}; generated on first use, its "
                 "text is gibberish)")
@@ -231,6 +232,22 @@ REPLICA_RESTARTS_HELP = ("With --data-parallel: how many times a replica that st
                          "go on without it).")
 MaxReplicaRestarts = Annotated[int, typer.Option("--max-replica-restarts", min=0, max=1000,
                                                  help=REPLICA_RESTARTS_HELP)]
+REPLICA_PLACEMENT_TIMEOUT = PLACEMENT_TIMEOUT_S  # --replica-placement-timeout's default
+PLACEMENT_HELP = ("With --data-parallel: seconds Ray may take to place a replica (a node with the GPU, or the CPUs, "
+                  "it asks for free, e.g. one an autoscaler adds) before that replica counts as failed: at the "
+                  "start the command stops; a fresh replica in place of one that stopped stays stopped (or, with "
+                  "restarts left, another is tried) while the others go on.")
+
+
+def check_placement_timeout(value: float) -> float:
+    """--replica-placement-timeout: a positive, finite number of seconds."""
+    if not value > 0 or value == float("inf"):
+        raise typer.BadParameter(f"must be a positive number of seconds, got {value}")
+    return value
+
+
+ReplicaPlacementTimeout = Annotated[float, typer.Option("--replica-placement-timeout", help=PLACEMENT_HELP,
+                                                        metavar="SECONDS", callback=check_placement_timeout)]
 
 
 # Single engine options for commands that do not run the engine (lora-validate).

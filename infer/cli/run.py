@@ -54,6 +54,7 @@ def run(
                                                        "ray://HOST:10001); default: a local Ray runtime.",
                                                        callback=o.check_ray_address)] = None,
     max_replica_restarts: o.MaxReplicaRestarts = o.MAX_REPLICA_RESTARTS,
+    replica_placement_timeout: o.ReplicaPlacementTimeout = o.REPLICA_PLACEMENT_TIMEOUT,
     output_format: Annotated[str, typer.Option("--output-format", help="infer: infer's own record per line (id, text, "
                                                "token_ids, ...); openai: OpenAI's batch output line (custom_id, "
                                                "response.body: the server's chat.completion or text_completion), as "
@@ -90,7 +91,8 @@ def run(
     with output_lock(output) if resumable else contextlib.nullcontext():  # one run at a time writes a file
         _run_locked(engine, input, output, resume, force_resume, strict, max_new_tokens, quiet, data_parallel,
                     ray_address, options, resumable, output_format,
-                    replica_options={"max_restarts": max_replica_restarts})
+                    replica_options={"max_restarts": max_replica_restarts,
+                                     "placement_timeout": replica_placement_timeout})
 
 
 def _run_locked(engine: EngineConfig, input: Path, output: Path | None, resume: bool, force_resume: bool,
@@ -98,7 +100,7 @@ def _run_locked(engine: EngineConfig, input: Path, output: Path | None, resume: 
                 options: dict, resumable: bool, output_format: str = "infer",
                 replica_options: dict | None = None) -> None:
     """`run` once its paths are checked, with the output locked (`replica_options`: run_data_parallel's
-    max_restarts, for --data-parallel)."""
+    max_restarts and placement_timeout, for --data-parallel)."""
     if resume and resumable and not force_resume:
         check_resume(output, input, options)
     if not resume and resumable:

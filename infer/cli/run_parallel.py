@@ -11,8 +11,8 @@ import typer
 from ..parallel.pool import MAX_RESTARTS, ReplicaPool, Work
 from ..parallel.progress import ReplicaProgress
 from ..parallel.replica import ENGINE_FAILURE
-from ..parallel.runtime import (ReplicaError, check_local_replicas, local_cpus, placement, ray_runtime, require_ray,
-                                start_replicas)
+from ..parallel.runtime import (PLACEMENT_TIMEOUT_S, ReplicaError, check_local_replicas, local_cpus, placement,
+                                ray_runtime, require_ray, start_replicas)
 from .banner import replica_traits
 from .batch_io import Records, RecordWriter, check_format, model_names, read_inputs, unused_adapters_note
 from .beam_lines import is_beam_line
@@ -24,10 +24,13 @@ VALIDATE_CHUNK = 4096  # requests per validation call (one message each way)
 
 def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int, address: str | None,
                       defaults: dict, strict: bool, resume: bool, resumable: bool, options: dict,
-                      quiet: bool, output_format: str = "infer", max_restarts: int = MAX_RESTARTS) -> tuple[int, int]:
+                      quiet: bool, output_format: str = "infer", max_restarts: int = MAX_RESTARTS,
+                      placement_timeout: float = PLACEMENT_TIMEOUT_S) -> tuple[int, int]:
     """Run every line of `input` on `replicas` engine replicas: (this run's failed lines, earlier error records of
     this input's lines in the resumed output), as run._run_in_process. A replica that stops is replaced by a fresh
-    one `max_restarts` times at most (--max-replica-restarts; 0: never)."""
+    one `max_restarts` times at most (--max-replica-restarts; 0: never); one Ray has not placed after
+    `placement_timeout` seconds (--replica-placement-timeout) fails (at the start: the run; a fresh one: it stays
+    stopped, or another is started, and the others go on)."""
     require_ray()  # before anything loads: a missing extra is a one-line error
     check_local_replicas(replicas, address, engine.device)  # (--data-parallel 1000 on one machine)
     from ..engine.setup import load_tokenizer
@@ -39,10 +42,11 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
     # ray.init installs its own SIGTERM handler (sys.exit(15)): ours goes in after it, so SIGTERM stops the run
     # as it stops one engine's (exit 143, saying how many records are on disk)
     with ray_runtime(address, local_cpus(replicas)) as ray, terminate_as_interrupt():
-        handles, infos = start_replicas(ray, engine, model_path, replicas)
+        handles, infos = start_replicas(ray, engine, model_path, replicas, placement_timeout=placement_timeout)
         pool = ReplicaPool(ray, handles, capacity=engine.max_num_seqs + max(1, engine.max_num_seqs // 4),
                            notify=lambda message: typer.echo(message, err=True),
-                           restart=getattr(handles, "restart", None), max_restarts=max_restarts)
+                           restart=getattr(handles, "restart", None), max_restarts=max_restarts,
+                           placement_timeout=placement_timeout)
         try:
             if not quiet:
                 _announce(infos, engine)

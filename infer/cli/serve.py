@@ -84,6 +84,9 @@ def serve(
     max_replica_restarts: Annotated[int, typer.Option(
         "--max-replica-restarts", min=0, max=1000, help=o.REPLICA_RESTARTS_HELP,
         rich_help_panel=SERVER)] = o.MAX_REPLICA_RESTARTS,
+    replica_placement_timeout: Annotated[float, typer.Option(
+        "--replica-placement-timeout", help=o.PLACEMENT_HELP, metavar="SECONDS", callback=o.check_placement_timeout,
+        rich_help_panel=SERVER)] = o.REPLICA_PLACEMENT_TIMEOUT,
     max_body_size: Annotated[str, typer.Option(help="Largest request body, e.g. 8MB or 512KB; a larger one gets 413 "
                                                     "before it is read.", rich_help_panel=SERVER)] = "8MB",
     max_json_depth: Annotated[int, typer.Option(min=1, max=10000, help="How deeply a request body may nest arrays "
@@ -172,7 +175,8 @@ def serve(
                                        thinking,
                                        trust_request_chat_template=trust_request_chat_template, cors=cors,
                                        tokens_as_ids=return_tokens_as_token_ids,
-                                       max_restarts=max_replica_restarts)
+                                       max_restarts=max_replica_restarts,
+                                       placement_timeout=replica_placement_timeout)
         _serve(engine, sock, host, model_ids, api_key, max_queue, shutdown_timeout, log_level, limits,
                allow_runtime_lora, parser, thinking, trust_request_chat_template=trust_request_chat_template,
                cors=cors, tokens_as_ids=return_tokens_as_token_ids)

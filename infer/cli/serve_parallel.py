@@ -9,7 +9,7 @@ import socket
 import typer
 
 from ..parallel.pool import MAX_RESTARTS
-from ..parallel.runtime import local_cpus, placement, ray_runtime, require_ray
+from ..parallel.runtime import PLACEMENT_TIMEOUT_S, local_cpus, placement, ray_runtime, require_ray
 from ..parallel.serve import build_server
 from .banner import replica_traits
 from .serve import VERBOSE, _quiet_signals, url_host
@@ -20,8 +20,9 @@ def serve_data_parallel(cfg, sock: socket.socket, host: str, model_id: str | lis
                         address: str | None, limits=None, runtime_lora: bool = False,
                         tool_parser: str | None = None, reasoning_parser: str | None = None,
                         trust_request_chat_template: bool = False, cors=None, tokens_as_ids: bool = False,
-                        max_restarts: int = MAX_RESTARTS) -> None:
-    """`max_restarts`: how many times a replica that stops is replaced by a fresh one (--max-replica-restarts)."""
+                        max_restarts: int = MAX_RESTARTS, placement_timeout: float = PLACEMENT_TIMEOUT_S) -> None:
+    """`max_restarts`: how many times a replica that stops is replaced by a fresh one (--max-replica-restarts);
+    `placement_timeout`: how long Ray may take to place a replica (--replica-placement-timeout)."""
     require_ray()
     from ..serve.app import create_app
     from ..serve.lifecycle import uvicorn_server
@@ -29,7 +30,7 @@ def serve_data_parallel(cfg, sock: socket.socket, host: str, model_id: str | lis
         server, infos = build_server(ray, cfg, replicas, model_id, api_key, max_queue, shutdown_timeout, limits,
                                      runtime_lora, tool_parser, reasoning_parser,
                                      trust_request_chat_template=trust_request_chat_template, cors=cors,
-                                     max_restarts=max_restarts)
+                                     max_restarts=max_restarts, placement_timeout=placement_timeout)
         server.tokens_as_ids = tokens_as_ids
         try:
             where = placement(infos)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .replica import ENGINE_FAILURE
-from .runtime import ReplicaError, _last_line, stop_replicas
+from .runtime import PLACEMENT_TIMEOUT_S, ReplicaError, _last_line, stop_replicas, unplaced
 
 DEPTH = 2  # calls queued per replica: while the driver reads one result the replica already runs the next
 MAX_LOST = 2  # a request in flight on this many replicas that stopped is not run again: it may be what stops them
@@ -43,7 +43,9 @@ class ReplicaState:
     tokens: int = 0
     start: float = field(default_factory=time.monotonic)
     restarts: int = 0  # fresh replicas started in place of this one
-    starting: object = None  # while a fresh one loads the model: its `info` call
+    starting: object = None  # while a fresh one starts: its `where` call (Ray places it), then its `load` call
+    place_by: float | None = None  # while Ray places a fresh one: when it counts as failed (placement_timeout)
+    where: dict | None = None  # its actor's process ({"host", "pid"}: Replica.where)
 
     def rate(self) -> float:
         return self.tokens / max(time.monotonic() - self.start, 1e-9)
@@ -55,15 +57,19 @@ class ReplicaPool:
 
     def __init__(self, ray, handles: list, capacity: int, budget_s: float = 0.5,
                  notify: Callable[[str], None] = print, restart: Callable[[int], object] | None = None,
-                 max_restarts: int = MAX_RESTARTS):
+                 max_restarts: int = MAX_RESTARTS, placement_timeout: float = PLACEMENT_TIMEOUT_S):
         """`restart(index)`: a fresh actor for replica `index`, started as the first one was (runtime.start_replicas'
         ReplicaHandles.restart), `max_restarts` times per replica at most (0: never); None: a replica that stops is
-        not replaced."""
+        not replaced. A fresh replica Ray has not placed after `placement_timeout` seconds (no node has the resources
+        it asks for free: Ray keeps it pending for ever) counts as failed to start."""
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be 0 or more, got {max_restarts}")
         self.ray, self.capacity, self.budget_s, self.notify = ray, capacity, budget_s, notify
-        self.max_restarts = max_restarts
-        self.replicas = [ReplicaState(i, h) for i, h in enumerate(handles)]
+        self.max_restarts, self.placement_timeout = max_restarts, placement_timeout
+        self.resources = getattr(handles, "resources", "") or "the resources it asks for"
+        wheres = list(getattr(handles, "wheres", None) or [])
+        self.replicas = [ReplicaState(i, h, where=wheres[i] if i < len(wheres) else None)
+                         for i, h in enumerate(handles)]
         self._calls: dict = {}  # object ref -> ReplicaState
         self._starting: dict = {}  # a fresh replica's `info` call -> its ReplicaState (not alive until it answers)
         self.restart = restart
@@ -82,8 +88,12 @@ class ReplicaPool:
         for r in self.replicas:
             r.start = time.monotonic()
         while queue or self._retry or any(r.inflight for r in self.live()):
+            self._unplaced()
             self._dispatch(queue)
-            ready, _ = self.ray.wait(list(self._calls) + list(self._starting), num_returns=1)
+            ready, _ = self.ray.wait(list(self._calls) + list(self._starting), num_returns=1,
+                                     timeout=self._until_placed())
+            if not ready:  # a fresh replica's placement deadline passed
+                continue
             if ready[0] in self._starting:
                 self._started(self._starting.pop(ready[0]), ready[0])
                 continue
@@ -193,21 +203,49 @@ class ReplicaPool:
         self.restarted += 1
         try:
             r.handle = self.restart(r.index)
-            r.starting = r.handle.info.remote()
+            r.starting = r.handle.where.remote()
         except Exception as e:  # noqa: BLE001 - the runtime refused a new actor: the replica stays stopped
             self.notify(f"warning: a fresh replica {r.index} could not be started ({_last_line(e)})")
             return False
+        r.place_by = time.monotonic() + self.placement_timeout
         self._starting[r.starting] = r
         return True
 
+    def _until_placed(self) -> float | None:
+        """How long ray.wait may wait: until the first placement deadline of a fresh replica (None: none is placed)."""
+        deadlines = [r.place_by for r in self._starting.values() if r.place_by is not None]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
+    def _unplaced(self) -> None:
+        """A fresh replica Ray has not placed by its deadline (no node has the resources it asks for free) failed
+        to start: it is stopped and, with restarts left, started once more; the others go on meanwhile."""
+        now = time.monotonic()
+        for ref, r in list(self._starting.items()):
+            if r.place_by is None or now < r.place_by:
+                continue
+            self._starting.pop(ref)
+            r.starting = r.place_by = None
+            stop_replicas(self.ray, [r.handle])
+            message, hint = unplaced(f"the fresh replica {r.index} was", self.resources, self.placement_timeout)
+            again = self._replace(r)
+            self.notify(f"warning: {message}" + (f"; starting another (restart {r.restarts} of {self.max_restarts})"
+                                                 if again else f"; it stays stopped: {hint}"))
+
     def _started(self, r: ReplicaState, ref) -> None:
-        """A fresh replica answered its `info` call: it takes work from now on, or (it could not load the model) it
-        is stopped and, with restarts left, started once more."""
-        r.starting = None
+        """A fresh replica answered: its `where` call (Ray placed it: it loads the model now), or its `load` call:
+        it takes work from now on, or (it could not load the model) it is stopped and, with restarts left, started
+        once more."""
+        r.starting, placed, r.place_by = None, r.place_by is not None, None
         try:
-            error = (self.ray.get(ref) or {}).get("error")
+            result = self.ray.get(ref) or {}
+            error = None if placed else result.get("error")
         except self.ray.exceptions.RayError as e:
             error = {"message": _last_line(e)}
+        if placed and not error:
+            r.where = result
+            r.starting = r.handle.load.remote()
+            self._starting[r.starting] = r
+            return
         if error:
             stop_replicas(self.ray, [r.handle])
             again = self._replace(r)

@@ -28,21 +28,36 @@ class StepResult:
 
 
 class Replica:
-    def __init__(self, config, threads: int | None = None):
-        """Build the engine from `config` (model and adapter paths already absolute). An InferError (a model that
-        does not fit, a bad adapter) is kept and reported by `info()`, so the driver can say it in one line."""
+    def __init__(self, config, threads: int | None = None, load: bool = True):
+        """Build the engine from `config` (model and adapter paths already absolute); with `load` False, only once
+        `load()` is called (runtime.start_replicas: `where()` answers as soon as Ray has placed the actor). An
+        InferError (a model that does not fit, a bad adapter) is kept and reported by `info()`, so the driver can
+        say it in one line."""
         self.error: dict | None = None
         self.engine = None
+        self.config = config
         self._failed: set[str] = set()  # requests reported as failed whose abort output is still to come
         self._holds: dict = {}  # the driver's adapter holds (serve_engine.ReplicaHold's token) -> this engine's
         if threads:
             import torch
             torch.set_num_threads(threads)
-        from ..engine.llm_engine import LLMEngine
-        try:
-            self.engine = LLMEngine(config)
-        except InferError as e:
-            self.error = {"type": type(e).__name__, "message": e.message, "hint": e.hint}
+        if load:
+            self.load()
+
+    def where(self) -> dict:
+        """Where this actor's process runs ({"host", "pid"}): the driver's first call, answered once Ray has placed
+        the actor, before the model loads (`load`)."""
+        return {"host": socket.gethostname(), "pid": os.getpid()}
+
+    def load(self) -> dict:
+        """Build the engine (once: a replica made with `load` has already) and return `info()`."""
+        if self.engine is None and self.error is None:
+            from ..engine.llm_engine import LLMEngine
+            try:
+                self.engine = LLMEngine(self.config)
+            except InferError as e:
+                self.error = {"type": type(e).__name__, "message": e.message, "hint": e.hint}
+        return self.info()
 
     def info(self) -> dict:
         """Where this replica runs and what it holds (the driver prints it and checks requests against it)."""

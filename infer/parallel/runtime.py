@@ -231,25 +231,41 @@ def replica_seeded(replica_engine_config, index: int):
     return seeded
 
 
+PLACEMENT_TIMEOUT_S = 300.0  # --replica-placement-timeout's default: long enough for an autoscaler to add a node
+
+
+def unplaced(what: str, resources: str, timeout: float) -> tuple[str, str]:
+    """The message and hint of replicas Ray did not place within `timeout` seconds (no node had `resources` free:
+    Ray keeps such an actor pending for ever)."""
+    return (f"{what} not placed by Ray within {timeout:g} s: no node of the cluster had {resources} free (what a "
+            "replica asks for)",
+            "use fewer replicas (--data-parallel), pass --ray-address of a cluster with room for them, or wait "
+            "longer with --replica-placement-timeout SECONDS (`ray status` shows what the cluster holds)")
+
+
 class ReplicaHandles(list):
     """start_replicas' actor handles, and `restart(index)`: a fresh actor for replica `index` (after that one
-    stopped), started as the first one was: the same config, seed, device and resources. It loads the model on its
-    own; its `info` call answers once it has (with the error, as start_replicas reads it, if it could not)."""
+    stopped), started as the first one was: the same config, seed, device and resources. Its `where` call answers
+    once Ray has placed it; its `load` call loads the model and answers with its `info` (with the error, as
+    start_replicas reads it, if it could not). `resources`: what each replica asks Ray for, in words; `wheres`: each
+    replica's `where` (its host and process)."""
 
-    def __init__(self, handles: list, start):
+    def __init__(self, handles: list, start, resources: str = "", wheres: list | None = None):
         super().__init__(handles)
         self._start, self._restarts = start, 0
+        self.resources, self.wheres = resources, list(wheres or [])
 
     def restart(self, index: int):
         self._restarts += 1
         return self._start(index, f"-restart-{self._restarts}")  # (a new name: the stopped one may hold its own)
 
 
-def start_replicas(ray, engine_config, model_path: Path, n: int,
-                   threads: int | None = None) -> tuple[list, list[dict]]:
+def start_replicas(ray, engine_config, model_path: Path, n: int, threads: int | None = None,
+                   placement_timeout: float = PLACEMENT_TIMEOUT_S) -> tuple[list, list[dict]]:
     """Start `n` replica actors, wait until each has loaded the model, and return (handles, infos); the handles
     are a ReplicaHandles, which can start a replica again. CPU replicas use `threads` torch threads each (default:
-    an even share of the cores)."""
+    an even share of the cores). A replica Ray has not placed after `placement_timeout` seconds (no node has the
+    resources it asks for free) fails the start: Ray would keep it pending for ever."""
     from .replica import Replica
     device = replica_device(ray, engine_config, n)
     threads = (threads or cpu_threads(ray, n)) if device == "cpu" else None
@@ -258,15 +274,24 @@ def start_replicas(ray, engine_config, model_path: Path, n: int,
     if device == "cpu":
         check_cpu_room(ray, n, threads)
     options = {"num_cpus": threads, "num_gpus": 0} if device == "cpu" else {"num_cpus": 1, "num_gpus": 1}
+    resources = f"{threads} CPU(s)" if device == "cpu" else "1 GPU and 1 CPU"
     actor = ray.remote(Replica)
     tag = uuid.uuid4().hex[:8]
 
-    def start(i: int, suffix: str = ""):
+    def start(i: int, suffix: str = ""):  # (the model loads in its `load` call: `where` answers once it is placed)
         return actor.options(name=f"infer-{tag}-replica-{i}{suffix}", **options).remote(
-            replica_seeded(replica_engine_config, i), threads)
-    handles = ReplicaHandles([start(i) for i in range(n)], start)
+            replica_seeded(replica_engine_config, i), threads, False)
+    handles = ReplicaHandles([start(i) for i in range(n)], start, resources)
     try:
-        infos = ray.get([h.info.remote() for h in handles])
+        wheres = [h.where.remote() for h in handles]
+        _, pending = ray.wait(wheres, num_returns=len(wheres), timeout=placement_timeout)
+        if pending:
+            stop_replicas(ray, handles)
+            left = [k for k, ref in enumerate(wheres) if ref in pending]
+            raise ReplicaError(*unplaced(f"engine replica(s) {', '.join(map(str, left))} of {n} were", resources,
+                                         placement_timeout))
+        handles.wheres = ray.get(wheres)
+        infos = ray.get([h.load.remote() for h in handles])
     except ray.exceptions.RayError as e:
         stop_replicas(ray, handles)
         raise ReplicaError(f"an engine replica failed while loading the model: {_last_line(e)}",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client.core import GaugeMetricFamily
 
 from .pool import MAX_RESTARTS
-from .runtime import start_replicas, stop_replicas
+from .runtime import PLACEMENT_TIMEOUT_S, start_replicas, stop_replicas
 
 
 class ReplicaCollector:
@@ -36,21 +36,23 @@ def build_server(ray, engine_config, replicas: int, model_id: str | list[str], a
                  max_queue: int | None, shutdown_timeout: float, limits=None, runtime_lora: bool = False,
                  tool_parser: str | None = None,
                  reasoning_parser: str | None = None, trust_request_chat_template: bool = False, cors=None,
-                 max_restarts: int = MAX_RESTARTS):
+                 max_restarts: int = MAX_RESTARTS, placement_timeout: float = PLACEMENT_TIMEOUT_S):
     """Start the replicas, compile their kernels (`warm_kernels`), and return (Server, replica infos) for the app.
-    A replica that stops is replaced by a fresh one `max_restarts` times at most (RayAsyncEngine)."""
+    A replica that stops is replaced by a fresh one `max_restarts` times at most (RayAsyncEngine); one Ray has not
+    placed after `placement_timeout` seconds fails (start_replicas: the server does not start; a fresh one: it
+    stays stopped, or another is started)."""
     from ..engine.setup import load_tokenizer
     from ..models.resolve import resolve_model
     from ..serve.app import Server
     from .serve_engine import RayAsyncEngine, ReplicaView
     model_path = resolve_model(engine_config.model)
     tokenizer = load_tokenizer(model_path, engine_config.chat_template)
-    handles, infos = start_replicas(ray, engine_config, model_path, replicas)
+    handles, infos = start_replicas(ray, engine_config, model_path, replicas, placement_timeout=placement_timeout)
     try:
         ray.get([h.warm_kernels.remote() for h in handles])
         view = ReplicaView(engine_config, model_path, tokenizer, infos[0])
         aengine = RayAsyncEngine(ray, handles, infos, view, max_queue, restart=getattr(handles, "restart", None),
-                                 max_restarts=max_restarts)
+                                 max_restarts=max_restarts, placement_timeout=placement_timeout)
     except BaseException:
         stop_replicas(ray, handles)
         raise

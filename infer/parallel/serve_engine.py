@@ -29,7 +29,7 @@ from ..engine.structured import GrammarBackend
 from ..errors import LoRAError, LoRANameError
 from ..serve.async_engine import NO_ENGINE, AsyncEngine, NoEngineError
 from .pool import MAX_LOST, MAX_RESTARTS
-from .runtime import _last_line, stop_replicas
+from .runtime import PLACEMENT_TIMEOUT_S, _last_line, stop_replicas, unplaced
 
 log = logging.getLogger("infer.serve")
 DEPTH = 2  # step calls queued per replica
@@ -139,7 +139,10 @@ class _Replica:
     stats: dict = field(default_factory=dict)
     unseen: int = 0  # requests assigned to it that its latest stats do not count yet (not sent, or sent and unanswered)
     restarts: int = 0  # fresh replicas started in place of this one
-    starting: bool = False  # a fresh one is loading in its place
+    starting: bool = False  # a fresh one is starting in its place (Ray places it, it loads the model, warms up)
+    place_by: float | None = None  # while Ray places the fresh one: when it counts as failed (placement_timeout)
+    where: dict | None = None  # its actor's process ({"host", "pid"}: Replica.where)
+    error: str | None = None  # why it stopped, or why the fresh one in its place failed to start (/health)
     base: dict = field(default_factory=dict)  # the counters of the replicas it replaced (added to its own: never down)
     # (taken while the counters move from `stats` to `base`: /metrics, read in the server's thread, never sees a
     # counter in both or in neither)
@@ -163,17 +166,25 @@ class RayAsyncEngine(AsyncEngine):
     _starting = MappingProxyType({})
     _retry = ()
     _isolated = frozenset()
+    placement_timeout = PLACEMENT_TIMEOUT_S
+    _resources = "the resources it asks for"
 
     def __init__(self, ray, handles: list, infos: list[dict], view: ReplicaView, max_queue: int | None = None,
-                 restart=None, max_restarts: int = MAX_RESTARTS):
+                 restart=None, max_restarts: int = MAX_RESTARTS, placement_timeout: float = PLACEMENT_TIMEOUT_S):
         """`restart(index)`: a fresh actor for replica `index` (runtime.ReplicaHandles.restart), started in the
-        background when one stops, `max_restarts` times per replica at most; None: replicas are not restarted."""
+        background when one stops, `max_restarts` times per replica at most; None: replicas are not restarted. One
+        Ray has not placed after `placement_timeout` seconds (no node has the resources it asks for free) counts as
+        failed to start."""
         self.ray = ray
-        self._restart, self.max_restarts = restart, max_restarts
-        self._starting: dict = {}  # a fresh replica's pending call (its `info`, then its warm-up) -> _Replica, stage
+        self._restart, self.max_restarts, self.placement_timeout = restart, max_restarts, placement_timeout
+        self._resources = getattr(handles, "resources", "") or self._resources
+        # a fresh replica's pending call (its `where`, `load`, then its warm-up) -> _Replica, stage
+        self._starting: dict = {}
         self._retry: deque = deque()  # requests to run again alone on a replica (_lost, _route; driver thread)
         self._isolated: set = set()  # the ids of those: each runs alone where it is sent
-        self.replicas = [_Replica(i, h, info) for i, h, info in zip(range(len(handles)), handles, infos)]
+        wheres = list(getattr(handles, "wheres", None) or [None] * len(handles))
+        self.replicas = [_Replica(i, h, info, where=where)
+                         for i, h, info, where in zip(range(len(handles)), handles, infos, wheres)]
         self._calls: dict = {}  # object ref -> _Replica
         self._carried: dict = {}  # object ref -> the new requests its call carries
         self._owner: dict = {}  # request id -> _Replica (driver thread only)
@@ -387,6 +398,7 @@ class RayAsyncEngine(AsyncEngine):
                         self._done(r, out.request_id)
                     out.engine_index = r.index
                     self._deliver(out)
+        self._unplaced()
         stats = self._aggregate()
         with self._cond:
             self._num_waiting = stats["num_waiting"]
@@ -409,7 +421,7 @@ class RayAsyncEngine(AsyncEngine):
         MAX_LOST replicas that stopped fails too, as it may be what stops them; where several were (each time
         together) and replicas are replaced, each runs again alone first (_retry): the one that stops a replica
         alone is the one failed."""
-        r.alive = False
+        r.alive, r.error = False, f"stopped: {_last_line(error)}"
         stop_replicas(self.ray, [r.handle])
         for ref in [ref for ref, owner in self._calls.items() if owner is r]:
             self._calls.pop(ref)
@@ -463,11 +475,28 @@ class RayAsyncEngine(AsyncEngine):
             r.base, r.stats = base, {k: v for k, v in r.stats.items() if k not in base}
         try:
             r.handle = self._restart(r.index)
-            self._starting[r.handle.info.remote()] = (r, "info", [])
+            self._starting[r.handle.where.remote()] = (r, "where", [])
         except Exception as e:  # noqa: BLE001 - the runtime refused a new actor: the replica stays stopped
             log.warning("a fresh engine replica %d could not be started (%s)", r.index, _last_line(e))
             return
-        r.starting = True
+        r.starting, r.place_by = True, time.monotonic() + self.placement_timeout
+
+    def _unplaced(self) -> None:
+        """Driver thread: a fresh replica Ray has not placed by its deadline (no node has the resources it asks for
+        free) failed to start: it is stopped and, with restarts left, started once more; the others serve."""
+        now = time.monotonic()
+        for ref, (r, stage, *_) in list(self._starting.items()):
+            if stage != "where" or r.place_by is None or now < r.place_by:
+                continue
+            self._starting.pop(ref)
+            stop_replicas(self.ray, [r.handle])
+            r.starting, r.place_by = False, None
+            message, hint = unplaced(f"the fresh engine replica {r.index} was", self._resources,
+                                     self.placement_timeout)
+            r.error = message
+            self._replace(r)
+            log.warning("%s; %s", message, f"starting another (restart {r.restarts} of {self.max_restarts})"
+                        if r.starting else f"it stays stopped: {hint}")
 
     def _started(self, ref, r: _Replica, stage: str, syncs: list, synced: dict | None = None) -> None:
         """Driver thread: a fresh replica's call answered. After `info`: it loads the adapters the server has now
@@ -475,6 +504,8 @@ class RayAsyncEngine(AsyncEngine):
         that warm-up it takes requests, once it has the adapters the server has then too (`synced`: those it was
         given; an adapter added, replaced or removed while it compiled is given, or dropped, first). One that fails
         is stopped, and with restarts left, started once more."""
+        if stage == "where":
+            r.place_by = None
         try:
             result = self.ray.get(ref)
             error = (result or {}).get("error") if stage == "info" else None
@@ -487,9 +518,13 @@ class RayAsyncEngine(AsyncEngine):
             error = _last_line(e)
         if error:
             stop_replicas(self.ray, [r.handle])
-            r.starting = False
+            r.starting, r.error = False, f"the fresh replica failed to start: {error}"
             log.warning("the fresh engine replica %d failed to start (%s)", r.index, error)
             self._replace(r)
+            return
+        if stage == "where":  # Ray placed it: it loads the model now
+            r.where = result
+            self._starting[r.handle.load.remote()] = (r, "info", [])
             return
         if stage == "info":
             r.info = result
@@ -509,7 +544,7 @@ class RayAsyncEngine(AsyncEngine):
             if syncs:
                 self._starting[syncs[-1]] = (r, "warm", syncs[:-1], now)
                 return
-        r.starting, r.alive, r.calls = False, True, 1
+        r.starting, r.alive, r.calls, r.error = False, True, 1, None
         self._calls[r.handle.serve_step.remote([], [])] = r  # its first figures
         log.warning("engine replica %d restarted; it takes requests again", r.index)
 
@@ -637,6 +672,7 @@ class RayAsyncEngine(AsyncEngine):
         total["replicas"] = [{"replica": r.index, "alive": r.alive, "host": r.info.get("host"),
                               "device": r.info.get("device"), "num_in_flight": len(r.inflight),
                               "restarts": getattr(r, "restarts", 0), "restarting": getattr(r, "starting", False),
+                              "error": None if r.alive else getattr(r, "error", None),
                               **{k: r.stats.get(k, 0) if r.alive else 0  # a dead replica runs nothing
                                  for k in ("num_running", "num_waiting", "kv_usage", "num_steps")}}
                              for r in self.replicas]
