@@ -175,3 +175,111 @@ def test_serve_keeps_serving_when_a_fresh_replica_is_never_placed(engines):
         assert later["after"].finish_reason == "length"
     finally:
         aengine.shutdown(timeout=5)
+
+
+# ------------------------------------------------------------------ a fresh replica waits for its predecessor's process
+
+@pytest.fixture
+def predecessor():
+    """A process standing in for a stopped replica's actor process that ends late (as a killed actor's process may
+    still hold its GPU memory): its `where`, and the process."""
+    import socket
+    import subprocess
+    import sys
+
+    import psutil
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    where = {"host": socket.gethostname(), "pid": child.pid, "started": psutil.Process(child.pid).create_time()}
+    yield where, child
+    child.kill()
+    child.wait()
+
+
+class _Handles(list):
+    """start_replicas' ReplicaHandles as the pool reads them: the handles and each replica's `where`."""
+
+    def __init__(self, handles, wheres):
+        super().__init__(handles)
+        self.wheres, self.resources = wheres, "1 GPU and 1 CPU"
+
+
+def test_a_fresh_replica_loads_once_its_predecessors_process_has_ended(predecessor, monkeypatch):
+    """On a GPU, the fresh replica could load the model while the process of the one it replaces still held its
+    GPU memory (OOM at load). Now the driver hands it the predecessor's `where` and its `load` waits for that
+    process to end first (bounded)."""
+    import threading
+
+    from infer.engine import llm_engine
+    from infer.parallel.replica import Replica
+    where, child = predecessor
+    real, seen, ended = llm_engine.LLMEngine, [], []
+
+    def engine(config):  # what the fresh replica's load sees: has the predecessor's process been ended?
+        seen.append(bool(ended))
+        return real(config)
+    monkeypatch.setattr(llm_engine, "LLMEngine", engine)
+
+    def end_late():
+        ended.append(True)
+        child.kill()
+        child.wait()
+    made, done = [], []
+
+    def restart(index: int) -> Handle:
+        made.append(index)
+        threading.Timer(0.3, end_late).start()
+        return Handle(Replica(_config(), None, False))
+    pool = ReplicaPool(_KillFirst(), _Handles([Handle(_Stub(), first=True)], [where]), capacity=3,
+                       notify=lambda m: None, restart=restart)
+    pool.run(_work(2), lambda w, out, i: done.append(w.id), lambda w, reason: pytest.fail(reason))
+    assert made == [0] and sorted(done) == ["r0", "r1"]
+    assert seen == [True], "the fresh replica loaded while its predecessor's process ran"
+
+
+def test_the_wait_for_a_predecessor_is_bounded_and_only_for_this_hosts_process(predecessor):
+    import socket
+
+    from infer.parallel.replica import wait_gone
+    where, child = predecessor
+    assert wait_gone(where, timeout=0.2) is False and child.poll() is None  # (gave up: the fresh one loads)
+    assert wait_gone({**where, "host": socket.gethostname() + "-other"}, timeout=30) is True
+    assert wait_gone({**where, "started": where["started"] - 100}, timeout=30) is True  # a pid used again
+    assert wait_gone(None) is True and wait_gone({}) is True
+    child.kill()
+    child.wait()
+    assert wait_gone(where, timeout=30) is True
+
+
+def test_the_server_hands_a_fresh_replica_its_predecessors_process():
+    from types import SimpleNamespace
+
+    from infer.parallel.serve_engine import RayAsyncEngine, _Replica
+
+    class Fresh(_Stub):
+        def __init__(self):
+            self.after = "not loaded"
+
+        def where(self):
+            return {"host": "h", "pid": 2}
+
+        def load(self, after=None):
+            self.after = after
+            return self.info()
+
+        def warm_kernels(self):
+            pass
+
+        def serve_step(self, new, aborts, holds=()):
+            return [], [], {}
+
+    fresh, old = Fresh(), {"host": "h", "pid": 1, "started": 5.0}
+    r = _Replica(0, None, {}, alive=False, where=old)
+    engine = RayAsyncEngine.__new__(RayAsyncEngine)
+    engine.ray, engine.replicas, engine._starting, engine._calls = FakeRay(eager=True), [r], {}, {}
+    engine._restart, engine.max_restarts = lambda index: Handle(fresh, engine.ray), 1
+    engine.engine = SimpleNamespace(lora_manager=None)
+    engine._replace(r)
+    while engine._starting:
+        ref = next(iter(engine._starting))
+        engine._started(ref, *engine._starting.pop(ref))
+    assert fresh.after == old and r.alive and r.where == {"host": "h", "pid": 2}

@@ -46,6 +46,7 @@ class ReplicaState:
     starting: object = None  # while a fresh one starts: its `where` call (Ray places it), then its `load` call
     place_by: float | None = None  # while Ray places a fresh one: when it counts as failed (placement_timeout)
     where: dict | None = None  # its actor's process ({"host", "pid"}: Replica.where)
+    gone: dict | None = None  # while a fresh one starts: the process of the one it replaces (its `load` waits for it)
 
     def rate(self) -> float:
         return self.tokens / max(time.monotonic() - self.start, 1e-9)
@@ -201,6 +202,7 @@ class ReplicaPool:
             return False
         r.restarts += 1
         self.restarted += 1
+        r.gone = r.where  # (the actor stopped: the fresh one loads once its process has ended)
         try:
             r.handle = self.restart(r.index)
             r.starting = r.handle.where.remote()
@@ -243,7 +245,7 @@ class ReplicaPool:
             error = {"message": _last_line(e)}
         if placed and not error:
             r.where = result
-            r.starting = r.handle.load.remote()
+            r.starting = r.handle.load.remote(r.gone)
             self._starting[r.starting] = r
             return
         if error:

@@ -17,6 +17,8 @@ from ..errors import InferError, LoRANameError, RequestError
 # (request id, prompt token ids, SamplingParams, lora name or None): what travels to a replica
 Wire = tuple
 ENGINE_FAILURE = "internal engine error"  # how the reason of a request failed inside an engine step begins
+GONE_WAIT_S = 60.0  # how long a fresh replica waits for its predecessor's process to end before it loads anyway
+GONE_POLL_S = 0.1
 
 
 @dataclass
@@ -45,13 +47,17 @@ class Replica:
             self.load()
 
     def where(self) -> dict:
-        """Where this actor's process runs ({"host", "pid"}): the driver's first call, answered once Ray has placed
-        the actor, before the model loads (`load`)."""
-        return {"host": socket.gethostname(), "pid": os.getpid()}
+        """Where this actor's process runs ({"host", "pid", "started": its start time}): the driver's first call,
+        answered once Ray has placed the actor, before the model loads (`load`)."""
+        import psutil
+        return {"host": socket.gethostname(), "pid": os.getpid(), "started": psutil.Process().create_time()}
 
-    def load(self) -> dict:
-        """Build the engine (once: a replica made with `load` has already) and return `info()`."""
+    def load(self, after: dict | None = None) -> dict:
+        """Build the engine (once: a replica made with `load` has already) and return `info()`. `after`: the
+        `where` of the replica this one replaces: on its host, the model loads once that process has ended (its
+        GPU memory is free), GONE_WAIT_S at most."""
         if self.engine is None and self.error is None:
+            wait_gone(after)
             from ..engine.llm_engine import LLMEngine
             try:
                 self.engine = LLMEngine(self.config)
@@ -197,3 +203,27 @@ class Replica:
 
     def warm_kernels(self) -> None:
         self.engine.warm_kernels()
+
+
+def wait_gone(where: dict | None, timeout: float = GONE_WAIT_S) -> bool:
+    """Wait until the process `where` names ({"host", "pid", "started"}: Replica.where) has ended, when it ran on
+    this host (a killed actor's process may still hold its GPU memory for a while; one on another host holds none
+    of this one's), `timeout` seconds at most. True: it has ended (or is not this host's)."""
+    if not where or where.get("host") != socket.gethostname() or not where.get("pid") or where["pid"] == os.getpid():
+        return True
+    import psutil
+    try:
+        process = psutil.Process(where["pid"])
+        if where.get("started") is not None and abs(process.create_time() - where["started"]) > 1e-3:
+            return True  # the pid was reused: that process ended
+    except psutil.Error:
+        return True
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if not process.is_running() or process.status() == psutil.STATUS_ZOMBIE:  # (a zombie holds no memory)
+                return True
+        except psutil.Error:
+            return True
+        time.sleep(GONE_POLL_S)
+    return False

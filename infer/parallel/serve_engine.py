@@ -142,6 +142,7 @@ class _Replica:
     starting: bool = False  # a fresh one is starting in its place (Ray places it, it loads the model, warms up)
     place_by: float | None = None  # while Ray places the fresh one: when it counts as failed (placement_timeout)
     where: dict | None = None  # its actor's process ({"host", "pid"}: Replica.where)
+    gone: dict | None = None  # while a fresh one starts: the process of the one it replaces (its `load` waits for it)
     error: str | None = None  # why it stopped, or why the fresh one in its place failed to start (/health)
     base: dict = field(default_factory=dict)  # the counters of the replicas it replaced (added to its own: never down)
     # (taken while the counters move from `stats` to `base`: /metrics, read in the server's thread, never sees a
@@ -473,6 +474,7 @@ class RayAsyncEngine(AsyncEngine):
                 or k == "spec_decode_num_accepted_tokens_per_pos"}
         with r.moving:
             r.base, r.stats = base, {k: v for k, v in r.stats.items() if k not in base}
+        r.gone = r.where  # (the actor stopped: the fresh one loads once its process has ended)
         try:
             r.handle = self._restart(r.index)
             self._starting[r.handle.where.remote()] = (r, "where", [])
@@ -524,7 +526,7 @@ class RayAsyncEngine(AsyncEngine):
             return
         if stage == "where":  # Ray placed it: it loads the model now
             r.where = result
-            self._starting[r.handle.load.remote()] = (r, "info", [])
+            self._starting[r.handle.load.remote(r.gone)] = (r, "info", [])
             return
         if stage == "info":
             r.info = result
