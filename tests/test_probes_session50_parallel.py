@@ -283,3 +283,39 @@ def test_the_server_hands_a_fresh_replica_its_predecessors_process():
         ref = next(iter(engine._starting))
         engine._started(ref, *engine._starting.pop(ref))
     assert fresh.after == old and r.alive and r.where == {"host": "h", "pid": 2}
+
+
+# ------------------------------------------------------------------ restarts racing the server's adapter changes
+
+def test_add_lora_gives_the_adapter_to_a_fresh_replica_in_place_of_one_that_stopped_while_asked():
+    """A replica that stopped while add_lora asked it (its call failed: it is left out) and whose fresh replica
+    began to serve before the name was offered (its own check did not see the adapter) was skipped: the slot had
+    been asked, so the fresh actor served requests naming the adapter without it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from infer.parallel.serve_engine import RayAsyncEngine, _Adapters, _Replica
+    from test_probes_session49_review2 import _engine, _Fresh
+
+    ray = FakeRay(eager=True)
+    stopping, fresh = _Fresh(), _Fresh()
+    first = _Replica(0, Handle(stopping, ray), {}, alive=True)
+
+    class Other(_Fresh):
+        def add_lora(self, name, path, replace=False):
+            super().add_lora(name, path, replace)
+            # meanwhile (the driver thread): replica 0 stopped, and its fresh replica began to serve
+            first.handle, first.alive = Handle(fresh, ray), True
+
+    def died(ref):
+        if ref.handle.replica is stopping and ref.method == "add_lora":
+            ref.handle.alive = False
+    ray.before = died
+    other = _Replica(1, Handle(Other(), ray), {}, alive=True)
+    engine = _engine([first, other])
+    engine.ray, engine._lora_changes = ray, None
+    adapters = _Adapters(["a"], {"a": "/a"})
+    engine.engine = SimpleNamespace(lora_slots=lambda: adapters, lora_manager=adapters)
+    asyncio.run(RayAsyncEngine.add_lora(engine, "c", "/c"))
+    assert adapters.has("c")
+    assert ("add_lora", "c", "/c", False) in fresh.calls, "the fresh replica in the stopped one's place lacks it"

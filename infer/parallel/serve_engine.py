@@ -570,12 +570,15 @@ class RayAsyncEngine(AsyncEngine):
                                     "remove it first, give this one another name, or replace it (load_inplace: true)")
             path = str(Path(path).expanduser().absolute())  # the replicas may run in another directory
             live, had = [r for r in self.replicas if r.alive], adapters.has(name)
-            asked = list(live)
+            asked = []  # the actors asked (a replica that stops meanwhile has a fresh actor, not asked, in its place)
+
+            def load(r, *more):
+                asked.append(r.handle)
+                return r.handle.add_lora.remote(name, path, *more)
             if replace:  # the requests already routed reach their replica first: they keep the old weights
-                refs = await self._call(lambda engine: engine._on_replicas_after_sent(
-                    lambda r: r.handle.add_lora.remote(name, path, True), live))
+                refs = await self._call(lambda engine: engine._on_replicas_after_sent(lambda r: load(r, True), live))
             else:
-                refs = [r.handle.add_lora.remote(name, path) for r in live]
+                refs = [load(r) for r in live]
             errors = await self._on_replicas(refs)
             dead = [r for r, e in zip(live, errors) if isinstance(e, dict) and e.get("died")]
             if len(dead) == len(live):
@@ -595,8 +598,9 @@ class RayAsyncEngine(AsyncEngine):
                 raise kind(f"replica {r.index} ({r.info.get('host')}): {e['message']}{gone}", e.get("hint"))
             adapters.add(name, path)
             # a fresh replica that began to serve meanwhile (after `live` was read, before the name was added: its
-            # own check of the adapters, _started, did not see it) is given it too
-            late = [r for r in self.replicas if r.alive and r not in asked]
+            # own check of the adapters, _started, did not see it) is given it too, also one in place of a replica
+            # that stopped while it was asked (the same slot, another actor)
+            late = [r for r in self.replicas if r.alive and not any(r.handle is h for h in asked)]
             if late:
                 await self._on_replicas([r.handle.add_lora.remote(name, path, *([True] if replace else []))
                                          for r in late])
