@@ -319,3 +319,31 @@ def test_add_lora_gives_the_adapter_to_a_fresh_replica_in_place_of_one_that_stop
     asyncio.run(RayAsyncEngine.add_lora(engine, "c", "/c"))
     assert adapters.has("c")
     assert ("add_lora", "c", "/c", False) in fresh.calls, "the fresh replica in the stopped one's place lacks it"
+
+
+def test_an_in_place_reload_skips_a_replica_that_stopped_before_the_driver_sent_it():
+    """add_lora(load_inplace) read the live replicas, then the driver thread sent the reload to each one's actor:
+    one that had stopped meanwhile had a fresh actor in its place, still loading, and the reload reached that one
+    first (no engine yet: the change failed, and the name was no longer served on any replica)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from infer.parallel.replica import Replica
+    from infer.parallel.serve_engine import RayAsyncEngine, _Adapters, _Replica
+    from test_probes_session49_review2 import _engine, _Fresh
+
+    ray = FakeRay(eager=True)
+    fresh = Replica(_config(), None, False)  # (loads in its `load` call, not sent yet)
+    first = _Replica(0, Handle(_Fresh(), ray), {}, alive=True)
+    other = _Replica(1, Handle(_Fresh(), ray), {}, alive=True)
+    engine = _engine([first, other])
+    engine.ray, engine._lora_changes, engine._carried = ray, None, {}
+    adapters = _Adapters(["a"], {"a": "/a"})
+    engine.engine = SimpleNamespace(lora_slots=lambda: adapters, lora_manager=adapters)
+
+    async def on_driver_thread(fn):  # meanwhile replica 0 stopped and a fresh actor is starting in its place
+        first.alive, first.starting, first.handle = False, True, Handle(fresh, ray)
+        return fn(engine)
+    engine._call = on_driver_thread
+    asyncio.run(RayAsyncEngine.add_lora(engine, "a", "/a2", replace=True))
+    assert adapters.path_of("a") == "/a2" and ("add_lora", "a", "/a2", True) in other.handle.replica.calls

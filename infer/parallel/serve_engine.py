@@ -43,6 +43,7 @@ CUMULATIVE = ("num_preemptions", "lora_swaps", "num_steps", "cuda_graph_replays"
 SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
 # a draft model's forwards, and the decodes its context left without drafts
 DRAFT_COUNTERS = ("draft_cuda_graph_replays", "draft_eager_forwards", "draft_context_skipped_steps")
+_STOPPED = object()  # no call: the replica had stopped (_on_replicas_after_sent)
 # what a dead replica shows as 0 in its own /metrics series (it runs and holds nothing); its counters stay
 GAUGES = ("num_running", "num_waiting", "kv_usage", "kv_blocks_used", "kv_blocks_total", "num_in_flight")
 
@@ -619,9 +620,11 @@ class RayAsyncEngine(AsyncEngine):
         return sum(n for n in results if isinstance(n, int))
 
     def _on_replicas_after_sent(self, call, replicas: list) -> list:
-        """Driver thread: send every routed request, then call(replica) on each of `replicas` (in this order)."""
+        """Driver thread: send every routed request, then call(replica) on each of `replicas` (in this order) still
+        live: one that stopped since the caller read them gets _STOPPED (_on_replicas: it died), not a call on the
+        fresh actor loading in its place (it has no engine yet; _started gives it the adapters once loaded)."""
         self._send(flush=True)
-        return [call(r) for r in replicas]
+        return [call(r) if r.alive else _STOPPED for r in replicas]
 
     def _retire_on_replicas(self, name: str) -> list:
         """Driver thread: send every routed request, then the removal, to every live replica (in this order)."""
@@ -632,6 +635,8 @@ class RayAsyncEngine(AsyncEngine):
         """Each call's result, or {"message": ..., "died": True} for a replica that died (before or during the
         call), {"message": ...} for another failure of the call."""
         def get(ref):
+            if ref is _STOPPED:  # (_on_replicas_after_sent: the replica had stopped)
+                return {"message": "the replica stopped", "died": True}
             try:
                 return self.ray.get(ref)
             except self.ray.exceptions.ActorDiedError as e:
