@@ -72,7 +72,7 @@ class ReplicaPool:
         self.replicas = [ReplicaState(i, h, where=wheres[i] if i < len(wheres) else None)
                          for i, h in enumerate(handles)]
         self._calls: dict = {}  # object ref -> ReplicaState
-        self._starting: dict = {}  # a fresh replica's `info` call -> its ReplicaState (not alive until it answers)
+        self._starting: dict = {}  # a fresh replica's `where`, then `load` call -> its ReplicaState (alive once loaded)
         self.restart = restart
         self.restarted = 0  # fresh replicas started in place of ones that stopped
         # requests that were in flight on MAX_LOST replicas that stopped along with others that were too: each runs
@@ -196,8 +196,8 @@ class ReplicaPool:
                                                                    "warnings above, then run again with --resume")
 
     def _replace(self, r: ReplicaState) -> bool:
-        """Start a fresh actor in place of stopped replica `r`, if it has restarts left: it serves once its `info`
-        call answers (_started); meanwhile the other replicas go on."""
+        """Start a fresh actor in place of stopped replica `r`, if it has restarts left: it serves once Ray has placed
+        it and its `load` call answers (_started); meanwhile the other replicas go on."""
         if self.restart is None or r.restarts >= self.max_restarts:
             return False
         r.restarts += 1
@@ -237,13 +237,13 @@ class ReplicaPool:
         """A fresh replica answered: its `where` call (Ray placed it: it loads the model now), or its `load` call:
         it takes work from now on, or (it could not load the model) it is stopped and, with restarts left, started
         once more."""
-        r.starting, placed, r.place_by = None, r.place_by is not None, None
+        r.starting, placing, r.place_by = None, r.place_by is not None, None  # (placing: `where` answered)
         try:
             result = self.ray.get(ref) or {}
-            error = None if placed else result.get("error")
+            error = None if placing else result.get("error")
         except self.ray.exceptions.RayError as e:
             error = {"message": _last_line(e)}
-        if placed and not error:
+        if placing and not error:
             r.where = result
             r.starting = r.handle.load.remote(r.gone)
             self._starting[r.starting] = r

@@ -6,8 +6,9 @@ The driver thread sends a new request to the replica with the fewest in flight a
 engine step at a time (two calls queued, so a replica never waits for the driver); every output goes to its
 request's asyncio queue. A replica that dies: requests that had no output yet run again on the others (unless one was on
 pool.MAX_LOST replicas that stopped: it may be what stops them), those already streaming end with an error; a fresh
-replica is started in its place in the background (pool.MAX_RESTARTS times at most), and serves once it has loaded
-the model, compiled its kernels and loaded the adapters the server has now.
+replica is started in its place in the background (max_restarts times at most: --max-replica-restarts), and serves
+once Ray has placed it (within placement_timeout: --replica-placement-timeout), it has loaded the model (after the
+process of the one it replaces has ended), compiled its kernels and loaded the adapters the server has now.
 """
 
 from __future__ import annotations
