@@ -746,12 +746,15 @@ class LLMEngine:
     def _propose(self) -> None:
         """Speculative decoding: drafts for each running sequence that decodes, at most as many as its max_tokens
         and context leave room for after the token the step adds of its own (with a grammar, cut where it refuses
-        one)."""
+        one). A sequence still in its prompt gets none (as vLLM's, which drafts after a request's first token): the
+        last chunk of a prompt prefilled in several steps drafted, so a seeded request drew from its generator for
+        rows the same prompt prefilled in one step (a larger --max-num-batched-tokens, a prefix-cache hit) did not
+        have, and sampled other tokens."""
         spec = self.speculative
         self._past_draft_context = set()
         for seq in self.scheduler.running:
             seq.draft_token_ids, seq.draft_bitmask = [], None
-            if seq.num_uncomputed_tokens != 1 or seq.num_pending:
+            if seq.num_uncomputed_tokens != 1 or seq.num_pending or seq.num_generated < 1:
                 continue
             room = seq.max_total_len - len(seq) - 1
             if seq.params.max_new_tokens is not None:
