@@ -24,3 +24,19 @@ def test_a_seeded_request_samples_the_same_tokens_whether_its_prompt_was_chunked
                  **budget) as llm:
             runs.append([[c.token_ids for c in o.outputs] for o in llm.generate([prompt], params)])
     assert runs[0] == runs[1]
+
+
+def test_bench_refuses_a_jsonl_adapter_that_no_lora_gives_before_it_measures(tmp_path):
+    """A jsonl workload line naming an adapter that no --lora registered was measured as a failed request, after the
+    model had loaded and the level had run, and each failure told the user to pass LLM(..., loras=...), the Python
+    API's spelling, not the command's --lora."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    data = tmp_path / "w.jsonl"
+    data.write_text('{"prompt": "hello", "max_tokens": 2}\n\n{"prompt": "hi", "lora": "sql"}\n')
+    res = CliRunner().invoke(app, ["bench", "tiny-llama", "--dataset", f"jsonl:{data}", "-c", "1", "-q",
+                                   "--max-model-len", "64", "-o", str(tmp_path / "out")])
+    assert res.exit_code == 2, res.output
+    assert "'sql'" in res.output and "no --lora gives" in res.output and "--lora sql=" in res.output
+    assert "LLM(" not in res.output

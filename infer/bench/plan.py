@@ -265,6 +265,23 @@ def _longer_hint(plan: BenchPlan, cap: int) -> str:
     return f"lower them: {limit} tokens is the model's limit" + (f" ({why})" if why else "")
 
 
+def _check_own_loras(plan: BenchPlan, requests: list[BenchRequest]) -> None:
+    """An in-process engine has only the adapters --lora gives: a jsonl line naming another one was measured as a
+    failed request, each failure saying how to register an adapter with the Python API (LLM(..., loras=...)),
+    after the model had loaded and the level had run."""
+    if plan.url is not None or plan.engine is None:  # (a server's adapters are its own)
+        return
+    loras = plan.engine.loras or []  # NAME=PATH items (--lora), or {name: path}
+    given = set(plan.loras) | {item.partition("=")[0] if isinstance(item, str) else item for item in loras}
+    unknown = [r.lora for r in requests if r.lora and r.lora not in given]
+    if unknown:
+        missing = sorted(set(unknown))
+        raise ConfigError(f"{plan.dataset} names the adapter(s) {', '.join(map(repr, missing))} ({len(unknown)} "
+                          f"request(s)), which no --lora gives (given: {', '.join(sorted(given)) or 'none'})",
+                          f"add --lora NAME=PATH for each (e.g. --lora {missing[0]}=./adapters/{missing[0]}), or "
+                          "remove the lines' \"lora\"")
+
+
 def _console():
     """The terminal's width on a terminal; wide enough for every column when the output is a file or a pipe."""
     import sys
@@ -313,6 +330,8 @@ def run_plan(plan: BenchPlan, console=None, hide_libraries=None) -> tuple[list[d
                              range_ratio=plan.range_ratio)
     _note_short_dataset(plan, workload)
     own = any(r.lora for r in workload.requests)  # a jsonl line's "lora" is its own: --lora only registers it
+    if own:
+        _check_own_loras(plan, workload.requests)
     requests = assign_loras(workload.requests, plan.loras) if plan.loras and not own else workload.requests
     if plan.baseline == "hf":
         _note_base_baseline(plan, requests)
