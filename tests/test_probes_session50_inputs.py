@@ -40,3 +40,21 @@ def test_bench_refuses_a_jsonl_adapter_that_no_lora_gives_before_it_measures(tmp
     assert res.exit_code == 2, res.output
     assert "'sql'" in res.output and "no --lora gives" in res.output and "--lora sql=" in res.output
     assert "LLM(" not in res.output
+
+
+@pytest.mark.parametrize("given,named", [({"prompt_lookup_max": 0}, "prompt_lookup_max"),
+                                         ({"prompt_lookup_max": 1e9}, "prompt_lookup_max"),
+                                         ({"prompt_lookup_min": "2"}, "prompt_lookup_min")])
+def test_a_bad_prompt_lookup_value_given_alone_is_named_by_its_own_key(given, named):
+    """A prompt_lookup_max given alone takes the place of the prompt_lookup_min left out (vLLM's rule) before the
+    values were checked, so a bad one was refused as "prompt_lookup_min must be an integer of at least 1", naming
+    the key the user did not write."""
+    from infer.engine.speculative import parse_speculative_config
+    from infer.errors import ConfigError
+    with pytest.raises(ConfigError) as e:
+        parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3, **given})
+    assert f"{named} must be an integer" in e.value.message
+    other = ({"prompt_lookup_min", "prompt_lookup_max"} - {named}).pop()
+    assert other not in e.value.message
+    assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}) == {
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 2}

@@ -85,12 +85,15 @@ def parse_speculative_config(value) -> dict | None:
                           f"infer's ngram speculation takes {', '.join(KEYS)}")
     k = value.get("num_speculative_tokens")
     lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+    # each value checked as given, before one left out takes the other's (vLLM's rule): a bad prompt_lookup_max
+    # given alone was named prompt_lookup_min, a key the user never wrote
+    for name, v in (("num_speculative_tokens", k), ("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+        if (v is not None or name == "num_speculative_tokens") and (
+                isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1):
+            raise ConfigError(f"--speculative-config: {name} must be an integer of at least 1, got {v!r}", HINT)
     if lo is None and hi is None:
         lo = hi = DEFAULT_LOOKUP
     lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
-    for name, v in (("num_speculative_tokens", k), ("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-            raise ConfigError(f"--speculative-config: {name} must be an integer of at least 1, got {v!r}", HINT)
     if lo > hi:
         raise ConfigError(f"--speculative-config: prompt_lookup_min ({lo}) is above prompt_lookup_max ({hi})",
                           "give prompt_lookup_min <= prompt_lookup_max")
