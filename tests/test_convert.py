@@ -382,7 +382,7 @@ def _with_config(src: Path, dest: Path, **changes) -> Path:
 
 
 @pytest.mark.parametrize("changes, words", [
-    (dict(num_hidden_layers=3), "the checkpoint has no tensors for model.layers.2.self_attn.q_proj"),
+    (dict(num_hidden_layers=3), "the checkpoint has weights for 2 layers, config.json implies 3"),
     (dict(num_hidden_layers=1), "config.json has no place for: model.layers.1.input_layernorm.weight (and 8 more)"),
     (dict(hidden_size=None), "lm_head.weight has shape (512, 64), config.json implies (512, 4096)"),
     (dict(vocab_size=522), "lm_head.weight has shape (512, 64), config.json implies (522, 64)"),

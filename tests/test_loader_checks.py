@@ -43,7 +43,7 @@ def _load(path: Path):
      "the checkpoint has tensors config.json has no place for: model.layers.1.input_layernorm.weight (and 8 more)"),
     (None, {"model.layers.0.mlp.extra_proj.weight": torch.zeros(4, 4)},
      "has no place for: model.layers.0.mlp.extra_proj.weight"),
-    (dict(num_hidden_layers=3), None, "the checkpoint has no tensors for model.layers.2.self_attn.q_proj"),
+    (dict(num_hidden_layers=3), None, "the checkpoint has weights for 2 layers, config.json implies 3"),
     (dict(vocab_size=600), None, "lm_head.weight has shape (512, 64), config.json implies (600, 64)"),
     (dict(model_type="gpt2", architectures=None), None, "unsupported architecture 'gpt2'"),
 ])

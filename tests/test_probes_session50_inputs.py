@@ -58,3 +58,28 @@ def test_a_bad_prompt_lookup_value_given_alone_is_named_by_its_own_key(given, na
     assert other not in e.value.message
     assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}) == {
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 2}
+
+
+@pytest.mark.parametrize("layers", [4, None])
+def test_a_config_with_more_layers_than_the_weights_names_the_layer_count(tmp_path, layers):
+    """config.json implying more layers than the checkpoint holds (one of another model size, or one without
+    num_hidden_layers, whose transformers default is 32) was refused as "the checkpoint has no tensors for
+    model.layers.2.self_attn.q_proj: the model folder is incomplete", sending the user after a missing file."""
+    import json
+    import shutil
+
+    from infer.errors import ModelLoadError
+    from infer.models.tiny import ensure_builtin
+    folder = tmp_path / "m"
+    shutil.copytree(ensure_builtin("tiny-llama"), folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    have = cfg["num_hidden_layers"]
+    if layers is None:
+        del cfg["num_hidden_layers"]
+    else:
+        cfg["num_hidden_layers"] = layers
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError) as e:
+        LLM(str(folder), max_model_len=64)
+    assert f"weights for {have} layers, config.json implies {layers or 32}" in e.value.message
+    assert f"num_hidden_layers: {have}" in e.value.hint

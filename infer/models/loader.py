@@ -209,7 +209,29 @@ def _merged_shard(key: str, shards: dict[str, tuple[str, int]], merged: dict[str
     return None if layer is None else (layer, pname, shard)
 
 
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+def _check_layer_count(params, loaded, merged) -> None:
+    """Weights for the first k layers and none after, where config.json implies more: named as a layer count (a
+    config.json of another model size, or none of num_hidden_layers, whose transformers default is 32), not as the
+    first projection of layer k missing from "an incomplete folder"."""
+    def index(name: str) -> int | None:
+        m = _LAYER.match(name)
+        return int(m.group(1)) if m else None
+    wanted = {i for i in map(index, [*params, *merged]) if i is not None}
+    have = {index(k) for k in loaded} | {index(m) for m, layer in merged.items() if layer.loaded_names()}
+    have.discard(None)
+    k = len(have)
+    if wanted and 0 < k < len(wanted) and have == set(range(k)):
+        raise ModelLoadError(f"the checkpoint has weights for {k} layer{'s' if k > 1 else ''}, config.json implies "
+                             f"{len(wanted)} (its num_hidden_layers, or transformers' default of it where it has none)",
+                             f"use the config.json that came with these weights (num_hidden_layers: {k}); if the "
+                             "model has more layers, a weight file is missing from the folder")
+
+
 def _check_complete(params, loaded, merged) -> None:
+    _check_layer_count(params, loaded, merged)
     for mname, layer in merged.items():
         have = layer.loaded_names()
         for shard, hf_name in enumerate(layer.names):
