@@ -1,5 +1,6 @@
-"""Probes of inputs and feature combinations (session 50): seeded sampling with speculative decoding and chunked
-prefill, ..."""
+"""Probes of inputs and feature combinations (session 50): a seeded request with speculative decoding and a chunked
+prompt, a bench workload naming an adapter no --lora gives, a bad prompt_lookup value given alone, and a config.json
+implying more layers than the checkpoint holds."""
 
 from __future__ import annotations
 
