@@ -13,6 +13,18 @@ def next_power_of_2(n: int) -> int:
 
 
 
+# the LoRA shrink's split of K (`lora_ops.plan`): at most LORA_MAX_SPLIT partial sums, none over less than
+# LORA_K_PER_SPLIT of K
+LORA_MAX_SPLIT = 16
+LORA_K_PER_SPLIT = 1024
+
+
+def lora_split_most(k: int) -> int:
+    """The most partial sums the LoRA shrink of an input width k splits into (`lora_ops.plan`, whatever the step's
+    tokens): each holds a float32 row of the step's partials (`lora_ops.partials`)."""
+    return max(1, min(LORA_MAX_SPLIT, next_power_of_2(cdiv(k, LORA_K_PER_SPLIT))))
+
+
 PROGRAMS_PER_SM = 4  # decode attention programs an SM runs at once (4 warps, about 120 registers a thread on sm_90)
 
 

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .intmath import cdiv, next_power_of_2
+from .intmath import LORA_K_PER_SPLIT, LORA_MAX_SPLIT, cdiv, next_power_of_2
 from .lora_reference import LoRADelta, SlotGroups
 from .options import env_choice
 
@@ -39,8 +39,8 @@ MAX_SHARDS = 4  # shards one expand launch covers (a merged qkv has 3)
 # shrink program takes about K_PER_PROGRAM of K. Expand columns per program 256 / 512 / 1024 (4 warps, split 4):
 # qkv 5.8 / 5.5 / 6.0, gate_up 8.0 / 7.8 / 8.7 (128 was 12.4 and 20.3 at split 16).
 TARGET_PROGRAMS = 256  # shrink programs to aim for at most: about two per SM of an H100 (132 SMs)
-MAX_SPLIT = 16
-K_PER_PROGRAM = 1024  # split K no finer than this
+MAX_SPLIT = LORA_MAX_SPLIT  # (intmath: the memory plan sizes the partials by them)
+K_PER_PROGRAM = LORA_K_PER_SPLIT  # split K no finer than this
 BLOCK_N = 512  # expand: output columns per program, 16-token tiles (decode)
 BLOCK_N_BIG_M = 128  # the same for 64-token tiles (prefill): the accumulator stays at 8K floats
 EXPAND_WARPS = 4

@@ -41,6 +41,7 @@ class PlanOptions(Protocol):
     max_lora_rank: int
     kv_cache_dtype: str
     graph_priority: bool | None
+    lora_expand_beside: bool
 
     def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype: ...
 
@@ -102,6 +103,14 @@ def has_adapters(engine_config: PlanOptions) -> bool:
     return bool(engine_config.loras or engine_config.enable_lora)
 
 
+def expands_beside(engine_config: PlanOptions) -> bool:
+    """Whether the graphs' adapter layers expand beside the matmul into a float32 delta
+    (EngineConfig.lora_expand_beside, which takes the second stream: not with lora_streams False; options without
+    them: no)."""
+    return bool(getattr(engine_config, "lora_expand_beside", False)) \
+        and getattr(engine_config, "lora_streams", None) is not False
+
+
 def cuda_graph_bytes(engine_config: PlanOptions, model_config, dtype: torch.dtype) -> int:
     """The CUDA graphs' private memory pool (engine.cuda_graphs): the temporaries of one decode step of the
     largest bucket, which the graphs keep for themselves, the attention partials of every sequence and the hidden
@@ -125,7 +134,8 @@ def cuda_graph_bytes(engine_config: PlanOptions, model_config, dtype: torch.dtyp
     tokens = engine_config.piecewise_tokens()
     if not tokens:
         return decode
-    pieces = sum(activation_bytes(model_config, dtype, t, 1, 1, rank, penalties=False)
+    beside = expands_beside(engine_config)
+    pieces = sum(activation_bytes(model_config, dtype, t, 1, 1, rank, penalties=False, lora_expand_beside=beside)
                  for t in largest_per_stream(token_buckets(tokens), priority, adapters))
     buffers = tokens * (2 * shapes.q_size + 2 * model_config.hidden_size) * element_bytes(dtype) \
         + graph_inputs_bytes(engine_config, model_config, adapters, tokens)
@@ -153,7 +163,8 @@ def _decode_graph_bytes(engine_config: PlanOptions, model_config, dtype: torch.d
     """The decode graphs' share of the pool: one decode step's temporaries at the largest bucket (`seqs`, default
     max_num_seqs) and the attention partials of every sequence up to it."""
     seqs = seqs or engine_config.max_num_seqs
-    step = activation_bytes(model_config, dtype, seqs, 1, 1, rank, penalties=False)
+    step = activation_bytes(model_config, dtype, seqs, 1, 1, rank, penalties=False,
+                            lora_expand_beside=bool(rank) and expands_beside(engine_config))
     shapes = ModelShapes.from_config(model_config)
     # the keys the block tables hold: whole blocks (the kernel partitions by the table's width, not the length)
     size = engine_config.block_size

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.intmath import lora_split_most
 from ..kernels.reference import decode_gather_tokens
 from ..models.shapes import ModelShapes
 
@@ -40,23 +41,49 @@ def step_tokens(max_num_batched_tokens: int, num_seqs: int, max_length: int) -> 
     return max(1, min(max_num_batched_tokens, num_seqs * max_length))
 
 
+def lora_beside_token_bytes(model_config, dtype: torch.dtype, lora_rank: int) -> int:
+    """Bytes a token holds at the peak of a step recorded into a CUDA graph with the LoRA expand beside the matmul
+    (EngineConfig.lora_expand_beside: lora.layer.LoRALayer.apply_beside): while a layer's base matmul runs, its
+    output y, the float32 delta [T, out] the side stream expands into and the shrink's float32 partials
+    [split, T, shards * rank] (kernels.lora_ops.partials) are alive together, beside the layer's input and the
+    residual. The largest of the four layers: qkv; o_proj with q, k, v (views of qkv) and the attention output;
+    gate_up; down_proj with the MLP's input, gate_up's output and silu_and_mul's (MLP.forward holds them)."""
+    b, f = element_bytes(dtype), 4
+    h, inter = model_config.hidden_size, model_config.intermediate_size
+    shapes = ModelShapes.from_config(model_config)
+    q, kv = shapes.q_size, shapes.kv_size
+
+    def partials(k: int, shards: int) -> int:
+        return lora_split_most(k) * shards * lora_rank * f
+    qkv = (q + 2 * kv) * (b + f) + partials(h, 3)
+    o = (q + 2 * kv + q) * b + h * (b + f) + partials(q, 1)
+    gate_up = 2 * inter * (b + f) + partials(h, 2)
+    down = (h + 3 * inter) * b + h * f + partials(inter, 1)
+    return 2 * h * b + max(qkv, o, gate_up, down)
+
+
 def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs: int, max_length: int,
-                     lora_rank: int = 0, penalties: bool = True, kv_dtype: torch.dtype | None = None) -> int:
+                     lora_rank: int = 0, penalties: bool = True, kv_dtype: torch.dtype | None = None,
+                     lora_expand_beside: bool = False) -> int:
     """Peak bytes of one step's temporaries, the larger of a prefill of `num_tokens` tokens and a decode of
     `num_seqs` sequences at context `max_length`, plus (`penalties`) the sampler's penalty table for `num_seqs`
-    requests. `kv_dtype`: the KV cache's, when not `dtype` (fp8: the CPU decode gathers it, then upcasts a copy)."""
+    requests. `kv_dtype`: the KV cache's, when not `dtype` (fp8: the CPU decode gathers it, then upcasts a copy).
+    `lora_expand_beside`: a step recorded into a CUDA graph with the adapters' expand beside the matmul (a token
+    holds at least lora_beside_token_bytes)."""
     b = element_bytes(dtype)
     h, inter = model_config.hidden_size, model_config.intermediate_size
     shapes = ModelShapes.from_config(model_config)
     heads, q, kv = shapes.num_heads, shapes.q_size, shapes.kv_size
     # prefill: residual + normed input, then the MLP's gate_up, silu(gate) and its product live together
-    per_token = 2 * h + max(q + 2 * kv + 2 * (q + kv) + q, 4 * inter) + 2 * lora_rank
-    prefill = num_tokens * per_token * b
+    per_token = (2 * h + max(q + 2 * kv + 2 * (q + kv) + q, 4 * inter) + 2 * lora_rank) * b
+    if lora_rank and lora_expand_beside:
+        per_token = max(per_token, lora_beside_token_bytes(model_config, dtype, lora_rank))
+    prefill = num_tokens * per_token
     # decode: the K and V the CPU attention gathers at once (one sequence, or a small batch padded to its longest;
     # the GPU kernel reads the cache in place), plus float32 scores
     gathered = decode_gather_tokens(num_seqs, max_length, shapes.num_kv_heads)
     gather = 2 * kv * b + (kv * element_bytes(kv_dtype) if kv_dtype not in (None, dtype) else 0)
-    decode = gathered * (gather + heads * 4) + num_seqs * per_token * b
+    decode = gathered * (gather + heads * 4) + num_seqs * per_token
     logits = min(num_tokens, max(num_seqs, 1)) * model_config.vocab_size * 4 * 3  # logits, log-softmax, a copy
     return max(prefill, decode) + logits + (penalty_table_bytes(model_config, num_seqs) if penalties else 0)
 

@@ -1,0 +1,134 @@
+"""Probes of the memory plan against what the engine allocates, session 50: the formulas `infer warmup` proves a
+config by (and an engine start reserves) must be an upper bound of the real peak.
+
+The peaks here are counted on the CPU: every tensor a step's torch ops create, alive until its last reference goes
+(a TorchDispatchMode that keeps weak references: `LiveBytes`), without the weights and the step's inputs."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from transformers import LlamaConfig
+
+from infer.engine.config import EngineConfig
+
+
+class LiveBytes(TorchDispatchMode):
+    """The most bytes of CPU tensors alive at once among those the ops run under it create (storages counted once,
+    however many views share them; `exclude`: tensors that exist before, such as weights and inputs)."""
+
+    def __init__(self, exclude=()):
+        super().__init__()
+        self.refs: dict[int, tuple[int, list]] = {}
+        self.peak = 0
+        self.exclude = {t.untyped_storage().data_ptr() for t in exclude if isinstance(t, torch.Tensor)}
+
+    def _live(self) -> int:
+        total = 0
+        for ptr, (n, refs) in list(self.refs.items()):
+            alive = [r for r in refs if r() is not None]
+            if alive:
+                self.refs[ptr] = (n, alive)
+                total += n
+            else:
+                del self.refs[ptr]
+        return total
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                ptr = storage.data_ptr()
+                if ptr in self.exclude or not storage.nbytes():
+                    continue
+                n, refs = self.refs.get(ptr, (0, []))
+                self.refs[ptr] = (max(n, storage.nbytes()), refs + [weakref.ref(t)])
+        self.peak = max(self.peak, self._live())
+        return out
+
+
+def _stand_in_capture(monkeypatch) -> None:
+    """A CUDA graph's capture on the CPU: LoRALayer.beside sees one, and its two streams are stood in for."""
+    from infer.lora import layer as layer_mod
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+    monkeypatch.setattr(layer_mod, "_streams", lambda device: (Stream(), Stream()))
+    monkeypatch.setattr(layer_mod, "_on", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(layer_mod, "_capturing", lambda x: True)
+
+
+def _mlp_peak(cfg, dtype, rank: int, tokens: int, expand_beside: bool, max_loras: int = 2) -> int:
+    """The peak bytes of a decode graph's MLP step (llama.MLP with every adapter slot, LoRALayer.apply_beside with
+    the Triton kernels interpreted) on `tokens` rows, with the MLP's input and the residual the model's loop holds."""
+    from infer.lora import LoRAManager
+    from infer.lora.batch import LoRABatch, lora_groups
+    from infer.models.layers import UnquantizedLinearMethod
+    from infer.models.llama import MLP
+    torch.manual_seed(0)
+    mlp = MLP(cfg, "model.layers.0.mlp", lambda names: UnquantizedLinearMethod(), dtype)
+    for ml in (mlp.gate_up_proj, mlp.down_proj):
+        ml.weight.data = (torch.randn(ml.weight.shape) * 0.05).to(dtype)
+    holder = torch.nn.Module()
+    holder.mlp, holder.config = mlp, cfg
+    mgr = LoRAManager(holder, max_loras=max_loras, max_lora_rank=rank, device="cpu", dtype=dtype)
+    for layer in mgr.layers:
+        layer.expand_beside = expand_beside
+    slots = torch.zeros(tokens, dtype=torch.long)
+    groups = lora_groups(slots, max_loras, True)
+    batch = LoRABatch(slots, tuple(range(max_loras)), groups, static=True)  # a graph's: every slot, full rank
+    x = torch.randn(tokens, cfg.hidden_size).to(dtype)
+    ctx = SimpleNamespace(lora=batch)
+    keep = [x, slots, groups.order, groups.starts, *holder.parameters(), *holder.buffers()]
+    keep += [t for layer in mgr.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+    with torch.no_grad():
+        mlp(x, ctx)  # (a first run: what the kernels set up once)
+        meter = LiveBytes(keep)
+        with meter:
+            mlp(x, ctx)
+    return meter.peak + 2 * x.numel() * x.element_size()  # the MLP's input and the residual
+
+
+@pytest.mark.parametrize("expand_by", ["segments", "gather"])
+def test_decode_graph_pool_counts_the_float32_delta_of_the_expand_beside(monkeypatch, expand_by):
+    """With EngineConfig.lora_expand_beside a decode graph's layers expand into a float32 delta [T, out] on the
+    side stream while the base matmul writes y [T, out]: at gate_up both are alive (with the shrink's float32
+    partials), 2 * inter * (2 + 4) bytes a token in fp16, more than the 4 * inter * 2 the formula's MLP term
+    holds. The pool's decode step (memory.plan._decode_graph_bytes) must hold the MLP's measured peak; it counted
+    the one-stream step, 27% below it here. INFER_LORA_EXPAND's two ways allocate the same."""
+    from infer.kernels import lora_ops
+    from infer.memory.plan import _decode_graph_bytes
+    monkeypatch.setattr(lora_ops, "expand_by", expand_by)
+    _stand_in_capture(monkeypatch)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=64)
+    rank, tokens, dtype = 16, 64, torch.float16
+    engine = EngineConfig("m", max_num_seqs=tokens, enable_lora=True, max_lora_rank=rank, max_model_len=64,
+                          lora_expand_beside=True)
+    beside = _mlp_peak(cfg, dtype, rank, tokens, True)
+    assert beside > _mlp_peak(cfg, dtype, rank, tokens, False)
+    assert beside <= _decode_graph_bytes(engine, cfg, dtype, rank)
+
+
+def test_expand_beside_counts_only_where_the_side_stream_runs_it(monkeypatch):
+    """The delta is there only with the second stream (lora_streams not False) and adapters: cuda_graph_bytes (the
+    pool an engine start reserves and warmup proves) grows by it then, and only then."""
+    from infer.memory.plan import cuda_graph_bytes
+    monkeypatch.setattr(EngineConfig, "use_cuda_graphs", lambda self: True)
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
+
+    def pool(**kw) -> int:
+        return cuda_graph_bytes(EngineConfig("m", max_num_seqs=256, max_lora_rank=16, max_model_len=2048,
+                                             cuda_graph_max_tokens=512, **kw), cfg, torch.float16)
+    assert pool(enable_lora=True, lora_expand_beside=True) > pool(enable_lora=True)
+    assert pool(enable_lora=True, lora_expand_beside=True, lora_streams=False) == pool(enable_lora=True)
+    assert pool(lora_expand_beside=True) == pool()
