@@ -7,6 +7,7 @@ The peaks here are counted on the CPU: every tensor a step's torch ops create, a
 from __future__ import annotations
 
 import contextlib
+import gc
 import weakref
 from types import SimpleNamespace
 
@@ -21,13 +22,24 @@ from infer.engine.config import EngineConfig
 
 class LiveBytes(TorchDispatchMode):
     """The most bytes of CPU tensors alive at once among those the ops run under it create (storages counted once,
-    however many views share them; `exclude`: tensors that exist before, such as weights and inputs)."""
+    however many views share them; `exclude`: tensors that exist before, such as weights and inputs; `existing`:
+    every tensor alive when it starts, which views of them do not count)."""
 
-    def __init__(self, exclude=()):
+    def __init__(self, exclude=(), existing: bool = False):
         super().__init__()
         self.refs: dict[int, tuple[int, list]] = {}
         self.peak = 0
         self.exclude = {t.untyped_storage().data_ptr() for t in exclude if isinstance(t, torch.Tensor)}
+        self.existing = existing
+
+    def __enter__(self):
+        if self.existing:
+            gc.collect()
+            for t in gc.get_objects():
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided:
+                    with contextlib.suppress(NotImplementedError, RuntimeError):  # (an opaque prepacked weight)
+                        self.exclude.add(t.untyped_storage().data_ptr())
+        return super().__enter__()
 
     def _live(self) -> int:
         total = 0
@@ -43,14 +55,16 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided:
                 storage = t.untyped_storage()
                 ptr = storage.data_ptr()
                 if ptr in self.exclude or not storage.nbytes():
                     continue
                 n, refs = self.refs.get(ptr, (0, []))
                 self.refs[ptr] = (max(n, storage.nbytes()), refs + [weakref.ref(t)])
-        self.peak = max(self.peak, self._live())
+        live = self._live()
+        if live > self.peak:
+            self.peak, self.at = live, (str(func), sorted((n for n, _ in self.refs.values()), reverse=True))
         return out
 
 
@@ -132,3 +146,60 @@ def test_expand_beside_counts_only_where_the_side_stream_runs_it(monkeypatch):
     assert pool(enable_lora=True, lora_expand_beside=True) > pool(enable_lora=True)
     assert pool(enable_lora=True, lora_expand_beside=True, lora_streams=False) == pool(enable_lora=True)
     assert pool(lora_expand_beside=True) == pool()
+
+
+def _sampling_step(params, seqs: int, max_length: int = 16):
+    """(the measured peak bytes of a decode step of `seqs` sequences of tiny-llama sampling with `params` on the
+    CPU, from the forward to the sampled tokens, with the penalty table the step fills; the engine's config, the
+    model's config and dtype)."""
+    from infer import LLM
+    from infer.engine.model_runner import ModelRunner
+    from infer.engine.scheduler import ScheduledBatch
+    from infer.engine.sequence import Sequence
+    from infer.models.tiny import ensure_builtin
+    llm = LLM(str(ensure_builtin("tiny-llama")), max_num_seqs=seqs, max_num_batched_tokens=seqs, block_size=4,
+              num_kv_blocks=16, max_model_len=max_length)
+    try:
+        engine = llm.engine
+        config, model, dtype = engine.config, engine.runner.model, engine.runner.dtype
+        table = list(range(-(-max_length // config.block_size)))
+        runner = ModelRunner(config, model, dtype=dtype, device=torch.device("cpu"), num_blocks=len(table))
+
+        def batch():
+            g = torch.Generator().manual_seed(0)
+            out = ScheduledBatch([], [])
+            for i in range(seqs):
+                s = Sequence(f"m{i}", torch.randint(1, 500, (max_length - 1,), generator=g).tolist(), params, None)
+                s.block_table, s.num_computed_tokens = table, max_length - 2
+                out.seqs.append(s)
+                out.num_new_tokens.append(1)
+            return out
+        runner.run(batch())  # (the penalty table's rows, the kernels' one-time set-up)
+        table_bytes = runner.penalties.table.numel() * 4
+        runner.penalties = type(runner.penalties)(runner.vocab_size, runner.device, seqs)
+        step = batch()
+        with torch.inference_mode():
+            meter = LiveBytes(existing=True)
+            with meter:
+                runner.run(step)
+        assert runner.penalties.table.numel() * 4 == table_bytes
+        return meter.peak, config, model.config, dtype
+    finally:
+        llm.close()
+
+
+def test_the_step_formula_holds_the_samplers_temporaries():
+    """A decode step whose every sequence samples with penalties, temperature, top-k, top-p, min-p and 20 logprobs:
+    at the sampler's peak (filter_top_k_top_p) a row holds its float32 logits, its penalty counts (int32), the
+    penalised scores, their tempered copy, the sorted values and their int64 indices, the filtered copies and the
+    drop mask: 37 bytes a vocabulary entry, where the formula counted 12 (logits, log-softmax, a copy). With a
+    token budget of one token a sequence the forward's temporaries are small beside them, and the step (measured,
+    with the penalty table it fills) passed activation_bytes, which an engine start reserves and warmup proves."""
+    from infer.engine.sampling_params import SamplingParams
+    from infer.memory.sizes import activation_bytes, step_tokens
+    params = SamplingParams(max_new_tokens=4, temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, logprobs=20,
+                            repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5)
+    seqs, length = 16, 16
+    peak, config, model_config, dtype = _sampling_step(params, seqs, length)
+    tokens = step_tokens(config.max_num_batched_tokens, seqs, length)
+    assert peak <= activation_bytes(model_config, dtype, tokens, seqs, length)

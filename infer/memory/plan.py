@@ -22,7 +22,7 @@ from ..models.limits import context_limit
 from ..models.shapes import ModelShapes
 from .graph_buckets import batch_buckets, largest_per_stream, token_buckets
 from .sizes import (activation_bytes, dequant_scratch_bytes, element_bytes, gib, kv_bytes_per_token, lora_slot_bytes,
-                    step_tokens, weights_bytes)
+                    sampler_row_bytes, step_tokens, weights_bytes)
 
 
 class PlanOptions(Protocol):
@@ -387,14 +387,14 @@ def draft_activation_bytes(engine_config: PlanOptions, draft_config, dtype, max_
 
 def speculative_logit_bytes(engine_config: PlanOptions, model_config, seqs: int | None = None) -> int:
     """With speculative decoding, the logits of the rows a verify step samples beyond one a sequence (each draft's
-    position has its row), as activation_bytes counts a row's (logits, log-softmax, a copy). `seqs`: the sequences
-    at once (default max_num_seqs)."""
+    position has its row), as activation_bytes counts a row's (memory.sizes.sampler_row_bytes). `seqs`: the
+    sequences at once (default max_num_seqs)."""
     spec = getattr(engine_config, "speculative_config", None)
     if not spec:
         return 0
     seqs, tokens = seqs or engine_config.max_num_seqs, engine_config.max_num_batched_tokens
     rows = min(tokens, seqs * (spec["num_speculative_tokens"] + 1)) - min(tokens, seqs)
-    return max(0, rows) * model_config.vocab_size * 4 * 3
+    return max(0, rows) * sampler_row_bytes(model_config)
 
 
 def _start_plan(engine_config: PlanOptions, model_config, model, dtype, device, max_len: int,

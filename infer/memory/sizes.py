@@ -35,6 +35,19 @@ def penalty_table_bytes(model_config, num_seqs: int) -> int:
     return (num_seqs + 1) * model_config.vocab_size * 4
 
 
+# bytes a sampled row holds per vocabulary entry at the sampler's peak (engine.sampler: a row with penalties,
+# temperature, top-k and top-p, in filter_top_k_top_p's last line): its float32 logits (4), its penalty counts (int32
+# copies of its table entries, 4), the penalised scores (4), their tempered copy (4), the sorted values (4) and their
+# int64 indices (8), the top-k-masked values (4), the scattered result (4) and the top-p drop mask (1); more than the
+# log-softmax and top logprobs of a row's records (engine.sampler._pack) or a prompt's (model_runner)
+SAMPLER_BYTES_PER_LOGIT = 4 + 4 + 4 + 4 + 4 + 8 + 4 + 4 + 1
+
+
+def sampler_row_bytes(model_config) -> int:
+    """The bytes one sampled row holds at the sampler's peak (SAMPLER_BYTES_PER_LOGIT per vocabulary entry)."""
+    return model_config.vocab_size * SAMPLER_BYTES_PER_LOGIT
+
+
 def step_tokens(max_num_batched_tokens: int, num_seqs: int, max_length: int) -> int:
     """The most tokens one step can hold: the token budget, but no more than `num_seqs` sequences of `max_length`
     tokens each (a prefill, a recomputed one included, never holds more of a sequence than its length)."""
@@ -84,7 +97,7 @@ def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs
     gathered = decode_gather_tokens(num_seqs, max_length, shapes.num_kv_heads)
     gather = 2 * kv * b + (kv * element_bytes(kv_dtype) if kv_dtype not in (None, dtype) else 0)
     decode = gathered * (gather + heads * 4) + num_seqs * per_token
-    logits = min(num_tokens, max(num_seqs, 1)) * model_config.vocab_size * 4 * 3  # logits, log-softmax, a copy
+    logits = min(num_tokens, max(num_seqs, 1)) * sampler_row_bytes(model_config)  # the sampler's rows
     return max(prefill, decode) + logits + (penalty_table_bytes(model_config, num_seqs) if penalties else 0)
 
 
