@@ -203,3 +203,38 @@ def test_the_step_formula_holds_the_samplers_temporaries():
     peak, config, model_config, dtype = _sampling_step(params, seqs, length)
     tokens = step_tokens(config.max_num_batched_tokens, seqs, length)
     assert peak <= activation_bytes(model_config, dtype, tokens, seqs, length)
+
+
+@pytest.mark.parametrize("adapters", [False, True], ids=["base", "adapters"])
+def test_the_mlp_frees_gate_ups_output_before_the_down_projection(adapters, monkeypatch):
+    """llama.MLP.forward kept gate_up's output [T, 2 * inter] (a local) alive through the down projection, whose
+    own peak (its input, its output, and on a CPU with adapters in half precision a float32 copy of its input for
+    the shrink) then held it too: the step's peak passed the formula's (memory.sizes.activation_bytes). It is freed
+    once silu_and_mul has read it, with or without the adapters' path."""
+    from infer.models.layers import MergedLinear, UnquantizedLinearMethod
+    from infer.models.llama import MLP
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=64)
+    mlp = MLP(cfg, "model.layers.0.mlp", lambda names: UnquantizedLinearMethod(), torch.float32)
+    for ml in (mlp.gate_up_proj, mlp.down_proj):
+        ml.weight.data = torch.randn(ml.weight.shape) * 0.05
+    outputs, alive = [], []
+    deferred = MergedLinear.forward_deferred
+
+    def watched(self, x, ctx=None):
+        if self is mlp.down_proj:
+            alive.append(outputs[0]() is not None)
+        y, d = deferred(self, x, ctx)
+        if self is mlp.gate_up_proj:
+            outputs.append(weakref.ref(y))
+        return y, d
+    monkeypatch.setattr(MergedLinear, "forward_deferred", watched)
+    ctx = SimpleNamespace(lora=None)
+    if adapters:  # the adapters' path: a hook that adds nothing, which the step's map reaches
+        for ml in (mlp.gate_up_proj, mlp.down_proj):
+            ml.lora = SimpleNamespace(beside=lambda base, x: False, takes_delta=lambda base: False,
+                                      defers=lambda base, x: False, apply=lambda x, y, batch: None)
+        ctx = SimpleNamespace(lora=object())
+    with torch.no_grad():
+        mlp(torch.randn(8, 64), ctx)
+    assert alive == [False]

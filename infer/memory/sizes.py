@@ -60,7 +60,7 @@ def lora_beside_token_bytes(model_config, dtype: torch.dtype, lora_rank: int) ->
     output y, the float32 delta [T, out] the side stream expands into and the shrink's float32 partials
     [split, T, shards * rank] (kernels.lora_ops.partials) are alive together, beside the layer's input and the
     residual. The largest of the four layers: qkv; o_proj with q, k, v (views of qkv) and the attention output;
-    gate_up; down_proj with the MLP's input, gate_up's output and silu_and_mul's (MLP.forward holds them)."""
+    gate_up; down_proj with silu_and_mul's output (MLP.forward frees gate_up's before it)."""
     b, f = element_bytes(dtype), 4
     h, inter = model_config.hidden_size, model_config.intermediate_size
     shapes = ModelShapes.from_config(model_config)
@@ -71,7 +71,7 @@ def lora_beside_token_bytes(model_config, dtype: torch.dtype, lora_rank: int) ->
     qkv = (q + 2 * kv) * (b + f) + partials(h, 3)
     o = (q + 2 * kv + q) * b + h * (b + f) + partials(q, 1)
     gate_up = 2 * inter * (b + f) + partials(h, 2)
-    down = (h + 3 * inter) * b + h * f + partials(inter, 1)
+    down = (h + inter) * b + h * f + partials(inter, 1)
     return 2 * h * b + max(qkv, o, gate_up, down)
 
 

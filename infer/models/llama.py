@@ -147,7 +147,9 @@ class MLP(nn.Module):
             return self.down_proj.forward_deferred(self.gate_up_proj.method.apply(self.gate_up_proj, x, gated=True),
                                                    ctx)
         gate_up, delta = self.gate_up_proj.forward_deferred(x, ctx)  # delta: the adapters', for silu_and_mul to add
-        return self.down_proj.forward_deferred(kernels.silu_and_mul(gate_up, delta), ctx)
+        act = kernels.silu_and_mul(gate_up, delta)
+        del gate_up, delta  # freed before the down projection, whose peak holds its input and output, not these too
+        return self.down_proj.forward_deferred(act, ctx)
 
 
 class DecoderLayer(nn.Module):
