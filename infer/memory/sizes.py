@@ -75,6 +75,29 @@ def lora_beside_token_bytes(model_config, dtype: torch.dtype, lora_rank: int) ->
     return 2 * h * b + max(qkv, o, gate_up, down)
 
 
+def lora_cpu_token_bytes(model_config, dtype: torch.dtype, lora_rank: int) -> int:
+    """Bytes a token holds at the peak of a step through the adapters' torch path (kernels.lora_reference, the CPU's):
+    a layer's shrink reads a float32 copy of its input and leaves [T, shards * rank] float32, and each shard's
+    expand computes its delta [T, out] in float32 and casts a copy to the model's dtype before adding it; in half
+    precision those copies are more than the formula's MLP term holds (gate_up's output, the delta of one of its
+    shards and that delta's cast: 2 * inter * 2 + inter * 6 bytes in bf16, against 4 * inter * 2). The largest of
+    the four layers, beside the layer's input and the residual: qkv; o_proj with q, k, v (views of qkv) and the
+    attention output; gate_up; down_proj with silu_and_mul's output."""
+    b, f = element_bytes(dtype), 4
+    h, inter = model_config.hidden_size, model_config.intermediate_size
+    shapes = ModelShapes.from_config(model_config)
+    q, kv = shapes.q_size, shapes.kv_size
+    half = b < f  # (in float32 neither copy is made)
+
+    def lora(k: int, shards: int, widest: int) -> int:  # the shrink's output, then its input copy or an expand's
+        return shards * lora_rank * f + max(k * f if half else 0, widest * (f + (b if half else 0)))
+    qkv = (q + 2 * kv) * b + lora(h, 3, q)
+    o = (q + 2 * kv + q + h) * b + lora(q, 1, h)
+    gate_up = 2 * inter * b + lora(h, 2, inter)
+    down = (inter + h) * b + lora(inter, 1, h)
+    return 2 * h * b + max(qkv, o, gate_up, down)
+
+
 def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs: int, max_length: int,
                      lora_rank: int = 0, penalties: bool = True, kv_dtype: torch.dtype | None = None,
                      lora_expand_beside: bool = False) -> int:
@@ -89,6 +112,8 @@ def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs
     heads, q, kv = shapes.num_heads, shapes.q_size, shapes.kv_size
     # prefill: residual + normed input, then the MLP's gate_up, silu(gate) and its product live together
     per_token = (2 * h + max(q + 2 * kv + 2 * (q + kv) + q, 4 * inter) + 2 * lora_rank) * b
+    if lora_rank:
+        per_token = max(per_token, lora_cpu_token_bytes(model_config, dtype, lora_rank))
     if lora_rank and lora_expand_beside:
         per_token = max(per_token, lora_beside_token_bytes(model_config, dtype, lora_rank))
     prefill = num_tokens * per_token
