@@ -294,3 +294,34 @@ def test_the_step_formula_holds_the_cpu_adapter_paths_float32_copies(tmp_path, r
     tokens = step_tokens(engine.max_num_batched_tokens, seqs, length)
     assert sum(prefill.num_new_tokens) <= tokens
     assert meter.peak <= activation_bytes(model_config, dtype, tokens, seqs, length, rank)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_step_formula_holds_the_cpu_rotarys_float32_temporaries(dtype):
+    """tiny-qwen3 (head_dim 32: q is twice the hidden size) on the CPU: the worst case's prefill peaks in the torch
+    rotary (kernels.reference.rotary_embedding), which rotates q in float32 halves beside the qkv output and the
+    per-head normed q and k: 2,841 bytes a token in bf16 against the formula's 1,792 (memory.sizes.activation_bytes,
+    which an engine start reserves). Measured: every tensor the step creates."""
+    from pathlib import Path
+
+    from infer.engine.model_runner import ModelRunner
+    from infer.engine.profile import worst_case_batches
+    from infer.memory.sizes import activation_bytes, step_tokens
+    from infer.models.loader import load_model
+    from infer.models.tiny import ensure_builtin
+    path, seqs, length = ensure_builtin("tiny-qwen3"), 4, 256
+    engine = EngineConfig(str(path), max_num_seqs=seqs, max_model_len=length, block_size=16)
+    model, model_config = load_model(Path(path), dtype, torch.device("cpu"), max_positions=length)
+    prefill, decodes, blocks = worst_case_batches(model_config, engine, length, seqs, engine.block_size)
+    runner = ModelRunner(engine, model, dtype=dtype, device=torch.device("cpu"), num_blocks=blocks)
+    runner.zero_blocks(list(range(blocks)))
+    peaks = []
+    with torch.inference_mode():
+        for batch in (prefill, *decodes):
+            runner.run(batch)
+            meter = LiveBytes(existing=True)
+            with meter:
+                runner.run(batch)
+            peaks.append(meter.peak)
+    tokens = step_tokens(engine.max_num_batched_tokens, seqs, length)
+    assert max(peaks) <= activation_bytes(model_config, dtype, tokens, seqs, length)

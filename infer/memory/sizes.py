@@ -98,6 +98,19 @@ def lora_cpu_token_bytes(model_config, dtype: torch.dtype, lora_rank: int) -> in
     return 2 * h * b + max(qkv, o, gate_up, down)
 
 
+def rotary_cpu_token_bytes(model_config, dtype: torch.dtype) -> int:
+    """Bytes a token holds while the torch rotary (kernels.reference.rotary_embedding, the CPU's) rotates its query:
+    beside the layer's input and the residual, the qkv output, q and k normed per head (Qwen3; counted for every
+    family), the rotary table's row (float32), a float32 copy of q (in half precision) and four float32 halves of q
+    (x1 * cos - x2 * sin done, x2 * cos, x1 * sin and their sum): past the formula's attention term where q is wide
+    beside the MLP (Qwen3's head_dim) and in half precision."""
+    b, f = element_bytes(dtype), 4
+    shapes = ModelShapes.from_config(model_config)
+    q, kv = shapes.q_size, shapes.kv_size
+    return (2 * model_config.hidden_size + q + 2 * kv + q + kv) * b + shapes.head_dim * f \
+        + (q * f if b < f else 0) + 2 * q * f
+
+
 def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs: int, max_length: int,
                      lora_rank: int = 0, penalties: bool = True, kv_dtype: torch.dtype | None = None,
                      lora_expand_beside: bool = False) -> int:
@@ -112,6 +125,7 @@ def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs
     heads, q, kv = shapes.num_heads, shapes.q_size, shapes.kv_size
     # prefill: residual + normed input, then the MLP's gate_up, silu(gate) and its product live together
     per_token = (2 * h + max(q + 2 * kv + 2 * (q + kv) + q, 4 * inter) + 2 * lora_rank) * b
+    per_token = max(per_token, rotary_cpu_token_bytes(model_config, dtype))
     if lora_rank:
         per_token = max(per_token, lora_cpu_token_bytes(model_config, dtype, lora_rank))
     if lora_rank and lora_expand_beside:
