@@ -325,3 +325,20 @@ def test_the_step_formula_holds_the_cpu_rotarys_float32_temporaries(dtype):
             peaks.append(meter.peak)
     tokens = step_tokens(engine.max_num_batched_tokens, seqs, length)
     assert max(peaks) <= activation_bytes(model_config, dtype, tokens, seqs, length)
+
+
+def test_the_measured_worst_case_samples_with_the_samplers_largest_temporaries():
+    """engine.profile's worst case (the peak `infer warmup` measures) sampled greedily, whose rows hold their logits
+    only: its sequences now sample with penalties, temperature, top-k, top-p, min-p and top logprobs, so that the
+    measured peak holds the sampler's float32 copies and the sort's int64 indices (memory.sizes.sampler_row_bytes)."""
+    from transformers import LlamaConfig as Config
+
+    from infer.engine.profile import worst_case_batches
+    cfg = Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
+    engine = EngineConfig("m", max_num_seqs=4, max_model_len=64, block_size=16,
+                          speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    prefill, decodes, _ = worst_case_batches(cfg, engine, 64, 4, 16)
+    for seq in prefill.seqs + [s for d in decodes for s in d.seqs]:
+        p = seq.params
+        assert not p.greedy and p.needs_penalties and p.top_k and p.top_p < 1 and p.min_p > 0 and p.logprobs

@@ -22,10 +22,17 @@ from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
 
+# how the worst case's sequences sample: with what makes the sampler's largest temporaries (penalties, temperature,
+# top-k and top-p: its float32 copies, the sort's values and int64 indices, memory.sizes.SAMPLER_BYTES_PER_LOGIT)
+# and top logprobs, so that the measured peak holds them (a greedy row holds its logits only)
+WORST_SAMPLING = dict(max_new_tokens=1, temperature=1.0, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
+                      presence_penalty=0.5, frequency_penalty=0.5, logprobs=20)
+
+
 def _fake_seq(i: int, length: int, vocab: int, table: list[int], computed: int) -> Sequence:
     g = torch.Generator().manual_seed(i)
     s = Sequence(f"warmup-{i}", torch.randint(0, vocab, (length,), generator=g).tolist(),
-                 SamplingParams(max_new_tokens=1), None)
+                 SamplingParams(**WORST_SAMPLING), None)
     s.block_table, s.num_computed_tokens = table, computed
     s.draft_computed = computed  # (a draft model feeds what the target computes this step)
     return s
@@ -147,7 +154,7 @@ def profile_run(model, model_config, engine_config: EngineConfig, dtype, device,
     if rank and lora_name is None:  # slots for adapters added later (--enable-lora): their path by the formula
         peak += activation_bytes(model_config, dtype, tokens, concurrency, max_length, rank) \
             - activation_bytes(model_config, dtype, tokens, concurrency, max_length, 0)
-    peak += penalty_table_bytes(model_config, concurrency)  # the worst case samples without penalties: add them
+    peak += penalty_table_bytes(model_config, concurrency)  # (filled before the measured runs, as an engine keeps it)
     spec = speculative_logit_bytes(engine_config, model_config, concurrency)  # the verify step's rows: measured
     draft_config = draft.model_config if draft is not None else None
     # the CUDA graphs keep a pool of their own (a draft model's decode graphs too, as an engine start reserves)

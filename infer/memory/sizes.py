@@ -43,6 +43,9 @@ def penalty_table_bytes(model_config, num_seqs: int) -> int:
 SAMPLER_BYTES_PER_LOGIT = 4 + 4 + 4 + 4 + 4 + 8 + 4 + 4 + 1
 
 
+STEP_INPUT_BYTES = 128  # a token's share of a step's inputs (ids, positions, KV slots, adapter slots: int64 each)
+
+
 def sampler_row_bytes(model_config) -> int:
     """The bytes one sampled row holds at the sampler's peak (SAMPLER_BYTES_PER_LOGIT per vocabulary entry)."""
     return model_config.vocab_size * SAMPLER_BYTES_PER_LOGIT
@@ -136,8 +139,13 @@ def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs
     gathered = decode_gather_tokens(num_seqs, max_length, shapes.num_kv_heads)
     gather = 2 * kv * b + (kv * element_bytes(kv_dtype) if kv_dtype not in (None, dtype) else 0)
     decode = gathered * (gather + heads * 4) + num_seqs * per_token
-    logits = min(num_tokens, max(num_seqs, 1)) * sampler_row_bytes(model_config)  # the sampler's rows
-    return max(prefill, decode) + logits + (penalty_table_bytes(model_config, num_seqs) if penalties else 0)
+    # the sampler's rows: during the forward (beside the step's inputs) only their penalty counts, loaded with the
+    # inputs; after it, the step's hidden states and inputs, each row's hidden state and the sampler's peak
+    # (SAMPLER_BYTES_PER_LOGIT)
+    rows = min(num_tokens, max(num_seqs, 1))
+    forward = max(prefill, decode) + num_tokens * STEP_INPUT_BYTES + rows * model_config.vocab_size * 4
+    sampling = num_tokens * (h * b + STEP_INPUT_BYTES) + rows * (h * b + sampler_row_bytes(model_config))
+    return max(forward, sampling) + (penalty_table_bytes(model_config, num_seqs) if penalties else 0)
 
 
 DEQUANT_MIN_TOKENS = 256  # steps of more tokens may take the int4 matmul's dequantize + cuBLAS path
