@@ -342,3 +342,20 @@ def test_the_measured_worst_case_samples_with_the_samplers_largest_temporaries()
     for seq in prefill.seqs + [s for d in decodes for s in d.seqs]:
         p = seq.params
         assert not p.greedy and p.needs_penalties and p.top_k and p.top_p < 1 and p.min_p > 0 and p.logprobs
+
+
+def test_the_advice_names_an_8_bit_kv_cache_where_the_kv_cache_does_not_fit():
+    """A plan whose KV cache does not hold its sequences (the activations fit) named a shorter --max-length, fewer
+    sequences and a larger budget, never --kv-cache-dtype fp8, which holds twice the tokens of a 16-bit cache (four
+    times a float32 one's) in the same bytes; a plan already in fp8 is not told it."""
+    from infer.memory.plan import MemoryPlan
+    kw = dict(device="cpu", total_bytes=1 << 34, budget_bytes=1 << 30, weights_bytes=1 << 28,
+              activation_peak_bytes=1 << 26, lora_bytes=0, reserve_bytes=1 << 24, kv_bytes_per_token=1 << 17,
+              kv_block_bytes=1 << 21, block_size=16, kv_blocks=300, max_length=4096, concurrency=4,
+              max_length_limit=8192)
+    for dtype, times in (("float16", 2), ("bfloat16", 2), ("float32", 4)):
+        plan = MemoryPlan(**kw, kv_cache_dtype=dtype)
+        assert not plan.fits and "lower --max-length to" in plan.advice()
+        assert plan.advice().endswith(f"or use --kv-cache-dtype fp8 (1 byte a value instead of {times}: "
+                                      f"{times}x the tokens)")
+    assert "fp8" not in MemoryPlan(**kw, kv_cache_dtype="float8_e4m3fn").advice()

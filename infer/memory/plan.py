@@ -285,7 +285,12 @@ class MemoryPlan:
             tips.append(f"lower --max-length to {self.max_length_at_concurrency}")
         if self.max_concurrency_at_max_length > 0:
             tips.append(f"lower --concurrency to {self.max_concurrency_at_max_length}")
+        kv_size = self.kv_cache_dtype and torch.finfo(getattr(torch, self.kv_cache_dtype)).bits // 8
+        kv_bound = self.max_length_at_concurrency > 0 or self.max_concurrency_at_max_length > 0
         tips.append(more)
+        if kv_size and kv_size > 1 and kv_bound:
+            # the KV cache, not the activations, is what does not fit: an 8-bit one holds more tokens in as much
+            tips.append(f"use --kv-cache-dtype fp8 (1 byte a value instead of {kv_size}: {kv_size}x the tokens)")
         return ", or ".join(tips)
 
 
