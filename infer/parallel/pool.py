@@ -226,6 +226,9 @@ class ReplicaPool:
             if r.place_by is None or now < r.place_by:
                 continue
             self._starting.pop(ref)
+            if self.ray.wait([ref], num_returns=1, timeout=0)[0]:  # placed, its answer not read yet: it loads
+                self._started(r, ref)
+                continue
             r.starting = r.place_by = None
             stop_replicas(self.ray, [r.handle])
             message, hint = unplaced(f"the fresh replica {r.index} was", self.resources, self.placement_timeout)

@@ -493,6 +493,9 @@ class RayAsyncEngine(AsyncEngine):
             if stage != "where" or r.place_by is None or now < r.place_by:
                 continue
             self._starting.pop(ref)
+            if self.ray.wait([ref], num_returns=1, timeout=0)[0]:  # placed, its answer not read yet: it loads
+                self._started(ref, r, stage, *_)
+                continue
             stop_replicas(self.ray, [r.handle])
             r.starting, r.place_by = False, None
             message, hint = unplaced(f"the fresh engine replica {r.index} was", self._resources,

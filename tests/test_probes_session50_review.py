@@ -1,0 +1,58 @@
+"""The fiftieth session's review probes: defects found reading its new code (a fresh replica's placement deadline,
+a draft model of a shorter context). Replicas are stand-ins behind tests/fakeray.py."""
+
+from __future__ import annotations
+
+import time
+
+from infer.parallel.pool import ReplicaPool
+
+from fakeray import FakeRay, Handle
+
+
+class _Stub:
+    def info(self) -> dict:
+        return {"error": None, "host": "h", "pid": 0}
+
+
+def _fresh_placed_at_deadline(handles: list):
+    """A restart whose actor is pending at first (the test places it: handles[-1].pending = False)."""
+    def restart(index: int) -> Handle:
+        handles.append(Handle(_Stub(), pending=True))
+        return handles[-1]
+    return restart
+
+
+def test_the_pool_keeps_a_fresh_replica_placed_before_its_deadline_was_read():
+    """A fresh replica whose `where` had answered (Ray placed it) but which the driver had not read yet when the
+    placement deadline passed (the loop read another replica's result first) was killed as never placed, and
+    another started in its place (or the replica stayed stopped). Now a placed one loads."""
+    made, notes = [], []
+    pool = ReplicaPool(FakeRay(), [Handle(_Stub())], capacity=2, notify=notes.append,
+                       restart=_fresh_placed_at_deadline(made), max_restarts=1, placement_timeout=60)
+    r = pool.replicas[0]
+    r.alive = False
+    assert pool._replace(r)
+    made[-1].pending = False  # Ray placed it: its `where` answered
+    r.place_by = time.monotonic() - 1  # ... and then the deadline passed before the driver read it
+    pool._unplaced()
+    assert len(made) == 1 and made[0].alive and r.handle is made[0], notes
+    assert not any("not placed" in n for n in notes), notes
+    assert r.place_by is None and list(pool._starting.values()) == [r]
+    assert next(iter(pool._starting)).method == "load"  # it loads the model now
+
+
+def test_the_server_engine_keeps_a_fresh_replica_placed_before_its_deadline_was_read():
+    from infer.parallel.serve_engine import RayAsyncEngine, _Replica
+    made = []
+    r = _Replica(0, Handle(_Stub()), {}, alive=False)
+    engine = RayAsyncEngine.__new__(RayAsyncEngine)
+    engine.ray, engine.replicas, engine._starting = FakeRay(), [r], {}
+    engine._restart, engine.max_restarts = _fresh_placed_at_deadline(made), 1
+    engine._replace(r)
+    assert r.starting and len(made) == 1
+    made[-1].pending = False
+    r.place_by = time.monotonic() - 1
+    engine._unplaced()
+    assert len(made) == 1 and made[0].alive and r.starting and r.error is None
+    assert [(ref.method, stage) for ref, (_, stage, *_) in engine._starting.items()] == [("load", "info")]
