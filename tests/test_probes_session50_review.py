@@ -56,3 +56,40 @@ def test_the_server_engine_keeps_a_fresh_replica_placed_before_its_deadline_was_
     engine._unplaced()
     assert len(made) == 1 and made[0].alive and r.starting and r.error is None
     assert [(ref.method, stage) for ref, (_, stage, *_) in engine._starting.items()] == [("load", "info")]
+
+
+def test_add_lora_skips_a_replica_that_stopped_after_the_live_ones_were_read():
+    """add_lora read the live replicas, then sent the adapter to each one's actor: one that the driver thread had
+    found stopped in between had a fresh actor in its place, still loading (no engine yet), and the adapter reached
+    that one: its call failed and the adapter was refused (the in-place reload's path checked, the plain one did
+    not). Now it is left out as a replica that died; the fresh one gets the adapters once it has loaded."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from infer.engine.config import EngineConfig
+    from infer.parallel.replica import Replica
+    from infer.parallel.serve_engine import RayAsyncEngine, _Adapters, _Replica
+    from test_probes_session49_review2 import _engine, _Fresh
+
+    ray = FakeRay(eager=True)
+    fresh = Replica(EngineConfig("tiny-llama", max_model_len=128), None, False)  # (loads in its `load` call)
+
+    class Racing(_Replica):
+        race = False
+
+        def __getattribute__(self, name):
+            if name == "handle" and object.__getattribute__(self, "race"):
+                # the driver thread, just before: the replica stopped and a fresh actor is starting in its place
+                object.__setattr__(self, "race", False)
+                self.alive, self.starting, self.handle = False, True, Handle(fresh, ray)
+            return object.__getattribute__(self, name)
+
+    first = Racing(0, Handle(_Fresh(), ray), {}, alive=True)
+    other = _Replica(1, Handle(_Fresh(), ray), {}, alive=True)
+    engine = _engine([first, other])
+    engine.ray, engine._lora_changes = ray, None
+    adapters = _Adapters(["a"], {"a": "/a"})
+    engine.engine = SimpleNamespace(lora_slots=lambda: adapters, lora_manager=adapters)
+    first.race = True
+    asyncio.run(RayAsyncEngine.add_lora(engine, "c", "/c"))
+    assert adapters.has("c") and ("add_lora", "c", "/c", False) in other.handle.replica.calls

@@ -578,8 +578,11 @@ class RayAsyncEngine(AsyncEngine):
             asked = []  # the actors asked (a replica that stops meanwhile has a fresh actor, not asked, in its place)
 
             def load(r, *more):
-                asked.append(r.handle)
-                return r.handle.add_lora.remote(name, path, *more)
+                handle = r.handle  # (then `alive`: the driver thread marks a replica stopped before its fresh actor)
+                if not r.alive:  # it stopped since `live` was read: the fresh actor in its place, loading, has no
+                    return _STOPPED  # engine yet (_started gives it the adapters once it has)
+                asked.append(handle)
+                return handle.add_lora.remote(name, path, *more)
             if replace:  # the requests already routed reach their replica first: they keep the old weights
                 refs = await self._call(lambda engine: engine._on_replicas_after_sent(lambda r: load(r, True), live))
             else:
