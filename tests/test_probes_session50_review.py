@@ -93,3 +93,49 @@ def test_add_lora_skips_a_replica_that_stopped_after_the_live_ones_were_read():
     first.race = True
     asyncio.run(RayAsyncEngine.add_lora(engine, "c", "/c"))
     assert adapters.has("c") and ("add_lora", "c", "/c", False) in other.handle.replica.calls
+
+
+def test_an_overlapped_step_whose_launch_failed_leaves_its_blocks_to_be_zeroed():
+    """The interrupted-step fix (the next step zeroes the KV blocks a step got but never zeroed) covered the draft,
+    the verify and the plain forward, not the overlapped launch: one that raised before its zeroing (Ctrl-C or a
+    failure while its inputs were prepared: "loses nothing") dropped the blocks' list, and nothing zeroed them
+    (a kernel that reads a block's masked tail reads what their memory held: NaN, as uninitialised memory may)."""
+    from infer import LLM, SamplingParams
+    from infer.engine.model_runner import ModelRunner
+    from infer.models.tiny import ensure_builtin
+
+    from helpers import random_prompts
+    path = str(ensure_builtin("tiny-llama"))
+    kw = dict(block_size=4, max_num_batched_tokens=32, max_num_seqs=4, max_model_len=96)
+    prompts = random_prompts(512, (18, 5), seed=50)
+    want = [o.token_ids for o in LLM(path, overlap=False, **kw).generate(
+        prompts, [SamplingParams(max_new_tokens=12, ignore_eos=True)] * 2)]
+    llm = LLM(path, overlap=True, **kw)
+    eng = llm.engine
+    dropped, zeroed, real = [], set(), ModelRunner.prepare
+
+    def prepare(self, batch, *a):
+        if batch.zero and not dropped:  # the first step that got blocks: it fails before it zeroes them
+            dropped.extend(batch.zero)
+            raise KeyboardInterrupt
+        zeroed.update(batch.zero)
+        return real(self, batch, *a)
+    ModelRunner.prepare = prepare
+    try:
+        for i, prompt in enumerate(prompts):
+            eng.add_request(str(i), prompt, SamplingParams(max_new_tokens=12, ignore_eos=True))
+        got, interrupts = {}, 0
+        while eng.has_unfinished_requests():
+            try:
+                outs = eng.step()
+            except KeyboardInterrupt:
+                interrupts += 1
+                continue
+            for out in outs:
+                if out.finished:
+                    got[out.request_id] = list(out.outputs[0].token_ids)
+    finally:
+        ModelRunner.prepare = real
+    assert interrupts == 1 and eng.overlap and dropped
+    assert set(dropped) <= zeroed, "blocks handed out and never zeroed"
+    assert [got[str(i)] for i in range(2)] == want

@@ -667,7 +667,11 @@ class LLMEngine:
             self._unsettled, self._inflight = prev, None
             self._settle(outputs)
             settled.append(True)
-        handle = self.runner.launch(batch, prev[1] if prev else None, settle if prev else None)
+        try:
+            handle = self.runner.launch(batch, prev[1] if prev else None, settle if prev else None)
+        except BaseException:  # (a failed launch, or Ctrl-C before its forward) as above: the next step zeroes them
+            self.block_manager.fresh[:0] = batch.zero
+            raise
         with interrupts_held():
             self._launched(batch, handle.rows)
             self._inflight = (batch, handle)
