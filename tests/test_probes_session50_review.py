@@ -139,3 +139,45 @@ def test_an_overlapped_step_whose_launch_failed_leaves_its_blocks_to_be_zeroed()
     assert interrupts == 1 and eng.overlap and dropped
     assert set(dropped) <= zeroed, "blocks handed out and never zeroed"
     assert [got[str(i)] for i in range(2)] == want
+
+
+def test_a_prefix_hit_on_blocks_of_a_running_sequence_past_the_draft_context_takes_no_unwritten_draft_kv(tmp_path):
+    """A sequence past a shorter draft's context feeds the draft nothing, yet its blocks entered the prefix cache
+    unmarked (draft_upto was set only when it was freed): a request within the context that hit them while it ran
+    took their draft KV as written, drafted from zeros, and every draft was rejected (greedy tokens the same). The
+    target as its own draft accepts every draft of a right draft KV."""
+    import json
+    import shutil
+
+    from infer import LLM, SamplingParams
+    from infer.models.tiny import ensure_builtin
+
+    from helpers import random_prompts
+    path = ensure_builtin("tiny-llama")
+    short = tmp_path / "draft"
+    shutil.copytree(path, short)
+    cfg = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 32}))
+    kw = dict(block_size=4, max_num_batched_tokens=32, max_num_seqs=4, max_model_len=96)
+    llm = LLM(str(path), speculative_config={"model": str(short), "num_speculative_tokens": 3},
+              enable_prefix_caching=True, **kw)
+    eng = llm.engine
+    base = random_prompts(512, (36,), seed=3)[0]
+    eng.add_request("owner", base + [9], SamplingParams(max_new_tokens=30, ignore_eos=True))  # past the context
+    eng.step()
+    eng.step()
+    before = dict(eng.stats())
+    prompt = base[:20] + [11]  # within it: hits the owner's first blocks while the owner runs
+    eng.add_request("within", prompt, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    got = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                got[out.request_id] = list(out.outputs[0].token_ids)
+    want = LLM(str(path), **kw).generate([prompt], SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
+    assert got["within"] == list(want.token_ids)
+    stats = eng.stats()
+    drafted = stats["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+    accepted = stats["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert stats["prefix_cache_hits"] - before["prefix_cache_hits"] == 20
+    assert drafted > 0 and accepted == drafted, (drafted, accepted)

@@ -170,11 +170,17 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         full = seq.num_computed_tokens // self.block_size
+        # draft-model speculation: how far its draft KV is written (a sequence past the draft's context feeds it no
+        # more): a request that hits the block while this one runs takes that much of it (allocate), not a draft KV
+        # of zeros; drafts_written moves the mark on as this one feeds the draft, free_seq sets it at the end
+        drafted = min(seq.draft_fed, seq.num_computed_tokens)
         for i in range(seq.num_hashed_blocks, full):
             ids = tuple(seq.tokens(i * self.block_size, (i + 1) * self.block_size))
             h = block_key(seq, i, self.block_size)
             block = self.blocks[seq.block_table[i]]
             block.hash, block.token_ids = h, ids
+            upto = drafted - i * self.block_size
+            block.draft_upto = None if upto >= self.block_size else max(upto, 0)
             self.hash_to_block.setdefault(h, block.block_id)
             seq.last_block_hash = h
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
