@@ -70,9 +70,25 @@ def iter_tensors(files: list[Path], meta: bool = False) -> Iterator[tuple[str, t
             raise ModelLoadError(f"cannot read weight file {f}: {e}", "the file is corrupted or truncated") from e
 
 
+# safetensors' dtype names of the integer kinds (as meta tensors: the checks name a tensor's dtype)
+_INT_DTYPES = {"I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+               "BOOL": torch.bool}
+
+
 def _meta_of(part) -> torch.Tensor:
-    kind = torch.float32 if "F" in part.get_dtype() else torch.int32  # F16, BF16, F8_E4M3, ...
+    code = part.get_dtype()
+    kind = torch.float32 if "F" in code else _INT_DTYPES.get(code, torch.int32)  # F16, BF16, F8_E4M3, ...
     return torch.empty(part.get_shape(), dtype=kind, device="meta")
+
+
+def _check_kind(name: str, t: torch.Tensor, dest) -> None:
+    """An integer tensor (int8, uint8, ...) bound for a float parameter or buffer is refused: cast to float it is
+    garbage (quantized values without their scales). GPTQ's qweight/qzeros/g_idx land in integer buffers."""
+    if isinstance(dest, torch.Tensor) and dest.is_floating_point() and not t.is_floating_point():
+        raise ModelLoadError(f"{name} is {str(t.dtype).removeprefix('torch.')} in a checkpoint whose config.json has "
+                             "no quantization_config for it: infer would read its integers as float weights",
+                             "a quantized checkpoint needs the quantization_config it was saved with (infer runs "
+                             "GPTQ); otherwise use the float checkpoint")
 
 
 def linear_method_factory(path: Path, cfg):
@@ -165,9 +181,11 @@ def place_weights(model, tensors, dtype: torch.dtype):
         routed = _merged_shard(key, shards, merged)
         if routed is not None:
             layer, pname, shard = routed
+            _check_kind(name, t, getattr(layer, pname, None))
             layer.load_shard(pname, shard, t)
             continue
         if key == "lm_head.weight" and "lm_head.weight" not in params:
+            _check_kind(name, t, params.get("embed_tokens.weight"))
             stored_head = t  # tied embeddings: kept only if it differs from them (checked once both are in)
             continue
         if key not in params:
@@ -176,6 +194,7 @@ def place_weights(model, tensors, dtype: torch.dtype):
         if tuple(params[key].shape) != tuple(t.shape):
             raise ModelLoadError(f"{name} has shape {tuple(t.shape)}, config.json implies {tuple(params[key].shape)}",
                                  "the weights do not match config.json")
+        _check_kind(name, t, params[key])
         params[key].data.copy_(t)
         loaded.add(key)
     _check_complete(params, loaded, merged)

@@ -1,0 +1,55 @@
+"""Checkpoints that loaded silently wrong (session 50 probe): integer tensors in a float checkpoint (cast to float:
+garbage), float8 tensors and a float8 torch_dtype (upcast without a word), non-finite weights (normal-looking text on
+CPU)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from infer.errors import ModelLoadError
+from infer.models.loader import check_weights, load_model
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    from infer.models.resolve import resolve_model
+    return resolve_model("tiny-llama")
+
+
+def _with(src: Path, dest: Path, change, config: dict | None = None) -> Path:
+    """A copy of src whose tensors are change(name, tensor) (None: unchanged)."""
+    shutil.copytree(src, dest)
+    state = load_file(dest / "model.safetensors")
+    for name in list(state):
+        new = change(name, state[name])
+        if new is not None:
+            state[name] = new
+    save_file(state, dest / "model.safetensors", metadata={"format": "pt"})
+    if config:
+        cfg = {**json.loads((dest / "config.json").read_text()), **config}
+        (dest / "config.json").write_text(json.dumps(cfg))
+    return dest
+
+
+def _load(path: Path):
+    return load_model(path, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("target", ["model.layers.0.mlp.gate_proj.weight", "model.layers.1.self_attn.o_proj.weight",
+                                    "model.embed_tokens.weight", "model.norm.weight"])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32])
+def test_integer_tensors_in_a_float_checkpoint_are_refused(tiny_llama, tmp_path, target, dtype):
+    src = _with(tiny_llama, tmp_path / "m",
+                lambda n, t: (t * 100).clamp(0, 100).to(dtype) if n == target else None)
+    for check in (_load, check_weights):
+        with pytest.raises(ModelLoadError) as e:
+            check(src)
+        msg = str(e.value)
+        assert target in msg and str(dtype).removeprefix("torch.") in msg and "quantization_config" in msg, msg
