@@ -53,3 +53,47 @@ def test_integer_tensors_in_a_float_checkpoint_are_refused(tiny_llama, tmp_path,
             check(src)
         msg = str(e.value)
         assert target in msg and str(dtype).removeprefix("torch.") in msg and "quantization_config" in msg, msg
+
+
+def _float8_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "float8" in r.getMessage()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_float8_weights_without_scales_load_upcast_with_one_warning(tiny_llama, tmp_path, caplog, dtype):
+    src = _with(tiny_llama, tmp_path / "m", lambda n, t: t.to(dtype) if n.endswith("proj.weight") else None)
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        model, _ = _load(src)
+    got = _float8_warnings(caplog)
+    assert len(got) == 1, got
+    assert str(dtype).removeprefix("torch.") in got[0] and "model.layers.0.mlp.down_proj.weight" in got[0], got
+    assert "upcasts them to float32" in got[0], got
+    ref = load_file(src / "model.safetensors")["model.layers.0.mlp.down_proj.weight"]
+    assert torch.equal(model.layers[0].mlp.down_proj.weight, ref.float())  # the values, exactly
+
+
+def test_a_float8_config_dtype_is_named_in_a_warning(tiny_llama, tmp_path, caplog):
+    src = _with(tiny_llama, tmp_path / "m", lambda n, t: None, config={"dtype": "float8_e4m3fn"})
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        _load(src)
+    got = _float8_warnings(caplog)
+    assert len(got) == 1 and "config.json's dtype is float8_e4m3fn" in got[0] and "float32" in got[0], got
+
+
+def test_a_float_checkpoint_loads_without_a_float8_warning(tiny_llama, caplog):
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        _load(tiny_llama)
+    assert not _float8_warnings(caplog)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e8m0fnu, torch.float4_e2m1fn_x2])
+def test_sub_byte_and_scale_only_floats_are_refused(tiny_llama, tmp_path, dtype):
+    target = "model.layers.0.mlp.up_proj.weight"
+
+    def change(n, t):
+        if n != target:
+            return None
+        return t.abs().to(dtype) if dtype != torch.float4_e2m1fn_x2 else t.to(torch.uint8).view(dtype)
+    src = _with(tiny_llama, tmp_path / "m", change)
+    with pytest.raises(ModelLoadError, match=f"{target} is {str(dtype).removeprefix('torch.')}, which infer cannot"):
+        _load(src)

@@ -22,6 +22,14 @@ log = logging.getLogger("infer")
 # buffers transformers saved in older checkpoints (and ColossalAI its cos/sin caches): no weights, as vLLM skips them
 _IGNORED = re.compile(r"rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
 
+# float8 weights without scales: their values upcast exactly (infer has no float8 weights, so they take the model's
+# dtype); a warning says so. An fp8-quantized checkpoint's scales and quantization_config are refused elsewhere.
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+
+
+def _dtype_name(d) -> str:
+    return str(d).removeprefix("torch.")
+
 
 def load_config(path: Path):
     if not (path / "config.json").is_file():
@@ -131,6 +139,10 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_positio
     files = weight_files(path)
     with torch.device(device):
         model = model_class(cfg)(cfg, dtype, linear_method_factory(path, cfg), max_positions)
+    stored = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    if _dtype_name(stored).startswith("float8"):
+        log.warning(f"config.json's dtype is {_dtype_name(stored)}: infer has no float8 weights and computes in "
+                    f"{_dtype_name(dtype)}")
     load_weights(model, iter_tensors(files), dtype)
     model.finish_loading()
     model.eval()
@@ -172,9 +184,15 @@ def place_weights(model, tensors, dtype: torch.dtype):
     stored_head = None
     merged: dict[str, MergedLinear] = {n: m for n, m in model.named_modules() if isinstance(m, MergedLinear)}
     shards = packed_shards(type(model))
+    float8: list[str] = []
     for name, t in tensors:
         if _IGNORED.search(name):
             continue
+        if t.dtype in _FLOAT8:
+            float8.append(f"{name} ({_dtype_name(t.dtype)})")
+        elif t.is_floating_point() and t.element_size() < 2:  # float4 (two to a byte), float8_e8m0fnu (scales)
+            raise ModelLoadError(f"{name} is {_dtype_name(t.dtype)}, which infer cannot read as weights",
+                                 "use a float16, bfloat16 or float32 checkpoint (or GPTQ)")
         if t.is_floating_point() and not name.endswith("scales"):
             t = t.to(dtype)
         key = name[len("model."):] if name.startswith("model.") else name
@@ -203,6 +221,10 @@ def place_weights(model, tensors, dtype: torch.dtype):
                              + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""),
                              "config.json does not describe these weights (num_hidden_layers, the architecture): "
                              "use the config.json that came with them")
+    if float8:
+        log.warning(f"the checkpoint stores float8 weights without scales: {float8[0]}"
+                    + (f" and {len(float8) - 1} more" if len(float8) > 1 else "")
+                    + f"; infer has no float8 weights and upcasts them to {_dtype_name(dtype)} (exactly)")
     if stored_head is not None and "embed_tokens.weight" in loaded:
         emb = params["embed_tokens.weight"]
         if tuple(stored_head.shape) != tuple(emb.shape):
