@@ -97,3 +97,48 @@ def test_sub_byte_and_scale_only_floats_are_refused(tiny_llama, tmp_path, dtype)
     src = _with(tiny_llama, tmp_path / "m", change)
     with pytest.raises(ModelLoadError, match=f"{target} is {str(dtype).removeprefix('torch.')}, which infer cannot"):
         _load(src)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("target", ["model.layers.1.self_attn.k_proj.weight", "model.embed_tokens.weight",
+                                    "model.layers.0.post_attention_layernorm.weight"])
+def test_non_finite_weights_are_refused_at_load(tiny_llama, tmp_path, target, value):
+    def change(n, t):
+        if n != target:
+            return None
+        t = t.clone()
+        t.view(-1)[3] = value
+        return t
+    src = _with(tiny_llama, tmp_path / "m", change)
+    with pytest.raises(ModelLoadError, match=f"{target} has non-finite values"):
+        _load(src)
+    check_weights(src)  # reads headers only: no values to check
+
+
+def test_values_beyond_the_dtype_are_named_as_such(tiny_llama, tmp_path):
+    target = "model.layers.0.mlp.up_proj.weight"
+
+    def change(n, t):
+        if n != target:
+            return None
+        t = t.clone()
+        t.view(-1)[0] = 1e6
+        return t
+    src = _with(tiny_llama, tmp_path / "m", change)
+    with pytest.raises(ModelLoadError, match=f"{target} has values beyond float16's range"):
+        load_model(src, torch.float16, torch.device("cpu"))
+
+
+def test_non_finite_float8_weights_are_refused(tiny_llama, tmp_path):
+    """float8 tensors are checked for inf/NaN too (torch has no isfinite for them: read as float32)."""
+    target = "model.layers.0.mlp.up_proj.weight"
+
+    def change(n, t):
+        if n != target:
+            return None
+        t = t.clone()
+        t.view(-1)[0] = float("nan")
+        return t.to(torch.float8_e4m3fn)
+    src = _with(tiny_llama, tmp_path / "m", change)
+    with pytest.raises(ModelLoadError, match=f"{target} has non-finite values"):
+        _load(src)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import re
 from pathlib import Path
 from typing import Iterator
@@ -193,8 +194,10 @@ def place_weights(model, tensors, dtype: torch.dtype):
         elif t.is_floating_point() and t.element_size() < 2:  # float4 (two to a byte), float8_e8m0fnu (scales)
             raise ModelLoadError(f"{name} is {_dtype_name(t.dtype)}, which infer cannot read as weights",
                                  "use a float16, bfloat16 or float32 checkpoint (or GPTQ)")
+        raw = t
         if t.is_floating_point() and not name.endswith("scales"):
             t = t.to(dtype)
+        _check_finite(name, raw, t)
         key = name[len("model."):] if name.startswith("model.") else name
         routed = _merged_shard(key, shards, merged)
         if routed is not None:
@@ -232,6 +235,27 @@ def place_weights(model, tensors, dtype: torch.dtype):
                                  f"{tuple(emb.shape)}", "the weights do not match config.json")
         return stored_head
     return None
+
+
+def _check_finite(name: str, raw: torch.Tensor, t: torch.Tensor) -> None:
+    """A float tensor with an inf or a NaN (in the file, or from the cast to the model's dtype) is refused: on a CPU
+    attention over NaN keys still gives finite output, so a broken checkpoint would write normal-looking text."""
+    if not t.is_floating_point() or t.is_meta or _finite(t):
+        return
+    if raw is not t and _finite(raw):
+        raise ModelLoadError(f"{name} has values beyond {_dtype_name(t.dtype)}'s range (inf after the cast from "
+                             f"{_dtype_name(raw.dtype)})", "use a wider --dtype (the checkpoint's own, or float32)")
+    raise ModelLoadError(f"{name} has non-finite values (inf or NaN)",
+                         "the checkpoint is broken: download or convert it again")
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """No inf or NaN in t: its min and max (aminmax propagates NaN) are finite; one pass and no mask of t's size
+    (isfinite(t).all() is 20x slower on a CPU). float8 is read as float32 (no aminmax for it)."""
+    if t.numel() == 0:
+        return True
+    low, high = torch.aminmax(t.float() if t.element_size() == 1 else t)
+    return math.isfinite(low.item()) and math.isfinite(high.item())
 
 
 def packed_shards(model_cls) -> dict[str, tuple[str, int]]:
