@@ -142,3 +142,32 @@ def test_non_finite_float8_weights_are_refused(tiny_llama, tmp_path):
     src = _with(tiny_llama, tmp_path / "m", change)
     with pytest.raises(ModelLoadError, match=f"{target} has non-finite values"):
         _load(src)
+
+
+@pytest.mark.gpu
+def test_non_finite_weights_are_refused_on_the_gpu_after_the_load(tiny_llama, tmp_path):
+    """On a GPU the parameters are checked on the device once loaded (not each CPU copy as it is read)."""
+    target = "model.layers.0.self_attn.k_proj.weight"
+
+    def change(n, t):
+        if n != target:
+            return None
+        t = t.clone()
+        t.view(-1)[3] = float("nan")
+        return t
+    src = _with(tiny_llama, tmp_path / "m", change)
+    with pytest.raises(ModelLoadError, match="non-finite values"):
+        load_model(src, torch.float16, torch.device("cuda"))
+    load_model(tiny_llama, torch.float16, torch.device("cuda"))  # a finite one loads
+
+
+def test_the_device_check_names_the_parameter_with_a_nan(tiny_llama):
+    """What a GPU model runs once its weights are in (loader._check_finite_on_device), here on a CPU model."""
+    from infer.models.loader import _check_finite_on_device
+    model, _ = load_model(tiny_llama, torch.float32, torch.device("cpu"))
+    _check_finite_on_device(model, torch.float32)  # finite: nothing to say
+    name, p = next((n, p) for n, p in model.named_parameters() if n.endswith("o_proj.weight"))
+    with torch.no_grad():
+        p.view(-1)[5] = float("inf")
+    with pytest.raises(ModelLoadError, match=f"{name} has non-finite values"):
+        _check_finite_on_device(model, torch.float32)

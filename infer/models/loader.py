@@ -185,6 +185,9 @@ def place_weights(model, tensors, dtype: torch.dtype):
     stored_head = None
     merged: dict[str, MergedLinear] = {n: m for n, m in model.named_modules() if isinstance(m, MergedLinear)}
     shards = packed_shards(type(model))
+    # inf/NaN: each tensor as it is read on a CPU model; on a GPU the parameters once loaded, on the GPU (a pass over
+    # the CPU copies would cost seconds on a 7B, the GPU's one milliseconds)
+    on_cpu = all(p.device.type == "cpu" for p in params.values())
     float8: list[str] = []
     for name, t in tensors:
         if _IGNORED.search(name):
@@ -197,7 +200,8 @@ def place_weights(model, tensors, dtype: torch.dtype):
         raw = t
         if t.is_floating_point() and not name.endswith("scales"):
             t = t.to(dtype)
-        _check_finite(name, raw, t)
+        if on_cpu:
+            _check_finite(name, raw, t)
         key = name[len("model."):] if name.startswith("model.") else name
         routed = _merged_shard(key, shards, merged)
         if routed is not None:
@@ -219,6 +223,8 @@ def place_weights(model, tensors, dtype: torch.dtype):
         params[key].data.copy_(t)
         loaded.add(key)
     _check_complete(params, loaded, merged)
+    if not on_cpu:
+        _check_finite_on_device(model, dtype)
     if unexpected:  # vLLM refuses them too; transformers drops them with a warning (a layer config.json leaves out)
         raise ModelLoadError(f"the checkpoint has tensors config.json has no place for: {unexpected[0]}"
                              + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""),
@@ -247,6 +253,16 @@ def _check_finite(name: str, raw: torch.Tensor, t: torch.Tensor) -> None:
                              f"{_dtype_name(raw.dtype)})", "use a wider --dtype (the checkpoint's own, or float32)")
     raise ModelLoadError(f"{name} has non-finite values (inf or NaN)",
                          "the checkpoint is broken: download or convert it again")
+
+
+def _check_finite_on_device(model, dtype: torch.dtype) -> None:
+    """_check_finite for a model on a GPU, after its weights are in: each float parameter on its device (the
+    checkpoint's name is not known there, nor whether the cast made the inf)."""
+    for pname, p in model.named_parameters():
+        if p.is_floating_point() and not p.is_meta and not _finite(p.detach()):
+            raise ModelLoadError(f"{pname} has non-finite values (inf or NaN) as {_dtype_name(dtype)}",
+                                 "the checkpoint holds inf or NaN (download or convert it again), or values beyond "
+                                 f"{_dtype_name(dtype)}'s range (load it with a wider --dtype, e.g. float32)")
 
 
 def _finite(t: torch.Tensor) -> bool:
