@@ -29,7 +29,12 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self.refs: dict[int, tuple[int, list]] = {}
         self.peak = 0
-        self.exclude = {t.untyped_storage().data_ptr() for t in exclude if isinstance(t, torch.Tensor)}
+        # data_ptr -> the tensors (views too) that held it when the meter started: an address counts as excluded only
+        # while one of them lives (one freed during the step may hand its address to a new tensor, which counts)
+        self.exclude: dict[int, list] = {}
+        for t in exclude:
+            if isinstance(t, torch.Tensor):
+                self._exclude(t)
         self.existing = existing
 
     def __enter__(self):
@@ -38,8 +43,11 @@ class LiveBytes(TorchDispatchMode):
             for t in gc.get_objects():
                 if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided:
                     with contextlib.suppress(NotImplementedError, RuntimeError):  # (an opaque prepacked weight)
-                        self.exclude.add(t.untyped_storage().data_ptr())
+                        self._exclude(t)
         return super().__enter__()
+
+    def _exclude(self, t: torch.Tensor) -> None:
+        self.exclude.setdefault(t.untyped_storage().data_ptr(), []).append(weakref.ref(t))
 
     def _live(self) -> int:
         total = 0
@@ -58,10 +66,11 @@ class LiveBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided:
                 storage = t.untyped_storage()
                 ptr = storage.data_ptr()
-                if ptr in self.exclude or not storage.nbytes():
+                if any(r() is not None for r in self.exclude.get(ptr, ())) or not storage.nbytes():
                     continue
                 n, refs = self.refs.get(ptr, (0, []))
-                self.refs[ptr] = (max(n, storage.nbytes()), refs + [weakref.ref(t)])
+                refs = [r for r in refs if r() is not None]  # a dead storage's address taken by a new one: its size
+                self.refs[ptr] = (max(n if refs else 0, storage.nbytes()), refs + [weakref.ref(t)])
         live = self._live()
         if live > self.peak:
             self.peak, self.at = live, (str(func), sorted((n for n, _ in self.refs.values()), reverse=True))
