@@ -402,12 +402,26 @@ def speculative_logit_bytes(engine_config: PlanOptions, model_config, seqs: int 
     return max(0, rows) * sampler_row_bytes(model_config)
 
 
+def _rope_rows_over(model, positions: int) -> int:
+    """The bytes of `model`'s rotary table (its `cos_sin` buffer, a row a position, built for the max_model_len it
+    was loaded with) past `positions` rows: what a model loaded for `positions` would not hold."""
+    extra = 0
+    for name, buf in model.named_buffers():
+        if name.rpartition(".")[2] == "cos_sin" and buf is not None and buf.dim() and buf.shape[0] > positions:
+            extra += (buf.shape[0] - positions) * (buf[0].numel() * buf.element_size())
+    return extra
+
+
 def _start_plan(engine_config: PlanOptions, model_config, model, dtype, device, max_len: int,
-                lora_bytes: int, draft=None) -> MemoryPlan:
+                lora_bytes: int, draft=None, positions: int | None = None) -> MemoryPlan:
+    """`positions`: plan as an engine whose model was loaded for that max_model_len would (its rotary table that
+    long), where `model` was loaded for a longer one (largest_fitting_len)."""
     seqs = engine_config.max_num_seqs
     draft_model, draft_config = draft if draft is not None else (None, None)
     act = start_activation_bytes(engine_config, model_config, model, dtype, max_len, draft_config, draft_model)
     weights = weights_bytes(model) + (weights_bytes(draft_model) if draft_model is not None else 0)
+    if positions is not None:
+        weights -= sum(_rope_rows_over(m, positions) for m in (model, draft_model) if m is not None)
     plan = make_plan(engine_config, model_config, dtype, device, weights, act, max_len, 1, max_len,
                      lora_bytes, draft_config=draft_config)
     if engine_config.num_kv_blocks:
@@ -430,8 +444,8 @@ def largest_fitting_len(engine_config: PlanOptions, model_config, model, dtype, 
                         lora_bytes: int = 0, draft=None) -> int:
     """The largest max_model_len below `max_len` whose own plan holds one sequence (activations shrink with the
     length, so this is more than the KV left at `max_len`); 0 if none does. A binary search: fitting is monotone."""
-    def fits(n: int) -> bool:
-        plan = _start_plan(engine_config, model_config, model, dtype, device, n, lora_bytes, draft)
+    def fits(n: int) -> bool:  # (the model as loaded for n: its rotary table n rows, not max_len's)
+        plan = _start_plan(engine_config, model_config, model, dtype, device, n, lora_bytes, draft, positions=n)
         return plan.kv_blocks >= plan.blocks_for(n)
     lo, hi = 0, max_len - 1
     while lo < hi:
