@@ -23,7 +23,9 @@ from .protocol import ApiError
 
 DEFAULT_MAX_BODY_SIZE = 8 * 2**20  # bytes (8 MiB)
 DEFAULT_MAX_JSON_DEPTH = 64  # nested arrays/objects; OpenAI bodies need about 5
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+# a string, or one left open (it runs to the end of the body): a match never fails, so no part of the body is scanned
+# twice (an open string of escaped quotes was rescanned from each of them: quadratic, holding the GIL for hours)
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.S)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _STEP = np.zeros(256, dtype=np.int8)
 _STEP[list(b"[{")], _STEP[list(b"]}")] = 1, -1
