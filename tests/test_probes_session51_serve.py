@@ -36,3 +36,33 @@ def test_a_body_of_escaped_quotes_after_an_open_string_is_refused_at_once():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("400 the request body is not valid JSON: Unterminated string"), done.stdout
+
+
+@pytest.mark.parametrize("grammar, shown", [('start: "ab', '"ab'), ("start: 'ab\\'", "'ab\\'"),
+                                            ("start: /ab\\/", "/ab\\/"),
+                                            ('start: "a" | "b' + '\\"' * 30, '"b' + '\\"' * 19 + "...")])
+def test_a_lark_string_left_open_is_named_as_such(grammar, shown):
+    """A Lark string or regex left open was scanned again from each of its later quotes (see below); it is now one
+    token to the end of its line, named as never closed (it was "'\\"' is not supported here")."""
+    from infer.engine.structured import lark_to_ebnf
+    from infer.errors import RequestError
+    with pytest.raises(RequestError) as e:
+        lark_to_ebnf(grammar)
+    assert e.value.message == (f"structured_outputs.grammar is read as Lark (it has no ::=): line 1: {shown} is "
+                               f"never closed (no unescaped {shown[0]} after it on its line)"), e.value.message
+    assert lark_to_ebnf('start: "a\\"" | "b" // "c') == 'root ::= start\nstart ::= "a\\"" | "b"'
+
+
+def test_a_lark_grammar_of_escaped_quotes_after_an_open_string_is_refused_at_once():
+    """The tokenizer of a Lark grammar (a request's structured_outputs.grammar without ::=) tried its string token at
+    every quote of a line: after a quote left open, a line of escaped quotes was scanned again from each of them,
+    quadratic inside `re`, which holds the GIL: a 40 kB grammar stalled the server (event loop and engine) 10 s, one
+    of 200 kB (the most a request may send) minutes. Checked in a process of its own (no thread can time out a call
+    that holds the GIL)."""
+    code = ("from infer.engine.structured import lark_to_ebnf\n"
+            "from infer.errors import RequestError\n"
+            "try:\n    lark_to_ebnf('start: \"' + '\\\\\"' * 99_990)\n"
+            "except RequestError as e:\n    print(e.message[:90])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "is read as Lark (it has no ::=): line 1: \"\\\"" in done.stdout, done.stdout

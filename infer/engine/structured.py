@@ -241,7 +241,11 @@ def choice_grammar(choices: list[str]) -> str:
 _LARK_TOKEN = re.compile(r"""(?P<space>\s+)|(?P<comment>//[^\n]*|\#[^\n]*)
     |(?P<string>"(?:[^"\\\n]|\\.)*"i?|'(?:[^'\\\n]|\\.)*'i?)|(?P<regex>/(?:[^/\\\n]|\\.)+/[imslux]*)
     |(?P<name>[?!]?[A-Za-z_][A-Za-z0-9_]*(?:\.-?[0-9]+)?)|(?P<number>[0-9]+)|(?P<op>\.\.|->|[:|()\[\]*+?~])
-    |(?P<directive>%[a-z]+)|(?P<other>.)""", re.X)
+    |(?P<directive>%[a-z]+)|(?P<open>["'/].*)|(?P<other>.)""", re.X)
+# (open: a string or regex left open runs to the end of the line, a token of its own; as `other`, the scan went on from
+# its next character, and each quote of a line of escaped quotes ('"\\"\\"...') rescanned the rest: quadratic, in `re`,
+# which holds the GIL: a grammar of 40 kB stalled the whole server 10 s, one of 200 kB (the most a request sends)
+# for minutes)
 _LARK_HINT = ("write it in xgrammar's EBNF (root ::= ...), or in Lark with rules, terminals, strings, \"a\"..\"z\" "
               "ranges, [optional], ( | ), ?, *, +, ~ n and ~ n..m")
 
@@ -305,6 +309,10 @@ def lark_to_ebnf(grammar: str) -> str:
                 out.append(json.dumps(value, ensure_ascii=False))
             elif kind == "regex":
                 raise _lark_error(f"line {number}: the regular expression {text} is not supported")
+            elif kind == "open":
+                shown = text if len(text) <= 40 else text[:40] + "..."
+                raise _lark_error(f"line {number}: {shown} is never closed (no unescaped {text[0]} after it on its "
+                                  "line)")
             elif kind == "name":
                 out.append(text.lstrip("?!").split(".")[0])
             elif kind == "op" and text in "()|*+?":
