@@ -3,6 +3,7 @@ built to be expensive, failures inside the engine loop, shutdown)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -66,3 +67,35 @@ def test_a_lark_grammar_of_escaped_quotes_after_an_open_string_is_refused_at_onc
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "is read as Lark (it has no ::=): line 1: \"\\\"" in done.stdout, done.stdout
+
+
+def test_a_pattern_beside_enum_that_backtracks_for_ever_is_checked_within_a_bound():
+    """Each enum or const value beside a pattern is checked against it (xgrammar ignores the pattern there), with
+    Python's `re`: the request's own pattern, which backtracks: "^(a|aa)+$" against 40 a's and a "!" ran for hours
+    holding the GIL, so one request's schema stalled the whole server (event loop and engine thread). The checks
+    now stop at a bound of the schema's and count as not met: the 400 names the pattern (checked in a process of
+    its own: no thread can time out a call that holds the GIL)."""
+    code = ("import json\n"
+            "from infer.engine.structured import _check_enforced\n"
+            "from infer.errors import RequestError\n"
+            "s = {'type': 'object', 'properties': {f'k{i}': {'type': 'string', 'pattern': '^(a|aa)+$',\n"
+            "     'enum': ['a' * 40 + '!']} for i in range(20)}}\n"
+            "try:\n    _check_enforced(json.dumps(s))\n"
+            "except RequestError as e:\n    print(e.message)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "uses pattern at #/properties/k0/pattern beside enum" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("values, held", [(["ab", "cd"], True), (["ab", "C"], False), ([5, "x"], True)])
+def test_a_pattern_beside_enum_still_checks_each_value(values, held):
+    from infer.engine.structured import _check_enforced
+    from infer.errors import RequestError
+    schema = json.dumps({"type": ["string", "integer"], "pattern": "^[a-z]+$", "enum": values})
+    if held:
+        _check_enforced(schema)
+    else:
+        with pytest.raises(RequestError, match="uses pattern at #/pattern beside enum"):
+            _check_enforced(schema)
+    with pytest.raises(RequestError, match="beside enum"):  # a pattern Python cannot read: not surely held
+        _check_enforced(json.dumps({"type": "string", "pattern": "(", "enum": ["a"]}))

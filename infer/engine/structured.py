@@ -23,6 +23,7 @@ import json
 import re
 import threading
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -443,11 +444,30 @@ def _value_holds(value, keyword: str, bound) -> bool:
         return not number or (value % bound == 0 if isinstance(value, int) and isinstance(bound, int)
                               else (value / bound).is_integer())
     if keyword == "pattern" and isinstance(bound, str):
-        try:
-            return not isinstance(value, str) or re.search(bound, value) is not None
-        except re.error:
-            return False
+        return not isinstance(value, str) or _pattern_holds(bound, value)
     return False
+
+
+# the most time the pattern checks of one schema (its enum and const values against a pattern beside them) may take:
+# the request's own pattern, run by Python, which backtracks (re's "^(a|aa)+$" on 40 a's and a "!" ran for hours,
+# holding the GIL: the whole server stalled); a check that runs out says "not surely held" (the 400 names the keyword)
+PATTERN_CHECK_S = 0.5
+_PATTERN_DEADLINE: ContextVar[float | None] = ContextVar("infer_pattern_deadline", default=None)
+
+
+def _pattern_holds(pattern: str, value: str) -> bool:
+    """Whether `value` surely matches `pattern` (a search, as JSON Schema's): with the `regex` module, which lets go
+    of the GIL and stops at the time left of PATTERN_CHECK_S (the schema's, under _check_enforced); False for a
+    pattern it cannot read and once the time is up."""
+    import regex  # (a dependency of transformers)
+    deadline = _PATTERN_DEADLINE.get()
+    left = PATTERN_CHECK_S if deadline is None else deadline - time.monotonic()
+    if left <= 0:
+        return False
+    try:
+        return regex.search(pattern, value, timeout=left, concurrent=True) is not None
+    except (regex.error, TimeoutError):
+        return False
 
 
 def _beside_values(schema: dict) -> tuple[str, str] | None:
@@ -603,12 +623,15 @@ def _check_enforced(schema: str) -> None:
     """RequestError naming a keyword of the schema (JSON text) that xgrammar would leave unenforced: the reply would
     not be held to it (allOf [integer, minimum 3] took "s"), so the request is refused, as vLLM refuses uniqueItems
     and contains, rather than answered with JSON the schema rejects."""
+    deadline = _PATTERN_DEADLINE.set(time.monotonic() + PATTERN_CHECK_S)  # (every pattern check of the schema)
     try:
         found = _unenforced(json.loads(schema), "#")
     except RecursionError:  # deeper than Python reads: xgrammar's own limits decide
         return
     except TypeError:  # a keyword of the wrong kind ({"type": {...}}, {"format": [...]}): xgrammar's checks name it
         return
+    finally:
+        _PATTERN_DEADLINE.reset(deadline)
     if found:
         found, beside = found
         keyword = found.rsplit("/", 1)[1]
