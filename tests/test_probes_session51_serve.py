@@ -99,3 +99,44 @@ def test_a_pattern_beside_enum_still_checks_each_value(values, held):
             _check_enforced(schema)
     with pytest.raises(RequestError, match="beside enum"):  # a pattern Python cannot read: not surely held
         _check_enforced(json.dumps({"type": "string", "pattern": "(", "enum": ["a"]}))
+
+
+def test_an_engine_loop_that_dies_ends_its_requests_and_says_so_on_health():
+    """The engine thread's loop catches what a step raises, but something raising past its handlers (here the
+    engine's has_unfinished_requests, which the loop calls outside them while it waits) ended the thread without a
+    word: /health kept answering ok, the request in flight waited for ever, and so did every later one. Now the
+    requests in flight end with a 500 that says the loop stopped, /health is 503 and new requests a 503."""
+    import threading
+
+    import httpx
+
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=256, max_num_seqs=4))
+    real, broken = engine.has_unfinished_requests, threading.Event()
+
+    def has_unfinished_requests():
+        if broken.is_set():
+            raise RuntimeError("a bug in the engine")
+        return real()
+
+    engine.has_unfinished_requests = has_unfinished_requests
+    server = Server(AsyncEngine(engine), "tiny")
+    with serve_in_thread(server) as url:
+        body = {"prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")  # running
+            broken.set()
+            rest = [line for line in lines if line]  # (a hang is the 30 s read timeout)
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][6:])["error"]
+        assert error["code"] == "engine_error" and error["message"] == (
+            "the engine loop stopped (RuntimeError: a bug in the engine); restart the server"), error
+        health = httpx.get(f"{url}/health", timeout=30)
+        assert health.status_code == 503 and "the engine loop stopped" in health.json()["error"], health.text
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_engine_replica", r.text
+        assert server.stats()["num_in_flight"] == 0

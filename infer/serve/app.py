@@ -506,6 +506,11 @@ def _add_routes(app: FastAPI, server: Server) -> None:
             return SafeJSONResponse({"status": "unavailable", "model": server.model_id, "engine": stats,
                                      "error": f"every engine replica stopped; {coming} being restarted" if coming
                                      else "no engine replica is left; restart the server"}, status_code=503)
+        died = getattr(server.aengine, "died", "")
+        if died:  # the engine thread is gone (a bug): nothing runs any more
+            return SafeJSONResponse({"status": "unavailable", "model": server.model_id, "engine": stats,
+                                     "error": f"the engine loop stopped ({died}); restart the server"},
+                                    status_code=503)
         failing = getattr(server.aengine, "failing_steps", 0)
         if failing >= UNHEALTHY_AFTER_FAILED_STEPS:  # every step fails (a lost device): every request is a 500
             return SafeJSONResponse({"status": "unavailable", "model": server.model_id, "engine": stats,

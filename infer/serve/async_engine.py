@@ -89,7 +89,10 @@ class AsyncEngine:
         # fn(tokens): called on the engine thread with each step's token count (the metrics); the data-parallel
         # driver calls fn(tokens, replica index)
         self.on_step = None
-        self._thread = threading.Thread(target=self._run, name="infer-engine", daemon=True)
+        # why the engine thread stopped when nobody stopped it (a bug past the loop's own handlers): "" while it runs.
+        # Then /health says 503, requests are refused (503) and those in flight were ended, none left waiting for ever
+        self.died = ""
+        self._thread = threading.Thread(target=self._thread_main, name="infer-engine", daemon=True)
 
     # ------------------------------------------------------------------ called from the event loop
     def start(self) -> None:
@@ -101,6 +104,8 @@ class AsyncEngine:
         with self._admission:
             self.engine.validate(prompt_token_ids, params, lora)  # read-only checks against fixed engine limits
             with self._cond:
+                if self.died:
+                    raise NoEngineError(f"the engine loop stopped ({self.died})", "restart the server")
                 if not self._accepting:
                     raise ShuttingDownError("the server is shutting down", "retry against another replica")
                 if self.max_queue is not None and self._would_wait() >= self.max_queue:
@@ -254,6 +259,20 @@ class AsyncEngine:
             self._thread.join(timeout=10)
 
     # ------------------------------------------------------------------ the engine thread
+    def _thread_main(self) -> None:
+        """The thread's body: _run (a subclass's too). Should it ever raise, the thread was gone without a word:
+        /health said ok while every request in flight, and every new one, waited for ever."""
+        try:
+            self._run()
+        except BaseException as e:  # noqa: BLE001 (whatever it is, the requests must not wait for a dead thread)
+            log.critical("the engine loop stopped: %s: %s; restart the server", type(e).__name__, e, exc_info=True)
+            with self._cond:
+                self.died, self._accepting = f"{type(e).__name__}: {e}", False
+                left = list(self._sinks)
+            for rid in left:
+                self._fail(rid, "error", f"the engine loop stopped ({self.died}); restart the server")
+            self._fail_controls()
+
     def _run(self) -> None:
         while True:
             with self._cond:
