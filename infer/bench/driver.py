@@ -8,7 +8,10 @@ A request is sent (added to the engine) when a slot is free and, with a finite `
 arrival time has come; its send time, which latencies count from, is its arrival (or when a slot came free, if
 none was free then), as a client's that sends it to a server while a step runs. Each engine step's tokens are
 time-stamped when step() returns. Ctrl-C aborts the
-requests in flight and returns what finished, with `partial=True`.
+requests in flight and returns what finished, with `partial=True`. An error that stops the run half way (the GPU
+ran out of memory, a bug in a step) aborts the requests in flight too and is raised again, carrying what finished
+before it as its `bench_partial` attribute (a RunResult with `partial=True` and `error` set), so that the report
+keeps it.
 """
 
 from __future__ import annotations
@@ -160,7 +163,7 @@ def run_in_process(engine, requests: list[BenchRequest], concurrency: int, reque
         raise InferError(f"--concurrency must be at least 1, got {concurrency}")
     offsets = arrival_offsets(len(requests), request_rate, seed)
     sampler = sampler or ResourceSampler(engine)
-    partial, aborted, nxt = False, 0, 0
+    partial, aborted, nxt, failure = False, 0, 0, None
     with Progress(progress, len(requests), f"infer c={concurrency}") as bar:
         run = _Run(engine, requests, concurrency, temperature, seed, sampler, bar)
         t0 = run.end = run.free_since = time.perf_counter()
@@ -183,9 +186,18 @@ def run_in_process(engine, requests: list[BenchRequest], concurrency: int, reque
         except KeyboardInterrupt:
             partial, aborted = True, run.abort_inflight()
             run.end = time.perf_counter()
-    sampler.sample(0, force=True)
+        except Exception as e:  # what finished before the error was measured: it goes back with the error
+            failure, partial, aborted = e, True, run.abort_inflight()
+            run.end = time.perf_counter()
+    with contextlib.suppress(Exception):
+        sampler.sample(0, force=True)
     run.done.sort(key=lambda r: r.index)
-    return RunResult("infer", concurrency, run.done, duration_s=run.end - t0, num_requests=len(requests),
-                     request_rate=request_rate, partial=partial, aborted=aborted,
-                     peak_rss_bytes=sampler.peak_rss_bytes, peak_gpu_bytes=sampler.peak_gpu_bytes,
-                     timeline=sampler.timeline, engine_stats=sampler.last_stats, start_time=t0)
+    result = RunResult("infer", concurrency, run.done, duration_s=run.end - t0, num_requests=len(requests),
+                       request_rate=request_rate, partial=partial, aborted=aborted,
+                       peak_rss_bytes=sampler.peak_rss_bytes, peak_gpu_bytes=sampler.peak_gpu_bytes,
+                       timeline=sampler.timeline, engine_stats=sampler.last_stats, start_time=t0,
+                       error=None if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is not None:
+        failure.bench_partial = result
+        raise failure
+    return result

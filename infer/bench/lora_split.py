@@ -7,7 +7,8 @@ The same requests go through the same engine, but two different adapters never s
 grouped by adapter (the base model, None, is a group of its own; groups in order of first appearance), and a
 group is fed only when the previous one has drained, at most `concurrency` requests of the group in flight.
 This is what a server does that splits its batch whenever the adapter changes. Requests are sent at once
-(an infinite request rate); Ctrl-C returns what finished, `partial=True`.
+(an infinite request rate); Ctrl-C returns what finished, `partial=True`; an error raised half way carries what
+finished before it (every group's) as its `bench_partial`, as run_in_process's does.
 """
 
 from __future__ import annotations
@@ -64,8 +65,15 @@ def run_split(engine, requests: list[BenchRequest], concurrency: int, request_ra
     runs: list[tuple[list[int], RunResult]] = []
     for indices in group_by_adapter(requests):
         group = [requests[i] for i in indices]
-        run = run_in_process(engine, group, concurrency, seed=seed, progress=progress,
-                             sampler=ResourceSampler(engine), temperature=temperature)
+        try:
+            run = run_in_process(engine, group, concurrency, seed=seed, progress=progress,
+                                 sampler=ResourceSampler(engine), temperature=temperature)
+        except Exception as e:  # the groups before it, and what of this one finished, go back with the error
+            part = getattr(e, "bench_partial", None)
+            if isinstance(part, RunResult):
+                e.bench_partial = _merge(runs + [(indices, part)], len(requests), concurrency)
+                e.bench_partial.error = part.error
+            raise
         runs.append((indices, run))
         if run.partial:  # Ctrl-C: the groups not started are neither run nor counted as aborted
             break

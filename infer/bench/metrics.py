@@ -94,7 +94,7 @@ class RunResult:
     duration_s: float
     num_requests: int  # how many the workload had (records may be fewer when partial)
     request_rate: float = math.inf
-    partial: bool = False  # interrupted (Ctrl-C): records hold only what finished
+    partial: bool = False  # interrupted (Ctrl-C) or stopped by an error: records hold only what finished
     aborted: int = 0  # requests in flight when interrupted (aborted, not in records)
     peak_rss_bytes: int | None = None
     peak_gpu_bytes: int | None = None
@@ -103,6 +103,7 @@ class RunResult:
     start_time: float = 0.0  # perf_counter() when the run started (records' times are on the same clock)
     label: str | None = None  # how the report names this run, when more than its backend says (default: backend)
     goodput: dict | None = None  # service level objectives {"ttft" | "tpot" | "e2el": ms}: adds request_goodput
+    error: str | None = None  # the error that stopped the run half way (then partial), None when it ran to its end
 
     @property
     def peak_memory_bytes(self) -> int | None:

@@ -163,7 +163,8 @@ def _measure(plan: BenchPlan, target: _Target, requests, hf, runs: list, bases: 
     label = BASE_NO_ADAPTERS if any(r.lora for r in requests) else None
     base_requests = baseline_requests(requests, _context_len(plan)) if hf is not None else requests
     for c in plan.levels:
-        run = target.run(requests, c)
+        with _keeping_partial(runs, plan.goodput):
+            run = target.run(requests, c)
         run.goodput = plan.goodput
         runs.append(run)
         if run.partial:
@@ -177,6 +178,20 @@ def _measure(plan: BenchPlan, target: _Target, requests, hf, runs: list, bases: 
     if plan.baseline == NO_SPEC:
         return _measure_no_spec(plan, target, requests, bases)
     return False
+
+
+@contextlib.contextmanager
+def _keeping_partial(into: list, goodput: dict | None, label: str | None = None):
+    """A run that an error stopped half way raises it with what finished before it (`bench_partial`, marked
+    partial): that part is added to `into` (labelled, with the plan's objectives), so the report keeps it."""
+    try:
+        yield
+    except Exception as e:
+        part = getattr(e, "bench_partial", None)
+        if isinstance(part, RunResult):
+            part.goodput, part.label = goodput, label or part.label
+            into.append(part)
+        raise
 
 
 def _add_baseline(plan: BenchPlan, base: RunResult, label: str | None, bases: list) -> bool:
@@ -201,7 +216,9 @@ def _measure_no_spec(plan: BenchPlan, target: _Target, requests, bases: list) ->
         base = _Target(no_spec_plan(plan), target.tokenizer)
         base.warm_adapters(plan.loras)
         for c in plan.levels:
-            if _add_baseline(plan, base.run(requests, c), NO_SPEC_LABEL, bases):
+            with _keeping_partial(bases, plan.goodput, NO_SPEC_LABEL):
+                run = base.run(requests, c)
+            if _add_baseline(plan, run, NO_SPEC_LABEL, bases):
                 return True
     except KeyboardInterrupt:  # while the baseline's engine was built or between its levels: ours are complete
         return True
@@ -358,9 +375,11 @@ def run_plan(plan: BenchPlan, console=None, hide_libraries=None) -> tuple[list[d
         if not runs:  # levels measured before it are written, then the error is raised
             raise
         report()
+        held = "the levels measured before" if getattr(e, "bench_partial", None) is None else \
+            "what was measured before it (the run it stopped marked partial)"
         if isinstance(e, InferError):
-            raise type(e)(f"{e.message} (the report in {plan.out} holds the levels measured before)", e.hint) from None
-        print(f"error: the benchmark stopped at an error; the report in {plan.out} holds the levels measured before",
+            raise type(e)(f"{e.message} (the report in {plan.out} holds {held})", e.hint) from None
+        print(f"error: the benchmark stopped at an error; the report in {plan.out} holds {held}",
               file=sys.stderr, flush=True)
         raise
     if not runs:

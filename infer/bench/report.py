@@ -108,6 +108,7 @@ def run_entry(run: RunResult, detailed: bool = False) -> dict:
     d = {"backend": run.backend, "label": run.label or run.backend, "concurrency": run.concurrency,
          "request_rate": None if math.isinf(run.request_rate) else run.request_rate,
          "num_requests": run.num_requests, "partial": run.partial, "aborted": run.aborted,
+         "run_error": run.error,  # what stopped the run half way (then partial), else None
          # vLLM's --save-result names of the same figures (its max_concurrency is a level, its arrivals Poisson)
          "max_concurrency": run.concurrency, "num_prompts": run.num_requests, "burstiness": 1.0}
     d.update(run.metrics())

@@ -1,0 +1,76 @@
+"""Session 51 probes of `infer bench`: what it reports checked against the raw per-request timestamps, and what it
+keeps when a run stops half way."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from infer.cli.main import app
+
+SMALL = ["--input-len", "4", "--output-len", "3", "-q"]
+
+
+def _fail_after(monkeypatch, steps: int, message: str = "CUDA error: an illegal memory access (simulated)"):
+    """The engine's step raises after `steps` steps of the measured run (as a GPU fault or a bug half way)."""
+    import infer.bench.driver as driver
+    real = driver.run_in_process
+
+    def failing(engine, requests, concurrency, *a, **k):
+        real_step, calls = engine.step, [0]
+
+        def step():
+            calls[0] += 1
+            if calls[0] > steps:
+                raise RuntimeError(message)
+            return real_step()
+        engine.step = step
+        try:
+            return real(engine, requests, concurrency, *a, **k)
+        finally:
+            engine.step = real_step
+    monkeypatch.setattr(driver, "run_in_process", failing)
+
+
+def test_an_error_half_way_through_the_only_level_keeps_what_finished(tmp_path, monkeypatch):
+    """A level that an error stopped half way (the engine's step failed after some requests had finished) lost every
+    request measured: with one level nothing was written at all. The requests that finished are now written, the run
+    marked partial with the error that stopped it, and the error still raised (exit status not 0)."""
+    _fail_after(monkeypatch, 8)
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["bench", "tiny-llama", "--out", str(out), "-c", "2", "--num-prompts", "8", *SMALL])
+    assert isinstance(res.exception, RuntimeError), res.output
+    [r] = json.loads((out / "results.json").read_text())
+    assert r["partial"] is True and 0 < r["completed"] < 8 and r["failed"] == 0
+    assert "illegal memory access" in r["run_error"]
+    assert r["total_output_tokens"] == 3 * r["completed"]
+    assert (out / "report.md").is_file() and "yes" in (out / "report.md").read_text()
+    assert "what was measured before it" in res.output
+
+
+def test_an_error_in_a_later_lora_split_group_keeps_the_groups_before(monkeypatch):
+    """--lora-policy split runs one adapter group after another: an error in a later group lost the groups that had
+    finished. The merged result of every group measured goes back with the error."""
+    import pytest
+
+    import infer.bench.lora_split as split
+    from infer.bench.datasets import BenchRequest
+    from infer.bench.metrics import RequestRecord, RunResult
+
+    def fake(engine, group, concurrency, **k):
+        recs = [RequestRecord(j, 3, 0.0, [0.1, 0.2], 2, "ab", True) for j in range(len(group))]
+        if group[0].lora is None:
+            return RunResult("infer", concurrency, recs, 1.0, len(group), start_time=10.0)
+        err = RuntimeError("boom")
+        err.bench_partial = RunResult("infer", concurrency, recs[:1], 0.5, len(group), partial=True,
+                                      start_time=11.0, error="RuntimeError: boom")
+        raise err
+    monkeypatch.setattr(split, "run_in_process", fake)
+    reqs = [BenchRequest(None, [5, 6], 2, lora=name) for name in (None, "x", None, "x")]
+    with pytest.raises(RuntimeError) as info:
+        split.run_split(None, reqs, 2, progress=False)
+    part = info.value.bench_partial
+    assert part.partial and part.error == "RuntimeError: boom"
+    assert [r.index for r in part.records] == [0, 1, 2]  # both base requests, the first adapter request
+    assert part.duration_s == 1.5
