@@ -74,3 +74,28 @@ def test_an_error_in_a_later_lora_split_group_keeps_the_groups_before(monkeypatc
     assert part.partial and part.error == "RuntimeError: boom"
     assert [r.index for r in part.records] == [0, 1, 2]  # both base requests, the first adapter request
     assert part.duration_s == 1.5
+
+
+def _run(backend: str, ttft: float, label: str | None = None):
+    from infer.bench.metrics import RequestRecord, RunResult
+    recs = [RequestRecord(0, 4, 0.0, [ttft, ttft + 0.01, ttft + 0.02], 3, "abc", True)]
+    return RunResult(backend, 2, recs, duration_s=ttft + 0.02, num_requests=1, label=label)
+
+
+ENV = {"versions": {"infer": "0"}, "device": "cpu", "git_commit": None}
+
+
+def test_the_terminal_table_says_which_way_round_the_hf_ratios_are():
+    """With --baseline hf the tables printed x columns (x out tok/s, x TTFT p50 ...) and nothing on the terminal said
+    that x is ours / baseline, nor which way is better (only report.md did, in a closing line): 0.5x TTFT could be
+    read either way. A line under the tables now says it, as it already did for a labelled baseline."""
+    from rich.console import Console
+
+    from infer.bench.report import build_results, print_table
+    results = build_results([_run("infer", 0.01)], [_run("hf", 0.02)], env=ENV)
+    assert results[0]["ratio"]["mean_ttft_ms"] == 0.5  # ours / baseline
+    console = Console(record=True, width=400)
+    print_table(results, console)
+    text = console.export_text()
+    assert "x = ours / baseline" in text and "below 1 on a latency, ours is better" in text
+    assert "0.50x" in text

@@ -189,11 +189,17 @@ def baseline_label(results: list[dict]) -> str | None:
 
 
 def baseline_note(results: list[dict]) -> str | None:
-    """One line on what a labelled baseline ran, for the table and report.md."""
-    label = baseline_label(results)
-    if label is None:
+    """One line on what the baseline ran and which way round its x columns are, for the table and report.md; None
+    without a baseline."""
+    base = next((r["baseline"] for r in results if r.get("baseline")), None)
+    if base is None:
         return None
-    base = next(r["baseline"] for r in results if r.get("baseline"))
+    label = baseline_label(results)
+    if label is None:  # the x columns' direction was said nowhere on the terminal
+        what = ": transformers generate on static batches of size = concurrency;" if base.get("backend") == "hf" \
+            else ";"
+        return (f"baseline = {base.get('label') or base.get('backend')}{what} x = ours / baseline: above 1 on a "
+                "throughput, below 1 on a latency, ours is better")
     if base.get("backend") != "hf":  # ours' engine without speculative decoding
         return (f"baseline = {label}: the same engine and options without --speculative-config, run after ours "
                 "with ours' engine freed first (one engine in memory at a time, so each peak is its own); "
