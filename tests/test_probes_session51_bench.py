@@ -99,3 +99,20 @@ def test_the_terminal_table_says_which_way_round_the_hf_ratios_are():
     text = console.export_text()
     assert "x = ours / baseline" in text and "below 1 on a latency, ours is better" in text
     assert "0.50x" in text
+
+
+def test_a_latency_ratio_needs_samples_on_both_sides():
+    """A run with no sample of a latency reports it as 0 ms (vLLM's convention for an empty list): ours with every
+    request failed (or with one token each, for TPOT and ITL) had "x TTFT p50 0.00x" against the baseline, which
+    reads as infinitely faster. Such ratios are now None ("-"); the throughput ratios (0.00x: nothing done) stay."""
+    from infer.bench.metrics import RequestRecord, RunResult
+    from infer.bench.report import build_results, table_rows
+    failed = RunResult("infer", 2, [RequestRecord(0, 4, 0.0, [], 0, "", False, "HTTP 500")], 0.1, 1)
+    one_token = RunResult("infer", 2, [RequestRecord(0, 4, 0.0, [0.01], 1, "a", True)], 0.1, 1)
+    [r] = build_results([failed], [_run("hf", 0.02)], env=ENV)
+    assert r["mean_ttft_ms"] == 0.0 and r["ratio"]["mean_ttft_ms"] is None and r["ratio"]["p99_e2el_ms"] is None
+    assert r["ratio"]["output_throughput"] == 0.0
+    assert table_rows([r], "latency")[1][0][-4:] == ["-"] * 4
+    [r] = build_results([one_token], [_run("hf", 0.02)], env=ENV)
+    assert r["ratio"]["median_ttft_ms"] == 0.5 and r["ratio"]["median_e2el_ms"] == 0.25
+    assert r["ratio"]["median_tpot_ms"] is None and r["ratio"]["median_itl_ms"] is None

@@ -138,6 +138,15 @@ def meets_slos(rec: RequestRecord, slos: dict) -> bool:
     return all(got[k] * 1000.0 <= v for k, v in slos.items())
 
 
+def latency_series(records: list[RequestRecord]) -> dict[str, list[float]]:
+    """The samples (seconds) each of TTFT, TPOT, ITL and E2EL is summarised over, from the completed requests."""
+    done = [r for r in records if r.success]
+    return {"ttft": [r.ttft for r in done],
+            "tpot": [r.tpot for r in done if r.tpot is not None],
+            "itl": [gap for r in done for gap in r.itl],
+            "e2el": [r.e2el for r in done]}
+
+
 def compute_metrics(records: list[RequestRecord], duration_s: float, percentiles=DEFAULT_PERCENTILES,
                     goodput: dict | None = None) -> dict:
     """vLLM benchmark_serving metrics over `records` (see the module docstring for each definition); with
@@ -156,12 +165,7 @@ def compute_metrics(records: list[RequestRecord], duration_s: float, percentiles
     }
     if goodput:
         out["request_goodput"] = sum(meets_slos(r, goodput) for r in done) / dur
-    series = {
-        "ttft": [r.ttft for r in done],
-        "tpot": [r.tpot for r in done if r.tpot is not None],
-        "itl": [gap for r in done for gap in r.itl],
-        "e2el": [r.e2el for r in done],
-    }
+    series = latency_series(records)
     for name in LATENCY_METRICS:
         out.update(_ms_stats(name, series[name], percentiles))
     return out

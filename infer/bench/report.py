@@ -25,7 +25,7 @@ import subprocess
 from pathlib import Path
 
 from ..errors import OutputError
-from .metrics import LATENCY_RATIO_KEYS, THROUGHPUT_KEYS, RunResult
+from .metrics import LATENCY_RATIO_KEYS, THROUGHPUT_KEYS, RunResult, latency_series
 from .plots import plot_latency, plot_throughput, plot_timeline
 
 # what write_report writes into the report folder
@@ -124,6 +124,19 @@ def run_entry(run: RunResult, detailed: bool = False) -> dict:
     return d
 
 
+def ratios(ours: dict, theirs: dict, run: RunResult, base: RunResult) -> dict:
+    """ours / baseline of each throughput figure and each latency of LATENCY_RATIO_KEYS; None where the baseline's
+    figure is 0, or where either side has no sample of the latency (no completed request, no request of more than
+    one token, no second chunk): its 0 there stands for no figure, and 0 / x read as "infinitely faster"."""
+    sampled = [{m for m, values in latency_series(r.records).items() if values} for r in (run, base)]
+    out = {}
+    for k in THROUGHPUT_KEYS + LATENCY_RATIO_KEYS:
+        metric = k.rsplit("_", 2)[-2] if k.endswith("_ms") else None
+        missing = metric is not None and not all(metric in s for s in sampled)
+        out[k] = None if missing or not theirs[k] else ours[k] / theirs[k]
+    return out
+
+
 def build_results(runs: list[RunResult], baselines: list[RunResult] | None = None,
                   config: dict | None = None, env: dict | None = None, detailed: bool = False) -> list[dict]:
     env = env if env is not None else environment()
@@ -134,8 +147,7 @@ def build_results(runs: list[RunResult], baselines: list[RunResult] | None = Non
         base = by_conc.get(run.concurrency)
         if base is not None:
             entry["baseline"] = run_entry(base, detailed)
-            entry["ratio"] = {k: (entry[k] / entry["baseline"][k] if entry["baseline"][k] else None)
-                              for k in THROUGHPUT_KEYS + LATENCY_RATIO_KEYS}
+            entry["ratio"] = ratios(entry, entry["baseline"], run, base)
         entry.update(config=config or {}, **env)
         results.append(entry)
     return results
