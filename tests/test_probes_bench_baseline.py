@@ -88,6 +88,9 @@ class _FakeTarget:
         self.seen.append([r.lora for r in requests])
         return RunResult("infer", c, [], 1.0, len(requests))
 
+    def close(self):
+        pass
+
 
 def test_jsonl_lines_keep_their_own_adapter(tmp_path, monkeypatch):
     """--lora registers the adapters a jsonl workload names; it must not spread them over the lines round-robin."""
@@ -136,5 +139,7 @@ def test_a_baseline_cut_short_leaves_our_complete_run_unmarked(tmp_path, monkeyp
                        engine=EngineConfig("tiny-llama"))
     _, interrupted = P.run_plan(plan)
     assert interrupted
-    [r] = json.loads((tmp_path / "out" / "results.json").read_text())  # the second level never ran
+    # ours runs every level before the baseline (session 51): the baseline's second level never ran
+    r, second = json.loads((tmp_path / "out" / "results.json").read_text())
     assert r["partial"] is False and r["baseline"]["partial"] is True  # ours was marked partial too
+    assert second["partial"] is False and "baseline" not in second

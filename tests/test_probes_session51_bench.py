@@ -116,3 +116,54 @@ def test_a_latency_ratio_needs_samples_on_both_sides():
     [r] = build_results([one_token], [_run("hf", 0.02)], env=ENV)
     assert r["ratio"]["median_ttft_ms"] == 0.5 and r["ratio"]["median_e2el_ms"] == 0.25
     assert r["ratio"]["median_tpot_ms"] is None and r["ratio"]["median_itl_ms"] is None
+
+
+def test_the_hf_baseline_runs_after_ours_with_ours_freed(tmp_path, monkeypatch):
+    """--baseline hf loaded transformers' copy of the model before ours ran and interleaved the two level by level:
+    ours' peak memory held the baseline's weights, and the baseline's held ours' weights and, on a GPU, ours' whole
+    KV cache (torch.cuda.max_memory_allocated counts every allocation of the process), so the peak GiB of either
+    side measured both. Every level of ours now runs first, ours' engine is freed, then transformers loads and runs
+    each level, as the no-spec baseline does."""
+    import infer.bench.hf_baseline as H
+    import infer.bench.plan as P
+    from infer.bench.metrics import RequestRecord, RunResult
+    from infer.engine.config import EngineConfig
+    events = []
+
+    def record(c):
+        return [RequestRecord(0, 4, 0.0, [0.01, 0.02], 2, "ab", True)]
+
+    class Target:
+        hf_dtype, hf_device = "float32", "cpu"
+
+        def __init__(self, plan, tokenizer):
+            events.append("build")
+
+        def warm_adapters(self, names):
+            pass
+
+        def run(self, requests, c):
+            events.append(f"ours {c}")
+            return RunResult("infer", c, record(c), 1.0, len(requests))
+
+        def close(self):
+            events.append("close")
+
+    def load_hf(*a, **k):
+        events.append("load hf")
+        return object()
+
+    def run_hf(hf, requests, batch_size, **k):
+        events.append(f"hf {batch_size}")
+        return RunResult("hf", batch_size, record(batch_size), 2.0, len(requests))
+    monkeypatch.setattr(P, "_Target", Target)
+    monkeypatch.setattr(H, "load_hf", load_hf)
+    monkeypatch.setattr(H, "run_hf_generate", run_hf)
+    plan = P.BenchPlan(model="tiny-llama", levels=[1, 2], out=tmp_path / "out", baseline="hf", quiet=True,
+                       input_len=4, output_len=2, num_prompts=2, engine=EngineConfig("tiny-llama"))
+    results, interrupted = P.run_plan(plan)
+    assert not interrupted
+    assert events == ["build", "ours 1", "ours 2", "close", "load hf", "hf 1", "hf 2"]
+    assert [r["baseline"]["concurrency"] for r in results] == [1, 2]
+    assert [r["ratio"]["output_throughput"] for r in results] == [2.0, 2.0]
+    assert "one model in memory at a time" in results[0]["config"]["baseline_engine"]

@@ -5,10 +5,11 @@
 
 The target is an in-process LLMEngine (`plan.engine` set; warmed up first, adapters made resident) or the
 server at `plan.url`. The workload is read and checked first, with the model's tokenizer only: a bad dataset is
-refused before any model loads. Every level runs the same requests; with `baseline="hf"` each level is followed
-by HF transformers generate at batch size = concurrency (warmed first with one short batch, as the engine is
-warmed before it is measured; each output length cut where the engine's max model length or the request's max_length
-cuts ours, so both generate the same tokens), with transformers' (and GPTQModel's) own output kept off
+refused before any model loads. Every level runs the same requests; with `baseline="hf"` every level of ours runs
+first, then ours' engine is freed and HF transformers generate runs each level at batch size = concurrency (one
+model in memory at a time, so each side's peak memory is its own; warmed first with one short batch, as the engine
+is warmed before it is measured; each output length cut where the engine's max model length or the request's
+max_length cuts ours, so both generate the same tokens), with transformers' (and GPTQModel's) own output kept off
 the terminal unless --debug. That baseline runs the base model: with adapters in the workload it is labelled
 "hf (base, no adapters)" in the table and the report, and a note says so. With `baseline="no-spec"` (ours runs
 with a speculative_config) every level of ours runs first, then ours' engine is closed and the baseline's, the same
@@ -136,6 +137,9 @@ def report_config(plan: BenchPlan, description: str) -> dict:
     if plan.baseline == NO_SPEC:
         cfg["baseline_engine"] = ("the same engine options without speculative_config, built after ours was "
                                   "freed (one engine in memory at a time): each side's peak memory is its own")
+    elif plan.baseline == "hf":
+        cfg["baseline_engine"] = ("transformers generate, loaded after every level of ours, with ours' engine freed "
+                                  "first (one model in memory at a time): each side's peak memory is its own")
     return cfg
 
 
@@ -156,12 +160,9 @@ def baseline_requests(requests: list[BenchRequest], max_model_len: int | None) -
     return out
 
 
-def _measure(plan: BenchPlan, target: _Target, requests, hf, runs: list, bases: list, hide=_shown) -> bool:
-    """Fill `runs` (and `bases`) level by level (the no-spec baseline's levels after all of ours); True when Ctrl-C
-    cut the plan short."""
-    from .hf_baseline import run_hf_generate
-    label = BASE_NO_ADAPTERS if any(r.lora for r in requests) else None
-    base_requests = baseline_requests(requests, _context_len(plan)) if hf is not None else requests
+def _measure(plan: BenchPlan, target: _Target, requests, runs: list, bases: list, hide=_shown) -> bool:
+    """Fill `runs` level by level, then `bases` (the baseline's levels, after all of ours); True when Ctrl-C cut
+    the plan short."""
     for c in plan.levels:
         with _keeping_partial(runs, plan.goodput):
             run = target.run(requests, c)
@@ -169,14 +170,33 @@ def _measure(plan: BenchPlan, target: _Target, requests, hf, runs: list, bases: 
         runs.append(run)
         if run.partial:
             return True
-        if hf is not None:
+    if plan.baseline == "hf":
+        return _measure_hf(plan, target, requests, bases, hide)
+    if plan.baseline == NO_SPEC:
+        return _measure_no_spec(plan, target, requests, bases)
+    return False
+
+
+def _measure_hf(plan: BenchPlan, target: _Target, requests, bases: list, hide=_shown) -> bool:
+    """The HF baseline, after every level of ours: ours' engine is freed first, then transformers loads MODEL and
+    runs every level (one model in memory at a time, so each side's peak memory is its own: with both loaded, ours'
+    peak held the baseline's weights and the baseline's ours' weights and KV cache); True when Ctrl-C cut it
+    short."""
+    from .hf_baseline import load_hf, run_hf_generate
+    label = BASE_NO_ADAPTERS if any(r.lora for r in requests) else None
+    base_requests = baseline_requests(requests, _context_len(plan))
+    try:
+        target.close()
+        with hide():
+            hf = load_hf(plan.model, target.hf_dtype, target.hf_device)
+        for c in plan.levels:
             with hide() as term:
                 base = run_hf_generate(hf, base_requests, batch_size=c, progress=not plan.quiet, console=term,
                                        warmup=True)  # warmed, as the engine is, before it is measured
             if _add_baseline(plan, base, label, bases):
                 return True
-    if plan.baseline == NO_SPEC:
-        return _measure_no_spec(plan, target, requests, bases)
+    except KeyboardInterrupt:  # while transformers loaded or between its levels: ours are complete
+        return True
     return False
 
 
@@ -353,11 +373,6 @@ def run_plan(plan: BenchPlan, console=None, hide_libraries=None) -> tuple[list[d
     if plan.baseline == "hf":
         _note_base_baseline(plan, requests)
     target = _Target(plan, tokenizer)
-    hf = None
-    if plan.baseline == "hf":
-        from .hf_baseline import load_hf
-        with hide():
-            hf = load_hf(plan.model, target.hf_dtype, target.hf_device)
     target.warm_adapters(plan.loras)
     runs: list[RunResult] = []
     bases: list[RunResult] = []
@@ -366,7 +381,7 @@ def run_plan(plan: BenchPlan, console=None, hide_libraries=None) -> tuple[list[d
         return write_report(plan.out, runs, bases, config=report_config(plan, workload.description),
                             console=console or _console(), show=not plan.quiet, detailed=plan.save_detailed)
     try:
-        interrupted = _measure(plan, target, requests, hf, runs, bases, hide)  # the run cut short is marked partial
+        interrupted = _measure(plan, target, requests, runs, bases, hide)  # the run cut short is marked partial
     except KeyboardInterrupt:  # between runs, or inside one that does not return partial: the last one is suspect
         interrupted = True
         if runs:
