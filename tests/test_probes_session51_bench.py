@@ -167,3 +167,18 @@ def test_the_hf_baseline_runs_after_ours_with_ours_freed(tmp_path, monkeypatch):
     assert [r["baseline"]["concurrency"] for r in results] == [1, 2]
     assert [r["ratio"]["output_throughput"] for r in results] == [2.0, 2.0]
     assert "one model in memory at a time" in results[0]["config"]["baseline_engine"]
+
+
+def test_results_csv_holds_the_ratios_the_table_prints(tmp_path):
+    """The throughput and latency tables print x columns (ours / baseline); results.csv, the file a spreadsheet
+    reads, left them out (a dict), so its figures did not match the table. Ours' row now has ratio_<key> columns."""
+    import pandas as pd
+
+    from infer.bench.report import write_report
+    results = write_report(tmp_path, [_run("infer", 0.01)], [_run("hf", 0.02)], show=False)
+    table = pd.read_csv(tmp_path / "results.csv")
+    ours, base = table.to_dict("records")
+    assert ours["backend"] == "infer" and base["backend"] == "hf"
+    for key, value in results[0]["ratio"].items():
+        assert ours[f"ratio_{key}"] == value, key
+    assert ours["ratio_median_ttft_ms"] == 0.5 and pd.isna(base["ratio_median_ttft_ms"])

@@ -9,7 +9,8 @@ concurrency (an HF run's batch size). results.json is a list with one object per
 (completed, failed, total_input_tokens, ..., mean_ttft_ms, p99_itl_ms, ...) plus chars_per_s,
 peak_memory_bytes, concurrency, partial, config, versions, device and git_commit; a matched baseline sits
 in "baseline" (same keys) and the ours/baseline ratios of the throughput figures and of the mean, median and p99
-TTFT, TPOT, ITL and E2EL in "ratio" (a latency ratio below 1: ours is faster). Every entry has a "label" (its
+TTFT, TPOT, ITL and E2EL in "ratio" (a latency ratio below 1: ours is faster); results.csv has one row per run,
+ours' then its baseline's, with those ratios as ratio_<key> columns on ours' row. Every entry has a "label" (its
 backend, or what the run says it is: "hf (base, no adapters)" for a baseline that ran the base model while ours ran
 adapters, "infer (no speculation)" for ours' engine without speculative decoding), which the table titles,
 report.md, results.csv and the plots show. With speculative decoding the throughput table also shows ours'
@@ -318,7 +319,10 @@ def _write_files(out: Path, results: list[dict], runs: list[RunResult], baseline
     flat = []
     for r in results:
         for e in [r] + ([r["baseline"]] if "baseline" in r else []):
-            flat.append({k: v for k, v in e.items() if not isinstance(v, (dict, list))})
+            row = {k: v for k, v in e.items() if not isinstance(v, (dict, list))}
+            # the table's x columns (ours / baseline), on ours' row: results.json's "ratio", which a dict left out
+            row.update({f"ratio_{k}": v for k, v in (e.get("ratio") or {}).items()})
+            flat.append(row)
     pd.DataFrame(flat).to_csv(out / "results.csv", index=False)
     timelines = [{"backend": r.backend, "label": r.label or r.backend, "concurrency": r.concurrency,
                   "timeline": r.timeline}
