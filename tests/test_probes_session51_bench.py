@@ -182,3 +182,74 @@ def test_results_csv_holds_the_ratios_the_table_prints(tmp_path):
     for key, value in results[0]["ratio"].items():
         assert ours[f"ratio_{key}"] == value, key
     assert ours["ratio_median_ttft_ms"] == 0.5 and pd.isna(base["ratio_median_ttft_ms"])
+
+
+def test_an_error_in_a_later_hf_batch_keeps_the_batches_before(tmp_path, monkeypatch):
+    """The HF baseline caught only Ctrl-C: a later batch that failed (out of memory at the larger batch) lost the
+    batches measured before it, and the level's baseline with them. They now go back with the error (bench_partial,
+    partial, with the error), and run_plan writes them beside ours before raising it."""
+    import time
+
+    import pytest
+
+    import infer.bench.hf_baseline as H
+    from infer.bench.datasets import BenchRequest
+    from infer.bench.metrics import RequestRecord
+    calls = [0]
+
+    def batch(model, tok, dev, rows, sampler, cache_implementation=None):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        now = time.perf_counter()
+        return [RequestRecord(i, 3, now - 0.02, [now - 0.01, now], 2, "ab", True, end_time=now) for i, _ in rows]
+    monkeypatch.setattr(H, "_run_batch", batch)
+    reqs = [BenchRequest(None, [5, 6, 7], 2, ignore_eos=True) for _ in range(4)]
+    with pytest.raises(RuntimeError) as info:
+        H.run_hf_generate((None, None, None), reqs, batch_size=2, progress=False)
+    part = info.value.bench_partial
+    assert part.partial and part.aborted == 2 and "out of memory" in part.error
+    assert [r.index for r in part.records] == [0, 1] and part.metrics()["completed"] == 2
+
+
+def test_run_plan_writes_a_baseline_stopped_half_way(tmp_path, monkeypatch):
+    """run_plan side of the above: the baseline's partial run is written beside ours, then the error raised."""
+    import pytest
+
+    import infer.bench.hf_baseline as H
+    import infer.bench.plan as P
+    from infer.bench.metrics import RequestRecord, RunResult
+    from infer.engine.config import EngineConfig
+
+    def recs():
+        return [RequestRecord(0, 4, 0.0, [0.01, 0.02], 2, "ab", True)]
+
+    class Target:
+        hf_dtype, hf_device = "float32", "cpu"
+
+        def __init__(self, plan, tokenizer):
+            pass
+
+        def warm_adapters(self, names):
+            pass
+
+        def run(self, requests, c):
+            return RunResult("infer", c, recs(), 1.0, len(requests))
+
+        def close(self):
+            pass
+
+    def run_hf(hf, requests, batch_size, **k):
+        err = RuntimeError("CUDA out of memory (simulated)")
+        err.bench_partial = RunResult("hf", batch_size, recs(), 2.0, len(requests), partial=True, error="oom")
+        raise err
+    monkeypatch.setattr(P, "_Target", Target)
+    monkeypatch.setattr(H, "load_hf", lambda *a, **k: object())
+    monkeypatch.setattr(H, "run_hf_generate", run_hf)
+    plan = P.BenchPlan(model="tiny-llama", levels=[2], out=tmp_path / "out", baseline="hf", quiet=True,
+                       input_len=4, output_len=2, num_prompts=2, engine=EngineConfig("tiny-llama"))
+    with pytest.raises(RuntimeError):
+        P.run_plan(plan)
+    [r] = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert r["partial"] is False and r["baseline"]["partial"] is True and r["baseline"]["run_error"] == "oom"
+    assert r["ratio"]["output_throughput"] == 2.0

@@ -18,6 +18,7 @@ when the model is loaded.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -167,13 +168,15 @@ def run_hf_generate(model: str | HFModel, requests: list[BenchRequest], batch_si
     `warmup`: first generate one batch of `batch_size` requests a few tokens long, not measured (as the engine
     is warmed before it is measured: the first generate pays for CUDA's lazy loading and library handles).
     LoRA names in the workload are ignored (the baseline runs the base model). Ctrl-C returns the finished
-    batches with `partial=True`. The progress bar goes to `console` when given (a rich Console)."""
+    batches with `partial=True`; an error in a later batch is raised with them as its `bench_partial` (a RunResult,
+    partial, its `error` set), as the in-process driver's is. The progress bar goes to `console` when given (a
+    rich Console)."""
     if batch_size < 1:
         raise ModelLoadError(f"the baseline batch size must be at least 1, got {batch_size}")
     model, tok, dev = load_hf(model, dtype, device) if isinstance(model, str) else model
     sampler = ResourceSampler(interval_s=0.0)
     records: list[RequestRecord] = []
-    partial, aborted = False, 0
+    partial, aborted, failure = False, 0, None
     indexed = list(enumerate(requests))
     if warmup and indexed:
         warm = [(i, replace(r, output_len=min(r.output_len, WARMUP_TOKENS))) for i, r in indexed[:batch_size]]
@@ -189,9 +192,19 @@ def run_hf_generate(model: str | HFModel, requests: list[BenchRequest], batch_si
                 partial, aborted = True, len(batch)
                 end = time.perf_counter()
                 break
+            except Exception as e:  # (a larger batch ran out of memory): the batches before it were measured
+                failure, partial, aborted = e, True, len(batch)
+                end = time.perf_counter()
+                break
             end = max(r.end_time for r in records[-len(batch):])
             bar.advance(len(batch))
-    sampler.sample(0, force=True)
-    return RunResult("hf", batch_size, records, duration_s=end - t0, num_requests=len(requests),
-                     request_rate=math.inf, partial=partial, aborted=aborted, peak_rss_bytes=sampler.peak_rss_bytes,
-                     peak_gpu_bytes=sampler.peak_gpu_bytes, timeline=sampler.timeline, start_time=t0)
+    with contextlib.suppress(Exception):
+        sampler.sample(0, force=True)
+    result = RunResult("hf", batch_size, records, duration_s=end - t0, num_requests=len(requests),
+                       request_rate=math.inf, partial=partial, aborted=aborted, peak_rss_bytes=sampler.peak_rss_bytes,
+                       peak_gpu_bytes=sampler.peak_gpu_bytes, timeline=sampler.timeline, start_time=t0,
+                       error=None if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is not None:
+        failure.bench_partial = result
+        raise failure
+    return result

@@ -190,7 +190,7 @@ def _measure_hf(plan: BenchPlan, target: _Target, requests, bases: list, hide=_s
         with hide():
             hf = load_hf(plan.model, target.hf_dtype, target.hf_device)
         for c in plan.levels:
-            with hide() as term:
+            with hide() as term, _keeping_partial(bases, plan.goodput, label):
                 base = run_hf_generate(hf, base_requests, batch_size=c, progress=not plan.quiet, console=term,
                                        warmup=True)  # warmed, as the engine is, before it is measured
             if _add_baseline(plan, base, label, bases):
