@@ -253,3 +253,31 @@ def test_run_plan_writes_a_baseline_stopped_half_way(tmp_path, monkeypatch):
     [r] = json.loads((tmp_path / "out" / "results.json").read_text())
     assert r["partial"] is False and r["baseline"]["partial"] is True and r["baseline"]["run_error"] == "oom"
     assert r["ratio"]["output_throughput"] == 2.0
+
+
+def test_the_hf_baseline_samples_memory_no_more_often_than_ours(monkeypatch):
+    """The HF baseline's sampler took a sample (psutil, /proc, ~0.1 ms) at every decoding step, inside generate's
+    step, where ours samples at most every 50 ms: the baseline's TPOT and ITL carried a cost ours did not. It now
+    samples as ours does. (A fake clock, 1 ms per read: 200 steps are 0.2 s.)"""
+    import types
+
+    import infer.bench.hf_baseline as H
+    import infer.bench.monitor as M
+    from infer.bench.datasets import BenchRequest
+    from infer.bench.metrics import RequestRecord
+    clock = [0.0]
+
+    def perf_counter():
+        clock[0] += 0.001
+        return clock[0]
+    monkeypatch.setattr(M, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    steps = []
+
+    def batch(model, tok, dev, rows, sampler, cache_implementation=None):
+        for _ in range(200):  # what StepClock does at each step
+            sampler.sample()
+        steps.append(200)
+        return [RequestRecord(i, 3, 0.0, [0.01, 0.02], 2, "ab", True, end_time=0.02) for i, _ in rows]
+    monkeypatch.setattr(H, "_run_batch", batch)
+    run = H.run_hf_generate((None, None, None), [BenchRequest(None, [5, 6], 2, ignore_eos=True)], 1, progress=False)
+    assert steps == [200] and len(run.timeline) <= 8  # one per 50 ms of the fake clock, and the last one
