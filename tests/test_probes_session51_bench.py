@@ -281,3 +281,29 @@ def test_the_hf_baseline_samples_memory_no_more_often_than_ours(monkeypatch):
     monkeypatch.setattr(H, "_run_batch", batch)
     run = H.run_hf_generate((None, None, None), [BenchRequest(None, [5, 6], 2, ignore_eos=True)], 1, progress=False)
     assert steps == [200] and len(run.timeline) <= 8  # one per 50 ms of the fake clock, and the last one
+
+
+def test_url_levels_after_the_first_reset_the_server_prefix_cache_or_say_why_not(tmp_path, monkeypatch, capsys):
+    """With --url and several levels every level sends the same prompts: the in-process engine's prefix cache is
+    reset before each level, the server's was not, so from the second level on a server with prefix caching (vLLM's
+    default, infer serve's) found every prompt cached and reported a TTFT no cold level has, without a word. The
+    bench now asks the server to reset it (vLLM's POST /reset_prefix_cache) before each level, and says once when
+    the server did not."""
+    import infer.bench.http_driver as D
+    import infer.bench.plan as P
+    from infer.bench.metrics import RunResult
+    resets, answer = [], [False]
+
+    def reset(url, api_key=None):
+        resets.append(url)
+        return answer[0]
+    monkeypatch.setattr(D, "reset_prefix_cache", reset)
+    monkeypatch.setattr(D, "run_http", lambda url, model, reqs, c, *a, **k: RunResult("http", c, [], 1.0, len(reqs)))
+    plan = P.BenchPlan(model="tiny-llama", levels=[1, 2, 4], out=tmp_path, url="http://127.0.0.1:9", model_id="m")
+    for answer[0] in (False, True):
+        target = P._Target(plan, None)
+        for c in plan.levels:
+            target.run([], c)
+        note = capsys.readouterr().err
+        assert len(resets) == 3 and note.count("did not reset its prefix cache") == (0 if answer[0] else 1)
+        resets.clear()

@@ -205,6 +205,17 @@ def run_http(url: str, model: str, requests: list[BenchRequest], concurrency: in
                      engine_stats=server_stats(url, api_key))
 
 
+def reset_prefix_cache(url: str, api_key: str | None = None) -> bool:
+    """Ask the server to drop its prefix cache (vLLM's POST /reset_prefix_cache, served with VLLM_SERVER_DEV_MODE=1),
+    so a level does not find the prompts of the level before cached; True when it did."""
+    import httpx
+    try:
+        resp = httpx.post(f"{url}/reset_prefix_cache", headers=_headers(api_key), timeout=10.0, trust_env=False)
+    except httpx.HTTPError:
+        return False
+    return resp.status_code == 200
+
+
 def server_stats(url: str, api_key: str | None = None) -> dict:
     """The server's engine figures from its /health (an infer server's; with --data-parallel, one entry per
     replica under "replicas"); empty for servers that do not report them."""

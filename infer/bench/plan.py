@@ -81,6 +81,7 @@ class _Target:
         self.plan = plan
         self.engine = None
         self.tokenizer = tokenizer
+        self.levels_run = 0  # with --url: the levels sent to the server so far
         if plan.url is None:
             from ..engine.llm_engine import LLMEngine
             self.engine = LLMEngine(plan.engine)
@@ -117,7 +118,13 @@ class _Target:
         if self.engine is not None:  # each level starts cold: no prefix blocks left by the level before
             self.engine.block_manager.reset_prefix_cache()
         if p.url is not None:
-            from .http_driver import run_http
+            from .http_driver import reset_prefix_cache, run_http
+            if not reset_prefix_cache(p.url, p.api_key) and self.levels_run == 1:  # said once, at the second level
+                print(f"note: {p.url} did not reset its prefix cache (vLLM does on POST /reset_prefix_cache with "
+                      "VLLM_SERVER_DEV_MODE=1): each level after the first sends the same prompts again, which a "
+                      "server with prefix caching finds cached, so their TTFT is lower than a cold level's; bench one "
+                      "level per run, or start the server without prefix caching", file=sys.stderr, flush=True)
+            self.levels_run += 1
             return run_http(p.url, p.model_id, requests, concurrency, p.rate, api_key=p.api_key, seed=p.seed,
                             progress=progress, tokenizer=self.tokenizer)
         if p.lora_policy == "split":
