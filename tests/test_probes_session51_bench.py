@@ -307,3 +307,36 @@ def test_url_levels_after_the_first_reset_the_server_prefix_cache_or_say_why_not
         note = capsys.readouterr().err
         assert len(resets) == 3 and note.count("did not reset its prefix cache") == (0 if answer[0] else 1)
         resets.clear()
+
+
+def test_ctrl_c_while_the_hf_baseline_reads_the_servers_length_leaves_ours_whole(tmp_path, monkeypatch):
+    """The hf baseline's requests are capped at the server's max model length (a /v1/models call with --url): a
+    Ctrl-C there, after every level of ours had finished, marked ours' last level partial."""
+    import infer.bench.hf_baseline as H
+    import infer.bench.plan as P
+    from infer.bench.metrics import RunResult
+
+    class Target:
+        hf_dtype, hf_device = "float32", "cpu"
+
+        def __init__(self, plan, tokenizer):
+            pass
+
+        def warm_adapters(self, names):
+            pass
+
+        def run(self, requests, c):
+            return RunResult("http", c, [], 1.0, len(requests))
+
+        def close(self):
+            pass
+
+    def interrupted(plan):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(P, "_Target", Target)
+    monkeypatch.setattr(P, "_context_len", interrupted)
+    monkeypatch.setattr(H, "load_hf", lambda *a, **k: object())
+    plan = P.BenchPlan(model="tiny-llama", levels=[1, 2], out=tmp_path / "out", baseline="hf", quiet=True,
+                       input_len=4, output_len=2, num_prompts=2, url="http://127.0.0.1:9", model_id="m")
+    results, stopped = P.run_plan(plan)
+    assert stopped and [r["partial"] for r in results] == [False, False]

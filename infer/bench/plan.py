@@ -191,8 +191,8 @@ def _measure_hf(plan: BenchPlan, target: _Target, requests, bases: list, hide=_s
     short."""
     from .hf_baseline import load_hf, run_hf_generate
     label = BASE_NO_ADAPTERS if any(r.lora for r in requests) else None
-    base_requests = baseline_requests(requests, _context_len(plan))
     try:
+        base_requests = baseline_requests(requests, _context_len(plan))
         target.close()
         with hide():
             hf = load_hf(plan.model, target.hf_dtype, target.hf_device)
