@@ -70,6 +70,18 @@ def test_a_salted_prompt_shares_no_cached_prefix(llm):
     assert asyncio.run(main()) == (12, 0)
 
 
+def test_reset_prefix_cache_forgets_the_cached_prompt(llm):
+    prompt = list(range(40, 53))
+
+    async def main():
+        await _collect(llm, prompt, "cold")
+        warm = await _collect(llm, prompt, "warm")
+        assert await llm.reset_prefix_cache() is True
+        reset = await _collect(llm, prompt, "reset")
+        return warm[-1].num_cached_tokens, reset[-1].num_cached_tokens
+    assert asyncio.run(main()) == (12, 0)
+
+
 def test_leaving_the_loop_aborts_the_request_and_frees_its_blocks(llm, monkeypatch):
     aborted = []
     real = llm._loop.abort

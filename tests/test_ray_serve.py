@@ -108,6 +108,26 @@ def test_metrics_per_replica(url):
     assert "infer:replica_num_requests_running" in body and "infer:num_requests_running" in body
 
 
+def test_reset_prefix_cache_forgets_the_prompts_of_every_replica(url):
+    """POST /reset_prefix_cache (vLLM's) reaches every replica: a prompt sent before, whichever replica takes it
+    now, finds nothing cached."""
+    prompt = list(range(5, 53))  # three whole blocks of 16
+
+    def complete():
+        r = httpx.post(f"{url}/v1/completions", timeout=60,
+                       json={"model": "tiny-llama", "prompt": prompt, "max_tokens": 2, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+
+    def hits():
+        return httpx.get(f"{url}/health", timeout=30).json()["engine"]["prefix_cache_hits"]
+    for _ in range(4):  # on both replicas, whichever the router picks
+        complete()
+    warm = hits()
+    assert httpx.post(f"{url}/reset_prefix_cache", timeout=60).status_code == 200
+    complete()
+    assert hits() == warm
+
+
 def test_adapters_load_and_unload_on_every_replica(client, url, server, adapter, want_lora):
     short, long = want_lora
     r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "r", "lora_path": str(adapter)}, timeout=60)
@@ -173,3 +193,4 @@ def test_stream_on_a_replica_that_dies_ends_with_an_error(client, url, server):
     health = httpx.get(f"{url}/health")  # a load balancer's probe sees the server cannot answer (it said ok)
     assert health.status_code == 503 and health.json()["engine"]["num_replicas_alive"] == 0
     assert all(r["num_running"] == 0 for r in health.json()["engine"]["replicas"])  # dead: frozen figures dropped
+

@@ -98,6 +98,10 @@ class Replica:
         except InferError as e:
             return {"message": e.message, "hint": e.hint}
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget this replica's cached prefixes (LLMEngine.reset_prefix_cache)."""
+        return self.engine.reset_prefix_cache()
+
     def validate(self, requests: list[Wire]) -> dict[str, RequestError | str]:
         """{request id: why} for the requests this engine could never run (the others are not listed): the engine's
         RequestError itself, whose fields let the driver word it in its own terms (an unknown adapter's remedy is

@@ -626,6 +626,12 @@ class RayAsyncEngine(AsyncEngine):
             results = await self._on_replicas(refs)
         return sum(n for n in results if isinstance(n, int))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget the cached prefixes of every live replica; True when each of them did (one that died meanwhile
+        has none left to forget)."""
+        results = await self._on_replicas([r.handle.reset_prefix_cache.remote() for r in self.replicas if r.alive])
+        return all(r is True or (isinstance(r, dict) and r.get("died")) for r in results)
+
     def _on_replicas_after_sent(self, call, replicas: list) -> list:
         """Driver thread: send every routed request, then call(replica) on each of `replicas` (in this order) still
         live: one that stopped since the caller read them gets _STOPPED (_on_replicas: it died), not a call on the

@@ -528,6 +528,17 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     async def detokenize(request: Request):
         return await _tokenization(server, request, detokenize=True)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request):  # vLLM's (its dev mode): `infer bench --url` starts levels cold
+        server.check_auth(request)
+        try:
+            done = await server.aengine.reset_prefix_cache()
+        except ShuttingDownError as e:
+            raise p.shutting_down(str(e)) from None
+        if not done:
+            raise p.ApiError(500, "a replica could not reset its prefix cache", type="server_error")
+        return Response(status_code=200)
+
     @app.get("/version")
     async def version(request: Request):
         server.check_auth(request)

@@ -171,6 +171,11 @@ class AsyncEngine:
         self.engine.lora_slots()
         return await self._call(lambda engine: engine.remove_lora(name))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's POST /reset_prefix_cache), on the engine thread between two steps:
+        a benchmark's next level starts cold. Running requests keep their blocks."""
+        return await self._call(lambda engine: engine.reset_prefix_cache())
+
     def hold_lora(self, name: str | None):
         """What a caller that adds requests one after another with adapter `name` passes as their `lora` (a served
         beam search's steps): the engine's hold (LLMEngine.hold_lora), so that an unload or in-place reload meanwhile

@@ -180,6 +180,12 @@ class AsyncLLM:
                     raise  # else this one stands
         return name
 
+    async def reset_prefix_cache(self) -> bool:
+        """vLLM's AsyncLLM.reset_prefix_cache: forget every cached prefix, between two steps (running requests keep
+        their blocks)."""
+        self._check_open()
+        return await self._loop.reset_prefix_cache()
+
     async def remove_lora(self, name: str) -> int:
         """Unregister an adapter: new requests naming it are refused at once; those running finish with it.
         Returns how many were still running."""
