@@ -222,6 +222,16 @@ def place_weights(model, tensors, dtype: torch.dtype):
         _check_kind(name, t, params[key])
         params[key].data.copy_(t)
         loaded.add(key)
+    if stored_head is not None and "embed_tokens.weight" not in loaded and model.tie_word_embeddings:
+        # the tied matrix stored under lm_head.weight alone (safetensors' save_model keeps the first of shared
+        # names in sorted order): transformers ties the embeddings to it, and so does infer
+        emb = params["embed_tokens.weight"]
+        if tuple(stored_head.shape) != tuple(emb.shape):
+            raise ModelLoadError(f"lm_head.weight has shape {tuple(stored_head.shape)}, config.json implies "
+                                 f"{tuple(emb.shape)}", "the weights do not match config.json")
+        emb.data.copy_(stored_head)
+        loaded.add("embed_tokens.weight")
+        stored_head = None
     _check_complete(params, loaded, merged)
     if not on_cpu:
         _check_finite_on_device(model, dtype)

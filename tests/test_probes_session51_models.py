@@ -1,0 +1,52 @@
+"""Session 51 probes of model configs against transformers on the same tiny random weights: the output head and the
+embeddings of tied and untied checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from infer import LLM, SamplingParams
+from infer.errors import ModelLoadError
+from infer.models.loader import check_weights
+
+from helpers import random_prompts
+from test_model_variants import build
+
+
+def _rewrite(folder, edit) -> None:
+    weights = load_file(folder / "model.safetensors")
+    edit(weights)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_a_tied_checkpoint_storing_the_matrix_as_lm_head_only_equals_transformers(tmp_path):
+    """safetensors' save_model keeps the first of shared tensors' names in sorted order: a tied model's matrix is
+    stored as lm_head.weight, with no model.embed_tokens.weight. transformers ties the embeddings to it; infer refused
+    the folder as incomplete ("no tensor model.embed_tokens.weight")."""
+    build(tmp_path, "llama", tie_word_embeddings=True)
+
+    def head_only(w):
+        w["lm_head.weight"] = w.pop("model.embed_tokens.weight")
+    _rewrite(tmp_path, head_only)
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    check_weights(tmp_path)  # what convert and quantize check first
+    prompt = random_prompts(512, (9,), seed=5)[0]
+    out = LLM(str(tmp_path), block_size=4).generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0,
+                           eos_token_id=None)[0, 9:].tolist()
+    assert out.token_ids == want
+
+
+def test_a_tied_head_only_checkpoint_of_the_wrong_shape_is_refused(tmp_path):
+    build(tmp_path, "llama", tie_word_embeddings=True)
+
+    def head_only(w):
+        w["lm_head.weight"] = w.pop("model.embed_tokens.weight")[:-1]
+    _rewrite(tmp_path, head_only)
+    with pytest.raises(ModelLoadError, match=r"lm_head.weight has shape \(511, 64\), config.json implies \(512, 64\)"):
+        LLM(str(tmp_path), block_size=4)
+
