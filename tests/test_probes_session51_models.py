@@ -50,3 +50,12 @@ def test_a_tied_head_only_checkpoint_of_the_wrong_shape_is_refused(tmp_path):
     with pytest.raises(ModelLoadError, match=r"lm_head.weight has shape \(511, 64\), config.json implies \(512, 64\)"):
         LLM(str(tmp_path), block_size=4)
 
+def test_an_untied_checkpoint_without_lm_head_names_the_tensor_and_tie_word_embeddings(tmp_path):
+    """transformers fills a missing head at random; infer refuses it, but named it "model.lm_head.weight" (no such
+    name in a checkpoint) and said nothing of the config field that decides whether a head is stored."""
+    build(tmp_path, "llama")
+    _rewrite(tmp_path, lambda w: w.pop("lm_head.weight"))
+    with pytest.raises(ModelLoadError) as e:
+        LLM(str(tmp_path), block_size=4)
+    assert "no tensor lm_head.weight" in str(e.value) and "model.lm_head" not in str(e.value)
+    assert "tie_word_embeddings" in str(e.value) and '"tie_word_embeddings": true' in e.value.hint

@@ -333,6 +333,11 @@ def _check_complete(params, loaded, merged) -> None:
                                      "the model folder is incomplete, or config.json wrongly declares biases")
     merged_params = {f"{m}.{p}" for m, layer in merged.items() for p, _ in layer.named_parameters(recurse=False)}
     missing = [k for k in params if k not in loaded and k not in merged_params]
+    if "lm_head.weight" in missing:  # (transformers fills it at random and answers through it)
+        raise ModelLoadError("the checkpoint has no tensor lm_head.weight, and config.json does not tie the output "
+                             "head to the embeddings (tie_word_embeddings is false or missing)",
+                             'if the model shares its embedding matrix as its output head, set "tie_word_embeddings": '
+                             "true in config.json; otherwise the model folder is incomplete")
     if missing:
         raise ModelLoadError(f"the checkpoint has no tensor model.{missing[0]}"
                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
