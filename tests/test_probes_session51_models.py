@@ -59,3 +59,21 @@ def test_an_untied_checkpoint_without_lm_head_names_the_tensor_and_tie_word_embe
         LLM(str(tmp_path), block_size=4)
     assert "no tensor lm_head.weight" in str(e.value) and "model.lm_head" not in str(e.value)
     assert "tie_word_embeddings" in str(e.value) and '"tie_word_embeddings": true' in e.value.hint
+
+
+@pytest.mark.parametrize("model_type, config", [
+    ("llama", dict(rope_parameters={"rope_type": "proportional", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    ("qwen3", dict(head_dim=32, rope_parameters={"rope_type": "proportional", "rope_theta": 10000.0,
+                                                 "partial_rotary_factor": 0.25, "factor": 2.0})),
+])
+def test_a_proportional_rope_equals_transformers(tmp_path, model_type, config):
+    """transformers 5's proportional rope gives frequencies for the whole head (those past partial_rotary_factor 0:
+    unrotated), which its Llama, Mistral and Qwen attentions run; infer refused it as "rope type 'proportional' is
+    not supported"."""
+    hf = build(tmp_path, model_type, **config)
+    prompt = random_prompts(512, (20,), seed=5)[0]
+    out = LLM(str(tmp_path), block_size=4).generate([prompt], SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, pad_token_id=0,
+                           eos_token_id=None)[0, 20:].tolist()
+    assert out.token_ids == want

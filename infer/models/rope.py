@@ -61,10 +61,12 @@ def _cpu_inv_freq(cfg) -> tuple[torch.Tensor, float]:
         base = params["rope_theta"]
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         scale = 1.0
-    elif rope_type in ("linear", "llama3", "yarn", "dynamic", "longrope"):
+    elif rope_type in ("linear", "llama3", "yarn", "dynamic", "longrope", "proportional"):
         # dynamic (NTK): transformers rescales only once a sequence passes max_position_embeddings, which infer's
         # context never does (engine/setup.model_max_len caps it there): below it, its table is this one; longrope:
-        # the short factors (and the attention factor) up to original_max_position_embeddings (rope_max_positions)
+        # the short factors (and the attention factor) up to original_max_position_embeddings (rope_max_positions);
+        # proportional (transformers 5): frequencies for the whole head, those past partial_rotary_factor of them 0
+        # (cos 1, sin 0: those dimensions pass unrotated), all divided by its factor
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
         try:
             inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
@@ -76,7 +78,8 @@ def _cpu_inv_freq(cfg) -> tuple[torch.Tensor, float]:
                                         "rope_type takes: use the config.json that came with the weights") from e
     else:
         raise UnsupportedModelError(f"rope type {rope_type!r} is not supported",
-                                    "supported rope types: default, linear, llama3, yarn, dynamic, longrope")
+                                    "supported rope types: default, linear, llama3, yarn, dynamic, longrope, "
+                                    "proportional")
     if not (bool(torch.isfinite(inv_freq).all()) and math.isfinite(scale)):  # a rope_theta of 0, a linear factor of
         # 0, ...: every position past 0 rotated by NaN, which the first forward reported as the model overflowing
         raise UnsupportedModelError(f"config.json's {rope_type} rope parameters {_shown(params)} give rotary "
