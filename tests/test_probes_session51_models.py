@@ -77,3 +77,33 @@ def test_a_proportional_rope_equals_transformers(tmp_path, model_type, config):
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, pad_token_id=0,
                            eos_token_id=None)[0, 20:].tolist()
     assert out.token_ids == want
+
+
+class _Calibrating(Exception):
+    pass
+
+
+def test_quantize_refuses_a_tied_head_only_checkpoint_before_gptqmodel_naming_convert(tmp_path, monkeypatch):
+    """`infer run` loads a tied checkpoint stored as lm_head.weight alone, so its checks pass it to GPTQModel, which
+    leaves the embeddings unset and fails after calibrating ("Tensor.item() cannot be called on meta tensors"). It
+    is refused first, naming the tensor and `infer convert`, which writes model.embed_tokens.weight."""
+    from infer.errors import ConfigError
+    from infer.quant import quantize as quantize_mod
+    from infer.quant.quantize import QuantizeOptions, quantize_model
+
+    def calibrating():
+        raise _Calibrating()
+    monkeypatch.setattr(quantize_mod, "require_gptqmodel", calibrating)
+    src = tmp_path / "src"
+    src.mkdir()
+    build(src, "llama", tie_word_embeddings=True)
+    opts = QuantizeOptions(group_size=32, num_samples=2, seq_len=32)
+    with pytest.raises(_Calibrating):  # the usual tied checkpoint (embed_tokens only) goes on to GPTQModel
+        quantize_model(src, tmp_path / "q", opts, check_weights=check_weights)
+
+    def head_only(w):
+        w["lm_head.weight"] = w.pop("model.embed_tokens.weight")
+    _rewrite(src, head_only)
+    with pytest.raises(ConfigError, match="only as lm_head.weight") as e:
+        quantize_model(src, tmp_path / "q", opts, check_weights=check_weights)
+    assert "infer convert" in e.value.hint

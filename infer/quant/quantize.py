@@ -328,7 +328,8 @@ def _check_tensors(src: Path, check_weights: Callable[[Path], None] | None) -> N
             raise ModelLoadError(f"{src} has non-finite weights (inf or NaN) in {bad[0]}",
                                  "GPTQ cannot quantize them: fix or replace the checkpoint (a float model that runs)")
         if tied:
-            heads.update({k: v for k, v in tensors.items() if k in ("lm_head.weight", "model.embed_tokens.weight")})
+            heads.update({k: v for k, v in tensors.items()
+                          if k in ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight")})
     _check_tied_head(src, heads)
 
 
@@ -338,6 +339,12 @@ def _check_tied_head(src: Path, heads: dict) -> None:
     through the embeddings instead (another model)."""
     import torch
     head, emb = heads.get("lm_head.weight"), heads.get("model.embed_tokens.weight")
+    if head is not None and emb is None and not any(k.startswith("embed_tokens") for k in heads):
+        # the tied matrix stored as lm_head.weight alone (safetensors' save_model): transformers and `infer run`
+        # tie the embeddings to it, GPTQModel leaves them unset (a meta tensor it fails on after calibrating)
+        raise ConfigError(f"{src} stores the tied output head and embeddings only as lm_head.weight (no "
+                          "model.embed_tokens.weight), which GPTQModel cannot load",
+                          f"`infer convert {src} -o FOLDER` writes it as model.embed_tokens.weight: quantize FOLDER")
     if head is None or emb is None:  # untied (nothing kept), or tied with no stored head
         return
     if head.shape != emb.shape or not torch.equal(head, emb.to(head.dtype)):
