@@ -107,3 +107,22 @@ def test_quantize_refuses_a_tied_head_only_checkpoint_before_gptqmodel_naming_co
     with pytest.raises(ConfigError, match="only as lm_head.weight") as e:
         quantize_model(src, tmp_path / "q", opts, check_weights=check_weights)
     assert "infer convert" in e.value.hint
+
+
+def test_the_weights_estimate_of_a_tied_head_only_checkpoint_counts_its_embeddings(tmp_path):
+    """The estimate (memory plan, warmup --estimate) skipped a tied lm_head.weight as the embeddings' copy: for a
+    checkpoint storing the tied matrix only under that name (which the loader makes the embeddings) it left the
+    embeddings, and their CPU prepacked copy, out."""
+    from transformers import AutoConfig
+
+    from infer.memory.checkpoint import checkpoint_weights_bytes
+    from infer.models.loader import weight_files
+    build(tmp_path, "llama", tie_word_embeddings=True)
+    cfg = AutoConfig.from_pretrained(tmp_path)
+    cpu = torch.device("cpu")
+    usual = checkpoint_weights_bytes(weight_files(tmp_path), cfg, torch.float32, cpu)
+
+    def head_only(w):
+        w["lm_head.weight"] = w.pop("model.embed_tokens.weight")
+    _rewrite(tmp_path, head_only)
+    assert checkpoint_weights_bytes(weight_files(tmp_path), cfg, torch.float32, cpu) == usual

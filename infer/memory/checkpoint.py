@@ -82,6 +82,10 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
             continue
         headers.append(header)
     g_idx = {name: info for header in headers for name, info in header.items() if name.endswith(".g_idx")}
+    # a tied lm_head.weight is the embeddings' copy, except in a checkpoint that stores the tied matrix under that
+    # name alone (safetensors' save_model): the loader makes it the embeddings (models.loader.place_weights)
+    stored = {name for header in headers for name in header}
+    head_only = not {"model.embed_tokens.weight", "embed_tokens.weight"} & stored
     for header in headers:
         for name, info in header.items():
             numel = 1
@@ -89,7 +93,7 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
                 numel *= d
             is_float = info["dtype"] in ("F64", "F32", "F16", "BF16") and not name.endswith("scales")
             size = numel * (elem if is_float else _ST_BYTES.get(info["dtype"], 4))
-            if name == "lm_head.weight" and getattr(model_config, "tie_word_embeddings", False):
+            if name == "lm_head.weight" and getattr(model_config, "tie_word_embeddings", False) and not head_only:
                 continue
             if name.endswith(".g_idx"):  # one per merged layer, counted below
                 continue
