@@ -122,8 +122,9 @@ class _Target:
             if not reset_prefix_cache(p.url, p.api_key) and self.levels_run == 1:  # said once, at the second level
                 print(f"note: {p.url} did not reset its prefix cache (infer serve does on POST /reset_prefix_cache, "
                       "vLLM with VLLM_SERVER_DEV_MODE=1): each level after the first sends the same prompts again, "
-                      "which a server with prefix caching finds cached, so their TTFT is lower than a cold level's; bench one "
-                      "level per run, or start the server without prefix caching", file=sys.stderr, flush=True)
+                      "which a server with prefix caching finds cached, so their TTFT is lower than a cold level's; "
+                      "bench one level per run, or start the server without prefix caching", file=sys.stderr,
+                      flush=True)
             self.levels_run += 1
             return run_http(p.url, p.model_id, requests, concurrency, p.rate, api_key=p.api_key, seed=p.seed,
                             progress=progress, tokenizer=self.tokenizer)
