@@ -160,6 +160,22 @@ def check_not_source(src: Path, out: Path, what: str) -> None:
         raise ConfigError(f"output {out} is {where}", f"write the {what} model to another folder")
 
 
+def check_inputs_kept(out: Path, overwrite: bool, inputs: dict[str, Path | None]) -> None:
+    """--overwrite empties OUTPUT of what it holds (hidden entries apart) before the new model moves in: an input the
+    run reads from inside it ({flag: path}, a --calibration file or a --merge-lora adapter) would be deleted with the
+    old model. Refused before any work, as check_not_source refuses the model itself."""
+    out = Path(out).expanduser().resolve()
+    if not overwrite or not out.is_dir():
+        return
+    for flag, path in inputs.items():
+        if path is None:
+            continue
+        path = Path(path).expanduser().resolve()
+        if out in path.parents and not _kept(out / path.relative_to(out).parts[0]):
+            raise ConfigError(f"{flag} {path} is inside the output folder {out}, which --overwrite would empty "
+                              "(deleting it)", f"move it out of {out}, or write the model to another -o folder")
+
+
 STAGING_PREFIX = ".infer-staging-"  # inside an existing OUTPUT folder (one left by a killed run does not count)
 
 
@@ -288,6 +304,7 @@ def convert_model(src: Path, out: Path, dtype: str | None = None, merge_lora: Pa
     if merge_lora is not None:
         _check_adapter(Path(merge_lora))
     check_not_source(src, Path(out), "converted")
+    check_inputs_kept(out, overwrite, {"--merge-lora": merge_lora})
     gptq = is_gptq(src)
     if gptq and (dtype or merge_lora):
         what = "change the dtype of" if dtype else "merge a LoRA adapter into"

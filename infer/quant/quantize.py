@@ -24,8 +24,8 @@ from typing import Any, Callable, TextIO
 from ..checks import tokenizer_problem
 from ..errors import ConfigError, InferError, ModelLoadError
 from .calibration import CalibrationSet, load_calibration
-from .convert import (TOKENIZER_FILES, check_not_source, check_output, is_gptq, keep_source_config, parse_shard_size,
-                      read_config_json, saved_dtype, staged_output, weight_files)
+from .convert import (TOKENIZER_FILES, check_inputs_kept, check_not_source, check_output, is_gptq, keep_source_config,
+                      parse_shard_size, read_config_json, saved_dtype, staged_output, weight_files)
 
 BITS = (4, 8)
 GROUP_SIZES = (-1, 32, 64, 128)
@@ -193,6 +193,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: Qu
     observer = observer or QuantizeObserver()
     check_not_source(src, out, "quantized")
     check_output(out, overwrite)
+    check_inputs_kept(out, overwrite, {"--calibration": calibration})
     config = _check_source(src, opts.group_size, opts.bits)
     if opts.lm_head and config.get("tie_word_embeddings", False):  # GPTQModel: NotImplementedError, after loading
         raise ConfigError(f"--lm-head: {src / 'config.json'} ties lm_head to the embeddings (tie_word_embeddings: "
