@@ -53,3 +53,31 @@ def test_overwrite_refuses_a_merge_lora_adapter_inside_the_output_folder(tmp_pat
     with pytest.raises(ConfigError, match="--merge-lora .* inside the output folder"):
         convert_model(tiny_llama, out, merge_lora=adapter, overwrite=True)
     assert (adapter / "adapter_config.json").is_file() and (out / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("raised, outcome", [(KeyboardInterrupt, "interrupted"), (RuntimeError, "failed"),
+                                             (None, "done")])
+def test_the_progress_bar_ends_with_how_the_run_ended(tmp_path, monkeypatch, capsys, raised, outcome):
+    """The bar's last frame said "saving" after an interrupt or an error (and after the save had finished)."""
+    from infer.cli.quantize import run_quantization
+    from infer.quant import quantize as q
+    from infer.quant.calibration import CalibrationSet
+
+    def fake(src, out, options, calibration, observer, **kw):
+        observer.start(2, CalibrationSet("built-in", [{"input_ids": [1] * 16, "attention_mask": [1] * 16}]))
+        observer.layer_done(0)
+        if raised is not None:
+            raise raised()
+        observer.layer_done(1)
+        assert observer.progress.tasks[0].fields["detail"] == "saving"  # after the last layer: GPTQModel saves
+        return "result"
+    monkeypatch.setattr(q, "quantize_model", fake)
+    if raised is None:
+        assert run_quantization(tmp_path, tmp_path / "o", q.QuantizeOptions(), None, overwrite=False,
+                                verbose=True) == "result"
+    else:
+        with pytest.raises(raised):
+            run_quantization(tmp_path, tmp_path / "o", q.QuantizeOptions(), None, overwrite=False, verbose=True)
+    err = capsys.readouterr().err
+    last = [line for line in err.splitlines() if "Quantizing layers" in line][-1]
+    assert outcome in last and "saving" not in last, err

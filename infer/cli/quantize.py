@@ -52,13 +52,17 @@ class RichObserver(QuantizeObserver):
         if self.task is not None:
             self.progress.advance(self.task)
             self.console.log(f"{self._name(layer)} quantized")
+            task = self.progress.tasks[0]
+            if task.total is not None and task.completed >= task.total:  # GPTQModel saves the checkpoint next
+                self.progress.update(self.task, detail="saving")
 
     def _name(self, layer: int) -> str:
         return "lm_head" if self.lm_head and self.num_layers and layer >= self.num_layers else f"layer {layer}"
 
-    def stop(self) -> None:
+    def stop(self, outcome: str = "done") -> None:
+        """End the bar with how the run ended: "done", "interrupted" or "failed" (not "saving" after an error)."""
         if self.task is not None:
-            self.progress.update(self.task, detail="saving")
+            self.progress.update(self.task, detail=outcome)
         if self.progress.live.is_started:  # rich prints an empty line for a bar never started (an error before it)
             self.progress.stop()
 
@@ -134,11 +138,17 @@ def run_quantization(src: Path, output: Path, options: QuantizeOptions, calibrat
     with tempfile.TemporaryDirectory(prefix="infer-quantize-log-") as logdir:
         with captured_output(Path(logdir) / "gptqmodel.log", enabled=not verbose) as terminal:
             observer = RichObserver(Console(file=terminal, log_path=False), lm_head=options.lm_head)
+            outcome = "failed"
             try:
-                return quantize_model(src, output, options, calibration, observer, overwrite=overwrite,
-                                      check_weights=check_weights, source_name=source)
+                result = quantize_model(src, output, options, calibration, observer, overwrite=overwrite,
+                                        check_weights=check_weights, source_name=source)
+                outcome = "done"
+                return result
+            except KeyboardInterrupt:  # Ctrl-C, and SIGTERM (cli.entry.Terminated)
+                outcome = "interrupted"
+                raise
             finally:
-                observer.stop()
+                observer.stop(outcome)
 
 
 def print_summary(result: QuantizeResult, options: QuantizeOptions) -> None:
