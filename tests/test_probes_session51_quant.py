@@ -81,3 +81,59 @@ def test_the_progress_bar_ends_with_how_the_run_ended(tmp_path, monkeypatch, cap
     err = capsys.readouterr().err
     last = [line for line in err.splitlines() if "Quantizing layers" in line][-1]
     assert outcome in last and "saving" not in last, err
+
+
+def test_a_fill_killed_between_renames_leaves_no_model_folder(tmp_path):
+    """Filling an existing OUTPUT moved config.json in before the weights and tokenizer files: a run killed
+    (SIGKILL: no cleanup) between two renames left a folder with config.json and files missing, which loads as a
+    model (without its tokenizer_config.json: another end-of-sequence token, no chat template)."""
+    import subprocess
+    import sys
+    import textwrap
+    out = tmp_path / "out"
+    out.mkdir()
+    script = textwrap.dedent(f"""
+        import os
+        from pathlib import Path
+        from infer.quant.convert import staged_output
+        real = Path.rename
+        def rename(self, target):
+            if Path(target).name == "tokenizer_config.json":
+                os._exit(9)  # killed here: no finally runs
+            return real(self, target)
+        Path.rename = rename
+        with staged_output(Path({str(out)!r}), overwrite=False) as tmp:
+            for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+                (tmp / name).write_text("{{}}")
+    """)
+    assert subprocess.run([sys.executable, "-c", script]).returncode == 9
+    assert not (out / "config.json").exists(), sorted(p.name for p in out.iterdir())
+
+
+def test_a_fill_killed_while_deleting_the_old_model_leaves_no_model_folder(tmp_path):
+    """--overwrite deleted the old model's files in directory order: killed after its tokenizer_config.json (or a
+    shard) went but before its config.json, the folder still looked like a model with files missing."""
+    import subprocess
+    import sys
+    import textwrap
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_text("{}")
+    script = textwrap.dedent(f"""
+        import os
+        from pathlib import Path
+        from infer.quant.convert import staged_output
+        real, seen, listing = Path.unlink, [], Path.iterdir
+        Path.iterdir = lambda self: iter(sorted(listing(self), reverse=True))  # a directory order: config.json last
+        def unlink(self, missing_ok=False):
+            seen.append(self.name)
+            if len(seen) == 2:
+                os._exit(9)  # killed while deleting the old model
+            return real(self, missing_ok=missing_ok)
+        Path.unlink = unlink
+        with staged_output(Path({str(out)!r}), overwrite=True) as tmp:
+            (tmp / "config.json").write_text("{{}}")
+    """)
+    assert subprocess.run([sys.executable, "-c", script]).returncode == 9
+    assert not (out / "config.json").exists(), sorted(p.name for p in out.iterdir())

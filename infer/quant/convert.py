@@ -224,12 +224,14 @@ def staged_output(out: Path, overwrite: bool):
 
 def _fill(out: Path, tmp: Path) -> None:
     """Replace what `out` holds (an old model, or nothing) with the files staged in `tmp`, a folder inside it."""
-    for p in out.iterdir():
+    # config.json first, for the same reason as it is moved in last (below): the old model's files half deleted
+    for p in sorted(out.iterdir(), key=lambda p: p.name != "config.json"):
         if p != tmp and not _kept(p):
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
     moved = []
-    try:
-        for p in sorted(tmp.iterdir()):
+    try:  # config.json last: a folder without it is no model, so a run killed (SIGKILL) between two renames leaves
+        # no folder that loads as a model with files missing (the weights' second shard, tokenizer_config.json)
+        for p in sorted(tmp.iterdir(), key=lambda p: (p.name == "config.json", p.name)):
             p.rename(out / p.name)
             moved.append(out / p.name)
     except BaseException:  # an interrupt between two renames: no half-moved model is left as if complete
