@@ -53,6 +53,9 @@ def test_overwrite_refuses_a_merge_lora_adapter_inside_the_output_folder(tmp_pat
     with pytest.raises(ConfigError, match="--merge-lora .* inside the output folder"):
         convert_model(tiny_llama, out, merge_lora=adapter, overwrite=True)
     assert (adapter / "adapter_config.json").is_file() and (out / "model.safetensors").is_file()
+    (out / "adapter_config.json").write_text("{}")  # OUTPUT is the adapter's folder (one holding a config.json)
+    with pytest.raises(ConfigError, match="--merge-lora .* is the output folder"):
+        convert_model(tiny_llama, out, merge_lora=out, overwrite=True)
 
 
 @pytest.mark.parametrize("raised, outcome", [(KeyboardInterrupt, "interrupted"), (RuntimeError, "failed"),

@@ -171,9 +171,10 @@ def check_inputs_kept(out: Path, overwrite: bool, inputs: dict[str, Path | None]
         if path is None:
             continue
         path = Path(path).expanduser().resolve()
-        if out in path.parents and not _kept(out / path.relative_to(out).parts[0]):
-            raise ConfigError(f"{flag} {path} is inside the output folder {out}, which --overwrite would empty "
-                              "(deleting it)", f"move it out of {out}, or write the model to another -o folder")
+        if path == out or out in path.parents and not _kept(out / path.relative_to(out).parts[0]):
+            where = "is the output folder" if path == out else f"is inside the output folder {out}"
+            raise ConfigError(f"{flag} {path} {where}, which --overwrite would empty (deleting it)",
+                              f"move it out of {out}, or write the model to another -o folder")
 
 
 STAGING_PREFIX = ".infer-staging-"  # inside an existing OUTPUT folder (one left by a killed run does not count)
