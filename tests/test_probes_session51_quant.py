@@ -140,3 +140,30 @@ def test_a_fill_killed_while_deleting_the_old_model_leaves_no_model_folder(tmp_p
     """)
     assert subprocess.run([sys.executable, "-c", script]).returncode == 9
     assert not (out / "config.json").exists(), sorted(p.name for p in out.iterdir())
+
+
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, RuntimeError])
+def test_an_interrupted_or_failed_quantize_waits_for_gptqmodels_workers(tmp_path, tiny_llama, monkeypatch, raised):
+    """Ctrl-C or SIGTERM while GPTQModel's daemon workers were inside a torch call (torch.linalg.cholesky of a
+    module's solve) let the interpreter exit under them: the worker, ended as it took the GIL back, unwound through
+    torch's C++ and aborted the process ("terminate called without an active exception", exit 134, not 130/143)."""
+    gptqmodel = pytest.importorskip("gptqmodel")
+    from infer.quant import quantize as q
+    from infer.quant.calibration import CalibrationSet
+    waited = []
+
+    class Pool:
+        def wait(self, *a, **k):
+            waited.append(True)
+
+    class FakeGPTQModel:
+        @staticmethod
+        def load(*a, **k):
+            raise raised("stopped while the workers solve")
+    monkeypatch.setattr(gptqmodel, "_DEVICE_THREAD_POOL", Pool(), raising=False)
+    monkeypatch.setattr(gptqmodel, "GPTQModel", FakeGPTQModel)
+    calib = CalibrationSet("built-in", [{"input_ids": [1] * 16, "attention_mask": [1] * 16}])
+    with pytest.raises(KeyboardInterrupt if raised is KeyboardInterrupt else q.InferError):
+        q._run_gptqmodel(tiny_llama, tmp_path / "o", q.QuantizeOptions(group_size=32), calib, tmp_path,
+                         q.QuantizeObserver())
+    assert waited == [True]

@@ -401,6 +401,29 @@ def _run_gptqmodel(src: Path, out: Path, opts: QuantizeOptions, calib: Calibrati
                           act_group_aware=False if opts.desc_act or opts.group_size == -1 else None)  # -1: no groups
     dtype = source_half_dtype(src)
     try:
+        return _solve_and_save(GPTQModel, src, out, opts, calib, qcfg, dtype, observer)
+    except BaseException:  # Ctrl-C, SIGTERM (cli.entry.Terminated), an error: GPTQModel's workers may still solve
+        _drain_gptqmodel_workers()
+        raise
+
+
+def _drain_gptqmodel_workers() -> None:
+    """Wait for the tasks GPTQModel's worker threads run (a module's GPTQ solve, its packing) to finish. They are
+    daemon threads: one inside a torch call when the interpreter exits (after Ctrl-C or an error) is ended as it
+    takes the GIL back, which unwinds through torch's C++ and aborts the process (std::terminate: exit 134, "terminate
+    called without an active exception") instead of exiting 130, 143 or 1 with infer's message."""
+    try:
+        import gptqmodel
+        pool = getattr(gptqmodel, "_DEVICE_THREAD_POOL", None)  # built on first use: None if nothing ran
+        if pool is not None:
+            pool.wait()
+    except Exception:  # a GPTQModel that moved its pool: nothing to wait for here
+        pass
+
+
+def _solve_and_save(GPTQModel, src: Path, out: Path, opts: QuantizeOptions, calib: CalibrationSet, qcfg, dtype,
+                    observer: QuantizeObserver) -> dict:
+    try:
         # GPTQModel's automatic dtype is bfloat16 on a CPU (and for a float32 source): a float16 model's embeddings,
         # norms and head would be rounded to bfloat16 and config.json would say bfloat16
         qmodel = GPTQModel.load(str(src), qcfg, **({"dtype": dtype} if dtype is not None else {}))
