@@ -167,3 +167,32 @@ def test_an_interrupted_or_failed_quantize_waits_for_gptqmodels_workers(tmp_path
         q._run_gptqmodel(tiny_llama, tmp_path / "o", q.QuantizeOptions(group_size=32), calib, tmp_path,
                          q.QuantizeObserver())
     assert waited == [True]
+
+
+def _with_config(tiny: Path, dest: Path, **changes) -> Path:
+    import json
+    shutil.copytree(tiny, dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps({**cfg, **changes}))
+    return dest
+
+
+@pytest.mark.parametrize("changes, words", [({"vocab_size": 514}, "vocab_size (514) is not a multiple of 4"),
+                                            ({"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1,
+                                              "head_dim": 16}, "hidden_size (48) is not a multiple of 32")])
+def test_lm_head_whose_widths_gptqmodel_cannot_pack_is_refused_before_calibration(tmp_path, tiny_llama, monkeypatch,
+                                                                                  changes, words):
+    """--lm-head on a vocabulary of 514 (or a hidden size that GPTQModel's head groups of 32 do not divide) quantized
+    for minutes and wrote a checkpoint infer refused to load ("lm_head (output 514): the width does not pack into
+    int32 words of 4 8-bit values") and vLLM too. Refused up front now; without --lm-head the head stays float."""
+    from infer.quant import quantize as q
+    src = _with_config(tiny_llama, tmp_path / "m", **changes)
+
+    def reached(*a, **k):
+        raise AssertionError("calibration started")
+    monkeypatch.setattr(q, "_check_tensors", reached)  # the step after the config checks
+    with pytest.raises(ConfigError, match="--lm-head") as e:
+        q.quantize_model(src, tmp_path / "o", q.QuantizeOptions(group_size=-1, lm_head=True))
+    assert words in str(e.value) and "without --lm-head" in e.value.hint
+    with pytest.raises(AssertionError, match="calibration started"):  # the body alone packs: not refused
+        q.quantize_model(src, tmp_path / "o", q.QuantizeOptions(group_size=-1))

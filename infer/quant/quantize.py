@@ -198,6 +198,8 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: Qu
     if opts.lm_head and config.get("tie_word_embeddings", False):  # GPTQModel: NotImplementedError, after loading
         raise ConfigError(f"--lm-head: {src / 'config.json'} ties lm_head to the embeddings (tie_word_embeddings: "
                           "true), and GPTQModel quantizes only a head of its own", "quantize without --lm-head")
+    if opts.lm_head:
+        _check_head_widths(config)
     context, field = _context(config)
     if context is not None and context < opts.seq_len:
         raise ConfigError(f"--seq-len {opts.seq_len} is longer than the model's context ({context} tokens, "
@@ -312,6 +314,25 @@ def _check_widths(config: dict, group_size: int, bits: int) -> None:
         raise ConfigError(f"the model's {sizes} does not pack into int32 words of {pack} {bits}-bit values: its GPTQ "
                           "checkpoint would load in neither infer nor vLLM",
                           f"quantize with --bits {fits[0]}" if fits else "this model cannot be quantized to GPTQ here")
+
+
+# GPTQModel 7.6 quantizes the output head (lm_head=True) by its own rule, whatever --bits and --group-size say:
+# {"lm_head": {"bits": 8, "group_size": 32, "sym": true, ...}} in `dynamic` (looper/module_looper.py)
+HEAD_BITS, HEAD_GROUP = 8, 32
+
+
+def _check_head_widths(config: dict) -> None:
+    """--lm-head: the head's input (hidden_size) splits into GPTQModel's groups of 32 and its output (vocab_size)
+    packs into int32 words of 8-bit zero points; GPTQModel writes a head that does not, which infer and vLLM then
+    refuse to load (a vocabulary of 32001: one added token)."""
+    vocab, hidden = config.get("vocab_size"), config.get("hidden_size")
+    bad = [f"{what} ({v}) is not a multiple of {n}" for what, v, n in
+           (("vocab_size", vocab, 32 // HEAD_BITS), ("hidden_size", hidden, HEAD_GROUP))
+           if isinstance(v, int) and v % n]
+    if bad:
+        raise ConfigError(f"--lm-head: the model's {' and its '.join(bad)}: GPTQModel's {HEAD_BITS}-bit head in "
+                          f"groups of {HEAD_GROUP} would load in neither infer nor vLLM",
+                          "quantize without --lm-head (the head stays in float)")
 
 
 def _check_tensors(src: Path, check_weights: Callable[[Path], None] | None) -> None:
