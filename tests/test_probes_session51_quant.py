@@ -196,3 +196,18 @@ def test_lm_head_whose_widths_gptqmodel_cannot_pack_is_refused_before_calibratio
     assert words in str(e.value) and "without --lm-head" in e.value.hint
     with pytest.raises(AssertionError, match="calibration started"):  # the body alone packs: not refused
         q.quantize_model(src, tmp_path / "o", q.QuantizeOptions(group_size=-1))
+
+
+def test_an_output_folder_made_by_another_run_meanwhile_is_one_error_and_left_as_it_is(tmp_path):
+    """Two runs to the same new -o: the second to finish renamed its staging folder onto the first's model, an
+    OSError traceback ("Directory not empty") after all its work."""
+    from infer.errors import OutputError
+    from infer.quant.convert import staged_output
+    out = tmp_path / "out"
+    with pytest.raises(OutputError, match="created and filled by something else") as e:
+        with staged_output(out, overwrite=False) as tmp:
+            (tmp / "config.json").write_text("mine")
+            out.mkdir()
+            (out / "config.json").write_text("theirs")  # the other run finished first
+    assert "another -o" in e.value.hint
+    assert (out / "config.json").read_text() == "theirs" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]

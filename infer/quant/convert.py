@@ -217,7 +217,15 @@ def staged_output(out: Path, overwrite: bool):
         if inside:
             _fill(out, tmp)
         else:
-            tmp.rename(out)
+            try:
+                tmp.rename(out)
+            except OSError as e:  # ENOTEMPTY/EEXIST: another run (or the user) made OUT meanwhile; it is left as is
+                if not out.exists():
+                    raise
+                raise OutputError(f"output folder {out} was created and filled by something else (another run to "
+                                  f"the same -o?) while this one wrote its model: nothing was written "
+                                  f"({e.strerror or e})", "pass another -o, or remove that folder and rerun") \
+                    from None
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
