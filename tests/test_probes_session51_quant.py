@@ -36,6 +36,9 @@ def test_overwrite_refuses_a_calibration_file_inside_the_output_folder(tmp_path,
     with pytest.raises(ConfigError, match="--calibration .* inside the output folder"):
         q.quantize_model(tiny_llama, out, q.QuantizeOptions(group_size=32), calibration=calib, overwrite=True)
     assert calib.is_file()
+    with pytest.raises(AssertionError, match="calibration started"):  # a typo: not "inside", named as missing later
+        q.quantize_model(tiny_llama, out, q.QuantizeOptions(group_size=32), calibration=out / "typo.txt",
+                         overwrite=True)
     hidden = out / ".cache" / "calib.txt"  # a hidden entry --overwrite keeps: read from there, nothing is lost
     hidden.parent.mkdir()
     hidden.write_text("x")

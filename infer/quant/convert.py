@@ -168,7 +168,7 @@ def check_inputs_kept(out: Path, overwrite: bool, inputs: dict[str, Path | None]
     if not overwrite or not out.is_dir():
         return
     for flag, path in inputs.items():
-        if path is None:
+        if path is None or not Path(path).expanduser().exists():  # a missing one is named by its own check
             continue
         path = Path(path).expanduser().resolve()
         if path == out or out in path.parents and not _kept(out / path.relative_to(out).parts[0]):
