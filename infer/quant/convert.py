@@ -8,9 +8,12 @@ and no adapter can be merged into int4 weights (repacking for a kernel happens a
 from __future__ import annotations
 
 import errno
+import glob
 import json
 import os
 import shutil
+import socket
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -188,6 +191,47 @@ def _kept(p: Path) -> bool:
     return p.name.startswith(".") or p.name == "lost+found" and p.is_dir()
 
 
+def _staging_prefix(out: Path, inside: bool) -> str:
+    """The staging folder's name up to mkdtemp's random part: which run (host and process) writes into it, so that a
+    later run can tell the folder of a run that was killed (SIGKILL, a lost machine: nothing removed it) from that of
+    one still writing."""
+    return f"{STAGING_PREFIX if inside else f'.{out.name}.tmp-'}{_host()}-{os.getpid()}-"
+
+
+def _host() -> str:
+    return socket.gethostname().replace("-", "_") or "host"
+
+
+def remove_dead_staging(out: Path) -> list[Path]:
+    """Remove the staging folders (a whole model's size each) that runs killed on this host left for `out`, inside it
+    or beside it: those whose process is gone. A folder of a live process, of another host (a shared disk), or of an
+    older infer (no host and process in its name) is left alone. Returns what was removed."""
+    removed = []
+    for where, prefix in ((out, STAGING_PREFIX), (out.parent, f".{out.name}.tmp-")):
+        try:
+            entries = list(where.glob(f"{glob.escape(prefix)}{glob.escape(_host())}-*")) if where.is_dir() else []
+        except OSError:
+            continue
+        for folder in entries:
+            pid = folder.name[len(prefix) + len(_host()) + 1:].split("-", 1)[0]
+            if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)) or not folder.is_dir():
+                continue
+            shutil.rmtree(folder, ignore_errors=True)
+            if not folder.exists():
+                removed.append(folder)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: another user's process
+        return True
+    return True
+
+
 @contextmanager
 def staged_output(out: Path, overwrite: bool):
     """Yield a temporary folder; on success its files become `out`, on failure it is removed, so an interrupted run
@@ -195,13 +239,15 @@ def staged_output(out: Path, overwrite: bool):
     folder (empty, or a model --overwrite replaces) is kept, staged inside and filled at the end: it may be a mount
     point (a container's volume) or hold permissions of its own, and its parent may not be writable."""
     out = Path(out).resolve()
+    for folder in remove_dead_staging(out):
+        print(f"note: removed {folder}, the staging folder of a run to {out} that was killed", file=sys.stderr)
     check_output(out, overwrite)
     tmp, inside = None, out.is_dir()
     try:  # one try from the folder's creation on: an interrupt right after mkdtemp removes it too
         where = out if inside else out.parent
         try:
             where.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX if inside else f".{out.name}.tmp-", dir=where))
+            tmp = Path(tempfile.mkdtemp(prefix=_staging_prefix(out, inside), dir=where))
         except OSError as e:
             raise ConfigError(f"cannot write into {where}: {e.strerror or e}",
                               "pass an -o folder you can write to") from None
