@@ -1,9 +1,9 @@
 """infer: deploy GPTQ int4 language models with batched multi-LoRA, and measure them.
 
 Public API: `LLM`, `AsyncLLM` (vLLM's asyncio engine), `BeamSearchParams` (LLM.beam_search), `LoRARequest` (vLLM's
-adapter by request), `SamplingParams` (and
-its `StructuredOutputsParams`), `EngineConfig` (imported lazily so `import infer` stays light), and the errors a user
-can cause (`InferError` and its subclasses, from `infer.errors`).
+adapter by request), `SamplingParams` (and its `StructuredOutputsParams` and `RequestOutputKind`), `EngineConfig`
+(imported lazily so `import infer` stays light), and the errors a user can cause (`InferError` and its subclasses,
+from `infer.errors`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ __version__ = "0.1.0"
 _ERRORS = ("InferError", "ConfigError", "ModelLoadError", "UnsupportedModelError", "OutputError", "RequestError",
            "LoRAError", "LoRANameError", "OutOfMemoryError", "ClosedError", "UnknownOptionError", "RequestIdTypeError",
            "UnknownAdapterError")
-__all__ = ["LLM", "AsyncLLM", "BeamSearchParams", "LoRARequest", "SamplingParams", "StructuredOutputsParams",
+__all__ = ["LLM", "AsyncLLM", "BeamSearchParams", "LoRARequest", "SamplingParams", "RequestOutputKind",
+           "StructuredOutputsParams",
            "EngineConfig", "RequestOutput", "CompletionOutput", "LLMEngine", *_ERRORS]
 
 
@@ -32,6 +33,9 @@ def __getattr__(name: str):
     if name == "SamplingParams":
         from .engine.sampling_params import SamplingParams
         return SamplingParams
+    if name == "RequestOutputKind":
+        from .engine.sampling_params import RequestOutputKind
+        return RequestOutputKind
     if name == "StructuredOutputsParams":
         from .engine.structured import StructuredOutputsParams
         return StructuredOutputsParams

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import enum
 import functools
 import math
 import numbers
@@ -27,6 +28,16 @@ MAX_ALLOWED_TOKEN_IDS = 16384
 MAX_BAD_WORDS = 256  # each is matched against the reply's end at every step of the request
 MIN_REPETITION_PENALTY = 0.01  # 1 / the largest (100): a seen token's logit is scaled by at most 100 either way
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
+
+
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's SamplingParams.output_kind (vllm.sampling_params.RequestOutputKind): what AsyncLLM.generate yields.
+    CUMULATIVE: every output's outputs[0] holds the reply so far; DELTA: only what is new since the last output (its
+    text, token_ids and logprobs); FINAL_ONLY: the finished output alone. LLM.generate / chat return finished outputs
+    whichever it is (as vLLM's LLM)."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -69,6 +80,7 @@ class SamplingParams:
     # wherever the request's parameters go): under --scheduling-policy priority lower values are admitted first and
     # preempted last; the default policy (fcfs) takes 0 only, as vLLM's
     priority: int = 0
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # vLLM's (AsyncLLM.generate's outputs)
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -185,6 +197,7 @@ class SamplingParams:
                 raise RequestError(f"{name} must be true or false, got {type(getattr(self, name)).__name__}")
         if self.min_tokens is None:
             self.min_tokens = 0
+        self.output_kind = _output_kind(self.output_kind)
         if self.priority is None:  # the server's field sent as null: its default
             self.priority = 0
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
@@ -288,6 +301,21 @@ def _set_max_tokens(self, value) -> None:
 # vLLM code sets it too (`params.max_tokens = 64`): that was "property 'max_tokens' ... has no setter"
 SamplingParams.max_tokens = property(lambda self: self.max_new_tokens, _set_max_tokens,
                                      doc="vLLM's name for max_new_tokens")
+
+
+def _output_kind(value) -> RequestOutputKind:
+    """output_kind as a RequestOutputKind: one, vLLM's own enum (read by its name), its name as text ("delta") or
+    its value (1); anything else refused, naming the kinds."""
+    if isinstance(value, RequestOutputKind):
+        return value
+    name = value.name if isinstance(value, enum.Enum) else value
+    if isinstance(name, str) and name.upper() in RequestOutputKind.__members__:
+        return RequestOutputKind[name.upper()]
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and 0 <= value <= 2:
+        return RequestOutputKind(int(value))
+    raise RequestError(f"output_kind must be a RequestOutputKind, got {value!r}"[:200],
+                       "from infer import RequestOutputKind; e.g. output_kind=RequestOutputKind.DELTA (CUMULATIVE, "
+                       "DELTA or FINAL_ONLY)")
 
 
 def _ids(values) -> list:

@@ -22,8 +22,8 @@ from typing import AsyncIterator
 from ..engine.config import EngineConfig
 from ..engine.inputs import encode_prompt
 from ..engine.llm_engine import LLMEngine, _check_request_id, prompt_dict, request_inputs, salted_params
-from ..engine.outputs import RequestOutput
-from ..engine.sampling_params import SamplingParams
+from ..engine.outputs import CompletionOutput, RequestOutput
+from ..engine.sampling_params import RequestOutputKind, SamplingParams
 from ..errors import ClosedError, LoRANameError, RequestError, RequestIdTypeError
 from .async_engine import AsyncEngine
 
@@ -49,7 +49,9 @@ class AsyncLLM:
                        ) -> AsyncIterator[RequestOutput]:
         """Run one prompt (text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids} with an optional
         "cache_salt"), yielding its RequestOutput at every step that changed it; the last has `finished` set (an
-        engine failure ends it with finish_reason "error" and `error`). `request_id` must be unique among the
+        engine failure ends it with finish_reason "error" and `error`). vLLM's `sampling_params.output_kind`:
+        RequestOutputKind.DELTA, each output's `outputs[0]` holds only what is new (text, token_ids, logprobs);
+        FINAL_ONLY, only the finished output is yielded. `request_id` must be unique among the
         requests in flight (vLLM's third argument; a string). `lora`: a registered adapter's name (or vLLM's
         `lora_request`, a LoRARequest, registered under its lora_name on first use); `priority` needs
         scheduling_policy="priority" unless it is 0. One request is one sample (n > 1 is refused: start one
@@ -71,6 +73,7 @@ class AsyncLLM:
         self._loop.add(request_id, ids, params, lora, queue)
         stream = self._streams[request_id] = (asyncio.get_running_loop(), queue)
         finished = False
+        kind, sent = params.output_kind, [0, 0, 0]  # (DELTA) tokens, logprobs and text handed out so far
         try:
             while not finished:
                 out = await queue.get()
@@ -78,6 +81,10 @@ class AsyncLLM:
                     finished = True
                     break
                 finished = out.finished
+                if kind == RequestOutputKind.FINAL_ONLY and not finished:
+                    continue
+                if kind == RequestOutputKind.DELTA:
+                    _as_delta(out, sent)
                 yield out
         finally:
             if self._streams.get(request_id) is stream:
@@ -241,3 +248,14 @@ class AsyncLLM:
             self.shutdown()
         except Exception:  # interpreter shutdown: modules may already be gone
             pass
+
+
+def _as_delta(out: RequestOutput, sent: list[int]) -> None:
+    """vLLM's RequestOutputKind.DELTA: `out.outputs[0]` holds only what is new since the request's last output (its
+    text, token ids and logprobs; `sent` counts what was handed out, and is moved on); the output's own text and
+    token_ids stay the reply so far, and delta_text / new_token_ids what is new, as with every output kind."""
+    ids, logprobs, text = out.token_ids, out.logprobs, out.text
+    new_logprobs = None if logprobs is None else logprobs[sent[1]:]
+    out._samples = [CompletionOutput(0, text[sent[2]:], ids[sent[0]:], new_logprobs, out.finish_reason,
+                                     out.stop_reason, out.num_generated, out.error)]
+    sent[:] = [len(ids), len(logprobs or ()), len(text)]

@@ -1,0 +1,49 @@
+"""Probes of the fifty-first session: the Python API as a vLLM program calls it (LLM, AsyncLLM, SamplingParams,
+RequestOutput), each field it relies on honoured or refused by name."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from infer.models.tiny import ensure_builtin
+
+
+@pytest.fixture(scope="module")
+def path():
+    return str(ensure_builtin("tiny-llama"))
+
+
+def test_async_llm_honours_vllms_output_kind(path):
+    """vLLM's streaming example sets SamplingParams(output_kind=RequestOutputKind.DELTA) and prints each output's
+    outputs[0].text as the new text; FINAL_ONLY yields the finished output alone. The field was refused ("no field
+    'output_kind'", with no way to say it), so such a program could not run; now DELTA's outputs[0] holds what is
+    new (text, token ids, logprobs), FINAL_ONLY yields once, and the default (CUMULATIVE) is as before."""
+    from infer import AsyncLLM, RequestOutputKind, SamplingParams
+    from infer.errors import RequestError
+
+    async def run(llm, kind, rid):
+        params = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=1, output_kind=kind)
+        return [out async for out in llm.generate("Hello there", params, rid)]
+
+    llm = AsyncLLM(path, max_model_len=64, block_size=4)
+    try:
+        whole = asyncio.run(run(llm, RequestOutputKind.CUMULATIVE, "c"))
+        delta = asyncio.run(run(llm, RequestOutputKind.DELTA, "d"))
+        final = asyncio.run(run(llm, "final_only", "f"))
+    finally:
+        llm.shutdown()
+    last = whole[-1].outputs[0]
+    assert len(last.token_ids) == 5 and len(whole) > 1
+    assert [o.outputs[0].text for o in whole] == [o.text for o in whole]  # cumulative, as before
+    parts = [o.outputs[0] for o in delta]
+    assert "".join(p.text for p in parts) == last.text
+    assert [t for p in parts for t in p.token_ids] == last.token_ids
+    assert [r for p in parts for r in p.logprobs] == delta[-1].logprobs  # (the request's own: all of them)
+    assert len(delta[-1].logprobs) == 5
+    assert all(len(p.token_ids) >= 1 for p in parts) and len(parts) > 1 and delta[-1].finished
+    assert len(final) == 1 and final[0].finished and final[0].outputs[0].token_ids == last.token_ids
+    assert SamplingParams(output_kind=1).output_kind is RequestOutputKind.DELTA
+    with pytest.raises(RequestError, match="output_kind must be a RequestOutputKind"):
+        SamplingParams(output_kind="partial")
