@@ -47,3 +47,26 @@ def test_async_llm_honours_vllms_output_kind(path):
     assert SamplingParams(output_kind=1).output_kind is RequestOutputKind.DELTA
     with pytest.raises(RequestError, match="output_kind must be a RequestOutputKind"):
         SamplingParams(output_kind="partial")
+
+
+def test_vllms_llm_keywords_at_their_no_op_values_are_taken(path):
+    """vLLM programs spell out LLM(model, disable_log_stats=True, tokenizer_mode="auto", task="generate", ...): each
+    was refused as an unknown option (with infer's 30 options to guess from). At the values that change nothing here
+    they are taken (LLM and AsyncLLM); another value is refused naming the keyword, the values taken and what to do."""
+    from infer import LLM, SamplingParams
+    from infer.engine.llm import _check_options
+    from infer.errors import UnknownOptionError
+    vllm = dict(disable_log_stats=True, tokenizer_mode="auto", skip_tokenizer_init=False, task="generate",
+                enable_sleep_mode=False, cpu_offload_gb=0, hf_overrides=None, max_logprobs=20,
+                distributed_executor_backend=None, compilation_config=None)
+    assert _check_options({**vllm, "max_model_len": 64}) == {"max_model_len": 64}
+    with LLM(path, max_model_len=64, block_size=4, **vllm) as llm:
+        out = llm.generate("Hello", SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 3
+    with pytest.raises(UnknownOptionError) as e:
+        _check_options({"disable_log_stats": False})
+    assert "disable_log_stats only as True" in e.value.message and "no periodic stats" in e.value.hint
+    with pytest.raises(UnknownOptionError, match="max_logprobs only as 20"):
+        _check_options({"max_logprobs": 5})
+    with pytest.raises(UnknownOptionError, match="has no option 'no_such_option'"):
+        _check_options({"task": "auto", "no_such_option": 1})

@@ -23,11 +23,19 @@ from .sampling_params import SamplingParams
 Prompt = str | list[int] | list[dict] | dict  # text, token ids, chat messages, or vLLM's {"prompt": ...} dict
 
 
-def _check_options(options: dict) -> None:
+def _check_options(options: dict) -> dict:
     """Every keyword must be an EngineConfig field: an unknown one is named (with the nearest known one), not a
-    bare TypeError from the dataclass."""
+    bare TypeError from the dataclass. vLLM's keywords that change nothing here at the value given (_VLLM_NOOPS) are
+    dropped: the options to make the EngineConfig of are returned."""
     import difflib
     from dataclasses import fields
+    for name, (taken, hint) in _VLLM_NOOPS.items():
+        if name in options:
+            value = options[name]
+            if not any(value is t or (type(value) is type(t) and value == t) for t in taken):
+                raise UnknownOptionError(f"LLM() takes vLLM's {name} only as {' or '.join(map(repr, taken))} (which "
+                                         f"changes nothing here), got {value!r}"[:300], hint)
+    options = {k: v for k, v in options.items() if k not in _VLLM_NOOPS}
     known = [f.name for f in fields(EngineConfig) if f.name != "model"]
     unknown = sorted(set(options) - set(known))
     if unknown:
@@ -38,6 +46,7 @@ def _check_options(options: dict) -> None:
         raise UnknownOptionError(f"LLM() has no option {', '.join(map(repr, unknown))}",
                                  (f"did you mean {near[0]!r}? " if near else "") +
                                  f"its options are EngineConfig's: {', '.join(known)}")
+    return options
 
 
 _LOCAL = ("model is a local folder (infer downloads nothing): fetch it first, e.g. `huggingface-cli download ID "
@@ -68,6 +77,34 @@ _VLLM_OPTIONS = {
                              "CPU) leaves after the weights and activations; num_kv_blocks=N sets its blocks",
     "max_num_partial_prefills": "infer splits long prefills into steps of max_num_batched_tokens tokens beside the "
                                 "decodes; drop the keyword",
+}
+
+# vLLM's LLM() keywords that vLLM programs often spell out, at values that change nothing in infer (vLLM's default,
+# or what infer always does): taken and dropped (they were refused as unknown, with infer's 30 options to guess
+# from); any other value is refused with what to do instead
+_VLLM_NOOPS = {
+    "disable_log_stats": ((True,), "infer's LLM logs no periodic stats (each RequestOutput.metrics has its request's "
+                                   "times; `infer serve` has GET /metrics); drop the keyword"),
+    "tokenizer_mode": (("auto", "hf"), "infer reads the model folder's Hugging Face tokenizer (vLLM's auto); drop "
+                                       "the keyword"),
+    "skip_tokenizer_init": ((False,), "infer always loads the model's tokenizer (prompts may still be token ids); "
+                                      "drop the keyword"),
+    "task": (("auto", "generate"), "infer runs text generation (vLLM's generate) only; drop the keyword"),
+    "runner": (("auto", "generate"), "infer runs text generation (vLLM's generate) only; drop the keyword"),
+    "enable_sleep_mode": ((False,), "infer has no sleep mode: LLM.close() frees the engine's device memory, a new "
+                                    "LLM loads it again"),
+    "cpu_offload_gb": ((0, 0.0), "infer holds every weight on the device; run an int4 model (infer quantize) or a "
+                                 "smaller one"),
+    "hf_overrides": ((None,), "infer reads the model's config.json as it is; edit it in a copy of the folder"),
+    "distributed_executor_backend": ((None,), _ONE_GPU),
+    "disable_custom_all_reduce": ((False, True), _ONE_GPU),
+    "compilation_config": ((None,), "infer compiles its own kernels and captures CUDA graphs itself; "
+                                    "enforce_eager=True runs without the graphs"),
+    "max_logprobs": ((20,), "infer returns at most 20 logprobs per token (vLLM's default max_logprobs): drop the "
+                            "keyword"),
+    "logprobs_mode": (("raw_logprobs",), "infer's logprobs are the model's raw log-softmax (vLLM's default "
+                                         "raw_logprobs); drop the keyword"),
+    "limit_mm_per_prompt": ((None,), "infer runs text models; drop the keyword"),
 }
 
 
@@ -163,7 +200,7 @@ class LLM:
     """Example: `LLM("tiny-llama").generate(["Hello"], SamplingParams(max_new_tokens=16))[0].text`."""
 
     def __init__(self, model: str, **engine_options):
-        _check_options(engine_options)
+        engine_options = _check_options(engine_options)
         self.engine = LLMEngine(EngineConfig(model=model, **_slots_within_cpu(engine_options)))
         self.tokenizer = self.engine.tokenizer
         self._counter = 0

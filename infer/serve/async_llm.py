@@ -35,7 +35,7 @@ class AsyncLLM:
 
     def __init__(self, model: str, **engine_options):
         from ..engine.llm import _check_options, _slots_within_cpu
-        _check_options(engine_options)
+        engine_options = _check_options(engine_options)
         self.engine = LLMEngine(EngineConfig(model=model, **_slots_within_cpu(engine_options)))
         self.tokenizer = self.engine.tokenizer
         self._loop = AsyncEngine(self.engine)
