@@ -115,7 +115,6 @@ def test_leaving_the_loop_aborts_the_request_and_frees_its_blocks(llm, monkeypat
 
 @pytest.mark.parametrize("prompt, params, rid, error, match", [
     ([], P, "e", RequestError, "the prompt is empty"),
-    ([5, 6], SamplingParams(max_new_tokens=2, n=2), "n", RequestError, "n=2"),
     ([5, 6], P, 7, RequestIdTypeError, "request_id must be a string"),
     ([5, 6], SamplingParams(max_new_tokens=2, priority=1), "p", RequestError, "first come, first served"),
     ({"text": "x"}, P, "d", RequestError, "prompt"),

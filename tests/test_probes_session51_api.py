@@ -70,3 +70,57 @@ def test_vllms_llm_keywords_at_their_no_op_values_are_taken(path):
         _check_options({"max_logprobs": 5})
     with pytest.raises(UnknownOptionError, match="has no option 'no_such_option'"):
         _check_options({"task": "auto", "no_such_option": 1})
+
+
+def test_async_llm_runs_n_samples_as_vllms_does(path):
+    """vLLM's AsyncLLM.generate runs SamplingParams(n=3): its outputs carry the sample that changed (outputs[0].index),
+    the last one finished once all are, and FINAL_ONLY yields one output of all n. It was refused ("an engine request
+    is one sample ... with LLMEngine, add one request per sample"), so a vLLM program sampling several replies
+    through AsyncLLM could not run. The samples are those of LLM.generate (sample j draws with seed + j); abort() of
+    the request id, and leaving the loop early, stop every sample."""
+    from infer import LLM, AsyncLLM, RequestOutputKind, SamplingParams
+
+    def params(kind=RequestOutputKind.CUMULATIVE):
+        return SamplingParams(n=3, max_tokens=4, ignore_eos=True, temperature=1.0, seed=7, output_kind=kind)
+
+    async def run(llm, kind, rid):
+        return [out async for out in llm.generate("Hello there", params(kind), rid)]
+
+    async def left_early(llm):
+        async for out in llm.generate("Hello there", params(), "early"):
+            break
+        gen = llm.generate("Hello there", params(), "aborted")
+        first = await gen.__anext__()
+        await llm.abort("aborted")
+        rest = [out async for out in gen]
+        for _ in range(500):
+            if not llm.engine.has_unfinished_requests() and not llm._loop._sinks:
+                return first, rest
+            await asyncio.sleep(0.01)
+        raise AssertionError("samples still running")
+
+    with LLM(path, max_model_len=64, block_size=4) as llm:
+        want = [c.token_ids for c in llm.generate("Hello there", params())[0].outputs]
+    assert len({tuple(t) for t in want}) > 1
+    llm = AsyncLLM(path, max_model_len=64, block_size=4)
+    try:
+        whole = asyncio.run(run(llm, RequestOutputKind.CUMULATIVE, "c"))
+        delta = asyncio.run(run(llm, RequestOutputKind.DELTA, "d"))
+        final = asyncio.run(run(llm, RequestOutputKind.FINAL_ONLY, "f"))
+        first, rest = asyncio.run(left_early(llm))
+    finally:
+        llm.shutdown()
+    assert {o.request_id for o in whole + delta + final} == {"c", "d", "f"}
+    last = {}
+    for out in whole:
+        assert len(out.outputs) == 1
+        last[out.outputs[0].index] = out.outputs[0].token_ids
+    assert [last[j] for j in range(3)] == want
+    assert [o.finished for o in whole] == [False] * (len(whole) - 1) + [True]
+    joined = {j: [] for j in range(3)}
+    for out in delta:
+        joined[out.outputs[0].index] += out.outputs[0].token_ids
+    assert [joined[j] for j in range(3)] == want and delta[-1].finished
+    assert len(final) == 1 and [c.token_ids for c in final[0].outputs] == want
+    assert [c.index for c in final[0].outputs] == [0, 1, 2]
+    assert first.request_id == "aborted" and all(o.request_id == "aborted" for o in rest)  # (then it ends)

@@ -14,6 +14,7 @@ an exception, the task cancelled) aborts the request and frees its KV blocks, as
 from __future__ import annotations
 
 import asyncio
+import copy
 import numbers
 from collections.abc import Iterable
 from dataclasses import replace
@@ -54,8 +55,10 @@ class AsyncLLM:
         FINAL_ONLY, only the finished output is yielded. `request_id` must be unique among the
         requests in flight (vLLM's third argument; a string). `lora`: a registered adapter's name (or vLLM's
         `lora_request`, a LoRARequest, registered under its lora_name on first use); `priority` needs
-        scheduling_policy="priority" unless it is 0. One request is one sample (n > 1 is refused: start one
-        generate per sample with `params.sample(j)`). A bad request raises RequestError before anything runs."""
+        scheduling_policy="priority" unless it is 0. With `n` > 1 the prompt's n samples run as requests
+        "{j}_{request_id}" (vLLM's child ids; sample j draws with seed + j) and, as vLLM's, each output carries the
+        sample that changed (`outputs[0].index` says which; `finished` once all are), or with FINAL_ONLY one output
+        of all n. A bad request raises RequestError before anything runs."""
         self._check_open()
         if lora_request is not None:  # vLLM's: its folder registered under its lora_name on first use
             if lora is not None:
@@ -69,28 +72,49 @@ class AsyncLLM:
         ids, params = await asyncio.to_thread(self._inputs, prompt, sampling_params)
         if priority:
             params = replace(params, priority=int(priority))
+        n, kind = params.n, params.output_kind
+        rids = [request_id] if n == 1 else [f"{j}_{request_id}" for j in range(n)]
         queue: asyncio.Queue = asyncio.Queue()
-        self._loop.add(request_id, ids, params, lora, queue)
-        stream = self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        finished = False
-        kind, sent = params.output_kind, [0, 0, 0]  # (DELTA) tokens, logprobs and text handed out so far
+        for j, rid in enumerate(rids):
+            try:
+                self._loop.add(rid, ids, params if n == 1 else params.sample(j), lora, queue)
+            except BaseException:  # (the id in use, a full queue): none of the samples runs
+                for added in rids[:j]:
+                    self._loop.abort(added)
+                raise
+        stream = self._streams[request_id] = (asyncio.get_running_loop(), queue, rids)
+        left = set(rids)  # the samples not finished yet
+        sent = {rid: [0, 0, 0] for rid in rids}  # (DELTA) tokens, logprobs and text handed out so far
+        finals: dict[str, RequestOutput] = {}
         try:
-            while not finished:
+            while left:
                 out = await queue.get()
                 if out is None:  # abort() from elsewhere: the request ends without a further output
-                    finished = True
+                    left.clear()
                     break
-                finished = out.finished
-                if kind == RequestOutputKind.FINAL_ONLY and not finished:
-                    continue
-                if kind == RequestOutputKind.DELTA:
-                    _as_delta(out, sent)
+                rid = out.request_id
+                if out.finished:
+                    left.discard(rid)
+                    finals[rid] = out
+                if kind == RequestOutputKind.FINAL_ONLY:
+                    if left:
+                        continue
+                    out = out if n == 1 else RequestOutput.merged([finals[r] for r in rids])
+                elif n > 1 or kind == RequestOutputKind.DELTA:
+                    out = copy.copy(out)  # (the engine thread's object is left as it was)
+                    j = rids.index(rid)
+                    if kind == RequestOutputKind.DELTA:
+                        _as_delta(out, sent[rid], j)
+                    else:
+                        out._samples = [CompletionOutput.of(out, j)]
+                    out.finished = not left
+                out.request_id = request_id
                 yield out
         finally:
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
-            if not finished:  # the caller stopped reading (break, cancel, an error): free the request now
-                self._loop.abort(request_id)
+            for rid in left:  # the caller stopped reading (break, cancel, an error): free its requests now
+                self._loop.abort(rid)
 
     async def beam_search(self, prompt, request_id: str, params, lora_request=None, *, lora: str | None = None,
                           priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -160,10 +184,11 @@ class AsyncLLM:
         for rid in ids:
             _check_request_id(rid)
         for rid in ids:
-            self._loop.abort(rid)
             stream = self._streams.get(rid)
+            for request in stream[2] if stream is not None else [rid]:  # (each of its n samples)
+                self._loop.abort(request)
             if stream is not None:  # wake its generate (maybe of another event loop), which awaits its queue
-                loop, queue = stream
+                loop, queue, _ = stream
                 try:
                     loop.call_soon_threadsafe(queue.put_nowait, None)
                 except RuntimeError:  # that event loop is closed: nobody is reading
@@ -250,12 +275,12 @@ class AsyncLLM:
             pass
 
 
-def _as_delta(out: RequestOutput, sent: list[int]) -> None:
+def _as_delta(out: RequestOutput, sent: list[int], index: int = 0) -> None:
     """vLLM's RequestOutputKind.DELTA: `out.outputs[0]` holds only what is new since the request's last output (its
     text, token ids and logprobs; `sent` counts what was handed out, and is moved on); the output's own text and
     token_ids stay the reply so far, and delta_text / new_token_ids what is new, as with every output kind."""
     ids, logprobs, text = out.token_ids, out.logprobs, out.text
     new_logprobs = None if logprobs is None else logprobs[sent[1]:]
-    out._samples = [CompletionOutput(0, text[sent[2]:], ids[sent[0]:], new_logprobs, out.finish_reason,
+    out._samples = [CompletionOutput(index, text[sent[2]:], ids[sent[0]:], new_logprobs, out.finish_reason,
                                      out.stop_reason, out.num_generated, out.error)]
     sent[:] = [len(ids), len(logprobs or ()), len(text)]
