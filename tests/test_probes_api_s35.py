@@ -87,7 +87,7 @@ def test_vllm_prompt_dicts_are_prompts(llm):
 
 @pytest.mark.parametrize("prompt,match", [
     ({"prompt": "hi", "prompt_token_ids": [5]}, "both prompt and prompt_token_ids"),
-    ({"prompt": "hi", "multi_modal_data": {}}, "'multi_modal_data', which infer does not take"),
+    ({"prompt": "hi", "multi_modal_data": {"image": None}}, "'multi_modal_data', which infer does not take"),
     ({"prompt": [5, 6]}, '"prompt" must be text, got list'),
     ({"prompt_token_ids": "hi"}, '"prompt_token_ids" must be a list of token ids, got str'),
     ({"prompt_token_ids": []}, "the prompt is empty"),

@@ -124,3 +124,30 @@ def test_async_llm_runs_n_samples_as_vllms_does(path):
     assert len(final) == 1 and [c.token_ids for c in final[0].outputs] == want
     assert [c.index for c in final[0].outputs] == [0, 1, 2]
     assert first.request_id == "aborted" and all(o.request_id == "aborted" for o in rest)  # (then it ends)
+
+
+def test_a_prompt_dicts_empty_multi_modal_keys_are_taken(path):
+    """vLLM code builds one prompt dict for every model: {"prompt": text, "multi_modal_data": None} (or {}) for a
+    text prompt. LLM.generate and AsyncLLM.generate refused it ("has 'multi_modal_data', which infer does not take")
+    though it asks for nothing; the empty values are taken now, and data (an image) is still refused, saying infer
+    runs text models."""
+    from infer import LLM, AsyncLLM, SamplingParams
+    from infer.errors import RequestError
+    p = SamplingParams(max_tokens=3, ignore_eos=True)
+    prompts = [{"prompt": "Hello", "multi_modal_data": None}, {"prompt": "Hello", "multi_modal_data": {},
+                                                               "mm_processor_kwargs": None}]
+    with LLM(path, max_model_len=64, block_size=4) as llm:
+        want = llm.generate("Hello", p)[0].token_ids
+        ids = llm.get_tokenizer()("Hello")["input_ids"]
+        got = llm.generate([*prompts, {"prompt_token_ids": ids, "multi_modal_uuids": None}], p)
+        assert [o.token_ids for o in got] == [want] * 3
+        with pytest.raises(RequestError, match="'multi_modal_data', which infer does not take: it runs text models"):
+            llm.generate([{"prompt": "Hello", "multi_modal_data": {"image": object()}}], p)
+
+    async def run(llm):
+        return [out async for out in llm.generate(prompts[0], p, "mm")]
+    llm = AsyncLLM(path, max_model_len=64, block_size=4)
+    try:
+        assert asyncio.run(run(llm))[-1].token_ids == want
+    finally:
+        llm.shutdown()

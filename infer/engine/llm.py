@@ -16,7 +16,7 @@ from typing import Iterator, Sequence as Seq
 from ..errors import ClosedError, RequestError, UnknownOptionError
 from .config import EngineConfig, load_chat_template
 from .inputs import chat_template_options, encode_prompt
-from .llm_engine import LLMEngine, LoRAHold, interrupts_held, salted_params
+from .llm_engine import LLMEngine, LoRAHold, interrupts_held, salted_params, text_only
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 
@@ -638,7 +638,8 @@ def _bad_dict(prompt: dict, what: str) -> RequestError:
 
 def _dict_prompt(prompt: dict, i: int) -> tuple[object, bool]:
     """(the text or token ids of a prompt dict, whether they are token ids); RequestError for keys infer does not
-    take (vLLM's multi_modal_data...) or both keys."""
+    take (vLLM's multi_modal_data... holding data: text_only) or both keys."""
+    prompt = text_only(prompt)
     other = sorted(set(prompt) - set(_PROMPT_KEYS) - {"cache_salt"}, key=str)
     if other:
         raise RequestError(f"prompt {i} has {', '.join(map(repr, other))}, which infer does not take",

@@ -103,10 +103,27 @@ def request_inputs(prompt_token_ids, params: SamplingParams | None) -> tuple[lis
     return [int(t) for t in prompt_token_ids], params
 
 
+# vLLM's prompt-dict keys for images and audio: infer runs text models, so only their empty values (None, {} or [],
+# which vLLM code passes for a text prompt, and which change nothing) are taken; they were refused as unknown keys
+MULTI_MODAL_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids")
+
+
+def text_only(prompt: dict) -> dict:
+    """vLLM's prompt dict without its empty multi-modal keys; RequestError naming a key that holds data."""
+    given = [k for k in MULTI_MODAL_KEYS if k in prompt and prompt[k] is not None and prompt[k] != {}
+             and prompt[k] != []]
+    if given:
+        raise RequestError(f"the prompt has {given[0]!r}, which infer does not take: it runs text models (no "
+                           "images, audio or video)",
+                           f"leave {given[0]!r} out (or None), and give the prompt's text or token ids")
+    return {k: v for k, v in prompt.items() if k not in MULTI_MODAL_KEYS}
+
+
 def prompt_dict(prompt: dict) -> tuple[str, object]:
     """vLLM's TextPrompt {"prompt": text} or TokensPrompt {"prompt_token_ids": ids} as (its key, its value);
     RequestError for other keys (vLLM's multi_modal_data, mm_processor_kwargs... were dropped without a word: the
-    request ran without them), both keys or neither."""
+    request ran without them; their empty values are taken, text_only), both keys or neither."""
+    prompt = text_only(prompt)
     other = sorted((k for k in prompt if k not in ("prompt", "prompt_token_ids", "cache_salt")), key=str)
     if other:
         raise RequestError(f"the prompt dict has {', '.join(map(repr, other))}, which infer does not take",
