@@ -151,3 +151,28 @@ def test_a_prompt_dicts_empty_multi_modal_keys_are_taken(path):
         assert asyncio.run(run(llm))[-1].token_ids == want
     finally:
         llm.shutdown()
+
+
+def test_async_llm_generate_takes_vllms_other_keywords_at_their_defaults(path):
+    """vLLM's AsyncLLM.generate(prompt, params, request_id, trace_headers=None, data_parallel_rank=None, ...) was a
+    bare TypeError ("unexpected keyword argument"); the values that change nothing are taken, others are refused
+    naming the keyword and what to do, and an unknown keyword is a RequestError naming it."""
+    from infer import AsyncLLM, SamplingParams
+    from infer.errors import RequestError
+    p = SamplingParams(max_tokens=2, ignore_eos=True)
+
+    async def run(llm, rid, **kw):
+        return [out async for out in llm.generate("Hello", p, rid, **kw)]
+    llm = AsyncLLM(path, max_model_len=64, block_size=4)
+    try:
+        outs = asyncio.run(run(llm, "a", trace_headers=None, data_parallel_rank=0, tokenization_kwargs=None,
+                               prompt_text=None))
+        assert outs[-1].finished and len(outs[-1].token_ids) == 2
+        with pytest.raises(RequestError, match="data_parallel_rank only as None or 0") as e:
+            asyncio.run(run(llm, "b", data_parallel_rank=1))
+        assert "one engine" in e.value.hint
+        with pytest.raises(RequestError, match="has no keyword 'max_tokens'"):
+            asyncio.run(run(llm, "c", max_tokens=3))
+        assert not llm.engine.requests
+    finally:
+        llm.shutdown()

@@ -46,7 +46,7 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ requests
     async def generate(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
-                       *, lora: str | None = None, priority: int = 0, lora_request=None
+                       *, lora: str | None = None, priority: int = 0, lora_request=None, **vllm
                        ) -> AsyncIterator[RequestOutput]:
         """Run one prompt (text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids} with an optional
         "cache_salt"), yielding its RequestOutput at every step that changed it; the last has `finished` set (an
@@ -58,7 +58,9 @@ class AsyncLLM:
         scheduling_policy="priority" unless it is 0. With `n` > 1 the prompt's n samples run as requests
         "{j}_{request_id}" (vLLM's child ids; sample j draws with seed + j) and, as vLLM's, each output carries the
         sample that changed (`outputs[0].index` says which; `finished` once all are), or with FINAL_ONLY one output
-        of all n. A bad request raises RequestError before anything runs."""
+        of all n. vLLM's other keywords are taken at the values that change nothing here (_VLLM_GENERATE: a bare
+        TypeError before). A bad request raises RequestError before anything runs."""
+        _check_vllm_keywords(vllm)
         self._check_open()
         if lora_request is not None:  # vLLM's: its folder registered under its lora_name on first use
             if lora is not None:
@@ -284,3 +286,28 @@ def _as_delta(out: RequestOutput, sent: list[int], index: int = 0) -> None:
     out._samples = [CompletionOutput(index, text[sent[2]:], ids[sent[0]:], new_logprobs, out.finish_reason,
                                      out.stop_reason, out.num_generated, out.error)]
     sent[:] = [len(ids), len(logprobs or ()), len(text)]
+
+
+# vLLM's AsyncLLM.generate keywords infer has no use for -> the values taken (they change nothing here), what to do
+_VLLM_GENERATE = {
+    "trace_headers": ((None,), "infer sends no OpenTelemetry traces; leave it out"),
+    "data_parallel_rank": ((None, 0), "an AsyncLLM runs one engine (`infer serve --data-parallel N` runs "
+                                      "replicas); leave it out"),
+    "tokenization_kwargs": ((None,), "the prompt is tokenized as the model's tokenizer does by default (give "
+                                     "token ids to tokenize it otherwise); leave it out"),
+    "prompt_text": ((None,), "give the text as the prompt itself; leave it out"),
+}
+
+
+def _check_vllm_keywords(given: dict) -> None:
+    """vLLM's generate keywords at their no-op values; any other keyword, or another value, is a RequestError naming
+    it (it was Python's bare "unexpected keyword argument")."""
+    for name, value in given.items():
+        if name not in _VLLM_GENERATE:
+            raise RequestError(f"generate() has no keyword {name!r}",
+                               "its keywords are lora, lora_request, priority (and vLLM's "
+                               f"{', '.join(_VLLM_GENERATE)} at None)")
+        taken, hint = _VLLM_GENERATE[name]
+        if not any(value is t or (type(value) is type(t) and value == t) for t in taken):
+            raise RequestError(f"generate() takes vLLM's {name} only as {' or '.join(map(repr, taken))}, got "
+                               f"{value!r}"[:300], hint)
