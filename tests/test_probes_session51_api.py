@@ -42,6 +42,8 @@ def test_async_llm_honours_vllms_output_kind(path):
     assert [t for p in parts for t in p.token_ids] == last.token_ids
     assert [r for p in parts for r in p.logprobs] == delta[-1].logprobs  # (the request's own: all of them)
     assert len(delta[-1].logprobs) == 5
+    assert [p.cumulative_logprob for p in parts] == pytest.approx([sum(r["logprob"] for r in o.logprobs)
+                                                                    for o in delta])  # the running total
     assert all(len(p.token_ids) >= 1 for p in parts) and len(parts) > 1 and delta[-1].finished
     assert len(final) == 1 and final[0].finished and final[0].outputs[0].token_ids == last.token_ids
     assert SamplingParams(output_kind=1).output_kind is RequestOutputKind.DELTA

@@ -23,7 +23,8 @@ class CompletionOutput:
     logprobs are infer's records ({token_id, logprob, top_logprobs}); cumulative_logprob is their sum (None when the
     request did not ask for logprobs)."""
 
-    __slots__ = ("index", "text", "token_ids", "logprobs", "finish_reason", "stop_reason", "num_generated", "error")
+    __slots__ = ("index", "text", "token_ids", "logprobs", "finish_reason", "stop_reason", "num_generated", "error",
+                 "_cumulative")
 
     def __init__(self, index: int, text: str, token_ids: list[int], logprobs: list[dict] | None,
                  finish_reason: str | None, stop_reason: int | str | None = None, num_generated: int = 0,
@@ -31,6 +32,7 @@ class CompletionOutput:
         self.index, self.text, self.token_ids, self.logprobs = index, text, token_ids, logprobs
         self.finish_reason, self.stop_reason, self.error = finish_reason, stop_reason, error
         self.num_generated = num_generated
+        self._cumulative: float | None = None  # (a DELTA output's: the sum over the whole reply, not its logprobs')
 
     @classmethod
     def of(cls, out: RequestOutput, index: int = 0) -> CompletionOutput:
@@ -39,6 +41,8 @@ class CompletionOutput:
 
     @property
     def cumulative_logprob(self) -> float | None:
+        if self._cumulative is not None:
+            return self._cumulative
         return None if self.logprobs is None else sum(r["logprob"] for r in self.logprobs)
 
     def finished(self) -> bool:  # vLLM's CompletionOutput.finished()

@@ -86,7 +86,7 @@ class AsyncLLM:
                 raise
         stream = self._streams[request_id] = (asyncio.get_running_loop(), queue, rids)
         left = set(rids)  # the samples not finished yet
-        sent = {rid: [0, 0, 0] for rid in rids}  # (DELTA) tokens, logprobs and text handed out so far
+        sent = {rid: [0, 0, 0, 0.0] for rid in rids}  # (DELTA) tokens, logprobs, text handed out; logprobs' sum
         finals: dict[str, RequestOutput] = {}
         try:
             while left:
@@ -277,15 +277,20 @@ class AsyncLLM:
             pass
 
 
-def _as_delta(out: RequestOutput, sent: list[int], index: int = 0) -> None:
+def _as_delta(out: RequestOutput, sent: list, index: int = 0) -> None:
     """vLLM's RequestOutputKind.DELTA: `out.outputs[0]` holds only what is new since the request's last output (its
-    text, token ids and logprobs; `sent` counts what was handed out, and is moved on); the output's own text and
-    token_ids stay the reply so far, and delta_text / new_token_ids what is new, as with every output kind."""
+    text, token ids and logprobs; `sent` counts what was handed out, and the logprobs' sum so far, and is moved on);
+    its cumulative_logprob is the whole reply's, as vLLM's. The output's own text and token_ids stay the reply so
+    far, and delta_text / new_token_ids what is new, as with every output kind."""
     ids, logprobs, text = out.token_ids, out.logprobs, out.text
     new_logprobs = None if logprobs is None else logprobs[sent[1]:]
-    out._samples = [CompletionOutput(index, text[sent[2]:], ids[sent[0]:], new_logprobs, out.finish_reason,
-                                     out.stop_reason, out.num_generated, out.error)]
-    sent[:] = [len(ids), len(logprobs or ()), len(text)]
+    sample = CompletionOutput(index, text[sent[2]:], ids[sent[0]:], new_logprobs, out.finish_reason,
+                              out.stop_reason, out.num_generated, out.error)
+    if new_logprobs is not None:  # (a running sum: not every logprob again at every step)
+        sent[3] += sum(r["logprob"] for r in new_logprobs)
+        sample._cumulative = sent[3]
+    out._samples = [sample]
+    sent[:3] = [len(ids), len(logprobs or ()), len(text)]
 
 
 # vLLM's AsyncLLM.generate keywords infer has no use for -> the values taken (they change nothing here), what to do
