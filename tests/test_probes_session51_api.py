@@ -178,3 +178,28 @@ def test_async_llm_generate_takes_vllms_other_keywords_at_their_defaults(path):
         assert not llm.engine.requests
     finally:
         llm.shutdown()
+
+
+def test_llm_stream_honours_output_kind(path):
+    """LLM.stream took SamplingParams(output_kind=DELTA) and still gave each output's outputs[0] the whole reply so
+    far (FINAL_ONLY: every step's event): the field was silently ignored. DELTA now gives what is new (as
+    AsyncLLM's), FINAL_ONLY each sample's finished output alone, its whole text as the event's text."""
+    from infer import LLM, RequestOutputKind, SamplingParams
+
+    def params(kind, n=1):
+        return SamplingParams(max_tokens=4, ignore_eos=True, n=n, temperature=1.0, seed=3, output_kind=kind)
+
+    with LLM(path, max_model_len=64, block_size=4) as llm:
+        want = [c.token_ids for c in llm.generate("Hello", params(RequestOutputKind.CUMULATIVE, 2))[0].outputs]
+        delta = list(llm.stream("Hello", params(RequestOutputKind.DELTA, 2)))
+        final = list(llm.stream(["Hello", "Hello"], [params(RequestOutputKind.FINAL_ONLY),
+                                                     params(RequestOutputKind.CUMULATIVE)]))
+    joined = {0: [], 1: []}
+    for _, text, out in delta:
+        assert out.outputs[0].text == text
+        joined[out.outputs[0].index] += out.outputs[0].token_ids
+    assert [joined[0], joined[1]] == want
+    firsts = [(text, out) for i, text, out in final if i == 0]
+    assert len(firsts) == 1 and firsts[0][1].finished and firsts[0][1].outputs[0].token_ids == want[0]
+    assert firsts[0][0] == firsts[0][1].text
+    assert len([1 for i, _, _ in final if i == 1]) == 4  # CUMULATIVE: an event per token, as before

@@ -17,8 +17,8 @@ from ..errors import ClosedError, RequestError, UnknownOptionError
 from .config import EngineConfig, load_chat_template
 from .inputs import chat_template_options, encode_prompt
 from .llm_engine import LLMEngine, LoRAHold, interrupts_held, salted_params, text_only
-from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import SamplingParams
+from .outputs import CompletionOutput, RequestOutput, as_delta
+from .sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | list[dict] | dict  # text, token ids, chat messages, or vLLM's {"prompt": ...} dict
 
@@ -577,15 +577,21 @@ class LLM:
         The prompts are checked and queued at this call (a bad one raises here, not at the first next()).
         With SamplingParams.n > 1 each of a prompt's n samples streams on its own, as vLLM's streamed outputs
         carry the sample that changed: `output.outputs[0].index` says which (j < n), and each sample's last event
-        has finished set."""
+        has finished set. vLLM's SamplingParams.output_kind: DELTA, each output's `outputs[0]` holds only what is
+        new (as AsyncLLM's); FINAL_ONLY, a sample's finished output alone, its whole text as the event's text."""
         ids = self._submit(prompts, params, lora, priority=priority)
-        events = self._events(ids, self._sizes(params, len(ids)))
+        sizes = self._sizes(params, len(ids))
+        kinds = [sp.output_kind for sp in params] if isinstance(params, list) else \
+            [(params or SamplingParams()).output_kind] * len(sizes)
+        events = self._events(ids, sizes, kinds)
         weakref.finalize(events, self._forget, ids)  # dropped without being read to the end: free its requests
         return events
 
-    def _events(self, ids: list[str], sizes: list[int]) -> Iterator[tuple[int, str, RequestOutput]]:
+    def _events(self, ids: list[str], sizes: list[int], kinds: list[RequestOutputKind]
+                ) -> Iterator[tuple[int, str, RequestOutput]]:
         which = [(i, j, k) for i, k in enumerate(sizes) for j in range(k)]  # request -> (prompt, sample, n)
         index = dict(zip(ids, which))
+        sent = {rid: [0, 0, 0, 0.0] for rid in ids}  # (DELTA: as_delta)
         left = list(ids)
         try:
             while left:
@@ -593,7 +599,15 @@ class LLM:
                     if out.finished:
                         left.remove(out.request_id)
                     i, j, k = index[out.request_id]
-                    if k > 1:
+                    if kinds[i] == RequestOutputKind.FINAL_ONLY:
+                        if out.finished:
+                            if k > 1:
+                                out._samples = [CompletionOutput.of(out, j)]
+                            yield i, out.text, out  # (nothing of it was handed out before)
+                        continue
+                    if kinds[i] == RequestOutputKind.DELTA:
+                        as_delta(out, sent[out.request_id], j)
+                    elif k > 1:
                         out._samples = [CompletionOutput.of(out, j)]
                     yield i, out.delta_text, out
         finally:  # the caller stopped early: free what is still running

@@ -234,3 +234,19 @@ class RequestOutput:
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id!r}, token_ids={self.token_ids!r}, text={self.text!r}, "
                 f"finished={self.finished}, finish_reason={self.finish_reason!r})")
+
+
+def as_delta(out: RequestOutput, sent: list, index: int = 0) -> None:
+    """vLLM's RequestOutputKind.DELTA: `out.outputs[0]` holds only what is new since the request's last output (its
+    text, token ids and logprobs; `sent` counts what was handed out, and the logprobs' sum so far, and is moved on);
+    its cumulative_logprob is the whole reply's, as vLLM's. The output's own text and token_ids stay the reply so
+    far, and delta_text / new_token_ids what is new, as with every output kind."""
+    ids, logprobs, text = out.token_ids, out.logprobs, out.text
+    new_logprobs = None if logprobs is None else logprobs[sent[1]:]
+    sample = CompletionOutput(index, text[sent[2]:], ids[sent[0]:], new_logprobs, out.finish_reason,
+                              out.stop_reason, out.num_generated, out.error)
+    if new_logprobs is not None:  # (a running sum: not every logprob again at every step)
+        sent[3] += sum(r["logprob"] for r in new_logprobs)
+        sample._cumulative = sent[3]
+    out._samples = [sample]
+    sent[:3] = [len(ids), len(logprobs or ()), len(text)]

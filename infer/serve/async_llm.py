@@ -23,7 +23,7 @@ from typing import AsyncIterator
 from ..engine.config import EngineConfig
 from ..engine.inputs import encode_prompt
 from ..engine.llm_engine import LLMEngine, _check_request_id, prompt_dict, request_inputs, salted_params
-from ..engine.outputs import CompletionOutput, RequestOutput
+from ..engine.outputs import CompletionOutput, RequestOutput, as_delta
 from ..engine.sampling_params import RequestOutputKind, SamplingParams
 from ..errors import ClosedError, LoRANameError, RequestError, RequestIdTypeError
 from .async_engine import AsyncEngine
@@ -106,7 +106,7 @@ class AsyncLLM:
                     out = copy.copy(out)  # (the engine thread's object is left as it was)
                     j = rids.index(rid)
                     if kind == RequestOutputKind.DELTA:
-                        _as_delta(out, sent[rid], j)
+                        as_delta(out, sent[rid], j)
                     else:
                         out._samples = [CompletionOutput.of(out, j)]
                     out.finished = not left
@@ -275,22 +275,6 @@ class AsyncLLM:
             self.shutdown()
         except Exception:  # interpreter shutdown: modules may already be gone
             pass
-
-
-def _as_delta(out: RequestOutput, sent: list, index: int = 0) -> None:
-    """vLLM's RequestOutputKind.DELTA: `out.outputs[0]` holds only what is new since the request's last output (its
-    text, token ids and logprobs; `sent` counts what was handed out, and the logprobs' sum so far, and is moved on);
-    its cumulative_logprob is the whole reply's, as vLLM's. The output's own text and token_ids stay the reply so
-    far, and delta_text / new_token_ids what is new, as with every output kind."""
-    ids, logprobs, text = out.token_ids, out.logprobs, out.text
-    new_logprobs = None if logprobs is None else logprobs[sent[1]:]
-    sample = CompletionOutput(index, text[sent[2]:], ids[sent[0]:], new_logprobs, out.finish_reason,
-                              out.stop_reason, out.num_generated, out.error)
-    if new_logprobs is not None:  # (a running sum: not every logprob again at every step)
-        sent[3] += sum(r["logprob"] for r in new_logprobs)
-        sample._cumulative = sent[3]
-    out._samples = [sample]
-    sent[:3] = [len(ids), len(logprobs or ()), len(text)]
 
 
 # vLLM's AsyncLLM.generate keywords infer has no use for -> the values taken (they change nothing here), what to do
