@@ -203,3 +203,31 @@ def test_llm_stream_honours_output_kind(path):
     assert len(firsts) == 1 and firsts[0][1].finished and firsts[0][1].outputs[0].token_ids == want[0]
     assert firsts[0][0] == firsts[0][1].text
     assert len([1 for i, _, _ in final if i == 1]) == 4  # CUMULATIVE: an event per token, as before
+
+
+def test_async_llm_refuses_an_id_in_flight_whatever_n_either_runs(path):
+    """With n > 1 the samples run under child ids ("{j}_{id}"), which the engine sees instead of the id itself: a
+    request of n = 1 with the same id as a running n = 3 one (or the other way round) was taken, and one of them lost
+    its place in abort() and in the streams' table. The id in flight is refused whichever request runs it."""
+    from infer import AsyncLLM, SamplingParams
+    from infer.serve.async_engine import RequestIdInUseError
+
+    def params(n):
+        return SamplingParams(n=n, max_tokens=40, ignore_eos=True, temperature=1.0, seed=1)
+
+    async def clash(first_n, second_n):
+        gen = llm.generate("Hello there", params(first_n), "x")
+        await gen.__anext__()  # running
+        try:
+            with pytest.raises(RequestIdInUseError, match="already in use"):
+                async for _ in llm.generate("Hello there", params(second_n), "x"):
+                    pass
+        finally:
+            await gen.aclose()
+
+    llm = AsyncLLM(path, max_model_len=64, block_size=4)
+    try:
+        asyncio.run(clash(3, 1))
+        asyncio.run(clash(1, 3))
+    finally:
+        llm.shutdown()

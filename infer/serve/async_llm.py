@@ -26,7 +26,7 @@ from ..engine.llm_engine import LLMEngine, _check_request_id, prompt_dict, reque
 from ..engine.outputs import CompletionOutput, RequestOutput, as_delta
 from ..engine.sampling_params import RequestOutputKind, SamplingParams
 from ..errors import ClosedError, LoRANameError, RequestError, RequestIdTypeError
-from .async_engine import AsyncEngine
+from .async_engine import AsyncEngine, RequestIdInUseError
 
 
 class AsyncLLM:
@@ -76,6 +76,9 @@ class AsyncLLM:
             params = replace(params, priority=int(priority))
         n, kind = params.n, params.output_kind
         rids = [request_id] if n == 1 else [f"{j}_{request_id}" for j in range(n)]
+        if request_id in self._streams:  # (n > 1 runs child ids: the engine does not see the parent's in use)
+            raise RequestIdInUseError(f"request id {request_id!r} is already in use",
+                                      "give every request in flight its own id, e.g. str(uuid.uuid4())")
         queue: asyncio.Queue = asyncio.Queue()
         for j, rid in enumerate(rids):
             try:
