@@ -128,7 +128,7 @@ def _non_linear_targets(config: dict, base_config) -> list[Problem]:
     """A target_modules regex that selects a module of the base that is not a Linear layer (Qwen3's q_norm, a whole
     mlp): peft refuses the adapter ("Target module ... is not supported"). Lists are checked in config_problems."""
     targets = config.get("target_modules")
-    if not isinstance(targets, str) or targets == "all-linear" or _regex_error(targets):
+    if not isinstance(targets, str) or _all_linear(targets) or _regex_error(targets):
         return []
     layers = getattr(base_config, "num_hidden_layers", 0) or 0
     names = ["model", "model.layers", "model.norm", "model.rotary_emb"]
@@ -371,9 +371,15 @@ def config_problems(config: dict) -> list[Problem]:
     return problems
 
 
+def _all_linear(targets) -> bool:
+    """Whether target_modules is peft's "all-linear" shorthand, which peft reads in any case ("ALL-LINEAR" too):
+    every Linear layer but the output layer."""
+    return isinstance(targets, str) and targets.lower() == "all-linear"
+
+
 def _regex_error(value) -> str | None:
     """Why a target_modules / exclude_modules string (a regex to peft) does not compile; None when it does."""
-    if not isinstance(value, str) or value == "all-linear":
+    if not isinstance(value, str) or _all_linear(value):
         return None
     try:
         re.compile(value)
@@ -412,7 +418,7 @@ def _unselected(config: dict, module: str, layer: int) -> str | None:
         if not _matches(list(PEFT_DEFAULT_TARGETS), module, True):
             return f"no target_modules, so peft adapts only its default {', '.join(PEFT_DEFAULT_TARGETS)}"
         targets = list(PEFT_DEFAULT_TARGETS)
-    if targets != "all-linear" and not _matches(targets, module, True):
+    if not _all_linear(targets) and not _matches(targets, module, True):
         return f"target_modules {json.dumps(targets)}"
     exclude = config.get("exclude_modules")
     if exclude and _matches(exclude, module, False):

@@ -1,0 +1,61 @@
+"""Session 51 probes of LoRA adapter configs against peft (the oracle) on the same base."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from infer import LLM, SamplingParams
+from infer.lora.adapter import adapter_problems
+from infer.models.tiny import ensure_builtin
+
+from lora_helpers import PeftOracle, hf_float, save_adapter
+
+pytest.importorskip("peft")
+
+PROMPTS = [[5, 6, 7, 8, 9], [11, 3, 200, 17]]
+N = 6
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return hf_float(Path(ensure_builtin("tiny-llama")))
+
+
+def _edit(folder: Path, **changes) -> Path:
+    file = folder / "adapter_config.json"
+    config = json.loads(file.read_text())
+    config.update(changes)
+    file.write_text(json.dumps(config))
+    return folder
+
+
+def _check_matches_peft(hf, adapters: dict, rows) -> None:
+    from transformers import AutoConfig
+    base = ensure_builtin("tiny-llama")
+    for name, path in adapters.items():
+        assert adapter_problems(name, path, AutoConfig.from_pretrained(base)) == [], name
+    llm = LLM("tiny-llama", max_model_len=128, enable_lora=True, max_loras=len(adapters), max_lora_rank=16,
+              loras={n: str(p) for n, p in adapters.items()})
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for _, p in rows],
+                            SamplingParams(max_new_tokens=N, ignore_eos=True, temperature=0),
+                            lora=[n for n, _ in rows])
+    finally:
+        llm.close()
+    oracle = PeftOracle(hf, adapters)
+    try:
+        assert [list(o.outputs[0].token_ids) for o in outs] == [oracle.greedy(n, p, N) for n, p in rows]
+    finally:
+        oracle.close()
+
+
+def test_all_linear_in_another_case_is_peft_s_all_linear(hf, tmp_path):
+    """peft reads target_modules "all-linear" in any case (target_modules.lower() == "all-linear"): an adapter whose
+    config says "ALL-Linear" runs on peft with every projection adapted. infer matched it as a regex, found no
+    module, and refused the adapter ('which its adapter_config.json does not adapt ... peft would leave them out')."""
+    folder = save_adapter(hf, tmp_path / "al", seed=511, r=4, lora_alpha=8, target_modules="all-linear")
+    _edit(folder, target_modules="ALL-Linear")  # peft saved the expanded list; a hand-written config keeps the word
+    _check_matches_peft(hf, {"al": folder}, [("al", p) for p in PROMPTS])
