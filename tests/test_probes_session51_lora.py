@@ -59,3 +59,49 @@ def test_all_linear_in_another_case_is_peft_s_all_linear(hf, tmp_path):
     folder = save_adapter(hf, tmp_path / "al", seed=511, r=4, lora_alpha=8, target_modules="all-linear")
     _edit(folder, target_modules="ALL-Linear")  # peft saved the expanded list; a hand-written config keeps the word
     _check_matches_peft(hf, {"al": folder}, [("al", p) for p in PROMPTS])
+
+
+@pytest.mark.parametrize("target", ["lm_head", "embed_tokens"])
+def test_merging_a_lora_on_a_tied_embedding_changes_only_the_module_it_adapts(tmp_path, target):
+    """infer refuses a LoRA on lm_head / embed_tokens with "merge it into the base model (infer convert
+    --merge-lora)". On a base with tie_word_embeddings (tiny-llama3, Llama 3.2, Qwen2.5 small) lm_head and
+    embed_tokens are one tensor: merged into it, the delta changed both, where peft's forward changes only the module
+    the adapter targets; the merged model's greedy tokens were not peft's."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    base = Path(ensure_builtin("tiny-llama3"))
+    assert json.loads((base / "config.json").read_text())["tie_word_embeddings"] is True
+    hf = hf_float(base)
+    folder = save_adapter(hf, tmp_path / "a", seed=512, r=4, lora_alpha=8, target_modules=[target, "q_proj"])
+    out = tmp_path / "merged"
+    res = CliRunner().invoke(app, ["convert", str(base), "-o", str(out), "--merge-lora", str(folder)])
+    assert res.exit_code == 0, res.output
+    llm = LLM(str(out), max_model_len=128)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            SamplingParams(max_new_tokens=N, ignore_eos=True, temperature=0))
+    finally:
+        llm.close()
+    oracle = PeftOracle(hf_float(base), {"a": folder})
+    try:
+        assert [list(o.outputs[0].token_ids) for o in outs] == [oracle.greedy("a", p, N) for p in PROMPTS]
+    finally:
+        oracle.close()
+
+
+def test_merging_an_adapter_that_adapts_neither_keeps_the_embeddings_tied(tmp_path):
+    """The merge unties lm_head only for as long as it needs: an adapter on the projections alone leaves a tied
+    model tied (one tensor on disk, tie_word_embeddings kept)."""
+    from safetensors import safe_open
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    base = Path(ensure_builtin("tiny-llama3"))
+    folder = save_adapter(hf_float(base), tmp_path / "a", seed=513, r=4, lora_alpha=8, target_modules=["q_proj"])
+    out = tmp_path / "merged"
+    res = CliRunner().invoke(app, ["convert", str(base), "-o", str(out), "--merge-lora", str(folder)])
+    assert res.exit_code == 0, res.output
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    names = {k for f in out.glob("*.safetensors") for k in safe_open(str(f), "pt").keys()}
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names

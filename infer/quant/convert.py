@@ -421,15 +421,17 @@ def _save_float(src: Path, out: Path, dtype: str | None, merge_lora: Path | None
                              f"values beyond {dtype}'s range (or inf/NaN in the checkpoint): keep the checkpoint's "
                              "dtype or use float32" if dtype
                              else "the checkpoint is corrupted; copy it again or convert the model it came from")
+    untied = False
     if merge_lora is not None:
-        model = _merge(model, Path(merge_lora))
+        model, untied = _merge(model, Path(merge_lora))
         bad = nonfinite_tensors(model.state_dict().items())
         if bad:
             raise LoRAError(f"merging the adapter {merge_lora} gives non-finite weights (inf or NaN): {_some(bad)}",
                             "the adapter's weights are too large for the model (`infer lora-validate` shows its "
                             "scaling); check the adapter, or merge into a float32 copy of the model")
     model.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
-    keep_source_config(src, out, {"_name_or_path": named, **({"dtype": saved_dtype(out)} if dtype else {})})
+    keep_source_config(src, out, {"_name_or_path": named, **({"dtype": saved_dtype(out)} if dtype else {}),
+                                  **({"tie_word_embeddings": False} if untied else {})})
     copy_tokenizer_files(src, out, EXTRA_FILES)
 
 
@@ -482,14 +484,45 @@ def _some(names: list[str]) -> str:
 
 
 def _merge(model, adapter: Path):
+    """(the model with the adapter merged in, whether its lm_head is no longer its embeddings' tensor)."""
     from peft import PeftModel
+    tied = _untie(model)
     try:
         peft_model = PeftModel.from_pretrained(model, str(adapter))
     except (RuntimeError, ValueError, KeyError) as e:
         raise LoRAError(f"the adapter {adapter} does not fit the model: {_first_line(e)}",
                         "pass an adapter trained on this base model (`infer lora-validate` lists every mismatch)") \
             from e
-    return peft_model.merge_and_unload()
+    merged = peft_model.merge_and_unload()
+    return merged, tied and not _retie(merged)
+
+
+def _embeddings(model):
+    return model.get_input_embeddings(), model.get_output_embeddings()
+
+
+def _untie(model) -> bool:
+    """A tied base (tie_word_embeddings: lm_head's weight is embed_tokens' tensor) gets an lm_head of its own before
+    a merge: merged into the one shared tensor, a LoRA on lm_head (or embed_tokens) changed both, where peft's forward
+    changes only the module it adapts. True when it untied them."""
+    import torch
+    emb, head = _embeddings(model)
+    if emb is None or head is None or head.weight is not emb.weight:
+        return False
+    head.weight = torch.nn.Parameter(emb.weight.detach().clone(), requires_grad=False)
+    model.config.tie_word_embeddings = False
+    return True
+
+
+def _retie(model) -> bool:
+    """Tie lm_head back to the embeddings when the merge left them equal (the adapter adapts neither); True then."""
+    import torch
+    emb, head = _embeddings(model)
+    if not torch.equal(emb.weight, head.weight):
+        return False
+    head.weight = emb.weight
+    model.config.tie_word_embeddings = True
+    return True
 
 
 def _first_line(e: Exception) -> str:
