@@ -105,3 +105,27 @@ def test_merging_an_adapter_that_adapts_neither_keeps_the_embeddings_tied(tmp_pa
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
     names = {k for f in out.glob("*.safetensors") for k in safe_open(str(f), "pt").keys()}
     assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+
+
+@pytest.mark.parametrize("rename", ["no-prefix", "adapter-name"])
+def test_merging_tensors_peft_does_not_read_is_refused_not_a_copy_of_the_base(hf, tmp_path, rename):
+    """Tensors named without peft's base_model.model. prefix (or with the adapter's name, lora_A.default.weight):
+    `--lora` serves them, peft loads none of them (a warning). `infer convert --merge-lora` said "Wrote ... (merged
+    ...)" and wrote the base model unchanged."""
+    from safetensors.torch import load_file, save_file
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    folder = save_adapter(hf, tmp_path / "a", seed=514, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    file = folder / "adapter_model.safetensors"
+    weights = load_file(str(file))
+    if rename == "no-prefix":
+        weights = {k.removeprefix("base_model.model."): v for k, v in weights.items()}
+    else:
+        weights = {k.replace(".weight", ".default.weight"): v for k, v in weights.items()}
+    save_file(weights, str(file))
+    out = tmp_path / "merged"
+    res = CliRunner().invoke(app, ["convert", "tiny-llama", "-o", str(out), "--merge-lora", str(folder)])
+    assert res.exit_code != 0 and not (out / "config.json").exists(), res.output
+    text = " ".join(res.output.split())
+    assert "peft does not read " in text and "model.layers.0.self_attn.q_proj.lora_A" in text, res.output

@@ -493,8 +493,23 @@ def _merge(model, adapter: Path):
         raise LoRAError(f"the adapter {adapter} does not fit the model: {_first_line(e)}",
                         "pass an adapter trained on this base model (`infer lora-validate` lists every mismatch)") \
             from e
+    _check_read(peft_model, adapter)
     merged = peft_model.merge_and_unload()
     return merged, tied and not _retie(merged)
+
+
+def _check_read(peft_model, adapter: Path) -> None:
+    """LoRAError when the adapter's file holds tensors peft did not load (named without peft's base_model.model.
+    prefix, or with the adapter's name in them): peft leaves them out with a warning and would merge nothing of them,
+    where `--lora` serves them."""
+    from peft.utils import get_peft_model_state_dict
+    from peft.utils.save_and_load import load_peft_weights
+    unread = sorted(set(load_peft_weights(str(adapter), device="cpu")) - set(get_peft_model_state_dict(peft_model)))
+    if unread:
+        raise LoRAError(f"peft does not read {_some(unread)} from the adapter {adapter}: the merged model would "
+                        "not hold those weights",
+                        "peft reads tensors named as its save_pretrained names them (base_model.model.MODULE."
+                        "lora_A.weight): rename them so, or serve the adapter with --lora instead of merging it")
 
 
 def _embeddings(model):
