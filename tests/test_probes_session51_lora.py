@@ -129,3 +129,17 @@ def test_merging_tensors_peft_does_not_read_is_refused_not_a_copy_of_the_base(hf
     assert res.exit_code != 0 and not (out / "config.json").exists(), res.output
     text = " ".join(res.output.split())
     assert "peft does not read " in text and "model.layers.0.self_attn.q_proj.lora_A" in text, res.output
+
+
+def test_layer_replication_is_refused_without_pointing_at_a_merge_peft_refuses(hf, tmp_path):
+    """An adapter with layer_replication (peft stacks copies of the base's layers, each copy with its own LoRA) was
+    refused with the hint "merge the adapter into the base model", which `infer convert --merge-lora` refused in
+    turn with the same hint (peft: "Cannot merge LORA layers when base model layers are replicated"), and with a
+    second problem that the modules of its extra layers meant "another base model"."""
+    from transformers import AutoConfig
+    folder = save_adapter(hf, tmp_path / "rep", seed=515, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                          layer_replication=[[0, 2], [1, 2]])
+    problems = adapter_problems("rep", folder, AutoConfig.from_pretrained(ensure_builtin("tiny-llama")))
+    assert len(problems) == 1, problems
+    assert "replicates layers" in problems[0].message and "layer_replication" in problems[0].message
+    assert "peft cannot merge it" in problems[0].hint and "without layer_replication" in problems[0].hint

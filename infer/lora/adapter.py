@@ -106,7 +106,7 @@ class LoRAAdapter:
         """Everything that keeps this adapter from running on `base_config` (a HF config); [] when it fits."""
         problems = list(self.problems) + _non_linear_targets(self.config, base_config)
         shapes = expected_shapes(base_config)
-        num_layers = base_config.num_hidden_layers
+        num_layers = layer_count(self.config, base_config)
         for m in self.modules.values():
             if m.layer >= num_layers:
                 problems.append(Problem(f"{m.name} is in layer {m.layer} but the base model has {num_layers} layers",
@@ -122,6 +122,17 @@ class LoRAAdapter:
             problems.append(Problem(f"rank {self.rank} is larger than --max-lora-rank {max_rank}",
                                     f"raise --max-lora-rank to at least {self.rank}"))
         return problems
+
+
+def layer_count(config: dict, base_config) -> int:
+    """The decoder layers the adapter's modules sit in: the base's, or as many as its layer_replication stacks (peft
+    builds that deeper model; the adapter is refused for it, and its deeper layers are no sign of another base)."""
+    layers = base_config.num_hidden_layers
+    ranges = config.get("layer_replication")
+    if (isinstance(ranges, list) and ranges and all(isinstance(r, list) and len(r) == 2 and all(_one(i, int) for i in r)
+                                                    for r in ranges)):
+        return max(layers, sum(max(0, end - start) for start, end in ranges))
+    return layers
 
 
 def _non_linear_targets(config: dict, base_config) -> list[Problem]:
@@ -303,7 +314,9 @@ _UNSUPPORTED = {  # adapter_config.json key (when set) -> (what it means, hint)
     "modules_to_save": ("has modules_to_save",
                         f"fully trained modules cannot be swapped per request; merge them ({_MERGE})"),
     "trainable_token_indices": ("trains embedding rows", f"merge them into the base model ({_MERGE})"),
-    "layer_replication": ("replicates layers", "merge the adapter into the base model"),
+    "layer_replication": ("replicates layers (its copies of a layer share the base's weights, each with its own "
+                          "LoRA)", "peft cannot merge it either (\"Cannot merge LORA layers when base model layers "
+                          "are replicated\"): serve it with peft, or train the adapter without layer_replication"),
     "target_parameters": ("targets parameters, not modules", "train with target_modules instead"),
     "alora_invocation_tokens": ("is an activated LoRA (aLoRA)", "train a plain LoRA adapter"),
     "use_qalora": ("is a QA-LoRA adapter", "train a plain LoRA adapter"),

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError, LoRAError
-from .adapter import PROJECTIONS, Problem, expected_shapes, module_scaling, read_adapter
+from .adapter import PROJECTIONS, Problem, expected_shapes, layer_count, module_scaling, read_adapter
 
 _HIDDEN_IN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # projections whose input is the hidden state
 _QUANT_SUFFIX = re.compile(r"[-_.](gptq|awq|int4|int8|4bit|8bit|w4a16|quantized|v\d+)$")
@@ -173,7 +173,7 @@ def _config_targets(cfg: dict) -> list[str]:
 
 def _misfit_modules(adapter, base_config) -> set[str]:
     want = expected_shapes(base_config)
-    layers = getattr(base_config, "num_hidden_layers", None)
+    layers = layer_count(adapter.config, base_config) if hasattr(base_config, "num_hidden_layers") else None
     return {m.name for m in adapter.modules.values()
             if (layers is not None and m.layer >= layers) or (m.lora_a.shape[1], m.lora_b.shape[0]) != want[m.proj]}
 
@@ -181,7 +181,7 @@ def _misfit_modules(adapter, base_config) -> set[str]:
 def shape_summary(adapter, base_config) -> str:
     """'ok', or the first projection whose in/out features (or layer) do not fit the base."""
     want = expected_shapes(base_config)
-    layers = getattr(base_config, "num_hidden_layers", None)
+    layers = layer_count(adapter.config, base_config) if hasattr(base_config, "num_hidden_layers") else None
     for m in adapter.modules.values():
         if layers is not None and m.layer >= layers:
             return f"layer {m.layer} >= base's {layers}"
