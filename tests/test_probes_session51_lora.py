@@ -143,3 +143,18 @@ def test_layer_replication_is_refused_without_pointing_at_a_merge_peft_refuses(h
     assert len(problems) == 1, problems
     assert "replicates layers" in problems[0].message and "layer_replication" in problems[0].message
     assert "peft cannot merge it" in problems[0].hint and "without layer_replication" in problems[0].hint
+
+
+def test_merging_an_adapter_spelled_peft_type_lora_names_the_field_not_a_misfit(hf, tmp_path):
+    """`--lora` reads "peft_type": "lora"; peft, which `infer convert --merge-lora` merges with, knows only "LORA"
+    (KeyError: 'lora'). The merge said "the adapter ... does not fit the model: 'lora'" with the hint to pass an
+    adapter trained on this base, instead of naming the field to fix (as `infer lora-validate` does)."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    folder = _edit(save_adapter(hf, tmp_path / "lc", seed=516, r=4, lora_alpha=8, target_modules=["q_proj"]),
+                   peft_type="lora")
+    res = CliRunner().invoke(app, ["convert", "tiny-llama", "-o", str(tmp_path / "m"), "--merge-lora", str(folder)])
+    text = " ".join(res.output.split())
+    assert res.exit_code != 0 and "does not fit the model" not in text, res.output
+    assert 'peft_type is "lora"' in text and 'write "peft_type": "LORA" in adapter_config.json' in text, res.output

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -74,12 +76,15 @@ def _check_adapter(adapter: Path, src: Path) -> None:
         return
     base_config = load_config(src)
     try:
-        load_adapter("--merge-lora", adapter, base_config, merging=True)
+        spelled = load_adapter("--merge-lora", adapter, base_config, merging=True).config.get("peft_type")
     except LoRAError as e:  # worded for --lora NAME=PATH (serve, run): speak of the flag this command has
         prefix = f"LoRA adapter '--merge-lora' ({Path(adapter).expanduser()}): "
         hint = (e.hint or "").replace("--lora NAME=PATH", "--merge-lora PATH").replace(
             "pass the folder peft's", "pass --merge-lora PATH with the folder peft's") or None
         raise LoRAError(f"--merge-lora {adapter}: {e.message.removeprefix(prefix)}", hint) from e
+    if spelled != "LORA":  # `--lora` reads "lora" too; peft, which merges, only "LORA" (a KeyError: 'lora')
+        raise LoRAError(f"--merge-lora {adapter}: peft_type is {json.dumps(spelled)}: peft reads only \"LORA\" and "
+                        "cannot load it", 'write "peft_type": "LORA" in adapter_config.json')
 
 
 def _warn_other_base(adapter: Path, src: Path, given: str) -> None:
