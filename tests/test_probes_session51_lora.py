@@ -131,12 +131,13 @@ def test_merging_tensors_peft_does_not_read_is_refused_not_a_copy_of_the_base(hf
     assert "peft does not read " in text and "model.layers.0.self_attn.q_proj.lora_A" in text, res.output
 
 
-def test_layer_replication_is_refused_without_pointing_at_a_merge_peft_refuses(hf, tmp_path):
+def test_layer_replication_is_refused_without_pointing_at_a_merge_peft_refuses(tmp_path):
     """An adapter with layer_replication (peft stacks copies of the base's layers, each copy with its own LoRA) was
     refused with the hint "merge the adapter into the base model", which `infer convert --merge-lora` refused in
     turn with the same hint (peft: "Cannot merge LORA layers when base model layers are replicated"), and with a
     second problem that the modules of its extra layers meant "another base model"."""
     from transformers import AutoConfig
+    hf = hf_float(Path(ensure_builtin("tiny-llama")))  # its own: peft's replication leaves the copied layers in it
     folder = save_adapter(hf, tmp_path / "rep", seed=515, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                           layer_replication=[[0, 2], [1, 2]])
     problems = adapter_problems("rep", folder, AutoConfig.from_pretrained(ensure_builtin("tiny-llama")))
@@ -158,3 +159,55 @@ def test_merging_an_adapter_spelled_peft_type_lora_names_the_field_not_a_misfit(
     text = " ".join(res.output.split())
     assert res.exit_code != 0 and "does not fit the model" not in text, res.output
     assert 'peft_type is "lora"' in text and 'write "peft_type": "LORA" in adapter_config.json' in text, res.output
+
+
+def _merge_and_compare(base: Path, folder: Path, out: Path) -> None:
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    res = CliRunner().invoke(app, ["convert", str(base), "-o", str(out), "--merge-lora", str(folder)])
+    assert res.exit_code == 0, res.output
+    llm = LLM(str(out), max_model_len=128)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            SamplingParams(max_new_tokens=N, ignore_eos=True, temperature=0))
+    finally:
+        llm.close()
+    oracle = PeftOracle(hf_float(base), {"a": folder})
+    try:
+        assert [list(o.outputs[0].token_ids) for o in outs] == [oracle.greedy("a", p, N) for p in PROMPTS]
+    finally:
+        oracle.close()
+
+
+def test_an_ensure_weight_tying_adapter_merges_into_the_tied_model_peft_saved_it_for(tmp_path):
+    """ensure_weight_tying (peft keeps the adapter's embedding and head tied as the base's are): untied before the
+    merge, peft read none of the adapter's lm_head tensors; modules_to_save on lm_head merges as peft computes."""
+    base = Path(ensure_builtin("tiny-llama3"))
+    folder = tmp_path / "a"
+    import torch
+    from peft import LoraConfig, get_peft_model
+    model = get_peft_model(hf_float(base), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                                      modules_to_save=["lm_head"], ensure_weight_tying=True))
+    g = torch.Generator().manual_seed(517)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * 0.15)
+    model.save_pretrained(str(folder))
+    _merge_and_compare(base, folder, tmp_path / "m")
+
+
+def test_a_tied_lora_with_ensure_weight_tying_is_refused_not_merged_wrong(tmp_path):
+    """A LoRA on lm_head with ensure_weight_tying on a tied base: peft's merge into the shared tensor gave other
+    tokens than peft computes, and infer wrote it as merged."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    base = Path(ensure_builtin("tiny-llama3"))
+    folder = save_adapter(hf_float(base), tmp_path / "a", seed=518, r=4, lora_alpha=8,
+                          target_modules=["lm_head", "q_proj"], ensure_weight_tying=True)
+    res = CliRunner().invoke(app, ["convert", str(base), "-o", str(tmp_path / "m"), "--merge-lora", str(folder)])
+    text = " ".join(res.output.split())
+    assert res.exit_code != 0 and "ensure_weight_tying" in text, res.output
+    assert not (tmp_path / "m" / "config.json").exists()

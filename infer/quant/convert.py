@@ -486,13 +486,20 @@ def _some(names: list[str]) -> str:
 def _merge(model, adapter: Path):
     """(the model with the adapter merged in, whether its lm_head is no longer its embeddings' tensor)."""
     from peft import PeftModel
-    tied = _untie(model)
+    keep = _keeps_tying(adapter)  # peft ties the adapter's embedding and head modules as the base ties theirs
+    tied = not keep and _untie(model)
     try:
         peft_model = PeftModel.from_pretrained(model, str(adapter))
     except (RuntimeError, ValueError, KeyError) as e:
         raise LoRAError(f"the adapter {adapter} does not fit the model: {_first_line(e)}",
                         "pass an adapter trained on this base model (`infer lora-validate` lists every mismatch)") \
             from e
+    emb, head = _embeddings(peft_model.get_base_model())
+    if keep and emb is not None and head is not None and emb.weight is head.weight \
+            and any(hasattr(m, "lora_A") for m in (emb, head)):
+        raise LoRAError(f"the adapter {adapter} has a LoRA on the tied embeddings with ensure_weight_tying: peft's "
+                        "merge into the one tensor they share does not give what peft computes with it",
+                        "serve the adapter with peft, or train it with ensure_weight_tying false")
     _check_read(peft_model, adapter)
     merged = peft_model.merge_and_unload()
     return merged, tied and not _retie(merged)
@@ -510,6 +517,14 @@ def _check_read(peft_model, adapter: Path) -> None:
                         "not hold those weights",
                         "peft reads tensors named as its save_pretrained names them (base_model.model.MODULE."
                         "lora_A.weight): rename them so, or serve the adapter with --lora instead of merging it")
+
+
+def _keeps_tying(adapter: Path) -> bool:
+    """Whether adapter_config.json sets peft's ensure_weight_tying (the adapter is saved for a tied model)."""
+    try:
+        return json.loads((Path(adapter) / "adapter_config.json").read_text()).get("ensure_weight_tying") is True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _embeddings(model):
