@@ -67,27 +67,12 @@ def test_merging_a_lora_on_a_tied_embedding_changes_only_the_module_it_adapts(tm
     --merge-lora)". On a base with tie_word_embeddings (tiny-llama3, Llama 3.2, Qwen2.5 small) lm_head and
     embed_tokens are one tensor: merged into it, the delta changed both, where peft's forward changes only the module
     the adapter targets; the merged model's greedy tokens were not peft's."""
-    from typer.testing import CliRunner
-
-    from infer.cli.main import app
     base = Path(ensure_builtin("tiny-llama3"))
     assert json.loads((base / "config.json").read_text())["tie_word_embeddings"] is True
     hf = hf_float(base)
     folder = save_adapter(hf, tmp_path / "a", seed=512, r=4, lora_alpha=8, target_modules=[target, "q_proj"])
     out = tmp_path / "merged"
-    res = CliRunner().invoke(app, ["convert", str(base), "-o", str(out), "--merge-lora", str(folder)])
-    assert res.exit_code == 0, res.output
-    llm = LLM(str(out), max_model_len=128)
-    try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                            SamplingParams(max_new_tokens=N, ignore_eos=True, temperature=0))
-    finally:
-        llm.close()
-    oracle = PeftOracle(hf_float(base), {"a": folder})
-    try:
-        assert [list(o.outputs[0].token_ids) for o in outs] == [oracle.greedy("a", p, N) for p in PROMPTS]
-    finally:
-        oracle.close()
+    _merge_and_compare(base, folder, out)
 
 
 def test_merging_an_adapter_that_adapts_neither_keeps_the_embeddings_tied(tmp_path):
