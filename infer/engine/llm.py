@@ -591,7 +591,7 @@ class LLM:
                 ) -> Iterator[tuple[int, str, RequestOutput]]:
         which = [(i, j, k) for i, k in enumerate(sizes) for j in range(k)]  # request -> (prompt, sample, n)
         index = dict(zip(ids, which))
-        sent = {rid: [0, 0, 0, 0.0] for rid in ids}  # (DELTA: as_delta)
+        sent = {rid: [0, 0, 0, 0.0, False] for rid in ids}  # (DELTA: as_delta)
         left = list(ids)
         try:
             while left:

@@ -238,9 +238,11 @@ class RequestOutput:
 
 def as_delta(out: RequestOutput, sent: list, index: int = 0) -> None:
     """vLLM's RequestOutputKind.DELTA: `out.outputs[0]` holds only what is new since the request's last output (its
-    text, token ids and logprobs; `sent` counts what was handed out, and the logprobs' sum so far, and is moved on);
-    its cumulative_logprob is the whole reply's, as vLLM's. The output's own text and token_ids stay the reply so
-    far, and delta_text / new_token_ids what is new, as with every output kind."""
+    text, token ids and logprobs; `sent` counts what was handed out, the logprobs' sum so far and whether the
+    prompt's logprobs went out, and is moved on); its cumulative_logprob is the whole reply's, as vLLM's. The
+    output's own text and token_ids stay the reply so far, and delta_text / new_token_ids what is new, as with every
+    output kind. Its prompt_logprobs come with the first output only (vLLM's DELTA pops them): a program joining the
+    outputs' parts does not get them again at every step."""
     ids, logprobs, text = out.token_ids, out.logprobs, out.text
     new_logprobs = None if logprobs is None else logprobs[sent[1]:]
     sample = CompletionOutput(index, text[sent[2]:], ids[sent[0]:], new_logprobs, out.finish_reason,
@@ -249,4 +251,6 @@ def as_delta(out: RequestOutput, sent: list, index: int = 0) -> None:
         sent[3] += sum(r["logprob"] for r in new_logprobs)
         sample._cumulative = sent[3]
     out._samples = [sample]
-    sent[:3] = [len(ids), len(logprobs or ()), len(text)]
+    if sent[4]:  # (handed out with the first output)
+        out.prompt_logprobs = None
+    sent[:3], sent[4] = [len(ids), len(logprobs or ()), len(text)], True

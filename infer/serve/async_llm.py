@@ -89,7 +89,7 @@ class AsyncLLM:
                 raise
         stream = self._streams[request_id] = (asyncio.get_running_loop(), queue, rids)
         left = set(rids)  # the samples not finished yet
-        sent = {rid: [0, 0, 0, 0.0] for rid in rids}  # (DELTA) tokens, logprobs, text handed out; logprobs' sum
+        sent = {rid: [0, 0, 0, 0.0, False] for rid in rids}  # (DELTA: as_delta)
         finals: dict[str, RequestOutput] = {}
         try:
             while left:

@@ -1,0 +1,45 @@
+"""Probes of the fifty-first session's review: defects in the session's new code (AsyncLLM's output kinds and
+n > 1 samples, ...), each fixed at its cause."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from infer.models.tiny import ensure_builtin
+
+
+@pytest.fixture(scope="module")
+def path():
+    return str(ensure_builtin("tiny-llama"))
+
+
+def test_delta_outputs_carry_the_prompts_logprobs_once(path):
+    """vLLM's DELTA outputs carry prompt_logprobs with the first output only (its logprobs processor pops them), as
+    every other field of a DELTA output is what is new. Every output carried the whole prompt's again, so a program
+    joining the parts got them once per step (AsyncLLM.generate and LLM.stream, each sample of n > 1 on its own)."""
+    from infer import LLM, AsyncLLM, RequestOutputKind, SamplingParams
+
+    params = SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=1, output_kind=RequestOutputKind.DELTA)
+
+    async def run(llm, p, rid):
+        return [out async for out in llm.generate("Hello there", p, rid)]
+
+    llm = AsyncLLM(path, max_model_len=64, block_size=4)
+    try:
+        one = asyncio.run(run(llm, params, "a"))
+        two = asyncio.run(run(llm, SamplingParams(max_tokens=3, ignore_eos=True, n=2, seed=1, temperature=1.0,
+                                                  prompt_logprobs=1, output_kind=RequestOutputKind.DELTA), "b"))
+    finally:
+        llm.shutdown()
+    assert len(one) == 4 and one[0].prompt_logprobs  # (None, then a record per prompt token from the second)
+    assert [o.prompt_logprobs for o in one[1:]] == [None] * 3
+    firsts = {}
+    for o in two:
+        firsts.setdefault(o.outputs[0].index, []).append(o.prompt_logprobs is not None)
+    assert firsts == {0: [True, False, False], 1: [True, False, False]}
+    with LLM(path, max_model_len=64, block_size=4) as llm:
+        events = [out for _, _, out in llm.stream(["Hello there"], params)]
+    assert len(events) == 4 and events[0].prompt_logprobs
+    assert [o.prompt_logprobs for o in events[1:]] == [None] * 3
