@@ -43,3 +43,31 @@ def test_delta_outputs_carry_the_prompts_logprobs_once(path):
         events = [out for _, _, out in llm.stream(["Hello there"], params)]
     assert len(events) == 4 and events[0].prompt_logprobs
     assert [o.prompt_logprobs for o in events[1:]] == [None] * 3
+
+
+def test_aborting_a_samples_own_id_ends_its_parents_generate(path):
+    """AsyncLLM runs n > 1 as child requests "{j}_{id}" (the docstring names them). abort("0_c") stopped that sample
+    in the engine without a last output and without waking the parent's generate, which then waited for ever for the
+    sample's end; now it ends the parent's generate, as abort("c") does, and frees every sample."""
+    from infer import AsyncLLM, SamplingParams
+
+    llm = AsyncLLM(path, max_model_len=256, block_size=4)
+
+    async def main():
+        params = SamplingParams(max_tokens=200, ignore_eos=True, n=2, seed=1, temperature=1.0)
+        seen = []
+
+        async def consume():
+            async for out in llm.generate("Hello there", params, "c"):
+                seen.append(out)
+                if len(seen) == 2:
+                    await llm.abort("0_c")
+        await asyncio.wait_for(consume(), 30)
+        return seen
+
+    try:
+        seen = asyncio.run(main())
+        assert 2 <= len(seen) < 400 and not seen[-1].finished
+        assert llm._loop.num_in_flight() == 0 and not llm._streams
+    finally:
+        llm.shutdown()

@@ -183,13 +183,15 @@ class AsyncLLM:
     async def abort(self, request_id: str | list[str]) -> None:
         """Stop requests (vLLM's abort): each one's generate ends without a further output, its KV blocks freed.
         Every id is checked before any is stopped, as LLMEngine.abort_request checks them: abort(7) was a bare
-        "'int' object is not iterable", and abort([7]) stopped nothing without a word."""
+        "'int' object is not iterable", and abort([7]) stopped nothing without a word. A sample's own id (n > 1:
+        "{j}_{request_id}") ends its parent's generate as the parent's id does."""
         one = isinstance(request_id, (str, bytes)) or not isinstance(request_id, Iterable)
         ids = [request_id] if one else list(request_id)
         for rid in ids:
             _check_request_id(rid)
         for rid in ids:
-            stream = self._streams.get(rid)
+            stream = self._streams.get(rid) or next(  # a sample's own id ("{j}_{id}") stops its parent's generate:
+                (s for s in list(self._streams.values()) if len(s[2]) > 1 and rid in s[2]), None)  # (it hung)
             for request in stream[2] if stream is not None else [rid]:  # (each of its n samples)
                 self._loop.abort(request)
             if stream is not None:  # wake its generate (maybe of another event loop), which awaits its queue
