@@ -71,3 +71,32 @@ def test_aborting_a_samples_own_id_ends_its_parents_generate(path):
         assert llm._loop.num_in_flight() == 0 and not llm._streams
     finally:
         llm.shutdown()
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_a_staging_folder_of_another_pid_namespace_on_this_host_is_kept(tmp_path, monkeypatch):
+    """Containers sharing the machine's hostname (docker --network host) and a disk each have pids of their own: a
+    run writing in one looked killed from another (its pid not found there), which removed its staging folder while
+    it wrote. The staging name now carries the pid namespace too, so only this namespace's dead runs are removed."""
+    import os
+
+    from infer.quant import convert
+    out, dead = tmp_path / "out", _dead_pid()
+    with monkeypatch.context() as m:
+        m.setattr(convert, "_pid_namespace", lambda: "4026599999")  # another container's
+        theirs = tmp_path / f".out.tmp-{convert._host()}-{dead}-abc"
+    theirs.mkdir()
+    ours = tmp_path / f".out.tmp-{convert._host()}-{dead}-abc"
+    ours.mkdir()
+    assert ours != theirs
+    with convert.staged_output(out, overwrite=False) as tmp:
+        assert tmp.name.startswith(f".out.tmp-{convert._host()}-{os.getpid()}-")
+        (tmp / "config.json").write_text("{}")
+    assert theirs.exists() and not ours.exists()

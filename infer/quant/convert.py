@@ -199,7 +199,20 @@ def _staging_prefix(out: Path, inside: bool) -> str:
 
 
 def _host() -> str:
-    return socket.gethostname().replace("-", "_") or "host"
+    """This host, and the process-id namespace its pids are read in: containers on one machine may share its hostname
+    (docker --network host) and a disk, each with pids of its own, so that another container's live run looked like
+    a killed one here (its pid not found) and had its staging folder removed while it wrote."""
+    name = socket.gethostname().replace("-", "_") or "host"
+    space = _pid_namespace()
+    return f"{name}_pidns{space}" if space else name
+
+
+def _pid_namespace() -> str:
+    """The inode of this process's pid namespace (Linux), "" where it cannot be read."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return ""
 
 
 def remove_dead_staging(out: Path) -> list[Path]:
