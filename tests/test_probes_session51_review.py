@@ -100,3 +100,30 @@ def test_a_staging_folder_of_another_pid_namespace_on_this_host_is_kept(tmp_path
         assert tmp.name.startswith(f".out.tmp-{convert._host()}-{os.getpid()}-")
         (tmp / "config.json").write_text("{}")
     assert theirs.exists() and not ours.exists()
+
+
+def test_a_finished_requests_id_is_free_while_its_generator_is_still_held(path):
+    """A program that keeps its generate() object and breaks out of the loop at the finished output, then reuses the
+    id (a fixed id per worker, say), got RequestIdInUseError: the id was taken until the generator was closed, since
+    AsyncLLM checks its own streams (for n > 1's parent ids) and dropped one only then. The engine frees an id when
+    the request finishes, and so does AsyncLLM now."""
+    from infer import AsyncLLM, SamplingParams
+
+    llm = AsyncLLM(path, max_model_len=64, block_size=4)
+
+    async def main():
+        outs, held = [], []
+        for n in (1, 2, 1):
+            params = SamplingParams(max_tokens=3, ignore_eos=True, n=n, seed=1, temperature=1.0)
+            held.append(llm.generate("Hello there", params, "r"))  # (still referenced: not closed)
+            async for out in held[-1]:
+                if out.finished:
+                    outs.append(out)
+                    break
+        return outs
+
+    try:
+        outs = asyncio.run(main())
+    finally:
+        llm.shutdown()
+    assert len(outs) == 3 and all(o.finished for o in outs)

@@ -114,6 +114,8 @@ class AsyncLLM:
                         out._samples = [CompletionOutput.of(out, j)]
                     out.finished = not left
                 out.request_id = request_id
+                if not left and self._streams.get(request_id) is stream:  # the id is free again once all samples
+                    del self._streams[request_id]  # finished, as the engine's is: not when the caller closes this
                 yield out
         finally:
             if self._streams.get(request_id) is stream:
