@@ -139,4 +139,8 @@ def test_an_engine_loop_that_dies_ends_its_requests_and_says_so_on_health():
         assert health.status_code == 503 and "the engine loop stopped" in health.json()["error"], health.text
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_engine_replica", r.text
+        # a control (an adapter load, a prefix-cache reset) says so too, not "the server is shutting down"
+        r = httpx.post(f"{url}/reset_prefix_cache", timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_engine_replica", r.text
+        assert "the engine loop stopped" in r.json()["error"]["message"], r.text
         assert server.stats()["num_in_flight"] == 0

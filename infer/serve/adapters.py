@@ -50,9 +50,8 @@ def add_adapter_routes(app: FastAPI, server) -> None:
                              code="invalid_lora_adapter") from None
         except ShuttingDownError as e:
             raise _unavailable(e) from None
-        except NoEngineError as e:  # every replica died: as a request is answered then
-            raise p.ApiError(503, str(e), type="server_unavailable", code="no_engine_replica",
-                             headers={"Retry-After": str(server.retry_after)}) from None
+        except NoEngineError as e:  # every replica died (or the engine thread): as a request is answered then
+            raise _no_engine(server, e) from None
         log.info("LoRA adapter %r loaded from %s", name, path)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -66,6 +65,8 @@ def add_adapter_routes(app: FastAPI, server) -> None:
             raise p.ApiError(404, str(e), param="lora_name", code="model_not_found") from None
         except ShuttingDownError as e:
             raise _unavailable(e) from None
+        except NoEngineError as e:
+            raise _no_engine(server, e) from None
         log.info("LoRA adapter %r unloaded (%d request(s) still finishing with it)", name, running)
         tail = (f" {running} request(s) accepted before (running or queued) finish with it first; its memory is freed "
                 "after them.") if running else ""
@@ -90,6 +91,11 @@ def _string(body: dict, key: str) -> str:
         got = "nothing" if value is None else repr(value)
         raise p.ApiError(400, f"{key} must be a non-empty string, got {got}", param=key)
     return value
+
+
+def _no_engine(server, e: NoEngineError) -> p.ApiError:
+    return p.ApiError(503, str(e), type="server_unavailable", code="no_engine_replica",
+                      headers={"Retry-After": str(server.retry_after)})
 
 
 def _unavailable(e: ShuttingDownError) -> p.ApiError:

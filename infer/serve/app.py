@@ -535,6 +535,9 @@ def _add_routes(app: FastAPI, server: Server) -> None:
             done = await server.aengine.reset_prefix_cache()
         except ShuttingDownError as e:
             raise p.shutting_down(str(e)) from None
+        except NoEngineError as e:  # the engine thread stopped, or every replica
+            raise p.ApiError(503, str(e), type="server_unavailable", code="no_engine_replica",
+                             headers={"Retry-After": str(server.retry_after)}) from None
         if not done:
             raise p.ApiError(500, "a replica could not reset its prefix cache", type="server_error")
         return Response(status_code=200)

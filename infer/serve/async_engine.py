@@ -200,6 +200,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._cond:
+            if self.died:  # (not a shutdown: nothing runs any more)
+                raise NoEngineError(f"the engine loop stopped ({self.died})", "restart the server")
             if self._stopping or not self._accepting:
                 raise ShuttingDownError("the server is shutting down", "retry against another replica")
             self._controls.append((fn, loop, future))
