@@ -19,6 +19,8 @@ Each kernel's PDL constexpr: launched with programmatic dependent launch (`pdl`)
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -50,8 +52,8 @@ def _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, table_ptr, kv_head, lo, hi
         slot = keys % PAGE
         k = tl.load(k_ptr + block[None, :] * s_kb + slot[None, :] * s_ks + kv_head * s_kh + offs_d[:, None] * s_kd,
                     mask=mask_n[None, :] & mask_d[:, None], other=0.0).to(q.dtype)  # a float8 cache: exact
-        if IEEE:
-            s = tl.dot(q, k, input_precision="ieee")
+        if IEEE:  # float32 operands (exact for a bf16 q: the interpreter's bf16 tl.dot is wrong, see `_meta`)
+            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
         else:
             s = tl.dot(q, k)
         s = tl.where(mask_n[None, :] & (keys[None, :] <= pos[:, None]), s * qk_scale, float("-inf"))
@@ -62,7 +64,8 @@ def _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, table_ptr, kv_head, lo, hi
         v = tl.load(v_ptr + block[:, None] * s_vb + slot[:, None] * s_vs + kv_head * s_vh + offs_d[None, :] * s_vd,
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)
         if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            acc = acc * alpha[:, None] + pv
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
@@ -425,12 +428,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+def _interpreted_bf16(q: torch.Tensor) -> bool:
+    """A bf16 q under TRITON_INTERPRET, whose bf16 tl.dot is wrong (as `gptq_gemm`'s DOT_F32): the kernels then
+    take the IEEE path, which multiplies the same bf16 values (and p rounded to bf16) in float32."""
+    return q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _meta(q: torch.Tensor, k_cache: torch.Tensor) -> dict:
     hq, hk, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
     group = hq // hk
     return dict(GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), PAGE=k_cache.shape[1],
                 BLOCK_N=32 if head_dim > 128 else 64, BLOCK_D=max(16, next_power_of_2(head_dim)),
-                HEAD_DIM=head_dim, IEEE=q.dtype == torch.float32, PDL=pdl.on(q.device), **pdl.launch(q.device))
+                HEAD_DIM=head_dim, IEEE=q.dtype == torch.float32 or _interpreted_bf16(q), PDL=pdl.on(q.device),
+                **pdl.launch(q.device))
 
 
 def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
