@@ -58,3 +58,41 @@ def test_paged_attention_bf16_queries(attention, cache_dtype, nq):
     got = attention.paged_attention(*(t.to(DEV) for t in args), 0.125).cpu()
     assert torch.isfinite(got).all()
     assert (got.float() - want.float()).abs().max() <= 0.03 * want.float().abs().max()
+
+
+@pytest.fixture(scope="module")
+def lora_ops():
+    yield from interpreted_module("infer.kernels.lora_ops")
+
+
+def test_lora_shrink_expand_bf16(lora_ops):
+    """A bf16 model's adapters (ranks 1, 8 and 64, base rows, one token for an adapter): the shrink's bf16 x @ A^T
+    under the interpreter took its bf16 tl.dot (wrong there: deltas ~1e11); it takes the float32 IEEE dot of the same
+    bf16 values there now (a GPU's compiled shrink is unchanged)."""
+    from infer.lora.batch import lora_groups
+    g = torch.Generator().manual_seed(51)
+    slots = torch.tensor([2, -1, 0, 0, 1, -1, 2, 0])
+    ranks = torch.tensor([[1, 8, 64], [8, 64, 1]], dtype=torch.int32)
+    outs, k, max_rank, num_slots = (24, 16), 64, 64, 3
+    bounds = [0, 24, 40]
+    a = torch.randn(num_slots, 2 * max_rank, k, generator=g) * 0.3
+    b = [torch.randn(num_slots, max_rank, o, generator=g) * 0.3 for o in outs]
+    for i in range(2):
+        for s in range(num_slots):
+            r = int(ranks[i, s])
+            a[s, i * max_rank + r:(i + 1) * max_rank] = 0
+            b[i][s, r:] = 0
+    a, bf = a.to(torch.bfloat16), torch.cat([t.flatten() for t in b]).to(torch.bfloat16)
+    scal = torch.rand(2, num_slots, generator=g) + 0.5
+    x = torch.randn(len(slots), k, generator=g).to(torch.bfloat16)
+    y = torch.randn(len(slots), bounds[-1], generator=g).to(torch.bfloat16)
+    want = y.float().clone()
+    ref_groups = lora_groups(slots, num_slots)
+    from infer.kernels import lora_reference
+    lora_reference.lora_apply(x.float(), want, a.float(), bf.float(), scal, bounds, ref_groups)
+    got = y.clone().to(DEV)
+    lora_ops.lora_apply(x.to(DEV), got, a.to(DEV), bf.to(DEV), scal.to(DEV), bounds,
+                        lora_groups(slots.to(DEV), num_slots), ranks.to(DEV))
+    got = got.cpu().float()
+    assert torch.equal(got[slots < 0], y[slots < 0].float())
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()

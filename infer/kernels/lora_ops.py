@@ -23,6 +23,8 @@ Both kernels' PDL constexpr: launched with programmatic dependent launch (`pdl`)
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -137,8 +139,8 @@ def _shrink_kernel(x_ptr, a_ptr, hp_ptr, order_ptr, starts_ptr, rank_ptr, S, K, 
                          mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             aa = tl.load(a_base + offs_j[None, :] * sa_j + offs_k[:, None] * sa_k,
                          mask=mask_j[None, :] & mask_k[:, None], other=0.0).to(xa.dtype)
-            if IEEE:
-                acc += tl.dot(xa, aa, input_precision="ieee")
+            if IEEE:  # float32 operands: exact for bf16 ones (the interpreter's bf16 tl.dot is wrong: `shrink`)
+                acc += tl.dot(xa.to(tl.float32), aa.to(tl.float32), input_precision="ieee")
             else:
                 acc += tl.dot(xa, aa)
         at = tok if BY_TOKEN else rows  # by token: for the int4 matmul's epilogue (LoRADelta)
@@ -304,6 +306,12 @@ def _p2(n: int, lo: int = 1) -> int:
     return max(lo, next_power_of_2(max(1, n)))
 
 
+def _interpreted_bf16(x: torch.Tensor) -> bool:
+    """bf16 x under TRITON_INTERPRET, whose bf16 tl.dot is wrong (as `gptq_gemm`'s DOT_F32): the shrink then takes
+    its IEEE path, the float32 dot of the same bf16 values (a GPU's compiled shrink is unchanged)."""
+    return x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def partials(split: int, t: int, nr: int, device) -> torch.Tensor:
     """The shrink's output [SPLIT_K, T, n*R] float32, uninitialized: the expand reads only what the shrink wrote."""
     return torch.empty(split, t, nr, dtype=torch.float32, device=device)
@@ -393,7 +401,8 @@ def shrink(x: torch.Tensor, lora_a: torch.Tensor, n: int, groups: SlotGroups, ra
     run(x, lora_a, hp, groups.order, groups.starts, ranks, num_slots, k, nr, nr // n, p["k_per_split"],
         x.stride(0), x.stride(1), *lora_a.stride(), hp.stride(0), hp.stride(1), *ranks.stride(),
         BLOCK_M=p["block_m"], BLOCK_J=_p2(nr, 16), BLOCK_K=p["block_k"], S_P2=_p2(num_slots, 2),
-        IEEE=x.dtype == torch.float32, BY_TOKEN=by_token, PDL=pdl.on(x.device), EVEN_K=k % p["block_k"] == 0,
+        IEEE=x.dtype == torch.float32 or _interpreted_bf16(x), BY_TOKEN=by_token, PDL=pdl.on(x.device),
+        EVEN_K=k % p["block_k"] == 0,
         **pdl.launch(x.device), **({"grid": grid} if compile_only else {}))
     return hp
 
