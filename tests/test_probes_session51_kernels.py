@@ -96,3 +96,32 @@ def test_lora_shrink_expand_bf16(lora_ops):
     got = got.cpu().float()
     assert torch.equal(got[slots < 0], y[slots < 0].float())
     assert (got - want).abs().max() <= 0.05 * want.abs().max()
+
+
+@pytest.fixture(scope="module")
+def gemm(lora_ops):
+    yield from interpreted_module("infer.kernels.gptq_gemm")
+
+
+def _bf16_case(m, outs=(24, 16, 8)):
+    from test_gptq_epilogue import _case
+    return _case(torch.Generator().manual_seed(51), outs, m, torch.bfloat16)
+
+
+@pytest.mark.parametrize("regime", ["decode", "prefill", "rows"])
+def test_gptq_bf16_bias_and_gated_epilogue(gemm, regime):
+    """A bf16 int4 layer's bias (and a gate|up layer's silu * up) in the fused kernels' epilogue: added (multiplied)
+    in bf16 there, which TRITON_INTERPRET computes on the raw bits (NaN, 1e37); in float32 and rounded once now,
+    the same bits a GPU's bf16 add gives."""
+    from test_gptq_kernel import CONFIGS
+    x, (qw, qz, s, gi), qwi, wp, *_, bias = _bf16_case(20)
+    cfg = CONFIGS[regime]
+    want = ref.gptq_matmul(x.float().cpu(), qw.cpu(), qz.cpu(), s.cpu(), gi.cpu(), 4, True) + bias.float().cpu()
+    got = gemm.gptq_matmul(x, qwi, qz, s, gi, 4, True, 32, wp, config=cfg, bias=bias).cpu().float()
+    assert torch.isfinite(got).all()
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    gated = gemm.gptq_matmul(x, qwi, qz, s, gi, 4, True, 32, wp, config=cfg, bias=bias, gated=True).cpu().float()
+    want_g = ref.silu_and_mul(want)
+    assert torch.isfinite(gated).all()
+    assert (gated - want_g).abs().max() <= 0.02 * want_g.abs().max()
+

@@ -314,7 +314,9 @@ def _silu_and_mul_kernel(x_ptr, y_ptr, n, s_x, s_y, hp_ptr, lb_ptr, slot_ptr, ra
                              tl.sum(tl.where(pick, scal_u, 0.0), 0), offs, mask, n, BLOCK_R)
     g = gate.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # silu in float32, rounded to x's dtype as torch's F.silu
-    tl.store(y_ptr + row * s_y + offs, act * up, mask=mask)
+    # the product in float32, rounded once: a product in x's dtype's bits, also under TRITON_INTERPRET (whose bf16
+    # arithmetic is wrong: it multiplies the raw bits)
+    tl.store(y_ptr + row * s_y + offs, (act.to(tl.float32) * up.to(tl.float32)).to(act.dtype), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor, lora=None, compile_only: bool = False) -> torch.Tensor:

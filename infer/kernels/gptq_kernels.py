@@ -217,14 +217,18 @@ def _finish(total, y_ptr, y_ptrs, mask, offs_m, offs_n, M, N, sy_m, bias_ptr, hp
     `fused.silu_and_mul` computes it from a stored gate|up output."""
     out = total.to(y_ptr.dtype.element_ty)
     if HAS_BIAS:
-        out = out + tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(out.dtype)[None, :]
+        # in float32, rounded once: the same bits as an add in y's dtype (float32 holds the exact sum of two fp16 or
+        # bf16 values' roundings without double-rounding error), and right under TRITON_INTERPRET, whose bf16
+        # arithmetic is wrong (it adds the raw bits)
+        b = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(out.dtype)
+        out = (out.to(tl.float32) + b.to(tl.float32)[None, :]).to(out.dtype)
     if GATED:
         H: tl.constexpr = BLOCK_N // 2
         gate, up = tl.split(tl.permute(tl.reshape(out, (BLOCK_M, 2, H)), (0, 2, 1)))
         g = gate.to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # silu in float32, rounded to y's dtype as torch's F.silu
         cols = tl.min(offs_n, 0) + tl.arange(0, H)
-        tl.store(y_ptr + offs_m[:, None] * sy_m + cols[None, :], act * up,
+        tl.store(y_ptr + offs_m[:, None] * sy_m + cols[None, :], (act.to(tl.float32) * up.to(tl.float32)).to(up.dtype),
                  mask=(offs_m < M)[:, None] & (cols < N // 2)[None, :])
     else:
         tl.store(y_ptrs, out, mask=mask)
