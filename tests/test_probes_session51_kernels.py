@@ -125,3 +125,20 @@ def test_gptq_bf16_bias_and_gated_epilogue(gemm, regime):
     assert torch.isfinite(gated).all()
     assert (gated - want_g).abs().max() <= 0.02 * want_g.abs().max()
 
+
+@pytest.mark.parametrize("regime", ["decode", "prefill"])
+def test_gptq_bf16_lora_epilogue(gemm, lora_ops, regime):
+    """The adapters' delta in the mma kernels' epilogue of a bf16 layer (tiles of 16+ rows: a tl.dot of h and B):
+    the interpreter's bf16 tl.dot gave ~1e8; it takes the float32 IEEE dot of the same bf16 values there now."""
+    from infer.kernels import lora_reference as lref
+    from infer.lora.batch import lora_groups
+    from test_gptq_kernel import CONFIGS
+    x, (qw, qz, s, gi), qwi, wp, a, b, scal, ranks, bounds, slots, bias = _bf16_case(20)
+    groups = lora_groups(slots, scal.shape[1])
+    want = ref.gptq_matmul(x.float(), qw, qz, s, gi, 4, True)
+    lref.lora_apply(x.float(), want, a.float(), b.float(), scal, bounds, groups, ranks)
+    delta = lora_ops.delta(x, a, b, scal, bounds, groups, ranks, slots)
+    assert gemm.lora_in_epilogue(20, bounds[-1], 128, 4, 32, wp, delta, x.device) or CUDA
+    got = gemm.gptq_matmul(x, qwi, qz, s, gi, 4, True, 32, wp, config=CONFIGS[regime], lora=delta).cpu().float()
+    assert torch.isfinite(got).all()
+    assert (got - want.cpu()).abs().max() <= 0.02 * want.abs().max()

@@ -179,7 +179,9 @@ def _lora_add(y_ptr, m0, n0, M, N, sy_m, hp_ptr, lb_ptr, slot_ptr, rank_ptr, sca
                                 + (offs_n - lo)[None, :], mask=used[:, None] & in_cols[None, :], other=0.0)
                     if BLOCK_M >= 16:
                         if IEEE:
-                            delta = tl.dot(h, b.to(tl.float32), delta, input_precision="ieee")
+                            # (float32, or bf16 under TRITON_INTERPRET, whose bf16 tl.dot is wrong: the same values)
+                            delta = tl.dot(h.to(b.dtype).to(tl.float32), b.to(tl.float32), delta,
+                                           input_precision="ieee")
                         else:
                             delta = tl.dot(h.to(b.dtype), b, delta)
                     else:
@@ -623,4 +625,4 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
         acc = tl.trans(acc)
     _epilogue(acc, y_ptr, ws_ptr, lock_ptr, pid, pid_k, offs_m, offs_n, M, N, sy_m, n_split,
               bias_ptr, hp_ptr, lb_ptr, slot_ptr, rank_ptr, scal_ptr, NR, n_lsplit, c1, c2, c3, SPLIT, HAS_BIAS,
-              LORA_S, LORA_R, LORA_RP, LORA_NSH, LORA_JB, BLOCK_M, BLOCK_N, F32, GATED)
+              LORA_S, LORA_R, LORA_RP, LORA_NSH, LORA_JB, BLOCK_M, BLOCK_N, F32 or DOT_F32, GATED)
