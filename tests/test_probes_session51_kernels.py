@@ -142,3 +142,22 @@ def test_gptq_bf16_lora_epilogue(gemm, lora_ops, regime):
     got = gemm.gptq_matmul(x, qwi, qz, s, gi, 4, True, 32, wp, config=CONFIGS[regime], lora=delta).cpu().float()
     assert torch.isfinite(got).all()
     assert (got - want.cpu()).abs().max() <= 0.02 * want.abs().max()
+
+
+@pytest.fixture(scope="module")
+def fused():
+    yield from interpreted_module("infer.kernels.fused")
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_bf16(fused, with_residual):
+    """A bf16 model's rms_norm (+ residual): the residual add and the weight multiply were in bf16, which
+    TRITON_INTERPRET computes on the raw bits (NaN); in float32 and rounded once now (a GPU's same bits)."""
+    g = torch.Generator().manual_seed(51)
+    x, w, r = (torch.randn(*shape, generator=g).to(torch.bfloat16) for shape in ((5, 96), (96,), (5, 96)))
+    want = ref.rms_norm(x, w, 1e-6, r if with_residual else None)
+    got = fused.rms_norm(x.to(DEV), w.to(DEV), 1e-6, r.to(DEV) if with_residual else None)
+    for a, b in zip(got if with_residual else [got], want if with_residual else [want]):
+        a, b = a.cpu().float(), b.float()
+        assert torch.isfinite(a).all()
+        assert (a - b).abs().max() <= 0.02 * b.abs().max()

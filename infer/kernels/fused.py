@@ -32,13 +32,17 @@ LORA_ROW_TILE = 65536  # rms_norm with a LoRA delta: B^T elements per tile [rank
 def _norm_row(x, row, offs, mask, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_r, s_y, s_h, HAS_RES: tl.constexpr):
     """The row x (+ the residual, stored as the next residual) normalized and weighted into y."""
     if HAS_RES:
-        x = x + tl.load(res_ptr + row * s_r + offs, mask=mask, other=0.0)  # in x's dtype, as the reference
+        # in h's dtype (x's and the residual's promoted), as the reference: added in float32 and rounded once (the
+        # same bits; also right under TRITON_INTERPRET, whose bf16 arithmetic adds the raw bits)
+        r = tl.load(res_ptr + row * s_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + row * s_h + offs, x, mask=mask)
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
     y = (xf * inv).to(x.dtype)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    y = w.to(y_ptr.dtype.element_ty) * y.to(y_ptr.dtype.element_ty)
+    yt = y_ptr.dtype.element_ty
+    y = (w.to(yt).to(tl.float32) * y.to(yt).to(tl.float32)).to(yt)  # (in float32, rounded once: as above)
     tl.store(y_ptr + row * s_y + offs, y, mask=mask)
 
 
