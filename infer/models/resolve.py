@@ -70,10 +70,12 @@ def _not_a_model_folder(p: Path) -> ModelLoadError:
 
 
 def _unknown_name_hint(name: str) -> str:
+    local = missing_folder_hint(name)
+    if local and ("/" in name or name.startswith("~")):  # a path (no built-in name has a "/"): its folder first
+        return local
     close = difflib.get_close_matches(name.lower(), BUILTIN_MODELS, n=1, cutoff=0.75)
     if close:
         return f"did you mean the built-in model {close[0]!r}? Else pass a folder with config.json and weights"
-    local = missing_folder_hint(name)
     if local:
         return local
     if is_hub_id(name):
