@@ -35,7 +35,8 @@ class RichObserver(QuantizeObserver):
     def start(self, num_layers: int, calibration: CalibrationSet) -> None:
         source = ("the built-in calibration text (pass --calibration FILE for text like your workload)"
                   if calibration.source == "built-in" else calibration.source)
-        self.console.print(f"Calibrating on {len(calibration.samples)} samples, {calibration.num_tokens} tokens, "
+        n = len(calibration.samples)
+        self.console.print(f"Calibrating on {n} sample{'s' if n != 1 else ''}, {calibration.num_tokens} tokens, "
                            f"from {source}")
         self.progress.start()
         self.num_layers = num_layers
