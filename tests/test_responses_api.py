@@ -146,7 +146,7 @@ def test_the_response_object_has_openais_fields(served):
     assert msg["status"] == "incomplete" and msg["content"][0]["type"] == "output_text"
     assert msg["content"][0]["annotations"] == []
     assert (b["temperature"], b["top_p"], b["max_output_tokens"], b["instructions"]) == (0, 0.5, 4, "sys")
-    assert (b["metadata"], b["user"], b["store"], b["tools"], b["tool_choice"]) == ({"k": "v"}, "u1", True, [], "auto")
+    assert (b["metadata"], b["user"], b["store"], b["tools"], b["tool_choice"]) == ({"k": "v"}, "u1", False, [], "auto")
     assert b["parallel_tool_calls"] is True and b["text"] == {"format": {"type": "text"}}
     u = b["usage"]
     assert u["input_tokens_details"]["cached_tokens"] >= 0 and u["output_tokens_details"] == {"reasoning_tokens": 0}

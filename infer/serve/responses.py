@@ -12,7 +12,8 @@ Responses object, whole or as OpenAI's typed stream events.
   tool_choice {"type": "function", "name"}. vLLM's extra sampling fields are taken as chat takes them.
 - the reply: a "reasoning" output item (with --reasoning-parser), a "message" item, then one "function_call" item per
   call; status "incomplete" (incomplete_details.reason "max_output_tokens") when the reply was cut at its length.
-- infer keeps no responses (as vLLM without its response store): `store` is taken and nothing is stored;
+- infer keeps no responses (as vLLM without its response store): `store` is taken, nothing is stored and the
+  reply says `store: false`;
   previous_response_id, conversation, background and GET /v1/responses/{id} are refused with why, and so are
   built-in tools (web_search...) and input other than text.
 """
@@ -331,7 +332,9 @@ class Reply:
                "reasoning": {"effort": (b.get("reasoning") or {}).get("effort"),
                              "summary": (b.get("reasoning") or {}).get("summary")},
                "safety_identifier": b.get("safety_identifier"), "service_tier": b.get("service_tier") or "auto",
-               "store": b.get("store") is not False, "temperature": params.temperature,
+               # false whatever the request said: nothing is stored (vLLM without its store sets the request's
+               # store to false, so its reply says so; a client reading true would retrieve a 404)
+               "store": False, "temperature": params.temperature,
                "text": b.get("text") or {"format": {"type": "text"}},
                "tool_choice": b.get("tool_choice") or "auto",
                "tools": b.get("tools") or [], "top_logprobs": b.get("top_logprobs") or 0, "top_p": params.top_p,
