@@ -1,5 +1,7 @@
 """Probes of `infer serve` through the official OpenAI Python SDK, session 52: a Responses reply said `store: true`
-though infer stores nothing (vLLM without its store sets the request's store to false, and its reply says so)."""
+though infer stores nothing (vLLM without its store sets the request's store to false, and its reply says so); a
+chat reply's return_token_ids prompt ids were only in its choices, where vLLM's chat response (and its stream's first
+chunk) holds them at the top, where a client reads response.prompt_token_ids."""
 
 from __future__ import annotations
 
@@ -43,3 +45,22 @@ def test_a_response_says_it_was_not_stored(client, store):
         client.responses.retrieve(r.id)
     events = list(client.responses.create(model="tiny", input="hi", max_output_tokens=2, stream=True, **extra))
     assert events[0].response.store is False and events[-1].response.store is False
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_chat_replys_prompt_token_ids_are_at_its_top_as_vllms(client, engine, n):
+    messages = [{"role": "user", "content": "hi"}]
+    want = list(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=True)["input_ids"])
+    kw = dict(model="tiny", messages=messages, max_tokens=2, n=n, extra_body={"return_token_ids": True})
+    r = client.chat.completions.create(**kw)
+    assert r.model_extra["prompt_token_ids"] == want
+    assert all(len(c.model_extra["token_ids"]) == 2 for c in r.choices)
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    tops = [(c.choices[0].index, c.model_extra.get("prompt_token_ids")) for c in chunks]
+    assert [(i, ids) for i, ids in tops if ids is not None] == [(i, want) for i in range(n)]
+    assert tops[:n] == [(i, want) for i in range(n)]  # each choice's first chunk, its role's
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert "prompt_token_ids" not in plain.model_extra
+    done = client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body={"return_token_ids": True})
+    assert "prompt_token_ids" not in done.model_extra and done.choices[0].model_extra["prompt_token_ids"]

@@ -283,13 +283,16 @@ async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, mod
     prompt_n, completion_n = 0, 0
     echoed, prompted = set(), set()  # the choices whose prompt (echo), whose prompt_token_ids went out
 
-    def event(choices, usage=None) -> str:
-        return f"data: {_dumps(p.envelope(req, rid, model, created, choices, usage, chunk=True))}\n\n"
+    def event(choices, usage=None, top: dict | None = None) -> str:
+        body = p.envelope(req, rid, model, created, choices, usage, chunk=True)
+        return f"data: {_dumps({**body, **(top or {})})}\n\n"
 
     if req.chat:
         for i in range(len(ids)):
             usage = p.usage(len(req.prompts[i]), 0) if req.continuous_usage else None
-            yield event([p.choice(req, i, "", None, server.tokenizer, None, delta=True, first=True)], usage)
+            # return_token_ids: the prompt's ids at the top of each choice's first chunk, as vLLM streams them
+            top = {"prompt_token_ids": list(req.prompts[i])} if req.return_token_ids else None
+            yield event([p.choice(req, i, "", None, server.tokenizer, None, delta=True, first=True)], usage, top)
     async with aclosing(server.outputs(queue, ids, None, arrival)) as outs:
         async for i, out in outs:
             if out.finished and out.finish_reason in ("error", "abort"):

@@ -731,6 +731,7 @@ class WholeResponse:
         self.req, self.tokenizer = req, tokenizer
         self.choices: dict[int, dict] = {}
         self.prompt_lp: dict[int, list] = {}
+        self.prompt_ids: dict[int, list[int]] = {}  # return_token_ids: each choice's prompt (a chat response's too)
         self.prompt_n = self.completion_n = 0
 
     def add(self, i: int, out: RequestOutput) -> None:
@@ -754,6 +755,8 @@ class WholeResponse:
             self.prompt_lp[i] = prompt_logprobs(out.prompt_logprobs, tokenizer, req.asked_prompt_logprobs)
             if not req.chat:
                 self.choices[i]["prompt_logprobs"] = self.prompt_lp[i]
+        if req.return_token_ids:
+            self.prompt_ids[i] = list(out.prompt_token_ids)
         self.prompt_n += len(out.prompt_token_ids) if req.counts_prompt(i) else 0
         self.completion_n += 0 if req.prompt_only else out.num_generated
 
@@ -762,6 +765,9 @@ class WholeResponse:
                         usage(self.prompt_n, self.completion_n), chunk=False)
         if self.req.chat and self.prompt_lp:
             body["prompt_logprobs"] = self.prompt_lp[min(self.prompt_lp)]
+        if self.req.chat and self.prompt_ids:  # vLLM's chat response holds the prompt's ids at its top (a client
+            # reads response.prompt_token_ids); the choice's copy stays for the clients that read it there
+            body["prompt_token_ids"] = self.prompt_ids[min(self.prompt_ids)]
         return body
 
 
