@@ -1,7 +1,8 @@
 """Probes of `infer serve` through the official OpenAI Python SDK, session 52: a Responses reply said `store: true`
 though infer stores nothing (vLLM without its store sets the request's store to false, and its reply says so); a
 chat reply's return_token_ids prompt ids were only in its choices, where vLLM's chat response (and its stream's first
-chunk) holds them at the top, where a client reads response.prompt_token_ids."""
+chunk) holds them at the top, where a client reads response.prompt_token_ids; a chat request's `echo` (vLLM's: the
+last message's text before the reply's, when it has the reply's role) was a 400."""
 
 from __future__ import annotations
 
@@ -64,3 +65,37 @@ def test_a_chat_replys_prompt_token_ids_are_at_its_top_as_vllms(client, engine, 
     assert "prompt_token_ids" not in plain.model_extra
     done = client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body={"return_token_ids": True})
     assert "prompt_token_ids" not in done.model_extra and done.choices[0].model_extra["prompt_token_ids"]
+
+
+PREFILL = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, "}]
+CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
+
+
+def _streamed(client, n, **kw) -> list[str]:
+    chunks = list(client.chat.completions.create(stream=True, n=n, **kw))
+    assert all(len(c.choices) == 1 for c in chunks)
+    return ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == i) for i in range(n)]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_chat_echo_puts_the_last_messages_text_before_the_reply_as_vllm(client, n):
+    kw = dict(model="tiny", messages=PREFILL, max_tokens=3, temperature=0, n=n)
+    plain = client.chat.completions.create(**kw, extra_body=CONTINUE)
+    echoed = client.chat.completions.create(**kw, extra_body={**CONTINUE, "echo": True})
+    assert [c.message.content for c in echoed.choices] == ["Sure, " + c.message.content for c in plain.choices]
+    assert echoed.usage == plain.usage  # the echo is no token of the reply
+    assert _streamed(client, **kw, extra_body={**CONTINUE, "echo": True}) == [c.message.content
+                                                                              for c in echoed.choices]
+    # the assistant's turn with a generation prompt too (the reply's role), its text parts joined by newlines
+    parts = [PREFILL[0], {"role": "assistant", "content": [{"type": "text", "text": "a"},
+                                                           {"type": "text", "text": "b"}]}]
+    r = client.chat.completions.create(model="tiny", messages=parts, max_tokens=2, extra_body={"echo": True})
+    assert r.choices[0].message.content.startswith("a\nb")
+
+
+def test_a_chat_echo_of_a_user_turn_echoes_nothing_as_vllm(client):
+    kw = dict(model="tiny", messages=PREFILL[:1], max_tokens=3, temperature=0)
+    plain = client.chat.completions.create(**kw)
+    echoed = client.chat.completions.create(**kw, extra_body={"echo": True})
+    assert echoed.choices[0].message.content == plain.choices[0].message.content
+    assert _streamed(client, 1, **kw, extra_body={"echo": True}) == [plain.choices[0].message.content]

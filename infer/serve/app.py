@@ -293,6 +293,9 @@ async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, mod
             # return_token_ids: the prompt's ids at the top of each choice's first chunk, as vLLM streams them
             top = {"prompt_token_ids": list(req.prompts[i])} if req.return_token_ids else None
             yield event([p.choice(req, i, "", None, server.tokenizer, None, delta=True, first=True)], usage, top)
+        for i in range(len(ids)) if req.echo_text else ():  # echo: the last message's text, after the roles (vLLM)
+            usage = p.usage(len(req.prompts[i]), 0) if req.continuous_usage else None
+            yield event([p.choice(req, i, req.echo_text, None, server.tokenizer, None, delta=True)], usage)
     async with aclosing(server.outputs(queue, ids, None, arrival)) as outs:
         async for i, out in outs:
             if out.finished and out.finish_reason in ("error", "abort"):

@@ -115,6 +115,8 @@ class GenerationRequest:
     tokens_as_ids: bool | None = False
     # vLLM's use_beam_search: the n choices of a prompt are its n best beams (serve/beams.py), not n samples
     beam: Any = None
+    # chat's echo (vLLM's): the last message's text, when it has the reply's role, before each choice's content
+    echo_text: str | None = None
 
     def params_for(self, index: int):
         """Choice `index`'s sampling: with n > 1 and a seed, sample j draws with seed + j (as vLLM's parallel
@@ -151,9 +153,8 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
     if not chat and body.get(REQUEST_TEMPLATE_FIELD) is not None:
         raise ApiError(400, "chat_template applies to chat messages only (send messages to /v1/chat/completions, "
                             "or remove it)", param=REQUEST_TEMPLATE_FIELD)
-    echo = bool(_expect(body, "echo", (bool,), "a boolean"))
-    if echo and chat:
-        raise ApiError(400, "echo is supported by /v1/completions only", param="echo")
+    # chat's echo (vLLM's: the last message's text before the reply's) is parse_chat's; this one is completions'
+    echo = bool(_expect(body, "echo", (bool,), "a boolean")) and not chat
     n = _expect(body, "n", (int,), "an integer")
     if n is not None and not 1 <= n <= MAX_N:
         raise ApiError(400, f"n must be in 1..{MAX_N}, got {n}", param="n")
@@ -411,6 +412,8 @@ def parse_chat(body: Any, tokenizer, max_tokens: int | None = None, defaults: di
     req = _common(body, chat=True, defaults=defaults)
     own = request_template(body, trust_template)
     clean = _messages(body, tokenizer, own)
+    if body.get("echo"):
+        req.echo_text = _echoed_message(body, clean[-1])
     try:
         template = {**chat_template_options(body), "chat_template": own}
         req.tools = parse_tools(body, tool_parser)
@@ -442,6 +445,17 @@ def parse_chat(body: Any, tokenizer, max_tokens: int | None = None, defaults: di
         req.params = replace(req.params, skip_special_tokens=False)  # the think tags stay in the text to split it
     req.prompts = _choices(req, [prompt])
     return req
+
+
+def _echoed_message(body: dict, last: dict) -> str:
+    """vLLM's chat echo: the last message's text (its text parts joined by newlines) when its role is the reply's
+    (the assistant's with add_generation_prompt, the default; else the last message's own), else nothing."""
+    role = "assistant" if body.get("add_generation_prompt", True) is not False else last["role"]
+    content = last.get("content") if last["role"] == role else None
+    if isinstance(content, list):
+        return "\n".join(part["text"] for part in content if isinstance(part, dict)
+                         and isinstance(part.get("text"), str))
+    return content if isinstance(content, str) else ""
 
 
 def request_template(body: dict, trusted: bool) -> str | None:
@@ -750,6 +764,9 @@ class WholeResponse:
         self.choices[i] = choice(req, i, text, records, tokenizer, reason, token_ids=ids_out,
                                  prompt_token_ids=out.prompt_token_ids, stop_reason=out.stop_reason,
                                  tool_calls=calls, reasoning=thought)
+        if req.echo_text:  # chat's echo: the last message's text before the content (vLLM's, after the parsers)
+            message = self.choices[i]["message"]
+            message["content"] = req.echo_text + (message["content"] or "")
         if out.prompt_logprobs is not None and req.asked_prompt_logprobs is not None:
             # vLLM's field: a completion choice's, a chat response's
             self.prompt_lp[i] = prompt_logprobs(out.prompt_logprobs, tokenizer, req.asked_prompt_logprobs)
