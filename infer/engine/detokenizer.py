@@ -67,6 +67,22 @@ def _skipped_special_ids(tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+def _cleans_up(tokenizer) -> bool:
+    """Whether decode() applies transformers' clean_up_tokenization (clean_up_tokenization_spaces: " ," to ",",
+    " ' " to "'", " n't" to "n't", ...), which transformers 5 skips for a BPE model unless forced. A token can then
+    change the text before it: "a '" becomes "a'b" when "b" comes."""
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return False
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return True
+    if not isinstance(tokenizer, TokenizersBackend) or type(tokenizer)._decode is not TokenizersBackend._decode:
+        return True
+    return type(getattr(tokenizer._tokenizer, "model", None)).__name__ != "BPE" or bool(getattr(
+        tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False))
+
+
 def _decode_joined(tokenizer, skip_special_tokens: bool, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=False)
 
@@ -95,6 +111,9 @@ class Detokenizer:
         self.byte_ids, self.max_id = (frozenset(), None) if self.incremental or self.joined \
             else _byte_tokens(tokenizer)
         self.special_ids = _skipped_special_ids(tokenizer)
+        # clean-up of tokenization spaces: a space among the text's last 3 characters may still go (every pattern
+        # starts with a space and is at most 4 characters long), so the text from it is not final (final_text_len)
+        self.cleans_up = _cleans_up(tokenizer)
 
     def update(self, seq: Sequence, stop_token: bool) -> bool:
         """Refresh seq.text from its output tokens; True if a stop string was found (text is cut before it, or
@@ -161,6 +180,10 @@ class Detokenizer:
             seq.text = text[:pos + len(seq.stop_reason)] if p.include_stop_str_in_output else text[:pos]
         else:
             seq.text = text
+            if self.cleans_up:
+                space = text.rfind(" ", max(0, len(text) - 3))
+                if space != -1:
+                    seq.final_text_len = space if seq.final_text_len is None else min(seq.final_text_len, space)
         return bool(found)
 
     def _token(self, decode, token: int) -> str | None:
