@@ -70,3 +70,31 @@ def test_a_stop_string_is_found_in_the_cleaned_text():
     ids = tok.convert_tokens_to_ids(["a", "'", "s", "b", "b"])
     sent, text, deltas = _stream_by_hand(tok, ids, stop=["'s"])
     assert text == "a" and sent == text
+
+
+# ------------------------------------------------------------------ a stop token whose text holds a stop string
+@pytest.fixture(scope="module")
+def llm():
+    from infer import LLM
+    from infer.models.tiny import ensure_builtin
+    return LLM(str(ensure_builtin("tiny-llama")), max_model_len=64)
+
+
+def test_a_stop_string_in_the_stop_tokens_own_text_is_the_stop_reason(llm):
+    """vLLM's output processor: a stop string the detokenizer finds is the stop_reason, also when the token that
+    completed it is a stop token (its text kept by include_stop_str_in_output). infer reported the token's id."""
+    from infer import SamplingParams
+    tok = llm.get_tokenizer()
+    t = tok("hello", add_special_tokens=False)["input_ids"][-1]
+    word = tok.decode([t])
+    assert word.strip()
+    p = SamplingParams(max_tokens=4, allowed_token_ids=[t], stop_token_ids=[t], stop=[word.strip()],
+                       include_stop_str_in_output=True)
+    out = llm.generate(["a b"], p)[0].outputs[0]
+    assert out.token_ids == [t] and out.finish_reason == "stop"
+    assert out.stop_reason == word.strip()  # was t
+    assert out.text == word[:word.index(word.strip()) + len(word.strip())]
+    # without include_stop_str_in_output the stop token's text is not searched: its id is the reason
+    out = llm.generate(["a b"], SamplingParams(max_tokens=4, allowed_token_ids=[t], stop_token_ids=[t],
+                                               stop=[word.strip()]))[0].outputs[0]
+    assert out.stop_reason == t and out.text == ""

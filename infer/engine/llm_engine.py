@@ -868,8 +868,10 @@ class LLMEngine:
         eos = not p.ignore_eos and token in self.eos_token_ids
         is_stop_token = eos or token in p.stop_token_ids
         stop_string = self.detokenizer.update(seq, is_stop_token)
-        if is_stop_token:  # as vLLM's stop_reason: None for the tokenizer's EOS, else the stop token's id (or the
-            # stop string); vLLM stops at generation_config's other eos_token_ids as stop_token_ids, which report theirs
+        if is_stop_token and not stop_string:  # as vLLM's stop_reason: None for the tokenizer's EOS, else the stop
+            # token's id; vLLM stops at generation_config's other eos_token_ids as stop_token_ids, which report theirs.
+            # A stop string found in the text with it (the stop token's own text, include_stop_str_in_output; or the
+            # first text min_tokens lets it be found in) is the reason, as vLLM's (the text is cut at it)
             seq.stop_reason = None if token == self.tokenizer_eos and not p.ignore_eos else token
         if is_stop_token or stop_string:
             self.scheduler.finish(seq, "stop")
