@@ -156,9 +156,10 @@ class Server:
                 for rid in search.ids:
                     self._beams[rid] = search
                 return search.queue, search.ids
-            for i, (rid, prompt) in enumerate(zip(ids, req.prompts)):
-                self.aengine.add(rid, prompt, req.params_for(i), lora, queue)
-                done.append(rid)
+            with self.aengine.admitting():  # every choice with the same adapter weights: no reload in between
+                for i, (rid, prompt) in enumerate(zip(ids, req.prompts)):
+                    self.aengine.add(rid, prompt, req.params_for(i), lora, queue)
+                    done.append(rid)
         except RequestError as e:
             self._abort(done)
             if lora is not None and lora not in self.adapters():  # unloaded since lora_for found it (an unload ran

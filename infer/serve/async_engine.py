@@ -70,9 +70,10 @@ class AsyncEngine:
         self.engine = engine
         self.max_queue = max_queue
         self._cond = threading.Condition()
-        # held by `add` from its check to its enqueue, and by the engine thread while it runs controls: a request
-        # accepted (its adapter checked) before an adapter's removal or replacement runs is admitted before it
-        self._admission = threading.Lock()
+        # held by `add` from its check to its enqueue (by `admitting` across every choice of one request), and by the
+        # engine thread while it runs controls: a request accepted (its adapter checked) before an adapter's removal
+        # or replacement runs is admitted before it, all its choices together
+        self._admission = threading.RLock()
         self._adds: deque[_Pending] = deque()
         self._aborts: deque[str] = deque()
         self._controls: deque[tuple] = deque()  # (fn(engine), loop, future): run on the engine thread
@@ -118,6 +119,11 @@ class AsyncEngine:
                 self._sinks[request_id] = sink
                 self._adds.append(_Pending(request_id, list(prompt_token_ids), params, lora, sink, time.monotonic()))
                 self._cond.notify()
+
+    def admitting(self):
+        """Held around the `add`s of one request's choices (several prompts, n > 1): no adapter removal or in-place
+        reload runs between two of them, so every choice is checked and runs with the same adapter weights."""
+        return self._admission
 
     def capacity(self) -> int | None:
         """The most requests (choices) one body may hold: what could ever be accepted at once, the running slots

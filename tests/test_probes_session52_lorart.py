@@ -1,0 +1,73 @@
+"""Session 52 probes of adapters at run time (slots swapped between adapters of other ranks and targets, in-place
+reloads and unloads under running and waiting requests, the server's load/unload routes under concurrent requests,
+the prefix cache across adapters), with peft as the oracle."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from lora_helpers import PeftOracle, three_adapters
+
+httpx = pytest.importorskip("httpx")  # the serve extra
+pytest.importorskip("fastapi")
+
+PROMPT = [5, 17, 99, 230, 41, 7, 8, 9]
+N = 6
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    return three_adapters(tmp_path_factory.mktemp("s52-lorart"), seed=52)
+
+
+@pytest.fixture(scope="module")
+def oracle(paths):
+    hf, adapters = paths
+    return PeftOracle(hf, adapters)
+
+
+def test_the_choices_of_one_request_never_straddle_an_in_place_reload(paths, oracle, monkeypatch):
+    """A request of two prompts (or n > 1) is added choice by choice; an in-place reload the engine thread ran
+    between two of them gave the first choice the old weights and the second the new ones: one response, two
+    adapters. Every choice of a request is accepted before the reload, or every one after it."""
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+
+    _, adapters = paths
+    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=128, enable_lora=True, max_loras=1, max_lora_rank=8))
+    aengine = AsyncEngine(engine)
+    engine.add_lora("x", str(adapters["a"]))
+    new = engine.lora_manager.load("x", str(adapters["b"]))
+    real_add, reloaded = aengine.add, threading.Event()
+
+    def add(request_id, prompt, params, lora, queue):
+        real_add(request_id, prompt, params, lora, queue)
+        if request_id.endswith("-0") and lora == "x" and not reloaded.is_set():
+            # the reload reaches the engine thread now, between this request's first and second choice
+            def reload(engine):
+                engine.add_lora("x", str(adapters["b"]), loaded=new, replace=True)
+                reloaded.set()
+            with aengine._cond:
+                aengine._controls.append((reload, None, None))
+                aengine._cond.notify()
+            reloaded.wait(timeout=3)  # (it cannot run before this request's choices are all accepted)
+    monkeypatch.setattr(aengine, "add", add)
+    try:
+        with serve_in_thread(Server(aengine, "tiny-llama", runtime_lora=True)) as url:
+            r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+                "model": "x", "prompt": [PROMPT, PROMPT], "max_tokens": N, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            tokens = [c["token_ids"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+            assert reloaded.wait(timeout=60)
+            assert tokens == [oracle.greedy("a", PROMPT, N)] * 2
+            r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+                "model": "x", "prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True})
+            assert r.json()["choices"][0]["token_ids"] == oracle.greedy("b", PROMPT, N)
+    finally:
+        engine.close()
