@@ -71,3 +71,25 @@ def test_the_choices_of_one_request_never_straddle_an_in_place_reload(paths, ora
             assert r.json()["choices"][0]["token_ids"] == oracle.greedy("b", PROMPT, N)
     finally:
         engine.close()
+
+
+def test_an_in_place_reload_of_an_adapter_nobody_uses_does_not_read_its_old_folder_again(paths, oracle, tmp_path):
+    """--max-cpu-loras 1: x's CPU copy was dropped. Reloading x in place while no request used it read x's old folder
+    again on the engine thread (holding up every step; a second disk load counted), only to free it at once: as an
+    unload of an adapter nobody uses, its old weights are dropped without being read."""
+    import shutil
+
+    from infer import LLM, SamplingParams
+
+    _, adapters = paths
+    old = shutil.copytree(adapters["a"], tmp_path / "x")
+    with LLM("tiny-llama", enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8, max_model_len=64) as llm:
+        llm.add_lora("x", str(old))
+        llm.add_lora("y", str(adapters["c"]))  # x's CPU copy is dropped
+        manager = llm.engine.lora_manager
+        reads = manager.disk_loads
+        llm.add_lora("x", str(adapters["b"]), replace=True)
+        assert manager.disk_loads == reads + 1  # the new folder only (was + 2: the old one read again)
+        assert manager.retired() == [] and sorted(llm.list_loras()) == ["x", "y"]
+        params = SamplingParams(max_new_tokens=N, ignore_eos=True)
+        assert llm.generate([PROMPT], params, lora="x")[0].token_ids == oracle.greedy("b", PROMPT, N)

@@ -552,7 +552,7 @@ class LLMEngine:
             return
         # replaced, or removed while requests still use it (as vLLM, the name may be loaded again at once): the
         # requests that hold the old weights move to their private key and finish with them
-        old = manager.replace(adapter)
+        old = manager.replace(adapter, in_use=self._lora_in_use(name))  # unused: its old folder is not read again
         if old is not None:
             for seq in self.requests.values():
                 if seq.lora == name and not seq.finished:
@@ -594,10 +594,14 @@ class LLMEngine:
         if not manager.has(name):
             raise LoRAError(f"unknown LoRA adapter {name!r}",
                             f"loaded adapters: {', '.join(sorted(manager.names())) or 'none'}")
-        in_use = manager.pins(name) or any(seq.lora == name and not seq.finished for seq in self.requests.values()) \
-            or any(hold.lora == name for hold in self._lora_holds)
-        manager.retire(name, in_use=bool(in_use))  # unused: freed now, its folder not read again for it
+        manager.retire(name, in_use=self._lora_in_use(name))  # unused: freed now, its folder not read again for it
         return self._reap_loras().get(name, 0)
+
+    def _lora_in_use(self, name: str) -> bool:
+        """Whether a request (running or waiting) or a hold uses the weights registered under `name`."""
+        return bool(self.lora_manager.pins(name)) \
+            or any(seq.lora == name and not seq.finished for seq in self.requests.values()) \
+            or any(hold.lora == name for hold in self._lora_holds)
 
     def _reap_loras(self) -> dict[str, int]:
         """Free every removed adapter no request uses any more; {name: requests still using it} of the others."""

@@ -117,12 +117,12 @@ class LoRAManager:
         self._stamps[name] = adapter.stamp
         self._cache(adapter)
 
-    def replace(self, adapter: LoRAAdapter) -> str | None:
+    def replace(self, adapter: LoRAAdapter, in_use: bool = True) -> str | None:
         """Register `adapter` in place of the adapter registered under its name (vLLM's load_inplace): new requests
         get the new weights at once. The old weights are retired under a private key, returned (None when the name
         was free), which the caller moves the requests already holding them to: they finish with the weights they
         started with, and each registration keeps its own prefix-cache key, so no K/V of one is reused by the
-        other."""
+        other. `in_use` False: no request holds the old weights (retire's), so their folder is not read again."""
         name = adapter.name
         if name not in self._paths:
             self.add(adapter)
@@ -130,7 +130,7 @@ class LoRAManager:
         old = f"{name}\x00{self._registration[name]}"  # no adapter name holds a NUL: `load` refuses it
         serving = name not in self._retired
         if serving:
-            self.retire(name)
+            self.retire(name, in_use)
         self._cpu.pop(name, None)  # the retired copy is the one requests use now
         for table in (self._paths, self._resident, self._pins, self._retired, self._registration, self._stamps):
             if name in table:
@@ -141,8 +141,10 @@ class LoRAManager:
             for table in (self._paths, self._resident, self._pins, self._retired, self._registration, self._stamps):
                 if old in table:
                     table[name] = table.pop(old)
-            if serving and self._retired.get(name) is not None:
-                self._cache(self._retired.pop(name))
+            if serving:  # served again (its CPU copy back in the LRU; read from its folder if it had none)
+                kept = self._retired.pop(name, None)
+                if kept is not None:
+                    self._cache(kept)
             raise
         return old
 
