@@ -93,3 +93,49 @@ def test_an_in_place_reload_of_an_adapter_nobody_uses_does_not_read_its_old_fold
         assert manager.retired() == [] and sorted(llm.list_loras()) == ["x", "y"]
         params = SamplingParams(max_new_tokens=N, ignore_eos=True)
         assert llm.generate([PROMPT], params, lora="x")[0].token_ids == oracle.greedy("b", PROMPT, N)
+
+
+def test_the_samples_of_one_async_llm_request_never_straddle_an_in_place_reload(paths, monkeypatch):
+    """AsyncLLM.generate with n > 1 adds its samples one by one: an in-place reload the engine thread ran between two
+    of them gave the samples of one request two adapters' weights (and two prefix-cache keys)."""
+    import asyncio
+
+    from infer import SamplingParams
+    from infer.serve.async_llm import AsyncLLM
+
+    _, adapters = paths
+    llm = AsyncLLM("tiny-llama", enable_lora=True, max_loras=1, max_lora_rank=8, max_model_len=64)
+    engine = llm.engine
+    new = engine.lora_manager.load("x", str(adapters["b"]))
+    keys = {}
+    real_request = engine.add_request
+
+    def add_request(request_id, prompt, params, lora=None, **kw):
+        keys[request_id] = engine.lora_manager.cache_key(lora)  # which registration of the name it runs with
+        return real_request(request_id, prompt, params, lora, **kw)
+    monkeypatch.setattr(engine, "add_request", add_request)
+    real_add, reloaded = llm._loop.add, threading.Event()
+
+    def add(request_id, prompt, params, lora, queue):
+        real_add(request_id, prompt, params, lora, queue)
+        if request_id == "0_r":
+            def reload(engine):
+                engine.add_lora("x", str(adapters["b"]), loaded=new, replace=True)
+                reloaded.set()
+            with llm._loop._cond:
+                llm._loop._controls.append((reload, None, None))
+                llm._loop._cond.notify()
+            reloaded.wait(timeout=3)  # (it cannot run before the request's samples are all accepted)
+    monkeypatch.setattr(llm._loop, "add", add)
+
+    async def main():
+        await llm.add_lora("x", str(adapters["a"]))
+        params = SamplingParams(n=2, temperature=1.0, max_tokens=3, ignore_eos=True)
+        return [out async for out in llm.generate({"prompt_token_ids": PROMPT}, params, "r", lora="x")]
+    try:
+        outs = asyncio.run(main())
+        assert outs and outs[-1].finished
+        assert reloaded.wait(timeout=60)
+        assert keys["0_r"] == keys["1_r"] == ("x", 1)
+    finally:
+        llm.shutdown()

@@ -80,13 +80,14 @@ class AsyncLLM:
             raise RequestIdInUseError(f"request id {request_id!r} is already in use",
                                       "give every request in flight its own id, e.g. str(uuid.uuid4())")
         queue: asyncio.Queue = asyncio.Queue()
-        for j, rid in enumerate(rids):
-            try:
-                self._loop.add(rid, ids, params if n == 1 else params.sample(j), lora, queue)
-            except BaseException:  # (the id in use, a full queue): none of the samples runs
-                for added in rids[:j]:
-                    self._loop.abort(added)
-                raise
+        with self._loop.admitting():  # every sample with the same adapter weights: no reload between two of them
+            for j, rid in enumerate(rids):
+                try:
+                    self._loop.add(rid, ids, params if n == 1 else params.sample(j), lora, queue)
+                except BaseException:  # (the id in use, a full queue): none of the samples runs
+                    for added in rids[:j]:
+                        self._loop.abort(added)
+                    raise
         stream = self._streams[request_id] = (asyncio.get_running_loop(), queue, rids)
         left = set(rids)  # the samples not finished yet
         sent = {rid: [0, 0, 0, 0.0, False] for rid in rids}  # (DELTA: as_delta)
