@@ -139,3 +139,44 @@ def test_the_samples_of_one_async_llm_request_never_straddle_an_in_place_reload(
         assert keys["0_r"] == keys["1_r"] == ("x", 1)
     finally:
         llm.shutdown()
+
+
+def test_data_parallel_choices_of_one_request_never_straddle_an_in_place_reload(paths, monkeypatch):
+    """With --data-parallel the driver thread took a request's first choice and a reload (queued before it) in one
+    turn, routed the choice, ran the reload on the replicas, and the second choice reached its replica after it: one
+    response on two adapters' weights. The driver routes every choice of a request accepted before it runs a
+    control."""
+    from test_probes_session46_dpbeam import _dp
+
+    from infer.serve.app import serve_in_thread
+
+    _, adapters = paths
+    replicas, handles, aengine, server = _dp({"b": adapters["a"]}, start=False)
+    keys = {}
+    for replica in replicas:
+        def add_request(request_id, prompt, params, lora=None, _engine=replica.engine,
+                        _real=replica.engine.add_request, **kw):
+            keys[request_id] = _engine.lora_manager.cache_key(lora)  # which registration of the name it runs with
+            return _real(request_id, prompt, params, lora, **kw)
+        monkeypatch.setattr(replica.engine, "add_request", add_request)
+    real_add, reloaded = aengine.add, threading.Event()
+
+    def add(request_id, prompt, params, lora, queue):
+        real_add(request_id, prompt, params, lora, queue)
+        if request_id.endswith("-0") and lora == "b" and not reloaded.is_set():
+            def reload(engine):  # (what add_lora(load_inplace) has the driver thread run)
+                engine._on_replicas_after_sent(lambda r: r.handle.add_lora.remote("b", str(adapters["c"]), True),
+                                               list(engine.replicas))
+                reloaded.set()
+            with aengine._cond:
+                aengine._controls.append((reload, None, None))
+                aengine._cond.notify()
+            reloaded.wait(timeout=3)  # (it cannot run before this request's choices are all accepted)
+    monkeypatch.setattr(aengine, "add", add)
+    with serve_in_thread(server) as url:
+        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": "b", "prompt": [PROMPT, PROMPT], "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert reloaded.wait(timeout=60)
+    choices = sorted(rid for rid in keys if rid.startswith("cmpl-"))
+    assert len(choices) == 2 and [keys[rid] for rid in choices] == [("b", 1)] * 2, keys

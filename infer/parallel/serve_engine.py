@@ -274,6 +274,11 @@ class RayAsyncEngine(AsyncEngine):
                 if time.monotonic() - pinged >= PING_S:
                     pinged = time.monotonic()
                     self._ping()
+                if controls:  # as AsyncEngine._iteration: the requests accepted before the control ran (all the
+                    with self._admission:  # choices of one, `admitting`) go to their replicas before it
+                        with self._cond:
+                            late, self._adds = list(self._adds), deque()
+                    adds += late
                 self._route(adds, aborts)
                 self._send()
                 self._run_controls(controls, self)
