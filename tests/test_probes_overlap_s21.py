@@ -132,12 +132,14 @@ def test_late_masks_with_n_samples_prefix_caching_and_logprobs(path, late_steps)
 
 
 def _engine_whose_sampler_fails_once_asked(monkeypatch):
-    """An overlapped engine running one constrained request "c" (3 tokens), and a flag: set it, and the next
-    sampling raises (once)."""
+    """An overlapped engine running a constrained request "c" (3 tokens) and a longer one "d", and a flag: set it,
+    and the next sampling raises (once). (d's row reads the token of the step before, so the launch after c's last
+    token settles that step first; c itself is not scheduled past its last token: Scheduler.ends_pending.)"""
     from infer.engine.config import EngineConfig
     from infer.engine.llm_engine import LLMEngine
     eng = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, block_size=4, overlap=True))
     eng.add_request("c", [5, 6, 7], SamplingParams(max_new_tokens=3, structured_outputs=S(regex="[ab]{1,12}")))
+    eng.add_request("d", [5, 6, 8], SamplingParams(max_new_tokens=8, structured_outputs=S(regex="[ab]{8,12}")))
     real = eng.runner.sampler.sample
     fail = [False]
 
@@ -167,6 +169,8 @@ def test_a_request_finished_inside_a_failed_late_launch_keeps_the_engine_unfinis
             raised += 1
             continue
         for o in outs:
+            if o.request_id != "c":
+                continue
             tokens += o.new_token_ids
             if o.finished:
                 final = o

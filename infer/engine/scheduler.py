@@ -223,6 +223,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self.ends_pending(seq):
+                i += 1  # (no drafts: a sequence with a pending token has none)
+                continue
             n = self._fit(seq, budget, batch)
             if n < 1:
                 break
@@ -237,6 +240,18 @@ class Scheduler:
         budget = self._with_drafts(batch, budget)
         self._admit(batch, budget)
         return batch
+
+    @staticmethod
+    def ends_pending(seq: Sequence) -> bool:
+        """Overlapped steps: the token the launched step samples for seq is its last, whatever its value (max_tokens or
+        the context reached): no step computes it, as vLLM's async scheduling skips such a request, and the launched
+        step's completion finishes seq. Scheduled, the step past its end took a block it never used, preempting
+        another request for it when the cache was full."""
+        if not seq.num_pending:
+            return False
+        limit = seq.params.max_new_tokens
+        return (limit is not None and seq.num_generated + seq.num_pending >= limit) \
+            or 0 < seq.max_total_len <= len(seq)
 
     def _with_drafts(self, batch: ScheduledBatch, budget: int) -> int:
         """Speculative decoding: to each decoding sequence of the batch with drafts, as many of them as the budget and

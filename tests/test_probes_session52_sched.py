@@ -1,0 +1,42 @@
+"""Session 52 probes: the scheduler and KV cache under pressure (tight caches, preemption, overlapped steps).
+
+Every request's greedy tokens must be those it gets alone, the counters must say what happened, and the block
+manager must hold nothing once every request is over."""
+
+from __future__ import annotations
+
+from infer.engine.config import EngineConfig
+from infer.engine.llm_engine import LLMEngine
+from infer.engine.sampling_params import SamplingParams
+
+
+def _drain(engine: LLMEngine) -> dict:
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+    return outs
+
+
+def test_overlapped_step_past_max_tokens_takes_no_block_and_preempts_no_one():
+    """With overlapped steps (a GPU's default) the scheduler ran a request once more after the step that samples its
+    last token (max_tokens reached, whatever that token is): a's ninth token's KV, which no one reads, needed a third
+    block of the ten that a (2) and b (8) filled, and b was preempted and recomputed for it. vLLM's async scheduling
+    skips such a request; the synchronous engine never ran that step."""
+    results = {}
+    for overlap in (False, True):
+        engine = LLMEngine(EngineConfig("tiny-llama", block_size=4, num_kv_blocks=10, max_model_len=40,
+                                        overlap=overlap))
+        try:
+            engine.add_request("a", [5, 6, 7, 8], SamplingParams(max_new_tokens=5, ignore_eos=True))
+            engine.add_request("b", list(range(10, 34)), SamplingParams(max_new_tokens=8, ignore_eos=True))
+            outs = _drain(engine)
+            s = engine.stats()
+            results[overlap] = outs
+            assert s["num_preemptions"] == 0, overlap
+            assert s["kv_blocks_used"] == 0 and all(b.ref_count == 0 for b in engine.block_manager.blocks)
+            assert len(outs["a"]) == 5 and len(outs["b"]) == 8
+        finally:
+            engine.close()
+    assert results[True] == results[False]
