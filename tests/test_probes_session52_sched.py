@@ -40,3 +40,47 @@ def test_overlapped_step_past_max_tokens_takes_no_block_and_preempts_no_one():
         finally:
             engine.close()
     assert results[True] == results[False]
+
+
+def test_overlapped_request_at_its_last_token_frees_its_blocks_for_the_next_schedule():
+    """With overlapped steps a request whose launched step samples its last token held its blocks through the next
+    schedule (its completion comes after it): b, younger, needed a ninth block of the ten that a's two and b's eight
+    filled and was preempted (recomputing 33 tokens), where the synchronous engine had freed a's blocks already."""
+    results = {}
+    for overlap in (False, True):
+        engine = LLMEngine(EngineConfig("tiny-llama", block_size=4, num_kv_blocks=10, max_model_len=40,
+                                        overlap=overlap))
+        try:
+            engine.add_request("a", [5, 6, 7, 8], SamplingParams(max_new_tokens=5, ignore_eos=True))
+            engine.add_request("b", list(range(10, 38)), SamplingParams(max_new_tokens=8, ignore_eos=True))
+            results[overlap] = _drain(engine)
+            assert engine.stats()["num_preemptions"] == 0, overlap
+            assert engine.stats()["kv_blocks_used"] == 0
+        finally:
+            engine.close()
+    assert results[True] == results[False]
+
+
+def test_overlapped_request_freed_at_its_last_token_still_leaves_its_prompt_in_the_prefix_cache():
+    """The blocks freed before the completion that ends a request are registered first: a one-token request's
+    prompt, computed by the step that samples its only token, is found by the next request of that prompt."""
+    for overlap in (False, True):
+        engine = LLMEngine(EngineConfig("tiny-llama", block_size=4, num_kv_blocks=10, max_model_len=40,
+                                        overlap=overlap))
+        try:
+            prompt = list(range(20, 29))
+            engine.add_request("x", prompt, SamplingParams(max_new_tokens=1, ignore_eos=True))
+            engine.add_request("y", [3, 4], SamplingParams(max_new_tokens=4, ignore_eos=True))  # keeps steps going
+            _drain(engine)
+            engine.add_request("z", prompt, SamplingParams(max_new_tokens=1, ignore_eos=True))
+            cached = None
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    if o.finished:
+                        cached = o.num_cached_tokens
+            assert cached == 8, overlap
+            s = engine.stats()
+            assert (s["prefix_cache_queries"], s["prefix_cache_hits"]) == (9 + 2 + 9, 8)
+            assert s["kv_blocks_used"] == 0 and all(b.ref_count == 0 for b in engine.block_manager.blocks)
+        finally:
+            engine.close()

@@ -220,6 +220,13 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [])
+        for seq in self.running:
+            if seq.block_table and self.ends_pending(seq):
+                # the launched step's completion finishes it: its blocks are free from now (registered first: that
+                # completion comes after this reset), as the synchronous engine has freed them before this schedule;
+                # held, a younger request that needed one was preempted, and a waiting one was not admitted
+                self.bm.register_computed(seq)
+                self.bm.free_seq(seq)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
