@@ -84,3 +84,23 @@ def test_overlapped_request_freed_at_its_last_token_still_leaves_its_prompt_in_t
             assert s["kv_blocks_used"] == 0 and all(b.ref_count == 0 for b in engine.block_manager.blocks)
         finally:
             engine.close()
+
+
+def test_overlapped_request_at_its_last_token_is_never_the_one_preempted():
+    """a and c each need a third block in the step after b (the youngest) sampled its last token; b's block, freed
+    at that schedule, goes to a, and c is preempted (as in the synchronous engine). b, whose blocks were already
+    freed, was preempted first for nothing (two preemptions counted, b's own among them)."""
+    results = {}
+    for overlap in (False, True):
+        engine = LLMEngine(EngineConfig("tiny-llama", block_size=4, num_kv_blocks=5, max_model_len=20,
+                                        overlap=overlap))
+        try:
+            engine.add_request("a", [5, 6, 7, 8, 9, 10, 11], SamplingParams(max_new_tokens=5, ignore_eos=True))
+            engine.add_request("c", [15, 16, 17, 18, 19, 20, 21], SamplingParams(max_new_tokens=5, ignore_eos=True))
+            engine.add_request("b", [30, 31], SamplingParams(max_new_tokens=2, ignore_eos=True))
+            results[overlap] = _drain(engine)
+            assert engine.stats()["num_preemptions"] == 1, overlap
+            assert engine.stats()["kv_blocks_used"] == 0
+        finally:
+            engine.close()
+    assert results[True] == results[False]

@@ -333,7 +333,8 @@ class Scheduler:
         """Make sure `seq` has blocks for num_tokens, preempting the youngest others (under the priority policy, the
         lowest priority, latest arrived: the running list is in that order); False if seq was preempted."""
         while self.bm.slots_needed(seq, num_tokens) > self.bm.num_free_blocks:
-            victim = self.running[-1]
+            # (a request at its last token, whose blocks schedule() freed, frees nothing more: never the victim)
+            victim = next(s for s in reversed(self.running) if s is seq or not self.ends_pending(s))
             self.preempt(victim)
             if victim is seq:
                 return False
