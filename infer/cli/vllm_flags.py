@@ -104,6 +104,20 @@ VLLM_HINTS = {
     "--default-chat-template-kwargs": "send chat_template_kwargs with each request (e.g. {\"enable_thinking\": "
                                       "false}), or fix the default in the template itself (--chat-template FILE)",
     "--response-role": "a chat reply's role is always \"assistant\"; drop the option",
+    # vLLM's tool-calling and reasoning options (click guessed --tool-call-parser or --enable-lora for them)
+    "--enable-reasoning": "infer serve splits the reasoning whenever --reasoning-parser is given (deepseek_r1 | "
+                          "qwen3), as later vLLM releases do: drop the option",
+    "--reasoning-parser-plugin": "infer serve loads no parser plugins (no Python from outside infer): "
+                                 "--reasoning-parser deepseek_r1 | qwen3",
+    "--tool-parser-plugin": "infer serve loads no parser plugins (no Python from outside infer): --tool-call-parser "
+                            "hermes | llama3_json | pythonic | mistral (and vLLM's llama4_json, llama4_pythonic)",
+    "--exclude-tools-when-tool-choice-none": "infer serve renders the tools of a tool_choice \"none\" request in "
+                                             "the prompt (vLLM's default); to leave them out, send the request "
+                                             "without tools",
+    "--expand-tools-even-if-tool-choice-none": "infer serve renders the tools of a tool_choice \"none\" request in "
+                                               "the prompt already; drop the option",
+    "--tool-server": "infer serve takes function tools only, which the client runs (no built-in tool servers, MCP "
+                     "or demo); drop the option",
     # `vllm bench serve`'s spellings
     "--max-concurrency": "infer bench's -c/--concurrency N (one level, or a comma-separated list: -c 1,4,16)",
     "--random-input-len": "infer bench's --input-len (the random dataset's prompt tokens)",
@@ -171,6 +185,8 @@ _BY_COMMAND: dict[str, dict[str, str | None]] = {
         "--max-log-len": _RUN_NO_LOG,
         "--enable-log-outputs": _RUN_NO_LOG,
         "--model": "MODEL is the command's first argument, e.g. `infer run ./my-model prompts.jsonl -o out.jsonl`",
+        "--enable-reasoning": "infer run splits the reasoning of --output-format openai records whenever "
+                              "--reasoning-parser is given (deepseek_r1 | qwen3): drop the option",
     },
     "infer serve": {
         "--disable-tqdm": "infer serve shows no progress bar; drop the option",
