@@ -44,3 +44,38 @@ def test_enable_reasoning_typed_to_infer_run_names_runs_own_reasoning_parser():
     res = runner.invoke(app, ["run", "tiny-llama", "in.jsonl", "--enable-reasoning"])
     assert res.exit_code == 2
     assert "infer run splits the reasoning" in res.output and "vllm serve" not in res.output, res.output
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    import shutil
+
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.models.tiny import ensure_builtin
+    path = tmp_path_factory.mktemp("tools52") / "tiny-tools"
+    shutil.copytree(ensure_builtin("tiny-llama"), path)
+    return LLMEngine(EngineConfig(str(path), block_size=4, max_num_seqs=4))
+
+
+FUNCTION = {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}
+
+
+@pytest.mark.parametrize("field, value, instead", [("functions", [FUNCTION], '"tools"'),
+                                                    ("function_call", {"name": "add"}, '"tool_choice"')])
+def test_openais_deprecated_function_fields_on_chat_name_tools_and_tool_choice(engine, field, value, instead):
+    """A client written for OpenAI's deprecated `functions` / `function_call` (the SDK still takes them) got "function
+    calls are not supported" from the chat endpoint, which does call functions: through tools and tool_choice. The
+    400 now names the field to send instead (a batch line, where no tools are taken, keeps its words)."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny-tools", tool_parser="hermes")) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny-tools", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=2, **{field: value})
+    error = e.value.body
+    assert error["param"] == field
+    assert "deprecated" in error["message"] and instead in error["message"], error

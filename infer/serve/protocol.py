@@ -136,6 +136,13 @@ def _expect(body: dict, key: str, types: tuple, what: str) -> Any:
     return value
 
 
+# OpenAI's deprecated function-calling fields: the chat endpoint calls the same functions through tools and
+# tool_choice (serve/tools.py), which a client written for the old fields can send instead
+_LEGACY_FUNCTIONS = {
+    "functions": 'functions (OpenAI\'s deprecated field) is not supported: send each function as a tool, "tools": '
+                 '[{"type": "function", "function": {"name": ..., "parameters": {...}}}]',
+    "function_call": 'function_call (OpenAI\'s deprecated field) is not supported: send "tool_choice" instead ("auto", '
+                     '"none", "required" or {"type": "function", "function": {"name": ...}})'}
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
 
@@ -149,7 +156,7 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
             continue
         if key not in ("n", "echo", "use_beam_search") and not ok(body.get(key)):  # n: one engine request per
             # choice; echo, use_beam_search: below
-            raise ApiError(400, why, param=key)
+            raise ApiError(400, _LEGACY_FUNCTIONS[key] if chat and key in _LEGACY_FUNCTIONS else why, param=key)
     if not chat and body.get(REQUEST_TEMPLATE_FIELD) is not None:
         raise ApiError(400, "chat_template applies to chat messages only (send messages to /v1/chat/completions, "
                             "or remove it)", param=REQUEST_TEMPLATE_FIELD)
