@@ -79,3 +79,26 @@ def test_openais_deprecated_function_fields_on_chat_name_tools_and_tool_choice(e
     error = e.value.body
     assert error["param"] == field
     assert "deprecated" in error["message"] and instead in error["message"], error
+
+
+@pytest.mark.parametrize("parser, reply", [
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": "Paris"}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": ""}</tool_call>'),
+    ("llama3_json", '{"name": "get_weather", "parameters": "city=Paris"}'),
+], ids=["hermes-text", "hermes-empty", "llama3_json-text"])
+def test_arguments_a_model_writes_as_text_that_is_not_json_come_back_as_json(parser, reply):
+    """A call whose arguments the model wrote as a JSON string that holds no JSON ("Paris") had that text as its
+    `arguments`, which is not JSON: a client's json.loads(arguments) (the SDK's parse helpers, every agent loop)
+    raised. vLLM writes such a value as JSON ('"Paris"'); arguments given as JSON text still stay that text."""
+    import json
+
+    from infer.serve.tools import parse_tools, split
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    req = parse_tools({"tools": tools}, parser)
+    _, (call,) = split(req, reply)
+    value = json.loads(call["function"]["arguments"])
+    assert isinstance(value, str) and call["function"]["name"] == "get_weather"
+    _, (call,) = split(req, reply.replace('"Paris"', '"{\\"city\\": \\"Paris\\"}"').replace(
+        '"city=Paris"', '"{\\"city\\": \\"Paris\\"}"'))
+    if "Paris" in reply:
+        assert call["function"]["arguments"] == '{"city": "Paris"}'

@@ -202,6 +202,19 @@ def _mistral_call(name: str, arguments: str) -> dict:
     return _call(name, arguments, "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9)))
 
 
+def _arguments(args: Any) -> str:
+    """A parsed call's arguments as OpenAI's JSON text: written as JSON, but arguments the model gave as JSON text
+    ("{\\"a\\": 1}") stay that text; text that is not JSON ("Paris", "") is written as a JSON string, as vLLM writes
+    every value, so that a client's json.loads(arguments) reads whatever the call holds."""
+    if isinstance(args, str):
+        try:
+            json.loads(args)
+            return args
+        except (ValueError, RecursionError):
+            pass
+    return json.dumps(args, ensure_ascii=False)
+
+
 def hermes_calls(text: str) -> tuple[str | None, list[dict]] | None:
     """(content before the first call, the calls) of a reply in the hermes syntax; None when it has no call, or
     when a call is not JSON with a name and arguments (as vLLM's parser: the reply then stays text)."""
@@ -218,7 +231,7 @@ def hermes_calls(text: str) -> tuple[str | None, list[dict]] | None:
         if not isinstance(call, dict) or not isinstance(call.get("name"), str) or "arguments" not in call:
             return None
         args = call["arguments"]
-        calls.append(_call(call["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
+        calls.append(_call(call["name"], _arguments(args)))
     content = text[:text.index(HERMES_START)]  # as vLLM's, blanks included: a stream has sent them already
     return (content or None), calls
 
@@ -242,7 +255,7 @@ def llama3_calls(text: str) -> tuple[str | None, list[dict]] | None:
         args = call.get("parameters", call.get("arguments")) if isinstance(call, dict) else None
         if not isinstance(call.get("name") if isinstance(call, dict) else None, str) or args is None:
             return None
-        calls.append(_call(call["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
+        calls.append(_call(call["name"], _arguments(args)))
         rest = body[at:].lstrip()
         if rest and not rest.startswith(";"):
             return None
