@@ -102,3 +102,31 @@ def test_arguments_a_model_writes_as_text_that_is_not_json_come_back_as_json(par
         '"city=Paris"', '"{\\"city\\": \\"Paris\\"}"'))
     if "Paris" in reply:
         assert call["function"]["arguments"] == '{"city": "Paris"}'
+
+
+def test_a_pythonic_stream_sends_a_reply_that_starts_with_a_bracket_but_no_call_as_it_comes(engine):
+    """With --tool-call-parser pythonic, every reply that started with "[" was held back to its end, though "[1]",
+    "[Paris]" or "[ " can never become a list of calls: a markdown answer ("[1] First, ...") streamed nothing and then
+    all of it in the last chunk. It now streams once the opening cannot be a call (`[name(` held until it reads)."""
+    from infer.serve.tools import parse_tools, split, visible
+    req = parse_tools({"tools": [{"type": "function", "function": {"name": "add"}}]}, "pythonic")
+    for text in ("[1] First, the", "[Paris] is", "[ add(a=1)]", "[add, then", "[[add(a=1)]]"):
+        assert visible(req, text) == text and split(req, text) == (text, None), text
+    for text in ("[", "[add", "[add(", "[add(a=1)", "[add(a=1)]"):
+        assert visible(req, text) == "", text
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    import re
+
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    reply = "[1] First, the sum is 3 and that is all."
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny-tools", tool_parser="pythonic")) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+        chunks = [c.choices[0] for c in client.chat.completions.create(
+            model="tiny-tools", messages=[{"role": "user", "content": "hi"}], max_tokens=100, temperature=0,
+            tools=[{"type": "function", "function": {"name": "add"}}], stream=True,
+            extra_body={"guided_regex": re.escape(reply)})]
+    texts = [c.delta.content for c in chunks if c.delta.content]
+    assert "".join(texts) == reply and len(texts) > 2, texts
+    assert chunks[-1].finish_reason == "stop"

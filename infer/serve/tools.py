@@ -297,6 +297,16 @@ def _pythonic_shape(text: str) -> bool:
         commas = False
 
 
+_PY_OPENING = re.compile(r"\[(?:[a-zA-Z]\w*)?")
+
+
+def _may_be_pythonic(text: str) -> bool:
+    """Whether `text`, which starts with "[", may still grow into the shape _pythonic_shape reads: its first call's
+    `name(` has not been contradicted yet (a reply "[1] ..." or "[Paris] ..." never becomes a list of calls)."""
+    at = _PY_OPENING.match(text).end()
+    return at == len(text) or (at > 1 and text[at] == "(")
+
+
 def _literal(node: ast.expr) -> Any:
     """A Python literal argument as its JSON value: constants, lists, and dicts whose keys are constants."""
     if isinstance(node, ast.Constant):
@@ -421,9 +431,11 @@ def _parsed(name: str, text: str) -> tuple[str | None, list[dict]] | None:
 def visible(req: ToolRequest | None, text: str) -> str:
     """What of a streamed reply can go out as content now: with "auto", the text before a call starts, less an end
     that may be the start of one ("<tool_c", "[TOOL_"), held back as stop strings are (llama3_json and pythonic:
-    nothing of a reply that starts as a call may, "{" or "[", or their tag)."""
+    nothing of a reply that starts as a call may, "{" or "[" (pythonic: while it may be "[name("), or their tag)."""
     if req is None or req.mode != "auto":
         return text
+    if req.name == "pythonic" and text.startswith("[") and not _may_be_pythonic(text):
+        return text  # "[1] First,", "[Paris]": no call can follow, the reply streams (the parser leaves it text)
     if req.name in ("llama3_json", "pythonic"):
         first, tag = ("{", LLAMA_START) if req.name == "llama3_json" else ("[", PYTHON_START)
         return "" if text.startswith(first) or text.startswith(tag) or tag.startswith(text) else text
