@@ -130,3 +130,37 @@ def test_a_pythonic_stream_sends_a_reply_that_starts_with_a_bracket_but_no_call_
     texts = [c.delta.content for c in chunks if c.delta.content]
     assert "".join(texts) == reply and len(texts) > 2, texts
     assert chunks[-1].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "walk"}}, "required"],
+                         ids=["named", "required"])
+def test_a_forced_call_of_parameters_whose_root_is_a_ref_is_answered(engine, choice):
+    """pydantic's model_json_schema() of a recursive model (what LlamaIndex, pydantic-ai... send as a function's
+    parameters) is {"$defs": {...}, "$ref": "#/$defs/Node"}, with no type at its root. infer added "type": "object"
+    to parameters without a type, and then refused its own addition: a named or "required" tool_choice was a 400
+    "structured_outputs.json uses type at #/type beside $ref, which xgrammar ignores there". vLLM constrains the
+    reply with the schema as sent."""
+    httpx = pytest.importorskip("httpx")
+    pydantic = pytest.importorskip("pydantic")
+    pytest.importorskip("fastapi")
+    pytest.importorskip("xgrammar")
+    from typing import Optional
+
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+
+    class Node(pydantic.BaseModel):
+        v: int = pydantic.Field(ge=0, le=9)
+        next: Optional["Node"] = None
+
+    params = Node.model_json_schema()
+    assert params.get("$ref") == "#/$defs/Node" and "type" not in params
+    tools = [{"type": "function", "function": {"name": "walk", "parameters": params}}]
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "temperature": 0, "tools": tools,
+            "tool_choice": choice}
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny-tools")) as base:
+        r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    for call in message.get("tool_calls") or []:
+        Node.model_validate_json(call["function"]["arguments"])

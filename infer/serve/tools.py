@@ -74,8 +74,10 @@ def _functions(tools: Any) -> dict[str, dict]:
         if not isinstance(params, dict):
             raise _error("tools", f"tools[{i}].function.parameters must be a JSON schema object")
         # a call's arguments are a JSON object (OpenAI's); a schema that says no type ({} among them: "any
-        # parameters") would let a constrained reply be a number or `true`, which no client can call with
-        out[name] = params if "type" in params else {**params, "type": "object"}
+        # parameters") would let a constrained reply be a number or `true`, which no client can call with; a root
+        # `$ref` (pydantic's schema of a recursive model) has its type where it points, and xgrammar writes a $ref
+        # alone: a type beside it would be ignored, and is refused (structured outputs' check)
+        out[name] = params if "type" in params or "$ref" in params else {**params, "type": "object"}
     return out
 
 
