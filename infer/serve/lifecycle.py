@@ -36,6 +36,14 @@ def uvicorn_server(server, app, cut_off_after: float, **config):
                                                                       "passed") if self.loop else None
             try:
                 await super().shutdown(sockets=sockets)
+                done = getattr(getattr(self, "lifespan", None), "shutdown_event", None)  # (None: lifespan "off")
+                if self.force_exit and done is not None and not done.is_set():
+                    # uvicorn skips the app's shutdown on a force quit (a third Ctrl-C): its lifespan task was then
+                    # cancelled as the loop closed, and starlette logged an ERROR traceback of that CancelledError.
+                    # Everything in flight is cut off first, so the app's shutdown ends at once.
+                    if not self.cut:
+                        self.cut_off("a forced quit")
+                    await self.lifespan.shutdown()
             finally:
                 if timer is not None:
                     timer.cancel()

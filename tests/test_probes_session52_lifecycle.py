@@ -1,0 +1,59 @@
+"""Session 52 probes of the lifecycle of engines and servers: what a long-lived process sees when it starts and
+stops them."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+from infer.engine.config import EngineConfig
+from infer.engine.llm_engine import LLMEngine
+from infer.serve.app import Server, create_app
+from infer.serve.async_engine import AsyncEngine
+from infer.serve.lifecycle import uvicorn_server
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_a_forced_quit_runs_the_apps_shutdown_and_logs_no_cancelled_lifespan_traceback():
+    """A third Ctrl-C (uvicorn's force_exit) skipped the app's lifespan shutdown: the lifespan task was cancelled as
+    the event loop closed and starlette logged "ERROR: Traceback ... CancelledError" on the terminal."""
+    engine = LLMEngine(EngineConfig(model="tiny-llama", max_num_seqs=2, max_model_len=64))
+    server = Server(AsyncEngine(engine), "tiny-llama")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn_server(server, create_app(server), 5.0, log_level="warning")
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    records = _Records()
+    try:
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not uv.started and thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert uv.started
+        for name in ("uvicorn.error", "uvicorn"):  # (uvicorn's loggers do not propagate to the root)
+            logging.getLogger(name).addHandler(records)
+        uv.force_exit = True  # what a third Ctrl-C sets, then the exit itself
+        uv.should_exit = True
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+    finally:
+        for name in ("uvicorn.error", "uvicorn"):
+            logging.getLogger(name).removeHandler(records)
+        uv.should_exit = True
+        thread.join(timeout=30)
+        server.aengine.shutdown(0)
+        engine.close()
+        sock.close()
+    errors = [r.getMessage() for r in records.records if r.levelno >= logging.ERROR]
+    assert not errors, errors
+    assert uv.lifespan.shutdown_event.is_set(), "the app's shutdown did not run"
