@@ -8,6 +8,8 @@ import socket
 import threading
 import time
 
+import pytest
+
 from infer.engine.config import EngineConfig
 from infer.engine.llm_engine import LLMEngine
 from infer.serve.app import Server, create_app
@@ -57,3 +59,50 @@ def test_a_forced_quit_runs_the_apps_shutdown_and_logs_no_cancelled_lifespan_tra
     errors = [r.getMessage() for r in records.records if r.levelno >= logging.ERROR]
     assert not errors, errors
     assert uv.lifespan.shutdown_event.is_set(), "the app's shutdown did not run"
+
+
+def _slow_inputs(llm, entered: threading.Event, release: threading.Event):
+    """AsyncLLM._inputs (run on a worker thread) that waits for `release` once the prompt is tokenized."""
+    inputs = llm._inputs
+
+    def slow(*args):
+        got = inputs(*args)
+        entered.set()
+        release.wait(60)
+        return got
+    return slow
+
+
+@pytest.mark.parametrize("call", ["generate", "beam_search"])
+def test_a_generate_racing_shutdown_raises_closed_error_not_the_servers_shutting_down(call):
+    """shutdown() on another thread while a generate's prompt was tokenized: the generate raised the server's
+    ShuttingDownError, "the server is shutting down (retry against another replica)", where the README promises
+    ClosedError for every call after shutdown."""
+    import asyncio
+
+    from infer import BeamSearchParams, SamplingParams
+    from infer.errors import ClosedError
+    from infer.serve.async_llm import AsyncLLM
+
+    llm = AsyncLLM("tiny-llama", max_num_seqs=2, max_model_len=64)
+    entered, release = threading.Event(), threading.Event()
+    llm._inputs = _slow_inputs(llm, entered, release)
+
+    async def main():
+        async def generate():
+            outs = llm.generate("hi", SamplingParams(max_new_tokens=2), request_id="r") if call == "generate" else \
+                llm.beam_search("hi", "r", BeamSearchParams(beam_width=2, max_tokens=2))
+            async for _ in outs:
+                pass
+        task = asyncio.create_task(generate())
+        assert await asyncio.to_thread(entered.wait, 60)  # the call passed its checks and tokenizes the prompt
+        await asyncio.to_thread(llm.shutdown)
+        release.set()
+        with pytest.raises(ClosedError, match="shut down"):
+            await asyncio.wait_for(task, 60)
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        llm.shutdown()

@@ -26,7 +26,7 @@ from ..engine.llm_engine import LLMEngine, _check_request_id, prompt_dict, reque
 from ..engine.outputs import CompletionOutput, RequestOutput, as_delta
 from ..engine.sampling_params import RequestOutputKind, SamplingParams
 from ..errors import ClosedError, LoRANameError, RequestError, RequestIdTypeError
-from .async_engine import AsyncEngine, RequestIdInUseError
+from .async_engine import AsyncEngine, RequestIdInUseError, ShuttingDownError
 
 
 class AsyncLLM:
@@ -84,9 +84,10 @@ class AsyncLLM:
             for j, rid in enumerate(rids):
                 try:
                     self._loop.add(rid, ids, params if n == 1 else params.sample(j), lora, queue)
-                except BaseException:  # (the id in use, a full queue): none of the samples runs
+                except BaseException as e:  # (the id in use, a full queue): none of the samples runs
                     for added in rids[:j]:
                         self._loop.abort(added)
+                    self._closed_while(e)
                     raise
         stream = self._streams[request_id] = (asyncio.get_running_loop(), queue, rids)
         left = set(rids)  # the samples not finished yet
@@ -152,7 +153,11 @@ class AsyncLLM:
         ids, step = await asyncio.to_thread(self._inputs, prompt, step)
         search = ServedBeamSearch(self._loop, self.tokenizer, set(self.engine.eos_token_ids),
                                   self.engine.max_model_len, [ids] * width, width, params, step, lora, request_id)
-        search.start()
+        try:
+            search.start()
+        except BaseException as e:
+            self._closed_while(e)
+            raise
         outs: dict[str, RequestOutput] = {}
         try:
             while len(outs) < width:
@@ -256,6 +261,13 @@ class AsyncLLM:
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("this AsyncLLM was shut down", "create a new AsyncLLM to generate again")
+
+    def _closed_while(self, e: BaseException) -> None:
+        """A call that passed _check_open and was then refused because shutdown() ran meanwhile (on another thread,
+        while the prompt was tokenized) raises ClosedError, as a call after it does: it was the engine loop's
+        ShuttingDownError, "the server is shutting down (retry against another replica)"."""
+        if self._closed and isinstance(e, ShuttingDownError):
+            raise ClosedError("this AsyncLLM was shut down", "create a new AsyncLLM to generate again") from None
 
     def shutdown(self, timeout: float = 0.0) -> None:
         """Stop taking requests, give those in flight `timeout` seconds to finish (default: none; each ends with
