@@ -106,3 +106,37 @@ def test_a_generate_racing_shutdown_raises_closed_error_not_the_servers_shutting
     finally:
         release.set()
         llm.shutdown()
+
+
+def test_asyncllm_shutdown_ends_requests_in_flight_naming_the_asyncllm_not_a_server():
+    """AsyncLLM.shutdown() with requests in flight ended each with finish_reason "abort" and the error "the server
+    shut down before the request finished": an AsyncLLM program has no server."""
+    import asyncio
+
+    from infer import SamplingParams
+    from infer.serve.async_llm import AsyncLLM
+
+    llm = AsyncLLM("tiny-llama", max_num_seqs=2, max_model_len=256)
+
+    async def main():
+        first = asyncio.Event()
+
+        async def generate(i):
+            last = None
+            async for out in llm.generate(f"hi {i}", SamplingParams(max_new_tokens=200, ignore_eos=True),
+                                          request_id=f"r{i}"):
+                last = out
+                first.set()
+            return last
+        tasks = [asyncio.create_task(generate(i)) for i in range(2)]
+        await asyncio.wait_for(first.wait(), 60)
+        await asyncio.to_thread(llm.shutdown)
+        return await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    try:
+        outs = asyncio.run(main())
+    finally:
+        llm.shutdown()
+    ended = [(o.finish_reason, o.error) for o in outs]
+    assert all(reason == "abort" and "AsyncLLM" in error and "server" not in error for reason, error in ended), ended
+    assert not llm.engine.requests

@@ -258,13 +258,14 @@ class AsyncEngine:
                 self._drop(rid)  # (abort() would do nothing now that the sink is gone)
         return len(left)
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop taking requests, let those in flight finish within `timeout`, abort the rest, stop the thread."""
+    def shutdown(self, timeout: float = 30.0, message: str | None = None) -> None:
+        """Stop taking requests, let those in flight finish within `timeout`, abort the rest (`message` their error;
+        by default the server's), stop the thread."""
         self.stop_accepting()
         deadline = time.monotonic() + timeout
         while self.num_in_flight() and time.monotonic() < deadline:
             time.sleep(0.02)
-        self.cut_off()
+        self.cut_off(*([message] if message else []))
         with self._cond:
             self._stopping = True
             self._cond.notify()

@@ -275,7 +275,8 @@ class AsyncLLM:
         if self._closed:
             return
         self._closed = True
-        self._loop.shutdown(timeout)
+        # (the engine loop's own message says "the server shut down": there is no server here)
+        self._loop.shutdown(timeout, "this AsyncLLM was shut down (AsyncLLM.shutdown()) before the request finished")
         self.engine.close()
 
     def __enter__(self) -> "AsyncLLM":
