@@ -140,3 +140,16 @@ def test_asyncllm_shutdown_ends_requests_in_flight_naming_the_asyncllm_not_a_ser
     ended = [(o.finish_reason, o.error) for o in outs]
     assert all(reason == "abort" and "AsyncLLM" in error and "server" not in error for reason, error in ended), ended
     assert not llm.engine.requests
+
+
+def test_asyncllm_list_loras_after_shutdown_raises_closed_error_as_llms_does():
+    """After shutdown() `list_loras()` answered [] (the adapters registered before were gone without a word), where
+    the README says every call raises ClosedError and LLM.list_loras does."""
+    from infer.errors import ClosedError
+    from infer.serve.async_llm import AsyncLLM
+
+    llm = AsyncLLM("tiny-llama", max_num_seqs=2, max_model_len=64, enable_lora=True)
+    assert llm.list_loras() == []
+    llm.shutdown()
+    with pytest.raises(ClosedError, match="shut down"):
+        llm.list_loras()

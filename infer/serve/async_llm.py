@@ -240,6 +240,7 @@ class AsyncLLM:
         return await self._loop.remove_lora(name)
 
     def list_loras(self) -> list[str]:
+        self._check_open()  # (after shutdown it answered [] where LLM.list_loras raises ClosedError)
         lm = self.engine.lora_manager
         return sorted(lm.names()) if lm is not None else []
 
