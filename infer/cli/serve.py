@@ -270,8 +270,10 @@ def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, model_id
     from ..serve.lifecycle import uvicorn_server
     from ..serve.async_engine import AsyncEngine
 
-    engine = LLMEngine(engine_config)
-    engine.warm_kernels()
+    from .entry import terminate_as_interrupt
+    with terminate_as_interrupt():  # SIGTERM while the model loads or warms: "terminated", exit 143, as `infer run`
+        engine = LLMEngine(engine_config)  # (uvicorn takes the signals over once it serves)
+        engine.warm_kernels()
     server = Server(AsyncEngine(engine, max_queue), model_id, api_key=api_key, graceful_timeout=shutdown_timeout,
                     limits=limits, runtime_lora=runtime_lora, tool_parser=tool_parser,
                     reasoning_parser=reasoning_parser, trust_request_chat_template=trust_request_chat_template,

@@ -26,11 +26,13 @@ def serve_data_parallel(cfg, sock: socket.socket, host: str, model_id: str | lis
     require_ray()
     from ..serve.app import create_app
     from ..serve.lifecycle import uvicorn_server
+    from .entry import terminate_as_interrupt
     with ray_runtime(address, local_cpus(replicas)) as ray:
-        server, infos = build_server(ray, cfg, replicas, model_id, api_key, max_queue, shutdown_timeout, limits,
-                                     runtime_lora, tool_parser, reasoning_parser,
-                                     trust_request_chat_template=trust_request_chat_template, cors=cors,
-                                     max_restarts=max_restarts, placement_timeout=placement_timeout)
+        with terminate_as_interrupt():  # SIGTERM while the replicas load: "terminated", exit 143, Ray shut down
+            server, infos = build_server(ray, cfg, replicas, model_id, api_key, max_queue, shutdown_timeout, limits,
+                                         runtime_lora, tool_parser, reasoning_parser,
+                                         trust_request_chat_template=trust_request_chat_template, cors=cors,
+                                         max_restarts=max_restarts, placement_timeout=placement_timeout)
         server.tokens_as_ids = tokens_as_ids
         try:
             where = placement(infos)
