@@ -57,7 +57,7 @@ def base_model_id(model: str) -> str:
 HUMAN_INT_FIELDS = frozenset({"max_model_len", "max_num_batched_tokens"})
 _DECIMAL = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12}
 _BINARY = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
-_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)")
+_HUMAN_INT = re.compile(r"(-?\d+(?:\.\d+)?)([kmgtKMGT]?)")  # a sign: -1 gets the range's message
 
 
 def human_int(lo: int | None = None, hi: int | None = None):
