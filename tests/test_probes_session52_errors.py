@@ -36,3 +36,25 @@ def test_a_negative_token_count_is_named_out_of_range_not_not_a_whole_number(tmp
     assert r.exit_code == 2, r.output
     assert "not a whole number" not in r.output
     assert "is not in the range" in r.output and "-" in r.output
+
+
+def test_a_bench_report_file_the_disk_could_not_finish_is_removed_and_named(tmp_path, monkeypatch):
+    """A full disk while a plot was written left a 0-byte throughput.png (and, earlier, a truncated results.json)
+    among the report's files, and the error named only the folder."""
+    import errno
+
+    from infer.bench import report
+    from infer.bench.metrics import RequestRecord, RunResult
+    from infer.errors import OutputError
+
+    def full(results, path):
+        path.write_bytes(b"\x89PNG")  # what got out before the disk filled up
+        raise OSError(errno.ENOSPC, "No space left on device")  # matplotlib's, without a file name
+    monkeypatch.setattr(report, "plot_throughput", full)
+    recs = [RequestRecord(0, 4, send_time=0.0, chunk_times=[0.1, 0.2], output_tokens=2, text="ab", success=True)]
+    run = RunResult("infer", 1, recs, duration_s=0.2, num_requests=1, timeline=[])
+    with pytest.raises(OutputError) as e:
+        report.write_report(tmp_path, [run], show=False)
+    assert "throughput.png" in str(e.value) and "No space left" in str(e.value)
+    assert not (tmp_path / "throughput.png").exists()
+    assert json.loads((tmp_path / "results.json").read_text())[0]["completed"] == 1  # what was written stays

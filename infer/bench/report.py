@@ -19,6 +19,7 @@ acceptance rate and mean acceptance length.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import platform
@@ -311,11 +312,24 @@ def write_report(out_dir, runs: list[RunResult], baselines: list[RunResult] | No
     return results
 
 
+def _whole(path: Path, write):
+    """write(path)'s result; a file it could not finish (a full disk) is removed rather than left half-written (a
+    truncated results.json, a 0-byte plot), and the error names that file."""
+    try:
+        return write(path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        if e.filename is None:
+            e.filename = str(path)
+        raise
+
+
 def _write_files(out: Path, results: list[dict], runs: list[RunResult], baselines: list[RunResult] | None,
                  config: dict | None) -> None:
     import pandas as pd
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(_strict(results), indent=2, default=str))
+    _whole(out / "results.json", lambda p: p.write_text(json.dumps(_strict(results), indent=2, default=str)))
     flat = []
     for r in results:
         for e in [r] + ([r["baseline"]] if "baseline" in r else []):
@@ -323,12 +337,13 @@ def _write_files(out: Path, results: list[dict], runs: list[RunResult], baseline
             # the table's x columns (ours / baseline), on ours' row: results.json's "ratio", which a dict left out
             row.update({f"ratio_{k}": v for k, v in (e.get("ratio") or {}).items()})
             flat.append(row)
-    pd.DataFrame(flat).to_csv(out / "results.csv", index=False)
+    _whole(out / "results.csv", lambda p: pd.DataFrame(flat).to_csv(p, index=False))
     timelines = [{"backend": r.backend, "label": r.label or r.backend, "concurrency": r.concurrency,
                   "timeline": r.timeline}
                  for r in list(runs) + list(baselines or [])]
-    (out / "timelines.json").write_text(json.dumps(timelines))
-    plots = {"throughput": plot_throughput(results, out / "throughput.png"),
-             "latency": plot_latency(results, out / "latency.png"),
-             "memory and KV cache": plot_timeline(list(runs) + list(baselines or []), out / "timeline.png")}
-    (out / "report.md").write_text(_markdown(results, plots, config or {}))
+    _whole(out / "timelines.json", lambda p: p.write_text(json.dumps(timelines)))
+    plots = {"throughput": _whole(out / "throughput.png", lambda p: plot_throughput(results, p)),
+             "latency": _whole(out / "latency.png", lambda p: plot_latency(results, p)),
+             "memory and KV cache": _whole(out / "timeline.png",
+                                           lambda p: plot_timeline(list(runs) + list(baselines or []), p))}
+    _whole(out / "report.md", lambda p: p.write_text(_markdown(results, plots, config or {})))
