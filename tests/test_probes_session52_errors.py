@@ -58,3 +58,24 @@ def test_a_bench_report_file_the_disk_could_not_finish_is_removed_and_named(tmp_
     assert "throughput.png" in str(e.value) and "No space left" in str(e.value)
     assert not (tmp_path / "throughput.png").exists()
     assert json.loads((tmp_path / "results.json").read_text())[0]["completed"] == 1  # what was written stays
+
+
+@pytest.mark.parametrize("argv, value", [
+    (["run", "tiny-llama", "IN", "--max-num-seqs", "0"], "(got 0)"),
+    (["run", "tiny-llama", "IN", "--max-loras", "0"], "(got 0)"),
+    (["run", "tiny-llama", "IN", "--max-num-seqs", "abc"], "(got abc)"),
+    (["run", "tiny-llama", "IN", "--max-num-seqs", ""], "(got '')"),
+    (["warmup", "tiny-llama", "--concurrency", "0"], "(got 0)"),
+    (["lora-validate", "tiny-llama", "x", "--steps", "999"], "(got 999)"),
+    (["quantize", "tiny-llama", "-o", "OUT", "--bits", "four"], "(got four)"),
+])
+def test_an_option_typer_refuses_names_the_value_given(tmp_path, monkeypatch, argv, value):
+    """typer's own range and type checks said "Input should be greater than or equal to 1" without the value."""
+    _no_load(monkeypatch)
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    subs = {"IN": str(src), "OUT": str(tmp_path / "q")}
+    r = runner.invoke(app, [subs.get(a, a) for a in argv])
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output
+    assert value in r.output, r.output

@@ -51,7 +51,7 @@ class _Commands(TyperGroup):
             else:
                 hint = (_extra_argument_hint(where, e) or (_one_dash_hint(e, args) if unknown else None)
                         or _command_hint(e) or f"see `{where} --help`")
-                typer.echo(f"error: {e.format_message()}\n  hint: {hint}", err=True)
+                typer.echo(f"error: {_with_value(e)}\n  hint: {hint}", err=True)
             sys.exit(2)
         except click_errors.ClickException as e:
             e.show()
@@ -67,6 +67,19 @@ class _Commands(TyperGroup):
         args = sys.argv[1:] if args is None else list(args)
         name = next((a for a in args if not a.startswith("-")), None)
         return f"infer {name}" if name in self.commands else "infer"
+
+
+def _with_value(error) -> str:
+    """click's message, naming the value when typer's own check (pydantic's) left it out: `--max-num-seqs 0` said
+    only "Invalid value for '--max-num-seqs': Input should be greater than or equal to 1"."""
+    message = error.format_message()
+    try:
+        found = error.__cause__.errors()  # pydantic's ValidationError: the input it refused
+        value = found[0]["input"]
+    except Exception:  # noqa: BLE001 - any other cause: click's message as it is
+        return message
+    text = str(value)
+    return f"{message} (got {text if text and text == text.strip() else repr(text)})"
 
 
 def _one_dash_hint(error, args) -> str | None:
