@@ -79,3 +79,21 @@ def test_an_option_typer_refuses_names_the_value_given(tmp_path, monkeypatch, ar
     assert r.exit_code == 2, r.output
     assert "Traceback" not in r.output
     assert value in r.output, r.output
+
+
+def test_bench_out_on_a_read_only_mount_says_read_only_not_permission_denied(tmp_path, monkeypatch):
+    """os.access's no became a made-up "Permission denied" (which chmod cannot fix) for a read-only file system."""
+    import errno
+    import os
+    import tempfile
+
+    from infer.cli import bench
+    from infer.errors import ConfigError
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+    monkeypatch.setattr(os, "access", lambda *a, **k: False)  # what access(2) answers on a read-only mount
+    monkeypatch.setattr(tempfile, "TemporaryFile", read_only)
+    with pytest.raises(ConfigError) as e:
+        bench.check_out(tmp_path / "report")
+    assert os.strerror(errno.EROFS) in str(e.value) and "Permission denied" not in str(e.value)
