@@ -4,6 +4,7 @@ to do, the exit code README's table gives, and keeps what was already written.""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -97,3 +98,21 @@ def test_bench_out_on_a_read_only_mount_says_read_only_not_permission_denied(tmp
     with pytest.raises(ConfigError) as e:
         bench.check_out(tmp_path / "report")
     assert os.strerror(errno.EROFS) in str(e.value) and "Permission denied" not in str(e.value)
+
+
+def test_warmup_json_into_a_pipe_its_reader_closed_exits_2_with_a_message(tmp_path):
+    """click made a closed stdout a silent exit 1, which for warmup means "does not fit" (README: exit 2, a line)."""
+    import os
+    import subprocess
+    import sys
+
+    from infer.models.tiny import ensure_builtin
+    model = ensure_builtin("tiny-llama")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parents[1]),
+                                                                     os.environ.get("PYTHONPATH")])))
+    p = subprocess.Popen([sys.executable, "-m", "infer.cli", "warmup", str(model), "--json", "--estimate"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+    p.stdout.close()  # the reader is gone before the command writes its line (`| head -c 0`)
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 2, err
+    assert "stdout was closed by its reader" in err and "Traceback" not in err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -165,6 +166,14 @@ def handle_errors(fn, command: str = "COMMAND"):
             raise typer.Exit(143 if terminated else 130)
         except (typer.Exit, typer.Abort, click_errors.ClickException):  # the command's own exit, as it chose
             raise
+        except BrokenPipeError:  # click turned it into a silent exit 1: warmup's "does not fit", lora-validate's fail
+            if not _stdout_closed():
+                raise
+            _stdout_to_devnull()
+            typer.echo(f"error: stdout was closed by its reader before infer {command} wrote all of its output\n"
+                       "  hint: pipe the output into a program that reads all of it, or redirect it to a file",
+                       err=True)
+            raise typer.Exit(2) from None
         except Exception as e:
             extra = missing_extra(e)
             if extra is not None and not (_state["debug"] or _debug()):  # `pip install -e .` without the extra
@@ -177,6 +186,24 @@ def handle_errors(fn, command: str = "COMMAND"):
             raise typer.Exit(130) from None
 
     return wrapper
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (`infer warmup M --json | head -c 0`): poll says POLLERR."""
+    import select
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll, or stdout is no file (a test's capture)
+        return False
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush of what is still buffered does not fail again."""
+    import os
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 # the packages of infer's extras (pyproject.toml), by the name they import as: which extra installs each
