@@ -228,9 +228,10 @@ def encode_prompt(tokenizer, prompt: Any = None, messages: Any = None, max_token
         messages = chat_messages(messages, parts)
         check_text(messages, "messages")
         check_text(template, "the chat template's arguments")
-        check_prompt_size(tokenizer, sum(len(_text_of(m["content"]).encode("utf-8")) for m in messages), max_tokens)
         if template.get("chat_template") is None and getattr(tokenizer, "chat_template", None) is None:
             raise RequestError("this model's tokenizer has no chat template", NO_TEMPLATE_HINT)
+        # measured as rendered, not by the contents: a template may leave some out (Qwen3 and DeepSeek-R1 drop the
+        # <think> reasoning of earlier assistant turns), and a chat whose prompt fits is not refused for them
         _check_rendered_size(tokenizer, messages, template, max_tokens)
         try:
             enc = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **template)
@@ -251,10 +252,10 @@ def encode_prompt(tokenizer, prompt: Any = None, messages: Any = None, max_token
 
 
 def _check_rendered_size(tokenizer, messages: list[dict], template: dict, max_tokens: int | None) -> None:
-    """Refuse, untokenized, a chat whose rendered text is certainly longer than the context. The contents were
-    measured already; a template may also render the messages' other fields and its arguments (`documents`,
-    `tools`...), so where those could make it too long the chat is rendered as text first (no tokenizer pass over
-    megabytes of documents) and that text is measured."""
+    """Refuse, untokenized, a chat whose rendered text is certainly longer than the context. Where the messages and
+    the template's arguments (`documents`, `tools`...) could make it too long, the chat is rendered as text first (no
+    tokenizer pass over megabytes of documents) and that text is measured: not the contents, some of which a
+    template may leave out (the reasoning of earlier turns)."""
     if not max_tokens:
         return
     args = {k: v for k, v in template.items() if k != "chat_template"}
@@ -285,10 +286,6 @@ def template_error(e: Exception, own: bool = False) -> RequestError:
     return RequestError(f"this model's chat template is not valid Jinja{line}: {e.message}",
                         "give a working one with --chat-template FILE (infer run / serve / bench; LLM(model, "
                         "chat_template=...))")
-
-
-def _text_of(content: str | list[dict]) -> str:
-    return content if isinstance(content, str) else "".join(p["text"] for p in content)
 
 
 def chat_messages(messages: Any, parts: bool = False) -> list[dict]:
