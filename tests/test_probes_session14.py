@@ -326,10 +326,11 @@ def test_quantize_refuses_what_it_cannot_quantize_before_calibrating(tmp_path):
 
 
 def test_calibration_chats_may_hold_openai_text_parts(tmp_path):
-    from infer.quant.calibration import _jsonl_text
+    from infer.quant.calibration import _in_format, _jsonl_text
     line = '{"messages": [{"role": "user", "content": [{"type": "text", "text": "hello "}, ' \
            '{"type": "text", "text": "there"}]}]}'
-    assert _jsonl_text(line, tmp_path / "c.jsonl", 1, lambda msgs: msgs[0]["content"]) == "hello there"
+    assert _jsonl_text(line, tmp_path / "c.jsonl", 1, lambda msgs: _in_format(msgs, False)[0]["content"]) \
+        == "hello \nthere"
     from infer.errors import ConfigError
     with pytest.raises(ConfigError, match="a content is a string or a list of text parts"):
         _jsonl_text('{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', tmp_path / "c.jsonl", 1,

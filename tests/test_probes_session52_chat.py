@@ -3,6 +3,8 @@ that render one, compared with transformers' apply_chat_template."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from infer.models.tiny import ensure_builtin
@@ -51,3 +53,55 @@ def test_a_chat_whose_rendering_is_too_long_is_still_refused_untokenized(tok):
     messages = [{"role": "user", "content": "ab " * (longest_token_bytes(tok) * 2 * 200)}]
     with pytest.raises(PromptTooLongError):
         encode_prompt(tok, messages=messages, max_tokens=200, template={"chat_template": QWEN3_HISTORY})
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_calibration_chat_of_text_parts_renders_as_infer_run_renders_it(tok, tmp_path, monkeypatch):
+    """`infer quantize --calibration chats.jsonl`: a message of several text parts was joined with nothing between
+    them ("first partsecond part"), where infer run, the server and vLLM join them with a newline for a template
+    that renders content as a string: the calibration text was not the conversation the model is served."""
+    from infer.engine.inputs import encode_prompt
+    from infer.quant.calibration import chat_renderer, read_texts
+    monkeypatch.setattr(tok, "chat_template", CHATML)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "first part"},
+                                             {"type": "text", "text": "second part"}]},
+                {"role": "assistant", "content": "ok"}]
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"messages": messages}) + "\n")
+    [text] = read_texts(path, chat_renderer(tok))
+    served = tok.decode(encode_prompt(tok, messages=messages, template={"add_generation_prompt": False}))
+    assert "first part\nsecond part" in text
+    assert text == served
+
+
+# Gemma 3's way with content: a string is trimmed, a list's text parts are trimmed and written one after another
+GEMMA3_CONTENT = ("{%- for message in messages -%}{{ '<start_of_turn>' + message['role'] + '\n' }}"
+                  "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+                  "{%- else -%}{%- for item in message['content'] -%}{%- if item['type'] == 'text' -%}"
+                  "{{ item['text'] | trim }}{%- endif -%}{%- endfor -%}{%- endif -%}{{ '<end_of_turn>\n' }}"
+                  "{%- endfor -%}")
+# a template that only loops over the parts (SmolVLM's, Idefics3's): a string's characters are no parts
+PARTS_ONLY = ("{% for m in messages %}{{ m['role'] }}:{% for p in m['content'] %}{% if p['type'] == 'text' %}"
+              "{{ p['text'] }}{% endif %}{% endfor %}\n{% endfor %}")
+
+
+@pytest.mark.parametrize("template", [GEMMA3_CONTENT, PARTS_ONLY], ids=["gemma3", "parts-only"])
+def test_a_calibration_chat_reaches_a_template_that_loops_over_parts_as_parts(tok, tmp_path, monkeypatch, template):
+    """Calibration chats reached every template as strings: one that only loops over a message's parts rendered no
+    words at all (a calibration set of role names), and Gemma 3's got the parts joined, not its own rendering of
+    them. They now get the content format infer run and the server give them (vLLM's, found in the template)."""
+    from infer.engine.inputs import encode_prompt
+    from infer.quant.calibration import chat_renderer, read_texts
+    monkeypatch.setattr(tok, "chat_template", template)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "first part"},
+                                             {"type": "text", "text": "second part"}]},
+                {"role": "assistant", "content": "a plain string"}]
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"messages": messages}) + "\n")
+    [text] = read_texts(path, chat_renderer(tok))
+    served = tok.decode(encode_prompt(tok, messages=messages, template={"add_generation_prompt": False}))
+    assert "a plain string" in text and "second part" in text
+    assert text == served

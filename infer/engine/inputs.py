@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..checks import check_text
+from ..checks import _loops_over_content, check_text, reads_content_parts  # noqa: F401 (re-exported)
 from ..errors import RequestError
 from .prompt_size import PromptTooLongError, check_prompt_size
 from .sampling_params import SamplingParams
@@ -371,68 +371,6 @@ def _content_text(content: Any, i: int, parts: bool = False) -> str | list[dict]
         return "\n".join(p[TEXT_PARTS[p["type"]]] for p in content)
     raise RequestError(f"messages[{i}].content must be a string or a list of text parts, got "
                        f"{type(content).__name__}")
-
-
-_PART_TEMPLATES: dict[str, bool] = {}
-_PART_TEMPLATES_MAX = 256
-
-
-def reads_content_parts(tokenizer, template: str | None = None, tools: bool = False) -> bool:
-    """Whether the tokenizer's chat template loops over a message's content (OpenAI's list of parts, as vision and
-    newer chat templates do) rather than printing it as a string: vLLM's "openai" content format, found as vLLM
-    finds it, by a `for` over `<message>['content']` (or `.content`, or a variable set from it) in the template's
-    syntax tree. Such a template gets list content as the list, not the joined text. `template`: a call's own
-    template, read instead of the tokenizer's. A tokenizer's named templates resolve as apply_chat_template resolves
-    them (and vLLM, which finds the format of that one): a call's template may be one's name, and with `tools` (the
-    call renders some) "tool_use" is the one used where there is one."""
-    named = getattr(tokenizer, "chat_template", None)
-    if isinstance(named, dict) and (template is None or template in named):
-        template = named.get(template if template is not None else "tool_use" if tools and "tool_use" in named
-                             else "default")
-    elif template is None:
-        template = named
-    if not isinstance(template, str):
-        return False
-    if template not in _PART_TEMPLATES:
-        if len(_PART_TEMPLATES) >= _PART_TEMPLATES_MAX:  # requests' own templates (--trust-request-chat-template)
-            _PART_TEMPLATES.clear()
-        _PART_TEMPLATES[template] = _loops_over_content(template)
-    return _PART_TEMPLATES[template]
-
-
-def _jinja_environment(template: str):
-    """The Jinja environment transformers renders `template` in (vLLM parses templates in it): its loop controls
-    (`{% break %}`) and its `{% generation %}` tag are Jinja there; a plain environment cannot parse them."""
-    try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-    except ImportError:  # another transformers: Jinja's loop controls at least
-        import jinja2
-        return jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
-    return _compile_jinja_template(template).environment
-
-
-def _loops_over_content(template: str) -> bool:
-    import jinja2
-    from jinja2 import nodes
-    try:
-        tree = _jinja_environment(template).parse(template)
-    except (jinja2.TemplateError, RecursionError):  # nested deeper than Jinja's parser recurses: rendering says so
-        return False
-
-    def bare(node):  # what a filter, a test or a slice is applied to (`content | selectattr(...)`, `content[1:]`)
-        while isinstance(node, (nodes.Filter, nodes.Test)) and node.node is not None \
-                or isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
-            node = node.node
-        return node
-
-    def is_content(node) -> bool:
-        node = bare(node)
-        return (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content"
-                or isinstance(node, nodes.Getattr) and node.attr == "content")
-    names = {a.target.name for a in tree.find_all(nodes.Assign)
-             if isinstance(a.target, nodes.Name) and is_content(a.node)}
-    return any(is_content(f.iter) or isinstance(bare(f.iter), nodes.Name) and bare(f.iter).name in names
-               for f in tree.find_all(nodes.For))
 
 
 def _type_name(types: tuple) -> str:

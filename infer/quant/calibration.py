@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ..checks import reads_content_parts
 from ..errors import ConfigError, RequestError, read_utf8
 
 BUILTIN_PATH = Path(__file__).parent / "data" / "calibration.txt"
@@ -103,11 +104,8 @@ def _jsonl_text(line: str, path: Path, lineno: int, render_chat: Callable[[Messa
             return obj[key]
     if "messages" in obj:
         msgs = obj["messages"]
-        if isinstance(msgs, list):  # OpenAI's list of text parts is joined, as `infer run` reads a conversation
-            msgs = [{**m, "content": "".join(p["text"] for p in m["content"])}
-                    if isinstance(m, dict) and _text_parts(m.get("content")) else m for m in msgs]
         ok = isinstance(msgs, list) and msgs and all(
-            isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs)
+            isinstance(m, dict) and (isinstance(m.get("content"), str) or _text_parts(m.get("content"))) for m in msgs)
         if not ok:
             raise ConfigError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects (a "
                               "content is a string or a list of text parts)")
@@ -120,15 +118,27 @@ def _jsonl_text(line: str, path: Path, lineno: int, render_chat: Callable[[Messa
                       'write objects like {"text": "..."} or {"messages": [{"role": "user", "content": "..."}]}')
 
 
+def _in_format(messages: Messages, parts: bool) -> Messages:
+    """The messages in the content format their template reads, as `infer run` and the server (and vLLM) give them:
+    OpenAI's list of text parts joined by newlines for a template that renders content as a string; for one that
+    loops over the parts (`parts`), every content a list of text parts, a string's too."""
+    def content(c):
+        if parts:
+            return [{"type": "text", "text": c}] if isinstance(c, str) else [dict(p) for p in c]
+        return c if isinstance(c, str) else "\n".join(p["text"] for p in c)
+    return [{**m, "content": content(m["content"])} for m in messages]
+
+
 def _plain_chat(messages: Messages) -> str:
-    return "\n".join(f"{m.get('role', 'user')}: {m['content']}" for m in messages)
+    return "\n".join(f"{m.get('role', 'user')}: {m['content']}" for m in _in_format(messages, False))
 
 
 def chat_renderer(tokenizer) -> Callable[[Messages], str]:
     """Render a chat with the tokenizer's chat template, or as 'role: content' lines without one."""
     if not getattr(tokenizer, "chat_template", None):
         return _plain_chat
-    return lambda msgs: tokenizer.apply_chat_template(msgs, tokenize=False)
+    parts = reads_content_parts(tokenizer)
+    return lambda msgs: tokenizer.apply_chat_template(_in_format(msgs, parts), tokenize=False)
 
 
 def token_windows(texts: list[str], tokenizer, num_samples: int, seq_len: int) -> list[dict]:
