@@ -105,3 +105,27 @@ def test_a_calibration_chat_reaches_a_template_that_loops_over_parts_as_parts(to
     served = tok.decode(encode_prompt(tok, messages=messages, template={"add_generation_prompt": False}))
     assert "a plain string" in text and "second part" in text
     assert text == served
+
+
+@pytest.mark.parametrize("template", [CHATML, PARTS_ONLY], ids=["string", "parts"])
+def test_a_function_call_output_of_parts_is_the_tool_messages_content(tok, monkeypatch, template):
+    """/v1/responses: a function_call_output whose output is a list of input_text parts was glued into one string
+    ("sunnywarm"), where vLLM gives it to the chat as the tool message's content: joined by newlines for a template
+    that renders a string, the parts themselves for one that loops over them (as the same chat through
+    /v1/chat/completions renders)."""
+    from infer.serve.protocol import parse_chat
+    from infer.serve.responses import to_chat
+    monkeypatch.setattr(tok, "chat_template", template)
+    parts = [{"type": "input_text", "text": "sunny"}, {"type": "input_text", "text": "warm"}]
+    body = {"input": [{"role": "user", "content": "weather?"},
+                      {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{}"},
+                      {"type": "function_call_output", "call_id": "c1", "output": parts}]}
+    chat = {"messages": [{"role": "user", "content": "weather?"},
+                         {"role": "assistant", "content": "", "tool_calls": [
+                             {"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+                         {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "sunny"},
+                                                                            {"type": "text", "text": "warm"}]}]}
+    want = parse_chat(chat, tok, 4096).prompts[0]
+    assert parse_chat(to_chat(body), tok, 4096).prompts[0] == want
+    if template == CHATML:
+        assert "sunny\nwarm" in tok.decode(want)

@@ -149,9 +149,9 @@ def _messages(body: dict) -> list[dict]:
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
                 raise _bad(f"{where}: a function_call_output item needs a string call_id", "input")
+            # a list of parts stays one: the chat reads it as a message's content (its parts joined by newlines for a
+            # template that renders a string, kept for one that loops over them), as vLLM's tool message has it
             output = _text_parts(output, f"{where}.output")
-            if isinstance(output, list):
-                output = "".join(part["text"] for part in output)
             thought = _thought_turn(messages, thought)
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
         elif kind == "reasoning":
