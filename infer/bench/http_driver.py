@@ -27,7 +27,7 @@ from ..errors import ConfigError, InferError
 from .datasets import BenchRequest
 from .driver import Progress, arrival_offsets
 from .metrics import RequestRecord, RunResult
-from .monitor import ResourceSampler
+from .monitor import ResourceSampler, run_counters
 
 
 ABORTED = ("abort", "error")  # finish reasons of a request the server ended without completing it (vLLM, SGLang)
@@ -189,6 +189,7 @@ def run_http(url: str, model: str, requests: list[BenchRequest], concurrency: in
     url = base_url(url)
     offsets = arrival_offsets(len(requests), request_rate, seed)
     sampler, t0_box, partial = ResourceSampler(), [], False
+    before = server_stats(url, api_key)  # the server's counters so far (a warm-up's, the levels' before this one)
     with Progress(progress, len(requests), f"http c={concurrency}") as bar:
         run = _HttpRun(url, model, requests, concurrency, temperature, api_key, tokenizer, bar)
         try:
@@ -202,7 +203,14 @@ def run_http(url: str, model: str, requests: list[BenchRequest], concurrency: in
     return RunResult("http", concurrency, run.done, duration_s=run.end - t0, num_requests=len(requests),
                      request_rate=request_rate, partial=partial, aborted=run.started - len(run.done),
                      peak_rss_bytes=sampler.peak_rss_bytes, timeline=sampler.timeline, start_time=t0,
-                     engine_stats=server_stats(url, api_key))
+                     engine_stats=_run_stats(before, server_stats(url, api_key)))
+
+
+def _run_stats(before: dict, after: dict) -> dict:
+    """The server's figures at the end of a run, its cumulative counters also as run_<name>: their growth over the
+    run (as an in-process run's), so a level's speculative decoding figures are its own, not the server's since
+    it started; none when the server reports no figures."""
+    return run_counters(before, after) if after else {}
 
 
 def reset_prefix_cache(url: str, api_key: str | None = None) -> bool:

@@ -35,6 +35,15 @@ def _cuda_in_use() -> bool:
         return False
 
 
+def run_counters(before: dict, after: dict) -> dict:
+    """`after` (an engine's stats()) with run_<name> for each cumulative counter: its change since `before`."""
+    out = dict(after)
+    for k in _COUNTERS:
+        if k in after:
+            out[f"run_{k}"] = after[k] - before.get(k, 0)
+    return out
+
+
 class ResourceSampler:
     """Call `sample(in_flight)` often (each engine step); it records at most one sample per `interval_s`.
     The peak RSS is the kernel's (Linux's VmHWM, reset by `start()`), so a peak between two samples (a large
@@ -82,9 +91,6 @@ class ResourceSampler:
             row["gpu_bytes"] = torch.cuda.memory_allocated()
             self.peak_gpu_bytes = torch.cuda.max_memory_allocated()
         if self.engine is not None:
-            self.last_stats = dict(self.engine.stats())
-            for k in _COUNTERS:
-                if k in self.last_stats:
-                    self.last_stats[f"run_{k}"] = self.last_stats[k] - self._stats0.get(k, 0)
+            self.last_stats = run_counters(self._stats0, self.engine.stats())
             row.update({k: self.last_stats[k] for k in _STAT_KEYS if k in self.last_stats})
         self.timeline.append(row)

@@ -1,0 +1,51 @@
+"""Probes of what operators read while serving (session 52): /metrics, /health and `infer bench --url`'s use of
+them, against what a scripted run actually did."""
+
+from __future__ import annotations
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+from infer.bench.datasets import BenchRequest  # noqa: E402
+from infer.bench.http_driver import run_http, server_stats  # noqa: E402
+from infer.bench.report import spec_decode_figures  # noqa: E402
+from infer.engine.config import EngineConfig  # noqa: E402
+from infer.engine.llm_engine import LLMEngine  # noqa: E402
+from infer.serve.app import Server, serve_in_thread  # noqa: E402
+from infer.serve.async_engine import AsyncEngine  # noqa: E402
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+@pytest.fixture(scope="module")
+def spec_engine():
+    return LLMEngine(EngineConfig("tiny-llama", block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                                  speculative_config=SPEC))
+
+
+def _requests(n: int = 2) -> list[BenchRequest]:
+    """Prompts that repeat a phrase: tiny-llama's greedy output then repeats itself too, so drafts are made."""
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    return [BenchRequest("Repeat: " + " ".join([" ".join(words[i:i + 5]) + "."] * 6), None, 16, ignore_eos=True)
+            for i in range(n)]
+
+
+def test_a_url_runs_speculative_figures_are_its_own_not_the_servers_since_it_started(spec_engine):
+    """`infer bench --url` read the server's counters once, at the end of each level: a level's acceptance rate
+    and length were those of every request the server ran since it started (a warm-up, the levels before)."""
+    with serve_in_thread(Server(AsyncEngine(spec_engine), "tiny")) as base:
+        run_http(base, "tiny", _requests(), concurrency=2, progress=False)  # a level before
+        before = server_stats(base)
+        run = run_http(base, "tiny", _requests(3), concurrency=3, progress=False)
+        after = server_stats(base)
+    stats = run.engine_stats
+    assert after["spec_decode_num_drafts"] > before["spec_decode_num_drafts"] > 0
+    for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+              "num_steps"):
+        assert stats[f"run_{k}"] == after[k] - before[k], k
+    drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
+    tokens = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert spec_decode_figures(stats) == pytest.approx({"spec_decode_acceptance_rate": accepted / tokens,
+                                                        "spec_decode_mean_acceptance_length": 1 + accepted / drafts})
