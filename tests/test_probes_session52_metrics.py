@@ -49,3 +49,23 @@ def test_a_url_runs_speculative_figures_are_its_own_not_the_servers_since_it_sta
     accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
     assert spec_decode_figures(stats) == pytest.approx({"spec_decode_acceptance_rate": accepted / tokens,
                                                         "spec_decode_mean_acceptance_length": 1 + accepted / drafts})
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(EngineConfig("tiny-llama", block_size=4, max_num_seqs=4, max_num_batched_tokens=64))
+
+
+def test_server_stats_go_to_the_server_as_the_runs_requests_do_not_through_a_proxy(engine, monkeypatch):
+    """The run's requests and its /reset_prefix_cache ignore HTTP_PROXY (trust_env=False); its /health read went
+    through the proxy, so with one set (a dead one here) the level's engine figures were silently empty."""
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny")) as base:
+        monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+        monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        run = run_http(base, "tiny", [BenchRequest(None, [5, 6, 7], 3, ignore_eos=True)], concurrency=1,
+                       progress=False)
+        assert run.records[0].success
+        assert run.engine_stats.get("num_steps", 0) > 0
+        assert server_stats(base)["num_steps"] == engine.stats()["num_steps"]

@@ -229,7 +229,7 @@ def server_stats(url: str, api_key: str | None = None) -> dict:
     replica under "replicas"); empty for servers that do not report them."""
     import httpx
     try:
-        body = httpx.get(f"{url}/health", headers=_headers(api_key), timeout=5.0).json()
+        body = httpx.get(f"{url}/health", headers=_headers(api_key), timeout=5.0, trust_env=False).json()
     except (httpx.HTTPError, ValueError):
         return {}
     engine = body.get("engine") if isinstance(body, dict) else None
