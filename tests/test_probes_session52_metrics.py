@@ -69,3 +69,21 @@ def test_server_stats_go_to_the_server_as_the_runs_requests_do_not_through_a_pro
         assert run.records[0].success
         assert run.engine_stats.get("num_steps", 0) > 0
         assert server_stats(base)["num_steps"] == engine.stats()["num_steps"]
+
+
+def test_a_merged_n_requests_timings_are_the_groups_not_sample_zeros():
+    """LLM.generate(n > 1) merges the samples into one RequestOutput: its metrics' last_token_time was sample 0's,
+    earlier than its finished_time by the whole time the other samples kept going (decode time read from it was
+    short), and its first token / first scheduled times sample 0's, not the group's first (vLLM's group times)."""
+    from infer.engine.outputs import RequestOutput
+
+    def sample(first_scheduled, times, finished):
+        return RequestOutput("r", [1, 2, 3], [7] * len(times), text="x", finished=True, finish_reason="length",
+                             arrival_time=1.0, first_scheduled_time=first_scheduled, first_token_time=times[0],
+                             token_times=times, finished_time=finished)
+    early = sample(2.0, [3.0, 3.5], 3.6)  # stopped after two tokens
+    late = sample(1.5, [2.5, 4.0, 6.0, 8.0], 8.1)
+    m = RequestOutput.merged([early, late]).metrics
+    assert (m.arrival_time, m.first_scheduled_time, m.first_token_time) == (1.0, 1.5, 2.5)
+    assert (m.last_token_time, m.finished_time, m.time_in_queue) == (8.0, 8.1, 0.5)
+    assert RequestOutput.merged([early]).metrics.last_token_time == 3.5  # one sample: its own

@@ -135,19 +135,26 @@ class RequestOutput:
     @classmethod
     def merged(cls, samples: list[RequestOutput]) -> RequestOutput:
         """The n samples of one prompt (LLM.generate with SamplingParams.n > 1) as one output, as vLLM returns
-        them: `outputs[j]` is sample j; the fields of the output itself are sample 0's, its usage counts the prompt
-        once and every sample's tokens."""
+        them: `outputs[j]` is sample j; the fields of the output itself are sample 0's, but for its times (`metrics`:
+        the group's, the first sample scheduled, the first token and the last any sample made); its usage counts the
+        prompt once and every sample's tokens."""
         first = samples[0]
+
+        def earliest(times):
+            return min((t for t in times if t is not None), default=None)
         out = cls(first.request_id, first.prompt_token_ids, first.token_ids, text=first.text,
                   finished=all(s.finished for s in samples), finish_reason=first.finish_reason, error=first.error,
                   logprobs=first.logprobs, lora=first.lora, arrival_time=first.arrival_time,
-                  first_token_time=first.first_token_time, token_times=first.token_times,
+                  first_token_time=earliest(s.first_token_time for s in samples), token_times=first.token_times,
                   num_cached_tokens=first.num_cached_tokens, num_prefix_tokens=first.num_prefix_tokens,
-                  stop_reason=first.stop_reason, prompt_logprobs=first.prompt_logprobs,
-                  bad_request=first.bad_request, first_scheduled_time=first.first_scheduled_time,
+                  stop_reason=first.stop_reason, prompt_logprobs=first.prompt_logprobs, bad_request=first.bad_request,
+                  first_scheduled_time=earliest(s.first_scheduled_time for s in samples),
                   finished_time=max((s.finished_time for s in samples if s.finished_time is not None),
                                     default=None) if all(s.finished for s in samples) else None)
         out._samples = [CompletionOutput.of(s, j) for j, s in enumerate(samples)]
+        # the request's times are the group's, as vLLM's for n > 1: its first token the first any sample made, its
+        # last token the last any made (sample 0 may have stopped long before the others)
+        out._last_token_time = max((s.token_times[-1] for s in samples if s.token_times), default=None)
         out.prompt = first.prompt
         return out
 
@@ -156,7 +163,9 @@ class RequestOutput:
         """vLLM's RequestMetrics of the request (times in time.monotonic() seconds): arrival, first scheduled,
         first and last token, finish, and the time it waited in the queue."""
         times, scheduled = self.token_times, self.first_scheduled_time
-        return RequestMetrics(arrival_time=self.arrival_time, last_token_time=times[-1] if times else None,
+        last = getattr(self, "_last_token_time", None) if getattr(self, "_samples", None) else None
+        return RequestMetrics(arrival_time=self.arrival_time,
+                              last_token_time=last if last is not None else times[-1] if times else None,
                               first_scheduled_time=scheduled, first_token_time=self.first_token_time,
                               time_in_queue=None if scheduled is None else scheduled - self.arrival_time,
                               finished_time=self.finished_time)
