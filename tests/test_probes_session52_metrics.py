@@ -87,3 +87,22 @@ def test_a_merged_n_requests_timings_are_the_groups_not_sample_zeros():
     assert (m.arrival_time, m.first_scheduled_time, m.first_token_time) == (1.0, 1.5, 2.5)
     assert (m.last_token_time, m.finished_time, m.time_in_queue) == (8.0, 8.1, 0.5)
     assert RequestOutput.merged([early]).metrics.last_token_time == 3.5  # one sample: its own
+
+
+def test_a_data_parallel_servers_prefix_cache_hit_rate_weighs_each_replica_by_its_lookups():
+    """/health's prefix_cache_hit_rate with --data-parallel was the mean of the replicas' rates: a replica that looked
+    up 8 tokens and found none halved the rate of one that found 900 of 1000. As one engine's: hits over queries."""
+    from types import SimpleNamespace
+
+    from infer.parallel.serve_engine import RayAsyncEngine, _Replica
+
+    def stats(queries, hits):
+        return {"num_running": 0, "num_waiting": 0, "kv_blocks_total": 10, "kv_blocks_used": 0, "kv_usage": 0.0,
+                "num_preemptions": 0, "prefix_cache_queries": queries, "prefix_cache_hits": hits,
+                "prefix_cache_hit_rate": hits / queries if queries else 0.0}
+    replicas = [_Replica(0, None, {}, stats=stats(1000, 900)), _Replica(1, None, {}, stats=stats(8, 0))]
+    total = RayAsyncEngine._aggregate(SimpleNamespace(replicas=replicas))
+    assert (total["prefix_cache_queries"], total["prefix_cache_hits"]) == (1008, 900)
+    assert total["prefix_cache_hit_rate"] == pytest.approx(900 / 1008)
+    idle = RayAsyncEngine._aggregate(SimpleNamespace(replicas=[_Replica(0, None, {}, stats=stats(0, 0))]))
+    assert idle["prefix_cache_hit_rate"] == 0.0

@@ -677,8 +677,10 @@ class RayAsyncEngine(AsyncEngine):
         total = {k: sum(figures[id(r)].get(k, 0) for r in (self.replicas if k in CUMULATIVE else live))
                  for k in SUMMED}
         total["kv_usage"] = total["kv_blocks_used"] / max(total["kv_blocks_total"], 1)
-        rates = [r.stats.get("prefix_cache_hit_rate", 0.0) for r in live]
-        total["prefix_cache_hit_rate"] = sum(rates) / max(len(rates), 1)
+        # the cached tokens over the tokens looked up, over every replica (as one engine's): a mean of the replicas'
+        # rates made a replica that looked up ten tokens weigh as much as one that looked up millions
+        queries = total["prefix_cache_queries"]
+        total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / queries if queries else 0.0
         total["num_replicas_alive"] = len(live)
         if any(r.stats.get("lora_max") for r in live):  # vLLM's lora_requests_info over every replica
             total["lora_max"] = max(r.stats.get("lora_max", 0) for r in live)
