@@ -106,3 +106,25 @@ def test_a_data_parallel_servers_prefix_cache_hit_rate_weighs_each_replica_by_it
     assert total["prefix_cache_hit_rate"] == pytest.approx(900 / 1008)
     idle = RayAsyncEngine._aggregate(SimpleNamespace(replicas=[_Replica(0, None, {}, stats=stats(0, 0))]))
     assert idle["prefix_cache_hit_rate"] == 0.0
+
+
+def test_the_stats_snapshot_a_client_reads_after_its_last_token_includes_the_step_that_made_it(engine):
+    """The engine thread handed a step's outputs to the server, then took the stats snapshot /health and /metrics
+    read: a client that got its last token and at once read /metrics could see its request still running and the
+    step's counters (steps, preemptions, cache hits, drafts) not yet counted."""
+    aengine = AsyncEngine(engine)
+    seen = []
+    deliver = aengine._deliver
+
+    def spy(out):
+        if out.finished:  # what a reader would see the moment the server has this output
+            seen.append(dict(aengine.stats))
+        deliver(out)
+    aengine._deliver = spy
+    with serve_in_thread(Server(aengine, "tiny")) as base:
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+    assert len(seen) == 1
+    assert seen[0]["num_running"] == 0 and seen[0]["kv_blocks_used"] == 0
+    assert seen[0]["num_steps"] == engine.stats()["num_steps"]

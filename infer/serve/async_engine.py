@@ -347,12 +347,14 @@ class AsyncEngine:
                 if tokens:  # the model ran (a step that only ended aborted requests proves nothing)
                     self.failing_steps = 0
                 self._stepped(tokens)
-        for out in outputs:
-            self._deliver(out)
+        # the snapshot first: a client that has its last token and then reads /health or /metrics sees the step that
+        # made it (its request no longer running, the step's preemptions, cache hits and drafts counted)
         stats = dict(self.engine.stats())
         with self._cond:
             self._num_waiting, self._num_running = stats["num_waiting"], stats["num_running"]
         self.stats = stats
+        for out in outputs:
+            self._deliver(out)
 
     def _step_failed(self, e: Exception) -> None:
         self.num_step_errors += 1
