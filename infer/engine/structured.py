@@ -39,8 +39,10 @@ CACHE_BYTES = 512 << 20  # compiled constraints kept (xgrammar's cache; vLLM's d
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (?:Check failed: \(.*?\) is false: )?")
 # a string character in xgrammar's grammar of a string with a length bound (raw control characters pass), and the
-# one JSON allows (as xgrammar's other strings take it)
-_RAW_CONTROL, _JSON_CHAR = r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]'
+# one JSON allows (as xgrammar's other strings take it) less the UTF-16 surrogates: xgrammar's matcher decodes the
+# bytes ED A0-BF xx (not UTF-8) as one of them, so a reply of maxLength 4 held " re" and those 3 bytes, which the
+# reply's text holds as 3 U+FFFD (6 characters)
+_RAW_CONTROL, _JSON_CHAR = r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n\ud800-\udfff]'
 # what a grammar no text can match (or complete) usually is: xgrammar compiles it, its matcher allows nothing
 DEAD_HINT = "e.g. a rule that never ends (root ::= a, a ::= a \"x\") or a set of no characters: fix it"
 

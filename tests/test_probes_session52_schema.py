@@ -1,0 +1,56 @@
+"""Structured outputs probes (session 52, fuzzing JSON schemas against the engine's grammars): xgrammar's matcher
+(0.2.9) decodes the bytes ED A0-BF 80-BF, which are not UTF-8 (a UTF-16 surrogate's code), as one character of a
+JSON string, so a string with maxLength 4 took " re" and those 3 bytes: the reply's text holds them as 3 U+FFFD, a
+string of 6 characters the schema rejects."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+xgr = pytest.importorskip("xgrammar")
+
+from infer import StructuredOutputsParams as S  # noqa: E402
+from infer.engine.structured import GrammarBackend  # noqa: E402
+from infer.models.tiny import ensure_builtin  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_builtin("tiny-llama")))
+    return GrammarBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+
+
+def _byte(tokenizer, value: int) -> int:
+    """The byte-level BPE token of one byte (GPT-2's map of bytes to characters)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    char = chr(value) if value in printable else chr(256 + [b for b in range(256) if b not in printable].index(value))
+    return tokenizer.convert_tokens_to_ids(char)
+
+
+def _takes(grammars, schema, ids) -> bool:
+    matcher = grammars.matcher(S(json=schema))
+    return all(matcher.accept_token(t) for t in ids) and matcher.accept_token(grammars.tokenizer.eos_token_id)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "minLength": 4, "maxLength": 4},
+    {"type": "object", "properties": {"s": {"type": "string", "maxLength": 3}}},
+])
+def test_a_bounded_string_takes_no_surrogate_bytes(grammars, schema):
+    tokenizer = grammars.tokenizer
+    quote = _byte(tokenizer, 0x22)
+    # what the fuzzer's walk (seed 5) sampled: '"', 'Ġre', then ED A4 9D and '"'
+    ids = [quote, *tokenizer.encode(" r" if "properties" in schema else " re", add_special_tokens=False),
+           *(_byte(tokenizer, b) for b in (0xED, 0xA4, 0x9D)), quote]
+    if "properties" in schema:
+        ids = tokenizer.encode('{"s":', add_special_tokens=False) + ids + tokenizer.encode("}",
+                                                                                          add_special_tokens=False)
+    text = tokenizer.decode(ids)
+    value = json.loads(text)
+    assert "\ufffd" in json.dumps(value, ensure_ascii=False)  # the reply's text: too long for the schema
+    assert not _takes(grammars, schema, ids)
+    good = '"ab€d"' if "properties" not in schema else '{"s": "é€"}'
+    assert _takes(grammars, schema, tokenizer.encode(good, add_special_tokens=False))  # real UTF-8 still passes
