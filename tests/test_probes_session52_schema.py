@@ -6,12 +6,14 @@ string of 6 characters the schema rejects."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 xgr = pytest.importorskip("xgrammar")
 
 from infer import StructuredOutputsParams as S  # noqa: E402
+from infer.errors import RequestError  # noqa: E402
 from infer.engine.structured import GrammarBackend  # noqa: E402
 from infer.models.tiny import ensure_builtin  # noqa: E402
 
@@ -54,3 +56,44 @@ def test_a_bounded_string_takes_no_surrogate_bytes(grammars, schema):
     assert not _takes(grammars, schema, ids)
     good = '"ab€d"' if "properties" not in schema else '{"s": "é€"}'
     assert _takes(grammars, schema, tokenizer.encode(good, add_special_tokens=False))  # real UTF-8 still passes
+
+
+@pytest.mark.parametrize("regex, before, after, good", [
+    ("a.b", "a", "b", "aéb"),
+    ("[^x]{1,2}", "", "", "é€"),
+    ("\\S", "", "", "€"),
+    ("x\\W", "x", "", "x€"),
+    ("\\D", "", "", "€"),
+])
+def test_a_regex_takes_no_surrogate_bytes(grammars, regex, before, after, good):
+    tokenizer = grammars.tokenizer
+    ids = (tokenizer.encode(before, add_special_tokens=False) + [_byte(tokenizer, b) for b in (0xED, 0xA4, 0x9D)]
+           + tokenizer.encode(after, add_special_tokens=False))
+    assert not re.fullmatch(regex, tokenizer.decode(ids), re.S)  # the reply's text (3 U+FFFD) breaks the regex
+
+    def takes(ids):
+        matcher = grammars.matcher(S(regex=regex))
+        return all(matcher.accept_token(t) for t in ids) and matcher.accept_token(tokenizer.eos_token_id)
+
+    assert not takes(ids)
+    assert takes(tokenizer.encode(good, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("regex, good, bad", [
+    ("a[^\\]x]b", ["ayb", "a\nb"], ["a]b", "axb"]),
+    ("[.]\\.", [".."], ["a."]),
+    ("[^]a]", ["ba]"], ["b"]),  # ECMA's [^] (any character)
+    ("\\s\\w\\d", [" a1"], ["a a1"]),
+])
+def test_a_regex_means_what_it_did(grammars, regex, good, bad):
+    tokenizer = grammars.tokenizer
+    for text in good + bad:
+        matcher = grammars.matcher(S(regex=regex))
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert (all(matcher.accept_token(t) for t in ids) and matcher.accept_token(tokenizer.eos_token_id)) \
+            == (text in good), text
+
+
+def test_a_regex_that_does_not_compile_is_named_at_its_own_position(grammars):
+    with pytest.raises(RequestError, match="position 6: Unclosed"):
+        grammars.matcher(S(regex="a.([b"))

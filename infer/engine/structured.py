@@ -730,6 +730,40 @@ def _optional_groups_fixed(pattern: str) -> str:
     return "".join(out)
 
 
+_SURROGATES = "\\ud800-\\udfff"
+
+
+def _surrogates_excluded(pattern: str) -> str:
+    """`pattern` with its `.`, \\S, \\W, \\D and each negated class, [^...], not taking a UTF-16 surrogate.
+    xgrammar's matcher (0.2.9) decodes the bytes ED A0-BF 80-BF (not UTF-8) as one, so regex "a.b" took "a", those
+    3 bytes and "b", whose text is "a" 3 U+FFFD "b", which the regex does not match."""
+    out, i, negated = [], 0, None  # negated: inside a class, whether it is [^...]
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            escape = pattern[i + 1:i + 2]
+            out.append(f"[^\\{escape.lower()}{_SURROGATES}]" if negated is None and escape in "SWD" and escape
+                       else pattern[i:i + 2])
+            i += 2
+            continue
+        if negated is not None:
+            if char == "]":
+                out.append(_SURROGATES + "]" if negated else "]")
+                negated = None
+            else:
+                out.append(char)
+        elif char == "[":  # ECMA-262's class, as JSON Schema's: "[]" is empty, a first ] ends it
+            negated = pattern.startswith("^", i + 1)
+            out.append(pattern[i:i + 1 + negated])
+            i += negated
+        elif char == ".":
+            out.append(f"[^{_SURROGATES}]")
+        else:
+            out.append(char)
+        i += 1
+    return "".join(out)
+
+
 # the keywords of each JSON type: xgrammar (0.2.9) ignores a number's, a string's or an array's in a schema without a
 # type ({"minimum": 5} took 3, {"maxLength": 1} "abc", {"maxItems": 1} [1, 2]), so such a schema gets those types
 _TYPE_KEYWORDS = {"number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"),
@@ -865,7 +899,11 @@ class GrammarBackend:
                     return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
                 return compiler.compile_json_schema('{"type": "object"}')
             if kind == "regex":
-                return compiler.compile_regex(spec.regex)
+                try:
+                    return compiler.compile_regex(_surrogates_excluded(spec.regex))
+                except (RuntimeError, ValueError, TypeError):  # its reason (a position) of the regex as it was sent
+                    compiler.compile_regex(spec.regex)
+                    raise
             if kind == "choice":
                 return compiler.compile_grammar(choice_grammar(spec.choice))
             return compiler.compile_grammar(grammar)
