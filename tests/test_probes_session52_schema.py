@@ -97,3 +97,45 @@ def test_a_regex_means_what_it_did(grammars, regex, good, bad):
 def test_a_regex_that_does_not_compile_is_named_at_its_own_position(grammars):
     with pytest.raises(RequestError, match="position 6: Unclosed"):
         grammars.matcher(S(regex="a.([b"))
+
+
+def _json_takes(grammars, schema, text: str) -> bool:
+    tokenizer = grammars.tokenizer
+    return _takes(grammars, schema, tokenizer.encode(text, add_special_tokens=False))
+
+
+_NAMES = {"pattern": "^[a-z]+$"}
+
+
+@pytest.mark.parametrize("schema, breaking, message", [
+    # the walk's schema 239 (seed 8): xgrammar took {"p1": []} though propertyNames rejects "p1"
+    ({"type": "object", "properties": {"p1": {"type": "array"}}, "required": ["p1"], "propertyNames": _NAMES},
+     '{"p1": []}', 'has the property "p1" at #/properties/p1, whose name its object\'s propertyNames does not surely '
+                   'allow'),
+    ({"type": "object", "properties": {"ab": {"type": "null"}}, "additionalProperties": {"type": "null"},
+      "patternProperties": {"^x": {"type": "null"}}, "propertyNames": _NAMES},
+     '{"A1": null}', "uses propertyNames at #/propertyNames beside patternProperties"),
+    ({"type": "array", "items": {"type": "object", "properties": {"n": {"type": "integer"}},
+                                 "propertyNames": {"maxLength": 0}}},
+     '[{"n": 1}]', 'has the property "n" at #/items/properties/n'),
+])
+def test_property_names_xgrammar_lets_through_are_refused(grammars, schema, breaking, message):
+    tokenizer = grammars.tokenizer
+    matcher = xgr.GrammarMatcher(grammars.compiler().compile_json_schema(json.dumps(schema)))
+    ids = tokenizer.encode(breaking, add_special_tokens=False)
+    assert all(matcher.accept_token(t) for t in ids) and matcher.accept_token(tokenizer.eos_token_id)  # xgrammar's own
+    with pytest.raises(RequestError, match=re.escape(message)):
+        grammars.matcher(S(json=schema))
+
+
+@pytest.mark.parametrize("schema, good, bad", [
+    ({"type": "object", "propertyNames": _NAMES, "properties": {"ab": {"type": "null"}},
+      "additionalProperties": {"type": "null"}}, ['{"ab": null}', '{"cd": null}'], ['{"A1": null}']),
+    ({"type": "object", "propertyNames": {"enum": ["a", "b"], "type": "string", "description": "x"},
+      "properties": {"a": {"type": "integer"}}}, ['{"a": 1}'], ['{"c": 1}']),
+    ({"type": "object", "propertyNames": {"const": "k"}, "properties": {"k": {"type": "integer"}}},
+     ['{"k": 1}'], ['{"j": 1}']),
+])
+def test_property_names_xgrammar_enforces_still_run(grammars, schema, good, bad):
+    for text in good + bad:
+        assert _json_takes(grammars, schema, text) == (text in good), text

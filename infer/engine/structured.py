@@ -606,6 +606,9 @@ def _unenforced(schema, path: str, root=None) -> tuple[str, str | None] | None:
         if isinstance(required, list) else []
     if missing:
         return f"{path}/required", "required " + json.dumps(missing[0])
+    found = _names_unenforced(schema, path)
+    if found:
+        return found
     for key, value in schema.items():
         if key in _DATA:
             continue
@@ -618,6 +621,26 @@ def _unenforced(schema, path: str, root=None) -> tuple[str, str | None] | None:
             if found:
                 return found
     return None
+
+
+def _name_holds(name: str, names: dict) -> bool:
+    """Whether a property name surely meets a propertyNames schema (its type, length, pattern, enum, const)."""
+    return all(k in _ANNOTATIONS or (k == "const" and v == name) or (k != "const" and _value_holds(name, k, v))
+               for k, v in names.items())
+
+
+def _names_unenforced(schema: dict, path: str) -> tuple[str, str] | None:
+    """(where, why) xgrammar (0.2.9) would not hold an object's property names to its propertyNames: beside
+    patternProperties (with properties and additionalProperties it ignored propertyNames: {"A1": null} passed
+    "^[a-z]+$"), or at a name of `properties` that propertyNames rejects (which xgrammar allowed all the same)."""
+    names = schema.get("propertyNames")
+    if not isinstance(names, dict) or not set(names) - _ANNOTATIONS:
+        return None
+    if schema.get("patternProperties"):
+        return f"{path}/propertyNames", "patternProperties"
+    props = schema.get("properties")
+    bad = next((n for n in props if not _name_holds(n, names)), None) if isinstance(props, dict) else None
+    return (f"{path}/properties/{bad}", "names " + json.dumps(bad)) if bad is not None else None
 
 
 @functools.lru_cache(maxsize=256)
@@ -652,6 +675,15 @@ def _check_enforced(schema: str) -> None:
                                "reply could break it", f"bound the range on both sides, to at most {XGRAMMAR_RANGE} "
                                f"integers or {MAX_MULTIPLES} multiples (which are enforced), or keep one of "
                                "multipleOf and the range")
+        if beside == "patternProperties":
+            raise RequestError(f"structured_outputs.json uses propertyNames at {found} beside patternProperties, "
+                               "which xgrammar does not enforce together (a reply's property names could break "
+                               "propertyNames)", "keep one of propertyNames and patternProperties (and check the "
+                               "other in the reply)")
+        if beside.startswith("names "):
+            raise RequestError(f"structured_outputs.json has the property {beside[6:]} at {found}, whose name its "
+                               "object's propertyNames does not surely allow: xgrammar lets a reply hold it all "
+                               "the same", "drop that property, or make propertyNames allow its name")
         if beside.startswith("required "):
             raise RequestError(f"structured_outputs.json requires {beside[9:]} at {found}, which is not in that "
                                "schema's properties: xgrammar does not enforce such a name",
