@@ -84,6 +84,8 @@ def test_a_regex_takes_no_surrogate_bytes(grammars, regex, before, after, good):
     ("[.]\\.", [".."], ["a."]),
     ("[^]a]", ["ba]"], ["b"]),  # ECMA's [^] (any character)
     ("\\s\\w\\d", [" a1"], ["a a1"]),
+    ("x[^a-]", ["xb", "xz", "x_"], ["xa", "x-"]),  # the last "-" is itself: the surrogates' range went after it,
+    ("x[^-]", ["xb"], ["x-"]),  # and "a-\\ud800" took every character from a to U+D800 out of the class
 ])
 def test_a_regex_means_what_it_did(grammars, regex, good, bad):
     tokenizer = grammars.tokenizer

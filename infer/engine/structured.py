@@ -780,7 +780,11 @@ def _surrogates_excluded(pattern: str) -> str:
             continue
         if negated is not None:
             if char == "]":
-                out.append(_SURROGATES + "]" if negated else "]")
+                if negated and out[-1] == "-":  # a class's last "-" is itself ([^a-]): the range goes before it, not
+                    out.insert(len(out) - 1, _SURROGATES)  # after ("[^a-\\ud800-...]" ranged from a)
+                    out.append("]")
+                else:
+                    out.append(_SURROGATES + "]" if negated else "]")
                 negated = None
             else:
                 out.append(char)
