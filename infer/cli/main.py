@@ -169,10 +169,13 @@ def handle_errors(fn, command: str = "COMMAND"):
         except BrokenPipeError:  # click turned it into a silent exit 1: warmup's "does not fit", lora-validate's fail
             if not _stdout_closed():
                 raise
-            _stdout_to_devnull()
-            typer.echo(f"error: stdout was closed by its reader before infer {command} wrote all of its output\n"
-                       "  hint: pipe the output into a program that reads all of it, or redirect it to a file",
-                       err=True)
+            _to_devnull(sys.stdout)
+            try:
+                typer.echo(f"error: stdout was closed by its reader before infer {command} wrote all of its output\n"
+                           "  hint: pipe the output into a program that reads all of it, or redirect it to a file",
+                           err=True)
+            except OSError:  # stderr into the same closed pipe (`2>&1 | head -c 0`): the exit status says it alone
+                _to_devnull(sys.stderr)
             raise typer.Exit(2) from None
         except Exception as e:
             extra = missing_extra(e)
@@ -199,11 +202,12 @@ def _stdout_closed() -> bool:
         return False
 
 
-def _stdout_to_devnull() -> None:
-    """Point stdout at /dev/null, so the interpreter's last flush of what is still buffered does not fail again."""
+def _to_devnull(stream) -> None:
+    """Point `stream` (stdout, stderr) at /dev/null, so the interpreter's last flush of what is still buffered does
+    not fail again (which made the exit status 120)."""
     import os
-    with contextlib.suppress(OSError, ValueError):
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
 
 
 # the packages of infer's extras (pyproject.toml), by the name they import as: which extra installs each

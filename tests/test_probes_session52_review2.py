@@ -1,0 +1,21 @@
+"""Session 52's review of its newer code: a closed stdout with stderr in the same pipe, non-JSON argument texts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_warmup_json_and_stderr_into_one_pipe_its_reader_closed_exits_2(tmp_path):
+    """`infer warmup M --json 2>&1 | head -c 0`: the line about the closed stdout cannot be written either (stderr is
+    the same closed pipe); that second BrokenPipeError escaped to click, a silent exit 1 ("does not fit")."""
+    from infer.models.tiny import ensure_builtin
+    model = ensure_builtin("tiny-llama")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parents[1]),
+                                                                     os.environ.get("PYTHONPATH")])))
+    p = subprocess.Popen([sys.executable, "-m", "infer.cli", "warmup", str(model), "--json", "--estimate"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    p.stdout.close()  # the reader of both is gone before the command writes its line
+    assert p.wait(timeout=300) == 2
