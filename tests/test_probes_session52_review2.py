@@ -19,3 +19,17 @@ def test_warmup_json_and_stderr_into_one_pipe_its_reader_closed_exits_2(tmp_path
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
     p.stdout.close()  # the reader of both is gone before the command writes its line
     assert p.wait(timeout=300) == 2
+
+
+def test_hermes_arguments_text_nan_is_written_as_a_json_string():
+    """Arguments given as the text "NaN" (or "Infinity") passed as JSON because Python's json.loads reads them; they
+    went out as `NaN`, which no strict JSON reader (JavaScript's JSON.parse, OpenAI's SDKs in other languages) takes."""
+    import json
+
+    from infer.serve.tools import hermes_calls
+    for text in ("NaN", "-Infinity"):
+        _, calls = hermes_calls('<tool_call>\n{"name": "f", "arguments": "%s"}\n</tool_call>' % text)
+        arguments = calls[0]["function"]["arguments"]
+        assert arguments == json.dumps(text)
+    _, calls = hermes_calls('<tool_call>\n{"name": "f", "arguments": "{\\"a\\": 1}"}\n</tool_call>')
+    assert calls[0]["function"]["arguments"] == '{"a": 1}'

@@ -204,13 +204,17 @@ def _mistral_call(name: str, arguments: str) -> dict:
     return _call(name, arguments, "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9)))
 
 
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
 def _arguments(args: Any) -> str:
     """A parsed call's arguments as OpenAI's JSON text: written as JSON, but arguments the model gave as JSON text
     ("{\\"a\\": 1}") stay that text; text that is not JSON ("Paris", "") is written as a JSON string, as vLLM writes
     every value, so that a client's json.loads(arguments) reads whatever the call holds."""
     if isinstance(args, str):
-        try:
-            json.loads(args)
+        try:  # (Python's NaN and Infinity are no JSON: a client's JSON.parse refuses them)
+            json.loads(args, parse_constant=_not_json)
             return args
         except (ValueError, RecursionError):
             pass
