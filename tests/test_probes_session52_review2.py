@@ -33,3 +33,19 @@ def test_hermes_arguments_text_nan_is_written_as_a_json_string():
         assert arguments == json.dumps(text)
     _, calls = hermes_calls('<tool_call>\n{"name": "f", "arguments": "{\\"a\\": 1}"}\n</tool_call>')
     assert calls[0]["function"]["arguments"] == '{"a": 1}'
+
+
+def test_human_int_negative_fraction_gets_the_range_message_not_a_hint_to_write_it_otherwise():
+    """"-1.5K" (since the sign is read) was told "write -1.5k for -1,500", a value the range then refuses too."""
+    import pytest
+    import typer
+
+    from infer.cli.options import human_int
+    parse = human_int(2)
+    with pytest.raises(typer.BadParameter) as e:
+        parse("-1.5K")
+    assert "not in the range 2<=x" in str(e.value) and "write" not in str(e.value)
+    with pytest.raises(typer.BadParameter) as e:
+        parse("1.5K")
+    assert "write 1.5k for 1,500" in str(e.value)
+    assert parse("1.5k") == 1500

@@ -62,6 +62,8 @@ _HUMAN_INT = re.compile(r"(-?\d+(?:\.\d+)?)([kmgtKMGT]?)")  # a sign: -1 gets th
 
 def human_int(lo: int | None = None, hi: int | None = None):
     """The parser of an integer option that also takes vLLM's suffixes, checking the option's range."""
+    bounds = f"{lo}<=x" if hi is None else f"{lo}<=x<={hi}"
+
     def parse(value):
         if isinstance(value, int) and not isinstance(value, bool):
             number = value
@@ -73,13 +75,15 @@ def human_int(lo: int | None = None, hi: int | None = None):
                                          "suffixes 8k (8,000) or 8K (8,192)")
             digits, suffix = match.groups()
             if "." in digits and suffix not in _DECIMAL:
+                exact = Decimal(digits) * _DECIMAL.get(suffix.lower(), 1)
+                if lo is not None and exact < lo or hi is not None and exact > hi:  # "-1.5K": no hint to write -1.5k
+                    raise typer.BadParameter(f"{value} is not in the range {bounds}.")
                 hint = f": write {digits}{suffix.lower()} for {int(Decimal(digits) * _DECIMAL[suffix.lower()]):,}" \
                     if suffix else ""
                 raise typer.BadParameter(f"{text!r} is not a whole number (a fraction takes a lower-case, decimal "
                                          f"suffix: k, m, g, t){hint}")
             number = int(Decimal(digits) * (_DECIMAL.get(suffix) or _BINARY.get(suffix) or 1))
         if lo is not None and number < lo or hi is not None and number > hi:
-            bounds = f"{lo}<=x" if hi is None else f"{lo}<=x<={hi}"
             raise typer.BadParameter(f"{value} is not in the range {bounds}.")
         return number
     return parse
