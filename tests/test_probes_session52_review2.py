@@ -49,3 +49,28 @@ def test_human_int_negative_fraction_gets_the_range_message_not_a_hint_to_write_
         parse("1.5K")
     assert "write 1.5k for 1,500" in str(e.value)
     assert parse("1.5k") == 1500
+
+
+def test_a_reset_prefix_cache_racing_shutdown_raises_closed_error_not_the_servers_shutting_down():
+    """As generate since cc44d23: an AsyncLLM control (reset_prefix_cache, add_lora, remove_lora) that passed its
+    check before shutdown() ran on another thread raised the engine loop's ShuttingDownError, "the server is shutting
+    down (retry against another replica)", where the README promises ClosedError for every call after shutdown."""
+    import asyncio
+
+    import pytest
+
+    from infer.errors import ClosedError
+    from infer.serve.async_llm import AsyncLLM
+
+    llm = AsyncLLM("tiny-llama", max_num_seqs=2, max_model_len=64)
+    reset = llm._loop.reset_prefix_cache
+
+    def racing():  # shutdown() lands between the call's check and its control reaching the engine loop
+        llm.shutdown()
+        return reset()
+    llm._loop.reset_prefix_cache = racing
+    try:
+        with pytest.raises(ClosedError, match="shut down"):
+            asyncio.run(llm.reset_prefix_cache())
+    finally:
+        llm.shutdown()

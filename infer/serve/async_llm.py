@@ -214,7 +214,7 @@ class AsyncLLM:
         """Register a PEFT adapter folder under `name` while requests run (read on a worker thread, added between
         two steps); `replace=True` (vLLM's load_inplace) swaps the weights of a loaded name for new requests."""
         self._check_open()
-        await self._loop.add_lora(name, path, replace)
+        await self._control(self._loop.add_lora(name, path, replace))
 
     async def _lora_of(self, request) -> str:
         from ..lora.request import to_register
@@ -231,13 +231,13 @@ class AsyncLLM:
         """vLLM's AsyncLLM.reset_prefix_cache: forget every cached prefix, between two steps (running requests keep
         their blocks)."""
         self._check_open()
-        return await self._loop.reset_prefix_cache()
+        return await self._control(self._loop.reset_prefix_cache())
 
     async def remove_lora(self, name: str) -> int:
         """Unregister an adapter: new requests naming it are refused at once; those running finish with it.
         Returns how many were still running."""
         self._check_open()
-        return await self._loop.remove_lora(name)
+        return await self._control(self._loop.remove_lora(name))
 
     def list_loras(self) -> list[str]:
         self._check_open()  # (after shutdown it answered [] where LLM.list_loras raises ClosedError)
@@ -269,6 +269,15 @@ class AsyncLLM:
         ShuttingDownError, "the server is shutting down (retry against another replica)"."""
         if self._closed and isinstance(e, ShuttingDownError):
             raise ClosedError("this AsyncLLM was shut down", "create a new AsyncLLM to generate again") from None
+
+    async def _control(self, call):
+        """`await call` (an engine-loop control: add_lora, remove_lora, reset_prefix_cache), which shutdown() on
+        another thread may refuse or end once it passed _check_open: ClosedError then, as generate raises."""
+        try:
+            return await call
+        except ShuttingDownError as e:
+            self._closed_while(e)
+            raise
 
     def shutdown(self, timeout: float = 0.0) -> None:
         """Stop taking requests, give those in flight `timeout` seconds to finish (default: none; each ends with
