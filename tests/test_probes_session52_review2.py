@@ -74,3 +74,26 @@ def test_a_reset_prefix_cache_racing_shutdown_raises_closed_error_not_the_server
             asyncio.run(llm.reset_prefix_cache())
     finally:
         llm.shutdown()
+
+
+def test_a_bench_report_file_the_write_could_not_open_is_kept_as_it_was(tmp_path, monkeypatch):
+    """A write that failed before it touched the file (an earlier run's throughput.png left read-only: open() is
+    refused) removed that earlier file too, though this run had not written a byte of it."""
+    import errno
+
+    import pytest
+
+    from infer.bench import report
+    from infer.bench.metrics import RequestRecord, RunResult
+    from infer.errors import OutputError
+
+    def refused(results, path):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+    monkeypatch.setattr(report, "plot_throughput", refused)
+    (tmp_path / "throughput.png").write_bytes(b"earlier run")
+    recs = [RequestRecord(0, 4, send_time=0.0, chunk_times=[0.1, 0.2], output_tokens=2, text="ab", success=True)]
+    run = RunResult("infer", 1, recs, duration_s=0.2, num_requests=1, timeline=[])
+    with pytest.raises(OutputError) as e:
+        report.write_report(tmp_path, [run], show=False)
+    assert "throughput.png" in str(e.value)
+    assert (tmp_path / "throughput.png").read_bytes() == b"earlier run"

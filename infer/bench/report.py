@@ -312,12 +312,24 @@ def write_report(out_dir, runs: list[RunResult], baselines: list[RunResult] | No
     return results
 
 
+def _state(path: Path) -> tuple | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def _whole(path: Path, write):
     """write(path)'s result; a file it could not finish (a full disk) is removed rather than left half-written (a
     truncated results.json, a 0-byte plot), and the error names that file."""
+    before = _state(path)
     try:
         return write(path)
     except OSError as e:
+        if _state(path) == before:  # a file it could not even open (an earlier run's, left read-only) is kept
+            e.filename = e.filename or str(path)
+            raise
         with contextlib.suppress(OSError):
             path.unlink()
         if e.filename is None:
