@@ -937,9 +937,8 @@ class GrammarBackend:
             if kind == "regex":
                 try:
                     return compiler.compile_regex(_surrogates_excluded(spec.regex))
-                except (RuntimeError, ValueError, TypeError):  # its reason (a position) of the regex as it was sent
-                    compiler.compile_regex(spec.regex)
-                    raise
+                except (RuntimeError, ValueError, TypeError):  # the regex's own reason (a position in it as sent), or
+                    return compiler.compile_regex(spec.regex)  # one the rewrite could not keep, run as it was sent
             if kind == "choice":
                 return compiler.compile_grammar(choice_grammar(spec.choice))
             return compiler.compile_grammar(grammar)
