@@ -428,6 +428,23 @@ async def _tokenization(server: Server, request: Request, detokenize: bool):
     return SafeJSONResponse(out)
 
 
+class JsonCORSMiddleware(CORSMiddleware):
+    """Starlette's CORS, but a refused preflight (an origin, method or header not allowed) is answered as every other
+    error, an OpenAI-style JSON body with its 400 (Starlette's is a bare text/plain "Disallowed CORS origin")."""
+
+    def preflight_response(self, request_headers):
+        response = super().preflight_response(request_headers)
+        if response.status_code < 400:
+            return response
+        message = response.body.decode("utf-8", "replace")
+        headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-type", "content-length")}
+        return SafeJSONResponse(p.ApiError(response.status_code, f"{message}: the preflight of "
+                                                                 f"{request_headers.get('origin')!r} is refused by "
+                                                                 "--allowed-origins, --allowed-methods or "
+                                                                 "--allowed-headers", code="cors_disallowed").body(),
+                                status_code=response.status_code, headers=headers)
+
+
 class RequestIdMiddleware:
     """Pure ASGI middleware: a request's X-Request-Id header comes back on its response, whatever the route and
     status (an error too), as vLLM's --enable-request-id-headers sends it, so a client or a proxy can match them."""
@@ -466,7 +483,7 @@ def create_app(server: Server) -> FastAPI:
     app.add_middleware(ErrorGuardMiddleware)  # inner: its 500s pass through the metrics middleware
     # CORS outside the guard (a 500 gets the CORS headers too, so a page can read it) and before routing, so that a
     # preflight OPTIONS is answered without --api-key (as vLLM); inside the metrics and X-Request-Id middlewares
-    app.add_middleware(CORSMiddleware, **server.cors.middleware_kwargs())
+    app.add_middleware(JsonCORSMiddleware, **server.cors.middleware_kwargs())
     app.add_middleware(HttpMetricsMiddleware, metrics_fn=lambda: server.metrics)
     app.add_middleware(RequestIdMiddleware)  # outermost: a 500 of the guard carries the id too
     _install_handlers(app)

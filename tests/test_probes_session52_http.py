@@ -1,0 +1,51 @@
+"""Probes of the fifty-second session: the HTTP edge of `infer serve` as an operator exposes it (--api-key, CORS,
+body limits, request ids): every error an OpenAI-style JSON body with the right status."""
+
+from __future__ import annotations
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from infer.engine.config import EngineConfig  # noqa: E402
+from infer.engine.llm_engine import LLMEngine  # noqa: E402
+from infer.serve.app import Server, serve_in_thread  # noqa: E402
+from infer.serve.async_engine import AsyncEngine  # noqa: E402
+from infer.serve.cors import CorsOptions  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(EngineConfig("tiny-llama", max_model_len=128))
+
+
+def _is_openai_error(r, status: int) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    return error
+
+
+def test_a_refused_cors_preflight_is_an_openai_error_body(engine):
+    """A preflight from an origin (or asking a method or header) the CORS options do not allow was answered by
+    Starlette's bare text/plain "Disallowed CORS origin" 400: the one error of the server not in OpenAI's shape. It
+    is now a JSON error body with the same 400 and headers; an allowed preflight is unchanged."""
+    cors = CorsOptions(allowed_origins=("http://a.example",), allowed_methods=("GET", "POST"),
+                       allowed_headers=("authorization", "content-type"), allow_credentials=True)
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny-llama", api_key="k", cors=cors)) as base:
+        def preflight(origin, method="POST", headers="authorization"):
+            return httpx.options(f"{base}/v1/completions", headers={
+                "Origin": origin, "Access-Control-Request-Method": method,
+                "Access-Control-Request-Headers": headers, "X-Request-Id": "rid-1"})
+        ok = preflight("http://a.example")
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://a.example"
+        assert ok.headers["access-control-allow-credentials"] == "true"
+        for r, what in [(preflight("http://evil.example"), "origin"),
+                        (preflight("http://a.example", "DELETE"), "method"),
+                        (preflight("http://a.example", headers="x-secret"), "headers")]:
+            error = _is_openai_error(r, 400)
+            assert what in error["message"] and error["code"] == "cors_disallowed", error
+            assert r.headers["x-request-id"] == "rid-1"
+            assert "access-control-allow-origin" not in r.headers or what != "origin"
