@@ -49,3 +49,34 @@ def test_a_refused_cors_preflight_is_an_openai_error_body(engine):
             assert what in error["message"] and error["code"] == "cors_disallowed", error
             assert r.headers["x-request-id"] == "rid-1"
             assert "access-control-allow-origin" not in r.headers or what != "origin"
+
+
+def _raw(base: str, data: bytes) -> bytes:
+    import socket
+    host, port = base.split("//")[1].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(data)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n{}",
+    b"HELLO\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n"])
+def test_a_request_uvicorn_cannot_parse_gets_an_openai_error_body(engine, request_bytes):
+    """A request whose framing uvicorn could not parse (a Content-Length that is not a number, a request line or a
+    header that is not HTTP) was answered by uvicorn's own text/plain "Invalid HTTP request received.": now the
+    server's HTTP protocol answers it as every other error, a 400 with an OpenAI-style JSON body, and closes."""
+    import json
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny-llama")) as base:
+        out = _raw(base, request_bytes)
+        head, _, body = out.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 "), out
+        assert b"content-type: application/json" in head.lower() and b"connection: close" in head.lower(), out
+        error = json.loads(body)["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == "invalid_http_request", error
+        assert httpx.get(f"{base}/health").status_code == 200  # the server goes on

@@ -11,11 +11,31 @@ uvicorn's own timeout stays behind it as a backstop, and a third Ctrl-C still qu
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 
 log = logging.getLogger("infer.serve")
 BACKSTOP_S = 5.0  # how long uvicorn waits past our cut-off for the ended requests to be answered
+
+
+def json_400_protocol():
+    """uvicorn's HTTP protocol (its "auto" choice: httptools when installed, else h11), except that a request it
+    cannot parse (a bad request line, a Content-Length that is not a number, a malformed header) is refused with an
+    OpenAI-style JSON body, as every other error of the server, not uvicorn's bare text/plain "Invalid HTTP request
+    received."."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class JsonErrorHTTPProtocol(AutoHTTPProtocol):
+        def send_400_response(self, msg: str) -> None:
+            body = json.dumps({"error": {"message": f"{msg} (its request line, a header or its framing is malformed)",
+                                         "type": "invalid_request_error", "param": None,
+                                         "code": "invalid_http_request"}}).encode()
+            self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                                 b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+            self.transport.close()
+
+    return JsonErrorHTTPProtocol
 
 
 def uvicorn_server(server, app, cut_off_after: float, **config):
@@ -61,4 +81,5 @@ def uvicorn_server(server, app, cut_off_after: float, **config):
             if n:
                 log.warning("%s: ended %d request(s) still running, each answered with a 503", why, n)
 
+    config.setdefault("http", json_400_protocol())
     return _Server(uvicorn.Config(app, timeout_graceful_shutdown=cut_off_after + BACKSTOP_S, **config))
