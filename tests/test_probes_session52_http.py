@@ -80,3 +80,32 @@ def test_a_request_uvicorn_cannot_parse_gets_an_openai_error_body(engine, reques
         error = json.loads(body)["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["code"] == "invalid_http_request", error
         assert httpx.get(f"{base}/health").status_code == 200  # the server goes on
+
+
+def test_a_body_that_stops_arriving_is_answered_408_and_the_connection_closed(engine):
+    """A client that sent its headers and half its body, then nothing (a slow-loris, a client that hung), held its
+    connection and its handler for ever: uvicorn has no limit on how long a body may take. Now a body none of whose
+    bytes arrive for BodyLimits.body_idle_timeout seconds is answered with an OpenAI-style 408 and the connection is
+    closed; a whole body is still read as before."""
+    import json
+    import socket
+    from infer.serve.body import BodyLimits, DEFAULT_BODY_IDLE_TIMEOUT_S
+    assert BodyLimits().body_idle_timeout == DEFAULT_BODY_IDLE_TIMEOUT_S == 60.0
+    server = Server(AsyncEngine(engine), "tiny-llama", limits=BodyLimits(body_idle_timeout=0.3))
+    with serve_in_thread(server) as base:
+        host, port = base.split("//")[1].rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=20) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"prompt\": \"x")
+            out = b""
+            try:
+                while chunk := s.recv(65536):
+                    out += chunk
+            except socket.timeout:
+                pass
+        head, _, body = out.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 "), out
+        error = json.loads(body)["error"]
+        assert error["code"] == "request_timeout" and "13 bytes came" in error["message"], error
+        ok = httpx.post(f"{base}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert ok.status_code == 200, ok.text

@@ -78,7 +78,7 @@ async def _body(server, request: Request) -> dict:
     if not server.runtime_lora:
         raise p.ApiError(404, "loading and unloading adapters while serving is off on this server: start it with "
                               "--allow-runtime-lora (or INFER_ALLOW_RUNTIME_LORA=1)", code="not_found")
-    body = load_json(await read_body(request, MAX_BODY), server.limits.max_json_depth)
+    body = load_json(await read_body(request, MAX_BODY, server.limits.body_idle_timeout), server.limits.max_json_depth)
     check_values(body)
     if not isinstance(body, dict):
         raise p.ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")

@@ -7,6 +7,7 @@ thread (the routes call them through the server's parse executor), so one huge b
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
@@ -23,6 +24,7 @@ from .protocol import ApiError
 
 DEFAULT_MAX_BODY_SIZE = 8 * 2**20  # bytes (8 MiB)
 DEFAULT_MAX_JSON_DEPTH = 64  # nested arrays/objects; OpenAI bodies need about 5
+DEFAULT_BODY_IDLE_TIMEOUT_S = 60.0  # a body none of whose bytes arrive for this long is given up with a 408
 # a string, or one left open (it runs to the end of the body): a match never fails, so no part of the body is scanned
 # twice (an open string of escaped quotes was rescanned from each of them: quadratic, holding the GIL for hours)
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.S)
@@ -35,6 +37,7 @@ _STEP[list(b"[{")], _STEP[list(b"]}")] = 1, -1
 class BodyLimits:
     max_body_size: int = DEFAULT_MAX_BODY_SIZE
     max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
+    body_idle_timeout: float | None = DEFAULT_BODY_IDLE_TIMEOUT_S  # seconds (None: wait for ever)
 
 
 class ClientGone(Exception):
@@ -57,9 +60,11 @@ def too_large(limit: int) -> ApiError:
                     code="request_too_large")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, idle_timeout: float | None = None) -> bytes:
     """The whole body, or ApiError 413 as soon as it is known to pass `limit` bytes: from Content-Length before
-    a byte is read, and by counting what arrives for a chunked body (nothing past the limit is kept)."""
+    a byte is read, and by counting what arrives for a chunked body (nothing past the limit is kept). A client that
+    sends part of its body and then nothing for `idle_timeout` seconds gets a 408 and the connection is closed
+    (uvicorn has no such limit: a stalled body held its connection and handler for ever)."""
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):  # it would fail as JSON with a message about the bytes, not the encoding
         raise ApiError(415, f"Content-Encoding {encoding!r} is not supported: send the body uncompressed",
@@ -68,8 +73,17 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared is not None and declared.strip().isdigit() and int(declared) > limit:
         raise too_large(limit)
     chunks, size = [], 0
+    stream = request.stream().__aiter__()
     try:
-        async for chunk in request.stream():
+        while True:
+            try:
+                chunk = await asyncio.wait_for(stream.__anext__(), idle_timeout)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
+                raise ApiError(408, f"no byte of the request body arrived for {idle_timeout:g} s "
+                                    f"({size:,} bytes came): send the whole body at once", code="request_timeout",
+                               headers={"Connection": "close"}) from None
             size += len(chunk)
             if size > limit:
                 raise too_large(limit)
@@ -146,6 +160,6 @@ async def request_body(server, request) -> bytes | None:
     while sending it, answered 499)."""
     server.check_auth(request)
     try:
-        return await read_body(request, server.limits.max_body_size)
+        return await read_body(request, server.limits.max_body_size, server.limits.body_idle_timeout)
     except ClientGone:
         return None
