@@ -13,7 +13,7 @@ import torch
 from ..lora.batch import LoRAGroups, host_groups
 from ..models.context import ForwardContext
 from .config import EngineConfig
-from .sampler import PenaltyTable, SampledBatch, Sampler, SamplingInputs
+from .sampler import PenaltyTable, SampledBatch, Sampler, SamplingInputs, token_ranks
 from .scheduler import ScheduledBatch
 from .transfer import Pack, to_device
 
@@ -229,10 +229,10 @@ class ModelRunner:
 
     def _prompt_logprobs(self, hidden: torch.Tensor, prompt) -> torch.Tensor:
         """[m, 3 + 2k] float64 for the m prompt positions of `prompt` (from prepare): the token, its logprob under
-        the model's raw distribution, its rank (1 = the most likely), then the k most likely ids and their
-        logprobs (k: the largest prompt_logprobs among the rows). max_num_seqs positions at a time (at most 256):
-        the sampler's logits of max_num_seqs rows are what the memory plan holds room for, so a long prefill never
-        needs more."""
+        the model's raw distribution, its rank (vLLM's: the tokens at least as likely, itself included), then the k
+        most likely ids and their logprobs (k: the largest prompt_logprobs among the rows). max_num_seqs positions at
+        a time (at most 256): the sampler's logits of max_num_seqs rows are what the memory plan holds room for, so a
+        long prefill never needs more."""
         where, targets, segments = prompt
         k = max(seq.params.prompt_logprobs for seq, _ in segments)
         step = max(1, min(self.PROMPT_LOGPROB_ROWS, self.config.max_num_seqs))
@@ -242,7 +242,7 @@ class ModelRunner:
             logp = logp.float().log_softmax(-1)
             t = targets[s:s + step].unsqueeze(1)
             lp = logp.gather(1, t)
-            cols = [t.double(), lp.double(), ((logp > lp).sum(-1, keepdim=True) + 1).double()]
+            cols = [t.double(), lp.double(), token_ranks(logp, lp).double()]
             if k:
                 vals, ids = logp.topk(k, -1)
                 cols += [ids.double(), vals.double()]

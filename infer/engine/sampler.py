@@ -50,6 +50,13 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, one_minus_top_
     return torch.empty_like(logits).scatter_(1, idx, asc.masked_fill(drop, NEG_INF))
 
 
+def token_ranks(logp: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """[n, 1] each row's rank of `values` [n, 1] among its logprobs `logp` [n, V]: how many tokens are at least as
+    likely, itself included (vLLM's batched_count_greater_than): 1 for the most likely token; tied tokens share the
+    larger rank (a bf16 model's logits tie often)."""
+    return (logp >= values).sum(-1, keepdim=True)
+
+
 def apply_penalties(logits: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor, repetition: torch.Tensor,
                     presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
     """logits [n, V] penalised per row. seen [n, V] bool: token in prompt or output; counts [n, V]: occurrences in

@@ -1,0 +1,30 @@
+"""Session 53 probes of the sampling semantics against vLLM's (vllm/v1/sample: sampler.py, ops/logprobs.py,
+sampling_params.py): each test failed before its fix."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from infer.engine.model_runner import ModelRunner
+from infer.engine.sampling_params import SamplingParams
+
+
+def _runner_with_logits(logits: torch.Tensor):
+    """What ModelRunner._prompt_logprobs reads of its runner: a model whose logits are `logits`, and the config."""
+    model = SimpleNamespace(compute_logits=lambda hidden: logits.index_select(0, hidden.view(-1).long()))
+    return SimpleNamespace(model=model, config=SimpleNamespace(max_num_seqs=8), PROMPT_LOGPROB_ROWS=256)
+
+
+def test_a_prompt_tokens_rank_counts_the_tokens_it_ties_with_as_vllm():
+    """vLLM's rank (batched_count_greater_than) is how many tokens are at least as likely as the token, itself
+    included: a token tied with another for the top has rank 2, as has the other. It was 1 + the tokens strictly
+    more likely (1 for both), and bf16 logits tie often."""
+    logits = torch.tensor([[2.0, 2.0, 0.5, -1.0, 2.0],
+                           [0.0, 3.0, 3.0, 1.0, 1.0]])
+    seq = SimpleNamespace(params=SamplingParams(prompt_logprobs=1))
+    where, targets = torch.tensor([0, 1]), torch.tensor([1, 4])
+    hidden = torch.tensor([[0.0], [1.0]])
+    rows = ModelRunner._prompt_logprobs(_runner_with_logits(logits), hidden, (where, targets, [(seq, 2)]))
+    assert rows[:, 2].tolist() == [3.0, 4.0]  # token 1 ties with 0 and 4; token 4 ties with 3, below 1 and 2
