@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from infer.engine.model_runner import ModelRunner
@@ -28,3 +29,21 @@ def test_a_prompt_tokens_rank_counts_the_tokens_it_ties_with_as_vllm():
     hidden = torch.tensor([[0.0], [1.0]])
     rows = ModelRunner._prompt_logprobs(_runner_with_logits(logits), hidden, (where, targets, [(seq, 2)]))
     assert rows[:, 2].tolist() == [3.0, 4.0]  # token 1 ties with 0 and 4; token 4 ties with 3, below 1 and 2
+
+
+def test_a_generated_tokens_record_carries_its_rank_as_vllm():
+    """vLLM's sample logprobs give the sampled token's rank (Logprob.rank: the tokens at least as likely, itself
+    included), as its prompt logprobs do; infer's records of generated tokens had none."""
+    from infer.engine.sampler import Sampler
+    from infer.engine.sequence import Sequence
+    logits = torch.tensor([[3.0, 3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0, 4.0], [5.0, 1.0, 1.0, 1.0, 0.0]])
+    seqs = []
+    for k, kw in ((1, dict(logit_bias={1: 50.0})), (0, dict(allowed_token_ids=[1])), (None, {})):
+        seq = Sequence("r", [1, 2], SamplingParams(logprobs=k, **kw))
+        seq.bad_words, seq.min_tokens_ban = [], []
+        seqs.append(seq)
+    tokens, records = Sampler(0)(logits, seqs)
+    assert tokens == [1, 1, 0]  # the bias and the allowed list chose them: the ranks are the raw logits'
+    assert [r["rank"] for r in records[:2]] == [2, 4]  # token 1 ties with token 0; token 1 under 4, 3, 2
+    assert records[0]["top_logprobs"][0]["token_id"] in (0, 1) and records[2] is None
+    assert records[0]["logprob"] == pytest.approx(torch.log_softmax(logits[0], -1)[1].item())

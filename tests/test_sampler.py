@@ -164,7 +164,7 @@ def test_greedy_rows_take_the_penalised_argmax_and_logprobs_are_packed():
     assert tokens[2] != int(logits[2].argmax())  # the penalty moved it
     logp = logits.log_softmax(-1)
     assert records[0] is None and records[3] is None
-    assert records[1] == {"token_id": tokens[1], "logprob": float(logp[1, tokens[1]])}
+    assert records[1] == {"token_id": tokens[1], "logprob": float(logp[1, tokens[1]]), "rank": 1}
     top = logp[2].topk(3)
     assert records[2]["top_logprobs"] == [{"token_id": int(i), "logprob": float(v)}
                                           for v, i in zip(top.values, top.indices)]

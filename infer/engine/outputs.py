@@ -20,8 +20,8 @@ class RequestMetrics:
 
 class CompletionOutput:
     """One sample of a request, as vLLM's CompletionOutput: `RequestOutput.outputs[j]` (j < SamplingParams.n).
-    logprobs are infer's records ({token_id, logprob, top_logprobs}); cumulative_logprob is their sum (None when the
-    request did not ask for logprobs)."""
+    logprobs are infer's records ({token_id, logprob, rank, top_logprobs}); cumulative_logprob is their sum (None
+    when the request did not ask for logprobs)."""
 
     __slots__ = ("index", "text", "token_ids", "logprobs", "finish_reason", "stop_reason", "num_generated", "error",
                  "_cumulative")

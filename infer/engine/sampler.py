@@ -412,9 +412,9 @@ NOT_FINITE = -1  # the token id `packed` carries for a row whose logits were not
 @dataclass
 class SampledBatch:
     """One step's sampled rows, on the device. `packed` is what is copied to the host (once): the token ids
-    (int64 [n]), or with logprobs a float64 [n, 2 + 2k] of token, its logprob, k top ids, k top logprobs; a row
-    whose logits held a NaN or +inf has the id NOT_FINITE there (`tokens`, the next step's input ids, keeps an id
-    in the vocabulary)."""
+    (int64 [n]), or with logprobs a float64 [n, 3 + 2k] of token, its logprob, its rank (vLLM's, `token_ranks`), k
+    top ids, k top logprobs; a row whose logits held a NaN or +inf has the id NOT_FINITE there (`tokens`, the next
+    step's input ids, keeps an id in the vocabulary)."""
 
     tokens: torch.Tensor  # [n] int64, on the device (the next step's input ids when steps overlap)
     packed: torch.Tensor
@@ -424,13 +424,13 @@ class SampledBatch:
         """`packed` copied to the host -> (token ids, logprob records)."""
         if all(k is None for k in self.logprobs):
             return host.tolist(), [None] * len(self.logprobs)
-        tokens, records, kmax = [], [], (host.shape[1] - 2) // 2
+        tokens, records, kmax = [], [], (host.shape[1] - 3) // 2
         for row, k in zip(host.tolist(), self.logprobs):
             token = int(row[0])
             tokens.append(token)
-            rec = None if k is None else {"token_id": token, "logprob": row[1]}
+            rec = None if k is None else {"token_id": token, "logprob": row[1], "rank": int(row[2])}
             if k:
-                rec["top_logprobs"] = [{"token_id": int(row[2 + j]), "logprob": row[2 + kmax + j]}
+                rec["top_logprobs"] = [{"token_id": int(row[3 + j]), "logprob": row[3 + kmax + j]}
                                        for j in range(k)]
             records.append(rec)
         return tokens, records
@@ -581,7 +581,8 @@ class Sampler:
         if all(k is None for k in ks):
             return SampledBatch(tokens, ids, ks)
         logp = logits.log_softmax(-1)
-        cols = [ids.unsqueeze(1).double(), logp.gather(1, tokens.unsqueeze(1)).double()]
+        lp = logp.gather(1, tokens.unsqueeze(1))
+        cols = [ids.unsqueeze(1).double(), lp.double(), token_ranks(logp, lp).double()]
         kmax = max(k or 0 for k in ks)
         if kmax:
             vals, ids = logp.topk(kmax, -1)
