@@ -47,3 +47,22 @@ def test_a_generated_tokens_record_carries_its_rank_as_vllm():
     assert [r["rank"] for r in records[:2]] == [2, 4]  # token 1 ties with token 0; token 1 under 4, 3, 2
     assert records[0]["top_logprobs"][0]["token_id"] in (0, 1) and records[2] is None
     assert records[0]["logprob"] == pytest.approx(torch.log_softmax(logits[0], -1)[1].item())
+
+
+
+def test_a_positive_temperature_below_vllms_floor_samples_at_it():
+    """vLLM raises a temperature in (0, 0.01) to 0.01 (_MAX_TEMP) before its greedy check (_SAMPLING_EPS, 1e-5),
+    so temperature 1e-6 samples at 0.01. infer decoded every temperature below 1e-5 greedily: two tokens 0.01 apart
+    were 73% / 27% in vLLM and 100% / 0% here."""
+    from infer.engine.sampler import Sampler
+    from infer.engine.sequence import Sequence
+    params = SamplingParams(temperature=1e-6)
+    assert params.temperature == 0.01 and not params.greedy
+    assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=0.5).temperature == 0.5
+    logits = torch.tensor([[0.0, -0.01, -5.0, -9.0]])
+    seen = set()
+    for seed in range(200):  # token 1 missing from 200 draws: 0.73 ** 200, about 1e-27
+        seq = Sequence("r", [1], SamplingParams(temperature=1e-6, seed=seed).checked())
+        seq.bad_words, seq.min_tokens_ban = [], []
+        seen.add(Sampler(0)(logits, [seq])[0][0])
+    assert seen == {0, 1}

@@ -3,6 +3,7 @@ the OpenAI formula, the exponential race against the distribution it samples, se
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -249,17 +250,19 @@ def test_penalty_table_kept_step_by_step_equals_the_whole_history():
     assert set(table.rows) <= set(live)
 
 
-def test_a_temperature_too_small_to_divide_by_is_greedy():
-    """logits / 1e-40 overflow to inf and the softmax to NaN (token 0 every step); below vLLM's 1e-5 cut-off a
-    request decodes greedily, the limit such a temperature tends to."""
+def test_a_temperature_too_small_to_divide_by_is_raised_to_vllms_floor():
+    """logits / 1e-40 overflow to inf and the softmax to NaN (token 0 every step); a positive temperature below 0.01
+    is raised to 0.01, as vLLM raises it (_MAX_TEMP), and samples there."""
     from infer import LLM
     llm = LLM("tiny-llama", max_num_seqs=4)
     try:
         prompts = [[5, 17, 29, 41], [7, 8, 9]]
-        want = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))]
         for t in (1e-40, 5e-324, 9e-6):
-            got = llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=t, seed=1))
-            assert [o.token_ids for o in got] == want, t
-        assert SamplingParams(temperature=1e-5).greedy is False
+            params = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=t, seed=1, logprobs=0)
+            assert params.temperature == 0.01 and not params.greedy
+            for out in llm.generate(prompts, params):
+                assert out.finish_reason == "length" and len(out.token_ids) == 6, t  # (NaN: finish_reason error)
+                assert all(math.isfinite(r["logprob"]) for r in out.logprobs), t
+        assert SamplingParams(temperature=1e-5).greedy is False and SamplingParams().greedy
     finally:
         llm.close()

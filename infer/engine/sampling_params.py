@@ -6,6 +6,7 @@ import copy
 import difflib
 import enum
 import functools
+import logging
 import math
 import numbers
 from dataclasses import dataclass, field, fields, replace
@@ -27,7 +28,11 @@ MAX_LOGIT_BIAS = 1024
 MAX_ALLOWED_TOKEN_IDS = 16384
 MAX_BAD_WORDS = 256  # each is matched against the reply's end at every step of the request
 MIN_REPETITION_PENALTY = 0.01  # 1 / the largest (100): a seen token's logit is scaled by at most 100 either way
-GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS): 0 only, after MIN_TEMPERATURE
+# a positive temperature below this is raised to it, as vLLM (its _MAX_TEMP, with its warning): a request that asks
+# for 1e-6 samples at 0.01 there, not greedily
+MIN_TEMPERATURE = 1e-2
+logger = logging.getLogger(__name__)
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -44,7 +49,7 @@ class RequestOutputKind(enum.IntEnum):
 class SamplingParams:
     max_new_tokens: int | None = 256  # tokens the model generates (forced prefix_token_ids not counted)
     max_length: int | None = None  # prompt + output cap
-    temperature: float = 0.0  # 0 (or below GREEDY_BELOW) = greedy
+    temperature: float = 0.0  # 0 = greedy; 0 < t < 0.01 is raised to 0.01 (vLLM's _MAX_TEMP)
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1, as vLLM and the OpenAI-compatible servers spell it) = off
     repetition_penalty: float = 1.0
@@ -102,6 +107,10 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
                 raise RequestError(f"{name} must be a finite number, got {value!r}")
             setattr(self, name, float(value))  # a numpy float too, as a plain float from here on
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning("temperature %s is less than %s, which may cause numerical errors nan or inf in tensors: "
+                           "raised to %s, as vLLM raises it", self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
         checks = [
             (self.max_new_tokens is None or 1 <= self.max_new_tokens <= MAX_TOKENS,
              f"max_new_tokens must be in 1..{MAX_TOKENS}, got {self.max_new_tokens}"),
@@ -226,8 +235,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Temperature 0, or so small that dividing the logits by it overflows (vLLM's cut-off): the argmax, which
-        is what such a temperature tends to."""
+        """Temperature 0 (a positive one is at least MIN_TEMPERATURE, as vLLM makes it): the argmax."""
         return self.temperature < GREEDY_BELOW
 
     def sample(self, j: int) -> SamplingParams:
