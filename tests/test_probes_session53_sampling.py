@@ -66,3 +66,20 @@ def test_a_positive_temperature_below_vllms_floor_samples_at_it():
         seq.bad_words, seq.min_tokens_ban = [], []
         seen.add(Sampler(0)(logits, [seq])[0][0])
     assert seen == {0, 1}
+
+
+def test_a_stream_takes_prompt_logprobs_zero_as_vllm_and_refuses_more():
+    """vLLM refuses prompt_logprobs with stream=True only when it is above 0 (or -1): 0 is taken (a stream returns
+    no prompt logprobs). infer refused 0 too, a 400 for a body vLLM serves."""
+    from infer.engine.setup import load_tokenizer
+    from infer.models.tiny import ensure_builtin
+    from infer.serve.protocol import ApiError, parse_chat, parse_completion
+    tok = load_tokenizer(ensure_builtin("tiny-llama"))
+    messages = [{"role": "user", "content": "hi"}]
+    for parse, body in ((parse_completion, {"prompt": "hello"}), (parse_chat, {"messages": messages})):
+        req = parse({**body, "max_tokens": 2, "stream": True, "prompt_logprobs": 0}, tok)
+        assert req.params.prompt_logprobs is None  # nothing to compute: a stream would not return them
+        assert parse({**body, "max_tokens": 2, "prompt_logprobs": 0}, tok).params.prompt_logprobs == 0
+        for value in (1, -1, False):
+            with pytest.raises(ApiError, match="not streamed"):
+                parse({**body, "max_tokens": 2, "stream": True, "prompt_logprobs": value}, tok)

@@ -216,8 +216,12 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
     if top is not None and not 0 <= top <= 20:
         raise ApiError(400, f"top_logprobs must be in 0..20, got {top}", param="top_logprobs")
     if stream and body.get("prompt_logprobs") is not None:
-        raise ApiError(400, "prompt_logprobs is only returned by a response that is not streamed",
-                       param="prompt_logprobs")
+        if type(body["prompt_logprobs"]) is int and body["prompt_logprobs"] == 0:
+            # as vLLM (it refuses only a value above 0, or -1): taken, and not computed, as a stream returns none
+            fields.pop("prompt_logprobs", None)
+        else:
+            raise ApiError(400, "prompt_logprobs is only returned by a response that is not streamed",
+                           param="prompt_logprobs")
     # as vLLM: else silently no logprobs; a top_logprobs of 0 (the SDK's or a client's default) asks for none
     if chat and top and fields.get("logprobs") is not True:
         raise ApiError(400, "when using top_logprobs, logprobs must be set to true", param="top_logprobs")
