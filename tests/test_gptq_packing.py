@@ -59,7 +59,8 @@ def test_config_reads_the_qwen_gptq_layout(tmp_path):
     assert (cfg.bits, cfg.group_size, cfg.sym, cfg.zeros_v1) == (4, 128, True, True)
 
 
-@pytest.mark.parametrize("d, message", [({"bits": 3}, "3-bit"), ({"quant_method": "awq"}, "awq"),
+@pytest.mark.parametrize("d, message", [({"bits": 3}, "3-bit"),
+                                        ({"quant_method": "awq", "version": "gemv"}, "AWQ version 'gemv'"),
                                         ({"group_size": 0}, "group_size"),
                                         ({"dynamic": {"+:.*down_proj": {"bits": 3}}}, "3 bits")])
 def test_unsupported_settings(d, message):

@@ -338,13 +338,15 @@ def test_calibration_chats_may_hold_openai_text_parts(tmp_path):
 
 
 def test_warmup_estimate_refuses_a_quantization_the_engine_refuses(tmp_path):
-    """--estimate said "fits" for an AWQ or 3-bit checkpoint that run and the measured warmup refuse."""
+    """--estimate said "fits" for an AWQ or 3-bit checkpoint that run and the measured warmup refuse (AWQ 'gemm' is
+    read since session 53: its 'gemv' packing is not)."""
     import json
     src = _float_copy(tmp_path)
     cfg = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "awq", "bits": 4}}))
+    (src / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "awq", "bits": 4,
+                                                                                "version": "gemv"}}))
     res = _invoke("warmup", src, "--estimate", "--max-length", "64", "--concurrency", "1")
-    assert res.exit_code == 2 and "quant_method 'awq' is not supported" in res.output, res.output
+    assert res.exit_code == 2 and "AWQ version 'gemv' is not supported" in res.output, res.output
 
 
 def test_a_memory_limit_beyond_the_machine_is_refused():

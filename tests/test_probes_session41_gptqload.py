@@ -133,9 +133,9 @@ def test_dynamic_overrides_that_repeat_the_base_format_are_read():
 
 
 @pytest.mark.parametrize("qc, message", [
-    ({"method": "awq", "format": "gemm"}, "method 'awq' is not supported"),
+    ({"method": "awq", "format": "gemv"}, "AWQ format 'gemv' is not supported"),  # (AWQ 'gemm' is read)
     ({"quant_method": "gptq", "method": "fp8"}, "method 'fp8' is not supported"),
-    ({"quant_method": "awq", "method": "awq"}, "quant_method 'awq' is not supported"),
+    ({"quant_method": "gptq", "method": "awq"}, "method 'awq' is not supported"),
     ({"load_in_4bit": True}, "quant_method 'bitsandbytes' is not supported"),
 ], ids=["method-only", "method-disagrees", "both", "bitsandbytes"])
 def test_gptqmodels_method_field_naming_another_method_is_refused(tmp_path, qc, message):

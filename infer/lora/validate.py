@@ -251,7 +251,7 @@ def base_name_warning(name: str, cfg: dict, base: "BaseInfo", given: str) -> str
 class BaseInfo:
     path: Path
     config: object  # the transformers config
-    gptq: str | None  # e.g. "GPTQ 4-bit, group 128"; None for a float base
+    gptq: str | None  # e.g. "GPTQ 4-bit, group 128" ("AWQ ..." for an AWQ base); None for a float base
 
 
 def read_base(base: str, quantized: bool = False) -> BaseInfo:
@@ -265,7 +265,7 @@ def read_base(base: str, quantized: bool = False) -> BaseInfo:
     if quantized and q is None:
         raise ConfigError(f"--quantized: {path} is a float model (config.json has no quantization_config)",
                           f"quantize it first (infer quantize {base} -o BASE-gptq) and validate against that folder")
-    label = None if q is None else f"GPTQ {q.bits}-bit, group {q.group_size}"
+    label = None if q is None else f"{'AWQ' if q.quant_method == 'awq' else 'GPTQ'} {q.bits}-bit, group {q.group_size}"
     return BaseInfo(path, cfg, label)
 
 

@@ -110,6 +110,8 @@ def linear_method_factory(path: Path, cfg):
     gcfg = GPTQConfig.from_model_dir(path)
     if gcfg is None:
         raise UnsupportedModelError(f"{path} has a quantization config infer cannot read")
+    if gcfg.quant_method == "awq":  # AWQ 'gemm': each layer repacked into GPTQ's layout as it is read
+        from ..quant.awq import AWQLinearMethod as GPTQLinearMethod  # noqa: F811
 
     def method_for(names):
         if names == ["lm_head"]:  # the output head: quantized only where the checkpoint says lm_head (None: float)

@@ -78,11 +78,13 @@ class GPTQConfig:
         named = [(k, str(d[k]).lower()) for k in ("quant_method", "method") if d.get(k)] or \
             [("quant_method", "bitsandbytes" if bnb else "gptq")]
         key, method = next(((k, m) for k, m in named if m != "gptq"), named[0])
+        if method == "awq" and all(m == "awq" for _, m in named):
+            return _from_awq(d, source)
         if method != "gptq":
             raise UnsupportedModelError(f"{source}: {key} {method!r} is not supported",
-                                        "infer runs GPTQ checkpoints (quant_method 'gptq') and float models: use the "
-                                        "model's GPTQ release, or its float weights (`infer quantize` makes a GPTQ "
-                                        "checkpoint of them)")
+                                        "infer runs GPTQ checkpoints (quant_method 'gptq'), AWQ 'gemm' checkpoints "
+                                        "and float models: use the model's GPTQ or AWQ release, or its float weights "
+                                        "(`infer quantize` makes a GPTQ checkpoint of them)")
         bits = _int(d, "bits", 4, source)
         if bits not in SUPPORTED_BITS:
             raise UnsupportedModelError(f"{source}: {bits}-bit GPTQ is not supported",
@@ -109,7 +111,8 @@ class GPTQConfig:
     @classmethod
     def from_model_dir(cls, path: Path) -> "GPTQConfig | None":
         """The folder's GPTQ config; None for a float model. config.json's quantization_config wins."""
-        for name, key in (("config.json", "quantization_config"), ("quantize_config.json", None)):
+        for name, key in (("config.json", "quantization_config"), ("quantize_config.json", None),
+                          ("quant_config.json", None)):  # (AutoAWQ's older file, which vLLM reads too)
             f = Path(path) / name
             if not f.is_file():
                 continue
@@ -123,6 +126,7 @@ class GPTQConfig:
         return None
 
     def to_dict(self) -> dict:
+        """The GPTQ quantization_config of these settings (an AWQ checkpoint's: that of its GPTQ conversion)."""
         d = {"quant_method": "gptq", "bits": self.bits, "group_size": self.group_size, "desc_act": self.desc_act,
              "sym": self.sym, "checkpoint_format": self.checkpoint_format, "lm_head": self.lm_head,
              "pack_dtype": "int32"}
@@ -198,3 +202,50 @@ def _dynamic(value, base: dict, bits: int, source: str) -> tuple:
                                         "use -1 (one group per column) or a positive size such as 32, 64 or 128")
         rules.append((pattern, negative, tuple(sorted(kept.items()))))
     return tuple(rules)
+
+
+_OTHERWISE = ("use the model's GPTQ release or its AWQ 'gemm' one, or quantize its float weights with "
+              "`infer quantize`")
+AWQ_VERSIONS = ("gemm",)  # the packing infer reads (AutoAWQ's default; vLLM's "awq" method reads it too)
+
+
+def _from_awq(d: dict, source: str) -> GPTQConfig:
+    """An AWQ quantization config (AutoAWQ's, transformers' AwqConfig, GPTQModel's) as the GPTQ settings of the same
+    weights: asymmetric 4-bit, groups in input order (no act-order), checkpoint_format "gptq" (the v1 zero points
+    quant/awq.py repacks AWQ's zeros into, as `infer convert --to gptq` writes them); quant_method "awq" says that
+    the tensors are in AWQ's layout. Keys as vLLM reads them: bits or w_bit, group_size or q_group_size; modules_to_not_convert (module
+    names: a linear whose name contains one stays float) become `dynamic` rules that leave them in float."""
+    name = Path(source).name
+    bits = _int(d, "w_bit" if "w_bit" in d else "bits", 4, source)
+    if bits != 4:
+        raise UnsupportedModelError(f"{source}: {bits}-bit AWQ is not supported (bits {bits})",
+                                    f"infer reads 4-bit AWQ checkpoints (vLLM's awq method too); {_OTHERWISE}")
+    group = _int(d, "q_group_size" if "q_group_size" in d else "group_size", 128, source)
+    if group < 1:
+        raise UnsupportedModelError(f"{source}: AWQ group_size {group} is not supported",
+                                    "infer reads AWQ checkpoints quantized in groups (e.g. group_size 128); "
+                                    f"{_OTHERWISE}")
+    version = str(d.get("version") or d.get("format") or "gemm").lower()
+    if version not in AWQ_VERSIONS:
+        key = "version" if d.get("version") else "format"
+        raise UnsupportedModelError(f"{source}: AWQ {key} {version!r} is not supported",
+                                    f"infer reads AWQ 'gemm' checkpoints (AutoAWQ's default packing); {_OTHERWISE}")
+    backend = str(d.get("backend") or "autoawq").lower()
+    if backend != "autoawq":  # llm-awq packs its weights otherwise
+        raise UnsupportedModelError(f"{source}: AWQ backend {backend!r} is not supported",
+                                    "infer reads AWQ checkpoints packed as AutoAWQ packs them (backend 'autoawq'); "
+                                    f"{_OTHERWISE}")
+    if d.get("zero_point", True) is not True:
+        raise UnsupportedModelError(f"{source}: AWQ zero_point {json.dumps(d.get('zero_point'))} is not supported",
+                                    "infer reads AWQ checkpoints with zero points (zero_point true, AutoAWQ's "
+                                    f"default; vLLM refuses the others too); {_OTHERWISE}")
+    pack_dtype = str(d.get("pack_dtype") or "int32").lower().removeprefix("torch.")
+    if pack_dtype != "int32":
+        raise UnsupportedModelError(f"{source}: AWQ pack_dtype {pack_dtype!r} is not supported",
+                                    f"infer reads AWQ weights packed into int32 words; {_OTHERWISE}")
+    skipped = d.get("modules_to_not_convert") or []
+    if not (isinstance(skipped, list) and all(isinstance(n, str) and n for n in skipped)):
+        raise ModelLoadError(f"{source}: modules_to_not_convert {json.dumps(skipped)[:120]} is not a list of module "
+                             "names", 'e.g. ["mlp.gate"] (a linear whose name contains one is left in float)')
+    dynamic = tuple((f"-:.*{re.escape(n)}", True, ()) for n in skipped)
+    return GPTQConfig(4, group, False, False, "gptq", False, quant_method="awq", dynamic=dynamic, source=name)
