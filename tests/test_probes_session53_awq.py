@@ -1,5 +1,6 @@
 """AWQ int4 checkpoints ("gemm" packing, AutoAWQ's default, which vLLM's awq method reads): `infer run` loads them
-directly (each layer repacked into GPTQ's layout as it is read). What infer cannot read (another
+directly (each layer repacked into GPTQ's layout as it is read) and `infer convert --to gptq` rewrites them as the
+GPTQ checkpoint of the same int4 weights, which transformers (with GPTQModel) loads. What infer cannot read (another
 packing, 8 bits, no zero points) is refused naming the field.
 
 Two oracles: a reference AWQ packer written here from the format's description (below), and a checkpoint GPTQModel
@@ -134,6 +135,18 @@ def ref_awq(base):
     return out, write_awq(base, out)
 
 
+def _convert(src: Path, out: Path, *extra: str):
+    return CliRunner().invoke(app, ["convert", str(src), "-o", str(out), "--to", "gptq", *extra])
+
+
+@pytest.fixture(scope="module")
+def ref_gptq(ref_awq):
+    out = ref_awq[0].parent / "ref-gptq"
+    res = _convert(ref_awq[0], out)
+    assert res.exit_code == 0, res.output
+    return out
+
+
 def _greedy(path, prompts) -> list[list[int]]:
     llm = LLM(str(path), block_size=4)
     return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=N, ignore_eos=True))]
@@ -160,6 +173,35 @@ def test_infer_loads_the_awq_weights_exactly(ref_awq):
     assert seen == len(ref) == 2 * len(LINEARS)
 
 
+def test_convert_to_gptq_keeps_every_integer_and_scale(ref_awq, ref_gptq):
+    """The GPTQ output (read with an unpacker independent of infer's) holds the same q, zeros and scales: its
+    dequantized weights equal the AWQ input's bit for bit; float tensors and the tokenizer are copied."""
+    path, ref = ref_awq
+    src, out = load_file(path / "model.safetensors"), load_file(ref_gptq / "model.safetensors")
+    for module, w in ref.items():
+        q = unpack_int32(out[f"{module}.qweight"], 4, 0).long()  # [in, out]
+        z = _v1_zeros(out[f"{module}.qzeros"])
+        s, g = out[f"{module}.scales"], out[f"{module}.g_idx"].long()
+        assert torch.equal(g, torch.arange(q.shape[0]) // GROUP)
+        assert torch.equal(s, src[f"{module}.scales"])
+        assert torch.equal((s[g] * (q - z[g]).half()).t(), w), module
+    for name, t in src.items():
+        if not name.rpartition(".")[2] in ("qweight", "qzeros", "scales"):
+            assert torch.equal(out[name], t), name
+    qc = json.loads((ref_gptq / "config.json").read_text())["quantization_config"]
+    assert (qc["quant_method"], qc["bits"], qc["group_size"], qc["sym"], qc["desc_act"], qc["checkpoint_format"]) == \
+        ("gptq", 4, GROUP, False, False, "gptq")
+    assert json.loads((ref_gptq / "quantize_config.json").read_text()) == qc
+    assert (ref_gptq / "tokenizer.json").read_bytes() == (path / "tokenizer.json").read_bytes()
+
+
+def _v1_zeros(qzeros: torch.Tensor) -> torch.Tensor:
+    """GPTQ v1 zero words -> the zeros: the words are the packed zeros minus 0x11111111 as one int32 subtraction
+    (GPTQModel's v1, which its v1-to-v2 conversion undoes by adding it back)."""
+    words = (qzeros.long() + 0x11111111) & 0xFFFFFFFF
+    return unpack_int32((words - ((words >> 31) << 32)).int(), 4, 1).long()
+
+
 def test_some_zero_points_are_zero(ref_awq):
     """The fixture exercises the v1 borrow (a zero of 0 stored as -1)."""
     z = torch.cat([_unpack_awq_zeros(t).flatten() for n, t in load_file(ref_awq[0] / "model.safetensors").items()
@@ -172,6 +214,14 @@ def _unpack_awq_zeros(packed: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(nib)
     out[:, :, ORDER] = nib
     return out.reshape(packed.shape[0], -1)
+
+
+@needs_gptqmodel
+def test_awq_and_its_gptq_conversion_give_transformers_tokens(ref_awq, ref_gptq):
+    from test_gptq_engine import hf_gptq_greedy
+    want = hf_gptq_greedy(ref_gptq, PROMPTS, N)
+    assert _greedy(ref_gptq, PROMPTS) == want
+    assert _greedy(ref_awq[0], PROMPTS) == want
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +251,8 @@ def gptqmodel_awq(base):
 
 @needs_gptqmodel
 def test_gptqmodel_awq_checkpoint_gives_gptqmodels_tokens(gptqmodel_awq):
-    """infer on GPTQModel's AWQ checkpoint gives the tokens GPTQModel's own AWQ load gives."""
+    """infer on GPTQModel's AWQ checkpoint, and on its GPTQ conversion, gives the tokens GPTQModel's own AWQ load
+    gives."""
     from gptqmodel import GPTQModel
     from gptqmodel.utils.backend import BACKEND
     qc = json.loads((gptqmodel_awq / "config.json").read_text())["quantization_config"]
@@ -211,6 +262,10 @@ def test_gptqmodel_awq_checkpoint_gives_gptqmodels_tokens(gptqmodel_awq):
         want = [model.generate(input_ids=torch.tensor([p]), max_new_tokens=N, do_sample=False, pad_token_id=0,
                                eos_token_id=None)[0, len(p):].tolist() for p in PROMPTS]
     assert _greedy(gptqmodel_awq, PROMPTS) == want
+    out = gptqmodel_awq.parent / "gptqmodel-gptq"
+    res = _convert(gptqmodel_awq, out)
+    assert res.exit_code == 0, res.output
+    assert _greedy(out, PROMPTS) == want
 
 
 def _with_qc(src: Path, dst: Path, **changes) -> Path:
@@ -236,7 +291,7 @@ def _with_qc(src: Path, dst: Path, **changes) -> Path:
     ({"group_size": -1}, "AWQ group_size -1 is not supported"),
 ])
 def test_what_infer_cannot_read_is_refused_naming_the_field(ref_awq, tmp_path, changes, words):
-    """infer run refuses it before reading a tensor, naming the field and a way out."""
+    """infer run and infer convert --to gptq refuse it before reading a tensor, naming the field and a way out."""
     path = _with_qc(ref_awq[0], tmp_path / "m", **changes)
     with pytest.raises(UnsupportedModelError) as e:
         GPTQConfig.from_model_dir(path)
@@ -245,6 +300,8 @@ def test_what_infer_cannot_read_is_refused_naming_the_field(ref_awq, tmp_path, c
     prompts.write_text('{"prompt": "hi", "max_tokens": 2}\n')
     res = CliRunner().invoke(app, ["run", str(path), str(prompts), "-o", str(tmp_path / "o.jsonl"), "-q"])
     assert res.exit_code == 2 and words in res.output, res.output
+    res = _convert(path, tmp_path / "out")
+    assert res.exit_code == 2 and words in res.output and not (tmp_path / "out").exists(), res.output
 
 
 def test_older_autoawq_keys_are_read():
@@ -255,7 +312,8 @@ def test_older_autoawq_keys_are_read():
 
 
 def test_modules_to_not_convert_stay_float(base, tmp_path):
-    """As vLLM reads it: a linear whose name contains one of modules_to_not_convert is float (here down_proj)."""
+    """As vLLM reads it: a linear whose name contains one of modules_to_not_convert is float (here down_proj); its
+    GPTQ conversion leaves it float through a `dynamic` rule, and both give the same tokens."""
     path = tmp_path / "awq-skip"
     ref = write_awq(base, path, skip=("mlp.down_proj",))
     assert not any("down_proj" in m for m in ref)
@@ -265,6 +323,15 @@ def test_modules_to_not_convert_stay_float(base, tmp_path):
     assert torch.equal(down.weight, load_file(base / "model.safetensors")["model.layers.0.mlp.down_proj.weight"])
     assert torch.equal(model.layers[0].mlp.gate_up_proj.weight,
                        torch.cat([ref["model.layers.0.mlp.gate_proj"], ref["model.layers.0.mlp.up_proj"]]).float())
+    out = tmp_path / "gptq-skip"
+    res = _convert(path, out)
+    assert res.exit_code == 0, res.output
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    cfg = GPTQConfig.from_dict(qc, "config.json")
+    assert cfg.for_module("model.layers.1.mlp.down_proj") is None
+    assert cfg.for_module("model.layers.1.mlp.up_proj") is not None
+    assert "model.layers.1.mlp.down_proj.weight" in load_file(out / "model.safetensors")
+    assert _greedy(out, PROMPTS) == _greedy(path, PROMPTS)
 
 
 def test_a_layer_the_config_half_skips_is_refused(base, tmp_path):
@@ -287,6 +354,26 @@ def test_a_damaged_awq_checkpoint_names_the_tensor(ref_awq, tmp_path, tensor, ch
     save_file(state, path / "model.safetensors")
     with pytest.raises(ModelLoadError, match=words):
         load_model(path, torch.float32, torch.device("cpu"))
+
+
+def test_convert_refuses_what_it_cannot_make_gptq(base, ref_awq, tmp_path):
+    res = _convert(base, tmp_path / "a")
+    assert res.exit_code == 2 and "--to gptq" in res.output and "is a float model" in res.output, res.output
+    res = CliRunner().invoke(app, ["convert", str(ref_awq[0]), "-o", str(tmp_path / "b"), "--to", "awq"])
+    assert res.exit_code == 2 and "--to 'awq' is not supported" in res.output, res.output
+    res = _convert(ref_awq[0], tmp_path / "c", "--dtype", "bfloat16")
+    assert res.exit_code == 2 and "cannot change the dtype of the AWQ checkpoint" in res.output, res.output
+
+
+def test_convert_to_safetensors_keeps_awq_tensors(ref_awq, tmp_path):
+    """--to safetensors (the default) copies an AWQ checkpoint unchanged, as it copies a GPTQ one (transformers
+    could not load it as a float model)."""
+    out = tmp_path / "copy"
+    res = CliRunner().invoke(app, ["convert", str(ref_awq[0]), "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    src, got = load_file(ref_awq[0] / "model.safetensors"), load_file(out / "model.safetensors")
+    assert src.keys() == got.keys() and all(torch.equal(src[k], got[k]) for k in src)
+    assert json.loads((out / "config.json").read_text()) == json.loads((ref_awq[0] / "config.json").read_text())
 
 
 def test_lora_validate_names_an_awq_base(ref_awq):

@@ -19,7 +19,9 @@ def convert(
                                               "GPTQ), or a built-in model name.", show_default=False)],
     output: Annotated[Path, typer.Option("-o", "--output", help="Folder to write the converted model into.",
                                          show_default=False, parser=o.folder_path, metavar="<path>")],
-    to: Annotated[str, typer.Option("--to", help="Target format (safetensors is the only one).")] = "safetensors",
+    to: Annotated[str, typer.Option("--to", help="Target format: safetensors (a quantized checkpoint's tensors "
+                                                 "kept as they are), or gptq (an AWQ 'gemm' checkpoint rewritten as "
+                                                 "the GPTQ checkpoint of the same int4 weights).")] = "safetensors",
     dtype: Annotated[Optional[str], typer.Option(help="float16 | bfloat16 | float32 (default: keep the "
                                                       "checkpoint's dtype). Float models only.",
                                                  show_default=False)] = None,
@@ -34,9 +36,12 @@ def convert(
     """Convert a model folder to (sharded-when-large) safetensors, copying its tokenizer files.
 
     A float model is loaded with transformers and saved again, optionally cast to --dtype and with a LoRA adapter
-    merged in. A GPTQ checkpoint is copied tensor by tensor unchanged (its int4 weights are repacked for the kernel
-    at load time, never on disk), so --dtype and --merge-lora are refused for it: merge into the float model first,
-    then `infer quantize` it, or serve the adapter on top of the GPTQ model with --lora.
+    merged in. With --to gptq an AWQ 'gemm' checkpoint is rewritten as the GPTQ checkpoint of the same int4
+    weights (asymmetric, v1 zero points: what transformers, GPTQModel and vLLM load as GPTQ), other tensors and the
+    tokenizer copied. A GPTQ (or, to safetensors, AWQ) checkpoint is copied tensor by tensor unchanged (its int4
+    weights are repacked for the kernel at load time, never on disk), so --dtype and --merge-lora are refused for
+    it: merge into the float model first, then `infer quantize` it, or serve the adapter on top of the GPTQ model
+    with --lora.
 
     Example: infer convert ./my-model-bin -o ./my-model --dtype bfloat16 --merge-lora ./adapters/support
     """
@@ -48,8 +53,9 @@ def convert(
     from ..engine.config import DTYPE_ALIASES
     dtype = DTYPE_ALIASES.get(dtype, dtype)  # vLLM's half and float, as the engine options take them
     shard_bytes = parse_shard_size(max_shard_size)  # a bad size fails now, not after loading the model
-    if to != "safetensors":
-        raise ConfigError(f"--to {to!r} is not supported", "safetensors is the only target format")
+    from ..quant.convert import TARGETS
+    if to not in TARGETS:
+        raise ConfigError(f"--to {to!r} is not supported", f"use one of {', '.join(TARGETS)}")
     src = resolve_model(model)
     if merge_lora is not None:
         _check_adapter(merge_lora, src)  # first: "its sizes may fit" would be wrong beside an error that they don't
@@ -57,9 +63,10 @@ def convert(
     # SIGTERM stops it as Ctrl-C does: the staging folder beside OUTPUT (a whole model) is removed, not left behind
     with terminate_as_interrupt(), library_output():  # transformers' and peft's bars; errors reach handle_errors
         out = convert_model(src, output, dtype=dtype, merge_lora=merge_lora, max_shard_size=shard_bytes,
-                            overwrite=overwrite, check_weights=check_weights, source_name=source_name(model))
+                            overwrite=overwrite, check_weights=check_weights, source_name=source_name(model), to=to)
     files = sorted(p.name for p in Path(out).iterdir())
-    what = ", ".join(x for x in (dtype, merge_lora and f"merged {merge_lora}") if x) or "same dtype"
+    what = ", ".join(x for x in (dtype, merge_lora and f"merged {merge_lora}", to == "gptq" and "GPTQ") if x) \
+        or "same dtype"
     Console().print(f"Wrote {out} ({what}): {', '.join(files)}", soft_wrap=True)  # the path on one line, as written
 
 
@@ -67,12 +74,12 @@ def _check_adapter(adapter: Path, src: Path) -> None:
     """The checks `--lora` and `infer lora-validate` make (files present and readable, finite weights and scaling,
     every tensor's shape and layer against the base), before peft sees the folder: peft takes a folder without
     weights for a Hub id and would try to download it, and merges NaN weights or another model's layers silently.
-    A GPTQ base is left to convert_model, which refuses any merge into it."""
+    A GPTQ or AWQ base is left to convert_model, which refuses any merge into it."""
     from ..errors import LoRAError
     from ..lora.adapter import load_adapter
     from ..models.loader import load_config
-    from ..quant.convert import is_gptq
-    if not (Path(src) / "config.json").is_file() or is_gptq(src):
+    from ..quant.convert import is_awq, is_gptq
+    if not (Path(src) / "config.json").is_file() or is_gptq(src) or is_awq(src):
         return
     base_config = load_config(src)
     try:

@@ -9,7 +9,7 @@ W[o, i] = (q[i, o] - zero[i // g, o]) * scales[i // g, o], the product in fp16: 
 (no act-order), so the same weights are a GPTQ checkpoint once repacked: qweight along the input dimension
 ([in / 8, out]), qzeros in natural order stored as v1 words (zero - 1, as GPTQModel writes the "gptq" format),
 g_idx = i // g. `to_gptq` does that, exactly (every integer kept, the scales untouched); the loader runs it on
-every AWQ layer as it is read (the int4 kernels then see a GPTQ layer).
+every AWQ layer as it is read (the int4 kernels then see a GPTQ layer) and `infer convert --to gptq` writes it.
 """
 
 from __future__ import annotations
@@ -113,3 +113,34 @@ class AWQLinearMethod(GPTQLinearMethod):
             tensor = qzeros_to_gptq(tensor)
         super().load_shard(layer, name, shard, tensor)
 
+
+def state_to_gptq(state: dict, config: GPTQConfig) -> dict:
+    """An AWQ checkpoint's tensors (name -> tensor) with every AWQ layer (a .qweight with its .qzeros and .scales)
+    rewritten as the GPTQ "gptq" (v1) layer of the same weights, with a g_idx; every other tensor as it is."""
+    out: dict = {}
+    for name, t in state.items():
+        prefix, _, kind = name.rpartition(".")
+        if kind in ("qzeros", "scales") and f"{prefix}.qweight" in state:
+            continue  # written with their qweight
+        if kind == "g_idx":
+            raise ModelLoadError(f"{name}: an AWQ checkpoint holds no g_idx",
+                                 f"the checkpoint does not match its quantization config ({config.source})")
+        if kind != "qweight":
+            if kind in ("qzeros", "scales"):
+                raise ModelLoadError(f"the checkpoint has {name} but no {prefix}.qweight",
+                                     "the AWQ checkpoint is incomplete")
+            out[name] = t
+            continue
+        parts = [state.get(f"{prefix}.{k}") for k in ("qzeros", "scales")]
+        missing = [k for k, p in zip(("qzeros", "scales"), parts) if p is None]
+        if missing:
+            raise ModelLoadError(f"the checkpoint has no tensor {prefix}.{missing[0]}",
+                                 "the AWQ checkpoint is incomplete")
+        if t.dtype != torch.int32 or parts[0].dtype != torch.int32:
+            raise ModelLoadError(f"{prefix}: AWQ qweight and qzeros are int32, the checkpoint has "
+                                 f"{t.dtype} and {parts[0].dtype}", "the AWQ checkpoint is damaged")
+        check_shapes(prefix, t, parts[0], parts[1], config.group_size, config.source)
+        qweight, qzeros, scales, gi = to_gptq(t, parts[0], parts[1], config.group_size)
+        out.update({f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales,
+                    f"{prefix}.g_idx": gi})
+    return out

@@ -28,6 +28,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 EXTRA_FILES = ("generation_config.json", "quantize_config.json")
 
 
+def is_awq(model_dir: Path) -> bool:
+    """Whether config.json's quantization_config is AWQ's (quant_method "awq")."""
+    qc = read_config_json(model_dir).get("quantization_config") or {}
+    return isinstance(qc, dict) and str(qc.get("quant_method") or qc.get("method") or "").lower() == "awq"
+
+
 def is_gptq(model_dir: Path) -> bool:
     cfg = read_config_json(model_dir)
     qc = cfg.get("quantization_config") or {}
@@ -356,14 +362,21 @@ def parse_shard_size(size: str | int) -> int:
     return parse_size(size, "--max-shard-size", decimal=True)
 
 
+TARGETS = ("safetensors", "gptq")
+
+
 def convert_model(src: Path, out: Path, dtype: str | None = None, merge_lora: Path | None = None,
                   max_shard_size: str | int = "4GB", overwrite: bool = False,
-                  check_weights: Callable[[Path], None] | None = None, source_name: str | None = None) -> Path:
+                  check_weights: Callable[[Path], None] | None = None, source_name: str | None = None,
+                  to: str = "safetensors") -> Path:
     """Write `src` as safetensors into `out`; returns `out`. `check_weights`: the engine loader's checks of a float
     checkpoint against its config.json (models.loader.check_weights, which the CLI passes: quant sits below models),
     run before transformers loads it. `source_name`: the name a float copy's config.json records as the model its
     weights are (`_name_or_path`; default: `src`'s path); a merged model records none, and a GPTQ checkpoint's
-    config.json is copied unchanged (the model it was quantized from, which it records, is the copy's)."""
+    config.json is copied unchanged (the model it was quantized from, which it records, is the copy's).
+    `to`: "safetensors" keeps a quantized checkpoint's tensors as they are (an AWQ one stays AWQ); "gptq" rewrites an
+    AWQ 'gemm' checkpoint as the GPTQ checkpoint of the same weights (quant/awq.py), copies a GPTQ one, and refuses a
+    float model (`infer quantize` makes a GPTQ checkpoint of it)."""
     src, out = Path(src).expanduser(), Path(out).expanduser()  # as `infer run` reads MODEL and --lora reads PATH
     merge_lora = Path(merge_lora).expanduser() if merge_lora is not None else None
     max_shard_size = parse_shard_size(max_shard_size)  # a bad size fails now, not after loading the model
@@ -375,14 +388,30 @@ def convert_model(src: Path, out: Path, dtype: str | None = None, merge_lora: Pa
         _check_adapter(Path(merge_lora))
     check_not_source(src, Path(out), "converted")
     check_inputs_kept(out, overwrite, {"--merge-lora": merge_lora})
+    if to not in TARGETS:
+        raise ConfigError(f"--to {to!r} is not supported", f"use one of {', '.join(TARGETS)}")
+    awq = is_awq(src)
     gptq = is_gptq(src)
-    if gptq and (dtype or merge_lora):
+    if (gptq or awq) and (dtype or merge_lora):
         what = "change the dtype of" if dtype else "merge a LoRA adapter into"
-        raise ConfigError(f"cannot {what} the GPTQ checkpoint {src}: its weights are packed {_gptq_bits(src)}",
+        kind, bits = ("AWQ", "int4") if awq else ("GPTQ", _gptq_bits(src))
+        raise ConfigError(f"cannot {what} the {kind} checkpoint {src}: its weights are packed {bits}",
                           "convert or merge the float model first, then quantize it with `infer quantize`; "
                           "adapters can be served on top of GPTQ with --lora")
+    if to == "gptq" and not (gptq or awq):
+        raise ConfigError(f"--to gptq: {src} is a float model (config.json has no AWQ or GPTQ quantization_config)",
+                          f"quantize it into a GPTQ checkpoint with `infer quantize {src} -o OUT`")
+    awq_config = None
+    if awq and to == "gptq":
+        from .config import GPTQConfig
+        awq_config = GPTQConfig.from_model_dir(src)  # refuses a version, bits or zero_point infer cannot read
+        if awq_config is None or awq_config.quant_method != "awq":
+            raise ConfigError(f"--to gptq: {src}'s config.json names AWQ but infer reads another quantization config",
+                              "remove quantize_config.json or fix config.json's quantization_config")
     with staged_output(out, overwrite) as tmp:
-        if gptq:  # config.json unchanged: the source it records (recorded_source) is the copy's
+        if awq_config is not None:
+            _awq_to_gptq(src, tmp, max_shard_size, awq_config)
+        elif gptq or awq:  # config.json unchanged: the source it records (recorded_source) is the copy's
             _copy_tensors(src, tmp, max_shard_size)
         else:
             # the same weights as the source's; merged, the weights of no model an adapter was trained on
@@ -594,8 +623,22 @@ def _unshared(state: dict, tied: bool) -> dict:
     return out
 
 
-def _copy_tensors(src: Path, out: Path, max_shard_size: int) -> None:
-    """Copy the tensors of a GPTQ checkpoint unchanged into safetensors shards, with its config files."""
+def _awq_to_gptq(src: Path, out: Path, max_shard_size: int, config) -> None:
+    """Write the AWQ checkpoint `src` as the GPTQ checkpoint of the same weights: each AWQ layer repacked (exactly),
+    every other tensor as it is; config.json's quantization_config (and quantize_config.json, as GPTQModel writes
+    both) GPTQ's asymmetric v1 settings, its modules_to_not_convert as `dynamic` rules that leave them in float."""
+    from .awq import state_to_gptq
+    _copy_tensors(src, out, max_shard_size, lambda state: state_to_gptq(state, config), configs=False)
+    gptq = config.to_dict()
+    keep_source_config(src, out, {"quantization_config": gptq})
+    (out / "quantize_config.json").write_text(json.dumps(gptq, indent=2) + "\n")
+    copy_tokenizer_files(src, out, ("generation_config.json",))
+
+
+def _copy_tensors(src: Path, out: Path, max_shard_size: int, transform: Callable[[dict], dict] | None = None,
+                  configs: bool = True) -> None:
+    """Copy the tensors of a quantized checkpoint into safetensors shards (unchanged, or through `transform`), with
+    its config files unless `configs` is false."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
     state: dict = {}
@@ -603,6 +646,8 @@ def _copy_tensors(src: Path, out: Path, max_shard_size: int) -> None:
         part = load_weight_file(f)
         state.update({k: v.contiguous() for k, v in part.items()})
     state = _unshared(state, bool(read_config_json(src).get("tie_word_embeddings", False)))
+    if transform is not None:
+        state = transform(state)
     split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
         save_file({n: state[n] for n in names}, out / filename, metadata={"format": "pt"})
@@ -610,5 +655,6 @@ def _copy_tensors(src: Path, out: Path, max_shard_size: int) -> None:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
                  "weight_map": split.tensor_to_filename}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    shutil.copy2(src / "config.json", out / "config.json")
-    copy_tokenizer_files(src, out, EXTRA_FILES)
+    if configs:
+        shutil.copy2(src / "config.json", out / "config.json")
+        copy_tokenizer_files(src, out, EXTRA_FILES + ("quant_config.json",))
