@@ -34,7 +34,7 @@ from infer.models.tiny import ensure_builtin
 from infer.quant.config import GPTQConfig
 
 from helpers import random_prompts
-from quant_helpers import needs_gptqmodel, unpack_int32
+from quant_helpers import has_gptqmodel, needs_gptqmodel, unpack_int32
 
 ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 GROUP = 32
@@ -313,7 +313,8 @@ def test_older_autoawq_keys_are_read():
 
 def test_modules_to_not_convert_stay_float(base, tmp_path):
     """As vLLM reads it: a linear whose name contains one of modules_to_not_convert is float (here down_proj); its
-    GPTQ conversion leaves it float through a `dynamic` rule, and both give the same tokens."""
+    GPTQ conversion leaves it float through modules_in_block_to_quantize (which transformers reads: not `dynamic`),
+    and infer on both and transformers on the conversion give the same tokens."""
     path = tmp_path / "awq-skip"
     ref = write_awq(base, path, skip=("mlp.down_proj",))
     assert not any("down_proj" in m for m in ref)
@@ -331,7 +332,13 @@ def test_modules_to_not_convert_stay_float(base, tmp_path):
     assert cfg.for_module("model.layers.1.mlp.down_proj") is None
     assert cfg.for_module("model.layers.1.mlp.up_proj") is not None
     assert "model.layers.1.mlp.down_proj.weight" in load_file(out / "model.safetensors")
-    assert _greedy(out, PROMPTS) == _greedy(path, PROMPTS)
+    assert "dynamic" not in qc and sorted(qc["modules_in_block_to_quantize"][0]) == sorted(
+        m for m in LINEARS if m != "mlp.down_proj")
+    want = _greedy(path, PROMPTS)
+    assert _greedy(out, PROMPTS) == want
+    if has_gptqmodel():
+        from test_gptq_engine import hf_gptq_greedy
+        assert hf_gptq_greedy(out, PROMPTS, N) == want
 
 
 def test_a_layer_the_config_half_skips_is_refused(base, tmp_path):

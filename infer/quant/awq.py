@@ -14,6 +14,9 @@ every AWQ layer as it is read (the int4 kernels then see a GPTQ layer) and `infe
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
+
 import torch
 
 from ..errors import ModelLoadError
@@ -144,3 +147,25 @@ def state_to_gptq(state: dict, config: GPTQConfig) -> dict:
         out.update({f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales,
                     f"{prefix}.g_idx": gi})
     return out
+
+
+_IN_LAYER = re.compile(r"\.layers\.(\d+)\.(.+)\.qweight$")
+
+
+def converted_config(config: GPTQConfig, names) -> GPTQConfig:
+    """The GPTQ settings `infer convert --to gptq` writes for an AWQ checkpoint whose converted tensors are `names`.
+    modules_to_not_convert (read as `dynamic` rules that leave modules in float) becomes modules_in_block_to_quantize,
+    the list of decoder-layer modules that are quantized, which transformers (optimum) reads as well as GPTQModel,
+    vLLM and infer; where the layers differ in what they quantize (a name of one layer in modules_to_not_convert) it
+    stays `dynamic`, which optimum does not read."""
+    if not config.dynamic:
+        return config
+    per_layer: dict[str, set[str]] = {}
+    for name in names:
+        m = _IN_LAYER.search(name)
+        if m:
+            per_layer.setdefault(m.group(1), set()).add(m.group(2))
+    kinds = {frozenset(v) for v in per_layer.values()}
+    if len(kinds) != 1:
+        return config
+    return replace(config, dynamic=(), modules_in_block_to_quantize=tuple(sorted(next(iter(kinds)))))

@@ -626,10 +626,17 @@ def _unshared(state: dict, tied: bool) -> dict:
 def _awq_to_gptq(src: Path, out: Path, max_shard_size: int, config) -> None:
     """Write the AWQ checkpoint `src` as the GPTQ checkpoint of the same weights: each AWQ layer repacked (exactly),
     every other tensor as it is; config.json's quantization_config (and quantize_config.json, as GPTQModel writes
-    both) GPTQ's asymmetric v1 settings, its modules_to_not_convert as `dynamic` rules that leave them in float."""
-    from .awq import state_to_gptq
-    _copy_tensors(src, out, max_shard_size, lambda state: state_to_gptq(state, config), configs=False)
-    gptq = config.to_dict()
+    both) GPTQ's asymmetric v1 settings, its modules_to_not_convert as the modules_in_block_to_quantize that
+    transformers reads (awq.converted_config)."""
+    from .awq import converted_config, state_to_gptq
+    names: list[str] = []
+
+    def transform(state: dict) -> dict:
+        state = state_to_gptq(state, config)
+        names.extend(state)
+        return state
+    _copy_tensors(src, out, max_shard_size, transform, configs=False)
+    gptq = converted_config(config, names).to_dict()
     keep_source_config(src, out, {"quantization_config": gptq})
     (out / "quantize_config.json").write_text(json.dumps(gptq, indent=2) + "\n")
     copy_tokenizer_files(src, out, ("generation_config.json",))
