@@ -35,6 +35,7 @@ from infer.quant.config import GPTQConfig
 
 from helpers import random_prompts
 from quant_helpers import has_gptqmodel, needs_gptqmodel, unpack_int32
+from test_gptq_linear import triton_gemm  # noqa: F401 (the fixture: kernels.gptq_matmul through Triton)
 
 ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 GROUP = 32
@@ -392,3 +393,39 @@ def test_warmup_estimate_reads_an_awq_checkpoint(ref_awq):
     res = CliRunner().invoke(app, ["warmup", str(ref_awq[0]), "--estimate", "--max-length", "64", "--concurrency",
                                    "1", "--device", "cpu"])
     assert res.exit_code == 0, res.output
+
+
+def _awq_merged_layer(use_kernel: bool):
+    """A merged q/k/v AWQ layer (AWQLinearMethod) of random weights, and the format's weight [out, in] float32."""
+    from infer.quant.awq import AWQLinearMethod
+    g = torch.Generator().manual_seed(3)
+    names, sizes, k = ["m.q_proj", "m.k_proj", "m.v_proj"], [64, 32, 32], 128
+    cfg = GPTQConfig.from_dict({"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True,
+                                "version": "gemm"}, "config.json")
+    layer = MergedLinear(k, sizes, names, False, AWQLinearMethod(cfg, use_kernel), torch.float32)
+    ref = []
+    for i, n in enumerate(sizes):
+        q, z, s = awq_quantize(torch.randn(n, k, generator=g))
+        for name, t in (("qweight", awq_pack(q)), ("qzeros", awq_pack(z)), ("scales", s)):
+            layer.load_shard(name, i, t)
+        ref.append(awq_dequantize(q, z, s))
+    layer.finish_loading()
+    return layer, torch.cat(ref).float()
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_an_awq_layer_computes_with_the_formats_weight(use_kernel):
+    """The CPU path (dequantized float weight) and the int4 kernel path (its torch reference here) of an AWQ layer
+    give F.linear with the format's weight."""
+    layer, w = _awq_merged_layer(use_kernel)
+    x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(4))
+    assert torch.equal(layer.dequantized_weight(), w)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, w), atol=1e-4, rtol=1e-4)
+    if use_kernel:
+        assert layer.weight is None and layer.gptq_group_size == GROUP
+
+
+def test_an_awq_layer_through_the_triton_kernel(triton_gemm):  # noqa: F811
+    layer, w = _awq_merged_layer(True)
+    x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, w), atol=1e-4, rtol=1e-4)
