@@ -7,7 +7,8 @@ import time
 
 _COUNTERS = ("num_preemptions", "lora_swaps", "num_steps", "cuda_graph_replays",  # cumulative: also per run
              "piecewise_graph_steps", "draft_cuda_graph_replays", "draft_eager_forwards", "spec_decode_num_drafts",
-             "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "draft_context_skipped_steps")
+             "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "draft_context_skipped_steps",
+             "prefix_cache_queries", "prefix_cache_hits")
 _STAT_KEYS = ("kv_usage", "kv_blocks_used", "num_running", "num_waiting", "prefix_cache_hit_rate",
               "num_preemptions", "lora_swaps")
 

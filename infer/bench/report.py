@@ -104,6 +104,18 @@ def spec_decode_figures(stats: dict) -> dict:
             "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0}
 
 
+def prefix_cache_figures(stats: dict) -> dict:
+    """The run's prefix cache hit rate (prompt tokens found cached / prompt tokens looked up) from the counters'
+    growth over the run, else their totals; {} for a run without them (a baseline, a server that reports none).
+    A --url run's prefix_cache_hit_rate of engine_stats is the server's since it started (its counters go on over
+    POST /reset_prefix_cache), which took in every level before and any warm-up."""
+    pre = "run_" if "run_prefix_cache_queries" in stats else ""
+    queries, hits = stats.get(pre + "prefix_cache_queries"), stats.get(pre + "prefix_cache_hits")
+    if queries is None or hits is None:
+        return {}
+    return {"prefix_cache_hit_rate": hits / queries if queries else 0.0}
+
+
 def run_entry(run: RunResult, detailed: bool = False) -> dict:
     """vLLM's metrics for one run plus our own figures (no config / environment); with `detailed`, also each
     request's (detailed_lists)."""
@@ -118,6 +130,7 @@ def run_entry(run: RunResult, detailed: bool = False) -> dict:
     d.update(peak_memory_bytes=peak, peak_memory_gib=None if peak is None else peak / 2**30,
              peak_rss_bytes=run.peak_rss_bytes, peak_gpu_bytes=run.peak_gpu_bytes, engine_stats=run.engine_stats)
     d.update(spec_decode_figures(run.engine_stats))
+    d.update(prefix_cache_figures(run.engine_stats))
     if run.timeline and "kv_usage" in run.timeline[0]:
         d["max_kv_usage"] = max(s.get("kv_usage", 0.0) for s in run.timeline)
     d["errors"] = list(dict.fromkeys(r.error for r in run.records if not r.success and r.error))[:5]  # distinct
