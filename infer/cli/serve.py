@@ -127,6 +127,13 @@ def serve(
                                                                   "instead of its text (as vLLM's option; a request "
                                                                   "sets it with return_tokens_as_token_ids).",
                                                              rich_help_panel=SERVER)] = False,
+    enable_prompt_tokens_details: Annotated[bool, typer.Option("--enable-prompt-tokens-details",
+                                                               envvar="INFER_ENABLE_PROMPT_TOKENS_DETAILS",
+                                                               help="Report usage.prompt_tokens_details."
+                                                                    "cached_tokens in completions and chat "
+                                                                    "responses: the prompt tokens found in the "
+                                                                    "prefix cache (as vLLM's option; null when "
+                                                                    "none were).", rich_help_panel=SERVER)] = False,
     allowed_origins: Annotated[str, typer.Option("--allowed-origins", help="CORS: origins a browser page may call "
                                                  "from, a JSON list (as vLLM's), e.g. '[\"http://localhost:3000\"]'.",
                                                  rich_help_panel=SERVER)] = '["*"]',
@@ -175,11 +182,13 @@ def serve(
                                        thinking,
                                        trust_request_chat_template=trust_request_chat_template, cors=cors,
                                        tokens_as_ids=return_tokens_as_token_ids,
+                                       prompt_tokens_details=enable_prompt_tokens_details,
                                        max_restarts=max_replica_restarts,
                                        placement_timeout=replica_placement_timeout)
         _serve(engine, sock, host, model_ids, api_key, max_queue, shutdown_timeout, log_level, limits,
                allow_runtime_lora, parser, thinking, trust_request_chat_template=trust_request_chat_template,
-               cors=cors, tokens_as_ids=return_tokens_as_token_ids)
+               cors=cors, tokens_as_ids=return_tokens_as_token_ids,
+               prompt_tokens_details=enable_prompt_tokens_details)
     finally:
         sock.close()
 
@@ -262,7 +271,8 @@ def _check_api_key(api_key: str) -> None:
 def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, model_id, api_key: str | list[str] | None,
            max_queue: int | None, shutdown_timeout: float, log_level: str, limits, runtime_lora: bool = False,
            tool_parser: str | None = None, reasoning_parser: str | None = None,
-           trust_request_chat_template: bool = False, cors=None, tokens_as_ids: bool = False) -> None:
+           trust_request_chat_template: bool = False, cors=None, tokens_as_ids: bool = False,
+           prompt_tokens_details: bool = False) -> None:
     from ..serve.native import bound_native_caches
     bound_native_caches()  # before any model code runs: the caches read their capacity once
     from ..engine.llm_engine import LLMEngine
@@ -277,7 +287,7 @@ def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, model_id
     server = Server(AsyncEngine(engine, max_queue), model_id, api_key=api_key, graceful_timeout=shutdown_timeout,
                     limits=limits, runtime_lora=runtime_lora, tool_parser=tool_parser,
                     reasoning_parser=reasoning_parser, trust_request_chat_template=trust_request_chat_template,
-                    cors=cors, tokens_as_ids=tokens_as_ids)
+                    cors=cors, tokens_as_ids=tokens_as_ids, prompt_tokens_details=prompt_tokens_details)
     app = create_app(server)
     bound = sock.getsockname()[1]
     names = (", ".join(server.adapters()) or "none") + (" (more can be loaded)" if runtime_lora else "")

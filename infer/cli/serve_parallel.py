@@ -20,6 +20,7 @@ def serve_data_parallel(cfg, sock: socket.socket, host: str, model_id: str | lis
                         address: str | None, limits=None, runtime_lora: bool = False,
                         tool_parser: str | None = None, reasoning_parser: str | None = None,
                         trust_request_chat_template: bool = False, cors=None, tokens_as_ids: bool = False,
+                        prompt_tokens_details: bool = False,
                         max_restarts: int = MAX_RESTARTS, placement_timeout: float = PLACEMENT_TIMEOUT_S) -> None:
     """`max_restarts`: how many times a replica that stops is replaced by a fresh one (--max-replica-restarts);
     `placement_timeout`: how long Ray may take to place a replica (--replica-placement-timeout)."""
@@ -34,6 +35,7 @@ def serve_data_parallel(cfg, sock: socket.socket, host: str, model_id: str | lis
                                          trust_request_chat_template=trust_request_chat_template, cors=cors,
                                          max_restarts=max_restarts, placement_timeout=placement_timeout)
         server.tokens_as_ids = tokens_as_ids
+        server.prompt_tokens_details = prompt_tokens_details  # (the app reads it per request, as tokens_as_ids)
         try:
             where = placement(infos)
             names = (", ".join(server.adapters()) or "none") + (" (more can be loaded)" if runtime_lora else "")

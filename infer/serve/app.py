@@ -52,7 +52,7 @@ class Server:
                  runtime_lora: bool = False,
                  tool_parser: str | None = None, reasoning_parser: str | None = None,
                  trust_request_chat_template: bool = False, cors: CorsOptions | None = None,
-                 tokens_as_ids: bool = False):
+                 tokens_as_ids: bool = False, prompt_tokens_details: bool = False):
         """`model_id`: the base model's id, or its ids (--served-model-name A B): a request's `model` may be any of
         them; the first names the base where a name is reported without a request's (/health, adapters' parent).
         `runtime_lora`: the routes that load and unload adapters while serving are on (serve/adapters.py).
@@ -61,6 +61,7 @@ class Server:
         (serve/reasoning.py). `trust_request_chat_template`: a chat request's own chat_template renders it (else it
         is a 400). `cors`: --allowed-origins and the like (serve/cors.py; default: vLLM's, every origin).
         `tokens_as_ids`: --return-tokens-as-token-ids, the return_tokens_as_token_ids of requests that send none.
+        `prompt_tokens_details`: --enable-prompt-tokens-details, usage.prompt_tokens_details.cached_tokens (vLLM's).
         `api_key`: the key, or keys (--api-key A B, as vLLM's), each accepted in 'Authorization: Bearer KEY'."""
         self.model_ids = [model_id] if isinstance(model_id, str) else list(model_id)
         # the keys as a client can send them: a header value never holds surrounding whitespace (h11 strips it, as
@@ -71,6 +72,7 @@ class Server:
         self.cors = cors or CorsOptions()
         self.runtime_lora = runtime_lora
         self.tokens_as_ids = tokens_as_ids
+        self.prompt_tokens_details = prompt_tokens_details
         self.limits = limits or BodyLimits()
         self.retry_after, self.graceful_timeout = retry_after, graceful_timeout
         self.engine = aengine.engine
@@ -282,6 +284,7 @@ async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, mod
     sent = {}  # with tools or reasoning: how much of choice i's content went out
     thought = {}  # with reasoning: how much of choice i's reasoning went out
     prompt_n, completion_n = 0, 0
+    cached = None  # (--enable-prompt-tokens-details) as vLLM's stream: the first output's cached prompt tokens
     echoed, prompted = set(), set()  # the choices whose prompt (echo), whose prompt_token_ids went out
 
     def event(choices, usage=None, top: dict | None = None) -> str:
@@ -302,6 +305,8 @@ async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, mod
             if out.finished and out.finish_reason in ("error", "abort"):
                 yield f"data: {_dumps(_error(out).body())}\n\n"
                 break
+            if cached is None:
+                cached = out.num_cached_tokens
             records = None
             if out.logprobs is not None:
                 records, sent_lp[i] = out.logprobs[sent_lp.get(i, 0):], len(out.logprobs)
@@ -354,7 +359,8 @@ async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, mod
                 completion_n += 0 if req.prompt_only else out.num_generated
         else:
             if req.include_usage:
-                yield event([], p.usage(prompt_n, completion_n))
+                # the final chunk leaves out a null prompt_tokens_details (vLLM's drops the nulls of that chunk)
+                yield event([], p.usage(prompt_n, completion_n, (cached or None) if req.cached_details else None))
 
 
 def _routing_message(request: Request, e, headers) -> str:
@@ -400,6 +406,7 @@ async def _generate(server: Server, request: Request, chat: bool):
     del raw
     if req.tokens_as_ids is None:  # the field when sent (false too), else the server's option, as vLLM reads them
         req.tokens_as_ids = server.tokens_as_ids
+    req.cached_details = server.prompt_tokens_details
     lora = server.lora_for(req.model)
     p.check_context(req, server.engine.max_model_len)
     model = req.model or server.model_id

@@ -117,6 +117,9 @@ class GenerationRequest:
     beam: Any = None
     # chat's echo (vLLM's): the last message's text, when it has the reply's role, before each choice's content
     echo_text: str | None = None
+    # the server's --enable-prompt-tokens-details (vLLM's): usage.prompt_tokens_details.cached_tokens, the prompt
+    # tokens the prefix cache held when the request was first admitted
+    cached_details: bool = False
 
     def params_for(self, index: int):
         """Choice `index`'s sampling: with n > 1 and a seed, sample j draws with seed + j (as vLLM's parallel
@@ -628,9 +631,14 @@ def new_id(chat: bool, base: str | None = None) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + (base or uuid.uuid4().hex)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage object; `cached_tokens` (--enable-prompt-tokens-details, else None: no such field) adds vLLM's
+    prompt_tokens_details, null when the prefix cache held none of the prompt (vLLM fills it only with a hit)."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens} if cached_tokens else None
+    return out
 
 
 def _tok(tokenizer, token_id: int, as_id: bool = False) -> str:
@@ -758,6 +766,9 @@ class WholeResponse:
         self.prompt_lp: dict[int, list] = {}
         self.prompt_ids: dict[int, list[int]] = {}  # return_token_ids: each choice's prompt (a chat response's too)
         self.prompt_n = self.completion_n = 0
+        # (--enable-prompt-tokens-details) the cached prompt tokens the usage reports: as vLLM's, the last prompt's
+        # (a completions request's batch of prompts), of its first sample (n > 1: as LLM.generate's merged output)
+        self.cached_at, self.cached = -1, 0
 
     def add(self, i: int, out: RequestOutput) -> None:
         """Choice `i`'s finished output (finish_reason stop or length)."""
@@ -787,10 +798,13 @@ class WholeResponse:
             self.prompt_ids[i] = list(out.prompt_token_ids)
         self.prompt_n += len(out.prompt_token_ids) if req.counts_prompt(i) else 0
         self.completion_n += 0 if req.prompt_only else out.num_generated
+        if req.counts_prompt(i) and i > self.cached_at:
+            self.cached_at, self.cached = i, out.num_cached_tokens
 
     def body(self, rid: str, model: str, created: int) -> dict:
         body = envelope(self.req, rid, model, created, [self.choices[i] for i in sorted(self.choices)],
-                        usage(self.prompt_n, self.completion_n), chunk=False)
+                        usage(self.prompt_n, self.completion_n, self.cached if self.req.cached_details else None),
+                        chunk=False)
         if self.req.chat and self.prompt_lp:
             body["prompt_logprobs"] = self.prompt_lp[min(self.prompt_lp)]
         if self.req.chat and self.prompt_ids:  # vLLM's chat response holds the prompt's ids at its top (a client
