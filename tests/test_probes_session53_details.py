@@ -135,3 +135,36 @@ def test_the_option_reaches_both_servers(argv, env, want, parallel, monkeypatch)
     result = CliRunner().invoke(app, ["serve", "tiny-llama", "--port", "0", *dp, *argv], env=env)
     assert isinstance(result.exception, Stop), result.output
     assert seen["prompt_tokens_details"] is want
+
+
+def _batch(tmp_path, *extra) -> tuple:
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    inp = tmp_path / "in.jsonl"
+    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 2, "ignore_eos": True}
+    inp.write_text("".join(json.dumps({"custom_id": c, "method": "POST", "url": "/v1/completions", "body": body})
+                           + "\n" for c in ("a", "b")))
+    out = tmp_path / "out.jsonl"
+    res = CliRunner().invoke(app, ["run", "tiny-llama", str(inp), "-o", str(out), "-q", "--block-size", "4",
+                                   "--max-num-seqs", "1", *extra])
+    return res, out
+
+
+def test_an_openai_batch_runs_usage_reports_the_cached_tokens_as_the_server(tmp_path):
+    """`infer run --output-format openai --enable-prompt-tokens-details` (vllm run-batch's option): the same prompt
+    on two lines, one at a time: the second line's body reports the 36 tokens its prompt found cached."""
+    res, out = _batch(tmp_path, "--output-format", "openai", "--enable-prompt-tokens-details")
+    assert res.exit_code == 0, res.output
+    usage = {r["custom_id"]: r["response"]["body"]["usage"] for r in map(json.loads, out.read_text().splitlines())}
+    assert usage["a"]["prompt_tokens_details"] is None
+    assert usage["b"]["prompt_tokens_details"] == {"cached_tokens": 36}
+    res, out = _batch(tmp_path, "--output-format", "openai")  # without the option: no such field
+    assert res.exit_code == 0, res.output
+    assert all("prompt_tokens_details" not in json.loads(line)["response"]["body"]["usage"]
+               for line in out.read_text().splitlines())
+
+
+def test_the_batch_option_without_openai_output_is_refused(tmp_path):
+    res, _ = _batch(tmp_path, "--enable-prompt-tokens-details")
+    assert res.exit_code == 2 and "--output-format openai" in res.output

@@ -390,8 +390,12 @@ class Records:
     engine failed), a null body and, as error, the error object the server answers that request with: {"message",
     "type", "param", "code"} (OpenAI's batch error has code and message; vLLM writes the server's error there)."""
 
-    def __init__(self, fmt: str = "infer", tokenizer=None, lines=(), model: str = "", reasoning_parser=None):
+    def __init__(self, fmt: str = "infer", tokenizer=None, lines=(), model: str = "", reasoning_parser=None,
+                 prompt_tokens_details: bool = False):
+        """`prompt_tokens_details`: --enable-prompt-tokens-details, each body's usage.prompt_tokens_details (as the
+        server's option)."""
         self.fmt, self.tokenizer, self.model = fmt, tokenizer, model
+        self.details = prompt_tokens_details
         self.requests = {item.id: item.request for item in lines if item.request is not None}
         self.reasoning = {}  # --reasoning-parser (openai): each chat line's split, as the server's (serve/reasoning.py)
         if reasoning_parser is not None and fmt == "openai":
@@ -430,6 +434,7 @@ class Records:
                                   tokens_as_ids=info["tokens_as_ids"],
                                   asked_prompt_logprobs=request.params.prompt_logprobs)
         req.reasoning = self.reasoning.get(req_id)
+        req.cached_details = self.details
         response = p.WholeResponse(req, self.tokenizer)
         for i, out in enumerate(outs):
             response.add(i, out)

@@ -64,6 +64,12 @@ def run(
                                                             "split a chat line's reasoning from its answer into the "
                                                             "message's `reasoning`, as infer serve's option (and "
                                                             "vllm run-batch's): deepseek_r1 | qwen3.")] = None,
+    enable_prompt_tokens_details: Annotated[bool, typer.Option("--enable-prompt-tokens-details",
+                                                               help="With --output-format openai: each body's usage "
+                                                                    "reports prompt_tokens_details.cached_tokens, "
+                                                                    "the prompt tokens found in the prefix cache, as "
+                                                                    "infer serve's option (and vllm run-batch's).")
+                                              ] = False,
     engine: EngineConfig = None,
 ) -> None:
     """Generate a reply for every line of INPUT; records are appended to OUTPUT as requests finish.
@@ -86,7 +92,8 @@ def run(
         raise ConfigError(f"input file {input} does not exist, and MODEL {given} is a file: the two are swapped?",
                           f"MODEL comes first: infer run MODEL INPUT, e.g. infer run {input} {given}")
     _check_paths(input, output, resume, max_new_tokens)
-    options = _output_options(engine, max_new_tokens, output_format, _reasoning_option(reasoning_parser, output_format))
+    options = _output_options(engine, max_new_tokens, output_format, _reasoning_option(reasoning_parser, output_format),
+                              _details_option(enable_prompt_tokens_details, output_format))
     resumable = is_regular_target(output)
     with output_lock(output) if resumable else contextlib.nullcontext():  # one run at a time writes a file
         _run_locked(engine, input, output, resume, force_resume, strict, max_new_tokens, quiet, data_parallel,
@@ -148,7 +155,7 @@ def _run_in_process(engine: EngineConfig, input: Path, output: Path | None, defa
     try:
         with terminate_as_interrupt():
             records = Records(output_format, llm.tokenizer, lines, o.base_model_id(str(engine.model)),
-                              options.get("reasoning_parser"))
+                              options.get("reasoning_parser"), options.get("prompt_tokens_details", False))
             return _generate(llm, todo, writer, quiet, records), earlier
     except KeyboardInterrupt as e:  # every finished record is on disk already: say how to get the rest
         exit_interrupted(e, output, resumable, len(lines), len(todo), writer.count)
@@ -268,8 +275,17 @@ def _reasoning_option(parser: str | None, output_format: str) -> str | None:
     return parser
 
 
+def _details_option(details: bool, output_format: str) -> bool:
+    """--enable-prompt-tokens-details: vLLM's field of the usage of OpenAI output's bodies, not of infer's records."""
+    if details and output_format != "openai":
+        raise ConfigError("--enable-prompt-tokens-details fills vLLM's usage.prompt_tokens_details of OpenAI batch "
+                          "output; infer's own records keep their usage as it is",
+                          "add --output-format openai (as vllm run-batch writes)")
+    return details
+
+
 def _output_options(engine: EngineConfig, max_new_tokens: int, output_format: str = "infer",
-                    reasoning_parser: str | None = None) -> dict:
+                    reasoning_parser: str | None = None, prompt_tokens_details: bool = False) -> dict:
     """The options that change what a run writes: a resumed run must use the same ones."""
     model = Path(engine.model).expanduser()
     return {"model": str(model.resolve()) if model.exists() else engine.model, "dtype": engine.dtype,
@@ -283,6 +299,7 @@ def _output_options(engine: EngineConfig, max_new_tokens: int, output_format: st
             **({"kv_cache_dtype": {"fp8": "fp8_e4m3"}.get(engine.kv_cache_dtype, engine.kv_cache_dtype)}
                if engine.kv_cache_dtype != "auto" else {}),
             **({"reasoning_parser": reasoning_parser} if reasoning_parser is not None else {}),
+            **({"prompt_tokens_details": True} if prompt_tokens_details else {}),
             # speculation draws a seeded sampled request's random numbers otherwise (rejection sampling)
             **({"speculative_config": _speculation(engine.speculative_config)} if engine.speculative_config else {})}
 

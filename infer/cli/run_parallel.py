@@ -62,7 +62,7 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
             try:
                 from .options import base_model_id
                 records = Records(output_format, tokenizer, lines, base_model_id(str(engine.model)),
-                                  options.get("reasoning_parser"))
+                                  options.get("reasoning_parser"), options.get("prompt_tokens_details", False))
                 return _generate(pool, todo, writer, tokenizer, quiet, records), earlier
             except KeyboardInterrupt as e:  # as one engine: every finished record is on disk, say so
                 exit_interrupted(e, output, resumable, len(lines), len(todo), writer.count)
