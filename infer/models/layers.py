@@ -100,6 +100,30 @@ class MergedLinear(nn.Module):
     def prefix_of(self, shard: int) -> str:
         return self.names[shard]
 
+    @property
+    def fused(self) -> bool:
+        """Whether the checkpoint may store all the shards as one module (Phi-3's qkv_proj, gate_up_proj: every
+        shard carries its name), stacked along the output (`load_fused`)."""
+        return len(self.names) > 1 and len(set(self.names)) == 1
+
+    def load_fused(self, name: str, tensor: torch.Tensor) -> None:
+        """Load the tensor `name` (weight, bias, qweight, ...) of the fused module that stores every shard: cut along
+        its output dimension into the shards' parts (rows of a float weight and of a bias, columns of GPTQ's qweight,
+        scales and qzeros, packed by the method's `output_packing`); g_idx (the input's groups) is every shard's."""
+        if name == "g_idx":
+            parts = [tensor] * len(self.out_sizes)
+        else:
+            per = getattr(self.method, "output_packing", lambda _: 1)(name)
+            widths = [size // per for size in self.out_sizes]
+            dim = 0 if name in ("weight", "bias") else tensor.dim() - 1
+            if tensor.dim() == 0 or tensor.shape[dim] != sum(widths):
+                raise ModelLoadError(f"{self.names[0]}.{name} has shape {tuple(tensor.shape)}, config.json implies "
+                                     f"{sum(widths)} along dimension {dim} ({' + '.join(map(str, widths))})",
+                                     "the weights do not match config.json")
+            parts = tensor.split(widths, dim=dim)
+        for shard, part in enumerate(parts):
+            self.load_shard(name, shard, part)
+
     def load_shard(self, name: str, shard: int, tensor: torch.Tensor) -> None:
         if name == "bias":
             if self.bias is None:

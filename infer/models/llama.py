@@ -1,7 +1,9 @@
-"""The Llama family on a flat batch over a paged KV cache: Llama 2/3, Mistral, Qwen2 (= Qwen1.5), Qwen3.
+"""The Llama family on a flat batch over a paged KV cache: Llama 2/3, Mistral, Qwen2 (= Qwen1.5), Qwen3, Phi-3.
 
 Differences between the members are config switches: qkv bias (Qwen2), q/k RMSNorm per head (Qwen3), rope scaling
-(Llama 3), tied embeddings. Every op goes through infer.kernels.
+(Llama 3), tied embeddings, and where the checkpoint stores the projections: Phi-3 (Phi-3.5, Phi-4) stores q|k|v as
+one qkv_proj and gate|up as one gate_up_proj (`fused_names`), which infer computes exactly as Llama's merged layers.
+Every op goes through infer.kernels.
 """
 
 from __future__ import annotations
@@ -23,6 +25,14 @@ from .shapes import ModelShapes
 # rows of one GPTQ output-head matmul: no more than memory.sizes.DEQUANT_MIN_TOKENS, so the head always runs in the
 # fused int4 kernels and never dequantizes whole into the scratch (which the memory plan does not size for it)
 HEAD_ROWS = 256
+
+
+def fused_names(cfg, prefix: str, fused: str, projections: tuple[str, ...]) -> list[str]:
+    """The checkpoint module of each shard of a merged layer (MergedLinear.names): Llama's own projections, or for
+    Phi-3 the one fused module that stores them all, stacked along the output (its name once per shard)."""
+    if cfg.model_type == "phi3":
+        return [f"{prefix}.{fused}"] * len(projections)
+    return [f"{prefix}.{p}" for p in projections]
 
 
 class RMSNorm(nn.Module):
@@ -47,7 +57,7 @@ class Attention(nn.Module):
         # attention_bias, Mistral has none whatever its config says
         declared = bool(getattr(cfg, "attention_bias", False)) and cfg.model_type in ("llama", "qwen3")
         qkv_bias = cfg.model_type == "qwen2" or declared
-        names = [f"{prefix}.{n}" for n in ("q_proj", "k_proj", "v_proj")]
+        names = fused_names(cfg, prefix, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
         self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], names, qkv_bias,
                                      method_for(names), dtype)
         o_bias = declared
@@ -123,7 +133,7 @@ class MLP(nn.Module):
         super().__init__()
         check_activation(cfg)
         bias = bool(getattr(cfg, "mlp_bias", False)) and cfg.model_type == "llama"  # only Llama's MLP has biases
-        names = [f"{prefix}.gate_proj", f"{prefix}.up_proj"]
+        names = fused_names(cfg, prefix, "gate_up_proj", ("gate_proj", "up_proj"))
         inter = cfg.intermediate_size
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [inter, inter], names, bias, method_for(names), dtype)
         self.down_proj = MergedLinear(inter, [cfg.hidden_size], [f"{prefix}.down_proj"], bias,
@@ -297,3 +307,12 @@ class LlamaForCausalLM(nn.Module):
         """After the weights are in: the CPU matmul layout of a float output head (layers pack their own)."""
         if not self.quantized_head:
             self.packed_head = cpu_gemm.prepack(self._head_weight().data)
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 (Phi-3-mini/medium, Phi-3.5-mini, Phi-4): Llama's computation, with the checkpoint's q|k|v stored as one
+    self_attn.qkv_proj and gate|up as one mlp.gate_up_proj (as peft adapts them). The layers keep Llama's shards (q,
+    k, v; gate, up), each named after the fused module (`fused_names`): the loader splits a fused tensor into them
+    (MergedLinear.load_fused), an adapter's module is split the same way (LoRALayer.shard_modules). GPTQModel
+    quantizes qkv_proj as one but writes gate_proj and up_proj apart (its Phi-3 MLP is unfused): those load as
+    Llama's do (`packed_modules_mapping`, inherited), as vLLM loads either layout."""

@@ -209,7 +209,10 @@ def place_weights(model, tensors, dtype: torch.dtype):
         if routed is not None:
             layer, pname, shard = routed
             _check_kind(name, t, getattr(layer, pname, None))
-            layer.load_shard(pname, shard, t)
+            if shard is None:
+                layer.load_fused(pname, t)
+            else:
+                layer.load_shard(pname, shard, t)
             continue
         if key == "lm_head.weight" and "lm_head.weight" not in params:
             _check_kind(name, t, params.get("embed_tokens.weight"))
@@ -294,11 +297,14 @@ def packed_shards(model_cls) -> dict[str, tuple[str, int]]:
 
 def _merged_shard(key: str, shards: dict[str, tuple[str, int]], merged: dict[str, MergedLinear]):
     """(MergedLinear, parameter name, shard) for a checkpoint tensor that one of the model's merged layers holds
-    (a packed projection such as q_proj, or a plain one such as o_proj as shard 0), else None."""
+    (a packed projection such as q_proj, or a plain one such as o_proj as shard 0), else None. Shard None: the
+    tensor of a fused module that stores every shard (Phi-3's qkv_proj: MergedLinear.load_fused)."""
     module, _, pname = key.rpartition(".")
     parent, _, proj = module.rpartition(".")
     packed, shard = shards.get(proj, (proj, 0))
     layer = merged.get(f"{parent}.{packed}" if parent else packed)
+    if layer is not None and proj == packed and layer.fused:
+        shard = None
     return None if layer is None else (layer, pname, shard)
 
 

@@ -9,6 +9,7 @@ SUPPORTED = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
 
 
@@ -39,5 +40,5 @@ def check_activation(cfg) -> None:
 
 def model_class(cfg):
     check_supported(cfg)
-    from .llama import LlamaForCausalLM
-    return LlamaForCausalLM
+    from .llama import LlamaForCausalLM, Phi3ForCausalLM
+    return Phi3ForCausalLM if cfg.model_type == "phi3" else LlamaForCausalLM

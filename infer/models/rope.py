@@ -55,6 +55,7 @@ def _inv_freq(cfg) -> tuple[torch.Tensor, float]:
 
 def _cpu_inv_freq(cfg) -> tuple[torch.Tensor, float]:
     params = rope_parameters(cfg)
+    _check_partial_rotary(cfg, params)
     rope_type = params.get("rope_type", "default")
     head_dim = ModelShapes.from_config(cfg).head_dim
     if rope_type == "default":
@@ -92,6 +93,20 @@ def _cpu_inv_freq(cfg) -> tuple[torch.Tensor, float]:
                                     "remove partial_rotary_factor from the rope parameters: Llama, Mistral and Qwen "
                                     "rotate the whole head")
     return inv_freq, scale
+
+
+def _check_partial_rotary(cfg, params: dict) -> None:
+    """Phi-3's attention (transformers' Phi3Attention) rotates only the first partial_rotary_factor of each head
+    (Phi-4-mini: 0.75) and passes the rest: infer's rotary kernels rotate whole heads, so such a model is refused
+    before any rope table is built (Llama's attention ignores the field: its rope is whole-head whatever it says)."""
+    if getattr(cfg, "model_type", None) != "phi3":
+        return
+    factor = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
+    if factor is not None and factor != 1:
+        raise UnsupportedModelError(f"partial_rotary_factor {factor} (Phi-3's rotary over part of each head, as "
+                                    "Phi-4-mini has) is not supported: infer's rotary kernels rotate whole heads",
+                                    "infer runs Phi-3 models whose partial_rotary_factor is 1 (Phi-3-mini/medium, "
+                                    "Phi-3.5-mini, Phi-4)")
 
 
 def _shown(params: dict) -> dict:

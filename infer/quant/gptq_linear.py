@@ -56,6 +56,10 @@ class GPTQLinearMethod:
         layer.gptq_interleave = 1  # kernel mode: words per interleaved block of qweight (1: GPTQ order)
         layer.gptq_ready = False
 
+    def output_packing(self, name: str) -> int:
+        """Output columns per stored column of tensor `name` (qzeros packs `pack` zero points a word)."""
+        return self.config.pack if name == "qzeros" else 1
+
     def _expected(self, layer, name: str, shard: int) -> tuple[int, ...]:
         c, k, n = self.config, layer.in_features, layer.out_sizes[shard]
         groups = c.num_groups(k)
