@@ -7,6 +7,7 @@ lora-validate, serve, warmup, the built-in tiny-phi3; partial_rotary_factor < 1 
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -21,6 +22,7 @@ from infer.errors import ModelLoadError, UnsupportedModelError
 from infer.models.tiny import ensure_builtin
 
 from helpers import random_prompts
+from lora_helpers import PeftOracle, hf_float, save_adapter
 from quant_helpers import int4_kernel_path, make_gptqmodel_checkpoint, needs_gptqmodel
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -153,3 +155,118 @@ def test_gptqmodel_act_order_asymmetric_phi3_checkpoint_equals_gptqmodels_load(t
     path = make_gptqmodel_checkpoint(tmp_path / "f", tmp_path / "q", bits=4, group_size=32, desc_act=True, sym=False,
                                      seq_len=32)
     _check_gptq(path)
+
+
+# ------------------------------------------------------------------------------------------------------- LoRA
+PHI3_ALL = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+ADAPTERS = {"all8": dict(r=8, lora_alpha=16, target_modules=PHI3_ALL),
+            "qkv4": dict(r=4, lora_alpha=4, target_modules=["qkv_proj", "gate_up_proj"])}
+
+
+@pytest.fixture(scope="module")
+def phi3_lora(tmp_path_factory):
+    root = tmp_path_factory.mktemp("phi3lora")
+    build(root / "base")
+    hf = hf_float(root / "base")
+    paths = {n: save_adapter(hf, root / n, seed=i + 1, lora_dropout=0.0, **kw) for i, (n, kw) in
+             enumerate(ADAPTERS.items())}
+    return root / "base", hf, paths
+
+
+def test_peft_adapters_on_the_fused_modules_equal_peft_alone_and_mixed(phi3_lora):
+    base, hf, paths = phi3_lora
+    oracle = PeftOracle(hf, paths)
+    try:
+        prompts = random_prompts(512, (5, 12, 8), seed=6)
+        names = ["all8", None, "qkv4"]
+        with LLM(str(base), loras={n: str(p) for n, p in paths.items()}, max_loras=2, max_lora_rank=8,
+                 block_size=4) as llm:
+            params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+            mixed = [o.token_ids for o in llm.generate(prompts, params, lora=names)]
+            alone = [llm.generate([p], params, lora=n)[0].token_ids for p, n in zip(prompts, names)]
+        want = [oracle.greedy(n, p, 6) for p, n in zip(prompts, names)]
+        assert mixed == want and alone == want
+        assert want[0] != oracle.greedy(None, prompts[0], 6)  # the adapter changes the tokens: the check means much
+    finally:
+        oracle.close()
+
+
+def test_lora_validate_accepts_a_phi3_adapter_and_names_wrong_shapes(phi3_lora, tmp_path):
+    base, hf, paths = phi3_lora
+    res = CliRunner().invoke(app, ["lora-validate", str(base), str(paths["all8"]), "--json", "--steps", "2"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert report["ok"] and report["shapes"] == "ok"
+    bad = tmp_path / "bad"
+    shutil.copytree(paths["qkv4"], bad)
+    tensors = load_file(bad / "adapter_model.safetensors")
+    key = next(k for k in tensors if "layers.0.self_attn.qkv_proj.lora_B" in k)
+    tensors[key] = tensors[key][:64].clone()  # q's rows only: an adapter of Llama's q_proj width
+    save_file(tensors, bad / "adapter_model.safetensors")
+    res = CliRunner().invoke(app, ["lora-validate", str(base), str(bad), "--verbose"])
+    assert res.exit_code != 0
+    assert "qkv_proj" in res.output and "64 -> 64" in res.output and "64 -> 128" in res.output, res.output
+
+
+def test_an_adapter_of_llama_projections_is_refused_on_a_phi3_base(phi3_lora, tmp_path):
+    from infer.lora.adapter import adapter_problems
+    base, hf, paths = phi3_lora
+    src = load_file(paths["all8"] / "adapter_model.safetensors")
+    renamed = {k.replace("qkv_proj", "q_proj"): v for k, v in src.items() if "qkv_proj" in k}
+    (tmp_path / "a").mkdir()
+    save_file(renamed, tmp_path / "a" / "adapter_model.safetensors")
+    cfg = json.loads((paths["all8"] / "adapter_config.json").read_text())
+    cfg["target_modules"] = ["q_proj"]
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(cfg))
+    problems = adapter_problems("a", tmp_path / "a", AutoConfig.from_pretrained(base))
+    assert problems and "which the base model does not have" in problems[0].message and "q_proj" in problems[0].message
+
+
+# ---------------------------------------------------------------------------------------------- serve, warmup
+def test_serve_completions_on_phi3(phi3_lora):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, create_app
+    from infer.serve.async_engine import AsyncEngine
+    base, hf, _ = phi3_lora
+    prompt = random_prompts(512, (7,), seed=8)[0]
+    engine = LLMEngine(EngineConfig(str(base), block_size=4, max_model_len=64))
+    with TestClient(create_app(Server(AsyncEngine(engine), "phi3"))) as client:
+        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0,
+                                                 "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    want = hf_greedy(hf, [prompt], 5)[0]
+    assert r.json()["choices"][0]["text"] == hf_tokenizer(base).decode(want)
+
+
+def hf_tokenizer(path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+@needs_gptqmodel
+def test_int4_kernel_path_with_mixed_adapters_interpreted_equals_the_cpu_path(phi3_lora, tmp_path, monkeypatch):
+    """GPTQ Phi-3 (fused qkv_proj cut into the kernel's q|k|v columns, gate|up with silu_and_mul in the int4
+    epilogue) with adapters on the fused modules beside a base-only row, through the Triton kernels (interpreted)
+    and emulated decode graphs (decode_attention adds the qkv delta): the CPU path's tokens."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
+    base, _, paths = phi3_lora
+    qdir = make_gptqmodel_checkpoint(base, tmp_path / "q", bits=4, group_size=32, seq_len=32)
+    opts = dict(loras={n: str(p) for n, p in paths.items()}, max_loras=2, max_lora_rank=8, block_size=4,
+                max_model_len=32, max_num_seqs=4)
+    prompts = random_prompts(512, (5, 3, 7), seed=9)
+    names = ["all8", None, "qkv4"]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    with LLM(str(qdir), **opts) as llm:
+        cpu = [o.token_ids for o in llm.generate(prompts, params, lora=names)]
+    int4_kernel_path(monkeypatch)
+    with LLM(str(qdir), cuda_graph_max_tokens=4, **opts) as llm:
+        model = llm.engine.runner.model
+        assert model.layers[0].self_attn.qkv_proj.weight is None and model.layers[0].mlp.act_in_gate_up
+        llm.engine.runner.capture_graphs(8, emulate=True)
+        assert [o.token_ids for o in llm.generate(prompts, params, lora=names)] == cpu
+        assert sum(llm.engine.runner.graphs.replays.values()) > 0

@@ -97,9 +97,10 @@ def report_table(info, reports) -> Table:
 
 
 def _targets(targets: list[str]) -> str:
-    from ..lora.adapter import PROJECTIONS
-    if set(targets) == set(PROJECTIONS):
-        return "all 7"
+    from ..lora.adapter import LLAMA_PROJECTIONS, PHI3_PROJECTIONS
+    for every in (LLAMA_PROJECTIONS, PHI3_PROJECTIONS):
+        if set(targets) == set(every):
+            return f"all {len(every)}"
     return ",".join(t.removesuffix("_proj") for t in targets) or "-"
 
 

@@ -22,8 +22,11 @@ from ..errors import LoRAError
 from ..models.shapes import ModelShapes
 
 ATTN, MLP = "self_attn", "mlp"
-PROJECTIONS = {"q_proj": ATTN, "k_proj": ATTN, "v_proj": ATTN, "o_proj": ATTN,
-               "gate_proj": MLP, "up_proj": MLP, "down_proj": MLP}
+LLAMA_PROJECTIONS = {"q_proj": ATTN, "k_proj": ATTN, "v_proj": ATTN, "o_proj": ATTN,
+                     "gate_proj": MLP, "up_proj": MLP, "down_proj": MLP}
+# Phi-3's checkpoints (and so its adapters) have q|k|v as one qkv_proj and gate|up as one gate_up_proj
+PHI3_PROJECTIONS = {"qkv_proj": ATTN, "o_proj": ATTN, "gate_up_proj": MLP, "down_proj": MLP}
+PROJECTIONS = {**LLAMA_PROJECTIONS, **PHI3_PROJECTIONS}  # every module name an adapter of some base may adapt
 EMBEDDINGS = ("embed_tokens", "lm_head")
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -33,7 +36,8 @@ _TENSOR = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<kind>lora_A|
 # decoder): another path that ends the same way (a VLM's language_model.layers.N..., a vision tower's) is another
 # module, which peft would not load into this base
 _MODULE = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>[A-Za-z_]+)\.(?P<proj>[A-Za-z0-9_]+)$")
-_HINT_TARGETS = "retrain with target_modules among q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+_HINT_TARGETS = ("retrain with target_modules among q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj "
+                 "(Phi-3: qkv_proj,o_proj,gate_up_proj,down_proj)")
 # what peft adapts when adapter_config.json gives no target_modules: its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_
 # MAPPING entry, the same for every architecture infer serves (llama, mistral, qwen2, qwen3)
 PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")
@@ -112,6 +116,11 @@ class LoRAAdapter:
                 problems.append(Problem(f"{m.name} is in layer {m.layer} but the base model has {num_layers} layers",
                                         "the adapter was trained for a different (deeper) base model"))
                 continue
+            if m.proj not in shapes:  # Llama's q_proj on a Phi-3 base, Phi-3's qkv_proj on a Llama one
+                problems.append(Problem(f"adapts {m.name}, which the base model does not have (its "
+                                        f"{getattr(base_config, 'model_type', '?')} layers have "
+                                        f"{', '.join(shapes)})", "the adapter was trained for another architecture"))
+                continue
             want_in, want_out = shapes[m.proj]
             got_in, got_out = m.lora_a.shape[1], m.lora_b.shape[0]
             if (got_in, got_out) != (want_in, want_out):
@@ -157,9 +166,13 @@ def _non_linear_targets(config: dict, base_config) -> list[Problem]:
 
 
 def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of every projection of a Llama-family base model (a HF config)."""
+    """(in_features, out_features) of every projection of a Llama-family base model (a HF config): Phi-3's fused
+    qkv_proj and gate_up_proj in place of q/k/v and gate/up."""
     shapes = ModelShapes.from_config(base_config)
     hidden, inter, q, kv = shapes.hidden_size, base_config.intermediate_size, shapes.q_size, shapes.kv_size
+    if getattr(base_config, "model_type", None) == "phi3":
+        return {"qkv_proj": (hidden, q + 2 * kv), "o_proj": (q, hidden), "gate_up_proj": (hidden, 2 * inter),
+                "down_proj": (inter, hidden)}
     return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
             "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
 

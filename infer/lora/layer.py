@@ -90,6 +90,20 @@ class LoRALayer:
         if torch.device(device).type == "cuda":
             side_stream(device)
 
+    def shard_modules(self, modules: dict[str, LoRAModule]) -> list[LoRAModule | None]:
+        """An adapter's module for each shard (None: not adapted), from its modules by base module path. A fused
+        module (Phi-3's qkv_proj, whose shards all carry its name) gives each shard its A and the rows of its B
+        that are the shard's outputs: the same delta, shard by shard."""
+        out: list[LoRAModule | None] = []
+        for i, name in enumerate(self.names):
+            m = modules.get(name)
+            if m is not None and self.names.count(name) > 1:
+                start = self.offsets[i] - self.offsets[self.names.index(name)]
+                m = LoRAModule(m.name, m.layer, m.proj, m.lora_a, m.lora_b[start:start + self.out_sizes[i]],
+                               m.scaling)
+            out.append(m)
+        return out
+
     def set_slot(self, slot: int, modules: list[LoRAModule | None]) -> None:
         """Load one adapter's modules for this layer's shards (None = the adapter does not target that shard).
 

@@ -55,7 +55,7 @@ class LoRAManager:
                 linear.lora = LoRALayer(linear, max_loras, max_lora_rank, self.device, self.dtype)
                 self.layers.append(linear.lora)
                 for i, name in enumerate(linear.names):
-                    self._where[name] = (linear.lora, i)
+                    self._where.setdefault(name, (linear.lora, i))  # a fused module: its first shard
         except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError and CPU's ENOMEM are RuntimeErrors
             for linear in linears:
                 linear.lora = None
@@ -325,7 +325,7 @@ class LoRAManager:
         if old is not None:
             del self._resident[old]
         for layer in self.layers:
-            layer.set_slot(slot, [adapter.modules.get(n) for n in layer.names])
+            layer.set_slot(slot, layer.shard_modules(adapter.modules))
         self._resident[name] = slot
         self.swaps += 1
 

@@ -17,7 +17,8 @@ from pathlib import Path
 from ..errors import ConfigError, LoRAError
 from .adapter import PROJECTIONS, Problem, expected_shapes, layer_count, module_scaling, read_adapter
 
-_HIDDEN_IN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # projections whose input is the hidden state
+# projections whose input is the hidden state (Phi-3's fused ones too)
+_HIDDEN_IN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "gate_up_proj")
 _QUANT_SUFFIX = re.compile(r"[-_.](gptq|awq|int4|int8|4bit|8bit|w4a16|quantized|v\d+)$")
 
 
@@ -175,7 +176,7 @@ def _misfit_modules(adapter, base_config) -> set[str]:
     want = expected_shapes(base_config)
     layers = layer_count(adapter.config, base_config) if hasattr(base_config, "num_hidden_layers") else None
     return {m.name for m in adapter.modules.values()
-            if (layers is not None and m.layer >= layers) or (m.lora_a.shape[1], m.lora_b.shape[0]) != want[m.proj]}
+            if (layers is not None and m.layer >= layers) or (m.lora_a.shape[1], m.lora_b.shape[0]) != want.get(m.proj)}
 
 
 def shape_summary(adapter, base_config) -> str:
@@ -186,6 +187,8 @@ def shape_summary(adapter, base_config) -> str:
         if layers is not None and m.layer >= layers:
             return f"layer {m.layer} >= base's {layers}"
         got = (m.lora_a.shape[1], m.lora_b.shape[0])
+        if m.proj not in want:
+            return f"{m.proj}: the base has none"
         if got != want[m.proj]:
             return f"{m.proj} {got[0]}->{got[1]}, base {want[m.proj][0]}->{want[m.proj][1]}"
     return "ok"
@@ -199,8 +202,8 @@ def size_mismatch_line(adapter, base_config, count: int) -> str:
     for m in adapter.modules.values():
         a_in, b_out = m.lora_a.shape[1], m.lora_b.shape[0]
         hidden = hidden or (a_in if m.proj in _HIDDEN_IN else b_out)
-        if m.proj in ("gate_proj", "up_proj", "down_proj"):
-            inter = inter or (b_out if m.proj != "down_proj" else a_in)
+        if m.proj in ("gate_proj", "up_proj", "down_proj", "gate_up_proj"):
+            inter = inter or {"down_proj": a_in, "gate_up_proj": b_out // 2}.get(m.proj, b_out)
     base_hidden = getattr(base_config, "hidden_size", None)
     base_inter = getattr(base_config, "intermediate_size", None)
     base_layers = getattr(base_config, "num_hidden_layers", None)
