@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from infer import LLM, SamplingParams
 from infer.cli.main import app
 from infer.errors import ModelLoadError, UnsupportedModelError
-from infer.models.tiny import ensure_builtin
+from infer.models.tiny import BUILTIN_MODELS, ensure_builtin
 
 from helpers import random_prompts
 from lora_helpers import PeftOracle, hf_float, save_adapter
@@ -247,6 +247,25 @@ def hf_tokenizer(path):
     return AutoTokenizer.from_pretrained(path)
 
 
+def test_builtin_tiny_phi3_runs_and_warmup_sizes_it_as_llama_of_its_shapes():
+    """tiny-phi3 has tiny-llama's shapes: the fused checkpoint holds the same weights, and `infer warmup` counts
+    them alike (the CPU prepacked copy of every fused projection too)."""
+    assert BUILTIN_MODELS["tiny-phi3"].config == BUILTIN_MODELS["tiny-llama"].config
+    path = ensure_builtin("tiny-phi3")
+    assert json.loads((path / "config.json").read_text())["architectures"] == ["Phi3ForCausalLM"]
+    sizes = {}
+    for name in ("tiny-phi3", "tiny-llama"):
+        res = CliRunner().invoke(app, ["warmup", name, "--estimate", "--json", "--max-length", "256"])
+        assert res.exit_code == 0, res.output
+        sizes[name] = json.loads(res.stdout.strip().splitlines()[-1])["weights_bytes"]
+    assert sizes["tiny-phi3"] == sizes["tiny-llama"]
+    hf = hf_float(path)
+    prompt = random_prompts(512, (6,), seed=1)[0]
+    with LLM("tiny-phi3") as llm:
+        assert llm.generate([prompt], SamplingParams(max_new_tokens=5, ignore_eos=True))[0].token_ids == \
+            hf_greedy(hf, [prompt], 5)[0]
+
+
 @needs_gptqmodel
 def test_int4_kernel_path_with_mixed_adapters_interpreted_equals_the_cpu_path(phi3_lora, tmp_path, monkeypatch):
     """GPTQ Phi-3 (fused qkv_proj cut into the kernel's q|k|v columns, gate|up with silu_and_mul in the int4
@@ -270,3 +289,15 @@ def test_int4_kernel_path_with_mixed_adapters_interpreted_equals_the_cpu_path(ph
         llm.engine.runner.capture_graphs(8, emulate=True)
         assert [o.token_ids for o in llm.generate(prompts, params, lora=names)] == cpu
         assert sum(llm.engine.runner.graphs.replays.values()) > 0
+
+
+def test_the_demo_makes_its_adapters_for_tiny_phi3_on_the_fused_modules(tmp_path):
+    """The demo's adapters name Llama's projections: on tiny-phi3 (whose q|k|v and gate|up are fused) peft found no
+    such module; they now target the fused ones, and the adapter fits the base."""
+    from infer.cli.demo import ALL_PROJECTIONS, make_random_adapter
+    from infer.lora.adapter import adapter_problems
+    base = ensure_builtin("tiny-phi3")
+    make_random_adapter(base, tmp_path / "a", 4, ALL_PROJECTIONS, 1)
+    targets = json.loads((tmp_path / "a" / "adapter_config.json").read_text())["target_modules"]
+    assert sorted(targets) == sorted(PHI3_ALL)
+    assert adapter_problems("a", tmp_path / "a", AutoConfig.from_pretrained(base)) == []
