@@ -131,6 +131,20 @@ def _check_gptq(path):
     assert [o.token_ids for o in outs] == gptqmodel_greedy(path, prompts, 8)
 
 
+def _fuse_gate_up(src, dst):
+    """A copy of GPTQ checkpoint `src` with each layer's gate_proj and up_proj stored as one mlp.gate_up_proj (their
+    qweight, qzeros and scales side by side along the output; g_idx shared, act-order off)."""
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    for key in [k for k in tensors if ".mlp.gate_proj." in k]:
+        up = key.replace("gate_proj", "up_proj")
+        gate_t, up_t = tensors.pop(key), tensors.pop(up)
+        both = gate_t if key.endswith("g_idx") else torch.cat([gate_t, up_t], dim=-1)
+        tensors[key.replace("gate_proj", "gate_up_proj")] = both.contiguous()
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
 @needs_gptqmodel
 def test_infer_quantize_writes_a_phi3_gptq_checkpoint_equal_to_gptqmodels_load_and_convert_takes_it(tmp_path):
     build(tmp_path / "f")
@@ -141,10 +155,14 @@ def test_infer_quantize_writes_a_phi3_gptq_checkpoint_equal_to_gptqmodels_load_a
     names = load_file(out / "model.safetensors").keys()
     assert "model.layers.0.self_attn.qkv_proj.qweight" in names  # quantized as one (its MLP GPTQModel unfuses)
     _check_gptq(out)
+    fused = _fuse_gate_up(out, tmp_path / "fused")  # the layout of checkpoints quantized with Phi-3's own MLP
+    prompts = random_prompts(512, (9,), seed=5)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    with LLM(str(fused)) as a, LLM(str(out)) as b:
+        assert a.generate(prompts, params)[0].token_ids == b.generate(prompts, params)[0].token_ids
     res = CliRunner().invoke(app, ["convert", str(out), "-o", str(tmp_path / "c")])  # copied tensor by tensor
     assert res.exit_code == 0, res.output
     prompts = random_prompts(512, (6,), seed=2)
-    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     with LLM(str(tmp_path / "c")) as a, LLM(str(out)) as b:
         assert a.generate(prompts, params)[0].token_ids == b.generate(prompts, params)[0].token_ids
 
