@@ -319,3 +319,12 @@ def test_the_demo_makes_its_adapters_for_tiny_phi3_on_the_fused_modules(tmp_path
     targets = json.loads((tmp_path / "a" / "adapter_config.json").read_text())["target_modules"]
     assert sorted(targets) == sorted(PHI3_ALL)
     assert adapter_problems("a", tmp_path / "a", AutoConfig.from_pretrained(base)) == []
+
+
+def test_the_lora_benchmark_makes_adapters_of_every_phi3_projection(tmp_path):
+    """infer.bench.lora_compare adapts every attention and MLP projection: on tiny-phi3 peft adapted only o_proj
+    and down_proj of Llama's names (q/k/v and gate/up are fused there)."""
+    from infer.bench.lora_compare import make_adapters
+    path = make_adapters("tiny-phi3", tmp_path, num=1, rank=4)["lora0"]
+    targets = json.loads((tmp_path / "lora0" / "adapter_config.json").read_text())["target_modules"]
+    assert sorted(targets) == sorted(PHI3_ALL) and path == str(tmp_path / "lora0")

@@ -32,9 +32,11 @@ def make_adapters(base: str, out: Path, num: int, rank: int, seed: int = 0) -> d
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from ..lora.adapter import base_targets
     from ..models.resolve import resolve_model
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(resolve_model(base), dtype=torch.float32),
-                           LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS))
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model(base), dtype=torch.float32)
+    targets = base_targets(hf.config.model_type, TARGETS)  # Phi-3's fused modules: peft found no q_proj there
+    model = get_peft_model(hf, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
     paths = {}
     for k in range(num):
         g = torch.Generator().manual_seed(seed + k)

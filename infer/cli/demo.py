@@ -53,10 +53,8 @@ def make_random_adapter(base: Path, out: Path, rank: int, targets: list[str], se
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    if model.config.model_type == "phi3":  # its checkpoint's (and peft's) modules: q|k|v and gate|up fused
-        fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
-                 "up_proj": "gate_up_proj"}
-        targets = list(dict.fromkeys(fused.get(t, t) for t in targets))
+    from ..lora.adapter import base_targets
+    targets = base_targets(model.config.model_type, targets)  # Phi-3's: q|k|v and gate|up fused
     peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
                                                   use_rslora=rslora, lora_dropout=0.0))
     with torch.no_grad():

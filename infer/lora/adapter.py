@@ -27,6 +27,16 @@ LLAMA_PROJECTIONS = {"q_proj": ATTN, "k_proj": ATTN, "v_proj": ATTN, "o_proj": A
 # Phi-3's checkpoints (and so its adapters) have q|k|v as one qkv_proj and gate|up as one gate_up_proj
 PHI3_PROJECTIONS = {"qkv_proj": ATTN, "o_proj": ATTN, "gate_up_proj": MLP, "down_proj": MLP}
 PROJECTIONS = {**LLAMA_PROJECTIONS, **PHI3_PROJECTIONS}  # every module name an adapter of some base may adapt
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+          "up_proj": "gate_up_proj"}
+
+
+def base_targets(model_type: str | None, targets: list[str]) -> list[str]:
+    """Llama's projection names `targets` as the modules of a base of `model_type` (the ones peft adapts there):
+    Phi-3's fused qkv_proj and gate_up_proj in place of q/k/v and gate/up, each once."""
+    if model_type != "phi3":
+        return list(targets)
+    return list(dict.fromkeys(_FUSED.get(t, t) for t in targets))
 EMBEDDINGS = ("embed_tokens", "lm_head")
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
