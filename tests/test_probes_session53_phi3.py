@@ -237,7 +237,13 @@ def test_an_adapter_of_llama_projections_is_refused_on_a_phi3_base(phi3_lora, tm
     cfg["target_modules"] = ["q_proj"]
     (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(cfg))
     problems = adapter_problems("a", tmp_path / "a", AutoConfig.from_pretrained(base))
-    assert problems and "which the base model does not have" in problems[0].message and "q_proj" in problems[0].message
+    assert [p.message for p in problems] == [
+        "adapts model.layers.0.self_attn.q_proj (and 1 more modules), which the base model does not have (its phi3 "
+        "layers have qkv_proj, o_proj, gate_up_proj, down_proj)"]
+    for f in (tmp_path / "a").glob("*.safetensors"):  # target_modules alone, no tensors of it: named the same way
+        save_file({k.replace("q_proj", "o_proj"): v for k, v in renamed.items()}, f)
+    problems = adapter_problems("a", tmp_path / "a", AutoConfig.from_pretrained(base))
+    assert any("targets ['q_proj'], which the base model does not have" in p.message for p in problems), problems
 
 
 # ---------------------------------------------------------------------------------------------- serve, warmup

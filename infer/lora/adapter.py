@@ -121,15 +121,13 @@ class LoRAAdapter:
         problems = list(self.problems) + _non_linear_targets(self.config, base_config)
         shapes = expected_shapes(base_config)
         num_layers = layer_count(self.config, base_config)
+        problems += _foreign_projections(self, base_config, shapes)
         for m in self.modules.values():
             if m.layer >= num_layers:
                 problems.append(Problem(f"{m.name} is in layer {m.layer} but the base model has {num_layers} layers",
                                         "the adapter was trained for a different (deeper) base model"))
                 continue
-            if m.proj not in shapes:  # Llama's q_proj on a Phi-3 base, Phi-3's qkv_proj on a Llama one
-                problems.append(Problem(f"adapts {m.name}, which the base model does not have (its "
-                                        f"{getattr(base_config, 'model_type', '?')} layers have "
-                                        f"{', '.join(shapes)})", "the adapter was trained for another architecture"))
+            if m.proj not in shapes:  # _foreign_projections named it
                 continue
             want_in, want_out = shapes[m.proj]
             got_in, got_out = m.lora_a.shape[1], m.lora_b.shape[0]
@@ -141,6 +139,21 @@ class LoRAAdapter:
             problems.append(Problem(f"rank {self.rank} is larger than --max-lora-rank {max_rank}",
                                     f"raise --max-lora-rank to at least {self.rank}"))
         return problems
+
+
+def _foreign_projections(adapter: "LoRAAdapter", base_config, shapes: dict) -> list[Problem]:
+    """Modules (or listed target_modules) of a projection the base's architecture does not have: Llama's q_proj on
+    a Phi-3 base (whose q|k|v is one qkv_proj), Phi-3's qkv_proj on a Llama one. One problem for all of them."""
+    have = f"its {getattr(base_config, 'model_type', '?')} layers have {', '.join(shapes)}"
+    hint = "the adapter was trained for another architecture"
+    foreign = [m.name for m in adapter.modules.values() if m.proj not in shapes]
+    if foreign:
+        more = f" (and {len(foreign) - 1} more modules)" if len(foreign) > 1 else ""
+        return [Problem(f"adapts {foreign[0]}{more}, which the base model does not have ({have})", hint)]
+    targets = adapter.config.get("target_modules")
+    listed = [t for t in targets if str(t).split(".")[-1] in PROJECTIONS and str(t).split(".")[-1] not in shapes] \
+        if isinstance(targets, list) else []
+    return [Problem(f"targets {listed}, which the base model does not have ({have})", hint)] if listed else []
 
 
 def layer_count(config: dict, base_config) -> int:
