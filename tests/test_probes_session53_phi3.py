@@ -334,3 +334,32 @@ def test_the_lora_benchmark_makes_adapters_of_every_phi3_projection(tmp_path):
     path = make_adapters("tiny-phi3", tmp_path, num=1, rank=4)["lora0"]
     targets = json.loads((tmp_path / "lora0" / "adapter_config.json").read_text())["target_modules"]
     assert sorted(targets) == sorted(PHI3_ALL) and path == str(tmp_path / "lora0")
+
+
+def test_an_awq_phi3_checkpoint_loads_its_fused_modules_exactly(tmp_path):
+    """AWQ packs qweight along the output too (8 columns a word): a fused qkv_proj / gate_up_proj of an AWQ 'gemm'
+    checkpoint is cut at word boundaries into q|k|v and gate|up, and every layer dequantizes to the format's weight
+    bit for bit (it was refused: the qweight's packed width was taken for the output width)."""
+    from infer.models.loader import load_model
+    from test_probes_session53_awq import GROUP, awq_dequantize, awq_pack, awq_quantize
+    build(tmp_path / "f", seed=2)
+    tensors, ref = {}, {}
+    for name, t in load_file(tmp_path / "f" / "model.safetensors").items():
+        module = name.removesuffix(".weight")
+        if not module.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj")):
+            tensors[name] = t
+            continue
+        q, z, s = awq_quantize(t)
+        tensors.update({f"{module}.qweight": awq_pack(q), f"{module}.qzeros": awq_pack(z), f"{module}.scales": s})
+        ref[module] = awq_dequantize(q, z, s).float()
+    out = tmp_path / "awq"
+    shutil.copytree(tmp_path / "f", out)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True,
+                                  "version": "gemm"}
+    (out / "config.json").write_text(json.dumps(cfg))
+    model, _ = load_model(out, torch.float32, torch.device("cpu"))
+    for i, layer in enumerate(model.layers):
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            assert torch.equal(linear.weight, ref[linear.names[0]]), linear.names[0]

@@ -98,6 +98,11 @@ class AWQLinearMethod(GPTQLinearMethod):
                                  "too)")
         super().create_weights(layer)
 
+    def output_packing(self, name: str) -> int:
+        """Output columns per stored column of tensor `name`: AWQ packs qweight and qzeros 8 output columns a word
+        (a fused module, Phi-3's qkv_proj, is cut at word boundaries: MergedLinear.load_fused)."""
+        return PACK if name in ("qweight", "qzeros") else 1
+
     def load_shard(self, layer, name: str, shard: int, tensor: torch.Tensor) -> None:
         full = f"{layer.prefix_of(shard)}.{name}"
         if name not in self._AWQ_NAMES:  # g_idx included: AWQ has none
