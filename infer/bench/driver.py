@@ -120,6 +120,7 @@ class _Run:
             if o.finished:
                 del self.inflight[o.request_id]
                 rec.output_tokens, rec.text, rec.finish_reason = len(o.token_ids), o.text, o.finish_reason
+                rec.cached_tokens = o.num_cached_tokens
                 rec.success = o.finish_reason in ("stop", "length") and not o.error and rec.output_tokens > 0
                 rec.error = o.error or (None if rec.success else f"finished with reason {o.finish_reason!r}")
                 rec.end_time = t

@@ -11,8 +11,10 @@ prompt the in-process engine runs: sent as text it would be tokenized again (ano
 Every SSE `data:` chunk with a choice is time-stamped, with text or not (an EOS or special token has none), as
 vLLM's benchmark does, but for a last chunk without text beyond the token count (it only says why the request
 finished, as OpenAI's last chunk does). Output tokens come from the final usage chunk (else from `tokenizer`,
-else one per chunk with text; at least one). A stream the server cut off (the connection closed with neither a
-finish_reason nor `data: [DONE]`) is a failed request, not a completed one of the tokens it got.
+else one per chunk with text; at least one), and so do the prompt tokens found cached, its
+usage.prompt_tokens_details.cached_tokens (vLLM's --enable-prompt-tokens-details), when the server sends them.
+A stream the server cut off (the connection closed with neither a finish_reason nor `data: [DONE]`) is a failed
+request, not a completed one of the tokens it got.
 Memory figures are those of this client process, not of the server.
 """
 
@@ -86,6 +88,9 @@ def _apply_chunk(rec: RequestRecord, data: dict, t: float) -> bool:
         rec.output_tokens = int(usage["completion_tokens"])
         if usage.get("prompt_tokens") is not None:
             rec.prompt_tokens = int(usage["prompt_tokens"])
+        details = usage.get("prompt_tokens_details")  # vLLM's --enable-prompt-tokens-details (and infer serve's)
+        if isinstance(details, dict) and details.get("cached_tokens") is not None:
+            rec.cached_tokens = int(details["cached_tokens"])
     return bool(text)
 
 
@@ -200,10 +205,21 @@ def run_http(url: str, model: str, requests: list[BenchRequest], concurrency: in
     t0 = t0_box[0] if t0_box else run.end
     sampler.sample(0, force=True)
     run.done.sort(key=lambda r: r.index)
+    _fill_cached(run.done)
     return RunResult("http", concurrency, run.done, duration_s=run.end - t0, num_requests=len(requests),
                      request_rate=request_rate, partial=partial, aborted=run.started - len(run.done),
                      peak_rss_bytes=sampler.peak_rss_bytes, timeline=sampler.timeline, start_time=t0,
                      engine_stats=_run_stats(before, server_stats(url, api_key)))
+
+
+def _fill_cached(records: list[RequestRecord]) -> None:
+    """Once any of a level's requests reported its cached prompt tokens (the server sends prompt_tokens_details),
+    a completed request that reported none had none cached: vLLM (and infer serve) leave a null
+    prompt_tokens_details, a prompt that found nothing cached, out of the streamed usage chunk."""
+    if any(r.cached_tokens is not None for r in records):
+        for r in records:
+            if r.success and r.cached_tokens is None:
+                r.cached_tokens = 0
 
 
 def _run_stats(before: dict, after: dict) -> dict:

@@ -54,6 +54,9 @@ class RequestRecord:
     finish_reason: str | None = None
     lora: str | None = None
     end_time: float | None = None  # when the request finished (defaults to the last chunk)
+    # prompt tokens found in the prefix cache (a server's usage.prompt_tokens_details.cached_tokens, the engine's
+    # num_cached_tokens in-process); None where not reported
+    cached_tokens: int | None = None
 
     @property
     def first_token_time(self) -> float | None:

@@ -79,15 +79,18 @@ def environment() -> dict:
 
 def detailed_lists(run: RunResult) -> dict:
     """vLLM's --save-detailed lists, one item per request in workload order (a failed one has a TTFT of 0, no
-    ITLs and 0 output tokens, as in vLLM): input_lens, output_lens, ttfts and itls (seconds), generated_texts and
-    request_errors (vLLM's "errors"; ours is the distinct reasons). Each request's E2EL is its TTFT plus the sum of
-    its ITLs, and its TPOT that sum over output_lens - 1."""
+    ITLs and 0 output tokens, as in vLLM): input_lens, output_lens, ttfts and itls (seconds), generated_texts,
+    cached_tokens (the prompt tokens found in the prefix cache: the engine's in-process, the server's
+    usage.prompt_tokens_details with --url; null where not reported) and request_errors (vLLM's "errors"; ours is
+    the distinct reasons). Each request's E2EL is its TTFT plus the sum of its ITLs, and its TPOT that sum over
+    output_lens - 1."""
     recs = run.records
     return {"input_lens": [r.prompt_tokens for r in recs],
             "output_lens": [r.output_tokens if r.success else 0 for r in recs],
             "ttfts": [r.ttft if r.success else 0.0 for r in recs],
             "itls": [r.itl if r.success else [] for r in recs],
             "generated_texts": [r.text for r in recs],
+            "cached_tokens": [r.cached_tokens for r in recs],
             "request_errors": [None if r.success else (r.error or "") for r in recs]}
 
 
@@ -116,6 +119,33 @@ def prefix_cache_figures(stats: dict) -> dict:
     return {"prefix_cache_hit_rate": hits / queries if queries else 0.0}
 
 
+def usage_prefix_cache_figures(records) -> dict:
+    """A --url level's prefix cache hit rate from its requests' own usage.prompt_tokens_details.cached_tokens (vLLM's
+    --enable-prompt-tokens-details, infer serve's): the completed requests' cached prompt tokens over their prompt
+    tokens, vLLM's hit rate over prompt tokens; {} when no request reported them."""
+    if not any(r.cached_tokens is not None for r in records):
+        return {}
+    done = [r for r in records if r.success]
+    prompt = sum(r.prompt_tokens for r in done)
+    return {"prefix_cache_hit_rate": sum(r.cached_tokens or 0 for r in done) / prompt if prompt else 0.0}
+
+
+def run_prefix_cache(run: RunResult) -> dict:
+    """The run's prefix_cache_hit_rate and prefix_cache_source, where it came from: "engine" (an in-process engine's
+    counters over the run), "usage" (a --url level's requests' cached_tokens, which win where the server sends them:
+    they are the level's own requests, whatever else the server ran meanwhile; the server's /health figure over
+    the run is then kept as server_prefix_cache_hit_rate) or "server" (an infer server's /health counters over the
+    run, where no usage details came back); {} without any (a baseline, a server that reports neither)."""
+    server = prefix_cache_figures(run.engine_stats)
+    if run.backend != "http":
+        return {**server, "prefix_cache_source": "engine"} if server else {}
+    usage = usage_prefix_cache_figures(run.records)
+    if usage:
+        extra = {"server_prefix_cache_hit_rate": server["prefix_cache_hit_rate"]} if server else {}
+        return {**usage, "prefix_cache_source": "usage", **extra}
+    return {**server, "prefix_cache_source": "server"} if server else {}
+
+
 def run_entry(run: RunResult, detailed: bool = False) -> dict:
     """vLLM's metrics for one run plus our own figures (no config / environment); with `detailed`, also each
     request's (detailed_lists)."""
@@ -130,7 +160,7 @@ def run_entry(run: RunResult, detailed: bool = False) -> dict:
     d.update(peak_memory_bytes=peak, peak_memory_gib=None if peak is None else peak / 2**30,
              peak_rss_bytes=run.peak_rss_bytes, peak_gpu_bytes=run.peak_gpu_bytes, engine_stats=run.engine_stats)
     d.update(spec_decode_figures(run.engine_stats))
-    d.update(prefix_cache_figures(run.engine_stats))
+    d.update(run_prefix_cache(run))
     if run.timeline and "kv_usage" in run.timeline[0]:
         d["max_kv_usage"] = max(s.get("kv_usage", 0.0) for s in run.timeline)
     d["errors"] = list(dict.fromkeys(r.error for r in run.records if not r.success and r.error))[:5]  # distinct
