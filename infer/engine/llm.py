@@ -264,6 +264,8 @@ class LLM:
         name, path = to_register(request, self._engine().lora_slots)  # (LoRAError naming enable_lora: no slots)
         if path is not None:
             self.add_lora(name, path)
+        with self._lock:  # (RequestOutput.lora_request: this object)
+            self._engine().note_lora_request(name, request)
         return name
 
     def remove_lora(self, name: str) -> int:

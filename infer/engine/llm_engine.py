@@ -258,6 +258,10 @@ class LLMEngine:
         self.num_steps = 0
         self.last_step_tokens = 0  # tokens the latest step computed (prompt chunks, decodes, accepted drafts), 0: none
         self._lora_holds: list[LoRAHold] = []  # hold_lora's, not released yet
+        # RequestOutput.lora_request: adapter name -> (the folder it was read from, its LoRARequest), and the
+        # lora_int_id of every adapter named so far (lora_request_of)
+        self._lora_requests: dict[str, tuple[str, object]] = {}
+        self._lora_int_ids: dict[str, int] = {}
         if self.device.type == "cuda":  # every kernel compiled now, never on a user's first request
             t0 = time.perf_counter()
             self.warm_kernels()
@@ -339,6 +343,7 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_token_ids), params, lora, max_total_len=cap, lora_key=key,
                        **({} if arrival_time is None else {"arrival_time": arrival_time}))
         seq.lora_name = name
+        seq.lora_request = self.lora_request_of(name)
         if params.min_tokens:
             seq.min_tokens_ban = self._min_tokens_ban(params)
         if params.structured_outputs is not None:  # compiled already by validate (xgrammar caches it)
@@ -585,7 +590,36 @@ class LLMEngine:
         name, path = to_register(request, self.lora_slots)
         if path is not None:
             self.add_lora(name, path)
+        self.note_lora_request(name, request)
         return name
+
+    def note_lora_request(self, name: str, request) -> None:
+        """vLLM's RequestOutput.lora_request: the requests run with adapter `name` (registered, or found registered
+        from the same folder, by vLLM's LoRARequest `request`) report `request` itself, as vLLM's do."""
+        manager = self.lora_manager
+        if manager is not None and manager.has(name):
+            self._lora_requests[name] = (manager.path_of(name), request)
+            number = getattr(request, "lora_int_id", None)
+            if isinstance(number, int) and not isinstance(number, bool):
+                self._lora_int_ids[name] = number
+
+    def lora_request_of(self, name: str | None):
+        """vLLM's RequestOutput.lora_request of a request run with adapter `name` (None: the base model, None): the
+        LoRARequest it was registered by (vLLM's lora_request=), else one of its name, its folder and a lora_int_id
+        of its own (1, 2, ... in the order adapters were first named, past the ids vLLM's LoRARequests gave)."""
+        if name is None:
+            return None
+        manager = self.lora_manager
+        path = manager.path_of(name) if manager is not None and manager.has(name) else None
+        known = self._lora_requests.get(name)
+        if known is not None and (path is None or known[0] == path):
+            return known[1]
+        from ..lora.request import LoRARequest
+        number = self._lora_int_ids.get(name) or max(self._lora_int_ids.values(), default=0) + 1
+        self._lora_int_ids[name] = number
+        request = LoRARequest(name, number, path or name)
+        self._lora_requests[name] = (path, request)
+        return request
 
     def remove_lora(self, name: str) -> int:
         """New requests may no longer name `name`; those that already do finish with it, and its memory is freed

@@ -24,12 +24,13 @@ class CompletionOutput:
     when the request did not ask for logprobs)."""
 
     __slots__ = ("index", "text", "token_ids", "logprobs", "finish_reason", "stop_reason", "num_generated", "error",
-                 "_cumulative")
+                 "lora_request", "_cumulative")
 
     def __init__(self, index: int, text: str, token_ids: list[int], logprobs: list[dict] | None,
                  finish_reason: str | None, stop_reason: int | str | None = None, num_generated: int = 0,
-                 error: str | None = None):
+                 error: str | None = None, lora_request=None):
         self.index, self.text, self.token_ids, self.logprobs = index, text, token_ids, logprobs
+        self.lora_request = lora_request  # vLLM's: the request's LoRARequest (RequestOutput.lora_request)
         self.finish_reason, self.stop_reason, self.error = finish_reason, stop_reason, error
         self.num_generated = num_generated
         self._cumulative: float | None = None  # (a DELTA output's: the sum over the whole reply, not its logprobs')
@@ -37,7 +38,7 @@ class CompletionOutput:
     @classmethod
     def of(cls, out: RequestOutput, index: int = 0) -> CompletionOutput:
         return cls(index, out.text, out.token_ids, out.logprobs, out.finish_reason, out.stop_reason,
-                   out.num_generated, out.error)
+                   out.num_generated, out.error, out.lora_request)
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -61,6 +62,9 @@ class RequestOutput:
 
     prompt: str | None = None  # vLLM's: the prompt's text when LLM.generate / stream got it as text (else None)
     engine_index: int = 0  # the data-parallel replica that ran the request (the server's /metrics label engine)
+    # vLLM's: the LoRARequest of the adapter the request ran with (the one given as lora_request=, else one of the
+    # adapter's name, an id and its folder: LLMEngine.lora_request_of); None without an adapter
+    lora_request = None
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], token_ids: list[int] | None = None,
                  new_token_ids: list[int] | None = None, text: str = "", delta_text: str = "",
@@ -104,6 +108,7 @@ class RequestOutput:
             out._text, out._text_seq, out._text_len = None, seq, seq.sent_text_len
         out.delta_text, out.finished = delta_text, seq.finished
         out.finish_reason, out.error, out.lora = seq.finish_reason, seq.error, seq.lora_name
+        out.lora_request = seq.lora_request
         out.bad_request = seq.bad_request
         out.stop_reason = seq.stop_reason if seq.finish_reason == "stop" else None
         out.arrival_time, out.first_token_time = seq.arrival_time, seq.first_token_time
@@ -124,13 +129,15 @@ class RequestOutput:
         if seq is None:
             return cls(request_id, [], finished=True, finish_reason="error", error=message,
                        finished_time=time.monotonic())
-        return cls(request_id, list(seq.prompt_token_ids), list(seq.output_token_ids), text=seq.text, finished=True,
-                   finish_reason="error", error=message, lora=seq.lora_name, arrival_time=seq.arrival_time,
-                   logprobs=None if seq.logprobs is None else list(seq.logprobs),
-                   first_token_time=seq.first_token_time, token_times=seq.token_times,
-                   num_cached_tokens=seq.num_cached_tokens, num_prefix_tokens=len(seq.params.prefix_token_ids),
-                   first_scheduled_time=seq.first_scheduled_time,
-                   finished_time=seq.finished_time if seq.finished_time is not None else time.monotonic())
+        out = cls(request_id, list(seq.prompt_token_ids), list(seq.output_token_ids), text=seq.text, finished=True,
+                  finish_reason="error", error=message, lora=seq.lora_name, arrival_time=seq.arrival_time,
+                  logprobs=None if seq.logprobs is None else list(seq.logprobs),
+                  first_token_time=seq.first_token_time, token_times=seq.token_times,
+                  num_cached_tokens=seq.num_cached_tokens, num_prefix_tokens=len(seq.params.prefix_token_ids),
+                  first_scheduled_time=seq.first_scheduled_time,
+                  finished_time=seq.finished_time if seq.finished_time is not None else time.monotonic())
+        out.lora_request = seq.lora_request
+        return out
 
     @classmethod
     def merged(cls, samples: list[RequestOutput]) -> RequestOutput:
@@ -151,6 +158,7 @@ class RequestOutput:
                   first_scheduled_time=earliest(s.first_scheduled_time for s in samples),
                   finished_time=max((s.finished_time for s in samples if s.finished_time is not None),
                                     default=None) if all(s.finished for s in samples) else None)
+        out.lora_request = first.lora_request
         out._samples = [CompletionOutput.of(s, j) for j, s in enumerate(samples)]
         # the request's times are the group's, as vLLM's for n > 1: its first token the first any sample made, its
         # last token the last any made (sample 0 may have stopped long before the others)
@@ -255,7 +263,7 @@ def as_delta(out: RequestOutput, sent: list, index: int = 0) -> None:
     ids, logprobs, text = out.token_ids, out.logprobs, out.text
     new_logprobs = None if logprobs is None else logprobs[sent[1]:]
     sample = CompletionOutput(index, text[sent[2]:], ids[sent[0]:], new_logprobs, out.finish_reason,
-                              out.stop_reason, out.num_generated, out.error)
+                              out.stop_reason, out.num_generated, out.error, out.lora_request)
     if new_logprobs is not None:  # (a running sum: not every logprob again at every step)
         sent[3] += sum(r["logprob"] for r in new_logprobs)
         sample._cumulative = sent[3]

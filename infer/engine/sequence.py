@@ -34,6 +34,7 @@ class Sequence:  # a tuple of every field for each request ahead of the one remo
         # the adapter's name, as outputs report it; `lora` is the adapter manager's key of its weights, which a
         # replacement of the adapter while the request runs changes (LLMEngine.add_lora(replace=True))
         self.lora_name = self.lora
+        self.lora_request = None  # vLLM's LoRARequest of the adapter (RequestOutput.lora_request; LLMEngine sets it)
         self.status = Status.WAITING
         self.number = 0  # the scheduler's admission number (Scheduler.add): ties of priority and arrival, in order
         self.block_table: list[int] = []

@@ -225,6 +225,7 @@ class AsyncLLM:
             except LoRANameError:  # another generate registered it meanwhile: fine if from the same folder (a
                 if to_register(request, self.engine.lora_slots)[1] is not None:  # clash raises its own error),
                     raise  # else this one stands
+        self.engine.note_lora_request(name, request)  # (RequestOutput.lora_request: this object)
         return name
 
     async def reset_prefix_cache(self) -> bool:
