@@ -48,3 +48,30 @@ def test_request_output_carries_the_lora_request(path, adapters):
         while engine.has_unfinished_requests():
             for o in engine.step():
                 assert o.lora_request is a
+
+
+def test_beam_search_logprobs_carry_vllms_rank(path):
+    """vLLM's BeamSearchSequence.logprobs are {token id: Logprob(logprob, rank, decoded_token)} per token: a vLLM
+    program reading `beam.logprobs[k][token].logprob` or `.rank` failed on infer's bare floats, and the served beam
+    search's logprob records lacked the `rank` that sampled tokens' records carry. Each candidate is now a float
+    with vLLM's fields (the values compare and add as before), and the served records carry the token's rank."""
+    import pickle
+
+    from infer import LLM, BeamSearchParams
+    from infer.engine.beam import Logprob
+    from infer.serve.beams import beam_output
+    with LLM(path, block_size=4, max_model_len=64) as llm:
+        best = llm.beam_search([P_LEN], BeamSearchParams(beam_width=2, max_tokens=3))[0].sequences[0]
+        tokenizer = llm.get_tokenizer()
+    assert len(best.logprobs) == 3
+    for token, options in zip(best.output_token_ids, best.logprobs):
+        chosen = options[token]
+        assert isinstance(chosen.rank, int) and chosen.rank >= 1 and chosen.logprob == float(chosen)
+        assert chosen.rank == 1 + sum(v > chosen for v in options.values())  # (ties: as vLLM's, itself included)
+        assert all(isinstance(v, Logprob) and v.decoded_token is None for v in options.values())
+    assert best.cum_logprob == pytest.approx(sum(o[t] for t, o in zip(best.output_token_ids, best.logprobs)))
+    assert pickle.loads(pickle.dumps(best.logprobs[0])) == best.logprobs[0]
+    assert pickle.loads(pickle.dumps(chosen)).rank == chosen.rank
+    out = beam_output("c", best, tokenizer, False, 2)
+    assert [r["rank"] for r in out.logprobs] == [o[t].rank for t, o in zip(best.output_token_ids, best.logprobs)]
+    assert all(type(r["logprob"]) is float for r in out.logprobs)

@@ -50,10 +50,34 @@ class BeamSearchParams:
             raise RequestError(f"temperature must be in [0, 100], got {self.temperature}")
 
 
+class Logprob(float):
+    """vLLM's Logprob, the values of a beam's `logprobs` ({token id: Logprob} per generated token): a float (the
+    logprob, as infer's values were), with vLLM's fields `logprob`, `rank` (the token's rank in the model's
+    distribution, 1 the most likely; None where the step did not say) and `decoded_token` (None: a beam's text is
+    decoded whole)."""
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> "Logprob":
+        self = super().__new__(cls, logprob)
+        self.rank, self.decoded_token = rank, decoded_token
+        return self
+
+    def __reduce__(self):
+        return Logprob, (float(self), self.rank, self.decoded_token)
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+
 @dataclass
 class BeamSearchSequence:
     """One beam, as vLLM's: `tokens` the prompt's and the beam's, `text` their decoded text (prompt included, as
-    vLLM's), `logprobs` one {token id: logprob} per generated token, `cum_logprob` their sum."""
+    vLLM's), `logprobs` one {token id: Logprob} per generated token (each a float with vLLM's logprob and rank),
+    `cum_logprob` their sum."""
     tokens: list[int]
     logprobs: list[dict[int, float]] = field(default_factory=list)
     cum_logprob: float = 0.0
@@ -122,8 +146,11 @@ class BeamSearch:
                                    f"{getattr(out, 'error', None) or 'its step returned no token'}",
                                    "the step's error says why; fix it and run the search again")
             record = out.logprobs[0]
-            options = {record["token_id"]: record["logprob"]}
-            options.update((x["token_id"], x["logprob"]) for x in record.get("top_logprobs", []))
+            # each candidate with its rank, as vLLM's Logprob: the chosen token's from its record, the top ones' their
+            # place among the top (1: the most likely)
+            options = {record["token_id"]: Logprob(record["logprob"], record.get("rank"))}
+            for j, x in enumerate(record.get("top_logprobs", [])):
+                options.setdefault(x["token_id"], Logprob(x["logprob"], j + 1))
             for token, logprob in options.items():
                 if logprob == -math.inf:
                     continue

@@ -203,8 +203,9 @@ def beam_output(cid: str, beam, tokenizer, include_stop_str_in_output: bool, log
         records = []
         for token, options in zip(kept, beam.logprobs):
             top = sorted(options.items(), key=lambda kv: -kv[1])[:logprobs]
-            records.append({"token_id": token, "logprob": options[token],
-                            "top_logprobs": [{"token_id": t, "logprob": v} for t, v in top]})
+            chosen = options[token]  # (engine.beam's Logprob: a float with the token's rank)
+            records.append({"token_id": token, "logprob": float(chosen), "rank": getattr(chosen, "rank", None),
+                            "top_logprobs": [{"token_id": t, "logprob": float(v)} for t, v in top]})
     prompt = beam.tokens[:beam.num_prompt_tokens]
     return RequestOutput(cid, prompt, kept, new_token_ids=kept, text=text, delta_text=text, finished=True,
                          finish_reason=beam.finish_reason, logprobs=records, lora=lora,
