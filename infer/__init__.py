@@ -1,9 +1,10 @@
 """infer: deploy GPTQ int4 language models with batched multi-LoRA, and measure them.
 
-Public API: `LLM`, `AsyncLLM` (vLLM's asyncio engine), `BeamSearchParams` (LLM.beam_search), `LoRARequest` (vLLM's
-adapter by request), `SamplingParams` (and its `StructuredOutputsParams` and `RequestOutputKind`), `EngineConfig`
-(imported lazily so `import infer` stays light), and the errors a user can cause (`InferError` and its subclasses,
-from `infer.errors`).
+Public API: `LLM`, `AsyncLLM` (vLLM's asyncio engine; `AsyncLLMEngine` too), `BeamSearchParams` (LLM.beam_search),
+`LoRARequest` (vLLM's adapter by request), `SamplingParams` (and its `StructuredOutputsParams` and
+`RequestOutputKind`), `EngineArgs` / `AsyncEngineArgs` (vLLM's, for LLMEngine.from_engine_args /
+AsyncLLM.from_engine_args), `EngineConfig` (imported lazily so `import infer` stays light), and the errors a user
+can cause (`InferError` and its subclasses, from `infer.errors`).
 """
 
 from __future__ import annotations
@@ -14,16 +15,20 @@ _ERRORS = ("InferError", "ConfigError", "ModelLoadError", "UnsupportedModelError
            "UnknownAdapterError")
 __all__ = ["LLM", "AsyncLLM", "BeamSearchParams", "LoRARequest", "SamplingParams", "RequestOutputKind",
            "StructuredOutputsParams",
-           "EngineConfig", "RequestOutput", "CompletionOutput", "LLMEngine", *_ERRORS]
+           "EngineConfig", "EngineArgs", "AsyncEngineArgs", "AsyncLLMEngine", "RequestOutput", "CompletionOutput",
+           "LLMEngine", *_ERRORS]
 
 
 def __getattr__(name: str):
     if name == "LLM":
         from .engine.llm import LLM
         return LLM
-    if name == "AsyncLLM":
-        from .serve.async_llm import AsyncLLM
-        return AsyncLLM
+    if name in ("AsyncLLM", "AsyncLLMEngine"):
+        from .serve import async_llm
+        return getattr(async_llm, name)
+    if name in ("EngineArgs", "AsyncEngineArgs"):
+        from .engine import arg_utils
+        return getattr(arg_utils, name)
     if name == "BeamSearchParams":
         from .engine.beam import BeamSearchParams
         return BeamSearchParams

@@ -75,3 +75,52 @@ def test_beam_search_logprobs_carry_vllms_rank(path):
     out = beam_output("c", best, tokenizer, False, 2)
     assert [r["rank"] for r in out.logprobs] == [o[t].rank for t, o in zip(best.output_token_ids, best.logprobs)]
     assert all(type(r["logprob"]) is float for r in out.logprobs)
+
+
+def test_engine_args_build_engines_as_vllms_do(path):
+    """vLLM builds engines from EngineArgs / AsyncEngineArgs: `LLMEngine.from_engine_args(EngineArgs(model=...,
+    max_model_len=...))`, `AsyncLLM.from_engine_args(AsyncEngineArgs(...))` (AsyncLLMEngine's too), and
+    `LLM(**dataclasses.asdict(args))`. infer had none of them (ImportError, AttributeError). Now its EngineArgs take
+    vLLM's names of the options infer has, and refuse the others as LLM(...) does, naming them."""
+    import asyncio
+    from dataclasses import asdict, fields
+
+    from infer import LLM, AsyncEngineArgs, AsyncLLMEngine, EngineArgs, EngineConfig, LLMEngine, SamplingParams
+    from infer.errors import ConfigError, UnknownOptionError
+    from infer.serve.async_llm import AsyncLLM
+    args = EngineArgs(model=path, max_model_len=64, block_size=4, max_num_seqs=8, seed=3, enforce_eager=True,
+                      disable_log_stats=True)  # (vLLM's keyword at a value that changes nothing: dropped)
+    assert [f.name for f in fields(args)] == [f.name for f in fields(EngineConfig)]
+    assert (args.max_model_len, args.max_num_seqs, args.gpu_memory_utilization) == (64, 8, 0.9)
+    config = args.create_engine_config()
+    assert isinstance(config, EngineConfig) and (config.model, config.block_size, config.seed) == (path, 4, 3)
+    assert EngineArgs(path, max_cpu_loras=2).max_loras == 2  # (as LLM(max_cpu_loras=2) reads it)
+    with pytest.raises(UnknownOptionError, match=r"EngineArgs\(\) has no option 'tensor_parallel_size'"):
+        EngineArgs(model=path, tensor_parallel_size=2)
+    with pytest.raises(UnknownOptionError, match=r"AsyncEngineArgs\(\) has no option 'max_modle_len'") as e:
+        AsyncEngineArgs(model=path, max_modle_len=64)
+    assert "max_model_len" in e.value.hint
+    with pytest.raises(ConfigError, match="takes an EngineArgs"):
+        LLMEngine.from_engine_args({"model": path})
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    engine = LLMEngine.from_engine_args(args)
+    try:
+        assert engine.max_model_len == 64 and engine.config.block_size == 4
+        engine.add_request("r", P_LEN, params)
+        while engine.has_unfinished_requests():
+            done = [o for o in engine.step() if o.finished]
+        want = done[0].token_ids
+    finally:
+        engine.close()
+    with LLM(**asdict(args)) as llm:
+        assert llm.generate(P_LEN, params)[0].token_ids == want
+
+    async def run(llm):
+        return [o async for o in llm.generate(P_LEN, params, "a")][-1].token_ids
+    assert AsyncLLMEngine is AsyncLLM
+    llm = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(path, max_model_len=64, block_size=4))
+    try:
+        assert isinstance(llm, AsyncLLM) and llm.engine.max_model_len == 64
+        assert asyncio.run(run(llm)) == want
+    finally:
+        llm.shutdown()

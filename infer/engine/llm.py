@@ -23,7 +23,7 @@ from .sampling_params import RequestOutputKind, SamplingParams
 Prompt = str | list[int] | list[dict] | dict  # text, token ids, chat messages, or vLLM's {"prompt": ...} dict
 
 
-def _check_options(options: dict) -> dict:
+def _check_options(options: dict, what: str = "LLM()") -> dict:
     """Every keyword must be an EngineConfig field: an unknown one is named (with the nearest known one), not a
     bare TypeError from the dataclass. vLLM's keywords that change nothing here at the value given (_VLLM_NOOPS) are
     dropped: the options to make the EngineConfig of are returned."""
@@ -33,7 +33,7 @@ def _check_options(options: dict) -> dict:
         if name in options:
             value = options[name]
             if not any(value is t or (type(value) is type(t) and value == t) for t in taken):
-                raise UnknownOptionError(f"LLM() takes vLLM's {name} only as {' or '.join(map(repr, taken))} (which "
+                raise UnknownOptionError(f"{what} takes vLLM's {name} only as {' or '.join(map(repr, taken))} (which "
                                          f"changes nothing here), got {value!r}"[:300], hint)
     options = {k: v for k, v in options.items() if k not in _VLLM_NOOPS}
     known = [f.name for f in fields(EngineConfig) if f.name != "model"]
@@ -41,9 +41,9 @@ def _check_options(options: dict) -> dict:
     if unknown:
         vllm = next((name for name in unknown if name in _VLLM_OPTIONS), None)
         if vllm is not None:  # a vLLM program's keyword: what to do in infer, not 30 options to guess from
-            raise UnknownOptionError(f"LLM() has no option {vllm!r}: it is vLLM's keyword", _VLLM_OPTIONS[vllm])
+            raise UnknownOptionError(f"{what} has no option {vllm!r}: it is vLLM's keyword", _VLLM_OPTIONS[vllm])
         near = difflib.get_close_matches(unknown[0], known, n=1)
-        raise UnknownOptionError(f"LLM() has no option {', '.join(map(repr, unknown))}",
+        raise UnknownOptionError(f"{what} has no option {', '.join(map(repr, unknown))}",
                                  (f"did you mean {near[0]!r}? " if near else "") +
                                  f"its options are EngineConfig's: {', '.join(known)}")
     return options

@@ -277,6 +277,13 @@ class LLMEngine:
         kernels.apply_bitmask(logits, None, every)
         kernels.apply_bitmask(logits, torch.arange(2, device=device), every)
 
+    @classmethod
+    def from_engine_args(cls, engine_args, usage_context=None, stat_loggers=None) -> "LLMEngine":
+        """vLLM's LLMEngine.from_engine_args: the engine of an EngineArgs (engine.arg_utils); `usage_context`, vLLM's
+        telemetry tag, is ignored."""
+        from .arg_utils import engine_config_of
+        return cls(engine_config_of(engine_args, "LLMEngine.from_engine_args", stat_loggers))
+
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: list[int] | str | dict | None = None,
                     params: SamplingParams | None = None, lora: str | None = None,

@@ -17,7 +17,7 @@ import asyncio
 import copy
 import numbers
 from collections.abc import Iterable
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import AsyncIterator
 
 from ..engine.config import EngineConfig
@@ -43,6 +43,20 @@ class AsyncLLM:
         self._loop.start()
         self._closed = False
         self._streams: dict[str, tuple] = {}  # request id -> (event loop, queue) of its generate, for abort()
+
+    @classmethod
+    def from_engine_args(cls, engine_args, start_engine_loop: bool = True, usage_context=None,
+                         stat_loggers=None) -> "AsyncLLM":
+        """vLLM's AsyncLLM.from_engine_args (and AsyncLLMEngine's): the AsyncLLM of an AsyncEngineArgs (or an
+        EngineArgs); its engine thread starts at once (vLLM's start_engine_loop True); `usage_context`, vLLM's
+        telemetry tag, is ignored."""
+        from ..engine.arg_utils import engine_config_of
+        config = engine_config_of(engine_args, f"{cls.__name__}.from_engine_args", stat_loggers)
+        if start_engine_loop is not True:
+            raise RequestError(f"{cls.__name__}.from_engine_args takes start_engine_loop only as True: infer's "
+                               "engine thread starts with the engine", "drop the keyword")
+        options = {f.name: getattr(config, f.name) for f in fields(EngineConfig) if f.name != "model"}
+        return cls(config.model, **options)
 
     # ------------------------------------------------------------------ requests
     async def generate(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None,
@@ -332,3 +346,6 @@ def _check_vllm_keywords(given: dict) -> None:
         if not any(value is t or (type(value) is type(t) and value == t) for t in taken):
             raise RequestError(f"generate() takes vLLM's {name} only as {' or '.join(map(repr, taken))}, got "
                                f"{value!r}"[:300], hint)
+
+
+AsyncLLMEngine = AsyncLLM  # vLLM's name for its asyncio engine (AsyncLLMEngine.from_engine_args), as in vLLM's V1
