@@ -124,3 +124,23 @@ def test_engine_args_build_engines_as_vllms_do(path):
         assert asyncio.run(run(llm)) == want
     finally:
         llm.shutdown()
+
+
+def test_llm_get_default_sampling_params(path, tmp_path):
+    """vLLM's examples start from `llm.get_default_sampling_params()` (the model's generation_config.json sampling,
+    vLLM's defaults for the rest) and set fields on it: an AttributeError here. Now it returns a SamplingParams of the
+    file's temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens (as max_tokens), temperature 1
+    where the file has none, as the server's requests get them."""
+    import json
+    import shutil
+
+    from infer import LLM, SamplingParams
+    model = tmp_path / "m"
+    shutil.copytree(path, model)
+    (model / "generation_config.json").write_text(json.dumps({"top_k": 5, "top_p": 0.8, "max_new_tokens": 7}))
+    with LLM(str(model), block_size=4, max_model_len=64) as llm:
+        params = llm.get_default_sampling_params()
+        assert isinstance(params, SamplingParams)
+        assert (params.temperature, params.top_k, params.top_p, params.max_new_tokens) == (1.0, 5, 0.8, 7)
+        params.seed = 1
+        assert len(llm.generate(P_LEN, params)[0].token_ids) <= 7

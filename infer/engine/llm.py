@@ -219,6 +219,16 @@ class LLM:
         if engine is not None:
             engine.close()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's LLM.get_default_sampling_params: the sampling the model's generation_config.json asks for
+        (temperature, top_p, top_k, min_p, repetition_penalty, and its max_new_tokens as max_tokens), the others at
+        vLLM's defaults, temperature 1 included, as the server's requests get them (generate's own default,
+        SamplingParams(), stays greedy)."""
+        from .inputs import MAX_TOKENS_CAP, openai_sampling_defaults
+        defaults = openai_sampling_defaults(self._engine().model_path)
+        cap = defaults.pop(MAX_TOKENS_CAP, None)
+        return SamplingParams(**defaults, **({} if cap is None else {"max_tokens": cap}))
+
     def get_tokenizer(self):
         """The model's tokenizer (vLLM's LLM.get_tokenizer; also `llm.tokenizer`)."""
         return self.tokenizer
