@@ -144,3 +144,86 @@ def test_llm_get_default_sampling_params(path, tmp_path):
         assert (params.temperature, params.top_k, params.top_p, params.max_new_tokens) == (1.0, 5, 0.8, 7)
         params.seed = 1
         assert len(llm.generate(P_LEN, params)[0].token_ids) <= 7
+
+
+def test_max_logprobs_is_vllms_engine_option(path):
+    """vLLM's max_logprobs (20 by default; -1: no cap, and then a request's logprobs=-1 returns every token's) was
+    refused at any value but 20, and SamplingParams refused logprobs over 20 or -1 whatever the engine: a vLLM program
+    asking for 50 top logprobs, or for the whole distribution, could not run. Now it is an engine option (LLM,
+    EngineArgs, --max-logprobs) the engine checks requests against, as vLLM's processor does; the server's bound is
+    the engine's."""
+    from infer import LLM, SamplingParams
+    from infer.errors import ConfigError, RequestError
+    from infer.engine.inputs import MAX_LOGPROBS
+    from infer.serve.protocol import ApiError, parse_completion
+    assert SamplingParams(logprobs=-1).logprobs == -1 and SamplingParams(logprobs=50).logprobs == 50
+    with pytest.raises(RequestError, match="logprobs must be at least 0, or -1"):
+        SamplingParams(logprobs=-2)
+    with pytest.raises(ConfigError, match="max-logprobs must be at least -1"):
+        LLM(path, max_model_len=64, max_logprobs=-2)
+    with LLM(path, block_size=4, max_model_len=64) as llm:
+        with pytest.raises(RequestError, match=r"logprobs must be in 0..20, got 21") as e:
+            llm.generate(P_LEN, SamplingParams(max_tokens=1, logprobs=21))
+        assert "max_logprobs" in e.value.hint
+        with pytest.raises(RequestError, match=r"logprobs must be in 0..20, got -1"):
+            llm.generate(P_LEN, SamplingParams(max_tokens=1, logprobs=-1))
+        assert len(llm.generate(P_LEN, SamplingParams(max_tokens=1, logprobs=20))[0].logprobs[0]["top_logprobs"]) == 20
+    with LLM(path, block_size=4, max_model_len=64, max_logprobs=30) as llm:
+        out = llm.generate(P_LEN, SamplingParams(max_tokens=2, logprobs=25, prompt_logprobs=30))[0]
+        assert [len(r["top_logprobs"]) for r in out.logprobs] == [25, 25]
+        assert len(out.prompt_logprobs[1]["top_logprobs"]) == 30
+        with pytest.raises(RequestError, match=r"prompt_logprobs must be in 0..30, got 31"):
+            llm.generate(P_LEN, SamplingParams(max_tokens=1, prompt_logprobs=31))
+    with LLM(path, block_size=4, max_model_len=64, max_logprobs=-1) as llm:
+        vocab = llm.llm_engine.model_config.vocab_size
+        out = llm.generate(P_LEN, SamplingParams(max_tokens=1, logprobs=-1, prompt_logprobs=-1))[0]
+        record = out.logprobs[0]
+        assert len(record["top_logprobs"]) == vocab and record["rank"] == 1
+        assert sum(torch_exp(x["logprob"]) for x in record["top_logprobs"]) == pytest.approx(1.0, abs=1e-3)
+        assert len(out.prompt_logprobs[1]["top_logprobs"]) == vocab
+        with pytest.raises(RequestError, match=f"logprobs must be in 0..{vocab} or -1, got {vocab + 1}"):
+            llm.generate(P_LEN, SamplingParams(max_tokens=1, logprobs=vocab + 1))
+    tok = llm.tokenizer
+    from infer import EngineConfig
+    from infer.parallel.serve_engine import ReplicaView  # (the data-parallel driver's and --strict's checks)
+    view = ReplicaView(EngineConfig(path, block_size=4, max_logprobs=30), path, tok, {
+        "max_model_len": 64, "vocab_size": vocab, "num_blocks": 100, "adapters": []})
+    view.validate(P_LEN, SamplingParams(max_tokens=1, logprobs=30))
+    with pytest.raises(RequestError, match="logprobs must be in 0..30, got 31"):
+        view.validate(P_LEN, SamplingParams(max_tokens=1, logprobs=31))
+    for most, asked, ok in ((20, 21, False), (30, 30, True), (30, 31, False), (-1, -1, True), (-1, 500, True)):
+        body = {"model": "m", "prompt": "hi", "logprobs": asked}
+        if ok:
+            assert parse_completion(body, tok, defaults={MAX_LOGPROBS: most}).params.logprobs == asked
+        else:
+            with pytest.raises(ApiError, match=f"logprobs must be in 0..{most}, got {asked}"):
+                parse_completion(body, tok, defaults={MAX_LOGPROBS: most})
+
+
+def torch_exp(x: float) -> float:
+    import math
+    return math.exp(x)
+
+
+def test_the_server_takes_the_engines_max_logprobs(path):
+    """`infer serve --max-logprobs 30`: the server's bound on logprobs / top_logprobs is the engine's (it was 20
+    whatever the engine)."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    engine = LLMEngine(EngineConfig(path, block_size=4, max_model_len=64, max_num_seqs=2, max_logprobs=30))
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny")) as url:
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 1, "logprobs": 25}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"][0]["logprobs"]["top_logprobs"][0]) > 20  # (tokens of one text share a key)
+        r = httpx.post(f"{url}/v1/completions", json={**body, "logprobs": 31}, timeout=60)
+        assert r.status_code == 400 and "logprobs must be in 0..30, got 31" in r.json()["error"]["message"]
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "logprobs": True,
+                "top_logprobs": 30}
+        r = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 30

@@ -77,9 +77,13 @@ def test_a_preempted_request_records_each_position_once(path):
         _check(path, prompt, out.prompt_logprobs, 2)
 
 
-def test_prompt_logprobs_range_is_checked():
-    with pytest.raises(RequestError, match="prompt_logprobs must be in 0..20"):
-        SamplingParams(prompt_logprobs=21)
+def test_prompt_logprobs_range_is_checked(path):
+    """As vLLM: SamplingParams takes any count (or -1); the engine caps it at its max_logprobs (20 by default)."""
+    with pytest.raises(RequestError, match="prompt_logprobs must be at least 0, or -1"):
+        SamplingParams(prompt_logprobs=-2)
+    with LLM(path, block_size=4, max_model_len=40) as llm:
+        with pytest.raises(RequestError, match="prompt_logprobs must be in 0..20, got 21"):
+            llm.generate([1, 2, 3], SamplingParams(max_tokens=1, prompt_logprobs=21))
 
 
 def test_the_server_returns_vllms_prompt_logprobs(path):

@@ -80,7 +80,7 @@ def test_stream_deltas_add_up_to_the_text(llm, prompts):
 
 
 @pytest.mark.parametrize("kwargs", [dict(top_p=0), dict(top_p=1.5), dict(temperature=-1), dict(max_new_tokens=0),
-                                    dict(top_k=-2), dict(logprobs=99)])
+                                    dict(top_k=-2), dict(logprobs=-2)])  # (99: the engine caps it, as vLLM)
 def test_bad_sampling_params(kwargs):
     with pytest.raises(RequestError):
         SamplingParams(**kwargs)

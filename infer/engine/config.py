@@ -155,7 +155,7 @@ def load_chat_template(value: str | Path | None, name: str = "--chat-template",
 RANGES = {"max_num_seqs": (1, 65536), "max_num_batched_tokens": (1, None), "block_size": (1, 256),
           "max_model_len": (2, None), "num_kv_blocks": (1, None), "max_loras": (1, None), "max_lora_rank": (1, 256),
           "max_cpu_loras": (1, None), "seed": (0, 2 ** 63 - 1),
-          "cuda_graph_max_tokens": (0, 8192)}
+          "cuda_graph_max_tokens": (0, 8192), "max_logprobs": (-1, None)}
 OPTIONAL = {"max_model_len", "num_kv_blocks", "max_cpu_loras", "overlap", "lora_epilogue",  # None: chosen for you
             "lora_streams", "pdl", "graph_priority"}
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy values
@@ -252,6 +252,9 @@ class EngineConfig:
     cuda_graph_max_tokens: int = option(512, "CUDA: steps that are not all decodes (prefills, prefill chunks beside "
                                              "decodes) of up to this many tokens replay per-layer CUDA graphs around "
                                              "an eager attention; 0: they run eagerly.")
+    max_logprobs: int = option(20, "Most logprobs a request may ask for per token (logprobs, prompt_logprobs, "
+                                   "top_logprobs), as vLLM's --max-logprobs; -1: the whole vocabulary, and then a "
+                                   "request's -1 asks for every token's.")
     chat_template: str | None = option(None, "The chat template for chat messages instead of the tokenizer's: a "
                                              "Jinja file, or the template text itself (for a model without one, "
                                              "or with a wrong one).", flag="--chat-template")

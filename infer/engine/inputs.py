@@ -143,6 +143,9 @@ OPENAI_TEMPERATURE = 1.0
 # generation_config.json's max_new_tokens, among the defaults: not a default but a cap on every OpenAI request's reply
 # (vLLM's get_max_tokens: the least of the request's max_tokens, this and the context's room)
 MAX_TOKENS_CAP = "\0max_tokens_cap"
+# the engine's max_logprobs (EngineConfig.max_logprobs), among the server's defaults: the most logprobs and
+# top_logprobs a request may ask for (-1: any number, and -1 for the whole vocabulary); 20 when not there
+MAX_LOGPROBS = "\0max_logprobs"
 
 
 def openai_sampling_defaults(model_path) -> dict:

@@ -100,8 +100,6 @@ _VLLM_NOOPS = {
     "disable_custom_all_reduce": ((False, True), _ONE_GPU),
     "compilation_config": ((None,), "infer compiles its own kernels and captures CUDA graphs itself; "
                                     "enforce_eager=True runs without the graphs"),
-    "max_logprobs": ((20,), "infer returns at most 20 logprobs per token (vLLM's default max_logprobs): drop the "
-                            "keyword"),
     "logprobs_mode": (("raw_logprobs",), "infer's logprobs are the model's raw log-softmax (vLLM's default "
                                          "raw_logprobs); drop the keyword"),
     "limit_mm_per_prompt": ((None,), "infer runs text models; drop the keyword"),

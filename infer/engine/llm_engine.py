@@ -342,6 +342,7 @@ class LLMEngine:
         if isinstance(lora, LoRAHold) and not any(h is lora for h in self._lora_holds):
             lora = lora.name  # a hold released: its name, as any request's
         self.validate(prompt_token_ids, params, lora)
+        params = self.whole_vocabulary(params)
         if isinstance(lora, LoRAHold):  # a held adapter: the weights of the hold (and their K/V), under its name
             name, lora, key = lora.name, lora.lora, lora.key
         else:
@@ -408,6 +409,31 @@ class LLMEngine:
         why = self.model_limit_reason  # a cap below max_position_embeddings said, with its field
         return f"shorten the prompt: {limit} tokens is the model's limit" + (f" ({why})" if why else "")
 
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        """vLLM's max_logprobs (EngineConfig.max_logprobs, 20 by default; -1: the vocabulary's size): a request's
+        logprobs and prompt_logprobs may ask for that many at most, -1 counting as the whole vocabulary."""
+        vocab = self.model_config.vocab_size
+        cap = getattr(self.config, "max_logprobs", 20)
+        most = vocab if cap == -1 else min(cap, vocab)
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and (vocab if asked == -1 else asked) > most:
+                allowed = f"0..{most}" + (" or -1" if cap == -1 else "")
+                raise _field_error(name, f"{name} must be in {allowed}, got {asked}",
+                                   f"the model's vocabulary has {vocab} tokens" if most == vocab else
+                                   f"the engine's max_logprobs is {cap}: start it with a larger one (max_logprobs=N, "
+                                   "--max-logprobs N; -1: the whole vocabulary)")
+
+    def whole_vocabulary(self, params: SamplingParams) -> SamplingParams:
+        """`params` with vLLM's logprobs / prompt_logprobs -1 (the whole vocabulary, under max_logprobs -1) as the
+        vocabulary's size."""
+        vocab = self.model_config.vocab_size
+        if params.logprobs == -1:
+            params = replace(params, logprobs=vocab)
+        if params.prompt_logprobs == -1:
+            params = replace(params, prompt_logprobs=vocab)
+        return params
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams, lora: str | None = None) -> None:
         """Raise RequestError if this request can never run (add_request would refuse it)."""
         prompt_token_ids, params = request_inputs(prompt_token_ids, params)
@@ -425,6 +451,7 @@ class LLMEngine:
                                '"priority")), or leave priority out (0)')
         n = len(prompt_token_ids) + len(params.prefix_token_ids)
         vocab = self.model_config.vocab_size
+        self._check_logprobs(params)
         if not prompt_token_ids:
             raise RequestError("the prompt is empty", "give a non-empty prompt")
         for where, ids in (("the prompt", prompt_token_ids), ("prefix_token_ids", params.prefix_token_ids)):

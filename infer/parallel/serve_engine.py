@@ -113,6 +113,7 @@ class ReplicaView:
 
     # LLMEngine's checks and what they call (a method validate reaches that is missing here was a 500)
     validate = LLMEngine.validate
+    _check_logprobs = LLMEngine._check_logprobs
     lora_slots = LLMEngine.lora_slots
     bad_word_ids = LLMEngine.bad_word_ids
     _min_tokens_ban = LLMEngine._min_tokens_ban

@@ -18,7 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from ..engine.inputs import MAX_TOKENS_CAP, openai_sampling_defaults
+from ..engine.inputs import MAX_LOGPROBS, MAX_TOKENS_CAP, openai_sampling_defaults
 from ..errors import LoRAError, RequestError
 from . import protocol as p
 from .adapters import add_adapter_routes
@@ -88,6 +88,8 @@ class Server:
             log.warning("the model's generation_config.json has max_new_tokens %d: every request's reply is capped "
                         "at it, as vLLM caps it (remove it from the file to lift the cap)",
                         self.sampling_defaults[MAX_TOKENS_CAP])
+        # the engine's max_logprobs: the most logprobs / top_logprobs a request may ask for (protocol._common)
+        self.sampling_defaults[MAX_LOGPROBS] = getattr(getattr(self.engine, "config", None), "max_logprobs", 20)
         self._beams: dict[str, ServedBeamSearch] = {}  # a beam search's choice ids -> the search (serve/beams.py)
         self.parser = ParsePool(self.tokenizer, self.limits, max_tokens=self.engine.max_model_len,
                                 defaults=self.sampling_defaults, grammars=self.engine.grammars,

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..engine.inputs import UNSUPPORTED_OPENAI as _UNSUPPORTED, REQUEST_TEMPLATE_FIELD, chat_template_options, \
     check_add_special_tokens, chat_messages, check_no_chat_template_fields, reads_content_parts, encode_prompt, \
-    params_from, MAX_TOKENS_CAP, cap_max_tokens
+    params_from, MAX_LOGPROBS, MAX_TOKENS_CAP, cap_max_tokens
 from ..engine.outputs import RequestOutput
 from ..engine.prompt_size import PromptTooLongError
 from ..engine.sampling_params import MAX_TOKENS
@@ -200,6 +200,14 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
                             "continuous_usage_stats and include_obfuscation", param="stream_options")
     defaults = dict(defaults or {})
     cap = defaults.pop(MAX_TOKENS_CAP, None)  # generation_config.json's max_new_tokens: caps every reply (vLLM)
+    most = defaults.pop(MAX_LOGPROBS, 20)  # the engine's max_logprobs (vLLM's 20 by default; -1: no cap)
+    allowed = f"0..{most}" if most != -1 else "at least 0, or -1 (the whole vocabulary)"
+
+    def within(n: int) -> bool:
+        return 0 <= n <= most if most != -1 else n >= -1
+
+    def refused(name: str, n: int) -> str:
+        return f"{name} must be {'in ' if most != -1 else ''}{allowed}, got {n}"
     fields = {**defaults, **{k: v for k, v in body.items() if k in _PARAM_KEYS and v is not None}}
     try:
         structured, source = from_openai(body)
@@ -208,16 +216,18 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
     if structured is not None:
         fields["structured_outputs"] = structured
     if not chat and isinstance(fields.get("logprobs"), bool):
-        raise ApiError(400, "field 'logprobs' must be an integer (0..20) for completions", param="logprobs")
-    if not chat and isinstance(fields.get("logprobs"), int) and not 0 <= fields["logprobs"] <= 20:
-        # vLLM's range (its max_logprobs, 20), not OpenAI's legacy 0..5: a vLLM client's logprobs 10 was a 400
-        raise ApiError(400, f"logprobs must be in 0..20, got {fields['logprobs']}", param="logprobs")
+        raise ApiError(400, f"field 'logprobs' must be an integer ({allowed}) for completions",
+                       param="logprobs")
+    if not chat and isinstance(fields.get("logprobs"), int) and not within(fields["logprobs"]):
+        # vLLM's range (its max_logprobs, 20 by default), not OpenAI's legacy 0..5: a vLLM client's logprobs 10 was
+        # a 400
+        raise ApiError(400, refused("logprobs", fields["logprobs"]), param="logprobs")
     if chat and fields.get("logprobs") is not None and not isinstance(fields["logprobs"], bool):
         raise ApiError(400, "field 'logprobs' must be a boolean for chat (use top_logprobs for the count)",
                        param="logprobs")
     top = _expect(body, "top_logprobs", (int,), "an integer")
-    if top is not None and not 0 <= top <= 20:
-        raise ApiError(400, f"top_logprobs must be in 0..20, got {top}", param="top_logprobs")
+    if top is not None and not within(top):
+        raise ApiError(400, refused("top_logprobs", top), param="top_logprobs")
     if stream and body.get("prompt_logprobs") is not None:
         if type(body["prompt_logprobs"]) is int and body["prompt_logprobs"] == 0:
             # as vLLM (it refuses only a value above 0, or -1): taken, and not computed, as a stream returns none
