@@ -227,3 +227,24 @@ def test_the_server_takes_the_engines_max_logprobs(path):
         r = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
         assert r.status_code == 200, r.text
         assert len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 30
+
+
+def test_async_llm_state_calls_are_vllms(path):
+    """vLLM's AsyncLLM.get_tokenizer is a coroutine (`tokenizer = await engine.get_tokenizer()`): infer's returned the
+    tokenizer, which cannot be awaited (TypeError). vLLM's `errored` / `dead` / `is_stopped` and `do_log_stats()`,
+    read by vLLM's API servers and health loops, were AttributeErrors."""
+    import asyncio
+
+    from infer import AsyncLLM
+
+    async def run(llm):
+        tok = await llm.get_tokenizer()
+        await llm.do_log_stats()
+        return tok, llm.errored, llm.dead, llm.is_stopped
+    llm = AsyncLLM(path, max_model_len=64, block_size=4)
+    try:
+        tok, errored, dead, stopped = asyncio.run(run(llm))
+        assert tok is llm.tokenizer and not errored and not dead and not stopped
+    finally:
+        llm.shutdown()
+    assert llm.errored and llm.dead and llm.is_stopped

@@ -260,9 +260,20 @@ class AsyncLLM:
         return sorted(lm.names()) if lm is not None else []
 
     # ------------------------------------------------------------------ state
-    def get_tokenizer(self):
-        """The model's tokenizer (vLLM's AsyncLLM.get_tokenizer, here not a coroutine; also `llm.tokenizer`)."""
+    async def get_tokenizer(self, lora_request=None):
+        """The model's tokenizer, as vLLM's AsyncLLM.get_tokenizer, a coroutine (`await llm.get_tokenizer()`; an
+        adapter's requests use the model's tokenizer, whatever `lora_request` names); `llm.tokenizer` without await."""
         return self.tokenizer
+
+    @property
+    def errored(self) -> bool:
+        """vLLM's: the engine no longer runs (its thread ended, or shut down); also `dead` and `is_stopped`."""
+        return not self.is_running
+
+    dead = is_stopped = errored
+
+    async def do_log_stats(self, *args, **kwargs) -> None:
+        """vLLM's AsyncLLM.do_log_stats: infer has no stat loggers to flush (the server's GET /metrics counts)."""
 
     @property
     def is_running(self) -> bool:
