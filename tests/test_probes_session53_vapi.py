@@ -248,3 +248,14 @@ def test_async_llm_state_calls_are_vllms(path):
     finally:
         llm.shutdown()
     assert llm.errored and llm.dead and llm.is_stopped
+
+
+def test_request_output_has_vllms_other_fields(path):
+    """vLLM's RequestOutput has encoder_prompt, encoder_prompt_token_ids, multi_modal_placeholders and
+    kv_transfer_params (None, or {} for the placeholders, for a text decoder): code that prints or checks them was an
+    AttributeError on infer's outputs."""
+    from infer import LLM, SamplingParams
+    with LLM(path, block_size=4, max_model_len=64) as llm:
+        out = llm.generate("Hello", SamplingParams(max_tokens=2))[0]
+    assert (out.encoder_prompt, out.encoder_prompt_token_ids, out.kv_transfer_params) == (None, None, None)
+    assert out.multi_modal_placeholders == {}

@@ -65,6 +65,15 @@ class RequestOutput:
     # vLLM's: the LoRARequest of the adapter the request ran with (the one given as lora_request=, else one of the
     # adapter's name, an id and its folder: LLMEngine.lora_request_of); None without an adapter
     lora_request = None
+    # vLLM's fields of encoder-decoder, multimodal and disaggregated serving, which infer's text decoder models never
+    # have: None (multi_modal_placeholders: {}), so vLLM code that reads them runs unchanged
+    encoder_prompt: str | None = None
+    encoder_prompt_token_ids: list[int] | None = None
+    kv_transfer_params: dict | None = None
+
+    @property
+    def multi_modal_placeholders(self) -> dict:
+        return {}
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], token_ids: list[int] | None = None,
                  new_token_ids: list[int] | None = None, text: str = "", delta_text: str = "",
