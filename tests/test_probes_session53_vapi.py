@@ -259,3 +259,17 @@ def test_request_output_has_vllms_other_fields(path):
         out = llm.generate("Hello", SamplingParams(max_tokens=2))[0]
     assert (out.encoder_prompt, out.encoder_prompt_token_ids, out.kv_transfer_params) == (None, None, None)
     assert out.multi_modal_placeholders == {}
+
+
+def test_llm_apply_model(path):
+    """vLLM's `llm.apply_model(lambda model: ...)` (a list of func(model), one per worker) was an AttributeError."""
+    import torch
+
+    from infer import LLM
+    from infer.errors import RequestError
+    with LLM(path, block_size=4, max_model_len=64) as llm:
+        got = llm.apply_model(lambda model: (isinstance(model, torch.nn.Module), sum(p.numel() for p in
+                                                                                    model.parameters()) > 0))
+        assert got == [(True, True)]
+        with pytest.raises(RequestError, match="apply_model takes a function"):
+            llm.apply_model("model")

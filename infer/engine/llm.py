@@ -217,6 +217,15 @@ class LLM:
         if engine is not None:
             engine.close()
 
+    def apply_model(self, func) -> list:
+        """vLLM's LLM.apply_model: `func(model)` on every worker's model, their results in a list; infer runs the
+        model in this process, so the list holds the one result (the torch module; between two engine steps)."""
+        if not callable(func):
+            raise RequestError(f"apply_model takes a function of the model, got {type(func).__name__}",
+                               "e.g. llm.apply_model(lambda model: type(model).__name__)")
+        with self._lock:
+            return [func(self._engine().runner.model)]
+
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's LLM.get_default_sampling_params: the sampling the model's generation_config.json asks for
         (temperature, top_p, top_k, min_p, repetition_penalty, and its max_new_tokens as max_tokens), the others at
