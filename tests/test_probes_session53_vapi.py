@@ -273,3 +273,26 @@ def test_llm_apply_model(path):
         assert got == [(True, True)]
         with pytest.raises(RequestError, match="apply_model takes a function"):
             llm.apply_model("model")
+
+
+def test_batch_lines_take_the_engines_max_logprobs(path):
+    """`infer run --max-logprobs 30` with OpenAI batch lines: a chat line's top_logprobs was refused above 20 whatever
+    the engine's max_logprobs; its bound is the engine's now (model_names passes it on)."""
+    from infer.cli.batch_io import model_names
+    from infer.engine.config import EngineConfig
+    from infer.engine.inputs import ModelNames, parse_request
+    from infer.errors import RequestError
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    assert model_names(EngineConfig(path, max_logprobs=30)).max_logprobs == 30
+
+    def line(top):
+        return {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                         "top_logprobs": top}}
+    assert parse_request(line(25), tok, "1", names=ModelNames(max_logprobs=30)).params.logprobs == 25
+    with pytest.raises(RequestError, match=r"body.top_logprobs must be an integer in 0..30, got 31"):
+        parse_request(line(31), tok, "1", names=ModelNames(max_logprobs=30))
+    with pytest.raises(RequestError, match=r"body.top_logprobs must be an integer in 0..20, got 21"):
+        parse_request(line(21), tok, "1")
+    assert parse_request(line(-1), tok, "1", names=ModelNames(max_logprobs=-1)).params.logprobs == -1

@@ -228,7 +228,7 @@ def model_names(engine) -> ModelNames:
     given = Path(str(engine.model)).expanduser()
     base = {str(engine.model), given.name, given.resolve().name if given.exists() else given.name}
     sampling = tuple(openai_sampling_defaults(resolve_model(engine.model)).items())
-    return ModelNames(frozenset(base), frozenset(engine.loras), sampling)
+    return ModelNames(frozenset(base), frozenset(engine.loras), sampling, engine.max_logprobs)
 
 
 def _duplicate(item: InputLine, first: int) -> str:

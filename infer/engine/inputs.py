@@ -441,6 +441,7 @@ class ModelNames:
     base: frozenset[str] = frozenset()
     adapters: frozenset[str] = frozenset()
     sampling: tuple = ()  # ((field, value), ...)
+    max_logprobs: int = 20  # the engine's (EngineConfig.max_logprobs): the most top_logprobs a chat line asks for
 
     def lora_for(self, model: Any) -> str | None:
         """vLLM's rule, as the server's: an adapter's name runs that adapter. Any other name runs the base when no
@@ -569,8 +570,11 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
         template = None
     _check_batch_logprobs(body.get("logprobs"), "messages" in body)
     top = body.get("top_logprobs")
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
-        raise RequestError(f"body.top_logprobs must be an integer in 0..20, got {top!r}")
+    most = names.max_logprobs  # (-1: any number, and -1 for the whole vocabulary)
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int)
+                            or not (0 <= top <= most if most != -1 else top >= -1)):
+        raise RequestError("body.top_logprobs must be an integer " + (f"in 0..{most}" if most != -1 else
+                           "of at least 0, or -1 (the whole vocabulary)") + f", got {top!r}")
     if top and "messages" in body and body.get("logprobs") is not True:  # 0 asks for none (as vLLM's check)
         raise RequestError("body.top_logprobs is given but body.logprobs is not true: no logprobs would be written",
                            "set \"logprobs\": true, or remove top_logprobs")
