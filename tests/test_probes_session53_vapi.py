@@ -227,6 +227,9 @@ def test_the_server_takes_the_engines_max_logprobs(path):
         r = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
         assert r.status_code == 200, r.text
         assert len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 30
+        r = httpx.post(f"{url}/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 1,
+                                                     "top_logprobs": 25}, timeout=60)
+        assert r.status_code == 200, r.text
 
 
 def test_async_llm_state_calls_are_vllms(path):
@@ -296,3 +299,16 @@ def test_batch_lines_take_the_engines_max_logprobs(path):
     with pytest.raises(RequestError, match=r"body.top_logprobs must be an integer in 0..20, got 21"):
         parse_request(line(21), tok, "1")
     assert parse_request(line(-1), tok, "1", names=ModelNames(max_logprobs=-1)).params.logprobs == -1
+
+
+def test_responses_top_logprobs_take_the_engines_max_logprobs():
+    """/v1/responses checks top_logprobs (without the logprobs include) against 0..20 whatever the engine's
+    max_logprobs; its bound is the engine's now, as the chat route's."""
+    from infer.serve.protocol import ApiError
+    from infer.serve.responses import to_chat
+    body = {"model": "m", "input": "hi", "top_logprobs": 25}
+    to_chat(body, 30)
+    with pytest.raises(ApiError, match="top_logprobs must be an integer in 0..20, got 25"):
+        to_chat(body)
+    with pytest.raises(ApiError, match="top_logprobs must be an integer in 0..30, got 31"):
+        to_chat({**body, "top_logprobs": 31}, 30)

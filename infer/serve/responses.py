@@ -227,7 +227,7 @@ def _text_format(body: dict, chat: dict) -> None:
         raise _bad(f"text.format.type must be text, json_object or json_schema, got {kind!r}", "text")
 
 
-def to_chat(body: Any) -> dict:
+def to_chat(body: Any, max_logprobs: int = 20) -> dict:
     """The chat body /v1/chat/completions would run for this Responses body (ApiError 400 for what is not taken)."""
     if not isinstance(body, dict):
         raise _bad(f"the request body must be a JSON object, got {type(body).__name__}", None)
@@ -296,8 +296,10 @@ def to_chat(body: Any) -> dict:
         chat.update(logprobs=True, top_logprobs=body.get("top_logprobs") or 0)
     elif body.get("top_logprobs") is not None:
         top = body["top_logprobs"]
-        if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20:
-            raise _bad(f"top_logprobs must be an integer in 0..20, got {json.dumps(top)[:40]}", "top_logprobs")
+        most = max_logprobs  # the engine's (-1: any number, and -1 for the whole vocabulary)
+        if not isinstance(top, int) or isinstance(top, bool) or not (0 <= top <= most if most != -1 else top >= -1):
+            allowed = f"in 0..{most}" if most != -1 else "of at least 0, or -1 (the whole vocabulary)"
+            raise _bad(f"top_logprobs must be an integer {allowed}, got {json.dumps(top)[:40]}", "top_logprobs")
     _tools(body, chat)
     _text_format(body, chat)
     ignored = sorted(k for k in body if k not in _PASSED | _TAKEN)
@@ -552,7 +554,7 @@ async def create(server, request: Request):
 
     def convert(body):
         sent.update(body if isinstance(body, dict) else {})
-        return to_chat(body)
+        return to_chat(body, getattr(server, "sampling_defaults", {}).get(p.MAX_LOGPROBS, 20))
 
     try:
         req = await server.parser.parse(raw, True, convert)
