@@ -149,8 +149,8 @@ def test_a_bench_dataset_line_with_text_says_to_rename_it(tmp_path):
     assert "rename 'text'" in e.value.hint
 
 
-@pytest.mark.parametrize("keyword, says", [("tensor_parallel_size", "one GPU"), ("trust_remote_code", "never a "
-                                           "checkpoint's Python"), ("quantization", "read from the model's config")])
+@pytest.mark.parametrize("keyword, says", [("trust_remote_code", "never a checkpoint's Python"),
+                                           ("quantization", "read from the model's config")])
 def test_a_vllm_keyword_of_llm_says_what_to_do_instead(keyword, says):
     """`LLM(model, tensor_parallel_size=1, trust_remote_code=True)` (vLLM's quick start) listed EngineConfig's 30
     fields; the command line said what to do for the same options."""
@@ -160,6 +160,18 @@ def test_a_vllm_keyword_of_llm_says_what_to_do_instead(keyword, says):
         LLM("tiny-llama", **{keyword: 1})
     assert f"LLM() has no option {keyword!r}: it is vLLM's keyword" == e.value.message and says in e.value.hint
     assert isinstance(e.value, TypeError)
+
+
+@pytest.mark.parametrize("keyword", ["tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"])
+def test_vllms_parallel_sizes_of_one_are_taken_and_more_refused(keyword):
+    """vLLM's quick start passes `tensor_parallel_size=1`, which is what infer runs (one GPU): taken; 2 says what to
+    do instead."""
+    from infer.engine.llm import _check_options
+    from infer.errors import UnknownOptionError
+    assert _check_options({keyword: 1, "max_num_seqs": 2}) == {"max_num_seqs": 2}
+    with pytest.raises(UnknownOptionError) as e:
+        _check_options({keyword: 2})
+    assert f"takes vLLM's {keyword} only as 1" in e.value.message and "one GPU" in e.value.hint
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -95,7 +95,9 @@ def test_engine_args_build_engines_as_vllms_do(path):
     config = args.create_engine_config()
     assert isinstance(config, EngineConfig) and (config.model, config.block_size, config.seed) == (path, 4, 3)
     assert EngineArgs(path, max_cpu_loras=2).max_loras == 2  # (as LLM(max_cpu_loras=2) reads it)
-    with pytest.raises(UnknownOptionError, match=r"EngineArgs\(\) has no option 'tensor_parallel_size'"):
+    with pytest.raises(UnknownOptionError, match=r"EngineArgs\(\) has no option 'trust_remote_code'"):
+        EngineArgs(model=path, trust_remote_code=True)
+    with pytest.raises(UnknownOptionError, match=r"EngineArgs\(\) takes vLLM's tensor_parallel_size only as 1"):
         EngineArgs(model=path, tensor_parallel_size=2)
     with pytest.raises(UnknownOptionError, match=r"AsyncEngineArgs\(\) has no option 'max_modle_len'") as e:
         AsyncEngineArgs(model=path, max_modle_len=64)

@@ -54,9 +54,6 @@ _LOCAL = ("model is a local folder (infer downloads nothing): fetch it first, e.
 _ONE_GPU = "infer runs each model on one GPU (`infer run/serve --data-parallel N` runs replicas); drop the keyword"
 # vLLM's LLM() keywords that infer does not take, and what to do instead (the command line's are in cli/vllm_flags)
 _VLLM_OPTIONS = {
-    "tensor_parallel_size": _ONE_GPU,
-    "pipeline_parallel_size": _ONE_GPU,
-    "data_parallel_size": _ONE_GPU,
     "trust_remote_code": "infer runs its own Llama, Mistral and Qwen code, never a checkpoint's Python; drop the "
                          "keyword",
     "quantization": "the quantization is read from the model's config.json (GPTQ int4/int8, or a float model); drop "
@@ -96,6 +93,10 @@ _VLLM_NOOPS = {
     "cpu_offload_gb": ((0, 0.0), "infer holds every weight on the device; run an int4 model (infer quantize) or a "
                                  "smaller one"),
     "hf_overrides": ((None,), "infer reads the model's config.json as it is; edit it in a copy of the folder"),
+    # vLLM's quick start passes tensor_parallel_size=1: one GPU, what infer runs
+    "tensor_parallel_size": ((1,), _ONE_GPU),
+    "pipeline_parallel_size": ((1,), _ONE_GPU),
+    "data_parallel_size": ((1,), _ONE_GPU),
     "distributed_executor_backend": ((None,), _ONE_GPU),
     "disable_custom_all_reduce": ((False, True), _ONE_GPU),
     "compilation_config": ((None,), "infer compiles its own kernels and captures CUDA graphs itself; "
