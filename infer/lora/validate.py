@@ -235,13 +235,13 @@ def _same_folder(named: str, path: str | Path) -> bool:
 
 def base_name_warning(name: str, cfg: dict, base: "BaseInfo", given: str) -> str | None:
     """A warning when the adapter's base_model_name_or_path names another model than BASE (None when it names
-    nothing, the same folder, the same model under a quantized or versioned name, or the model a GPTQ BASE records it
-    was quantized from)."""
+    nothing, the same folder, the same model under a quantized or versioned name, or the model a GPTQ or AWQ BASE
+    records it was quantized from)."""
     from ..quant.convert import recorded_source
     named = cfg.get("base_model_name_or_path")
     if not isinstance(named, str) or not named.strip():
         return None
-    source = recorded_source(base.path)  # the model a GPTQ base was quantized from: its weights, an adapter's base
+    source = recorded_source(base.path)  # the model a GPTQ/AWQ base was quantized from: its weights, an adapter's base
     if _same_folder(named, base.path) or (source and _same_folder(named, source)):
         return None
     if _model_key(named) in {_model_key(n) for n in (given, str(base.path), source) if n}:

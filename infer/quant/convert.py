@@ -59,13 +59,15 @@ def read_config_json(model_dir: Path) -> dict:
 
 
 def recorded_source(model_dir: Path) -> str | None:
-    """The model a GPTQ checkpoint's weights were quantized from: config.json's `_name_or_path`, as `infer quantize`
-    writes it (and GPTQModel and AutoGPTQ did under transformers 4; `infer convert` copies it). None for a float
-    model, whose `_name_or_path` may name the model it was fine-tuned from, or when none is recorded."""
+    """The model a GPTQ or AWQ checkpoint's weights were quantized from: config.json's `_name_or_path`, as `infer
+    quantize` writes it (and GPTQModel, AutoGPTQ and AutoAWQ did under transformers 4; `infer convert` copies it,
+    --to gptq too). None for a float model, whose `_name_or_path` may name the model it was fine-tuned from, or when
+    none is recorded."""
     try:
         cfg = read_config_json(model_dir)
         named = cfg.get("_name_or_path")
-        return named.strip() if isinstance(named, str) and named.strip() and is_gptq(model_dir) else None
+        quantized = is_gptq(model_dir) or is_awq(model_dir)
+        return named.strip() if isinstance(named, str) and named.strip() and quantized else None
     except ModelLoadError:
         return None
 
