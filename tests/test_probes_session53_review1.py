@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+import torch
+
 AWQ_QC = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
 
 
@@ -28,3 +31,34 @@ def test_an_awq_base_records_the_model_an_adapter_was_trained_on(tmp_path):
     flt.mkdir()
     (flt / "config.json").write_text(json.dumps({"model_type": "llama", "_name_or_path": "org/Some-Float-Model"}))
     assert recorded_source(flt) is None
+
+
+@pytest.fixture(scope="module")
+def awq_and_gptq(tmp_path_factory):
+    """A reference AWQ checkpoint of a tiny float model (test_probes_session53_awq's packer) and its `infer convert
+    --to gptq`: the same int4 layers, which the loader builds alike."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from test_probes_session53_awq import float_model, write_awq
+    base = float_model(tmp_path_factory.mktemp("review1"))
+    awq, gptq = base.parent / "awq", base.parent / "gptq"
+    write_awq(base, awq)
+    res = CliRunner().invoke(app, ["convert", str(awq), "-o", str(gptq), "--to", "gptq"])
+    assert res.exit_code == 0, res.output
+    return awq, gptq
+
+
+def test_warmup_estimate_counts_an_awq_checkpoint_as_its_gptq_conversion(awq_and_gptq):
+    """The loader repacks each AWQ layer into GPTQ's layout: the estimate's weights are its GPTQ conversion's (an AWQ
+    qweight [in, out / 8] read as GPTQ's [in / 8, out] counted each merged layer's g_idx 8 times too wide)."""
+    from infer.cli.warmup_plan import estimate_plan
+    from infer.engine.config import EngineConfig
+    from infer.memory.checkpoint import checkpoint_weights_bytes
+    from infer.models.loader import load_config, weight_files
+    plans = [estimate_plan(EngineConfig(str(p), device="cpu", memory_limit=1 << 30), 64, 1)[0] for p in awq_and_gptq]
+    assert plans[0].weights_bytes == plans[1].weights_bytes
+    awq, gptq = awq_and_gptq
+    on_gpu = [checkpoint_weights_bytes(weight_files(p), load_config(p), torch.float16, torch.device("cuda"), 4,
+                                       awq=p == awq) for p in (awq, gptq)]
+    assert on_gpu[0] == on_gpu[1]

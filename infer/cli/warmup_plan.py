@@ -144,7 +144,8 @@ def estimate_plan(engine_config: EngineConfig, max_length: int, concurrency: int
         own = gptq.for_head() if module.removeprefix("model.") == "lm_head" else gptq.for_module(module)
         return own.bits if own is not None else None
     weights = checkpoint_weights_bytes(weight_files(path), model_config, dtype, device, gptq.bits if gptq else None,
-                                       gptq.desc_act if gptq else False, bits_of if gptq else None)
+                                       gptq.desc_act if gptq else False, bits_of if gptq else None,
+                                       awq=bool(gptq) and gptq.quant_method == "awq")
     from ..models.rope import rope_table_bytes  # the rotary table an engine of this config builds at load
     weights += rope_table_bytes(model_config, model_max_len(model_config, engine_config))
     weights += _draft_weights(engine_config, model_config, dtype, device, max_length)
@@ -188,7 +189,7 @@ def _draft_weights(engine_config: EngineConfig, model_config, dtype, device, max
         return own.bits if own is not None else None
     bits, desc_act = (gptq.bits, gptq.desc_act) if gptq else (None, False)
     return checkpoint_weights_bytes(weight_files(path), config, dtype, device, bits, desc_act,
-                                    bits_of if gptq else None) \
+                                    bits_of if gptq else None, awq=bool(gptq) and gptq.quant_method == "awq") \
         + rope_table_bytes(config, draft_context(config, max_length))  # (its table: its own positions)
 
 

@@ -59,14 +59,16 @@ def _bin_header(path: Path) -> dict | None:
 
 
 def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype, device: torch.device,
-                             bits: int | None = None, act_order: bool = False, bits_of=None) -> int:
+                             bits: int | None = None, act_order: bool = False, bits_of=None, awq: bool = False) -> int:
     """Bytes of the weights once loaded: float tensors in `dtype`, integer (GPTQ) tensors as stored, plus the
     CPU matmul copies the engine prepacks (float linear layers and the output head); on a CPU a GPTQ layer also
     holds its dequantized float weight (and its prepacked copy). A merged GPTQ layer (q/k/v, gate/up) holds one
     int32 g_idx, whether the checkpoint has one per shard or none (quant.gptq_linear), and on CUDA with act-order
     (`act_order`: the GPTQ config's desc_act) the int64 permutation of its inputs. `bits`: the GPTQ config's (as the
     loader reads it, quantize_config.json too); else config.json's, else 4. A layer's input width comes from its
-    g_idx, else from its words at `bits_of(module)` (its own bits: `dynamic`, a quantized head), else at `bits`."""
+    g_idx, else from its words at `bits_of(module)` (its own bits: `dynamic`, a quantized head), else at `bits`.
+    `awq`: the checkpoint's int4 layers are AWQ's (qweight [in, out / 8], no g_idx), which the loader repacks into
+    GPTQ's layout: the same bytes once loaded, and one g_idx of `in` entries per merged layer."""
     elem = torch.finfo(dtype).bits // 8
     prepacks = device.type == "cpu" and cpu_gemm.available(torch.empty(0, dtype=dtype))
     if bits is None:
@@ -101,10 +103,14 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
                 # K from the layer's g_idx: a layer may have its own bits (dynamic, a quantized lm_head at 8)
                 own = g_idx.get(name.removesuffix("qweight") + "g_idx")
                 width = (bits_of(name.removesuffix(".qweight")) if bits_of else None) or bits
-                k = own["shape"][0] if own and own["shape"] else info["shape"][0] * (32 // width)
+                k, n = info["shape"]
+                if awq:  # input rows as they are, 32 // 4 outputs per word
+                    n *= 32 // 4
+                else:
+                    k = own["shape"][0] if own and own["shape"] else k * (32 // width)
                 gptq_inputs[_merged_key(name)] = k
                 if device.type == "cpu":  # the CPU path dequantizes each GPTQ layer once at load (and prepacks it)
-                    total += k * info["shape"][1] * elem * (2 if prepacks else 1)
+                    total += k * n * elem * (2 if prepacks else 1)
             total += size
             if prepacks and is_float and (_LINEAR.search(name) or name == "lm_head.weight"):
                 total += size
