@@ -62,3 +62,19 @@ def test_warmup_estimate_counts_an_awq_checkpoint_as_its_gptq_conversion(awq_and
     on_gpu = [checkpoint_weights_bytes(weight_files(p), load_config(p), torch.float16, torch.device("cuda"), 4,
                                        awq=p == awq) for p in (awq, gptq)]
     assert on_gpu[0] == on_gpu[1]
+
+
+def test_lora_validate_table_names_an_awq_base_awq(awq_and_gptq, tmp_path):
+    """The table's base column says what the title says (AWQ), not GPTQ, for an AWQ base."""
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from test_lora_adapter import make_adapter
+    awq = awq_and_gptq[0]
+    adapter = make_adapter(tmp_path, "qv", base=AutoModelForCausalLM.from_pretrained(awq.parent / "float"))
+    res = CliRunner().invoke(app, ["lora-validate", str(awq), f"qv={adapter}", "--steps", "0", "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    row = next(line for line in res.output.splitlines() if line.startswith("│ qv "))
+    cells = [c.strip() for c in row.strip("│").split("│")]
+    assert "AWQ" in cells and "GPTQ" not in cells, row

@@ -14,11 +14,11 @@ from . import options as o
 
 
 def lora_validate(
-    base: Annotated[str, typer.Argument(help="The base model: a Hugging Face folder (float or GPTQ) or a built-in "
+    base: Annotated[str, typer.Argument(help="The base model: a Hugging Face folder (float, GPTQ or AWQ) or a built-in "
                                              "model name.", show_default=False)],
     adapters: Annotated[list[str], typer.Argument(help="PEFT adapter folders, as NAME=PATH or PATH (the name is "
                                                        "the folder's name).", show_default=False)],
-    quantized: Annotated[bool, typer.Option("--quantized", help="Require BASE to be a GPTQ int4 checkpoint (exit 2 "
+    quantized: Annotated[bool, typer.Option("--quantized", help="Require BASE to be a GPTQ or AWQ checkpoint (exit 2 "
                                                                 "for a float model): check the adapters against "
                                                                 "the int4 base you will serve.")] = False,
     max_lora_rank: o.MaxLoraRank = o.default("max_lora_rank"),
@@ -32,7 +32,7 @@ def lora_validate(
 ) -> None:
     """Check every ADAPTER against BASE: its config and weights, its shapes against the base's projections, and a
     numeric check — infer's logits with the adapter against peft's on the same base, over a few greedy steps of a
-    few fixed prompts (for a GPTQ base, peft runs on the dequantized int4 weights). The numeric check runs in
+    few fixed prompts (for a GPTQ or AWQ base, peft runs on the dequantized int4 weights). The numeric check runs in
     float32 and only for adapters that pass the static checks.
 
     An adapter made for a base of other sizes fails with one line (e.g. "r=16 adapter expects hidden 2048, base
@@ -40,7 +40,7 @@ def lora_validate(
     model (base_model_name_or_path) gets a warning, not a failure: its sizes may fit by chance. Other libraries'
     messages are hidden (shown with `infer --debug`).
 
-    A GPTQ base is recognised from quantization_config in BASE/config.json; --quantized only makes that a
+    A GPTQ or AWQ base is recognised from quantization_config in BASE/config.json; --quantized only makes that a
     requirement, so a float folder passed by mistake is refused rather than silently checked.
 
     Example: infer lora-validate ./llama-gptq support=./adapters/support ./adapters/legal
@@ -91,7 +91,7 @@ def report_table(info, reports) -> Table:
         if n is not None and n.non_finite:  # NaN differences would show as 0 and "agree"
             numeric = ["NaN/inf", "NaN/inf", "-"]
         table.add_row(r.name, _s(r.rank), _s(r.alpha), r.scaling, _s(r.rslora), _targets(r.targets),
-                      r.shapes, "GPTQ" if info.gptq else "float", *numeric,
+                      r.shapes, info.gptq.split()[0] if info.gptq else "float", *numeric,  # GPTQ or AWQ
                       "[green]ok[/green]" if r.ok else "[red]FAIL[/red]")
     return table
 
