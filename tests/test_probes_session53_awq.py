@@ -289,7 +289,7 @@ def _with_qc(src: Path, dst: Path, **changes) -> Path:
     ({"zero_point": False}, "AWQ zero_point false is not supported"),
     ({"backend": "llm-awq"}, "AWQ backend 'llm-awq' is not supported"),
     ({"pack_dtype": "int16"}, "AWQ pack_dtype 'int16' is not supported"),
-    ({"group_size": -1}, "AWQ group_size -1 is not supported"),
+    ({"group_size": 0}, "AWQ group_size 0 is not supported"),
 ])
 def test_what_infer_cannot_read_is_refused_naming_the_field(ref_awq, tmp_path, changes, words):
     """infer run and infer convert --to gptq refuse it before reading a tensor, naming the field and a way out."""

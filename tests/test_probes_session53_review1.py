@@ -78,3 +78,46 @@ def test_lora_validate_table_names_an_awq_base_awq(awq_and_gptq, tmp_path):
     row = next(line for line in res.output.splitlines() if line.startswith("│ qv "))
     cells = [c.strip() for c in row.strip("│").split("│")]
     assert "AWQ" in cells and "GPTQ" not in cells, row
+
+
+def test_an_awq_checkpoint_of_group_size_minus_one_loads_and_converts(awq_and_gptq, tmp_path):
+    """group_size -1 (one group per output column: AutoAWQ's WQLinear takes it as in_features, vLLM's awq_marlin
+    reads it) loads as GPTQ's -1 does: every layer dequantizes to the format's weight, and `convert --to gptq`
+    writes the GPTQ checkpoint of group_size -1 with the same weights."""
+    from safetensors.torch import load_file, save_file
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from infer.models.layers import MergedLinear
+    from infer.models.loader import load_model
+    from test_probes_session53_awq import LINEARS, awq_dequantize, awq_pack, awq_quantize
+    src = awq_and_gptq[0].parent / "float"
+    state, tensors, ref = load_file(src / "model.safetensors"), {}, {}
+    for name, t in state.items():
+        module = name.removesuffix(".weight")
+        if not module.endswith(LINEARS):
+            tensors[name] = t
+            continue
+        q, z, s = awq_quantize(t, group=t.shape[1])
+        assert s.shape[0] == 1
+        tensors.update({f"{module}.qweight": awq_pack(q), f"{module}.qzeros": awq_pack(z), f"{module}.scales": s})
+        ref[module] = awq_dequantize(q, z, s, group=t.shape[1])
+    awq = tmp_path / "awq"
+    awq.mkdir()
+    save_file(tensors, awq / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {**AWQ_QC, "group_size": -1}
+    (awq / "config.json").write_text(json.dumps(cfg))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (awq / f).write_bytes((src / f).read_bytes())
+    gptq = tmp_path / "gptq"
+    res = CliRunner().invoke(app, ["convert", str(awq), "-o", str(gptq), "--to", "gptq"])
+    assert res.exit_code == 0, res.output
+    assert json.loads((gptq / "config.json").read_text())["quantization_config"]["group_size"] == -1
+    for path in (awq, gptq):
+        model, _ = load_model(path, torch.float32, torch.device("cpu"))
+        layers = [m for m in model.modules() if isinstance(m, MergedLinear)]
+        for layer in layers:
+            want = torch.cat([ref[n if n.startswith("model.") else f"model.{n}"] for n in layer.names]).float()
+            assert torch.equal(layer.weight, want), (path.name, layer.names)
+        assert sum(len(m.names) for m in layers) == len(ref)

@@ -48,10 +48,12 @@ def pack_awq(values: torch.Tensor) -> torch.Tensor:
 
 def check_shapes(name: str, qweight: torch.Tensor | None, qzeros: torch.Tensor | None, scales: torch.Tensor | None,
                  group_size: int, source: str) -> None:
-    """A ModelLoadError naming the tensor whose shape is not AWQ's for the others (the qweight decides in and out)."""
+    """A ModelLoadError naming the tensor whose shape is not AWQ's for the others (the qweight decides in and out;
+    group_size -1: one group of all its inputs)."""
     if qweight is None:
         return
     k, n = qweight.shape[0], qweight.shape[1] * PACK
+    group_size = k if group_size == -1 else group_size
     if k % group_size:
         raise ModelLoadError(f"{name}.qweight has {k} input rows, which AWQ group_size {group_size} does not divide",
                              f"the checkpoint does not match its quantization config ({source})")
@@ -81,8 +83,9 @@ def g_idx(in_features: int, group_size: int) -> torch.Tensor:
 
 def to_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int):
     """One AWQ layer's tensors -> (qweight, qzeros, scales, g_idx) of the GPTQ "gptq" (v1) layer with the same
-    dequantized weight."""
-    return qweight_to_gptq(qweight), qzeros_to_gptq(qzeros), scales, g_idx(qweight.shape[0], group_size)
+    dequantized weight (group_size -1: one group)."""
+    k = qweight.shape[0]
+    return qweight_to_gptq(qweight), qzeros_to_gptq(qzeros), scales, g_idx(k, k if group_size == -1 else group_size)
 
 
 class AWQLinearMethod(GPTQLinearMethod):
@@ -109,12 +112,12 @@ class AWQLinearMethod(GPTQLinearMethod):
             raise ModelLoadError(f"unexpected tensor {full} in an AWQ layer",
                                  f"the checkpoint does not match its quantization config ({self.config.source}: "
                                  "AWQ layers hold qweight, qzeros and scales)")
-        k, n, g = layer.in_features, layer.out_sizes[shard], self.config.group_size
+        k, n, g = layer.in_features, layer.out_sizes[shard], self._group_size(layer.in_features)
         want = {"qweight": (k, n // PACK), "qzeros": (k // g, n // PACK), "scales": (k // g, n)}[name]
         if tuple(tensor.shape) != want:
             raise ModelLoadError(f"{full} has shape {tuple(tensor.shape)} but {self.config.source} implies {want} "
                                  f"(AWQ 'gemm' layout)", f"the checkpoint does not match its quantization config "
-                                 f"({self.config.source}: bits 4, group_size {g})")
+                                 f"({self.config.source}: bits 4, group_size {self.config.group_size})")
         if name == "qweight":
             tensor = qweight_to_gptq(tensor)
         elif name == "qzeros":

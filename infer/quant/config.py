@@ -213,18 +213,19 @@ def _from_awq(d: dict, source: str) -> GPTQConfig:
     """An AWQ quantization config (AutoAWQ's, transformers' AwqConfig, GPTQModel's) as the GPTQ settings of the same
     weights: asymmetric 4-bit, groups in input order (no act-order), checkpoint_format "gptq" (the v1 zero points
     quant/awq.py repacks AWQ's zeros into, as `infer convert --to gptq` writes them); quant_method "awq" says that
-    the tensors are in AWQ's layout. Keys as vLLM reads them: bits or w_bit, group_size or q_group_size; modules_to_not_convert (module
-    names: a linear whose name contains one stays float) become `dynamic` rules that leave them in float."""
+    the tensors are in AWQ's layout. Keys as vLLM reads them: bits or w_bit, group_size or q_group_size (-1: one
+    group per column, as GPTQ's); modules_to_not_convert (module names: a linear whose name contains one stays
+    float) become `dynamic` rules that leave them in float."""
     name = Path(source).name
     bits = _int(d, "w_bit" if "w_bit" in d else "bits", 4, source)
     if bits != 4:
         raise UnsupportedModelError(f"{source}: {bits}-bit AWQ is not supported (bits {bits})",
                                     f"infer reads 4-bit AWQ checkpoints (vLLM's awq method too); {_OTHERWISE}")
     group = _int(d, "q_group_size" if "q_group_size" in d else "group_size", 128, source)
-    if group < 1:
+    if group < 1 and group != -1:  # -1: one group per output column (AutoAWQ's WQLinear, vLLM's awq_marlin)
         raise UnsupportedModelError(f"{source}: AWQ group_size {group} is not supported",
-                                    "infer reads AWQ checkpoints quantized in groups (e.g. group_size 128); "
-                                    f"{_OTHERWISE}")
+                                    "infer reads AWQ checkpoints quantized in groups (e.g. group_size 128) or "
+                                    f"per column (group_size -1); {_OTHERWISE}")
     version = str(d.get("version") or d.get("format") or "gemm").lower()
     if version not in AWQ_VERSIONS:
         key = "version" if d.get("version") else "format"
