@@ -121,3 +121,33 @@ def test_an_awq_checkpoint_of_group_size_minus_one_loads_and_converts(awq_and_gp
             want = torch.cat([ref[n if n.startswith("model.") else f"model.{n}"] for n in layer.names]).float()
             assert torch.equal(layer.weight, want), (path.name, layer.names)
         assert sum(len(m.names) for m in layers) == len(ref)
+
+
+def test_older_autoawq_quant_config_json_is_read_as_awq(awq_and_gptq, tmp_path):
+    """Older AutoAWQ wrote its settings to quant_config.json only (w_bit, q_group_size, version; no quant_method),
+    which the AWQ work reads: infer run loads such a folder as the same checkpoint with quantization_config in
+    config.json (the loader took it for a float model, and the settings for GPTQ's), and convert --to gptq takes it."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from infer import LLM, SamplingParams
+    from infer.cli.main import app
+    from infer.quant.config import GPTQConfig
+    awq = awq_and_gptq[0]
+    old = tmp_path / "old-awq"
+    shutil.copytree(awq, old)
+    cfg = json.loads((old / "config.json").read_text())
+    qc = cfg.pop("quantization_config")
+    (old / "config.json").write_text(json.dumps(cfg))
+    (old / "quant_config.json").write_text(json.dumps({"zero_point": True, "q_group_size": qc["group_size"],
+                                                       "w_bit": 4, "version": "GEMM"}))
+    assert GPTQConfig.from_model_dir(old).quant_method == "awq"
+
+    def greedy(path):
+        llm = LLM(str(path), block_size=4)
+        return [o.token_ids for o in llm.generate([[5, 17, 42, 9]], SamplingParams(max_new_tokens=4, ignore_eos=True))]
+    assert greedy(old) == greedy(awq)
+    res = CliRunner().invoke(app, ["convert", str(old), "-o", str(tmp_path / "gptq"), "--to", "gptq"])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "gptq" / "config.json").read_text())["quantization_config"]["quant_method"] == "gptq"

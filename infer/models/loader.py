@@ -103,7 +103,7 @@ def _check_kind(name: str, t: torch.Tensor, dest) -> None:
 def linear_method_factory(path: Path, cfg):
     """A function names -> LinearMethod for the checkpoint's quantization (None = float weights)."""
     qc = getattr(cfg, "quantization_config", None)
-    if not qc and not (path / "quantize_config.json").is_file():
+    if not qc and not any((path / f).is_file() for f in ("quantize_config.json", "quant_config.json")):
         return lambda names: None
     from ..quant.config import GPTQConfig
     from ..quant.gptq_linear import GPTQLinearMethod

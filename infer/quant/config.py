@@ -121,6 +121,9 @@ class GPTQConfig:
             except ValueError as e:
                 raise ModelLoadError(f"{f} is not valid JSON: {e}") from e
             d = d.get(key) if key else d
+            if d and name == "quant_config.json" and isinstance(d, dict) and not (d.get("quant_method") or
+                                                                                  d.get("method")):
+                d = {"quant_method": "awq", **d}  # AutoAWQ wrote its AwqConfig there without naming the method
             if d:
                 return cls.from_dict(d, str(f))
         return None

@@ -29,8 +29,13 @@ EXTRA_FILES = ("generation_config.json", "quantize_config.json")
 
 
 def is_awq(model_dir: Path) -> bool:
-    """Whether config.json's quantization_config is AWQ's (quant_method "awq")."""
+    """Whether config.json's quantization_config is AWQ's (quant_method "awq"), or, without one (and without GPTQ's
+    quantize_config.json), the folder has older AutoAWQ's quant_config.json: as GPTQConfig.from_model_dir reads it."""
     qc = read_config_json(model_dir).get("quantization_config") or {}
+    if not qc and not (Path(model_dir) / "quantize_config.json").is_file() and \
+            (Path(model_dir) / "quant_config.json").is_file():
+        from .config import GPTQConfig
+        return getattr(GPTQConfig.from_model_dir(model_dir), "quant_method", None) == "awq"
     return isinstance(qc, dict) and str(qc.get("quant_method") or qc.get("method") or "").lower() == "awq"
 
 
