@@ -151,3 +151,19 @@ def test_older_autoawq_quant_config_json_is_read_as_awq(awq_and_gptq, tmp_path):
     res = CliRunner().invoke(app, ["convert", str(old), "-o", str(tmp_path / "gptq"), "--to", "gptq"])
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "gptq" / "config.json").read_text())["quantization_config"]["quant_method"] == "gptq"
+
+
+def test_quantize_refuses_an_older_autoawq_folder_before_loading_it(tmp_path):
+    """A folder whose only quantization settings are AutoAWQ's quant_config.json is an AWQ checkpoint: `infer
+    quantize` refuses it up front (GPTQModel refused it only after loading the model)."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    src = tmp_path / "old-awq"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    (src / "quant_config.json").write_text(json.dumps({"zero_point": True, "q_group_size": 32, "w_bit": 4,
+                                                       "version": "GEMM"}))
+    res = CliRunner().invoke(app, ["quantize", str(src), "-o", str(tmp_path / "out"), "--group-size", "32"])
+    assert res.exit_code == 2 and "already an AWQ checkpoint" in res.output, res.output
+    assert not (tmp_path / "out").exists()

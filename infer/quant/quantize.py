@@ -256,6 +256,10 @@ def _check_source(src: Path, group_size: int, bits: int = 4) -> dict:
                           "quantize the float model it came from")
     if is_gptq(src):
         raise ConfigError(f"{src} is already a GPTQ checkpoint", "quantize the float model it came from")
+    if not qc and (src / "quant_config.json").is_file():  # older AutoAWQ's file (GPTQConfig.from_model_dir reads it)
+        raise ConfigError(f"{src} is already an AWQ checkpoint (quant_config.json)",
+                          "quantize the float model it came from, or rewrite it as GPTQ with "
+                          f"`infer convert {src} -o OUT --to gptq`")
     _check_widths(_with_head_dim(src, config), group_size, bits)
     _check_weights(src)
     return config
