@@ -167,3 +167,14 @@ def test_quantize_refuses_an_older_autoawq_folder_before_loading_it(tmp_path):
     res = CliRunner().invoke(app, ["quantize", str(src), "-o", str(tmp_path / "out"), "--group-size", "32"])
     assert res.exit_code == 2 and "already an AWQ checkpoint" in res.output, res.output
     assert not (tmp_path / "out").exists()
+
+
+def test_vllms_quantization_keyword_says_awq_is_read_from_the_config():
+    """vLLM's AutoAWQ example passes quantization="AWQ": now that infer reads AWQ checkpoints, the hint that refuses
+    the keyword (and --quantization) says AWQ is read from config.json too, not only GPTQ."""
+    from infer import LLM
+    from infer.cli.vllm_flags import VLLM_HINTS
+    from infer.errors import UnknownOptionError
+    with pytest.raises(UnknownOptionError) as e:
+        LLM("tiny-llama", quantization="AWQ")
+    assert "AWQ" in e.value.hint and "AWQ" in VLLM_HINTS["--quantization"]

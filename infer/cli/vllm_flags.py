@@ -36,8 +36,9 @@ VLLM_HINTS = {
     "--code-revision": _LOCAL,
     "--download-dir": _LOCAL,
     "--load-format": "MODEL's safetensors or .bin weights are read as they are; drop the option",
-    "--quantization": "the quantization is read from MODEL's config.json (GPTQ int4/int8, or a float model); drop "
-                      "the option (infer quantize makes a GPTQ checkpoint)",
+    "--quantization": "the quantization is read from MODEL's config.json (GPTQ int4/int8, AWQ int4, or a float "
+                      "model), --quantization awq or gptq included; drop the option (infer quantize makes a GPTQ "
+                      "checkpoint)",
     "--calculate-kv-scales": "infer's fp8 KV cache (--kv-cache-dtype fp8) stores K and V with scale 1.0, vLLM's "
                              "default; drop the option",
     "--model": "MODEL is the command's first argument, e.g. `infer serve ./my-model --port 8000`",

@@ -56,8 +56,9 @@ _ONE_GPU = "infer runs each model on one GPU (`infer run/serve --data-parallel N
 _VLLM_OPTIONS = {
     "trust_remote_code": "infer runs its own Llama, Mistral and Qwen code, never a checkpoint's Python; drop the "
                          "keyword",
-    "quantization": "the quantization is read from the model's config.json (GPTQ int4/int8, or a float model); drop "
-                    "the keyword (`infer quantize` makes a GPTQ checkpoint)",
+    "quantization": "the quantization is read from the model's config.json (GPTQ int4/int8, AWQ int4, or a float "
+                    "model), quantization=\"awq\" or \"gptq\" included; drop the keyword (`infer quantize` makes a "
+                    "GPTQ checkpoint)",
     "tokenizer": "the tokenizer is read from the model's folder; copy the tokenizer's files into it",
     "revision": _LOCAL,
     "tokenizer_revision": _LOCAL,
