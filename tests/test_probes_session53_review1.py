@@ -178,3 +178,21 @@ def test_vllms_quantization_keyword_says_awq_is_read_from_the_config():
     with pytest.raises(UnknownOptionError) as e:
         LLM("tiny-llama", quantization="AWQ")
     assert "AWQ" in e.value.hint and "AWQ" in VLLM_HINTS["--quantization"]
+
+
+def test_a_tied_prompt_token_among_the_top_k_has_its_place_as_its_rank_as_vllm():
+    """vLLM builds each prompt position's {token id: Logprob} from the token's own entry (rank: the tokens at least as
+    likely) followed by the top-k (ranks 1..k), so a token that is also among the top-k shows its place there; infer
+    kept the count, which differs when the token ties with another (bf16 logits tie often)."""
+    from types import SimpleNamespace
+
+    from infer.serve.protocol import prompt_logprobs
+    tok = SimpleNamespace(decode=lambda ids: f"t{ids[0]}")
+    rec = {"token_id": 7, "logprob": -0.5, "rank": 2,  # 7 ties with 3 for the top: 2 tokens at least as likely
+           "top_logprobs": [{"token_id": 7, "logprob": -0.5}, {"token_id": 3, "logprob": -0.5},
+                            {"token_id": 9, "logprob": -2.0}]}
+    out = prompt_logprobs([None, rec], tok, 3)[1]
+    assert list(out) == ["7", "3", "9"]
+    assert [out[i]["rank"] for i in ("7", "3", "9")] == [1, 2, 3]
+    below = {**rec, "top_logprobs": rec["top_logprobs"][1:2]}  # not among the top-1: its own rank
+    assert prompt_logprobs([None, below], tok, 1)[1]["7"]["rank"] == 2

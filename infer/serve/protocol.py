@@ -690,7 +690,8 @@ def completion_logprobs(records: list[dict], tokenizer, offset: int = 0, as_ids:
 def prompt_logprobs(records: list[dict | None], tokenizer, k: int | None = None) -> list[dict | None]:
     """vLLM's prompt_logprobs: per prompt token (null for the first), {token id: {logprob, rank, decoded_token}}
     for the prompt's own token and the top-k (`k`: the body's prompt_logprobs, when the engine computed more for
-    echo's logprobs)."""
+    echo's logprobs). A prompt token among the top-k has its place there as its rank, as vLLM's dict (the top-k
+    entries written after the token's own) gives it: the same as its own rank unless it ties with another."""
     def entry(token_id: int, logprob: float, rank: int) -> dict:
         return {"logprob": logprob, "rank": rank, "decoded_token": _tok(tokenizer, token_id)}
     out = []
@@ -700,7 +701,7 @@ def prompt_logprobs(records: list[dict | None], tokenizer, k: int | None = None)
             continue
         e = {str(r["token_id"]): entry(r["token_id"], r["logprob"], r["rank"])}
         for j, x in enumerate(r.get("top_logprobs", [])[:k]):
-            e.setdefault(str(x["token_id"]), entry(x["token_id"], x["logprob"], j + 1))
+            e[str(x["token_id"])] = entry(x["token_id"], x["logprob"], j + 1)  # (the token's own key keeps its place)
         out.append(e)
     return out
 
