@@ -196,3 +196,17 @@ def test_a_tied_prompt_token_among_the_top_k_has_its_place_as_its_rank_as_vllm()
     assert [out[i]["rank"] for i in ("7", "3", "9")] == [1, 2, 3]
     below = {**rec, "top_logprobs": rec["top_logprobs"][1:2]}  # not among the top-1: its own rank
     assert prompt_logprobs([None, below], tok, 1)[1]["7"]["rank"] == 2
+
+
+def test_the_model_argument_and_the_int_tensor_hint_name_awq(tmp_path):
+    """`infer run/serve/bench --help` describe MODEL as float, GPTQ or AWQ; an int tensor in a folder without a
+    quantization config is told infer runs GPTQ and AWQ checkpoints (AWQ was left out of both)."""
+    import typing
+
+    from infer.cli import options
+    from infer.errors import ModelLoadError
+    from infer.models.loader import _check_kind
+    assert "AWQ" in typing.get_args(options.Model)[1].help
+    with pytest.raises(ModelLoadError) as e:
+        _check_kind("x.weight", torch.zeros(2, dtype=torch.int32), torch.zeros(2))
+    assert "AWQ" in e.value.hint

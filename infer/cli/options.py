@@ -39,8 +39,8 @@ from ..parallel.runtime import PLACEMENT_TIMEOUT_S
 
 BUILTIN_HELP = (f"a built-in model with random weights ({', '.join(BUILTIN_MODELS)}; generated on first use, its "
                 "text is gibberish)")
-Model = Annotated[str, typer.Argument(help=f"A local Hugging Face model folder (float or GPTQ), or {BUILTIN_HELP}.",
-                                      show_default=False)]
+Model = Annotated[str, typer.Argument(help=f"A local Hugging Face model folder (float, GPTQ or AWQ), or "
+                                           f"{BUILTIN_HELP}.", show_default=False)]
 
 
 def base_model_id(model: str) -> str:

@@ -1,4 +1,4 @@
-"""Load a Hugging Face model folder (safetensors or .bin, sharded or not, float or GPTQ) into infer's model."""
+"""Load a Hugging Face model folder (safetensors or .bin, sharded or not, float, GPTQ or AWQ) into infer's model."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def _check_kind(name: str, t: torch.Tensor, dest) -> None:
         raise ModelLoadError(f"{name} is {str(t.dtype).removeprefix('torch.')} in a checkpoint whose config.json has "
                              "no quantization_config for it: infer would read its integers as float weights",
                              "a quantized checkpoint needs the quantization_config it was saved with (infer runs "
-                             "GPTQ); otherwise use the float checkpoint")
+                             "GPTQ and AWQ); otherwise use the float checkpoint")
 
 
 def linear_method_factory(path: Path, cfg):
