@@ -107,7 +107,8 @@ def oracle_model(base_path: Path, gptq: bool, engine_model=None):
 
 
 def dequantized_state(engine_model) -> dict[str, torch.Tensor]:
-    """The engine model's weights under Hugging Face names, merged layers split and int4 weights dequantized."""
+    """The engine model's weights under Hugging Face names, merged layers split (a fused module's shards kept
+    together, as its checkpoint stores them) and int4 weights dequantized."""
     from ..models.layers import MergedLinear
     state: dict[str, torch.Tensor] = {}
     merged = {n for n, m in engine_model.named_modules() if isinstance(m, MergedLinear)}
@@ -115,11 +116,12 @@ def dequantized_state(engine_model) -> dict[str, torch.Tensor]:
         if isinstance(mod, MergedLinear):
             w = mod.dequantized_weight().float().cpu()
             b = mod.bias.float().cpu() if mod.bias is not None else None
-            for i, (name, size) in enumerate(zip(mod.names, mod.out_sizes)):
-                start = mod.shard_offset(i)
-                state[f"{name}.weight"] = w[start:start + size]
+            for name in dict.fromkeys(mod.names):  # a fused module (Phi-3's qkv_proj): every shard's rows, stacked
+                shards = [i for i, n in enumerate(mod.names) if n == name]
+                start, end = mod.shard_offset(shards[0]), mod.shard_offset(shards[-1]) + mod.out_sizes[shards[-1]]
+                state[f"{name}.weight"] = w[start:end]
                 if b is not None:
-                    state[f"{name}.bias"] = b[start:start + size]
+                    state[f"{name}.bias"] = b[start:end]
     for key, p in engine_model.named_parameters():
         if key.rpartition(".")[0] not in merged:
             state[key if key.startswith("lm_head.") else f"model.{key}"] = p.float().cpu()
