@@ -169,14 +169,20 @@ def layer_count(config: dict, base_config) -> int:
 
 def _non_linear_targets(config: dict, base_config) -> list[Problem]:
     """A target_modules regex that selects a module of the base that is not a Linear layer (Qwen3's q_norm, a whole
-    mlp): peft refuses the adapter ("Target module ... is not supported"). Lists are checked in config_problems."""
+    mlp, Phi-3's mlp.activation_fn): peft refuses the adapter ("Target module ... is not supported"). Lists are
+    checked in config_problems."""
     targets = config.get("target_modules")
     if not isinstance(targets, str) or _all_linear(targets) or _regex_error(targets):
         return []
     layers = getattr(base_config, "num_hidden_layers", 0) or 0
     names = ["model", "model.layers", "model.norm", "model.rotary_emb"]
-    per_layer = ["", ".self_attn", ".mlp", ".mlp.act_fn", ".input_layernorm", ".post_attention_layernorm"]
-    if getattr(base_config, "model_type", "") == "qwen3":
+    model_type = getattr(base_config, "model_type", "")
+    phi3 = model_type == "phi3"  # transformers' Phi3MLP names its activation activation_fn; its layers have dropouts
+    per_layer = ["", ".self_attn", ".mlp", ".mlp.activation_fn" if phi3 else ".mlp.act_fn", ".input_layernorm",
+                 ".post_attention_layernorm"]
+    if phi3:
+        per_layer += [".resid_attn_dropout", ".resid_mlp_dropout"]
+    if model_type == "qwen3":
         per_layer += [".self_attn.q_norm", ".self_attn.k_norm"]
     names += [f"model.layers.{i}{s}" for i in range(layers) for s in per_layer] + [""]
     exclude = config.get("exclude_modules")
