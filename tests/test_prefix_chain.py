@@ -81,5 +81,6 @@ def test_engine_tokens_equal_hf_when_prompts_share_a_later_block_only():
     outs = llm.generate(later, params)
     for prompt, out in zip(later, outs):
         assert out.token_ids == hf_greedy(path, prompt, 8), f"prompt of {len(prompt)} tokens differs from HF"
-    assert [o.num_cached_tokens for o in outs] == [4, 0, 4]
+    # y+z+w+..: y cached, and y+z computed by y+z+.. admitted before it in the same step (shared as vLLM does)
+    assert [o.num_cached_tokens for o in outs] == [4, 0, 8]
     assert llm.engine.block_manager.num_used_blocks == 0

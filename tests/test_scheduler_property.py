@@ -102,11 +102,14 @@ class World:
                     self.sched.finish(seq, "length")
 
     def _write(self, seq: Sequence, start: int, n: int) -> None:
-        """Record what the K/V of positions start..start+n-1 are computed from; only an unshared block is written."""
+        """Record what the K/V of positions start..start+n-1 are computed from; only an unshared block is written, or
+        one that this step's schedule put in the prefix cache (register_scheduled), which a request admitted later in
+        the step shares: the forward writes every K/V of the step before any attention reads (checked after it)."""
         bs = self.bm.block_size
         for p in range(start, start + n):
             bid = seq.block_table[p // bs]
-            assert self.bm.blocks[bid].ref_count == 1, "a step writes into a block another sequence shares"
+            assert self.bm.blocks[bid].ref_count == 1 or bid in self.bm.scheduled, \
+                "a step writes into a block another sequence shares"
             self.written[bid] = (seq.lora, tuple(seq.all_token_ids[:p + 1]))
 
     def check(self) -> None:

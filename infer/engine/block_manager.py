@@ -1,9 +1,12 @@
 """Paged KV blocks: a free list, reference counts, and automatic prefix caching.
 
 A full block is identified by a chained hash of its token ids (SHA-256 of the previous block's hash and its own
-ids), confirmed by comparing the ids. A block is registered in the cache only once its K/V have been computed. Freed
-blocks keep their hash and sit in an LRU free list, so a later request with the same prefix finds them until
-their space is needed; freed blocks without a hash are reused first.
+ids), confirmed by comparing the ids. A block is registered in the cache when a step is scheduled to complete its K/V
+(as vLLM's allocate_slots caches the full blocks of the tokens scheduled): a request admitted later in the same step
+with the same prefix finds it and computes only its tail, reading K/V the same forward writes (each layer writes all
+the step's keys and values before its attention reads them). Freed blocks keep their hash and sit in an LRU free
+list, so a later request with the same prefix finds them until their space is needed; freed blocks without a hash
+are reused first.
 """
 
 from __future__ import annotations
@@ -70,6 +73,9 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU order
         self.hash_to_block: dict[bytes, int] = {}
         self.fresh: list[int] = []  # blocks handed out since the runner last zeroed them
+        # blocks registered by register_scheduled since the scheduler's last step began: their K/V are this step's
+        # (unwritten until its forward runs: a step that fails forgets them, forget_scheduled)
+        self.scheduled: list[int] = []
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, found
 
@@ -165,8 +171,59 @@ class BlockManager:
             self.free[block.block_id] = None
             self.free.move_to_end(block.block_id, last=False)
 
+    def register_scheduled(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Put the full blocks that the step just scheduled for seq completes into the prefix cache now (vLLM's
+        allocate_slots -> cache_blocks with num_computed_tokens + num_new_tokens), so that a request admitted later in
+        the same step with the same prefix shares them instead of computing them again (the n samples of a request,
+        a batch sharing a system prompt): it reads K/V that the same forward writes first. Only for a step of at
+        least 2 tokens of seq: that step's attention then runs after every layer's KV write of the whole batch (a
+        batch of single-token queries is attended in the fused decode kernel, one program per token writing its own
+        key while the others read: a reader of the block would race the write). Tokens still pending on the host
+        (overlapped steps) are never hashed. Their draft-model KV is not known yet: marked unwritten (draft_upto 0),
+        register_computed sets it once the step ran."""
+        if not self.enable_prefix_caching or num_new_tokens < 2:
+            return
+        end = min(seq.num_computed_tokens + num_new_tokens, len(seq) - seq.num_pending)
+        for i in range(seq.num_hashed_blocks, min(end // self.block_size, len(seq.block_table))):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is not None:  # (registered by an earlier step's schedule whose completion is pending)
+                continue
+            h = block_key(seq, i, self.block_size)
+            block.hash, block.token_ids = h, tuple(seq.tokens(i * self.block_size, (i + 1) * self.block_size))
+            block.draft_upto = 0
+            self.hash_to_block.setdefault(h, block.block_id)
+            self.scheduled.append(block.block_id)
+
+    def forget_scheduled(self, seqs) -> None:
+        """The step scheduled since `scheduled` was cleared never ran (its launch failed, or was interrupted): the
+        blocks registered for it hold no K/V, so they leave the prefix cache, and each of `seqs` (the running ones)
+        that took one of them as a cached prefix goes back to computing from it (nor are they hits it counted)."""
+        if not self.scheduled:
+            return
+        gone = set(self.scheduled)
+        for bid in self.scheduled:
+            block = self.blocks[bid]
+            if block.hash is not None and self.hash_to_block.get(block.hash) == bid:
+                del self.hash_to_block[block.hash]
+            block.hash = block.token_ids = None
+        self.scheduled = []
+        bs = self.block_size
+        for seq in seqs:
+            for k, bid in enumerate(seq.block_table[:seq.num_hashed_blocks]):
+                if bid in gone:
+                    if not seq.num_preemptions and seq.num_cached_tokens > k * bs:  # (allocate counted them)
+                        if self._reads_cache(seq):
+                            self.prefix_hits -= seq.num_cached_tokens - k * bs
+                        seq.num_cached_tokens = k * bs
+                    seq.num_hashed_blocks = k
+                    seq.num_computed_tokens = min(seq.num_computed_tokens, k * bs)
+                    seq.draft_computed = min(seq.draft_computed, seq.num_computed_tokens)
+                    seq.last_block_hash = self.blocks[seq.block_table[k - 1]].hash if k else None
+                    break
+
     def register_computed(self, seq: Sequence) -> None:
-        """Put the sequence's newly computed full blocks into the prefix cache."""
+        """Put the sequence's newly computed full blocks into the prefix cache (those register_scheduled put there
+        get their draft KV's mark)."""
         if not self.enable_prefix_caching:
             return
         full = seq.num_computed_tokens // self.block_size

@@ -732,8 +732,10 @@ class LLMEngine:
                 sampled = self.runner.run(batch)
         except BaseException:  # (Ctrl-C while the draft's tokens are read back) the step never completed: its blocks
             # are the next step's to zero, or the target's KV of the blocks it got held whatever their memory held
-            # (a NaN read as attention's masked tail: the request ended "logits were not finite")
+            # (a NaN read as attention's masked tail: the request ended "logits were not finite"); the blocks
+            # registered for it hold no K/V: out of the prefix cache, and whoever took them computes them
             self.block_manager.fresh[:0] = batch.zero
+            self.block_manager.forget_scheduled(self.scheduler.running)
             raise
         self.last_step_tokens = batch.num_tokens
         if self.speculative is not None:  # (never overlapped: EngineConfig.use_overlap)
@@ -760,6 +762,7 @@ class LLMEngine:
             handle = self.runner.launch(batch, prev[1] if prev else None, settle if prev else None)
         except BaseException:  # (a failed launch, or Ctrl-C before its forward) as above: the next step zeroes them
             self.block_manager.fresh[:0] = batch.zero
+            self.block_manager.forget_scheduled(self.scheduler.running)
             raise
         with interrupts_held():
             self._launched(batch, handle.rows)

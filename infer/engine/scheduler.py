@@ -220,6 +220,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [])
+        self.bm.scheduled = []  # (the last step ran: its blocks' K/V are written, or being written on the device)
         for seq in self.running:
             if seq.block_table and self.ends_pending(seq):
                 # the launched step's completion finishes it: its blocks are free from now (registered first: that
@@ -240,6 +241,7 @@ class Scheduler:
                 continue  # seq itself was preempted (it was the youngest); the list shrank
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
+            self.bm.register_scheduled(seq, n)  # (its own tokens: never drafts, which may be rejected)
             budget -= n + self.lag(seq)
             i += 1
         for seq in self.running[i:]:  # not scheduled this step: no drafts
@@ -313,6 +315,7 @@ class Scheduler:
                     break  # running, its first tokens the next step's
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
+                self.bm.register_scheduled(seq, n)  # a later one of the same prefix shares the blocks it computes
                 budget -= n + self.lag(seq)
         finally:
             self.waiting.extendleft(reversed(skipped))
