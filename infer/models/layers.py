@@ -135,7 +135,8 @@ class MergedLinear(nn.Module):
                                      "config.json says this layer has no bias")
             start, size = self.shard_offset(shard), self.out_sizes[shard]
             if tuple(tensor.shape) != (size,):
-                raise ModelLoadError(f"{self.prefix_of(shard)}.bias has shape {tuple(tensor.shape)}, expected ({size},)")
+                raise ModelLoadError(f"{self.prefix_of(shard)}.bias has shape {tuple(tensor.shape)}, "
+                                     f"expected ({size},)")
             self.bias.data[start:start + size].copy_(tensor)
         else:
             self.method.load_shard(self, name, shard, tensor)
