@@ -15,8 +15,8 @@ from . import options as o
 
 
 def convert(
-    model: Annotated[str, typer.Argument(help="A Hugging Face model folder (.bin, sharded or safetensors; float or "
-                                              "GPTQ), or a built-in model name.", show_default=False)],
+    model: Annotated[str, typer.Argument(help="A Hugging Face model folder (.bin, sharded or safetensors; float, "
+                                              "GPTQ or AWQ), or a built-in model name.", show_default=False)],
     output: Annotated[Path, typer.Option("-o", "--output", help="Folder to write the converted model into.",
                                          show_default=False, parser=o.folder_path, metavar="<path>")],
     to: Annotated[str, typer.Option("--to", help="Target format: safetensors (a quantized checkpoint's tensors "
