@@ -19,3 +19,16 @@ def _help(*cmd: str) -> str:
 def test_convert_help_names_awq_models():
     """convert reads AWQ checkpoints (--to gptq rewrites them): its MODEL help named only float and GPTQ."""
     assert "float, GPTQ or AWQ" in _help("convert")
+
+
+def test_quantize_refusing_an_awq_config_names_convert_to_gptq(tmp_path):
+    """README: `infer quantize` refuses an AWQ input, naming `infer convert --to gptq`. An AWQ config.json
+    (quant_method awq) got only "quantize the float model it came from"."""
+    src = tmp_path / "awq"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "quantization_config": {
+        "quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}}))
+    res = CliRunner().invoke(app, ["quantize", str(src), "-o", str(tmp_path / "out"), "--group-size", "32"])
+    assert res.exit_code == 2 and "already quantized (quant_method 'awq')" in res.output, res.output
+    assert f"infer convert {src} -o OUT --to gptq" in " ".join(res.output.split()), res.output
+    assert not (tmp_path / "out").exists()

@@ -253,7 +253,9 @@ def _check_source(src: Path, group_size: int, bits: int = 4) -> dict:
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if method not in (None, "gptq"):
         raise ConfigError(f"{src} is already quantized (quant_method {method!r})",
-                          "quantize the float model it came from")
+                          "quantize the float model it came from" + (
+                              f", or rewrite it as GPTQ with `infer convert {src} -o OUT --to gptq`"
+                              if method == "awq" else ""))
     if is_gptq(src):
         raise ConfigError(f"{src} is already a GPTQ checkpoint", "quantize the float model it came from")
     if not qc and (src / "quant_config.json").is_file():  # older AutoAWQ's file (GPTQConfig.from_model_dir reads it)
