@@ -32,3 +32,31 @@ def test_quantize_refusing_an_awq_config_names_convert_to_gptq(tmp_path):
     assert res.exit_code == 2 and "already quantized (quant_method 'awq')" in res.output, res.output
     assert f"infer convert {src} -o OUT --to gptq" in " ".join(res.output.split()), res.output
     assert not (tmp_path / "out").exists()
+
+
+def test_a_logprobs_count_past_max_logprobs_says_what_to_do():
+    """A server or batch line's logprobs / top_logprobs past the engine's max_logprobs said only "must be in 0..N"
+    (the engine's prompt_logprobs refusal named --max-logprobs): each names the option that raises the bound now."""
+    import pytest
+
+    from infer.engine.inputs import MAX_LOGPROBS, ModelNames, parse_request
+    from infer.errors import RequestError
+    from infer.serve.protocol import ApiError, parse_chat, parse_completion
+    from infer.serve.responses import to_chat
+    with pytest.raises(ApiError) as e:
+        parse_completion({"model": "m", "prompt": "hi", "logprobs": 6}, None, defaults={MAX_LOGPROBS: 5})
+    assert "logprobs must be in 0..5, got 6" in str(e.value) and "--max-logprobs" in str(e.value)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 6}
+    with pytest.raises(ApiError) as e:
+        parse_chat(chat, None, defaults={MAX_LOGPROBS: 5})
+    assert "top_logprobs must be in 0..5, got 6" in str(e.value) and "--max-logprobs" in str(e.value)
+    with pytest.raises(ApiError) as e:
+        to_chat({"model": "m", "input": "hi", "top_logprobs": 6}, 5)
+    assert "--max-logprobs" in str(e.value)
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": chat}
+    with pytest.raises(RequestError) as e:
+        parse_request(line, None, "1", names=ModelNames(max_logprobs=5))
+    assert "in 0..5, got 6" in str(e.value) and "--max-logprobs" in str(e.value)
+    with pytest.raises(ApiError) as e:  # below 0 the bound is no help
+        parse_completion({"model": "m", "prompt": "hi", "logprobs": -2}, None, defaults={MAX_LOGPROBS: 5})
+    assert "--max-logprobs" not in str(e.value)

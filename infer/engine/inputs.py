@@ -574,7 +574,9 @@ def _batch_line(obj: dict, default_id: str, names: ModelNames) -> tuple[dict, st
     if top is not None and (isinstance(top, bool) or not isinstance(top, int)
                             or not (0 <= top <= most if most != -1 else top >= -1)):
         raise RequestError("body.top_logprobs must be an integer " + (f"in 0..{most}" if most != -1 else
-                           "of at least 0, or -1 (the whole vocabulary)") + f", got {top!r}")
+                           "of at least 0, or -1 (the whole vocabulary)") + f", got {top!r}",
+                           f"the run's max_logprobs is {most}: pass a larger --max-logprobs N (-1: the whole "
+                           "vocabulary)" if most != -1 and isinstance(top, int) and top > most else None)
     if top and "messages" in body and body.get("logprobs") is not True:  # 0 asks for none (as vLLM's check)
         raise RequestError("body.top_logprobs is given but body.logprobs is not true: no logprobs would be written",
                            "set \"logprobs\": true, or remove top_logprobs")

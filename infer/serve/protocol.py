@@ -207,7 +207,9 @@ def _common(body: Any, chat: bool, defaults: dict | None = None) -> GenerationRe
         return 0 <= n <= most if most != -1 else n >= -1
 
     def refused(name: str, n: int) -> str:
-        return f"{name} must be {'in ' if most != -1 else ''}{allowed}, got {n}"
+        return f"{name} must be {'in ' if most != -1 else ''}{allowed}, got {n}" + (
+            f" (the server's max_logprobs is {most}: start it with a larger --max-logprobs N; -1: the whole "
+            "vocabulary)" if most != -1 and n > most else "")
     fields = {**defaults, **{k: v for k, v in body.items() if k in _PARAM_KEYS and v is not None}}
     try:
         structured, source = from_openai(body)

@@ -299,7 +299,9 @@ def to_chat(body: Any, max_logprobs: int = 20) -> dict:
         most = max_logprobs  # the engine's (-1: any number, and -1 for the whole vocabulary)
         if not isinstance(top, int) or isinstance(top, bool) or not (0 <= top <= most if most != -1 else top >= -1):
             allowed = f"in 0..{most}" if most != -1 else "of at least 0, or -1 (the whole vocabulary)"
-            raise _bad(f"top_logprobs must be an integer {allowed}, got {json.dumps(top)[:40]}", "top_logprobs")
+            raise _bad(f"top_logprobs must be an integer {allowed}, got {json.dumps(top)[:40]}" + (
+                f" (the server's max_logprobs is {most}: start it with a larger --max-logprobs N; -1: the whole "
+                "vocabulary)" if most != -1 and isinstance(top, int) and top > most else ""), "top_logprobs")
     _tools(body, chat)
     _text_format(body, chat)
     ignored = sorted(k for k in body if k not in _PASSED | _TAKEN)
