@@ -60,3 +60,34 @@ def test_a_logprobs_count_past_max_logprobs_says_what_to_do():
     with pytest.raises(ApiError) as e:  # below 0 the bound is no help
         parse_completion({"model": "m", "prompt": "hi", "logprobs": -2}, None, defaults={MAX_LOGPROBS: 5})
     assert "--max-logprobs" not in str(e.value)
+
+
+def test_the_hf_baseline_refuses_int4_layers_transformers_leaves_unset(tmp_path):
+    """`infer bench --baseline hf` (the demo's bench step) on a GPTQ Phi-3 checkpoint infer quantize wrote
+    (GPTQModel's gate_proj and up_proj apart; transformers' Phi3MLP has one gate_up_proj): transformers left those
+    int4 layers uninitialized and generate died in GPTQModel's kernel ("IndexError: index 358612992 is out of bounds").
+    The baseline now refuses such a checkpoint naming the tensor. Simulated here by moving a layer's tensors where
+    transformers does not look."""
+    import pytest
+    from safetensors.torch import load_file, save_file
+
+    from quant_helpers import has_gptqmodel
+    if not has_gptqmodel():
+        pytest.skip("needs gptqmodel")
+    from test_probes_session53_awq import float_model, write_awq
+
+    from infer.bench.hf_baseline import load_hf
+    from infer.errors import ModelLoadError
+    base = float_model(tmp_path)
+    write_awq(base, tmp_path / "awq")
+    res = CliRunner().invoke(app, ["convert", str(tmp_path / "awq"), "-o", str(tmp_path / "gptq"), "--to", "gptq"])
+    assert res.exit_code == 0, res.output
+    load_hf(str(tmp_path / "gptq"), device="cpu")  # its own layout loads
+    weights = tmp_path / "gptq" / "model.safetensors"
+    tensors = load_file(weights)
+    moved = {k.replace("layers.0.mlp.gate_proj.", "layers.0.mlp.gate_projection."): v for k, v in tensors.items()}
+    save_file(moved, weights, metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError) as e:
+        load_hf(str(tmp_path / "gptq"), device="cpu")
+    assert "no tensor for model.layers.0.mlp.gate_proj." in str(e.value), str(e.value)
+    assert "model.layers.0.mlp.gate_projection." in str(e.value) and "--baseline hf" in e.value.hint

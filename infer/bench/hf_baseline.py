@@ -98,12 +98,24 @@ def load_hf(model_path: str, dtype: str = "auto", device: str = "auto") -> HFMod
         torch_dtype = getattr(torch, dtype)
     hf_logging.disable_progress_bar()
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(dev).eval()
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, output_loading_info=True)
+        model = model.to(dev).eval()
         model.generation_config = plain_generation_config(model.generation_config)  # greedy, as the engine
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:
         raise ModelLoadError(f"transformers cannot load {path} for the baseline: {e}",
                              "a GPTQ checkpoint needs gptqmodel/optimum installed for the HF baseline") from e
+    # int4 layers transformers found no tensors for are left uninitialized (garbage g_idx: an IndexError, or garbage
+    # tokens), as GPTQModel's Phi-3 checkpoints (gate_proj and up_proj apart; transformers' Phi3MLP has gate_up_proj)
+    quantized = (".qweight", ".qzeros", ".scales", ".g_idx")
+    unset = sorted(k for k in info.get("missing_keys") or () if k.endswith(quantized))
+    if unset:
+        extra = sorted(info.get("unexpected_keys") or ())
+        raise ModelLoadError(f"transformers cannot load {path} for the baseline: its model has no tensor for "
+                             f"{unset[0]} ({len(unset)} quantized tensors missing)"
+                             + (f", and no place for the checkpoint's {extra[0]}" if extra else ""),
+                             "this checkpoint's layout is not transformers' (infer reads it): run without "
+                             "--baseline hf")
     return HFModel(model, tok, dev)
 
 
