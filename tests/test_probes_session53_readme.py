@@ -91,3 +91,10 @@ def test_the_hf_baseline_refuses_int4_layers_transformers_leaves_unset(tmp_path)
         load_hf(str(tmp_path / "gptq"), device="cpu")
     assert "no tensor for model.layers.0.mlp.gate_proj." in str(e.value), str(e.value)
     assert "model.layers.0.mlp.gate_projection." in str(e.value) and "--baseline hf" in e.value.hint
+
+
+def test_quantize_help_says_transformers_cannot_read_a_phi3_checkpoint():
+    """quantize's help said its checkpoint loads unchanged in transformers; a Phi-3's (GPTQModel's gate_proj and
+    up_proj apart) does not fit transformers' Phi3MLP (bench --baseline hf refuses it): the help says so."""
+    text = _help("quantize")
+    assert "Phi-3" in text and "gate_proj and up_proj apart" in text and "--baseline hf" in text

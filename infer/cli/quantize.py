@@ -111,7 +111,9 @@ def quantize(
     """Quantize a float model to GPTQ int4/int8 with GPTQModel and write a standard GPTQ checkpoint.
 
     The checkpoint (qweight/qzeros/scales/g_idx, format "gptq", quantize_config.json) loads unchanged in
-    transformers (with optimum + gptqmodel), vLLM and `infer run`. OUTPUT also gets quantization_report.csv with
+    transformers (with optimum + gptqmodel), vLLM and `infer run`; a Phi-3's is GPTQModel's layout (gate_proj and
+    up_proj apart), which transformers' Phi3MLP has no place for (so no `infer bench --baseline hf` on it), while
+    GPTQModel and `infer run` read it. OUTPUT also gets quantization_report.csv with
     each module's quantization error and time. Needs the extra: pip install 'infer[quantize]'.
 
     Example: infer quantize ./Llama-3.2-1B -o ./Llama-3.2-1B-gptq --bits 4 --group-size 128 --calibration chats.jsonl
