@@ -218,9 +218,17 @@ class Scheduler:
         return n if n > 0 or batch else 1
 
     def schedule(self) -> ScheduledBatch:
+        self.bm.scheduled = []  # (the last step ran: its blocks' K/V are written, or being written on the device)
+        try:
+            return self._schedule()
+        except BaseException:  # (an adapter slot's load failing in _admit, Ctrl-C) the step never runs: the blocks
+            # registered for it hold no K/V (its caller may abort the requests, leaving them cached when freed)
+            self.bm.forget_scheduled(self.running)
+            raise
+
+    def _schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [])
-        self.bm.scheduled = []  # (the last step ran: its blocks' K/V are written, or being written on the device)
         for seq in self.running:
             if seq.block_table and self.ends_pending(seq):
                 # the launched step's completion finishes it: its blocks are free from now (registered first: that
