@@ -63,3 +63,32 @@ def test_a_schedule_that_raises_after_registering_blocks_leaves_them_out_of_the_
     assert tokens == _result(want)[0]
     assert logprobs == pytest.approx(_result(want)[1], abs=1e-4)
     assert got.num_cached_tokens == 0
+
+
+def test_an_interrupt_between_schedule_and_the_step_leaves_the_blocks_out_of_the_cache(monkeypatch):
+    """The same for a Ctrl-C that lands after schedule() returned, while the engine collects the requests it failed
+    (LLMEngine._take_failed), before the step's own guard."""
+    prompt = random_prompts(500, (40,), seed=12)[0]
+    params = Params(max_new_tokens=5, ignore_eos=True, logprobs=0)
+    engine = _engine()
+    engine.add_request("a", prompt, params)
+    engine.add_request("b", prompt, params)
+    take = engine._take_failed
+
+    def interrupted():
+        take()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine, "_take_failed", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    monkeypatch.setattr(engine, "_take_failed", take)
+    engine.abort_request(["a", "b"])
+    _drain(engine)
+    engine.add_request("c", prompt, params)
+    got = _drain(engine)["c"]
+    off = _engine(False)
+    off.add_request("c", prompt, params)
+    want = _drain(off)["c"]
+    assert _result(got)[0] == _result(want)[0]
+    assert got.num_cached_tokens == 0

@@ -714,7 +714,11 @@ class LLMEngine:
         if self.speculative is not None:
             self._propose()
         batch = self.scheduler.schedule()
-        outputs += self._take_failed()
+        try:
+            outputs += self._take_failed()
+        except BaseException:  # (Ctrl-C) the step never runs: the blocks registered for it hold no K/V
+            self.block_manager.forget_scheduled(self.scheduler.running)
+            raise
         if not batch:
             if self._inflight is not None:  # wait for the launched batch, and complete it
                 self._unsettled, self._inflight = self._inflight, None
