@@ -122,13 +122,15 @@ def gptqmodel_greedy(path, prompts, n: int) -> list[list[int]]:
     return hf_greedy(model, prompts, n)
 
 
-def _check_gptq(path):
+def _check_gptq(path, oracle=None):
+    """infer's tokens on GPTQ checkpoint `path` equal GPTQModel's own load of `oracle` (default `path`; the split
+    layout GPTQModel reads where `path` fuses gate_up_proj)."""
     prompts = random_prompts(512, (4, 11, 23), seed=11)
     with LLM(str(path), block_size=4) as llm:
         layer = llm.engine.runner.model.layers[0].self_attn.qkv_proj
         assert layer.names == ["model.layers.0.self_attn.qkv_proj"] * 3 and layer.qweight is not None
         outs = llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
-    assert [o.token_ids for o in outs] == gptqmodel_greedy(path, prompts, 8)
+    assert [o.token_ids for o in outs] == gptqmodel_greedy(oracle or path, prompts, 8)
 
 
 def _fuse_gate_up(src, dst):
@@ -145,6 +147,20 @@ def _fuse_gate_up(src, dst):
     return dst
 
 
+def _split_gate_up(src, dst):
+    """A copy of GPTQ checkpoint `src` (one file) with each mlp.gate_up_proj stored as GPTQModel writes and reads a
+    Phi-3's MLP: gate_proj and up_proj apart (the halves along the output; g_idx each)."""
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    for key in [k for k in tensors if ".mlp.gate_up_proj." in k]:
+        t = tensors.pop(key)
+        gate, up = (t, t.clone()) if key.endswith("g_idx") else t.chunk(2, dim=-1)
+        tensors[key.replace("gate_up_proj", "gate_proj")] = gate.contiguous()
+        tensors[key.replace("gate_up_proj", "up_proj")] = up.contiguous()
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
 @needs_gptqmodel
 def test_infer_quantize_writes_a_phi3_gptq_checkpoint_equal_to_gptqmodels_load_and_convert_takes_it(tmp_path):
     build(tmp_path / "f")
@@ -153,12 +169,13 @@ def test_infer_quantize_writes_a_phi3_gptq_checkpoint_equal_to_gptqmodels_load_a
                                    "--num-samples", "8", "--seq-len", "32"])
     assert res.exit_code == 0, res.output
     names = load_file(out / "model.safetensors").keys()
-    assert "model.layers.0.self_attn.qkv_proj.qweight" in names  # quantized as one (its MLP GPTQModel unfuses)
-    _check_gptq(out)
-    fused = _fuse_gate_up(out, tmp_path / "fused")  # the layout of checkpoints quantized with Phi-3's own MLP
+    assert "model.layers.0.self_attn.qkv_proj.qweight" in names  # quantized as one
+    assert "model.layers.0.mlp.gate_up_proj.qweight" in names  # GPTQModel unfuses the MLP; infer writes it fused
+    split = _split_gate_up(out, tmp_path / "split")  # the layout GPTQModel saves and reads
+    _check_gptq(out, split)
     prompts = random_prompts(512, (9,), seed=5)
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    with LLM(str(fused)) as a, LLM(str(out)) as b:
+    with LLM(str(split)) as a, LLM(str(out)) as b:
         assert a.generate(prompts, params)[0].token_ids == b.generate(prompts, params)[0].token_ids
     res = CliRunner().invoke(app, ["convert", str(out), "-o", str(tmp_path / "c")])  # copied tensor by tensor
     assert res.exit_code == 0, res.output

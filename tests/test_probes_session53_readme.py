@@ -93,8 +93,9 @@ def test_the_hf_baseline_refuses_int4_layers_transformers_leaves_unset(tmp_path)
     assert "model.layers.0.mlp.gate_projection." in str(e.value) and "--baseline hf" in e.value.hint
 
 
-def test_quantize_help_says_transformers_cannot_read_a_phi3_checkpoint():
-    """quantize's help said its checkpoint loads unchanged in transformers; a Phi-3's (GPTQModel's gate_proj and
-    up_proj apart) does not fit transformers' Phi3MLP (bench --baseline hf refuses it): the help says so."""
+def test_quantize_help_says_which_phi3_checkpoint_transformers_cannot_read():
+    """quantize writes a Phi-3's MLP as transformers' and vLLM's one gate_up_proj, except with --desc-act (gate and up
+    then have different g_idx: GPTQModel's split layout stays, which transformers and vLLM cannot load): the help
+    says so (session 53 phiquant; before, every Phi-3 checkpoint kept the split layout)."""
     text = _help("quantize")
-    assert "Phi-3" in text and "gate_proj and up_proj apart" in text and "--baseline hf" in text
+    assert "Phi-3" in text and "gate_up_proj" in text and "--desc-act" in text and "vLLM" in text

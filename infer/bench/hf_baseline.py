@@ -106,7 +106,8 @@ def load_hf(model_path: str, dtype: str = "auto", device: str = "auto") -> HFMod
         raise ModelLoadError(f"transformers cannot load {path} for the baseline: {e}",
                              "a GPTQ checkpoint needs gptqmodel/optimum installed for the HF baseline") from e
     # int4 layers transformers found no tensors for are left uninitialized (garbage g_idx: an IndexError, or garbage
-    # tokens), as GPTQModel's Phi-3 checkpoints (gate_proj and up_proj apart; transformers' Phi3MLP has gate_up_proj)
+    # tokens), as GPTQModel's Phi-3 checkpoints (gate_proj and up_proj apart; transformers' Phi3MLP has gate_up_proj:
+    # `infer quantize` fuses them, except with --desc-act)
     quantized = (".qweight", ".qzeros", ".scales", ".g_idx")
     unset = sorted(k for k in info.get("missing_keys") or () if k.endswith(quantized))
     if unset:

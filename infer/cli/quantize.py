@@ -88,7 +88,9 @@ def quantize(
                                             rich_help_panel=GPTQ)] = 128,
     desc_act: Annotated[bool, typer.Option("--desc-act/--no-desc-act", help="Quantize columns in order of "
                                            "decreasing activation (act-order): better accuracy, a g_idx "
-                                           "permutation at run time.", rich_help_panel=GPTQ)] = False,
+                                           "permutation at run time. A Phi-3 then keeps gate_proj and up_proj "
+                                           "apart, which transformers and vLLM cannot load (infer can).",
+                                           rich_help_panel=GPTQ)] = False,
     sym: Annotated[bool, typer.Option("--sym/--no-sym", help="Symmetric quantization (zero point in the "
                                       "middle); --no-sym fits a zero point per group.", rich_help_panel=GPTQ)] = True,
     damp: Annotated[float, typer.Option(help="Hessian dampening, as a fraction of its mean diagonal.",
@@ -111,10 +113,11 @@ def quantize(
     """Quantize a float model to GPTQ int4/int8 with GPTQModel and write a standard GPTQ checkpoint.
 
     The checkpoint (qweight/qzeros/scales/g_idx, format "gptq", quantize_config.json) loads unchanged in
-    transformers (with optimum + gptqmodel), vLLM and `infer run`; a Phi-3's is GPTQModel's layout (gate_proj and
-    up_proj apart), which transformers' Phi3MLP has no place for (so no `infer bench --baseline hf` on it), while
-    GPTQModel and `infer run` read it. OUTPUT also gets quantization_report.csv with
-    each module's quantization error and time. Needs the extra: pip install 'infer[quantize]'.
+    transformers (with optimum + gptqmodel), vLLM and `infer run`. A Phi-3's MLP is written as one gate_up_proj,
+    as transformers and vLLM have it (GPTQModel.load itself reads only its split gate_proj/up_proj), except with
+    --desc-act: gate and up then have different g_idx, so GPTQModel's split layout stays, which infer and GPTQModel
+    read but transformers and vLLM do not. OUTPUT also gets quantization_report.csv with each module's quantization
+    error and time. Needs the extra: pip install 'infer[quantize]'.
 
     Example: infer quantize ./Llama-3.2-1B -o ./Llama-3.2-1B-gptq --bits 4 --group-size 128 --calibration chats.jsonl
     """
@@ -163,5 +166,5 @@ def print_summary(result: QuantizeResult, options: QuantizeOptions) -> None:
         console.print(f"Largest error: {module_name(worst)} (loss {worst.loss:.3e})")
     console.print(f"Wrote {result.out} ({options.bits}-bit, group size {options.group_size}) in "
                   f"{result.seconds:.1f} s", soft_wrap=True)  # a long path stays on one line (not wrapped at 80)
-    for note in options.interop_notes():
+    for note in [*options.interop_notes(), *result.notes]:
         console.print(f"[yellow]Note:[/yellow] {note}", highlight=False)

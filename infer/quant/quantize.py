@@ -17,7 +17,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
@@ -92,6 +92,7 @@ class QuantizeResult:
     report: Any  # pandas.DataFrame: layer, module, loss, samples, damp, seconds
     calibration: CalibrationSet
     seconds: float
+    notes: list[str] = field(default_factory=list)  # what this checkpoint's readers should know (a split Phi-3 MLP)
 
 
 def require_gptqmodel():
@@ -200,10 +201,10 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: Qu
                           "true), and GPTQModel quantizes only a head of its own", "quantize without --lm-head")
     if opts.lm_head:
         _check_head_widths(config)
-    context, field = _context(config)
+    context, context_field = _context(config)
     if context is not None and context < opts.seq_len:
         raise ConfigError(f"--seq-len {opts.seq_len} is longer than the model's context ({context} tokens, "
-                          f"{field} in config.json)", f"use --seq-len {context} or less")
+                          f"{context_field} in config.json)", f"use --seq-len {context} or less")
     _check_tensors(src, check_weights)
     gptqmodel_mod = require_gptqmodel()
     tokenizer = _tokenizer(src)
@@ -218,11 +219,12 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: Qu
         report = report_frame(log, num_layers)
         _check_saved(tmp)
         _drop_work_paths(tmp)
+        notes = fuse_gate_up(tmp, config, opts)
         keep_source_config(src, tmp, {"dtype": saved_dtype(tmp), "_name_or_path": source_name or str(src),
                                       "quantization_config": read_config_json(tmp)["quantization_config"]})
         _restore_source_files(src, tmp)
         report.to_csv(tmp / REPORT_NAME, index=False)
-    return QuantizeResult(out, report, calib, time.perf_counter() - start)
+    return QuantizeResult(out, report, calib, time.perf_counter() - start, notes)
 
 
 def _context(config: dict) -> tuple[int | None, str]:
@@ -542,6 +544,87 @@ def _restore_source_files(src: Path, out: Path) -> None:
             shutil.copy2(src / name, out / name)
     if not (src / "generation_config.json").is_file():
         (out / "generation_config.json").unlink(missing_ok=True)
+
+
+# Phi-3's MLP is one gate_up_proj (transformers' Phi3MLP, vLLM's Phi-3): GPTQModel unfuses it to quantize and saves
+# gate_proj and up_proj apart, a layout only GPTQModel and infer read
+FUSED_MLP = {"phi3": ("gate_proj", "up_proj", "gate_up_proj")}
+SPLIT_MLP_NOTE = ("--desc-act gives this {arch} checkpoint's mlp.gate_proj and mlp.up_proj different g_idx "
+                  "permutations, which cannot share the one gate_up_proj module of transformers' and vLLM's {arch}: "
+                  "it keeps GPTQModel's split layout, which infer and GPTQModel run but transformers (`infer bench "
+                  "--baseline hf`) and vLLM cannot load; quantize with --no-desc-act for a checkpoint they load")
+
+
+def fuse_gate_up(out: Path, config: dict, opts: QuantizeOptions) -> list[str]:
+    """Rewrite GPTQModel's saved Phi-3 checkpoint in `out` with each layer's mlp.gate_proj and mlp.up_proj as the one
+    mlp.gate_up_proj that transformers and vLLM load: qweight, scales and qzeros (and biases) concatenated along the
+    output, gate first (exact: each half's width packs into whole int32 words), g_idx kept once. Only where every
+    pair shares its g_idx (no act-order); otherwise the split layout stays, and the note returned says so."""
+    names = FUSED_MLP.get(str(config.get("model_type")))
+    if names is None:
+        return []
+    gate, up, fused = names
+    arch = "Phi-3"
+    if opts.desc_act:
+        return [SPLIT_MLP_NOTE.format(arch=arch)]
+    if opts.bits * int(config.get("intermediate_size") or 0) % 32:
+        return []  # its zero points do not pack in whole words: infer reads either layout
+    import torch
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    from .convert import load_weight_file
+    files = weight_files(out)
+    state: dict = {}
+    for f in files:
+        state.update(load_weight_file(f))
+    pairs = [k for k in state if f".mlp.{gate}." in k]
+    if not pairs:
+        return []
+    for key in pairs:
+        other = key.replace(f".mlp.{gate}.", f".mlp.{up}.")
+        if other not in state:
+            return []
+        if key.endswith(".g_idx") and not (state[key].shape == state[other].shape and torch.equal(state[key],
+                                                                                                  state[other])):
+            return [SPLIT_MLP_NOTE.format(arch=arch)]
+    for key in pairs:
+        a, b = state.pop(key), state.pop(key.replace(f".mlp.{gate}.", f".mlp.{up}."))
+        dim = 0 if key.endswith((".weight", ".bias")) else a.dim() - 1
+        both = a if key.endswith(".g_idx") else torch.cat([a, b], dim=dim)
+        state[key.replace(f".mlp.{gate}.", f".mlp.{fused}.")] = both.contiguous()
+    for f in files:
+        f.unlink()
+    (out / "model.safetensors.index.json").unlink(missing_ok=True)
+    split = split_torch_state_dict_into_shards(state, max_shard_size=parse_shard_size(opts.max_shard_size))
+    for filename, tensors in split.filename_to_tensors.items():
+        save_file({n: state[n].contiguous() for n in tensors}, out / filename, metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                 "weight_map": split.tensor_to_filename}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    _rename_in_quant_configs(out, gate, up, fused)
+    return []
+
+
+def _rename_in_quant_configs(out: Path, gate: str, up: str, fused: str) -> None:
+    """The quantization configs' module names (modules_in_block_to_quantize) with gate and up as the fused module."""
+    for name, key in (("quantize_config.json", None), ("config.json", "quantization_config")):
+        path = out / name
+        if not path.is_file():
+            continue
+        data = json.loads(path.read_text())
+        qc = data.get(key) if key else data
+        blocks = qc.get("modules_in_block_to_quantize") if isinstance(qc, dict) else None
+        if not isinstance(blocks, list):
+            continue
+        renamed = []
+        for block in blocks:
+            names = [n.rsplit(".", 1)[0] + "." + fused if isinstance(n, str) and n.split(".")[-2:] in
+                     (["mlp", gate], ["mlp", up]) else n for n in block] if isinstance(block, list) else block
+            renamed.append(list(dict.fromkeys(names)) if isinstance(names, list) else names)
+        qc["modules_in_block_to_quantize"] = renamed
+        path.write_text(json.dumps(data, indent=2, sort_keys=key is not None) + "\n")
 
 
 HEAD = "lm_head"  # the report's `layer` of the output head's row (--lm-head): no decoder layer
