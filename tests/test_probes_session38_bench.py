@@ -113,6 +113,7 @@ class _OneTokenASecond:
     class _Out:
         def __init__(self, rid, n, finished):
             self.request_id, self.new_token_ids, self.token_ids = rid, [7], [7] * n
+            self.num_cached_tokens = 0
             self.finished, self.finish_reason, self.error, self.text = finished, "length" if finished else None, \
                 None, "x" * n
 
