@@ -49,8 +49,11 @@ _MODULE = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>[A-Za-z_]
 _HINT_TARGETS = ("retrain with target_modules among q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj "
                  "(Phi-3: qkv_proj,o_proj,gate_up_proj,down_proj)")
 # what peft adapts when adapter_config.json gives no target_modules: its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_
-# MAPPING entry, the same for every architecture infer serves (llama, mistral, qwen2, qwen3)
+# MAPPING entry, the same for the Llama architectures infer serves (llama, mistral, qwen2, qwen3); that mapping has no
+# phi3 entry, and peft refuses such an adapter on a Phi-3 base ("Please specify `target_modules`")
 PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")
+PEFT_NO_DEFAULT = ("phi3",)
+_NO_TARGETS = "no target_modules, so peft adapts only its default"
 # tensors of LoRA variants that only training reads: peft's eval forward is plain LoRA (config key -> tensor marker)
 _TRAINING_ONLY = {"velora_config": ".lora_velora_", "monteclora_config": ".lora_monteclora_"}
 
@@ -118,7 +121,7 @@ class LoRAAdapter:
 
     def validate_against(self, base_config, max_rank: int | None = None) -> list[Problem]:
         """Everything that keeps this adapter from running on `base_config` (a HF config); [] when it fits."""
-        problems = list(self.problems) + _non_linear_targets(self.config, base_config)
+        problems = _no_default_targets(self, base_config) + _non_linear_targets(self.config, base_config)
         shapes = expected_shapes(base_config)
         num_layers = layer_count(self.config, base_config)
         problems += _foreign_projections(self, base_config, shapes)
@@ -154,6 +157,20 @@ def _foreign_projections(adapter: "LoRAAdapter", base_config, shapes: dict) -> l
     listed = [t for t in targets if str(t).split(".")[-1] in PROJECTIONS and str(t).split(".")[-1] not in shapes] \
         if isinstance(targets, list) else []
     return [Problem(f"targets {listed}, which the base model does not have ({have})", hint)] if listed else []
+
+
+def _no_default_targets(adapter: "LoRAAdapter", base_config) -> list[Problem]:
+    """The adapter's read problems, or for a config without target_modules on a base peft has no default for (Phi-3:
+    peft refuses it, "Please specify `target_modules`") that problem, naming the base's modules, in place of the ones
+    read against Llama's default (q_proj, v_proj), which such a base does not have."""
+    model_type = getattr(base_config, "model_type", None)
+    if adapter.config.get("target_modules") is not None or model_type not in PEFT_NO_DEFAULT:
+        return list(adapter.problems)
+    modules = ", ".join(expected_shapes(base_config))
+    return [Problem(f"{CONFIG_FILE} gives no target_modules, and peft has no default for a {model_type} base: peft "
+                    "refuses it (\"Please specify `target_modules`\")",
+                    f"give target_modules in {CONFIG_FILE}: the {model_type} modules the adapter trained, among "
+                    f"{modules}")] + [p for p in adapter.problems if _NO_TARGETS not in p.message]
 
 
 def layer_count(config: dict, base_config) -> int:
@@ -471,7 +488,7 @@ def _unselected(config: dict, module: str, layer: int) -> str | None:
     targets = config.get("target_modules")
     if targets is None:  # peft adapts its per-architecture default, not every module with weights
         if not _matches(list(PEFT_DEFAULT_TARGETS), module, True):
-            return f"no target_modules, so peft adapts only its default {', '.join(PEFT_DEFAULT_TARGETS)}"
+            return f"{_NO_TARGETS} {', '.join(PEFT_DEFAULT_TARGETS)}"
         targets = list(PEFT_DEFAULT_TARGETS)
     if not _all_linear(targets) and not _matches(targets, module, True):
         return f"target_modules {json.dumps(targets)}"
