@@ -153,7 +153,7 @@ def _model_steps(steps: _Steps, out: Path, model: str, sizes: tuple) -> tuple[Pa
                                "--num-samples", str(samples), "--seq-len", str(seq_len)],
                   lambda _: f"GPTQ int4 checkpoint in {gptq}, per-layer errors in quantization_report.csv")
     missing = [n for n in ADAPTERS if not (adapters / n / "adapter_config.json").is_file()]
-    described = f"support (rank 8, q/v) and legal (rank 16, all projections) in {adapters}"
+    described = f"{adapters_described(model)} in {adapters}"
     if missing:
         steps.run("adapters", [model, str(adapters), *missing], lambda _: described, module="infer.cli.demo")
     else:
@@ -203,6 +203,21 @@ def _bench_line(results: Path) -> str:
     if ratio:
         line += f", {ratio:.2f}x transformers ({base:.0f} tok/s, same int4 checkpoint and requests)"
     return f"{line} -> {results.parent}"
+
+
+def adapters_described(model: str) -> str:
+    """The demo's adapters on built-in `model` as its summary line names them: each one's rank and the modules it
+    targets there (Llama's q/v; a Phi-3's fused qkv_proj, which adapts q, k and v)."""
+    from ..lora.adapter import base_targets
+    from ..models.tiny import BUILTIN_MODELS
+    arch = BUILTIN_MODELS[model].arch
+
+    def what(targets: list[str]) -> str:
+        if targets == ALL_PROJECTIONS:
+            return "all projections"
+        modules = base_targets(arch, targets)
+        return "/".join(t.removesuffix("_proj") for t in modules) if modules == targets else ", ".join(modules)
+    return " and ".join(f"{name} (rank {rank}, {what(targets)})" for name, (rank, targets, _) in ADAPTERS.items())
 
 
 def _make_adapters(model: str, folder: str, *names: str) -> None:
