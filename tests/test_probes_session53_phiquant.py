@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from infer import LLM, SamplingParams
 from infer.cli.main import app
-from infer.quant.quantize import QuantizeOptions, fuse_gate_up
+from infer.quant.quantize import FUSED_MLP_NOTE, QuantizeOptions, fuse_gate_up
 
 from helpers import random_prompts
 from quant_helpers import needs_gptqmodel
@@ -101,7 +101,8 @@ def test_fuse_concatenates_gate_first_and_renames_the_configs_modules(tmp_path):
     modules = ["self_attn.qkv_proj", "mlp.gate_proj", "mlp.up_proj"]
     before = _fake_checkpoint(tmp_path / "c", modules)
     config = json.loads((tmp_path / "c" / "config.json").read_text())
-    assert fuse_gate_up(tmp_path / "c", config, QuantizeOptions(group_size=32)) == []
+    notes = fuse_gate_up(tmp_path / "c", config, QuantizeOptions(group_size=32))
+    assert notes == [FUSED_MLP_NOTE.format(arch="Phi-3")]
     after = load_file(tmp_path / "c" / "model.safetensors")
     p = "model.layers.0.mlp."
     for t in ("qweight", "qzeros", "scales"):

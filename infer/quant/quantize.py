@@ -553,13 +553,19 @@ SPLIT_MLP_NOTE = ("--desc-act gives this {arch} checkpoint's mlp.gate_proj and m
                   "permutations, which cannot share the one gate_up_proj module of transformers' and vLLM's {arch}: "
                   "it keeps GPTQModel's split layout, which infer and GPTQModel run but transformers (`infer bench "
                   "--baseline hf`) and vLLM cannot load; quantize with --no-desc-act for a checkpoint they load")
+# GPTQModel's own Phi-3 definition names the MLP's gate_proj and up_proj (it unfuses Phi3MLP), and GPTQModel.load
+# refuses a checkpoint without them ("Missing required quantized weights ... mlp.gate_proj.qweight", GPTQModel 7.6)
+FUSED_MLP_NOTE = ("this {arch} checkpoint's MLP is one mlp.gate_up_proj, as transformers (`infer bench --baseline "
+                  "hf`) and vLLM load it (and infer); GPTQModel.load reads only its own split layout (mlp.gate_proj "
+                  "and mlp.up_proj apart) and refuses it, so load it with transformers, not GPTQModel.load")
 
 
 def fuse_gate_up(out: Path, config: dict, opts: QuantizeOptions) -> list[str]:
     """Rewrite GPTQModel's saved Phi-3 checkpoint in `out` with each layer's mlp.gate_proj and mlp.up_proj as the one
     mlp.gate_up_proj that transformers and vLLM load: qweight, scales and qzeros (and biases) concatenated along the
     output, gate first (exact: each half's width packs into whole int32 words), g_idx kept once. Only where every
-    pair shares its g_idx (no act-order); otherwise the split layout stays, and the note returned says so."""
+    pair shares its g_idx (no act-order); otherwise the split layout stays. The notes returned say which readers
+    load the layout written (GPTQModel.load none but its split one)."""
     names = FUSED_MLP.get(str(config.get("model_type")))
     if names is None:
         return []
@@ -604,7 +610,7 @@ def fuse_gate_up(out: Path, config: dict, opts: QuantizeOptions) -> list[str]:
                  "weight_map": split.tensor_to_filename}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     _rename_in_quant_configs(out, gate, up, fused)
-    return []
+    return [FUSED_MLP_NOTE.format(arch=arch)]
 
 
 def _rename_in_quant_configs(out: Path, gate: str, up: str, fused: str) -> None:
