@@ -20,7 +20,7 @@ from infer.lora.adapter import adapter_problems
 
 from helpers import random_prompts
 from lora_helpers import hf_float, save_adapter
-from quant_helpers import needs_gptqmodel
+from quant_helpers import make_gptqmodel_checkpoint, needs_gptqmodel
 from test_gptq_engine import hf_gptq_greedy
 from test_probes_session53_phi3 import PHI3_ALL, build
 
@@ -94,3 +94,65 @@ def test_gptqmodel_load_refuses_the_fused_phi3_checkpoint_that_transformers_load
     with LLM(str(out), block_size=4) as llm:
         mine = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))]
     assert hf_gptq_greedy(out, prompts, 4) == mine
+
+
+# --------------------------------------------------------------------------- split gate/up with `dynamic` rules
+def _gptqmodel_tokens(path, prompts, n: int) -> list[list[int]]:
+    """GPTQModel's own load of its split Phi-3 checkpoint (torch kernel, float16, then float32) with every float
+    tensor of the checkpoint (bfloat16 ones too: the layers a negative rule leaves in float) put back exactly."""
+    from gptqmodel import BACKEND, GPTQModel
+    from test_probes_session53_phi3 import hf_greedy
+    model = GPTQModel.load(str(path), backend=BACKEND.TORCH, device="cpu", dtype=torch.float16).model.float().eval()
+    floats = {k: v.float() for k, v in load_file(path / "model.safetensors").items()
+              if v.is_floating_point() and not k.endswith("scales")}
+    assert not model.load_state_dict(floats, strict=False).unexpected_keys
+    model.generation_config.eos_token_id = None
+    return hf_greedy(model, prompts, n)
+
+
+SERVED = {"both-8-bit": {r"+:.*\.gate_proj": {"bits": 8}, r"+:.*\.up_proj": {"bits": 8}},
+          "both-float": {r"-:.*\.gate_proj": {}, r"-:.*\.up_proj": {}}}
+
+
+@needs_gptqmodel
+@pytest.mark.parametrize("case", SERVED)
+def test_a_split_phi3_checkpoint_whose_dynamic_rules_name_gate_and_up_apart_loads_as_gptqmodel_loads_it(tmp_path,
+                                                                                                       case):
+    """GPTQModel matches `dynamic` against mlp.gate_proj and mlp.up_proj, which it writes apart: rules that treat
+    the two alike (each named on its own: `.*\\.up_proj` does not match gate_up_proj) give the one gate_up_proj
+    those settings. infer matched them against gate_up_proj and read the halves with the base settings."""
+    build(tmp_path / "f", num_hidden_layers=1, seed=4)
+    path = make_gptqmodel_checkpoint(tmp_path / "f", tmp_path / "q", bits=4, group_size=32, seq_len=32,
+                                     dynamic=SERVED[case])
+    assert "model.layers.0.mlp.up_proj." + ("qweight" if case == "both-8-bit" else "weight") in load_file(
+        path / "model.safetensors")
+    prompts = random_prompts(512, (4, 11, 17), seed=9)
+    with LLM(str(path), block_size=4) as llm:
+        gate_up = llm.engine.runner.model.layers[0].mlp.gate_up_proj
+        assert (gate_up.method.config.bits == 8) if case == "both-8-bit" else not hasattr(gate_up.method, "config")
+        mine = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))]
+    assert mine == _gptqmodel_tokens(path, prompts, 6)
+
+
+REFUSED = {"up-left-float": ({r"-:.*up_proj": {}}, r"quantizes model\.layers\.0\.mlp\.gate_proj but not "
+                             r"model\.layers\.0\.mlp\.up_proj \(config\.json's dynamic rule '-:\.\*up_proj' "
+                             r"leaves it in float\)"),
+           "gate-8-bit": ({r"+:.*gate_proj": {"bits": 8}}, r"quantizes model\.layers\.0\.mlp\.gate_proj and "
+                          r"model\.layers\.0\.mlp\.up_proj with different settings: bits 8 \(config\.json's "
+                          r"dynamic rule '\+:\.\*gate_proj' sets \{\"bits\": 8\}\) and bits 4")}
+
+
+@needs_gptqmodel
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_split_phi3_checkpoint_whose_halves_differ_is_refused_naming_the_module_and_the_rule(tmp_path, case):
+    """gate_proj and up_proj quantized differently (one in float, or another width) cannot be one gate_up_proj
+    matmul: refused naming both modules and the rule, not a shape error about gate_up_proj."""
+    from infer.errors import UnsupportedModelError
+    build(tmp_path / "f", num_hidden_layers=1, seed=4)
+    rules, message = REFUSED[case]
+    path = make_gptqmodel_checkpoint(tmp_path / "f", tmp_path / "q", bits=4, group_size=32, seq_len=32,
+                                     dynamic=rules)
+    with pytest.raises(UnsupportedModelError, match=message):
+        LLM(str(path))
+    res = CliRunner().invoke(app, ["warmup", str(path), "--estimate"])
+    assert res.exit_code == 0, res.output  # the estimate reads the stored modules' own settings

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
@@ -112,27 +113,51 @@ def linear_method_factory(path: Path, cfg):
         raise UnsupportedModelError(f"{path} has a quantization config infer cannot read")
     if gcfg.quant_method == "awq":  # AWQ 'gemm': each layer repacked into GPTQ's layout as it is read
         from ..quant.awq import AWQLinearMethod as GPTQLinearMethod  # noqa: F811
+    packed = getattr(model_class(cfg), "packed_modules_mapping", {})
+    stored: set[str] = set()  # the modules the checkpoint has tensors of (read from the headers when first needed)
+
+    def stored_names(names: list[str]) -> list[str]:
+        """The checkpoint modules whose settings decide a merged layer's shards, as its readers match the config
+        against them: a fused module that stores every shard (Phi-3's mlp.gate_up_proj) where the checkpoint
+        stores it, else the projections it packs where it stores those (GPTQModel writes a Phi-3's mlp.gate_proj
+        and mlp.up_proj apart, and matches its `dynamic` rules against each)."""
+        parent, _, fused = names[0].rpartition(".")
+        projs = packed.get(fused)
+        if len(set(names)) != 1 or not projs or len(projs) != len(names):
+            return names
+        split = [f"{parent}.{p}" for p in projs]
+        settings = {None if c is None else c.settings() for c in map(gcfg.for_module, [names[0], *split])}
+        if len(settings) == 1:  # the same whichever the layout: no need to read the headers
+            return names
+        if not stored:
+            stored.update(name.rpartition(".")[0] for name, _ in iter_tensors(weight_files(path), meta=True))
+        return split if any(n in stored for n in split) else names
 
     def method_for(names):
         if names == ["lm_head"]:  # the output head: quantized only where the checkpoint says lm_head (None: float)
             head = gcfg.for_head()
             return None if head is None else GPTQLinearMethod(head)
+        names = stored_names(names)
         configs = [gcfg.for_module(n) for n in names]
         quantized = [n for n, c in zip(names, configs) if c is not None]
+        alike = "infer computes these projections as one matmul: quantize them alike, or leave them all in float"
         if len(quantized) == len(names):
-            other = [n for n, c in zip(names, configs) if c.settings() != configs[0].settings()]
+            other = [(n, c) for n, c in zip(names, configs) if c.settings() != configs[0].settings()]
             if other:  # dynamic overrides for some of them
-                raise UnsupportedModelError(f"{path}: {gcfg.source}'s dynamic quantizes {names[0]} and {other[0]} "
-                                            "with different settings", "infer runs these projections as one matmul: "
-                                            "they must be quantized alike")
+                (name, config), first = other[0], configs[0]
+                keys = [k for k, a, b in zip(("bits", "group_size", "desc_act", "sym"), first.settings(),
+                                             config.settings()) if a != b]
+                raise UnsupportedModelError(
+                    f"{path}: {gcfg.source}'s dynamic quantizes {names[0]} and {name} with different settings: "
+                    f"{', '.join(f'{k} {json.dumps(getattr(first, k))}' for k in keys)} ({gcfg.why(names[0])}) and "
+                    f"{', '.join(f'{k} {json.dumps(getattr(config, k))}' for k in keys)} ({gcfg.why(name)})", alike)
             return GPTQLinearMethod(configs[0])
         which = "dynamic" if gcfg.dynamic else "modules_in_block_to_quantize"
         if not quantized:  # left in float by modules_in_block_to_quantize or dynamic
             return UnquantizedLinearMethod(f"{gcfg.source}'s {which} leaves it in float")
         floats = [n for n in names if n not in quantized]
-        raise UnsupportedModelError(f"{path}: {which} quantizes {', '.join(quantized)} but not {', '.join(floats)}",
-                                    "infer runs these projections as one matmul: they must all be quantized or "
-                                    "all be left in float")
+        raise UnsupportedModelError(f"{path}: {which} quantizes {', '.join(quantized)} but not {', '.join(floats)} "
+                                    f"({gcfg.why(floats[0])})", alike)
     return method_for
 
 

@@ -50,10 +50,29 @@ class GPTQConfig:
         its `dynamic` overrides applied; None where it is left in float."""
         if self.modules_in_block_to_quantize is not None and not module.endswith(self.modules_in_block_to_quantize):
             return None
-        for pattern, negative, overrides in self.dynamic:
-            if re.match(pattern.removeprefix("-:").removeprefix("+:"), module):
-                return None if negative else replace(self, **dict(overrides))
-        return self
+        rule = self.rule_for(module)
+        if rule is None:
+            return self
+        _, negative, overrides = rule
+        return None if negative else replace(self, **dict(overrides))
+
+    def rule_for(self, module: str) -> "tuple[str, bool, tuple] | None":
+        """The `dynamic` rule (pattern as written, negative, overrides) that decides `module`: the first whose regex
+        matches the start of its name; None where none does."""
+        return next((rule for rule in self.dynamic if re.match(rule[0].removeprefix("-:").removeprefix("+:"), module)),
+                    None)
+
+    def why(self, module: str) -> str:
+        """What in this config decides `module`'s settings, for messages: the modules_in_block_to_quantize that
+        leaves it out, its `dynamic` rule, or the config's own settings."""
+        if self.modules_in_block_to_quantize is not None and not module.endswith(self.modules_in_block_to_quantize):
+            return f"{self.source}'s modules_in_block_to_quantize leaves it out"
+        rule = self.rule_for(module)
+        if rule is None:
+            return f"{self.source}'s settings, no dynamic rule matches it"
+        pattern, negative, overrides = rule
+        return f"{self.source}'s dynamic rule {pattern!r}" + (" leaves it in float" if negative else
+                                                               f" sets {json.dumps(dict(overrides))}")
 
     def for_head(self) -> "GPTQConfig | None":
         """The output head's settings: None unless `lm_head` (GPTQModel's lm_head=True) quantizes it, with the
