@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 from typer.testing import CliRunner
 
@@ -156,3 +156,64 @@ def test_a_split_phi3_checkpoint_whose_halves_differ_is_refused_naming_the_modul
         LLM(str(path))
     res = CliRunner().invoke(app, ["warmup", str(path), "--estimate"])
     assert res.exit_code == 0, res.output  # the estimate reads the stored modules' own settings
+
+
+# --------------------------------------------------------------------------- AWQ (and GPTQ) bfloat16 scales
+def _bf16_awq(tmp_path, tweak=None):
+    """The session-53 reference AWQ checkpoint of a tiny Llama with every scales tensor stored as bfloat16 (as a
+    checkpoint saved from a bfloat16 model has them); `tweak(tensors)` edits them before they are written."""
+    from test_probes_session53_awq import float_model, write_awq
+    out = tmp_path / "awq"
+    write_awq(float_model(tmp_path), out)
+    tensors = load_file(out / "model.safetensors")
+    tensors = {k: v.bfloat16() if k.endswith(".scales") else v for k, v in tensors.items()}
+    if tweak:
+        tweak(tensors)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out, tensors
+
+
+def test_bf16_awq_scales_are_kept_exactly_by_the_repack_and_convert(tmp_path):
+    """bfloat16 scales of float16's normal range convert to the float16 scales a GPTQ layer holds exactly: every
+    layer dequantizes to GPTQModel's AWQ dequantization (dequantize_gemm, float16 as its torch kernel computes for a
+    float32 or float16 model), and `infer convert --to gptq` writes the bfloat16 scales unchanged."""
+    from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm
+    from infer.models.layers import MergedLinear
+    from infer.models.loader import load_model
+    path, tensors = _bf16_awq(tmp_path)
+    model, _ = load_model(path, torch.float32, torch.device("cpu"))
+    seen = 0
+    for layer in model.modules():
+        if isinstance(layer, MergedLinear):
+            want = torch.cat([dequantize_gemm(tensors[f"{n}.qweight"], tensors[f"{n}.qzeros"],
+                                              tensors[f"{n}.scales"].half(), 4, 32).t() for n in layer.names])
+            assert torch.equal(layer.weight, want.float()), layer.names
+            seen += 1
+    assert seen == 8  # two layers: qkv, o, gate_up, down
+    res = CliRunner().invoke(app, ["convert", str(path), "-o", str(tmp_path / "gptq"), "--to", "gptq"])
+    assert res.exit_code == 0, res.output
+    out = load_file(tmp_path / "gptq" / "model.safetensors")
+    for name in (k for k in tensors if k.endswith(".scales")):
+        assert out[name].dtype == torch.bfloat16 and torch.equal(out[name], tensors[name]), name
+
+
+def test_bf16_scales_beyond_float16s_range_are_refused_naming_the_tensor(tmp_path):
+    """A bfloat16 scale above 65504 became inf in the float16 scales infer holds (the layer's outputs inf or NaN,
+    loaded without a word)."""
+    def big(tensors):
+        tensors["model.layers.1.mlp.up_proj.scales"][0, 3] = 1e5
+    path, _ = _bf16_awq(tmp_path, big)
+    from infer.errors import ModelLoadError
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.up_proj\.scales holds scales up to 9\.98e\+04, "
+                                             r"beyond float16's range"):
+        LLM(str(path))
+
+
+def test_bf16_scales_below_float16s_normal_range_are_named_in_a_warning(tmp_path, caplog):
+    def tiny(tensors):
+        tensors["model.layers.0.self_attn.k_proj.scales"][1, :5] = 3e-7
+    path, _ = _bf16_awq(tmp_path, tiny)
+    with caplog.at_level("WARNING", logger="infer"):
+        LLM(str(path)).close()
+    assert any("model.layers.0.self_attn.k_proj.scales: 5 bfloat16 scales below float16's normal range" in r.message
+               for r in caplog.records), caplog.text

@@ -17,6 +17,8 @@ Two ways to compute, chosen at `finish_loading` (by the weights' device unless `
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..errors import ModelLoadError
@@ -25,8 +27,34 @@ from ..kernels import cpu_gemm, gptq_configs
 from . import packing
 from .config import GPTQConfig
 
+log = logging.getLogger("infer")
+
 _REQUIRED = ("qweight", "qzeros", "scales")
 _NAMES = ("qweight", "qzeros", "scales", "g_idx")
+
+
+_FP16 = torch.finfo(torch.float16)
+
+
+def _check_scales(full: str, t: torch.Tensor) -> None:
+    """Scales of another float type than the float16 a GPTQ layer holds them in (an AWQ or GPTQ checkpoint saved
+    from a bfloat16 model has bfloat16 scales): beyond float16's range they would be inf (every output of the layer
+    inf or NaN), so they are refused naming the tensor; bfloat16 scales below float16's normal range (6.1e-05) keep
+    fewer bits there, which a warning says. Other bfloat16 scales convert exactly."""
+    if t.is_meta or t.dtype == torch.float16 or not t.is_floating_point() or t.numel() == 0:
+        return
+    largest = t.detach().abs().max().float().item()
+    if largest > _FP16.max:
+        raise ModelLoadError(f"{full} holds scales up to {largest:.3g}, beyond float16's range ({_FP16.max:.5g}), "
+                             f"which infer's int4 layers hold scales in ({str(t.dtype).removeprefix('torch.')} in the "
+                             "checkpoint)", "infer cannot run this layer's scales exactly; use a checkpoint quantized "
+                             "with float16 scales")
+    if t.dtype == torch.bfloat16:
+        inexact = int((t.to(torch.float16).to(t.dtype) != t).sum())
+        if inexact:
+            log.warning(f"{full}: {inexact} bfloat16 scale{'s' if inexact > 1 else ''} below float16's normal range "
+                        f"({_FP16.tiny:.3g}) lose bits in the float16 scales infer's int4 layers hold (their "
+                        "weights move by at most 3e-08 per quantization step)")
 
 
 class GPTQLinearMethod:
@@ -81,6 +109,8 @@ class GPTQLinearMethod:
         if name == "g_idx":
             self._load_g_idx(layer, shard, tensor, full)
             return
+        if name == "scales":
+            _check_scales(full, tensor)
         start = layer.shard_offset(shard)
         if name == "qzeros":
             start //= self.config.pack
