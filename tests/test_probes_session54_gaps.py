@@ -217,3 +217,42 @@ def test_bf16_scales_below_float16s_normal_range_are_named_in_a_warning(tmp_path
         LLM(str(path)).close()
     assert any("model.layers.0.self_attn.k_proj.scales: 5 bfloat16 scales below float16's normal range" in r.message
                for r in caplog.records), caplog.text
+
+
+# --------------------------------------------------------------------------- split gate/up: messages name the file's
+@pytest.fixture(scope="module")
+def split_phi3(tmp_path_factory):
+    root = tmp_path_factory.mktemp("split")
+    build(root / "f", num_hidden_layers=1, seed=5)
+    return make_gptqmodel_checkpoint(root / "f", root / "q", bits=4, group_size=32, seq_len=32)
+
+
+BROKEN = {
+    "short-scales": (lambda t: t.__setitem__("model.layers.0.mlp.up_proj.scales",
+                                             t["model.layers.0.mlp.up_proj.scales"][:, :64].clone()),
+                     r"^model\.layers\.0\.mlp\.up_proj\.scales has shape \(2, 64\)"),
+    "no-qzeros": (lambda t: t.pop("model.layers.0.mlp.up_proj.qzeros"),
+                  r"no tensor model\.layers\.0\.mlp\.up_proj\.qzeros"),
+    "no-g_idx": (lambda t: t.pop("model.layers.0.mlp.up_proj.g_idx"),
+                 r"no tensor model\.layers\.0\.mlp\.up_proj\.g_idx but has model\.layers\.0\.mlp\.gate_proj\.g_idx"),
+    "float-half": (lambda t: [t.pop(k) for k in [k for k in t if ".up_proj." in k]]
+                   + [t.__setitem__("model.layers.0.mlp.up_proj.weight", torch.zeros(128, 64))],
+                   r"unexpected tensor model\.layers\.0\.mlp\.up_proj\.weight in a GPTQ layer"),
+}
+
+
+@needs_gptqmodel
+@pytest.mark.parametrize("case", BROKEN)
+def test_a_broken_split_phi3_checkpoint_is_named_by_the_tensors_its_files_hold(split_phi3, tmp_path, case):
+    """GPTQModel's Phi-3 stores mlp.gate_proj and mlp.up_proj apart; a wrong or missing tensor of one was named as
+    a tensor of mlp.gate_up_proj, which the files do not have ("no tensor ...gate_up_proj.g_idx but has
+    ...gate_up_proj.g_idx")."""
+    import shutil
+    from infer.errors import ModelLoadError
+    shutil.copytree(split_phi3, tmp_path / "q")
+    tensors = load_file(tmp_path / "q" / "model.safetensors")
+    edit, message = BROKEN[case]
+    edit(tensors)
+    save_file(tensors, tmp_path / "q" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=message):
+        LLM(str(tmp_path / "q"))

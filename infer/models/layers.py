@@ -84,6 +84,9 @@ class MergedLinear(nn.Module):
         self.out_sizes = list(out_sizes)
         self.out_features = sum(out_sizes)
         self.names = list(names)
+        # the modules a checkpoint stores a fused layer's shards under when it stores them apart (GPTQModel's Phi-3:
+        # mlp.gate_proj and mlp.up_proj for gate_up_proj), set by the loader as it reads one: messages name them
+        self.stored_names: list[str] | None = None
         self.dtype = dtype
         self.method = method or UnquantizedLinearMethod()
         self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=dtype), requires_grad=False) if bias else None
@@ -98,7 +101,8 @@ class MergedLinear(nn.Module):
         return sum(self.out_sizes[:shard])
 
     def prefix_of(self, shard: int) -> str:
-        return self.names[shard]
+        """The checkpoint module of shard `shard`, as its tensors are named in the files (for messages)."""
+        return (self.stored_names or self.names)[shard]
 
     @property
     def fused(self) -> bool:

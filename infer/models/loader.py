@@ -212,6 +212,7 @@ def place_weights(model, tensors, dtype: torch.dtype):
     stored_head = None
     merged: dict[str, MergedLinear] = {n: m for n, m in model.named_modules() if isinstance(m, MergedLinear)}
     shards = packed_shards(type(model))
+    packed = getattr(type(model), "packed_modules_mapping", {})
     # inf/NaN: each tensor as it is read on a CPU model; on a GPU the parameters once loaded, on the GPU (a pass over
     # the CPU copies would cost seconds on a 7B, the GPU's one milliseconds)
     on_cpu = all(p.device.type == "cpu" for p in params.values())
@@ -233,6 +234,9 @@ def place_weights(model, tensors, dtype: torch.dtype):
         routed = _merged_shard(key, shards, merged)
         if routed is not None:
             layer, pname, shard = routed
+            if shard is not None and layer.fused and layer.stored_names is None:  # its shards stored apart
+                parent = name.rpartition(".")[0].rpartition(".")[0]
+                layer.stored_names = [f"{parent}.{p}" for p in packed[layer.names[0].rpartition(".")[2]]]
             _check_kind(name, t, getattr(layer, pname, None))
             if shard is None:
                 layer.load_fused(pname, t)
@@ -358,7 +362,8 @@ def _check_complete(params, loaded, merged) -> None:
     _check_layer_count(params, loaded, merged)
     for mname, layer in merged.items():
         have = layer.loaded_names()
-        for shard, hf_name in enumerate(layer.names):
+        for shard in range(len(layer.names)):
+            hf_name = layer.prefix_of(shard)
             if not any(s == shard for s, _ in have):
                 raise ModelLoadError(f"the checkpoint has no tensors for {hf_name}", "the model folder is incomplete")
             if layer.bias is not None and (shard, "bias") not in have:

@@ -140,16 +140,16 @@ class GPTQLinearMethod:
 
     def _check_complete(self, layer) -> None:
         loaded = layer.loaded_names()
-        for shard, hf_name in enumerate(layer.names):
+        for shard in range(len(layer.names)):
             for name in _REQUIRED:
                 if (shard, name) not in loaded:
-                    raise ModelLoadError(f"the checkpoint has no tensor {hf_name}.{name}",
+                    raise ModelLoadError(f"the checkpoint has no tensor {layer.prefix_of(shard)}.{name}",
                                          "the GPTQ checkpoint is incomplete")
         with_g = [s for s in range(len(layer.names)) if (s, "g_idx") in loaded]
         if with_g and len(with_g) < len(layer.names):
             missing = next(s for s in range(len(layer.names)) if s not in with_g)
-            raise ModelLoadError(f"the checkpoint has no tensor {layer.names[missing]}.g_idx but has "
-                                 f"{layer.names[with_g[0]]}.g_idx", "the GPTQ checkpoint is incomplete")
+            raise ModelLoadError(f"the checkpoint has no tensor {layer.prefix_of(missing)}.g_idx but has "
+                                 f"{layer.prefix_of(with_g[0])}.g_idx", "the GPTQ checkpoint is incomplete")
         groups = layer.scales.shape[0]
         if not with_g and self.config.desc_act and groups > 1:  # act-order groups are known only from g_idx
             raise ModelLoadError(f"the checkpoint has no tensor {layer.names[0]}.g_idx but {self.config.source} sets "
