@@ -256,3 +256,21 @@ def test_a_broken_split_phi3_checkpoint_is_named_by_the_tensors_its_files_hold(s
     save_file(tensors, tmp_path / "q" / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=message):
         LLM(str(tmp_path / "q"))
+
+
+@needs_gptqmodel
+def test_a_split_phi3_checkpoints_modules_in_block_to_quantize_naming_gate_and_up_is_read_as_written(split_phi3,
+                                                                                                     tmp_path):
+    """modules_in_block_to_quantize (optimum's list) naming mlp.gate_proj and mlp.up_proj, the modules a split
+    checkpoint stores: they are quantized (it took gate_up_proj, which the list does not name, for a float layer)."""
+    import shutil
+    shutil.copytree(split_phi3, tmp_path / "q")
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    cfg["quantization_config"]["modules_in_block_to_quantize"] = [
+        ["self_attn.qkv_proj"], ["self_attn.o_proj"], ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
+    (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "q" / "quantize_config.json").unlink(missing_ok=True)
+    prompts = random_prompts(512, (6, 13), seed=8)
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    with LLM(str(tmp_path / "q"), block_size=4) as a, LLM(str(split_phi3), block_size=4) as b:
+        assert [o.token_ids for o in a.generate(prompts, params)] == [o.token_ids for o in b.generate(prompts, params)]
