@@ -209,6 +209,22 @@ def gated_cols(pid_n, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
 
 
 @triton.jit
+def slice_cols(pid_n, N, BLOCK_N: tl.constexpr, SYNC: tl.constexpr, GATED: tl.constexpr):
+    """`gated_cols` of column tile pid_n as [SYNC, BLOCK_N / SYNC]: row i holds the tile's columns i * C..(i + 1) *
+    C - 1 (C = BLOCK_N / SYNC), each row contiguous in memory (a slice lies in one half of a GATED tile: C divides
+    BLOCK_N / 2)."""
+    C: tl.constexpr = BLOCK_N // SYNC
+    first = tl.arange(0, SYNC) * C  # each slice's first column in the tile
+    if GATED:
+        H: tl.constexpr = BLOCK_N // 2
+        base = pid_n * H + first % H + (first // H) * (N // 2)
+    else:
+        base = pid_n * BLOCK_N + first
+    offs = base[:, None] + tl.arange(0, C)[None, :]
+    return offs, offs < N
+
+
+@triton.jit
 def _finish(total, y_ptr, y_ptrs, mask, offs_m, offs_n, M, N, sy_m, bias_ptr, hp_ptr, lb_ptr, slot_ptr, rank_ptr,
             scal_ptr, NR, n_lsplit, c1, c2, c3, HAS_BIAS: tl.constexpr, LORA_S: tl.constexpr, LORA_R: tl.constexpr,
             LORA_RP: tl.constexpr, LORA_NSH: tl.constexpr, LORA_JB: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -293,15 +309,19 @@ def _pdl_start(qw_ptr, qz_ptr, s_ptr, k_begin, k_end, group_size, n0, N, sq_k, s
 @triton.jit
 def _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, g, offs_w, offs_n, mask_n, sq_k, sz_g, ss_g,
                 BITS: tl.constexpr, ZEROS_V1: tl.constexpr, EVEN_K: tl.constexpr, TRANS: tl.constexpr,
-                PRE_S: tl.constexpr = False):
+                PRE_S: tl.constexpr = False, SLICES: tl.constexpr = 0):
     """One K step's packed words ([BKW, BLOCK_N], or [BLOCK_N, BKW] with TRANS; coalesced along N, read once),
     which of them lie in range, and group g's zeros and scales (with PRE_S the caller loaded the scales a step
-    before: the zeros stand in for them here)."""
+    before: the zeros stand in for them here). SLICES (TRANS): offs_n and mask_n are [SLICES, BLOCK_N / SLICES]
+    (`slice_cols`), the words [SLICES, BLOCK_N / SLICES, BKW], the zeros and scales [SLICES, BLOCK_N / SLICES]."""
     PACK: tl.constexpr = 32 // BITS
     wrow = k0 // PACK + offs_w
     wv = _kmask(wrow, k_end, PACK, EVEN_K)
     step_ptr = qw_ptr + (k0 // PACK) * sq_k  # the step's first word row, then offsets the loop does not change
-    if TRANS:
+    if SLICES:
+        words = tl.load(step_ptr + (offs_w[None, None, :] * sq_k + offs_n[:, :, None]),
+                        mask=wv[None, None, :] & mask_n[:, :, None], other=0, eviction_policy="evict_first")
+    elif TRANS:
         words = tl.load(step_ptr + (offs_w[None, :] * sq_k + offs_n[:, None]), mask=wv[None, :] & mask_n[:, None],
                         other=0, eviction_policy="evict_first")
     else:
@@ -315,7 +335,7 @@ def _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, g, offs_w, offs_n, mask_n, sq_
 def _dot_fields(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, BITS: tl.constexpr, WP: tl.constexpr,
                 BKW: tl.constexpr, SCALE_W: tl.constexpr, TRANS: tl.constexpr, BYTES: tl.constexpr = False,
                 ASM: tl.constexpr = True, k_end=0, EVEN_K: tl.constexpr = True, BYTE_DOTS: tl.constexpr = False,
-                SYNC: tl.constexpr = 0):
+                SYNC: tl.constexpr = 0, SLICED: tl.constexpr = False):
     """acc += one K step as one tensor-core dot per packed field, each field tile straight from the loaded words'
     registers. x_rows: pointers to the rows' first element ([BLOCK_M, 1], or [1, BLOCK_M] with TRANS: acc is then
     y^T and the weight the first operand). The group's scale multiplies the step's sum, or with SCALE_W the weights
@@ -327,12 +347,17 @@ def _dot_fields(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, BITS: tl.const
     TRANS, not BYTE_DOTS): acc is [SYNC, BLOCK_N / SYNC, BLOCK_M] and each field's dot a batched one over SYNC
     slices of the weight columns, x broadcast to every slice: Triton lowers a batched dot to the warp-synchronous
     mma.sync (MMAv2: one slice per warp, x read by each warp from shared memory), never to wgmma, so no dot waits
-    for the tensor cores; only a use of its result does."""
+    for the tensor cores; only a use of its result does. SLICED (with SYNC): the words, zeros and scales come in
+    the batched dot's slices already (`_step_words` with SLICES), else the unpacked fields are reshaped to them."""
     PACK: tl.constexpr = 32 // BITS
     XS: tl.constexpr = PACK if WP == 1 else 1
     part = tl.zeros(acc.shape, dtype=tl.float32)
-    zf = _f16_1024(z)[:, None] if TRANS else _f16_1024(z)[None, :]
-    sw = s[:, None] if TRANS else s[None, :]
+    if SLICED:  # words [SYNC, BLOCK_N / SYNC, BKW], zeros and scales [SYNC, BLOCK_N / SYNC]
+        zf, sw = _f16_1024(z)[:, :, None], s[:, :, None]
+    elif TRANS:
+        zf, sw = _f16_1024(z)[:, None], s[:, None]
+    else:
+        zf, sw = _f16_1024(z)[None, :], s[None, :]
     if BYTES:
         zfb = tl.broadcast_to(zf, words.shape)
         zob = zfb - 960.0  # 64 + z, exact
@@ -373,8 +398,10 @@ def _dot_fields(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, BITS: tl.const
             if TRANS:
                 xp = x_step + j * WP if BKW == WP else x_rows + ks[:, None]
                 xj = tl.load(xp, mask=mask_m[None, :] & wv[:, None], other=0.0)
-                if SYNC:  # [BLOCK_N, BKW] -> [SYNC, BLOCK_N / SYNC, BKW] (a renaming of registers), x to each slice
-                    w3 = tl.reshape(wj.to(xj.dtype), (SYNC, wj.shape[0] // SYNC, wj.shape[1]))
+                if SYNC:  # the weights as [SYNC, BLOCK_N / SYNC, BKW] (SLICED: their words' shape; else a reshape,
+                    # a renaming of registers), x broadcast to each slice
+                    w3 = wj.to(xj.dtype) if SLICED else tl.reshape(wj.to(xj.dtype), (SYNC, wj.shape[0] // SYNC,
+                                                                                     wj.shape[1]))
                     x3 = tl.broadcast_to(xj[None, :, :], (SYNC, xj.shape[0], xj.shape[1]))
                     if SCALE_W:
                         acc = tl.dot(w3, x3, acc)
@@ -394,7 +421,9 @@ def _dot_fields(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, BITS: tl.const
                 part += d
     if not SCALE_W:  # the scales made float32 before they are broadcast (one layout conversion, not two)
         sf = s.to(tl.float32)
-        if SYNC:
+        if SLICED:
+            acc += part * sf[:, :, None]
+        elif SYNC:
             acc += part * tl.reshape(sf, (SYNC, sf.shape[0] // SYNC))[:, :, None]
         else:
             acc += part * (sf[:, None] if TRANS else sf[None, :])
@@ -583,6 +612,17 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
     pid_n = (pid % width) // rows_in_group
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n, mask_n = gated_cols(pid_n, N, BLOCK_N, GATED)
+    # SYNC on 4 warps (slices of 32 columns): the main loop reads the words, zeros and scales in the batched dot's
+    # shape, so that the words reach shared memory by 16-byte copies along N and their registers are the dot's
+    # operand layout (reshaped after the load, each thread copied its words 4 bytes at a time along K: 25 copies a
+    # K step where the 2-D tiles issue 13, and 64 x 128 took 250 registers where it now takes 168; sm_90, Triton
+    # 3.6). On 8 warps the words stay reshaped: with Triton 3.9, 64 x 256 sliced keeps a 72-byte stack frame and
+    # 128 x 128 (16 columns a slice) unpacks with 36 more byte permutes
+    SLICED: tl.constexpr = SYNC == 4 and BLOCK_N >= 32 * SYNC
+    if SLICED:
+        offs_c, mask_c = slice_cols(pid_n, N, BLOCK_N, SYNC, GATED)
+    else:
+        offs_c, mask_c = offs_n, mask_n
     mask_m = offs_m < M
     offs_w = tl.arange(0, BKW)
     k_begin = pid_k * K_SPLIT
@@ -600,23 +640,23 @@ def mma_kernel(x_ptr, qw_ptr, qz_ptr, s_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, K
         x_rows = x_ptr + offs_m[:, None] * sx_m
     if PRE_S:  # the scales one K step ahead (loaded into registers while the step before runs)
         g_next = group_of(k_begin, group_size, GS_LOG2)
-        s_next = _scales(s_ptr, g_next, offs_n, mask_n, ss_g)
+        s_next = _scales(s_ptr, g_next, offs_c, mask_c, ss_g)
     for k0 in range(k_begin, k_end, BLOCK_K):
         if PRE_S:
             g, s = g_next, s_next
             g_next = group_of(tl.minimum(k0 + BLOCK_K, k_end - 1), group_size, GS_LOG2)
-            s_next = _scales(s_ptr, g_next, offs_n, mask_n, ss_g)
+            s_next = _scales(s_ptr, g_next, offs_c, mask_c, ss_g)
         else:
             g = group_of(k0, group_size, GS_LOG2)
-        words, wv, z, s_step = _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, g, offs_w, offs_n, mask_n, sq_k,
-                                           sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, TRANS, PRE_S)
+        words, wv, z, s_step = _step_words(qw_ptr, qz_ptr, s_ptr, k0, k_end, g, offs_w, offs_c, mask_c, sq_k,
+                                           sz_g, ss_g, BITS, ZEROS_V1, EVEN_K, TRANS, PRE_S, SYNC if SLICED else 0)
         if not PRE_S:
             s = s_step
         if PAIRS:
             acc = _dot_pairs(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, WP, BKW, SCALE_W, ASM, TRANS)
         elif FIELD_DOTS:
             acc = _dot_fields(acc, x_rows, mask_m, k0, words, wv, z, s, offs_w, BITS, WP, BKW, SCALE_W, TRANS, BYTES,
-                              ASM, k_end, EVEN_K, BYTE_DOTS, SYNC)
+                              ASM, k_end, EVEN_K, BYTE_DOTS, SYNC, SLICED)
         else:
             acc = _dot_tile(acc, x_rows, mask_m, k0, k_end, words, z, s, BITS, WP, BKW, EVEN_K, F32, DOT_F32, TRANS)
     if SYNC:

@@ -95,8 +95,9 @@ def _sync(bm: int, splits, wide: bool = True) -> list[dict]:
     register operand made in the loop synchronous), so within a warp only the next field's unpacking hides the
     tensor cores' latency; an mma.sync stalls only the instruction that reads its result, and a K step's 128
     (64 rows) or 64 (32 rows) of them per warp are independent but for their accumulators. For sm_90 with Triton
-    3.6 (and 3.9): 544 instructions per K step at 64 x 128 (433 with wgmma), 250 registers, 2 programs per SM,
-    nothing spilled; 32 x 128: 475, 161 registers, 3 per SM; 64 x 256 on 8 warps: 530, 254 registers, 1 per SM."""
+    3.6, the 4-warp tiles' words read in the dot's slices (`gptq_kernels.slice_cols`): 517 instructions per K step
+    at 64 x 128 (433 with wgmma), 168 registers, 3 programs per SM (Triton 3.9: 524 and 169, 2), nothing spilled;
+    32 x 128: 440, 127 registers, 4 per SM (3.9: 168, 3); 64 x 256 on 8 warps: 530, 254 registers, 1 per SM."""
     out = [dict(_field("mmat", bm, 128, 4, s), SYNC_MMA=True) for s in splits]
     if wide:
         out += [dict(_field("mmat", bm, 256, 8, s, 2), SYNC_MMA=True) for s in splits]
