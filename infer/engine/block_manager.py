@@ -124,7 +124,9 @@ class BlockManager:
             if self._reads_cache(seq):  # as vLLM, a request that skips the cache (or every one, with the cache
                 self.prefix_queries += len(seq)  # off) is no query
                 self.prefix_hits += len(hits) * self.block_size
-            seq.num_cached_tokens = len(hits) * self.block_size
+            # vLLM's meaning: the prompt tokens whose K/V came from the cache (usage's cached_tokens, at most its
+            # prompt_tokens): blocks found past the prompt hold the forced prefix_token_ids, which are no prompt
+            seq.num_cached_tokens = min(len(hits) * self.block_size, len(seq.prompt_token_ids))
         for bid in hits:
             block = self.blocks[bid]
             if block.ref_count == 0:
@@ -211,10 +213,10 @@ class BlockManager:
         for seq in seqs:
             for k, bid in enumerate(seq.block_table[:seq.num_hashed_blocks]):
                 if bid in gone:
-                    if not seq.num_preemptions and seq.num_cached_tokens > k * bs:  # (allocate counted them)
+                    if not seq.num_preemptions:  # (allocate counted its hits: the blocks it took, all hashed then)
                         if self._reads_cache(seq):
-                            self.prefix_hits -= seq.num_cached_tokens - k * bs
-                        seq.num_cached_tokens = k * bs
+                            self.prefix_hits -= (seq.num_hashed_blocks - k) * bs
+                        seq.num_cached_tokens = min(seq.num_cached_tokens, k * bs)
                     seq.num_hashed_blocks = k
                     seq.num_computed_tokens = min(seq.num_computed_tokens, k * bs)
                     seq.draft_computed = min(seq.draft_computed, seq.num_computed_tokens)
