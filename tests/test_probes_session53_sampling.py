@@ -15,7 +15,8 @@ from infer.engine.sampling_params import SamplingParams
 def _runner_with_logits(logits: torch.Tensor):
     """What ModelRunner._prompt_logprobs reads of its runner: a model whose logits are `logits`, and the config."""
     model = SimpleNamespace(compute_logits=lambda hidden: logits.index_select(0, hidden.view(-1).long()))
-    return SimpleNamespace(model=model, config=SimpleNamespace(max_num_seqs=8), PROMPT_LOGPROB_ROWS=256)
+    return SimpleNamespace(model=model, config=SimpleNamespace(max_num_seqs=8), vocab_size=logits.shape[1],
+                           device=logits.device)
 
 
 def test_a_prompt_tokens_rank_counts_the_tokens_it_ties_with_as_vllm():
@@ -27,7 +28,7 @@ def test_a_prompt_tokens_rank_counts_the_tokens_it_ties_with_as_vllm():
     seq = SimpleNamespace(params=SamplingParams(prompt_logprobs=1))
     where, targets = torch.tensor([0, 1]), torch.tensor([1, 4])
     hidden = torch.tensor([[0.0], [1.0]])
-    rows = ModelRunner._prompt_logprobs(_runner_with_logits(logits), hidden, (where, targets, [(seq, 2)]))
+    rows, _ = ModelRunner._prompt_logprobs(_runner_with_logits(logits), hidden, (where, targets, [(seq, 2)]))
     assert rows[:, 2].tolist() == [3.0, 4.0]  # token 1 ties with 0 and 4; token 4 ties with 3, below 1 and 2
 
 

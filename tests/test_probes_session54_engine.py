@@ -48,3 +48,77 @@ def test_num_cached_tokens_counts_prompt_tokens_only_with_prefix_token_ids():
     want = hf_greedy(ensure_builtin("tiny-llama"), prompt + prefix, 3)
     assert again.outputs[0].token_ids[len(prefix):] == want
     assert first.outputs[0].token_ids == again.outputs[0].token_ids
+
+
+def _hf_prompt_logprobs(prompt: list[int]):
+    import torch
+
+    from helpers import hf_model
+    with torch.no_grad():
+        logits = hf_model(str(ensure_builtin("tiny-llama")))(torch.tensor([prompt])).logits[0, :-1].float()
+    return logits.log_softmax(-1)
+
+
+def test_whole_vocabulary_prompt_logprobs_are_computed_in_chunks_the_plan_holds(monkeypatch):
+    """prompt_logprobs=-1 (the whole vocabulary, under max_logprobs -1) of a 40-token prompt: the device never holds
+    more prompt positions' logits at once than memory.sizes.prompt_logprob_rows allows (their bytes within the plan's
+    sampler rows of max_num_seqs sequences, as vLLM bounds its logits buffer), and each chunk's results go to the
+    host before the next: the [prompt, 2 x vocab] float64 results were built whole on the device (and concatenated,
+    twice), past any plan. The values are transformers' (each position's logprob, rank and the whole ordered
+    vocabulary) and those of one position at a time."""
+    import torch
+
+    from infer.memory.sizes import prompt_logprob_row_bytes, prompt_logprob_rows, sampler_row_bytes
+    prompt = random_prompts(500, (40,), seed=21)[0]
+    params = Params(max_new_tokens=1, ignore_eos=True, prompt_logprobs=-1)
+    got = {}
+    for seqs in (8, 1):
+        engine = _engine(max_num_seqs=seqs, max_logprobs=-1)
+        vocab = engine.model_config.vocab_size
+        rows, compute = [], engine.runner.model.compute_logits
+        monkeypatch.setattr(engine.runner.model, "compute_logits", lambda h: rows.append(h.shape[0]) or compute(h))
+        got[seqs] = _run(engine, [("a", prompt, params)])["a"].prompt_logprobs
+        most = prompt_logprob_rows(vocab, vocab, seqs)
+        assert max(rows[:-1]) == most  # (the last call: the sampled row)
+        held = most * prompt_logprob_row_bytes(vocab, vocab)
+        assert held <= max(seqs, 2) * sampler_row_bytes(engine.model_config)  # (one position at least)
+    assert prompt_logprob_rows(vocab, vocab, 8) == 5 < 8  # the whole vocabulary's positions weigh more than a row
+    assert prompt_logprob_rows(vocab, 20, 8) == 8  # a few top logprobs: max_num_seqs positions, as before
+    want = _hf_prompt_logprobs(prompt)
+    for records in got.values():
+        assert records[0] is None and len(records) == len(prompt)
+        for t, rec in enumerate(records[1:]):
+            row = want[t]
+            assert rec["token_id"] == prompt[t + 1]
+            assert rec["logprob"] == pytest.approx(row[prompt[t + 1]].item(), abs=1e-4)
+            tops = rec["top_logprobs"]
+            assert len(tops) == vocab
+            assert [x["logprob"] for x in tops] == pytest.approx(row.sort(descending=True).values.tolist(), abs=1e-4)
+            assert tops[0]["token_id"] == int(row.argmax())
+    for a, b in zip(got[8][1:], got[1][1:]):  # chunks of 5 positions and of one: the same values
+        assert a["rank"] == b["rank"] and a["logprob"] == pytest.approx(b["logprob"], abs=1e-5)
+        assert [x["logprob"] for x in a["top_logprobs"]] == pytest.approx(
+            [x["logprob"] for x in b["top_logprobs"]], abs=1e-5)
+    assert torch.isfinite(torch.tensor([r["logprob"] for r in got[8][1:]])).all()
+
+
+def test_the_measured_worst_case_holds_a_chunk_of_whole_vocabulary_prompt_logprobs(monkeypatch):
+    """`infer warmup`'s measured plan (engine.profile.profile_run): its worst-case prefill asks for the prompt
+    logprobs of a chunk of positions at the most top logprobs a request may ask for (max_logprobs; -1: the whole
+    vocabulary), in every measured run (a step asks for a position once), so that the measured peak holds them.
+    It asked for none: a request of prompt_logprobs -1 ran past what warmup had measured."""
+    from infer.cli.warmup_plan import measured_plan
+    from infer.engine.model_runner import ModelRunner
+    from infer.memory.sizes import prompt_logprob_rows
+    asked = []
+    real = ModelRunner._prompt_logprobs
+
+    def spy(self, hidden, prompt):
+        asked.append((max(s.params.prompt_logprobs for s, _ in prompt[2]), prompt[0].shape[0]))
+        return real(self, hidden, prompt)
+    monkeypatch.setattr(ModelRunner, "_prompt_logprobs", spy)
+    for cap, k in ((-1, 512), (20, 20)):
+        asked.clear()
+        measured_plan(EngineConfig("tiny-llama", max_num_seqs=2, max_model_len=128, max_logprobs=cap), 128, 2)
+        assert len(asked) == 3  # the first run of the prefill and both measured ones
+        assert set(asked) == {(k, prompt_logprob_rows(512, k, 2))}

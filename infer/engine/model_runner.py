@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..lora.batch import LoRAGroups, host_groups
+from ..memory.sizes import prompt_logprob_rows
 from ..models.context import ForwardContext
 from .config import EngineConfig
 from .sampler import PenaltyTable, SampledBatch, Sampler, SamplingInputs, token_ranks
@@ -211,8 +212,9 @@ class ModelRunner:
         fills that mask while the device runs this step's forward."""
         input_ids, positions, ctx, rows, idx, sampling, prompt = self.prepare(batch, self.order(batch), prev)
         hidden = self.forward(input_ids, positions, ctx, batch.num_new_tokens)
-        prompt_lp = self._prompt_logprobs(hidden, prompt) if prompt is not None else None
-        if not rows and prompt_lp is None:
+        # (the prompt logprobs go to the host chunk by chunk: `event` marks the last copy)
+        host_lp, event = self._prompt_logprobs(hidden, prompt) if prompt is not None else (None, None)
+        if not rows and host_lp is None:
             return StepHandle([], {}, None, None, None)
         sampled = None
         if rows:
@@ -221,33 +223,45 @@ class ModelRunner:
                 settle()
                 sampling.settle(self.vocab_size, self.device)
             sampled = self.sampler.sample(logits, [batch.seqs[i] for i in rows], sampling)
-        (host, host_lp), event = _copy_to_host(sampled.packed if sampled else None, prompt_lp)
+        (host,), sampled_event = _copy_to_host(sampled.packed if sampled else None)
+        event = sampled_event or event  # (recorded after the prompt logprobs' copies, on the same stream)
         return StepHandle(rows, {batch.seqs[i].request_id: r for r, i in enumerate(rows)}, sampled, host, event,
                           (prompt[2], host_lp) if prompt is not None else None)
 
-    PROMPT_LOGPROB_ROWS = 256  # at most this many prompt positions' full-vocabulary logits exist at once
-
-    def _prompt_logprobs(self, hidden: torch.Tensor, prompt) -> torch.Tensor:
-        """[m, 3 + 2k] float64 for the m prompt positions of `prompt` (from prepare): the token, its logprob under
-        the model's raw distribution, its rank (vLLM's: the tokens at least as likely, itself included), then the k
-        most likely ids and their logprobs (k: the largest prompt_logprobs among the rows). max_num_seqs positions at
-        a time (at most 256): the sampler's logits of max_num_seqs rows are what the memory plan holds room for, so a
-        long prefill never needs more."""
+    def _prompt_logprobs(self, hidden: torch.Tensor, prompt):
+        """([m, 3 + 2k] float64 on the host, the event that marks its last copy or None) for the m prompt positions
+        of `prompt` (from prepare): the token, its logprob under the model's raw distribution, its rank (vLLM's: the
+        tokens at least as likely, itself included), then the k most likely ids and their logprobs (k: the largest
+        prompt_logprobs among the rows). memory.sizes.prompt_logprob_rows positions at a time, each chunk's rows
+        copied to the host before the next is computed: the device never holds more than the sampler rows of
+        max_num_seqs sequences (what the memory plan holds room for), whatever the prompt's length and k. With
+        vLLM's whole vocabulary (prompt_logprobs -1) the results of a 8,192-token chunk were [8192, 2 x vocab]
+        float64 on the device, twice (concatenated), past any plan."""
         where, targets, segments = prompt
         k = max(seq.params.prompt_logprobs for seq, _ in segments)
-        step = max(1, min(self.PROMPT_LOGPROB_ROWS, self.config.max_num_seqs))
-        out = []
-        for s in range(0, where.shape[0], step):
-            logp = self.model.compute_logits(hidden.index_select(0, where[s:s + step]))
-            logp = logp.float().log_softmax(-1)
+        step = prompt_logprob_rows(self.vocab_size, k, self.config.max_num_seqs)
+        m, cuda = where.shape[0], self.device.type == "cuda"
+        host = torch.empty((m, 3 + 2 * k), dtype=torch.float64, pin_memory=cuda)
+        for s in range(0, m, step):
+            logits = self.model.compute_logits(hidden.index_select(0, where[s:s + step]))
+            logp = logits.float().log_softmax(-1)
+            del logits
             t = targets[s:s + step].unsqueeze(1)
             lp = logp.gather(1, t)
-            cols = [t.double(), lp.double(), token_ranks(logp, lp).double()]
+            rows = torch.empty((t.shape[0], 3 + 2 * k), dtype=torch.float64, device=logp.device)
+            rows[:, 0:1], rows[:, 1:2], rows[:, 2:3] = t, lp, token_ranks(logp, lp)
             if k:
                 vals, ids = logp.topk(k, -1)
-                cols += [ids.double(), vals.double()]
-            out.append(torch.cat(cols, 1))
-        return out[0] if len(out) == 1 else torch.cat(out)
+                del logp
+                rows[:, 3:3 + k], rows[:, 3 + k:] = ids, vals
+                del vals, ids
+            host[s:s + t.shape[0]].copy_(rows, non_blocking=cuda)  # (its memory is reused after the copy: the
+            # allocator hands it out again in stream order)
+        if not cuda:
+            return host, None
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
 
     @torch.inference_mode()
     def verify(self, batch: ScheduledBatch) -> dict[int, tuple[list[int], list, int]]:
@@ -257,7 +271,10 @@ class ModelRunner:
         input_ids, positions, ctx, rows, idx, sampling, prompt = self.prepare(batch, self.order(batch))
         hidden = self.forward(input_ids, positions, ctx, batch.num_new_tokens)
         if prompt is not None:
-            _append_prompt_logprobs(prompt[2], self._prompt_logprobs(hidden, prompt).tolist())
+            host_lp, event = self._prompt_logprobs(hidden, prompt)
+            if event is not None:
+                event.synchronize()
+            _append_prompt_logprobs(prompt[2], host_lp.tolist())
         if not rows:
             return {}
         seqs = []

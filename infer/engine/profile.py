@@ -13,7 +13,7 @@ from ..kernels.reference import longest_batched_decode
 from ..memory.meter import PeakMeter
 from ..memory.plan import (MemoryPlan, cuda_graph_bytes, draft_activation_bytes, draft_graph_bytes, make_plan,
                            speculative_logit_bytes, start_activation_bytes)
-from ..memory.sizes import activation_bytes, penalty_table_bytes, step_tokens, weights_bytes
+from ..memory.sizes import activation_bytes, penalty_table_bytes, prompt_logprob_rows, step_tokens, weights_bytes
 from ..models.shapes import ModelShapes
 from .config import EngineConfig
 from .model_runner import ModelRunner
@@ -85,6 +85,27 @@ def _verify_batch(engine_config: EngineConfig, vocab: int, max_length: int, conc
     return batch
 
 
+def ask_prompt_logprobs(prefill: ScheduledBatch, engine_config: EngineConfig, vocab: int) -> None:
+    """The worst case's prefill asks for the prompt logprobs of a chunk of its positions (its first sequence's
+    last ones) at the most top logprobs a request may ask for (max_logprobs; -1: the whole vocabulary), so that the
+    measured peak holds their chunk (ModelRunner._prompt_logprobs: memory.sizes.prompt_logprob_rows positions at
+    a time, whatever the prompt's length, which a chunk's worth of them shows without a long prompt's results)."""
+    cap = getattr(engine_config, "max_logprobs", 20)
+    k = vocab if cap == -1 else min(cap, vocab)
+    seq = prefill.seqs[0]
+    seq.params = SamplingParams(**WORST_SAMPLING, prompt_logprobs=k)
+    seq.plp_from = max(1, len(seq) - prompt_logprob_rows(vocab, k, engine_config.max_num_seqs))
+    seq.prompt_logprobs, seq.prompt_lp_next = [None], seq.plp_from
+
+
+def _rearm(batch: ScheduledBatch) -> None:
+    """Before a run of the worst case again: its prompt logprobs are asked for again (a step asks for a position
+    once: Sequence.prompt_lp_next)."""
+    for seq in batch.seqs:
+        if seq.prompt_logprobs is not None:
+            seq.prompt_logprobs, seq.prompt_lp_next = [None], getattr(seq, "plp_from", 1)
+
+
 def _peak_activations(runner: ModelRunner, batches, device: torch.device) -> int:
     """The larger peak of the batches, each run twice: the first run of a shape also sets up the math libraries'
     own buffers, so the second is the one that counts."""
@@ -94,6 +115,7 @@ def _peak_activations(runner: ModelRunner, batches, device: torch.device) -> int
         step = runner.verify if any(s.draft_token_ids for s in batch.seqs) else runner.run  # (a verify step's own)
         runs = []
         for _ in range(2):
+            _rearm(batch)
             with PeakMeter(device) as meter:
                 step(batch)
             runs.append(meter.peak)
@@ -129,6 +151,7 @@ def profile_run(model, model_config, engine_config: EngineConfig, dtype, device,
     engine.draft.DraftParts (its steps come before the target's verify: the peak is the larger)."""
     prefill, decodes, nblocks = worst_case_batches(model_config, engine_config, max_length, concurrency,
                                                   engine_config.block_size)
+    ask_prompt_logprobs(prefill, engine_config, model_config.vocab_size)
     runner = ModelRunner(engine_config, model, dtype=dtype, device=device, num_blocks=nblocks,
                          lora_manager=lora_manager)
     runner.zero_blocks(list(range(nblocks)))

@@ -39,7 +39,8 @@ def penalty_table_bytes(model_config, num_seqs: int) -> int:
 # temperature, top-k and top-p, in filter_top_k_top_p's last line): its float32 logits (4), its penalty counts (int32
 # copies of its table entries, 4), the penalised scores (4), their tempered copy (4), the sorted values (4) and their
 # int64 indices (8), the top-k-masked values (4), the scattered result (4) and the top-p drop mask (1); more than the
-# log-softmax and top logprobs of a row's records (engine.sampler._pack) or a prompt's (model_runner)
+# log-softmax and top logprobs of a row's records (engine.sampler._pack); a prompt's are computed in chunks that hold
+# no more than max_num_seqs such rows (prompt_logprob_rows)
 SAMPLER_BYTES_PER_LOGIT = 4 + 4 + 4 + 4 + 4 + 8 + 4 + 4 + 1
 
 
@@ -49,6 +50,32 @@ STEP_INPUT_BYTES = 128  # a token's share of a step's inputs (ids, positions, KV
 def sampler_row_bytes(model_config) -> int:
     """The bytes one sampled row holds at the sampler's peak (SAMPLER_BYTES_PER_LOGIT per vocabulary entry)."""
     return model_config.vocab_size * SAMPLER_BYTES_PER_LOGIT
+
+
+# bytes a prompt position holds per vocabulary entry while its prompt logprobs are computed
+# (engine.model_runner.ModelRunner._prompt_logprobs): its logits (float32 at most, 4), their float32 copy (4) and
+# log-softmax (4), the rank's comparison mask (1); with k top logprobs, per top entry the topk's values (4) and int64
+# ids (8) and the sort's own copies of both (12), and the row of results (3 + 2k float64)
+PROMPT_BYTES_PER_LOGIT = 4 + 4 + 4 + 1
+PROMPT_BYTES_PER_TOP = 4 + 8 + 12 + 2 * 8
+PROMPT_LOGPROB_MOST_ROWS = 256  # a chunk of prompt positions never holds more rows than this
+
+
+def prompt_logprob_row_bytes(vocab_size: int, k: int) -> int:
+    """The bytes one prompt position holds at the peak of its prompt logprobs with k top logprobs (k at most the
+    vocabulary: -1, vLLM's whole vocabulary, is the vocabulary's size by then)."""
+    return vocab_size * PROMPT_BYTES_PER_LOGIT + 3 * 8 + min(k, vocab_size) * PROMPT_BYTES_PER_TOP
+
+
+def prompt_logprob_rows(vocab_size: int, k: int, max_num_seqs: int) -> int:
+    """How many prompt positions' logprobs are computed at once (ModelRunner._prompt_logprobs): max_num_seqs (at
+    most PROMPT_LOGPROB_MOST_ROWS), or fewer where that many would hold more than the sampler's rows of a step of
+    max_num_seqs sequences (sampler_row_bytes each, what the memory plan holds room for: activation_bytes); at
+    least one. With the whole vocabulary (prompt_logprobs -1) a position holds more than a sampled row, so fewer of
+    them: a long prompt's logprobs never need more device memory than the plan's sampler rows, whatever its length
+    (the results go to the host chunk by chunk)."""
+    rows = min(PROMPT_LOGPROB_MOST_ROWS, max(1, max_num_seqs))
+    return max(1, min(rows, rows * vocab_size * SAMPLER_BYTES_PER_LOGIT // prompt_logprob_row_bytes(vocab_size, k)))
 
 
 def step_tokens(max_num_batched_tokens: int, num_seqs: int, max_length: int) -> int:
