@@ -122,3 +122,43 @@ def test_the_measured_worst_case_holds_a_chunk_of_whole_vocabulary_prompt_logpro
         measured_plan(EngineConfig("tiny-llama", max_num_seqs=2, max_model_len=128, max_logprobs=cap), 128, 2)
         assert len(asked) == 3  # the first run of the prefill and both measured ones
         assert set(asked) == {(k, prompt_logprob_rows(512, k, 2))}
+
+
+def _run_adding(engine: LLMEngine, requests, later: dict, hook=None) -> dict:
+    """_run, with the requests of later[s] added before step s (counting from 0) and hook(engine, steps done)."""
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    done, step = {}, 0
+    while engine.has_unfinished_requests() or later:
+        for rid, prompt, params in later.pop(step, []):
+            engine.add_request(rid, prompt, params)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        step += 1
+        if hook is not None:
+            hook(engine, step)
+    return done
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_reset_prefix_cache_during_a_running_prefill_forgets_its_blocks_with_overlapped_steps(overlap):
+    """reset_prefix_cache while a request's prefill runs in chunks (16 tokens a step): the blocks it computed before
+    the reset are no longer shared (a request of the same prompt added after it finds nothing), and no request
+    reads wrong K/V (the tokens of the cache off and of transformers). With overlapped steps (the GPU's default)
+    the step on the device when the reset came registered its blocks again as it completed (register_computed
+    re-registered what its schedule had registered), so the next request found 44 cached tokens the reset had
+    forgotten."""
+    prompt = random_prompts(500, (48,), seed=5)[0]
+    params = Params(max_new_tokens=6, ignore_eos=True)
+    later = lambda: {2: [("b", prompt, params), ("c", prompt + [7, 8, 9], params)], 4: [("d", prompt, params)]}
+    kw = dict(max_num_batched_tokens=16, overlap=overlap)
+    on = _run_adding(_engine(**kw), [("a", prompt, params)], later(),
+                     hook=lambda e, s: s == 1 and e.reset_prefix_cache())
+    off = _run_adding(_engine(False, **kw), [("a", prompt, params)], later())
+    assert on["b"].num_cached_tokens == 0  # a's first blocks, computed before the reset, are forgotten
+    assert (on["c"].num_cached_tokens, on["d"].num_cached_tokens) == (48, 44)  # b's, computed after it: shared
+    want = hf_greedy(ensure_builtin("tiny-llama"), prompt, 6)
+    for rid in "abcd":
+        assert on[rid].outputs[0].token_ids == off[rid].outputs[0].token_ids
+    assert on["a"].outputs[0].token_ids == on["b"].outputs[0].token_ids == want

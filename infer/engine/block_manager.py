@@ -234,14 +234,15 @@ class BlockManager:
         # of zeros; drafts_written moves the mark on as this one feeds the draft, free_seq sets it at the end
         drafted = min(seq.draft_fed, seq.num_computed_tokens)
         for i in range(seq.num_hashed_blocks, full):
-            ids = tuple(seq.tokens(i * self.block_size, (i + 1) * self.block_size))
-            h = block_key(seq, i, self.block_size)
             block = self.blocks[seq.block_table[i]]
-            block.hash, block.token_ids = h, ids
             upto = drafted - i * self.block_size
             block.draft_upto = None if upto >= self.block_size else max(upto, 0)
-            self.hash_to_block.setdefault(h, block.block_id)
-            seq.last_block_hash = h
+            if block.hash is None:  # (else registered when its step was scheduled, register_scheduled: a
+                # reset_prefix_cache since then, while the step ran, took it out of the cache, which it stays out of)
+                block.hash = block_key(seq, i, self.block_size)
+                block.token_ids = tuple(seq.tokens(i * self.block_size, (i + 1) * self.block_size))
+                self.hash_to_block.setdefault(block.hash, block.block_id)
+            seq.last_block_hash = block.hash
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
 
     def drafts_written(self, seqs) -> None:
