@@ -162,3 +162,34 @@ def test_reset_prefix_cache_during_a_running_prefill_forgets_its_blocks_with_ove
     for rid in "abcd":
         assert on[rid].outputs[0].token_ids == off[rid].outputs[0].token_ids
     assert on["a"].outputs[0].token_ids == on["b"].outputs[0].token_ids == want
+
+
+@pytest.mark.parametrize("with_prefill", [True, False])
+def test_a_decodes_block_is_shared_in_its_step_when_the_step_holds_a_prefill_chunk(with_prefill):
+    """A decodes; in the step where its token completes its third block (positions 8..11: two prompt tokens and its
+    first two tokens), B is admitted with A's prompt and those two tokens and one more. Beside X's prefill chunk
+    (a query of several tokens: the step never takes the fused decode kernel, whose reads race its writes) B shares
+    that block at once, as vLLM shares every block it schedules, computing 1 token where it computed 5; without a
+    prefill chunk in the step the block waits for the step to complete (B computes its block itself). B's tokens
+    are those of the cache off and of transformers either way."""
+    a_prompt, x_prompt, tail = random_prompts(500, (10, 127, 1), seed=31)
+    kw = dict(max_num_batched_tokens=64)
+    long = Params(max_new_tokens=8, ignore_eos=True)
+    first = [("a", a_prompt, long)] + ([("x", x_prompt, Params(max_new_tokens=2, ignore_eos=True))]
+                                        if with_prefill else [])
+    outs, b_prompts = {}, set()
+    for caching in (True, False):
+        engine = _engine(caching, **kw)
+        for rid, prompt, params in first:
+            engine.add_request(rid, prompt, params)
+        engine.step()
+        engine.step()  # a holds its first two tokens; x (127 tokens) has 10 left
+        a = engine.requests["a"]
+        assert a.num_computed_tokens == 11 and len(a.output_token_ids) == 2
+        b_prompt = a_prompt + a.output_token_ids + tail
+        b_prompts.add(tuple(b_prompt))
+        outs[caching] = _run(engine, [("b", b_prompt, Params(max_new_tokens=4, ignore_eos=True))])["b"]
+    assert len(b_prompts) == 1
+    assert outs[True].num_cached_tokens == (12 if with_prefill else 8)
+    assert outs[True].outputs[0].token_ids == outs[False].outputs[0].token_ids \
+        == hf_greedy(ensure_builtin("tiny-llama"), b_prompt, 4)

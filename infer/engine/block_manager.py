@@ -173,17 +173,19 @@ class BlockManager:
             self.free[block.block_id] = None
             self.free.move_to_end(block.block_id, last=False)
 
-    def register_scheduled(self, seq: Sequence, num_new_tokens: int) -> None:
+    def register_scheduled(self, seq: Sequence, num_new_tokens: int, batched: bool = False) -> None:
         """Put the full blocks that the step just scheduled for seq completes into the prefix cache now (vLLM's
         allocate_slots -> cache_blocks with num_computed_tokens + num_new_tokens), so that a request admitted later in
         the same step with the same prefix shares them instead of computing them again (the n samples of a request,
         a batch sharing a system prompt): it reads K/V that the same forward writes first. Only for a step of at
         least 2 tokens of seq: that step's attention then runs after every layer's KV write of the whole batch (a
         batch of single-token queries is attended in the fused decode kernel, one program per token writing its own
-        key while the others read: a reader of the block would race the write). Tokens still pending on the host
+        key while the others read: a reader of the block would race the write), unless `batched`: the step holds
+        another sequence's query of several tokens already, so it never takes that kernel (Scheduler: a decode's
+        block is then shared at once, as vLLM shares every block it schedules). Tokens still pending on the host
         (overlapped steps) are never hashed. Their draft-model KV is not known yet: marked unwritten (draft_upto 0),
         register_computed sets it once the step ran."""
-        if not self.enable_prefix_caching or num_new_tokens < 2:
+        if not self.enable_prefix_caching or (num_new_tokens < 2 and not batched):
             return
         end = min(seq.num_computed_tokens + num_new_tokens, len(seq) - seq.num_pending)
         for i in range(seq.num_hashed_blocks, min(end // self.block_size, len(seq.block_table))):

@@ -183,6 +183,7 @@ class Scheduler:
         # waiting requests: arrival order (fcfs), or a heap by rank (priority)
         self.waiting: ArrivalQueue | RankedQueue = RankedQueue(self.rank) if self.by_priority else ArrivalQueue()
         self._numbers = itertools.count()  # admission numbers: ties of priority and arrival time go first come
+        self._batched, self._singles = False, []  # (_register)
 
     @staticmethod
     def rank(seq: Sequence) -> tuple:
@@ -226,9 +227,26 @@ class Scheduler:
             self.bm.forget_scheduled(self.running)
             raise
 
+    def _register(self, seq: Sequence, n: int) -> None:
+        """Put the blocks the step completes for seq (n of its own tokens) in the prefix cache as it is scheduled
+        (BlockManager.register_scheduled), for the requests admitted after it in the step. A step of one token may
+        run in the fused decode kernel, whose reads race its writes: its blocks wait until the step holds a query of
+        several tokens (which keeps the whole batch off that kernel), and are registered then, before any admission
+        that follows; a decode's block completed in a step with a prefill chunk was shared only from the next step."""
+        if n < 2 and not self._batched:
+            self._singles.append(seq)
+            return
+        if not self._batched:
+            self._batched = True
+            for single in self._singles:
+                self.bm.register_scheduled(single, 1, batched=True)
+            self._singles = []
+        self.bm.register_scheduled(seq, n, batched=True)
+
     def _schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch([], [])
+        self._batched, self._singles = False, []  # (_register: the step's queries of one token, while all are)
         for seq in self.running:
             if seq.block_table and self.ends_pending(seq):
                 # the launched step's completion finishes it: its blocks are free from now (registered first: that
@@ -249,7 +267,7 @@ class Scheduler:
                 continue  # seq itself was preempted (it was the youngest); the list shrank
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
-            self.bm.register_scheduled(seq, n)  # (its own tokens: never drafts, which may be rejected)
+            self._register(seq, n)  # (its own tokens: never drafts, which may be rejected)
             budget -= n + self.lag(seq)
             i += 1
         for seq in self.running[i:]:  # not scheduled this step: no drafts
@@ -323,7 +341,7 @@ class Scheduler:
                     break  # running, its first tokens the next step's
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
-                self.bm.register_scheduled(seq, n)  # a later one of the same prefix shares the blocks it computes
+                self._register(seq, n)  # a later one of the same prefix shares the blocks it computes
                 budget -= n + self.lag(seq)
         finally:
             self.waiting.extendleft(reversed(skipped))
