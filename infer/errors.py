@@ -85,6 +85,13 @@ class ClosedError(InferError, RuntimeError):
     """An object used after its close() (an LLM whose engine memory was freed)."""
 
 
+class SleepModeError(InferError, RuntimeError):
+    """Sleep mode (LLM(..., enable_sleep_mode=True)) used where it cannot be: a request while the engine is asleep,
+    or woken from sleep(level=2) without its weights loaded again; sleep() of an engine started without it."""
+
+    exit_code = 1
+
+
 def read_utf8(path, what: str) -> str:
     """A text file's content, or a ConfigError naming `what` and where the first byte that is not UTF-8 sits."""
     from pathlib import Path

@@ -59,7 +59,7 @@ def test_vllms_llm_keywords_at_their_no_op_values_are_taken(path):
     from infer.engine.llm import _check_options
     from infer.errors import UnknownOptionError
     vllm = dict(disable_log_stats=True, tokenizer_mode="auto", skip_tokenizer_init=False, task="generate",
-                enable_sleep_mode=False, cpu_offload_gb=0, hf_overrides=None,
+                cpu_offload_gb=0, hf_overrides=None,
                 distributed_executor_backend=None, compilation_config=None)
     assert _check_options({**vllm, "max_model_len": 64}) == {"max_model_len": 64}
     with LLM(path, max_model_len=64, block_size=4, **vllm) as llm:

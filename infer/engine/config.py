@@ -163,7 +163,8 @@ SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy values
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                    "fp8_e5m2": torch.float8_e5m2}
 BOOLS = ("enable_prefix_caching", "enforce_eager", "enable_lora", "overlap", "lora_epilogue", "lora_streams",
-         "lora_expand_beside", "lora_expand_fused", "lora_expand_in_norm", "silu_in_gate_up", "pdl", "graph_priority")
+         "lora_expand_beside", "lora_expand_fused", "lora_expand_in_norm", "silu_in_gate_up", "pdl", "graph_priority",
+         "enable_sleep_mode")
 
 
 @dataclass
@@ -249,6 +250,10 @@ class EngineConfig:
                                         "--cuda-graph-max-tokens is then unused); every step runs eagerly "
                                         "(slower; for debugging; vLLM's --enforce-eager too).", flag="--eager",
                                  vllm="--enforce-eager")
+    enable_sleep_mode: bool = option(False, "vLLM's sleep mode: LLM.sleep(level=1) moves the weights to host "
+                                            "memory and frees the KV cache, level 2 frees both, wake_up() takes "
+                                            "them back (infer serve: POST /sleep?level=N, POST /wake_up, GET "
+                                            "/is_sleeping).", flag="--enable-sleep-mode")
     cuda_graph_max_tokens: int = option(512, "CUDA: steps that are not all decodes (prefills, prefill chunks beside "
                                              "decodes) of up to this many tokens replay per-layer CUDA graphs around "
                                              "an eager attention; 0: they run eagerly.")

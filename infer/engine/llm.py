@@ -89,8 +89,6 @@ _VLLM_NOOPS = {
                                       "drop the keyword"),
     "task": (("auto", "generate"), "infer runs text generation (vLLM's generate) only; drop the keyword"),
     "runner": (("auto", "generate"), "infer runs text generation (vLLM's generate) only; drop the keyword"),
-    "enable_sleep_mode": ((False,), "infer has no sleep mode: LLM.close() frees the engine's device memory, a new "
-                                    "LLM loads it again"),
     "cpu_offload_gb": ((0, 0.0), "infer holds every weight on the device; run an int4 model (infer quantize) or a "
                                  "smaller one"),
     "hf_overrides": ((None,), "infer reads the model's config.json as it is; edit it in a copy of the folder"),
@@ -292,6 +290,34 @@ class LLM:
         after them. Returns how many requests still use it."""
         with self._lock:
             return self._engine().remove_lora(name)
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's LLM.sleep (sleep mode: LLM(..., enable_sleep_mode=True)): give the engine's device memory back
+        without closing it. Level 1 copies the weights to host memory and frees them and the KV cache on the device
+        (wake_up() runs the same model again); level 2 frees both and keeps no copy (for new weights: wake_up(
+        ["weights"]), collective_rpc("reload_weights"), wake_up(["kv_cache"])). The prefix cache is forgotten; a
+        request still running (another thread's generate) ends with finish_reason "abort"; generate refuses new ones
+        (SleepModeError) until wake_up()."""
+        with self._lock:
+            self._engine().sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's LLM.wake_up: the memory of `tags` ("weights", "kv_cache"; None: both) on the device again; generate
+        runs once both are awake (after level 2, once the weights were loaded again)."""
+        with self._lock:
+            self._engine().wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """vLLM's: whether sleep() freed memory that wake_up() has not given back yet."""
+        return self._engine().is_sleeping()
+
+    def collective_rpc(self, method, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None) \
+            -> list:
+        """vLLM's LLM.collective_rpc: `method` (a worker method's name, e.g. "reload_weights", or a function called
+        with the worker: `worker.model_runner.model` is the model) on every worker, their results in a list; infer
+        runs the model in this process, one worker, so the list holds one result (between two engine steps)."""
+        with self._lock:
+            return self._engine().collective_rpc(method, timeout, args, kwargs)
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's LLM.reset_prefix_cache: forget every cached prefix (LLMEngine.reset_prefix_cache)."""

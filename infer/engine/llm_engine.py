@@ -17,7 +17,7 @@ import torch
 
 from .. import kernels
 from ..errors import (ClosedError, ConfigError, LoRAError, LoRANameError, RequestError, RequestIdTypeError,
-                      UnknownAdapterError)
+                      SleepModeError, UnknownAdapterError)
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import Detokenizer
@@ -29,6 +29,7 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
 from .setup import context_limit, load_engine_parts, model_max_len
+from .sleep import KV_CACHE, TAGS, WEIGHTS, SleepState, module_tensors, object_tensors
 from .speculative import SpecStats, SpeculativeConfig, propose_for
 from .structured import DEAD_HINT, GrammarBackend, allows_any, draft_bitmask
 
@@ -262,6 +263,8 @@ class LLMEngine:
         # lora_int_id of every adapter named so far (lora_request_of)
         self._lora_requests: dict[str, tuple[str, object]] = {}
         self._lora_int_ids: dict[str, int] = {}
+        self._sleep = SleepState()  # sleep mode (config.enable_sleep_mode): what sleep() freed, until wake_up()
+        self._graph_plan = None  # (max_len, emulate) of the CUDA graphs sleep() dropped, captured again on waking
         if self.device.type == "cuda":  # every kernel compiled now, never on a user's first request
             t0 = time.perf_counter()
             self.warm_kernels()
@@ -297,6 +300,7 @@ class LLMEngine:
         params.priority where it is not 0. vLLM's `lora_request` (a LoRARequest) registers its folder under its
         lora_name on first use and runs the request with it, as `lora=NAME` does."""
         self._check_open()
+        self.check_awake()
         if (prompt is None) == (prompt_token_ids is None):  # vLLM's keyword is prompt=; infer's was prompt_token_ids=
             raise RequestError("add_request needs one prompt: " + ("none was given" if prompt is None else
                                                                    "both prompt and prompt_token_ids were given"),
@@ -580,6 +584,7 @@ class LLMEngine:
         on; the requests added before finish with the weights they started with (freed after the last of them). A name
         removed while requests still use it may be added again at once: those requests finish with the old weights."""
         manager = self.lora_slots()
+        self._check_slots_awake("add_lora")
         self._reap_loras()
         if manager.has(name) and not replace:
             raise LoRANameError(f"a LoRA adapter named {name!r} is already loaded",
@@ -659,6 +664,7 @@ class LLMEngine:
         """New requests may no longer name `name`; those that already do finish with it, and its memory is freed
         after the last of them. Returns how many requests still use it."""
         manager = self.lora_slots()
+        self._check_slots_awake("remove_lora")
         if not manager.has(name):
             raise LoRAError(f"unknown LoRA adapter {name!r}",
                             f"loaded adapters: {', '.join(sorted(manager.names())) or 'none'}")
@@ -696,6 +702,10 @@ class LLMEngine:
         are handed out by the next step, and a launched batch whose tokens it was waiting for is completed then."""
         self._check_open()
         outputs, self._carried = self._carried + self._take_aborted(), []
+        if self._sleep.asleep:  # the requests sleep() aborted end; nothing runs (add_request refuses new ones, and
+            for seq in [s for s in self.requests.values() if not s.finished]:  # any other ends: none is left
+                self.abort_request(seq.request_id)  # waiting for a step that never comes)
+            return outputs + self._take_aborted()
         try:
             self._advance(outputs)
         except BaseException:
@@ -1046,6 +1056,162 @@ class LLMEngine:
                 "lora_waiting": sorted({s.lora_name for s in self.scheduler.waiting if s.lora_name is not None}),
                 "lora_running": sorted({s.lora_name for s in self.scheduler.running if s.lora_name is not None})}
 
+    # ------------------------------------------------------------------ sleep mode (vLLM's)
+    def sleep(self, level: int = 1) -> int:
+        """vLLM's sleep mode (the engine started with enable_sleep_mode=True): give the device memory back without
+        closing the engine. Level 1 copies the weights to host memory and frees them and the KV cache on the device;
+        level 2 frees both and keeps no copy (for new weights: wake_up(["weights"]), then reload_weights(), as
+        vLLM's collective_rpc("reload_weights")). As vLLM's default (mode "abort"), the requests running or waiting
+        are aborted (their last output: finish_reason "abort", handed out by the next step); the prefix cache is
+        forgotten and the CUDA graphs dropped (captured again on waking). Requests are refused (SleepModeError)
+        until wake_up(). Asleep already: a warning, nothing done (vLLM's). Returns the bytes freed on the device."""
+        self._check_open()
+        if not self.config.enable_sleep_mode:
+            raise SleepModeError("this engine was started without sleep mode",
+                                 "start it with enable_sleep_mode=True (LLM(..., enable_sleep_mode=True); infer "
+                                 "serve --enable-sleep-mode)")
+        if isinstance(level, bool) or level not in (1, 2):
+            raise RequestError(f"sleep level must be 1 (weights to host memory, KV cache freed) or 2 (both freed), "
+                               f"got {level!r}"[:200], "e.g. sleep(level=1)")
+        if self._sleep.asleep:
+            log.warning("the engine is asleep already (tags %s): sleep() does nothing", sorted(self._sleep.tags))
+            return 0
+        for seq in list(self.requests.values()):
+            if not seq.finished:
+                self.abort_request(seq.request_id)
+        done: list[RequestOutput] = []  # a step on the device (overlap) completes first: its memory is freed next
+        if self._unsettled is not None:
+            self._settle(done)
+        if self._inflight is not None:
+            self._unsettled, self._inflight = self._inflight, None
+            self._settle(done)
+        self._carried += done
+        self.block_manager.reset_prefix_cache(counters=False, in_use=True)
+        self._drop_graphs()
+        runner, drafter = self.runner, self.drafter
+        kept = []  # copied at both levels: adapter slots, a draft model (reload_weights reloads the base model's)
+        if self.lora_manager is not None:
+            kept += object_tensors(self.lora_manager)
+            for layer in self.lora_manager.layers:
+                kept += object_tensors(layer)
+        kv = [runner.kv_cache]
+        if drafter is not None:
+            kept += module_tensors(drafter.model.modules())
+            kv.append(drafter.kv_cache)
+        freed = self._sleep.sleep(level, self.device, module_tensors(runner.model.modules()), kept, kv)
+        self._free_device_cache()
+        log.info("the engine is asleep (level %d): %.1f MiB freed on %s", level, freed / 2**20, self.device)
+        return freed
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's wake_up: the memory of `tags` ("weights", "kv_cache"; None: both) on the device again: the weights
+        as they were (level 1) or as garbage until reload_weights() (level 2), the KV cache empty. Requests run once
+        every tag is awake (and, after level 2, the weights loaded again); the CUDA graphs are captured again then.
+        Not asleep, or a tag awake already: a warning, nothing done (vLLM's)."""
+        self._check_open()
+        if isinstance(tags, str):
+            tags = [tags]
+        if tags is not None and not tags:  # (an empty list: vLLM's server reads it as None, every tag)
+            tags = None
+        if tags is not None:
+            if not isinstance(tags, (list, tuple, set, frozenset)) or not all(isinstance(t, str) for t in tags):
+                raise RequestError(f"wake_up takes a list of tags, got {tags!r}"[:200],
+                                   "e.g. wake_up([\"weights\"]), then wake_up([\"kv_cache\"]); None: both")
+            unknown = sorted(set(tags) - set(TAGS))
+            if unknown:
+                raise RequestError(f"unknown wake_up tag {unknown[0]!r}"[:200],
+                                   f"the tags are {', '.join(map(repr, TAGS))} (None: both)")
+        if not self._sleep.asleep:
+            log.warning("the engine is not asleep: wake_up() does nothing")
+            return
+        wanted = [t for t in TAGS if tags is None or t in tags]
+        if tags and any(t not in self._sleep.tags for t in wanted):
+            log.warning("wake_up(%s): %s is awake already; nothing done", list(tags),
+                        next(t for t in wanted if t not in self._sleep.tags))
+            return
+        for tag in wanted:
+            if tag in self._sleep.tags:
+                self._sleep.wake(tag)
+        if not self._sleep.asleep and not self._sleep.discarded:
+            self._recapture()
+
+    def is_sleeping(self) -> bool:
+        """vLLM's: whether sleep() freed memory that wake_up() has not given back yet."""
+        return self._sleep.asleep
+
+    def reload_weights(self) -> None:
+        """vLLM's reload_weights (collective_rpc("reload_weights")): the model's weights read again from its
+        folder (the checkpoint there now: new weights written over it are taken), after sleep(level=2) and
+        wake_up(["weights"]), or at any time while no request runs. The KV cache may still be asleep (vLLM's RLHF
+        order: wake the weights, reload them, then wake the KV cache)."""
+        self._check_open()
+        if WEIGHTS in self._sleep.tags:
+            raise SleepModeError("the weights are asleep", "wake them first: wake_up([\"weights\"])")
+        if self.has_unfinished_requests():
+            raise RequestError("reload_weights() while requests run", "wait for them to finish (or abort them)")
+        from ..models.loader import load_model
+        fresh, _ = load_model(self.model_path, self.dtype, self.device, max_positions=self.max_model_len)
+        self._drop_graphs()  # (their addresses are the old weights')
+        _adopt_weights(self.runner.model, fresh)
+        del fresh
+        self._sleep.discarded = False
+        self.block_manager.reset_prefix_cache(counters=False, in_use=True)  # K/V of the old weights
+        self._free_device_cache()
+        if not self._sleep.asleep:
+            self._recapture()
+
+    def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        """vLLM's collective_rpc: `method` (a name, or a function of the worker) on every worker, their results in
+        a list: infer runs one (engine.worker.Worker), so the list holds one result. `timeout` is taken, unused
+        (the call runs here, between two steps)."""
+        from .worker import call_worker
+        self._check_open()
+        return call_worker(self, method, args, kwargs)
+
+    def check_awake(self) -> None:
+        if self._sleep.asleep:
+            raise SleepModeError(f"the engine is asleep ({' and '.join(sorted(self._sleep.tags))} freed by "
+                                 f"sleep(level={self._sleep.level}))",
+                                 "wake it first: wake_up() (infer serve: POST /wake_up)")
+        if self._sleep.discarded:
+            raise SleepModeError("the engine's weights were discarded by sleep(level=2) and not loaded again",
+                                 "load them: reload_weights() (vLLM's collective_rpc(\"reload_weights\"); infer "
+                                 "serve: POST /collective_rpc {\"method\": \"reload_weights\"})")
+
+    def _check_slots_awake(self, what: str) -> None:
+        """The adapter slots are device memory sleep() freed: changed only once awake (a removal clears its slot)."""
+        if WEIGHTS in self._sleep.tags:
+            raise SleepModeError(f"{what}() while the engine is asleep (its adapter slots are freed)",
+                                 "wake it first: wake_up()")
+
+    def _drop_graphs(self) -> None:
+        """Drop the CUDA graphs (they hold the addresses of the memory sleep frees), noting how to capture them."""
+        runner = self.runner
+        if runner.graphs is not None:
+            self._graph_plan = (runner.graphs.max_blocks * self.config.block_size, runner.graphs.emulate)
+        runner.graphs = runner.pieces = None
+        if self.drafter is not None:
+            self.drafter.graphs = None
+        if self.device.type == "cuda":
+            from ..kernels import gptq_gemm
+            gptq_gemm.release_scratch(self.device)  # (capture_graphs reserves it again)
+
+    def _recapture(self) -> None:
+        """The CUDA graphs sleep() dropped, captured again over the memory as it is now."""
+        plan, self._graph_plan = self._graph_plan, None
+        if plan is not None and self.runner.graphs is None:
+            self.runner.capture_graphs(plan[0], emulate=plan[1])
+            self.runner.graphs.replays.clear()
+            if self.drafter is not None:
+                self.drafter.reset_stats()
+
+    def _free_device_cache(self) -> None:
+        if self.device.type == "cuda":
+            import gc
+            gc.collect()
+            torch.cuda.empty_cache()
+
     def close(self) -> None:
         """Give the device memory back (KV cache, CUDA graphs and their pool, weights); the engine is unusable
         afterwards. LLM.close(), its context manager and the server's shutdown call it."""
@@ -1066,6 +1232,7 @@ class LLMEngine:
             self.drafter = None
         self.runner = None
         self.lora_manager = None
+        self._sleep = SleepState()  # (the host copies of a sleep's weights)
         if self.device.type == "cuda":
             from ..kernels import gptq_gemm
             gptq_gemm.release_scratch(self.device)
@@ -1134,6 +1301,29 @@ class LLMEngine:
             self.runner.graphs.replays.clear()
         if self.drafter is not None:  # (the draft's replays and eager forwards too)
             self.drafter.reset_stats()
+
+
+def _adopt_weights(model, fresh) -> None:
+    """The tensors of `fresh` (the same checkpoint loaded again) in `model`, module by module: parameters keep their
+    objects (a tied head stays the embeddings'), buffers and tensor attributes are taken as they are; the KV cache's
+    views and whatever else is not a tensor of `fresh` (adapter hooks, kernel choices) stay."""
+    from .sleep import KV_ATTRS
+    new_modules = dict(fresh.named_modules())
+    for name, mod in model.named_modules():
+        new = new_modules.get(name)
+        if new is None:
+            continue
+        for key, value in new._parameters.items():
+            old = mod._parameters.get(key)
+            if old is not None and value is not None and old.shape == value.shape and old.dtype == value.dtype:
+                old.data = value.data
+            else:
+                mod._parameters[key] = value
+        for key, value in new._buffers.items():
+            mod._buffers[key] = value
+        for key, value in vars(new).items():
+            if key not in KV_ATTRS and isinstance(value, torch.Tensor):
+                setattr(mod, key, value)
 
 
 def _bad_word_ids(tokenizer, vocab: int, words: tuple[str, ...]) -> list[list[int]]:
