@@ -161,6 +161,34 @@ def test_adapters_survive_both_levels(path, tmp_path):
         assert _tokens(llm, lora=["a", None]) == want
 
 
+def test_async_llm_sleeps_as_vllms(path):
+    """vLLM's AsyncLLM.sleep / wake_up / is_sleeping / collective_rpc are coroutines; a generate while asleep is
+    refused, and the tokens after waking equal those before."""
+    from infer import AsyncLLM
+
+    async def tokens(llm, rid):
+        outs = [o async for o in llm.generate(PROMPTS[0], GREEDY, rid)]
+        return list(outs[-1].outputs[0].token_ids)
+
+    async def main(llm):
+        want = await tokens(llm, "a")
+        await llm.sleep(2)
+        assert await llm.is_sleeping() is True
+        with pytest.raises(SleepModeError):
+            await tokens(llm, "b")
+        await llm.wake_up(["weights"])
+        assert await llm.collective_rpc("reload_weights") == [None]
+        await llm.wake_up(["kv_cache"])
+        assert await llm.is_sleeping() is False
+        assert await tokens(llm, "c") == want
+
+    llm = AsyncLLM(path, block_size=4, max_model_len=64, enable_sleep_mode=True)
+    try:
+        asyncio.run(main(llm))
+    finally:
+        llm.shutdown()
+
+
 def test_the_gpu_path_wakes_with_its_graphs_captured_again(tmp_path, monkeypatch):
     """The engine's GPU code path on CPU (an int4 AWQ model through the Triton kernels, interpreted; emulated CUDA
     graphs; the overlapped step; an adapter): sleep drops the graphs (they hold the old addresses), wake_up

@@ -104,6 +104,9 @@ class AsyncEngine:
         """Enqueue one request; its outputs arrive on `queue`. Raises RequestError, QueueFullError."""
         with self._admission:
             self.engine.validate(prompt_token_ids, params, lora)  # read-only checks against fixed engine limits
+            awake = getattr(self.engine, "check_awake", None)
+            if awake is not None:  # SleepModeError while asleep (sleep mode: POST /wake_up first)
+                awake()
             with self._cond:
                 if self.died:
                     raise NoEngineError(f"the engine loop stopped ({self.died})", "restart the server")
@@ -181,6 +184,23 @@ class AsyncEngine:
         """Forget every cached prefix (vLLM's POST /reset_prefix_cache), on the engine thread between two steps:
         a benchmark's next level starts cold. Running requests keep their blocks."""
         return await self._call(lambda engine: engine.reset_prefix_cache())
+
+    async def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep (LLMEngine.sleep), on the engine thread between two steps: the requests accepted before it
+        end with finish_reason "abort"; new ones are refused (SleepModeError) until wake_up."""
+        await self._call(lambda engine: engine.sleep(level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's wake_up (LLMEngine.wake_up), on the engine thread."""
+        await self._call(lambda engine: engine.wake_up(tags))
+
+    def is_sleeping(self) -> bool:
+        return bool(getattr(self.engine, "is_sleeping", lambda: False)())
+
+    async def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
+                             kwargs: dict | None = None) -> list:
+        """vLLM's collective_rpc (LLMEngine.collective_rpc), on the engine thread between two steps."""
+        return await self._call(lambda engine: engine.collective_rpc(method, timeout, args, kwargs))
 
     def hold_lora(self, name: str | None):
         """What a caller that adds requests one after another with adapter `name` passes as their `lora` (a served

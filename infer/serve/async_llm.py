@@ -248,6 +248,30 @@ class AsyncLLM:
         self._check_open()
         return await self._control(self._loop.reset_prefix_cache())
 
+    async def sleep(self, level: int = 1) -> None:
+        """vLLM's AsyncLLM.sleep (sleep mode: AsyncLLM(..., enable_sleep_mode=True)): level 1 moves the weights to
+        host memory and frees the KV cache, level 2 frees both (LLMEngine.sleep); the generates running end with
+        finish_reason "abort", new ones are refused (SleepModeError) until wake_up()."""
+        self._check_open()
+        await self._control(self._loop.sleep(level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's AsyncLLM.wake_up: the memory of `tags` ("weights", "kv_cache"; None: both) on the device again."""
+        self._check_open()
+        await self._control(self._loop.wake_up(tags))
+
+    async def is_sleeping(self) -> bool:
+        """vLLM's AsyncLLM.is_sleeping (a coroutine, as vLLM's)."""
+        self._check_open()
+        return self._loop.is_sleeping()
+
+    async def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
+                             kwargs: dict | None = None) -> list:
+        """vLLM's AsyncLLM.collective_rpc: `method` (a worker method's name, e.g. "reload_weights", or a function
+        called with the worker) on infer's one worker, between two steps: [its result]."""
+        self._check_open()
+        return await self._control(self._loop.collective_rpc(method, timeout, args, kwargs))
+
     async def remove_lora(self, name: str) -> int:
         """Unregister an adapter: new requests naming it are refused at once; those running finish with it.
         Returns how many were still running."""
