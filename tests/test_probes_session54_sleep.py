@@ -189,6 +189,36 @@ def test_async_llm_sleeps_as_vllms(path):
         llm.shutdown()
 
 
+def test_the_server_has_vllms_sleep_routes(path):
+    """`infer serve --enable-sleep-mode`: POST /sleep?level=N, POST /wake_up?tags=..., GET /is_sleeping and POST
+    /collective_rpc, as vLLM's; a completion while asleep is a 503 engine_sleeping; a bad level a 400."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    engine = LLMEngine(EngineConfig(path, block_size=4, max_model_len=64, max_num_seqs=2, enable_sleep_mode=True))
+    body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny")) as url:
+        want = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        assert httpx.get(f"{url}/is_sleeping", timeout=60).json() == {"is_sleeping": False}
+        assert httpx.post(f"{url}/sleep?level=3", timeout=60).status_code == 400
+        r = httpx.post(f"{url}/sleep?level=2", timeout=60)
+        assert r.status_code == 200, r.text
+        assert httpx.get(f"{url}/is_sleeping", timeout=60).json() == {"is_sleeping": True}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_sleeping"
+        assert httpx.post(f"{url}/wake_up?tags=weights", timeout=60).status_code == 200
+        assert httpx.get(f"{url}/is_sleeping", timeout=60).json() == {"is_sleeping": True}  # (the KV cache)
+        r = httpx.post(f"{url}/collective_rpc", json={"method": "reload_weights"}, timeout=60)
+        assert r.status_code == 200 and r.json() == {"results": [None]}
+        assert httpx.post(f"{url}/wake_up", timeout=60).status_code == 200
+        assert httpx.get(f"{url}/is_sleeping", timeout=60).json() == {"is_sleeping": False}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+
+
 def test_the_gpu_path_wakes_with_its_graphs_captured_again(tmp_path, monkeypatch):
     """The engine's GPU code path on CPU (an int4 AWQ model through the Triton kernels, interpreted; emulated CUDA
     graphs; the overlapped step; an adapter): sleep drops the graphs (they hold the old addresses), wake_up

@@ -22,7 +22,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 
-from ..errors import LoRAError, LoRANameError
+from ..errors import LoRAError, LoRANameError, SleepModeError
 from . import protocol as p
 from .async_engine import NoEngineError, ShuttingDownError
 from .body import check_values, load_json, read_body
@@ -50,6 +50,8 @@ def add_adapter_routes(app: FastAPI, server) -> None:
                              code="invalid_lora_adapter") from None
         except ShuttingDownError as e:
             raise _unavailable(e) from None
+        except SleepModeError as e:  # (sleep mode: its adapter slots are freed until POST /wake_up)
+            raise _asleep(e) from None
         except NoEngineError as e:  # every replica died (or the engine thread): as a request is answered then
             raise _no_engine(server, e) from None
         log.info("LoRA adapter %r loaded from %s", name, path)
@@ -65,6 +67,8 @@ def add_adapter_routes(app: FastAPI, server) -> None:
             raise p.ApiError(404, str(e), param="lora_name", code="model_not_found") from None
         except ShuttingDownError as e:
             raise _unavailable(e) from None
+        except SleepModeError as e:
+            raise _asleep(e) from None
         except NoEngineError as e:
             raise _no_engine(server, e) from None
         log.info("LoRA adapter %r unloaded (%d request(s) still finishing with it)", name, running)
@@ -100,3 +104,7 @@ def _no_engine(server, e: NoEngineError) -> p.ApiError:
 
 def _unavailable(e: ShuttingDownError) -> p.ApiError:
     return p.shutting_down(str(e))
+
+
+def _asleep(e: SleepModeError) -> p.ApiError:
+    return p.ApiError(503, str(e), type="server_unavailable", code="engine_sleeping")

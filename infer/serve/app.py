@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..engine.inputs import MAX_LOGPROBS, MAX_TOKENS_CAP, openai_sampling_defaults
-from ..errors import LoRAError, RequestError
+from ..errors import LoRAError, RequestError, SleepModeError
 from . import protocol as p
 from .adapters import add_adapter_routes
 from .async_engine import NO_ENGINE, AsyncEngine, NoEngineError, QueueFullError, ShuttingDownError
@@ -32,6 +32,7 @@ from .metrics import CONTENT_TYPE, HttpMetricsMiddleware, ServerMetrics
 from .parse import ParsePool
 from .reasoning import parts as reasoning_parts
 from .responses import add_routes as add_responses_routes
+from .sleep import add_sleep_routes
 from .tools import split, visible
 
 log = logging.getLogger("infer.serve")
@@ -177,6 +178,10 @@ class Server:
         except ShuttingDownError as e:
             self._abort(done)
             raise p.shutting_down(str(e), self.retry_after) from e
+        except SleepModeError as e:  # asleep (sleep mode): POST /wake_up first
+            self._abort(done)
+            raise p.ApiError(503, str(e), type="server_unavailable", code="engine_sleeping",
+                             headers={"Retry-After": str(self.retry_after)}) from e
         except NoEngineError as e:  # a load balancer retries it elsewhere, as /health already says 503
             self._abort(done)
             raise p.ApiError(503, str(e), type="server_unavailable", code="no_engine_replica",
@@ -529,6 +534,7 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         return server.model_cards()[0]  # the model as given on the command line (a path): the base
 
     add_adapter_routes(app, server)
+    add_sleep_routes(app, server)
     add_responses_routes(app, server)
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers and probes often send HEAD

@@ -1,0 +1,94 @@
+"""vLLM's sleep-mode routes (its dev-mode endpoints), for a server started with --enable-sleep-mode:
+
+    POST /sleep?level=1          weights to host memory, KV cache freed (level=2: both freed, no copy kept)
+    POST /wake_up                everything back (?tags=weights, ?tags=kv_cache: one part; repeat tags for both)
+    GET  /is_sleeping            {"is_sleeping": true|false}
+    POST /collective_rpc         {"method": "reload_weights"}: a worker method (engine.worker), {"results": [...]}
+
+As vLLM's, /sleep and /wake_up answer 200 with no body once done. The requests in flight when /sleep runs end with
+finish_reason "abort"; a request while asleep (or after level 2, before reload_weights) is refused with 503
+engine_sleeping. Without --enable-sleep-mode /sleep answers 400 naming the flag; with --data-parallel the routes
+answer 400 (sleep mode runs one engine). --api-key guards them as every route.
+"""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from ..errors import RequestError, SleepModeError
+from . import protocol as p
+from .async_engine import NoEngineError, ShuttingDownError
+from .body import SafeJSONResponse, check_values, load_json, read_body
+
+MAX_BODY = 64 * 1024  # a method name and its arguments
+
+
+def add_sleep_routes(app: FastAPI, server) -> None:
+    @app.post("/sleep")
+    async def sleep(request: Request):
+        _check(server, request)
+        raw = request.query_params.get("level", "1")
+        try:
+            level = int(raw)
+        except ValueError:
+            raise p.ApiError(400, f"level must be 1 or 2, got {raw!r}"[:200], param="level") from None
+        await _run(server, server.aengine.sleep(level))
+        return Response(status_code=200)
+
+    @app.post("/wake_up")
+    async def wake_up(request: Request):
+        _check(server, request)
+        tags = request.query_params.getlist("tags") or None  # none given: every tag (vLLM's)
+        await _run(server, server.aengine.wake_up(tags))
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping(request: Request):
+        _check(server, request)
+        return {"is_sleeping": server.aengine.is_sleeping()}
+
+    @app.post("/collective_rpc")
+    async def collective_rpc(request: Request):
+        _check(server, request)
+        body = load_json(await read_body(request, MAX_BODY, server.limits.body_idle_timeout),
+                         server.limits.max_json_depth)
+        check_values(body)
+        if not isinstance(body, dict) or not isinstance(body.get("method"), str) or not body["method"]:
+            raise p.ApiError(400, "the body must be a JSON object with a method name, e.g. {\"method\": "
+                                  "\"reload_weights\"}", param="method")
+        args, kwargs, timeout = body.get("args") or [], body.get("kwargs") or {}, body.get("timeout")
+        if not isinstance(args, list) or not isinstance(kwargs, dict):
+            raise p.ApiError(400, "args must be a list and kwargs an object", param="args")
+        results = await _run(server, server.aengine.collective_rpc(body["method"], timeout, tuple(args), kwargs))
+        return SafeJSONResponse({"results": [_jsonable(r) for r in results]})
+
+
+def _check(server, request: Request) -> None:
+    server.check_auth(request)
+    if getattr(server.aengine, "replicas", None) is not None:  # (parallel.serve_engine's data-parallel driver)
+        raise p.ApiError(400, "sleep mode runs on a server of one engine, not with --data-parallel",
+                         code="not_supported")
+
+
+async def _run(server, call):
+    try:
+        return await call
+    except (SleepModeError, RequestError) as e:
+        raise p.ApiError(400, str(e)) from None
+    except ShuttingDownError as e:
+        raise p.shutting_down(str(e)) from None
+    except NoEngineError as e:
+        raise p.ApiError(503, str(e), type="server_unavailable", code="no_engine_replica",
+                         headers={"Retry-After": str(server.retry_after)}) from None
+
+
+def _jsonable(value):
+    """A worker method's result as JSON has it (None, numbers, strings, lists, objects); another: its repr."""
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return repr(value)[:1000]
