@@ -72,10 +72,35 @@ def test_level_2_needs_the_weights_reloaded_as_vllms_rlhf_loop_does(path):
         assert _tokens(llm) == want
         llm.sleep(level=2)
         llm.wake_up()
-        with pytest.raises(SleepModeError, match="discarded by sleep\\(level=2\\)") as e:
+        with pytest.raises(SleepModeError, match="discarded \\(by sleep\\(level=2\\)") as e:
             llm.generate(PROMPTS, GREEDY)
         assert "reload_weights" in e.value.hint
         llm.llm_engine.reload_weights()
+        assert _tokens(llm) == want
+
+
+def test_reload_weights_frees_the_old_ones_first_and_a_failed_load_leaves_none(path, monkeypatch):
+    """reload_weights frees the old weights' memory before it loads the new ones (one model's worth at a time, not
+    two); a load that fails leaves the engine refusing requests (SleepModeError) until a reload succeeds."""
+    import infer.models.loader as loader
+    from infer.errors import ModelLoadError
+    real = loader.load_model
+    with LLM(path, block_size=4, max_model_len=64, enable_sleep_mode=True) as llm:
+        want = _tokens(llm)
+        weight = llm.llm_engine.runner.model.embed_tokens.weight
+        seen = []
+
+        def failing(*args, **kwargs):
+            seen.append(weight.untyped_storage().nbytes())
+            raise ModelLoadError("the checkpoint is being written")
+        monkeypatch.setattr(loader, "load_model", failing)
+        with pytest.raises(ModelLoadError):
+            llm.collective_rpc("reload_weights")
+        assert seen == [0]  # freed before the load
+        with pytest.raises(SleepModeError, match="reload_weights\\(\\) that failed"):
+            llm.generate(PROMPTS, GREEDY)
+        monkeypatch.setattr(loader, "load_model", real)
+        llm.collective_rpc("reload_weights")
         assert _tokens(llm) == want
 
 

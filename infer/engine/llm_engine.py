@@ -1150,8 +1150,14 @@ class LLMEngine:
         if self.has_unfinished_requests():
             raise RequestError("reload_weights() while requests run", "wait for them to finish (or abort them)")
         from ..models.loader import load_model
-        fresh, _ = load_model(self.model_path, self.dtype, self.device, max_positions=self.max_model_len)
+        from .sleep import free
         self._drop_graphs()  # (their addresses are the old weights')
+        # the old weights' memory first (one model's worth at a time); until the new ones are in (a load that fails
+        # leaves none), requests are refused
+        self._sleep.discarded = True
+        free(module_tensors(self.runner.model.modules()), self.device)
+        self._free_device_cache()
+        fresh, _ = load_model(self.model_path, self.dtype, self.device, max_positions=self.max_model_len)
         _adopt_weights(self.runner.model, fresh)
         del fresh
         self._sleep.discarded = False
@@ -1175,7 +1181,8 @@ class LLMEngine:
                                  f"sleep(level={self._sleep.level}))",
                                  "wake it first: wake_up() (infer serve: POST /wake_up)")
         if self._sleep.discarded:
-            raise SleepModeError("the engine's weights were discarded by sleep(level=2) and not loaded again",
+            raise SleepModeError("the engine's weights were discarded (by sleep(level=2), or a reload_weights() that "
+                                 "failed) and not loaded again",
                                  "load them: reload_weights() (vLLM's collective_rpc(\"reload_weights\"); infer "
                                  "serve: POST /collective_rpc {\"method\": \"reload_weights\"})")
 

@@ -69,6 +69,12 @@ def _bytes(storage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),))
 
 
+def free(tensors, device: torch.device) -> None:
+    """Free the storages of the tensors on `device` (resized to 0 bytes: their contents are not needed again)."""
+    for s in _storages(tensors, device):
+        s.resize_(0)
+
+
 @dataclass
 class _Slept:
     storage: object
