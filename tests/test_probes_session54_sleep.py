@@ -104,15 +104,20 @@ def test_reload_weights_frees_the_old_ones_first_and_a_failed_load_leaves_none(p
         assert _tokens(llm) == want
 
 
-def test_sleep_aborts_the_running_requests(path):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_sleep_aborts_the_running_requests(path, overlap):
     """As vLLM's sleep (mode "abort"): requests running or waiting end with finish_reason "abort" (handed out by the
-    next step, so their callers are not left waiting); the prefix cache is forgotten; add_request is refused."""
-    with LLM(path, block_size=4, max_model_len=64, enable_sleep_mode=True) as llm:
+    next step, so their callers are not left waiting); the prefix cache is forgotten; add_request is refused. With
+    the overlapped step, the step still on the device is completed first (its memory is what sleep frees)."""
+    with LLM(path, block_size=4, max_model_len=64, enable_sleep_mode=True, overlap=overlap) as llm:
         engine = llm.llm_engine
         engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=20, ignore_eos=True))
         engine.add_request("b", PROMPTS[1], SamplingParams(max_tokens=20, ignore_eos=True))
         engine.step()
+        engine.step()
+        assert (engine._inflight is not None) == overlap
         engine.sleep(1)
+        assert engine._inflight is None and engine._unsettled is None
         outs = []
         for _ in range(4):  # (bounded: a request left running would keep it true for ever)
             outs += engine.step()
