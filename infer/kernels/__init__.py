@@ -35,10 +35,21 @@ def _triton(module: str):
     return importlib.import_module(f".{module}", __name__)
 
 
-def rms_norm(x, weight, eps, residual=None, lora=None):
+def rms_norm(x, weight, eps, residual=None, lora=None, unit_offset=False):
     if use_triton(x):
-        return _triton("fused").rms_norm(x, weight, eps, residual, lora)
-    return reference.rms_norm(x, weight, eps, residual, lora)
+        return _triton("fused").rms_norm(x, weight, eps, residual, lora, **_unit(unit_offset))
+    return reference.rms_norm(x, weight, eps, residual, lora, **_unit(unit_offset))
+
+
+def _unit(unit_offset: bool) -> dict:
+    """rms_norm's Gemma switch, passed only where set (the other families' calls as they were)."""
+    return {"unit_offset": True} if unit_offset else {}
+
+
+def _cap(softcap: float) -> dict:
+    """The attention's Gemma 2 logit soft-capping, passed only where set (the other families' calls as they
+    were)."""
+    return {"softcap": float(softcap)} if softcap else {}
 
 
 def embed_rms_norm(ids, table, weight, eps):
@@ -65,6 +76,12 @@ def silu_and_mul(x, lora=None):
     return reference.silu_and_mul(x, lora)
 
 
+def gelu_tanh_and_mul(x, lora=None):
+    if use_triton(x):
+        return _triton("fused").gelu_tanh_and_mul(x, lora)
+    return reference.gelu_tanh_and_mul(x, lora)
+
+
 def rotary_store_kv(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache, slot_mapping):
     if use_triton(q):
         return _triton("fused").rotary_store_kv(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache,
@@ -78,22 +95,23 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
     return reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len=None):
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len=None,
+                    softcap=0.0):
     if use_triton(q):  # the module is `attention`: a submodule named paged_attention would shadow this function
         return _triton("attention").paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                                    scale, max_query_len)
+                                                    scale, max_query_len, **_cap(softcap))
     return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                     max_query_len)
+                                     max_query_len, **_cap(softcap))
 
 
 def decode_attention(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache, slot_mapping, block_tables,
-                     seq_lens, query_start_loc, scale, lora=None):
+                     seq_lens, query_start_loc, scale, lora=None, softcap=0.0):
     if use_triton(q):
         return _triton("attention").decode_attention(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache,
                                                      slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-                                                     lora)
+                                                     lora, **_cap(softcap))
     return reference.decode_attention(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache, slot_mapping,
-                                      block_tables, seq_lens, query_start_loc, scale, lora)
+                                      block_tables, seq_lens, query_start_loc, scale, lora, **_cap(softcap))
 
 
 def lora_shrink(x, lora_a, groups, scale=1.0):

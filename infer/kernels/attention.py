@@ -38,11 +38,23 @@ LORA_MAX_REGS = 128
 
 
 @triton.jit
+def _capped(s, qk_scale, SOFTCAP: tl.constexpr):
+    """The scores q.k scaled (base 2: qk_scale holds log2(e)), soft-capped where SOFTCAP > 0 (Gemma 2's
+    attn_logit_softcapping times log2(e)): SOFTCAP * tanh(s * qk_scale / SOFTCAP), which is the cap of the natural
+    score, cap * tanh(scale * q.k / cap), times log2(e). tanh(u) = 1 - 2 / (1 + exp(2u)), in float32."""
+    s = s * qk_scale
+    if SOFTCAP > 0:
+        s = SOFTCAP - 2.0 * SOFTCAP / (1.0 + tl.exp(2.0 * s / SOFTCAP))
+    return s
+
+
+@triton.jit
 def _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, table_ptr, kv_head, lo, hi,
                  s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, qk_scale,
                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 IEEE: tl.constexpr):
-    """Online softmax of the rows of q ([M, BLOCK_D], row i at position pos[i]) over keys lo..hi-1 (causal)."""
+                 IEEE: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
+    """Online softmax of the rows of q ([M, BLOCK_D], row i at position pos[i]) over keys lo..hi-1 (causal); the
+    scores soft-capped where SOFTCAP > 0 (`_capped`)."""
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     for start in range(lo, hi, BLOCK_N):
@@ -56,7 +68,7 @@ def _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, table_ptr, kv_head, lo, hi
             s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
         else:
             s = tl.dot(q, k)
-        s = tl.where(mask_n[None, :] & (keys[None, :] <= pos[:, None]), s * qk_scale, float("-inf"))
+        s = tl.where(mask_n[None, :] & (keys[None, :] <= pos[:, None]), _capped(s, qk_scale, SOFTCAP), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
@@ -94,7 +106,7 @@ def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, qsl_ptr,
                     s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
-                    PDL: tl.constexpr = False):
+                    PDL: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0):
     pdl.start(PDL)
     tile, kv_head = tl.program_id(0), tl.program_id(1)
     b = _find_seq(qsl_ptr, num_seqs, tile, BLOCK_Q)
@@ -119,7 +131,7 @@ def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, qsl_ptr,
         hi = seq_len - n + tl.minimum(n, (local + 1) * BLOCK_Q)
         acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, tables_ptr + b.to(tl.int64) * s_bt,
                                      kv_head, 0, hi, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, qk_scale,
-                                     PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, IEEE)
+                                     PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, IEEE, SOFTCAP)
         acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
                  acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -221,7 +233,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, cnt_
                    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr,
                    IEEE: tl.constexpr, ROPE: tl.constexpr = False, HALF: tl.constexpr = 1,
                    LORA: tl.constexpr = False, LSPLIT: tl.constexpr = 1, BLOCK_R: tl.constexpr = 16,
-                   S_P2: tl.constexpr = 2, PDL: tl.constexpr = False, FP8: tl.constexpr = 0):
+                   S_P2: tl.constexpr = 2, PDL: tl.constexpr = False, FP8: tl.constexpr = 0,
+                   SOFTCAP: tl.constexpr = 0.0):
     """With ROPE (`decode_attention`): q is the unrotated query, and the step's own key and value (token rows
     kn/vn, s_kn/s_vn apart; head h at h * HEAD_DIM) are rotated here by the token's position (cos | sin rows of
     cs_ptr, s_cs apart; HALF = rotary dims / 2) and written into the cache slot slot_ptr[token] (-1: none) by the
@@ -234,7 +247,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, cnt_
     writes the output, else each stores its partial result and the last to count itself in at cnt_ptr (one counter
     per sequence and KV head, zero between launches) merges them (`_merge`) and resets the counter. FP8: the
     caches' float8 format (fp8.code; 0: none): the new key and value are rounded to it (fp8.to_cache) before
-    they are written and attended, as every key the cache holds."""
+    they are written and attended, as every key the cache holds. SOFTCAP: the scores soft-capped (`_capped`)."""
     pdl.start(PDL)
     b, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(qsl_ptr + b)
@@ -307,12 +320,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, cnt_
         if ROPE:
             if own:  # the new key first (the online softmax takes keys in any order): its score is the running max,
                 # its weight 1, and k_new, v_new are dead before the key loop (fewer registers held through it)
-                m_i = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * qk_scale
+                m_i = _capped(tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1), qk_scale, SOFTCAP)
                 l_i = tl.full((GROUP_PAD,), 1.0, tl.float32)
                 acc = acc + v_new.to(tl.float32)[None, :]
         acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, tables_ptr + b.to(tl.int64) * s_bt,
                                      kv_head, lo, hi, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, qk_scale,
-                                     PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, IEEE)
+                                     PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, IEEE, SOFTCAP)
         if SPLIT:
             used = tl.cdiv(seq_len, span)  # the sequence's partitions that hold keys (>= 1)
         else:
@@ -411,14 +424,14 @@ def _unified(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_sc
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                    max_query_len: int | None = None) -> torch.Tensor:
+                    max_query_len: int | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Triton version of reference.paged_attention: q [T, Hq, D], caches [num_blocks, block_size, Hk, D]."""
     out = torch.empty_like(q)
     if q.shape[0] == 0 or seq_lens.shape[0] == 0:
         return out
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    meta = _meta(q, k_cache)
+    meta = _meta(q, k_cache, softcap)
     qk_scale = float(scale) * LOG2E
     if max_query_len == 1:
         _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, out, meta)
@@ -434,20 +447,23 @@ def _interpreted_bf16(q: torch.Tensor) -> bool:
     return q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _meta(q: torch.Tensor, k_cache: torch.Tensor) -> dict:
+def _meta(q: torch.Tensor, k_cache: torch.Tensor, softcap: float = 0.0) -> dict:
     hq, hk, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
     group = hq // hk
-    return dict(GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), PAGE=k_cache.shape[1],
+    meta = dict(GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), PAGE=k_cache.shape[1],
                 BLOCK_N=32 if head_dim > 128 else 64, BLOCK_D=max(16, next_power_of_2(head_dim)),
                 HEAD_DIM=head_dim, IEEE=q.dtype == torch.float32 or _interpreted_bf16(q), PDL=pdl.on(q.device),
                 **pdl.launch(q.device))
+    if softcap:  # Gemma 2's soft-capped scores, in the base-2 units of the kernels' softmax: a variant of its own
+        meta["SOFTCAP"] = float(softcap) * LOG2E
+    return meta
 
 
 def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cos_sin_cache: torch.Tensor, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, scale: float, lora=None,
-                     compile_only: bool = False, parts: int | None = None) -> torch.Tensor:
+                     compile_only: bool = False, parts: int | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Triton version of reference.decode_attention, in one launch: the
     rotary embedding, the KV-cache write and the decode attention of `rotary_store_kv` then `paged_attention`,
     without the rotated q's and k's round trip through memory; with `lora` (the qkv layer's LoRADelta, by token),
@@ -472,6 +488,6 @@ def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                              f"not of bounds {list(lora.bounds)} for {lora.hp.shape[1]}")
     cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     _decode(q3, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale) * LOG2E, out,
-            _meta(q3, k_cache), rope=(positions, k2, v2, cache, slot_mapping), lora=lora, compile_only=compile_only,
-            parts=parts)
+            _meta(q3, k_cache, softcap), rope=(positions, k2, v2, cache, slot_mapping), lora=lora,
+            compile_only=compile_only, parts=parts)
     return out

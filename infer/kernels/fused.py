@@ -29,8 +29,10 @@ LORA_ROW_TILE = 65536  # rms_norm with a LoRA delta: B^T elements per tile [rank
 
 
 @triton.jit
-def _norm_row(x, row, offs, mask, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_r, s_y, s_h, HAS_RES: tl.constexpr):
-    """The row x (+ the residual, stored as the next residual) normalized and weighted into y."""
+def _norm_row(x, row, offs, mask, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_r, s_y, s_h, HAS_RES: tl.constexpr,
+              UNIT: tl.constexpr = False):
+    """The row x (+ the residual, stored as the next residual) normalized and weighted into y (UNIT: Gemma's
+    weighting by 1 + w, in float32 with the normalized row, rounded once)."""
     if HAS_RES:
         # in h's dtype (x's and the residual's promoted), as the reference: added in float32 and rounded once (the
         # same bits; also right under TRITON_INTERPRET, whose bf16 arithmetic adds the raw bits)
@@ -39,22 +41,26 @@ def _norm_row(x, row, offs, mask, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_r, s_y
         tl.store(h_ptr + row * s_h + offs, x, mask=mask)
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
-    y = (xf * inv).to(x.dtype)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     yt = y_ptr.dtype.element_ty
-    y = (w.to(yt).to(tl.float32) * y.to(yt).to(tl.float32)).to(yt)  # (in float32, rounded once: as above)
+    if UNIT:
+        y = (xf * inv * (1.0 + w.to(tl.float32))).to(yt)
+    else:
+        y = (xf * inv).to(x.dtype)
+        y = (w.to(yt).to(tl.float32) * y.to(yt).to(tl.float32)).to(yt)  # (in float32, rounded once: as above)
     tl.store(y_ptr + row * s_y + offs, y, mask=mask)
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_x, s_r, s_y, s_h,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+                     UNIT: tl.constexpr = False):
     pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0)
-    _norm_row(x, row, offs, mask, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_r, s_y, s_h, HAS_RES)
+    _norm_row(x, row, offs, mask, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_r, s_y, s_h, HAS_RES, UNIT)
 
 
 @triton.jit
@@ -75,7 +81,7 @@ def _embed_rms_norm_kernel(ids_ptr, t_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_t, s_y
 def _rms_norm_lora_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_x, s_r, s_y, s_h,
                           hp_ptr, lb_ptr, slot_ptr, rank_ptr, scal_ptr, S, R, sh_p, sh_t, sr_s, sc_s,
                           HAS_RES: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr, CHUNK_R: tl.constexpr,
-                          S_P2: tl.constexpr, PDL: tl.constexpr = False):
+                          S_P2: tl.constexpr, PDL: tl.constexpr = False, UNIT: tl.constexpr = False):
     """_rms_norm_kernel after adding the one-shard layer's adapter delta (a LoRADelta by token of the layer whose
     output x is: hp [SPLIT, T, R], B^T [S, R, n]) to the row, rounded to x's dtype as the layer's expand leaves it,
     so that the expand needs no launch of its own. B^T's rows of the row's slot are read CHUNK_R at a time, as many
@@ -104,11 +110,11 @@ def _rms_norm_lora_kernel(x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_x, s_r,
             bb = tl.load(b + r[:, None] * n + offs[None, :], mask=(r[:, None] < rank) & mask[None, :], other=0.0)
             d += tl.sum(h[:, None] * bb.to(tl.float32), 0)
         x = (x.to(tl.float32) + d * tl.sum(tl.where(pick, scals, 0.0), 0)).to(x.dtype)
-    _norm_row(x, row, offs, mask, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_r, s_y, s_h, HAS_RES)
+    _norm_row(x, row, offs, mask, res_ptr, w_ptr, y_ptr, h_ptr, n, eps, s_r, s_y, s_h, HAS_RES, UNIT)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, lora=None,
-             compile_only: bool = False):
+             compile_only: bool = False, unit_offset: bool = False):
     """Triton version of reference.rms_norm: y, or (y, x + residual) when residual is given; with `lora` (the
     `lora_reference.LoRADelta` by token of the one-shard layer whose output x is: o_proj, down_proj) added to x
     first. compile_only: compile the kernel this call would launch, launch nothing (y and h are then unwritten)."""
@@ -129,6 +135,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     args = [x2, r2, weight.contiguous(), y2, h2, n, float(eps), x2.stride(0), r2.stride(0), y2.stride(0),
             h2.stride(0)]
     consts = dict(HAS_RES=residual is not None, BLOCK=block, PDL=pdl.on(x.device), **pdl.launch(x.device))
+    if unit_offset:  # (Gemma's norm: a variant of its own; the others' compiled as before)
+        consts["UNIT"] = True
     if lora is None:
         _rms_norm_kernel[(rows,)](*args, num_warps=max(1, min(16, block // 512)), **consts)
         return out
@@ -286,8 +294,9 @@ def _plus_delta(v, h, b_ptr, rank, scale, offs, mask, n, BLOCK_R: tl.constexpr):
 def _silu_and_mul_kernel(x_ptr, y_ptr, n, s_x, s_y, hp_ptr, lb_ptr, slot_ptr, rank_ptr, scal_ptr, S, R, sh_p, sh_t,
                          sr_i, sr_s, sc_i, sc_s, BLOCK: tl.constexpr, LORA: tl.constexpr = False,
                          SPLIT: tl.constexpr = 1, BLOCK_R: tl.constexpr = 16, S_P2: tl.constexpr = 2,
-                         PDL: tl.constexpr = False):
-    """With LORA: the gate_up layer's adapter delta (a LoRADelta by token: hp [SPLIT, T, 2R], B^T shard after shard)
+                         PDL: tl.constexpr = False, GELU: tl.constexpr = False):
+    """GELU: gelu's tanh approximation in place of silu (gelu_tanh_and_mul: Gemma's GeGLU).
+    With LORA: the gate_up layer's adapter delta (a LoRADelta by token: hp [SPLIT, T, 2R], B^T shard after shard)
     is added to the row's gate and up first, so that the layer's expand needs no launch of its own."""
     pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -317,16 +326,21 @@ def _silu_and_mul_kernel(x_ptr, y_ptr, n, s_x, s_y, hp_ptr, lb_ptr, slot_ptr, ra
             up = _plus_delta(up, hu, b_g + tl.cast(S, tl.int64) * R * n, tl.sum(tl.where(pick, rank_u, 0), 0),
                              tl.sum(tl.where(pick, scal_u, 0.0), 0), offs, mask, n, BLOCK_R)
     g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # silu in float32, rounded to x's dtype as torch's F.silu
+    if GELU:  # 0.5 g (1 + tanh(u)) = g - g / (1 + exp(2u)), in float32, rounded to x's dtype as torch's F.gelu
+        u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        act = (g - g / (1.0 + tl.exp(2.0 * u))).to(gate.dtype)
+    else:
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # silu in float32, rounded to x's dtype as torch's F.silu
     # the product in float32, rounded once: a product in x's dtype's bits, also under TRITON_INTERPRET (whose bf16
     # arithmetic is wrong: it multiplies the raw bits)
     tl.store(y_ptr + row * s_y + offs, (act.to(tl.float32) * up.to(tl.float32)).to(act.dtype), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor, lora=None, compile_only: bool = False) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, lora=None, compile_only: bool = False, gelu: bool = False) -> torch.Tensor:
     """Triton version of reference.silu_and_mul: silu(x[..., :n]) * x[..., n:], after adding `lora` (a gate_up
     layer's `lora_reference.LoRADelta`, by token) to x. compile_only: compile the kernel this call would launch
-    (with `lora`), launch nothing (y is then unwritten)."""
+    (with `lora`), launch nothing (y is then unwritten). gelu: reference.gelu_tanh_and_mul instead."""
+    act = {"GELU": True} if gelu else {}  # (a variant of its own; silu's compiled as before)
     n = x.shape[-1] // 2
     x2 = _rows(x, 2 * n)
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
@@ -338,7 +352,7 @@ def silu_and_mul(x: torch.Tensor, lora=None, compile_only: bool = False) -> torc
         _silu_and_mul_kernel[(x2.shape[0], cdiv(n, block))](x2, y2, n, x2.stride(0), y2.stride(0),
                                                                    x2, x2, x2, x2, x2, 0, 0, 0, 0, 0, 0, 0, 0,
                                                                    BLOCK=block, PDL=pdl.on(x.device),
-                                                                   **pdl.launch(x.device))
+                                                                   **pdl.launch(x.device), **act)
         return y
     if list(lora.bounds) != [0, n, 2 * n]:
         raise ValueError(f"silu_and_mul adds the delta of a gate|up layer of widths {n}|{n}, not of bounds "
@@ -353,8 +367,13 @@ def silu_and_mul(x: torch.Tensor, lora=None, compile_only: bool = False) -> torc
     run(x2, y2, n, x2.stride(0), y2.stride(0), lora.hp, lora.lora_b, lora.token_slots, lora.ranks, lora.scalings,
         num_slots, rank, lora.hp.stride(0), lora.hp.stride(1), *lora.ranks.stride(), *lora.scalings.stride(),
         BLOCK=block, LORA=True, SPLIT=split, BLOCK_R=next_power_of_2(rank), S_P2=max(2, next_power_of_2(num_slots)),
-        PDL=pdl.on(x.device), **pdl.launch(x.device), **({"grid": grid} if compile_only else {}))
+        PDL=pdl.on(x.device), **pdl.launch(x.device), **act, **({"grid": grid} if compile_only else {}))
     return y
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, lora=None, compile_only: bool = False) -> torch.Tensor:
+    """Triton version of reference.gelu_tanh_and_mul (silu_and_mul's kernel with gelu's tanh approximation)."""
+    return silu_and_mul(x, lora, compile_only, gelu=True)
 
 
 # ----------------------------------------------------------------------------------------------- store_kv

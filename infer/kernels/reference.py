@@ -12,9 +12,12 @@ import torch.nn.functional as F
 
 
 # ----------------------------------------------------------------------------------------------- small ops
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, lora=None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, lora=None,
+             unit_offset: bool = False):
     """Semantics: if residual is given, h = x + residual, else h = x; y = weight * (h / sqrt(mean(h^2) + eps)),
     the normalisation computed in float32 and cast back to x's dtype before the weight multiply (as HF does).
+    `unit_offset` (Gemma's RMSNorm): y = (h / sqrt(mean(h^2) + eps)) * (1 + weight), all in float32, rounded to
+    x's dtype once.
     Returns y, or (y, h) when residual is given (h becomes the next residual). With `lora` (the LoRADelta by token
     of the one-shard layer whose output x is: o_proj, down_proj), x is first a copy with the delta added
     (`add_delta`): the layer's output as its `apply` would have left it."""
@@ -27,7 +30,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         residual = x
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    y = weight * y.to(x.dtype)
+    y = (y * (1.0 + weight.float())).to(x.dtype) if unit_offset else weight * y.to(x.dtype)
     return y if residual is None else (y, residual)
 
 
@@ -71,6 +74,18 @@ def silu_and_mul(x: torch.Tensor, lora=None) -> torch.Tensor:
         add_delta(lora, x.view(-1, x.shape[-1]))
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, lora=None) -> torch.Tensor:
+    """Semantics: silu_and_mul with the tanh approximation of gelu in place of silu (Gemma's GeGLU MLP:
+    transformers' gelu_pytorch_tanh): gate, up = x.chunk(2, dim=-1); y = gelu_tanh(gate) * up, gelu_tanh(g) =
+    0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))); `lora` as silu_and_mul's."""
+    if lora is not None:
+        from .lora_reference import add_delta
+        x = x.clone()
+        add_delta(lora, x.view(-1, x.shape[-1]))
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 # ----------------------------------------------------------------------------------------------- sampling
@@ -131,7 +146,7 @@ def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cos_sin_cache: torch.Tensor, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                     query_start_loc: torch.Tensor, scale: float, lora=None) -> torch.Tensor:
+                     query_start_loc: torch.Tensor, scale: float, lora=None, softcap: float = 0.0) -> torch.Tensor:
     """Semantics: a decode step's attention from its unrotated q [T, Hq*D], k, v [T, Hk*D], every sequence
     querying one token, its last (position seq_lens[b] - 1, written at slot_mapping[t]):
     paged_attention(rotary_store_kv(...) as [T, Hq, D], ..., max_query_len=1), returned as [T, Hq, D]. With `lora`
@@ -145,7 +160,7 @@ def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
         q, k, v = qkv.split([q.shape[-1], k.shape[-1], v.shape[-1]], dim=-1)
     q = rotary_store_kv(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache, slot_mapping)
     return paged_attention(q.reshape(t, -1, head_dim), k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                           scale, max_query_len=1)
+                           scale, max_query_len=1, softcap=softcap)
 
 
 # ----------------------------------------------------------------------------------------------- paged KV
@@ -190,13 +205,14 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, dtyp
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    scale: float, max_query_len: int | None = None) -> torch.Tensor:
+                    scale: float, max_query_len: int | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Semantics: for each sequence b, its queries q[query_start_loc[b]:query_start_loc[b+1]] ([n_b, Hq, D]) are the
     last n_b tokens of a sequence of seq_lens[b] tokens whose keys/values sit in the paged cache at the blocks
     block_tables[b] ([num_blocks, block_size, Hk, D]). Query i (position p = seq_lens[b] - n_b + i) attends to the
     keys at positions 0..p: out = softmax(scale * q K^T) V, head h reading KV head h // (Hq / Hk) (GQA); a float8
     cache's K and V upcast to q's dtype (exactly) first. Returns [T, Hq, D] in q's dtype; the softmax is computed
-    in float32."""
+    in float32. `softcap` > 0 (Gemma 2's attn_logit_softcapping): each score s = scale * q.k is capped to
+    softcap * tanh(s / softcap) before the softmax (the scores then in float32)."""
     num_seqs = seq_lens.shape[0]
     out = torch.empty_like(q)
     qsl = query_start_loc.tolist()
@@ -218,7 +234,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             queries += range(qsl[b], qsl[b + 1])
             row_lens += range(lens[b] - n + 1, lens[b] + 1)
         _rows_attention(q, k_cache, v_cache, block_tables, seqs, queries, row_lens, scale, out,
-                        batched=bool(short))
+                        batched=bool(short), softcap=softcap)
     done = set(short)
     for b in range(num_seqs):
         n = qsl[b + 1] - qsl[b]
@@ -226,7 +242,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             continue
         k = _gather_kv(k_cache, block_tables[b], lens[b], q.dtype)
         v = _gather_kv(v_cache, block_tables[b], lens[b], q.dtype)
-        out[qsl[b]:qsl[b + 1]] = _attend(q[qsl[b]:qsl[b + 1]], k, v, scale, lens[b] - n)
+        out[qsl[b]:qsl[b + 1]] = _attend(q[qsl[b]:qsl[b + 1]], k, v, scale, lens[b] - n, softcap)
     return out
 
 
@@ -234,14 +250,34 @@ MASK_ELEMENTS = 1 << 17  # the most (query x key) mask entries one masked SDPA c
 # float copy torch's CPU SDPA makes of it): a chunked prefill's queries after a context go in row chunks this bounds
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int) -> torch.Tensor:
+def _sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, softcap: float = 0.0):
+    """F.scaled_dot_product_attention, or with `softcap` > 0 the same attention with each score capped to
+    softcap * tanh(score / softcap) (which SDPA cannot do), in float32 and rounded to q's dtype."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+    if enable_gqa:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if is_causal:
+        n, keys = s.shape[-2], s.shape[-1]
+        attn_mask = torch.ones(n, keys, dtype=torch.bool, device=q.device).tril(keys - n)
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int,
+            softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of n queries at positions offset..offset+n-1 over L = offset + n keys.
     (4-D inputs: with 3-D ones torch's CPU SDPA falls back to a path that materialises the n x L scores.)"""
     n = q.shape[0]
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     gqa = qh.shape[1] != kh.shape[1]
     if offset == 0 or n == 1:  # one query at the last position sees every key: no mask
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=offset == 0, scale=scale, enable_gqa=gqa)
+        o = _sdpa(qh, kh, vh, is_causal=offset == 0, scale=scale, enable_gqa=gqa, softcap=softcap)
         return o[0].transpose(0, 1)
     # after a context (a chunked prefill's later chunk): masked, in row chunks, each over the keys up to its last
     # query, so that the mask (rows x keys, and its float copy) never outgrows MASK_ELEMENTS (the n x L mask of a
@@ -253,8 +289,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, off
         keys = offset + end
         pos_q = torch.arange(offset + start, offset + end, device=q.device).unsqueeze(1)
         mask = torch.arange(keys, device=q.device).unsqueeze(0) <= pos_q
-        out.append(F.scaled_dot_product_attention(qh[:, :, start:end], kh[:, :, :keys], vh[:, :, :keys],
-                                                  attn_mask=mask, scale=scale, enable_gqa=gqa)[0])
+        out.append(_sdpa(qh[:, :, start:end], kh[:, :, :keys], vh[:, :, :keys], attn_mask=mask, scale=scale,
+                         enable_gqa=gqa, softcap=softcap)[0])
     return (out[0] if len(out) == 1 else torch.cat(out, 1)).transpose(0, 1)
 
 
@@ -303,7 +339,8 @@ def _decode_attention(q, k_cache, v_cache, block_tables, lens, qsl, rows, scale,
                     out)
 
 
-def _rows_attention(q, k_cache, v_cache, block_tables, seqs, queries, row_lens, scale, out, batched=False) -> None:
+def _rows_attention(q, k_cache, v_cache, block_tables, seqs, queries, row_lens, scale, out, batched=False,
+                    softcap: float = 0.0) -> None:
     """`_decode_attention` of rows: query q[queries[r]] over the first row_lens[r] keys of sequence seqs[r]'s
     blocks (`batched`: as one batch, whatever `_per_sequence` says)."""
     max_len = max(row_lens)
@@ -313,7 +350,7 @@ def _rows_attention(q, k_cache, v_cache, block_tables, seqs, queries, row_lens, 
         for b, i, n in zip(seqs, queries, row_lens):
             k = _gather_kv(k_cache, tables[b], n, q.dtype)
             v = _gather_kv(v_cache, tables[b], n, q.dtype)
-            out[i:i + 1] = _attend(q[i:i + 1], k, v, scale, n - 1)
+            out[i:i + 1] = _attend(q[i:i + 1], k, v, scale, n - 1, softcap)
         return
     idx = torch.tensor(seqs, device=q.device)
     nblocks = (max_len + k_cache.shape[1] - 1) // k_cache.shape[1]
@@ -327,5 +364,5 @@ def _rows_attention(q, k_cache, v_cache, block_tables, seqs, queries, row_lens, 
     if not equal:
         lens_t = torch.tensor(row_lens, device=q.device)
         mask = (torch.arange(max_len, device=q.device)[None] < lens_t[:, None])[:, None, None, :]
-    o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=scale, enable_gqa=qr.shape[1] != k.shape[1])
+    o = _sdpa(qr, k, v, attn_mask=mask, scale=scale, enable_gqa=qr.shape[1] != k.shape[1], softcap=softcap)
     out.index_copy_(0, qstart, o[:, :, 0].to(out.dtype))
