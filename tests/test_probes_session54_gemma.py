@@ -9,8 +9,112 @@ tiny-gemma and tiny-gemma2; what infer cannot run refused up front."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from infer import LLM, SamplingParams
+from infer.cli.main import app
+from infer.errors import UnsupportedModelError
+from infer.models.tiny import BUILTIN_MODELS, ensure_builtin
+
+from helpers import random_prompts
+from lora_helpers import PeftOracle, hf_float, save_adapter
+from quant_helpers import int4_kernel_path, make_gptqmodel_checkpoint, needs_gptqmodel
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, vocab_size=512, eos_token_id=2, pad_token_id=0,
+             tie_word_embeddings=False)
+ARCH = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+# Gemma 2 with soft-capping strong enough to change the tokens of these random models (50 and 30 would not)
+GEMMA2 = dict(head_dim=32, query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=1.5,
+              sliding_window=256)
+
+
+def build(folder, model_type: str = "gemma", seed: int = 0, **config):
+    """A random Gemma / Gemma 2 model folder (float32; norm weights random, not zero) with the tiny-llama tokenizer;
+    returns transformers' model (its eager attention: Gemma 2's soft-capping)."""
+    cfg = AutoConfig.for_model(model_type, initializer_range=0.15, bos_token_id=None, **{**SMALL, **config})
+    cfg.architectures = [ARCH[model_type]]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0.0, 0.3)
+    model.save_pretrained(folder, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ensure_builtin("tiny-llama") / f, folder / f)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def hf_greedy(hf, prompts, n: int) -> list[list[int]]:
+    with torch.no_grad():
+        return [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+                for p in prompts]
+
+
+CONFIGS = {  # model type, config, the context infer caps it at
+    "gemma-gqa-head256": ("gemma", dict(), 256),  # GemmaConfig's head_dim 256 with hidden 64 and 4 heads
+    "gemma-mha-tied": ("gemma", dict(num_key_value_heads=4, head_dim=16, tie_word_embeddings=True), 256),
+    "gemma2-gqa": ("gemma2", dict(GEMMA2), 256),
+    "gemma2-mha-tied-window": ("gemma2", dict(GEMMA2, num_key_value_heads=4, tie_word_embeddings=True,
+                                              sliding_window=48, head_dim=16), 48),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
+    model_type, config, limit = CONFIGS[name]
+    hf = build(tmp_path, model_type, **config)
+    prompts = random_prompts(512, (5, 13, 30), seed=3)
+    with LLM(str(tmp_path), block_size=4) as llm:
+        assert llm.engine.max_model_len == limit
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=3))
+    assert [o.token_ids for o in outs] == hf_greedy(hf, prompts, 8), name
+    for p, out in zip(prompts, outs):
+        with torch.no_grad():
+            logp = hf(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1:-1].log_softmax(-1)
+        for i, rec in enumerate(out.logprobs):
+            assert abs(rec["logprob"] - float(logp[i, rec["token_id"]])) < 1e-4, (name, i)
+
+
+def test_gemma2_softcapping_and_its_scale_change_the_outputs(tmp_path):
+    """The checks above mean something: without its attention soft-capping, or with Llama's scale, the same Gemma 2
+    model gives other tokens in transformers; without its final soft-capping (monotonic: the same tokens), other
+    logprobs."""
+    prompts = random_prompts(512, (9, 21), seed=7)
+    hf = build(tmp_path / "a", "gemma2", **GEMMA2)
+    want = hf_greedy(hf, prompts, 8)
+    for i, change in enumerate((dict(attn_logit_softcapping=None), dict(query_pre_attn_scalar=32))):
+        assert hf_greedy(build(tmp_path / str(i), "gemma2", **{**GEMMA2, **change}), prompts, 8) != want, change
+    uncapped = build(tmp_path / "f", "gemma2", **{**GEMMA2, "final_logit_softcapping": None})
+    with torch.no_grad():
+        ids = torch.tensor([prompts[0]])
+        assert (hf(ids).logits.log_softmax(-1) - uncapped(ids).logits.log_softmax(-1)).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("model_type", ["gemma", "gemma2"])
+def test_gpu_code_path_interpreted_equals_the_cpu_path(tmp_path, monkeypatch, model_type):
+    """Every op through its Triton kernel (interpreted on CPU): the norm by 1 + w, the GeGLU, and for Gemma 2 the
+    soft-capped scores in the prefill and decode attention kernels, give the CPU path's tokens."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
+    build(tmp_path, model_type, num_hidden_layers=1, **(GEMMA2 if model_type == "gemma2" else dict(head_dim=32)))
+    prompts = random_prompts(512, (5, 9), seed=4)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    with LLM(str(tmp_path), block_size=4) as llm:
+        cpu = [o.token_ids for o in llm.generate(prompts, params)]
+    int4_kernel_path(monkeypatch)
+    with LLM(str(tmp_path), block_size=4, max_model_len=32) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == cpu
 
 
 def test_kernels_gemma_variants_equal_the_reference():
@@ -68,3 +172,165 @@ def test_kernels_gemma_variants_equal_the_reference():
         got = attention.decode_attention(pos, qq, kk, vv, cos_sin, d, kc.clone(), vc.clone(), slots, tables, lens,
                                          torch.arange(4, dtype=torch.int32), 0.3, softcap=5.0, parts=parts)
         assert torch.allclose(got, want, atol=1e-5), parts
+
+
+def test_what_infer_cannot_run_is_refused_up_front(tmp_path):
+    """Another activation, or bidirectional attention (EmbeddingGemma's), is refused when the config is read,
+    naming the field: `infer warmup --estimate` (which never builds the model) too."""
+    build(tmp_path / "a", "gemma2", **GEMMA2, hidden_activation="silu")
+    with pytest.raises(UnsupportedModelError, match="hidden_activation 'silu' is not supported for gemma2"):
+        LLM(str(tmp_path / "a"))
+    build(tmp_path / "b", "gemma", head_dim=16, use_bidirectional_attention=True)
+    with pytest.raises(UnsupportedModelError, match="use_bidirectional_attention"):
+        LLM(str(tmp_path / "b"))
+    res = CliRunner().invoke(app, ["warmup", str(tmp_path / "b"), "--estimate"])
+    assert res.exit_code != 0 and "use_bidirectional_attention" in res.output
+
+
+# ------------------------------------------------------------------------------------------------------- GPTQ
+def gptqmodel_greedy(path, prompts, n: int) -> list[list[int]]:
+    """GPTQModel's own load of a GPTQ checkpoint, its torch kernel computing in float32 (loaded in float16, then
+    cast, the checkpoint's float tensors put back exactly)."""
+    from gptqmodel import BACKEND, GPTQModel
+    model = GPTQModel.load(str(path), backend=BACKEND.TORCH, device="cpu", dtype=torch.float16).model.float().eval()
+    floats = {k: v for k, v in load_file(path / "model.safetensors").items() if v.dtype == torch.float32}
+    assert not model.load_state_dict(floats, strict=False).unexpected_keys
+    model.generation_config.eos_token_id = None
+    return hf_greedy(model, prompts, n)
+
+
+@needs_gptqmodel
+def test_infer_quantize_writes_a_gemma_gptq_checkpoint_equal_to_gptqmodels_load(tmp_path):
+    build(tmp_path / "f", "gemma", head_dim=32)
+    out = tmp_path / "q"
+    res = CliRunner().invoke(app, ["quantize", str(tmp_path / "f"), "-o", str(out), "--group-size", "32",
+                                   "--num-samples", "8", "--seq-len", "32"])
+    assert res.exit_code == 0, res.output
+    assert "model.layers.0.mlp.gate_proj.qweight" in load_file(out / "model.safetensors")
+    prompts = random_prompts(512, (4, 11, 23), seed=11)
+    with LLM(str(out), block_size=4) as llm:
+        assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.qweight is not None
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert [o.token_ids for o in outs] == gptqmodel_greedy(out, prompts, 8)
+
+
+@needs_gptqmodel
+def test_gptqmodel_act_order_asymmetric_gemma2_checkpoint_equals_gptqmodels_load(tmp_path):
+    build(tmp_path / "f", "gemma2", seed=1, **GEMMA2)
+    path = make_gptqmodel_checkpoint(tmp_path / "f", tmp_path / "q", bits=4, group_size=32, desc_act=True, sym=False,
+                                     seq_len=32)
+    prompts = random_prompts(512, (4, 11, 23), seed=12)
+    with LLM(str(path), block_size=4) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert [o.token_ids for o in outs] == gptqmodel_greedy(path, prompts, 8)
+
+
+# ------------------------------------------------------------------------------------------------------- LoRA
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTERS = {"all8": dict(r=8, lora_alpha=16, target_modules=ALL),
+            "qv4": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"])}
+
+
+@pytest.fixture(scope="module", params=["gemma", "gemma2"])
+def gemma_lora(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    build(root / "base", request.param, **(GEMMA2 if request.param == "gemma2" else dict(head_dim=32)))
+    hf = hf_float(root / "base")
+    paths = {n: save_adapter(hf, root / n, seed=i + 1, lora_dropout=0.0, **kw) for i, (n, kw) in
+             enumerate(ADAPTERS.items())}
+    return root / "base", hf, paths
+
+
+def test_peft_adapters_equal_peft_alone_and_mixed(gemma_lora):
+    base, hf, paths = gemma_lora
+    oracle = PeftOracle(hf, paths)
+    try:
+        prompts = random_prompts(512, (5, 12, 8), seed=6)
+        names = ["all8", None, "qv4"]
+        with LLM(str(base), loras={n: str(p) for n, p in paths.items()}, max_loras=2, max_lora_rank=8,
+                 block_size=4) as llm:
+            params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+            mixed = [o.token_ids for o in llm.generate(prompts, params, lora=names)]
+            alone = [llm.generate([p], params, lora=n)[0].token_ids for p, n in zip(prompts, names)]
+        want = [oracle.greedy(n, p, 6) for p, n in zip(prompts, names)]
+        assert mixed == want and alone == want
+        assert want[0] != oracle.greedy(None, prompts[0], 6)  # the adapter changes the tokens: the check means much
+    finally:
+        oracle.close()
+
+
+def test_lora_validate_accepts_a_gemma_adapter(gemma_lora):
+    base, _, paths = gemma_lora
+    res = CliRunner().invoke(app, ["lora-validate", str(base), str(paths["all8"]), "--json", "--steps", "2"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert report["ok"] and report["shapes"] == "ok"
+
+
+def test_int4_kernel_path_with_mixed_adapters_interpreted_equals_the_cpu_path(gemma_lora, tmp_path, monkeypatch):
+    """GPTQ Gemma / Gemma 2 with adapters beside a base-only row, through the Triton kernels (interpreted) and
+    emulated decode graphs: the GeGLU is never applied in the int4 gate_up kernel's (silu) epilogue, the adapters'
+    deltas go to gelu_tanh_and_mul, decode_attention (soft-capped) and the norms by 1 + w: the CPU path's tokens."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
+    pytest.importorskip("gptqmodel")
+    base, hf, paths = gemma_lora
+    if hf.config.model_type != "gemma2":  # (Gemma 2's run covers Gemma's GeGLU and norms, and adds soft-capping)
+        pytest.skip("the Gemma 2 run covers it")
+    qdir = make_gptqmodel_checkpoint(base, tmp_path / "q", bits=4, group_size=32, seq_len=32)
+    opts = dict(loras={n: str(p) for n, p in paths.items()}, max_loras=2, max_lora_rank=8, block_size=4,
+                max_model_len=32, max_num_seqs=4)
+    prompts = random_prompts(512, (5, 3, 7), seed=9)
+    names = ["all8", None, "qv4"]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    with LLM(str(qdir), **opts) as llm:
+        cpu = [o.token_ids for o in llm.generate(prompts, params, lora=names)]
+    int4_kernel_path(monkeypatch)
+    with LLM(str(qdir), cuda_graph_max_tokens=4, **opts) as llm:
+        model = llm.engine.runner.model
+        assert model.layers[0].self_attn.qkv_proj.weight is None and not model.layers[0].mlp.act_in_gate_up
+        llm.engine.runner.capture_graphs(8, emulate=True)
+        assert [o.token_ids for o in llm.generate(prompts, params, lora=names)] == cpu
+        assert sum(llm.engine.runner.graphs.replays.values()) > 0
+
+
+# ---------------------------------------------------------------------------------------------- serve, warmup
+def test_serve_completions_on_gemma(gemma_lora):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+    from transformers import AutoTokenizer
+
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, create_app
+    from infer.serve.async_engine import AsyncEngine
+    base, hf, _ = gemma_lora
+    prompt = random_prompts(512, (7,), seed=8)[0]
+    engine = LLMEngine(EngineConfig(str(base), block_size=4, max_model_len=64))
+    with TestClient(create_app(Server(AsyncEngine(engine), "gemma"))) as client:
+        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0,
+                                                 "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == AutoTokenizer.from_pretrained(base).decode(hf_greedy(hf, [prompt], 5)[0])
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma", "tiny-gemma2"])
+def test_builtin_tiny_gemma_runs_and_warmup_sizes_it(name):
+    """The built-in models equal transformers and write varied tokens; `infer warmup --estimate` counts their
+    weights (the norms too) as the loaded engine holds them, and the KV cache at head_dim (not hidden / heads)."""
+    path = ensure_builtin(name)
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == [ARCH[BUILTIN_MODELS[name].arch]] and config["head_dim"] == 32
+    res = CliRunner().invoke(app, ["warmup", name, "--estimate", "--json", "--max-length", "256"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    with LLM(name, max_model_len=256) as llm:
+        from infer.memory.sizes import kv_bytes_per_token, weights_bytes
+        model = llm.engine.runner.model
+        assert plan["weights_bytes"] == weights_bytes(model)  # (the rope table included)
+        assert kv_bytes_per_token(llm.engine.runner.model.config, torch.float32) == 2 * 2 * 2 * 32 * 4
+        hf = hf_float(path)
+        prompts = random_prompts(512, (6, 11), seed=1)
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=5, ignore_eos=True))]
+    assert got == hf_greedy(hf, prompts, 5)
+    assert all(len(set(tokens)) > 2 for tokens in got)  # (tied, its random weights repeated the last token)

@@ -201,6 +201,8 @@ def _non_linear_targets(config: dict, base_config) -> list[Problem]:
         per_layer += [".resid_attn_dropout", ".resid_mlp_dropout"]
     if model_type == "qwen3":
         per_layer += [".self_attn.q_norm", ".self_attn.k_norm"]
+    if model_type == "gemma2":  # its four norms a layer
+        per_layer += [".pre_feedforward_layernorm", ".post_feedforward_layernorm"]
     names += [f"model.layers.{i}{s}" for i in range(layers) for s in per_layer] + [""]
     exclude = config.get("exclude_modules")
     hit = next((n for n in names if re.fullmatch(targets, n)

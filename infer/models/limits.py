@@ -9,10 +9,11 @@ from .rope import rope_max_positions
 def sliding_window(model_config) -> int | None:
     """The attention window of the layers that slide, if any does: infer's attention is full, which equals sliding
     attention up to the window, so the context is capped there. Mistral and Phi-3 slide on every layer; Qwen2 and
-    Qwen3 on the layers from max_window_layers on when use_sliding_window is set (transformers lists them in
-    layer_types). transformers' Mistral and Phi-3 slide whenever sliding_window is set, whatever a use_sliding_window
-    in config.json says; its Llama ignores the window in attention but its generate() cache keeps only the last
-    sliding_window keys, so the context is capped there too (where both ways of transformers agree)."""
+    Qwen3 on the layers from max_window_layers on when use_sliding_window is set, Gemma 2 on alternate layers
+    (transformers lists them in layer_types). transformers' Mistral and Phi-3 slide whenever sliding_window is set,
+    whatever a use_sliding_window in config.json says; its Llama ignores the window in attention but its generate()
+    cache keeps only the last sliding_window keys, so the context is capped there too (where both ways of
+    transformers agree)."""
     window = getattr(model_config, "sliding_window", None)
     if not window:
         return None

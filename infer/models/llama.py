@@ -1,4 +1,5 @@
-"""The Llama family on a flat batch over a paged KV cache: Llama 2/3, Mistral, Qwen2 (= Qwen1.5), Qwen3, Phi-3.
+"""The Llama family on a flat batch over a paged KV cache: Llama 2/3, Mistral, Qwen2 (= Qwen1.5), Qwen3, Phi-3, and
+Gemma and Gemma 2 (GemmaForCausalLM, Gemma2ForCausalLM below).
 
 Differences between the members are config switches: qkv bias (Qwen2), q/k RMSNorm per head (Qwen3), rope scaling
 (Llama 3), tied embeddings, and where the checkpoint stores the projections: Phi-3 (Phi-3.5, Phi-4) stores q|k|v as
@@ -18,7 +19,7 @@ from .. import kernels
 from ..kernels import cpu_gemm
 from .context import ForwardContext
 from .layers import LinearMethod, MergedLinear
-from .registry import check_activation
+from .registry import GEMMA, activation
 from .rope import build_cos_sin_cache
 from .shapes import ModelShapes
 
@@ -36,14 +37,23 @@ def fused_names(cfg, prefix: str, fused: str, projections: tuple[str, ...]) -> l
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, unit_offset: bool = False):
+        """unit_offset: Gemma's RMSNorm, which weights by 1 + weight (in float32, rounded once)."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x, residual=None, lora=None):
         """lora: the LoRADelta that the layer whose output x is left to this norm (MergedLinear.forward_deferred)."""
+        if self.unit_offset:
+            return kernels.rms_norm(x, self.weight, self.eps, residual, lora, unit_offset=True)
         return kernels.rms_norm(x, self.weight, self.eps, residual, lora)
+
+
+def norm_for(cfg):
+    """The RMSNorm class of the family: Gemma's weights by 1 + weight."""
+    return functools.partial(RMSNorm, unit_offset=cfg.model_type in GEMMA)
 
 
 class Attention(nn.Module):
@@ -53,6 +63,10 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = shapes.num_heads, shapes.num_kv_heads, shapes.head_dim
         self.q_size, self.kv_size = shapes.q_size, shapes.kv_size
         self.scale = self.head_dim ** -0.5
+        self.softcap = 0.0  # the scores' tanh soft-capping (Gemma 2's attn_logit_softcapping; 0: none)
+        if cfg.model_type == "gemma2":
+            self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
+            self.softcap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0)
         # as transformers builds each family: Qwen2 has q/k/v biases and no o bias, Llama and Qwen3 follow
         # attention_bias, Mistral has none whatever its config says
         declared = bool(getattr(cfg, "attention_bias", False)) and cfg.model_type in ("llama", "qwen3")
@@ -71,7 +85,8 @@ class Attention(nn.Module):
         self.rot_dim = self.head_dim  # the rope table's width (set by the model)
         if not self.qk_norm:  # a decode step's qkv LoRA expand may be left to decode_attention (forward)
             self.qkv_proj.lora_consumer = _DecodeConsumer(self)
-        self.o_proj.lora_consumer = _NormConsumer(dtype)  # o's, to the post-attention rms_norm (forward)
+        # o's, to the post-attention rms_norm (forward; Gemma 2's has no residual)
+        self.o_proj.lora_consumer = _NormConsumer(dtype, cfg.model_type in GEMMA, cfg.model_type != "gemma2")
 
     def forward(self, positions, x, ctx: ForwardContext, cos_sin):
         """(the attention's output, the o projection's LoRA delta that the post-attention norm adds, or None)."""
@@ -79,7 +94,7 @@ class Attention(nn.Module):
             q, k, v, delta = self._qkv(x, ctx, deferred=True)  # the adapters' qkv delta, where the layer left it)
             o = kernels.decode_attention(positions, q, k, v, cos_sin, self.head_dim, self.k_cache, self.v_cache,
                                          ctx.slot_mapping, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
-                                         self.scale, delta)
+                                         self.scale, delta, self.softcap)
             return self.o_proj.forward_deferred(o.reshape(x.shape[0], self.q_size), ctx)
         return self.o_proj.forward_deferred(self.attend(self.query(positions, x, ctx, cos_sin), ctx), ctx)
 
@@ -109,7 +124,7 @@ class Attention(nn.Module):
         for parts in (1, 2):
             attention.decode_attention(ints[0], q, k, v, torch.empty(1, self.rot_dim, device=dev), self.head_dim,
                                        self.k_cache, self.v_cache, ints[1], tables, lens, starts, self.scale, delta,
-                                       compile_only=True, parts=parts)
+                                       compile_only=True, parts=parts, softcap=self.softcap)
 
     def query(self, positions, x, ctx: ForwardContext, cos_sin):
         """The rotated query [t, q_size]; this step's K and V are in the cache (the part of the layer before the
@@ -124,14 +139,14 @@ class Attention(nn.Module):
         t = q.shape[0]
         o = kernels.paged_attention(q.reshape(t, self.num_heads, self.head_dim), self.k_cache, self.v_cache,
                                     ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, self.scale,
-                                    ctx.max_query_len)
+                                    ctx.max_query_len, self.softcap)
         return o.reshape(t, self.q_size)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg, prefix: str, method_for, dtype):
         super().__init__()
-        check_activation(cfg)
+        self.act = activation(cfg)  # silu, or Gemma's gelu_tanh
         bias = bool(getattr(cfg, "mlp_bias", False)) and cfg.model_type == "llama"  # only Llama's MLP has biases
         names = fused_names(cfg, prefix, "gate_up_proj", ("gate_proj", "up_proj"))
         inter = cfg.intermediate_size
@@ -139,15 +154,18 @@ class MLP(nn.Module):
         self.down_proj = MergedLinear(inter, [cfg.hidden_size], [f"{prefix}.down_proj"], bias,
                                       method_for([f"{prefix}.down_proj"]), dtype)
         # the expands may be left to silu_and_mul (gate_up's) and to the rms_norm after the MLP (down's: forward)
-        self.gate_up_proj.lora_consumer = functools.partial(_compile_silu_and_mul, dtype)
-        self.down_proj.lora_consumer = _NormConsumer(dtype)
+        self.gate_up_proj.lora_consumer = functools.partial(_compile_silu_and_mul, dtype, self.act == "gelu_tanh")
+        self.down_proj.lora_consumer = _NormConsumer(dtype, cfg.model_type in GEMMA, cfg.model_type != "gemma2")
         # set by an engine (EngineConfig.silu_in_gate_up) where gate_up is an int4 kernel layer (`fuses_act`): in a
         # step without adapters (or where the layer has no LoRA hook) its kernel applies silu_and_mul in its epilogue
         self.act_in_gate_up = False
 
     def fuses_act(self) -> bool:
-        """Whether gate_up's matmul can apply silu_and_mul itself: an int4 kernel layer."""
+        """Whether gate_up's matmul can apply silu_and_mul itself: an int4 kernel layer (silu only: not Gemma's
+        GeGLU)."""
         layer = self.gate_up_proj
+        if self.act != "silu":
+            return False
         return getattr(layer.method, "fuses_act", lambda _: False)(layer)
 
     def forward(self, x, ctx):
@@ -157,7 +175,7 @@ class MLP(nn.Module):
             return self.down_proj.forward_deferred(self.gate_up_proj.method.apply(self.gate_up_proj, x, gated=True),
                                                    ctx)
         gate_up, delta = self.gate_up_proj.forward_deferred(x, ctx)  # delta: the adapters', for silu_and_mul to add
-        act = kernels.silu_and_mul(gate_up, delta)
+        act = kernels.silu_and_mul(gate_up, delta) if self.act == "silu" else kernels.gelu_tanh_and_mul(gate_up, delta)
         del gate_up, delta  # freed before the down projection, whose peak holds its input and output, not these too
         return self.down_proj.forward_deferred(act, ctx)
 
@@ -168,17 +186,26 @@ class DecoderLayer(nn.Module):
         p = f"model.layers.{i}"
         self.self_attn = Attention(cfg, f"{p}.self_attn", method_for, dtype)
         self.mlp = MLP(cfg, f"{p}.mlp", method_for, dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        norm = norm_for(cfg)
+        self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if cfg.model_type == "gemma2":  # its four norms: the attention's output and the MLP's in and out as well
+            self.pre_feedforward_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            self.post_feedforward_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # No forward: the model's loop runs the four parts itself. A call layer(x, residual) would keep the
         # caller's x and residual alive until it returns, two hidden-sized tensors per token on top of the MLP's.
 
 
-def _compile_silu_and_mul(dtype: torch.dtype, delta) -> None:
-    """MergedLinear.lora_consumer of the MLP's gate_up: compiles silu_and_mul's variant that adds `delta`."""
+def _compile_silu_and_mul(dtype: torch.dtype, gelu: bool, delta) -> None:
+    """MergedLinear.lora_consumer of the MLP's gate_up: compiles silu_and_mul's (gelu: gelu_tanh_and_mul's)
+    variant that adds `delta`."""
     from ..kernels import fused
     t, width = delta.hp.shape[1], delta.bounds[-1]
-    fused.silu_and_mul(torch.empty(t, width, dtype=dtype, device=delta.hp.device), delta, compile_only=True)
+    x = torch.empty(t, width, dtype=dtype, device=delta.hp.device)
+    if gelu:
+        fused.gelu_tanh_and_mul(x, delta, compile_only=True)
+    else:
+        fused.silu_and_mul(x, delta, compile_only=True)
 
 
 class _NormConsumer:
@@ -187,14 +214,19 @@ class _NormConsumer:
 
     into_norm = True  # (LoRALayer.fused_norm can keep these expands apart: EngineConfig.lora_expand_in_norm)
 
-    def __init__(self, dtype: torch.dtype):
+    def __init__(self, dtype: torch.dtype, unit_offset: bool = False, residual: bool = True):
+        """unit_offset: Gemma's norm; residual: whether the norm adds the residual (Gemma 2's post-attention and
+        post-feedforward norms do not)."""
         self.dtype = dtype
+        self.unit = {"unit_offset": True} if unit_offset else {}
+        self.residual = residual
 
     def __call__(self, delta) -> None:
         from ..kernels import fused
         t, width, dev = delta.hp.shape[1], delta.bounds[-1], delta.hp.device
         x = torch.empty(t, width, dtype=self.dtype, device=dev)
-        fused.rms_norm(x, torch.empty(width, dtype=self.dtype, device=dev), 1e-6, x, delta, compile_only=True)
+        fused.rms_norm(x, torch.empty(width, dtype=self.dtype, device=dev), 1e-6, x if self.residual else None, delta,
+                       compile_only=True, **self.unit)
 
 
 class _DecodeConsumer:
@@ -229,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = _uninitialized(nn.Embedding, cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, method_for, dtype) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = norm_for(cfg)(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         head = method_for(["lm_head"])  # a GPTQ head (GPTQModel's lm_head=True; stored on its own, tied or not)
         self.quantized_head = head is not None
@@ -316,3 +348,70 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     (MergedLinear.load_fused), an adapter's module is split the same way (LoRALayer.shard_modules). GPTQModel
     quantizes qkv_proj as one but writes gate_proj and up_proj apart (its Phi-3 MLP is unfused): those load as
     Llama's do (`packed_modules_mapping`, inherited), as vLLM loads either layout."""
+
+
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Gemma (Gemma 2B/7B, CodeGemma; transformers' GemmaForCausalLM): Llama's layers and checkpoint names, with
+    RMSNorm weighting by 1 + weight in float32 (RMSNorm's unit_offset), a GeGLU MLP (gelu's tanh approximation:
+    MLP.act), the embeddings scaled by sqrt(hidden_size) (as a tensor of the model's dtype, as transformers
+    rounds it), head_dim set apart from hidden_size / heads (256), and the output head tied to the embeddings."""
+
+    def __init__(self, cfg, dtype: torch.dtype, method_for=None, max_positions: int | None = None):
+        super().__init__(cfg, dtype, method_for, max_positions)
+        # sqrt(hidden_size) rounded to the model's dtype, as transformers' embed_scale.to(dtype) (a bf16 model's
+        # 3072 ** 0.5 is 55.5): the product of the dtype's values, in float32, rounded once
+        self.normalizer = float(torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.float32, device="cpu").to(dtype))
+
+    def embed_and_norm(self, input_ids: torch.Tensor):
+        h = torch.nn.functional.embedding(input_ids, self.embed_tokens.weight) * self.normalizer
+        return self.layers[0].input_layernorm(h), h
+
+
+class Gemma2ForCausalLM(GemmaForCausalLM):
+    """Gemma 2 (transformers' Gemma2ForCausalLM): Gemma, with four norms a layer (the attention's output and the
+    MLP's output each normed before the residual adds it, the MLP's input after), the attention's scale
+    query_pre_attn_scalar ** -0.5 and its scores soft-capped (attn_logit_softcapping: Attention.softcap, in every
+    attention kernel), the logits soft-capped (final_logit_softcapping). Its sliding window on alternate layers:
+    the context is capped at the window (models.limits), where full attention equals it."""
+
+    def __init__(self, cfg, dtype: torch.dtype, method_for=None, max_positions: int | None = None):
+        super().__init__(cfg, dtype, method_for, max_positions)
+        self.final_softcap = float(getattr(cfg, "final_logit_softcapping", None) or 0.0)
+
+    def _mlp_block(self, layer, x, residual, delta, ctx):
+        """From the attention's output x (and the o projection's LoRA delta) to the MLP's output, normed: the
+        residual stream then adds it (the next norm's residual)."""
+        x = layer.post_attention_layernorm(x, None, delta)
+        x, residual = layer.pre_feedforward_layernorm(x, residual)
+        x, delta = layer.mlp(x, ctx)
+        return layer.post_feedforward_layernorm(x, None, delta), residual
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x, residual = self.embed_and_norm(input_ids)
+        for i, layer in enumerate(self.layers):
+            if i:
+                x, residual = layer.input_layernorm(x, residual)
+            x, delta = layer.self_attn(positions, x, ctx, self.cos_sin)
+            x, residual = self._mlp_block(layer, x, residual, delta, ctx)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def piece(self, i: int, input_ids, positions, o, residual, ctx: ForwardContext):
+        """LlamaForCausalLM.piece of Gemma 2's layers."""
+        if i == 0:
+            x, residual = self.embed_and_norm(input_ids)
+        else:
+            done = self.layers[i - 1]
+            x, delta = done.self_attn.o_proj.forward_deferred(o, ctx)
+            x, residual = self._mlp_block(done, x, residual, delta, ctx)
+            if i == len(self.layers):
+                x, _ = self.norm(x, residual)
+                return x, None
+            x, residual = self.layers[i].input_layernorm(x, residual)
+        return self.layers[i].self_attn.query(positions, x, ctx, self.cos_sin), residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        if self.final_softcap:  # final_logit_softcapping: cap * tanh(logits / cap), in float32
+            logits = torch.tanh(logits / self.final_softcap).mul_(self.final_softcap)
+        return logits

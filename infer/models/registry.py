@@ -10,7 +10,10 @@ SUPPORTED = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "GemmaForCausalLM": "gemma",
+    "Gemma2ForCausalLM": "gemma2",
 }
+GEMMA = ("gemma", "gemma2")  # RMSNorm by 1 + w, embeddings scaled by sqrt(hidden_size), a GeGLU MLP
 
 
 def check_supported(cfg) -> str:
@@ -29,16 +32,44 @@ def check_supported(cfg) -> str:
             f"unsupported architecture {archs or model_type!r} (model_type {model_type!r})",
             f"infer runs {', '.join(SUPPORTED)}")
     check_activation(cfg)
+    if model_type in GEMMA:
+        check_gemma(cfg)
     return arch
 
 
-def check_activation(cfg) -> None:
+def activation(cfg) -> str:
+    """The MLP's activation as infer computes it: "silu" (the Llama family), or "gelu_tanh" (Gemma's GeGLU:
+    transformers' gelu_pytorch_tanh, which Gemma reads from hidden_act and Gemma 2 from hidden_activation);
+    anything else is an UnsupportedModelError naming the field."""
+    model_type = getattr(cfg, "model_type", None)
+    if model_type in GEMMA:
+        field = "hidden_activation" if model_type == "gemma2" else "hidden_act"
+        act = getattr(cfg, field, None) or "gelu_pytorch_tanh"
+        if act != "gelu_pytorch_tanh":  # (GemmaConfig reads a legacy "gelu" as this one)
+            raise UnsupportedModelError(f"{field} {act!r} is not supported for {model_type}",
+                                        "Gemma's MLP uses gelu_pytorch_tanh (gelu's tanh approximation)")
+        return "gelu_tanh"
     act = getattr(cfg, "hidden_act", "silu")
     if act not in ("silu", "swish"):  # transformers' ACT2FN maps both to SiLU
         raise UnsupportedModelError(f"hidden_act {act!r} is not supported", "the Llama family uses silu")
+    return "silu"
+
+
+def check_activation(cfg) -> None:
+    activation(cfg)
+
+
+def check_gemma(cfg) -> None:
+    """What a Gemma config may ask that infer's attention cannot do, refused up front: bidirectional attention
+    (use_bidirectional_attention: an encoder such as EmbeddingGemma, not a causal LM)."""
+    if getattr(cfg, "use_bidirectional_attention", None):
+        raise UnsupportedModelError(f"{cfg.model_type} with use_bidirectional_attention (every token attending to "
+                                    "the tokens after it too) is not supported: infer's attention is causal",
+                                    "infer runs Gemma causal language models (use_bidirectional_attention unset)")
 
 
 def model_class(cfg):
     check_supported(cfg)
-    from .llama import LlamaForCausalLM, Phi3ForCausalLM
-    return Phi3ForCausalLM if cfg.model_type == "phi3" else LlamaForCausalLM
+    from .llama import Gemma2ForCausalLM, GemmaForCausalLM, LlamaForCausalLM, Phi3ForCausalLM
+    return {"phi3": Phi3ForCausalLM, "gemma": GemmaForCausalLM, "gemma2": Gemma2ForCausalLM}.get(
+        cfg.model_type, LlamaForCausalLM)

@@ -46,6 +46,12 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 1024})),
     # Phi-3's checkpoint layout: q|k|v stored as one qkv_proj, gate|up as one gate_up_proj
     "tiny-phi3": TinySpec("phi3", 7, config=dict(_TINY)),
+    # Gemma: head_dim apart from hidden_size / heads (as Gemma's 256), GeGLU, norms by 1 + w. Untied head: random
+    # weights with Gemma's tied head (and its embeddings scaled by sqrt(hidden_size)) repeat the prompt's last token
+    "tiny-gemma": TinySpec("gemma", 8, config=dict(_TINY, head_dim=32, tie_word_embeddings=False)),
+    # Gemma 2: soft-capped attention and logits, sliding window on alternate layers (the window is the context)
+    "tiny-gemma2": TinySpec("gemma2", 9, config=dict(_TINY, head_dim=32, query_pre_attn_scalar=32,
+                                                     sliding_window=4096, tie_word_embeddings=False)),
     "llama-100m": TinySpec("llama", 6, vocab_size=32000, init_range=0.08, config=dict(  # 134M parameters
         hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=12, max_position_embeddings=4096)),
@@ -134,7 +140,8 @@ def _build(spec: TinySpec, out: Path) -> None:
     cfg = AutoConfig.for_model(spec.arch, vocab_size=spec.vocab_size, eos_token_id=eos, bos_token_id=None,
                                pad_token_id=0, initializer_range=spec.init_range, **spec.config)
     cfg.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                          "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}[spec.arch]]
+                          "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
+                          "gemma2": "Gemma2ForCausalLM"}[spec.arch]]
     with torch.random.fork_rng(devices=[]):  # the caller's random state is the same whether the cache existed
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
