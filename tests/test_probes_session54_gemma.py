@@ -334,3 +334,27 @@ def test_builtin_tiny_gemma_runs_and_warmup_sizes_it(name):
         got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=5, ignore_eos=True))]
     assert got == hf_greedy(hf, prompts, 5)
     assert all(len(set(tokens)) > 2 for tokens in got)  # (tied, its random weights repeated the last token)
+
+
+def test_gemma2_piecewise_graphs_and_speculative_steps_equal_transformers(tmp_path, monkeypatch):
+    """Gemma 2's own piece() (its four norms a layer) through emulated piecewise graphs passes the start's check
+    against the whole forward and replays; n-gram speculative steps verify their drafts through the decode batch's
+    rows, soft-capped too: both give transformers' tokens."""
+    from infer.kernels import reference
+    hf = build(tmp_path, "gemma2", **GEMMA2)
+    prompts = [random_prompts(512, (9,), seed=13)[0], [5, 6, 7, 8] * 4, [9, 10, 11] * 5]
+    want = hf_greedy(hf, prompts, 6)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    with LLM(str(tmp_path), max_num_seqs=3, max_num_batched_tokens=16, cuda_graph_max_tokens=32, block_size=4,
+             num_kv_blocks=64, max_model_len=64) as llm:
+        llm.engine.runner.capture_graphs(64, emulate=True)
+        assert llm.engine.runner.pieces is not None and llm.engine.runner.pieces_check < 1e-5
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        assert llm.engine.stats()["piecewise_graph_steps"] > 0
+    rows, real = [], reference._rows_attention
+    monkeypatch.setattr(reference, "_rows_attention",
+                        lambda *a, **kw: rows.append((kw.get("batched"), kw.get("softcap"))) or real(*a, **kw))
+    with LLM(str(tmp_path), block_size=4, speculative_config={
+            "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert (True, 2.0) in rows  # verify rows in the decode batch, soft-capped
