@@ -358,3 +358,23 @@ def test_gemma2_piecewise_graphs_and_speculative_steps_equal_transformers(tmp_pa
             "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}) as llm:
         assert [o.token_ids for o in llm.generate(prompts, params)] == want
     assert (True, 2.0) in rows  # verify rows in the decode batch, soft-capped
+
+
+def test_the_cpu_soft_capped_attention_holds_a_bounded_slice_of_scores(monkeypatch):
+    """The CPU path's soft-capped attention computes its scores itself (SDPA cannot cap them): a prefill's n x L
+    scores of every head whole (and K and V repeated for each query head of a group) outgrew the memory plan's
+    per-token activations on a long prompt; the queries now go in row chunks of at most MASK_ELEMENTS scores a
+    head, each KV head's group over its keys by broadcasting, with the same result."""
+    from infer.kernels import reference
+    monkeypatch.setattr(reference, "MASK_ELEMENTS", 4096)
+    g = torch.Generator().manual_seed(1)
+    n, hq, hk, d = 300, 4, 2, 16
+    q, k, v = torch.randn(n, hq, d, generator=g), torch.randn(n, hk, d, generator=g), torch.randn(n, hk, d, generator=g)
+    seen, tanh = [], torch.tanh
+    monkeypatch.setattr(torch, "tanh", lambda x, *a, **kw: seen.append(x.numel()) or tanh(x, *a, **kw))
+    got = reference._attend(q, k, v, 0.25, 0, softcap=3.0)
+    monkeypatch.setattr(torch, "tanh", tanh)
+    s = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(2, 1)) * 0.25
+    s = (torch.tanh(s / 3.0) * 3.0).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    assert torch.allclose(got, torch.einsum("hqk,khd->qhd", s.softmax(-1), v.repeat_interleave(2, 1)), atol=1e-5)
+    assert len(seen) > 1 and max(seen) <= 4096 * hq

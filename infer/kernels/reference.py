@@ -252,21 +252,32 @@ MASK_ELEMENTS = 1 << 17  # the most (query x key) mask entries one masked SDPA c
 
 def _sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, softcap: float = 0.0):
     """F.scaled_dot_product_attention, or with `softcap` > 0 the same attention with each score capped to
-    softcap * tanh(score / softcap) (which SDPA cannot do), in float32 and rounded to q's dtype."""
+    softcap * tanh(score / softcap) (which SDPA cannot do), in float32 and rounded to q's dtype: the queries in
+    row chunks of at most MASK_ELEMENTS scores a head (a prefill's n x L scores whole would outgrow the memory
+    plan's per-token activations), a KV head's group of query heads over its keys by broadcasting (no repeated K
+    and V)."""
     if not softcap:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                                               enable_gqa=enable_gqa)
-    if enable_gqa:
-        rep = q.shape[-3] // k.shape[-3]
-        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    s = torch.tanh(s / softcap) * softcap
-    if is_causal:
-        n, keys = s.shape[-2], s.shape[-1]
-        attn_mask = torch.ones(n, keys, dtype=torch.bool, device=q.device).tril(keys - n)
+    n, keys, hk = q.shape[-2], k.shape[-2], k.shape[-3]
+    qg = q.unflatten(-3, (hk, q.shape[-3] // hk))  # [..., Hk, group, n, D]: head h reads KV head h // group
+    kf, vf = k.float().unsqueeze(-3), v.float().unsqueeze(-3)  # [..., Hk, 1, L, D]
     if attn_mask is not None:
-        s = s.masked_fill(~attn_mask, float("-inf"))
-    return torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
+        attn_mask = attn_mask.unsqueeze(-3)
+    rows = max(1, MASK_ELEMENTS // max(keys, 1))  # (no keys: the padding rows of a captured graph's warm-up)
+    out = []
+    for start in range(0, n, rows):
+        end = min(n, start + rows)
+        s = torch.matmul(qg[..., start:end, :].float(), kf.transpose(-1, -2)) * scale
+        s = torch.tanh(s / softcap) * softcap
+        if is_causal:  # query i of n sees the keys up to keys - n + i
+            pos = torch.arange(start, end, device=q.device).unsqueeze(1) + (keys - n)
+            s = s.masked_fill(torch.arange(keys, device=q.device).unsqueeze(0) > pos, float("-inf"))
+        if attn_mask is not None:
+            mask = attn_mask if attn_mask.shape[-2] == 1 else attn_mask[..., start:end, :]
+            s = s.masked_fill(~mask, float("-inf"))
+        out.append(torch.matmul(torch.softmax(s, dim=-1), vf).to(q.dtype))
+    return (out[0] if len(out) == 1 else torch.cat(out, -2)).flatten(-4, -3)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int,
