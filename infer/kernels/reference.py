@@ -366,6 +366,12 @@ def _rows_attention(q, k_cache, v_cache, block_tables, seqs, queries, row_lens, 
     idx = torch.tensor(seqs, device=q.device)
     nblocks = (max_len + k_cache.shape[1] - 1) // k_cache.shape[1]
     tables = block_tables.index_select(0, idx)[:, :nblocks].long()
+    if not equal:  # a shorter row's table is padded with block 0, which holds whatever its last owner left (NaN
+        # from a request that went non-finite), and a masked key's value still enters the sum as 0 x value: the
+        # padding reads the row's own first block instead (its values finite, masked out)
+        bs = k_cache.shape[1]
+        own = torch.tensor([(n + bs - 1) // bs for n in row_lens], device=q.device)
+        tables = torch.where(torch.arange(nblocks, device=q.device)[None] < own[:, None], tables, tables[:, :1])
     r, flat = tables.shape[0], tables.flatten()
     k = k_cache.index_select(0, flat).view(r, -1, *k_cache.shape[2:])[:, :max_len].transpose(1, 2).to(q.dtype)
     v = v_cache.index_select(0, flat).view(r, -1, *v_cache.shape[2:])[:, :max_len].transpose(1, 2).to(q.dtype)
