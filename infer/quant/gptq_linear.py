@@ -152,11 +152,11 @@ class GPTQLinearMethod:
                                  f"{layer.prefix_of(with_g[0])}.g_idx", "the GPTQ checkpoint is incomplete")
         groups = layer.scales.shape[0]
         if not with_g and self.config.desc_act and groups > 1:  # act-order groups are known only from g_idx
-            raise ModelLoadError(f"the checkpoint has no tensor {layer.names[0]}.g_idx but {self.config.source} sets "
-                                 "desc_act (act-order groups)", "the GPTQ checkpoint is incomplete: without g_idx "
-                                 "the groups of an act-order layer cannot be known")
+            raise ModelLoadError(f"the checkpoint has no tensor {layer.prefix_of(0)}.g_idx but {self.config.source} "
+                                 "sets desc_act (act-order groups)", "the GPTQ checkpoint is incomplete: without "
+                                 "g_idx the groups of an act-order layer cannot be known")
         if int(layer.g_idx.min()) < 0 or int(layer.g_idx.max()) >= groups:
-            raise ModelLoadError(f"{layer.names[0]}.g_idx points outside its {groups} groups",
+            raise ModelLoadError(f"{layer.prefix_of(0)}.g_idx points outside its {groups} groups",
                                  "the checkpoint does not match its quantization_config (group_size)")
 
     def _prepare_kernel_layout(self, layer) -> None:

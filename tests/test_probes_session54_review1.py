@@ -1,0 +1,56 @@
+"""Session 54 review of the session's Phi-3/AWQ gaps and mma.sync changes: split gate/up checkpoints' messages, the
+scales' checks on every load path, ..."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from infer import LLM
+from infer.errors import ModelLoadError
+
+from quant_helpers import needs_gptqmodel
+from test_probes_session54_gaps import split_phi3  # noqa: F401 - the fixture
+
+
+def _edited(split, tmp_path, edit, config=None):
+    shutil.copytree(split, tmp_path / "q")
+    tensors = load_file(tmp_path / "q" / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, tmp_path / "q" / "model.safetensors", metadata={"format": "pt"})
+    if config:
+        cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+        cfg["quantization_config"].update(config)
+        (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
+        (tmp_path / "q" / "quantize_config.json").unlink(missing_ok=True)
+    return tmp_path / "q"
+
+
+def _drop_g_idx(t):
+    for proj in ("gate_proj", "up_proj"):
+        t.pop(f"model.layers.0.mlp.{proj}.g_idx")
+
+
+def _far_g_idx(t):
+    for proj in ("gate_proj", "up_proj"):
+        t[f"model.layers.0.mlp.{proj}.g_idx"][3] = 7
+
+
+G_IDX = {"desc_act-without-g_idx": (_drop_g_idx, {"desc_act": True},
+                                    r"no tensor model\.layers\.0\.mlp\.gate_proj\.g_idx but config\.json sets "
+                                    r"desc_act"),
+         "g_idx-outside": (_far_g_idx, None, r"^model\.layers\.0\.mlp\.gate_proj\.g_idx points outside its 2 groups")}
+
+
+@needs_gptqmodel
+@pytest.mark.parametrize("case", G_IDX)
+def test_a_split_phi3_checkpoints_g_idx_problems_name_the_tensors_its_files_hold(split_phi3, tmp_path,  # noqa: F811
+                                                                                 case):
+    """A split gate/up checkpoint (GPTQModel's Phi-3, act-order ones stay split) whose act-order layer has no g_idx,
+    or whose g_idx points past its groups, was named as a tensor of mlp.gate_up_proj, which its files do not have."""
+    edit, config, message = G_IDX[case]
+    with pytest.raises(ModelLoadError, match=message):
+        LLM(str(_edited(split_phi3, tmp_path, edit, config)))
