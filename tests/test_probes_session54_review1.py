@@ -54,3 +54,22 @@ def test_a_split_phi3_checkpoints_g_idx_problems_name_the_tensors_its_files_hold
     edit, config, message = G_IDX[case]
     with pytest.raises(ModelLoadError, match=message):
         LLM(str(_edited(split_phi3, tmp_path, edit, config)))
+
+
+# --------------------------------------------------------------------------- scales with inf/NaN on a GPU load
+@needs_gptqmodel
+def test_non_finite_scales_are_refused_by_the_gpu_loads_check_as_by_the_cpu_ones(split_phi3, tmp_path):  # noqa: F811
+    """On a CPU each tensor is checked for inf/NaN as it is read (scales included); on a GPU the loaded parameters
+    are checked on the device (`_check_finite_on_device`), but a GPTQ layer's scales are a buffer, which it did not
+    look at: a float16 checkpoint's inf or NaN scale loaded without a word there (every output of the layer NaN)."""
+    import torch
+    from infer.models.loader import _check_finite_on_device, load_model
+    bad = _edited(split_phi3, tmp_path, lambda t: t["model.layers.0.mlp.up_proj.scales"].__setitem__((1, 5),
+                                                                                                      float("nan")))
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.0\.mlp\.up_proj\.scales has non-finite values"):
+        load_model(bad, torch.float32, torch.device("cpu"))  # the CPU load's check, as the tensor is read
+    model, _ = load_model(split_phi3, torch.float32, torch.device("cpu"))
+    _check_finite_on_device(model, torch.float32)  # a sound checkpoint passes
+    model.layers[0].mlp.gate_up_proj.scales[1, 5] = float("inf")
+    with pytest.raises(ModelLoadError, match=r"layers\.0\.mlp\.gate_up_proj\.scales has non-finite values"):
+        _check_finite_on_device(model, torch.float32)

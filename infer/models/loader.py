@@ -301,12 +301,18 @@ def _check_finite(name: str, raw: torch.Tensor, t: torch.Tensor) -> None:
 
 def _check_finite_on_device(model, dtype: torch.dtype) -> None:
     """_check_finite for a model on a GPU, after its weights are in: each float parameter on its device (the
-    checkpoint's name is not known there, nor whether the cast made the inf)."""
+    checkpoint's name is not known there, nor whether the cast made the inf), and each GPTQ/AWQ layer's scales (a
+    buffer in float16 whatever the dtype: one of another float type beyond its range is refused as it is read,
+    quant.gptq_linear._check_scales, so an inf or NaN there is the checkpoint's own)."""
     for pname, p in model.named_parameters():
         if p.is_floating_point() and not p.is_meta and not _finite(p.detach()):
             raise ModelLoadError(f"{pname} has non-finite values (inf or NaN) as {_dtype_name(dtype)}",
                                  "the checkpoint holds inf or NaN (download or convert it again), or values beyond "
                                  f"{_dtype_name(dtype)}'s range (load it with a wider --dtype, e.g. float32)")
+    for bname, b in model.named_buffers():
+        if bname.endswith(".scales") and b.is_floating_point() and not b.is_meta and not _finite(b):
+            raise ModelLoadError(f"{bname} has non-finite values (inf or NaN)",
+                                 "the checkpoint is broken: download or convert it again")
 
 
 def _finite(t: torch.Tensor) -> bool:
