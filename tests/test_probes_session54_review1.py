@@ -73,3 +73,18 @@ def test_non_finite_scales_are_refused_by_the_gpu_loads_check_as_by_the_cpu_ones
     model.layers[0].mlp.gate_up_proj.scales[1, 5] = float("inf")
     with pytest.raises(ModelLoadError, match=r"layers\.0\.mlp\.gate_up_proj\.scales has non-finite values"):
         _check_finite_on_device(model, torch.float32)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_bf16_scales_are_refused_as_broken_not_named_as_lost_bits_or_out_of_range(bad, caplog):
+    """On a GPU load (no per-tensor inf/NaN check as they are read) bfloat16 scales reach `_check_scales` first: a
+    NaN was counted among the scales 'below float16's normal range' that 'lose bits' (a warning, the load went on),
+    an inf refused as beyond float16's range with the hint to use float16 scales; the checkpoint is broken."""
+    import torch
+    from infer.quant.gptq_linear import _check_scales
+    scales = torch.full((2, 8), 0.01, dtype=torch.bfloat16)
+    scales[1, 3] = bad
+    with caplog.at_level("WARNING", logger="infer"), \
+            pytest.raises(ModelLoadError, match=r"^x\.scales has non-finite values \(inf or NaN\)"):
+        _check_scales("x.scales", scales)
+    assert not caplog.records, caplog.text

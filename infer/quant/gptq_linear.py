@@ -18,6 +18,7 @@ Two ways to compute, chosen at `finish_loading` (by the weights' device unless `
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -44,6 +45,9 @@ def _check_scales(full: str, t: torch.Tensor) -> None:
     if t.is_meta or t.dtype == torch.float16 or not t.is_floating_point() or t.numel() == 0:
         return
     largest = t.detach().abs().max().float().item()
+    if not math.isfinite(largest):  # (a CPU load refuses it before, as every tensor: loader._check_finite)
+        raise ModelLoadError(f"{full} has non-finite values (inf or NaN)",
+                             "the checkpoint is broken: download or convert it again")
     if largest > _FP16.max:
         raise ModelLoadError(f"{full} holds scales up to {largest:.3g}, beyond float16's range ({_FP16.max:.5g}), "
                              f"which infer's int4 layers hold scales in ({str(t.dtype).removeprefix('torch.')} in the "
