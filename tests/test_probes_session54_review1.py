@@ -88,3 +88,53 @@ def test_non_finite_bf16_scales_are_refused_as_broken_not_named_as_lost_bits_or_
             pytest.raises(ModelLoadError, match=r"^x\.scales has non-finite values \(inf or NaN\)"):
         _check_scales("x.scales", scales)
     assert not caplog.records, caplog.text
+
+
+# --------------------------------------------------------------------------- SYNC_MMA tiles read in slices
+@pytest.fixture(scope="module")
+def gemm():
+    from helpers import interpreted_module
+    yield from interpreted_module("infer.kernels.gptq_gemm")
+
+
+def test_sliced_sync_tiles_of_64_columns_a_warp_and_the_other_loads_compute_right(gemm):
+    """The sliced mma.sync forms session 54's probes left out: 256 columns on 4 warps (64 a slice: the bench's
+    SYNC_MMA twin of `gptq_tune._wide_cols`), plain and gate|up with a bias, fields shifted out (BYTES=False), the
+    scales loaded in their own step (AHEAD=False), a group size that is not a power of two (a division), against the
+    torch reference under the interpreter."""
+    import torch
+    from infer.bench.kernels import synced
+    from infer.kernels import gptq_configs, gptq_tune
+    from infer.kernels import reference as ref
+    from infer.quant import packing
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(541)
+    wide = synced(gptq_tune._wide_cols(32, (2,))[0])
+    assert wide["SYNC_MMA"] and (wide["BLOCK_N"], wide["num_warps"]) == (256, 4)
+
+    def close(y, want, what):
+        y, want = y.detach().cpu().float(), want.float()
+        err = (y - want).abs().max() / want.abs().max()
+        assert y.shape == want.shape and torch.isfinite(y).all() and err <= 2e-3, f"{what}: {err:.2e}"
+    for bits, k, n, m, gs, cfg in ((4, 256, 296, 33, 128, wide), (8, 256, 264, 17, 128, dict(wide, AHEAD=False)),
+                                   (4, 256, 200, 40, 128, dict(gptq_tune._field("mmat", 64, 128, 4, 1), SYNC_MMA=True,
+                                                               BYTES=False)),
+                                   (4, 768, 136, 20, 384, dict(gptq_tune._field("mmat", 32, 128, 4, 2, 3, False),
+                                                               SYNC_MMA=True, AHEAD=False))):
+        qw, qz, s, gi = packing.quantize_rtn(torch.randn(n, k, generator=g), bits, gs, True, None)
+        wp = gptq_configs.interleave_for(gs, k, 32 // bits)
+        qi = packing.interleave_rows(qw, bits, wp) if wp > 1 else qw
+        x = torch.randn(m, k, generator=g).half()
+        y = gemm.gptq_matmul(x.to(dev), qi.to(dev), qz.to(dev), s.to(dev), gi.to(dev), bits, True, gs, wp, config=cfg)
+        close(y, ref.gptq_matmul(x, qw, qz, s, gi, bits, True), f"{bits}-bit N={n} group {gs} {cfg}")
+    half, k = 256, 256
+    qw, qz, s, gi = packing.quantize_rtn(torch.randn(2 * half, k, generator=g), 4, 128, True, None)
+    wp = gptq_configs.interleave_for(128, k, 8)
+    qi = packing.interleave_rows(qw, 4, wp)
+    x = torch.randn(24, k, generator=g).half()
+    bias = (torch.randn(2 * half, generator=g) * 0.1).half()
+    want = ref.silu_and_mul(ref.gptq_matmul(x.float(), qw, qz, s, gi, 4, True, 128, bias=bias.float()))
+    assert gemm.gated_fits("mmat", wide, 2 * half)
+    y = gemm.gptq_matmul(x.to(dev), qi.to(dev), qz.to(dev), s.to(dev), gi.to(dev), 4, True, 128, wp, config=wide,
+                         bias=bias.to(dev), gated=True)
+    close(y, want, "gated 32 x 256 on 4 warps")
