@@ -107,3 +107,50 @@ def test_a_decodes_block_shared_beside_a_prefill_chunk_on_the_gpu_path(monkeypat
     assert outs[True].outputs[0].token_ids == outs[False].outputs[0].token_ids \
         == hf_greedy(ensure_builtin("tiny-llama"), b_prompt, 4)
 
+
+@pytest.mark.parametrize("k", [0, 3, -1])
+def test_a_prompt_logprob_chunk_holds_nothing_of_the_chunk_before(monkeypatch, k):
+    """Prompt logprobs in chunks (ModelRunner._prompt_logprobs, memory.sizes.prompt_logprob_rows positions at a
+    time: 2 here): when a chunk's logits are computed, nothing of the chunk before is still held on the device. Its
+    [rows, 3 + 2k] float64 results were (16 bytes a top entry: a third more than a whole-vocabulary chunk's peak that
+    prompt_logprob_row_bytes counts, beside the next one, and past the measured worst case, which runs one chunk),
+    and its log-softmax with prompt_logprobs 0. The records equal those of one chunk of every position."""
+    import weakref
+
+    import torch
+
+    from infer.engine import model_runner
+    held = []
+    real_ranks, real_copy = model_runner.token_ranks, torch.Tensor.copy_
+
+    def ranks(logp, values):
+        held.extend([weakref.ref(logp), weakref.ref(values)])
+        return real_ranks(logp, values)
+
+    def copy(self, src, *a, **kw):
+        if isinstance(src, torch.Tensor) and src.dtype == torch.float64 and src.dim() == 2:
+            held.append(weakref.ref(src))
+        return real_copy(self, src, *a, **kw)
+    prompt = random_prompts(500, (9,), seed=2)[0]
+    params = Params(max_new_tokens=2, ignore_eos=True, prompt_logprobs=k)
+    records = {}
+    for seqs in (2, 8):
+        engine = _engine(max_num_seqs=seqs, max_logprobs=-1)
+        real_logits = engine.runner.model.compute_logits
+        alive = []
+
+        def logits(hidden, *a, **kw):
+            alive.extend(r for r in held if r() is not None)
+            held.clear()
+            return real_logits(hidden, *a, **kw)
+        monkeypatch.setattr(model_runner, "token_ranks", ranks)
+        monkeypatch.setattr(torch.Tensor, "copy_", copy)
+        engine.runner.model.compute_logits = logits
+        try:
+            out = _run(engine, [("p", prompt, params)])["p"]
+        finally:
+            monkeypatch.undo()
+        assert not alive, f"{len(alive)} tensors of the chunk before held beside a chunk's logits"
+        records[seqs] = [r and (r["token_id"], r["rank"], round(r["logprob"], 5),
+                                [t["token_id"] for t in r.get("top_logprobs", [])]) for r in out.prompt_logprobs]
+    assert len(records[2]) == len(prompt) and records[2] == records[8]

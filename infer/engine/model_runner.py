@@ -252,11 +252,14 @@ class ModelRunner:
             rows[:, 0:1], rows[:, 1:2], rows[:, 2:3] = t, lp, token_ranks(logp, lp)
             if k:
                 vals, ids = logp.topk(k, -1)
-                del logp
+            del logp
+            if k:
                 rows[:, 3:3 + k], rows[:, 3 + k:] = ids, vals
                 del vals, ids
             host[s:s + t.shape[0]].copy_(rows, non_blocking=cuda)  # (its memory is reused after the copy: the
             # allocator hands it out again in stream order)
+            del rows, lp, t  # (before the next chunk's logits: held, its results (16 bytes a top entry) and, with
+            # no top entries, its log-softmax were beside the next chunk's peak, past prompt_logprob_row_bytes)
         if not cuda:
             return host, None
         event = torch.cuda.Event()
