@@ -285,6 +285,16 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, off
     """Causal attention of n queries at positions offset..offset+n-1 over L = offset + n keys.
     (4-D inputs: with 3-D ones torch's CPU SDPA falls back to a path that materialises the n x L scores.)"""
     n = q.shape[0]
+    if n > 1:  # a key or value that is not finite (a prompt token the model overflowed on) past a query's position
+        # reaches that query through SDPA's masked weights (0 x NaN): the keys before it, and the prefix cache's
+        # blocks of them, went NaN with it (a later request of the same prefix ended "not finite"). The queries
+        # before the first such key are attended without it, the rest after it (exact: neither sees a key past it)
+        own = slice(offset + 1, offset + n)  # query i's own key offset + i, past every query before it
+        bad = ~(torch.isfinite(k[own]).flatten(1).all(1) & torch.isfinite(v[own]).flatten(1).all(1))
+        if bool(bad.any()):
+            j = int(bad.nonzero()[0, 0]) + 1  # the first query whose own key is not finite
+            return torch.cat([_attend(q[:j], k[:offset + j], v[:offset + j], scale, offset),
+                              _attend(q[j:], k, v, scale, offset + j)])
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     gqa = qh.shape[1] != kh.shape[1]
     if offset == 0 or n == 1:  # one query at the last position sees every key: no mask

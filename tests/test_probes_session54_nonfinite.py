@@ -1,0 +1,60 @@
+"""Session 54 probes: non-finite values (NaN/inf) of one request never reach another request nor stay after it.
+A request goes non-finite here through a token whose embedding row is NaN (as a float16 overflow at that token
+would leave it): it ends "not finite", and every other request's greedy tokens are those of a run without it."""
+
+from __future__ import annotations
+
+import pytest
+
+from infer import LLM, SamplingParams
+from infer.models.tiny import ensure_builtin
+
+from helpers import random_prompts
+
+BAD = 7  # the token whose embedding is NaN
+KW = dict(block_size=4, max_num_seqs=4, max_model_len=64)
+
+
+@pytest.fixture(scope="module")
+def path():
+    return ensure_builtin("tiny-llama")
+
+
+def _clean(prompt):
+    return [t if t != BAD else 8 for t in prompt]
+
+
+PREFIX = _clean(random_prompts(512, (16,), seed=3)[0])  # four full blocks
+POISONED = PREFIX + [BAD, 20, 21]  # the prefix, then the token the model overflows on
+OTHER = PREFIX + [30, 31]  # the same prefix, then tokens of its own
+
+
+def _llm(path, **kw):
+    llm = LLM(str(path), **{**KW, **kw})
+    llm.engine.runner.model.embed_tokens.weight[BAD] = float("nan")
+    return llm
+
+
+def _run(llm, groups, n=6):
+    """Each group of prompts generated together, one group after the other: (tokens, finish reason) of each."""
+    sp = SamplingParams(max_new_tokens=n, ignore_eos=True)
+    got = []
+    for group in groups:
+        got += [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in llm.generate(group, sp)]
+    return got
+
+
+@pytest.mark.parametrize("together", [False, True])
+@pytest.mark.parametrize("chunk", [None, 10])
+def test_a_prompt_token_that_overflows_leaves_the_prefix_cache_finite(path, together, chunk):
+    """A prompt whose token past a cached prefix overflows: the prefix's keys and values are those of the prefix
+    alone (SDPA's masked weights, 0 x NaN, carried the token's NaN value into every query before it, and the
+    prefix cache's blocks of it: a later request of the same prefix, or one sharing its blocks in the same step,
+    ended "not finite"). With a chunked prefill (the token mid-way through a later chunk of more queries than
+    paged_attention's decode batch takes, after a context) the same."""
+    kw = {} if chunk is None else dict(max_num_batched_tokens=chunk, max_num_seqs=2)
+    want = _run(_llm(path, **kw), [[OTHER]])
+    assert want[0][1] == "length"
+    groups = [[POISONED, OTHER]] if together else [[POISONED], [OTHER]]
+    got = _run(_llm(path, **kw), groups)
+    assert got == [([], "error")] + want
