@@ -58,3 +58,16 @@ def test_a_prompt_token_that_overflows_leaves_the_prefix_cache_finite(path, toge
     groups = [[POISONED, OTHER]] if together else [[POISONED], [OTHER]]
     got = _run(_llm(path, **kw), groups)
     assert got == [([], "error")] + want
+
+
+@pytest.mark.parametrize("chunk", [None, 10])
+def test_the_gpu_path_keeps_an_overflowed_prompt_token_from_the_queries_before_it(path, monkeypatch, chunk):
+    """The same on the GPU code path (Triton interpreted): the prefill's attention kernel takes a tile of queries
+    over keys up to its last query, the masked weights 0 x NaN of the token's value reaching the queries before
+    it in the tile."""
+    from infer import kernels
+    kw = {} if chunk is None else dict(max_num_batched_tokens=chunk, max_num_seqs=2)
+    want = _run(_llm(path, **kw), [[OTHER]])
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    assert _run(_llm(path, **kw), [[OTHER]]) == want
+    assert _run(_llm(path, **kw), [[POISONED], [OTHER]]) == [([], "error")] + want

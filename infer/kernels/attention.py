@@ -52,11 +52,17 @@ def _capped(s, qk_scale, SOFTCAP: tl.constexpr):
 def _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, table_ptr, kv_head, lo, hi,
                  s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, qk_scale,
                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 IEEE: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
+                 IEEE: tl.constexpr, SOFTCAP: tl.constexpr = 0.0, FUTURE: tl.constexpr = False):
     """Online softmax of the rows of q ([M, BLOCK_D], row i at position pos[i]) over keys lo..hi-1 (causal); the
-    scores soft-capped where SOFTCAP > 0 (`_capped`)."""
+    scores soft-capped where SOFTCAP > 0 (`_capped`).
+    FUTURE: keys past some row's position may be in lo..hi-1 (a prefill's tile of queries): a value there that is
+    not finite (a token the model overflowed on) is kept from the rows before it, whose masked weights (0) would
+    make it NaN in the product with the values; a row that attends to it gets NaN (as 0 x NaN would have).
+    Returns acc, m_i, l_i and the rows that attended to a value that is not finite (FUTURE; else none)."""
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
+    hit = tl.zeros(pos.shape, tl.int32)
+    first = tl.min(pos, 0)  # every row attends to the keys up to here
     for start in range(lo, hi, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         mask_n = keys < hi
@@ -75,13 +81,19 @@ def _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, table_ptr, kv_head, lo, hi
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + block[:, None] * s_vb + slot[:, None] * s_vs + kv_head * s_vh + offs_d[None, :] * s_vd,
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)
+        if FUTURE:
+            if start + BLOCK_N - 1 > first:  # (a tile of keys past the first row's position)
+                bad = (v != v) | (tl.abs(v.to(tl.float32)) == float("inf"))
+                v = tl.where(bad, 0.0, v).to(q.dtype)
+                seen = mask_n[None, :] & (keys[None, :] <= pos[:, None]) & (tl.max(bad.to(tl.int32), 1)[None, :] > 0)
+                hit = tl.maximum(hit, tl.max(seen.to(tl.int32), 1))
         if IEEE:
             pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
             acc = acc * alpha[:, None] + pv
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    return acc, m_i, l_i
+    return acc, m_i, l_i, hit
 
 
 @triton.jit
@@ -129,10 +141,10 @@ def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, qsl_ptr,
         l_i = tl.zeros((BLOCK_Q * GROUP_PAD,), tl.float32)
         acc = tl.zeros((BLOCK_Q * GROUP_PAD, BLOCK_D), tl.float32)
         hi = seq_len - n + tl.minimum(n, (local + 1) * BLOCK_Q)
-        acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, tables_ptr + b.to(tl.int64) * s_bt,
-                                     kv_head, 0, hi, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, qk_scale,
-                                     PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, IEEE, SOFTCAP)
-        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        acc, m_i, l_i, hit = _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, tables_ptr + b.to(tl.int64) * s_bt,
+                                          kv_head, 0, hi, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, qk_scale,
+                                          PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, IEEE, SOFTCAP, FUTURE=True)
+        acc = tl.where(hit[:, None] > 0, float("nan"), acc / tl.where(l_i > 0, l_i, 1.0)[:, None])
         tl.store(out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
                  acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -323,9 +335,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, cnt_
                 m_i = _capped(tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1), qk_scale, SOFTCAP)
                 l_i = tl.full((GROUP_PAD,), 1.0, tl.float32)
                 acc = acc + v_new.to(tl.float32)[None, :]
-        acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, tables_ptr + b.to(tl.int64) * s_bt,
-                                     kv_head, lo, hi, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, qk_scale,
-                                     PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, IEEE, SOFTCAP)
+        acc, m_i, l_i, _ = _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, tables_ptr + b.to(tl.int64) * s_bt,
+                                        kv_head, lo, hi, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, qk_scale,
+                                        PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, IEEE, SOFTCAP)
         if SPLIT:
             used = tl.cdiv(seq_len, span)  # the sequence's partitions that hold keys (>= 1)
         else:
