@@ -71,3 +71,28 @@ def test_the_gpu_path_keeps_an_overflowed_prompt_token_from_the_queries_before_i
     monkeypatch.setattr(kernels, "use_triton", lambda t: True)
     assert _run(_llm(path, **kw), [[OTHER]]) == want
     assert _run(_llm(path, **kw), [[POISONED], [OTHER]]) == [([], "error")] + want
+
+
+def test_a_rejected_draft_the_model_overflows_on_leaves_the_request_going(path, monkeypatch):
+    """Speculative decoding with a draft that proposes the overflowing token second: the target rejects it (its
+    own token differs), and the rows of the verify before it (the accepted draft's, the step's own token) keep the
+    NaN of its value out (the GPU path's verify: a tile of queries, Triton interpreted). Greedy tokens as without
+    speculation."""
+    from infer import kernels
+    from infer.engine.draft import DraftRunner
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    prompts = [_clean(p) for p in random_prompts(512, (9, 14), seed=8)]
+    want = _run(_llm(path), [prompts], n=10)
+    assert all(BAD not in t and r == "length" for t, r in want)
+    real, drafted = DraftRunner.propose, []
+
+    def propose(self, batch):
+        real(self, batch)
+        for seq in batch.seqs:
+            if len(seq.draft_token_ids) >= 2:
+                seq.draft_token_ids[1] = BAD
+                drafted.append(seq)
+    monkeypatch.setattr(DraftRunner, "propose", propose)
+    llm = _llm(path, speculative_config={"model": str(path), "num_speculative_tokens": 3})
+    assert _run(llm, [prompts], n=10) == want
+    assert drafted
