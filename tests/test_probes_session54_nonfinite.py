@@ -96,3 +96,40 @@ def test_a_rejected_draft_the_model_overflows_on_leaves_the_request_going(path, 
     llm = _llm(path, speculative_config={"model": str(path), "num_speculative_tokens": 3})
     assert _run(llm, [prompts], n=10) == want
     assert drafted
+
+
+@pytest.mark.parametrize("triton", [False, True])
+@pytest.mark.parametrize("context", [0, 5])
+def test_paged_attention_keeps_a_value_that_is_not_finite_from_the_queries_before_it(monkeypatch, triton, context):
+    """paged_attention of a prefill chunk (after `context` cached keys) whose seventh query's value is NaN and
+    whose ninth's key is +inf: the queries before the seventh are those of the keys before it alone, every query
+    from it on has the NaN (the CPU reference and the Triton kernel alike)."""
+    import torch
+
+    from infer import kernels
+    if triton:
+        monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    g = torch.Generator().manual_seed(0)
+    n, hq, hk, d, bs = 10, 4, 2, 16, 4
+    total = context + n
+    blocks = -(-total // bs)
+    k_cache = torch.randn(blocks + 2, bs, hk, d, generator=g)
+    v_cache = torch.randn(blocks + 2, bs, hk, d, generator=g)
+    table = torch.arange(blocks, 0, -1, dtype=torch.int32)[None]  # (not block 0 first)
+    bad_v, bad_k = context + 6, context + 8
+    k_cache[table[0, bad_k // bs], bad_k % bs] = float("inf")
+    v_cache[table[0, bad_v // bs], bad_v % bs, 1, 3] = float("nan")
+    q = torch.randn(n, hq, d, generator=g)
+    args = (torch.tensor([total], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32), d ** -0.5)
+    out = kernels.paged_attention(q, k_cache, v_cache, table, *args, max_query_len=n)
+    first = bad_v - context  # the first query that attends to the NaN value
+    clean_v = v_cache.clone()
+    clean_v[table[0, bad_v // bs], bad_v % bs] = 0.0
+    clean_k = k_cache.clone()
+    clean_k[table[0, bad_k // bs], bad_k % bs] = 0.0
+    want = kernels.reference.paged_attention(q[:first], clean_k, clean_v, table,
+                                             torch.tensor([bad_v], dtype=torch.int32),
+                                             torch.tensor([0, first], dtype=torch.int32), d ** -0.5)
+    assert torch.isfinite(out[:first]).all()
+    torch.testing.assert_close(out[:first], want, atol=1e-5, rtol=1e-5)
+    assert out[first:, 2:, 3].isnan().all()  # (the NaN's KV head 1: query heads 2, 3)
