@@ -26,3 +26,42 @@ def test_an_uneven_decode_batch_reads_nothing_of_the_padding_block(poison):
         alone = ref.paged_attention(q[b:b + 1], k_cache, v_cache, tables[b:b + 1, :(int(lens[b]) + bs - 1) // bs],
                                     lens[b:b + 1], torch.tensor([0, 1], dtype=torch.int32), 0.3, 1)
         torch.testing.assert_close(got[b], alone[0])
+
+
+def test_a_soft_capped_prefill_keeps_a_later_nan_from_earlier_queries_and_stays_capped():
+    """The CPU prefill attends the queries before a key that is not finite without it (a token the model overflowed
+    on): those rows, of a soft-capped model (Gemma 2), equal the capped attention of the prompt cut before it."""
+    torch.manual_seed(1)
+    bs, heads, kv_heads, dim, n, bad = 4, 4, 2, 8, 10, 7
+    k_cache, v_cache = torch.randn(6, bs, kv_heads, dim) * 3, torch.randn(6, bs, kv_heads, dim)
+    table = torch.tensor([[1, 2, 3]], dtype=torch.int32)
+    q = torch.randn(n, heads, dim) * 3
+    v_cache[2, bad - bs] = float("nan")  # position 7: block 2 (the table's second), slot 3
+    got = ref.paged_attention(q, k_cache, v_cache, table, torch.tensor([n], dtype=torch.int32),
+                              torch.tensor([0, n], dtype=torch.int32), 0.5, n, softcap=2.0)
+    cut = ref.paged_attention(q[:bad], k_cache, v_cache, table[:, :2], torch.tensor([bad], dtype=torch.int32),
+                              torch.tensor([0, bad], dtype=torch.int32), 0.5, bad, softcap=2.0)
+    torch.testing.assert_close(got[:bad], cut)
+    assert torch.isnan(got[bad:]).all()
+
+
+def test_verify_rows_keep_a_later_drafts_nan_value_from_the_rows_before_it():
+    """Speculative verify rows (a few queries after a context) are attended as decode rows of one padded batch: the
+    later drafts' keys sit in an earlier row's masked padding, so a draft the model overflowed on (NaN K/V, rejected
+    later) must not reach the rows before it."""
+    torch.manual_seed(2)
+    bs, heads, kv_heads, dim = 4, 4, 2, 8
+    k_cache, v_cache = torch.randn(8, bs, kv_heads, dim), torch.randn(8, bs, kv_heads, dim)
+    table = torch.tensor([[1, 2, 3, 4]], dtype=torch.int32)
+    lens, n = 14, 4  # 10 tokens of context, the last token and 3 drafts: positions 10..13
+    v_cache[4, 13 - 3 * bs] = float("nan")  # the last draft's value (position 13)
+    q = torch.randn(n, heads, dim)
+    got = ref.paged_attention(q, k_cache, v_cache, table, torch.tensor([lens], dtype=torch.int32),
+                              torch.tensor([0, n], dtype=torch.int32), 0.3, n)
+    for i in range(n - 1):  # row i (position 10 + i) over the keys up to its position, alone
+        m = 11 + i
+        alone = ref.paged_attention(q[i:i + 1], k_cache, v_cache, table[:, :(m + bs - 1) // bs],
+                                    torch.tensor([m], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32),
+                                    0.3, 1)
+        torch.testing.assert_close(got[i], alone[0])
+    assert torch.isnan(got[n - 1]).all()

@@ -293,8 +293,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, off
         bad = ~(torch.isfinite(k[own]).flatten(1).all(1) & torch.isfinite(v[own]).flatten(1).all(1))
         if bool(bad.any()):
             j = int(bad.nonzero()[0, 0]) + 1  # the first query whose own key is not finite
-            return torch.cat([_attend(q[:j], k[:offset + j], v[:offset + j], scale, offset),
-                              _attend(q[j:], k, v, scale, offset + j)])
+            return torch.cat([_attend(q[:j], k[:offset + j], v[:offset + j], scale, offset, softcap),
+                              _attend(q[j:], k, v, scale, offset + j, softcap)])
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     gqa = qh.shape[1] != kh.shape[1]
     if offset == 0 or n == 1:  # one query at the last position sees every key: no mask
@@ -391,5 +391,9 @@ def _rows_attention(q, k_cache, v_cache, block_tables, seqs, queries, row_lens, 
     if not equal:
         lens_t = torch.tensor(row_lens, device=q.device)
         mask = (torch.arange(max_len, device=q.device)[None] < lens_t[:, None])[:, None, None, :]
+        if batched:  # verify rows: a row's masked padding holds its sequence's later drafts, whose keys or values
+            # may not be finite (a draft the model overflowed on, rejected later): 0 x NaN would reach the row
+            pad = ~mask[:, :, 0, :, None]
+            k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
     o = _sdpa(qr, k, v, attn_mask=mask, scale=scale, enable_gqa=qr.shape[1] != k.shape[1], softcap=softcap)
     out.index_copy_(0, qstart, o[:, :, 0].to(out.dtype))
