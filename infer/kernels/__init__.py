@@ -52,6 +52,12 @@ def _cap(softcap: float) -> dict:
     return {"softcap": float(softcap)} if softcap else {}
 
 
+def _win(window: int) -> dict:
+    """A sliding-window layer's window, passed only where set (full layers' and other families' calls as they
+    were)."""
+    return {"window": int(window)} if window else {}
+
+
 def embed_rms_norm(ids, table, weight, eps):
     if use_triton(table):
         return _triton("fused").embed_rms_norm(ids, table, weight, eps)
@@ -96,22 +102,23 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len=None,
-                    softcap=0.0):
+                    softcap=0.0, window=0):
     if use_triton(q):  # the module is `attention`: a submodule named paged_attention would shadow this function
         return _triton("attention").paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                                    scale, max_query_len, **_cap(softcap))
+                                                    scale, max_query_len, **_cap(softcap), **_win(window))
     return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                     max_query_len, **_cap(softcap))
+                                     max_query_len, **_cap(softcap), **_win(window))
 
 
 def decode_attention(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache, slot_mapping, block_tables,
-                     seq_lens, query_start_loc, scale, lora=None, softcap=0.0):
+                     seq_lens, query_start_loc, scale, lora=None, softcap=0.0, window=0):
     if use_triton(q):
         return _triton("attention").decode_attention(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache,
                                                      slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-                                                     lora, **_cap(softcap))
+                                                     lora, **_cap(softcap), **_win(window))
     return reference.decode_attention(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache, slot_mapping,
-                                      block_tables, seq_lens, query_start_loc, scale, lora, **_cap(softcap))
+                                      block_tables, seq_lens, query_start_loc, scale, lora, **_cap(softcap),
+                                      **_win(window))
 
 
 def lora_shrink(x, lora_a, groups, scale=1.0):

@@ -52,9 +52,11 @@ def _capped(s, qk_scale, SOFTCAP: tl.constexpr):
 def _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, table_ptr, kv_head, lo, hi,
                  s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, qk_scale,
                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 IEEE: tl.constexpr, SOFTCAP: tl.constexpr = 0.0, FUTURE: tl.constexpr = False):
+                 IEEE: tl.constexpr, SOFTCAP: tl.constexpr = 0.0, WINDOW: tl.constexpr = 0,
+                 FUTURE: tl.constexpr = False):
     """Online softmax of the rows of q ([M, BLOCK_D], row i at position pos[i]) over keys lo..hi-1 (causal); the
-    scores soft-capped where SOFTCAP > 0 (`_capped`).
+    scores soft-capped where SOFTCAP > 0 (`_capped`); WINDOW > 0 (a sliding-window layer): row i over the keys
+    pos[i] - WINDOW + 1..pos[i] only.
     FUTURE: keys past some row's position may be in lo..hi-1 (a prefill's tile of queries): a value there that is
     not finite (a token the model overflowed on) is kept from the rows before it, whose masked weights (0) would
     make it NaN in the product with the values; a row that attends to it gets NaN (as 0 x NaN would have).
@@ -74,7 +76,10 @@ def _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, table_ptr, kv_head, lo, hi
             s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
         else:
             s = tl.dot(q, k)
-        s = tl.where(mask_n[None, :] & (keys[None, :] <= pos[:, None]), _capped(s, qk_scale, SOFTCAP), float("-inf"))
+        seen = mask_n[None, :] & (keys[None, :] <= pos[:, None])
+        if WINDOW > 0:
+            seen = seen & (keys[None, :] > pos[:, None] - WINDOW)
+        s = tl.where(seen, _capped(s, qk_scale, SOFTCAP), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
@@ -85,8 +90,8 @@ def _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, table_ptr, kv_head, lo, hi
             if start + BLOCK_N - 1 > first:  # (a tile of keys past the first row's position)
                 bad = (v != v) | (tl.abs(v.to(tl.float32)) == float("inf"))
                 v = tl.where(bad, 0.0, v).to(q.dtype)
-                seen = mask_n[None, :] & (keys[None, :] <= pos[:, None]) & (tl.max(bad.to(tl.int32), 1)[None, :] > 0)
-                hit = tl.maximum(hit, tl.max(seen.to(tl.int32), 1))
+                took = seen & (tl.max(bad.to(tl.int32), 1)[None, :] > 0)  # (rows that attend to such a key)
+                hit = tl.maximum(hit, tl.max(took.to(tl.int32), 1))
         if IEEE:
             pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
             acc = acc * alpha[:, None] + pv
@@ -118,7 +123,7 @@ def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, qsl_ptr,
                     s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd,
                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr,
-                    PDL: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0):
+                    PDL: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0, WINDOW: tl.constexpr = 0):
     pdl.start(PDL)
     tile, kv_head = tl.program_id(0), tl.program_id(1)
     b = _find_seq(qsl_ptr, num_seqs, tile, BLOCK_Q)
@@ -141,9 +146,12 @@ def _unified_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, lens_ptr, qsl_ptr,
         l_i = tl.zeros((BLOCK_Q * GROUP_PAD,), tl.float32)
         acc = tl.zeros((BLOCK_Q * GROUP_PAD, BLOCK_D), tl.float32)
         hi = seq_len - n + tl.minimum(n, (local + 1) * BLOCK_Q)
+        lo = 0
+        if WINDOW > 0:  # the keys before the tile's first query's window are skipped (the rest masked per row)
+            lo = tl.maximum(seq_len - n + local * BLOCK_Q - WINDOW + 1, 0)
         acc, m_i, l_i, hit = _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, tables_ptr + b.to(tl.int64) * s_bt,
-                                          kv_head, 0, hi, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, qk_scale,
-                                          PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, IEEE, SOFTCAP, FUTURE=True)
+                                          kv_head, lo, hi, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, qk_scale,
+                                          PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, IEEE, SOFTCAP, WINDOW, FUTURE=True)
         acc = tl.where(hit[:, None] > 0, float("nan"), acc / tl.where(l_i > 0, l_i, 1.0)[:, None])
         tl.store(out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
                  acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -246,7 +254,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, cnt_
                    IEEE: tl.constexpr, ROPE: tl.constexpr = False, HALF: tl.constexpr = 1,
                    LORA: tl.constexpr = False, LSPLIT: tl.constexpr = 1, BLOCK_R: tl.constexpr = 16,
                    S_P2: tl.constexpr = 2, PDL: tl.constexpr = False, FP8: tl.constexpr = 0,
-                   SOFTCAP: tl.constexpr = 0.0):
+                   SOFTCAP: tl.constexpr = 0.0, WINDOW: tl.constexpr = 0):
     """With ROPE (`decode_attention`): q is the unrotated query, and the step's own key and value (token rows
     kn/vn, s_kn/s_vn apart; head h at h * HEAD_DIM) are rotated here by the token's position (cos | sin rows of
     cs_ptr, s_cs apart; HALF = rotary dims / 2) and written into the cache slot slot_ptr[token] (-1: none) by the
@@ -259,16 +267,21 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, cnt_
     writes the output, else each stores its partial result and the last to count itself in at cnt_ptr (one counter
     per sequence and KV head, zero between launches) merges them (`_merge`) and resets the counter. FP8: the
     caches' float8 format (fp8.code; 0: none): the new key and value are rounded to it (fp8.to_cache) before
-    they are written and attended, as every key the cache holds. SOFTCAP: the scores soft-capped (`_capped`)."""
+    they are written and attended, as every key the cache holds. SOFTCAP: the scores soft-capped (`_capped`).
+    WINDOW > 0 (a sliding-window layer): the query attends to the last WINDOW keys only, seq_len - WINDOW on (the
+    partitions share out those keys; the blocks before them are never read)."""
     pdl.start(PDL)
     b, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(qsl_ptr + b)
     seq_len = tl.load(lens_ptr + b)
+    base = 0
+    if WINDOW > 0:
+        base = tl.maximum(seq_len - WINDOW, 0)
     if SPLIT:
-        span = tl.maximum(tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_parts), 1) * BLOCK_N
+        span = tl.maximum(tl.cdiv(tl.cdiv(seq_len - base, BLOCK_N), num_parts), 1) * BLOCK_N
     else:
-        span = seq_len
-    lo = part * span
+        span = seq_len - base
+    lo = base + part * span
     if (tl.load(qsl_ptr + b + 1) - q_start == 1) & (lo < seq_len):
         rows = tl.arange(0, GROUP_PAD)
         head = kv_head * GROUP + rows
@@ -337,9 +350,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr, cnt_
                 acc = acc + v_new.to(tl.float32)[None, :]
         acc, m_i, l_i, _ = _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, tables_ptr + b.to(tl.int64) * s_bt,
                                         kv_head, lo, hi, s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, qk_scale,
-                                        PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, IEEE, SOFTCAP)
+                                        PAGE, BLOCK_N, BLOCK_D, HEAD_DIM, IEEE, SOFTCAP, WINDOW)
         if SPLIT:
-            used = tl.cdiv(seq_len, span)  # the sequence's partitions that hold keys (>= 1)
+            used = tl.cdiv(seq_len - base, span)  # the sequence's partitions that hold keys (>= 1)
         else:
             used = 1
         if used == 1:
@@ -436,14 +449,14 @@ def _unified(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_sc
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                    max_query_len: int | None = None, softcap: float = 0.0) -> torch.Tensor:
+                    max_query_len: int | None = None, softcap: float = 0.0, window: int = 0) -> torch.Tensor:
     """Triton version of reference.paged_attention: q [T, Hq, D], caches [num_blocks, block_size, Hk, D]."""
     out = torch.empty_like(q)
     if q.shape[0] == 0 or seq_lens.shape[0] == 0:
         return out
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    meta = _meta(q, k_cache, softcap)
+    meta = _meta(q, k_cache, softcap, window)
     qk_scale = float(scale) * LOG2E
     if max_query_len == 1:
         _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, qk_scale, out, meta)
@@ -459,7 +472,7 @@ def _interpreted_bf16(q: torch.Tensor) -> bool:
     return q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _meta(q: torch.Tensor, k_cache: torch.Tensor, softcap: float = 0.0) -> dict:
+def _meta(q: torch.Tensor, k_cache: torch.Tensor, softcap: float = 0.0, window: int = 0) -> dict:
     hq, hk, head_dim = q.shape[1], k_cache.shape[2], q.shape[2]
     group = hq // hk
     meta = dict(GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), PAGE=k_cache.shape[1],
@@ -468,6 +481,8 @@ def _meta(q: torch.Tensor, k_cache: torch.Tensor, softcap: float = 0.0) -> dict:
                 **pdl.launch(q.device))
     if softcap:  # Gemma 2's soft-capped scores, in the base-2 units of the kernels' softmax: a variant of its own
         meta["SOFTCAP"] = float(softcap) * LOG2E
+    if window:  # a sliding-window layer's window: a variant of its own (full layers compile the kernels as before)
+        meta["WINDOW"] = int(window)
     return meta
 
 
@@ -475,7 +490,8 @@ def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                      cos_sin_cache: torch.Tensor, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, scale: float, lora=None,
-                     compile_only: bool = False, parts: int | None = None, softcap: float = 0.0) -> torch.Tensor:
+                     compile_only: bool = False, parts: int | None = None, softcap: float = 0.0,
+                     window: int = 0) -> torch.Tensor:
     """Triton version of reference.decode_attention, in one launch: the
     rotary embedding, the KV-cache write and the decode attention of `rotary_store_kv` then `paged_attention`,
     without the rotated q's and k's round trip through memory; with `lora` (the qkv layer's LoRADelta, by token),
@@ -500,6 +516,6 @@ def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                              f"not of bounds {list(lora.bounds)} for {lora.hp.shape[1]}")
     cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     _decode(q3, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale) * LOG2E, out,
-            _meta(q3, k_cache, softcap), rope=(positions, k2, v2, cache, slot_mapping), lora=lora,
+            _meta(q3, k_cache, softcap, window), rope=(positions, k2, v2, cache, slot_mapping), lora=lora,
             compile_only=compile_only, parts=parts)
     return out

@@ -146,12 +146,13 @@ def rotary_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
 def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cos_sin_cache: torch.Tensor, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                     query_start_loc: torch.Tensor, scale: float, lora=None, softcap: float = 0.0) -> torch.Tensor:
+                     query_start_loc: torch.Tensor, scale: float, lora=None, softcap: float = 0.0,
+                     window: int = 0) -> torch.Tensor:
     """Semantics: a decode step's attention from its unrotated q [T, Hq*D], k, v [T, Hk*D], every sequence
     querying one token, its last (position seq_lens[b] - 1, written at slot_mapping[t]):
     paged_attention(rotary_store_kv(...) as [T, Hq, D], ..., max_query_len=1), returned as [T, Hq, D]. With `lora`
     (the qkv layer's lora_reference.LoRADelta of this batch, by token), q|k|v are first a copy with the delta added
-    (`add_delta`): the layer's output as its `apply` would have left it."""
+    (`add_delta`): the layer's output as its `apply` would have left it. `window`: paged_attention's."""
     t = q.shape[0]
     if lora is not None:
         from .lora_reference import add_delta
@@ -160,7 +161,7 @@ def decode_attention(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
         q, k, v = qkv.split([q.shape[-1], k.shape[-1], v.shape[-1]], dim=-1)
     q = rotary_store_kv(positions, q, k, v, cos_sin_cache, head_dim, k_cache, v_cache, slot_mapping)
     return paged_attention(q.reshape(t, -1, head_dim), k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                           scale, max_query_len=1, softcap=softcap)
+                           scale, max_query_len=1, softcap=softcap, window=window)
 
 
 # ----------------------------------------------------------------------------------------------- paged KV
@@ -205,14 +206,17 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int, dtyp
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    scale: float, max_query_len: int | None = None, softcap: float = 0.0) -> torch.Tensor:
+                    scale: float, max_query_len: int | None = None, softcap: float = 0.0,
+                    window: int = 0) -> torch.Tensor:
     """Semantics: for each sequence b, its queries q[query_start_loc[b]:query_start_loc[b+1]] ([n_b, Hq, D]) are the
     last n_b tokens of a sequence of seq_lens[b] tokens whose keys/values sit in the paged cache at the blocks
     block_tables[b] ([num_blocks, block_size, Hk, D]). Query i (position p = seq_lens[b] - n_b + i) attends to the
     keys at positions 0..p: out = softmax(scale * q K^T) V, head h reading KV head h // (Hq / Hk) (GQA); a float8
     cache's K and V upcast to q's dtype (exactly) first. Returns [T, Hq, D] in q's dtype; the softmax is computed
     in float32. `softcap` > 0 (Gemma 2's attn_logit_softcapping): each score s = scale * q.k is capped to
-    softcap * tanh(s / softcap) before the softmax (the scores then in float32)."""
+    softcap * tanh(s / softcap) before the softmax (the scores then in float32). `window` > 0 (a sliding-window
+    layer: transformers' sliding_window): query at p attends to the keys at positions max(0, p - window + 1)..p
+    only, the last `window` keys including its own (masking_utils' kv_idx > q_idx - sliding_window)."""
     num_seqs = seq_lens.shape[0]
     out = torch.empty_like(q)
     qsl = query_start_loc.tolist()
@@ -234,7 +238,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             queries += range(qsl[b], qsl[b + 1])
             row_lens += range(lens[b] - n + 1, lens[b] + 1)
         _rows_attention(q, k_cache, v_cache, block_tables, seqs, queries, row_lens, scale, out,
-                        batched=bool(short), softcap=softcap)
+                        batched=bool(short), softcap=softcap, window=window)
     done = set(short)
     for b in range(num_seqs):
         n = qsl[b + 1] - qsl[b]
@@ -242,7 +246,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             continue
         k = _gather_kv(k_cache, block_tables[b], lens[b], q.dtype)
         v = _gather_kv(v_cache, block_tables[b], lens[b], q.dtype)
-        out[qsl[b]:qsl[b + 1]] = _attend(q[qsl[b]:qsl[b + 1]], k, v, scale, lens[b] - n, softcap)
+        out[qsl[b]:qsl[b + 1]] = _attend(q[qsl[b]:qsl[b + 1]], k, v, scale, lens[b] - n, softcap, window)
     return out
 
 
@@ -281,8 +285,9 @@ def _sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int,
-            softcap: float = 0.0) -> torch.Tensor:
-    """Causal attention of n queries at positions offset..offset+n-1 over L = offset + n keys.
+            softcap: float = 0.0, window: int = 0) -> torch.Tensor:
+    """Causal attention of n queries at positions offset..offset+n-1 over L = offset + n keys; `window` > 0: query
+    at p over the keys p - window + 1..p only (paged_attention's).
     (4-D inputs: with 3-D ones torch's CPU SDPA falls back to a path that materialises the n x L scores.)"""
     n = q.shape[0]
     if n > 1:  # a key or value that is not finite (a prompt token the model overflowed on) past a query's position
@@ -293,24 +298,34 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, off
         bad = ~(torch.isfinite(k[own]).flatten(1).all(1) & torch.isfinite(v[own]).flatten(1).all(1))
         if bool(bad.any()):
             j = int(bad.nonzero()[0, 0]) + 1  # the first query whose own key is not finite
-            return torch.cat([_attend(q[:j], k[:offset + j], v[:offset + j], scale, offset, softcap),
-                              _attend(q[j:], k, v, scale, offset + j, softcap)])
+            return torch.cat([_attend(q[:j], k[:offset + j], v[:offset + j], scale, offset, softcap, window),
+                              _attend(q[j:], k, v, scale, offset + j, softcap, window)])
+    if window and offset + n <= window:
+        window = 0  # every query sees all its keys: plain causal attention
+    if window and n == 1:  # one query at the last position: the last `window` keys, unmasked
+        k, v, offset = k[offset + 1 - window:], v[offset + 1 - window:], window - 1
+        window = 0
     qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     gqa = qh.shape[1] != kh.shape[1]
-    if offset == 0 or n == 1:  # one query at the last position sees every key: no mask
+    if not window and (offset == 0 or n == 1):  # one query at the last position sees every key: no mask
         o = _sdpa(qh, kh, vh, is_causal=offset == 0, scale=scale, enable_gqa=gqa, softcap=softcap)
         return o[0].transpose(0, 1)
     # after a context (a chunked prefill's later chunk): masked, in row chunks, each over the keys up to its last
     # query, so that the mask (rows x keys, and its float copy) never outgrows MASK_ELEMENTS (the n x L mask of a
     # 2,000-token chunk after 2,000 tokens took 19 MB, where the memory plan counts per-token activations)
+    # (a window: each row chunk over the keys from its first query's window on, masked before each row's window)
     rows = max(1, MASK_ELEMENTS // k.shape[0])
     out = []
     for start in range(0, n, rows):
         end = min(n, start + rows)
         keys = offset + end
+        lo = max(0, offset + start - window + 1) if window else 0
         pos_q = torch.arange(offset + start, offset + end, device=q.device).unsqueeze(1)
-        mask = torch.arange(keys, device=q.device).unsqueeze(0) <= pos_q
-        out.append(_sdpa(qh[:, :, start:end], kh[:, :, :keys], vh[:, :, :keys], attn_mask=mask, scale=scale,
+        kpos = torch.arange(lo, keys, device=q.device).unsqueeze(0)
+        mask = kpos <= pos_q
+        if window:
+            mask = mask & (kpos > pos_q - window)
+        out.append(_sdpa(qh[:, :, start:end], kh[:, :, lo:keys], vh[:, :, lo:keys], attn_mask=mask, scale=scale,
                          enable_gqa=gqa, softcap=softcap)[0])
     return (out[0] if len(out) == 1 else torch.cat(out, 1)).transpose(0, 1)
 
@@ -361,9 +376,10 @@ def _decode_attention(q, k_cache, v_cache, block_tables, lens, qsl, rows, scale,
 
 
 def _rows_attention(q, k_cache, v_cache, block_tables, seqs, queries, row_lens, scale, out, batched=False,
-                    softcap: float = 0.0) -> None:
+                    softcap: float = 0.0, window: int = 0) -> None:
     """`_decode_attention` of rows: query q[queries[r]] over the first row_lens[r] keys of sequence seqs[r]'s
-    blocks (`batched`: as one batch, whatever `_per_sequence` says)."""
+    blocks (`batched`: as one batch, whatever `_per_sequence` says); `window` > 0: over the last `window` of them
+    only."""
     max_len = max(row_lens)
     equal = min(row_lens) == max_len
     if not batched and _per_sequence(len(seqs), max_len, k_cache.shape[2], equal):
@@ -371,7 +387,7 @@ def _rows_attention(q, k_cache, v_cache, block_tables, seqs, queries, row_lens, 
         for b, i, n in zip(seqs, queries, row_lens):
             k = _gather_kv(k_cache, tables[b], n, q.dtype)
             v = _gather_kv(v_cache, tables[b], n, q.dtype)
-            out[i:i + 1] = _attend(q[i:i + 1], k, v, scale, n - 1, softcap)
+            out[i:i + 1] = _attend(q[i:i + 1], k, v, scale, n - 1, softcap, window)
         return
     idx = torch.tensor(seqs, device=q.device)
     nblocks = (max_len + k_cache.shape[1] - 1) // k_cache.shape[1]
@@ -388,9 +404,13 @@ def _rows_attention(q, k_cache, v_cache, block_tables, seqs, queries, row_lens, 
     qstart = torch.tensor(queries, device=q.device)
     qr = q.index_select(0, qstart).unsqueeze(2)  # [R, Hq, 1, D]
     mask = None
-    if not equal:
+    if not equal or (window and max_len > window):  # (a window: the keys before each row's last `window` masked)
         lens_t = torch.tensor(row_lens, device=q.device)
-        mask = (torch.arange(max_len, device=q.device)[None] < lens_t[:, None])[:, None, None, :]
+        kpos = torch.arange(max_len, device=q.device)[None]
+        mask = kpos < lens_t[:, None]
+        if window:
+            mask = mask & (kpos >= lens_t[:, None] - window)
+        mask = mask[:, None, None, :]
         if batched:  # verify rows: a row's masked padding holds its sequence's later drafts, whose keys or values
             # may not be finite (a draft the model overflowed on, rejected later): 0 x NaN would reach the row
             pad = ~mask[:, :, 0, :, None]
