@@ -1,7 +1,7 @@
 """Config switches the built-in tiny models leave at their defaults, each against transformers' logits on the same
 weights: Llama's attention_bias (q/k/v and o_proj) and mlp_bias, a large rms_norm_eps, a rope_theta other than
 10000 (Qwen2.5 and Llama 3 use 1e6 and 5e5), linear and yarn rope scaling, Qwen3 with attention_bias; Mistral's
-sliding window caps the context (where full attention equals sliding attention); and a checkpoint with a tensor
+sliding window (its attention slides, past the window); and a checkpoint with a tensor
 missing is refused, not loaded with the parameter's initial value."""
 
 from __future__ import annotations
@@ -86,14 +86,14 @@ def test_a_missing_tensor_is_refused(tmp_path, drop):
         LLM(str(tmp_path), block_size=4)
 
 
-def test_mistral_sliding_window_caps_the_context(tmp_path):
+def test_mistral_sliding_window_runs_past_the_window(tmp_path):
     hf = build(tmp_path, "mistral", sliding_window=16)
     llm = LLM(str(tmp_path), block_size=4)
-    assert llm.engine.max_model_len == 16
+    assert llm.engine.max_model_len == 256
     prompt = random_prompts(512, (10,), seed=5)[0]
     out = llm.generate([prompt], SamplingParams(max_new_tokens=20, ignore_eos=True))[0]
     with torch.no_grad():
-        want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, pad_token_id=0)
     assert out.token_ids == want[0, 10:].tolist() and out.finish_reason == "length"
 
 
@@ -103,19 +103,20 @@ def test_mistral_sliding_window_caps_the_context(tmp_path):
     ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=2), None),  # no layer slides
     ("qwen2", dict(use_sliding_window=False, sliding_window=16), None),
 ])
-def test_qwen_sliding_layers_cap_the_context(tmp_path, model_type, config, window):
-    """A Qwen2/Qwen3 layer at or past max_window_layers attends to the last sliding_window tokens only: the context is
-    capped at the window (full attention equals it there), as for Mistral; with no sliding layer it is not, and a
-    long prompt still equals transformers."""
+def test_qwen_sliding_layers_run_past_the_window(tmp_path, model_type, config, window):
+    """A Qwen2/Qwen3 layer at or past max_window_layers attends to the last sliding_window tokens only, and so does
+    infer's (its context max_position_embeddings, as for Mistral); with no sliding layer every layer is full. A
+    prompt past the window and its tokens equal transformers'."""
     hf = build(tmp_path, model_type, **config)
     llm = LLM(str(tmp_path), block_size=4)
-    assert llm.engine.max_model_len == (window or 256)
-    n = 10 if window else 40
+    assert llm.engine.max_model_len == 256
+    assert max(layer.self_attn.window for layer in llm.engine.runner.model.layers) == (window or 0)
+    n = 40
     prompt = random_prompts(512, (n,), seed=5)[0]
     out = llm.generate([prompt], SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
     with torch.no_grad():
-        want = hf.generate(torch.tensor([prompt]), max_new_tokens=(window or 10**6) - n if window else 30,
-                           do_sample=False, pad_token_id=0, eos_token_id=None)
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, pad_token_id=0,
+                           eos_token_id=None)
     assert out.token_ids == want[0, n:].tolist()
     assert out.finish_reason == "length"
 

@@ -56,10 +56,11 @@ def test_warm_kernels_with_the_smallest_context():
 
 
 def test_a_context_past_the_sliding_window_is_refused_naming_the_window(tmp_path):
-    """Mistral's context is capped at its sliding_window (the attention is full); --max-model-len past it was refused
-    as "above the model's limit of 16" for a model whose config says max_position_embeddings 256: the window is
-    named now."""
-    build(tmp_path, "mistral", sliding_window=16)
+    """A Llama's context is capped at its sliding_window (its attention is full; transformers' generate() cache keeps
+    the last sliding_window keys); --max-model-len past it was refused as "above the model's limit of 16" for a model
+    whose config says max_position_embeddings 256: the window is named now. (Mistral's sliding attention runs to
+    max_position_embeddings: test_probes_session54_window.)"""
+    build(tmp_path, "llama", sliding_window=16)
     with pytest.raises(ConfigError, match=r"limit of 16 \(its sliding_window.*max_position_embeddings is 256"):
         LLM(str(tmp_path), block_size=4, max_model_len=64)
     assert LLM(str(tmp_path), block_size=4, max_model_len=16).engine.max_model_len == 16

@@ -59,11 +59,12 @@ def test_a_max_model_len_past_longropes_original_positions_is_refused_naming_the
 
 
 def test_a_prompt_past_a_sliding_window_cap_is_refused_naming_the_window(tmp_path):
-    """A Mistral whose sliding_window (40) is below max_position_embeddings (256) has its context capped at the
-    window; a longer prompt was refused with "40 tokens is the model's limit", a number a user reads as wrong for a
-    model of 256 positions: the hint names sliding_window now, as --max-model-len's refusal does."""
+    """A Llama whose sliding_window (40) is below max_position_embeddings (256) has its context capped at the
+    window (Mistral's no longer: its attention slides); a longer prompt was refused with "40 tokens is the model's
+    limit", a number a user reads as wrong for a model of 256 positions: the hint names sliding_window now, as
+    --max-model-len's refusal does."""
     from infer.errors import RequestError
-    build(tmp_path, "mistral", sliding_window=40)
+    build(tmp_path, "llama", sliding_window=40)
     llm = LLM(str(tmp_path), block_size=4)
     with pytest.raises(RequestError, match=r"40 tokens is the model's limit \(its sliding_window.*is 256\)"):
         llm.generate([list(range(3, 60))], SamplingParams(max_new_tokens=2))
@@ -76,7 +77,7 @@ def test_infer_run_and_warmup_name_the_window_that_caps_the_context(tmp_path):
     from typer.testing import CliRunner
 
     from infer.cli.main import app
-    build(tmp_path / "m", "mistral", sliding_window=40)
+    build(tmp_path / "m", "llama", sliding_window=40)
     (tmp_path / "in.jsonl").write_text(json.dumps({"prompt_token_ids": list(range(3, 60))}) + "\n")
     res = CliRunner().invoke(app, ["run", str(tmp_path / "m"), str(tmp_path / "in.jsonl"), "-o",
                                    str(tmp_path / "out.jsonl"), "--block-size", "4", "--strict"])
@@ -87,16 +88,17 @@ def test_infer_run_and_warmup_name_the_window_that_caps_the_context(tmp_path):
 
 
 def test_lora_validate_on_a_base_capped_by_its_sliding_window_works_within_it(tmp_path):
-    """lora-validate sized its engine at 64 + --steps tokens within max_position_embeddings only: on a Mistral base
+    """lora-validate sized its engine at 64 + --steps tokens within max_position_embeddings only: on a base
     whose sliding_window (40) caps the context, every check died with "--max-model-len 72 is above the model's limit
-    of 40", an option lora-validate does not have. It now runs within the capped context."""
+    of 40", an option lora-validate does not have. It now runs within the capped context (a Llama's: Mistral's
+    context is no longer capped)."""
     from typer.testing import CliRunner
 
     from lora_helpers import hf_float, save_adapter
 
     from infer.cli.main import app
     base = tmp_path / "m"
-    build(base, "mistral", sliding_window=40)
+    build(base, "llama", sliding_window=40)
     save_adapter(hf_float(base), tmp_path / "ad", seed=0, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     res = CliRunner().invoke(app, ["lora-validate", str(base), f"a={tmp_path / 'ad'}", "--steps", "4"])
     assert res.exit_code == 0, res.output

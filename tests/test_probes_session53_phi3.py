@@ -57,7 +57,7 @@ CONFIGS = {  # config, the context infer caps it at, prompt lengths, new tokens
     "gqa-untied": (dict(), 256, (5, 13, 30), 8),
     "mha-tied": (dict(num_key_value_heads=4, tie_word_embeddings=True, rms_norm_eps=0.25), 256, (7, 21), 8),
     "longrope-128k": (LONGROPE, 64, (6, 17, 40), 8),  # its short factors hold up to original_max_position_embeddings
-    "sliding-window-4k": (dict(sliding_window=16), 16, (4, 10), 6),  # full attention = sliding up to the window
+    "sliding-window-4k": (dict(sliding_window=16), 256, (4, 30), 20),  # sliding attention, run past the window
 }
 
 

@@ -66,7 +66,7 @@ CONFIGS = {  # model type, config, the context infer caps it at
     "gemma-mha-tied": ("gemma", dict(num_key_value_heads=4, head_dim=16, tie_word_embeddings=True), 256),
     "gemma2-gqa": ("gemma2", dict(GEMMA2), 256),
     "gemma2-mha-tied-window": ("gemma2", dict(GEMMA2, num_key_value_heads=4, tie_word_embeddings=True,
-                                              sliding_window=48, head_dim=16), 48),
+                                              sliding_window=16, head_dim=16), 256),  # (prompts past the window)
 }
 
 

@@ -143,3 +143,137 @@ def test_triton_decode_attention_within_the_window_in_partitions(attention, part
     got = attention.decode_attention(positions, qf, k, v, cos_sin, d, kt, vt, slots, tables, lens_t, qsl, 0.3,
                                      parts=parts, window=16)
     torch.testing.assert_close(got.float(), want.float(), atol=1e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------- models
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=96, vocab_size=512, eos_token_id=2, pad_token_id=0)
+FAMILIES = {  # model type, config: a window of 16, on every layer or on some
+    "mistral": ("mistral", dict(sliding_window=16)),
+    "phi3": ("phi3", dict(sliding_window=16)),
+    "qwen2-layer-1-slides": ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
+    "qwen3-every-layer": ("qwen3", dict(use_sliding_window=True, sliding_window=16, max_window_layers=0,
+                                        head_dim=32)),
+    "gemma2-even-layers": ("gemma2", dict(head_dim=32, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                                          final_logit_softcapping=1.5, sliding_window=16,
+                                          tie_word_embeddings=False)),
+}
+ARCH = {"mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+
+
+def build(folder, family: str, seed: int = 0):
+    """A random model folder of `family` (float32, norms and biases random) with the tiny-llama tokenizer, and
+    transformers' model of it (eager attention)."""
+    import shutil
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from infer.models.tiny import ensure_builtin
+    model_type, config = FAMILIES[family]
+    cfg = AutoConfig.for_model(model_type, initializer_range=0.15, bos_token_id=None, **{**SMALL, **config})
+    cfg.architectures = [ARCH[model_type]]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias") or "norm" in name:
+                    p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(folder, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ensure_builtin("tiny-llama") / f, folder / f)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def hf_greedy(hf, prompts, n: int) -> list[list[int]]:
+    with torch.no_grad():
+        return [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+                for p in prompts]
+
+
+def _generate(llm, prompts, n):
+    from infer import SamplingParams
+    return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True))]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_past_the_window_equal_transformers(tmp_path, family):
+    """Prompts of 5, 30 and 50 tokens and 40 generated: up to 90 of the 96 positions, far past the window of 16;
+    the context is max_position_embeddings (no cap), the tokens transformers'. Then chunked prefill (steps of 12
+    tokens: chunk boundaries inside each window) and the same tokens."""
+    from infer import LLM
+    hf = build(tmp_path, family)
+    prompts = random_prompts((5, 30, 50))
+    want = hf_greedy(hf, prompts, 40)
+    with LLM(str(tmp_path), block_size=4) as llm:
+        assert llm.engine.max_model_len == 96
+        model = llm.engine.runner.model
+        windows = [layer.self_attn.window for layer in model.layers]
+        assert windows == {"qwen2-layer-1-slides": [0, 16], "gemma2-even-layers": [16, 0]}.get(family, [16, 16])
+        assert _generate(llm, prompts, 40) == want
+    with LLM(str(tmp_path), block_size=4, max_num_batched_tokens=12, max_num_seqs=2,
+             enable_prefix_caching=False) as llm:
+        assert _generate(llm, prompts, 40) == want
+
+
+def random_prompts(lengths, seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_speculative_verify_rows_beam_search_and_prefix_caching_within_the_window(tmp_path):
+    """n-gram speculative decoding (its verify rows attend in the window) gives transformers' greedy tokens; a
+    prompt whose first blocks are cached (prefix caching keeps every block) too; beam search runs past the window
+    and its best beam's first token is the greedy one."""
+    from infer import LLM, BeamSearchParams
+    hf = build(tmp_path, "gemma2-even-layers")
+    prompts = random_prompts((30, 50), seed=5)
+    prompts.append(prompts[1][:40] + [7, 8, 9])  # its first 40 tokens' blocks cached by the one before
+    prompts = [p[:20] + p[:20] if i == 0 else p for i, p in enumerate(prompts)]  # repeats for the n-gram drafter
+    want = hf_greedy(hf, prompts, 30)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    with LLM(str(tmp_path), block_size=4, speculative_config=spec) as llm:
+        assert _generate(llm, prompts[:2], 30) == want[:2]
+        assert _generate(llm, prompts[2:], 30) == want[2:]
+        beams = llm.beam_search([prompts[1]], BeamSearchParams(beam_width=2, max_tokens=20))
+        assert len(beams[0].sequences[0].tokens) > 50
+
+
+@pytest.mark.parametrize("family", ["gemma2-even-layers", "phi3"])
+def test_the_gpu_path_past_the_window_equals_transformers(tmp_path, monkeypatch, family):
+    """The GPU code path on CPU (every op its Triton kernel, interpreted; decode steps through emulated CUDA graphs,
+    the others piecewise; the overlapped step): the unified kernel over chunks of 12 tokens with chunk boundaries
+    inside the window, the decode kernel over the last 16 keys; the sliding and the full layers of Gemma 2 each
+    with their own kernels. Tokens equal transformers'."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels")
+    from infer import LLM
+    from quant_helpers import int4_kernel_path
+    hf = build(tmp_path, family)
+    prompts = random_prompts((5, 30), seed=7)
+    want = hf_greedy(hf, prompts, 30)
+    int4_kernel_path(monkeypatch)
+    with LLM(str(tmp_path), block_size=4, max_num_batched_tokens=12, max_num_seqs=2, overlap=True,
+             cuda_graph_max_tokens=4) as llm:
+        llm.engine.runner.capture_graphs(64, emulate=True)
+        assert _generate(llm, prompts, 30) == want
+        assert sum(llm.engine.runner.graphs.replays.values()) > 0
+
+
+def test_engine_start_compiles_the_decode_attention_of_each_window(tmp_path, monkeypatch):
+    """warm_kernels compiles the decode attention's variants on one layer of each window (Gemma 2: the sliding
+    layer's and the full layer's: they are kernels of their own), and the qkv layers' LoRA variants (whose decode
+    step's expand the decode attention adds) once per window too."""
+    from infer import LLM, kernels
+    from infer.models.llama import Attention
+    build(tmp_path, "gemma2-even-layers")
+    with LLM(str(tmp_path), block_size=4, enable_lora=True, max_lora_rank=8) as llm:
+        compiled = []
+        monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+        monkeypatch.setattr(Attention, "compile_decode", lambda self, delta=None: compiled.append(self.window))
+        llm.engine._warm_decode_attention()
+        assert sorted(compiled) == [0, 16]
+        manager = llm.engine.runner.lora_manager
+        keys = {layer.compile_key(linear) for linear, layer in zip(manager.linears, manager.layers)
+                if linear.lora_consumer is not None and hasattr(linear.lora_consumer, "attention")}
+        assert len(keys) == 2  # the sliding layer's qkv and the full layer's

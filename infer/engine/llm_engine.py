@@ -1260,14 +1260,18 @@ class LLMEngine:
         return queued
 
     def _warm_decode_attention(self) -> None:
-        """Compile both variants of the Triton decode attention (one partition a sequence, several) on one layer
-        (every layer launches the same); without Triton (a CPU) there is nothing to compile."""
+        """Compile both variants of the Triton decode attention (one partition a sequence, several) on one layer of
+        each sliding window (0: full attention; the layers of one window launch the same); without Triton (a CPU)
+        there is nothing to compile."""
         from .. import kernels
+        windows = set()
         for mod in self.runner.model.modules():
             if hasattr(mod, "compile_decode") and getattr(mod, "k_cache", None) is not None:
-                if kernels.use_triton(mod.k_cache):
+                if not kernels.use_triton(mod.k_cache):
+                    return
+                if getattr(mod, "window", 0) not in windows:
+                    windows.add(getattr(mod, "window", 0))
                     mod.compile_decode()
-                return
 
     @torch.inference_mode()
     def warm_kernels(self) -> None:

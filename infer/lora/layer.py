@@ -270,7 +270,8 @@ class LoRALayer:
         by_token = self.takes_delta(base)
         shape = base.method.kernel_key(base) if by_token else None
         return (tuple(self.lora_a.shape), self.lora_a.dtype, tuple(self.bounds), by_token, self.epilogue, shape,
-                self.streams is not False, self.expand_beside, self._defers_some(base))
+                self.streams is not False, self.expand_beside, self._defers_some(base),
+                getattr(base.lora_consumer, "window", 0))  # (a sliding-window layer's decode attention)
 
     def _defers_some(self, base) -> bool:
         """Whether some steps leave base's expand to its consumer: where the model has one (lora_consumer) and it is

@@ -1,5 +1,6 @@
-"""A model's context limit: its max_position_embeddings, or less where a sliding window or longrope's short factors
-cap it (the engine's max_model_len, a draft model's context, the memory plan's draft share read it)."""
+"""A model's context limit: its max_position_embeddings, or less where longrope's short factors (or a Llama's
+sliding_window) cap it (the engine's max_model_len, a draft model's context, the memory plan's draft share read it);
+which layers attend over a sliding window (`layer_window`)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,12 @@ from .rope import rope_max_positions
 
 
 def sliding_window(model_config) -> int | None:
-    """The attention window of the layers that slide, if any does: infer's attention is full, which equals sliding
-    attention up to the window, so the context is capped there. Mistral and Phi-3 slide on every layer; Qwen2 and
+    """The attention window of the layers that slide, if any does. Mistral and Phi-3 slide on every layer; Qwen2 and
     Qwen3 on the layers from max_window_layers on when use_sliding_window is set, Gemma 2 on alternate layers
     (transformers lists them in layer_types). transformers' Mistral and Phi-3 slide whenever sliding_window is set,
     whatever a use_sliding_window in config.json says; its Llama ignores the window in attention but its generate()
-    cache keeps only the last sliding_window keys, so the context is capped there too (where both ways of
-    transformers agree)."""
+    cache keeps only the last sliding_window keys (infer's Llama attends fully: its context is capped at the window,
+    where both ways of transformers agree; `context_limit`)."""
     window = getattr(model_config, "sliding_window", None)
     if not window:
         return None
@@ -25,17 +25,46 @@ def sliding_window(model_config) -> int | None:
     return int(window) if getattr(model_config, "use_sliding_window", True) else None
 
 
+def layer_window(model_config, layer: int) -> int:
+    """The attention window of decoder layer `layer` as transformers runs it (its key at position k seen by the
+    query at p where p - window < k <= p: masking_utils' sliding_window_overlay), 0 where the layer attends to
+    every key: Mistral and Phi-3 slide on every layer whenever sliding_window is set; Qwen2, Qwen3 and Gemma 2 on
+    the layers their layer_types names "sliding_attention" (Qwen's from max_window_layers on when
+    use_sliding_window is set, Gemma 2's even layers); Llama's attention ignores the window (0: its context stays
+    capped at the window, `context_limit`). The KV cache keeps every block of a sliding layer's sequence (none freed
+    outside the window: the memory of full attention; prefix caching unchanged), the kernels skip the blocks wholly
+    before a query's window and mask the rest."""
+    window = getattr(model_config, "sliding_window", None)
+    model_type = getattr(model_config, "model_type", None)
+    if not window or model_type == "llama":
+        return 0
+    if model_type in ("mistral", "phi3"):
+        return int(window)
+    types = getattr(model_config, "layer_types", None)
+    if types is not None:
+        return int(window) if layer < len(types) and types[layer] == "sliding_attention" else 0
+    if not getattr(model_config, "use_sliding_window", True):
+        return 0
+    if model_type == "gemma2":
+        return int(window) if layer % 2 == 0 else 0
+    return int(window) if layer >= int(getattr(model_config, "max_window_layers", 0) or 0) else 0
+
+
 def context_limit(model_config) -> tuple[int, str]:
-    """(the model's context limit, why it is below max_position_embeddings, or "" where it is not): attention is
-    full, which equals sliding attention up to the window; longrope's short factors hold up to
-    original_max_position_embeddings (models.rope.rope_max_positions)."""
+    """(the model's context limit, why it is below max_position_embeddings, or "" where it is not): the sliding
+    layers attend over their window in every attention path (`layer_window`), so a window caps nothing, but a
+    Llama's: its attention is full (transformers' too) where its generate() cache keeps the last sliding_window
+    keys, the two equal only up to the window; longrope's short factors hold up to original_max_position_embeddings
+    (models.rope.rope_max_positions)."""
     positions = int(getattr(model_config, "max_position_embeddings", 0) or 2048)
-    window, rope_limit = sliding_window(model_config), rope_max_positions(model_config)
+    rope_limit = rope_max_positions(model_config)
+    window = sliding_window(model_config) if getattr(model_config, "model_type", None) == "llama" else None
     if window and window < positions and not (rope_limit and rope_limit < window):
         # the window named: "the model's limit of 4096" of a model whose max_position_embeddings is 32768 read as
         # a wrong number
-        return window, (f"its sliding_window: infer's attention is full, which equals sliding attention only up to "
-                        f"the window; max_position_embeddings is {positions}")
+        return window, (f"its sliding_window: a Llama's attention is full, which equals transformers' generate() "
+                        f"(its cache of the last sliding_window keys) only up to the window; "
+                        f"max_position_embeddings is {positions}")
     if rope_limit and rope_limit < positions:
         return rope_limit, (f"its longrope rope_parameters' original_max_position_embeddings: past it transformers "
                             f"rotates the whole sequence with the long factors, which infer's KV cache cannot; "

@@ -19,6 +19,7 @@ from .. import kernels
 from ..kernels import cpu_gemm
 from .context import ForwardContext
 from .layers import LinearMethod, MergedLinear
+from .limits import layer_window
 from .registry import GEMMA, activation
 from .rope import build_cos_sin_cache
 from .shapes import ModelShapes
@@ -57,7 +58,8 @@ def norm_for(cfg):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, prefix: str, method_for, dtype):
+    def __init__(self, cfg, prefix: str, method_for, dtype, layer: int = 0):
+        """layer: the decoder layer's index (which layers slide: models.limits.layer_window)."""
         super().__init__()
         shapes = ModelShapes.from_config(cfg)
         self.num_heads, self.num_kv_heads, self.head_dim = shapes.num_heads, shapes.num_kv_heads, shapes.head_dim
@@ -67,6 +69,7 @@ class Attention(nn.Module):
         if cfg.model_type == "gemma2":
             self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
             self.softcap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0)
+        self.window = layer_window(cfg, layer)  # a sliding-window layer's window (0: full attention), every kernel's
         # as transformers builds each family: Qwen2 has q/k/v biases and no o bias, Llama and Qwen3 follow
         # attention_bias, Mistral has none whatever its config says
         declared = bool(getattr(cfg, "attention_bias", False)) and cfg.model_type in ("llama", "qwen3")
@@ -94,7 +97,7 @@ class Attention(nn.Module):
             q, k, v, delta = self._qkv(x, ctx, deferred=True)  # the adapters' qkv delta, where the layer left it)
             o = kernels.decode_attention(positions, q, k, v, cos_sin, self.head_dim, self.k_cache, self.v_cache,
                                          ctx.slot_mapping, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
-                                         self.scale, delta, self.softcap)
+                                         self.scale, delta, self.softcap, self.window)
             return self.o_proj.forward_deferred(o.reshape(x.shape[0], self.q_size), ctx)
         return self.o_proj.forward_deferred(self.attend(self.query(positions, x, ctx, cos_sin), ctx), ctx)
 
@@ -124,7 +127,8 @@ class Attention(nn.Module):
         for parts in (1, 2):
             attention.decode_attention(ints[0], q, k, v, torch.empty(1, self.rot_dim, device=dev), self.head_dim,
                                        self.k_cache, self.v_cache, ints[1], tables, lens, starts, self.scale, delta,
-                                       compile_only=True, parts=parts, softcap=self.softcap)
+                                       compile_only=True, parts=parts, softcap=self.softcap,
+                                       **({"window": self.window} if self.window else {}))
 
     def query(self, positions, x, ctx: ForwardContext, cos_sin):
         """The rotated query [t, q_size]; this step's K and V are in the cache (the part of the layer before the
@@ -139,7 +143,7 @@ class Attention(nn.Module):
         t = q.shape[0]
         o = kernels.paged_attention(q.reshape(t, self.num_heads, self.head_dim), self.k_cache, self.v_cache,
                                     ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, self.scale,
-                                    ctx.max_query_len, self.softcap)
+                                    ctx.max_query_len, self.softcap, self.window)
         return o.reshape(t, self.q_size)
 
 
@@ -184,7 +188,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg, i: int, method_for, dtype):
         super().__init__()
         p = f"model.layers.{i}"
-        self.self_attn = Attention(cfg, f"{p}.self_attn", method_for, dtype)
+        self.self_attn = Attention(cfg, f"{p}.self_attn", method_for, dtype, i)
         self.mlp = MLP(cfg, f"{p}.mlp", method_for, dtype)
         norm = norm_for(cfg)
         self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -238,6 +242,11 @@ class _DecodeConsumer:
 
     def __call__(self, delta) -> None:
         self.attention().compile_decode(delta)
+
+    @property
+    def window(self) -> int:
+        """The attention's sliding window (0: none): a variant of its own (LoRALayer.compile_key)."""
+        return self.attention().window
 
 
 def _uninitialized(cls, *args, **kw) -> nn.Module:
@@ -371,8 +380,8 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
     """Gemma 2 (transformers' Gemma2ForCausalLM): Gemma, with four norms a layer (the attention's output and the
     MLP's output each normed before the residual adds it, the MLP's input after), the attention's scale
     query_pre_attn_scalar ** -0.5 and its scores soft-capped (attn_logit_softcapping: Attention.softcap, in every
-    attention kernel), the logits soft-capped (final_logit_softcapping). Its sliding window on alternate layers:
-    the context is capped at the window (models.limits), where full attention equals it."""
+    attention kernel), the logits soft-capped (final_logit_softcapping). Its sliding window on alternate layers
+    (layer_types): Attention.window, in every attention kernel."""
 
     def __init__(self, cfg, dtype: torch.dtype, method_for=None, max_positions: int | None = None):
         super().__init__(cfg, dtype, method_for, max_positions)

@@ -49,7 +49,7 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
     # Gemma: head_dim apart from hidden_size / heads (as Gemma's 256), GeGLU, norms by 1 + w. Untied head: random
     # weights with Gemma's tied head (and its embeddings scaled by sqrt(hidden_size)) repeat the prompt's last token
     "tiny-gemma": TinySpec("gemma", 8, config=dict(_TINY, head_dim=32, tie_word_embeddings=False)),
-    # Gemma 2: soft-capped attention and logits, sliding window on alternate layers (the window is the context)
+    # Gemma 2: soft-capped attention and logits, sliding window on alternate layers (here as long as the context)
     "tiny-gemma2": TinySpec("gemma2", 9, config=dict(_TINY, head_dim=32, query_pre_attn_scalar=32,
                                                      sliding_window=4096, tie_word_embeddings=False)),
     "llama-100m": TinySpec("llama", 6, vocab_size=32000, init_range=0.08, config=dict(  # 134M parameters
