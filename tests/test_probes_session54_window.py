@@ -277,3 +277,35 @@ def test_engine_start_compiles_the_decode_attention_of_each_window(tmp_path, mon
         keys = {layer.compile_key(linear) for linear, layer in zip(manager.linears, manager.layers)
                 if linear.lora_consumer is not None and hasattr(linear.lora_consumer, "attention")}
         assert len(keys) == 2  # the sliding layer's qkv and the full layer's
+
+
+@pytest.mark.parametrize("lens", [[40, 40, 40], [45, 38, 41]])
+def test_decodes_never_read_the_blocks_before_the_window(attention, lens):
+    """Every block is kept (none freed outside the window), but a decode reads only its window's: blocks wholly
+    before every row's window hold NaN here (what a cache may hold) and the outputs are still the oracle's, on
+    the CPU decode batch, the per-sequence decodes and the Triton decode kernel (1 and 3 partitions)."""
+    q, kc, vc, tables, lens_t, qsl = _batch(lens, [1] * len(lens), seed=9)
+    want = _oracle(q, kc, vc, tables, lens_t, qsl, 0.3, 16)
+    bs = kc.shape[1]
+    for b, n in enumerate(lens):
+        for i in range((min(lens) - 16) // bs):  # (the batch gathers from the shortest row's window on)
+            kc[int(tables[b, i])] = float("nan")
+            vc[int(tables[b, i])] = float("nan")
+    got = reference.paged_attention(q, kc, vc, tables, lens_t, qsl, 0.3, 1, window=16)
+    torch.testing.assert_close(got.float(), want, atol=2e-5, rtol=2e-5)
+    for parts in (1, 3):
+        got = torch.empty_like(q)
+        attention._decode(q, kc, vc, tables, lens_t, qsl, 0.3 * attention.LOG2E, got,
+                          attention._meta(q, kc, 0.0, 16), parts=parts)
+        torch.testing.assert_close(got.float(), want, atol=1e-4, rtol=1e-4)
+
+
+def test_reference_per_sequence_decodes_never_read_the_blocks_before_the_window(monkeypatch):
+    monkeypatch.setattr(reference, "PER_SEQUENCE_LEN", 8)
+    q, kc, vc, tables, lens_t, qsl = _batch([45, 30, 41], [1, 1, 1], seed=10)
+    want = _oracle(q, kc, vc, tables, lens_t, qsl, 0.3, 16)
+    for b, n in enumerate([45, 30, 41]):
+        for i in range((n - 16) // kc.shape[1]):
+            kc[int(tables[b, i])] = vc[int(tables[b, i])] = float("nan")
+    got = reference.paged_attention(q, kc, vc, tables, lens_t, qsl, 0.3, 1, window=16)
+    torch.testing.assert_close(got.float(), want, atol=2e-5, rtol=2e-5)

@@ -390,23 +390,26 @@ def _rows_attention(q, k_cache, v_cache, block_tables, seqs, queries, row_lens, 
             out[i:i + 1] = _attend(q[i:i + 1], k, v, scale, n - 1, softcap, window)
         return
     idx = torch.tensor(seqs, device=q.device)
-    nblocks = (max_len + k_cache.shape[1] - 1) // k_cache.shape[1]
-    tables = block_tables.index_select(0, idx)[:, :nblocks].long()
+    bs = k_cache.shape[1]
+    nblocks = (max_len + bs - 1) // bs
+    # a window: the blocks before the shortest row's window hold no key any row sees (not gathered)
+    first = max(0, min(row_lens) - window) // bs if window else 0
+    tables = block_tables.index_select(0, idx)[:, first:nblocks].long()
     if not equal:  # a shorter row's table is padded with block 0, which holds whatever its last owner left (NaN
         # from a request that went non-finite), and a masked key's value still enters the sum as 0 x value: the
         # padding reads the row's own first block instead (its values finite, masked out)
-        bs = k_cache.shape[1]
         own = torch.tensor([(n + bs - 1) // bs for n in row_lens], device=q.device)
-        tables = torch.where(torch.arange(nblocks, device=q.device)[None] < own[:, None], tables, tables[:, :1])
-    r, flat = tables.shape[0], tables.flatten()
-    k = k_cache.index_select(0, flat).view(r, -1, *k_cache.shape[2:])[:, :max_len].transpose(1, 2).to(q.dtype)
-    v = v_cache.index_select(0, flat).view(r, -1, *v_cache.shape[2:])[:, :max_len].transpose(1, 2).to(q.dtype)
+        tables = torch.where(torch.arange(first, nblocks, device=q.device)[None] < own[:, None], tables,
+                             tables[:, :1])
+    r, flat, keys = tables.shape[0], tables.flatten(), max_len - first * bs
+    k = k_cache.index_select(0, flat).view(r, -1, *k_cache.shape[2:])[:, :keys].transpose(1, 2).to(q.dtype)
+    v = v_cache.index_select(0, flat).view(r, -1, *v_cache.shape[2:])[:, :keys].transpose(1, 2).to(q.dtype)
     qstart = torch.tensor(queries, device=q.device)
     qr = q.index_select(0, qstart).unsqueeze(2)  # [R, Hq, 1, D]
     mask = None
-    if not equal or (window and max_len > window):  # (a window: the keys before each row's last `window` masked)
+    if not equal or (window and keys > window):  # (a window: the keys before each row's last `window` masked)
         lens_t = torch.tensor(row_lens, device=q.device)
-        kpos = torch.arange(max_len, device=q.device)[None]
+        kpos = torch.arange(first * bs, max_len, device=q.device)[None]
         mask = kpos < lens_t[:, None]
         if window:
             mask = mask & (kpos >= lens_t[:, None] - window)
