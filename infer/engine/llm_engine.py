@@ -29,7 +29,7 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
 from .setup import context_limit, load_engine_parts, model_max_len
-from .sleep import KV_CACHE, TAGS, WEIGHTS, SleepState, module_tensors, object_tensors
+from .sleep import KV_CACHE, SLEPT, TAGS, WEIGHTS, SleepState, module_tensors, object_tensors
 from .speculative import SpecStats, SpeculativeConfig, propose_for
 from .structured import DEAD_HINT, GrammarBackend, allows_any, draft_bitmask
 
@@ -1079,6 +1079,7 @@ class LLMEngine:
         for seq in list(self.requests.values()):
             if not seq.finished:
                 self.abort_request(seq.request_id)
+                seq.error = SLEPT  # (a server's stream ends with finish_reason "abort", not as at its shutdown)
         done: list[RequestOutput] = []  # a step on the device (overlap) completes first: its memory is freed next
         if self._unsettled is not None:
             self._settle(done)

@@ -18,6 +18,8 @@ import torch
 WEIGHTS, KV_CACHE = "weights", "kv_cache"
 TAGS = (WEIGHTS, KV_CACHE)  # vLLM's wake_up tags
 KV_ATTRS = ("k_cache", "v_cache")  # an attention layer's views of the KV cache
+# the error of a request sleep() aborted (its finish_reason "abort"): the server tells it from a shutdown's abort
+SLEPT = "the engine was put to sleep (sleep mode) before the request finished"
 
 
 def module_tensors(modules) -> list[torch.Tensor]:

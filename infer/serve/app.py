@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..engine.inputs import MAX_LOGPROBS, MAX_TOKENS_CAP, openai_sampling_defaults
+from ..engine.sleep import SLEPT
 from ..errors import LoRAError, RequestError, SleepModeError
 from . import protocol as p
 from .adapters import add_adapter_routes
@@ -247,6 +248,9 @@ def _dumps(obj) -> str:
 
 
 def _error(out) -> p.ApiError:
+    if out.finish_reason == "abort" and out.error == SLEPT:  # aborted by POST /sleep (sleep mode), not a shutdown
+        return p.ApiError(503, f"{SLEPT}: POST /wake_up, then retry", type="server_unavailable",
+                          code="engine_sleeping", headers={"Retry-After": "1"})
     if out.finish_reason == "abort":  # ended by the server's shutdown (lifecycle.py): another replica may answer
         return p.shutting_down(out.error or "the server shut down before the request finished")
     if out.error == NO_ENGINE:  # accepted, then its replica and every other died: as a request refused for it
@@ -309,7 +313,8 @@ async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, mod
             yield event([p.choice(req, i, req.echo_text, None, server.tokenizer, None, delta=True)], usage)
     async with aclosing(server.outputs(queue, ids, None, arrival)) as outs:
         async for i, out in outs:
-            if out.finished and out.finish_reason in ("error", "abort"):
+            slept = out.finished and out.finish_reason == "abort" and out.error == SLEPT
+            if out.finished and out.finish_reason in ("error", "abort") and not slept:
                 yield f"data: {_dumps(_error(out).body())}\n\n"
                 break
             if cached is None:
@@ -317,7 +322,7 @@ async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, mod
             records = None
             if out.logprobs is not None:
                 records, sent_lp[i] = out.logprobs[sent_lp.get(i, 0):], len(out.logprobs)
-            reason = p.finish_reason(out) if out.finished else None
+            reason = "abort" if slept else p.finish_reason(out) if out.finished else None  # (slept: as vLLM's)
             new_ids = out.new_token_ids if req.return_token_ids else None
             delta, calls, text, reasoning = out.delta_text, None, None, ""  # text: read where needed (a copy)
             if req.echo:  # (completions) the prompt and its logprobs first, in the choice's first chunk, as vLLM
@@ -334,7 +339,7 @@ async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, mod
                 delta = text[sent.get(i, 0):]
             if req.tools is not None and req.tools.mode != "none":  # calls go whole in one chunk, then the finish;
                 text = out.text if text is None else text
-                if out.finished:  # before them, the text that is content (none for a constrained call)
+                if out.finished and not slept:  # before them, the content (none for a constrained call)
                     content, calls = split(req.tools, text)
                 else:
                     content = visible(req.tools, text) if req.tools.mode == "auto" else ""

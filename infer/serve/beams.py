@@ -17,6 +17,8 @@ from dataclasses import replace
 
 from ..engine.beam import BeamSearch, BeamSearchParams
 from ..engine.outputs import RequestOutput
+from ..engine.sleep import SLEPT
+from ..errors import SleepModeError
 from .async_engine import NO_ENGINE, NoEngineError, QueueFullError, ShuttingDownError
 
 log = logging.getLogger("infer.serve")
@@ -116,6 +118,8 @@ class ServedBeamSearch:
             raise
         except ShuttingDownError as e:
             self._fail("abort", str(e))
+        except SleepModeError:  # POST /sleep between two steps: as the steps it aborted end the search
+            self._fail("abort", SLEPT)
         except NoEngineError:
             self._fail("error", NO_ENGINE)
         except Exception as e:  # noqa: BLE001 (a bug, or a step refused: the client gets the error, not a hang)

@@ -1,0 +1,100 @@
+"""Probes of the fifty-fourth session's fourth review of sleep mode: what a request in flight sees when the engine is
+put to sleep, and other cases the first probes left out."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from infer.models.tiny import ensure_builtin
+
+
+@pytest.fixture(scope="module")
+def path():
+    return str(ensure_builtin("tiny-llama"))
+
+
+def _server(path, **kw):
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server
+    from infer.serve.async_engine import AsyncEngine
+    engine = LLMEngine(EngineConfig(path, block_size=4, max_model_len=512, max_num_seqs=2, enable_sleep_mode=True,
+                                    **kw))
+    return engine, Server(AsyncEngine(engine), "tiny")
+
+
+def _until(cond, timeout=60.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.005)
+
+
+def test_a_stream_open_at_post_sleep_ends_with_finish_reason_abort(path):
+    """POST /sleep while an SSE stream runs: the stream ends with a chunk of finish_reason "abort", then [DONE], as
+    vLLM's; it said "the server shut down before the request finished" (503 server_shutting_down), which it did
+    not. A whole (not streamed) completion in flight gets a 503 engine_sleeping naming the sleep, not a shutdown."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from infer.serve.app import serve_in_thread
+    engine, server = _server(path)
+    body = {"model": "tiny", "prompt": [5, 9, 13], "max_tokens": 500, "temperature": 0, "ignore_eos": True}
+    with serve_in_thread(server) as url:
+        lines = []
+
+        def read():
+            with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+                lines.extend(line for line in r.iter_lines() if line)
+
+        t = threading.Thread(target=read)
+        t.start()
+        _until(lambda: len(lines) >= 2 or not t.is_alive())
+        assert httpx.post(f"{url}/sleep?level=1", timeout=60).status_code == 200
+        t.join(60)
+        assert not t.is_alive() and lines[-1] == "data: [DONE]"
+        last = json.loads(lines[-2][len("data: "):])
+        assert "error" not in last, last
+        assert last["choices"][0]["finish_reason"] == "abort"
+        assert httpx.post(f"{url}/wake_up", timeout=60).status_code == 200
+
+        whole = {}
+        t = threading.Thread(target=lambda: whole.update(r=httpx.post(f"{url}/v1/completions", json=body, timeout=60)))
+        t.start()
+        _until(lambda: engine.num_steps > 0 and engine.has_unfinished_requests() or not t.is_alive())
+        assert httpx.post(f"{url}/sleep?level=1", timeout=60).status_code == 200
+        t.join(60)
+        r = whole["r"]
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "engine_sleeping" and "sleep" in r.json()["error"]["message"]
+
+
+def test_a_served_beam_search_refused_a_step_by_sleep_ends_as_aborted(path, monkeypatch):
+    """A served beam search whose next step is refused because POST /sleep ran between two steps (SleepModeError
+    from the engine's add) ends as the steps sleep aborted do (503 engine_sleeping), not as a 500 "beam search
+    failed"."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from infer.errors import SleepModeError
+    from infer.serve.app import serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    _, server = _server(path)
+    real, calls = AsyncEngine.add, []
+
+    def add(self, *a, **kw):
+        calls.append(1)
+        if len(calls) > 1:  # the search's first step runs; the next is refused, as after a sleep
+            raise SleepModeError("the engine is asleep", "wake it first: wake_up()")
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(AsyncEngine, "add", add)
+    body = {"model": "tiny", "prompt": [5, 9, 13], "n": 2, "max_tokens": 4, "use_beam_search": True,
+            "temperature": 0, "ignore_eos": True}
+    with serve_in_thread(server) as url:
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert len(calls) > 1
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "engine_sleeping"
