@@ -98,3 +98,23 @@ def test_a_served_beam_search_refused_a_step_by_sleep_ends_as_aborted(path, monk
     assert len(calls) > 1
     assert r.status_code == 503, r.text
     assert r.json()["error"]["code"] == "engine_sleeping"
+
+
+def test_collective_rpc_needs_sleep_mode(path):
+    """POST /collective_rpc on a server started without --enable-sleep-mode is refused naming the flag (as /sleep
+    is): any client could make it read its weights again (reload_weights) or hand out the model (get_model)."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    engine = LLMEngine(EngineConfig(path, block_size=4, max_model_len=64, max_num_seqs=2))
+    reloads = []
+    engine.reload_weights = lambda: reloads.append(1)
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny")) as url:
+        for method in ("reload_weights", "get_model"):
+            r = httpx.post(f"{url}/collective_rpc", json={"method": method}, timeout=60)
+            assert r.status_code == 400, r.text
+            assert "--enable-sleep-mode" in r.json()["error"]["message"]
+    assert not reloads

@@ -6,9 +6,10 @@
     POST /collective_rpc         {"method": "reload_weights"}: a worker method (engine.worker), {"results": [...]}
 
 As vLLM's, /sleep and /wake_up answer 200 with no body once done. The requests in flight when /sleep runs end with
-finish_reason "abort"; a request while asleep (or after level 2, before reload_weights) is refused with 503
-engine_sleeping. Without --enable-sleep-mode /sleep answers 400 naming the flag; with --data-parallel the routes
-answer 400 (sleep mode runs one engine). --api-key guards them as every route.
+finish_reason "abort" (a stream: its last chunk; a whole reply: 503 engine_sleeping); a request while asleep (or
+after level 2, before reload_weights) is refused with 503 engine_sleeping. Without --enable-sleep-mode /sleep and
+/collective_rpc answer 400 naming the flag; with --data-parallel the routes answer 400 (sleep mode runs one engine).
+--api-key guards them as every route.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ def add_sleep_routes(app: FastAPI, server) -> None:
     @app.post("/collective_rpc")
     async def collective_rpc(request: Request):
         _check(server, request)
+        config = getattr(server.engine, "config", None)
+        if not getattr(config, "enable_sleep_mode", False):  # (any client could reload the weights, read the model)
+            raise p.ApiError(400, "POST /collective_rpc needs a server started with --enable-sleep-mode",
+                             code="not_supported")
         body = load_json(await read_body(request, MAX_BODY, server.limits.body_idle_timeout),
                          server.limits.max_json_depth)
         check_values(body)
