@@ -118,3 +118,18 @@ def test_collective_rpc_needs_sleep_mode(path):
             assert r.status_code == 400, r.text
             assert "--enable-sleep-mode" in r.json()["error"]["message"]
     assert not reloads
+
+
+def test_wake_up_of_both_tags_after_one_wakes_the_other(path):
+    """wake_up(["weights", "kv_cache"]) after wake_up(["weights"]) (and reload_weights) wakes the KV cache: it did
+    nothing (a warning that the weights were awake) and the engine stayed asleep, refusing every request."""
+    from infer import LLM, SamplingParams
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    with LLM(path, block_size=4, max_model_len=64, enable_sleep_mode=True) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate([[5, 9, 13]], params)]
+        llm.sleep(level=2)
+        llm.wake_up(["weights"])
+        llm.collective_rpc("reload_weights")
+        llm.wake_up(["weights", "kv_cache"])
+        assert not llm.is_sleeping()
+        assert [o.outputs[0].token_ids for o in llm.generate([[5, 9, 13]], params)] == want

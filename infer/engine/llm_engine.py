@@ -1108,7 +1108,7 @@ class LLMEngine:
         """vLLM's wake_up: the memory of `tags` ("weights", "kv_cache"; None: both) on the device again: the weights
         as they were (level 1) or as garbage until reload_weights() (level 2), the KV cache empty. Requests run once
         every tag is awake (and, after level 2, the weights loaded again); the CUDA graphs are captured again then.
-        Not asleep, or a tag awake already: a warning, nothing done (vLLM's)."""
+        Not asleep: a warning, nothing done (vLLM's); a tag awake already: a warning, the others are woken."""
         self._check_open()
         if isinstance(tags, str):
             tags = [tags]
@@ -1126,10 +1126,9 @@ class LLMEngine:
             log.warning("the engine is not asleep: wake_up() does nothing")
             return
         wanted = [t for t in TAGS if tags is None or t in tags]
-        if tags and any(t not in self._sleep.tags for t in wanted):
-            log.warning("wake_up(%s): %s is awake already; nothing done", list(tags),
+        if tags and any(t not in self._sleep.tags for t in wanted):  # the others are woken (wake_up(["weights",
+            log.warning("wake_up(%s): %s is awake already", list(tags),  # "kv_cache"]) after wake_up(["weights"]))
                         next(t for t in wanted if t not in self._sleep.tags))
-            return
         for tag in wanted:
             if tag in self._sleep.tags:
                 self._sleep.wake(tag)
