@@ -133,3 +133,19 @@ def test_wake_up_of_both_tags_after_one_wakes_the_other(path):
         llm.wake_up(["weights", "kv_cache"])
         assert not llm.is_sleeping()
         assert [o.outputs[0].token_ids for o in llm.generate([[5, 9, 13]], params)] == want
+
+
+@pytest.mark.parametrize("argv", [["--data-parallel", "2"], ["--ray-address", "auto"]])
+def test_serve_refuses_sleep_mode_with_data_parallel_at_start(monkeypatch, argv):
+    """`infer serve --enable-sleep-mode --data-parallel 2` (or --ray-address) is refused at start naming both: it
+    started a server whose sleep routes all answer 400 (sleep mode runs one engine)."""
+    pytest.importorskip("fastapi")
+    from typer.testing import CliRunner
+    from infer.cli.main import app
+    monkeypatch.setattr("infer.cli.serve._serve", lambda *a, **kw: pytest.fail("the server started"))
+    monkeypatch.setattr("infer.cli.serve_parallel.serve_data_parallel",
+                        lambda *a, **kw: pytest.fail("the data-parallel server started"))
+    monkeypatch.setattr("infer.parallel.runtime.check_local_replicas", lambda *a, **kw: None)
+    res = CliRunner().invoke(app, ["serve", "tiny-llama", "--port", "0", "--enable-sleep-mode", *argv])
+    assert res.exit_code == 2, res.output
+    assert "--enable-sleep-mode" in res.output and "--data-parallel" in res.output, res.output
