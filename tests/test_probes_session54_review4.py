@@ -149,3 +149,18 @@ def test_serve_refuses_sleep_mode_with_data_parallel_at_start(monkeypatch, argv)
     res = CliRunner().invoke(app, ["serve", "tiny-llama", "--port", "0", "--enable-sleep-mode", *argv])
     assert res.exit_code == 2, res.output
     assert "--enable-sleep-mode" in res.output and "--data-parallel" in res.output, res.output
+
+
+def test_collective_rpc_refuses_arguments_a_worker_method_does_not_take(path):
+    """collective_rpc("sleep", kwargs={"lvl": 1}) is a RequestError naming the method and what it takes (POST
+    /collective_rpc: a 400); it raised the TypeError of the call (the server's 500 "internal server error")."""
+    from infer import LLM
+    from infer.errors import RequestError
+    with LLM(path, block_size=4, max_model_len=64, enable_sleep_mode=True) as llm:
+        with pytest.raises(RequestError, match="'sleep'.*lvl") as e:
+            llm.collective_rpc("sleep", kwargs={"lvl": 1})
+        assert "level" in e.value.hint
+        with pytest.raises(RequestError, match="'is_sleeping'"):
+            llm.collective_rpc("is_sleeping", args=(1, 2))
+        assert not llm.is_sleeping()
+        assert llm.collective_rpc("sleep", args=(1,)) == [None] and llm.is_sleeping()

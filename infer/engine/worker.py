@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 from ..errors import RequestError
 
 
@@ -56,6 +58,11 @@ def call_worker(engine, method, args=(), kwargs=None) -> list:
             raise RequestError(f"collective_rpc: the worker has no method {method!r}"[:200],
                                f"its methods: {', '.join(METHODS)}; or pass a function, called with the worker "
                                "(worker.model_runner.model is the model)")
+        try:  # arguments it does not take: the caller's mistake (POST /collective_rpc answered a 500)
+            inspect.signature(fn).bind(*args, **kwargs)
+        except TypeError as e:
+            raise RequestError(f"collective_rpc({method!r}): {e}"[:300],
+                               f"{method}{inspect.signature(fn)} takes these arguments") from None
         return [fn(*args, **kwargs)]
     if not callable(method):
         raise RequestError(f"collective_rpc takes a method name or a function, got {type(method).__name__}",
