@@ -53,7 +53,7 @@ SCRIPT = COMPILE_ONLY_LAUNCHES + textwrap.dedent('''
     K, SLOTS, RANK, MAX_TOKENS = 11008, 32, 8, 300  # (splits of K 16, 8 and 4 at 1-16, 17-32, 33+ tokens)
     g = torch.Generator().manual_seed(0)
     out = {}
-    silu = functools.partial(llama._compile_silu_and_mul, torch.float16)  # the MLP's gate_up consumer
+    silu = functools.partial(llama._compile_silu_and_mul, torch.float16, False)  # the MLP's gate_up consumer
     for name, outs, method, consumer in (("apply", [64, 32, 32], FloatMethod(), None),
                                          ("delta", [64], Int4Method(), None),
                                          ("deferred", [48, 48], FloatMethod(), silu),
