@@ -70,9 +70,10 @@ class Attention(nn.Module):
             self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
             self.softcap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0)
         self.window = layer_window(cfg, layer)  # a sliding-window layer's window (0: full attention), every kernel's
-        # as transformers builds each family: Qwen2 has q/k/v biases and no o bias, Llama and Qwen3 follow
-        # attention_bias, Mistral has none whatever its config says
-        declared = bool(getattr(cfg, "attention_bias", False)) and cfg.model_type in ("llama", "qwen3")
+        # as transformers builds each family: Qwen2 has q/k/v biases and no o bias, Llama, Qwen3, Gemma and Gemma 2
+        # follow attention_bias (q, k, v and o), Mistral has none whatever its config says
+        declared = bool(getattr(cfg, "attention_bias", False)) and cfg.model_type in ("llama", "qwen3", "gemma",
+                                                                                      "gemma2")
         qkv_bias = cfg.model_type == "qwen2" or declared
         names = fused_names(cfg, prefix, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
         self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], names, qkv_bias,
