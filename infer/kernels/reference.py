@@ -258,29 +258,34 @@ def _sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False
     """F.scaled_dot_product_attention, or with `softcap` > 0 the same attention with each score capped to
     softcap * tanh(score / softcap) (which SDPA cannot do), in float32 and rounded to q's dtype: the queries in
     row chunks of at most MASK_ELEMENTS scores a head (a prefill's n x L scores whole would outgrow the memory
-    plan's per-token activations), a KV head's group of query heads over its keys by broadcasting (no repeated K
-    and V)."""
+    plan's per-token activations), a KV head's group of query heads as rows of one matmul over its keys (no
+    repeated K and V)."""
     if not softcap:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                                               enable_gqa=enable_gqa)
     n, keys, hk = q.shape[-2], k.shape[-2], k.shape[-3]
-    qg = q.unflatten(-3, (hk, q.shape[-3] // hk))  # [..., Hk, group, n, D]: head h reads KV head h // group
-    kf, vf = k.float().unsqueeze(-3), v.float().unsqueeze(-3)  # [..., Hk, 1, L, D]
+    group = q.shape[-3] // hk
+    qg = q.unflatten(-3, (hk, group))  # [..., Hk, group, n, D]: head h reads KV head h // group
+    # each KV head's group of query heads as rows of one matmul over its keys: a matmul broadcasting K and V over
+    # the group ([..., Hk, 1, L, D]) expands them into a copy per query head, past the plan's gathered K and V
+    kf, vf = k.float(), v.float()  # [..., Hk, L, D]
     if attn_mask is not None:
         attn_mask = attn_mask.unsqueeze(-3)
     rows = max(1, MASK_ELEMENTS // max(keys, 1))  # (no keys: the padding rows of a captured graph's warm-up)
     out = []
     for start in range(0, n, rows):
         end = min(n, start + rows)
-        s = torch.matmul(qg[..., start:end, :].float(), kf.transpose(-1, -2)) * scale
-        s = torch.tanh(s / softcap) * softcap
+        qc = qg[..., start:end, :].float().flatten(-3, -2)  # [..., Hk, group * r, D]
+        s = torch.matmul(qc, kf.transpose(-1, -2)).unflatten(-2, (group, end - start))  # [..., Hk, group, r, L]
+        torch.tanh(s.mul_(scale).div_(softcap), out=s).mul_(softcap)  # (in place: one copy of the scores, not 4)
         if is_causal:  # query i of n sees the keys up to keys - n + i
             pos = torch.arange(start, end, device=q.device).unsqueeze(1) + (keys - n)
-            s = s.masked_fill(torch.arange(keys, device=q.device).unsqueeze(0) > pos, float("-inf"))
+            s.masked_fill_(torch.arange(keys, device=q.device).unsqueeze(0) > pos, float("-inf"))
         if attn_mask is not None:
             mask = attn_mask if attn_mask.shape[-2] == 1 else attn_mask[..., start:end, :]
-            s = s.masked_fill(~mask, float("-inf"))
-        out.append(torch.matmul(torch.softmax(s, dim=-1), vf).to(q.dtype))
+            s.masked_fill_(~mask, float("-inf"))
+        o = torch.matmul(torch.softmax(s, dim=-1).flatten(-3, -2), vf)  # [..., Hk, group * r, D]
+        out.append(o.unflatten(-2, (group, end - start)).to(q.dtype))
     return (out[0] if len(out) == 1 else torch.cat(out, -2)).flatten(-4, -3)
 
 
