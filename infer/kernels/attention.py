@@ -57,14 +57,16 @@ def _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, table_ptr, kv_head, lo, hi
     """Online softmax of the rows of q ([M, BLOCK_D], row i at position pos[i]) over keys lo..hi-1 (causal); the
     scores soft-capped where SOFTCAP > 0 (`_capped`); WINDOW > 0 (a sliding-window layer): row i over the keys
     pos[i] - WINDOW + 1..pos[i] only.
-    FUTURE: keys past some row's position may be in lo..hi-1 (a prefill's tile of queries): a value there that is
-    not finite (a token the model overflowed on) is kept from the rows before it, whose masked weights (0) would
-    make it NaN in the product with the values; a row that attends to it gets NaN (as 0 x NaN would have).
+    FUTURE: keys past some row's position (or, WINDOW > 0, before some row's window) may be in lo..hi-1 (a
+    prefill's tile of queries): a value there that is not finite (a token the model overflowed on) is kept from the
+    rows that do not attend to it, whose masked weights (0) would make it NaN in the product with the values; a row
+    that attends to it gets NaN (as 0 x NaN would have).
     Returns acc, m_i, l_i and the rows that attended to a value that is not finite (FUTURE; else none)."""
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     hit = tl.zeros(pos.shape, tl.int32)
     first = tl.min(pos, 0)  # every row attends to the keys up to here
+    last = tl.max(pos, 0)  # (WINDOW: every row attends to the keys from last - WINDOW + 1 on)
     for start in range(lo, hi, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         mask_n = keys < hi
@@ -87,7 +89,10 @@ def _attend_keys(acc, m_i, l_i, q, pos, k_ptr, v_ptr, table_ptr, kv_head, lo, hi
         v = tl.load(v_ptr + block[:, None] * s_vb + slot[:, None] * s_vs + kv_head * s_vh + offs_d[None, :] * s_vd,
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)
         if FUTURE:
-            if start + BLOCK_N - 1 > first:  # (a tile of keys past the first row's position)
+            past = start + BLOCK_N - 1 > first  # (a tile of keys past the first row's position)
+            if WINDOW > 0:  # or before the last row's window: masked for that row, 0 x NaN would reach it too
+                past = past | (start < last - WINDOW + 1)
+            if past:
                 bad = (v != v) | (tl.abs(v.to(tl.float32)) == float("inf"))
                 v = tl.where(bad, 0.0, v).to(q.dtype)
                 took = seen & (tl.max(bad.to(tl.int32), 1)[None, :] > 0)  # (rows that attend to such a key)
