@@ -71,6 +71,25 @@ def _check(out, q, clean, k_cache, table, total, context, bad, window, scale):
     torch.testing.assert_close(out[keep].float(), want[keep], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("context,bad,softcap", [(0, 3, 0.0), (5, 7, 0.0), (20, 14, 0.0), (20, 14, 2.0)])
+def test_reference_prefill_keeps_a_nan_value_from_the_queries_past_its_window(context, bad, softcap, monkeypatch):
+    """A prefill (or a chunk after `context` keys) of 30 queries, window 8, a NaN value at position `bad`: the
+    queries whose window holds it get NaN, the later ones (masked for it) the oracle's attention without it
+    (they were all NaN); in several row chunks too (MASK_ELEMENTS small)."""
+    window, scale = 8, 0.25
+    q, kc, vc, clean, table, total = _prefill(context, 30, bad)
+    args = (torch.tensor([total], dtype=torch.int32), torch.tensor([0, 30], dtype=torch.int32), scale)
+    out = reference.paged_attention(q, kc, vc, table, *args, max_query_len=30, window=window, softcap=softcap)
+    if not softcap:
+        _check(out, q, clean, kc, table, total, context, bad, window, scale)
+    else:
+        assert [bool(out[t].isnan().any()) for t in range(30)] == [bad <= context + t < bad + window
+                                                                   for t in range(30)]
+    monkeypatch.setattr(reference, "MASK_ELEMENTS", 64)
+    again = reference.paged_attention(q, kc, vc, table, *args, max_query_len=30, window=window, softcap=softcap)
+    torch.testing.assert_close(again, out, equal_nan=True, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("bad", [37, 40])
 def test_triton_prefill_keeps_a_nan_value_from_the_queries_past_its_window(attention, bad):
     """The unified kernel, a window of 64 keys (BLOCK_N 64 at head_dim 16: the tile's first key tile wholly before
