@@ -100,3 +100,32 @@ def test_triton_prefill_keeps_a_nan_value_from_the_queries_past_its_window(atten
     out = attention.paged_attention(q, kc, vc, table, torch.tensor([total], dtype=torch.int32),
                                     torch.tensor([0, 20], dtype=torch.int32), scale, max_query_len=20, window=window)
     _check(out, q, clean, kc, table, total, context, bad, window, scale)
+
+
+@pytest.mark.parametrize("lens,bad", [([40, 30, 30], 25), ([38, 38], 29)])
+def test_reference_decode_batch_keeps_a_nan_value_before_a_rows_window(lens, bad):
+    """The CPU decode batch (window 8): the first row's key `bad` holds a NaN value, out of its window but among
+    the keys the batch gathers (from the shortest row's window on, or the window's first block): no row gets NaN
+    (the first did, through its masked weight), every row the oracle's attention."""
+    window, scale, bs, hq, hk, d = 8, 0.25, 4, 4, 2, 16
+    g = torch.Generator().manual_seed(1)
+    nb = sum(-(-n // bs) for n in lens) + 2
+    kc = torch.randn(nb, bs, hk, d, generator=g)
+    vc = torch.randn(nb, bs, hk, d, generator=g)
+    tables = torch.zeros(len(lens), 10, dtype=torch.int32)
+    nxt = 1
+    for b, n in enumerate(lens):
+        for i in range(-(-n // bs)):
+            tables[b, i] = nxt
+            nxt += 1
+    clean = vc.clone()
+    vc[tables[0, bad // bs], bad % bs, 1, 3] = float("nan")
+    clean[tables[0, bad // bs], bad % bs] = 0.0
+    q = torch.randn(len(lens), hq, d, generator=g)
+    qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
+    out = reference.paged_attention(q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32), qsl, scale,
+                                    max_query_len=1, window=window)
+    assert torch.isfinite(out).all()
+    for b, n in enumerate(lens):
+        torch.testing.assert_close(out[b:b + 1], _oracle(q[b:b + 1], kc, clean, tables[b], n, scale, window),
+                                   atol=1e-4, rtol=1e-4)

@@ -436,8 +436,9 @@ def _rows_attention(q, k_cache, v_cache, block_tables, seqs, queries, row_lens, 
         if window:
             mask = mask & (kpos >= lens_t[:, None] - window)
         mask = mask[:, None, None, :]
-        if batched:  # verify rows: a row's masked padding holds its sequence's later drafts, whose keys or values
-            # may not be finite (a draft the model overflowed on, rejected later): 0 x NaN would reach the row
+        if batched or window:  # verify rows: a row's masked padding holds its sequence's later drafts, whose keys
+            # or values may not be finite (a draft the model overflowed on, rejected later); a window: a longer row's
+            # keys before its window may (a token it overflowed on, out of the window since): 0 x NaN would reach it
             pad = ~mask[:, :, 0, :, None]
             k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
     o = _sdpa(qr, k, v, attn_mask=mask, scale=scale, enable_gqa=qr.shape[1] != k.shape[1], softcap=softcap)
