@@ -305,10 +305,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, off
             j = int(bad.nonzero()[0, 0]) + 1  # the first query whose own key is not finite
             return torch.cat([_attend(q[:j], k[:offset + j], v[:offset + j], scale, offset, softcap, window),
                               _attend(q[j:], k, v, scale, offset + j, softcap, window)])
-    if window and offset + n > window:  # a key or value that is not finite before a later query's window (a token
-        # the model overflowed on, out of the window since) reaches that query through its masked weight (0 x NaN)
-        # too: the queries past the last such key's window are attended over the keys after it, those before it
-        # with it (they attend to it)
+    if window and n > 1 and offset + n > window:  # a key or value that is not finite before a later query's window
+        # (a token the model overflowed on, out of the window since) reaches that query through its masked weight
+        # (0 x NaN) too (one query alone is attended over its window's keys only, below): the queries past the
+        # last such key's window are attended over the keys after it, those before it with it (they attend to it)
         lo = max(0, offset - window + 1)  # (no query reads the keys before)
         seen = slice(lo, offset + 1)  # (those after: the queries' own keys, split above)
         bad = ~(torch.isfinite(k[seen]).flatten(1).all(1) & torch.isfinite(v[seen]).flatten(1).all(1))
