@@ -65,3 +65,32 @@ def test_verify_rows_keep_a_later_drafts_nan_value_from_the_rows_before_it():
                                     0.3, 1)
         torch.testing.assert_close(got[i], alone[0])
     assert torch.isnan(got[n - 1]).all()
+
+
+def test_a_sliding_layers_decode_batch_gathers_no_block_before_every_rows_window():
+    """A sliding layer's padded decode batch gathers its rows' blocks from the shortest row's window on, as the
+    Triton decode kernel skips them: the blocks wholly before every row's window are not read (the masked keys
+    are zeroed, so reading them would not change the outputs, only the time and memory of every decode)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(3)
+    bs, heads, kv_heads, dim, window = 4, 4, 2, 8, 8
+    lens = [40, 33, 37]
+    tables = torch.arange(1, 1 + 3 * 10, dtype=torch.int32).view(3, 10)
+    k_cache, v_cache = torch.randn(32, bs, kv_heads, dim), torch.randn(32, bs, kv_heads, dim)
+    q = torch.randn(3, heads, dim)
+
+    class Gathers(TorchDispatchMode):
+        rows: list[int] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.index_select.default and args[0].dim() == 4:  # the caches' blocks
+                self.rows.append(int(args[2].numel()))
+            return out
+
+    with Gathers() as seen:
+        ref.paged_attention(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32),
+                            torch.tensor([0, 1, 2, 3], dtype=torch.int32), 0.3, 1, window=window)
+    first, last = (min(lens) - window) // bs, (max(lens) + bs - 1) // bs  # blocks 6..9 of each row
+    assert seen.rows and max(seen.rows) <= 3 * (last - first), seen.rows
