@@ -3,7 +3,8 @@ models built from a Phi3Config (float32), each against the real thing: greedy to
 (GQA and MHA, tied and untied head, longrope as Phi-3-128k ships, a sliding window as Phi-3-mini-4k ships), the GPU
 code path (Triton interpreted) equal to the CPU path, GPTQ checkpoints (qkv_proj quantized as one; GPTQModel writes
 gate_proj and up_proj apart) equal to GPTQModel's own load of them, peft adapters on the fused modules equal to peft,
-lora-validate, serve, warmup, the built-in tiny-phi3; partial_rotary_factor < 1 (Phi-4-mini) refused up front."""
+lora-validate, serve, warmup, the built-in tiny-phi3; partial_rotary_factor above 1 refused up front (below 1,
+Phi-4-mini's: tests/test_probes_session55_rotary.py)."""
 
 from __future__ import annotations
 
@@ -88,11 +89,11 @@ def test_gpu_code_path_interpreted_equals_the_cpu_path(tmp_path, monkeypatch):
         assert [o.token_ids for o in llm.generate(prompts, params)] == cpu
 
 
-def test_partial_rotary_factor_is_refused_up_front(tmp_path):
-    """Phi-4-mini rotates 3/4 of each head: infer's rotary kernels rotate whole heads, so it is refused when the
-    config is read (naming the field), not run with the wrong rotation."""
-    build(tmp_path, partial_rotary_factor=0.75)
-    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor 0.75"):
+def test_partial_rotary_factor_above_1_is_refused_up_front(tmp_path):
+    """A rotary wider than the head, which transformers' Phi-3 fails on (its cos wider than q), is refused when the
+    config is read (naming the field). (Phi-4-mini's 0.75 runs: tests/test_probes_session55_rotary.py.)"""
+    build(tmp_path, partial_rotary_factor=1.5)
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor 1.5"):
         LLM(str(tmp_path))
     res = CliRunner().invoke(app, ["warmup", str(tmp_path), "--estimate"])
     assert res.exit_code != 0 and "partial_rotary_factor" in res.output

@@ -41,6 +41,22 @@ def rope_table_bytes(cfg, max_positions: int) -> int:
     return max_positions * ModelShapes.from_config(cfg).head_dim * torch.finfo(torch.float32).bits // 8
 
 
+def partial_rotary(cfg) -> bool:
+    """Whether the family's attention rotates only the first rotary dims of each head (the rope table's width) and
+    passes the rest: transformers' Phi-3 (apply_rotary_pos_emb slices q and k at the width of cos), whose
+    partial_rotary_factor (Phi-4-mini: 0.75) sets that width. Llama, Mistral, Qwen and Gemma rotate whole heads."""
+    return getattr(cfg, "model_type", None) == "phi3"
+
+
+def _rotary_dims(cfg, params: dict, head_dim: int) -> int:
+    """The dims the default rope's frequencies span: Phi-3's int(head_dim * partial_rotary_factor) (its own
+    compute_default_rope_parameters); the whole head elsewhere (Llama's ignores the field)."""
+    if not partial_rotary(cfg):
+        return head_dim
+    factor = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
+    return head_dim if factor is None else int(head_dim * factor)
+
+
 def check_rope(cfg) -> None:
     """Refuse a rope infer cannot compute (an UnsupportedModelError): what build_cos_sin_cache refuses, checked when
     the config is read (models.loader.load_config), so that commands that never build the model refuse it too."""
@@ -55,12 +71,11 @@ def _inv_freq(cfg) -> tuple[torch.Tensor, float]:
 
 def _cpu_inv_freq(cfg) -> tuple[torch.Tensor, float]:
     params = rope_parameters(cfg)
-    _check_partial_rotary(cfg, params)
     rope_type = params.get("rope_type", "default")
     head_dim = ModelShapes.from_config(cfg).head_dim
     if rope_type == "default":
-        base = params["rope_theta"]
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        base, dim = params["rope_theta"], _rotary_dims(cfg, params, head_dim)
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         scale = 1.0
     elif rope_type in ("linear", "llama3", "yarn", "dynamic", "longrope", "proportional"):
         # dynamic (NTK): transformers rescales only once a sequence passes max_position_embeddings, which infer's
@@ -87,26 +102,17 @@ def _cpu_inv_freq(cfg) -> tuple[torch.Tensor, float]:
                                     "frequencies that are not finite (NaN or inf)",
                                     "rope_theta must be above 0 and a scaling factor must not be 0: use the "
                                     "config.json that came with the weights")
-    if 2 * inv_freq.numel() != head_dim:  # transformers' Llama-family attention rotates whole heads (it fails here)
-        raise UnsupportedModelError(f"a {rope_type} rope over {2 * inv_freq.numel()} of {head_dim} head dimensions "
+    width = 2 * inv_freq.numel()
+    if width != head_dim and not (partial_rotary(cfg) and width < head_dim):
+        # transformers' Llama-family attention rotates whole heads (it fails here); Phi-3's rotates the first
+        # `width` dims and passes the rest (every rotary kernel does: the table's width), never more than the head
+        hint = ("partial_rotary_factor must be at most 1: Phi-3 rotates part of each head, never more than all of it"
+                if partial_rotary(cfg) else "remove partial_rotary_factor from the rope parameters: Llama, Mistral, "
+                "Qwen and Gemma rotate the whole head")
+        raise UnsupportedModelError(f"a {rope_type} rope over {width} of {head_dim} head dimensions "
                                     f"(partial_rotary_factor {params.get('partial_rotary_factor')}) is not supported",
-                                    "remove partial_rotary_factor from the rope parameters: Llama, Mistral and Qwen "
-                                    "rotate the whole head")
+                                    hint)
     return inv_freq, scale
-
-
-def _check_partial_rotary(cfg, params: dict) -> None:
-    """Phi-3's attention (transformers' Phi3Attention) rotates only the first partial_rotary_factor of each head
-    (Phi-4-mini: 0.75) and passes the rest: infer's rotary kernels rotate whole heads, so such a model is refused
-    before any rope table is built (Llama's attention ignores the field: its rope is whole-head whatever it says)."""
-    if getattr(cfg, "model_type", None) != "phi3":
-        return
-    factor = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
-    if factor is not None and factor != 1:
-        raise UnsupportedModelError(f"partial_rotary_factor {factor} (Phi-3's rotary over part of each head, as "
-                                    "Phi-4-mini has) is not supported: infer's rotary kernels rotate whole heads",
-                                    "infer runs Phi-3 models whose partial_rotary_factor is 1 (Phi-3-mini/medium, "
-                                    "Phi-3.5-mini, Phi-4)")
 
 
 def _shown(params: dict) -> dict:
@@ -115,8 +121,9 @@ def _shown(params: dict) -> dict:
 
 
 def build_cos_sin_cache(cfg, max_positions: int | None = None) -> torch.Tensor:
-    """[max_positions, head_dim] float32 table: cos | sin of position * inv_freq, times the rope's attention scale;
-    on the default device (the one the model is built on)."""
+    """[max_positions, rot_dim] float32 table: cos | sin of position * inv_freq, times the rope's attention scale;
+    on the default device (the one the model is built on). rot_dim is head_dim but for a partial rotary (Phi-3's
+    partial_rotary_factor < 1): every rotary kernel rotates the first rot_dim dims of each head, passes the rest."""
     inv_freq, scale = _inv_freq(cfg)
     n = max_positions or cfg.max_position_embeddings
     freqs = torch.outer(torch.arange(n, dtype=torch.float), inv_freq.float().to(torch.get_default_device()))

@@ -1,0 +1,144 @@
+"""Session 55: partial rotary embeddings (Phi-3's partial_rotary_factor < 1: Phi-4-mini's 0.75, tied embeddings).
+transformers' Phi3 rotates the first int(head_dim * factor) dims of each q and k head (rotate_half pairs i with
+i + rotary_dim / 2 within them) and passes the rest; infer's rope table is that wide and every rotary path (the CPU
+reference, the Triton rotary_store_kv and decode_attention, CUDA graphs and pieces) rotates the table's width. On
+tiny random Phi-3 models (float32), each against the real thing: greedy tokens and logprobs equal transformers'
+(batched prompts; factors 0.75, 0.5 with head_dim 32, an odd rotary dim; longrope with short factors of rotary_dim / 2
+values), the GPU code path (Triton interpreted), speculative decoding and beam search, `infer quantize` equal to
+GPTQModel's load, a peft adapter equal to peft, warmup's count of the rope table. Llama-family models ignore the
+field as transformers does (their default rope rotates the whole head)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from infer import LLM, SamplingParams
+from infer.cli.main import app
+
+from helpers import random_prompts
+from lora_helpers import PeftOracle, hf_float, save_adapter
+from quant_helpers import int4_kernel_path, needs_gptqmodel
+from test_probes_session53_phi3 import _check_gptq, _split_gate_up, build, hf_greedy
+
+
+def longrope(half: int) -> dict:
+    """Phi-4-mini's rope: longrope whose factors have rotary_dim / 2 values (not head_dim / 2)."""
+    return dict(original_max_position_embeddings=64, rope_scaling={
+        "type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(half)],
+        "long_factor": [2.0 + 0.5 * i for i in range(half)]})
+
+
+CONFIGS = {  # config, the rope table's width (rotary dims), the context infer caps it at
+    "phi4-mini-0.75-tied": (dict(partial_rotary_factor=0.75, tie_word_embeddings=True), 12, 256),
+    "0.5-head32-mha": (dict(partial_rotary_factor=0.5, hidden_size=128, num_key_value_heads=4), 16, 256),
+    "0.7-odd-dims": (dict(partial_rotary_factor=0.7), 12, 256),  # int(16 * 0.7) = 11: 6 frequencies over 11
+    "0.75-longrope-tied": (dict(partial_rotary_factor=0.75, tie_word_embeddings=True, **longrope(6)), 12, 64),
+}
+
+
+def hf_logprobs(hf, prompt: list[int], tokens: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float().log_softmax(-1)
+    return [float(logits[i, t]) for i, t in enumerate(tokens)]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
+    config, width, limit = CONFIGS[name]
+    hf = build(tmp_path, **config)
+    prompts = random_prompts(512, (5, 13, 30), seed=3)
+    with LLM(str(tmp_path), block_size=4) as llm:
+        assert llm.engine.max_model_len == limit
+        model = llm.engine.runner.model
+        assert model.cos_sin.shape[-1] == width and model.layers[0].self_attn.rot_dim == width
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=1))
+    assert [o.token_ids for o in outs] == hf_greedy(hf, prompts, 8), name
+    for p, o in zip(prompts, outs):
+        want = hf_logprobs(hf, p, o.token_ids)
+        assert max(abs(lp["logprob"] - w) for lp, w in zip(o.logprobs, want)) < 1e-4, name
+
+
+@pytest.mark.parametrize("config", [dict(partial_rotary_factor=0.625), dict(partial_rotary_factor=0.75, **longrope(6))])
+def test_the_gpu_path_interpreted_equals_transformers(tmp_path, monkeypatch, config):
+    """Every op through its Triton kernel (interpreted on CPU): prefill chunks through rotary_store_kv (pieces), decode
+    steps through decode_attention in emulated CUDA graphs; 0.625: 5 frequencies (a rotary half that is no power of
+    2) and 6 dims passed."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
+    hf = build(tmp_path, num_hidden_layers=1, **config)
+    prompts = random_prompts(512, (5, 14), seed=4)
+    want = hf_greedy(hf, prompts, 6)
+    int4_kernel_path(monkeypatch)
+    with LLM(str(tmp_path), block_size=4, max_model_len=32, max_num_batched_tokens=8, max_num_seqs=2,
+             cuda_graph_max_tokens=4) as llm:
+        llm.engine.runner.capture_graphs(32, emulate=True)
+        assert llm.engine.runner.pieces is not None  # prefill chunks of up to 4 tokens: piecewise graphs
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
+        assert [o.token_ids for o in outs] == want
+        assert sum(llm.engine.runner.graphs.replays.values()) > 0
+
+
+def test_speculative_decoding_and_beam_search_rotate_part_of_each_head(tmp_path):
+    """n-gram speculative decoding (its verify rows: several queries of a sequence in one step) gives transformers'
+    greedy tokens; beam search's best beam starts with the greedy token."""
+    from infer import BeamSearchParams
+    hf = build(tmp_path, partial_rotary_factor=0.75, tie_word_embeddings=True)
+    p = random_prompts(512, (12, 20), seed=5)
+    prompts = [p[0] + p[0], p[1] + p[1][:10]]  # repeats for the n-gram drafter
+    want = hf_greedy(hf, prompts, 12)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    with LLM(str(tmp_path), block_size=4, speculative_config=spec) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
+        assert [o.token_ids for o in outs] == want
+        beams = llm.beam_search([prompts[1]], BeamSearchParams(beam_width=2, max_tokens=6))
+        assert len(beams[0].sequences[0].tokens) == len(prompts[1]) + 6
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+def test_a_llama_family_default_rope_ignores_the_factor_as_transformers_does(tmp_path, model_type):
+    """transformers' Llama and Qwen2 compute their default rope over the whole head whatever partial_rotary_factor
+    says (compute_default_rope_parameters reads head_dim alone), and rotate whole heads: so does infer (a scaled
+    rope with the factor is refused: test_model_variants). The factor is written into config.json afterwards, and
+    the oracle is the model without it (transformers' own init of the buffers of such a model can fail)."""
+    from test_model_variants import build as build_family
+    hf = build_family(tmp_path, model_type)
+    hf.generation_config.eos_token_id = None
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    prompts = random_prompts(512, (6, 11), seed=2)
+    with LLM(str(tmp_path), block_size=4) as llm:
+        model = llm.engine.runner.model
+        assert model.cos_sin.shape[-1] == model.layers[0].self_attn.head_dim
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert [o.token_ids for o in outs] == hf_greedy(hf, prompts, 6)
+
+
+def test_peft_adapter_on_a_partial_rotary_model_equals_peft(tmp_path):
+    build(tmp_path / "base", partial_rotary_factor=0.75, tie_word_embeddings=True)
+    hf = hf_float(tmp_path / "base")
+    path = save_adapter(hf, tmp_path / "a", seed=1, lora_dropout=0.0, r=8, lora_alpha=16,
+                        target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    oracle = PeftOracle(hf, {"a": path})
+    try:
+        prompts = random_prompts(512, (5, 12), seed=6)
+        with LLM(str(tmp_path / "base"), loras={"a": str(path)}, max_loras=1, max_lora_rank=8, block_size=4) as llm:
+            got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True),
+                                                     lora=["a", None])]
+        assert got == [oracle.greedy("a", prompts[0], 6), oracle.greedy(None, prompts[1], 6)]
+    finally:
+        oracle.close()
+
+
+@needs_gptqmodel
+def test_infer_quantize_of_a_partial_rotary_model_equals_gptqmodels_load(tmp_path):
+    build(tmp_path / "f", partial_rotary_factor=0.75, tie_word_embeddings=True)
+    out = tmp_path / "q"
+    res = CliRunner().invoke(app, ["quantize", str(tmp_path / "f"), "-o", str(out), "--group-size", "32",
+                                   "--num-samples", "8", "--seq-len", "32"])
+    assert res.exit_code == 0, res.output
+    _check_gptq(out, _split_gate_up(out, tmp_path / "split"))
