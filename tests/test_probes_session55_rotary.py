@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from infer import LLM, SamplingParams
 from infer.cli.main import app
+from infer.models.rope import build_cos_sin_cache, rope_table_bytes
 
 from helpers import random_prompts
 from lora_helpers import PeftOracle, hf_float, save_adapter
@@ -96,6 +97,21 @@ def test_speculative_decoding_and_beam_search_rotate_part_of_each_head(tmp_path)
         assert [o.token_ids for o in outs] == want
         beams = llm.beam_search([prompts[1]], BeamSearchParams(beam_width=2, max_tokens=6))
         assert len(beams[0].sequences[0].tokens) == len(prompts[1]) + 6
+
+
+@pytest.mark.parametrize("config", [CONFIGS["phi4-mini-0.75-tied"][0], CONFIGS["0.75-longrope-tied"][0],
+                                    CONFIGS["0.5-head32-mha"][0]])
+def test_warmup_counts_the_rope_table_of_the_rotary_dims(tmp_path, config):
+    """The rope table is [positions, rotary dims], not [positions, head_dim]: warmup's weights count it as the
+    engine builds it."""
+    build(tmp_path, **config)
+    with LLM(str(tmp_path), block_size=4) as llm:
+        cfg, table = llm.engine.model_config, llm.engine.runner.model.cos_sin
+        assert rope_table_bytes(cfg, table.shape[0]) == table.numel() * table.element_size()
+    assert rope_table_bytes(cfg, 100) == build_cos_sin_cache(cfg, 100).nbytes
+    res = CliRunner().invoke(app, ["warmup", str(tmp_path), "--estimate", "--json", "--max-length", "64"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout.strip().splitlines()[-1])["weights_bytes"] > 0
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "llama"])

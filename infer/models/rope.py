@@ -37,8 +37,9 @@ def rope_max_positions(cfg) -> int | None:
 
 
 def rope_table_bytes(cfg, max_positions: int) -> int:
-    """The bytes of build_cos_sin_cache(cfg, max_positions): loaded with the weights, not in the checkpoint."""
-    return max_positions * ModelShapes.from_config(cfg).head_dim * torch.finfo(torch.float32).bits // 8
+    """The bytes of build_cos_sin_cache(cfg, max_positions): loaded with the weights, not in the checkpoint. A row is
+    the rotary dims (2 * the frequencies: Phi-3's partial rotary narrower than the head)."""
+    return max_positions * 2 * _inv_freq(cfg)[0].numel() * torch.finfo(torch.float32).bits // 8
 
 
 def partial_rotary(cfg) -> bool:
