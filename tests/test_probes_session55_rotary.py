@@ -5,8 +5,8 @@ reference, the Triton rotary_store_kv and decode_attention, CUDA graphs and piec
 tiny random Phi-3 models (float32), each against the real thing: greedy tokens and logprobs equal transformers'
 (batched prompts; factors 0.75, 0.5 with head_dim 32, an odd rotary dim; longrope with short factors of rotary_dim / 2
 values), the GPU code path (Triton interpreted), speculative decoding and beam search, `infer quantize` equal to
-GPTQModel's load, a peft adapter equal to peft, warmup's count of the rope table. Llama-family models ignore the
-field as transformers does (their default rope rotates the whole head)."""
+GPTQModel's load, a peft adapter equal to peft, warmup's count of the rope table, the built-in tiny-phi4. Llama-family
+models ignore the field as transformers does (their default rope rotates the whole head)."""
 
 from __future__ import annotations
 
@@ -158,3 +158,21 @@ def test_infer_quantize_of_a_partial_rotary_model_equals_gptqmodels_load(tmp_pat
                                    "--num-samples", "8", "--seq-len", "32"])
     assert res.exit_code == 0, res.output
     _check_gptq(out, _split_gate_up(out, tmp_path / "split"))
+
+
+def test_builtin_tiny_phi4_rotates_three_quarters_of_each_head_as_transformers():
+    """tiny-phi4: Phi-4-mini's rope (partial_rotary_factor 0.75, longrope's short factors) and tied head; its
+    tokens transformers', warmup's count of it the engine's rope table."""
+    from infer.models.tiny import ensure_builtin
+    path = ensure_builtin("tiny-phi4")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["architectures"] == ["Phi3ForCausalLM"] and cfg["tie_word_embeddings"]
+    assert cfg["rope_parameters"]["partial_rotary_factor"] == 0.75
+    hf = hf_float(path)
+    prompts = random_prompts(512, (6, 17), seed=1)
+    with LLM("tiny-phi4", block_size=4) as llm:
+        assert llm.engine.max_model_len == 4096 and llm.engine.runner.model.cos_sin.shape == (4096, 12)
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert [o.token_ids for o in outs] == hf_greedy(hf, prompts, 6)
+    res = CliRunner().invoke(app, ["warmup", "tiny-phi4", "--estimate", "--json", "--max-length", "256"])
+    assert res.exit_code == 0, res.output

@@ -46,6 +46,15 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 1024})),
     # Phi-3's checkpoint layout: q|k|v stored as one qkv_proj, gate|up as one gate_up_proj
     "tiny-phi3": TinySpec("phi3", 7, config=dict(_TINY)),
+    # Phi-4-mini's shape of rope: a partial rotary (the first 3/4 of each head rotated, the rest passed; head_dim 16:
+    # 12 dims) with longrope's short factors (rotary_dim / 2 of them; its original context the whole context here),
+    # and a tied head
+    "tiny-phi4": TinySpec("phi3", 10, config=dict(
+        _TINY, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                         "original_max_position_embeddings": 4096, "factor": 1.0,
+                         "short_factor": [1.0, 1.05, 1.1, 1.2, 1.3, 1.5],
+                         "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0]})),
     # Gemma: head_dim apart from hidden_size / heads (as Gemma's 256), GeGLU, norms by 1 + w. Untied head: random
     # weights with Gemma's tied head (and its embeddings scaled by sqrt(hidden_size)) repeat the prompt's last token
     "tiny-gemma": TinySpec("gemma", 8, config=dict(_TINY, head_dim=32, tie_word_embeddings=False)),
