@@ -176,3 +176,23 @@ def test_builtin_tiny_phi4_rotates_three_quarters_of_each_head_as_transformers()
     assert [o.token_ids for o in outs] == hf_greedy(hf, prompts, 6)
     res = CliRunner().invoke(app, ["warmup", "tiny-phi4", "--estimate", "--json", "--max-length", "256"])
     assert res.exit_code == 0, res.output
+
+
+def test_the_gpu_path_over_a_float8_cache_equals_the_cpu_path():
+    """tiny-phi4 over an fp8 KV cache: rotary_store_kv and decode_attention write the passed dims (the last quarter
+    of each key head) through the float8 rounding as the rotated ones; every op through its Triton kernel
+    (interpreted) gives the CPU path's tokens."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels")
+    from infer import kernels
+    prompts = random_prompts(512, (5, 11), seed=3)
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    kw = dict(block_size=4, max_num_seqs=2, max_model_len=32, kv_cache_dtype="fp8_e5m2")
+    with LLM("tiny-phi4", **kw) as llm:
+        cpu = [o.token_ids for o in llm.generate(prompts, params)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "use_triton", lambda t: True)
+        with LLM("tiny-phi4", cuda_graph_max_tokens=8, **kw) as llm:
+            llm.engine.runner.capture_graphs(32, emulate=True)
+            assert [o.token_ids for o in llm.generate(prompts, params)] == cpu
+            assert sum(llm.engine.runner.graphs.replays.values()) > 0
