@@ -24,6 +24,9 @@ from helpers import random_prompts
 from lora_helpers import PeftOracle, hf_float, save_adapter
 from quant_helpers import int4_kernel_path, needs_gptqmodel
 from test_probes_session53_phi3 import _check_gptq, _split_gate_up, build, hf_greedy
+from test_triton_kernels import check_decode_attention, gen, ops  # noqa: F401
+from test_triton_kernels import \
+    test_rotary_store_kv_writes_the_rotated_k_and_v_into_their_slots as rotary_store_kv_check
 
 
 def longrope(half: int) -> dict:
@@ -196,3 +199,17 @@ def test_the_gpu_path_over_a_float8_cache_equals_the_cpu_path():
             llm.engine.runner.capture_graphs(32, emulate=True)
             assert [o.token_ids for o in llm.generate(prompts, params)] == cpu
             assert sum(llm.engine.runner.graphs.replays.values()) > 0
+
+
+def test_a_factor_of_0_rotates_nothing_in_every_kernel_as_transformers(tmp_path, ops, gen):
+    """partial_rotary_factor 0: transformers' Phi-3 rotates no dim (its cos and sin of width 0), and neither do the
+    rope table ([positions, 0]), the reference, rotary_store_kv (its rotary block was arange(0, 0), which Triton
+    refuses) and decode_attention: tokens transformers'."""
+    rotary_store_kv_check(ops, gen, torch.float32, 16, 0, 4)
+    check_decode_attention(ops, gen, [9, 1, 4, 5], 4, 4, 2, 16, 0)
+    hf = build(tmp_path, partial_rotary_factor=0.0, num_hidden_layers=1)
+    prompts = random_prompts(512, (5, 9), seed=3)
+    with LLM(str(tmp_path), block_size=4) as llm:
+        assert llm.engine.runner.model.cos_sin.shape == (256, 0)
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert [o.token_ids for o in outs] == hf_greedy(hf, prompts, 4)

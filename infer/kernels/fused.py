@@ -232,7 +232,7 @@ def _rotary_args(q, k, cos_sin_cache, head_dim, t):
     cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
     passthrough = head_dim - 2 * half
     consts = dict(HEAD_DIM=head_dim, HALF=half, BLOCK_HQ=next_power_of_2(hq),
-                  BLOCK_HK=next_power_of_2(hk), BLOCK_R=next_power_of_2(half), PASS=passthrough,
+                  BLOCK_HK=next_power_of_2(hk), BLOCK_R=next_power_of_2(max(half, 1)), PASS=passthrough,
                   BLOCK_P=next_power_of_2(max(passthrough, 1)), PDL=pdl.on(q.device), **pdl.launch(q.device))
     return q2, k2, hq, hk, cache, consts
 
