@@ -11,6 +11,7 @@ models ignore the field as transformers does (their default rope rotates the who
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -213,3 +214,29 @@ def test_a_factor_of_0_rotates_nothing_in_every_kernel_as_transformers(tmp_path,
         assert llm.engine.runner.model.cos_sin.shape == (256, 0)
         outs = llm.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
     assert [o.token_ids for o in outs] == hf_greedy(hf, prompts, 4)
+
+
+def test_phi4_minis_rope_table_equals_transformers_rotary_embedding():
+    """Phi-4-mini's config (head_dim 128, 96 of them rotated: longrope with 48 short and long factors,
+    original_max_position_embeddings 4096 of 131072, the factors' attention scale): infer's table is transformers'
+    cos | sin (its first 48 columns each: rotate_half's two halves repeat them) at every position up to the context
+    cap, 4096, where transformers rotates with the short factors."""
+    from transformers import AutoConfig
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from infer.models.limits import context_limit
+    g = torch.Generator().manual_seed(0)
+    cfg = AutoConfig.for_model(
+        "phi3", hidden_size=3072, num_attention_heads=24, num_key_value_heads=8, intermediate_size=8192,
+        num_hidden_layers=32, vocab_size=200064, max_position_embeddings=131072, partial_rotary_factor=0.75,
+        original_max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=10000.0,
+        rope_scaling={"type": "longrope", "short_factor": (1 + torch.rand(48, generator=g)).tolist(),
+                      "long_factor": (1 + 40 * torch.rand(48, generator=g)).tolist()})
+    assert context_limit(cfg)[0] == 4096
+    table = build_cos_sin_cache(cfg, 4096)
+    assert table.shape == (4096, 96) and rope_table_bytes(cfg, 4096) == table.nbytes
+    positions = torch.arange(4096)[None]
+    cos, sin = Phi3RotaryEmbedding(cfg)(torch.zeros(1, dtype=torch.float32), positions)
+    assert cos.shape[-1] == 96 and torch.equal(cos[0, :, :48], cos[0, :, 48:])
+    torch.testing.assert_close(table, torch.cat([cos[0, :, :48], sin[0, :, :48]], dim=-1), rtol=0, atol=1e-6)
+    assert abs(float(table[0, 0]) - (1 + math.log(32) / math.log(4096)) ** 0.5) < 1e-6  # the attention scale
