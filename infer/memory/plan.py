@@ -403,11 +403,12 @@ def speculative_logit_bytes(engine_config: PlanOptions, model_config, seqs: int 
 
 
 def _rope_rows_over(model, positions: int) -> int:
-    """The bytes of `model`'s rotary table (its `cos_sin` buffer, a row a position, built for the max_model_len it
-    was loaded with) past `positions` rows: what a model loaded for `positions` would not hold."""
+    """The bytes of `model`'s rotary tables (its `cos_sin` buffer, and Gemma 3's `local_cos_sin`: a row a position,
+    built for the max_model_len it was loaded with) past `positions` rows: what a model loaded for `positions` would
+    not hold."""
     extra = 0
     for name, buf in model.named_buffers():
-        if name.rpartition(".")[2] == "cos_sin" and buf is not None and buf.dim() and buf.shape[0] > positions:
+        if name.rpartition(".")[2].endswith("cos_sin") and buf is not None and buf.dim() and buf.shape[0] > positions:
             extra += (buf.shape[0] - positions) * (buf[0].numel() * buf.element_size())
     return extra
 

@@ -1,5 +1,5 @@
 """The Llama family on a flat batch over a paged KV cache: Llama 2/3, Mistral, Qwen2 (= Qwen1.5), Qwen3, Phi-3, and
-Gemma and Gemma 2 (GemmaForCausalLM, Gemma2ForCausalLM below).
+Gemma, Gemma 2 and Gemma 3's text model (GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM below).
 
 Differences between the members are config switches: qkv bias (Qwen2), q/k RMSNorm per head (Qwen3), rope scaling
 (Llama 3), tied embeddings, and where the checkpoint stores the projections: Phi-3 (Phi-3.5, Phi-4) stores q|k|v as
@@ -20,8 +20,8 @@ from ..kernels import cpu_gemm
 from .context import ForwardContext
 from .layers import LinearMethod, MergedLinear
 from .limits import layer_window
-from .registry import GEMMA, activation
-from .rope import build_cos_sin_cache
+from .registry import GEMMA, GEMMA_FOUR_NORMS, activation
+from .rope import build_cos_sin_cache, rope_layer_types
 from .shapes import ModelShapes
 
 # rows of one GPTQ output-head matmul: no more than memory.sizes.DEQUANT_MIN_TOKENS, so the head always runs in the
@@ -66,14 +66,13 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = shapes.q_size, shapes.kv_size
         self.scale = self.head_dim ** -0.5
         self.softcap = 0.0  # the scores' tanh soft-capping (Gemma 2's attn_logit_softcapping; 0: none)
-        if cfg.model_type == "gemma2":
+        if cfg.model_type in GEMMA_FOUR_NORMS:  # Gemma 2 and 3 (Gemma 3's soft-capping None: 0)
             self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
             self.softcap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0)
         self.window = layer_window(cfg, layer)  # a sliding-window layer's window (0: full attention), every kernel's
         # as transformers builds each family: Qwen2 has q/k/v biases and no o bias, Llama, Qwen3, Gemma and Gemma 2
         # follow attention_bias (q, k, v and o), Mistral has none whatever its config says
-        declared = bool(getattr(cfg, "attention_bias", False)) and cfg.model_type in ("llama", "qwen3", "gemma",
-                                                                                      "gemma2")
+        declared = bool(getattr(cfg, "attention_bias", False)) and cfg.model_type in ("llama", "qwen3", *GEMMA)
         qkv_bias = cfg.model_type == "qwen2" or declared
         names = fused_names(cfg, prefix, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
         self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], names, qkv_bias,
@@ -81,16 +80,17 @@ class Attention(nn.Module):
         o_bias = declared
         self.o_proj = MergedLinear(self.q_size, [cfg.hidden_size], [f"{prefix}.o_proj"], o_bias,
                                    method_for([f"{prefix}.o_proj"]), dtype)
-        self.qk_norm = cfg.model_type == "qwen3"
+        self.qk_norm = cfg.model_type in ("qwen3", "gemma3_text")  # Gemma 3's by 1 + w
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
+            self.q_norm = norm_for(cfg)(self.head_dim, cfg.rms_norm_eps, dtype)
+            self.k_norm = norm_for(cfg)(self.head_dim, cfg.rms_norm_eps, dtype)
         self.k_cache = self.v_cache = None  # set by the model runner: [num_blocks, block_size, Hk, D]
         self.rot_dim = self.head_dim  # the rope table's width (set by the model)
         if not self.qk_norm:  # a decode step's qkv LoRA expand may be left to decode_attention (forward)
             self.qkv_proj.lora_consumer = _DecodeConsumer(self)
-        # o's, to the post-attention rms_norm (forward; Gemma 2's has no residual)
-        self.o_proj.lora_consumer = _NormConsumer(dtype, cfg.model_type in GEMMA, cfg.model_type != "gemma2")
+        # o's, to the post-attention rms_norm (forward; Gemma 2's and 3's has no residual)
+        self.o_proj.lora_consumer = _NormConsumer(dtype, cfg.model_type in GEMMA,
+                                                  cfg.model_type not in GEMMA_FOUR_NORMS)
 
     def forward(self, positions, x, ctx: ForwardContext, cos_sin):
         """(the attention's output, the o projection's LoRA delta that the post-attention norm adds, or None)."""
@@ -132,7 +132,8 @@ class Attention(nn.Module):
                                        **({"window": self.window} if self.window else {}))
 
     def query(self, positions, x, ctx: ForwardContext, cos_sin):
-        """The rotated query [t, q_size]; this step's K and V are in the cache (the part of the layer before the
+        """The rotated query [t, q_size] (rotated by `cos_sin`, the layer's table: Gemma3ForCausalLM's differ by layer
+        type); this step's K and V are in the cache (the part of the layer before the
         attention that a piecewise CUDA graph records: engine.cuda_graphs.PiecewiseGraphs)."""
         q, k, v = self._qkv(x, ctx)
         q = kernels.rotary_store_kv(positions, q, k, v, cos_sin, self.head_dim, self.k_cache, self.v_cache,
@@ -160,7 +161,8 @@ class MLP(nn.Module):
                                       method_for([f"{prefix}.down_proj"]), dtype)
         # the expands may be left to silu_and_mul (gate_up's) and to the rms_norm after the MLP (down's: forward)
         self.gate_up_proj.lora_consumer = functools.partial(_compile_silu_and_mul, dtype, self.act == "gelu_tanh")
-        self.down_proj.lora_consumer = _NormConsumer(dtype, cfg.model_type in GEMMA, cfg.model_type != "gemma2")
+        self.down_proj.lora_consumer = _NormConsumer(dtype, cfg.model_type in GEMMA,
+                                                     cfg.model_type not in GEMMA_FOUR_NORMS)
         # set by an engine (EngineConfig.silu_in_gate_up) where gate_up is an int4 kernel layer (`fuses_act`): in a
         # step without adapters (or where the layer has no LoRA hook) its kernel applies silu_and_mul in its epilogue
         self.act_in_gate_up = False
@@ -194,7 +196,7 @@ class DecoderLayer(nn.Module):
         norm = norm_for(cfg)
         self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        if cfg.model_type == "gemma2":  # its four norms: the attention's output and the MLP's in and out as well
+        if cfg.model_type in GEMMA_FOUR_NORMS:  # four norms: the attention's output and the MLP's in and out as well
             self.pre_feedforward_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
             self.post_feedforward_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # No forward: the model's loop runs the four parts itself. A call layer(x, residual) would keep the
@@ -283,7 +285,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = _uninitialized(nn.Linear, cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
             self.lm_head.weight.requires_grad_(False)
         self.register_buffer("packed_head", None, persistent=False)
-        self.register_buffer("cos_sin", build_cos_sin_cache(cfg, max_positions), persistent=False)
+        types = rope_layer_types(cfg)  # [None]; Gemma 3's layer types: the full layers' table here (Gemma3ForCausalLM)
+        self.register_buffer("cos_sin", build_cos_sin_cache(
+            cfg, max_positions, "full_attention" if "full_attention" in types else types[0]), persistent=False)
         for layer in self.layers:
             layer.self_attn.rot_dim = self.cos_sin.shape[-1]
 
@@ -396,12 +400,16 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
         x, delta = layer.mlp(x, ctx)
         return layer.post_feedforward_layernorm(x, None, delta), residual
 
+    def _rope(self, i: int) -> torch.Tensor:
+        """Layer i's rotary table (Gemma 3's differ by layer type)."""
+        return self.cos_sin
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x, residual = self.embed_and_norm(input_ids)
         for i, layer in enumerate(self.layers):
             if i:
                 x, residual = layer.input_layernorm(x, residual)
-            x, delta = layer.self_attn(positions, x, ctx, self.cos_sin)
+            x, delta = layer.self_attn(positions, x, ctx, self._rope(i))
             x, residual = self._mlp_block(layer, x, residual, delta, ctx)
         x, _ = self.norm(x, residual)
         return x
@@ -418,10 +426,33 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
                 x, _ = self.norm(x, residual)
                 return x, None
             x, residual = self.layers[i].input_layernorm(x, residual)
-        return self.layers[i].self_attn.query(positions, x, ctx, self.cos_sin), residual
+        return self.layers[i].self_attn.query(positions, x, ctx, self._rope(i)), residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
         if self.final_softcap:  # final_logit_softcapping: cap * tanh(logits / cap), in float32
             logits = torch.tanh(logits / self.final_softcap).mul_(self.final_softcap)
         return logits
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    """Gemma 3's text model (transformers' Gemma3ForCausalLM, model_type gemma3_text: Gemma-3-1B, Gemma-3-270M):
+    Gemma 2's layers (four norms, the scale query_pre_attn_scalar ** -0.5, sliding windows on the layers
+    layer_types names, 5 of every 6), with q and k normed per head by 1 + w (Attention.qk_norm, before the rotary),
+    no soft-capping (attn_logit_softcapping and final_logit_softcapping None: the kernels' plain variants), and a
+    rope per layer type: the sliding layers rotate by rope_parameters["sliding_attention"] (local base 10000,
+    `local_cos_sin`), the full layers by rope_parameters["full_attention"] (base 1e6, linear scaling in the larger
+    models: `cos_sin`)."""
+
+    def __init__(self, cfg, dtype: torch.dtype, method_for=None, max_positions: int | None = None):
+        super().__init__(cfg, dtype, method_for, max_positions)
+        types = rope_layer_types(cfg)
+        layer_types = list(getattr(cfg, "layer_types", None) or [])
+        # the layers whose table is not cos_sin: the sliding ones, where the full layers' table is cos_sin
+        self.local = [len(types) > 1 and i < len(layer_types) and layer_types[i] == "sliding_attention"
+                      for i in range(len(self.layers))]
+        self.register_buffer("local_cos_sin", build_cos_sin_cache(cfg, max_positions, "sliding_attention")
+                             if any(self.local) else None, persistent=False)
+
+    def _rope(self, i: int) -> torch.Tensor:
+        return self.local_cos_sin if self.local[i] else self.cos_sin

@@ -12,8 +12,12 @@ SUPPORTED = {
     "Phi3ForCausalLM": "phi3",
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
-GEMMA = ("gemma", "gemma2")  # RMSNorm by 1 + w, embeddings scaled by sqrt(hidden_size), a GeGLU MLP
+GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm by 1 + w, embeddings scaled by sqrt(hidden_size), a GeGLU MLP
+# Gemma 2's layers and Gemma 3's: four norms a layer (the attention's and the MLP's outputs normed before the residual
+# adds them), the attention's scale query_pre_attn_scalar ** -0.5, sliding windows per layer (layer_types)
+GEMMA_FOUR_NORMS = ("gemma2", "gemma3_text")
 
 
 def check_supported(cfg) -> str:
@@ -22,6 +26,12 @@ def check_supported(cfg) -> str:
     arch = next((a for a in archs if a in SUPPORTED), None)
     if arch is None and model_type in SUPPORTED.values() and not archs:
         arch = next(a for a, t in SUPPORTED.items() if t == model_type)
+    if model_type == "gemma3" or "Gemma3ForConditionalGeneration" in archs:
+        raise UnsupportedModelError(
+            f"{archs or model_type!r} (model_type {model_type!r}) is Gemma 3's multimodal model (vision tower and "
+            "language model; Gemma-3-4B and larger), which infer does not run",
+            "infer runs Gemma 3's text model (Gemma3ForCausalLM, model_type gemma3_text: Gemma-3-1B, Gemma-3-270M): "
+            "use a text-only Gemma 3 checkpoint")
     if model_type == "ministral" and "MistralForCausalLM" in archs:
         raise UnsupportedModelError(
             "config.json of a MistralForCausalLM has layer_types, which makes transformers run it as Ministral "
@@ -39,11 +49,11 @@ def check_supported(cfg) -> str:
 
 def activation(cfg) -> str:
     """The MLP's activation as infer computes it: "silu" (the Llama family), or "gelu_tanh" (Gemma's GeGLU:
-    transformers' gelu_pytorch_tanh, which Gemma reads from hidden_act and Gemma 2 from hidden_activation);
+    transformers' gelu_pytorch_tanh, which Gemma reads from hidden_act and Gemma 2 and 3 from hidden_activation);
     anything else is an UnsupportedModelError naming the field."""
     model_type = getattr(cfg, "model_type", None)
     if model_type in GEMMA:
-        field = "hidden_activation" if model_type == "gemma2" else "hidden_act"
+        field = "hidden_act" if model_type == "gemma" else "hidden_activation"
         act = getattr(cfg, field, None) or "gelu_pytorch_tanh"
         if act != "gelu_pytorch_tanh":  # (GemmaConfig reads a legacy "gelu" as this one)
             raise UnsupportedModelError(f"{field} {act!r} is not supported for {model_type}",
@@ -70,6 +80,6 @@ def check_gemma(cfg) -> None:
 
 def model_class(cfg):
     check_supported(cfg)
-    from .llama import Gemma2ForCausalLM, GemmaForCausalLM, LlamaForCausalLM, Phi3ForCausalLM
-    return {"phi3": Phi3ForCausalLM, "gemma": GemmaForCausalLM, "gemma2": Gemma2ForCausalLM}.get(
-        cfg.model_type, LlamaForCausalLM)
+    from .llama import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM, LlamaForCausalLM, Phi3ForCausalLM
+    return {"phi3": Phi3ForCausalLM, "gemma": GemmaForCausalLM, "gemma2": Gemma2ForCausalLM,
+            "gemma3_text": Gemma3ForCausalLM}.get(cfg.model_type, LlamaForCausalLM)

@@ -10,8 +10,22 @@ from ..errors import UnsupportedModelError
 from .shapes import ModelShapes
 
 
-def rope_parameters(cfg) -> dict:
+def rope_layer_types(cfg) -> list[str | None]:
+    """The layer types that have a rope table of their own: Gemma 3's sliding and full layers (its rope_parameters
+    given per layer type: the sliding layers' local base, the full layers' global base and scaling), [None] for a
+    model whose every layer shares one rope."""
     params = getattr(cfg, "rope_parameters", None)
+    if getattr(cfg, "model_type", None) == "gemma3_text" and isinstance(params, dict):
+        types = sorted({t for t in (getattr(cfg, "layer_types", None) or []) if isinstance(params.get(t), dict)})
+        return types or [None]
+    return [None]
+
+
+def rope_parameters(cfg, layer_type: str | None = None) -> dict:
+    """The rope parameters of the config (of its layers of `layer_type`, where it gives them per layer type)."""
+    params = getattr(cfg, "rope_parameters", None)
+    if layer_type is not None:
+        params = params[layer_type]
     if params is None:  # transformers < 5 style
         params = dict(getattr(cfg, "rope_scaling", None) or {})
         params.setdefault("rope_type", params.get("type", "default"))
@@ -30,16 +44,20 @@ def rope_max_positions(cfg) -> int | None:
     original_max_position_embeddings; once a sequence passes it, transformers rotates every position of the sequence
     with the long factors, keys already in a KV cache included, which a paged cache cannot redo: the context is
     capped there (engine/setup.model_max_len)."""
-    params = rope_parameters(cfg)
-    if params.get("rope_type") == "longrope" and params.get("original_max_position_embeddings"):
-        return int(params["original_max_position_embeddings"])
-    return None
+    limits = []
+    for layer_type in rope_layer_types(cfg):
+        params = rope_parameters(cfg, layer_type)
+        if params.get("rope_type") == "longrope" and params.get("original_max_position_embeddings"):
+            limits.append(int(params["original_max_position_embeddings"]))
+    return min(limits) if limits else None
 
 
 def rope_table_bytes(cfg, max_positions: int) -> int:
-    """The bytes of build_cos_sin_cache(cfg, max_positions): loaded with the weights, not in the checkpoint. A row is
-    the rotary dims (2 * the frequencies: Phi-3's partial rotary narrower than the head)."""
-    return max_positions * 2 * _inv_freq(cfg)[0].numel() * torch.finfo(torch.float32).bits // 8
+    """The bytes of build_cos_sin_cache(cfg, max_positions) (of each layer type's table: rope_layer_types): loaded
+    with the weights, not in the checkpoint. A row is the rotary dims (2 * the frequencies: Phi-3's partial rotary
+    narrower than the head)."""
+    width = sum(2 * _inv_freq(cfg, layer_type)[0].numel() for layer_type in rope_layer_types(cfg))
+    return max_positions * width * torch.finfo(torch.float32).bits // 8
 
 
 def partial_rotary(cfg) -> bool:
@@ -61,17 +79,19 @@ def _rotary_dims(cfg, params: dict, head_dim: int) -> int:
 def check_rope(cfg) -> None:
     """Refuse a rope infer cannot compute (an UnsupportedModelError): what build_cos_sin_cache refuses, checked when
     the config is read (models.loader.load_config), so that commands that never build the model refuse it too."""
-    _inv_freq(cfg)
+    for layer_type in rope_layer_types(cfg):
+        _inv_freq(cfg, layer_type)
 
 
-def _inv_freq(cfg) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim / 2] on the CPU, the attention scale of cos and sin) of the config's rope."""
+def _inv_freq(cfg, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim / 2] on the CPU, the attention scale of cos and sin) of the config's rope (of its layers
+    of `layer_type`: rope_layer_types)."""
     with torch.device("cpu"):  # whatever device the model is built on: transformers' rope functions compute on the
-        return _cpu_inv_freq(cfg)  # default device, then copy to "cpu" (which a meta tensor cannot)
+        return _cpu_inv_freq(cfg, layer_type)  # default device, then copy to "cpu" (which a meta tensor cannot)
 
 
-def _cpu_inv_freq(cfg) -> tuple[torch.Tensor, float]:
-    params = rope_parameters(cfg)
+def _cpu_inv_freq(cfg, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    params = rope_parameters(cfg, layer_type)
     rope_type = params.get("rope_type", "default")
     head_dim = ModelShapes.from_config(cfg).head_dim
     if rope_type == "default":
@@ -86,7 +106,8 @@ def _cpu_inv_freq(cfg) -> tuple[torch.Tensor, float]:
         # (cos 1, sin 0: those dimensions pass unrotated), all divided by its factor
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
         try:
-            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu", **(
+                {"layer_type": layer_type} if layer_type else {}))
         except (TypeError, ValueError, KeyError, ZeroDivisionError, RuntimeError) as e:  # a factor "2", a null
             # field, longrope factors of another length than head_dim / 2, ...
             raise UnsupportedModelError(f"config.json's {rope_type} rope parameters {_shown(params)} cannot be "
@@ -121,11 +142,12 @@ def _shown(params: dict) -> dict:
     return {k: f"[{len(v)} values]" if isinstance(v, list) else v for k, v in params.items()}
 
 
-def build_cos_sin_cache(cfg, max_positions: int | None = None) -> torch.Tensor:
+def build_cos_sin_cache(cfg, max_positions: int | None = None, layer_type: str | None = None) -> torch.Tensor:
     """[max_positions, rot_dim] float32 table: cos | sin of position * inv_freq, times the rope's attention scale;
     on the default device (the one the model is built on). rot_dim is head_dim but for a partial rotary (Phi-3's
-    partial_rotary_factor < 1): every rotary kernel rotates the first rot_dim dims of each head, passes the rest."""
-    inv_freq, scale = _inv_freq(cfg)
+    partial_rotary_factor < 1): every rotary kernel rotates the first rot_dim dims of each head, passes the rest.
+    `layer_type`: the table of those layers (Gemma 3's "sliding_attention" or "full_attention": rope_layer_types)."""
+    inv_freq, scale = _inv_freq(cfg, layer_type)
     n = max_positions or cfg.max_position_embeddings
     freqs = torch.outer(torch.arange(n, dtype=torch.float), inv_freq.float().to(torch.get_default_device()))
     return torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1)

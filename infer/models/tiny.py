@@ -61,6 +61,10 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
     # Gemma 2: soft-capped attention and logits, sliding window on alternate layers (here as long as the context)
     "tiny-gemma2": TinySpec("gemma2", 9, config=dict(_TINY, head_dim=32, query_pre_attn_scalar=32,
                                                      sliding_window=4096, tie_word_embeddings=False)),
+    # Gemma 3 (text): q/k norms, a rope per layer type, 5 sliding layers of 6 (a window of 64: prompts pass it)
+    "tiny-gemma3": TinySpec("gemma3_text", 10, config=dict(_TINY, num_hidden_layers=6, head_dim=32,
+                                                           query_pre_attn_scalar=32, sliding_window=64,
+                                                           tie_word_embeddings=False)),
     "llama-100m": TinySpec("llama", 6, vocab_size=32000, init_range=0.08, config=dict(  # 134M parameters
         hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=12, max_position_embeddings=4096)),
@@ -150,7 +154,7 @@ def _build(spec: TinySpec, out: Path) -> None:
                                pad_token_id=0, initializer_range=spec.init_range, **spec.config)
     cfg.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
                           "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
-                          "gemma2": "Gemma2ForCausalLM"}[spec.arch]]
+                          "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}[spec.arch]]
     with torch.random.fork_rng(devices=[]):  # the caller's random state is the same whether the cache existed
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

@@ -1,0 +1,280 @@
+"""Session 55: Gemma 3's text model (Gemma3ForCausalLM, model_type gemma3_text: Gemma-3-1B, Gemma-3-270M), end to
+end on tiny random models built from Gemma3TextConfig (float32), each against the real thing: greedy tokens and
+logprobs equal transformers' (GQA and MHA, head_dim apart from hidden / heads, prompts and generations past a small
+window), its q/k norms by 1 + w, its two rope tables (the sliding layers' local base, the full layers' global base
+with linear scaling), the GPU code path (Triton interpreted), chunked prefill across the window and prefix caching;
+GPTQ checkpoints from `infer quantize` equal to GPTQModel's own load, peft adapters equal to peft (alone and mixed),
+lora-validate, serve, warmup, the built-in tiny-gemma3; Gemma 3's multimodal model refused up front."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from infer import LLM, SamplingParams
+from infer.cli.main import app
+from infer.errors import UnsupportedModelError
+from infer.models.tiny import ensure_builtin
+
+from helpers import random_prompts
+from lora_helpers import PeftOracle, hf_float, save_adapter
+from quant_helpers import int4_kernel_path, needs_gptqmodel
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=16,
+             max_position_embeddings=256, vocab_size=512, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+# Gemma-3-4B's and larger's full-layer rope: base 1e6 scaled linearly by 8; the sliding layers' base 10000
+SCALED = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+SL, FULL = "sliding_attention", "full_attention"
+
+
+def build(folder, seed: int = 0, **config):
+    """A random Gemma 3 text model folder (float32; norm weights random, not zero) with the tiny-llama tokenizer;
+    returns transformers' model (eager attention)."""
+    cfg = AutoConfig.for_model("gemma3_text", initializer_range=0.15, bos_token_id=None, **{**SMALL, **config})
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0.0, 0.3)
+    model.save_pretrained(folder, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ensure_builtin("tiny-llama") / f, folder / f)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def hf_greedy(hf, prompts, n: int) -> list[list[int]]:
+    with torch.no_grad():
+        return [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+                for p in prompts]
+
+
+def generate(llm, prompts, n: int) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True))]
+
+
+CONFIGS = {
+    # 5 sliding layers and a full one (transformers' default pattern), the default ropes (bases 10000 and 1e6)
+    "gqa-window16": dict(),
+    # MHA, tied head, the larger models' scaled full-layer rope, layers alternating
+    "mha-tied-scaled-rope": dict(num_key_value_heads=4, tie_word_embeddings=True, rope_parameters=SCALED,
+                                 num_hidden_layers=4, layer_types=[SL, FULL, SL, FULL]),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
+    """Prompts of 5, 13 and 30 tokens and 12 generated (past the window of 16), batched: transformers' tokens, the
+    logprobs within 1e-4; each layer's window and rope table as its layer type says."""
+    hf = build(tmp_path, **CONFIGS[name])
+    prompts = random_prompts(512, (5, 13, 30), seed=3)
+    with LLM(str(tmp_path), block_size=4) as llm:
+        model = llm.engine.runner.model
+        types = hf.config.layer_types
+        assert [layer.self_attn.window for layer in model.layers] == [16 if t == SL else 0 for t in types]
+        assert [model._rope(i) is model.local_cos_sin for i in range(len(types))] == [t == SL for t in types]
+        assert model.layers[0].self_attn.scale == 24 ** -0.5 and model.layers[0].self_attn.softcap == 0.0
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=3))
+    assert [o.token_ids for o in outs] == hf_greedy(hf, prompts, 12), name
+    for p, out in zip(prompts, outs):
+        with torch.no_grad():
+            logp = hf(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1:-1].log_softmax(-1)
+        for i, rec in enumerate(out.logprobs):
+            assert abs(rec["logprob"] - float(logp[i, rec["token_id"]])) < 1e-4, (name, i)
+
+
+def test_what_these_models_test_changes_their_tokens(tmp_path):
+    """The checks above mean something: the same weights with the sliding layers rotated by the full layers' rope,
+    with the full layers' rope unscaled, or attending fully, give other tokens in transformers."""
+    prompts = random_prompts(512, (30,), seed=3)
+    cfg = CONFIGS["mha-tied-scaled-rope"]
+    want = hf_greedy(build(tmp_path / "a", **cfg), prompts, 8)
+    for i, change in enumerate((dict(rope_parameters={SL: SCALED[FULL], FULL: SCALED[FULL]}),
+                                dict(rope_parameters={SL: SCALED[SL], FULL: {"rope_type": "default",
+                                                                             "rope_theta": 1e6}}),
+                                dict(sliding_window=256))):
+        assert hf_greedy(build(tmp_path / str(i), **{**cfg, **change}), prompts, 8) != want, change
+
+
+def test_chunked_prefill_across_the_window_and_prefix_caching_equal_transformers(tmp_path):
+    """Steps of 12 tokens (chunk boundaries inside the window of 16) and a prompt whose first blocks another
+    prompt cached: transformers' tokens."""
+    hf = build(tmp_path, seed=1, num_hidden_layers=3, layer_types=[SL, SL, FULL])
+    prompts = random_prompts(512, (30, 41), seed=5)
+    prompts.append(prompts[1][:32] + [7, 8, 9])
+    want = hf_greedy(hf, prompts, 6)
+    with LLM(str(tmp_path), block_size=4, max_num_batched_tokens=12, max_num_seqs=2,
+             enable_prefix_caching=False) as llm:
+        assert generate(llm, prompts, 6) == want
+    with LLM(str(tmp_path), block_size=4, enable_prefix_caching=True) as llm:
+        assert generate(llm, prompts[:2], 6) == want[:2]
+        assert generate(llm, prompts[2:], 6) == want[2:]
+        assert llm.engine.stats()["prefix_cache_hits"] > 0
+
+
+def test_gpu_code_path_interpreted_equals_transformers(tmp_path, monkeypatch):
+    """Every op through its Triton kernel (interpreted on CPU): the q/k norms by 1 + w, the rotary of each layer's
+    own table in the prefill (rotary_store_kv) and decode (decode_attention) kernels, the sliding and the full
+    layers' attention, decodes through emulated CUDA graphs, the others through emulated piecewise graphs (whose
+    start checks Gemma 3's piece() against its forward): transformers' tokens."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
+    hf = build(tmp_path, num_hidden_layers=2, layer_types=[SL, FULL], sliding_window=8, rope_parameters=SCALED)
+    prompts = random_prompts(512, (5, 13), seed=4)
+    want = hf_greedy(hf, prompts, 6)
+    int4_kernel_path(monkeypatch)
+    with LLM(str(tmp_path), block_size=4, max_model_len=32, max_num_batched_tokens=12, max_num_seqs=2,
+             cuda_graph_max_tokens=16) as llm:
+        llm.engine.runner.capture_graphs(32, emulate=True)
+        assert llm.engine.runner.pieces is not None and llm.engine.runner.pieces_check < 1e-5
+        assert generate(llm, prompts, 6) == want
+        assert sum(llm.engine.runner.graphs.replays.values()) > 0
+        assert llm.engine.stats()["piecewise_graph_steps"] > 0
+
+
+def test_gemma3_multimodal_checkpoint_is_refused_up_front(tmp_path):
+    """A Gemma3ForConditionalGeneration (Gemma-3-4B and larger: a vision tower and a language model, model_type
+    gemma3) is refused when its config is read, saying what infer runs instead: `infer warmup --estimate` too."""
+    from transformers import Gemma3Config
+    cfg = Gemma3Config(text_config=dict(SMALL), vision_config=dict(hidden_size=32, num_hidden_layers=1,
+                                                                   num_attention_heads=2, intermediate_size=64))
+    cfg.architectures = ["Gemma3ForConditionalGeneration"]
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="Gemma 3's multimodal model") as e:
+        LLM(str(tmp_path))
+    assert "Gemma3ForCausalLM" in str(e.value) and "gemma3_text" in str(e.value)
+    res = CliRunner().invoke(app, ["warmup", str(tmp_path), "--estimate"])
+    assert res.exit_code != 0 and "Gemma 3's multimodal model" in res.output
+
+
+def test_bidirectional_gemma3_is_refused(tmp_path):
+    build(tmp_path, num_hidden_layers=1, use_bidirectional_attention=True)
+    with pytest.raises(UnsupportedModelError, match="use_bidirectional_attention"):
+        LLM(str(tmp_path))
+
+
+# ------------------------------------------------------------------------------------------------------- GPTQ
+def gptqmodel_greedy(path, prompts, n: int) -> list[list[int]]:
+    """GPTQModel's own load of a GPTQ checkpoint, its torch kernel computing in float32 (loaded in float16, then
+    cast, the checkpoint's float tensors put back exactly)."""
+    from gptqmodel import BACKEND, GPTQModel
+    model = GPTQModel.load(str(path), backend=BACKEND.TORCH, device="cpu", dtype=torch.float16).model.float().eval()
+    floats = {k: v for k, v in load_file(path / "model.safetensors").items() if v.dtype == torch.float32}
+    assert not model.load_state_dict(floats, strict=False).unexpected_keys
+    model.generation_config.eos_token_id = None
+    return hf_greedy(model, prompts, n)
+
+
+@needs_gptqmodel
+def test_infer_quantize_writes_a_gemma3_gptq_checkpoint_equal_to_gptqmodels_load(tmp_path):
+    build(tmp_path / "f", num_hidden_layers=2, layer_types=[SL, FULL], rope_parameters=SCALED)
+    out = tmp_path / "q"
+    res = CliRunner().invoke(app, ["quantize", str(tmp_path / "f"), "-o", str(out), "--group-size", "32",
+                                   "--num-samples", "8", "--seq-len", "32"])
+    assert res.exit_code == 0, res.output
+    tensors = load_file(out / "model.safetensors")
+    assert "model.layers.0.mlp.gate_proj.qweight" in tensors and "model.layers.1.self_attn.q_norm.weight" in tensors
+    prompts = random_prompts(512, (4, 11, 23), seed=11)
+    with LLM(str(out), block_size=4) as llm:
+        assert llm.engine.runner.model.layers[0].self_attn.qkv_proj.qweight is not None
+        outs = llm.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert [o.token_ids for o in outs] == gptqmodel_greedy(out, prompts, 8)
+
+
+# ------------------------------------------------------------------------------------------------------- LoRA
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTERS = {"all8": dict(r=8, lora_alpha=16, target_modules=ALL),
+            "qv4": dict(r=4, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"])}
+
+
+@pytest.fixture(scope="module")
+def gemma3_lora(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gemma3")
+    build(root / "base", num_hidden_layers=2, layer_types=[SL, FULL], rope_parameters=SCALED)
+    hf = hf_float(root / "base")
+    paths = {n: save_adapter(hf, root / n, seed=i + 1, lora_dropout=0.0, **kw) for i, (n, kw) in
+             enumerate(ADAPTERS.items())}
+    return root / "base", hf, paths
+
+
+def test_peft_adapters_equal_peft_alone_and_mixed(gemma3_lora):
+    base, hf, paths = gemma3_lora
+    oracle = PeftOracle(hf, paths)
+    try:
+        prompts = random_prompts(512, (5, 20, 8), seed=6)
+        names = ["all8", None, "qv4"]
+        with LLM(str(base), loras={n: str(p) for n, p in paths.items()}, max_loras=2, max_lora_rank=8,
+                 block_size=4) as llm:
+            params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+            mixed = [o.token_ids for o in llm.generate(prompts, params, lora=names)]
+            alone = [llm.generate([p], params, lora=n)[0].token_ids for p, n in zip(prompts, names)]
+        want = [oracle.greedy(n, p, 6) for p, n in zip(prompts, names)]
+        assert mixed == want and alone == want
+        assert want[0] != oracle.greedy(None, prompts[0], 6)  # the adapter changes the tokens: the check means much
+    finally:
+        oracle.close()
+
+
+def test_lora_validate_accepts_a_gemma3_adapter(gemma3_lora):
+    base, _, paths = gemma3_lora
+    res = CliRunner().invoke(app, ["lora-validate", str(base), str(paths["all8"]), "--json", "--steps", "2"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert report["ok"] and report["shapes"] == "ok"
+
+
+# ---------------------------------------------------------------------------------------------- serve, warmup
+def test_serve_completions_on_gemma3(gemma3_lora):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+    from transformers import AutoTokenizer
+
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, create_app
+    from infer.serve.async_engine import AsyncEngine
+    base, hf, _ = gemma3_lora
+    prompt = random_prompts(512, (20,), seed=8)[0]
+    engine = LLMEngine(EngineConfig(str(base), block_size=4, max_model_len=64))
+    with TestClient(create_app(Server(AsyncEngine(engine), "gemma3"))) as client:
+        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0,
+                                                 "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == AutoTokenizer.from_pretrained(base).decode(hf_greedy(hf, [prompt], 5)[0])
+
+
+def test_builtin_tiny_gemma3_runs_and_warmup_sizes_it():
+    """tiny-gemma3 equals transformers and writes varied tokens; `infer warmup --estimate` counts its weights as the
+    loaded engine holds them: its two rope tables (the sliding layers' and the full layers') included, and the plan
+    of a shorter context without either's rows past it."""
+    path = ensure_builtin("tiny-gemma3")
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForCausalLM"] and config["model_type"] == "gemma3_text"
+    res = CliRunner().invoke(app, ["warmup", "tiny-gemma3", "--estimate", "--json", "--max-length", "256"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout.strip().splitlines()[-1])
+    with LLM("tiny-gemma3", max_model_len=256) as llm:
+        from infer.memory.sizes import weights_bytes
+        model = llm.engine.runner.model
+        assert model.local_cos_sin.shape == model.cos_sin.shape == (256, 32)
+        assert not torch.equal(model.local_cos_sin, model.cos_sin)
+        assert plan["weights_bytes"] == weights_bytes(model)
+        # the plan of a shorter context (largest_fitting_len) leaves out the rows of both tables past it
+        from infer.memory.plan import _rope_rows_over
+        assert _rope_rows_over(model, 200) == 2 * 56 * 32 * 4
+        hf = hf_float(path)
+        prompts = random_prompts(512, (6, 70), seed=1)  # (the second past the window of 64)
+        got = generate(llm, prompts, 5)
+    assert got == hf_greedy(hf, prompts, 5)
+    assert all(len(set(tokens)) > 2 for tokens in got)
