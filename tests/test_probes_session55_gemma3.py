@@ -226,12 +226,23 @@ def test_peft_adapters_equal_peft_alone_and_mixed(gemma3_lora):
         oracle.close()
 
 
-def test_lora_validate_accepts_a_gemma3_adapter(gemma3_lora):
+def test_lora_validate_accepts_a_gemma3_adapter_and_refuses_a_regex_selecting_its_norms(gemma3_lora, tmp_path):
+    """lora-validate accepts a q/k/v/o/gate/up/down adapter; a target_modules regex that selects Gemma 3's q_norm
+    or its post_feedforward_layernorm (not Linear layers: peft refuses such an adapter) is refused."""
+    from infer.lora.adapter import adapter_problems
     base, _, paths = gemma3_lora
     res = CliRunner().invoke(app, ["lora-validate", str(base), str(paths["all8"]), "--json", "--steps", "2"])
     assert res.exit_code == 0, res.output
     report = json.loads(res.stdout.strip().splitlines()[-1])
     assert report["ok"] and report["shapes"] == "ok"
+    adapter = shutil.copytree(paths["qv4"], tmp_path / "a")
+    for regex, module in ((r".*\.(q_proj|q_norm)", "self_attn.q_norm"),
+                          (r".*(v_proj|post_feedforward_layernorm)", "post_feedforward_layernorm")):
+        cfg = json.loads((adapter / "adapter_config.json").read_text())
+        cfg["target_modules"] = regex
+        (adapter / "adapter_config.json").write_text(json.dumps(cfg))
+        problems = [p.message for p in adapter_problems("a", adapter, AutoConfig.from_pretrained(base))]
+        assert any(f"selects model.layers.0.{module}, which is not a Linear layer" in m for m in problems), problems
 
 
 # ---------------------------------------------------------------------------------------------- serve, warmup

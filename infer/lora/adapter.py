@@ -199,9 +199,9 @@ def _non_linear_targets(config: dict, base_config) -> list[Problem]:
                  ".post_attention_layernorm"]
     if phi3:
         per_layer += [".resid_attn_dropout", ".resid_mlp_dropout"]
-    if model_type == "qwen3":
+    if model_type in ("qwen3", "gemma3_text"):
         per_layer += [".self_attn.q_norm", ".self_attn.k_norm"]
-    if model_type == "gemma2":  # its four norms a layer
+    if model_type in ("gemma2", "gemma3_text"):  # their four norms a layer
         per_layer += [".pre_feedforward_layernorm", ".post_feedforward_layernorm"]
     names += [f"model.layers.{i}{s}" for i in range(layers) for s in per_layer] + [""]
     exclude = config.get("exclude_modules")
