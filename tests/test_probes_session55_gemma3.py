@@ -94,6 +94,25 @@ def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
             assert abs(rec["logprob"] - float(logp[i, rec["token_id"]])) < 1e-4, (name, i)
 
 
+def test_a_config_in_the_hub_checkpoints_layout_equals_transformers(tmp_path):
+    """The Gemma 3 checkpoints on the Hub write transformers 4's fields: rope_theta (the full layers' base),
+    rope_local_base_freq (the sliding layers'), rope_scaling (the full layers' linear scaling), sliding_window_pattern
+    (no layer_types). transformers 5 reads them into rope_parameters per layer type and layer_types, and so does
+    infer: the same windows and tables, transformers' tokens."""
+    build(tmp_path, num_hidden_layers=3, sliding_window=8)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["rope_parameters"], config["layer_types"]
+    config.update(rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"factor": 8.0, "rope_type": "linear"},
+                  sliding_window_pattern=2)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf = hf_float(tmp_path)
+    assert hf.config.layer_types == [SL, FULL, SL]
+    prompts = random_prompts(512, (5, 20), seed=3)
+    with LLM(str(tmp_path), block_size=4) as llm:
+        assert [layer.self_attn.window for layer in llm.engine.runner.model.layers] == [8, 0, 8]
+        assert generate(llm, prompts, 8) == hf_greedy(hf, prompts, 8)
+
+
 def test_what_these_models_test_changes_their_tokens(tmp_path):
     """The checks above mean something: the same weights with the sliding layers rotated by the full layers' rope,
     with the full layers' rope unscaled, or attending fully, give other tokens in transformers."""
