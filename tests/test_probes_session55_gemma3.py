@@ -245,6 +245,36 @@ def test_peft_adapters_equal_peft_alone_and_mixed(gemma3_lora):
         oracle.close()
 
 
+def test_gpu_code_path_with_mixed_adapters_interpreted_equals_peft(gemma3_lora, monkeypatch):
+    """Adapters beside a base-only row through the Triton kernels (interpreted) and emulated decode graphs: the qkv
+    delta added before the q/k norms (never left to decode_attention, which rotates what it is given), the o and
+    down deltas left to Gemma 3's residual-free post-attention and post-feedforward norms, gelu_tanh_and_mul's:
+    peft's tokens."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
+    base, hf, paths = gemma3_lora
+    oracle = PeftOracle(hf, paths)
+    try:
+        prompts = random_prompts(512, (5, 3, 7), seed=9)
+        names = ["all8", None, "qv4"]
+        want = [oracle.greedy(n, p, 4) for p, n in zip(prompts, names)]
+    finally:
+        oracle.close()
+    int4_kernel_path(monkeypatch)
+    with LLM(str(base), loras={n: str(p) for n, p in paths.items()}, max_loras=2, max_lora_rank=8, block_size=4,
+             max_model_len=32, max_num_seqs=4, cuda_graph_max_tokens=4) as llm:
+        model = llm.engine.runner.model
+        for layer in model.layers:  # the rms_norm variants an engine start compiles for the deltas left to the norms
+            for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):  # after o and down: Gemma 3's, without a
+                assert not proj.lora_consumer.residual and proj.lora_consumer.unit  # residual, by 1 + w
+            assert layer.self_attn.qkv_proj.lora_consumer is None  # (the q/k norms come between qkv and attention)
+        llm.engine.runner.capture_graphs(8, emulate=True)
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True),
+                                                 lora=names)]
+        assert sum(llm.engine.runner.graphs.replays.values()) > 0
+    assert got == want
+
+
 def test_lora_validate_accepts_a_gemma3_adapter_and_refuses_a_regex_selecting_its_norms(gemma3_lora, tmp_path):
     """lora-validate accepts a q/k/v/o/gate/up/down adapter; a target_modules regex that selects Gemma 3's q_norm
     or its post_feedforward_layernorm (not Linear layers: peft refuses such an adapter) is refused."""
