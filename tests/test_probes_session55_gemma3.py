@@ -177,10 +177,15 @@ def test_gemma3_multimodal_checkpoint_is_refused_up_front(tmp_path):
     assert res.exit_code != 0 and "Gemma 3's multimodal model" in res.output
 
 
-def test_bidirectional_gemma3_is_refused(tmp_path):
-    build(tmp_path, num_hidden_layers=1, use_bidirectional_attention=True)
+def test_what_infer_cannot_run_of_gemma3_is_refused(tmp_path):
+    """Bidirectional attention (EmbeddingGemma's), or another activation than GeGLU's gelu_pytorch_tanh in
+    hidden_activation (the field Gemma 3 reads, as Gemma 2), is refused when the config is read."""
+    build(tmp_path / "a", num_hidden_layers=1, use_bidirectional_attention=True)
     with pytest.raises(UnsupportedModelError, match="use_bidirectional_attention"):
-        LLM(str(tmp_path))
+        LLM(str(tmp_path / "a"))
+    build(tmp_path / "b", num_hidden_layers=1, hidden_activation="silu")
+    with pytest.raises(UnsupportedModelError, match="hidden_activation 'silu' is not supported for gemma3_text"):
+        LLM(str(tmp_path / "b"))
 
 
 # ------------------------------------------------------------------------------------------------------- GPTQ

@@ -132,9 +132,9 @@ class Attention(nn.Module):
                                        **({"window": self.window} if self.window else {}))
 
     def query(self, positions, x, ctx: ForwardContext, cos_sin):
-        """The rotated query [t, q_size] (rotated by `cos_sin`, the layer's table: Gemma3ForCausalLM's differ by layer
-        type); this step's K and V are in the cache (the part of the layer before the
-        attention that a piecewise CUDA graph records: engine.cuda_graphs.PiecewiseGraphs)."""
+        """The rotated query [t, q_size] (by `cos_sin`, the layer's table: Gemma3ForCausalLM's differ by layer type);
+        this step's K and V are in the cache (the part of the layer before the attention that a piecewise CUDA graph
+        records: engine.cuda_graphs.PiecewiseGraphs)."""
         q, k, v = self._qkv(x, ctx)
         q = kernels.rotary_store_kv(positions, q, k, v, cos_sin, self.head_dim, self.k_cache, self.v_cache,
                                     ctx.slot_mapping)  # one launch on the GPU: q rotated, k rotated and v cached
