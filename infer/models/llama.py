@@ -66,8 +66,9 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = shapes.q_size, shapes.kv_size
         self.scale = self.head_dim ** -0.5
         self.softcap = 0.0  # the scores' tanh soft-capping (Gemma 2's attn_logit_softcapping; 0: none)
-        if cfg.model_type in GEMMA_FOUR_NORMS:  # Gemma 2 and 3 (Gemma 3's soft-capping None: 0)
+        if cfg.model_type in GEMMA_FOUR_NORMS:  # Gemma 2 and 3
             self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
+        if cfg.model_type == "gemma2":  # transformers' Gemma 3 attention never reads attn_logit_softcapping: none
             self.softcap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0)
         self.window = layer_window(cfg, layer)  # a sliding-window layer's window (0: full attention), every kernel's
         # as transformers builds each family: Qwen2 has q/k/v biases and no o bias, Llama, Qwen3, Gemma and Gemma 2
@@ -439,7 +440,8 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     """Gemma 3's text model (transformers' Gemma3ForCausalLM, model_type gemma3_text: Gemma-3-1B, Gemma-3-270M):
     Gemma 2's layers (four norms, the scale query_pre_attn_scalar ** -0.5, sliding windows on the layers
     layer_types names, 5 of every 6), with q and k normed per head by 1 + w (Attention.qk_norm, before the rotary),
-    no soft-capping (attn_logit_softcapping and final_logit_softcapping None: the kernels' plain variants), and a
+    no attention soft-capping (transformers' Gemma 3 attention ignores attn_logit_softcapping: the kernels' plain
+    variants), the logits soft-capped only where final_logit_softcapping is set (the checkpoints' None), and a
     rope per layer type: the sliding layers rotate by rope_parameters["sliding_attention"] (local base 10000,
     `local_cos_sin`), the full layers by rope_parameters["full_attention"] (base 1e6, linear scaling in the larger
     models: `cos_sin`)."""
