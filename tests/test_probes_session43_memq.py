@@ -54,7 +54,7 @@ def test_a_budget_the_weights_and_the_reserve_take_says_so_not_to_lower_the_batc
     assert "--max-num-seqs" not in str(e.value)
 
 
-def test_the_estimate_reads_a_layers_own_bits_from_the_config_when_it_has_no_g_idx(tmp_path):
+def test_the_estimate_reads_a_layers_own_bits_from_the_config_when_it_has_no_g_idx(tmp_path, monkeypatch):
     """g_idx is optional in a GPTQ checkpoint (the loader builds the plain one): without it, `warmup --estimate`
     read an 8-bit down_proj and an 8-bit head (`dynamic`, lm_head) as 4-bit words, twice their width; it now takes
     each layer's bits from the quantization config, as the loader does, and counts what the g_idx copy counts."""
@@ -66,6 +66,9 @@ def test_the_estimate_reads_a_layers_own_bits_from_the_config_when_it_has_no_g_i
     from infer.cli.warmup_plan import estimate_plan
     from infer.engine.config import EngineConfig
     from infer.models.tiny import ensure_builtin
+    from infer.models import loader
+    # (the two layers alone, for the sizes: the loader's checks, which refuse the rest missing, left out)
+    monkeypatch.setattr(loader, "check_weights", lambda path: None)
     counts = {}
     for with_g_idx in (True, False):
         d = tmp_path / f"m{int(with_g_idx)}"

@@ -138,6 +138,7 @@ def estimate_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     from ..models.loader import weight_files
     path, model_config, device, dtype = _model_parts(engine_config)
     limit = _check_length(model_config, engine_config, max_length)
+    from ..models.loader import check_weights
     from ..quant.config import GPTQConfig
     gptq = GPTQConfig.from_model_dir(path)  # as the loader: another quant_method, or 3-bit GPTQ, is refused
     def bits_of(module: str) -> int | None:  # a layer's own bits, as the loader reads them (a head, `dynamic`)
@@ -146,6 +147,8 @@ def estimate_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     weights = checkpoint_weights_bytes(weight_files(path), model_config, dtype, device, gptq.bits if gptq else None,
                                        gptq.desc_act if gptq else False, bits_of if gptq else None,
                                        awq=bool(gptq) and gptq.quant_method == "awq")
+    check_weights(path)  # what a load refuses of the layers and tensors, from the headers (read above: a damaged
+    # one named as such) alone
     from ..models.rope import rope_table_bytes  # the rotary table an engine of this config builds at load
     weights += rope_table_bytes(model_config, model_max_len(model_config, engine_config))
     weights += _draft_weights(engine_config, model_config, dtype, device, max_length)
@@ -175,7 +178,7 @@ def _draft_weights(engine_config: EngineConfig, model_config, dtype, device, max
     without one."""
     from ..engine.draft import draft_config, draft_context
     from ..memory.checkpoint import checkpoint_weights_bytes
-    from ..models.loader import weight_files
+    from ..models.loader import check_weights, weight_files
     from ..models.rope import rope_table_bytes
     from ..quant.config import GPTQConfig
     found = draft_config(engine_config, model_config, max_length)
@@ -188,9 +191,10 @@ def _draft_weights(engine_config: EngineConfig, model_config, dtype, device, max
         own = gptq.for_head() if module.removeprefix("model.") == "lm_head" else gptq.for_module(module)
         return own.bits if own is not None else None
     bits, desc_act = (gptq.bits, gptq.desc_act) if gptq else (None, False)
-    return checkpoint_weights_bytes(weight_files(path), config, dtype, device, bits, desc_act,
-                                    bits_of if gptq else None, awq=bool(gptq) and gptq.quant_method == "awq") \
-        + rope_table_bytes(config, draft_context(config, max_length))  # (its table: its own positions)
+    weights = checkpoint_weights_bytes(weight_files(path), config, dtype, device, bits, desc_act,
+                                       bits_of if gptq else None, awq=bool(gptq) and gptq.quant_method == "awq")
+    check_weights(path)  # (as the target's: what its load refuses)
+    return weights + rope_table_bytes(config, draft_context(config, max_length))  # (its table: its own positions)
 
 
 def _lora_manager(model, engine_config: EngineConfig, device, dtype):

@@ -178,15 +178,20 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_positio
 
 
 def check_weights(path: Path) -> None:
-    """What load_model checks of a float checkpoint, without reading a tensor: an architecture infer runs, every
+    """What load_model checks of a checkpoint (float, GPTQ or AWQ), without reading a tensor: an architecture infer
+    runs, its quantization config against the layers infer merges (`dynamic` rules that set them apart), every
     tensor's name and shape against config.json, none missing and none left over. The model is built on the meta
     device and fed the shapes in the weight files' headers (`infer convert` and `infer quantize` call it before
-    transformers, which fills missing weights at random and drops the others, sees the folder)."""
+    transformers, which fills missing weights at random and drops the others, sees the folder; `infer warmup
+    --estimate` before it reads the sizes, so that it refuses what a load refuses)."""
     cfg = load_config(path)
     files = weight_files(path)
     with torch.device("meta"):
         model = model_class(cfg)(cfg, torch.float32, linear_method_factory(path, cfg), 1)
     place_weights(model, iter_tensors(files, meta=True), torch.float32)
+    for layer in model.modules():  # a quantized layer's own tensors (qweight, qzeros, scales, g_idx) all in
+        if isinstance(layer, MergedLinear) and hasattr(layer.method, "check_complete"):
+            layer.method.check_complete(layer)
 
 
 def load_weights(model, tensors, dtype: torch.dtype) -> None:

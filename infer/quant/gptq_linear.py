@@ -125,6 +125,8 @@ class GPTQLinearMethod:
 
     def _load_g_idx(self, layer, shard: int, tensor: torch.Tensor, full: str) -> None:
         others = sorted(s for s, n in layer.loaded_names() if n == "g_idx" and s != shard)
+        if tensor.is_meta or layer.g_idx.is_meta:  # (loader.check_weights: shapes only, no values to compare)
+            return
         if others and not torch.equal(layer.g_idx, tensor.to(layer.g_idx.device, layer.g_idx.dtype)):
             raise ModelLoadError(f"{full} differs from {layer.prefix_of(others[0])}.g_idx",
                                  "shards that infer merges into one matmul must share their act-order")
@@ -133,7 +135,7 @@ class GPTQLinearMethod:
     def finish_loading(self, layer) -> None:
         if layer.gptq_ready:
             return
-        self._check_complete(layer)
+        self.check_complete(layer)
         use_kernel = self.use_kernel if self.use_kernel is not None else layer.qweight.device.type == "cuda"
         if use_kernel:
             self._prepare_kernel_layout(layer)
@@ -142,7 +144,9 @@ class GPTQLinearMethod:
             layer.packed_weight = cpu_gemm.prepack(layer.weight)
         layer.gptq_ready = True
 
-    def _check_complete(self, layer) -> None:
+    def check_complete(self, layer) -> None:
+        """Every shard's qweight, qzeros and scales in (and g_idx in all or none, and where desc_act needs it);
+        g_idx's groups checked where its values are read (not on the meta device: loader.check_weights)."""
         loaded = layer.loaded_names()
         for shard in range(len(layer.names)):
             for name in _REQUIRED:
@@ -159,7 +163,7 @@ class GPTQLinearMethod:
             raise ModelLoadError(f"the checkpoint has no tensor {layer.prefix_of(0)}.g_idx but {self.config.source} "
                                  "sets desc_act (act-order groups)", "the GPTQ checkpoint is incomplete: without "
                                  "g_idx the groups of an act-order layer cannot be known")
-        if int(layer.g_idx.min()) < 0 or int(layer.g_idx.max()) >= groups:
+        if not layer.g_idx.is_meta and (int(layer.g_idx.min()) < 0 or int(layer.g_idx.max()) >= groups):
             raise ModelLoadError(f"{layer.prefix_of(0)}.g_idx points outside its {groups} groups",
                                  "the checkpoint does not match its quantization_config (group_size)")
 
