@@ -74,3 +74,45 @@ def test_warmup_estimate_refuses_a_checkpoint_the_loader_refuses_with_the_same_e
     ok = CliRunner().invoke(app, ["warmup", str(gptq), "--estimate", "--max-length", "64", "--concurrency", "2"])
     assert ok.exit_code == 0, ok.output
 
+
+# --------------------------------------------------------------------------- 2. float32 scales below float16's range
+def _float32_scales(state):
+    import torch
+    for k in [k for k in state if k.endswith(".scales")]:
+        state[k] = state[k].float()
+    s = state["model.layers.0.self_attn.k_proj.scales"]
+    s[1, :5] = 3e-7  # float16 subnormals: fewer bits
+    s[1, 5:7] = 1e-9  # below half float16's least subnormal: 0
+    assert torch.all(s.half()[1, 5:7] == 0) and not torch.all(s.half()[1, :5].float() == s[1, :5])
+
+
+def test_float32_scales_below_float16s_normal_range_are_named_in_a_warning_with_the_count(gptq, tmp_path, caplog):
+    """float32 scales (a checkpoint quantized from a float32 model) were cast to the float16 scales infer's int4
+    layers hold without a word, however far below float16's normal range: subnormals keep fewer bits, the smallest
+    become 0 (the group's weights 0). As bfloat16 ones, they are named in a warning with their count and how many
+    become 0; float32 scales of the normal range (every other tensor here) round as any cast does, unnamed."""
+    from infer import LLM
+    path = _copy(gptq, tmp_path / "f32", tensors=_float32_scales)
+    with caplog.at_level("WARNING", logger="infer"):
+        LLM(str(path)).close()
+    warned = [r.message for r in caplog.records if "scales" in r.message]
+    assert len(warned) == 1, warned
+    assert warned[0].startswith("model.layers.0.self_attn.k_proj.scales: 7 float32 scales below float16's normal "
+                                "range (6.1e-05) lose bits"), warned
+    assert "2 of them becoming 0" in warned[0] and "whatever --dtype" in warned[0], warned
+
+
+def test_the_float32_scales_check_is_the_load_shards_whatever_the_device(caplog):
+    """The check runs on the tensor as it is read, before it is copied into the layer's float16 buffer on the CPU or
+    the GPU (GPTQLinearMethod.load_shard, whatever the buffer's device): the layer's own load warns."""
+    import torch
+    from infer.models.layers import MergedLinear
+    from infer.quant.config import GPTQConfig
+    from infer.quant.gptq_linear import GPTQLinearMethod
+    layer = MergedLinear(64, [32], ["x"], False, GPTQLinearMethod(GPTQConfig(bits=4, group_size=32)), torch.float16)
+    scales = torch.full((2, 32), 0.01)
+    scales[0, 0] = 1e-6
+    with caplog.at_level("WARNING", logger="infer"):
+        layer.load_shard("scales", 0, scales)
+    assert "x.scales: 1 float32 scale below float16's normal range" in caplog.text, caplog.text
+    assert layer.scales.dtype == torch.float16 and layer.scales[0, 0] != 0

@@ -40,8 +40,10 @@ _FP16 = torch.finfo(torch.float16)
 def _check_scales(full: str, t: torch.Tensor) -> None:
     """Scales of another float type than the float16 a GPTQ layer holds them in (an AWQ or GPTQ checkpoint saved
     from a bfloat16 model has bfloat16 scales): beyond float16's range they would be inf (every output of the layer
-    inf or NaN), so they are refused naming the tensor; bfloat16 scales below float16's normal range (6.1e-05) keep
-    fewer bits there, which a warning says. Other bfloat16 scales convert exactly."""
+    inf or NaN), so they are refused naming the tensor; scales below float16's normal range (6.1e-05) keep fewer bits
+    there, or none (a float32 scale below 3e-08 becomes 0), which a warning says, counting them. Other bfloat16
+    scales convert exactly; float32 ones round to float16's 11 bits, as GPTQModel's and vLLM's float16 layers round
+    them."""
     if t.is_meta or t.dtype == torch.float16 or not t.is_floating_point() or t.numel() == 0:
         return
     largest = t.detach().abs().max().float().item()
@@ -53,12 +55,19 @@ def _check_scales(full: str, t: torch.Tensor) -> None:
                              f"which infer's int4 layers hold scales in ({str(t.dtype).removeprefix('torch.')} in the "
                              "checkpoint)", "infer cannot run this layer's scales exactly; use a checkpoint quantized "
                              "with float16 scales")
-    if t.dtype == torch.bfloat16:
-        inexact = int((t.to(torch.float16).to(t.dtype) != t).sum())
-        if inexact:
-            log.warning(f"{full}: {inexact} bfloat16 scale{'s' if inexact > 1 else ''} below float16's normal range "
-                        f"({_FP16.tiny:.3g}) lose bits in the float16 scales infer's int4 layers hold (their "
-                        "weights move by at most 3e-08 per quantization step)")
+    half = t.detach().to(torch.float16)
+    if t.dtype == torch.bfloat16:  # (its normal values convert exactly: those that change are below the range)
+        inexact = int((half.to(t.dtype) != t).sum())
+    else:  # float32 (or float64): its normal values round as any cast rounds them; count those below the range
+        inexact = int(((t != 0) & (t.detach().abs() < _FP16.tiny)).sum())
+    if inexact:
+        zeroed = int(((half == 0) & (t != 0)).sum())
+        kind = str(t.dtype).removeprefix("torch.")
+        log.warning(f"{full}: {inexact} {kind} scale{'s' if inexact > 1 else ''} below float16's normal range "
+                    f"({_FP16.tiny:.3g}) lose bits in the float16 scales infer's int4 layers hold"
+                    + (f", {zeroed} of them becoming 0 (their groups' weights 0)" if zeroed else "")
+                    + ": whatever --dtype, as in GPTQModel's and vLLM's float16 layers (their weights move by at "
+                    "most 3e-08 per quantization step; where that matters, run the float checkpoint)")
 
 
 class GPTQLinearMethod:
