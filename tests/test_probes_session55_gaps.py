@@ -116,3 +116,29 @@ def test_the_float32_scales_check_is_the_load_shards_whatever_the_device(caplog)
         layer.load_shard("scales", 0, scales)
     assert "x.scales: 1 float32 scale below float16's normal range" in caplog.text, caplog.text
     assert layer.scales.dtype == torch.float16 and layer.scales[0, 0] != 0
+
+
+# --------------------------------------------------------------------------- 3. Gemma 2's soft-capped decode
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_activation_formula_counts_gemma2s_soft_capped_decode_within_10_percent(dtype):
+    """The CPU's soft-capped attention (kernels.reference._sdpa, which SDPA cannot do) holds its scores twice more,
+    K and V in float32 (bfloat16), and, for a padded batch of sequences, the contiguous copy of K and of V its
+    matmuls take: the estimate counted the plain SDPA's decode (tiny-gemma2, 16 x 4096: 12.8 MB by the formula,
+    19.3 MB measured in float32, 25.3 MB in bfloat16). Measured in a fresh process as test_memory's test, the
+    prefill small (256 tokens a step) so that the decode is the peak."""
+    import subprocess
+    import sys
+
+    from infer.cli.warmup_plan import estimate_plan
+    from infer.engine.config import EngineConfig
+    args = ["tiny-gemma2", "--max-length", "4096", "--concurrency", "16", "--max-num-batched-tokens", "256",
+            "--dtype", dtype]
+    proc = subprocess.run([sys.executable, "-m", "infer.cli", "warmup", "--json", *args], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    measured = json.loads(proc.stdout.strip().splitlines()[-1])
+    peak, formula = measured["activation_peak_bytes"], measured["activation_estimate_bytes"]
+    assert abs(formula - peak) <= 0.10 * peak, (formula, peak)
+    cfg = EngineConfig(model="tiny-gemma2", max_num_seqs=16, max_model_len=4096, max_num_batched_tokens=256,
+                       dtype=dtype)
+    assert estimate_plan(cfg, 4096, 16)[0].activation_peak_bytes == formula

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.intmath import lora_split_most
-from ..kernels.reference import decode_gather_tokens
+from ..kernels.reference import decode_gather_tokens, longest_batched_decode
 from ..models.shapes import ModelShapes
 
 
@@ -141,6 +141,19 @@ def rotary_cpu_token_bytes(model_config, dtype: torch.dtype) -> int:
         + (q * f if b < f else 0) + 2 * q * f
 
 
+def softcap_cpu_position_bytes(model_config, dtype: torch.dtype, batched: bool) -> int:
+    """Bytes a gathered (sequence x key) position of a decode holds past the plain SDPA's when the scores are soft-
+    capped (Gemma 2's attn_logit_softcapping: kernels.reference._sdpa's own attention, in float32): the scores twice
+    more (the capped ones and their softmax, beside the plain term's), K and V as float32 copies in half precision,
+    and for a batch of sequences (`batched`: its gathered K and V a strided view, [R, L, Hk, D] read as [R, Hk, L,
+    D]) the contiguous copy of K, then of V, that its matmuls take. 0 without soft-capping."""
+    if model_config.model_type != "gemma2" or not getattr(model_config, "attn_logit_softcapping", None):
+        return 0
+    b, f = element_bytes(dtype), 4
+    shapes = ModelShapes.from_config(model_config)
+    return 2 * shapes.num_heads * f + (2 * shapes.kv_size * f if b < f else 0) + (shapes.kv_size * f if batched else 0)
+
+
 def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs: int, max_length: int,
                      lora_rank: int = 0, penalties: bool = True, kv_dtype: torch.dtype | None = None,
                      lora_expand_beside: bool = False) -> int:
@@ -165,7 +178,11 @@ def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs
     # the GPU kernel reads the cache in place), plus float32 scores
     gathered = decode_gather_tokens(num_seqs, max_length, shapes.num_kv_heads)
     gather = 2 * kv * b + (kv * element_bytes(kv_dtype) if kv_dtype not in (None, dtype) else 0)
-    decode = gathered * (gather + heads * 4) + num_seqs * per_token
+    # soft-capped scores: one sequence's keys at a time, or a padded batch's (more than one sequence)
+    batched = num_seqs * longest_batched_decode(num_seqs, max_length, shapes.num_kv_heads) if num_seqs > 1 else 0
+    capped = max(max_length * softcap_cpu_position_bytes(model_config, dtype, False),
+                 batched * softcap_cpu_position_bytes(model_config, dtype, True))
+    decode = gathered * (gather + heads * 4) + capped + num_seqs * per_token
     # the sampler's rows: during the forward (beside the step's inputs) only their penalty counts, loaded with the
     # inputs; after it, the step's hidden states and inputs, each row's hidden state and the sampler's peak
     # (SAMPLER_BYTES_PER_LOGIT)
