@@ -142,3 +142,43 @@ def test_the_activation_formula_counts_gemma2s_soft_capped_decode_within_10_perc
     cfg = EngineConfig(model="tiny-gemma2", max_num_seqs=16, max_model_len=4096, max_num_batched_tokens=256,
                        dtype=dtype)
     assert estimate_plan(cfg, 4096, 16)[0].activation_peak_bytes == formula
+
+
+# --------------------------------------------------------------------------- 4. counters across sleep
+@pytest.mark.parametrize("draft", [False, True])
+def test_the_graph_counters_carry_on_across_sleep_and_wake_up_as_vllms(draft):
+    """stats()' cuda_graph_replays, piecewise_graph_steps and a draft model's draft_cuda_graph_replays,
+    draft_eager_forwards and draft_context_skipped_steps went back to 0 at wake_up (the graphs captured again, the
+    draft's stats reset): counters that went down (infer serve's Prometheus counters are cumulative, as vLLM's,
+    which sleep and wake_up never reset). They now carry on, as num_steps and the prefix cache's counters did. On a
+    CPU with emulated graphs (decode and piecewise), with and without a draft model (whose verify steps replace
+    the decode graphs' steps)."""
+    from infer import LLM, SamplingParams
+    keys = ["num_steps", "cuda_graph_replays", "piecewise_graph_steps"]
+    kw = {}
+    if draft:
+        keys += ["draft_cuda_graph_replays", "draft_eager_forwards"]
+        kw["speculative_config"] = {"method": "draft_model", "model": "tiny-llama", "num_speculative_tokens": 2}
+    grow = ["piecewise_graph_steps", "draft_cuda_graph_replays", "draft_eager_forwards"] if draft else \
+        ["piecewise_graph_steps", "cuda_graph_replays"]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = [[5, 9, 13, 21], [7, 3, 2, 8, 11, 40]]
+    with LLM("tiny-llama", block_size=4, max_model_len=64, max_num_seqs=4, enable_sleep_mode=True, **kw) as llm:
+        engine = llm.llm_engine
+        engine.runner.capture_graphs(64, emulate=True)
+        assert engine.runner.pieces is not None
+        engine.runner.pieces.replays.clear()
+        llm.generate(prompts, params)
+        before = {k: engine.stats()[k] for k in keys}
+        assert all(before[k] > 0 for k in grow), before
+        for level in (1, 2):
+            llm.sleep(level)
+            llm.wake_up()
+            if level == 2:
+                llm.collective_rpc("reload_weights")
+            assert engine.runner.graphs is not None and engine.runner.graphs.emulate
+            assert {k: engine.stats()[k] for k in keys} == before, level
+            llm.generate(prompts, params)
+            after = {k: engine.stats()[k] for k in keys}
+            assert all(after[k] > before[k] for k in grow), (before, after)
+            before = after

@@ -34,6 +34,7 @@ from .speculative import SpecStats, SpeculativeConfig, propose_for
 from .structured import DEAD_HINT, GrammarBackend, allows_any, draft_bitmask
 
 log = logging.getLogger("infer")
+_REPLAY_KEYS = ("cuda_graph_replays", "piecewise_graph_steps", "draft_cuda_graph_replays")  # stats() counters of graphs
 # requests whose bad_words stay tokenized (their ids are shared, read-only, by every choice that bans them)
 BAD_WORDS_CACHE = 16
 
@@ -265,6 +266,9 @@ class LLMEngine:
         self._lora_int_ids: dict[str, int] = {}
         self._sleep = SleepState()  # sleep mode (config.enable_sleep_mode): what sleep() freed, until wake_up()
         self._graph_plan = None  # (max_len, emulate) of the CUDA graphs sleep() dropped, captured again on waking
+        # the replays of graphs dropped since (sleep, reload_weights): stats()' counters carry on past them, as
+        # vLLM's (monotonic, never reset by sleep or wake_up)
+        self._dropped_replays = dict.fromkeys(_REPLAY_KEYS, 0)
         if self.device.type == "cuda":  # every kernel compiled now, never on a user's first request
             t0 = time.perf_counter()
             self.warm_kernels()
@@ -1040,12 +1044,22 @@ class LLMEngine:
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate(), "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": bm.prefix_queries, "prefix_cache_hits": bm.prefix_hits,
             "lora_swaps": self.lora_manager.swaps if self.lora_manager else 0, "num_steps": self.num_steps,
-            "cuda_graph_replays": sum(self.runner.graphs.replays.values()) if self.runner and self.runner.graphs else 0,
-            "piecewise_graph_steps": sum(self.runner.pieces.replays.values()) if self.runner and self.runner.pieces
-            else 0,
-            **(self.drafter.stats() if getattr(self, "drafter", None) is not None else {}),
+            **self._graph_replays(),
             **self._lora_stats(), **(self.spec_stats.as_dict() if self.spec_stats is not None else {}),
         }
+
+    def _graph_replays(self) -> dict:
+        """The CUDA graph counters (and a draft model's stats): the graphs' own replays, plus those of graphs that
+        sleep() or reload_weights() dropped (captured again on waking: the counters carry on, as vLLM's)."""
+        runner, dropped = self.runner, getattr(self, "_dropped_replays", None) or dict.fromkeys(_REPLAY_KEYS, 0)
+        out = {"cuda_graph_replays": dropped["cuda_graph_replays"]
+               + (sum(runner.graphs.replays.values()) if runner and runner.graphs else 0),
+               "piecewise_graph_steps": dropped["piecewise_graph_steps"]
+               + (sum(runner.pieces.replays.values()) if runner and runner.pieces else 0)}
+        if getattr(self, "drafter", None) is not None:
+            out.update(self.drafter.stats())
+            out["draft_cuda_graph_replays"] += dropped["draft_cuda_graph_replays"]
+        return out
 
     def _lora_stats(self) -> dict:
         """vLLM's lora_requests_info: the slots, and the adapters of the waiting and of the running requests (by the
@@ -1194,11 +1208,16 @@ class LLMEngine:
 
     def _drop_graphs(self) -> None:
         """Drop the CUDA graphs (they hold the addresses of the memory sleep frees), noting how to capture them."""
-        runner = self.runner
+        runner, dropped = self.runner, self._dropped_replays
         if runner.graphs is not None:
             self._graph_plan = (runner.graphs.max_blocks * self.config.block_size, runner.graphs.emulate)
+            dropped["cuda_graph_replays"] += sum(runner.graphs.replays.values())
+        if runner.pieces is not None:
+            dropped["piecewise_graph_steps"] += sum(runner.pieces.replays.values())
         runner.graphs = runner.pieces = None
         if self.drafter is not None:
+            if self.drafter.graphs is not None:
+                dropped["draft_cuda_graph_replays"] += sum(self.drafter.graphs.replays.values())
             self.drafter.graphs = None
         if self.device.type == "cuda":
             from ..kernels import gptq_gemm
@@ -1208,10 +1227,14 @@ class LLMEngine:
         """The CUDA graphs sleep() dropped, captured again over the memory as it is now."""
         plan, self._graph_plan = self._graph_plan, None
         if plan is not None and self.runner.graphs is None:
+            drafter = self.drafter
+            counts = (drafter.eager_forwards, drafter.context_skips) if drafter is not None else None
             self.runner.capture_graphs(plan[0], emulate=plan[1])
-            self.runner.graphs.replays.clear()
-            if self.drafter is not None:
-                self.drafter.reset_stats()
+            self.runner.graphs.replays.clear()  # (the capture's own runs: not a request's, as at the start)
+            if drafter is not None:  # (the draft's the same; its eager forwards and skipped steps carry on)
+                if drafter.graphs is not None:
+                    drafter.graphs.replays.clear()
+                drafter.eager_forwards, drafter.context_skips = counts
 
     def _free_device_cache(self) -> None:
         if self.device.type == "cuda":
