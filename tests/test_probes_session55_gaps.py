@@ -13,6 +13,8 @@ from typer.testing import CliRunner
 
 from infer.cli.main import app
 
+from quant_helpers import make_gptqmodel_checkpoint, needs_gptqmodel
+
 QUANTIZE = ["--group-size", "32", "--num-samples", "8", "--seq-len", "32"]
 
 
@@ -182,3 +184,78 @@ def test_the_graph_counters_carry_on_across_sleep_and_wake_up_as_vllms(draft):
             after = {k: engine.stats()[k] for k in keys}
             assert all(after[k] > before[k] for k in grow), (before, after)
             before = after
+
+
+# --------------------------------------------------------------------------- 5. checkpoints without `model.`
+def _unprefixed(state):
+    for k in list(state):
+        if k.startswith("model."):
+            state[k.removeprefix("model.")] = state.pop(k)
+
+
+def _eight_bit_down_proj(state):
+    """layer 0's down_proj repacked as 8-bit fields holding the same integers (the same weights), g_idx dropped
+    everywhere (each layer's width then read from the config's bits, as GPTQ allows)."""
+    from infer.quant.packing import pack_cols, pack_rows, unpack_cols, unpack_rows
+    name = "model.layers.0.mlp.down_proj"
+    state[f"{name}.qweight"] = pack_rows(unpack_rows(state[f"{name}.qweight"], 4), 8)
+    state[f"{name}.qzeros"] = pack_cols(unpack_cols(state[f"{name}.qzeros"], 4), 8)
+    for k in [k for k in state if k.endswith(".g_idx")]:
+        del state[k]
+
+
+def _anchored_rule(cfg):
+    cfg["quantization_config"]["dynamic"] = {r"+:model\.layers\.0\.mlp\.down_proj": {"bits": 8}}
+
+
+def test_the_estimate_matches_a_checkpoint_without_the_model_prefix_as_the_loader_does(gptq, tmp_path):
+    """A checkpoint saved from the base model stores `layers.0...` (no `model.`): the loader maps it to the same
+    modules (and matches the config's `dynamic` rules against their `model.`-prefixed names); the estimate matched
+    the rules against the stored name, so a rule anchored at `model.` (8-bit down_proj of layer 0, no g_idx) was
+    missed and the layer read as 4-bit words (twice its inputs). Both layouts now give the same figures, and load
+    to the same tokens."""
+    from infer import LLM, SamplingParams
+    from infer.cli.warmup_plan import estimate_plan
+    from infer.engine.config import EngineConfig
+
+    def both(state):
+        _eight_bit_down_proj(state)
+        _unprefixed(state)
+    paths = [_copy(gptq, tmp_path / "prefixed", config=_anchored_rule, tensors=_eight_bit_down_proj),
+             _copy(gptq, tmp_path / "bare", config=_anchored_rule, tensors=both)]
+    assert "layers.0.mlp.down_proj.qweight" in load_file(paths[1] / "model.safetensors")
+    figures = [estimate_plan(EngineConfig(model=str(p), max_num_seqs=2, max_model_len=64), 64, 2)[0].weights_bytes
+               for p in paths]
+    assert figures[0] == figures[1], figures
+    prompts = [[5, 9, 13, 21], [7, 3, 2, 8, 11, 40]]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    tokens = []
+    for p in [gptq, *paths]:
+        with LLM(str(p)) as llm:
+            if p != gptq:
+                assert llm.llm_engine.runner.model.layers[0].mlp.down_proj.method.config.bits == 8
+            tokens.append([list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)])
+    assert tokens[0] == tokens[1] == tokens[2]
+
+
+@needs_gptqmodel
+def test_a_split_phi3_checkpoint_without_the_model_prefix_reads_its_dynamic_rules_as_the_prefixed_one(tmp_path):
+    """GPTQModel's split Phi-3 layout (mlp.gate_proj and mlp.up_proj apart, each 8-bit by its own `dynamic` rule)
+    with its names stored without `model.`: the loader looked for `model.layers.0.mlp.gate_proj` among the stored
+    modules, found `layers.0.mlp.gate_proj` only, and matched the rules against the fused gate_up_proj (no rule: 4
+    bits), refusing the 8-bit tensors' shapes. It now compares the names as place_weights maps them: the same model,
+    the same tokens, as the prefixed checkpoint."""
+    from infer import LLM, SamplingParams
+    from test_probes_session53_phi3 import build
+    build(tmp_path / "f", num_hidden_layers=1, seed=4)
+    path = make_gptqmodel_checkpoint(tmp_path / "f", tmp_path / "q", bits=4, group_size=32, seq_len=32,
+                                     dynamic={r"+:.*\.gate_proj": {"bits": 8}, r"+:.*\.up_proj": {"bits": 8}})
+    bare = _copy(path, tmp_path / "bare", tensors=_unprefixed)
+    prompts = [[5, 9, 13, 21], [7, 3, 2, 8, 11, 40]]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    tokens = []
+    for p in (path, bare):
+        with LLM(str(p), block_size=4) as llm:
+            assert llm.llm_engine.runner.model.layers[0].mlp.gate_up_proj.method.config.bits == 8
+            tokens.append([list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)])
+    assert tokens[0] == tokens[1]

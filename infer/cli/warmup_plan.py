@@ -133,6 +133,16 @@ def _finish(plan: MemoryPlan, extra: dict, engine_config: EngineConfig, model_co
     return bound_room(plan, blocks_at), {**extra, "fitting_batched_tokens": tokens}
 
 
+def _own_bits(gptq, module: str) -> int | None:
+    """A checkpoint module's own bits as the loader reads them (None: in float): the head's from the config's
+    lm_head settings, another's from its rules matched against its `model.`-prefixed name, whether the checkpoint
+    stores it with the prefix or without (models.loader.module_key)."""
+    from ..models.loader import module_key
+    key = module_key(module)
+    own = gptq.for_head() if key == "lm_head" else gptq.for_module(f"model.{key}")
+    return own.bits if own is not None else None
+
+
 def estimate_plan(engine_config: EngineConfig, max_length: int, concurrency: int) -> tuple[MemoryPlan, dict]:
     from ..memory.checkpoint import checkpoint_weights_bytes
     from ..models.loader import weight_files
@@ -142,8 +152,7 @@ def estimate_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     from ..quant.config import GPTQConfig
     gptq = GPTQConfig.from_model_dir(path)  # as the loader: another quant_method, or 3-bit GPTQ, is refused
     def bits_of(module: str) -> int | None:  # a layer's own bits, as the loader reads them (a head, `dynamic`)
-        own = gptq.for_head() if module.removeprefix("model.") == "lm_head" else gptq.for_module(module)
-        return own.bits if own is not None else None
+        return _own_bits(gptq, module)
     weights = checkpoint_weights_bytes(weight_files(path), model_config, dtype, device, gptq.bits if gptq else None,
                                        gptq.desc_act if gptq else False, bits_of if gptq else None,
                                        awq=bool(gptq) and gptq.quant_method == "awq")
@@ -188,8 +197,7 @@ def _draft_weights(engine_config: EngineConfig, model_config, dtype, device, max
     gptq = GPTQConfig.from_model_dir(path)
 
     def bits_of(module: str) -> int | None:
-        own = gptq.for_head() if module.removeprefix("model.") == "lm_head" else gptq.for_module(module)
-        return own.bits if own is not None else None
+        return _own_bits(gptq, module)
     bits, desc_act = (gptq.bits, gptq.desc_act) if gptq else (None, False)
     weights = checkpoint_weights_bytes(weight_files(path), config, dtype, device, bits, desc_act,
                                        bits_of if gptq else None, awq=bool(gptq) and gptq.quant_method == "awq")

@@ -101,6 +101,14 @@ def _check_kind(name: str, t: torch.Tensor, dest) -> None:
                              "GPTQ and AWQ); otherwise use the float checkpoint")
 
 
+def module_key(name: str) -> str:
+    """A checkpoint module's (or tensor's) name as the model holds it: without the `model.` prefix, which a checkpoint
+    saved from the base model (LlamaModel) lacks (place_weights maps both alike). The quantization config's rules
+    are matched against `model.` + this (the module names of a ...ForCausalLM, as GPTQModel matches them), the output
+    head's (`lm_head`) aside."""
+    return name[len("model."):] if name.startswith("model.") else name
+
+
 def linear_method_factory(path: Path, cfg):
     """A function names -> LinearMethod for the checkpoint's quantization (None = float weights)."""
     qc = getattr(cfg, "quantization_config", None)
@@ -129,9 +137,10 @@ def linear_method_factory(path: Path, cfg):
         settings = {None if c is None else c.settings() for c in map(gcfg.for_module, [names[0], *split])}
         if len(settings) == 1:  # the same whichever the layout: no need to read the headers
             return names
-        if not stored:
-            stored.update(name.rpartition(".")[0] for name, _ in iter_tensors(weight_files(path), meta=True))
-        return split if any(n in stored for n in split) else names
+        if not stored:  # (as place_weights reads them: with or without the `model.` prefix)
+            stored.update(module_key(name.rpartition(".")[0]) for name, _ in iter_tensors(weight_files(path),
+                                                                                           meta=True))
+        return split if any(module_key(n) in stored for n in split) else names
 
     def method_for(names):
         if names == ["lm_head"]:  # the output head: quantized only where the checkpoint says lm_head (None: float)
@@ -235,7 +244,7 @@ def place_weights(model, tensors, dtype: torch.dtype):
             t = t.to(dtype)
         if on_cpu:
             _check_finite(name, raw, t)
-        key = name[len("model."):] if name.startswith("model.") else name
+        key = module_key(name)
         routed = _merged_shard(key, shards, merged)
         if routed is not None:
             layer, pname, shard = routed
