@@ -259,3 +259,31 @@ def test_a_split_phi3_checkpoint_without_the_model_prefix_reads_its_dynamic_rule
             assert llm.llm_engine.runner.model.layers[0].mlp.gate_up_proj.method.config.bits == 8
             tokens.append([list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)])
     assert tokens[0] == tokens[1]
+
+
+# --------------------------------------------------------------------------- 6. a draft model's decode attention
+def test_engine_start_compiles_a_draft_models_decode_attention_too(monkeypatch):
+    """warm_kernels compiled the decode attention's variants on the target's layers only: a draft model
+    (speculative_config {"model": ...}), whose one-token forwards decode over its own cache with its own heads,
+    compiled its kernels on the first request. One layer of each model is compiled now (the Triton path forced on
+    a CPU, as test_probes_session54_window's warm-up test does)."""
+    from infer import LLM, kernels
+    from infer.models.llama import Attention
+    spec = {"method": "draft_model", "model": "tiny-qwen2", "num_speculative_tokens": 2}
+    with LLM("tiny-llama", block_size=4, speculative_config=spec) as llm:
+        engine = llm.llm_engine
+        owner = {id(m): "target" for m in engine.runner.model.modules()}
+        owner.update({id(m): "draft" for m in engine.drafter.model.modules()})
+        compiled = []
+        monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+        monkeypatch.setattr(Attention, "compile_decode", lambda self, delta=None: compiled.append(owner[id(self)]))
+        engine._warm_decode_attention()
+        assert compiled == ["target", "draft"], compiled
+        monkeypatch.undo()
+        from infer.kernels import attention  # the real compiles (interpreted): each model's two variants
+        warmups = []
+        warmup = attention._decode_kernel.warmup
+        monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+        monkeypatch.setattr(attention._decode_kernel, "warmup", lambda *a, **k: warmups.append(1) or warmup(*a, **k))
+        engine._warm_decode_attention()
+        assert len(warmups) == 4, warmups

@@ -1284,17 +1284,20 @@ class LLMEngine:
 
     def _warm_decode_attention(self) -> None:
         """Compile both variants of the Triton decode attention (one partition a sequence, several) on one layer of
-        each sliding window (0: full attention; the layers of one window launch the same); without Triton (a CPU)
-        there is nothing to compile."""
+        each sliding window (0: full attention; the layers of one window launch the same), of the model and of a
+        draft model (speculative decoding: its one-token forwards decode over its own cache, heads and window);
+        without Triton (a CPU) there is nothing to compile."""
         from .. import kernels
-        windows = set()
-        for mod in self.runner.model.modules():
-            if hasattr(mod, "compile_decode") and getattr(mod, "k_cache", None) is not None:
-                if not kernels.use_triton(mod.k_cache):
-                    return
-                if getattr(mod, "window", 0) not in windows:
-                    windows.add(getattr(mod, "window", 0))
-                    mod.compile_decode()
+        models = [self.runner.model] + ([self.drafter.model] if getattr(self, "drafter", None) is not None else [])
+        for model in models:
+            windows = set()
+            for mod in model.modules():
+                if hasattr(mod, "compile_decode") and getattr(mod, "k_cache", None) is not None:
+                    if not kernels.use_triton(mod.k_cache):
+                        return
+                    if getattr(mod, "window", 0) not in windows:
+                        windows.add(getattr(mod, "window", 0))
+                        mod.compile_decode()
 
     @torch.inference_mode()
     def warm_kernels(self) -> None:
