@@ -287,3 +287,95 @@ def test_engine_start_compiles_a_draft_models_decode_attention_too(monkeypatch):
         monkeypatch.setattr(attention._decode_kernel, "warmup", lambda *a, **k: warmups.append(1) or warmup(*a, **k))
         engine._warm_decode_attention()
         assert len(warmups) == 4, warmups
+
+
+# --------------------------------------------------------------------------- 7. bench: details off, or cold
+def _vllm_like(details: bool, metrics: bool):
+    """A vLLM server as `infer bench --url` sees it: no /health figures; with `details` (--enable-prompt-tokens-
+    details) a streamed usage chunk with prompt_tokens_details only when the prompt found some cached (32 tokens of
+    any prompt seen before); with `metrics`, vLLM's Prometheus prefix cache counters (tokens) on /metrics."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from helpers import ModelsHandler
+    state = {"seen": set(), "queries": 0, "hits": 0}
+    lock = threading.Lock()
+
+    class Handler(ModelsHandler, BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path != "/metrics" or not metrics:
+                return super().do_GET()
+            with lock:
+                text = ("# TYPE vllm:prefix_cache_queries counter\n"
+                        f'vllm:prefix_cache_queries_total{{engine="0",model_name="m"}} {float(state["queries"])}\n'
+                        "# TYPE vllm:prefix_cache_hits counter\n"
+                        f'vllm:prefix_cache_hits_total{{engine="0",model_name="m"}} {float(state["hits"])}\n')
+            payload = text.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            key = tuple(body["prompt"])
+            with lock:
+                cached = 32 if key in state["seen"] else 0
+                state["seen"].add(key)
+                state["queries"] += len(key)
+                state["hits"] += cached
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(b'data: {"choices": [{"index": 0, "text": "t ", "finish_reason": "length"}]}\n\n')
+            usage = {"prompt_tokens": len(key), "completion_tokens": 1, "total_tokens": len(key) + 1}
+            if details and cached:
+                usage["prompt_tokens_details"] = {"cached_tokens": cached}
+            self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+    return ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+
+
+@pytest.mark.parametrize("details, metrics, repeat, want, rate", [
+    (True, True, False, "cold", 0.0),
+    (False, True, True, "off", 64 / 120),
+    (True, True, True, "reported", 64 / 120),
+    (True, False, False, "unknown", None),
+    (False, False, True, "unknown", None)])
+def test_bench_tells_a_server_without_usage_details_from_a_cold_level(tmp_path, details, metrics, repeat, want,
+                                                                     rate):
+    """A --url level where no request reported its cached prompt tokens had no hit rate and no word why: a vLLM
+    server started without --enable-prompt-tokens-details and a level that found nothing cached (vLLM sends no
+    details then either) gave the same report. The bench now reads vLLM's prefix cache counters from /metrics (as
+    an infer server's from /health), so a cold level's hit rate is 0 and a server without details gets the
+    counters' rate, and each level says which it was (prefix_cache_usage_details: reported, off, cold, or unknown
+    where the server has no counters), in results.json and report.md."""
+    import threading
+
+    from infer.bench.datasets import BenchRequest
+    from infer.bench.http_driver import run_http
+    from infer.bench.report import run_entry, write_report
+    httpd = _vllm_like(details, metrics)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        prompts = [list(range(5, 45))] * 3 if repeat else [list(range(5 + 40 * i, 45 + 40 * i)) for i in range(3)]
+        res = run_http(url, "m", [BenchRequest(None, p, 1, ignore_eos=True) for p in prompts], concurrency=1,
+                       progress=False)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    e = run_entry(res)
+    assert e["prefix_cache_usage_details"] == want, e
+    if rate is None:
+        assert "prefix_cache_hit_rate" not in e and "prefix_cache_source" not in e
+    else:
+        assert e["prefix_cache_hit_rate"] == pytest.approx(rate)
+        assert e["prefix_cache_source"] == ("usage" if want == "reported" else "server")
+    write_report(tmp_path, [res])
+    text = (tmp_path / "report.md").read_text()
+    assert "## Prefix cache" in text and {"cold": "a cold level", "off": "the server sends no usage details",
+                                           "reported": "the requests reported their cached prompt tokens",
+                                           "unknown": "either the server sends no usage details"}[want] in text

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import time
 
 from ..errors import ConfigError, InferError
@@ -242,11 +243,39 @@ def reset_prefix_cache(url: str, api_key: str | None = None) -> bool:
 
 def server_stats(url: str, api_key: str | None = None) -> dict:
     """The server's engine figures from its /health (an infer server's; with --data-parallel, one entry per
-    replica under "replicas"); empty for servers that do not report them."""
+    replica under "replicas"), else a vLLM server's prefix cache counters from its /metrics (vllm_prefix_counters);
+    empty for servers that report neither."""
     import httpx
     try:
         body = httpx.get(f"{url}/health", headers=_headers(api_key), timeout=5.0, trust_env=False).json()
     except (httpx.HTTPError, ValueError):
-        return {}
+        body = None
     engine = body.get("engine") if isinstance(body, dict) else None
-    return engine if isinstance(engine, dict) else {}
+    if isinstance(engine, dict) and engine:
+        return engine
+    try:
+        resp = httpx.get(f"{url}/metrics", headers=_headers(api_key), timeout=5.0, trust_env=False)
+    except httpx.HTTPError:
+        return {}
+    return vllm_prefix_counters(resp.text) if resp.status_code == 200 else {}
+
+
+# vLLM's Prometheus counters of its prefix cache (v1: tokens looked up, tokens found cached), one sample per engine
+_VLLM_PREFIX = re.compile(r"^vllm:prefix_cache_(queries|hits)_total(?:\{[^}]*\})?\s+(\S+)", re.M)
+
+
+def vllm_prefix_counters(text: str) -> dict:
+    """prefix_cache_queries and prefix_cache_hits (as an infer engine's stats() names them) from a vLLM server's
+    /metrics text, summed over its engines; {} without both (another server, a vLLM without them). With them a
+    level's hit rate comes from the server when no request reports its cached tokens (vLLM sends
+    usage.prompt_tokens_details only with --enable-prompt-tokens-details, and only for a prompt that found some
+    cached): a level of none cached is then told from a server that sends no details (report.run_prefix_cache)."""
+    found: dict[str, float] = {}
+    for kind, value in _VLLM_PREFIX.findall(text):
+        try:
+            found[kind] = found.get(kind, 0.0) + float(value)
+        except ValueError:
+            return {}
+    if set(found) != {"queries", "hits"}:
+        return {}
+    return {"prefix_cache_queries": int(found["queries"]), "prefix_cache_hits": int(found["hits"])}

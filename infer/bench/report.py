@@ -134,16 +134,36 @@ def run_prefix_cache(run: RunResult) -> dict:
     """The run's prefix_cache_hit_rate and prefix_cache_source, where it came from: "engine" (an in-process engine's
     counters over the run), "usage" (a --url level's requests' cached_tokens, which win where the server sends them:
     they are the level's own requests, whatever else the server ran meanwhile; the server's /health figure over
-    the run is then kept as server_prefix_cache_hit_rate) or "server" (an infer server's /health counters over the
-    run, where no usage details came back); {} without any (a baseline, a server that reports neither)."""
+    the run is then kept as server_prefix_cache_hit_rate) or "server" (an infer server's /health counters, or a vLLM
+    server's /metrics ones, over the run, where no usage details came back); {} without any (a baseline, a server
+    that reports neither). A --url run also says what its usage details were, prefix_cache_usage_details
+    (usage_details): a server without them is told from a level that found nothing cached where it can be."""
     server = prefix_cache_figures(run.engine_stats)
     if run.backend != "http":
         return {**server, "prefix_cache_source": "engine"} if server else {}
     usage = usage_prefix_cache_figures(run.records)
+    details = {"prefix_cache_usage_details": usage_details(run, bool(usage))}
     if usage:
         extra = {"server_prefix_cache_hit_rate": server["prefix_cache_hit_rate"]} if server else {}
-        return {**usage, "prefix_cache_source": "usage", **extra}
-    return {**server, "prefix_cache_source": "server"} if server else {}
+        return {**usage, "prefix_cache_source": "usage", **extra, **details}
+    return {**server, "prefix_cache_source": "server", **details} if server else details
+
+
+def usage_details(run: RunResult, reported: bool) -> str:
+    """What a --url level's usage details say (a server sends usage.prompt_tokens_details.cached_tokens only with
+    vLLM's --enable-prompt-tokens-details, and only for a prompt that found some cached, so no details at all is a
+    server without the option or a level of nothing cached): "reported" (some request reported its cached tokens),
+    "off" (none did, but the server's counters (an infer server's /health, vLLM's /metrics) found cached tokens over
+    the level: the server sends no details), "cold" (none did, and the counters found nothing cached: whether it
+    would send them makes no difference) or "unknown" (none did, and the server has no counters: either)."""
+    if reported:
+        return "reported"
+    stats = run.engine_stats
+    pre = "run_" if "run_prefix_cache_hits" in stats else ""
+    hits = stats.get(pre + "prefix_cache_hits")
+    if hits is None:
+        return "unknown"
+    return "off" if hits else "cold"
 
 
 def run_entry(run: RunResult, detailed: bool = False) -> dict:
@@ -305,10 +325,31 @@ def _markdown(results: list[dict], plots: dict[str, Path], config: dict) -> str:
         lines += ["| " + " | ".join(titles) + " |", "|" + "---:|" * len(titles)]
         lines += ["| " + " | ".join(row) + " |" for row in rows] + [""]
     lines += _replica_lines(results)
+    lines += _details_lines(results)
     lines += ["", "Latency figures follow vLLM's benchmark_serving definitions (TTFT, TPOT excluding the first "
               "token, ITL between consecutive chunks, E2EL); x = ours / baseline.", ""]
     lines += [f"![{name}]({p.name})" for name, p in plots.items()]
     return "\n".join(lines) + "\n"
+
+
+_DETAILS = {"reported": "the requests reported their cached prompt tokens (usage details): the hit rate is theirs",
+            "off": "no request reported its cached prompt tokens, though the server's counters found some cached: the "
+                   "server sends no usage details (vLLM's and infer serve's --enable-prompt-tokens-details); the hit "
+                   "rate is the server's counters'",
+            "cold": "no request reported cached prompt tokens, and the server's counters found none cached: a cold "
+                    "level (hit rate 0), whether or not the server sends usage details",
+            "unknown": "no request reported cached prompt tokens and the server has no prefix cache counters: either "
+                       "the server sends no usage details (vLLM's --enable-prompt-tokens-details) or nothing was "
+                       "cached; no hit rate"}
+
+
+def _details_lines(results: list[dict]) -> list[str]:
+    """With --url: what each level's usage details say of its prefix cache (report.usage_details)."""
+    runs = [r for r in results if r.get("prefix_cache_usage_details")]
+    if not runs:
+        return []
+    return ["## Prefix cache", ""] + [f"- {r['label']} at concurrency {r['concurrency']}: "
+                                      f"{_DETAILS[r['prefix_cache_usage_details']]}." for r in runs] + [""]
 
 
 def _replica_lines(results: list[dict]) -> list[str]:
