@@ -73,7 +73,7 @@ def tokenizer_problem(path: Path | str, error: BaseException) -> tuple[str, str]
     names = {f.name for f in path.iterdir()} if path.is_dir() else set()
     if not any(n in VOCAB_FILES or n.endswith((".tiktoken", ".model")) for n in names):
         return (f"{path} has no tokenizer files (tokenizer.json, tokenizer.model, or vocab.json and merges.txt)",
-                "copy the tokenizer files of the model the weights come from into the folder (e.g. huggingface-cli "
+                "copy the tokenizer files of the model the weights come from into the folder (e.g. hf "
                 "download ORG/NAME tokenizer.json tokenizer_config.json --local-dir FOLDER)")
     for name in TOKENIZER_JSON:
         if name in names:

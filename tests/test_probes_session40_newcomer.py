@@ -28,7 +28,7 @@ def test_a_hub_id_says_how_to_download_it(tmp_path, monkeypatch):
     monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
     monkeypatch.chdir(tmp_path)
     err = _refusal("meta-llama/Llama-2-7b-hf")
-    assert "hub id" in err.hint and "huggingface-cli download meta-llama/Llama-2-7b-hf" in err.hint
+    assert "hub id" in err.hint and "hf download meta-llama/Llama-2-7b-hf" in err.hint
 
 
 def test_a_hub_id_in_the_local_hub_cache_is_read_from_its_snapshot(tmp_path, monkeypatch):

@@ -100,7 +100,7 @@ def _hub_cache(tmp_path, monkeypatch, repo: str, revisions: list[str], main: str
 
 
 def test_a_hub_id_downloaded_before_runs_from_the_local_hub_cache(tmp_path, monkeypatch):
-    """`infer run org/tiny` on a model the hub cache holds (huggingface-cli download, or transformers/vLLM before)
+    """`infer run org/tiny` on a model the hub cache holds (hf download, or transformers/vLLM before)
     was refused with a hint to pass the snapshot folder; DESIGN says models come from local folders or the local
     hub cache, as vLLM and transformers read them offline. Same tokens as the folder itself."""
     from infer.cli.options import base_model_id
@@ -130,7 +130,7 @@ def test_a_hub_id_without_refs_main_takes_its_newest_snapshot_and_an_uncached_on
     assert resolve_model("org/pinned") == snaps[1]
     with pytest.raises(ModelLoadError) as e:
         resolve_model("org/absent")
-    assert str(tmp_path / "hub") in e.value.hint and "huggingface-cli download org/absent" in e.value.hint
+    assert str(tmp_path / "hub") in e.value.hint and "hf download org/absent" in e.value.hint
 
 
 def _capped_model(tmp_path, cap):

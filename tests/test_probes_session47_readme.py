@@ -28,12 +28,12 @@ def test_a_typo_in_a_local_model_path_is_no_hub_id(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "infer-demo" / "tiny-llama-gptq").mkdir(parents=True)
     err = _model_refusal("infer-demo/tiny-llama-gtpq")
-    assert "huggingface-cli" not in err.hint
+    assert "hf download" not in err.hint
     assert "infer-demo/tiny-llama-gptq" in err.hint
     err = _model_refusal("infer-demo/zzz")
-    assert "huggingface-cli" not in err.hint and "'infer-demo' has no 'zzz'" in err.hint
+    assert "hf download" not in err.hint and "'infer-demo' has no 'zzz'" in err.hint
     # an ORG/NAME whose ORG is no local folder is still a hub id
-    assert "huggingface-cli download meta-llama/Llama-2-7b-hf" in _model_refusal("meta-llama/Llama-2-7b-hf").hint
+    assert "hf download meta-llama/Llama-2-7b-hf" in _model_refusal("meta-llama/Llama-2-7b-hf").hint
 
 
 def test_a_typo_in_a_local_adapter_path_is_no_hub_id(tmp_path, monkeypatch):
@@ -44,7 +44,7 @@ def test_a_typo_in_a_local_adapter_path_is_no_hub_id(tmp_path, monkeypatch):
     with pytest.raises(LoRAError) as e:
         read_config("support", Path("./adapters/suport"))
     text = str(e.value) + " " + (e.value.hint or "")
-    assert "hub id" not in text and "huggingface-cli" not in text
+    assert "hub id" not in text and "hf download" not in text
     assert "adapters/support" in text
 
 
@@ -173,7 +173,7 @@ def test_a_mistyped_lora_folder_names_the_folder_meant(tmp_path, monkeypatch):
     assert "did you mean 'adapters/support'?" in e.value.hint
     with pytest.raises(ConfigError) as e:
         parse_loras(["sql=org/sql-lora"])
-    assert "huggingface-cli download org/sql-lora" in e.value.hint
+    assert "hf download org/sql-lora" in e.value.hint
 
 
 def test_a_misspelt_sampling_params_field_names_the_field_meant():

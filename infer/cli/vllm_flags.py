@@ -5,7 +5,7 @@ vLLM's spellings with the same meaning are taken as they are (`--enforce-eager`,
 
 from __future__ import annotations
 
-_LOCAL = ("MODEL is a local folder (infer downloads nothing); fetch the revision first, e.g. `huggingface-cli download "
+_LOCAL = ("MODEL is a local folder (infer downloads nothing); fetch the revision first, e.g. `hf download "
           "ID --revision REV --local-dir DIR`, and pass DIR")
 _ONE_GPU = ("infer runs each model on one GPU; use --data-parallel N for N replicas (infer run and infer serve), or a "
             "smaller (int4) model")

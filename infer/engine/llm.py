@@ -49,7 +49,7 @@ def _check_options(options: dict, what: str = "LLM()") -> dict:
     return options
 
 
-_LOCAL = ("model is a local folder (infer downloads nothing): fetch it first, e.g. `huggingface-cli download ID "
+_LOCAL = ("model is a local folder (infer downloads nothing): fetch it first, e.g. `hf download ID "
           "--revision REV --local-dir DIR`, and pass DIR")
 _ONE_GPU = "infer runs each model on one GPU (`infer run/serve --data-parallel N` runs replicas); drop the keyword"
 # vLLM's LLM() keywords that infer does not take, and what to do instead (the command line's are in cli/vllm_flags)

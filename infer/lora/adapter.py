@@ -237,7 +237,7 @@ def not_found_hint(path: Path) -> str:
     if not local and not path.is_absolute() and is_hub_id(text):
         local = "./" + text.split("/")[1]
         return (f"{text!r} reads as a Hugging Face hub id, and infer reads adapters from local folders only "
-                f"(nothing is downloaded): fetch it first, `huggingface-cli download {text} --local-dir {local}`, "
+                f"(nothing is downloaded): fetch it first, `hf download {text} --local-dir {local}`, "
                 f"and pass {local}")
     relative = "" if path.is_absolute() else f" (a relative path is read from {Path.cwd()})"
     where = f"pass the folder peft's save_pretrained wrote{relative}"

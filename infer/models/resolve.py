@@ -33,7 +33,7 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
     name = str(name_or_path)
     if name in BUILTIN_MODELS:
         return ensure_builtin(name)
-    if is_hub_id(name):  # downloaded before (huggingface-cli, transformers, vLLM): the local hub cache's snapshot
+    if is_hub_id(name):  # downloaded before (hf download, transformers, vLLM): the local hub cache's snapshot
         cached = _hub_cache_snapshot(name)
         if cached is not None:
             return cached
@@ -80,7 +80,7 @@ def _unknown_name_hint(name: str) -> str:
         return local
     if is_hub_id(name):
         return (f"{name!r} looks like a Hugging Face hub id, and the local hub cache ({_hub_cache_root()}) does not "
-                f"hold it; nothing is downloaded: fetch it first, `huggingface-cli download {name}` (then pass "
+                f"hold it; nothing is downloaded: fetch it first, `hf download {name}` (then pass "
                 f"{name} again), or with `--local-dir ./{name.split('/')[1]}` and pass ./{name.split('/')[1]}")
     return "pass a folder with config.json and weights; nothing is downloaded"
 
