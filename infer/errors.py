@@ -87,9 +87,14 @@ class ClosedError(InferError, RuntimeError):
 
 class SleepModeError(InferError, RuntimeError):
     """Sleep mode (LLM(..., enable_sleep_mode=True)) used where it cannot be: a request while the engine is asleep,
-    or woken from sleep(level=2) without its weights loaded again; sleep() of an engine started without it."""
+    or woken from sleep(level=2) without its weights loaded again; sleep() of an engine started without it.
+    `route`: what an HTTP client of `infer serve --enable-sleep-mode` does about it (the hint is the Python API's)."""
 
     exit_code = 1
+
+    def __init__(self, message: str, hint: str | None = None, route: str | None = None):
+        super().__init__(message, hint)
+        self.route = route
 
 
 def read_utf8(path, what: str) -> str:

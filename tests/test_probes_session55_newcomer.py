@@ -27,3 +27,47 @@ def test_an_uncached_hub_id_is_told_a_download_command_the_installed_huggingface
     assert "`hf download meta-llama/Llama-2-7b-hf`" in hint and "huggingface-cli" not in hint
     tool = hint.split("`")[1].split()[0]
     assert (Path(sys.executable).parent / tool).exists() or shutil.which(tool)
+
+
+def test_the_sleep_routes_answer_in_http_terms_not_the_python_apis():
+    """`curl -X POST /sleep?level=3` was told `e.g. sleep(level=1)`, `/wake_up?tags=foo` `(None: both)`, and a
+    completion while asleep `wake_up() (infer serve: POST /wake_up)`: a client of the server gets the route to
+    call, and a bad level or tag names the query parameter."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.models.tiny import ensure_builtin
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    engine = LLMEngine(EngineConfig(str(ensure_builtin("tiny-llama")), block_size=4, max_model_len=64,
+                                    max_num_seqs=2, enable_sleep_mode=True))
+    body = {"prompt": [5, 9, 13], "max_tokens": 2}
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny")) as url:
+        r = httpx.post(f"{url}/sleep?level=3", timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "level" and "POST /sleep?level=1" in err["message"]
+        assert "sleep(level" not in err["message"]
+        assert httpx.post(f"{url}/sleep?level=2", timeout=60).status_code == 200
+        r = httpx.post(f"{url}/wake_up?tags=foo", timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "tags" and "POST /wake_up?tags=weights" in err["message"]
+        assert "None" not in err["message"] and httpx.get(f"{url}/is_sleeping", timeout=60).json()["is_sleeping"]
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        message = r.json()["error"]["message"]
+        assert r.status_code == 503 and "wake_up()" not in message and "reload_weights()" not in message
+        assert 'POST /wake_up?tags=weights, POST /collective_rpc {"method": "reload_weights"}' in message
+        r = httpx.post(f"{url}/collective_rpc", json={"method": "reload_weights"}, timeout=60)
+        assert r.status_code == 400 and "POST /wake_up?tags=weights" in r.json()["error"]["message"]
+        assert httpx.post(f"{url}/wake_up", timeout=60).status_code == 200
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        message = r.json()["error"]["message"]
+        assert r.status_code == 503 and "load them: reload_weights()" not in message
+        assert 'load them: POST /collective_rpc {"method": "reload_weights"}, then retry' in message
+        assert httpx.post(f"{url}/collective_rpc", json={"method": "reload_weights"}, timeout=60).status_code == 200
+        assert httpx.post(f"{url}/sleep?level=1", timeout=60).status_code == 200
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        message = r.json()["error"]["message"]
+        assert r.status_code == 503 and "(POST /wake_up, then retry)" in message and "wake_up()" not in message
+        assert httpx.post(f"{url}/wake_up", timeout=60).status_code == 200
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200

@@ -1160,7 +1160,8 @@ class LLMEngine:
         order: wake the weights, reload them, then wake the KV cache)."""
         self._check_open()
         if WEIGHTS in self._sleep.tags:
-            raise SleepModeError("the weights are asleep", "wake them first: wake_up([\"weights\"])")
+            raise SleepModeError("the weights are asleep", "wake them first: wake_up([\"weights\"])",
+                                 "wake them first: POST /wake_up?tags=weights")
         if self.has_unfinished_requests():
             raise RequestError("reload_weights() while requests run", "wait for them to finish (or abort them)")
         from ..models.loader import load_model
@@ -1193,18 +1194,22 @@ class LLMEngine:
         if self._sleep.asleep:
             raise SleepModeError(f"the engine is asleep ({' and '.join(sorted(self._sleep.tags))} freed by "
                                  f"sleep(level={self._sleep.level}))",
-                                 "wake it first: wake_up() (infer serve: POST /wake_up)")
+                                 "wake it first: wake_up() (infer serve: POST /wake_up)",
+                                 "POST /wake_up, then retry" if not self._sleep.discarded else
+                                 "POST /wake_up?tags=weights, POST /collective_rpc {\"method\": \"reload_weights\"}, "
+                                 "then POST /wake_up, then retry")
         if self._sleep.discarded:
             raise SleepModeError("the engine's weights were discarded (by sleep(level=2), or a reload_weights() that "
                                  "failed) and not loaded again",
                                  "load them: reload_weights() (vLLM's collective_rpc(\"reload_weights\"); infer "
-                                 "serve: POST /collective_rpc {\"method\": \"reload_weights\"})")
+                                 "serve: POST /collective_rpc {\"method\": \"reload_weights\"})",
+                                 "load them: POST /collective_rpc {\"method\": \"reload_weights\"}, then retry")
 
     def _check_slots_awake(self, what: str) -> None:
         """The adapter slots are device memory sleep() freed: changed only once awake (a removal clears its slot)."""
         if WEIGHTS in self._sleep.tags:
             raise SleepModeError(f"{what}() while the engine is asleep (its adapter slots are freed)",
-                                 "wake it first: wake_up()")
+                                 "wake it first: wake_up()", "POST /wake_up first, then retry")
 
     def _drop_graphs(self) -> None:
         """Drop the CUDA graphs (they hold the addresses of the memory sleep frees), noting how to capture them."""

@@ -107,4 +107,5 @@ def _unavailable(e: ShuttingDownError) -> p.ApiError:
 
 
 def _asleep(e: SleepModeError) -> p.ApiError:
-    return p.ApiError(503, str(e), type="server_unavailable", code="engine_sleeping")
+    from .sleep import http_message
+    return p.ApiError(503, http_message(e), type="server_unavailable", code="engine_sleeping")

@@ -33,7 +33,7 @@ from .metrics import CONTENT_TYPE, HttpMetricsMiddleware, ServerMetrics
 from .parse import ParsePool
 from .reasoning import parts as reasoning_parts
 from .responses import add_routes as add_responses_routes
-from .sleep import add_sleep_routes
+from .sleep import add_sleep_routes, http_message
 from .tools import split, visible
 
 log = logging.getLogger("infer.serve")
@@ -181,7 +181,7 @@ class Server:
             raise p.shutting_down(str(e), self.retry_after) from e
         except SleepModeError as e:  # asleep (sleep mode): POST /wake_up first
             self._abort(done)
-            raise p.ApiError(503, str(e), type="server_unavailable", code="engine_sleeping",
+            raise p.ApiError(503, http_message(e), type="server_unavailable", code="engine_sleeping",
                              headers={"Retry-After": str(self.retry_after)}) from e
         except NoEngineError as e:  # a load balancer retries it elsewhere, as /health already says 503
             self._abort(done)

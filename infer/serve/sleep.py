@@ -19,6 +19,7 @@ import json
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from ..engine.sleep import TAGS
 from ..errors import RequestError, SleepModeError
 from . import protocol as p
 from .async_engine import NoEngineError, ShuttingDownError
@@ -35,7 +36,10 @@ def add_sleep_routes(app: FastAPI, server) -> None:
         try:
             level = int(raw)
         except ValueError:
-            raise p.ApiError(400, f"level must be 1 or 2, got {raw!r}"[:200], param="level") from None
+            level = None
+        if level not in (1, 2):  # said in the route's terms (the engine's error names its Python API)
+            raise p.ApiError(400, f"level must be 1 (weights to host memory, KV cache freed) or 2 (both freed), got "
+                                  f"{raw!r}"[:200] + " (e.g. POST /sleep?level=1)", param="level")
         await _run(server, server.aengine.sleep(level))
         return Response(status_code=200)
 
@@ -43,6 +47,11 @@ def add_sleep_routes(app: FastAPI, server) -> None:
     async def wake_up(request: Request):
         _check(server, request)
         tags = request.query_params.getlist("tags") or None  # none given: every tag (vLLM's)
+        unknown = sorted(set(tags or ()) - set(TAGS))
+        if unknown:
+            raise p.ApiError(400, f"unknown tag {unknown[0]!r}"[:200] + " (the tags are weights and kv_cache: POST "
+                                  "/wake_up?tags=weights, then POST /wake_up?tags=kv_cache; no tags wakes both)",
+                             param="tags")
         await _run(server, server.aengine.wake_up(tags))
         return Response(status_code=200)
 
@@ -82,12 +91,19 @@ async def _run(server, call):
     try:
         return await call
     except (SleepModeError, RequestError) as e:
-        raise p.ApiError(400, str(e)) from None
+        raise p.ApiError(400, http_message(e)) from None
     except ShuttingDownError as e:
         raise p.shutting_down(str(e)) from None
     except NoEngineError as e:
         raise p.ApiError(503, str(e), type="server_unavailable", code="no_engine_replica",
                          headers={"Retry-After": str(server.retry_after)}) from None
+
+
+def http_message(e: Exception) -> str:
+    """A sleep-mode error in an HTTP client's terms: its message and the route to call (POST /wake_up), not the
+    Python API's wake_up()."""
+    route = getattr(e, "route", None)
+    return f"{e.message} ({route})" if route and isinstance(e, SleepModeError) else str(e)
 
 
 def _jsonable(value):
