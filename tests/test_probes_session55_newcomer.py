@@ -71,3 +71,16 @@ def test_the_sleep_routes_answer_in_http_terms_not_the_python_apis():
         assert r.status_code == 503 and "(POST /wake_up, then retry)" in message and "wake_up()" not in message
         assert httpx.post(f"{url}/wake_up", timeout=60).status_code == 200
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+
+
+def test_infer_runs_banner_names_a_built_in_model_as_typed(capsys):
+    """`infer run tiny-llama ...` announced `infer: tiny-llama-v2 on cpu, ...` (the cache folder's name, which reads
+    as Llama 2), where `infer serve tiny-llama` says `serving tiny-llama` and lists that id."""
+    from infer.cli.run import _start_engine
+    from infer.engine.config import EngineConfig
+    llm = _start_engine(EngineConfig("tiny-llama", block_size=4, max_model_len=64, max_num_seqs=2), quiet=False)
+    try:
+        banner = capsys.readouterr().err
+    finally:
+        llm.close()
+    assert banner.startswith("infer: tiny-llama on cpu, ") and "-v2" not in banner

@@ -183,9 +183,11 @@ def _start_engine(engine: EngineConfig, quiet: bool):
     from ..engine.llm_engine import LLMEngine
     llm = LLMEngine(engine)
     if not quiet:
-        from ..models.resolve import is_hub_id
+        from ..models.resolve import BUILTIN_MODELS, is_hub_id
         given = str(engine.model)
-        name = given if is_hub_id(given) and not Path(given).exists() else llm.model_path.name  # not the snapshot's
+        # a hub id or a built-in as given (as serve lists them), not the snapshot's or the cache folder's name
+        builtin = given in BUILTIN_MODELS and not Path(given).exists()
+        name = given if builtin or (is_hub_id(given) and not Path(given).exists()) else llm.model_path.name
         typer.echo(f"infer: {name} on {llm.device.type}, {start_traits(llm)}", err=True)
     return llm
 
