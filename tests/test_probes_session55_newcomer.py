@@ -84,3 +84,22 @@ def test_infer_runs_banner_names_a_built_in_model_as_typed(capsys):
     finally:
         llm.close()
     assert banner.startswith("infer: tiny-llama on cpu, ") and "-v2" not in banner
+
+
+def test_resuming_a_finished_run_says_there_is_nothing_to_resume(tmp_path):
+    """`infer run ... --resume` on an output that already holds every record said `infer: 0 ok, 0 failed, 0 tokens
+    in 0.0 s (0.0 tok/s)`, which reads as a run that did nothing wrong or lost everything; it now says the output is
+    already complete (and still exits 1 for the error records it holds, as before)."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": [5, 9], "max_new_tokens": 2}\n{"id": "b", "promt": "x"}\n')
+    out = tmp_path / "out.jsonl"
+    args = ["run", "tiny-llama", str(prompts), "-o", str(out), "--max-model-len", "64", "--max-num-seqs", "2"]
+    assert CliRunner().invoke(app, args).exit_code == 1
+    before = out.read_bytes()
+    result = CliRunner().invoke(app, [*args, "--resume"])
+    assert result.exit_code == 1, result.output
+    assert f"nothing to resume: {out} already holds a record for each of the 2 request(s)" in result.output
+    assert "0 ok, 0 failed" not in result.output and out.read_bytes() == before

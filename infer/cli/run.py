@@ -152,6 +152,12 @@ def _run_in_process(engine: EngineConfig, input: Path, output: Path | None, defa
     if note and not quiet:
         typer.echo(note, err=True)
     todo, writer, earlier = open_output(lines, output, input, options, resume, resumable)
+    if resume and not todo and lines:  # (not "0 ok, 0 failed, 0 tokens": nothing was left to generate)
+        writer.close()
+        if not quiet:
+            typer.echo(f"infer: nothing to resume: {output} already holds a record for each of the {len(lines)} "
+                       f"request(s) in {input}", err=True)
+        return 0, earlier
     try:
         with terminate_as_interrupt():
             records = Records(output_format, llm.tokenizer, lines, o.base_model_id(str(engine.model)),
