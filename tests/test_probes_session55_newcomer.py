@@ -103,3 +103,19 @@ def test_resuming_a_finished_run_says_there_is_nothing_to_resume(tmp_path):
     assert result.exit_code == 1, result.output
     assert f"nothing to resume: {out} already holds a record for each of the 2 request(s)" in result.output
     assert "0 ok, 0 failed" not in result.output and out.read_bytes() == before
+
+
+def test_a_missing_adapter_typed_with_dot_slash_is_no_hub_id(tmp_path, monkeypatch):
+    """README's `--lora support=./adapters/support`, run where no `adapters` folder is, was told that
+    'adapters/support' reads as a hub id and to `hf download adapters/support`: Path had dropped the `./` the user
+    typed. A path written with `./` is local; ORG/NAME written bare is still a hub id."""
+    from infer.engine.config import parse_loras
+    from infer.errors import ConfigError
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        parse_loras(["support=./adapters/support"])
+    assert "hub id" not in e.value.hint and "download" not in e.value.hint
+    assert str(tmp_path) in e.value.hint  # where a relative path is read from
+    with pytest.raises(ConfigError) as e:
+        parse_loras(["sql=org/sql-lora"])
+    assert "hf download org/sql-lora" in e.value.hint

@@ -229,12 +229,13 @@ def _fail(name: str, path: Path, message: str, hint: str) -> LoRAError:
     return LoRAError(f"LoRA adapter {name!r} ({path}): {message}", hint)
 
 
-def not_found_hint(path: Path) -> str:
-    """What to pass instead of a folder that is not there: a hub id (vLLM downloads one) is fetched first."""
+def not_found_hint(path: Path, typed: str | None = None) -> str:
+    """What to pass instead of a folder that is not there: a hub id (vLLM downloads one) is fetched first. `typed`:
+    the path as the user wrote it, where Path dropped its `./` (`./adapters/x` is a local path, no hub id)."""
     from ..models.resolve import is_hub_id, missing_folder_hint
     text = str(path)
     local = missing_folder_hint(text)  # a typo under an existing folder: the folder's closest entry first
-    if not local and not path.is_absolute() and is_hub_id(text):
+    if not local and not path.is_absolute() and is_hub_id(text) and is_hub_id(typed or text):
         local = "./" + text.split("/")[1]
         return (f"{text!r} reads as a Hugging Face hub id, and infer reads adapters from local folders only "
                 f"(nothing is downloaded): fetch it first, `hf download {text} --local-dir {local}`, "
