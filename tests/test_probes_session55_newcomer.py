@@ -119,3 +119,20 @@ def test_a_missing_adapter_typed_with_dot_slash_is_no_hub_id(tmp_path, monkeypat
     with pytest.raises(ConfigError) as e:
         parse_loras(["sql=org/sql-lora"])
     assert "hf download org/sql-lora" in e.value.hint
+
+
+def test_bench_says_what_runs_when_its_progress_bars_cannot_draw(tmp_path):
+    """README's first `infer bench llama-100m ... --baseline hf`, logged to a file (CI, `2>&1 | tee`), printed
+    nothing for its 10 minutes on the 2-core machine: rich's bars draw only on a terminal. Each level (and each
+    baseline level) now says what runs on a stderr that is no terminal; --quiet keeps it silent."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    args = ["bench", "tiny-llama", "--num-prompts", "2", "--concurrency", "1,2", "--input-len", "4",
+            "--output-len", "2", "--max-model-len", "64"]
+    result = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "b")])
+    assert result.exit_code == 0, result.output
+    assert "infer bench: 2 requests at concurrency 1 ..." in result.output
+    assert "infer bench: 2 requests at concurrency 2 ..." in result.output
+    result = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "q"), "--quiet"])
+    assert result.exit_code == 0 and "requests at concurrency" not in result.output, result.output

@@ -172,6 +172,7 @@ def _measure(plan: BenchPlan, target: _Target, requests, runs: list, bases: list
     """Fill `runs` level by level, then `bases` (the baseline's levels, after all of ours); True when Ctrl-C cut
     the plan short."""
     for c in plan.levels:
+        _say(plan, f"{len(requests)} requests at concurrency {c}")
         with _keeping_partial(runs, plan.goodput):
             run = target.run(requests, c)
         run.goodput = plan.goodput
@@ -183,6 +184,19 @@ def _measure(plan: BenchPlan, target: _Target, requests, runs: list, bases: list
     if plan.baseline == NO_SPEC:
         return _measure_no_spec(plan, target, requests, bases)
     return False
+
+
+def _say(plan: BenchPlan, what: str) -> None:
+    """Where stderr is no terminal (a CI log, `2>&1 | tee`), the progress bars draw nothing: a line per level says
+    what runs, so a bench of many minutes does not look hung."""
+    if plan.quiet:
+        return
+    try:
+        if sys.stderr.isatty():
+            return
+    except (AttributeError, ValueError):
+        return
+    print(f"infer bench: {what} ...", file=sys.stderr, flush=True)
 
 
 def _measure_hf(plan: BenchPlan, target: _Target, requests, bases: list, hide=_shown) -> bool:
@@ -198,6 +212,7 @@ def _measure_hf(plan: BenchPlan, target: _Target, requests, bases: list, hide=_s
         with hide():
             hf = load_hf(plan.model, target.hf_dtype, target.hf_device)
         for c in plan.levels:
+            _say(plan, f"baseline: transformers generate, {len(base_requests)} requests in batches of {c}")
             with hide() as term, _keeping_partial(bases, plan.goodput, label):
                 base = run_hf_generate(hf, base_requests, batch_size=c, progress=not plan.quiet, console=term,
                                        warmup=True)  # warmed, as the engine is, before it is measured
@@ -244,6 +259,7 @@ def _measure_no_spec(plan: BenchPlan, target: _Target, requests, bases: list) ->
         base = _Target(no_spec_plan(plan), target.tokenizer)
         base.warm_adapters(plan.loras)
         for c in plan.levels:
+            _say(plan, f"baseline: {NO_SPEC_LABEL}, {len(requests)} requests at concurrency {c}")
             with _keeping_partial(bases, plan.goodput, NO_SPEC_LABEL):
                 run = base.run(requests, c)
             if _add_baseline(plan, run, NO_SPEC_LABEL, bases):
