@@ -136,3 +136,23 @@ def test_bench_says_what_runs_when_its_progress_bars_cannot_draw(tmp_path):
     assert "infer bench: 2 requests at concurrency 2 ..." in result.output
     result = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "q"), "--quiet"])
     assert result.exit_code == 0 and "requests at concurrency" not in result.output, result.output
+
+
+def test_bench_url_with_a_wrong_served_model_name_is_told_the_servers_id(monkeypatch):
+    """`infer bench ./model --url ... --served-model-name llama` against a server of another id was told `pass
+    --served-model-name ID for the base`: the option it had just passed. The hint names the id the server lists
+    for its base (its card without a parent)."""
+    import httpx
+
+    from infer.cli.bench import check_url
+    from infer.errors import ConfigError
+    cards = [{"id": "tiny-llama", "parent": None}, {"id": "support", "parent": "tiny-llama"}]
+    monkeypatch.setattr(httpx, "get", lambda *a, **k: httpx.Response(200, json={"data": cards}))
+    with pytest.raises(ConfigError) as e:
+        check_url("http://127.0.0.1:8000", "llama", [], None)
+    assert "does not serve 'llama'" in e.value.message
+    assert e.value.hint.startswith("pass --served-model-name tiny-llama ")
+    with pytest.raises(ConfigError) as e:
+        check_url("http://127.0.0.1:8000", "tiny-llama", ["legal"], None)
+    assert "--served-model-name" not in e.value.hint and "--lora" in e.value.hint
+    assert check_url("http://127.0.0.1:8000", "tiny-llama", ["support"], None) == "http://127.0.0.1:8000"

@@ -133,14 +133,20 @@ def check_url(url: str, model_id: str, adapters: list[str], api_key: str | None)
         raise ConfigError(f"{base} refused the --api-key given (HTTP {resp.status_code})",
                           "pass a key the server was started with (its --api-key, INFER_API_KEY or VLLM_API_KEY)")
     try:
-        served = {m["id"] for m in resp.json()["data"]} if resp.status_code == 200 else None
+        cards = resp.json()["data"] if resp.status_code == 200 else None
+        served = {m["id"] for m in cards} if cards is not None else None
+        bases = sorted(m["id"] for m in cards if isinstance(m, dict) and not m.get("parent")) if cards else []
     except (ValueError, KeyError, TypeError):
-        served = None
+        served, bases = None, []
     missing = [m for m in [model_id, *adapters] if served is not None and m not in served]
     if missing:
+        # what to type: the id the server lists for its base (a card without a parent, as vLLM's), the adapters'
+        fix = [f"pass --served-model-name {bases[0]} (the server's id for its base)" if bases else
+               "pass --served-model-name with the server's id for its base"] if model_id in missing else []
+        if len(missing) > (model_id in missing):
+            fix.append("give --lora only for adapters the server serves (start it with infer serve --lora NAME=PATH)")
         raise ConfigError(f"{base} does not serve {', '.join(map(repr, missing))}; it serves "
-                          f"{', '.join(sorted(served)) or 'nothing'}",
-                          "pass --served-model-name ID for the base, --lora NAME for adapters")
+                          f"{', '.join(sorted(served)) or 'nothing'}", "; ".join(fix))
     return base
 
 
