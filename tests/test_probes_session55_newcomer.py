@@ -156,3 +156,17 @@ def test_bench_url_with_a_wrong_served_model_name_is_told_the_servers_id(monkeyp
         check_url("http://127.0.0.1:8000", "tiny-llama", ["legal"], None)
     assert "--served-model-name" not in e.value.hint and "--lora" in e.value.hint
     assert check_url("http://127.0.0.1:8000", "tiny-llama", ["support"], None) == "http://127.0.0.1:8000"
+
+
+def test_a_missing_adapter_loaded_at_runtime_with_dot_slash_is_no_hub_id(tmp_path, monkeypatch):
+    """POST /v1/load_lora_adapter {"lora_path": "./adapters/nope"} (and LLM.add_lora) got the same 'reads as a
+    Hugging Face hub id ... hf download adapters/nope' hint as --lora did."""
+    from infer.errors import LoRAError
+    from infer.lora.adapter import read_adapter
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(LoRAError) as e:
+        read_adapter("x", "./adapters/nope")
+    assert "folder not found" in str(e.value) and "hub id" not in str(e.value) and "download" not in str(e.value)
+    with pytest.raises(LoRAError) as e:
+        read_adapter("x", "org/sql-lora")
+    assert "hf download org/sql-lora" in str(e.value)

@@ -245,12 +245,13 @@ def not_found_hint(path: Path, typed: str | None = None) -> str:
     return f"{where} ({local})" if local else where
 
 
-def read_config(name: str, path: Path) -> dict:
+def read_config(name: str, path: Path, typed: str | None = None) -> dict:
+    """The adapter's adapter_config.json (`typed`: the path as the user wrote it, for the hint when it is missing)."""
     if path.exists() and not path.is_dir():
         raise _fail(name, path, "is a file, not a folder", "pass the folder save_pretrained wrote (the one that "
                                                             "holds adapter_config.json), not a file in it")
     if not path.is_dir():
-        raise _fail(name, path, "folder not found", not_found_hint(path))
+        raise _fail(name, path, "folder not found", not_found_hint(path, typed))
     file = path / CONFIG_FILE
     if not file.is_file():
         try:  # peft's save_pretrained writes an adapter not named "default" into a subfolder of that name
@@ -758,9 +759,10 @@ def adapter_path(name: str, path: str | Path) -> Path:
 
 def read_adapter(name: str, path: str | Path) -> LoRAAdapter:
     """Parse the folder; raises LoRAError only when it cannot be read (see the module docstring)."""
+    typed = path if isinstance(path, str) else None  # (as written: Path drops a leading ./)
     path = adapter_path(name, path)
     stamp = folder_stamp(path)  # before reading: a change while it is read shows as a change later
-    config = read_config(name, path)
+    config = read_config(name, path, typed)
     modules, problems = build_modules(config, read_tensors(name, path))
     return LoRAAdapter(name, path, config, modules, config_problems(config) + problems, stamp)
 
