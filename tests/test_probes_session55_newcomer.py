@@ -170,3 +170,20 @@ def test_a_missing_adapter_loaded_at_runtime_with_dot_slash_is_no_hub_id(tmp_pat
     with pytest.raises(LoRAError) as e:
         read_adapter("x", "org/sql-lora")
     assert "hf download org/sql-lora" in str(e.value)
+
+
+def test_lora_validate_of_a_missing_dot_slash_adapter_is_no_hub_id(tmp_path, monkeypatch):
+    """README's `infer lora-validate BASE support=./adapters/support ./adapters/legal`, run where those folders are
+    not, was told 'adapters/support' reads as a hub id, and to `hf download` it."""
+    from infer.lora.validate import parse_adapter_args, static_report
+    from infer.models.loader import load_config
+    from infer.models.tiny import ensure_builtin
+    monkeypatch.chdir(tmp_path)
+    adapters = parse_adapter_args(["support=./adapters/support", "./adapters/legal"])
+    assert sorted(adapters) == ["legal", "support"]
+    config = load_config(ensure_builtin("tiny-llama"))
+    for name, path in adapters.items():
+        problem = static_report(name, path, config, None).problems[0]
+        text = f"{problem.message} {problem.hint}"
+        assert "folder not found" in text and "hub id" not in text and "download" not in text
+        assert path == tmp_path / "adapters" / name  # (the error line names it so)

@@ -10,6 +10,7 @@ peft) runs the engine, so it lives beside the command, in `infer.cli.lora_check`
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -98,7 +99,10 @@ def parse_adapter_args(items: list[str]) -> dict[str, Path]:
             raise ConfigError(f"adapter {item!r} is not NAME=PATH or PATH", "e.g. support=./adapters/support")
         if name in out:
             raise ConfigError(f"adapter name {name!r} is given twice", "name them: NAME=PATH")
-        out[name] = Path(path).expanduser()
+        # a path typed with ./ or ../ is local: absolute, so that a missing one is not read as a hub id ORG/NAME
+        # (Path("./adapters/x") drops the ./)
+        local = path.startswith(("./", "../", ".\\", "..\\"))
+        out[name] = Path(os.path.abspath(path)) if local else Path(path).expanduser()
     return out
 
 
