@@ -130,6 +130,8 @@ def quantize(
         from ..models.loader import load_config
         from ..models.registry import check_supported
         check_supported(load_config(src))
+        from ..models.moe import refuse_quantize
+        refuse_quantize(load_config(src))
     with terminate_as_interrupt():
         result = run_quantization(src, output, options, calibration, overwrite=overwrite, verbose=verbose,
                                   source=source_name(model))

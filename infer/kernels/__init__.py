@@ -152,3 +152,11 @@ def gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1=True, group_si
                                                 interleave, bias=bias, lora=lora, gated=gated)
     return reference.gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1, group_size, interleave, bias,
                                  lora, gated)
+
+
+def fused_moe(x, w13, w2, weights, ids):
+    """A mixture of experts' SwiGLU MLPs (reference.fused_moe). On CUDA every expert over every token, weighted by
+    its routing weight (0 where not chosen: reference.fused_moe_dense), which a CUDA graph can record."""
+    if x.is_cuda:
+        return reference.fused_moe_dense(x, w13, w2, weights, ids)
+    return reference.fused_moe(x, w13, w2, weights, ids)

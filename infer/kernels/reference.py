@@ -443,3 +443,35 @@ def _rows_attention(q, k_cache, v_cache, block_tables, seqs, queries, row_lens, 
             k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
     o = _sdpa(qr, k, v, attn_mask=mask, scale=scale, enable_gqa=qr.shape[1] != k.shape[1], softcap=softcap)
     out.index_copy_(0, qstart, o[:, :, 0].to(out.dtype))
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor) -> torch.Tensor:
+    """Semantics: a mixture of experts' SwiGLU MLPs. x [T, H]; w13 [E, 2I, H] (each expert's gate rows, then its up
+    rows); w2 [E, H, I]; ids [T, k] the experts of each token, weights [T, k] their routing weights (float32, or x's
+    dtype). out[t] = sum over j of (weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))) rounded to x's dtype,
+    e = ids[t, j], summed in the experts' order (as transformers' experts loop): only the experts some token chose
+    run, each over its tokens."""
+    out = torch.zeros_like(x)
+    if x.shape[0] == 0:
+        return out
+    inter = w2.shape[2]
+    for e in torch.unique(ids).tolist():
+        tok, pos = torch.where(ids == e)
+        h = F.linear(x[tok], w13[e])
+        y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], w2[e]) * weights[tok, pos, None]
+        out.index_add_(0, tok, y.to(x.dtype))
+    return out
+
+
+def fused_moe_dense(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                    ids: torch.Tensor) -> torch.Tensor:
+    """fused_moe's semantics with no data-dependent shape (a CUDA graph can record it): every expert runs over every
+    token, its output weighted by the token's routing weight for it (0 where the token did not choose it)."""
+    dense = torch.zeros(x.shape[0], w13.shape[0], dtype=weights.dtype, device=x.device).scatter_(1, ids, weights)
+    out = torch.zeros_like(x)
+    inter = w2.shape[2]
+    for e in range(w13.shape[0]):
+        h = F.linear(x, w13[e])
+        out += (F.linear(F.silu(h[:, :inter]) * h[:, inter:], w2[e]) * dense[:, e, None]).to(x.dtype)
+    return out

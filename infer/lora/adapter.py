@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import LoRAError
+from ..models.moe import is_moe
 from ..models.shapes import ModelShapes
 
 ATTN, MLP = "self_attn", "mlp"
@@ -92,6 +93,7 @@ class LoRAAdapter:
     modules: dict[str, LoRAModule] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
     stamp: tuple = ()  # folder_stamp(path) when it was read
+    mlp_modules: list[str] = field(default_factory=list)  # the modules it adapts under a layer's MLP (read_adapter)
 
     @property
     def rank(self) -> int:
@@ -122,6 +124,12 @@ class LoRAAdapter:
     def validate_against(self, base_config, max_rank: int | None = None) -> list[Problem]:
         """Everything that keeps this adapter from running on `base_config` (a HF config); [] when it fits."""
         problems = _no_default_targets(self, base_config) + _non_linear_targets(self.config, base_config)
+        if is_moe(base_config) and self.mlp_modules:  # first: whatever else is wrong, this one is why it cannot run
+            more = f" (and {len(self.mlp_modules) - 1} more modules)" if len(self.mlp_modules) > 1 else ""
+            problems.insert(0, Problem(
+                f"adapts {self.mlp_modules[0]}{more}: infer runs adapters on a mixture of experts' attention "
+                "projections only (q_proj, k_proj, v_proj, o_proj), not on its experts, router or MLPs (as vLLM)",
+                "retrain with target_modules among q_proj,k_proj,v_proj,o_proj"))
         shapes = expected_shapes(base_config)
         num_layers = layer_count(self.config, base_config)
         problems += _foreign_projections(self, base_config, shapes)
@@ -149,6 +157,10 @@ def _foreign_projections(adapter: "LoRAAdapter", base_config, shapes: dict) -> l
     a Phi-3 base (whose q|k|v is one qkv_proj), Phi-3's qkv_proj on a Llama one. One problem for all of them."""
     have = f"its {getattr(base_config, 'model_type', '?')} layers have {', '.join(shapes)}"
     hint = "the adapter was trained for another architecture"
+    if is_moe(base_config):  # vLLM's behaviour: adapters on a mixture of experts' attention only
+        have = (f"infer runs adapters on a mixture of experts' attention projections only ({', '.join(shapes)}), "
+                "not on its experts, router or shared expert")
+        hint = "retrain with target_modules among q_proj,k_proj,v_proj,o_proj"
     foreign = [m.name for m in adapter.modules.values() if m.proj not in shapes]
     if foreign:
         more = f" (and {len(foreign) - 1} more modules)" if len(foreign) > 1 else ""
@@ -218,6 +230,8 @@ def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
     qkv_proj and gate_up_proj in place of q/k/v and gate/up."""
     shapes = ModelShapes.from_config(base_config)
     hidden, inter, q, kv = shapes.hidden_size, base_config.intermediate_size, shapes.q_size, shapes.kv_size
+    if is_moe(base_config):  # a mixture of experts: its attention's projections only (models.moe)
+        return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden)}
     if getattr(base_config, "model_type", None) == "phi3":
         return {"qkv_proj": (hidden, q + 2 * kv), "o_proj": (q, hidden), "gate_up_proj": (hidden, 2 * inter),
                 "down_proj": (inter, hidden)}
@@ -763,8 +777,13 @@ def read_adapter(name: str, path: str | Path) -> LoRAAdapter:
     path = adapter_path(name, path)
     stamp = folder_stamp(path)  # before reading: a change while it is read shows as a change later
     config = read_config(name, path, typed)
-    modules, problems = build_modules(config, read_tensors(name, path))
-    return LoRAAdapter(name, path, config, modules, config_problems(config) + problems, stamp)
+    tensors = read_tensors(name, path)
+    modules, problems = build_modules(config, tensors)
+    adapter = LoRAAdapter(name, path, config, modules, config_problems(config) + problems, stamp)
+    found = (_TENSOR.match(n) for n in tensors)
+    adapter.mlp_modules = sorted({m["module"].removeprefix("base_model.model.") for m in found
+                                  if m and re.search(r"\.(mlp|block_sparse_moe)\.", m["module"])})
+    return adapter
 
 
 def adapter_problems(name: str, path: str | Path, base_config, max_rank: int | None = None) -> list[Problem]:

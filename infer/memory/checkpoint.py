@@ -112,7 +112,8 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
                 if device.type == "cpu":  # the CPU path dequantizes each GPTQ layer once at load (and prepacks it)
                     total += k * n * elem * (2 if prepacks else 1)
             total += size
-            if prepacks and is_float and (_LINEAR.search(name) or name == "lm_head.weight"):
+            # (a mixture of experts' experts are stacked and never prepacked: models.moe)
+            if prepacks and is_float and (_LINEAR.search(name) and ".experts." not in name or name == "lm_head.weight"):
                 total += size
             if prepacks and name == "model.embed_tokens.weight" and getattr(model_config, "tie_word_embeddings", False):
                 total += size

@@ -17,7 +17,7 @@ def sliding_window(model_config) -> int | None:
     window = getattr(model_config, "sliding_window", None)
     if not window:
         return None
-    if getattr(model_config, "model_type", None) in ("mistral", "llama", "phi3"):
+    if getattr(model_config, "model_type", None) in ("mistral", "llama", "phi3", "mixtral", "qwen3_moe"):
         return int(window)
     types = getattr(model_config, "layer_types", None)
     if types is not None:
@@ -38,8 +38,8 @@ def layer_window(model_config, layer: int) -> int:
     model_type = getattr(model_config, "model_type", None)
     if not window or model_type == "llama":
         return 0
-    if model_type in ("mistral", "phi3"):
-        return int(window)
+    if model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):  # (Qwen3-MoE: sliding_window set only where
+        return int(window)  # use_sliding_window is, and then on every layer, as transformers runs it)
     types = getattr(model_config, "layer_types", None)
     if types is not None:
         return int(window) if layer < len(types) and types[layer] == "sliding_attention" else 0

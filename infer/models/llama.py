@@ -20,6 +20,7 @@ from ..kernels import cpu_gemm
 from .context import ForwardContext
 from .layers import LinearMethod, MergedLinear
 from .limits import layer_window
+from .moe import SparseMoeBlock, base_type, is_sparse
 from .registry import GEMMA, GEMMA_FOUR_NORMS, activation
 from .rope import build_cos_sin_cache, rope_layer_types
 from .shapes import ModelShapes
@@ -73,15 +74,17 @@ class Attention(nn.Module):
         self.window = layer_window(cfg, layer)  # a sliding-window layer's window (0: full attention), every kernel's
         # as transformers builds each family: Qwen2 has q/k/v biases and no o bias, Llama, Qwen3, Gemma and Gemma 2
         # follow attention_bias (q, k, v and o), Mistral has none whatever its config says
-        declared = bool(getattr(cfg, "attention_bias", False)) and cfg.model_type in ("llama", "qwen3", *GEMMA)
-        qkv_bias = cfg.model_type == "qwen2" or declared
+        kind = base_type(cfg)  # an MoE model's attention is its dense family's (models.moe.BASE)
+        declared = bool(getattr(cfg, "attention_bias", False)) and kind in ("llama", "qwen3", *GEMMA)
+        qkv_bias = (bool(getattr(cfg, "qkv_bias", True)) if cfg.model_type == "qwen2_moe" else kind == "qwen2") \
+            or declared
         names = fused_names(cfg, prefix, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
         self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], names, qkv_bias,
                                      method_for(names), dtype)
         o_bias = declared
         self.o_proj = MergedLinear(self.q_size, [cfg.hidden_size], [f"{prefix}.o_proj"], o_bias,
                                    method_for([f"{prefix}.o_proj"]), dtype)
-        self.qk_norm = cfg.model_type in ("qwen3", "gemma3_text")  # Gemma 3's by 1 + w
+        self.qk_norm = kind in ("qwen3", "gemma3_text")  # Gemma 3's by 1 + w
         if self.qk_norm:
             self.q_norm = norm_for(cfg)(self.head_dim, cfg.rms_norm_eps, dtype)
             self.k_norm = norm_for(cfg)(self.head_dim, cfg.rms_norm_eps, dtype)
@@ -151,12 +154,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg, prefix: str, method_for, dtype):
+    def __init__(self, cfg, prefix: str, method_for, dtype, inter: int | None = None):
+        """inter: the intermediate width, where not cfg.intermediate_size (Qwen2-MoE's shared expert)."""
         super().__init__()
         self.act = activation(cfg)  # silu, or Gemma's gelu_tanh
         bias = bool(getattr(cfg, "mlp_bias", False)) and cfg.model_type == "llama"  # only Llama's MLP has biases
         names = fused_names(cfg, prefix, "gate_up_proj", ("gate_proj", "up_proj"))
-        inter = cfg.intermediate_size
+        inter = inter or cfg.intermediate_size
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [inter, inter], names, bias, method_for(names), dtype)
         self.down_proj = MergedLinear(inter, [cfg.hidden_size], [f"{prefix}.down_proj"], bias,
                                       method_for([f"{prefix}.down_proj"]), dtype)
@@ -193,7 +197,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         p = f"model.layers.{i}"
         self.self_attn = Attention(cfg, f"{p}.self_attn", method_for, dtype, i)
-        self.mlp = MLP(cfg, f"{p}.mlp", method_for, dtype)
+        if is_sparse(cfg, i):  # a mixture of experts' sparse layer (models.moe)
+            moe = "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"
+            self.mlp = SparseMoeBlock(cfg, f"{p}.{moe}", method_for, dtype)
+        else:
+            self.mlp = MLP(cfg, f"{p}.mlp", method_for, dtype)
         norm = norm_for(cfg)
         self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)

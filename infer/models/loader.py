@@ -231,6 +231,7 @@ def place_weights(model, tensors, dtype: torch.dtype):
     # the CPU copies would cost seconds on a 7B, the GPU's one milliseconds)
     on_cpu = all(p.device.type == "cpu" for p in params.values())
     float8: list[str] = []
+    experts = getattr(model, "load_expert_tensor", None)
     for name, t in tensors:
         if _IGNORED.search(name):
             continue
@@ -245,6 +246,10 @@ def place_weights(model, tensors, dtype: torch.dtype):
         if on_cpu:
             _check_finite(name, raw, t)
         key = module_key(name)
+        into = experts(key, t, name) if experts is not None else None  # a mixture of experts' (models.moe)
+        if into is not None:
+            loaded.add(into)
+            continue
         routed = _merged_shard(key, shards, merged)
         if routed is not None:
             layer, pname, shard = routed
@@ -280,6 +285,8 @@ def place_weights(model, tensors, dtype: torch.dtype):
         emb.data.copy_(stored_head)
         loaded.add("embed_tokens.weight")
         stored_head = None
+    if experts is not None:
+        model.check_experts()
     _check_complete(params, loaded, merged)
     if not on_cpu:
         _check_finite_on_device(model, dtype)

@@ -13,6 +13,9 @@ SUPPORTED = {
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Qwen3MoeForCausalLM": "qwen3_moe",  # mixtures of experts (models.moe)
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
 GEMMA = ("gemma", "gemma2", "gemma3_text")  # RMSNorm by 1 + w, embeddings scaled by sqrt(hidden_size), a GeGLU MLP
 # Gemma 2's layers and Gemma 3's: four norms a layer (the attention's and the MLP's outputs normed before the residual
@@ -44,6 +47,8 @@ def check_supported(cfg) -> str:
     check_activation(cfg)
     if model_type in GEMMA:
         check_gemma(cfg)
+    from .moe import check_moe
+    check_moe(cfg)
     return arch
 
 
@@ -80,6 +85,9 @@ def check_gemma(cfg) -> None:
 
 def model_class(cfg):
     check_supported(cfg)
+    from .moe import is_moe, moe_model_class
+    if is_moe(cfg):
+        return moe_model_class()
     from .llama import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM, LlamaForCausalLM, Phi3ForCausalLM
     return {"phi3": Phi3ForCausalLM, "gemma": GemmaForCausalLM, "gemma2": Gemma2ForCausalLM,
             "gemma3_text": Gemma3ForCausalLM}.get(cfg.model_type, LlamaForCausalLM)

@@ -65,6 +65,12 @@ BUILTIN_MODELS: dict[str, TinySpec] = {
     "tiny-gemma3": TinySpec("gemma3_text", 10, config=dict(_TINY, num_hidden_layers=6, head_dim=32,
                                                            query_pre_attn_scalar=32, sliding_window=64,
                                                            tie_word_embeddings=False)),
+    # mixtures of experts (models.moe): 8 experts of width 32, top-2, renormalised (as Qwen3-30B-A3B's
+    # norm_topk_prob); Mixtral's experts of intermediate_size
+    "tiny-qwen3-moe": TinySpec("qwen3_moe", 11, config=dict(_TINY, head_dim=32, moe_intermediate_size=32, num_experts=8,
+                                                            num_experts_per_tok=2, norm_topk_prob=True)),
+    "tiny-mixtral": TinySpec("mixtral", 12, config=dict(_TINY, intermediate_size=32, num_local_experts=8,
+                                                        num_experts_per_tok=2)),
     "llama-100m": TinySpec("llama", 6, vocab_size=32000, init_range=0.08, config=dict(  # 134M parameters
         hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
         num_key_value_heads=12, max_position_embeddings=4096)),
@@ -154,7 +160,8 @@ def _build(spec: TinySpec, out: Path) -> None:
                                pad_token_id=0, initializer_range=spec.init_range, **spec.config)
     cfg.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
                           "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
-                          "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}[spec.arch]]
+                          "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                          "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}[spec.arch]]
     with torch.random.fork_rng(devices=[]):  # the caller's random state is the same whether the cache existed
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

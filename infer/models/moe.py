@@ -1,0 +1,250 @@
+"""Mixture-of-experts members of the Llama family: Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B), Mixtral (8x7B,
+8x22B) and Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B).
+
+Attention, norms and rope are their dense family's (`BASE`: Qwen3's q/k norms, Mistral's, Qwen2's q/k/v biases);
+the MLP of a sparse layer is a `SparseMoeBlock`: a router (a linear [E, H] of the hidden state, softmax in float32
+over the experts, the top k, renormalised to sum 1 where norm_topk_prob is set, Mixtral always) and E SwiGLU
+experts, each token's output the routing-weighted sum of its k experts' outputs (kernels.fused_moe). Qwen2-MoE adds
+a shared expert (a dense SwiGLU MLP every token runs) scaled by sigmoid(shared_expert_gate(x)). Qwen's
+decoder_sparse_step and mlp_only_layers leave some layers dense (their MLP is Llama's, of intermediate_size).
+
+The experts are stored stacked, as transformers 5 keeps them in memory: `experts.w13` [E, 2I, H] (each expert's
+gate rows then its up rows) and `experts.w2` [E, H, I]. Checkpoints store them per expert (mlp.experts.N.gate_proj,
+up_proj, down_proj; Mixtral's block_sparse_moe.experts.N.w1, w3, w2), which is what save_pretrained writes and
+what GPTQModel quantizes, or fused as transformers names its parameters (mlp.experts.gate_up_proj, down_proj): the
+loader (`MoeForCausalLM.load_expert_tensor`) reads either.
+
+Not supported, refused up front (UnsupportedModelError): experts quantized (GPTQ, AWQ), adapters on the experts or
+the router (lora.adapter), a hidden_act other than silu.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from .. import kernels
+from ..errors import ModelLoadError, UnsupportedModelError
+from ..kernels import cpu_gemm
+from .layers import UnquantizedLinearMethod
+
+# model_type -> the dense family whose attention (and checkpoint names outside the MLP) it has
+BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2"}
+# the checkpoint's names of an expert's projections: (gate, up, down)
+_PROJ = {"mixtral": ("w1", "w3", "w2")}
+_QWEN_PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
+def base_type(cfg) -> str:
+    """The dense family whose attention a model has: its own model_type, or for an MoE model `BASE`'s."""
+    model_type = getattr(cfg, "model_type", None)
+    return BASE.get(model_type, model_type)
+
+
+def is_moe(cfg) -> bool:
+    return getattr(cfg, "model_type", None) in BASE
+
+
+def num_experts(cfg) -> int:
+    """E: Qwen's num_experts, Mixtral's num_local_experts."""
+    return int(getattr(cfg, "num_local_experts" if cfg.model_type == "mixtral" else "num_experts", 0) or 0)
+
+
+def is_sparse(cfg, layer: int) -> bool:
+    """Whether decoder layer `layer` has the experts (as transformers builds each): every Mixtral layer; a Qwen layer
+    not in mlp_only_layers whose index + 1 is a multiple of decoder_sparse_step (with num_experts > 0)."""
+    if not is_moe(cfg):
+        return False
+    if cfg.model_type == "mixtral":
+        return True
+    step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+    return (layer not in (getattr(cfg, "mlp_only_layers", None) or []) and num_experts(cfg) > 0
+            and (layer + 1) % step == 0)
+
+
+def expert_size(cfg) -> int:
+    """I: an expert's intermediate width (Qwen's moe_intermediate_size; Mixtral's intermediate_size)."""
+    return int(cfg.intermediate_size if cfg.model_type == "mixtral" else cfg.moe_intermediate_size)
+
+
+def check_moe(cfg) -> None:
+    """What an MoE config may ask that infer cannot run, refused up front."""
+    if not is_moe(cfg):
+        return
+    e, k = num_experts(cfg), int(getattr(cfg, "num_experts_per_tok", 0) or 0)
+    field = "num_local_experts" if cfg.model_type == "mixtral" else "num_experts"
+    if any(is_sparse(cfg, i) for i in range(cfg.num_hidden_layers)) and not 0 < k <= e:
+        raise UnsupportedModelError(f"config.json has num_experts_per_tok {k} with {field} {e}",
+                                    f"each token is routed to between 1 and {field} experts")
+
+
+class _Gate(nn.Module):
+    """A linear without bias kept as a plain weight (the router [E, H]; Qwen2-MoE's shared_expert_gate [1, H])."""
+
+    def __init__(self, rows: int, cols: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype), requires_grad=False)
+
+    def forward(self, x):
+        return cpu_gemm.linear(x, self.weight, None, None)
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts stacked: w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I]."""
+
+    def __init__(self, e: int, hidden: int, inter: int, dtype: torch.dtype):
+        super().__init__()
+        self.num_experts, self.hidden, self.inter = e, hidden, inter
+        self.w13 = nn.Parameter(torch.empty(e, 2 * inter, hidden, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, hidden, inter, dtype=dtype), requires_grad=False)
+        self.loaded: set[tuple[int, int]] = set()  # (expert, part): 0 gate, 1 up, 2 down
+
+
+class SparseMoeBlock(nn.Module):
+    """A sparse layer's MLP: the router, the experts (and Qwen2-MoE's shared expert and its gate)."""
+
+    def __init__(self, cfg, prefix: str, method_for, dtype: torch.dtype):
+        super().__init__()
+        from .llama import MLP
+        self.prefix = prefix  # the checkpoint's module (model.layers.N.mlp; Mixtral's model.layers.N.block_sparse_moe)
+        e, h, inter = num_experts(cfg), cfg.hidden_size, expert_size(cfg)
+        self.top_k = int(cfg.num_experts_per_tok)
+        self.renormalize = cfg.model_type == "mixtral" or bool(getattr(cfg, "norm_topk_prob", False))
+        # transformers' Mixtral keeps the routing weights in float32 (its products with the experts' outputs too);
+        # Qwen's round them to the model's dtype first
+        self.float_weights = cfg.model_type == "mixtral"
+        proj = _PROJ.get(cfg.model_type, _QWEN_PROJ)
+        for name in proj:
+            method = method_for([f"{prefix}.experts.0.{name}"])
+            if method is not None and not isinstance(method, UnquantizedLinearMethod):
+                raise UnsupportedModelError(
+                    f"{cfg.model_type}'s experts are quantized ({prefix}.experts.0.{name}): infer runs a mixture of "
+                    "experts only with float experts",
+                    "use the float checkpoint (infer quantize refuses mixture-of-experts models too)")
+        self.gate = _Gate(e, h, dtype)
+        self.experts = Experts(e, h, inter, dtype)
+        self.shared_expert = None
+        if cfg.model_type == "qwen2_moe":
+            shared = int(cfg.shared_expert_intermediate_size)
+            self.shared_expert = MLP(cfg, f"{prefix}.shared_expert", method_for, dtype, inter=shared)
+            self.shared_expert.down_proj.lora_consumer = None  # its output is gated: no delta left to the next norm
+            self.shared_expert_gate = _Gate(1, h, dtype)
+
+    def route(self, x: torch.Tensor):
+        """(the top k routing weights [T, k] (float32 for Mixtral, else the model's dtype), their experts [T, k])."""
+        logits = self.gate(x)  # in the model's dtype, as transformers' F.linear
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights if self.float_weights else weights.to(x.dtype)), ids
+
+    def forward(self, x, ctx=None):
+        """(the block's output [T, H], None: no LoRA delta left to the next norm)."""
+        weights, ids = self.route(x)
+        out = kernels.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
+        if self.shared_expert is not None:
+            shared, _ = self.shared_expert(x, ctx)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out, None
+
+
+# a sparse layer's tensors as checkpoints name them (after the loader drops "model."): the router, an expert's
+# projection, or the stacked experts of transformers' own parameter names
+_TENSOR = re.compile(r"^layers\.(\d+)\.(mlp|block_sparse_moe)\.(?:gate\.weight|experts\.(\d+)\.(\w+)\.weight|"
+                     r"experts\.(gate_up_proj|down_proj))$")
+
+
+class MoeForCausalLM:
+    """The mixin of an MoE model class (registry.model_class): the loader's routing of the experts' tensors."""
+
+    def _moe_block(self, key: str):
+        m = _TENSOR.match(key)
+        if m is None:
+            return None, m
+        layer = int(m.group(1))
+        if layer >= len(self.layers) or not isinstance(self.layers[layer].mlp, SparseMoeBlock):
+            return None, m
+        block = self.layers[layer].mlp
+        if m.group(2) != block.prefix.rpartition(".")[2]:  # Mixtral's block_sparse_moe, Qwen's mlp
+            return None, m
+        return block, m
+
+    def load_expert_tensor(self, key: str, t: torch.Tensor, name: str) -> str | None:
+        """Load checkpoint tensor `name` (`key` without "model.") into a sparse layer; returns the model's parameter
+        it went into, or None where it is no sparse layer's (the loader's usual routing then)."""
+        block, m = self._moe_block(key)
+        if block is None:
+            return None
+        layer = key.split(".")[1]
+        experts = block.experts
+        e, h, inter = experts.num_experts, experts.hidden, experts.inter
+
+        def check(shape, dest: torch.Tensor):
+            if tuple(t.shape) != tuple(shape):
+                raise ModelLoadError(f"{name} has shape {tuple(t.shape)}, config.json implies {tuple(shape)}",
+                                     "the weights do not match config.json")
+            if dest.is_floating_point() and not t.is_floating_point():
+                raise ModelLoadError(f"{name} is {str(t.dtype).removeprefix('torch.')}: infer runs a mixture of "
+                                     "experts only with float weights", "use the float checkpoint")
+
+        if m.group(3) is None and m.group(5) is None:  # the router
+            check((e, h), block.gate.weight)
+            block.gate.weight.data.copy_(t)
+            return f"layers.{layer}.mlp.gate.weight"
+        if m.group(5) is not None:  # stacked: [E, 2I, H] or [E, H, I]
+            dest = experts.w13 if m.group(5) == "gate_up_proj" else experts.w2
+            check(dest.shape, dest)
+            dest.data.copy_(t)
+            parts = (0, 1) if m.group(5) == "gate_up_proj" else (2,)
+            experts.loaded.update((i, p) for i in range(e) for p in parts)
+            return f"layers.{layer}.mlp.experts.{'w13' if parts == (0, 1) else 'w2'}"
+        index, proj = int(m.group(3)), m.group(4)
+        names = _PROJ.get(self.config.model_type, _QWEN_PROJ)
+        if index >= e or proj not in names:
+            return None  # the loader names it as a tensor config.json has no place for
+        part = names.index(proj)
+        if part < 2:
+            dest = experts.w13
+            check((inter, h), dest)
+            dest.data[index, part * inter:(part + 1) * inter].copy_(t)
+        else:
+            dest = experts.w2
+            check((h, inter), dest)
+            dest.data[index].copy_(t)
+        experts.loaded.add((index, part))
+        return f"layers.{layer}.mlp.experts.{'w13' if part < 2 else 'w2'}"
+
+    def check_experts(self) -> None:
+        """A ModelLoadError naming the first expert projection the checkpoint had no tensor for."""
+        names = _PROJ.get(self.config.model_type, _QWEN_PROJ)
+        for block in self.modules():
+            if isinstance(block, SparseMoeBlock):
+                for index in range(block.experts.num_experts):
+                    for part, proj in enumerate(names):
+                        if (index, part) not in block.experts.loaded:
+                            raise ModelLoadError(f"the checkpoint has no tensor {block.prefix}.experts.{index}.{proj}"
+                                                 ".weight", "the model folder is incomplete")
+
+
+_CLASS: list[type] = []
+
+
+def moe_model_class() -> type:
+    """LlamaForCausalLM with the loader's routing of the experts' tensors (DecoderLayer builds a sparse layer's
+    SparseMoeBlock)."""
+    if not _CLASS:
+        from .llama import LlamaForCausalLM
+        _CLASS.append(type("MoeForCausalLM", (MoeForCausalLM, LlamaForCausalLM), {
+            "__doc__": "A mixture-of-experts model (models.moe): Llama's loop over its layers, a sparse layer's MLP a "
+                       "SparseMoeBlock."}))
+    return _CLASS[0]
+
+
+def refuse_quantize(cfg) -> None:
+    """`infer quantize` of a mixture of experts: refused before calibration (infer runs float experts only)."""
+    if is_moe(cfg):
+        raise UnsupportedModelError(f"infer quantize does not quantize a mixture of experts ({cfg.model_type}): infer "
+                                    "runs its experts in float only", "serve the float checkpoint")

@@ -1,0 +1,233 @@
+"""Session 55: mixtures of experts (models.moe): Qwen3-MoE (Qwen3MoeForCausalLM), Mixtral (MixtralForCausalLM) and
+Qwen2-MoE (Qwen2MoeForCausalLM, its shared expert and sigmoid gate), end to end on tiny random models built from
+transformers' configs (float32), each against transformers: greedy tokens and logprobs over batched prompts, chunked
+prefill and prefix caching; top-k renormalised or not (norm_topk_prob), dense layers (mlp_only_layers,
+decoder_sparse_step); the checkpoint's per-expert names and transformers' stacked ones; the built-ins; the fused-MoE
+op's GPU form equal to its reference; what infer cannot run (quantized experts, adapters on experts or the router)
+refused up front."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from infer import LLM, SamplingParams
+from infer.errors import ModelLoadError, UnsupportedModelError
+from infer.models.tiny import ensure_builtin
+
+from helpers import random_prompts
+
+SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=256, vocab_size=512, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+ARCH = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+MOE = {  # the experts' fields of each family: 8 experts, top-2
+    "qwen3_moe": dict(head_dim=32, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                      num_experts_per_tok=2),
+    "mixtral": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
+    "qwen2_moe": dict(intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                      shared_expert_intermediate_size=48),
+}
+
+
+def build(folder, model_type: str, seed: int = 0, **config):
+    """A random MoE model folder (float32; norms random, not ones) with the tiny-llama tokenizer; returns
+    transformers' model."""
+    cfg = AutoConfig.for_model(model_type, initializer_range=0.15, bos_token_id=None,
+                               **{**SMALL, **MOE[model_type], **config})
+    cfg.architectures = [ARCH[model_type]]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(1.0, 0.3)
+    model.save_pretrained(folder, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ensure_builtin("tiny-llama") / f, folder / f)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def hf_greedy(hf, prompts, n: int) -> list[list[int]]:
+    with torch.no_grad():
+        return [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+                for p in prompts]
+
+
+def check_equal(hf, llm, prompts, name, n: int = 8):
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=3))
+    assert [o.token_ids for o in outs] == hf_greedy(hf, prompts, n), name
+    for p, out in zip(prompts, outs):
+        with torch.no_grad():
+            logp = hf(torch.tensor([p + out.token_ids])).logits[0, len(p) - 1:-1].log_softmax(-1)
+        for i, rec in enumerate(out.logprobs):
+            assert abs(rec["logprob"] - float(logp[i, rec["token_id"]])) < 1e-4, (name, i)
+    return outs
+
+
+CONFIGS = {
+    "qwen3_moe-renormalised": ("qwen3_moe", dict(norm_topk_prob=True)),
+    "qwen3_moe-raw-dense-layer": ("qwen3_moe", dict(norm_topk_prob=False, num_hidden_layers=3, mlp_only_layers=[1])),
+    "qwen3_moe-sparse-step": ("qwen3_moe", dict(norm_topk_prob=True, decoder_sparse_step=2)),
+    "mixtral": ("mixtral", dict()),
+    "qwen2_moe-shared": ("qwen2_moe", dict()),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_greedy_tokens_and_logprobs_equal_transformers(tmp_path, name):
+    model_type, config = CONFIGS[name]
+    hf = build(tmp_path, model_type, **config)
+    prompts = random_prompts(512, (5, 13, 30), seed=3)
+    with LLM(str(tmp_path), block_size=4) as llm:
+        check_equal(hf, llm, prompts, name)
+
+
+def test_chunked_prefill_and_prefix_caching_equal_transformers(tmp_path):
+    """Long prompts cut into chunks of 8 tokens, and a second round whose prompts share cached blocks."""
+    hf = build(tmp_path, "qwen3_moe", norm_topk_prob=True)
+    prompts = random_prompts(512, (21, 30, 17), seed=5)
+    with LLM(str(tmp_path), block_size=4, max_num_batched_tokens=8, max_num_seqs=8,
+             enable_prefix_caching=True) as llm:
+        check_equal(hf, llm, prompts, "chunked")
+        again = [p[:16] + p[-3:] for p in prompts]
+        check_equal(hf, llm, again, "prefix-cached")
+
+
+def test_the_experts_are_used_and_routed(tmp_path):
+    """The checks above mean something: the same model with the top-k left raw (norm_topk_prob false) or with two
+    experts' weights swapped gives transformers other logits."""
+    hf = build(tmp_path, "qwen3_moe", norm_topk_prob=True)
+    ids = torch.tensor([random_prompts(512, (12,), seed=1)[0]])
+    raw = build(tmp_path / "raw", "qwen3_moe", norm_topk_prob=False)
+    with torch.no_grad():
+        assert (hf(ids).logits - raw(ids).logits).abs().max() > 1e-2
+        experts = hf.model.layers[0].mlp.experts
+        base = hf(ids).logits
+        experts.down_proj.data[[0, 1]] = experts.down_proj.data[[1, 0]]
+        assert (hf(ids).logits - base).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-mixtral"])
+def test_builtins_equal_transformers_and_the_estimate_counts_every_expert(name):
+    """The built-in tiny-qwen3-moe and tiny-mixtral: transformers' tokens; `warmup --estimate`'s count of the
+    checkpoint's weights is what the engine loads (every expert, none prepacked)."""
+    from infer.kernels import cpu_gemm
+    from infer.memory.checkpoint import checkpoint_weights_bytes
+    from infer.memory.sizes import weights_bytes
+    from infer.models.loader import load_model, weight_files
+    path = ensure_builtin(name)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    with LLM(name, block_size=4) as llm:
+        check_equal(hf, llm, random_prompts(512, (6, 11), seed=2), name, n=6)
+    if cpu_gemm.available(torch.empty(0)):
+        model, cfg = load_model(path, torch.float32, torch.device("cpu"))
+        rope = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith("cos_sin"))
+        cpu = torch.device("cpu")
+        assert checkpoint_weights_bytes(weight_files(path), cfg, torch.float32, cpu) == weights_bytes(model) - rope
+
+
+def test_stacked_experts_load_and_a_missing_expert_is_named(tmp_path):
+    """A checkpoint of transformers' own parameter names (mlp.experts.gate_up_proj [E, 2I, H], down_proj) loads as
+    the per-expert one; a checkpoint missing one expert's projection is refused naming it."""
+    hf = build(tmp_path / "a", "qwen3_moe", norm_topk_prob=True)
+    prompts = random_prompts(512, (7, 12), seed=8)
+    with LLM(str(tmp_path / "a"), block_size=4) as llm:
+        want = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))]
+    assert want == hf_greedy(hf, prompts, 6)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file(state, str(tmp_path / "b" / "model.safetensors"))
+    with LLM(str(tmp_path / "b"), block_size=4) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))] == want
+    shutil.copytree(tmp_path / "a", tmp_path / "c")
+    tensors = load_file(tmp_path / "a" / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, str(tmp_path / "c" / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"no tensor model\.layers\.1\.mlp\.experts\.5\.up_proj\.weight"):
+        LLM(str(tmp_path / "c"))
+    tensors = load_file(tmp_path / "a" / "model.safetensors")
+    tensors["model.layers.0.mlp.experts.2.down_proj.weight"] = tensors["model.layers.0.mlp.experts.2.up_proj.weight"].clone()
+    save_file(tensors, str(tmp_path / "c" / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"experts\.2\.down_proj\.weight has shape \(32, 64\)"):
+        LLM(str(tmp_path / "c"))
+
+
+def test_quantized_experts_are_refused_up_front(tmp_path):
+    """A GPTQ checkpoint whose experts are quantized (GPTQModel's qwen3_moe, mixtral) is refused before any weight is
+    read; `infer quantize` refuses a mixture of experts before calibration."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    build(tmp_path / "m", "mixtral")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="mixtral's experts are quantized"):
+        LLM(str(tmp_path / "m"))
+    build(tmp_path / "q", "qwen3_moe")
+    res = CliRunner().invoke(app, ["quantize", str(tmp_path / "q"), "-o", str(tmp_path / "out")])
+    assert res.exit_code != 0 and "does not quantize a mixture of experts" in res.output, res.output
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def moe_lora(tmp_path_factory):
+    """tiny Qwen3-MoE and a peft adapter on its attention projections (r 8, all four)."""
+    from lora_helpers import hf_float, save_adapter
+    root = tmp_path_factory.mktemp("moe-lora")
+    build(root / "base", "qwen3_moe", norm_topk_prob=True)
+    hf = hf_float(root / "base")
+    path = save_adapter(hf, root / "attn", seed=1, r=8, lora_alpha=16, lora_dropout=0.0,
+                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    return root / "base", hf, path
+
+
+def test_attention_adapters_equal_peft(moe_lora):
+    from lora_helpers import PeftOracle
+    base, hf, path = moe_lora
+    oracle = PeftOracle(hf, {"attn": path})
+    try:
+        prompts = random_prompts(512, (5, 12, 8), seed=6)
+        names = ["attn", None, "attn"]
+        with LLM(str(base), loras={"attn": str(path)}, max_loras=1, max_lora_rank=8, block_size=4) as llm:
+            got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True),
+                                                     lora=names)]
+        want = [oracle.greedy(n, p, 6) for p, n in zip(prompts, names)]
+        assert got == want
+        assert want[0] != oracle.greedy(None, prompts[0], 6)  # the adapter changes the tokens
+    finally:
+        oracle.close()
+
+
+@pytest.mark.parametrize("module", ["mlp.experts.3.gate_proj", "mlp.gate", "mlp.down_proj"])
+def test_adapters_on_the_experts_or_the_router_are_refused(moe_lora, tmp_path, module):
+    """An adapter with tensors for an expert's projection, the router (mlp.gate) or an MLP projection is refused by
+    the engine's load and by `infer lora-validate`, saying adapters run on the attention only (as vLLM)."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from infer.errors import LoRAError
+    base, _, path = moe_lora
+    shutil.copytree(path, tmp_path / "a")
+    tensors = load_file(path / "adapter_model.safetensors")
+    rows, cols = (8, 64) if module != "mlp.down_proj" else (8, 32)
+    prefix = f"base_model.model.model.layers.1.{module}"
+    tensors[f"{prefix}.lora_A.weight"] = torch.randn(rows, cols)
+    tensors[f"{prefix}.lora_B.weight"] = torch.randn(8 if module == "mlp.gate" else 64, 8)
+    save_file(tensors, str(tmp_path / "a" / "adapter_model.safetensors"))
+    with pytest.raises(LoRAError) as err:
+        LLM(str(base), loras={"x": str(tmp_path / "a")}, max_loras=1, max_lora_rank=8, block_size=4)
+    said = f"adapts model.layers.1.{module}: infer runs adapters on a mixture of experts' attention projections only"
+    assert said in str(err.value)
+    res = CliRunner().invoke(app, ["lora-validate", str(base), str(tmp_path / "a")])
+    assert res.exit_code != 0 and said in " ".join(res.output.split()), res.output
