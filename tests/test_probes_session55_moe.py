@@ -231,3 +231,58 @@ def test_adapters_on_the_experts_or_the_router_are_refused(moe_lora, tmp_path, m
     assert said in str(err.value)
     res = CliRunner().invoke(app, ["lora-validate", str(base), str(tmp_path / "a")])
     assert res.exit_code != 0 and said in " ".join(res.output.split()), res.output
+
+
+# ------------------------------------------------------------------------------------------------ the GPU path
+CASES = [  # tokens, experts, top-k, hidden, expert width, float32 routing weights (Mixtral's)
+    (5, 8, 2, 32, 16, False), (19, 6, 3, 48, 24, True), (1, 4, 1, 16, 16, False), (33, 8, 2, 64, 32, True)]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_triton_fused_moe_equals_the_reference(case):
+    """The Triton fused MoE (interpreted) and the dense graph-safe form equal the reference over random routings
+    with an expert no token chose, and the alignment pads each expert's pairs to whole blocks, blocks past the
+    padded end left to return at once."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
+    from infer.kernels import moe, reference
+    t, e, k, h, i, fw = case
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, h, generator=g)
+    w13, w2 = torch.randn(e, 2 * i, h, generator=g) * 0.2, torch.randn(e, h, i, generator=g) * 0.2
+    logits = torch.randn(t, e, generator=g)
+    logits[:, 1] -= 100  # expert 1: no tokens
+    w, ids = torch.topk(logits.softmax(-1), k, -1)
+    want = reference.fused_moe(x, w13, w2, w if fw else w.half().float(), ids)
+    assert torch.allclose(moe.fused_moe(x, w13, w2, w if fw else w.half().float(), ids), want, atol=1e-5)
+    assert torch.allclose(reference.fused_moe_dense(x, w13, w2, w if fw else w.half().float(), ids), want, atol=1e-5)
+    pairs, experts, post = moe.align(ids, e)
+    counts = torch.bincount(ids.flatten(), minlength=e)
+    padded = (counts + moe.BLOCK_M - 1) // moe.BLOCK_M * moe.BLOCK_M
+    assert int(post) == int(padded.sum()) and len(pairs) >= int(post) and len(pairs) % moe.BLOCK_M == 0
+    flat = ids.flatten()
+    for b in range(int(post) // moe.BLOCK_M):
+        rows = pairs[b * moe.BLOCK_M:(b + 1) * moe.BLOCK_M]
+        real = rows[rows < t * k].long()
+        assert len(real) and bool((flat[real] == experts[b]).all())
+    assert sorted(pairs[pairs < t * k].tolist()) == list(range(t * k))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe"])
+def test_gpu_code_path_interpreted_equals_the_cpu_path(tmp_path, monkeypatch, model_type):
+    """Every op through its Triton kernel (interpreted on CPU), the experts through the fused MoE, decode steps
+    through emulated CUDA graphs, prefills in chunks: the CPU path's tokens."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
+    from quant_helpers import int4_kernel_path
+    build(tmp_path, model_type, num_hidden_layers=1, norm_topk_prob=True)
+    prompts = random_prompts(512, (5, 14), seed=4)
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    opts = dict(block_size=4, max_num_batched_tokens=8, max_num_seqs=2, max_model_len=32)
+    with LLM(str(tmp_path), **opts) as llm:
+        cpu = [o.token_ids for o in llm.generate(prompts, params)]
+    int4_kernel_path(monkeypatch)
+    with LLM(str(tmp_path), cuda_graph_max_tokens=4, **opts) as llm:
+        llm.engine.runner.capture_graphs(64, emulate=True)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == cpu
+        assert sum(llm.engine.runner.graphs.replays.values()) > 0

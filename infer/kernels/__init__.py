@@ -155,8 +155,11 @@ def gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1=True, group_si
 
 
 def fused_moe(x, w13, w2, weights, ids):
-    """A mixture of experts' SwiGLU MLPs (reference.fused_moe). On CUDA every expert over every token, weighted by
-    its routing weight (0 where not chosen: reference.fused_moe_dense), which a CUDA graph can record."""
+    """A mixture of experts' SwiGLU MLPs (reference.fused_moe): Triton's, in launches of fixed grids (a CUDA graph
+    records them); CUDA without Triton every expert over every token, weighted by its routing weight (0 where not
+    chosen: reference.fused_moe_dense), which a graph can record too."""
+    if use_triton(x):
+        return _triton("moe").fused_moe(x, w13, w2, weights, ids)
     if x.is_cuda:
         return reference.fused_moe_dense(x, w13, w2, weights, ids)
     return reference.fused_moe(x, w13, w2, weights, ids)

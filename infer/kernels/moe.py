@@ -1,0 +1,116 @@
+"""Triton version of reference.fused_moe: a mixture of experts' SwiGLU MLPs over the tokens each expert was chosen
+by, in three launches of fixed grids (a CUDA graph records them; no host sync, no shape that depends on routing).
+
+`align` sorts the T * k (token, choice) pairs by expert into segments of BLOCK_M rows, each expert's segment padded
+to a multiple of BLOCK_M with an invalid row (T * k), all on the device: counts by scatter-add, the segments' starts
+by cumsum, each pair's slot by a stable sort. The padded length is at most T * k + E * (BLOCK_M - 1), the grid's
+fixed bound; blocks past the real end (`post`: the padded length, a device scalar) return at once. vLLM's
+moe_align_block_size does the same in one CUDA kernel.
+
+`_moe_gemm` runs a block of BLOCK_M sorted rows against their one expert's weight [N, K] (its expert per block:
+`block_expert`), reading the rows of x (the token of pair p is p // k for the gate_up matmul, p itself for the down
+matmul over the activations), and stores each row's output at its pair; the down matmul multiplies each row by its
+routing weight (in float32) before rounding. Between them silu_and_mul (fused.py); after, the k rows of a token
+summed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .intmath import cdiv
+
+BLOCK_M = 16
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
+    """(sorted pairs [P] (pair index, or T * k for padding), each block's expert [P / block_m], the padded length
+    (an int32 device scalar)) for the routing `ids` [T, k]; P = T * k + E * (block_m - 1) rounded up to block_m."""
+    flat = ids.reshape(-1).to(torch.int64)
+    pairs = flat.numel()
+    dev = ids.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    starts = ends - padded
+    order = torch.sort(flat, stable=True).indices  # the pairs by expert
+    sorted_experts = flat[order]
+    first = torch.cumsum(counts, 0) - counts  # each expert's first place in `order`
+    slot = starts[sorted_experts] + torch.arange(pairs, device=dev) - first[sorted_experts]
+    total = cdiv(pairs + num_experts * (block_m - 1), block_m) * block_m
+    sorted_pairs = torch.full((total,), pairs, dtype=torch.int32, device=dev)
+    sorted_pairs.scatter_(0, slot, order.to(torch.int32))
+    block_starts = torch.arange(0, total, block_m, device=dev)
+    block_expert = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_pairs, block_expert, ends[-1:].to(torch.int32)
+
+
+@triton.jit
+def _moe_gemm(a_ptr, w_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr, post_ptr, num_pairs, n, k, top_k,
+              s_a, s_we, s_wn, s_out, ROW_DIV: tl.constexpr, WEIGHTED: tl.constexpr, IEEE: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(post_ptr):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pairs_ptr + rows)
+    valid = pair < num_pairs
+    if ROW_DIV:
+        a_row = pair // top_k
+    else:
+        a_row = pair
+    a_row = tl.where(valid, a_row, 0).to(tl.int64)
+    e = tl.load(experts_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + a_row[:, None] * s_a + offs_k[None, :], mask=valid[:, None] & (offs_k[None, :] < k),
+                    other=0.0)
+        w = tl.load(w_ptr + e * s_we + offs_n[None, :].to(tl.int64) * s_wn + offs_k[:, None],
+                    mask=(offs_n[None, :] < n) & (offs_k[:, None] < k), other=0.0)
+        if IEEE:  # float32 weights (and under the interpreter, whose half-precision dot is wrong): no TF32
+            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(a, w)
+    out_row = tl.where(valid, pair, 0).to(tl.int64)
+    if WEIGHTED:
+        acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # the expert's output in x's dtype, as F.linear's
+        rw = tl.load(weights_ptr + out_row, mask=valid, other=0.0).to(tl.float32)
+        acc = acc * rw[:, None]
+    tl.store(out_ptr + out_row[:, None] * s_out + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & (offs_n[None, :] < n))
+
+
+def _gemm(a, w, out, weights, sorted_pairs, block_expert, post, top_k, row_div: bool, weighted: bool):
+    n, k = w.shape[1], w.shape[2]
+    block_n = min(64, max(16, triton.next_power_of_2(n)))
+    block_k = min(64, max(16, triton.next_power_of_2(k)))
+    grid = (block_expert.shape[0], cdiv(n, block_n))
+    _moe_gemm[grid](a, w, out, weights, sorted_pairs, block_expert, post, out.shape[0], n, k, top_k, a.stride(0),
+                    w.stride(0), w.stride(1), out.stride(0), ROW_DIV=row_div, WEIGHTED=weighted,
+                    IEEE=a.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1", BLOCK_M=BLOCK_M,
+                    BLOCK_N=block_n, BLOCK_K=block_k)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor) -> torch.Tensor:
+    from . import fused
+    t, top_k = ids.shape
+    if t == 0:
+        return torch.zeros_like(x)
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    sorted_pairs, block_expert, post = align(ids, w13.shape[0])
+    pairs = t * top_k
+    gate_up = torch.empty(pairs, w13.shape[1], dtype=x.dtype, device=x.device)
+    flat_w = weights.reshape(-1).contiguous()
+    _gemm(x, w13, gate_up, flat_w, sorted_pairs, block_expert, post, top_k, True, False)
+    act = fused.silu_and_mul(gate_up)
+    down = torch.empty(pairs, w2.shape[1], dtype=x.dtype, device=x.device)
+    _gemm(act, w2, down, flat_w, sorted_pairs, block_expert, post, top_k, False, True)
+    return down.view(t, top_k, -1).sum(dim=1)
