@@ -286,3 +286,20 @@ def test_gpu_code_path_interpreted_equals_the_cpu_path(tmp_path, monkeypatch, mo
         llm.engine.runner.capture_graphs(64, emulate=True)
         assert [o.token_ids for o in llm.generate(prompts, params)] == cpu
         assert sum(llm.engine.runner.graphs.replays.values()) > 0
+
+
+def test_the_activation_plan_counts_a_tokens_experts():
+    """Qwen3-30B-A3B's prefill: each token's 8 experts' gate|up, activation and down rows (kernels.moe) weigh more
+    than a dense MLP of its intermediate_size (6144): the memory plan counts them."""
+    from infer.memory.sizes import activation_bytes, moe_token_bytes
+    cfg = AutoConfig.for_model("qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                               num_experts=128, num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32,
+                               num_key_value_heads=4, head_dim=128, vocab_size=151936)
+    per_token = moe_token_bytes(cfg, torch.bfloat16)
+    assert per_token >= 8 * (3 * 768 + 2048) * 2 > 4 * 6144 * 2
+    dense = AutoConfig.for_model("qwen3", **{k: getattr(cfg, k) for k in ("hidden_size", "intermediate_size",
+                                 "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                 "vocab_size")})
+    assert moe_token_bytes(dense, torch.bfloat16) == 0
+    assert activation_bytes(cfg, torch.bfloat16, 8192, 1, 16, penalties=False) >= 8192 * per_token > \
+        activation_bytes(dense, torch.bfloat16, 8192, 1, 16, penalties=False)

@@ -154,6 +154,21 @@ def softcap_cpu_position_bytes(model_config, dtype: torch.dtype, batched: bool) 
     return 2 * shapes.num_heads * f + (2 * shapes.kv_size * f if b < f else 0) + (shapes.kv_size * f if batched else 0)
 
 
+def moe_token_bytes(model_config, dtype: torch.dtype) -> int:
+    """A token's peak in a mixture of experts' sparse layer (models.moe; 0 for a dense model): the residual and
+    the normed input, the router's logits and float32 probabilities, and for each of its k experts the fused MoE's
+    gate|up rows, their activation and the down rows (kernels.moe: [T * k, 2I], [T * k, I], [T * k, H]), with the
+    alignment's int64 sort of the pairs; the shared expert's MLP (Qwen2-MoE) after them."""
+    from ..models.moe import expert_size, is_moe, num_experts
+    if not is_moe(model_config):
+        return 0
+    b, h = element_bytes(dtype), model_config.hidden_size
+    e, k, inter = num_experts(model_config), int(model_config.num_experts_per_tok), expert_size(model_config)
+    experts = k * ((3 * inter + h) * b + 4 * 8)
+    shared = 4 * int(getattr(model_config, "shared_expert_intermediate_size", 0) or 0) * b
+    return 2 * h * b + e * (b + 2 * 4) + max(experts, shared + h * b)
+
+
 def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs: int, max_length: int,
                      lora_rank: int = 0, penalties: bool = True, kv_dtype: torch.dtype | None = None,
                      lora_expand_beside: bool = False) -> int:
@@ -168,7 +183,7 @@ def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs
     heads, q, kv = shapes.num_heads, shapes.q_size, shapes.kv_size
     # prefill: residual + normed input, then the MLP's gate_up, silu(gate) and its product live together
     per_token = (2 * h + max(q + 2 * kv + 2 * (q + kv) + q, 4 * inter) + 2 * lora_rank) * b
-    per_token = max(per_token, rotary_cpu_token_bytes(model_config, dtype))
+    per_token = max(per_token, rotary_cpu_token_bytes(model_config, dtype), moe_token_bytes(model_config, dtype))
     if lora_rank:
         per_token = max(per_token, lora_cpu_token_bytes(model_config, dtype, lora_rank))
     if lora_rank and lora_expand_beside:
