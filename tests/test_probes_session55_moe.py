@@ -303,3 +303,32 @@ def test_the_activation_plan_counts_a_tokens_experts():
     assert moe_token_bytes(dense, torch.bfloat16) == 0
     assert activation_bytes(cfg, torch.bfloat16, 8192, 1, 16, penalties=False) >= 8192 * per_token > \
         activation_bytes(dense, torch.bfloat16, 8192, 1, 16, penalties=False)
+
+
+def test_fused_moe_compiles_for_an_h100_once_whatever_the_step():
+    """The fused MoE compiled for sm_90 (the compile side of a driver, no GPU): half-precision tl.dot on the tensor
+    cores for float16 and bfloat16, float32's in IEEE; its kernels compile on a model's first step, and no later step's
+    count of tokens (1, a multiple of 16, any other) compiles a variant of its own (warm_kernels' steps cover them)."""
+    import textwrap
+
+    from helpers import COMPILE_ONLY_LAUNCHES, run_compile_only
+    pytest.importorskip("triton")
+    script = COMPILE_ONLY_LAUNCHES + textwrap.dedent('''
+        from infer.kernels import moe
+        out = {}
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            w13, w2 = torch.randn(8, 64, 64, dtype=dtype), torch.randn(8, 64, 32, dtype=dtype)
+            steps = []
+            for t in (9, 1, 16, 41, 2, 64):
+                x = torch.randn(t, 64, dtype=dtype)
+                w, ids = torch.topk(torch.randn(t, 8).softmax(-1), 2, -1)
+                before = len(compiled)
+                moe.fused_moe(x, w13, w2, w.to(dtype), ids)
+                steps.append(compiled[before:])
+            out[str(dtype)] = steps
+        print(json.dumps(out))
+    ''')
+    out = run_compile_only(script, 600)
+    for dtype, steps in out.items():
+        assert sorted(steps[0]) == ["_moe_gemm", "_moe_gemm", "_silu_and_mul_kernel"], (dtype, steps)
+        assert steps[1:] == [[]] * 5, (dtype, steps)

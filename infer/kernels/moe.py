@@ -49,7 +49,7 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
     return sorted_pairs, block_expert, ends[-1:].to(torch.int32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # (T * k: one compiled variant for every step's count of pairs)
 def _moe_gemm(a_ptr, w_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr, post_ptr, num_pairs, n, k, top_k,
               s_a, s_we, s_wn, s_out, ROW_DIV: tl.constexpr, WEIGHTED: tl.constexpr, IEEE: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
