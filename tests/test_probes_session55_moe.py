@@ -332,3 +332,19 @@ def test_fused_moe_compiles_for_an_h100_once_whatever_the_step():
     for dtype, steps in out.items():
         assert sorted(steps[0]) == ["_moe_gemm", "_moe_gemm", "_silu_and_mul_kernel"], (dtype, steps)
         assert steps[1:] == [[]] * 3, (dtype, steps)
+
+
+@pytest.mark.parametrize("targets", [["w1", "w3"], ["gate_proj"]])
+def test_adapters_whose_config_targets_the_experts_are_refused(moe_lora, tmp_path, targets):
+    """An adapter whose target_modules names the experts' projections (Mixtral's w1/w3, Qwen's gate_proj) is refused
+    with the same words, whatever tensors it has."""
+    import json
+
+    from infer.lora.adapter import adapter_problems
+    base, _, path = moe_lora
+    shutil.copytree(path, tmp_path / "a")
+    cfg = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    cfg["target_modules"] = ["q_proj", "k_proj", "v_proj", "o_proj", *targets]
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(cfg))
+    problems = adapter_problems("a", tmp_path / "a", AutoConfig.from_pretrained(base))
+    assert str(problems[0]).startswith(f"targets {targets}: infer runs adapters on a mixture of experts' attention")

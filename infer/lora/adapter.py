@@ -39,6 +39,9 @@ def base_targets(model_type: str | None, targets: list[str]) -> list[str]:
         return list(targets)
     return list(dict.fromkeys(_FUSED.get(t, t) for t in targets))
 EMBEDDINGS = ("embed_tokens", "lm_head")
+# a mixture of experts' MLP modules an adapter may name (models.moe): refused on such a base
+MOE_TARGETS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "w1", "w2", "w3", "gate", "experts", "mlp",
+               "block_sparse_moe", "shared_expert", "shared_expert_gate")
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 _TENSOR = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<kind>lora_A|lora_B)(?:\.[^.]+)?"
@@ -124,11 +127,14 @@ class LoRAAdapter:
     def validate_against(self, base_config, max_rank: int | None = None) -> list[Problem]:
         """Everything that keeps this adapter from running on `base_config` (a HF config); [] when it fits."""
         problems = _no_default_targets(self, base_config) + _non_linear_targets(self.config, base_config)
-        if is_moe(base_config) and self.mlp_modules:  # first: whatever else is wrong, this one is why it cannot run
+        targets = self.config.get("target_modules")
+        listed = [t for t in targets if str(t).split(".")[-1] in MOE_TARGETS] if isinstance(targets, list) else []
+        if is_moe(base_config) and (self.mlp_modules or listed):  # first: whatever else is wrong, this is why
             more = f" (and {len(self.mlp_modules) - 1} more modules)" if len(self.mlp_modules) > 1 else ""
+            what = f"adapts {self.mlp_modules[0]}{more}" if self.mlp_modules else f"targets {listed}"
             problems.insert(0, Problem(
-                f"adapts {self.mlp_modules[0]}{more}: infer runs adapters on a mixture of experts' attention "
-                "projections only (q_proj, k_proj, v_proj, o_proj), not on its experts, router or MLPs (as vLLM)",
+                f"{what}: infer runs adapters on a mixture of experts' attention projections only (q_proj, k_proj, "
+                "v_proj, o_proj), not on its experts, router or MLPs (as vLLM)",
                 "retrain with target_modules among q_proj,k_proj,v_proj,o_proj"))
         shapes = expected_shapes(base_config)
         num_layers = layer_count(self.config, base_config)
