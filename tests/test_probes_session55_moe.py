@@ -154,7 +154,8 @@ def test_stacked_experts_load_and_a_missing_expert_is_named(tmp_path):
     with pytest.raises(ModelLoadError, match=r"no tensor model\.layers\.1\.mlp\.experts\.5\.up_proj\.weight"):
         LLM(str(tmp_path / "c"))
     tensors = load_file(tmp_path / "a" / "model.safetensors")
-    tensors["model.layers.0.mlp.experts.2.down_proj.weight"] = tensors["model.layers.0.mlp.experts.2.up_proj.weight"].clone()
+    up = tensors["model.layers.0.mlp.experts.2.up_proj.weight"]
+    tensors["model.layers.0.mlp.experts.2.down_proj.weight"] = up.clone()
     save_file(tensors, str(tmp_path / "c" / "model.safetensors"))
     with pytest.raises(ModelLoadError, match=r"experts\.2\.down_proj\.weight has shape \(32, 64\)"):
         LLM(str(tmp_path / "c"))
@@ -307,8 +308,8 @@ def test_the_activation_plan_counts_a_tokens_experts():
 
 def test_fused_moe_compiles_for_an_h100_once_whatever_the_step():
     """The fused MoE compiled for sm_90 (the compile side of a driver, no GPU): half-precision tl.dot on the tensor
-    cores for bfloat16 (and float16), float32's in IEEE; its kernels compile on a model's first step, and no later step's
-    count of tokens (1, a multiple of 16, any other) compiles a variant of its own (warm_kernels' steps cover them)."""
+    cores for bfloat16, float32's in IEEE; its kernels compile on a model's first step, and no later step's count
+    of tokens (1, a multiple of 16, any other) compiles a variant of its own (warm_kernels' steps cover them)."""
     import textwrap
 
     from helpers import COMPILE_ONLY_LAUNCHES, run_compile_only
