@@ -162,19 +162,30 @@ def test_stacked_experts_load_and_a_missing_expert_is_named(tmp_path):
 
 
 def test_quantized_experts_are_refused_up_front(tmp_path):
-    """A GPTQ checkpoint whose experts are quantized (GPTQModel's qwen3_moe, mixtral) is refused before any weight is
-    read; `infer quantize` refuses a mixture of experts before calibration."""
+    """A checkpoint whose experts are AWQ, or GPTQ on a GPU, is refused before any weight is read; `infer quantize`
+    refuses a mixture of experts before calibration."""
     import json
 
     from typer.testing import CliRunner
 
     from infer.cli.main import app
+    from infer.models.loader import linear_method_factory, load_config
+    from infer.models import moe
+    from infer.models.moe import moe_model_class
     build(tmp_path / "m", "mixtral")
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+                                  "version": "gemm"}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="mixtral's experts are quantized .*AWQ"):
+        LLM(str(tmp_path / "m"))
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModelError, match="mixtral's experts are quantized"):
-        LLM(str(tmp_path / "m"))
+    hf_cfg = load_config(tmp_path / "m")
+    with pytest.MonkeyPatch.context() as mp, torch.device("meta"):  # a model built on a GPU
+        mp.setattr(moe, "on_gpu", lambda t: True)
+        with pytest.raises(UnsupportedModelError, match="only on the CPU .*not on a GPU"):
+            moe_model_class()(hf_cfg, torch.float32, linear_method_factory(tmp_path / "m", hf_cfg), 8)
     build(tmp_path / "q", "qwen3_moe")
     res = CliRunner().invoke(app, ["quantize", str(tmp_path / "q"), "-o", str(tmp_path / "out")])
     assert res.exit_code != 0 and "does not quantize a mixture of experts" in res.output, res.output
@@ -349,3 +360,26 @@ def test_adapters_whose_config_targets_the_experts_are_refused(moe_lora, tmp_pat
     (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(cfg))
     problems = adapter_problems("a", tmp_path / "a", AutoConfig.from_pretrained(base))
     assert str(problems[0]).startswith(f"targets {targets}: infer runs adapters on a mixture of experts' attention")
+
+
+def test_gptq_experts_equal_gptqmodels_own_load(tmp_path):
+    """GPTQModel's qwen3_moe quantizes every expert's gate/up/down: on the CPU each is dequantized once at load into
+    the stacked weights (the scales' float16 product, as GPTQModel's torch kernel): greedy tokens equal GPTQModel's
+    own load of the checkpoint."""
+    pytest.importorskip("gptqmodel")
+    from gptqmodel import BACKEND, GPTQModel
+
+    from quant_helpers import make_gptqmodel_checkpoint
+    build(tmp_path / "base", "qwen3_moe", norm_topk_prob=True, num_hidden_layers=1)
+    q = make_gptqmodel_checkpoint(tmp_path / "base", tmp_path / "q", bits=4, group_size=32, seq_len=32)
+    assert "model.layers.0.mlp.experts.7.down_proj.qweight" in load_file(q / "model.safetensors")
+    model = GPTQModel.load(str(q), backend=BACKEND.TORCH, device="cpu", dtype=torch.float16).model.float().eval()
+    floats = {k: v for k, v in load_file(q / "model.safetensors").items() if v.dtype == torch.float32}
+    assert not model.load_state_dict(floats, strict=False).unexpected_keys
+    model.generation_config.eos_token_id = None
+    prompts = random_prompts(512, (6, 15), seed=11)
+    with LLM(str(q), block_size=4) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))]
+    assert got == hf_greedy(model, prompts, 6)
+    with LLM(str(tmp_path / "base"), block_size=4) as llm:  # the int4 weights change the tokens: the check means much
+        assert [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))] != got

@@ -14,8 +14,10 @@ up_proj, down_proj; Mixtral's block_sparse_moe.experts.N.w1, w3, w2), which is w
 what GPTQModel quantizes, or fused as transformers names its parameters (mlp.experts.gate_up_proj, down_proj): the
 loader (`MoeForCausalLM.load_expert_tensor`) reads either.
 
-Not supported, refused up front (UnsupportedModelError): experts quantized (GPTQ, AWQ), adapters on the experts or
-the router (lora.adapter), a hidden_act other than silu.
+GPTQ experts (GPTQModel's qwen3_moe / mixtral checkpoints) run on the CPU: each expert's projection is read into a
+one-shard GPTQ layer of its own and dequantized once at load into w13 / w2 (as the CPU path does every GPTQ layer).
+Not supported, refused up front (UnsupportedModelError): GPTQ experts on a GPU, AWQ experts, adapters on the experts,
+the router or an MoE model's MLPs (lora.adapter), a hidden_act other than silu.
 """
 
 from __future__ import annotations
@@ -80,6 +82,11 @@ def check_moe(cfg) -> None:
                                     f"each token is routed to between 1 and {field} experts")
 
 
+def on_gpu(t: torch.Tensor) -> bool:
+    """Whether the model is built on a GPU (no int4 experts there)."""
+    return t.device.type == "cuda"
+
+
 class _Gate(nn.Module):
     """A linear without bias kept as a plain weight (the router [E, H]; Qwen2-MoE's shared_expert_gate [1, H])."""
 
@@ -115,22 +122,58 @@ class SparseMoeBlock(nn.Module):
         # transformers' Mixtral keeps the routing weights in float32 (its products with the experts' outputs too);
         # Qwen's round them to the model's dtype first
         self.float_weights = cfg.model_type == "mixtral"
-        proj = _PROJ.get(cfg.model_type, _QWEN_PROJ)
-        for name in proj:
-            method = method_for([f"{prefix}.experts.0.{name}"])
-            if method is not None and not isinstance(method, UnquantizedLinearMethod):
-                raise UnsupportedModelError(
-                    f"{cfg.model_type}'s experts are quantized ({prefix}.experts.0.{name}): infer runs a mixture of "
-                    "experts only with float experts",
-                    "use the float checkpoint (infer quantize refuses mixture-of-experts models too)")
         self.gate = _Gate(e, h, dtype)
         self.experts = Experts(e, h, inter, dtype)
+        # GPTQ experts (GPTQModel's qwen3_moe, mixtral): on the CPU each dequantized once at load into the stacked
+        # float weights (as the CPU path does every GPTQ layer); no int4 experts kernel on the GPU yet
+        self.method_for = None
+        for name in _PROJ.get(cfg.model_type, _QWEN_PROJ):
+            method = method_for([f"{prefix}.experts.0.{name}"])
+            if method is None or isinstance(method, UnquantizedLinearMethod):
+                continue
+            if type(method).__name__ != "GPTQLinearMethod" or on_gpu(self.experts.w13):
+                raise UnsupportedModelError(
+                    f"{cfg.model_type}'s experts are quantized ({prefix}.experts.0.{name}"
+                    f"{'' if type(method).__name__ == 'GPTQLinearMethod' else ', AWQ'}): infer runs quantized experts "
+                    "only as GPTQ and only on the CPU (dequantized at load), not on a GPU",
+                    "serve the float checkpoint on a GPU (infer quantize refuses mixture-of-experts models too)")
+            self.method_for = method_for
         self.shared_expert = None
         if cfg.model_type == "qwen2_moe":
             shared = int(cfg.shared_expert_intermediate_size)
             self.shared_expert = MLP(cfg, f"{prefix}.shared_expert", method_for, dtype, inter=shared)
             self.shared_expert.down_proj.lora_consumer = None  # its output is gated: no delta left to the next norm
             self.shared_expert_gate = _Gate(1, h, dtype)
+
+    def gptq_layer(self, index: int, part: int, proj: str):
+        """Expert `index`'s GPTQ projection `part` (0 gate, 1 up, 2 down), a one-shard MergedLinear of its own
+        that holds the checkpoint's int4 tensors until dequantize_experts."""
+        from .layers import MergedLinear
+        if not hasattr(self, "_gptq"):
+            self._gptq = {}
+        key = (index, part)
+        if key not in self._gptq:
+            ex = self.experts
+            name = f"{self.prefix}.experts.{index}.{proj}"
+            shape = (ex.hidden, ex.inter) if part < 2 else (ex.inter, ex.hidden)
+            self._gptq[key] = MergedLinear(shape[0], [shape[1]], [name], False, self.method_for([name]),
+                                           ex.w13.dtype)
+        return self._gptq[key]
+
+    def dequantize_experts(self) -> None:
+        """Each GPTQ expert projection loaded into its float place in w13 / w2 (GPTQLinearMethod's dequantized
+        weight, in the scales' precision as GPTQ runtimes compute it), then dropped."""
+        ex = self.experts
+        for (index, part), layer in sorted(getattr(self, "_gptq", {}).items()):
+            layer.method.use_kernel = False
+            layer.finish_loading()  # (a ModelLoadError for a missing qweight, qzeros or scales)
+            w = layer.method.dequantized_weight(layer)
+            if part < 2:
+                ex.w13.data[index, part * ex.inter:(part + 1) * ex.inter].copy_(w)
+            else:
+                ex.w2.data[index].copy_(w)
+            ex.loaded.add((index, part))
+        self._gptq = {}
 
     def route(self, x: torch.Tensor):
         """(the top k routing weights [T, k] (float32 for Mixtral, else the model's dtype), their experts [T, k])."""
@@ -153,8 +196,12 @@ class SparseMoeBlock(nn.Module):
 
 # a sparse layer's tensors as checkpoints name them (after the loader drops "model."): the router, an expert's
 # projection, or the stacked experts of transformers' own parameter names
-_TENSOR = re.compile(r"^layers\.(\d+)\.(mlp|block_sparse_moe)\.(?:gate\.weight|experts\.(\d+)\.(\w+)\.weight|"
-                     r"experts\.(gate_up_proj|down_proj))$")
+_TENSOR = re.compile(r"^layers\.(\d+)\.(mlp|block_sparse_moe)\.(?:gate\.weight|experts\.(\d+)\.(\w+)\.(weight|qweight|"
+                     r"qzeros|scales|g_idx)|experts\.(gate_up_proj|down_proj))$")
+
+
+def layer_index(key: str) -> int:
+    return int(key.split(".")[1])
 
 
 class MoeForCausalLM:
@@ -190,15 +237,15 @@ class MoeForCausalLM:
                 raise ModelLoadError(f"{name} is {str(t.dtype).removeprefix('torch.')}: infer runs a mixture of "
                                      "experts only with float weights", "use the float checkpoint")
 
-        if m.group(3) is None and m.group(5) is None:  # the router
+        if m.group(3) is None and m.group(6) is None:  # the router
             check((e, h), block.gate.weight)
             block.gate.weight.data.copy_(t)
             return f"layers.{layer}.mlp.gate.weight"
-        if m.group(5) is not None:  # stacked: [E, 2I, H] or [E, H, I]
-            dest = experts.w13 if m.group(5) == "gate_up_proj" else experts.w2
+        if m.group(6) is not None:  # stacked: [E, 2I, H] or [E, H, I]
+            dest = experts.w13 if m.group(6) == "gate_up_proj" else experts.w2
             check(dest.shape, dest)
             dest.data.copy_(t)
-            parts = (0, 1) if m.group(5) == "gate_up_proj" else (2,)
+            parts = (0, 1) if m.group(6) == "gate_up_proj" else (2,)
             experts.loaded.update((i, p) for i in range(e) for p in parts)
             return f"layers.{layer}.mlp.experts.{'w13' if parts == (0, 1) else 'w2'}"
         index, proj = int(m.group(3)), m.group(4)
@@ -206,6 +253,13 @@ class MoeForCausalLM:
         if index >= e or proj not in names:
             return None  # the loader names it as a tensor config.json has no place for
         part = names.index(proj)
+        if m.group(5) != "weight":  # a GPTQ expert's tensor: into its own GPTQ layer, dequantized by check_experts
+            if block.method_for is None:
+                raise ModelLoadError(f"{name} is a quantized expert's tensor in a checkpoint whose config.json has no "
+                                     "quantization_config for it", "use the float checkpoint, or its config.json")
+            layer = block.gptq_layer(index, part, proj)
+            layer.load_shard(m.group(5), 0, t)
+            return f"layers.{layer_index(key)}.mlp.experts.{'w13' if part < 2 else 'w2'}"
         if part < 2:
             dest = experts.w13
             check((inter, h), dest)
@@ -218,10 +272,12 @@ class MoeForCausalLM:
         return f"layers.{layer}.mlp.experts.{'w13' if part < 2 else 'w2'}"
 
     def check_experts(self) -> None:
-        """A ModelLoadError naming the first expert projection the checkpoint had no tensor for."""
+        """A ModelLoadError naming the first expert projection the checkpoint had no tensor for; GPTQ experts
+        dequantized into the stacked weights."""
         names = _PROJ.get(self.config.model_type, _QWEN_PROJ)
         for block in self.modules():
             if isinstance(block, SparseMoeBlock):
+                block.dequantize_experts()
                 for index in range(block.experts.num_experts):
                     for part, proj in enumerate(names):
                         if (index, part) not in block.experts.loaded:
@@ -247,4 +303,5 @@ def refuse_quantize(cfg) -> None:
     """`infer quantize` of a mixture of experts: refused before calibration (infer runs float experts only)."""
     if is_moe(cfg):
         raise UnsupportedModelError(f"infer quantize does not quantize a mixture of experts ({cfg.model_type}): infer "
-                                    "runs its experts in float only", "serve the float checkpoint")
+                                    "runs GPTQ experts on the CPU only (dequantized at load), not on a GPU",
+                                    "serve the float checkpoint")
