@@ -98,8 +98,8 @@ def test_a_preempted_request_waits_at_its_own_rank(monkeypatch):
         seen = _preempted(monkeypatch, engine)
         admitted = []
         real = engine.block_manager.allocate
-        monkeypatch.setattr(engine.block_manager, "allocate", lambda seq: admitted.append(seq.request_id) or
-                            real(seq))
+        monkeypatch.setattr(engine.block_manager, "allocate", lambda seq, *rest: admitted.append(seq.request_id)
+                            or real(seq, *rest))
         params = SamplingParams(max_new_tokens=12, ignore_eos=True)
         engine.add_request("low", [5, 6, 7, 8], params, priority=5)
         engine.add_request("mid", [9, 10, 11, 12], params, priority=1)

@@ -88,8 +88,8 @@ def test_an_admitted_prefix_hit_whose_draft_lags_counts_its_catch_up(path, monke
     a, b = Sequence("a", list(range(3, 11)), greedy(4), None), Sequence("b", [7, 8, 9], greedy(4), None)
     real = sched.bm.allocate
 
-    def allocate(seq):
-        real(seq)
+    def allocate(seq, *rest):
+        real(seq, *rest)
         if seq is a:  # as a hit of its first block, whose last slot's draft KV is stale
             seq.num_computed_tokens, seq.draft_computed = 4, 3
     monkeypatch.setattr(sched.bm, "allocate", allocate)

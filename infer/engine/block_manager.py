@@ -7,6 +7,15 @@ with the same prefix finds it and computes only its tail, reading K/V the same f
 the step's keys and values before its attention reads them). Freed blocks keep their hash and sit in an LRU free
 list, so a later request with the same prefix finds them until their space is needed; freed blocks without a hash
 are reused first.
+
+Sliding-window models (`window` > 0: every attention layer attends over the same last `window` keys, Mistral,
+Phi-3, a Qwen2/Qwen3 whose layers all slide) keep only the blocks a future query can read (vLLM's sliding-window
+KV cache manager): a running sequence's block whose last position is before its first future query's position
+minus window - 1 (the kernels and the CPU reference read the keys kv > q - window only) goes back to the pool, as a
+finished sequence's does (cached ones keep their hash, evictable), and its table entry points at the placeholder
+block, a block of the cache no sequence is given (zeroed, never written), so that tables keep their shape. Admission
+gives a windowed sequence blocks only for the tokens its first step can compute (`admit_tokens`), so a sequence
+holds at most `window_cap` blocks at once whatever its length.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
+from ..memory.sizes import window_blocks
 from .sequence import Sequence
 
 ROOT = hashlib.sha256(b"infer prefix cache").digest()  # the chain's first link for requests without an adapter
@@ -65,14 +75,25 @@ def block_key(seq: Sequence, i: int, block_size: int) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, window: int = 0,
+                 step_tokens: int = 0):
+        """`window` > 0 (the model's every layer slides over that many keys; at least 2 blocks): the blocks behind
+        the window are freed (`free_behind`), the cache's last block is the placeholder and the pool the others.
+        `step_tokens`: the most tokens a step computes for one sequence (its chunk and speculative lookahead)."""
         self.block_size = block_size
+        self.window = window if num_blocks >= 2 else 0
+        self.placeholder = num_blocks - 1 if self.window else -1  # (never handed out, never written)
+        num_blocks -= 1 if self.window else 0
         self.num_blocks = num_blocks
+        self.step_tokens = step_tokens
+        self.draft_reads = False  # draft-model speculation: its KV (in the same blocks) is read from draft_computed
+        self.window_freed = 0  # blocks freed behind the window of running sequences (stats)
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU order
         self.hash_to_block: dict[bytes, int] = {}
-        self.fresh: list[int] = []  # blocks handed out since the runner last zeroed them
+        self.fresh: list[int] = [self.placeholder] if self.window else []  # blocks handed out since the runner
+        # last zeroed them (the placeholder's once: its contents are never read, zeroed all the same)
         # blocks registered by register_scheduled since the scheduler's last step began: their K/V are this step's
         # (unwritten until its forward runs: a step that fails forgets them, forget_scheduled)
         self.scheduled: list[int] = []
@@ -90,6 +111,50 @@ class BlockManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
+
+    def window_cap(self, num_tokens: int) -> int:
+        """The most blocks a sequence of up to num_tokens tokens holds at once: all of them, or with a window the
+        blocks of the window, a step's tokens and one more (the window's first block partly before it)."""
+        need = self.blocks_needed(num_tokens)
+        if not self.window:
+            return need
+        return min(need, window_blocks(self.window, self.step_tokens, self.block_size))
+
+    # ------------------------------------------------------------------ sliding window
+    def first_read(self, seq: Sequence) -> int:
+        """The first key position any future query of seq reads: its next query's position (its computed tokens;
+        a draft model's, from its draft KV's first stale slot) minus window - 1."""
+        start = seq.num_computed_tokens
+        if self.draft_reads:
+            start = min(start, seq.draft_computed)
+        return start - self.window + 1
+
+    def free_behind(self, seq: Sequence) -> None:
+        """Free seq's blocks wholly before its window (`first_read`), pointing their table entries at the
+        placeholder: nothing reads them any more. Cached blocks keep their hash (a later prefix hit finds them until
+        their space is needed), the others are reused first, as free_seq leaves them."""
+        if not self.window:
+            return
+        end = min(max(0, self.first_read(seq)) // self.block_size, len(seq.block_table))
+        table, bs = seq.block_table, self.block_size
+        for i in range(seq.num_freed_blocks, end):
+            bid = table[i]
+            block = self.blocks[bid]
+            if block.hash is not None:
+                upto = seq.draft_computed - i * bs
+                block.draft_upto = None if upto >= bs else max(upto, 0)
+            table[i] = self.placeholder
+            self._release(block)
+            self.window_freed += 1
+        seq.num_freed_blocks = max(seq.num_freed_blocks, end)
+
+    def _release(self, block: Block) -> None:
+        block.ref_count -= 1
+        assert block.ref_count >= 0, "block freed twice"
+        if block.ref_count == 0:
+            self.free[block.block_id] = None
+            if block.hash is None:
+                self.free.move_to_end(block.block_id, last=False)
 
     # ------------------------------------------------------------------ admission
     def _reads_cache(self, seq: Sequence) -> bool:
@@ -110,15 +175,39 @@ class BlockManager:
             found.append(bid)
         return found
 
-    def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:
-        hits = self._cached_prefix(seq)
-        hits_in_use = sum(1 for b in hits if self.blocks[b].ref_count > 0)
-        return self.blocks_needed(len(seq)) - hits_in_use <= len(self.free) - reserve
+    def _admission(self, seq: Sequence, budget: int | None) -> tuple[list[int], int, int, int]:
+        """(cached prefix blocks, how many of them lie wholly before the window: never taken, tokens the sequence
+        gets blocks for, its draft KV's first stale slot). Without a window every token gets its block; with one only
+        those its first step computes (at most `budget`), the rest as its chunks are scheduled (Scheduler._reserve),
+        and a cached prefix longer than the window is taken from its window on. Not so when one of the hits was
+        registered by the step being scheduled: a failed step takes it back (forget_scheduled) and the sequence then
+        computes from it, reading the blocks before it."""
+        hits, bs = self._cached_prefix(seq), self.block_size
+        computed = draft = len(hits) * bs
+        for i, bid in enumerate(hits):
+            if self.blocks[bid].draft_upto is not None:
+                draft = i * bs + self.blocks[bid].draft_upto
+                break
+        if not self.window or budget is None:
+            return hits, 0, len(seq), draft
+        tokens = min(len(seq), computed + max(budget, 1))
+        if self.scheduled and not set(hits).isdisjoint(self.scheduled):
+            return hits, 0, tokens, draft
+        first = min(computed, draft) if self.draft_reads else computed
+        return hits, min(len(hits), max(0, first - self.window + 1) // bs), tokens, draft
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give a waiting sequence blocks for all its current tokens, reusing cached prefix blocks."""
+    def can_allocate(self, seq: Sequence, reserve: int = 0, budget: int | None = None) -> bool:
+        """Whether the free blocks hold what `allocate` gives seq (`budget`: the most tokens its first step may
+        compute; it matters with a window only)."""
+        hits, drop, tokens, _ = self._admission(seq, budget)
+        hits_in_use = sum(1 for b in hits[drop:] if self.blocks[b].ref_count > 0)
+        return self.blocks_needed(tokens) - drop - hits_in_use <= len(self.free) - reserve
+
+    def allocate(self, seq: Sequence, budget: int | None = None) -> None:
+        """Give a waiting sequence blocks for all its current tokens (with a window, those its first step of at
+        most `budget` tokens computes: `_admission`), reusing cached prefix blocks."""
         assert not seq.block_table
-        hits = self._cached_prefix(seq)
+        hits, drop, tokens, draft = self._admission(seq, budget)
         if not seq.num_preemptions:  # as vLLM: a preempted request's recompute, which finds its own blocks, is
             # neither a query of the hit rate nor its cached tokens (they say what its first admission found)
             if self._reads_cache(seq):  # as vLLM, a request that skips the cache (or every one, with the cache
@@ -127,21 +216,19 @@ class BlockManager:
             # vLLM's meaning: the prompt tokens whose K/V came from the cache (usage's cached_tokens, at most its
             # prompt_tokens): blocks found past the prompt hold the forced prefix_token_ids, which are no prompt
             seq.num_cached_tokens = min(len(hits) * self.block_size, len(seq.prompt_token_ids))
-        for bid in hits:
+        seq.block_table = [self.placeholder] * drop  # (behind the window: never read)
+        seq.num_freed_blocks = drop
+        for bid in hits[drop:]:
             block = self.blocks[bid]
             if block.ref_count == 0:
                 del self.free[bid]
             block.ref_count += 1
             seq.block_table.append(bid)
         seq.num_computed_tokens = len(hits) * self.block_size
-        seq.draft_computed = seq.num_computed_tokens  # the draft model's KV is taken up to its first stale slot
-        for i, bid in enumerate(hits):
-            if self.blocks[bid].draft_upto is not None:
-                seq.draft_computed = i * self.block_size + self.blocks[bid].draft_upto
-                break
+        seq.draft_computed = draft  # the draft model's KV is taken up to its first stale slot
         seq.num_hashed_blocks = len(hits)
         seq.last_block_hash = self.blocks[hits[-1]].hash if hits else None
-        for _ in range(self.blocks_needed(len(seq)) - len(hits)):
+        for _ in range(self.blocks_needed(tokens) - len(hits)):
             seq.block_table.append(self._take_free())
 
     def _take_free(self) -> int:
@@ -189,6 +276,8 @@ class BlockManager:
             return
         end = min(seq.num_computed_tokens + num_new_tokens, len(seq) - seq.num_pending)
         for i in range(seq.num_hashed_blocks, min(end // self.block_size, len(seq.block_table))):
+            if seq.block_table[i] == self.placeholder:  # (freed behind the window before it was registered)
+                continue
             block = self.blocks[seq.block_table[i]]
             if block.hash is not None:  # (registered by an earlier step's schedule whose completion is pending)
                 continue
@@ -235,7 +324,9 @@ class BlockManager:
         # more): a request that hits the block while this one runs takes that much of it (allocate), not a draft KV
         # of zeros; drafts_written moves the mark on as this one feeds the draft, free_seq sets it at the end
         drafted = min(seq.draft_fed, seq.num_computed_tokens)
-        for i in range(seq.num_hashed_blocks, full):
+        for i in range(seq.num_hashed_blocks, min(full, len(seq.block_table))):
+            if seq.block_table[i] == self.placeholder:  # (freed behind the window before it was registered: an
+                continue  # overlapped step's chunk of a window or more, counted before its completion)
             block = self.blocks[seq.block_table[i]]
             upto = drafted - i * self.block_size
             block.draft_upto = None if upto >= self.block_size else max(upto, 0)
@@ -256,7 +347,7 @@ class BlockManager:
         bs = self.block_size
         for seq in seqs:  # (its feed stops at draft_fed: the draft's context, Sequence.draft_end)
             start, end = min(seq.draft_computed, seq.num_computed_tokens), min(seq.draft_fed, seq.num_computed_tokens)
-            for i in range(start // bs, min(-(-end // bs), len(seq.block_table))):
+            for i in range(max(start // bs, seq.num_freed_blocks), min(-(-end // bs), len(seq.block_table))):
                 block = self.blocks[seq.block_table[i]]
                 if block.draft_upto is not None and start <= i * bs + block.draft_upto:
                     upto = end - i * bs
@@ -268,33 +359,31 @@ class BlockManager:
         to be reused as late as possible, the others first, since their contents are worth nothing and their
         memory is warm (on CPU, a block never used before costs page faults when first touched). A cached block
         whose draft-model KV the sequence had not written to its end keeps how far it had (draft_upto: allocate)."""
-        for i, bid in enumerate(seq.block_table):
+        held = seq.block_table[seq.num_freed_blocks:]  # (the entries before: the placeholder, freed already)
+        for i, bid in enumerate(held, seq.num_freed_blocks):
             if self.blocks[bid].hash is not None:
                 upto = seq.draft_computed - i * self.block_size
                 self.blocks[bid].draft_upto = None if upto >= self.block_size else max(upto, 0)
-        for bid in reversed(seq.block_table):
-            block = self.blocks[bid]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, "block freed twice"
-            if block.ref_count == 0:
-                self.free[bid] = None
-                if block.hash is None:
-                    self.free.move_to_end(bid, last=False)
+        for bid in reversed(held):
+            self._release(self.blocks[bid])
         seq.block_table = []
-        seq.num_computed_tokens = seq.num_hashed_blocks = seq.draft_computed = 0
+        seq.num_computed_tokens = seq.num_hashed_blocks = seq.draft_computed = seq.num_freed_blocks = 0
         seq.last_block_hash = None
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Share the parent's full blocks with the child (copy-on-write is not needed: only full blocks)."""
         full = parent.num_computed_tokens // self.block_size
-        for bid in parent.block_table[:full]:
-            self.blocks[bid].ref_count += 1
+        child.num_freed_blocks = min(parent.num_freed_blocks, full)  # (the placeholder: no reference)
+        for i, bid in enumerate(parent.block_table[:full]):
+            if i >= child.num_freed_blocks:
+                self.blocks[bid].ref_count += 1
             child.block_table.append(bid)
         child.num_computed_tokens = child.num_cached_tokens = full * self.block_size
         child.draft_computed = min(parent.draft_computed, child.num_computed_tokens)  # (draft-model speculation)
         child.num_hashed_blocks = min(parent.num_hashed_blocks, full)
-        child.last_block_hash = self.blocks[parent.block_table[child.num_hashed_blocks - 1]].hash \
-            if child.num_hashed_blocks else None
+        last = parent.block_table[child.num_hashed_blocks - 1] if child.num_hashed_blocks else None
+        child.last_block_hash = None if last is None else parent.last_block_hash if last == self.placeholder \
+            else self.blocks[last].hash
 
     def reset_prefix_cache(self, counters: bool = True, in_use: bool = False) -> None:
         """Forget every cached prefix of the free blocks (blocks in use keep their contents) and, with `counters`, the

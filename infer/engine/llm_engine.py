@@ -18,6 +18,7 @@ import torch
 from .. import kernels
 from ..errors import (ClosedError, ConfigError, LoRAError, LoRANameError, RequestError, RequestIdTypeError,
                       SleepModeError, UnknownAdapterError)
+from ..memory.sizes import kv_window
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import Detokenizer
@@ -210,7 +211,13 @@ class LLMEngine:
         for mod in [*parts.model.modules(), *(draft_model.modules() if draft_model is not None else ())]:
             if hasattr(mod, "act_in_gate_up"):  # silu_and_mul in the int4 gate_up kernel's epilogue
                 mod.act_in_gate_up = config.silu_in_gate_up and mod.fuses_act()
-        self.block_manager = BlockManager(parts.num_blocks, config.block_size, config.enable_prefix_caching)
+        # a model whose every layer slides over one window frees each sequence's blocks behind it (kv_window)
+        draft_parts = getattr(parts, "draft", None)
+        window, step = kv_window(config, self.model_config, self.max_model_len,
+                                 draft_parts.model_config if draft_parts is not None else None)
+        self.block_manager = BlockManager(parts.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          window=window, step_tokens=step)
+        self.block_manager.draft_reads = draft_parts is not None
         self.scheduler = Scheduler(config, self.block_manager, self.lora_manager)
         self.runner = ModelRunner(config, parts.model, dtype=self.dtype, device=self.device,
                                   num_blocks=parts.num_blocks, lora_manager=self.lora_manager)
@@ -500,7 +507,7 @@ class LLMEngine:
                 f"the prompt ({n - len(params.prefix_token_ids)} tokens) and prefix_token_ids " \
                 f"({len(params.prefix_token_ids)}) make {n} tokens"  # the prompt alone was said to have them all
             raise RequestError(f"{what}, which leaves no room under {which} of {cap}", hint)
-        need = self.block_manager.blocks_needed(cap)
+        need = self.block_manager.window_cap(cap)  # (a window: the blocks it holds at once)
         if need > self.block_manager.num_blocks:
             raise RequestError(
                 f"a request of {cap} tokens needs {need} KV blocks but the cache holds "
@@ -1039,6 +1046,8 @@ class LLMEngine:
         return {
             "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
             "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks,
+            # a sliding window's model: the blocks freed behind running sequences' windows (BlockManager.free_behind)
+            **({"kv_blocks_freed_window": bm.window_freed} if bm.window else {}),
             "kv_cache_dtype": self.config.kv_cache_dtype,
             "kv_usage": bm.num_used_blocks / bm.num_blocks,
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate(), "num_preemptions": self.scheduler.num_preemptions,

@@ -254,6 +254,8 @@ class Scheduler:
                 # held, a younger request that needed one was preempted, and a waiting one was not admitted
                 self.bm.register_computed(seq)
                 self.bm.free_seq(seq)
+            else:  # a sliding window's blocks that no query reads any more go back first (what seq holds)
+                self.bm.free_behind(seq)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -320,7 +322,7 @@ class Scheduler:
                 if self.lora and seq.lora is not None and skipped:
                     skipped.append(self.waiting.popleft())
                     continue
-                if not self.bm.can_allocate(seq):
+                if not self.bm.can_allocate(seq, budget=budget):
                     break
                 if self.lora and not self.lora.can_acquire(seq.lora):
                     skipped.append(self.waiting.popleft())
@@ -328,7 +330,8 @@ class Scheduler:
                 if self.lora and not self._acquire(seq):
                     continue
                 self.waiting.popleft()
-                self.bm.allocate(seq)  # (a cached prefix's draft KV is taken up to its first stale block)
+                self.bm.allocate(seq, budget)  # (a cached prefix's draft KV is taken up to its first stale block;
+                # with a window, blocks for the tokens its first step computes, within the budget)
                 seq.status = Status.RUNNING
                 if seq.first_scheduled_time is None:
                     seq.first_scheduled_time = time.monotonic()

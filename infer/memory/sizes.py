@@ -7,6 +7,7 @@ import torch
 
 from ..kernels.intmath import lora_split_most
 from ..kernels.reference import decode_gather_tokens, longest_batched_decode
+from ..models.limits import context_limit, uniform_window
 from ..models.shapes import ModelShapes
 
 
@@ -16,6 +17,29 @@ def element_bytes(dtype: torch.dtype) -> int:
 
 def kv_bytes_per_token(model_config, dtype: torch.dtype) -> int:
     return 2 * model_config.num_hidden_layers * ModelShapes.from_config(model_config).kv_size * element_bytes(dtype)
+
+
+def kv_window(engine_config, model_config, max_length: int, draft_config=None) -> tuple[int, int]:
+    """(the window behind which a sequence's KV blocks are freed, the most tokens one step computes for a sequence:
+    its chunk and speculative lookahead), or (0, 0) where every block is kept: a model whose layers do not all
+    slide over one window, or a draft model's that do not or whose context is shorter (its KV, in the same blocks,
+    is read over its window: the larger of the two is kept, and its catch-up token)."""
+    window = uniform_window(model_config)
+    if window and draft_config is not None:  # (a draft whose context ends before max_length stops reading its KV
+        # there, its draft_computed no longer moving: kept whole, so that no sequence holds more than counted)
+        other = uniform_window(draft_config)
+        window = max(window, other) if other and context_limit(draft_config)[0] >= max_length else 0
+    if not window:
+        return 0, 0
+    spec = getattr(engine_config, "speculative_config", None) or {}
+    ahead = int(spec.get("num_speculative_tokens", 0) or 0) + (1 if draft_config is not None else 0)
+    return window, min(engine_config.max_num_batched_tokens, max_length) + ahead
+
+
+def window_blocks(window: int, step: int, block_size: int) -> int:
+    """The most KV blocks a sequence holds at once under a window (`kv_window`): those of the window and a step's
+    tokens, and one more (the window's first block, partly before it)."""
+    return -(-(window + max(step, 1)) // block_size) + 1
 
 
 def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dtype) -> int:

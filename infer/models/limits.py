@@ -31,9 +31,9 @@ def layer_window(model_config, layer: int) -> int:
     every key: Mistral and Phi-3 slide on every layer whenever sliding_window is set; Qwen2, Qwen3 and Gemma 2 on
     the layers their layer_types names "sliding_attention" (Qwen's from max_window_layers on when
     use_sliding_window is set, Gemma 2's even layers); Llama's attention ignores the window (0: its context stays
-    capped at the window, `context_limit`). The KV cache keeps every block of a sliding layer's sequence (none freed
-    outside the window: the memory of full attention; prefix caching unchanged), the kernels skip the blocks wholly
-    before a query's window and mask the rest."""
+    capped at the window, `context_limit`). Where every layer slides over the same window (`uniform_window`) the
+    blocks of a running sequence behind it are freed (engine.block_manager); else every block is kept (the memory
+    of full attention). The kernels skip the blocks wholly before a query's window and mask the rest."""
     window = getattr(model_config, "sliding_window", None)
     model_type = getattr(model_config, "model_type", None)
     if not window or model_type == "llama":
@@ -48,6 +48,16 @@ def layer_window(model_config, layer: int) -> int:
     if model_type == "gemma2":
         return int(window) if layer % 2 == 0 else 0
     return int(window) if layer >= int(getattr(model_config, "max_window_layers", 0) or 0) else 0
+
+
+def uniform_window(model_config) -> int:
+    """The window every decoder layer slides over when all of them slide over the same one (Mistral, Phi-3, a
+    Qwen2/Qwen3 whose layers all slide), else 0: only then can a sequence's KV blocks behind the window be freed
+    (one block table serves every layer; models of mixed layers, Gemma 2 or a Qwen2 with max_window_layers, keep
+    them all: a table per layer group, vLLM's hybrid allocator, is not done)."""
+    layers = int(getattr(model_config, "num_hidden_layers", 0) or 0)
+    windows = {layer_window(model_config, i) for i in range(layers)}
+    return windows.pop() if len(windows) == 1 else 0
 
 
 def context_limit(model_config) -> tuple[int, str]:

@@ -86,10 +86,15 @@ class ReplicaHold(LoRAHold):
 
 
 class _Blocks:
-    def __init__(self, num_blocks: int, block_size: int):
-        self.num_blocks, self.block_size = num_blocks, block_size
+    """A replica's block manager as validate reads it: its pool (a sliding window's placeholder not in it) and
+    the most blocks a sequence holds (window_cap)."""
+
+    def __init__(self, num_blocks: int, block_size: int, window: int = 0, step_tokens: int = 0):
+        self.num_blocks, self.block_size = num_blocks - (1 if window else 0), block_size
+        self.window, self.step_tokens = window, step_tokens
 
     blocks_needed = BlockManager.blocks_needed
+    window_cap = BlockManager.window_cap
 
 
 class ReplicaView:
@@ -103,7 +108,8 @@ class ReplicaView:
         self.model_limit_reason = info.get("model_limit_reason", "")
         self.eos_token_ids = set(info.get("eos_token_ids", ()))  # what min_tokens bans (validate)
         self.model_config = type("ModelLimits", (), {"vocab_size": info["vocab_size"]})()
-        self.block_manager = _Blocks(info["num_blocks"], config.block_size)
+        self.block_manager = _Blocks(info["num_blocks"], config.block_size, info.get("kv_window", 0),
+                                     info.get("kv_step_tokens", 0))
         self.lora_manager = (_Adapters(info["adapters"], info.get("adapter_paths"))
                              if info["adapters"] or info.get("lora_enabled") else None)
         # structured outputs compiled in the driver too (checked before a request travels; the stop ids matter only
@@ -683,6 +689,9 @@ class RayAsyncEngine(AsyncEngine):
         queries = total["prefix_cache_queries"]
         total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / queries if queries else 0.0
         total["num_replicas_alive"] = len(live)
+        if any("kv_blocks_freed_window" in figures[id(r)] for r in self.replicas):  # (a counter: dead ones too)
+            total["kv_blocks_freed_window"] = sum(figures[id(r)].get("kv_blocks_freed_window", 0)
+                                                  for r in self.replicas)
         if any(r.stats.get("lora_max") for r in live):  # vLLM's lora_requests_info over every replica
             total["lora_max"] = max(r.stats.get("lora_max", 0) for r in live)
             for k in ("lora_waiting", "lora_running"):

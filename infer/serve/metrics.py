@@ -82,6 +82,9 @@ class _EngineCollector:
             ("infer:prefix_cache_queries", "Prefix cache queries, in tokens looked up.", "prefix_cache_queries"),
             ("infer:prefix_cache_hits", "Prefix cache hits, in tokens found cached.", "prefix_cache_hits"),
         ]
+        if "kv_blocks_freed_window" in s:  # a sliding window's model
+            counters.append(("infer:kv_cache_window_freed_blocks", "KV cache blocks freed behind running requests' "
+                             "sliding windows.", "kv_blocks_freed_window"))
         if s.get("lora_max"):  # an engine with adapter slots
             counters.append(("infer:lora_swaps", "Adapters copied into a device slot (--max-loras slots).",
                              "lora_swaps"))

@@ -1,0 +1,359 @@
+"""Session 55: a model whose every layer slides over one window (Mistral, Phi-3, a Qwen2/Qwen3 whose layers all
+slide) frees each running sequence's KV blocks that no future query reads (a block whose last position is before
+its next query's position - window + 1: the kernels read kv > q - window only), back to the pool (cached ones
+keep their hash), its table entries pointing at a placeholder block; admission gives a windowed sequence blocks
+for its first step only. Tiny
+Mistral / Phi-3 models of window 16 in blocks of 4, prompts and generations far past the window: greedy tokens
+equal transformers' and the blocks a sequence holds stay bounded, on the CPU path and the GPU path (interpreted),
+with chunked prefill, prefix caching, n-gram speculation, beam search, fp8 KV and prompt_logprobs."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from infer.engine.block_manager import BlockManager
+from infer.engine.sampling_params import SamplingParams
+from infer.engine.scheduler import Scheduler
+from infer.engine.sequence import Sequence
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=160, vocab_size=512, eos_token_id=2, pad_token_id=0)
+FAMILIES = {"mistral": ("mistral", "MistralForCausalLM", dict(sliding_window=16)),
+            "phi3": ("phi3", "Phi3ForCausalLM", dict(sliding_window=16)),
+            "qwen2-layer-1-slides": ("qwen2", "Qwen2ForCausalLM",
+                                     dict(use_sliding_window=True, sliding_window=16, max_window_layers=1))}
+CHUNK = 8  # max_num_batched_tokens of the windowed runs: a sequence holds ceil((16 + 8) / 4) + 1 = 7 blocks at most
+
+
+def build(folder, family: str, seed: int = 0, window: bool = True):
+    """A random model folder of `family` (float32, norms and biases random) with the tiny-llama tokenizer, and
+    transformers' model of it (eager attention)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from infer.models.tiny import ensure_builtin
+    model_type, arch, config = FAMILIES[family]
+    if not window:
+        config = {**config, "sliding_window": None}
+    cfg = AutoConfig.for_model(model_type, initializer_range=0.15, bos_token_id=None, **{**SMALL, **config})
+    cfg.architectures = [arch]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias") or "norm" in name:
+                    p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(folder, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ensure_builtin("tiny-llama") / f, folder / f)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def hf_greedy(hf, prompts, n: int) -> list[list[int]]:
+    with torch.no_grad():
+        return [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+                for p in prompts]
+
+
+def random_prompts(lengths, seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+def _generate(llm, prompts, n, **kw):
+    return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True, **kw))]
+
+
+@pytest.fixture
+def held(monkeypatch):
+    """The most blocks any running sequence held after each schedule (its table less the placeholder entries), and a
+    check that the placeholder entries are exactly each table's first num_freed_blocks."""
+    most = []
+    real = Scheduler.schedule
+
+    def schedule(self):
+        batch = real(self)
+        bm = self.bm
+        for s in self.running:
+            table = s.block_table
+            assert all(b == bm.placeholder for b in table[:s.num_freed_blocks])
+            assert bm.placeholder not in table[s.num_freed_blocks:]
+        most.append(max((len(s.block_table) - s.num_freed_blocks for s in self.running), default=0))
+        return batch
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    return most
+
+
+def _poison_placeholder(llm) -> None:
+    """The placeholder block NaN (never zeroed): a kernel that read it unmasked would spread NaN."""
+    engine = llm.engine
+    bm = engine.block_manager
+    assert bm.placeholder >= 0
+    bm.fresh = [b for b in bm.fresh if b != bm.placeholder]
+    cache = engine.runner.kv_cache
+    if cache.element_size() == 1:
+        cache.view(torch.uint8)[:, :, bm.placeholder] = 0x7F  # (a float8 NaN)
+    else:
+        cache[:, :, bm.placeholder] = float("nan")
+
+
+def _no_window(monkeypatch):
+    """Engines built after this keep every block (the window's freeing off), as before session 55."""
+    import infer.engine.llm_engine as le
+    monkeypatch.setattr(le, "kv_window", lambda *a, **k: (0, 0))
+
+
+# ----------------------------------------------------------------------------------------------- block manager
+def _seq(n: int) -> Sequence:
+    return Sequence("r", list(range(3, 3 + n)), SamplingParams(max_new_tokens=10))
+
+
+def test_free_behind_frees_exactly_the_blocks_before_the_first_read_position():
+    """Window 16, blocks of 4: with f tokens computed the next query is at f and reads keys f - 15..f, so blocks
+    0..(f - 15) // 4 - 1 are freed and the block holding key f - 15 kept (for every f)."""
+    for f in range(1, 60):
+        bm = BlockManager(40, 4, enable_prefix_caching=False, window=16, step_tokens=4)
+        seq = _seq(f + 1)
+        bm.allocate(seq)
+        seq.num_computed_tokens = f
+        bm.free_behind(seq)
+        first = f - 16 + 1
+        freed = max(0, first) // 4
+        assert seq.num_freed_blocks == freed
+        assert seq.block_table[:freed] == [bm.placeholder] * freed
+        if first > 0:  # the block holding the first key read is kept
+            assert seq.block_table[first // 4] != bm.placeholder
+        assert bm.num_free_blocks == bm.num_blocks - (len(seq.block_table) - freed)
+        bm.free_seq(seq)
+        assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_freed_blocks_stay_cached_and_a_hit_takes_only_the_window():
+    """Prefix caching: blocks freed behind the window keep their hash (evictable, at the LRU end); a later request of
+    the same prompt finds the whole prefix but takes only the blocks from its window on (the others: the
+    placeholder), and its admission counts only those."""
+    bm = BlockManager(40, 4, enable_prefix_caching=True, window=16, step_tokens=8)
+    a = _seq(41)
+    bm.allocate(a)
+    a.num_computed_tokens = 40
+    bm.register_computed(a)
+    bm.free_behind(a)
+    assert a.num_freed_blocks == (40 - 15) // 4 == 6
+    freed = [bm.blocks[b] for b in bm.free if bm.blocks[b].hash is not None]
+    assert len(freed) == 6
+    b = _seq(41)
+    assert bm.can_allocate(b, budget=8)
+    bm.allocate(b, budget=8)
+    assert b.num_computed_tokens == 40 and b.num_freed_blocks == 6
+    assert b.block_table[:6] == [bm.placeholder] * 6 and len(b.block_table) == 11
+    bm.free_seq(b)
+    bm.free_seq(a)
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_window_cap_and_admission_of_a_long_prompt():
+    """A windowed sequence's admission takes blocks for the tokens its first step computes (not its whole prompt),
+    and window_cap bounds what it holds."""
+    bm = BlockManager(10, 4, enable_prefix_caching=False, window=16, step_tokens=8)
+    assert bm.num_blocks == 9 and bm.placeholder == 9 and bm.fresh == [9]
+    assert bm.window_cap(200) == 7 and bm.window_cap(8) == 2
+    seq = _seq(100)
+    assert bm.can_allocate(seq, budget=8)
+    bm.allocate(seq, budget=8)
+    assert len(seq.block_table) == 2
+    plain = BlockManager(10, 4, enable_prefix_caching=False)
+    assert plain.window_cap(200) == 50 and not plain.can_allocate(_seq(100), budget=8)
+
+
+# ----------------------------------------------------------------------------------------------- engines
+@pytest.mark.parametrize("family", ["mistral", "phi3"])
+def test_greedy_tokens_equal_transformers_with_bounded_blocks(tmp_path, family, held):
+    """Prompts of 5, 40 and 100 tokens and 50 generated (up to 150 positions, far past the window of 16), chunked
+    prefill in steps of 8 tokens: tokens transformers', each sequence holding at most 7 blocks at once (without
+    the freeing the longest holds 38), the placeholder NaN (never read); every block back at the end."""
+    from infer import LLM
+    hf = build(tmp_path, family)
+    prompts = random_prompts((5, 40, 100))
+    want = hf_greedy(hf, prompts, 50)
+    with LLM(str(tmp_path), block_size=4, max_num_batched_tokens=CHUNK, max_num_seqs=3) as llm:
+        bm = llm.engine.block_manager
+        assert bm.window == 16 and bm.window_cap(150) == 7
+        _poison_placeholder(llm)
+        assert _generate(llm, prompts, 50) == want
+        assert max(held) <= 7
+        assert bm.num_used_blocks == 0 and llm.engine.stats()["kv_blocks_freed_window"] > 0
+
+
+def test_mixed_layers_keep_every_block(tmp_path, held):
+    """A Qwen2 whose first layer attends fully: nothing freed (a table per layer group is not done)."""
+    from infer import LLM
+    hf = build(tmp_path, "qwen2-layer-1-slides")
+    prompts = random_prompts((60,))
+    want = hf_greedy(hf, prompts, 20)
+    with LLM(str(tmp_path), block_size=4, max_num_batched_tokens=CHUNK, max_num_seqs=4) as llm:
+        assert llm.engine.block_manager.window == 0
+        assert _generate(llm, prompts, 20) == want
+        assert max(held) == 20
+
+
+def test_prefix_caching_of_a_repeated_long_prompt(tmp_path, held):
+    """A 90-token prompt run twice: the second finds its blocks (freed behind the first's window, cached) and
+    takes only its window's; its tokens are transformers'; a third run after a reset of the cache computes all."""
+    from infer import LLM
+    hf = build(tmp_path, "mistral", seed=1)
+    prompt = random_prompts((90,), seed=4)[0]
+    want = hf_greedy(hf, [prompt], 30)
+    with LLM(str(tmp_path), block_size=4, max_num_batched_tokens=CHUNK, max_num_seqs=4, num_kv_blocks=40) as llm:
+        assert _generate(llm, [prompt], 30) == want
+        out = llm.generate([prompt], SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
+        assert out.token_ids == want[0] and out.num_cached_tokens == 88
+        assert max(held) <= 7
+        llm.engine.reset_prefix_cache()
+        assert _generate(llm, [prompt], 30) == want
+
+
+def test_prefix_hit_stops_at_an_evicted_block(tmp_path):
+    """A pool of 20 blocks: the first run's freed blocks (cached, oldest first) are reused by a second prompt, so a
+    rerun of the first finds only the blocks left cached, contiguous from the start (none, here), and computes the
+    rest: still transformers'."""
+    from infer import LLM
+    hf = build(tmp_path, "mistral", seed=1)
+    p1, p2 = random_prompts((60, 60), seed=6)
+    want = hf_greedy(hf, [p1, p2], 20)
+    with LLM(str(tmp_path), block_size=4, max_num_batched_tokens=CHUNK, max_num_seqs=4, num_kv_blocks=21,
+             max_model_len=80) as llm:
+        assert _generate(llm, [p1], 20) == want[:1]
+        assert _generate(llm, [p2], 20) == want[1:]
+        out = llm.generate([p1], SamplingParams(max_new_tokens=20, ignore_eos=True))[0]
+        assert out.token_ids == want[0] and out.num_cached_tokens < 60 - 16
+
+
+def test_ngram_speculative_decoding(tmp_path, held):
+    """n-gram drafts (rejected ones rolled back): transformers' tokens, blocks bounded by the window, a step's
+    tokens and the lookahead (ceil((16 + 8 + 3) / 4) + 1 = 8)."""
+    from infer import LLM
+    hf = build(tmp_path, "mistral", seed=2)
+    base = random_prompts((20, 30), seed=5)
+    prompts = [base[0] * 3, base[1] + base[1][:20]]  # repeats for the drafter
+    want = hf_greedy(hf, prompts, 60)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    with LLM(str(tmp_path), block_size=4, max_num_batched_tokens=CHUNK, max_num_seqs=4, speculative_config=spec) as llm:
+        _poison_placeholder(llm)
+        assert llm.engine.block_manager.window_cap(200) == 8
+        assert _generate(llm, prompts, 60) == want
+        assert max(held) <= 8 and llm.engine.stats()["kv_blocks_freed_window"] > 0
+
+
+def test_beam_search_equals_the_engine_that_keeps_every_block(tmp_path, monkeypatch):
+    """Beam search (its beams' shared prefixes from the prefix cache, blocks freed behind each beam's window) gives
+    the beams of the engine that keeps every block."""
+    from infer import LLM, BeamSearchParams
+    build(tmp_path, "phi3", seed=3)
+    prompt = random_prompts((40,), seed=8)[0]
+    params = BeamSearchParams(beam_width=2, max_tokens=30)
+    with LLM(str(tmp_path), block_size=4, max_num_batched_tokens=CHUNK, max_num_seqs=4) as llm:
+        got = [(s.tokens, round(s.cum_logprob, 4)) for s in llm.beam_search([prompt], params)[0].sequences]
+        assert llm.engine.stats()["kv_blocks_freed_window"] > 0
+    _no_window(monkeypatch)
+    with LLM(str(tmp_path), block_size=4, max_num_batched_tokens=CHUNK, max_num_seqs=4) as llm:
+        assert llm.engine.block_manager.window == 0
+        want = [(s.tokens, round(s.cum_logprob, 4)) for s in llm.beam_search([prompt], params)[0].sequences]
+    assert got == want
+
+
+def test_more_sequences_fit_at_long_context(tmp_path, monkeypatch, held):
+    """31 blocks (30 for sequences, one sequence of 120 tokens): three sequences of 5 + 100 tokens run at once
+    without a preemption (each holds at most 7 blocks); the engine that keeps every block preempts them in turn
+    (27 blocks each). Tokens transformers' both ways."""
+    from infer import LLM
+    hf = build(tmp_path, "mistral", seed=4)
+    prompts = random_prompts((5, 8, 12), seed=9)
+    want = hf_greedy(hf, prompts, 100)
+    kw = dict(block_size=4, max_num_batched_tokens=CHUNK, max_num_seqs=4, num_kv_blocks=31, max_model_len=120)
+    with LLM(str(tmp_path), **kw) as llm:
+        assert _generate(llm, prompts, 100) == want
+        assert llm.engine.stats()["num_preemptions"] == 0 and max(held) <= 7
+    _no_window(monkeypatch)
+    with LLM(str(tmp_path), **kw) as llm:
+        assert _generate(llm, prompts, 100) == want
+        assert llm.engine.stats()["num_preemptions"] > 0
+
+
+def test_fp8_kv_and_prompt_logprobs_equal_the_engine_that_keeps_every_block(tmp_path, monkeypatch):
+    """fp8 KV (its placeholder a float8 NaN) and a long prompt's prompt_logprobs: the same tokens and logprobs as the
+    engine that keeps every block."""
+    from infer import LLM
+    build(tmp_path, "phi3", seed=5)
+    prompts = random_prompts((70, 30), seed=10)
+    kw = dict(block_size=4, max_num_batched_tokens=CHUNK, max_num_seqs=4, kv_cache_dtype="fp8")
+
+    def run():
+        with LLM(str(tmp_path), **kw) as llm:
+            if llm.engine.block_manager.window:
+                _poison_placeholder(llm)
+            outs = llm.generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True, prompt_logprobs=1))
+            return [(o.token_ids, [r and round(r["logprob"], 4) for r in (o.prompt_logprobs or [])]) for o in outs]
+    got = run()
+    _no_window(monkeypatch)
+    assert run() == got
+
+
+@pytest.mark.parametrize("family", ["mistral"])
+def test_the_gpu_path_frees_blocks_and_equals_transformers(tmp_path, monkeypatch, family, held):
+    """The GPU code path on CPU (every op its Triton kernel, interpreted; decodes through emulated CUDA graphs of
+    fixed-width tables, the others piecewise; the overlapped step), the placeholder NaN: tokens transformers',
+    blocks bounded."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels")
+    from infer import LLM
+    from quant_helpers import int4_kernel_path
+    hf = build(tmp_path, family)
+    prompts = random_prompts((5, 40), seed=7)
+    want = hf_greedy(hf, prompts, 40)
+    int4_kernel_path(monkeypatch)
+    with LLM(str(tmp_path), block_size=4, max_num_batched_tokens=CHUNK, max_num_seqs=2, overlap=True,
+             cuda_graph_max_tokens=4) as llm:
+        llm.engine.runner.capture_graphs(96, emulate=True)
+        _poison_placeholder(llm)
+        assert _generate(llm, prompts, 40) == want
+        assert sum(llm.engine.runner.graphs.replays.values()) > 0
+        assert max(held) <= 7 and llm.engine.stats()["kv_blocks_freed_window"] > 0
+
+
+def test_kv_window_with_a_draft_model():
+    """Draft-model speculation reads its own KV in the same blocks from its first stale slot: freed behind the larger
+    window with its catch-up token counted, and not at all where the draft attends fully or its context ends
+    before max_length (its KV stops moving there)."""
+    from transformers import AutoConfig
+    from infer.engine.config import EngineConfig
+    from infer.memory.sizes import kv_window
+    target = AutoConfig.for_model("mistral", **{**SMALL, "sliding_window": 16})
+    ec = EngineConfig("tiny-llama", block_size=4, max_num_batched_tokens=8, max_num_seqs=4, device="cpu",
+                      speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+                                          "prompt_lookup_min": 2})
+    assert kv_window(ec, target, 160) == (16, 8 + 3)
+    assert kv_window(ec, target, 160, AutoConfig.for_model("mistral", **{**SMALL, "sliding_window": 32})) \
+        == (32, 8 + 3 + 1)
+    assert kv_window(ec, target, 160, AutoConfig.for_model("llama", **SMALL)) == (0, 0)
+    short = AutoConfig.for_model("mistral", **{**SMALL, "sliding_window": 16, "max_position_embeddings": 100})
+    assert kv_window(ec, target, 160, short) == (0, 0)
+    plain = AutoConfig.for_model("mistral", **{**SMALL, "sliding_window": None})
+    assert kv_window(ec, plain, 160) == (0, 0)
+
+
+def test_data_parallel_validation_and_metrics_know_the_window():
+    """The data-parallel driver validates a request against a replica's pool as LLMEngine does (window_cap: its
+    block manager stand-in had no such method), the placeholder out of the pool; /metrics counts the freed
+    blocks of a windowed engine (and names no such counter for the others)."""
+    from infer.parallel.serve_engine import _Blocks
+    from infer.serve.metrics import _EngineCollector
+    windowed, plain = _Blocks(12, 4, 16, 8), _Blocks(12, 4)
+    assert (windowed.num_blocks, windowed.window_cap(120)) == (11, 7)
+    assert (plain.num_blocks, plain.window_cap(120)) == (12, 30)
+    names = {m.name for m in _EngineCollector(lambda: {"kv_blocks_freed_window": 5}, ["m", "0"]).collect()}
+    assert "infer:kv_cache_window_freed_blocks" in names
+    names = {m.name for m in _EngineCollector(lambda: {}, ["m", "0"]).collect()}
+    assert "infer:kv_cache_window_freed_blocks" not in names
