@@ -2,10 +2,10 @@
 slide) frees each running sequence's KV blocks that no future query reads (a block whose last position is before
 its next query's position - window + 1: the kernels read kv > q - window only), back to the pool (cached ones
 keep their hash), its table entries pointing at a placeholder block; admission gives a windowed sequence blocks
-for its first step only. Tiny
+for its first step only; the memory plan counts a sequence's blocks as those of its window and a step. Tiny
 Mistral / Phi-3 models of window 16 in blocks of 4, prompts and generations far past the window: greedy tokens
 equal transformers' and the blocks a sequence holds stay bounded, on the CPU path and the GPU path (interpreted),
-with chunked prefill, prefix caching, n-gram speculation, beam search, fp8 KV and prompt_logprobs."""
+with chunked prefill, prefix caching, n-gram speculation, beam search, preemption, fp8 KV and prompt_logprobs."""
 
 from __future__ import annotations
 
@@ -103,7 +103,9 @@ def _poison_placeholder(llm) -> None:
 def _no_window(monkeypatch):
     """Engines built after this keep every block (the window's freeing off), as before session 55."""
     import infer.engine.llm_engine as le
-    monkeypatch.setattr(le, "kv_window", lambda *a, **k: (0, 0))
+    import infer.memory.plan as plan
+    for module in (le, plan):
+        monkeypatch.setattr(module, "kv_window", lambda *a, **k: (0, 0))
 
 
 # ----------------------------------------------------------------------------------------------- block manager
@@ -264,6 +266,24 @@ def test_beam_search_equals_the_engine_that_keeps_every_block(tmp_path, monkeypa
     assert got == want
 
 
+def test_preemption_in_a_pool_that_fits_only_because_blocks_are_freed(tmp_path, monkeypatch, held):
+    """12 blocks (11 for sequences) of 4 tokens: three sequences of 5 + 100 tokens run (preempted and resumed in
+    turn), tokens transformers'; the engine that keeps every block cannot take a sequence of that length at all."""
+    from infer import LLM
+    from infer.errors import InferError
+    hf = build(tmp_path, "mistral", seed=4)
+    prompts = random_prompts((5, 8, 12), seed=9)
+    want = hf_greedy(hf, prompts, 100)
+    kw = dict(block_size=4, max_num_batched_tokens=CHUNK, max_num_seqs=4, num_kv_blocks=12, max_model_len=120)
+    with LLM(str(tmp_path), **kw) as llm:
+        assert _generate(llm, prompts, 100) == want
+        assert llm.engine.stats()["num_preemptions"] > 0 and max(held) <= 7
+    _no_window(monkeypatch)
+    with pytest.raises(InferError):
+        with LLM(str(tmp_path), **kw) as llm:
+            _generate(llm, prompts, 100)
+
+
 def test_more_sequences_fit_at_long_context(tmp_path, monkeypatch, held):
     """31 blocks (30 for sequences, one sequence of 120 tokens): three sequences of 5 + 100 tokens run at once
     without a preemption (each holds at most 7 blocks); the engine that keeps every block preempts them in turn
@@ -323,6 +343,25 @@ def test_the_gpu_path_frees_blocks_and_equals_transformers(tmp_path, monkeypatch
         assert max(held) <= 7 and llm.engine.stats()["kv_blocks_freed_window"] > 0
 
 
+# ----------------------------------------------------------------------------------------------- memory plan
+def test_memory_plan_counts_a_windowed_sequence_by_its_window(tmp_path):
+    """The plan of a windowed model counts a sequence of 4096 tokens as the blocks of its window and a step (+1),
+    the same model without a window as all 4096 / 4: more sequences fit, any length at a concurrency that fits."""
+    from transformers import AutoConfig
+    from infer.engine.config import EngineConfig
+    from infer.memory.plan import make_plan
+    cfg = AutoConfig.for_model("mistral", **{**SMALL, "max_position_embeddings": 8192, "sliding_window": 256})
+    plain = AutoConfig.for_model("mistral", **{**SMALL, "max_position_embeddings": 8192, "sliding_window": None})
+    ec = EngineConfig("tiny-llama", block_size=4, max_num_batched_tokens=64, device="cpu")
+    dev = torch.device("cpu")
+    windowed = make_plan(ec, cfg, torch.float32, dev, 10**6, 10**6, 4096, 8, 8192, budget=10_300_000)
+    full = make_plan(ec, plain, torch.float32, dev, 10**6, 10**6, 4096, 8, 8192, budget=10_300_000)
+    assert windowed.kv_blocks == full.kv_blocks
+    assert windowed.blocks_for(4096) == (256 + 64) // 4 + 1 and full.blocks_for(4096) == 1024
+    assert windowed.max_concurrency_at_max_length > full.max_concurrency_at_max_length
+    assert windowed.fits and windowed.max_length_at_concurrency == 8192
+
+
 def test_kv_window_with_a_draft_model():
     """Draft-model speculation reads its own KV in the same blocks from its first stale slot: freed behind the larger
     window with its catch-up token counted, and not at all where the draft attends fully or its context ends
@@ -357,3 +396,23 @@ def test_data_parallel_validation_and_metrics_know_the_window():
     assert "infer:kv_cache_window_freed_blocks" in names
     names = {m.name for m in _EngineCollector(lambda: {}, ["m", "0"]).collect()}
     assert "infer:kv_cache_window_freed_blocks" not in names
+
+
+def test_warmup_estimate_of_a_windowed_model_fits_more_sequences(tmp_path):
+    """`infer warmup --estimate` of a Mistral of window 16 counts a sequence of 160 tokens as 9 blocks (16 + a step of
+    16 tokens, in blocks of 4, + 1) where the same model without a window counts 40: more sequences fit."""
+    import json
+    from typer.testing import CliRunner
+    from infer.cli.main import app
+    got = {}
+    for window in (True, False):
+        folder = tmp_path / str(window)
+        folder.mkdir()
+        build(folder, "mistral", window=window)
+        res = CliRunner().invoke(app, ["warmup", str(folder), "--estimate", "--json", "--max-length", "160",
+                                       "--concurrency", "4", "--max-num-batched-tokens", "16", "--block-size", "4",
+                                       "--memory-limit", "40MB"])
+        assert res.exit_code == 0, res.output
+        got[window] = json.loads(res.output.strip().splitlines()[-1])
+    assert (got[True]["window_blocks"], got[False]["window_blocks"]) == (9, 0)
+    assert got[True]["max_concurrency_at_max_length"] > got[False]["max_concurrency_at_max_length"]

@@ -21,8 +21,8 @@ from ..kernels.intmath import PROGRAMS_PER_SM, cdiv, decode_parts, next_power_of
 from ..models.limits import context_limit
 from ..models.shapes import ModelShapes
 from .graph_buckets import batch_buckets, largest_per_stream, token_buckets
-from .sizes import (activation_bytes, dequant_scratch_bytes, element_bytes, gib, kv_bytes_per_token, lora_slot_bytes,
-                    sampler_row_bytes, step_tokens, weights_bytes)
+from .sizes import (activation_bytes, dequant_scratch_bytes, element_bytes, gib, kv_bytes_per_token, kv_window,
+                    lora_slot_bytes, sampler_row_bytes, step_tokens, weights_bytes, window_blocks)
 
 
 class PlanOptions(Protocol):
@@ -238,16 +238,27 @@ class MemoryPlan:
         return self.kv_blocks
 
     def blocks_for(self, length: int) -> int:
-        return -(-length // self.block_size)
+        """The KV blocks a sequence of `length` tokens holds at once: all of them, or under a sliding window
+        (window_blocks) no more than those of the window and a step."""
+        need = -(-length // self.block_size)
+        return min(need, self.window_blocks) if self.window_blocks else need
+
+    @property
+    def usable_blocks(self) -> int:
+        """The blocks sequences get: under a window one is the placeholder (engine.block_manager)."""
+        return max(0, self.kv_blocks - (1 if self.window_blocks else 0))
 
     @property
     def max_concurrency_at_max_length(self) -> int:
-        most = self.kv_blocks // self.blocks_for(self.max_length)
+        most = self.usable_blocks // self.blocks_for(self.max_length)
         return most if self.room_concurrency is None else min(most, self.room_concurrency)
 
     @property
     def max_length_at_concurrency(self) -> int:
-        most = min(self.max_length_limit, (self.kv_blocks // max(self.concurrency, 1)) * self.block_size)
+        each = self.usable_blocks // max(self.concurrency, 1)
+        most = min(self.max_length_limit, each * self.block_size)
+        if self.window_blocks and each >= self.window_blocks:  # any length: a sequence holds no more
+            most = self.max_length_limit
         return most if self.room_length is None else min(most, self.room_length)
 
     max_length_limit: int = 0  # the model's context limit
@@ -255,6 +266,9 @@ class MemoryPlan:
     room_concurrency: int | None = None
     room_length: int | None = None
     kv_cache_dtype: str = ""  # the KV cache's element type (torch's name: float16, float8_e4m3fn, ...)
+    # a model whose every layer slides over one window: the most blocks a sequence holds (memory.sizes.kv_window,
+    # window_blocks: the blocks behind the window are freed); 0: every block of a sequence is held
+    window_blocks: int = 0
 
     @property
     def fits(self) -> bool:
@@ -357,9 +371,11 @@ def make_plan(engine_config: PlanOptions, model_config, dtype: torch.dtype, devi
     budget = budget_bytes(engine_config, device, weights) if budget is None else budget
     reserve = runtime_reserve(budget)
     kv_blocks = max(0, budget - weights - max(activation, engine_activation) - lora - reserve) // block
+    window, step = kv_window(engine_config, model_config, max_length, draft_config)
     return MemoryPlan(device.type, device_total(device), budget, weights, activation, lora, reserve, per_token, block,
                       engine_config.block_size, int(kv_blocks), max_length, concurrency, measured, max_length_limit,
-                      kv_cache_dtype=str(kv_dtype(engine_config, dtype)).replace("torch.", ""))
+                      kv_cache_dtype=str(kv_dtype(engine_config, dtype)).replace("torch.", ""),
+                      window_blocks=window_blocks(window, step, engine_config.block_size) if window else 0)
 
 
 def start_activation_bytes(engine_config: PlanOptions, model_config, model, dtype, max_len: int,
@@ -436,7 +452,7 @@ def _start_plan(engine_config: PlanOptions, model_config, model, dtype, device, 
                 f"use num_kv_blocks={plan.kv_blocks:,} or less, leave it unset (sized from the budget), or {more}")
         plan.kv_blocks = engine_config.num_kv_blocks
     else:  # never more than can be in use at once (CPU), or twice that (CUDA: room for the prefix cache)
-        most = seqs * plan.blocks_for(max_len) + seqs
+        most = seqs * plan.blocks_for(max_len) + seqs  # (a window's placeholder among the seqs spare)
         plan.kv_blocks = min(plan.kv_blocks, most if device.type == "cpu" else 2 * most)
     return plan
 
@@ -447,7 +463,7 @@ def largest_fitting_len(engine_config: PlanOptions, model_config, model, dtype, 
     length, so this is more than the KV left at `max_len`); 0 if none does. A binary search: fitting is monotone."""
     def fits(n: int) -> bool:  # (the model as loaded for n: its rotary table n rows, not max_len's)
         plan = _start_plan(engine_config, model_config, model, dtype, device, n, lora_bytes, draft, positions=n)
-        return plan.kv_blocks >= plan.blocks_for(n)
+        return plan.usable_blocks >= plan.blocks_for(n)
     lo, hi = 0, max_len - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -478,13 +494,13 @@ def plan_memory(engine_config: PlanOptions, model_config, model, dtype, device, 
     prefix cache) within the budget; num_kv_blocks (API only) overrides both. `draft`: (model, config) of a draft
     model (speculative decoding), whose weights, KV blocks and step count too."""
     plan = _start_plan(engine_config, model_config, model, dtype, device, max_len, lora_bytes, draft)
-    if plan.kv_blocks < plan.blocks_for(max_len) and engine_config.num_kv_blocks:
+    if plan.usable_blocks < plan.blocks_for(max_len) and engine_config.num_kv_blocks:
         raise ConfigError(
             f"num_kv_blocks={engine_config.num_kv_blocks} holds {engine_config.num_kv_blocks * plan.block_size} "
             f"tokens, less than one sequence of {max_len} tokens (the context, --max-model-len)",
             f"use num_kv_blocks={plan.blocks_for(max_len)} or more, or lower --max-model-len to "
             f"{engine_config.num_kv_blocks * plan.block_size} or less")
-    if plan.kv_blocks < plan.blocks_for(max_len):
+    if plan.usable_blocks < plan.blocks_for(max_len):
         fit = largest_fitting_len(engine_config, model_config, model, dtype, device, max_len, lora_bytes, draft)
         more = "raise --gpu-memory-utilization" if device.type == "cuda" else "raise --memory-limit"
         if plan.weights_bytes + plan.reserve_bytes >= plan.budget_bytes:  # nothing else matters until they fit
