@@ -13,11 +13,14 @@ import shutil
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from infer.engine.block_manager import BlockManager
 from infer.engine.sampling_params import SamplingParams
 from infer.engine.scheduler import Scheduler
 from infer.engine.sequence import Sequence
+
+from test_scheduler_property import World, _sequence, lora_model, requests  # noqa: F401 (lora_model: a fixture)
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=160, vocab_size=512, eos_token_id=2, pad_token_id=0)
@@ -416,3 +419,92 @@ def test_warmup_estimate_of_a_windowed_model_fits_more_sequences(tmp_path):
         got[window] = json.loads(res.output.strip().splitlines()[-1])
     assert (got[True]["window_blocks"], got[False]["window_blocks"]) == (9, 0)
     assert got[True]["max_concurrency_at_max_length"] > got[False]["max_concurrency_at_max_length"]
+
+
+def test_draft_model_speculation_frees_behind_the_draft_kv(tmp_path, held):
+    """Draft-model speculation with the model as its own draft (its KV in the same blocks, read from its first
+    stale slot): transformers' tokens, blocks freed (bounded by the window, a step, the lookahead and the draft's
+    catch-up token), every block back at the end; a repeated prompt's prefix hit too."""
+    from infer import LLM
+    hf = build(tmp_path, "mistral", seed=6)
+    prompts = random_prompts((30, 70), seed=11)
+    want = hf_greedy(hf, prompts, 50)
+    spec = {"model": str(tmp_path), "num_speculative_tokens": 2}
+    with LLM(str(tmp_path), block_size=4, max_num_batched_tokens=CHUNK, max_num_seqs=4,
+             speculative_config=spec) as llm:
+        bm = llm.engine.block_manager
+        assert bm.draft_reads and bm.window == 16 and bm.window_cap(200) == 8
+        assert _generate(llm, prompts, 50) == want
+        assert _generate(llm, prompts[1:], 50) == want[1:]
+        assert max(held) <= 8 and llm.engine.stats()["kv_blocks_freed_window"] > 0 and bm.num_used_blocks == 0
+
+
+# ----------------------------------------------------------------------------------------------- property
+
+
+class WindowWorld(World):
+    """test_scheduler_property's world with a windowed block manager: the invariants hold for the blocks a sequence
+    holds (past its placeholder entries), no block a future query reads is ever freed, none holds more than
+    window_cap, and every block comes back."""
+
+    def __init__(self, model, paths, block_size, num_blocks, caching, max_num_seqs, max_tokens, window):
+        super().__init__(model, paths, block_size, num_blocks, caching, max_num_seqs, max_tokens)
+        self.bm = BlockManager(num_blocks, block_size, caching, window=window, step_tokens=max_tokens)
+        self.sched.bm = self.bm
+        schedule = self.sched.schedule
+
+        def checked():  # the step's queries start at each sequence's computed tokens: none of its reads freed
+            batch = schedule()
+            for seq in self.sched.running:
+                first = max(0, seq.num_computed_tokens - self.bm.window + 1)
+                assert seq.num_freed_blocks * self.bm.block_size <= first, "a block the step reads was freed"
+            return batch
+        self.sched.schedule = checked
+
+    def check(self) -> None:
+        bm, running = self.bm, self.sched.running
+        assert bm.num_free_blocks + bm.num_used_blocks == bm.num_blocks
+        refs = [0] * bm.num_blocks
+        for seq in running:
+            freed = seq.num_freed_blocks
+            assert seq.block_table[:freed] == [bm.placeholder] * freed
+            assert len(seq.block_table) - freed <= bm.window_cap(seq.max_total_len)
+            for bid in seq.block_table[freed:]:
+                refs[bid] += 1
+        for block in bm.blocks:
+            assert block.ref_count == refs[block.block_id], "reference count differs from the block tables"
+            assert (block.ref_count == 0) == (block.block_id in bm.free)
+        for seq in self.seqs:
+            if seq.status.value != "running":
+                assert not seq.block_table
+        for seq in running:
+            bs, tokens = bm.block_size, seq.all_token_ids
+            for i in range(seq.num_freed_blocks, -(-seq.num_computed_tokens // bs)):
+                end = min((i + 1) * bs, seq.num_computed_tokens)
+                assert self.written.get(seq.block_table[i]) == (seq.lora, tuple(tokens[:end]))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reqs=requests, block_size=st.sampled_from([1, 2, 4]), extra_blocks=st.integers(0, 12),
+       caching=st.booleans(), max_num_seqs=st.integers(1, 6), max_tokens=st.integers(1, 16),
+       window=st.sampled_from([2, 3, 5, 8]))
+def test_random_workloads_under_a_window_keep_invariants_and_finish(lora_model, reqs, block_size, extra_blocks,
+                                                                    caching, max_num_seqs, max_tokens, window):
+    seqs = [_sequence(i, r) for i, r in enumerate(reqs)]
+    max_tokens = max(max_tokens, max_num_seqs)
+    probe = BlockManager(2, block_size, window=window, step_tokens=max_tokens)
+    need = max(probe.window_cap(s.max_total_len) for s in seqs)  # (the engine refuses a request above the pool)
+    w = WindowWorld(*lora_model, block_size, need + extra_blocks + 1, caching, max_num_seqs, max_tokens, window)
+    step, limit = 0, 40 + 10 * sum(s.max_total_len for s in seqs)
+    while step <= 12 or w.sched.has_unfinished():
+        assert step < limit, "the workload did not finish in a bounded number of steps"
+        for i, r in enumerate(reqs):
+            if r["arrival"] == step:
+                w.seqs.append(seqs[i])
+                w.sched.add(seqs[i])
+            if r["abort"] == step and seqs[i] in w.seqs and not seqs[i].finished:
+                w.abort(seqs[i])
+        w.step()
+        w.check()
+        step += 1
+    assert w.bm.num_used_blocks == 0
