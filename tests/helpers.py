@@ -54,6 +54,54 @@ def hf_greedy(path: str, prompt: list[int], n: int, **kw) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def save_random_model(folder, model_type: str, arch: str, config: dict, seed: int = 0, perturb=None,
+                      eager: bool = True):
+    """A random model of `model_type` (transformers' `arch`, float32, initializer_range 0.15, no BOS) from `config`,
+    saved to `folder` with the tiny-llama tokenizer; returns transformers' model of it (eager attention unless
+    `eager` is False; EOS off: it never stops). `perturb(name, p)`, called on every parameter under the same seed,
+    moves weights the random init leaves constant (norms, biases) so that a bug in them changes the tokens."""
+    import shutil
+    from pathlib import Path
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from infer.models.tiny import ensure_builtin
+    cfg = AutoConfig.for_model(model_type, initializer_range=0.15, bos_token_id=None, **config)
+    cfg.architectures = [arch]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,
+                                                 **({"attn_implementation": "eager"} if eager else {})).eval()
+        if perturb is not None:
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    perturb(name, p)
+    model.save_pretrained(folder, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ensure_builtin("tiny-llama") / f, Path(folder) / f)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def norms_drawn(mean: float):
+    """A save_random_model perturb: every norm weight drawn from N(mean, 0.3) (Gemma's 1 + w norms: mean 0)."""
+    def perturb(name, p):
+        if "norm" in name:
+            p.normal_(mean, 0.3)
+    return perturb
+
+
+def norms_and_biases_shifted(name, p):
+    """A save_random_model perturb: norm weights and biases moved by N(0, 0.3)."""
+    if name.endswith(".bias") or "norm" in name:
+        p.add_(torch.randn_like(p) * 0.3)
+
+
+def greedy_each(hf, prompts, n: int) -> list[list[int]]:
+    """transformers' greedy continuation of n tokens of each prompt alone."""
+    with torch.no_grad():
+        return [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+                for p in prompts]
+
+
 def random_prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -15,14 +15,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from infer import LLM, SamplingParams
 from infer.cli.main import app
 from infer.errors import ModelLoadError, UnsupportedModelError
 from infer.models.tiny import BUILTIN_MODELS, ensure_builtin
 
-from helpers import random_prompts
+from helpers import greedy_each, random_prompts, save_random_model
 from lora_helpers import PeftOracle, hf_float, save_adapter
 from quant_helpers import int4_kernel_path, make_gptqmodel_checkpoint, needs_gptqmodel
 
@@ -33,22 +33,10 @@ HALF_HEAD = 8  # head_dim 16: the rope's frequencies
 
 def build(folder, seed: int = 0, **config):
     """A random Phi-3 model folder (float32) with the tiny-llama tokenizer; returns transformers' model."""
-    cfg = AutoConfig.for_model("phi3", initializer_range=0.15, bos_token_id=None, **{**SMALL, **config})
-    cfg.architectures = ["Phi3ForCausalLM"]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    model.save_pretrained(folder, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(ensure_builtin("tiny-llama") / f, folder / f)
-    model.generation_config.eos_token_id = None
-    return model
+    return save_random_model(folder, "phi3", "Phi3ForCausalLM", {**SMALL, **config}, seed, eager=False)
 
 
-def hf_greedy(hf, prompts, n: int) -> list[list[int]]:
-    with torch.no_grad():
-        return [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
-                for p in prompts]
+hf_greedy = greedy_each
 
 
 LONGROPE = dict(original_max_position_embeddings=64, rope_scaling={

@@ -10,20 +10,18 @@ tiny-gemma and tiny-gemma2; what infer cannot run refused up front."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from infer import LLM, SamplingParams
 from infer.cli.main import app
 from infer.errors import UnsupportedModelError
 from infer.models.tiny import BUILTIN_MODELS, ensure_builtin
 
-from helpers import random_prompts
+from helpers import greedy_each, norms_drawn, random_prompts, save_random_model
 from lora_helpers import PeftOracle, hf_float, save_adapter
 from quant_helpers import int4_kernel_path, make_gptqmodel_checkpoint, needs_gptqmodel
 
@@ -39,26 +37,10 @@ GEMMA2 = dict(head_dim=32, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
 def build(folder, model_type: str = "gemma", seed: int = 0, **config):
     """A random Gemma / Gemma 2 model folder (float32; norm weights random, not zero) with the tiny-llama tokenizer;
     returns transformers' model (its eager attention: Gemma 2's soft-capping)."""
-    cfg = AutoConfig.for_model(model_type, initializer_range=0.15, bos_token_id=None, **{**SMALL, **config})
-    cfg.architectures = [ARCH[model_type]]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.normal_(0.0, 0.3)
-    model.save_pretrained(folder, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(ensure_builtin("tiny-llama") / f, folder / f)
-    model.generation_config.eos_token_id = None
-    return model
+    return save_random_model(folder, model_type, ARCH[model_type], {**SMALL, **config}, seed, norms_drawn(0.0))
 
 
-def hf_greedy(hf, prompts, n: int) -> list[list[int]]:
-    with torch.no_grad():
-        return [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
-                for p in prompts]
+hf_greedy = greedy_each
 
 
 CONFIGS = {  # model type, config, the context infer caps it at

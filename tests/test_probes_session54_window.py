@@ -16,6 +16,8 @@ import torch
 
 from infer.kernels import reference
 
+from helpers import greedy_each, norms_and_biases_shifted, save_random_model
+
 
 @pytest.fixture(scope="module")
 def attention():
@@ -165,30 +167,12 @@ ARCH = {"mistral": "MistralForCausalLM", "phi3": "Phi3ForCausalLM", "qwen2": "Qw
 def build(folder, family: str, seed: int = 0):
     """A random model folder of `family` (float32, norms and biases random) with the tiny-llama tokenizer, and
     transformers' model of it (eager attention)."""
-    import shutil
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from infer.models.tiny import ensure_builtin
     model_type, config = FAMILIES[family]
-    cfg = AutoConfig.for_model(model_type, initializer_range=0.15, bos_token_id=None, **{**SMALL, **config})
-    cfg.architectures = [ARCH[model_type]]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith(".bias") or "norm" in name:
-                    p.add_(torch.randn_like(p) * 0.3)
-    model.save_pretrained(folder, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(ensure_builtin("tiny-llama") / f, folder / f)
-    model.generation_config.eos_token_id = None
-    return model
+    return save_random_model(folder, model_type, ARCH[model_type], {**SMALL, **config}, seed,
+                             norms_and_biases_shifted)
 
 
-def hf_greedy(hf, prompts, n: int) -> list[list[int]]:
-    with torch.no_grad():
-        return [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
-                for p in prompts]
+hf_greedy = greedy_each
 
 
 def _generate(llm, prompts, n):

@@ -19,7 +19,7 @@ from infer import LLM, SamplingParams
 from infer.errors import ModelLoadError, UnsupportedModelError
 from infer.models.tiny import ensure_builtin
 
-from helpers import random_prompts
+from helpers import greedy_each, norms_drawn, random_prompts, save_random_model
 
 SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=256, vocab_size=512, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
@@ -36,27 +36,11 @@ MOE = {  # the experts' fields of each family: 8 experts, top-2
 def build(folder, model_type: str, seed: int = 0, **config):
     """A random MoE model folder (float32; norms random, not ones) with the tiny-llama tokenizer; returns
     transformers' model."""
-    cfg = AutoConfig.for_model(model_type, initializer_range=0.15, bos_token_id=None,
-                               **{**SMALL, **MOE[model_type], **config})
-    cfg.architectures = [ARCH[model_type]]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.normal_(1.0, 0.3)
-    model.save_pretrained(folder, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(ensure_builtin("tiny-llama") / f, folder / f)
-    model.generation_config.eos_token_id = None
-    return model
+    return save_random_model(folder, model_type, ARCH[model_type], {**SMALL, **MOE[model_type], **config}, seed,
+                             norms_drawn(1.0))
 
 
-def hf_greedy(hf, prompts, n: int) -> list[list[int]]:
-    with torch.no_grad():
-        return [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
-                for p in prompts]
+hf_greedy = greedy_each
 
 
 def check_equal(hf, llm, prompts, name, n: int = 8):

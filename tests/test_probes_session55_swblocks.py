@@ -9,7 +9,6 @@ with chunked prefill, prefix caching, n-gram speculation, beam search, preemptio
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
@@ -19,6 +18,8 @@ from infer.engine.block_manager import BlockManager
 from infer.engine.sampling_params import SamplingParams
 from infer.engine.scheduler import Scheduler
 from infer.engine.sequence import Sequence
+
+from helpers import greedy_each, norms_and_biases_shifted, save_random_model
 
 from test_scheduler_property import World, _sequence, lora_model, requests  # noqa: F401 (lora_model: a fixture)
 
@@ -34,31 +35,13 @@ CHUNK = 8  # max_num_batched_tokens of the windowed runs: a sequence holds ceil(
 def build(folder, family: str, seed: int = 0, window: bool = True):
     """A random model folder of `family` (float32, norms and biases random) with the tiny-llama tokenizer, and
     transformers' model of it (eager attention)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from infer.models.tiny import ensure_builtin
     model_type, arch, config = FAMILIES[family]
     if not window:
         config = {**config, "sliding_window": None}
-    cfg = AutoConfig.for_model(model_type, initializer_range=0.15, bos_token_id=None, **{**SMALL, **config})
-    cfg.architectures = [arch]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith(".bias") or "norm" in name:
-                    p.add_(torch.randn_like(p) * 0.3)
-    model.save_pretrained(folder, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(ensure_builtin("tiny-llama") / f, folder / f)
-    model.generation_config.eos_token_id = None
-    return model
+    return save_random_model(folder, model_type, arch, {**SMALL, **config}, seed, norms_and_biases_shifted)
 
 
-def hf_greedy(hf, prompts, n: int) -> list[list[int]]:
-    with torch.no_grad():
-        return [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
-                for p in prompts]
+hf_greedy = greedy_each
 
 
 def random_prompts(lengths, seed: int = 3):
