@@ -51,6 +51,8 @@ def warmup(
         raise ConfigError(*batched_tokens_below_seqs(engine.max_num_batched_tokens, concurrency, seqs_flag))
     engine_config = replace(engine, max_num_seqs=concurrency, max_model_len=max_length)
     plan, extra = (estimate_plan if estimate else measured_plan)(engine_config, max_length, concurrency)
+    from ..models.resolve import typed_name  # a built-in or hub id as typed, not its cache folder or snapshot
+    extra = {**extra, "model": typed_name(engine.model) or extra["model"]}
     if as_json:
         typer.echo(json.dumps({**plan.to_dict(), **extra}))
     else:

@@ -41,6 +41,15 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
                          f"({', '.join(BUILTIN_MODELS)})", _unknown_name_hint(name))
 
 
+def typed_name(name_or_path: str | os.PathLike) -> str | None:
+    """A built-in model's name or a hub id as the user typed it (what titles and banners name, as `infer serve` lists
+    it), not the cache folder or snapshot it resolves to; None for a local path (the caller names the folder)."""
+    given = str(name_or_path)
+    if Path(given).expanduser().exists():
+        return None
+    return given if given in BUILTIN_MODELS or is_hub_id(given) else None
+
+
 def source_name(name_or_path: str | os.PathLike) -> str:
     """The name a copy of the model records as its source (config.json's `_name_or_path`, which an adapter trained on
     the model may name as its base): a local folder's absolute path, else the built-in or hub name as given."""
