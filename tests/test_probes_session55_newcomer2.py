@@ -20,3 +20,20 @@ def test_warmup_names_a_built_in_model_as_typed():
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "infer warmup: tiny-llama  (estimate)" in result.output and "-v2" not in result.output
+
+
+def test_lora_validates_table_names_a_built_in_base_as_typed(tmp_path):
+    """`infer lora-validate tiny-llama ADAPTER` titled its table `LoRA adapters on tiny-llama-v2 (float)`: the cache
+    folder's name, not the base as typed (a local folder is still named by its folder's name)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from infer.models.tiny import ensure_builtin
+    from lora_helpers import save_adapter
+    hf = AutoModelForCausalLM.from_pretrained(ensure_builtin("tiny-llama"), dtype=torch.float32)
+    adapter = save_adapter(hf, tmp_path / "qv", 1, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    result = CliRunner().invoke(app, ["lora-validate", "tiny-llama", str(adapter), "--steps", "0"])
+    assert result.exit_code == 0, result.output
+    assert "LoRA adapters on tiny-llama (float)" in result.output and "-v2" not in result.output
+    result = CliRunner().invoke(app, ["lora-validate", str(ensure_builtin("tiny-llama")), str(adapter), "--steps", "0"])
+    assert result.exit_code == 0 and "LoRA adapters on tiny-llama-v2 (float)" in result.output, result.output

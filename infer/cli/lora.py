@@ -80,7 +80,7 @@ def exit_on_failures(reports, verbose: bool) -> None:
 
 def report_table(info, reports) -> Table:
     base = info.gptq or "float"
-    table = Table(title=f"LoRA adapters on {info.path.name} ({base})")
+    table = Table(title=f"LoRA adapters on {info.name or info.path.name} ({base})")
     for col in ("adapter", "rank", "alpha", "scaling", "rslora", "targets", "shapes", "base", "max |Δlogit|",
                 "adapter effect", "tokens", "result"):
         table.add_column(col, justify="right" if col in ("rank", "alpha", "scaling") else "left")

@@ -259,12 +259,13 @@ class BaseInfo:
     path: Path
     config: object  # the transformers config
     gptq: str | None  # e.g. "GPTQ 4-bit, group 128" ("AWQ ..." for an AWQ base); None for a float base
+    name: str = ""  # what a title names: a built-in or hub id as typed, a local folder's name (default: path's name)
 
 
 def read_base(base: str, quantized: bool = False) -> BaseInfo:
     """The base model folder (or built-in name), its config and quantization; ModelLoadError/ConfigError (exit 2)."""
     from ..models.loader import load_config
-    from ..models.resolve import resolve_model
+    from ..models.resolve import resolve_model, typed_name
     from ..quant.config import GPTQConfig
     path = resolve_model(base)
     cfg = load_config(path)
@@ -273,7 +274,7 @@ def read_base(base: str, quantized: bool = False) -> BaseInfo:
         raise ConfigError(f"--quantized: {path} is a float model (config.json has no quantization_config)",
                           f"quantize it first (infer quantize {base} -o BASE-gptq) and validate against that folder")
     label = None if q is None else f"{'AWQ' if q.quant_method == 'awq' else 'GPTQ'} {q.bits}-bit, group {q.group_size}"
-    return BaseInfo(path, cfg, label)
+    return BaseInfo(path, cfg, label, typed_name(base) or path.name)
 
 
 def static_reports(base: str, adapter_args: list[str], quantized: bool = False, max_rank: int = 64):
