@@ -37,3 +37,12 @@ def test_lora_validates_table_names_a_built_in_base_as_typed(tmp_path):
     assert "LoRA adapters on tiny-llama (float)" in result.output and "-v2" not in result.output
     result = CliRunner().invoke(app, ["lora-validate", str(ensure_builtin("tiny-llama")), str(adapter), "--steps", "0"])
     assert result.exit_code == 0 and "LoRA adapters on tiny-llama-v2 (float)" in result.output, result.output
+
+
+def test_convert_to_gptq_of_a_built_in_float_model_names_it_as_typed(tmp_path):
+    """`infer convert tiny-llama --to gptq` was told to run `infer quantize /.../tiny-llama-v2 -o OUT` (the cache
+    folder); the refusal and its hint name the model as typed."""
+    result = CliRunner().invoke(app, ["convert", "tiny-llama", "--to", "gptq", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert "--to gptq: tiny-llama is a float model" in result.output
+    assert "`infer quantize tiny-llama -o OUT`" in result.output and "-v2" not in result.output

@@ -46,7 +46,7 @@ def convert(
     Example: infer convert ./my-model-bin -o ./my-model --dtype bfloat16 --merge-lora ./adapters/support
     """
     from ..models.loader import check_weights
-    from ..models.resolve import resolve_model, source_name
+    from ..models.resolve import resolve_model, source_name, typed_name
     from ..quant.convert import convert_model, parse_shard_size
     from .entry import terminate_as_interrupt
     from .quiet import library_output
@@ -63,7 +63,8 @@ def convert(
     # SIGTERM stops it as Ctrl-C does: the staging folder beside OUTPUT (a whole model) is removed, not left behind
     with terminate_as_interrupt(), library_output():  # transformers' and peft's bars; errors reach handle_errors
         out = convert_model(src, output, dtype=dtype, merge_lora=merge_lora, max_shard_size=shard_bytes,
-                            overwrite=overwrite, check_weights=check_weights, source_name=source_name(model), to=to)
+                            overwrite=overwrite, check_weights=check_weights, source_name=source_name(model), to=to,
+                            shown=typed_name(model))  # a built-in or hub id as typed, not its cache folder
     files = sorted(p.name for p in Path(out).iterdir())
     what = ", ".join(x for x in (dtype, merge_lora and f"merged {merge_lora}", to == "gptq" and "GPTQ") if x) \
         or "same dtype"

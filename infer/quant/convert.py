@@ -375,7 +375,7 @@ TARGETS = ("safetensors", "gptq")
 def convert_model(src: Path, out: Path, dtype: str | None = None, merge_lora: Path | None = None,
                   max_shard_size: str | int = "4GB", overwrite: bool = False,
                   check_weights: Callable[[Path], None] | None = None, source_name: str | None = None,
-                  to: str = "safetensors") -> Path:
+                  to: str = "safetensors", shown: str | None = None) -> Path:
     """Write `src` as safetensors into `out`; returns `out`. `check_weights`: the engine loader's checks of a float
     checkpoint against its config.json (models.loader.check_weights, which the CLI passes: quant sits below models),
     run before transformers loads it. `source_name`: the name a float copy's config.json records as the model its
@@ -383,7 +383,8 @@ def convert_model(src: Path, out: Path, dtype: str | None = None, merge_lora: Pa
     config.json is copied unchanged (the model it was quantized from, which it records, is the copy's).
     `to`: "safetensors" keeps a quantized checkpoint's tensors as they are (an AWQ one stays AWQ); "gptq" rewrites an
     AWQ 'gemm' checkpoint as the GPTQ checkpoint of the same weights (quant/awq.py), copies a GPTQ one, and refuses a
-    float model (`infer quantize` makes a GPTQ checkpoint of it)."""
+    float model (`infer quantize` makes a GPTQ checkpoint of it). `shown`: the model as the user typed it (a built-in
+    name or hub id), which a refusal names and tells to pass (default: `src`'s path)."""
     src, out = Path(src).expanduser(), Path(out).expanduser()  # as `infer run` reads MODEL and --lora reads PATH
     merge_lora = Path(merge_lora).expanduser() if merge_lora is not None else None
     max_shard_size = parse_shard_size(max_shard_size)  # a bad size fails now, not after loading the model
@@ -406,8 +407,9 @@ def convert_model(src: Path, out: Path, dtype: str | None = None, merge_lora: Pa
                           "convert or merge the float model first, then quantize it with `infer quantize`; "
                           "adapters can be served on top of GPTQ with --lora")
     if to == "gptq" and not (gptq or awq):
-        raise ConfigError(f"--to gptq: {src} is a float model (config.json has no AWQ or GPTQ quantization_config)",
-                          f"quantize it into a GPTQ checkpoint with `infer quantize {src} -o OUT`")
+        raise ConfigError(f"--to gptq: {shown or src} is a float model (config.json has no AWQ or GPTQ "
+                          "quantization_config)", f"quantize it into a GPTQ checkpoint with `infer quantize "
+                          f"{shown or src} -o OUT`")
     awq_config = None
     if awq and to == "gptq":
         from .config import GPTQConfig
