@@ -46,3 +46,24 @@ def test_convert_to_gptq_of_a_built_in_float_model_names_it_as_typed(tmp_path):
     assert result.exit_code == 2, result.output
     assert "--to gptq: tiny-llama is a float model" in result.output
     assert "`infer quantize tiny-llama -o OUT`" in result.output and "-v2" not in result.output
+
+
+class _NoUvicorn:
+    def run(self, sockets=None):  # the banner is printed before this: serving nothing, it returns at once
+        return None
+
+
+def test_serves_banner_says_sleep_mode_is_on_with_its_routes(monkeypatch):
+    """`infer serve --enable-sleep-mode` said nothing of sleep mode (vLLM logs that it is on): the banner names it
+    and its routes, and says nothing of it without the flag."""
+    import infer.serve.app  # noqa: F401  (imported first: its own uvicorn_server stays the real one)
+    from infer.serve import lifecycle
+    monkeypatch.setattr(lifecycle, "uvicorn_server", lambda *a, **k: _NoUvicorn())  # what cli/serve.py calls
+    args = ["serve", "tiny-llama", "--port", "0", "--device", "cpu", "--max-model-len", "64", "--max-num-seqs", "2"]
+    res = CliRunner().invoke(app, [*args, "--enable-sleep-mode"])
+    assert res.exit_code == 0, res.output
+    line = next(x for x in res.output.splitlines() if x.startswith("infer: serving"))
+    assert "sleep mode: on (POST /sleep?level=1 or 2, POST /wake_up, GET /is_sleeping)" in line, line
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "sleep mode" not in next(x for x in res.output.splitlines() if x.startswith("infer: serving"))
