@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import typer
 from typer.testing import CliRunner
 
 from infer.cli.main import app
@@ -67,3 +69,33 @@ def test_serves_banner_says_sleep_mode_is_on_with_its_routes(monkeypatch):
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     assert "sleep mode" not in next(x for x in res.output.splitlines() if x.startswith("infer: serving"))
+
+
+def test_ctrl_c_before_any_record_says_a_plain_re_run_does(tmp_path, monkeypatch, capsys):
+    """Ctrl-C of `infer run ... -o OUT` before its first record said `0 of 2 records written ...; run the same command
+    with --resume to complete the rest`, as if --resume were needed: nothing was written, a plain re-run (which it
+    now says) starts the same, and --resume works too. Once records are on disk, --resume is still what it says."""
+    import infer.cli.run as run_module
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "hi", "max_new_tokens": 2}\n{"id": "b", "prompt": "yo", '
+                       '"max_new_tokens": 2}\n')
+    out = tmp_path / "out.jsonl"
+    args = ["run", "tiny-llama", str(prompts), "-o", str(out), "--max-model-len", "64", "--max-num-seqs", "2"]
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(run_module, "_generate", interrupted)
+        result = CliRunner().invoke(app, args)
+    assert result.exit_code == 130, result.output
+    assert f"interrupted: 0 of 2 records written to {out}; run the same command again (with or without --resume: " \
+           "nothing was written to keep)" in result.output
+    assert "to complete the rest" not in result.output
+    result = CliRunner().invoke(app, args)  # what it says: a plain re-run
+    assert result.exit_code == 0 and out.read_text().count("\n") == 2, result.output
+    capsys.readouterr()
+    with pytest.raises(typer.Exit):  # one record on disk: --resume keeps it
+        run_module.exit_interrupted(KeyboardInterrupt(), out, True, 2, 2, 1)
+    assert capsys.readouterr().err.strip() == f"interrupted: 1 of 2 records written to {out}; run the same command " \
+        "with --resume to complete the rest"
