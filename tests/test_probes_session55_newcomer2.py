@@ -99,3 +99,29 @@ def test_ctrl_c_before_any_record_says_a_plain_re_run_does(tmp_path, monkeypatch
         run_module.exit_interrupted(KeyboardInterrupt(), out, True, 2, 2, 1)
     assert capsys.readouterr().err.strip() == f"interrupted: 1 of 2 records written to {out}; run the same command " \
         "with --resume to complete the rest"
+
+
+def test_bench_progress_bars_leave_no_blank_line_off_a_terminal(tmp_path, capsys):
+    """`infer bench ... > log` (or `2>&1 | tee`) began its output with a blank line per level: rich's Progress, on a
+    console that is no terminal, draws nothing but prints an empty line when it stops. Off a terminal there is no
+    bar now; on a terminal it still draws (and clears itself: transient)."""
+    import io
+
+    from rich.console import Console
+
+    from infer.bench.driver import Progress
+    with Progress(True, 3, "infer c=1") as bar:  # rich's own console: sys.stdout, captured here
+        bar.advance(3)
+    file = io.StringIO()
+    with Progress(True, 3, "hf generate b=1", Console(file=file)) as bar:
+        bar.advance(3)
+    assert capsys.readouterr().out == "" and file.getvalue() == ""
+    term = io.StringIO()
+    with Progress(True, 3, "infer c=1", Console(file=term, force_terminal=True)) as bar:
+        bar.advance(3)
+    assert "infer c=1" in term.getvalue()
+    args = ["bench", "tiny-llama", "--num-prompts", "2", "--concurrency", "1,2", "--input-len", "4",
+            "--output-len", "2", "--max-model-len", "64", "-o", str(tmp_path / "b")]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.lstrip(" ").startswith("infer bench: throughput"), repr(result.stdout[:80])

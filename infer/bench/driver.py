@@ -51,11 +51,18 @@ def sampling_params_for(req: BenchRequest, temperature: float = 0.0, seed: int |
 
 
 class Progress:
-    """A rich progress bar counting finished requests (a no-op when disabled), on `console` if given."""
+    """A rich progress bar counting finished requests (a no-op when disabled, or where its console is no terminal),
+    on `console` if given."""
 
     def __init__(self, enabled: bool, total: int, label: str, console=None):
         self._bar = None
         self._stack = contextlib.ExitStack()
+        if enabled:
+            from rich import get_console
+            shown_on = console if console is not None else get_console()  # (rich's own: sys.stdout)
+            # a bar draws only on a terminal; elsewhere (a file, a pipe, a CI log) rich's Progress draws nothing
+            # but prints an empty line when it stops (to show a final frame, which transient=True leaves empty)
+            enabled = shown_on.is_terminal and not shown_on.is_dumb_terminal
         if enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TimeElapsedColumn
             # on a console of its own (the terminal, while other libraries' output is hidden), the bar does not
