@@ -187,3 +187,18 @@ def test_lora_validate_of_a_missing_dot_slash_adapter_is_no_hub_id(tmp_path, mon
         text = f"{problem.message} {problem.hint}"
         assert "folder not found" in text and "hub id" not in text and "download" not in text
         assert path == tmp_path / "adapters" / name  # (the error line names it so)
+
+
+def test_bench_says_what_runs_when_stdout_is_piped_and_stderr_is_a_terminal(monkeypatch, capsys):
+    """`infer bench ... | tee log`: stdout (where rich's bars draw) is a pipe, so no bar shows; stderr is the terminal,
+    and the lines that say what runs went only where stderr was no terminal: nothing showed at all. The lines now
+    follow the bars' console, not stderr."""
+    import sys
+
+    from rich import get_console
+
+    from infer.bench.plan import _say
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert not get_console().is_terminal  # pytest captures stdout: no bar would draw
+    _say(type("Plan", (), {"quiet": False})(), "2 requests at concurrency 1")
+    assert "infer bench: 2 requests at concurrency 1 ..." in capsys.readouterr().err

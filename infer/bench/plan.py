@@ -187,14 +187,13 @@ def _measure(plan: BenchPlan, target: _Target, requests, runs: list, bases: list
 
 
 def _say(plan: BenchPlan, what: str) -> None:
-    """Where stderr is no terminal (a CI log, `2>&1 | tee`), the progress bars draw nothing: a line per level says
-    what runs, so a bench of many minutes does not look hung."""
+    """Where the progress bars draw nothing (their console, rich's on stdout, is no terminal: a CI log, `> out`,
+    `| tee log`), a line per level on stderr says what runs, so a bench of many minutes does not look hung."""
     if plan.quiet:
         return
-    try:
-        if sys.stderr.isatty():
-            return
-    except (AttributeError, ValueError):
+    from rich import get_console
+    bars = get_console()  # where bench.driver.Progress draws
+    if bars.is_terminal and not bars.is_dumb_terminal:
         return
     print(f"infer bench: {what} ...", file=sys.stderr, flush=True)
 
