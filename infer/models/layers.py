@@ -126,9 +126,22 @@ class MergedLinear(nn.Module):
                                      "the weights do not match config.json")
             parts = tensor.split(widths, dim=dim)
         for shard, part in enumerate(parts):
-            self.load_shard(name, shard, part)
+            self._load_part(name, shard, part)
+        self._check_stored(name, 0, tensor)  # (its values once, as one tensor: not each shard's part apart)
 
     def load_shard(self, name: str, shard: int, tensor: torch.Tensor) -> None:
+        """Load the checkpoint tensor `name` of shard `shard` (a module stored apart: q_proj, k_proj, ...)."""
+        self._load_part(name, shard, tensor)
+        self._check_stored(name, shard, tensor)
+
+    def _check_stored(self, name: str, shard: int, tensor: torch.Tensor) -> None:
+        """The method's checks of a checkpoint tensor's values (GPTQ's scales beyond or below float16's range), once
+        per tensor as the checkpoint stores it, named as it is."""
+        check = getattr(self.method, "check_stored", None)
+        if check is not None:
+            check(f"{self.prefix_of(shard)}.{name}", name, tensor)
+
+    def _load_part(self, name: str, shard: int, tensor: torch.Tensor) -> None:
         if name == "bias":
             if self.bias is None:
                 if not isinstance(self.method, UnquantizedLinearMethod) and (tensor.is_meta or not bool(tensor.any())):

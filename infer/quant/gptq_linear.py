@@ -122,8 +122,6 @@ class GPTQLinearMethod:
         if name == "g_idx":
             self._load_g_idx(layer, shard, tensor, full)
             return
-        if name == "scales":
-            _check_scales(full, tensor)
         start = layer.shard_offset(shard)
         if name == "qzeros":
             start //= self.config.pack
@@ -131,6 +129,12 @@ class GPTQLinearMethod:
                 tensor = packing.v1_words_to_fields(tensor, self.config.bits)
         buf = getattr(layer, name)
         buf[:, start:start + tensor.shape[1]].copy_(tensor)
+
+    def check_stored(self, full: str, name: str, tensor: torch.Tensor) -> None:
+        """A checkpoint tensor's values, once as the checkpoint stores it (MergedLinear: a fused module's scales as
+        one tensor, not each shard's part): scales of another float type than float16 (_check_scales)."""
+        if name == "scales":
+            _check_scales(full, tensor)
 
     def _load_g_idx(self, layer, shard: int, tensor: torch.Tensor, full: str) -> None:
         others = sorted(s for s, n in layer.loaded_names() if n == "g_idx" and s != shard)
