@@ -26,3 +26,29 @@ def test_a_fused_modules_scales_below_float16s_range_are_warned_about_once_with_
         assert len(warned) == 1, warned
         assert warned[0].startswith(f"layers.0.mlp.gate_up_proj.scales: 3 {str(dtype)[6:]} scales below"), warned
         assert torch.equal(layer.scales, scales.half())
+
+
+# --------------------------------------------------------------------------- 2. Gemma 2's soft-capped prefill
+def test_the_activation_formula_bounds_gemma2s_soft_capped_prefill_at_concurrency_1():
+    """The soft-capped attention (kernels.reference._sdpa, which SDPA cannot do) holds a chunk of a prefill's scores
+    in float32 and their softmax (MASK_ELEMENTS a head), where the plain SDPA's CPU kernel holds none: the formula
+    counted the capped decode only, so at concurrency 1 with the default token budget (a prefill of the whole
+    max_length the peak) the estimate was under the measured peak (tiny-gemma2 2048 x 1 in float32: 7.6 MB by the
+    formula, 9.2 MB measured). Measured in a fresh process, as test_memory's test."""
+    import json
+    import subprocess
+    import sys
+
+    from infer.memory.sizes import softcap_cpu_prefill_bytes
+    from infer.models.loader import load_config
+    from infer.models.resolve import resolve_model
+    args = ["tiny-gemma2", "--max-length", "2048", "--concurrency", "1", "--dtype", "float32"]
+    proc = subprocess.run([sys.executable, "-m", "infer.cli", "warmup", "--json", *args], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    measured = json.loads(proc.stdout.strip().splitlines()[-1])
+    peak, formula = measured["activation_peak_bytes"], measured["activation_estimate_bytes"]
+    assert peak <= formula <= 1.5 * peak, (formula, peak)
+    # Gemma 3 (no soft-capping whatever its config says) and Llama hold no capped scores
+    for name in ("tiny-gemma3", "tiny-llama"):
+        assert softcap_cpu_prefill_bytes(load_config(resolve_model(name)), torch.float32, 2048, 2048) == 0

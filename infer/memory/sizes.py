@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.intmath import lora_split_most
-from ..kernels.reference import decode_gather_tokens, longest_batched_decode
+from ..kernels.reference import MASK_ELEMENTS, decode_gather_tokens, longest_batched_decode
 from ..models.limits import context_limit, uniform_window
 from ..models.shapes import ModelShapes
 
@@ -193,6 +193,20 @@ def moe_token_bytes(model_config, dtype: torch.dtype) -> int:
     return 2 * h * b + e * (b + 2 * 4) + max(experts, shared + h * b)
 
 
+def softcap_cpu_prefill_bytes(model_config, dtype: torch.dtype, num_tokens: int, max_length: int) -> int:
+    """Bytes a prefill's soft-capped attention (Gemma 2's attn_logit_softcapping: kernels.reference._sdpa, in
+    float32) holds past the step's per-token activations: a chunk of its query rows' scores and their softmax (at
+    most MASK_ELEMENTS (query x key) scores a head, or one query's over more keys; a prefill of `num_tokens` at most
+    `max_length` keys), the chunk's causal mask, and K and V as float32 copies in half precision. The plain SDPA's
+    prefill holds no scores (its CPU kernel works in tiles); 0 without soft-capping."""
+    if not softcap_cpu_position_bytes(model_config, dtype, False):
+        return 0
+    shapes = ModelShapes.from_config(model_config)
+    scores = min(num_tokens * max_length, max(MASK_ELEMENTS, max_length))  # a head's (query x key) chunk
+    kv_copies = 2 * max_length * shapes.kv_size * 4 if element_bytes(dtype) < 4 else 0
+    return scores * (2 * shapes.num_heads * 4 + 1) + kv_copies
+
+
 def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs: int, max_length: int,
                      lora_rank: int = 0, penalties: bool = True, kv_dtype: torch.dtype | None = None,
                      lora_expand_beside: bool = False) -> int:
@@ -212,7 +226,7 @@ def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs
         per_token = max(per_token, lora_cpu_token_bytes(model_config, dtype, lora_rank))
     if lora_rank and lora_expand_beside:
         per_token = max(per_token, lora_beside_token_bytes(model_config, dtype, lora_rank))
-    prefill = num_tokens * per_token
+    prefill = num_tokens * per_token + softcap_cpu_prefill_bytes(model_config, dtype, num_tokens, max_length)
     # decode: the K and V the CPU attention gathers at once (one sequence, or a small batch padded to its longest;
     # the GPU kernel reads the cache in place), plus float32 scores
     gathered = decode_gather_tokens(num_seqs, max_length, shapes.num_kv_heads)
