@@ -160,7 +160,7 @@ class MLP(nn.Module):
         self.act = activation(cfg)  # silu, or Gemma's gelu_tanh
         bias = bool(getattr(cfg, "mlp_bias", False)) and cfg.model_type == "llama"  # only Llama's MLP has biases
         names = fused_names(cfg, prefix, "gate_up_proj", ("gate_proj", "up_proj"))
-        inter = inter or cfg.intermediate_size
+        inter = cfg.intermediate_size if inter is None else inter  # (0: a Qwen2-MoE without a shared expert)
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [inter, inter], names, bias, method_for(names), dtype)
         self.down_proj = MergedLinear(inter, [cfg.hidden_size], [f"{prefix}.down_proj"], bias,
                                       method_for([f"{prefix}.down_proj"]), dtype)

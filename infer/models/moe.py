@@ -141,6 +141,9 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = None
         if cfg.model_type == "qwen2_moe":
             shared = int(cfg.shared_expert_intermediate_size)
+            # 0 wide (no shared expert: transformers builds it empty, its output 0): loaded, never run (its kernels
+            # take no 0-wide rows)
+            self.shared_width = shared
             self.shared_expert = MLP(cfg, f"{prefix}.shared_expert", method_for, dtype, inter=shared)
             self.shared_expert.down_proj.lora_consumer = None  # its output is gated: no delta left to the next norm
             self.shared_expert_gate = _Gate(1, h, dtype)
@@ -188,7 +191,7 @@ class SparseMoeBlock(nn.Module):
         """(the block's output [T, H], None: no LoRA delta left to the next norm)."""
         weights, ids = self.route(x)
         out = kernels.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
-        if self.shared_expert is not None:
+        if self.shared_expert is not None and self.shared_width:
             shared, _ = self.shared_expert(x, ctx)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
         return out, None
