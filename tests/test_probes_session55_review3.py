@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from infer import LLM, SamplingParams
 
@@ -34,3 +35,23 @@ def test_qwen2_moe_without_a_shared_expert_on_the_gpu_code_path(tmp_path, monkey
         llm.engine.runner.capture_graphs(64, emulate=True)
         outs = llm.generate(prompts, SamplingParams(max_new_tokens=5, ignore_eos=True))
     assert [o.token_ids for o in outs] == hf_greedy(hf, prompts, 5)
+
+
+def test_mixtral_checkpoint_of_transformers_parameter_names_loads(tmp_path):
+    """A Mixtral state_dict saved as transformers 5 names it (model.layers.N.mlp.gate.weight,
+    mlp.experts.gate_up_proj / down_proj: its module is mlp, block_sparse_moe only in save_pretrained's files),
+    which transformers reads, loads (and passes the estimate's loader checks), not 'the checkpoint has no tensor
+    ...block_sparse_moe.experts.0.w1.weight'."""
+    from typer.testing import CliRunner
+    from infer.cli.main import app
+    hf = build(tmp_path / "a", "mixtral", num_hidden_layers=1)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state and "model.layers.0.mlp.gate.weight" in state
+    save_file(state, str(tmp_path / "a" / "model.safetensors"), metadata={"format": "pt"})
+    prompts = random_prompts(512, (7, 12), seed=8)
+    with LLM(str(tmp_path / "a"), block_size=4) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=5, ignore_eos=True))]
+    assert got == hf_greedy(hf, prompts, 5)
+    res = CliRunner().invoke(app, ["warmup", str(tmp_path / "a"), "--estimate", "--max-length", "64",
+                                   "--concurrency", "2", "--device", "cpu"])
+    assert res.exit_code == 0, res.output

@@ -218,7 +218,9 @@ class MoeForCausalLM:
         if layer >= len(self.layers) or not isinstance(self.layers[layer].mlp, SparseMoeBlock):
             return None, m
         block = self.layers[layer].mlp
-        if m.group(2) != block.prefix.rpartition(".")[2]:  # Mixtral's block_sparse_moe, Qwen's mlp
+        # Qwen's mlp; Mixtral's block_sparse_moe, or mlp as transformers 5 names its module (its save_pretrained
+        # writes block_sparse_moe back, a state_dict saved as it is keeps mlp: transformers reads both)
+        if m.group(2) not in (block.prefix.rpartition(".")[2], "mlp"):
             return None, m
         return block, m
 
