@@ -495,11 +495,14 @@ def plan_memory(engine_config: PlanOptions, model_config, model, dtype, device, 
     model (speculative decoding), whose weights, KV blocks and step count too."""
     plan = _start_plan(engine_config, model_config, model, dtype, device, max_len, lora_bytes, draft)
     if plan.usable_blocks < plan.blocks_for(max_len) and engine_config.num_kv_blocks:
+        spare = plan.kv_blocks - plan.usable_blocks  # (a sliding window's placeholder: no sequence's)
         raise ConfigError(
-            f"num_kv_blocks={engine_config.num_kv_blocks} holds {engine_config.num_kv_blocks * plan.block_size} "
-            f"tokens, less than one sequence of {max_len} tokens (the context, --max-model-len)",
-            f"use num_kv_blocks={plan.blocks_for(max_len)} or more, or lower --max-model-len to "
-            f"{engine_config.num_kv_blocks * plan.block_size} or less")
+            f"num_kv_blocks={engine_config.num_kv_blocks} holds {plan.usable_blocks * plan.block_size} tokens"
+            + (" (one block is the sliding window's placeholder)" if spare else "")
+            + f", less than one sequence of {max_len} tokens (the context, --max-model-len)"
+            + (f" holds at once ({plan.blocks_for(max_len)} blocks: its window and a step)" if spare else ""),
+            f"use num_kv_blocks={plan.blocks_for(max_len) + spare} or more, or lower --max-model-len to "
+            f"{plan.usable_blocks * plan.block_size} or less")
     if plan.usable_blocks < plan.blocks_for(max_len):
         fit = largest_fitting_len(engine_config, model_config, model, dtype, device, max_len, lora_bytes, draft)
         more = "raise --gpu-memory-utilization" if device.type == "cuda" else "raise --memory-limit"

@@ -1,0 +1,31 @@
+"""Session 55, fourth review of sliding-window block freeing: what the probes found."""
+
+from __future__ import annotations
+
+import pytest
+
+from infer.engine.sampling_params import SamplingParams
+
+from test_probes_session55_swblocks import CHUNK, build, random_prompts
+
+
+def test_num_kv_blocks_refusal_under_a_window_names_a_count_that_starts(tmp_path):
+    """num_kv_blocks one short under a window (one block is the placeholder): the refusal's hint names a count and a
+    --max-model-len that start the engine (it named the count given, refused again)."""
+    import re
+
+    from infer import LLM
+    from infer.errors import ConfigError
+    build(tmp_path, "mistral", seed=4)
+    kw = dict(block_size=4, max_num_batched_tokens=CHUNK, max_num_seqs=4, max_model_len=120)
+    with pytest.raises(ConfigError) as e:  # a sequence holds 7 blocks: 7 is one short with the placeholder
+        LLM(str(tmp_path), num_kv_blocks=7, **kw)
+    hint = str(e.value)
+    blocks = int(re.search(r"use num_kv_blocks=(\d+)", hint).group(1))
+    length = int(re.search(r"--max-model-len to (\d+)", hint).group(1))
+    assert blocks != 7
+    with LLM(str(tmp_path), num_kv_blocks=blocks, **kw) as llm:
+        prompt = random_prompts((5,), seed=9)
+        assert len(llm.generate(prompt, SamplingParams(max_new_tokens=60, ignore_eos=True))[0].token_ids) == 60
+    with LLM(str(tmp_path), num_kv_blocks=7, **{**kw, "max_model_len": length}) as llm:
+        assert llm.engine.max_model_len == length
