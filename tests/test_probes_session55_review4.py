@@ -29,3 +29,15 @@ def test_num_kv_blocks_refusal_under_a_window_names_a_count_that_starts(tmp_path
         assert len(llm.generate(prompt, SamplingParams(max_new_tokens=60, ignore_eos=True))[0].token_ids) == 60
     with LLM(str(tmp_path), num_kv_blocks=7, **{**kw, "max_model_len": length}) as llm:
         assert llm.engine.max_model_len == length
+
+
+def test_warmup_does_not_fit_counts_the_blocks_sequences_get(capsys):
+    """warmup's 'does not fit' line under a window: the budget's blocks less the placeholder (it said 'needs 14 KV
+    blocks, the budget leaves 14' of a plan that does not fit, the placeholder counted among the sequences')."""
+    from infer.cli.warmup import print_plan
+    from infer.memory.plan import MemoryPlan
+    plan = MemoryPlan("cpu", 0, 0, 0, 0, 0, 0, 1, 4, 4, 14, 120, 2, max_length_limit=4096, window_blocks=7)
+    assert not plan.fits
+    print_plan(plan, {"model": "m", "estimate": True})
+    out = " ".join(capsys.readouterr().out.split())
+    assert "needs 14 KV blocks, the budget leaves 13" in out

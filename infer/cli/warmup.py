@@ -150,7 +150,9 @@ def print_plan(plan, extra: dict, tokens: int | None = None) -> None:
     else:
         console.print(f"[red]does not fit[/red]: {plan.concurrency} x {plan.max_length} tokens needs "
                       f"{plan.concurrency * plan.blocks_for(plan.max_length):,} KV blocks, the budget leaves "
-                      f"{plan.kv_blocks:,}; estimated maximum length at this concurrency is "
+                      f"{plan.usable_blocks:,}"
+                      + (" (and the sliding window's placeholder)" if plan.usable_blocks < plan.kv_blocks else "")
+                      + f"; estimated maximum length at this concurrency is "
                       f"{plan.max_length_at_concurrency}. "
                       f"{_capital(advice(plan, tokens, extra.get('fitting_batched_tokens')))}.")
 
