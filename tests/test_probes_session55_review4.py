@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from infer.engine.sampling_params import SamplingParams
 
@@ -41,3 +42,28 @@ def test_warmup_does_not_fit_counts_the_blocks_sequences_get(capsys):
     print_plan(plan, {"model": "m", "estimate": True})
     out = " ".join(capsys.readouterr().out.split())
     assert "needs 14 KV blocks, the budget leaves 13" in out
+
+
+def test_largest_length_under_a_window_counts_the_longer_steps():
+    """A windowed plan at a max_length below max_num_batched_tokens (its step's chunk at most max_length) said any
+    length fits at its concurrency (max_length_at_concurrency = the model's limit), but a longer max_length's
+    chunks are longer: the blocks of a sequence of that length (window 16, chunks up to 512 tokens, blocks of 4:
+    133) exceed what each of 3 sequences gets. The largest length reported is one whose own plan fits."""
+    from transformers import AutoConfig
+
+    from infer.engine.config import EngineConfig
+    from infer.memory.plan import make_plan
+    from test_probes_session55_swblocks import SMALL
+    cfg = AutoConfig.for_model("mistral", **{**SMALL, "max_position_embeddings": 4096, "sliding_window": 16})
+    ec = EngineConfig("tiny-llama", block_size=4, max_num_batched_tokens=512, device="cpu")
+    dev = torch.device("cpu")
+
+    def plan(length: int):
+        return make_plan(ec, cfg, torch.float32, dev, 10**6, 10**6, length, 3, 4096, budget=6_570_000)
+    small = plan(100)
+    assert small.fits and small.blocks_for(100) == 25 and 30 < small.usable_blocks // 3 < 133
+    longest = small.max_length_at_concurrency
+    assert longest > 100
+    at = plan(longest)
+    assert at.kv_blocks == small.kv_blocks and at.fits, (longest, at.blocks_for(longest), at.usable_blocks)
+    assert small.blocks_for(longest) == at.blocks_for(longest)

@@ -241,6 +241,9 @@ class MemoryPlan:
         """The KV blocks a sequence of `length` tokens holds at once: all of them, or under a sliding window
         (window_blocks) no more than those of the window and a step."""
         need = -(-length // self.block_size)
+        if self.window and length != self.max_length:  # (a step of another length: min(batched, length) + ahead)
+            return min(need, window_blocks(self.window, min(self.window_batched, length) + self.window_ahead,
+                                           self.block_size))
         return min(need, self.window_blocks) if self.window_blocks else need
 
     @property
@@ -257,8 +260,13 @@ class MemoryPlan:
     def max_length_at_concurrency(self) -> int:
         each = self.usable_blocks // max(self.concurrency, 1)
         most = min(self.max_length_limit, each * self.block_size)
-        if self.window_blocks and each >= self.window_blocks:  # any length: a sequence holds no more
-            most = self.max_length_limit
+        if self.window_blocks and each >= self.window_blocks:  # longer than its blocks: a sequence holds those of
+            # its window and a step, whose chunk grows with the length up to max_num_batched_tokens (blocks_for)
+            lo, hi = max(most, self.max_length), self.max_length_limit
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if self.blocks_for(mid) <= each else (lo, mid - 1)
+            most = lo
         return most if self.room_length is None else min(most, self.room_length)
 
     max_length_limit: int = 0  # the model's context limit
@@ -269,6 +277,12 @@ class MemoryPlan:
     # a model whose every layer slides over one window: the most blocks a sequence holds (memory.sizes.kv_window,
     # window_blocks: the blocks behind the window are freed); 0: every block of a sequence is held
     window_blocks: int = 0
+    # the window, and what a step of a longer max_length computes for a sequence (memory.sizes.kv_window: its
+    # min(max_num_batched_tokens, length) + the speculative lookahead): blocks_for of another length; 0: unknown
+    # (window_blocks then stands for every length)
+    window: int = 0
+    window_batched: int = 0
+    window_ahead: int = 0
 
     @property
     def fits(self) -> bool:
@@ -375,7 +389,9 @@ def make_plan(engine_config: PlanOptions, model_config, dtype: torch.dtype, devi
     return MemoryPlan(device.type, device_total(device), budget, weights, activation, lora, reserve, per_token, block,
                       engine_config.block_size, int(kv_blocks), max_length, concurrency, measured, max_length_limit,
                       kv_cache_dtype=str(kv_dtype(engine_config, dtype)).replace("torch.", ""),
-                      window_blocks=window_blocks(window, step, engine_config.block_size) if window else 0)
+                      window_blocks=window_blocks(window, step, engine_config.block_size) if window else 0,
+                      window=window, window_batched=engine_config.max_num_batched_tokens if window else 0,
+                      window_ahead=step - min(engine_config.max_num_batched_tokens, max_length) if window else 0)
 
 
 def start_activation_bytes(engine_config: PlanOptions, model_config, model, dtype, max_len: int,
