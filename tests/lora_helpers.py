@@ -34,6 +34,31 @@ def save_adapter(hf, out, seed: int, **lora_kw):
     return out
 
 
+def save_adapters(hf, root, adapters: dict) -> dict:
+    """Each of `adapters` (name -> LoraConfig arguments) on `hf`, saved under root / name (seeds 1, 2, ... in order;
+    no dropout): {name: path}."""
+    return {n: save_adapter(hf, root / n, seed=i + 1, lora_dropout=0.0, **kw) for i, (n, kw) in
+            enumerate(adapters.items())}
+
+
+def check_mixed_adapters_equal_peft(base, hf, paths: dict, prompts, names, n: int = 6) -> None:
+    """The engine's greedy tokens of `prompts`, each with its adapter of `names` (None: the base), in one mixed batch
+    and each alone, equal peft's; the first prompt's adapter changes its tokens (so the check means something)."""
+    from infer import LLM, SamplingParams
+    oracle = PeftOracle(hf, paths)
+    try:
+        with LLM(str(base), loras={k: str(p) for k, p in paths.items()}, max_loras=2, max_lora_rank=8,
+                 block_size=4) as llm:
+            params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+            mixed = [o.token_ids for o in llm.generate(prompts, params, lora=names)]
+            alone = [llm.generate([p], params, lora=a)[0].token_ids for p, a in zip(prompts, names)]
+        want = [oracle.greedy(a, p, n) for p, a in zip(prompts, names)]
+        assert mixed == want and alone == want
+        assert want[0] != oracle.greedy(None, prompts[0], n)
+    finally:
+        oracle.close()
+
+
 def three_adapters(root, seed: int):
     """tiny-llama's float model and THREE saved under `root` (seeds seed, seed + 1, seed + 2): (hf, {name: path})."""
     from pathlib import Path

@@ -23,7 +23,7 @@ from infer.errors import UnsupportedModelError
 from infer.models.tiny import ensure_builtin
 
 from helpers import greedy_each, norms_drawn, random_prompts, save_random_model
-from lora_helpers import PeftOracle, hf_float, save_adapter
+from lora_helpers import PeftOracle, check_mixed_adapters_equal_peft, hf_float, save_adapters
 from quant_helpers import int4_kernel_path, needs_gptqmodel
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
@@ -211,27 +211,13 @@ def gemma3_lora(tmp_path_factory):
     root = tmp_path_factory.mktemp("gemma3")
     build(root / "base", num_hidden_layers=2, layer_types=[SL, FULL], rope_parameters=SCALED)
     hf = hf_float(root / "base")
-    paths = {n: save_adapter(hf, root / n, seed=i + 1, lora_dropout=0.0, **kw) for i, (n, kw) in
-             enumerate(ADAPTERS.items())}
+    paths = save_adapters(hf, root, ADAPTERS)
     return root / "base", hf, paths
 
 
 def test_peft_adapters_equal_peft_alone_and_mixed(gemma3_lora):
     base, hf, paths = gemma3_lora
-    oracle = PeftOracle(hf, paths)
-    try:
-        prompts = random_prompts(512, (5, 20, 8), seed=6)
-        names = ["all8", None, "qv4"]
-        with LLM(str(base), loras={n: str(p) for n, p in paths.items()}, max_loras=2, max_lora_rank=8,
-                 block_size=4) as llm:
-            params = SamplingParams(max_new_tokens=6, ignore_eos=True)
-            mixed = [o.token_ids for o in llm.generate(prompts, params, lora=names)]
-            alone = [llm.generate([p], params, lora=n)[0].token_ids for p, n in zip(prompts, names)]
-        want = [oracle.greedy(n, p, 6) for p, n in zip(prompts, names)]
-        assert mixed == want and alone == want
-        assert want[0] != oracle.greedy(None, prompts[0], 6)  # the adapter changes the tokens: the check means much
-    finally:
-        oracle.close()
+    check_mixed_adapters_equal_peft(base, hf, paths, random_prompts(512, (5, 20, 8), seed=6), ["all8", None, "qv4"])
 
 
 def test_gpu_code_path_with_mixed_adapters_interpreted_equals_peft(gemma3_lora, monkeypatch):
