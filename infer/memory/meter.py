@@ -47,9 +47,13 @@ def trim_heap() -> None:
         libc.malloc_trim(0)
 
 
-def fixed_mmap_threshold(threshold: int = 128 << 10) -> None:
-    """Make glibc serve every large allocation with mmap and return it on free (no dynamic threshold), so that
-    resident-memory growth measures what a step really allocates, whatever the process allocated before."""
+def fixed_mmap_threshold(threshold: int = 4 << 10) -> None:
+    """Make glibc serve every allocation of a page or more with mmap and return it on free (no dynamic threshold),
+    so that resident-memory growth measures what a step really allocates, whatever the process allocated before.
+    A page, not glibc's 128 KiB: a step's tensors under that threshold (a sequence's K and V slices, the router's
+    rows) landed in the heap, whose free pages the meter's trim hands back and whose reuse then re-faults them page
+    by page, scattered among the heap's older chunks: the peak counted the heap's history, 0.4 to 2.2 MB past the
+    step's tensors on tiny models (over the formula: memory.sizes.activation_bytes) and different each run."""
     libc = _libc()
     if libc is not None and hasattr(libc, "mallopt"):
         libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD (also turns off the dynamic adjustment)
