@@ -32,6 +32,15 @@ def peak_rss_bytes() -> int:
     return rss_bytes()
 
 
+def file_rss_bytes() -> int:
+    """The process's resident file-backed pages (RssFile: the code of the libraries it runs, files it maps)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssFile:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def _libc():
     import ctypes
     try:
@@ -85,6 +94,7 @@ class PeakMeter:
             trim_heap()
             reset_peak_rss()
             self.base = rss_bytes()
+            self.files = file_rss_bytes()
         return self
 
     def __exit__(self, *exc):
@@ -92,5 +102,7 @@ class PeakMeter:
             torch.cuda.synchronize(self.device)
             self.peak = torch.cuda.max_memory_allocated(self.device) - self.base
         else:
-            self.peak = max(0, peak_rss_bytes() - self.base)
+            # a library's code paged in while the step runs (a kernel not run since its pages were dropped) is no
+            # activation: the growth of resident file pages comes off the peak's
+            self.peak = max(0, peak_rss_bytes() - self.base - max(0, file_rss_bytes() - self.files))
         return False
