@@ -200,7 +200,7 @@ def test_sigterm_during_convert_removes_the_staging_folder(tmp_path):
         import infer.quant.convert as c
         from infer.quant.convert import staged_output
         def fake(src, out, dtype=None, merge_lora=None, max_shard_size="4GB", overwrite=False, check_weights=None,
-                 source_name=None, to="safetensors"):
+                 source_name=None, to="safetensors", shown=None):
             with staged_output(out, overwrite) as tmp:
                 (tmp / "model.safetensors").write_bytes(b"x")
                 os.kill(os.getpid(), signal.SIGTERM)
