@@ -38,6 +38,19 @@ COMPILE_ONLY_LAUNCHES = COMPILE_ONLY_PREAMBLE + textwrap.dedent('''
 ''')
 
 
+def measured_warmup(args: list[str]) -> dict:
+    """`infer warmup --json ARGS`'s report (activation_peak_bytes measured, activation_estimate_bytes the formula's),
+    run in a fresh process: on CPU the measurement is the growth of the peak RSS, which memory an earlier test freed
+    would hide."""
+    import json
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "infer.cli", "warmup", "--json", *args], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @functools.lru_cache(maxsize=8)
 def hf_model(path: str):
     from transformers import AutoModelForCausalLM

@@ -1,8 +1,6 @@
 """Memory plan: KV formula vs real tensors, the activation formula vs the warmup measurement, `infer warmup`."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,6 +10,8 @@ from infer.cli.main import app
 from infer.engine.config import EngineConfig
 from infer.cli.warmup_plan import estimate_plan, measured_plan
 from infer.memory.meter import peak_rss_bytes, reset_peak_rss, rss_bytes
+
+from helpers import measured_warmup
 
 runner = CliRunner()
 
@@ -34,10 +34,7 @@ def test_activation_formula_within_10_percent_of_measurement(model, max_length, 
     freed earlier in the same process (kept by the allocator) would hide."""
     args = [model, "--max-length", str(max_length), "--concurrency", str(concurrency),
             "--max-num-batched-tokens", str(tokens)]
-    proc = subprocess.run([sys.executable, "-m", "infer.cli", "warmup", "--json", *args], capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode in (0, 1), proc.stderr[-3000:]
-    measured = json.loads(proc.stdout.strip().splitlines()[-1])
+    measured = measured_warmup(args)
     peak, formula = measured["activation_peak_bytes"], measured["activation_estimate_bytes"]
     assert abs(formula - peak) <= 0.10 * peak, (formula, peak)
     cfg = EngineConfig(model=model, max_num_seqs=concurrency, max_model_len=max_length,

@@ -5,14 +5,10 @@ out over the formula, which counts the step's tensors (the torch profiler's allo
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from helpers import save_random_model
+from helpers import measured_warmup, save_random_model
 
 SHAPE = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
              max_position_embeddings=256, vocab_size=512, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
@@ -35,10 +31,7 @@ def test_the_measured_cpu_peak_is_under_the_estimate_at_a_small_step(tmp_path, m
     arch, extra = MODELS[model_type]
     save_random_model(tmp_path, model_type, arch, {**SHAPE, **extra})
     args = [str(tmp_path), "--max-length", "256", "--concurrency", "4", "--max-num-batched-tokens", "1024"]
-    proc = subprocess.run([sys.executable, "-m", "infer.cli", "warmup", "--json", *args], capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode in (0, 1), proc.stderr[-3000:]
-    measured = json.loads(proc.stdout.strip().splitlines()[-1])
+    measured = measured_warmup(args)
     peak, formula = measured["activation_peak_bytes"], measured["activation_estimate_bytes"]
     assert peak <= formula <= 1.3 * peak, (formula, peak)
 

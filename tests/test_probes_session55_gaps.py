@@ -128,17 +128,12 @@ def test_the_activation_formula_counts_gemma2s_soft_capped_decode_within_10_perc
     matmuls take: the estimate counted the plain SDPA's decode (tiny-gemma2, 16 x 4096: 12.8 MB by the formula,
     19.3 MB measured in float32, 25.3 MB in bfloat16). Measured in a fresh process as test_memory's test, the
     prefill small (256 tokens a step) so that the decode is the peak."""
-    import subprocess
-    import sys
-
     from infer.cli.warmup_plan import estimate_plan
     from infer.engine.config import EngineConfig
+    from helpers import measured_warmup
     args = ["tiny-gemma2", "--max-length", "4096", "--concurrency", "16", "--max-num-batched-tokens", "256",
             "--dtype", dtype]
-    proc = subprocess.run([sys.executable, "-m", "infer.cli", "warmup", "--json", *args], capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode in (0, 1), proc.stderr[-3000:]
-    measured = json.loads(proc.stdout.strip().splitlines()[-1])
+    measured = measured_warmup(args)
     peak, formula = measured["activation_peak_bytes"], measured["activation_estimate_bytes"]
     assert abs(formula - peak) <= 0.10 * peak, (formula, peak)
     cfg = EngineConfig(model="tiny-gemma2", max_num_seqs=16, max_model_len=4096, max_num_batched_tokens=256,

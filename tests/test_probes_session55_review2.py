@@ -35,18 +35,12 @@ def test_the_activation_formula_bounds_gemma2s_soft_capped_prefill_at_concurrenc
     counted the capped decode only, so at concurrency 1 with the default token budget (a prefill of the whole
     max_length the peak) the estimate was under the measured peak (tiny-gemma2 2048 x 1 in float32: 7.6 MB by the
     formula, 9.2 MB measured). Measured in a fresh process, as test_memory's test."""
-    import json
-    import subprocess
-    import sys
-
+    from helpers import measured_warmup
     from infer.memory.sizes import softcap_cpu_prefill_bytes
     from infer.models.loader import load_config
     from infer.models.resolve import resolve_model
     args = ["tiny-gemma2", "--max-length", "2048", "--concurrency", "1", "--dtype", "float32"]
-    proc = subprocess.run([sys.executable, "-m", "infer.cli", "warmup", "--json", *args], capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode in (0, 1), proc.stderr[-3000:]
-    measured = json.loads(proc.stdout.strip().splitlines()[-1])
+    measured = measured_warmup(args)
     peak, formula = measured["activation_peak_bytes"], measured["activation_estimate_bytes"]
     assert peak <= formula <= 1.5 * peak, (formula, peak)
     # Gemma 3 (no soft-capping whatever its config says) and Llama hold no capped scores

@@ -21,7 +21,7 @@ from infer.engine.sequence import Sequence
 
 from helpers import greedy_each, norms_and_biases_shifted, save_random_model
 
-from test_scheduler_property import World, _sequence, lora_model, requests  # noqa: F401 (lora_model: a fixture)
+from test_scheduler_property import World, _sequence, drive, lora_model, requests  # noqa: F401 (lora_model: a fixture)
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=160, vocab_size=512, eos_token_id=2, pad_token_id=0)
@@ -478,16 +478,5 @@ def test_random_workloads_under_a_window_keep_invariants_and_finish(lora_model, 
     probe = BlockManager(2, block_size, window=window, step_tokens=max_tokens)
     need = max(probe.window_cap(s.max_total_len) for s in seqs)  # (the engine refuses a request above the pool)
     w = WindowWorld(*lora_model, block_size, need + extra_blocks + 1, caching, max_num_seqs, max_tokens, window)
-    step, limit = 0, 40 + 10 * sum(s.max_total_len for s in seqs)
-    while step <= 12 or w.sched.has_unfinished():
-        assert step < limit, "the workload did not finish in a bounded number of steps"
-        for i, r in enumerate(reqs):
-            if r["arrival"] == step:
-                w.seqs.append(seqs[i])
-                w.sched.add(seqs[i])
-            if r["abort"] == step and seqs[i] in w.seqs and not seqs[i].finished:
-                w.abort(seqs[i])
-        w.step()
-        w.check()
-        step += 1
+    drive(w, seqs, reqs)
     assert w.bm.num_used_blocks == 0

@@ -174,18 +174,9 @@ def _sequence(i: int, r: dict, policy: str = "fcfs") -> Sequence:
     return Sequence(f"r{i}", prompt, params, r["lora"], max_total_len=len(prompt) + r["max_new"])
 
 
-@example(**THREE_AT_ONCE, policy="fcfs")
-@example(**PREEMPT_WITH_ADAPTERS, policy="priority")
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(reqs=requests, block_size=st.sampled_from([1, 2, 4]), extra_blocks=st.integers(0, 24),
-       caching=st.booleans(), max_num_seqs=st.integers(1, 6), max_tokens=st.integers(1, 32),
-       policy=st.sampled_from(["fcfs", "priority"]))
-def test_random_workloads_keep_invariants_and_finish(lora_model, reqs, block_size, extra_blocks, caching,
-                                                     max_num_seqs, max_tokens, policy):
-    seqs = [_sequence(i, r, policy) for i, r in enumerate(reqs)]
-    need = max(-(-s.max_total_len // block_size) for s in seqs)  # the engine refuses a request above the cache
-    max_tokens = max(max_tokens, max_num_seqs)  # the engine refuses fewer tokens a step than sequences (as vLLM)
-    w = World(*lora_model, block_size, need + extra_blocks, caching, max_num_seqs, max_tokens, policy)
+def drive(w, seqs, reqs) -> None:
+    """Step the world `w` until every sequence is done: each request arrives and is aborted at its step, and the
+    invariants are checked after every step; the step count is bounded."""
     step, limit = 0, 40 + 10 * sum(s.max_total_len for s in seqs)
     while step <= 12 or w.sched.has_unfinished():
         assert step < limit, "the workload did not finish in a bounded number of steps"
@@ -198,6 +189,21 @@ def test_random_workloads_keep_invariants_and_finish(lora_model, reqs, block_siz
         w.step()
         w.check()
         step += 1
+
+
+@example(**THREE_AT_ONCE, policy="fcfs")
+@example(**PREEMPT_WITH_ADAPTERS, policy="priority")
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reqs=requests, block_size=st.sampled_from([1, 2, 4]), extra_blocks=st.integers(0, 24),
+       caching=st.booleans(), max_num_seqs=st.integers(1, 6), max_tokens=st.integers(1, 32),
+       policy=st.sampled_from(["fcfs", "priority"]))
+def test_random_workloads_keep_invariants_and_finish(lora_model, reqs, block_size, extra_blocks, caching,
+                                                     max_num_seqs, max_tokens, policy):
+    seqs = [_sequence(i, r, policy) for i, r in enumerate(reqs)]
+    need = max(-(-s.max_total_len // block_size) for s in seqs)  # the engine refuses a request above the cache
+    max_tokens = max(max_tokens, max_num_seqs)  # the engine refuses fewer tokens a step than sequences (as vLLM)
+    w = World(*lora_model, block_size, need + extra_blocks, caching, max_num_seqs, max_tokens, policy)
+    drive(w, seqs, reqs)
     for seq, r in zip(seqs, reqs):
         assert seq.finished and (seq.finish_reason == "abort") == (seq.request_id in w.aborted)
         if seq.finish_reason != "abort":
