@@ -205,8 +205,8 @@ def test_prefix_caching_of_a_repeated_long_prompt(tmp_path, held):
 
 def test_prefix_hit_stops_at_an_evicted_block(tmp_path):
     """A pool of 20 blocks: the first run's freed blocks (cached, oldest first) are reused by a second prompt, so a
-    rerun of the first finds only the blocks left cached, contiguous from the start (none, here), and computes the
-    rest: still transformers'."""
+    rerun of the first finds only what is left cached (a hit needs every block its window reads: session 56's
+    test_probes_session56_hybrid), and computes the rest: still transformers'."""
     from infer import LLM
     hf = build(tmp_path, "mistral", seed=1)
     p1, p2 = random_prompts((60, 60), seed=6)

@@ -15,7 +15,9 @@ minus window - 1 (the kernels and the CPU reference read the keys kv > q - windo
 finished sequence's does (cached ones keep their hash, evictable), and its table entry points at the placeholder
 block, a block of the cache no sequence is given (zeroed, never written), so that tables keep their shape. Admission
 gives a windowed sequence blocks only for the tokens its first step can compute (`admit_tokens`), so a sequence
-holds at most `window_cap` blocks at once whatever its length.
+holds at most `window_cap` blocks at once whatever its length. A prefix-cache hit of such a model needs only the
+blocks a query after it reads (vLLM's sliding-window find_longest_cache_hit): it runs past blocks evicted before its
+window, their entries the placeholder (`_window_hit`).
 """
 
 from __future__ import annotations
@@ -162,21 +164,67 @@ class BlockManager:
         computes every prompt token (as vLLM: cached ones have no logits)."""
         return self.enable_prefix_caching and seq.params.prompt_logprobs is None
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids of the longest cached prefix; at least one token is always left to compute."""
+    def _cached_prefix(self, seq: Sequence) -> list[int | None]:
+        """Block ids of the longest cached prefix; at least one token is always left to compute. With a window the
+        prefix may run past an evicted block: only the blocks a query after the hit reads (`_window_hit`) must be
+        cached, those before them are None (behind the window, never taken)."""
         if not self._reads_cache(seq):
             return []
         found = []
         for i in range((len(seq) - 1) // self.block_size):
-            ids = tuple(seq.tokens(i * self.block_size, (i + 1) * self.block_size))
-            bid = self.hash_to_block.get(block_key(seq, i, self.block_size))
-            if bid is None or self.blocks[bid].token_ids != ids:
+            bid = self._cached_block(seq, i)
+            if bid is None:
                 break
             found.append(bid)
+        if self.window and len(found) < (len(seq) - 1) // self.block_size:
+            hit = self._window_hit(seq, len(found))
+            if hit is not None:
+                return hit
         return found
 
-    def _admission(self, seq: Sequence, budget: int | None) -> tuple[list[int], int, int, int]:
-        """(cached prefix blocks, how many of them lie wholly before the window: never taken, tokens the sequence
+    def _cached_block(self, seq: Sequence, i: int) -> int | None:
+        """The cached block holding the sequence's full block i, or None."""
+        bid = self.hash_to_block.get(block_key(seq, i, self.block_size))
+        if bid is None or self.blocks[bid].token_ids != tuple(seq.tokens(i * self.block_size,
+                                                                          (i + 1) * self.block_size)):
+            return None
+        return bid
+
+    def _window_hit(self, seq: Sequence, contiguous: int) -> list[int | None] | None:
+        """A sliding window's longest prefix hit (vLLM's SlidingWindowManager.find_longest_cache_hit): the hit of k
+        blocks holds when the blocks from the first one a later query reads (its position k * block_size, or a
+        draft model's first stale slot, minus window - 1) to the k-th are all cached, whatever came before them
+        (evicted blocks included). None where it is no longer than the `contiguous` blocks found from the start.
+        Blocks registered by the step being scheduled count as misses here: a failed step takes them back
+        (forget_scheduled) and the sequence then computes from one of them, reading blocks before it."""
+        bs, window = self.block_size, self.window
+        scheduled = set(self.scheduled)
+        best, best_start, start, stale = 0, 0, None, None
+        ids: list[int | None] = []
+        for i in range((len(seq) - 1) // bs):
+            bid = self._cached_block(seq, i)
+            if bid is not None and bid in scheduled:
+                bid = None
+            ids.append(bid)
+            if bid is None:
+                start = None
+                continue
+            if start is None:
+                start, stale = i, None
+            upto = self.blocks[bid].draft_upto
+            if stale is None and upto is not None:
+                stale = i * bs + upto  # (the run's draft KV: its first stale slot, as _admission reads it)
+            computed = (i + 1) * bs
+            first = min(computed, stale) if self.draft_reads and stale is not None else computed
+            if start == 0 or max(0, first - window + 1) // bs >= start:
+                best, best_start = i + 1, start
+        if best <= contiguous:
+            return None
+        return [None] * best_start + ids[best_start:best]
+
+    def _admission(self, seq: Sequence, budget: int | None) -> tuple[list[int | None], int, int, int]:
+        """(cached prefix blocks, how many of them lie wholly before the window (or were not found there, None):
+        never taken, tokens the sequence
         gets blocks for, its draft KV's first stale slot). Without a window every token gets its block; with one only
         those its first step computes (at most `budget`), the rest as its chunks are scheduled (Scheduler._reserve),
         and a cached prefix longer than the window is taken from its window on. Not so when one of the hits was
@@ -184,17 +232,20 @@ class BlockManager:
         computes from it, reading the blocks before it."""
         hits, bs = self._cached_prefix(seq), self.block_size
         computed = draft = len(hits) * bs
-        for i, bid in enumerate(hits):
+        lead = 0  # (leading blocks of a window's hit that were not found: behind its window)
+        while lead < len(hits) and hits[lead] is None:
+            lead += 1
+        for i, bid in enumerate(hits[lead:], lead):
             if self.blocks[bid].draft_upto is not None:
                 draft = i * bs + self.blocks[bid].draft_upto
                 break
         if not self.window or budget is None:
-            return hits, 0, len(seq), draft
+            return hits, lead, len(seq), draft
         tokens = min(len(seq), computed + max(budget, 1))
         if self.scheduled and not set(hits).isdisjoint(self.scheduled):
             return hits, 0, tokens, draft
         first = min(computed, draft) if self.draft_reads else computed
-        return hits, min(len(hits), max(0, first - self.window + 1) // bs), tokens, draft
+        return hits, max(lead, min(len(hits), max(0, first - self.window + 1) // bs)), tokens, draft
 
     def can_allocate(self, seq: Sequence, reserve: int = 0, budget: int | None = None) -> bool:
         """Whether the free blocks hold what `allocate` gives seq (`budget`: the most tokens its first step may
