@@ -116,8 +116,10 @@ def quantize(
     transformers (with optimum + gptqmodel), vLLM and `infer run`. A Phi-3's MLP is written as one gate_up_proj,
     as transformers and vLLM have it (GPTQModel.load itself reads only its split gate_proj/up_proj), except with
     --desc-act: gate and up then have different g_idx, so GPTQModel's split layout stays, which infer and GPTQModel
-    read but transformers and vLLM do not. OUTPUT also gets quantization_report.csv with each module's quantization
-    error and time. Needs the extra: pip install 'infer[quantize]'.
+    read but transformers and vLLM do not. A mixture of experts (Qwen3-MoE, Qwen2-MoE) gets every expert's
+    projections quantized, its router left float; an expert that calibration routes too few tokens to is quantized by
+    round-to-nearest (GPTQModel's fallback), which the summary names. OUTPUT also gets quantization_report.csv
+    with each module's quantization error and time. Needs the extra: pip install 'infer[quantize]'.
 
     Example: infer quantize ./Llama-3.2-1B -o ./Llama-3.2-1B-gptq --bits 4 --group-size 128 --calibration chats.jsonl
     """

@@ -220,6 +220,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: Qu
         _check_saved(tmp)
         _drop_work_paths(tmp)
         notes = fuse_gate_up(tmp, config, opts)
+        notes += moe_notes(config, log, num_layers, tmp)
         keep_source_config(src, tmp, {"dtype": saved_dtype(tmp), "_name_or_path": source_name or str(src),
                                       "quantization_config": read_config_json(tmp)["quantization_config"]})
         _restore_source_files(src, tmp)
@@ -286,6 +287,9 @@ def _widths(config: dict) -> tuple[dict[str, int], dict[str, int]]:
     """({what: width} of the quantized projections' inputs, the same of their outputs), from config.json as infer's
     models derive them (head_dim apart from hidden_size / heads where the config sets it); what it lacks is left out."""
     dims = {k: config[k] for k in ("hidden_size", "intermediate_size") if isinstance(config.get(k), int)}
+    if config.get("model_type") in MOE_TYPES:  # Qwen's experts and shared expert have widths of their own
+        dims.update({k: config[k] for k in ("moe_intermediate_size", "shared_expert_intermediate_size")
+                     if isinstance(config.get(k), int) and config[k] > 0})
     inputs, outputs = dict(dims), dict(dims)
     heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
     if isinstance(heads, int) and heads > 0 and isinstance(hidden, int):
@@ -576,14 +580,7 @@ def fuse_gate_up(out: Path, config: dict, opts: QuantizeOptions) -> list[str]:
     if opts.bits * int(config.get("intermediate_size") or 0) % 32:
         return []  # its zero points do not pack in whole words: infer reads either layout
     import torch
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
-
-    from .convert import load_weight_file
-    files = weight_files(out)
-    state: dict = {}
-    for f in files:
-        state.update(load_weight_file(f))
+    state = _read_tensors(out)
     pairs = [k for k in state if f".mlp.{gate}." in k]
     if not pairs:
         return []
@@ -599,16 +596,7 @@ def fuse_gate_up(out: Path, config: dict, opts: QuantizeOptions) -> list[str]:
         dim = 0 if key.endswith((".weight", ".bias")) else a.dim() - 1
         both = a if key.endswith(".g_idx") else torch.cat([a, b], dim=dim)
         state[key.replace(f".mlp.{gate}.", f".mlp.{fused}.")] = both.contiguous()
-    for f in files:
-        f.unlink()
-    (out / "model.safetensors.index.json").unlink(missing_ok=True)
-    split = split_torch_state_dict_into_shards(state, max_shard_size=parse_shard_size(opts.max_shard_size))
-    for filename, tensors in split.filename_to_tensors.items():
-        save_file({n: state[n].contiguous() for n in tensors}, out / filename, metadata={"format": "pt"})
-    if split.is_sharded:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
-                 "weight_map": split.tensor_to_filename}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    _write_tensors(out, state, opts)
     _rename_in_quant_configs(out, gate, up, fused)
     return [FUSED_MLP_NOTE.format(arch=arch)]
 
@@ -631,6 +619,76 @@ def _rename_in_quant_configs(out: Path, gate: str, up: str, fused: str) -> None:
             renamed.append(list(dict.fromkeys(names)) if isinstance(names, list) else names)
         qc["modules_in_block_to_quantize"] = renamed
         path.write_text(json.dumps(data, indent=2, sort_keys=key is not None) + "\n")
+
+
+# Mixtures of experts (infer's models.moe): GPTQModel quantizes each expert's gate, up and down projections as modules
+# of their own (it unfuses transformers 5's stacked experts) and Qwen2-MoE's shared expert as a dense MLP; the router
+# (mlp.gate) and the shared expert's gate (shared_expert_gate) stay float
+MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe")
+MOE_TRANSFORMERS_NOTE = ("transformers does not read GPTQ experts: its {arch} experts stay float layers the "
+                         "checkpoint's int4 tensors never fill (wrong outputs there, `infer bench --baseline hf` too); "
+                         "infer{gptqmodel} and vLLM read them")
+FALLBACK_NOTE = ("calibration routed {few} to {n} module{s} ({none} got none), which GPTQModel quantized by "
+                 "round-to-nearest instead of GPTQ (its fallback, without calibration: a larger error; no loss in "
+                 "{report}): {names}. Calibrate on more or longer text (--num-samples, --seq-len, --calibration) for "
+                 "GPTQ on every expert")
+
+
+def moe_notes(config: dict, log: dict, num_layers: int | None = None, out: Path | None = None) -> list[str]:
+    """What a mixture of experts' checkpoint's readers should know: transformers runs its experts float, unread; the
+    expert projections calibration routed too few tokens to (GPTQModel's fallback: round-to-nearest; its threshold
+    as the quantize_config.json in `out` records it)."""
+    model_type = config.get("model_type")
+    if model_type not in MOE_TYPES:
+        return []
+    arch = {"qwen3_moe": "Qwen3-MoE", "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE"}[model_type]
+    notes = [MOE_TRANSFORMERS_NOTE.format(arch=arch, gptqmodel="" if model_type == "mixtral" else ", GPTQModel.load")]
+    rows = [r for r in log.get("gptq", []) if "layer" in r and "module" in r
+            and str(r.get("loss", "")).startswith("fallback")]  # "fallback(rtn): 0.0126" (GPTQModel 7.6)
+    if rows:
+        none = sum(1 for r in rows if _int(r.get("samples")) == 0)
+        threshold = _fallback_threshold(out) if out is not None else ""
+        few = (f"fewer than {threshold} of its tokens" if threshold.endswith("%") else
+               f"fewer than {threshold} tokens" if threshold else "too few tokens")  # GPTQModel's threshold
+        names = ", ".join(module_name(r, num_layers) for r in rows[:3]) + (
+            f" and {len(rows) - 3} more" if len(rows) > 3 else "")
+        notes.append(FALLBACK_NOTE.format(few=few, n=len(rows), s="" if len(rows) == 1 else "s", none=none,
+                                          report=REPORT_NAME, names=names))
+    return notes
+
+
+def _fallback_threshold(out: Path) -> str:
+    """GPTQModel's fallback threshold as its quantize_config.json records it (meta.fallback.threshold: "0.5%", a share
+    of the calibration tokens, or a count); "" where it records none."""
+    try:
+        threshold = json.loads((out / "quantize_config.json").read_text())["meta"]["fallback"]["threshold"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    return str(threshold) if isinstance(threshold, (str, int, float)) else ""
+
+
+def _read_tensors(out: Path) -> dict:
+    from .convert import load_weight_file
+    state: dict = {}
+    for f in weight_files(out):
+        state.update(load_weight_file(f))
+    return state
+
+
+def _write_tensors(out: Path, state: dict, opts: QuantizeOptions) -> None:
+    """Replace the checkpoint's weight files in `out` with `state`, sharded at --max-shard-size."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+    for f in weight_files(out):
+        f.unlink()
+    (out / "model.safetensors.index.json").unlink(missing_ok=True)
+    split = split_torch_state_dict_into_shards(state, max_shard_size=parse_shard_size(opts.max_shard_size))
+    for filename, tensors in split.filename_to_tensors.items():
+        save_file({n: state[n].contiguous() for n in tensors}, out / filename, metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                 "weight_map": split.tensor_to_filename}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 HEAD = "lm_head"  # the report's `layer` of the output head's row (--lm-head): no decoder layer
