@@ -1,16 +1,19 @@
-"""Session 56: `infer quantize` of a mixture of experts (Qwen3-MoE, Qwen2-MoE), once refused. GPTQModel
+"""Session 56: `infer quantize` of a mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE), once refused. GPTQModel
 quantizes every expert's gate/up/down (and Qwen2-MoE's shared expert), leaving the router and the shared expert's
-gate float; infer loads the checkpoint with greedy tokens equal to GPTQModel's own load of it (CPU); experts that calibration routes too few tokens to (GPTQModel's round-to-nearest fallback) are named in the summary.
+gate float; infer loads the checkpoint with greedy tokens equal to GPTQModel's own load of it (CPU). A Mixtral
+checkpoint is written with Mixtral's own names (block_sparse_moe.experts.N.w1/w3/w2), which infer and vLLM read;
+experts that calibration routes too few tokens to (GPTQModel's round-to-nearest fallback) are named in the summary.
 One quantize per model, shared by module-scoped fixtures (tiny models, a short calibration)."""
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from infer import LLM, SamplingParams
@@ -62,6 +65,17 @@ def qwen3(tmp_path_factory):
     out = tmp_path_factory.mktemp("qwen3") / "q"
     res = cli("quantize", "tiny-qwen3-moe", "-o", out, *QUICK)
     return out, res
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    from infer.models.loader import check_weights
+    from infer.quant.quantize import QuantizeOptions, quantize_model
+    out = tmp_path_factory.mktemp("mixtral") / "q"
+    result = quantize_model(ensure_builtin("tiny-mixtral"), out, QuantizeOptions(group_size=32, num_samples=4,
+                                                                                 seq_len=64),
+                            check_weights=check_weights)
+    return out, result
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +134,28 @@ def test_moe_notes_count_fallback_rows_only():
     assert moe_notes({"model_type": "llama"}, log, 2) == []
 
 
+def test_mixtral_is_written_with_mixtrals_names_and_equals_gptqmodels_load(mixtral, tmp_path):
+    """GPTQModel saves Mixtral's experts as mlp.experts.N.gate_proj/up_proj/down_proj (its unfused names, which infer
+    and vLLM do not read): infer writes Mixtral's block_sparse_moe.experts.N.w1/w3/w2 and block_sparse_moe.gate, the
+    same tensors. GPTQModel.load reads only its own names: the same checkpoint renamed back loads there with infer's
+    tokens."""
+    out, result = mixtral
+    state = tensors(out)
+    assert "model.layers.1.block_sparse_moe.experts.7.w2.qweight" in state
+    assert state["model.layers.0.block_sparse_moe.gate.weight"].is_floating_point()
+    assert not [k for k in state if ".mlp." in k]
+    assert any("block_sparse_moe.experts.N.w1" in n and "GPTQModel.load" in n for n in result.notes)
+    back = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+    shutil.copytree(out, tmp_path / "g")
+    save_file({re.sub(r"\.block_sparse_moe\.experts\.(\d+)\.(w\d)\.", lambda m: f".mlp.experts.{m[1]}.{back[m[2]]}.",
+                      k).replace(".block_sparse_moe.gate.", ".mlp.gate."): v for k, v in state.items()},
+              str(tmp_path / "g" / "model.safetensors"), metadata={"format": "pt"})
+    prompts = random_prompts(512, (6, 15), seed=11)
+    got = infer_tokens(out, prompts)
+    assert got == gptqmodel_tokens(tmp_path / "g", prompts)
+    assert got != infer_tokens(ensure_builtin("tiny-mixtral"), prompts)
+
+
 def test_qwen2_moe_shared_expert_quantized_its_gate_float(qwen2):
     base, res = qwen2
     assert res.exit_code == 0, res.output
@@ -152,3 +188,17 @@ def test_an_expert_width_no_group_divides_is_refused_before_calibration(tmp_path
         with pytest.raises(ConfigError, match=r"--group-size 32 does not divide the model's moe_intermediate_size "
                                               r"\(48\).*use --group-size -1"):
             q.quantize_model(tmp_path / "src", tmp_path / "q", q.QuantizeOptions(group_size=32))
+
+
+def test_the_cli_quantizes_a_mixtral_too(tmp_path, monkeypatch):
+    """No refusal before calibration: the CLI hands a Mixtral to the quantization (stubbed here: the fixture above
+    quantizes one)."""
+    import infer.cli.quantize as cq
+    reached = []
+
+    def stub(src, *args, **kwargs):
+        reached.append(src)
+        raise SystemExit(3)
+    monkeypatch.setattr(cq, "run_quantization", stub)
+    res = cli("quantize", "tiny-mixtral", "-o", tmp_path / "q")
+    assert reached == [ensure_builtin("tiny-mixtral")], res.output

@@ -116,7 +116,7 @@ def quantize(
     transformers (with optimum + gptqmodel), vLLM and `infer run`. A Phi-3's MLP is written as one gate_up_proj,
     as transformers and vLLM have it (GPTQModel.load itself reads only its split gate_proj/up_proj), except with
     --desc-act: gate and up then have different g_idx, so GPTQModel's split layout stays, which infer and GPTQModel
-    read but transformers and vLLM do not. A mixture of experts (Qwen3-MoE, Qwen2-MoE) gets every expert's
+    read but transformers and vLLM do not. A mixture of experts (Qwen3-MoE, Mixtral, Qwen2-MoE) gets every expert's
     projections quantized, its router left float; an expert that calibration routes too few tokens to is quantized by
     round-to-nearest (GPTQModel's fallback), which the summary names. OUTPUT also gets quantization_report.csv
     with each module's quantization error and time. Needs the extra: pip install 'infer[quantize]'.
@@ -132,8 +132,6 @@ def quantize(
         from ..models.loader import load_config
         from ..models.registry import check_supported
         check_supported(load_config(src))
-        from ..models.moe import refuse_quantize
-        refuse_quantize(load_config(src))
     with terminate_as_interrupt():
         result = run_quantization(src, output, options, calibration, overwrite=overwrite, verbose=verbose,
                                   source=source_name(model))

@@ -303,12 +303,3 @@ def moe_model_class() -> type:
                        "SparseMoeBlock."}))
     return _CLASS[0]
 
-
-
-def refuse_quantize(cfg) -> None:
-    """`infer quantize` of a Mixtral: refused before calibration (GPTQModel saves its experts under names infer's
-    loader does not read)."""
-    if getattr(cfg, "model_type", None) == "mixtral":
-        raise UnsupportedModelError("infer quantize does not quantize a Mixtral yet: GPTQModel saves its experts as "
-                                    "mlp.experts.N.gate_proj, which infer reads as block_sparse_moe.experts.N.w1",
-                                    "quantize a Qwen3-MoE or Qwen2-MoE, or serve the float checkpoint")

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -219,7 +220,7 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: Qu
         report = report_frame(log, num_layers)
         _check_saved(tmp)
         _drop_work_paths(tmp)
-        notes = fuse_gate_up(tmp, config, opts)
+        notes = fuse_gate_up(tmp, config, opts) + mixtral_names(tmp, config, opts)
         notes += moe_notes(config, log, num_layers, tmp)
         keep_source_config(src, tmp, {"dtype": saved_dtype(tmp), "_name_or_path": source_name or str(src),
                                       "quantization_config": read_config_json(tmp)["quantization_config"]})
@@ -625,6 +626,15 @@ def _rename_in_quant_configs(out: Path, gate: str, up: str, fused: str) -> None:
 # of their own (it unfuses transformers 5's stacked experts) and Qwen2-MoE's shared expert as a dense MLP; the router
 # (mlp.gate) and the shared expert's gate (shared_expert_gate) stay float
 MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe")
+# GPTQModel 7.6 saves Mixtral's experts under its unfused names (mlp.experts.N.gate_proj, up_proj, down_proj; the router
+# mlp.gate), which only GPTQModel.load reads: Mixtral's checkpoints, vLLM and infer name them
+# block_sparse_moe.experts.N.w1, w3, w2 and block_sparse_moe.gate
+MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+_GPTQMODEL_MIXTRAL = re.compile(r"^(model\.layers\.\d+)\.mlp\."
+                                r"(?:(gate)|experts\.(\d+)\.(gate_proj|up_proj|down_proj))\.")
+MIXTRAL_NOTE = ("this Mixtral checkpoint names its experts block_sparse_moe.experts.N.w1, w3, w2 (its router "
+                "block_sparse_moe.gate), as Mixtral's own checkpoints do and vLLM and infer read them; GPTQModel.load "
+                "reads only its own names (mlp.experts.N.gate_proj, up_proj, down_proj) and refuses it")
 MOE_TRANSFORMERS_NOTE = ("transformers does not read GPTQ experts: its {arch} experts stay float layers the "
                          "checkpoint's int4 tensors never fill (wrong outputs there, `infer bench --baseline hf` too); "
                          "infer{gptqmodel} and vLLM read them")
@@ -632,6 +642,26 @@ FALLBACK_NOTE = ("calibration routed {few} to {n} module{s} ({none} got none), w
                  "round-to-nearest instead of GPTQ (its fallback, without calibration: a larger error; no loss in "
                  "{report}): {names}. Calibrate on more or longer text (--num-samples, --seq-len, --calibration) for "
                  "GPTQ on every expert")
+
+
+def mixtral_names(out: Path, config: dict, opts: QuantizeOptions) -> list[str]:
+    """Rewrite GPTQModel's saved Mixtral checkpoint in `out` with Mixtral's own names of the experts and the router
+    (MIXTRAL_NAMES: tensors renamed, not changed); the note returned says GPTQModel.load refuses them."""
+    if config.get("model_type") != "mixtral":
+        return []
+
+    def renamed(key: str) -> str:
+        m = _GPTQMODEL_MIXTRAL.match(key)
+        if m is None:
+            return key
+        module = "gate" if m.group(2) else f"experts.{m.group(3)}.{MIXTRAL_NAMES[m.group(4)]}"
+        return f"{m.group(1)}.block_sparse_moe.{module}." + key[m.end():]
+
+    state = _read_tensors(out)
+    if all(renamed(k) == k for k in state):
+        return []
+    _write_tensors(out, {renamed(k): v for k, v in state.items()}, opts)
+    return [MIXTRAL_NOTE]
 
 
 def moe_notes(config: dict, log: dict, num_layers: int | None = None, out: Path | None = None) -> list[str]:
