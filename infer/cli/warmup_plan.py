@@ -259,7 +259,7 @@ def measured_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     # the rope table an engine of this config holds (engine.setup.load_engine_parts)
     model, model_config = load_model(path, dtype, device, max_positions=model_max_len(model_config, engine_config))
     from ..engine.draft import load_draft  # (draft-model speculation: loaded as an engine start loads it)
-    draft = load_draft(engine_config, model_config, dtype, device, model_max_len(model_config, engine_config))
+    draft = load_draft(engine_config, model_config, dtype, device, model_max_len(model_config, engine_config), model)
     draft_weights = weights_bytes(draft.model) if draft is not None else 0
     resident = resident_bytes(device) - before
     slots = _slots_past_budget(model, model_config, engine_config, device, dtype)

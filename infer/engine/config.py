@@ -197,7 +197,9 @@ class EngineConfig:
                                                    "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": "
                                                    "3, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}', or a "
                                                    "draft model of the target's vocabulary, e.g. '{\"model\": "
-                                                   "\"./small\", \"num_speculative_tokens\": 3}' (default: off).",
+                                                   "\"./small\", \"num_speculative_tokens\": 3}', or an EAGLE-3 "
+                                                   "head, e.g. '{\"method\": \"eagle3\", \"model\": \"./head\", "
+                                                   "\"num_speculative_tokens\": 3}' (default: off).",
                                              cli_type=str, metavar="JSON")
     num_kv_blocks: int | None = None  # API only; None: sized from the memory budget
     # API only: prepare and hand out step n's results while step n+1 runs on the device (None: on for CUDA, off on

@@ -166,10 +166,21 @@ def _check_tokenizer(name: str, draft: Path, target: Path, padded: bool = False)
 
 
 def load_draft(engine_config, target_config, dtype: torch.dtype, device: torch.device,
-               max_len: int) -> DraftParts | None:
+               max_len: int, target=None) -> DraftParts | None:
     """The draft model (draft_config's checks passed), loaded as the target is, in its dtype on its device; None
-    without one."""
+    without one. An EAGLE-3 head (method "eagle3") is checked against the target model `target` (whose embeddings
+    it shares where it has none: models.eagle)."""
     from ..models.loader import load_model
+    spec = engine_config.speculative_config
+    if spec and spec.get("method") == "eagle3":
+        from ..models.eagle import load_eagle3
+        from ..models.resolve import resolve_model
+        try:
+            path = resolve_model(spec["model"])
+        except InferError as e:
+            raise type(e)(f"--speculative-config model {spec['model']!r}: {e.message}", e.hint) from None
+        head, config = load_eagle3(path, target, target_config, dtype, device, max_len)
+        return DraftParts(path, head, config, target_config.vocab_size, None)
     found = draft_config(engine_config, target_config, max_len)
     if found is None:
         return None

@@ -223,7 +223,13 @@ class LLMEngine:
                                   num_blocks=parts.num_blocks, lora_manager=self.lora_manager)
         self.drafter = None  # draft-model speculative decoding: the draft model and its KV cache (engine.draft)
         self._past_draft_context: set = set()  # the step's decodes left without drafts by the draft's context
-        if getattr(parts, "draft", None) is not None:
+        if getattr(parts, "draft", None) is not None and (config.speculative_config or {}).get("method") == "eagle3":
+            from .eagle import EagleRunner  # an EAGLE-3 head over the target's hidden states
+            self.drafter = EagleRunner(parts.draft, config.kv_dtype(self.dtype), parts.num_blocks, config.block_size,
+                                       self.device, parts.model)
+            self.runner.draft = self.drafter
+            self.scheduler.draft_context = self.drafter.context
+        elif getattr(parts, "draft", None) is not None:
             from .draft import DraftRunner
             self.drafter = DraftRunner(parts.draft, config.kv_dtype(self.dtype), parts.num_blocks, config.block_size,
                                        self.device)
@@ -833,6 +839,7 @@ class LLMEngine:
         self.requests.pop(seq.request_id, None)
         self.runner.penalties.release(seq.request_id)
         seq.grammar = seq.draft_bitmask = seq.ngram_ids = None  # (a finished output keeps its Sequence)
+        seq.draft_hidden = None  # (EAGLE-3's target states not fed yet)
 
     @staticmethod
     def _launched(batch: ScheduledBatch, rows) -> None:

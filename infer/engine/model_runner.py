@@ -197,6 +197,8 @@ class ModelRunner:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
                 num_new_tokens: list[int]) -> torch.Tensor:
+        if getattr(self.model, "aux_layers", ()):  # EAGLE-3 reads the aux states only an eager forward keeps
+            return self.model(input_ids, positions, ctx)
         if self.graphs is not None and self.graphs.fits(num_new_tokens, ctx):
             return self.graphs.run(input_ids, positions, ctx)
         if self.pieces is not None and self.pieces.fits(input_ids.shape[0]):
@@ -271,8 +273,12 @@ class ModelRunner:
         """A speculative decoding step, run to the end: {index in batch: (tokens, logprob records, drafts accepted)}
         for the sequences that sample. A sequence with drafts (Sequence.draft_token_ids) gets its accepted drafts
         and one token of the target's own (Sampler.sample_speculative); the others one token, as `run` gives."""
-        input_ids, positions, ctx, rows, idx, sampling, prompt = self.prepare(batch, self.order(batch))
+        order = self.order(batch)
+        input_ids, positions, ctx, rows, idx, sampling, prompt = self.prepare(batch, order)
         hidden = self.forward(input_ids, positions, ctx, batch.num_new_tokens)
+        if getattr(self.model, "aux_layers", ()):  # EAGLE-3: the head keeps the target's aux states (engine.eagle)
+            aux, self.model.aux_hidden = self.model.aux_hidden, None
+            self.draft.collect(batch, order, aux)
         if prompt is not None:
             host_lp, event = self._prompt_logprobs(hidden, prompt)
             if event is not None:

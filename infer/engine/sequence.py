@@ -95,6 +95,8 @@ class Sequence:  # a tuple of every field for each request ahead of the one remo
         # positions the step's draft forwards wrote (draft_computed after the verify: those whose tokens stay)
         self.draft_computed = 0
         self.draft_fed = 0
+        # EAGLE-3 (engine.eagle): (first position, the target's projected hidden states from there) not fed yet
+        self.draft_hidden = None
         self.prompt: str | None = None  # the prompt's text when LLMEngine.add_request got text (RequestOutput.prompt)
 
     @property

@@ -108,7 +108,7 @@ def load_engine_parts(engine_config: EngineConfig) -> EngineParts:
     max_len = model_max_len(model_config, engine_config)
     model, model_config = load_model(path, dtype, device, max_positions=max_len)  # the rope table: max_len rows
     from .draft import load_draft
-    draft = load_draft(engine_config, model_config, dtype, device, max_len)  # (None without a draft model)
+    draft = load_draft(engine_config, model_config, dtype, device, max_len, model)  # (None without a draft model)
     lora_manager = None
     if engine_config.loras or engine_config.enable_lora:
         from ..lora.manager import LoRAManager

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle3")
+EAGLE_METHODS = ("eagle3",)  # a draft head over the target's hidden states (engine.eagle)
+HEAD_METHODS = ("draft_model", *EAGLE_METHODS)  # the methods with a "model": a second network and its KV cache
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 DRAFT_KEYS = ("method", "model", "num_speculative_tokens")  # vLLM's draft-model speculation (method "draft_model")
 NGRAM_NAMES = ("ngram", "[ngram]")
@@ -44,7 +46,12 @@ class SpeculativeConfig:
 
     @property
     def uses_draft_model(self) -> bool:
-        return self.method == "draft_model"
+        """Whether a second network drafts (a draft model, or an EAGLE head): its KV cache in the target's blocks."""
+        return self.method in HEAD_METHODS
+
+    @property
+    def uses_eagle(self) -> bool:
+        return self.method in EAGLE_METHODS
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in (DRAFT_KEYS if self.uses_draft_model else KEYS)}
@@ -69,13 +76,14 @@ def parse_speculative_config(value) -> dict | None:
     method, model = value.get("method"), value.get("model")
     if method is None and model is not None:  # as vLLM infers it: "ngram" names the method, anything else a model
         method = "ngram" if model in NGRAM_NAMES else "draft_model"
-    if method == "draft_model":
-        return _draft_config(value)
+    if method in HEAD_METHODS:
+        return _draft_config(value, method)
     other = sorted(str(k) for k in value if k not in KEYS)
     if method not in NGRAM_NAMES:
         raise ConfigError(f"--speculative-config: method {method!r} is not supported: infer speculates only "
                           f"with \"ngram\" (prompt lookup) or a draft model (\"model\": a folder or a built-in name, "
-                          f"method \"draft_model\"; no EAGLE or MTP)", HINT)
+                          f"method \"draft_model\"), or an EAGLE-3 head (method \"eagle3\", \"model\": its folder; "
+                          f"no EAGLE-1 or MTP)", HINT)
     if "model" in other and model not in NGRAM_NAMES:  # a draft model with method "ngram": which one was meant?
         raise ConfigError(f"--speculative-config: method {method!r} (prompt lookup) takes no draft model, got "
                           f"\"model\": {model!r}", 'for draft-model speculation give "method": "draft_model" or '
@@ -101,22 +109,23 @@ def parse_speculative_config(value) -> dict | None:
             "prompt_lookup_min": int(lo)}
 
 
-def _draft_config(value: dict) -> dict:
-    """parse_speculative_config's dict for vLLM's draft-model speculation: the model (its folder or a built-in name,
-    loaded and checked against the target by the engine) and num_speculative_tokens."""
+def _draft_config(value: dict, method: str = "draft_model") -> dict:
+    """parse_speculative_config's dict for vLLM's draft-model speculation (or an EAGLE-3 head's, `method` "eagle3"):
+    the model (its folder or a built-in name, loaded and checked against the target by the engine) and
+    num_speculative_tokens."""
     other = sorted(str(k) for k in value if k not in DRAFT_KEYS)
     if other:
-        raise ConfigError(f"--speculative-config: unknown key(s) {', '.join(other)} for a draft model",
-                          f"infer's draft-model speculation takes {', '.join(DRAFT_KEYS)}")
+        raise ConfigError(f"--speculative-config: unknown key(s) {', '.join(other)} for method {method!r}",
+                          f"infer's {method} speculation takes {', '.join(DRAFT_KEYS)}")
     model, k = value.get("model"), value.get("num_speculative_tokens")
     model = os.fspath(model) if isinstance(model, os.PathLike) else model
     if not isinstance(model, str) or not model.strip():
-        raise ConfigError(f"--speculative-config: method \"draft_model\" needs \"model\", the draft model's folder or "
+        raise ConfigError(f"--speculative-config: method \"{method}\" needs \"model\", the draft model's folder or "
                           f"a built-in name, got {model!r}", DRAFT_HINT)
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
         raise ConfigError(f"--speculative-config: num_speculative_tokens must be an integer of at least 1, got {k!r}",
                           DRAFT_HINT)
-    return {"method": "draft_model", "model": model, "num_speculative_tokens": int(k)}
+    return {"method": method, "model": model, "num_speculative_tokens": int(k)}
 
 
 def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:

@@ -300,16 +300,26 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.self_attn.rot_dim = self.cos_sin.shape[-1]
 
+    # EAGLE-3 speculation (engine.eagle): the layers whose input (the residual stream) each forward keeps in
+    # aux_hidden, in this order; empty: none kept (no cost)
+    aux_layers: tuple[int, ...] = ()
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x, residual = self.embed_and_norm(input_ids)
         delta = None  # the LoRA delta the last o/down projection left to the norm after it
+        aux = self.aux_layers
+        kept = {} if aux else None
         for i, layer in enumerate(self.layers):  # each name rebound as soon as its next value exists (old one freed)
             if i:
                 x, residual = layer.input_layernorm(x, residual, delta)
+            if aux and i in aux:
+                kept[i] = residual.clone()
             x, delta = layer.self_attn(positions, x, ctx, self.cos_sin)
             x, residual = layer.post_attention_layernorm(x, residual, delta)
             x, delta = layer.mlp(x, ctx)
         x, _ = self.norm(x, residual, delta)
+        if aux:
+            self.aux_hidden = [kept[i] for i in aux]
         return x
 
     def embed_and_norm(self, input_ids: torch.Tensor):

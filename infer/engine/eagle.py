@@ -1,0 +1,160 @@
+"""EAGLE-3 speculative decoding (vLLM's "eagle3" method): a one-layer head (models.eagle) drafts each decoding
+sequence's tokens from the target's own hidden states; the target verifies them as it verifies a draft model's
+(ModelRunner.verify, the same rejection rule).
+
+It runs as a draft model does (engine.draft.DraftRunner: its KV cache of one layer in the target's block layout,
+Sequence.draft_computed / draft_fed, the scheduler's catch-up budget), with two differences:
+- position p of the head's KV holds (token p + 1, the target's hidden state at p): the head is fed only the
+  positions the target has computed (up to num_computed_tokens, each with its next token known), so draft 1 comes
+  from the last computed position, and draft j + 1 from draft j with the head's own pre-norm output as its hidden
+  state. Those later positions are speculative: draft_fed stops before them and the next step overwrites them with
+  the target's states.
+- the target's forward keeps its aux hidden states (LlamaForCausalLM.aux_layers) and `collect` stores each
+  sequence's projected rows (fc) until the head is fed them (Sequence.draft_hidden: (first position, rows)).
+  Positions the target never computed (a prefix-cache hit) have none: the head's KV there is what the cache held.
+Drafts are greedy over the head's draft vocabulary, mapped to target ids through d2t.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.context import ForwardContext
+from .draft import DraftParts, DraftRunner
+from .scheduler import ScheduledBatch
+from .transfer import Pack
+
+
+class EagleRunner(DraftRunner):
+    """An EAGLE-3 head, its KV cache and its proposals."""
+
+    def __init__(self, parts: DraftParts, kv_dtype: torch.dtype, num_blocks: int, block_size: int,
+                 device: torch.device, target):
+        super().__init__(parts, kv_dtype, num_blocks, block_size, device)
+        self.vocab = self.target_vocab = target.config.vocab_size  # (drafts are target ids already)
+        self.target = target
+        target.aux_layers = tuple(self.model.aux_layers)  # its forward keeps them from now on
+
+    def capture_graphs(self, *args, **kwargs) -> None:
+        """The head's forwards run eagerly (their hidden-state input is no decode graph's)."""
+
+    def close(self) -> None:
+        if self.target is not None:
+            self.target.aux_layers = ()
+            self.target.aux_hidden = None
+        self.target = None
+        super().close()
+
+    @torch.inference_mode()
+    def collect(self, batch: ScheduledBatch, order: list[int], aux: list[torch.Tensor]) -> None:
+        """After the target's forward over the batch (its sequences' tokens in `order`): each sequence's rows of the
+        projected aux states, kept after those of its earlier positions (a row past the step's first position is
+        the last step's rejected draft's: replaced)."""
+        rows = self.model.combine(aux)
+        at = 0
+        for i in order:
+            seq, n = batch.seqs[i], batch.num_new_tokens[i]
+            c, new = seq.num_computed_tokens, rows[at:at + n]
+            at += n
+            old = seq.draft_hidden
+            if old is not None and old[0] <= c <= old[0] + old[1].shape[0]:
+                seq.draft_hidden = (old[0], torch.cat([old[1][:c - old[0]], new]))
+            else:
+                seq.draft_hidden = (c, new.clone())
+
+    @torch.inference_mode()
+    def propose(self, batch: ScheduledBatch) -> None:
+        """Fill the drafts of the batch's sequences (as DraftRunner.propose): one batched forward of the head over
+        each scheduled sequence's computed positions its KV lacks (with their stored hidden rows), then k - 1
+        one-token forwards; a sequence with drafts but nothing to feed (no hidden rows) drafts none."""
+        feeds, rows = [], []
+        for j, seq in enumerate(batch.seqs):
+            k = len(seq.draft_token_ids)
+            start = min(seq.draft_computed, seq.num_computed_tokens)
+            end = seq.draft_end(seq.num_computed_tokens, self.context)
+            held = seq.draft_hidden
+            first, kept = held if held is not None else (end, None)
+            start, end = max(start, first), min(end, first + (kept.shape[0] if kept is not None else 0))
+            end = max(start, end)
+            seq.draft_fed = end
+            hidden = kept[start - first:end - first] if end > start else None
+            if kept is not None and end > first:  # (the rows fed, and any before them, are done with)
+                rest = kept[end - first:]
+                seq.draft_hidden = (end, rest) if rest.shape[0] else None
+            if k and end == start:  # nothing to draft from: no drafts this step
+                seq.draft_token_ids = []
+                batch.num_new_tokens[j] -= k
+                k = 0
+            if k:
+                rows.append(len(feeds))
+            feeds.append((seq, start, seq.tokens(start + 1, end + 1) if end > start else [], hidden))
+        self._zero = batch.zero
+        out = self._eagle_forward(feeds, rows)
+        if out is None:
+            return
+        ids, hidden = out
+        seqs = [feeds[r][0] for r in rows]
+        ks = [len(s.draft_token_ids) for s in seqs]
+        drafts = [ids]
+        for gather, positions, ctx in self._decode_inputs(seqs, ks):
+            if gather is not None:
+                ids, hidden = ids.index_select(0, gather), hidden.index_select(0, gather)
+            normed, hidden = self.model(ids, positions, ctx, hidden)
+            self.eager_forwards += 1
+            ids = self.model.draft_tokens(normed)
+            drafts.append(ids)
+        host = (torch.cat(drafts) if len(drafts) > 1 else ids).tolist()
+        drafted, at = [[] for _ in seqs], 0
+        for j in range(len(drafts)):
+            for i in [i for i, k in enumerate(ks) if k > j]:
+                drafted[i].append(host[at])
+                at += 1
+        for seq, d in zip(seqs, drafted):
+            seq.draft_token_ids = d  # (draft_fed stays: the drafts' positions hold the head's own states)
+        self._cut(batch, self.target_vocab)
+
+    def _eagle_forward(self, feeds, rows: list[int]):
+        """The head's forward over `feeds` [(seq, first position, next tokens, hidden rows)] after zeroing the KV
+        blocks self._zero: (the draft of each feed in `rows`, the pre-norm output of its last position), None
+        without rows."""
+        zero, self._zero = self._zero, []
+        bs, ids, pos, slots, starts, lens, tables, last, hidden = self.block_size, [], [], [], [0], [], [], {}, []
+        for r, (seq, start, tokens, rows_h) in enumerate(feeds):
+            if not tokens:
+                continue
+            table = seq.block_table
+            ids.extend(tokens)
+            pos.extend(range(start, start + len(tokens)))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + len(tokens)))
+            starts.append(len(ids))
+            lens.append(start + len(tokens))
+            tables.append(table)
+            hidden.append(rows_h)
+            last[r] = len(ids) - 1
+        pack = Pack()
+        zeros = pack.add(zero)
+        if ids:
+            width = max(map(len, tables))
+            pieces = [pack.add(x) for x in (ids, pos, slots, starts, lens)] + [pack.add_rows(tables, width)]
+            idx = pack.add([last[r] for r in rows])
+        if not ids and not zero:
+            return None
+        data = pack.to(self.device)
+        if zero:
+            cache = self.kv_cache.view(torch.uint8) if self.kv_cache.element_size() == 1 else self.kv_cache
+            cache.index_fill_(2, data[zeros], 0)
+        if not ids or not rows:
+            if ids:
+                self._run_first(data, pieces, starts, tables, width, hidden)
+            return None
+        normed, pre = self._run_first(data, pieces, starts, tables, width, hidden)
+        pick = data[idx]
+        return self.model.draft_tokens(normed.index_select(0, pick)), pre.index_select(0, pick)
+
+    def _run_first(self, data, pieces, starts, tables, width, hidden):
+        ids_, pos_, slots_, starts_, lens_, tables_ = (data[p] for p in pieces)
+        ctx = ForwardContext(query_start_loc=starts_.int(), seq_lens=lens_.int(),
+                             block_tables=tables_.view(len(tables), width).int(), slot_mapping=slots_,
+                             max_query_len=max(b - a for a, b in zip(starts, starts[1:])))
+        self.eager_forwards += 1
+        return self.model(ids_, pos_, ctx, torch.cat(hidden) if len(hidden) > 1 else hidden[0])
