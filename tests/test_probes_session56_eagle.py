@@ -273,3 +273,67 @@ def test_a_target_of_another_family_is_refused(tmp_path, head):
     with pytest.raises(InferError, match="needs a target of the Llama family") as e:
         LLM("tiny-gemma", speculative_config=spec(head[0]))
     assert e.value.hint
+
+
+def test_the_gpu_path_equals_the_cpu_path(target, monkeypatch):
+    """The GPU code path on CPU (every op its Triton kernel, interpreted; graphs emulated where any are captured):
+    the same drafts as the reference, the same tokens as the CPU path without speculation."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels")
+    from quant_helpers import int4_kernel_path
+    folder, hf = target
+    prompts = random_prompts(VOCAB, (6, 9), seed=21)
+    with LLM(str(folder), block_size=4) as cpu:
+        want = [o.token_ids for o in cpu.generate(prompts, greedy(6))]
+    t = save_eagle3(folder.parent / "gpu_head", seed=8)
+    seen = _record(monkeypatch)
+    int4_kernel_path(monkeypatch)
+    with LLM(str(folder), block_size=4, max_num_seqs=4, speculative_config=spec(folder.parent / "gpu_head")) as llm:
+        llm.engine.runner.capture_graphs(64, emulate=True)
+        assert llm.engine.runner.graphs is None  # (the target's aux states come from its eager forward)
+        assert [o.token_ids for o in llm.generate(prompts, greedy(6))] == want
+    assert seen
+    for tokens, drafts in seen:
+        assert drafts == reference_drafts(hf, t, tokens, len(drafts), (2, LAYERS // 2, LAYERS - 3))
+
+
+def test_the_memory_plan_counts_the_heads_kv_and_weights(plain, eagle):
+    from infer.memory.sizes import kv_bytes_per_token, weights_bytes
+    p, q, head = plain.engine.memory_plan, eagle.engine.memory_plan, eagle.engine.drafter
+    assert head.kv_cache.shape[0] == 1 and head.kv_cache.shape[2:4] == eagle.engine.runner.kv_cache.shape[2:4]
+    assert q.kv_bytes_per_token == p.kv_bytes_per_token + kv_bytes_per_token(head.model_config, torch.float32)
+    assert q.kv_bytes_per_token == p.kv_bytes_per_token * (LAYERS + 1) // LAYERS
+    # its weights, not the target's embeddings it shares
+    assert q.weights_bytes == p.weights_bytes + weights_bytes(head.model)
+    from infer.engine.sleep import module_tensors  # (what sleep moves as the head's: not the target's table)
+    assert all(tuple(t.shape) != (VOCAB, H) for t in module_tensors(head.model.modules()))
+
+
+# ------------------------------------------------------------------ the CLI
+def test_run_and_serve_take_an_eagle3_head(tmp_path, target, head, plain, monkeypatch):
+    from typer.testing import CliRunner
+    from infer.cli.main import app
+    from infer.cli.warmup_plan import _draft_cfg
+    runner, folder = CliRunner(), target[0]
+    option = json.dumps(spec(head[0], 2))
+    lines = [{"id": str(i), "prompt_token_ids": p, "max_new_tokens": 6, "ignore_eos": True}
+             for i, p in enumerate(random_prompts(VOCAB, (5, 8), seed=3))]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    res = runner.invoke(app, ["run", str(folder), str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
+                              "-q", "--block-size", "4", "--speculative-config", option])
+    assert res.exit_code == 0, res.output
+    got = {r["id"]: r["token_ids"] for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    want = plain.generate([x["prompt_token_ids"] for x in lines], greedy(6))
+    assert [got[x["id"]] for x in lines] == [o.token_ids for o in want]
+    seen = {}
+    monkeypatch.setattr("infer.cli.serve._serve", lambda engine, *a, **kw: seen.update(engine=engine))
+    res = runner.invoke(app, ["serve", str(folder), "--port", "0", "--speculative-config", option])
+    assert res.exit_code == 0, res.output
+    assert seen["engine"].speculative_config == spec(head[0], 2)
+    # warmup's estimate counts the head's one layer of KV (memory.plan's draft share)
+    assert _draft_cfg(seen["engine"]).num_hidden_layers == 1
+    bad = tmp_path / "bad"
+    save_eagle3(bad, config={"hidden_size": 32})
+    res = runner.invoke(app, ["run", str(folder), str(tmp_path / "in.jsonl"), "-o", "-", "-q",
+                              "--speculative-config", json.dumps(spec(bad))])
+    assert res.exit_code != 0 and "hidden_size 32, the target 64" in res.output

@@ -47,6 +47,9 @@ class ModelRunner:
         re-running the model. Called at the engine's start, before any request: the pieces' check (check_pieces)
         writes the KV of the first blocks."""
         from .cuda_graphs import DecodeGraphs, PiecewiseGraphs
+        if getattr(self.model, "aux_layers", ()):  # EAGLE-3: every step eager (forward), the head's aux states kept
+            log.info("EAGLE-3 speculation: the target's steps run eagerly (no CUDA graphs keep its aux states)")
+            return
         if not emulate:
             self._reserve_dequant_scratch()
         max_blocks = -(-max_model_len // self.block_size)

@@ -117,7 +117,9 @@ class Eagle3Head(nn.Module):
         self.lm_head.weight.requires_grad_(False)
         self.register_buffer("d2t", torch.zeros(self.draft_vocab, dtype=torch.long), persistent=False)
         self.embed_tokens = None  # its own embeddings (nn.Embedding) where the checkpoint stores them
-        self._target_embed = []  # else the target's table (a list: not a parameter of the head's)
+        # else the target's table, looked up at each use (not a tensor of the head's: sleep and reload_weights handle
+        # it with the target's)
+        self._target_embed = None
         self.aux_layers: tuple[int, ...] = ()
         types = rope_layer_types(cfg)
         self.register_buffer("cos_sin", build_cos_sin_cache(
@@ -125,7 +127,7 @@ class Eagle3Head(nn.Module):
         attn.rot_dim = self.cos_sin.shape[-1]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        table = self.embed_tokens.weight if self.embed_tokens is not None else self._target_embed[0]
+        table = self.embed_tokens.weight if self.embed_tokens is not None else self._target_embed()
         return nn.functional.embedding(ids, table)
 
     def combine(self, aux: list[torch.Tensor]) -> torch.Tensor:
@@ -227,6 +229,6 @@ def load_eagle3(path: Path, target_model, target_cfg, dtype: torch.dtype, device
         if isinstance(m, MergedLinear):
             m.finish_loading()
     if head.embed_tokens is None:
-        head._target_embed = [target_model.embed_tokens.weight]
+        head._target_embed = lambda: target_model.embed_tokens.weight
     head.eval()
     return head, cfg
