@@ -84,7 +84,7 @@ def test_a_model_key_means_a_draft_model_as_vllm_infers_it(path):
     ({"model": "x", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs \"model\""),
     ({"method": "draft_model", "model": "", "num_speculative_tokens": 2}, "needs \"model\""),
-    ({"method": "eagle", "model": "x", "num_speculative_tokens": 2}, "is not supported"),
+    ({"method": "mtp", "model": "x", "num_speculative_tokens": 2}, "is not supported"),
     ({"method": "ngram", "model": "x", "num_speculative_tokens": 2}, "takes no draft model"),
 ])
 def test_a_wrong_draft_config_is_refused_naming_the_problem(value, message):

@@ -337,3 +337,91 @@ def test_run_and_serve_take_an_eagle3_head(tmp_path, target, head, plain, monkey
     res = runner.invoke(app, ["run", str(folder), str(tmp_path / "in.jsonl"), "-o", "-", "-q",
                               "--speculative-config", json.dumps(spec(bad))])
     assert res.exit_code != 0 and "hidden_size 32, the target 64" in res.output
+
+
+# ------------------------------------------------------------------ EAGLE-1 heads (method "eagle")
+def save_eagle1(folder, seed: int = 0, embed: bool = False, drop=(), config=None) -> dict:
+    """A random EAGLE-1 head in the EAGLE repo's layout (a Llama config of one layer; pytorch_model.bin with fc
+    (and its bias), layers.0.* without an input norm, no final norm nor lm_head)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=0.15):
+        return torch.randn(*shape, generator=g) * scale
+    t = {"fc.weight": rnd(H, 2 * H, scale=0.1), "fc.bias": rnd(H, scale=0.1),
+         "layers.0.self_attn.q_proj.weight": rnd(HEADS * D, H), "layers.0.self_attn.k_proj.weight": rnd(KV * D, H),
+         "layers.0.self_attn.v_proj.weight": rnd(KV * D, H), "layers.0.self_attn.o_proj.weight": rnd(H, HEADS * D),
+         "layers.0.post_attention_layernorm.weight": 1 + rnd(H, scale=0.3),
+         "layers.0.mlp.gate_proj.weight": rnd(INTER, H), "layers.0.mlp.up_proj.weight": rnd(INTER, H),
+         "layers.0.mlp.down_proj.weight": rnd(H, INTER)}
+    if embed:
+        t["embed_tokens.weight"] = rnd(VOCAB, H, scale=0.5)
+    for name in drop:
+        del t[name]
+    torch.save(t, folder / "pytorch_model.bin")
+    cfg = {**TARGET, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
+           "hidden_act": "silu", "rope_theta": 10000.0, **(config or {})}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return t
+
+
+def reference_eagle1(hf, t, tokens: list[int], k: int) -> list[int]:
+    """EAGLE-1's k greedy drafts: position p pairs token p + 1 with the target's last (normed) hidden state at p;
+    fc of concat(embedding, state), one layer without input norm, the output fed back and through the target's
+    lm_head."""
+    with torch.no_grad():
+        hid = hf.model(torch.tensor([tokens[:-1]])).last_hidden_state[0]
+        embed = t["embed_tokens.weight"] if "embed_tokens.weight" in t else hf.model.embed_tokens.weight
+        toks, out = list(tokens[1:]), []
+        for _ in range(k):
+            x = torch.cat([embed[torch.tensor(toks)], hid], -1) @ t["fc.weight"].T + t["fc.bias"]
+            n, pos = x.shape[0], torch.arange(x.shape[0])
+            q = _rope((x @ t["layers.0.self_attn.q_proj.weight"].T).view(n, HEADS, D), pos)
+            kk = _rope((x @ t["layers.0.self_attn.k_proj.weight"].T).view(n, KV, D), pos)
+            v = (x @ t["layers.0.self_attn.v_proj.weight"].T).view(n, KV, D)
+            kk, v = kk.repeat_interleave(HEADS // KV, 1), v.repeat_interleave(HEADS // KV, 1)
+            s = torch.einsum("qhd,khd->hqk", q, kk) / D ** 0.5
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+            o = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(n, HEADS * D)
+            res = o @ t["layers.0.self_attn.o_proj.weight"].T + x
+            y = _rms(res, t["layers.0.post_attention_layernorm.weight"])
+            gate, up = y @ t["layers.0.mlp.gate_proj.weight"].T, y @ t["layers.0.mlp.up_proj.weight"].T
+            o = (torch.nn.functional.silu(gate) * up) @ t["layers.0.mlp.down_proj.weight"].T + res
+            out.append(int((o[-1] @ hf.lm_head.weight.T).argmax()))
+            toks.append(out[-1])
+            hid = torch.cat([hid, o[-1:]])
+    return out
+
+
+@pytest.mark.parametrize("embed", [False, True])
+def test_eagle1_proposals_equal_the_reference_and_greedy_equals_plain(tmp_path, target, plain, monkeypatch, embed):
+    folder, hf = target
+    t = save_eagle1(tmp_path / "h1", seed=11, embed=embed)
+    seen = _record(monkeypatch)
+    llm = LLM(str(folder), speculative_config={"method": "eagle", "model": str(tmp_path / "h1"),
+                                               "num_speculative_tokens": 3}, **KW)
+    prompts = random_prompts(VOCAB, (9, 6), seed=9 + embed)
+    assert [o.token_ids for o in llm.generate(prompts, greedy(9))] == \
+        [o.token_ids for o in plain.generate(prompts, greedy(9))]
+    assert len(seen) >= 6
+    for tokens, drafts in seen:
+        assert drafts == reference_eagle1(hf, t, tokens, len(drafts)), tokens
+    assert llm.engine.stats()["spec_decode_num_draft_tokens"] == sum(len(d) for _, d in seen)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "lacks layers.0.mlp.down_proj.weight"),
+    ("hidden", "hidden_size 32, the target 64"),
+    ("eagle3", "is an EAGLE-3 head"),
+])
+def test_a_bad_eagle1_head_is_refused(tmp_path, target, case, message):
+    h = tmp_path / "h"
+    if case == "missing":
+        save_eagle1(h, drop=("layers.0.mlp.down_proj.weight",))
+    elif case == "hidden":
+        save_eagle1(h, config={"hidden_size": 32})
+    else:
+        save_eagle3(h)
+    with pytest.raises(InferError) as e:
+        LLM(str(target[0]), speculative_config={"method": "eagle", "model": str(h), "num_speculative_tokens": 2})
+    assert message in str(e.value) and e.value.hint

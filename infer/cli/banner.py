@@ -19,8 +19,9 @@ def engine_traits(dtype, num_blocks: int, block_size: int, kv_cache_dtype: str |
         tokens = f"{k} draft token{'s' if k != 1 else ''}"
         if speculative.get("method") == "draft_model":
             text += f", draft-model speculative decoding ({speculative['model']}, {tokens})"
-        elif speculative.get("method") == "eagle3":
-            text += f", EAGLE-3 speculative decoding ({speculative['model']}, {tokens})"
+        elif speculative.get("method") in ("eagle3", "eagle"):
+            name = "EAGLE-3" if speculative["method"] == "eagle3" else "EAGLE"
+            text += f", {name} speculative decoding ({speculative['model']}, {tokens})"
         else:
             text += f", n-gram speculative decoding ({tokens})"
     return text

@@ -40,10 +40,14 @@ def _draft_cfg(engine_config: EngineConfig):
     """The draft model's config (--speculative-config {"model": ...}), or None: its KV shares every block, its
     weights and steps count beside the target's (checked against the target by engine.draft.draft_config)."""
     spec = engine_config.speculative_config
-    if spec and spec.get("method") == "eagle3":  # an EAGLE-3 head's (models.eagle): one layer's KV, its weights
+    if spec and spec.get("method") == "eagle3":  # an EAGLE head's (models.eagle): one layer's KV, its weights
         from ..models.eagle import load_eagle3_config
         from ..models.resolve import resolve_model
         return load_eagle3_config(resolve_model(spec["model"]))
+    if spec and spec.get("method") == "eagle":
+        from transformers import LlamaConfig
+        from ..models.resolve import resolve_model
+        return LlamaConfig.from_pretrained(resolve_model(spec["model"]))
     return _draft_model_config(spec["model"]) if spec and spec.get("method") == "draft_model" else None
 
 

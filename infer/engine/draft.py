@@ -172,14 +172,15 @@ def load_draft(engine_config, target_config, dtype: torch.dtype, device: torch.d
     it shares where it has none: models.eagle)."""
     from ..models.loader import load_model
     spec = engine_config.speculative_config
-    if spec and spec.get("method") == "eagle3":
-        from ..models.eagle import load_eagle3
+    if spec and spec.get("method") in ("eagle3", "eagle"):
+        from ..models.eagle import load_eagle1, load_eagle3
         from ..models.resolve import resolve_model
         try:
             path = resolve_model(spec["model"])
         except InferError as e:
             raise type(e)(f"--speculative-config model {spec['model']!r}: {e.message}", e.hint) from None
-        head, config = load_eagle3(path, target, target_config, dtype, device, max_len)
+        load = load_eagle3 if spec["method"] == "eagle3" else load_eagle1
+        head, config = load(path, target, target_config, dtype, device, max_len)
         return DraftParts(path, head, config, target_config.vocab_size, None)
     found = draft_config(engine_config, target_config, max_len)
     if found is None:

@@ -33,9 +33,10 @@ class EagleRunner(DraftRunner):
         super().__init__(parts, kv_dtype, num_blocks, block_size, device)
         self.vocab = self.target_vocab = target.config.vocab_size  # (drafts are target ids already)
         self.target = target
-        target.aux_layers = tuple(self.model.aux_layers)  # its forward keeps them from now on
+        # EAGLE-3: the target's forward keeps its aux states from now on; EAGLE-1 reads its output (verify's hidden)
+        target.aux_layers = tuple(self.model.aux_layers)
 
-    def capture_graphs(self, *args, **kwargs) -> None:
+    def capture_graphs(self, *args, **kwargs) -> None:  # (called only where the target's graphs are captured)
         """The head's forwards run eagerly (their hidden-state input is no decode graph's)."""
 
     def close(self) -> None:

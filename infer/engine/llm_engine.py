@@ -223,7 +223,8 @@ class LLMEngine:
                                   num_blocks=parts.num_blocks, lora_manager=self.lora_manager)
         self.drafter = None  # draft-model speculative decoding: the draft model and its KV cache (engine.draft)
         self._past_draft_context: set = set()  # the step's decodes left without drafts by the draft's context
-        if getattr(parts, "draft", None) is not None and (config.speculative_config or {}).get("method") == "eagle3":
+        method = (config.speculative_config or {}).get("method")
+        if getattr(parts, "draft", None) is not None and method in ("eagle3", "eagle"):
             from .eagle import EagleRunner  # an EAGLE-3 head over the target's hidden states
             self.drafter = EagleRunner(parts.draft, config.kv_dtype(self.dtype), parts.num_blocks, config.block_size,
                                        self.device, parts.model)

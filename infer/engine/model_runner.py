@@ -279,8 +279,11 @@ class ModelRunner:
         order = self.order(batch)
         input_ids, positions, ctx, rows, idx, sampling, prompt = self.prepare(batch, order)
         hidden = self.forward(input_ids, positions, ctx, batch.num_new_tokens)
-        if getattr(self.model, "aux_layers", ()):  # EAGLE-3: the head keeps the target's aux states (engine.eagle)
-            aux, self.model.aux_hidden = self.model.aux_hidden, None
+        if getattr(self.draft, "collect", None) is not None:  # EAGLE: the head keeps the target's states (engine.eagle)
+            if getattr(self.model, "aux_layers", ()):  # EAGLE-3's aux states
+                aux, self.model.aux_hidden = self.model.aux_hidden, None
+            else:  # EAGLE-1's: the last hidden state (after the final norm)
+                aux = [hidden]
             self.draft.collect(batch, order, aux)
         if prompt is not None:
             host_lp, event = self._prompt_logprobs(hidden, prompt)

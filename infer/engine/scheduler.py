@@ -173,7 +173,7 @@ class Scheduler:
         # draft-model speculation: the draft's first forward of a step also feeds what its KV lacks before the step's
         # own tokens (the last accepted draft of a step that accepted them all), counted against the same budget
         spec = config.speculative_config
-        self.draft_model = bool(spec) and spec.get("method") in ("draft_model", "eagle3")  # (an EAGLE head's too)
+        self.draft_model = bool(spec) and spec.get("method") in ("draft_model", "eagle3", "eagle")  # (EAGLE heads too)
         self.draft_context: int | None = None  # the draft's context (LLMEngine sets it): never fed past it
         self.lora = lora  # adapter slot manager (or None): admits a request only when its adapter gets a slot
         self.running: list[Sequence] = []

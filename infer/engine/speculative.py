@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 
-METHODS = ("ngram", "draft_model", "eagle3")
-EAGLE_METHODS = ("eagle3",)  # a draft head over the target's hidden states (engine.eagle)
+METHODS = ("ngram", "draft_model", "eagle3", "eagle")
+EAGLE_METHODS = ("eagle3", "eagle")  # a draft head over the target's hidden states (engine.eagle): EAGLE-3, EAGLE-1
 HEAD_METHODS = ("draft_model", *EAGLE_METHODS)  # the methods with a "model": a second network and its KV cache
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 DRAFT_KEYS = ("method", "model", "num_speculative_tokens")  # vLLM's draft-model speculation (method "draft_model")
@@ -82,8 +82,8 @@ def parse_speculative_config(value) -> dict | None:
     if method not in NGRAM_NAMES:
         raise ConfigError(f"--speculative-config: method {method!r} is not supported: infer speculates only "
                           f"with \"ngram\" (prompt lookup) or a draft model (\"model\": a folder or a built-in name, "
-                          f"method \"draft_model\"), or an EAGLE-3 head (method \"eagle3\", \"model\": its folder; "
-                          f"no EAGLE-1 or MTP)", HINT)
+                          f"method \"draft_model\"), or an EAGLE head (method \"eagle3\" or \"eagle\", \"model\": its "
+                          f"folder; no MTP)", HINT)
     if "model" in other and model not in NGRAM_NAMES:  # a draft model with method "ngram": which one was meant?
         raise ConfigError(f"--speculative-config: method {method!r} (prompt lookup) takes no draft model, got "
                           f"\"model\": {model!r}", 'for draft-model speculation give "method": "draft_model" or '

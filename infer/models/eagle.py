@@ -1,5 +1,6 @@
-"""EAGLE-3 draft heads (vLLM's speculative method "eagle3"; the EAGLE repo's checkpoints, e.g.
-yuhuili/EAGLE3-LLaMA3.1-Instruct-8B): one decoder layer that drafts from the target's own hidden states.
+"""EAGLE draft heads (vLLM's speculative methods "eagle3" and "eagle"; the EAGLE repo's checkpoints, e.g.
+yuhuili/EAGLE3-LLaMA3.1-Instruct-8B, yuhuili/EAGLE-LLaMA3-Instruct-8B): one decoder layer that drafts from the target's
+own hidden states.
 
 Checkpoint layout (config.json: LlamaForCausalLMEagle3, hidden_size the target's, draft_vocab_size, optionally
 eagle_config.eagle_aux_hidden_state_layer_ids):
@@ -10,6 +11,11 @@ eagle_config.eagle_aux_hidden_state_layer_ids):
   midlayer.post_attention_layernorm.weight, midlayer.mlp.{gate,up,down}_proj.weight, norm.weight
   lm_head.weight [draft_vocab, H]; d2t [draft_vocab] (target id = draft id + d2t[draft id]); t2d [vocab] (unused)
   embed_tokens.weight [vocab, H] (optional: the target's embeddings otherwise)
+
+EAGLE-1 (method "eagle"; config.json a Llama config of one layer): fc.weight [H, 2H] (and fc.bias) over
+concat(the token's embedding, the target's last hidden state, after its final norm), layers.0.{self_attn, mlp,
+post_attention_layernorm} (layer 0 has no input norm), no final norm: the output (the MLP's plus the residual) is the
+next hidden state and goes through the target's lm_head; embed_tokens.weight optional (the target's otherwise).
 
 Position p of the head's KV holds (the embedding of token p + 1, the hidden state of position p): the target's
 projected aux states for the positions it computed, the head's own pre-norm output for the drafts after the first.
@@ -74,19 +80,20 @@ def aux_layer_ids(head_cfg, target_cfg) -> tuple[int, ...]:
     return ids
 
 
-def check_target(head_cfg, target_cfg, target_model, path) -> None:
+def check_target(head_cfg, target_cfg, target_model, path, kind_name: str = "EAGLE-3") -> None:
     """Refuse a head the target cannot drive: another family, another hidden size or vocabulary."""
     from .llama import LlamaForCausalLM
     kind = getattr(target_cfg, "model_type", None)
     if kind not in TARGET_TYPES or (target_model is not None and
                                     type(target_model).forward is not LlamaForCausalLM.forward):
-        raise ModelLoadError(f"EAGLE-3 speculation needs a target of the Llama family ({', '.join(TARGET_TYPES)}), "
-                             f"not model_type {kind!r}", "use draft-model or n-gram speculation with this model")
+        raise ModelLoadError(f"{kind_name} speculation needs a target of the Llama family "
+                             f"({', '.join(TARGET_TYPES)}), not model_type {kind!r}",
+                             "use draft-model or n-gram speculation with this model")
     if head_cfg.hidden_size != target_cfg.hidden_size:
-        raise ModelLoadError(f"EAGLE-3 head {path} has hidden_size {head_cfg.hidden_size}, the target "
+        raise ModelLoadError(f"{kind_name} head {path} has hidden_size {head_cfg.hidden_size}, the target "
                              f"{target_cfg.hidden_size}: it was trained for another model", HINT)
     if head_cfg.vocab_size != target_cfg.vocab_size:
-        raise ModelLoadError(f"EAGLE-3 head {path} has vocab_size {head_cfg.vocab_size}, the target "
+        raise ModelLoadError(f"{kind_name} head {path} has vocab_size {head_cfg.vocab_size}, the target "
                              f"{target_cfg.vocab_size}: it was trained for another model", HINT)
 
 
@@ -230,5 +237,118 @@ def load_eagle3(path: Path, target_model, target_cfg, dtype: torch.dtype, device
             m.finish_loading()
     if head.embed_tokens is None:
         head._target_embed = lambda: target_model.embed_tokens.weight
+    head.eval()
+    return head, cfg
+
+
+class Eagle1Head(nn.Module):
+    """An EAGLE-1 head (vLLM's EagleLlamaForCausalLM): fc over concat(embedding, the target's last hidden state), one
+    decoder layer without its input norm, the target's lm_head."""
+
+    def __init__(self, cfg, dtype: torch.dtype, max_positions: int | None, fc_bias: bool):
+        super().__init__()
+        h = cfg.hidden_size
+        self.config = cfg
+        self.draft_vocab = cfg.vocab_size
+        self.fc = nn.Linear(2 * h, h, bias=fc_bias, dtype=dtype)
+        for p in self.fc.parameters():
+            p.requires_grad_(False)
+        no_method = (lambda names: None)
+        self.self_attn = Attention(cfg, "layers.0.self_attn", no_method, dtype)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, "layers.0.mlp", no_method, dtype)
+        self.embed_tokens = None
+        self._target_embed = None  # (as Eagle3Head's)
+        self._target_logits = None  # the target's compute_logits
+        self.aux_layers: tuple[int, ...] = ()  # (none: the target's output is its hidden state)
+        types = rope_layer_types(cfg)
+        self.register_buffer("cos_sin", build_cos_sin_cache(
+            cfg, max_positions, "full_attention" if "full_attention" in types else types[0]), persistent=False)
+        self.self_attn.rot_dim = self.cos_sin.shape[-1]
+
+    embed = Eagle3Head.embed
+
+    def combine(self, aux: list[torch.Tensor]) -> torch.Tensor:
+        return aux[0]
+
+    def forward(self, input_ids, positions, ctx: ForwardContext, hidden: torch.Tensor):
+        """(the output, the same fed back as the next draft's hidden state)."""
+        x = self.fc(torch.cat([self.embed(input_ids), hidden], dim=-1))
+        o, delta = self.self_attn(positions, x, ctx, self.cos_sin)
+        y, residual = self.post_attention_layernorm(o, x, delta)
+        y, delta = self.mlp(y, ctx)
+        out = y + residual
+        return out, out
+
+    def draft_tokens(self, out: torch.Tensor) -> torch.Tensor:
+        return self._target_logits(out).argmax(-1)
+
+
+_EAGLE1_SHARDS = {f"layers.0.{b}.{p}.weight": v for (p, v) in _SHARDS.items() for b in (v[0],)}
+
+
+def load_eagle1(path: Path, target_model, target_cfg, dtype: torch.dtype, device: torch.device,
+                max_positions: int | None):
+    """(the EAGLE-1 head, its config), checked against the target and loaded as load_eagle3 loads a head."""
+    from transformers import LlamaConfig
+    from .loader import iter_tensors, weight_files
+    from .rope import check_rope
+    path = Path(path)
+    file = path / "config.json"
+    if not file.is_file():
+        raise ModelLoadError(f"EAGLE head {path} has no config.json", "pass the head's folder")
+    raw = json.loads(file.read_text())
+    archs = raw.get("architectures") or []
+    if any(a in EAGLE3_ARCHS for a in archs):
+        raise ModelLoadError(f"{path} is an EAGLE-3 head ({archs[0]}), given with method \"eagle\"",
+                             'give "method": "eagle3"')
+    if int(raw.get("num_hidden_layers", 1)) != 1:
+        raise ModelLoadError(f"EAGLE head {path} has num_hidden_layers {raw.get('num_hidden_layers')}: infer runs "
+                             f"heads of one decoder layer", HINT)
+    cfg = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("model_type", "architectures")})
+    cfg.architectures = list(archs)
+    check_rope(cfg)
+    check_target(cfg, target_cfg, target_model, path, "EAGLE")
+    tensors = [(n[6:] if n.startswith("model.") else n, t) for n, t in iter_tensors(weight_files(path))]
+    with torch.device(device):
+        head = Eagle1Head(cfg, dtype, max_positions, fc_bias=any(n == "fc.bias" for n, _ in tensors))
+    h, vocab, seen = cfg.hidden_size, target_cfg.vocab_size, set()
+
+    def put(param, name, t):
+        if tuple(param.shape) != tuple(t.shape):
+            raise ModelLoadError(f"EAGLE head {path}: {name} has shape {tuple(t.shape)}, expected "
+                                 f"{tuple(param.shape)} (hidden_size {h})", HINT)
+        param.data.copy_(t.to(dtype))
+    for key, t in tensors:
+        if key == "fc.weight":
+            put(head.fc.weight, key, t)
+        elif key == "fc.bias":
+            put(head.fc.bias, key, t)
+        elif key == "layers.0.post_attention_layernorm.weight":
+            put(head.post_attention_layernorm.weight, key, t)
+        elif key == "embed_tokens.weight":
+            head.embed_tokens = nn.Embedding(vocab, h, dtype=dtype, device=device)
+            head.embed_tokens.weight.requires_grad_(False)
+            put(head.embed_tokens.weight, key, t)
+        elif key in _EAGLE1_SHARDS:
+            block, layer, shard = _EAGLE1_SHARDS[key]
+            linear = getattr(getattr(head, block), layer)
+            if tuple(t.shape) != (linear.out_sizes[shard], linear.in_features):
+                raise ModelLoadError(f"EAGLE head {path}: {key} has shape {tuple(t.shape)}, expected "
+                                     f"{(linear.out_sizes[shard], linear.in_features)} (hidden_size {h})", HINT)
+            linear.load_shard("weight", shard, t.to(dtype))
+        else:
+            raise ModelLoadError(f"EAGLE head {path} has a tensor infer has no place for: {key}", HINT)
+        seen.add(key)
+    missing = [n for n in ["fc.weight", "layers.0.post_attention_layernorm.weight", *_EAGLE1_SHARDS] if n not in seen]
+    if missing:
+        raise ModelLoadError(f"EAGLE head {path} lacks {missing[0]}"
+                             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""), HINT)
+    for m in head.modules():
+        if isinstance(m, MergedLinear):
+            m.finish_loading()
+    if head.embed_tokens is None:
+        head._target_embed = lambda: target_model.embed_tokens.weight
+    head._target_logits = target_model.compute_logits
     head.eval()
     return head, cfg

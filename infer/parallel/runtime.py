@@ -211,7 +211,7 @@ def replica_config(engine_config, model_path: Path, device: str, n: int, single_
     replica_engine_config.model = str(Path(model_path).resolve())
     replica_engine_config.loras = {name: str(Path(p).resolve()) for name, p in engine_config.loras.items()}
     spec = engine_config.speculative_config  # each replica loads its own draft model: from its folder's full path
-    if spec and spec.get("method") in ("draft_model", "eagle3") and Path(spec["model"]).expanduser().exists():
+    if spec and spec.get("method") in ("draft_model", "eagle3", "eagle") and Path(spec["model"]).expanduser().exists():
         replica_engine_config.speculative_config = {**spec, "model": str(Path(spec["model"]).expanduser().resolve())}
     replica_engine_config.device = device
     if device == "cpu" and single_node and replica_engine_config.memory_limit is None:
