@@ -150,3 +150,23 @@ def _loops_over_content(template: str) -> bool:
              if isinstance(a.target, nodes.Name) and is_content(a.node)}
     return any(is_content(f.iter) or isinstance(bare(f.iter), nodes.Name) and bare(f.iter).name in names
                for f in tree.find_all(nodes.For))
+
+
+def missing_file_hint(path: Path | str) -> str | None:
+    """For a file that is not there: the closest file name in its folder (`examples/prompt.jsonl` ->
+    `examples/prompts.jsonl`), or that the folder itself does not exist; None where neither helps."""
+    import difflib
+    p = Path(path).expanduser()
+    parent = p.parent
+    if p.name in ("", ".", ".."):
+        return None
+    if not parent.is_dir():
+        return f"the folder {str(parent)!r} does not exist (check the path)" if str(parent) != "." else None
+    try:
+        names = sorted(f.name for f in parent.iterdir() if f.is_file() and not f.name.startswith("."))
+    except OSError:
+        return None
+    close = difflib.get_close_matches(p.name, names, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {str(parent / close[0])!r}?"
+    return None

@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..checks import missing_file_hint
 from ..engine.config import ENGINE, LORA, RANGES, EngineConfig, batched_tokens_below_seqs, cli_fields, parse_loras
 from ..errors import ConfigError, read_utf8
 from . import options as o
@@ -87,7 +88,10 @@ def check_dataset(spec: str) -> None:
     if sep and not path:
         raise ConfigError(f"--dataset {spec} names no file", f"pass {kind}:PATH")
     if sep and not Path(path).expanduser().is_file():
-        raise ConfigError(f"--dataset {spec}: {path} is not a file", f"pass an existing file: {kind}:PATH")
+        near = None if Path(path).expanduser().exists() else missing_file_hint(path)  # a typo: the closest file
+        raise ConfigError(f"--dataset {spec}: {path} is not a file",
+                          f"{near} (pass an existing file: {kind}:PATH)" if near
+                          else f"pass an existing file: {kind}:PATH")
     if sep:  # a file that is not UTF-8 is refused now, not after the model has loaded
         read_utf8(Path(path).expanduser(), f"--dataset {kind}: file")
 

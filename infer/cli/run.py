@@ -14,6 +14,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..checks import missing_file_hint
 from ..engine.config import EngineConfig
 from ..errors import ConfigError, RequestError, UnknownAdapterError
 from . import options as o
@@ -211,7 +212,9 @@ def _check_paths(input: Path, output: Path | None, resume: bool, max_new_tokens:
                           "and once more to resume", "save the requests to a file first, e.g. ... > prompts.jsonl, "
                           "and give its path")
     if not input.exists():
-        raise ConfigError(f"input file {input} does not exist", "give a JSONL file with one request per line")
+        near = missing_file_hint(input)  # a typo (examples/prompt.jsonl): the folder's closest file
+        raise ConfigError(f"input file {input} does not exist",
+                          near or "give a JSONL file with one request per line")
     if input.is_dir():
         raise ConfigError(f"input {input} is a directory, not a file", "give a JSONL file with one request per line")
     if not input.is_file():
