@@ -50,3 +50,24 @@ def test_a_misspelt_bench_dataset_file_is_told_the_folders_closest_file(tmp_path
     with pytest.raises(ConfigError) as e:
         check_dataset("jsonl:examples/repat.jsonl")
     assert "did you mean 'examples/repeat.jsonl'?" in e.value.hint and "jsonl:PATH" in e.value.hint
+
+
+def test_ctrl_c_while_the_model_loads_says_nothing_was_written_and_what_to_do(tmp_path, monkeypatch):
+    """Ctrl-C during `infer run`'s model load (the first tens of seconds of a real model) printed a bare
+    `interrupted`, where one during generation says how many records are on disk and what to run: now it says that
+    nothing was written (a resumed output is as it was) and to run the same command again."""
+    prompts = _prompts(tmp_path)
+    out = tmp_path / "out.jsonl"
+
+    def loading(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(run_module, "_start_engine", loading)
+    res = CliRunner().invoke(app, ["run", "tiny-llama", str(prompts), "-o", str(out)])
+    assert res.exit_code == 130, res.output
+    assert f"interrupted while loading the model, before generating: nothing was written to {out}; run the same " \
+           "command again" in res.output
+    assert not out.exists()
+    out.write_text(json.dumps({"id": "a", "text": "x", "finish_reason": "length"}) + "\n")
+    res = CliRunner().invoke(app, ["run", "tiny-llama", str(prompts), "-o", str(out), "--resume", "--force-resume"])
+    assert res.exit_code == 130, res.output
+    assert f"{out} is as it was; run the same command with --resume again" in res.output

@@ -147,8 +147,11 @@ def _run_in_process(engine: EngineConfig, input: Path, output: Path | None, defa
     error records of this input's lines that the resumed output already held)."""
     if strict:  # every line is read and checked before the model loads: a bad file costs no load time
         _strict_exit(_prechecked_lines(engine, input, defaults, output_format))
-    llm = _start_engine(engine, quiet)
-    lines = _checked_lines(llm, input, defaults, strict, model_names(engine), output_format)
+    try:  # Ctrl-C while the model loads (tens of seconds for a real one): nothing is written yet, say so
+        llm = _start_engine(engine, quiet)
+        lines = _checked_lines(llm, input, defaults, strict, model_names(engine), output_format)
+    except KeyboardInterrupt as e:
+        exit_interrupted_loading(e, output, resume)
     note = unused_adapters_note(engine.loras, lines)
     if note and not quiet:
         typer.echo(note, err=True)
@@ -183,6 +186,18 @@ def exit_interrupted(e: KeyboardInterrupt, output: Path | None, resumable: bool,
         f"{written} of the {todo} records still to do ({before + written} of {lines} in all)"
     terminated = isinstance(e, Terminated)
     typer.echo(f"{'terminated' if terminated else 'interrupted'}: {count} written {where}{more}", err=True)
+    raise typer.Exit(143 if terminated else 130) from None
+
+
+def exit_interrupted_loading(e: KeyboardInterrupt, output: Path | None, resume: bool):
+    """Ctrl-C (or SIGTERM) before the first request was generated, while the model loaded or the lines were
+    checked: nothing was written, so say that and what to do (it printed a bare "interrupted"); exit 130 (143)."""
+    state = f"{output} is as it was" if resume and output is not None else "nothing was written" + (
+        f" to {output}" if output is not None else "")
+    again = "run the same command with --resume again" if resume else "run the same command again"
+    terminated = isinstance(e, Terminated)
+    typer.echo(f"{'terminated' if terminated else 'interrupted'} while loading the model, before generating: "
+               f"{state}; {again}", err=True)
     raise typer.Exit(143 if terminated else 130) from None
 
 
