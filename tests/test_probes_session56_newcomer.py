@@ -71,3 +71,18 @@ def test_ctrl_c_while_the_model_loads_says_nothing_was_written_and_what_to_do(tm
     res = CliRunner().invoke(app, ["run", "tiny-llama", str(prompts), "-o", str(out), "--resume", "--force-resume"])
     assert res.exit_code == 130, res.output
     assert f"{out} is as it was; run the same command with --resume again" in res.output
+
+
+def test_the_example_prompts_run_on_any_model_with_adapters_registered():
+    """examples/prompts.jsonl's OpenAI batch line named `"model": "tiny-llama"`: `infer run tiny-qwen2
+    examples/prompts.jsonl --lora support=...` (the README's LoRA command on another model) failed that line ("is
+    neither the base model nor a registered adapter") and exited 1. Its body names no model now: the base, on any."""
+    from pathlib import Path
+
+    from infer.engine.inputs import ModelNames
+    names = ModelNames(base=frozenset({"tiny-qwen2"}), adapters=frozenset({"support"}))
+    lines = [json.loads(t) for t in (Path(__file__).parents[1] / "examples" / "prompts.jsonl").read_text().splitlines()]
+    bodies = [line["body"] for line in lines if "body" in line]
+    assert bodies, "the example keeps its OpenAI batch line"
+    for body in bodies:
+        assert names.lora_for(body.get("model")) is None
