@@ -86,3 +86,33 @@ def test_the_example_prompts_run_on_any_model_with_adapters_registered():
     assert bodies, "the example keeps its OpenAI batch line"
     for body in bodies:
         assert names.lora_for(body.get("model")) is None
+
+
+@pytest.mark.parametrize("typed, meant", [("mixtral", "'tiny-mixtral'"), ("gemma3", "'tiny-gemma3'"),
+                                          ("phi4", "'tiny-phi4'"),
+                                          ("tiny-gemma4", "'tiny-gemma', 'tiny-gemma3' or 'tiny-gemma2'")])
+def test_a_builtin_name_without_its_prefix_or_with_another_version_names_the_builtins(tmp_path, monkeypatch, typed,
+                                                                                      meant):
+    """`infer run mixtral ...` (`gemma3`, `phi4`: the README's new built-ins typed without `tiny-`) was told only
+    "pass a folder with config.json and weights"; `tiny-gemma4` was offered `tiny-gemma` alone, not the Gemma 2
+    and Gemma 3 built-ins it more likely meant."""
+    from infer.errors import ModelLoadError
+    from infer.models.resolve import resolve_model
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelLoadError) as e:
+        resolve_model(typed)
+    assert f"did you mean the built-in model {meant}" in e.value.hint
+
+
+def test_a_hub_id_is_not_taken_for_a_builtin_without_its_prefix(tmp_path, monkeypatch):
+    """`Qwen/Qwen2` (a hub id the cache lacks) keeps its `hf download` hint: the `tiny-` prefix is tried on bare
+    names only (tiny-qwen/qwen2 reads close to tiny-qwen2)."""
+    from infer.errors import ModelLoadError
+    from infer.models.resolve import resolve_model
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelLoadError) as e:
+        resolve_model("Qwen/Qwen2")
+    assert "hf download Qwen/Qwen2" in e.value.hint and "built-in" not in e.value.hint

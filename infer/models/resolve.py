@@ -82,9 +82,10 @@ def _unknown_name_hint(name: str) -> str:
     local = missing_folder_hint(name)
     if local and ("/" in name or name.startswith("~")):  # a path (no built-in name has a "/"): its folder first
         return local
-    close = difflib.get_close_matches(name.lower(), BUILTIN_MODELS, n=1, cutoff=0.75)
+    close = _close_builtins(name)
     if close:
-        return f"did you mean the built-in model {close[0]!r}? Else pass a folder with config.json and weights"
+        names = repr(close[0]) if len(close) == 1 else f"{', '.join(map(repr, close[:-1]))} or {close[-1]!r}"
+        return f"did you mean the built-in model {names}? Else pass a folder with config.json and weights"
     if local:
         return local
     if is_hub_id(name):
@@ -92,6 +93,18 @@ def _unknown_name_hint(name: str) -> str:
                 f"hold it; nothing is downloaded: fetch it first, `hf download {name}` (then pass "
                 f"{name} again), or with `--local-dir ./{name.split('/')[1]}` and pass ./{name.split('/')[1]}")
     return "pass a folder with config.json and weights; nothing is downloaded"
+
+
+def _close_builtins(name: str) -> list[str]:
+    """The built-in names close to `name`, at most three, closest first: every one a typo may have meant
+    (`tiny-gemma4`: tiny-gemma, tiny-gemma2, tiny-gemma3), and a name typed without the `tiny-` prefix (`mixtral`,
+    `gemma3`, `phi4`)."""
+    key = name.lower()
+    close = difflib.get_close_matches(key, BUILTIN_MODELS, n=3, cutoff=0.75)
+    if not key.startswith("tiny-") and "/" not in key:  # (not a hub id's ORG/NAME: Qwen/Qwen2 is no tiny-qwen2)
+        close += [c for c in difflib.get_close_matches("tiny-" + key, BUILTIN_MODELS, n=3, cutoff=0.75)
+                  if c not in close]
+    return close[:3]
 
 
 def missing_folder_hint(text: str) -> str | None:
