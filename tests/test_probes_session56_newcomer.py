@@ -116,3 +116,21 @@ def test_a_hub_id_is_not_taken_for_a_builtin_without_its_prefix(tmp_path, monkey
     with pytest.raises(ModelLoadError) as e:
         resolve_model("Qwen/Qwen2")
     assert "hf download Qwen/Qwen2" in e.value.hint and "built-in" not in e.value.hint
+
+
+def test_a_completion_while_asleep_names_the_sleep_level_not_a_python_call():
+    """`curl /v1/completions` after `POST /sleep?level=1` got "the engine is asleep (kv_cache and weights freed by
+    sleep(level=1)) (POST /wake_up, then retry)": a Python call in an HTTP client's message, where the 400 of a bad
+    level names the route. It says "freed by a level 1 sleep" now, to the server's clients and Python's alike."""
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.errors import SleepModeError
+    from infer.models.tiny import ensure_builtin
+    engine = LLMEngine(EngineConfig(str(ensure_builtin("tiny-llama")), block_size=4, max_model_len=64,
+                                    max_num_seqs=2, enable_sleep_mode=True))
+    engine.sleep(level=1)
+    with pytest.raises(SleepModeError) as e:
+        engine.check_awake()
+    assert "freed by a level 1 sleep" in e.value.message and "sleep(level" not in e.value.message
+    engine.wake_up()
+    engine.check_awake()

@@ -1209,8 +1209,8 @@ class LLMEngine:
 
     def check_awake(self) -> None:
         if self._sleep.asleep:
-            raise SleepModeError(f"the engine is asleep ({' and '.join(sorted(self._sleep.tags))} freed by "
-                                 f"sleep(level={self._sleep.level}))",
+            raise SleepModeError(f"the engine is asleep ({' and '.join(sorted(self._sleep.tags))} freed by a "
+                                 f"level {self._sleep.level} sleep)",  # (no Python call: servers' clients read it)
                                  "wake it first: wake_up() (infer serve: POST /wake_up)",
                                  "POST /wake_up, then retry" if not self._sleep.discarded else
                                  "POST /wake_up?tags=weights, POST /collective_rpc {\"method\": \"reload_weights\"}, "
