@@ -134,3 +134,17 @@ def test_a_completion_while_asleep_names_the_sleep_level_not_a_python_call():
     assert "freed by a level 1 sleep" in e.value.message and "sleep(level" not in e.value.message
     engine.wake_up()
     engine.check_awake()
+
+
+def test_a_lora_folder_without_its_name_is_told_the_option_with_a_name_for_it():
+    """`infer run M P --lora ./infer-demo/adapters/support` (the folder alone, as peft and transformers take it) was
+    told `e.g. --lora support=./adapters/support`, a folder that is not there: the hint now names the folder given,
+    under its own name, and a NAME= without a folder is asked for the folder."""
+    from infer.engine.config import parse_loras
+    from infer.errors import ConfigError
+    with pytest.raises(ConfigError) as e:
+        parse_loras(["./infer-demo/adapters/support"])
+    assert "--lora support=./infer-demo/adapters/support" in e.value.hint and "give the adapter a name" in e.value.hint
+    with pytest.raises(ConfigError) as e:
+        parse_loras(["legal="])
+    assert "give the adapter's folder, e.g. --lora legal=" in e.value.hint

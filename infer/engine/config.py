@@ -62,7 +62,14 @@ def parse_loras(items: dict[str, str] | list[str] | None) -> dict[str, str]:
         for item in items or []:
             name, sep, path = item.partition("=")
             if not sep or not name or not path:
-                raise ConfigError(f"--lora {item!r} is not NAME=PATH", "e.g. --lora support=./adapters/support")
+                bare = item if not sep else path  # a folder without its name: the hint names it after the folder
+                label = Path(bare).expanduser().name if bare else ""
+                example = f"--lora {label}={bare}" if bare and label not in ("", ".", "..") and " " not in bare \
+                    else "--lora support=./adapters/support"
+                raise ConfigError(f"--lora {item!r} is not NAME=PATH",
+                                  f"give the adapter a name, e.g. {example}; requests pick it by that name"
+                                  if bare else f"give the adapter's folder, e.g. --lora {name or 'support'}="
+                                  "./adapters/support")
             pairs.append((name, path))
     out: dict[str, str] = {}
     for name, path in pairs:
