@@ -118,6 +118,20 @@ def test_a_hub_id_is_not_taken_for_a_builtin_without_its_prefix(tmp_path, monkey
     assert "hf download Qwen/Qwen2" in e.value.hint and "built-in" not in e.value.hint
 
 
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-mixtral"])
+def test_the_demo_refuses_a_mixture_of_experts_before_any_step(tmp_path, monkeypatch, model):
+    """`infer demo --model tiny-qwen3-moe` (the README's `--model` another built-in, one of the new MoE ones) built
+    the model, then failed a step (its adapters target the MLPs; transformers, its baseline, does not read GPTQ
+    experts): it is refused up front, naming the dense built-ins the chain runs on and the command that runs the MoE
+    model."""
+    from infer.cli import demo as demo_module
+    monkeypatch.setattr(demo_module, "_model_steps", lambda *a, **k: pytest.fail("a step ran"))
+    res = CliRunner().invoke(app, ["demo", "--model", model, "--out", str(tmp_path / "d")])
+    assert res.exit_code == 2, res.output
+    assert f"--model {model} is a mixture of experts" in res.output and "tiny-llama" in res.output
+    assert f"infer run {model} examples/prompts.jsonl" in res.output and not (tmp_path / "d").exists()
+
+
 def test_a_completion_while_asleep_names_the_sleep_level_not_a_python_call():
     """`curl /v1/completions` after `POST /sleep?level=1` got "the engine is asleep (kv_cache and weights freed by
     sleep(level=1)) (POST /wake_up, then retry)": a Python call in an HTTP client's message, where the 400 of a bad

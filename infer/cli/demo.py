@@ -99,6 +99,15 @@ def _check_args(out: Path, model: str) -> Path:
     if model not in BUILTIN_MODELS:
         raise ConfigError(f"--model {model!r} is not a built-in model",
                           f"choose one of: {', '.join(BUILTIN_MODELS)}")
+    from ..models.moe import BASE as MOE_TYPES
+    if BUILTIN_MODELS[model].arch in MOE_TYPES:  # (refused before the model is built)
+        dense = [name for name, spec in BUILTIN_MODELS.items() if spec.arch not in MOE_TYPES]
+        raise ConfigError(f"--model {model} is a mixture of experts, which the demo's chain does not take: its "
+                          "adapter 'legal' targets the MLPs (LoRA on an MoE model may target the attention projections "
+                          "only), and its checks and bench compare with transformers, which does not read GPTQ "
+                          "experts",
+                          f"run the demo on a dense built-in ({', '.join(dense)}); try {model} itself with `infer "
+                          f"run {model} examples/prompts.jsonl -o out.jsonl`")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder",
                           "pass a folder for the demo's files (it is created if missing)")
