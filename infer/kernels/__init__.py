@@ -163,3 +163,11 @@ def fused_moe(x, w13, w2, weights, ids):
     if x.is_cuda:
         return reference.fused_moe_dense(x, w13, w2, weights, ids)
     return reference.fused_moe(x, w13, w2, weights, ids)
+
+
+def fused_moe_int4(x, w13, w2, weights, ids):
+    """fused_moe over int4 GPTQ experts (reference.Int4Experts): Triton's, dequantized in registers, in the float
+    kernel's launches; else the reference (the experts dequantized, then the float op)."""
+    if use_triton(x):
+        return _triton("moe").fused_moe_int4(x, w13, w2, weights, ids)
+    return reference.fused_moe_int4(x, w13, w2, weights, ids)

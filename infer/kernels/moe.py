@@ -114,3 +114,95 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     down = torch.empty(pairs, w2.shape[1], dtype=x.dtype, device=x.device)
     _gemm(act, w2, down, flat_w, sorted_pairs, block_expert, post, top_k, False, True)
     return down.view(t, top_k, -1).sum(dim=1)
+
+
+# ------------------------------------------------------------------------------------------------ int4 (GPTQ) experts
+@triton.jit(do_not_specialize=["num_pairs"])
+def _moe_gemm_int4(a_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr, post_ptr,
+                   num_pairs, n, k, top_k, group_size, s_a, s_qe, s_qk, s_ze, s_zg, s_se, s_sg, s_ge, s_out,
+                   ROW_DIV: tl.constexpr, WEIGHTED: tl.constexpr, IEEE: tl.constexpr, ZEROS_V1: tl.constexpr,
+                   READ_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_moe_gemm over int4 GPTQ experts: qweight [E, K / 8, N] (8 consecutive input rows a word, lowest nibble
+    first), qzeros [E, G, N / 8] (fields of zero - 1 where ZEROS_V1), scales [E, G, N] (float16), g_idx [E, K]
+    (READ_G: each input row's group read, act-order; else row // group_size). Each K step's tile of the block's
+    expert is dequantized in registers as packing.dequantize does, (q - z) * s rounded to float16, then to x's
+    dtype, and multiplied as the float kernel multiplies."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(post_ptr):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pairs_ptr + rows)
+    valid = pair < num_pairs
+    if ROW_DIV:
+        a_row = pair // top_k
+    else:
+        a_row = pair
+    a_row = tl.where(valid, a_row, 0).to(tl.int64)
+    e = tl.load(experts_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n
+    zshift = ((offs_n % 8) * 4)[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < k
+        a = tl.load(a_ptr + a_row[:, None] * s_a + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
+                    other=0.0)
+        mask = mask_k[:, None] & mask_n[None, :]
+        words = tl.load(qw_ptr + e * s_qe + (offs_k // 8)[:, None] * s_qk + offs_n[None, :], mask=mask, other=0)
+        q = (words >> ((offs_k % 8) * 4)[:, None]) & 0xF
+        if READ_G:
+            g = tl.load(g_ptr + e * s_ge + offs_k, mask=mask_k, other=0).to(tl.int64)
+        else:
+            g = (offs_k // group_size).to(tl.int64)
+        zw = tl.load(qz_ptr + e * s_ze + g[:, None] * s_zg + (offs_n // 8)[None, :], mask=mask, other=0)
+        z = (zw >> zshift) & 0xF
+        if ZEROS_V1:
+            z = (z + 1) & 0xF
+        s = tl.load(s_ptr + e * s_se + g[:, None] * s_sg + offs_n[None, :], mask=mask, other=0.0)
+        w = ((q - z).to(tl.float16) * s).to(a_ptr.dtype.element_ty)
+        if IEEE:
+            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(a, w)
+    out_row = tl.where(valid, pair, 0).to(tl.int64)
+    if WEIGHTED:
+        acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        rw = tl.load(weights_ptr + out_row, mask=valid, other=0.0).to(tl.float32)
+        acc = acc * rw[:, None]
+    tl.store(out_ptr + out_row[:, None] * s_out + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & mask_n[None, :])
+
+
+def _gemm_int4(a, w, out, weights, sorted_pairs, block_expert, post, top_k, row_div: bool, weighted: bool):
+    n, k = w.out_features, w.in_features
+    block_n = min(64, max(16, triton.next_power_of_2(n)))
+    block_k = min(64, max(16, triton.next_power_of_2(k)))
+    grid = (block_expert.shape[0], cdiv(n, block_n))
+    qw, qz, s, g = w.qweight, w.qzeros, w.scales, w.g_idx
+    _moe_gemm_int4[grid](a, qw, qz, s, g, out, weights, sorted_pairs, block_expert, post, out.shape[0], n, k, top_k,
+                         max(1, w.group_size), a.stride(0), qw.stride(0), qw.stride(1), qz.stride(0), qz.stride(1),
+                         s.stride(0), s.stride(1), g.stride(0), out.stride(0), ROW_DIV=row_div, WEIGHTED=weighted,
+                         IEEE=a.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+                         ZEROS_V1=bool(w.zeros_v1), READ_G=w.group_size <= 0, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+                         BLOCK_K=block_k)
+
+
+def fused_moe_int4(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """fused_moe over int4 GPTQ experts (reference.Int4Experts w13: [E, 2I] outputs of H inputs; w2: [E, H] of I),
+    dequantized in registers: the same alignment, launches and grids as the float experts."""
+    from . import fused
+    t, top_k = ids.shape
+    if t == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    sorted_pairs, block_expert, post = align(ids, w13.qweight.shape[0])
+    pairs = t * top_k
+    gate_up = torch.empty(pairs, w13.out_features, dtype=x.dtype, device=x.device)
+    flat_w = weights.reshape(-1).contiguous()
+    _gemm_int4(x, w13, gate_up, flat_w, sorted_pairs, block_expert, post, top_k, True, False)
+    act = fused.silu_and_mul(gate_up)
+    down = torch.empty(pairs, w2.out_features, dtype=x.dtype, device=x.device)
+    _gemm_int4(act, w2, down, flat_w, sorted_pairs, block_expert, post, top_k, False, True)
+    return down.view(t, top_k, -1).sum(dim=1)

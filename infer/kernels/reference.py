@@ -7,6 +7,8 @@ and must compute the same function (up to floating-point rounding).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -475,3 +477,39 @@ def fused_moe_dense(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
         h = F.linear(x, w13[e])
         out += (F.linear(F.silu(h[:, :inter]) * h[:, inter:], w2[e]) * dense[:, e, None]).to(x.dtype)
     return out
+
+
+class Int4Experts(NamedTuple):
+    """A mixture of experts' int4 GPTQ projections stacked by expert, in the checkpoint's order: qweight int32
+    [E, K / 8, N] (8 consecutive input rows a word, lowest nibble first), qzeros int32 [E, G, N / 8] (each field
+    zero - 1 where zeros_v1, packing.v1_words_to_fields), scales float16 [E, G, N], g_idx int32 [E, K] (each input
+    row's group). group_size > 0: every expert's g_idx is row // group_size (the kernel computes it); 0: read
+    (act-order)."""
+    qweight: torch.Tensor
+    qzeros: torch.Tensor
+    scales: torch.Tensor
+    g_idx: torch.Tensor
+    group_size: int
+    zeros_v1: bool
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1] * 8
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[2]
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The float weights [E, N, K] (packing.dequantize of each expert: the float16 product, then `dtype`)."""
+        from .packing import dequantize
+        return torch.stack([dequantize(self.qweight[e], self.qzeros[e], self.scales[e], self.g_idx[e], 4,
+                                       self.zeros_v1, dtype) for e in range(self.qweight.shape[0])])
+
+
+def fused_moe_int4(x: torch.Tensor, w13: Int4Experts, w2: Int4Experts, weights: torch.Tensor,
+                   ids: torch.Tensor) -> torch.Tensor:
+    """fused_moe over int4 experts: their float weights in x's dtype, then fused_moe (on CUDA fused_moe_dense,
+    whose shapes a CUDA graph can record)."""
+    f13, f2 = w13.dequantize(x.dtype), w2.dequantize(x.dtype)
+    return (fused_moe_dense if x.is_cuda else fused_moe)(x, f13, f2, weights, ids)
