@@ -105,3 +105,83 @@ def test_int4_fused_moe_compiles_for_an_h100_once_whatever_the_step():
         assert sorted(steps[0]) == ["_moe_gemm_int4", "_moe_gemm_int4", "_silu_and_mul_kernel"] or (
             name.endswith("True") and sorted(steps[0]) == ["_moe_gemm_int4", "_moe_gemm_int4"]), (name, steps)
         assert steps[1:] == [[]] * 3, (name, steps)
+
+
+# ------------------------------------------------------------------------------------------------ the model
+@pytest.fixture(scope="module")
+def gptq_moe(tmp_path_factory):
+    """A tiny qwen3_moe (one sparse layer, 8 experts, top-2) quantized by GPTQModel: sym with plain groups, and
+    asym with act-order (desc_act)."""
+    pytest.importorskip("gptqmodel")
+    from quant_helpers import make_gptqmodel_checkpoint
+    from test_probes_session55_moe import build
+    root = tmp_path_factory.mktemp("gptq-moe")
+    build(root / "base", "qwen3_moe", norm_topk_prob=True, num_hidden_layers=1)
+    return {"sym": make_gptqmodel_checkpoint(root / "base", root / "sym", bits=4, group_size=32, seq_len=32),
+            "asym-act": make_gptqmodel_checkpoint(root / "base", root / "asym", bits=4, group_size=16, seq_len=32,
+                                                  desc_act=True, sym=False)}
+
+
+@pytest.mark.parametrize("kind", ["sym", "asym-act"])
+def test_gpu_path_keeps_gptq_experts_int4_and_equals_the_cpu_path(gptq_moe, monkeypatch, kind):
+    """The GPU code path (every op through its Triton kernel, interpreted; decode steps through emulated CUDA
+    graphs; prefills in chunks) keeps the GPTQ experts int4, stacked (no float experts), and runs the int4 fused
+    MoE: the CPU path's tokens (experts dequantized at load), logprobs close."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
+    from infer import LLM, SamplingParams
+    from infer.kernels import moe as moe_kernels
+    from quant_helpers import int4_kernel_path
+    from helpers import random_prompts
+    path = gptq_moe[kind]
+    prompts = random_prompts(512, (5, 14), seed=4)
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=1)
+    opts = dict(block_size=4, max_num_batched_tokens=8, max_num_seqs=2, max_model_len=32)
+    with LLM(str(path), **opts) as llm:
+        cpu = llm.generate(prompts, params)
+    int4_kernel_path(monkeypatch)
+    calls = []
+    real = moe_kernels.fused_moe_int4
+    monkeypatch.setattr(moe_kernels, "fused_moe_int4", lambda *a: calls.append(1) or real(*a))
+    with LLM(str(path), cuda_graph_max_tokens=4, **opts) as llm:
+        experts = llm.engine.runner.model.layers[0].mlp.experts
+        assert experts.w13.numel() == 0 and experts.w13_qweight.dtype == torch.int32
+        assert experts.group_sizes == ([0, 0] if kind == "asym-act" else [32, 32])
+        llm.engine.runner.capture_graphs(64, emulate=True)
+        gpu = llm.generate(prompts, params)
+        assert sum(llm.engine.runner.graphs.replays.values()) > 0
+    assert calls
+    assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
+    for a, b in zip(gpu, cpu):
+        for ra, rb in zip(a.logprobs, b.logprobs):
+            assert abs(ra["logprob"] - rb["logprob"]) < 1e-3
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_gpu_model_holds_int4_experts_only_and_refuses_8_bit_ones(tmp_path, bits):
+    """Built on a GPU (here on the meta device, on_gpu forced): 4-bit GPTQ experts are held stacked int4, no float
+    experts (E * (3 * H * I) int4 weights in int32 words); 8-bit ones are refused up front, naming the projections."""
+    import json
+
+    from infer.errors import UnsupportedModelError
+    from infer.models import moe
+    from infer.models.loader import linear_method_factory, load_config
+    from test_probes_session55_moe import build
+    build(tmp_path, "qwen3_moe", num_hidden_layers=1)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": 32, "desc_act": False,
+                                  "sym": True}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    hf_cfg = load_config(tmp_path)
+    with pytest.MonkeyPatch.context() as mp, torch.device("meta"):
+        mp.setattr(moe, "on_gpu", lambda t: True)
+        build_model = lambda: moe.moe_model_class()(hf_cfg, torch.float16, linear_method_factory(tmp_path, hf_cfg), 8)
+        if bits == 8:
+            with pytest.raises(UnsupportedModelError, match=r"experts' gate/up projections .* are 8-bit GPTQ: on a "
+                               "GPU infer runs GPTQ experts only as 4-bit"):
+                build_model()
+            return
+        experts = build_model().layers[0].mlp.experts
+    assert experts.w13.numel() == experts.w2.numel() == 0
+    assert experts.w13_qweight.numel() * 8 + experts.w2_qweight.numel() * 8 == 8 * 3 * 64 * 32
+    assert tuple(experts.w13_scales.shape) == (8, 2, 64) and tuple(experts.w2_g_idx.shape) == (8, 32)

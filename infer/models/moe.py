@@ -14,10 +14,12 @@ up_proj, down_proj; Mixtral's block_sparse_moe.experts.N.w1, w3, w2), which is w
 what GPTQModel quantizes, or fused as transformers names its parameters (mlp.experts.gate_up_proj, down_proj): the
 loader (`MoeForCausalLM.load_expert_tensor`) reads either.
 
-GPTQ experts (GPTQModel's qwen3_moe / mixtral checkpoints) run on the CPU: each expert's projection is read into a
-one-shard GPTQ layer of its own and dequantized once at load into w13 / w2 (as the CPU path does every GPTQ layer).
-Not supported, refused up front (UnsupportedModelError): GPTQ experts on a GPU, AWQ experts, adapters on the experts,
-the router or an MoE model's MLPs (lora.adapter), a hidden_act other than silu.
+GPTQ experts (GPTQModel's qwen3_moe / mixtral checkpoints): each expert's projection is read into a one-shard GPTQ
+layer of its own; on the CPU it is dequantized once at load into w13 / w2 (as the CPU path does every GPTQ layer); on
+the GPU path (`int4_path`) its int4 tensors are stacked by expert (Experts.w13_qweight ...: an expert's gate and up
+share their g_idx) and kernels.fused_moe_int4 dequantizes them in registers. Not supported, refused up front
+(UnsupportedModelError): on a GPU, GPTQ experts not all 4-bit and quantized alike; AWQ experts; adapters on the
+experts, the router or an MoE model's MLPs (lora.adapter); a hidden_act other than silu.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch import nn
 from .. import kernels
 from ..errors import ModelLoadError, UnsupportedModelError
 from ..kernels import cpu_gemm
+from ..kernels.reference import Int4Experts
 from .layers import UnquantizedLinearMethod
 
 # model_type -> the dense family whose attention (and checkpoint names outside the MLP) it has
@@ -83,8 +86,14 @@ def check_moe(cfg) -> None:
 
 
 def on_gpu(t: torch.Tensor) -> bool:
-    """Whether the model is built on a GPU (no int4 experts there)."""
+    """Whether the model is built on a GPU."""
     return t.device.type == "cuda"
+
+
+def int4_path(t: torch.Tensor) -> bool:
+    """Whether a model built where `t` lies keeps GPTQ experts int4 (the GPU path: kernels.fused_moe_int4; also the
+    Triton kernels' path that tests force on the CPU), rather than dequantizing them at load."""
+    return on_gpu(t) or kernels.use_triton(t)
 
 
 class _Gate(nn.Module):
@@ -99,14 +108,34 @@ class _Gate(nn.Module):
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts stacked: w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I]."""
+    """E SwiGLU experts stacked: w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I]. int4 (the GPU path's GPTQ
+    configs of gate/up and of down): no float weights (w13, w2 [E, 0, 0]) but each one's int4 tensors stacked in
+    the checkpoint's order (kernels.reference.Int4Experts: w13_qweight [E, H / 8, 2I], w13_qzeros, w13_scales,
+    w13_g_idx [E, H]; w2_* of I inputs, H outputs)."""
 
-    def __init__(self, e: int, hidden: int, inter: int, dtype: torch.dtype):
+    def __init__(self, e: int, hidden: int, inter: int, dtype: torch.dtype, int4=None):
         super().__init__()
         self.num_experts, self.hidden, self.inter = e, hidden, inter
-        self.w13 = nn.Parameter(torch.empty(e, 2 * inter, hidden, dtype=dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(e, hidden, inter, dtype=dtype), requires_grad=False)
+        self.int4 = int4
+        self.group_sizes = [0, 0]  # int4: w13's and w2's group size where g_idx is plain (0: the kernel reads it)
+        rows = (0, 0) if int4 else None
+        self.w13 = nn.Parameter(torch.empty(e, *(rows or (2 * inter, hidden)), dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, *(rows or (hidden, inter)), dtype=dtype), requires_grad=False)
+        if int4:
+            for which, config, k, n in (("w13", int4[0], hidden, 2 * inter), ("w2", int4[1], inter, hidden)):
+                groups = config.num_groups(k)
+                self.register_buffer(f"{which}_qweight", torch.zeros(e, k // 8, n, dtype=torch.int32))
+                self.register_buffer(f"{which}_qzeros", torch.zeros(e, groups, n // 8, dtype=torch.int32))
+                self.register_buffer(f"{which}_scales", torch.zeros(e, groups, n, dtype=torch.float16))
+                self.register_buffer(f"{which}_g_idx", torch.zeros(e, k, dtype=torch.int32))
         self.loaded: set[tuple[int, int]] = set()  # (expert, part): 0 gate, 1 up, 2 down
+
+    def int4_weights(self, which: int):
+        """w13's (0) or w2's (1) int4 experts (kernels.reference.Int4Experts)."""
+        name = ("w13", "w2")[which]
+        return Int4Experts(getattr(self, f"{name}_qweight"), getattr(self, f"{name}_qzeros"),
+                           getattr(self, f"{name}_scales"), getattr(self, f"{name}_g_idx"), self.group_sizes[which],
+                           self.int4[which].zeros_v1)
 
 
 class SparseMoeBlock(nn.Module):
@@ -123,21 +152,35 @@ class SparseMoeBlock(nn.Module):
         # Qwen's round them to the model's dtype first
         self.float_weights = cfg.model_type == "mixtral"
         self.gate = _Gate(e, h, dtype)
-        self.experts = Experts(e, h, inter, dtype)
         # GPTQ experts (GPTQModel's qwen3_moe, mixtral): on the CPU each dequantized once at load into the stacked
-        # float weights (as the CPU path does every GPTQ layer); no int4 experts kernel on the GPU yet
+        # float weights (as the CPU path does every GPTQ layer); on the GPU path (`int4_path`) kept int4, stacked,
+        # and run by the int4 fused MoE (kernels.fused_moe_int4)
         self.method_for = None
-        for name in _PROJ.get(cfg.model_type, _QWEN_PROJ):
+        self.int4 = None  # the GPU path's GPTQ config of the experts (else None: float experts)
+        names = _PROJ.get(cfg.model_type, _QWEN_PROJ)
+        for name in names:
             method = method_for([f"{prefix}.experts.0.{name}"])
             if method is None or isinstance(method, UnquantizedLinearMethod):
                 continue
-            if type(method).__name__ != "GPTQLinearMethod" or on_gpu(self.experts.w13):
+            if type(method).__name__ != "GPTQLinearMethod":
                 raise UnsupportedModelError(
-                    f"{cfg.model_type}'s experts are quantized ({prefix}.experts.0.{name}"
-                    f"{'' if type(method).__name__ == 'GPTQLinearMethod' else ', AWQ'}): infer runs quantized experts "
-                    "only as GPTQ and only on the CPU (dequantized at load), not on a GPU",
-                    "serve the float checkpoint on a GPU (infer quantize refuses mixture-of-experts models too)")
+                    f"{cfg.model_type}'s experts are quantized ({prefix}.experts.0.{name}, AWQ): infer runs quantized "
+                    "experts only as GPTQ", "serve the float checkpoint, or a GPTQ one")
             self.method_for = method_for
+        if self.method_for is not None and int4_path(torch.empty(0)):
+            # every expert's gate and up alike (one stacked matmul), every down alike (method_for refuses others)
+            gate_up = method_for([f"{prefix}.experts.{i}.{n}" for n in names[:2] for i in range(e)])
+            down = method_for([f"{prefix}.experts.{i}.{names[2]}" for i in range(e)])
+            for method, what in ((gate_up, "gate/up"), (down, "down")):
+                if type(method).__name__ != "GPTQLinearMethod" or method.config.bits != 4:
+                    bits = getattr(getattr(method, "config", None), "bits", None)
+                    raise UnsupportedModelError(
+                        f"{cfg.model_type}'s experts' {what} projections ({prefix}.experts.N) are "
+                        + (f"{bits}-bit GPTQ" if bits else "float beside GPTQ experts") + ": on a GPU infer runs "
+                        "GPTQ experts only as 4-bit, every expert's projections quantized", "run it on the CPU "
+                        "(--device cpu: dequantized at load), or serve a checkpoint of 4-bit GPTQ experts")
+            self.int4 = (gate_up.config, down.config)
+        self.experts = Experts(e, h, inter, dtype, self.int4)
         self.shared_expert = None
         if cfg.model_type == "qwen2_moe":
             shared = int(cfg.shared_expert_intermediate_size)
@@ -165,7 +208,11 @@ class SparseMoeBlock(nn.Module):
 
     def dequantize_experts(self) -> None:
         """Each GPTQ expert projection loaded into its float place in w13 / w2 (GPTQLinearMethod's dequantized
-        weight, in the scales' precision as GPTQ runtimes compute it), then dropped."""
+        weight, in the scales' precision as GPTQ runtimes compute it), then dropped; on the int4 path
+        (`stack_experts`) into its int4 place instead."""
+        if self.int4 is not None:
+            self.stack_experts()
+            return
         ex = self.experts
         for (index, part), layer in sorted(getattr(self, "_gptq", {}).items()):
             layer.method.use_kernel = False
@@ -177,6 +224,37 @@ class SparseMoeBlock(nn.Module):
                 ex.w2.data[index].copy_(w)
             ex.loaded.add((index, part))
         self._gptq = {}
+
+    def stack_experts(self) -> None:
+        """The int4 path: each GPTQ expert projection's checkpoint tensors (qzeros as fields, v1 borrows undone)
+        copied into the stacked int4 tensors (gate's columns, then up's), then dropped; an expert's gate and up
+        must share their g_idx (one matmul); each stack's group size kept where every g_idx is plain."""
+        ex = self.experts
+        inter = ex.inter
+        for (index, part), layer in sorted(getattr(self, "_gptq", {}).items()):
+            layer.method.check_complete(layer)  # (a ModelLoadError for a missing qweight, qzeros or scales)
+            which = "w13" if part < 2 else "w2"
+            cols = slice(part * inter, (part + 1) * inter) if part < 2 else slice(None)
+            zcols = slice(part * inter // 8, (part + 1) * inter // 8) if part < 2 else slice(None)
+            getattr(ex, f"{which}_qweight")[index, :, cols].copy_(layer.qweight)
+            getattr(ex, f"{which}_qzeros")[index, :, zcols].copy_(layer.qzeros)
+            getattr(ex, f"{which}_scales")[index, :, cols].copy_(layer.scales)
+            g_idx = getattr(ex, f"{which}_g_idx")[index]
+            other = self._gptq.get((index, 1 - part)) if part < 2 else None
+            if part == 1 and other is not None and not torch.equal(other.g_idx.to(g_idx.device),
+                                                                     layer.g_idx.to(g_idx.device)):
+                raise ModelLoadError(f"{layer.names[0]}.g_idx differs from {other.names[0]}.g_idx",
+                                     "an expert's gate and up projections, which infer multiplies as one matmul, "
+                                     "must share their act-order")
+            g_idx.copy_(layer.g_idx)
+            ex.loaded.add((index, part))
+        self._gptq = {}
+        for which, config in enumerate(ex.int4):
+            g_idx = getattr(ex, ("w13", "w2")[which] + "_g_idx")
+            k = g_idx.shape[1]
+            gs = k if config.group_size == -1 else config.group_size
+            plain = (torch.arange(k, device=g_idx.device) // gs).to(g_idx.dtype)
+            ex.group_sizes[which] = gs if bool((g_idx == plain).all()) else 0  # (one sync, at load)
 
     def route(self, x: torch.Tensor):
         """(the top k routing weights [T, k] (float32 for Mixtral, else the model's dtype), their experts [T, k])."""
@@ -190,7 +268,11 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x, ctx=None):
         """(the block's output [T, H], None: no LoRA delta left to the next norm)."""
         weights, ids = self.route(x)
-        out = kernels.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
+        ex = self.experts
+        if self.int4 is not None:
+            out = kernels.fused_moe_int4(x, ex.int4_weights(0), ex.int4_weights(1), weights, ids)
+        else:
+            out = kernels.fused_moe(x, ex.w13, ex.w2, weights, ids)
         if self.shared_expert is not None and self.shared_width:
             shared, _ = self.shared_expert(x, ctx)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
@@ -246,6 +328,9 @@ class MoeForCausalLM:
             check((e, h), block.gate.weight)
             block.gate.weight.data.copy_(t)
             return f"layers.{layer}.mlp.gate.weight"
+        if block.int4 is not None and (m.group(6) is not None or m.group(5) == "weight"):
+            raise ModelLoadError(f"{name} is a float expert's weight in a checkpoint whose config.json quantizes the "
+                                 "experts (GPTQ)", "the checkpoint does not match its quantization_config")
         if m.group(6) is not None:  # stacked: [E, 2I, H] or [E, H, I]
             dest = experts.w13 if m.group(6) == "gate_up_proj" else experts.w2
             check(dest.shape, dest)
