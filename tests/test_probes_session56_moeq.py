@@ -185,3 +185,31 @@ def test_a_gpu_model_holds_int4_experts_only_and_refuses_8_bit_ones(tmp_path, bi
     assert experts.w13.numel() == experts.w2.numel() == 0
     assert experts.w13_qweight.numel() * 8 + experts.w2_qweight.numel() * 8 == 8 * 3 * 64 * 32
     assert tuple(experts.w13_scales.shape) == (8, 2, 64) and tuple(experts.w2_g_idx.shape) == (8, 32)
+
+
+@pytest.mark.parametrize("kind", ["sym", "asym-act"])
+def test_the_estimate_counts_the_experts_as_the_engine_holds_them(gptq_moe, monkeypatch, kind):
+    """`warmup --estimate`'s count of a GPTQ MoE checkpoint's weights is what the engine holds: on the GPU path the
+    experts' int4 tensors as stored (their g_idx, no act-order permutation of theirs), and no dequantization scratch
+    for them; on the CPU the float experts dequantized at load (never prepacked), their int tensors dropped."""
+    from infer.memory.checkpoint import checkpoint_int4_layer_elements, checkpoint_weights_bytes
+    from infer.memory.sizes import weights_bytes
+    from infer.models.loader import load_model, weight_files
+    from quant_helpers import int4_kernel_path
+    path = gptq_moe[kind]
+    files = weight_files(path)
+    model, cfg = load_model(path, torch.float32, torch.device("cpu"))
+
+    def held(model):  # without the rope tables (not weights)
+        return weights_bytes(model) - sum(b.numel() * b.element_size() for n, b in model.named_buffers()
+                                          if n.endswith("cos_sin"))
+    act = kind == "asym-act"
+    assert checkpoint_weights_bytes(files, cfg, torch.float32, torch.device("cpu"), 4, act) == held(model)
+    int4_kernel_path(monkeypatch)
+    model, cfg = load_model(path, torch.float32, torch.device("cpu"))
+    prepacked = sum(b.numel() * b.element_size() for n, b in model.named_buffers()  # (the CPU's prepacked copies)
+                    if n.endswith(("packed_weight", "packed_head")))
+    assert checkpoint_weights_bytes(files, cfg, torch.float32, torch.device("cuda"), 4, act) == held(model) - prepacked
+    # the biggest layer an int4 prefill dequantizes into its scratch: attention's q/k/v (64 in, 4 * 32 + 2 * 2 * 32
+    # out), not an expert's
+    assert checkpoint_int4_layer_elements(files, 4) == 64 * (4 * 32 + 2 * 2 * 32)

@@ -76,6 +76,7 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
         bits = int((qc if isinstance(qc, dict) else vars(qc) if qc is not None else {}).get("bits", 4) or 4)
     total = 0
     gptq_inputs: dict[str, int] = {}  # merged GPTQ layer -> its input width
+    expert_inputs: dict[str, int] = {}  # the same for a mixture of experts' GPTQ experts (gate/up merged)
     headers = []
     for f in files:
         header = safetensors_header(f) if f.suffix == ".safetensors" else _bin_header(f)
@@ -99,6 +100,10 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
                 continue
             if name.endswith(".g_idx"):  # one per merged layer, counted below
                 continue
+            # a mixture of experts' GPTQ experts (models.moe): on a GPU held int4 as stored (stacked, their g_idx
+            # too, no act-order permutation); on the CPU dequantized at load into the float experts (never
+            # prepacked), their int tensors dropped
+            expert = ".experts." in name and name.endswith((".qweight", ".qzeros", ".scales"))
             if name.endswith(".qweight") and len(info["shape"]) == 2:
                 # K from the layer's g_idx: a layer may have its own bits (dynamic, a quantized lm_head at 8)
                 own = g_idx.get(name.removesuffix("qweight") + "g_idx")
@@ -108,9 +113,11 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
                     n *= 32 // 4
                 else:
                     k = own["shape"][0] if own and own["shape"] else k * (32 // width)
-                gptq_inputs[_merged_key(name)] = k
+                (expert_inputs if expert else gptq_inputs)[_merged_key(name)] = k
                 if device.type == "cpu":  # the CPU path dequantizes each GPTQ layer once at load (and prepacks it)
-                    total += k * n * elem * (2 if prepacks else 1)
+                    total += k * n * elem * (2 if prepacks and not expert else 1)
+            if expert and device.type == "cpu":
+                continue
             total += size
             # (a mixture of experts' experts are stacked and never prepacked: models.moe)
             if prepacks and is_float and (_LINEAR.search(name) and ".experts." not in name or name == "lm_head.weight"):
@@ -118,7 +125,8 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
             if prepacks and name == "model.embed_tokens.weight" and getattr(model_config, "tie_word_embeddings", False):
                 total += size
     per_input = 4 + (8 if act_order and device.type == "cuda" else 0)  # g_idx (int32), act_perm (int64)
-    return total + sum(gptq_inputs.values()) * per_input
+    return total + sum(gptq_inputs.values()) * per_input + (sum(expert_inputs.values()) * 4 if device.type != "cpu"
+                                                            else 0)
 
 
 # the engine's merged layers (models.layers.MergedLinear): q, k, v and gate, up are one GPTQ layer each
@@ -139,8 +147,9 @@ def checkpoint_int4_layer_elements(files: list[Path], bits: int) -> int:
     for f in files:
         headers.update((safetensors_header(f) if f.suffix == ".safetensors" else _bin_header(f)) or {})
     for name, info in headers.items():
-        if not name.endswith(".qweight") or name.removeprefix("model.") == "lm_head.qweight":
-            continue  # a GPTQ head takes its rows in fused slices, never the scratch (LlamaForCausalLM.compute_logits)
+        if not name.endswith(".qweight") or name.removeprefix("model.") == "lm_head.qweight" or ".experts." in name:
+            continue  # a GPTQ head takes its rows in fused slices, never the scratch (LlamaForCausalLM.compute_logits);
+            # nor do a mixture of experts' int4 experts (kernels.fused_moe_int4 dequantizes in registers)
         rows, cols = info["shape"]
         g_idx = headers.get(name.removesuffix("qweight") + "g_idx")  # K itself: a layer may have its own bits
         key = _merged_key(name)
