@@ -213,3 +213,17 @@ def test_the_estimate_counts_the_experts_as_the_engine_holds_them(gptq_moe, monk
     # the biggest layer an int4 prefill dequantizes into its scratch: attention's q/k/v (64 in, 4 * 32 + 2 * 2 * 32
     # out), not an expert's
     assert checkpoint_int4_layer_elements(files, 4) == 64 * (4 * 32 + 2 * 2 * 32)
+
+
+def test_inf_scales_of_int4_experts_are_refused_on_a_gpu(gptq_moe, monkeypatch):
+    """A GPU load checks the stacked experts' scales (Experts.w13_scales, w2_scales) for inf or NaN as every GPTQ
+    layer's, naming the buffer."""
+    from infer.errors import ModelLoadError
+    from infer.models import loader
+    from quant_helpers import int4_kernel_path
+    int4_kernel_path(monkeypatch)
+    model, _ = loader.load_model(gptq_moe["sym"], torch.float32, torch.device("cpu"))
+    loader._check_finite_on_device(model, torch.float32)
+    model.layers[0].mlp.experts.w2_scales[3, 0, 5] = float("inf")
+    with pytest.raises(ModelLoadError, match=r"layers\.0\.mlp\.experts\.w2_scales has non-finite values"):
+        loader._check_finite_on_device(model, torch.float32)

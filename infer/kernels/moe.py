@@ -117,7 +117,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
 
 
 # ------------------------------------------------------------------------------------------------ int4 (GPTQ) experts
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=("num_pairs",))  # (as _moe_gemm: one compiled variant for every step)
 def _moe_gemm_int4(a_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr, post_ptr,
                    num_pairs, n, k, top_k, group_size, s_a, s_qe, s_qk, s_ze, s_zg, s_se, s_sg, s_ge, s_out,
                    ROW_DIV: tl.constexpr, WEIGHTED: tl.constexpr, IEEE: tl.constexpr, ZEROS_V1: tl.constexpr,
@@ -170,7 +170,7 @@ def _moe_gemm_int4(a_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, out_ptr, weights_ptr, pa
     if WEIGHTED:
         acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
         rw = tl.load(weights_ptr + out_row, mask=valid, other=0.0).to(tl.float32)
-        acc = acc * rw[:, None]
+        acc *= rw[:, None]
     tl.store(out_ptr + out_row[:, None] * s_out + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=valid[:, None] & mask_n[None, :])
 
