@@ -147,9 +147,10 @@ def checkpoint_int4_layer_elements(files: list[Path], bits: int) -> int:
     for f in files:
         headers.update((safetensors_header(f) if f.suffix == ".safetensors" else _bin_header(f)) or {})
     for name, info in headers.items():
-        if not name.endswith(".qweight") or name.removeprefix("model.") == "lm_head.qweight" or ".experts." in name:
-            continue  # a GPTQ head takes its rows in fused slices, never the scratch (LlamaForCausalLM.compute_logits);
-            # nor do a mixture of experts' int4 experts (kernels.fused_moe_int4 dequantizes in registers)
+        if not name.endswith(".qweight") or name.removeprefix("model.") == "lm_head.qweight":
+            continue  # a GPTQ head takes its rows in fused slices, never the scratch (LlamaForCausalLM.compute_logits)
+        if ".experts." in name:
+            continue  # nor do a mixture of experts' int4 experts (kernels.fused_moe_int4 dequantizes in registers)
         rows, cols = info["shape"]
         g_idx = headers.get(name.removesuffix("qweight") + "g_idx")  # K itself: a layer may have its own bits
         key = _merged_key(name)
