@@ -145,8 +145,9 @@ def test_gpu_path_keeps_gptq_experts_int4_and_equals_the_cpu_path(gptq_moe, monk
     monkeypatch.setattr(moe_kernels, "fused_moe_int4", lambda *a: calls.append(1) or real(*a))
     with LLM(str(path), cuda_graph_max_tokens=4, **opts) as llm:
         experts = llm.engine.runner.model.layers[0].mlp.experts
-        assert experts.w13.numel() == 0 and experts.w13_qweight.dtype == torch.int32
-        assert experts.group_sizes == ([0, 0] if kind == "asym-act" else [32, 32])
+        assert experts.w13.numel() == 0 and experts.w13_int4.words.dtype == torch.int32
+        gs = [experts.w13_int4.group_size, experts.w2_int4.group_size]
+        assert gs == ([0, 0] if kind == "asym-act" else [32, 32])
         llm.engine.runner.capture_graphs(64, emulate=True)
         gpu = llm.generate(prompts, params)
         assert sum(llm.engine.runner.graphs.replays.values()) > 0
@@ -183,8 +184,8 @@ def test_a_gpu_model_holds_int4_experts_only_and_refuses_8_bit_ones(tmp_path, bi
             return
         experts = build_model().layers[0].mlp.experts
     assert experts.w13.numel() == experts.w2.numel() == 0
-    assert experts.w13_qweight.numel() * 8 + experts.w2_qweight.numel() * 8 == 8 * 3 * 64 * 32
-    assert tuple(experts.w13_scales.shape) == (8, 2, 64) and tuple(experts.w2_g_idx.shape) == (8, 32)
+    assert experts.w13_int4.words.numel() * 8 + experts.w2_int4.words.numel() * 8 == 8 * 3 * 64 * 32
+    assert tuple(experts.w13_int4.scales.shape) == (8, 2, 64) and tuple(experts.w2_int4.g_idx.shape) == (8, 32)
 
 
 @pytest.mark.parametrize("kind", ["sym", "asym-act"])
@@ -216,14 +217,79 @@ def test_the_estimate_counts_the_experts_as_the_engine_holds_them(gptq_moe, monk
 
 
 def test_inf_scales_of_int4_experts_are_refused_on_a_gpu(gptq_moe, monkeypatch):
-    """A GPU load checks the stacked experts' scales (Experts.w13_scales, w2_scales) for inf or NaN as every GPTQ
-    layer's, naming the buffer."""
+    """A GPU load checks the stacked experts' scales (Int4Stack.scales) for inf or NaN as every GPTQ layer's, naming
+    the buffer."""
     from infer.errors import ModelLoadError
     from infer.models import loader
     from quant_helpers import int4_kernel_path
     int4_kernel_path(monkeypatch)
     model, _ = loader.load_model(gptq_moe["sym"], torch.float32, torch.device("cpu"))
     loader._check_finite_on_device(model, torch.float32)
-    model.layers[0].mlp.experts.w2_scales[3, 0, 5] = float("inf")
-    with pytest.raises(ModelLoadError, match=r"layers\.0\.mlp\.experts\.w2_scales has non-finite values"):
+    model.layers[0].mlp.experts.w2_int4.scales[3, 0, 5] = float("inf")
+    with pytest.raises(ModelLoadError, match=r"layers\.0\.mlp\.experts\.w2_int4\.scales has non-finite values"):
         loader._check_finite_on_device(model, torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------ AWQ experts
+@pytest.fixture(scope="module")
+def awq_moe(tmp_path_factory):
+    """A tiny qwen3_moe as an AWQ "gemm" checkpoint (every attention and expert projection; the router float),
+    quantized and packed by session 53's reference AWQ packer (zero points of 0 included), and the float checkpoint
+    of its dequantized weights (the oracle)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from test_probes_session53_awq import awq_dequantize, awq_pack, awq_quantize
+    from test_probes_session55_moe import build
+    root = tmp_path_factory.mktemp("awq-moe")
+    build(root / "base", "qwen3_moe", norm_topk_prob=True, num_hidden_layers=1)
+    awq, deq = {}, {}
+    for name, t in load_file(root / "base" / "model.safetensors").items():
+        if not name.endswith("proj.weight"):
+            awq[name] = deq[name] = t
+            continue
+        w = t.clone()
+        w[:8, :32] = w[:8, :32].abs() + 0.01  # the first group's first columns positive: zero points of 0
+        q, z, s = awq_quantize(w)
+        module = name.removesuffix(".weight")
+        awq.update({f"{module}.qweight": awq_pack(q), f"{module}.qzeros": awq_pack(z), f"{module}.scales": s})
+        deq[name] = awq_dequantize(q, z, s).float()
+    for name, tensors in (("awq", awq), ("deq", deq)):
+        shutil.copytree(root / "base", root / name)
+        save_file(tensors, str(root / name / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((root / "awq" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+                                  "version": "gemm"}
+    (root / "awq" / "config.json").write_text(json.dumps(cfg))
+    return root
+
+
+def test_awq_experts_equal_their_dequantized_weights_on_the_cpu_and_the_gpu_path(awq_moe, monkeypatch):
+    """AWQ experts (repacked into GPTQ's layout as read): the CPU path (dequantized at load) gives the tokens of the
+    float checkpoint of the same dequantized weights; the GPU path (interpreted, emulated graphs) keeps them int4
+    (the int4 fused MoE) and gives the same tokens, logprobs close."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
+    from infer import LLM, SamplingParams
+    from helpers import random_prompts
+    from quant_helpers import int4_kernel_path
+    prompts = random_prompts(512, (5, 14), seed=4)
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=1)
+    opts = dict(block_size=4, max_num_batched_tokens=8, max_num_seqs=2, max_model_len=32)
+    with LLM(str(awq_moe / "deq"), **opts) as llm:
+        want = [o.token_ids for o in llm.generate(prompts, params)]
+    with LLM(str(awq_moe / "awq"), **opts) as llm:
+        cpu = llm.generate(prompts, params)
+    assert [o.token_ids for o in cpu] == want
+    int4_kernel_path(monkeypatch)
+    with LLM(str(awq_moe / "awq"), cuda_graph_max_tokens=4, **opts) as llm:
+        experts = llm.engine.runner.model.layers[0].mlp.experts
+        assert experts.w13.numel() == 0 and experts.w13_int4.group_size == experts.w2_int4.group_size == 32
+        llm.engine.runner.capture_graphs(64, emulate=True)
+        gpu = llm.generate(prompts, params)
+        assert sum(llm.engine.runner.graphs.replays.values()) > 0
+    assert [o.token_ids for o in gpu] == want
+    for a, b in zip(gpu, cpu):
+        for ra, rb in zip(a.logprobs, b.logprobs):
+            assert abs(ra["logprob"] - rb["logprob"]) < 1e-3

@@ -14,12 +14,13 @@ up_proj, down_proj; Mixtral's block_sparse_moe.experts.N.w1, w3, w2), which is w
 what GPTQModel quantizes, or fused as transformers names its parameters (mlp.experts.gate_up_proj, down_proj): the
 loader (`MoeForCausalLM.load_expert_tensor`) reads either.
 
-GPTQ experts (GPTQModel's qwen3_moe / mixtral checkpoints): each expert's projection is read into a one-shard GPTQ
-layer of its own; on the CPU it is dequantized once at load into w13 / w2 (as the CPU path does every GPTQ layer); on
-the GPU path (`int4_path`) its int4 tensors are stacked by expert (Experts.w13_qweight ...: an expert's gate and up
-share their g_idx) and kernels.fused_moe_int4 dequantizes them in registers. Not supported, refused up front
-(UnsupportedModelError): on a GPU, GPTQ experts not all 4-bit and quantized alike; AWQ experts; adapters on the
-experts, the router or an MoE model's MLPs (lora.adapter); a hidden_act other than silu.
+GPTQ experts (GPTQModel's qwen3_moe / mixtral checkpoints), and AWQ ones (repacked into GPTQ's layout as they are
+read, quant.awq): each expert's projection is read into a one-shard GPTQ layer of its own; on the CPU it is
+dequantized once at load into w13 / w2 (as the CPU path does every GPTQ layer); on the GPU path (`int4_path`) its
+int4 tensors are stacked by expert (Int4Stack: an expert's gate and up share their g_idx) and
+kernels.fused_moe_int4 dequantizes them in registers. Not supported, refused up front
+(UnsupportedModelError): on a GPU, GPTQ experts not all 4-bit and quantized alike; other quantizations of the
+experts; adapters on the experts, the router or an MoE model's MLPs (lora.adapter); a hidden_act other than silu.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ BASE = {"qwen3_moe": "qwen3", "mixtral": "mistral", "qwen2_moe": "qwen2"}
 # the checkpoint's names of an expert's projections: (gate, up, down)
 _PROJ = {"mixtral": ("w1", "w3", "w2")}
 _QWEN_PROJ = ("gate_proj", "up_proj", "down_proj")
+# the linear methods of quantized experts: GPTQ's, and AWQ's (quant.awq: each tensor repacked into GPTQ's layout as
+# it is read, so the same stacking, dequantization and kernels)
+_INT4_METHODS = ("GPTQLinearMethod", "AWQLinearMethod")
 
 
 def base_type(cfg) -> str:
@@ -107,35 +111,42 @@ class _Gate(nn.Module):
         return cpu_gemm.linear(x, self.weight, None, None)
 
 
+class Int4Stack(nn.Module):
+    """One stacked projection of int4 experts (w13: K = H inputs, N = 2I outputs; w2: I, H), in the checkpoint's
+    order (kernels.reference.Int4Experts): words int32 [E, K / 8, N], zeros int32 [E, G, N / 8] (fields, v1
+    borrows undone), scales float16 [E, G, N] (a GPU load checks them for inf / NaN as every GPTQ layer's),
+    g_idx int32 [E, K]; group_size: g_idx's where every expert's is plain (row // group_size), else 0."""
+
+    def __init__(self, e: int, k: int, n: int, config):
+        super().__init__()
+        self.config = config
+        self.group_size = 0
+        groups = config.num_groups(k)
+        self.register_buffer("words", torch.zeros(e, k // 8, n, dtype=torch.int32))
+        self.register_buffer("zeros", torch.zeros(e, groups, n // 8, dtype=torch.int32))
+        self.register_buffer("scales", torch.zeros(e, groups, n, dtype=torch.float16))
+        self.register_buffer("g_idx", torch.zeros(e, k, dtype=torch.int32))
+
+    def experts(self) -> Int4Experts:
+        return Int4Experts(self.words, self.zeros, self.scales, self.g_idx, self.group_size, self.config.zeros_v1)
+
+
 class Experts(nn.Module):
     """E SwiGLU experts stacked: w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I]. int4 (the GPU path's GPTQ
-    configs of gate/up and of down): no float weights (w13, w2 [E, 0, 0]) but each one's int4 tensors stacked in
-    the checkpoint's order (kernels.reference.Int4Experts: w13_qweight [E, H / 8, 2I], w13_qzeros, w13_scales,
-    w13_g_idx [E, H]; w2_* of I inputs, H outputs)."""
+    configs of gate/up and of down): no float weights (w13, w2 [E, 0, 0]) but their int4 stacks (Int4Stack
+    w13_int4, w2_int4)."""
 
     def __init__(self, e: int, hidden: int, inter: int, dtype: torch.dtype, int4=None):
         super().__init__()
         self.num_experts, self.hidden, self.inter = e, hidden, inter
         self.int4 = int4
-        self.group_sizes = [0, 0]  # int4: w13's and w2's group size where g_idx is plain (0: the kernel reads it)
         rows = (0, 0) if int4 else None
         self.w13 = nn.Parameter(torch.empty(e, *(rows or (2 * inter, hidden)), dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, *(rows or (hidden, inter)), dtype=dtype), requires_grad=False)
         if int4:
-            for which, config, k, n in (("w13", int4[0], hidden, 2 * inter), ("w2", int4[1], inter, hidden)):
-                groups = config.num_groups(k)
-                self.register_buffer(f"{which}_qweight", torch.zeros(e, k // 8, n, dtype=torch.int32))
-                self.register_buffer(f"{which}_qzeros", torch.zeros(e, groups, n // 8, dtype=torch.int32))
-                self.register_buffer(f"{which}_scales", torch.zeros(e, groups, n, dtype=torch.float16))
-                self.register_buffer(f"{which}_g_idx", torch.zeros(e, k, dtype=torch.int32))
+            self.w13_int4 = Int4Stack(e, hidden, 2 * inter, int4[0])
+            self.w2_int4 = Int4Stack(e, inter, hidden, int4[1])
         self.loaded: set[tuple[int, int]] = set()  # (expert, part): 0 gate, 1 up, 2 down
-
-    def int4_weights(self, which: int):
-        """w13's (0) or w2's (1) int4 experts (kernels.reference.Int4Experts)."""
-        name = ("w13", "w2")[which]
-        return Int4Experts(getattr(self, f"{name}_qweight"), getattr(self, f"{name}_qzeros"),
-                           getattr(self, f"{name}_scales"), getattr(self, f"{name}_g_idx"), self.group_sizes[which],
-                           self.int4[which].zeros_v1)
 
 
 class SparseMoeBlock(nn.Module):
@@ -162,17 +173,18 @@ class SparseMoeBlock(nn.Module):
             method = method_for([f"{prefix}.experts.0.{name}"])
             if method is None or isinstance(method, UnquantizedLinearMethod):
                 continue
-            if type(method).__name__ != "GPTQLinearMethod":
+            if type(method).__name__ not in _INT4_METHODS:
                 raise UnsupportedModelError(
-                    f"{cfg.model_type}'s experts are quantized ({prefix}.experts.0.{name}, AWQ): infer runs quantized "
-                    "experts only as GPTQ", "serve the float checkpoint, or a GPTQ one")
+                    f"{cfg.model_type}'s experts are quantized ({prefix}.experts.0.{name}, "
+                    f"{type(method).__name__}): infer runs quantized experts only as GPTQ or AWQ",
+                    "serve the float checkpoint, or a GPTQ one")
             self.method_for = method_for
         if self.method_for is not None and int4_path(torch.empty(0)):
             # every expert's gate and up alike (one stacked matmul), every down alike (method_for refuses others)
             gate_up = method_for([f"{prefix}.experts.{i}.{n}" for n in names[:2] for i in range(e)])
             down = method_for([f"{prefix}.experts.{i}.{names[2]}" for i in range(e)])
             for method, what in ((gate_up, "gate/up"), (down, "down")):
-                if type(method).__name__ != "GPTQLinearMethod" or method.config.bits != 4:
+                if type(method).__name__ not in _INT4_METHODS or method.config.bits != 4:
                     bits = getattr(getattr(method, "config", None), "bits", None)
                     raise UnsupportedModelError(
                         f"{cfg.model_type}'s experts' {what} projections ({prefix}.experts.N) are "
@@ -227,34 +239,31 @@ class SparseMoeBlock(nn.Module):
 
     def stack_experts(self) -> None:
         """The int4 path: each GPTQ expert projection's checkpoint tensors (qzeros as fields, v1 borrows undone)
-        copied into the stacked int4 tensors (gate's columns, then up's), then dropped; an expert's gate and up
-        must share their g_idx (one matmul); each stack's group size kept where every g_idx is plain."""
+        copied into its Int4Stack (gate's columns, then up's), then dropped; an expert's gate and up must share
+        their g_idx (one matmul); each stack's group size kept where every g_idx is plain."""
         ex = self.experts
         inter = ex.inter
         for (index, part), layer in sorted(getattr(self, "_gptq", {}).items()):
             layer.method.check_complete(layer)  # (a ModelLoadError for a missing qweight, qzeros or scales)
-            which = "w13" if part < 2 else "w2"
+            stack = ex.w13_int4 if part < 2 else ex.w2_int4
             cols = slice(part * inter, (part + 1) * inter) if part < 2 else slice(None)
             zcols = slice(part * inter // 8, (part + 1) * inter // 8) if part < 2 else slice(None)
-            getattr(ex, f"{which}_qweight")[index, :, cols].copy_(layer.qweight)
-            getattr(ex, f"{which}_qzeros")[index, :, zcols].copy_(layer.qzeros)
-            getattr(ex, f"{which}_scales")[index, :, cols].copy_(layer.scales)
-            g_idx = getattr(ex, f"{which}_g_idx")[index]
-            other = self._gptq.get((index, 1 - part)) if part < 2 else None
-            if part == 1 and other is not None and not torch.equal(other.g_idx.to(g_idx.device),
-                                                                     layer.g_idx.to(g_idx.device)):
+            stack.words[index, :, cols].copy_(layer.qweight)
+            stack.zeros[index, :, zcols].copy_(layer.qzeros)
+            stack.scales[index, :, cols].copy_(layer.scales)
+            other = self._gptq.get((index, 0)) if part == 1 else None
+            if other is not None and not torch.equal(other.g_idx.cpu(), layer.g_idx.cpu()):
                 raise ModelLoadError(f"{layer.names[0]}.g_idx differs from {other.names[0]}.g_idx",
                                      "an expert's gate and up projections, which infer multiplies as one matmul, "
                                      "must share their act-order")
-            g_idx.copy_(layer.g_idx)
+            stack.g_idx[index].copy_(layer.g_idx)
             ex.loaded.add((index, part))
         self._gptq = {}
-        for which, config in enumerate(ex.int4):
-            g_idx = getattr(ex, ("w13", "w2")[which] + "_g_idx")
-            k = g_idx.shape[1]
-            gs = k if config.group_size == -1 else config.group_size
-            plain = (torch.arange(k, device=g_idx.device) // gs).to(g_idx.dtype)
-            ex.group_sizes[which] = gs if bool((g_idx == plain).all()) else 0  # (one sync, at load)
+        for stack in (ex.w13_int4, ex.w2_int4):
+            k = stack.g_idx.shape[1]
+            gs = k if stack.config.group_size == -1 else stack.config.group_size
+            plain = (torch.arange(k, device=stack.g_idx.device) // gs).to(stack.g_idx.dtype)
+            stack.group_size = gs if bool((stack.g_idx == plain).all()) else 0  # (one sync, at load)
 
     def route(self, x: torch.Tensor):
         """(the top k routing weights [T, k] (float32 for Mixtral, else the model's dtype), their experts [T, k])."""
@@ -270,7 +279,7 @@ class SparseMoeBlock(nn.Module):
         weights, ids = self.route(x)
         ex = self.experts
         if self.int4 is not None:
-            out = kernels.fused_moe_int4(x, ex.int4_weights(0), ex.int4_weights(1), weights, ids)
+            out = kernels.fused_moe_int4(x, ex.w13_int4.experts(), ex.w2_int4.experts(), weights, ids)
         else:
             out = kernels.fused_moe(x, ex.w13, ex.w2, weights, ids)
         if self.shared_expert is not None and self.shared_width:
