@@ -42,6 +42,7 @@ KERNEL_CASES = [  # tokens, experts, top-k, hidden, expert width, group size, ac
     (19, 5, 3, 128, 24, 64, True, False, True),
     (7, 4, 2, 128, 64, 128, False, False, False),
     (12, 7, 2, 96, 48, 32, True, True, False),
+    (9, 5, 2, 96, 24, 48, False, False, True),  # groups of 48 (several in a K step of 64), and of 8 for the down
 ]
 
 

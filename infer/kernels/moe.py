@@ -121,12 +121,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
 def _moe_gemm_int4(a_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr, post_ptr,
                    num_pairs, n, k, top_k, group_size, s_a, s_qe, s_qk, s_ze, s_zg, s_se, s_sg, s_ge, s_out,
                    ROW_DIV: tl.constexpr, WEIGHTED: tl.constexpr, IEEE: tl.constexpr, ZEROS_V1: tl.constexpr,
-                   READ_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   READ_G: tl.constexpr, ONE_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
     """_moe_gemm over int4 GPTQ experts: qweight [E, K / 8, N] (8 consecutive input rows a word, lowest nibble
     first), qzeros [E, G, N / 8] (fields of zero - 1 where ZEROS_V1), scales [E, G, N] (float16), g_idx [E, K]
-    (READ_G: each input row's group read, act-order; else row // group_size). Each K step's tile of the block's
-    expert is dequantized in registers as packing.dequantize does, (q - z) * s rounded to float16, then to x's
-    dtype, and multiplied as the float kernel multiplies."""
+    (READ_G: each input row's group read, act-order; else row // group_size; ONE_GROUP: every K step inside one
+    group, whose zeros and scales are read once a step). Each K step's tile of the block's expert is dequantized in
+    registers as packing.dequantize does, (q - z) * s rounded to float16, then to x's dtype, and multiplied as the
+    float kernel multiplies."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(post_ptr):
@@ -152,15 +154,20 @@ def _moe_gemm_int4(a_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, out_ptr, weights_ptr, pa
         mask = mask_k[:, None] & mask_n[None, :]
         words = tl.load(qw_ptr + e * s_qe + (offs_k // 8)[:, None] * s_qk + offs_n[None, :], mask=mask, other=0)
         q = (words >> ((offs_k % 8) * 4)[:, None]) & 0xF
-        if READ_G:
-            g = tl.load(g_ptr + e * s_ge + offs_k, mask=mask_k, other=0).to(tl.int64)
-        else:
-            g = (offs_k // group_size).to(tl.int64)
-        zw = tl.load(qz_ptr + e * s_ze + g[:, None] * s_zg + (offs_n // 8)[None, :], mask=mask, other=0)
+        if ONE_GROUP:  # the step's group: its zeros and scales [1, BLOCK_N]
+            g1 = (k0 // group_size).to(tl.int64)
+            zw = tl.load(qz_ptr + e * s_ze + g1 * s_zg + (offs_n // 8)[None, :], mask=mask_n[None, :], other=0)
+            s = tl.load(s_ptr + e * s_se + g1 * s_sg + offs_n[None, :], mask=mask_n[None, :], other=0.0)
+        else:  # each row's group: [BLOCK_K, BLOCK_N] gathers
+            if READ_G:
+                g = tl.load(g_ptr + e * s_ge + offs_k, mask=mask_k, other=0).to(tl.int64)
+            else:
+                g = (offs_k // group_size).to(tl.int64)
+            zw = tl.load(qz_ptr + e * s_ze + g[:, None] * s_zg + (offs_n // 8)[None, :], mask=mask, other=0)
+            s = tl.load(s_ptr + e * s_se + g[:, None] * s_sg + offs_n[None, :], mask=mask, other=0.0)
         z = (zw >> zshift) & 0xF
         if ZEROS_V1:
             z = (z + 1) & 0xF
-        s = tl.load(s_ptr + e * s_se + g[:, None] * s_sg + offs_n[None, :], mask=mask, other=0.0)
         w = ((q - z).to(tl.float16) * s).to(a_ptr.dtype.element_ty)
         if IEEE:
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
@@ -179,14 +186,18 @@ def _gemm_int4(a, w, out, weights, sorted_pairs, block_expert, post, top_k, row_
     n, k = w.out_features, w.in_features
     block_n = min(64, max(16, triton.next_power_of_2(n)))
     block_k = min(64, max(16, triton.next_power_of_2(k)))
+    gs = w.group_size
+    if 16 <= gs < block_k and gs & (gs - 1) == 0:  # steps of one group each (group sizes 16, 32)
+        block_k = gs
+    one_group = gs > 0 and (gs >= k or gs % block_k == 0)
     grid = (block_expert.shape[0], cdiv(n, block_n))
     qw, qz, s, g = w.qweight, w.qzeros, w.scales, w.g_idx
     _moe_gemm_int4[grid](a, qw, qz, s, g, out, weights, sorted_pairs, block_expert, post, out.shape[0], n, k, top_k,
                          max(1, w.group_size), a.stride(0), qw.stride(0), qw.stride(1), qz.stride(0), qz.stride(1),
                          s.stride(0), s.stride(1), g.stride(0), out.stride(0), ROW_DIV=row_div, WEIGHTED=weighted,
                          IEEE=a.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
-                         ZEROS_V1=bool(w.zeros_v1), READ_G=w.group_size <= 0, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-                         BLOCK_K=block_k)
+                         ZEROS_V1=bool(w.zeros_v1), READ_G=gs <= 0, ONE_GROUP=one_group, BLOCK_M=BLOCK_M,
+                         BLOCK_N=block_n, BLOCK_K=block_k)
 
 
 def fused_moe_int4(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
