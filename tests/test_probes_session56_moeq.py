@@ -72,6 +72,10 @@ def test_int4_fused_moe_equals_the_reference(case):
     assert torch.allclose(reference.fused_moe_int4(x, w13, w2, w, ids), want, atol=1e-6)
     other = reference.Int4Experts(w13.qweight ^ 1, *w13[1:])  # one bit of every word: other outputs
     assert (moe.fused_moe_int4(x, other, w2, w, ids) - want).abs().max() > 1e-3
+    # in float16, the float kernel over the dequantized weights, bit for bit (the same tiles and roundings)
+    xh, wh = x.half(), w.half()
+    assert torch.equal(moe.fused_moe_int4(xh, w13, w2, wh, ids),
+                       moe.fused_moe(xh, w13.dequantize(torch.float16), w2.dequantize(torch.float16), wh, ids))
 
 
 def test_int4_fused_moe_compiles_for_an_h100_once_whatever_the_step():
@@ -294,3 +298,50 @@ def test_awq_experts_equal_their_dequantized_weights_on_the_cpu_and_the_gpu_path
     for a, b in zip(gpu, cpu):
         for ra, rb in zip(a.logprobs, b.logprobs):
             assert abs(ra["logprob"] - rb["logprob"]) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act_order", [False, True])
+def test_int4_fused_moe_at_qwen3_30b_sizes_on_a_gpu(act_order):
+    """On a GPU, Qwen3-30B-A3B's experts' shapes (E = 128, k = 8, H = 2048, I = 768, groups of 128) in bfloat16 and
+    float16: the int4 fused MoE close to the reference (the experts dequantized, then the float op in float32) and
+    to the float fused MoE over the dequantized weights at 1, 37 and 512 tokens; a CUDA graph of it replayed with
+    another routing equals the eager call."""
+    from infer.kernels import moe
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    e, k, h, i = 128, 8, 2048, 768
+
+    def stack(kk: int, n: int) -> reference.Int4Experts:
+        words = torch.randint(-2**31, 2**31 - 1, (e, kk // 8, n), generator=g, device=dev, dtype=torch.int32)
+        zeros = torch.randint(-2**31, 2**31 - 1, (e, kk // 128, n // 8), generator=g, device=dev, dtype=torch.int32)
+        scales = (torch.rand(e, kk // 128, n, generator=g, device=dev) * 0.004 + 0.001).half()
+        plain = (torch.arange(kk, device=dev) // 128).int()
+        g_idx = torch.stack([plain[torch.randperm(kk, generator=g, device=dev)] if act_order else plain
+                             for _ in range(e)])
+        return reference.Int4Experts(words, zeros, scales, g_idx, 0 if act_order else 128, True)
+    w13, w2 = stack(h, 2 * i), stack(i, h)
+    for dtype in (torch.bfloat16, torch.float16):
+        f13, f2 = w13.dequantize(dtype), w2.dequantize(dtype)
+        for t in (1, 37, 512):
+            x = torch.randn(t, h, generator=g, device=dev).to(dtype)
+            w, ids = torch.topk(torch.randn(t, e, generator=g, device=dev).softmax(-1), k, -1)
+            w = w.to(dtype)
+            want = reference.fused_moe(x.float(), f13.float(), f2.float(), w.float(), ids)
+            got = moe.fused_moe_int4(x, w13, w2, w, ids).float()
+            assert (got - want).abs().max() <= 0.05 * want.abs().max(), (dtype, t, (got - want).abs().max())
+            # the float kernel over the dequantized weights: the same tiles and roundings
+            same = moe.fused_moe(x, f13, f2, w, ids).float()
+            assert (got - same).abs().max() <= 1e-3 * want.abs().max(), (dtype, t, (got - same).abs().max())
+    x = torch.randn(4, h, generator=g, device=dev).bfloat16()
+    w, ids = torch.topk(torch.randn(4, e, generator=g, device=dev).softmax(-1), k, -1)
+    w = w.bfloat16()
+    moe.fused_moe_int4(x, w13, w2, w, ids)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe.fused_moe_int4(x, w13, w2, w, ids)
+    other = torch.topk(torch.randn(4, e, generator=g, device=dev).softmax(-1), k, -1)
+    w.copy_(other[0].bfloat16())
+    ids.copy_(other[1])
+    graph.replay()
+    assert torch.equal(out, moe.fused_moe_int4(x, w13, w2, w, ids))
