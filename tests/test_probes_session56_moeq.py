@@ -345,3 +345,25 @@ def test_int4_fused_moe_at_qwen3_30b_sizes_on_a_gpu(act_order):
     ids.copy_(other[1])
     graph.replay()
     assert torch.equal(out, moe.fused_moe_int4(x, w13, w2, w, ids))
+
+
+@pytest.mark.parametrize("gpu_path", [False, True])
+def test_a_missing_gptq_expert_is_named_by_its_qweight(gptq_moe, tmp_path, monkeypatch, gpu_path):
+    """A GPTQ checkpoint without one expert's projection (none of its qweight, qzeros, scales) is refused naming the
+    qweight it lacks, on the CPU and on the GPU path."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from infer.errors import ModelLoadError
+    from infer.models.loader import load_model
+    from quant_helpers import int4_kernel_path
+    shutil.copytree(gptq_moe["sym"], tmp_path / "q")
+    tensors = load_file(tmp_path / "q" / "model.safetensors")
+    for name in ("qweight", "qzeros", "scales", "g_idx"):
+        tensors.pop(f"model.layers.0.mlp.experts.6.up_proj.{name}", None)
+    save_file(tensors, str(tmp_path / "q" / "model.safetensors"), metadata={"format": "pt"})
+    if gpu_path:
+        int4_kernel_path(monkeypatch)
+    with pytest.raises(ModelLoadError, match=r"no tensor model\.layers\.0\.mlp\.experts\.6\.up_proj\.qweight"):
+        load_model(tmp_path / "q", torch.float32, torch.device("cpu"))

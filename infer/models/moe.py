@@ -380,8 +380,9 @@ class MoeForCausalLM:
                 for index in range(block.experts.num_experts):
                     for part, proj in enumerate(names):
                         if (index, part) not in block.experts.loaded:
+                            tensor = "qweight" if block.method_for is not None else "weight"  # (GPTQ / AWQ experts)
                             raise ModelLoadError(f"the checkpoint has no tensor {block.prefix}.experts.{index}.{proj}"
-                                                 ".weight", "the model folder is incomplete")
+                                                 f".{tensor}", "the model folder is incomplete")
 
 
 _CLASS: list[type] = []
