@@ -117,14 +117,32 @@ def test_int4_fused_moe_compiles_for_an_h100_once_whatever_the_step():
 def gptq_moe(tmp_path_factory):
     """A tiny qwen3_moe (one sparse layer, 8 experts, top-2) quantized by GPTQModel: sym with plain groups, and
     asym with act-order (desc_act)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
     pytest.importorskip("gptqmodel")
-    from quant_helpers import make_gptqmodel_checkpoint
     from test_probes_session55_moe import build
     root = tmp_path_factory.mktemp("gptq-moe")
     build(root / "base", "qwen3_moe", norm_topk_prob=True, num_hidden_layers=1)
-    return {"sym": make_gptqmodel_checkpoint(root / "base", root / "sym", bits=4, group_size=32, seq_len=32),
-            "asym-act": make_gptqmodel_checkpoint(root / "base", root / "asym", bits=4, group_size=16, seq_len=32,
-                                                  desc_act=True, sym=False)}
+    # in a process of its own: GPTQModel's quantization patches transformers' MoE modules (its experts become a
+    # ModuleList), which later tests building transformers' models in this process would see
+    tests = Path(__file__).resolve().parent
+    script = textwrap.dedent(f'''
+        import sys
+        sys.path.insert(0, {str(tests)!r})
+        from quant_helpers import make_gptqmodel_checkpoint
+        base = {str(root / "base")!r}
+        make_gptqmodel_checkpoint(base, {str(root / "sym")!r}, bits=4, group_size=32, seq_len=32)
+        make_gptqmodel_checkpoint(base, {str(root / "asym")!r}, bits=4, group_size=16, seq_len=32, desc_act=True,
+                                  sym=False)
+    ''')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return {"sym": root / "sym", "asym-act": root / "asym"}
 
 
 @pytest.mark.parametrize("kind", ["sym", "asym-act"])
