@@ -68,6 +68,53 @@ def _infer_cache(tmp_path_factory):
     yield
 
 
+
+_MISSING = object()
+
+
+def defuser_originals() -> dict:
+    """What GPTQModel's defuser replaces process-wide when it quantizes or loads a mixture of experts (transformers'
+    sparse MoE blocks of Qwen3-MoE, Mixtral and Qwen2-MoE become per-expert ModuleLists, and its checkpoint
+    conversion mapping renames their weights): {(module, attribute): the original}, taken before any test runs."""
+    try:
+        import importlib
+
+        from defuser.model_registry import MODEL_CONFIG, PATCH
+    except Exception:  # (GPTQModel's defuser absent: nothing patches transformers)
+        return {}
+    import transformers.conversion_mapping as conversion
+    import transformers.modeling_utils as modeling
+    found = {(m, "get_checkpoint_conversion_mapping"): getattr(m, "get_checkpoint_conversion_mapping", _MISSING)
+             for m in (conversion, modeling)}
+    for model_type in ("qwen3_moe", "mixtral", "qwen2_moe"):
+        for orig, _ in MODEL_CONFIG.get(model_type, {}).get(PATCH.REPLACE_MODULE, []):
+            module, name = orig.rsplit(".", 1)
+            m = importlib.import_module(module)
+            found[(m, name)] = getattr(m, name)
+    return found
+
+
+def restore_originals(originals: dict) -> None:
+    for (module, name), value in originals.items():
+        if getattr(module, name, _MISSING) is not value:
+            if value is _MISSING:
+                delattr(module, name)
+            else:
+                setattr(module, name, value)
+
+
+@pytest.fixture(scope="session")
+def _defuser_originals():
+    return defuser_originals()
+
+
+@pytest.fixture(autouse=True)
+def _undo_defuser(_defuser_originals):
+    """A test that quantizes or loads an MoE with GPTQModel in this process leaves transformers' MoE classes as they
+    were for the next test (which may build transformers' Qwen3-MoE or Mixtral as the reference)."""
+    yield
+    restore_originals(_defuser_originals)
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -385,3 +385,21 @@ def test_a_missing_gptq_expert_is_named_by_its_qweight(gptq_moe, tmp_path, monke
         int4_kernel_path(monkeypatch)
     with pytest.raises(ModelLoadError, match=r"no tensor model\.layers\.0\.mlp\.experts\.6\.up_proj\.qweight"):
         load_model(tmp_path / "q", torch.float32, torch.device("cpu"))
+
+
+def test_gptqmodels_defuser_patches_are_undone_after_each_test():
+    """GPTQModel (quantize or load of an MoE) replaces transformers' Qwen3-MoE/Mixtral/Qwen2-MoE sparse blocks and
+    its checkpoint conversion mapping process-wide: a later test in the same pytest worker would build transformers'
+    reference model defused (per-expert ModuleLists, renamed weights). conftest's fixture puts them back."""
+    pytest.importorskip("defuser")
+    import defuser
+    import transformers.models.qwen3_moe.modeling_qwen3_moe as qwen3_moe
+    from conftest import defuser_originals, restore_originals
+    originals = defuser_originals()
+    block = qwen3_moe.Qwen3MoeSparseMoeBlock
+    try:
+        defuser.replace_fused_blocks("qwen3_moe")
+        assert qwen3_moe.Qwen3MoeSparseMoeBlock is not block
+    finally:
+        restore_originals(originals)
+    assert qwen3_moe.Qwen3MoeSparseMoeBlock is block
