@@ -403,3 +403,19 @@ def test_gptqmodels_defuser_patches_are_undone_after_each_test():
     finally:
         restore_originals(originals)
     assert qwen3_moe.Qwen3MoeSparseMoeBlock is block
+
+
+def test_the_moe_bench_counts_the_experts_bytes_and_refuses_without_a_gpu(monkeypatch, capsys):
+    """`python -m infer.bench.moe` times the int4 and the bf16 fused MoE on a GPU against the bytes of the experts a
+    step chooses: its int4 bytes are the stacks' own (words, float16 scales, packed zeros; g_idx is not read by
+    plain groups), its random act-order experts' groups a permutation of the plain ones; without a GPU it says so."""
+    from infer.bench import moe as bench
+    w = bench.random_experts(3, 256, 64, 128, False, 0, device="cpu")
+    stored = w.qweight.numel() * 4 + w.scales.numel() * 2 + w.qzeros.numel() * 4
+    assert bench.int4_bytes(3, 256, 64, 128) == stored
+    a = bench.random_experts(3, 256, 64, 128, True, 0, device="cpu")
+    assert a.group_size == 0 and torch.equal(a.g_idx.sort(-1).values, w.g_idx)
+    assert not torch.equal(a.g_idx, w.g_idx)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main(["--tokens", "1"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err

@@ -1,0 +1,110 @@
+"""The fused mixture-of-experts kernels on a GPU: the int4 one (`kernels.moe.fused_moe_int4`, GPTQ/AWQ experts
+dequantized in registers) beside the float one (`kernels.moe.fused_moe`) over the same experts dequantized to bf16,
+each timed under a CUDA graph, with the floor of each: the bytes of the distinct experts a step's routing chooses
+over the measured copy bandwidth. Qwen3-30B-A3B's expert shapes by default (E = 128, k = 8, H = 2048, I = 768,
+groups of 128).
+
+    python -m infer.bench.moe --tokens 1 8 64 512 --out moe.csv
+    python -m infer.bench.moe --act-order      # each row's group read from g_idx (desc_act checkpoints)
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+
+import torch
+
+
+def random_experts(experts: int, k: int, n: int, group: int, act_order: bool, seed: int, device: str = "cuda"):
+    """int4 experts (reference.Int4Experts) of random words, v1 zeros, small positive scales; act-order: each
+    expert's g_idx a permutation of the plain groups."""
+    from ..kernels.reference import Int4Experts
+    gen = torch.Generator(device=device).manual_seed(seed)
+    words = torch.randint(-2**31, 2**31 - 1, (experts, k // 8, n), device=device, dtype=torch.int32, generator=gen)
+    zeros = torch.randint(-2**31, 2**31 - 1, (experts, k // group, n // 8), device=device, dtype=torch.int32,
+                          generator=gen)
+    scales = (torch.rand(experts, k // group, n, device=device, generator=gen) * 0.004 + 0.001).half()
+    plain = (torch.arange(k, device=device) // group).int()
+    g_idx = torch.stack([plain[torch.randperm(k, device=device, generator=gen)] if act_order else plain
+                         for _ in range(experts)])
+    return Int4Experts(words, zeros, scales, g_idx, 0 if act_order else group, True)
+
+
+def int4_bytes(experts: int, k: int, n: int, group: int) -> float:
+    """Bytes of `experts` int4 projections of k inputs and n outputs: half a byte a weight, a float16 scale and half
+    a byte of zero point a group of each output."""
+    return experts * (k * n / 2 + k // group * n * 2.5)
+
+
+def measure(tokens, experts: int, top_k: int, hidden: int, inter: int, group: int, act_order: bool,
+            bandwidth: float) -> list[dict]:
+    from ..kernels import moe
+    from ..kernels.gptq_tune import time_graph
+    w13 = random_experts(experts, hidden, 2 * inter, group, act_order, 0)
+    w2 = random_experts(experts, inter, hidden, group, act_order, 1)
+    f13, f2 = w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16)
+    rows = []
+    for t in tokens:
+        gen = torch.Generator(device="cuda").manual_seed(t)
+        x = torch.randn(t, hidden, device="cuda", generator=gen).bfloat16()
+        weights, ids = torch.topk(torch.randn(t, experts, device="cuda", generator=gen).softmax(-1), top_k, -1)
+        weights = weights.bfloat16()
+        chosen = int(ids.unique().numel())
+        ours = time_graph([lambda: moe.fused_moe_int4(x, w13, w2, weights, ids)])
+        dense = time_graph([lambda: moe.fused_moe(x, f13, f2, weights, ids)])
+        q_bytes = int4_bytes(chosen, hidden, 2 * inter, group) + int4_bytes(chosen, inter, hidden, group)
+        f_bytes = chosen * 3 * hidden * inter * 2
+        rows.append({"tokens": t, "experts_chosen": chosen, "act_order": act_order,
+                     "int4_us": round(ours, 2), "bf16_us": round(dense, 2), "int4_vs_bf16": round(dense / ours, 3),
+                     "int4_floor_us": round(q_bytes / bandwidth * 1e6, 2),
+                     "int4_of_floor": round(q_bytes / bandwidth * 1e6 / ours, 3),
+                     "bf16_floor_us": round(f_bytes / bandwidth * 1e6, 2),
+                     "bf16_of_floor": round(f_bytes / bandwidth * 1e6 / dense, 3)})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m infer.bench.moe", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512])
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--intermediate", type=int, default=768)
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--act-order", action="store_true", help="each row's group read from g_idx")
+    ap.add_argument("--out", help="write the table as CSV here too")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("infer.bench.moe: no CUDA GPU here: it times the GPU kernels (on a CPU the experts run torch's "
+              "reference; `pytest tests/test_probes_session56_moeq.py` checks the kernels under TRITON_INTERPRET=1)",
+              file=sys.stderr)
+        return 2
+    bad = [(name, v) for name, v in (("--hidden", args.hidden), ("--intermediate", args.intermediate))
+           if v % args.group_size or v % 8]
+    if bad or args.top_k > args.experts or min(args.tokens) < 1:
+        print(f"infer.bench.moe: {bad[0][0]} {bad[0][1]} is no multiple of --group-size {args.group_size} and of 8"
+              if bad else "infer.bench.moe: --top-k must be at most --experts and every --tokens at least 1",
+              file=sys.stderr)
+        return 2
+    from .kernels import copy_bandwidth
+    bandwidth = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; E={args.experts} "
+          f"k={args.top_k} H={args.hidden} I={args.intermediate} g={args.group_size} act_order={args.act_order}")
+    rows = measure(args.tokens, args.experts, args.top_k, args.hidden, args.intermediate, args.group_size,
+                   args.act_order, bandwidth)
+    keys = list(rows[0])
+    print("  ".join(keys))
+    for r in rows:
+        print("  ".join(str(r[k]) for k in keys))
+    if args.out:
+        with open(args.out, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            w.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
