@@ -5,6 +5,8 @@ int4 on the GPU path, equal to the CPU path (dequantized at load) token for toke
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -419,3 +421,21 @@ def test_the_moe_bench_counts_the_experts_bytes_and_refuses_without_a_gpu(monkey
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench.main(["--tokens", "1"]) == 2
     assert "no CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("gpu_path", [False, True])
+def test_warmup_estimate_of_a_gptq_moe_checks_its_weights_on_the_meta_device(gptq_moe, monkeypatch, gpu_path):
+    """`infer warmup CKPT --estimate` runs the loader's checks on the meta device: each GPTQ expert's own layer was
+    built on the CPU, and loading a meta tensor into it failed (NotImplementedError: Cannot copy out of meta tensor)
+    for every GPTQ MoE checkpoint, `infer quantize`'s and GPTQModel's alike. The layer is built on the experts'
+    device now: the estimate exits 0 with its plan."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from quant_helpers import int4_kernel_path
+    if gpu_path:
+        int4_kernel_path(monkeypatch)
+    res = CliRunner().invoke(app, ["warmup", str(gptq_moe["asym-act"]), "--estimate", "--max-length", "256",
+                                   "--concurrency", "2", "--json"])
+    assert res.exit_code == 0, (res.output, res.exception)
+    assert json.loads(res.stdout.strip().splitlines()[-1])["weights_bytes"] > 0

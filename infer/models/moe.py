@@ -214,8 +214,9 @@ class SparseMoeBlock(nn.Module):
             ex = self.experts
             name = f"{self.prefix}.experts.{index}.{proj}"
             shape = (ex.hidden, ex.inter) if part < 2 else (ex.inter, ex.hidden)
-            self._gptq[key] = MergedLinear(shape[0], [shape[1]], [name], False, self.method_for([name]),
-                                           ex.w13.dtype)
+            with torch.device(ex.w13.device):  # (the meta device when --estimate checks the checkpoint's weights)
+                self._gptq[key] = MergedLinear(shape[0], [shape[1]], [name], False, self.method_for([name]),
+                                               ex.w13.dtype)
         return self._gptq[key]
 
     def dequantize_experts(self) -> None:
@@ -252,7 +253,7 @@ class SparseMoeBlock(nn.Module):
             stack.zeros[index, :, zcols].copy_(layer.qzeros)
             stack.scales[index, :, cols].copy_(layer.scales)
             other = self._gptq.get((index, 0)) if part == 1 else None
-            if other is not None and not torch.equal(other.g_idx.cpu(), layer.g_idx.cpu()):
+            if other is not None and not layer.g_idx.is_meta and not torch.equal(other.g_idx.cpu(), layer.g_idx.cpu()):
                 raise ModelLoadError(f"{layer.names[0]}.g_idx differs from {other.names[0]}.g_idx",
                                      "an expert's gate and up projections, which infer multiplies as one matmul, "
                                      "must share their act-order")
@@ -260,6 +261,8 @@ class SparseMoeBlock(nn.Module):
             ex.loaded.add((index, part))
         self._gptq = {}
         for stack in (ex.w13_int4, ex.w2_int4):
+            if stack.g_idx.is_meta:  # (--estimate's check of the checkpoint: no values to read)
+                continue
             k = stack.g_idx.shape[1]
             gs = k if stack.config.group_size == -1 else stack.config.group_size
             plain = (torch.arange(k, device=stack.g_idx.device) // gs).to(stack.g_idx.dtype)
