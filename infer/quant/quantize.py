@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, TextIO
 
 from ..checks import tokenizer_problem
-from ..errors import ConfigError, InferError, ModelLoadError
+from ..errors import ConfigError, InferError, ModelLoadError, UnsupportedModelError
 from .calibration import CalibrationSet, load_calibration
 from .convert import (TOKENIZER_FILES, check_inputs_kept, check_not_source, check_output, is_gptq, keep_source_config,
                       parse_shard_size, read_config_json, saved_dtype, staged_output, weight_files)
@@ -266,9 +266,34 @@ def _check_source(src: Path, group_size: int, bits: int = 4) -> dict:
         raise ConfigError(f"{src} is already an AWQ checkpoint (quant_config.json)",
                           "quantize the float model it came from, or rewrite it as GPTQ with "
                           f"`infer convert {src} -o OUT --to gptq`")
+    _check_moe_layers(src, config)
     _check_widths(_with_head_dim(src, config), group_size, bits)
     _check_weights(src)
     return config
+
+
+def _check_moe_layers(src: Path, config: dict) -> None:
+    """GPTQModel 7.6's Qwen3-MoE and Qwen2-MoE definitions give every decoder layer the experts: a layer
+    mlp_only_layers or decoder_sparse_step leaves dense (its MLP Llama's: mlp.gate_proj) fails there after loading
+    and calibration ("layer module item `mlp.experts.0.gate_proj` not found in model"). Refused before: infer runs
+    it, float."""
+    if config.get("model_type") not in ("qwen3_moe", "qwen2_moe"):
+        return
+    layers = config.get("num_hidden_layers")
+    step = config.get("decoder_sparse_step", 1) or 1
+    only = config.get("mlp_only_layers") or []
+    # (transformers 5 writes Qwen3-MoE's num_experts as num_local_experts, Mixtral's name)
+    field = next((k for k in ("num_experts", "num_local_experts") if k in config), "num_experts")
+    if isinstance(layers, int) and isinstance(step, int) and step > 0 and isinstance(only, list):
+        dense = [i for i in range(layers) if i in only or (i + 1) % step or config.get(field) == 0]
+        if dense:
+            listed = ", ".join(map(str, dense[:8])) + (f" and {len(dense) - 8} more" if len(dense) > 8 else "")
+            raise UnsupportedModelError(
+                f"{src}: layer{'s' if len(dense) > 1 else ''} {listed} of this {config['model_type']} model "
+                f"{'are' if len(dense) > 1 else 'is'} dense (mlp_only_layers {only}, decoder_sparse_step {step}, "
+                f"{field} {config.get(field)} in config.json), and GPTQModel quantizes a mixture of "
+                "experts only where every layer has the experts",
+                "serve the float checkpoint (infer runs it)")
 
 
 def _with_head_dim(src: Path, config: dict) -> dict:

@@ -1,0 +1,56 @@
+"""Session 56 review of `infer quantize` of mixtures of experts: what GPTQModel 7.6 cannot quantize is refused before
+calibration (not a raw GPTQModel error after loading the model), and a Mixtral's report and summary name its modules as
+its checkpoint does."""
+
+from __future__ import annotations
+
+import pytest
+
+from infer.errors import UnsupportedModelError
+
+from helpers import save_random_model
+
+QWEN2_MOE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=256, vocab_size=512, eos_token_id=2, pad_token_id=0,
+                 tie_word_embeddings=False, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                 num_experts_per_tok=2, shared_expert_intermediate_size=64)
+QWEN3_MOE = {k: v for k, v in QWEN2_MOE.items() if k != "shared_expert_intermediate_size"}
+
+
+def refused(tmp_path, model_type, arch, config, match):
+    """quantize_model of the random model refuses it before GPTQModel is reached."""
+    from infer.quant import quantize as q
+    save_random_model(tmp_path / "src", model_type, arch, config, 0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(q, "require_gptqmodel", lambda: pytest.fail("calibration reached"))
+        with pytest.raises(UnsupportedModelError, match=match):
+            q.quantize_model(tmp_path / "src", tmp_path / "q", q.QuantizeOptions(group_size=32))
+    assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("model_type, arch, config, layers", [
+    ("qwen3_moe", "Qwen3MoeForCausalLM", {**QWEN3_MOE, "decoder_sparse_step": 2}, "layer 0 "),
+    ("qwen3_moe", "Qwen3MoeForCausalLM", {**QWEN3_MOE, "mlp_only_layers": [1]}, "layer 1 "),
+    ("qwen2_moe", "Qwen2MoeForCausalLM", {**QWEN2_MOE, "mlp_only_layers": [0, 1]}, "layers 0, 1 "),
+])
+def test_a_moe_with_dense_layers_is_refused_before_calibration(tmp_path, model_type, arch, config, layers):
+    """GPTQModel's Qwen MoE definitions give every layer the experts: a dense layer (mlp_only_layers,
+    decoder_sparse_step) failed after loading with "layer module item `mlp.experts.0.gate_proj` not found"."""
+    refused(tmp_path, model_type, arch, config, layers + r".*dense.*every layer has the experts")
+
+
+def test_no_experts_leaves_every_layer_dense():
+    """num_experts 0, under either name (transformers 5 writes Qwen3-MoE's as num_local_experts)."""
+    from infer.quant.quantize import _check_moe_layers
+    for field in ("num_experts", "num_local_experts"):
+        with pytest.raises(UnsupportedModelError, match=rf"layers 0, 1 .*{field} 0 in config\.json"):
+            _check_moe_layers("m", {"model_type": "qwen3_moe", "num_hidden_layers": 2, field: 0})
+    _check_moe_layers("m", {"model_type": "qwen3_moe", "num_hidden_layers": 2, "num_local_experts": 8})
+
+
+def test_every_layer_sparse_passes_the_check():
+    from infer.quant.quantize import _check_moe_layers
+    _check_moe_layers(None, {"model_type": "qwen3_moe", "num_hidden_layers": 4, "decoder_sparse_step": 1,
+                             "mlp_only_layers": []})
+    _check_moe_layers(None, {"model_type": "qwen2_moe", "num_hidden_layers": 4, "shared_expert_intermediate_size": 8})
+    _check_moe_layers(None, {"model_type": "llama", "num_hidden_layers": 4, "decoder_sparse_step": 2})
