@@ -54,3 +54,10 @@ def test_every_layer_sparse_passes_the_check():
                              "mlp_only_layers": []})
     _check_moe_layers(None, {"model_type": "qwen2_moe", "num_hidden_layers": 4, "shared_expert_intermediate_size": 8})
     _check_moe_layers(None, {"model_type": "llama", "num_hidden_layers": 4, "decoder_sparse_step": 2})
+
+
+def test_a_qwen2_moe_without_a_shared_expert_is_refused_before_calibration(tmp_path):
+    """shared_expert_intermediate_size 0 (transformers builds a 0-wide shared expert): GPTQModel failed after loading
+    and calibration ("cannot reshape tensor of 0 elements into shape [-1, 0]")."""
+    refused(tmp_path, "qwen2_moe", "Qwen2MoeForCausalLM", {**QWEN2_MOE, "shared_expert_intermediate_size": 0},
+            r"no shared expert \(shared_expert_intermediate_size 0")

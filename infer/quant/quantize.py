@@ -275,8 +275,9 @@ def _check_source(src: Path, group_size: int, bits: int = 4) -> dict:
 def _check_moe_layers(src: Path, config: dict) -> None:
     """GPTQModel 7.6's Qwen3-MoE and Qwen2-MoE definitions give every decoder layer the experts: a layer
     mlp_only_layers or decoder_sparse_step leaves dense (its MLP Llama's: mlp.gate_proj) fails there after loading
-    and calibration ("layer module item `mlp.experts.0.gate_proj` not found in model"). Refused before: infer runs
-    it, float."""
+    and calibration ("layer module item `mlp.experts.0.gate_proj` not found in model"), as does a Qwen2-MoE without a
+    shared expert (shared_expert_intermediate_size 0: GPTQModel cannot quantize its 0-wide projections). Refused
+    before: infer runs both, float."""
     if config.get("model_type") not in ("qwen3_moe", "qwen2_moe"):
         return
     layers = config.get("num_hidden_layers")
@@ -294,6 +295,12 @@ def _check_moe_layers(src: Path, config: dict) -> None:
                 f"{field} {config.get(field)} in config.json), and GPTQModel quantizes a mixture of "
                 "experts only where every layer has the experts",
                 "serve the float checkpoint (infer runs it)")
+    shared = config.get("shared_expert_intermediate_size")
+    if config["model_type"] == "qwen2_moe" and isinstance(shared, int) and shared <= 0:
+        raise UnsupportedModelError(
+            f"{src}: this qwen2_moe model has no shared expert (shared_expert_intermediate_size {shared} in "
+            "config.json), and GPTQModel cannot quantize its 0-wide shared_expert projections",
+            "serve the float checkpoint (infer runs it)")
 
 
 def _with_head_dim(src: Path, config: dict) -> dict:
