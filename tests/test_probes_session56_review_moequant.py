@@ -4,6 +4,8 @@ its checkpoint does."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from infer.errors import UnsupportedModelError
@@ -61,3 +63,35 @@ def test_a_qwen2_moe_without_a_shared_expert_is_refused_before_calibration(tmp_p
     and calibration ("cannot reshape tensor of 0 elements into shape [-1, 0]")."""
     refused(tmp_path, "qwen2_moe", "Qwen2MoeForCausalLM", {**QWEN2_MOE, "shared_expert_intermediate_size": 0},
             r"no shared expert \(shared_expert_intermediate_size 0")
+
+
+def test_a_mixtrals_report_and_notes_name_its_modules_as_its_checkpoint_does(tmp_path):
+    """The checkpoint names a Mixtral's experts block_sparse_moe.experts.N.w1/w3/w2: quantization_report.csv and the
+    round-to-nearest note named GPTQModel's mlp.experts.N.gate_proj/up_proj/down_proj, modules the checkpoint lacks.
+    One calibration window of 16 tokens: some experts get none (the note names them). `infer quantize` in a process
+    of its own (GPTQModel patches transformers' MoE modules, which later tests in this process would see)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pandas as pd
+    from safetensors import safe_open
+    pytest.importorskip("gptqmodel")
+    out = tmp_path / "q"
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+           "COLUMNS": "400"}
+    res = subprocess.run([sys.executable, "-m", "infer.cli", "quantize", "tiny-mixtral", "-o", str(out),
+                          "--group-size", "32", "--num-samples", "1", "--seq-len", "16"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    report = pd.read_csv(out / "quantization_report.csv")
+    assert report["module"].str.contains(r"block_sparse_moe\.experts\.\d+\.w[123]$").sum() == 2 * 8 * 3
+    assert all(f"model.layers.{r.layer}.{r.module}.qweight" in names for r in report.itertuples())
+    text = " ".join((res.stdout + res.stderr).split())
+    note = text[text.index("calibration routed"):]
+    assert re.search(r"layer \d block_sparse_moe\.experts\.\d\.w[123]", note), note
+    assert not re.search(r"layer \d mlp\.experts", text), text

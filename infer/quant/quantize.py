@@ -215,6 +215,9 @@ def quantize_model(model: str | os.PathLike, out: str | os.PathLike, options: Qu
     with staged_output(out, overwrite) as tmp, tempfile.TemporaryDirectory(prefix="infer-quantize-") as work:
         with _log_dir(gptqmodel_mod, Path(work)):
             log = _run_gptqmodel(src, tmp, opts, calib, Path(work), observer)
+        if config.get("model_type") == "mixtral":  # the report and the notes name the modules as the checkpoint does
+            log = {**log, "gptq": [{**r, "module": mixtral_name(str(r["module"]))} if "module" in r else r
+                                   for r in log.get("gptq", [])]}
         num_layers = int(config.get("num_hidden_layers", 0))
         _check_losses(src, log, num_layers)
         report = report_frame(log, num_layers)
@@ -662,8 +665,8 @@ MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe")
 # mlp.gate), which only GPTQModel.load reads: Mixtral's checkpoints, vLLM and infer name them
 # block_sparse_moe.experts.N.w1, w3, w2 and block_sparse_moe.gate
 MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-_GPTQMODEL_MIXTRAL = re.compile(r"^(model\.layers\.\d+)\.mlp\."
-                                r"(?:(gate)|experts\.(\d+)\.(gate_proj|up_proj|down_proj))\.")
+_GPTQMODEL_MIXTRAL = re.compile(r"^(model\.layers\.\d+\.)?mlp\."
+                                r"(?:(gate)|experts\.(\d+)\.(gate_proj|up_proj|down_proj))(?=\.|$)")
 MIXTRAL_NOTE = ("this Mixtral checkpoint names its experts block_sparse_moe.experts.N.w1, w3, w2 (its router "
                 "block_sparse_moe.gate), as Mixtral's own checkpoints do and vLLM and infer read them; GPTQModel.load "
                 "reads only its own names (mlp.experts.N.gate_proj, up_proj, down_proj) and refuses it")
@@ -682,18 +685,21 @@ def mixtral_names(out: Path, config: dict, opts: QuantizeOptions) -> list[str]:
     if config.get("model_type") != "mixtral":
         return []
 
-    def renamed(key: str) -> str:
-        m = _GPTQMODEL_MIXTRAL.match(key)
-        if m is None:
-            return key
-        module = "gate" if m.group(2) else f"experts.{m.group(3)}.{MIXTRAL_NAMES[m.group(4)]}"
-        return f"{m.group(1)}.block_sparse_moe.{module}." + key[m.end():]
-
     state = _read_tensors(out)
-    if all(renamed(k) == k for k in state):
+    if all(mixtral_name(k) == k for k in state):
         return []
-    _write_tensors(out, {renamed(k): v for k, v in state.items()}, opts)
+    _write_tensors(out, {mixtral_name(k): v for k, v in state.items()}, opts)
     return [MIXTRAL_NOTE]
+
+
+def mixtral_name(key: str) -> str:
+    """GPTQModel's name of a Mixtral tensor (model.layers.N.mlp.experts.E.gate_proj.qweight) or of a module its report
+    rows name (mlp.experts.E.gate_proj) as Mixtral names it (block_sparse_moe.experts.E.w1); any other unchanged."""
+    m = _GPTQMODEL_MIXTRAL.match(key)
+    if m is None or (m.group(1) is None and m.end() != len(key)):
+        return key
+    module = "gate" if m.group(2) else f"experts.{m.group(3)}.{MIXTRAL_NAMES[m.group(4)]}"
+    return f"{m.group(1) or ''}block_sparse_moe.{module}" + key[m.end():]
 
 
 def moe_notes(config: dict, log: dict, num_layers: int | None = None, out: Path | None = None) -> list[str]:
