@@ -95,3 +95,19 @@ def test_a_mixtrals_report_and_notes_name_its_modules_as_its_checkpoint_does(tmp
     note = text[text.index("calibration routed"):]
     assert re.search(r"layer \d block_sparse_moe\.experts\.\d\.w[123]", note), note
     assert not re.search(r"layer \d mlp\.experts", text), text
+
+
+def test_a_qwen_moes_unused_intermediate_size_is_not_checked():
+    """Every layer of a Qwen MoE that GPTQModel quantizes has the experts: no projection is intermediate_size wide
+    (the dense layers' width), so a --group-size that does not divide it (or a width that does not pack) is no reason
+    to refuse; the experts' widths still are."""
+    from infer.errors import ConfigError
+    from infer.quant.quantize import _check_widths
+    qwen3 = {"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 100, "moe_intermediate_size": 32}
+    _check_widths(qwen3, 32, 4)
+    _check_widths({**qwen3, "model_type": "qwen2_moe", "shared_expert_intermediate_size": 64}, 32, 4)
+    with pytest.raises(ConfigError, match=r"moe_intermediate_size \(48\)"):
+        _check_widths({**qwen3, "moe_intermediate_size": 48}, 32, 4)
+    with pytest.raises(ConfigError, match=r"intermediate_size \(100\)"):  # Mixtral's experts are that wide
+        _check_widths({**qwen3, "model_type": "mixtral"}, 32, 4)

@@ -323,7 +323,9 @@ def _widths(config: dict) -> tuple[dict[str, int], dict[str, int]]:
     """({what: width} of the quantized projections' inputs, the same of their outputs), from config.json as infer's
     models derive them (head_dim apart from hidden_size / heads where the config sets it); what it lacks is left out."""
     dims = {k: config[k] for k in ("hidden_size", "intermediate_size") if isinstance(config.get(k), int)}
-    if config.get("model_type") in MOE_TYPES:  # Qwen's experts and shared expert have widths of their own
+    if config.get("model_type") in ("qwen3_moe", "qwen2_moe"):  # Qwen's experts and shared expert have widths of
+        # their own; intermediate_size is only its dense layers' (none: _check_moe_layers), no projection's here
+        dims.pop("intermediate_size", None)
         dims.update({k: config[k] for k in ("moe_intermediate_size", "shared_expert_intermediate_size")
                      if isinstance(config.get(k), int) and config[k] > 0})
     inputs, outputs = dict(dims), dict(dims)
