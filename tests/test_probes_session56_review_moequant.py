@@ -91,6 +91,8 @@ def test_a_mixtrals_report_and_notes_name_its_modules_as_its_checkpoint_does(tmp
     report = pd.read_csv(out / "quantization_report.csv")
     assert report["module"].str.contains(r"block_sparse_moe\.experts\.\d+\.w[123]$").sum() == 2 * 8 * 3
     assert all(f"model.layers.{r.layer}.{r.module}.qweight" in names for r in report.itertuples())
+    gptqmodel_log = pd.read_csv(out / "quant_log.csv")  # GPTQModel's own report, kept beside infer's
+    assert sorted(gptqmodel_log["module"]) == sorted(report["module"])
     text = " ".join((res.stdout + res.stderr).split())
     note = text[text.index("calibration routed"):]
     assert re.search(r"layer \d block_sparse_moe\.experts\.\d\.w[123]", note), note

@@ -686,7 +686,13 @@ def mixtral_names(out: Path, config: dict, opts: QuantizeOptions) -> list[str]:
     (MIXTRAL_NAMES: tensors renamed, not changed); the note returned says GPTQModel.load refuses them."""
     if config.get("model_type") != "mixtral":
         return []
-
+    log = out / "quant_log.csv"  # GPTQModel's own report (layer,module,...): its modules named as the checkpoint's
+    if log.is_file():
+        import csv
+        with log.open(newline="") as f:
+            rows = list(csv.reader(f))
+        with log.open("w", newline="") as f:
+            csv.writer(f).writerows([r[:1] + [mixtral_name(r[1])] + r[2:] if len(r) > 1 else r for r in rows])
     state = _read_tensors(out)
     if all(mixtral_name(k) == k for k in state):
         return []
