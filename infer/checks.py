@@ -152,21 +152,28 @@ def _loops_over_content(template: str) -> bool:
                for f in tree.find_all(nodes.For))
 
 
+def closest_sibling(p: Path, folders: bool) -> list[str] | None:
+    """The name in p's folder closest to p's own (a typo in the last part), among its files or its folders (not
+    hidden): [that name], [] where none is close, None where p's folder cannot be listed."""
+    import difflib
+    try:
+        names = sorted(e.name for e in p.parent.iterdir()
+                       if (e.is_dir() if folders else e.is_file()) and not e.name.startswith("."))
+    except OSError:
+        return None
+    return difflib.get_close_matches(p.name, names, n=1, cutoff=0.6)
+
+
 def missing_file_hint(path: Path | str) -> str | None:
     """For a file that is not there: the closest file name in its folder (`examples/prompt.jsonl` ->
     `examples/prompts.jsonl`), or that the folder itself does not exist; None where neither helps."""
-    import difflib
     p = Path(path).expanduser()
     parent = p.parent
     if p.name in ("", ".", ".."):
         return None
     if not parent.is_dir():
         return f"the folder {str(parent)!r} does not exist (check the path)" if str(parent) != "." else None
-    try:
-        names = sorted(f.name for f in parent.iterdir() if f.is_file() and not f.name.startswith("."))
-    except OSError:
-        return None
-    close = difflib.get_close_matches(p.name, names, n=1, cutoff=0.6)
+    close = closest_sibling(p, folders=False)
     if close:
         return f"did you mean {str(parent / close[0])!r}?"
     return None

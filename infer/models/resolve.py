@@ -10,6 +10,7 @@ import os
 import re
 from pathlib import Path
 
+from ..checks import closest_sibling
 from ..errors import ModelLoadError
 from .tiny import BUILTIN_MODELS, ensure_builtin
 
@@ -114,11 +115,9 @@ def missing_folder_hint(text: str) -> str | None:
     parent = p.parent
     if p.name in ("", ".", "..") or not parent.is_dir():
         return None
-    try:
-        names = sorted(d.name for d in parent.iterdir() if d.is_dir() and not d.name.startswith("."))
-    except OSError:
+    close = closest_sibling(p, folders=True)
+    if close is None:
         return None
-    close = difflib.get_close_matches(p.name, names, n=1, cutoff=0.6)
     if close:
         return f"the folder {str(parent)!r} has no {p.name!r}: did you mean {str(parent / close[0])!r}?"
     if parent == Path("."):
