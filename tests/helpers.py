@@ -38,6 +38,15 @@ COMPILE_ONLY_LAUNCHES = COMPILE_ONLY_PREAMBLE + textwrap.dedent('''
 ''')
 
 
+def in_empty_hub_cache(tmp_path, monkeypatch) -> None:
+    """The test runs in tmp_path with an empty Hugging Face cache (HF_HOME there, no HF_HUB_CACHE override): a hub id
+    is then one nothing has downloaded."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.chdir(tmp_path)
+
+
 def measured_warmup(args: list[str]) -> dict:
     """`infer warmup --json ARGS`'s report (activation_peak_bytes measured, activation_estimate_bytes the formula's),
     run in a fresh process: on CPU the measurement is the growth of the peak RSS, which memory an earlier test freed

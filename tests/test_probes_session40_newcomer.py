@@ -12,6 +12,8 @@ from infer.cli.main import app
 from infer.errors import ModelLoadError
 from infer.models.resolve import resolve_model
 
+from helpers import in_empty_hub_cache
+
 runner = CliRunner()
 
 
@@ -23,10 +25,7 @@ def _refusal(name: str) -> ModelLoadError:
 
 def test_a_hub_id_says_how_to_download_it(tmp_path, monkeypatch):
     """`infer run meta-llama/Llama-2-7b-hf` only said to pass a folder: it now names the download command."""
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
-    monkeypatch.chdir(tmp_path)
+    in_empty_hub_cache(tmp_path, monkeypatch)
     err = _refusal("meta-llama/Llama-2-7b-hf")
     assert "hub id" in err.hint and "hf download meta-llama/Llama-2-7b-hf" in err.hint
 
@@ -34,10 +33,7 @@ def test_a_hub_id_says_how_to_download_it(tmp_path, monkeypatch):
 def test_a_hub_id_in_the_local_hub_cache_is_read_from_its_snapshot(tmp_path, monkeypatch):
     """Session 40 named the snapshot in a hint; the forty-first reads it (DESIGN: "local folders (or the local
     Hugging Face cache)"): tests/test_probes_session41_main.py runs such a model."""
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
-    monkeypatch.chdir(tmp_path)
+    in_empty_hub_cache(tmp_path, monkeypatch)
     snap = tmp_path / "hf" / "hub" / "models--org--model" / "snapshots" / "0123abc"
     snap.mkdir(parents=True)
     (snap / "config.json").write_text("{}")

@@ -11,6 +11,8 @@ from infer.errors import LoRAError, ModelLoadError
 from infer.lora.adapter import read_config
 from infer.models.resolve import resolve_model
 
+from helpers import in_empty_hub_cache
+
 
 def _model_refusal(name: str) -> ModelLoadError:
     with pytest.raises(ModelLoadError) as e:
@@ -22,10 +24,7 @@ def test_a_typo_in_a_local_model_path_is_no_hub_id(tmp_path, monkeypatch):
     """`infer run infer-demo/tiny-llama-gtpq ...` (a typo under the demo's folder) was told it looked like a hub id
     and to `huggingface-cli download infer-demo/tiny-llama-gtpq`: the folder is local, and the hint now says which
     folder there was meant."""
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
-    monkeypatch.chdir(tmp_path)
+    in_empty_hub_cache(tmp_path, monkeypatch)
     (tmp_path / "infer-demo" / "tiny-llama-gptq").mkdir(parents=True)
     err = _model_refusal("infer-demo/tiny-llama-gtpq")
     assert "hf download" not in err.hint

@@ -12,15 +12,14 @@ import pytest
 from infer.errors import ModelLoadError
 from infer.models.resolve import resolve_model
 
+from helpers import in_empty_hub_cache
+
 
 def test_an_uncached_hub_id_is_told_a_download_command_the_installed_huggingface_hub_has(tmp_path, monkeypatch):
     """`infer run meta-llama/Llama-2-7b-hf ...` was told to run `huggingface-cli download ...`, a command
     huggingface_hub 1.0 removed (transformers 5 needs it: `hf` is what .venv/bin holds); the hint names `hf download`,
     which every huggingface_hub transformers >= 4.56 takes has."""
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
-    monkeypatch.chdir(tmp_path)
+    in_empty_hub_cache(tmp_path, monkeypatch)
     with pytest.raises(ModelLoadError) as e:
         resolve_model("meta-llama/Llama-2-7b-hf")
     hint = e.value.hint

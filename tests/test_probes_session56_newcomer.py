@@ -11,6 +11,8 @@ from typer.testing import CliRunner
 from infer.cli import run as run_module
 from infer.cli.main import app
 
+from helpers import in_empty_hub_cache
+
 
 def _no_model(monkeypatch):
     monkeypatch.setattr(run_module, "_start_engine", lambda *a, **k: pytest.fail("the model was loaded"))
@@ -109,10 +111,7 @@ def test_a_hub_id_is_not_taken_for_a_builtin_without_its_prefix(tmp_path, monkey
     names only (tiny-qwen/qwen2 reads close to tiny-qwen2)."""
     from infer.errors import ModelLoadError
     from infer.models.resolve import resolve_model
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
-    monkeypatch.chdir(tmp_path)
+    in_empty_hub_cache(tmp_path, monkeypatch)
     with pytest.raises(ModelLoadError) as e:
         resolve_model("Qwen/Qwen2")
     assert "hf download Qwen/Qwen2" in e.value.hint and "built-in" not in e.value.hint
