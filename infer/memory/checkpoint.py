@@ -131,11 +131,16 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
 
 # the engine's merged layers (models.layers.MergedLinear): q, k, v and gate, up are one GPTQ layer each
 _MERGED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+# Mixtral's experts' gate and up (block_sparse_moe.experts.N.w1, w3): one int4 stack, one g_idx (models.moe)
+_MERGED_EXPERT = {"w1": "gate_up", "w3": "gate_up"}
 
 
 def _merged_key(qweight_name: str) -> str:
-    """The engine's layer a GPTQ tensor `PREFIX.MODULE.qweight` loads into (q/k/v and gate/up merged)."""
+    """The engine's layer a GPTQ tensor `PREFIX.MODULE.qweight` loads into (q/k/v and gate/up merged; an expert's
+    gate and up, Mixtral's w1 and w3 too)."""
     prefix, _, module = qweight_name[: -len(".qweight")].rpartition(".")
+    if ".experts." in f"{prefix}.":
+        module = _MERGED_EXPERT.get(module, module)
     return f"{prefix}.{_MERGED.get(module, module)}"
 
 

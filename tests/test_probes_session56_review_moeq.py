@@ -1,0 +1,65 @@
+"""Session 56 review of int4 (GPTQ / AWQ) experts on the GPU path: probes of the memory estimate, the stacks and the
+int4 fused MoE that found defects, each test failing before its fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from infer.kernels import packing
+
+
+def rtn_gptq(src, out, group_size: int = 32, act_order: bool = False) -> None:
+    """`src`'s float checkpoint written as a GPTQ one (round to nearest, sym, v1 zeros; every attention projection
+    and expert projection quantized, the router float): qweight, qzeros, scales and g_idx (act_order: g_idx a
+    permutation of the plain one), quantization_config in config.json."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, out)
+    tensors = {}
+    for name, t in load_file(out / "model.safetensors").items():
+        module = name.removesuffix(".weight")
+        if not (name.endswith("proj.weight") or ".experts." in name):
+            tensors[name] = t
+            continue
+        n, k = t.shape
+        groups = k // group_size
+        w = t.float().t()  # [in, out]
+        plain = torch.arange(k) // group_size
+        # (one permutation per input width: the projections infer merges share their g_idx, as GPTQModel's do)
+        g_idx = plain[torch.randperm(k, generator=torch.Generator().manual_seed(k))] if act_order else plain
+        scales = torch.stack([w[g_idx == i].abs().amax(0) for i in range(groups)]).clamp_min(1e-4) / 7
+        scales = scales.half()
+        q = (w / scales[g_idx].float()).round().clamp(-8, 7).to(torch.int32) + 8
+        tensors.update({f"{module}.qweight": packing.pack_rows(q, 4),
+                        f"{module}.qzeros": packing.pack_cols(torch.full((groups, n), 7, dtype=torch.int32), 4),
+                        f"{module}.scales": scales, f"{module}.g_idx": g_idx.int()})
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group_size,
+                                  "desc_act": act_order, "sym": True}
+    (out / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_the_gpu_estimate_of_mixtral_gptq_experts_counts_one_g_idx_for_w1_and_w3(tmp_path, monkeypatch, model_type):
+    """On a GPU an expert's gate and up (Mixtral's w1 and w3, Qwen's gate_proj and up_proj) are one int4 stack with
+    one g_idx of H entries (Int4Stack): `warmup --estimate` counted Mixtral's w1 and w3 each with its own g_idx (the
+    merged names were Qwen's only), E * H * 4 bytes a layer above what the engine holds."""
+    from infer.memory.checkpoint import checkpoint_weights_bytes
+    from infer.memory.sizes import weights_bytes
+    from infer.models.loader import load_model, weight_files
+    from quant_helpers import int4_kernel_path
+    from test_probes_session55_moe import build
+    build(tmp_path / "base", model_type, num_hidden_layers=1)
+    rtn_gptq(tmp_path / "base", tmp_path / "q", act_order=True)
+    int4_kernel_path(monkeypatch)
+    model, cfg = load_model(tmp_path / "q", torch.float32, torch.device("cpu"))
+    assert model.layers[0].mlp.experts.w13.numel() == 0  # (int4 stacks)
+    held = weights_bytes(model) - sum(b.numel() * b.element_size() for n, b in model.named_buffers()
+                                      if n.endswith(("cos_sin", "packed_weight", "packed_head")))
+    files = weight_files(tmp_path / "q")
+    assert checkpoint_weights_bytes(files, cfg, torch.float32, torch.device("cuda"), 4, True) == held
