@@ -68,7 +68,7 @@ def test_the_estimate_reads_a_layers_own_bits_from_the_config_when_it_has_no_g_i
     from infer.models.tiny import ensure_builtin
     from infer.models import loader
     # (the two layers alone, for the sizes: the loader's checks, which refuse the rest missing, left out)
-    monkeypatch.setattr(loader, "check_weights", lambda path: None)
+    monkeypatch.setattr(loader, "check_weights", lambda path, device=None: None)
     counts = {}
     for with_g_idx in (True, False):
         d = tmp_path / f"m{int(with_g_idx)}"

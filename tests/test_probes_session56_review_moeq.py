@@ -11,7 +11,7 @@ import torch
 from infer.kernels import packing
 
 
-def rtn_gptq(src, out, group_size: int = 32, act_order: bool = False) -> None:
+def rtn_gptq(src, out, group_size: int = 32, act_order: bool = False, bits: int = 4) -> None:
     """`src`'s float checkpoint written as a GPTQ one (round to nearest, sym, v1 zeros; every attention projection
     and expert projection quantized, the router float): qweight, qzeros, scales and g_idx (act_order: g_idx a
     permutation of the plain one), quantization_config in config.json."""
@@ -31,15 +31,17 @@ def rtn_gptq(src, out, group_size: int = 32, act_order: bool = False) -> None:
         plain = torch.arange(k) // group_size
         # (one permutation per input width: the projections infer merges share their g_idx, as GPTQModel's do)
         g_idx = plain[torch.randperm(k, generator=torch.Generator().manual_seed(k))] if act_order else plain
-        scales = torch.stack([w[g_idx == i].abs().amax(0) for i in range(groups)]).clamp_min(1e-4) / 7
+        half = 2 ** (bits - 1)
+        scales = torch.stack([w[g_idx == i].abs().amax(0) for i in range(groups)]).clamp_min(1e-4) / (half - 1)
         scales = scales.half()
-        q = (w / scales[g_idx].float()).round().clamp(-8, 7).to(torch.int32) + 8
-        tensors.update({f"{module}.qweight": packing.pack_rows(q, 4),
-                        f"{module}.qzeros": packing.pack_cols(torch.full((groups, n), 7, dtype=torch.int32), 4),
+        q = (w / scales[g_idx].float()).round().clamp(-half, half - 1).to(torch.int32) + half
+        zeros = torch.full((groups, n), half - 1, dtype=torch.int32)
+        tensors.update({f"{module}.qweight": packing.pack_rows(q, bits),
+                        f"{module}.qzeros": packing.pack_cols(zeros, bits),
                         f"{module}.scales": scales, f"{module}.g_idx": g_idx.int()})
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group_size,
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group_size,
                                   "desc_act": act_order, "sym": True}
     (out / "config.json").write_text(json.dumps(cfg))
 
@@ -63,3 +65,29 @@ def test_the_gpu_estimate_of_mixtral_gptq_experts_counts_one_g_idx_for_w1_and_w3
                                       if n.endswith(("cos_sin", "packed_weight", "packed_head")))
     files = weight_files(tmp_path / "q")
     assert checkpoint_weights_bytes(files, cfg, torch.float32, torch.device("cuda"), 4, True) == held
+
+
+def test_check_weights_for_a_gpu_builds_the_experts_as_a_gpu_load_does(tmp_path, monkeypatch):
+    """`infer warmup --estimate` checks the checkpoint as a load on its device would: for a GPU the experts int4 (a
+    GPU load refuses 8-bit GPTQ experts, UnsupportedModelError). check_weights built the model on the meta device
+    as the CPU builds it (experts dequantized at load): the estimate of an 8-bit GPTQ MoE for a GPU passed while its
+    load there is refused. The CPU's check still accepts it (the CPU runs it)."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from infer.errors import UnsupportedModelError
+    from infer.models import loader
+    from test_probes_session55_moe import build
+    build(tmp_path / "base", "qwen3_moe", num_hidden_layers=1)
+    rtn_gptq(tmp_path / "base", tmp_path / "q8", bits=8)
+    loader.check_weights(tmp_path / "q8")
+    loader.check_weights(tmp_path / "q8", torch.device("cpu"))
+    with pytest.raises(UnsupportedModelError, match=r"experts' gate/up projections .* are 8-bit GPTQ: on a GPU"):
+        loader.check_weights(tmp_path / "q8", torch.device("cuda"))
+    seen = []
+    real = loader.check_weights
+    monkeypatch.setattr(loader, "check_weights", lambda path, *device: seen.append(device) or real(path, *device))
+    res = CliRunner().invoke(app, ["warmup", str(tmp_path / "q8"), "--estimate", "--device", "cpu", "--max-length",
+                                   "64", "--json"])
+    assert res.exit_code == 0, (res.output, res.exception)
+    assert seen and all(d and torch.device(d[0]).type == "cpu" for d in seen), seen

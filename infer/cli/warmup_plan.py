@@ -164,8 +164,8 @@ def estimate_plan(engine_config: EngineConfig, max_length: int, concurrency: int
     weights = checkpoint_weights_bytes(weight_files(path), model_config, dtype, device, gptq.bits if gptq else None,
                                        gptq.desc_act if gptq else False, bits_of if gptq else None,
                                        awq=bool(gptq) and gptq.quant_method == "awq")
-    check_weights(path)  # what a load refuses of the layers and tensors, from the headers (read above: a damaged
-    # one named as such) alone
+    check_weights(path, device)  # what a load on `device` refuses of the layers and tensors, from the headers (read
+    # above: a damaged one named as such) alone
     from ..models.rope import rope_table_bytes  # the rotary table an engine of this config builds at load
     weights += rope_table_bytes(model_config, model_max_len(model_config, engine_config))
     weights += _draft_weights(engine_config, model_config, dtype, device, max_length)
@@ -209,7 +209,7 @@ def _draft_weights(engine_config: EngineConfig, model_config, dtype, device, max
     bits, desc_act = (gptq.bits, gptq.desc_act) if gptq else (None, False)
     weights = checkpoint_weights_bytes(weight_files(path), config, dtype, device, bits, desc_act,
                                        bits_of if gptq else None, awq=bool(gptq) and gptq.quant_method == "awq")
-    check_weights(path)  # (as the target's: what its load refuses)
+    check_weights(path, device)  # (as the target's: what its load refuses)
     return weights + rope_table_bytes(config, draft_context(config, max_length))  # (its table: its own positions)
 
 

@@ -186,16 +186,19 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_positio
     return model, cfg
 
 
-def check_weights(path: Path) -> None:
+def check_weights(path: Path, device: torch.device | None = None) -> None:
     """What load_model checks of a checkpoint (float, GPTQ or AWQ), without reading a tensor: an architecture infer
     runs, its quantization config against the layers infer merges (`dynamic` rules that set them apart), every
     tensor's name and shape against config.json, none missing and none left over. The model is built on the meta
     device and fed the shapes in the weight files' headers (`infer convert` and `infer quantize` call it before
     transformers, which fills missing weights at random and drops the others, sees the folder; `infer warmup
-    --estimate` before it reads the sizes, so that it refuses what a load refuses)."""
+    --estimate` before it reads the sizes, so that it refuses what a load refuses). `device`: the one the load
+    will be on (a GPU: the model built as a GPU builds it, a mixture of experts' GPTQ experts int4, models.moe);
+    None: the CPU's."""
+    from .moe import meta_as_gpu
     cfg = load_config(path)
     files = weight_files(path)
-    with torch.device("meta"):
+    with torch.device("meta"), meta_as_gpu(device is not None and torch.device(device).type == "cuda"):
         model = model_class(cfg)(cfg, torch.float32, linear_method_factory(path, cfg), 1)
     place_weights(model, iter_tensors(files, meta=True), torch.float32)
     for layer in model.modules():  # a quantized layer's own tensors (qweight, qzeros, scales, g_idx) all in

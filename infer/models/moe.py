@@ -25,6 +25,7 @@ experts; adapters on the experts, the router or an MoE model's MLPs (lora.adapte
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import torch
@@ -94,10 +95,27 @@ def on_gpu(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
 
 
+# loader.check_weights of a checkpoint a GPU will load (`warmup --estimate --device cuda`): the model on the meta
+# device built as a GPU builds it (int4 experts, and a GPU's refusals of them)
+_META_AS_GPU: list[bool] = [False]
+
+
+@contextlib.contextmanager
+def meta_as_gpu(enabled: bool = True):
+    """Within: a model built on the meta device keeps GPTQ experts int4, as it would on a GPU (`int4_path`)."""
+    before = _META_AS_GPU[0]
+    _META_AS_GPU[0] = enabled
+    try:
+        yield
+    finally:
+        _META_AS_GPU[0] = before
+
+
 def int4_path(t: torch.Tensor) -> bool:
     """Whether a model built where `t` lies keeps GPTQ experts int4 (the GPU path: kernels.fused_moe_int4; also the
-    Triton kernels' path that tests force on the CPU), rather than dequantizing them at load."""
-    return on_gpu(t) or kernels.use_triton(t)
+    Triton kernels' path that tests force on the CPU), rather than dequantizing them at load; on the meta device
+    within `meta_as_gpu` too."""
+    return on_gpu(t) or kernels.use_triton(t) or (t.is_meta and _META_AS_GPU[0])
 
 
 class _Gate(nn.Module):
