@@ -91,3 +91,39 @@ def test_check_weights_for_a_gpu_builds_the_experts_as_a_gpu_load_does(tmp_path,
                                    "64", "--json"])
     assert res.exit_code == 0, (res.output, res.exception)
     assert seen and all(d and torch.device(d[0]).type == "cpu" for d in seen), seen
+
+
+def test_reload_weights_takes_the_int4_stacks_group_size_with_their_g_idx(tmp_path, monkeypatch):
+    """reload_weights (vLLM's, new weights written over the folder) adopts the fresh model's tensors; an Int4Stack's
+    group_size (computed at load from its g_idx: the kernel's plain groups, or 0 to read g_idx) is no tensor and
+    stayed the old load's: weights of plain groups replaced by act-order ones kept group_size 32, and the int4 fused
+    MoE read every row's group as row // 32, not its g_idx. The reloaded engine gives the fresh engine's tokens and
+    logprobs."""
+    import shutil
+
+    from infer import LLM, SamplingParams
+    from helpers import random_prompts
+    from quant_helpers import int4_kernel_path
+    from test_probes_session55_moe import build
+    build(tmp_path / "base", "qwen3_moe", num_hidden_layers=1)
+    rtn_gptq(tmp_path / "base", tmp_path / "plain")
+    rtn_gptq(tmp_path / "base", tmp_path / "act", act_order=True)
+    shutil.copytree(tmp_path / "plain", tmp_path / "m")
+    int4_kernel_path(monkeypatch)
+    prompts = random_prompts(512, (5, 14), seed=4)[:2]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True, logprobs=1)
+    opts = dict(block_size=4, max_num_batched_tokens=8, max_num_seqs=2, max_model_len=32)
+    with LLM(str(tmp_path / "act"), **opts) as llm:
+        want = llm.generate(prompts, params)
+    with LLM(str(tmp_path / "m"), **opts) as llm:
+        experts = llm.engine.runner.model.layers[0].mlp.experts
+        assert experts.w13_int4.group_size == 32
+        for f in ("model.safetensors", "config.json"):
+            shutil.copy(tmp_path / "act" / f, tmp_path / "m" / f)
+        llm.engine.reload_weights()
+        assert experts.w13_int4.group_size == 0  # (act-order: g_idx read; the down, I = 32, is one group)
+        got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for a, b in zip(got, want):
+        for ra, rb in zip(a.logprobs, b.logprobs):
+            assert abs(ra["logprob"] - rb["logprob"]) < 1e-5

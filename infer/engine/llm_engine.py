@@ -1364,7 +1364,8 @@ class LLMEngine:
 
 def _adopt_weights(model, fresh) -> None:
     """The tensors of `fresh` (the same checkpoint loaded again) in `model`, module by module: parameters keep their
-    objects (a tied head stays the embeddings'), buffers and tensor attributes are taken as they are; the KV cache's
+    objects (a tied head stays the embeddings'), buffers and tensor attributes are taken as they are, and a module's
+    ADOPTED_ATTRS (what its load computed from the tensors: an Int4Stack's group_size) with them; the KV cache's
     views and whatever else is not a tensor of `fresh` (adapter hooks, kernel choices) stay."""
     from .sleep import KV_ATTRS
     new_modules = dict(fresh.named_modules())
@@ -1383,6 +1384,8 @@ def _adopt_weights(model, fresh) -> None:
         for key, value in vars(new).items():
             if key not in KV_ATTRS and isinstance(value, torch.Tensor):
                 setattr(mod, key, value)
+        for key in getattr(new, "ADOPTED_ATTRS", ()):  # what a load computed from the tensors, held as no tensor
+            setattr(mod, key, getattr(new, key))
 
 
 def _bad_word_ids(tokenizer, vocab: int, words: tuple[str, ...]) -> list[list[int]]:

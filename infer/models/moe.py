@@ -133,7 +133,10 @@ class Int4Stack(nn.Module):
     """One stacked projection of int4 experts (w13: K = H inputs, N = 2I outputs; w2: I, H), in the checkpoint's
     order (kernels.reference.Int4Experts): words int32 [E, K / 8, N], zeros int32 [E, G, N / 8] (fields, v1
     borrows undone), scales float16 [E, G, N] (a GPU load checks them for inf / NaN as every GPTQ layer's),
-    g_idx int32 [E, K]; group_size: g_idx's where every expert's is plain (row // group_size), else 0."""
+    g_idx int32 [E, K]; group_size: g_idx's where every expert's is plain (row // group_size), else 0 (computed
+    from g_idx at load: reload_weights takes it with the tensors, ADOPTED_ATTRS)."""
+
+    ADOPTED_ATTRS = ("group_size",)
 
     def __init__(self, e: int, k: int, n: int, config):
         super().__init__()
