@@ -49,14 +49,10 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
     return sorted_pairs, block_expert, ends[-1:].to(torch.int32)
 
 
-@triton.jit(do_not_specialize=["num_pairs"])  # (T * k: one compiled variant for every step's count of pairs)
-def _moe_gemm(a_ptr, w_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr, post_ptr, num_pairs, n, k, top_k,
-              s_a, s_we, s_wn, s_out, ROW_DIV: tl.constexpr, WEIGHTED: tl.constexpr, IEEE: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(post_ptr):
-        return
+@triton.jit
+def _block_rows(pairs_ptr, experts_ptr, num_pairs, top_k, pid_m, ROW_DIV: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Block pid_m's BLOCK_M sorted rows: (each row's pair, whether it is one (not padding), the row of x it reads
+    (the pair's token where ROW_DIV, else the pair itself), the block's expert)."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(pairs_ptr + rows)
     valid = pair < num_pairs
@@ -66,6 +62,31 @@ def _moe_gemm(a_ptr, w_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr, post_p
         a_row = pair
     a_row = tl.where(valid, a_row, 0).to(tl.int64)
     e = tl.load(experts_ptr + pid_m).to(tl.int64)
+    return pair, valid, a_row, e
+
+
+@triton.jit
+def _store_rows(out_ptr, weights_ptr, acc, pair, valid, offs_n, n, s_out, WEIGHTED: tl.constexpr):
+    """Each valid row's output at its pair; where WEIGHTED, rounded to x's dtype (the expert's output, as
+    F.linear's) and multiplied by the pair's routing weight in float32 first."""
+    out_row = tl.where(valid, pair, 0).to(tl.int64)
+    if WEIGHTED:
+        acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        rw = tl.load(weights_ptr + out_row, mask=valid, other=0.0).to(tl.float32)
+        acc = acc * rw[:, None]
+    tl.store(out_ptr + out_row[:, None] * s_out + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & (offs_n[None, :] < n))
+
+
+@triton.jit(do_not_specialize=["num_pairs"])  # (T * k: one compiled variant for every step's count of pairs)
+def _moe_gemm(a_ptr, w_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr, post_ptr, num_pairs, n, k, top_k,
+              s_a, s_we, s_wn, s_out, ROW_DIV: tl.constexpr, WEIGHTED: tl.constexpr, IEEE: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(post_ptr):
+        return
+    pair, valid, a_row, e = _block_rows(pairs_ptr, experts_ptr, num_pairs, top_k, pid_m, ROW_DIV, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
@@ -78,13 +99,7 @@ def _moe_gemm(a_ptr, w_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr, post_p
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(a, w)
-    out_row = tl.where(valid, pair, 0).to(tl.int64)
-    if WEIGHTED:
-        acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # the expert's output in x's dtype, as F.linear's
-        rw = tl.load(weights_ptr + out_row, mask=valid, other=0.0).to(tl.float32)
-        acc = acc * rw[:, None]
-    tl.store(out_ptr + out_row[:, None] * s_out + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=valid[:, None] & (offs_n[None, :] < n))
+    _store_rows(out_ptr, weights_ptr, acc, pair, valid, offs_n, n, s_out, WEIGHTED)
 
 
 def _gemm(a, w, out, weights, sorted_pairs, block_expert, post, top_k, row_div: bool, weighted: bool):
@@ -133,15 +148,7 @@ def _moe_gemm_int4(a_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, out_ptr, weights_ptr, pa
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(post_ptr):
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(pairs_ptr + rows)
-    valid = pair < num_pairs
-    if ROW_DIV:
-        a_row = pair // top_k
-    else:
-        a_row = pair
-    a_row = tl.where(valid, a_row, 0).to(tl.int64)
-    e = tl.load(experts_ptr + pid_m).to(tl.int64)
+    pair, valid, a_row, e = _block_rows(pairs_ptr, experts_ptr, num_pairs, top_k, pid_m, ROW_DIV, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n
     zshift = ((offs_n % 8) * 4)[None, :]
@@ -173,13 +180,7 @@ def _moe_gemm_int4(a_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, out_ptr, weights_ptr, pa
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(a, w)
-    out_row = tl.where(valid, pair, 0).to(tl.int64)
-    if WEIGHTED:
-        acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-        rw = tl.load(weights_ptr + out_row, mask=valid, other=0.0).to(tl.float32)
-        acc *= rw[:, None]
-    tl.store(out_ptr + out_row[:, None] * s_out + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=valid[:, None] & mask_n[None, :])
+    _store_rows(out_ptr, weights_ptr, acc, pair, valid, offs_n, n, s_out, WEIGHTED)
 
 
 def _gemm_int4(a, w, out, weights, sorted_pairs, block_expert, post, top_k, row_div: bool, weighted: bool):
