@@ -161,3 +161,20 @@ def test_a_lora_folder_without_its_name_is_told_the_option_with_a_name_for_it():
     with pytest.raises(ConfigError) as e:
         parse_loras(["legal="])
     assert "give the adapter's folder, e.g. --lora legal=" in e.value.hint
+
+
+def test_a_pool_too_small_for_a_windowed_sequence_says_how_many_blocks_it_needs(tmp_path):
+    """A sliding-window model with num_kv_blocks below one sequence's window and step was told "num_kv_blocks=7
+    holds 24 tokens (one block is the sliding window's placeholder), less than one sequence of 120 tokens (the
+    context, --max-model-len) holds at once (7 blocks: ...)", which reads as if the sequence held the tokens: it
+    says now how many blocks are left for sequences and how many one sequence holds at once."""
+    from infer import LLM
+    from infer.errors import ConfigError
+    from test_probes_session55_swblocks import CHUNK, build
+    build(tmp_path, "mistral", seed=4)
+    with pytest.raises(ConfigError) as e:
+        LLM(str(tmp_path), block_size=4, max_num_batched_tokens=CHUNK, max_num_seqs=1, num_kv_blocks=7,
+            max_model_len=120)
+    assert ("num_kv_blocks=7 leaves 6 blocks for sequences (one is the sliding window's placeholder), fewer than "
+            "the 7 one sequence of 120 tokens (--max-model-len) holds at once") in e.value.message
+    assert "num_kv_blocks=8 or more" in e.value.hint

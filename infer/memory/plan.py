@@ -513,10 +513,11 @@ def plan_memory(engine_config: PlanOptions, model_config, model, dtype, device, 
     if plan.usable_blocks < plan.blocks_for(max_len) and engine_config.num_kv_blocks:
         spare = plan.kv_blocks - plan.usable_blocks  # (a sliding window's placeholder: no sequence's)
         raise ConfigError(
-            f"num_kv_blocks={engine_config.num_kv_blocks} holds {plan.usable_blocks * plan.block_size} tokens"
-            + (" (one block is the sliding window's placeholder)" if spare else "")
-            + f", less than one sequence of {max_len} tokens (the context, --max-model-len)"
-            + (f" holds at once ({plan.blocks_for(max_len)} blocks: its window and a step)" if spare else ""),
+            f"num_kv_blocks={engine_config.num_kv_blocks} leaves {plan.usable_blocks} blocks for sequences (one "
+            f"is the sliding window's placeholder), fewer than the {plan.blocks_for(max_len)} one sequence of "
+            f"{max_len} tokens (--max-model-len) holds at once (its window and a step)" if spare else
+            f"num_kv_blocks={engine_config.num_kv_blocks} holds {plan.usable_blocks * plan.block_size} tokens, "
+            f"less than one sequence of {max_len} tokens (the context, --max-model-len)",
             f"use num_kv_blocks={plan.blocks_for(max_len) + spare} or more, or lower --max-model-len to "
             f"{plan.usable_blocks * plan.block_size} or less")
     if plan.usable_blocks < plan.blocks_for(max_len):
