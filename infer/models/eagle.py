@@ -65,12 +65,13 @@ def load_eagle3_config(path: Path):
 
 
 def aux_layer_ids(head_cfg, target_cfg) -> tuple[int, ...]:
-    """The target layers whose input (the residual stream) the head reads: eagle_config's
-    eagle_aux_hidden_state_layer_ids, or vLLM's default (2, L // 2, L - 3); ModelLoadError for ids the target has
-    not."""
+    """The target layers whose input (the residual stream) the head reads: the config's
+    eagle_aux_hidden_state_layer_ids (where vLLM reads them, e.g. the speculators' heads) or eagle_config's (the
+    EAGLE repo's and ModelOpt's), or vLLM's default (2, L // 2, L - 3); ModelLoadError for ids the target has not."""
     n = target_cfg.num_hidden_layers
     eagle = getattr(head_cfg, "eagle_config", None) or {}
-    ids = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
+    ids = getattr(head_cfg, "eagle_aux_hidden_state_layer_ids", None) or \
+        (eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None)
     ids = tuple(int(i) for i in ids) if ids else (2, n // 2, n - 3)
     if len(ids) != 3 or any(i < 0 or i >= n for i in ids):
         raise ModelLoadError(f"the EAGLE-3 head reads the target's layers {list(ids)}, which a target of {n} layers "
