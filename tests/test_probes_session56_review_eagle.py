@@ -4,6 +4,7 @@ layouts: what a head's config.json says is read as vLLM reads it."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from infer import LLM
 
@@ -31,3 +32,47 @@ def test_top_level_aux_layer_ids_are_read_as_vllm_reads_them(tmp_path, target, m
     for tokens, drafts in seen:
         assert drafts == reference_drafts(hf, t, tokens, len(drafts), (5, 1, 6))
     assert (5, 1, 6) != (2, LAYERS // 2, LAYERS - 3)
+
+
+def _reference_norm_before_residual(hf, t, tokens: list[int], k: int) -> list[int]:
+    """reference_drafts (test_probes_session56_eagle) with the residual taken after hidden_norm (vLLM's
+    norm_before_residual): the layer's attention sees the same input, its output adds to the normed hidden state."""
+    import test_probes_session56_eagle as ref
+    real = ref._layer
+
+    def layer(t, emb, hid):
+        n = emb.shape[0]
+        normed = ref._rms(hid, t["midlayer.hidden_norm.weight"])
+        x = torch.cat([ref._rms(emb, t["midlayer.input_layernorm.weight"]), normed], -1)
+        pos = torch.arange(n)
+        heads, kv, d = ref.HEADS, ref.KV, ref.D
+        q = ref._rope((x @ t["midlayer.self_attn.q_proj.weight"].T).view(n, heads, d), pos)
+        kk = ref._rope((x @ t["midlayer.self_attn.k_proj.weight"].T).view(n, kv, d), pos)
+        v = (x @ t["midlayer.self_attn.v_proj.weight"].T).view(n, kv, d)
+        kk, v = kk.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
+        s = torch.einsum("qhd,khd->hqk", q, kk) / d ** 0.5
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        o = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(n, heads * d)
+        res = o @ t["midlayer.self_attn.o_proj.weight"].T + normed
+        y = ref._rms(res, t["midlayer.post_attention_layernorm.weight"])
+        gate, up = y @ t["midlayer.mlp.gate_proj.weight"].T, y @ t["midlayer.mlp.up_proj.weight"].T
+        pre = (torch.nn.functional.silu(gate) * up) @ t["midlayer.mlp.down_proj.weight"].T + res
+        return ref._rms(pre, t["norm.weight"]), pre
+    ref._layer = layer
+    try:
+        return ref.reference_drafts(hf, t, tokens, k, (2, LAYERS // 2, LAYERS - 3))
+    finally:
+        ref._layer = real
+
+
+def test_norm_before_residual_takes_the_normed_hidden_state_as_the_residual(tmp_path, target, monkeypatch):
+    """A head whose config says norm_before_residual (the speculators' EAGLE-3 heads, read by vLLM's
+    llama_eagle3): the attention's output adds to hidden_norm(hidden), not to the raw hidden state."""
+    folder, hf = target
+    t = save_eagle3(tmp_path / "h", seed=9, config={"norm_before_residual": True})
+    seen = _record(monkeypatch)
+    llm = LLM(str(folder), speculative_config=spec(tmp_path / "h"), **KW)
+    llm.generate(random_prompts(VOCAB, (9, 12), seed=6), greedy(6))
+    assert seen
+    for tokens, drafts in seen:
+        assert drafts == _reference_norm_before_residual(hf, t, tokens, len(drafts)), tokens

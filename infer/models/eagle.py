@@ -8,6 +8,7 @@ eagle_config.eagle_aux_hidden_state_layer_ids):
       (the residual stream entering target layers (2, L // 2, L - 3) by default, vLLM's choice), projected to H
   midlayer.input_layernorm.weight [H] (the token's embedding), midlayer.hidden_norm.weight [H] (the hidden state)
   midlayer.self_attn.{q,k,v}_proj.weight [., 2H] over concat(normed embedding, normed hidden), o_proj [H, .]
+  (the attention's output added to the hidden state, or to its normed self where config.json's norm_before_residual)
   midlayer.post_attention_layernorm.weight, midlayer.mlp.{gate,up,down}_proj.weight, norm.weight
   lm_head.weight [draft_vocab, H]; d2t [draft_vocab] (target id = draft id + d2t[draft id]); t2d [vocab] (unused)
   embed_tokens.weight [vocab, H] (optional: the target's embeddings otherwise)
@@ -107,6 +108,9 @@ class Eagle3Head(nn.Module):
         h = cfg.hidden_size
         self.config = cfg
         self.draft_vocab = int(getattr(cfg, "draft_vocab_size", None) or cfg.vocab_size)
+        # the residual the attention's output adds to: the normed hidden state (the speculators' heads,
+        # norm_before_residual: true), else the hidden state itself (the EAGLE repo's), as vLLM's Eagle3 layer
+        self.norm_before_residual = bool(getattr(cfg, "norm_before_residual", False))
         self.fc = nn.Linear(3 * h, h, bias=False, dtype=dtype)
         self.fc.weight.requires_grad_(False)
         no_method = (lambda names: None)
@@ -144,9 +148,10 @@ class Eagle3Head(nn.Module):
 
     def forward(self, input_ids, positions, ctx: ForwardContext, hidden: torch.Tensor):
         """(the normed output for the logits, the pre-norm output fed back as the next draft's hidden state)."""
-        x = torch.cat([self.input_layernorm(self.embed(input_ids)), self.hidden_norm(hidden)], dim=-1)
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(self.embed(input_ids)), normed], dim=-1)
         o, delta = self.self_attn(positions, x, ctx, self.cos_sin)
-        x, residual = self.post_attention_layernorm(o, hidden, delta)
+        x, residual = self.post_attention_layernorm(o, normed if self.norm_before_residual else hidden, delta)
         x, delta = self.mlp(x, ctx)
         return self.norm(x, residual, delta)
 
