@@ -76,3 +76,24 @@ def test_norm_before_residual_takes_the_normed_hidden_state_as_the_residual(tmp_
     assert seen
     for tokens, drafts in seen:
         assert drafts == _reference_norm_before_residual(hf, t, tokens, len(drafts)), tokens
+
+
+
+def test_a_prefix_hit_does_not_reuse_the_heads_state_of_another_next_token(tmp_path, target, monkeypatch):
+    """The head's KV at a block's last position pairs it with the next block's first token, which the block's hash
+    does not cover: a request whose prompt shares whole blocks with an earlier one, then goes on with another token,
+    must not read that position as the earlier request wrote it (vLLM drops the last block of an EAGLE prefix hit
+    and recomputes it). Its drafts equal the reference's, computed from its own tokens."""
+    folder, hf = target
+    t = save_eagle3(tmp_path / "h", seed=7)
+    llm = LLM(str(folder), speculative_config=spec(tmp_path / "h"), **KW)
+    shared = random_prompts(VOCAB, (12,), seed=30)[0]  # three whole blocks of 4
+    firsts = [p + [100 + i] + random_prompts(VOCAB, (3,), seed=31 + i)[0] for i, p in enumerate([shared] * 3)]
+    llm.generate(firsts[:1], greedy(6))
+    hits = llm.engine.stats()["prefix_cache_hits"]
+    seen = _record(monkeypatch)
+    llm.generate(firsts[1:], greedy(8))
+    assert llm.engine.stats()["prefix_cache_hits"] > hits
+    assert seen
+    for tokens, drafts in seen:
+        assert drafts == reference_drafts(hf, t, tokens, len(drafts), (2, LAYERS // 2, LAYERS - 3)), tokens

@@ -89,6 +89,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.step_tokens = step_tokens
         self.draft_reads = False  # draft-model speculation: its KV (in the same blocks) is read from draft_computed
+        self.eagle_reads_next = False  # EAGLE: a block's head KV depends on the token after it (_cached_prefix)
         self.window_freed = 0  # blocks freed behind the window of running sequences (stats)
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -165,6 +166,18 @@ class BlockManager:
         return self.enable_prefix_caching and seq.params.prompt_logprobs is None
 
     def _cached_prefix(self, seq: Sequence) -> list[int | None]:
+        """`_longest_prefix`, less its last block under EAGLE (`eagle_reads_next`), as vLLM drops it: the head's KV
+        at a block's last position pairs it with the next block's first token, which the block's hash does not
+        cover. The sequence computes that block again in a block of its own, so the target's states for it feed the
+        head with its own next token."""
+        hits = self._longest_prefix(seq)
+        if self.eagle_reads_next and hits:
+            hits = hits[:-1]
+            while hits and hits[-1] is None:
+                hits.pop()
+        return hits
+
+    def _longest_prefix(self, seq: Sequence) -> list[int | None]:
         """Block ids of the longest cached prefix; at least one token is always left to compute. With a window the
         prefix may run past an evicted block: only the blocks a query after the hit reads (`_window_hit`) must be
         cached, those before them are None (behind the window, never taken)."""

@@ -230,6 +230,7 @@ class LLMEngine:
                                        self.device, parts.model)
             self.runner.draft = self.drafter
             self.scheduler.draft_context = self.drafter.context
+            self.block_manager.eagle_reads_next = True  # (a prefix hit's last block computed again)
         elif getattr(parts, "draft", None) is not None:
             from .draft import DraftRunner
             self.drafter = DraftRunner(parts.draft, config.kv_dtype(self.dtype), parts.num_blocks, config.block_size,
