@@ -97,3 +97,18 @@ def test_a_prefix_hit_does_not_reuse_the_heads_state_of_another_next_token(tmp_p
     assert seen
     for tokens, drafts in seen:
         assert drafts == reference_drafts(hf, t, tokens, len(drafts), (2, LAYERS // 2, LAYERS - 3)), tokens
+
+
+def test_a_preempted_request_drafts_from_its_recomputed_states(tmp_path, target, monkeypatch):
+    """A request preempted (recompute) while the head had not been fed the target's states of its last positions:
+    those states are of KV that is gone. After its recompute its drafts equal the reference's (they were drafted
+    from a head KV never written: the stale rows pushed its feed past the positions it recomputed)."""
+    folder, hf = target
+    t = save_eagle3(tmp_path / "h", seed=1)
+    seen = _record(monkeypatch)
+    llm = LLM(str(folder), speculative_config=spec(tmp_path / "h"), **KW)
+    prompts = [p for seed in (0, 1, 2) for p in random_prompts(VOCAB, (5, 19), seed=seed)]
+    llm.generate(prompts, greedy(16))
+    assert llm.engine.stats()["num_preemptions"] > 0
+    for tokens, drafts in seen:
+        assert drafts == reference_drafts(hf, t, tokens, len(drafts), (2, LAYERS // 2, LAYERS - 3)), tokens

@@ -433,6 +433,7 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = seq.num_hashed_blocks = seq.draft_computed = seq.num_freed_blocks = 0
         seq.last_block_hash = None
+        seq.draft_hidden = None  # (EAGLE: the target's states not fed yet are of positions recomputed from 0)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Share the parent's full blocks with the child (copy-on-write is not needed: only full blocks)."""
