@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from infer import LLM
+from infer.engine.config import EngineConfig
 
 from helpers import random_prompts, save_random_model
-from test_probes_session56_eagle import KW, LAYERS, TARGET, VOCAB, _record, greedy, reference_drafts, save_eagle3, spec
+from test_probes_session56_eagle import (H, KW, LAYERS, TARGET, VOCAB, _record, greedy, reference_drafts, save_eagle3,
+                                         spec)
 
 
 @pytest.fixture(scope="module")
@@ -112,3 +114,26 @@ def test_a_preempted_request_drafts_from_its_recomputed_states(tmp_path, target,
     assert llm.engine.stats()["num_preemptions"] > 0
     for tokens, drafts in seen:
         assert drafts == reference_drafts(hf, t, tokens, len(drafts), (2, LAYERS // 2, LAYERS - 3)), tokens
+
+
+@pytest.mark.parametrize("method", ["eagle3", "eagle"])
+def test_warmup_measures_and_estimates_an_eagle_head(tmp_path, target, method):
+    """infer warmup with an EAGLE head: the measured plan runs the worst case through the engine's EagleRunner (was:
+    a DraftRunner calling the head without its hidden states, TypeError), and the estimate counts the head's weights
+    (was: none of them) as the measured plan does, give or take the CPU's prepacked copy of its lm_head."""
+    from infer.cli.warmup_plan import estimate_plan, measured_plan
+    from test_probes_session56_eagle import save_eagle1
+    folder = target[0]
+    if method == "eagle3":
+        save_eagle3(tmp_path / "h", seed=1)
+    else:
+        save_eagle1(tmp_path / "h", seed=1)
+    plain = EngineConfig(str(folder), block_size=4)
+    cfg = EngineConfig(str(folder), block_size=4, speculative_config={
+        "method": method, "model": str(tmp_path / "h"), "num_speculative_tokens": 3})
+    base = estimate_plan(plain, 128, 2)[0].weights_bytes
+    est, measured = estimate_plan(cfg, 128, 2)[0], measured_plan(cfg, 128, 2)[0]
+    assert measured.weights_bytes > measured_plan(plain, 128, 2)[0].weights_bytes
+    assert measured.weights_bytes <= est.weights_bytes <= measured.weights_bytes + H * 256 * 4 + VOCAB
+    assert est.weights_bytes > base
+    assert measured.activation_peak_bytes > 0

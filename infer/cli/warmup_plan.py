@@ -198,6 +198,13 @@ def _draft_weights(engine_config: EngineConfig, model_config, dtype, device, max
     from ..models.loader import check_weights, weight_files
     from ..models.rope import rope_table_bytes
     from ..quant.config import GPTQConfig
+    spec = engine_config.speculative_config or {}
+    if spec.get("method") in ("eagle3", "eagle"):  # an EAGLE head (models.eagle): its tensors in the target's
+        # dtype, and its rotary table of the target's positions (load_draft builds it so)
+        from ..models.resolve import resolve_model
+        head, config = resolve_model(spec["model"]), _draft_cfg(engine_config)
+        weights = checkpoint_weights_bytes(weight_files(head), config, dtype, device)
+        return weights + rope_table_bytes(config, model_max_len(model_config, engine_config))
     found = draft_config(engine_config, model_config, max_length)
     if found is None:
         return 0
@@ -342,8 +349,8 @@ def graph_capture(model, engine_config: EngineConfig, dtype, device, max_length:
                          lora_manager=lora_manager)
     drafter, draft_kept = None, []
     if draft is not None:  # its KV in the target's block layout, as the engine holds it (LLMEngine)
-        from ..engine.draft import DraftRunner
-        drafter = DraftRunner(draft, engine_config.kv_dtype(dtype), blocks, engine_config.block_size, device)
+        from ..engine.eagle import make_drafter  # (an EAGLE head: EagleRunner, which keeps the target's aux states)
+        drafter = make_drafter(draft, engine_config.kv_dtype(dtype), blocks, engine_config.block_size, device, model)
         runner.draft = drafter
         capture = drafter.capture_graphs
 
@@ -361,7 +368,8 @@ def graph_capture(model, engine_config: EngineConfig, dtype, device, max_length:
     after = _reserved(device, emulate)
     kept = None if before is None else after - before
     pieces = runner.pieces
-    recorded = len(runner.graphs.buckets) + (len(pieces.buckets) * pieces.num_pieces if pieces else 0)
+    recorded = (len(runner.graphs.buckets) if runner.graphs is not None else 0) \
+        + (len(pieces.buckets) * pieces.num_pieces if pieces else 0)  # (EAGLE-3: none, its target runs eagerly)
     target_formula = cuda_graph_bytes(engine_config, model.config, dtype)
     out = {"cuda_graphs_s": seconds, "cuda_graphs": recorded, "cuda_graph_bytes_measured": kept,
            "cuda_graph_bytes_formula": target_formula}

@@ -159,3 +159,31 @@ class EagleRunner(DraftRunner):
                              max_query_len=max(b - a for a, b in zip(starts, starts[1:])))
         self.eager_forwards += 1
         return self.model(ids_, pos_, ctx, torch.cat(hidden) if len(hidden) > 1 else hidden[0])
+
+
+def is_eagle_head(parts) -> bool:
+    """Whether a DraftParts' model is an EAGLE head (models.eagle), which EagleRunner runs, not DraftRunner."""
+    from ..models.eagle import Eagle1Head, Eagle3Head
+    return isinstance(getattr(parts, "model", None), (Eagle3Head, Eagle1Head))
+
+
+def make_drafter(parts: DraftParts, kv_dtype: torch.dtype, num_blocks: int, block_size: int, device: torch.device,
+                 target) -> DraftRunner:
+    """The runner of `parts` as an engine makes it: an EagleRunner over `target` for an EAGLE head, else a
+    DraftRunner (warmup's profile and graph capture)."""
+    if is_eagle_head(parts):
+        return EagleRunner(parts, kv_dtype, num_blocks, block_size, device, target)
+    return DraftRunner(parts, kv_dtype, num_blocks, block_size, device)
+
+
+def feed_rows(runner: DraftRunner, seqs) -> None:
+    """Warmup's worst case for an EagleRunner: each sequence's head lags its target by at least one position (as
+    after any verify step), with zero rows for the target's states there (their values change no peak)."""
+    if not isinstance(runner, EagleRunner):
+        return
+    h = runner.model.config.hidden_size
+    for seq in seqs:
+        first = max(0, min(seq.draft_computed, seq.num_computed_tokens - 1))
+        seq.draft_computed = min(seq.draft_computed, first)
+        seq.draft_hidden = (first, torch.zeros(seq.num_computed_tokens - first, h, dtype=runner.model.fc.weight.dtype,
+                                               device=runner.model.fc.weight.device))

@@ -123,20 +123,26 @@ def _peak_activations(runner: ModelRunner, batches, device: torch.device) -> int
     return max(peaks)
 
 
-def _draft_peak(draft, engine_config: EngineConfig, batches, nblocks: int, dtype, device: torch.device) -> int:
+def _draft_peak(draft, engine_config: EngineConfig, batches, nblocks: int, dtype, device: torch.device,
+                target=None) -> int:
     """A draft model's peak over the worst case's batches (draft-model speculation: it feeds each step's tokens, then
     drafts one token a sequence at a time), each run twice as _peak_activations does; its KV cache is not counted."""
-    from .draft import DraftRunner
-    runner = DraftRunner(draft, engine_config.kv_dtype(dtype), nblocks, engine_config.block_size, device)
+    from .eagle import feed_rows, make_drafter
+    runner = make_drafter(draft, engine_config.kv_dtype(dtype), nblocks, engine_config.block_size, device, target)
     runner.zero(list(range(nblocks)))
     peaks = []
     for batch in batches:
         k = [len(s.draft_token_ids) for s in batch.seqs]
+        kept = [(list(s.draft_token_ids), s.draft_computed) for s in batch.seqs], list(batch.num_new_tokens)
         runs = []
         for _ in range(2):
+            feed_rows(runner, batch.seqs)  # (an EAGLE head: the target's states it is fed)
             with PeakMeter(device) as meter:
                 runner.propose(batch)
             runs.append(meter.peak)
+            for s, (drafts, computed) in zip(batch.seqs, kept[0]):  # (an EAGLE head drops drafts it cannot feed)
+                s.draft_token_ids, s.draft_computed, s.draft_hidden = list(drafts), computed, None
+            batch.num_new_tokens[:] = kept[1]
         for s, n in zip(batch.seqs, k):  # (propose fills the drafts in place: the same number)
             assert len(s.draft_token_ids) == n
         peaks.append(runs[-1])
@@ -160,7 +166,15 @@ def profile_run(model, model_config, engine_config: EngineConfig, dtype, device,
         lora_manager.acquire(lora_name)
         for s in prefill.seqs + [s for d in decodes for s in d.seqs]:
             s.lora = lora_name
-    peak = _peak_activations(runner, (prefill, *decodes), device)
+    from .eagle import is_eagle_head
+    eagle = draft is not None and is_eagle_head(draft)
+    if eagle:  # an EAGLE-3 head: the target's steps keep its aux states (engine.eagle), counted in their peak
+        model.aux_layers = tuple(draft.model.aux_layers)
+    try:
+        peak = _peak_activations(runner, (prefill, *decodes), device)
+    finally:
+        if eagle:
+            model.aux_layers, model.aux_hidden = (), None
     if lora_manager is not None and lora_name is not None:
         lora_manager.release(lora_name)
     del runner
@@ -171,7 +185,7 @@ def profile_run(model, model_config, engine_config: EngineConfig, dtype, device,
             prefill_d, decodes_d, blocks = worst_case_batches(model_config, engine_config, draft.context,
                                                               concurrency, engine_config.block_size)
             batches = (prefill_d, *decodes_d)
-        peak = max(peak, _draft_peak(draft, engine_config, batches, blocks, dtype, device))
+        peak = max(peak, _draft_peak(draft, engine_config, batches, blocks, dtype, device, model))
     rank = engine_config.max_lora_rank if lora_manager is not None else 0
     tokens = step_tokens(engine_config.max_num_batched_tokens, engine_config.max_num_seqs, max_length)
     if rank and lora_name is None:  # slots for adapters added later (--enable-lora): their path by the formula
