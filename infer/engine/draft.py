@@ -320,10 +320,27 @@ class DraftRunner:
     def _forward(self, feeds, rows: list[int]) -> torch.Tensor | None:
         """One batched forward of the draft over `feeds` [(seq, first position, tokens)] (those without tokens
         skipped), after zeroing the KV blocks self._zero; the argmax (on the device) of the last position of each
-        feed in `rows` (None without rows). Every integer input travels in one copy (a Pack), without a sync."""
+        feed in `rows` (None without rows)."""
+        fed = self._feed(feeds, rows)
+        if fed is None:
+            return None
+        ids_, pos_, ctx, pick = fed
+        if self.vocab < self.target_vocab:  # a padding id of the target's (beyond its tokenizer's: a prompt's, or a
+            # random model's token) has no row in the draft's embedding: its last id stands in (the drafts after it
+            # are guesses as any, the target verifies them)
+            ids_ = ids_.clamp(max=self.vocab - 1)
+        hidden = self.model(ids_, pos_, ctx)
+        self.eager_forwards += 1
+        return self._argmax(hidden, pick) if rows else None
+
+    def _feed(self, feeds, rows: list[int]):
+        """The inputs of a forward over `feeds` [(seq, first position, tokens, ...)] (those without tokens skipped):
+        (token ids, positions, ForwardContext, the places of the last position of each feed in `rows`), on the
+        device, every integer in one copy (a Pack), without a sync; the KV blocks self._zero zeroed first. None
+        where no feed has tokens."""
         zero, self._zero = self._zero, []
         bs, ids, pos, slots, starts, lens, tables, last = self.block_size, [], [], [], [0], [], [], {}
-        for r, (seq, start, tokens) in enumerate(feeds):
+        for r, (seq, start, tokens, *_) in enumerate(feeds):
             if not tokens:
                 continue
             table = seq.block_table
@@ -349,16 +366,10 @@ class DraftRunner:
         if not ids:
             return None
         ids_, pos_, slots_, starts_, lens_, tables_ = (data[p] for p in pieces)
-        if self.vocab < self.target_vocab:  # a padding id of the target's (beyond its tokenizer's: a prompt's, or a
-            # random model's token) has no row in the draft's embedding: its last id stands in (the drafts after it
-            # are guesses as any, the target verifies them)
-            ids_ = ids_.clamp(max=self.vocab - 1)
         ctx = ForwardContext(query_start_loc=starts_.int(), seq_lens=lens_.int(),
                              block_tables=tables_.view(len(tables), width).int(), slot_mapping=slots_,
                              max_query_len=max(b - a for a, b in zip(starts, starts[1:])))
-        hidden = self.model(ids_, pos_, ctx)
-        self.eager_forwards += 1
-        return self._argmax(hidden, data[idx]) if rows else None
+        return ids_, pos_, ctx, data[idx]
 
     def _decode_inputs(self, seqs, ks: list[int]) -> list[tuple]:
         """(gather, positions, ctx) of each one-token forward of drafts 2..max(ks): `gather` picks, from the

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ..models.context import ForwardContext
 from .draft import DraftParts, DraftRunner
 from .scheduler import ScheduledBatch
-from .transfer import Pack
 
 
 class EagleRunner(DraftRunner):
@@ -118,47 +116,16 @@ class EagleRunner(DraftRunner):
         """The head's forward over `feeds` [(seq, first position, next tokens, hidden rows)] after zeroing the KV
         blocks self._zero: (the draft of each feed in `rows`, the pre-norm output of its last position), None
         without rows."""
-        zero, self._zero = self._zero, []
-        bs, ids, pos, slots, starts, lens, tables, last, hidden = self.block_size, [], [], [], [0], [], [], {}, []
-        for r, (seq, start, tokens, rows_h) in enumerate(feeds):
-            if not tokens:
-                continue
-            table = seq.block_table
-            ids.extend(tokens)
-            pos.extend(range(start, start + len(tokens)))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + len(tokens)))
-            starts.append(len(ids))
-            lens.append(start + len(tokens))
-            tables.append(table)
-            hidden.append(rows_h)
-            last[r] = len(ids) - 1
-        pack = Pack()
-        zeros = pack.add(zero)
-        if ids:
-            width = max(map(len, tables))
-            pieces = [pack.add(x) for x in (ids, pos, slots, starts, lens)] + [pack.add_rows(tables, width)]
-            idx = pack.add([last[r] for r in rows])
-        if not ids and not zero:
+        hidden = [rows_h for _, _, tokens, rows_h in feeds if tokens]
+        fed = self._feed(feeds, rows)
+        if fed is None:
             return None
-        data = pack.to(self.device)
-        if zero:
-            cache = self.kv_cache.view(torch.uint8) if self.kv_cache.element_size() == 1 else self.kv_cache
-            cache.index_fill_(2, data[zeros], 0)
-        if not ids or not rows:
-            if ids:
-                self._run_first(data, pieces, starts, tables, width, hidden)
-            return None
-        normed, pre = self._run_first(data, pieces, starts, tables, width, hidden)
-        pick = data[idx]
-        return self.model.draft_tokens(normed.index_select(0, pick)), pre.index_select(0, pick)
-
-    def _run_first(self, data, pieces, starts, tables, width, hidden):
-        ids_, pos_, slots_, starts_, lens_, tables_ = (data[p] for p in pieces)
-        ctx = ForwardContext(query_start_loc=starts_.int(), seq_lens=lens_.int(),
-                             block_tables=tables_.view(len(tables), width).int(), slot_mapping=slots_,
-                             max_query_len=max(b - a for a, b in zip(starts, starts[1:])))
+        ids_, pos_, ctx, pick = fed
         self.eager_forwards += 1
-        return self.model(ids_, pos_, ctx, torch.cat(hidden) if len(hidden) > 1 else hidden[0])
+        normed, pre = self.model(ids_, pos_, ctx, torch.cat(hidden) if len(hidden) > 1 else hidden[0])
+        if not rows:
+            return None
+        return self.model.draft_tokens(normed.index_select(0, pick)), pre.index_select(0, pick)
 
 
 def is_eagle_head(parts) -> bool:
