@@ -176,15 +176,16 @@ def test_greedy_tokens_equal_transformers_with_bounded_blocks(tmp_path, family, 
 
 
 def test_mixed_layers_keep_every_block(tmp_path, held):
-    """A Qwen2 whose first layer attends fully: nothing freed (a table per layer group is not done)."""
+    """A Qwen2 whose first layer attends fully: its full layer's table (the first group's, Sequence.block_table)
+    keeps every block; the sliding layers' tables (session 56's groups: test_probes_session56_hybrid2) free theirs."""
     from infer import LLM
     hf = build(tmp_path, "qwen2-layer-1-slides")
     prompts = random_prompts((60,))
     want = hf_greedy(hf, prompts, 20)
     with LLM(str(tmp_path), block_size=4, max_num_batched_tokens=CHUNK, max_num_seqs=4) as llm:
-        assert llm.engine.block_manager.window == 0
+        assert llm.engine.block_manager.windows == [0, 16]
         assert _generate(llm, prompts, 20) == want
-        assert max(held) == 20
+        assert max(held) == 20 and llm.engine.stats()["kv_blocks_freed_window"] > 0
 
 
 def test_prefix_caching_of_a_repeated_long_prompt(tmp_path, held):

@@ -102,6 +102,14 @@ class BlockManager:
         self.scheduled: list[int] = []
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, found
+        # a layer group's (engine.hybrid_blocks): what its keys end with (the groups share one map), and the prefix
+        # hit its coordinator found for every group (None: look it up here)
+        self.key_suffix = b""
+        self.forced: list[int | None] | None = None
+
+    def _key(self, seq: Sequence, i: int) -> bytes:
+        key = block_key(seq, i, self.block_size)
+        return key + self.key_suffix if self.key_suffix else key
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -181,6 +189,8 @@ class BlockManager:
         """Block ids of the longest cached prefix; at least one token is always left to compute. With a window the
         prefix may run past an evicted block: only the blocks a query after the hit reads (`_window_hit`) must be
         cached, those before them are None (behind the window, never taken)."""
+        if self.forced is not None:
+            return self.forced
         if not self._reads_cache(seq):
             return []
         found = []
@@ -197,24 +207,26 @@ class BlockManager:
 
     def _cached_block(self, seq: Sequence, i: int) -> int | None:
         """The cached block holding the sequence's full block i, or None."""
-        bid = self.hash_to_block.get(block_key(seq, i, self.block_size))
+        bid = self.hash_to_block.get(self._key(seq, i))
         if bid is None or self.blocks[bid].token_ids != tuple(seq.tokens(i * self.block_size,
                                                                           (i + 1) * self.block_size)):
             return None
         return bid
 
-    def _window_hit(self, seq: Sequence, contiguous: int) -> list[int | None] | None:
+    def _window_hit(self, seq: Sequence, contiguous: int, cap: int | None = None) -> list[int | None] | None:
         """A sliding window's longest prefix hit (vLLM's SlidingWindowManager.find_longest_cache_hit): the hit of k
         blocks holds when the blocks from the first one a later query reads (its position k * block_size, or a
         draft model's first stale slot, minus window - 1) to the k-th are all cached, whatever came before them
-        (evicted blocks included). None where it is no longer than the `contiguous` blocks found from the start.
+        (evicted blocks included), of at most `cap` blocks. None where it is no longer than the `contiguous` blocks
+        found from the start.
         Blocks registered by the step being scheduled count as misses here: a failed step takes them back
         (forget_scheduled) and the sequence then computes from one of them, reading blocks before it."""
         bs, window = self.block_size, self.window
         scheduled = set(self.scheduled)
         best, best_start, start, stale = 0, 0, None, None
         ids: list[int | None] = []
-        for i in range((len(seq) - 1) // bs):
+        most = (len(seq) - 1) // bs
+        for i in range(most if cap is None else min(cap, most)):
             bid = self._cached_block(seq, i)
             if bid is not None and bid in scheduled:
                 bid = None
@@ -263,13 +275,18 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, reserve: int = 0, budget: int | None = None) -> bool:
         """Whether the free blocks hold what `allocate` gives seq (`budget`: the most tokens its first step may
         compute; it matters with a window only)."""
+        return self.blocks_to_take(seq, budget) <= len(self.free) - reserve
+
+    def blocks_to_take(self, seq: Sequence, budget: int | None = None) -> int:
+        """The free blocks `allocate` takes for seq."""
         hits, drop, tokens, _ = self._admission(seq, budget)
         hits_in_use = sum(1 for b in hits[drop:] if self.blocks[b].ref_count > 0)
-        return self.blocks_needed(tokens) - drop - hits_in_use <= len(self.free) - reserve
+        return self.blocks_needed(tokens) - drop - hits_in_use
 
-    def allocate(self, seq: Sequence, budget: int | None = None) -> None:
-        """Give a waiting sequence blocks for all its current tokens (with a window, those its first step of at
-        most `budget` tokens computes: `_admission`), reusing cached prefix blocks."""
+    def claim(self, seq: Sequence, budget: int | None = None) -> int:
+        """`allocate`'s first part: take the sequence's cached prefix blocks (off the free list) and set its counts;
+        the tokens it gets blocks for. (Layer groups claim every group's before any takes a free block, which
+        could be another group's hit: engine.hybrid_blocks.)"""
         assert not seq.block_table
         hits, drop, tokens, draft = self._admission(seq, budget)
         if not seq.num_preemptions:  # as vLLM: a preempted request's recompute, which finds its own blocks, is
@@ -292,7 +309,13 @@ class BlockManager:
         seq.draft_computed = draft  # the draft model's KV is taken up to its first stale slot
         seq.num_hashed_blocks = len(hits)
         seq.last_block_hash = self.blocks[hits[-1]].hash if hits else None
-        for _ in range(self.blocks_needed(tokens) - len(hits)):
+        return tokens
+
+    def allocate(self, seq: Sequence, budget: int | None = None) -> None:
+        """Give a waiting sequence blocks for all its current tokens (with a window, those its first step of at
+        most `budget` tokens computes: `_admission`), reusing cached prefix blocks."""
+        tokens = self.claim(seq, budget)
+        for _ in range(self.blocks_needed(tokens) - len(seq.block_table)):
             seq.block_table.append(self._take_free())
 
     def _take_free(self) -> int:
@@ -345,7 +368,7 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.hash is not None:  # (registered by an earlier step's schedule whose completion is pending)
                 continue
-            h = block_key(seq, i, self.block_size)
+            h = self._key(seq, i)
             block.hash, block.token_ids = h, tuple(seq.tokens(i * self.block_size, (i + 1) * self.block_size))
             block.draft_upto = 0
             self.hash_to_block.setdefault(h, block.block_id)
@@ -396,7 +419,7 @@ class BlockManager:
             block.draft_upto = None if upto >= self.block_size else max(upto, 0)
             if block.hash is None:  # (else registered when its step was scheduled, register_scheduled: a
                 # reset_prefix_cache since then, while the step ran, took it out of the cache, which it stays out of)
-                block.hash = block_key(seq, i, self.block_size)
+                block.hash = self._key(seq, i)
                 block.token_ids = tuple(seq.tokens(i * self.block_size, (i + 1) * self.block_size))
                 self.hash_to_block.setdefault(block.hash, block.block_id)
             seq.last_block_hash = block.hash

@@ -59,6 +59,10 @@ class _StaticTokens:
         self.input_ids = torch.zeros(b, dtype=torch.long, device=dev)
         self.positions = torch.zeros(b, dtype=torch.long, device=dev)
         self.slot_mapping = torch.full((b,), -1, dtype=torch.long, device=dev)
+        # KV layer groups past the first (engine.hybrid_blocks: the layers' kv_group): their slots, and tables
+        self.extra_groups = max((getattr(m, "kv_group", 0) for m in model.modules()), default=0)
+        self.group_slots = torch.full((self.extra_groups, b), -1, dtype=torch.long, device=dev) \
+            if self.extra_groups else None
         self.lora_manager = lora_manager
         if lora_manager is not None:
             s = lora_manager.max_loras
@@ -105,6 +109,8 @@ class _StaticTokens:
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(ctx.slot_mapping)
+        if self.extra_groups:  # (a context of one table: a test prefill, whose every group takes it)
+            self.group_slots[:, :n].copy_(ctx.slot_mapping if ctx.kv_groups is None else ctx.kv_groups[1])
         self._pad(n, b)
         if self.lora_manager is not None:
             self._set_lora(ctx.lora, n, b)
@@ -119,6 +125,8 @@ class _StaticTokens:
         """Rows n..b-1 become padding: no KV write, no adapter."""
         if b > n:
             self.slot_mapping[n:b].fill_(-1)
+            if self.extra_groups:
+                self.group_slots[:, n:b].fill_(-1)
             self.input_ids[n:b].fill_(0)
             self.positions[n:b].fill_(0)
             if self.lora_manager is not None:
@@ -153,6 +161,8 @@ class DecodeGraphs(_StaticTokens):
         self.seq_lens = torch.zeros(b, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=dev)
+        self.group_tables = torch.zeros(self.extra_groups, b, max_blocks, dtype=torch.int32, device=dev) \
+            if self.extra_groups else None
         self.graphs: dict[int, object] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -160,6 +170,8 @@ class DecodeGraphs(_StaticTokens):
     def _context(self, b: int) -> ForwardContext:
         ctx = ForwardContext(query_start_loc=self.query_start_loc[:b + 1], seq_lens=self.seq_lens[:b],
                              block_tables=self.block_tables[:b], slot_mapping=self.slot_mapping[:b], max_query_len=1)
+        if self.extra_groups:
+            ctx.kv_groups = (self.group_tables[:, :b], self.group_slots[:, :b])
         ctx.lora = self._lora_batch(b)
         return ctx
 
@@ -205,6 +217,9 @@ class DecodeGraphs(_StaticTokens):
         """The hidden states [n, hidden] of a decode step of n sequences (ctx as the model runner built it)."""
         self.seq_lens[:input_ids.shape[0]].copy_(ctx.seq_lens)
         self.block_tables[:input_ids.shape[0], :ctx.block_tables.shape[1]].copy_(ctx.block_tables)
+        if self.extra_groups:
+            self.group_tables[:, :input_ids.shape[0], :ctx.block_tables.shape[1]].copy_(
+                ctx.block_tables if ctx.kv_groups is None else ctx.kv_groups[0])
         n, b = self._load(input_ids, positions, ctx)
         if self.emulate:
             self.outputs[b].copy_(self.model(*self.graphs[b]))
@@ -240,6 +255,8 @@ class PiecewiseGraphs(_StaticTokens):
         stay None: a piece that read them would fail here rather than record a stale step)."""
         ctx = ForwardContext(query_start_loc=None, seq_lens=None, block_tables=None,
                              slot_mapping=self.slot_mapping[:b], max_query_len=0)
+        if self.extra_groups:
+            ctx.kv_groups = (None, self.group_slots[:, :b])
         ctx.lora = self._lora_batch(b)
         return ctx
 

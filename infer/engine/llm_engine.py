@@ -18,7 +18,8 @@ import torch
 from .. import kernels
 from ..errors import (ClosedError, ConfigError, LoRAError, LoRANameError, RequestError, RequestIdTypeError,
                       SleepModeError, UnknownAdapterError)
-from ..memory.sizes import kv_window
+from ..memory.sizes import kv_groups, kv_window
+from ..models.limits import layer_groups
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import Detokenizer
@@ -215,12 +216,21 @@ class LLMEngine:
         draft_parts = getattr(parts, "draft", None)
         window, step = kv_window(config, self.model_config, self.max_model_len,
                                  draft_parts.model_config if draft_parts is not None else None)
-        self.block_manager = BlockManager(parts.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          window=window, step_tokens=step)
+        # a model of mixed layers: a block table per layer group, the sliding groups' blocks behind their window freed
+        groups = kv_groups(config, self.model_config, self.max_model_len,
+                           draft_parts.model_config if draft_parts is not None else None)
+        if groups is not None:
+            from .hybrid_blocks import HybridBlockManager
+            self.block_manager = HybridBlockManager(parts.num_blocks, config.block_size, config.enable_prefix_caching,
+                                                    groups[1], step_tokens=groups[2])
+        else:
+            self.block_manager = BlockManager(parts.num_blocks, config.block_size, config.enable_prefix_caching,
+                                              window=window, step_tokens=step)
         self.block_manager.draft_reads = draft_parts is not None
         self.scheduler = Scheduler(config, self.block_manager, self.lora_manager)
         self.runner = ModelRunner(config, parts.model, dtype=self.dtype, device=self.device,
-                                  num_blocks=parts.num_blocks, lora_manager=self.lora_manager)
+                                  num_blocks=parts.num_blocks, lora_manager=self.lora_manager,
+                                  groups=layer_groups(self.model_config) if groups is not None else None)
         self.drafter = None  # draft-model speculative decoding: the draft model and its KV cache (engine.draft)
         self._past_draft_context: set = set()  # the step's decodes left without drafts by the draft's context
         method = (config.speculative_config or {}).get("method")

@@ -24,8 +24,10 @@ PIECES_TOLERANCE = 0.05  # the pieces' hidden states may differ from the whole f
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model, *, dtype: torch.dtype, device: torch.device, num_blocks: int,
-                 lora_manager=None):
-        """`model` is the loaded decoder; `num_blocks` KV blocks of config.block_size tokens are allocated."""
+                 lora_manager=None, groups=None):
+        """`model` is the loaded decoder; `num_blocks` KV blocks of config.block_size tokens are allocated. `groups`:
+        a model of mixed layers' KV groups (models.limits.layer_groups: layers per group, [(window, layers)]), its
+        blocks one pool of a group's layers (engine.hybrid_blocks); None: a block holds every layer."""
         self.config = config
         self.model, self.dtype, self.device = model, dtype, device
         self.block_size = config.block_size
@@ -34,6 +36,7 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size  # the logits' width
         self.penalties = PenaltyTable(self.vocab_size, device, config.max_num_seqs)  # rows: LLMEngine releases them
         self.lora_manager = lora_manager
+        self.groups = groups
         self.kv_cache = self._allocate_kv(num_blocks)
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once captured
         self.pieces = None  # engine.cuda_graphs.PiecewiseGraphs once captured (and checked)
@@ -113,6 +116,15 @@ class ModelRunner:
         # Uninitialised: on CPU, pages become resident only as blocks are used; each block is zeroed when it is
         # handed to a sequence (zero_blocks), so masked attention never reads garbage.
         # --kv-cache-dtype: fp8 stores K and V in 1 byte (the kernels saturate and round on write, upcast on read)
+        if self.groups is not None:  # layer groups: layer j of a group in slot j of the pool's blocks
+            size, groups = self.groups
+            cache = torch.empty(size, 2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
+                                dtype=self.config.kv_dtype(self.dtype), device=self.device)
+            for g, (window, members) in enumerate(groups):
+                for j, i in enumerate(members):
+                    assert layers[i].window == window, "a layer of another window in the group"
+                    layers[i].k_cache, layers[i].v_cache, layers[i].kv_group = cache[j, 0], cache[j, 1], g
+            return cache
         cache = torch.empty(len(layers), 2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
                             dtype=self.config.kv_dtype(self.dtype), device=self.device)
         for i, layer in enumerate(layers):
@@ -148,7 +160,7 @@ class ModelRunner:
         host (PENDING) are taken from `prev`'s sampled tokens on the device; the KV blocks `batch.zero` are zeroed
         first. Every integer input travels to the device in one copy (a Pack), without a sync; the sampling
         parameters' floats, when a row draws or has penalties, in a second."""
-        host = HostInputs(self.block_size)
+        host = HostInputs(self.block_size, len(self.groups[1]) - 1 if self.groups is not None else 0)
         rows, row_seqs = [], []
         for i in order if order is not None else range(len(batch.seqs)):
             seq, n = batch.seqs[i], batch.num_new_tokens[i]
@@ -167,10 +179,13 @@ class ModelRunner:
             if self.lora_manager is not None:
                 host.lora_slots.extend([self.lora_manager.slot_of(seq.lora)] * n)
         b, width = len(host.tables), max(map(len, host.tables))
+        if host.group_tables:  # (every group's tables one width)
+            width = max(width, max(len(t) for tables in host.group_tables for t in tables))
         pack = Pack()
         ids, pos, slots, lora = pack.add(host.ids), pack.add(host.pos), pack.add(host.slots), pack.add(host.lora_slots)
         starts, lens = pack.add([0] + [j + 1 for j in host.last]), pack.add(host.lens)
         tables = pack.add_rows(host.tables, width)
+        groups_at = [(pack.add_rows(t, width), pack.add(s)) for t, s in zip(host.group_tables, host.group_slots)]
         last, fill, zero = pack.add(host.sample), pack.add(host.fill), pack.add(batch.zero)
         prompt = (pack.add(host.plp_rows), pack.add(host.plp_tokens)) if host.plp_rows else None
         groups = None  # the tokens grouped by adapter slot (LoRAGroups), made on the host, copied with the rest
@@ -188,6 +203,9 @@ class ModelRunner:
         ctx = ForwardContext(query_start_loc=data[starts].int(), seq_lens=data[lens].int(),
                              block_tables=data[tables].view(b, width).int(), slot_mapping=data[slots],
                              max_query_len=max(batch.num_new_tokens))
+        if groups_at:
+            ctx.kv_groups = (torch.stack([data[t].view(b, width) for t, _ in groups_at]).int(),
+                             torch.stack([data[s] for _, s in groups_at]))
         if self.lora_manager is not None:  # the slots on the host decide the plan; their copy came with the rest
             ctx.lora = self.lora_manager.make_batch(host.lora_slots, data[lora], groups and LoRAGroups(
                 data[groups[0]], data[groups[1]], groups[2]))
@@ -320,8 +338,11 @@ class ModelRunner:
 class HostInputs:
     """A step's integer inputs, gathered on the host sequence by sequence."""
 
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, groups: int = 0):
+        """`groups`: the KV layer groups past the first (engine.hybrid_blocks), whose tables and slots are kept too."""
         self.bs = block_size
+        self.group_tables: list[list[list[int]]] = [[] for _ in range(groups)]
+        self.group_slots: list[list[int]] = [[] for _ in range(groups)]
         self.ids, self.pos, self.slots, self.lens, self.last, self.lora_slots = [], [], [], [], [], []
         self.tables: list[list[int]] = []
         self.sample: list[int] = []  # flat index of the last token of each sequence that samples
@@ -364,6 +385,10 @@ class HostInputs:
         self.lens.append(start + n)
         self.last.append(len(self.ids) - 1)
         self.tables.append(table)
+        for view, tables, slots in zip(seq.kv_views if self.group_tables else (), self.group_tables,
+                                       self.group_slots):
+            tables.append(view.block_table)
+            slots.extend([view.block_table[p // bs] * bs + p % bs for p in range(start, start + n)])
 
 
 def _copy_to_host(*tensors):

@@ -21,8 +21,9 @@ from ..kernels.intmath import PROGRAMS_PER_SM, cdiv, decode_parts, next_power_of
 from ..models.limits import context_limit
 from ..models.shapes import ModelShapes
 from .graph_buckets import batch_buckets, largest_per_stream, token_buckets
-from .sizes import (activation_bytes, dequant_scratch_bytes, element_bytes, gib, kv_bytes_per_token, kv_window,
-                    lora_slot_bytes, sampler_row_bytes, step_tokens, weights_bytes, window_blocks)
+from .sizes import (activation_bytes, dequant_scratch_bytes, element_bytes, gib, group_kv_bytes_per_token,
+                    kv_bytes_per_token, kv_groups, kv_window, lora_slot_bytes, sampler_row_bytes, step_tokens,
+                    weights_bytes, window_blocks)
 
 
 class PlanOptions(Protocol):
@@ -242,9 +243,13 @@ class MemoryPlan:
         (window_blocks) no more than those of the window and a step."""
         need = -(-length // self.block_size)
         if self.window and length != self.max_length:  # (a step of another length: min(batched, length) + ahead)
-            return min(need, window_blocks(self.window, min(self.window_batched, length) + self.window_ahead,
+            held = min(need, window_blocks(self.window, min(self.window_batched, length) + self.window_ahead,
                                            self.block_size))
-        return min(need, self.window_blocks) if self.window_blocks else need
+        else:
+            held = min(need, self.window_blocks) if self.window_blocks else need
+        if self.kv_groups:  # layer groups: the full groups hold every block, the sliding ones their window's
+            return self.full_groups * need + (self.kv_groups - self.full_groups) * held
+        return held
 
     @property
     def usable_blocks(self) -> int:
@@ -260,7 +265,13 @@ class MemoryPlan:
     def max_length_at_concurrency(self) -> int:
         each = self.usable_blocks // max(self.concurrency, 1)
         most = min(self.max_length_limit, each * self.block_size)
-        if self.window_blocks and each >= self.window_blocks:  # longer than its blocks: a sequence holds those of
+        if self.kv_groups:  # (blocks of the groups: no length in tokens of its own)
+            lo, hi = 0, self.max_length_limit
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if self.blocks_for(mid) <= each else (lo, mid - 1)
+            most = lo
+        elif self.window_blocks and each >= self.window_blocks:  # longer than its blocks: a sequence holds those of
             # its window and a step, whose chunk grows with the length up to max_num_batched_tokens (blocks_for)
             lo, hi = max(most, self.max_length), self.max_length_limit
             while lo < hi:
@@ -283,6 +294,10 @@ class MemoryPlan:
     window: int = 0
     window_batched: int = 0
     window_ahead: int = 0
+    # a model of mixed layers (memory.sizes.kv_groups): its KV groups (0: none) and how many of them attend fully;
+    # a block (kv_block_bytes) is one group's layers', a sequence holds a table per group (blocks_for)
+    kv_groups: int = 0
+    full_groups: int = 0
 
     @property
     def fits(self) -> bool:
@@ -382,16 +397,24 @@ def make_plan(engine_config: PlanOptions, model_config, dtype: torch.dtype, devi
     if draft_config is not None:
         per_token += kv_bytes_per_token(draft_config, kv_dtype(engine_config, dtype))
     block = per_token * engine_config.block_size
+    groups = kv_groups(engine_config, model_config, max_length, draft_config)
+    if groups is not None:  # (one pool of blocks of a group's layers)
+        block = group_kv_bytes_per_token(model_config, kv_dtype(engine_config, dtype), groups[0]) \
+            * engine_config.block_size
     budget = budget_bytes(engine_config, device, weights) if budget is None else budget
     reserve = runtime_reserve(budget)
     kv_blocks = max(0, budget - weights - max(activation, engine_activation) - lora - reserve) // block
     window, step = kv_window(engine_config, model_config, max_length, draft_config)
+    if groups is not None:
+        window, step = max(groups[1]), groups[2]
     return MemoryPlan(device.type, device_total(device), budget, weights, activation, lora, reserve, per_token, block,
                       engine_config.block_size, int(kv_blocks), max_length, concurrency, measured, max_length_limit,
                       kv_cache_dtype=str(kv_dtype(engine_config, dtype)).replace("torch.", ""),
                       window_blocks=window_blocks(window, step, engine_config.block_size) if window else 0,
                       window=window, window_batched=engine_config.max_num_batched_tokens if window else 0,
-                      window_ahead=step - min(engine_config.max_num_batched_tokens, max_length) if window else 0)
+                      window_ahead=step - min(engine_config.max_num_batched_tokens, max_length) if window else 0,
+                      kv_groups=len(groups[1]) if groups else 0,
+                      full_groups=groups[1].count(0) if groups else 0)
 
 
 def start_activation_bytes(engine_config: PlanOptions, model_config, model, dtype, max_len: int,

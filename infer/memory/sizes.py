@@ -7,7 +7,7 @@ import torch
 
 from ..kernels.intmath import lora_split_most
 from ..kernels.reference import MASK_ELEMENTS, decode_gather_tokens, longest_batched_decode
-from ..models.limits import context_limit, uniform_window
+from ..models.limits import context_limit, layer_groups, uniform_window
 from ..models.shapes import ModelShapes
 
 
@@ -34,6 +34,24 @@ def kv_window(engine_config, model_config, max_length: int, draft_config=None) -
     spec = getattr(engine_config, "speculative_config", None) or {}
     ahead = int(spec.get("num_speculative_tokens", 0) or 0) + (1 if draft_config is not None else 0)
     return window, min(engine_config.max_num_batched_tokens, max_length) + ahead
+
+
+def kv_groups(engine_config, model_config, max_length: int, draft_config=None):
+    """A model of mixed layers (models.limits.layer_groups): (layers per group, [each group's window], the most tokens
+    one step computes for a sequence), its KV in one pool of blocks of that many layers, a block table per group,
+    the sliding groups' blocks behind their window freed (engine.hybrid_blocks); None where it is not one, or with a
+    draft model (its KV, in the target's blocks, would need a block per pool block: kept whole as before)."""
+    groups = layer_groups(model_config)
+    if groups is None or draft_config is not None:
+        return None
+    spec = getattr(engine_config, "speculative_config", None) or {}
+    ahead = int(spec.get("num_speculative_tokens", 0) or 0)
+    return groups[0], [w for w, _ in groups[1]], min(engine_config.max_num_batched_tokens, max_length) + ahead
+
+
+def group_kv_bytes_per_token(model_config, dtype: torch.dtype, layers: int) -> int:
+    """A pool block's KV per token under layer groups (`kv_groups`): `layers` layers' worth."""
+    return 2 * layers * ModelShapes.from_config(model_config).kv_size * element_bytes(dtype)
 
 
 def window_blocks(window: int, step: int, block_size: int) -> int:

@@ -23,3 +23,6 @@ class ForwardContext:
     slot_mapping: torch.Tensor  # [T] int64
     max_query_len: int
     lora: Any = None
+    # KV layer groups (engine.hybrid_blocks): the block tables [G - 1, B, max_blocks] and slot mappings [G - 1, T] of
+    # groups 1.. (group 0's: block_tables, slot_mapping); an attention layer reads its group's (kv_group); None: one
+    kv_groups: Any = None

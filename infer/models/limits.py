@@ -32,8 +32,8 @@ def layer_window(model_config, layer: int) -> int:
     the layers their layer_types names "sliding_attention" (Qwen's from max_window_layers on when
     use_sliding_window is set, Gemma 2's even layers); Llama's attention ignores the window (0: its context stays
     capped at the window, `context_limit`). Where every layer slides over the same window (`uniform_window`) the
-    blocks of a running sequence behind it are freed (engine.block_manager); else every block is kept (the memory
-    of full attention). The kernels skip the blocks wholly before a query's window and mask the rest."""
+    blocks of a running sequence behind it are freed (engine.block_manager); where layers mix full attention and one
+    window, the sliding layers' groups free theirs (`layer_groups`, engine.hybrid_blocks). The kernels skip the blocks wholly before a query's window and mask the rest."""
     window = getattr(model_config, "sliding_window", None)
     model_type = getattr(model_config, "model_type", None)
     if not window or model_type == "llama":
@@ -53,11 +53,27 @@ def layer_window(model_config, layer: int) -> int:
 def uniform_window(model_config) -> int:
     """The window every decoder layer slides over when all of them slide over the same one (Mistral, Phi-3, a
     Qwen2/Qwen3 whose layers all slide), else 0: only then can a sequence's KV blocks behind the window be freed
-    (one block table serves every layer; models of mixed layers, Gemma 2 or a Qwen2 with max_window_layers, keep
-    them all: a table per layer group, vLLM's hybrid allocator, is not done)."""
+    (one block table serves every layer; models of mixed layers, Gemma 2 or a Qwen2 with max_window_layers, get a
+    table per layer group instead: `layer_groups`)."""
     layers = int(getattr(model_config, "num_hidden_layers", 0) or 0)
     windows = {layer_window(model_config, i) for i in range(layers)}
     return windows.pop() if len(windows) == 1 else 0
+
+
+def layer_groups(model_config) -> tuple[int, list[tuple[int, list[int]]]] | None:
+    """A model of mixed layers (full attention and one sliding window: Gemma 2, Gemma 3, a Qwen2/Qwen3 with
+    max_window_layers) split into KV groups of the same number of layers (vLLM's KVCacheGroups): (layers per group,
+    [(the group's window, its layers)]), the full groups first; each kind's layers in order, its last group padded
+    where its count is not a multiple. None where every layer attends alike (`uniform_window`) or the sliding
+    layers' windows differ."""
+    layers = int(getattr(model_config, "num_hidden_layers", 0) or 0)
+    windows = [layer_window(model_config, i) for i in range(layers)]
+    kinds = sorted(set(windows))
+    if len(kinds) != 2 or kinds[0] != 0:
+        return None
+    by_kind = {w: [i for i, x in enumerate(windows) if x == w] for w in kinds}
+    size = min(len(v) for v in by_kind.values())
+    return size, [(w, ls[i:i + size]) for w, ls in by_kind.items() for i in range(0, len(ls), size)]
 
 
 def context_limit(model_config) -> tuple[int, str]:

@@ -72,6 +72,7 @@ class Attention(nn.Module):
         if cfg.model_type == "gemma2":  # transformers' Gemma 3 attention never reads attn_logit_softcapping: none
             self.softcap = float(getattr(cfg, "attn_logit_softcapping", None) or 0.0)
         self.window = layer_window(cfg, layer)  # a sliding-window layer's window (0: full attention), every kernel's
+        self.kv_group = 0  # its KV layer group (the model runner sets it: engine.hybrid_blocks; 0: ctx's own tables)
         # as transformers builds each family: Qwen2 has q/k/v biases and no o bias, Llama, Qwen3, Gemma and Gemma 2
         # follow attention_bias (q, k, v and o), Mistral has none whatever its config says
         kind = base_type(cfg)  # an MoE model's attention is its dense family's (models.moe.BASE)
@@ -100,11 +101,19 @@ class Attention(nn.Module):
         """(the attention's output, the o projection's LoRA delta that the post-attention norm adds, or None)."""
         if ctx.max_query_len == 1:  # decodes only: rotary, KV write and attention in one launch on the GPU (with
             q, k, v, delta = self._qkv(x, ctx, deferred=True)  # the adapters' qkv delta, where the layer left it)
+            tables, slots = self._kv(ctx)
             o = kernels.decode_attention(positions, q, k, v, cos_sin, self.head_dim, self.k_cache, self.v_cache,
-                                         ctx.slot_mapping, ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
+                                         slots, tables, ctx.seq_lens, ctx.query_start_loc,
                                          self.scale, delta, self.softcap, self.window)
             return self.o_proj.forward_deferred(o.reshape(x.shape[0], self.q_size), ctx)
         return self.o_proj.forward_deferred(self.attend(self.query(positions, x, ctx, cos_sin), ctx), ctx)
+
+    def _kv(self, ctx: ForwardContext):
+        """(block tables, slot mapping) of the layer's KV group."""
+        g, groups = self.kv_group, ctx.kv_groups
+        if g and groups is not None:  # (a piecewise graph's pieces have the slots only)
+            return None if groups[0] is None else groups[0][g - 1], groups[1][g - 1]
+        return ctx.block_tables, ctx.slot_mapping
 
     def _qkv(self, x, ctx: ForwardContext, deferred: bool = False):
         """q [t, q_size], k and v [t, kv_size] (views of the qkv projection's output), q and k normed per head
@@ -141,14 +150,14 @@ class Attention(nn.Module):
         records: engine.cuda_graphs.PiecewiseGraphs)."""
         q, k, v = self._qkv(x, ctx)
         q = kernels.rotary_store_kv(positions, q, k, v, cos_sin, self.head_dim, self.k_cache, self.v_cache,
-                                    ctx.slot_mapping)  # one launch on the GPU: q rotated, k rotated and v cached
+                                    self._kv(ctx)[1])  # one launch on the GPU: q rotated, k rotated and v cached
         return q.reshape(x.shape[0], self.q_size)
 
     def attend(self, q, ctx: ForwardContext):
         """The attention's output [t, q_size] for the rotated query q [t, q_size] over the paged cache."""
         t = q.shape[0]
         o = kernels.paged_attention(q.reshape(t, self.num_heads, self.head_dim), self.k_cache, self.v_cache,
-                                    ctx.block_tables, ctx.seq_lens, ctx.query_start_loc, self.scale,
+                                    self._kv(ctx)[0], ctx.seq_lens, ctx.query_start_loc, self.scale,
                                     ctx.max_query_len, self.softcap, self.window)
         return o.reshape(t, self.q_size)
 
