@@ -155,6 +155,12 @@ def test_plan_counts_a_sequence_by_its_groups():
     assert plan.blocks_for(longest) <= 249 < plan.blocks_for(longest + 1)
 
 
+def test_data_parallel_validation_counts_the_groups():
+    from infer.parallel.serve_engine import _Blocks
+    blocks = _Blocks(100, 4, 16, 8, groups=[0, 16, 16])
+    assert blocks.window_cap(120) == 30 + 2 * 7
+
+
 # ----------------------------------------------------------------------------------------------- block manager
 def _seq(n: int) -> Sequence:
     return Sequence("r", list(range(3, 3 + n)), SamplingParams(max_new_tokens=10))

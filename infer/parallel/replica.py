@@ -74,6 +74,7 @@ class Replica:
                 "dtype": str(e.dtype).removeprefix("torch."), "num_blocks": e.memory_plan.num_blocks,
                 "kv_cache_dtype": e.memory_plan.kv_cache_dtype,
                 "kv_window": e.block_manager.window, "kv_step_tokens": e.block_manager.step_tokens,
+                "kv_groups": getattr(e.block_manager, "windows", None),  # (a model of mixed layers' groups)
                 "max_model_len": e.max_model_len, "model": e.model_path.name,
                 "vocab_size": e.model_config.vocab_size, "model_limit": e.model_limit,
                 "model_limit_reason": e.model_limit_reason,

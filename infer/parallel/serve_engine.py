@@ -89,12 +89,20 @@ class _Blocks:
     """A replica's block manager as validate reads it: its pool (a sliding window's placeholder not in it) and
     the most blocks a sequence holds (window_cap)."""
 
-    def __init__(self, num_blocks: int, block_size: int, window: int = 0, step_tokens: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, window: int = 0, step_tokens: int = 0,
+                 groups: list[int] | None = None):
+        """`groups`: a model of mixed layers' KV groups, each group's window (engine.hybrid_blocks)."""
         self.num_blocks, self.block_size = num_blocks - (1 if window else 0), block_size
         self.window, self.step_tokens = window, step_tokens
+        self.groups = groups
 
     blocks_needed = BlockManager.blocks_needed
-    window_cap = BlockManager.window_cap
+
+    def window_cap(self, num_tokens: int) -> int:
+        held = BlockManager.window_cap(self, num_tokens)
+        if not self.groups:
+            return held
+        return sum(held if w else self.blocks_needed(num_tokens) for w in self.groups)
 
 
 class ReplicaView:
@@ -109,7 +117,7 @@ class ReplicaView:
         self.eos_token_ids = set(info.get("eos_token_ids", ()))  # what min_tokens bans (validate)
         self.model_config = type("ModelLimits", (), {"vocab_size": info["vocab_size"]})()
         self.block_manager = _Blocks(info["num_blocks"], config.block_size, info.get("kv_window", 0),
-                                     info.get("kv_step_tokens", 0))
+                                     info.get("kv_step_tokens", 0), info.get("kv_groups"))
         self.lora_manager = (_Adapters(info["adapters"], info.get("adapter_paths"))
                              if info["adapters"] or info.get("lora_enabled") else None)
         # structured outputs compiled in the driver too (checked before a request travels; the stop ids matter only
