@@ -169,6 +169,13 @@ _SHARDS = {"q_proj": ("self_attn", "qkv_proj", 0), "k_proj": ("self_attn", "qkv_
            "down_proj": ("mlp", "down_proj", 0)}
 
 
+def own_embedding(vocab: int, hidden: int, dtype, device) -> nn.Embedding:
+    """A head's own embedding table (where its checkpoint stores one; else it reads the target's), frozen."""
+    table = nn.Embedding(vocab, hidden, dtype=dtype, device=device)
+    table.weight.requires_grad_(False)
+    return table
+
+
 def load_eagle3(path: Path, target_model, target_cfg, dtype: torch.dtype, device: torch.device,
                 max_positions: int | None):
     """(the head, its config), checked against the target and loaded on `device` in `dtype`; sets nothing on the
@@ -205,8 +212,7 @@ def load_eagle3(path: Path, target_model, target_cfg, dtype: torch.dtype, device
         elif key == "lm_head.weight":
             put(head.lm_head.weight, name, t)
         elif key == "embed_tokens.weight":
-            head.embed_tokens = nn.Embedding(vocab, h, dtype=dtype, device=device)
-            head.embed_tokens.weight.requires_grad_(False)
+            head.embed_tokens = own_embedding(vocab, h, dtype, device)
             put(head.embed_tokens.weight, name, t)
         elif key.startswith("midlayer.") and key.endswith(".weight") and key.split(".")[-2] in _SHARDS:
             block, layer, shard = _SHARDS[key.split(".")[-2]]
@@ -333,8 +339,7 @@ def load_eagle1(path: Path, target_model, target_cfg, dtype: torch.dtype, device
         elif key == "layers.0.post_attention_layernorm.weight":
             put(head.post_attention_layernorm.weight, key, t)
         elif key == "embed_tokens.weight":
-            head.embed_tokens = nn.Embedding(vocab, h, dtype=dtype, device=device)
-            head.embed_tokens.weight.requires_grad_(False)
+            head.embed_tokens = own_embedding(vocab, h, dtype, device)
             put(head.embed_tokens.weight, key, t)
         elif key in _EAGLE1_SHARDS:
             block, layer, shard = _EAGLE1_SHARDS[key]
