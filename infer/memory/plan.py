@@ -535,14 +535,23 @@ def plan_memory(engine_config: PlanOptions, model_config, model, dtype, device, 
     plan = _start_plan(engine_config, model_config, model, dtype, device, max_len, lora_bytes, draft)
     if plan.usable_blocks < plan.blocks_for(max_len) and engine_config.num_kv_blocks:
         spare = plan.kv_blocks - plan.usable_blocks  # (a sliding window's placeholder: no sequence's)
+        longest = plan.usable_blocks * plan.block_size
+        if plan.kv_groups:  # (a block per group: the longest sequence the usable blocks hold, by the groups' count)
+            lo, hi = 0, max_len - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if plan.blocks_for(mid) <= plan.usable_blocks else (lo, mid - 1)
+            longest = lo
+        held = "its full layer groups' every block, its sliding ones' window and a step" if plan.kv_groups else \
+            "its window and a step"
         raise ConfigError(
             f"num_kv_blocks={engine_config.num_kv_blocks} leaves {plan.usable_blocks} blocks for sequences (one "
             f"is the sliding window's placeholder), fewer than the {plan.blocks_for(max_len)} one sequence of "
-            f"{max_len} tokens (--max-model-len) holds at once (its window and a step)" if spare else
+            f"{max_len} tokens (--max-model-len) holds at once ({held})" if spare else
             f"num_kv_blocks={engine_config.num_kv_blocks} holds {plan.usable_blocks * plan.block_size} tokens, "
             f"less than one sequence of {max_len} tokens (the context, --max-model-len)",
             f"use num_kv_blocks={plan.blocks_for(max_len) + spare} or more, or lower --max-model-len to "
-            f"{plan.usable_blocks * plan.block_size} or less")
+            f"{longest} or less")
     if plan.usable_blocks < plan.blocks_for(max_len):
         fit = largest_fitting_len(engine_config, model_config, model, dtype, device, max_len, lora_bytes, draft)
         more = "raise --gpu-memory-utilization" if device.type == "cuda" else "raise --memory-limit"
