@@ -563,9 +563,12 @@ def plan_memory(engine_config: PlanOptions, model_config, model, dtype, device, 
         elif plan.activation_peak_bytes > plan.budget_bytes // 2:  # the batch sizes, not the length, use the memory
             more = (f"lower --max-num-seqs ({engine_config.max_num_seqs}) or --max-num-batched-tokens "
                     f"({engine_config.max_num_batched_tokens}), whose activations take most of the budget, or {more}")
+        # (layer groups: a block holds one group's layers, a sequence a block of each group for its tokens)
+        held = f"{plan.kv_blocks * engine_config.block_size} tokens" if not plan.kv_groups else \
+            f"each of one of {plan.kv_groups} KV layer groups, {plan.blocks_for(max_len)} of them a sequence's"
         raise OutOfMemoryError(
             f"a single sequence of {max_len} tokens does not fit: the KV cache gets {plan.kv_blocks} blocks "
-            f"({plan.kv_blocks * engine_config.block_size} tokens) after weights {gib(plan.weights_bytes)}, "
+            f"({held}) after weights {gib(plan.weights_bytes)}, "
             f"activations {gib(plan.activation_peak_bytes)}"
             + (f", LoRA adapter slots {gib(plan.lora_bytes)}" if plan.lora_bytes else "")
             + f" and a reserve of {gib(plan.reserve_bytes)} within a budget of {gib(plan.budget_bytes)}; "
