@@ -178,3 +178,15 @@ def test_a_pool_too_small_for_a_windowed_sequence_says_how_many_blocks_it_needs(
     assert ("num_kv_blocks=7 leaves 6 blocks for sequences (one is the sliding window's placeholder), fewer than "
             "the 7 one sequence of 120 tokens (--max-model-len) holds at once") in e.value.message
     assert "num_kv_blocks=8 or more" in e.value.hint
+
+
+def test_warmups_table_says_a_block_holds_one_layer_group(monkeypatch):
+    """With KV layer groups (Gemma 3: 6 groups of one layer) `infer warmup`'s table showed "3,072 B / 8,192 B" per
+    token / per block and "5,635 x 16 tokens" of blocks, as if a block held every layer's 16 tokens: it says a block
+    holds one of the groups."""
+    monkeypatch.setenv("COLUMNS", "250")  # (rich's table on one line a row)
+    res = CliRunner().invoke(app, ["warmup", "tiny-gemma3", "--estimate", "--max-length", "512", "--concurrency", "2",
+                                   "--max-num-batched-tokens", "128", "--block-size", "16", "--memory-limit", "60MB"])
+    assert res.exit_code == 0, res.output
+    assert "(a block: 16 tokens of one of 6 layer groups)" in res.output
+    assert "tokens of one layer group (1 of 6 groups attend fully, the others slide)" in res.output

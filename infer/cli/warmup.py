@@ -135,8 +135,11 @@ def print_plan(plan, extra: dict, tokens: int | None = None) -> None:
     rows.append(("runtime reserve (1% of budget, at least 4 MiB)", gib(plan.reserve_bytes)))
     rows += [
         ("KV cache dtype (--kv-cache-dtype)", plan.kv_cache_dtype),
-        ("KV cache per token / per block", f"{plan.kv_bytes_per_token:,} B / {plan.kv_block_bytes:,} B"),
-        ("KV blocks under the budget (after the larger activations)", f"{plan.kv_blocks:,} x {plan.block_size} tokens"),
+        ("KV cache per token / per block", f"{plan.kv_bytes_per_token:,} B / {plan.kv_block_bytes:,} B"
+         + (f" (a block: {plan.block_size} tokens of one of {plan.kv_groups} layer groups)" if plan.kv_groups else "")),
+        ("KV blocks under the budget (after the larger activations)", f"{plan.kv_blocks:,} x {plan.block_size} tokens"
+         + (f" of one layer group ({plan.full_groups} of {plan.kv_groups} groups attend fully, the others slide)"
+            if plan.kv_groups else "")),
         (f"sequences of {plan.max_length} tokens at once", f"{plan.max_concurrency_at_max_length:,}"),
         (f"largest max_length at concurrency {plan.concurrency}", f"{plan.max_length_at_concurrency:,}"),
     ]
