@@ -33,7 +33,8 @@ def layer_window(model_config, layer: int) -> int:
     use_sliding_window is set, Gemma 2's even layers); Llama's attention ignores the window (0: its context stays
     capped at the window, `context_limit`). Where every layer slides over the same window (`uniform_window`) the
     blocks of a running sequence behind it are freed (engine.block_manager); where layers mix full attention and one
-    window, the sliding layers' groups free theirs (`layer_groups`, engine.hybrid_blocks). The kernels skip the blocks wholly before a query's window and mask the rest."""
+    window, the sliding layers' groups free theirs (`layer_groups`, engine.hybrid_blocks). The kernels skip the
+    blocks wholly before a query's window and mask the rest."""
     window = getattr(model_config, "sliding_window", None)
     model_type = getattr(model_config, "model_type", None)
     if not window or model_type == "llama":
