@@ -84,7 +84,8 @@ def test_proposer_takes_the_longest_most_recent_match():
 
 
 @pytest.mark.parametrize("value, message", [
-    ({"method": "eagle", "num_speculative_tokens": 3}, "only with \"ngram\""),
+    ({"method": "eagle", "num_speculative_tokens": 3}, "needs \"model\", the EAGLE head's folder"),
+    ({"method": "eagle3", "num_speculative_tokens": 3}, "\"method\": \"eagle3\", \"model\": \"./eagle-head\""),
     ({"method": "draft_model", "num_speculative_tokens": 3}, "needs \"model\""),
     ({"method": "mtp", "model": "some/draft", "num_speculative_tokens": 3}, "only with \"ngram\""),
     ({"method": "ngram"}, "num_speculative_tokens must be an integer of at least 1, got None"),
@@ -397,7 +398,7 @@ def test_infer_run_takes_speculative_config(tmp_path):
     assert res.exit_code == 0, res.output
     assert len(json.loads(out.read_text())["token_ids"]) == 8
     res = CliRunner().invoke(app, ["run", "tiny-llama", str(inp), "-o", str(tmp_path / "o2.jsonl"), "-q",
-                                   "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'])
+                                   "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'])
     assert res.exit_code != 0 and "only with \"ngram\"" in res.output
 
 

@@ -120,6 +120,10 @@ def _draft_config(value: dict, method: str = "draft_model") -> dict:
     model, k = value.get("model"), value.get("num_speculative_tokens")
     model = os.fspath(model) if isinstance(model, os.PathLike) else model
     if not isinstance(model, str) or not model.strip():
+        if method in ("eagle3", "eagle"):  # (an EAGLE head: a folder of its own, never a built-in)
+            raise ConfigError(f"--speculative-config: method \"{method}\" needs \"model\", the EAGLE head's folder, "
+                              f"got {model!r}", f"e.g. --speculative-config '{{\"method\": \"{method}\", \"model\": "
+                              "\"./eagle-head\", \"num_speculative_tokens\": 3}'")
         raise ConfigError(f"--speculative-config: method \"{method}\" needs \"model\", the draft model's folder or "
                           f"a built-in name, got {model!r}", DRAFT_HINT)
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
