@@ -177,9 +177,10 @@ class BlockManager:
         """`_longest_prefix`, less its last block under EAGLE (`eagle_reads_next`), as vLLM drops it: the head's KV
         at a block's last position pairs it with the next block's first token, which the block's hash does not
         cover. The sequence computes that block again in a block of its own, so the target's states for it feed the
-        head with its own next token."""
+        head with its own next token. A layer group's hit its coordinator found (`forced`) is taken as it is (it
+        dropped that block before capping the other groups' hits: engine.hybrid_blocks)."""
         hits = self._longest_prefix(seq)
-        if self.eagle_reads_next and hits:
+        if self.eagle_reads_next and hits and self.forced is None:
             hits = hits[:-1]
             while hits and hits[-1] is None:
                 hits.pop()

@@ -9,8 +9,12 @@ the shared pool (its blocks, free list, prefix map with keys ending in the group
 lists): a full group keeps every block, a sliding one frees those behind its window (BlockManager.free_behind, the
 pool's last block the placeholder). A prefix hit holds for every group: the full groups' longest contiguous hit,
 then each sliding group's longest window hit (BlockManager._window_hit) at most that long, the least of them, until
-no group shortens it. Admission, growth and preemption count the blocks of every group. A draft model (its KV in the
-target's blocks) is not run with groups: memory.sizes.kv_groups keeps such a model's every block, as before.
+no group shortens it. Admission, growth and preemption count the blocks of every group.
+A draft model's or an EAGLE head's KV (engine.draft: a slot in every pool block) is read and written through the
+first full group's table, which keeps every block: its catch-up and drafts never read a sliding group's block, so
+the sliding groups free behind the target's own next query (their draft_reads off), and the prefix hit, its draft
+KV's first stale slot (draft_upto) and the EAGLE head's dropped last block (eagle_reads_next) are the first
+group's, which caps the others'. memory.sizes.kv_groups runs such a model with groups where they hold less.
 """
 
 from __future__ import annotations
@@ -68,7 +72,15 @@ class HybridBlockManager:
         self.placeholder = first.placeholder
         self.num_blocks = first.num_blocks
         self.window = max(windows)  # (the sliding groups')
-        self.draft_reads = False
+        self.draft_reads = False  # (the sliding groups' stay off: the draft reads the first group's blocks only)
+
+    @property
+    def eagle_reads_next(self) -> bool:
+        return self.groups[0].eagle_reads_next
+
+    @eagle_reads_next.setter
+    def eagle_reads_next(self, value: bool) -> None:  # (the first group's hit caps every group's: _hits)
+        self.groups[0].eagle_reads_next = value
 
     # ------------------------------------------------------------------ shared state
     def _share(self) -> None:

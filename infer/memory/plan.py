@@ -392,14 +392,14 @@ def make_plan(engine_config: PlanOptions, model_config, dtype: torch.dtype, devi
     """`engine_activation`: what an engine start reserves for activations (its formula); the KV blocks are what is
     left after the larger of it and `activation`, so that a measured peak below the formula never promises blocks
     the engine will not allocate. `draft_config`: a draft model's (speculative decoding), whose KV cache has a block
-    for each of the target's: a block's bytes are both models'."""
-    per_token = kv_bytes_per_token(model_config, kv_dtype(engine_config, dtype))
-    if draft_config is not None:
-        per_token += kv_bytes_per_token(draft_config, kv_dtype(engine_config, dtype))
+    for each of the target's: a block's bytes are both models' (under layer groups, a group's layers and the
+    draft's every one)."""
+    draft = kv_bytes_per_token(draft_config, kv_dtype(engine_config, dtype)) if draft_config is not None else 0
+    per_token = kv_bytes_per_token(model_config, kv_dtype(engine_config, dtype)) + draft
     block = per_token * engine_config.block_size
     groups = kv_groups(engine_config, model_config, max_length, draft_config)
-    if groups is not None:  # (one pool of blocks of a group's layers)
-        block = group_kv_bytes_per_token(model_config, kv_dtype(engine_config, dtype), groups[0]) \
+    if groups is not None:  # (one pool of blocks of a group's layers, and the draft's every layer: engine.draft)
+        block = (group_kv_bytes_per_token(model_config, kv_dtype(engine_config, dtype), groups[0]) + draft) \
             * engine_config.block_size
     budget = budget_bytes(engine_config, device, weights) if budget is None else budget
     reserve = runtime_reserve(budget)

@@ -39,14 +39,35 @@ def kv_window(engine_config, model_config, max_length: int, draft_config=None) -
 def kv_groups(engine_config, model_config, max_length: int, draft_config=None):
     """A model of mixed layers (models.limits.layer_groups): (layers per group, [each group's window], the most tokens
     one step computes for a sequence), its KV in one pool of blocks of that many layers, a block table per group,
-    the sliding groups' blocks behind their window freed (engine.hybrid_blocks); None where it is not one, or with a
-    draft model (its KV, in the target's blocks, would need a block per pool block: kept whole as before)."""
+    the sliding groups' blocks behind their window freed (engine.hybrid_blocks); None where it is not one. A draft
+    model's or EAGLE head's KV (`draft_config`) has a slot in every pool block and is read through the first full
+    group's table (engine.draft), never freed: groups only where a sequence of max_length holds fewer bytes so
+    (`_groups_gain`), else every block is kept as before."""
     groups = layer_groups(model_config)
-    if groups is None or draft_config is not None:
+    if groups is None:
         return None
     spec = getattr(engine_config, "speculative_config", None) or {}
     ahead = int(spec.get("num_speculative_tokens", 0) or 0)
-    return groups[0], [w for w, _ in groups[1]], min(engine_config.max_num_batched_tokens, max_length) + ahead
+    found = groups[0], [w for w, _ in groups[1]], min(engine_config.max_num_batched_tokens, max_length) + ahead
+    if draft_config is not None and not _groups_gain(found, model_config, draft_config, max_length,
+                                                     engine_config.block_size):
+        return None
+    return found
+
+
+def _groups_gain(groups, model_config, draft_config, max_length: int, block_size: int) -> bool:
+    """Whether a sequence of max_length tokens holds fewer KV bytes under layer groups (`kv_groups`: a pool block
+    of a group's layers and the draft's every layer) than with every block kept (a block of every layer of both):
+    not so where the window holds most of a sequence, the draft's KV then paid once per group."""
+    size, windows, step = groups
+    need = -(-max_length // block_size)
+    held = min(need, window_blocks(max(windows), step, block_size))
+    full = windows.count(0)
+    layer = ModelShapes.from_config(model_config).kv_size
+    draft = kv_bytes_per_token(draft_config, torch.float32) // (2 * 4)  # (its layers' kv_size, as `layer`)
+    grouped = (full * need + (len(windows) - full) * held) * (size * layer + draft)
+    kept = need * (int(model_config.num_hidden_layers) * layer + draft)
+    return grouped < kept
 
 
 def group_kv_bytes_per_token(model_config, dtype: torch.dtype, layers: int) -> int:
