@@ -110,13 +110,12 @@ def test_layer_groups_of_each_family():
                                                                           num_hidden_layers=2)) is None
 
 
-def test_kv_groups_step_and_a_draft_model():
-    """The groups' step counts the n-gram lookahead; with a draft model (its KV in the target's blocks) no groups."""
+def test_kv_groups_step():
+    """The groups' step counts the n-gram lookahead (with a draft model: test_probes_session57_hybspec)."""
     from infer.memory.sizes import kv_groups
     cfg = SimpleNamespace(model_type="gemma2", sliding_window=16, num_hidden_layers=4)
     engine = SimpleNamespace(max_num_batched_tokens=8, speculative_config={"num_speculative_tokens": 3})
     assert kv_groups(engine, cfg, 100) == (2, [0, 16], 11)
-    assert kv_groups(engine, cfg, 100, draft_config=cfg) is None
 
 
 def test_warmup_estimate_of_a_mixed_model_fits_more_sequences(tmp_path, monkeypatch):
