@@ -13,6 +13,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from infer import LLM
 from infer.engine.hybrid_blocks import HybridBlockManager
@@ -206,3 +207,26 @@ def test_warmup_estimate_with_a_draft_fits_more_sequences(tmp_path, monkeypatch)
     old = estimate()
     assert old["kv_groups"] == 0 and 3 * old["kv_block_bytes"] == 4 * got["kv_block_bytes"]
     assert got["max_concurrency_at_max_length"] > old["max_concurrency_at_max_length"] > 0
+
+
+def test_gpu_path_interpreted_with_a_draft_equals_transformers(tmp_path, monkeypatch):
+    """Triton kernels interpreted, the target's decodes and the draft's one-token forwards (drafts 2..3) through
+    emulated CUDA graphs: a Gemma 2 drafting itself, the sliding group's freed blocks NaN in both caches: transformers'
+    tokens, every draft accepted."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels")
+    from quant_helpers import int4_kernel_path
+    hf = build(tmp_path, "gemma2", seed=2)
+    prompts = random_prompts((30, 9), seed=6)
+    want = greedy_each(hf, prompts, 10)
+    int4_kernel_path(monkeypatch)
+    with LLM(str(tmp_path), speculative_config=_draft_spec(tmp_path), max_model_len=128, cuda_graph_max_tokens=8,
+             **KW, **NO_CACHE) as llm:
+        assert isinstance(llm.engine.block_manager, HybridBlockManager)
+        llm.engine.runner.capture_graphs(128, emulate=True)
+        _poison(llm)
+        _poison_draft(llm)
+        assert _run(llm, prompts, 10) == want
+        s = llm.engine.stats()
+        assert s["kv_blocks_freed_window"] > 0 and s["draft_cuda_graph_replays"] > 0
+        assert s["spec_decode_num_accepted_tokens"] == s["spec_decode_num_draft_tokens"] > 0
