@@ -20,6 +20,7 @@ VARIANTS = (NO_PIECES, WITH_PDL, SILU_APART, LOADS_LATE, HIGH_PRIORITY, LOW_PRIO
             SEGMENTS)  # a mode label's variant suffix
 ADAPTERS_ONLY = (GATHERED, SEGMENTS)  # variants of the adapters' kernels alone: run with adapters only, costed
 # against "none"
+DEFAULT_ENGINES = " of the default engine's"  # what a variant's speed ratio is against
 
 
 def variant_of(lora: str) -> str | None:
@@ -76,6 +77,14 @@ def variant_pairs(rows: list[dict], variant: str, need: str) -> list[tuple[str, 
     return pairs
 
 
+def _speed_note(r: dict, lora: str, what: str, a: dict, b: dict, against: str = "", extra: str = "") -> str:
+    """One ratio line: `a`'s throughput and decode speed (1 / TPOT) against `b`'s, for the row `r`'s model and engine
+    in mode `lora`; `against` names what `b` is, `extra` is added in the parentheses after the two TPOTs."""
+    return (f"{r['model']} {r['engine']}, {lora}: {what} {a['output_tok_s'] / b['output_tok_s']:.3f}x the throughput "
+            f"and {b['mean_tpot_ms'] / a['mean_tpot_ms']:.3f}x the decode speed{against} (TPOT {a['mean_tpot_ms']} vs "
+            f"{b['mean_tpot_ms']} ms{extra})")
+
+
 def piecewise_gains(rows: list[dict]) -> list[str]:
     """For each row run with mixed steps eager (--compare-piecewise): the throughput and TTFT of the same engine
     with the piecewise graphs, as ratios."""
@@ -89,40 +98,30 @@ def piecewise_gains(rows: list[dict]) -> list[str]:
 def pdl_gains(rows: list[dict]) -> list[str]:
     """For each row run with programmatic dependent launch (--compare-pdl): its throughput and TPOT against the
     same engine without it (the default), as ratios (what PDL gives; below 1, what it costs)."""
-    return [f"{r['model']} {r['engine']}, {lora}: programmatic dependent launch gives "
-            f"{r['output_tok_s'] / plain['output_tok_s']:.3f}x the throughput and "
-            f"{plain['mean_tpot_ms'] / r['mean_tpot_ms']:.3f}x the decode speed (TPOT {r['mean_tpot_ms']} vs "
-            f"{plain['mean_tpot_ms']} ms; PDL used: {r.get('pdl')})"
+    return [_speed_note(r, lora, "programmatic dependent launch gives", r, plain, extra=f"; PDL used: {r.get('pdl')}")
             for lora, plain, r in variant_pairs(rows, WITH_PDL, "mean_tpot_ms")]
 
 
 def silu_gains(rows: list[dict]) -> list[str]:
     """For each row run with silu_and_mul launched after the int4 gate_up matmul (--compare-silu): what the default
     engine, whose gate_up kernel applies it in its epilogue, gives against it, as ratios."""
-    return [f"{r['model']} {r['engine']}, {lora}: silu_and_mul in the int4 gate_up kernel's epilogue gives "
-            f"{on['output_tok_s'] / r['output_tok_s']:.3f}x the throughput and "
-            f"{r['mean_tpot_ms'] / on['mean_tpot_ms']:.3f}x the decode speed of launching it apart (TPOT "
-            f"{on['mean_tpot_ms']} vs {r['mean_tpot_ms']} ms)"
+    return [_speed_note(r, lora, "silu_and_mul in the int4 gate_up kernel's epilogue gives", on, r,
+                        " of launching it apart")
             for lora, on, r in variant_pairs(rows, SILU_APART, "mean_tpot_ms")]
 
 
 def loads_gains(rows: list[dict]) -> list[str]:
     """For each row whose int4 kernels issued each K step's loads in that step (--compare-loads): what the default,
     during the step before (gptq_gemm.loads_ahead), gives against it, as ratios."""
-    return [f"{r['model']} {r['engine']}, {lora}: the int4 kernels' loads one K step ahead give "
-            f"{on['output_tok_s'] / r['output_tok_s']:.3f}x the throughput and "
-            f"{r['mean_tpot_ms'] / on['mean_tpot_ms']:.3f}x the decode speed of issuing them in their step (TPOT "
-            f"{on['mean_tpot_ms']} vs {r['mean_tpot_ms']} ms)"
+    return [_speed_note(r, lora, "the int4 kernels' loads one K step ahead give", on, r,
+                        " of issuing them in their step")
             for lora, on, r in variant_pairs(rows, LOADS_LATE, "mean_tpot_ms")]
 
 
 def priority_gains(rows: list[dict]) -> list[str]:
     """For each row whose CUDA graphs were all recorded on a high-priority stream, or all at the default priority
     (--compare-priority): what that gives against the default engine (by the graph's tokens), as ratios."""
-    return [f"{r['model']} {r['engine']}, {lora}: CUDA graphs all recorded at {what} give "
-            f"{r['output_tok_s'] / on['output_tok_s']:.3f}x the throughput and "
-            f"{on['mean_tpot_ms'] / r['mean_tpot_ms']:.3f}x the decode speed of the default engine's (TPOT "
-            f"{r['mean_tpot_ms']} vs {on['mean_tpot_ms']} ms)"
+    return [_speed_note(r, lora, f"CUDA graphs all recorded at {what} give", r, on, DEFAULT_ENGINES)
             for variant, what in ((HIGH_PRIORITY, "high priority (the main branch's programs first, the LoRA shrinks "
                                                   "beside in what is left)"), (LOW_PRIORITY, "the default priority"))
             for lora, on, r in variant_pairs(rows, variant, "mean_tpot_ms")]
@@ -131,10 +130,7 @@ def priority_gains(rows: list[dict]) -> list[str]:
 def gather_gains(rows: list[dict]) -> list[str]:
     """For each row whose LoRA expands of decode steps were all gathers, or all by segments (--compare-expand): what
     that gives against the default engine (gathers up to lora_ops.GATHER_AUTO_TOKENS tokens), as ratios."""
-    return [f"{r['model']} {r['engine']}, {lora}: the LoRA expands all {what} give "
-            f"{r['output_tok_s'] / on['output_tok_s']:.3f}x the throughput and "
-            f"{on['mean_tpot_ms'] / r['mean_tpot_ms']:.3f}x the decode speed of the default engine's (TPOT "
-            f"{r['mean_tpot_ms']} vs {on['mean_tpot_ms']} ms)"
+    return [_speed_note(r, lora, f"the LoRA expands all {what} give", r, on, DEFAULT_ENGINES)
             for variant, what in ((GATHERED, "as gathers (lora_ops.expand_gather, partials by token)"),
                                   (SEGMENTS, "by segments (tiles of one adapter's tokens)"))
             for lora, on, r in variant_pairs(rows, variant, "mean_tpot_ms")]
