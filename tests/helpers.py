@@ -320,3 +320,21 @@ def samples_by_engine(samples: dict, name: str, **labels) -> dict:
         if n == name and all(d.get(k) == v for k, v in labels.items()):
             out[d["engine"]] = value
     return out
+
+
+def served_completion_text(base, served_name: str, prompt: list[int], max_tokens: int) -> str:
+    """The text of a greedy /v1/completions reply (EOS ignored) from an in-process server of `base` named
+    `served_name` (block_size 4, max_model_len 64)."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, create_app
+    from infer.serve.async_engine import AsyncEngine
+    engine = LLMEngine(EngineConfig(str(base), block_size=4, max_model_len=64))
+    with TestClient(create_app(Server(AsyncEngine(engine), served_name))) as client:
+        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                                 "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]

@@ -106,3 +106,27 @@ def int4_kernel_path(monkeypatch) -> None:
         real(self, layer)
     monkeypatch.setattr(GPTQLinearMethod, "finish_loading", kernel_layout)
     monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+
+
+def check_int4_kernels_with_mixed_adapters(base, paths: dict, tmp_path, monkeypatch, names: list,
+                                           act_in_gate_up: bool) -> None:
+    """A 4-bit GPTQModel checkpoint of `base` with the adapters `paths` mixed as `names` (None: the base alone) gives
+    through the Triton kernels (interpreted) and emulated decode graphs the CPU path's tokens; the fused qkv holds
+    no float weight and the int4 gate_up kernel's epilogue applies the activation iff `act_in_gate_up`."""
+    from helpers import random_prompts
+    from infer import LLM, SamplingParams
+    qdir = make_gptqmodel_checkpoint(base, tmp_path / "q", bits=4, group_size=32, seq_len=32)
+    opts = dict(loras={n: str(p) for n, p in paths.items()}, max_loras=2, max_lora_rank=8, block_size=4,
+                max_model_len=32, max_num_seqs=4)
+    prompts = random_prompts(512, (5, 3, 7), seed=9)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    with LLM(str(qdir), **opts) as llm:
+        cpu = [o.token_ids for o in llm.generate(prompts, params, lora=names)]
+    int4_kernel_path(monkeypatch)
+    with LLM(str(qdir), cuda_graph_max_tokens=4, **opts) as llm:
+        model = llm.engine.runner.model
+        assert model.layers[0].self_attn.qkv_proj.weight is None
+        assert model.layers[0].mlp.act_in_gate_up == act_in_gate_up
+        llm.engine.runner.capture_graphs(8, emulate=True)
+        assert [o.token_ids for o in llm.generate(prompts, params, lora=names)] == cpu
+        assert sum(llm.engine.runner.graphs.replays.values()) > 0

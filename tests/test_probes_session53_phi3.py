@@ -22,9 +22,10 @@ from infer.cli.main import app
 from infer.errors import ModelLoadError, UnsupportedModelError
 from infer.models.tiny import BUILTIN_MODELS, ensure_builtin
 
-from helpers import greedy_each, random_prompts, save_random_model
+from helpers import greedy_each, random_prompts, save_random_model, served_completion_text
 from lora_helpers import check_mixed_adapters_equal_peft, hf_float, save_adapters
-from quant_helpers import int4_kernel_path, make_gptqmodel_checkpoint, needs_gptqmodel
+from quant_helpers import (check_int4_kernels_with_mixed_adapters, int4_kernel_path, make_gptqmodel_checkpoint,
+                           needs_gptqmodel)
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, vocab_size=512, eos_token_id=2, pad_token_id=0)
@@ -240,22 +241,10 @@ def test_an_adapter_of_llama_projections_is_refused_on_a_phi3_base(phi3_lora, tm
 
 # ---------------------------------------------------------------------------------------------- serve, warmup
 def test_serve_completions_on_phi3(phi3_lora):
-    pytest.importorskip("fastapi")
-    from fastapi.testclient import TestClient
-
-    from infer.engine.config import EngineConfig
-    from infer.engine.llm_engine import LLMEngine
-    from infer.serve.app import Server, create_app
-    from infer.serve.async_engine import AsyncEngine
     base, hf, _ = phi3_lora
     prompt = random_prompts(512, (7,), seed=8)[0]
-    engine = LLMEngine(EngineConfig(str(base), block_size=4, max_model_len=64))
-    with TestClient(create_app(Server(AsyncEngine(engine), "phi3"))) as client:
-        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0,
-                                                 "ignore_eos": True})
-    assert r.status_code == 200, r.text
     want = hf_greedy(hf, [prompt], 5)[0]
-    assert r.json()["choices"][0]["text"] == hf_tokenizer(base).decode(want)
+    assert served_completion_text(base, "phi3", prompt, 5) == hf_tokenizer(base).decode(want)
 
 
 def hf_tokenizer(path):
@@ -290,21 +279,8 @@ def test_int4_kernel_path_with_mixed_adapters_interpreted_equals_the_cpu_path(ph
     if torch.cuda.is_available():
         pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
     base, _, paths = phi3_lora
-    qdir = make_gptqmodel_checkpoint(base, tmp_path / "q", bits=4, group_size=32, seq_len=32)
-    opts = dict(loras={n: str(p) for n, p in paths.items()}, max_loras=2, max_lora_rank=8, block_size=4,
-                max_model_len=32, max_num_seqs=4)
-    prompts = random_prompts(512, (5, 3, 7), seed=9)
-    names = ["all8", None, "qkv4"]
-    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
-    with LLM(str(qdir), **opts) as llm:
-        cpu = [o.token_ids for o in llm.generate(prompts, params, lora=names)]
-    int4_kernel_path(monkeypatch)
-    with LLM(str(qdir), cuda_graph_max_tokens=4, **opts) as llm:
-        model = llm.engine.runner.model
-        assert model.layers[0].self_attn.qkv_proj.weight is None and model.layers[0].mlp.act_in_gate_up
-        llm.engine.runner.capture_graphs(8, emulate=True)
-        assert [o.token_ids for o in llm.generate(prompts, params, lora=names)] == cpu
-        assert sum(llm.engine.runner.graphs.replays.values()) > 0
+    check_int4_kernels_with_mixed_adapters(base, paths, tmp_path, monkeypatch, ["all8", None, "qkv4"],
+                                           act_in_gate_up=True)
 
 
 def test_the_demo_makes_its_adapters_for_tiny_phi3_on_the_fused_modules(tmp_path):

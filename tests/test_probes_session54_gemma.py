@@ -21,9 +21,10 @@ from infer.cli.main import app
 from infer.errors import UnsupportedModelError
 from infer.models.tiny import BUILTIN_MODELS, ensure_builtin
 
-from helpers import greedy_each, norms_drawn, random_prompts, save_random_model
+from helpers import greedy_each, norms_drawn, random_prompts, save_random_model, served_completion_text
 from lora_helpers import check_mixed_adapters_equal_peft, hf_float, save_adapters
-from quant_helpers import int4_kernel_path, make_gptqmodel_checkpoint, needs_gptqmodel
+from quant_helpers import (check_int4_kernels_with_mixed_adapters, int4_kernel_path, make_gptqmodel_checkpoint,
+                           needs_gptqmodel)
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, vocab_size=512, eos_token_id=2, pad_token_id=0,
@@ -245,41 +246,18 @@ def test_int4_kernel_path_with_mixed_adapters_interpreted_equals_the_cpu_path(ge
     base, hf, paths = gemma_lora
     if hf.config.model_type != "gemma2":  # (Gemma 2's run covers Gemma's GeGLU and norms, and adds soft-capping)
         pytest.skip("the Gemma 2 run covers it")
-    qdir = make_gptqmodel_checkpoint(base, tmp_path / "q", bits=4, group_size=32, seq_len=32)
-    opts = dict(loras={n: str(p) for n, p in paths.items()}, max_loras=2, max_lora_rank=8, block_size=4,
-                max_model_len=32, max_num_seqs=4)
-    prompts = random_prompts(512, (5, 3, 7), seed=9)
-    names = ["all8", None, "qv4"]
-    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
-    with LLM(str(qdir), **opts) as llm:
-        cpu = [o.token_ids for o in llm.generate(prompts, params, lora=names)]
-    int4_kernel_path(monkeypatch)
-    with LLM(str(qdir), cuda_graph_max_tokens=4, **opts) as llm:
-        model = llm.engine.runner.model
-        assert model.layers[0].self_attn.qkv_proj.weight is None and not model.layers[0].mlp.act_in_gate_up
-        llm.engine.runner.capture_graphs(8, emulate=True)
-        assert [o.token_ids for o in llm.generate(prompts, params, lora=names)] == cpu
-        assert sum(llm.engine.runner.graphs.replays.values()) > 0
+    check_int4_kernels_with_mixed_adapters(base, paths, tmp_path, monkeypatch, ["all8", None, "qv4"],
+                                           act_in_gate_up=False)
 
 
 # ---------------------------------------------------------------------------------------------- serve, warmup
 def test_serve_completions_on_gemma(gemma_lora):
-    pytest.importorskip("fastapi")
-    from fastapi.testclient import TestClient
     from transformers import AutoTokenizer
 
-    from infer.engine.config import EngineConfig
-    from infer.engine.llm_engine import LLMEngine
-    from infer.serve.app import Server, create_app
-    from infer.serve.async_engine import AsyncEngine
     base, hf, _ = gemma_lora
     prompt = random_prompts(512, (7,), seed=8)[0]
-    engine = LLMEngine(EngineConfig(str(base), block_size=4, max_model_len=64))
-    with TestClient(create_app(Server(AsyncEngine(engine), "gemma"))) as client:
-        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0,
-                                                 "ignore_eos": True})
-    assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["text"] == AutoTokenizer.from_pretrained(base).decode(hf_greedy(hf, [prompt], 5)[0])
+    assert served_completion_text(base, "gemma", prompt, 5) == \
+        AutoTokenizer.from_pretrained(base).decode(hf_greedy(hf, [prompt], 5)[0])
 
 
 @pytest.mark.parametrize("name", ["tiny-gemma", "tiny-gemma2"])

@@ -22,7 +22,7 @@ from infer.cli.main import app
 from infer.errors import UnsupportedModelError
 from infer.models.tiny import ensure_builtin
 
-from helpers import greedy_each, norms_drawn, random_prompts, save_random_model
+from helpers import greedy_each, norms_drawn, random_prompts, save_random_model, served_completion_text
 from lora_helpers import PeftOracle, check_mixed_adapters_equal_peft, hf_float, save_adapters
 from quant_helpers import int4_kernel_path, needs_gptqmodel
 
@@ -271,22 +271,12 @@ def test_lora_validate_accepts_a_gemma3_adapter_and_refuses_a_regex_selecting_it
 
 # ---------------------------------------------------------------------------------------------- serve, warmup
 def test_serve_completions_on_gemma3(gemma3_lora):
-    pytest.importorskip("fastapi")
-    from fastapi.testclient import TestClient
     from transformers import AutoTokenizer
 
-    from infer.engine.config import EngineConfig
-    from infer.engine.llm_engine import LLMEngine
-    from infer.serve.app import Server, create_app
-    from infer.serve.async_engine import AsyncEngine
     base, hf, _ = gemma3_lora
     prompt = random_prompts(512, (20,), seed=8)[0]
-    engine = LLMEngine(EngineConfig(str(base), block_size=4, max_model_len=64))
-    with TestClient(create_app(Server(AsyncEngine(engine), "gemma3"))) as client:
-        r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0,
-                                                 "ignore_eos": True})
-    assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["text"] == AutoTokenizer.from_pretrained(base).decode(hf_greedy(hf, [prompt], 5)[0])
+    assert served_completion_text(base, "gemma3", prompt, 5) == \
+        AutoTokenizer.from_pretrained(base).decode(hf_greedy(hf, [prompt], 5)[0])
 
 
 def test_builtin_tiny_gemma3_runs_and_warmup_sizes_it():
