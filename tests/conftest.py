@@ -69,6 +69,24 @@ def _infer_cache(tmp_path_factory):
 
 
 
+@pytest.fixture
+def poisoned_outputs():
+    """torch.empty returns NaN-filled tensors while deterministic mode is on (kernel tests use it: a row a kernel
+    forgets to write fails the comparison)."""
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(old)
+
+
+@pytest.fixture
+def gen():
+    """A generator with a fresh random seed every run (its initial_seed() names it on failure)."""
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+
+
 _MISSING = object()
 
 

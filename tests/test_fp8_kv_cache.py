@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from infer.kernels import reference as ref
-from test_triton_kernels import DEV, assert_close, gen, ops, paged_batch, poisoned_outputs, rand  # noqa: F401
+from test_triton_kernels import DEV, assert_close, ops, paged_batch, rand  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")  # (tests/conftest.py)
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 

@@ -35,12 +35,6 @@ def gemm(ops):
     yield from interpreted_module("infer.kernels.gptq_gemm")
 
 
-@pytest.fixture
-def gen():
-    import os
-    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-
-
 def _case(g, outs, m, dtype, num_slots=5, max_rank=16):
     in_f = 128
     qw, qz, s, gi = make_weights(g, 4, 32, in_f, sum(outs), True, False)

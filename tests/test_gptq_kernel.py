@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 
-import os
 import re
 
 import pytest
@@ -62,20 +61,7 @@ def gemm():
     yield from interpreted_module("infer.kernels.gptq_gemm")
 
 
-@pytest.fixture(autouse=True)
-def poisoned_outputs():
-    """torch.empty returns NaN-filled tensors while deterministic mode is on."""
-    old = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(old)
-
-
-@pytest.fixture
-def gen():
-    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")  # (tests/conftest.py)
 
 
 def make_weights(g, bits, group, in_f, out_f, sym, desc_act, v2=False):

@@ -5,7 +5,6 @@ interpreter); broken checkpoints raise ModelLoadError naming the tensor."""
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import os
 
@@ -19,6 +18,8 @@ from infer.models.layers import MergedLinear
 from infer.quant import packing
 from infer.quant.config import GPTQConfig
 from infer.quant.gptq_linear import GPTQLinearMethod
+
+from helpers import interpreted_module
 
 NAMES = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"]
 SIZES = [64, 32, 32]
@@ -90,18 +91,9 @@ def test_irregular_g_idx_keeps_the_row_by_row_path():
 @pytest.fixture
 def triton_gemm(monkeypatch):
     """kernels.gptq_matmul replaced by the Triton kernel (interpreted on CPU)."""
-    old = os.environ.get("TRITON_INTERPRET")
-    if not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        mod = importlib.reload(importlib.import_module("infer.kernels.gptq_gemm"))
+    for mod in interpreted_module("infer.kernels.gptq_gemm"):
         monkeypatch.setattr(kernels, "gptq_matmul", mod.gptq_matmul)
         yield
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
 
 
 @pytest.mark.parametrize("bits, group, desc_act", [(4, 32, True), (8, 64, False), (4, -1, False)])

@@ -21,15 +21,7 @@ def attention():
     yield from interpreted_module("infer.kernels.attention")
 
 
-@pytest.fixture(autouse=True)
-def poisoned_outputs():
-    """torch.empty returns NaN-filled tensors while deterministic mode is on."""
-    old = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(old)
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")  # (tests/conftest.py)
 
 
 def _paged(g, head_dim, hq, hk, bs, lens, nq, dtype, cache_dtype):

@@ -6,30 +6,18 @@ batch (a longer row's keys before its window)."""
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
 from infer.kernels import reference
 
+from helpers import interpreted_module
+
 
 @pytest.fixture(scope="module")
 def attention():
     """infer.kernels.attention, its kernels interpreted on CPU when there is no GPU."""
-    if torch.cuda.is_available():
-        yield importlib.import_module("infer.kernels.attention")
-        return
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield importlib.reload(importlib.import_module("infer.kernels.attention"))
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+    yield from interpreted_module("infer.kernels.attention")
 
 
 def _oracle(q, k_cache, v_cache, table, n_keys, scale, window):

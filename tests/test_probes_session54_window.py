@@ -8,32 +8,18 @@ to their max_position_embeddings, greedy tokens equal transformers', on the CPU 
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
 from infer.kernels import reference
 
-from helpers import greedy_each, norms_and_biases_shifted, save_random_model
+from helpers import greedy_each, interpreted_module, norms_and_biases_shifted, save_random_model
 
 
 @pytest.fixture(scope="module")
 def attention():
     """infer.kernels.attention, its kernels interpreted on CPU when there is no GPU."""
-    if torch.cuda.is_available():
-        yield importlib.import_module("infer.kernels.attention")
-        return
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield importlib.reload(importlib.import_module("infer.kernels.attention"))
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+    yield from interpreted_module("infer.kernels.attention")
 
 
 def _oracle(q, k_cache, v_cache, tables, lens, qsl, scale, window, softcap=0.0):

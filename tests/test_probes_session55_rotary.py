@@ -25,7 +25,7 @@ from helpers import random_prompts
 from lora_helpers import PeftOracle, hf_float, save_adapter
 from quant_helpers import int4_kernel_path, needs_gptqmodel
 from test_probes_session53_phi3 import _check_gptq, _split_gate_up, build, hf_greedy
-from test_triton_kernels import check_decode_attention, gen, ops  # noqa: F401
+from test_triton_kernels import check_decode_attention, ops  # noqa: F401
 from test_triton_kernels import \
     test_rotary_store_kv_writes_the_rotated_k_and_v_into_their_slots as rotary_store_kv_check
 

@@ -5,14 +5,13 @@ to write, or a masked key it reads, fails the comparison."""
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
 from infer import kernels
 from infer.kernels import reference as ref
+
+from helpers import interpreted_module
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -23,36 +22,12 @@ TOL = {torch.float32: 2e-5, torch.float16: 2e-3}  # max error relative to the la
 def ops():
     """(fused, attention) modules, their kernels interpreted on CPU when there is no GPU (TRITON_INTERPRET is read
     when the kernels are decorated and when they are launched, so it stays set while this module's tests run)."""
-    names = ("infer.kernels.fused", "infer.kernels.attention")
-    if CUDA:
-        yield tuple(importlib.import_module(n) for n in names)
-        return
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield tuple(importlib.reload(importlib.import_module(n)) for n in names)
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+    for fused in interpreted_module("infer.kernels.fused"):
+        for attention in interpreted_module("infer.kernels.attention"):
+            yield fused, attention
 
 
-@pytest.fixture(autouse=True)
-def poisoned_outputs():
-    """torch.empty returns NaN-filled tensors while deterministic mode is on."""
-    old = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(old)
-
-
-@pytest.fixture
-def gen():
-    seed = int.from_bytes(os.urandom(4), "little")
-    return torch.Generator().manual_seed(seed)
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")  # (tests/conftest.py)
 
 
 def assert_close(got, want, dtype, g, what=""):
