@@ -31,6 +31,18 @@ def _result(out):
     return c.token_ids, [r["logprob"] for r in c.logprobs]
 
 
+def _c_after_aborting(engine: LLMEngine, prompt, params) -> tuple:
+    """After a failed step: a and b aborted, c (their prompt) on `engine` and on an engine without the prefix cache
+    (got, want)."""
+    engine.abort_request(["a", "b"])
+    _drain(engine)
+    engine.add_request("c", prompt, params)
+    got = _drain(engine)["c"]
+    off = _engine(False)
+    off.add_request("c", prompt, params)
+    return got, _drain(off)["c"]
+
+
 def test_a_schedule_that_raises_after_registering_blocks_leaves_them_out_of_the_cache():
     """schedule() registered the first request's blocks, then failed (here: after admitting; on a GPU an adapter
     slot's load running out of memory) and the caller aborted the running requests, as LLM and the server do after
@@ -52,13 +64,7 @@ def test_a_schedule_that_raises_after_registering_blocks_leaves_them_out_of_the_
     with pytest.raises(RuntimeError):
         engine.step()
     sched._admit = admit
-    engine.abort_request(["a", "b"])
-    _drain(engine)
-    engine.add_request("c", prompt, params)
-    got = _drain(engine)["c"]
-    off = _engine(False)
-    off.add_request("c", prompt, params)
-    want = _drain(off)["c"]
+    got, want = _c_after_aborting(engine, prompt, params)
     tokens, logprobs = _result(got)
     assert tokens == _result(want)[0]
     assert logprobs == pytest.approx(_result(want)[1], abs=1e-4)
@@ -83,12 +89,6 @@ def test_an_interrupt_between_schedule_and_the_step_leaves_the_blocks_out_of_the
     with pytest.raises(KeyboardInterrupt):
         engine.step()
     monkeypatch.setattr(engine, "_take_failed", take)
-    engine.abort_request(["a", "b"])
-    _drain(engine)
-    engine.add_request("c", prompt, params)
-    got = _drain(engine)["c"]
-    off = _engine(False)
-    off.add_request("c", prompt, params)
-    want = _drain(off)["c"]
+    got, want = _c_after_aborting(engine, prompt, params)
     assert _result(got)[0] == _result(want)[0]
     assert got.num_cached_tokens == 0
