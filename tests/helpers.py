@@ -241,15 +241,37 @@ CHATML_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] 
                    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def tiny_chat_model(tmp_path_factory, name: str):
-    """tiny-llama copied into a fresh folder with a minimal ChatML chat template (server probes)."""
+def tiny_llama_with_template(path, template: str):
+    """tiny-llama copied into the new folder `path` with `template` as its chat template: path."""
     import shutil
 
     from infer.models.tiny import ensure_builtin
-    path = tmp_path_factory.mktemp(name) / "tiny"
     shutil.copytree(ensure_builtin("tiny-llama"), path)
-    (path / "chat_template.jinja").write_text(CHATML_TEMPLATE)
+    (path / "chat_template.jinja").write_text(template)
     return path
+
+
+def tiny_chat_model(tmp_path_factory, name: str):
+    """tiny-llama copied into a fresh folder with a minimal ChatML chat template (server probes)."""
+    return tiny_llama_with_template(tmp_path_factory.mktemp(name) / "tiny", CHATML_TEMPLATE)
+
+
+def tiny_chat_engine(tmp_path_factory, name: str):
+    """An LLMEngine of tiny_chat_model(name) (block_size 4, up to 4 sequences)."""
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    return LLMEngine(EngineConfig(str(tiny_chat_model(tmp_path_factory, name)), block_size=4, max_num_seqs=4))
+
+
+def openai_sdk_client(engine):
+    """Yields the official OpenAI SDK's client (no retries) of `engine` served in a thread as "tiny" (a queue of 64);
+    the server stops when the generator resumes."""
+    import openai
+
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    with serve_in_thread(Server(AsyncEngine(engine, max_queue=64), "tiny")) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
 
 
 def streamed_chat_choices(base: str, body: dict) -> list[dict]:
@@ -338,3 +360,33 @@ def served_completion_text(base, served_name: str, prompt: list[int], max_tokens
                                                  "ignore_eos": True})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
+
+
+class Stopped(Exception):
+    """What stub_calls' stubs raise."""
+
+
+def stub_calls(monkeypatch, *targets: str) -> dict:
+    """Each of `targets` (dotted names) replaced by a stub that records its call's keyword arguments in the dict
+    returned (its positional ones under "args"), then raises Stopped."""
+    seen = {}
+
+    def stub(*args, **kwargs):
+        seen.update(kwargs, args=args)
+        raise Stopped
+    for target in targets:
+        monkeypatch.setattr(target, stub)
+    return seen
+
+
+def served_tiny_llama():
+    """Yields the base URL of tiny-llama (max_model_len 64, up to 8 sequences, blocks of 4) served in a thread as
+    "tiny-llama"; the server stops when the generator resumes. Skips without fastapi."""
+    pytest.importorskip("fastapi")
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=8, block_size=4))
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny-llama")) as base:
+        yield base

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import pytest
 
@@ -14,14 +13,14 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("xgrammar")
 
-from infer.engine.config import EngineConfig, load_chat_template  # noqa: E402
+from infer.engine.config import load_chat_template  # noqa: E402
 from infer.engine.inputs import reads_content_parts  # noqa: E402
-from infer.engine.llm_engine import LLMEngine  # noqa: E402
 from infer.errors import ConfigError  # noqa: E402
-from infer.models.tiny import ensure_builtin  # noqa: E402
 from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 from infer.serve.tools import PARSERS, ToolRequest, hermes_calls, split, tool_calls  # noqa: E402
+
+from helpers import tiny_chat_engine  # noqa: E402
 
 DEEP = "[" * 5000  # deeper than json.loads / ast.parse recurse (Python's default recursion limit is 1000)
 PREFIX = {"hermes": "<tool_call>", "llama3_json": '{"name": "f", "parameters": ', "mistral": "[TOOL_CALLS]",
@@ -58,18 +57,13 @@ def test_hermes_keeps_the_blanks_before_a_call_as_vllm_does():
 
 
 # ------------------------------------------------------------------------------------------- end to end
-TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
-            "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    path = tmp_path_factory.mktemp("probes_s21") / "tiny"
-    shutil.copytree(ensure_builtin("tiny-llama"), path)
-    (path / "chat_template.jinja").write_text(TEMPLATE)
-    return LLMEngine(EngineConfig(str(path), block_size=4, max_num_seqs=4))
+    return tiny_chat_engine(tmp_path_factory, "probes_s21")  # (ChatML)
 
 
 def _body(reply: str, **extra) -> dict:

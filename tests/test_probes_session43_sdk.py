@@ -5,37 +5,24 @@ where vLLM refuses only a positive count."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from infer.engine.config import EngineConfig  # noqa: E402
-from infer.engine.llm_engine import LLMEngine  # noqa: E402
-from infer.serve.app import Server, serve_in_thread  # noqa: E402
-from infer.serve.async_engine import AsyncEngine  # noqa: E402
-
-from helpers import tiny_chat_model  # noqa: E402
+from helpers import openai_sdk_client, tiny_chat_engine  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return tiny_chat_model(tmp_path_factory, "probes_s43_sdk")
-
-
-@pytest.fixture(scope="module")
-def engine(model):
-    return LLMEngine(EngineConfig(str(model), block_size=4, max_num_seqs=4))
+def engine(tmp_path_factory):
+    return tiny_chat_engine(tmp_path_factory, "probes_s43_sdk")
 
 
 @pytest.fixture(scope="module")
 def client(engine):
-    with serve_in_thread(Server(AsyncEngine(engine, max_queue=64), "tiny")) as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+    yield from openai_sdk_client(engine)
 
 
 @pytest.mark.parametrize("chat", [True, False])
