@@ -12,6 +12,8 @@ from infer.cli.main import app
 from infer.engine.config import EngineConfig, cli_fields, flag_of
 from infer.errors import ConfigError
 
+from helpers import Stopped, stub_calls
+
 ENGINE_COMMANDS = {"run": (), "serve": (), "warmup": ("max_num_seqs", "max_model_len", "chat_template"),
                    "bench": ("max_num_seqs", "seed", "loras", "max_loras")}
 
@@ -65,22 +67,13 @@ def _distinct_values(tmp_path):
 
 
 def test_run_passes_every_option_by_name(tmp_path, monkeypatch):
-    seen = {}
-
-    class Stop(Exception):
-        pass
-
-    def fake_engine(config):
-        seen["config"] = config
-        raise Stop
-
-    monkeypatch.setattr("infer.engine.llm_engine.LLMEngine", fake_engine)
+    seen = stub_calls(monkeypatch, "infer.engine.llm_engine.LLMEngine")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
     argv, expected = _distinct_values(tmp_path)
     result = CliRunner().invoke(app, ["run", "tiny-llama", str(prompts), *argv])
-    assert isinstance(result.exception, Stop), result.output
-    config = seen["config"]
+    assert isinstance(result.exception, Stopped), result.output
+    [config] = seen["args"]
     assert config.model == "tiny-llama"
     for name, want in expected.items():
         assert getattr(config, name) == want, name
@@ -133,23 +126,14 @@ REPLICA_OPTIONS = [("--max-replica-restarts", "0", "max_restarts", 0),
 
 @pytest.mark.parametrize("command", ["run", "serve"])
 def test_replica_options_reach_the_data_parallel_drivers(command, tmp_path, monkeypatch):
-    seen = {}
-
-    class Stop(Exception):
-        pass
-
-    def driver(*args, **kwargs):
-        seen.update(kwargs)
-        raise Stop
-    monkeypatch.setattr("infer.cli.run_parallel.run_data_parallel", driver)
-    monkeypatch.setattr("infer.cli.serve_parallel.serve_data_parallel", driver)
-    monkeypatch.setattr("infer.cli.serve._serve", driver)
+    seen = stub_calls(monkeypatch, "infer.cli.run_parallel.run_data_parallel",
+                      "infer.cli.serve_parallel.serve_data_parallel", "infer.cli.serve._serve")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
     where = [str(prompts), "-o", str(tmp_path / "o.jsonl")] if command == "run" else ["--port", "0"]
     argv = [a for flag, value, _, _ in REPLICA_OPTIONS for a in (flag, value)]
     result = CliRunner().invoke(app, [command, "tiny-llama", *where, "--data-parallel", "2",
                                       "--ray-address", "127.0.0.1:1", *argv])
-    assert isinstance(result.exception, Stop), result.output
+    assert isinstance(result.exception, Stopped), result.output
     for _, _, keyword, want in REPLICA_OPTIONS:
         assert seen[keyword] == want, (command, keyword)

@@ -12,6 +12,8 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
+from helpers import Stopped, stub_calls  # noqa: E402
+
 PROMPT = list(range(5, 45))  # 40 tokens, blocks of 4: a repeat finds 36 of them cached (the last is computed)
 
 
@@ -120,20 +122,11 @@ def test_the_option_reaches_both_servers(argv, env, want, parallel, monkeypatch)
     from typer.testing import CliRunner
 
     from infer.cli.main import app
-    seen = {}
-
-    class Stop(Exception):
-        pass
-
-    def driver(*args, **kwargs):
-        seen.update(kwargs)
-        raise Stop
-    monkeypatch.setattr("infer.cli.serve._serve", driver)
-    monkeypatch.setattr("infer.cli.serve_parallel.serve_data_parallel", driver)
+    seen = stub_calls(monkeypatch, "infer.cli.serve._serve", "infer.cli.serve_parallel.serve_data_parallel")
     monkeypatch.delenv("INFER_ENABLE_PROMPT_TOKENS_DETAILS", raising=False)
     dp = ["--data-parallel", "2", "--ray-address", "127.0.0.1:1"] if parallel else []
     result = CliRunner().invoke(app, ["serve", "tiny-llama", "--port", "0", *dp, *argv], env=env)
-    assert isinstance(result.exception, Stop), result.output
+    assert isinstance(result.exception, Stopped), result.output
     assert seen["prompt_tokens_details"] is want
 
 
