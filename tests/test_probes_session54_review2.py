@@ -13,22 +13,12 @@ from infer.engine.sampling_params import SamplingParams as Params
 from infer.models.tiny import ensure_builtin
 
 from helpers import hf_greedy, random_prompts
+from test_probes_session54_engine import _run
 
 
 def _engine(caching: bool = True, **kw) -> LLMEngine:
     kw = dict(block_size=4, max_num_seqs=8, max_num_batched_tokens=20, enable_prefix_caching=caching) | kw
     return LLMEngine(EngineConfig("tiny-llama", **kw))
-
-
-def _run(engine: LLMEngine, requests) -> dict:
-    for rid, prompt, params in requests:
-        engine.add_request(rid, prompt, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
 
 
 @pytest.mark.parametrize("kw", [
