@@ -20,6 +20,11 @@ from .banner import start_traits
 SERVER = "Server options"
 
 
+def _server(*names: str, **kw):
+    """typer.Option of a server option (under SERVER in --help)."""
+    return typer.Option(*names, rich_help_panel=SERVER, **kw)
+
+
 def url_host(host: str) -> str:
     """The host as a URL writes it: an IPv6 address in brackets (http://[::1]:8000)."""
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
@@ -51,99 +56,71 @@ VERBOSE = ("info", "debug", "trace")  # the levels that show the access log and 
 @o.engine_options()
 def serve(
     model: o.Model,
-    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 for every interface).",
-                                      rich_help_panel=SERVER)] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on (0: any free port, printed at start).",
-                                      rich_help_panel=SERVER)] = 8000,
-    api_key: Annotated[Optional[list[str]], typer.Option(help="Require 'Authorization: Bearer KEY' on every route "
-                                                              "but /health; several keys (--api-key A B, as vLLM's) "
-                                                              "are each accepted, e.g. while rotating them. "
-                                                              "Default: $INFER_API_KEY, else $VLLM_API_KEY (one key).",
-                                                         metavar="KEY [KEY ...]", rich_help_panel=SERVER,
-                                                         show_default=False)] = None,
-    max_queue: Annotated[int, typer.Option(help="Requests allowed to wait for the engine; more get 503 "
-                                                "with Retry-After.", rich_help_panel=SERVER)] = 1024,
-    served_model_name: Annotated[Optional[list[str]], typer.Option(help="Model id of the base model in the API "
-                                                                        "(default: MODEL's name); several ids "
-                                                                        "(--served-model-name A B, as vLLM's) are "
-                                                                        "each accepted as `model`, the first is "
-                                                                        "the one reported when a request names "
-                                                                        "none.", metavar="NAME [NAME ...]",
-                                                                   rich_help_panel=SERVER)] = None,
-    shutdown_timeout: Annotated[float, typer.Option(help="On SIGTERM, seconds in-flight requests get to finish "
-                                                         "before they are aborted.", rich_help_panel=SERVER)] = 30.0,
-    log_level: Annotated[str, typer.Option("--log-level", "--uvicorn-log-level",
-                                           help="uvicorn log level: critical | error | warning | info | debug | trace.",
-                                           rich_help_panel=SERVER)] = "warning",
-    data_parallel: Annotated[int, typer.Option("--data-parallel", min=1, help="Engine replicas as Ray actors behind "
-                                               "this endpoint, one per GPU; needs infer[ray].",
-                                               rich_help_panel=SERVER)] = 1,
-    ray_address: Annotated[Optional[str], typer.Option("--ray-address", help="Join this Ray cluster (HOST:6379 or "
-                                                       "ray://HOST:10001); default: a local Ray runtime.",
-                                                       rich_help_panel=SERVER, callback=o.check_ray_address)] = None,
-    max_replica_restarts: Annotated[int, typer.Option(
-        "--max-replica-restarts", min=0, max=1000, help=o.REPLICA_RESTARTS_HELP,
-        rich_help_panel=SERVER)] = o.MAX_REPLICA_RESTARTS,
-    replica_placement_timeout: Annotated[float, typer.Option(
-        "--replica-placement-timeout", help=o.PLACEMENT_HELP, metavar="SECONDS", callback=o.check_placement_timeout,
-        rich_help_panel=SERVER)] = o.REPLICA_PLACEMENT_TIMEOUT,
-    max_body_size: Annotated[str, typer.Option(help="Largest request body, e.g. 8MB or 512KB; a larger one gets 413 "
-                                                    "before it is read.", rich_help_panel=SERVER)] = "8MB",
-    max_json_depth: Annotated[int, typer.Option(min=1, max=10000, help="How deeply a request body may nest arrays "
-                                                "and objects; deeper gets 400.", rich_help_panel=SERVER)] = 64,
-    allow_runtime_lora: Annotated[bool, typer.Option("--allow-runtime-lora", envvar="INFER_ALLOW_RUNTIME_LORA",
-                                                     help="Turn on POST /v1/load_lora_adapter and "
-                                                          "/v1/unload_lora_adapter (adapters added and removed while "
-                                                          "serving; implies --enable-lora).",
-                                                     rich_help_panel=SERVER)] = False,
-    enable_auto_tool_choice: Annotated[bool, typer.Option("--enable-auto-tool-choice",
-                                                          help="Let chat requests with tools use tool_choice auto "
-                                                               "(the default): the model's calls are read out of "
-                                                               "its text by --tool-call-parser.",
-                                                          rich_help_panel=SERVER)] = False,
-    tool_call_parser: Annotated[Optional[str], typer.Option("--tool-call-parser",
-                                                            help="The model family's tool-call syntax, with "
-                                                                 "--enable-auto-tool-choice: hermes (Hermes 2 Pro "
-                                                                 "and later, Qwen2.5, QwQ), llama3_json (Llama "
-                                                                 "3.1-3.3 JSON tool calling), pythonic (Llama 3.2, "
-                                                                 "Llama 4: a Python list of calls) or mistral "
-                                                                 "([TOOL_CALLS]: Mistral 7B v0.3, Nemo, Small).",
-                                                            rich_help_panel=SERVER)] = None,
-    reasoning_parser: Annotated[Optional[str], typer.Option("--reasoning-parser",
-                                                            help="Split a chat reply's <think>...</think> "
-                                                                 "reasoning from its answer, into the message's "
-                                                                 "`reasoning` field (as vLLM's option): deepseek_r1 "
-                                                                 "(DeepSeek R1 and its distills) or qwen3 (Qwen3, "
-                                                                 "QwQ; reads chat_template_kwargs enable_thinking). "
-                                                                 "Tool calls are read from the answer only.",
-                                                            rich_help_panel=SERVER)] = None,
-    trust_request_chat_template: Annotated[bool, typer.Option("--trust-request-chat-template",
-                                                              help="Let a chat request's own chat_template field "
-                                                                   "render its messages (the template runs on the "
-                                                                   "server: only for clients you trust).",
-                                                              rich_help_panel=SERVER)] = False,
-    return_tokens_as_token_ids: Annotated[bool, typer.Option("--return-tokens-as-token-ids",
-                                                             help="Logprobs name each token as 'token_id:ID' "
-                                                                  "instead of its text (as vLLM's option; a request "
-                                                                  "sets it with return_tokens_as_token_ids).",
-                                                             rich_help_panel=SERVER)] = False,
-    enable_prompt_tokens_details: Annotated[bool, typer.Option("--enable-prompt-tokens-details",
-                                                               envvar="INFER_ENABLE_PROMPT_TOKENS_DETAILS",
-                                                               help="Report usage.prompt_tokens_details."
-                                                                    "cached_tokens in completions and chat "
-                                                                    "responses: the prompt tokens found in the "
-                                                                    "prefix cache (as vLLM's option; null when "
-                                                                    "none were).", rich_help_panel=SERVER)] = False,
-    allowed_origins: Annotated[str, typer.Option("--allowed-origins", help="CORS: origins a browser page may call "
-                                                 "from, a JSON list (as vLLM's), e.g. '[\"http://localhost:3000\"]'.",
-                                                 rich_help_panel=SERVER)] = '["*"]',
-    allowed_methods: Annotated[str, typer.Option("--allowed-methods", help="CORS: methods allowed, a JSON list.",
-                                                 rich_help_panel=SERVER)] = '["*"]',
-    allowed_headers: Annotated[str, typer.Option("--allowed-headers", help="CORS: request headers allowed, a JSON "
-                                                 "list.", rich_help_panel=SERVER)] = '["*"]',
-    allow_credentials: Annotated[bool, typer.Option("--allow-credentials", help="CORS: let pages send credentials "
-                                                    "(cookies, Authorization) across origins.",
-                                                    rich_help_panel=SERVER)] = False,
+    host: Annotated[str, _server(help="Address to listen on (0.0.0.0 for every interface).")] = "127.0.0.1",
+    port: Annotated[int, _server(help="Port to listen on (0: any free port, printed at start).")] = 8000,
+    api_key: Annotated[Optional[list[str]], _server(
+        metavar="KEY [KEY ...]", show_default=False, help="Require 'Authorization: Bearer KEY' on every route but "
+        "/health; several keys (--api-key A B, as vLLM's) are each accepted, e.g. while rotating them. Default: "
+        "$INFER_API_KEY, else $VLLM_API_KEY (one key).")] = None,
+    max_queue: Annotated[int, _server(
+        help="Requests allowed to wait for the engine; more get 503 with Retry-After.")] = 1024,
+    served_model_name: Annotated[Optional[list[str]], _server(
+        metavar="NAME [NAME ...]", help="Model id of the base model in the API (default: MODEL's name); several ids "
+        "(--served-model-name A B, as vLLM's) are each accepted as `model`, the first is the one reported when a "
+        "request names none.")] = None,
+    shutdown_timeout: Annotated[float, _server(
+        help="On SIGTERM, seconds in-flight requests get to finish before they are aborted.")] = 30.0,
+    log_level: Annotated[str, _server(
+        "--log-level", "--uvicorn-log-level", help="uvicorn log level: critical | error | warning | info | debug | "
+        "trace.")] = "warning",
+    data_parallel: Annotated[int, _server(
+        "--data-parallel", min=1, help="Engine replicas as Ray actors behind this endpoint, one per GPU; needs "
+        "infer[ray].")] = 1,
+    ray_address: Annotated[Optional[str], _server(
+        "--ray-address", callback=o.check_ray_address, help="Join this Ray cluster (HOST:6379 or ray://HOST:10001); "
+        "default: a local Ray runtime.")] = None,
+    max_replica_restarts: Annotated[int, _server(
+        "--max-replica-restarts", min=0, max=1000, help=o.REPLICA_RESTARTS_HELP)] = o.MAX_REPLICA_RESTARTS,
+    replica_placement_timeout: Annotated[float, _server(
+        "--replica-placement-timeout", help=o.PLACEMENT_HELP, metavar="SECONDS",
+        callback=o.check_placement_timeout)] = o.REPLICA_PLACEMENT_TIMEOUT,
+    max_body_size: Annotated[str, _server(
+        help="Largest request body, e.g. 8MB or 512KB; a larger one gets 413 before it is read.")] = "8MB",
+    max_json_depth: Annotated[int, _server(
+        min=1, max=10000, help="How deeply a request body may nest arrays and objects; deeper gets 400.")] = 64,
+    allow_runtime_lora: Annotated[bool, _server(
+        "--allow-runtime-lora", envvar="INFER_ALLOW_RUNTIME_LORA", help="Turn on POST /v1/load_lora_adapter and "
+        "/v1/unload_lora_adapter (adapters added and removed while serving; implies --enable-lora).")] = False,
+    enable_auto_tool_choice: Annotated[bool, _server(
+        "--enable-auto-tool-choice", help="Let chat requests with tools use tool_choice auto (the default): the "
+        "model's calls are read out of its text by --tool-call-parser.")] = False,
+    tool_call_parser: Annotated[Optional[str], _server(
+        "--tool-call-parser", help="The model family's tool-call syntax, with --enable-auto-tool-choice: hermes "
+        "(Hermes 2 Pro and later, Qwen2.5, QwQ), llama3_json (Llama 3.1-3.3 JSON tool calling), pythonic (Llama 3.2, "
+        "Llama 4: a Python list of calls) or mistral ([TOOL_CALLS]: Mistral 7B v0.3, Nemo, Small).")] = None,
+    reasoning_parser: Annotated[Optional[str], _server(
+        "--reasoning-parser", help="Split a chat reply's <think>...</think> reasoning from its answer, into the "
+        "message's `reasoning` field (as vLLM's option): deepseek_r1 (DeepSeek R1 and its distills) or qwen3 (Qwen3, "
+        "QwQ; reads chat_template_kwargs enable_thinking). Tool calls are read from the answer only.")] = None,
+    trust_request_chat_template: Annotated[bool, _server(
+        "--trust-request-chat-template", help="Let a chat request's own chat_template field render its messages (the "
+        "template runs on the server: only for clients you trust).")] = False,
+    return_tokens_as_token_ids: Annotated[bool, _server(
+        "--return-tokens-as-token-ids", help="Logprobs name each token as 'token_id:ID' instead of its text (as vLLM's "
+        "option; a request sets it with return_tokens_as_token_ids).")] = False,
+    enable_prompt_tokens_details: Annotated[bool, _server(
+        "--enable-prompt-tokens-details", envvar="INFER_ENABLE_PROMPT_TOKENS_DETAILS", help="Report "
+        "usage.prompt_tokens_details.cached_tokens in completions and chat responses: the prompt tokens found in the "
+        "prefix cache (as vLLM's option; null when none were).")] = False,
+    allowed_origins: Annotated[str, _server(
+        "--allowed-origins", help="CORS: origins a browser page may call from, a JSON list (as vLLM's), e.g. "
+        "'[\"http://localhost:3000\"]'.")] = '["*"]',
+    allowed_methods: Annotated[str, _server("--allowed-methods", help="CORS: methods allowed, a JSON list.")] = '["*"]',
+    allowed_headers: Annotated[str, _server(
+        "--allowed-headers", help="CORS: request headers allowed, a JSON list.")] = '["*"]',
+    allow_credentials: Annotated[bool, _server(
+        "--allow-credentials", help="CORS: let pages send credentials (cookies, Authorization) across "
+        "origins.")] = False,
     engine: EngineConfig = None,
 ) -> None:
     """Serve MODEL over an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models,
