@@ -20,15 +20,16 @@ def hf_float(path):
     return m
 
 
-def save_adapter(hf, out, seed: int, **lora_kw):
-    """A peft adapter on `hf` with random non-zero A and B (B is zero at init), saved to `out`; hf is restored."""
+def save_adapter(hf, out, seed: int, scale: float = 0.15, **lora_kw):
+    """A peft adapter on `hf` with random non-zero A and B (B is zero at init; normal, times `scale`), saved to `out`;
+    hf is restored."""
     from peft import LoraConfig, get_peft_model
     model = get_peft_model(hf, LoraConfig(**lora_kw))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
     model.save_pretrained(str(out))
     model.unload()
     return out
@@ -39,6 +40,26 @@ def save_adapters(hf, root, adapters: dict) -> dict:
     no dropout): {name: path}."""
     return {n: save_adapter(hf, root / n, seed=i + 1, lora_dropout=0.0, **kw) for i, (n, kw) in
             enumerate(adapters.items())}
+
+
+def base_and_adapters(root, adapters: dict):
+    """The float model saved in root / "base" and `adapters` on it, saved under root (save_adapters): (base folder,
+    the model in transformers, {name: path})."""
+    hf = hf_float(root / "base")
+    return root / "base", hf, save_adapters(hf, root, adapters)
+
+
+def check_lora_validate_ok(base, adapter) -> None:
+    """`infer lora-validate BASE ADAPTER --json` (two steps) reports the adapter fits, its shapes too."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    res = CliRunner().invoke(app, ["lora-validate", str(base), str(adapter), "--json", "--steps", "2"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert report["ok"] and report["shapes"] == "ok"
 
 
 def check_mixed_adapters_equal_peft(base, hf, paths: dict, prompts, names, n: int = 6) -> None:
@@ -59,14 +80,21 @@ def check_mixed_adapters_equal_peft(base, hf, paths: dict, prompts, names, n: in
         oracle.close()
 
 
-def three_adapters(root, seed: int):
-    """tiny-llama's float model and THREE saved under `root` (seeds seed, seed + 1, seed + 2): (hf, {name: path})."""
+def save_three(hf, root, seed: int, names: str = "abc") -> dict:
+    """The adapters of THREE named in `names` on `hf`, saved under root / name (seeds seed, seed + 1, ... in order):
+    {name: path}."""
+    from pathlib import Path
+    return {name: save_adapter(hf, Path(root) / name, seed=seed + i, **THREE[name]) for i, name in enumerate(names)}
+
+
+def three_adapters(root, seed: int, names: str = "abc"):
+    """tiny-llama's float model and the adapters of THREE named in `names` saved under `root` (seeds seed, seed + 1,
+    ...): (hf, {name: path})."""
     from pathlib import Path
 
     from infer.models.tiny import ensure_builtin
     hf = hf_float(Path(ensure_builtin("tiny-llama")))
-    return hf, {name: save_adapter(hf, Path(root) / name, seed=seed + i, **kw)
-                for i, (name, kw) in enumerate(THREE.items())}
+    return hf, save_three(hf, root, seed, names)
 
 
 class PeftOracle:

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from infer.cli.main import app
@@ -88,26 +87,14 @@ def test_url_run_matches_in_process(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- LoRA policies
-def _adapter(base: Path, out: Path, seed: int) -> Path:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=g) * 0.3)
-    model.save_pretrained(str(out))
-    return out
-
-
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
     from infer.models.tiny import ensure_builtin
-    base = Path(ensure_builtin("tiny-llama"))
+    from lora_helpers import hf_float, save_adapter
+    hf = hf_float(Path(ensure_builtin("tiny-llama")))
     root = tmp_path_factory.mktemp("adapters")
-    return {f"a{i}": _adapter(base, root / f"a{i}", i) for i in range(3)}
+    return {f"a{i}": save_adapter(hf, root / f"a{i}", i, scale=0.3, r=4, lora_alpha=8,
+                                  target_modules=["q_proj", "v_proj"]) for i in range(3)}
 
 
 def _adapters_per_step(engine, monkeypatch) -> list[set]:

@@ -14,7 +14,7 @@ from infer import LLM, AsyncLLM, LoRARequest, SamplingParams
 from infer.errors import LoRAError, LoRANameError, RequestError
 from infer.models.tiny import ensure_builtin
 
-from lora_helpers import THREE, hf_float, save_adapter
+from lora_helpers import hf_float, save_three
 
 P = SamplingParams(max_new_tokens=5, ignore_eos=True)
 PROMPT = [5, 9, 13, 21]
@@ -27,9 +27,7 @@ def path():
 
 @pytest.fixture(scope="module")
 def adapters(path, tmp_path_factory):
-    root = tmp_path_factory.mktemp("lr")
-    hf = hf_float(path)
-    return {name: save_adapter(hf, root / name, seed=i + 7, **THREE[name]) for i, name in enumerate(("a", "b"))}
+    return save_three(hf_float(path), tmp_path_factory.mktemp("lr"), 7, "ab")
 
 
 def _peft(path, adapter) -> list[int]:

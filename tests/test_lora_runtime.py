@@ -14,7 +14,7 @@ from infer import LLM, SamplingParams
 from infer.errors import LoRAError, LoRANameError, RequestError
 from infer.models.tiny import ensure_builtin
 
-from lora_helpers import THREE, PeftOracle, hf_float, save_adapter
+from lora_helpers import THREE, PeftOracle, hf_float, save_adapter, save_three
 
 N = 8
 PARAMS = SamplingParams(max_new_tokens=N, ignore_eos=True)
@@ -29,7 +29,7 @@ def hf():
 @pytest.fixture(scope="module")
 def paths(hf, tmp_path_factory):
     root = tmp_path_factory.mktemp("runtime-lora")
-    out = {name: save_adapter(hf, root / name, seed=10 + i, **kw) for i, (name, kw) in enumerate(THREE.items())}
+    out = save_three(hf, root, 10)
     # made before the oracle wraps `hf` in peft (saving one unloads every adapter of the model)
     return {**out, "r16": save_adapter(hf, root / "r16", seed=3, r=16, lora_alpha=16, target_modules=["q_proj"])}
 

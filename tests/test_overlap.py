@@ -232,9 +232,8 @@ def test_gpu_decode_steps_never_wait_for_the_device_before_their_one_copy(path):
 
 def _three_adapters(path, tmp_path, seed: int):
     """Three saved adapters of the tiny model, six prompts and the adapter of each (None: the base model)."""
-    from lora_helpers import THREE, hf_float, save_adapter
-    hf = hf_float(path)
-    loras = {n: str(save_adapter(hf, tmp_path / n, seed=i + 1, **kw)) for i, (n, kw) in enumerate(THREE.items())}
+    from lora_helpers import hf_float, save_three
+    loras = {n: str(p) for n, p in save_three(hf_float(path), tmp_path, 1).items()}
     return loras, random_prompts(512, (7, 12, 5, 9, 16, 6), seed=seed), ["a", "b", None, "a", "c", "b"]
 
 

@@ -98,13 +98,8 @@ LONG_PROMPT = [(7 * i + 3) % 200 + 5 for i in range(40)]  # more than two full K
 
 @pytest.fixture(scope="module")
 def lora_paths(tmp_path_factory):
-    from pathlib import Path
-
-    from infer.models.tiny import ensure_builtin
-    from lora_helpers import THREE, PeftOracle, hf_float, save_adapter
-    hf = hf_float(Path(ensure_builtin("tiny-llama")))
-    root = tmp_path_factory.mktemp("inplace")
-    paths = {name: save_adapter(hf, root / name, seed=20 + i, **THREE[name]) for i, name in enumerate("ab")}
+    from lora_helpers import PeftOracle, three_adapters
+    hf, paths = three_adapters(tmp_path_factory.mktemp("inplace"), 20, "ab")
     return paths, PeftOracle(hf, paths)
 
 

@@ -74,10 +74,8 @@ def test_abort_from_another_task_ends_the_generate(allm):
 
 @pytest.fixture(scope="module")
 def adapters(path, tmp_path_factory):
-    from lora_helpers import THREE, hf_float, save_adapter
-    hf = hf_float(path)
-    root = tmp_path_factory.mktemp("p44_adapters")
-    return {name: str(save_adapter(hf, root / name, seed=5 + i, **THREE[name])) for i, name in enumerate("ab")}
+    from lora_helpers import hf_float, save_three
+    return {n: str(p) for n, p in save_three(hf_float(path), tmp_path_factory.mktemp("p44_adapters"), 5, "ab").items()}
 
 
 @pytest.fixture(scope="module")

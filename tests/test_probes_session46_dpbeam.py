@@ -29,13 +29,8 @@ class _Ray(FakeRay):
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
-    from pathlib import Path
-
-    from infer.models.tiny import ensure_builtin
-    from lora_helpers import THREE, hf_float, save_adapter
-    hf = hf_float(Path(ensure_builtin("tiny-llama")))
-    root = tmp_path_factory.mktemp("dpbeam46-lora")
-    return {name: save_adapter(hf, root / name, seed=46 + i, **THREE[name]) for i, name in enumerate("ab")}
+    from lora_helpers import three_adapters
+    return three_adapters(tmp_path_factory.mktemp("dpbeam46-lora"), 46, "ab")[1]
 
 
 def _dp(adapters=None, start=True):

@@ -27,13 +27,8 @@ def test_resume_without_the_fp8_kv_cache_names_auto_not_none(tmp_path):
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
-    from pathlib import Path
-
-    from infer.models.tiny import ensure_builtin
-    from lora_helpers import THREE, hf_float, save_adapter
-    hf = hf_float(Path(ensure_builtin("tiny-llama")))
-    root = tmp_path_factory.mktemp("soak46-lora")
-    return {name: save_adapter(hf, root / name, seed=46 + i, **THREE[name]) for i, name in enumerate("ab")}
+    from lora_helpers import three_adapters
+    return three_adapters(tmp_path_factory.mktemp("soak46-lora"), 46, "ab")[1]
 
 
 def _served_beams(adapters, change=None):

@@ -7,7 +7,7 @@ import pytest
 
 from infer.models.tiny import ensure_builtin
 
-from lora_helpers import THREE, hf_float, save_adapter
+from lora_helpers import hf_float, save_three
 
 P_LEN = [5, 9, 13, 21]
 
@@ -19,9 +19,7 @@ def path():
 
 @pytest.fixture(scope="module")
 def adapters(path, tmp_path_factory):
-    root = tmp_path_factory.mktemp("va")
-    hf = hf_float(path)
-    return {name: save_adapter(hf, root / name, seed=i + 7, **THREE[name]) for i, name in enumerate(("a", "b"))}
+    return save_three(hf_float(path), tmp_path_factory.mktemp("va"), 7, "ab")
 
 
 def test_request_output_carries_the_lora_request(path, adapters):

@@ -29,17 +29,9 @@ MAX_LEN = 256
 
 def make_adapter(base_path: Path, out: Path, seed: int = 3) -> Path:
     """A PEFT LoRA adapter with random non-zero weights for the built-in tiny-llama."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=g) * 0.5)
-    model.save_pretrained(str(out))
-    return out
+    from lora_helpers import hf_float, save_adapter
+    return save_adapter(hf_float(base_path), out, seed, scale=0.5, r=4, lora_alpha=8,
+                        target_modules=["q_proj", "v_proj", "down_proj"])
 
 
 @pytest.fixture(scope="module")
