@@ -10,6 +10,8 @@ import pytest
 from infer import LLM, SamplingParams
 from infer.errors import RequestError
 
+from helpers import served_tiny_llama
+
 
 @pytest.fixture(scope="module")
 def llm():
@@ -41,14 +43,7 @@ def test_a_logit_bias_key_of_unicode_digits_is_a_request_error():
 @pytest.fixture(scope="module")
 def base():
     pytest.importorskip("httpx")
-    pytest.importorskip("fastapi")
-    from infer.engine.config import EngineConfig
-    from infer.engine.llm_engine import LLMEngine
-    from infer.serve.app import Server, serve_in_thread
-    from infer.serve.async_engine import AsyncEngine
-    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=8, block_size=4))
-    with serve_in_thread(Server(AsyncEngine(engine), "tiny-llama")) as url:
-        yield url
+    yield from served_tiny_llama()
 
 
 def _post(base, **body):

@@ -12,18 +12,14 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("xgrammar")
 
+from helpers import served_tiny_llama  # noqa: E402
+
 DEAD = 'root ::= "a" b\nb ::= b "x"'  # compiles; after "a" no token can follow
 
 
 @pytest.fixture(scope="module")
 def served():
-    from infer.engine.config import EngineConfig
-    from infer.engine.llm_engine import LLMEngine
-    from infer.serve.app import Server, serve_in_thread
-    from infer.serve.async_engine import AsyncEngine
-    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=8, block_size=4))
-    with serve_in_thread(Server(AsyncEngine(engine), "tiny-llama")) as base:
-        yield base
+    yield from served_tiny_llama()
 
 
 BODIES = {

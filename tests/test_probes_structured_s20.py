@@ -20,6 +20,8 @@ from infer import LLM, SamplingParams, StructuredOutputsParams as S  # noqa: E40
 from infer.errors import RequestError  # noqa: E402
 from infer.models.tiny import ensure_builtin  # noqa: E402
 
+from helpers import served_tiny_llama  # noqa: E402
+
 EOS = 2
 NEVER_ENDS = 'root ::= a\na ::= a "x"'  # compiles in xgrammar, matches no text
 
@@ -119,14 +121,7 @@ def test_a_batch_lines_bad_guided_field_is_named(tmp_path):
 
 @pytest.fixture(scope="module")
 def served():
-    pytest.importorskip("fastapi")
-    from infer.engine.config import EngineConfig
-    from infer.engine.llm_engine import LLMEngine
-    from infer.serve.app import Server, serve_in_thread
-    from infer.serve.async_engine import AsyncEngine
-    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=8, block_size=4))
-    with serve_in_thread(Server(AsyncEngine(engine), "tiny-llama")) as base:
-        yield base
+    yield from served_tiny_llama()
 
 
 @pytest.mark.parametrize("extra,param,message", [

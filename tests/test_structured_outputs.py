@@ -23,7 +23,7 @@ from infer.engine.structured import apply_bitmask, choice_grammar  # noqa: E402
 from infer.errors import RequestError  # noqa: E402
 from infer.models.tiny import ensure_builtin  # noqa: E402
 
-from helpers import hf_greedy, hf_model  # noqa: E402
+from helpers import hf_greedy, hf_model, served_tiny_llama  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"a": {"enum": ["x", "yy"]}, "b": {"type": "boolean"},
                                            "n": {"type": "integer"}},
@@ -276,14 +276,7 @@ def test_infer_run_lines_native_and_openai_batch(tmp_path):
 
 @pytest.fixture(scope="module")
 def served():
-    pytest.importorskip("fastapi")
-    from infer.engine.config import EngineConfig
-    from infer.engine.llm_engine import LLMEngine
-    from infer.serve.app import Server, serve_in_thread
-    from infer.serve.async_engine import AsyncEngine
-    engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=8, block_size=4))
-    with serve_in_thread(Server(AsyncEngine(engine), "tiny-llama")) as base:
-        yield base
+    yield from served_tiny_llama()
 
 
 def _post(base, path, body):
