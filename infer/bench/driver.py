@@ -26,7 +26,7 @@ import numpy as np
 
 from ..errors import InferError
 from .datasets import BenchRequest
-from .metrics import RequestRecord, RunResult
+from .metrics import RequestRecord, RunResult, ended
 from .monitor import ResourceSampler
 
 log = logging.getLogger("infer")
@@ -200,12 +200,7 @@ def run_in_process(engine, requests: list[BenchRequest], concurrency: int, reque
     with contextlib.suppress(Exception):
         sampler.sample(0, force=True)
     run.done.sort(key=lambda r: r.index)
-    result = RunResult("infer", concurrency, run.done, duration_s=run.end - t0, num_requests=len(requests),
-                       request_rate=request_rate, partial=partial, aborted=aborted,
-                       peak_rss_bytes=sampler.peak_rss_bytes, peak_gpu_bytes=sampler.peak_gpu_bytes,
-                       timeline=sampler.timeline, engine_stats=sampler.last_stats, start_time=t0,
-                       error=None if failure is None else f"{type(failure).__name__}: {failure}")
-    if failure is not None:
-        failure.bench_partial = result
-        raise failure
-    return result
+    return ended(RunResult("infer", concurrency, run.done, duration_s=run.end - t0, num_requests=len(requests),
+                           request_rate=request_rate, partial=partial, aborted=aborted,
+                           peak_rss_bytes=sampler.peak_rss_bytes, peak_gpu_bytes=sampler.peak_gpu_bytes,
+                           timeline=sampler.timeline, engine_stats=sampler.last_stats, start_time=t0), failure)

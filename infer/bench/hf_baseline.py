@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 from ..errors import ModelLoadError
 from .datasets import BenchRequest
 from .driver import Progress
-from .metrics import RequestRecord, RunResult
+from .metrics import RequestRecord, RunResult, ended
 from .monitor import ResourceSampler
 
 WARMUP_TOKENS = 2  # tokens a warmup batch generates: a prefill and a decode step
@@ -213,11 +213,7 @@ def run_hf_generate(model: str | HFModel, requests: list[BenchRequest], batch_si
             bar.advance(len(batch))
     with contextlib.suppress(Exception):
         sampler.sample(0, force=True)
-    result = RunResult("hf", batch_size, records, duration_s=end - t0, num_requests=len(requests),
-                       request_rate=math.inf, partial=partial, aborted=aborted, peak_rss_bytes=sampler.peak_rss_bytes,
-                       peak_gpu_bytes=sampler.peak_gpu_bytes, timeline=sampler.timeline, start_time=t0,
-                       error=None if failure is None else f"{type(failure).__name__}: {failure}")
-    if failure is not None:
-        failure.bench_partial = result
-        raise failure
-    return result
+    return ended(RunResult("hf", batch_size, records, duration_s=end - t0, num_requests=len(requests),
+                           request_rate=math.inf, partial=partial, aborted=aborted,
+                           peak_rss_bytes=sampler.peak_rss_bytes, peak_gpu_bytes=sampler.peak_gpu_bytes,
+                           timeline=sampler.timeline, start_time=t0), failure)

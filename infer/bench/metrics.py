@@ -125,6 +125,16 @@ class RunResult:
         return d
 
 
+def ended(result: RunResult, failure: Exception | None) -> RunResult:
+    """A run's result once it has ended: returned, or, where the error `failure` stopped it half way, raised with
+    the partial result (the error noted in it) attached as failure.bench_partial."""
+    if failure is None:
+        return result
+    result.error = f"{type(failure).__name__}: {failure}"
+    failure.bench_partial = result
+    raise failure
+
+
 def _ms_stats(name: str, values: list[float], percentiles) -> dict:
     arr = np.asarray(values or [0.0], dtype=np.float64) * 1000.0
     out = {f"mean_{name}_ms": float(np.mean(arr)), f"median_{name}_ms": float(np.median(arr)),
