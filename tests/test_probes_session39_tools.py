@@ -19,6 +19,8 @@ from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 from infer.serve.tools import parse_tools, split  # noqa: E402
 
+from helpers import tiny_llama_with_template  # noqa: E402
+
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
 MESSAGES = [{"role": "user", "content": "add 2 and 10"}]
@@ -49,9 +51,7 @@ def test_mistral_call_ids_are_nine_letters_and_digits_as_vllms(text):
 
 
 def test_a_mistral_call_can_be_sent_back_with_the_tools_reply(tmp_path):
-    path = tmp_path / "tiny-mistral-tools"
-    shutil.copytree(ensure_builtin("tiny-llama"), path)
-    (path / "chat_template.jinja").write_text(MISTRAL_TEMPLATE)
+    path = tiny_llama_with_template(tmp_path / "tiny-mistral-tools", MISTRAL_TEMPLATE)
     engine = LLMEngine(EngineConfig(str(path), block_size=4, max_num_seqs=2))
     reply = '[TOOL_CALLS][{"name": "add", "arguments": {"a": 2, "b": 10}}]'
     body = {"messages": MESSAGES, "max_tokens": 80, "temperature": 0, "tools": TOOLS,
@@ -92,9 +92,7 @@ def test_an_assistants_reasoning_sent_back_reaches_the_template_as_reasoning_con
     kept = chat_messages([{"role": "assistant", "content": "x", "reasoning_content": "old field"}])
     assert kept[0]["reasoning_content"] == "old field"
 
-    path = tmp_path / "tiny-think"
-    shutil.copytree(ensure_builtin("tiny-llama"), path)
-    (path / "chat_template.jinja").write_text(QWEN3_REASONING_TEMPLATE)
+    path = tiny_llama_with_template(tmp_path / "tiny-think", QWEN3_REASONING_TEMPLATE)
     engine = LLMEngine(EngineConfig(str(path), block_size=4, max_num_seqs=2))
     with serve_in_thread(Server(AsyncEngine(engine), "tiny-think", reasoning_parser="qwen3")) as base:
         r = httpx.post(f"{base}/tokenize", json={"messages": [*MESSAGES, sent], "add_generation_prompt": False},

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
@@ -12,9 +11,10 @@ pytest.importorskip("fastapi")
 
 from infer.engine.config import EngineConfig  # noqa: E402
 from infer.engine.llm_engine import LLMEngine  # noqa: E402
-from infer.models.tiny import ensure_builtin  # noqa: E402
 from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
+
+from helpers import tiny_llama_with_template  # noqa: E402
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -22,10 +22,7 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content']
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("resp2") / "tiny-resp"
-    shutil.copytree(ensure_builtin("tiny-llama"), path)
-    (path / "chat_template.jinja").write_text(TEMPLATE)
-    return str(path)
+    return str(tiny_llama_with_template(tmp_path_factory.mktemp("resp2") / "tiny-resp", TEMPLATE))
 
 
 @pytest.fixture(scope="module")

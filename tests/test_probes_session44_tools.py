@@ -20,6 +20,8 @@ from infer.models.tiny import ensure_builtin  # noqa: E402
 from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 
+from helpers import tiny_llama_with_template  # noqa: E402
+
 MESSAGES = [{"role": "user", "content": "add 1 and 2"}]
 
 
@@ -82,9 +84,7 @@ def test_a_forced_call_on_a_mistral_server_has_a_mistral_call_id(choice, reply):
 
 def test_a_named_call_on_a_mistral_server_can_be_sent_back_with_the_tools_reply(tmp_path):
     from test_probes_session39_tools import MISTRAL_TEMPLATE
-    path = tmp_path / "tiny-mistral-tools"
-    shutil.copytree(ensure_builtin("tiny-llama"), path)
-    (path / "chat_template.jinja").write_text(MISTRAL_TEMPLATE)
+    path = tiny_llama_with_template(tmp_path / "tiny-mistral-tools", MISTRAL_TEMPLATE)
     engine = LLMEngine(EngineConfig(str(path), block_size=4, max_num_seqs=2))
     body = {"messages": MESSAGES, "max_tokens": 40, "temperature": 0, "tools": ADD_TOOLS,
             "tool_choice": {"type": "function", "function": {"name": "add"}}}
@@ -113,9 +113,7 @@ def test_a_function_sent_without_parameters_reaches_the_template_with_null_param
     FunctionDefinition model dumps them, `parameters: null` included; infer handed them as sent, so a template that
     reads each tool's parameters (`| tojson`) failed on the missing key: the request was a 400 "the chat template
     cannot render these messages: Object of type Undefined is not JSON serializable"."""
-    path = tmp_path / "tiny-tools"
-    shutil.copytree(ensure_builtin("tiny-llama"), path)
-    (path / "chat_template.jinja").write_text(PARAMETERS_TEMPLATE)
+    path = tiny_llama_with_template(tmp_path / "tiny-tools", PARAMETERS_TEMPLATE)
     engine = LLMEngine(EngineConfig(str(path), block_size=4, max_num_seqs=2))
     tools = [{"type": "function", "function": {"name": "now"}}]
     body = {"messages": MESSAGES, "max_tokens": 20, "temperature": 0, "tools": tools, "tool_choice": choice,

@@ -11,6 +11,8 @@ from infer import SamplingParams
 from infer.errors import RequestError
 from infer.models.tiny import ensure_builtin
 
+from helpers import tiny_llama_with_template
+
 
 @pytest.fixture(scope="module")
 def path():
@@ -19,10 +21,8 @@ def path():
 
 @pytest.fixture(scope="module")
 def adapters(path, tmp_path_factory):
-    from lora_helpers import THREE, hf_float, save_adapter
-    hf = hf_float(path)
-    root = tmp_path_factory.mktemp("p45_adapters")
-    return {name: str(save_adapter(hf, root / name, seed=5 + i, **THREE[name])) for i, name in enumerate("ab")}
+    from lora_helpers import hf_float, save_three
+    return {n: str(p) for n, p in save_three(hf_float(path), tmp_path_factory.mktemp("p45_adapters"), 5, "ab").items()}
 
 
 @pytest.fixture(scope="module")
@@ -145,15 +145,11 @@ RTEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
 
 @pytest.fixture(scope="module")
 def reasoning_server(tmp_path_factory):
-    import shutil
-
     from infer.engine.config import EngineConfig
     from infer.engine.llm_engine import LLMEngine
     from infer.serve.app import Server, serve_in_thread
     from infer.serve.async_engine import AsyncEngine
-    model = tmp_path_factory.mktemp("p45resp") / "tiny-resp"
-    shutil.copytree(ensure_builtin("tiny-llama"), model)
-    (model / "chat_template.jinja").write_text(RTEMPLATE)
+    model = tiny_llama_with_template(tmp_path_factory.mktemp("p45resp") / "tiny-resp", RTEMPLATE)
     engine = LLMEngine(EngineConfig(str(model), block_size=4, max_num_seqs=2, max_model_len=256))
     try:
         with serve_in_thread(Server(AsyncEngine(engine), "tiny-resp", reasoning_parser="deepseek_r1")) as base:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import pytest
 
@@ -20,10 +19,11 @@ pytest.importorskip("xgrammar")
 from infer.engine.config import EngineConfig  # noqa: E402
 from infer.engine.llm_engine import LLMEngine  # noqa: E402
 from infer.errors import RequestError  # noqa: E402
-from infer.models.tiny import ensure_builtin  # noqa: E402
 from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 from infer.serve.tools import parse_tools, split  # noqa: E402
+
+from helpers import tiny_llama_with_template  # noqa: E402
 
 TEMPLATE = ("{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n"
             "{% endif %}{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
@@ -66,9 +66,7 @@ def test_tools_that_are_not_a_list_are_refused_naming_tools(tools):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tools20") / "tiny-tools"
-    shutil.copytree(ensure_builtin("tiny-llama"), path)
-    (path / "chat_template.jinja").write_text(TEMPLATE)
+    path = tiny_llama_with_template(tmp_path_factory.mktemp("tools20") / "tiny-tools", TEMPLATE)
     engine = LLMEngine(EngineConfig(str(path), block_size=4, max_num_seqs=4))
     with serve_in_thread(Server(AsyncEngine(engine), "tiny-tools", tool_parser="hermes")) as base:
         yield base

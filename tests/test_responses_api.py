@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-import shutil
 import threading
 import time
 
@@ -20,13 +19,12 @@ pytest.importorskip("xgrammar")
 
 from infer.engine.config import EngineConfig  # noqa: E402
 from infer.engine.llm_engine import LLMEngine  # noqa: E402
-from infer.models.tiny import ensure_builtin  # noqa: E402
 from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 from infer.serve.body import BodyLimits  # noqa: E402
 from infer.serve.responses import to_chat  # noqa: E402
 
-from helpers import StepGate, wait_until  # noqa: E402
+from helpers import StepGate, tiny_llama_with_template, wait_until  # noqa: E402
 
 # a template that renders the tools, an assistant's calls and a tool message's call id (to check what reaches it)
 TEMPLATE = ("{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n"
@@ -44,10 +42,7 @@ MAX_LEN = 512
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("responses") / "tiny-resp"
-    shutil.copytree(ensure_builtin("tiny-llama"), path)
-    (path / "chat_template.jinja").write_text(TEMPLATE)
-    return str(path)
+    return str(tiny_llama_with_template(tmp_path_factory.mktemp("responses") / "tiny-resp", TEMPLATE))
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import pytest
 
@@ -20,12 +19,11 @@ pytest.importorskip("xgrammar")
 from infer.engine.config import EngineConfig  # noqa: E402
 from infer.engine.llm_engine import LLMEngine  # noqa: E402
 from infer.errors import ConfigError  # noqa: E402
-from infer.models.tiny import ensure_builtin  # noqa: E402
 from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 from infer.serve.reasoning import ReasoningRequest, parts, prompt_ends_reasoning, split  # noqa: E402
 
-from helpers import joined_deltas, streamed_chat_choices  # noqa: E402
+from helpers import joined_deltas, streamed_chat_choices, tiny_llama_with_template  # noqa: E402
 
 R1, QWEN3 = ReasoningRequest("deepseek_r1"), ReasoningRequest("qwen3")
 
@@ -127,10 +125,7 @@ MESSAGES = [{"role": "user", "content": "think, then answer"}]
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("reasoning") / "tiny-think"
-    shutil.copytree(ensure_builtin("tiny-llama"), path)
-    (path / "chat_template.jinja").write_text(TEMPLATE)
-    return str(path)
+    return str(tiny_llama_with_template(tmp_path_factory.mktemp("reasoning") / "tiny-think", TEMPLATE))
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ adapter as model, the 404 of the other routes for another; every malformed field
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 
 import pytest
@@ -19,9 +18,10 @@ from transformers import AutoTokenizer  # noqa: E402
 import infer  # noqa: E402
 from infer.engine.config import EngineConfig  # noqa: E402
 from infer.engine.llm_engine import LLMEngine  # noqa: E402
-from infer.models.tiny import ensure_builtin  # noqa: E402
 from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
+
+from helpers import tiny_llama_with_template  # noqa: E402
 
 MAX_LEN = 256
 # the built-in model's template, plus the tools and a template variable (chat_template_kwargs) in a system turn
@@ -38,9 +38,7 @@ PROMPT = "Hello world, tokenize me: 42 ünïcødé!"
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok") / "tiny-tok"
-    shutil.copytree(ensure_builtin("tiny-llama"), path)
-    (path / "chat_template.jinja").write_text(TEMPLATE)
+    path = tiny_llama_with_template(tmp_path_factory.mktemp("tok") / "tiny-tok", TEMPLATE)
     # a BOS (the built-in tokenizer has none), so that add_special_tokens changes a prompt's ids
     spec = json.loads((path / "tokenizer.json").read_text())
     bos = {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}

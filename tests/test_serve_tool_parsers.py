@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import pytest
 
@@ -20,10 +19,11 @@ pytest.importorskip("xgrammar")
 from infer.engine.config import EngineConfig  # noqa: E402
 from infer.engine.llm_engine import LLMEngine  # noqa: E402
 from infer.errors import RequestError  # noqa: E402
-from infer.models.tiny import ensure_builtin  # noqa: E402
 from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 from infer.serve.tools import parse_tools, split, visible  # noqa: E402
+
+from helpers import tiny_llama_with_template  # noqa: E402
 
 TEMPLATE = ("{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n"
             "{% endif %}{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
@@ -184,10 +184,7 @@ def test_the_refusal_and_the_cli_name_the_new_parsers():
 # ----------------------------------------------------------------------------------------- end to end, per parser
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("parsers") / "tiny-tools"
-    shutil.copytree(ensure_builtin("tiny-llama"), path)
-    (path / "chat_template.jinja").write_text(TEMPLATE)
-    return str(path)
+    return str(tiny_llama_with_template(tmp_path_factory.mktemp("parsers") / "tiny-tools", TEMPLATE))
 
 
 def _served_reads(model, parser, reply, content, want):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import pytest
 
@@ -23,7 +22,6 @@ from transformers import AutoTokenizer  # noqa: E402
 from infer import LLM, SamplingParams, StructuredOutputsParams as S  # noqa: E402
 from infer.engine.config import EngineConfig  # noqa: E402
 from infer.engine.llm_engine import LLMEngine  # noqa: E402
-from infer.models.tiny import ensure_builtin  # noqa: E402
 from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 from infer.serve.tools import parse_tools  # noqa: E402
@@ -45,10 +43,7 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tools") / "tiny-tools"
-    shutil.copytree(ensure_builtin("tiny-llama"), path)
-    (path / "chat_template.jinja").write_text(TEMPLATE)
-    return str(path)
+    return str(tiny_llama_with_template(tmp_path_factory.mktemp("tools") / "tiny-tools", TEMPLATE))
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +184,8 @@ def test_llm_chat_renders_the_tools_as_the_server_does(served, direct, model):
 
 # ------------------------------------------------------------------ tool_choice "auto" with --tool-call-parser hermes
 from infer.serve.tools import hermes_calls, visible  # noqa: E402
+
+from helpers import tiny_llama_with_template  # noqa: E402
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
 
