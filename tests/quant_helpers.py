@@ -94,6 +94,24 @@ def dequantized_float_model(float_dir, gptq_dir):
     return model.eval()
 
 
+def gptqmodel_greedy(path, prompts, n: int, every_float: bool = False) -> list[list[int]]:
+    """Greedy tokens (EOS ignored) of GPTQModel's own load of the GPTQ checkpoint `path`, its torch kernel computing
+    in float32 (loaded in float16, the kernel's dtypes, then cast) with the checkpoint's float32 tensors put back
+    exactly (`every_float`: every floating tensor but the scales, in float32: bfloat16 ones too)."""
+    from gptqmodel import BACKEND, GPTQModel
+    from safetensors.torch import load_file
+
+    from helpers import greedy_each
+    model = GPTQModel.load(str(path), backend=BACKEND.TORCH, device="cpu", dtype=torch.float16).model.float().eval()
+    floats = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        floats.update({k: v.float() for k, v in load_file(f).items() if v.dtype == torch.float32
+                       or every_float and v.is_floating_point() and not k.endswith(".scales")})
+    assert not model.load_state_dict(floats, strict=False).unexpected_keys
+    model.generation_config.eos_token_id = None
+    return greedy_each(model, prompts, n)
+
+
 def int4_kernel_path(monkeypatch) -> None:
     """Every LLM built after this call runs its GPU code path on CPU: GPTQ layers in the kernel layout (packed int4,
     interleaved rows) and every op through its Triton kernel (interpreted without a GPU)."""

@@ -23,9 +23,10 @@ from infer.errors import ModelLoadError, UnsupportedModelError
 from infer.models.tiny import BUILTIN_MODELS, ensure_builtin
 
 from helpers import greedy_each, random_prompts, save_random_model, served_completion_text
-from lora_helpers import check_mixed_adapters_equal_peft, hf_float, save_adapters
-from quant_helpers import (check_int4_kernels_with_mixed_adapters, int4_kernel_path, make_gptqmodel_checkpoint,
-                           needs_gptqmodel)
+from lora_helpers import (base_and_adapters, check_lora_validate_ok, check_mixed_adapters_equal_peft,
+                          hf_float)
+from quant_helpers import (check_int4_kernels_with_mixed_adapters, gptqmodel_greedy, int4_kernel_path,
+                           make_gptqmodel_checkpoint, needs_gptqmodel)
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, vocab_size=512, eos_token_id=2, pad_token_id=0)
@@ -100,18 +101,6 @@ def test_a_fused_tensor_of_the_wrong_width_is_named(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------- GPTQ
-def gptqmodel_greedy(path, prompts, n: int) -> list[list[int]]:
-    """GPTQModel's own load of its Phi-3 checkpoint (its unfused MLP: gate_proj and up_proj apart, which
-    transformers' Phi3MLP has no place for), its torch kernel computing in float32: loaded in float16 (the kernel's
-    dtypes; the fp16 scales exactly), then cast, and the checkpoint's float tensors put back exactly."""
-    from gptqmodel import BACKEND, GPTQModel
-    model = GPTQModel.load(str(path), backend=BACKEND.TORCH, device="cpu", dtype=torch.float16).model.float().eval()
-    floats = {k: v for k, v in load_file(path / "model.safetensors").items() if v.dtype == torch.float32}
-    assert not model.load_state_dict(floats, strict=False).unexpected_keys
-    model.generation_config.eos_token_id = None
-    return hf_greedy(model, prompts, n)
-
-
 def _check_gptq(path, oracle=None):
     """infer's tokens on GPTQ checkpoint `path` equal GPTQModel's own load of `oracle` (default `path`; the split
     layout GPTQModel reads where `path` fuses gate_up_proj)."""
@@ -138,10 +127,14 @@ def _fuse_gate_up(src, dst):
 
 
 def _split_gate_up(src, dst):
-    """A copy of GPTQ checkpoint `src` (one file) with each mlp.gate_up_proj stored as GPTQModel writes and reads a
-    Phi-3's MLP: gate_proj and up_proj apart (the halves along the output; g_idx each)."""
+    """A copy of GPTQ checkpoint `src` (sharded or not) in one file, with each mlp.gate_up_proj stored as GPTQModel
+    writes and reads a Phi-3's MLP: gate_proj and up_proj apart (the halves along the output; g_idx each)."""
     shutil.copytree(src, dst)
-    tensors = load_file(dst / "model.safetensors")
+    tensors = {}
+    for f in sorted(dst.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    for f in dst.glob("model*.safetensors*"):  # (the shards' index too)
+        f.unlink()
     for key in [k for k in tensors if ".mlp.gate_up_proj." in k]:
         t = tensors.pop(key)
         gate, up = (t, t.clone()) if key.endswith("g_idx") else t.chunk(2, dim=-1)
@@ -192,9 +185,7 @@ ADAPTERS = {"all8": dict(r=8, lora_alpha=16, target_modules=PHI3_ALL),
 def phi3_lora(tmp_path_factory):
     root = tmp_path_factory.mktemp("phi3lora")
     build(root / "base")
-    hf = hf_float(root / "base")
-    paths = save_adapters(hf, root, ADAPTERS)
-    return root / "base", hf, paths
+    return base_and_adapters(root, ADAPTERS)
 
 
 def test_peft_adapters_on_the_fused_modules_equal_peft_alone_and_mixed(phi3_lora):
@@ -204,10 +195,7 @@ def test_peft_adapters_on_the_fused_modules_equal_peft_alone_and_mixed(phi3_lora
 
 def test_lora_validate_accepts_a_phi3_adapter_and_names_wrong_shapes(phi3_lora, tmp_path):
     base, hf, paths = phi3_lora
-    res = CliRunner().invoke(app, ["lora-validate", str(base), str(paths["all8"]), "--json", "--steps", "2"])
-    assert res.exit_code == 0, res.output
-    report = json.loads(res.stdout.strip().splitlines()[-1])
-    assert report["ok"] and report["shapes"] == "ok"
+    check_lora_validate_ok(base, paths["all8"])
     bad = tmp_path / "bad"
     shutil.copytree(paths["qkv4"], bad)
     tensors = load_file(bad / "adapter_model.safetensors")

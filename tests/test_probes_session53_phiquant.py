@@ -16,9 +16,9 @@ from infer.cli.main import app
 from infer.quant.quantize import FUSED_MLP_NOTE, QuantizeOptions, fuse_gate_up
 
 from helpers import random_prompts
-from quant_helpers import needs_gptqmodel
+from quant_helpers import gptqmodel_greedy, needs_gptqmodel
 from test_gptq_engine import hf_gptq_greedy
-from test_probes_session53_phi3 import build, gptqmodel_greedy
+from test_probes_session53_phi3 import _split_gate_up, build
 
 ARGS = ["--group-size", "32", "--num-samples", "8", "--seq-len", "32"]
 
@@ -28,22 +28,6 @@ def _tensors(path):
     for f in sorted(path.glob("*.safetensors")):
         out.update(load_file(f))
     return out
-
-
-def _split(src, dst):
-    """GPTQModel's layout of the fused checkpoint `src` (one file): gate_up_proj cut in halves along the output."""
-    import shutil
-    shutil.copytree(src, dst)
-    tensors = _tensors(dst)
-    for f in dst.glob("model*.safetensors*"):
-        f.unlink()
-    for key in [k for k in tensors if ".mlp.gate_up_proj." in k]:
-        t = tensors.pop(key)
-        gate, up = (t, t.clone()) if key.endswith("g_idx") else t.chunk(2, dim=-1)
-        tensors[key.replace("gate_up_proj", "gate_proj")] = gate.contiguous()
-        tensors[key.replace("gate_up_proj", "up_proj")] = up.contiguous()
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    return dst
 
 
 @needs_gptqmodel
@@ -62,7 +46,7 @@ def test_quantized_phi3_has_gate_up_proj_and_loads_in_transformers_as_in_infer_a
     with LLM(str(out), block_size=4) as llm:
         mine = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))]
     assert hf_gptq_greedy(out, prompts, 6) == mine
-    assert gptqmodel_greedy(_split(out, tmp_path / "split"), prompts, 6) == mine
+    assert gptqmodel_greedy(_split_gate_up(out, tmp_path / "split"), prompts, 6) == mine
 
 
 @needs_gptqmodel

@@ -21,7 +21,7 @@ from infer.lora.adapter import adapter_problems
 
 from helpers import random_prompts
 from lora_helpers import hf_float, save_adapter
-from quant_helpers import make_gptqmodel_checkpoint, needs_gptqmodel
+from quant_helpers import gptqmodel_greedy, make_gptqmodel_checkpoint, needs_gptqmodel
 from test_gptq_engine import hf_gptq_greedy
 from test_probes_session53_phi3 import PHI3_ALL, build
 
@@ -98,19 +98,6 @@ def test_gptqmodel_load_refuses_the_fused_phi3_checkpoint_that_transformers_load
 
 
 # --------------------------------------------------------------------------- split gate/up with `dynamic` rules
-def _gptqmodel_tokens(path, prompts, n: int) -> list[list[int]]:
-    """GPTQModel's own load of its split Phi-3 checkpoint (torch kernel, float16, then float32) with every float
-    tensor of the checkpoint (bfloat16 ones too: the layers a negative rule leaves in float) put back exactly."""
-    from gptqmodel import BACKEND, GPTQModel
-    from test_probes_session53_phi3 import hf_greedy
-    model = GPTQModel.load(str(path), backend=BACKEND.TORCH, device="cpu", dtype=torch.float16).model.float().eval()
-    floats = {k: v.float() for k, v in load_file(path / "model.safetensors").items()
-              if v.is_floating_point() and not k.endswith("scales")}
-    assert not model.load_state_dict(floats, strict=False).unexpected_keys
-    model.generation_config.eos_token_id = None
-    return hf_greedy(model, prompts, n)
-
-
 SERVED = {"both-8-bit": {r"+:.*\.gate_proj": {"bits": 8}, r"+:.*\.up_proj": {"bits": 8}},
           "both-float": {r"-:.*\.gate_proj": {}, r"-:.*\.up_proj": {}}}
 
@@ -132,7 +119,7 @@ def test_a_split_phi3_checkpoint_whose_dynamic_rules_name_gate_and_up_apart_load
         gate_up = llm.engine.runner.model.layers[0].mlp.gate_up_proj
         assert (gate_up.method.config.bits == 8) if case == "both-8-bit" else not hasattr(gate_up.method, "config")
         mine = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))]
-    assert mine == _gptqmodel_tokens(path, prompts, 6)
+    assert mine == gptqmodel_greedy(path, prompts, 6, every_float=True)
 
 
 REFUSED = {"up-left-float": ({r"-:.*up_proj": {}}, r"quantizes model\.layers\.0\.mlp\.gate_proj but not "

@@ -22,9 +22,10 @@ from infer.errors import UnsupportedModelError
 from infer.models.tiny import BUILTIN_MODELS, ensure_builtin
 
 from helpers import greedy_each, norms_drawn, random_prompts, save_random_model, served_completion_text
-from lora_helpers import check_mixed_adapters_equal_peft, hf_float, save_adapters
-from quant_helpers import (check_int4_kernels_with_mixed_adapters, int4_kernel_path, make_gptqmodel_checkpoint,
-                           needs_gptqmodel)
+from lora_helpers import (base_and_adapters, check_lora_validate_ok, check_mixed_adapters_equal_peft,
+                          hf_float)
+from quant_helpers import (check_int4_kernels_with_mixed_adapters, gptqmodel_greedy, int4_kernel_path,
+                           make_gptqmodel_checkpoint, needs_gptqmodel)
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, vocab_size=512, eos_token_id=2, pad_token_id=0,
@@ -171,17 +172,6 @@ def test_what_infer_cannot_run_is_refused_up_front(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------- GPTQ
-def gptqmodel_greedy(path, prompts, n: int) -> list[list[int]]:
-    """GPTQModel's own load of a GPTQ checkpoint, its torch kernel computing in float32 (loaded in float16, then
-    cast, the checkpoint's float tensors put back exactly)."""
-    from gptqmodel import BACKEND, GPTQModel
-    model = GPTQModel.load(str(path), backend=BACKEND.TORCH, device="cpu", dtype=torch.float16).model.float().eval()
-    floats = {k: v for k, v in load_file(path / "model.safetensors").items() if v.dtype == torch.float32}
-    assert not model.load_state_dict(floats, strict=False).unexpected_keys
-    model.generation_config.eos_token_id = None
-    return hf_greedy(model, prompts, n)
-
-
 @needs_gptqmodel
 def test_infer_quantize_writes_a_gemma_gptq_checkpoint_equal_to_gptqmodels_load(tmp_path):
     build(tmp_path / "f", "gemma", head_dim=32)
@@ -218,9 +208,7 @@ ADAPTERS = {"all8": dict(r=8, lora_alpha=16, target_modules=ALL),
 def gemma_lora(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     build(root / "base", request.param, **(GEMMA2 if request.param == "gemma2" else dict(head_dim=32)))
-    hf = hf_float(root / "base")
-    paths = save_adapters(hf, root, ADAPTERS)
-    return root / "base", hf, paths
+    return base_and_adapters(root, ADAPTERS)
 
 
 def test_peft_adapters_equal_peft_alone_and_mixed(gemma_lora):
@@ -230,10 +218,7 @@ def test_peft_adapters_equal_peft_alone_and_mixed(gemma_lora):
 
 def test_lora_validate_accepts_a_gemma_adapter(gemma_lora):
     base, _, paths = gemma_lora
-    res = CliRunner().invoke(app, ["lora-validate", str(base), str(paths["all8"]), "--json", "--steps", "2"])
-    assert res.exit_code == 0, res.output
-    report = json.loads(res.stdout.strip().splitlines()[-1])
-    assert report["ok"] and report["shapes"] == "ok"
+    check_lora_validate_ok(base, paths["all8"])
 
 
 def test_int4_kernel_path_with_mixed_adapters_interpreted_equals_the_cpu_path(gemma_lora, tmp_path, monkeypatch):

@@ -23,8 +23,9 @@ from infer.errors import UnsupportedModelError
 from infer.models.tiny import ensure_builtin
 
 from helpers import greedy_each, norms_drawn, random_prompts, save_random_model, served_completion_text
-from lora_helpers import PeftOracle, check_mixed_adapters_equal_peft, hf_float, save_adapters
-from quant_helpers import int4_kernel_path, needs_gptqmodel
+from lora_helpers import (PeftOracle, base_and_adapters, check_lora_validate_ok, check_mixed_adapters_equal_peft,
+                          hf_float)
+from quant_helpers import gptqmodel_greedy, int4_kernel_path, needs_gptqmodel
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=16,
@@ -173,17 +174,6 @@ def test_what_infer_cannot_run_of_gemma3_is_refused(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------- GPTQ
-def gptqmodel_greedy(path, prompts, n: int) -> list[list[int]]:
-    """GPTQModel's own load of a GPTQ checkpoint, its torch kernel computing in float32 (loaded in float16, then
-    cast, the checkpoint's float tensors put back exactly)."""
-    from gptqmodel import BACKEND, GPTQModel
-    model = GPTQModel.load(str(path), backend=BACKEND.TORCH, device="cpu", dtype=torch.float16).model.float().eval()
-    floats = {k: v for k, v in load_file(path / "model.safetensors").items() if v.dtype == torch.float32}
-    assert not model.load_state_dict(floats, strict=False).unexpected_keys
-    model.generation_config.eos_token_id = None
-    return hf_greedy(model, prompts, n)
-
-
 @needs_gptqmodel
 def test_infer_quantize_writes_a_gemma3_gptq_checkpoint_equal_to_gptqmodels_load(tmp_path):
     build(tmp_path / "f", num_hidden_layers=2, layer_types=[SL, FULL], rope_parameters=SCALED)
@@ -210,9 +200,7 @@ ADAPTERS = {"all8": dict(r=8, lora_alpha=16, target_modules=ALL),
 def gemma3_lora(tmp_path_factory):
     root = tmp_path_factory.mktemp("gemma3")
     build(root / "base", num_hidden_layers=2, layer_types=[SL, FULL], rope_parameters=SCALED)
-    hf = hf_float(root / "base")
-    paths = save_adapters(hf, root, ADAPTERS)
-    return root / "base", hf, paths
+    return base_and_adapters(root, ADAPTERS)
 
 
 def test_peft_adapters_equal_peft_alone_and_mixed(gemma3_lora):
@@ -255,10 +243,7 @@ def test_lora_validate_accepts_a_gemma3_adapter_and_refuses_a_regex_selecting_it
     or its post_feedforward_layernorm (not Linear layers: peft refuses such an adapter) is refused."""
     from infer.lora.adapter import adapter_problems
     base, _, paths = gemma3_lora
-    res = CliRunner().invoke(app, ["lora-validate", str(base), str(paths["all8"]), "--json", "--steps", "2"])
-    assert res.exit_code == 0, res.output
-    report = json.loads(res.stdout.strip().splitlines()[-1])
-    assert report["ok"] and report["shapes"] == "ok"
+    check_lora_validate_ok(base, paths["all8"])
     adapter = shutil.copytree(paths["qv4"], tmp_path / "a")
     for regex, module in ((r".*\.(q_proj|q_norm)", "self_attn.q_norm"),
                           (r".*(v_proj|post_feedforward_layernorm)", "post_feedforward_layernorm")):

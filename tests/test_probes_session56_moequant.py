@@ -20,7 +20,8 @@ from infer import LLM, SamplingParams
 from infer.errors import ConfigError
 from infer.models.tiny import ensure_builtin
 
-from helpers import greedy_each, norms_drawn, random_prompts, save_random_model
+from helpers import norms_drawn, random_prompts, save_random_model
+from quant_helpers import gptqmodel_greedy
 
 pytest.importorskip("gptqmodel")
 
@@ -39,20 +40,6 @@ def cli(*args):
 def infer_tokens(path, prompts, n: int = 6):
     with LLM(str(path), block_size=4) as llm:
         return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True))]
-
-
-def gptqmodel_tokens(path, prompts, n: int = 6):
-    """Greedy tokens of GPTQModel's own load of the checkpoint (its torch kernel, float16 then float32, the float
-    tensors put back in float32 as infer reads them)."""
-    from gptqmodel import BACKEND, GPTQModel
-    model = GPTQModel.load(str(path), backend=BACKEND.TORCH, device="cpu", dtype=torch.float16).model.float().eval()
-    floats = {}
-    for f in path.glob("*.safetensors"):
-        floats.update({k: v.float() for k, v in load_file(f).items() if v.is_floating_point() and
-                       not k.endswith(".scales")})
-    assert not model.load_state_dict(floats, strict=False).unexpected_keys
-    model.generation_config.eos_token_id = None
-    return greedy_each(model, prompts, n)
 
 
 def tensors(path):
@@ -103,7 +90,7 @@ def test_qwen3_moe_quantizes_with_the_cli_and_loads_as_gptqmodel_loads_it(qwen3)
     assert not [k for k in state if k.endswith(".weight") and ".experts." in k]
     prompts = random_prompts(512, (6, 15), seed=11)
     got = infer_tokens(out, prompts)
-    assert got == gptqmodel_tokens(out, prompts)
+    assert got == gptqmodel_greedy(out, prompts, 6, every_float=True)
     assert got != infer_tokens(ensure_builtin("tiny-qwen3-moe"), prompts)  # the int4 weights change the tokens
     text = " ".join(res.output.split())
     assert "transformers does not read GPTQ experts" in text
@@ -152,7 +139,7 @@ def test_mixtral_is_written_with_mixtrals_names_and_equals_gptqmodels_load(mixtr
               str(tmp_path / "g" / "model.safetensors"), metadata={"format": "pt"})
     prompts = random_prompts(512, (6, 15), seed=11)
     got = infer_tokens(out, prompts)
-    assert got == gptqmodel_tokens(tmp_path / "g", prompts)
+    assert got == gptqmodel_greedy(tmp_path / "g", prompts, 6, every_float=True)
     assert got != infer_tokens(ensure_builtin("tiny-mixtral"), prompts)
 
 
@@ -164,7 +151,7 @@ def test_qwen2_moe_shared_expert_quantized_its_gate_float(qwen2):
     assert state["model.layers.0.mlp.shared_expert_gate.weight"].is_floating_point()
     assert state["model.layers.0.mlp.experts.5.up_proj.qweight"].dtype == torch.int32
     prompts = random_prompts(512, (6, 15), seed=11)
-    assert infer_tokens(base / "q", prompts) == gptqmodel_tokens(base / "q", prompts)
+    assert infer_tokens(base / "q", prompts) == gptqmodel_greedy(base / "q", prompts, 6, every_float=True)
 
 
 def test_convert_and_warmup_accept_the_checkpoint(qwen3, tmp_path):
