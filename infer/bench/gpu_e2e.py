@@ -381,50 +381,40 @@ def parse_args(argv=None):
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--max-loras", type=int, default=0,
                    help="also run the adapters through this many GPU slots (swaps), e.g. 8 for 16 adapters")
-    p.add_argument("--fp16", action="store_true", help="fp16 weights instead of GPTQ int4")
-    p.add_argument("--skip-hf", action="store_true", help="no transformers baseline")
-    p.add_argument("--eager", action="store_true", help="infer without decode CUDA graphs")
-    p.add_argument("--compare-eager", action="store_true",
-                   help="also run infer --eager, without adapters and with the mixed adapters")
-    p.add_argument("--compare-lora-epilogue", action="store_true",
-                   help="also run the mixed adapters with every LoRA expand added in the int4 matmul's epilogue "
-                        "wherever the kernel can (by default only where that is cheap: one row or few slots)")
-    p.add_argument("--compare-lora-streams", action="store_true",
-                   help="also run the mixed adapters with every LoRA shrink on the main stream (by default, in the "
-                        "decode graphs, each runs on a second stream beside the base matmul), and with the expand "
-                        "beside the matmul too")
-    p.add_argument("--compare-lora-fused", action="store_true",
-                   help="also run the mixed adapters with the gate_up LoRA expand added by silu_and_mul and, in "
-                        "decode steps, qkv's by decode_attention, and with every expand launched on its own (by "
-                        "default, in steps of up to 64 tokens, the rms_norm after o and down adds their expands, "
-                        "and the others are launched after their matmuls)")
-    p.add_argument("--stagger", action="store_true",
-                   help="output lengths spread over output-len / 2 .. output-len: requests finish at different "
-                        "steps, and with --num-prompts above --concurrency the next prompts join running decodes")
-    p.add_argument("--compare-piecewise", action="store_true",
-                   help="also run infer with CUDA graphs for decode steps only (prefills and mixed steps eager, "
-                        "--cuda-graph-max-tokens 0), without adapters and with the mixed adapters")
-    p.add_argument("--compare-pdl", action="store_true",
-                   help="also run infer with its kernels launched with programmatic dependent launch (off by "
-                        "default: slower on an H100), without adapters and with the mixed adapters")
-    p.add_argument("--compare-silu", action="store_true",
-                   help="also run infer without adapters with silu_and_mul launched after the int4 gate_up matmul "
-                        "(by default its epilogue applies it: one launch fewer per layer)")
-    p.add_argument("--compare-loads", action="store_true",
-                   help="also run infer without adapters with the int4 kernels issuing each K step's loads in that "
-                        "step instead of during the step before (INFER_INT4_LOADS=late)")
-    p.add_argument("--compare-priority", action="store_true",
-                   help="also run infer with all its CUDA graphs recorded on a high-priority stream, so that the "
-                        "GPU schedules the base matmuls' programs before the LoRA shrinks beside them, and with all "
-                        "at the default priority (EngineConfig.graph_priority True and False; the default engine "
-                        f"records the graphs of {PRIORITY_AUTO_TOKENS} tokens or more at high priority where there "
-                        "are adapters), "
-                        "without adapters and with the mixed adapters")
-    p.add_argument("--compare-expand", action="store_true",
-                   help="also run infer with the mixed adapters, the LoRA expands of decode steps all as gathers "
-                        "(each program takes up to 16 tokens of any adapters: INFER_LORA_EXPAND=gather), and all by "
-                        f"segments (INFER_LORA_EXPAND=segments; the default engine gathers up to {GATHER_AUTO_TOKENS} "
-                        "tokens)")
+    for flag, text in {  # switches (store_true): their help
+        "--fp16": "fp16 weights instead of GPTQ int4",
+        "--skip-hf": "no transformers baseline",
+        "--eager": "infer without decode CUDA graphs",
+        "--compare-eager": "also run infer --eager, without adapters and with the mixed adapters",
+        "--compare-lora-epilogue": "also run the mixed adapters with every LoRA expand added in the int4 matmul's "
+            "epilogue wherever the kernel can (by default only where that is cheap: one row or few slots)",
+        "--compare-lora-streams": "also run the mixed adapters with every LoRA shrink on the main stream (by default, "
+            "in the decode graphs, each runs on a second stream beside the base matmul), and with the expand beside "
+            "the matmul too",
+        "--compare-lora-fused": "also run the mixed adapters with the gate_up LoRA expand added by silu_and_mul and, "
+            "in decode steps, qkv's by decode_attention, and with every expand launched on its own (by default, in "
+            "steps of up to 64 tokens, the rms_norm after o and down adds their expands, and the others are launched "
+            "after their matmuls)",
+        "--stagger": "output lengths spread over output-len / 2 .. output-len: requests finish at different steps, and "
+            "with --num-prompts above --concurrency the next prompts join running decodes",
+        "--compare-piecewise": "also run infer with CUDA graphs for decode steps only (prefills and mixed steps eager, "
+            "--cuda-graph-max-tokens 0), without adapters and with the mixed adapters",
+        "--compare-pdl": "also run infer with its kernels launched with programmatic dependent launch (off by default: "
+            "slower on an H100), without adapters and with the mixed adapters",
+        "--compare-silu": "also run infer without adapters with silu_and_mul launched after the int4 gate_up matmul "
+            "(by default its epilogue applies it: one launch fewer per layer)",
+        "--compare-loads": "also run infer without adapters with the int4 kernels issuing each K step's loads in that "
+            "step instead of during the step before (INFER_INT4_LOADS=late)",
+        "--compare-priority": "also run infer with all its CUDA graphs recorded on a high-priority stream, so that the "
+            "GPU schedules the base matmuls' programs before the LoRA shrinks beside them, and with all at the default "
+            "priority (EngineConfig.graph_priority True and False; the default engine records the graphs of "
+            f"{PRIORITY_AUTO_TOKENS} tokens or more at high priority where there are adapters), without adapters and "
+            "with the mixed adapters",
+        "--compare-expand": "also run infer with the mixed adapters, the LoRA expands of decode steps all as gathers "
+            "(each program takes up to 16 tokens of any adapters: INFER_LORA_EXPAND=gather), and all by segments "
+            f"(INFER_LORA_EXPAND=segments; the default engine gathers up to {GATHER_AUTO_TOKENS} tokens)",
+    }.items():
+        p.add_argument(flag, action="store_true", help=text)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    help="the KV cache's elements in every infer row (--kv-cache-dtype; default: the model's dtype)")
     p.add_argument("--profile", action="store_true",
