@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import numbers
 import threading
+import time
 import weakref
 from dataclasses import fields as dataclass_fields, replace
 from typing import Iterator, Sequence as Seq
@@ -291,15 +292,16 @@ class LLM:
         with self._lock:
             return self._engine().remove_lora(name)
 
-    def sleep(self, level: int = 1) -> None:
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """vLLM's LLM.sleep (sleep mode: LLM(..., enable_sleep_mode=True)): give the engine's device memory back
         without closing it. Level 1 copies the weights to host memory and frees them and the KV cache on the device
         (wake_up() runs the same model again); level 2 frees both and keeps no copy (for new weights: wake_up(
-        ["weights"]), collective_rpc("reload_weights"), wake_up(["kv_cache"])). The prefix cache is forgotten; a
-        request still running (another thread's generate) ends with finish_reason "abort"; generate refuses new ones
-        (SleepModeError) until wake_up()."""
+        ["weights"]), collective_rpc("reload_weights"), wake_up(["kv_cache"])). The prefix cache is forgotten. A
+        request still running (another thread's generate) ends with finish_reason "abort" (`mode` "abort", vLLM's
+        default), runs to its end before the memory is freed ("wait"), or is paused and goes on after wake_up()
+        ("keep"; LLMEngine.sleep); generate refuses new ones (SleepModeError) until wake_up()."""
         with self._lock:
-            self._engine().sleep(level)
+            self._engine().sleep(level, mode)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """vLLM's LLM.wake_up: the memory of `tags` ("weights", "kv_cache"; None: both) on the device again; generate
@@ -456,11 +458,14 @@ class LLM:
                 engine = self._engine()
                 if not engine.has_unfinished_requests():
                     raise RuntimeError(f"the engine has no work left but requests {ids} did not finish")
-                outs = self._step(engine)
+                paused = engine.is_paused()  # (sleep(mode="keep")): they go on once another thread wakes it
+                outs = [] if paused else self._step(engine)
                 with interrupts_held():  # a Ctrl-C here would lose other calls' outputs of the step
                     for out in outs:
                         if out.request_id in self._mail:  # others are outputs of requests their call gave up
                             self._mail[out.request_id].append(out)
+            if paused:  # (outside the lock: the thread that wakes the engine takes it)
+                time.sleep(0.01)
 
     def _step(self, engine) -> list[RequestOutput]:
         """One engine step. When it raises, the requests it was running are not trusted: they end with

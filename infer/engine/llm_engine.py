@@ -31,7 +31,7 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
 from .setup import context_limit, load_engine_parts, model_max_len
-from .sleep import KV_CACHE, SLEPT, TAGS, WEIGHTS, SleepState, module_tensors, object_tensors
+from .sleep import KV_CACHE, MODES, SLEPT, TAGS, WEIGHTS, SleepState, module_tensors, object_tensors
 from .speculative import SpecStats, SpeculativeConfig, propose_for
 from .structured import DEAD_HINT, GrammarBackend, allows_any, draft_bitmask
 
@@ -731,9 +731,10 @@ class LLMEngine:
         are handed out by the next step, and a launched batch whose tokens it was waiting for is completed then."""
         self._check_open()
         outputs, self._carried = self._carried + self._take_aborted(), []
-        if self._sleep.asleep:  # the requests sleep() aborted end; nothing runs (add_request refuses new ones, and
-            for seq in [s for s in self.requests.values() if not s.finished]:  # any other ends: none is left
-                self.abort_request(seq.request_id)  # waiting for a step that never comes)
+        if self._sleep.asleep or self._sleep.discarded:  # the requests sleep() aborted end; nothing runs (add_request
+            if not self._sleep.paused:  # refuses new ones, and any other ends: none is left waiting for a step that
+                for seq in [s for s in self.requests.values() if not s.finished]:  # never comes); those a
+                    self.abort_request(seq.request_id)  # sleep(mode="keep") paused wait for the engine to wake
             return outputs + self._take_aborted()
         try:
             self._advance(outputs)
@@ -1099,29 +1100,29 @@ class LLMEngine:
                 "lora_running": sorted({s.lora_name for s in self.scheduler.running if s.lora_name is not None})}
 
     # ------------------------------------------------------------------ sleep mode (vLLM's)
-    def sleep(self, level: int = 1) -> int:
+    def sleep(self, level: int = 1, mode: str = "abort") -> int:
         """vLLM's sleep mode (the engine started with enable_sleep_mode=True): give the device memory back without
         closing the engine. Level 1 copies the weights to host memory and frees them and the KV cache on the device;
         level 2 frees both and keeps no copy (for new weights: wake_up(["weights"]), then reload_weights(), as
-        vLLM's collective_rpc("reload_weights")). As vLLM's default (mode "abort"), the requests running or waiting
-        are aborted (their last output: finish_reason "abort", handed out by the next step); the prefix cache is
-        forgotten and the CUDA graphs dropped (captured again on waking). Requests are refused (SleepModeError)
-        until wake_up(). Asleep already: a warning, nothing done (vLLM's). Returns the bytes freed on the device."""
-        self._check_open()
-        if not self.config.enable_sleep_mode:
-            raise SleepModeError("this engine was started without sleep mode",
-                                 "start it with enable_sleep_mode=True (LLM(..., enable_sleep_mode=True); infer "
-                                 "serve --enable-sleep-mode)")
-        if isinstance(level, bool) or level not in (1, 2):
-            raise RequestError(f"sleep level must be 1 (weights to host memory, KV cache freed) or 2 (both freed), "
-                               f"got {level!r}"[:200], "e.g. sleep(level=1)")
+        vLLM's collective_rpc("reload_weights")). `mode` (vLLM's PauseMode) says what becomes of the requests the
+        engine holds (running or waiting): "abort" (the default) aborts them (their last output: finish_reason
+        "abort", handed out by the next step); "wait" runs them to their end first (their outputs handed out by the
+        next step), then frees the memory; "keep" pauses them (preempted: their KV blocks freed, recomputed later):
+        they go on once the engine is awake again (after level 2, with the weights reload_weights() loaded), greedy
+        tokens as those of a run never put to sleep. The prefix cache is forgotten and the CUDA graphs dropped
+        (captured again on waking). New requests are refused (SleepModeError) until wake_up(). Asleep already: a
+        warning, nothing done (vLLM's). Returns the bytes freed on the device."""
+        self.check_sleep(level, mode)
         if self._sleep.asleep:
             log.warning("the engine is asleep already (tags %s): sleep() does nothing", sorted(self._sleep.tags))
             return 0
-        for seq in list(self.requests.values()):
-            if not seq.finished:
-                self.abort_request(seq.request_id)
-                seq.error = SLEPT  # (a server's stream ends with finish_reason "abort", not as at its shutdown)
+        if mode == "wait":
+            self._run_to_end()
+        elif mode == "abort":
+            for seq in list(self.requests.values()):
+                if not seq.finished:
+                    self.abort_request(seq.request_id)
+                    seq.error = SLEPT  # (a server's stream ends with finish_reason "abort", not as at its shutdown)
         done: list[RequestOutput] = []  # a step on the device (overlap) completes first: its memory is freed next
         if self._unsettled is not None:
             self._settle(done)
@@ -1129,6 +1130,9 @@ class LLMEngine:
             self._unsettled, self._inflight = self._inflight, None
             self._settle(done)
         self._carried += done
+        if mode == "keep":  # the youngest first: each goes back to the head of the waiting queue, the oldest first
+            for seq in reversed(list(self.scheduler.running)):
+                self.scheduler.preempt(seq)
         self.block_manager.reset_prefix_cache(counters=False, in_use=True)
         self._drop_graphs()
         runner, drafter = self.runner, self.drafter
@@ -1142,6 +1146,7 @@ class LLMEngine:
             kept += module_tensors(drafter.model.modules())
             kv.append(drafter.kv_cache)
         freed = self._sleep.sleep(level, self.device, module_tensors(runner.model.modules()), kept, kv)
+        self._sleep.paused = self.scheduler.has_unfinished()  # (mode "keep"; "abort" and "wait" left none)
         self._free_device_cache()
         log.info("the engine is asleep (level %d): %.1f MiB freed on %s", level, freed / 2**20, self.device)
         return freed
@@ -1175,11 +1180,43 @@ class LLMEngine:
             if tag in self._sleep.tags:
                 self._sleep.wake(tag)
         if not self._sleep.asleep and not self._sleep.discarded:
+            self._sleep.paused = False  # (the requests a sleep(mode="keep") paused run from the next step)
             self._recapture()
 
     def is_sleeping(self) -> bool:
         """vLLM's: whether sleep() freed memory that wake_up() has not given back yet."""
         return self._sleep.asleep
+
+    def is_paused(self) -> bool:
+        """Whether a step would run nothing: requests sleep(mode="keep") paused wait for wake_up() (after level 2,
+        and reload_weights()), and no output is left to hand out. A loop that steps while has_unfinished_requests()
+        waits instead (another thread wakes the engine)."""
+        return (self._sleep.asleep or self._sleep.discarded) and not self._aborted and not self._carried
+
+    def check_sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """sleep()'s checks, made before anything is done (a server checks them before it waits for requests)."""
+        self._check_open()
+        if not self.config.enable_sleep_mode:
+            raise SleepModeError("this engine was started without sleep mode",
+                                 "start it with enable_sleep_mode=True (LLM(..., enable_sleep_mode=True); infer "
+                                 "serve --enable-sleep-mode)")
+        if isinstance(level, bool) or level not in (1, 2):
+            raise RequestError(f"sleep level must be 1 (weights to host memory, KV cache freed) or 2 (both freed), "
+                               f"got {level!r}"[:200], "e.g. sleep(level=1)")
+        if not isinstance(mode, str) or mode not in MODES:
+            raise RequestError(f"sleep mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}"[:200],
+                               "\"abort\" ends the requests running, \"wait\" lets them finish first, \"keep\" pauses "
+                               "them until wake_up() (e.g. sleep(level=1, mode=\"keep\"))")
+
+    def _run_to_end(self) -> None:
+        """Step until every request has ended (sleep(mode="wait")); their outputs are handed out by the next step."""
+        outputs: list[RequestOutput] = []
+        try:
+            while self.has_unfinished_requests() and not self.is_paused():  # (is_paused: requests a "keep" paused
+                # and the weights a level 2 discarded not loaded again: they wait for reload_weights(), not run)
+                outputs += self.step()
+        finally:
+            self._carried = outputs + self._carried
 
     def reload_weights(self) -> None:
         """vLLM's reload_weights (collective_rpc("reload_weights")): the model's weights read again from its
@@ -1190,8 +1227,9 @@ class LLMEngine:
         if WEIGHTS in self._sleep.tags:
             raise SleepModeError("the weights are asleep", "wake them first: wake_up([\"weights\"])",
                                  "wake them first: POST /wake_up?tags=weights")
-        if self.has_unfinished_requests():
-            raise RequestError("reload_weights() while requests run", "wait for them to finish (or abort them)")
+        if self.has_unfinished_requests() and not self.is_paused():  # (those a sleep(mode="keep") paused hold no
+            raise RequestError("reload_weights() while requests run",  # K/V: they go on with the new weights)
+                               "wait for them to finish (or abort them, or pause them: sleep(mode=\"keep\"))")
         from ..models.loader import load_model
         from .sleep import free
         self._drop_graphs()  # (their addresses are the old weights')
@@ -1207,6 +1245,7 @@ class LLMEngine:
         self.block_manager.reset_prefix_cache(counters=False, in_use=True)  # K/V of the old weights
         self._free_device_cache()
         if not self._sleep.asleep:
+            self._sleep.paused = False
             self._recapture()
 
     def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),

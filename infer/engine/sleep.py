@@ -17,6 +17,10 @@ import torch
 
 WEIGHTS, KV_CACHE = "weights", "kv_cache"
 TAGS = (WEIGHTS, KV_CACHE)  # vLLM's wake_up tags
+# vLLM's sleep modes (its PauseMode): what becomes of the requests the engine holds when sleep() is called.
+# "abort": they end now (finish_reason "abort"); "wait": they run to their end first, then the memory is freed;
+# "keep": they are paused (their KV blocks freed, recomputed on waking) and go on once the engine is awake again
+MODES = ("abort", "wait", "keep")
 KV_ATTRS = ("k_cache", "v_cache")  # an attention layer's views of the KV cache
 # the error of a request sleep() aborted (its finish_reason "abort"): the server tells it from a shutdown's abort
 SLEPT = "the engine was put to sleep (sleep mode) before the request finished"
@@ -92,6 +96,7 @@ class SleepState:
     tags: set = field(default_factory=set)
     slept: dict = field(default_factory=dict)  # tag -> list[_Slept]
     discarded: bool = False
+    paused: bool = False  # sleep(mode="keep"): the requests it paused wait for the engine to be awake (and loaded)
 
     @property
     def asleep(self) -> bool:

@@ -30,8 +30,8 @@ class Worker:
     def reload_weights(self) -> None:
         self.engine.reload_weights()
 
-    def sleep(self, level: int = 1) -> None:
-        self.engine.sleep(level)
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        self.engine.sleep(level, mode)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.engine.wake_up(tags)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import SamplingParams
-from ..errors import InferError, LoRAError, LoRANameError
+from ..errors import InferError, LoRAError, LoRANameError, SleepModeError
 
 log = logging.getLogger("infer.serve")
 
@@ -77,6 +77,8 @@ class AsyncEngine:
         self._adds: deque[_Pending] = deque()
         self._aborts: deque[str] = deque()
         self._controls: deque[tuple] = deque()  # (fn(engine), loop, future): run on the engine thread
+        self._idle_controls: deque[tuple] = deque()  # the same, run once no request is left to step (a sleep "wait")
+        self._draining = 0  # sleeps (mode "wait") waiting for the requests to end: new ones are refused meanwhile
         self._sinks: dict[str, tuple] = {}  # request id -> (loop, queue); owned under _cond
         self._num_waiting = 0  # engine's waiting queue after the last step
         self._num_running = 0  # and its running sequences
@@ -108,6 +110,10 @@ class AsyncEngine:
             if awake is not None:  # SleepModeError while asleep (sleep mode: POST /wake_up first)
                 awake()
             with self._cond:
+                if self._draining:
+                    raise SleepModeError("the engine is going to sleep (sleep mode \"wait\": the requests accepted "
+                                         "before it finish first)", "retry once it was woken: wake_up()",
+                                         "POST /wake_up once it sleeps, then retry")
                 if self.died:
                     raise NoEngineError(f"the engine loop stopped ({self.died})", "restart the server")
                 if not self._accepting:
@@ -185,10 +191,23 @@ class AsyncEngine:
         a benchmark's next level starts cold. Running requests keep their blocks."""
         return await self._call(lambda engine: engine.reset_prefix_cache())
 
-    async def sleep(self, level: int = 1) -> None:
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """vLLM's sleep (LLMEngine.sleep), on the engine thread between two steps: the requests accepted before it
-        end with finish_reason "abort"; new ones are refused (SleepModeError) until wake_up."""
-        await self._call(lambda engine: engine.sleep(level))
+        end with finish_reason "abort" (`mode` "abort"), or are paused and go on after wake_up ("keep"); with
+        "wait", new requests are refused (SleepModeError) at once, the loop steps those accepted before to their
+        end (streamed as ever), and the engine sleeps once none is left. New ones are refused until wake_up."""
+        check = getattr(self.engine, "check_sleep", None)
+        if check is not None:  # a bad level or mode, no sleep mode: refused before anything waits
+            check(level, mode)
+        if mode != "wait":
+            return await self._call(lambda engine: engine.sleep(level, mode))
+        with self._cond:
+            self._draining += 1
+        try:
+            await self._call(lambda engine: engine.sleep(level, mode), idle=True)
+        finally:
+            with self._cond:
+                self._draining -= 1
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """vLLM's wake_up (LLMEngine.wake_up), on the engine thread."""
@@ -221,8 +240,9 @@ class AsyncEngine:
             self._controls.append((lambda engine: engine.release_lora(hold), None, None))
             self._cond.notify()
 
-    async def _call(self, fn):
-        """fn(engine) on the engine thread, between two steps and after every request queued before this call."""
+    async def _call(self, fn, idle: bool = False):
+        """fn(engine) on the engine thread, between two steps and after every request queued before this call;
+        `idle`: once no request is left to step (those queued before it ended)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._cond:
@@ -230,9 +250,14 @@ class AsyncEngine:
                 raise NoEngineError(f"the engine loop stopped ({self.died})", "restart the server")
             if self._stopping or not self._accepting:
                 raise ShuttingDownError("the server is shutting down", "retry against another replica")
-            self._controls.append((fn, loop, future))
+            (self._idle_controls if idle else self._controls).append((fn, loop, future))
             self._cond.notify()
         return await future
+
+    def _busy(self) -> bool:
+        """Whether the engine has requests a step would run (not those a sleep "keep" paused while it sleeps)."""
+        paused = getattr(self.engine, "is_paused", None)
+        return self.engine.has_unfinished_requests() and not (paused is not None and paused())
 
     def _run_controls(self, controls: list, target) -> None:
         for fn, loop, future in controls:
@@ -247,7 +272,8 @@ class AsyncEngine:
 
     def _fail_controls(self) -> None:
         with self._cond:
-            controls, self._controls = list(self._controls), deque()
+            controls, self._controls = list(self._controls) + list(self._idle_controls), deque()
+            self._idle_controls = deque()
         for _, loop, future in controls:
             if future is not None:
                 _settle(loop, future, None, ShuttingDownError("the server is shutting down", "retry later"))
@@ -310,14 +336,17 @@ class AsyncEngine:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._stopping or self._adds or self._aborts or self._controls
-                           or self.engine.has_unfinished_requests()):
+                while not (self._stopping or self._adds or self._aborts or self._controls or self._busy()
+                           or self._idle_controls):
                     self._cond.wait()
                 if self._stopping and not self._aborts:
                     break
                 adds, self._adds = list(self._adds), deque()
                 aborts, self._aborts = list(self._aborts), deque()
                 controls, self._controls = list(self._controls), deque()
+                if self._idle_controls and not adds and not self._busy():  # (else the steps go on: their turn
+                    controls += list(self._idle_controls)  # comes once the requests accepted before them ended)
+                    self._idle_controls = deque()
             try:
                 self._iteration(adds, aborts, controls)
             except Exception as e:  # never let the loop die: fail what was running, keep serving
@@ -353,7 +382,7 @@ class AsyncEngine:
             self._fail(p.request_id, "error", str(e))
 
     def _step(self) -> None:
-        stepping = self.engine.has_unfinished_requests()
+        stepping = self._busy()
         try:
             outputs = self.engine.step() if stepping else []
         except Exception as e:

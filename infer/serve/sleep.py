@@ -1,13 +1,17 @@
 """vLLM's sleep-mode routes (its dev-mode endpoints), for a server started with --enable-sleep-mode:
 
-    POST /sleep?level=1          weights to host memory, KV cache freed (level=2: both freed, no copy kept)
+    POST /sleep?level=1          weights to host memory, KV cache freed (level=2: both freed, no copy kept);
+                                 &mode=abort (the default), wait or keep: the requests in flight end, finish
+                                 first, or are paused until /wake_up (vLLM's)
     POST /wake_up                everything back (?tags=weights, ?tags=kv_cache: one part; repeat tags for both)
     GET  /is_sleeping            {"is_sleeping": true|false}
     POST /collective_rpc         {"method": "reload_weights"}: a worker method (engine.worker), {"results": [...]}
 
 As vLLM's, /sleep and /wake_up answer 200 with no body once done. The requests in flight when /sleep runs end with
-finish_reason "abort" (a stream: its last chunk; a whole reply: 503 engine_sleeping); a request while asleep (or
-after level 2, before reload_weights) is refused with 503 engine_sleeping. Without --enable-sleep-mode /sleep and
+finish_reason "abort" (a stream: its last chunk; a whole reply: 503 engine_sleeping), or with mode=wait run to their
+end before /sleep answers, or with mode=keep go on after /wake_up; a request while asleep (or while a mode=wait
+sleep waits, or after level 2, before reload_weights) is refused with 503 engine_sleeping. Without
+--enable-sleep-mode /sleep and
 /collective_rpc answer 400 naming the flag; with --data-parallel the routes answer 400 (sleep mode runs one engine).
 --api-key guards them as every route.
 """
@@ -19,7 +23,7 @@ import json
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from ..engine.sleep import TAGS
+from ..engine.sleep import MODES, TAGS
 from ..errors import RequestError, SleepModeError
 from . import protocol as p
 from .async_engine import NoEngineError, ShuttingDownError
@@ -40,7 +44,12 @@ def add_sleep_routes(app: FastAPI, server) -> None:
         if level not in (1, 2):  # said in the route's terms (the engine's error names its Python API)
             raise p.ApiError(400, f"level must be 1 (weights to host memory, KV cache freed) or 2 (both freed), got "
                                   f"{raw!r}"[:200] + " (e.g. POST /sleep?level=1)", param="level")
-        await _run(server, server.aengine.sleep(level))
+        mode = request.query_params.get("mode", "abort")  # vLLM's: what becomes of the requests in flight
+        if mode not in MODES:
+            raise p.ApiError(400, f"mode must be abort, wait or keep, got {mode!r}"[:200] + " (abort ends the "
+                                  "requests in flight, wait lets them finish first, keep pauses them until POST "
+                                  "/wake_up; e.g. POST /sleep?level=1&mode=wait)", param="mode")
+        await _run(server, server.aengine.sleep(level, mode))
         return Response(status_code=200)
 
     @app.post("/wake_up")

@@ -1,0 +1,230 @@
+"""Probes of the fifty-seventh session (misc): vLLM's sleep modes (sleep(level, mode="abort"|"wait"|"keep")) in the
+engine, LLM, AsyncLLM, collective_rpc and `POST /sleep?mode=`; reload_weights of a checkpoint whose GPTQ layout
+differs; the memory plan's advice when no sequence fits the KV blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from infer import LLM, SamplingParams
+from infer.errors import RequestError, SleepModeError
+from infer.models.tiny import ensure_builtin
+
+PROMPTS = [[5, 9, 13, 21], [7, 3, 2, 8, 11, 40]]
+LONG = SamplingParams(max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def path():
+    return str(ensure_builtin("tiny-llama"))
+
+
+def _llm(path, **kw):
+    return LLM(path, block_size=4, max_model_len=64, enable_sleep_mode=True, **kw)
+
+
+def _drive(engine, sleep=None) -> dict:
+    """Two requests stepped to their end; `sleep(engine)` called after three steps. Their last outputs by id."""
+    engine.add_request("a", PROMPTS[0], LONG)
+    engine.add_request("b", PROMPTS[1], LONG)
+    outs = []
+    for _ in range(3):
+        outs += engine.step()
+    if sleep is not None:
+        outs += sleep(engine)
+    for _ in range(200):  # (bounded)
+        if not engine.has_unfinished_requests():
+            break
+        outs += engine.step()
+    return {o.request_id: (o.finish_reason, list(o.token_ids)) for o in outs if o.finished}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("level", [1, 2])
+def test_keep_pauses_the_requests_and_they_go_on_after_wake_up(path, overlap, level):
+    """sleep(mode="keep") (vLLM's): the requests running are paused (their KV blocks freed, the memory freed), steps
+    meanwhile run nothing and end nothing, new requests are refused; after wake_up (level 2: and reload_weights,
+    vLLM's RLHF order) they go on, greedy tokens equal to a run never put to sleep."""
+    def sleep(engine):
+        engine.sleep(level, mode="keep")
+        assert engine.is_sleeping() and engine.has_unfinished_requests()
+        outs = []
+        for _ in range(5):  # a step while asleep hands out what it must and runs nothing
+            outs += engine.step()
+        assert engine.is_paused() and not [o for o in outs if o.finished]
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        assert len(engine.scheduler.waiting) == 2 and not engine.scheduler.running
+        with pytest.raises(SleepModeError, match="asleep"):
+            engine.add_request("c", PROMPTS[0], LONG)
+        if level == 2:
+            engine.wake_up(["weights"])
+            engine.reload_weights()  # (the paused requests hold no K/V: they go on with the weights loaded)
+        engine.wake_up()
+        assert not engine.is_paused()
+        return outs
+
+    with _llm(path, overlap=overlap) as llm:
+        want = _drive(llm.llm_engine)
+        assert want["a"][0] == want["b"][0] == "length"
+        assert _drive(llm.llm_engine, sleep) == want
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_wait_lets_the_requests_finish_before_the_memory_is_freed(path, overlap):
+    """sleep(mode="wait"): the requests run to their end first (their outputs handed out by the next step, tokens as
+    ever, finish_reason "length"), then the memory is freed."""
+    def sleep(engine):
+        engine.sleep(1, mode="wait")
+        assert engine.is_sleeping() and not engine.scheduler.has_unfinished()
+        outs = engine.step()
+        assert not engine.has_unfinished_requests()
+        engine.wake_up()
+        return outs
+
+    with _llm(path, overlap=overlap) as llm:
+        want = _drive(llm.llm_engine)
+        assert _drive(llm.llm_engine, sleep) == want
+
+
+def test_a_bad_mode_is_refused_before_anything_is_done(path):
+    """A mode other than abort / wait / keep is refused naming the three; nothing is aborted or freed. vLLM's default
+    (abort) is unchanged, and collective_rpc("sleep") takes the mode too."""
+    with _llm(path) as llm:
+        engine = llm.llm_engine
+        engine.add_request("a", PROMPTS[0], LONG)
+        engine.step()
+        for mode in ("pause", None, 1, "KEEP"):
+            with pytest.raises(RequestError, match="sleep mode must be one of 'abort', 'wait', 'keep'") as e:
+                llm.sleep(1, mode)
+            assert "mode=\"keep\"" in e.value.hint
+        assert not llm.is_sleeping() and engine.scheduler.running
+        llm.collective_rpc("sleep", kwargs={"level": 1, "mode": "keep"})
+        assert llm.is_sleeping() and engine.scheduler.has_unfinished()
+        llm.collective_rpc("wake_up")
+        llm.sleep(1)  # abort
+        outs = engine.step()
+        assert [(o.request_id, o.finish_reason) for o in outs if o.finished] == [("a", "abort")]
+
+
+def test_another_threads_generate_is_paused_and_finishes_after_wake_up(path, monkeypatch):
+    """LLM.sleep(mode="keep") while another thread's generate runs: that generate waits (it does not spin on the
+    lock the waking thread needs, nor end) and returns, after wake_up, the tokens of a run never put to sleep."""
+    with _llm(path) as llm:
+        want = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, LONG)]
+        engine, real, steps = llm.llm_engine, llm.llm_engine.step, []
+
+        def step():
+            steps.append(1)
+            if len(steps) == 3:  # (generate's own thread, holding the LLM's lock: the sleep lands between steps)
+                llm.sleep(1, mode="keep")
+            return real()
+
+        monkeypatch.setattr(engine, "step", step)
+        got = []
+        worker = threading.Thread(target=lambda: got.append(llm.generate(PROMPTS, LONG)))
+        worker.start()
+        for _ in range(6000):  # (bounded: ~60 s)
+            if llm.is_sleeping():
+                break
+            threading.Event().wait(0.01)
+        assert llm.is_sleeping() and worker.is_alive()
+        llm.wake_up()
+        worker.join(60)
+        assert not worker.is_alive()
+        assert [list(o.outputs[0].token_ids) for o in got[0]] == want
+
+
+def test_async_llm_wait_and_keep(path):
+    """AsyncLLM.sleep(level, mode): "keep" pauses a running generate, which finishes after wake_up() with the
+    tokens of an uninterrupted one; "wait" returns once the running generate finished (finish_reason "length"),
+    refusing new generates while it waits."""
+    from infer import AsyncLLM
+
+    async def run(llm, rid, on_first=None):
+        outs = []
+        async for out in llm.generate(PROMPTS[1], SamplingParams(max_tokens=40, ignore_eos=True), rid):
+            outs.append(out)
+            if len(outs) == 1 and on_first is not None:
+                await on_first()
+        return outs[-1].outputs[0]
+
+    async def main(llm):
+        want = await run(llm, "a")
+
+        async def keep():
+            await llm.sleep(1, mode="keep")
+            assert await llm.is_sleeping()
+            await asyncio.sleep(0.05)  # (steps would run now, were the generate not paused)
+            await llm.wake_up()
+
+        got = await run(llm, "b", keep)
+        assert list(got.token_ids) == list(want.token_ids) and got.finish_reason == "length"
+
+        sleeping = []
+
+        async def wait():
+            task = asyncio.ensure_future(llm.sleep(1, mode="wait"))
+            for _ in range(1000):
+                if llm._loop._draining:
+                    break
+                await asyncio.sleep(0)
+            with pytest.raises(SleepModeError, match="going to sleep"):
+                await run(llm, "d")
+            sleeping.append(task)
+
+        got = await run(llm, "c", wait)
+        await sleeping[0]
+        assert list(got.token_ids) == list(want.token_ids) and got.finish_reason == "length"
+        assert await llm.is_sleeping()
+        with pytest.raises(RequestError, match="sleep mode must be one of"):
+            await llm.sleep(1, mode="later")
+        await llm.wake_up()
+        assert list((await run(llm, "e")).token_ids) == list(want.token_ids)
+
+    llm = AsyncLLM(path, block_size=4, max_model_len=64, enable_sleep_mode=True)
+    try:
+        asyncio.run(main(llm))
+    finally:
+        llm.shutdown()
+
+
+def test_the_server_takes_vllms_mode_parameter(path):
+    """POST /sleep?level=1&mode=keep (vLLM's route): a completion in flight is paused and answered after POST
+    /wake_up with the text of an uninterrupted one; mode=wait answers once the requests in flight finished; another
+    mode is a 400 naming the parameter."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    engine = LLMEngine(EngineConfig(path, block_size=4, max_model_len=64, max_num_seqs=2, enable_sleep_mode=True))
+    body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny")) as url:
+        want = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        r = httpx.post(f"{url}/sleep?level=1&mode=later", timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "mode"
+        assert "abort, wait or keep" in r.json()["error"]["message"]
+        assert httpx.get(f"{url}/is_sleeping", timeout=60).json() == {"is_sleeping": False}
+        for mode in ("keep", "wait"):
+            got = []
+            client = threading.Thread(target=lambda: got.append(httpx.post(f"{url}/v1/completions", json=body,
+                                                                           timeout=120)))
+            client.start()
+            for _ in range(6000):  # (bounded) until the completion runs
+                if engine.scheduler.running:
+                    break
+                threading.Event().wait(0.005)
+            assert httpx.post(f"{url}/sleep?level=1&mode={mode}", timeout=120).status_code == 200
+            assert httpx.get(f"{url}/is_sleeping", timeout=60).json() == {"is_sleeping": True}
+            if mode == "wait":  # answered before /sleep was
+                client.join(60)
+                assert got and got[0].status_code == 200
+            assert httpx.post(f"{url}/wake_up", timeout=60).status_code == 200
+            client.join(60)
+            assert got[0].status_code == 200, got[0].text
+            assert got[0].json()["choices"][0]["text"] == want
+            assert got[0].json()["choices"][0]["finish_reason"] == "length"
