@@ -228,3 +228,68 @@ def test_the_server_takes_vllms_mode_parameter(path):
             assert got[0].status_code == 200, got[0].text
             assert got[0].json()["choices"][0]["text"] == want
             assert got[0].json()["choices"][0]["finish_reason"] == "length"
+
+
+# --------------------------------------------------------------------------- 2. reload_weights of another layout
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    """tiny-llama's float checkpoint and two GPTQ ones of it (round to nearest): int4 with groups of 32 in plain
+    order, and int8 with groups of 16 in act-order (g_idx a permutation)."""
+    import shutil
+
+    from test_probes_session56_review_moeq import rtn_gptq
+    root = tmp_path_factory.mktemp("layouts")
+    shutil.copytree(ensure_builtin("tiny-llama"), root / "float")
+    rtn_gptq(root / "float", root / "g32", group_size=32)
+    rtn_gptq(root / "float", root / "g16act8", group_size=16, act_order=True, bits=8)
+    return root
+
+
+def _reloaded(root, old: str, new: str):
+    """An engine on a copy of checkpoint `old`, `new` written over the folder: the LLM, the folder."""
+    import shutil
+    folder = root / f"{old}-{new}"
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(root / old, folder)
+    llm = LLM(str(folder), block_size=4, max_num_batched_tokens=16, max_num_seqs=2, max_model_len=32)
+    for f in ("model.safetensors", "config.json"):
+        shutil.copy(root / new / f, folder / f)
+    return llm
+
+
+@pytest.mark.parametrize("old,new", [("g32", "g16act8"), ("g16act8", "g32")])
+def test_reload_weights_takes_another_group_size_act_order_and_bits(layouts, monkeypatch, old, new):
+    """reload_weights of a checkpoint whose GPTQ layers have another group size, act-order and bits than the loaded
+    ones: the layers' method (its config) and their kernel layout's group size and interleave, computed at load and
+    held as no tensors, are taken with the tensors, so the tokens and logprobs (the GPU path: packed int4/int8,
+    interleaved rows) equal those of a fresh load of the new checkpoint. They kept the old load's: other tokens, or
+    NaN."""
+    from quant_helpers import int4_kernel_path
+    int4_kernel_path(monkeypatch)
+    prompts = [[5, 9, 13, 21, 40], [7, 3, 2, 8, 11, 40, 77]]
+    params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=1)
+    with LLM(str(layouts / new), block_size=4, max_num_batched_tokens=16, max_num_seqs=2, max_model_len=32) as llm:
+        want = [o.outputs[0] for o in llm.generate(prompts, params)]
+    with _reloaded(layouts, old, new) as llm:
+        llm.collective_rpc("reload_weights")
+        got = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert [g.finish_reason for g in got] == ["length", "length"]
+    assert [list(g.token_ids) for g in got] == [list(w.token_ids) for w in want]
+    for g, w in zip(got, want):
+        for a, b in zip(g.logprobs, w.logprobs):
+            assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
+
+
+@pytest.mark.parametrize("old,new", [("float", "g32"), ("g32", "float")])
+def test_reload_weights_refuses_other_layers_quantized_before_freeing_anything(layouts, old, new):
+    """A checkpoint that quantizes other layers (GPTQ where float was loaded, or float where GPTQ was) is refused
+    naming the layer and what to do, before the loaded weights are freed: the engine runs on as before."""
+    from infer.errors import ModelLoadError
+    prompts = [[5, 9, 13, 21, 40]]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    with _reloaded(layouts, old, new) as llm:
+        want = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+        with pytest.raises(ModelLoadError, match="q_proj is (quantized \\(GPTQ\\)|float) in the new checkpoint") as e:
+            llm.collective_rpc("reload_weights")
+        assert "start a new engine" in e.value.hint
+        assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)] == want

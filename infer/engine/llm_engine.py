@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import kernels
-from ..errors import (ClosedError, ConfigError, LoRAError, LoRANameError, RequestError, RequestIdTypeError,
-                      SleepModeError, UnknownAdapterError)
+from ..errors import (ClosedError, ConfigError, LoRAError, LoRANameError, ModelLoadError, RequestError,
+                      RequestIdTypeError, SleepModeError, UnknownAdapterError)
 from ..memory.sizes import kv_groups, kv_window
 from ..models.limits import layer_groups
 from .block_manager import BlockManager
@@ -1230,8 +1230,11 @@ class LLMEngine:
         if self.has_unfinished_requests() and not self.is_paused():  # (those a sleep(mode="keep") paused hold no
             raise RequestError("reload_weights() while requests run",  # K/V: they go on with the new weights)
                                "wait for them to finish (or abort them, or pause them: sleep(mode=\"keep\"))")
-        from ..models.loader import load_model
+        from ..models.loader import check_weights, load_model
         from .sleep import free
+        # what a load refuses, and another model, refused from the files' headers before anything is freed (another
+        # group size, act-order, sym or bits is taken: _adopt_weights)
+        _check_reloadable(self.runner.model, check_weights(self.model_path, self.device), self.model_path)
         self._drop_graphs()  # (their addresses are the old weights')
         # the old weights' memory first (one model's worth at a time); until the new ones are in (a load that fails
         # leaves none), requests are refused
@@ -1412,6 +1415,31 @@ class LLMEngine:
             self.drafter.reset_stats()
 
 
+def _check_reloadable(model, fresh, path) -> None:
+    """reload_weights takes new weights of the loaded model: `fresh` (the new checkpoint's model, on the meta device)
+    must have its float tensors' shapes and quantize the same layers (GPTQ or float); a ModelLoadError names the
+    first that differs."""
+    hint = ("reload_weights() takes new weights of the same model, its layers quantized as the loaded ones (their "
+            "group size, act-order, sym and bits may change); for another model, or other layers quantized, start a "
+            "new engine on it")
+    new_modules = dict(fresh.named_modules())
+    for name, mod in model.named_modules():
+        new = new_modules.get(name)
+        if new is None:
+            continue
+        if hasattr(mod, "method") and hasattr(new, "method"):
+            was, now = (getattr(m.method, "config", None) is not None for m in (mod, new))
+            if was != now:
+                what = {True: "quantized (GPTQ)", False: "float"}
+                raise ModelLoadError(f"{path}: {getattr(mod, 'names', [name])[0]} is {what[now]} in the new "
+                                     f"checkpoint, {what[was]} in the loaded one", hint)
+        for key, old in mod._parameters.items():
+            value = new._parameters.get(key)
+            if old is not None and value is not None and old.shape != value.shape:
+                raise ModelLoadError(f"{path}: {name}.{key} has shape {tuple(value.shape)} in the new checkpoint, "
+                                     f"{tuple(old.shape)} in the loaded one", hint)
+
+
 def _adopt_weights(model, fresh) -> None:
     """The tensors of `fresh` (the same checkpoint loaded again) in `model`, module by module: parameters keep their
     objects (a tied head stays the embeddings'), buffers and tensor attributes are taken as they are, and a module's
@@ -1435,7 +1463,8 @@ def _adopt_weights(model, fresh) -> None:
             if key not in KV_ATTRS and isinstance(value, torch.Tensor):
                 setattr(mod, key, value)
         for key in getattr(new, "ADOPTED_ATTRS", ()):  # what a load computed from the tensors, held as no tensor
-            setattr(mod, key, getattr(new, key))
+            if hasattr(new, key):  # (a float layer has no GPTQ layout)
+                setattr(mod, key, getattr(new, key))
 
 
 def _bad_word_ids(tokenizer, vocab: int, words: tuple[str, ...]) -> list[list[int]]:

@@ -77,6 +77,11 @@ class MergedLinear(nn.Module):
     widths, in the order they are concatenated in y.
     """
 
+    # what a load computes from the checkpoint and holds as no tensor, which reload_weights takes with the tensors
+    # (LLMEngine: a new checkpoint of another group size, act-order or sym): the method (its GPTQ config) and the
+    # GPTQ kernel layout's group size and interleave (those a layer has)
+    ADOPTED_ATTRS = ("method", "gptq_group_size", "gptq_interleave")
+
     def __init__(self, in_features: int, out_sizes: list[int], names: list[str], bias: bool,
                  method: LinearMethod | None, dtype: torch.dtype):
         super().__init__()

@@ -186,7 +186,7 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, max_positio
     return model, cfg
 
 
-def check_weights(path: Path, device: torch.device | None = None) -> None:
+def check_weights(path: Path, device: torch.device | None = None):
     """What load_model checks of a checkpoint (float, GPTQ or AWQ), without reading a tensor: an architecture infer
     runs, its quantization config against the layers infer merges (`dynamic` rules that set them apart), every
     tensor's name and shape against config.json, none missing and none left over. The model is built on the meta
@@ -194,7 +194,7 @@ def check_weights(path: Path, device: torch.device | None = None) -> None:
     transformers, which fills missing weights at random and drops the others, sees the folder; `infer warmup
     --estimate` before it reads the sizes, so that it refuses what a load refuses). `device`: the one the load
     will be on (a GPU: the model built as a GPU builds it, a mixture of experts' GPTQ experts int4, models.moe);
-    None: the CPU's."""
+    None: the CPU's. Returns the model on the meta device (its layers' methods: what a load would quantize)."""
     from .moe import meta_as_gpu
     cfg = load_config(path)
     files = weight_files(path)
@@ -204,6 +204,7 @@ def check_weights(path: Path, device: torch.device | None = None) -> None:
     for layer in model.modules():  # a quantized layer's own tensors (qweight, qzeros, scales, g_idx) all in
         if isinstance(layer, MergedLinear) and hasattr(layer.method, "check_complete"):
             layer.method.check_complete(layer)
+    return model
 
 
 def load_weights(model, tensors, dtype: torch.dtype) -> None:
