@@ -154,10 +154,20 @@ def test_async_llm_wait_and_keep(path):
     async def main(llm):
         want = await run(llm, "a")
 
+        engine, real, idle = llm.engine, llm.engine.step, []
+
+        def step():
+            if engine.is_paused():  # (a step that would run nothing: the loop waits instead of spinning on it)
+                idle.append(1)
+            return real()
+
         async def keep():
             await llm.sleep(1, mode="keep")
             assert await llm.is_sleeping()
-            await asyncio.sleep(0.05)  # (steps would run now, were the generate not paused)
+            engine.step = step
+            await asyncio.sleep(0.05)  # (the engine loop's chance to step, were the generate not paused)
+            assert not idle
+            del engine.step
             await llm.wake_up()
 
         got = await run(llm, "b", keep)
@@ -293,3 +303,52 @@ def test_reload_weights_refuses_other_layers_quantized_before_freeing_anything(l
             llm.collective_rpc("reload_weights")
         assert "start a new engine" in e.value.hint
         assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)] == want
+
+
+# --------------------------------------------------------------------------- 3. blocks too few for any sequence
+def _refusal(path, **kw):
+    from infer.errors import InferError
+    with pytest.raises(InferError) as e:
+        LLM(str(path), **kw)
+    return e.value
+
+
+def _lengths_advised(err) -> list[int]:
+    import re
+    return [int(n) for n in re.findall(r"--max-model-len(?: to)? (\d+)", f"{err.message} {err.hint}")]
+
+
+@pytest.mark.parametrize("family,blocks,fewest", [("gemma2", 1, 3), ("gemma2", 2, 3), ("mistral", 1, 2),
+                                                  ("tiny-llama", 1, 2)])
+def test_blocks_that_hold_no_sequence_say_so_and_the_fewest_that_do(tmp_path, family, blocks, fewest):
+    """num_kv_blocks so few that no sequence fits (a sliding window's placeholder takes the only block, fewer blocks
+    than KV layer groups, or blocks of 1 token and one block) advised "lower --max-model-len to 0 (or 1) or less":
+    the error says the blocks hold no sequence and names the fewest that do, with which the engine starts."""
+    from infer.errors import ConfigError
+    from test_probes_session55_swblocks import CHUNK, build as build_sw
+    from test_probes_session56_hybrid2 import build as build_groups
+    if family == "gemma2":
+        build_groups(tmp_path, family, seed=2)
+    elif family == "mistral":
+        build_sw(tmp_path, family, seed=4)
+    else:
+        tmp_path = ensure_builtin(family)
+    kw = dict(block_size=1 if family == "tiny-llama" else 4, max_num_batched_tokens=CHUNK, max_num_seqs=1)
+    err = _refusal(tmp_path, num_kv_blocks=blocks, max_model_len=64, **kw)
+    assert isinstance(err, ConfigError)
+    assert "too few for any sequence, even one of 2 tokens" in err.message
+    assert not _lengths_advised(err)  # (no length to lower --max-model-len to: none fits)
+    assert f"num_kv_blocks={fewest} is the fewest that hold any sequence" in err.hint
+    with LLM(str(tmp_path), num_kv_blocks=fewest, max_model_len=2, **kw) as llm:
+        assert llm.generate([[5]], SamplingParams(max_tokens=1))[0].outputs[0].finish_reason == "length"
+    with pytest.raises(ConfigError, match="too few for any sequence"):
+        LLM(str(tmp_path), num_kv_blocks=fewest - 1, max_model_len=2, **kw)
+
+
+def test_a_budget_that_holds_no_sequence_names_no_length(path):
+    """A memory budget that holds no sequence said "estimated maximum model length is 0": it says no sequence fits
+    (not even one of 2 tokens), and advises no length."""
+    err = _refusal(path, max_model_len=4096, memory_limit="5MB")
+    assert "no sequence fits, not even one of 2 tokens" in err.message
+    assert "estimated maximum model length" not in err.message and not _lengths_advised(err)
+    assert "raise --memory-limit" in err.hint

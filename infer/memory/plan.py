@@ -534,24 +534,7 @@ def plan_memory(engine_config: PlanOptions, model_config, model, dtype, device, 
     model (speculative decoding), whose weights, KV blocks and step count too."""
     plan = _start_plan(engine_config, model_config, model, dtype, device, max_len, lora_bytes, draft)
     if plan.usable_blocks < plan.blocks_for(max_len) and engine_config.num_kv_blocks:
-        spare = plan.kv_blocks - plan.usable_blocks  # (a sliding window's placeholder: no sequence's)
-        longest = plan.usable_blocks * plan.block_size
-        if plan.kv_groups:  # (a block per group: the longest sequence the usable blocks hold, by the groups' count)
-            lo, hi = 0, max_len - 1
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if plan.blocks_for(mid) <= plan.usable_blocks else (lo, mid - 1)
-            longest = lo
-        held = "its full layer groups' every block, its sliding ones' window and a step" if plan.kv_groups else \
-            "its window and a step"
-        raise ConfigError(
-            f"num_kv_blocks={engine_config.num_kv_blocks} leaves {plan.usable_blocks} blocks for sequences (one "
-            f"is the sliding window's placeholder), fewer than the {plan.blocks_for(max_len)} one sequence of "
-            f"{max_len} tokens (--max-model-len) holds at once ({held})" if spare else
-            f"num_kv_blocks={engine_config.num_kv_blocks} holds {plan.usable_blocks * plan.block_size} tokens, "
-            f"less than one sequence of {max_len} tokens (the context, --max-model-len)",
-            f"use num_kv_blocks={plan.blocks_for(max_len) + spare} or more, or lower --max-model-len to "
-            f"{longest} or less")
+        raise _too_few_blocks(plan, engine_config.num_kv_blocks, max_len)
     if plan.usable_blocks < plan.blocks_for(max_len):
         fit = largest_fitting_len(engine_config, model_config, model, dtype, device, max_len, lora_bytes, draft)
         more = "raise --gpu-memory-utilization" if device.type == "cuda" else "raise --memory-limit"
@@ -572,6 +555,43 @@ def plan_memory(engine_config: PlanOptions, model_config, model, dtype, device, 
             f"activations {gib(plan.activation_peak_bytes)}"
             + (f", LoRA adapter slots {gib(plan.lora_bytes)}" if plan.lora_bytes else "")
             + f" and a reserve of {gib(plan.reserve_bytes)} within a budget of {gib(plan.budget_bytes)}; "
-            f"estimated maximum model length is {fit}",
-            f"use --max-model-len {fit} or less, or {more}" if fit > 1 else more)
+            + (f"estimated maximum model length is {fit}" if fit >= SHORTEST else
+               f"no sequence fits, not even one of {SHORTEST} tokens (a prompt token and one generated)"),
+            f"use --max-model-len {fit} or less, or {more}" if fit >= SHORTEST else more)
     return plan
+
+
+SHORTEST = 2  # the shortest context a request runs in: one prompt token and one generated
+
+
+def _too_few_blocks(plan: MemoryPlan, num_kv_blocks: int, max_len: int) -> ConfigError:
+    """num_kv_blocks (API only) too few for one sequence of max_len: the error, naming the blocks that hold one and
+    the longest --max-model-len they hold; or, where they hold no sequence at all (0 usable blocks: a sliding
+    window's placeholder takes the only one; fewer than the layer groups, a block each), that they hold none and
+    the fewest that do (a --max-model-len of 0 or 1 was advised)."""
+    spare = plan.kv_blocks - plan.usable_blocks  # (a sliding window's placeholder: no sequence's)
+    lo, hi = 0, max_len - 1  # the longest sequence the usable blocks hold (by the layer groups' count, the window's)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if plan.blocks_for(mid) <= plan.usable_blocks else (lo, mid - 1)
+    usable = f"{plan.usable_blocks} block{'s' if plan.usable_blocks != 1 else ''}"
+    held = "its full layer groups' every block, its sliding ones' window and a step" if plan.kv_groups else \
+        "its window and a step"
+    need = f"use num_kv_blocks={plan.blocks_for(max_len) + spare} or more"
+    if lo < SHORTEST:
+        fewest = plan.blocks_for(SHORTEST)
+        return ConfigError(
+            f"num_kv_blocks={num_kv_blocks} leaves {usable} for sequences"
+            + (" (one is the sliding window's placeholder)" if spare else "")
+            + f": too few for any sequence, even one of {SHORTEST} tokens holds {fewest} block"
+            + ("s" if fewest != 1 else "") + " at once"
+            + (f" (a block of each of the {plan.kv_groups} KV layer groups)" if plan.kv_groups else ""),
+            f"{need} (one sequence of {max_len} tokens, --max-model-len); num_kv_blocks={fewest + spare} is the "
+            "fewest that hold any sequence")
+    return ConfigError(
+        f"num_kv_blocks={num_kv_blocks} leaves {usable} for sequences (one is the sliding window's placeholder), "
+        f"fewer than the {plan.blocks_for(max_len)} one sequence of {max_len} tokens (--max-model-len) holds at "
+        f"once ({held})" if spare else
+        f"num_kv_blocks={num_kv_blocks} holds {plan.usable_blocks * plan.block_size} tokens, less than one "
+        f"sequence of {max_len} tokens (the context, --max-model-len)",
+        f"{need}, or lower --max-model-len to {lo} or less")
