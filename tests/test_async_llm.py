@@ -100,9 +100,13 @@ def test_leaving_the_loop_aborts_the_request_and_frees_its_blocks(llm, monkeypat
     assert not llm.engine.requests and llm.engine.block_manager.num_used_blocks == 0
 
     async def cancelled():
-        task = asyncio.create_task(_collect(llm, [5, 6, 7], "cancel", SamplingParams(max_new_tokens=40,
-                                                                                      ignore_eos=True)))
-        await asyncio.sleep(0.05)
+        first = asyncio.Event()
+
+        async def consume():  # (cancelled right after its first output: 60 tokens are not done by then)
+            async for _ in llm.generate([5, 6, 7], SamplingParams(max_new_tokens=60, ignore_eos=True), "cancel"):
+                first.set()
+        task = asyncio.create_task(consume())
+        await first.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
