@@ -154,20 +154,21 @@ def gptq_matmul(x, qweight, qzeros, scales, g_idx, bits, zeros_v1=True, group_si
                                  lora, gated)
 
 
-def fused_moe(x, w13, w2, weights, ids):
-    """A mixture of experts' SwiGLU MLPs (reference.fused_moe): Triton's, in launches of fixed grids (a CUDA graph
-    records them); CUDA without Triton every expert over every token, weighted by its routing weight (0 where not
-    chosen: reference.fused_moe_dense), which a graph can record too."""
+def fused_moe(x, w13, w2, weights, ids, lora=None):
+    """A mixture of experts' SwiGLU MLPs (reference.fused_moe), with `lora` (reference.MoELoRA) each token's adapter
+    on the experts: Triton's, in launches of fixed grids (a CUDA graph records them; the adapters' deltas batched
+    torch ops over the token-expert pairs); CUDA without Triton every expert over every token, weighted by its
+    routing weight (0 where not chosen: reference.fused_moe_dense), which a graph can record too."""
     if use_triton(x):
-        return _triton("moe").fused_moe(x, w13, w2, weights, ids)
+        return _triton("moe").fused_moe(x, w13, w2, weights, ids, lora)
     if x.is_cuda:
-        return reference.fused_moe_dense(x, w13, w2, weights, ids)
-    return reference.fused_moe(x, w13, w2, weights, ids)
+        return reference.fused_moe_dense(x, w13, w2, weights, ids, lora)
+    return reference.fused_moe(x, w13, w2, weights, ids, lora)
 
 
-def fused_moe_int4(x, w13, w2, weights, ids):
+def fused_moe_int4(x, w13, w2, weights, ids, lora=None):
     """fused_moe over int4 GPTQ experts (reference.Int4Experts): Triton's, dequantized in registers, in the float
     kernel's launches; else the reference (the experts dequantized, then the float op)."""
     if use_triton(x):
-        return _triton("moe").fused_moe_int4(x, w13, w2, weights, ids)
-    return reference.fused_moe_int4(x, w13, w2, weights, ids)
+        return _triton("moe").fused_moe_int4(x, w13, w2, weights, ids, lora)
+    return reference.fused_moe_int4(x, w13, w2, weights, ids, lora)

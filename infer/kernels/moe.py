@@ -114,20 +114,40 @@ def _gemm(a, w, out, weights, sorted_pairs, block_expert, post, top_k, row_div: 
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor) -> torch.Tensor:
-    from . import fused
+              ids: torch.Tensor, lora=None) -> torch.Tensor:
     t, top_k = ids.shape
     if t == 0:
         return torch.zeros_like(x)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    sorted_pairs, block_expert, post = align(ids, w13.shape[0])
+    return _run(x, ids, weights, w13.shape[0], w13.shape[1], w2.shape[1], lora,
+                lambda a, out, fw, al, row_div, weighted: _gemm(a, w13 if row_div else w2, out, fw, *al, top_k,
+                                                                row_div, weighted))
+
+
+def _run(x, ids, weights, num_experts: int, out13: int, out2: int, lora, gemm) -> torch.Tensor:
+    """The fused MoE over the pairs sorted by expert: the gate_up grouped matmul (`gemm(a, out, flat weights,
+    aligned, row_div=True, weighted=False)`), silu_and_mul, the down one (weighted by the routing weights), the k
+    rows of a token summed. With `lora` (reference.MoELoRA): each pair's delta of its token's adapter and its expert
+    (reference.moe_lora_delta: gathers of fixed shapes over the T * k pairs, no host sync) added to its gate_up
+    row, and to its down row before the routing weight (rounded to x's dtype, times the weight in float32, as the
+    kernel's WEIGHTED store)."""
+    from . import fused
+    from .reference import pair_rows, moe_lora_delta
+    t, top_k = ids.shape
+    aligned = align(ids, num_experts)
     pairs = t * top_k
-    gate_up = torch.empty(pairs, w13.shape[1], dtype=x.dtype, device=x.device)
     flat_w = weights.reshape(-1).contiguous()
-    _gemm(x, w13, gate_up, flat_w, sorted_pairs, block_expert, post, top_k, True, False)
+    gate_up = torch.empty(pairs, out13, dtype=x.dtype, device=x.device)
+    gemm(x, gate_up, flat_w, aligned, True, False)
+    if lora is not None:
+        slots, experts = pair_rows(lora.token_slots, top_k), ids.reshape(-1)
+        gate_up += moe_lora_delta(pair_rows(x, top_k), slots, experts, lora.a13, lora.b13)
     act = fused.silu_and_mul(gate_up)
-    down = torch.empty(pairs, w2.shape[1], dtype=x.dtype, device=x.device)
-    _gemm(act, w2, down, flat_w, sorted_pairs, block_expert, post, top_k, False, True)
+    down = torch.empty(pairs, out2, dtype=x.dtype, device=x.device)
+    gemm(act, down, flat_w, aligned, False, lora is None)
+    if lora is not None:
+        down += moe_lora_delta(act, slots, experts, lora.a2, lora.b2)
+        down = (down.float() * flat_w.float()[:, None]).to(x.dtype)
     return down.view(t, top_k, -1).sum(dim=1)
 
 
@@ -201,20 +221,13 @@ def _gemm_int4(a, w, out, weights, sorted_pairs, block_expert, post, top_k, row_
                          BLOCK_N=block_n, BLOCK_K=block_k)
 
 
-def fused_moe_int4(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def fused_moe_int4(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor, lora=None) -> torch.Tensor:
     """fused_moe over int4 GPTQ experts (reference.Int4Experts w13: [E, 2I] outputs of H inputs; w2: [E, H] of I),
-    dequantized in registers: the same alignment, launches and grids as the float experts."""
-    from . import fused
+    dequantized in registers: the same alignment, launches and grids as the float experts (and the same LoRA)."""
     t, top_k = ids.shape
     if t == 0:
         return torch.zeros_like(x)
     x = x.contiguous()
-    sorted_pairs, block_expert, post = align(ids, w13.qweight.shape[0])
-    pairs = t * top_k
-    gate_up = torch.empty(pairs, w13.out_features, dtype=x.dtype, device=x.device)
-    flat_w = weights.reshape(-1).contiguous()
-    _gemm_int4(x, w13, gate_up, flat_w, sorted_pairs, block_expert, post, top_k, True, False)
-    act = fused.silu_and_mul(gate_up)
-    down = torch.empty(pairs, w2.out_features, dtype=x.dtype, device=x.device)
-    _gemm_int4(act, w2, down, flat_w, sorted_pairs, block_expert, post, top_k, False, True)
-    return down.view(t, top_k, -1).sum(dim=1)
+    return _run(x, ids, weights, w13.qweight.shape[0], w13.out_features, w2.out_features, lora,
+                lambda a, out, fw, al, row_div, weighted: _gemm_int4(a, w13 if row_div else w2, out, fw, *al, top_k,
+                                                                     row_div, weighted))

@@ -447,13 +447,43 @@ def _rows_attention(q, k_cache, v_cache, block_tables, seqs, queries, row_lens, 
     out.index_copy_(0, qstart, o[:, :, 0].to(out.dtype))
 
 
+class MoELoRA(NamedTuple):
+    """Every adapter slot's LoRA of a mixture of experts' stacked experts (lora.experts), and the step's slot of each
+    token: a13 [S, E, r, H], b13 [S, E, 2I, r] (the gate_up projection's), a2 [S, E, r, I], b2 [S, E, H, r] (the
+    down projection's), each B with its module's scaling folded in (zero where an adapter does not adapt it);
+    token_slots [T] int64 (-1: no adapter)."""
+    a13: torch.Tensor
+    b13: torch.Tensor
+    a2: torch.Tensor
+    b2: torch.Tensor
+    token_slots: torch.Tensor
+
+
+def moe_lora_delta(rows: torch.Tensor, slots: torch.Tensor, experts: torch.Tensor | int, a: torch.Tensor,
+                   b: torch.Tensor) -> torch.Tensor:
+    """Semantics: delta[p] = b[s, e] @ (a[s, e] @ rows[p]) for each row p, s = slots[p], e = experts[p] (or one
+    expert for every row), rounded to rows' dtype; 0 where s = -1. No host sync, shapes fixed by the rows (a CUDA
+    graph records it): the rows' A and B gathered from the slots."""
+    valid = slots >= 0
+    s = slots.clamp(min=0)
+    u = torch.einsum("pri,pi->pr", a[s, experts], rows)
+    d = torch.einsum("por,pr->po", b[s, experts], u)
+    return d * valid[:, None].to(d.dtype)
+
+
+def pair_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x [T, ...] repeated for each of a token's k pairs: [T * k, ...], pair t * k + j reading x[t]."""
+    return x.unsqueeze(1).expand(x.shape[0], k, *x.shape[1:]).reshape(x.shape[0] * k, *x.shape[1:])
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor) -> torch.Tensor:
+              ids: torch.Tensor, lora: MoELoRA | None = None) -> torch.Tensor:
     """Semantics: a mixture of experts' SwiGLU MLPs. x [T, H]; w13 [E, 2I, H] (each expert's gate rows, then its up
     rows); w2 [E, H, I]; ids [T, k] the experts of each token, weights [T, k] their routing weights (float32, or x's
     dtype). out[t] = sum over j of (weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))) rounded to x's dtype,
     e = ids[t, j], summed in the experts' order (as transformers' experts loop): only the experts some token chose
-    run, each over its tokens."""
+    run, each over its tokens. With `lora` (MoELoRA), gate_up_e and down_e of a token whose slot s >= 0 each add
+    their moe_lora_delta with slot s's A and B of expert e (peft's target_parameters: W_e + scaling B_e A_e)."""
     out = torch.zeros_like(x)
     if x.shape[0] == 0:
         return out
@@ -461,13 +491,19 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     for e in torch.unique(ids).tolist():
         tok, pos = torch.where(ids == e)
         h = F.linear(x[tok], w13[e])
-        y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], w2[e]) * weights[tok, pos, None]
-        out.index_add_(0, tok, y.to(x.dtype))
+        if lora is not None:
+            slots = lora.token_slots[tok]
+            h = h + moe_lora_delta(x[tok], slots, e, lora.a13, lora.b13)
+        act = F.silu(h[:, :inter]) * h[:, inter:]
+        y = F.linear(act, w2[e])
+        if lora is not None:
+            y = y + moe_lora_delta(act, slots, e, lora.a2, lora.b2)
+        out.index_add_(0, tok, (y * weights[tok, pos, None]).to(x.dtype))
     return out
 
 
 def fused_moe_dense(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                    ids: torch.Tensor) -> torch.Tensor:
+                    ids: torch.Tensor, lora: MoELoRA | None = None) -> torch.Tensor:
     """fused_moe's semantics with no data-dependent shape (a CUDA graph can record it): every expert runs over every
     token, its output weighted by the token's routing weight for it (0 where the token did not choose it)."""
     dense = torch.zeros(x.shape[0], w13.shape[0], dtype=weights.dtype, device=x.device).scatter_(1, ids, weights)
@@ -475,7 +511,13 @@ def fused_moe_dense(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     inter = w2.shape[2]
     for e in range(w13.shape[0]):
         h = F.linear(x, w13[e])
-        out += (F.linear(F.silu(h[:, :inter]) * h[:, inter:], w2[e]) * dense[:, e, None]).to(x.dtype)
+        if lora is not None:
+            h = h + moe_lora_delta(x, lora.token_slots, e, lora.a13, lora.b13)
+        act = F.silu(h[:, :inter]) * h[:, inter:]
+        y = F.linear(act, w2[e])
+        if lora is not None:
+            y = y + moe_lora_delta(act, lora.token_slots, e, lora.a2, lora.b2)
+        out += (y * dense[:, e, None]).to(x.dtype)
     return out
 
 
@@ -508,8 +550,8 @@ class Int4Experts(NamedTuple):
 
 
 def fused_moe_int4(x: torch.Tensor, w13: Int4Experts, w2: Int4Experts, weights: torch.Tensor,
-                   ids: torch.Tensor) -> torch.Tensor:
+                   ids: torch.Tensor, lora: MoELoRA | None = None) -> torch.Tensor:
     """fused_moe over int4 experts: their float weights in x's dtype, then fused_moe (on CUDA fused_moe_dense,
     whose shapes a CUDA graph can record)."""
     f13, f2 = w13.dequantize(x.dtype), w2.dequantize(x.dtype)
-    return (fused_moe_dense if x.is_cuda else fused_moe)(x, f13, f2, weights, ids)
+    return (fused_moe_dense if x.is_cuda else fused_moe)(x, f13, f2, weights, ids, lora)

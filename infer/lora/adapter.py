@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import LoRAError
-from ..models.moe import is_moe
+from ..models.moe import expert_size, is_moe, is_sparse, num_experts
 from ..models.shapes import ModelShapes
 
 ATTN, MLP = "self_attn", "mlp"
@@ -39,9 +39,16 @@ def base_targets(model_type: str | None, targets: list[str]) -> list[str]:
         return list(targets)
     return list(dict.fromkeys(_FUSED.get(t, t) for t in targets))
 EMBEDDINGS = ("embed_tokens", "lm_head")
-# a mixture of experts' MLP modules an adapter may name (models.moe): refused on such a base
-MOE_TARGETS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj", "w1", "w2", "w3", "gate", "experts", "mlp",
-               "block_sparse_moe", "shared_expert", "shared_expert_gate")
+# a mixture of experts' modules (models.moe) an adapter's target_modules may name that infer does not adapt: the
+# router (gate), Qwen2-MoE's shared_expert_gate (1 output), per-expert modules (transformers 5 stacks the experts:
+# peft adapts them through target_parameters), whole blocks
+MOE_TARGETS = ("gate_up_proj", "w1", "w2", "w3", "gate", "experts", "mlp", "block_sparse_moe", "shared_expert",
+               "shared_expert_gate")
+# the stacked expert parameters (transformers 5's names) an adapter's target_parameters may name (peft's ParamWrapper)
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+_HINT_EXPERTS = ("to adapt the experts, train with target_parameters=[\"mlp.experts.gate_up_proj\", "
+                 "\"mlp.experts.down_proj\"] (peft >= 0.17, transformers 5's stacked experts); the attention, a dense "
+                 "layer's MLP and Qwen2-MoE's shared_expert take target_modules")
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 _TENSOR = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<kind>lora_A|lora_B)(?:\.[^.]+)?"
@@ -49,7 +56,12 @@ _TENSOR = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<kind>lora_A|
 # a decoder layer's module as the base names it (model.layers.N..., or layers.N... for an adapter saved on the bare
 # decoder): another path that ends the same way (a VLM's language_model.layers.N..., a vision tower's) is another
 # module, which peft would not load into this base
-_MODULE = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>[A-Za-z_]+)\.(?P<proj>[A-Za-z0-9_]+)$")
+_MODULE = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>[A-Za-z_]+(?:\.shared_expert)?)"
+                     r"\.(?P<proj>[A-Za-z0-9_]+)$")
+# a sparse layer's stacked experts as peft's ParamWrapper saves their LoRA (one wrapper per targeted parameter,
+# nested: the first target's tensors under experts.base_layer, the next's under experts)
+_EXPERTS = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>mlp|block_sparse_moe)\.experts"
+                      r"(?P<nest>(?:\.base_layer)*)$")
 _HINT_TARGETS = ("retrain with target_modules among q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj "
                  "(Phi-3: qkv_proj,o_proj,gate_up_proj,down_proj)")
 # what peft adapts when adapter_config.json gives no target_modules: its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_
@@ -74,18 +86,32 @@ class Problem:
 
 @dataclass
 class LoRAModule:
-    """One adapted projection: delta_y = scaling * x @ lora_a^T @ lora_b^T."""
+    """One adapted projection: delta_y = scaling * x @ lora_a^T @ lora_b^T. A sparse layer's stacked experts
+    (proj "experts.gate_up_proj" / "experts.down_proj", from peft's target_parameters) hold one pair per expert:
+    lora_a [E, r, in], lora_b [E, out, r], the delta of a token's pair with expert e made with pair e."""
 
-    name: str  # base module path, e.g. model.layers.0.self_attn.q_proj
+    name: str  # base module path, e.g. model.layers.0.self_attn.q_proj (the experts: model.layers.0.mlp.experts.X)
     layer: int
     proj: str
-    lora_a: torch.Tensor  # [r, in]
-    lora_b: torch.Tensor  # [out, r]
+    lora_a: torch.Tensor  # [r, in] ([E, r, in] for the experts)
+    lora_b: torch.Tensor  # [out, r] ([E, out, r])
     scaling: float
 
     @property
     def rank(self) -> int:
-        return self.lora_a.shape[0]
+        return self.lora_a.shape[-2]
+
+    @property
+    def in_features(self) -> int:
+        return self.lora_a.shape[-1]
+
+    @property
+    def out_features(self) -> int:
+        return self.lora_b.shape[-2]
+
+    @property
+    def experts(self) -> bool:
+        return self.proj.startswith("experts.")
 
 
 @dataclass
@@ -127,15 +153,7 @@ class LoRAAdapter:
     def validate_against(self, base_config, max_rank: int | None = None) -> list[Problem]:
         """Everything that keeps this adapter from running on `base_config` (a HF config); [] when it fits."""
         problems = _no_default_targets(self, base_config) + _non_linear_targets(self.config, base_config)
-        targets = self.config.get("target_modules")
-        listed = [t for t in targets if str(t).split(".")[-1] in MOE_TARGETS] if isinstance(targets, list) else []
-        if is_moe(base_config) and (self.mlp_modules or listed):  # first: whatever else is wrong, this is why
-            more = f" (and {len(self.mlp_modules) - 1} more modules)" if len(self.mlp_modules) > 1 else ""
-            what = f"adapts {self.mlp_modules[0]}{more}" if self.mlp_modules else f"targets {listed}"
-            problems.insert(0, Problem(
-                f"{what}: infer runs adapters on a mixture of experts' attention projections only (q_proj, k_proj, "
-                "v_proj, o_proj), not on its experts, router or MLPs (as vLLM)",
-                "retrain with target_modules among q_proj,k_proj,v_proj,o_proj"))
+        problems[:0] = _moe_problems(self, base_config)  # first: whatever else is wrong, this is why
         shapes = expected_shapes(base_config)
         num_layers = layer_count(self.config, base_config)
         problems += _foreign_projections(self, base_config, shapes)
@@ -146,9 +164,17 @@ class LoRAAdapter:
                 continue
             if m.proj not in shapes:  # _foreign_projections named it
                 continue
+            misplaced = _misplaced(m, base_config)
+            if misplaced:
+                problems.append(misplaced)
+                continue
             want_in, want_out = shapes[m.proj]
-            got_in, got_out = m.lora_a.shape[1], m.lora_b.shape[0]
-            if (got_in, got_out) != (want_in, want_out):
+            got_in, got_out = m.in_features, m.out_features
+            if m.experts and m.lora_a.shape[0] != num_experts(base_config):
+                problems.append(Problem(f"{m.name} holds LoRA weights for {m.lora_a.shape[0]} experts but the base "
+                                        f"model's layers have {num_experts(base_config)}",
+                                        "the adapter was trained for a base model with another number of experts"))
+            elif (got_in, got_out) != (want_in, want_out):
                 problems.append(Problem(f"{m.name} maps {got_in} -> {got_out} features but the base model's "
                                         f"{m.proj} maps {want_in} -> {want_out}",
                                         "the adapter was trained for a base model with other sizes"))
@@ -163,10 +189,6 @@ def _foreign_projections(adapter: "LoRAAdapter", base_config, shapes: dict) -> l
     a Phi-3 base (whose q|k|v is one qkv_proj), Phi-3's qkv_proj on a Llama one. One problem for all of them."""
     have = f"its {getattr(base_config, 'model_type', '?')} layers have {', '.join(shapes)}"
     hint = "the adapter was trained for another architecture"
-    if is_moe(base_config):  # vLLM's behaviour: adapters on a mixture of experts' attention only
-        have = (f"infer runs adapters on a mixture of experts' attention projections only ({', '.join(shapes)}), "
-                "not on its experts, router or shared expert")
-        hint = "retrain with target_modules among q_proj,k_proj,v_proj,o_proj"
     foreign = [m.name for m in adapter.modules.values() if m.proj not in shapes]
     if foreign:
         more = f" (and {len(foreign) - 1} more modules)" if len(foreign) > 1 else ""
@@ -175,6 +197,50 @@ def _foreign_projections(adapter: "LoRAAdapter", base_config, shapes: dict) -> l
     listed = [t for t in targets if str(t).split(".")[-1] in PROJECTIONS and str(t).split(".")[-1] not in shapes] \
         if isinstance(targets, list) else []
     return [Problem(f"targets {listed}, which the base model does not have ({have})", hint)] if listed else []
+
+
+def _moe_problems(adapter: "LoRAAdapter", base_config) -> list[Problem]:
+    """What an adapter asks of a mixture of experts that infer does not adapt (its router, Qwen2-MoE's 1-output
+    shared_expert_gate, per-expert modules, a parameter other than the stacked experts'), or target_parameters on a
+    base without experts."""
+    params = adapter.config.get("target_parameters")
+    params = [str(p) for p in params] if isinstance(params, list) else [str(params)] if params else []
+    if not is_moe(base_config):
+        return [Problem(f"targets parameters, not modules (target_parameters: {json.dumps(params)})",
+                        "train with target_modules instead (infer adapts parameters only as a mixture of experts' "
+                        "stacked experts)")] if params else []
+    problems = []
+    # (peft converts target_modules naming the experts' projections of transformers 4 (gate_proj, up_proj,
+    # down_proj; Mixtral's w1, w3, w2) into the bare parameter names, gate_up_proj at twice the rank)
+    odd = [p for p in params if p.split(".")[-1] not in EXPERT_PARAMS or not re.fullmatch(r"(?:.*\.)?(?:experts\.)?"
+                                                                                         r"\w+", p)]
+    if odd:
+        problems.append(Problem(f"targets parameters {odd}: infer adapts a mixture of experts' stacked experts "
+                                f"({', '.join('experts.' + p for p in EXPERT_PARAMS)}) only", _HINT_EXPERTS))
+    unmapped = [m for m in adapter.mlp_modules if _module_of(m) is None and _EXPERTS.match(m) is None]
+    targets = adapter.config.get("target_modules")
+    listed = [t for t in targets if str(t).split(".")[-1] in MOE_TARGETS] if isinstance(targets, list) else []
+    if unmapped or listed:
+        more = f" (and {len(unmapped) - 1} more modules)" if len(unmapped) > 1 else ""
+        what = f"adapts {unmapped[0]}{more}" if unmapped else f"targets {listed}"
+        problems.insert(0, Problem(
+            f"{what}: infer adapts a mixture of experts' attention, dense layers' MLPs, shared expert and stacked "
+            "experts, not its router (gate), shared_expert_gate or per-expert modules", _HINT_EXPERTS))
+    return problems
+
+
+def _misplaced(m: LoRAModule, base_config) -> Problem | None:
+    """A module of a mixture of experts in a layer that has no such module: a dense MLP's projection in a sparse
+    layer, the shared expert's or the experts' in a dense one."""
+    if not is_moe(base_config) or m.proj not in MOE_LAYER_PROJECTIONS:
+        return None
+    sparse = is_sparse(base_config, m.layer)
+    if sparse == (m.proj in MOE_LAYER_PROJECTIONS[True]):
+        return None
+    kind = "a sparse layer (its MLP is the experts)" if sparse else "a dense layer (mlp_only_layers / " \
+        "decoder_sparse_step: no experts)"
+    return Problem(f"{m.name} is in layer {m.layer}, which in the base model is {kind}: it has no "
+                   f"{m.proj}", "the adapter was trained for a base model whose layers are laid out otherwise")
 
 
 def _no_default_targets(adapter: "LoRAAdapter", base_config) -> list[Problem]:
@@ -236,8 +302,19 @@ def expected_shapes(base_config) -> dict[str, tuple[int, int]]:
     qkv_proj and gate_up_proj in place of q/k/v and gate/up."""
     shapes = ModelShapes.from_config(base_config)
     hidden, inter, q, kv = shapes.hidden_size, base_config.intermediate_size, shapes.q_size, shapes.kv_size
-    if is_moe(base_config):  # a mixture of experts: its attention's projections only (models.moe)
-        return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden)}
+    if is_moe(base_config):  # a mixture of experts: its attention, and what its layers' MLPs have (models.moe)
+        out = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden)}
+        layers = [is_sparse(base_config, i) for i in range(base_config.num_hidden_layers)]
+        if not all(layers):
+            out.update({"gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)})
+        if any(layers):
+            shared = int(getattr(base_config, "shared_expert_intermediate_size", 0) or 0)
+            if base_config.model_type == "qwen2_moe" and shared:
+                out.update({"shared_expert.gate_proj": (hidden, shared), "shared_expert.up_proj": (hidden, shared),
+                            "shared_expert.down_proj": (shared, hidden)})
+            width = expert_size(base_config)
+            out.update({"experts.gate_up_proj": (hidden, 2 * width), "experts.down_proj": (width, hidden)})
+        return out
     if getattr(base_config, "model_type", None) == "phi3":
         return {"qkv_proj": (hidden, q + 2 * kv), "o_proj": (q, hidden), "gate_up_proj": (hidden, 2 * inter),
                 "down_proj": (inter, hidden)}
@@ -400,7 +477,6 @@ _UNSUPPORTED = {  # adapter_config.json key (when set) -> (what it means, hint)
     "layer_replication": ("replicates layers (its copies of a layer share the base's weights, each with its own "
                           "LoRA)", "peft cannot merge it either (\"Cannot merge LORA layers when base model layers "
                           "are replicated\"): serve it with peft, or train the adapter without layer_replication"),
-    "target_parameters": ("targets parameters, not modules", "train with target_modules instead"),
     "alora_invocation_tokens": ("is an activated LoRA (aLoRA)", "train a plain LoRA adapter"),
     "use_qalora": ("is a QA-LoRA adapter", "train a plain LoRA adapter"),
     "kasa_config": ("is a KaSA adapter (peft truncates the base weights by SVD and scales by lora_diag)",
@@ -632,11 +708,24 @@ def _delta_bound(a: torch.Tensor, b: torch.Tensor, scaling: float) -> float:
     return abs(scaling) * (b64 @ a64).abs().max().item()
 
 
+# the projections of a mixture of experts' layers: a sparse layer's (True) and a dense one's (False)
+MOE_LAYER_PROJECTIONS = {True: ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj",
+                                "experts.gate_up_proj", "experts.down_proj"),
+                         False: ("gate_proj", "up_proj", "down_proj")}
+
+
 def _module_of(path: str) -> tuple[str, int, str] | None:
+    """(the base's module path, its layer, its projection as expected_shapes names it) of an adapted module; None for
+    a module infer does not adapt. Qwen2-MoE's shared expert is "shared_expert.gate_proj" ..."""
     m = _MODULE.match(path)
-    if m is None or PROJECTIONS.get(m["proj"]) != m["parent"]:
+    if m is None:
         return None
-    return f"model.layers.{int(m['layer'])}.{m['parent']}.{m['proj']}", int(m["layer"]), m["proj"]
+    parent, proj = m["parent"], m["proj"]
+    if parent == "mlp.shared_expert" and proj in LLAMA_PROJECTIONS and LLAMA_PROJECTIONS[proj] == MLP:
+        proj = f"shared_expert.{proj}"
+    elif PROJECTIONS.get(proj) != parent:
+        return None
+    return f"model.layers.{int(m['layer'])}.{parent}.{m['proj']}", int(m["layer"]), proj
 
 
 def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, LoRAModule], list[Problem]]:
@@ -668,7 +757,12 @@ def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[
     modules = {}
     unselected: dict[str, list[str]] = {}  # why its config leaves a module out -> the modules
     per_module: list[tuple[str, Problem]] = []  # (module, its problem): alike ones are one problem
+    stacked: dict[int, dict[int, dict]] = {}  # a sparse layer -> its experts' pairs by nesting depth
     for path, pair in pairs.items():
+        nested = _EXPERTS.match(path)
+        if nested is not None:
+            stacked.setdefault(int(nested["layer"]), {})[nested["nest"].count(".base_layer")] = pair
+            continue
         where = _module_of(path)
         if where is None:
             tail = re.search(r"\.(?:model\.)?layers\.\d+\.[A-Za-z_]+\.[A-Za-z0-9_]+$", path)
@@ -687,6 +781,9 @@ def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[
             per_module.append((where[0], bad))
             continue
         modules[where[0]] = LoRAModule(where[0], where[1], where[2], pair["lora_A"], pair["lora_B"], scaling)
+    for layer, levels in stacked.items():
+        for module in _expert_modules(config, layer, levels, per_module):
+            modules[module.name] = module
     problems += _one_per_kind(per_module)
     for why, names in unselected.items():
         more = f" and {len(names) - 1} more modules" if len(names) > 1 else ""
@@ -696,6 +793,41 @@ def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[
     if not modules and not problems:
         problems.append(Problem("has no lora_A/lora_B weights", "the weight file is empty or not a LoRA adapter"))
     return modules, problems
+
+
+def _expert_modules(config: dict, layer: int, levels: dict[int, dict], per_module: list) -> list[LoRAModule]:
+    """A sparse layer's stacked experts' LoRA as peft's ParamWrapper saves it: lora_A [E * r, in] (expert e's A in
+    rows e * r ..), lora_B [out, r * E] (expert e's B in columns e, e + E, ..), each targeted parameter a nesting
+    level (peft wraps the experts' parameters in their order, gate_up_proj innermost: experts.base_layer, down_proj
+    outside it: experts); one level is the parameter target_parameters names. Split into [E, r, in] and
+    [E, out, r]; a problem appended to per_module for what does not read so."""
+    params = config.get("target_parameters")
+    params = [str(p) for p in params] if isinstance(params, list) else [str(params)] if params else []
+    named = [p for p in EXPERT_PARAMS if any(t.split(".")[-1] == p for t in params)]
+    order = {2: ["down_proj", "gate_up_proj"], 1: named if len(named) == 1 else []}.get(len(levels), [])
+    path = f"model.layers.{layer}.mlp.experts"
+    if len(order) != len(levels) or sorted(levels) != list(range(len(levels))):
+        per_module.append((path, Problem(f"{path} has LoRA weights for {len(levels)} stacked parameters that "
+                                         f"target_parameters {json.dumps(params)} does not name one by one",
+                                         "save the adapter again with peft")))
+        return []
+    out = []
+    for depth, param in enumerate(order):
+        name, pair = f"{path}.{param}", levels[depth]
+        r_cfg, scaling = module_scaling(config, name)
+        a, b = pair.get("lora_A"), pair.get("lora_B")
+        bad = _pair_problem(name, a, b, a.shape[0] if a is not None and a.dim() == 2 else r_cfg, scaling)
+        if bad is None and a.shape[0] % r_cfg:
+            bad = Problem(f"{name}: lora_A has {a.shape[0]} rows, not a multiple of r={r_cfg} (one rank-r A per "
+                          "expert)", "the config and the weights come from different adapters")
+        if bad is not None:
+            per_module.append((name, bad))
+            continue
+        e = a.shape[0] // r_cfg
+        a3 = a.reshape(e, r_cfg, a.shape[1])
+        b3 = b.reshape(b.shape[0], r_cfg, e).permute(2, 0, 1).contiguous()
+        out.append(LoRAModule(name, layer, f"experts.{param}", a3, b3, scaling))
+    return out
 
 
 def _one_per_kind(per_module: list[tuple[str, Problem]]) -> list[Problem]:

@@ -23,8 +23,10 @@ import torch
 
 from ..errors import LoRAError, LoRANameError, OutOfMemoryError
 from ..models.layers import MergedLinear
+from ..models.moe import SparseMoeBlock
 from .adapter import LoRAAdapter, adapter_path, load_adapter
 from .batch import LoRABatch
+from .experts import ExpertLoRA
 from .layer import LoRALayer
 
 log = logging.getLogger("infer")
@@ -50,16 +52,24 @@ class LoRAManager:
         self._where: dict[str, tuple[LoRALayer, int]] = {}  # HF module path -> (its layer, shard index)
         self.layers: list[LoRALayer] = []
         self.linears = linears  # self.layers[i] is linears[i].lora
+        blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+        self.expert_layers: list[ExpertLoRA] = []  # a mixture of experts' sparse layers' experts (lora.experts)
         try:
             for linear in linears:
                 linear.lora = LoRALayer(linear, max_loras, max_lora_rank, self.device, self.dtype)
                 self.layers.append(linear.lora)
                 for i, name in enumerate(linear.names):
                     self._where.setdefault(name, (linear.lora, i))  # a fused module: its first shard
+            for block in blocks:
+                block.lora = ExpertLoRA(block, max_loras, max_lora_rank, self.device, self.dtype)
+                self.expert_layers.append(block.lora)
+                for name in block.lora.names:
+                    self._where[name] = (block.lora, 0)
         except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError and CPU's ENOMEM are RuntimeErrors
-            for linear in linears:
-                linear.lora = None
+            for holder in [*linears, *blocks]:
+                holder.lora = None
             self.layers.clear()
+            self.expert_layers.clear()
             if not isinstance(e, MemoryError) and "memory" not in str(e).lower():
                 raise
             raise OutOfMemoryError(f"the adapter slots (--max-loras {max_loras} x --max-lora-rank {max_lora_rank} "
@@ -177,7 +187,7 @@ class LoRAManager:
         self._require(name)
         if name in self._resident:
             slot = self._resident.pop(name)
-            for layer in self.layers:
+            for layer in [*self.layers, *self.expert_layers]:
                 layer.clear_slot(slot)
         self._cpu.pop(name, None)
         self._pins.pop(name, None)
@@ -254,7 +264,8 @@ class LoRAManager:
 
     def device_bytes(self) -> int:
         """Bytes of the stacked A/B slot tensors of every layer (the LoRA slots' memory)."""
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in [layer.lora_a, layer.lora_bt])
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in [layer.lora_a, layer.lora_bt]) + \
+            sum(t.numel() * t.element_size() for layer in self.expert_layers for t in layer.tensors())
 
     def host_bytes(self) -> int:
         """Bytes of the adapters' CPU copies it holds (the CPU LRU's, and the weights retired adapters keep)."""
@@ -326,6 +337,8 @@ class LoRAManager:
             del self._resident[old]
         for layer in self.layers:
             layer.set_slot(slot, layer.shard_modules(adapter.modules))
+        for experts in self.expert_layers:
+            experts.set_slot(slot, adapter.modules)
         self._resident[name] = slot
         self.swaps += 1
 

@@ -20,7 +20,10 @@ dequantized once at load into w13 / w2 (as the CPU path does every GPTQ layer); 
 int4 tensors are stacked by expert (Int4Stack: an expert's gate and up share their g_idx) and
 kernels.fused_moe_int4 dequantizes them in registers. Not supported, refused up front
 (UnsupportedModelError): on a GPU, GPTQ experts not all 4-bit and quantized alike; other quantizations of the
-experts; adapters on the experts, the router or an MoE model's MLPs (lora.adapter); a hidden_act other than silu.
+experts; adapters on the router or Qwen2-MoE's shared_expert_gate (lora.adapter); a hidden_act other than silu.
+Adapters (peft's) may adapt the attention, a dense layer's MLP, the shared expert (lora.layer, as any MergedLinear)
+and the stacked experts (target_parameters: lora.experts sets `SparseMoeBlock.lora`, the fused MoE adds each
+token's adapter's delta per token-expert pair).
 """
 
 from __future__ import annotations
@@ -184,6 +187,7 @@ class SparseMoeBlock(nn.Module):
         # Qwen's round them to the model's dtype first
         self.float_weights = cfg.model_type == "mixtral"
         self.gate = _Gate(e, h, dtype)
+        self.lora = None  # the experts' adapter slots (lora.experts.ExpertLoRA), set by a LoRA manager
         # GPTQ experts (GPTQModel's qwen3_moe, mixtral): on the CPU each dequantized once at load into the stacked
         # float weights (as the CPU path does every GPTQ layer); on the GPU path (`int4_path`) kept int4, stacked,
         # and run by the int4 fused MoE (kernels.fused_moe_int4)
@@ -302,10 +306,14 @@ class SparseMoeBlock(nn.Module):
         """(the block's output [T, H], None: no LoRA delta left to the next norm)."""
         weights, ids = self.route(x)
         ex = self.experts
+        # the experts' adapters (lora.experts sets `lora`: its `moe_lora(batch)`, a kernels.reference.MoELoRA, or
+        # None where no token's adapter adapts them)
+        batch = getattr(ctx, "lora", None) if self.lora is not None else None
+        lora = self.lora.moe_lora(batch) if batch is not None else None
         if self.int4 is not None:
-            out = kernels.fused_moe_int4(x, ex.w13_int4.experts(), ex.w2_int4.experts(), weights, ids)
+            out = kernels.fused_moe_int4(x, ex.w13_int4.experts(), ex.w2_int4.experts(), weights, ids, lora)
         else:
-            out = kernels.fused_moe(x, ex.w13, ex.w2, weights, ids)
+            out = kernels.fused_moe(x, ex.w13, ex.w2, weights, ids, lora)
         if self.shared_expert is not None and self.shared_width:
             shared, _ = self.shared_expert(x, ctx)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
