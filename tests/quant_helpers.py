@@ -4,6 +4,7 @@ numpy-free dequantizer of the v1 "gptq" format used as an oracle."""
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -71,7 +72,8 @@ def dequantize_v1(tensors: dict, prefix: str, bits: int) -> torch.Tensor:
 
 
 def dequantized_float_model(float_dir, gptq_dir):
-    """The float model of `float_dir` with every GPTQ linear of `gptq_dir` replaced by its dequantized weight."""
+    """The float model of `float_dir` with every GPTQ linear of `gptq_dir` replaced by its dequantized weight (a
+    mixture of experts' per-expert projections into transformers 5's stacked experts)."""
     import json
 
     from safetensors.torch import load_file
@@ -88,7 +90,20 @@ def dequantized_float_model(float_dir, gptq_dir):
                 prefix = name[: -len(".qweight")]
                 # each layer's own width (GPTQModel's dynamic rules, its 8-bit lm_head): rows = in_features*bits/32
                 width = 32 * t.shape[0] // tensors[prefix + ".g_idx"].numel() if prefix + ".g_idx" in tensors else bits
-                state[prefix + ".weight"].copy_(dequantize_v1(tensors, prefix, width))
+                w = dequantize_v1(tensors, prefix, width)
+                expert = re.fullmatch(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)", prefix)
+                if expert is None:
+                    state[prefix + ".weight"].copy_(w)
+                    continue
+                # a mixture of experts' expert: its rows of transformers 5's stacked gate_up_proj (gate, then up)
+                # or its down_proj
+                stack, index, proj = expert[1], int(expert[2]), expert[3]
+                if proj in ("down_proj", "w2"):
+                    state[f"{stack}.down_proj"][index].copy_(w)
+                else:
+                    half = w.shape[0]
+                    start = 0 if proj in ("gate_proj", "w1") else half
+                    state[f"{stack}.gate_up_proj"][index, start:start + half].copy_(w)
             elif name in state:
                 state[name].copy_(t.float())
     return model.eval()

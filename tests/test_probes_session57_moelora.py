@@ -82,3 +82,109 @@ def test_qwen3_moe_expert_adapters_equal_peft_alone_and_mixed(qwen3):
     base_tokens = greedy_each(hf, prompts, 6)
     for i in (0, 1, 3):  # each adapter changes its tokens
         assert want[i] != base_tokens[i], names[i]
+
+
+def test_mixtral_expert_adapters_equal_peft_alone_and_mixed(tmp_path):
+    """Mixtral: an adapter naming transformers 4's w1, w3, w2 (peft turns them into the stacked parameters) and one
+    on the stacked parameters with the attention, mixed with a request without adapter."""
+    build(tmp_path / "base", "mixtral")
+    hf = hf_float(tmp_path / "base")
+    paths = _adapters(tmp_path, hf, {
+        "w": dict(r=4, lora_alpha=8, target_modules=["w1", "w3", "w2"]),
+        "p": dict(r=8, lora_alpha=8, target_modules=["k_proj", "o_proj"], target_parameters=EXPERTS),
+    })
+    prompts = random_prompts(512, (6, 9, 5), seed=4)
+    names = ["w", None, "p"]
+    mixed, alone = _engine_tokens(tmp_path / "base", paths, prompts, names)
+    want = peft_tokens(hf, paths, prompts, names)
+    assert mixed == want and alone == want
+    base_tokens = greedy_each(hf, prompts, 6)
+    assert want[0] != base_tokens[0] and want[2] != base_tokens[2]
+
+
+def test_qwen2_moe_shared_expert_dense_mlp_and_experts_equal_peft(tmp_path):
+    """Qwen2-MoE with dense layers (decoder_sparse_step 2): target_modules gate_proj, up_proj, down_proj adapt its
+    dense layers' MLPs and its shared expert (peft does not turn them into the experts' parameters for qwen2_moe);
+    another adapter adapts the stacked experts and the shared expert's down_proj; mixed with a request without."""
+    build(tmp_path / "base", "qwen2_moe", num_hidden_layers=3, decoder_sparse_step=2)
+    hf = hf_float(tmp_path / "base")
+    paths = _adapters(tmp_path, hf, {
+        "mlp": dict(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"]),
+        "ex": dict(r=8, lora_alpha=16, target_modules=["q_proj", "shared_expert.down_proj"],
+                   target_parameters=EXPERTS),
+    })
+    tensors = load_file(paths["mlp"] / "adapter_model.safetensors")
+    assert any(".mlp.shared_expert.gate_proj." in k for k in tensors) and any(".2.mlp.up_proj." in k for k in tensors)
+    prompts = random_prompts(512, (6, 9, 5, 7), seed=5)
+    names = ["mlp", "ex", None, "mlp"]
+    mixed, alone = _engine_tokens(tmp_path / "base", paths, prompts, names)
+    want = peft_tokens(hf, paths, prompts, names)
+    assert mixed == want and alone == want
+    base_tokens = greedy_each(hf, prompts, 6)
+    assert want[0] != base_tokens[0] and want[1] != base_tokens[1]
+
+
+def _cpu_and_gpu_path(base, paths, prompts, names, monkeypatch, n=5):
+    """(the CPU path's tokens, the GPU code path's: every op through its Triton kernel, interpreted; decode steps
+    through emulated CUDA graphs (a static LoRA batch); prefills in chunks), one mixed batch each; the fused MoE
+    was given the experts' adapters on the GPU path."""
+    from infer.kernels import moe as moe_kernels
+    from quant_helpers import int4_kernel_path
+    params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+    opts = dict(block_size=4, max_num_batched_tokens=8, max_num_seqs=3, max_model_len=32, max_loras=2,
+                max_lora_rank=8, loras={k: str(p) for k, p in paths.items()})
+    with LLM(str(base), **opts) as llm:
+        cpu = [o.token_ids for o in llm.generate(prompts, params, lora=names)]
+    int4_kernel_path(monkeypatch)
+    given = []
+    for op in ("fused_moe", "fused_moe_int4"):
+        real = getattr(moe_kernels, op)
+        monkeypatch.setattr(moe_kernels, op, lambda *a, real=real: given.append(a[-1] is not None) or real(*a))
+    with LLM(str(base), cuda_graph_max_tokens=4, **opts) as llm:
+        llm.engine.runner.capture_graphs(64, emulate=True)
+        gpu = [o.token_ids for o in llm.generate(prompts, params, lora=names)]
+        assert sum(llm.engine.runner.graphs.replays.values()) > 0
+    assert any(given)
+    return cpu, gpu
+
+
+def test_gpu_code_path_interpreted_equals_the_cpu_path_with_expert_adapters(tmp_path, monkeypatch):
+    """Float experts: two expert adapters and a request without one through the Triton fused MoE (interpreted) and
+    emulated CUDA graphs give the CPU path's tokens, which are peft's."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
+    build(tmp_path / "base", "qwen3_moe", num_hidden_layers=1, norm_topk_prob=True)
+    hf = hf_float(tmp_path / "base")
+    paths = _adapters(tmp_path, hf, {"a": dict(r=4, lora_alpha=8, target_parameters=EXPERTS),
+                                     "b": dict(r=8, lora_alpha=8, target_modules=["o_proj"],
+                                               target_parameters=["mlp.experts.down_proj"])})
+    prompts = random_prompts(512, (5, 12, 7), seed=6)
+    names = ["a", None, "b"]
+    cpu, gpu = _cpu_and_gpu_path(tmp_path / "base", paths, prompts, names, monkeypatch)
+    assert gpu == cpu
+    assert cpu == peft_tokens(hf, paths, prompts, names, 5)
+
+
+from test_probes_session56_moeq import gptq_moe  # noqa: E402,F401  (the module's GPTQModel checkpoints)
+
+
+def test_gptq_experts_with_adapters_equal_peft_on_the_dequantized_weights_on_both_paths(gptq_moe, monkeypatch):
+    """A GPTQModel checkpoint of a tiny Qwen3-MoE (act-order, asym): expert adapters and a request without one give
+    peft's tokens on the dequantized float weights on the CPU path, and the same on the GPU code path, whose int4
+    fused MoE keeps the experts int4."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
+    from quant_helpers import dequantized_float_model
+    path = gptq_moe["asym-act"]
+    hf = dequantized_float_model(path.parent / "base", path)
+    hf.generation_config.eos_token_id = None
+    paths = _adapters(path.parent / "adapters", hf, {
+        "a": dict(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=EXPERTS),
+        "b": dict(r=8, lora_alpha=16, target_parameters=["mlp.experts.gate_up_proj"])})
+    prompts = random_prompts(512, (6, 10, 5), seed=7)
+    names = ["a", None, "b"]
+    cpu, gpu = _cpu_and_gpu_path(path, paths, prompts, names, monkeypatch)
+    assert cpu == peft_tokens(hf, paths, prompts, names, 5)
+    assert gpu == cpu
+    base_tokens = greedy_each(hf, prompts, 5)
+    assert cpu[0] != base_tokens[0] and cpu[2] != base_tokens[2]
