@@ -188,3 +188,46 @@ def test_gptq_experts_with_adapters_equal_peft_on_the_dequantized_weights_on_bot
     assert gpu == cpu
     base_tokens = greedy_each(hf, prompts, 5)
     assert cpu[0] != base_tokens[0] and cpu[2] != base_tokens[2]
+
+
+def _v4_adapter(hf, out, names: tuple[str, str, str], seed: int, r: int = 4):
+    """An adapter as peft saved it on transformers 4, whose experts were modules of their own: q_proj's (peft's)
+    and every sparse layer's experts.N.<gate>, <up>, <down> (`names`) with random A and B, targeted by name."""
+    path = save_adapter(hf, out, seed=seed, r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=["q_proj"])
+    tensors = load_file(path / "adapter_model.safetensors")
+    g = torch.Generator().manual_seed(seed)
+    cfg = hf.config
+    for i, layer in enumerate(hf.model.layers):
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is None:
+            continue
+        e, two_i, h = experts.gate_up_proj.shape
+        for x in range(e):
+            for name, (n_in, n_out) in zip(names, ((h, two_i // 2), (h, two_i // 2), (two_i // 2, h))):
+                key = f"base_model.model.model.layers.{i}.mlp.experts.{x}.{name}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(r, n_in, generator=g) * 0.15
+                tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, r, generator=g) * 0.15
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = json.loads((path / "adapter_config.json").read_text())
+    config["target_modules"] = ["q_proj", *names]
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    assert cfg.num_hidden_layers
+    return path
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_per_expert_adapters_of_transformers_4_equal_peft(tmp_path, model_type):
+    """An adapter trained on transformers 4 (each expert's gate_proj, up_proj, down_proj; Mixtral's w1, w3, w2, as
+    modules of their own), which peft converts when it loads it on transformers 5's stacked experts (gate and up one
+    rank-2r gate_up_proj): peft's tokens, mixed with a target_parameters adapter and a request without one."""
+    build(tmp_path / "base", model_type)
+    hf = hf_float(tmp_path / "base")
+    names = ("w1", "w3", "w2") if model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    paths = {"v4": _v4_adapter(hf, tmp_path / "v4", names, seed=3),
+             **_adapters(tmp_path, hf, {"p": dict(r=4, lora_alpha=4, target_parameters=EXPERTS)})}
+    prompts = random_prompts(512, (6, 9, 5), seed=8)
+    order = ["v4", None, "p"]
+    mixed, alone = _engine_tokens(tmp_path / "base", paths, prompts, order)
+    want = peft_tokens(hf, paths, prompts, order)
+    assert mixed == want and alone == want
+    assert want[0] != greedy_each(hf, prompts[:1], 6)[0]

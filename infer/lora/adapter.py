@@ -62,6 +62,14 @@ _MODULE = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>[A-Za-z_]
 # nested: the first target's tensors under experts.base_layer, the next's under experts)
 _EXPERTS = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?P<parent>mlp|block_sparse_moe)\.experts"
                       r"(?P<nest>(?:\.base_layer)*)$")
+# an expert's own projection as transformers 4 named it (adapters trained then: peft converts them when it loads
+# them on transformers 5's stacked experts), by the stacked parameter it is part of
+_EXPERT_MODULE = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe)\.experts\."
+                            r"(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)$")
+_V4_EXPERT_PARTS = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
+# the target_modules peft (0.21, on transformers 5) turns into the stacked experts' parameters, by base model_type
+# (peft's _MOE_TARGET_MODULE_MAPPING; Qwen2-MoE's gate_proj, up_proj, down_proj stay its dense and shared MLPs')
+V4_EXPERT_TARGETS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
 _HINT_TARGETS = ("retrain with target_modules among q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj "
                  "(Phi-3: qkv_proj,o_proj,gate_up_proj,down_proj)")
 # what peft adapts when adapter_config.json gives no target_modules: its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_
@@ -194,7 +202,9 @@ def _foreign_projections(adapter: "LoRAAdapter", base_config, shapes: dict) -> l
         more = f" (and {len(foreign) - 1} more modules)" if len(foreign) > 1 else ""
         return [Problem(f"adapts {foreign[0]}{more}, which the base model does not have ({have})", hint)]
     targets = adapter.config.get("target_modules")
-    listed = [t for t in targets if str(t).split(".")[-1] in PROJECTIONS and str(t).split(".")[-1] not in shapes] \
+    v4 = V4_EXPERT_TARGETS.get(getattr(base_config, "model_type", None), ())  # peft makes them the experts' params
+    known = (*PROJECTIONS, *V4_EXPERT_TARGETS["mixtral"])
+    listed = [t for t in targets if str(t).split(".")[-1] in known and str(t).split(".")[-1] not in (*shapes, *v4)] \
         if isinstance(targets, list) else []
     return [Problem(f"targets {listed}, which the base model does not have ({have})", hint)] if listed else []
 
@@ -217,9 +227,18 @@ def _moe_problems(adapter: "LoRAAdapter", base_config) -> list[Problem]:
     if odd:
         problems.append(Problem(f"targets parameters {odd}: infer adapts a mixture of experts' stacked experts "
                                 f"({', '.join('experts.' + p for p in EXPERT_PARAMS)}) only", _HINT_EXPERTS))
-    unmapped = [m for m in adapter.mlp_modules if _module_of(m) is None and _EXPERTS.match(m) is None]
+    unmapped = [m for m in adapter.mlp_modules if _module_of(m) is None and _EXPERTS.match(m) is None
+                and _EXPERT_MODULE.match(m) is None]
     targets = adapter.config.get("target_modules")
-    listed = [t for t in targets if str(t).split(".")[-1] in MOE_TARGETS] if isinstance(targets, list) else []
+    targets = [str(t) for t in targets] if isinstance(targets, list) else []
+    v4 = V4_EXPERT_TARGETS.get(base_config.model_type, ())
+    listed = [t for t in targets if t.split(".")[-1] in MOE_TARGETS and t.split(".")[-1] not in v4]
+    named = {t.split(".")[-1] for t in targets} & set(v4[:2])
+    if len(named) == 1:  # peft: "Cannot convert PEFT target(s) ... because they are fused into gate_up_proj"
+        other = (set(v4[:2]) - named).pop()
+        problems.append(Problem(f"targets {named.pop()} without {other}: peft cannot load it on transformers 5, "
+                                f"whose {base_config.model_type} experts hold both in one gate_up_proj",
+                                f"target both, or target_parameters; {_HINT_EXPERTS}"))
     if unmapped or listed:
         more = f" (and {len(unmapped) - 1} more modules)" if len(unmapped) > 1 else ""
         what = f"adapts {unmapped[0]}{more}" if unmapped else f"targets {listed}"
@@ -231,10 +250,16 @@ def _moe_problems(adapter: "LoRAAdapter", base_config) -> list[Problem]:
 
 def _misplaced(m: LoRAModule, base_config) -> Problem | None:
     """A module of a mixture of experts in a layer that has no such module: a dense MLP's projection in a sparse
-    layer, the shared expert's or the experts' in a dense one."""
-    if not is_moe(base_config) or m.proj not in MOE_LAYER_PROJECTIONS:
+    layer, the shared expert's or the experts' in a dense one; a dense layer's MLP projection that peft on
+    transformers 5 does not adapt (it turns those target_modules into the experts' parameters)."""
+    if not is_moe(base_config) or m.proj not in MOE_LAYER_PROJECTIONS[True] + MOE_LAYER_PROJECTIONS[False]:
         return None
     sparse = is_sparse(base_config, m.layer)
+    if not sparse and m.proj in V4_EXPERT_TARGETS.get(base_config.model_type, ()):
+        return Problem(f"{m.name} is a dense layer's MLP projection, which peft (on transformers 5) does not adapt "
+                       f"in a {base_config.model_type}: it turns target_modules {m.proj} into the experts' "
+                       "parameters", "these weights would be ignored: train the adapter again with peft on "
+                       "transformers 5")
     if sparse == (m.proj in MOE_LAYER_PROJECTIONS[True]):
         return None
     kind = "a sparse layer (its MLP is the experts)" if sparse else "a dense layer (mlp_only_layers / " \
@@ -537,7 +562,9 @@ def config_problems(config: dict) -> list[Problem]:
         if _targets(targets, emb):
             problems.append(Problem(f"targets {emb}", _HINT_MERGE_TARGETS, merges=True))
     if isinstance(targets, (list, tuple)):
-        unknown = [t for t in targets if str(t).split(".")[-1] not in (*PROJECTIONS, *EMBEDDINGS)]
+        # (Mixtral's experts' w1, w3, w2 of transformers 4: validate_against checks them against the base)
+        unknown = [t for t in targets if str(t).split(".")[-1] not in (*PROJECTIONS, *EMBEDDINGS,
+                                                                      *V4_EXPERT_TARGETS["mixtral"])]
         if unknown:
             problems.append(Problem(f"targets {unknown}, which the base model does not have", _HINT_TARGETS))
     return problems
@@ -758,10 +785,21 @@ def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[
     unselected: dict[str, list[str]] = {}  # why its config leaves a module out -> the modules
     per_module: list[tuple[str, Problem]] = []  # (module, its problem): alike ones are one problem
     stacked: dict[int, dict[int, dict]] = {}  # a sparse layer -> its experts' pairs by nesting depth
+    per_expert: dict[int, dict[int, dict]] = {}  # a sparse layer -> part (0 gate, 1 up, 2 down) -> expert -> pair
     for path, pair in pairs.items():
         nested = _EXPERTS.match(path)
         if nested is not None:
             stacked.setdefault(int(nested["layer"]), {})[nested["nest"].count(".base_layer")] = pair
+            continue
+        own = _EXPERT_MODULE.match(path)
+        if own is not None:
+            module = f"model.layers.{int(own['layer'])}.mlp.experts.{int(own['expert'])}.{own['proj']}"
+            why = _unselected(config, module, int(own["layer"]))
+            if why:
+                unselected.setdefault(why, []).append(module)
+                continue
+            part = _V4_EXPERT_PARTS[own["proj"]]
+            per_expert.setdefault(int(own["layer"]), {}).setdefault(part, {})[int(own["expert"])] = pair
             continue
         where = _module_of(path)
         if where is None:
@@ -783,6 +821,9 @@ def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[
         modules[where[0]] = LoRAModule(where[0], where[1], where[2], pair["lora_A"], pair["lora_B"], scaling)
     for layer, levels in stacked.items():
         for module in _expert_modules(config, layer, levels, per_module):
+            modules[module.name] = module
+    for layer, parts in per_expert.items():
+        for module in _stacked_from_v4(config, layer, parts, per_module):
             modules[module.name] = module
     problems += _one_per_kind(per_module)
     for why, names in unselected.items():
@@ -827,6 +868,43 @@ def _expert_modules(config: dict, layer: int, levels: dict[int, dict], per_modul
         a3 = a.reshape(e, r_cfg, a.shape[1])
         b3 = b.reshape(b.shape[0], r_cfg, e).permute(2, 0, 1).contiguous()
         out.append(LoRAModule(name, layer, f"experts.{param}", a3, b3, scaling))
+    return out
+
+
+def _stacked_from_v4(config: dict, layer: int, parts: dict[int, dict], per_module: list) -> list[LoRAModule]:
+    """A sparse layer's experts adapted one by one (transformers 4's experts.N.gate_proj / up_proj / down_proj,
+    Mixtral's w1 / w3 / w2) as peft converts them for transformers 5's stacked parameters: gate_up_proj's A of each
+    expert its gate's A over its up's, its B the two B's block-diagonal (rank 2r, the same scaling: peft doubles r and
+    lora_alpha), down_proj's as they are. Every expert must have its pairs."""
+    out = []
+    path = f"model.layers.{layer}.mlp.experts"
+    count = 1 + max(e for experts in parts.values() for e in experts)
+    for param, members in (("gate_up_proj", (0, 1)), ("down_proj", (2,))):
+        if not any(p in parts for p in members):
+            continue
+        name = f"{path}.{param}"
+        missing = next((f"{path}.{e}.{('gate_proj', 'up_proj', 'down_proj')[p]}" for p in members for e in range(count)
+                        if e not in parts.get(p, {})), None)
+        if missing is not None:
+            per_module.append((name, Problem(f"has LoRA weights for some experts' {param.split('_proj')[0]} "
+                                             f"projections of layer {layer} but none for {missing}", "peft converts "
+                                             "the experts' adapters for transformers 5 only whole: save the adapter "
+                                             "again with peft")))
+            continue
+        r_cfg, scaling = module_scaling(config, f"{path}.0.{('gate_proj', 'down_proj')[param == 'down_proj']}")
+        a_rows, b_rows = [], []
+        for e in range(count):
+            pairs = [parts[p][e] for p in members]
+            bad = next((b for b in (_pair_problem(f"{path}.{e}.{('gate_proj', 'up_proj', 'down_proj')[p]}",
+                                                  q.get("lora_A"), q.get("lora_B"), r_cfg, scaling)
+                                    for p, q in zip(members, pairs)) if b is not None), None)
+            if bad is not None:
+                per_module.append((name, bad))
+                break
+            a_rows.append(torch.cat([q["lora_A"] for q in pairs]))
+            b_rows.append(torch.block_diag(*[q["lora_B"] for q in pairs]))
+        else:
+            out.append(LoRAModule(name, layer, f"experts.{param}", torch.stack(a_rows), torch.stack(b_rows), scaling))
     return out
 
 
