@@ -193,8 +193,8 @@ def test_attention_adapters_equal_peft(moe_lora):
         oracle.close()
 
 
-ROUTER = ("infer adapts a mixture of experts' attention, dense layers' MLPs, shared expert and stacked experts, not its "
-          "router")
+ROUTER = ("infer adapts a mixture of experts' attention, dense layers' MLPs, shared expert and stacked experts, "
+          "not its router")
 UNLISTED = "which its adapter_config.json does not adapt"
 
 

@@ -8,7 +8,6 @@ shared_expert_gate, per-expert modules) refused clearly."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -165,7 +164,9 @@ def test_gpu_code_path_interpreted_equals_the_cpu_path_with_expert_adapters(tmp_
     assert cpu == peft_tokens(hf, paths, prompts, names, 5)
 
 
-from test_probes_session56_moeq import gptq_moe  # noqa: E402,F401  (the module's GPTQModel checkpoints)
+import test_probes_session56_moeq  # noqa: E402
+
+gptq_moe = test_probes_session56_moeq.gptq_moe  # (its GPTQModel checkpoints of a tiny Qwen3-MoE)
 
 
 def test_gptq_experts_with_adapters_equal_peft_on_the_dequantized_weights_on_both_paths(gptq_moe, monkeypatch):
@@ -231,3 +232,22 @@ def test_per_expert_adapters_of_transformers_4_equal_peft(tmp_path, model_type):
     want = peft_tokens(hf, paths, prompts, order)
     assert mixed == want and alone == want
     assert want[0] != greedy_each(hf, prompts[:1], 6)[0]
+
+
+@pytest.mark.parametrize("model_type,config", [("qwen3_moe", dict(num_hidden_layers=3, mlp_only_layers=[1])),
+                                               ("mixtral", {}), ("qwen2_moe", dict(decoder_sparse_step=2)),
+                                               ("qwen2_moe", dict(shared_expert_intermediate_size=0))])
+def test_the_memory_plan_counts_the_experts_adapter_slots(tmp_path, model_type, config):
+    """The adapter slots of a mixture of experts (--max-loras x --max-lora-rank: the attention's, a dense layer's MLP,
+    the shared expert's and every expert's A and B) are what the memory plan and `warmup --estimate`'s formula
+    (memory.sizes.lora_slot_bytes) count, byte for byte; the experts' take E x r x (H + 2I + I + H) a slot and layer."""
+    from infer.memory.sizes import lora_slot_bytes
+    from infer.models.moe import is_sparse
+    build(tmp_path, model_type, **config)
+    with LLM(str(tmp_path), enable_lora=True, max_loras=3, max_lora_rank=4, block_size=4) as llm:
+        manager, cfg = llm.engine.lora_manager, llm.engine.runner.model.config
+        got = manager.device_bytes()
+        assert llm.engine.memory_plan.lora_bytes == got == lora_slot_bytes(cfg, 3, 4, torch.float32)
+        experts = sum(t.numel() for layer in manager.expert_layers for t in layer.tensors())
+        sparse = sum(is_sparse(cfg, i) for i in range(cfg.num_hidden_layers))
+        assert experts == sparse * 3 * 4 * 8 * (64 + 2 * 32 + 32 + 64)

@@ -133,7 +133,8 @@ def static_report(name: str, path: Path, base_config, max_rank: int | None, base
     scalings = sorted({round(m.scaling, 6) for m in adapter.modules.values()}) or [module_scaling(cfg, "")[1]]
     report.scaling = f"{scalings[0]:g}" if len(scalings) == 1 else f"{scalings[0]:g}..{scalings[-1]:g}"
     found = {m.proj for m in adapter.modules.values()}
-    report.targets = [p for p in PROJECTIONS if p in found] or _config_targets(cfg)
+    # (a mixture of experts' shared expert and stacked experts after the projections: shared_expert.gate_proj, ...)
+    report.targets = [p for p in PROJECTIONS if p in found] + sorted(found - set(PROJECTIONS)) or _config_targets(cfg)
     report.shapes = shape_summary(adapter, base_config)
     if base is not None:
         warnings = [base_name_warning(name, cfg, base, given or str(base.path)), range_warning(adapter, base)]
@@ -180,7 +181,7 @@ def _misfit_modules(adapter, base_config) -> set[str]:
     want = expected_shapes(base_config)
     layers = layer_count(adapter.config, base_config) if hasattr(base_config, "num_hidden_layers") else None
     return {m.name for m in adapter.modules.values()
-            if (layers is not None and m.layer >= layers) or (m.lora_a.shape[1], m.lora_b.shape[0]) != want.get(m.proj)}
+            if (layers is not None and m.layer >= layers) or (m.in_features, m.out_features) != want.get(m.proj)}
 
 
 def shape_summary(adapter, base_config) -> str:
@@ -190,7 +191,7 @@ def shape_summary(adapter, base_config) -> str:
     for m in adapter.modules.values():
         if layers is not None and m.layer >= layers:
             return f"layer {m.layer} >= base's {layers}"
-        got = (m.lora_a.shape[1], m.lora_b.shape[0])
+        got = (m.in_features, m.out_features)
         if m.proj not in want:
             return f"{m.proj}: the base has none"
         if got != want[m.proj]:
@@ -204,7 +205,9 @@ def size_mismatch_line(adapter, base_config, count: int) -> str:
     hidden = inter = None
     deepest = max((m.layer for m in adapter.modules.values()), default=-1)
     for m in adapter.modules.values():
-        a_in, b_out = m.lora_a.shape[1], m.lora_b.shape[0]
+        if m.proj.startswith(("experts.", "shared_expert.")):  # (widths of their own: expert_size, shared)
+            continue
+        a_in, b_out = m.in_features, m.out_features
         hidden = hidden or (a_in if m.proj in _HIDDEN_IN else b_out)
         if m.proj in ("gate_proj", "up_proj", "down_proj", "gate_up_proj"):
             inter = inter or {"down_proj": a_in, "gate_up_proj": b_out // 2}.get(m.proj, b_out)

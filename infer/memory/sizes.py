@@ -84,12 +84,27 @@ def window_blocks(window: int, step: int, block_size: int) -> int:
 def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dtype) -> int:
     """The device slots of LoRA adapters (lora.layer.LoRALayer on every merged linear layer, targeted or not): per
     slot, A holds max_rank rows of the input width for each shard and B max_rank columns of every output, for qkv,
-    o_proj, gate_up and down_proj of each layer."""
+    o_proj, gate_up and down_proj of each layer. A mixture of experts' sparse layer has, in place of the MLP's,
+    its shared expert's (Qwen2-MoE, of its own width) and every expert's A and B of gate_up and down
+    (lora.experts.ExpertLoRA)."""
+    from ..lora.experts import expert_slot_elements
+    from ..models.moe import expert_size, is_sparse, num_experts
     h, inter = model_config.hidden_size, model_config.intermediate_size
     shapes = ModelShapes.from_config(model_config)
     q, kv = shapes.q_size, shapes.kv_size
-    per_rank = (3 * h + q + 2 * kv) + (q + h) + (2 * h + 2 * inter) + (inter + h)  # A widths + B heights per layer
-    return model_config.num_hidden_layers * max_loras * max_rank * per_rank * element_bytes(dtype)
+
+    def mlp(width: int) -> int:  # gate_up's and down_proj's A widths + B heights
+        return (2 * h + 2 * width) + (width + h)
+    per_rank = 0
+    for layer in range(model_config.num_hidden_layers):
+        per_rank += (3 * h + q + 2 * kv) + (q + h)  # qkv and o_proj
+        if not is_sparse(model_config, layer):
+            per_rank += mlp(inter)
+            continue
+        if model_config.model_type == "qwen2_moe":
+            per_rank += mlp(int(model_config.shared_expert_intermediate_size or 0))
+        per_rank += expert_slot_elements(num_experts(model_config), h, expert_size(model_config), 1)
+    return max_loras * max_rank * per_rank * element_bytes(dtype)
 
 
 def penalty_table_bytes(model_config, num_seqs: int) -> int:
@@ -217,17 +232,21 @@ def softcap_cpu_position_bytes(model_config, dtype: torch.dtype, batched: bool) 
     return 2 * shapes.num_heads * f + (2 * shapes.kv_size * f if b < f else 0) + (shapes.kv_size * f if batched else 0)
 
 
-def moe_token_bytes(model_config, dtype: torch.dtype) -> int:
+def moe_token_bytes(model_config, dtype: torch.dtype, lora_rank: int = 0) -> int:
     """A token's peak in a mixture of experts' sparse layer (models.moe; 0 for a dense model): the residual and
     the normed input, the router's logits and float32 probabilities, and for each of its k experts the fused MoE's
     gate|up rows, their activation and the down rows (kernels.moe: [T * k, 2I], [T * k, I], [T * k, H]), with the
-    alignment's int64 sort of the pairs; the shared expert's MLP (Qwen2-MoE) after them."""
+    alignment's int64 sort of the pairs; the shared expert's MLP (Qwen2-MoE) after them. With adapter slots
+    (`lora_rank`), each pair's experts' LoRA (kernels.reference.moe_lora_delta): its gathered A and B of the gate_up
+    projection ([T * k, r, H], [T * k, 2I, r]), its delta and the int64 slots and experts of the pairs."""
     from ..models.moe import expert_size, is_moe, num_experts
     if not is_moe(model_config):
         return 0
     b, h = element_bytes(dtype), model_config.hidden_size
     e, k, inter = num_experts(model_config), int(model_config.num_experts_per_tok), expert_size(model_config)
     experts = k * ((3 * inter + h) * b + 4 * 8)
+    if lora_rank:
+        experts += k * ((lora_rank * (h + 2 * inter) + 2 * inter + lora_rank) * b + 3 * 8)
     shared = 4 * int(getattr(model_config, "shared_expert_intermediate_size", 0) or 0) * b
     return 2 * h * b + e * (b + 2 * 4) + max(experts, shared + h * b)
 
@@ -260,7 +279,7 @@ def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs
     heads, q, kv = shapes.num_heads, shapes.q_size, shapes.kv_size
     # prefill: residual + normed input, then the MLP's gate_up, silu(gate) and its product live together
     per_token = (2 * h + max(q + 2 * kv + 2 * (q + kv) + q, 4 * inter) + 2 * lora_rank) * b
-    per_token = max(per_token, rotary_cpu_token_bytes(model_config, dtype), moe_token_bytes(model_config, dtype))
+    per_token = max(per_token, rotary_cpu_token_bytes(model_config, dtype), moe_token_bytes(model_config, dtype, lora_rank))
     if lora_rank:
         per_token = max(per_token, lora_cpu_token_bytes(model_config, dtype, lora_rank))
     if lora_rank and lora_expand_beside:
