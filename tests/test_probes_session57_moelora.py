@@ -8,6 +8,7 @@ shared_expert_gate, per-expert modules) refused clearly."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -251,3 +252,101 @@ def test_the_memory_plan_counts_the_experts_adapter_slots(tmp_path, model_type, 
         experts = sum(t.numel() for layer in manager.expert_layers for t in layer.tensors())
         sparse = sum(is_sparse(cfg, i) for i in range(cfg.num_hidden_layers))
         assert experts == sparse * 3 * 4 * 8 * (64 + 2 * 32 + 32 + 64)
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    """A tiny Qwen2-MoE (3 layers, the middle one sparse: decoder_sparse_step 2) and an adapter on its experts and
+    attention (r 4)."""
+    root = tmp_path_factory.mktemp("moelora-qwen2")
+    build(root / "base", "qwen2_moe", num_hidden_layers=3, decoder_sparse_step=2)
+    hf = hf_float(root / "base")
+    path = save_adapter(hf, root / "ok", seed=1, r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj"],
+                        target_parameters=EXPERTS)
+    return root / "base", hf, path
+
+
+def _edited(path, dest, tensors=None, config=None):
+    """A copy of the adapter at `path` with its tensors and config changed by the given functions."""
+    shutil.copytree(path, dest)
+    if tensors:
+        t = load_file(dest / "adapter_model.safetensors")
+        tensors(t)
+        save_file(t, str(dest / "adapter_model.safetensors"))
+    if config:
+        c = json.loads((dest / "adapter_config.json").read_text())
+        config(c)
+        (dest / "adapter_config.json").write_text(json.dumps(c))
+    return dest
+
+
+EXPERT_KEY = "base_model.model.model.layers.1.mlp.experts"
+
+
+def _drop_experts(t):  # the last two experts' A rows and B columns (ParamWrapper: B's columns are j * E + e)
+    t[f"{EXPERT_KEY}.lora_A.weight"] = t[f"{EXPERT_KEY}.lora_A.weight"][:4 * 6].clone()
+    t[f"{EXPERT_KEY}.lora_B.weight"] = t[f"{EXPERT_KEY}.lora_B.weight"].reshape(64, 4, 8)[:, :, :6].reshape(64, 24)
+
+
+def _wide_gate_up(t):
+    t[f"{EXPERT_KEY}.base_layer.lora_B.weight"] = torch.randn(96, 32)
+
+
+def _shared_gate(t):
+    t["base_model.model.model.layers.1.mlp.shared_expert_gate.lora_A.weight"] = torch.randn(4, 64)
+    t["base_model.model.model.layers.1.mlp.shared_expert_gate.lora_B.weight"] = torch.randn(1, 4)
+
+
+def _dense_in_sparse(t):
+    t["base_model.model.model.layers.1.mlp.up_proj.lora_A.weight"] = torch.randn(4, 64)
+    t["base_model.model.model.layers.1.mlp.up_proj.lora_B.weight"] = torch.randn(96, 4)
+
+
+BAD = {  # name -> (tensors edit, config edit, what the refusal says[, what lora-validate says])
+    "router-parameter": (None, lambda c: c.update(target_parameters=[*EXPERTS, "mlp.gate.weight"]),
+                         "targets parameters ['mlp.gate.weight']: infer adapts a mixture of experts' stacked experts"),
+    "shared-expert-gate": (_shared_gate, lambda c: c.update(target_modules=["q_proj", "shared_expert_gate"]),
+                           "adapts model.layers.1.mlp.shared_expert_gate: infer adapts a mixture of experts' "
+                           "attention, dense layers' MLPs, shared expert and stacked experts, not its router (gate), "
+                           "shared_expert_gate"),
+    "expert-count": (_drop_experts, None, "model.layers.1.mlp.experts.down_proj holds LoRA weights for 6 experts but "
+                                          "the base model's layers have 8"),
+    # (lora-validate sums up modules of other sizes in one line: "expects other projection sizes (...)")
+    "expert-width": (_wide_gate_up, None, "model.layers.1.mlp.experts.gate_up_proj maps 64 -> 96 features but the "
+                                          "base model's experts.gate_up_proj maps 64 -> 64",
+                     "expects other projection sizes (experts.gate_up_proj 64->96, base 64->64)"),
+    "dense-mlp-in-a-sparse-layer": (_dense_in_sparse, lambda c: c.update(target_modules=["q_proj", "up_proj"]),
+                                    "model.layers.1.mlp.up_proj is in layer 1, which in the base model is a sparse "
+                                    "layer (its MLP is the experts): it has no up_proj"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_expert_adapters_are_refused_by_the_engine_and_lora_validate(qwen2, tmp_path, case):
+    """What infer does not adapt (the router's parameter, Qwen2-MoE's 1-output shared_expert_gate) and expert
+    adapters that do not fit the base (another number of experts, other widths, a dense MLP's module in a sparse
+    layer) are refused when added, naming the module, and by `infer lora-validate`."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    from infer.errors import LoRAError
+    base, _, path = qwen2
+    edit_tensors, edit_config, said, *cli = BAD[case]
+    bad = _edited(path, tmp_path / "a", edit_tensors, edit_config)
+    with pytest.raises(LoRAError) as err:
+        LLM(str(base), loras={"x": str(bad)}, max_loras=1, max_lora_rank=8, block_size=4)
+    assert said in str(err.value)
+    res = CliRunner().invoke(app, ["lora-validate", str(base), str(bad), "--steps", "0"])
+    assert res.exit_code != 0 and (cli or [said])[0] in " ".join(res.output.split()), res.output
+
+
+def test_target_parameters_on_a_base_without_experts_are_refused(tmp_path):
+    """An adapter with target_parameters on a dense base is refused (infer adapts parameters only as the stacked
+    experts of a mixture of experts)."""
+    from infer.errors import LoRAError
+    from infer.models.tiny import ensure_builtin
+    base = ensure_builtin("tiny-llama")
+    path = save_adapter(hf_float(base), tmp_path / "a", seed=1, r=4, lora_alpha=8, lora_dropout=0.0,
+                        target_modules=["q_proj"], target_parameters=["mlp.down_proj.weight"])
+    with pytest.raises(LoRAError, match="targets parameters, not modules"):
+        LLM(str(base), loras={"x": str(path)}, max_loras=1, max_lora_rank=8, block_size=4)
