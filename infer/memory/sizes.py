@@ -279,7 +279,8 @@ def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs
     heads, q, kv = shapes.num_heads, shapes.q_size, shapes.kv_size
     # prefill: residual + normed input, then the MLP's gate_up, silu(gate) and its product live together
     per_token = (2 * h + max(q + 2 * kv + 2 * (q + kv) + q, 4 * inter) + 2 * lora_rank) * b
-    per_token = max(per_token, rotary_cpu_token_bytes(model_config, dtype), moe_token_bytes(model_config, dtype, lora_rank))
+    per_token = max(per_token, rotary_cpu_token_bytes(model_config, dtype),
+                    moe_token_bytes(model_config, dtype, lora_rank))
     if lora_rank:
         per_token = max(per_token, lora_cpu_token_bytes(model_config, dtype, lora_rank))
     if lora_rank and lora_expand_beside:
