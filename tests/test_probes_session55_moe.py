@@ -199,7 +199,7 @@ UNLISTED = "which its adapter_config.json does not adapt"
 
 
 @pytest.mark.parametrize("module,said", [("mlp.experts.3.gate_proj", UNLISTED), ("mlp.gate", ROUTER),
-                                         ("mlp.down_proj", UNLISTED)])
+                                         ("mlp.down_proj", UNLISTED)], ids=["expert", "router", "mlp"])
 def test_adapters_on_the_router_or_modules_their_config_leaves_out_are_refused(moe_lora, tmp_path, module, said):
     """An adapter with tensors for the router (mlp.gate) is refused by the engine's load and by `infer
     lora-validate` (session 57: the experts, dense layers' MLPs and the shared expert are adapted); tensors for an
