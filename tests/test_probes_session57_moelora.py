@@ -350,3 +350,44 @@ def test_target_parameters_on_a_base_without_experts_are_refused(tmp_path):
                         target_modules=["q_proj"], target_parameters=["mlp.down_proj.weight"])
     with pytest.raises(LoRAError, match="targets parameters, not modules"):
         LLM(str(base), loras={"x": str(path)}, max_loras=1, max_lora_rank=8, block_size=4)
+
+
+LORA_CASES = [  # tokens, experts, top-k, hidden, expert width, slots, rank
+    (5, 8, 2, 32, 16, 3, 4), (19, 6, 3, 48, 24, 2, 8), (1, 4, 1, 16, 16, 1, 16), (12, 5, 2, 64, 32, 4, 16)]
+
+
+@pytest.mark.parametrize("case", LORA_CASES)
+def test_triton_fused_moe_with_expert_adapters_equals_the_reference(case):
+    """The Triton fused MoE (interpreted) with the experts' adapters (their shrink and expand grouped matmuls over
+    the pairs aligned by slot and expert), float and int4 experts, and the graph-safe dense form equal the reference
+    over random routings and slots (tokens without adapter among them); outputs poisoned first; the adapters change
+    the outputs."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
+    from infer.kernels import moe, reference
+    from test_probes_session56_moeq import int4_experts, routing
+    t, e, k, h, i, s, r = case
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, h, generator=g)
+    w13, w2 = int4_experts(e, h, 2 * i, 16, False, False, True, seed=t), int4_experts(e, i, h, 8, True, True, False,
+                                                                                       seed=t + 1)
+    f13, f2 = w13.dequantize(x.dtype), w2.dequantize(x.dtype)
+    w, ids = routing(t, e, k, seed=t + 2)
+    slots = torch.randint(-1, s, (t,), generator=g)
+    slots[0] = -1 if t > 1 else 0
+    lora = reference.MoELoRA(*(torch.randn(*shape, generator=g) * 0.3 for shape in
+                               ((s, e, r, h), (s, e, 2 * i, r), (s, e, r, i), (s, e, h, r))), slots)
+    want = reference.fused_moe(x, f13, f2, w, ids, lora)
+    assert (want - reference.fused_moe(x, f13, f2, w, ids)).abs().max() > 1e-2
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(moe.torch, "empty", poisoned)
+        for got in (moe.fused_moe(x, f13, f2, w, ids, lora), moe.fused_moe_int4(x, w13, w2, w, ids, lora)):
+            assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+    assert torch.allclose(reference.fused_moe_dense(x, f13, f2, w, ids, lora), want, atol=1e-4, rtol=1e-4)
+    if t > 1:  # a token without adapter: its output is the base's
+        assert torch.allclose(want[0], reference.fused_moe(x, f13, f2, w, ids)[0], atol=1e-6)

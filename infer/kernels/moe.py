@@ -1,5 +1,6 @@
 """Triton version of reference.fused_moe: a mixture of experts' SwiGLU MLPs over the tokens each expert was chosen
-by, in three launches of fixed grids (a CUDA graph records them; no host sync, no shape that depends on routing).
+by, in three launches of fixed grids (a CUDA graph records them; no host sync, no shape that depends on routing);
+with the experts' adapters four more _moe_gemm launches over the pairs aligned by (adapter slot, expert).
 
 `align` sorts the T * k (token, choice) pairs by expert into segments of BLOCK_M rows, each expert's segment padded
 to a multiple of BLOCK_M with an invalid row (T * k), all on the device: counts by scatter-add, the segments' starts
@@ -128,11 +129,10 @@ def _run(x, ids, weights, num_experts: int, out13: int, out2: int, lora, gemm) -
     """The fused MoE over the pairs sorted by expert: the gate_up grouped matmul (`gemm(a, out, flat weights,
     aligned, row_div=True, weighted=False)`), silu_and_mul, the down one (weighted by the routing weights), the k
     rows of a token summed. With `lora` (reference.MoELoRA): each pair's delta of its token's adapter and its expert
-    (reference.moe_lora_delta: gathers of fixed shapes over the T * k pairs, no host sync) added to its gate_up
-    row, and to its down row before the routing weight (rounded to x's dtype, times the weight in float32, as the
-    kernel's WEIGHTED store)."""
+    (reference.moe_lora_delta; here _LoRAPairs' grouped matmuls, no host sync) added to its gate_up row, and to its
+    down row before the routing weight (rounded to x's dtype, times the weight in float32, as the kernel's WEIGHTED
+    store)."""
     from . import fused
-    from .reference import pair_rows, moe_lora_delta
     t, top_k = ids.shape
     aligned = align(ids, num_experts)
     pairs = t * top_k
@@ -140,15 +140,43 @@ def _run(x, ids, weights, num_experts: int, out13: int, out2: int, lora, gemm) -
     gate_up = torch.empty(pairs, out13, dtype=x.dtype, device=x.device)
     gemm(x, gate_up, flat_w, aligned, True, False)
     if lora is not None:
-        slots, experts = pair_rows(lora.token_slots, top_k), ids.reshape(-1)
-        gate_up += moe_lora_delta(pair_rows(x, top_k), slots, experts, lora.a13, lora.b13)
+        adapters = _LoRAPairs(ids, lora, flat_w)
+        gate_up += adapters.delta(x, lora.a13, lora.b13, True)
     act = fused.silu_and_mul(gate_up)
     down = torch.empty(pairs, out2, dtype=x.dtype, device=x.device)
     gemm(act, down, flat_w, aligned, False, lora is None)
     if lora is not None:
-        down += moe_lora_delta(act, slots, experts, lora.a2, lora.b2)
+        down += adapters.delta(act, lora.a2, lora.b2, False)
         down = (down.float() * flat_w.float()[:, None]).to(x.dtype)
     return down.view(t, top_k, -1).sum(dim=1)
+
+
+class _LoRAPairs:
+    """The experts' adapters of one fused MoE call (reference.MoELoRA) as grouped matmuls over the token-expert
+    pairs sorted by (slot, expert): each pair's "virtual expert" s * E + e (a token without adapter: slot 0, its
+    shrink zeroed), aligned as `align` aligns the experts, so that the shrink (rows against A [S * E, r, K]) and the
+    expand (the shrink's [P, r] against B [S * E, N, r]) are _moe_gemm launches of fixed grids: no host sync, no
+    gathered weights."""
+
+    def __init__(self, ids: torch.Tensor, lora, flat_w: torch.Tensor):
+        slots, e = lora.token_slots, lora.a13.shape[1]
+        self.count = lora.a13.shape[0] * e
+        self.top_k = ids.shape[1]
+        virtual = slots.clamp(min=0).unsqueeze(1) * e + ids.to(slots.dtype)
+        self.aligned = align(virtual, self.count)
+        self.valid = (slots >= 0).repeat_interleave(self.top_k, output_size=ids.numel()).unsqueeze(1)
+        self.flat_w = flat_w
+
+    def delta(self, a: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, row_div: bool) -> torch.Tensor:
+        """[P, N]: each pair's b[s, e] @ (a[s, e] @ its row of `a`) (the token's row where row_div, else its own), 0
+        for a token without adapter."""
+        pairs, (r, k), n = self.valid.shape[0], lora_a.shape[2:], lora_b.shape[2]
+        u = torch.empty(pairs, r, dtype=a.dtype, device=a.device)
+        _gemm(a, lora_a.reshape(self.count, r, k), u, self.flat_w, *self.aligned, self.top_k, row_div, False)
+        u *= self.valid.to(u.dtype)
+        d = torch.empty(pairs, n, dtype=a.dtype, device=a.device)
+        _gemm(u, lora_b.reshape(self.count, n, r), d, self.flat_w, *self.aligned, self.top_k, False, False)
+        return d
 
 
 # ------------------------------------------------------------------------------------------------ int4 (GPTQ) experts

@@ -462,18 +462,21 @@ class MoELoRA(NamedTuple):
 def moe_lora_delta(rows: torch.Tensor, slots: torch.Tensor, experts: torch.Tensor | int, a: torch.Tensor,
                    b: torch.Tensor) -> torch.Tensor:
     """Semantics: delta[p] = b[s, e] @ (a[s, e] @ rows[p]) for each row p, s = slots[p], e = experts[p] (or one
-    expert for every row), rounded to rows' dtype; 0 where s = -1. No host sync, shapes fixed by the rows (a CUDA
-    graph records it): the rows' A and B gathered from the slots."""
-    valid = slots >= 0
-    s = slots.clamp(min=0)
-    u = torch.einsum("pri,pi->pr", a[s, experts], rows)
-    d = torch.einsum("por,pr->po", b[s, experts], u)
-    return d * valid[:, None].to(d.dtype)
-
-
-def pair_rows(x: torch.Tensor, k: int) -> torch.Tensor:
-    """x [T, ...] repeated for each of a token's k pairs: [T * k, ...], pair t * k + j reading x[t]."""
-    return x.unsqueeze(1).expand(x.shape[0], k, *x.shape[1:]).reshape(x.shape[0] * k, *x.shape[1:])
+    expert for every row), rounded to rows' dtype; 0 where s = -1. On CUDA without a host sync, shapes fixed by the
+    rows (a CUDA graph records it): each row's A and B gathered from the slots; on the CPU, for one expert, the rows
+    of each slot as two matmuls."""
+    if rows.is_cuda or not isinstance(experts, int):
+        valid = slots >= 0
+        s = slots.clamp(min=0)
+        u = torch.einsum("pri,pi->pr", a[s, experts], rows)
+        d = torch.einsum("por,pr->po", b[s, experts], u)
+        return d * valid[:, None].to(d.dtype)
+    d = rows.new_zeros(rows.shape[0], b.shape[2])
+    for s in torch.unique(slots).tolist():
+        if s >= 0:
+            pick = torch.where(slots == s)[0]
+            d[pick] = F.linear(F.linear(rows[pick], a[s, experts]), b[s, experts])
+    return d
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

@@ -237,8 +237,8 @@ def moe_token_bytes(model_config, dtype: torch.dtype, lora_rank: int = 0) -> int
     the normed input, the router's logits and float32 probabilities, and for each of its k experts the fused MoE's
     gate|up rows, their activation and the down rows (kernels.moe: [T * k, 2I], [T * k, I], [T * k, H]), with the
     alignment's int64 sort of the pairs; the shared expert's MLP (Qwen2-MoE) after them. With adapter slots
-    (`lora_rank`), each pair's experts' LoRA (kernels.reference.moe_lora_delta): its gathered A and B of the gate_up
-    projection ([T * k, r, H], [T * k, 2I, r]), its delta and the int64 slots and experts of the pairs."""
+    (`lora_rank`), each pair's experts' LoRA (kernels.moe._LoRAPairs, kernels.reference.moe_lora_delta): its shrink
+    [T * k, r] and the gate_up delta [T * k, 2I], with the int64 alignment of the pairs by slot and expert."""
     from ..models.moe import expert_size, is_moe, num_experts
     if not is_moe(model_config):
         return 0
@@ -246,7 +246,7 @@ def moe_token_bytes(model_config, dtype: torch.dtype, lora_rank: int = 0) -> int
     e, k, inter = num_experts(model_config), int(model_config.num_experts_per_tok), expert_size(model_config)
     experts = k * ((3 * inter + h) * b + 4 * 8)
     if lora_rank:
-        experts += k * ((lora_rank * (h + 2 * inter) + 2 * inter + lora_rank) * b + 3 * 8)
+        experts += k * ((2 * inter + lora_rank) * b + 5 * 8)
     shared = 4 * int(getattr(model_config, "shared_expert_intermediate_size", 0) or 0) * b
     return 2 * h * b + e * (b + 2 * 4) + max(experts, shared + h * b)
 
