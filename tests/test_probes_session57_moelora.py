@@ -391,3 +391,39 @@ def test_triton_fused_moe_with_expert_adapters_equals_the_reference(case):
     assert torch.allclose(reference.fused_moe_dense(x, f13, f2, w, ids, lora), want, atol=1e-4, rtol=1e-4)
     if t > 1:  # a token without adapter: its output is the base's
         assert torch.allclose(want[0], reference.fused_moe(x, f13, f2, w, ids)[0], atol=1e-6)
+
+
+def test_lora_validate_passes_an_expert_adapter_and_checks_it_against_peft(qwen2, monkeypatch):
+    """`infer lora-validate` reads an adapter on the experts (its targets, its shapes against the base) and its
+    numeric check (infer's engine against peft, float32) agrees."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    base, _, path = qwen2
+    monkeypatch.setenv("COLUMNS", "250")
+    res = CliRunner().invoke(app, ["lora-validate", str(base), str(path)])
+    assert res.exit_code == 0, res.output
+    row = next(line for line in res.output.splitlines() if "│ ok " in line or line.rstrip().endswith("ok     │"))
+    assert "q,experts.down,experts.gate_up" in row and "agree" in row, res.output
+
+
+def test_a_dense_layers_mlp_weights_peft_would_not_adapt_are_refused(tmp_path):
+    """On a Qwen3-MoE (and Mixtral) peft on transformers 5 turns target_modules gate_proj / up_proj / down_proj into
+    the experts' parameters, so a dense layer's (mlp_only_layers) MLP weights under those names are not adapted by
+    peft: refused, saying so."""
+    from transformers import AutoConfig
+
+    from infer.lora.adapter import adapter_problems
+    build(tmp_path / "base", "qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1])
+    hf = hf_float(tmp_path / "base")
+    path = save_adapter(hf, tmp_path / "a", seed=1, r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj"])
+    t = load_file(path / "adapter_model.safetensors")
+    t["base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"] = torch.randn(4, 96)
+    t["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"] = torch.randn(64, 4)
+    save_file(t, str(path / "adapter_model.safetensors"))
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    cfg["target_modules"] = ["q_proj", "down_proj"]
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    problems = [str(p) for p in adapter_problems("a", path, AutoConfig.from_pretrained(tmp_path / "base"))]
+    assert any(p.startswith("model.layers.1.mlp.down_proj is a dense layer's MLP projection, which peft (on "
+                            "transformers 5) does not adapt in a qwen3_moe") for p in problems), problems
