@@ -222,8 +222,7 @@ def _moe_problems(adapter: "LoRAAdapter", base_config) -> list[Problem]:
     problems = []
     # (peft converts target_modules naming the experts' projections of transformers 4 (gate_proj, up_proj,
     # down_proj; Mixtral's w1, w3, w2) into the bare parameter names, gate_up_proj at twice the rank)
-    odd = [p for p in params if p.split(".")[-1] not in EXPERT_PARAMS or not re.fullmatch(r"(?:.*\.)?(?:experts\.)?"
-                                                                                         r"\w+", p)]
+    odd = [p for p in params if p.split(".")[-1] not in EXPERT_PARAMS]
     if odd:
         problems.append(Problem(f"targets parameters {odd}: infer adapts a mixture of experts' stacked experts "
                                 f"({', '.join('experts.' + p for p in EXPERT_PARAMS)}) only", _HINT_EXPERTS))
