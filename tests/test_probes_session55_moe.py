@@ -221,6 +221,7 @@ def test_adapters_on_the_router_or_modules_their_config_leaves_out_are_refused(m
     assert f"model.layers.1.{module}" in str(err.value) and said in str(err.value)
     res = CliRunner().invoke(app, ["lora-validate", str(base), str(tmp_path / "a")])
     assert res.exit_code != 0 and said in " ".join(res.output.split()), res.output
+    assert "sit under" not in res.output  # (model.layers.N...: this base's layers, not another model's)
 
 
 # ------------------------------------------------------------------------------------------------ the GPU path

@@ -803,8 +803,9 @@ def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[
         where = _module_of(path)
         if where is None:
             tail = re.search(r"\.(?:model\.)?layers\.\d+\.[A-Za-z_]+\.[A-Za-z0-9_]+$", path)
+            other = tail is not None and path[:tail.start()] != "model"  # (model.layers.N...: this base's layers)
             hint = (f"its layers sit under {path[:tail.start()]}: it was made for another model (e.g. a multimodal "
-                    "one); use an adapter trained on this base") if tail else _HINT_TARGETS
+                    "one); use an adapter trained on this base") if other else _HINT_TARGETS
             per_module.append((path, Problem(f"adapts {path}, which the base model does not have", hint)))
             continue
         why = _unselected(config, where[0], where[1])
