@@ -427,3 +427,21 @@ def test_a_dense_layers_mlp_weights_peft_would_not_adapt_are_refused(tmp_path):
     problems = [str(p) for p in adapter_problems("a", path, AutoConfig.from_pretrained(tmp_path / "base"))]
     assert any(p.startswith("model.layers.1.mlp.down_proj is a dense layer's MLP projection, which peft (on "
                             "transformers 5) does not adapt in a qwen3_moe") for p in problems), problems
+
+
+def test_merging_an_expert_adapter_gives_what_serving_it_gives(qwen2, tmp_path):
+    """`infer convert --merge-lora` of an adapter on the experts (peft's merge_and_unload of its ParamWrapper into
+    the stacked experts): the merged model's greedy tokens are the adapter's served on the base."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    base, _, path = qwen2
+    res = CliRunner().invoke(app, ["convert", str(base), "-o", str(tmp_path / "merged"), "--merge-lora", str(path)])
+    assert res.exit_code == 0, res.output
+    prompts, params = random_prompts(512, (6, 9), seed=1), SamplingParams(max_new_tokens=6, ignore_eos=True)
+    with LLM(str(tmp_path / "merged"), block_size=4) as llm:
+        merged = [o.token_ids for o in llm.generate(prompts, params)]
+    with LLM(str(base), loras={"x": str(path)}, max_lora_rank=8, block_size=4) as llm:
+        served = [o.token_ids for o in llm.generate(prompts, params, lora=["x", "x"])]
+        plain = [o.token_ids for o in llm.generate(prompts, params)]
+    assert merged == served != plain
