@@ -2,8 +2,9 @@
 decoder_sparse_step), Qwen2-MoE's shared expert, and the stacked experts (peft's target_parameters on transformers
 5's mlp.experts.gate_up_proj / down_proj, its ParamWrapper: lora_A [E * r, in], lora_B [out, r * E], nested per
 parameter), each request with its own adapter in one batch; greedy tokens equal peft's on the same weights, on the
-CPU path and on the GPU code path under the Triton interpreter; what infer does not adapt (the router,
-shared_expert_gate, per-expert modules) refused clearly."""
+CPU path and on the GPU code path under the Triton interpreter (float and GPTQ int4 experts); transformers 4's
+per-expert modules read as peft converts them; what infer does not adapt (the router, shared_expert_gate) and
+adapters that do not fit refused clearly; the slots' memory as the plan counts it; a merge equal to serving."""
 
 from __future__ import annotations
 
