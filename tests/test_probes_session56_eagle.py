@@ -290,8 +290,10 @@ def test_the_gpu_path_equals_the_cpu_path(target, monkeypatch):
     int4_kernel_path(monkeypatch)
     with LLM(str(folder), block_size=4, max_num_seqs=4, speculative_config=spec(folder.parent / "gpu_head")) as llm:
         llm.engine.runner.capture_graphs(64, emulate=True)
-        assert llm.engine.runner.graphs is None  # (the target's aux states come from its eager forward)
+        assert llm.engine.runner.graphs.aux == 3  # (the graphs keep the target's aux states: its steps replay)
         assert [o.token_ids for o in llm.generate(prompts, greedy(6))] == want
+        s = llm.engine.stats()
+        assert s["piecewise_graph_steps"] > 0 and s["draft_cuda_graph_replays"] > 0
     assert seen
     for tokens, drafts in seen:
         assert drafts == reference_drafts(hf, t, tokens, len(drafts), (2, LAYERS // 2, LAYERS - 3))

@@ -369,7 +369,7 @@ def graph_capture(model, engine_config: EngineConfig, dtype, device, max_length:
     kept = None if before is None else after - before
     pieces = runner.pieces
     recorded = (len(runner.graphs.buckets) if runner.graphs is not None else 0) \
-        + (len(pieces.buckets) * pieces.num_pieces if pieces else 0)  # (EAGLE-3: none, its target runs eagerly)
+        + (len(pieces.buckets) * pieces.num_pieces if pieces else 0)
     target_formula = cuda_graph_bytes(engine_config, model.config, dtype)
     out = {"cuda_graphs_s": seconds, "cuda_graphs": recorded, "cuda_graph_bytes_measured": kept,
            "cuda_graph_bytes_formula": target_formula}

@@ -12,6 +12,12 @@ A step of n sequences replays the graph of the smallest bucket b >= n; rows n..b
 write), length 0 (attention skips them), adapter slot -1 (no LoRA). Only the hidden states come out of the graph;
 logits and sampling run eagerly on the first n rows. Prefill and mixed steps take the piecewise graphs below.
 
+EAGLE-3 speculation (engine.eagle): the target's aux hidden states (LlamaForCausalLM.aux_layers) come out of every
+graph too, each a [bucket, hidden] output in the pool beside the hidden states (the piecewise graphs: a static
+[tokens, hidden] buffer each, written by the piece that computes it); a replay leaves their first n rows in
+model.aux_hidden, as an eager forward does. Without a head no graph keeps any. An EAGLE head's own one-token
+forwards (drafts 2..k) replay `HeadGraphs`: a decode graph with the hidden state it is fed as one more input.
+
 LoRA under a graph: the adapter weights are stacked tensors that swaps overwrite in place, so a captured graph sees
 every adapter loaded later; every LoRA layer runs its shrink/expand over all slots at the full rank (a step cannot
 change which kernels a graph launches).
@@ -164,9 +170,30 @@ class DecodeGraphs(_StaticTokens):
         self.group_tables = torch.zeros(self.extra_groups, b, max_blocks, dtype=torch.int32, device=dev) \
             if self.extra_groups else None
         self.graphs: dict[int, object] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}  # bucket -> what its graph writes (_call)
+        self.aux = len(getattr(model, "aux_layers", ()))  # EAGLE-3: the target's aux states kept (none: no cost)
 
     # ------------------------------------------------------------------ capture
+    def _args(self, b: int) -> tuple:
+        """The model's arguments for bucket b: views of the static buffers."""
+        return self.input_ids[:b], self.positions[:b], self._context(b)
+
+    def _call(self, args: tuple) -> tuple[torch.Tensor, ...]:
+        """One forward over a bucket's buffers: the tensors its graph keeps as outputs, the hidden states and (EAGLE-3)
+        the target's aux states after them (taken from the model, which an eager forward leaves them in)."""
+        hidden = self.model(*args)
+        if not self.aux:
+            return (hidden,)
+        aux, self.model.aux_hidden = self.model.aux_hidden, None
+        return (hidden, *aux)
+
+    def _result(self, outs: tuple[torch.Tensor, ...], n: int):
+        """A step's result from its bucket's outputs: the first n rows of the hidden states; the aux states' rows
+        left in model.aux_hidden, as an eager forward leaves them."""
+        if self.aux:
+            self.model.aux_hidden = [a[:n] for a in outs[1:]]
+        return outs[0][:n]
+
     def _context(self, b: int) -> ForwardContext:
         ctx = ForwardContext(query_start_loc=self.query_start_loc[:b + 1], seq_lens=self.seq_lens[:b],
                              block_tables=self.block_tables[:b], slot_mapping=self.slot_mapping[:b], max_query_len=1)
@@ -183,17 +210,17 @@ class DecodeGraphs(_StaticTokens):
             self._pad(0, b)
             if self.lora_manager is not None:
                 self._no_adapter(b)
-            ctx = self._context(b)
-            args = (self.input_ids[:b], self.positions[:b], ctx)
-            hidden = self.model(*args)  # eager first: Triton compiles and autotunes outside the recording
+            args = self._args(b)
+            outs = self._call(args)  # eager first: Triton compiles and autotunes outside the recording
             if self.emulate:
-                self.outputs[b] = hidden.clone()
+                self.outputs[b] = tuple(t.clone() for t in outs)
                 self.graphs[b] = args
                 continue
+            del outs
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream(b)):
-                self.outputs[b] = self.model(*args)
+                self.outputs[b] = self._call(args)  # (allocated in the pool: the graph's outputs)
             self.pool = graph.pool()
             self.graphs[b] = graph
         if not self.emulate:
@@ -222,10 +249,45 @@ class DecodeGraphs(_StaticTokens):
                 ctx.block_tables if ctx.kv_groups is None else ctx.kv_groups[0])
         n, b = self._load(input_ids, positions, ctx)
         if self.emulate:
-            self.outputs[b].copy_(self.model(*self.graphs[b]))
+            for out, got in zip(self.outputs[b], self._call(self.graphs[b])):
+                out.copy_(got)
         else:
             self.graphs[b].replay()
-        return self.outputs[b][:n]
+        return self._result(self.outputs[b], n)
+
+
+class HeadGraphs(DecodeGraphs):
+    """An EAGLE head's one-token forwards (engine.eagle: drafts 2..k) as decode graphs: one more static input, the
+    hidden state fed with each token [B, hidden] (the head's own output for the draft before), and two outputs, the
+    normed states (for the draft's logits) and the pre-norm ones (fed to the next draft). Padding rows get a zero
+    hidden state."""
+
+    def __init__(self, model, max_num_seqs: int, max_blocks: int, device: torch.device, lora_manager=None,
+                 emulate: bool = False, high_priority: bool | None = False):
+        assert lora_manager is None, "a head has no adapters"
+        super().__init__(model, max_num_seqs, max_blocks, device, None, emulate, high_priority)
+        self.aux = 0  # (a head's aux_layers are the target's layers it reads: none it keeps)
+        self.hidden_in = torch.zeros(self.max_batch, model.config.hidden_size, dtype=model.fc.weight.dtype,
+                                     device=device)
+
+    def _args(self, b: int) -> tuple:
+        return (*super()._args(b), self.hidden_in[:b])
+
+    def _call(self, args: tuple) -> tuple[torch.Tensor, ...]:
+        return tuple(self.model(*args))
+
+    def _result(self, outs: tuple[torch.Tensor, ...], n: int):
+        return tuple(t[:n] for t in outs)
+
+    def _pad(self, n: int, b: int) -> None:
+        super()._pad(n, b)
+        if b > n:
+            self.hidden_in[n:b].zero_()
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, hidden: torch.Tensor):
+        """(normed, pre-norm) [n, hidden] of the head's one-token forward of n sequences fed `hidden`."""
+        self.hidden_in[:hidden.shape[0]].copy_(hidden)
+        return super().run(input_ids, positions, ctx)
 
 
 class PiecewiseGraphs(_StaticTokens):
@@ -245,6 +307,9 @@ class PiecewiseGraphs(_StaticTokens):
         self.attn_out = torch.zeros(t, attn.q_size, dtype=dtype, device=device)  # attention i -> piece i + 1
         self.residual = torch.zeros(t, hidden, dtype=dtype, device=device)  # piece i -> piece i + 1
         self.hidden = torch.zeros(t, hidden, dtype=dtype, device=device)  # the last piece -> the logits
+        # EAGLE-3: the target's aux states, each written by the piece that computes that layer's input (none: none)
+        self.aux_layers = tuple(getattr(model, "aux_layers", ()))
+        self.aux = [torch.zeros(t, hidden, dtype=dtype, device=device) for _ in self.aux_layers]
         self.num_pieces = len(model.layers) + 1
         self.graphs: dict[int, list] = {}  # bucket -> one graph per piece (emulated: an empty list)
         self.contexts: dict[int, ForwardContext] = {}
@@ -269,6 +334,9 @@ class PiecewiseGraphs(_StaticTokens):
         else:
             self.query[:b].copy_(out)
             self.residual[:b].copy_(residual)
+            for layer, kept in zip(self.aux_layers, self.aux):  # (the residual entering layer i: its aux state)
+                if layer == i:
+                    kept[:b].copy_(residual)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -317,4 +385,6 @@ class PiecewiseGraphs(_StaticTokens):
             self._replay(i, b)
             self.attn_out[:n].copy_(layer.self_attn.attend(self.query[:n], ctx))
         self._replay(self.num_pieces - 1, b)
+        if self.aux:
+            self.model.aux_hidden = [kept[:n] for kept in self.aux]
         return self.hidden[:n]

@@ -230,14 +230,19 @@ class DraftRunner:
         max_blocks blocks) as CUDA graphs over static buffers of their own, in the memory pool `pool` (the
         target's: the two never run at once); `emulate` replays by re-running the model. The first forward of a
         step (the step's own tokens, a mixed prefill) stays eager. Called with the target's (ModelRunner)."""
-        from .cuda_graphs import DecodeGraphs
         if self.context is not None:  # a sequence drafts only within the draft's context: no wider block tables
             max_blocks = min(max_blocks, -(-self.context // self.block_size))
-        graphs = DecodeGraphs(self.model, max_num_seqs, max_blocks, self.device, None, emulate,
-                              high_priority=high_priority)
+        graphs = self._graph_class()(self.model, max_num_seqs, max_blocks, self.device, None, emulate,
+                                     high_priority=high_priority)
         graphs.pool = pool
         graphs.capture()
         self.graphs = graphs
+
+    @staticmethod
+    def _graph_class():
+        """The graphs its one-token forwards replay (engine.cuda_graphs; an EAGLE head's: HeadGraphs)."""
+        from .cuda_graphs import DecodeGraphs
+        return DecodeGraphs
 
     def stats(self) -> dict:
         """The draft's forwards so far, beside the target's graph counts in LLMEngine.stats(): its decode graphs'
@@ -400,13 +405,13 @@ class DraftRunner:
             out.append((None if gather is None else data[gather], data[pos], ctx))
         return out
 
-    def _decode(self, ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def _decode(self, ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, *fed) -> torch.Tensor:
         """The hidden states of a one-token forward of each sequence (drafts 2..k): a graph's replay once
-        captured."""
+        captured. `fed`: an EAGLE head's hidden-state input (its output: normed and pre-norm states)."""
         if self.graphs is not None and self.graphs.fits([1] * ids.shape[0], ctx):
-            return self.graphs.run(ids, positions, ctx)
+            return self.graphs.run(ids, positions, ctx, *fed)
         self.eager_forwards += 1
-        return self.model(ids, positions, ctx)
+        return self.model(ids, positions, ctx, *fed)
 
     def _argmax(self, hidden: torch.Tensor, idx: torch.Tensor | None = None) -> torch.Tensor:
         """The greedy token of each row of `hidden` (those `idx` picks), on the device: of the ids the target has

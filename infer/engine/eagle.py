@@ -34,8 +34,11 @@ class EagleRunner(DraftRunner):
         # EAGLE-3: the target's forward keeps its aux states from now on; EAGLE-1 reads its output (verify's hidden)
         target.aux_layers = tuple(self.model.aux_layers)
 
-    def capture_graphs(self, *args, **kwargs) -> None:  # (called only where the target's graphs are captured)
-        """The head's forwards run eagerly (their hidden-state input is no decode graph's)."""
+    @staticmethod
+    def _graph_class():
+        """Its one-token forwards' graphs: a decode graph's, with the hidden state each is fed as one more input."""
+        from .cuda_graphs import HeadGraphs
+        return HeadGraphs
 
     def close(self) -> None:
         if self.target is not None:
@@ -98,8 +101,7 @@ class EagleRunner(DraftRunner):
         for gather, positions, ctx in self._decode_inputs(seqs, ks):
             if gather is not None:
                 ids, hidden = ids.index_select(0, gather), hidden.index_select(0, gather)
-            normed, hidden = self.model(ids, positions, ctx, hidden)
-            self.eager_forwards += 1
+            normed, hidden = self._decode(ids, positions, ctx, hidden)
             ids = self.model.draft_tokens(normed)
             drafts.append(ids)
         host = (torch.cat(drafts) if len(drafts) > 1 else ids).tolist()

@@ -48,11 +48,9 @@ class ModelRunner:
         graphs (a draft model's one-token forwards too: DraftRunner.capture_graphs), and the other steps of up to
         config.piecewise_tokens() tokens as piecewise graphs (see engine.cuda_graphs); `emulate` replays by
         re-running the model. Called at the engine's start, before any request: the pieces' check (check_pieces)
-        writes the KV of the first blocks."""
+        writes the KV of the first blocks. With an EAGLE-3 head the graphs keep the target's aux states too, and an
+        EAGLE head's one-token forwards are recorded as the draft model's are (EagleRunner.capture_graphs)."""
         from .cuda_graphs import DecodeGraphs, PiecewiseGraphs
-        if getattr(self.model, "aux_layers", ()):  # EAGLE-3: every step eager (forward), the head's aux states kept
-            log.info("EAGLE-3 speculation: the target's steps run eagerly (no CUDA graphs keep its aux states)")
-            return
         if not emulate:
             self._reserve_dequant_scratch()
         max_blocks = -(-max_model_len // self.block_size)
@@ -218,8 +216,6 @@ class ModelRunner:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
                 num_new_tokens: list[int]) -> torch.Tensor:
-        if getattr(self.model, "aux_layers", ()):  # EAGLE-3 reads the aux states only an eager forward keeps
-            return self.model(input_ids, positions, ctx)
         if self.graphs is not None and self.graphs.fits(num_new_tokens, ctx):
             return self.graphs.run(input_ids, positions, ctx)
         if self.pieces is not None and self.pieces.fits(input_ids.shape[0]):

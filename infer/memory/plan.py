@@ -133,14 +133,32 @@ def cuda_graph_bytes(engine_config: PlanOptions, model_config, dtype: torch.dtyp
         + graph_inputs_bytes(engine_config, model_config, adapters)
     shapes = ModelShapes.from_config(model_config)
     tokens = engine_config.piecewise_tokens()
+    aux = aux_graph_bytes(engine_config, model_config, dtype)
     if not tokens:
-        return decode
+        return decode + aux
     beside = expands_beside(engine_config)
     pieces = sum(activation_bytes(model_config, dtype, t, 1, 1, rank, penalties=False, lora_expand_beside=beside)
                  for t in largest_per_stream(token_buckets(tokens), priority, adapters))
     buffers = tokens * (2 * shapes.q_size + 2 * model_config.hidden_size) * element_bytes(dtype) \
         + graph_inputs_bytes(engine_config, model_config, adapters, tokens)
-    return decode + pieces + buffers
+    return decode + pieces + buffers + aux
+
+
+def _spec_method(engine_config: PlanOptions) -> str | None:
+    """The speculative method of the options (--speculative-config's "method"), None without speculation."""
+    return (getattr(engine_config, "speculative_config", None) or {}).get("method")
+
+
+def aux_graph_bytes(engine_config: PlanOptions, model_config, dtype: torch.dtype) -> int:
+    """With an EAGLE-3 head (engine.eagle), the target's aux hidden states its graphs keep (engine.cuda_graphs):
+    AUX_STATES [bucket, hidden] outputs of each decode graph in the pool (the largest's too: its step's temporaries
+    hold no such copies) and, with piecewise graphs, AUX_STATES [tokens, hidden] static buffers; 0 otherwise
+    (graphs without a head keep none)."""
+    if _spec_method(engine_config) != "eagle3" or not engine_config.use_cuda_graphs():
+        return 0
+    from ..models.eagle import AUX_STATES  # (here: the head's module loads the decoders, which a plan needs not)
+    rows = sum(batch_buckets(engine_config.max_num_seqs)) + engine_config.piecewise_tokens()
+    return AUX_STATES * rows * model_config.hidden_size * element_bytes(dtype)
 
 
 def graph_inputs_bytes(engine_config: PlanOptions, model_config, adapters: bool, tokens: int | None = None) -> int:
@@ -214,7 +232,21 @@ def draft_graph_bytes(engine_config: PlanOptions, draft_config, dtype: torch.dty
     buckets = batch_buckets(engine_config.max_num_seqs)
     return sum(_decode_graph_bytes(engine_config, draft_config, dtype, 0, b) for b in
                largest_per_stream(buckets, engine_config.graph_priority, False)) \
-        + _decode_outputs_bytes(draft_config, dtype, buckets) + graph_inputs_bytes(engine_config, draft_config, False)
+        + _decode_outputs_bytes(draft_config, dtype, buckets) + graph_inputs_bytes(engine_config, draft_config, False) \
+        + head_graph_bytes(engine_config, draft_config, dtype)
+
+
+def head_graph_bytes(engine_config: PlanOptions, head_config, dtype: torch.dtype) -> int:
+    """What an EAGLE head's decode graphs (engine.cuda_graphs.HeadGraphs) hold beyond a draft model's: the hidden
+    state they are fed [max_num_seqs, hidden] (a static input) and, for an EAGLE-3 head, the pre-norm output each
+    graph but the largest keeps beside its normed one (an EAGLE-1 head's two outputs are one tensor); 0 for a draft
+    model."""
+    method = _spec_method(engine_config)
+    if method not in ("eagle3", "eagle"):
+        return 0
+    buckets = batch_buckets(engine_config.max_num_seqs)
+    rows = engine_config.max_num_seqs + (sum(buckets[:-1]) if method == "eagle3" else 0)
+    return rows * head_config.hidden_size * element_bytes(dtype)
 
 
 @dataclass

@@ -65,6 +65,9 @@ def load_eagle3_config(path: Path):
     return cfg
 
 
+AUX_STATES = 3  # the target's hidden states an EAGLE-3 head reads (its fc: [H, 3H])
+
+
 def aux_layer_ids(head_cfg, target_cfg) -> tuple[int, ...]:
     """The target layers whose input (the residual stream) the head reads: the config's
     eagle_aux_hidden_state_layer_ids (where vLLM reads them, e.g. the speculators' heads) or eagle_config's (the
@@ -74,7 +77,7 @@ def aux_layer_ids(head_cfg, target_cfg) -> tuple[int, ...]:
     ids = getattr(head_cfg, "eagle_aux_hidden_state_layer_ids", None) or \
         (eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None)
     ids = tuple(int(i) for i in ids) if ids else (2, n // 2, n - 3)
-    if len(ids) != 3 or any(i < 0 or i >= n for i in ids):
+    if len(ids) != AUX_STATES or any(i < 0 or i >= n for i in ids):
         raise ModelLoadError(f"the EAGLE-3 head reads the target's layers {list(ids)}, which a target of {n} layers "
                              f"does not have (three ids in 0..{n - 1})",
                              "set eagle_config.eagle_aux_hidden_state_layer_ids in the head's config.json, or use "
