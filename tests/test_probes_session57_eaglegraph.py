@@ -132,6 +132,8 @@ def test_decode_and_piecewise_graphs_keep_the_aux_states_an_eager_forward_keeps(
         assert a.shape == (3, TARGET["hidden_size"])
         torch.testing.assert_close(a, b)
     assert not torch.equal(want_aux[0], want_aux[1])  # (the layers' states differ: the order is checked)
+    # the graph's own outputs (a real replay leaves nothing else: emulated, the model's call would)
+    assert [a.data_ptr() for a in model.aux_hidden] == [o.data_ptr() for o in runner.graphs.outputs[4][1:]]
     n = 9
     ids = torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(2))
     pos = torch.arange(n)
@@ -143,6 +145,7 @@ def test_decode_and_piecewise_graphs_keep_the_aux_states_an_eager_forward_keeps(
     want_aux, model.aux_hidden = model.aux_hidden, None
     got = runner.pieces.run(ids, pos, ctx)
     torch.testing.assert_close(got, want)
+    assert [a.data_ptr() for a in model.aux_hidden] == [o.data_ptr() for o in runner.pieces.aux]
     for a, b in zip(model.aux_hidden, want_aux, strict=True):
         torch.testing.assert_close(a, b)
     model.aux_hidden = None
@@ -213,3 +216,41 @@ def test_the_graph_pool_formula_counts_the_aux_states_and_the_heads_buffers(targ
     assert head_graph_bytes(cfg, head_cfg, dtype) == extra > _bytes([hg.hidden_in])
     assert draft_graph_bytes(cfg, head_cfg, dtype) - draft_graph_bytes(plain_cfg, head_cfg, dtype) == extra
     assert aux_graph_bytes(plain_cfg, model_cfg, dtype) == head_graph_bytes(plain_cfg, head_cfg, dtype) == 0
+
+
+def test_warmup_graph_capture_records_the_heads_graphs(target, head, monkeypatch):
+    """graph_capture (what `infer warmup` measures) with an EAGLE-3 head: the target's decode graphs and pieces
+    (keeping its aux states) and the head's one-token graphs, counted apart; the target is left as it was."""
+    from infer.cli import warmup_plan
+    from infer.engine.draft import load_draft
+    from infer.memory.graph_buckets import batch_buckets, token_buckets
+    config = EngineConfig(str(target[0]), max_num_seqs=4, block_size=4, cuda_graph_max_tokens=16, max_model_len=64,
+                          speculative_config=spec(head[0]))
+    with LLM(str(target[0]), max_num_seqs=4, block_size=4, num_kv_blocks=64, max_model_len=64) as llm:
+        model = llm.engine.runner.model
+        draft = load_draft(config, model.config, torch.float32, torch.device("cpu"), 64, target=model)
+        got = warmup_plan.graph_capture(model, config, torch.float32, torch.device("cpu"), 64, emulate=True,
+                                        draft=draft)
+        decode, pieces = len(batch_buckets(4)), len(token_buckets(16)) * (LAYERS + 1)
+        assert got["cuda_graphs_draft"] == decode and got["cuda_graphs"] == 2 * decode + pieces
+        assert model.aux_layers == () and getattr(model, "aux_hidden", None) is None
+
+
+def test_sleep_and_wake_up_capture_the_eagle_graphs_again(target, head, plain):
+    """sleep() drops the graphs, wake_up() captures them again, aux states and head graphs included: the same
+    greedy tokens as the target alone after it, the graphs replayed."""
+    prompts = random_prompts(VOCAB, (7, 10), seed=50)
+    want = _tokens(plain, prompts, 8)
+    with LLM(str(target[0]), speculative_config=spec(head[0]), enable_sleep_mode=True, **KW) as llm:
+        engine = llm.llm_engine
+        engine.runner.capture_graphs(64, emulate=True)
+        assert _tokens(llm, prompts, 8) == want
+        llm.sleep(1)
+        llm.wake_up()
+        assert engine.runner.graphs.aux == 3 and len(engine.runner.pieces.aux) == 3
+        assert engine.drafter.graphs is not None
+        before = engine.stats()
+        assert _tokens(llm, prompts, 8) == want
+        s = engine.stats()
+        assert s["piecewise_graph_steps"] > before["piecewise_graph_steps"]
+        assert s["draft_cuda_graph_replays"] > before["draft_cuda_graph_replays"]

@@ -49,7 +49,7 @@ class ModelRunner:
         config.piecewise_tokens() tokens as piecewise graphs (see engine.cuda_graphs); `emulate` replays by
         re-running the model. Called at the engine's start, before any request: the pieces' check (check_pieces)
         writes the KV of the first blocks. With an EAGLE-3 head the graphs keep the target's aux states too, and an
-        EAGLE head's one-token forwards are recorded as the draft model's are (EagleRunner.capture_graphs)."""
+        EAGLE head's one-token forwards are recorded as a draft model's are (cuda_graphs.HeadGraphs)."""
         from .cuda_graphs import DecodeGraphs, PiecewiseGraphs
         if not emulate:
             self._reserve_dequant_scratch()
