@@ -133,7 +133,7 @@ def test_decode_and_piecewise_graphs_keep_the_aux_states_an_eager_forward_keeps(
         torch.testing.assert_close(a, b)
     assert not torch.equal(want_aux[0], want_aux[1])  # (the layers' states differ: the order is checked)
     # the graph's own outputs (a real replay leaves nothing else: emulated, the model's call would)
-    assert [a.data_ptr() for a in model.aux_hidden] == [o.data_ptr() for o in runner.graphs.outputs[4][1:]]
+    assert [a.data_ptr() for a in model.aux_hidden] == [o.data_ptr() for o in runner.graphs.extra[4]]
     n = 9
     ids = torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(2))
     pos = torch.arange(n)
@@ -199,7 +199,7 @@ def test_the_graph_pool_formula_counts_the_aux_states_and_the_heads_buffers(targ
     with LLM(str(target[0]), **KW) as llm:  # no head: graphs as before, no aux outputs or buffers
         llm.engine.runner.capture_graphs(64, emulate=True)
         g = llm.engine.runner
-        assert g.graphs.aux == 0 and all(len(outs) == 1 for outs in g.graphs.outputs.values())
+        assert g.graphs.aux == 0 and set(g.graphs.extra.values()) == {()}
         assert g.pieces.aux == [] and getattr(g.model, "aux_hidden", None) is None
     monkeypatch.setattr(EngineConfig, "use_cuda_graphs", lambda self: True)  # (the formulas' CUDA figures)
     runner, drafter = graphed.engine.runner, graphed.engine.drafter
@@ -207,12 +207,12 @@ def test_the_graph_pool_formula_counts_the_aux_states_and_the_heads_buffers(targ
     plain_cfg = EngineConfig(str(target[0]), **KW)
     model_cfg, head_cfg, dtype = runner.model.config, drafter.model_config, torch.float32
     graphs, pieces = runner.graphs, runner.pieces
-    kept = _bytes(t for outs in graphs.outputs.values() for t in outs[1:]) + _bytes(pieces.aux)
+    kept = _bytes(t for extra in graphs.extra.values() for t in extra) + _bytes(pieces.aux)
     assert kept > 0 and len(pieces.aux) == 3
     assert aux_graph_bytes(cfg, model_cfg, dtype) == kept
     assert cuda_graph_bytes(cfg, model_cfg, dtype) - cuda_graph_bytes(plain_cfg, model_cfg, dtype) == kept
     hg, largest = drafter.graphs, max(drafter.graphs.buckets)
-    extra = _bytes([hg.hidden_in]) + _bytes(outs[1] for b, outs in hg.outputs.items() if b != largest)
+    extra = _bytes([hg.hidden_in]) + _bytes(extra[0] for b, extra in hg.extra.items() if b != largest)
     assert head_graph_bytes(cfg, head_cfg, dtype) == extra > _bytes([hg.hidden_in])
     assert draft_graph_bytes(cfg, head_cfg, dtype) - draft_graph_bytes(plain_cfg, head_cfg, dtype) == extra
     assert aux_graph_bytes(plain_cfg, model_cfg, dtype) == head_graph_bytes(plain_cfg, head_cfg, dtype) == 0

@@ -170,7 +170,8 @@ class DecodeGraphs(_StaticTokens):
         self.group_tables = torch.zeros(self.extra_groups, b, max_blocks, dtype=torch.int32, device=dev) \
             if self.extra_groups else None
         self.graphs: dict[int, object] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}  # bucket -> what its graph writes (_call)
+        self.outputs: dict[int, torch.Tensor] = {}  # bucket -> the hidden states its graph writes
+        self.extra: dict[int, tuple[torch.Tensor, ...]] = {}  # bucket -> its other outputs (_call; none: ())
         self.aux = len(getattr(model, "aux_layers", ()))  # EAGLE-3: the target's aux states kept (none: no cost)
 
     # ------------------------------------------------------------------ capture
@@ -187,12 +188,12 @@ class DecodeGraphs(_StaticTokens):
         aux, self.model.aux_hidden = self.model.aux_hidden, None
         return (hidden, *aux)
 
-    def _result(self, outs: tuple[torch.Tensor, ...], n: int):
-        """A step's result from its bucket's outputs: the first n rows of the hidden states; the aux states' rows
+    def _result(self, b: int, n: int):
+        """A step's result from bucket b's outputs: the first n rows of the hidden states; the aux states' rows
         left in model.aux_hidden, as an eager forward leaves them."""
         if self.aux:
-            self.model.aux_hidden = [a[:n] for a in outs[1:]]
-        return outs[0][:n]
+            self.model.aux_hidden = [a[:n] for a in self.extra[b]]
+        return self.outputs[b][:n]
 
     def _context(self, b: int) -> ForwardContext:
         ctx = ForwardContext(query_start_loc=self.query_start_loc[:b + 1], seq_lens=self.seq_lens[:b],
@@ -211,16 +212,17 @@ class DecodeGraphs(_StaticTokens):
             if self.lora_manager is not None:
                 self._no_adapter(b)
             args = self._args(b)
-            outs = self._call(args)  # eager first: Triton compiles and autotunes outside the recording
+            out, *extra = self._call(args)  # eager first: Triton compiles and autotunes outside the recording
             if self.emulate:
-                self.outputs[b] = tuple(t.clone() for t in outs)
+                self.outputs[b], self.extra[b] = out.clone(), tuple(t.clone() for t in extra)
                 self.graphs[b] = args
                 continue
-            del outs
+            del out, extra
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream(b)):
-                self.outputs[b] = self._call(args)  # (allocated in the pool: the graph's outputs)
+                self.outputs[b], *extra = self._call(args)  # (allocated in the pool: the graph's outputs)
+            self.extra[b] = tuple(extra)
             self.pool = graph.pool()
             self.graphs[b] = graph
         if not self.emulate:
@@ -249,11 +251,13 @@ class DecodeGraphs(_StaticTokens):
                 ctx.block_tables if ctx.kv_groups is None else ctx.kv_groups[0])
         n, b = self._load(input_ids, positions, ctx)
         if self.emulate:
-            for out, got in zip(self.outputs[b], self._call(self.graphs[b])):
-                out.copy_(got)
+            out, *extra = self._call(self.graphs[b])
+            self.outputs[b].copy_(out)
+            for kept, got in zip(self.extra[b], extra):
+                kept.copy_(got)
         else:
             self.graphs[b].replay()
-        return self._result(self.outputs[b], n)
+        return self._result(b, n)
 
 
 class HeadGraphs(DecodeGraphs):
@@ -276,8 +280,8 @@ class HeadGraphs(DecodeGraphs):
     def _call(self, args: tuple) -> tuple[torch.Tensor, ...]:
         return tuple(self.model(*args))
 
-    def _result(self, outs: tuple[torch.Tensor, ...], n: int):
-        return tuple(t[:n] for t in outs)
+    def _result(self, b: int, n: int):
+        return self.outputs[b][:n], self.extra[b][0][:n]
 
     def _pad(self, n: int, b: int) -> None:
         super()._pad(n, b)
