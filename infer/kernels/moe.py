@@ -23,9 +23,29 @@ import torch
 import triton
 import triton.language as tl
 
+from .gptq_kernels import _f16_1024, _fields
 from .intmath import cdiv
 
 BLOCK_M = 16
+SMS = 132  # an H100's (and an H200's) streaming multiprocessors: the GPU the tiles are sized for
+INT4_STAGES = 4  # the int4 kernel's pipeline depth: K steps of words in flight per program (`tiles`)
+
+
+def tiles(n: int, k: int, top_k: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of a grouped matmul of N outputs and K inputs over the pairs of a top-k routing: fixed by
+    the layer's shape (one compiled variant per layer and dtype, whatever the step's count of tokens), the same for
+    the float and the int4 kernels (the same sums over K in the same order). BLOCK_K 128 from K = 256 (half the
+    loop's steps and their fixed costs: each step reads [16, BLOCK_N] words, 64 * BLOCK_N bytes of int4 weights,
+    4 steps in flight); BLOCK_N 64, or 32 where a decode step (one token: top_k blocks of rows) would give fewer
+    than two programs per SM (SMS): at Qwen3-30B-A3B (top-8 of 128, H 2048, I 768) 8 * 1536 / 64 = 192 and
+    8 * 2048 / 64 = 256 tiles < 264, so 32 (384 and 512 programs, 32 and 24 KiB of words each); at Mixtral-8x7B
+    (top-2 of 8, H 4096, I 14336) the gate_up's 2 * 28672 / 64 = 896 tiles keep 64 (128 KiB each), the down's
+    2 * 4096 / 64 = 128 take 32 (256 programs of 224 KiB)."""
+    block_k = 128 if k >= 256 else min(64, max(16, triton.next_power_of_2(k)))
+    block_n = min(64, max(16, triton.next_power_of_2(n)))
+    if block_n == 64 and top_k * cdiv(n, 64) < 2 * SMS:
+        block_n = 32
+    return block_n, block_k
 
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
@@ -105,8 +125,7 @@ def _moe_gemm(a_ptr, w_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr, post_p
 
 def _gemm(a, w, out, weights, sorted_pairs, block_expert, post, top_k, row_div: bool, weighted: bool):
     n, k = w.shape[1], w.shape[2]
-    block_n = min(64, max(16, triton.next_power_of_2(n)))
-    block_k = min(64, max(16, triton.next_power_of_2(k)))
+    block_n, block_k = tiles(n, k, top_k)
     grid = (block_expert.shape[0], cdiv(n, block_n))
     _moe_gemm[grid](a, w, out, weights, sorted_pairs, block_expert, post, out.shape[0], n, k, top_k, a.stride(0),
                     w.stride(0), w.stride(1), out.stride(0), ROW_DIV=row_div, WEIGHTED=weighted,
@@ -197,23 +216,30 @@ def _moe_gemm_int4(a_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, out_ptr, weights_ptr, pa
     if pid_m * BLOCK_M >= tl.load(post_ptr):
         return
     pair, valid, a_row, e = _block_rows(pairs_ptr, experts_ptr, num_pairs, top_k, pid_m, ROW_DIV, BLOCK_M)
+    BKW: tl.constexpr = BLOCK_K // 8  # a K step's words per column
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < n
     zshift = ((offs_n % 8) * 4)[None, :]
+    qw_cols = qw_ptr + e * s_qe + offs_n[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k
         a = tl.load(a_ptr + a_row[:, None] * s_a + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
                     other=0.0)
-        mask = mask_k[:, None] & mask_n[None, :]
-        words = tl.load(qw_ptr + e * s_qe + (offs_k // 8)[:, None] * s_qk + offs_n[None, :], mask=mask, other=0)
-        q = (words >> ((offs_k % 8) * 4)[:, None]) & 0xF
+        # the step's [BKW, BLOCK_N] words, each read once (coalesced along N), split into their 8 fields in
+        # registers: [8, BKW, N] -> [BKW, 8, N] -> row 8 i + j = field j of word i = input row k0 + 8 i + j, the
+        # tile in x's order (x read contiguously, the dot's sum over K in the same order as the float kernel's)
+        offs_w = k0 // 8 + tl.arange(0, BKW)
+        mask_w = (offs_w < k // 8)[:, None] & mask_n[None, :]
+        words = tl.load(qw_cols + offs_w[:, None].to(tl.int64) * s_qk, mask=mask_w, other=0)
+        qf = _f16_1024(tl.reshape(tl.permute(_fields(words, 4), (1, 0, 2)), (BLOCK_K, BLOCK_N)))
         if ONE_GROUP:  # the step's group: its zeros and scales [1, BLOCK_N]
             g1 = (k0 // group_size).to(tl.int64)
             zw = tl.load(qz_ptr + e * s_ze + g1 * s_zg + (offs_n // 8)[None, :], mask=mask_n[None, :], other=0)
             s = tl.load(s_ptr + e * s_se + g1 * s_sg + offs_n[None, :], mask=mask_n[None, :], other=0.0)
         else:  # each row's group: [BLOCK_K, BLOCK_N] gathers
+            mask = mask_k[:, None] & mask_n[None, :]
             if READ_G:
                 g = tl.load(g_ptr + e * s_ge + offs_k, mask=mask_k, other=0).to(tl.int64)
             else:
@@ -223,7 +249,8 @@ def _moe_gemm_int4(a_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, out_ptr, weights_ptr, pa
         z = (zw >> zshift) & 0xF
         if ZEROS_V1:
             z = (z + 1) & 0xF
-        w = ((q - z).to(tl.float16) * s).to(a_ptr.dtype.element_ty)
+        # (1024 + q) - (1024 + z): the exact q - z in float16 without conversions, times the scale in float16
+        w = ((qf - _f16_1024(z)) * s).to(a_ptr.dtype.element_ty)
         if IEEE:
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
@@ -231,14 +258,18 @@ def _moe_gemm_int4(a_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, out_ptr, weights_ptr, pa
     _store_rows(out_ptr, weights_ptr, acc, pair, valid, offs_n, n, s_out, WEIGHTED)
 
 
+def int4_tiles(n: int, k: int, group_size: int, top_k: int) -> tuple[int, int, bool]:
+    """`tiles` of int4 experts of this group size (0: act-order), and whether each K step lies in one group: a
+    power-of-two group smaller than the step (16 to 64) makes the step one group wide."""
+    block_n, block_k = tiles(n, k, top_k)
+    if 16 <= group_size < block_k and group_size & (group_size - 1) == 0:
+        block_k = group_size
+    return block_n, block_k, group_size > 0 and (group_size >= k or group_size % block_k == 0)
+
+
 def _gemm_int4(a, w, out, weights, sorted_pairs, block_expert, post, top_k, row_div: bool, weighted: bool):
-    n, k = w.out_features, w.in_features
-    block_n = min(64, max(16, triton.next_power_of_2(n)))
-    block_k = min(64, max(16, triton.next_power_of_2(k)))
-    gs = w.group_size
-    if 16 <= gs < block_k and gs & (gs - 1) == 0:  # steps of one group each (group sizes 16, 32)
-        block_k = gs
-    one_group = gs > 0 and (gs >= k or gs % block_k == 0)
+    n, k, gs = w.out_features, w.in_features, w.group_size
+    block_n, block_k, one_group = int4_tiles(n, k, gs, top_k)
     grid = (block_expert.shape[0], cdiv(n, block_n))
     qw, qz, s, g = w.qweight, w.qzeros, w.scales, w.g_idx
     _moe_gemm_int4[grid](a, qw, qz, s, g, out, weights, sorted_pairs, block_expert, post, out.shape[0], n, k, top_k,
@@ -246,7 +277,7 @@ def _gemm_int4(a, w, out, weights, sorted_pairs, block_expert, post, top_k, row_
                          s.stride(0), s.stride(1), g.stride(0), out.stride(0), ROW_DIV=row_div, WEIGHTED=weighted,
                          IEEE=a.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
                          ZEROS_V1=bool(w.zeros_v1), READ_G=gs <= 0, ONE_GROUP=one_group, BLOCK_M=BLOCK_M,
-                         BLOCK_N=block_n, BLOCK_K=block_k)
+                         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=INT4_STAGES)
 
 
 def fused_moe_int4(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor, lora=None) -> torch.Tensor:
