@@ -58,3 +58,41 @@ def test_tiles_are_fixed_by_the_layer_and_shared_by_both_kernels():
         assert bk == (128 if k >= 256 else 64)
         assert top_k * cdiv(n, bn) >= 2 * moe.SMS or bn == 32
         assert bn == 64 or top_k * cdiv(n, 64) < 2 * moe.SMS
+
+
+def test_the_kernel_compiled_for_an_h100_loads_each_word_once():
+    """Compiled for sm_90 (bfloat16, groups of 128): the int4 kernel's only 2-D loads of int32 are a K step's word
+    tile [BLOCK_K / 8, BLOCK_N] (each packed word once, not once per field as a [BLOCK_K, BLOCK_N] load of words
+    would read it) and the step's group of zeros [1, BLOCK_N]."""
+    import inspect
+    import re
+    import textwrap
+
+    from helpers import COMPILE_ONLY_LAUNCHES, run_compile_only
+    pytest.importorskip("triton")
+    script = COMPILE_ONLY_LAUNCHES + "from infer.kernels import packing, reference\n" + inspect.getsource(
+        int4_experts) + textwrap.dedent('''
+        from infer.kernels import moe
+        irs = []
+        def keep(self, *args, grid, warmup, **kwargs):
+            kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+            if self.fn.__name__ == "_moe_gemm_int4":
+                irs.append(kernel.asm["ttir"])
+            return kernel
+        jit.JITFunction.run = keep
+        w13 = int4_experts(4, 256, 256, 128, False, False, False, 0)
+        w2 = int4_experts(4, 128, 256, 128, False, False, False, 1)
+        x = torch.randn(3, 256, dtype=torch.bfloat16)
+        w, ids = torch.topk(torch.randn(3, 4).softmax(-1), 2, -1)
+        moe.fused_moe_int4(x, w13, w2, w.to(torch.bfloat16), ids)
+        print(json.dumps({"irs": irs}))
+    ''')
+    irs = run_compile_only(script, 600)["irs"]
+    from infer.kernels import moe
+    assert len(irs) == 2
+    for ir, (n, k) in zip(irs, ((256, 256), (256, 128))):
+        bn, bk, one_group = moe.int4_tiles(n, k, 128, 2)
+        assert one_group
+        loads = {m for line in ir.splitlines() if "tt.load" in line
+                 for m in re.findall(r"tensor<(\d+x\d+)x!tt\.ptr<i32>>", line)}
+        assert loads == {f"{bk // 8}x{bn}", f"1x{bn}"}, loads
