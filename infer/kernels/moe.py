@@ -38,7 +38,7 @@ def tiles(n: int, k: int, top_k: int) -> tuple[int, int]:
     loop's steps and their fixed costs: each step reads [16, BLOCK_N] words, 64 * BLOCK_N bytes of int4 weights,
     4 steps in flight); BLOCK_N 64, or 32 where a decode step (one token: top_k blocks of rows) would give fewer
     than two programs per SM (SMS): at Qwen3-30B-A3B (top-8 of 128, H 2048, I 768) 8 * 1536 / 64 = 192 and
-    8 * 2048 / 64 = 256 tiles < 264, so 32 (384 and 512 programs, 32 and 24 KiB of words each); at Mixtral-8x7B
+    8 * 2048 / 64 = 256 tiles < 264, so 32 (384 and 512 programs, 32 and 12 KiB of words each); at Mixtral-8x7B
     (top-2 of 8, H 4096, I 14336) the gate_up's 2 * 28672 / 64 = 896 tiles keep 64 (128 KiB each), the down's
     2 * 4096 / 64 = 128 take 32 (256 programs of 224 KiB)."""
     block_k = 128 if k >= 256 else min(64, max(16, triton.next_power_of_2(k)))
