@@ -1139,7 +1139,7 @@ class LLMEngine:
         kept = []  # copied at both levels: adapter slots, a draft model (reload_weights reloads the base model's)
         if self.lora_manager is not None:
             kept += object_tensors(self.lora_manager)
-            for layer in self.lora_manager.layers:
+            for layer in [*self.lora_manager.layers, *self.lora_manager.expert_layers]:  # (a13.. of the experts')
                 kept += object_tensors(layer)
         kv = [runner.kv_cache]
         if drafter is not None:
