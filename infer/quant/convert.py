@@ -559,10 +559,14 @@ def _merge(model, adapter: Path):
 def _check_read(peft_model, adapter: Path) -> None:
     """LoRAError when the adapter's file holds tensors peft did not load (named without peft's base_model.model.
     prefix, or with the adapter's name in them): peft leaves them out with a warning and would merge nothing of them,
-    where `--lora` serves them."""
+    where `--lora` serves them. The file's tensors are compared as peft converted them on loading (transformers 4's
+    per-expert modules: the stacked experts' parameters)."""
     from peft.utils import get_peft_model_state_dict
     from peft.utils.save_and_load import load_peft_weights
-    unread = sorted(set(load_peft_weights(str(adapter), device="cpu")) - set(get_peft_model_state_dict(peft_model)))
+    from peft.utils.transformers_weight_conversion import convert_peft_adapter_state_dict_for_transformers
+    read = convert_peft_adapter_state_dict_for_transformers(peft_model, peft_model.peft_config["default"],
+                                                            load_peft_weights(str(adapter), device="cpu"))
+    unread = sorted(set(read) - set(get_peft_model_state_dict(peft_model)))
     if unread:
         raise LoRAError(f"peft does not read {_some(unread)} from the adapter {adapter}: the merged model would "
                         "not hold those weights",
