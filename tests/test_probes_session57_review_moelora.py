@@ -65,3 +65,49 @@ def test_merging_a_transformers_4_per_expert_adapter_gives_what_serving_it_gives
         served = _tokens(llm, prompts, ["x", "x"])
         plain = _tokens(llm, prompts, None)
     assert merged == served != plain
+
+
+def test_merging_a_transformers_4_per_expert_adapter_with_rslora_is_refused(qwen3, tmp_path):
+    """use_rslora on transformers 4's per-expert gate and up: peft fuses them at rank 2r and alpha 2 * alpha, which
+    rslora scales sqrt(2) times as much as trained, so its merge would not be what `--lora` serves (each expert's
+    gate and up at alpha / sqrt(r), as a merge by hand gives): refused, naming --lora. Served, its tokens are those
+    of the per-expert deltas merged by hand."""
+    import json
+    import math
+
+    import torch
+    from safetensors.torch import load_file
+
+    from helpers import greedy_each
+    root, _ = qwen3
+    hf = hf_float(root / "base")
+    adapter = _v4_adapter(hf, tmp_path / "v4", ("gate_proj", "up_proj", "down_proj"), seed=3)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config.update(use_rslora=True, lora_alpha=40)
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    res = CliRunner().invoke(app, ["convert", str(root / "base"), "-o", str(tmp_path / "merged"), "--merge-lora",
+                                   str(adapter)])
+    assert res.exit_code != 0 and "use_rslora" in res.output and "--lora" in res.output, res.output
+    assert not (tmp_path / "merged" / "config.json").exists()
+    scaling, weights = 40 / math.sqrt(config["r"]), hf.state_dict()
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    with torch.no_grad():
+        for key, a in tensors.items():
+            if not key.endswith("lora_A.weight"):
+                continue
+            delta = scaling * tensors[key.replace("lora_A", "lora_B")] @ a
+            module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            if ".experts." not in module:
+                weights[f"{module}.weight"] += delta
+                continue
+            stacked, expert, proj = module.rsplit(".", 2)
+            inter = weights[f"{stacked}.down_proj"].shape[2]
+            if proj == "down_proj":
+                weights[f"{stacked}.down_proj"][int(expert)] += delta
+            else:
+                rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
+                weights[f"{stacked}.gate_up_proj"][int(expert), rows] += delta
+    prompts = random_prompts(512, (6, 9), seed=8)
+    with LLM(str(root / "base"), loras={"x": str(adapter)}, max_lora_rank=8, block_size=4) as llm:
+        served, plain = _tokens(llm, prompts, ["x", "x"]), _tokens(llm, prompts, None)
+    assert served == greedy_each(hf, prompts, 6) != plain

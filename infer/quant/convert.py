@@ -552,6 +552,7 @@ def _merge(model, adapter: Path):
                         "merge into the one tensor they share does not give what peft computes with it",
                         "serve the adapter with peft, or train it with ensure_weight_tying false")
     _check_read(peft_model, adapter)
+    _check_fused_rslora(peft_model, adapter)
     merged = peft_model.merge_and_unload()
     return merged, tied and not _retie(merged)
 
@@ -574,12 +575,32 @@ def _check_read(peft_model, adapter: Path) -> None:
                         "lora_A.weight): rename them so, or serve the adapter with --lora instead of merging it")
 
 
+def _adapter_config(adapter: Path) -> dict:
+    """adapter_config.json as it is in the folder ({} when it does not read as an object)."""
+    try:
+        config = json.loads((Path(adapter) / "adapter_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
 def _keeps_tying(adapter: Path) -> bool:
     """Whether adapter_config.json sets peft's ensure_weight_tying (the adapter is saved for a tied model)."""
-    try:
-        return json.loads((Path(adapter) / "adapter_config.json").read_text()).get("ensure_weight_tying") is True
-    except (OSError, ValueError, AttributeError):
-        return False
+    return _adapter_config(adapter).get("ensure_weight_tying") is True
+
+
+def _check_fused_rslora(peft_model, adapter: Path) -> None:
+    """LoRAError for an adapter of transformers 4's per-expert gate and up modules with use_rslora: peft fuses them
+    into the stacked gate_up_proj at rank 2r and alpha 2 * alpha (rank_pattern / alpha_pattern entries of its own),
+    which rslora's alpha / sqrt(r) scales sqrt(2) times as much as the adapter was trained with; `--lora` serves
+    them at their own scaling."""
+    config = peft_model.peft_config["default"]
+    added = set(config.rank_pattern or {}) - set(_adapter_config(adapter).get("rank_pattern") or {})
+    if config.use_rslora and added:
+        raise LoRAError(f"the adapter {adapter} adapts transformers 4's per-expert modules with use_rslora: peft "
+                        f"fuses them into {sorted(added)[0]} at twice their rank and alpha, which rslora scales "
+                        "sqrt(2) times as much as they were trained with: the merged model would not compute what "
+                        "the adapter does", "serve the adapter with --lora instead of merging it")
 
 
 def _embeddings(model):
