@@ -11,7 +11,7 @@ from infer import LLM, SamplingParams
 from infer.cli.main import app
 
 from helpers import random_prompts
-from lora_helpers import hf_float, save_adapter
+from lora_helpers import check_lora_validate_ok, hf_float, save_adapter
 from test_probes_session55_moe import build
 from test_probes_session57_moelora import EXPERTS, _v4_adapter
 
@@ -67,11 +67,12 @@ def test_merging_a_transformers_4_per_expert_adapter_gives_what_serving_it_gives
     assert merged == served != plain
 
 
-def test_merging_a_transformers_4_per_expert_adapter_with_rslora_is_refused(qwen3, tmp_path):
+def test_a_transformers_4_per_expert_adapter_with_rslora_served_as_trained_merge_refused(qwen3, tmp_path):
     """use_rslora on transformers 4's per-expert gate and up: peft fuses them at rank 2r and alpha 2 * alpha, which
     rslora scales sqrt(2) times as much as trained, so its merge would not be what `--lora` serves (each expert's
     gate and up at alpha / sqrt(r), as a merge by hand gives): refused, naming --lora. Served, its tokens are those
-    of the per-expert deltas merged by hand."""
+    of the per-expert deltas merged by hand; lora-validate's check against peft (its fused scaling put back to the
+    trained one) passes it (it said the adapter is not applied as peft applies it)."""
     import json
     import math
 
@@ -89,6 +90,7 @@ def test_merging_a_transformers_4_per_expert_adapter_with_rslora_is_refused(qwen
                                    str(adapter)])
     assert res.exit_code != 0 and "use_rslora" in res.output and "--lora" in res.output, res.output
     assert not (tmp_path / "merged" / "config.json").exists()
+    check_lora_validate_ok(root / "base", adapter)
     scaling, weights = 40 / math.sqrt(config["r"]), hf.state_dict()
     tensors = load_file(adapter / "adapter_model.safetensors")
     with torch.no_grad():
