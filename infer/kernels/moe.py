@@ -162,11 +162,12 @@ def _run(x, ids, weights, num_experts: int, out13: int, out2: int, lora, gemm) -
         adapters = _LoRAPairs(ids, lora, flat_w)
         gate_up += adapters.delta(x, lora.a13, lora.b13, True)
     act = fused.silu_and_mul(gate_up)
+    del gate_up  # (freed before the down stage: the activation plan counts one of the two alive, sizes.moe_token_bytes)
     down = torch.empty(pairs, out2, dtype=x.dtype, device=x.device)
     gemm(act, down, flat_w, aligned, False, lora is None)
     if lora is not None:
         down += adapters.delta(act, lora.a2, lora.b2, False)
-        down = (down.float() * flat_w.float()[:, None]).to(x.dtype)
+        down.mul_(flat_w[:, None])  # (in place, computed in float32 and rounded once: no [pairs, H] float32 copies)
     return down.view(t, top_k, -1).sum(dim=1)
 
 
