@@ -1423,10 +1423,15 @@ def _check_reloadable(model, fresh, path) -> None:
             "group size, act-order, sym and bits may change); for another model, or other layers quantized, start a "
             "new engine on it")
     new_modules = dict(fresh.named_modules())
+    old_modules = dict(model.named_modules())
+    for names, there, has in ((old_modules, new_modules, "has no {} (the loaded model has it)"),
+                              (new_modules, old_modules, "has {} (the loaded model has not)")):
+        missing = next((n for n in names if n not in there), None)  # (another number of layers: a module the
+        if missing is not None:  # reload would leave freed, or one it would not load)
+            raise ModelLoadError(f"{path}: the new checkpoint {has.format(missing)}: its config.json builds another "
+                                 "model (another number of layers?)", hint)
     for name, mod in model.named_modules():
-        new = new_modules.get(name)
-        if new is None:
-            continue
+        new = new_modules[name]
         if hasattr(mod, "method") and hasattr(new, "method"):
             was, now = (getattr(m.method, "config", None) is not None for m in (mod, new))
             if was != now:

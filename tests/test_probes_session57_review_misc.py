@@ -1,0 +1,57 @@
+"""Review probes of session 57's sleep modes, reload_weights of another layout and KV layer groups with speculative
+decoding: what a probe found wrong, each with its regression test."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from infer import LLM, SamplingParams
+from infer.errors import ModelLoadError
+from infer.models.tiny import ensure_builtin
+
+PROMPTS = [[5, 9, 13, 21, 40], [7, 3, 2, 8, 11, 40, 77]]
+
+
+def _with_layers(src, out, layers: int) -> None:
+    """`src`'s checkpoint with `layers` decoder layers (its last ones dropped, or its first one repeated)."""
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, out)
+    cfg = json.loads((src / "config.json").read_text())
+    kept = {}
+    for key, value in load_file(str(src / "model.safetensors")).items():
+        if ".layers." not in key:
+            kept[key] = value
+            continue
+        i = int(key.split(".layers.")[1].split(".")[0])
+        if i == 0:
+            for j in range(1, layers):
+                kept.setdefault(key.replace(".layers.0.", f".layers.{j}."), value.clone())
+        if i < layers:
+            kept[key] = value
+    save_file(kept, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": layers}))
+
+
+@pytest.mark.parametrize("delta", [-1, 1])
+def test_reload_weights_refuses_another_number_of_layers_before_freeing_anything(tmp_path, delta):
+    """reload_weights of a checkpoint with fewer decoder layers was taken (the layer it lacks left freed: a crash, or
+    garbage on the GPU), and one with more layers too (the extra ones never loaded): refused naming the layer, before
+    anything is freed, and the engine runs on as before."""
+    src = ensure_builtin("tiny-llama")
+    layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    _with_layers(src, tmp_path / "new", layers + delta)
+    shutil.copytree(src, tmp_path / "engine")
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    with LLM(str(tmp_path / "engine"), block_size=4, max_model_len=32) as llm:
+        want = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)]
+        for f in ("model.safetensors", "config.json"):
+            shutil.copy(tmp_path / "new" / f, tmp_path / "engine" / f)
+        with pytest.raises(ModelLoadError) as e:
+            llm.collective_rpc("reload_weights")
+        layer = f"layers.{layers - 1}" if delta < 0 else f"layers.{layers}"
+        assert f"the new checkpoint has {'no ' if delta < 0 else ''}{layer} " in e.value.message
+        assert "another number of layers" in e.value.message and "start a new engine" in e.value.hint
+        assert [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)] == want
