@@ -55,3 +55,39 @@ def test_reload_weights_refuses_another_number_of_layers_before_freeing_anything
         assert f"the new checkpoint has {'no ' if delta < 0 else ''}{layer} " in e.value.message
         assert "another number of layers" in e.value.message and "start a new engine" in e.value.hint
         assert [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)] == want
+
+
+def _tied(src, out, head_differs: bool) -> None:
+    """`src`'s checkpoint with tie_word_embeddings true in config.json, its stored lm_head.weight another matrix than
+    the embeddings (a load unties it, as transformers does) or the embeddings' own."""
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, out)
+    tensors = load_file(str(src / "model.safetensors"))
+    if not head_differs:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+
+
+@pytest.mark.parametrize("old,new", [("untied", "untied"), ("tied", "untied"), ("untied", "tied")])
+def test_reload_weights_takes_the_new_loads_head_of_a_tied_config(tmp_path, monkeypatch, old, new):
+    """A tied config whose checkpoint stores another lm_head is untied by the load (transformers'); whether it is
+    depends on the tensors, not the headers: reload_weights of the same checkpoint is taken, and a reload that unties
+    the head where the old load had not (or the reverse) takes the new load's head, as a fresh engine (the old one
+    kept the embeddings as its head, or a head whose memory was freed). The CPU's prepacked head off: the head read
+    as the model holds it, as on the GPU."""
+    import infer.kernels.cpu_gemm as cpu_gemm
+    monkeypatch.setattr(cpu_gemm, "prepack", lambda *a, **k: None)
+    src = ensure_builtin("tiny-llama")
+    for name in {old, new}:
+        _tied(src, tmp_path / name, head_differs=name == "untied")
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    with LLM(str(tmp_path / new), block_size=4, max_model_len=32) as llm:
+        want = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)]
+    shutil.copytree(tmp_path / old, tmp_path / "engine")
+    with LLM(str(tmp_path / "engine"), block_size=4, max_model_len=32) as llm:
+        for f in ("model.safetensors", "config.json"):
+            shutil.copy(tmp_path / new / f, tmp_path / "engine" / f)
+        llm.collective_rpc("reload_weights")
+        assert [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)] == want

@@ -1424,14 +1424,18 @@ def _check_reloadable(model, fresh, path) -> None:
             "new engine on it")
     new_modules = dict(fresh.named_modules())
     old_modules = dict(model.named_modules())
+    head_follows = hasattr(model, "untie_head")  # (a tied config's head: untied by the load where the checkpoint
+    # stores another lm_head, which the headers do not tell; _adopt_weights takes the load's)
     for names, there, has in ((old_modules, new_modules, "has no {} (the loaded model has it)"),
                               (new_modules, old_modules, "has {} (the loaded model has not)")):
-        missing = next((n for n in names if n not in there), None)  # (another number of layers: a module the
-        if missing is not None:  # reload would leave freed, or one it would not load)
+        missing = next((n for n in names if n not in there and not (n == "lm_head" and head_follows)), None)
+        if missing is not None:  # (another number of layers: a module the reload would leave freed, or not load)
             raise ModelLoadError(f"{path}: the new checkpoint {has.format(missing)}: its config.json builds another "
                                  "model (another number of layers?)", hint)
     for name, mod in model.named_modules():
-        new = new_modules[name]
+        new = new_modules.get(name)
+        if new is None:  # (a head the load decides: head_follows)
+            continue
         if hasattr(mod, "method") and hasattr(new, "method"):
             was, now = (getattr(m.method, "config", None) is not None for m in (mod, new))
             if was != now:
@@ -1470,6 +1474,14 @@ def _adopt_weights(model, fresh) -> None:
         for key in getattr(new, "ADOPTED_ATTRS", ()):  # what a load computed from the tensors, held as no tensor
             if hasattr(new, key):  # (a float layer has no GPTQ layout)
                 setattr(mod, key, getattr(new, key))
+    if hasattr(model, "untie_head") and model.tie_word_embeddings != fresh.tie_word_embeddings:
+        # a tied config's head, untied by one load and not the other (the checkpoint's lm_head differs from its
+        # embeddings or not): the new load's, as a fresh engine's (the old head was freed, or never loaded)
+        model.tie_word_embeddings = fresh.tie_word_embeddings
+        if fresh.tie_word_embeddings:
+            del model.lm_head
+        else:
+            model.lm_head = fresh.lm_head
 
 
 def _bad_word_ids(tokenizer, vocab: int, words: tuple[str, ...]) -> list[list[int]]:
