@@ -91,3 +91,23 @@ def test_reload_weights_takes_the_new_loads_head_of_a_tied_config(tmp_path, monk
             shutil.copy(tmp_path / new / f, tmp_path / "engine" / f)
         llm.collective_rpc("reload_weights")
         assert [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)] == want
+
+
+@pytest.mark.parametrize("key,value", [("rope_parameters", {"rope_theta": 500.0, "rope_type": "default"}),
+                                       ("rms_norm_eps", 0.25)])
+def test_reload_weights_refuses_another_config_the_layers_were_built_from(tmp_path, key, value):
+    """A checkpoint whose config.json changes what the layers computed at build (the rope table's theta, the norms'
+    eps) was taken with the old values kept: tokens neither model's. Refused naming the field, the engine runs on."""
+    src = ensure_builtin("tiny-llama")
+    shutil.copytree(src, tmp_path / "engine")
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    with LLM(str(tmp_path / "engine"), block_size=4, max_model_len=32) as llm:
+        want = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)]
+        cfg = json.loads((src / "config.json").read_text())
+        assert cfg.get(key) != value
+        (tmp_path / "engine" / "config.json").write_text(json.dumps({**cfg, key: value}))
+        shown = "500.0" if key == "rope_parameters" else "0.25"
+        with pytest.raises(ModelLoadError, match=f"config.json's {key} is [^,]*{shown}.* in the new checkpoint") as e:
+            llm.collective_rpc("reload_weights")
+        assert "start a new engine" in e.value.hint
+        assert [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params)] == want

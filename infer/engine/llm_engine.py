@@ -1415,6 +1415,14 @@ class LLMEngine:
             self.drafter.reset_stats()
 
 
+# config.json's fields the model's layers are built from (not tensors reload_weights takes): another value is
+# another model
+_SAME_CONFIG = ("rope_theta", "rope_parameters", "rope_scaling", "rms_norm_eps", "sliding_window", "layer_types",
+                "hidden_act", "hidden_activation", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "partial_rotary_factor",
+                "use_sliding_window", "max_window_layers")
+
+
 def _check_reloadable(model, fresh, path) -> None:
     """reload_weights takes new weights of the loaded model: `fresh` (the new checkpoint's model, on the meta device)
     must have its float tensors' shapes and quantize the same layers (GPTQ or float); a ModelLoadError names the
@@ -1432,6 +1440,11 @@ def _check_reloadable(model, fresh, path) -> None:
         if missing is not None:  # (another number of layers: a module the reload would leave freed, or not load)
             raise ModelLoadError(f"{path}: the new checkpoint {has.format(missing)}: its config.json builds another "
                                  "model (another number of layers?)", hint)
+    for key in _SAME_CONFIG:  # what the layers computed from config.json at build (the rope table, an eps, a
+        was, now = (getattr(getattr(m, "config", None), key, None) for m in (model, fresh))  # window): not reloaded
+        if was != now:
+            raise ModelLoadError(f"{path}: config.json's {key} is {str(now)[:80]} in the new checkpoint, "
+                                 f"{str(was)[:80]} in the loaded one", hint)
     for name, mod in model.named_modules():
         new = new_modules.get(name)
         if new is None:  # (a head the load decides: head_follows)
