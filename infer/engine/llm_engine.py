@@ -31,7 +31,7 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
 from .setup import context_limit, load_engine_parts, model_max_len
-from .sleep import KV_CACHE, MODES, SLEPT, TAGS, WEIGHTS, SleepState, module_tensors, object_tensors
+from .sleep import MODES, SLEPT, TAGS, WEIGHTS, SleepState, module_tensors, object_tensors
 from .speculative import SpecStats, SpeculativeConfig, propose_for
 from .structured import DEAD_HINT, GrammarBackend, allows_any, draft_bitmask
 
