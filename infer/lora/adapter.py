@@ -160,7 +160,10 @@ class LoRAAdapter:
 
     def validate_against(self, base_config, max_rank: int | None = None) -> list[Problem]:
         """Everything that keeps this adapter from running on `base_config` (a HF config); [] when it fits."""
-        problems = _no_default_targets(self, base_config) + _non_linear_targets(self.config, base_config)
+        moe = [f"adapts {m}" for m in _moe_unmapped(self, base_config)]  # named by _moe_problems, not as absent
+        problems = [p for p in _no_default_targets(self, base_config)
+                    if not (p.message.startswith(tuple(moe)) and _ABSENT in p.message)]
+        problems += _non_linear_targets(self.config, base_config)
         problems[:0] = _moe_problems(self, base_config)  # first: whatever else is wrong, this is why
         shapes = expected_shapes(base_config)
         num_layers = layer_count(self.config, base_config)
@@ -222,12 +225,13 @@ def _moe_problems(adapter: "LoRAAdapter", base_config) -> list[Problem]:
     problems = []
     # (peft converts target_modules naming the experts' projections of transformers 4 (gate_proj, up_proj,
     # down_proj; Mixtral's w1, w3, w2) into the bare parameter names, gate_up_proj at twice the rank)
-    odd = [p for p in params if p.split(".")[-1] not in EXPERT_PARAMS]
+    unmapped = _moe_unmapped(adapter, base_config)
+    named = {m.split(".")[-1] for m in unmapped}  # peft turns target_modules "gate" (the router) into "gate.weight"
+    odd = [p for p in params if p.split(".")[-1] not in EXPERT_PARAMS and p.split(".")[-2:] not in
+           [[n, "weight"] for n in named]]
     if odd:
         problems.append(Problem(f"targets parameters {odd}: infer adapts a mixture of experts' stacked experts "
                                 f"({', '.join('experts.' + p for p in EXPERT_PARAMS)}) only", _HINT_EXPERTS))
-    unmapped = [m for m in adapter.mlp_modules if _module_of(m) is None and _EXPERTS.match(m) is None
-                and _EXPERT_MODULE.match(m) is None]
     targets = adapter.config.get("target_modules")
     targets = [str(t) for t in targets] if isinstance(targets, list) else []
     v4 = V4_EXPERT_TARGETS.get(base_config.model_type, ())
@@ -243,8 +247,20 @@ def _moe_problems(adapter: "LoRAAdapter", base_config) -> list[Problem]:
         what = f"adapts {unmapped[0]}{more}" if unmapped else f"targets {listed}"
         problems.insert(0, Problem(
             f"{what}: infer adapts a mixture of experts' attention, dense layers' MLPs, shared expert and stacked "
-            "experts, not its router (gate), shared_expert_gate or per-expert modules", _HINT_EXPERTS))
+            "experts, not its router (gate), shared_expert_gate or another module of its MLP", _HINT_EXPERTS))
     return problems
+
+
+_ABSENT = "which the base model does not have"
+
+
+def _moe_unmapped(adapter: "LoRAAdapter", base_config) -> list[str]:
+    """The modules an adapter adapts under a mixture of experts' MLP that infer does not adapt (its router, Qwen2-MoE's
+    shared_expert_gate); [] for a base without experts."""
+    if not is_moe(base_config):
+        return []
+    return [m for m in adapter.mlp_modules if _module_of(m) is None and _EXPERTS.match(m) is None
+            and _EXPERT_MODULE.match(m) is None]
 
 
 def _misplaced(m: LoRAModule, base_config) -> Problem | None:
@@ -806,7 +822,7 @@ def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[
             other = tail is not None and path[:tail.start()] != "model"  # (model.layers.N...: this base's layers)
             hint = (f"its layers sit under {path[:tail.start()]}: it was made for another model (e.g. a multimodal "
                     "one); use an adapter trained on this base") if other else _HINT_TARGETS
-            per_module.append((path, Problem(f"adapts {path}, which the base model does not have", hint)))
+            per_module.append((path, Problem(f"adapts {path}, {_ABSENT}", hint)))
             continue
         why = _unselected(config, where[0], where[1])
         if why:  # one problem per reason, not one per module (every module of the adapter, often)
