@@ -34,3 +34,27 @@ def test_a_router_adapter_is_one_problem_naming_the_router(tmp_path, model_type)
     out = " ".join(res.output.split())
     assert res.exit_code != 0 and out.count("error:") == 1 and router in out, res.output
     assert "does not have" not in out and "gate.weight" not in out and "per-expert" not in out, res.output
+
+
+def test_generate_after_a_level_2_sleep_names_the_calls_that_load_new_weights():
+    """After llm.sleep(level=2) the weights are gone: generate() names the README's three calls (wake_up(tags=
+    ["weights"]), collective_rpc("reload_weights"), wake_up()), not wake_up() alone, which would only lead to a
+    second refusal (the weights were discarded); after level 1, wake_up() is all it takes."""
+    from infer import SamplingParams
+    from infer.errors import SleepModeError
+    with LLM("tiny-llama", enable_sleep_mode=True, block_size=4, max_model_len=64, max_num_seqs=2) as llm:
+        params = SamplingParams(max_new_tokens=2)
+        llm.sleep(level=1)
+        with pytest.raises(SleepModeError) as err:
+            llm.generate([[5, 9, 13]], params)
+        assert "wake_up()" in str(err.value) and "reload_weights" not in str(err.value)
+        llm.wake_up()
+        llm.sleep(level=2)
+        with pytest.raises(SleepModeError) as err:
+            llm.generate([[5, 9, 13]], params)
+        said = str(err.value)
+        assert 'wake_up(tags=["weights"]), collective_rpc("reload_weights"), then wake_up()' in said, said
+        llm.wake_up(tags=["weights"])
+        llm.collective_rpc("reload_weights")
+        llm.wake_up()
+        assert len(llm.generate([[5, 9, 13]], params)[0].token_ids) == 2

@@ -1264,7 +1264,9 @@ class LLMEngine:
         if self._sleep.asleep:
             raise SleepModeError(f"the engine is asleep ({' and '.join(sorted(self._sleep.tags))} freed by a "
                                  f"level {self._sleep.level} sleep)",  # (no Python call: servers' clients read it)
-                                 "wake it first: wake_up() (infer serve: POST /wake_up)",
+                                 "wake it first: wake_up() (infer serve: POST /wake_up)" if not self._sleep.discarded
+                                 else "load new weights first: wake_up(tags=[\"weights\"]), "
+                                 "collective_rpc(\"reload_weights\"), then wake_up()",
                                  "POST /wake_up, then retry" if not self._sleep.discarded else
                                  "POST /wake_up?tags=weights, POST /collective_rpc {\"method\": \"reload_weights\"}, "
                                  "then POST /wake_up, then retry")
