@@ -57,6 +57,7 @@ def test_keep_pauses_the_requests_and_they_go_on_after_wake_up(path, overlap, le
         assert engine.is_paused() and not [o for o in outs if o.finished]
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
         assert len(engine.scheduler.waiting) == 2 and not engine.scheduler.running
+        assert engine.stats()["num_preemptions"] == 0  # (a pause: no preemption counted)
         with pytest.raises(SleepModeError, match="asleep"):
             engine.add_request("c", PROMPTS[0], LONG)
         if level == 2:

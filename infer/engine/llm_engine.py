@@ -1132,7 +1132,7 @@ class LLMEngine:
         self._carried += done
         if mode == "keep":  # the youngest first: each goes back to the head of the waiting queue, the oldest first
             for seq in reversed(list(self.scheduler.running)):
-                self.scheduler.preempt(seq)
+                self.scheduler.preempt(seq, counted=False)  # (a pause, not a preemption: stats and /metrics)
         self.block_manager.reset_prefix_cache(counters=False, in_use=True)
         self._drop_graphs()
         runner, drafter = self.runner, self.drafter

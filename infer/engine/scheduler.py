@@ -373,15 +373,17 @@ class Scheduler:
         self.bm.grow(seq, num_tokens)
         return True
 
-    def preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence, counted: bool = True) -> None:
+        """Back to the head of the waiting queue, its KV blocks freed (recomputed when it runs again). `counted`
+        False: not a preemption the stats and /metrics count (sleep(mode="keep") pausing it)."""
         self.running.remove(seq)
         seq.draft_token_ids = []
         self.bm.free_seq(seq)  # (draft_computed 0: recomputed, by the draft model too)
         if self.lora:
             self.lora.release(seq.lora)
         seq.status = Status.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
+        seq.num_preemptions += counted
+        self.num_preemptions += counted
         self.waiting.appendleft(seq)  # (RankedQueue: at its rank)
 
     def finish(self, seq: Sequence, reason: str) -> None:
