@@ -65,7 +65,8 @@ def test_serves_banner_says_sleep_mode_is_on_with_its_routes(monkeypatch):
     res = CliRunner().invoke(app, [*args, "--enable-sleep-mode"])
     assert res.exit_code == 0, res.output
     line = next(x for x in res.output.splitlines() if x.startswith("infer: serving"))
-    assert "sleep mode: on (POST /sleep?level=1 or 2, POST /wake_up, GET /is_sleeping)" in line, line
+    assert ("sleep mode: on (POST /sleep?level=1 or 2&mode=abort, wait or keep, POST /wake_up, GET /is_sleeping)"
+            in line), line
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     assert "sleep mode" not in next(x for x in res.output.splitlines() if x.startswith("infer: serving"))
