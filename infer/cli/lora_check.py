@@ -145,9 +145,9 @@ def copy_dequantized(engine_model, hf_model) -> None:
 def peft_check(oracle, name: str, path: Path, runs, tol_scale: float, label: str) -> NumericCheck:
     """Teacher-force infer's tokens through peft (adapter on, then off) and compare the logits of every step.
     A LoRAError when peft cannot load the adapter at all (e.g. a target_modules regex that matches no module)."""
-    from peft import PeftModel
+    from ..quant.convert import load_peft
     try:
-        model = PeftModel.from_pretrained(oracle, str(path), adapter_name=name).eval()
+        model = load_peft(oracle, path, adapter_name=name).eval()  # (with lora_dropout 0, as peft serves it)
     except Exception as e:  # peft's own verdict on the folder (NoMatchingPeftModuleError, a state-dict error, ...)
         _strip_peft(oracle)  # a failure after injecting its layers must not leak them into the next adapter's check
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]

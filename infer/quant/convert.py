@@ -534,13 +534,24 @@ def _some(names: list[str]) -> str:
     return names[0] + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
 
 
+def load_peft(model, adapter: Path, **kw):
+    """PeftModel.from_pretrained(model, adapter) for inference: the adapter's config read as peft reads it, with
+    lora_dropout 0 (dropout does nothing at inference, but peft 0.21's ParamWrapper, the LoRA of a mixture of
+    experts' stacked parameters (target_parameters, or transformers 4's per-expert modules peft converts into
+    them), refuses any other value); nothing is written to the adapter's folder."""
+    from peft import PEFT_TYPE_TO_CONFIG_MAPPING, PeftConfig, PeftModel
+    config = PEFT_TYPE_TO_CONFIG_MAPPING[PeftConfig._get_peft_type(str(adapter))].from_pretrained(str(adapter))
+    if getattr(config, "lora_dropout", 0):
+        config.lora_dropout = 0.0
+    return PeftModel.from_pretrained(model, str(adapter), config=config, **kw)
+
+
 def _merge(model, adapter: Path):
     """(the model with the adapter merged in, whether its lm_head is no longer its embeddings' tensor)."""
-    from peft import PeftModel
     keep = _keeps_tying(adapter)  # peft ties the adapter's embedding and head modules as the base ties theirs
     tied = not keep and _untie(model)
     try:
-        peft_model = PeftModel.from_pretrained(model, str(adapter))
+        peft_model = load_peft(model, adapter)
     except (RuntimeError, ValueError, KeyError) as e:
         raise LoRAError(f"the adapter {adapter} does not fit the model: {_first_line(e)}",
                         "pass an adapter trained on this base model (`infer lora-validate` lists every mismatch)") \
