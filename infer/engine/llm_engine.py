@@ -1111,18 +1111,21 @@ class LLMEngine:
         they go on once the engine is awake again (after level 2, with the weights reload_weights() loaded), greedy
         tokens as those of a run never put to sleep. The prefix cache is forgotten and the CUDA graphs dropped
         (captured again on waking). New requests are refused (SleepModeError) until wake_up(). Asleep already: a
-        warning, nothing done (vLLM's). Returns the bytes freed on the device."""
+        warning, the memory left as it is (vLLM's), but the requests an earlier sleep(mode="keep") paused take this
+        call's mode: "abort" ends them (as above: finish_reason "abort", handed out by the next step), "keep" leaves
+        them paused, and "wait" is refused (SleepModeError, from check_sleep: they cannot run to their end while
+        the engine is asleep). Returns the bytes freed on the device."""
         self.check_sleep(level, mode)
         if self._sleep.asleep:
-            log.warning("the engine is asleep already (tags %s): sleep() does nothing", sorted(self._sleep.tags))
+            log.warning("the engine is asleep already (tags %s): sleep() frees nothing more", sorted(self._sleep.tags))
+            if mode == "abort":  # (a later abort-sleep ends the requests a sleep(mode="keep") paused, as vLLM's)
+                self._abort_for_sleep()
+                self._sleep.paused = False
             return 0
         if mode == "wait":
             self._run_to_end()
         elif mode == "abort":
-            for seq in list(self.requests.values()):
-                if not seq.finished:
-                    self.abort_request(seq.request_id)
-                    seq.error = SLEPT  # (a server's stream ends with finish_reason "abort", not as at its shutdown)
+            self._abort_for_sleep()
         done: list[RequestOutput] = []  # a step on the device (overlap) completes first: its memory is freed next
         if self._unsettled is not None:
             self._settle(done)
@@ -1193,6 +1196,13 @@ class LLMEngine:
         waits instead (another thread wakes the engine)."""
         return (self._sleep.asleep or self._sleep.discarded) and not self._aborted and not self._carried
 
+    def _abort_for_sleep(self) -> None:
+        """End every request the engine holds, as sleep(mode="abort") ends them (finish_reason "abort")."""
+        for seq in list(self.requests.values()):
+            if not seq.finished:
+                self.abort_request(seq.request_id)
+                seq.error = SLEPT  # (a server's stream ends with finish_reason "abort", not as at its shutdown)
+
     def check_sleep(self, level: int = 1, mode: str = "abort") -> None:
         """sleep()'s checks, made before anything is done (a server checks them before it waits for requests)."""
         self._check_open()
@@ -1207,6 +1217,11 @@ class LLMEngine:
             raise RequestError(f"sleep mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}"[:200],
                                "\"abort\" ends the requests running, \"wait\" lets them finish first, \"keep\" pauses "
                                "them until wake_up() (e.g. sleep(level=1, mode=\"keep\"))")
+        if mode == "wait" and self._sleep.asleep and self._sleep.paused and self.scheduler.has_unfinished():
+            raise SleepModeError("sleep(mode=\"wait\") while the engine is asleep with requests an earlier "
+                                 "sleep(mode=\"keep\") paused: they cannot run to their end while it sleeps",
+                                 "wake_up() first and they run on, or sleep(mode=\"abort\") to end them "
+                                 "(mode \"keep\" leaves them paused)")
 
     def _run_to_end(self) -> None:
         """Step until every request has ended (sleep(mode="wait")); their outputs are handed out by the next step."""
