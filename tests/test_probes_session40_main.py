@@ -36,4 +36,5 @@ def test_quantize_checks_the_widths_of_a_qwen3_without_head_dim_as_transformers_
         "num_attention_heads": 3, "num_key_value_heads": 1, "num_hidden_layers": 1, "vocab_size": 128}))
     with pytest.raises(InferError) as e:  # the folder has no weights: refused for that, after the width check
         quantize_model(d, tmp_path / "o", QuantizeOptions(group_size=32))
-    assert "divide" not in str(e.value) and "pack" not in str(e.value) and "42" not in str(e.value), str(e.value)
+    said = str(e.value).replace(str(d), "MODEL")  # (the folder's path may hold 42: pytest-142)
+    assert "has no weights" in said and not any(w in said for w in ("divide", "pack", "42")), said
