@@ -56,8 +56,13 @@ def _poison(llm) -> None:
     """The placeholder NaN, and every block a sliding group frees while no one holds it (prefix caching off: no one
     may take it back) NaN until it is handed out again (then zeroed): a kernel that read one would spread NaN."""
     bm = llm.engine.block_manager
-    cache = llm.engine.runner.kv_cache
     bm.fresh = [b for b in bm.fresh if b != bm.placeholder]
+    nan_where_freed(bm, llm.engine.runner.kv_cache)
+
+
+def nan_where_freed(bm, cache) -> None:
+    """`cache` (a KV cache of bm's pool blocks) NaN at the placeholder and at every block a sliding group frees
+    while no one holds it."""
     cache[:, :, bm.placeholder] = float("nan")
     for m in bm.groups[1:]:
         real = m.free_behind

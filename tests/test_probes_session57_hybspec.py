@@ -23,7 +23,7 @@ from helpers import greedy_each, save_random_model
 
 from test_probes_session55_swblocks import CHUNK, random_prompts
 from test_probes_session56_eagle import save_eagle3
-from test_probes_session56_hybrid2 import BASE, _held, _no_groups, _poison, build
+from test_probes_session56_hybrid2 import BASE, _held, _no_groups, _poison, build, nan_where_freed
 
 K = 3
 KW = dict(block_size=4, max_num_batched_tokens=CHUNK, max_num_seqs=3)
@@ -37,18 +37,7 @@ def _draft_spec(folder, k: int = K) -> dict:
 def _poison_draft(llm) -> None:
     """The draft's KV NaN at the placeholder and at every block a sliding group frees while no one holds it (as
     _poison does the target's): a proposal that read one would draft from NaN."""
-    bm, cache = llm.engine.block_manager, llm.engine.drafter.kv_cache
-    cache[:, :, bm.placeholder] = float("nan")
-    for m in bm.groups[1:]:
-        real = m.free_behind
-
-        def free_behind(seq, real=real):
-            before = set(seq.block_table)
-            real(seq)
-            gone = [b for b in before - set(seq.block_table) if bm.blocks[b].ref_count == 0]
-            if gone:
-                cache[:, :, gone] = float("nan")
-        m.free_behind = free_behind
+    nan_where_freed(llm.engine.block_manager, llm.engine.drafter.kv_cache)
 
 
 def _run(llm, prompts, n):
