@@ -38,6 +38,20 @@ COMPILE_ONLY_LAUNCHES = COMPILE_ONLY_PREAMBLE + textwrap.dedent('''
 ''')
 
 
+@contextlib.contextmanager
+def nan_filled_empty(module):
+    """`module.torch.empty` hands out NaN-filled float tensors meanwhile (a row a kernel forgets to write fails the
+    comparison)."""
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(module.torch, "empty", poisoned)
+        yield
+
+
 def in_empty_hub_cache(tmp_path, monkeypatch) -> None:
     """The test runs in tmp_path with an empty Hugging Face cache (HF_HOME there, no HF_HUB_CACHE override): a hub id
     is then one nothing has downloaded."""

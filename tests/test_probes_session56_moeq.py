@@ -12,6 +12,8 @@ import torch
 
 from infer.kernels import packing, reference
 
+from helpers import nan_filled_empty
+
 
 def int4_experts(e: int, k: int, n: int, group_size: int, act_order: bool, sym: bool, zeros_v1: bool, seed: int):
     """Random int4 experts (reference.Int4Experts) of K inputs and N outputs: act_order shuffles each expert's g_idx
@@ -62,13 +64,7 @@ def test_int4_fused_moe_equals_the_reference(case):
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(t + 2))
     w, ids = routing(t, e, k, seed=t + 3)
     want = reference.fused_moe(x, w13.dequantize(x.dtype), w2.dequantize(x.dtype), w, ids)
-    real_empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        out = real_empty(*args, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(moe.torch, "empty", poisoned)
+    with nan_filled_empty(moe):
         got = moe.fused_moe_int4(x, w13, w2, w, ids)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
     assert torch.allclose(reference.fused_moe_int4(x, w13, w2, w, ids), want, atol=1e-6)

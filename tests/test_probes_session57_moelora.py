@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from infer import LLM, SamplingParams
 
-from helpers import greedy_each, random_prompts
+from helpers import greedy_each, nan_filled_empty, random_prompts
 from lora_helpers import PeftOracle, hf_float, save_adapter
 from test_probes_session55_moe import build
 
@@ -380,13 +380,7 @@ def test_triton_fused_moe_with_expert_adapters_equals_the_reference(case):
                                ((s, e, r, h), (s, e, 2 * i, r), (s, e, r, i), (s, e, h, r))), slots)
     want = reference.fused_moe(x, f13, f2, w, ids, lora)
     assert (want - reference.fused_moe(x, f13, f2, w, ids)).abs().max() > 1e-2
-    real_empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        out = real_empty(*args, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(moe.torch, "empty", poisoned)
+    with nan_filled_empty(moe):
         for got in (moe.fused_moe(x, f13, f2, w, ids, lora), moe.fused_moe_int4(x, w13, w2, w, ids, lora)):
             assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
     assert torch.allclose(reference.fused_moe_dense(x, f13, f2, w, ids, lora), want, atol=1e-4, rtol=1e-4)
