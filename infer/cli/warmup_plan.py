@@ -141,29 +141,15 @@ def _finish(plan: MemoryPlan, extra: dict, engine_config: EngineConfig, model_co
     return bound_room(plan, blocks_at), {**extra, "fitting_batched_tokens": tokens}
 
 
-def _own_bits(gptq, module: str) -> int | None:
-    """A checkpoint module's own bits as the loader reads them (None: in float): the head's from the config's
-    lm_head settings, another's from its rules matched against its `model.`-prefixed name, whether the checkpoint
-    stores it with the prefix or without (models.loader.module_key)."""
-    from ..models.loader import module_key
-    key = module_key(module)
-    own = gptq.for_head() if key == "lm_head" else gptq.for_module(f"model.{key}")
-    return own.bits if own is not None else None
-
-
 def estimate_plan(engine_config: EngineConfig, max_length: int, concurrency: int) -> tuple[MemoryPlan, dict]:
-    from ..memory.checkpoint import checkpoint_weights_bytes
+    from ..memory.checkpoint import checkpoint_load_bytes
     from ..models.loader import weight_files
     path, model_config, device, dtype = _model_parts(engine_config)
     limit = _check_length(model_config, engine_config, max_length)
     from ..models.loader import check_weights
     from ..quant.config import GPTQConfig
     gptq = GPTQConfig.from_model_dir(path)  # as the loader: another quant_method, or 3-bit GPTQ, is refused
-    def bits_of(module: str) -> int | None:  # a layer's own bits, as the loader reads them (a head, `dynamic`)
-        return _own_bits(gptq, module)
-    weights = checkpoint_weights_bytes(weight_files(path), model_config, dtype, device, gptq.bits if gptq else None,
-                                       gptq.desc_act if gptq else False, bits_of if gptq else None,
-                                       awq=bool(gptq) and gptq.quant_method == "awq")
+    weights = checkpoint_load_bytes(path, model_config, dtype, device)
     check_weights(path, device)  # what a load on `device` refuses of the layers and tensors, from the headers (read
     # above: a damaged one named as such) alone
     from ..models.rope import rope_table_bytes  # the rotary table an engine of this config builds at load
@@ -194,10 +180,9 @@ def _draft_weights(engine_config: EngineConfig, model_config, dtype, device, max
     """A draft model's weights from its files (and its rotary table), after the checks an engine start makes; 0
     without one."""
     from ..engine.draft import draft_config, draft_context
-    from ..memory.checkpoint import checkpoint_weights_bytes
+    from ..memory.checkpoint import checkpoint_load_bytes, checkpoint_weights_bytes
     from ..models.loader import check_weights, weight_files
     from ..models.rope import rope_table_bytes
-    from ..quant.config import GPTQConfig
     spec = engine_config.speculative_config or {}
     if spec.get("method") in ("eagle3", "eagle"):  # an EAGLE head (models.eagle): its tensors in the target's
         # dtype, and its rotary table of the target's positions (load_draft builds it so)
@@ -209,13 +194,7 @@ def _draft_weights(engine_config: EngineConfig, model_config, dtype, device, max
     if found is None:
         return 0
     path, config = found
-    gptq = GPTQConfig.from_model_dir(path)
-
-    def bits_of(module: str) -> int | None:
-        return _own_bits(gptq, module)
-    bits, desc_act = (gptq.bits, gptq.desc_act) if gptq else (None, False)
-    weights = checkpoint_weights_bytes(weight_files(path), config, dtype, device, bits, desc_act,
-                                       bits_of if gptq else None, awq=bool(gptq) and gptq.quant_method == "awq")
+    weights = checkpoint_load_bytes(path, config, dtype, device)
     check_weights(path, device)  # (as the target's: what its load refuses)
     return weights + rope_table_bytes(config, draft_context(config, max_length))  # (its table: its own positions)
 

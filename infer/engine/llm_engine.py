@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import kernels
-from ..errors import (ClosedError, ConfigError, LoRAError, LoRANameError, ModelLoadError, RequestError,
-                      RequestIdTypeError, SleepModeError, UnknownAdapterError)
+from ..errors import (ClosedError, ConfigError, LoRAError, LoRANameError, ModelLoadError, OutOfMemoryError,
+                      RequestError, RequestIdTypeError, SleepModeError, UnknownAdapterError)
 from ..memory.sizes import kv_groups, kv_window
 from ..models.limits import layer_groups
 from .block_manager import BlockManager
@@ -1250,6 +1250,7 @@ class LLMEngine:
         # what a load refuses, and another model, refused from the files' headers before anything is freed (another
         # group size, act-order, sym or bits is taken: _adopt_weights)
         _check_reloadable(self.runner.model, check_weights(self.model_path, self.device), self.model_path)
+        self._check_reload_fits()  # (a load that runs out of memory once the old weights are freed leaves none)
         self._drop_graphs()  # (their addresses are the old weights')
         # the old weights' memory first (one model's worth at a time); until the new ones are in (a load that fails
         # leaves none), requests are refused
@@ -1265,6 +1266,45 @@ class LLMEngine:
         if not self._sleep.asleep:
             self._sleep.paused = False
             self._recapture()
+
+    def _check_reload_fits(self) -> None:
+        """reload_weights()' memory check, from the new checkpoint's headers before the loaded weights are freed: its
+        weights (their bytes once loaded, memory.checkpoint) must fit what the loaded ones free and the engine's
+        memory plan leaves of its budget (--memory-limit, --gpu-memory-utilization), and on CUDA the device's free
+        memory: an OutOfMemoryError naming both sizes, the engine serving on with the loaded weights."""
+        from ..memory.checkpoint import checkpoint_load_bytes
+        from ..memory.sizes import gib, weights_bytes
+        from ..models.loader import load_config
+        from ..models.rope import rope_table_bytes
+        cfg = load_config(self.model_path)
+        new = checkpoint_load_bytes(self.model_path, cfg, self.dtype, self.device)
+        new += rope_table_bytes(cfg, self.max_model_len)  # (the rotary table load_model builds)
+        old = weights_bytes(self.runner.model)
+        plan = self.memory_plan
+        # what the plan holds besides the model's weights: activations, adapter slots, reserve, KV cache, a draft's
+        draft = weights_bytes(self.drafter.model) if self.drafter is not None else 0
+        others = (plan.activation_peak_bytes + plan.lora_bytes + plan.reserve_bytes
+                  + plan.kv_blocks * plan.kv_block_bytes + draft)
+        cuda = self.device.type == "cuda"
+        more = "--gpu-memory-utilization" if cuda else "--memory-limit"
+        sizes = f"the new checkpoint's weights take {gib(new)} once loaded, the loaded ones {gib(old)}"
+        if new + others > plan.budget_bytes:
+            raise OutOfMemoryError(
+                f"{self.model_path}: reload_weights() does not fit: {sizes}; with the KV cache, activations"
+                + (", adapter slots" if plan.lora_bytes else "") + f" and reserve ({gib(others)}) they pass the "
+                f"engine's budget of {gib(plan.budget_bytes)}",
+                f"the engine serves on with the loaded weights; write a checkpoint of at most "
+                f"{gib(max(0, plan.budget_bytes - others))} (fewer bits, a smaller dtype), or start a new engine on "
+                f"it with a larger budget ({more}: at least {gib(new + others)} in all)")
+        if cuda:  # the device's free memory (other processes' use included) and what torch holds unused
+            free = torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device) \
+                - torch.cuda.memory_allocated(self.device)
+            if new - old > free:
+                raise OutOfMemoryError(
+                    f"{self.model_path}: reload_weights() does not fit: {sizes}, {gib(new - old)} more than the "
+                    f"{gib(free)} the GPU has free",
+                    "the engine serves on with the loaded weights; free GPU memory (other processes), or write a "
+                    "smaller checkpoint (fewer bits, a smaller dtype)")
 
     def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
                        kwargs: dict | None = None) -> list:

@@ -129,6 +129,28 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
                                                             else 0)
 
 
+def checkpoint_load_bytes(path: Path, model_config, dtype: torch.dtype, device: torch.device) -> int:
+    """checkpoint_weights_bytes of the model folder `path`, its GPTQ or AWQ config (bits, desc_act, each layer's own
+    bits) read as the loader reads it (another quant_method, or 3-bit GPTQ, refused); the rotary table not counted."""
+    from ..models.loader import weight_files
+    from ..quant.config import GPTQConfig
+    gptq = GPTQConfig.from_model_dir(path)
+    if gptq is None:
+        return checkpoint_weights_bytes(weight_files(path), model_config, dtype, device)
+    return checkpoint_weights_bytes(weight_files(path), model_config, dtype, device, gptq.bits, gptq.desc_act,
+                                    lambda module: own_bits(gptq, module), awq=gptq.quant_method == "awq")
+
+
+def own_bits(gptq, module: str) -> int | None:
+    """A checkpoint module's own bits as the loader reads them (None: in float): the head's from the config's
+    lm_head settings, another's from its rules matched against its `model.`-prefixed name, whether the checkpoint
+    stores it with the prefix or without (models.loader.module_key)."""
+    from ..models.loader import module_key
+    key = module_key(module)
+    own = gptq.for_head() if key == "lm_head" else gptq.for_module(f"model.{key}")
+    return own.bits if own is not None else None
+
+
 # the engine's merged layers (models.layers.MergedLinear): q, k, v and gate, up are one GPTQ layer each
 _MERGED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 # Mixtral's experts' gate and up (block_sparse_moe.experts.N.w1, w3): one int4 stack, one g_idx (models.moe)
