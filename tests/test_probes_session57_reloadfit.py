@@ -74,8 +74,8 @@ def test_a_larger_checkpoint_that_does_not_fit_is_refused_before_anything_is_fre
         _write(layouts, "int8", folder)
         with pytest.raises(OutOfMemoryError, match="reload_weights\\(\\) does not fit") as e:
             llm.collective_rpc("reload_weights")
-        assert f"new checkpoint's weights take {gib(big)}" in e.value.message
-        assert f"the loaded ones {gib(small)}" in e.value.message
+        assert f"new checkpoint's weights take {gib(big)} ({big:,} bytes)" in e.value.message
+        assert f"the loaded ones {gib(small)} ({small:,} bytes)" in e.value.message
         assert "--memory-limit" in e.value.hint and "serves on with the loaded weights" in e.value.hint
         assert [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, PARAMS)] == want
         _write(layouts, "int4", folder)
@@ -96,3 +96,24 @@ def test_a_smaller_checkpoint_is_taken_under_the_same_budget(layouts, tmp_path):
         _write(layouts, "int4", folder)
         llm.collective_rpc("reload_weights")
         assert [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, PARAMS)] == want
+
+
+def test_the_server_answers_a_refused_reload_with_400_and_serves_on(layouts, tmp_path):
+    """POST /collective_rpc {"method": "reload_weights"} of a checkpoint that does not fit: a 400 naming both sizes
+    (the client wrote the checkpoint: not a server fault), and completions as before."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    llm, folder, small, big = _tight(layouts, tmp_path)
+    engine = llm.llm_engine
+    engine.config.enable_sleep_mode = True  # (POST /collective_rpc needs it; nothing else here does)
+    body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny")) as url:
+        want = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        _write(layouts, "int8", folder)
+        r = httpx.post(f"{url}/collective_rpc", json={"method": "reload_weights"}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert f"weights take {gib(big)} ({big:,} bytes)" in r.json()["error"]["message"]
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want

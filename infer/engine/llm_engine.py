@@ -1287,15 +1287,16 @@ class LLMEngine:
                   + plan.kv_blocks * plan.kv_block_bytes + draft)
         cuda = self.device.type == "cuda"
         more = "--gpu-memory-utilization" if cuda else "--memory-limit"
-        sizes = f"the new checkpoint's weights take {gib(new)} once loaded, the loaded ones {gib(old)}"
+        sizes = (f"the new checkpoint's weights take {gib(new)} ({new:,} bytes) once loaded, the loaded ones "
+                 f"{gib(old)} ({old:,} bytes)")  # (bytes too: a few bits more differ by less than a rounded size)
         if new + others > plan.budget_bytes:
             raise OutOfMemoryError(
                 f"{self.model_path}: reload_weights() does not fit: {sizes}; with the KV cache, activations"
                 + (", adapter slots" if plan.lora_bytes else "") + f" and reserve ({gib(others)}) they pass the "
                 f"engine's budget of {gib(plan.budget_bytes)}",
-                f"the engine serves on with the loaded weights; write a checkpoint of at most "
-                f"{gib(max(0, plan.budget_bytes - others))} (fewer bits, a smaller dtype), or start a new engine on "
-                f"it with a larger budget ({more}: at least {gib(new + others)} in all)")
+                f"the engine serves on with the loaded weights; write a checkpoint whose weights take at most "
+                f"{max(0, plan.budget_bytes - others):,} bytes (fewer bits, a smaller dtype), or start a new engine on "
+                f"it with a larger budget ({more}: at least {new + others:,} bytes in all)")
         if cuda:  # the device's free memory (other processes' use included) and what torch holds unused
             free = torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device) \
                 - torch.cuda.memory_allocated(self.device)

@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from ..engine.sleep import MODES, TAGS
-from ..errors import RequestError, SleepModeError
+from ..errors import ModelLoadError, OutOfMemoryError, RequestError, SleepModeError
 from . import protocol as p
 from .async_engine import NoEngineError, ShuttingDownError
 from .body import SafeJSONResponse, check_values, load_json, read_body
@@ -99,8 +99,8 @@ def _check(server, request: Request) -> None:
 async def _run(server, call):
     try:
         return await call
-    except (SleepModeError, RequestError) as e:
-        raise p.ApiError(400, http_message(e)) from None
+    except (SleepModeError, RequestError, ModelLoadError, OutOfMemoryError) as e:  # (the last two: reload_weights
+        raise p.ApiError(400, http_message(e)) from None  # of a checkpoint it refuses, the engine serving on)
     except ShuttingDownError as e:
         raise p.shutting_down(str(e)) from None
     except NoEngineError as e:
