@@ -22,6 +22,7 @@ def lora_validate(
                                                                 "for a float model): check the adapters against "
                                                                 "the int4 base you will serve.")] = False,
     max_lora_rank: o.MaxLoraRank = o.default("max_lora_rank"),
+    lora_target_modules: o.LoraTargetModules = None,
     steps: Annotated[int, typer.Option(min=0, max=256, help="Greedy steps per prompt in the numeric check "
                                                             "(0 = static checks only).")] = 8,
     device: o.Device = o.default("device"),
@@ -47,10 +48,12 @@ def lora_validate(
 
     Exit status: 0 every adapter passes, 1 some adapter fails (the reasons are printed), 2 bad BASE or options.
     """
+    from ..lora.targets import parse_target_modules
     from .lora_check import run_checks
     from .quiet import library_output
     with library_output():
-        info, reports = run_checks(base, adapters, quantized, max_lora_rank, steps, device)
+        info, reports = run_checks(base, adapters, quantized, max_lora_rank, steps, device,
+                                   parse_target_modules(lora_target_modules or None))
     print_reports(info, reports, as_json)
     exit_on_failures(reports, verbose)
 

@@ -45,13 +45,16 @@ def _prompt_ids(tokenizer) -> list[list[int]]:
     return [p for p in ids if p] or [[1, 2, 3, 4]]
 
 
-def engine_for(base_path: Path, adapters: dict[str, Path], max_rank: int, steps: int, device: str):
+def engine_for(base_path: Path, adapters: dict[str, Path], max_rank: int, steps: int, device: str,
+               target_modules: list[str] | None = None):
     """infer's LLM with the adapters registered, sized for the check's short prompts (float32). One device slot:
     the adapters run one after the other, so slots for all of them (float32, --max-lora-rank on every layer) would
-    only take memory, and on a large base fail the start naming --max-loras, an option lora-validate has not."""
+    only take memory, and on a large base fail the start naming --max-loras, an option lora-validate has not.
+    `target_modules`: --lora-target-modules, as it will be served."""
     from ..engine.llm import LLM
     need = context_for(base_path, steps)
     return LLM(str(base_path), loras={n: str(p) for n, p in adapters.items()}, max_loras=1,
+               lora_target_modules=target_modules,
                max_lora_rank=max_rank, dtype="float32", device=device, max_model_len=need,
                num_kv_blocks=2 * math.ceil(need / 16) + 2, max_num_seqs=2, enable_prefix_caching=False)
 
@@ -204,12 +207,13 @@ def _strip_peft(model) -> None:
 
 
 def numeric_checks(base_path: Path, gptq: bool, adapters: dict[str, Path], max_rank: int, steps: int = 8,
-                   device: str = "auto") -> dict[str, NumericCheck | LoRAError]:
+                   device: str = "auto",
+                   target_modules: list[str] | None = None) -> dict[str, NumericCheck | LoRAError]:
     """infer vs peft for every adapter (all must have passed the static checks); a LoRAError for an adapter peft
     cannot load, so one such adapter fails its own row and the others are still checked."""
     if not adapters:
         return {}
-    llm = engine_for(base_path, adapters, max_rank, steps, device)
+    llm = engine_for(base_path, adapters, max_rank, steps, device, target_modules)
     prompts = _prompt_ids(llm.tokenizer)
     _check_room(prompts, steps, llm.engine.config.max_model_len)
     runs = {name: [((p, toks), logits) for p, (toks, logits) in zip(prompts, infer_logits(llm, name, prompts, steps))]
@@ -227,14 +231,15 @@ def numeric_checks(base_path: Path, gptq: bool, adapters: dict[str, Path], max_r
 
 
 def run_checks(base: str, adapter_args: list[str], quantized: bool = False, max_rank: int = 64, steps: int = 8,
-               device: str = "auto"):
-    """Static checks for every adapter, then the numeric check for those without problems (steps=0 skips it)."""
+               device: str = "auto", target_modules: list[str] | None = None):
+    """Static checks for every adapter, then the numeric check for those without problems (steps=0 skips it);
+    `target_modules`: --lora-target-modules (an adapter with weights outside them fails)."""
     from ..lora.adapter import Problem
     from ..lora.validate import static_reports
-    info, reports, paths = static_reports(base, adapter_args, quantized, max_rank)
+    info, reports, paths = static_reports(base, adapter_args, quantized, max_rank, target_modules)
     clean = {r.name: paths[r.name] for r in reports if r.static_ok}
     if steps > 0:
-        checks = numeric_checks(info.path, info.gptq is not None, clean, max_rank, steps, device)
+        checks = numeric_checks(info.path, info.gptq is not None, clean, max_rank, steps, device, target_modules)
         for r in reports:
             check = checks.get(r.name)
             if isinstance(check, LoRAError):  # no numbers to show: the row FAILs with peft's reason

@@ -257,3 +257,4 @@ ReplicaPlacementTimeout = Annotated[float, typer.Option("--replica-placement-tim
 # Single engine options for commands that do not run the engine (lora-validate).
 Device = Annotated[str, typer.Option(help=_field("device").metadata["help"], callback=_check_device)]
 MaxLoraRank = _cli_annotation(_field("max_lora_rank"))
+LoraTargetModules = _cli_annotation(_field("lora_target_modules"))

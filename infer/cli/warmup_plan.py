@@ -168,7 +168,8 @@ def estimate_plan(engine_config: EngineConfig, max_length: int, concurrency: int
         int4_layer = checkpoint_int4_layer_elements(weight_files(path), gptq.bits) * element_bytes(dtype)
     act = _formula(engine_config, model_config, dtype, concurrency, max_length, rank, int4_layer=int4_layer)
     budget = budget_bytes(engine_config, device, weights, loaded=False)
-    lora = lora_slot_bytes(model_config, engine_config.max_loras, rank, dtype) if rank else 0
+    lora = lora_slot_bytes(model_config, engine_config.max_loras, rank, dtype,
+                           engine_config.lora_target_modules) if rank else 0
     lora += sum(copies) if device.type == "cpu" else 0
     plan = make_plan(engine_config, model_config, dtype, device, weights, act, max_length, concurrency, limit,
                      lora=lora, budget=budget, draft_config=_draft_cfg(engine_config))
@@ -206,7 +207,8 @@ def _lora_manager(model, engine_config: EngineConfig, device, dtype):
         return None, None
     from ..lora.manager import LoRAManager
     manager = LoRAManager(model, max_loras=engine_config.max_loras, max_lora_rank=engine_config.max_lora_rank,
-                          max_cpu_loras=engine_config.max_cpu_loras, device=device, dtype=dtype)
+                          max_cpu_loras=engine_config.max_cpu_loras, device=device, dtype=dtype,
+                          target_modules=engine_config.lora_target_modules)
     for name, adapter in engine_config.loras.items():
         manager.register(name, adapter)
     return manager, max(engine_config.loras, key=manager.rank_of, default=None)
@@ -219,7 +221,7 @@ def _slots_past_budget(model, model_config, engine_config: EngineConfig, device,
     rank = lora_rank(engine_config)
     if not rank:
         return 0
-    slots = lora_slot_bytes(model_config, engine_config.max_loras, rank, dtype)
+    slots = lora_slot_bytes(model_config, engine_config.max_loras, rank, dtype, engine_config.lora_target_modules)
     weights = weights_bytes(model)
     return slots if weights + slots > budget_bytes(engine_config, device, weights) else 0
 

@@ -18,6 +18,7 @@ import torch
 
 from ..checks import parse_size
 from ..errors import ConfigError, read_utf8
+from ..lora.targets import parse_target_modules
 from ..memory.sizes import gib
 from .speculative import parse_speculative_config
 
@@ -280,6 +281,12 @@ class EngineConfig:
     max_loras: int = option(4, "Adapters resident on the device at once.", panel=LORA)
     max_lora_rank: int = option(64, "Largest adapter rank (slots are padded to it).", panel=LORA)
     max_cpu_loras: int | None = option(None, "Adapters kept in CPU memory (default: all registered).", panel=LORA)
+    lora_target_modules: list[str] | None = option(
+        None, "Only these modules get adapter slots (vLLM's --lora-target-modules; repeat it or separate names with "
+              "commas): q_proj, k_proj, v_proj (infer's fused qkv_proj: all three or none), o_proj, gate_proj, "
+              "up_proj (gate_up_proj: both or none), down_proj, experts (a mixture of experts' stacked experts), "
+              "shared_expert (Qwen2-MoE's); default: every module. An adapter with weights on another module is "
+              "refused.", panel=LORA, cli_type=list[str], metavar="MODULE")
 
     def __post_init__(self) -> None:
         if self.seed is None:  # vLLM's seed=None: not reproducible; a drawn seed, kept in the config (and records)
@@ -301,6 +308,7 @@ class EngineConfig:
             raise ConfigError(f"--memory-limit {str(limit).strip()} is {self.memory_limit} byte(s): a size without "
                               f"a unit counts bytes", f"give the unit, e.g. --memory-limit {str(limit).strip()}GB")
         self.loras = parse_loras(self.loras)
+        self.lora_target_modules = parse_target_modules(self.lora_target_modules)
         self.chat_template = load_chat_template(self.chat_template)
         self.speculative_config = parse_speculative_config(self.speculative_config)
         for msg in self._problems():  # the CLI adds "see `infer <the command> --help`" to an error without a hint

@@ -101,6 +101,9 @@ def load_engine_parts(engine_config: EngineConfig) -> EngineParts:
 
     path = resolve_model(engine_config.model)
     model_config = load_config(path)
+    if engine_config.loras or engine_config.enable_lora:  # a name the model has no layer of: before its load
+        from ..lora.targets import check_target_modules
+        check_target_modules(engine_config.lora_target_modules, model_config)
     device = engine_config.torch_device()
     warn_unused_memory_option(engine_config, device)
     dtype = engine_config.torch_dtype(checkpoint_dtype(model_config))
@@ -116,7 +119,8 @@ def load_engine_parts(engine_config: EngineConfig) -> EngineParts:
         lora_manager = LoRAManager(model, max_loras=engine_config.max_loras,
                                    max_lora_rank=engine_config.max_lora_rank,
                                    max_cpu_loras=engine_config.max_cpu_loras, device=device, dtype=dtype,
-                                   base_path=path, base_name=str(engine_config.model))
+                                   base_path=path, base_name=str(engine_config.model),
+                                   target_modules=engine_config.lora_target_modules)
         for name, adapter in engine_config.loras.items():
             lora_manager.register(name, adapter)
     plan = plan_memory(engine_config, model_config, model, dtype, device, max_len,

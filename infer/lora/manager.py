@@ -26,8 +26,9 @@ from ..models.layers import MergedLinear
 from ..models.moe import SparseMoeBlock
 from .adapter import LoRAAdapter, adapter_path, load_adapter
 from .batch import LoRABatch
-from .experts import ExpertLoRA
+from .experts import ExpertLoRA, expert_names
 from .layer import LoRALayer
+from .targets import check_adapter_targets, check_target_modules, module_proj, selects, slot_scope
 
 log = logging.getLogger("infer")
 
@@ -35,24 +36,34 @@ log = logging.getLogger("infer")
 class LoRAManager:
     def __init__(self, model, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                 base_path: Path | None = None, base_name: str | None = None):
+                 base_path: Path | None = None, base_name: str | None = None,
+                 target_modules: list[str] | None = None):
         """`base_path` / `base_name`: the base model's folder and the name it was given by; with them, an adapter
         whose adapter_config.json names another base model is logged as a warning when added (as lora-validate
-        warns), since its sizes may fit by chance."""
+        warns), since its sizes may fit by chance. `target_modules` (--lora-target-modules, lora.targets): only
+        those layers get slots (None: every layer), and an adapter with weights on another is refused."""
         if max_loras < 1 or max_lora_rank < 1 or (max_cpu_loras is not None and max_cpu_loras < 1):
             raise LoRAError(f"max_loras={max_loras}, max_lora_rank={max_lora_rank}, max_cpu_loras={max_cpu_loras}",
                             "each must be at least 1")
         linears = [m for m in model.modules() if isinstance(m, MergedLinear)
                    and not getattr(m, "output_head", False)]  # a GPTQ lm_head: adapters never target it
         self.base_config = model.config
+        self.target_modules = target_modules
+        self._chosen = check_target_modules(target_modules, model.config)
         self.base_path, self.base_name = base_path, base_name
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.device = torch.device(device) if device is not None else _device_of(linears)
         self.dtype = dtype or (linears[0].dtype if linears else torch.float32)
         self._where: dict[str, tuple[LoRALayer, int]] = {}  # HF module path -> (its layer, shard index)
+        blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+        # the HF module paths of the layers --lora-target-modules leaves without slots
+        self._left_out = {n for m in linears for n in m.names if not selects(self._chosen, module_proj(n))}
+        if not selects(self._chosen, "experts.gate_up_proj"):
+            self._left_out.update(n for block in blocks for n in expert_names(block))
+            blocks = []
+        linears = [m for m in linears if not self._left_out.issuperset(m.names)]
         self.layers: list[LoRALayer] = []
         self.linears = linears  # self.layers[i] is linears[i].lora
-        blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
         self.expert_layers: list[ExpertLoRA] = []  # a mixture of experts' sparse layers' experts (lora.experts)
         try:
             for linear in linears:
@@ -73,7 +84,8 @@ class LoRAManager:
             if not isinstance(e, MemoryError) and "memory" not in str(e).lower():
                 raise
             raise OutOfMemoryError(f"the adapter slots (--max-loras {max_loras} x --max-lora-rank {max_lora_rank} "
-                                   f"on every layer) do not fit in memory ({str(e).splitlines()[0][:200]})",
+                                   f"on {slot_scope(target_modules)}) do not fit in memory "
+                                   f"({str(e).splitlines()[0][:200]})",
                                    "lower --max-loras or --max-lora-rank (`infer warmup --estimate` counts the "
                                    "slots without allocating them)") from None
         self._paths: dict[str, Path] = {}
@@ -216,10 +228,11 @@ class LoRAManager:
     def _read(self, name: str, path: Path) -> LoRAAdapter:
         adapter = load_adapter(name, path, self.base_config, self.max_lora_rank, self.dtype)
         self.disk_loads += 1
-        missing = [m for m in adapter.modules if m not in self._where]
+        missing = [m for m in adapter.modules if m not in self._where and m not in self._left_out]
         if missing:
             raise LoRAError(f"LoRA adapter {name!r} ({path}): adapts {missing[0]}, which the loaded model lacks",
                             "the adapter was trained for another architecture")
+        check_adapter_targets(name, adapter.modules, self._chosen, self.target_modules)
         return adapter
 
     def _cache(self, adapter: LoRAAdapter) -> None:

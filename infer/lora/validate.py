@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..errors import ConfigError, LoRAError
 from .adapter import PROJECTIONS, Problem, expected_shapes, layer_count, module_scaling, read_adapter
+from .targets import check_adapter_targets, check_target_modules
 
 # projections whose input is the hidden state (Phi-3's fused ones too)
 _HIDDEN_IN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "qkv_proj", "gate_up_proj")
@@ -107,9 +108,10 @@ def parse_adapter_args(items: list[str]) -> dict[str, Path]:
 
 
 def static_report(name: str, path: Path, base_config, max_rank: int | None, base: "BaseInfo | None" = None,
-                  given: str | None = None) -> AdapterReport:
+                  given: str | None = None, target_modules: list[str] | None = None) -> AdapterReport:
     """Everything `lora-validate` can say about one adapter without running it (`base`/`given`: for the warning
-    about an adapter that names another base model)."""
+    about an adapter that names another base model; `target_modules`: --lora-target-modules, whose slots it must
+    fit in)."""
     report = AdapterReport(name, str(path))
     try:
         adapter = read_adapter(name, path)
@@ -127,6 +129,11 @@ def static_report(name: str, path: Path, base_config, max_rank: int | None, base
         (report.size_problems if is_size else report.problems).append(p)
     if report.size_problems:
         report.size_mismatch = size_mismatch_line(adapter, base_config, len(report.size_problems))
+    try:
+        check_adapter_targets(name, adapter.modules, check_target_modules(target_modules, base_config),
+                              target_modules)
+    except LoRAError as e:
+        report.problems.append(Problem(e.message.removeprefix(f"LoRA adapter {name!r} "), e.hint or ""))
     cfg = adapter.config
     # the largest rank over its modules (rank_pattern may raise it above r): what --max-lora-rank must hold
     report.rank, report.alpha, report.rslora = adapter.rank or cfg["r"], cfg["lora_alpha"], bool(cfg.get("use_rslora"))
@@ -280,9 +287,13 @@ def read_base(base: str, quantized: bool = False) -> BaseInfo:
     return BaseInfo(path, cfg, label, typed_name(base) or path.name)
 
 
-def static_reports(base: str, adapter_args: list[str], quantized: bool = False, max_rank: int = 64):
-    """(BaseInfo, one static AdapterReport per adapter, {name: path})."""
+def static_reports(base: str, adapter_args: list[str], quantized: bool = False, max_rank: int = 64,
+                   target_modules: list[str] | None = None):
+    """(BaseInfo, one static AdapterReport per adapter, {name: path}); ConfigError (exit 2) for --lora-target-modules
+    the base has no layers of."""
     info = read_base(base, quantized)
+    check_target_modules(target_modules, info.config)
     adapters = parse_adapter_args(adapter_args)
-    reports = [static_report(n, p, info.config, max_rank, info, base) for n, p in adapters.items()]
+    reports = [static_report(n, p, info.config, max_rank, info, base, target_modules=target_modules)
+               for n, p in adapters.items()]
     return info, reports, adapters

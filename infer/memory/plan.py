@@ -19,6 +19,7 @@ import torch
 from ..errors import ConfigError, OutOfMemoryError
 from ..kernels.intmath import PROGRAMS_PER_SM, cdiv, decode_parts, next_power_of_2
 from ..models.limits import context_limit
+from ..lora.targets import slot_scope
 from ..models.shapes import ModelShapes
 from .graph_buckets import batch_buckets, largest_per_stream, token_buckets
 from .sizes import (activation_bytes, dequant_scratch_bytes, element_bytes, gib, group_kv_bytes_per_token,
@@ -40,6 +41,7 @@ class PlanOptions(Protocol):
     enable_lora: bool
     max_loras: int
     max_lora_rank: int
+    lora_target_modules: list[str] | None
     kv_cache_dtype: str
     graph_priority: bool | None
     lora_expand_beside: bool
@@ -546,14 +548,16 @@ def check_lora_slots(engine_config: PlanOptions, model_config, model, dtype, dev
     """Before an engine allocates its adapter slots (--max-loras x --max-lora-rank on every merged layer): slots that
     with the weights pass the budget are refused naming those flags. Allocated first, they were the allocator's error,
     or on a CPU the machine's memory filling until the process was killed (plan_memory counts them only after)."""
-    slots = lora_slot_bytes(model_config, engine_config.max_loras, engine_config.max_lora_rank, dtype)
+    slots = lora_slot_bytes(model_config, engine_config.max_loras, engine_config.max_lora_rank, dtype,
+                            engine_config.lora_target_modules)
     weights = weights_bytes(model)
     budget = budget_bytes(engine_config, device, weights)
     if weights + slots > budget:
         more = "raise --gpu-memory-utilization" if device.type == "cuda" else "raise --memory-limit"
         raise OutOfMemoryError(f"the adapter slots (--max-loras {engine_config.max_loras} x --max-lora-rank "
-                               f"{engine_config.max_lora_rank} on every layer) take {gib(slots)}, which with the "
-                               f"weights ({gib(weights)}) passes the budget of {gib(budget)}",
+                               f"{engine_config.max_lora_rank} on {slot_scope(engine_config.lora_target_modules)}) "
+                               f"take {gib(slots)}, which with the weights ({gib(weights)}) passes the budget of "
+                               f"{gib(budget)}",
                                f"lower --max-loras ({engine_config.max_loras}) or --max-lora-rank "
                                f"({engine_config.max_lora_rank}), whose adapter slots take {gib(slots)}, or {more}")
 

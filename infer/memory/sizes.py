@@ -81,29 +81,34 @@ def window_blocks(window: int, step: int, block_size: int) -> int:
     return -(-(window + max(step, 1)) // block_size) + 1
 
 
-def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dtype) -> int:
+def lora_slot_bytes(model_config, max_loras: int, max_rank: int, dtype: torch.dtype,
+                    target_modules: list[str] | None = None) -> int:
     """The device slots of LoRA adapters (lora.layer.LoRALayer on every merged linear layer, targeted or not): per
     slot, A holds max_rank rows of the input width for each shard and B max_rank columns of every output, for qkv,
     o_proj, gate_up and down_proj of each layer. A mixture of experts' sparse layer has, in place of the MLP's,
     its shared expert's (Qwen2-MoE, of its own width) and every expert's A and B of gate_up and down
-    (lora.experts.ExpertLoRA)."""
+    (lora.experts.ExpertLoRA). `target_modules` (--lora-target-modules, lora.targets): only the layers it selects."""
     from ..lora.experts import expert_slot_elements
+    from ..lora.targets import check_target_modules, selects
     from ..models.moe import expert_size, is_sparse, num_experts
     h, inter = model_config.hidden_size, model_config.intermediate_size
     shapes = ModelShapes.from_config(model_config)
     q, kv = shapes.q_size, shapes.kv_size
+    chosen = check_target_modules(target_modules, model_config)
 
-    def mlp(width: int) -> int:  # gate_up's and down_proj's A widths + B heights
-        return (2 * h + 2 * width) + (width + h)
+    def mlp(width: int, prefix: str = "") -> int:  # gate_up's and down_proj's A widths + B heights
+        return (2 * h + 2 * width) * selects(chosen, prefix + "gate_up_proj") + \
+            (width + h) * selects(chosen, prefix + "down_proj")
     per_rank = 0
     for layer in range(model_config.num_hidden_layers):
-        per_rank += (3 * h + q + 2 * kv) + (q + h)  # qkv and o_proj
+        per_rank += (3 * h + q + 2 * kv) * selects(chosen, "qkv_proj") + (q + h) * selects(chosen, "o_proj")
         if not is_sparse(model_config, layer):
             per_rank += mlp(inter)
             continue
         if model_config.model_type == "qwen2_moe":
-            per_rank += mlp(int(model_config.shared_expert_intermediate_size or 0))
-        per_rank += expert_slot_elements(num_experts(model_config), h, expert_size(model_config), 1)
+            per_rank += mlp(int(model_config.shared_expert_intermediate_size or 0), "shared_expert.")
+        if selects(chosen, "experts.gate_up_proj"):
+            per_rank += expert_slot_elements(num_experts(model_config), h, expert_size(model_config), 1)
     return max_loras * max_rank * per_rank * element_bytes(dtype)
 
 

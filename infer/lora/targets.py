@@ -1,0 +1,128 @@
+"""--lora-target-modules (vLLM's LoRAConfig.target_modules): which of a model's layers get adapter slots.
+
+Names are the checkpoint's (peft's target_modules) projection names, q_proj .. down_proj, or infer's fused layers:
+qkv_proj (q_proj, k_proj and v_proj, which infer computes as one layer whose slots hold all three), gate_up_proj
+(gate_proj and up_proj); `experts` is a mixture of experts' stacked experts (peft's target_parameters
+mlp.experts.gate_up_proj / down_proj: one unit of slots), `shared_expert` Qwen2-MoE's shared expert (its three layers;
+its gate_up_proj and down_proj are also selected by those names, as peft's suffix match adapts them). A fused layer
+is selected whole: naming some of its projections but not all is refused, since its slots would hold the others too.
+None: every layer (the default).
+"""
+
+from __future__ import annotations
+
+from ..errors import ConfigError, LoRAError
+
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+EXPERTS, SHARED = "experts", "shared_expert"
+FLAG = "--lora-target-modules"
+ATTENTION = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
+ALL_NAMES = (*ATTENTION, *MLP, EXPERTS, SHARED)  # every name some model takes
+
+
+def parse_target_modules(value) -> list[str] | None:
+    """None (every module), or the names given (a list, or one string; each may be comma-separated), in order,
+    once each; ConfigError for an empty list (the names are checked against the model: check_target_modules)."""
+    if value is None:
+        return None
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
+        raise ConfigError(f"{FLAG} must be a list of module names, got {value!r}",
+                          f"e.g. {FLAG} o_proj,qkv_proj (Python: lora_target_modules=['o_proj', 'qkv_proj'])")
+    names = list(dict.fromkeys(n.strip() for item in items for n in item.split(",") if n.strip()))
+    if not names:
+        raise ConfigError(f"{FLAG} names no module", f"name some of {', '.join(ALL_NAMES)}, or leave it out "
+                                                    "(None) for every module")
+    return names
+
+
+def model_target_names(model_config) -> list[str]:
+    """The names --lora-target-modules takes for a model of `model_config` (those of the layers it has)."""
+    from ..models.moe import is_sparse
+    layers = range(int(model_config.num_hidden_layers))
+    sparse = [is_sparse(model_config, i) for i in layers]
+    shared = model_config.model_type == "qwen2_moe" and any(sparse)
+    names = list(ATTENTION)
+    if not all(sparse) or shared:
+        names += MLP
+    if any(sparse):
+        names.append(EXPERTS)
+    if shared:
+        names.append(SHARED)
+    return names
+
+
+def check_target_modules(targets: list[str] | None, model_config) -> frozenset[str] | None:
+    """The selection of `targets` for this model (every name it selects, fused names and their projections
+    alike), None for every module; ConfigError for a name the model has no layer of, or some of a fused layer's
+    projections without the others."""
+    if targets is None:
+        return None
+    targets = parse_target_modules(targets)
+    valid = model_target_names(model_config)
+    missing = [n for n in targets if n not in valid]
+    if missing:
+        what = "unknown module name" if any(n not in ALL_NAMES for n in missing) else "no layer of this model"
+        raise ConfigError(f"{FLAG} {', '.join(missing)}: {what} ({model_config.model_type} has adapter slots for "
+                          f"{', '.join(valid)})", f"name modules among {', '.join(valid)}, or leave {FLAG} out for "
+                          "all of them")
+    chosen = set(targets)
+    for fused, parts in FUSED.items():
+        named = [p for p in parts if p in chosen]
+        if fused in chosen:
+            chosen.update(parts)
+        elif named and len(named) < len(parts):
+            rest = [p for p in parts if p not in chosen]
+            raise ConfigError(f"{FLAG} names {', '.join(named)} but not {', '.join(rest)}: infer computes "
+                              f"{', '.join(parts)} as one fused layer ({fused}) whose adapter slots hold all of them",
+                              f"name all of {', '.join(parts)}, or {fused}")
+        elif named:
+            chosen.add(fused)
+    return frozenset(chosen)
+
+
+def slot_scope(targets: list[str] | None) -> str:
+    """Where the adapter slots are, for a message: "every layer", or the --lora-target-modules layers."""
+    return "every layer" if targets is None else f"the layers of {FLAG} {','.join(targets)}"
+
+
+def selects(chosen: frozenset[str] | None, proj: str) -> bool:
+    """Whether a selection (check_target_modules) gives slots to the projection `proj` as lora.adapter names it
+    (q_proj, qkv_proj, shared_expert.gate_proj, experts.down_proj ...)."""
+    if chosen is None:
+        return True
+    head, _, leaf = proj.rpartition(".")
+    if head == EXPERTS:
+        return EXPERTS in chosen
+    return leaf in chosen or (head == SHARED and SHARED in chosen)
+
+
+def target_name(proj: str) -> str:
+    """The --lora-target-modules name that selects `proj` (the fused layer's, for a fused projection)."""
+    head, _, leaf = proj.rpartition(".")
+    if head == EXPERTS:
+        return EXPERTS
+    return next((fused for fused, parts in FUSED.items() if leaf in parts), leaf)
+
+
+def module_proj(name: str) -> str:
+    """A base module path's projection as lora.adapter names it: model.layers.0.self_attn.q_proj -> q_proj,
+    model.layers.1.mlp.shared_expert.up_proj -> shared_expert.up_proj, model.layers.1.mlp.experts.down_proj ->
+    experts.down_proj."""
+    parts = name.split(".")
+    return ".".join(parts[-2:]) if len(parts) > 1 and parts[-2] in (SHARED, EXPERTS) else parts[-1]
+
+
+def check_adapter_targets(name: str, modules, chosen: frozenset[str] | None, given: list[str] | None) -> None:
+    """LoRAError when adapter `name` has weights (its `modules`: base module path -> module) on a layer the
+    selection gives no slots: served without them, it would compute other tokens than peft."""
+    outside = [m for m in modules if not selects(chosen, module_proj(m))]
+    if not outside:
+        return
+    order = {n: i for i, n in enumerate(ALL_NAMES)}
+    projs = sorted(dict.fromkeys(module_proj(m) for m in outside), key=lambda p: order[target_name(p)])
+    names = list(dict.fromkeys(target_name(p) for p in projs))
+    raise LoRAError(f"LoRA adapter {name!r} has weights on {', '.join(projs)} ({len(outside)} module(s), e.g. "
+                    f"{outside[0]}), which {FLAG} {','.join(given or [])} leaves without adapter slots",
+                    f"add {', '.join(names)} to {FLAG}, or serve an adapter trained on those modules only")
