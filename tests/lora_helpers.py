@@ -62,14 +62,15 @@ def check_lora_validate_ok(base, adapter) -> None:
     assert report["ok"] and report["shapes"] == "ok"
 
 
-def check_mixed_adapters_equal_peft(base, hf, paths: dict, prompts, names, n: int = 6) -> None:
+def check_mixed_adapters_equal_peft(base, hf, paths: dict, prompts, names, n: int = 6, **engine) -> None:
     """The engine's greedy tokens of `prompts`, each with its adapter of `names` (None: the base), in one mixed batch
-    and each alone, equal peft's; the first prompt's adapter changes its tokens (so the check means something)."""
+    and each alone, equal peft's; the first prompt's adapter changes its tokens (so the check means something).
+    `engine`: more LLM options (e.g. lora_target_modules)."""
     from infer import LLM, SamplingParams
     oracle = PeftOracle(hf, paths)
     try:
         with LLM(str(base), loras={k: str(p) for k, p in paths.items()}, max_loras=2, max_lora_rank=8,
-                 block_size=4) as llm:
+                 block_size=4, **engine) as llm:
             params = SamplingParams(max_new_tokens=n, ignore_eos=True)
             mixed = [o.token_ids for o in llm.generate(prompts, params, lora=names)]
             alone = [llm.generate([p], params, lora=a)[0].token_ids for p, a in zip(prompts, names)]

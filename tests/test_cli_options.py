@@ -49,6 +49,7 @@ def _distinct_values(tmp_path):
               "memory_limit": ("3MB", 3 * 2**20), "gpu_memory_utilization": 0.5, "enforce_eager": True,
               "cuda_graph_max_tokens": 64, "max_logprobs": 5, "enable_sleep_mode": True,
               "loras": (f"a={lora}", {"a": str(lora)}), "enable_lora": True, "max_loras": 2, "max_lora_rank": 16, "max_cpu_loras": 3,
+              "lora_target_modules": ("o_proj,qkv_proj", ["o_proj", "qkv_proj"]),
               "chat_template": "{{ messages[0]['content'] }}",
               "speculative_config": ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}',
                                      {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,

@@ -121,7 +121,7 @@ def check_adapter_targets(name: str, modules, chosen: frozenset[str] | None, giv
     if not outside:
         return
     order = {n: i for i, n in enumerate(ALL_NAMES)}
-    projs = sorted(dict.fromkeys(module_proj(m) for m in outside), key=lambda p: order[target_name(p)])
+    projs = sorted(dict.fromkeys(module_proj(m) for m in outside), key=lambda p: (order[target_name(p)], order[p.rpartition(".")[2]]))
     names = list(dict.fromkeys(target_name(p) for p in projs))
     raise LoRAError(f"LoRA adapter {name!r} has weights on {', '.join(projs)} ({len(outside)} module(s), e.g. "
                     f"{outside[0]}), which {FLAG} {','.join(given or [])} leaves without adapter slots",
