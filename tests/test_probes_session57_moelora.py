@@ -125,15 +125,15 @@ def test_qwen2_moe_shared_expert_dense_mlp_and_experts_equal_peft(tmp_path):
     assert want[0] != base_tokens[0] and want[1] != base_tokens[1]
 
 
-def _cpu_and_gpu_path(base, paths, prompts, names, monkeypatch, n=5):
+def _cpu_and_gpu_path(base, paths, prompts, names, monkeypatch, n=5, **engine):
     """(the CPU path's tokens, the GPU code path's: every op through its Triton kernel, interpreted; decode steps
     through emulated CUDA graphs (a static LoRA batch); prefills in chunks), one mixed batch each; the fused MoE
-    was given the experts' adapters on the GPU path."""
+    was given the experts' adapters on the GPU path. `engine`: more LLM options."""
     from infer.kernels import moe as moe_kernels
     from quant_helpers import int4_kernel_path
     params = SamplingParams(max_new_tokens=n, ignore_eos=True)
     opts = dict(block_size=4, max_num_batched_tokens=8, max_num_seqs=3, max_model_len=32, max_loras=2,
-                max_lora_rank=8, loras={k: str(p) for k, p in paths.items()})
+                max_lora_rank=8, loras={k: str(p) for k, p in paths.items()}, **engine)
     with LLM(str(base), **opts) as llm:
         cpu = [o.token_ids for o in llm.generate(prompts, params, lora=names)]
     int4_kernel_path(monkeypatch)

@@ -24,7 +24,7 @@ from infer.models.tiny import ensure_builtin
 from helpers import random_prompts
 from lora_helpers import check_mixed_adapters_equal_peft, hf_float, save_adapters, three_adapters
 from test_probes_session55_moe import build
-from test_probes_session57_moelora import EXPERTS, _engine_tokens, peft_tokens
+from test_probes_session57_moelora import EXPERTS, _cpu_and_gpu_path, _engine_tokens, peft_tokens
 
 ATTN_AND_DOWN = ["q_proj", "k_proj", "v_proj", "down_proj"]
 
@@ -218,3 +218,21 @@ def test_qwen2_moe_shared_expert_alone_gets_slots(tmp_path):
         assert manager.expert_layers == []
         assert llm.engine.memory_plan.lora_bytes == manager.device_bytes() == \
             lora_slot_bytes(llm.engine.runner.model.config, 2, 4, torch.float32, ["shared_expert"])
+
+
+def test_gpu_code_path_interpreted_with_slots_on_o_proj_and_the_experts_only(tmp_path, monkeypatch):
+    """The Triton kernels (interpreted) and emulated CUDA graphs with LoRA on o_proj (its expand left to the next
+    rms_norm) and the experts only, the qkv layer without slots: the CPU path's tokens, which are peft's."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
+    build(tmp_path / "base", "qwen3_moe", num_hidden_layers=1, norm_topk_prob=True)
+    hf = hf_float(tmp_path / "base")
+    paths = save_adapters(hf, tmp_path, {"a": dict(r=4, lora_alpha=8, target_parameters=EXPERTS),
+                                         "b": dict(r=8, lora_alpha=8, target_modules=["o_proj"],
+                                                   target_parameters=["mlp.experts.down_proj"])})
+    prompts = random_prompts(512, (5, 12, 7), seed=6)
+    names = ["a", None, "b"]
+    cpu, gpu = _cpu_and_gpu_path(tmp_path / "base", paths, prompts, names, monkeypatch,
+                                 lora_target_modules=["o_proj", "experts"])
+    assert gpu == cpu
+    assert cpu == peft_tokens(hf, paths, prompts, names, 5)
