@@ -120,8 +120,9 @@ def check_adapter_targets(name: str, modules, chosen: frozenset[str] | None, giv
     outside = [m for m in modules if not selects(chosen, module_proj(m))]
     if not outside:
         return
-    order = {n: i for i, n in enumerate(ALL_NAMES)}
-    projs = sorted(dict.fromkeys(module_proj(m) for m in outside), key=lambda p: (order[target_name(p)], order[p.rpartition(".")[2]]))
+    order = {n: i for i, n in enumerate(ALL_NAMES)}  # (the projections in the order the flag's help lists them)
+    projs = sorted(dict.fromkeys(module_proj(m) for m in outside),
+                   key=lambda p: (order.get(target_name(p), 0), order.get(p.rpartition(".")[2], 0)))
     names = list(dict.fromkeys(target_name(p) for p in projs))
     raise LoRAError(f"LoRA adapter {name!r} has weights on {', '.join(projs)} ({len(outside)} module(s), e.g. "
                     f"{outside[0]}), which {FLAG} {','.join(given or [])} leaves without adapter slots",
