@@ -22,7 +22,9 @@ from infer.models.layers import MergedLinear
 from infer.models.tiny import ensure_builtin
 
 from helpers import random_prompts
-from lora_helpers import check_mixed_adapters_equal_peft, hf_float, save_adapters, three_adapters
+from lora_helpers import base_and_adapters, check_mixed_adapters_equal_peft, hf_float, save_adapters, three_adapters
+from test_probes_session53_phi3 import ADAPTERS as PHI3_ADAPTERS
+from test_probes_session53_phi3 import build as build_phi3
 from test_probes_session55_moe import build
 from test_probes_session57_moelora import EXPERTS, _cpu_and_gpu_path, _engine_tokens, peft_tokens
 
@@ -236,3 +238,16 @@ def test_gpu_code_path_interpreted_with_slots_on_o_proj_and_the_experts_only(tmp
                                  lora_target_modules=["o_proj", "experts"])
     assert gpu == cpu
     assert cpu == peft_tokens(hf, paths, prompts, names, 5)
+
+
+def test_phi3_fused_checkpoint_modules_take_peft_names_too(tmp_path):
+    """Phi-3 stores q|k|v as one qkv_proj and gate|up as one gate_up_proj: q_proj,k_proj,v_proj,gate_up_proj name
+    those layers; an adapter on them gives peft's tokens, one on o_proj and down_proj too is refused naming them."""
+    build_phi3(tmp_path / "base")
+    base, hf, paths = base_and_adapters(tmp_path, PHI3_ADAPTERS)
+    targets = ["q_proj", "k_proj", "v_proj", "gate_up_proj"]
+    check_mixed_adapters_equal_peft(base, hf, {"qkv4": paths["qkv4"]}, random_prompts(512, (5, 9), seed=2),
+                                    ["qkv4", None], lora_target_modules=targets)
+    with pytest.raises(LoRAError, match=r"'all8' has weights on o_proj, down_proj \(4 module\(s\), .*add o_proj, "
+                                        r"down_proj to --lora-target-modules"):
+        LLM(str(base), loras={"all8": str(paths["all8"])}, max_lora_rank=8, device="cpu", lora_target_modules=targets)
