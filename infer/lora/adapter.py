@@ -668,12 +668,16 @@ def _peft_layer_index(module: str, layers_pattern) -> int | None:
     return None if m is None else int(m["idx"])
 
 
+def pattern_key(patterns: dict, module: str) -> str | None:
+    """PEFT's rank_pattern / alpha_pattern lookup (get_pattern_key): the first key that matches the end of the module
+    path; None when none does."""
+    return next((key for key in patterns or {} if re.match(rf"(.*\.)?({key})$", module)), None)
+
+
 def pattern_value(patterns: dict, module: str, default):
-    """PEFT's rank_pattern / alpha_pattern lookup: the first key that matches the end of the module path."""
-    for key, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
+    """The value of pattern_key's key for `module`, else `default`."""
+    key = pattern_key(patterns, module)
+    return default if key is None else patterns[key]
 
 
 def module_scaling(config: dict, module: str) -> tuple[int, float]:
@@ -809,7 +813,8 @@ def build_modules(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[
         own = _EXPERT_MODULE.match(path)
         if own is not None:
             module = f"model.layers.{int(own['layer'])}.mlp.experts.{int(own['expert'])}.{own['proj']}"
-            why = _unselected(config, module, int(own["layer"]))
+            # peft turns them into target_parameters, which adapt every layer's experts: no layers_to_transform
+            why = _unselected({**config, "layers_to_transform": None}, module, int(own["layer"]))
             if why:
                 unselected.setdefault(why, []).append(module)
                 continue
@@ -887,13 +892,29 @@ def _expert_modules(config: dict, layer: int, levels: dict[int, dict], per_modul
     return out
 
 
+def v4_converted(config: dict) -> dict:
+    """`config` as peft (on transformers 5) converts a transformers 4 adapter's targets of the experts
+    (_convert_peft_config_moe): when it targets both the gate and the up projections (fused into gate_up_proj),
+    rank_pattern and alpha_pattern get r".*\.gate_up_proj" at twice r and lora_alpha, after the adapter's own keys,
+    which peft matches against the stacked parameters' names (model.layers.N.mlp.experts.gate_up_proj / down_proj)."""
+    targets = config.get("target_modules")
+    parts = {_V4_EXPERT_PARTS.get(str(t).split(".")[-1]) for t in targets} if isinstance(targets, list) else set()
+    if not {0, 1} <= parts:
+        return config
+    key = r".*\.gate_up_proj"
+    return {**config, "rank_pattern": {**(config.get("rank_pattern") or {}), key: 2 * config["r"]},
+            "alpha_pattern": {**(config.get("alpha_pattern") or {}), key: 2 * config["lora_alpha"]}}
+
+
 def _stacked_from_v4(config: dict, layer: int, parts: dict[int, dict], per_module: list) -> list[LoRAModule]:
     """A sparse layer's experts adapted one by one (transformers 4's experts.N.gate_proj / up_proj / down_proj,
     Mixtral's w1 / w3 / w2) as peft converts them for transformers 5's stacked parameters: gate_up_proj's A of each
-    expert its gate's A over its up's, its B the two B's block-diagonal (rank 2r, the same scaling: peft doubles r and
-    lora_alpha), down_proj's as they are. Every expert must have its pairs."""
+    expert its gate's A over its up's, its B the two B's block-diagonal, down_proj's as they are; the rank and
+    scaling of each stacked parameter the ones peft gives it (v4_converted: gate_up_proj at 2r and 2 x lora_alpha,
+    so with use_rslora a scaling sqrt(2) times the per-expert one). Every expert must have its pairs."""
     out = []
     path = f"model.layers.{layer}.mlp.experts"
+    converted = v4_converted(config)
     count = 1 + max(e for experts in parts.values() for e in experts)
     for param, members in (("gate_up_proj", (0, 1)), ("down_proj", (2,))):
         if not any(p in parts for p in members):
@@ -907,13 +928,16 @@ def _stacked_from_v4(config: dict, layer: int, parts: dict[int, dict], per_modul
                                              "the experts' adapters for transformers 5 only whole: save the adapter "
                                              "again with peft")))
             continue
-        r_cfg, scaling = module_scaling(config, f"{path}.0.{('gate_proj', 'down_proj')[param == 'down_proj']}")
+        r_cfg, scaling = module_scaling(converted, name)
         a_rows, b_rows = [], []
         for e in range(count):
             pairs = [parts[p][e] for p in members]
             bad = next((b for b in (_pair_problem(f"{path}.{e}.{('gate_proj', 'up_proj', 'down_proj')[p]}",
-                                                  q.get("lora_A"), q.get("lora_B"), r_cfg, scaling)
+                                                  q.get("lora_A"), q.get("lora_B"), _rows(q.get("lora_A")), scaling)
                                     for p, q in zip(members, pairs)) if b is not None), None)
+            rank = sum(q["lora_A"].shape[0] for q in pairs) if bad is None else r_cfg
+            if rank != r_cfg:
+                bad = _v4_rank_problem(converted, name, e, rank, r_cfg)
             if bad is not None:
                 per_module.append((name, bad))
                 break
@@ -922,6 +946,25 @@ def _stacked_from_v4(config: dict, layer: int, parts: dict[int, dict], per_modul
         else:
             out.append(LoRAModule(name, layer, f"experts.{param}", torch.stack(a_rows), torch.stack(b_rows), scaling))
     return out
+
+
+def _rows(a: torch.Tensor | None) -> int:
+    """The rank a lora_A gives (its rows; 0 for a missing or not 2-d one, which _pair_problem names)."""
+    return a.shape[0] if a is not None and a.dim() == 2 else 0
+
+
+def _v4_rank_problem(converted: dict, name: str, expert: int, rank: int, r_cfg: int) -> Problem:
+    """A transformers 4 adapter's experts whose rank is not the one peft gives the stacked parameter (a rank_pattern
+    key peft does not match against the stacked names: peft fails on the weights' sizes)."""
+    key = pattern_key(converted.get("rank_pattern"), name)
+    why = f"rank_pattern key {json.dumps(key)}" if key is not None else f"r={converted['r']}: no rank_pattern key " \
+        "matches it"
+    parts = "gate and up projections have" if name.endswith("gate_up_proj") else "down projection has"
+    return Problem(f"{name}: expert {expert}'s {parts} LoRA rank {rank}, but peft (on transformers 5) adapts the "
+                   f"experts' stacked parameter at rank {r_cfg} ({why}): peft cannot load this adapter",
+                   "peft matches rank_pattern keys against the stacked experts' names (experts.gate_up_proj, at twice "
+                   "the gate projection's rank, and experts.down_proj): key the ranks so, or train the adapter with "
+                   "peft on transformers 5 (target_parameters)")
 
 
 def _one_per_kind(per_module: list[tuple[str, Problem]]) -> list[Problem]:
