@@ -193,26 +193,33 @@ def test_gptq_experts_with_adapters_equal_peft_on_the_dequantized_weights_on_bot
     assert cpu[0] != base_tokens[0] and cpu[2] != base_tokens[2]
 
 
-def _v4_adapter(hf, out, names: tuple[str, str, str], seed: int, r: int = 4):
+def _v4_adapter(hf, out, names: tuple[str, str, str], seed: int, r: int = 4, ranks: dict | None = None,
+                layers: list[int] | None = None, expert_layers: list[int] | None = None, **config_kw):
     """An adapter as peft saved it on transformers 4, whose experts were modules of their own: q_proj's (peft's)
-    and every sparse layer's experts.N.<gate>, <up>, <down> (`names`) with random A and B, targeted by name."""
-    path = save_adapter(hf, out, seed=seed, r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=["q_proj"])
+    and every sparse layer's experts.N.<gate>, <up>, <down> (`names`) with random A and B, targeted by name; `ranks`
+    (name -> rank) other ranks than r, `layers` its layers_to_transform (q_proj's and the experts' weights only in
+    those layers, or in `expert_layers` where given), `config_kw` more adapter_config.json entries."""
+    path = save_adapter(hf, out, seed=seed, r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=["q_proj"],
+                        layers_to_transform=layers)
     tensors = load_file(path / "adapter_model.safetensors")
     g = torch.Generator().manual_seed(seed)
     cfg = hf.config
+    expert_layers = layers if expert_layers is None else expert_layers
     for i, layer in enumerate(hf.model.layers):
         experts = getattr(layer.mlp, "experts", None)
-        if experts is None:
+        if experts is None or (expert_layers is not None and i not in expert_layers):
             continue
         e, two_i, h = experts.gate_up_proj.shape
         for x in range(e):
             for name, (n_in, n_out) in zip(names, ((h, two_i // 2), (h, two_i // 2), (two_i // 2, h))):
                 key = f"base_model.model.model.layers.{i}.mlp.experts.{x}.{name}"
-                tensors[f"{key}.lora_A.weight"] = torch.randn(r, n_in, generator=g) * 0.15
-                tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, r, generator=g) * 0.15
+                rank = (ranks or {}).get(name, r)
+                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) * 0.15
+                tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.15
     save_file(tensors, str(path / "adapter_model.safetensors"))
     config = json.loads((path / "adapter_config.json").read_text())
     config["target_modules"] = ["q_proj", *names]
+    config.update(config_kw)
     (path / "adapter_config.json").write_text(json.dumps(config))
     assert cfg.num_hidden_layers
     return path

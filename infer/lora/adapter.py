@@ -892,6 +892,9 @@ def _expert_modules(config: dict, layer: int, levels: dict[int, dict], per_modul
     return out
 
 
+V4_FUSED_KEY = r".*\.gate_up_proj"  # the rank_pattern / alpha_pattern key peft adds for the fused gate and up
+
+
 def v4_converted(config: dict) -> dict:
     """`config` as peft (on transformers 5) converts a transformers 4 adapter's targets of the experts
     (_convert_peft_config_moe): when it targets both the gate and the up projections (fused into gate_up_proj),
@@ -901,7 +904,7 @@ def v4_converted(config: dict) -> dict:
     parts = {_V4_EXPERT_PARTS.get(str(t).split(".")[-1]) for t in targets} if isinstance(targets, list) else set()
     if not {0, 1} <= parts:
         return config
-    key = r".*\.gate_up_proj"
+    key = V4_FUSED_KEY
     return {**config, "rank_pattern": {**(config.get("rank_pattern") or {}), key: 2 * config["r"]},
             "alpha_pattern": {**(config.get("alpha_pattern") or {}), key: 2 * config["lora_alpha"]}}
 
@@ -910,8 +913,9 @@ def _stacked_from_v4(config: dict, layer: int, parts: dict[int, dict], per_modul
     """A sparse layer's experts adapted one by one (transformers 4's experts.N.gate_proj / up_proj / down_proj,
     Mixtral's w1 / w3 / w2) as peft converts them for transformers 5's stacked parameters: gate_up_proj's A of each
     expert its gate's A over its up's, its B the two B's block-diagonal, down_proj's as they are; the rank and
-    scaling of each stacked parameter the ones peft gives it (v4_converted: gate_up_proj at 2r and 2 x lora_alpha,
-    so with use_rslora a scaling sqrt(2) times the per-expert one). Every expert must have its pairs."""
+    scaling of each stacked parameter the ones peft gives it (v4_converted: gate_up_proj at 2r and 2 x lora_alpha;
+    an alpha_pattern keyed by the per-expert names is not used), but with use_rslora the fused gate and up as trained
+    (peft scales them sqrt(2) times as much). Every expert must have its pairs."""
     out = []
     path = f"model.layers.{layer}.mlp.experts"
     converted = v4_converted(config)
@@ -929,6 +933,9 @@ def _stacked_from_v4(config: dict, layer: int, parts: dict[int, dict], per_modul
                                              "again with peft")))
             continue
         r_cfg, scaling = module_scaling(converted, name)
+        if config.get("use_rslora") and pattern_key(converted.get("rank_pattern"), name) == V4_FUSED_KEY:
+            scaling /= math.sqrt(2)  # as trained: peft's alpha / sqrt(r) at 2r scales sqrt(2) times as much (its
+            # merge is refused, lora-validate puts its scaling back: quant.convert.peft_fused_rslora)
         a_rows, b_rows = [], []
         for e in range(count):
             pairs = [parts[p][e] for p in members]
