@@ -3,15 +3,17 @@ experts, as peft 0.21 (on transformers 5) applies them, established with peft it
 experts) adapt every sparse layer whatever layers_to_transform says, while the modules beside them are filtered;
 rank_pattern / alpha_pattern keys match the end of the stacked parameter's path (model.layers.N.mlp.experts.
 gate_up_proj) as regexes. transformers 4's per-expert adapters get the rank and scaling peft gives them when it
-converts them (gate_up_proj at 2r and 2 x lora_alpha after the adapter's own keys: with use_rslora a scaling sqrt(2)
-times the per-expert one; an alpha_pattern keyed by gate_proj is not used), adapt every layer they have weights for,
-and are refused, as peft refuses them, where their ranks are not the ones peft gives the stacked parameters. infer's
+converts them (gate_up_proj at 2r and 2 x lora_alpha after the adapter's own keys: an alpha_pattern keyed by
+gate_proj is not used; use_rslora stays served as trained, session 57), adapt every layer they have weights for, and
+are refused, as peft refuses them, where their ranks are not the ones peft gives the stacked parameters. infer's
 greedy tokens (served alone and mixed, lora-validate, a merge) are peft's on the same weights."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from infer import LLM, SamplingParams
@@ -46,7 +48,8 @@ def test_target_parameters_with_layer_filters_and_pattern_keys_equal_peft(tmp_pa
     """A Qwen3-MoE with a dense middle layer: peft adapts every sparse layer's experts whatever layers_to_transform
     (and layers_pattern) say, the attention only in the listed layers; rank_pattern / alpha_pattern keys (a bare
     parameter name, a layer's regex, a full path; "experts" and "mlp", which match no path's end, unused) give each
-    stacked parameter its own rank and scaling. infer's tokens, mixed and alone, are peft's."""
+    stacked parameter its own rank and scaling; an adapter without one layer's experts (as a peft that filtered them
+    would save it) leaves them as they are. infer's tokens, mixed and alone, are peft's."""
     build(tmp_path / "base", "qwen3_moe", norm_topk_prob=True, num_hidden_layers=3, mlp_only_layers=[1])
     hf = hf_float(tmp_path / "base")
     paths = {n: save_adapter(hf, tmp_path / n, seed=i + 1, lora_dropout=0.0, **kw)
@@ -58,8 +61,14 @@ def test_target_parameters_with_layer_filters_and_pattern_keys_equal_peft(tmp_pa
     assert _saved(paths["short"])[ex.format(2, "base_layer.")] == (2 * 8, 64)
     assert (regex[ex.format(0, "base_layer.")], regex[ex.format(2, "base_layer.")], regex[ex.format(2, "")]) == \
         ((2 * 8, 64), (4 * 8, 64), (6 * 8, 32))
-    prompts = random_prompts(512, (7, 5, 9, 6), seed=11)
-    names = list(STACKED)
+    # as a peft that applied layers_to_transform to the experts would save it: layer 2's experts left at peft's
+    # initial lora_B, zero (peft loads it, warning of the missing keys)
+    paths["pruned"] = shutil.copytree(paths["layers"], tmp_path / "pruned")
+    tensors = load_file(paths["pruned"] / "adapter_model.safetensors")
+    save_file({k: t for k, t in tensors.items() if ".layers.2.mlp.experts." not in k},
+              str(paths["pruned"] / "adapter_model.safetensors"))
+    prompts = random_prompts(512, (7, 5, 9, 6, 8), seed=11)
+    names = list(paths)
     mixed, alone = _engine_tokens(tmp_path / "base", paths, prompts, names)
     want = peft_tokens(hf, paths, prompts, names)
     assert mixed == want and alone == want
@@ -113,7 +122,7 @@ def v4(request, tmp_path_factory):
     return root / "base", hf, paths
 
 
-def test_per_expert_adapters_of_transformers_4_with_rslora_patterns_and_layers_equal_peft(v4):
+def test_per_expert_adapters_of_transformers_4_with_patterns_and_layers_equal_peft(v4):
     """transformers 4's per-expert adapters with a rank_pattern keyed by the stacked gate_up_proj, an alpha_pattern
     keyed by their own names, a rank_pattern on down_proj and layers_to_transform (weights in the listed layer only,
     or in every layer): peft's tokens, mixed and alone."""
