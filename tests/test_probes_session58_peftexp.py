@@ -108,6 +108,7 @@ def _v4_specs(names) -> dict:
         "alpha": dict(alpha_pattern={gate: 3, up: 3, down: 5}),  # gate's and up's keys match no stacked name
         "layers": dict(layers=[1], ranks={down: 8}, rank_pattern={"down_proj": 8}),
         "all-layers": dict(layers=[1], expert_layers=[0, 1]),  # peft adapts layer 0's experts too
+        "regex-targets": dict(target_modules=rf".*\.(q_proj|{gate}|{up}|{down})"),  # peft resolves it, then fuses
     }
 
 
@@ -124,10 +125,10 @@ def v4(request, tmp_path_factory):
 
 def test_per_expert_adapters_of_transformers_4_with_patterns_and_layers_equal_peft(v4):
     """transformers 4's per-expert adapters with a rank_pattern keyed by the stacked gate_up_proj, an alpha_pattern
-    keyed by their own names, a rank_pattern on down_proj and layers_to_transform (weights in the listed layer only,
-    or in every layer): peft's tokens, mixed and alone."""
+    keyed by their own names, a rank_pattern on down_proj, layers_to_transform (weights in the listed layer only,
+    or in every layer) and target_modules a regex: peft's tokens, mixed and alone."""
     base, hf, paths = v4
-    prompts = random_prompts(512, (7, 5, 9, 6), seed=13)
+    prompts = random_prompts(512, (7, 5, 9, 6, 8), seed=13)
     names = list(paths)
     mixed, alone = _engine_tokens(base, paths, prompts, names)
     want = peft_tokens(hf, paths, prompts, names)
@@ -171,7 +172,7 @@ REFUSED = {  # name -> (model type, _v4_adapter's arguments, what infer says)
 def test_per_expert_ranks_peft_cannot_load_are_refused(tmp_path, case):
     """A transformers 4 adapter whose rank_pattern keys name its per-expert modules (peft matches them against the
     stacked parameters' names, so the ranks it gives are not the weights'): peft fails on the sizes; infer refuses it
-    when added and in lora-validate, naming the rank peft expects and the key that gave it."""
+    when added, in lora-validate and in a merge, naming the rank peft expects and the key that gave it."""
     model_type, kw, said = REFUSED[case]
     build(tmp_path / "base", model_type, num_hidden_layers=1)
     hf = hf_float(tmp_path / "base")
@@ -183,3 +184,7 @@ def test_per_expert_ranks_peft_cannot_load_are_refused(tmp_path, case):
     assert said in str(err.value) and "key the ranks so" in str(err.value)
     res = CliRunner().invoke(app, ["lora-validate", str(tmp_path / "base"), str(path), "--steps", "0"])
     assert res.exit_code != 0 and said in " ".join(res.output.split()), res.output
+    res = CliRunner().invoke(app, ["convert", str(tmp_path / "base"), "-o", str(tmp_path / "merged"),
+                                   "--merge-lora", str(path)])
+    assert res.exit_code != 0 and said in " ".join(res.output.split()), res.output
+    assert not (tmp_path / "merged").exists()

@@ -895,14 +895,12 @@ def _expert_modules(config: dict, layer: int, levels: dict[int, dict], per_modul
 V4_FUSED_KEY = r".*\.gate_up_proj"  # the rank_pattern / alpha_pattern key peft adds for the fused gate and up
 
 
-def v4_converted(config: dict) -> dict:
+def v4_converted(config: dict, fused: bool) -> dict:
     """`config` as peft (on transformers 5) converts a transformers 4 adapter's targets of the experts
-    (_convert_peft_config_moe): when it targets both the gate and the up projections (fused into gate_up_proj),
+    (_convert_peft_config_moe): when it targets both the gate and the up projections (`fused`: into gate_up_proj),
     rank_pattern and alpha_pattern get r".*\.gate_up_proj" at twice r and lora_alpha, after the adapter's own keys,
     which peft matches against the stacked parameters' names (model.layers.N.mlp.experts.gate_up_proj / down_proj)."""
-    targets = config.get("target_modules")
-    parts = {_V4_EXPERT_PARTS.get(str(t).split(".")[-1]) for t in targets} if isinstance(targets, list) else set()
-    if not {0, 1} <= parts:
+    if not fused:
         return config
     key = V4_FUSED_KEY
     return {**config, "rank_pattern": {**(config.get("rank_pattern") or {}), key: 2 * config["r"]},
@@ -918,7 +916,7 @@ def _stacked_from_v4(config: dict, layer: int, parts: dict[int, dict], per_modul
     (peft scales them sqrt(2) times as much). Every expert must have its pairs."""
     out = []
     path = f"model.layers.{layer}.mlp.experts"
-    converted = v4_converted(config)
+    converted = v4_converted(config, 0 in parts and 1 in parts)  # (its weights: what a target regex selected)
     count = 1 + max(e for experts in parts.values() for e in experts)
     for param, members in (("gate_up_proj", (0, 1)), ("down_proj", (2,))):
         if not any(p in parts for p in members):
