@@ -902,9 +902,8 @@ def v4_converted(config: dict, fused: bool) -> dict:
     which peft matches against the stacked parameters' names (model.layers.N.mlp.experts.gate_up_proj / down_proj)."""
     if not fused:
         return config
-    key = V4_FUSED_KEY
-    return {**config, "rank_pattern": {**(config.get("rank_pattern") or {}), key: 2 * config["r"]},
-            "alpha_pattern": {**(config.get("alpha_pattern") or {}), key: 2 * config["lora_alpha"]}}
+    return {**config, "rank_pattern": {**(config.get("rank_pattern") or {}), V4_FUSED_KEY: 2 * config["r"]},
+            "alpha_pattern": {**(config.get("alpha_pattern") or {}), V4_FUSED_KEY: 2 * config["lora_alpha"]}}
 
 
 def _stacked_from_v4(config: dict, layer: int, parts: dict[int, dict], per_module: list) -> list[LoRAModule]:
