@@ -6,7 +6,8 @@ with the experts' adapters four more _moe_gemm launches over the pairs aligned b
 to a multiple of BLOCK_M with an invalid row (T * k), all on the device: counts by scatter-add, the segments' starts
 by cumsum, each pair's slot by a stable sort. The padded length is at most T * k + E * (BLOCK_M - 1), the grid's
 fixed bound; blocks past the real end (`post`: the padded length, a device scalar) return at once. vLLM's
-moe_align_block_size does the same in one CUDA kernel.
+moe_align_block_size does the same in one CUDA kernel. BLOCK_M is the step's (`choose_block_m`: 16 at decode, up to
+128 rows for a prefill's many rows per expert), a function of its static shape alone (CUDA graphs).
 
 `_moe_gemm` runs a block of BLOCK_M sorted rows against their one expert's weight [N, K] (its expert per block:
 `block_expert`), reading the rows of x (the token of pair p is p // k for the gate_up matmul, p itself for the down
@@ -18,6 +19,7 @@ summed.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -26,12 +28,36 @@ import triton.language as tl
 from .gptq_kernels import _f16_1024, _fields
 from .intmath import cdiv
 
-BLOCK_M = 16
+BLOCK_M = 16  # a block's rows at decode (the fewest: `choose_block_m`)
+MAX_BLOCK_M = 128
 SMS = 132  # an H100's (and an H200's) streaming multiprocessors: the GPU the tiles are sized for
 INT4_STAGES = 4  # the int4 kernel's pipeline depth: K steps of words in flight per program (`tiles`)
 
 
-def tiles(n: int, k: int, top_k: int) -> tuple[int, int]:
+def choose_block_m(tokens: int, top_k: int, experts: int) -> int:
+    """BLOCK_M of a step of `tokens` tokens routed to `top_k` of `experts` experts (the pairs' "virtual experts" of
+    _LoRAPairs too): the largest power of two at most the rows an expert gets on average (T * k / E), from 16
+    (decode) to MAX_BLOCK_M (a prefill): more rows a program reuse each weight tile it reads (vLLM's fused_moe
+    picks BLOCK_SIZE_M by the count of tokens as well), the padding of an expert's segment at most about its rows.
+    A pure function of the step's static shape (a CUDA graph's captured count of tokens), never of the routing:
+    Qwen3-30B-A3B (top-8 of 128) takes 16 up to 255 tokens, 32 from 512, 128 from 2048; Mixtral (top-2 of 8) 16
+    up to 63 tokens, 128 from 512."""
+    rows = tokens * top_k // max(1, experts)
+    m = BLOCK_M
+    while 2 * m <= min(rows, MAX_BLOCK_M):
+        m *= 2
+    return m
+
+
+def launch_options(block_m: int, int4: bool) -> dict:
+    """num_warps / num_stages of a block of `block_m` rows: 4 warps, 8 for 128-row tiles (a [128, 64] float32
+    accumulator is 32 registers a thread of 256); the int4 kernel's INT4_STAGES K steps in flight, 3 at 128 rows
+    (each stage's A tile [128, BLOCK_K] in bf16 is 32 KiB of shared memory), the float kernel Triton's 3."""
+    return {"num_warps": 8 if block_m >= 128 else 4,
+            "num_stages": INT4_STAGES if int4 and block_m < 128 else 3}
+
+
+def tiles(n: int, k: int, top_k: int, block_m: int = BLOCK_M) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K) of a grouped matmul of N outputs and K inputs over the pairs of a top-k routing: fixed by
     the layer's shape (one compiled variant per layer and dtype, whatever the step's count of tokens), the same for
     the float and the int4 kernels (the same sums over K in the same order). BLOCK_K 128 from K = 256 (half the
@@ -40,10 +66,13 @@ def tiles(n: int, k: int, top_k: int) -> tuple[int, int]:
     than two programs per SM (SMS): at Qwen3-30B-A3B (top-8 of 128, H 2048, I 768) 8 * 1536 / 64 = 192 and
     8 * 2048 / 64 = 256 tiles < 264, so 32 (384 and 512 programs, 32 and 12 KiB of words each); at Mixtral-8x7B
     (top-2 of 8, H 4096, I 14336) the gate_up's 2 * 28672 / 64 = 896 tiles keep 64 (128 KiB each), the down's
-    2 * 4096 / 64 = 128 take 32 (256 programs of 224 KiB)."""
+    2 * 4096 / 64 = 128 take 32 (256 programs of 224 KiB). Blocks of more rows than 16 (`choose_block_m`: an expert's
+    rows >= block_m on average, so at least E blocks of rows) keep 64: the grid is wide already, and a wider tile
+    reads each row of x for more outputs. BLOCK_K does not depend on block_m (each row's sums over K in the same
+    steps, decode or prefill)."""
     block_k = 128 if k >= 256 else min(64, max(16, triton.next_power_of_2(k)))
     block_n = min(64, max(16, triton.next_power_of_2(n)))
-    if block_n == 64 and top_k * cdiv(n, 64) < 2 * SMS:
+    if block_n == 64 and block_m == BLOCK_M and top_k * cdiv(n, 64) < 2 * SMS:
         block_n = 32
     return block_n, block_k
 
@@ -123,28 +152,49 @@ def _moe_gemm(a_ptr, w_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr, post_p
     _store_rows(out_ptr, weights_ptr, acc, pair, valid, offs_n, n, s_out, WEIGHTED)
 
 
-def _gemm(a, w, out, weights, sorted_pairs, block_expert, post, top_k, row_div: bool, weighted: bool):
+def _gemm(a, w, out, weights, aligned, top_k, row_div: bool, weighted: bool):
+    """One _moe_gemm launch over `aligned` (an Aligned: its blocks of block_m rows)."""
     n, k = w.shape[1], w.shape[2]
-    block_n, block_k = tiles(n, k, top_k)
-    grid = (block_expert.shape[0], cdiv(n, block_n))
-    _moe_gemm[grid](a, w, out, weights, sorted_pairs, block_expert, post, out.shape[0], n, k, top_k, a.stride(0),
-                    w.stride(0), w.stride(1), out.stride(0), ROW_DIV=row_div, WEIGHTED=weighted,
-                    IEEE=a.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1", BLOCK_M=BLOCK_M,
-                    BLOCK_N=block_n, BLOCK_K=block_k)
+    block_n, block_k = tiles(n, k, top_k, aligned.block_m)
+    grid = (aligned.block_expert.shape[0], cdiv(n, block_n))
+    _moe_gemm[grid](a, w, out, weights, aligned.sorted_pairs, aligned.block_expert, aligned.post, out.shape[0], n, k,
+                    top_k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), ROW_DIV=row_div, WEIGHTED=weighted,
+                    IEEE=a.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+                    BLOCK_M=aligned.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                    **launch_options(aligned.block_m, False))
+
+
+class Aligned(NamedTuple):
+    """`align`'s tensors and the block_m they are padded to."""
+    sorted_pairs: torch.Tensor
+    block_expert: torch.Tensor
+    post: torch.Tensor
+    block_m: int
+
+
+def aligned(ids: torch.Tensor, num_experts: int, block_m: int | None = None) -> Aligned:
+    """`align` of `ids` [T, k] to block_m rows (None: choose_block_m of the step's shape)."""
+    if block_m is None:
+        block_m = choose_block_m(ids.shape[0], ids.shape[1], num_experts)
+    if block_m < BLOCK_M or block_m & (block_m - 1):
+        raise ValueError(f"block_m {block_m} is no power of two from {BLOCK_M}: use 16, 32, 64 or 128")
+    return Aligned(*align(ids, num_experts, block_m), block_m)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor, lora=None) -> torch.Tensor:
+              ids: torch.Tensor, lora=None, block_m: int | None = None) -> torch.Tensor:
+    """reference.fused_moe in three launches (`_run`); block_m: the blocks' rows (None: `choose_block_m`; a tuner's
+    candidate otherwise)."""
     t, top_k = ids.shape
     if t == 0:
         return torch.zeros_like(x)
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    return _run(x, ids, weights, w13.shape[0], w13.shape[1], w2.shape[1], lora,
-                lambda a, out, fw, al, row_div, weighted: _gemm(a, w13 if row_div else w2, out, fw, *al, top_k,
+    return _run(x, ids, weights, w13.shape[0], w13.shape[1], w2.shape[1], lora, block_m,
+                lambda a, out, fw, al, row_div, weighted: _gemm(a, w13 if row_div else w2, out, fw, al, top_k,
                                                                 row_div, weighted))
 
 
-def _run(x, ids, weights, num_experts: int, out13: int, out2: int, lora, gemm) -> torch.Tensor:
+def _run(x, ids, weights, num_experts: int, out13: int, out2: int, lora, block_m, gemm) -> torch.Tensor:
     """The fused MoE over the pairs sorted by expert: the gate_up grouped matmul (`gemm(a, out, flat weights,
     aligned, row_div=True, weighted=False)`), silu_and_mul, the down one (weighted by the routing weights), the k
     rows of a token summed. With `lora` (reference.MoELoRA): each pair's delta of its token's adapter and its expert
@@ -153,18 +203,18 @@ def _run(x, ids, weights, num_experts: int, out13: int, out2: int, lora, gemm) -
     store)."""
     from . import fused
     t, top_k = ids.shape
-    aligned = align(ids, num_experts)
+    pairs_aligned = aligned(ids, num_experts, block_m)
     pairs = t * top_k
     flat_w = weights.reshape(-1).contiguous()
     gate_up = torch.empty(pairs, out13, dtype=x.dtype, device=x.device)
-    gemm(x, gate_up, flat_w, aligned, True, False)
+    gemm(x, gate_up, flat_w, pairs_aligned, True, False)
     if lora is not None:
         adapters = _LoRAPairs(ids, lora, flat_w)
         gate_up += adapters.delta(x, lora.a13, lora.b13, True)
     act = fused.silu_and_mul(gate_up)
     del gate_up  # (freed before the down stage: the activation plan counts one of the two alive, sizes.moe_token_bytes)
     down = torch.empty(pairs, out2, dtype=x.dtype, device=x.device)
-    gemm(act, down, flat_w, aligned, False, lora is None)
+    gemm(act, down, flat_w, pairs_aligned, False, lora is None)
     if lora is not None:
         down += adapters.delta(act, lora.a2, lora.b2, False)
         down.mul_(flat_w[:, None])  # (in place, computed in float32 and rounded once: no [pairs, H] float32 copies)
@@ -176,14 +226,14 @@ class _LoRAPairs:
     pairs sorted by (slot, expert): each pair's "virtual expert" s * E + e (a token without adapter: slot 0, its
     shrink zeroed), aligned as `align` aligns the experts, so that the shrink (rows against A [S * E, r, K]) and the
     expand (the shrink's [P, r] against B [S * E, N, r]) are _moe_gemm launches of fixed grids: no host sync, no
-    gathered weights."""
+    gathered weights. Their blocks' rows: choose_block_m of the step's shape over the S * E virtual experts."""
 
     def __init__(self, ids: torch.Tensor, lora, flat_w: torch.Tensor):
         slots, e = lora.token_slots, lora.a13.shape[1]
         self.count = lora.a13.shape[0] * e
         self.top_k = ids.shape[1]
         virtual = slots.clamp(min=0).unsqueeze(1) * e + ids.to(slots.dtype)
-        self.aligned = align(virtual, self.count)
+        self.aligned = aligned(virtual, self.count)
         self.valid = (slots >= 0).repeat_interleave(self.top_k, output_size=ids.numel()).unsqueeze(1)
         self.flat_w = flat_w
 
@@ -192,24 +242,26 @@ class _LoRAPairs:
         for a token without adapter."""
         pairs, (r, k), n = self.valid.shape[0], lora_a.shape[2:], lora_b.shape[2]
         u = torch.empty(pairs, r, dtype=a.dtype, device=a.device)
-        _gemm(a, lora_a.reshape(self.count, r, k), u, self.flat_w, *self.aligned, self.top_k, row_div, False)
+        _gemm(a, lora_a.reshape(self.count, r, k), u, self.flat_w, self.aligned, self.top_k, row_div, False)
         u *= self.valid.to(u.dtype)
         d = torch.empty(pairs, n, dtype=a.dtype, device=a.device)
-        _gemm(u, lora_b.reshape(self.count, n, r), d, self.flat_w, *self.aligned, self.top_k, False, False)
+        _gemm(u, lora_b.reshape(self.count, n, r), d, self.flat_w, self.aligned, self.top_k, False, False)
         return d
 
 
 # ------------------------------------------------------------------------------------------------ int4 (GPTQ) experts
 @triton.jit(do_not_specialize=("num_pairs",))  # (as _moe_gemm: one compiled variant for every step)
-def _moe_gemm_int4(a_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr, post_ptr,
-                   num_pairs, n, k, top_k, group_size, s_a, s_qe, s_qk, s_ze, s_zg, s_se, s_sg, s_ge, s_out,
-                   ROW_DIV: tl.constexpr, WEIGHTED: tl.constexpr, IEEE: tl.constexpr, ZEROS_V1: tl.constexpr,
-                   READ_G: tl.constexpr, ONE_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+def _moe_gemm_int4(a_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, p_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr,
+                   post_ptr, num_pairs, n, k, top_k, group_size, s_a, s_qe, s_qk, s_ze, s_zg, s_se, s_sg, s_ge, s_pe,
+                   s_out, ROW_DIV: tl.constexpr, WEIGHTED: tl.constexpr, IEEE: tl.constexpr, ZEROS_V1: tl.constexpr,
+                   READ_G: tl.constexpr, ONE_GROUP: tl.constexpr, PERM: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """_moe_gemm over int4 GPTQ experts: qweight [E, K / 8, N] (8 consecutive input rows a word, lowest nibble
     first), qzeros [E, G, N / 8] (fields of zero - 1 where ZEROS_V1), scales [E, G, N] (float16), g_idx [E, K]
     (READ_G: each input row's group read, act-order; else row // group_size; ONE_GROUP: every K step inside one
-    group, whose zeros and scales are read once a step). Each K step's tile of the block's expert is dequantized in
+    group, whose zeros and scales are read once a step); PERM: act-order experts sorted by group at load
+    (reference.Int4Experts.sorted_by_group), perm [E, K] the column of x of each sorted input row, the A tile a
+    gather of those columns (the groups then plain: ONE_GROUP where the step fits). Each K step's tile of the block's expert is dequantized in
     registers as packing.dequantize does, (q - z) * s rounded to float16, then to x's dtype, and multiplied as the
     float kernel multiplies."""
     pid_m = tl.program_id(0)
@@ -226,8 +278,11 @@ def _moe_gemm_int4(a_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, out_ptr, weights_ptr, pa
     for k0 in range(0, k, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k
-        a = tl.load(a_ptr + a_row[:, None] * s_a + offs_k[None, :], mask=valid[:, None] & mask_k[None, :],
-                    other=0.0)
+        if PERM:  # x's columns of the expert's sorted rows
+            cols = tl.load(p_ptr + e * s_pe + offs_k, mask=mask_k, other=0).to(tl.int64)
+        else:
+            cols = offs_k
+        a = tl.load(a_ptr + a_row[:, None] * s_a + cols[None, :], mask=valid[:, None] & mask_k[None, :], other=0.0)
         # the step's [BKW, BLOCK_N] words, each read once (coalesced along N), split into their 8 fields in
         # registers: [8, BKW, N] -> [BKW, 8, N] -> row 8 i + j = field j of word i = input row k0 + 8 i + j, the
         # tile in x's order (x read contiguously, the dot's sum over K in the same order as the float kernel's)
@@ -259,35 +314,39 @@ def _moe_gemm_int4(a_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, out_ptr, weights_ptr, pa
     _store_rows(out_ptr, weights_ptr, acc, pair, valid, offs_n, n, s_out, WEIGHTED)
 
 
-def int4_tiles(n: int, k: int, group_size: int, top_k: int) -> tuple[int, int, bool]:
-    """`tiles` of int4 experts of this group size (0: act-order), and whether each K step lies in one group: a
-    power-of-two group smaller than the step (16 to 64) makes the step one group wide."""
-    block_n, block_k = tiles(n, k, top_k)
+def int4_tiles(n: int, k: int, group_size: int, top_k: int, block_m: int = BLOCK_M) -> tuple[int, int, bool]:
+    """`tiles` of int4 experts of this group size (0: act-order read per row), and whether each K step lies in one
+    group: a power-of-two group smaller than the step (16 to 64) makes the step one group wide."""
+    block_n, block_k = tiles(n, k, top_k, block_m)
     if 16 <= group_size < block_k and group_size & (group_size - 1) == 0:
         block_k = group_size
     return block_n, block_k, group_size > 0 and (group_size >= k or group_size % block_k == 0)
 
 
-def _gemm_int4(a, w, out, weights, sorted_pairs, block_expert, post, top_k, row_div: bool, weighted: bool):
+def _gemm_int4(a, w, out, weights, aligned, top_k, row_div: bool, weighted: bool):
     n, k, gs = w.out_features, w.in_features, w.group_size
-    block_n, block_k, one_group = int4_tiles(n, k, gs, top_k)
-    grid = (block_expert.shape[0], cdiv(n, block_n))
+    block_n, block_k, one_group = int4_tiles(n, k, gs, top_k, aligned.block_m)
+    grid = (aligned.block_expert.shape[0], cdiv(n, block_n))
     qw, qz, s, g = w.qweight, w.qzeros, w.scales, w.g_idx
-    _moe_gemm_int4[grid](a, qw, qz, s, g, out, weights, sorted_pairs, block_expert, post, out.shape[0], n, k, top_k,
-                         max(1, w.group_size), a.stride(0), qw.stride(0), qw.stride(1), qz.stride(0), qz.stride(1),
-                         s.stride(0), s.stride(1), g.stride(0), out.stride(0), ROW_DIV=row_div, WEIGHTED=weighted,
+    perm = w.perm if w.perm is not None else g  # (not read without PERM)
+    _moe_gemm_int4[grid](a, qw, qz, s, g, perm, out, weights, aligned.sorted_pairs, aligned.block_expert,
+                         aligned.post, out.shape[0], n, k, top_k, max(1, w.group_size), a.stride(0), qw.stride(0),
+                         qw.stride(1), qz.stride(0), qz.stride(1), s.stride(0), s.stride(1), g.stride(0),
+                         perm.stride(0), out.stride(0), ROW_DIV=row_div, WEIGHTED=weighted,
                          IEEE=a.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
-                         ZEROS_V1=bool(w.zeros_v1), READ_G=gs <= 0, ONE_GROUP=one_group, BLOCK_M=BLOCK_M,
-                         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=INT4_STAGES)
+                         ZEROS_V1=bool(w.zeros_v1), READ_G=gs <= 0, ONE_GROUP=one_group, PERM=w.perm is not None,
+                         BLOCK_M=aligned.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                         **launch_options(aligned.block_m, True))
 
 
-def fused_moe_int4(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor, lora=None) -> torch.Tensor:
+def fused_moe_int4(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor, lora=None,
+                   block_m: int | None = None) -> torch.Tensor:
     """fused_moe over int4 GPTQ experts (reference.Int4Experts w13: [E, 2I] outputs of H inputs; w2: [E, H] of I),
     dequantized in registers: the same alignment, launches and grids as the float experts (and the same LoRA)."""
     t, top_k = ids.shape
     if t == 0:
         return torch.zeros_like(x)
     x = x.contiguous()
-    return _run(x, ids, weights, w13.qweight.shape[0], w13.out_features, w2.out_features, lora,
-                lambda a, out, fw, al, row_div, weighted: _gemm_int4(a, w13 if row_div else w2, out, fw, *al, top_k,
+    return _run(x, ids, weights, w13.qweight.shape[0], w13.out_features, w2.out_features, lora, block_m,
+                lambda a, out, fw, al, row_div, weighted: _gemm_int4(a, w13 if row_div else w2, out, fw, al, top_k,
                                                                      row_div, weighted))

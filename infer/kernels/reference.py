@@ -529,13 +529,15 @@ class Int4Experts(NamedTuple):
     [E, K / 8, N] (8 consecutive input rows a word, lowest nibble first), qzeros int32 [E, G, N / 8] (each field
     zero - 1 where zeros_v1, packing.v1_words_to_fields), scales float16 [E, G, N], g_idx int32 [E, K] (each input
     row's group). group_size > 0: every expert's g_idx is row // group_size (the kernel computes it); 0: read
-    (act-order)."""
+    (act-order). perm (int32 [E, K], or None): act-order experts sorted by group (`sorted_by_group`, at load): row
+    r of expert e's qweight (and of its plain g_idx) is x's column perm[e, r], which the kernel gathers."""
     qweight: torch.Tensor
     qzeros: torch.Tensor
     scales: torch.Tensor
     g_idx: torch.Tensor
     group_size: int
     zeros_v1: bool
+    perm: torch.Tensor | None = None
 
     @property
     def in_features(self) -> int:
@@ -546,10 +548,33 @@ class Int4Experts(NamedTuple):
         return self.qweight.shape[2]
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """The float weights [E, N, K] (packing.dequantize of each expert: the float16 product, then `dtype`)."""
+        """The float weights [E, N, K] in x's (the checkpoint's) order of inputs (packing.dequantize of each expert:
+        the float16 product, then `dtype`; sorted experts' columns put back where perm says)."""
         from .packing import dequantize
-        return torch.stack([dequantize(self.qweight[e], self.qzeros[e], self.scales[e], self.g_idx[e], 4,
-                                       self.zeros_v1, dtype) for e in range(self.qweight.shape[0])])
+        w = torch.stack([dequantize(self.qweight[e], self.qzeros[e], self.scales[e], self.g_idx[e], 4,
+                                    self.zeros_v1, dtype) for e in range(self.qweight.shape[0])])
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)
+        out.scatter_(2, self.perm.long().unsqueeze(1).expand_as(w), w)
+        return out
+
+    def sorted_by_group(self, group_size: int) -> Int4Experts:
+        """These experts with each one's input rows sorted by group (a stable argsort of its g_idx: the row order of
+        quant.gptq_linear's act-order layers), g_idx then plain (row // group_size) and `perm` the sorted rows'
+        columns of x: every K step of the int4 kernel inside one group. Unchanged where g_idx is already plain
+        everywhere, or where some expert's is no permutation of plain groups of `group_size` (read per row)."""
+        from .packing import pack_rows, unpack_rows
+        e, k = self.g_idx.shape
+        plain = (torch.arange(k, device=self.g_idx.device) // group_size).to(self.g_idx.dtype).expand(e, k)
+        perm = torch.argsort(self.g_idx, dim=1, stable=True)
+        if self.perm is not None or torch.equal(self.g_idx, plain) or not torch.equal(self.g_idx.gather(1, perm),
+                                                                                       plain):
+            return self
+        words = torch.stack([pack_rows(unpack_rows(self.qweight[i], 4).index_select(0, perm[i]), 4)
+                             for i in range(e)])
+        return self._replace(qweight=words, g_idx=plain.contiguous(), group_size=group_size,
+                             perm=perm.to(torch.int32))
 
 
 def fused_moe_int4(x: torch.Tensor, w13: Int4Experts, w2: Int4Experts, weights: torch.Tensor,

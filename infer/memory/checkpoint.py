@@ -101,7 +101,7 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
             if name.endswith(".g_idx"):  # one per merged layer, counted below
                 continue
             # a mixture of experts' GPTQ experts (models.moe): on a GPU held int4 as stored (stacked, their g_idx
-            # too, no act-order permutation); on the CPU dequantized at load into the float experts (never
+            # too, with act-order an int32 permutation of each expert's inputs: Int4Stack.perm); on the CPU dequantized at load into the float experts (never
             # prepacked), their int tensors dropped
             expert = ".experts." in name and name.endswith((".qweight", ".qzeros", ".scales"))
             if name.endswith(".qweight") and len(info["shape"]) == 2:
@@ -125,8 +125,9 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
             if prepacks and name == "model.embed_tokens.weight" and getattr(model_config, "tie_word_embeddings", False):
                 total += size
     per_input = 4 + (8 if act_order and device.type == "cuda" else 0)  # g_idx (int32), act_perm (int64)
-    return total + sum(gptq_inputs.values()) * per_input + (sum(expert_inputs.values()) * 4 if device.type != "cpu"
-                                                            else 0)
+    per_expert_input = 4 + (4 if act_order else 0)  # g_idx, Int4Stack.perm (int32)
+    return total + sum(gptq_inputs.values()) * per_input + (sum(expert_inputs.values()) * per_expert_input
+                                                            if device.type != "cpu" else 0)
 
 
 def checkpoint_load_bytes(path: Path, model_config, dtype: torch.dtype, device: torch.device) -> int:

@@ -137,7 +137,10 @@ class Int4Stack(nn.Module):
     order (kernels.reference.Int4Experts): words int32 [E, K / 8, N], zeros int32 [E, G, N / 8] (fields, v1
     borrows undone), scales float16 [E, G, N] (a GPU load checks them for inf / NaN as every GPTQ layer's),
     g_idx int32 [E, K]; group_size: g_idx's where every expert's is plain (row // group_size), else 0 (computed
-    from g_idx at load: reload_weights takes it with the tensors, ADOPTED_ATTRS)."""
+    from g_idx at load: reload_weights takes it with the tensors, ADOPTED_ATTRS). Act-order experts (g_idx a
+    permutation of plain groups) are sorted by group at load (reference.Int4Experts.sorted_by_group, as
+    quant.gptq_linear sorts a dense layer's rows): words' rows sorted, g_idx plain, and `perm` int32 [E, K] (else
+    None) the column of x of each sorted row, which the kernel gathers."""
 
     ADOPTED_ATTRS = ("group_size",)
 
@@ -150,9 +153,22 @@ class Int4Stack(nn.Module):
         self.register_buffer("zeros", torch.zeros(e, groups, n // 8, dtype=torch.int32))
         self.register_buffer("scales", torch.zeros(e, groups, n, dtype=torch.float16))
         self.register_buffer("g_idx", torch.zeros(e, k, dtype=torch.int32))
+        self.register_buffer("perm", None)  # (a buffer: reload_weights takes it, or its absence, with the tensors)
 
     def experts(self) -> Int4Experts:
-        return Int4Experts(self.words, self.zeros, self.scales, self.g_idx, self.group_size, self.config.zeros_v1)
+        return Int4Experts(self.words, self.zeros, self.scales, self.g_idx, self.group_size, self.config.zeros_v1,
+                           self.perm)
+
+    def sort_by_group(self, group_size: int) -> None:
+        """group_size (`group_size` where every g_idx is plain, else 0), act-order experts sorted by group first
+        (their `perm` set) where each g_idx is a permutation of plain groups; one sync, at load."""
+        done = self.experts().sorted_by_group(group_size)
+        if done.perm is not None:
+            self.words.copy_(done.qweight)
+            self.g_idx.copy_(done.g_idx)
+            self.perm = done.perm
+        plain = (torch.arange(self.g_idx.shape[1], device=self.g_idx.device) // group_size).to(self.g_idx.dtype)
+        self.group_size = group_size if bool((self.g_idx == plain).all()) else 0
 
 
 class Experts(nn.Module):
@@ -266,7 +282,8 @@ class SparseMoeBlock(nn.Module):
     def stack_experts(self) -> None:
         """The int4 path: each GPTQ expert projection's checkpoint tensors (qzeros as fields, v1 borrows undone)
         copied into its Int4Stack (gate's columns, then up's), then dropped; an expert's gate and up must share
-        their g_idx (one matmul); each stack's group size kept where every g_idx is plain."""
+        their g_idx (one matmul); each stack's act-order experts sorted by group, and its group size kept where
+        every g_idx is then plain (Int4Stack.sort_by_group)."""
         ex = self.experts
         inter = ex.inter
         for (index, part), layer in sorted(getattr(self, "_gptq", {}).items()):
@@ -288,10 +305,7 @@ class SparseMoeBlock(nn.Module):
         for stack in (ex.w13_int4, ex.w2_int4):
             if stack.g_idx.is_meta:  # (--estimate's check of the checkpoint: no values to read)
                 continue
-            k = stack.g_idx.shape[1]
-            gs = k if stack.config.group_size == -1 else stack.config.group_size
-            plain = (torch.arange(k, device=stack.g_idx.device) // gs).to(stack.g_idx.dtype)
-            stack.group_size = gs if bool((stack.g_idx == plain).all()) else 0  # (one sync, at load)
+            stack.sort_by_group(stack.g_idx.shape[1] if stack.config.group_size == -1 else stack.config.group_size)
 
     def route(self, x: torch.Tensor):
         """(the top k routing weights [T, k] (float32 for Mixtral, else the model's dtype), their experts [T, k])."""
