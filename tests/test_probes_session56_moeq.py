@@ -168,7 +168,9 @@ def test_gpu_path_keeps_gptq_experts_int4_and_equals_the_cpu_path(gptq_moe, monk
         experts = llm.engine.runner.model.layers[0].mlp.experts
         assert experts.w13.numel() == 0 and experts.w13_int4.words.dtype == torch.int32
         gs = [experts.w13_int4.group_size, experts.w2_int4.group_size]
-        assert gs == ([0, 0] if kind == "asym-act" else [32, 32])
+        # act-order experts sorted by group at load (session 58): their groups then plain, each row's x column in perm
+        assert gs == ([16, 16] if kind == "asym-act" else [32, 32])
+        assert (experts.w13_int4.perm is not None) == (kind == "asym-act")
         llm.engine.runner.capture_graphs(64, emulate=True)
         gpu = llm.generate(prompts, params)
         assert sum(llm.engine.runner.graphs.replays.values()) > 0
@@ -212,7 +214,7 @@ def test_a_gpu_model_holds_int4_experts_only_and_refuses_8_bit_ones(tmp_path, bi
 @pytest.mark.parametrize("kind", ["sym", "asym-act"])
 def test_the_estimate_counts_the_experts_as_the_engine_holds_them(gptq_moe, monkeypatch, kind):
     """`warmup --estimate`'s count of a GPTQ MoE checkpoint's weights is what the engine holds: on the GPU path the
-    experts' int4 tensors as stored (their g_idx, no act-order permutation of theirs), and no dequantization scratch
+    experts' int4 tensors as stored (their g_idx, and with act-order their int32 perm), and no dequantization scratch
     for them; on the CPU the float experts dequantized at load (never prepacked), their int tensors dropped."""
     from infer.memory.checkpoint import checkpoint_int4_layer_elements, checkpoint_weights_bytes
     from infer.memory.sizes import weights_bytes

@@ -40,8 +40,8 @@ def choose_block_m(tokens: int, top_k: int, experts: int) -> int:
     (decode) to MAX_BLOCK_M (a prefill): more rows a program reuse each weight tile it reads (vLLM's fused_moe
     picks BLOCK_SIZE_M by the count of tokens as well), the padding of an expert's segment at most about its rows.
     A pure function of the step's static shape (a CUDA graph's captured count of tokens), never of the routing:
-    Qwen3-30B-A3B (top-8 of 128) takes 16 up to 255 tokens, 32 from 512, 128 from 2048; Mixtral (top-2 of 8) 16
-    up to 63 tokens, 128 from 512."""
+    Qwen3-30B-A3B (top-8 of 128) takes 16 up to 511 tokens, 32 from 512, 64 from 1024, 128 from 2048; Mixtral
+    (top-2 of 8) 16 up to 127 tokens, 32 from 128, 128 from 512."""
     rows = tokens * top_k // max(1, experts)
     m = BLOCK_M
     while 2 * m <= min(rows, MAX_BLOCK_M):
@@ -209,7 +209,7 @@ def _run(x, ids, weights, num_experts: int, out13: int, out2: int, lora, block_m
     gate_up = torch.empty(pairs, out13, dtype=x.dtype, device=x.device)
     gemm(x, gate_up, flat_w, pairs_aligned, True, False)
     if lora is not None:
-        adapters = _LoRAPairs(ids, lora, flat_w)
+        adapters = _LoRAPairs(ids, lora, flat_w, block_m)
         gate_up += adapters.delta(x, lora.a13, lora.b13, True)
     act = fused.silu_and_mul(gate_up)
     del gate_up  # (freed before the down stage: the activation plan counts one of the two alive, sizes.moe_token_bytes)
@@ -226,14 +226,15 @@ class _LoRAPairs:
     pairs sorted by (slot, expert): each pair's "virtual expert" s * E + e (a token without adapter: slot 0, its
     shrink zeroed), aligned as `align` aligns the experts, so that the shrink (rows against A [S * E, r, K]) and the
     expand (the shrink's [P, r] against B [S * E, N, r]) are _moe_gemm launches of fixed grids: no host sync, no
-    gathered weights. Their blocks' rows: choose_block_m of the step's shape over the S * E virtual experts."""
+    gathered weights. Their blocks' rows: `block_m` where the call forces one (a tuner's candidate), else
+    choose_block_m of the step's shape over the S * E virtual experts."""
 
-    def __init__(self, ids: torch.Tensor, lora, flat_w: torch.Tensor):
+    def __init__(self, ids: torch.Tensor, lora, flat_w: torch.Tensor, block_m: int | None = None):
         slots, e = lora.token_slots, lora.a13.shape[1]
         self.count = lora.a13.shape[0] * e
         self.top_k = ids.shape[1]
         virtual = slots.clamp(min=0).unsqueeze(1) * e + ids.to(slots.dtype)
-        self.aligned = aligned(virtual, self.count)
+        self.aligned = aligned(virtual, self.count, block_m)
         self.valid = (slots >= 0).repeat_interleave(self.top_k, output_size=ids.numel()).unsqueeze(1)
         self.flat_w = flat_w
 
@@ -261,9 +262,9 @@ def _moe_gemm_int4(a_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, p_ptr, out_ptr, weights_
     (READ_G: each input row's group read, act-order; else row // group_size; ONE_GROUP: every K step inside one
     group, whose zeros and scales are read once a step); PERM: act-order experts sorted by group at load
     (reference.Int4Experts.sorted_by_group), perm [E, K] the column of x of each sorted input row, the A tile a
-    gather of those columns (the groups then plain: ONE_GROUP where the step fits). Each K step's tile of the block's expert is dequantized in
-    registers as packing.dequantize does, (q - z) * s rounded to float16, then to x's dtype, and multiplied as the
-    float kernel multiplies."""
+    gather of those columns (the groups then plain: ONE_GROUP where the step fits). Each K step's tile of the
+    block's expert is dequantized in registers as packing.dequantize does, (q - z) * s rounded to float16, then to
+    x's dtype, and multiplied as the float kernel multiplies."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(post_ptr):
