@@ -54,6 +54,9 @@ def test_block_m_is_chosen_by_the_steps_shape_and_keeps_the_k_steps():
             bn, bk = moe.tiles(n, k, top_k, m)
             assert bk == bk16 and bn == min(64, max(16, 1 << (n - 1).bit_length())) and bn >= bn16
             assert moe.int4_tiles(n, k, 128, top_k, m)[1:] == moe.int4_tiles(n, k, 128, top_k)[1:]
+    # the variants of an engine's steps (warm_kernels compiles each at its fewest tokens)
+    assert moe.block_m_steps(160, 2, 8) == {16: 1, 32: 128} and moe.block_m_steps(8, 2, 8) == {16: 1}
+    assert moe.block_m_steps(8192, 8, 128) == {16: 1, 32: 512, 64: 1024, 128: 2048}
     assert moe.launch_options(128, True) == {"num_warps": 8, "num_stages": 3}
     assert moe.launch_options(16, True) == {"num_warps": 4, "num_stages": moe.INT4_STAGES}
     for bad in (8, 48):
@@ -214,8 +217,9 @@ def test_the_bigger_tiles_compiled_for_an_h100_fit_its_shared_memory():
 @interpreted
 def test_a_long_prefill_of_act_order_experts_on_the_gpu_path_equals_the_cpu_path(gptq_moe, monkeypatch):
     """The GPTQModel act-order checkpoint (asym, groups of 16) on the GPU code path (interpreted kernels, decode
-    through emulated CUDA graphs): its experts sorted by group at load, a prefill of 160 tokens in one step (40 rows
-    an expert: blocks of 32) and decode steps (16): the CPU path's tokens, logprobs close."""
+    through emulated CUDA graphs): its experts sorted by group at load, the 32-row variant warmed (as a GPU engine's
+    start does), a prefill of 160 tokens in one step (40 rows an expert: blocks of 32) and decode steps (16): the
+    CPU path's tokens, logprobs close."""
     from infer import LLM, SamplingParams
     from infer.kernels import moe as moe_kernels
     from quant_helpers import int4_kernel_path
@@ -226,16 +230,22 @@ def test_a_long_prefill_of_act_order_experts_on_the_gpu_path_equals_the_cpu_path
     opts = dict(block_size=8, max_num_batched_tokens=160, max_num_seqs=2, max_model_len=176)
     with LLM(str(path), **opts) as llm:
         cpu = llm.generate(prompts, params)
+        assert llm.engine.runner.model.layers[0].mlp.warm_block_sizes(160) == []  # (no Triton: nothing to compile)
     int4_kernel_path(monkeypatch)
     chosen = []
-    real = moe_kernels.choose_block_m
-    monkeypatch.setattr(moe_kernels, "choose_block_m", lambda *a: chosen.append(real(*a)) or chosen[-1])
+    real = moe_kernels.align
+    monkeypatch.setattr(moe_kernels, "align", lambda ids, e, block_m: chosen.append(block_m) or real(ids, e, block_m))
     with LLM(str(path), cuda_graph_max_tokens=4, **opts) as llm:
         experts = llm.engine.runner.model.layers[0].mlp.experts
         for stack in (experts.w13_int4, experts.w2_int4):
             assert stack.perm is not None and stack.group_size == 16
             assert torch.equal(stack.g_idx, (torch.arange(stack.g_idx.shape[1]) // 16).int().expand_as(stack.g_idx))
-        llm.engine.runner.capture_graphs(64, emulate=True)
+        # warm_kernels' (a GPU engine's start): the 32-row variant a step of 128 to 160 tokens takes, on zeros
+        chosen.clear()
+        llm.engine._warm_moe_blocks()
+        assert chosen == [32] and llm.engine.runner.model.layers[0].mlp.warm_block_sizes(160) == [128]
+        chosen.clear()
+        llm.engine.runner.capture_graphs(opts["max_model_len"], emulate=True)
         gpu = llm.generate(prompts, params)
         assert sum(llm.engine.runner.graphs.replays.values()) > 0
     assert 32 in chosen and 16 in chosen, chosen
@@ -243,3 +253,12 @@ def test_a_long_prefill_of_act_order_experts_on_the_gpu_path_equals_the_cpu_path
     for a, b in zip(gpu, cpu):
         for ra, rb in zip(a.logprobs, b.logprobs):
             assert abs(ra["logprob"] - rb["logprob"]) < 1e-3
+
+
+def test_the_moe_bench_searches_block_m_and_refuses_other_sizes(capsys):
+    """`python -m infer.bench.moe --block-m ...` times these BLOCK_M candidates too; a size the kernels do not take
+    is refused by name before anything runs."""
+    from infer.bench import moe as bench
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--block-m", "16", "48"])
+    assert exc.value.code == 2 and "--block-m: invalid choice: 48" in capsys.readouterr().err

@@ -5,7 +5,12 @@ over the measured copy bandwidth. Qwen3-30B-A3B's expert shapes by default (E = 
 groups of 128).
 
     python -m infer.bench.moe --tokens 1 8 64 512 --out moe.csv
-    python -m infer.bench.moe --act-order      # each row's group read from g_idx (desc_act checkpoints)
+    python -m infer.bench.moe --act-order      # desc_act checkpoints' experts, sorted by group as the engine loads them
+    python -m infer.bench.moe --tokens 256 1024 4096 --block-m 16 32 64 128   # BLOCK_M's search (kernels.moe)
+
+With --block-m each count of tokens is timed at every BLOCK_M listed too (the int4 kernel; `int4_us_mN` columns,
+`best_block_m` the fastest) beside the one kernels.moe.choose_block_m picks (`block_m`): what a change of its
+thresholds would gain.
 """
 
 from __future__ import annotations
@@ -39,11 +44,12 @@ def int4_bytes(experts: int, k: int, n: int, group: int) -> float:
 
 
 def measure(tokens, experts: int, top_k: int, hidden: int, inter: int, group: int, act_order: bool,
-            bandwidth: float) -> list[dict]:
+            bandwidth: float, block_ms=()) -> list[dict]:
     from ..kernels import moe
     from ..kernels.gptq_tune import time_graph
-    w13 = random_experts(experts, hidden, 2 * inter, group, act_order, 0)
-    w2 = random_experts(experts, inter, hidden, group, act_order, 1)
+    # (act-order: sorted by group, as models.moe.Int4Stack holds them)
+    w13 = random_experts(experts, hidden, 2 * inter, group, act_order, 0).sorted_by_group(group)
+    w2 = random_experts(experts, inter, hidden, group, act_order, 1).sorted_by_group(group)
     f13, f2 = w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16)
     rows = []
     for t in tokens:
@@ -61,7 +67,13 @@ def measure(tokens, experts: int, top_k: int, hidden: int, inter: int, group: in
                      "int4_floor_us": round(q_bytes / bandwidth * 1e6, 2),
                      "int4_of_floor": round(q_bytes / bandwidth * 1e6 / ours, 3),
                      "bf16_floor_us": round(f_bytes / bandwidth * 1e6, 2),
-                     "bf16_of_floor": round(f_bytes / bandwidth * 1e6 / dense, 3)})
+                     "bf16_of_floor": round(f_bytes / bandwidth * 1e6 / dense, 3),
+                     "block_m": moe.choose_block_m(t, top_k, experts)})
+        if block_ms:
+            times = {m: time_graph([lambda m=m: moe.fused_moe_int4(x, w13, w2, weights, ids, block_m=m)])
+                     for m in block_ms}
+            rows[-1].update({f"int4_us_m{m}": round(us, 2) for m, us in times.items()})
+            rows[-1]["best_block_m"] = min(times, key=times.get)
     return rows
 
 
@@ -73,7 +85,9 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--intermediate", type=int, default=768)
     ap.add_argument("--group-size", type=int, default=128)
-    ap.add_argument("--act-order", action="store_true", help="each row's group read from g_idx")
+    ap.add_argument("--act-order", action="store_true", help="act-order experts (sorted by group, as loaded)")
+    ap.add_argument("--block-m", type=int, nargs="+", default=[], choices=(16, 32, 64, 128),
+                    help="BLOCK_M candidates to time as well")
     ap.add_argument("--out", help="write the table as CSV here too")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -93,7 +107,7 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; E={args.experts} "
           f"k={args.top_k} H={args.hidden} I={args.intermediate} g={args.group_size} act_order={args.act_order}")
     rows = measure(args.tokens, args.experts, args.top_k, args.hidden, args.intermediate, args.group_size,
-                   args.act_order, bandwidth)
+                   args.act_order, bandwidth, args.block_m)
     keys = list(rows[0])
     print("  ".join(keys))
     for r in rows:

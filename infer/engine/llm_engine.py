@@ -1432,6 +1432,21 @@ class LLMEngine:
                         windows.add(getattr(mod, "window", 0))
                         mod.compile_decode()
 
+    def _warm_moe_blocks(self) -> None:
+        """Compile the fused MoE's variants of the BLOCK_M sizes a step of up to max_num_batched_tokens tokens can
+        choose (models.moe.SparseMoeBlock.warm_block_sizes), once per shape of sparse layer."""
+        from ..models.moe import SparseMoeBlock
+        seen = set()
+        for mod in self.runner.model.modules():
+            if isinstance(mod, SparseMoeBlock):
+                ex = mod.experts
+                stacks = (ex.w13_int4, ex.w2_int4) if mod.int4 is not None else ()
+                key = (ex.num_experts, ex.hidden, ex.inter, mod.top_k, mod.float_weights,
+                       tuple((s.group_size, s.perm is None, s.config.zeros_v1) for s in stacks))
+                if key not in seen:
+                    seen.add(key)
+                    mod.warm_block_sizes(self.config.max_num_batched_tokens)
+
     @torch.inference_mode()
     def warm_kernels(self) -> None:
         """Not a measurement: requests through every path a first real step can take (a prefill, decodes, and a
@@ -1463,6 +1478,7 @@ class LLMEngine:
                 self.step()
             pieces.replays.clear()
         self._warm_decode_attention()
+        self._warm_moe_blocks()
         self._warm_grammar_mask()
         # a fresh engine to its users: no steps, no cached prefixes of made-up prompts, no hits, no replays
         self.num_steps = self.scheduler.num_preemptions = 0

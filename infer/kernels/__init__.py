@@ -166,6 +166,12 @@ def fused_moe(x, w13, w2, weights, ids, lora=None):
     return reference.fused_moe(x, w13, w2, weights, ids, lora)
 
 
+def fused_moe_block_steps(x, max_tokens: int, top_k: int, experts: int) -> dict[int, int]:
+    """Where x's fused MoE is Triton's: {BLOCK_M: the fewest tokens of a step that choose it} up to max_tokens
+    (kernels.moe.block_m_steps); else {} (the reference compiles nothing)."""
+    return _triton("moe").block_m_steps(max_tokens, top_k, experts) if use_triton(x) else {}
+
+
 def fused_moe_int4(x, w13, w2, weights, ids, lora=None):
     """fused_moe over int4 GPTQ experts (reference.Int4Experts): Triton's, dequantized in registers, in the float
     kernel's launches; else the reference (the experts dequantized, then the float op)."""

@@ -49,6 +49,17 @@ def choose_block_m(tokens: int, top_k: int, experts: int) -> int:
     return m
 
 
+def block_m_steps(max_tokens: int, top_k: int, experts: int) -> dict[int, int]:
+    """{BLOCK_M: the fewest tokens of a step that choose it} over steps of 1 to max_tokens tokens: the variants an
+    engine's steps can launch (LLMEngine.warm_kernels compiles each)."""
+    steps = {}
+    for m in (BLOCK_M, 2 * BLOCK_M, 4 * BLOCK_M, MAX_BLOCK_M):
+        t = 1 if m == BLOCK_M else cdiv(m * experts, top_k)
+        if t <= max_tokens and choose_block_m(t, top_k, experts) == m:
+            steps[m] = t
+    return steps
+
+
 def launch_options(block_m: int, int4: bool) -> dict:
     """num_warps / num_stages of a block of `block_m` rows: 4 warps, 8 for 128-row tiles (a [128, 64] float32
     accumulator is 32 registers a thread of 256); the int4 kernel's INT4_STAGES K steps in flight, 3 at 128 rows

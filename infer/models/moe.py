@@ -316,6 +316,26 @@ class SparseMoeBlock(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights if self.float_weights else weights.to(x.dtype)), ids
 
+    def warm_block_sizes(self, max_tokens: int) -> list[int]:
+        """The fused MoE run once on zeros at the fewest tokens of each BLOCK_M a step of up to max_tokens tokens
+        chooses beyond decode's (kernels.fused_moe_block_steps), every expert routed to: its variants compiled
+        before a long prefill needs them (LLMEngine.warm_kernels; its short prompts reach decode's alone). Returns
+        the token counts run; none without Triton."""
+        ex = self.experts
+        probe = self.gate.weight
+        counts = [t for m, t in kernels.fused_moe_block_steps(probe, max_tokens, self.top_k, ex.num_experts).items()
+                  if t > 1]
+        for t in counts:
+            x = probe.new_zeros(t, ex.hidden)
+            ids = torch.arange(t * self.top_k, device=probe.device).view(t, self.top_k) % ex.num_experts
+            weights = torch.full((t, self.top_k), 1 / self.top_k, device=probe.device,
+                                 dtype=torch.float32 if self.float_weights else probe.dtype)
+            if self.int4 is not None:
+                kernels.fused_moe_int4(x, ex.w13_int4.experts(), ex.w2_int4.experts(), weights, ids)
+            else:
+                kernels.fused_moe(x, ex.w13, ex.w2, weights, ids)
+        return counts
+
     def forward(self, x, ctx=None):
         """(the block's output [T, H], None: no LoRA delta left to the next norm)."""
         weights, ids = self.route(x)
