@@ -117,11 +117,14 @@ def test_reload_weights_takes_the_int4_stacks_group_size_with_their_g_idx(tmp_pa
         want = llm.generate(prompts, params)
     with LLM(str(tmp_path / "m"), **opts) as llm:
         experts = llm.engine.runner.model.layers[0].mlp.experts
-        assert experts.w13_int4.group_size == 32
+        assert experts.w13_int4.group_size == 32 and experts.w13_int4.perm is None
         for f in ("model.safetensors", "config.json"):
             shutil.copy(tmp_path / "act" / f, tmp_path / "m" / f)
         llm.engine.reload_weights()
-        assert experts.w13_int4.group_size == 0  # (act-order: g_idx read; the down, I = 32, is one group)
+        # act-order: sorted by group at load (session 58), the permutation taken with the tensors; the down, I = 32,
+        # is one group
+        assert experts.w13_int4.group_size == 32 and experts.w13_int4.perm is not None
+        assert experts.w2_int4.perm is None
         got = llm.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for a, b in zip(got, want):

@@ -77,6 +77,7 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
     total = 0
     gptq_inputs: dict[str, int] = {}  # merged GPTQ layer -> its input width
     expert_inputs: dict[str, int] = {}  # the same for a mixture of experts' GPTQ experts (gate/up merged)
+    expert_sorted: set[str] = set()  # those of several groups, sorted by group at load with act-order (their perm)
     headers = []
     for f in files:
         header = safetensors_header(f) if f.suffix == ".safetensors" else _bin_header(f)
@@ -101,8 +102,8 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
             if name.endswith(".g_idx"):  # one per merged layer, counted below
                 continue
             # a mixture of experts' GPTQ experts (models.moe): on a GPU held int4 as stored (stacked, their g_idx
-            # too, with act-order an int32 permutation of each expert's inputs: Int4Stack.perm); on the CPU dequantized at load into the float experts (never
-            # prepacked), their int tensors dropped
+            # too, with act-order an int32 permutation of each expert's inputs: Int4Stack.perm); on the CPU
+            # dequantized at load into the float experts (never prepacked), their int tensors dropped
             expert = ".experts." in name and name.endswith((".qweight", ".qzeros", ".scales"))
             if name.endswith(".qweight") and len(info["shape"]) == 2:
                 # K from the layer's g_idx: a layer may have its own bits (dynamic, a quantized lm_head at 8)
@@ -114,6 +115,9 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
                 else:
                     k = own["shape"][0] if own and own["shape"] else k * (32 // width)
                 (expert_inputs if expert else gptq_inputs)[_merged_key(name)] = k
+                scales = header.get(name.removesuffix("qweight") + "scales")
+                if expert and act_order and scales is not None and scales["shape"][0] > 1:  # (one group: plain)
+                    expert_sorted.add(_merged_key(name))
                 if device.type == "cpu":  # the CPU path dequantizes each GPTQ layer once at load (and prepacks it)
                     total += k * n * elem * (2 if prepacks and not expert else 1)
             if expert and device.type == "cpu":
@@ -125,9 +129,9 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
             if prepacks and name == "model.embed_tokens.weight" and getattr(model_config, "tie_word_embeddings", False):
                 total += size
     per_input = 4 + (8 if act_order and device.type == "cuda" else 0)  # g_idx (int32), act_perm (int64)
-    per_expert_input = 4 + (4 if act_order else 0)  # g_idx, Int4Stack.perm (int32)
-    return total + sum(gptq_inputs.values()) * per_input + (sum(expert_inputs.values()) * per_expert_input
-                                                            if device.type != "cpu" else 0)
+    # the experts' g_idx, and Int4Stack.perm (int32) of those sorted by group
+    experts = sum(k * (8 if key in expert_sorted else 4) for key, k in expert_inputs.items())
+    return total + sum(gptq_inputs.values()) * per_input + (experts if device.type != "cpu" else 0)
 
 
 def checkpoint_load_bytes(path: Path, model_config, dtype: torch.dtype, device: torch.device) -> int:
