@@ -86,6 +86,7 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
             continue
         headers.append(header)
     g_idx = {name: info for header in headers for name, info in header.items() if name.endswith(".g_idx")}
+    scales = {name: info for header in headers for name, info in header.items() if name.endswith(".scales")}
     # a tied lm_head.weight is the embeddings' copy, except in a checkpoint that stores the tied matrix under that
     # name alone (safetensors' save_model): the loader makes it the embeddings (models.loader.place_weights)
     stored = {name for header in headers for name in header}
@@ -115,8 +116,8 @@ def checkpoint_weights_bytes(files: list[Path], model_config, dtype: torch.dtype
                 else:
                     k = own["shape"][0] if own and own["shape"] else k * (32 // width)
                 (expert_inputs if expert else gptq_inputs)[_merged_key(name)] = k
-                scales = header.get(name.removesuffix("qweight") + "scales")
-                if expert and act_order and scales is not None and scales["shape"][0] > 1:  # (one group: plain)
+                groups = scales.get(name.removesuffix("qweight") + "scales", {"shape": [1]})["shape"][0]
+                if expert and act_order and groups > 1:  # (one group: plain, never sorted)
                     expert_sorted.add(_merged_key(name))
                 if device.type == "cpu":  # the CPU path dequantizes each GPTQ layer once at load (and prepacks it)
                     total += k * n * elem * (2 if prepacks and not expert else 1)
