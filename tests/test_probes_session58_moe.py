@@ -262,3 +262,40 @@ def test_the_moe_bench_searches_block_m_and_refuses_other_sizes(capsys):
     with pytest.raises(SystemExit) as exc:
         bench.main(["--block-m", "16", "48"])
     assert exc.value.code == 2 and "--block-m: invalid choice: 48" in capsys.readouterr().err
+
+
+@interpreted
+def test_reload_from_act_order_to_plain_experts_drops_the_permutation(tmp_path, monkeypatch):
+    """reload_weights of plain-group experts over act-order ones (the GPU code path, interpreted): the fresh load's
+    absent permutation is taken with its tensors (Int4Stack.perm a buffer, None), not the old one kept over rows no
+    longer sorted: the fresh engine's tokens and logprobs."""
+    import shutil
+
+    from infer import LLM, SamplingParams
+    from helpers import random_prompts
+    from quant_helpers import int4_kernel_path
+    from test_probes_session55_moe import build
+    from test_probes_session56_review_moeq import rtn_gptq
+    build(tmp_path / "base", "qwen3_moe", num_hidden_layers=1)
+    rtn_gptq(tmp_path / "base", tmp_path / "plain")
+    rtn_gptq(tmp_path / "base", tmp_path / "act", act_order=True)
+    shutil.copytree(tmp_path / "act", tmp_path / "m")
+    int4_kernel_path(monkeypatch)
+    prompts = random_prompts(512, (5, 14), seed=4)[:2]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True, logprobs=1)
+    opts = dict(block_size=4, max_num_batched_tokens=8, max_num_seqs=2, max_model_len=32)
+    with LLM(str(tmp_path / "plain"), **opts) as llm:
+        want = llm.generate(prompts, params)
+    with LLM(str(tmp_path / "m"), **opts) as llm:
+        stack = llm.engine.runner.model.layers[0].mlp.experts.w13_int4
+        assert stack.perm is not None and stack.group_size == 32
+        for f in ("model.safetensors", "config.json"):
+            shutil.copy(tmp_path / "plain" / f, tmp_path / "m" / f)
+        llm.engine.reload_weights()
+        stack = llm.engine.runner.model.layers[0].mlp.experts.w13_int4
+        assert stack.perm is None and stack.group_size == 32
+        got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for a, b in zip(got, want):
+        for ra, rb in zip(a.logprobs, b.logprobs):
+            assert abs(ra["logprob"] - rb["logprob"]) < 1e-5
