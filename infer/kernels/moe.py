@@ -139,7 +139,7 @@ def _store_rows(out_ptr, weights_ptr, acc, pair, valid, offs_n, n, s_out, WEIGHT
              mask=valid[:, None] & (offs_n[None, :] < n))
 
 
-@triton.jit(do_not_specialize=["num_pairs"])  # (T * k: one compiled variant for every step's count of pairs)
+@triton.jit(do_not_specialize=["num_pairs"])  # (T * k: one compiled variant a BLOCK_M, whatever the count of pairs)
 def _moe_gemm(a_ptr, w_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr, post_ptr, num_pairs, n, k, top_k,
               s_a, s_we, s_wn, s_out, ROW_DIV: tl.constexpr, WEIGHTED: tl.constexpr, IEEE: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -262,7 +262,7 @@ class _LoRAPairs:
 
 
 # ------------------------------------------------------------------------------------------------ int4 (GPTQ) experts
-@triton.jit(do_not_specialize=("num_pairs",))  # (as _moe_gemm: one compiled variant for every step)
+@triton.jit(do_not_specialize=("num_pairs",))  # (as _moe_gemm: one compiled variant a BLOCK_M)
 def _moe_gemm_int4(a_ptr, qw_ptr, qz_ptr, s_ptr, g_ptr, p_ptr, out_ptr, weights_ptr, pairs_ptr, experts_ptr,
                    post_ptr, num_pairs, n, k, top_k, group_size, s_a, s_qe, s_qk, s_ze, s_zg, s_se, s_sg, s_ge, s_pe,
                    s_out, ROW_DIV: tl.constexpr, WEIGHTED: tl.constexpr, IEEE: tl.constexpr, ZEROS_V1: tl.constexpr,
