@@ -97,6 +97,16 @@ class SleepModeError(InferError, RuntimeError):
         self.route = route
 
 
+class PauseError(SleepModeError):
+    """pause_generation (vLLM's) used where it cannot be: mode "wait" while requests an earlier pause froze cannot run
+    to their end (nor can a sleep's "wait" while generation is paused). `route`: what an HTTP client does about it."""
+
+
+class PauseTimeoutError(PauseError):
+    """pause_generation(mode="wait", timeout=...) ran out of time with requests still running: generation stays paused
+    (new requests wait), those requests run on to their end."""
+
+
 def read_utf8(path, what: str) -> str:
     """A text file's content, or a ConfigError naming `what` and where the first byte that is not UTF-8 sits."""
     from pathlib import Path

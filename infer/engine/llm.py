@@ -458,7 +458,7 @@ class LLM:
                 engine = self._engine()
                 if not engine.has_unfinished_requests():
                     raise RuntimeError(f"the engine has no work left but requests {ids} did not finish")
-                paused = engine.is_paused()  # (sleep(mode="keep")): they go on once another thread wakes it
+                paused = engine.stalled()  # (sleep(mode="keep"), paused): they go on once another thread wakes it
                 outs = [] if paused else self._step(engine)
                 with interrupts_held():  # a Ctrl-C here would lose other calls' outputs of the step
                     for out in outs:

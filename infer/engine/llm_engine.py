@@ -17,7 +17,7 @@ import torch
 
 from .. import kernels
 from ..errors import (ClosedError, ConfigError, LoRAError, LoRANameError, ModelLoadError, OutOfMemoryError,
-                      RequestError, RequestIdTypeError, SleepModeError, UnknownAdapterError)
+                      PauseError, RequestError, RequestIdTypeError, SleepModeError, UnknownAdapterError)
 from ..memory.sizes import kv_groups, kv_window
 from ..models.limits import layer_groups
 from .block_manager import BlockManager
@@ -31,7 +31,7 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
 from .setup import context_limit, load_engine_parts, model_max_len
-from .sleep import MODES, SLEPT, TAGS, WEIGHTS, SleepState, module_tensors, object_tensors
+from .sleep import MODES, PAUSED, SLEPT, TAGS, WEIGHTS, SleepState, module_tensors, object_tensors
 from .speculative import SpecStats, SpeculativeConfig, propose_for
 from .structured import DEAD_HINT, GrammarBackend, allows_any, draft_bitmask
 
@@ -289,6 +289,7 @@ class LLMEngine:
         # lora_int_id of every adapter named so far (lora_request_of)
         self._lora_requests: dict[str, tuple[str, object]] = {}
         self._lora_int_ids: dict[str, int] = {}
+        self._paused = False  # pause_generation() until resume_generation(): no step runs a request
         self._sleep = SleepState()  # sleep mode (config.enable_sleep_mode): what sleep() freed, until wake_up()
         self._graph_plan = None  # (max_len, emulate) of the CUDA graphs sleep() dropped, captured again on waking
         # the replays of graphs dropped since (sleep, reload_weights): stats()' counters carry on past them, as
@@ -736,6 +737,8 @@ class LLMEngine:
                 for seq in [s for s in self.requests.values() if not s.finished]:  # never comes); those a
                     self.abort_request(seq.request_id)  # sleep(mode="keep") paused wait for the engine to wake
             return outputs + self._take_aborted()
+        if self._paused:  # pause_generation(): the requests it froze, and those added since, wait for resume
+            return outputs + self._take_aborted()
         try:
             self._advance(outputs)
         except BaseException:
@@ -1122,20 +1125,7 @@ class LLMEngine:
                 self._abort_for_sleep()
                 self._sleep.paused = False
             return 0
-        if mode == "wait":
-            self._run_to_end()
-        elif mode == "abort":
-            self._abort_for_sleep()
-        done: list[RequestOutput] = []  # a step on the device (overlap) completes first: its memory is freed next
-        if self._unsettled is not None:
-            self._settle(done)
-        if self._inflight is not None:
-            self._unsettled, self._inflight = self._inflight, None
-            self._settle(done)
-        self._carried += done
-        if mode == "keep":  # the youngest first: each goes back to the head of the waiting queue, the oldest first
-            for seq in reversed(list(self.scheduler.running)):
-                self.scheduler.preempt(seq, counted=False)  # (a pause, not a preemption: stats and /metrics)
+        self._hold_requests(mode, SLEPT)
         self.block_manager.reset_prefix_cache(counters=False, in_use=True)
         self._drop_graphs()
         runner, drafter = self.runner, self.drafter
@@ -1190,18 +1180,88 @@ class LLMEngine:
         """vLLM's: whether sleep() freed memory that wake_up() has not given back yet."""
         return self._sleep.asleep
 
-    def is_paused(self) -> bool:
-        """Whether a step would run nothing: requests sleep(mode="keep") paused wait for wake_up() (after level 2,
-        and reload_weights()), and no output is left to hand out. A loop that steps while has_unfinished_requests()
-        waits instead (another thread wakes the engine)."""
-        return (self._sleep.asleep or self._sleep.discarded) and not self._aborted and not self._carried
-
-    def _abort_for_sleep(self) -> None:
-        """End every request the engine holds, as sleep(mode="abort") ends them (finish_reason "abort")."""
+    def _abort_for_sleep(self, error: str = SLEPT) -> None:
+        """End every request the engine holds, as sleep(mode="abort") ends them (finish_reason "abort"); `error`
+        says why (SLEPT, PAUSED: a server's stream ends with finish_reason "abort", not as at its shutdown)."""
         for seq in list(self.requests.values()):
             if not seq.finished:
                 self.abort_request(seq.request_id)
-                seq.error = SLEPT  # (a server's stream ends with finish_reason "abort", not as at its shutdown)
+                seq.error = error
+
+    def _hold_requests(self, mode: str, error: str) -> None:
+        """What sleep() and pause_generation() do with the requests the engine holds (vLLM's PauseMode): "wait" runs
+        them to their end, "abort" ends them (`error` their error), "keep" pauses them (preempted, not counted as a
+        preemption: their KV blocks freed, recomputed once they run again). A step on the device (overlap) is
+        completed first; the outputs of all this are handed out by the next step."""
+        if mode == "wait":
+            self._run_to_end()
+        elif mode == "abort":
+            self._abort_for_sleep(error)
+        done: list[RequestOutput] = []  # a step on the device (overlap) completes first: its memory is freed next
+        if self._unsettled is not None:
+            self._settle(done)
+        if self._inflight is not None:
+            self._unsettled, self._inflight = self._inflight, None
+            self._settle(done)
+        self._carried += done
+        if mode == "keep":  # the youngest first: each goes back to the head of the waiting queue, the oldest first
+            for seq in reversed(list(self.scheduler.running)):
+                self.scheduler.preempt(seq, counted=False)  # (a pause, not a preemption: stats and /metrics)
+
+    # ------------------------------------------------------------------ pause / resume (vLLM's, for RL trainers)
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """vLLM's pause_generation: no step runs a request until resume_generation(); requests added meanwhile wait
+        (queued, not refused) and run after it. `mode` says what becomes of the requests the engine holds: "abort"
+        (the default) ends them (finish_reason "abort", handed out by the next step), "wait" runs them to their end
+        first (their outputs handed out by the next step), "keep" freezes them: their KV blocks are freed and they
+        go on after resume_generation() with the greedy tokens of an uninterrupted run (recomputed: weights loaded
+        meanwhile, reload_weights(), are the ones they go on with). `clear_cache` (vLLM's) forgets the prefix cache
+        (for every mode: infer's "keep" recomputes the frozen requests). Paused already: their frozen requests take
+        this call's mode ("abort" ends them, "keep" leaves them, "wait" is refused: PauseError). Pause and sleep are
+        independent: either may come first, and requests run once the engine is awake and not paused."""
+        self.check_pause(mode, clear_cache)
+        if not (self._paused and mode == "keep"):
+            self._hold_requests(mode, PAUSED)
+        self._paused = True
+        if clear_cache:
+            self.block_manager.reset_prefix_cache(counters=False, in_use=True)
+
+    def resume_generation(self) -> None:
+        """vLLM's resume_generation: the requests paused or added since pause_generation() run from the next step
+        (while asleep: once awake). Not paused: nothing to do."""
+        self._check_open()
+        self._paused = False
+
+    def is_paused(self) -> bool:
+        """vLLM's is_paused: whether pause_generation() holds the engine (until resume_generation()), or a step would
+        run nothing: requests sleep(mode="keep") paused wait for wake_up() (after level 2, and reload_weights())."""
+        return self._paused or self.stalled()
+
+    def stalled(self) -> bool:
+        """Whether a step would run nothing: the engine is paused (pause_generation) or asleep with requests left
+        waiting, and no output is left to hand out. A loop that steps while has_unfinished_requests() waits instead
+        (another thread resumes or wakes the engine)."""
+        return (self._paused or self._sleep.asleep or self._sleep.discarded) and not self._aborted \
+            and not self._carried
+
+    def check_pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """pause_generation()'s checks, made before anything is done (a server makes them before it waits)."""
+        self._check_open()
+        if not isinstance(mode, str) or mode not in MODES:
+            raise RequestError(f"pause mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}"[:200],
+                               "\"abort\" ends the requests running, \"wait\" lets them finish first, \"keep\" "
+                               "freezes them until resume_generation() (e.g. pause_generation(mode=\"keep\"))")
+        if not isinstance(clear_cache, bool):
+            raise RequestError(f"clear_cache must be True or False, got {clear_cache!r}"[:200])
+        if mode == "wait" and self._frozen():
+            raise PauseError("pause_generation(mode=\"wait\") while requests are frozen (paused, or asleep): they "
+                             "cannot run to their end", "resume_generation() (and wake_up()) first, or "
+                             "pause_generation(mode=\"abort\") to end them", "POST /resume (and POST /wake_up) "
+                             "first, or POST /pause?mode=abort to end them")
+
+    def _frozen(self) -> bool:
+        """Whether requests wait that no step runs now (paused, or asleep with requests a "keep" paused)."""
+        return (self._paused or (self._sleep.asleep and self._sleep.paused)) and self.scheduler.has_unfinished()
 
     def check_sleep(self, level: int = 1, mode: str = "abort") -> None:
         """sleep()'s checks, made before anything is done (a server checks them before it waits for requests)."""
@@ -1222,12 +1282,17 @@ class LLMEngine:
                                  "sleep(mode=\"keep\") paused: they cannot run to their end while it sleeps",
                                  "wake_up() first and they run on, or sleep(mode=\"abort\") to end them "
                                  "(mode \"keep\" leaves them paused)")
+        if mode == "wait" and self._frozen():
+            raise PauseError("sleep(mode=\"wait\") while generation is paused with requests waiting: they cannot run "
+                             "to their end", "resume_generation() first, or sleep(mode=\"abort\") to end them (mode "
+                             "\"keep\" leaves them paused)", "POST /resume first, or POST /sleep?mode=abort to end "
+                             "them")
 
     def _run_to_end(self) -> None:
         """Step until every request has ended (sleep(mode="wait")); their outputs are handed out by the next step."""
         outputs: list[RequestOutput] = []
         try:
-            while self.has_unfinished_requests() and not self.is_paused():  # (is_paused: requests a "keep" paused
+            while self.has_unfinished_requests() and not self.stalled():  # (is_paused: requests a "keep" paused
                 # and the weights a level 2 discarded not loaded again: they wait for reload_weights(), not run)
                 outputs += self.step()
         finally:
@@ -1242,7 +1307,7 @@ class LLMEngine:
         if WEIGHTS in self._sleep.tags:
             raise SleepModeError("the weights are asleep", "wake them first: wake_up([\"weights\"])",
                                  "wake them first: POST /wake_up?tags=weights")
-        if self.has_unfinished_requests() and not self.is_paused():  # (those a sleep(mode="keep") paused hold no
+        if self.has_unfinished_requests() and not self.stalled():  # (those a sleep(mode="keep") paused hold no
             raise RequestError("reload_weights() while requests run",  # K/V: they go on with the new weights)
                                "wait for them to finish (or abort them, or pause them: sleep(mode=\"keep\"))")
         from ..models.loader import check_weights, load_model

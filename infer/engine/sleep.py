@@ -24,6 +24,8 @@ MODES = ("abort", "wait", "keep")
 KV_ATTRS = ("k_cache", "v_cache")  # an attention layer's views of the KV cache
 # the error of a request sleep() aborted (its finish_reason "abort"): the server tells it from a shutdown's abort
 SLEPT = "the engine was put to sleep (sleep mode) before the request finished"
+# the error of a request pause_generation(mode="abort") ended: the server answers it as vLLM's, finish_reason "abort"
+PAUSED = "generation was paused (pause_generation, mode \"abort\") before the request finished"
 
 
 def module_tensors(modules) -> list[torch.Tensor]:
