@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import SamplingParams
-from ..errors import InferError, LoRAError, LoRANameError, SleepModeError
+from ..errors import InferError, LoRAError, LoRANameError, PauseTimeoutError, RequestError, SleepModeError
 
 log = logging.getLogger("infer.serve")
 
@@ -79,6 +79,10 @@ class AsyncEngine:
         self._controls: deque[tuple] = deque()  # (fn(engine), loop, future): run on the engine thread
         self._idle_controls: deque[tuple] = deque()  # the same, run once no request is left to step (a sleep "wait")
         self._draining = 0  # sleeps (mode "wait") waiting for the requests to end: new ones are refused meanwhile
+        # pause(): from the call until resume(), new requests wait here (accepted, not admitted to the engine), and
+        # are admitted, in order, by resume()
+        self._holding = False
+        self._held: deque[_Pending] = deque()
         self._sinks: dict[str, tuple] = {}  # request id -> (loop, queue); owned under _cond
         self._num_waiting = 0  # engine's waiting queue after the last step
         self._num_running = 0  # and its running sequences
@@ -126,7 +130,8 @@ class AsyncEngine:
                                               "give every request in flight its own id, e.g. str(uuid.uuid4())")
                 sink = (asyncio.get_running_loop(), queue)
                 self._sinks[request_id] = sink
-                self._adds.append(_Pending(request_id, list(prompt_token_ids), params, lora, sink, time.monotonic()))
+                pending = _Pending(request_id, list(prompt_token_ids), params, lora, sink, time.monotonic())
+                (self._held if self._holding else self._adds).append(pending)  # (paused: it waits for resume())
                 self._cond.notify()
 
     def admitting(self):
@@ -144,7 +149,7 @@ class AsyncEngine:
         Requests not yet admitted and those in the engine's waiting queue take the free running slots first: a
         burst of requests at an idle engine is not a queue (it was counted as one, and refused with 503)."""
         free = max(0, self.engine.config.max_num_seqs - self._num_running)
-        return len(self._adds) + self._num_waiting - free
+        return len(self._adds) + len(self._held) + self._num_waiting - free
 
     def abort(self, request_id: str) -> None:
         """Stop a request (client gone); its KV blocks are freed by the engine thread's next iteration."""
@@ -155,9 +160,10 @@ class AsyncEngine:
 
     def _drop(self, request_id: str) -> None:
         """Under _cond: take the request out of the adds not yet admitted, or have the engine abort it."""
-        before = len(self._adds)
+        before = len(self._adds) + len(self._held)
         self._adds = deque(p for p in self._adds if p.request_id != request_id)
-        if len(self._adds) == before:
+        self._held = deque(p for p in self._held if p.request_id != request_id)  # (one waiting for resume())
+        if len(self._adds) + len(self._held) == before:
             self._aborts.append(request_id)
         self._cond.notify()
 
@@ -216,6 +222,56 @@ class AsyncEngine:
     def is_sleeping(self) -> bool:
         return bool(getattr(self.engine, "is_sleeping", lambda: False)())
 
+    async def pause(self, mode: str = "abort", clear_cache: bool = True, timeout: float | None = None) -> None:
+        """vLLM's pause_generation (LLMEngine.pause_generation): from this call until resume(), new requests wait
+        (accepted, queued here) instead of running; those accepted before end ("abort"), run to their end before
+        this returns ("wait"), or are frozen and go on after resume() ("keep"). `timeout` (seconds, mode "wait"):
+        PauseTimeoutError when requests still run then; generation stays paused and they run on to their end."""
+        check = getattr(self.engine, "check_pause", None)
+        if check is not None:  # a bad mode, a "wait" that cannot end: refused before anything waits
+            check(mode, clear_cache)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout > 0):
+            raise RequestError(f"the pause timeout must be a number of seconds above 0, got {timeout!r}"[:200],
+                               "e.g. timeout=30, or none to wait for as long as the requests run")
+        with self._cond:
+            self._holding = True
+
+        def pause(engine):
+            with self._cond:  # (a resume() while a "wait" drained the requests: it stands)
+                holding = self._holding
+            if holding:
+                engine.pause_generation(mode, clear_cache)
+
+        call = self._call(pause, idle=mode == "wait")
+        if timeout is None or mode != "wait":
+            return await call
+        try:
+            await asyncio.wait_for(call, timeout)
+        except asyncio.TimeoutError:
+            with self._cond:
+                left = self._num_running + self._num_waiting
+            raise PauseTimeoutError(
+                f"pause(mode=\"wait\") timed out after {timeout:g} s with {left} request(s) still running",
+                "generation stays paused (new requests wait) and they run on to their end: pause again with "
+                "mode=\"abort\" to end them, or resume", "generation stays paused (new requests wait) and they run "
+                "on to their end: POST /pause?mode=abort ends them, POST /resume resumes") from None
+
+    async def resume(self) -> None:
+        """vLLM's resume_generation: the requests that waited since pause() are admitted, in order, and every
+        request runs again (LLMEngine.resume_generation). Not paused: nothing changes."""
+        with self._cond:
+            self._holding = False
+            self._adds.extend(self._held)
+            self._held.clear()
+            self._cond.notify()
+        await self._call(lambda engine: getattr(engine, "resume_generation", lambda: None)())
+
+    def is_paused(self) -> bool:
+        """vLLM's is_paused: from pause() until resume()."""
+        with self._cond:
+            return self._holding
+
     async def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
                              kwargs: dict | None = None) -> list:
         """vLLM's collective_rpc (LLMEngine.collective_rpc), on the engine thread between two steps."""
@@ -255,8 +311,9 @@ class AsyncEngine:
         return await future
 
     def _busy(self) -> bool:
-        """Whether the engine has requests a step would run (not those a sleep "keep" paused while it sleeps)."""
-        paused = getattr(self.engine, "is_paused", None)
+        """Whether the engine has requests a step would run (not those a sleep "keep" paused while it sleeps, nor
+        those pause() froze)."""
+        paused = getattr(self.engine, "stalled", None)
         return self.engine.has_unfinished_requests() and not (paused is not None and paused())
 
     def _run_controls(self, controls: list, target) -> None:

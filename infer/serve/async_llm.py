@@ -267,6 +267,37 @@ class AsyncLLM:
         self._check_open()
         return self._loop.is_sleeping()
 
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True,
+                               wait_for_inflight_requests: bool | None = None, timeout: float | None = None) -> None:
+        """vLLM's AsyncLLM.pause_generation (an RL trainer's, around a weight update): from this call until
+        resume_generation(), new generates wait (not refused) and then run. `mode`: the generates running end with
+        finish_reason "abort" ("abort", the default), run to their end before this returns ("wait"), or are frozen
+        and finish after resume_generation() with the greedy tokens of an uninterrupted run ("keep");
+        `clear_cache` forgets the prefix cache. vLLM's older `wait_for_inflight_requests=True` is mode "wait".
+        `timeout` (seconds, mode "wait"): PauseTimeoutError if generates still run then (generation stays paused,
+        they run on). While asleep (sleep()) new generates are refused as ever; pause and sleep are independent
+        (LLMEngine.pause_generation)."""
+        self._check_open()
+        if wait_for_inflight_requests is not None:  # (vLLM's older keyword)
+            if not isinstance(wait_for_inflight_requests, bool):
+                raise RequestError(f"wait_for_inflight_requests must be True or False, got "
+                                   f"{wait_for_inflight_requests!r}"[:200])
+            if wait_for_inflight_requests and mode not in ("abort", "wait"):
+                raise RequestError(f"pause_generation got wait_for_inflight_requests=True and mode={mode!r}",
+                                   "give mode alone: mode=\"wait\" is what wait_for_inflight_requests=True was")
+            mode = "wait" if wait_for_inflight_requests else mode
+        await self._control(self._loop.pause(mode, clear_cache, timeout))
+
+    async def resume_generation(self) -> None:
+        """vLLM's AsyncLLM.resume_generation: the generates that waited, and those "keep" froze, run again."""
+        self._check_open()
+        await self._control(self._loop.resume())
+
+    async def is_paused(self) -> bool:
+        """vLLM's AsyncLLM.is_paused (a coroutine, as vLLM's): from pause_generation() until resume_generation()."""
+        self._check_open()
+        return self._loop.is_paused()
+
     async def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
                              kwargs: dict | None = None) -> list:
         """vLLM's AsyncLLM.collective_rpc: `method` (a worker method's name, e.g. "reload_weights", or a function
