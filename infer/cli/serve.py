@@ -271,10 +271,11 @@ def _serve(engine_config: EngineConfig, sock: socket.socket, host: str, model_id
     app = create_app(server)
     bound = sock.getsockname()[1]
     names = (", ".join(server.adapters()) or "none") + (" (more can be loaded)" if runtime_lora else "")
-    sleep = "  sleep mode: on (POST /sleep?level=1 or 2&mode=abort, wait or keep, POST /wake_up, GET /is_sleeping)" \
+    extra = "  sleep mode: on (POST /sleep?level=1 or 2&mode=abort, wait or keep, POST /wake_up, GET /is_sleeping)" \
         if engine_config.enable_sleep_mode else ""  # as vLLM logs it: the routes a client can call are there
+    extra += "  pause: POST /pause?mode=abort, wait or keep, POST /resume, GET /is_paused"  # (one engine: always)
     typer.echo(f"infer: serving {server.model_id} ({engine.device.type}, {start_traits(engine)}) on "
-               f"http://{url_host(host)}:{bound}  adapters: {names}{sleep}", err=True)
+               f"http://{url_host(host)}:{bound}  adapters: {names}{extra}", err=True)
     logging.getLogger("infer").setLevel(logging.INFO if log_level in VERBOSE else logging.WARNING)
     uv = uvicorn_server(server, app, shutdown_timeout, log_level=log_level, access_log=log_level in VERBOSE)
     with _quiet_signals():

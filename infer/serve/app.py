@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..engine.inputs import MAX_LOGPROBS, MAX_TOKENS_CAP, openai_sampling_defaults
-from ..engine.sleep import SLEPT
+from ..engine.sleep import PAUSED, SLEPT
 from ..errors import LoRAError, RequestError, SleepModeError
 from . import protocol as p
 from .adapters import add_adapter_routes
@@ -33,6 +33,7 @@ from .metrics import CONTENT_TYPE, HttpMetricsMiddleware, ServerMetrics
 from .parse import ParsePool
 from .reasoning import parts as reasoning_parts
 from .responses import add_routes as add_responses_routes
+from .pause import add_pause_routes
 from .sleep import add_sleep_routes, http_message
 from .tools import split, visible
 
@@ -247,10 +248,18 @@ def _dumps(obj) -> str:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).translate(_ESCAPED)
 
 
+def paused(out) -> bool:
+    """Whether POST /pause (mode abort) ended the request: its reply says finish_reason "abort", as vLLM's."""
+    return out.finish_reason == "abort" and out.error == PAUSED
+
+
 def _error(out) -> p.ApiError:
     if out.finish_reason == "abort" and out.error == SLEPT:  # aborted by POST /sleep (sleep mode), not a shutdown
         return p.ApiError(503, f"{SLEPT}: POST /wake_up, then retry", type="server_unavailable",
                           code="engine_sleeping", headers={"Retry-After": "1"})
+    if out.finish_reason == "abort" and out.error == PAUSED:  # (a reply that cannot say finish_reason "abort")
+        return p.ApiError(503, f"{PAUSED}: retry after POST /resume", type="server_unavailable",
+                          code="generation_paused", headers={"Retry-After": "1"})
     if out.finish_reason == "abort":  # ended by the server's shutdown (lifecycle.py): another replica may answer
         return p.shutting_down(out.error or "the server shut down before the request finished")
     if out.error == NO_ENGINE:  # accepted, then its replica and every other died: as a request refused for it
@@ -267,9 +276,9 @@ async def _complete(server: Server, req: p.GenerationRequest, rid: str, model: s
             async for i, out in outs:
                 if not out.finished:
                     continue
-                if out.finish_reason in ("error", "abort"):
+                if out.finish_reason in ("error", "abort") and not paused(out):
                     raise _error(out)
-                response.add(i, out)
+                response.add(i, out)  # (one POST /pause aborted: finish_reason "abort" and its text, as vLLM's)
     except _ClientGone:
         return SafeJSONResponse({}, status_code=499)  # nobody reads it
     return SafeJSONResponse(response.body(rid, model, p.now()))
@@ -313,7 +322,7 @@ async def _stream_events(server: Server, req: p.GenerationRequest, rid: str, mod
             yield event([p.choice(req, i, req.echo_text, None, server.tokenizer, None, delta=True)], usage)
     async with aclosing(server.outputs(queue, ids, None, arrival)) as outs:
         async for i, out in outs:
-            slept = out.finished and out.finish_reason == "abort" and out.error == SLEPT
+            slept = out.finished and out.finish_reason == "abort" and out.error in (SLEPT, PAUSED)
             if out.finished and out.finish_reason in ("error", "abort") and not slept:
                 yield f"data: {_dumps(_error(out).body())}\n\n"
                 break
@@ -540,6 +549,7 @@ def _add_routes(app: FastAPI, server: Server) -> None:
 
     add_adapter_routes(app, server)
     add_sleep_routes(app, server)
+    add_pause_routes(app, server)
     add_responses_routes(app, server)
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers and probes often send HEAD

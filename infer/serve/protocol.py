@@ -835,7 +835,7 @@ def engine_error(out: RequestOutput) -> ApiError:
 
 
 def finish_reason(out: RequestOutput) -> str:
-    return out.finish_reason if out.finish_reason in ("stop", "length") else "stop"
+    return out.finish_reason if out.finish_reason in ("stop", "length", "abort") else "stop"
 
 
 def now() -> int:

@@ -89,10 +89,10 @@ def add_sleep_routes(app: FastAPI, server) -> None:
         return SafeJSONResponse({"results": [_jsonable(r) for r in results]})
 
 
-def _check(server, request: Request) -> None:
+def _check(server, request: Request, what: str = "sleep mode") -> None:
     server.check_auth(request)
     if getattr(server.aengine, "replicas", None) is not None:  # (parallel.serve_engine's data-parallel driver)
-        raise p.ApiError(400, "sleep mode runs on a server of one engine, not with --data-parallel",
+        raise p.ApiError(400, f"{what} runs on a server of one engine, not with --data-parallel",
                          code="not_supported")
 
 
