@@ -46,10 +46,7 @@ def add_pause_routes(app: FastAPI, server) -> None:
                                       "mode=wait alone)"[:200], param="wait_for_inflight_requests")
             mode = "wait"
         timeout = _timeout(query.get("timeout"), mode)
-        try:
-            await _run(server, server.aengine.pause(mode, clear_cache, timeout))
-        except PauseTimeoutError as e:
-            raise p.ApiError(504, http_message(e), type="timeout", code="pause_timeout") from None
+        await _run(server, _pause(server, mode, clear_cache, timeout))
         return SafeJSONResponse({"status": "paused"})
 
     @app.post("/resume")
@@ -62,6 +59,13 @@ def add_pause_routes(app: FastAPI, server) -> None:
     async def is_paused(request: Request):
         _check(server, request, "pause")
         return {"is_paused": server.aengine.is_paused()}
+
+
+async def _pause(server, mode: str, clear_cache: bool, timeout: float | None) -> None:
+    try:
+        await server.aengine.pause(mode, clear_cache, timeout)
+    except PauseTimeoutError as e:  # (before _run's 400 of a PauseError)
+        raise p.ApiError(504, http_message(e), type="timeout", code="pause_timeout") from None
 
 
 def _flag(query, name: str, default: bool) -> bool:
