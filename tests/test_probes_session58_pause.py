@@ -264,6 +264,46 @@ def test_async_wait_timeout_stays_paused_and_a_cancelled_waiter_is_freed(path):
         llm.shutdown()
 
 
+def test_async_a_generate_during_a_wait_pause_waits_and_a_resume_meanwhile_stands(path):
+    """While pause_generation(mode="wait") lets the running generate finish, a generate started meanwhile does not
+    run (it would hold the pause up): it has no token when the pause returns and finishes after resume. A
+    resume_generation() while such a pause still waits stands: once the running generate ended nothing is paused
+    and a new generate runs."""
+    async def main(llm):
+        engine = llm.engine
+        with StepGate(engine, closed=True) as gate:
+            running = asyncio.ensure_future(_run(llm, "r"))
+            assert await asyncio.to_thread(wait_until, lambda: engine.scheduler.has_unfinished())
+            pausing = asyncio.ensure_future(llm.pause_generation(mode="wait"))
+            await asyncio.sleep(0.05)
+            late = asyncio.ensure_future(_run(llm, "late"))
+            await asyncio.sleep(0.05)
+            gate.open.set()
+            await asyncio.wait_for(pausing, 60)
+            assert (await running).finish_reason == "length"
+            assert not late.done() and "late" not in engine.requests
+            await llm.resume_generation()
+            assert (await asyncio.wait_for(late, 60)).finish_reason == "length"
+        with StepGate(engine, closed=True) as gate:
+            running = asyncio.ensure_future(_run(llm, "r2"))
+            assert await asyncio.to_thread(wait_until, lambda: engine.scheduler.has_unfinished())
+            pausing = asyncio.ensure_future(llm.pause_generation(mode="wait"))
+            await asyncio.sleep(0.05)
+            resuming = asyncio.ensure_future(llm.resume_generation())
+            await asyncio.sleep(0.05)
+            assert not await llm.is_paused()  # (at once: new generates run again)
+            gate.open.set()
+            await asyncio.wait_for(asyncio.gather(pausing, resuming, running), 60)
+        assert not await llm.is_paused() and not engine.is_paused()
+        assert (await asyncio.wait_for(_run(llm, "after"), 60)).finish_reason == "length"
+
+    llm = _async_llm(path)
+    try:
+        asyncio.run(main(llm))
+    finally:
+        llm.shutdown()
+
+
 # ------------------------------------------------------------------ 3. the server
 @pytest.fixture
 def served(path):
