@@ -102,6 +102,11 @@ class PauseError(SleepModeError):
     to their end (nor can a sleep's "wait" while generation is paused). `route`: what an HTTP client does about it."""
 
 
+class SleepTimeoutError(SleepModeError):
+    """sleep(mode="wait", timeout=...) ran out of time with requests still running: the engine goes to sleep once
+    they end (new requests are refused meanwhile), as it would have without the timeout."""
+
+
 class PauseTimeoutError(PauseError):
     """pause_generation(mode="wait", timeout=...) ran out of time with requests still running: generation stays paused
     (new requests wait), those requests run on to their end."""

@@ -255,6 +255,8 @@ def test_async_wait_timeout_stays_paused_and_a_cancelled_waiter_is_freed(path):
         assert await llm.is_paused()
         with pytest.raises(RequestError, match="timeout must be a number of seconds above 0"):
             await llm.pause_generation(mode="wait", timeout=0)
+        with pytest.raises(RequestError, match="a timeout is for mode \"wait\""):
+            await llm.pause_generation(mode="keep", timeout=1)
         await llm.resume_generation()
 
     llm = _async_llm(path)
@@ -313,7 +315,7 @@ def served(path):
     from infer.engine.llm_engine import LLMEngine
     from infer.serve.app import Server, serve_in_thread
     from infer.serve.async_engine import AsyncEngine
-    engine = LLMEngine(EngineConfig(path, block_size=4, max_model_len=64, max_num_seqs=2))
+    engine = LLMEngine(EngineConfig(path, block_size=4, max_model_len=64, max_num_seqs=2, enable_sleep_mode=True))
     body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 30, "temperature": 0, "ignore_eos": True}
     aengine = AsyncEngine(engine)
     with serve_in_thread(Server(aengine, "tiny")) as url:
@@ -420,6 +422,34 @@ def test_server_wait_timeout_and_bad_parameters(served):
     r = httpx.post(f"{url}/pause?wait_for_inflight_requests=true", timeout=120)
     assert r.status_code == 200 and not t.join(60) and got[0].json()["choices"][0]["finish_reason"] == "length"
     assert httpx.post(f"{url}/resume", timeout=60).status_code == 200
+
+
+def test_server_sleep_wait_timeout_answers_504_and_sleeps_once_they_end(served):
+    """POST /sleep?mode=wait&timeout= (the existing wait-sleep, given a timeout as /pause's): 504 sleep_timeout
+    naming the requests left and POST /sleep?mode=abort; new requests stay refused (503 engine_sleeping) and the
+    engine goes to sleep once the request in flight ended (200, finish_reason "length"). A timeout with another
+    mode is a 400 naming it."""
+    httpx = pytest.importorskip("httpx")
+    url, aengine, body = served
+    engine = aengine.engine
+    r = httpx.post(f"{url}/sleep?level=1&mode=abort&timeout=1", timeout=60)
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "timeout")
+    with StepGate(engine, closed=True) as gate:
+        t, got = _in_thread(lambda: httpx.post(f"{url}/v1/completions", json=body, timeout=120))
+        assert wait_until(lambda: engine.scheduler.has_unfinished())
+        r = httpx.post(f"{url}/sleep?level=1&mode=wait&timeout=0.2", timeout=60)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "sleep_timeout", r.text
+        assert "1 request(s) still running" in r.json()["error"]["message"]
+        assert "POST /sleep?mode=abort" in r.json()["error"]["message"]
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_sleeping"
+        assert not engine.is_sleeping()
+        gate.open.set()
+        t.join(60)
+    assert got[0].json()["choices"][0]["finish_reason"] == "length"
+    assert wait_until(engine.is_sleeping) and not aengine._draining
+    assert httpx.post(f"{url}/wake_up", timeout=60).status_code == 200
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["finish_reason"] == "length"
 
 
 def test_server_client_gone_while_paused_frees_its_place(served):

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from ..engine.outputs import RequestOutput
 from ..engine.sampling_params import SamplingParams
-from ..errors import InferError, LoRAError, LoRANameError, PauseTimeoutError, RequestError, SleepModeError
+from ..errors import (InferError, LoRAError, LoRANameError, PauseTimeoutError, RequestError, SleepModeError,
+                      SleepTimeoutError)
 
 log = logging.getLogger("infer.serve")
 
@@ -197,23 +198,60 @@ class AsyncEngine:
         a benchmark's next level starts cold. Running requests keep their blocks."""
         return await self._call(lambda engine: engine.reset_prefix_cache())
 
-    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+    async def sleep(self, level: int = 1, mode: str = "abort", timeout: float | None = None) -> None:
         """vLLM's sleep (LLMEngine.sleep), on the engine thread between two steps: the requests accepted before it
         end with finish_reason "abort" (`mode` "abort"), or are paused and go on after wake_up ("keep"); with
         "wait", new requests are refused (SleepModeError) at once, the loop steps those accepted before to their
-        end (streamed as ever), and the engine sleeps once none is left. New ones are refused until wake_up."""
+        end (streamed as ever), and the engine sleeps once none is left. New ones are refused until wake_up.
+        `timeout` (seconds, mode "wait"): SleepTimeoutError if requests still run then; the engine goes on to
+        sleep once they end (new requests refused meanwhile), as without it."""
         check = getattr(self.engine, "check_sleep", None)
         if check is not None:  # a bad level or mode, no sleep mode: refused before anything waits
             check(level, mode)
+        _check_timeout(timeout, mode)
         if mode != "wait":
             return await self._call(lambda engine: engine.sleep(level, mode))
+        ran = []
+
+        def sleep(engine):
+            ran.append(1)
+            try:
+                engine.sleep(level, mode)
+            finally:
+                with self._cond:
+                    self._draining -= 1
+
         with self._cond:
             self._draining += 1
         try:
-            await self._call(lambda engine: engine.sleep(level, mode), idle=True)
-        finally:
+            await self._within(self._call(sleep, idle=True), timeout, "sleep")
+        except SleepTimeoutError:
+            raise  # (still queued: it sleeps once the requests end, refusing new ones until then)
+        except BaseException:
+            if not ran:  # never queued (shutting down), or failed by a shutdown before its turn
+                with self._cond:
+                    self._draining -= 1
+            raise
+
+    async def _within(self, call, timeout: float | None, what: str):
+        """`await call` (a "wait" control), or its TimeoutError after `timeout` seconds: the control stays queued."""
+        if timeout is None:
+            return await call
+        try:
+            return await asyncio.wait_for(call, timeout)
+        except asyncio.TimeoutError:
             with self._cond:
-                self._draining -= 1
+                left = self._num_running + self._num_waiting
+        said = f"{what}(mode=\"wait\") timed out after {timeout:g} s with {left} request(s) still running"
+        if what == "sleep":
+            raise SleepTimeoutError(said, "the engine goes to sleep once they end (new requests are refused "
+                                    "meanwhile): sleep again with mode=\"abort\" to end them now",
+                                    "the engine goes to sleep once they end (new requests are refused meanwhile): "
+                                    "POST /sleep?mode=abort ends them now") from None
+        raise PauseTimeoutError(said, "generation stays paused (new requests wait) and they run on to their end: "
+                                "pause again with mode=\"abort\" to end them, or resume", "generation stays paused "
+                                "(new requests wait) and they run on to their end: POST /pause?mode=abort ends them, "
+                                "POST /resume resumes") from None
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """vLLM's wake_up (LLMEngine.wake_up), on the engine thread."""
@@ -230,10 +268,7 @@ class AsyncEngine:
         check = getattr(self.engine, "check_pause", None)
         if check is not None:  # a bad mode, a "wait" that cannot end: refused before anything waits
             check(mode, clear_cache)
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not timeout > 0):
-            raise RequestError(f"the pause timeout must be a number of seconds above 0, got {timeout!r}"[:200],
-                               "e.g. timeout=30, or none to wait for as long as the requests run")
+        _check_timeout(timeout, mode)
         with self._cond:
             self._holding = True
 
@@ -243,19 +278,7 @@ class AsyncEngine:
             if holding:
                 engine.pause_generation(mode, clear_cache)
 
-        call = self._call(pause, idle=mode == "wait")
-        if timeout is None or mode != "wait":
-            return await call
-        try:
-            await asyncio.wait_for(call, timeout)
-        except asyncio.TimeoutError:
-            with self._cond:
-                left = self._num_running + self._num_waiting
-            raise PauseTimeoutError(
-                f"pause(mode=\"wait\") timed out after {timeout:g} s with {left} request(s) still running",
-                "generation stays paused (new requests wait) and they run on to their end: pause again with "
-                "mode=\"abort\" to end them, or resume", "generation stays paused (new requests wait) and they run "
-                "on to their end: POST /pause?mode=abort ends them, POST /resume resumes") from None
+        await self._within(self._call(pause, idle=mode == "wait"), timeout, "pause")
 
     async def resume(self) -> None:
         """vLLM's resume_generation: the requests that waited since pause() are admitted, in order, and every
@@ -505,6 +528,18 @@ class AsyncEngine:
             loop.call_soon_threadsafe(queue.put_nowait, out)
         except RuntimeError:  # the event loop is closed (shutdown): nobody is listening
             pass
+
+
+def _check_timeout(timeout, mode: str) -> None:
+    """A "wait" control's timeout: None, or seconds above 0 with mode "wait"."""
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise RequestError(f"the timeout must be a number of seconds above 0, got {timeout!r}"[:200],
+                           "e.g. timeout=30, or none to wait for as long as the requests run")
+    if mode != "wait":
+        raise RequestError(f"a timeout is for mode \"wait\" (mode {mode!r} does not wait for the requests)"[:200],
+                           "leave it out, or use mode=\"wait\"")
 
 
 def _settle(loop, future, result, error) -> None:

@@ -248,14 +248,15 @@ class AsyncLLM:
         self._check_open()
         return await self._control(self._loop.reset_prefix_cache())
 
-    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+    async def sleep(self, level: int = 1, mode: str = "abort", timeout: float | None = None) -> None:
         """vLLM's AsyncLLM.sleep (sleep mode: AsyncLLM(..., enable_sleep_mode=True)): level 1 moves the weights to
         host memory and frees the KV cache, level 2 frees both (LLMEngine.sleep). `mode` (vLLM's): the generates
         running end with finish_reason "abort" ("abort", the default), run to their end before the memory is freed
         ("wait": new ones are refused meanwhile), or are paused and go on after wake_up() ("keep"); new ones are
-        refused (SleepModeError) until wake_up()."""
+        refused (SleepModeError) until wake_up(). `timeout` (seconds, mode "wait"): SleepTimeoutError if generates
+        still run then (the engine goes to sleep once they end, new generates refused meanwhile)."""
         self._check_open()
-        await self._control(self._loop.sleep(level, mode))
+        await self._control(self._loop.sleep(level, mode, timeout))
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """vLLM's AsyncLLM.wake_up: the memory of `tags` ("weights", "kv_cache"; None: both) on the device again."""

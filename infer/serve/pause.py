@@ -24,7 +24,7 @@ from ..engine.sleep import MODES
 from ..errors import PauseTimeoutError
 from . import protocol as p
 from .body import SafeJSONResponse
-from .sleep import _check, _run, http_message
+from .sleep import _check, _run, http_message, query_timeout
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
@@ -45,7 +45,7 @@ def add_pause_routes(app: FastAPI, server) -> None:
                 raise p.ApiError(400, f"wait_for_inflight_requests=true and mode={mode} contradict each other (give "
                                       "mode=wait alone)"[:200], param="wait_for_inflight_requests")
             mode = "wait"
-        timeout = _timeout(query.get("timeout"), mode)
+        timeout = query_timeout(query.get("timeout"), mode, "/pause")
         await _run(server, _pause(server, mode, clear_cache, timeout))
         return SafeJSONResponse({"status": "paused"})
 
@@ -78,17 +78,3 @@ def _flag(query, name: str, default: bool) -> bool:
                      param=name)
 
 
-def _timeout(raw: str | None, mode: str) -> float | None:
-    if raw is None:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise p.ApiError(400, f"timeout must be a number of seconds above 0, got {raw!r}"[:200] + " (e.g. POST "
-                              "/pause?mode=wait&timeout=30)", param="timeout")
-    if mode != "wait":
-        raise p.ApiError(400, f"timeout is for mode=wait (mode={mode} does not wait for the requests in flight)",
-                         param="timeout")
-    return value

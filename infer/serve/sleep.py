@@ -3,6 +3,8 @@
     POST /sleep?level=1          weights to host memory, KV cache freed (level=2: both freed, no copy kept);
                                  &mode=abort (the default), wait or keep: the requests in flight end, finish
                                  first, or are paused until /wake_up (vLLM's)
+                                 &timeout=SECONDS (mode=wait): 504 sleep_timeout if requests still run then
+                                 (the engine goes to sleep once they end, new requests refused meanwhile)
     POST /wake_up                everything back (?tags=weights, ?tags=kv_cache: one part; repeat tags for both)
     GET  /is_sleeping            {"is_sleeping": true|false}
     POST /collective_rpc         {"method": "reload_weights"}: a worker method (engine.worker), {"results": [...]}
@@ -24,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from ..engine.sleep import MODES, TAGS
-from ..errors import ModelLoadError, OutOfMemoryError, RequestError, SleepModeError
+from ..errors import ModelLoadError, OutOfMemoryError, RequestError, SleepModeError, SleepTimeoutError
 from . import protocol as p
 from .async_engine import NoEngineError, ShuttingDownError
 from .body import SafeJSONResponse, check_values, load_json, read_body
@@ -49,7 +51,8 @@ def add_sleep_routes(app: FastAPI, server) -> None:
             raise p.ApiError(400, f"mode must be abort, wait or keep, got {mode!r}"[:200] + " (abort ends the "
                                   "requests in flight, wait lets them finish first, keep pauses them until POST "
                                   "/wake_up; e.g. POST /sleep?level=1&mode=wait)", param="mode")
-        await _run(server, server.aengine.sleep(level, mode))
+        timeout = query_timeout(request.query_params.get("timeout"), mode, f"/sleep?level={level}")
+        await _run(server, _sleep(server, level, mode, timeout))
         return Response(status_code=200)
 
     @app.post("/wake_up")
@@ -87,6 +90,30 @@ def add_sleep_routes(app: FastAPI, server) -> None:
             raise p.ApiError(400, "args must be a list and kwargs an object", param="args")
         results = await _run(server, server.aengine.collective_rpc(body["method"], timeout, tuple(args), kwargs))
         return SafeJSONResponse({"results": [_jsonable(r) for r in results]})
+
+
+async def _sleep(server, level: int, mode: str, timeout: float | None) -> None:
+    try:
+        await server.aengine.sleep(level, mode, timeout)
+    except SleepTimeoutError as e:  # (before _run's 400 of a SleepModeError)
+        raise p.ApiError(504, http_message(e), type="timeout", code="sleep_timeout") from None
+
+
+def query_timeout(raw: str | None, mode: str, route: str) -> float | None:
+    """A "wait" route's ?timeout= (seconds above 0, with mode=wait), or None."""
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise p.ApiError(400, f"timeout must be a number of seconds above 0, got {raw!r}"[:200] + f" (e.g. POST "
+                              f"{route}{'&' if '?' in route else '?'}mode=wait&timeout=30)", param="timeout")
+    if mode != "wait":
+        raise p.ApiError(400, f"timeout is for mode=wait (mode={mode} does not wait for the requests in flight)",
+                         param="timeout")
+    return value
 
 
 def _check(server, request: Request, what: str = "sleep mode") -> None:
