@@ -227,7 +227,8 @@ def test_async_llm_keep_abort_wait_and_queued_generates(path):
 
     llm = _async_llm(path)
     try:
-        asyncio.run(main(llm))
+        with StepGate(llm.engine, delay=0.01):  # (slowed: a pause lands a few tokens in, however loaded the machine)
+            asyncio.run(main(llm))
     finally:
         llm.shutdown()
 
@@ -378,6 +379,7 @@ def test_server_abort_answers_finish_reason_abort(served, stream):
         t, got = _in_thread(call)
         assert wait_until(lambda: engine.scheduler.has_unfinished())
         pausing, answer = _in_thread(lambda: httpx.post(f"{url}/pause", timeout=60))
+        assert wait_until(aengine.is_paused)  # (its abort queued: it runs before the next step)
         gate.open.set()
         pausing.join(60)
     t.join(60)

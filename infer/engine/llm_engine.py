@@ -1292,7 +1292,7 @@ class LLMEngine:
         """Step until every request has ended (sleep(mode="wait")); their outputs are handed out by the next step."""
         outputs: list[RequestOutput] = []
         try:
-            while self.has_unfinished_requests() and not self.stalled():  # (is_paused: requests a "keep" paused
+            while self.has_unfinished_requests() and not self.stalled():  # (stalled: requests a "keep" paused
                 # and the weights a level 2 discarded not loaded again: they wait for reload_weights(), not run)
                 outputs += self.step()
         finally:

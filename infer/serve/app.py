@@ -31,9 +31,9 @@ from .guard import ErrorGuardMiddleware, server_error_body
 from .lifecycle import uvicorn_server
 from .metrics import CONTENT_TYPE, HttpMetricsMiddleware, ServerMetrics
 from .parse import ParsePool
+from .pause import add_pause_routes
 from .reasoning import parts as reasoning_parts
 from .responses import add_routes as add_responses_routes
-from .pause import add_pause_routes
 from .sleep import add_sleep_routes, http_message
 from .tools import split, visible
 
