@@ -27,6 +27,7 @@ LAYERS: list[set[str]] = [
     {"parallel"},   # Ray replicas of the engine; the data-parallel server reuses serve's app
     {"bench"},      # benchmarks drive engines, servers and replica pools
     {"cli"},        # commands: everything
+    {"__main__"},   # `python -m infer`: the console script
 ]
 
 # (importing subpackage, imported subpackage) -> why this upward edge is tolerated for now. Each entry must still
