@@ -16,6 +16,9 @@ from .tiny import BUILTIN_MODELS, ensure_builtin
 
 # a Hugging Face hub id as vLLM and transformers take it: ORG/NAME, each part of letters, digits, "-", "_", "."
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+# a model's page on the hub, as a browser shows it: https://huggingface.co/ORG/NAME (/tree/main, ...)
+_HUB_URL = re.compile(r"(?:https?://)?(?:www\.)?(?:huggingface\.co|hf\.co)/([A-Za-z0-9][A-Za-z0-9._-]*/"
+                      r"[A-Za-z0-9][A-Za-z0-9._-]*)(?:/.*)?$")
 
 
 def resolve_model(name_or_path: str | os.PathLike) -> Path:
@@ -90,10 +93,51 @@ def _unknown_name_hint(name: str) -> str:
     if local:
         return local
     if is_hub_id(name):
-        return (f"{name!r} looks like a Hugging Face hub id, and the local hub cache ({_hub_cache_root()}) does not "
-                f"hold it; nothing is downloaded: fetch it first, `hf download {name}` (then pass "
-                f"{name} again), or with `--local-dir ./{name.split('/')[1]}` and pass ./{name.split('/')[1]}")
+        return _download_hint(name, f"{name!r} looks like a Hugging Face hub id, and the local hub cache "
+                                    f"({_hub_cache_root()}) does not hold it")
+    url = _HUB_URL.match(name)
+    if url:  # a model page's address, copied from the browser
+        repo = url.group(1)
+        if _hub_cache_snapshot(repo) is not None:
+            return f"infer takes no URL: pass the hub id {repo}, which the local hub cache holds"
+        return _download_hint(repo, "infer takes no URL, and the local hub cache does not hold this model")
+    if "://" in name:
+        return "infer reads local folders only, never a URL: download the model into a folder and pass that folder"
+    if "/" in name or name.startswith(("~", ".")):
+        return _missing_ancestor_hint(name)
+    cached = _cached_hub_ids(name)
+    if cached:
+        return f"did you mean the hub id {' or '.join(cached)}, which the local hub cache holds? Pass it as ORG/NAME"
+    return (f"pass a folder with config.json and weights, or a Hugging Face hub id, ORG/{name}, that the local hub "
+            f"cache holds (`hf download ORG/{name}` fetches it); nothing is downloaded")
+
+
+def _download_hint(repo: str, why: str) -> str:
+    local = repo.split("/")[1]
+    return (f"{why}; nothing is downloaded: fetch it first, `hf download {repo}` (then pass {repo}), or with "
+            f"`--local-dir ./{local}` and pass ./{local}")
+
+
+def _missing_ancestor_hint(name: str) -> str:
+    """For a path none of whose last parts exist: the first folder on it that is missing."""
+    p = Path(name).expanduser()
+    missing = p
+    while not missing.parent.exists() and missing.parent != missing:
+        missing = missing.parent
+    if missing != p and missing.parent.is_dir():
+        return f"there is no folder {str(missing)!r} (check the path): pass a folder with config.json and weights"
     return "pass a folder with config.json and weights; nothing is downloaded"
+
+
+def _cached_hub_ids(name: str) -> list[str]:
+    """The hub ids ORG/NAME whose NAME is `name` (any letter case) that the local hub cache holds, at most three."""
+    try:
+        folders = sorted(f.name for f in _hub_cache_root().iterdir() if f.name.startswith("models--"))
+    except OSError:
+        return []
+    ids = [f.removeprefix("models--").replace("--", "/", 1) for f in folders]
+    return [i for i in ids if i.split("/")[-1].lower() == name.lower()
+            and _snapshots(_hub_cache_root() / f"models--{i.replace('/', '--')}" / "snapshots")][:3]
 
 
 def _close_builtins(name: str) -> list[str]:
