@@ -10,6 +10,8 @@ from pathlib import Path
 from ..errors import ModelLoadError, UnsupportedModelError
 
 SUPPORTED_BITS = (4, 8)
+_BITS_HINT = ("only 4-bit and 8-bit GPTQ are supported: use the model's 4-bit (or 8-bit) GPTQ release, or its float "
+              "weights (`infer quantize FLOAT_MODEL -o OUT --bits 4` makes a 4-bit checkpoint of them)")
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ class GPTQConfig:
         bits = _int(d, "bits", 4, source)
         if bits not in SUPPORTED_BITS:
             raise UnsupportedModelError(f"{source}: {bits}-bit GPTQ is not supported",
-                                        "only 4-bit and 8-bit GPTQ are supported")
+                                        _BITS_HINT)
         group = _int(d, "group_size", 128, source)
         if group != -1 and group < 1:
             raise UnsupportedModelError(f"{source}: group_size {group} is not valid",
@@ -217,7 +219,7 @@ def _dynamic(value, base: dict, bits: int, source: str) -> tuple:
                                             "infer reads one GPTQ format per model")
         if kept.get("bits", bits) not in SUPPORTED_BITS:  # each layer reads its own width (vLLM's dynamic too)
             raise UnsupportedModelError(f"{source}: dynamic {pattern!r} quantizes its modules to {kept['bits']} bits",
-                                        "only 4-bit and 8-bit GPTQ are supported")
+                                        _BITS_HINT)
         group = kept.get("group_size", -1)
         if group != -1 and group < 1:
             raise UnsupportedModelError(f"{source}: dynamic {pattern!r}: group_size {group} is not valid",
