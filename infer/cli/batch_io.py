@@ -111,21 +111,36 @@ def _check_jsonl(path: Path, head: bytes) -> None:
             pass
     example = '{"prompt": "The weather today is"}'
     if document or lines[0].startswith("["):  # one JSON document: an array of requests, or an object over lines
+        first = lines[0][1:].strip() or (lines[1] if len(lines) > 1 else "")  # the array's first item
+        convert = (f"jq -c '.[] | {{prompt: .}}' {path} > prompts.jsonl for an array of prompt strings"
+                   if lines[0].startswith("[") and first.startswith('"') else
+                   f"jq -c '.[]' {path} > prompts.jsonl for an array (jq -c . {path} for pretty-printed objects)")
         raise ConfigError(f"input {path} is a JSON document (it starts with {lines[0][0]!r}), not JSONL: infer run "
                           f"reads one request object per line, e.g. {example}",
-                          f"write each request on a line of its own, e.g. jq -c '.[]' {path} > prompts.jsonl for an "
-                          f"array (jq -c . {path} for pretty-printed objects)")
+                          f"write each request on a line of its own, e.g. {convert}")
+    quoted = _is_string(lines[0])  # a JSON string a line (what `jq -c '.[]'` makes of an array of prompts)
     raise ConfigError(f"input {path} is not JSONL: no line of it is a JSON object (line 1: {lines[0][:40]!r}); infer "
                       f"run reads one request object per line, e.g. {example}",
+                      f"to make one request of each JSON string: jq -c '{{prompt: .}}' {path} > prompts.jsonl"
+                      if quoted else
                       f"to make one request of each line of a text file: jq -R -c '{{prompt: .}}' {path} > "
                       "prompts.jsonl (a CSV needs its prompt column taken out first)")
 
 
 def _is_object(text: str) -> bool:
+    return isinstance(_json_value(text), dict)
+
+
+def _is_string(text: str) -> bool:
+    return isinstance(_json_value(text), str)
+
+
+def _json_value(text: str):
+    """The JSON value `text` holds, or None where it is not JSON."""
     try:
-        return isinstance(json.loads(text), dict)
+        return json.loads(text)
     except (ValueError, RecursionError):
-        return False
+        return None
 
 
 # the magic numbers of compressed files, none of which UTF-8 text can start with (bzip2's, tested apart, is text)
