@@ -676,6 +676,10 @@ def parse_request(obj: Any, tokenizer, default_id: str, defaults: dict | None = 
                         f"an OpenAI batch line's body); {hint}")
             elif prompt_lookalike(obj, unknown) is not None:  # {"text": ...}
                 hint = f"{prompt_lookalike(obj, unknown)}; {hint}"
+            elif "model" in unknown:  # vLLM's and OpenAI's way to pick an adapter, in this format's line
+                named = json.dumps(obj["model"][:60] if isinstance(obj["model"], str) else "NAME")
+                hint = (f"a line picks its adapter with 'lora', e.g. \"lora\": {named} (a --lora NAME; without it "
+                        f"the line runs the base model): 'model' is read only in an OpenAI batch line's body; {hint}")
             else:  # a typo ("promt", "temprature"): name the field meant first
                 allowed = [*_PROMPT_KEYS, *_OTHER_KEYS, *_PARAM_TYPES]
                 meant = [f"{k!r} for {u!r}" for u in sorted(unknown) if isinstance(u, str)
