@@ -125,8 +125,10 @@ class Server:
             return None
         if model in self.adapters():
             return model
+        how = ("load an adapter with POST /v1/load_lora_adapter first" if self.runtime_lora else
+               "an adapter is served when the server starts with --lora NAME=PATH")
         raise p.ApiError(404, f"the model {model!r} does not exist; available: "
-                              f"{', '.join([*self.model_ids, *self.adapters()])}", param="model",
+                              f"{', '.join([*self.model_ids, *self.adapters()])} ({how})", param="model",
                          code="model_not_found")
 
     def _model_path_ids(self) -> tuple[str, ...]:
