@@ -1,0 +1,154 @@
+"""Session 58 probes: a newcomer's first minutes with README.md, and the obvious mistakes (`python -m infer`, a model
+page's URL or a bare model name for MODEL, a 3-bit GPTQ checkpoint, a JSON array of prompt strings, `"model"` to
+pick an adapter); each error must say what to do."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from infer.cli.main import app
+from infer.errors import ModelLoadError, RequestError, UnsupportedModelError
+from infer.models.resolve import resolve_model
+
+from helpers import in_empty_hub_cache
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _hint(name: str) -> str:
+    with pytest.raises(ModelLoadError) as e:
+        resolve_model(name)
+    assert "neither a local model folder nor a built-in model" in e.value.message
+    return e.value.hint
+
+
+def _cached(tmp_path, repo: str) -> None:
+    """The empty hub cache of `in_empty_hub_cache` holding a snapshot of `repo` (its config.json is enough)."""
+    snap = tmp_path / "hf" / "hub" / ("models--" + repo.replace("/", "--")) / "snapshots" / ("a" * 40)
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+
+
+def test_python_dash_m_infer_is_the_console_script(tmp_path):
+    """`python -m infer run ...` (the reflex of a newcomer without the venv's bin/ on PATH) failed with Python's
+    "No module named infer.__main__; 'infer' is a package and cannot be directly executed"."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "infer", "run", "tiny-llama", "absent.jsonl"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "error: input file absent.jsonl does not exist" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_model_pages_url_is_told_the_hub_id_to_pass(tmp_path, monkeypatch):
+    """`infer run https://huggingface.co/ORG/NAME ...` (copied from the browser) was told only "pass a folder with
+    config.json and weights; nothing is downloaded": now the hub id it names, and how to fetch it or that the cache
+    holds it; another URL is told that infer reads local folders only."""
+    in_empty_hub_cache(tmp_path, monkeypatch)
+    hint = _hint("https://huggingface.co/org/Some-Model/tree/main")
+    assert "infer takes no URL" in hint and "`hf download org/Some-Model` (then pass org/Some-Model)" in hint
+    _cached(tmp_path, "org/Some-Model")
+    assert "pass the hub id org/Some-Model, which the local hub cache holds" in _hint("huggingface.co/org/Some-Model")
+    assert "never a URL" in _hint("https://example.com/models/llama.tar")
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    res = CliRunner().invoke(app, ["run", "https://hf.co/org/Other", "in.jsonl", "-o", "o.jsonl", "-q"])
+    assert res.exit_code == 2 and "hf download org/Other" in " ".join(res.output.split()), res.output
+
+
+def test_a_bare_model_name_is_told_its_cached_hub_id_or_the_org_it_needs(tmp_path, monkeypatch):
+    """`infer run Llama-2-7b-chat-hf ...` (a hub model's name without its ORG/) was told only to pass a folder: a
+    model the hub cache holds under that name is named by its id, any other is told the ORG/NAME form to fetch."""
+    in_empty_hub_cache(tmp_path, monkeypatch)
+    hint = _hint("Llama-2-7b-chat-hf")
+    assert "ORG/Llama-2-7b-chat-hf" in hint and "`hf download ORG/Llama-2-7b-chat-hf`" in hint
+    assert "nothing is downloaded" in hint
+    _cached(tmp_path, "meta-llama/Llama-2-7b-chat-hf")
+    _cached(tmp_path, "someone/llama-2-7b-chat-hf")
+    _cached(tmp_path, "meta-llama/Llama-2-13b-chat-hf")
+    assert _hint("llama-2-7b-chat-hf") == ("did you mean the hub id meta-llama/Llama-2-7b-chat-hf or "
+                                           "someone/llama-2-7b-chat-hf, which the local hub cache holds? Pass it "
+                                           "as ORG/NAME")
+
+
+def test_a_path_under_a_missing_folder_names_the_first_missing_folder(tmp_path, monkeypatch):
+    """`infer run /models/llama ...` or `../nope/model` was told "pass a folder with config.json and weights;
+    nothing is downloaded", as if a download had been wanted: the folder that is not there is named."""
+    in_empty_hub_cache(tmp_path, monkeypatch)
+    assert _hint(str(tmp_path / "models" / "llama" / "7b")).startswith(
+        f"there is no folder {str(tmp_path / 'models')!r} (check the path)")
+    assert "there is no folder 'nope'" in _hint("nope/deeper/model")
+
+
+@pytest.mark.parametrize("config", [{"bits": 3}, {"bits": 4, "dynamic": {r"+:.*down_proj": {"bits": 2}}}],
+                         ids=["bits", "dynamic"])
+def test_an_unsupported_bit_width_is_told_what_to_use_instead(config):
+    """A 2/3-bit GPTQ checkpoint was told only "only 4-bit and 8-bit GPTQ are supported"."""
+    from infer.quant.config import GPTQConfig
+    with pytest.raises(UnsupportedModelError) as e:
+        GPTQConfig.from_dict({"quant_method": "gptq", **config}, "m/config.json")
+    assert "only 4-bit and 8-bit GPTQ are supported" in e.value.hint
+    assert "4-bit (or 8-bit) GPTQ release" in e.value.hint and "`infer quantize FLOAT_MODEL -o OUT --bits 4`" in \
+        e.value.hint
+
+
+@pytest.mark.parametrize("text, command", [
+    ('["The weather today is", "Trains leave"]\n', "jq -c '.[] | {prompt: .}' IN > prompts.jsonl"),
+    ('[\n  "The weather today is",\n  "Trains leave"\n]\n', "jq -c '.[] | {prompt: .}' IN > prompts.jsonl"),
+    ('"The weather today is"\n"Trains leave"\n', "jq -c '{prompt: .}' IN > prompts.jsonl"),
+    ('[{"prompt": "a"}]\n', "jq -c '.[]' IN > prompts.jsonl"),
+    ("The weather today is\n", "jq -R -c '{prompt: .}' IN > prompts.jsonl"),
+], ids=["array", "pretty-array", "string-lines", "array-of-objects", "text"])
+def test_prompt_strings_are_told_a_command_that_makes_requests_of_them(tmp_path, monkeypatch, text, command):
+    """A JSON array of prompt strings was told `jq -c '.[]' IN > prompts.jsonl`, which makes a JSON string a line,
+    and that file was told `jq -R -c '{prompt: .}'`, which keeps each string's quotes in its prompt."""
+    from infer.cli import run as run_module
+    monkeypatch.setattr(run_module, "_start_engine", lambda *a, **k: pytest.fail("the model was loaded"))
+    inp = tmp_path / "in.json"
+    inp.write_text(text)
+    res = CliRunner().invoke(app, ["run", "tiny-llama", str(inp), "-o", str(tmp_path / "o.jsonl"), "-q"])
+    assert res.exit_code == 2, res.output
+    assert command.replace("IN", str(inp)) in " ".join(res.output.split()), res.output
+
+
+def test_a_line_naming_its_adapter_as_model_is_told_to_use_lora():
+    """`{"prompt": ..., "model": "support"}` (vLLM's and OpenAI's way to pick an adapter) was told only the list of
+    allowed fields."""
+    from infer.engine.inputs import parse_request
+    with pytest.raises(RequestError) as e:
+        parse_request({"prompt": "hi", "model": "support"}, None, "0")
+    assert "unknown field(s) ['model']" in e.value.message
+    assert e.value.hint.startswith("a line picks its adapter with 'lora', e.g. \"lora\": \"support\" (a --lora NAME")
+    with pytest.raises(RequestError) as e:
+        parse_request({"prompt": "hi", "model": ["x"]}, None, "0")
+    assert "e.g. \"lora\": \"NAME\"" in e.value.hint
+
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    return LLMEngine(EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=8, block_size=4))
+
+
+@pytest.mark.parametrize("runtime, says", [(False, "an adapter is served when the server starts with --lora "
+                                                   "NAME=PATH"),
+                                           (True, "load an adapter with POST /v1/load_lora_adapter first")])
+def test_the_server_tells_an_unknown_adapter_how_adapters_are_served(tiny_engine, runtime, says):
+    """`"model": "support"` to a server started without `--lora support=PATH` got "the model 'support' does not
+    exist; available: tiny-llama" and no word of how an adapter gets served."""
+    pytest.importorskip("fastapi")
+    from infer.serve.app import Server
+    from infer.serve.async_engine import AsyncEngine
+    from infer.serve.protocol import ApiError
+    server = Server(AsyncEngine(tiny_engine), "tiny-llama", runtime_lora=runtime)
+    with pytest.raises(ApiError) as e:
+        server.lora_for("support")
+    assert (e.value.status, e.value.code) == (404, "model_not_found")
+    assert e.value.message == f"the model 'support' does not exist; available: tiny-llama ({says})"
+    assert server.lora_for("tiny-llama") is None
