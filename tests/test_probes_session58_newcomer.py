@@ -152,3 +152,20 @@ def test_the_server_tells_an_unknown_adapter_how_adapters_are_served(tiny_engine
     assert (e.value.status, e.value.code) == (404, "model_not_found")
     assert e.value.message == f"the model 'support' does not exist; available: tiny-llama ({says})"
     assert server.lora_for("tiny-llama") is None
+
+
+def test_a_missing_sharegpt_file_is_told_where_vllms_comes_from(tmp_path, monkeypatch):
+    """`infer bench M --dataset sharegpt:./sharegpt.json` (README's example) without the file was told only "pass an
+    existing file": a newcomer does not know which ShareGPT file vLLM's benchmarks read, nor where it is."""
+    from infer.cli.bench import check_dataset
+    from infer.errors import ConfigError
+    monkeypatch.chdir(tmp_path)
+    fetch = ("`hf download anon8231489123/ShareGPT_Vicuna_unfiltered ShareGPT_V3_unfiltered_cleaned_split.json "
+             "--repo-type dataset --local-dir .`")
+    with pytest.raises(ConfigError) as e:
+        check_dataset("sharegpt:./sharegpt.json")
+    assert e.value.hint == f"pass an existing file: sharegpt:PATH; the ShareGPT file vLLM's benchmarks use is " \
+                           f"fetched with {fetch}"
+    with pytest.raises(ConfigError) as e:
+        check_dataset("jsonl:./prompts.jsonl")
+    assert "ShareGPT" not in e.value.hint

@@ -79,6 +79,12 @@ def parse_goodput(items: list[str] | None) -> dict | None:
     return slos
 
 
+# where the ShareGPT file of vLLM's benchmarks comes from (infer downloads nothing itself)
+_SHAREGPT_FETCH = ("; the ShareGPT file vLLM's benchmarks use is fetched with `hf download "
+                   "anon8231489123/ShareGPT_Vicuna_unfiltered ShareGPT_V3_unfiltered_cleaned_split.json --repo-type "
+                   "dataset --local-dir .`")
+
+
 def check_dataset(spec: str) -> None:
     """Fail before loading anything on an unknown dataset kind or a missing dataset file."""
     from ..bench.datasets import WORKLOADS
@@ -89,9 +95,10 @@ def check_dataset(spec: str) -> None:
         raise ConfigError(f"--dataset {spec} names no file", f"pass {kind}:PATH")
     if sep and not Path(path).expanduser().is_file():
         near = None if Path(path).expanduser().exists() else missing_file_hint(path)  # a typo: the closest file
+        fetch = _SHAREGPT_FETCH if kind == "sharegpt" and not Path(path).expanduser().exists() else ""
         raise ConfigError(f"--dataset {spec}: {path} is not a file",
-                          f"{near} (pass an existing file: {kind}:PATH)" if near
-                          else f"pass an existing file: {kind}:PATH")
+                          (f"{near} (pass an existing file: {kind}:PATH)" if near
+                           else f"pass an existing file: {kind}:PATH") + fetch)
     if sep:  # a file that is not UTF-8 is refused now, not after the model has loaded
         read_utf8(Path(path).expanduser(), f"--dataset {kind}: file")
 
