@@ -169,3 +169,19 @@ def test_a_missing_sharegpt_file_is_told_where_vllms_comes_from(tmp_path, monkey
     with pytest.raises(ConfigError) as e:
         check_dataset("jsonl:./prompts.jsonl")
     assert "ShareGPT" not in e.value.hint
+
+
+@pytest.mark.parametrize("name", ["prompts.jsonl", "my prompts.jsonl"])
+def test_a_missing_input_is_told_a_command_that_makes_one(tmp_path, monkeypatch, name):
+    """`infer run tiny-llama prompts.jsonl -o out.jsonl` (the example of `infer --help` and `infer run --help`) in a
+    folder without that file was told "give a JSONL file with one request per line", and no line's shape: the hint
+    now carries a shell command that writes one, and the run takes what it writes."""
+    in_empty_hub_cache(tmp_path, monkeypatch)
+    args = ["run", "tiny-llama", name, "-o", "out.jsonl", "-q", "--max-new-tokens", "2"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2, res.output
+    command = res.output.split("hint: give a JSONL file with one request per line, e.g. ")[1].strip()
+    subprocess.run(command, shell=True, cwd=tmp_path, check=True)
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "out.jsonl").read_text())["usage"]["completion_tokens"] == 2

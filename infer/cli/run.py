@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -228,8 +229,9 @@ def _check_paths(input: Path, output: Path | None, resume: bool, max_new_tokens:
                           "and give its path")
     if not input.exists():
         near = missing_file_hint(input)  # a typo (examples/prompt.jsonl): the folder's closest file
+        example = f"echo '{{\"prompt\": \"Hello\"}}' > {shlex.quote(str(input))}"
         raise ConfigError(f"input file {input} does not exist",
-                          near or "give a JSONL file with one request per line")
+                          near or f"give a JSONL file with one request per line, e.g. {example}")
     if input.is_dir():
         raise ConfigError(f"input {input} is a directory, not a file", "give a JSONL file with one request per line")
     if not input.is_file():
