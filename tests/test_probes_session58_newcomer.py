@@ -185,3 +185,45 @@ def test_a_missing_input_is_told_a_command_that_makes_one(tmp_path, monkeypatch,
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "out.jsonl").read_text())["usage"]["completion_tokens"] == 2
+
+
+def _two_adapters(tmp_path) -> Path:
+    """A folder holding the adapters `legal` and `support` in subfolders, as peft's save_pretrained writes adapters
+    not named default (adapter_config.json is all these checks read)."""
+    folder = tmp_path / "adapters"
+    for name in ("legal", "support"):
+        (folder / name).mkdir(parents=True)
+        (folder / name / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+        (folder / name / "adapter_model.safetensors").write_bytes(b"")
+    return folder
+
+
+def test_a_folder_of_adapters_is_told_the_subfolder_of_the_name_given(tmp_path):
+    """`--lora support=./infer-demo/adapters` (the demo's folder of adapters, not the adapter's) was told "e.g.
+    infer-demo/adapters/legal": the first subfolder, not the one named like the adapter."""
+    from infer.errors import LoRAError
+    from infer.lora.adapter import read_config
+    folder = _two_adapters(tmp_path)
+    for name in ("support", "legal", "other"):
+        with pytest.raises(LoRAError) as e:
+            read_config(name, folder)
+        meant = name if name != "other" else "legal"
+        assert e.value.hint.startswith(f"pass the adapter's own folder, e.g. {folder / meant} (peft's"), e.value.hint
+
+
+def test_an_adapters_file_is_told_its_folder(tmp_path):
+    """`--lora support=./adapters/support/adapter_model.safetensors` was told only "pass a PEFT adapter folder"."""
+    from infer.engine.config import parse_loras
+    from infer.errors import ConfigError, LoRAError
+    from infer.lora.adapter import read_config
+    weights = _two_adapters(tmp_path) / "support" / "adapter_model.safetensors"
+    with pytest.raises(ConfigError) as e:
+        parse_loras([f"support={weights}"])
+    assert e.value.hint == f"pass the adapter's folder, {weights.parent}, not a file in it"
+    with pytest.raises(LoRAError) as e:
+        read_config("support", weights.parent / "adapter_config.json")
+    assert e.value.hint == f"pass the adapter's folder, {weights.parent}, not a file in it"
+    (tmp_path / "p.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError) as e:
+        parse_loras([f"support={tmp_path / 'p.jsonl'}"])
+    assert e.value.hint == "pass the folder save_pretrained wrote (the one that holds adapter_config.json), not a file"

@@ -84,8 +84,8 @@ def parse_loras(items: dict[str, str] | list[str] | None) -> dict[str, str]:
         elif path.startswith("~"):
             path = os.path.expanduser(path)
         if not Path(path).is_dir():
-            from ..lora.adapter import not_found_hint
-            hint = "pass a PEFT adapter folder" if Path(path).exists() else not_found_hint(Path(path), str(path))
+            from ..lora.adapter import file_given_hint, not_found_hint
+            hint = file_given_hint(Path(path)) if Path(path).exists() else not_found_hint(Path(path), str(path))
             raise ConfigError(f"--lora {name}: {path} is not a folder", hint)
         out[name] = str(path)
     return out

@@ -382,11 +382,17 @@ def not_found_hint(path: Path, typed: str | None = None) -> str:
     return f"{where} ({local})" if local else where
 
 
+def file_given_hint(path: Path) -> str:
+    """What to pass instead of a file given as an adapter (its adapter_model.safetensors, say): the folder."""
+    if (path.parent / CONFIG_FILE).is_file():
+        return f"pass the adapter's folder, {path.parent}, not a file in it"
+    return "pass the folder save_pretrained wrote (the one that holds adapter_config.json), not a file"
+
+
 def read_config(name: str, path: Path, typed: str | None = None) -> dict:
     """The adapter's adapter_config.json (`typed`: the path as the user wrote it, for the hint when it is missing)."""
     if path.exists() and not path.is_dir():
-        raise _fail(name, path, "is a file, not a folder", "pass the folder save_pretrained wrote (the one that "
-                                                            "holds adapter_config.json), not a file in it")
+        raise _fail(name, path, "is a file, not a folder", file_given_hint(path))
     if not path.is_dir():
         raise _fail(name, path, "folder not found", not_found_hint(path, typed))
     file = path / CONFIG_FILE
@@ -398,8 +404,8 @@ def read_config(name: str, path: Path, typed: str | None = None) -> dict:
         if inner:
             raise _fail(name, path, f"{CONFIG_FILE} is missing; the subfolder{'s' if len(inner) > 1 else ''} "
                         f"{', '.join(inner)} hold{'' if len(inner) > 1 else 's'} one",
-                        f"pass the adapter's own folder, e.g. {path / inner[0]} (peft's save_pretrained puts an "
-                        "adapter not named default in a subfolder of its name)")
+                        f"pass the adapter's own folder, e.g. {path / (name if name in inner else inner[0])} "
+                        "(peft's save_pretrained puts an adapter not named default in a subfolder of its name)")
         if (path / "config.json").is_file():  # a model (a merged one too), passed where an adapter was expected
             raise _fail(name, path, f"is a full model (config.json, no {CONFIG_FILE}), not a PEFT LoRA adapter",
                         "pass it as the base model, or pass the adapter folder peft's save_pretrained wrote")
