@@ -227,3 +227,22 @@ def test_an_adapters_file_is_told_its_folder(tmp_path):
     with pytest.raises(ConfigError) as e:
         parse_loras([f"support={tmp_path / 'p.jsonl'}"])
     assert e.value.hint == "pass the folder save_pretrained wrote (the one that holds adapter_config.json), not a file"
+
+
+@pytest.mark.parametrize("command, says", [
+    ("generate", "infer run MODEL INPUT.jsonl -o OUT.jsonl generates a reply for each line of a JSONL file (e.g. "
+                 "echo '{\"prompt\": \"Hello\"}' > prompts.jsonl)"),
+    ("complete", "infer run MODEL INPUT.jsonl -o OUT.jsonl generates"),
+    ("chat", "infer has no interactive chat: infer serve MODEL and an OpenAI client"),
+    ("download", "infer downloads nothing: fetch a model with `hf download ORG/NAME`"),
+    ("Pull", "infer downloads nothing"),
+    ("version", "the version is an option: infer --version"),
+])
+def test_a_command_guessed_from_other_tools_is_told_what_does_it_here(command, says):
+    """`infer generate M`, `infer chat M` (vLLM's client commands), `infer download ORG/NAME` (ollama's pull) were
+    told only "No such command" and to see `infer --help`."""
+    res = CliRunner().invoke(app, [command, "tiny-llama"])
+    assert res.exit_code == 2 and f"No such command '{command}'" in res.output, res.output
+    assert f"hint: {says}" in res.output, res.output
+    res = CliRunner().invoke(app, ["servr", "tiny-llama"])
+    assert "Did you mean 'serve'?" in res.output and "hint: see `infer --help`" in res.output, res.output

@@ -58,6 +58,12 @@ def read_lines(path: Path):
                 yield line_no, None, f"not valid UTF-8 (byte {e.start + 1} of the line)"
 
 
+def one_request_file(path: str) -> str:
+    """A shell command that writes a JSONL file of one request to `path` (what a newcomer without one is shown)."""
+    import shlex
+    return f"echo '{{\"prompt\": \"Hello\"}}' > {shlex.quote(path)}"
+
+
 def check_input_encoding(path: Path) -> None:
     """A UTF-16 file (what Windows PowerShell's `>` writes) would fail on every line with "not valid UTF-8": say
     what it is once, before the model loads."""

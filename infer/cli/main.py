@@ -104,11 +104,30 @@ def _one_dash_token(error, args) -> str | None:
                  and a[1:2].isalpha() and letter in a[1:].split("=")[0]), None)
 
 
+_GENERATE = ("infer run MODEL INPUT.jsonl -o OUT.jsonl generates a reply for each line of a JSONL file (e.g. "
+             "{example}), infer serve MODEL answers OpenAI requests")
+# commands a newcomer guesses from other tools (vLLM's `vllm chat`/`complete`, ollama's `pull`), and what does it here
+_GUESSED_COMMANDS = {
+    "version": "the version is an option: infer --version",
+    "generate": _GENERATE, "complete": _GENERATE, "predict": _GENERATE, "infer": _GENERATE,
+    "chat": "infer has no interactive chat: infer serve MODEL and an OpenAI client (or curl) chat with it; infer run "
+            "takes chat lines, {\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}",
+    "download": "infer downloads nothing: fetch a model with `hf download ORG/NAME` (then pass ORG/NAME as MODEL), "
+                "or a built-in one (tiny-llama, ...) is made on first use",
+}
+_GUESSED_COMMANDS["pull"] = _GUESSED_COMMANDS["download"]
+
+
 def _command_hint(error) -> str | None:
-    """`infer version`: the version is an option."""
-    if "No such command 'version'" in error.format_message():
-        return "the version is an option: infer --version"
-    return None
+    """`infer version` (the version is an option), `infer generate`, `infer chat`, `infer download`: what does that
+    job here."""
+    import re
+    found = re.match(r"No such command '([^']*)'", error.format_message())
+    hint = _GUESSED_COMMANDS.get(found.group(1).lower()) if found else None
+    if hint == _GENERATE:
+        from .batch_io import one_request_file
+        return hint.format(example=one_request_file("prompts.jsonl"))
+    return hint
 
 
 def _extra_argument_hint(where: str, error) -> str | None:

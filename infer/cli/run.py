@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import shlex
 import sys
 import tempfile
 import time
@@ -22,7 +21,7 @@ from . import options as o
 from ..engine.sampling_params import MAX_TOKENS
 from .banner import start_traits
 from .batch_io import (OUTPUT_FORMATS, Records, RecordWriter, check_batch_lines, check_format, check_input_encoding,
-                       model_names, read_inputs, unused_adapters_note)
+                       model_names, one_request_file, read_inputs, unused_adapters_note)
 from .beam_lines import LineBeams, is_beam_line
 from .entry import Terminated, terminate_as_interrupt
 from .resume import (check_not_unfinished, check_resume, done_ids, error_ids, is_regular_target, mark_complete,
@@ -229,9 +228,8 @@ def _check_paths(input: Path, output: Path | None, resume: bool, max_new_tokens:
                           "and give its path")
     if not input.exists():
         near = missing_file_hint(input)  # a typo (examples/prompt.jsonl): the folder's closest file
-        example = f"echo '{{\"prompt\": \"Hello\"}}' > {shlex.quote(str(input))}"
         raise ConfigError(f"input file {input} does not exist",
-                          near or f"give a JSONL file with one request per line, e.g. {example}")
+                          near or f"give a JSONL file with one request per line, e.g. {one_request_file(str(input))}")
     if input.is_dir():
         raise ConfigError(f"input {input} is a directory, not a file", "give a JSONL file with one request per line")
     if not input.is_file():
