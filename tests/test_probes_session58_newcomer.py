@@ -246,3 +246,18 @@ def test_a_command_guessed_from_other_tools_is_told_what_does_it_here(command, s
     assert f"hint: {says}" in res.output, res.output
     res = CliRunner().invoke(app, ["servr", "tiny-llama"])
     assert "Did you mean 'serve'?" in res.output and "hint: see `infer --help`" in res.output, res.output
+
+
+@pytest.mark.parametrize("device, says", [
+    ("gpu", "an NVIDIA GPU is --device cuda (auto picks cuda whenever one is visible)"),
+    ("GPU:1", "an NVIDIA GPU is --device cuda:1 (auto picks cuda whenever one is visible)"),
+    ("mps", "infer runs on NVIDIA GPUs (cuda) and on CPUs (cpu); mps is not supported"),
+    ("cuda:x", "auto picks cuda when an NVIDIA GPU is visible, else cpu"),
+])
+def test_a_device_spelt_as_other_tools_spell_it_is_told_infers_name(device, says):
+    """`--device gpu` (or a Mac's `mps`) was told "is not one of auto, cpu, cuda, cuda:N" and to see --help."""
+    from infer.engine.config import EngineConfig
+    from infer.errors import ConfigError
+    with pytest.raises(ConfigError) as e:
+        EngineConfig("tiny-llama", device=device)
+    assert e.value.message == f"--device {device!r} is not one of auto, cpu, cuda, cuda:N" and e.value.hint == says

@@ -365,7 +365,8 @@ class EngineConfig:
             yield (f"--kv-cache-dtype {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}",
                    "auto keeps K and V in the model's --dtype; fp8 (fp8_e4m3) and fp8_e5m2 store them in 1 byte")
         if not isinstance(self.device, str) or not valid_device(self.device):
-            yield f"--device {self.device!r} is not one of auto, cpu, cuda, cuda:N"
+            yield (f"--device {self.device!r} is not one of auto, cpu, cuda, cuda:N",
+                   _device_advice(self.device))
         util = self.gpu_memory_utilization
         if isinstance(util, bool) or not isinstance(util, (int, float)):
             yield f"--gpu-memory-utilization must be a number in (0, 1], got {util!r}"
@@ -430,6 +431,17 @@ def batched_tokens_below_seqs(tokens: int, seqs: int, seqs_flag: str = "--max-nu
 
 def _field_default(name: str):
     return next(f.default for f in fields(EngineConfig) if f.name == name)
+
+
+def _device_advice(device) -> str:
+    """What a device spelt as other tools spell it means here (`gpu`, `gpu:1`, `mps`), or the usual choices."""
+    text = str(device).strip().lower()
+    name, _, index = text.partition(":")
+    if name in ("gpu", "nvidia", "cuda") and (not index or index.isdigit()):
+        return f"an NVIDIA GPU is --device cuda{':' + index if index else ''} (auto picks cuda whenever one is visible)"
+    if name in ("mps", "metal", "rocm", "hip", "xpu", "tpu", "npu"):
+        return f"infer runs on NVIDIA GPUs (cuda) and on CPUs (cpu); {name} is not supported"
+    return "auto picks cuda when an NVIDIA GPU is visible, else cpu"
 
 
 def valid_device(name: str) -> bool:
