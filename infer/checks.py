@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,18 @@ TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map
                   "added_tokens.json")
 
 
+def _source_repo(path: Path) -> str | None:
+    """The hub id ORG/NAME the folder's config.json names as its source (`_name_or_path`, which transformers'
+    save_pretrained writes), or None: where the tokenizer the folder lacks can be fetched from."""
+    try:
+        named = json.loads((path / "config.json").read_text()).get("_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(named, str) or not re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", named):
+        return None
+    return None if Path(named).exists() else named
+
+
 def tokenizer_problem(path: Path | str, error: BaseException) -> tuple[str, str]:
     """(message, hint) for a tokenizer that transformers could not load from the folder `path`, in one paragraph:
     no tokenizer file at all, or a named file that is truncated or not JSON, before transformers' own words (which
@@ -72,9 +85,11 @@ def tokenizer_problem(path: Path | str, error: BaseException) -> tuple[str, str]
     path = Path(path)
     names = {f.name for f in path.iterdir()} if path.is_dir() else set()
     if not any(n in VOCAB_FILES or n.endswith((".tiktoken", ".model")) for n in names):
+        source = _source_repo(path)
         return (f"{path} has no tokenizer files (tokenizer.json, tokenizer.model, or vocab.json and merges.txt)",
-                "copy the tokenizer files of the model the weights come from into the folder (e.g. hf "
-                "download ORG/NAME tokenizer.json tokenizer_config.json --local-dir FOLDER)")
+                f"copy the tokenizer files of the model the weights come from into the folder (e.g. hf download "
+                f"{source or 'ORG/NAME'} tokenizer.json tokenizer_config.json --local-dir {shlex.quote(str(path))}"
+                f"{', its config.json naming ' + source + ' as its source' if source else ''})")
     for name in TOKENIZER_JSON:
         if name in names:
             try:

@@ -261,3 +261,29 @@ def test_a_device_spelt_as_other_tools_spell_it_is_told_infers_name(device, says
     with pytest.raises(ConfigError) as e:
         EngineConfig("tiny-llama", device=device)
     assert e.value.message == f"--device {device!r} is not one of auto, cpu, cuda, cuda:N" and e.value.hint == says
+
+
+def test_a_folder_without_a_tokenizer_is_told_the_download_that_completes_it(tmp_path, monkeypatch):
+    """`infer run ./weights-only` (config.json and safetensors, no tokenizer) was told `hf download ORG/NAME
+    tokenizer.json tokenizer_config.json --local-dir FOLDER`: the folder is now named, and so is the hub model its
+    config.json says it comes from (`_name_or_path`, as save_pretrained writes it)."""
+    import shutil
+
+    from infer.checks import tokenizer_problem
+    from infer.models.tiny import ensure_builtin
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "my weights"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(ensure_builtin("tiny-llama") / name, folder / name)
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    res = CliRunner().invoke(app, ["run", "my weights", "in.jsonl", "-o", "o.jsonl", "-q"])
+    assert res.exit_code == 2 and "my weights has no tokenizer files" in res.output, res.output
+    assert "hf download ORG/NAME tokenizer.json tokenizer_config.json --local-dir 'my weights')" in res.output
+    config = json.loads((folder / "config.json").read_text())
+    for source, named in (("org/base-7b", "org/base-7b"), ("/ckpt/run-3", None), (str(folder), None)):
+        (folder / "config.json").write_text(json.dumps({**config, "_name_or_path": source}))
+        hint = tokenizer_problem(folder, OSError("x"))[1]
+        download = f"hf download {named or 'ORG/NAME'} tokenizer.json tokenizer_config.json --local-dir " \
+                   f"'{folder}'"
+        assert download in hint and (f"its config.json naming {named} as its source" in hint) == bool(named), hint
