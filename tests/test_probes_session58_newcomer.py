@@ -287,3 +287,19 @@ def test_a_folder_without_a_tokenizer_is_told_the_download_that_completes_it(tmp
         download = f"hf download {named or 'ORG/NAME'} tokenizer.json tokenizer_config.json --local-dir " \
                    f"'{folder}'"
         assert download in hint and (f"its config.json naming {named} as its source" in hint) == bool(named), hint
+
+
+@pytest.mark.parametrize("argv, example", [
+    (["serve"], "e.g. infer serve tiny-llama --port 8000 --lora support=./adapters/support (see `infer serve --help`)"),
+    (["run", "tiny-llama"], "e.g. infer run tiny-llama prompts.jsonl -o out.jsonl --max-new-tokens 64"),
+    (["convert", "tiny-llama"], "e.g. infer convert ./my-model-bin -o ./my-model --dtype bfloat16"),
+    (["lora-validate", "tiny-llama"], "e.g. infer lora-validate ./llama-gptq support=./adapters/support"),
+])
+def test_a_missing_argument_or_option_is_shown_the_commands_example(argv, example):
+    """`infer serve` (no MODEL), `infer convert M` (no -o) were told "Missing argument 'model'" and to see --help:
+    the command's example (its --help's Example line, in one line) shows what goes where."""
+    res = CliRunner().invoke(app, argv)
+    assert res.exit_code == 2 and "error: Missing " in res.output, res.output
+    assert f"hint: {example}" in res.output, res.output
+    res = CliRunner().invoke(app, ["run", "tiny-llama", "in.jsonl", "-o"])  # a value missing: click's own words
+    assert "requires an argument" in res.output and "hint: see `infer run --help`" in res.output, res.output

@@ -51,7 +51,7 @@ class _Commands(TyperGroup):
                            err=True)
             else:
                 hint = (_extra_argument_hint(where, e) or (_one_dash_hint(e, args) if unknown else None)
-                        or _command_hint(e) or f"see `{where} --help`")
+                        or _command_hint(e) or _missing_hint(e, where) or f"see `{where} --help`")
                 typer.echo(f"error: {_with_value(e)}\n  hint: {hint}", err=True)
             sys.exit(2)
         except click_errors.ClickException as e:
@@ -116,6 +116,16 @@ _GUESSED_COMMANDS = {
                 "or a built-in one (tiny-llama, ...) is made on first use",
 }
 _GUESSED_COMMANDS["pull"] = _GUESSED_COMMANDS["download"]
+
+
+def _missing_hint(error, where: str) -> str | None:
+    """`infer serve` without MODEL, `infer convert M` without -o: the command's example (its --help's `Example:`
+    line) shows what it takes."""
+    import re
+    if not isinstance(error, click_errors.MissingParameter) or error.ctx is None:
+        return None
+    found = re.search(r"Example: (.+?)(?:\n\s*\n|$)", error.ctx.command.help or "", re.S)
+    return f"e.g. {' '.join(found.group(1).split())} (see `{where} --help`)" if found else None
 
 
 def _command_hint(error) -> str | None:
