@@ -13,11 +13,12 @@ import torch
 from transformers import AutoConfig
 
 from ..errors import ModelLoadError, UnsupportedModelError
+from ..quant.convert import read_config_json
 from ..quant.files import indexed_files
 from .layers import MergedLinear, UnquantizedLinearMethod
 from .registry import check_supported, model_class
 from .rope import check_rope
-from .shapes import check_shapes
+from .shapes import CONFIG_HINT, check_config_values, check_shapes
 
 log = logging.getLogger("infer")
 
@@ -36,10 +37,11 @@ def _dtype_name(d) -> str:
 def load_config(path: Path):
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} has no config.json", "pass a Hugging Face model folder")
+    check_config_values(read_config_json(path))  # (bad JSON, a size of 0: said before transformers reads it)
     try:
         cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-    except Exception as e:  # an unknown model_type, bad JSON, ...
-        raise UnsupportedModelError(f"cannot read {path / 'config.json'}: {e}") from e
+    except Exception as e:  # an unknown model_type, a field of the wrong type, ...
+        raise UnsupportedModelError(f"cannot read {path / 'config.json'}: {e}", CONFIG_HINT) from e
     check_supported(cfg)
     check_shapes(cfg)
     check_rope(cfg)  # refused here, not only when the model is built: warmup --estimate never builds it

@@ -94,30 +94,30 @@ def _cpu_inv_freq(cfg, layer_type: str | None = None) -> tuple[torch.Tensor, flo
     params = rope_parameters(cfg, layer_type)
     rope_type = params.get("rope_type", "default")
     head_dim = ModelShapes.from_config(cfg).head_dim
-    if rope_type == "default":
-        base, dim = params["rope_theta"], _rotary_dims(cfg, params, head_dim)
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-        scale = 1.0
-    elif rope_type in ("linear", "llama3", "yarn", "dynamic", "longrope", "proportional"):
-        # dynamic (NTK): transformers rescales only once a sequence passes max_position_embeddings, which infer's
-        # context never does (engine/setup.model_max_len caps it there): below it, its table is this one; longrope:
-        # the short factors (and the attention factor) up to original_max_position_embeddings (rope_max_positions);
-        # proportional (transformers 5): frequencies for the whole head, those past partial_rotary_factor of them 0
-        # (cos 1, sin 0: those dimensions pass unrotated), all divided by its factor
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-        try:
-            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu", **(
-                {"layer_type": layer_type} if layer_type else {}))
-        except (TypeError, ValueError, KeyError, ZeroDivisionError, RuntimeError) as e:  # a factor "2", a null
-            # field, longrope factors of another length than head_dim / 2, ...
-            raise UnsupportedModelError(f"config.json's {rope_type} rope parameters {_shown(params)} cannot be "
-                                        f"computed ({type(e).__name__}: {e})",
-                                        "rope_parameters (rope_scaling in older configs) needs the numbers its "
-                                        "rope_type takes: use the config.json that came with the weights") from e
-    else:
+    if rope_type not in ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "proportional"):
         raise UnsupportedModelError(f"rope type {rope_type!r} is not supported",
                                     "supported rope types: default, linear, llama3, yarn, dynamic, longrope, "
                                     "proportional")
+    try:
+        if rope_type == "default":
+            base, dim = params["rope_theta"], _rotary_dims(cfg, params, head_dim)
+            inv_freq, scale = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+        else:
+            # dynamic (NTK): transformers rescales only once a sequence passes max_position_embeddings, which infer's
+            # context never does (engine/setup.model_max_len caps it there): below it, its table is this one;
+            # longrope: the short factors (and the attention factor) up to original_max_position_embeddings
+            # (rope_max_positions); proportional (transformers 5): frequencies for the whole head, those past
+            # partial_rotary_factor of them 0 (cos 1, sin 0: those dimensions pass unrotated), all divided by its
+            # factor
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu", **(
+                {"layer_type": layer_type} if layer_type else {}))
+    except (TypeError, ValueError, KeyError, ZeroDivisionError, RuntimeError) as e:  # a factor or a rope_theta "2",
+        # a null field, longrope factors of another length than head_dim / 2, ...
+        raise UnsupportedModelError(f"config.json's {rope_type} rope parameters {_shown(params)} cannot be "
+                                    f"computed ({type(e).__name__}: {e})",
+                                    "rope_parameters (rope_scaling in older configs) needs the numbers its "
+                                    "rope_type takes: use the config.json that came with the weights") from e
     if not (bool(torch.isfinite(inv_freq).all()) and math.isfinite(scale)):  # a rope_theta of 0, a linear factor of
         # 0, ...: every position past 0 rotated by NaN, which the first forward reported as the model overflowing
         raise UnsupportedModelError(f"config.json's {rope_type} rope parameters {_shown(params)} give rotary "

@@ -6,9 +6,17 @@ hidden_size // num_attention_heads; `num_key_value_heads` defaults to the head c
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from ..errors import UnsupportedModelError
+from ..errors import ModelLoadError, UnsupportedModelError
+
+# config.json's sizes every model has (transformers divides by the head count as it reads the config: a 0 there was
+# "integer modulo by zero", a negative one a traceback building the layers), and sizes it may leave out, null or 0
+# (unset: the head count for the KV heads, hidden_size / heads for head_dim, as transformers' `or` reads them)
+_COUNTS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
+_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
+CONFIG_HINT = "fix config.json, or use the config.json that came with the weights"
 
 
 @dataclass(frozen=True)
@@ -46,3 +54,23 @@ def check_shapes(cfg) -> None:
                                     f"num_key_value_heads {shapes.num_kv_heads}",
                                     "each KV head serves the same number of query heads: use the config.json that "
                                     "came with the weights")
+
+
+def check_config_values(raw: dict) -> None:
+    """Refuse, before transformers reads config.json (`raw`, its JSON object), the values no model has: a size that
+    is not a whole number (a count below 1, an optional size below 0), an rms_norm_eps below 0 (every norm NaN) and a
+    quantization_config that is not an object (a ModelLoadError naming the field)."""
+    for field in _COUNTS + _OPTIONAL_SIZES:
+        value, least = raw.get(field), 1 if field in _COUNTS else 0
+        if value is not None and not (type(value) in (int, float) and math.isfinite(value) and value == int(value)
+                                      and value >= least):  # (a 4096.0: left to transformers, which may take it)
+            raise ModelLoadError(f"config.json has {field} {value!r}: it must be a whole number of at least {least}",
+                                 CONFIG_HINT)
+    eps = raw.get("rms_norm_eps")
+    if eps is not None and type(eps) in (int, float) and not eps >= 0:
+        raise ModelLoadError(f"config.json has rms_norm_eps {eps!r}: it must be a number of at least 0", CONFIG_HINT)
+    quant = raw.get("quantization_config")
+    if quant is not None and not isinstance(quant, dict):
+        raise ModelLoadError(f"config.json's quantization_config must be an object, got {type(quant).__name__}",
+                             'e.g. {"quant_method": "gptq", "bits": 4, "group_size": 128}; or remove it for a float '
+                             "model: " + CONFIG_HINT)

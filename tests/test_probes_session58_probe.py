@@ -1,0 +1,80 @@
+"""Probes of the fifty-eighth session (a hostile user's model folders): config.json values no model has (a head count
+of 0, a negative size, an rms_norm_eps below 0, a quantization_config that is not an object, a rope_theta that is
+not a number) are refused when the config is read, in one `error:` line naming the field, by every command that
+reads it; before, they were tracebacks, "integer modulo by zero", or advice such as "use --max-model-len -5"."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_convert import _clean_error, _with_config, run_infer
+
+from infer.errors import ModelLoadError
+from infer.models.loader import load_config
+from infer.models.resolve import resolve_model
+
+CONFIG_HINT = "fix config.json, or use the config.json that came with the weights"
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    return resolve_model("tiny-llama")
+
+
+@pytest.mark.parametrize("field, value, least", [
+    ("num_attention_heads", 0, 1),     # transformers: "integer modulo by zero"
+    ("num_attention_heads", -4, 1),    # a traceback building the layers
+    ("hidden_size", 0, 1),
+    ("vocab_size", 0, 1),
+    ("intermediate_size", 2.5, 1),
+    ("head_dim", -16, 0),              # a traceback computing the rope
+    ("num_key_value_heads", -2, 0),
+    ("max_position_embeddings", -5, 0),  # "--max-model-len 32 is above the model's limit of -5"
+    ("sliding_window", -3, 0),
+])
+def test_a_size_no_model_has_is_refused_naming_the_field(tiny_llama, tmp_path, field, value, least):
+    src = _with_config(tiny_llama, tmp_path / "m", **{field: value})
+    with pytest.raises(ModelLoadError) as e:
+        load_config(src)
+    assert e.value.message == f"config.json has {field} {value!r}: it must be a whole number of at least {least}"
+    assert e.value.hint == CONFIG_HINT
+
+
+def test_sizes_a_config_may_leave_unset_still_load(tiny_llama, tmp_path):
+    """0 (or null) head_dim, KV heads and sliding_window read as unset, as transformers' `or` reads them; a whole
+    float sliding_window, which transformers' Llama takes, is left to it."""
+    cfg = load_config(_with_config(tiny_llama, tmp_path / "m", head_dim=0, num_key_value_heads=0, sliding_window=0))
+    assert cfg.num_attention_heads == 4
+    load_config(_with_config(tiny_llama, tmp_path / "f", sliding_window=4096.0))
+
+
+@pytest.mark.parametrize("changes, words", [
+    (dict(rms_norm_eps=-1.0), "config.json has rms_norm_eps -1.0: it must be a number of at least 0"),  # (NaN logits)
+    (dict(quantization_config="gptq"), "config.json's quantization_config must be an object, got str"),
+    (dict(quantization_config=[1]), "config.json's quantization_config must be an object, got list"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": "x"}),
+     "config.json's default rope parameters {'rope_type': 'default', 'rope_theta': 'x'} cannot be computed"),
+])
+def test_other_values_no_model_has_are_refused_naming_them(tiny_llama, tmp_path, changes, words):
+    """rms_norm_eps -1 ran, and every request ended in "the model overflowed"; a quantization_config "gptq" was
+    "'str' object has no attribute 'to_dict'"; a rope_theta "x" a TypeError traceback."""
+    src = _with_config(tiny_llama, tmp_path / "m", **changes)
+    with pytest.raises(ModelLoadError) as e:
+        load_config(src)
+    assert words in e.value.message
+
+
+@pytest.mark.parametrize("command", [["run", "{src}", "{inp}", "-o", "{out}", "-q"], ["warmup", "{src}"],
+                                     ["lora-validate", "{src}", "{src}"]])
+def test_every_command_says_it_in_one_line_with_a_hint(tiny_llama, tmp_path, command):
+    """The CLI's one `error:` line, exit 2, no traceback; a config transformers refuses (a tie_word_embeddings "yes") gets a
+    hint that says what to do rather than "see `infer run --help`"."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"id": "a", "prompt": "hi", "max_new_tokens": 2}) + "\n")
+    for name, changes, words in [("heads", dict(num_attention_heads=0), "num_attention_heads 0"),
+                                 ("typed", dict(tie_word_embeddings="yes"), "'tie_word_embeddings'")]:
+        src = _with_config(tiny_llama, tmp_path / name, **changes)
+        args = [a.format(src=src, inp=inp, out=tmp_path / f"{name}.jsonl") for a in command]
+        _clean_error(run_infer(*args), 2, words, CONFIG_HINT)
+        assert not (tmp_path / f"{name}.jsonl").exists()
