@@ -1,7 +1,8 @@
 """Probes of the fifty-eighth session (a hostile user's model folders): config.json values no model has (a head count
 of 0, a negative size, an rms_norm_eps below 0, a quantization_config that is not an object, a rope_theta that is
 not a number) are refused when the config is read, in one `error:` line naming the field, by every command that
-reads it; before, they were tracebacks, "integer modulo by zero", or advice such as "use --max-model-len -5"."""
+reads it; before, they were tracebacks, "integer modulo by zero", or advice such as "use --max-model-len -5".
+An adapter_config.json flag that is not true or false ("use_rslora": "false") is refused rather than read by truth."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import json
 
 import pytest
 from test_convert import _clean_error, _with_config, run_infer
+from test_lora_adapter import _expect_error, make_adapter, tiny_config
 
 from infer.errors import ModelLoadError
+from infer.lora.adapter import load_adapter
 from infer.models.loader import load_config
 from infer.models.resolve import resolve_model
 
@@ -78,3 +81,23 @@ def test_every_command_says_it_in_one_line_with_a_hint(tiny_llama, tmp_path, com
         args = [a.format(src=src, inp=inp, out=tmp_path / f"{name}.jsonl") for a in command]
         _clean_error(run_infer(*args), 2, words, CONFIG_HINT)
         assert not (tmp_path / f"{name}.jsonl").exists()
+
+
+@pytest.mark.parametrize("key, value, kind", [("use_rslora", "false", "a string"), ("use_rslora", 1, "an integer"),
+                                              ("use_dora", "no", "a string"), ("lora_bias", 0, "an integer")])
+def test_an_adapter_flag_that_is_not_a_boolean_is_refused(tmp_path, key, value, kind):
+    """peft reads the flags by truth: "use_rslora": "false" scaled every module by alpha/sqrt(r), silently, in both;
+    "use_dora": "no" was refused as "uses DoRA"."""
+    path = make_adapter(tmp_path, "t")
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**cfg, key: value}))
+    err = _expect_error(path, "t", match=f"adapter_config.json has {key} {json.dumps(value)} ({kind}), but peft's "
+                                         "LoraConfig takes true or false")
+    assert f"write {key}: true or false" in err.hint
+
+
+def test_adapter_flags_true_false_or_null_still_load(tmp_path):
+    path = make_adapter(tmp_path, "t")
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**cfg, "use_rslora": None, "lora_bias": False}))
+    load_adapter("t", path, tiny_config(), None)

@@ -451,6 +451,8 @@ _FIELD_TYPES = {"target_modules": (str, "a string (a regex) or a list of module 
                 "exclude_modules": (str, "a string (a regex) or a list of module names"),
                 "layers_to_transform": (int, "an integer or a list of integers"),
                 "layers_pattern": (str, "a string or a list of strings")}
+# its flags: peft reads them by truth (a "false" turns rslora on), so only true, false or null is taken
+_FLAGS = ("use_rslora", "use_dora", "lora_bias", "use_qalora")
 _JSON_TYPES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
                dict: "an object"}
 
@@ -462,6 +464,12 @@ def _check_types(name: str, path: Path, config: dict) -> None:
             raise _fail(name, path, f"{CONFIG_FILE} has {key} {json.dumps(config[key])} "
                         f"({_json_type(config[key], kind)}), but peft's LoraConfig takes {expected}",
                         f"fix {key} in {CONFIG_FILE}, or save the adapter again with peft")
+    for key in _FLAGS:
+        if config.get(key) is not None and not isinstance(config[key], bool):
+            raise _fail(name, path, f"{CONFIG_FILE} has {key} {json.dumps(config[key])} "
+                        f"({_json_type(config[key], bool)}), but peft's LoraConfig takes true or false",
+                        f"write {key}: true or false in {CONFIG_FILE} (peft reads any other value by its truth: "
+                        '"false" would turn it on)')
 
 
 def _one(value, kind: type) -> bool:
