@@ -71,8 +71,8 @@ def test_other_values_no_model_has_are_refused_naming_them(tiny_llama, tmp_path,
 @pytest.mark.parametrize("command", [["run", "{src}", "{inp}", "-o", "{out}", "-q"], ["warmup", "{src}"],
                                      ["lora-validate", "{src}", "{src}"]])
 def test_every_command_says_it_in_one_line_with_a_hint(tiny_llama, tmp_path, command):
-    """The CLI's one `error:` line, exit 2, no traceback; a config transformers refuses (a tie_word_embeddings "yes") gets a
-    hint that says what to do rather than "see `infer run --help`"."""
+    """The CLI's one `error:` line, exit 2, no traceback; a config transformers refuses (a tie_word_embeddings "yes")
+    gets a hint that says what to do rather than "see `infer run --help`"."""
     inp = tmp_path / "in.jsonl"
     inp.write_text(json.dumps({"id": "a", "prompt": "hi", "max_new_tokens": 2}) + "\n")
     for name, changes, words in [("heads", dict(num_attention_heads=0), "num_attention_heads 0"),
