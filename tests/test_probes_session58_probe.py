@@ -16,8 +16,8 @@ from infer.errors import ModelLoadError
 from infer.lora.adapter import load_adapter
 from infer.models.loader import load_config
 from infer.models.resolve import resolve_model
+from infer.quant.convert import CONFIG_HINT
 
-CONFIG_HINT = "fix config.json, or use the config.json that came with the weights"
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_other_values_no_model_has_are_refused_naming_them(tiny_llama, tmp_path,
 
 
 @pytest.mark.parametrize("command", [["run", "{src}", "{inp}", "-o", "{out}", "-q"], ["warmup", "{src}"],
-                                     ["lora-validate", "{src}", "{src}"]])
+                                     ["lora-validate", "{src}", "{src}"], ["convert", "{src}", "-o", "{out}"]])
 def test_every_command_says_it_in_one_line_with_a_hint(tiny_llama, tmp_path, command):
     """The CLI's one `error:` line, exit 2, no traceback; a config transformers refuses (a tie_word_embeddings "yes")
     gets a hint that says what to do rather than "see `infer run --help`"."""
@@ -81,6 +81,19 @@ def test_every_command_says_it_in_one_line_with_a_hint(tiny_llama, tmp_path, com
         args = [a.format(src=src, inp=inp, out=tmp_path / f"{name}.jsonl") for a in command]
         _clean_error(run_infer(*args), 2, words, CONFIG_HINT)
         assert not (tmp_path / f"{name}.jsonl").exists()
+
+
+@pytest.mark.parametrize("changes, words", [
+    (dict(hidden_act="frob"), "hidden_act 'frob' is not supported"),  # transformers: "cannot load ...: 'frob'"
+    (dict(rope_parameters={"rope_type": "frob", "rope_theta": 1.0}), "rope type 'frob' is not supported"),
+])
+def test_convert_names_what_transformers_cannot_load_either(tiny_llama, tmp_path, changes, words):
+    """A float model infer does not run is left to transformers (convert copies what transformers loads); when
+    transformers fails too, its words were a bare KeyError ("transformers cannot load M: 'frob'", "check that the
+    folder is complete"): infer's refusal, which names the field, is said instead."""
+    src = _with_config(tiny_llama, tmp_path / "m", **changes)
+    _clean_error(run_infer("convert", src, "-o", tmp_path / "out"), 2, words)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("key, value, kind", [("use_rslora", "false", "a string"), ("use_rslora", 1, "an integer"),

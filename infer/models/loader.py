@@ -13,12 +13,12 @@ import torch
 from transformers import AutoConfig
 
 from ..errors import ModelLoadError, UnsupportedModelError
-from ..quant.convert import read_config_json
+from ..quant.convert import CONFIG_HINT, read_config_json
 from ..quant.files import indexed_files
 from .layers import MergedLinear, UnquantizedLinearMethod
 from .registry import check_supported, model_class
 from .rope import check_rope
-from .shapes import CONFIG_HINT, check_config_values, check_shapes
+from .shapes import check_config_values, check_shapes
 
 log = logging.getLogger("infer")
 

@@ -10,13 +10,13 @@ import math
 from dataclasses import dataclass
 
 from ..errors import ModelLoadError, UnsupportedModelError
+from ..quant.convert import CONFIG_HINT
 
 # config.json's sizes every model has (transformers divides by the head count as it reads the config: a 0 there was
 # "integer modulo by zero", a negative one a traceback building the layers), and sizes it may leave out, null or 0
 # (unset: the head count for the KV heads, hidden_size / heads for head_dim, as transformers' `or` reads them)
 _COUNTS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
 _OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
-CONFIG_HINT = "fix config.json, or use the config.json that came with the weights"
 
 
 @dataclass(frozen=True)
@@ -72,5 +72,5 @@ def check_config_values(raw: dict) -> None:
     quant = raw.get("quantization_config")
     if quant is not None and not isinstance(quant, dict):
         raise ModelLoadError(f"config.json's quantization_config must be an object, got {type(quant).__name__}",
-                             'e.g. {"quant_method": "gptq", "bits": 4, "group_size": 128}; or remove it for a float '
-                             "model: " + CONFIG_HINT)
+                             f"{CONFIG_HINT} (it is an object such as {{\"quant_method\": \"gptq\", \"bits\": 4, "
+                             '"group_size": 128}, or absent for a float model)')

@@ -46,6 +46,10 @@ def is_gptq(model_dir: Path) -> bool:
         (Path(model_dir) / "quantize_config.json").is_file()
 
 
+# what to do about a config.json whose values transformers (or infer) refuses
+CONFIG_HINT = "fix config.json, or copy it again with the model"
+
+
 def read_config_json(model_dir: Path) -> dict:
     """The model's config.json as a dict; a ModelLoadError (exit 2) naming the file when it cannot be read or is not
     a JSON object (a truncated copy), as `infer run` refuses the same folder."""
@@ -454,13 +458,15 @@ def _save_float(src: Path, out: Path, dtype: str | None, merge_lora: Path | None
                 check_weights: Callable[[Path], None] | None = None, named: str | None = None) -> None:
     import torch
     from transformers import AutoModelForCausalLM
-    _check_tensors(src, check_weights)
+    unsupported = _check_tensors(src, check_weights)
     torch_dtype = getattr(torch, dtype) if dtype else "auto"
     try:  # mismatched sizes come back in the report (refused below) instead of as transformers' RuntimeError
         model, info = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, device_map="cpu",
                                                            output_loading_info=True, ignore_mismatched_sizes=True)
     except Exception as e:
         check_weight_files(src)  # a corrupted or truncated weight file (SafetensorError, ...): named, exit 2
+        if unsupported is not None:  # (a hidden_act 'frob': transformers' KeyError 'frob'; infer names the field)
+            raise unsupported from e
         if isinstance(e, (OSError, ValueError, KeyError)):
             raise ModelLoadError(f"transformers cannot load {src}: {e}", "check that the folder is complete") from e
         raise
@@ -486,24 +492,25 @@ def _save_float(src: Path, out: Path, dtype: str | None, merge_lora: Path | None
     copy_tokenizer_files(src, out, EXTRA_FILES)
 
 
-def _check_tensors(src: Path, check_weights: Callable[[Path], None] | None) -> None:
-    """The checks `infer run`'s loader makes of the weights (every tensor's name and shape against config.json, none
-    missing, none left over), in its words, before transformers fills missing weights at random and drops the others.
-    An architecture infer does not run is left to transformers' loading report (_check_loading_info)."""
+def _check_tensors(src: Path, check_weights: Callable[[Path], None] | None) -> Exception | None:
+    """The checks `infer run`'s loader makes of config.json (a size no model has, by name) and of the weights (every
+    tensor's name and shape against config.json, none missing, none left over), in its words, before transformers
+    fills missing weights at random and drops the others. An architecture infer does not run is left to
+    transformers' loading report (_check_loading_info): infer's refusal is returned, said if transformers fails too."""
     from transformers import AutoConfig
 
     from ..errors import UnsupportedModelError
+    unsupported = None
+    if check_weights is not None:
+        try:
+            check_weights(src)
+        except UnsupportedModelError as e:  # (a config.json transformers cannot read either: refused just below)
+            unsupported = e
     try:
         AutoConfig.from_pretrained(src, local_files_only=True)
     except Exception as e:  # transformers' validation of the config's values (layer_types against the layers, ...)
-        raise ModelLoadError(f"cannot read {src / 'config.json'}: {' '.join(str(e).split())}",
-                             "fix config.json, or copy it again with the model") from e
-    if check_weights is None:
-        return
-    try:
-        check_weights(src)
-    except UnsupportedModelError:
-        return
+        raise ModelLoadError(f"cannot read {src / 'config.json'}: {' '.join(str(e).split())}", CONFIG_HINT) from e
+    return unsupported
 
 
 def _check_loading_info(src: Path, arch: str, info: dict) -> None:
