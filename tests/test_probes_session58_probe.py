@@ -2,7 +2,8 @@
 of 0, a negative size, an rms_norm_eps below 0, a quantization_config that is not an object, a rope_theta that is
 not a number) are refused when the config is read, in one `error:` line naming the field, by every command that
 reads it; before, they were tracebacks, "integer modulo by zero", or advice such as "use --max-model-len -5".
-An adapter_config.json flag that is not true or false ("use_rslora": "false") is refused rather than read by truth."""
+An adapter_config.json flag that is not true or false ("use_rslora": "false") is refused rather than read by truth;
+a generation_config.json that cannot be read is ignored with a warning, not in silence."""
 
 from __future__ import annotations
 
@@ -114,3 +115,19 @@ def test_adapter_flags_true_false_or_null_still_load(tmp_path):
     cfg = json.loads((path / "adapter_config.json").read_text())
     (path / "adapter_config.json").write_text(json.dumps({**cfg, "use_rslora": None, "lora_bias": False}))
     load_adapter("t", path, tiny_config(), None)
+
+
+@pytest.mark.parametrize("content, why", [('{"temperature": 0.6,', "it cannot be read (Expecting"),
+                                          ("[0.6]", "it is not a JSON object")])
+def test_a_generation_config_that_cannot_be_read_is_ignored_with_a_warning(tiny_llama, tmp_path, caplog, content,
+                                                                           why):
+    """A truncated generation_config.json left the server and `infer run`'s batch lines on infer's own sampling
+    defaults without a word (a value in it that is not valid was already ignored with a warning)."""
+    from infer.engine.inputs import openai_sampling_defaults
+    src = _with_config(tiny_llama, tmp_path / "m")
+    (src / "generation_config.json").write_text(content)
+    with caplog.at_level("WARNING", logger="infer"):
+        got = openai_sampling_defaults(src)
+    assert got == openai_sampling_defaults(tmp_path)  # (a folder without the file: infer's defaults)
+    assert f"ignoring {src / 'generation_config.json'}: {why}" in caplog.text
+    assert "its sampling defaults are not used (fix the file, or copy it again with the model)" in caplog.text

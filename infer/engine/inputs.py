@@ -151,7 +151,8 @@ MAX_LOGPROBS = "\0max_logprobs"
 def openai_sampling_defaults(model_path) -> dict:
     """The sampling an OpenAI request (the server, a batch line of `infer run`) gets for the fields it leaves out,
     and under MAX_TOKENS_CAP the cap generation_config.json's max_new_tokens puts on every reply (cap_max_tokens).
-    A value in generation_config.json that SamplingParams refuses is left out, with a warning."""
+    A value in generation_config.json that SamplingParams refuses is left out, with a warning; so is the whole file
+    when it cannot be read (a truncated copy: the model's sampling would silently be infer's)."""
     import logging
     import math
     from pathlib import Path
@@ -159,9 +160,14 @@ def openai_sampling_defaults(model_path) -> dict:
     gen = Path(model_path) / "generation_config.json"
     try:
         data = json.loads(gen.read_text()) if gen.is_file() else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError) as e:
+        data = e
+    if not isinstance(data, dict):
+        logging.getLogger("infer").warning(
+            "ignoring %s: %s; its sampling defaults are not used (fix the file, or copy it again with the model)",
+            gen, f"it cannot be read ({data})" if isinstance(data, Exception) else "it is not a JSON object")
         data = {}
-    for key in OPENAI_SAMPLING_KEYS if isinstance(data, dict) else ():
+    for key in OPENAI_SAMPLING_KEYS:
         value = data.get(key)
         if value is None:
             continue
@@ -174,7 +180,7 @@ def openai_sampling_defaults(model_path) -> dict:
             out[key] = int(value) if key == "top_k" else value
         else:
             logging.getLogger("infer").warning("ignoring %s=%r in %s: not a valid sampling value", key, value, gen)
-    cap = data.get("max_new_tokens") if isinstance(data, dict) else None
+    cap = data.get("max_new_tokens")
     if isinstance(cap, int) and not isinstance(cap, bool) and cap >= 1:
         out[MAX_TOKENS_CAP] = cap
     elif cap is not None:
