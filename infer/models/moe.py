@@ -37,7 +37,7 @@ from torch import nn
 from .. import kernels
 from ..errors import ModelLoadError, UnsupportedModelError
 from ..kernels import cpu_gemm
-from ..kernels.reference import Int4Experts
+from ..kernels.reference import Int4Experts, MoELoRA
 from .layers import UnquantizedLinearMethod
 
 # model_type -> the dense family whose attention (and checkpoint names outside the MLP) it has
@@ -319,22 +319,32 @@ class SparseMoeBlock(nn.Module):
     def warm_block_sizes(self, max_tokens: int) -> list[int]:
         """The fused MoE run once on zeros at the fewest tokens of each BLOCK_M a step of up to max_tokens tokens
         chooses beyond decode's (kernels.fused_moe_block_steps), every expert routed to: its variants compiled
-        before a long prefill needs them (LLMEngine.warm_kernels; its short prompts reach decode's alone). Returns
-        the token counts run; none without Triton."""
+        before a long prefill needs them (LLMEngine.warm_kernels; its short prompts reach decode's alone). With the
+        experts' adapter slots (`lora`) each such step runs again with every token in slot 0, at decode too: the
+        warm-up's requests have no adapter, a step with one launches the unweighted down matmul and the adapters'
+        pairs, which choose their BLOCK_M over the slots' virtual experts (kernels.moe._LoRAPairs). Returns the
+        token counts run; none without Triton."""
         ex = self.experts
         probe = self.gate.weight
-        counts = [t for m, t in kernels.fused_moe_block_steps(probe, max_tokens, self.top_k, ex.num_experts).items()
-                  if t > 1]
-        for t in counts:
+        counts = {t for t in kernels.fused_moe_block_steps(probe, max_tokens, self.top_k, ex.num_experts).values()
+                  if t > 1}
+        slots = self.lora
+        if slots is not None:
+            virtual = slots.a13.shape[0] * ex.num_experts
+            counts |= set(kernels.fused_moe_block_steps(probe, max_tokens, self.top_k, virtual).values())
+        for t in sorted(counts):
             x = probe.new_zeros(t, ex.hidden)
             ids = torch.arange(t * self.top_k, device=probe.device).view(t, self.top_k) % ex.num_experts
             weights = torch.full((t, self.top_k), 1 / self.top_k, device=probe.device,
                                  dtype=torch.float32 if self.float_weights else probe.dtype)
-            if self.int4 is not None:
-                kernels.fused_moe_int4(x, ex.w13_int4.experts(), ex.w2_int4.experts(), weights, ids)
-            else:
-                kernels.fused_moe(x, ex.w13, ex.w2, weights, ids)
-        return counts
+            in_slot0 = torch.zeros(t, dtype=torch.int64, device=probe.device)
+            for lora in ((None,) if slots is None else (None, MoELoRA(slots.a13, slots.b13, slots.a2, slots.b2,
+                                                                         in_slot0))):
+                if self.int4 is not None:
+                    kernels.fused_moe_int4(x, ex.w13_int4.experts(), ex.w2_int4.experts(), weights, ids, lora)
+                else:
+                    kernels.fused_moe(x, ex.w13, ex.w2, weights, ids, lora)
+        return sorted(counts)
 
     def forward(self, x, ctx=None):
         """(the block's output [T, H], None: no LoRA delta left to the next norm)."""

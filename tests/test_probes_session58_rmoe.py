@@ -1,0 +1,58 @@
+"""Session 58 review of the fused MoE's BLOCK_M per call: the warm-up (LLMEngine.warm_kernels ->
+SparseMoeBlock.warm_block_sizes) launches every kernel variant a long prefill can, the experts' adapters' variants
+too (their pairs choose BLOCK_M over the slots' virtual experts, and the down matmul of a step with adapters is the
+unweighted variant)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer import LLM, SamplingParams
+
+from helpers import random_prompts
+from lora_helpers import hf_float
+from test_probes_session55_moe import build
+from test_probes_session57_moelora import EXPERTS, _adapters
+
+interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")
+
+
+def record_launches(monkeypatch) -> list:
+    """Each fused MoE matmul launched from now on as its compiled variant's key: (its weight's [N, K], BLOCK_M, the
+    ROW_DIV and WEIGHTED constexprs, x's dtype)."""
+    from infer.kernels import moe
+    launched = []
+    real = moe._gemm
+
+    def gemm(a, w, out, weights, aligned, top_k, row_div, weighted):
+        launched.append((tuple(w.shape[1:]), aligned.block_m, row_div, weighted, a.dtype))
+        return real(a, w, out, weights, aligned, top_k, row_div, weighted)
+    monkeypatch.setattr(moe, "_gemm", gemm)
+    return launched
+
+
+@interpreted
+def test_the_warm_up_launches_what_a_long_prefill_with_an_expert_adapter_launches(tmp_path, monkeypatch):
+    """An engine with expert adapter slots (the GPU code path, interpreted, eager): a prefill of 130 tokens with an
+    expert adapter (top-2 of 8 experts, one slot: 32 rows an expert and a virtual expert, blocks of 32) and a decode
+    step (16) launch only variants the engine's warm-up of the fused MoE launched first: the adapters' shrinks and
+    expands and the experts' unweighted down matmul (a step with adapters weights after the delta). The warm-up ran
+    the experts without their adapters: those variants were compiled on the user's first request with one."""
+    from quant_helpers import int4_kernel_path
+    build(tmp_path / "base", "qwen3_moe", num_hidden_layers=1, norm_topk_prob=True)
+    paths = _adapters(tmp_path, hf_float(tmp_path / "base"), {"a": dict(r=4, lora_alpha=8, target_parameters=EXPERTS)})
+    int4_kernel_path(monkeypatch)
+    launched = record_launches(monkeypatch)
+    prompt = random_prompts(512, (130, 131), seed=3)[0]
+    with LLM(str(tmp_path / "base"), block_size=8, max_num_batched_tokens=136, max_num_seqs=2, max_model_len=160,
+             max_loras=1, max_lora_rank=4, loras={"a": str(paths["a"])}) as llm:
+        launched.clear()
+        llm.engine._warm_moe_blocks()
+        warmed = set(launched)
+        launched.clear()
+        llm.generate([prompt], SamplingParams(max_new_tokens=2, ignore_eos=True), lora="a")
+        steps = set(launched)
+    lora_shapes = {(4, 64), (64, 4), (4, 32)}  # the shrinks [r, H] and [r, I], the expands [2I, r] and [H, r]
+    assert {bm for shape, bm, *_ in steps} == {16, 32} and {s for s, *_ in steps} >= lora_shapes, steps
+    assert steps <= warmed, sorted(steps - warmed)
