@@ -910,7 +910,7 @@ V4_FUSED_KEY = r".*\.gate_up_proj"  # the rank_pattern / alpha_pattern key peft 
 
 
 def v4_converted(config: dict, fused: bool) -> dict:
-    """`config` as peft (on transformers 5) converts a transformers 4 adapter's targets of the experts
+    r"""`config` as peft (on transformers 5) converts a transformers 4 adapter's targets of the experts
     (_convert_peft_config_moe): when it targets both the gate and the up projections (`fused`: into gate_up_proj),
     rank_pattern and alpha_pattern get r".*\.gate_up_proj" at twice r and lora_alpha, after the adapter's own keys,
     which peft matches against the stacked parameters' names (model.layers.N.mlp.experts.gate_up_proj / down_proj)."""
