@@ -56,3 +56,27 @@ def test_the_warm_up_launches_what_a_long_prefill_with_an_expert_adapter_launche
     lora_shapes = {(4, 64), (64, 4), (4, 32)}  # the shrinks [r, H] and [r, I], the expands [2I, r] and [H, r]
     assert {bm for shape, bm, *_ in steps} == {16, 32} and {s for s, *_ in steps} >= lora_shapes, steps
     assert steps <= warmed, sorted(steps - warmed)
+
+
+@interpreted
+def test_the_warm_up_launches_what_a_long_prefill_of_a_moe_draft_model_launches(tmp_path, monkeypatch):
+    """Draft-model speculation with a mixture of experts of other shapes than the target's (experts 16 wide, not
+    32): a prefill of 130 tokens runs the draft model's sparse layer at blocks of 32 rows too, a variant the warm-up
+    launched first (it warmed the target's sparse layers alone)."""
+    from quant_helpers import int4_kernel_path
+    build(tmp_path / "base", "qwen3_moe", num_hidden_layers=1, norm_topk_prob=True)
+    build(tmp_path / "draft", "qwen3_moe", num_hidden_layers=1, norm_topk_prob=True, moe_intermediate_size=16)
+    int4_kernel_path(monkeypatch)
+    launched = record_launches(monkeypatch)
+    prompt = random_prompts(512, (130, 131), seed=4)[0]
+    spec = {"method": "draft_model", "model": str(tmp_path / "draft"), "num_speculative_tokens": 2}
+    with LLM(str(tmp_path / "base"), block_size=8, max_num_batched_tokens=136, max_num_seqs=2, max_model_len=160,
+             speculative_config=spec) as llm:
+        launched.clear()
+        llm.engine._warm_moe_blocks()
+        warmed = set(launched)
+        launched.clear()
+        llm.generate([prompt], SamplingParams(max_new_tokens=1))
+        prefill = {key for key in launched if key[1] > 16}
+    assert {(shape, bm) for shape, bm, *_ in prefill} >= {((32, 64), 32), ((64, 16), 32)}, prefill  # the draft's
+    assert prefill <= warmed, sorted(prefill - warmed)

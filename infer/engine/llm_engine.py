@@ -1480,14 +1480,17 @@ class LLMEngine:
             queued += compile_model(self.drafter.model, most, self.dtype)
         return queued
 
+    def _models(self) -> list:
+        """The model, and a draft model's (speculative decoding: a draft model, an EAGLE head) after it."""
+        return [self.runner.model] + ([self.drafter.model] if getattr(self, "drafter", None) is not None else [])
+
     def _warm_decode_attention(self) -> None:
         """Compile both variants of the Triton decode attention (one partition a sequence, several) on one layer of
         each sliding window (0: full attention; the layers of one window launch the same), of the model and of a
         draft model (speculative decoding: its one-token forwards decode over its own cache, heads and window);
         without Triton (a CPU) there is nothing to compile."""
         from .. import kernels
-        models = [self.runner.model] + ([self.drafter.model] if getattr(self, "drafter", None) is not None else [])
-        for model in models:
+        for model in self._models():
             windows = set()
             for mod in model.modules():
                 if hasattr(mod, "compile_decode") and getattr(mod, "k_cache", None) is not None:
@@ -1499,15 +1502,18 @@ class LLMEngine:
 
     def _warm_moe_blocks(self) -> None:
         """Compile the fused MoE's variants of the BLOCK_M sizes a step of up to max_num_batched_tokens tokens can
-        choose (models.moe.SparseMoeBlock.warm_block_sizes), once per shape of sparse layer."""
+        choose (models.moe.SparseMoeBlock.warm_block_sizes), once per shape of sparse layer (with its experts'
+        adapter slots or not), of the model and of a draft model (draft-model speculation: its prefills take as
+        many tokens)."""
         from ..models.moe import SparseMoeBlock
         seen = set()
-        for mod in self.runner.model.modules():
+        for mod in (m for model in self._models() for m in model.modules()):
             if isinstance(mod, SparseMoeBlock):
                 ex = mod.experts
                 stacks = (ex.w13_int4, ex.w2_int4) if mod.int4 is not None else ()
-                key = (ex.num_experts, ex.hidden, ex.inter, mod.top_k, mod.float_weights,
-                       tuple((s.group_size, s.perm is None, s.config.zeros_v1) for s in stacks))
+                key = (ex.num_experts, ex.hidden, ex.inter, mod.top_k, mod.float_weights, mod.gate.weight.dtype,
+                       tuple((s.group_size, s.perm is None, s.config.zeros_v1) for s in stacks),
+                       None if mod.lora is None else tuple(mod.lora.a13.shape))
                 if key not in seen:
                     seen.add(key)
                     mod.warm_block_sizes(self.config.max_num_batched_tokens)
