@@ -13,6 +13,7 @@ from infer import LLM, SamplingParams
 from helpers import random_prompts
 from lora_helpers import hf_float
 from test_probes_session55_moe import build
+from test_probes_session56_moeq import gptq_moe  # noqa: F401 (a fixture)
 from test_probes_session57_moelora import EXPERTS, _adapters
 
 interpreted = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real kernels (pytest -m gpu)")
@@ -80,3 +81,46 @@ def test_the_warm_up_launches_what_a_long_prefill_of_a_moe_draft_model_launches(
         prefill = {key for key in launched if key[1] > 16}
     assert {(shape, bm) for shape, bm, *_ in prefill} >= {((32, 64), 32), ((64, 16), 32)}, prefill  # the draft's
     assert prefill <= warmed, sorted(prefill - warmed)
+
+
+@interpreted
+def test_piecewise_graphs_of_32_row_blocks_with_expert_adapters_over_act_order_experts_equal_the_cpu_path(
+        gptq_moe, monkeypatch):
+    """The GPTQModel act-order checkpoint (experts sorted by group at load) with two expert adapters on the GPU code
+    path (interpreted), its steps through emulated CUDA graphs: decode graphs and piecewise graphs of up to 136
+    tokens, whose bucket of 136 tokens (a step of the mixed batch's prefills) chooses blocks of 32 rows for the
+    experts (272 pairs over 8: 34 rows each) and of 16 for the adapters' pairs (over two slots' 16 virtual experts).
+    The mixed batch (a 130-token prompt with an adapter, a short one without, a short one with the other) gives the
+    CPU path's tokens, logprobs close."""
+    from infer.kernels import moe
+    from quant_helpers import dequantized_float_model, int4_kernel_path
+    path = gptq_moe["asym-act"]
+    hf = dequantized_float_model(path.parent / "base", path)
+    paths = _adapters(path.parent / "rmoe-adapters", hf, {
+        "a": dict(r=4, lora_alpha=8, target_parameters=EXPERTS),
+        "b": dict(r=4, lora_alpha=16, target_parameters=["mlp.experts.down_proj"])})
+    prompts = random_prompts(512, (130, 131), seed=5)[:1] + random_prompts(512, (5, 9), seed=6)[:2]
+    names = ["a", None, "b"]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True, logprobs=1)
+    opts = dict(block_size=8, max_num_batched_tokens=136, max_num_seqs=3, max_model_len=160, max_loras=2,
+                max_lora_rank=4, loras={k: str(p) for k, p in paths.items()})
+    with LLM(str(path), **opts) as llm:
+        cpu = llm.generate(prompts, params, lora=names)
+    int4_kernel_path(monkeypatch)
+    chosen = []
+    real = moe.align
+    monkeypatch.setattr(moe, "align", lambda ids, e, block_m: chosen.append((e, block_m)) or real(ids, e, block_m))
+    with LLM(str(path), cuda_graph_max_tokens=136, **opts) as llm:
+        assert llm.engine.runner.model.layers[0].mlp.experts.w13_int4.perm is not None
+        llm.engine.runner.capture_graphs(opts["max_model_len"], emulate=True)
+        assert llm.engine.runner.pieces is not None  # (the pieces' check passed)
+        llm.engine.runner.pieces.replays.clear()
+        chosen.clear()
+        gpu = llm.generate(prompts, params, lora=names)
+        pieces = llm.engine.runner.pieces.replays
+        assert max(pieces) >= 128 and sum(llm.engine.runner.graphs.replays.values()) > 0, pieces
+    assert (8, 32) in chosen and (16, 16) in chosen, chosen  # the experts' blocks of 32, the pairs' of 16
+    assert [o.token_ids for o in gpu] == [o.token_ids for o in cpu]
+    for a, b in zip(gpu, cpu):
+        for ra, rb in zip(a.logprobs, b.logprobs):
+            assert abs(ra["logprob"] - rb["logprob"]) < 1e-3
