@@ -124,3 +124,57 @@ def test_piecewise_graphs_of_32_row_blocks_with_expert_adapters_over_act_order_e
     for a, b in zip(gpu, cpu):
         for ra, rb in zip(a.logprobs, b.logprobs):
             assert abs(ra["logprob"] - rb["logprob"]) < 1e-3
+
+
+def as_gptq_v2(src, out) -> None:
+    """`src` (a v1 GPTQ checkpoint) rewritten as gptq_v2: every qzeros as the zeros themselves (checkpoint_format
+    gptq_v2), the same weights once dequantized."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from infer.kernels import packing
+    shutil.copytree(src, out)
+    tensors = {name: packing.zeros_v1_to_v2(packing.v1_words_to_fields(t, 4), 4) if name.endswith(".qzeros") else t
+               for name, t in load_file(out / "model.safetensors").items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["checkpoint_format"] = "gptq_v2"
+    (out / "config.json").write_text(json.dumps(cfg))
+
+
+@interpreted
+def test_reload_from_gptq_v1_to_v2_experts_takes_their_zero_points_format(tmp_path, monkeypatch):
+    """reload_weights of a gptq_v2 checkpoint over the same weights as v1 (act-order, so the experts sorted too; the
+    GPU code path, interpreted): the int4 stacks hold the new load's zero points as they are (v2), and so must their
+    config (Int4Stack.config, the kernel's ZEROS_V1): the old v1 config kept added one to every expert's zero point.
+    The fresh engine's tokens and logprobs on either checkpoint."""
+    import shutil
+
+    from quant_helpers import int4_kernel_path
+    from test_probes_session56_review_moeq import rtn_gptq
+    build(tmp_path / "base", "qwen3_moe", num_hidden_layers=1)
+    rtn_gptq(tmp_path / "base", tmp_path / "v1", act_order=True)
+    as_gptq_v2(tmp_path / "v1", tmp_path / "v2")
+    shutil.copytree(tmp_path / "v1", tmp_path / "m")
+    int4_kernel_path(monkeypatch)
+    prompts = random_prompts(512, (5, 14), seed=4)[:2]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True, logprobs=1)
+    opts = dict(block_size=4, max_num_batched_tokens=8, max_num_seqs=2, max_model_len=32)
+    with LLM(str(tmp_path / "v2"), **opts) as llm:
+        assert not llm.engine.runner.model.layers[0].mlp.experts.w13_int4.config.zeros_v1
+        want = llm.generate(prompts, params)
+    with LLM(str(tmp_path / "m"), **opts) as llm:
+        experts = llm.engine.runner.model.layers[0].mlp.experts
+        assert experts.w13_int4.config.zeros_v1 and experts.w13_int4.perm is not None
+        assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in want]  # (v1: the same)
+        for f in ("model.safetensors", "config.json"):
+            shutil.copy(tmp_path / "v2" / f, tmp_path / "m" / f)
+        llm.engine.reload_weights()
+        assert not experts.w13_int4.config.zeros_v1 and not experts.w2_int4.config.zeros_v1
+        got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for a, b in zip(got, want):
+        for ra, rb in zip(a.logprobs, b.logprobs):
+            assert abs(ra["logprob"] - rb["logprob"]) < 1e-5

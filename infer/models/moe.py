@@ -137,12 +137,13 @@ class Int4Stack(nn.Module):
     order (kernels.reference.Int4Experts): words int32 [E, K / 8, N], zeros int32 [E, G, N / 8] (fields, v1
     borrows undone), scales float16 [E, G, N] (a GPU load checks them for inf / NaN as every GPTQ layer's),
     g_idx int32 [E, K]; group_size: g_idx's where every expert's is plain (row // group_size), else 0 (computed
-    from g_idx at load: reload_weights takes it with the tensors, ADOPTED_ATTRS). Act-order experts (g_idx a
+    from g_idx at load: reload_weights takes it with the tensors, ADOPTED_ATTRS, and the GPTQ `config` whose zeros
+    the stack holds: v1's zero - 1 or gptq_v2's, the kernel's ZEROS_V1). Act-order experts (g_idx a
     permutation of plain groups) are sorted by group at load (reference.Int4Experts.sorted_by_group, as
     quant.gptq_linear sorts a dense layer's rows): words' rows sorted, g_idx plain, and `perm` int32 [E, K] (else
     None) the column of x of each sorted row, which the kernel gathers."""
 
-    ADOPTED_ATTRS = ("group_size",)
+    ADOPTED_ATTRS = ("group_size", "config")
 
     def __init__(self, e: int, k: int, n: int, config):
         super().__init__()
