@@ -178,3 +178,20 @@ def test_reload_from_gptq_v1_to_v2_experts_takes_their_zero_points_format(tmp_pa
     for a, b in zip(got, want):
         for ra, rb in zip(a.logprobs, b.logprobs):
             assert abs(ra["logprob"] - rb["logprob"]) < 1e-5
+
+
+@pytest.mark.parametrize("experts, top_k", [(128, 8), (8, 2), (60, 4)])
+def test_the_padding_of_the_chosen_block_stays_within_the_pairs(experts, top_k):
+    """The alignment pads each expert's segment to whole blocks: at most E * (BLOCK_M - 1) rows more than the pairs,
+    which grows with BLOCK_M (Qwen3's 128 experts x 127 rows at 128). choose_block_m takes a block only where an
+    expert gets as many rows on average, so beyond decode's 16 the padded length stays within twice the pairs and a
+    block: its int32 sorted pairs within the alignment's bytes a pair that memory.sizes.moe_token_bytes counts (the
+    matmuls' float outputs are [T * k, N], never padded)."""
+    from infer.kernels import moe
+    for t in sorted({1, 2, 3, 15, 16, 17, 63, 64, 127, 128, 255, 256, 511, 512, 1023, 1024, 2047, 2048, 4095, 8192}
+                    | set(moe.block_m_steps(8192, top_k, experts).values())):
+        ids = torch.arange(t * top_k).view(t, top_k) % experts
+        al = moe.aligned(ids, experts)
+        m, pairs, padded = al.block_m, ids.numel(), len(al.sorted_pairs)
+        assert m == moe.choose_block_m(t, top_k, experts)
+        assert padded <= (pairs + experts * (m - 1) + m if m == moe.BLOCK_M else 2 * pairs + m), (t, m, padded)
