@@ -35,25 +35,32 @@ def record_launches(monkeypatch) -> list:
 
 @interpreted
 def test_the_warm_up_launches_what_a_long_prefill_with_an_expert_adapter_launches(tmp_path, monkeypatch):
-    """An engine with expert adapter slots (the GPU code path, interpreted, eager): a prefill of 130 tokens with an
-    expert adapter (top-2 of 8 experts, one slot: 32 rows an expert and a virtual expert, blocks of 32) and a decode
-    step (16) launch only variants the engine's warm-up of the fused MoE launched first: the adapters' shrinks and
-    expands and the experts' unweighted down matmul (a step with adapters weights after the delta). The warm-up ran
-    the experts without their adapters: those variants were compiled on the user's first request with one."""
+    """An engine with adapter slots on the experts alone (--lora-target-modules experts; the GPU code path,
+    interpreted, eager): a prefill of 130 tokens with an expert adapter (top-2 of 8 experts, one slot: 32 rows an
+    expert and a virtual expert, blocks of 32 for both) and a decode step (16) give the CPU path's tokens and
+    logprobs, and launch only variants the engine's warm-up of the fused MoE launched first: the adapters' shrinks
+    and expands and the experts' unweighted down matmul (a step with adapters weights after the delta). The warm-up
+    ran the experts without their adapters: those variants were compiled on the user's first request with one."""
     from quant_helpers import int4_kernel_path
     build(tmp_path / "base", "qwen3_moe", num_hidden_layers=1, norm_topk_prob=True)
     paths = _adapters(tmp_path, hf_float(tmp_path / "base"), {"a": dict(r=4, lora_alpha=8, target_parameters=EXPERTS)})
+    prompt = random_prompts(512, (130, 131), seed=3)[0]
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True, logprobs=1)
+    opts = dict(block_size=8, max_num_batched_tokens=136, max_num_seqs=2, max_model_len=160, max_loras=1,
+                max_lora_rank=4, loras={"a": str(paths["a"])}, lora_target_modules=["experts"])
+    with LLM(str(tmp_path / "base"), **opts) as llm:
+        cpu = llm.generate([prompt], params, lora="a")[0]
     int4_kernel_path(monkeypatch)
     launched = record_launches(monkeypatch)
-    prompt = random_prompts(512, (130, 131), seed=3)[0]
-    with LLM(str(tmp_path / "base"), block_size=8, max_num_batched_tokens=136, max_num_seqs=2, max_model_len=160,
-             max_loras=1, max_lora_rank=4, loras={"a": str(paths["a"])}) as llm:
+    with LLM(str(tmp_path / "base"), **opts) as llm:
         launched.clear()
         llm.engine._warm_moe_blocks()
         warmed = set(launched)
         launched.clear()
-        llm.generate([prompt], SamplingParams(max_new_tokens=2, ignore_eos=True), lora="a")
+        gpu = llm.generate([prompt], params, lora="a")[0]
         steps = set(launched)
+    assert gpu.token_ids == cpu.token_ids
+    assert all(abs(a["logprob"] - b["logprob"]) < 1e-4 for a, b in zip(gpu.logprobs, cpu.logprobs))
     lora_shapes = {(4, 64), (64, 4), (4, 32)}  # the shrinks [r, H] and [r, I], the expands [2I, r] and [H, r]
     assert {bm for shape, bm, *_ in steps} == {16, 32} and {s for s, *_ in steps} >= lora_shapes, steps
     assert steps <= warmed, sorted(steps - warmed)
