@@ -12,7 +12,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 _ERRORS = ("InferError", "ConfigError", "ModelLoadError", "UnsupportedModelError", "OutputError", "RequestError",
            "LoRAError", "LoRANameError", "OutOfMemoryError", "ClosedError", "UnknownOptionError", "RequestIdTypeError",
-           "UnknownAdapterError", "SleepModeError", "SleepTimeoutError",
+           "UnknownAdapterError", "UnknownModelError", "SleepModeError", "SleepTimeoutError",
            "PauseError", "PauseTimeoutError")
 __all__ = ["LLM", "AsyncLLM", "BeamSearchParams", "LoRARequest", "SamplingParams", "RequestOutputKind",
            "StructuredOutputsParams",

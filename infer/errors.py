@@ -68,6 +68,16 @@ class UnknownAdapterError(RequestError):
         self.name, self.known, self.slots = name, tuple(known), slots
 
 
+class UnknownModelError(RequestError):
+    """An OpenAI batch line's body.model names no model of the run: neither the base (by any of its names) nor a
+    registered adapter (vLLM's 404 "The model `X` does not exist."). `name`: the one named; `known`: the names the
+    run accepts. Only that line fails: its record says so (status 404 in an OpenAI batch output line)."""
+
+    def __init__(self, message: str, hint: str | None = None, *, name: str | None = None, known=()):
+        super().__init__(message, hint)
+        self.name, self.known = name, tuple(known)
+
+
 class LoRAError(InferError):
     """An adapter that cannot be loaded or does not fit the base model."""
 

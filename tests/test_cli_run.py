@@ -29,7 +29,7 @@ GOOD = [
     {"id": "b", "messages": [{"role": "user", "content": "how is the weather"}], "max_new_tokens": 6},
     {"id": "c", "prompt_token_ids": [5, 6, 7, 8], "max_new_tokens": 5, "logprobs": 2},
     {"custom_id": "d", "method": "POST", "url": "/v1/chat/completions",
-     "body": {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}},
+     "body": {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}},
 ]
 
 

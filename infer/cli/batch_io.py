@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import IO
 
 from ..engine.inputs import ModelNames, ParsedRequest, is_request_id, parse_request
-from ..errors import ConfigError, OutputError, RequestError
+from ..errors import ConfigError, OutputError, RequestError, UnknownModelError
 
 
 @dataclass
@@ -26,6 +26,7 @@ class InputLine:
     request: ParsedRequest | None = None
     error: str | None = None
     made_id: bool = False  # the id is infer's (a failed line without its own id): it gives way to every line's own
+    status: int = 400  # a failed line's status in an OpenAI batch output line: 404 for a body.model that is no model
 
 
 def _line_id(obj, line_no: int) -> str:
@@ -178,6 +179,7 @@ def _parse_line(line_no: int, text: str, tokenizer, defaults: dict, names: Model
         item.request = parse_request(obj, tokenizer, item.id, defaults, names, max_tokens)
     except RequestError as e:
         item.error = f"line {line_no}: {e}"
+        item.status = 404 if isinstance(e, UnknownModelError) else 400  # vLLM's "The model `X` does not exist."
     except Exception as e:  # never let one line end the run: the reason goes into its error record
         item.error = f"line {line_no}: cannot read this request ({type(e).__name__}: {e})"
     # a failed line whose id is its line number (it gave none, or none usable: a JSON array, "id": 1.5) gives way
@@ -463,13 +465,18 @@ class Records:
         return {"id": _batch_id(), "custom_id": req_id,
                 "response": {"status_code": 200, "request_id": _batch_id("req"), "body": body}, "error": None}
 
-    def error(self, req_id: str, message: str, engine: bool = False) -> dict:
-        """A line's error record: a bad line's (400), or with `engine` one the engine failed on (500)."""
+    def error(self, req_id: str, message: str, engine: bool = False, status: int = 400) -> dict:
+        """A line's error record: a bad line's (400; `status` 404: its body.model names no model of the run, as
+        the server answers it), or with `engine` one the engine failed on (500)."""
         if self.fmt == "infer":
             return error_record(req_id, message)
         from ..serve import protocol as p
-        e = p.ApiError(500, message, type="server_error", code="engine_error") if engine else \
-            p.ApiError(400, message)
+        if engine:
+            e = p.ApiError(500, message, type="server_error", code="engine_error")
+        elif status == 404:
+            e = p.ApiError(404, message, param="model", code="model_not_found")
+        else:
+            e = p.ApiError(400, message)
         return self._failed(req_id, e)
 
     @staticmethod

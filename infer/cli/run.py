@@ -433,7 +433,7 @@ def _generate(engine, todo, writer: RecordWriter, quiet: bool, records: Records 
             item.error = (f"line {item.line_no}: body.use_beam_search answers n choices, which infer's own records do "
                           "not hold: run with --output-format openai")
         if item.error:
-            writer.write(records.error(item.id, item.error))
+            writer.write(records.error(item.id, item.error, status=item.status))
             failed += 1
             continue
         r = item.request

@@ -110,7 +110,7 @@ def _generate(pool: ReplicaPool, todo: list, writer: RecordWriter, tokenizer, qu
             item.error = (f"line {item.line_no}: body.use_beam_search is not run with --data-parallel or Ray: run the "
                           "file without them (or send the lines to infer serve)")
         if item.error:
-            writer.write(records.error(item.id, item.error))
+            writer.write(records.error(item.id, item.error, status=item.status))
             failed += 1
         else:
             r = item.request

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..checks import _loops_over_content, check_text, reads_content_parts  # noqa: F401 (re-exported)
-from ..errors import RequestError
+from ..errors import RequestError, UnknownModelError
 from .prompt_size import PromptTooLongError, check_prompt_size
 from .sampling_params import SamplingParams
 from .structured import from_openai
@@ -450,9 +450,11 @@ class ModelNames:
     max_logprobs: int = 20  # the engine's (EngineConfig.max_logprobs): the most top_logprobs a chat line asks for
 
     def lora_for(self, model: Any) -> str | None:
-        """vLLM's rule, as the server's: an adapter's name runs that adapter. Any other name runs the base when no
-        adapter is registered (batch files written for OpenAI name their model); with adapters registered, a name
-        that is neither the base nor one of them is a typo that would silently run the base."""
+        """vLLM's rule (run-batch and the server's _check_model): no name or an empty one, or a name of the base,
+        runs the base; an adapter's name runs that adapter; any other name is an error for that line alone ("The
+        model `X` does not exist.", 404): a batch file written for an adapter ran the base without a word when no
+        adapter was registered. Without base names (`base` empty: the model's names are not known) no name is
+        checked."""
         if model is not None and not isinstance(model, str):  # (before `in`: a list or an object is unhashable)
             raise RequestError(f"body.model must be a string, got {type(model).__name__}")
         if model is not None and model in self.base and model in self.adapters:  # it ran the base, unsaid
@@ -462,10 +464,14 @@ class ModelNames:
             return None
         if model in self.adapters:
             return model
-        if self.adapters:
-            raise RequestError(f"body.model {model!r} is neither the base model nor a registered adapter",
-                               f"name one of: {', '.join(sorted(self.base)[:1] + sorted(self.adapters))}")
-        return None
+        if not self.base:
+            return None
+        known = sorted(self.base, key=lambda n: (len(n), n))[:1] + sorted(self.adapters)
+        raise UnknownModelError(f"body.model {model!r}: the model `{model}` does not exist in this run (it is neither "
+                                f"the base model nor a registered adapter)",
+                                f"name one of: {', '.join(known)}, or leave body.model out for the base model; to run "
+                                f"an adapter by that name, register it with --lora {model}=PATH (PATH: its PEFT "
+                                "folder)", name=model, known=known)
 
 
 def _batch_prompt(body: dict) -> dict:
