@@ -71,7 +71,8 @@ def test_infer_records_say_the_same_for_an_unknown_model(tmp_path):
     assert res.exit_code == 1, res.output
     recs = {r["id"]: r for r in _records(out)}
     assert recs["named-adapter"]["finish_reason"] == "error"
-    assert recs["named-adapter"]["error"].startswith("line 1: body.model 'support': the model `support` does not")
+    assert recs["named-adapter"]["error"].startswith("line 1: body.model 'support' is neither the base model nor a "
+                                                     "registered adapter: the model `support` does not exist")
     assert recs["base"]["error"] is None and recs["base"]["token_ids"]
 
 

@@ -83,8 +83,10 @@ def test_a_batch_lines_model_picks_the_adapter_it_names_as_in_vllm(tmp_path, tok
     assert "body.model 'suport' is neither the base model nor a registered adapter" in items["typo"].error
     assert "tiny-llama, legal, support" in items["typo"].error
     assert "body.model must be a string" in items["int"].error
-    items = {item.id: item for item in read_inputs(path, tokenizer, {"max_new_tokens": 4})}  # no adapters
-    assert all(items[k].request.lora is None for k in ("a", "b", "c", "typo"))  # OpenAI's model names run the base
+    names = ModelNames(frozenset({"tiny-llama"}))  # no adapters: a name of no model is still an error (vLLM's 404)
+    items = {item.id: item for item in read_inputs(path, tokenizer, {"max_new_tokens": 4}, names)}
+    assert all(items[k].request.lora is None for k in "bc") and items["d"].request.lora == "support"
+    assert all("is neither the base model nor a registered adapter" in items[k].error for k in ("a", "typo"))
 
 
 def test_model_names_of_a_run_are_its_model_as_given_and_its_adapters(tmp_path):

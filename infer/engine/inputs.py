@@ -467,8 +467,8 @@ class ModelNames:
         if not self.base:
             return None
         known = sorted(self.base, key=lambda n: (len(n), n))[:1] + sorted(self.adapters)
-        raise UnknownModelError(f"body.model {model!r}: the model `{model}` does not exist in this run (it is neither "
-                                f"the base model nor a registered adapter)",
+        raise UnknownModelError(f"body.model {model!r} is neither the base model nor a registered adapter: the "
+                                f"model `{model}` does not exist in this run",
                                 f"name one of: {', '.join(known)}, or leave body.model out for the base model; to run "
                                 f"an adapter by that name, register it with --lora {model}=PATH (PATH: its PEFT "
                                 "folder)", name=model, known=known)
