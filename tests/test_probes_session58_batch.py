@@ -96,8 +96,8 @@ def test_the_names_a_run_accepts_are_its_models_and_adapters(tmp_path):
     assert names.lora_for("support") == "support"
     with pytest.raises(UnknownModelError) as e:
         names.lora_for("suport")
-    assert e.value.name == "suport" and e.value.known == ("my-llama", "support")
-    assert "name one of: my-llama, support" in e.value.hint and "--lora suport=PATH" in e.value.hint
+    assert e.value.name == "suport" and e.value.known == ("my-llama", str(folder), "support")
+    assert f"name one of: my-llama, {folder}, support" in e.value.hint and "--lora suport=PATH" in e.value.hint
     without = model_names(EngineConfig(str(folder)))
     with pytest.raises(UnknownModelError, match="the model `gpt-4o-mini` does not exist"):
         without.lora_for("gpt-4o-mini")  # a file written for OpenAI: vLLM's 404 too (name the base, or leave it out)
@@ -116,3 +116,27 @@ def test_a_plain_line_never_runs_the_base_for_an_adapter_it_names(tmp_path):
     assert "--lora support=PATH" in recs["l"]["error"]
     assert "unknown field(s) ['model']" in recs["m"]["error"] and '"lora": "support"' in recs["m"]["error"]
     assert recs["ok"]["error"] is None
+
+
+def test_served_model_name_gives_the_names_a_batch_line_may_give_the_base(tmp_path):
+    """vllm run-batch --served-model-name: a file written for a server (`"model": "llama"`) runs on the base under
+    those names alone, and a line without a model reports the first; `infer run` had no such option."""
+    lines = [_batch("llama", model="llama"), _batch("gpt", model="gpt"), _batch("none"),
+             _batch("folder", model="tiny-llama")]
+    inp, out = _write(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    res = _run(str(inp), "-o", str(out), "--output-format", "openai", "--served-model-name", "llama", "gpt")
+    assert res.exit_code == 1, res.output
+    recs = {r["custom_id"]: r for r in _records(out)}
+    bodies = {cid: recs[cid]["response"]["body"] for cid in ("llama", "gpt", "none")}
+    assert [bodies[cid]["model"] for cid in ("llama", "gpt", "none")] == ["llama", "gpt", "llama"]
+    assert len({b["choices"][0]["text"] for b in bodies.values()}) == 1  # greedy: the base's one reply
+    assert recs["folder"]["response"]["status_code"] == 404  # as vLLM: with the option, its names alone
+    assert "name one of: gpt, llama" in recs["folder"]["error"]["message"]
+    res = _run(str(inp), "-o", str(out), "--served-model-name", "")
+    assert res.exit_code == 2 and "--served-model-name is empty" in res.output, res.output
+
+
+def test_the_error_class_is_exported():
+    import infer
+    from infer.errors import RequestError
+    assert infer.UnknownModelError is UnknownModelError and issubclass(UnknownModelError, RequestError)

@@ -243,13 +243,15 @@ def _fresh(want: str, taken: set[str]) -> str:
     return got
 
 
-def model_names(engine) -> ModelNames:
-    """The names a batch line's body.model may give for the base (as on the command line, its folder's name) and
-    the registered adapters of an EngineConfig, and the sampling defaults of the model's generation config."""
+def model_names(engine, served: list[str] | None = None) -> ModelNames:
+    """The names a batch line's body.model may give for the base (as on the command line, its folder's name; with
+    --served-model-name `served`, those names alone, as vllm run-batch) and the registered adapters of an
+    EngineConfig, and the sampling defaults of the model's generation config."""
     from ..engine.inputs import openai_sampling_defaults
     from ..models.resolve import resolve_model
     given = Path(str(engine.model)).expanduser()
-    base = {str(engine.model), given.name, given.resolve().name if given.exists() else given.name}
+    base = set(served) if served else \
+        {str(engine.model), given.name, given.resolve().name if given.exists() else given.name}
     sampling = tuple(openai_sampling_defaults(resolve_model(engine.model)).items())
     return ModelNames(frozenset(base), frozenset(engine.loras), sampling, engine.max_logprobs)
 

@@ -316,11 +316,12 @@ def register(module: str, name: str, command: str | None = None, **kwargs) -> No
     app.command(command, **kwargs)(handle_errors(_debug_after_the_command(fn), command))
 
 
-register("run", "run")
+from .many import ManyValuesCommand  # noqa: E402  (--served-model-name A B)
+
+register("run", "run", cls=ManyValuesCommand)
 register("warmup", "warmup")
 register("quantize", "quantize")
 register("convert", "convert")
-from .many import ManyValuesCommand  # noqa: E402  (--served-model-name A B)
 
 register("serve", "serve", cls=ManyValuesCommand)
 register("bench", "bench")

@@ -52,6 +52,19 @@ def base_model_id(model: str) -> str:
     return Path(model.rstrip("/\\")).name or model
 
 
+def served_ids(names: list[str] | None, model: str, command: str = "serve") -> list[str]:
+    """--served-model-name's ids (MODEL's name when none), each checked, without repeats; the first is the main one
+    (the one reported when a request names none)."""
+    if not names:
+        return [base_model_id(model)]
+    for name in names:
+        if not name.strip():  # `"$UNSET"`: was MODEL's name, silently
+            who = "clients send" if command == "serve" else "the batch lines name"
+            raise ConfigError("--served-model-name is empty", f"give the id {who} as `model`, or leave the option out "
+                              f"to {command} under MODEL's name")
+    return list(dict.fromkeys(names))
+
+
 # vLLM's human-readable integers (--max-model-len 32k): lower-case suffixes are decimal and take a fraction (25.6k is
 # 25,600), upper-case ones binary and whole (32K is 32,768)
 HUMAN_INT_FIELDS = frozenset({"max_model_len", "max_num_batched_tokens"})

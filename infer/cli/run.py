@@ -71,6 +71,11 @@ def run(
                                                                     "the prompt tokens found in the prefix cache, as "
                                                                     "infer serve's option (and vllm run-batch's).")
                                               ] = False,
+    served_model_name: Annotated[Optional[list[str]], typer.Option(
+        "--served-model-name", metavar="NAME [NAME ...]", show_default=False,
+        help="The base model's names a batch line's body.model may give (default: MODEL as given and its folder's "
+             "name), as vllm run-batch's (and infer serve's) option; the first is the `model` of OpenAI output "
+             "bodies whose line names none. Any other name but a --lora adapter's is that line's error.")] = None,
     engine: EngineConfig = None,
 ) -> None:
     """Generate a reply for every line of INPUT; records are appended to OUTPUT as requests finish.
@@ -95,6 +100,8 @@ def run(
     _check_paths(input, output, resume, max_new_tokens)
     options = _output_options(engine, max_new_tokens, output_format, _reasoning_option(reasoning_parser, output_format),
                               _details_option(enable_prompt_tokens_details, output_format))
+    if served_model_name:  # (only when given: outputs written before the option existed resume as they did)
+        options["served_model_name"] = o.served_ids(served_model_name, str(engine.model), "run")
     resumable = is_regular_target(output)
     with output_lock(output) if resumable else contextlib.nullcontext():  # one run at a time writes a file
         _run_locked(engine, input, output, resume, force_resume, strict, max_new_tokens, quiet, data_parallel,
@@ -146,10 +153,11 @@ def _run_in_process(engine: EngineConfig, input: Path, output: Path | None, defa
     """Load the engine, check every line against it, and generate what is still to do: (this run's failed lines,
     error records of this input's lines that the resumed output already held)."""
     if strict:  # every line is read and checked before the model loads: a bad file costs no load time
-        _strict_exit(_prechecked_lines(engine, input, defaults, output_format))
+        _strict_exit(_prechecked_lines(engine, input, defaults, output_format, options.get("served_model_name")))
     try:  # Ctrl-C while the model loads (tens of seconds for a real one): nothing is written yet, say so
         llm = _start_engine(engine, quiet)
-        lines = _checked_lines(llm, input, defaults, strict, model_names(engine), output_format)
+        lines = _checked_lines(llm, input, defaults, strict, model_names(engine, options.get("served_model_name")),
+                               output_format)
     except KeyboardInterrupt as e:
         exit_interrupted_loading(e, output, resume)
     note = unused_adapters_note(engine.loras, lines)
@@ -164,7 +172,7 @@ def _run_in_process(engine: EngineConfig, input: Path, output: Path | None, defa
         return 0, earlier
     try:
         with terminate_as_interrupt():
-            records = Records(output_format, llm.tokenizer, lines, o.base_model_id(str(engine.model)),
+            records = Records(output_format, llm.tokenizer, lines, model_id(engine, options),
                               options.get("reasoning_parser"), options.get("prompt_tokens_details", False))
             return _generate(llm, todo, writer, quiet, records), earlier
     except KeyboardInterrupt as e:  # every finished record is on disk already: say how to get the rest
@@ -348,7 +356,13 @@ def _strict_exit(lines: list) -> None:
         raise ConfigError(f"{len(bad)} of {len(lines)} input lines are invalid (--strict)", "fix them and run again")
 
 
-def _prechecked_lines(engine: EngineConfig, input: Path, defaults: dict, output_format: str = "infer") -> list:
+def model_id(engine: EngineConfig, options: dict) -> str:
+    """The base model's name in OpenAI output bodies whose line names no model: --served-model-name's first."""
+    return o.served_ids(options.get("served_model_name"), str(engine.model), "run")[0]
+
+
+def _prechecked_lines(engine: EngineConfig, input: Path, defaults: dict, output_format: str = "infer",
+                      served: list[str] | None = None) -> list:
     """--strict before the model loads: every line read, then checked by the engine's own checks (LLMEngine.validate,
     on a view of what the engine will be: the model's vocabulary, context, EOS ids and adapter names) all in one
     round. Only the KV cache's size, which the memory plan sets, is checked after the load (_checked_lines)."""
@@ -358,7 +372,7 @@ def _prechecked_lines(engine: EngineConfig, input: Path, defaults: dict, output_
     from ..parallel.serve_engine import ReplicaView
     path = resolve_model(engine.model)
     tokenizer = load_tokenizer(path, engine.chat_template)
-    lines = read_inputs(input, tokenizer, defaults, model_names(engine), engine.max_model_len)
+    lines = read_inputs(input, tokenizer, defaults, model_names(engine, served), engine.max_model_len)
     check_format(lines, output_format)
     config = load_config(path)
     limit = model_max_len(config, replace(engine, max_model_len=None))

@@ -17,7 +17,7 @@ from .banner import replica_traits
 from .batch_io import Records, RecordWriter, check_format, model_names, read_inputs, unused_adapters_note
 from .beam_lines import is_beam_line
 from .entry import terminate_as_interrupt
-from .run import _prechecked_lines, _strict_exit, exit_interrupted, line_reason, open_output
+from .run import _prechecked_lines, _strict_exit, exit_interrupted, line_reason, model_id, open_output
 
 VALIDATE_CHUNK = 4096  # requests per validation call (one message each way)
 
@@ -38,7 +38,7 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
     model_path = resolve_model(engine.model)
     tokenizer = load_tokenizer(model_path, engine.chat_template)
     if strict:  # a bad line (by the engine's own checks too) stops the run before any replica loads the model
-        _strict_exit(_prechecked_lines(engine, input, defaults, output_format))
+        _strict_exit(_prechecked_lines(engine, input, defaults, output_format, options.get("served_model_name")))
     # ray.init installs its own SIGTERM handler (sys.exit(15)): ours goes in after it, so SIGTERM stops the run
     # as it stops one engine's (exit 143, saying how many records are on disk)
     with ray_runtime(address, local_cpus(replicas)) as ray, terminate_as_interrupt():
@@ -52,7 +52,8 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
                 _announce(infos, engine)
             # read against the replicas' context, as one engine reads against its own: a prompt certainly longer
             # is refused untokenized, with one engine's message
-            lines = read_inputs(input, tokenizer, defaults, model_names(engine), infos[0]["max_model_len"])
+            lines = read_inputs(input, tokenizer, defaults, model_names(engine, options.get("served_model_name")),
+                                infos[0]["max_model_len"])
             check_format(lines, output_format)
             _check_lines(ray, handles, lines, strict)
             note = unused_adapters_note(engine.loras, lines)
@@ -60,8 +61,7 @@ def run_data_parallel(engine, input: Path, output: Path | None, *, replicas: int
                 typer.echo(note, err=True)
             todo, writer, earlier = open_output(lines, output, input, options, resume, resumable)
             try:
-                from .options import base_model_id
-                records = Records(output_format, tokenizer, lines, base_model_id(str(engine.model)),
+                records = Records(output_format, tokenizer, lines, model_id(engine, options),
                                   options.get("reasoning_parser"), options.get("prompt_tokens_details", False))
                 return _generate(pool, todo, writer, tokenizer, quiet, records), earlier
             except KeyboardInterrupt as e:  # as one engine: every finished record is on disk, say so

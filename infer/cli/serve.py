@@ -138,7 +138,7 @@ def serve(
     thinking = _reasoning_parser(reasoning_parser)
     from ..serve.cors import cors_options
     cors = cors_options(allowed_origins, allowed_methods, allowed_headers, allow_credentials)
-    model_ids = _model_ids(served_model_name, model)
+    model_ids = o.served_ids(served_model_name, model)
     if not host.strip():  # an empty address binds every interface: never do that by accident (`--host "$UNSET"`)
         raise ConfigError("--host is empty", "give an address: 127.0.0.1 (this machine) or 0.0.0.0 (every interface)")
     from ..serve.body import BodyLimits
@@ -171,17 +171,6 @@ def serve(
                prompt_tokens_details=enable_prompt_tokens_details)
     finally:
         sock.close()
-
-
-def _model_ids(names: list[str] | None, model) -> list[str]:
-    """--served-model-name's ids (MODEL's name when none), each checked, without repeats; the first is the main one."""
-    if not names:
-        return [o.base_model_id(model)]
-    for name in names:
-        if not name.strip():  # `"$UNSET"`: was MODEL's name, silently
-            raise ConfigError("--served-model-name is empty", "give the id clients send as `model`, or leave the "
-                                                              "option out to serve under MODEL's name")
-    return list(dict.fromkeys(names))
 
 
 def _api_keys(keys: list[str] | None) -> str | list[str] | None:

@@ -466,7 +466,7 @@ class ModelNames:
             return model
         if not self.base:
             return None
-        known = sorted(self.base, key=lambda n: (len(n), n))[:1] + sorted(self.adapters)
+        known = sorted(self.base, key=lambda n: (len(n), n)) + sorted(self.adapters)  # the base's shortest first
         raise UnknownModelError(f"body.model {model!r} is neither the base model nor a registered adapter: the "
                                 f"model `{model}` does not exist in this run",
                                 f"name one of: {', '.join(known)}, or leave body.model out for the base model; to run "
