@@ -140,3 +140,29 @@ def test_the_error_class_is_exported():
     import infer
     from infer.errors import RequestError
     assert infer.UnknownModelError is UnknownModelError and issubclass(UnknownModelError, RequestError)
+
+
+def test_data_parallel_replicas_write_the_same_404_record(tmp_path):
+    """--data-parallel writes its own error records (run_parallel._generate): the unknown model's is a 404 there too,
+    and the base's lines are answered as one engine answers them."""
+    from fakeray import FakeRay, Handle
+
+    from infer.cli import run_parallel
+    from infer.cli.batch_io import Records, RecordWriter, model_names, read_inputs
+    from infer.parallel.pool import ReplicaPool
+    from infer.parallel.replica import Replica
+    inp = _write(tmp_path / "in.jsonl", LINES[:3])
+    cfg = EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=1, memory_limit=2 ** 29)
+    replicas = [Replica(cfg) for _ in range(2)]
+    tokenizer = replicas[0].engine.tokenizer
+    lines = read_inputs(inp, tokenizer, {"max_new_tokens": 3}, model_names(cfg), 64)
+    writer = RecordWriter(tmp_path / "dp.jsonl", append=False)
+    pool = ReplicaPool(FakeRay(), [Handle(r) for r in replicas], capacity=2, notify=lambda m: None)
+    assert run_parallel._generate(pool, lines, writer, tokenizer, True, Records("openai", tokenizer, lines,
+                                                                                "tiny-llama")) == 1
+    writer.close()
+    recs = {r["custom_id"]: r for r in _records(tmp_path / "dp.jsonl")}
+    assert recs["named-adapter"]["response"]["status_code"] == 404
+    assert recs["named-adapter"]["error"]["code"] == "model_not_found"
+    texts = {recs[cid]["response"]["body"]["choices"][0]["text"] for cid in ("base", "no-model")}
+    assert len(texts) == 1
