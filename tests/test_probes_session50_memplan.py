@@ -249,14 +249,14 @@ def test_the_mlp_frees_gate_ups_output_before_the_down_projection(adapters, monk
     assert alive == [False]
 
 
-def _adapter(tmp_path, rank: int) -> str:
-    """A peft adapter of every projection of tiny-llama (random, non-zero)."""
+def _adapter(tmp_path, rank: int, targets: list[str] | None = None) -> str:
+    """A peft adapter of every projection of tiny-llama (random, non-zero); `targets`: of those only."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
     from infer.models.tiny import ensure_builtin
     base = LlamaForCausalLM.from_pretrained(str(ensure_builtin("tiny-llama")), dtype=torch.float32)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    targets = targets or ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -267,13 +267,11 @@ def _adapter(tmp_path, rank: int) -> str:
     return str(tmp_path / "adapter")
 
 
-@pytest.mark.parametrize("rank", [8, 64])
-def test_the_step_formula_holds_the_cpu_adapter_paths_float32_copies(tmp_path, rank):
-    """A bf16 engine on the CPU with an adapter on every projection: the worst case's prefill (engine.profile's
-    batches, tiny-llama) runs each layer's LoRA through kernels.lora_reference, whose expand computes a shard's
-    delta in float32 and casts a copy: at gate_up its output, one shard's float32 delta and the cast are alive
-    together, 1,600 bytes a token against the formula's 1,312 (memory.sizes.activation_bytes, which an engine start
-    reserves). Measured: every tensor the step creates."""
+def lora_prefill_peak(adapter: str, rank: int, targets: list[str] | None = None, path=None) -> tuple[int, int]:
+    """(the bytes the worst case's prefill of a bf16 engine on the CPU (engine.profile's batches, 4 sequences of
+    256 tokens) holds at its peak, every token with `adapter` (slots of `rank` on --lora-target-modules `targets`),
+    the formula's figure for it: memory.sizes.activation_bytes, which an engine start reserves). Measured: every
+    tensor the step creates. `path`: the model (tiny-llama)."""
     from pathlib import Path
 
     from infer.engine.model_runner import ModelRunner
@@ -282,11 +280,11 @@ def test_the_step_formula_holds_the_cpu_adapter_paths_float32_copies(tmp_path, r
     from infer.memory.sizes import activation_bytes, step_tokens
     from infer.models.loader import load_model
     from infer.models.tiny import ensure_builtin
-    path, dtype, seqs, length = ensure_builtin("tiny-llama"), torch.bfloat16, 4, 256
+    path, dtype, seqs, length = path or ensure_builtin("tiny-llama"), torch.bfloat16, 4, 256
     engine = EngineConfig(str(path), max_num_seqs=seqs, max_model_len=length, block_size=16, max_lora_rank=rank,
-                          loras={"a": _adapter(tmp_path, rank)})
+                          loras={"a": adapter}, lora_target_modules=targets)
     model, model_config = load_model(Path(path), dtype, torch.device("cpu"), max_positions=length)
-    manager = LoRAManager(model, max_loras=1, max_lora_rank=rank, device="cpu", dtype=dtype)
+    manager = LoRAManager(model, max_loras=1, max_lora_rank=rank, device="cpu", dtype=dtype, target_modules=targets)
     manager.register("a", engine.loras["a"])
     manager.acquire("a")
     prefill, decodes, blocks = worst_case_batches(model_config, engine, length, seqs, engine.block_size)
@@ -302,7 +300,18 @@ def test_the_step_formula_holds_the_cpu_adapter_paths_float32_copies(tmp_path, r
             runner.run(prefill)
     tokens = step_tokens(engine.max_num_batched_tokens, seqs, length)
     assert sum(prefill.num_new_tokens) <= tokens
-    assert meter.peak <= activation_bytes(model_config, dtype, tokens, seqs, length, rank)
+    return meter.peak, activation_bytes(model_config, dtype, tokens, seqs, length, rank, lora_targets=targets)
+
+
+@pytest.mark.parametrize("rank", [8, 64])
+def test_the_step_formula_holds_the_cpu_adapter_paths_float32_copies(tmp_path, rank):
+    """A bf16 engine on the CPU with an adapter on every projection: the worst case's prefill (engine.profile's
+    batches, tiny-llama) runs each layer's LoRA through kernels.lora_reference, whose expand computes a shard's
+    delta in float32 and casts a copy: at gate_up its output, one shard's float32 delta and the cast are alive
+    together, 1,600 bytes a token against the formula's 1,312 (memory.sizes.activation_bytes, which an engine start
+    reserves). Measured: every tensor the step creates."""
+    peak, formula = lora_prefill_peak(_adapter(tmp_path, rank), rank)
+    assert peak <= formula
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -189,7 +189,8 @@ def profile_run(model, model_config, engine_config: EngineConfig, dtype, device,
     rank = engine_config.max_lora_rank if lora_manager is not None else 0
     tokens = step_tokens(engine_config.max_num_batched_tokens, engine_config.max_num_seqs, max_length)
     if rank and lora_name is None:  # slots for adapters added later (--enable-lora): their path by the formula
-        peak += activation_bytes(model_config, dtype, tokens, concurrency, max_length, rank) \
+        peak += activation_bytes(model_config, dtype, tokens, concurrency, max_length, rank,
+                                 lora_targets=engine_config.lora_target_modules) \
             - activation_bytes(model_config, dtype, tokens, concurrency, max_length, 0)
     peak += penalty_table_bytes(model_config, concurrency)  # (filled before the measured runs, as an engine keeps it)
     spec = speculative_logit_bytes(engine_config, model_config, concurrency)  # the verify step's rows: measured
@@ -198,7 +199,8 @@ def profile_run(model, model_config, engine_config: EngineConfig, dtype, device,
     graphs = cuda_graph_bytes(engine_config, model_config, dtype) \
         + draft_graph_bytes(engine_config, draft_config, dtype)
     estimate = activation_bytes(model_config, dtype, tokens, concurrency, max_length, rank,
-                                kv_dtype=engine_config.kv_dtype(dtype)) + graphs + spec \
+                                kv_dtype=engine_config.kv_dtype(dtype),
+                                lora_targets=engine_config.lora_target_modules) + graphs + spec \
         + draft_activation_bytes(engine_config, draft_config, dtype, max_length, concurrency)
     if weights is None:
         weights = weights_bytes(model) + (weights_bytes(draft.model) if draft is not None else 0)

@@ -139,7 +139,8 @@ def cuda_graph_bytes(engine_config: PlanOptions, model_config, dtype: torch.dtyp
     if not tokens:
         return decode + aux
     beside = expands_beside(engine_config)
-    pieces = sum(activation_bytes(model_config, dtype, t, 1, 1, rank, penalties=False, lora_expand_beside=beside)
+    pieces = sum(activation_bytes(model_config, dtype, t, 1, 1, rank, penalties=False, lora_expand_beside=beside,
+                                  lora_targets=engine_config.lora_target_modules)
                  for t in largest_per_stream(token_buckets(tokens), priority, adapters))
     buffers = tokens * (2 * shapes.q_size + 2 * model_config.hidden_size) * element_bytes(dtype) \
         + graph_inputs_bytes(engine_config, model_config, adapters, tokens)
@@ -185,7 +186,8 @@ def _decode_graph_bytes(engine_config: PlanOptions, model_config, dtype: torch.d
     max_num_seqs) and the attention partials of every sequence up to it."""
     seqs = seqs or engine_config.max_num_seqs
     step = activation_bytes(model_config, dtype, seqs, 1, 1, rank, penalties=False,
-                            lora_expand_beside=bool(rank) and expands_beside(engine_config))
+                            lora_expand_beside=bool(rank) and expands_beside(engine_config),
+                            lora_targets=engine_config.lora_target_modules)
     shapes = ModelShapes.from_config(model_config)
     # the keys the block tables hold: whole blocks (the kernel partitions by the table's width, not the length)
     size = engine_config.block_size
@@ -459,7 +461,7 @@ def start_activation_bytes(engine_config: PlanOptions, model_config, model, dtyp
     seqs = engine_config.max_num_seqs
     tokens = step_tokens(engine_config.max_num_batched_tokens, seqs, max_len)
     return activation_bytes(model_config, dtype, tokens, seqs, max_len, lora_rank(engine_config),
-                            kv_dtype=kv_dtype(engine_config, dtype)) \
+                            kv_dtype=kv_dtype(engine_config, dtype), lora_targets=engine_config.lora_target_modules) \
         + speculative_logit_bytes(engine_config, model_config) \
         + draft_activation_bytes(engine_config, draft_config, dtype, max_len) \
         + cuda_graph_bytes(engine_config, model_config, dtype) + draft_graph_bytes(engine_config, draft_config, dtype) \

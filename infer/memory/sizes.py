@@ -167,13 +167,16 @@ def step_tokens(max_num_batched_tokens: int, num_seqs: int, max_length: int) -> 
     return max(1, min(max_num_batched_tokens, num_seqs * max_length))
 
 
-def lora_beside_token_bytes(model_config, dtype: torch.dtype, lora_rank: int) -> int:
+def lora_beside_token_bytes(model_config, dtype: torch.dtype, lora_rank: int,
+                            chosen: frozenset[str] | None = None) -> int:
     """Bytes a token holds at the peak of a step recorded into a CUDA graph with the LoRA expand beside the matmul
     (EngineConfig.lora_expand_beside: lora.layer.LoRALayer.apply_beside): while a layer's base matmul runs, its
     output y, the float32 delta [T, out] the side stream expands into and the shrink's float32 partials
     [split, T, shards * rank] (kernels.lora_ops.partials) are alive together, beside the layer's input and the
     residual. The largest of the four layers: qkv; o_proj with q, k, v (views of qkv) and the attention output;
-    gate_up; down_proj with silu_and_mul's output (MLP.forward frees gate_up's before it)."""
+    gate_up; down_proj with silu_and_mul's output (MLP.forward frees gate_up's before it). `chosen` (lora.targets:
+    --lora-target-modules' selection; None: every layer): only the layers with slots (0 when none of the four has:
+    a layer without slots holds no more than activation_bytes' own term)."""
     b, f = element_bytes(dtype), 4
     h, inter = model_config.hidden_size, model_config.intermediate_size
     shapes = ModelShapes.from_config(model_config)
@@ -185,17 +188,34 @@ def lora_beside_token_bytes(model_config, dtype: torch.dtype, lora_rank: int) ->
     o = (q + 2 * kv + q) * b + h * (b + f) + partials(q, 1)
     gate_up = 2 * inter * (b + f) + partials(h, 2)
     down = (h + inter) * b + h * f + partials(inter, 1)
-    return 2 * h * b + max(qkv, o, gate_up, down)
+    return _slotted_peak(model_config, chosen, 2 * h * b, qkv, o, gate_up, down)
 
 
-def lora_cpu_token_bytes(model_config, dtype: torch.dtype, lora_rank: int) -> int:
+def _slotted_peak(model_config, chosen: frozenset[str] | None, base: int, qkv: int, o: int, gate_up: int,
+                  down: int) -> int:
+    """`base` plus the largest of the four layers' terms among those `chosen` gives adapter slots (lora.targets;
+    gate_up and down_proj: a dense MLP's, or Qwen2-MoE's shared expert's, which the terms' width bounds); 0 when
+    none is chosen."""
+    from ..lora.targets import selects
+    terms = {"qkv_proj": qkv, "o_proj": o, "gate_up_proj": gate_up, "down_proj": down}
+    shared = model_config.model_type == "qwen2_moe"
+    picked = [t for proj, t in terms.items()
+              if selects(chosen, proj) or (shared and proj in _MLP and selects(chosen, "shared_expert." + proj))]
+    return base + max(picked) if picked else 0
+
+
+_MLP = ("gate_up_proj", "down_proj")
+
+
+def lora_cpu_token_bytes(model_config, dtype: torch.dtype, lora_rank: int,
+                         chosen: frozenset[str] | None = None) -> int:
     """Bytes a token holds at the peak of a step through the adapters' torch path (kernels.lora_reference, the CPU's):
     a layer's shrink reads a float32 copy of its input and leaves [T, shards * rank] float32, and each shard's
     expand computes its delta [T, out] in float32 and casts a copy to the model's dtype before adding it; in half
     precision those copies are more than the formula's MLP term holds (gate_up's output, the delta of one of its
     shards and that delta's cast: 2 * inter * 2 + inter * 6 bytes in bf16, against 4 * inter * 2). The largest of
     the four layers, beside the layer's input and the residual: qkv; o_proj with q, k, v (views of qkv) and the
-    attention output; gate_up; down_proj with silu_and_mul's output."""
+    attention output; gate_up; down_proj with silu_and_mul's output. `chosen`: as lora_beside_token_bytes'."""
     b, f = element_bytes(dtype), 4
     h, inter = model_config.hidden_size, model_config.intermediate_size
     shapes = ModelShapes.from_config(model_config)
@@ -208,7 +228,7 @@ def lora_cpu_token_bytes(model_config, dtype: torch.dtype, lora_rank: int) -> in
     o = (q + 2 * kv + q + h) * b + lora(q, 1, h)
     gate_up = 2 * inter * b + lora(h, 2, inter)
     down = (inter + h) * b + lora(inter, 1, h)
-    return 2 * h * b + max(qkv, o, gate_up, down)
+    return _slotted_peak(model_config, chosen, 2 * h * b, qkv, o, gate_up, down)
 
 
 def rotary_cpu_token_bytes(model_config, dtype: torch.dtype) -> int:
@@ -272,24 +292,28 @@ def softcap_cpu_prefill_bytes(model_config, dtype: torch.dtype, num_tokens: int,
 
 def activation_bytes(model_config, dtype: torch.dtype, num_tokens: int, num_seqs: int, max_length: int,
                      lora_rank: int = 0, penalties: bool = True, kv_dtype: torch.dtype | None = None,
-                     lora_expand_beside: bool = False) -> int:
+                     lora_expand_beside: bool = False, lora_targets: list[str] | None = None) -> int:
     """Peak bytes of one step's temporaries, the larger of a prefill of `num_tokens` tokens and a decode of
     `num_seqs` sequences at context `max_length`, plus (`penalties`) the sampler's penalty table for `num_seqs`
     requests. `kv_dtype`: the KV cache's, when not `dtype` (fp8: the CPU decode gathers it, then upcasts a copy).
     `lora_expand_beside`: a step recorded into a CUDA graph with the adapters' expand beside the matmul (a token
-    holds at least lora_beside_token_bytes)."""
+    holds at least lora_beside_token_bytes). `lora_targets`: --lora-target-modules (lora.targets; None: every
+    layer): the adapters' temporaries only of the layers with slots."""
+    from ..lora.targets import check_target_modules, selects
     b = element_bytes(dtype)
     h, inter = model_config.hidden_size, model_config.intermediate_size
     shapes = ModelShapes.from_config(model_config)
     heads, q, kv = shapes.num_heads, shapes.q_size, shapes.kv_size
     # prefill: residual + normed input, then the MLP's gate_up, silu(gate) and its product live together
     per_token = (2 * h + max(q + 2 * kv + 2 * (q + kv) + q, 4 * inter) + 2 * lora_rank) * b
+    chosen = check_target_modules(lora_targets, model_config) if lora_rank else None
+    experts_rank = lora_rank if selects(chosen, "experts.gate_up_proj") else 0  # (no expert slots: no expert LoRA)
     per_token = max(per_token, rotary_cpu_token_bytes(model_config, dtype),
-                    moe_token_bytes(model_config, dtype, lora_rank))
+                    moe_token_bytes(model_config, dtype, experts_rank))
     if lora_rank:
-        per_token = max(per_token, lora_cpu_token_bytes(model_config, dtype, lora_rank))
+        per_token = max(per_token, lora_cpu_token_bytes(model_config, dtype, lora_rank, chosen))
     if lora_rank and lora_expand_beside:
-        per_token = max(per_token, lora_beside_token_bytes(model_config, dtype, lora_rank))
+        per_token = max(per_token, lora_beside_token_bytes(model_config, dtype, lora_rank, chosen))
     prefill = num_tokens * per_token + softcap_cpu_prefill_bytes(model_config, dtype, num_tokens, max_length)
     # decode: the K and V the CPU attention gathers at once (one sequence, or a small batch padded to its longest;
     # the GPU kernel reads the cache in place), plus float32 scores
