@@ -1,5 +1,6 @@
 """Options that take several values after one flag, as vLLM's argparse `nargs="+"` options do
-(`--served-model-name A B`); click takes one value per flag, so the values are spread over repeated flags first.
+(`--served-model-name A B`, `--lora-target-modules o_proj qkv_proj`); click takes one value per flag, so the
+values are spread over repeated flags first.
 
 A value run stops at the next option. It is greedy as argparse's, except that it leaves the command's positional
 arguments (MODEL) that appear nowhere else: `infer serve --served-model-name a tiny-llama` keeps serving tiny-llama
@@ -53,7 +54,7 @@ def spread(args: list[str], many: set[str], takes_value: set[str], positionals: 
 class ManyValuesCommand(TyperCommand):
     """A command whose options named in `MANY` take several values after one flag (vLLM's nargs "+")."""
 
-    MANY = {"--served-model-name", "--api-key"}
+    MANY = {"--served-model-name", "--api-key", "--lora-target-modules"}
 
     def parse_args(self, ctx, args):
         options = [p for p in self.params if p.param_type_name == "option"]  # typer's click or click's own
