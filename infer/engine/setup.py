@@ -104,6 +104,10 @@ def load_engine_parts(engine_config: EngineConfig) -> EngineParts:
     if engine_config.loras or engine_config.enable_lora:  # a name the model has no layer of: before its load
         from ..lora.targets import check_target_modules
         check_target_modules(engine_config.lora_target_modules, model_config)
+    elif engine_config.lora_target_modules is not None:  # (vLLM ignores it too; said, as it selects nothing)
+        log.warning("--lora-target-modules %s does nothing without adapters: no adapter slots are reserved (pass "
+                    "--enable-lora or --lora NAME=PATH to serve adapters on those modules)",
+                    ",".join(engine_config.lora_target_modules))
     device = engine_config.torch_device()
     warn_unused_memory_option(engine_config, device)
     dtype = engine_config.torch_dtype(checkpoint_dtype(model_config))
