@@ -1,0 +1,87 @@
+"""Session 58 review of --lora-target-modules: the activation estimate counts the adapters' temporaries only on the
+layers with slots (it counted every layer's: on Llama-3-8B with slots on the attention only, rank 64, a step of 8,192
+tokens, 1.5 GiB where the step holds the 1.3 GiB of no adapters, 1.7 GiB with the expand beside the matmul), and
+what a measured step holds stays within it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer.memory.sizes import activation_bytes
+from infer.models.loader import load_config
+from infer.models.tiny import ensure_builtin
+
+from test_probes_session50_memplan import _adapter, lora_prefill_peak
+
+
+@pytest.mark.parametrize("targets", [["o_proj"], ["q_proj", "k_proj", "v_proj"]])
+def test_the_step_formula_with_slots_on_the_attention_holds_the_measured_step_and_drops_the_mlps_adapter_terms(
+        tmp_path, targets):
+    """A bf16 engine on the CPU with slots (rank 64) on o_proj, or q/k/v, only and an adapter there: the worst
+    case's prefill holds at most the formula's figure for those slots, which is below the figure for slots on every
+    layer (the MLP's gate_up, whose output, a shard's float32 delta and its cast are alive together, has none)."""
+    peak, formula = lora_prefill_peak(_adapter(tmp_path, 64, targets), 64, targets)
+    assert 0 < peak <= formula
+    cfg = load_config(ensure_builtin("tiny-llama"))
+    assert formula < activation_bytes(cfg, torch.bfloat16, 1024, 4, 256, 64)
+
+
+def test_the_estimate_with_every_module_named_is_the_estimate_without_the_option():
+    """Naming every module (peft's names or the fused ones) is no restriction: the same figure as None, with the
+    expand beside the matmul too; for a mixture of experts, slots without `experts` count no expert LoRA."""
+    cfg = load_config(ensure_builtin("tiny-llama"))
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]
+    for beside in (False, True):
+        args = (cfg, torch.bfloat16, 1024, 4, 256, 64)
+        assert activation_bytes(*args, lora_targets=every, lora_expand_beside=beside) == \
+            activation_bytes(*args, lora_expand_beside=beside)
+        assert activation_bytes(*args, lora_targets=["down_proj"], lora_expand_beside=beside) < \
+            activation_bytes(*args, lora_expand_beside=beside)
+
+
+@pytest.mark.parametrize("args", [
+    ["tiny-llama", "--enable-lora", "--lora-target-modules", "o_proj", "qkv_proj", "--port", "0"],
+    ["--lora-target-modules", "o_proj", "qkv_proj", "tiny-llama", "--enable-lora", "--port", "0"],
+    ["tiny-llama", "--enable-lora", "--lora-target-modules", "o_proj", "--lora-target-modules", "qkv_proj",
+     "--port", "0"],
+])
+def test_serve_takes_the_module_names_after_one_flag_as_vllms_nargs(monkeypatch, args):
+    """vLLM's `--lora-target-modules o_proj qkv_proj` (a list option: several values after one flag) was refused
+    with "unexpected extra argument(s) (qkv_proj)" (or "(tiny-llama)" with MODEL after them)."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    seen = {}
+    monkeypatch.setattr("infer.cli.serve._serve", lambda cfg, *a, **k: seen.update(model=cfg.model,
+                                                                                   targets=cfg.lora_target_modules))
+    result = CliRunner().invoke(app, ["serve", *args])
+    assert result.exit_code == 0, result.output
+    assert seen == {"model": "tiny-llama", "targets": ["o_proj", "qkv_proj"]}
+
+
+def test_the_option_without_adapters_is_said_to_do_nothing(caplog):
+    """Without --enable-lora or --lora no slots exist: the engine starts (as vLLM's, which ignores it), and a
+    warning says the option does nothing and what would make it count."""
+    import logging
+
+    from infer import LLM
+    with caplog.at_level(logging.WARNING, logger="infer"):
+        with LLM("tiny-llama", device="cpu", max_model_len=64, lora_target_modules=["o_proj"]) as llm:
+            assert llm.engine.lora_manager is None
+    said = [r.getMessage() for r in caplog.records if "--lora-target-modules" in r.getMessage()]
+    assert said and "--lora-target-modules o_proj does nothing without adapters" in said[0]
+    assert "--enable-lora or --lora NAME=PATH" in said[0]
+
+
+def test_every_source_file_compiles_without_warnings():
+    """infer/lora/adapter.py's v4_converted docstring held r".*\\.gate_up_proj" in a plain string: an invalid escape
+    sequence (a DeprecationWarning each time the module is compiled; a SyntaxWarning on Python 3.12)."""
+    import warnings
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "infer"
+    for path in sorted(root.rglob("*.py")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            compile(path.read_text(), str(path), "exec")
