@@ -8,10 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from infer import LLM, SamplingParams
 from infer.memory.sizes import activation_bytes
 from infer.models.loader import load_config
 from infer.models.tiny import ensure_builtin
 
+from helpers import random_prompts
+from lora_helpers import hf_float, save_adapters
+from quant_helpers import int4_kernel_path, make_gptqmodel_checkpoint, needs_gptqmodel
 from test_probes_session50_memplan import _adapter, lora_prefill_peak
 
 
@@ -65,7 +69,6 @@ def test_the_option_without_adapters_is_said_to_do_nothing(caplog):
     warning says the option does nothing and what would make it count."""
     import logging
 
-    from infer import LLM
     with caplog.at_level(logging.WARNING, logger="infer"):
         with LLM("tiny-llama", device="cpu", max_model_len=64, lora_target_modules=["o_proj"]) as llm:
             assert llm.engine.lora_manager is None
@@ -85,3 +88,39 @@ def test_every_source_file_compiles_without_warnings():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             compile(path.read_text(), str(path), "exec")
+
+
+@needs_gptqmodel
+@pytest.mark.parametrize("targets,names", [
+    (["o_proj", "down_proj"], ["od", None, "od"]),
+    (["qkv_proj"], ["q", None, "q"]),
+])
+def test_an_int4_base_with_slots_off_gate_up_runs_the_kernels_and_graphs_as_the_cpu_path(tmp_path, monkeypatch,
+                                                                                          targets, names):
+    """A 4-bit GPTQModel checkpoint, slots on o_proj and down_proj (or q/k/v) only: gate_up has no slots, so its
+    int4 kernel applies silu_and_mul in its epilogue while adapters run (a combination only this option makes).
+    Through the Triton kernels (interpreted) and emulated graphs: the CPU path's tokens, which are those of slots on
+    every layer (the adapters are within the named modules)."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
+    base = ensure_builtin("tiny-llama")
+    qdir = make_gptqmodel_checkpoint(base, tmp_path / "q", bits=4, group_size=32, seq_len=32)
+    paths = save_adapters(hf_float(base), tmp_path, {
+        "od": dict(r=4, lora_alpha=8, target_modules=["o_proj", "down_proj"]),
+        "q": dict(r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"])})
+    opts = dict(loras={n: str(paths[n]) for n in set(names) if n}, max_loras=2, max_lora_rank=8, block_size=4,
+                max_model_len=32, max_num_seqs=4)
+    prompts = random_prompts(512, (5, 3, 7), seed=9)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    with LLM(str(qdir), **opts) as llm:
+        every = [o.token_ids for o in llm.generate(prompts, params, lora=names)]
+        assert llm.generate(prompts[:1], params)[0].token_ids != every[0]  # (the adapter changes the tokens)
+    with LLM(str(qdir), lora_target_modules=targets, **opts) as llm:
+        cpu = [o.token_ids for o in llm.generate(prompts, params, lora=names)]
+    int4_kernel_path(monkeypatch)
+    with LLM(str(qdir), cuda_graph_max_tokens=4, lora_target_modules=targets, **opts) as llm:
+        mlp = llm.engine.runner.model.layers[0].mlp
+        assert mlp.gate_up_proj.lora is None and mlp.act_in_gate_up
+        llm.engine.runner.capture_graphs(8, emulate=True)
+        assert [o.token_ids for o in llm.generate(prompts, params, lora=names)] == cpu == every
+        assert sum(llm.engine.runner.graphs.replays.values()) > 0
