@@ -186,8 +186,8 @@ def _decode_graph_bytes(engine_config: PlanOptions, model_config, dtype: torch.d
     max_num_seqs) and the attention partials of every sequence up to it."""
     seqs = seqs or engine_config.max_num_seqs
     step = activation_bytes(model_config, dtype, seqs, 1, 1, rank, penalties=False,
-                            lora_expand_beside=bool(rank) and expands_beside(engine_config),
-                            lora_targets=engine_config.lora_target_modules)
+                            lora_targets=engine_config.lora_target_modules,
+                            lora_expand_beside=bool(rank) and expands_beside(engine_config))
     shapes = ModelShapes.from_config(model_config)
     # the keys the block tables hold: whole blocks (the kernel partitions by the table's width, not the length)
     size = engine_config.block_size
