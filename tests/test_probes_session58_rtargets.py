@@ -124,3 +124,28 @@ def test_an_int4_base_with_slots_off_gate_up_runs_the_kernels_and_graphs_as_the_
         llm.engine.runner.capture_graphs(8, emulate=True)
         assert [o.token_ids for o in llm.generate(prompts, params, lora=names)] == cpu == every
         assert sum(llm.engine.runner.graphs.replays.values()) > 0
+
+
+def test_a_mixture_of_experts_without_expert_slots_counts_no_expert_lora_and_the_step_holds_within_it(tmp_path):
+    """Mixtral-8x7B's shapes, rank 64: slots on the attention only count none of the experts' LoRA (its shrink and
+    gate_up delta for each of a token's experts), a third less a token; the attention and the experts (every layer
+    Mixtral has) count what no option counts. Measured on a tiny Qwen3-MoE whose experts dominate a token (8 of 8
+    experts a token, each twice the dense MLP's width): the worst case's prefill with slots on q/k/v only holds at
+    most that smaller figure."""
+    from transformers import AutoConfig
+
+    from test_probes_session55_moe import build
+    big = AutoConfig.for_model("mixtral", hidden_size=4096, intermediate_size=14336, num_local_experts=8,
+                               num_experts_per_tok=2, num_hidden_layers=32, num_attention_heads=32,
+                               num_key_value_heads=8, vocab_size=32000)
+    args = (big, torch.bfloat16, 8192, 1, 16, 64)
+    every = activation_bytes(*args)
+    assert activation_bytes(*args, lora_targets=["qkv_proj", "o_proj", "experts"]) == every
+    assert activation_bytes(*args, lora_targets=["qkv_proj", "o_proj"]) < every * 0.7
+    build(tmp_path / "base", "qwen3_moe", num_hidden_layers=1, intermediate_size=32, moe_intermediate_size=64,
+          num_experts_per_tok=8)
+    adapter = save_adapters(hf_float(tmp_path / "base"), tmp_path, {"q": dict(r=8, lora_alpha=8,
+                                                                          target_modules=["q_proj", "v_proj"])})["q"]
+    peak, formula = lora_prefill_peak(str(adapter), 8, ["qkv_proj"], path=tmp_path / "base")
+    cfg = load_config(tmp_path / "base")
+    assert 0 < peak <= formula < activation_bytes(cfg, torch.bfloat16, 1024, 4, 256, 8)
