@@ -13,7 +13,7 @@ from infer.memory.sizes import activation_bytes
 from infer.models.loader import load_config
 from infer.models.tiny import ensure_builtin
 
-from helpers import random_prompts
+from helpers import Stopped, random_prompts, stub_calls
 from lora_helpers import hf_float, save_adapters
 from quant_helpers import int4_kernel_path, make_gptqmodel_checkpoint, needs_gptqmodel
 from test_probes_session50_memplan import _adapter, lora_prefill_peak
@@ -62,6 +62,25 @@ def test_serve_takes_the_module_names_after_one_flag_as_vllms_nargs(monkeypatch,
     result = CliRunner().invoke(app, ["serve", *args])
     assert result.exit_code == 0, result.output
     assert seen == {"model": "tiny-llama", "targets": ["o_proj", "qkv_proj"]}
+
+
+@pytest.mark.parametrize("where", ["after", "before"])
+def test_run_takes_the_module_names_after_one_flag_too(tmp_path, monkeypatch, where):
+    """`infer run MODEL INPUT --lora-target-modules o_proj qkv_proj` (and the flag before MODEL INPUT): the engine
+    option as serve takes it, not "unexpected extra argument(s) (qkv_proj)"."""
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    seen = stub_calls(monkeypatch, "infer.engine.llm_engine.LLMEngine")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    flag = ["--lora-target-modules", "o_proj", "qkv_proj"]
+    positional = ["tiny-llama", str(prompts)]
+    args = [*positional, "--enable-lora", *flag] if where == "after" else [*flag, *positional, "--enable-lora"]
+    result = CliRunner().invoke(app, ["run", *args])
+    assert isinstance(result.exception, Stopped), result.output
+    [config] = seen["args"]
+    assert (config.model, config.lora_target_modules) == ("tiny-llama", ["o_proj", "qkv_proj"])
 
 
 def test_the_option_without_adapters_is_said_to_do_nothing(caplog):

@@ -316,14 +316,13 @@ def register(module: str, name: str, command: str | None = None, **kwargs) -> No
     app.command(command, **kwargs)(handle_errors(_debug_after_the_command(fn), command))
 
 
-from .many import ManyValuesCommand  # noqa: E402  (--served-model-name A B)
+from .many import ManyValuesCommand  # noqa: E402  (--served-model-name A B, --lora-target-modules o_proj qkv_proj)
 
 register("run", "run", cls=ManyValuesCommand)
-register("warmup", "warmup")
+register("warmup", "warmup", cls=ManyValuesCommand)
 register("quantize", "quantize")
 register("convert", "convert")
-
 register("serve", "serve", cls=ManyValuesCommand)
-register("bench", "bench")
+register("bench", "bench", cls=ManyValuesCommand)
 register("demo", "demo")
 register("lora", "lora_validate", "lora-validate")
