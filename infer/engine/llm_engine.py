@@ -1259,6 +1259,13 @@ class LLMEngine:
                              "pause_generation(mode=\"abort\") to end them", "POST /resume (and POST /wake_up) "
                              "first, or POST /pause?mode=abort to end them")
 
+    def _steps_requests(self) -> bool:
+        """Whether a step would run the model for a request: not while paused or asleep (the outputs left to hand
+        out, of requests a pause or a sleep ended or settled, are not run again: reload_weights() may come first)."""
+        held = self._paused or self._sleep.asleep or self._sleep.discarded
+        return not held and (self.scheduler.has_unfinished() or self._inflight is not None
+                             or self._unsettled is not None)
+
     def _frozen(self) -> bool:
         """Whether requests wait that no step runs now (paused, or asleep with requests a "keep" paused)."""
         return (self._paused or (self._sleep.asleep and self._sleep.paused)) and self.scheduler.has_unfinished()
@@ -1307,9 +1314,10 @@ class LLMEngine:
         if WEIGHTS in self._sleep.tags:
             raise SleepModeError("the weights are asleep", "wake them first: wake_up([\"weights\"])",
                                  "wake them first: POST /wake_up?tags=weights")
-        if self.has_unfinished_requests() and not self.stalled():  # (those a sleep(mode="keep") paused hold no
-            raise RequestError("reload_weights() while requests run",  # K/V: they go on with the new weights)
-                               "wait for them to finish (or abort them, or pause them: sleep(mode=\"keep\"))")
+        if self._steps_requests():  # (those paused, or a sleep(mode="keep") paused, hold no K/V: they go on with
+            raise RequestError("reload_weights() while requests run",  # the new weights)
+                               "wait for them to finish, or pause generation first: pause_generation() (mode "
+                               "\"keep\" to go on with them after resume_generation()), or sleep(mode=\"keep\")")
         from ..models.loader import check_weights, load_model
         from .sleep import free
         # what a load refuses, and another model, refused from the files' headers before anything is freed (another
