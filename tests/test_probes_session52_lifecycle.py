@@ -119,14 +119,16 @@ def test_asyncllm_shutdown_ends_requests_in_flight_naming_the_asyncllm_not_a_ser
     llm = AsyncLLM("tiny-llama", max_num_seqs=2, max_model_len=256)
 
     async def main():
-        first = asyncio.Event()
+        first, started = asyncio.Event(), set()
 
         async def generate(i):
             last = None
             async for out in llm.generate(f"hi {i}", SamplingParams(max_new_tokens=200, ignore_eos=True),
                                           request_id=f"r{i}"):
                 last = out
-                first.set()
+                started.add(i)
+                if len(started) == 2:  # both in flight (a prompt is tokenized on a worker thread: the second one
+                    first.set()  # could reach the engine after the shutdown, a ClosedError, not an abort)
             return last
         tasks = [asyncio.create_task(generate(i)) for i in range(2)]
         await asyncio.wait_for(first.wait(), 60)
