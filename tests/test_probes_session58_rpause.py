@@ -4,12 +4,13 @@ found wrong, each with its regression test."""
 from __future__ import annotations
 
 import shutil
+import threading
 
 import pytest
 
-from helpers import hf_greedy
+from helpers import StepGate, hf_greedy, wait_until
 from infer import LLM, SamplingParams
-from infer.errors import RequestError
+from infer.errors import PauseError, RequestError
 from infer.models.tiny import ensure_builtin
 
 PROMPT = [5, 9, 13, 21]
@@ -24,6 +25,15 @@ def _new_weights(src, out) -> None:
     for key in [k for k in state if ".mlp." in k]:
         state[key] = state[key] * 3
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _raised(call, into: list) -> None:
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 (the test says which)
+        into.append(e)
+    else:
+        into.append(None)
 
 
 def _step(engine, n: int) -> list:
@@ -65,3 +75,81 @@ def test_reload_weights_right_after_pause_and_keep_goes_on_with_the_new_weights(
             want = kept + hf_greedy(str(tmp_path / "new"), PROMPT + kept, 16 - len(kept))
             assert (last.finish_reason, list(last.token_ids)) == ("length", want) and want[len(kept):] != \
                 hf_greedy(str(src), PROMPT, 16)[len(kept):]
+
+
+def test_server_stop_while_paused_ends_the_paused_requests_at_once(tmp_path):
+    """Stopping a server while generation was paused waited the whole --shutdown-timeout for requests that cannot
+    finish (no POST /resume comes once it stops), then answered "--shutdown-timeout passed": now a request frozen
+    by POST /pause?mode=keep and one that arrived while paused end at once, each a 503 saying generation was
+    paused. /health (200) and /metrics answer while paused."""
+    httpx = pytest.importorskip("httpx")
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    engine = LLMEngine(EngineConfig(str(ensure_builtin("tiny-llama")), block_size=4, max_model_len=64,
+                                    max_num_seqs=2))
+    aengine = AsyncEngine(engine)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(httpx.post(f"{url}/v1/completions", json=body,
+                                                                     timeout=120))) for _ in range(2)]
+    with serve_in_thread(Server(aengine, "tiny"), graceful_timeout=60) as url:
+        with StepGate(engine, closed=True) as gate:
+            threads[0].start()
+            assert wait_until(lambda: engine.scheduler.has_unfinished())
+            pausing = threading.Thread(target=lambda: httpx.post(f"{url}/pause?mode=keep", timeout=60))
+            pausing.start()
+            assert wait_until(aengine.is_paused)
+            gate.open.set()
+            pausing.join(60)
+        threads[1].start()
+        assert wait_until(lambda: len(aengine._held) == 1) and len(engine.scheduler.waiting) == 1
+        health = httpx.get(f"{url}/health", timeout=60)
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        assert httpx.get(f"{url}/metrics", timeout=60).status_code == 200
+    for t in threads:
+        t.join(60)
+    assert [r.status_code for r in got] == [503, 503]
+    for r in got:
+        assert "while generation was paused" in r.json()["error"]["message"], r.text
+    assert not engine.requests
+
+
+def test_an_llm_call_while_paused_is_refused_not_a_hang():
+    """LLM.generate (and chat, stream, beam_search: every LLM call that adds requests) on an engine paused through
+    llm.llm_engine.pause_generation() queued its requests and waited for ever for a resume_generation() that a
+    single-threaded program never makes: refused now (PauseError naming resume_generation), as a sleeping engine's
+    generate is; a generate started before the pause on another thread goes on after the resume."""
+    from infer.engine.beam import BeamSearchParams
+    with LLM(str(ensure_builtin("tiny-llama")), block_size=4, max_model_len=64) as llm:
+        want = [list(o.outputs[0].token_ids) for o in llm.generate([PROMPT], LONG)]
+        engine = llm.llm_engine
+        engine.pause_generation()
+        for call in (lambda: llm.generate([PROMPT], LONG), lambda: list(llm.stream([PROMPT], LONG)),
+                     lambda: llm.beam_search([{"prompt_token_ids": PROMPT}], BeamSearchParams(beam_width=2,
+                                                                                             max_tokens=4))):
+            raised = []
+            t = threading.Thread(target=_raised, args=(call, raised))
+            t.start()
+            t.join(30)
+            hung = t.is_alive()
+            if hung:  # (the hang: the resume lets the call end)
+                engine.resume_generation()
+                t.join(60)
+            assert not hung and isinstance(raised[0], PauseError), raised
+            assert "generation is paused (llm.llm_engine.pause_generation())" in raised[0].message
+            assert "resume_generation()" in raised[0].hint and not engine.has_unfinished_requests()
+        engine.resume_generation()
+        got = []
+        with StepGate(engine, closed=True) as gate:
+            t = threading.Thread(target=lambda: got.append(llm.generate([PROMPT], LONG)))
+            t.start()
+            assert wait_until(lambda: engine.scheduler.has_unfinished())
+            engine.pause_generation(mode="keep")
+            gate.open.set()
+            t.join(0.3)
+            assert t.is_alive()
+            engine.resume_generation()
+            t.join(60)
+        assert [list(o.outputs[0].token_ids) for o in got[0]] == want

@@ -14,7 +14,7 @@ import weakref
 from dataclasses import fields as dataclass_fields, replace
 from typing import Iterator, Sequence as Seq
 
-from ..errors import ClosedError, RequestError, UnknownOptionError
+from ..errors import ClosedError, PauseError, RequestError, UnknownOptionError
 from .config import EngineConfig, load_chat_template
 from .inputs import chat_template_options, encode_prompt
 from .llm_engine import LLMEngine, LoRAHold, interrupts_held, salted_params, text_only
@@ -413,6 +413,7 @@ class LLM:
                     for i, (p, sp, lo) in enumerate(zip(encoded, params_list, loras)) for j in range(sp.n)]
         ids: list[str] = []
         with self._lock:
+            _check_unpaused(self._engine())
             try:
                 for i, p, sp, lo in requests:
                     self._counter += 1
@@ -721,6 +722,15 @@ def _dict_prompt(prompt: dict, i: int) -> tuple[object, bool]:
         raise RequestError(f"prompt {i}'s \"prompt_token_ids\" must be a list of token ids, got {type(value).__name__}",
                            'give text as {"prompt": text}')
     return value, key == "prompt_token_ids"
+
+
+def _check_unpaused(engine) -> None:
+    """LLM calls refuse new requests while generation is paused (llm.llm_engine.pause_generation()): they would wait
+    for a resume_generation() that a single-threaded program never makes (it hung). Asleep: the engine's refusal."""
+    engine.check_awake()
+    if engine.is_paused():
+        raise PauseError("generation is paused (llm.llm_engine.pause_generation()): a new request would wait for "
+                         "resume_generation()", "resume it first: llm.llm_engine.resume_generation()")
 
 
 def _prompt_text(prompt) -> str | None:

@@ -372,12 +372,20 @@ class AsyncEngine:
         with self._cond:
             self._accepting = False
 
-    def cut_off(self, message: str = "the server shut down before the request finished") -> int:
+    def cut_off(self, message: str = "the server shut down before the request finished",
+                paused_only: bool = False) -> int:
         """Stop taking requests and end every one in flight now: each gets a last output (finish_reason "abort",
-        `message` as its error) and its KV blocks are freed. Returns how many there were."""
-        self.stop_accepting()
+        `message` as its error) and its KV blocks are freed. Returns how many there were. `paused_only`: those that
+        cannot finish while generation is paused (pause()), no other: those waiting for resume() and, once the
+        engine is paused, every one (a shutdown's wait for them to finish would last its whole timeout)."""
         with self._cond:
-            left = list(self._sinks)
+            if paused_only and not self._holding:
+                return 0
+            if not paused_only or getattr(self.engine, "is_paused", lambda: False)():
+                left = list(self._sinks)
+            else:  # (a pause mode "wait" still runs the requests accepted before it: those may finish)
+                left = [p.request_id for p in self._held]
+        self.stop_accepting()
         for rid in left:
             self._fail(rid, "abort", message)  # its last output, which also forgets its sink
             with self._cond:
@@ -388,6 +396,8 @@ class AsyncEngine:
         """Stop taking requests, let those in flight finish within `timeout`, abort the rest (`message` their error;
         by default the server's), stop the thread."""
         self.stop_accepting()
+        self.cut_off(message or "the server shut down while generation was paused (before the request finished)",
+                     paused_only=True)
         deadline = time.monotonic() + timeout
         while self.num_in_flight() and time.monotonic() < deadline:
             time.sleep(0.02)

@@ -54,6 +54,11 @@ def uvicorn_server(server, app, cut_off_after: float, **config):
         async def shutdown(self, sockets=None) -> None:
             timer = self.loop.call_later(cut_off_after, self.cut_off, f"--shutdown-timeout {cut_off_after:g} s "
                                                                       "passed") if self.loop else None
+            # paused (POST /pause): no POST /resume comes now, so the requests it holds would wait the whole timeout
+            n = server.aengine.cut_off("the server shut down while generation was paused (POST /pause) before this "
+                                       "request finished", paused_only=True)
+            if n:
+                log.warning("ended %d request(s) waiting for POST /resume, each answered with a 503", n)
             try:
                 await super().shutdown(sockets=sockets)
                 done = getattr(getattr(self, "lifespan", None), "shutdown_event", None)  # (None: lifespan "off")
