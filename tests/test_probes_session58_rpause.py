@@ -153,3 +153,33 @@ def test_an_llm_call_while_paused_is_refused_not_a_hang():
             engine.resume_generation()
             t.join(60)
         assert [list(o.outputs[0].token_ids) for o in got[0]] == want
+
+
+def test_max_queue_reached_while_paused_says_generation_is_paused():
+    """--max-queue counts the requests that wait for POST /resume; the 503 queue_full of one more said only "N
+    requests are already waiting": it says generation is paused now (the queue empties at POST /resume, not by
+    waiting). After the resume every accepted request runs."""
+    httpx = pytest.importorskip("httpx")
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    engine = LLMEngine(EngineConfig(str(ensure_builtin("tiny-llama")), block_size=4, max_model_len=64,
+                                    max_num_seqs=2))
+    aengine = AsyncEngine(engine, max_queue=1)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    with serve_in_thread(Server(aengine, "tiny")) as url:
+        assert httpx.post(f"{url}/pause", timeout=60).status_code == 200
+        got = []
+        threads = [threading.Thread(target=lambda: got.append(httpx.post(f"{url}/v1/completions", json=body,
+                                                                         timeout=120))) for _ in range(3)]
+        for i, t in enumerate(threads):  # (max_num_seqs 2 free slots, then 1 waiting: 3 accepted)
+            t.start()
+            assert wait_until(lambda: len(aengine._held) == i + 1)
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+        assert "generation is paused: they run after POST /resume" in r.json()["error"]["message"], r.text
+        assert httpx.post(f"{url}/resume", timeout=60).status_code == 200
+        for t in threads:
+            t.join(60)
+    assert [r.json()["choices"][0]["finish_reason"] for r in got] == ["length"] * 3

@@ -124,7 +124,8 @@ class AsyncEngine:
                 if not self._accepting:
                     raise ShuttingDownError("the server is shutting down", "retry against another replica")
                 if self.max_queue is not None and self._would_wait() >= self.max_queue:
-                    raise QueueFullError(f"{self.max_queue} requests are already waiting (--max-queue)",
+                    paused = "; generation is paused: they run after POST /resume" if self._holding else ""
+                    raise QueueFullError(f"{self.max_queue} requests are already waiting (--max-queue{paused})",
                                          "retry after a moment")
                 if request_id in self._sinks:
                     raise RequestIdInUseError(f"request id {request_id!r} is already in use",
