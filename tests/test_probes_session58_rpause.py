@@ -183,3 +183,42 @@ def test_max_queue_reached_while_paused_says_generation_is_paused():
         for t in threads:
             t.join(60)
     assert [r.json()["choices"][0]["finish_reason"] for r in got] == ["length"] * 3
+
+
+def test_a_resume_while_asleep_leaves_the_requests_that_waited_for_it_waiting_for_wake_up():
+    """pause_generation, a generate that then waits, sleep(), resume_generation(), wake_up(): the resume admitted the
+    waiting generate to the sleeping engine, which refused it: it ended with finish_reason "error" ("the engine is
+    asleep"; a 500 from the server, which had accepted it). It waits for wake_up now, and then finishes with an
+    uninterrupted run's tokens, as the generate the pause froze does."""
+    import asyncio
+
+    from infer.serve.async_llm import AsyncLLM
+
+    async def generate(llm, rid):
+        async for out in llm.generate(PROMPT, LONG, rid):
+            last = out
+        return last.outputs[0]
+
+    async def main(llm):
+        want = list((await generate(llm, "w")).token_ids)
+        with StepGate(llm.engine, delay=0.01):
+            steps = llm.engine.num_steps
+            frozen = asyncio.ensure_future(generate(llm, "frozen"))
+            assert await asyncio.to_thread(wait_until, lambda: llm.engine.num_steps >= steps + 3)
+            await llm.pause_generation(mode="keep")
+        held = asyncio.ensure_future(generate(llm, "held"))
+        assert await asyncio.to_thread(wait_until, lambda: len(llm._loop._held) == 1)
+        assert "frozen" in llm.engine.requests and llm._loop._held[0].request_id == "held"
+        await llm.sleep(level=1, mode="keep")
+        await llm.resume_generation()
+        await asyncio.sleep(0.3)
+        assert not held.done() and not frozen.done() and not await llm.is_paused()
+        await llm.wake_up()
+        got = await asyncio.wait_for(asyncio.gather(frozen, held), 60)
+        assert [(o.finish_reason, list(o.token_ids)) for o in got] == [("length", want)] * 2
+
+    llm = AsyncLLM(str(ensure_builtin("tiny-llama")), block_size=4, max_model_len=64, enable_sleep_mode=True)
+    try:
+        asyncio.run(main(llm))
+    finally:
+        llm.shutdown()

@@ -81,7 +81,7 @@ class AsyncEngine:
         self._idle_controls: deque[tuple] = deque()  # the same, run once no request is left to step (a sleep "wait")
         self._draining = 0  # sleeps (mode "wait") waiting for the requests to end: new ones are refused meanwhile
         # pause(): from the call until resume(), new requests wait here (accepted, not admitted to the engine), and
-        # are admitted, in order, by resume()
+        # are admitted, in order, after resume() once the engine is awake (_release_held)
         self._holding = False
         self._held: deque[_Pending] = deque()
         self._sinks: dict[str, tuple] = {}  # request id -> (loop, queue); owned under _cond
@@ -133,7 +133,8 @@ class AsyncEngine:
                 sink = (asyncio.get_running_loop(), queue)
                 self._sinks[request_id] = sink
                 pending = _Pending(request_id, list(prompt_token_ids), params, lora, sink, time.monotonic())
-                (self._held if self._holding else self._adds).append(pending)  # (paused: it waits for resume())
+                # (paused: it waits for resume(); after those that wait for the engine to wake, in order)
+                (self._held if self._holding or self._held else self._adds).append(pending)
                 self._cond.notify()
 
     def admitting(self):
@@ -286,10 +287,26 @@ class AsyncEngine:
         request runs again (LLMEngine.resume_generation). Not paused: nothing changes."""
         with self._cond:
             self._holding = False
-            self._adds.extend(self._held)
-            self._held.clear()
             self._cond.notify()
-        await self._call(lambda engine: getattr(engine, "resume_generation", lambda: None)())
+        await self._call(lambda engine: getattr(engine, "resume_generation", lambda: None)())  # (then _release_held)
+
+    def _release_held(self) -> None:
+        """On the engine thread, after controls (resume, wake_up, reload_weights): the requests that waited for
+        resume() are admitted, in order, once it came and the engine is awake. Asleep (a sleep while paused, then
+        a resume), they wait on for wake_up(): admitted then, the engine refused them (a 500 "the engine is
+        asleep", where the server had accepted them)."""
+        with self._cond:
+            if self._holding or not self._held:
+                return
+        try:
+            getattr(self.engine, "check_awake", lambda: None)()
+        except SleepModeError:
+            return
+        with self._cond:
+            if not self._holding:
+                self._adds.extend(self._held)
+                self._held.clear()
+                self._cond.notify()
 
     def is_paused(self) -> bool:
         """vLLM's is_paused: from pause() until resume()."""
@@ -459,6 +476,7 @@ class AsyncEngine:
                 for p in late:
                     self._admit(p)
                 self._run_controls(controls, self.engine)
+                self._release_held()
         if adds:
             with self._cond:  # the new requests wait in the engine now: count them before the step runs
                 self._num_waiting = len(self.engine.scheduler.waiting)
