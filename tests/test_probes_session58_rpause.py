@@ -36,6 +36,19 @@ def _raised(call, into: list) -> None:
         into.append(None)
 
 
+def _served(max_queue: int | None = None, graceful_timeout: float = 5.0):
+    """(its AsyncEngine, the context manager that serves it: the base URL) of tiny-llama, 2 sequences at most."""
+    pytest.importorskip("fastapi")
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    engine = LLMEngine(EngineConfig(str(ensure_builtin("tiny-llama")), block_size=4, max_model_len=64,
+                                    max_num_seqs=2))
+    aengine = AsyncEngine(engine, max_queue)
+    return aengine, serve_in_thread(Server(aengine, "tiny"), graceful_timeout=graceful_timeout)
+
+
 def _step(engine, n: int) -> list:
     return [out for _ in range(n) for out in engine.step()]
 
@@ -83,18 +96,13 @@ def test_server_stop_while_paused_ends_the_paused_requests_at_once(tmp_path):
     by POST /pause?mode=keep and one that arrived while paused end at once, each a 503 saying generation was
     paused. /health (200) and /metrics answer while paused."""
     httpx = pytest.importorskip("httpx")
-    from infer.engine.config import EngineConfig
-    from infer.engine.llm_engine import LLMEngine
-    from infer.serve.app import Server, serve_in_thread
-    from infer.serve.async_engine import AsyncEngine
-    engine = LLMEngine(EngineConfig(str(ensure_builtin("tiny-llama")), block_size=4, max_model_len=64,
-                                    max_num_seqs=2))
-    aengine = AsyncEngine(engine)
+    aengine, serving = _served(graceful_timeout=60)
+    engine = aengine.engine
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
     got = []
     threads = [threading.Thread(target=lambda: got.append(httpx.post(f"{url}/v1/completions", json=body,
                                                                      timeout=120))) for _ in range(2)]
-    with serve_in_thread(Server(aengine, "tiny"), graceful_timeout=60) as url:
+    with serving as url:
         with StepGate(engine, closed=True) as gate:
             threads[0].start()
             assert wait_until(lambda: engine.scheduler.has_unfinished())
@@ -160,15 +168,9 @@ def test_max_queue_reached_while_paused_says_generation_is_paused():
     requests are already waiting": it says generation is paused now (the queue empties at POST /resume, not by
     waiting). After the resume every accepted request runs."""
     httpx = pytest.importorskip("httpx")
-    from infer.engine.config import EngineConfig
-    from infer.engine.llm_engine import LLMEngine
-    from infer.serve.app import Server, serve_in_thread
-    from infer.serve.async_engine import AsyncEngine
-    engine = LLMEngine(EngineConfig(str(ensure_builtin("tiny-llama")), block_size=4, max_model_len=64,
-                                    max_num_seqs=2))
-    aengine = AsyncEngine(engine, max_queue=1)
+    aengine, serving = _served(max_queue=1)
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-    with serve_in_thread(Server(aengine, "tiny")) as url:
+    with serving as url:
         assert httpx.post(f"{url}/pause", timeout=60).status_code == 200
         got = []
         threads = [threading.Thread(target=lambda: got.append(httpx.post(f"{url}/v1/completions", json=body,
