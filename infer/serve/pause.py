@@ -12,7 +12,9 @@ As vLLM's, /pause answers {"status": "paused"} once done, and requests that arri
 they wait (streamed or not) and run after /resume; a client that goes away meanwhile frees its place. A request
 /pause aborted ends as vLLM's: a whole reply with finish_reason "abort" (200, the text it had), a stream with a last
 chunk whose finish_reason is "abort". Pause and sleep (POST /sleep) are independent: a server asleep refuses new
-requests (503 engine_sleeping) whether paused or not, and runs requests once awake and resumed. With
+requests (503 engine_sleeping) whether paused or not, and runs requests once awake and resumed (those that
+waited for a /resume that came while asleep wait on for /wake_up). A server stopped while paused ends at once the
+requests that wait for /resume (a 503 each: no /resume can come), not after --shutdown-timeout. With
 --data-parallel the routes answer 400 (pause runs one engine); --api-key guards them as every route.
 """
 
