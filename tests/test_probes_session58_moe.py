@@ -173,6 +173,13 @@ def test_an_irregular_grouping_stays_read_per_row():
     assert odd.sorted_by_group(16) is odd
     plain = int4_experts(3, 64, 16, 16, False, True, False, seed=0)
     assert plain.sorted_by_group(16) is plain
+    from infer.models.moe import Int4Stack
+    from infer.quant.config import GPTQConfig
+    stack = Int4Stack(3, 64, 16, GPTQConfig(group_size=16, desc_act=True))  # (the load's: left unsorted, read per row)
+    for buf, t in zip((stack.words, stack.zeros, stack.scales, stack.g_idx), odd[:4]):
+        buf.copy_(t)
+    stack.sort_by_group(16)
+    assert stack.perm is None and stack.group_size == 0 and torch.equal(stack.g_idx, odd.g_idx)
 
 
 def test_the_bigger_tiles_compiled_for_an_h100_fit_its_shared_memory():
