@@ -7,6 +7,7 @@ import errno
 import json
 import math
 import os
+import shlex
 import signal
 import stat
 import sys
@@ -61,8 +62,23 @@ def read_lines(path: Path):
 
 def one_request_file(path: str) -> str:
     """A shell command that writes a JSONL file of one request to `path` (what a newcomer without one is shown)."""
-    import shlex
     return f"echo '{{\"prompt\": \"Hello\"}}' > {shlex.quote(path)}"
+
+
+# the shell commands _check_jsonl tells: JSONL of an array, of JSON strings, of lines of text, of comma-ended lines
+_SED_COMMAS, _JQ_ARRAY = "sed 's/,$//'", "jq -c '.[]'"
+_JQ_ARRAY_PROMPTS, _JQ_PROMPTS = "jq -c '.[] | {prompt: .}'", "jq -c '{prompt: .}'"
+_JQ_TEXT_PROMPTS = "jq -R -c '{prompt: .}'"
+
+
+def _into_new_file(command: str, path: Path, want: str = "prompts.jsonl") -> str:
+    """`command INPUT > OUT`, a shell command that writes what `command` makes of the input `path` (quoted for the
+    shell: a name with a space or a quote) to a file of the current folder that is not the input: the shell empties
+    OUT before the command reads it, so `jq -c '.[]' prompts.jsonl > prompts.jsonl` lost the file."""
+    out = Path(want)
+    if out.resolve() == path.expanduser().resolve():
+        out = out.with_name(f"{out.stem}-lines{out.suffix}")
+    return f"{command} {shlex.quote(str(path))} > {shlex.quote(str(out))}"
 
 
 def check_input_encoding(path: Path) -> None:
@@ -77,12 +93,13 @@ def check_input_encoding(path: Path) -> None:
         raise ConfigError(f"cannot read input {path}: {e.strerror or e}", "check the file's permissions") from None
     if head[:2] in (b"\xff\xfe", b"\xfe\xff") or head[:4] in (b"\x00\x00\xfe\xff", b"\xff\xfe\x00\x00"):
         raise ConfigError(f"input {path} is UTF-16 or UTF-32 text (it starts with that byte order mark); infer reads "
-                          "UTF-8", f"save it as UTF-8, e.g. iconv -f UTF-16 -t UTF-8 {path} > prompts-utf8.jsonl")
+                          "UTF-8", f"save it as UTF-8, e.g. "
+                          f"{_into_new_file('iconv -f UTF-16 -t UTF-8', path, 'prompts-utf8.jsonl')}")
     packed = next((name for magic, name in _COMPRESSED if head.startswith(magic)), None) or \
         ("bzip2" if head[:3] == b"BZh" and head[4:10] == b"1AY&SY" else None)
     if packed is not None:  # every line was an error record "not valid UTF-8", after the model had loaded
         raise ConfigError(f"input {path} is {packed}-compressed; infer reads plain JSONL text",
-                          f"decompress it first, e.g. {_UNPACK[packed]} {path} > prompts.jsonl")
+                          f"decompress it first, e.g. {_into_new_file(_UNPACK[packed], path)}")
     if len(head) >= 64 and head.count(0) * 4 > len(head):  # JSON text never holds a raw NUL byte
         raise ConfigError(f"input {path} is not a JSONL text file: {head.count(0):,} of its first {len(head):,} "
                           "bytes are NUL (a binary file, or UTF-16 without a byte order mark?)",
@@ -107,7 +124,7 @@ def _check_jsonl(path: Path, head: bytes) -> None:
         if commas >= max(1, len(lines) - 1) and all(_is_object(line.removesuffix(",")) for line in lines):
             raise ConfigError(f"input {path}: its lines end with a comma (the items of a JSON array?), which makes "
                               "them bad JSON; a JSONL line is the object alone",
-                              f"remove the commas, e.g. sed 's/,$//' {path} > prompts.jsonl")
+                              f"remove the commas, e.g. {_into_new_file(_SED_COMMAS, path)}")
         return
     document = lines[0] in ("[", "{")  # a line of JSONL is never a bracket alone: one JSON value over many lines
     for line in lines if not document else ():
@@ -119,19 +136,23 @@ def _check_jsonl(path: Path, head: bytes) -> None:
     example = '{"prompt": "The weather today is"}'
     if document or lines[0].startswith("["):  # one JSON document: an array of requests, or an object over lines
         first = lines[0][1:].strip() or (lines[1] if len(lines) > 1 else "")  # the array's first item
-        convert = (f"jq -c '.[] | {{prompt: .}}' {path} > prompts.jsonl for an array of prompt strings"
-                   if lines[0].startswith("[") and first.startswith('"') else
-                   f"jq -c '.[]' {path} > prompts.jsonl for an array (jq -c . {path} for pretty-printed objects)")
+        if lines[0].startswith("{"):  # objects over many lines each: jq reads them one after the other
+            convert = f"{_into_new_file('jq -c .', path)} for pretty-printed objects"
+        elif first.startswith('"'):
+            convert = f"{_into_new_file(_JQ_ARRAY_PROMPTS, path)} for an array of prompt strings"
+        else:
+            convert = f"{_into_new_file(_JQ_ARRAY, path)} for an array"
         raise ConfigError(f"input {path} is a JSON document (it starts with {lines[0][0]!r}), not JSONL: infer run "
                           f"reads one request object per line, e.g. {example}",
                           f"write each request on a line of its own, e.g. {convert}")
     quoted = _is_string(lines[0])  # a JSON string a line (what `jq -c '.[]'` makes of an array of prompts)
     raise ConfigError(f"input {path} is not JSONL: no line of it is a JSON object (line 1: {lines[0][:40]!r}); infer "
                       f"run reads one request object per line, e.g. {example}",
-                      f"to make one request of each JSON string: jq -c '{{prompt: .}}' {path} > prompts.jsonl"
+                      f"to make one request of each JSON string: {_into_new_file(_JQ_PROMPTS, path)}"
                       if quoted else
-                      f"to make one request of each line of a text file: jq -R -c '{{prompt: .}}' {path} > "
-                      "prompts.jsonl (a CSV needs its prompt column taken out first)")
+                      f"to make one request of each line of a text file: "
+                      f"{_into_new_file(_JQ_TEXT_PROMPTS, path)} (a CSV needs its prompt column taken out "
+                      "first)")
 
 
 def _is_object(text: str) -> bool:

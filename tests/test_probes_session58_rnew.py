@@ -1,0 +1,49 @@
+"""Session 58 review of the newcomer's messages: every shell command a message tells runs as written (a file name with
+a space or a quote, an input already named prompts.jsonl), and the values check of config.json refuses no real model's
+config (the families' transformers defaults, with the null / 0 / false fields real hub configs hold)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from infer.cli.batch_io import check_input_encoding
+from infer.errors import ConfigError
+
+_ARRAY = json.dumps(["The weather today is", "Trains leave"]).encode()
+
+
+@pytest.mark.parametrize("name, content", [
+    ("prompts.jsonl", _ARRAY),  # `> prompts.jsonl` emptied it before jq read it
+    ("it's prompts.json", json.dumps([{"prompt": "a"}, {"prompt": "b"}], indent=2).encode()),
+    ("my prompts.jsonl", b'"The weather today is"\n"Trains leave"\n'),
+    ("prompts.jsonl", b"The weather today is\nTrains leave\n"),
+    ("my $prompts.json", (json.dumps({"prompt": "a"}, indent=2) + "\n" + json.dumps({"prompt": "b"}, indent=2)).encode()),
+    ("prompts.jsonl", b'{"prompt": "a"},\n{"prompt": "b"},\n'),
+    ("prompts.jsonl", gzip.compress(b'{"prompt": "a"}\n{"prompt": "b"}\n')),
+], ids=["array-named-prompts", "quote", "string-lines", "text-named-prompts", "pretty-objects", "commas", "gzip"])
+def test_a_conversion_command_keeps_the_input_and_runs_as_written(tmp_path, monkeypatch, name, content):
+    """The hint's command for a file that is not JSONL named the input unquoted (`jq -c '.[]' it's prompts.json`: a
+    shell syntax error; `my prompts.jsonl`: two files) and wrote prompts.jsonl, which for an input prompts.jsonl is
+    the input itself: the shell empties it before jq reads it, and the user's prompts were lost."""
+    monkeypatch.chdir(tmp_path)
+    Path(name).write_bytes(content)
+    with pytest.raises(ConfigError) as e:
+        check_input_encoding(Path(name))
+    command = re.search(r"(?:e\.g\.|:) ((?:jq|sed|gunzip) .+?)(?: for | \(a CSV|$)", e.value.hint).group(1)
+    words = shlex.split(command)
+    assert words[-3:-1] == [name, ">"] and words[-1] != name, command
+    if shutil.which(words[0]) is None:
+        pytest.skip(f"{words[0]} is not installed")
+    subprocess.run(shlex.join(words[:-2]) + " > " + shlex.quote(words[-1]), shell=True, check=True)
+    assert Path(name).read_bytes() == content
+    made = [json.loads(line) for line in Path(words[-1]).read_text().splitlines()]
+    assert all(isinstance(m, dict) and isinstance(m.get("prompt"), str) for m in made) and len(made) == 2, made
+    check_input_encoding(Path(words[-1]))  # the file made is JSONL
