@@ -47,3 +47,21 @@ def test_a_conversion_command_keeps_the_input_and_runs_as_written(tmp_path, monk
     made = [json.loads(line) for line in Path(words[-1]).read_text().splitlines()]
     assert all(isinstance(m, dict) and isinstance(m.get("prompt"), str) for m in made) and len(made) == 2, made
     check_input_encoding(Path(words[-1]))  # the file made is JSONL
+
+
+def test_an_unknown_body_model_is_told_the_served_model_name_that_runs_the_base_by_it(tmp_path):
+    """A batch file written for a vLLM server of the hub model ("model": "meta-llama/Llama-3.2-1B", the name vllm
+    serve gives it) run on a local copy: every line was a 404 whose hint named only the base's own names and --lora;
+    vllm run-batch's remedy is --served-model-name, which the hint now gives, and which runs the line as written."""
+    from test_probes_session58_batch import _batch, _records, _run, _write
+    hub = "meta-llama/Llama-3.2-1B"
+    inp, out = _write(tmp_path / "in.jsonl", [_batch("hub", model=hub)]), tmp_path / "out.jsonl"
+    res = _run(str(inp), "-o", str(out), "--output-format", "openai")
+    assert res.exit_code == 1, res.output
+    error = _records(out)[0]["error"]["message"]
+    given = re.search(r"give (--served-model-name \S+) \(vllm run-batch's\)", error)
+    assert given is not None and "--lora meta-llama/Llama-3.2-1B=PATH" in error, error
+    res = _run(str(inp), "-o", str(out), "--output-format", "openai", *shlex.split(given.group(1)))
+    assert res.exit_code == 0, res.output
+    record = _records(out)[0]
+    assert record["error"] is None and record["response"]["body"]["model"] == hub

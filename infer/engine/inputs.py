@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import shlex
 from dataclasses import dataclass
 from typing import Any
 
@@ -470,7 +471,9 @@ class ModelNames:
         raise UnknownModelError(f"body.model {model!r} is neither the base model nor a registered adapter: the "
                                 f"model `{model}` does not exist in this run",
                                 f"name one of: {', '.join(known)}, or leave body.model out for the base model; to run "
-                                f"an adapter by that name, register it with --lora {model}=PATH (PATH: its PEFT "
+                                f"the base model by that name (a batch file written for the hub id, say), give "
+                                f"--served-model-name {shlex.quote(model)} (vllm run-batch's); to run an adapter by "
+                                f"that name, register it with --lora {shlex.quote(model + '=')}PATH (PATH: its PEFT "
                                 "folder)", name=model, known=known)
 
 
