@@ -25,7 +25,7 @@ _ARRAY = json.dumps(["The weather today is", "Trains leave"]).encode()
     ("it's prompts.json", json.dumps([{"prompt": "a"}, {"prompt": "b"}], indent=2).encode()),
     ("my prompts.jsonl", b'"The weather today is"\n"Trains leave"\n'),
     ("prompts.jsonl", b"The weather today is\nTrains leave\n"),
-    ("my $prompts.json", (json.dumps({"prompt": "a"}, indent=2) + "\n" + json.dumps({"prompt": "b"}, indent=2)).encode()),
+    ("my $prompts.json", b'{\n  "prompt": "a"\n}\n{\n  "prompt": "b"\n}\n'),
     ("prompts.jsonl", b'{"prompt": "a"},\n{"prompt": "b"},\n'),
     ("prompts.jsonl", gzip.compress(b'{"prompt": "a"}\n{"prompt": "b"}\n')),
 ], ids=["array-named-prompts", "quote", "string-lines", "text-named-prompts", "pretty-objects", "commas", "gzip"])
