@@ -65,3 +65,45 @@ def test_an_unknown_body_model_is_told_the_served_model_name_that_runs_the_base_
     assert res.exit_code == 0, res.output
     record = _records(out)[0]
     assert record["error"] is None and record["response"]["body"]["model"] == hub
+
+
+# the fields real hub configs leave null, 0, false or empty (Mistral v0.3's and Mixtral's sliding_window null, Qwen2's
+# window with use_sliding_window false, Qwen2-MoE's sliding_window 0 of transformers' defaults, Gemma 3's
+# sliding_window_pattern, head_dim / num_key_value_heads / rope_scaling null, MoE's mlp_only_layers [])
+_HUB_FIELDS = {
+    "llama": [{"num_key_value_heads": None, "head_dim": None, "rope_scaling": None}],
+    "mistral": [{"sliding_window": None, "head_dim": None}, {"sliding_window": 4096}],
+    "qwen2": [{"sliding_window": 131072, "use_sliding_window": False, "max_window_layers": 28},
+              {"sliding_window": None, "max_window_layers": 70}],
+    "qwen3": [{"sliding_window": None, "head_dim": 16, "max_window_layers": 2, "use_sliding_window": False}],
+    "phi3": [{"sliding_window": 2047}, {"sliding_window": 262144, "rope_scaling": None}],
+    "gemma": [{"head_dim": 16}],
+    "gemma2": [{"sliding_window": 4096, "head_dim": 16, "query_pre_attn_scalar": 16}],
+    "gemma3_text": [{"sliding_window": 512, "sliding_window_pattern": 6, "rope_scaling": None, "head_dim": 16,
+                     "query_pre_attn_scalar": 16}],
+    "qwen3_moe": [{"sliding_window": None, "decoder_sparse_step": 1, "mlp_only_layers": [], "head_dim": None}],
+    "mixtral": [{"sliding_window": None, "head_dim": None}],
+    "qwen2_moe": [{"sliding_window": 0, "shared_expert_intermediate_size": 0, "mlp_only_layers": []},
+                  {"use_sliding_window": False, "sliding_window": 32768, "max_window_layers": 21}],
+}
+
+
+@pytest.mark.parametrize("model_type, fields", [(t, f) for t, many in _HUB_FIELDS.items() for f in [{}, *many]])
+def test_real_configs_are_read(tmp_path, model_type, fields):
+    """config.json's values check (a size no model has, refused before transformers reads the file) on each supported
+    family's config as transformers writes it (AutoConfig.for_model's defaults, small sizes), alone and with the
+    null / 0 / false fields of real hub configs: none of them is refused."""
+    from transformers import AutoConfig
+
+    from infer.models.loader import load_config
+    from infer.models.registry import SUPPORTED
+    arch = next(a for a, t in SUPPORTED.items() if t == model_type)
+    small = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+             "intermediate_size": 128, "vocab_size": 256}
+    if model_type.endswith("moe") or model_type == "mixtral":
+        small.update(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    config = AutoConfig.for_model(model_type, **small, architectures=[arch])
+    config.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, **fields}))
+    assert load_config(tmp_path).model_type == model_type
