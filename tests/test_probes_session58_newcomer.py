@@ -165,7 +165,8 @@ def test_a_missing_sharegpt_file_is_told_where_vllms_comes_from(tmp_path, monkey
     with pytest.raises(ConfigError) as e:
         check_dataset("sharegpt:./sharegpt.json")
     assert e.value.hint == f"pass an existing file: sharegpt:PATH; the ShareGPT file vLLM's benchmarks use is " \
-                           f"fetched with {fetch}"
+                           f"fetched with {fetch}, then pass --dataset " \
+                           "sharegpt:ShareGPT_V3_unfiltered_cleaned_split.json"
     with pytest.raises(ConfigError) as e:
         check_dataset("jsonl:./prompts.jsonl")
     assert "ShareGPT" not in e.value.hint

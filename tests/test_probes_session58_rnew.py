@@ -107,3 +107,24 @@ def test_real_configs_are_read(tmp_path, model_type, fields):
     raw = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**raw, **fields}))
     assert load_config(tmp_path).model_type == model_type
+
+
+@pytest.mark.parametrize("given", ["./sharegpt.json", "data dir/ShareGPT_V3_unfiltered_cleaned_split.json",
+                                   "it's/sharegpt.json"])
+def test_the_sharegpt_download_lands_where_the_dataset_is_then_read(tmp_path, monkeypatch, given):
+    """`infer bench M --dataset sharegpt:./sharegpt.json` (README's) was told `hf download ... --local-dir .`, which
+    writes ShareGPT_V3_unfiltered_cleaned_split.json, not ./sharegpt.json: the same command failed again. The
+    download now goes to the folder the option names (quoted), and the option to pass then is said."""
+    from infer.cli.bench import SHAREGPT_FILE, check_dataset
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        check_dataset(f"sharegpt:{given}")
+    fetch = shlex.split(re.search(r"`(hf download [^`]+)`", e.value.hint).group(1))
+    assert fetch[2:] == ["anon8231489123/ShareGPT_Vicuna_unfiltered", SHAREGPT_FILE, "--repo-type", "dataset",
+                         "--local-dir", fetch[-1]], fetch
+    downloaded = Path(fetch[-1]) / SHAREGPT_FILE  # where hf download --local-dir writes the one file
+    downloaded.parent.mkdir(parents=True, exist_ok=True)
+    downloaded.write_text("[]")
+    then = re.search(r", then pass --dataset (\S+)$", e.value.hint)
+    assert (then is None) == given.endswith(SHAREGPT_FILE), e.value.hint
+    check_dataset(shlex.split(then.group(1))[0] if then else f"sharegpt:{given}")  # the file is found

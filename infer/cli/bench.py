@@ -80,9 +80,18 @@ def parse_goodput(items: list[str] | None) -> dict | None:
 
 
 # where the ShareGPT file of vLLM's benchmarks comes from (infer downloads nothing itself)
-_SHAREGPT_FETCH = ("; the ShareGPT file vLLM's benchmarks use is fetched with `hf download "
-                   "anon8231489123/ShareGPT_Vicuna_unfiltered ShareGPT_V3_unfiltered_cleaned_split.json --repo-type "
-                   "dataset --local-dir .`")
+SHAREGPT_REPO, SHAREGPT_FILE = "anon8231489123/ShareGPT_Vicuna_unfiltered", "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def _sharegpt_fetch(path: str) -> str:
+    """The hf download of the ShareGPT file vLLM's benchmarks read into the folder of --dataset sharegpt:PATH, and
+    the PATH to pass then where PATH names another file (README's ./sharegpt.json): it keeps its own name."""
+    import shlex
+    folder = Path(path).expanduser().parent
+    then = "" if Path(path).name == SHAREGPT_FILE else \
+        f", then pass --dataset sharegpt:{shlex.quote(str(folder / SHAREGPT_FILE))}"
+    return (f"; the ShareGPT file vLLM's benchmarks use is fetched with `hf download {SHAREGPT_REPO} {SHAREGPT_FILE} "
+            f"--repo-type dataset --local-dir {shlex.quote(str(folder))}`{then}")
 
 
 def check_dataset(spec: str) -> None:
@@ -95,7 +104,7 @@ def check_dataset(spec: str) -> None:
         raise ConfigError(f"--dataset {spec} names no file", f"pass {kind}:PATH")
     if sep and not Path(path).expanduser().is_file():
         near = None if Path(path).expanduser().exists() else missing_file_hint(path)  # a typo: the closest file
-        fetch = _SHAREGPT_FETCH if kind == "sharegpt" and not Path(path).expanduser().exists() else ""
+        fetch = _sharegpt_fetch(path) if kind == "sharegpt" and not Path(path).expanduser().exists() else ""
         raise ConfigError(f"--dataset {spec}: {path} is not a file",
                           (f"{near} (pass an existing file: {kind}:PATH)" if near
                            else f"pass an existing file: {kind}:PATH") + fetch)
