@@ -4,4 +4,5 @@ executed")."""
 
 from .cli.entry import main
 
-main()
+if __name__ == "__main__":  # (imported, by pydoc or a doctest run, it runs nothing)
+    main()

@@ -128,3 +128,24 @@ def test_the_sharegpt_download_lands_where_the_dataset_is_then_read(tmp_path, mo
     then = re.search(r", then pass --dataset (\S+)$", e.value.hint)
     assert (then is None) == given.endswith(SHAREGPT_FILE), e.value.hint
     check_dataset(shlex.split(then.group(1))[0] if then else f"sharegpt:{given}")  # the file is found
+
+
+@pytest.mark.parametrize("url", ["https://huggingface.co/datasets/org/prompts",
+                                 "huggingface.co/spaces/org/demo/tree/main"])
+def test_a_hub_page_that_is_no_models_is_not_told_a_download_of_it(tmp_path, monkeypatch, url):
+    """https://huggingface.co/datasets/ORG/NAME as MODEL was read as the model `datasets/ORG`: told `hf download
+    datasets/ORG`, a repository that does not exist."""
+    from helpers import in_empty_hub_cache
+    from test_probes_session58_newcomer import _hint
+    in_empty_hub_cache(tmp_path, monkeypatch)
+    hint = _hint(url)
+    assert "hf download" not in hint and "no model's page on the hub" in hint and "ORG/NAME" in hint, hint
+
+
+def test_importing_infer_main_runs_no_command():
+    """infer/__main__.py ran the CLI when imported (pydoc, a doctest run over the package): it exited the importer."""
+    import importlib
+    import sys
+    sys.modules.pop("infer.__main__", None)
+    module = importlib.import_module("infer.__main__")
+    assert callable(module.main)

@@ -16,9 +16,11 @@ from .tiny import BUILTIN_MODELS, ensure_builtin
 
 # a Hugging Face hub id as vLLM and transformers take it: ORG/NAME, each part of letters, digits, "-", "_", "."
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
-# a model's page on the hub, as a browser shows it: https://huggingface.co/ORG/NAME (/tree/main, ...)
-_HUB_URL = re.compile(r"(?:https?://)?(?:www\.)?(?:huggingface\.co|hf\.co)/([A-Za-z0-9][A-Za-z0-9._-]*/"
-                      r"[A-Za-z0-9][A-Za-z0-9._-]*)(?:/.*)?$")
+# a model's page on the hub, as a browser shows it: https://huggingface.co/ORG/NAME (/tree/main, ...); not a page of
+# the hub's other kinds (https://huggingface.co/datasets/ORG/NAME is no model ORG "datasets")
+_HUB_SITE = r"(?:https?://)?(?:www\.)?(?:huggingface\.co|hf\.co)/"
+_HUB_URL = re.compile(_HUB_SITE + r"(?!(?:datasets|spaces|docs|collections|papers|blog|organizations|settings)/)"
+                      r"([A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)(?:/.*)?$")
 
 
 def resolve_model(name_or_path: str | os.PathLike) -> Path:
@@ -101,6 +103,9 @@ def _unknown_name_hint(name: str) -> str:
         if _hub_cache_snapshot(repo) is not None:
             return f"infer takes no URL: pass the hub id {repo}, which the local hub cache holds"
         return _download_hint(repo, "infer takes no URL, and the local hub cache does not hold this model")
+    if re.match(_HUB_SITE, name):  # a dataset's or a space's page
+        return ("infer takes no URL, and this is no model's page on the hub: pass a model's hub id ORG/NAME (its page "
+                "is https://huggingface.co/ORG/NAME) or a local model folder")
     if "://" in name:
         return "infer reads local folders only, never a URL: download the model into a folder and pass that folder"
     if "/" in name or name.startswith(("~", ".")):
