@@ -17,6 +17,11 @@ import pytest
 from infer.cli.batch_io import check_input_encoding
 from infer.errors import ConfigError
 
+def _shell(words: list[str]) -> None:
+    """Run `COMMAND ARGS > OUT` (a hint's command split by shlex) in a shell, as the user would."""
+    subprocess.run(shlex.join(words[:-2]) + " > " + shlex.quote(words[-1]), shell=True, check=True)
+
+
 _ARRAY = json.dumps(["The weather today is", "Trains leave"]).encode()
 
 
@@ -42,7 +47,7 @@ def test_a_conversion_command_keeps_the_input_and_runs_as_written(tmp_path, monk
     assert words[-3:-1] == [name, ">"] and words[-1] != name, command
     if shutil.which(words[0]) is None:
         pytest.skip(f"{words[0]} is not installed")
-    subprocess.run(shlex.join(words[:-2]) + " > " + shlex.quote(words[-1]), shell=True, check=True)
+    _shell(words)
     assert Path(name).read_bytes() == content
     made = [json.loads(line) for line in Path(words[-1]).read_text().splitlines()]
     assert all(isinstance(m, dict) and isinstance(m.get("prompt"), str) for m in made) and len(made) == 2, made
@@ -149,3 +154,21 @@ def test_importing_infer_main_runs_no_command():
     sys.modules.pop("infer.__main__", None)
     module = importlib.import_module("infer.__main__")
     assert callable(module.main)
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32", "utf-32-be"])
+def test_a_wide_input_is_told_the_iconv_that_reads_it(tmp_path, monkeypatch, encoding):
+    """A UTF-32 file (its byte order mark) was told `iconv -f UTF-16`, which makes garbage of it."""
+    monkeypatch.chdir(tmp_path)
+    text = '{"prompt": "The weather today is"}\n'
+    Path("my prompts.jsonl").write_bytes(("\ufeff" + text).encode(encoding) if encoding.endswith("be") else
+                                         text.encode(encoding))
+    with pytest.raises(ConfigError) as e:
+        check_input_encoding(Path("my prompts.jsonl"))
+    words = shlex.split(re.search(r"e\.g\. (iconv .+)$", e.value.hint).group(1))
+    assert words[:5] == ["iconv", "-f", encoding[:6].upper(), "-t", "UTF-8"] and words[5:7] == ["my prompts.jsonl", ">"]
+    if shutil.which("iconv") is None:
+        pytest.skip("iconv is not installed")
+    _shell(words)
+    assert Path(words[-1]).read_text(encoding="utf-8").removeprefix("\ufeff") == text
+    check_input_encoding(Path(words[-1]))  # infer reads what iconv made

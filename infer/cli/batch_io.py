@@ -91,10 +91,11 @@ def check_input_encoding(path: Path) -> None:
             head = f.read(1 << 16)
     except OSError as e:
         raise ConfigError(f"cannot read input {path}: {e.strerror or e}", "check the file's permissions") from None
-    if head[:2] in (b"\xff\xfe", b"\xfe\xff") or head[:4] in (b"\x00\x00\xfe\xff", b"\xff\xfe\x00\x00"):
+    wide = "UTF-32" if head[:4] in (b"\x00\x00\xfe\xff", b"\xff\xfe\x00\x00") else "UTF-16"  # (iconv reads the BOM)
+    if head[:2] in (b"\xff\xfe", b"\xfe\xff") or wide == "UTF-32":
+        iconv = _into_new_file(f"iconv -f {wide} -t UTF-8", path, "prompts-utf8.jsonl")
         raise ConfigError(f"input {path} is UTF-16 or UTF-32 text (it starts with that byte order mark); infer reads "
-                          "UTF-8", f"save it as UTF-8, e.g. "
-                          f"{_into_new_file('iconv -f UTF-16 -t UTF-8', path, 'prompts-utf8.jsonl')}")
+                          "UTF-8", f"save it as UTF-8, e.g. {iconv}")
     packed = next((name for magic, name in _COMPRESSED if head.startswith(magic)), None) or \
         ("bzip2" if head[:3] == b"BZh" and head[4:10] == b"1AY&SY" else None)
     if packed is not None:  # every line was an error record "not valid UTF-8", after the model had loaded
