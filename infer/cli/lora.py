@@ -44,6 +44,10 @@ def lora_validate(
     A GPTQ or AWQ base is recognised from quantization_config in BASE/config.json; --quantized only makes that a
     requirement, so a float folder passed by mistake is refused rather than silently checked.
 
+    --lora-target-modules takes several names after one flag (o_proj qkv_proj, as the engine commands do) or names
+    separated by commas; give it after the adapters: before them, every word up to the last ADAPTER is read as a
+    module name.
+
     Example: infer lora-validate ./llama-gptq support=./adapters/support ./adapters/legal
 
     Exit status: 0 every adapter passes, 1 some adapter fails (the reasons are printed), 2 bad BASE or options.

@@ -53,7 +53,8 @@ def spread(args: list[str], many: set[str], takes_value: set[str], positionals: 
 
 class ManyValuesCommand(TyperCommand):
     """A command whose options named in `MANY` take several values after one flag (vLLM's nargs "+"): serve, and
-    for --lora-target-modules, an engine option, the other engine commands (run, warmup, bench) too."""
+    for --lora-target-modules, an engine option, the other engine commands (run, warmup, bench) and lora-validate
+    too."""
 
     MANY = {"--served-model-name", "--api-key", "--lora-target-modules"}
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from ..engine.config import RANGES, EngineConfig
-from ..engine.setup import checkpoint_dtype, context_limit, model_max_len, warn_unused_memory_option
+from ..engine.setup import (check_lora_targets, checkpoint_dtype, context_limit, load_tokenizer, model_max_len,
+                            warn_unused_memory_option)
 from ..errors import ConfigError, OutOfMemoryError
 from ..memory.plan import (MemoryPlan, bound_room, budget_bytes, cuda_graph_bytes, draft_activation_bytes,
                            draft_graph_bytes, make_plan, speculative_logit_bytes)
@@ -20,12 +21,17 @@ from ..memory.sizes import (DEQUANT_MIN_TOKENS, activation_bytes, element_bytes,
 
 
 def _model_parts(engine_config: EngineConfig):
+    """(path, config, device, dtype) of the model, with the checks an engine start makes before its weights load
+    (engine.setup.load_engine_parts): --lora-target-modules against the model, and the tokenizer, which `infer run`
+    and `infer serve` load and a model folder without one (or with a damaged one) cannot serve."""
     from ..models.loader import load_config
     from ..models.resolve import resolve_model
     path = resolve_model(engine_config.model)
     model_config = load_config(path)
+    check_lora_targets(engine_config, model_config)
     device = engine_config.torch_device()
     warn_unused_memory_option(engine_config, device)
+    load_tokenizer(path, engine_config.chat_template)
     return path, model_config, device, engine_config.torch_dtype(checkpoint_dtype(model_config))
 
 

@@ -94,6 +94,19 @@ def warn_unused_memory_option(engine_config: EngineConfig, device: torch.device)
         log.warning(note)
 
 
+def check_lora_targets(engine_config: EngineConfig, model_config) -> None:
+    """Once at start (an engine's, warmup's): --lora-target-modules names a module the model has (before its load),
+    or, without adapters (no --enable-lora, no --lora), a warning that it does nothing (vLLM ignores it too; said, as
+    it selects nothing)."""
+    if engine_config.loras or engine_config.enable_lora:
+        from ..lora.targets import check_target_modules
+        check_target_modules(engine_config.lora_target_modules, model_config)
+    elif engine_config.lora_target_modules is not None:
+        log.warning("--lora-target-modules %s does nothing without adapters: no adapter slots are reserved (pass "
+                    "--enable-lora or --lora NAME=PATH to serve adapters on those modules)",
+                    ",".join(engine_config.lora_target_modules))
+
+
 def load_engine_parts(engine_config: EngineConfig) -> EngineParts:
     from ..models.loader import load_config, load_model
     from ..models.resolve import resolve_model
@@ -101,13 +114,7 @@ def load_engine_parts(engine_config: EngineConfig) -> EngineParts:
 
     path = resolve_model(engine_config.model)
     model_config = load_config(path)
-    if engine_config.loras or engine_config.enable_lora:  # a name the model has no layer of: before its load
-        from ..lora.targets import check_target_modules
-        check_target_modules(engine_config.lora_target_modules, model_config)
-    elif engine_config.lora_target_modules is not None:  # (vLLM ignores it too; said, as it selects nothing)
-        log.warning("--lora-target-modules %s does nothing without adapters: no adapter slots are reserved (pass "
-                    "--enable-lora or --lora NAME=PATH to serve adapters on those modules)",
-                    ",".join(engine_config.lora_target_modules))
+    check_lora_targets(engine_config, model_config)
     device = engine_config.torch_device()
     warn_unused_memory_option(engine_config, device)
     dtype = engine_config.torch_dtype(checkpoint_dtype(model_config))

@@ -6,6 +6,7 @@ hidden_size // num_attention_heads; `num_key_value_heads` defaults to the head c
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -13,10 +14,13 @@ from ..errors import ModelLoadError, UnsupportedModelError
 from ..quant.convert import CONFIG_HINT
 
 # config.json's sizes every model has (transformers divides by the head count as it reads the config: a 0 there was
-# "integer modulo by zero", a negative one a traceback building the layers), and sizes it may leave out, null or 0
-# (unset: the head count for the KV heads, hidden_size / heads for head_dim, as transformers' `or` reads them)
-_COUNTS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
-_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
+# "integer modulo by zero", a negative one a traceback building the layers) or leaves out (null: the context's
+# default) but never sets to 0 (no transformers config reads a max_position_embeddings of 0 as unset: infer read it
+# as absent, a context of 2048), and sizes it may leave out, null or 0 (unset: the head count for the KV heads,
+# hidden_size / heads for head_dim, as transformers' `or` reads them)
+_COUNTS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size",
+           "max_position_embeddings")
+_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "sliding_window")
 
 
 @dataclass(frozen=True)
@@ -58,8 +62,15 @@ def check_shapes(cfg) -> None:
 
 def check_config_values(raw: dict) -> None:
     """Refuse, before transformers reads config.json (`raw`, its JSON object), the values no model has: a size that
-    is not a whole number (a count below 1, an optional size below 0), an rms_norm_eps below 0 (every norm NaN) and a
-    quantization_config that is not an object (a ModelLoadError naming the field)."""
+    is not a whole number (a count below 1, an optional size below 0), an rms_norm_eps below 0 (every norm NaN), a
+    quantization_config that is not an object and architectures that are not a list of names (a ModelLoadError
+    naming the field)."""
+    archs = raw.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        # transformers keeps a string as it is and iterates its characters where it looks for a class by name
+        example = json.dumps([archs] if isinstance(archs, str) else ["LlamaForCausalLM"])
+        raise ModelLoadError(f"config.json's architectures must be a list of class names, got {json.dumps(archs)}",
+                             f"{CONFIG_HINT} (write it as a list: \"architectures\": {example})")
     for field in _COUNTS + _OPTIONAL_SIZES:
         value, least = raw.get(field), 1 if field in _COUNTS else 0
         if value is not None and not (type(value) in (int, float) and math.isfinite(value) and value == int(value)

@@ -380,11 +380,12 @@ def convert_model(src: Path, out: Path, dtype: str | None = None, merge_lora: Pa
                   max_shard_size: str | int = "4GB", overwrite: bool = False,
                   check_weights: Callable[[Path], None] | None = None, source_name: str | None = None,
                   to: str = "safetensors", shown: str | None = None) -> Path:
-    """Write `src` as safetensors into `out`; returns `out`. `check_weights`: the engine loader's checks of a float
+    """Write `src` as safetensors into `out`; returns `out`. `check_weights`: the engine loader's checks of a
     checkpoint against its config.json (models.loader.check_weights, which the CLI passes: quant sits below models),
-    run before transformers loads it. `source_name`: the name a float copy's config.json records as the model its
-    weights are (`_name_or_path`; default: `src`'s path); a merged model records none, and a GPTQ checkpoint's
-    config.json is copied unchanged (the model it was quantized from, which it records, is the copy's).
+    run before transformers loads a float one and before a quantized one is copied. `source_name`: the name a float
+    copy's config.json records as the model its weights are (`_name_or_path`; default: `src`'s path); a merged model
+    records none, and a GPTQ checkpoint's config.json is copied unchanged (the model it was quantized from, which it
+    records, is the copy's).
     `to`: "safetensors" keeps a quantized checkpoint's tensors as they are (an AWQ one stays AWQ); "gptq" rewrites an
     AWQ 'gemm' checkpoint as the GPTQ checkpoint of the same weights (quant/awq.py), copies a GPTQ one, and refuses a
     float model (`infer quantize` makes a GPTQ checkpoint of it). `shown`: the model as the user typed it (a built-in
@@ -414,6 +415,8 @@ def convert_model(src: Path, out: Path, dtype: str | None = None, merge_lora: Pa
         raise ConfigError(f"--to gptq: {shown or src} is a float model (config.json has no AWQ or GPTQ "
                           "quantization_config)", f"quantize it into a GPTQ checkpoint with `infer quantize "
                           f"{shown or src} -o OUT`")
+    if (gptq or awq) and check_weights is not None:  # the copy is what `infer run` loads: its quantization config
+        check_weights(src)  # (bits infer runs) and its tensors (qweight... where config.json claims them), refused now
     awq_config = None
     if awq and to == "gptq":
         from .config import GPTQConfig
