@@ -14,7 +14,7 @@ from ..errors import ModelLoadError, UnsupportedModelError
 from ..quant.convert import CONFIG_HINT
 
 # config.json's sizes every model has (transformers divides by the head count as it reads the config: a 0 there was
-# "integer modulo by zero", a negative one a traceback building the layers) or leaves out (null: the context's
+# "integer modulo by zero", a negative one a traceback building the layers) or leaves out (the context: transformers'
 # default) but never sets to 0 (no transformers config reads a max_position_embeddings of 0 as unset: infer read it
 # as absent, a context of 2048), and sizes it may leave out, null or 0 (unset: the head count for the KV heads,
 # hidden_size / heads for head_dim, as transformers' `or` reads them)
