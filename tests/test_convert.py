@@ -113,19 +113,15 @@ def test_merge_lora_equals_peft(tiny, tmp_path):
 
 @pytest.fixture
 def fake_gptq(tmp_path):
-    """A GPTQ-shaped folder (.bin): convert only copies its tensors, so they need not be a real quantization."""
-    d = tmp_path / "gptq"
-    d.mkdir()
-    qc = {"bits": 4, "group_size": 32, "desc_act": False, "sym": True, "quant_method": "gptq", "format": "gptq"}
-    (d / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": qc}))
-    (d / "quantize_config.json").write_text(json.dumps(qc))
-    (d / "tokenizer.json").write_text("{}")
-    g = torch.Generator().manual_seed(0)
-    tensors = {"l.qweight": torch.randint(-2**31, 2**31 - 1, (8, 64), dtype=torch.int32, generator=g),
-               "l.qzeros": torch.full((2, 8), 0x77777777, dtype=torch.int32),
-               "l.scales": torch.rand(2, 64, generator=g).half(), "l.g_idx": torch.arange(64, dtype=torch.int32) // 32,
-               "norm.weight": torch.rand(64, generator=g).half()}
+    """tiny-llama's GPTQ checkpoint (round to nearest) as a .bin, with GPTQModel's quantize_config.json beside it:
+    convert copies its tensors unchanged, after the checks `infer run` makes of them."""
+    from test_probes_gptq_s19 import rtn_checkpoint
+    d = rtn_checkpoint(tmp_path / "gptq")
+    tensors = load_file(d / "model.safetensors")
+    (d / "model.safetensors").unlink()
     torch.save(tensors, d / "pytorch_model.bin")
+    qc = json.loads((d / "config.json").read_text())["quantization_config"]
+    (d / "quantize_config.json").write_text(json.dumps(qc))
     return d, tensors
 
 
@@ -145,8 +141,9 @@ def test_gptq_bin_with_shared_tensors_converts(fake_gptq, tmp_path, tied):
     """torch.save of a tied model's state dict puts lm_head.weight on the embeddings' storage; safetensors refused
     it with a traceback. A tied head is left out (as transformers saves it); other shared tensors get a copy."""
     src, tensors = fake_gptq
-    emb = torch.rand(16, 64).half()
-    tensors = {**tensors, "model.embed_tokens.weight": emb, "lm_head.weight": emb}
+    emb = torch.rand_like(tensors["model.embed_tokens.weight"])
+    heads = ("model.embed_tokens.weight", "lm_head.weight")  # in a state dict's order: the embeddings first
+    tensors = {**{k: v for k, v in tensors.items() if k not in heads}, **dict.fromkeys(heads, emb)}
     torch.save(tensors, src / "pytorch_model.bin")
     cfg = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": tied}))
@@ -365,7 +362,7 @@ def test_gptq_with_a_missing_shard_is_refused_as_run_refuses_it(fake_gptq, tmp_p
     src, _ = fake_gptq
     assert run_cli(src, "-o", tmp_path / "sh", "--max-shard-size", "2KB").exit_code == 0
     shards = sorted((tmp_path / "sh").glob("model-*.safetensors"))
-    assert len(shards) == 2
+    assert len(shards) >= 2
     shards[1].unlink()
     r = run_infer("convert", tmp_path / "sh", "-o", tmp_path / "out")
     _clean_error(r, 2, f"is missing weight shards ['{shards[1].name}']", "copy the whole model folder")

@@ -34,7 +34,7 @@ def tiny_llama():
     ("intermediate_size", 2.5, 1),
     ("head_dim", -16, 0),              # a traceback computing the rope
     ("num_key_value_heads", -2, 0),
-    ("max_position_embeddings", -5, 0),  # "--max-model-len 32 is above the model's limit of -5"
+    ("max_position_embeddings", -5, 1),  # "--max-model-len 32 is above the model's limit of -5"
     ("sliding_window", -3, 0),
 ])
 def test_a_size_no_model_has_is_refused_naming_the_field(tiny_llama, tmp_path, field, value, least):
