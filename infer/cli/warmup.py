@@ -35,7 +35,8 @@ def warmup(
 ) -> None:
     """Load the model, run the worst case (a prefill of the token budget, or of CONCURRENCY x MAX_LENGTH tokens when
     that is less, and a decode of CONCURRENCY sequences at MAX_LENGTH), and report whether it fits: exit 0 fits, 1
-    does not fit.
+    does not fit. The model's tokenizer is loaded too (with --estimate as well): a folder `infer run` and `infer
+    serve` refuse (no tokenizer files, a damaged one) is refused with their words, exit 2.
 
     Example: infer warmup ./Qwen1.5-14B-Chat-GPTQ-Int4 --max-length 4096 --concurrency 16
     """
