@@ -248,9 +248,12 @@ def test_a_single_engines_queue_counts_only_requests_beyond_its_free_slots():
     eng = object.__new__(AsyncEngine)
     eng.engine = SimpleNamespace(config=SimpleNamespace(max_num_seqs=4))
     eng._adds, eng._num_waiting, eng._num_running = deque([None] * 3), 2, 1
+    eng._held = deque()  # (requests held while generation is paused: none)
     assert eng._would_wait() == 2  # 5 to start, 3 free slots
     eng._num_running = 4
     assert eng._would_wait() == 5
+    eng._held = deque([None] * 2)  # two held for POST /resume wait too
+    assert eng._would_wait() == 7
 
 
 def test_the_start_line_writes_an_ipv6_host_in_brackets():
