@@ -404,3 +404,47 @@ def served_tiny_llama():
     engine = LLMEngine(EngineConfig("tiny-llama", max_model_len=64, max_num_seqs=8, block_size=4))
     with serve_in_thread(Server(AsyncEngine(engine), "tiny-llama")) as base:
         yield base
+
+
+# Module-scoped fixtures that test modules import, most under another name (pytest finds a fixture under the name a
+# module holds it by): `from helpers import tiny_llama_path as path, plain_llm as plain`. Each module gets its own.
+# The LLM fixtures read the importing module's `path` fixture.
+NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+FEW = [5, 6, 7, 8]  # allowed_token_ids that make tiny-llama's replies repetitive: n-gram drafts get proposed, accepted
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_path():
+    """tiny-llama's folder, a pathlib.Path."""
+    from infer.models.tiny import ensure_builtin
+    return ensure_builtin("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_str():
+    """tiny-llama's folder, a str."""
+    from infer.models.tiny import ensure_builtin
+    return str(ensure_builtin("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def plain_llm(path):
+    """An LLM of `path` in blocks of 4, left open."""
+    from infer import LLM
+    return LLM(str(path), block_size=4)
+
+
+@pytest.fixture(scope="module")
+def closing_llm(path):
+    """An LLM of `path` in blocks of 4, closed at the end of the module."""
+    from infer import LLM
+    with LLM(path, block_size=4) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def ngram_llm(path):
+    """An LLM of `path` in blocks of 4 with n-gram speculation (NGRAM_SPEC)."""
+    from infer import LLM
+    return LLM(str(path), block_size=4, speculative_config=NGRAM_SPEC)
+

@@ -12,22 +12,10 @@ import torch
 
 from infer import LLM, SamplingParams
 from infer.errors import RequestError
-from infer.models.tiny import ensure_builtin
 
-from helpers import hf_model
+from helpers import closing_llm as llm, hf_model, tiny_llama_str as path  # noqa: F401 (fixtures)
 
 PROMPTS = ["hello world", "the cat sat on", "a b c d e", "trains leave at", "why is the sky"]
-
-
-@pytest.fixture(scope="module")
-def path():
-    return str(ensure_builtin("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def llm(path):
-    with LLM(path, block_size=4) as llm:
-        yield llm
 
 
 def _vllm_rule(tok, word: str) -> list[list[int]]:

@@ -10,18 +10,8 @@ import pytest
 
 from infer import LLM, SamplingParams, StructuredOutputsParams
 from infer.errors import RequestError
-from infer.models.tiny import ensure_builtin
 
-
-@pytest.fixture(scope="module")
-def path():
-    return str(ensure_builtin("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def llm(path):
-    with LLM(path, block_size=4) as llm:
-        yield llm
+from helpers import closing_llm as llm, tiny_llama_str as path  # noqa: F401 (fixtures)
 
 
 def test_bad_words_banning_every_allowed_token_are_refused(llm):

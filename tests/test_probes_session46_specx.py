@@ -11,28 +11,11 @@ import torch
 from infer import LLM, SamplingParams
 from infer.engine.sampler import Sampler, SamplingInputs
 from infer.engine.sequence import Sequence
-from infer.models.tiny import ensure_builtin
 
-from helpers import random_prompts
+from helpers import FEW, NGRAM_SPEC as SPEC, random_prompts
+from helpers import ngram_llm as spec, plain_llm as plain, tiny_llama_path as path  # noqa: F401 (fixtures)
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-FEW = [5, 6, 7, 8]  # allowed_token_ids that make the tiny model's replies repetitive: drafts get proposed and accepted
 VOCAB = 40
-
-
-@pytest.fixture(scope="module")
-def path():
-    return ensure_builtin("tiny-llama")
-
-
-@pytest.fixture(scope="module")
-def plain(path):
-    return LLM(str(path), block_size=4)
-
-
-@pytest.fixture(scope="module")
-def spec(path):
-    return LLM(str(path), block_size=4, speculative_config=SPEC)
 
 
 def counters(llm) -> tuple[int, int]:

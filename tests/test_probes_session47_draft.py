@@ -16,25 +16,15 @@ from infer import LLM, SamplingParams
 from infer.engine.config import EngineConfig
 from infer.engine.speculative import parse_speculative_config
 from infer.errors import ConfigError
-from infer.models.tiny import ensure_builtin
 
 from helpers import hf_greedy, random_prompts
+from helpers import plain_llm as plain, tiny_llama_path as path  # noqa: F401 (fixtures)
 
 K = 3
 
 
 def draft_spec(model, k: int = K) -> dict:
     return {"model": str(model), "num_speculative_tokens": k}
-
-
-@pytest.fixture(scope="module")
-def path():
-    return ensure_builtin("tiny-llama")
-
-
-@pytest.fixture(scope="module")
-def plain(path):
-    return LLM(str(path), block_size=4)
 
 
 @pytest.fixture(scope="module")

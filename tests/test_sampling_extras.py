@@ -16,21 +16,11 @@ from infer import LLM, SamplingParams
 from infer.engine.sampler import Sampler
 from infer.engine.sequence import Sequence
 from infer.errors import RequestError
-from infer.models.tiny import ensure_builtin
 
 from helpers import hf_greedy, hf_model, random_prompts
+from helpers import plain_llm as llm, tiny_llama_str as path  # noqa: F401 (fixtures)
 
 V = 64
-
-
-@pytest.fixture(scope="module")
-def path():
-    return str(ensure_builtin("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def llm(path):
-    return LLM(path, block_size=4)
 
 
 def _hf_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -15,12 +15,9 @@ from infer import LLM, SamplingParams
 from infer.engine.config import EngineConfig
 from infer.engine.speculative import parse_speculative_config, propose_ngram
 from infer.errors import ConfigError
-from infer.models.tiny import ensure_builtin
 
-from helpers import hf_greedy, random_prompts
-
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-FEW = [5, 6, 7, 8]  # allowed_token_ids that make the tiny model's replies repetitive: drafts get accepted
+from helpers import FEW, NGRAM_SPEC as SPEC, hf_greedy, random_prompts
+from helpers import ngram_llm as spec, plain_llm as plain, tiny_llama_path as path  # noqa: F401 (fixtures)
 
 
 class AllowOnly:
@@ -38,21 +35,6 @@ class AllowOnly:
 def hf_restricted(path, prompt, n, ids=FEW, **kw):
     from transformers import LogitsProcessorList
     return hf_greedy(path, prompt, n, logits_processor=LogitsProcessorList([AllowOnly(ids)]), **kw)
-
-
-@pytest.fixture(scope="module")
-def path():
-    return ensure_builtin("tiny-llama")
-
-
-@pytest.fixture(scope="module")
-def plain(path):
-    return LLM(str(path), block_size=4)
-
-
-@pytest.fixture(scope="module")
-def spec(path):
-    return LLM(str(path), block_size=4, speculative_config=SPEC)
 
 
 def accepted(llm) -> int:

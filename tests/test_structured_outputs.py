@@ -21,9 +21,9 @@ from typer.testing import CliRunner  # noqa: E402
 from infer import LLM, SamplingParams, StructuredOutputsParams as S  # noqa: E402
 from infer.engine.structured import apply_bitmask, choice_grammar  # noqa: E402
 from infer.errors import RequestError  # noqa: E402
-from infer.models.tiny import ensure_builtin  # noqa: E402
 
 from helpers import hf_greedy, hf_model, served_tiny_llama  # noqa: E402
+from helpers import closing_llm as llm, tiny_llama_str as path  # noqa: E402, F401 (fixtures)
 
 SCHEMA = {"type": "object", "properties": {"a": {"enum": ["x", "yy"]}, "b": {"type": "boolean"},
                                            "n": {"type": "integer"}},
@@ -38,17 +38,6 @@ SPECS = {
 }
 PROMPTS = ["hello world", "the cat sat", "a b c d e"]
 EOS = 2
-
-
-@pytest.fixture(scope="module")
-def path():
-    return str(ensure_builtin("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def llm(path):
-    with LLM(path, block_size=4) as llm:
-        yield llm
 
 
 @pytest.fixture(scope="module")
