@@ -448,3 +448,19 @@ def ngram_llm(path):
     from infer import LLM
     return LLM(str(path), block_size=4, speculative_config=NGRAM_SPEC)
 
+
+def drive_requests(llm, requests, on_output, arrive_every: int = 0) -> None:
+    """Feed `requests` [(id, prompt, params)] to llm's engine (one new one every `arrive_every` steps, or all at once)
+    and step it to the end; each output goes to on_output(out), and its request is aborted when that returns True.
+    No block and no penalty-table row is left in use."""
+    eng, pending = llm.engine, list(requests)
+    while pending or eng.has_unfinished_requests():
+        for _ in range(len(pending) if not arrive_every else 1):
+            if pending:
+                eng.add_request(*pending.pop(0))
+        for _ in range(max(1, arrive_every)):
+            for out in eng.step():
+                if on_output(out):
+                    eng.abort_request(out.request_id)
+    assert eng.block_manager.num_used_blocks == 0
+    assert not eng.runner.penalties.rows  # every request's penalty-table row went back with it

@@ -8,35 +8,22 @@ from __future__ import annotations
 import pytest
 
 from infer import LLM, SamplingParams
-from infer.models.tiny import ensure_builtin
 
-from helpers import hf_greedy, random_prompts
+from helpers import drive_requests, hf_greedy, random_prompts, tiny_llama_str as path  # noqa: F401 (a fixture)
 
 LENGTHS = (5, 9, 3, 14, 7, 11, 4, 20)
-
-
-@pytest.fixture(scope="module")
-def path():
-    return str(ensure_builtin("tiny-llama"))
 
 
 def _drive(llm, requests, abort_after: dict[str, int] | None = None, arrive_every: int = 0):
     """Feed `requests` [(id, prompt, params)] (one new one every `arrive_every` steps, or all at once), abort
     request r after its abort_after[r]-th output; returns {id: [(new_token_ids, delta_text, finished, reason)]}."""
-    eng, log, pending = llm.engine, {}, list(requests)
-    abort_after = dict(abort_after or {})
-    while pending or eng.has_unfinished_requests():
-        for _ in range(len(pending) if not arrive_every else 1):
-            if pending:
-                eng.add_request(*pending.pop(0))
-        for _ in range(max(1, arrive_every)):
-            for out in eng.step():
-                log.setdefault(out.request_id, []).append((out.new_token_ids, out.delta_text, out.finished,
-                                                           out.finish_reason, out.token_ids))
-                if abort_after.get(out.request_id) == len(log[out.request_id]):
-                    eng.abort_request(out.request_id)
-    assert eng.block_manager.num_used_blocks == 0
-    assert not eng.runner.penalties.rows  # every request's penalty-table row went back with it
+    log, abort_after = {}, dict(abort_after or {})
+
+    def record(out) -> bool:
+        log.setdefault(out.request_id, []).append((out.new_token_ids, out.delta_text, out.finished,
+                                                   out.finish_reason, out.token_ids))
+        return abort_after.get(out.request_id) == len(log[out.request_id])
+    drive_requests(llm, requests, record, arrive_every)
     return log
 
 

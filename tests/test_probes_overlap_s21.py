@@ -9,16 +9,10 @@ import pytest
 
 from infer import LLM, SamplingParams, StructuredOutputsParams as S
 from infer.engine import sampler as sampler_mod
-from infer.models.tiny import ensure_builtin
 
-from helpers import random_prompts
+from helpers import drive_requests, random_prompts, tiny_llama_str as path  # noqa: F401 (a fixture)
 
 pytest.importorskip("xgrammar")
-
-
-@pytest.fixture(scope="module")
-def path():
-    return str(ensure_builtin("tiny-llama"))
 
 
 @pytest.fixture
@@ -54,21 +48,15 @@ def _same(a, b) -> bool:
 def _drive(llm, requests, abort_after=None, arrive_every=0):
     """Feed (id, prompt, params) one every `arrive_every` steps (0: all at once), abort request r after its
     abort_after[r]-th output; {id: final output}. No block or penalty row is left in use."""
-    eng, final, seen, pending = llm.engine, {}, {}, list(requests)
-    abort_after = dict(abort_after or {})
-    while pending or eng.has_unfinished_requests():
-        for _ in range(len(pending) if not arrive_every else 1):
-            if pending:
-                eng.add_request(*pending.pop(0))
-        for _ in range(max(1, arrive_every)):
-            for out in eng.step():
-                seen[out.request_id] = seen.get(out.request_id, 0) + 1
-                if out.finished:
-                    final[out.request_id] = _final(out)
-                elif abort_after.get(out.request_id) == seen[out.request_id]:
-                    eng.abort_request(out.request_id)
-    assert eng.block_manager.num_used_blocks == 0
-    assert not eng.runner.penalties.rows
+    final, seen, abort_after = {}, {}, dict(abort_after or {})
+
+    def record(out) -> bool:
+        seen[out.request_id] = seen.get(out.request_id, 0) + 1
+        if out.finished:
+            final[out.request_id] = _final(out)
+            return False
+        return abort_after.get(out.request_id) == seen[out.request_id]
+    drive_requests(llm, requests, record, arrive_every)
     return final
 
 
