@@ -253,6 +253,9 @@ class ModelsHandler:
 
 CHATML_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
                    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# A Qwen-style template that renders the tools in a system turn (the built-in model's template ignores them).
+TOOLS_TEMPLATE = ("{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+                  "<|im_end|>\n{% endif %}" + CHATML_TEMPLATE)
 
 
 def tiny_llama_with_template(path, template: str):

@@ -23,7 +23,7 @@ from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 from infer.serve.reasoning import ReasoningRequest, parts, prompt_ends_reasoning, split  # noqa: E402
 
-from helpers import joined_deltas, streamed_chat_choices, tiny_llama_with_template  # noqa: E402
+from helpers import TOOLS_TEMPLATE, joined_deltas, streamed_chat_choices, tiny_llama_with_template  # noqa: E402
 
 R1, QWEN3 = ReasoningRequest("deepseek_r1"), ReasoningRequest("qwen3")
 
@@ -115,9 +115,6 @@ def test_the_cli_option_names_vllms_parsers_and_refuses_others():
 
 
 # ------------------------------------------------------------------------------------------- end to end
-TEMPLATE = ("{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n"
-            "{% endif %}{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
-            "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
 MESSAGES = [{"role": "user", "content": "think, then answer"}]
@@ -125,7 +122,7 @@ MESSAGES = [{"role": "user", "content": "think, then answer"}]
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return str(tiny_llama_with_template(tmp_path_factory.mktemp("reasoning") / "tiny-think", TEMPLATE))
+    return str(tiny_llama_with_template(tmp_path_factory.mktemp("reasoning") / "tiny-think", TOOLS_TEMPLATE))
 
 
 @pytest.fixture(scope="module")

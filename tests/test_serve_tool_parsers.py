@@ -23,11 +23,8 @@ from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 from infer.serve.tools import parse_tools, split, visible  # noqa: E402
 
-from helpers import tiny_llama_with_template  # noqa: E402
+from helpers import TOOLS_TEMPLATE, tiny_llama_with_template  # noqa: E402
 
-TEMPLATE = ("{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n"
-            "{% endif %}{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
-            "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
              "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}}}},
          {"type": "function", "function": {"name": "add", "parameters": {
@@ -184,7 +181,7 @@ def test_the_refusal_and_the_cli_name_the_new_parsers():
 # ----------------------------------------------------------------------------------------- end to end, per parser
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return str(tiny_llama_with_template(tmp_path_factory.mktemp("parsers") / "tiny-tools", TEMPLATE))
+    return str(tiny_llama_with_template(tmp_path_factory.mktemp("parsers") / "tiny-tools", TOOLS_TEMPLATE))
 
 
 def _served_reads(model, parser, reply, content, want):

@@ -26,10 +26,8 @@ from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 from infer.serve.tools import parse_tools  # noqa: E402
 
-# a Qwen-style template that renders the tools in a system turn (the built-in model's template ignores them)
-TEMPLATE = ("{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n"
-            "{% endif %}{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
-            "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+from helpers import TOOLS_TEMPLATE, tiny_llama_with_template  # noqa: E402
+
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}, "unit": {"enum": ["c", "f"]}},
            "required": ["city", "unit"], "additionalProperties": False}
 # small enums: a random model would write digits up to max_tokens in a free integer
@@ -43,7 +41,7 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return str(tiny_llama_with_template(tmp_path_factory.mktemp("tools") / "tiny-tools", TEMPLATE))
+    return str(tiny_llama_with_template(tmp_path_factory.mktemp("tools") / "tiny-tools", TOOLS_TEMPLATE))
 
 
 @pytest.fixture(scope="module")
@@ -184,8 +182,6 @@ def test_llm_chat_renders_the_tools_as_the_server_does(served, direct, model):
 
 # ------------------------------------------------------------------ tool_choice "auto" with --tool-call-parser hermes
 from infer.serve.tools import hermes_calls, visible  # noqa: E402
-
-from helpers import tiny_llama_with_template  # noqa: E402
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
 
