@@ -9,16 +9,9 @@ import torch
 from infer import LLM
 from infer.engine.config import EngineConfig
 
-from helpers import random_prompts, save_random_model
-from test_probes_session56_eagle import (H, KW, LAYERS, TARGET, VOCAB, _record, greedy, reference_drafts, save_eagle3,
-                                         spec)
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("review_eagle_target")
-    hf = save_random_model(folder, "llama", "LlamaForCausalLM", TARGET, seed=3)
-    return folder, hf
+from helpers import random_prompts
+from test_probes_session56_eagle import (H, KW, LAYERS, VOCAB, _record, greedy, reference_drafts,  # noqa: F401
+                                         save_eagle3, spec, target)  # (target: a fixture)
 
 
 def test_top_level_aux_layer_ids_are_read_as_vllm_reads_them(tmp_path, target, monkeypatch):

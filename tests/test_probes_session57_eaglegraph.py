@@ -13,29 +13,11 @@ from infer import LLM
 from infer.engine.config import EngineConfig
 from infer.models.context import ForwardContext
 
-from helpers import random_prompts, save_random_model
-from test_probes_session56_eagle import (KW, LAYERS, TARGET, VOCAB, _record, greedy, reference_drafts,
-                                         reference_eagle1, save_eagle1, save_eagle3, spec)
+from helpers import random_prompts
+from test_probes_session56_eagle import (KW, LAYERS, TARGET, VOCAB, _record, greedy, head, plain,  # noqa: F401
+                                         reference_drafts, reference_eagle1, save_eagle1, spec, target)  # (fixtures)
 
 AUX = (2, LAYERS // 2, LAYERS - 3)  # the head's default aux layers (vLLM's)
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("eaglegraph_target")
-    hf = save_random_model(folder, "llama", "LlamaForCausalLM", TARGET, seed=3)
-    return folder, hf
-
-
-@pytest.fixture(scope="module")
-def head(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("eaglegraph_head") / "h"
-    return folder, save_eagle3(folder, seed=1)
-
-
-@pytest.fixture(scope="module")
-def plain(target):
-    return LLM(str(target[0]), **KW)
 
 
 @pytest.fixture(scope="module")
