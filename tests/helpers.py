@@ -467,3 +467,17 @@ def drive_requests(llm, requests, on_output, arrive_every: int = 0) -> None:
                     eng.abort_request(out.request_id)
     assert eng.block_manager.num_used_blocks == 0
     assert not eng.runner.penalties.rows  # every request's penalty-table row went back with it
+
+
+@contextlib.contextmanager
+def served_in_sleep_mode(path):
+    """The engine of `path` (max_model_len 64, up to 2 sequences, blocks of 4) with sleep mode on, served in a thread
+    as "tiny": its base URL. Skips without fastapi."""
+    pytest.importorskip("fastapi")
+    from infer.engine.config import EngineConfig
+    from infer.engine.llm_engine import LLMEngine
+    from infer.serve.app import Server, serve_in_thread
+    from infer.serve.async_engine import AsyncEngine
+    engine = LLMEngine(EngineConfig(path, block_size=4, max_model_len=64, max_num_seqs=2, enable_sleep_mode=True))
+    with serve_in_thread(Server(AsyncEngine(engine), "tiny")) as url:
+        yield url

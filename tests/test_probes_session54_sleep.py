@@ -11,18 +11,12 @@ import torch
 
 from infer import LLM, SamplingParams
 from infer.errors import RequestError, SleepModeError
-from infer.models.tiny import ensure_builtin
 
-from helpers import random_prompts
+from helpers import random_prompts, served_in_sleep_mode, tiny_llama_str as path  # noqa: F401 (a fixture)
 from lora_helpers import THREE, hf_float, save_adapter
 
 PROMPTS = [[5, 9, 13, 21], [7, 3, 2, 8, 11, 40]]
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def path():
-    return str(ensure_builtin("tiny-llama"))
 
 
 def _tokens(llm, prompts=PROMPTS, params=GREEDY, **kw) -> list[list[int]]:
@@ -223,14 +217,8 @@ def test_the_server_has_vllms_sleep_routes(path):
     """`infer serve --enable-sleep-mode`: POST /sleep?level=N, POST /wake_up?tags=..., GET /is_sleeping and POST
     /collective_rpc, as vLLM's; a completion while asleep is a 503 engine_sleeping; a bad level a 400."""
     httpx = pytest.importorskip("httpx")
-    pytest.importorskip("fastapi")
-    from infer.engine.config import EngineConfig
-    from infer.engine.llm_engine import LLMEngine
-    from infer.serve.app import Server, serve_in_thread
-    from infer.serve.async_engine import AsyncEngine
-    engine = LLMEngine(EngineConfig(path, block_size=4, max_model_len=64, max_num_seqs=2, enable_sleep_mode=True))
     body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-    with serve_in_thread(Server(AsyncEngine(engine), "tiny")) as url:
+    with served_in_sleep_mode(path) as url:
         want = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
         assert httpx.get(f"{url}/is_sleeping", timeout=60).json() == {"is_sleeping": False}
         assert httpx.post(f"{url}/sleep?level=3", timeout=60).status_code == 400

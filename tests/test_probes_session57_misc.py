@@ -13,13 +13,10 @@ from infer import LLM, SamplingParams
 from infer.errors import RequestError, SleepModeError
 from infer.models.tiny import ensure_builtin
 
+from helpers import served_in_sleep_mode, tiny_llama_str as path  # noqa: F401 (a fixture)
+
 PROMPTS = [[5, 9, 13, 21], [7, 3, 2, 8, 11, 40]]
 LONG = SamplingParams(max_tokens=20, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def path():
-    return str(ensure_builtin("tiny-llama"))
 
 
 def _llm(path, **kw):
@@ -207,14 +204,8 @@ def test_the_server_takes_vllms_mode_parameter(path):
     /wake_up with the text of an uninterrupted one; mode=wait answers once the requests in flight finished; another
     mode is a 400 naming the parameter."""
     httpx = pytest.importorskip("httpx")
-    pytest.importorskip("fastapi")
-    from infer.engine.config import EngineConfig
-    from infer.engine.llm_engine import LLMEngine
-    from infer.serve.app import Server, serve_in_thread
-    from infer.serve.async_engine import AsyncEngine
-    engine = LLMEngine(EngineConfig(path, block_size=4, max_model_len=64, max_num_seqs=2, enable_sleep_mode=True))
     body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
-    with serve_in_thread(Server(AsyncEngine(engine), "tiny")) as url:
+    with served_in_sleep_mode(path) as url:
         want = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
         r = httpx.post(f"{url}/sleep?level=1&mode=later", timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "mode"
