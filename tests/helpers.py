@@ -300,6 +300,14 @@ def streamed_chat_choices(base: str, body: dict) -> list[dict]:
         return [json.loads(line[6:])["choices"][0] for line in s.iter_lines() if line.startswith("data: {")]
 
 
+def forced_chat_body(messages: list[dict], reply: str, max_tokens: int, **extra) -> dict:
+    """A greedy /v1/chat/completions body whose reply is forced with a regex, as if the model had written `reply`
+    (xgrammar writes a tag as its own token)."""
+    import re
+    return {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "guided_regex": re.escape(reply),
+            **extra}
+
+
 def joined_deltas(deltas: list[dict], key: str) -> str:
     """The streamed choices' `delta[key]` pieces joined."""
     return "".join(d["delta"].get(key) or "" for d in deltas)

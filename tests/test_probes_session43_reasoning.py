@@ -4,8 +4,8 @@ tokenizer that added them with add_special_tokens)."""
 
 from __future__ import annotations
 
+import functools
 import json
-import re
 import shutil
 
 import pytest
@@ -20,7 +20,7 @@ from infer.models.tiny import ensure_builtin  # noqa: E402
 from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 
-from helpers import joined_deltas, streamed_chat_choices  # noqa: E402
+from helpers import forced_chat_body, joined_deltas, streamed_chat_choices  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "think, then answer"}]
 
@@ -58,11 +58,7 @@ def special_engine(special_model):
     return LLMEngine(EngineConfig(special_model, block_size=4, max_num_seqs=4))
 
 
-def _body(reply: str, **extra) -> dict:
-    """A chat body whose reply is forced with a regex (xgrammar writes a tag as its own token)."""
-    return {"messages": MESSAGES, "max_tokens": 40, "temperature": 0, "guided_regex": re.escape(reply), **extra}
-
-
+_body = functools.partial(forced_chat_body, MESSAGES, max_tokens=40)  # _body(reply, **extra)
 _streamed, _joined = streamed_chat_choices, joined_deltas
 
 
@@ -91,8 +87,8 @@ def test_think_tags_that_are_special_tokens_still_split_the_reply(special_engine
 
 # ------------------------------------------------------------------------------------------- infer run
 def _line(custom_id: str, reply: str, **body) -> str:
-    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": {
-        "messages": MESSAGES, "max_tokens": 40, "temperature": 0, "guided_regex": re.escape(reply), **body}})
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                       "body": _body(reply, **body)})
 
 
 def test_infer_run_splits_the_reasoning_of_openai_batch_lines(special_model, tmp_path):

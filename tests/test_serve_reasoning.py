@@ -7,6 +7,7 @@ the tool-call parser reads the content only; /v1/completions and a server withou
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -23,7 +24,8 @@ from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 from infer.serve.reasoning import ReasoningRequest, parts, prompt_ends_reasoning, split  # noqa: E402
 
-from helpers import TOOLS_TEMPLATE, joined_deltas, streamed_chat_choices, tiny_llama_with_template  # noqa: E402
+from helpers import (TOOLS_TEMPLATE, forced_chat_body, joined_deltas, streamed_chat_choices,  # noqa: E402
+                     tiny_llama_with_template)
 
 R1, QWEN3 = ReasoningRequest("deepseek_r1"), ReasoningRequest("qwen3")
 
@@ -130,11 +132,7 @@ def engine(model):
     return LLMEngine(EngineConfig(model, block_size=4, max_num_seqs=4))
 
 
-def _body(reply: str, **extra) -> dict:
-    """A chat body whose reply is forced with a regex, as if the model had written `reply`."""
-    return {"messages": MESSAGES, "max_tokens": 160, "temperature": 0, "guided_regex": re.escape(reply), **extra}
-
-
+_body = functools.partial(forced_chat_body, MESSAGES, max_tokens=160)  # _body(reply, **extra)
 _streamed, _joined = streamed_chat_choices, joined_deltas
 
 

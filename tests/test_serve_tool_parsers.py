@@ -8,7 +8,6 @@ and streamed."""
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
@@ -23,7 +22,7 @@ from infer.serve.app import Server, serve_in_thread  # noqa: E402
 from infer.serve.async_engine import AsyncEngine  # noqa: E402
 from infer.serve.tools import parse_tools, split, visible  # noqa: E402
 
-from helpers import TOOLS_TEMPLATE, tiny_llama_with_template  # noqa: E402
+from helpers import TOOLS_TEMPLATE, forced_chat_body, tiny_llama_with_template  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
              "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}}}},
@@ -187,7 +186,7 @@ def model(tmp_path_factory):
 def _served_reads(model, parser, reply, content, want):
     """A server started with `parser` reads `reply`, forced with a regex as if the model had written it."""
     engine = LLMEngine(EngineConfig(model, block_size=4, max_num_seqs=4))
-    body = {"messages": MESSAGES, "max_tokens": 160, "temperature": 0, "tools": TOOLS, "guided_regex": re.escape(reply)}
+    body = forced_chat_body(MESSAGES, reply, 160, tools=TOOLS)
     with serve_in_thread(Server(AsyncEngine(engine), "tiny-tools", tool_parser=parser)) as base:
         r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
