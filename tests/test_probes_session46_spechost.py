@@ -52,18 +52,24 @@ def _case(counts, lens, hq=4, hk=2, d=8, bs=4, seed=0):
 CASES = [([4, 1, 3], [21, 9, 14]), ([2, 2], [7, 7]), ([4], [30]), ([1, 4, 1], [5, 12, 33])]
 
 
-@pytest.mark.parametrize("counts,lens", CASES)
-def test_verify_rows_attend_in_the_decode_batch(monkeypatch, counts, lens):
-    """A speculative step's sequences (a few queries after their context) were attended one by one (a K/V gather and
-    a masked SDPA per sequence and layer: twice the decode batch's cost at 4 sequences); each query is now a row of
-    the decode batch, with the same result."""
-    q, k_cache, v_cache, tables, qsl = _case(counts, lens)
+def _paged_attention_counting(monkeypatch, q, k_cache, v_cache, tables, lens, qsl, counts):
+    """reference.paged_attention of a case (scale 0.3), and the rows of each per-sequence _attend call it made."""
     calls = []
     attend = reference._attend
     monkeypatch.setattr(reference, "_attend", lambda *a, **kw: calls.append(a[0].shape[0]) or attend(*a, **kw))
     got = reference.paged_attention(q, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32),
                                     torch.tensor(lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32),
                                     0.3, max(counts))
+    return got, calls
+
+
+@pytest.mark.parametrize("counts,lens", CASES)
+def test_verify_rows_attend_in_the_decode_batch(monkeypatch, counts, lens):
+    """A speculative step's sequences (a few queries after their context) were attended one by one (a K/V gather and
+    a masked SDPA per sequence and layer: twice the decode batch's cost at 4 sequences); each query is now a row of
+    the decode batch, with the same result."""
+    q, k_cache, v_cache, tables, qsl = _case(counts, lens)
+    got, calls = _paged_attention_counting(monkeypatch, q, k_cache, v_cache, tables, lens, qsl, counts)
     want = _naive_attention(q, k_cache, v_cache, tables, lens, qsl, 0.3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert calls == []
@@ -73,12 +79,7 @@ def test_long_chunks_and_fresh_prompts_still_attend_per_sequence(monkeypatch):
     """A prefill chunk longer than SHORT_QUERIES, and a short prompt without context, keep the causal path."""
     counts, lens = [reference.SHORT_QUERIES + 1, 3, 1], [reference.SHORT_QUERIES + 5, 3, 10]
     q, k_cache, v_cache, tables, qsl = _case(counts, lens, seed=1)
-    calls = []
-    attend = reference._attend
-    monkeypatch.setattr(reference, "_attend", lambda *a, **kw: calls.append(a[0].shape[0]) or attend(*a, **kw))
-    got = reference.paged_attention(q, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32),
-                                    torch.tensor(lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32),
-                                    0.3, max(counts))
+    got, calls = _paged_attention_counting(monkeypatch, q, k_cache, v_cache, tables, lens, qsl, counts)
     torch.testing.assert_close(got, _naive_attention(q, k_cache, v_cache, tables, lens, qsl, 0.3),
                                rtol=1e-5, atol=1e-5)
     assert sorted(calls) == [3, reference.SHORT_QUERIES + 1]
