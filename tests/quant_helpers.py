@@ -163,3 +163,17 @@ def check_int4_kernels_with_mixed_adapters(base, paths: dict, tmp_path, monkeypa
         llm.engine.runner.capture_graphs(8, emulate=True)
         assert [o.token_ids for o in llm.generate(prompts, params, lora=names)] == cpu
         assert sum(llm.engine.runner.graphs.replays.values()) > 0
+
+
+def check_kernel_path_equals_cpu(folder, monkeypatch) -> None:
+    """The model in `folder` gives two random prompts the same greedy tokens (4 each) through every op's Triton kernel
+    (int4_kernel_path: interpreted on CPU) as on the CPU path."""
+    from helpers import random_prompts
+    from infer import LLM, SamplingParams
+    prompts = random_prompts(512, (5, 9), seed=4)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    with LLM(str(folder), block_size=4) as llm:
+        cpu = [o.token_ids for o in llm.generate(prompts, params)]
+    int4_kernel_path(monkeypatch)
+    with LLM(str(folder), block_size=4, max_model_len=32) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == cpu

@@ -24,7 +24,7 @@ from infer.models.tiny import BUILTIN_MODELS, ensure_builtin
 from helpers import greedy_each, norms_drawn, random_prompts, save_random_model, served_completion_text
 from lora_helpers import (base_and_adapters, check_lora_validate_ok, check_mixed_adapters_equal_peft,
                           hf_float)
-from quant_helpers import (check_int4_kernels_with_mixed_adapters, gptqmodel_greedy, int4_kernel_path,
+from quant_helpers import (check_int4_kernels_with_mixed_adapters, check_kernel_path_equals_cpu, gptqmodel_greedy,
                            make_gptqmodel_checkpoint, needs_gptqmodel)
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -92,13 +92,7 @@ def test_gpu_code_path_interpreted_equals_the_cpu_path(tmp_path, monkeypatch, mo
     if torch.cuda.is_available():
         pytest.skip("a GPU runs the real kernels (pytest -m gpu)")
     build(tmp_path, model_type, num_hidden_layers=1, **(GEMMA2 if model_type == "gemma2" else dict(head_dim=32)))
-    prompts = random_prompts(512, (5, 9), seed=4)
-    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
-    with LLM(str(tmp_path), block_size=4) as llm:
-        cpu = [o.token_ids for o in llm.generate(prompts, params)]
-    int4_kernel_path(monkeypatch)
-    with LLM(str(tmp_path), block_size=4, max_model_len=32) as llm:
-        assert [o.token_ids for o in llm.generate(prompts, params)] == cpu
+    check_kernel_path_equals_cpu(tmp_path, monkeypatch)
 
 
 def test_kernels_gemma_variants_equal_the_reference():
