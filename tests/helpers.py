@@ -489,3 +489,26 @@ def served_in_sleep_mode(path):
     engine = LLMEngine(EngineConfig(path, block_size=4, max_model_len=64, max_num_seqs=2, enable_sleep_mode=True))
     with serve_in_thread(Server(AsyncEngine(engine), "tiny")) as url:
         yield url
+
+
+class BenchTargetStub:
+    """A bench plan's engine side (infer.bench.plan._Target) without an engine: a run at concurrency c runs nothing
+    and answers RunResult(kind, c, self.records(), 1.0, len(requests)). Subclass it to change kind or records."""
+    hf_dtype, hf_device = "float32", "cpu"
+    kind = "infer"
+
+    def __init__(self, plan, tokenizer):
+        pass
+
+    def warm_adapters(self, names):
+        pass
+
+    def records(self) -> list:
+        return []
+
+    def run(self, requests, c):
+        from infer.bench.metrics import RunResult
+        return RunResult(self.kind, c, self.records(), 1.0, len(requests))
+
+    def close(self):
+        pass

@@ -16,6 +16,8 @@ from infer.bench.hf_baseline import load_hf, run_hf_generate
 from infer.bench.metrics import RunResult
 from infer.models.tiny import ensure_builtin
 
+from helpers import BenchTargetStub
+
 N = 30
 
 
@@ -73,23 +75,13 @@ def test_hf_baseline_is_plain_greedy_whatever_generation_config_says(tmp_path):
     assert [(r.output_tokens, r.text) for r in base.records] == _engine_texts(path, reqs)
 
 
-class _FakeTarget:
+class _FakeTarget(BenchTargetStub):
     """The engine's side of a bench plan without an engine: each run's adapters go to `seen`, no request runs."""
-    hf_dtype, hf_device = "float32", "cpu"
     seen: list = []
-
-    def __init__(self, plan, tokenizer):
-        pass
-
-    def warm_adapters(self, names):
-        pass
 
     def run(self, requests, c):
         self.seen.append([r.lora for r in requests])
-        return RunResult("infer", c, [], 1.0, len(requests))
-
-    def close(self):
-        pass
+        return super().run(requests, c)
 
 
 def test_jsonl_lines_keep_their_own_adapter(tmp_path, monkeypatch):

@@ -9,6 +9,8 @@ from typer.testing import CliRunner
 
 from infer.cli.main import app
 
+from helpers import BenchTargetStub
+
 SMALL = ["--input-len", "4", "--output-len", "3", "-q"]
 
 
@@ -224,20 +226,9 @@ def test_run_plan_writes_a_baseline_stopped_half_way(tmp_path, monkeypatch):
     def recs():
         return [RequestRecord(0, 4, 0.0, [0.01, 0.02], 2, "ab", True)]
 
-    class Target:
-        hf_dtype, hf_device = "float32", "cpu"
-
-        def __init__(self, plan, tokenizer):
-            pass
-
-        def warm_adapters(self, names):
-            pass
-
-        def run(self, requests, c):
-            return RunResult("infer", c, recs(), 1.0, len(requests))
-
-        def close(self):
-            pass
+    class Target(BenchTargetStub):
+        def records(self):
+            return recs()
 
     def run_hf(hf, requests, batch_size, **k):
         err = RuntimeError("CUDA out of memory (simulated)")
@@ -314,22 +305,9 @@ def test_ctrl_c_while_the_hf_baseline_reads_the_servers_length_leaves_ours_whole
     Ctrl-C there, after every level of ours had finished, marked ours' last level partial."""
     import infer.bench.hf_baseline as H
     import infer.bench.plan as P
-    from infer.bench.metrics import RunResult
 
-    class Target:
-        hf_dtype, hf_device = "float32", "cpu"
-
-        def __init__(self, plan, tokenizer):
-            pass
-
-        def warm_adapters(self, names):
-            pass
-
-        def run(self, requests, c):
-            return RunResult("http", c, [], 1.0, len(requests))
-
-        def close(self):
-            pass
+    class Target(BenchTargetStub):
+        kind = "http"
 
     def interrupted(plan):
         raise KeyboardInterrupt
