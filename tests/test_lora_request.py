@@ -12,17 +12,12 @@ import torch
 
 from infer import LLM, AsyncLLM, LoRARequest, SamplingParams
 from infer.errors import LoRAError, LoRANameError, RequestError
-from infer.models.tiny import ensure_builtin
 
+from helpers import tiny_llama_str as path  # noqa: F401 (a fixture)
 from lora_helpers import hf_float, save_three
 
 P = SamplingParams(max_new_tokens=5, ignore_eos=True)
 PROMPT = [5, 9, 13, 21]
-
-
-@pytest.fixture(scope="module")
-def path():
-    return str(ensure_builtin("tiny-llama"))
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,8 @@ import time
 import pytest
 
 from infer import AsyncLLM, SamplingParams
-from infer.models.tiny import ensure_builtin
 
-
-@pytest.fixture(scope="module")
-def path():
-    return str(ensure_builtin("tiny-llama"))
+from helpers import tiny_llama_str as path  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")

@@ -9,27 +9,9 @@ import pytest
 
 from infer import SamplingParams
 from infer.errors import RequestError
-from infer.models.tiny import ensure_builtin
 
-from helpers import tiny_llama_with_template
-
-
-@pytest.fixture(scope="module")
-def path():
-    return str(ensure_builtin("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def adapters(path, tmp_path_factory):
-    from lora_helpers import hf_float, save_three
-    return {n: str(p) for n, p in save_three(hf_float(path), tmp_path_factory.mktemp("p45_adapters"), 5, "ab").items()}
-
-
-@pytest.fixture(scope="module")
-def lora_llm(path):
-    from infer import LLM
-    with LLM(path, block_size=4, max_model_len=64, enable_lora=True, max_lora_rank=8) as engine:
-        yield engine
+from helpers import tiny_llama_str as path, tiny_llama_with_template  # noqa: F401 (path: a fixture)
+from test_probes_session44_api import adapters, lora_llm  # noqa: F401 (fixtures)
 
 
 @pytest.mark.parametrize("method", ["generate", "chat", "stream"])

@@ -11,17 +11,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from helpers import openai_sdk_client, tiny_chat_engine  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    return tiny_chat_engine(tmp_path_factory, "probes_s52_openai")
-
-
-@pytest.fixture(scope="module")
-def client(engine):
-    yield from openai_sdk_client(engine)
+from test_probes_session43_sdk import client, engine  # noqa: E402, F401 (fixtures)
 
 
 @pytest.mark.parametrize("store", [None, True, False])

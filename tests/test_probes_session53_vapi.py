@@ -5,21 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from infer.models.tiny import ensure_builtin
-
-from lora_helpers import hf_float, save_three
+from helpers import tiny_llama_str as path  # noqa: F401 (a fixture)
+from test_lora_request import adapters  # noqa: F401 (a fixture)
 
 P_LEN = [5, 9, 13, 21]
-
-
-@pytest.fixture(scope="module")
-def path():
-    return str(ensure_builtin("tiny-llama"))
-
-
-@pytest.fixture(scope="module")
-def adapters(path, tmp_path_factory):
-    return save_three(hf_float(path), tmp_path_factory.mktemp("va"), 7, "ab")
 
 
 def test_request_output_carries_the_lora_request(path, adapters):
