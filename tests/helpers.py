@@ -491,6 +491,19 @@ def served_in_sleep_mode(path):
         yield url
 
 
+def run_in_sleep_mode_async_llm(path, main) -> None:
+    """asyncio.run(main(llm)) with llm an AsyncLLM of `path` (max_model_len 64, blocks of 4) with sleep mode on, shut
+    down after."""
+    import asyncio
+
+    from infer import AsyncLLM
+    llm = AsyncLLM(path, block_size=4, max_model_len=64, enable_sleep_mode=True)
+    try:
+        asyncio.run(main(llm))
+    finally:
+        llm.shutdown()
+
+
 class BenchTargetStub:
     """A bench plan's engine side (infer.bench.plan._Target) without an engine: a run at concurrency c runs nothing
     and answers RunResult(kind, c, self.records(), 1.0, len(requests)). Subclass it to change kind or records."""

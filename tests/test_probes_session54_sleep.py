@@ -4,15 +4,14 @@ wake_up(tags), is_sleeping(), collective_rpc("reload_weights")), in the Python A
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 
 from infer import LLM, SamplingParams
 from infer.errors import RequestError, SleepModeError
 
-from helpers import random_prompts, served_in_sleep_mode, tiny_llama_str as path  # noqa: F401 (a fixture)
+from helpers import (random_prompts, run_in_sleep_mode_async_llm, served_in_sleep_mode,  # noqa: F401 (path: a fixture)
+                     tiny_llama_str as path)
 from lora_helpers import THREE, hf_float, save_adapter
 
 PROMPTS = [[5, 9, 13, 21], [7, 3, 2, 8, 11, 40]]
@@ -188,8 +187,6 @@ def test_adapters_survive_both_levels(path, tmp_path):
 def test_async_llm_sleeps_as_vllms(path):
     """vLLM's AsyncLLM.sleep / wake_up / is_sleeping / collective_rpc are coroutines; a generate while asleep is
     refused, and the tokens after waking equal those before."""
-    from infer import AsyncLLM
-
     async def tokens(llm, rid):
         outs = [o async for o in llm.generate(PROMPTS[0], GREEDY, rid)]
         return list(outs[-1].outputs[0].token_ids)
@@ -206,11 +203,7 @@ def test_async_llm_sleeps_as_vllms(path):
         assert await llm.is_sleeping() is False
         assert await tokens(llm, "c") == want
 
-    llm = AsyncLLM(path, block_size=4, max_model_len=64, enable_sleep_mode=True)
-    try:
-        asyncio.run(main(llm))
-    finally:
-        llm.shutdown()
+    run_in_sleep_mode_async_llm(path, main)
 
 
 def test_the_server_has_vllms_sleep_routes(path):

@@ -13,7 +13,7 @@ from infer import LLM, SamplingParams
 from infer.errors import RequestError, SleepModeError
 from infer.models.tiny import ensure_builtin
 
-from helpers import served_in_sleep_mode, tiny_llama_str as path  # noqa: F401 (a fixture)
+from helpers import run_in_sleep_mode_async_llm, served_in_sleep_mode, tiny_llama_str as path  # noqa: F401 (path)
 
 PROMPTS = [[5, 9, 13, 21], [7, 3, 2, 8, 11, 40]]
 LONG = SamplingParams(max_tokens=20, ignore_eos=True)
@@ -139,8 +139,6 @@ def test_async_llm_wait_and_keep(path):
     """AsyncLLM.sleep(level, mode): "keep" pauses a running generate, which finishes after wake_up() with the
     tokens of an uninterrupted one; "wait" returns once the running generate finished (finish_reason "length"),
     refusing new generates while it waits."""
-    from infer import AsyncLLM
-
     async def run(llm, rid, on_first=None):
         outs = []
         async for out in llm.generate(PROMPTS[1], SamplingParams(max_tokens=40, ignore_eos=True), rid):
@@ -192,11 +190,7 @@ def test_async_llm_wait_and_keep(path):
         await llm.wake_up()
         assert list((await run(llm, "e")).token_ids) == list(want.token_ids)
 
-    llm = AsyncLLM(path, block_size=4, max_model_len=64, enable_sleep_mode=True)
-    try:
-        asyncio.run(main(llm))
-    finally:
-        llm.shutdown()
+    run_in_sleep_mode_async_llm(path, main)
 
 
 def test_the_server_takes_vllms_mode_parameter(path):
