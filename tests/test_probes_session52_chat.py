@@ -59,20 +59,26 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+def _calibration_and_served(tok, tmp_path, messages: list[dict]) -> tuple[str, str]:
+    """The text `infer quantize --calibration` reads from a chats.jsonl of `messages`, and the text the server renders
+    of them (no generation prompt)."""
+    from infer.engine.inputs import encode_prompt
+    from infer.quant.calibration import chat_renderer, read_texts
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"messages": messages}) + "\n")
+    [text] = read_texts(path, chat_renderer(tok))
+    return text, tok.decode(encode_prompt(tok, messages=messages, template={"add_generation_prompt": False}))
+
+
 def test_a_calibration_chat_of_text_parts_renders_as_infer_run_renders_it(tok, tmp_path, monkeypatch):
     """`infer quantize --calibration chats.jsonl`: a message of several text parts was joined with nothing between
     them ("first partsecond part"), where infer run, the server and vLLM join them with a newline for a template
     that renders content as a string: the calibration text was not the conversation the model is served."""
-    from infer.engine.inputs import encode_prompt
-    from infer.quant.calibration import chat_renderer, read_texts
     monkeypatch.setattr(tok, "chat_template", CHATML)
     messages = [{"role": "user", "content": [{"type": "text", "text": "first part"},
                                              {"type": "text", "text": "second part"}]},
                 {"role": "assistant", "content": "ok"}]
-    path = tmp_path / "chats.jsonl"
-    path.write_text(json.dumps({"messages": messages}) + "\n")
-    [text] = read_texts(path, chat_renderer(tok))
-    served = tok.decode(encode_prompt(tok, messages=messages, template={"add_generation_prompt": False}))
+    text, served = _calibration_and_served(tok, tmp_path, messages)
     assert "first part\nsecond part" in text
     assert text == served
 
@@ -93,16 +99,11 @@ def test_a_calibration_chat_reaches_a_template_that_loops_over_parts_as_parts(to
     """Calibration chats reached every template as strings: one that only loops over a message's parts rendered no
     words at all (a calibration set of role names), and Gemma 3's got the parts joined, not its own rendering of
     them. They now get the content format infer run and the server give them (vLLM's, found in the template)."""
-    from infer.engine.inputs import encode_prompt
-    from infer.quant.calibration import chat_renderer, read_texts
     monkeypatch.setattr(tok, "chat_template", template)
     messages = [{"role": "user", "content": [{"type": "text", "text": "first part"},
                                              {"type": "text", "text": "second part"}]},
                 {"role": "assistant", "content": "a plain string"}]
-    path = tmp_path / "chats.jsonl"
-    path.write_text(json.dumps({"messages": messages}) + "\n")
-    [text] = read_texts(path, chat_renderer(tok))
-    served = tok.decode(encode_prompt(tok, messages=messages, template={"add_generation_prompt": False}))
+    text, served = _calibration_and_served(tok, tmp_path, messages)
     assert "a plain string" in text and "second part" in text
     assert text == served
 
