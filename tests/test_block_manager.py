@@ -11,6 +11,15 @@ def _seq(i, tokens):
     return Sequence(str(i), list(tokens), SamplingParams(max_new_tokens=1000))
 
 
+def _computed(bm: BlockManager, i, tokens) -> Sequence:
+    """A sequence of `tokens` allocated in bm, all of them computed: its full blocks registered in the prefix cache."""
+    s = _seq(i, tokens)
+    bm.allocate(s)
+    s.num_computed_tokens = len(s)
+    bm.register_computed(s)
+    return s
+
+
 def _check(bm: BlockManager, live: list[Sequence]) -> None:
     refs = [0] * bm.num_blocks
     for s in live:
@@ -75,10 +84,7 @@ def test_random_operations_keep_invariants(ops, block_size, num_blocks, caching)
 
 def test_prefix_blocks_are_shared_and_confirmed_by_ids():
     bm = BlockManager(16, 4)
-    a = _seq("a", range(10))
-    bm.allocate(a)
-    a.num_computed_tokens = 10
-    bm.register_computed(a)
+    a = _computed(bm, "a", range(10))
     b = _seq("b", list(range(8)) + [99, 98, 97])
     bm.allocate(b)
     assert b.num_cached_tokens == 8 and b.block_table[:2] == a.block_table[:2]
@@ -99,10 +105,7 @@ def test_prefix_blocks_are_shared_and_confirmed_by_ids():
 
 def test_whole_prompt_cached_still_computes_last_token():
     bm = BlockManager(16, 4)
-    a = _seq("a", range(8))
-    bm.allocate(a)
-    a.num_computed_tokens = 8
-    bm.register_computed(a)
+    a = _computed(bm, "a", range(8))
     b = _seq("b", range(8))
     bm.allocate(b)
     assert b.num_cached_tokens == 4 and b.num_computed_tokens == 4
@@ -110,10 +113,7 @@ def test_whole_prompt_cached_still_computes_last_token():
 
 def test_eviction_reuses_least_recently_freed_first():
     bm = BlockManager(4, 2)
-    a = _seq("a", range(4))
-    bm.allocate(a)
-    a.num_computed_tokens = 4
-    bm.register_computed(a)
+    a = _computed(bm, "a", range(4))
     bm.free_seq(a)
     assert len(bm.hash_to_block) == 2
     big = _seq("big", [7] * 7)  # needs all 4 blocks: the cached ones are evicted
@@ -124,11 +124,7 @@ def test_eviction_reuses_least_recently_freed_first():
 
 def test_reset_prefix_cache_forgets_free_blocks_only():
     bm = BlockManager(16, 4)
-    a, b = _seq("a", range(9)), _seq("b", range(100, 109))
-    for s in (a, b):
-        bm.allocate(s)
-        s.num_computed_tokens = 9
-        bm.register_computed(s)
+    a, b = _computed(bm, "a", range(9)), _computed(bm, "b", range(100, 109))
     bm.free_seq(a)
     bm.reset_prefix_cache()
     assert bm.prefix_cache_hit_rate() == 0.0
@@ -143,10 +139,7 @@ def test_uncached_blocks_are_reused_first_cached_ones_last():
     """A freed block without a prefix hash (caching off, or a partial block) goes to the front of the free list:
     its memory is warm and its contents worthless; a cached block goes to the back and survives longest."""
     bm = BlockManager(10, 4, enable_prefix_caching=True)
-    a = _seq(0, range(10))  # blocks: 2 full (cached once computed) + 1 partial
-    bm.allocate(a)
-    a.num_computed_tokens = 10
-    bm.register_computed(a)
+    a = _computed(bm, 0, range(10))  # blocks: 2 full (cached) + 1 partial
     table = list(a.block_table)
     bm.free_seq(a)
     b = _seq(1, [99, 98])  # different tokens: no prefix hit
