@@ -300,6 +300,20 @@ def streamed_chat_choices(base: str, body: dict) -> list[dict]:
         return [json.loads(line[6:])["choices"][0] for line in s.iter_lines() if line.startswith("data: {")]
 
 
+def infer_run_records(tmp_path, lines: list[dict]) -> tuple[dict, str]:
+    """`infer run tiny-llama -q` on a jsonl file of `lines` (in tmp_path): its output records by id, and what it
+    printed."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from infer.cli.main import app
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    res = CliRunner().invoke(app, ["run", "tiny-llama", str(src), "-o", str(out), "-q"])
+    return {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}, res.output
+
+
 def forced_chat_body(messages: list[dict], reply: str, max_tokens: int, **extra) -> dict:
     """A greedy /v1/chat/completions body whose reply is forced with a regex, as if the model had written `reply`
     (xgrammar writes a tag as its own token)."""

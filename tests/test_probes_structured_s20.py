@@ -7,20 +7,17 @@ message)."""
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
 
 pytest.importorskip("xgrammar")
 
-from typer.testing import CliRunner  # noqa: E402
-
 from infer import LLM, SamplingParams, StructuredOutputsParams as S  # noqa: E402
 from infer.errors import RequestError  # noqa: E402
 from infer.models.tiny import ensure_builtin  # noqa: E402
 
-from helpers import served_tiny_llama  # noqa: E402
+from helpers import infer_run_records, served_tiny_llama  # noqa: E402
 
 EOS = 2
 NEVER_ENDS = 'root ::= a\na ::= a "x"'  # compiles in xgrammar, matches no text
@@ -53,16 +50,12 @@ def test_a_prefix_that_ends_the_constraint_is_refused_and_the_others_run(llm):
 
 
 def test_an_infer_run_line_with_such_a_prefix_fails_alone(tmp_path):
-    from infer.cli.main import app
     lines = [{"id": "bad", "prompt": "hi", "max_new_tokens": 4, "prefix_token_ids": [EOS],
               "structured_outputs": {"regex": "a*"}},
              {"id": "ok", "prompt": "hi", "max_new_tokens": 4, "structured_outputs": {"choice": ["yes", "no"]}},
              {"id": "plain", "prompt": "hi", "max_new_tokens": 3}]
-    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    res = CliRunner().invoke(app, ["run", "tiny-llama", str(src), "-o", str(out), "-q"])
-    recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert set(recs) == {"bad", "ok", "plain"}, res.output
+    recs, output = infer_run_records(tmp_path, lines)
+    assert set(recs) == {"bad", "ok", "plain"}, output
     assert "ends structured_outputs.regex" in recs["bad"]["error"]
     assert recs["ok"]["error"] is None and recs["ok"]["text"] in ("yes", "no")
     assert recs["plain"]["error"] is None and recs["plain"]["finish_reason"] == "length"
@@ -104,16 +97,12 @@ def test_json_false_is_a_schema_xgrammar_refuses(llm):
 
 
 def test_a_batch_lines_bad_guided_field_is_named(tmp_path):
-    from infer.cli.main import app
     lines = [{"custom_id": "c", "body": {"prompt": "hi", "max_tokens": 4, "guided_choice": "yes"}},
              {"custom_id": "j", "body": {"prompt": "hi", "max_tokens": 4, "guided_json": 0}},
              {"custom_id": "ok", "body": {"prompt": "hi", "max_tokens": 4, "temperature": 0,
                                           "guided_choice": ["yes", "no"]}}]
-    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    res = CliRunner().invoke(app, ["run", "tiny-llama", str(src), "-o", str(out), "-q"])
-    recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert set(recs) == {"c", "j", "ok"}, res.output
+    recs, output = infer_run_records(tmp_path, lines)
+    assert set(recs) == {"c", "j", "ok"}, output
     assert "body.guided_choice: structured_outputs.choice must be a non-empty list" in recs["c"]["error"]
     assert "body.guided_json: structured_outputs.json must be a JSON schema" in recs["j"]["error"]
     assert recs["ok"]["error"] is None and recs["ok"]["text"] in ("yes", "no")

@@ -16,13 +16,11 @@ import torch
 
 xgr = pytest.importorskip("xgrammar")
 
-from typer.testing import CliRunner  # noqa: E402
-
 from infer import LLM, SamplingParams, StructuredOutputsParams as S  # noqa: E402
 from infer.engine.structured import apply_bitmask, choice_grammar  # noqa: E402
 from infer.errors import RequestError  # noqa: E402
 
-from helpers import hf_greedy, hf_model, served_tiny_llama  # noqa: E402
+from helpers import hf_greedy, hf_model, infer_run_records, served_tiny_llama  # noqa: E402
 from helpers import closing_llm as llm, tiny_llama_str as path  # noqa: E402, F401 (fixtures)
 
 SCHEMA = {"type": "object", "properties": {"a": {"enum": ["x", "yy"]}, "b": {"type": "boolean"},
@@ -239,7 +237,6 @@ def test_without_xgrammar_the_error_says_what_to_install(path, monkeypatch):
 
 
 def test_infer_run_lines_native_and_openai_batch(tmp_path):
-    from infer.cli.main import app
     lines = [
         {"id": "j", "prompt": "hi", "max_new_tokens": 30,
          "structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
@@ -251,11 +248,8 @@ def test_infer_run_lines_native_and_openai_batch(tmp_path):
                                      "guided_choice": ["yes", "no"]}},
         {"id": "plain", "prompt": "hi", "max_new_tokens": 3},
     ]
-    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    res = CliRunner().invoke(app, ["run", "tiny-llama", str(src), "-o", str(out), "-q"])
-    recs = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert set(recs) == {"j", "bad", "rf", "gc", "plain"}, res.output
+    recs, output = infer_run_records(tmp_path, lines)
+    assert set(recs) == {"j", "bad", "rf", "gc", "plain"}, output
     assert "the structured output's regex does not compile" in recs["bad"]["error"]
     for key in ("j", "rf", "gc", "plain"):
         assert recs[key]["error"] is None
