@@ -494,7 +494,7 @@ def drive_requests(llm, requests, on_output, arrive_every: int = 0) -> None:
 @contextlib.contextmanager
 def served_in_sleep_mode(path):
     """The engine of `path` (max_model_len 64, up to 2 sequences, blocks of 4) with sleep mode on, served in a thread
-    as "tiny": its base URL. Skips without fastapi."""
+    as "tiny": (its base URL, the LLMEngine). Skips without fastapi."""
     pytest.importorskip("fastapi")
     from infer.engine.config import EngineConfig
     from infer.engine.llm_engine import LLMEngine
@@ -502,7 +502,7 @@ def served_in_sleep_mode(path):
     from infer.serve.async_engine import AsyncEngine
     engine = LLMEngine(EngineConfig(path, block_size=4, max_model_len=64, max_num_seqs=2, enable_sleep_mode=True))
     with serve_in_thread(Server(AsyncEngine(engine), "tiny")) as url:
-        yield url
+        yield url, engine
 
 
 def run_in_sleep_mode_async_llm(path, main) -> None:

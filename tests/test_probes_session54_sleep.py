@@ -211,7 +211,7 @@ def test_the_server_has_vllms_sleep_routes(path):
     /collective_rpc, as vLLM's; a completion while asleep is a 503 engine_sleeping; a bad level a 400."""
     httpx = pytest.importorskip("httpx")
     body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-    with served_in_sleep_mode(path) as url:
+    with served_in_sleep_mode(path) as (url, _):
         want = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
         assert httpx.get(f"{url}/is_sleeping", timeout=60).json() == {"is_sleeping": False}
         assert httpx.post(f"{url}/sleep?level=3", timeout=60).status_code == 400

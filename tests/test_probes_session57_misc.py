@@ -199,7 +199,7 @@ def test_the_server_takes_vllms_mode_parameter(path):
     mode is a 400 naming the parameter."""
     httpx = pytest.importorskip("httpx")
     body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
-    with served_in_sleep_mode(path) as url:
+    with served_in_sleep_mode(path) as (url, engine):
         want = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
         r = httpx.post(f"{url}/sleep?level=1&mode=later", timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "mode"
