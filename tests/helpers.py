@@ -205,7 +205,7 @@ def serve_process(*args: str, env: dict | None = None):
     try:
         started = None
         for line in proc.stderr:  # bounded: the process exits (and the loop ends) if it fails to start
-            started = re.search(r"on (http://127\.0\.0\.1:\d+)  adapters: (.*)$", line)
+            started = re.search(r"on (http://127\.0\.0\.1:\d+)  adapters: (.*?)(?:  (?:sleep mode|pause): .*)?$", line)
             if started:
                 break
         assert started, "the server did not start"

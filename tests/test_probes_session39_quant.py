@@ -111,11 +111,9 @@ def test_convert_of_a_gptq_checkpoint_reads_only_its_model_file(tmp_path):
     from typer.testing import CliRunner
 
     from infer.cli.main import app
-    from infer.models.resolve import resolve_model
+    from test_probes_gptq_s19 import rtn_checkpoint
     src = tmp_path / "gptq"
-    shutil.copytree(resolve_model("tiny-llama"), src)
-    cfg = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "gptq", "bits": 4}}))
+    rtn_checkpoint(src)  # (a GPTQ checkpoint infer run loads: convert checks it so before copying it)
     save_file({"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)}, src / "adapter_model.safetensors")
     out = tmp_path / "out"
     r = CliRunner().invoke(app, ["convert", str(src), "-o", str(out)])
