@@ -105,7 +105,7 @@ def test_prefix_blocks_are_shared_and_confirmed_by_ids():
 
 def test_whole_prompt_cached_still_computes_last_token():
     bm = BlockManager(16, 4)
-    a = _computed(bm, "a", range(8))
+    _computed(bm, "a", range(8))
     b = _seq("b", range(8))
     bm.allocate(b)
     assert b.num_cached_tokens == 4 and b.num_computed_tokens == 4
@@ -124,7 +124,8 @@ def test_eviction_reuses_least_recently_freed_first():
 
 def test_reset_prefix_cache_forgets_free_blocks_only():
     bm = BlockManager(16, 4)
-    a, b = _computed(bm, "a", range(9)), _computed(bm, "b", range(100, 109))
+    a = _computed(bm, "a", range(9))
+    _computed(bm, "b", range(100, 109))
     bm.free_seq(a)
     bm.reset_prefix_cache()
     assert bm.prefix_cache_hit_rate() == 0.0

@@ -68,5 +68,5 @@ def test_a_plain_line_with_openai_max_tokens_says_its_name_here_and_the_summary_
     assert "this format calls max_completion_tokens 'max_new_tokens'" in recs["c"]["error"]
     assert "'tempreature'" in recs["c"]["error"]
     assert "1 ok, 2 failed" in res.stderr
-    assert f"first error (id b): line 2: unknown field(s) ['max_tokens']" in res.stderr
+    assert "first error (id b): line 2: unknown field(s) ['max_tokens']" in res.stderr
     assert str(out) in res.stderr.splitlines()[-1]
