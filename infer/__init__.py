@@ -14,7 +14,7 @@ _ERRORS = ("InferError", "ConfigError", "ModelLoadError", "UnsupportedModelError
            "LoRAError", "LoRANameError", "OutOfMemoryError", "ClosedError", "UnknownOptionError", "RequestIdTypeError",
            "UnknownAdapterError", "UnknownModelError", "SleepModeError", "SleepTimeoutError",
            "PauseError", "PauseTimeoutError")
-__all__ = ["LLM", "AsyncLLM", "BeamSearchParams", "LoRARequest", "SamplingParams", "RequestOutputKind",
+__all__ = ["LLM", "AsyncLLM", "BeamSearchParams", "LoRARequest", "SamplingParams", "PoolingParams", "RequestOutputKind",
            "StructuredOutputsParams",
            "EngineConfig", "EngineArgs", "AsyncEngineArgs", "AsyncLLMEngine", "RequestOutput", "CompletionOutput",
            "LLMEngine", *_ERRORS]
@@ -36,6 +36,9 @@ def __getattr__(name: str):
     if name == "LoRARequest":
         from .lora.request import LoRARequest
         return LoRARequest
+    if name == "PoolingParams":
+        from .engine.pooling import PoolingParams
+        return PoolingParams
     if name == "SamplingParams":
         from .engine.sampling_params import SamplingParams
         return SamplingParams

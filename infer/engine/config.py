@@ -20,6 +20,7 @@ from ..checks import parse_size
 from ..errors import ConfigError, read_utf8
 from ..lora.targets import parse_target_modules
 from ..memory.sizes import gib
+from .pooling import RUNNERS, parse_pooler_config
 from .speculative import parse_speculative_config
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -209,6 +210,13 @@ class EngineConfig:
                                                    "head, e.g. '{\"method\": \"eagle3\", \"model\": \"./head\", "
                                                    "\"num_speculative_tokens\": 3}' (default: off).",
                                              cli_type=str, metavar="JSON")
+    runner: str = option("auto", "auto | generate | pooling (vLLM's --runner): pooling serves embeddings (LLM.embed, "
+                                 "POST /v1/embeddings, infer run lines with url /v1/embeddings) and no text "
+                                 "generation; auto: generate.")
+    pooler_config: dict | None = option(None, "--runner pooling: how to pool, as JSON, e.g. '{\"pooling_type\": "
+                                              "\"MEAN\", \"normalize\": false}' (LAST, MEAN or CLS; default: the "
+                                              "model's sentence-transformers modules.json, else LAST, normalized).",
+                                        cli_type=str, metavar="JSON")
     num_kv_blocks: int | None = None  # API only; None: sized from the memory budget
     # API only: prepare and hand out step n's results while step n+1 runs on the device (None: on for CUDA, off on
     # CPU, where one processor does both and nothing can overlap)
@@ -311,6 +319,7 @@ class EngineConfig:
         self.lora_target_modules = parse_target_modules(self.lora_target_modules)
         self.chat_template = load_chat_template(self.chat_template)
         self.speculative_config = parse_speculative_config(self.speculative_config)
+        self.pooler_config = parse_pooler_config(self.pooler_config)
         for msg in self._problems():  # the CLI adds "see `infer <the command> --help`" to an error without a hint
             raise ConfigError(*msg) if isinstance(msg, tuple) else ConfigError(msg)  # msg: a message or (it, hint)
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -361,6 +370,7 @@ class EngineConfig:
         if not isinstance(self.scheduling_policy, str) or self.scheduling_policy not in SCHEDULING_POLICIES:
             yield (f"--scheduling-policy {self.scheduling_policy!r} is not one of {', '.join(SCHEDULING_POLICIES)}",
                    "fcfs: first come, first served; priority: requests' priority (lower first), then arrival")
+        yield from self._runner_problems()
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
             yield (f"--kv-cache-dtype {self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}",
                    "auto keeps K and V in the model's --dtype; fp8 (fp8_e4m3) and fp8_e5m2 store them in 1 byte")
@@ -372,6 +382,20 @@ class EngineConfig:
             yield f"--gpu-memory-utilization must be a number in (0, 1], got {util!r}"
         elif not 0 < util <= 1:
             yield f"--gpu-memory-utilization must be in (0, 1], got {util}"
+
+    def _runner_problems(self):
+        if not isinstance(self.runner, str) or self.runner not in RUNNERS:
+            yield (f"--runner {self.runner!r} is not one of {', '.join(RUNNERS)}",
+                   "generate: text generation; pooling: embeddings (POST /v1/embeddings, LLM.embed)")
+        elif self.runner != "pooling" and self.pooler_config is not None:
+            yield "--pooler-config is for --runner pooling", "add --runner pooling, or leave --pooler-config out"
+        elif self.runner == "pooling" and self.speculative_config is not None:
+            yield ("--speculative-config drafts generated tokens, which --runner pooling never makes",
+                   "leave --speculative-config out")
+
+    def pooling(self) -> bool:
+        """Whether the engine pools (embeddings) instead of generating."""
+        return self.runner == "pooling"
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -392,8 +416,8 @@ class EngineConfig:
         return KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
 
     def use_overlap(self) -> bool:
-        if self.speculative_config is not None:  # a speculative step is verified on the host before the next
-            return False
+        if self.speculative_config is not None or self.pooling():  # a speculative step is verified on the host
+            return False  # before the next; a pooling step samples nothing to overlap
         return self.torch_device().type == "cuda" if self.overlap is None else self.overlap
 
     def use_cuda_graphs(self) -> bool:

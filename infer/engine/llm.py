@@ -19,6 +19,7 @@ from .config import EngineConfig, load_chat_template
 from .inputs import chat_template_options, encode_prompt
 from .llm_engine import LLMEngine, LoRAHold, interrupts_held, salted_params, text_only
 from .outputs import CompletionOutput, RequestOutput, as_delta
+from .pooling import EMBED_ONLY, PoolingParams
 from .sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | list[dict] | dict  # text, token ids, chat messages, or vLLM's {"prompt": ...} dict
@@ -36,6 +37,8 @@ def _check_options(options: dict, what: str = "LLM()") -> dict:
             if not any(value is t or (type(value) is type(t) and value == t) for t in taken):
                 raise UnknownOptionError(f"{what} takes vLLM's {name} only as {' or '.join(map(repr, taken))} (which "
                                          f"changes nothing here), got {value!r}"[:300], hint)
+    if options.get("task") == "embed" or (options.get("convert") == "embed" and "runner" not in options):
+        options = {**options, "runner": "pooling"}  # vLLM's older task="embed": the pooling runner
     options = {k: v for k, v in options.items() if k not in _VLLM_NOOPS}
     known = [f.name for f in fields(EngineConfig) if f.name != "model"]
     unknown = sorted(set(options) - set(known))
@@ -88,8 +91,10 @@ _VLLM_NOOPS = {
                                        "the keyword"),
     "skip_tokenizer_init": ((False,), "infer always loads the model's tokenizer (prompts may still be token ids); "
                                       "drop the keyword"),
-    "task": (("auto", "generate"), "infer runs text generation (vLLM's generate) only; drop the keyword"),
-    "runner": (("auto", "generate"), "infer runs text generation (vLLM's generate) only; drop the keyword"),
+    "task": (("auto", "generate", "embed"), "infer runs text generation (vLLM's generate) and embeddings (task="
+                                            "\"embed\", now runner=\"pooling\") only; drop the keyword"),
+    "convert": (("auto", "none", "embed"), "infer converts a decoder to an embedding model only (convert=\"embed\", "
+                                           "with runner=\"pooling\"); drop the keyword"),
     "cpu_offload_gb": ((0, 0.0), "infer holds every weight on the device; run an int4 model (infer quantize) or a "
                                  "smaller one"),
     "hf_overrides": ((None,), "infer reads the model's config.json as it is; edit it in a copy of the folder"),
@@ -389,7 +394,7 @@ class LLM:
             if len(items) != n:
                 raise RequestError(f"{n} prompts but {len(items)} {what}", f"give one {what} per prompt, or one "
                                                                           "for all")
-        if not all(isinstance(sp, SamplingParams) for sp in params_list):
+        if not all(isinstance(sp, (SamplingParams, PoolingParams)) for sp in params_list):
             raise RequestError("params must be a SamplingParams or a list of them", "e.g. SamplingParams("
                                                                                      "max_new_tokens=32)")
         for i, lo in enumerate(loras):
@@ -501,6 +506,29 @@ class LLM:
         SamplingParams.n > 1 a prompt's output holds its n samples in `outputs` (as vLLM's). `priority` (vLLM's):
         one int per prompt, or one for all; lower runs first with LLM(..., scheduling_policy="priority")."""
         return self._samples(self._run(self._submit(prompts, params, lora, priority=priority)), params)
+
+    def embed(self, prompts: Prompt | Seq[Prompt], pooling_params: PoolingParams | list[PoolingParams] | None = None,
+              *, lora_request=None, lora: str | list[str | None] | None = None, use_tqdm=True,
+              truncate_prompt_tokens: int | None = None, priority: int | list[int] | None = None) -> list:
+        """vLLM's LLM.embed on an LLM(..., runner="pooling"): one EmbeddingRequestOutput per prompt, in order, its
+        vector in `.outputs.embedding`. `pooling_params` (one, or one per prompt): dimensions, normalize,
+        truncate_prompt_tokens; `lora_request` (vLLM's LoRARequest, or one per prompt) or `lora` (a registered
+        adapter's name) runs the prompts with that adapter."""
+        if self._engine().pooler is None:
+            raise RequestError(EMBED_ONLY.replace("/v1/embeddings", "LLM.embed").replace("server", "LLM"),
+                               'create it with LLM(MODEL, runner="pooling")')
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        if isinstance(params, tuple):
+            params = list(params)
+        if truncate_prompt_tokens is not None:  # vLLM's keyword: the prompts' params with it
+            params = [replace(p, truncate_prompt_tokens=truncate_prompt_tokens) if isinstance(p, PoolingParams)
+                      else p for p in (params if isinstance(params, list) else [params])]
+            params = params if isinstance(pooling_params, (list, tuple)) else params[0]
+        if lora_request is not None:
+            if lora is not None:
+                raise RequestError("embed() got both lora and lora_request", "give one")
+            lora = _LoRARequests(list(lora_request) if isinstance(lora_request, tuple) else lora_request)
+        return self._run(self._submit(prompts, params, lora, priority=_check_priority(priority, "embed")))
 
     @staticmethod
     def _sizes(params, count: int) -> list[int]:

@@ -26,6 +26,8 @@ from .detokenizer import Detokenizer
 from .inputs import _field_error, encode_prompt
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
+from .pooling import (EMBED_ONLY, EmbeddingOutput, EmbeddingRequestOutput, PoolingParams, finish_vector,
+                      resolve_pooler)
 from .sampler import NOT_FINITE
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
@@ -217,14 +219,18 @@ class LLMEngine:
         window, step = kv_window(config, self.model_config, self.max_model_len,
                                  draft_parts.model_config if draft_parts is not None else None)
         # a model of mixed layers: a block table per layer group, the sliding groups' blocks behind their window freed
+        # --runner pooling: embeddings; a prefix-cache hit skips tokens a MEAN or CLS pool needs (pooling.Pooler)
+        self.pooler = resolve_pooler(parts.path, self.model_config.hidden_size, config.pooler_config) \
+            if config.pooling() else None
+        caching = config.enable_prefix_caching and (self.pooler is None or self.pooler.caches_prefixes)
         groups = kv_groups(config, self.model_config, self.max_model_len,
                            draft_parts.model_config if draft_parts is not None else None)
         if groups is not None:
             from .hybrid_blocks import HybridBlockManager
-            self.block_manager = HybridBlockManager(parts.num_blocks, config.block_size, config.enable_prefix_caching,
+            self.block_manager = HybridBlockManager(parts.num_blocks, config.block_size, caching,
                                                     groups[1], step_tokens=groups[2])
         else:
-            self.block_manager = BlockManager(parts.num_blocks, config.block_size, config.enable_prefix_caching,
+            self.block_manager = BlockManager(parts.num_blocks, config.block_size, caching,
                                               window=window, step_tokens=step)
         self.block_manager.draft_reads = draft_parts is not None
         self.scheduler = Scheduler(config, self.block_manager, self.lora_manager)
@@ -340,6 +346,7 @@ class LLMEngine:
             if lora is not None:
                 raise RequestError("add_request got both lora and lora_request", "give one")
             lora = self._lora_of(lora_request)
+        pooling, params = self._pooling_params(params)
         if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
             raise _field_error("priority", f"priority must be an integer, got {priority!r}"[:200],
                                "lower values run first under scheduling_policy=\"priority\"")
@@ -386,6 +393,7 @@ class LLMEngine:
                        **({} if arrival_time is None else {"arrival_time": arrival_time}))
         seq.lora_name = name
         seq.lora_request = self.lora_request_of(name)
+        seq.pooling = pooling
         if params.min_tokens:
             seq.min_tokens_ban = self._min_tokens_ban(params)
         if params.structured_outputs is not None:  # compiled already by validate (xgrammar caches it)
@@ -402,6 +410,22 @@ class LLMEngine:
         seq.prompt = text  # RequestOutput.prompt, as vLLM's: the text when the prompt was text
         self.requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def _pooling_params(self, params) -> tuple[PoolingParams | None, SamplingParams | None]:
+        """(the request's PoolingParams, the SamplingParams it runs with: its prompt, nothing generated) on a pooling
+        engine; (None, params) on a generating one. Each refuses the other's params, as vLLM's runners do."""
+        if self.pooler is None:
+            if isinstance(params, PoolingParams):
+                raise RequestError(EMBED_ONLY, "start the engine with runner=\"pooling\" (--runner pooling)")
+            return None, params
+        if params is not None and not isinstance(params, PoolingParams):
+            raise RequestError("LLM.generate() is only supported for generative models: this engine runs the model "
+                               "as a pooling model (--runner pooling)",
+                               "use LLM.embed, or start the engine with --runner generate")
+        pooling = (params or PoolingParams()).checked()
+        pooling.check_dimensions(self.pooler, str(self.config.model))
+        return pooling, SamplingParams(max_new_tokens=1, truncate_prompt_tokens=pooling.truncate_prompt_tokens,
+                                       priority=pooling.priority)
 
     def bad_word_ids(self, words: list[str]) -> list[list[int]]:
         """vLLM's reading of bad_words: each word's tokens as it is written alone, and also after a space when that
@@ -513,7 +537,7 @@ class LLMEngine:
         if params.structured_outputs is not None:  # compiles it (a server validates on its own thread)
             self.grammars.matcher(params.structured_outputs, params.prefix_token_ids)
         cap = min(self.max_model_len, params.max_length or self.max_model_len)
-        if n >= cap:
+        if n >= cap + (getattr(self, "pooler", None) is not None):  # (a pooling request generates nothing)
             by_request = bool(params.max_length and params.max_length < self.max_model_len)
             which = "max_length" if by_request else "the model's context (--max-model-len)"
             hint = self._longer_hint(by_request)
@@ -775,6 +799,8 @@ class LLMEngine:
                 self.block_manager.drafts_written(batch.seqs)  # (the cached blocks whose draft KV it caught up)
             if self.speculative is not None:
                 results = self.runner.verify(batch)
+            elif self.pooler is not None:
+                pooled = self.runner.pool(batch, self.pooler)
             elif not self.overlap:
                 sampled = self.runner.run(batch)
         except BaseException:  # (Ctrl-C while the draft's tokens are read back) the step never completed: its blocks
@@ -790,6 +816,11 @@ class LLMEngine:
             self.last_step_tokens -= sum(len(batch.seqs[i].draft_token_ids) - r[2] for i, r in results.items())
             with interrupts_held():
                 outputs += self._complete_speculative(batch, results)
+            return
+        if self.pooler is not None:
+            with interrupts_held():
+                self._launched(batch, [])
+                outputs += self._complete_pooled(batch, pooled)
             return
         if not self.overlap:
             with interrupts_held():
@@ -885,6 +916,29 @@ class LLMEngine:
                     # it ends with the error; raised, the rest of the batch kept its tokens pending, and every
                     # later step raised "a pending token without the step that made it"
                     outputs.append(self._failed_token(seq, e))
+        return outputs
+
+    def _complete_pooled(self, batch: ScheduledBatch, pooled: dict) -> list:
+        """A pooling step's results: each sequence whose prompt is complete ends with its vector (a non-finite one
+        with an error, as a generation's non-finite logits)."""
+        outputs = []
+        for i, seq in enumerate(batch.seqs):
+            if seq.finished:
+                continue
+            self.block_manager.register_computed(seq)
+            if i not in pooled:
+                continue
+            vec = finish_vector(pooled[i], self.pooler, seq.pooling)
+            if not bool(torch.isfinite(vec).all()):
+                seq.error = ("the model's hidden states for this request were not finite (NaN or inf): the model "
+                             "overflowed on it (run it in bfloat16 or float32 with --dtype)")
+                self.scheduler.finish(seq, "error")
+                outputs.append(self._output(seq, []))
+            else:
+                self.scheduler.finish(seq, "stop")
+                outputs.append(EmbeddingRequestOutput(seq.request_id, EmbeddingOutput(vec), seq.prompt_token_ids,
+                                                      seq.lora_name, seq.lora_request, seq.num_cached_tokens))
+            self._forget(seq)
         return outputs
 
     def _propose(self) -> None:

@@ -1,0 +1,223 @@
+"""Embeddings from a decoder model (vLLM's pooling runner: `--runner pooling`, LLM.embed, POST /v1/embeddings).
+
+A pooling request runs its prompt through the model (prefill only) and ends with one vector: the final hidden
+states (after the model's final norm, as transformers' AutoModel last_hidden_state) pooled over the prompt, LAST
+(the last token's), MEAN (the mean of every token's) or CLS (the first token's), then cut to the request's
+`dimensions` (a matryoshka model only) and L2-normalized when the pooler normalizes. How a model pools is vLLM's
+rule: --pooler-config where given, else the sentence-transformers files beside the weights (`modules.json`, its
+Pooling module's `config.json`, a Normalize module), else LAST and normalized (vLLM's default for a decoder).
+
+Chunked prefill: a MEAN pool sums each chunk's rows on the device as the chunk runs. A prefix-cache hit skips the
+hit's tokens, which MEAN and CLS need: the engine keeps prefix caching for LAST pooling only (as vLLM does).
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError, RequestError
+
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+RUNNERS = ("auto", "generate", "pooling")
+# sentence-transformers' Pooling config keys -> vLLM's pooling types (the others: max, mean_sqrt_len, weightedmean)
+_ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
+_ST_POOLING = "sentence_transformers.models.Pooling"
+_ST_NORMALIZE = "sentence_transformers.models.Normalize"
+GENERATE_ONLY = ("this server runs the model as a pooling model (--runner pooling): it answers /v1/embeddings, "
+                 "not text generation")
+EMBED_ONLY = "this model is served for text generation: /v1/embeddings needs the server started with --runner pooling"
+
+
+def parse_pooler_config(value) -> dict | None:
+    """--pooler-config (JSON text or a dict): {"pooling_type": LAST | MEAN | CLS, "normalize": bool}, either key."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--pooler-config is not JSON: {e}",
+                              '--pooler-config \'{"pooling_type": "MEAN", "normalize": true}\'') from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--pooler-config must be a JSON object, got {type(value).__name__}",
+                          '--pooler-config \'{"pooling_type": "LAST"}\'')
+    other = sorted(set(value) - {"pooling_type", "normalize"}, key=str)
+    if other:
+        raise ConfigError(f"--pooler-config has {', '.join(map(repr, other))}, which infer does not take",
+                          "give pooling_type (LAST, MEAN or CLS) and/or normalize (true or false)")
+    out = dict(value)
+    if "pooling_type" in out:
+        kind = out["pooling_type"]
+        if not isinstance(kind, str) or kind.upper() not in POOLING_TYPES:
+            raise ConfigError(f"--pooler-config pooling_type {kind!r} is not one of {', '.join(POOLING_TYPES)}",
+                              "LAST: the last token's state; MEAN: the mean over the prompt; CLS: the first token's")
+        out["pooling_type"] = kind.upper()
+    if "normalize" in out and not isinstance(out["normalize"], bool):
+        raise ConfigError(f"--pooler-config normalize must be true or false, got {out['normalize']!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class Pooler:
+    """How a pooling engine's model pools: its type, whether it normalizes, its matryoshka dimensions (None: not a
+    matryoshka model; [] any dimensions up to hidden_size)."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+    hidden_size: int = 0
+    matryoshka: list[int] | None = None
+
+    @property
+    def caches_prefixes(self) -> bool:
+        """A prefix-cache hit skips tokens: only the last token's state is sure to be computed."""
+        return self.pooling_type == "LAST"
+
+
+def _json(path: Path) -> dict | list | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read {path}: {e}", "fix or remove the file") from None
+
+
+def sentence_transformers_pooling(folder: Path) -> dict:
+    """{"pooling_type", "normalize"} from a sentence-transformers model's modules.json (empty without one)."""
+    modules = _json(folder / "modules.json")
+    if not isinstance(modules, list):
+        return {}
+    out = {"normalize": any(isinstance(m, dict) and m.get("type") == _ST_NORMALIZE for m in modules)}
+    pool = next((m for m in modules if isinstance(m, dict) and m.get("type") == _ST_POOLING), None)
+    cfg = _json(folder / str(pool.get("path", "")) / "config.json") if pool is not None else None
+    if isinstance(cfg, dict):
+        modes = [kind for key, kind in _ST_MODES.items() if cfg.get(key)]
+        unknown = sorted(k for k, v in cfg.items() if k.startswith("pooling_mode_") and v and k not in _ST_MODES)
+        if unknown or len(modes) > 1:
+            raise ConfigError(f"{folder / pool['path'] / 'config.json'} asks for pooling "
+                              f"{', '.join(unknown) or ' and '.join(modes)}, which infer does not run",
+                              "give one of LAST, MEAN or CLS with --pooler-config '{\"pooling_type\": \"MEAN\"}'")
+        if modes:
+            out["pooling_type"] = modes[0]
+    return out
+
+
+def resolve_pooler(folder: Path, hidden_size: int, override: dict | None) -> Pooler:
+    """The model's Pooler: --pooler-config's keys, else the sentence-transformers files', else LAST, normalized."""
+    spec = {"pooling_type": "LAST", "normalize": True}
+    spec.update(sentence_transformers_pooling(Path(folder)))
+    spec.update(override or {})
+    cfg = _json(Path(folder) / "config.json") or {}
+    dims = cfg.get("matryoshka_dimensions") if isinstance(cfg, dict) else None
+    matryoshka = list(dims) if isinstance(dims, list) else ([] if isinstance(cfg, dict) and cfg.get("is_matryoshka")
+                                                            else None)
+    return Pooler(spec["pooling_type"], spec["normalize"], hidden_size, matryoshka)
+
+
+@dataclass
+class PoolingParams:
+    """vLLM's PoolingParams for an embedding: `dimensions` (a matryoshka model's shorter vector), `normalize` (None:
+    the model's pooler decides), `truncate_prompt_tokens` (keep the prompt's last tokens; -1: the context's worth)."""
+
+    dimensions: int | None = None
+    normalize: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+    n: int = field(default=1, init=False, repr=False)  # (one vector a request: LLM fans nothing out)
+
+    def checked(self) -> "PoolingParams":
+        if self.dimensions is not None and (isinstance(self.dimensions, bool)
+                                            or not isinstance(self.dimensions, numbers.Integral)):
+            raise RequestError(f"dimensions must be an integer, got {self.dimensions!r}")
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise RequestError(f"normalize must be true, false or None, got {self.normalize!r}")
+        t = self.truncate_prompt_tokens
+        if t is not None and (isinstance(t, bool) or not isinstance(t, numbers.Integral) or (t < 1 and t != -1)):
+            raise RequestError(f"truncate_prompt_tokens must be a positive integer or -1, got {t!r}")
+        return self
+
+    def check_dimensions(self, pooler: Pooler, model: str) -> None:
+        """vLLM's rule: `dimensions` only for a matryoshka model, within its dimensions."""
+        d = self.dimensions
+        if d is None:
+            return
+        if pooler.matryoshka is None:
+            raise RequestError(f"model {model!r} does not support matryoshka representation, changing output "
+                               "dimensions will lead to poor results", "leave dimensions out")
+        if d < 1 or d > pooler.hidden_size:
+            raise RequestError(f"dimensions must be in 1..{pooler.hidden_size}, got {d}", "leave dimensions out")
+        if pooler.matryoshka and d not in pooler.matryoshka:
+            raise RequestError(f"model {model!r} only supports {pooler.matryoshka} matryoshka dimensions, got {d}",
+                               f"give one of {pooler.matryoshka}")
+
+
+class EmbeddingOutput:
+    """vLLM's EmbeddingOutput: the vector as a list of floats (`data`: the float32 tensor)."""
+
+    def __init__(self, data: torch.Tensor):
+        self.data = data
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data.tolist()
+
+    @property
+    def hidden_size(self) -> int:
+        return self.data.shape[-1]
+
+
+class EmbeddingRequestOutput:
+    """vLLM's EmbeddingRequestOutput (a finished pooling request): `.outputs.embedding`, `.prompt_token_ids`."""
+
+    finished = True
+    finish_reason = "stop"
+    error = None
+    bad_request = False
+    prompt: str | None = None
+
+    def __init__(self, request_id: str, outputs: EmbeddingOutput, prompt_token_ids: list[int], lora: str | None,
+                 lora_request=None, num_cached_tokens: int = 0):
+        self.request_id, self.outputs, self.prompt_token_ids = request_id, outputs, prompt_token_ids
+        self.lora, self.lora_request, self.num_cached_tokens = lora, lora_request, num_cached_tokens
+
+    def __repr__(self) -> str:
+        return (f"EmbeddingRequestOutput(request_id={self.request_id!r}, hidden_size={self.outputs.hidden_size}, "
+                f"prompt_tokens={len(self.prompt_token_ids)})")
+
+
+def pool_rows(hidden: torch.Tensor, seqs: list, num_new: list[int], order: list[int], pooler: Pooler) -> dict:
+    """{index in the batch: the pooled float32 vector} for the sequences whose prompt this step completes; `hidden`
+    holds the step's rows in `order` (ModelRunner.prepare's). MEAN sums each chunk into seq.pool_sum; CLS keeps the
+    first position's row (a chunk that starts the prompt again, after a preemption, starts them over)."""
+    out, at = {}, 0
+    for i in order:
+        seq, n = seqs[i], num_new[i]
+        rows, start = hidden[at:at + n], seq.num_computed_tokens
+        at += n
+        if pooler.pooling_type == "MEAN":
+            part = rows.float().sum(0)
+            seq.pool_sum = part if start == 0 or getattr(seq, "pool_sum", None) is None else seq.pool_sum + part
+        elif pooler.pooling_type == "CLS" and start == 0:
+            seq.pool_sum = rows[0].float()
+        if start + n < len(seq.prompt_token_ids):
+            continue
+        if pooler.pooling_type == "LAST":
+            out[i] = rows[-1].float()
+        elif pooler.pooling_type == "MEAN":
+            out[i] = seq.pool_sum / len(seq.prompt_token_ids)
+        else:
+            out[i] = seq.pool_sum
+        seq.pool_sum = None
+    return out
+
+
+def finish_vector(vec: torch.Tensor, pooler: Pooler, params: PoolingParams) -> torch.Tensor:
+    """The request's vector: cut to its dimensions, then L2-normalized (as vLLM's embedding head), on the host."""
+    if params.dimensions is not None:
+        vec = vec[:params.dimensions]
+    if pooler.normalize if params.normalize is None else params.normalize:
+        vec = torch.nn.functional.normalize(vec, p=2, dim=-1)
+    return vec.cpu()
